@@ -1,0 +1,125 @@
+//! CUDA storage and device handles (feature `cuda`). cudarc loads the driver at run time, so this
+//! compiles on machines without CUDA; opening a device there returns an error naming the library.
+
+use crate::{CpuStorage, DType, Error, Result, WithDType};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use float8::{F8E4M3, F8E5M2};
+use half::{bf16, f16};
+use std::sync::Arc;
+
+/// One GPU: its context, a compute stream and a communication stream.
+#[derive(Clone)]
+pub struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    compute: Arc<CudaStream>,
+    comm: Arc<CudaStream>,
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaDevice({})", self.ctx.ordinal())
+    }
+}
+
+fn driver_err(e: impl std::fmt::Debug) -> Error {
+    Error::Cuda(format!("{e:?}"))
+}
+
+impl CudaDevice {
+    pub fn new(ordinal: usize) -> Result<Self> {
+        // cudarc panics when libcuda cannot be loaded; check first so the user gets an error instead.
+        // SAFETY: only probes for the shared library.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(Error::Cuda(
+                "the CUDA driver library (libcuda.so) was not found: install the NVIDIA driver or add \
+                 its folder to LD_LIBRARY_PATH"
+                    .into(),
+            ));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(driver_err)?;
+        let compute = ctx.new_stream().map_err(driver_err)?;
+        let comm = ctx.new_stream().map_err(driver_err)?;
+        Ok(CudaDevice { ctx, compute, comm })
+    }
+
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+    /// The stream every kernel of this rank runs on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.compute
+    }
+    /// The stream collectives run on, so they overlap with compute.
+    pub fn comm_stream(&self) -> &Arc<CudaStream> {
+        &self.comm
+    }
+
+    pub fn synchronize(&self) -> Result<()> {
+        self.compute.synchronize().map_err(driver_err)
+    }
+}
+
+/// Device memory, one variant per dtype like `CpuStorage`.
+#[derive(Debug)]
+pub enum CudaStorage {
+    F32(CudaSlice<f32>),
+    BF16(CudaSlice<bf16>),
+    F16(CudaSlice<f16>),
+    F8E4M3(CudaSlice<F8E4M3>),
+    F8E5M2(CudaSlice<F8E5M2>),
+    U32(CudaSlice<u32>),
+}
+
+impl CudaStorage {
+    pub fn dtype(&self) -> DType {
+        match self {
+            CudaStorage::F32(_) => DType::F32,
+            CudaStorage::BF16(_) => DType::BF16,
+            CudaStorage::F16(_) => DType::F16,
+            CudaStorage::F8E4M3(_) => DType::F8E4M3,
+            CudaStorage::F8E5M2(_) => DType::F8E5M2,
+            CudaStorage::U32(_) => DType::U32,
+        }
+    }
+
+    pub fn zeros(dev: &CudaDevice, dtype: DType, n: usize) -> Result<Self> {
+        let s = dev.stream();
+        Ok(match dtype {
+            DType::F32 => CudaStorage::F32(s.alloc_zeros(n).map_err(driver_err)?),
+            DType::BF16 => CudaStorage::BF16(s.alloc_zeros(n).map_err(driver_err)?),
+            DType::F16 => CudaStorage::F16(s.alloc_zeros(n).map_err(driver_err)?),
+            DType::F8E4M3 => CudaStorage::F8E4M3(s.alloc_zeros(n).map_err(driver_err)?),
+            DType::F8E5M2 => CudaStorage::F8E5M2(s.alloc_zeros(n).map_err(driver_err)?),
+            DType::U32 => CudaStorage::U32(s.alloc_zeros(n).map_err(driver_err)?),
+        })
+    }
+
+    pub fn from_cpu(dev: &CudaDevice, src: &CpuStorage) -> Result<Self> {
+        let s = dev.stream();
+        Ok(match src {
+            CpuStorage::F32(v) => CudaStorage::F32(s.clone_htod(v).map_err(driver_err)?),
+            CpuStorage::BF16(v) => CudaStorage::BF16(s.clone_htod(v).map_err(driver_err)?),
+            CpuStorage::F16(v) => CudaStorage::F16(s.clone_htod(v).map_err(driver_err)?),
+            CpuStorage::F8E4M3(v) => CudaStorage::F8E4M3(s.clone_htod(v).map_err(driver_err)?),
+            CpuStorage::F8E5M2(v) => CudaStorage::F8E5M2(s.clone_htod(v).map_err(driver_err)?),
+            CpuStorage::U32(v) => CudaStorage::U32(s.clone_htod(v).map_err(driver_err)?),
+        })
+    }
+
+    pub fn to_cpu(&self, dev: &CudaDevice) -> Result<CpuStorage> {
+        fn get<T: WithDType + cudarc::driver::DeviceRepr>(dev: &CudaDevice, v: &CudaSlice<T>) -> Result<Vec<T>> {
+            dev.stream().clone_dtoh(v).map_err(driver_err)
+        }
+        Ok(match self {
+            CudaStorage::F32(v) => CpuStorage::F32(get(dev, v)?),
+            CudaStorage::BF16(v) => CpuStorage::BF16(get(dev, v)?),
+            CudaStorage::F16(v) => CpuStorage::F16(get(dev, v)?),
+            CudaStorage::F8E4M3(v) => CpuStorage::F8E4M3(get(dev, v)?),
+            CudaStorage::F8E5M2(v) => CpuStorage::F8E5M2(get(dev, v)?),
+            CudaStorage::U32(v) => CpuStorage::U32(get(dev, v)?),
+        })
+    }
+}

@@ -1,0 +1,90 @@
+//! Where tensors live and ops run.
+
+use crate::{Error, Result};
+
+/// A compute device. CUDA devices carry their context and streams, so ops need no extra handle.
+#[derive(Clone, Debug, Default)]
+pub enum Device {
+    #[default]
+    Cpu,
+    #[cfg(feature = "cuda")]
+    Cuda(crate::cuda::CudaDevice),
+}
+
+impl Device {
+    /// Parses `cpu`, `cuda` (ordinal 0) or `cuda:N`, opening the CUDA device when asked for one.
+    pub fn parse(spec: &str) -> Result<Device> {
+        match spec.trim() {
+            "cpu" => Ok(Device::Cpu),
+            s if s == "cuda" || s.starts_with("cuda:") => {
+                let ordinal = match s.strip_prefix("cuda:") {
+                    None => 0,
+                    Some(n) => n.parse::<usize>().map_err(|_| Error::InvalidArgument {
+                        op: "Device::parse",
+                        msg: format!("`{s}` is not a device; use cpu, cuda or cuda:N"),
+                    })?,
+                };
+                Device::cuda(ordinal)
+            }
+            s => Err(Error::InvalidArgument {
+                op: "Device::parse",
+                msg: format!("`{s}` is not a device; use cpu, cuda or cuda:N"),
+            }),
+        }
+    }
+
+    /// Opens CUDA device `ordinal`.
+    pub fn cuda(ordinal: usize) -> Result<Device> {
+        #[cfg(feature = "cuda")]
+        {
+            crate::cuda::CudaDevice::new(ordinal).map(Device::Cuda)
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            Err(Error::CudaNotBuilt { device: format!("cuda:{ordinal}") })
+        }
+    }
+
+    pub fn is_cpu(&self) -> bool {
+        matches!(self, Device::Cpu)
+    }
+
+    /// Same physical device (CPU, or the same CUDA ordinal).
+    pub fn same(&self, other: &Device) -> bool {
+        self.name() == other.name()
+    }
+
+    pub fn name(&self) -> String {
+        match self {
+            Device::Cpu => "cpu".into(),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(d) => format!("cuda:{}", d.ordinal()),
+        }
+    }
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.name())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_cpu_and_rejects_garbage() {
+        assert!(Device::parse("cpu").unwrap().is_cpu());
+        let e = Device::parse("tpu").unwrap_err().to_string();
+        assert!(e.contains("cpu, cuda or cuda:N"), "{e}");
+        assert!(Device::parse("cuda:x").is_err());
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn cuda_without_feature_names_the_feature() {
+        let e = Device::parse("cuda:1").unwrap_err().to_string();
+        assert!(e.contains("--features cuda"), "{e}");
+    }
+}

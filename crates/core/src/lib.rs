@@ -1,0 +1,29 @@
+//! ferrotron-core: the vocabulary every other Ferrotron crate speaks.
+//!
+//! Dtypes (f32, bf16, f16, fp8 e4m3/e5m2, u32 ids), shapes and strided layouts, a `Tensor` over CPU
+//! or CUDA storage, the `Device` it lives on, typed errors, and a counter-based Philox RNG whose
+//! output is a pure function of (seed, stream, offset) so that results never depend on thread count,
+//! rank count or call order.
+//!
+//! Why one small crate at the bottom: kernels, communication, parallel layers and models all pass
+//! tensors and errors across their boundaries, and none of them may depend on each other's internals.
+//! This crate knows nothing of ops beyond copies and casts; the math lives in ferrotron-kernels.
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
+mod device;
+mod dtype;
+mod error;
+pub mod rng;
+mod shape;
+mod storage;
+mod tensor;
+
+pub use device::Device;
+pub use dtype::{DType, WithDType};
+pub use error::{Error, Result, invalid, shape_mismatch};
+pub use float8::{F8E4M3, F8E5M2};
+pub use half::{bf16, f16};
+pub use shape::{Layout, Shape};
+pub use storage::{CpuStorage, Storage};
+pub use tensor::{F32Read, Tensor};

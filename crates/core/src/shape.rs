@@ -1,0 +1,208 @@
+//! Shapes, strides and the layout of a tensor inside its storage.
+
+use crate::{Error, Result};
+
+/// Dimensions of a tensor, outermost first (row-major).
+#[derive(Clone, PartialEq, Eq, Hash, Default)]
+pub struct Shape(Vec<usize>);
+
+impl Shape {
+    pub fn new(dims: impl Into<Vec<usize>>) -> Self {
+        Shape(dims.into())
+    }
+
+    pub fn dims(&self) -> &[usize] {
+        &self.0
+    }
+
+    pub fn rank(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn elem_count(&self) -> usize {
+        self.0.iter().product()
+    }
+
+    /// Size of dimension `d`; negative values count from the end.
+    pub fn dim(&self, d: isize) -> Result<usize> {
+        let r = self.rank() as isize;
+        let i = if d < 0 { r + d } else { d };
+        if i < 0 || i >= r {
+            return Err(Error::DimOutOfRange { dim: d, shape: self.clone() });
+        }
+        Ok(self.0[i as usize])
+    }
+
+    /// Last dimension (1 for a scalar).
+    pub fn last(&self) -> usize {
+        self.0.last().copied().unwrap_or(1)
+    }
+
+    /// Product of all dimensions but the last: the number of rows of a row-wise op.
+    pub fn rows(&self) -> usize {
+        let n = self.rank();
+        if n == 0 { 1 } else { self.0[..n - 1].iter().product() }
+    }
+
+    /// Row-major strides in elements.
+    pub fn contiguous_strides(&self) -> Vec<usize> {
+        let mut s = vec![1; self.rank()];
+        for i in (0..self.rank().saturating_sub(1)).rev() {
+            s[i] = s[i + 1] * self.0[i + 1];
+        }
+        s
+    }
+}
+
+impl std::fmt::Debug for Shape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}", self.0)
+    }
+}
+
+impl std::fmt::Display for Shape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}", self.0)
+    }
+}
+
+impl From<&[usize]> for Shape {
+    fn from(d: &[usize]) -> Self {
+        Shape(d.to_vec())
+    }
+}
+impl From<Vec<usize>> for Shape {
+    fn from(d: Vec<usize>) -> Self {
+        Shape(d)
+    }
+}
+impl<const N: usize> From<[usize; N]> for Shape {
+    fn from(d: [usize; N]) -> Self {
+        Shape(d.to_vec())
+    }
+}
+impl From<usize> for Shape {
+    fn from(d: usize) -> Self {
+        Shape(vec![d])
+    }
+}
+impl From<()> for Shape {
+    fn from(_: ()) -> Self {
+        Shape(vec![])
+    }
+}
+
+/// Where a tensor's elements sit inside its storage: shape, strides (in elements) and offset.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Layout {
+    shape: Shape,
+    strides: Vec<usize>,
+    offset: usize,
+}
+
+impl Layout {
+    pub fn contiguous(shape: Shape) -> Self {
+        Self::contiguous_at(shape, 0)
+    }
+
+    pub fn contiguous_at(shape: Shape, offset: usize) -> Self {
+        let strides = shape.contiguous_strides();
+        Layout { shape, strides, offset }
+    }
+
+    pub fn shape(&self) -> &Shape {
+        &self.shape
+    }
+    pub fn strides(&self) -> &[usize] {
+        &self.strides
+    }
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// True when the elements are a dense row-major run starting at `offset`.
+    pub fn is_contiguous(&self) -> bool {
+        let mut expect = 1;
+        for (&d, &s) in self.shape.dims().iter().zip(&self.strides).rev() {
+            if d != 1 && s != expect {
+                return false;
+            }
+            expect *= d;
+        }
+        true
+    }
+
+    /// Range of storage elements covered, when contiguous.
+    pub fn contiguous_range(&self) -> Option<std::ops::Range<usize>> {
+        self.is_contiguous().then(|| self.offset..self.offset + self.shape.elem_count())
+    }
+
+    /// Swaps two dimensions without moving data.
+    pub fn transpose(&self, a: usize, b: usize) -> Result<Layout> {
+        let r = self.shape.rank();
+        if a >= r || b >= r {
+            return Err(Error::DimOutOfRange { dim: a.max(b) as isize, shape: self.shape.clone() });
+        }
+        let mut dims = self.shape.dims().to_vec();
+        let mut strides = self.strides.clone();
+        dims.swap(a, b);
+        strides.swap(a, b);
+        Ok(Layout { shape: Shape(dims), strides, offset: self.offset })
+    }
+
+    /// Storage index of each element in row-major logical order.
+    pub fn storage_indices(&self) -> impl Iterator<Item = usize> + '_ {
+        let n = self.shape.elem_count();
+        let dims = self.shape.dims();
+        let mut idx = vec![0usize; dims.len()];
+        let mut first = true;
+        (0..n).map(move |_| {
+            if first {
+                first = false;
+            } else {
+                for d in (0..dims.len()).rev() {
+                    idx[d] += 1;
+                    if idx[d] < dims[d] {
+                        break;
+                    }
+                    idx[d] = 0;
+                }
+            }
+            self.offset + idx.iter().zip(&self.strides).map(|(i, s)| i * s).sum::<usize>()
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strides_and_counts() {
+        let s = Shape::new([2, 3, 4]);
+        assert_eq!(s.contiguous_strides(), vec![12, 4, 1]);
+        assert_eq!(s.elem_count(), 24);
+        assert_eq!(s.rows(), 6);
+        assert_eq!(s.dim(-1).unwrap(), 4);
+        assert!(s.dim(3).is_err());
+        assert_eq!(Shape::from(()).elem_count(), 1);
+    }
+
+    #[test]
+    fn transpose_is_strided_and_indices_follow() {
+        let l = Layout::contiguous(Shape::new([2, 3]));
+        assert!(l.is_contiguous());
+        let t = l.transpose(0, 1).unwrap();
+        assert!(!t.is_contiguous());
+        assert_eq!(t.shape().dims(), &[3, 2]);
+        let idx: Vec<usize> = t.storage_indices().collect();
+        assert_eq!(idx, vec![0, 3, 1, 4, 2, 5]);
+    }
+
+    #[test]
+    fn size_one_dims_do_not_break_contiguity() {
+        let l = Layout::contiguous(Shape::new([1, 5, 1]));
+        let t = l.transpose(0, 2).unwrap();
+        assert!(t.is_contiguous());
+    }
+}

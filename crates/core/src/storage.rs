@@ -1,0 +1,186 @@
+//! Backing memory of tensors: typed host vectors, or device allocations behind the `cuda` feature.
+
+use crate::{DType, Error, Result, WithDType};
+use float8::{F8E4M3, F8E5M2};
+use half::{bf16, f16};
+
+/// Host memory, one variant per dtype so that no byte reinterpretation is ever needed.
+#[derive(Clone, Debug, PartialEq)]
+pub enum CpuStorage {
+    F32(Vec<f32>),
+    BF16(Vec<bf16>),
+    F16(Vec<f16>),
+    F8E4M3(Vec<F8E4M3>),
+    F8E5M2(Vec<F8E5M2>),
+    U32(Vec<u32>),
+}
+
+/// Applies `$body` to the typed vector inside a `CpuStorage`, whatever its dtype.
+macro_rules! match_cpu {
+    ($s:expr, |$v:ident| $body:expr) => {
+        match $s {
+            CpuStorage::F32($v) => $body,
+            CpuStorage::BF16($v) => $body,
+            CpuStorage::F16($v) => $body,
+            CpuStorage::F8E4M3($v) => $body,
+            CpuStorage::F8E5M2($v) => $body,
+            CpuStorage::U32($v) => $body,
+        }
+    };
+}
+
+impl CpuStorage {
+    pub fn zeros(dtype: DType, n: usize) -> Self {
+        match dtype {
+            DType::F32 => CpuStorage::F32(vec![0.0; n]),
+            DType::BF16 => CpuStorage::BF16(vec![bf16::ZERO; n]),
+            DType::F16 => CpuStorage::F16(vec![f16::ZERO; n]),
+            DType::F8E4M3 => CpuStorage::F8E4M3(vec![F8E4M3::ZERO; n]),
+            DType::F8E5M2 => CpuStorage::F8E5M2(vec![F8E5M2::ZERO; n]),
+            DType::U32 => CpuStorage::U32(vec![0; n]),
+        }
+    }
+
+    pub fn from_vec<T: WithDType>(v: Vec<T>) -> Self {
+        // Each WithDType type is exactly one variant's element type, so the byte cast is the identity.
+        let bytes: Vec<u8> = bytemuck::cast_slice(&v).to_vec();
+        let n = v.len();
+        let mut s = CpuStorage::zeros(T::DTYPE, n);
+        match_cpu!(&mut s, |dst| bytemuck::cast_slice_mut::<_, u8>(dst).copy_from_slice(&bytes));
+        s
+    }
+
+    /// Converts f32 values into storage of `dtype` (rounding to nearest even for narrow floats).
+    pub fn from_f32(v: &[f32], dtype: DType) -> Self {
+        fn conv<T: WithDType>(v: &[f32]) -> Vec<T> {
+            v.iter().map(|&x| T::from_f32(x)).collect()
+        }
+        match dtype {
+            DType::F32 => CpuStorage::F32(v.to_vec()),
+            DType::BF16 => CpuStorage::BF16(conv(v)),
+            DType::F16 => CpuStorage::F16(conv(v)),
+            DType::F8E4M3 => CpuStorage::F8E4M3(conv(v)),
+            DType::F8E5M2 => CpuStorage::F8E5M2(conv(v)),
+            DType::U32 => CpuStorage::U32(conv(v)),
+        }
+    }
+
+    pub fn dtype(&self) -> DType {
+        match self {
+            CpuStorage::F32(_) => DType::F32,
+            CpuStorage::BF16(_) => DType::BF16,
+            CpuStorage::F16(_) => DType::F16,
+            CpuStorage::F8E4M3(_) => DType::F8E4M3,
+            CpuStorage::F8E5M2(_) => DType::F8E5M2,
+            CpuStorage::U32(_) => DType::U32,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match_cpu!(self, |v| v.len())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The typed slice when `T` is this storage's element type.
+    pub fn as_slice<T: WithDType>(&self) -> Result<&[T]> {
+        if T::DTYPE != self.dtype() {
+            return Err(Error::DTypeMismatch { op: "as_slice", expected: T::DTYPE.to_string(), got: self.dtype() });
+        }
+        Ok(match_cpu!(self, |v| bytemuck::cast_slice(v.as_slice())))
+    }
+
+    pub fn as_mut_slice<T: WithDType>(&mut self) -> Result<&mut [T]> {
+        let d = self.dtype();
+        if T::DTYPE != d {
+            return Err(Error::DTypeMismatch { op: "as_mut_slice", expected: T::DTYPE.to_string(), got: d });
+        }
+        Ok(match_cpu!(self, |v| bytemuck::cast_slice_mut(v.as_mut_slice())))
+    }
+
+    /// Element `i` widened to f32.
+    #[inline]
+    pub fn get_f32(&self, i: usize) -> f32 {
+        match_cpu!(self, |v| v[i].to_f32())
+    }
+
+    /// Elements `idx` widened to f32.
+    pub fn gather_f32(&self, idx: impl Iterator<Item = usize>) -> Vec<f32> {
+        match_cpu!(self, |v| idx.map(|i| v[i].to_f32()).collect())
+    }
+
+    /// Writes f32 values into `range`, narrowing to this storage's dtype.
+    pub fn write_f32(&mut self, start: usize, src: &[f32]) {
+        match_cpu!(self, |v| {
+            for (d, &s) in v[start..start + src.len()].iter_mut().zip(src) {
+                *d = WithDType::from_f32(s);
+            }
+        })
+    }
+}
+
+/// Where a tensor's bytes live.
+#[derive(Debug)]
+pub enum Storage {
+    Cpu(CpuStorage),
+    #[cfg(feature = "cuda")]
+    Cuda(crate::cuda::CudaStorage),
+}
+
+impl Storage {
+    pub fn as_cpu(&self) -> Option<&CpuStorage> {
+        match self {
+            Storage::Cpu(s) => Some(s),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(_) => None,
+        }
+    }
+
+    pub fn as_cpu_mut(&mut self) -> Option<&mut CpuStorage> {
+        match self {
+            Storage::Cpu(s) => Some(s),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(_) => None,
+        }
+    }
+
+    pub fn dtype(&self) -> DType {
+        match self {
+            Storage::Cpu(s) => s.dtype(),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(s) => s.dtype(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_round_trip_is_exact_for_representable_values() {
+        let vals: Vec<f32> = (-64..64).map(|i| i as f32 * 0.125).collect();
+        let s = CpuStorage::from_f32(&vals, DType::BF16);
+        let back = s.gather_f32(0..s.len());
+        assert_eq!(back, vals);
+    }
+
+    #[test]
+    fn bf16_rounding_error_is_bounded() {
+        let vals: Vec<f32> = (0..1000).map(|i| (i as f32 * 0.731).sin() * 37.0).collect();
+        let s = CpuStorage::from_f32(&vals, DType::BF16);
+        for (i, &v) in vals.iter().enumerate() {
+            let r = s.get_f32(i);
+            assert!((r - v).abs() <= v.abs() * 2f32.powi(-8), "{v} -> {r}");
+        }
+    }
+
+    #[test]
+    fn typed_slice_checks_dtype() {
+        let s = CpuStorage::from_vec(vec![1u32, 2, 3]);
+        assert_eq!(s.as_slice::<u32>().unwrap(), &[1, 2, 3]);
+        assert!(s.as_slice::<f32>().is_err());
+    }
+}

@@ -1,0 +1,95 @@
+//! GeLU (tanh), SiLU, SwiGLU and softmax, forward and backward, in the input's dtype.
+
+use crate::{check, cpu};
+use ferrotron_core::{Result, Tensor, shape_mismatch};
+
+fn unary(op: &'static str, x: &Tensor, f: fn(&[f32], &mut [f32])) -> Result<Tensor> {
+    check::float(op, x)?;
+    check::on_cpu(op, &[x])?;
+    let xv = x.read_f32()?;
+    let mut y = vec![0f32; xv.len()];
+    f(&xv, &mut y);
+    check::out(&y, x.shape().clone(), x.dtype(), x.device())
+}
+
+fn unary_bwd(op: &'static str, x: &Tensor, dy: &Tensor, f: fn(&[f32], &[f32], &mut [f32])) -> Result<Tensor> {
+    check::float(op, x)?;
+    check::shape(op, dy, x.dims())?;
+    check::on_cpu(op, &[x, dy])?;
+    let (xv, dyv) = (x.read_f32()?, dy.read_f32()?);
+    let mut dx = vec![0f32; xv.len()];
+    f(&xv, &dyv, &mut dx);
+    check::out(&dx, x.shape().clone(), dy.dtype(), x.device())
+}
+
+pub fn gelu(x: &Tensor) -> Result<Tensor> {
+    unary("gelu", x, cpu::activation::gelu_fwd)
+}
+pub fn gelu_bwd(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    unary_bwd("gelu_bwd", x, dy, cpu::activation::gelu_bwd)
+}
+pub fn silu(x: &Tensor) -> Result<Tensor> {
+    unary("silu", x, cpu::activation::silu_fwd)
+}
+pub fn silu_bwd(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    unary_bwd("silu_bwd", x, dy, cpu::activation::silu_bwd)
+}
+
+fn swiglu_width(op: &'static str, x: &Tensor) -> Result<usize> {
+    let c = x.shape().last();
+    if x.shape().rank() == 0 || c % 2 != 0 {
+        return Err(shape_mismatch(op, "last dim even (gate and value halves)", x.dims()));
+    }
+    Ok(c / 2)
+}
+
+/// x [..., 2F] (gate | value) → silu(gate)·value [..., F].
+pub fn swiglu(x: &Tensor) -> Result<Tensor> {
+    const OP: &str = "swiglu";
+    check::float(OP, x)?;
+    let f = swiglu_width(OP, x)?;
+    check::on_cpu(OP, &[x])?;
+    let xv = x.read_f32()?;
+    let mut y = vec![0f32; xv.len() / 2];
+    cpu::activation::swiglu_fwd(&xv, f, &mut y);
+    let mut shape = x.dims().to_vec();
+    *shape.last_mut().unwrap_or(&mut 0) = f;
+    check::out(&y, shape, x.dtype(), x.device())
+}
+
+pub fn swiglu_bwd(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    const OP: &str = "swiglu_bwd";
+    check::float(OP, x)?;
+    let f = swiglu_width(OP, x)?;
+    let mut yshape = x.dims().to_vec();
+    *yshape.last_mut().unwrap_or(&mut 0) = f;
+    check::shape(OP, dy, &yshape)?;
+    check::on_cpu(OP, &[x, dy])?;
+    let (xv, dyv) = (x.read_f32()?, dy.read_f32()?);
+    let mut dx = vec![0f32; xv.len()];
+    cpu::activation::swiglu_bwd(&xv, &dyv, f, &mut dx);
+    check::out(&dx, x.shape().clone(), dy.dtype(), x.device())
+}
+
+/// Softmax over the last dimension.
+pub fn softmax(x: &Tensor) -> Result<Tensor> {
+    const OP: &str = "softmax";
+    check::float(OP, x)?;
+    check::on_cpu(OP, &[x])?;
+    let xv = x.read_f32()?;
+    let mut y = vec![0f32; xv.len()];
+    cpu::softmax::softmax_fwd(&xv, x.shape().last(), &mut y);
+    check::out(&y, x.shape().clone(), x.dtype(), x.device())
+}
+
+/// dx from the softmax output y and dy.
+pub fn softmax_bwd(y: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    const OP: &str = "softmax_bwd";
+    check::float(OP, y)?;
+    check::shape(OP, dy, y.dims())?;
+    check::on_cpu(OP, &[y, dy])?;
+    let (yv, dyv) = (y.read_f32()?, dy.read_f32()?);
+    let mut dx = vec![0f32; yv.len()];
+    cpu::softmax::softmax_bwd(&yv, &dyv, y.shape().last(), &mut dx);
+    check::out(&dx, y.shape().clone(), dy.dtype(), y.device())
+}

@@ -1,0 +1,110 @@
+//! Causal self-attention with GQA and an optional sliding window (math in `cpu::attention`).
+//! q [B, T, Hq, D], k/v [B, S, Hkv, D] → o [B, T, Hq, D] and lse [B, Hq, T] (f32).
+
+use crate::cpu::attention::{AttnDims, AttnMask};
+use crate::{check, cpu};
+use ferrotron_core::{DType, Result, Tensor, invalid, shape_mismatch};
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttnCfg {
+    pub causal: bool,
+    /// Sliding window: query i sees keys j with |i − j| < window.
+    pub window: Option<usize>,
+    /// Softmax scale; 1/√D when None.
+    pub scale: Option<f64>,
+}
+
+impl Default for AttnCfg {
+    fn default() -> Self {
+        AttnCfg { causal: true, window: None, scale: None }
+    }
+}
+
+fn dims(op: &'static str, q: &Tensor, k: &Tensor, v: &Tensor, cfg: &AttnCfg) -> Result<AttnDims> {
+    check::float(op, q)?;
+    check::same_dtype(op, q, k)?;
+    check::same_dtype(op, q, v)?;
+    check::rank(op, q, 4)?;
+    check::rank(op, k, 4)?;
+    let (qd, kd) = (q.dims(), k.dims());
+    check::shape(op, v, kd)?;
+    let (b, t, hq, d) = (qd[0], qd[1], qd[2], qd[3]);
+    let (s, hkv) = (kd[1], kd[2]);
+    if kd[0] != b || kd[3] != d {
+        return Err(shape_mismatch(op, format!("k/v [{b}, S, Hkv, {d}]"), kd));
+    }
+    if hkv == 0 || hq % hkv != 0 {
+        return Err(invalid(op, format!("query heads {hq} must be a multiple of kv heads {hkv} (GQA groups)")));
+    }
+    if cfg.causal && s != t {
+        return Err(shape_mismatch(op, format!("causal self-attention with S == T = {t}"), kd));
+    }
+    if cfg.window == Some(0) {
+        return Err(invalid(op, "sliding window must be at least 1"));
+    }
+    Ok(AttnDims { b, t, s, hq, hkv, d })
+}
+
+fn mask(cfg: &AttnCfg) -> AttnMask {
+    AttnMask { causal: cfg.causal, window: cfg.window }
+}
+
+fn scale(cfg: &AttnCfg, d: usize) -> f64 {
+    cfg.scale.unwrap_or(1.0 / (d as f64).sqrt())
+}
+
+/// Returns (o, lse).
+pub fn attention_fwd(q: &Tensor, k: &Tensor, v: &Tensor, cfg: &AttnCfg) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "attention_fwd";
+    let d = dims(OP, q, k, v, cfg)?;
+    check::on_cpu(OP, &[q, k, v])?;
+    let (qv, kv, vv) = (q.read_f32()?, k.read_f32()?, v.read_f32()?);
+    let mut o = vec![0f32; qv.len()];
+    let mut lse = vec![0f32; d.b * d.hq * d.t];
+    cpu::attention::attention_fwd(&qv, &kv, &vv, d, mask(cfg), scale(cfg, d.d), &mut o, &mut lse);
+    Ok((
+        check::out(&o, q.shape().clone(), q.dtype(), q.device())?,
+        check::out(&lse, [d.b, d.hq, d.t], DType::F32, q.device())?,
+    ))
+}
+
+/// Returns (dq, dk, dv).
+pub fn attention_bwd(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    cfg: &AttnCfg,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    const OP: &str = "attention_bwd";
+    let d = dims(OP, q, k, v, cfg)?;
+    check::shape(OP, o, q.dims())?;
+    check::shape(OP, dout, q.dims())?;
+    check::shape(OP, lse, &[d.b, d.hq, d.t])?;
+    check::on_cpu(OP, &[q, k, v, o, lse, dout])?;
+    let (qv, kv, vv) = (q.read_f32()?, k.read_f32()?, v.read_f32()?);
+    let (ov, lv, dov) = (o.read_f32()?, lse.read_f32()?, dout.read_f32()?);
+    let (mut dq, mut dk, mut dv) = (vec![0f32; qv.len()], vec![0f32; kv.len()], vec![0f32; vv.len()]);
+    cpu::attention::attention_bwd(
+        &qv,
+        &kv,
+        &vv,
+        &ov,
+        &lv,
+        &dov,
+        d,
+        mask(cfg),
+        scale(cfg, d.d),
+        &mut dq,
+        &mut dk,
+        &mut dv,
+    );
+    let dt = dout.dtype();
+    Ok((
+        check::out(&dq, q.shape().clone(), dt, q.device())?,
+        check::out(&dk, k.shape().clone(), dt, q.device())?,
+        check::out(&dv, v.shape().clone(), dt, q.device())?,
+    ))
+}

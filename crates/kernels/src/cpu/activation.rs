@@ -1,0 +1,92 @@
+//! Pointwise activations. Backward writes dx = dy · f'(x) (`=`).
+//!
+//! GeLU is the tanh approximation GPT-2 and Megatron use. SwiGLU takes x [N, 2F] whose first half is
+//! the gate and second half the value (Megatron's `chunk(2, -1)` order): y [N, F] = silu(gate) · value.
+
+use crate::real::Real;
+use rayon::prelude::*;
+
+const PAR_MIN: usize = 1 << 14;
+
+fn map2<T: Real>(x: &[T], y: &mut [T], f: impl Fn(T) -> T + Sync + Send) {
+    if x.len() < PAR_MIN {
+        y.iter_mut().zip(x).for_each(|(o, &v)| *o = f(v));
+    } else {
+        y.par_iter_mut().zip(x.par_iter()).for_each(|(o, &v)| *o = f(v));
+    }
+}
+
+fn map3<T: Real>(x: &[T], dy: &[T], dx: &mut [T], f: impl Fn(T, T) -> T + Sync + Send) {
+    if x.len() < PAR_MIN {
+        dx.iter_mut().zip(x.iter().zip(dy)).for_each(|(o, (&v, &g))| *o = f(v, g));
+    } else {
+        dx.par_iter_mut().zip(x.par_iter().zip(dy.par_iter())).for_each(|(o, (&v, &g))| *o = f(v, g));
+    }
+}
+
+const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+const GELU_C: f64 = 0.044_715;
+
+#[inline]
+fn gelu<T: Real>(x: T) -> T {
+    let half = T::c(0.5);
+    half * x * (T::one() + (T::c(SQRT_2_OVER_PI) * (x + T::c(GELU_C) * x * x * x)).tanh())
+}
+
+#[inline]
+fn gelu_grad<T: Real>(x: T) -> T {
+    let half = T::c(0.5);
+    let u = T::c(SQRT_2_OVER_PI) * (x + T::c(GELU_C) * x * x * x);
+    let t = u.tanh();
+    let du = T::c(SQRT_2_OVER_PI) * (T::one() + T::c(3.0 * GELU_C) * x * x);
+    half * (T::one() + t) + half * x * (T::one() - t * t) * du
+}
+
+#[inline]
+fn sigmoid<T: Real>(x: T) -> T {
+    T::one() / (T::one() + (-x).exp())
+}
+
+#[inline]
+fn silu<T: Real>(x: T) -> T {
+    x * sigmoid(x)
+}
+
+#[inline]
+fn silu_grad<T: Real>(x: T) -> T {
+    let s = sigmoid(x);
+    s * (T::one() + x * (T::one() - s))
+}
+
+pub fn gelu_fwd<T: Real>(x: &[T], y: &mut [T]) {
+    map2(x, y, gelu);
+}
+pub fn gelu_bwd<T: Real>(x: &[T], dy: &[T], dx: &mut [T]) {
+    map3(x, dy, dx, |v, g| g * gelu_grad(v));
+}
+pub fn silu_fwd<T: Real>(x: &[T], y: &mut [T]) {
+    map2(x, y, silu);
+}
+pub fn silu_bwd<T: Real>(x: &[T], dy: &[T], dx: &mut [T]) {
+    map3(x, dy, dx, |v, g| g * silu_grad(v));
+}
+
+/// x [N, 2F] → y [N, F].
+pub fn swiglu_fwd<T: Real>(x: &[T], f: usize, y: &mut [T]) {
+    y.par_chunks_mut(f).zip(x.par_chunks(2 * f)).for_each(|(yr, xr)| {
+        for i in 0..f {
+            yr[i] = silu(xr[i]) * xr[f + i];
+        }
+    });
+}
+
+/// dy [N, F] → dx [N, 2F].
+pub fn swiglu_bwd<T: Real>(x: &[T], dy: &[T], f: usize, dx: &mut [T]) {
+    dx.par_chunks_mut(2 * f).zip(x.par_chunks(2 * f).zip(dy.par_chunks(f))).for_each(|(dxr, (xr, dyr))| {
+        for i in 0..f {
+            let (g, v) = (xr[i], xr[f + i]);
+            dxr[i] = dyr[i] * v * silu_grad(g);
+            dxr[f + i] = dyr[i] * silu(g);
+        }
+    });
+}

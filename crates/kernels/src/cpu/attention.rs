@@ -1,0 +1,224 @@
+//! Scaled dot-product self-attention with GQA, causal and sliding-window masks. A straightforward
+//! version: one [T, S] score matrix per head at a time (flash tiling is the GPU's job).
+//!
+//! Shapes (batch-major, heads inside): q, o, dq [B, T, Hq, D]; k, v, dk, dv [B, S, Hkv, D];
+//! lse [B, Hq, T] (log-sum-exp of each score row, saved for backward). Query head h reads kv head
+//! h / (Hq / Hkv). Backward recomputes P = exp(scale·qkᵀ − lse) and writes dq, dk, dv (`=`); the
+//! group's query heads add into one dk/dv before that write.
+
+use crate::cpu::matmul::{MatRef, gemm_strided};
+use crate::real::Real;
+use rayon::prelude::*;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnDims {
+    pub b: usize,
+    pub t: usize,
+    pub s: usize,
+    pub hq: usize,
+    pub hkv: usize,
+    pub d: usize,
+}
+
+/// Which keys a query may see: `causal` keeps j ≤ i; `window` w keeps |i − j| < w.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AttnMask {
+    pub causal: bool,
+    pub window: Option<usize>,
+}
+
+impl AttnMask {
+    #[inline]
+    pub fn allows(&self, i: usize, j: usize) -> bool {
+        (!self.causal || j <= i) && self.window.is_none_or(|w| i.abs_diff(j) < w)
+    }
+}
+
+struct Heads<'a, T> {
+    x: &'a [T],
+    heads: usize,
+    len: usize,
+    d: usize,
+}
+
+impl<'a, T> Heads<'a, T> {
+    /// Head `h` of batch `b` as a [len, d] matrix with row stride heads·d.
+    fn mat(&self, b: usize, h: usize, transposed: bool) -> MatRef<'a, T> {
+        let start = b * self.len * self.heads * self.d + h * self.d;
+        let ld = self.heads * self.d;
+        let data = &self.x[start..];
+        if transposed { MatRef { data, rs: 1, cs: ld } } else { MatRef { data, rs: ld, cs: 1 } }
+    }
+}
+
+/// scores[T, S] = scale · q_h k_hᵀ, then P = softmax(masked scores) using `lse` if given (backward)
+/// or computing it (forward, written to `lse_out`).
+#[allow(clippy::too_many_arguments)]
+fn probs<T: Real>(
+    dims: &AttnDims,
+    mask: AttnMask,
+    scale: T,
+    q: &Heads<T>,
+    k: &Heads<T>,
+    b: usize,
+    h: usize,
+    kvh: usize,
+    p: &mut [T],
+    lse_in: Option<&[T]>,
+    lse_out: &mut [T],
+) {
+    let (t, s, d) = (dims.t, dims.s, dims.d);
+    gemm_strided(t, s, d, q.mat(b, h, false), k.mat(b, kvh, true), p, s, false, scale, false);
+    for i in 0..t {
+        let row = &mut p[i * s..(i + 1) * s];
+        let lse = match lse_in {
+            Some(l) => l[i],
+            None => {
+                let mut max = T::neg_infinity();
+                for (j, &v) in row.iter().enumerate() {
+                    if mask.allows(i, j) {
+                        max = max.max(v);
+                    }
+                }
+                let mut sum = T::zero();
+                for (j, &v) in row.iter().enumerate() {
+                    if mask.allows(i, j) {
+                        sum += (v - max).exp();
+                    }
+                }
+                let l = max + sum.ln();
+                lse_out[i] = l;
+                l
+            }
+        };
+        for (j, v) in row.iter_mut().enumerate() {
+            *v = if mask.allows(i, j) { (*v - lse).exp() } else { T::zero() };
+        }
+    }
+}
+
+/// Writes o [B, T, Hq, D] and lse [B, Hq, T].
+#[allow(clippy::too_many_arguments)]
+pub fn attention_fwd<T: Real>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    dims: AttnDims,
+    mask: AttnMask,
+    scale: f64,
+    o: &mut [T],
+    lse: &mut [T],
+) {
+    let AttnDims { b: nb, t, s, hq, hkv, d } = dims;
+    let group = hq / hkv;
+    let scale = T::c(scale);
+    let (qh, kh, vh) = (
+        Heads { x: q, heads: hq, len: t, d },
+        Heads { x: k, heads: hkv, len: s, d },
+        Heads { x: v, heads: hkv, len: s, d },
+    );
+    let results: Vec<(Vec<T>, Vec<T>)> = (0..nb * hkv)
+        .into_par_iter()
+        .map(|task| {
+            let (b, kvh) = (task / hkv, task % hkv);
+            let mut out = vec![T::zero(); group * t * d];
+            let mut l = vec![T::zero(); group * t];
+            let mut p = vec![T::zero(); t * s];
+            for g in 0..group {
+                let h = kvh * group + g;
+                probs(&dims, mask, scale, &qh, &kh, b, h, kvh, &mut p, None, &mut l[g * t..(g + 1) * t]);
+                let pm = MatRef { data: &p[..], rs: s, cs: 1 };
+                gemm_strided(t, d, s, pm, vh.mat(b, kvh, false), &mut out[g * t * d..], d, false, T::one(), false);
+            }
+            (out, l)
+        })
+        .collect();
+    for (task, (out, l)) in results.into_iter().enumerate() {
+        let (b, kvh) = (task / hkv, task % hkv);
+        for g in 0..group {
+            let h = kvh * group + g;
+            for i in 0..t {
+                let dst = ((b * t + i) * hq + h) * d;
+                o[dst..dst + d].copy_from_slice(&out[(g * t + i) * d..(g * t + i + 1) * d]);
+            }
+            let dst = (b * hq + h) * t;
+            lse[dst..dst + t].copy_from_slice(&l[g * t..(g + 1) * t]);
+        }
+    }
+}
+
+/// Writes dq, dk, dv (`=`).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_bwd<T: Real>(
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    o: &[T],
+    lse: &[T],
+    dout: &[T],
+    dims: AttnDims,
+    mask: AttnMask,
+    scale: f64,
+    dq: &mut [T],
+    dk: &mut [T],
+    dv: &mut [T],
+) {
+    let AttnDims { b: nb, t, s, hq, hkv, d } = dims;
+    let group = hq / hkv;
+    let scale = T::c(scale);
+    let qh = Heads { x: q, heads: hq, len: t, d };
+    let kh = Heads { x: k, heads: hkv, len: s, d };
+    let vh = Heads { x: v, heads: hkv, len: s, d };
+    let doh = Heads { x: dout, heads: hq, len: t, d };
+    let results: Vec<(Vec<T>, Vec<T>, Vec<T>)> = (0..nb * hkv)
+        .into_par_iter()
+        .map(|task| {
+            let (b, kvh) = (task / hkv, task % hkv);
+            let mut dq_g = vec![T::zero(); group * t * d];
+            let mut dk_acc = vec![T::zero(); s * d];
+            let mut dv_acc = vec![T::zero(); s * d];
+            let mut p = vec![T::zero(); t * s];
+            let mut ds = vec![T::zero(); t * s];
+            let mut unused = [];
+            for g in 0..group {
+                let h = kvh * group + g;
+                let lse_h = &lse[(b * hq + h) * t..(b * hq + h + 1) * t];
+                probs(&dims, mask, scale, &qh, &kh, b, h, kvh, &mut p, Some(lse_h), &mut unused);
+                // dV += Pᵀ dO
+                let pt = MatRef { data: &p[..], rs: 1, cs: s };
+                gemm_strided(s, d, t, pt, doh.mat(b, h, false), &mut dv_acc, d, true, T::one(), false);
+                // dP = dO Vᵀ
+                gemm_strided(t, s, d, doh.mat(b, h, false), vh.mat(b, kvh, true), &mut ds, s, false, T::one(), false);
+                // dS = P ∘ (dP − rowsum(dO ∘ O))
+                for i in 0..t {
+                    let base = ((b * t + i) * hq + h) * d;
+                    let di = (0..d).map(|e| dout[base + e] * o[base + e]).sum::<T>();
+                    for j in 0..s {
+                        ds[i * s + j] = p[i * s + j] * (ds[i * s + j] - di);
+                    }
+                }
+                let dsm = MatRef { data: &ds[..], rs: s, cs: 1 };
+                let dst = MatRef { data: &ds[..], rs: 1, cs: s };
+                // dQ = scale · dS K ; dK += scale · dSᵀ Q
+                gemm_strided(t, d, s, dsm, kh.mat(b, kvh, false), &mut dq_g[g * t * d..], d, false, scale, false);
+                gemm_strided(s, d, t, dst, qh.mat(b, h, false), &mut dk_acc, d, true, scale, false);
+            }
+            (dq_g, dk_acc, dv_acc)
+        })
+        .collect();
+    for (task, (dq_g, dk_acc, dv_acc)) in results.into_iter().enumerate() {
+        let (b, kvh) = (task / hkv, task % hkv);
+        for g in 0..group {
+            let h = kvh * group + g;
+            for i in 0..t {
+                let dst = ((b * t + i) * hq + h) * d;
+                dq[dst..dst + d].copy_from_slice(&dq_g[(g * t + i) * d..(g * t + i + 1) * d]);
+            }
+        }
+        for j in 0..s {
+            let dst = ((b * s + j) * hkv + kvh) * d;
+            dk[dst..dst + d].copy_from_slice(&dk_acc[j * d..(j + 1) * d]);
+            dv[dst..dst + d].copy_from_slice(&dv_acc[j * d..(j + 1) * d]);
+        }
+    }
+}

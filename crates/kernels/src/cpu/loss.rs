@@ -1,0 +1,112 @@
+//! Fused softmax + cross-entropy over vocab rows.
+//!
+//! Shapes: logits, dlogits [N, V] (any storage element `E`, math in `T`); targets [N]; mask, loss,
+//! lse, dloss [N]. Forward: loss[n] = mask[n] · (lse[n] − logits[n, target]), 0 for ignored rows.
+//! Backward: dlogits[n] = (softmax(logits[n]) − onehot(target)) · dloss[n] · mask[n], recomputing the
+//! softmax from logits and the saved lse one row at a time: at no point is a full-precision copy
+//! of all logits held.
+
+use crate::real::Real;
+use rayon::prelude::*;
+
+/// A storage element that widens to and narrows from the math type.
+pub trait Elem: Copy + Send + Sync {
+    fn get<T: Real>(self) -> T;
+    fn put<T: Real>(v: T) -> Self;
+}
+
+impl Elem for f32 {
+    fn get<T: Real>(self) -> T {
+        T::c(self as f64)
+    }
+    fn put<T: Real>(v: T) -> Self {
+        v.f64() as f32
+    }
+}
+impl Elem for f64 {
+    fn get<T: Real>(self) -> T {
+        T::c(self)
+    }
+    fn put<T: Real>(v: T) -> Self {
+        v.f64()
+    }
+}
+impl Elem for half::bf16 {
+    fn get<T: Real>(self) -> T {
+        T::c(self.to_f64())
+    }
+    fn put<T: Real>(v: T) -> Self {
+        half::bf16::from_f64(v.f64())
+    }
+}
+impl Elem for half::f16 {
+    fn get<T: Real>(self) -> T {
+        T::c(self.to_f64())
+    }
+    fn put<T: Real>(v: T) -> Self {
+        half::f16::from_f64(v.f64())
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CeCfg {
+    /// Rows whose target equals this contribute no loss and no gradient.
+    pub ignore_index: Option<u32>,
+}
+
+fn active(target: u32, mask: Option<&[f32]>, n: usize, cfg: CeCfg) -> Option<f64> {
+    if cfg.ignore_index == Some(target) {
+        return None;
+    }
+    let m = mask.map_or(1.0, |m| m[n] as f64);
+    (m != 0.0).then_some(m)
+}
+
+pub fn cross_entropy_fwd<E: Elem, T: Real>(
+    logits: &[E],
+    v: usize,
+    targets: &[u32],
+    mask: Option<&[f32]>,
+    cfg: CeCfg,
+    loss: &mut [T],
+    lse: &mut [T],
+) {
+    loss.par_iter_mut().zip(lse.par_iter_mut()).enumerate().for_each(|(n, (l, s))| {
+        let row = &logits[n * v..(n + 1) * v];
+        let max = row.iter().map(|x| x.get::<T>()).fold(T::neg_infinity(), T::max);
+        let sum = row.iter().map(|x| (x.get::<T>() - max).exp()).sum::<T>();
+        let lse_n = max + sum.ln();
+        *s = lse_n;
+        *l = match active(targets[n], mask, n, cfg) {
+            Some(m) => T::c(m) * (lse_n - row[targets[n] as usize].get::<T>()),
+            None => T::zero(),
+        };
+    });
+}
+
+#[allow(clippy::too_many_arguments)]
+pub fn cross_entropy_bwd<E: Elem, T: Real>(
+    logits: &[E],
+    v: usize,
+    targets: &[u32],
+    mask: Option<&[f32]>,
+    cfg: CeCfg,
+    lse: &[T],
+    dloss: &[T],
+    dlogits: &mut [E],
+) {
+    dlogits.par_chunks_mut(v).enumerate().for_each(|(n, dr)| {
+        let row = &logits[n * v..(n + 1) * v];
+        let Some(m) = active(targets[n], mask, n, cfg) else {
+            dr.iter_mut().for_each(|x| *x = E::put(T::zero()));
+            return;
+        };
+        let g = dloss[n] * T::c(m);
+        let tgt = targets[n] as usize;
+        for (j, (d, x)) in dr.iter_mut().zip(row).enumerate() {
+            let p = (x.get::<T>() - lse[n]).exp();
+            let onehot = if j == tgt { T::one() } else { T::zero() };
+            *d = E::put((p - onehot) * g);
+        }
+    });
+}

@@ -1,0 +1,175 @@
+//! Row-major GEMM on the `gemm` crate.
+//!
+//! Shapes: C[m,n] (+)= alpha · op(A)[m,k] · op(B)[k,n], where A is stored [m,k] (or [k,m] when `ta`)
+//! and B is stored [k,n] (or [n,k] when `tb`). Backward of C = op(A)op(B):
+//!   dA = dC · op(B)ᵀ (stored transposed when `ta`), dB = op(A)ᵀ · dC (stored transposed when `tb`).
+
+use crate::real::Real;
+use gemm::Parallelism;
+
+/// Work (m·n·k) above which one GEMM uses all threads; below it batched callers parallelise instead.
+const PAR_WORK: usize = 1 << 18;
+
+/// A row-major matrix operand: data with explicit row and column strides.
+#[derive(Clone, Copy)]
+pub struct MatRef<'a, T> {
+    pub data: &'a [T],
+    pub rs: usize,
+    pub cs: usize,
+}
+
+impl<'a, T> MatRef<'a, T> {
+    /// `rows × cols` logical matrix stored row-major with leading dimension `ld`, optionally transposed
+    /// (then stored as `cols × rows`).
+    pub fn new(data: &'a [T], ld: usize, transposed: bool) -> Self {
+        if transposed { MatRef { data, rs: 1, cs: ld } } else { MatRef { data, rs: ld, cs: 1 } }
+    }
+}
+
+/// C[m,n] = alpha·A·B + (accumulate ? C : 0), C with row stride `ldc`.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_strided<T: Real>(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: MatRef<'_, T>,
+    b: MatRef<'_, T>,
+    c: &mut [T],
+    ldc: usize,
+    accumulate: bool,
+    alpha: T,
+    parallel: bool,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            for i in 0..m {
+                c[i * ldc..i * ldc + n].iter_mut().for_each(|x| *x = T::zero());
+            }
+        }
+        return;
+    }
+    let span = |r: MatRef<'_, T>, rows: usize, cols: usize| (rows - 1) * r.rs + (cols - 1) * r.cs;
+    assert!(span(a, m, k) < a.data.len(), "gemm: A too short");
+    assert!(span(b, k, n) < b.data.len(), "gemm: B too short");
+    assert!((m - 1) * ldc + n <= c.len(), "gemm: C too short");
+    let par = if parallel && m * n * k >= PAR_WORK { Parallelism::Rayon(0) } else { Parallelism::None };
+    // SAFETY: the asserts above bound every index the kernel touches; C does not alias A or B since
+    // it is a distinct &mut borrow.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.as_mut_ptr(),
+            1,
+            ldc as isize,
+            accumulate,
+            a.data.as_ptr(),
+            a.cs as isize,
+            a.rs as isize,
+            b.data.as_ptr(),
+            b.cs as isize,
+            b.rs as isize,
+            T::one(),
+            alpha,
+            false,
+            false,
+            false,
+            par,
+        );
+    }
+}
+
+/// Dense C[m,n] (+)= alpha·op(A)·op(B) with A, B packed (leading dimension = stored row length).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm<T: Real>(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[T],
+    ta: bool,
+    b: &[T],
+    tb: bool,
+    c: &mut [T],
+    accumulate: bool,
+    alpha: T,
+) {
+    let a = MatRef::new(a, if ta { m } else { k }, ta);
+    let b = MatRef::new(b, if tb { k } else { n }, tb);
+    gemm_strided(m, n, k, a, b, c, n, accumulate, alpha, true);
+}
+
+/// `batch` independent GEMMs over consecutive packed matrices; parallel across the batch when each
+/// is small.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_batched<T: Real>(
+    batch: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[T],
+    ta: bool,
+    b: &[T],
+    tb: bool,
+    c: &mut [T],
+    accumulate: bool,
+    alpha: T,
+) {
+    use rayon::prelude::*;
+    let (sa, sb, sc) = (m * k, k * n, m * n);
+    if sc == 0 {
+        return;
+    }
+    let big = m * n * k >= PAR_WORK;
+    let run = |(i, cc): (usize, &mut [T])| {
+        let am = MatRef::new(&a[i * sa..(i + 1) * sa], if ta { m } else { k }, ta);
+        let bm = MatRef::new(&b[i * sb..(i + 1) * sb], if tb { k } else { n }, tb);
+        gemm_strided(m, n, k, am, bm, cc, n, accumulate, alpha, big);
+    };
+    let c = &mut c[..batch * sc];
+    if big {
+        c.chunks_mut(sc).enumerate().for_each(run);
+    } else {
+        c.par_chunks_mut(sc).enumerate().for_each(run);
+    }
+}
+
+/// Gradients of C = op(A)·op(B) for one (possibly batched) product: dA and dB are written (`=`), or
+/// added to when `accumulate` (the `+=` into main_grad rule).
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_bwd<T: Real>(
+    batch: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[T],
+    ta: bool,
+    b: &[T],
+    tb: bool,
+    dc: &[T],
+    da: Option<&mut [T]>,
+    db: Option<&mut [T]>,
+    accumulate: bool,
+) {
+    if let Some(da) = da {
+        if !ta {
+            // dA[m,k] = dC[m,n] · op(B)ᵀ
+            gemm_batched(batch, m, k, n, dc, false, b, !tb, da, accumulate, T::one());
+        } else {
+            // dA stored [k,m] = op(B)[k,n] · dCᵀ
+            gemm_batched(batch, k, m, n, b, tb, dc, true, da, accumulate, T::one());
+        }
+    }
+    if let Some(db) = db {
+        if !tb {
+            // dB[k,n] = op(A)ᵀ[k,m] · dC[m,n]
+            gemm_batched(batch, k, n, m, a, !ta, dc, false, db, accumulate, T::one());
+        } else {
+            // dB stored [n,k] = dCᵀ[n,m] · op(A)[m,k]
+            gemm_batched(batch, n, k, m, dc, true, a, ta, db, accumulate, T::one());
+        }
+    }
+}

@@ -1,0 +1,12 @@
+//! CPU reference implementations on slices, generic over f32/f64 where a finite-difference check
+//! needs f64. The tensor-level functions in the crate root validate inputs and call these.
+
+pub mod activation;
+pub mod attention;
+pub mod embedding;
+pub mod loss;
+pub mod matmul;
+pub mod norm;
+pub mod optim;
+pub mod rope;
+pub mod softmax;

@@ -1,0 +1,90 @@
+//! Elementwise ops: add (residual stream), in-place accumulate, bias add and its gradient, scale and
+//! cast between dtypes.
+
+use crate::{check, cpu};
+use ferrotron_core::{DType, Result, Tensor, invalid};
+use rayon::prelude::*;
+
+/// a + b, same shape and dtype.
+pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    const OP: &str = "add";
+    check::float(OP, a)?;
+    check::same_dtype(OP, a, b)?;
+    check::shape(OP, b, a.dims())?;
+    check::on_cpu(OP, &[a, b])?;
+    let (av, bv) = (a.read_f32()?, b.read_f32()?);
+    let y: Vec<f32> = av.par_iter().zip(bv.par_iter()).map(|(x, y)| x + y).collect();
+    check::out(&y, a.shape().clone(), a.dtype(), a.device())
+}
+
+/// dst += src (same element count; dst may be wider, e.g. an f32 main_grad view).
+pub fn add_(dst: &Tensor, src: &Tensor) -> Result<()> {
+    const OP: &str = "add_";
+    check::float(OP, dst)?;
+    check::float(OP, src)?;
+    check::shape(OP, src, dst.dims())?;
+    check::on_cpu(OP, &[dst, src])?;
+    if dst.shares_storage(src) {
+        return Err(invalid(OP, "dst and src must not share storage"));
+    }
+    let s = src.read_f32()?;
+    dst.update_f32(OP, |d| d.par_iter_mut().zip(s.par_iter()).for_each(|(d, s)| *d += s))
+}
+
+/// x [..., C] + bias [C].
+pub fn bias_add(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    const OP: &str = "bias_add";
+    check::float(OP, x)?;
+    let c = x.shape().last();
+    check::shape(OP, bias, &[c])?;
+    check::on_cpu(OP, &[x, bias])?;
+    let (xv, bv) = (x.read_f32()?, bias.read_f32()?);
+    let mut y = xv.to_vec();
+    y.par_chunks_mut(c.max(1)).for_each(|r| r.iter_mut().zip(bv.iter()).for_each(|(v, b)| *v += b));
+    check::out(&y, x.shape().clone(), x.dtype(), x.device())
+}
+
+/// Σ over rows of dy [..., C] → [C] f32: the bias gradient.
+pub fn bias_grad(dy: &Tensor) -> Result<Tensor> {
+    const OP: &str = "bias_grad";
+    check::float(OP, dy)?;
+    check::on_cpu(OP, &[dy])?;
+    let c = dy.shape().last();
+    let v = dy.read_f32()?;
+    let s = crate::real::par_row_sum::<f32>(dy.shape().rows(), c, |rows, acc| {
+        for r in rows {
+            for (a, g) in acc.iter_mut().zip(&v[r * c..(r + 1) * c]) {
+                *a += g;
+            }
+        }
+    });
+    check::out(&s, [c], DType::F32, dy.device())
+}
+
+/// x · s as a new tensor.
+pub fn scale(x: &Tensor, s: f32) -> Result<Tensor> {
+    check::float("scale", x)?;
+    check::on_cpu("scale", &[x])?;
+    let mut y = x.read_f32()?.to_vec();
+    cpu::optim::scale(&mut y, s);
+    check::out(&y, x.shape().clone(), x.dtype(), x.device())
+}
+
+/// x ← x · s in place.
+pub fn scale_(x: &Tensor, s: f32) -> Result<()> {
+    check::float("scale_", x)?;
+    check::on_cpu("scale_", &[x])?;
+    x.update_f32("scale_", |v| cpu::optim::scale(v, s))
+}
+
+/// A copy of x in `dtype` (round to nearest even when narrowing).
+pub fn cast(x: &Tensor, dtype: DType) -> Result<Tensor> {
+    check::on_cpu("cast", &[x])?;
+    if x.dtype() == DType::U32 || dtype == DType::U32 {
+        if x.dtype() == dtype {
+            return x.deep_copy();
+        }
+        return Err(invalid("cast", format!("cannot cast {} to {dtype}: ids are not values", x.dtype())));
+    }
+    check::out(&x.read_f32()?, x.shape().clone(), dtype, x.device())
+}

@@ -1,0 +1,37 @@
+//! ferrotron-kernels: every numeric op Ferrotron runs, one signature per op.
+//!
+//! Each op takes tensors, validates dtype/shape/device (bad input is a typed error naming the op and
+//! the shapes, never a panic), dispatches on the device and returns new tensors. The CPU versions in
+//! `cpu` are the reference: f32 math on any storage dtype, generic over f32/f64 so that the tests can
+//! check every backward against finite differences in f64. CUDA launchers join them with the same
+//! signatures.
+//!
+//! Families: `matmul`, `norm`, `activation` (incl. softmax), `attention`, `rope`, `embedding`, `loss`,
+//! `optim`, `elementwise`. Accumulation rule: activation gradients are returned (`=`); parameter
+//! gradients are either returned as f32 for the caller to add, or added in place (`matmul_into` with
+//! `accumulate`, `embedding_bwd`) into fp32 main_grad buffers.
+//!
+//! Architecture Invariant: this crate knows nothing of ranks, process groups or models.
+
+mod activation;
+mod attention;
+mod check;
+pub mod cpu;
+mod elementwise;
+mod embedding;
+mod loss;
+mod matmul;
+mod norm;
+mod optim;
+pub mod real;
+mod rope;
+
+pub use activation::{gelu, gelu_bwd, silu, silu_bwd, softmax, softmax_bwd, swiglu, swiglu_bwd};
+pub use attention::{AttnCfg, attention_bwd, attention_fwd};
+pub use elementwise::{add, add_, bias_add, bias_grad, cast, scale, scale_};
+pub use embedding::{embedding_bwd, embedding_fwd};
+pub use loss::{CrossEntropyCfg, cross_entropy_bwd, cross_entropy_fwd};
+pub use matmul::{matmul, matmul_bwd, matmul_into};
+pub use norm::{layernorm_bwd, layernorm_fwd, rmsnorm_bwd, rmsnorm_fwd};
+pub use optim::{AdamW, adamw_step, global_l2_norm, sum_sq};
+pub use rope::{RopeCfg, rope_bwd, rope_fwd};

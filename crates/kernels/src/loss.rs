@@ -1,0 +1,126 @@
+//! Fused softmax cross-entropy (math in `cpu::loss`): logits [N, V] in f32/bf16/f16 are read in
+//! place, one row at a time; per-token loss and lse come back as f32 [N].
+
+use crate::cpu::loss::{CeCfg, Elem};
+use crate::{check, cpu};
+use ferrotron_core::{CpuStorage, DType, Error, Result, Tensor, shape_mismatch};
+
+pub use crate::cpu::loss::CeCfg as CrossEntropyCfg;
+
+struct Inputs {
+    n: usize,
+    v: usize,
+    targets: Vec<u32>,
+    mask: Option<Vec<f32>>,
+}
+
+fn inputs(op: &'static str, logits: &Tensor, targets: &Tensor, mask: Option<&Tensor>, cfg: CeCfg) -> Result<Inputs> {
+    check::float(op, logits)?;
+    check::rank(op, logits, 2)?;
+    if !logits.is_contiguous() {
+        return Err(Error::NotContiguous { op });
+    }
+    let (n, v) = (logits.dims()[0], logits.dims()[1]);
+    check::dtype(op, targets, DType::U32)?;
+    if targets.elem_count() != n {
+        return Err(shape_mismatch(op, format!("targets with {n} elements"), targets.dims()));
+    }
+    let mut all = vec![logits, targets];
+    if let Some(m) = mask {
+        if m.elem_count() != n {
+            return Err(shape_mismatch(op, format!("loss mask with {n} elements"), m.dims()));
+        }
+        all.push(m);
+    }
+    check::on_cpu(op, &all)?;
+    let raw = targets.to_vec::<u32>()?;
+    if let Some(&bad) = raw.iter().find(|&&t| t as usize >= v && cfg.ignore_index != Some(t)) {
+        return Err(Error::IndexOutOfRange {
+            op,
+            what: "vocabulary (logit columns)",
+            index: bad as u64,
+            bound: v as u64,
+        });
+    }
+    let mask = mask.map(|m| m.to_vec_f32()).transpose()?;
+    Ok(Inputs { n, v, targets: raw, mask })
+}
+
+/// Runs `f` on the logits' typed elements (f32, bf16 or f16).
+fn with_logits<R>(op: &'static str, logits: &Tensor, f: &mut dyn FnMut(LogitSlice<'_>) -> R) -> Result<R> {
+    let g = logits.storage();
+    let r = logits.layout().contiguous_range().ok_or(Error::NotContiguous { op })?;
+    Ok(match g.as_cpu() {
+        Some(CpuStorage::F32(x)) => f(LogitSlice::F32(&x[r])),
+        Some(CpuStorage::BF16(x)) => f(LogitSlice::BF16(&x[r])),
+        Some(CpuStorage::F16(x)) => f(LogitSlice::F16(&x[r])),
+        _ => return Err(Error::DTypeMismatch { op, expected: "f32, bf16 or f16 logits".into(), got: logits.dtype() }),
+    })
+}
+
+enum LogitSlice<'a> {
+    F32(&'a [f32]),
+    BF16(&'a [half::bf16]),
+    F16(&'a [half::f16]),
+}
+
+/// Returns (loss [N], lse [N]), both f32; masked and ignored rows have loss 0.
+pub fn cross_entropy_fwd(
+    logits: &Tensor,
+    targets: &Tensor,
+    mask: Option<&Tensor>,
+    cfg: CeCfg,
+) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "cross_entropy_fwd";
+    let inp = inputs(OP, logits, targets, mask, cfg)?;
+    let (mut loss, mut lse) = (vec![0f32; inp.n], vec![0f32; inp.n]);
+    let m = inp.mask.as_deref();
+    with_logits(OP, logits, &mut |l| match l {
+        LogitSlice::F32(x) => cpu::loss::cross_entropy_fwd(x, inp.v, &inp.targets, m, cfg, &mut loss, &mut lse),
+        LogitSlice::BF16(x) => cpu::loss::cross_entropy_fwd(x, inp.v, &inp.targets, m, cfg, &mut loss, &mut lse),
+        LogitSlice::F16(x) => cpu::loss::cross_entropy_fwd(x, inp.v, &inp.targets, m, cfg, &mut loss, &mut lse),
+    })?;
+    Ok((
+        check::out(&loss, [inp.n], DType::F32, logits.device())?,
+        check::out(&lse, [inp.n], DType::F32, logits.device())?,
+    ))
+}
+
+fn bwd_typed<E: Elem + ferrotron_core::WithDType>(
+    x: &[E],
+    inp: &Inputs,
+    cfg: CeCfg,
+    lse: &[f32],
+    dloss: &[f32],
+    shape: &[usize],
+    dev: &ferrotron_core::Device,
+) -> Result<Tensor> {
+    let mut d = vec![E::put(0f32); x.len()];
+    cpu::loss::cross_entropy_bwd(x, inp.v, &inp.targets, inp.mask.as_deref(), cfg, lse, dloss, &mut d);
+    Tensor::from_vec(d, shape.to_vec(), dev)
+}
+
+/// dlogits [N, V] in the logits' dtype, given the saved lse and dloss [N] (e.g. 1/tokens).
+pub fn cross_entropy_bwd(
+    logits: &Tensor,
+    targets: &Tensor,
+    mask: Option<&Tensor>,
+    lse: &Tensor,
+    dloss: &Tensor,
+    cfg: CeCfg,
+) -> Result<Tensor> {
+    const OP: &str = "cross_entropy_bwd";
+    let inp = inputs(OP, logits, targets, mask, cfg)?;
+    check::shape(OP, lse, &[inp.n])?;
+    if dloss.elem_count() != inp.n {
+        return Err(shape_mismatch(OP, format!("dloss with {} elements", inp.n), dloss.dims()));
+    }
+    check::on_cpu(OP, &[logits, lse, dloss])?;
+    let (lv, dv) = (lse.to_vec_f32()?, dloss.to_vec_f32()?);
+    let (shape, dev) = (logits.dims().to_vec(), logits.device().clone());
+    with_logits(OP, logits, &mut |l| match l {
+        LogitSlice::F32(x) => bwd_typed(x, &inp, cfg, &lv, &dv, &shape, &dev),
+        LogitSlice::BF16(x) => bwd_typed(x, &inp, cfg, &lv, &dv, &shape, &dev),
+        LogitSlice::F16(x) => bwd_typed(x, &inp, cfg, &lv, &dv, &shape, &dev),
+    })?
+}

@@ -1,0 +1,97 @@
+//! Matrix products: `matmul` (batched, with transposes), `matmul_into` (write or accumulate into an
+//! existing tensor, e.g. a weight gradient into fp32 main_grad) and `matmul_bwd`.
+//!
+//! Shapes: a [..., m, k] (or [..., k, m] with `ta`), b [..., k, n] (or [..., n, k] with `tb`) with equal
+//! batch dims, → [..., m, n]. A 2-D b with an untransposed a of any rank is one big GEMM over all of
+//! a's rows (the linear-layer case).
+
+use crate::{check, cpu};
+use ferrotron_core::{Result, Tensor, shape_mismatch};
+
+#[derive(Debug, Clone, PartialEq)]
+struct MmDims {
+    batch: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    out: Vec<usize>,
+}
+
+fn dims(op: &'static str, a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<MmDims> {
+    let (ad, bd) = (a.dims(), b.dims());
+    if ad.len() < 2 || bd.len() < 2 {
+        return Err(shape_mismatch(op, "both operands of rank >= 2", (ad, bd)));
+    }
+    let (bk, n) = if tb { (bd[bd.len() - 1], bd[bd.len() - 2]) } else { (bd[bd.len() - 2], bd[bd.len() - 1]) };
+    let mismatch = || shape_mismatch(op, format!("a {ad:?} (ta={ta}) and b {bd:?} (tb={tb}) to agree on k"), (ad, bd));
+    if bd.len() == 2 && !ta {
+        let k = ad[ad.len() - 1];
+        if k != bk {
+            return Err(mismatch());
+        }
+        let mut out = ad.to_vec();
+        let last = out.len() - 1;
+        out[last] = n;
+        return Ok(MmDims { batch: 1, m: a.shape().rows(), n, k, out });
+    }
+    if ad.len() != bd.len() || ad[..ad.len() - 2] != bd[..bd.len() - 2] {
+        return Err(shape_mismatch(op, "equal batch dims", (ad, bd)));
+    }
+    let (m, k) = if ta { (ad[ad.len() - 1], ad[ad.len() - 2]) } else { (ad[ad.len() - 2], ad[ad.len() - 1]) };
+    if k != bk {
+        return Err(mismatch());
+    }
+    let batch = ad[..ad.len() - 2].iter().product();
+    let mut out = ad[..ad.len() - 2].to_vec();
+    out.extend([m, n]);
+    Ok(MmDims { batch, m, n, k, out })
+}
+
+/// op(a) · op(b), in a's dtype.
+pub fn matmul(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Tensor> {
+    const OP: &str = "matmul";
+    check::float(OP, a)?;
+    check::same_dtype(OP, a, b)?;
+    check::on_cpu(OP, &[a, b])?;
+    let d = dims(OP, a, b, ta, tb)?;
+    let (av, bv) = (a.read_f32()?, b.read_f32()?);
+    let mut c = vec![0f32; d.batch * d.m * d.n];
+    cpu::matmul::gemm_batched(d.batch, d.m, d.n, d.k, &av, ta, &bv, tb, &mut c, false, 1.0);
+    check::out(&c, d.out, a.dtype(), a.device())
+}
+
+/// c = op(a)·op(b), or c += op(a)·op(b) when `accumulate`. c may have a wider dtype than a and b.
+pub fn matmul_into(c: &Tensor, a: &Tensor, b: &Tensor, ta: bool, tb: bool, accumulate: bool) -> Result<()> {
+    const OP: &str = "matmul_into";
+    check::float(OP, a)?;
+    check::same_dtype(OP, a, b)?;
+    check::float(OP, c)?;
+    check::on_cpu(OP, &[a, b, c])?;
+    let d = dims(OP, a, b, ta, tb)?;
+    if c.elem_count() != d.batch * d.m * d.n {
+        return Err(shape_mismatch(OP, &d.out, c.dims()));
+    }
+    if c.shares_storage(a) || c.shares_storage(b) {
+        return Err(ferrotron_core::invalid(OP, "the output must not share storage with an input"));
+    }
+    let (av, bv) = (a.read_f32()?, b.read_f32()?);
+    c.update_f32(OP, |cv| cpu::matmul::gemm_batched(d.batch, d.m, d.n, d.k, &av, ta, &bv, tb, cv, accumulate, 1.0))
+}
+
+/// Gradients (da, db) of c = op(a)·op(b) given dc, shaped like a and b.
+pub fn matmul_bwd(a: &Tensor, b: &Tensor, dc: &Tensor, ta: bool, tb: bool) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "matmul_bwd";
+    check::float(OP, a)?;
+    check::same_dtype(OP, a, b)?;
+    check::on_cpu(OP, &[a, b, dc])?;
+    let d = dims(OP, a, b, ta, tb)?;
+    check::shape(OP, dc, &d.out)?;
+    let (av, bv, dcv) = (a.read_f32()?, b.read_f32()?, dc.read_f32()?);
+    let mut da = vec![0f32; a.elem_count()];
+    let mut db = vec![0f32; b.elem_count()];
+    cpu::matmul::gemm_bwd(d.batch, d.m, d.n, d.k, &av, ta, &bv, tb, &dcv, Some(&mut da), Some(&mut db), false);
+    Ok((
+        check::out(&da, a.shape().clone(), a.dtype(), a.device())?,
+        check::out(&db, b.shape().clone(), b.dtype(), b.device())?,
+    ))
+}

@@ -1,0 +1,39 @@
+//! Rotary position embedding on [B, T, H, D] (math in `cpu::rope`).
+
+use crate::{check, cpu};
+use ferrotron_core::{Result, Tensor, invalid};
+
+pub use crate::cpu::rope::RopeCfg;
+
+fn validate(op: &'static str, x: &Tensor, cfg: &RopeCfg) -> Result<(usize, usize, usize)> {
+    check::float(op, x)?;
+    check::rank(op, x, 4)?;
+    let d = x.dims();
+    if cfg.rot == 0 || cfg.rot % 2 != 0 || cfg.rot > d[3] {
+        return Err(invalid(
+            op,
+            format!("rotary dim {} must be even, non-zero and at most the head dim {}", cfg.rot, d[3]),
+        ));
+    }
+    if cfg.base <= 0.0 || !cfg.base.is_finite() {
+        return Err(invalid(op, format!("rotary base {} must be positive", cfg.base)));
+    }
+    check::on_cpu(op, &[x])?;
+    Ok((d[1], d[2], d[3]))
+}
+
+pub fn rope_fwd(x: &Tensor, cfg: &RopeCfg) -> Result<Tensor> {
+    let (t, h, d) = validate("rope_fwd", x, cfg)?;
+    let xv = x.read_f32()?;
+    let mut y = vec![0f32; xv.len()];
+    cpu::rope::rope_fwd(&xv, t, h, d, cfg, &mut y);
+    check::out(&y, x.shape().clone(), x.dtype(), x.device())
+}
+
+pub fn rope_bwd(dy: &Tensor, cfg: &RopeCfg) -> Result<Tensor> {
+    let (t, h, d) = validate("rope_bwd", dy, cfg)?;
+    let dyv = dy.read_f32()?;
+    let mut dx = vec![0f32; dyv.len()];
+    cpu::rope::rope_bwd(&dyv, t, h, d, cfg, &mut dx);
+    check::out(&dx, dy.shape().clone(), dy.dtype(), dy.device())
+}

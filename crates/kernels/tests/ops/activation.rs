@@ -1,0 +1,85 @@
+use crate::device_test;
+use crate::util::*;
+use ferrotron_core::Device;
+use ferrotron_kernels::{self as k, cpu::activation as act, cpu::softmax as sm};
+use proptest::prelude::*;
+
+fn gelu_ref(x: f64) -> f64 {
+    0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x.powi(3))).tanh())
+}
+fn silu_ref(x: f64) -> f64 {
+    x / (1.0 + (-x).exp())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    #[test]
+    fn pointwise_fwd_and_fd(n in 1usize..40, seed: u64) {
+        let dev = Device::Cpu;
+        let (x, r) = (randv(n, seed).iter().map(|v| v * 3.0).collect::<Vec<_>>(), randv(n, seed ^ 9));
+        let xt = t32(&dev, &x, &[n]);
+        assert_close(&host(&k::gelu(&xt).unwrap()), &x.iter().map(|&v| gelu_ref(v)).collect::<Vec<_>>(), 1e-5, 1e-6, "gelu");
+        assert_close(&host(&k::silu(&xt).unwrap()), &x.iter().map(|&v| silu_ref(v)).collect::<Vec<_>>(), 1e-5, 1e-6, "silu");
+        type F = fn(&[f64], &mut [f64]);
+        type B = fn(&[f64], &[f64], &mut [f64]);
+        for (name, f, b) in [("gelu", act::gelu_fwd::<f64> as F, act::gelu_bwd::<f64> as B), ("silu", act::silu_fwd::<f64>, act::silu_bwd::<f64>)] {
+            let mut dx = vec![0.0; n];
+            b(&x, &r, &mut dx);
+            fd_check(&x, &dx, |x| { let mut y = vec![0.0; n]; f(x, &mut y); dot(&y, &r) }, name);
+        }
+    }
+
+    #[test]
+    fn swiglu_fwd_and_fd(rows in 1usize..4, f in 1usize..6, seed: u64) {
+        let dev = Device::Cpu;
+        let (x, r) = (randv(rows * 2 * f, seed), randv(rows * f, seed ^ 9));
+        let want: Vec<f64> = x.chunks(2 * f).flat_map(|c| (0..f).map(move |i| silu_ref(c[i]) * c[f + i])).collect();
+        let y = k::swiglu(&t32(&dev, &x, &[rows, 2 * f])).unwrap();
+        prop_assert_eq!(y.dims(), &[rows, f]);
+        assert_close(&host(&y), &want, 1e-5, 1e-6, "swiglu");
+        let mut dx = vec![0.0; x.len()];
+        act::swiglu_bwd(&x, &r, f, &mut dx);
+        fd_check(&x, &dx, |x| { let mut y = vec![0.0; rows * f]; act::swiglu_fwd(x, f, &mut y); dot(&y, &r) }, "swiglu dx");
+    }
+
+    #[test]
+    fn softmax_fwd_and_fd(rows in 1usize..4, c in 1usize..9, seed: u64) {
+        let dev = Device::Cpu;
+        let (x, r) = (randv(rows * c, seed), randv(rows * c, seed ^ 9));
+        let want: Vec<f64> = x.chunks(c).flat_map(|row| {
+            let z: f64 = row.iter().map(|v| v.exp()).sum();
+            row.iter().map(move |v| v.exp() / z).collect::<Vec<_>>()
+        }).collect();
+        assert_close(&host(&k::softmax(&t32(&dev, &x, &[rows, c])).unwrap()), &want, 1e-5, 1e-6, "softmax");
+        let mut y = vec![0.0; x.len()];
+        sm::softmax_fwd(&x, c, &mut y);
+        let mut dx = vec![0.0; x.len()];
+        sm::softmax_bwd(&y, &r, c, &mut dx);
+        fd_check(&x, &dx, |x| { let mut y = vec![0.0; x.len()]; sm::softmax_fwd(x, c, &mut y); dot(&y, &r) }, "softmax dx");
+    }
+}
+
+device_test!(tensor_backwards_agree_with_f64, |dev: &Device| {
+    let (x, r) = (randv(3 * 8, 1), randv(3 * 8, 2));
+    let (xt, rt) = (t32(dev, &x, &[3, 8]), t32(dev, &r, &[3, 8]));
+    let mut want = vec![0.0; 24];
+    act::gelu_bwd(&x, &r, &mut want);
+    assert_close(&host(&k::gelu_bwd(&xt, &rt).unwrap()), &want, 1e-5, 1e-6, "gelu_bwd");
+    act::silu_bwd(&x, &r, &mut want);
+    assert_close(&host(&k::silu_bwd(&xt, &rt).unwrap()), &want, 1e-5, 1e-6, "silu_bwd");
+    let r4 = t32(dev, &r[..12], &[3, 4]);
+    act::swiglu_bwd(&x, &r[..12], 4, &mut want);
+    assert_close(&host(&k::swiglu_bwd(&xt, &r4).unwrap()), &want, 1e-5, 1e-6, "swiglu_bwd");
+    let y = k::softmax(&xt).unwrap();
+    let mut y64 = vec![0.0; 24];
+    sm::softmax_fwd(&x, 8, &mut y64);
+    sm::softmax_bwd(&y64, &r, 8, &mut want);
+    assert_close(&host(&k::softmax_bwd(&y, &rt).unwrap()), &want, 1e-5, 1e-6, "softmax_bwd");
+});
+
+#[test]
+fn swiglu_needs_even_width() {
+    let e = k::swiglu(&t32(&Device::Cpu, &randv(6, 0), &[2, 3])).unwrap_err();
+    assert!(e.to_string().contains("swiglu"), "{e}");
+}

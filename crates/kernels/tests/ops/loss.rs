@@ -1,0 +1,81 @@
+use crate::device_test;
+use crate::util::*;
+use ferrotron_core::{DType, Device, Error, Tensor};
+use ferrotron_kernels::{self as k, CrossEntropyCfg, cpu::loss};
+use proptest::prelude::*;
+
+fn reference(logits: &[f64], v: usize, targets: &[u32], mask: &[f64], ignore: Option<u32>) -> Vec<f64> {
+    logits
+        .chunks(v)
+        .enumerate()
+        .map(|(n, row)| {
+            if Some(targets[n]) == ignore {
+                return 0.0;
+            }
+            let lse = row.iter().map(|x| x.exp()).sum::<f64>().ln();
+            mask[n] * (lse - row[targets[n] as usize])
+        })
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    #[test]
+    fn fwd_matches_naive_and_bwd_matches_fd(n in 1usize..6, v in 1usize..8, seed: u64, use_ignore: bool) {
+        let dev = Device::Cpu;
+        let logits = randv(n * v, seed);
+        let targets: Vec<u32> = randv(n, seed ^ 1).iter().map(|x| ((x.abs() * 1000.0) as usize % v) as u32).collect();
+        let mask: Vec<f64> = randv(n, seed ^ 2).iter().map(|x| if *x > 0.5 { 0.0 } else { 1.0 }).collect();
+        let ignore = use_ignore.then_some(targets[0]);
+        let cfg = CrossEntropyCfg { ignore_index: ignore };
+        let (tt, mt) = (Tensor::from_vec(targets.clone(), [n], &dev).unwrap(), t32(&dev, &mask, &[n]));
+        let (l, _) = k::cross_entropy_fwd(&t32(&dev, &logits, &[n, v]), &tt, Some(&mt), cfg).unwrap();
+        assert_close(&host(&l), &reference(&logits, v, &targets, &mask, ignore), 1e-5, 1e-5, "ce");
+
+        let m32: Vec<f32> = mask.iter().map(|&x| x as f32).collect();
+        let dl = randv(n, seed ^ 3);
+        let f = |x: &[f64]| {
+            let (mut l, mut s) = (vec![0.0; n], vec![0.0; n]);
+            loss::cross_entropy_fwd(x, v, &targets, Some(&m32), cfg, &mut l, &mut s);
+            dot(&l, &dl)
+        };
+        let (mut l, mut s) = (vec![0.0; n], vec![0.0; n]);
+        loss::cross_entropy_fwd(&logits, v, &targets, Some(&m32), cfg, &mut l, &mut s);
+        let mut d = vec![0.0; n * v];
+        loss::cross_entropy_bwd(&logits, v, &targets, Some(&m32), cfg, &s, &dl, &mut d);
+        fd_check(&logits, &d, f, "dlogits");
+    }
+}
+
+device_test!(bf16_logits_match_f32_and_backward_agrees, |dev: &Device| {
+    let (n, v) = (6, 50);
+    let logits = randv(n * v, 1);
+    let targets = Tensor::from_vec(vec![3u32, 0, 49, 7, 7, 20], [n], dev).unwrap();
+    let cfg = CrossEntropyCfg::default();
+    let l32 = t32(dev, &logits, &[n, v]);
+    let lbf = tensor(dev, &logits, &[n, v], DType::BF16);
+    let (a, la) = k::cross_entropy_fwd(&l32, &targets, None, cfg).unwrap();
+    let (b, lb) = k::cross_entropy_fwd(&lbf, &targets, None, cfg).unwrap();
+    assert_close(&host(&b), &host(&a), 2e-2, 2e-2, "bf16 loss");
+    let dl = t32(dev, &vec![1.0 / n as f64; n], &[n]);
+    let da = k::cross_entropy_bwd(&l32, &targets, None, &la, &dl, cfg).unwrap();
+    let db = k::cross_entropy_bwd(&lbf, &targets, None, &lb, &dl, cfg).unwrap();
+    assert_eq!(db.dtype(), DType::BF16);
+    assert_close(&host(&db), &host(&da), 2e-2, 2e-3, "bf16 dlogits");
+    // Each row of dlogits sums to zero (softmax minus one-hot).
+    for row in host(&da).chunks(v) {
+        assert!(row.iter().sum::<f64>().abs() < 1e-6);
+    }
+});
+
+device_test!(target_outside_vocab_is_an_error, |dev: &Device| {
+    let targets = Tensor::from_vec(vec![1u32, 9], [2], dev).unwrap();
+    let e =
+        k::cross_entropy_fwd(&t32(dev, &randv(8, 0), &[2, 4]), &targets, None, CrossEntropyCfg::default()).unwrap_err();
+    assert!(matches!(e, Error::IndexOutOfRange { index: 9, bound: 4, .. }), "{e}");
+    // The ignore index may lie outside the vocabulary (Megatron uses -100).
+    let ignore = CrossEntropyCfg { ignore_index: Some(9) };
+    let (l, _) = k::cross_entropy_fwd(&t32(dev, &randv(8, 0), &[2, 4]), &targets, None, ignore).unwrap();
+    assert_eq!(host(&l)[1], 0.0);
+});

@@ -1,0 +1,14 @@
+//! Every kernel against a naive f64 reference, and every backward against finite differences of the
+//! kernel's own f64 instantiation. Shapes come from proptest, including size-1 and odd dims.
+
+mod util;
+
+mod activation;
+mod attention;
+mod elementwise;
+mod embedding;
+mod loss;
+mod matmul;
+mod norm;
+mod optim;
+mod rope;

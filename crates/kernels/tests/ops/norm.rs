@@ -1,0 +1,100 @@
+use crate::device_test;
+use crate::util::*;
+use ferrotron_core::Device;
+use ferrotron_kernels::{self as k, cpu::norm};
+use proptest::prelude::*;
+
+fn ln_ref(x: &[f64], w: &[f64], b: &[f64], c: usize, eps: f64) -> Vec<f64> {
+    x.chunks(c)
+        .flat_map(|r| {
+            let mu = r.iter().sum::<f64>() / c as f64;
+            let var = r.iter().map(|v| (v - mu).powi(2)).sum::<f64>() / c as f64;
+            r.iter().enumerate().map(move |(i, v)| (v - mu) / (var + eps).sqrt() * w[i] + b[i]).collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+fn rms_ref(x: &[f64], w: &[f64], c: usize, eps: f64) -> Vec<f64> {
+    x.chunks(c)
+        .flat_map(|r| {
+            let ms = r.iter().map(|v| v * v).sum::<f64>() / c as f64;
+            r.iter().enumerate().map(move |(i, v)| v / (ms + eps).sqrt() * w[i]).collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    #[test]
+    fn layernorm_fwd_and_fd(rows in 1usize..5, c in 1usize..9, seed: u64) {
+        let eps = 1e-5;
+        let (x, w, b, r) = (randv(rows * c, seed), randv(c, seed ^ 1), randv(c, seed ^ 2), randv(rows * c, seed ^ 3));
+        let dev = Device::Cpu;
+        let (y, _, _) = k::layernorm_fwd(&t32(&dev, &x, &[rows, c]), &t32(&dev, &w, &[c]), Some(&t32(&dev, &b, &[c])), eps).unwrap();
+        assert_close(&host(&y), &ln_ref(&x, &w, &b, c, eps), 1e-4, 1e-4, "layernorm");
+        if c < 2 { return Ok(()); } // a single feature normalises to exactly b: no x gradient to check
+        let f = |x: &[f64], w: &[f64], b: &[f64]| {
+            let (mut y, mut m, mut s) = (vec![0.0; rows * c], vec![0.0; rows], vec![0.0; rows]);
+            norm::layernorm_fwd(x, w, Some(b), eps, c, &mut y, &mut m, &mut s);
+            dot(&y, &r)
+        };
+        let (mut y, mut m, mut s) = (vec![0.0; rows * c], vec![0.0; rows], vec![0.0; rows]);
+        norm::layernorm_fwd(&x, &w, Some(&b), eps, c, &mut y, &mut m, &mut s);
+        let mut dx = vec![0.0; rows * c];
+        let (dw, db) = norm::layernorm_bwd(&r, &x, &w, &m, &s, c, &mut dx);
+        fd_check(&x, &dx, |x| f(x, &w, &b), "ln dx");
+        fd_check(&w, &dw, |w| f(&x, w, &b), "ln dw");
+        fd_check(&b, &db, |b| f(&x, &w, b), "ln db");
+    }
+
+    #[test]
+    fn rmsnorm_fwd_and_fd(rows in 1usize..5, c in 1usize..9, seed: u64) {
+        let eps = 1e-5;
+        let (x, w, r) = (randv(rows * c, seed), randv(c, seed ^ 1), randv(rows * c, seed ^ 3));
+        let dev = Device::Cpu;
+        let (y, _) = k::rmsnorm_fwd(&t32(&dev, &x, &[rows, c]), &t32(&dev, &w, &[c]), eps).unwrap();
+        assert_close(&host(&y), &rms_ref(&x, &w, c, eps), 1e-4, 1e-4, "rmsnorm");
+        let f = |x: &[f64], w: &[f64]| {
+            let (mut y, mut s) = (vec![0.0; rows * c], vec![0.0; rows]);
+            norm::rmsnorm_fwd(x, w, eps, c, &mut y, &mut s);
+            dot(&y, &r)
+        };
+        let (mut y, mut s) = (vec![0.0; rows * c], vec![0.0; rows]);
+        norm::rmsnorm_fwd(&x, &w, eps, c, &mut y, &mut s);
+        let mut dx = vec![0.0; rows * c];
+        let dw = norm::rmsnorm_bwd(&r, &x, &w, &s, c, &mut dx);
+        fd_check(&x, &dx, |x| f(x, &w), "rms dx");
+        fd_check(&w, &dw, |w| f(&x, w), "rms dw");
+    }
+}
+
+device_test!(tensor_backward_agrees_with_f64, |dev: &Device| {
+    let (rows, c) = (70, 12); // more rows than one reduction chunk
+    let (x, w, b, r) = (randv(rows * c, 1), randv(c, 2), randv(c, 3), randv(rows * c, 4));
+    let (xt, wt) = (t32(dev, &x, &[rows, c]), t32(dev, &w, &[c]));
+    let (_, mean, rstd) = k::layernorm_fwd(&xt, &wt, Some(&t32(dev, &b, &[c])), 1e-5).unwrap();
+    let (dx, dw, db) = k::layernorm_bwd(&t32(dev, &r, &[rows, c]), &xt, &wt, &mean, &rstd).unwrap();
+    let (mut y, mut m, mut s) = (vec![0.0; rows * c], vec![0.0; rows], vec![0.0; rows]);
+    norm::layernorm_fwd(&x, &w, Some(&b), 1e-5, c, &mut y, &mut m, &mut s);
+    let mut dx64 = vec![0.0; rows * c];
+    let (dw64, db64) = norm::layernorm_bwd(&r, &x, &w, &m, &s, c, &mut dx64);
+    assert_close(&host(&dx), &dx64, 1e-4, 1e-4, "dx");
+    assert_close(&host(&dw), &dw64, 1e-4, 1e-4, "dw");
+    assert_close(&host(&db), &db64, 1e-4, 1e-4, "db");
+});
+
+device_test!(bf16_layernorm_close_to_f32, |dev: &Device| {
+    let (x, w, b) = (randv(8 * 32, 1), randv(32, 2), randv(32, 3));
+    let bf = |v: &[f64], s: &[usize]| tensor(dev, v, s, ferrotron_core::DType::BF16);
+    let (y, _, _) = k::layernorm_fwd(&bf(&x, &[8, 32]), &bf(&w, &[32]), Some(&bf(&b, &[32])), 1e-5).unwrap();
+    assert_eq!(y.dtype(), ferrotron_core::DType::BF16);
+    assert_close(&host(&y), &ln_ref(&x, &w, &b, 32, 1e-5), 2e-2, 5e-2, "bf16 layernorm");
+});
+
+#[test]
+fn weight_of_wrong_size_is_an_error() {
+    let dev = Device::Cpu;
+    let e = k::rmsnorm_fwd(&t32(&dev, &randv(12, 0), &[3, 4]), &t32(&dev, &randv(5, 0), &[5]), 1e-5).unwrap_err();
+    assert!(e.to_string().contains("rmsnorm_fwd") && e.to_string().contains("[4]"), "{e}");
+}

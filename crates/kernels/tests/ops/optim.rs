@@ -1,0 +1,50 @@
+use crate::device_test;
+use crate::util::*;
+use ferrotron_core::Device;
+use ferrotron_kernels::{self as k, AdamW};
+
+/// PyTorch's AdamW update written out in f64.
+fn reference(p: &mut [f64], g: &[f64], m: &mut [f64], v: &mut [f64], h: &AdamW) {
+    let (b1, b2) = (h.beta1 as f64, h.beta2 as f64);
+    for i in 0..p.len() {
+        let gi = g[i] * h.grad_scale as f64;
+        p[i] *= 1.0 - h.lr as f64 * h.weight_decay as f64;
+        m[i] = b1 * m[i] + (1.0 - b1) * gi;
+        v[i] = b2 * v[i] + (1.0 - b2) * gi * gi;
+        let mh = m[i] / (1.0 - b1.powi(h.step as i32));
+        let vh = v[i] / (1.0 - b2.powi(h.step as i32));
+        p[i] -= h.lr as f64 * mh / (vh.sqrt() + h.eps as f64);
+    }
+}
+
+device_test!(adamw_matches_reference_over_steps, |dev: &Device| {
+    let n = 40_000; // spans several parallel chunks
+    let mut p = randv(n, 1);
+    let (mut m, mut v) = (vec![0.0; n], vec![0.0; n]);
+    let (pt, mt, vt) = (t32(dev, &p, &[n]), t32(dev, &m, &[n]), t32(dev, &v, &[n]));
+    for step in 1..=4u64 {
+        let g = randv(n, 10 + step);
+        let h = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step, grad_scale: 0.5 };
+        k::adamw_step(&pt, &t32(dev, &g, &[n]), &mt, &vt, &h).unwrap();
+        reference(&mut p, &g, &mut m, &mut v, &h);
+    }
+    assert_close(&host(&pt), &p, 1e-5, 1e-6, "params");
+    assert_close(&host(&mt), &m, 1e-5, 1e-6, "m");
+    assert_close(&host(&vt), &v, 1e-4, 1e-7, "v");
+});
+
+device_test!(adamw_rejects_aliasing_and_step_zero, |dev: &Device| {
+    let p = t32(dev, &randv(4, 1), &[4]);
+    let g = t32(dev, &randv(4, 2), &[4]);
+    let h = AdamW { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, step: 1, grad_scale: 1.0 };
+    assert!(k::adamw_step(&p, &g, &p, &g, &h).is_err());
+    let (m, v) = (t32(dev, &[0.0; 4], &[4]), t32(dev, &[0.0; 4], &[4]));
+    assert!(k::adamw_step(&p, &g, &m, &v, &AdamW { step: 0, ..h }).is_err());
+});
+
+device_test!(global_norm_matches_naive, |dev: &Device| {
+    let (a, b) = (randv(50_000, 3), randv(17, 4));
+    let want = a.iter().chain(&b).map(|x| x * x).sum::<f64>().sqrt();
+    let got = k::global_l2_norm(&[&t32(dev, &a, &[50_000]), &t32(dev, &b, &[17])]).unwrap();
+    assert!((got - want).abs() < 1e-6 * want, "{got} vs {want}");
+});

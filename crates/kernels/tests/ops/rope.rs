@@ -1,0 +1,57 @@
+use crate::device_test;
+use crate::util::*;
+use ferrotron_core::Device;
+use ferrotron_kernels::{self as k, RopeCfg, cpu::rope};
+use proptest::prelude::*;
+
+/// Naive rotate-half RoPE written from the formula, angle per (position, pair).
+fn reference(x: &[f64], b: usize, t: usize, h: usize, d: usize, cfg: &RopeCfg) -> Vec<f64> {
+    let mut y = x.to_vec();
+    let half = cfg.rot / 2;
+    for bb in 0..b {
+        for p in 0..t {
+            for hh in 0..h {
+                let base = ((bb * t + p) * h + hh) * d;
+                for i in 0..half {
+                    let theta = (cfg.pos0 + p) as f64 / cfg.base.powf(2.0 * i as f64 / cfg.rot as f64);
+                    let (x1, x2) = (x[base + i], x[base + i + half]);
+                    y[base + i] = x1 * theta.cos() - x2 * theta.sin();
+                    y[base + i + half] = x2 * theta.cos() + x1 * theta.sin();
+                }
+            }
+        }
+    }
+    y
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    #[test]
+    fn fwd_matches_formula_and_bwd_matches_fd(b in 1usize..3, t in 1usize..5, h in 1usize..3, pairs in 1usize..4, extra in 0usize..3, pos0 in 0usize..50, seed: u64) {
+        let d = 2 * pairs + extra;
+        let cfg = RopeCfg { rot: 2 * pairs, base: 10000.0, pos0 };
+        let (x, r) = (randv(b * t * h * d, seed), randv(b * t * h * d, seed ^ 1));
+        let dev = Device::Cpu;
+        let y = k::rope_fwd(&t32(&dev, &x, &[b, t, h, d]), &cfg).unwrap();
+        assert_close(&host(&y), &reference(&x, b, t, h, d, &cfg), 1e-5, 1e-5, "rope");
+        let mut dx = vec![0.0; x.len()];
+        rope::rope_bwd(&r, t, h, d, &cfg, &mut dx);
+        fd_check(&x, &dx, |x| { let mut y = vec![0.0; x.len()]; rope::rope_fwd(x, t, h, d, &cfg, &mut y); dot(&y, &r) }, "rope dx");
+    }
+}
+
+device_test!(backward_inverts_forward, |dev: &Device| {
+    let cfg = RopeCfg { rot: 8, base: 500000.0, pos0: 3 };
+    let x = randv(2 * 6 * 3 * 8, 5);
+    let xt = t32(dev, &x, &[2, 6, 3, 8]);
+    let back = k::rope_bwd(&k::rope_fwd(&xt, &cfg).unwrap(), &cfg).unwrap();
+    assert_close(&host(&back), &x, 1e-5, 1e-5, "R(-θ)R(θ)x");
+});
+
+#[test]
+fn odd_rotary_dim_is_an_error() {
+    let x = t32(&Device::Cpu, &randv(2 * 5, 0), &[1, 1, 2, 5]);
+    let e = k::rope_fwd(&x, &RopeCfg { rot: 5, base: 10000.0, pos0: 0 }).unwrap_err();
+    assert!(e.to_string().contains("must be even"), "{e}");
+}
