@@ -1,7 +1,8 @@
 //! ferrotron-core: the vocabulary every other Ferrotron crate speaks.
 //!
 //! Dtypes (f32, bf16, f16, fp8 e4m3/e5m2, u32 ids), shapes and strided layouts, a `Tensor` over CPU
-//! or CUDA storage, the `Device` it lives on, typed errors, and a counter-based Philox RNG whose
+//! or CUDA storage, the `Device` it lives on, typed errors, the `Module` trait and the parameter
+//! table (every layer above implements and uses them), and a counter-based Philox RNG whose
 //! output is a pure function of (seed, stream, offset) so that results never depend on thread count,
 //! rank count or call order.
 //!
@@ -14,6 +15,8 @@ pub mod cuda;
 mod device;
 mod dtype;
 mod error;
+mod module;
+mod params;
 pub mod rng;
 mod shape;
 mod storage;
@@ -24,6 +27,8 @@ pub use dtype::{DType, WithDType};
 pub use error::{Error, Result, invalid, shape_mismatch};
 pub use float8::{F8E4M3, F8E5M2};
 pub use half::{bf16, f16};
+pub use module::{Cx, Module, Saved};
+pub use params::{Init, ParamId, ParamMeta, ParamTable, ParamTableBuilder};
 pub use shape::{Layout, Shape};
 pub use storage::{CpuStorage, Storage};
 pub use tensor::{F32Read, Tensor};

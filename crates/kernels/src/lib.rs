@@ -7,7 +7,7 @@
 //! signatures.
 //!
 //! Families: `matmul`, `norm`, `activation` (incl. softmax), `attention`, `rope`, `embedding`, `loss`,
-//! `optim`, `elementwise`. Accumulation rule: activation gradients are returned (`=`); parameter
+//! `optim`, `elementwise`, `qkv`. Accumulation rule: activation gradients are returned (`=`); parameter
 //! gradients are either returned as f32 for the caller to add, or added in place (`matmul_into` with
 //! `accumulate`, `embedding_bwd`) into fp32 main_grad buffers.
 //!
@@ -23,6 +23,7 @@ mod loss;
 mod matmul;
 mod norm;
 mod optim;
+mod qkv;
 pub mod real;
 mod rope;
 
@@ -34,4 +35,5 @@ pub use loss::{CrossEntropyCfg, cross_entropy_bwd, cross_entropy_fwd};
 pub use matmul::{matmul, matmul_bwd, matmul_into};
 pub use norm::{layernorm_bwd, layernorm_fwd, rmsnorm_bwd, rmsnorm_fwd};
 pub use optim::{AdamW, adamw_step, global_l2_norm, sum_sq};
+pub use qkv::{qkv_merge, qkv_split};
 pub use rope::{RopeCfg, rope_bwd, rope_fwd};

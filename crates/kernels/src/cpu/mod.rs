@@ -8,5 +8,6 @@ pub mod loss;
 pub mod matmul;
 pub mod norm;
 pub mod optim;
+pub mod qkv;
 pub mod rope;
 pub mod softmax;

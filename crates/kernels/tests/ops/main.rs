@@ -11,4 +11,5 @@ mod loss;
 mod matmul;
 mod norm;
 mod optim;
+mod qkv;
 mod rope;

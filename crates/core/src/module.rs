@@ -1,0 +1,45 @@
+//! The Module interface: a named forward and backward per layer, no autograd tape.
+//!
+//! `forward` returns its output and the activations backward will need, as a value (`Saved`), not
+//! kept inside the module: the schedule owns them, so pipeline 1F1B can hold several micro-batches
+//! and recompute can drop them and run forward again.
+//!
+//! Accumulation rule: `backward` returns dx (`=`) and adds parameter gradients (`+=`) into the fp32
+//! main_grad views of the `ParamTable` (gradient accumulation across micro-batches); the residual
+//! stream adds its two branches' gradients.
+
+use crate::params::ParamTable;
+use crate::{Result, Tensor};
+
+/// Activations saved by a forward for its backward: its own tensors, in push order, and the saved
+/// values of the sub-modules it ran, in call order.
+#[derive(Default, Debug)]
+pub struct Saved {
+    pub tensors: Vec<Tensor>,
+    pub children: Vec<Saved>,
+}
+
+impl Saved {
+    pub fn new(tensors: Vec<Tensor>, children: Vec<Saved>) -> Self {
+        Saved { tensors, children }
+    }
+    /// Bytes held, sub-modules included (what activation recompute saves).
+    pub fn bytes(&self) -> usize {
+        self.tensors.iter().map(|t| t.elem_count() * t.dtype().size_in_bytes()).sum::<usize>()
+            + self.children.iter().map(Saved::bytes).sum::<usize>()
+    }
+}
+
+/// What a module needs at run time: the parameters (and their grads) and whether it is training.
+pub struct Cx<'a> {
+    pub params: &'a ParamTable,
+    pub training: bool,
+}
+
+/// A layer with an explicit forward and backward.
+pub trait Module: Send + Sync {
+    /// y = f(x); also returns what backward needs.
+    fn forward(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Saved)>;
+    /// dx from dy; parameter gradients are added into main_grad.
+    fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor>;
+}

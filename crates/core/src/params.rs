@@ -1,0 +1,207 @@
+//! The parameter table: every parameter's metadata, and flat buffers with typed views.
+//!
+//! Parameters live in one flat buffer (the model dtype) and their gradients in one flat fp32
+//! main_grad buffer, both laid out by the same table; each parameter is a view (`Tensor::view`).
+//! DDP buckets, the distributed optimizer and checkpoints are all built from this one table.
+//! Initial values are drawn per parameter from Philox with a stream derived from the parameter's
+//! name and the element's global index, so they do not depend on how the model is split.
+
+use crate::rng::Philox;
+use crate::{DType, Device, Error, Result, Shape, Tensor};
+
+/// How a parameter is initialised.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Init {
+    Zeros,
+    Ones,
+    Normal { std: f32 },
+}
+
+/// Everything the layers above need to know about one parameter.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamMeta {
+    /// Stable Megatron-style name, e.g. `decoder.layers.3.self_attention.linear_qkv.weight`.
+    pub name: String,
+    /// Shape held by this rank.
+    pub local_shape: Shape,
+    /// Shape of the whole parameter across tensor-parallel ranks.
+    pub global_shape: Shape,
+    /// Dimension split across tensor-parallel ranks, if any.
+    pub split_dim: Option<usize>,
+    /// Same value on every tensor-parallel rank (counted once in norms).
+    pub replicated: bool,
+    pub init: Init,
+    /// Megatron applies no weight decay to biases and norm weights.
+    pub weight_decay: bool,
+}
+
+impl ParamMeta {
+    /// A parameter held whole on every rank.
+    pub fn replicated(name: impl Into<String>, shape: impl Into<Shape>, init: Init, weight_decay: bool) -> Self {
+        let shape = shape.into();
+        ParamMeta {
+            name: name.into(),
+            local_shape: shape.clone(),
+            global_shape: shape,
+            split_dim: None,
+            replicated: true,
+            init,
+            weight_decay,
+        }
+    }
+}
+
+/// Index of a parameter in its table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ParamId(pub usize);
+
+/// Collects parameter metadata while a model is built.
+#[derive(Default, Debug, Clone)]
+pub struct ParamTableBuilder {
+    metas: Vec<ParamMeta>,
+}
+
+impl ParamTableBuilder {
+    pub fn add(&mut self, meta: ParamMeta) -> Result<ParamId> {
+        if self.metas.iter().any(|m| m.name == meta.name) {
+            return Err(Error::InvalidArgument {
+                op: "ParamTable",
+                msg: format!("duplicate parameter name `{}`", meta.name),
+            });
+        }
+        self.metas.push(meta);
+        Ok(ParamId(self.metas.len() - 1))
+    }
+
+    /// Allocates the buffers on `device`, params in `dtype`, grads in f32, and initialises from `seed`.
+    pub fn build(self, device: &Device, dtype: DType, seed: u64) -> Result<ParamTable> {
+        let mut offsets = Vec::with_capacity(self.metas.len());
+        let mut total = 0;
+        for m in &self.metas {
+            offsets.push(total);
+            total += m.local_shape.elem_count();
+        }
+        let mut host = vec![0f32; total];
+        for (m, &off) in self.metas.iter().zip(&offsets) {
+            init_values(m, seed, &mut host[off..off + m.local_shape.elem_count()]);
+        }
+        let params = Tensor::from_f32(&host, [total], dtype, device)?;
+        let grads = Tensor::zeros([total], DType::F32, device)?;
+        Ok(ParamTable { metas: self.metas, offsets, total, params, grads })
+    }
+}
+
+/// FNV-1a of the name: a stream id that depends on nothing but the parameter's identity.
+fn name_stream(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+}
+
+fn init_values(m: &ParamMeta, seed: u64, out: &mut [f32]) {
+    match m.init {
+        Init::Zeros => out.fill(0.0),
+        Init::Ones => out.fill(1.0),
+        Init::Normal { std } => Philox::new(seed).with_stream(name_stream(&m.name)).fill_normal(0, 0.0, std, out),
+    }
+}
+
+/// Parameter metadata plus the flat parameter and fp32 main_grad buffers.
+pub struct ParamTable {
+    metas: Vec<ParamMeta>,
+    offsets: Vec<usize>,
+    total: usize,
+    params: Tensor,
+    grads: Tensor,
+}
+
+impl ParamTable {
+    pub fn metas(&self) -> &[ParamMeta] {
+        &self.metas
+    }
+    pub fn meta(&self, id: ParamId) -> &ParamMeta {
+        &self.metas[id.0]
+    }
+    pub fn len(&self) -> usize {
+        self.metas.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.metas.is_empty()
+    }
+    /// Total elements across all parameters.
+    pub fn numel(&self) -> usize {
+        self.total
+    }
+    /// Flat element range of parameter `id` in both buffers.
+    pub fn range(&self, id: ParamId) -> std::ops::Range<usize> {
+        let o = self.offsets[id.0];
+        o..o + self.metas[id.0].local_shape.elem_count()
+    }
+    pub fn id(&self, name: &str) -> Option<ParamId> {
+        self.metas.iter().position(|m| m.name == name).map(ParamId)
+    }
+    pub fn ids(&self) -> impl Iterator<Item = ParamId> + '_ {
+        (0..self.metas.len()).map(ParamId)
+    }
+    /// The parameter as a view of the flat buffer.
+    pub fn param(&self, id: ParamId) -> Result<Tensor> {
+        self.params.view(self.offsets[id.0], self.metas[id.0].local_shape.clone())
+    }
+    /// Its fp32 main_grad view (backward adds into it).
+    pub fn grad(&self, id: ParamId) -> Result<Tensor> {
+        self.grads.view(self.offsets[id.0], self.metas[id.0].local_shape.clone())
+    }
+    pub fn flat_params(&self) -> &Tensor {
+        &self.params
+    }
+    pub fn flat_grads(&self) -> &Tensor {
+        &self.grads
+    }
+    pub fn zero_grads(&self) -> Result<()> {
+        self.grads.update_f32("zero_grads", |g| g.fill(0.0))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(dtype: DType) -> ParamTable {
+        let mut b = ParamTableBuilder::default();
+        b.add(ParamMeta::replicated("a.weight", [2, 3], Init::Normal { std: 0.02 }, true)).unwrap();
+        b.add(ParamMeta::replicated("a.bias", [3], Init::Zeros, false)).unwrap();
+        b.add(ParamMeta::replicated("n.weight", [3], Init::Ones, false)).unwrap();
+        b.build(&Device::Cpu, dtype, 7).unwrap()
+    }
+
+    #[test]
+    fn views_tile_the_flat_buffers() {
+        let t = table(DType::F32);
+        assert_eq!(t.numel(), 12);
+        let w = t.param(ParamId(0)).unwrap();
+        assert_eq!(w.dims(), &[2, 3]);
+        assert_eq!(t.param(ParamId(2)).unwrap().to_vec_f32().unwrap(), vec![1.0; 3]);
+        t.grad(ParamId(1)).unwrap().update_f32("t", |g| g.fill(5.0)).unwrap();
+        let flat = t.flat_grads().to_vec_f32().unwrap();
+        assert_eq!(&flat[6..9], &[5.0; 3]);
+        assert_eq!(flat.iter().filter(|&&x| x != 0.0).count(), 3);
+    }
+
+    #[test]
+    fn init_depends_on_name_and_seed_not_order() {
+        let a = table(DType::F32);
+        let mut b = ParamTableBuilder::default();
+        b.add(ParamMeta::replicated("n.weight", [3], Init::Ones, false)).unwrap();
+        b.add(ParamMeta::replicated("a.weight", [2, 3], Init::Normal { std: 0.02 }, true)).unwrap();
+        let b = b.build(&Device::Cpu, DType::F32, 7).unwrap();
+        let wa = a.param(a.id("a.weight").unwrap()).unwrap().to_vec_f32().unwrap();
+        let wb = b.param(b.id("a.weight").unwrap()).unwrap().to_vec_f32().unwrap();
+        assert_eq!(wa, wb);
+        assert!(wa.iter().all(|x| x.abs() < 0.2) && wa.iter().any(|&x| x != 0.0));
+    }
+
+    #[test]
+    fn duplicate_names_are_rejected() {
+        let mut b = ParamTableBuilder::default();
+        b.add(ParamMeta::replicated("x", [1], Init::Zeros, false)).unwrap();
+        assert!(b.add(ParamMeta::replicated("x", [1], Init::Zeros, false)).is_err());
+    }
+}

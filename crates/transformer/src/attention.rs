@@ -1,0 +1,110 @@
+//! Self-attention: fused QKV projection (Megatron's grouped layout), optional QK-LayerNorm, RoPE,
+//! causal (optionally windowed) GQA core attention, output projection.
+//!
+//! Shapes: x [B, T, C] → qkv [B, T, Hkv·(G+2)·D] → q [B, T, Hq, D], k/v [B, T, Hkv, D] →
+//! o [B, T, Hq, D] → y [B, T, C].
+
+use crate::linear::Linear;
+use crate::norm::Norm;
+use crate::spec::{AttentionSpec, NormKind};
+use ferrotron_core::{Cx, Module, ParamTableBuilder, Result, Saved, Tensor};
+use ferrotron_kernels::{self as k, AttnCfg, RopeCfg};
+
+#[derive(Debug, Clone)]
+pub struct SelfAttention {
+    pub linear_qkv: Linear,
+    pub linear_proj: Linear,
+    pub q_layernorm: Option<Norm>,
+    pub k_layernorm: Option<Norm>,
+    pub rope: Option<RopeCfg>,
+    pub heads: usize,
+    pub groups: usize,
+    pub head_dim: usize,
+    pub attn: AttnCfg,
+}
+
+pub struct AttentionDims {
+    pub hidden: usize,
+    pub heads: usize,
+    pub groups: usize,
+    pub norm: NormKind,
+    pub eps: f64,
+    pub std: f32,
+    /// Output projection init std (Megatron scales it by 1/√(2·layers)).
+    pub out_std: f32,
+    pub rope_base: Option<f64>,
+}
+
+impl SelfAttention {
+    pub fn new(p: &mut ParamTableBuilder, prefix: &str, d: &AttentionDims, spec: &AttentionSpec) -> Result<Self> {
+        let head_dim = d.hidden / d.heads;
+        let qkv_out = (d.heads + 2 * d.groups) * head_dim;
+        let linear_qkv = Linear::new(p, &format!("{prefix}.linear_qkv"), d.hidden, qkv_out, spec.bias, d.std)?;
+        let linear_proj =
+            Linear::new(p, &format!("{prefix}.linear_proj"), d.heads * head_dim, d.hidden, spec.bias, d.out_std)?;
+        let (q_layernorm, k_layernorm) = if spec.qk_layernorm {
+            (
+                Some(Norm::new(p, &format!("{prefix}.q_layernorm"), d.norm, head_dim, d.eps)?),
+                Some(Norm::new(p, &format!("{prefix}.k_layernorm"), d.norm, head_dim, d.eps)?),
+            )
+        } else {
+            (None, None)
+        };
+        Ok(SelfAttention {
+            linear_qkv,
+            linear_proj,
+            q_layernorm,
+            k_layernorm,
+            rope: d.rope_base.map(|base| RopeCfg { rot: head_dim, base, pos0: 0 }),
+            heads: d.heads,
+            groups: d.groups,
+            head_dim,
+            attn: AttnCfg { causal: true, window: spec.window, scale: None },
+        })
+    }
+}
+
+impl Module for SelfAttention {
+    fn forward(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Saved)> {
+        let (b, t) = (x.dims()[0], x.dims()[1]);
+        let (qkv, s_qkv) = self.linear_qkv.forward(cx, x)?;
+        let (mut q, mut kk, v) = k::qkv_split(&qkv, self.groups, self.heads / self.groups, self.head_dim)?;
+        let mut children = vec![s_qkv];
+        if let (Some(qn), Some(kn)) = (&self.q_layernorm, &self.k_layernorm) {
+            let (qq, sq) = qn.forward(cx, &q)?;
+            let (kq, sk) = kn.forward(cx, &kk)?;
+            (q, kk) = (qq, kq);
+            children.extend([sq, sk]);
+        }
+        if let Some(r) = &self.rope {
+            q = k::rope_fwd(&q, r)?;
+            kk = k::rope_fwd(&kk, r)?;
+        }
+        let (o, lse) = k::attention_fwd(&q, &kk, &v, &self.attn)?;
+        let (y, s_proj) = self.linear_proj.forward(cx, &o.reshape([b, t, self.heads * self.head_dim])?)?;
+        children.push(s_proj);
+        Ok((y, Saved::new(vec![q, kk, v, o, lse], children)))
+    }
+
+    fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
+        let Saved { tensors, mut children } = saved;
+        let [q, kk, v, o, lse]: [Tensor; 5] = tensors
+            .try_into()
+            .map_err(|_| ferrotron_core::invalid("SelfAttention::backward", "saved tensors do not match forward"))?;
+        let s_proj = children.pop().unwrap_or_default();
+        let d_o = self.linear_proj.backward(cx, s_proj, dy)?.reshape(o.dims().to_vec())?;
+        let (mut dq, mut dk, dv) = k::attention_bwd(&q, &kk, &v, &o, &lse, &d_o, &self.attn)?;
+        if let Some(r) = &self.rope {
+            dq = k::rope_bwd(&dq, r)?;
+            dk = k::rope_bwd(&dk, r)?;
+        }
+        let mut children = children.into_iter();
+        let s_qkv = children.next().unwrap_or_default();
+        if let (Some(qn), Some(kn)) = (&self.q_layernorm, &self.k_layernorm) {
+            dq = qn.backward(cx, children.next().unwrap_or_default(), &dq)?;
+            dk = kn.backward(cx, children.next().unwrap_or_default(), &dk)?;
+        }
+        let dqkv = k::qkv_merge(&dq, &dk, &dv)?;
+        self.linear_qkv.backward(cx, s_qkv, &dqkv)
+    }
+}

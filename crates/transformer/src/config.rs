@@ -1,0 +1,133 @@
+//! Model hyper-parameters (Megatron's names) and their validation.
+
+use crate::spec::{Activation, LayerSpec, MlpSpec, PositionEmbedding};
+use crate::{ModelError, Result};
+
+#[derive(Clone, Debug)]
+pub struct TransformerConfig {
+    pub num_layers: usize,
+    pub hidden_size: usize,
+    pub num_attention_heads: usize,
+    /// Key/value heads (GQA); equal to the attention heads for MHA.
+    pub num_query_groups: usize,
+    pub ffn_hidden_size: usize,
+    pub seq_length: usize,
+    pub max_position_embeddings: usize,
+    /// Vocabulary size after padding (a multiple of 128 as Megatron pads it).
+    pub padded_vocab_size: usize,
+    pub position_embedding: PositionEmbedding,
+    pub untie_embeddings_and_output_weights: bool,
+    pub layer: LayerSpec,
+    pub norm_epsilon: f64,
+    pub init_method_std: f32,
+}
+
+fn bad(msg: String) -> ModelError {
+    ModelError::Config(msg)
+}
+
+impl TransformerConfig {
+    pub fn head_dim(&self) -> usize {
+        self.hidden_size / self.num_attention_heads
+    }
+
+    /// Checks every combination that cannot work, naming the Megatron flag and the fix.
+    pub fn validate(&self) -> Result<()> {
+        let c = self;
+        for (v, flag) in [
+            (c.num_layers, "--num-layers"),
+            (c.hidden_size, "--hidden-size"),
+            (c.num_attention_heads, "--num-attention-heads"),
+            (c.num_query_groups, "--num-query-groups"),
+            (c.ffn_hidden_size, "--ffn-hidden-size"),
+            (c.seq_length, "--seq-length"),
+            (c.padded_vocab_size, "vocabulary size"),
+        ] {
+            if v == 0 {
+                return Err(bad(format!("{flag} must be at least 1")));
+            }
+        }
+        if c.hidden_size % c.num_attention_heads != 0 {
+            return Err(bad(format!(
+                "--hidden-size {} is not divisible by --num-attention-heads {}: pick a head count that divides it",
+                c.hidden_size, c.num_attention_heads
+            )));
+        }
+        if c.num_attention_heads % c.num_query_groups != 0 {
+            return Err(bad(format!(
+                "--num-attention-heads {} is not divisible by --num-query-groups {}: use a group count that divides the heads",
+                c.num_attention_heads, c.num_query_groups
+            )));
+        }
+        if c.seq_length > c.max_position_embeddings {
+            return Err(bad(format!(
+                "--seq-length {} exceeds --max-position-embeddings {}: raise --max-position-embeddings or shorten --seq-length",
+                c.seq_length, c.max_position_embeddings
+            )));
+        }
+        if let PositionEmbedding::Rope { base } = c.position_embedding {
+            if c.head_dim() % 2 != 0 {
+                return Err(bad(format!(
+                    "rotary embeddings need an even head dim, but --hidden-size {} / --num-attention-heads {} = {}: change either, or use --position-embedding-type learned_absolute",
+                    c.hidden_size,
+                    c.num_attention_heads,
+                    c.head_dim()
+                )));
+            }
+            if base.is_nan() || base <= 0.0 || base.is_infinite() {
+                return Err(bad(format!("--rotary-base {base} must be positive")));
+            }
+        }
+        if c.layer.attention.window == Some(0) {
+            return Err(bad("--window-size must be at least 1".into()));
+        }
+        if c.norm_epsilon.is_nan() || c.norm_epsilon <= 0.0 {
+            return Err(bad("--norm-epsilon must be positive".into()));
+        }
+        Ok(())
+    }
+
+    /// Parameter count (untied output layer counted when untied).
+    pub fn num_params(&self) -> usize {
+        let (h, f, v) = (self.hidden_size, self.ffn_hidden_size, self.padded_vocab_size);
+        let d = self.head_dim();
+        let kv = self.num_query_groups * d;
+        let (bias_attn, bias_mlp) = match &self.layer.mlp {
+            MlpSpec::Dense { bias, .. } => (self.layer.attention.bias, *bias),
+            MlpSpec::Custom(_) => (self.layer.attention.bias, false),
+        };
+        let norm = |n: usize| match self.layer.norm {
+            crate::spec::NormKind::LayerNorm => 2 * n,
+            crate::spec::NormKind::RmsNorm => n,
+        };
+        let qkv_out = h + 2 * kv;
+        let attn = h * qkv_out + h * h + if bias_attn { qkv_out + h } else { 0 };
+        let qk_ln = if self.layer.attention.qk_layernorm { 2 * norm(d) } else { 0 };
+        let fc1_out = match self.layer.mlp {
+            MlpSpec::Dense { activation: Activation::SwiGlu, .. } => 2 * f,
+            _ => f,
+        };
+        let mlp = h * fc1_out + f * h + if bias_mlp { fc1_out + h } else { 0 };
+        let layer = attn + qk_ln + mlp + 2 * norm(h);
+        let emb = v * h
+            + if self.position_embedding == PositionEmbedding::LearnedAbsolute {
+                self.max_position_embeddings * h
+            } else {
+                0
+            };
+        let out = if self.untie_embeddings_and_output_weights { v * h } else { 0 };
+        self.num_layers * layer + norm(h) + emb + out
+    }
+
+    /// Model FLOPs per token for one forward + backward: 6·N + 12·L·H·T (N without position
+    /// embeddings, as in the MFU convention of PaLM / Megatron reports).
+    pub fn flops_per_token(&self) -> f64 {
+        let pos = if self.position_embedding == PositionEmbedding::LearnedAbsolute {
+            self.max_position_embeddings * self.hidden_size
+        } else {
+            0
+        };
+        let n = (self.num_params() - pos) as f64;
+        6.0 * n + 12.0 * (self.num_layers * self.hidden_size * self.seq_length) as f64
+    }
+}

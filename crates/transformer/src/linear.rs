@@ -1,0 +1,64 @@
+//! Linear layer y = x·Wᵀ + b with W [out, in] (Megatron/PyTorch layout).
+//!
+//! Shapes: x [..., in] → y [..., out]. Backward: dx = dy·W (`=`); dW += dyᵀ·x and db += Σ dy into
+//! main_grad.
+
+use ferrotron_core::{Cx, Init, Module, ParamId, ParamMeta, ParamTableBuilder, Result, Saved, Tensor};
+use ferrotron_kernels as k;
+
+#[derive(Debug, Clone)]
+pub struct Linear {
+    pub weight: ParamId,
+    pub bias: Option<ParamId>,
+    pub in_features: usize,
+    pub out_features: usize,
+}
+
+impl Linear {
+    pub fn new(
+        p: &mut ParamTableBuilder,
+        prefix: &str,
+        in_features: usize,
+        out_features: usize,
+        bias: bool,
+        std: f32,
+    ) -> Result<Self> {
+        let weight = p.add(ParamMeta::replicated(
+            format!("{prefix}.weight"),
+            [out_features, in_features],
+            Init::Normal { std },
+            true,
+        ))?;
+        let bias = if bias {
+            Some(p.add(ParamMeta::replicated(format!("{prefix}.bias"), [out_features], Init::Zeros, false))?)
+        } else {
+            None
+        };
+        Ok(Linear { weight, bias, in_features, out_features })
+    }
+}
+
+impl Module for Linear {
+    fn forward(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Saved)> {
+        let w = cx.params.param(self.weight)?;
+        let mut y = k::matmul(x, &w, false, true)?;
+        if let Some(b) = self.bias {
+            y = k::bias_add(&y, &cx.params.param(b)?)?;
+        }
+        Ok((y, Saved::new(vec![x.clone()], vec![])))
+    }
+
+    fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
+        let x = &saved.tensors[0];
+        let w = cx.params.param(self.weight)?;
+        let dx = k::matmul(dy, &w, false, false)?;
+        let rows = dy.shape().rows();
+        let dy2 = dy.reshape([rows, self.out_features])?;
+        let x2 = x.reshape([rows, self.in_features])?;
+        k::matmul_into(&cx.params.grad(self.weight)?, &dy2, &x2, true, false, true)?;
+        if let Some(b) = self.bias {
+            k::add_(&cx.params.grad(b)?, &k::bias_grad(dy)?)?;
+        }
+        Ok(dx)
+    }
+}

@@ -1,0 +1,61 @@
+//! LayerNorm / RMSNorm over the last dimension as a module (weight initialised to 1, bias to 0; no
+//! weight decay on either).
+
+use crate::spec::NormKind;
+use ferrotron_core::{Cx, Init, Module, ParamId, ParamMeta, ParamTableBuilder, Result, Saved, Tensor};
+use ferrotron_kernels as k;
+
+#[derive(Debug, Clone)]
+pub struct Norm {
+    pub kind: NormKind,
+    pub weight: ParamId,
+    pub bias: Option<ParamId>,
+    pub eps: f64,
+}
+
+impl Norm {
+    pub fn new(p: &mut ParamTableBuilder, prefix: &str, kind: NormKind, width: usize, eps: f64) -> Result<Self> {
+        let weight = p.add(ParamMeta::replicated(format!("{prefix}.weight"), [width], Init::Ones, false))?;
+        let bias = match kind {
+            NormKind::LayerNorm => {
+                Some(p.add(ParamMeta::replicated(format!("{prefix}.bias"), [width], Init::Zeros, false))?)
+            }
+            NormKind::RmsNorm => None,
+        };
+        Ok(Norm { kind, weight, bias, eps })
+    }
+}
+
+impl Module for Norm {
+    fn forward(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Saved)> {
+        let w = cx.params.param(self.weight)?;
+        match self.bias {
+            Some(b) => {
+                let (y, mean, rstd) = k::layernorm_fwd(x, &w, Some(&cx.params.param(b)?), self.eps)?;
+                Ok((y, Saved::new(vec![x.clone(), mean, rstd], vec![])))
+            }
+            None => {
+                let (y, rstd) = k::rmsnorm_fwd(x, &w, self.eps)?;
+                Ok((y, Saved::new(vec![x.clone(), rstd], vec![])))
+            }
+        }
+    }
+
+    fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
+        let w = cx.params.param(self.weight)?;
+        let s = &saved.tensors;
+        match self.bias {
+            Some(b) => {
+                let (dx, dw, db) = k::layernorm_bwd(dy, &s[0], &w, &s[1], &s[2])?;
+                k::add_(&cx.params.grad(self.weight)?, &dw)?;
+                k::add_(&cx.params.grad(b)?, &db)?;
+                Ok(dx)
+            }
+            None => {
+                let (dx, dw) = k::rmsnorm_bwd(dy, &s[0], &w, &s[1])?;
+                k::add_(&cx.params.grad(self.weight)?, &dw)?;
+                Ok(dx)
+            }
+        }
+    }
+}

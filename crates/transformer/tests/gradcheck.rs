@@ -1,0 +1,87 @@
+//! Whole-model gradient check: for every parameter, the directional derivative of the loss along a
+//! random direction (central differences) equals main_grad · direction. Both preset styles.
+
+use ferrotron_core::{Cx, DType, Device, ParamTable, Tensor, rng::Philox};
+use ferrotron_transformer::spec::{Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, PositionEmbedding};
+use ferrotron_transformer::{Batch, GptModel, TransformerConfig};
+
+fn config(llama: bool) -> TransformerConfig {
+    TransformerConfig {
+        num_layers: 2,
+        hidden_size: 16,
+        num_attention_heads: 4,
+        num_query_groups: if llama { 2 } else { 4 },
+        ffn_hidden_size: 24,
+        seq_length: 6,
+        max_position_embeddings: 8,
+        padded_vocab_size: 11,
+        position_embedding: if llama {
+            PositionEmbedding::Rope { base: 10000.0 }
+        } else {
+            PositionEmbedding::LearnedAbsolute
+        },
+        untie_embeddings_and_output_weights: llama,
+        layer: LayerSpec {
+            norm: if llama { NormKind::RmsNorm } else { NormKind::LayerNorm },
+            attention: AttentionSpec { bias: !llama, qk_layernorm: llama, window: None },
+            mlp: MlpSpec::Dense { activation: if llama { Activation::SwiGlu } else { Activation::Gelu }, bias: !llama },
+        },
+        norm_epsilon: 1e-5,
+        // Large enough that every layer's gradient stands far above f32 round-off.
+        init_method_std: 0.3,
+    }
+}
+
+fn batch(b: usize, t: usize, v: u32) -> Batch {
+    let dev = Device::Cpu;
+    let ids = |s: u64| (0..b * t).map(|i| Philox::new(s).u32_at(i as u64) % v).collect::<Vec<_>>();
+    let mask: Vec<f32> = (0..b * t).map(|i| if i % 5 == 3 { 0.0 } else { 1.0 }).collect();
+    Batch {
+        tokens: Tensor::from_vec(ids(1), [b, t], &dev).unwrap(),
+        labels: Tensor::from_vec(ids(2), [b, t], &dev).unwrap(),
+        loss_mask: Tensor::from_vec(mask, [b, t], &dev).unwrap(),
+    }
+}
+
+fn loss(model: &GptModel, table: &ParamTable, b: &Batch) -> f64 {
+    model.forward(&Cx { params: table, training: true }, b).unwrap().0
+}
+
+fn check(llama: bool) {
+    let (model, table) = GptModel::build(config(llama), &Device::Cpu, DType::F32, 3).unwrap();
+    let b = batch(2, 6, 11);
+    let cx = Cx { params: &table, training: true };
+    let (_, saved) = model.forward(&cx, &b).unwrap();
+    model.backward(&cx, saved, 1.0).unwrap();
+    let h = 1e-3f32;
+    for id in table.ids() {
+        let p = table.param(id).unwrap();
+        let n = p.elem_count();
+        let mut u = vec![0f32; n];
+        Philox::new(99).with_stream(id.0 as u64).fill_normal(0, 0.0, 1.0, &mut u);
+        let g = table.grad(id).unwrap().to_vec_f32().unwrap();
+        let analytic: f64 = g.iter().zip(&u).map(|(a, b)| *a as f64 * *b as f64).sum();
+        let shift = |s: f32| p.update_f32("t", |v| v.iter_mut().zip(&u).for_each(|(x, d)| *x += s * d)).unwrap();
+        shift(h);
+        let lp = loss(&model, &table, &b);
+        shift(-2.0 * h);
+        let lm = loss(&model, &table, &b);
+        shift(h);
+        let numeric = (lp - lm) / (2.0 * h as f64);
+        let name = &table.meta(id).name;
+        assert!(
+            (numeric - analytic).abs() <= 2e-2 * analytic.abs() + 2e-3,
+            "{name}: finite difference {numeric} vs backward {analytic}"
+        );
+    }
+}
+
+#[test]
+fn gpt2_style_gradients_match_finite_differences() {
+    check(false);
+}
+
+#[test]
+fn llama_style_gradients_match_finite_differences() {
+    check(true);
+}

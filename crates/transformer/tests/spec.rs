@@ -1,0 +1,88 @@
+//! Spec choices that cannot work together are rejected when the model is built, with the flag named.
+
+use ferrotron_core::{DType, Device};
+use ferrotron_transformer::spec::{Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, PositionEmbedding};
+use ferrotron_transformer::{GptModel, TransformerConfig};
+
+fn base() -> TransformerConfig {
+    TransformerConfig {
+        num_layers: 1,
+        hidden_size: 12,
+        num_attention_heads: 4,
+        num_query_groups: 4,
+        ffn_hidden_size: 8,
+        seq_length: 8,
+        max_position_embeddings: 8,
+        padded_vocab_size: 16,
+        position_embedding: PositionEmbedding::LearnedAbsolute,
+        untie_embeddings_and_output_weights: false,
+        layer: LayerSpec {
+            norm: NormKind::LayerNorm,
+            attention: AttentionSpec { bias: true, qk_layernorm: false, window: None },
+            mlp: MlpSpec::Dense { activation: Activation::Gelu, bias: true },
+        },
+        norm_epsilon: 1e-5,
+        init_method_std: 0.02,
+    }
+}
+
+fn err(c: TransformerConfig) -> String {
+    match GptModel::build(c, &Device::Cpu, DType::F32, 0) {
+        Ok(_) => panic!("config was accepted"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn valid_base_builds_with_megatron_names() {
+    let (_, table) = GptModel::build(base(), &Device::Cpu, DType::F32, 0).unwrap();
+    for name in [
+        "embedding.word_embeddings.weight",
+        "embedding.position_embeddings.weight",
+        "decoder.layers.0.input_layernorm.weight",
+        "decoder.layers.0.self_attention.linear_qkv.weight",
+        "decoder.layers.0.self_attention.linear_proj.bias",
+        "decoder.layers.0.pre_mlp_layernorm.bias",
+        "decoder.layers.0.mlp.linear_fc1.weight",
+        "decoder.layers.0.mlp.linear_fc2.weight",
+        "decoder.final_layernorm.weight",
+    ] {
+        assert!(table.id(name).is_some(), "missing {name}");
+    }
+    assert_eq!(table.numel(), base().num_params());
+}
+
+#[test]
+fn rope_with_odd_head_dim_is_rejected() {
+    // 12 / 4 = 3: odd head dim.
+    let e = err(TransformerConfig { position_embedding: PositionEmbedding::Rope { base: 10000.0 }, ..base() });
+    assert!(e.contains("even head dim") && e.contains("--num-attention-heads"), "{e}");
+}
+
+#[test]
+fn indivisible_sizes_are_rejected_with_the_flag() {
+    let e = err(TransformerConfig { num_attention_heads: 5, num_query_groups: 5, ..base() });
+    assert!(e.contains("--hidden-size 12 is not divisible by --num-attention-heads 5"), "{e}");
+    let e = err(TransformerConfig { num_query_groups: 3, ..base() });
+    assert!(e.contains("--num-query-groups 3"), "{e}");
+    let e = err(TransformerConfig { seq_length: 9, ..base() });
+    assert!(e.contains("--max-position-embeddings"), "{e}");
+}
+
+#[test]
+fn param_count_matches_table_for_llama_style() {
+    let c = TransformerConfig {
+        hidden_size: 16,
+        num_query_groups: 2,
+        position_embedding: PositionEmbedding::Rope { base: 10000.0 },
+        untie_embeddings_and_output_weights: true,
+        layer: LayerSpec {
+            norm: NormKind::RmsNorm,
+            attention: AttentionSpec { bias: false, qk_layernorm: true, window: Some(4) },
+            mlp: MlpSpec::Dense { activation: Activation::SwiGlu, bias: false },
+        },
+        ..base()
+    };
+    let (_, table) = GptModel::build(c.clone(), &Device::Cpu, DType::F32, 0).unwrap();
+    assert_eq!(table.numel(), c.num_params());
+}
