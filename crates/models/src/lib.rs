@@ -1,0 +1,153 @@
+//! ferrotron-models: presets. A preset is a function from a size to a `TransformerConfig`, not a
+//! factory with a dozen flags: `gpt2(GptSize::Gpt124m)` or `llama(LlamaSize::Llama1b)`. Trainer
+//! flags then override single fields.
+//!
+//! FLOP and parameter counts come with the config (`num_params`, `flops_per_token`) so that MFU can
+//! be reported for any preset.
+
+use ferrotron_transformer::TransformerConfig;
+use ferrotron_transformer::spec::{Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, PositionEmbedding};
+
+/// Megatron pads the vocabulary to a multiple of this (times the tensor-parallel size).
+pub const VOCAB_DIVISIBLE_BY: usize = 128;
+
+/// `vocab` rounded up to a multiple of 128·tp, as Megatron's `--make-vocab-size-divisible-by`.
+pub fn pad_vocab(vocab: usize, tp: usize) -> usize {
+    let m = VOCAB_DIVISIBLE_BY * tp.max(1);
+    vocab.div_ceil(m) * m
+}
+
+/// GPT-2 BPE vocabulary (50257 tokens).
+pub const GPT2_VOCAB: usize = 50257;
+/// Byte-level vocabulary of the tiny presets.
+pub const BYTE_VOCAB: usize = 256;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GptSize {
+    /// 4 layers, hidden 128, byte-level: trains on a laptop CPU in minutes.
+    Tiny,
+    /// 6 layers, hidden 384, GPT-2 BPE.
+    Small,
+    /// GPT-2 124M: 12 layers, hidden 768, seq 1024.
+    Gpt124m,
+    /// GPT 1.3B: 24 layers, hidden 2048, 16 heads, seq 2048.
+    Gpt1_3b,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LlamaSize {
+    /// 4 layers, hidden 128, GQA 4 heads / 2 groups, byte-level.
+    Tiny,
+    /// Llama-style 1B: 16 layers, hidden 2048, 32 heads / 8 groups, ffn 8192, seq 4096.
+    Llama1b,
+}
+
+/// GPT-2 style: LayerNorm, GeLU, learned absolute positions, biases, tied embeddings.
+pub fn gpt2(size: GptSize) -> TransformerConfig {
+    let (layers, hidden, heads, seq, vocab) = match size {
+        GptSize::Tiny => (4, 128, 4, 128, BYTE_VOCAB),
+        GptSize::Small => (6, 384, 6, 256, GPT2_VOCAB),
+        GptSize::Gpt124m => (12, 768, 12, 1024, GPT2_VOCAB),
+        GptSize::Gpt1_3b => (24, 2048, 16, 2048, GPT2_VOCAB),
+    };
+    TransformerConfig {
+        num_layers: layers,
+        hidden_size: hidden,
+        num_attention_heads: heads,
+        num_query_groups: heads,
+        ffn_hidden_size: 4 * hidden,
+        seq_length: seq,
+        max_position_embeddings: seq,
+        padded_vocab_size: pad_vocab(vocab, 1),
+        position_embedding: PositionEmbedding::LearnedAbsolute,
+        untie_embeddings_and_output_weights: false,
+        layer: LayerSpec {
+            norm: NormKind::LayerNorm,
+            attention: AttentionSpec { bias: true, qk_layernorm: false, window: None },
+            mlp: MlpSpec::Dense { activation: Activation::Gelu, bias: true },
+        },
+        norm_epsilon: 1e-5,
+        init_method_std: 0.02,
+    }
+}
+
+/// Llama style: RMSNorm, SwiGLU, RoPE, GQA, no biases, untied output layer.
+pub fn llama(size: LlamaSize) -> TransformerConfig {
+    let (layers, hidden, heads, groups, ffn, seq, vocab) = match size {
+        LlamaSize::Tiny => (4, 128, 4, 2, 352, 128, BYTE_VOCAB),
+        LlamaSize::Llama1b => (16, 2048, 32, 8, 8192, 4096, GPT2_VOCAB),
+    };
+    TransformerConfig {
+        num_layers: layers,
+        hidden_size: hidden,
+        num_attention_heads: heads,
+        num_query_groups: groups,
+        ffn_hidden_size: ffn,
+        seq_length: seq,
+        max_position_embeddings: seq,
+        padded_vocab_size: pad_vocab(vocab, 1),
+        position_embedding: PositionEmbedding::Rope { base: 500000.0 },
+        untie_embeddings_and_output_weights: true,
+        layer: LayerSpec {
+            norm: NormKind::RmsNorm,
+            attention: AttentionSpec { bias: false, qk_layernorm: false, window: None },
+            mlp: MlpSpec::Dense { activation: Activation::SwiGlu, bias: false },
+        },
+        norm_epsilon: 1e-5,
+        init_method_std: 0.02,
+    }
+}
+
+/// Preset names the trainer accepts for `--preset`.
+pub const PRESETS: &[&str] = &["tiny", "small", "124m", "1.3b", "llama-tiny", "llama-1b"];
+
+/// Looks a preset up by name (see `PRESETS`); also accepts `gpt2-124m` and `gpt-1.3b`.
+pub fn preset(name: &str) -> Option<TransformerConfig> {
+    Some(match name {
+        "tiny" | "gpt2-tiny" => gpt2(GptSize::Tiny),
+        "small" | "gpt2-small" => gpt2(GptSize::Small),
+        "124m" | "gpt2-124m" => gpt2(GptSize::Gpt124m),
+        "1.3b" | "gpt-1.3b" => gpt2(GptSize::Gpt1_3b),
+        "llama-tiny" => llama(LlamaSize::Tiny),
+        "llama-1b" => llama(LlamaSize::Llama1b),
+        _ => return None,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_preset_is_valid() {
+        for name in PRESETS {
+            let c = preset(name).unwrap();
+            c.validate().unwrap_or_else(|e| panic!("{name}: {e}"));
+        }
+        assert!(preset("gpt5").is_none());
+    }
+
+    #[test]
+    fn gpt2_124m_has_the_known_parameter_count() {
+        // GPT-2 small: 124,439,808 parameters with the 50257 vocab; Megatron pads to 50304
+        // (+47·768) and keeps the 1024 learned positions.
+        let c = gpt2(GptSize::Gpt124m);
+        assert_eq!(c.padded_vocab_size, 50304);
+        assert_eq!(c.num_params(), 124_439_808 + 47 * 768);
+    }
+
+    #[test]
+    fn flops_per_token_follow_6n_plus_attention() {
+        let c = gpt2(GptSize::Gpt1_3b);
+        let n = (c.num_params() - c.max_position_embeddings * c.hidden_size) as f64;
+        assert_eq!(c.flops_per_token(), 6.0 * n + 12.0 * 24.0 * 2048.0 * 2048.0);
+        assert!((1.2e9..1.5e9).contains(&(c.num_params() as f64)));
+    }
+
+    #[test]
+    fn vocab_padding_is_a_multiple_of_128_tp() {
+        assert_eq!(pad_vocab(50257, 1), 50304);
+        assert_eq!(pad_vocab(50257, 4), 50688);
+        assert_eq!(pad_vocab(256, 2), 256);
+    }
+}
