@@ -87,7 +87,8 @@ impl TransformerConfig {
         Ok(())
     }
 
-    /// Parameter count (untied output layer counted when untied).
+    /// Parameter count (untied output layer counted when untied). A custom MLP's parameters are not
+    /// known here and count as a dense MLP's; the built `ParamTable::numel` is exact.
     pub fn num_params(&self) -> usize {
         let (h, f, v) = (self.hidden_size, self.ffn_hidden_size, self.padded_vocab_size);
         let d = self.head_dim();

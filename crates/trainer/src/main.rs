@@ -1,0 +1,61 @@
+//! `ferrotron`: train (`ferrotron train --preset tiny`) and sample (`ferrotron generate --load DIR`).
+
+use clap::{Parser, Subcommand};
+use ferrotron_trainer::generate::{GenerateArgs, generate};
+use ferrotron_trainer::settings::{Settings, TrainArgs};
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(name = "ferrotron", version, about = "Megatron-style LLM training in Rust", args_override_self = true)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Train a model (Megatron flag names; see --help).
+    Train(Box<TrainArgs>),
+    /// Sample text from a checkpoint.
+    Generate {
+        #[arg(long)]
+        load: PathBuf,
+        #[arg(long, default_value = "")]
+        prompt: String,
+        #[arg(long, default_value_t = 200)]
+        max_new_tokens: usize,
+        #[arg(long, default_value_t = 0.8)]
+        temperature: f32,
+        #[arg(long, default_value_t = 40)]
+        top_k: usize,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+}
+
+fn run() -> anyhow::Result<()> {
+    match Cli::parse().cmd {
+        Cmd::Train(args) => {
+            let (settings, paths) = Settings::resolve(&args)?;
+            let summary = ferrotron_trainer::train::train(&settings, &paths)?;
+            if let (Some((_, first)), Some((it, last))) = (summary.evals.first(), summary.evals.last()) {
+                eprintln!("done: validation loss {first:.4} -> {last:.4} at iteration {it}");
+            }
+            Ok(())
+        }
+        Cmd::Generate { load, prompt, max_new_tokens, temperature, top_k, seed } => {
+            let text =
+                generate(&GenerateArgs { load: &load, prompt: &prompt, max_new_tokens, temperature, top_k, seed })?;
+            println!("{text}");
+            Ok(())
+        }
+    }
+}
+
+fn main() {
+    if let Err(e) = run() {
+        // One line: the error and its causes, joined.
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

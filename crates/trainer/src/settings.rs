@@ -1,0 +1,397 @@
+//! Training settings: Megatron's flag names, a TOML file with the same keys, and a preset, merged as
+//! preset < file < flags, then checked. Errors name the flag and the fix.
+
+use anyhow::{Context, bail};
+use ferrotron_data::TokenizerKind;
+use ferrotron_models::{pad_vocab, preset};
+use ferrotron_optim::DecayStyle;
+use ferrotron_transformer::TransformerConfig;
+use ferrotron_transformer::spec::{Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, PositionEmbedding};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// Every setting, optional so that layers can be merged. Field names are Megatron's flags with
+/// underscores; the TOML file uses the flag spelling (dashes).
+#[derive(clap::Args, Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+pub struct TrainArgs {
+    /// Model preset: tiny, small, 124m, 1.3b, llama-tiny, llama-1b.
+    #[arg(long)]
+    pub preset: Option<String>,
+    /// TOML file with the same keys as these flags; flags override it.
+    #[arg(long)]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    #[arg(long)]
+    pub num_layers: Option<usize>,
+    #[arg(long)]
+    pub hidden_size: Option<usize>,
+    #[arg(long)]
+    pub num_attention_heads: Option<usize>,
+    #[arg(long)]
+    pub num_query_groups: Option<usize>,
+    #[arg(long)]
+    pub ffn_hidden_size: Option<usize>,
+    #[arg(long)]
+    pub seq_length: Option<usize>,
+    #[arg(long)]
+    pub max_position_embeddings: Option<usize>,
+    /// learned_absolute, rope or none.
+    #[arg(long)]
+    pub position_embedding_type: Option<String>,
+    #[arg(long)]
+    pub rotary_base: Option<f64>,
+    /// LayerNorm or RMSNorm.
+    #[arg(long)]
+    pub normalization: Option<String>,
+    #[arg(long)]
+    pub swiglu: bool,
+    #[arg(long)]
+    pub untie_embeddings_and_output_weights: bool,
+    #[arg(long)]
+    pub disable_bias_linear: bool,
+    #[arg(long)]
+    pub qk_layernorm: bool,
+    /// byte or gpt2.
+    #[arg(long)]
+    pub tokenizer_type: Option<String>,
+    #[arg(long)]
+    pub init_method_std: Option<f32>,
+    #[arg(long)]
+    pub micro_batch_size: Option<usize>,
+    #[arg(long)]
+    pub global_batch_size: Option<usize>,
+    #[arg(long)]
+    pub train_iters: Option<u64>,
+    #[arg(long)]
+    pub lr: Option<f64>,
+    #[arg(long)]
+    pub min_lr: Option<f64>,
+    /// constant, linear or cosine.
+    #[arg(long)]
+    pub lr_decay_style: Option<String>,
+    #[arg(long)]
+    pub lr_warmup_iters: Option<u64>,
+    #[arg(long)]
+    pub weight_decay: Option<f32>,
+    #[arg(long)]
+    pub adam_beta1: Option<f32>,
+    #[arg(long)]
+    pub adam_beta2: Option<f32>,
+    #[arg(long)]
+    pub clip_grad: Option<f32>,
+    #[arg(long)]
+    pub seed: Option<u64>,
+    #[arg(long)]
+    pub log_interval: Option<u64>,
+    #[arg(long)]
+    pub eval_interval: Option<u64>,
+    #[arg(long)]
+    pub eval_iters: Option<u64>,
+    /// Folder for checkpoints (and metrics.jsonl).
+    #[arg(long)]
+    pub save: Option<PathBuf>,
+    /// Folder to resume from (a --save folder).
+    #[arg(long)]
+    pub load: Option<PathBuf>,
+    #[arg(long)]
+    pub save_interval: Option<u64>,
+    /// bf16 parameters and activations with fp32 master weights and grads.
+    #[arg(long)]
+    pub bf16: bool,
+    /// Documents of the built-in corpus to generate.
+    #[arg(long)]
+    pub corpus_docs: Option<usize>,
+    /// Stop (saving first when --save is set) once the iteration is a multiple of this.
+    #[arg(long)]
+    #[serde(skip)]
+    pub exit_interval: Option<u64>,
+    /// Hide the progress bar (log lines still go to stderr).
+    #[arg(long)]
+    #[serde(skip)]
+    pub no_progress: bool,
+}
+
+macro_rules! merge_opts {
+    ($dst:ident, $src:ident; $($f:ident),*) => { $( if $src.$f.is_some() { $dst.$f = $src.$f.clone(); } )* };
+}
+macro_rules! merge_flags {
+    ($dst:ident, $src:ident; $($f:ident),*) => { $( $dst.$f |= $src.$f; )* };
+}
+
+impl TrainArgs {
+    /// Overlays `o` on `self` (set values in `o` win; switches are or-ed).
+    fn overlay(&mut self, o: &TrainArgs) {
+        merge_opts!(self, o; preset, num_layers, hidden_size, num_attention_heads, num_query_groups, ffn_hidden_size, seq_length,
+            max_position_embeddings, position_embedding_type, rotary_base, normalization, tokenizer_type, init_method_std,
+            micro_batch_size, global_batch_size, train_iters, lr, min_lr, lr_decay_style, lr_warmup_iters, weight_decay,
+            adam_beta1, adam_beta2, clip_grad, seed, log_interval, eval_interval, eval_iters, save, load, save_interval, corpus_docs,
+            exit_interval);
+        merge_flags!(self, o; swiglu, untie_embeddings_and_output_weights, disable_bias_linear, qk_layernorm, bf16, no_progress);
+    }
+}
+
+/// Fully resolved settings; this is what a checkpoint records.
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct Settings {
+    pub preset: String,
+    pub num_layers: usize,
+    pub hidden_size: usize,
+    pub num_attention_heads: usize,
+    pub num_query_groups: usize,
+    pub ffn_hidden_size: usize,
+    pub seq_length: usize,
+    pub max_position_embeddings: usize,
+    pub position_embedding_type: String,
+    pub rotary_base: f64,
+    pub normalization: String,
+    pub swiglu: bool,
+    pub untie_embeddings_and_output_weights: bool,
+    pub disable_bias_linear: bool,
+    pub qk_layernorm: bool,
+    pub tokenizer_type: String,
+    pub init_method_std: f32,
+    pub micro_batch_size: usize,
+    pub global_batch_size: usize,
+    pub train_iters: u64,
+    pub lr: f64,
+    pub min_lr: f64,
+    pub lr_decay_style: String,
+    pub lr_warmup_iters: u64,
+    pub weight_decay: f32,
+    pub adam_beta1: f32,
+    pub adam_beta2: f32,
+    pub clip_grad: f32,
+    pub seed: u64,
+    pub log_interval: u64,
+    pub eval_interval: u64,
+    pub eval_iters: u64,
+    pub save_interval: u64,
+    pub bf16: bool,
+    pub corpus_docs: usize,
+}
+
+/// Where files go; not part of the recorded settings.
+#[derive(Clone, Debug, Default)]
+pub struct Paths {
+    pub save: Option<PathBuf>,
+    pub load: Option<PathBuf>,
+    pub progress: bool,
+    /// Megatron's --exit-interval: stop after an iteration that is a multiple of it.
+    pub exit_interval: Option<u64>,
+}
+
+fn preset_defaults(name: &str) -> anyhow::Result<TrainArgs> {
+    let Some(c) = preset(name) else {
+        bail!("--preset {name}: unknown preset; choose one of {}", ferrotron_models::PRESETS.join(", "));
+    };
+    let tiny = c.padded_vocab_size <= 256;
+    let (pe, base) = match c.position_embedding {
+        PositionEmbedding::LearnedAbsolute => ("learned_absolute", 10000.0),
+        PositionEmbedding::Rope { base } => ("rope", base),
+        PositionEmbedding::None => ("none", 10000.0),
+    };
+    let (swiglu, bias) = match c.layer.mlp {
+        MlpSpec::Dense { activation, bias } => (activation == Activation::SwiGlu, bias),
+        MlpSpec::Custom(_) => (false, true),
+    };
+    Ok(TrainArgs {
+        preset: Some(name.into()),
+        num_layers: Some(c.num_layers),
+        hidden_size: Some(c.hidden_size),
+        num_attention_heads: Some(c.num_attention_heads),
+        num_query_groups: Some(c.num_query_groups),
+        ffn_hidden_size: Some(c.ffn_hidden_size),
+        seq_length: Some(c.seq_length),
+        max_position_embeddings: Some(c.max_position_embeddings),
+        position_embedding_type: Some(pe.into()),
+        rotary_base: Some(base),
+        normalization: Some(if c.layer.norm == NormKind::LayerNorm { "LayerNorm" } else { "RMSNorm" }.into()),
+        swiglu,
+        untie_embeddings_and_output_weights: c.untie_embeddings_and_output_weights,
+        disable_bias_linear: !bias,
+        qk_layernorm: c.layer.attention.qk_layernorm,
+        tokenizer_type: Some(if tiny { "byte" } else { "gpt2" }.into()),
+        init_method_std: Some(c.init_method_std),
+        micro_batch_size: Some(if tiny { 16 } else { 8 }),
+        global_batch_size: Some(if tiny { 32 } else { 64 }),
+        train_iters: Some(if tiny { 240 } else { 2000 }),
+        lr: Some(if tiny { 3e-3 } else { 6e-4 }),
+        min_lr: Some(if tiny { 3e-4 } else { 6e-5 }),
+        lr_decay_style: Some("cosine".into()),
+        lr_warmup_iters: Some(if tiny { 20 } else { 100 }),
+        weight_decay: Some(0.1),
+        adam_beta1: Some(0.9),
+        adam_beta2: Some(0.95),
+        clip_grad: Some(1.0),
+        seed: Some(1234),
+        log_interval: Some(10),
+        eval_interval: Some(if tiny { 60 } else { 200 }),
+        eval_iters: Some(8),
+        save_interval: Some(if tiny { 120 } else { 500 }),
+        corpus_docs: Some(if tiny { 6000 } else { 20000 }),
+        ..TrainArgs::default()
+    })
+}
+
+fn need<T: Clone>(v: &Option<T>, flag: &str) -> anyhow::Result<T> {
+    v.clone().with_context(|| format!("{flag} is required (or pick a --preset that sets it)"))
+}
+
+impl Settings {
+    /// preset (default `tiny`) < --config file < flags, then validated.
+    pub fn resolve(flags: &TrainArgs) -> anyhow::Result<(Settings, Paths)> {
+        let file = match &flags.config {
+            Some(p) => {
+                let text = std::fs::read_to_string(p)
+                    .with_context(|| format!("--config {}: cannot read the file", p.display()))?;
+                toml::from_str::<TrainArgs>(&text)
+                    .with_context(|| format!("--config {}: not a valid settings file", p.display()))?
+            }
+            None => TrainArgs::default(),
+        };
+        let name = flags.preset.clone().or(file.preset.clone()).unwrap_or_else(|| "tiny".into());
+        let mut a = preset_defaults(&name)?;
+        a.overlay(&file);
+        a.overlay(flags);
+        let s = Settings {
+            preset: name,
+            num_layers: need(&a.num_layers, "--num-layers")?,
+            hidden_size: need(&a.hidden_size, "--hidden-size")?,
+            num_attention_heads: need(&a.num_attention_heads, "--num-attention-heads")?,
+            num_query_groups: a.num_query_groups.or(a.num_attention_heads).context("--num-query-groups")?,
+            ffn_hidden_size: need(&a.ffn_hidden_size, "--ffn-hidden-size")?,
+            seq_length: need(&a.seq_length, "--seq-length")?,
+            max_position_embeddings: need(&a.max_position_embeddings, "--max-position-embeddings")?,
+            position_embedding_type: need(&a.position_embedding_type, "--position-embedding-type")?,
+            rotary_base: need(&a.rotary_base, "--rotary-base")?,
+            normalization: need(&a.normalization, "--normalization")?,
+            swiglu: a.swiglu,
+            untie_embeddings_and_output_weights: a.untie_embeddings_and_output_weights,
+            disable_bias_linear: a.disable_bias_linear,
+            qk_layernorm: a.qk_layernorm,
+            tokenizer_type: need(&a.tokenizer_type, "--tokenizer-type")?,
+            init_method_std: need(&a.init_method_std, "--init-method-std")?,
+            micro_batch_size: need(&a.micro_batch_size, "--micro-batch-size")?,
+            global_batch_size: need(&a.global_batch_size, "--global-batch-size")?,
+            train_iters: need(&a.train_iters, "--train-iters")?,
+            lr: need(&a.lr, "--lr")?,
+            min_lr: need(&a.min_lr, "--min-lr")?,
+            lr_decay_style: need(&a.lr_decay_style, "--lr-decay-style")?,
+            lr_warmup_iters: need(&a.lr_warmup_iters, "--lr-warmup-iters")?,
+            weight_decay: need(&a.weight_decay, "--weight-decay")?,
+            adam_beta1: need(&a.adam_beta1, "--adam-beta1")?,
+            adam_beta2: need(&a.adam_beta2, "--adam-beta2")?,
+            clip_grad: need(&a.clip_grad, "--clip-grad")?,
+            seed: need(&a.seed, "--seed")?,
+            log_interval: need(&a.log_interval, "--log-interval")?,
+            eval_interval: need(&a.eval_interval, "--eval-interval")?,
+            eval_iters: need(&a.eval_iters, "--eval-iters")?,
+            save_interval: need(&a.save_interval, "--save-interval")?,
+            bf16: a.bf16,
+            corpus_docs: need(&a.corpus_docs, "--corpus-docs")?,
+        };
+        s.validate()?;
+        if let Some(l) = &a.load {
+            check_dir(l, "--load")?;
+        }
+        if a.exit_interval == Some(0) {
+            bail!("--exit-interval must be at least 1");
+        }
+        Ok((s, Paths { save: a.save, load: a.load, progress: !a.no_progress, exit_interval: a.exit_interval }))
+    }
+
+    /// Checks the non-model settings; the model's own checks run in `model_config`.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        self.tokenizer()?;
+        self.decay_style()?;
+        self.model_config()?.validate()?;
+        for (v, flag) in [
+            (self.micro_batch_size as u64, "--micro-batch-size"),
+            (self.train_iters, "--train-iters"),
+            (self.log_interval, "--log-interval"),
+            (self.eval_interval, "--eval-interval"),
+            (self.save_interval, "--save-interval"),
+        ] {
+            if v == 0 {
+                bail!("{flag} must be at least 1");
+            }
+        }
+        if self.global_batch_size == 0 || self.global_batch_size % self.micro_batch_size != 0 {
+            bail!(
+                "--global-batch-size {} is not a multiple of --micro-batch-size {} × data-parallel size 1: make it a multiple",
+                self.global_batch_size,
+                self.micro_batch_size
+            );
+        }
+        if self.lr.is_nan() || self.lr <= 0.0 || self.min_lr < 0.0 || self.min_lr > self.lr {
+            bail!("--lr {} and --min-lr {} must satisfy 0 <= min-lr <= lr and lr > 0", self.lr, self.min_lr);
+        }
+        if !(0.0..1.0).contains(&self.adam_beta1) || !(0.0..1.0).contains(&self.adam_beta2) {
+            bail!("--adam-beta1 and --adam-beta2 must lie in [0, 1)");
+        }
+        Ok(())
+    }
+
+    pub fn tokenizer(&self) -> anyhow::Result<TokenizerKind> {
+        TokenizerKind::parse(&self.tokenizer_type).map_err(|e| anyhow::anyhow!("--tokenizer-type: {e}"))
+    }
+
+    pub fn decay_style(&self) -> anyhow::Result<DecayStyle> {
+        DecayStyle::parse(&self.lr_decay_style)
+            .with_context(|| format!("--lr-decay-style {}: use constant, linear or cosine", self.lr_decay_style))
+    }
+
+    pub fn num_micro_batches(&self) -> usize {
+        self.global_batch_size / self.micro_batch_size
+    }
+
+    pub fn model_config(&self) -> anyhow::Result<TransformerConfig> {
+        let position_embedding = match self.position_embedding_type.as_str() {
+            "learned_absolute" => PositionEmbedding::LearnedAbsolute,
+            "rope" => PositionEmbedding::Rope { base: self.rotary_base },
+            "none" => PositionEmbedding::None,
+            o => bail!("--position-embedding-type {o}: use learned_absolute, rope or none"),
+        };
+        let norm = match self.normalization.as_str() {
+            "LayerNorm" => NormKind::LayerNorm,
+            "RMSNorm" => NormKind::RmsNorm,
+            o => bail!("--normalization {o}: use LayerNorm or RMSNorm"),
+        };
+        let vocab = ferrotron_data::Tokenizer::new(self.tokenizer()?)?.vocab_size();
+        Ok(TransformerConfig {
+            num_layers: self.num_layers,
+            hidden_size: self.hidden_size,
+            num_attention_heads: self.num_attention_heads,
+            num_query_groups: self.num_query_groups,
+            ffn_hidden_size: self.ffn_hidden_size,
+            seq_length: self.seq_length,
+            max_position_embeddings: self.max_position_embeddings,
+            padded_vocab_size: pad_vocab(vocab, 1),
+            position_embedding,
+            untie_embeddings_and_output_weights: self.untie_embeddings_and_output_weights,
+            layer: LayerSpec {
+                norm,
+                attention: AttentionSpec {
+                    bias: !self.disable_bias_linear,
+                    qk_layernorm: self.qk_layernorm,
+                    window: None,
+                },
+                mlp: MlpSpec::Dense {
+                    activation: if self.swiglu { Activation::SwiGlu } else { Activation::Gelu },
+                    bias: !self.disable_bias_linear,
+                },
+            },
+            norm_epsilon: 1e-5,
+            init_method_std: self.init_method_std,
+        })
+    }
+}
+
+pub fn check_dir(p: &Path, flag: &str) -> anyhow::Result<()> {
+    if !p.is_dir() {
+        bail!("{flag} {}: no such folder; pass the --save folder of an earlier run", p.display());
+    }
+    Ok(())
+}

@@ -1,0 +1,144 @@
+//! The `ferrotron` binary end to end: a short run whose loss falls and whose files parse, bad flags
+//! that fail with one line naming the flag, corrupt checkpoints, and a save that fails midway.
+
+mod common;
+
+use common::tmp;
+use std::path::Path;
+use std::process::{Command, Output};
+
+const TINY: &[&str] = &[
+    "train",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--ffn-hidden-size",
+    "64",
+    "--seq-length",
+    "32",
+    "--max-position-embeddings",
+    "32",
+    "--micro-batch-size",
+    "8",
+    "--global-batch-size",
+    "16",
+    "--eval-iters",
+    "2",
+    "--log-interval",
+    "2",
+    "--corpus-docs",
+    "400",
+    "--no-progress",
+];
+
+fn run(extra: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ferrotron")).args(TINY).args(extra).output().expect("run ferrotron")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn short_run_learns_and_writes_parseable_files() {
+    let dir = tmp("cli-run");
+    let d = dir.to_str().unwrap();
+    let o = run(&[
+        "--train-iters",
+        "30",
+        "--lr",
+        "3e-3",
+        "--lr-warmup-iters",
+        "3",
+        "--eval-interval",
+        "15",
+        "--save-interval",
+        "15",
+        "--save",
+        d,
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // metrics.jsonl: every line is JSON; eval loss falls from iteration 0 to the end.
+    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> =
+        text.lines().map(|l| serde_json::from_str(l).expect("metrics line is JSON")).collect();
+    let evals: Vec<(u64, f64)> = lines
+        .iter()
+        .filter(|v| v["kind"] == "eval")
+        .map(|v| (v["iteration"].as_u64().unwrap(), v["loss"].as_f64().unwrap()))
+        .collect();
+    assert_eq!(evals.first().map(|e| e.0), Some(0));
+    assert_eq!(evals.last().map(|e| e.0), Some(30));
+    let (start, end) = (evals[0].1, evals.last().unwrap().1);
+    assert!(end < start - 1.0, "validation loss {start} -> {end} did not fall");
+    assert!(lines.iter().filter(|v| v["kind"] == "train").all(|v| v["tokens_per_s"].as_f64().unwrap() > 0.0));
+    // Checkpoint files parse, the tracker names the last one.
+    assert_eq!(std::fs::read_to_string(dir.join("latest_checkpointed_iteration.txt")).unwrap().trim(), "30");
+    let state: toml::Table = std::fs::read_to_string(dir.join("iter_0000030/state.toml")).unwrap().parse().unwrap();
+    assert_eq!(state["iteration"].as_integer(), Some(30));
+    assert!(dir.join("iter_0000015/model_optim.safetensors").is_file());
+    // generate reads it back.
+    let g = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args(["generate", "--load", d, "--prompt", "Once", "--max-new-tokens", "20"])
+        .output()
+        .unwrap();
+    assert!(g.status.success(), "{}", stderr(&g));
+    assert!(String::from_utf8_lossy(&g.stdout).starts_with("Once"));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[track_caller]
+fn fails_naming(extra: &[&str], needle: &str) {
+    let o = run(extra);
+    assert!(!o.status.success(), "accepted {extra:?}");
+    let e = stderr(&o);
+    assert_eq!(e.trim_end().lines().count(), 1, "not one line: {e}");
+    assert!(e.contains(needle), "{extra:?}: {e}");
+}
+
+#[test]
+fn bad_flags_fail_with_one_line_naming_the_flag() {
+    fails_naming(&["--hidden-size", "30"], "--hidden-size 30 is not divisible by --num-attention-heads 4");
+    fails_naming(&["--num-query-groups", "3"], "--num-query-groups 3");
+    fails_naming(&["--seq-length", "64"], "--max-position-embeddings");
+    fails_naming(&["--global-batch-size", "12"], "--global-batch-size 12");
+    fails_naming(&["--load", "/nonexistent/ferrotron"], "--load /nonexistent/ferrotron: no such folder");
+    fails_naming(&["--preset", "huge"], "--preset huge: unknown preset");
+    fails_naming(&["--lr-decay-style", "sqrt"], "--lr-decay-style sqrt");
+}
+
+fn corrupt_first_byte(p: &Path) {
+    let mut b = std::fs::read(p).unwrap();
+    b[100] ^= 0xff;
+    std::fs::write(p, b).unwrap();
+}
+
+#[test]
+fn corrupt_checkpoint_is_an_error_and_failed_save_loses_nothing() {
+    let dir = tmp("cli-corrupt");
+    let d = dir.to_str().unwrap();
+    let o = run(&["--train-iters", "2", "--eval-interval", "2", "--save", d]);
+    assert!(o.status.success(), "{}", stderr(&o));
+
+    // A save that fails midway (the tracker cannot be replaced) leaves iteration 2 as the latest.
+    std::fs::create_dir_all(dir.join(".latest_checkpointed_iteration.txt.tmp/blocker")).unwrap();
+    let o = run(&["--train-iters", "4", "--eval-interval", "2", "--save", d, "--load", d]);
+    assert!(!o.status.success());
+    assert_eq!(std::fs::read_to_string(dir.join("latest_checkpointed_iteration.txt")).unwrap().trim(), "2");
+    let resumed = run(&["--train-iters", "3", "--eval-interval", "3", "--load", d]);
+    assert!(resumed.status.success(), "iteration 2 no longer loads: {}", stderr(&resumed));
+    std::fs::remove_dir_all(dir.join(".latest_checkpointed_iteration.txt.tmp")).unwrap();
+
+    // Flipped bytes in the tensor file: caught by the checksum, named as corrupt.
+    corrupt_first_byte(&dir.join("iter_0000002/model_optim.safetensors"));
+    let o = Command::new(env!("CARGO_BIN_EXE_ferrotron")).args(["generate", "--load", d]).output().unwrap();
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("corrupt checkpoint"), "{}", stderr(&o));
+    // A garbled tracker is named too.
+    std::fs::write(dir.join("latest_checkpointed_iteration.txt"), "banana").unwrap();
+    fails_naming(&["--load", d], "corrupt tracker");
+    let _ = std::fs::remove_dir_all(dir);
+}
