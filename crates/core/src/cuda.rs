@@ -85,6 +85,21 @@ impl CudaStorage {
         }
     }
 
+    /// Raw device address of element 0, for kernel arguments. Every kernel of a rank runs on its one
+    /// compute stream, so stream order alone keeps reads after writes.
+    pub fn raw_ptr(&self, dev: &CudaDevice) -> u64 {
+        use cudarc::driver::DevicePtr;
+        let s = dev.stream();
+        match self {
+            CudaStorage::F32(v) => v.device_ptr(s).0,
+            CudaStorage::BF16(v) => v.device_ptr(s).0,
+            CudaStorage::F16(v) => v.device_ptr(s).0,
+            CudaStorage::F8E4M3(v) => v.device_ptr(s).0,
+            CudaStorage::F8E5M2(v) => v.device_ptr(s).0,
+            CudaStorage::U32(v) => v.device_ptr(s).0,
+        }
+    }
+
     pub fn zeros(dev: &CudaDevice, dtype: DType, n: usize) -> Result<Self> {
         let s = dev.stream();
         Ok(match dtype {

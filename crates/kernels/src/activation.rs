@@ -5,6 +5,10 @@ use ferrotron_core::{Result, Tensor, shape_mismatch};
 
 fn unary(op: &'static str, x: &Tensor, f: fn(&[f32], &mut [f32])) -> Result<Tensor> {
     check::float(op, x)?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(op, &[x])? {
+        return crate::cuda::ops::pointwise(&g, op, x, None);
+    }
     check::on_cpu(op, &[x])?;
     let xv = x.read_f32()?;
     let mut y = vec![0f32; xv.len()];
@@ -15,6 +19,10 @@ fn unary(op: &'static str, x: &Tensor, f: fn(&[f32], &mut [f32])) -> Result<Tens
 fn unary_bwd(op: &'static str, x: &Tensor, dy: &Tensor, f: fn(&[f32], &[f32], &mut [f32])) -> Result<Tensor> {
     check::float(op, x)?;
     check::shape(op, dy, x.dims())?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(op, &[x, dy])? {
+        return crate::cuda::ops::pointwise(&g, op.trim_end_matches("_bwd"), x, Some(dy));
+    }
     check::on_cpu(op, &[x, dy])?;
     let (xv, dyv) = (x.read_f32()?, dy.read_f32()?);
     let mut dx = vec![0f32; xv.len()];
@@ -48,12 +56,16 @@ pub fn swiglu(x: &Tensor) -> Result<Tensor> {
     const OP: &str = "swiglu";
     check::float(OP, x)?;
     let f = swiglu_width(OP, x)?;
+    let mut shape = x.dims().to_vec();
+    *shape.last_mut().unwrap_or(&mut 0) = f;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[x])? {
+        return crate::cuda::ops::swiglu(&g, x, f, shape);
+    }
     check::on_cpu(OP, &[x])?;
     let xv = x.read_f32()?;
     let mut y = vec![0f32; xv.len() / 2];
     cpu::activation::swiglu_fwd(&xv, f, &mut y);
-    let mut shape = x.dims().to_vec();
-    *shape.last_mut().unwrap_or(&mut 0) = f;
     check::out(&y, shape, x.dtype(), x.device())
 }
 
@@ -64,6 +76,10 @@ pub fn swiglu_bwd(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
     let mut yshape = x.dims().to_vec();
     *yshape.last_mut().unwrap_or(&mut 0) = f;
     check::shape(OP, dy, &yshape)?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[x, dy])? {
+        return crate::cuda::ops::swiglu_bwd(&g, x, dy, f);
+    }
     check::on_cpu(OP, &[x, dy])?;
     let (xv, dyv) = (x.read_f32()?, dy.read_f32()?);
     let mut dx = vec![0f32; xv.len()];
@@ -75,6 +91,11 @@ pub fn swiglu_bwd(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
 pub fn softmax(x: &Tensor) -> Result<Tensor> {
     const OP: &str = "softmax";
     check::float(OP, x)?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[x])? {
+        return crate::cuda::ops::softmax(&g, x);
+    }
+
     check::on_cpu(OP, &[x])?;
     let xv = x.read_f32()?;
     let mut y = vec![0f32; xv.len()];
@@ -87,6 +108,10 @@ pub fn softmax_bwd(y: &Tensor, dy: &Tensor) -> Result<Tensor> {
     const OP: &str = "softmax_bwd";
     check::float(OP, y)?;
     check::shape(OP, dy, y.dims())?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[y, dy])? {
+        return crate::cuda::ops::softmax_bwd(&g, y, dy);
+    }
     check::on_cpu(OP, &[y, dy])?;
     let (yv, dyv) = (y.read_f32()?, dy.read_f32()?);
     let mut dx = vec![0f32; yv.len()];

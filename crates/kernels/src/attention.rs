@@ -53,10 +53,29 @@ fn scale(cfg: &AttnCfg, d: usize) -> f64 {
     cfg.scale.unwrap_or(1.0 / (d as f64).sqrt())
 }
 
+#[cfg(feature = "cuda")]
+fn gpu_shape(d: &AttnDims, cfg: &AttnCfg) -> crate::cuda::ops::AttnShape {
+    crate::cuda::ops::AttnShape {
+        b: d.b,
+        t: d.t,
+        s: d.s,
+        hq: d.hq,
+        hkv: d.hkv,
+        d: d.d,
+        scale: scale(cfg, d.d) as f32,
+        causal: cfg.causal,
+        window: cfg.window.unwrap_or(0),
+    }
+}
+
 /// Returns (o, lse).
 pub fn attention_fwd(q: &Tensor, k: &Tensor, v: &Tensor, cfg: &AttnCfg) -> Result<(Tensor, Tensor)> {
     const OP: &str = "attention_fwd";
     let d = dims(OP, q, k, v, cfg)?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[q, k, v])? {
+        return crate::cuda::ops::attention_fwd(&g, q, k, v, &gpu_shape(&d, cfg));
+    }
     check::on_cpu(OP, &[q, k, v])?;
     let (qv, kv, vv) = (q.read_f32()?, k.read_f32()?, v.read_f32()?);
     let mut o = vec![0f32; qv.len()];
@@ -83,6 +102,10 @@ pub fn attention_bwd(
     check::shape(OP, o, q.dims())?;
     check::shape(OP, dout, q.dims())?;
     check::shape(OP, lse, &[d.b, d.hq, d.t])?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[q, k, v, o, lse, dout])? {
+        return crate::cuda::ops::attention_bwd(&g, q, k, v, o, lse, dout, &gpu_shape(&d, cfg));
+    }
     check::on_cpu(OP, &[q, k, v, o, lse, dout])?;
     let (qv, kv, vv) = (q.read_f32()?, k.read_f32()?, v.read_f32()?);
     let (ov, lv, dov) = (o.read_f32()?, lse.read_f32()?, dout.read_f32()?);

@@ -11,6 +11,10 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     check::float(OP, a)?;
     check::same_dtype(OP, a, b)?;
     check::shape(OP, b, a.dims())?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[a, b])? {
+        return crate::cuda::ops::add(&g, a, b);
+    }
     check::on_cpu(OP, &[a, b])?;
     let (av, bv) = (a.read_f32()?, b.read_f32()?);
     let y: Vec<f32> = av.par_iter().zip(bv.par_iter()).map(|(x, y)| x + y).collect();
@@ -23,10 +27,14 @@ pub fn add_(dst: &Tensor, src: &Tensor) -> Result<()> {
     check::float(OP, dst)?;
     check::float(OP, src)?;
     check::shape(OP, src, dst.dims())?;
-    check::on_cpu(OP, &[dst, src])?;
     if dst.shares_storage(src) {
         return Err(invalid(OP, "dst and src must not share storage"));
     }
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[dst, src])? {
+        return crate::cuda::ops::acc(&g, dst, src);
+    }
+    check::on_cpu(OP, &[dst, src])?;
     let s = src.read_f32()?;
     dst.update_f32(OP, |d| d.par_iter_mut().zip(s.par_iter()).for_each(|(d, s)| *d += s))
 }
@@ -37,6 +45,10 @@ pub fn bias_add(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
     check::float(OP, x)?;
     let c = x.shape().last();
     check::shape(OP, bias, &[c])?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[x, bias])? {
+        return crate::cuda::ops::bias_add(&g, x, bias);
+    }
     check::on_cpu(OP, &[x, bias])?;
     let (xv, bv) = (x.read_f32()?, bias.read_f32()?);
     let mut y = xv.to_vec();
@@ -48,6 +60,10 @@ pub fn bias_add(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
 pub fn bias_grad(dy: &Tensor) -> Result<Tensor> {
     const OP: &str = "bias_grad";
     check::float(OP, dy)?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[dy])? {
+        return crate::cuda::ops::bias_grad(&g, dy);
+    }
     check::on_cpu(OP, &[dy])?;
     let c = dy.shape().last();
     let v = dy.read_f32()?;
@@ -63,8 +79,15 @@ pub fn bias_grad(dy: &Tensor) -> Result<Tensor> {
 
 /// x · s as a new tensor.
 pub fn scale(x: &Tensor, s: f32) -> Result<Tensor> {
-    check::float("scale", x)?;
-    check::on_cpu("scale", &[x])?;
+    const OP: &str = "scale";
+    check::float(OP, x)?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[x])? {
+        let y = Tensor::zeros(x.shape().clone(), x.dtype(), x.device())?;
+        crate::cuda::ops::scale(&g, x, &y, s)?;
+        return Ok(y);
+    }
+    check::on_cpu(OP, &[x])?;
     let mut y = x.read_f32()?.to_vec();
     cpu::optim::scale(&mut y, s);
     check::out(&y, x.shape().clone(), x.dtype(), x.device())
@@ -72,19 +95,29 @@ pub fn scale(x: &Tensor, s: f32) -> Result<Tensor> {
 
 /// x ← x · s in place.
 pub fn scale_(x: &Tensor, s: f32) -> Result<()> {
-    check::float("scale_", x)?;
-    check::on_cpu("scale_", &[x])?;
+    const OP: &str = "scale_";
+    check::float(OP, x)?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[x])? {
+        return crate::cuda::ops::scale(&g, x, x, s);
+    }
+    check::on_cpu(OP, &[x])?;
     x.update_f32("scale_", |v| cpu::optim::scale(v, s))
 }
 
 /// A copy of x in `dtype` (round to nearest even when narrowing).
 pub fn cast(x: &Tensor, dtype: DType) -> Result<Tensor> {
-    check::on_cpu("cast", &[x])?;
+    const OP: &str = "cast";
     if x.dtype() == DType::U32 || dtype == DType::U32 {
         if x.dtype() == dtype {
             return x.deep_copy();
         }
         return Err(invalid("cast", format!("cannot cast {} to {dtype}: ids are not values", x.dtype())));
     }
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[x])? {
+        return crate::cuda::ops::cast(&g, x, dtype);
+    }
+    check::on_cpu(OP, &[x])?;
     check::out(&x.read_f32()?, x.shape().clone(), dtype, x.device())
 }

@@ -8,9 +8,13 @@ pub fn embedding_fwd(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
     const OP: &str = "embedding_fwd";
     check::float(OP, table)?;
     check::rank(OP, table, 2)?;
-    check::on_cpu(OP, &[ids, table])?;
     let (v, c) = (table.dims()[0], table.dims()[1]);
     let idv = check::ids(OP, ids, v, "vocabulary (embedding rows)")?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[ids, table])? {
+        return crate::cuda::ops::embedding_fwd(&g, ids, table);
+    }
+    check::on_cpu(OP, &[ids, table])?;
     let tv = table.read_f32()?;
     let mut out = vec![0f32; idv.len() * c];
     cpu::embedding::embedding_fwd(&idv, &tv, c, &mut out);
@@ -24,12 +28,16 @@ pub fn embedding_bwd(ids: &Tensor, dout: &Tensor, dtable: &Tensor) -> Result<()>
     const OP: &str = "embedding_bwd";
     check::float(OP, dtable)?;
     check::rank(OP, dtable, 2)?;
-    check::on_cpu(OP, &[ids, dout, dtable])?;
     let (v, c) = (dtable.dims()[0], dtable.dims()[1]);
     let idv = check::ids(OP, ids, v, "vocabulary (embedding rows)")?;
     if dout.elem_count() != idv.len() * c || dout.shape().last() != c {
         return Err(shape_mismatch(OP, format!("dout [{}, {c}]", idv.len()), dout.dims()));
     }
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[ids, dout, dtable])? {
+        return crate::cuda::ops::embedding_bwd(&g, ids, dout, dtable);
+    }
+    check::on_cpu(OP, &[ids, dout, dtable])?;
     let dv = dout.read_f32()?;
     dtable.update_f32(OP, |t| cpu::embedding::embedding_bwd(&idv, &dv, c, t))
 }

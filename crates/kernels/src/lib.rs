@@ -17,6 +17,8 @@ mod activation;
 mod attention;
 mod check;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod elementwise;
 mod embedding;
 mod loss;

@@ -32,7 +32,10 @@ fn inputs(op: &'static str, logits: &Tensor, targets: &Tensor, mask: Option<&Ten
         }
         all.push(m);
     }
+    #[cfg(not(feature = "cuda"))]
     check::on_cpu(op, &all)?;
+    #[cfg(feature = "cuda")]
+    crate::cuda::gpu(op, &all)?;
     let raw = targets.to_vec::<u32>()?;
     if let Some(&bad) = raw.iter().find(|&&t| t as usize >= v && cfg.ignore_index != Some(t)) {
         return Err(Error::IndexOutOfRange {
@@ -73,6 +76,10 @@ pub fn cross_entropy_fwd(
 ) -> Result<(Tensor, Tensor)> {
     const OP: &str = "cross_entropy_fwd";
     let inp = inputs(OP, logits, targets, mask, cfg)?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[logits])? {
+        return crate::cuda::ops::ce_fwd(&g, logits, targets, mask, cfg.ignore_index);
+    }
     let (mut loss, mut lse) = (vec![0f32; inp.n], vec![0f32; inp.n]);
     let m = inp.mask.as_deref();
     with_logits(OP, logits, &mut |l| match l {
@@ -114,6 +121,10 @@ pub fn cross_entropy_bwd(
     check::shape(OP, lse, &[inp.n])?;
     if dloss.elem_count() != inp.n {
         return Err(shape_mismatch(OP, format!("dloss with {} elements", inp.n), dloss.dims()));
+    }
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[logits, lse, dloss])? {
+        return crate::cuda::ops::ce_bwd(&g, logits, targets, mask, cfg.ignore_index, lse, dloss);
     }
     check::on_cpu(OP, &[logits, lse, dloss])?;
     let (lv, dv) = (lse.to_vec_f32()?, dloss.to_vec_f32()?);

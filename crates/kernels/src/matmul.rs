@@ -52,8 +52,14 @@ pub fn matmul(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Tensor> {
     const OP: &str = "matmul";
     check::float(OP, a)?;
     check::same_dtype(OP, a, b)?;
-    check::on_cpu(OP, &[a, b])?;
     let d = dims(OP, a, b, ta, tb)?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[a, b])? {
+        let c = Tensor::zeros(d.out.clone(), a.dtype(), a.device())?;
+        crate::cuda::ops::gemm(&g, a, b, &c, d.batch, d.m, d.n, d.k, ta, tb, 0.0)?;
+        return Ok(c);
+    }
+    check::on_cpu(OP, &[a, b])?;
     let (av, bv) = (a.read_f32()?, b.read_f32()?);
     let mut c = vec![0f32; d.batch * d.m * d.n];
     cpu::matmul::gemm_batched(d.batch, d.m, d.n, d.k, &av, ta, &bv, tb, &mut c, false, 1.0);
@@ -66,7 +72,6 @@ pub fn matmul_into(c: &Tensor, a: &Tensor, b: &Tensor, ta: bool, tb: bool, accum
     check::float(OP, a)?;
     check::same_dtype(OP, a, b)?;
     check::float(OP, c)?;
-    check::on_cpu(OP, &[a, b, c])?;
     let d = dims(OP, a, b, ta, tb)?;
     if c.elem_count() != d.batch * d.m * d.n {
         return Err(shape_mismatch(OP, &d.out, c.dims()));
@@ -74,6 +79,31 @@ pub fn matmul_into(c: &Tensor, a: &Tensor, b: &Tensor, ta: bool, tb: bool, accum
     if c.shares_storage(a) || c.shares_storage(b) {
         return Err(ferrotron_core::invalid(OP, "the output must not share storage with an input"));
     }
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[a, b, c])? {
+        if c.dtype() == a.dtype() {
+            return crate::cuda::ops::gemm(
+                &g,
+                a,
+                b,
+                c,
+                d.batch,
+                d.m,
+                d.n,
+                d.k,
+                ta,
+                tb,
+                if accumulate { 1.0 } else { 0.0 },
+            );
+        }
+        // A wider output (f32 main_grad for bf16 operands): product in the operand dtype, then add.
+        let p = matmul(a, b, ta, tb)?;
+        if !accumulate {
+            crate::elementwise::scale_(c, 0.0)?;
+        }
+        return crate::cuda::ops::acc(&g, c, &p);
+    }
+    check::on_cpu(OP, &[a, b, c])?;
     let (av, bv) = (a.read_f32()?, b.read_f32()?);
     c.update_f32(OP, |cv| cpu::matmul::gemm_batched(d.batch, d.m, d.n, d.k, &av, ta, &bv, tb, cv, accumulate, 1.0))
 }
@@ -83,9 +113,22 @@ pub fn matmul_bwd(a: &Tensor, b: &Tensor, dc: &Tensor, ta: bool, tb: bool) -> Re
     const OP: &str = "matmul_bwd";
     check::float(OP, a)?;
     check::same_dtype(OP, a, b)?;
-    check::on_cpu(OP, &[a, b, dc])?;
     let d = dims(OP, a, b, ta, tb)?;
     check::shape(OP, dc, &d.out)?;
+    #[cfg(feature = "cuda")]
+    if crate::cuda::gpu(OP, &[a, b, dc])?.is_some() {
+        // dA = dC·op(B)ᵀ (stored transposed when ta), dB = op(A)ᵀ·dC (stored transposed when tb).
+        // A 2-D b shared by all of a's rows: fold the batch into rows so dB sums over it.
+        let (a2, dc2) = if b.shape().rank() == 2 && !ta {
+            (a.reshape([d.m, d.k])?, dc.reshape([d.m, d.n])?)
+        } else {
+            (a.clone(), dc.clone())
+        };
+        let da = if ta { matmul(b, &dc2, tb, true)? } else { matmul(&dc2, b, false, !tb)? };
+        let db = if tb { matmul(&dc2, &a2, true, ta)? } else { matmul(&a2, &dc2, !ta, false)? };
+        return Ok((da.reshape(a.shape().clone())?, db.reshape(b.shape().clone())?));
+    }
+    check::on_cpu(OP, &[a, b, dc])?;
     let (av, bv, dcv) = (a.read_f32()?, b.read_f32()?, dc.read_f32()?);
     let mut da = vec![0f32; a.elem_count()];
     let mut db = vec![0f32; b.elem_count()];

@@ -21,6 +21,10 @@ pub fn layernorm_fwd(x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64) -> Re
         check::shape(OP, b, &[c])?;
         all.push(b);
     }
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[x, w])? {
+        return crate::cuda::ops::layernorm_fwd(&g, x, w, b, eps);
+    }
     check::on_cpu(OP, &all)?;
     let rows = x.shape().rows();
     let (xv, wv) = (x.read_f32()?, w.read_f32()?);
@@ -48,6 +52,10 @@ pub fn layernorm_bwd(
     let rows = x.shape().rows();
     check::shape(OP, mean, &[rows])?;
     check::shape(OP, rstd, &[rows])?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[dy, x, w, mean, rstd])? {
+        return crate::cuda::ops::layernorm_bwd(&g, dy, x, w, mean, rstd);
+    }
     check::on_cpu(OP, &[dy, x, w, mean, rstd])?;
     let (dyv, xv, wv, mv, rv) = (dy.read_f32()?, x.read_f32()?, w.read_f32()?, mean.read_f32()?, rstd.read_f32()?);
     let mut dx = vec![0f32; rows * c];
@@ -63,6 +71,10 @@ pub fn layernorm_bwd(
 pub fn rmsnorm_fwd(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
     const OP: &str = "rmsnorm_fwd";
     let c = norm_checks(OP, x, w)?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[x, w])? {
+        return crate::cuda::ops::rmsnorm_fwd(&g, x, w, eps);
+    }
     check::on_cpu(OP, &[x, w])?;
     let rows = x.shape().rows();
     let (xv, wv) = (x.read_f32()?, w.read_f32()?);
@@ -78,6 +90,10 @@ pub fn rmsnorm_bwd(dy: &Tensor, x: &Tensor, w: &Tensor, rstd: &Tensor) -> Result
     check::shape(OP, dy, x.dims())?;
     let rows = x.shape().rows();
     check::shape(OP, rstd, &[rows])?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[dy, x, w, rstd])? {
+        return crate::cuda::ops::rmsnorm_bwd(&g, dy, x, w, rstd);
+    }
     check::on_cpu(OP, &[dy, x, w, rstd])?;
     let (dyv, xv, wv, rv) = (dy.read_f32()?, x.read_f32()?, w.read_f32()?, rstd.read_f32()?);
     let mut dx = vec![0f32; rows * c];

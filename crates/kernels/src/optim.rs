@@ -12,7 +12,6 @@ pub fn adamw_step(param: &Tensor, grad: &Tensor, m: &Tensor, v: &Tensor, h: &Ada
         check::dtype(OP, t, DType::F32)?;
         check::shape(OP, t, param.dims())?;
     }
-    check::on_cpu(OP, &[param, grad, m, v])?;
     if h.step == 0 {
         return Err(invalid(OP, "step counts from 1"));
     }
@@ -23,6 +22,11 @@ pub fn adamw_step(param: &Tensor, grad: &Tensor, m: &Tensor, v: &Tensor, h: &Ada
     if !distinct {
         return Err(invalid(OP, "param, grad, m and v must be distinct buffers"));
     }
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[param, grad, m, v])? {
+        return crate::cuda::ops::adamw(&g, param, grad, m, v, h);
+    }
+    check::on_cpu(OP, &[param, grad, m, v])?;
     let g = grad.read_f32()?;
     param.update_f32(OP, |p| {
         m.update_f32(OP, |mm| v.update_f32(OP, |vv| cpu::optim::adamw_step(p, &g, mm, vv, h)))
@@ -32,8 +36,13 @@ pub fn adamw_step(param: &Tensor, grad: &Tensor, m: &Tensor, v: &Tensor, h: &Ada
 
 /// Σ x² in f64 (deterministic order).
 pub fn sum_sq(x: &Tensor) -> Result<f64> {
-    check::float("sum_sq", x)?;
-    check::on_cpu("sum_sq", &[x])?;
+    const OP: &str = "sum_sq";
+    check::float(OP, x)?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[x])? {
+        return crate::cuda::ops::sum_sq(&g, x);
+    }
+    check::on_cpu(OP, &[x])?;
     Ok(cpu::optim::sum_sq(&x.read_f32()?))
 }
 

@@ -17,6 +17,10 @@ pub fn qkv_split(x: &Tensor, hkv: usize, group: usize, d: usize) -> Result<(Tens
             x.dims(),
         ));
     }
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[x])? {
+        return crate::cuda::ops::qkv_split(&g, x, hkv, group, d);
+    }
     check::on_cpu(OP, &[x])?;
     let xv = x.read_f32()?;
     let n = b * t;
@@ -43,6 +47,10 @@ pub fn qkv_merge(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     }
     check::shape(OP, k, &[b, t, hkv, d])?;
     check::shape(OP, v, &[b, t, hkv, d])?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[q, k, v])? {
+        return crate::cuda::ops::qkv_merge(&g, q, k, v);
+    }
     check::on_cpu(OP, &[q, k, v])?;
     let g = hq / hkv;
     let (qv, kv, vv) = (q.read_f32()?, k.read_f32()?, v.read_f32()?);

@@ -18,12 +18,17 @@ fn validate(op: &'static str, x: &Tensor, cfg: &RopeCfg) -> Result<(usize, usize
     if cfg.base <= 0.0 || !cfg.base.is_finite() {
         return Err(invalid(op, format!("rotary base {} must be positive", cfg.base)));
     }
-    check::on_cpu(op, &[x])?;
     Ok((d[1], d[2], d[3]))
 }
 
 pub fn rope_fwd(x: &Tensor, cfg: &RopeCfg) -> Result<Tensor> {
-    let (t, h, d) = validate("rope_fwd", x, cfg)?;
+    const OP: &str = "rope_fwd";
+    let (t, h, d) = validate(OP, x, cfg)?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[x])? {
+        return crate::cuda::ops::rope(&g, x, cfg, 1.0);
+    }
+    check::on_cpu(OP, &[x])?;
     let xv = x.read_f32()?;
     let mut y = vec![0f32; xv.len()];
     cpu::rope::rope_fwd(&xv, t, h, d, cfg, &mut y);
@@ -31,7 +36,13 @@ pub fn rope_fwd(x: &Tensor, cfg: &RopeCfg) -> Result<Tensor> {
 }
 
 pub fn rope_bwd(dy: &Tensor, cfg: &RopeCfg) -> Result<Tensor> {
-    let (t, h, d) = validate("rope_bwd", dy, cfg)?;
+    const OP: &str = "rope_bwd";
+    let (t, h, d) = validate(OP, dy, cfg)?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[dy])? {
+        return crate::cuda::ops::rope(&g, dy, cfg, -1.0);
+    }
+    check::on_cpu(OP, &[dy])?;
     let dyv = dy.read_f32()?;
     let mut dx = vec![0f32; dyv.len()];
     cpu::rope::rope_bwd(&dyv, t, h, d, cfg, &mut dx);

@@ -395,3 +395,36 @@ pub fn check_dir(p: &Path, flag: &str) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn preset_then_file_then_flags() {
+        let dir = std::env::temp_dir().join(format!("ferrotron-settings-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("run.toml");
+        std::fs::write(&file, "preset = \"llama-tiny\"\nnum-layers = 3\nlr = 0.01\nswiglu = true\n").unwrap();
+        let flags = TrainArgs { config: Some(file.clone()), lr: Some(0.02), ..TrainArgs::default() };
+        let (s, _) = Settings::resolve(&flags).unwrap();
+        assert_eq!(s.preset, "llama-tiny");
+        assert_eq!(s.num_layers, 3, "file overrides preset");
+        assert_eq!(s.lr, 0.02, "flag overrides file");
+        assert_eq!(s.normalization, "RMSNorm", "preset fills the rest");
+        assert_eq!(s.num_query_groups, 2);
+        // Unknown keys in the file are an error naming the file.
+        std::fs::write(&file, "num-layerz = 3\n").unwrap();
+        let e = format!("{:#}", Settings::resolve(&flags).unwrap_err());
+        assert!(e.contains("run.toml") && e.contains("num-layerz"), "{e}");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn settings_round_trip_through_toml() {
+        let (s, _) = Settings::resolve(&TrainArgs::default()).unwrap();
+        let back: Settings = toml::from_str(&toml::to_string(&s).unwrap()).unwrap();
+        assert_eq!(back, s);
+        assert_eq!(s.preset, "tiny");
+    }
+}

@@ -5,6 +5,7 @@ mod util;
 
 mod activation;
 mod attention;
+mod cross_device;
 mod elementwise;
 mod embedding;
 mod loss;

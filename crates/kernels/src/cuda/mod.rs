@@ -1,0 +1,184 @@
+//! CUDA backend (feature `cuda`). The sources in the top-level kernels/ folder are embedded, compiled
+//! by NVRTC for the device's architecture on first use, cached on disk keyed by source hash + arch
+//! (`$FERROTRON_CACHE_DIR`, else `~/.cache/ferrotron/ptx`), and loaded once per device. GEMMs go
+//! through cuBLASLt (bf16) and cuBLAS (exact f32). Memory comes from cudarc's stream-ordered allocations (the driver's memory pool
+//! caches them; no cudaMalloc per step).
+
+pub(crate) mod ops;
+
+use cudarc::cublas::CudaBlas;
+use cudarc::cublaslt::CudaBlasLT;
+use cudarc::driver::{CudaFunction, CudaModule, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::{CompileOptions, Ptx};
+use ferrotron_core::cuda::CudaDevice;
+use ferrotron_core::{Device, Error, Result, Storage, Tensor};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// All kernel sources, in one module: the common header first.
+pub const SOURCES: &[(&str, &str)] = &[
+    ("common.cuh", include_str!("../../../../kernels/common.cuh")),
+    ("elementwise.cu", include_str!("../../../../kernels/elementwise.cu")),
+    ("norm.cu", include_str!("../../../../kernels/norm.cu")),
+    ("loss.cu", include_str!("../../../../kernels/loss.cu")),
+    ("optim.cu", include_str!("../../../../kernels/optim.cu")),
+    ("rope.cu", include_str!("../../../../kernels/rope.cu")),
+    ("embedding.cu", include_str!("../../../../kernels/embedding.cu")),
+    ("attention.cu", include_str!("../../../../kernels/attention.cu")),
+];
+
+pub fn source() -> String {
+    SOURCES.iter().map(|(name, s)| format!("// ---- {name}\n{s}\n")).collect()
+}
+
+fn fnv(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+}
+
+pub(crate) struct Backend {
+    pub dev: CudaDevice,
+    module: Arc<CudaModule>,
+    functions: Mutex<HashMap<String, CudaFunction>>,
+    /// bf16 GEMMs (fp32 accumulation).
+    pub blas_lt: CudaBlasLT,
+    /// f32 GEMMs: cuBLAS in its default math mode is true fp32 (cuBLASLt's f32 path in cudarc is TF32).
+    pub blas: CudaBlas,
+}
+
+static BACKENDS: Mutex<Vec<(usize, Arc<Backend>)>> = Mutex::new(Vec::new());
+
+fn cuda_err(what: &str, e: impl std::fmt::Debug) -> Error {
+    Error::Cuda(format!("{what}: {e:?}"))
+}
+
+fn cache_dir() -> Option<std::path::PathBuf> {
+    if let Some(d) = std::env::var_os("FERROTRON_CACHE_DIR") {
+        return Some(std::path::PathBuf::from(d).join("ptx"));
+    }
+    std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache/ferrotron/ptx"))
+}
+
+/// PTX for `arch` (e.g. `sm_90`), from the disk cache or compiled now.
+fn ptx(arch: &str) -> Result<Ptx> {
+    let src = source();
+    let key = format!("{:016x}-{arch}.ptx", fnv(&src));
+    let cached = cache_dir().map(|d| d.join(&key));
+    if let Some(p) = &cached {
+        if let Ok(text) = std::fs::read_to_string(p) {
+            return Ok(Ptx::from_src(text));
+        }
+    }
+    // SAFETY: only probes for the shared library.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(Error::Cuda("the NVRTC library (libnvrtc.so) was not found: add the CUDA toolkit's lib folder (or PyTorch's nvidia/cuda_nvrtc/lib) to LD_LIBRARY_PATH".into()));
+    }
+    let opts = CompileOptions {
+        options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()],
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(&src, opts).map_err(|e| cuda_err("NVRTC compile of kernels/", e))?;
+    if let Some(p) = &cached {
+        // The cache is an optimisation: failing to write it is not an error.
+        let _ = std::fs::create_dir_all(p.parent().unwrap_or(p)).and_then(|_| std::fs::write(p, ptx.to_src()));
+    }
+    Ok(ptx)
+}
+
+/// The backend of `dev`, created on first use.
+pub(crate) fn backend(dev: &CudaDevice) -> Result<Arc<Backend>> {
+    let mut all = BACKENDS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, b)) = all.iter().find(|(o, _)| *o == dev.ordinal()) {
+        return Ok(b.clone());
+    }
+    let (major, minor) = dev.context().compute_capability().map_err(|e| cuda_err("compute capability", e))?;
+    let module =
+        dev.context().load_module(ptx(&format!("sm_{major}{minor}"))?).map_err(|e| cuda_err("loading kernels", e))?;
+    // SAFETY: only probes for the shared library.
+    if !unsafe { cudarc::cublaslt::sys::is_culib_present() } {
+        return Err(Error::Cuda(
+            "the cuBLASLt library (libcublasLt.so) was not found: add its folder to LD_LIBRARY_PATH".into(),
+        ));
+    }
+    let blas_lt = CudaBlasLT::new(dev.stream().clone()).map_err(|e| cuda_err("cuBLASLt", e))?;
+    let blas = CudaBlas::new(dev.stream().clone()).map_err(|e| cuda_err("cuBLAS", e))?;
+    let b = Arc::new(Backend { dev: dev.clone(), module, functions: Mutex::new(HashMap::new()), blas_lt, blas });
+    all.push((dev.ordinal(), b.clone()));
+    Ok(b)
+}
+
+/// A kernel argument.
+pub(crate) enum Arg {
+    Ptr(u64),
+    I64(i64),
+    F32(f32),
+    F64(f64),
+}
+
+impl Backend {
+    fn function(&self, name: &str) -> Result<CudaFunction> {
+        let mut f = self.functions.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(func) = f.get(name) {
+            return Ok(func.clone());
+        }
+        let func = self.module.load_function(name).map_err(|e| cuda_err(&format!("kernel {name}"), e))?;
+        f.insert(name.into(), func.clone());
+        Ok(func)
+    }
+
+    /// Launches `name` with `grid` × `block` threads and `shared` bytes of dynamic shared memory.
+    pub fn launch(&self, name: &str, grid: u32, block: u32, shared: u32, args: &[Arg]) -> Result<()> {
+        let func = self.function(name)?;
+        let stream = self.dev.stream();
+        let mut b = stream.launch_builder(&func);
+        for a in args {
+            match a {
+                Arg::Ptr(p) => b.arg(p),
+                Arg::I64(v) => b.arg(v),
+                Arg::F32(v) => b.arg(v),
+                Arg::F64(v) => b.arg(v),
+            };
+        }
+        let cfg = LaunchConfig { grid_dim: (grid.max(1), 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: shared };
+        // SAFETY: every caller passes pointers to live allocations sized for the shapes it passes,
+        // in the order the kernel declares them.
+        unsafe { b.launch(cfg) }.map_err(|e| cuda_err(&format!("launching {name}"), e))?;
+        Ok(())
+    }
+
+    /// Grid size for a grid-stride loop over `n` elements.
+    pub fn grid_for(n: usize) -> u32 {
+        n.div_ceil(256).clamp(1, 65_535) as u32
+    }
+}
+
+/// The CUDA device all of `ts` live on, or None when they are CPU tensors.
+pub(crate) fn device_of(op: &'static str, ts: &[&Tensor]) -> Result<Option<CudaDevice>> {
+    let Device::Cuda(d) = ts[0].device() else { return Ok(None) };
+    for t in ts {
+        if !t.device().same(ts[0].device()) {
+            return Err(Error::DeviceMismatch { op, a: ts[0].device().name(), b: t.device().name() });
+        }
+    }
+    Ok(Some(d.clone()))
+}
+
+/// Device address of a tensor's first element (contiguous tensors only).
+pub(crate) fn ptr(op: &'static str, t: &Tensor) -> Result<Arg> {
+    if !t.is_contiguous() {
+        return Err(Error::NotContiguous { op });
+    }
+    let Device::Cuda(d) = t.device() else {
+        return Err(Error::DeviceMismatch { op, a: "cuda".into(), b: t.device().name() });
+    };
+    let g = t.storage();
+    let Storage::Cuda(c) = &*g else { return Err(Error::DeviceMismatch { op, a: "cuda".into(), b: "cpu".into() }) };
+    Ok(Arg::Ptr(c.raw_ptr(d) + (t.layout().offset() * t.dtype().size_in_bytes()) as u64))
+}
+
+/// The backend when all of `ts` are CUDA tensors on one device; None for CPU tensors.
+pub(crate) fn gpu(op: &'static str, ts: &[&Tensor]) -> Result<Option<Arc<Backend>>> {
+    match device_of(op, ts)? {
+        Some(d) => backend(&d).map(Some),
+        None => Ok(None),
+    }
+}

@@ -1,0 +1,604 @@
+//! CUDA implementations of the ops, called by the tensor-level functions after validation (so
+//! shapes here are already checked). Same signatures and results as the CPU reference.
+
+use super::{Arg, Backend, ptr};
+use cudarc::cublas::{Gemm, GemmConfig, StridedBatchedConfig, sys::cublasOperation_t as Op};
+use cudarc::cublaslt::{Matmul, MatmulConfig};
+use cudarc::driver::{CudaSlice, DevicePtr};
+use ferrotron_core::cuda::CudaStorage;
+use ferrotron_core::{DType, Device, Error, Result, Shape, Storage, Tensor};
+
+type B = Backend;
+
+fn sfx(op: &'static str, dt: DType) -> Result<&'static str> {
+    match dt {
+        DType::F32 => Ok("f32"),
+        DType::BF16 => Ok("bf16"),
+        d => Err(Error::NotImplemented { op, device: format!("cuda for {d}") }),
+    }
+}
+
+fn new(be: &B, shape: impl Into<Shape>, dt: DType) -> Result<Tensor> {
+    Tensor::zeros(shape, dt, &Device::Cuda(be.dev.clone()))
+}
+
+fn n(x: usize) -> Arg {
+    Arg::I64(x as i64)
+}
+
+const NULL: Arg = Arg::Ptr(0);
+
+/// Elementwise launch over `len` elements.
+fn ew(be: &B, name: &str, len: usize, args: &[Arg]) -> Result<()> {
+    be.launch(name, Backend::grid_for(len), 256, 0, args)
+}
+
+/// Storage types the cast and accumulate kernels take (f16 too; the math kernels take f32/bf16).
+fn sfx_storage(op: &'static str, dt: DType) -> Result<&'static str> {
+    if dt == DType::F16 { Ok("f16") } else { sfx(op, dt) }
+}
+
+pub fn cast(be: &B, x: &Tensor, dt: DType) -> Result<Tensor> {
+    let y = new(be, x.shape().clone(), dt)?;
+    let name = format!("cast_{}_{}", sfx_storage("cast", x.dtype())?, sfx_storage("cast", dt)?);
+    ew(be, &name, x.elem_count(), &[ptr("cast", x)?, ptr("cast", &y)?, n(x.elem_count())])?;
+    Ok(y)
+}
+
+pub fn acc(be: &B, dst: &Tensor, src: &Tensor) -> Result<()> {
+    let name = format!("acc_{}_{}", sfx_storage("add_", src.dtype())?, sfx_storage("add_", dst.dtype())?);
+    ew(be, &name, dst.elem_count(), &[ptr("add_", dst)?, ptr("add_", src)?, n(dst.elem_count())])
+}
+
+pub fn scale(be: &B, x: &Tensor, y: &Tensor, s: f32) -> Result<()> {
+    let name = format!("scale_{}", sfx("scale", x.dtype())?);
+    ew(be, &name, x.elem_count(), &[ptr("scale", x)?, ptr("scale", y)?, Arg::F32(s), n(x.elem_count())])
+}
+
+pub fn add(be: &B, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let y = new(be, a.shape().clone(), a.dtype())?;
+    ew(
+        be,
+        &format!("add_{}", sfx("add", a.dtype())?),
+        a.elem_count(),
+        &[ptr("add", a)?, ptr("add", b)?, ptr("add", &y)?, n(a.elem_count())],
+    )?;
+    Ok(y)
+}
+
+pub fn bias_add(be: &B, x: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let y = new(be, x.shape().clone(), x.dtype())?;
+    let name = format!("bias_add_{}", sfx("bias_add", x.dtype())?);
+    ew(
+        be,
+        &name,
+        x.elem_count(),
+        &[ptr("bias_add", x)?, ptr("bias_add", b)?, ptr("bias_add", &y)?, n(x.elem_count()), n(x.shape().last())],
+    )?;
+    Ok(y)
+}
+
+pub fn bias_grad(be: &B, dy: &Tensor) -> Result<Tensor> {
+    let c = dy.shape().last();
+    let db = new(be, [c], DType::F32)?;
+    let name = format!("bias_grad_{}", sfx("bias_grad", dy.dtype())?);
+    ew(be, &name, c, &[ptr("bias_grad", dy)?, ptr("bias_grad", &db)?, n(dy.shape().rows()), n(c)])?;
+    Ok(db)
+}
+
+/// gelu/silu forward (`x → y`) or backward (`x, dy → dx`) by kernel family name.
+pub fn pointwise(be: &B, fam: &str, x: &Tensor, dy: Option<&Tensor>) -> Result<Tensor> {
+    let s = sfx("activation", x.dtype())?;
+    let y = new(be, x.shape().clone(), x.dtype())?;
+    match dy {
+        None => ew(
+            be,
+            &format!("{fam}_fwd_{s}"),
+            x.elem_count(),
+            &[ptr(fam_op(fam), x)?, ptr(fam_op(fam), &y)?, n(x.elem_count())],
+        )?,
+        Some(dy) => ew(
+            be,
+            &format!("{fam}_bwd_{s}"),
+            x.elem_count(),
+            &[ptr(fam_op(fam), x)?, ptr(fam_op(fam), dy)?, ptr(fam_op(fam), &y)?, n(x.elem_count())],
+        )?,
+    }
+    Ok(y)
+}
+
+fn fam_op(fam: &str) -> &'static str {
+    match fam {
+        "gelu" => "gelu",
+        "silu" => "silu",
+        _ => "swiglu",
+    }
+}
+
+pub fn swiglu(be: &B, x: &Tensor, f: usize, out_shape: Vec<usize>) -> Result<Tensor> {
+    let y = new(be, out_shape, x.dtype())?;
+    ew(
+        be,
+        &format!("swiglu_fwd_{}", sfx("swiglu", x.dtype())?),
+        y.elem_count(),
+        &[ptr("swiglu", x)?, ptr("swiglu", &y)?, n(y.elem_count()), n(f)],
+    )?;
+    Ok(y)
+}
+
+pub fn swiglu_bwd(be: &B, x: &Tensor, dy: &Tensor, f: usize) -> Result<Tensor> {
+    let dx = new(be, x.shape().clone(), x.dtype())?;
+    ew(
+        be,
+        &format!("swiglu_bwd_{}", sfx("swiglu", x.dtype())?),
+        dy.elem_count(),
+        &[ptr("swiglu", x)?, ptr("swiglu", dy)?, ptr("swiglu", &dx)?, n(dy.elem_count()), n(f)],
+    )?;
+    Ok(dx)
+}
+
+fn rows_launch(be: &B, name: &str, rows: usize, args: &[Arg]) -> Result<()> {
+    be.launch(name, rows as u32, 256, 0, args)
+}
+
+pub fn layernorm_fwd(be: &B, x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64) -> Result<(Tensor, Tensor, Tensor)> {
+    let (rows, c) = (x.shape().rows(), x.shape().last());
+    let y = new(be, x.shape().clone(), x.dtype())?;
+    let (mean, rstd) = (new(be, [rows], DType::F32)?, new(be, [rows], DType::F32)?);
+    let bp = match b {
+        Some(b) => ptr("layernorm_fwd", b)?,
+        None => NULL,
+    };
+    let name = format!("layernorm_fwd_{}", sfx("layernorm_fwd", x.dtype())?);
+    rows_launch(
+        be,
+        &name,
+        rows,
+        &[
+            ptr("ln", x)?,
+            ptr("ln", w)?,
+            bp,
+            ptr("ln", &y)?,
+            ptr("ln", &mean)?,
+            ptr("ln", &rstd)?,
+            n(c),
+            Arg::F32(eps as f32),
+        ],
+    )?;
+    Ok((y, mean, rstd))
+}
+
+pub fn layernorm_bwd(
+    be: &B,
+    dy: &Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    mean: &Tensor,
+    rstd: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (rows, c) = (x.shape().rows(), x.shape().last());
+    let s = sfx("layernorm_bwd", x.dtype())?;
+    let dx = new(be, x.shape().clone(), x.dtype())?;
+    rows_launch(
+        be,
+        &format!("layernorm_bwd_{s}"),
+        rows,
+        &[ptr("ln", dy)?, ptr("ln", x)?, ptr("ln", w)?, ptr("ln", mean)?, ptr("ln", rstd)?, ptr("ln", &dx)?, n(c)],
+    )?;
+    let (dw, db) = (new(be, [c], DType::F32)?, new(be, [c], DType::F32)?);
+    ew(
+        be,
+        &format!("norm_param_grad_{s}"),
+        c,
+        &[
+            ptr("ln", dy)?,
+            ptr("ln", x)?,
+            ptr("ln", mean)?,
+            ptr("ln", rstd)?,
+            ptr("ln", &dw)?,
+            ptr("ln", &db)?,
+            n(rows),
+            n(c),
+        ],
+    )?;
+    Ok((dx, dw, db))
+}
+
+pub fn rmsnorm_fwd(be: &B, x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    let (rows, c) = (x.shape().rows(), x.shape().last());
+    let y = new(be, x.shape().clone(), x.dtype())?;
+    let rstd = new(be, [rows], DType::F32)?;
+    let name = format!("rmsnorm_fwd_{}", sfx("rmsnorm_fwd", x.dtype())?);
+    rows_launch(
+        be,
+        &name,
+        rows,
+        &[ptr("rms", x)?, ptr("rms", w)?, ptr("rms", &y)?, ptr("rms", &rstd)?, n(c), Arg::F32(eps as f32)],
+    )?;
+    Ok((y, rstd))
+}
+
+pub fn rmsnorm_bwd(be: &B, dy: &Tensor, x: &Tensor, w: &Tensor, rstd: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (rows, c) = (x.shape().rows(), x.shape().last());
+    let s = sfx("rmsnorm_bwd", x.dtype())?;
+    let dx = new(be, x.shape().clone(), x.dtype())?;
+    rows_launch(
+        be,
+        &format!("rmsnorm_bwd_{s}"),
+        rows,
+        &[ptr("rms", dy)?, ptr("rms", x)?, ptr("rms", w)?, ptr("rms", rstd)?, ptr("rms", &dx)?, n(c)],
+    )?;
+    let dw = new(be, [c], DType::F32)?;
+    ew(
+        be,
+        &format!("norm_param_grad_{s}"),
+        c,
+        &[ptr("rms", dy)?, ptr("rms", x)?, NULL, ptr("rms", rstd)?, ptr("rms", &dw)?, NULL, n(rows), n(c)],
+    )?;
+    Ok((dx, dw))
+}
+
+pub fn softmax(be: &B, x: &Tensor) -> Result<Tensor> {
+    let y = new(be, x.shape().clone(), x.dtype())?;
+    let name = format!("softmax_fwd_{}", sfx("softmax", x.dtype())?);
+    rows_launch(be, &name, x.shape().rows(), &[ptr("softmax", x)?, ptr("softmax", &y)?, n(x.shape().last())])?;
+    Ok(y)
+}
+
+pub fn softmax_bwd(be: &B, y: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    let dx = new(be, y.shape().clone(), y.dtype())?;
+    let name = format!("softmax_bwd_{}", sfx("softmax_bwd", y.dtype())?);
+    rows_launch(
+        be,
+        &name,
+        y.shape().rows(),
+        &[ptr("softmax_bwd", y)?, ptr("softmax_bwd", dy)?, ptr("softmax_bwd", &dx)?, n(y.shape().last())],
+    )?;
+    Ok(dx)
+}
+
+fn ignore_arg(ignore: Option<u32>) -> Arg {
+    Arg::I64(ignore.map_or(-1, |i| i as i64))
+}
+
+pub fn ce_fwd(
+    be: &B,
+    logits: &Tensor,
+    targets: &Tensor,
+    mask: Option<&Tensor>,
+    ignore: Option<u32>,
+) -> Result<(Tensor, Tensor)> {
+    let (rows, v) = (logits.dims()[0], logits.dims()[1]);
+    let (loss, lse) = (new(be, [rows], DType::F32)?, new(be, [rows], DType::F32)?);
+    let mp = match mask {
+        Some(m) => ptr("ce", m)?,
+        None => NULL,
+    };
+    let name = format!("ce_fwd_{}", sfx("cross_entropy_fwd", logits.dtype())?);
+    rows_launch(
+        be,
+        &name,
+        rows,
+        &[ptr("ce", logits)?, ptr("ce", targets)?, mp, ignore_arg(ignore), ptr("ce", &loss)?, ptr("ce", &lse)?, n(v)],
+    )?;
+    Ok((loss, lse))
+}
+
+pub fn ce_bwd(
+    be: &B,
+    logits: &Tensor,
+    targets: &Tensor,
+    mask: Option<&Tensor>,
+    ignore: Option<u32>,
+    lse: &Tensor,
+    dloss: &Tensor,
+) -> Result<Tensor> {
+    let (rows, v) = (logits.dims()[0], logits.dims()[1]);
+    let d = new(be, logits.shape().clone(), logits.dtype())?;
+    let mp = match mask {
+        Some(m) => ptr("ce", m)?,
+        None => NULL,
+    };
+    let name = format!("ce_bwd_{}", sfx("cross_entropy_bwd", logits.dtype())?);
+    rows_launch(
+        be,
+        &name,
+        rows,
+        &[
+            ptr("ce", logits)?,
+            ptr("ce", targets)?,
+            mp,
+            ignore_arg(ignore),
+            ptr("ce", lse)?,
+            ptr("ce", dloss)?,
+            ptr("ce", &d)?,
+            n(v),
+        ],
+    )?;
+    Ok(d)
+}
+
+pub fn adamw(be: &B, p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, h: &crate::AdamW) -> Result<()> {
+    let bc1 = 1.0 - (h.beta1 as f64).powi(h.step as i32);
+    let bc2 = 1.0 - (h.beta2 as f64).powi(h.step as i32);
+    let len = p.elem_count();
+    ew(
+        be,
+        "adamw",
+        len,
+        &[
+            ptr("adamw", p)?,
+            ptr("adamw", g)?,
+            ptr("adamw", m)?,
+            ptr("adamw", v)?,
+            n(len),
+            Arg::F32(h.beta1),
+            Arg::F32(h.beta2),
+            Arg::F32(h.eps),
+            Arg::F32((h.lr as f64 / bc1) as f32),
+            Arg::F32(bc2.sqrt() as f32),
+            Arg::F32(1.0 - h.lr * h.weight_decay),
+            Arg::F32(h.grad_scale),
+        ],
+    )
+}
+
+/// Σ x² from 256 fixed per-block partials, summed on the host in block order.
+pub fn sum_sq(be: &B, x: &Tensor) -> Result<f64> {
+    const BLOCKS: usize = 256;
+    let partial: CudaSlice<f64> = be.dev.stream().alloc_zeros(BLOCKS).map_err(|e| Error::Cuda(format!("{e:?}")))?;
+    let pp = Arg::Ptr(partial.device_ptr(be.dev.stream()).0);
+    be.launch(
+        &format!("sum_sq_{}", sfx("sum_sq", x.dtype())?),
+        BLOCKS as u32,
+        256,
+        0,
+        &[ptr("sum_sq", x)?, pp, n(x.elem_count())],
+    )?;
+    let host = be.dev.stream().clone_dtoh(&partial).map_err(|e| Error::Cuda(format!("{e:?}")))?;
+    Ok(host.iter().sum())
+}
+
+pub fn rope(be: &B, x: &Tensor, cfg: &crate::RopeCfg, sign: f32) -> Result<Tensor> {
+    let d = x.dims();
+    let (rows, t, h, hd) = (d[0] * d[1], d[1], d[2], d[3]);
+    let y = new(be, x.shape().clone(), x.dtype())?;
+    let work = rows * h * (cfg.rot / 2 + (hd - cfg.rot));
+    let name = format!("rope_{}", sfx("rope", x.dtype())?);
+    ew(
+        be,
+        &name,
+        work,
+        &[
+            ptr("rope", x)?,
+            ptr("rope", &y)?,
+            n(rows),
+            n(t),
+            n(h),
+            n(hd),
+            n(cfg.rot),
+            n(cfg.pos0),
+            Arg::F64(cfg.base),
+            Arg::F32(sign),
+        ],
+    )?;
+    Ok(y)
+}
+
+pub fn embedding_fwd(be: &B, ids: &Tensor, table: &Tensor) -> Result<Tensor> {
+    let c = table.dims()[1];
+    let mut shape = ids.dims().to_vec();
+    shape.push(c);
+    let out = new(be, shape, table.dtype())?;
+    let name = format!("embedding_fwd_{}", sfx("embedding_fwd", table.dtype())?);
+    ew(
+        be,
+        &name,
+        out.elem_count(),
+        &[ptr("emb", ids)?, ptr("emb", table)?, ptr("emb", &out)?, n(ids.elem_count()), n(c)],
+    )?;
+    Ok(out)
+}
+
+pub fn embedding_bwd(be: &B, ids: &Tensor, dout: &Tensor, dtable: &Tensor) -> Result<()> {
+    if dtable.dtype() != DType::F32 {
+        return Err(Error::NotImplemented { op: "embedding_bwd", device: "cuda into a non-f32 gradient table".into() });
+    }
+    let c = dtable.dims()[1];
+    let name = format!("embedding_bwd_{}", sfx("embedding_bwd", dout.dtype())?);
+    ew(
+        be,
+        &name,
+        dout.elem_count(),
+        &[ptr("emb", ids)?, ptr("emb", dout)?, ptr("emb", dtable)?, n(ids.elem_count()), n(c)],
+    )
+}
+
+pub fn qkv_split(be: &B, x: &Tensor, hkv: usize, g: usize, d: usize) -> Result<(Tensor, Tensor, Tensor)> {
+    let (b, t) = (x.dims()[0], x.dims()[1]);
+    let q = new(be, [b, t, hkv * g, d], x.dtype())?;
+    let k = new(be, [b, t, hkv, d], x.dtype())?;
+    let v = new(be, [b, t, hkv, d], x.dtype())?;
+    let name = format!("qkv_split_{}", sfx("qkv_split", x.dtype())?);
+    ew(
+        be,
+        &name,
+        x.elem_count(),
+        &[ptr("qkv", x)?, ptr("qkv", &q)?, ptr("qkv", &k)?, ptr("qkv", &v)?, n(b * t), n(hkv), n(g), n(d)],
+    )?;
+    Ok((q, k, v))
+}
+
+pub fn qkv_merge(be: &B, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+    let (b, t, hq, d) = (q.dims()[0], q.dims()[1], q.dims()[2], q.dims()[3]);
+    let hkv = k.dims()[2];
+    let g = hq / hkv;
+    let x = new(be, [b, t, hkv * (g + 2) * d], q.dtype())?;
+    let name = format!("qkv_merge_{}", sfx("qkv_merge", q.dtype())?);
+    ew(
+        be,
+        &name,
+        x.elem_count(),
+        &[ptr("qkv", q)?, ptr("qkv", k)?, ptr("qkv", v)?, ptr("qkv", &x)?, n(b * t), n(hkv), n(g), n(d)],
+    )?;
+    Ok(x)
+}
+
+pub struct AttnShape {
+    pub b: usize,
+    pub t: usize,
+    pub s: usize,
+    pub hq: usize,
+    pub hkv: usize,
+    pub d: usize,
+    pub scale: f32,
+    pub causal: bool,
+    pub window: usize,
+}
+
+fn attn_tail(a: &AttnShape) -> [Arg; 8] {
+    [n(a.t), n(a.s), n(a.hq), n(a.hkv), n(a.d), Arg::F32(a.scale), Arg::I64(a.causal as i64), n(a.window)]
+}
+
+fn attn_launch(be: &B, name: &str, a: &AttnShape, args: Vec<Arg>) -> Result<()> {
+    let shared = (a.s * 4) as u32;
+    if shared > 48 * 1024 {
+        return Err(Error::NotImplemented {
+            op: "attention",
+            device: format!(
+                "cuda with {} keys (the reference kernel holds one score row in 48 KiB of shared memory)",
+                a.s
+            ),
+        });
+    }
+    be.launch(name, (a.b * a.hq * a.t) as u32, 128, shared, &args)
+}
+
+pub fn attention_fwd(be: &B, q: &Tensor, k: &Tensor, v: &Tensor, a: &AttnShape) -> Result<(Tensor, Tensor)> {
+    let o = new(be, q.shape().clone(), q.dtype())?;
+    let lse = new(be, [a.b, a.hq, a.t], DType::F32)?;
+    let mut args = vec![ptr("attn", q)?, ptr("attn", k)?, ptr("attn", v)?, ptr("attn", &o)?, ptr("attn", &lse)?];
+    args.extend(attn_tail(a));
+    attn_launch(be, &format!("attn_fwd_{}", sfx("attention_fwd", q.dtype())?), a, args)?;
+    Ok((o, lse))
+}
+
+pub fn attention_bwd(
+    be: &B,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    a: &AttnShape,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (dq, dk, dv) = (
+        new(be, q.shape().clone(), DType::F32)?,
+        new(be, k.shape().clone(), DType::F32)?,
+        new(be, v.shape().clone(), DType::F32)?,
+    );
+    let mut args = vec![
+        ptr("attn", q)?,
+        ptr("attn", k)?,
+        ptr("attn", v)?,
+        ptr("attn", o)?,
+        ptr("attn", lse)?,
+        ptr("attn", dout)?,
+        ptr("attn", &dq)?,
+        ptr("attn", &dk)?,
+        ptr("attn", &dv)?,
+    ];
+    args.extend(attn_tail(a));
+    attn_launch(be, &format!("attn_bwd_{}", sfx("attention_bwd", q.dtype())?), a, args)?;
+    let dt = dout.dtype();
+    if dt == DType::F32 {
+        return Ok((dq, dk, dv));
+    }
+    Ok((cast(be, &dq, dt)?, cast(be, &dk, dt)?, cast(be, &dv, dt)?))
+}
+
+/// C (+)= op(A)·op(B) with cuBLAS (f32) or cuBLASLt (bf16), row-major, via the column-major identity Cᵀ = op(B)ᵀ·op(A)ᵀ.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm(
+    be: &B,
+    a: &Tensor,
+    b: &Tensor,
+    c: &Tensor,
+    batch: usize,
+    m: usize,
+    nn: usize,
+    k: usize,
+    ta: bool,
+    tb: bool,
+    beta: f32,
+) -> Result<()> {
+    let cfg = MatmulConfig {
+        transa: tb,
+        transb: ta,
+        transc: false,
+        m: nn as u64,
+        n: m as u64,
+        k: k as u64,
+        alpha: 1.0,
+        lda: if tb { k } else { nn } as i64,
+        ldb: if ta { m } else { k } as i64,
+        beta,
+        ldc: nn as i64,
+        stride_a: (batch > 1).then_some((k * nn) as i64),
+        stride_b: (batch > 1).then_some((m * k) as i64),
+        stride_c: (batch > 1).then_some((m * nn) as i64),
+        stride_bias: None,
+        batch_size: (batch > 1).then_some(batch as i32),
+    };
+    let (ga, gb) = (a.storage(), b.storage());
+    let mut gc = c.storage_mut();
+    let ra = a.layout().contiguous_range().ok_or(Error::NotContiguous { op: "matmul" })?;
+    let rb = b.layout().contiguous_range().ok_or(Error::NotContiguous { op: "matmul" })?;
+    let rc = c.layout().contiguous_range().ok_or(Error::NotContiguous { op: "matmul" })?;
+    let lt_err = |e| Error::Cuda(format!("cuBLASLt matmul: {e:?}"));
+    match (&*ga, &*gb, &mut *gc) {
+        (
+            Storage::Cuda(CudaStorage::F32(x)),
+            Storage::Cuda(CudaStorage::F32(y)),
+            Storage::Cuda(CudaStorage::F32(z)),
+        ) => {
+            let op = |t: bool| if t { Op::CUBLAS_OP_T } else { Op::CUBLAS_OP_N };
+            let g = GemmConfig {
+                transa: op(cfg.transa),
+                transb: op(cfg.transb),
+                m: cfg.m as i32,
+                n: cfg.n as i32,
+                k: cfg.k as i32,
+                alpha: 1.0f32,
+                lda: cfg.lda as i32,
+                ldb: cfg.ldb as i32,
+                beta,
+                ldc: cfg.ldc as i32,
+            };
+            let sb = StridedBatchedConfig {
+                gemm: g,
+                batch_size: batch as i32,
+                stride_a: (k * nn) as i64,
+                stride_b: (m * k) as i64,
+                stride_c: (m * nn) as i64,
+            };
+            // SAFETY: the views cover exactly the shapes described by the config (validated by the caller).
+            unsafe { be.blas.gemm_strided_batched(sb, &y.slice(rb), &x.slice(ra), &mut z.slice_mut(rc)) }
+                .map_err(|e| Error::Cuda(format!("cuBLAS sgemm: {e:?}")))
+        }
+        (
+            Storage::Cuda(CudaStorage::BF16(x)),
+            Storage::Cuda(CudaStorage::BF16(y)),
+            Storage::Cuda(CudaStorage::BF16(z)),
+        ) => {
+            // SAFETY: as above.
+            unsafe { be.blas_lt.matmul(cfg, &y.slice(rb), &x.slice(ra), &mut z.slice_mut(rc), None, None) }
+                .map_err(lt_err)
+        }
+        _ => Err(Error::NotImplemented {
+            op: "matmul",
+            device: format!("cuda for {} x {} -> {}", a.dtype(), b.dtype(), c.dtype()),
+        }),
+    }
+}

@@ -1,0 +1,163 @@
+//! Every op on CUDA against the CPU reference on the same fresh random inputs (feature `cuda`, run
+//! on a GPU machine by `cargo xtask gpu-test`). Tolerances: f32 1e-5 relative, bf16 1e-2.
+#![cfg(feature = "cuda")]
+
+use crate::util::*;
+use ferrotron_core::{DType, Device, Tensor};
+use ferrotron_kernels::{self as k, AdamW, AttnCfg, CrossEntropyCfg, RopeCfg};
+
+fn gpu() -> Device {
+    Device::cuda(0).expect("a CUDA device")
+}
+
+fn rnd(shape: &[usize], seed: u64, dt: DType) -> Tensor {
+    tensor(&Device::Cpu, &randv(shape.iter().product(), seed), shape, dt)
+}
+
+fn on(t: &Tensor, d: &Device) -> Tensor {
+    t.to_device(d).unwrap()
+}
+
+fn tol(dt: DType) -> (f64, f64) {
+    if dt == DType::F32 { (1e-5, 1e-5) } else { (1e-2, 2e-2) }
+}
+
+#[track_caller]
+fn same(cpu: &Tensor, cuda: &Tensor, dt: DType, what: &str) {
+    assert_eq!(cpu.dims(), cuda.dims(), "{what}: shape");
+    let (r, a) = tol(dt);
+    assert_close(&host(cuda), &host(cpu), r, a, what);
+}
+
+/// Runs `f` on CPU copies and on CUDA copies of `inputs`, comparing every output.
+fn check(name: &str, dt: DType, inputs: &[Tensor], f: impl Fn(&[Tensor]) -> Vec<Tensor>) {
+    let g = gpu();
+    let cpu_out = f(inputs);
+    let gpu_in: Vec<Tensor> = inputs.iter().map(|t| on(t, &g)).collect();
+    let gpu_out = f(&gpu_in);
+    for (i, (c, d)) in cpu_out.iter().zip(&gpu_out).enumerate() {
+        assert!(matches!(d.device(), Device::Cuda(_)), "{name}: output {i} not on the GPU");
+        same(c, d, dt, &format!("{name} [{dt}] output {i}"));
+    }
+}
+
+#[test]
+fn every_op_matches_cpu() {
+    for dt in [DType::F32, DType::BF16] {
+        let x = rnd(&[3, 5, 64], 1, dt);
+        let y = rnd(&[3, 5, 64], 2, dt);
+        let w = rnd(&[64], 3, dt);
+        let b = rnd(&[64], 4, dt);
+        check("add", dt, &[x.clone(), y.clone()], |t| vec![k::add(&t[0], &t[1]).unwrap()]);
+        check("scale", dt, std::slice::from_ref(&x), |t| vec![k::scale(&t[0], -1.5).unwrap()]);
+        check("bias", dt, &[x.clone(), b.clone()], |t| {
+            vec![k::bias_add(&t[0], &t[1]).unwrap(), k::bias_grad(&t[0]).unwrap()]
+        });
+        check("cast", dt, std::slice::from_ref(&x), |t| {
+            vec![k::cast(&t[0], DType::F32).unwrap(), k::cast(&t[0], DType::BF16).unwrap()]
+        });
+        check("gelu", dt, &[x.clone(), y.clone()], |t| {
+            vec![k::gelu(&t[0]).unwrap(), k::gelu_bwd(&t[0], &t[1]).unwrap()]
+        });
+        check("silu", dt, &[x.clone(), y.clone()], |t| {
+            vec![k::silu(&t[0]).unwrap(), k::silu_bwd(&t[0], &t[1]).unwrap()]
+        });
+        let half = rnd(&[3, 5, 32], 5, dt);
+        check("swiglu", dt, &[x.clone(), half], |t| {
+            vec![k::swiglu(&t[0]).unwrap(), k::swiglu_bwd(&t[0], &t[1]).unwrap()]
+        });
+        check("softmax", dt, &[x.clone(), y.clone()], |t| {
+            let s = k::softmax(&t[0]).unwrap();
+            vec![k::softmax_bwd(&s, &t[1]).unwrap(), s]
+        });
+        check("layernorm", dt, &[x.clone(), w.clone(), b.clone(), y.clone()], |t| {
+            let (o, m, r) = k::layernorm_fwd(&t[0], &t[1], Some(&t[2]), 1e-5).unwrap();
+            let (dx, dw, db) = k::layernorm_bwd(&t[3], &t[0], &t[1], &m, &r).unwrap();
+            vec![o, m, r, dx, dw, db]
+        });
+        check("rmsnorm", dt, &[x.clone(), w.clone(), y.clone()], |t| {
+            let (o, r) = k::rmsnorm_fwd(&t[0], &t[1], 1e-5).unwrap();
+            let (dx, dw) = k::rmsnorm_bwd(&t[2], &t[0], &t[1], &r).unwrap();
+            vec![o, r, dx, dw]
+        });
+        let (a2, b2, c2) = (rnd(&[2, 33, 17], 6, dt), rnd(&[2, 17, 9], 7, dt), rnd(&[9, 17], 8, dt));
+        check("matmul", dt, &[a2.clone(), b2.clone(), c2.clone()], |t| {
+            let p = k::matmul(&t[0], &t[1], false, false).unwrap();
+            let lin = k::matmul(&t[0], &t[2], false, true).unwrap();
+            let (da, db) = k::matmul_bwd(&t[0], &t[1], &p, false, false).unwrap();
+            let (dl, dw) = k::matmul_bwd(&t[0], &t[2], &lin, false, true).unwrap();
+            let tt = k::matmul(&t[1], &t[0], true, true).unwrap();
+            vec![p, lin, da, db, dl, dw, tt]
+        });
+        let heads = rnd(&[2, 6, 4, 16], 9, dt);
+        let rope = RopeCfg { rot: 12, base: 10000.0, pos0: 3 };
+        check("rope", dt, std::slice::from_ref(&heads), |t| {
+            vec![k::rope_fwd(&t[0], &rope).unwrap(), k::rope_bwd(&t[0], &rope).unwrap()]
+        });
+        let (q, kk, v, dout) = (
+            rnd(&[2, 7, 4, 16], 10, dt),
+            rnd(&[2, 7, 2, 16], 11, dt),
+            rnd(&[2, 7, 2, 16], 12, dt),
+            rnd(&[2, 7, 4, 16], 13, dt),
+        );
+        for cfg in [AttnCfg::default(), AttnCfg { causal: true, window: Some(3), scale: None }] {
+            check("attention", dt, &[q.clone(), kk.clone(), v.clone(), dout.clone()], |t| {
+                let (o, lse) = k::attention_fwd(&t[0], &t[1], &t[2], &cfg).unwrap();
+                let (dq, dk, dv) = k::attention_bwd(&t[0], &t[1], &t[2], &o, &lse, &t[3], &cfg).unwrap();
+                vec![o, lse, dq, dk, dv]
+            });
+        }
+        let fused = rnd(&[2, 3, 2 * 4 * 8], 14, dt);
+        check("qkv", dt, &[fused], |t| {
+            let (q, k2, v) = k::qkv_split(&t[0], 2, 2, 8).unwrap();
+            vec![k::qkv_merge(&q, &k2, &v).unwrap(), q, k2, v]
+        });
+        let logits = rnd(&[6, 300], 15, dt);
+        let targets = Tensor::from_vec(vec![0u32, 299, 5, 17, 17, 100], [6], &Device::Cpu).unwrap();
+        let mask = rnd(&[6], 16, DType::F32);
+        let dl = rnd(&[6], 17, DType::F32);
+        let cfg = CrossEntropyCfg { ignore_index: Some(5) };
+        check("cross_entropy", dt, &[logits, targets, mask, dl], |t| {
+            let (l, lse) = k::cross_entropy_fwd(&t[0], &t[1], Some(&t[2]), cfg).unwrap();
+            let d = k::cross_entropy_bwd(&t[0], &t[1], Some(&t[2]), &lse, &t[3], cfg).unwrap();
+            vec![l, lse, d]
+        });
+        let ids = Tensor::from_vec(vec![3u32, 0, 3, 9, 1], [5], &Device::Cpu).unwrap();
+        let table = rnd(&[10, 24], 18, dt);
+        let dout = rnd(&[5, 24], 19, dt);
+        check("embedding", dt, &[ids, table, dout], |t| {
+            let out = k::embedding_fwd(&t[0], &t[1]).unwrap();
+            let g = Tensor::zeros([10, 24], DType::F32, t[1].device()).unwrap();
+            k::embedding_bwd(&t[0], &t[2], &g).unwrap();
+            vec![out, g]
+        });
+    }
+}
+
+#[test]
+fn optimizer_ops_match_cpu() {
+    let n = 70_000;
+    let p = rnd(&[n], 1, DType::F32);
+    let g = rnd(&[n], 2, DType::F32);
+    let h = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step: 3, grad_scale: 0.7 };
+    check("adamw", DType::F32, &[p, g], |t| {
+        let (p, m, v) = (
+            t[0].deep_copy().unwrap(),
+            Tensor::zeros([n], DType::F32, t[0].device()).unwrap(),
+            Tensor::zeros([n], DType::F32, t[0].device()).unwrap(),
+        );
+        k::adamw_step(&p, &t[1], &m, &v, &h).unwrap();
+        k::adamw_step(&p, &t[1], &m, &v, &AdamW { step: 4, ..h }).unwrap();
+        vec![p, m, v]
+    });
+    let x = rnd(&[n], 3, DType::F32);
+    let (c, d) = (k::sum_sq(&x).unwrap(), k::sum_sq(&on(&x, &gpu())).unwrap());
+    assert!((c - d).abs() <= 1e-9 * c, "sum_sq {c} vs {d}");
+    // Accumulate-into: f32 main_grad += bf16 product.
+    let (a, b) = (rnd(&[8, 12], 4, DType::BF16), rnd(&[12, 5], 5, DType::BF16));
+    let acc_cpu = rnd(&[8, 5], 6, DType::F32);
+    let acc_gpu = on(&acc_cpu, &gpu());
+    k::matmul_into(&acc_cpu, &a, &b, false, false, true).unwrap();
+    k::matmul_into(&acc_gpu, &on(&a, &gpu()), &on(&b, &gpu()), false, false, true).unwrap();
+    same(&acc_cpu, &acc_gpu, DType::BF16, "matmul_into f32 += bf16");
+}

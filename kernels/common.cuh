@@ -1,0 +1,67 @@
+// Shared helpers for every Ferrotron CUDA kernel. Compiled by NVRTC with no system headers:
+// bf16 is carried as its 16 raw bits and converted here (round to nearest even, as the CPU does).
+typedef unsigned short bf16_t;
+typedef unsigned int u32;
+// f16 is a distinct struct so that overloads can tell it from bf16; converted with PTX cvt.
+struct f16_t { unsigned short bits; };
+
+__device__ __forceinline__ float ld(const float* p, long i) { return p[i]; }
+__device__ __forceinline__ float ld(const bf16_t* p, long i) { return __uint_as_float(((u32)p[i]) << 16); }
+__device__ __forceinline__ void st(float* p, long i, float v) { p[i] = v; }
+__device__ __forceinline__ void st(bf16_t* p, long i, float v) {
+    u32 u = __float_as_uint(v);
+    if ((u & 0x7fffffffu) > 0x7f800000u) { p[i] = 0x7fc0; return; }  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    p[i] = (bf16_t)(u >> 16);
+}
+
+__device__ __forceinline__ float ld(const f16_t* p, long i) {
+    float f; unsigned short h = p[i].bits; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
+}
+__device__ __forceinline__ void st(f16_t* p, long i, float v) {
+    unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v)); p[i].bits = h;
+}
+
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+#define GRID_STRIDE(i, n) for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < (long)(n); i += (long)gridDim.x * blockDim.x)
+
+// Sum over a block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
+__device__ float block_sum(float v) {
+    __shared__ float warp_sums[32];
+    __shared__ float total;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) warp_sums[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float s = lane < (int)(blockDim.x >> 5) ? warp_sums[lane] : 0.f;
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (lane == 0) total = s;
+    }
+    __syncthreads();
+    return total;
+}
+
+__device__ float block_max(float v) {
+    __shared__ float warp_max[32];
+    __shared__ float total;
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) warp_max[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float s = lane < (int)(blockDim.x >> 5) ? warp_max[lane] : -INFINITY;
+        for (int o = 16; o > 0; o >>= 1) s = fmaxf(s, __shfl_xor_sync(0xffffffffu, s, o));
+        if (lane == 0) total = s;
+    }
+    __syncthreads();
+    return total;
+}
+
+// Instantiates macro M once per storage type: M(suffix, type).
+#define FOR_TYPES(M) M(f32, float) M(bf16, bf16_t)
