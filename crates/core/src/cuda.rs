@@ -100,6 +100,36 @@ impl CudaStorage {
         }
     }
 
+    /// Zeroes elements `r` on the compute stream.
+    pub fn zero_range(&mut self, dev: &CudaDevice, r: std::ops::Range<usize>) -> Result<()> {
+        let s = dev.stream();
+        match self {
+            CudaStorage::F32(v) => s.memset_zeros(&mut v.slice_mut(r)),
+            CudaStorage::BF16(v) => s.memset_zeros(&mut v.slice_mut(r)),
+            CudaStorage::F16(v) => s.memset_zeros(&mut v.slice_mut(r)),
+            CudaStorage::F8E4M3(v) => s.memset_zeros(&mut v.slice_mut(r)),
+            CudaStorage::F8E5M2(v) => s.memset_zeros(&mut v.slice_mut(r)),
+            CudaStorage::U32(v) => s.memset_zeros(&mut v.slice_mut(r)),
+        }
+        .map_err(driver_err)
+    }
+
+    /// Copies host values of the same dtype to elements `start..`.
+    pub fn write_range(&mut self, dev: &CudaDevice, start: usize, src: &CpuStorage) -> Result<()> {
+        let s = dev.stream();
+        let end = start + src.len();
+        match (self, src) {
+            (CudaStorage::F32(v), CpuStorage::F32(h)) => s.memcpy_htod(h, &mut v.slice_mut(start..end)),
+            (CudaStorage::BF16(v), CpuStorage::BF16(h)) => s.memcpy_htod(h, &mut v.slice_mut(start..end)),
+            (CudaStorage::F16(v), CpuStorage::F16(h)) => s.memcpy_htod(h, &mut v.slice_mut(start..end)),
+            (CudaStorage::U32(v), CpuStorage::U32(h)) => s.memcpy_htod(h, &mut v.slice_mut(start..end)),
+            (d, h) => {
+                return Err(Error::DTypeMismatch { op: "write_range", expected: d.dtype().to_string(), got: h.dtype() });
+            }
+        }
+        .map_err(driver_err)
+    }
+
     pub fn zeros(dev: &CudaDevice, dtype: DType, n: usize) -> Result<Self> {
         let s = dev.stream();
         Ok(match dtype {

@@ -156,7 +156,7 @@ impl ParamTable {
         &self.grads
     }
     pub fn zero_grads(&self) -> Result<()> {
-        self.grads.update_f32("zero_grads", |g| g.fill(0.0))
+        self.grads.zero_()
     }
 }
 

@@ -167,6 +167,40 @@ impl Tensor {
         Ok(out)
     }
 
+    /// Sets every element to zero in place (contiguous tensors; any device).
+    pub fn zero_(&self) -> Result<()> {
+        const OP: &str = "zero_";
+        let r = self.layout.contiguous_range().ok_or(Error::NotContiguous { op: OP })?;
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(d) = &self.device {
+            let mut g = self.storage_mut();
+            if let Storage::Cuda(c) = &mut *g {
+                return c.zero_range(d, r);
+            }
+        }
+        let _ = r;
+        self.update_f32(OP, |v| v.fill(0.0))
+    }
+
+    /// Overwrites the elements (contiguous, row-major) with `src`, rounded to this tensor's dtype.
+    pub fn copy_from_f32(&self, src: &[f32]) -> Result<()> {
+        const OP: &str = "copy_from_f32";
+        if src.len() != self.elem_count() {
+            return Err(shape_mismatch(OP, self.shape(), format!("{} values", src.len())));
+        }
+        let r = self.layout.contiguous_range().ok_or(Error::NotContiguous { op: OP })?;
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(d) = &self.device {
+            let host = CpuStorage::from_f32(src, self.dtype);
+            let mut g = self.storage_mut();
+            if let Storage::Cuda(c) = &mut *g {
+                return c.write_range(d, r.start, &host);
+            }
+        }
+        let _ = r;
+        self.update_f32(OP, |v| v.copy_from_slice(src))
+    }
+
     /// Copies all elements to the host as f32 (any device, dtype, layout).
     pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
         let t = self.to_device(&Device::Cpu)?;

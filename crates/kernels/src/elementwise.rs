@@ -105,6 +105,25 @@ pub fn scale_(x: &Tensor, s: f32) -> Result<()> {
     x.update_f32("scale_", |v| cpu::optim::scale(v, s))
 }
 
+/// dst ← src, converting to dst's dtype (same element count; e.g. fp32 master weights into bf16
+/// parameters).
+pub fn copy_(dst: &Tensor, src: &Tensor) -> Result<()> {
+    const OP: &str = "copy_";
+    check::float(OP, dst)?;
+    check::float(OP, src)?;
+    check::shape(OP, src, dst.dims())?;
+    if dst.shares_storage(src) {
+        return Err(invalid(OP, "dst and src must not share storage"));
+    }
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[dst, src])? {
+        return crate::cuda::ops::cast_into(&g, src, dst);
+    }
+    check::on_cpu(OP, &[dst, src])?;
+    let s = src.read_f32()?;
+    dst.update_f32(OP, |d| d.copy_from_slice(&s))
+}
+
 /// A copy of x in `dtype` (round to nearest even when narrowing).
 pub fn cast(x: &Tensor, dtype: DType) -> Result<Tensor> {
     const OP: &str = "cast";

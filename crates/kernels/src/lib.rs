@@ -31,7 +31,7 @@ mod rope;
 
 pub use activation::{gelu, gelu_bwd, silu, silu_bwd, softmax, softmax_bwd, swiglu, swiglu_bwd};
 pub use attention::{AttnCfg, attention_bwd, attention_fwd};
-pub use elementwise::{add, add_, bias_add, bias_grad, cast, scale, scale_};
+pub use elementwise::{add, add_, bias_add, bias_grad, cast, copy_, scale, scale_};
 pub use embedding::{embedding_bwd, embedding_fwd};
 pub use loss::{CrossEntropyCfg, cross_entropy_bwd, cross_entropy_fwd};
 pub use matmul::{matmul, matmul_bwd, matmul_into};

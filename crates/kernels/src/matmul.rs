@@ -6,6 +6,8 @@
 //! a's rows (the linear-layer case).
 
 use crate::{check, cpu};
+#[cfg(feature = "cuda")]
+use ferrotron_core::DType;
 use ferrotron_core::{Result, Tensor, shape_mismatch};
 
 #[derive(Debug, Clone, PartialEq)]
@@ -96,12 +98,26 @@ pub fn matmul_into(c: &Tensor, a: &Tensor, b: &Tensor, ta: bool, tb: bool, accum
                 if accumulate { 1.0 } else { 0.0 },
             );
         }
-        // A wider output (f32 main_grad for bf16 operands): product in the operand dtype, then add.
-        let p = matmul(a, b, ta, tb)?;
-        if !accumulate {
-            crate::elementwise::scale_(c, 0.0)?;
+        if a.dtype() == DType::BF16 && c.dtype() == DType::F32 {
+            // bf16 operands straight into an f32 output (main_grad) with fp32 accumulation.
+            return crate::cuda::ops::gemm_bf16_into_f32(
+                &g,
+                a,
+                b,
+                c,
+                d.batch,
+                d.m,
+                d.n,
+                d.k,
+                ta,
+                tb,
+                if accumulate { 1.0 } else { 0.0 },
+            );
         }
-        return crate::cuda::ops::acc(&g, c, &p);
+        return Err(ferrotron_core::Error::NotImplemented {
+            op: OP,
+            device: format!("cuda for {} operands into {}", a.dtype(), c.dtype()),
+        });
     }
     check::on_cpu(OP, &[a, b, c])?;
     let (av, bv) = (a.read_f32()?, b.read_f32()?);

@@ -104,8 +104,7 @@ impl Optimizer {
                 &h,
             )?;
         }
-        let master = self.master.read_f32()?;
-        table.flat_params().update_f32("Optimizer::step", |p| p.copy_from_slice(&master))?;
+        k::copy_(table.flat_params(), &self.master)?;
         Ok(StepStats { grad_norm, applied: true })
     }
 
@@ -132,9 +131,9 @@ impl Optimizer {
                 )));
             }
         }
-        self.master.update_f32("load_state", |d| d.copy_from_slice(master))?;
-        self.exp_avg.update_f32("load_state", |d| d.copy_from_slice(exp_avg))?;
-        self.exp_avg_sq.update_f32("load_state", |d| d.copy_from_slice(exp_avg_sq))?;
+        self.master.copy_from_f32(master)?;
+        self.exp_avg.copy_from_f32(exp_avg)?;
+        self.exp_avg_sq.copy_from_f32(exp_avg_sq)?;
         self.step = step;
         Ok(())
     }

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 /// Every setting, optional so that layers can be merged. Field names are Megatron's flags with
 /// underscores; the TOML file uses the flag spelling (dashes).
 #[derive(clap::Args, Clone, Debug, Default, Deserialize, Serialize)]
-#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields, default)]
 pub struct TrainArgs {
     /// Model preset: tiny, small, 124m, 1.3b, llama-tiny, llama-1b.
     #[arg(long)]
@@ -110,6 +110,10 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip)]
     pub no_progress: bool,
+    /// cpu, cuda or cuda:N (CUDA needs a build with `--features cuda`).
+    #[arg(long)]
+    #[serde(skip)]
+    pub device: Option<String>,
 }
 
 macro_rules! merge_opts {
@@ -126,7 +130,7 @@ impl TrainArgs {
             max_position_embeddings, position_embedding_type, rotary_base, normalization, tokenizer_type, init_method_std,
             micro_batch_size, global_batch_size, train_iters, lr, min_lr, lr_decay_style, lr_warmup_iters, weight_decay,
             adam_beta1, adam_beta2, clip_grad, seed, log_interval, eval_interval, eval_iters, save, load, save_interval, corpus_docs,
-            exit_interval);
+            exit_interval, device);
         merge_flags!(self, o; swiglu, untie_embeddings_and_output_weights, disable_bias_linear, qk_layernorm, bf16, no_progress);
     }
 }
@@ -180,6 +184,7 @@ pub struct Paths {
     pub progress: bool,
     /// Megatron's --exit-interval: stop after an iteration that is a multiple of it.
     pub exit_interval: Option<u64>,
+    pub device: ferrotron_core::Device,
 }
 
 fn preset_defaults(name: &str) -> anyhow::Result<TrainArgs> {
@@ -299,7 +304,11 @@ impl Settings {
         if a.exit_interval == Some(0) {
             bail!("--exit-interval must be at least 1");
         }
-        Ok((s, Paths { save: a.save, load: a.load, progress: !a.no_progress, exit_interval: a.exit_interval }))
+        let device = match &a.device {
+            Some(d) => ferrotron_core::Device::parse(d).with_context(|| format!("--device {d}"))?,
+            None => ferrotron_core::Device::Cpu,
+        };
+        Ok((s, Paths { save: a.save, load: a.load, progress: !a.no_progress, exit_interval: a.exit_interval, device }))
     }
 
     /// Checks the non-model settings; the model's own checks run in `model_config`.

@@ -60,8 +60,7 @@ impl Data {
     }
 }
 
-fn batch(split: &TokenSplit, indices: &[usize], seq: usize) -> anyhow::Result<Batch> {
-    let dev = Device::Cpu;
+fn batch(split: &TokenSplit, indices: &[usize], seq: usize, dev: &Device) -> anyhow::Result<Batch> {
     let (mut tokens, mut labels) = (Vec::with_capacity(indices.len() * seq), Vec::with_capacity(indices.len() * seq));
     for &i in indices {
         let s = split.sample(i, seq);
@@ -70,20 +69,21 @@ fn batch(split: &TokenSplit, indices: &[usize], seq: usize) -> anyhow::Result<Ba
     }
     let b = indices.len();
     Ok(Batch {
-        tokens: Tensor::from_vec(tokens, [b, seq], &dev)?,
-        labels: Tensor::from_vec(labels, [b, seq], &dev)?,
-        loss_mask: Tensor::from_vec(vec![1f32; b * seq], [b, seq], &dev)?,
+        tokens: Tensor::from_vec(tokens, [b, seq], dev)?,
+        labels: Tensor::from_vec(labels, [b, seq], dev)?,
+        loss_mask: Tensor::from_vec(vec![1f32; b * seq], [b, seq], dev)?,
     })
 }
 
 /// Mean validation loss over `eval_iters` micro-batches taken in order from the start of the split.
 pub fn evaluate(model: &GptModel, table: &ParamTable, data: &Data, s: &Settings) -> anyhow::Result<f64> {
+    let dev = table.flat_params().device().clone();
     let n = data.valid.num_samples(s.seq_length);
     let cx = Cx { params: table, training: false };
     let mut total = 0.0;
     for it in 0..s.eval_iters as usize {
         let idx: Vec<usize> = (0..s.micro_batch_size).map(|j| (it * s.micro_batch_size + j) % n).collect();
-        total += model.forward(&cx, &batch(&data.valid, &idx, s.seq_length)?)?.0;
+        total += model.forward(&cx, &batch(&data.valid, &idx, s.seq_length, &dev)?)?.0;
     }
     Ok(total / s.eval_iters as f64)
 }
@@ -109,11 +109,12 @@ fn progress(total: u64, start: u64, show: bool) -> ProgressBar {
     pb
 }
 
-/// Trains on CPU from `settings`, resuming from `paths.load` when set.
+/// Trains on `paths.device` from `settings`, resuming from `paths.load` when set.
 pub fn train(s: &Settings, paths: &Paths) -> anyhow::Result<Summary> {
     let data = Data::build(s)?;
     let dtype = if s.bf16 { DType::BF16 } else { DType::F32 };
-    let (model, table) = GptModel::build(s.model_config()?, &Device::Cpu, dtype, s.seed)?;
+    let dev = paths.device.clone();
+    let (model, table) = GptModel::build(s.model_config()?, &dev, dtype, s.seed)?;
     let mut opt = Optimizer::new(
         &table,
         AdamConfig {
@@ -135,7 +136,7 @@ pub fn train(s: &Settings, paths: &Paths) -> anyhow::Result<Summary> {
     if let Some(dir) = &paths.load {
         let ck = checkpoint::load(dir)?;
         checkpoint::check_matches(&ck.state, &table)?;
-        table.flat_params().update_f32("load", |p| p.copy_from_slice(&ck.params))?;
+        table.flat_params().copy_from_f32(&ck.params)?;
         opt.load_state(&ck.master, &ck.exp_avg, &ck.exp_avg_sq, ck.state.optimizer_step)?;
         (iteration, consumed) = (ck.state.iteration, ck.state.consumed_samples);
         eprintln!("resumed from {} at iteration {iteration}", dir.display());
@@ -149,7 +150,7 @@ pub fn train(s: &Settings, paths: &Paths) -> anyhow::Result<Summary> {
     });
     let mut summary = Summary { losses: vec![], evals: vec![], checkpoints: vec![] };
     eprintln!(
-        "model: {} parameters ({:.2} MFLOP/token), {} layers, hidden {}, {} heads; data: {} train / {} valid tokens; {} micro-batches of {} per step",
+        "{dev}: {} parameters ({:.2} MFLOP/token), {} layers, hidden {}, {} heads; data: {} train / {} valid tokens; {} micro-batches of {} per step",
         table.numel(),
         model.config.flops_per_token() / 1e6,
         s.num_layers,
@@ -180,7 +181,7 @@ pub fn train(s: &Settings, paths: &Paths) -> anyhow::Result<Summary> {
         for _ in 0..micro {
             let idx: Vec<usize> = (0..s.micro_batch_size as u64).map(|j| sampler.index(consumed + j)).collect();
             consumed += s.micro_batch_size as u64;
-            let (l, saved) = model.forward(&cx, &batch(&data.train, &idx, s.seq_length)?)?;
+            let (l, saved) = model.forward(&cx, &batch(&data.train, &idx, s.seq_length, &dev)?)?;
             model.backward(&cx, saved, 1.0 / micro as f32)?;
             loss += l / micro as f64;
         }

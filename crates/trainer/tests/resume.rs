@@ -14,19 +14,42 @@ fn check(llama: bool, bf16: bool) {
     let s = settings(&args);
     let tag = format!("resume-{llama}-{bf16}");
     let straight_dir = tmp(&format!("{tag}-a"));
-    let straight =
-        train(&s, &Paths { save: Some(straight_dir.clone()), load: None, progress: false, exit_interval: None })
-            .unwrap();
+    let straight = train(
+        &s,
+        &Paths {
+            save: Some(straight_dir.clone()),
+            load: None,
+            progress: false,
+            exit_interval: None,
+            device: Default::default(),
+        },
+    )
+    .unwrap();
 
     // First half (the same 8-iteration run, stopped by --exit-interval), then resume its checkpoint.
     let half_dir = tmp(&format!("{tag}-b"));
-    let first = train(&s, &Paths { save: Some(half_dir.clone()), load: None, progress: false, exit_interval: Some(4) })
-        .unwrap();
+    let first = train(
+        &s,
+        &Paths {
+            save: Some(half_dir.clone()),
+            load: None,
+            progress: false,
+            exit_interval: Some(4),
+            device: Default::default(),
+        },
+    )
+    .unwrap();
     assert_eq!(first.losses.len(), 4);
     let resume_dir = tmp(&format!("{tag}-c"));
     let second = train(
         &s,
-        &Paths { save: Some(resume_dir.clone()), load: Some(half_dir.clone()), progress: false, exit_interval: None },
+        &Paths {
+            save: Some(resume_dir.clone()),
+            load: Some(half_dir.clone()),
+            progress: false,
+            exit_interval: None,
+            device: Default::default(),
+        },
     )
     .unwrap();
 

@@ -40,9 +40,13 @@ fn sfx_storage(op: &'static str, dt: DType) -> Result<&'static str> {
 
 pub fn cast(be: &B, x: &Tensor, dt: DType) -> Result<Tensor> {
     let y = new(be, x.shape().clone(), dt)?;
-    let name = format!("cast_{}_{}", sfx_storage("cast", x.dtype())?, sfx_storage("cast", dt)?);
-    ew(be, &name, x.elem_count(), &[ptr("cast", x)?, ptr("cast", &y)?, n(x.elem_count())])?;
+    cast_into(be, x, &y)?;
     Ok(y)
+}
+
+pub fn cast_into(be: &B, x: &Tensor, y: &Tensor) -> Result<()> {
+    let name = format!("cast_{}_{}", sfx_storage("cast", x.dtype())?, sfx_storage("cast", y.dtype())?);
+    ew(be, &name, x.elem_count(), &[ptr("cast", x)?, ptr("cast", y)?, n(x.elem_count())])
 }
 
 pub fn acc(be: &B, dst: &Tensor, src: &Tensor) -> Result<()> {
@@ -601,4 +605,63 @@ pub fn gemm(
             device: format!("cuda for {} x {} -> {}", a.dtype(), b.dtype(), c.dtype()),
         }),
     }
+}
+
+/// C (+)= op(A)·op(B) for bf16 A, B and an f32 C (the weight gradient straight into fp32 main_grad,
+/// Megatron's gradient-accumulation fusion), through cublasGemmStridedBatchedEx with fp32 compute.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_bf16_into_f32(
+    be: &B,
+    a: &Tensor,
+    b: &Tensor,
+    c: &Tensor,
+    batch: usize,
+    m: usize,
+    nn: usize,
+    k: usize,
+    ta: bool,
+    tb: bool,
+    beta: f32,
+) -> Result<()> {
+    use cudarc::cublas::sys;
+    let (Arg::Ptr(pa), Arg::Ptr(pb), Arg::Ptr(pc)) =
+        (ptr("matmul_into", a)?, ptr("matmul_into", b)?, ptr("matmul_into", c)?)
+    else {
+        return Err(Error::Cuda("matmul_into: expected device pointers".into()));
+    };
+    let op = |t: bool| if t { Op::CUBLAS_OP_T } else { Op::CUBLAS_OP_N };
+    let alpha = 1.0f32;
+    let bf = sys::cudaDataType_t::CUDA_R_16BF;
+    // SAFETY: pointers come from live tensors whose shapes the caller validated against (m, n, k, batch).
+    let status = unsafe {
+        sys::cublasGemmStridedBatchedEx(
+            *be.blas.handle(),
+            op(tb),
+            op(ta),
+            nn as i32,
+            m as i32,
+            k as i32,
+            (&alpha as *const f32).cast(),
+            pb as *const std::ffi::c_void,
+            bf,
+            (if tb { k } else { nn }) as i32,
+            (k * nn) as i64,
+            pa as *const std::ffi::c_void,
+            bf,
+            (if ta { m } else { k }) as i32,
+            (m * k) as i64,
+            (&beta as *const f32).cast(),
+            pc as *mut std::ffi::c_void,
+            sys::cudaDataType_t::CUDA_R_32F,
+            nn as i32,
+            (m * nn) as i64,
+            batch as i32,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    };
+    if status != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        return Err(Error::Cuda(format!("cublasGemmStridedBatchedEx: {status:?}")));
+    }
+    Ok(())
 }
