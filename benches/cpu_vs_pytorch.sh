@@ -4,7 +4,7 @@
 # Usage: benches/cpu_vs_pytorch.sh            (tiny and small presets)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-venv=target/bench-venv
+venv=${BENCH_VENV:-target/bench-venv}  # an existing venv with torch can be reused
 if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q torch numpy

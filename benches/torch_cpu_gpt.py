@@ -44,7 +44,7 @@ class GPT(nn.Module):
         for blk in s.blocks:
             x = blk(x)
         logits = s.ln_f(x) @ s.wte.weight.T  # tied output layer
-        return F.cross_entropy(logits.view(-1, a.vocab), tgt.view(-1))
+        return F.cross_entropy(logits.reshape(-1, a.vocab), tgt.reshape(-1))
 
 
 m = GPT()

@@ -124,7 +124,11 @@ impl CudaStorage {
             (CudaStorage::F16(v), CpuStorage::F16(h)) => s.memcpy_htod(h, &mut v.slice_mut(start..end)),
             (CudaStorage::U32(v), CpuStorage::U32(h)) => s.memcpy_htod(h, &mut v.slice_mut(start..end)),
             (d, h) => {
-                return Err(Error::DTypeMismatch { op: "write_range", expected: d.dtype().to_string(), got: h.dtype() });
+                return Err(Error::DTypeMismatch {
+                    op: "write_range",
+                    expected: d.dtype().to_string(),
+                    got: h.dtype(),
+                });
             }
         }
         .map_err(driver_err)

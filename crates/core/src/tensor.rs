@@ -170,15 +170,14 @@ impl Tensor {
     /// Sets every element to zero in place (contiguous tensors; any device).
     pub fn zero_(&self) -> Result<()> {
         const OP: &str = "zero_";
-        let r = self.layout.contiguous_range().ok_or(Error::NotContiguous { op: OP })?;
         #[cfg(feature = "cuda")]
         if let Device::Cuda(d) = &self.device {
+            let r = self.layout.contiguous_range().ok_or(Error::NotContiguous { op: OP })?;
             let mut g = self.storage_mut();
             if let Storage::Cuda(c) = &mut *g {
                 return c.zero_range(d, r);
             }
         }
-        let _ = r;
         self.update_f32(OP, |v| v.fill(0.0))
     }
 
@@ -188,16 +187,15 @@ impl Tensor {
         if src.len() != self.elem_count() {
             return Err(shape_mismatch(OP, self.shape(), format!("{} values", src.len())));
         }
-        let r = self.layout.contiguous_range().ok_or(Error::NotContiguous { op: OP })?;
         #[cfg(feature = "cuda")]
         if let Device::Cuda(d) = &self.device {
+            let r = self.layout.contiguous_range().ok_or(Error::NotContiguous { op: OP })?;
             let host = CpuStorage::from_f32(src, self.dtype);
             let mut g = self.storage_mut();
             if let Storage::Cuda(c) = &mut *g {
                 return c.write_range(d, r.start, &host);
             }
         }
-        let _ = r;
         self.update_f32(OP, |v| v.copy_from_slice(src))
     }
 

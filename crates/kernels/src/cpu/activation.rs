@@ -27,17 +27,24 @@ fn map3<T: Real>(x: &[T], dy: &[T], dx: &mut [T], f: impl Fn(T, T) -> T + Sync +
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 const GELU_C: f64 = 0.044_715;
 
+/// tanh through one exp: libm's tanhf was a quarter of a tiny-model training step. Absolute error
+/// ≈ 1e-7 in f32 (relative error grows only where tanh itself is below ~1e-3, harmless in GeLU).
+#[inline]
+fn tanh_exp<T: Real>(u: T) -> T {
+    T::one() - T::c(2.0) / ((u + u).exp() + T::one())
+}
+
 #[inline]
 fn gelu<T: Real>(x: T) -> T {
     let half = T::c(0.5);
-    half * x * (T::one() + (T::c(SQRT_2_OVER_PI) * (x + T::c(GELU_C) * x * x * x)).tanh())
+    half * x * (T::one() + tanh_exp(T::c(SQRT_2_OVER_PI) * (x + T::c(GELU_C) * x * x * x)))
 }
 
 #[inline]
 fn gelu_grad<T: Real>(x: T) -> T {
     let half = T::c(0.5);
     let u = T::c(SQRT_2_OVER_PI) * (x + T::c(GELU_C) * x * x * x);
-    let t = u.tanh();
+    let t = tanh_exp(u);
     let du = T::c(SQRT_2_OVER_PI) * (T::one() + T::c(3.0 * GELU_C) * x * x);
     half * (T::one() + t) + half * x * (T::one() - t * t) * du
 }
