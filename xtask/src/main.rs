@@ -6,8 +6,11 @@ use anyhow::{Context, bail};
 use std::path::PathBuf;
 use std::process::Command;
 
+/// The workspace root: where xtask was built, or the current folder when the binary was carried to
+/// another machine (the GPU runs).
 fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().map(PathBuf::from).unwrap_or_default()
+    let built = PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().map(PathBuf::from).unwrap_or_default();
+    if built.join("Cargo.toml").is_file() { built } else { std::env::current_dir().unwrap_or_default() }
 }
 
 fn main() -> anyhow::Result<()> {
@@ -24,6 +27,7 @@ fn main() -> anyhow::Result<()> {
             println!("tidy: ok");
             Ok(())
         }
+        Some("bench") if args.get(1).map(String::as_str) == Some("--gpu") => gpu_bench(&args[2..]),
         Some("bench") => {
             let status = Command::new(env!("CARGO"))
                 .current_dir(root())
@@ -39,7 +43,7 @@ fn main() -> anyhow::Result<()> {
         Some("ptx") => ptx(args.get(1).map(String::as_str).unwrap_or("sm_90")),
         Some("gpu-test") => gpu_test(args.get(1).map(PathBuf::from)),
         _ => {
-            eprintln!("usage: cargo xtask tidy | bench [criterion args] | ptx [sm_XX] | gpu-test [STAGE_DIR]");
+            eprintln!("usage: cargo xtask tidy | bench [criterion args] | bench --gpu [FERROTRON_BIN] [PRESET...] | ptx [sm_XX] | gpu-test [STAGE_DIR]");
             bail!("unknown command {:?}", args.first());
         }
     }
@@ -143,4 +147,100 @@ fn json_field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
     let pat = format!("\"{key}\":\"");
     let start = line.find(&pat)? + pat.len();
     Some(&line[start..start + line[start..].find('"')?])
+}
+
+/// GPT shapes of the GPU bench presets: (layers, hidden, heads, seq, micro-batch).
+fn bench_shape(preset: &str) -> Option<(usize, usize, usize, usize, usize)> {
+    match preset {
+        "124m" => Some((12, 768, 12, 1024, 16)),
+        "1.3b" => Some((24, 2048, 16, 2048, 8)),
+        _ => None,
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// Largest `memory.used` nvidia-smi reports while `child` runs, in GiB.
+fn watch_memory(child: &mut std::process::Child) -> anyhow::Result<f64> {
+    let mut peak = 0f64;
+    loop {
+        if let Some(s) = child.try_wait()? {
+            if !s.success() {
+                bail!("ferrotron exited with {s}");
+            }
+            return Ok(peak / 1024.0);
+        }
+        if let Ok(o) = Command::new("nvidia-smi").args(["--query-gpu=memory.used", "--format=csv,noheader,nounits"]).output() {
+            if let Some(mib) = String::from_utf8_lossy(&o.stdout).lines().next().and_then(|l| l.trim().parse::<f64>().ok()) {
+                peak = peak.max(mib);
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(300));
+    }
+}
+
+/// `cargo xtask bench --gpu [FERROTRON_BIN] [PRESET...]`: Ferrotron (bf16) and the PyTorch reference
+/// (torch.compile + SDPA, bf16 autocast) on the same GPT in the same command: tokens/s, MFU, peak
+/// memory and the ratio. Runs on the GPU machine (no cargo needed there).
+fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
+    let (bin, presets): (PathBuf, Vec<String>) = match args.first() {
+        Some(a) if bench_shape(a).is_none() => (PathBuf::from(a), args[1..].to_vec()),
+        _ => (root().join("target/release/ferrotron"), args.to_vec()),
+    };
+    let presets = if presets.is_empty() { vec!["124m".to_string(), "1.3b".to_string()] } else { presets };
+    let iters = std::env::var("BENCH_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(6u64);
+    println!("| model | implementation | tokens/s | MFU | peak memory GiB |");
+    println!("|---|---|---|---|---|");
+    for p in &presets {
+        let (layers, hidden, heads, seq, micro) = bench_shape(p).with_context(|| format!("no GPU bench shape for preset {p}: use 124m or 1.3b"))?;
+        let dir = std::env::temp_dir().join(format!("ferrotron-bench-{p}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut child = Command::new(&bin)
+            .args(["train", "--device", "cuda", "--bf16", "--preset", p, "--no-progress", "--log-interval", "1", "--eval-iters", "1"])
+            .args(["--eval-interval", "1000000", "--save-interval", "1000000", "--corpus-docs", "3000"])
+            .args(["--micro-batch-size", &micro.to_string(), "--global-batch-size", &micro.to_string(), "--train-iters", &iters.to_string()])
+            .arg("--save")
+            .arg(&dir)
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .with_context(|| format!("running {}", bin.display()))?;
+        let mut stderr = child.stderr.take().context("stderr")?;
+        let reader = std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = std::io::Read::read_to_string(&mut stderr, &mut s);
+            s
+        });
+        let peak = watch_memory(&mut child)?;
+        let log = reader.join().unwrap_or_default();
+        let mflop = log.split("parameters (").nth(1).and_then(|r| r.split(" MFLOP/token").next()).and_then(|x| x.parse::<f64>().ok()).context("no MFLOP/token in ferrotron's header")?;
+        let metrics = std::fs::read_to_string(dir.join("metrics.jsonl"))?;
+        let tps: Vec<f64> = metrics
+            .lines()
+            .filter(|l| l.contains("\"kind\":\"train\"") && !l.contains("\"iteration\":1,"))
+            .filter_map(|l| l.split("\"tokens_per_s\":").nth(1)?.split([',', '}']).next()?.parse().ok())
+            .collect();
+        let ours = median(tps);
+        let flops = mflop * 1e6;
+        println!("| {p} | ferrotron bf16 | {ours:.0} | {:.1}% | {peak:.1} (device total) |", 100.0 * ours * flops / 989e12);
+        let py = Command::new("python3")
+            .arg(root().join("benches/torch_gpu_gpt.py"))
+            .args(["--layers", &layers.to_string(), "--hidden", &hidden.to_string(), "--heads", &heads.to_string()])
+            .args(["--seq", &seq.to_string(), "--micro", &micro.to_string(), "--flops-per-token", &flops.to_string()])
+            .output()
+            .context("running python3 benches/torch_gpu_gpt.py")?;
+        let out = String::from_utf8_lossy(&py.stdout);
+        let field = |k: &str| out.split(&format!("\"{k}\": ")).nth(1).and_then(|r| r.split([',', '}']).next()).and_then(|x| x.parse::<f64>().ok());
+        match (field("tokens_per_s"), field("mfu"), field("peak_mem_gib")) {
+            (Some(t), Some(m), Some(g)) => {
+                println!("| {p} | pytorch compile+SDPA | {t:.0} | {:.1}% | {g:.1} (allocated) |", 100.0 * m);
+                println!("| {p} | ratio ferrotron / pytorch | {:.3} | | |", ours / t);
+            }
+            _ => println!("| {p} | pytorch failed: {} | | | |", String::from_utf8_lossy(&py.stderr).lines().last().unwrap_or("")),
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    Ok(())
 }
