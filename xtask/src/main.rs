@@ -43,7 +43,9 @@ fn main() -> anyhow::Result<()> {
         Some("ptx") => ptx(args.get(1).map(String::as_str).unwrap_or("sm_90")),
         Some("gpu-test") => gpu_test(args.get(1).map(PathBuf::from)),
         _ => {
-            eprintln!("usage: cargo xtask tidy | bench [criterion args] | bench --gpu [FERROTRON_BIN] [PRESET...] | ptx [sm_XX] | gpu-test [STAGE_DIR]");
+            eprintln!(
+                "usage: cargo xtask tidy | bench [criterion args] | bench --gpu [FERROTRON_BIN] [PRESET...] | ptx [sm_XX] | gpu-test [STAGE_DIR]"
+            );
             bail!("unknown command {:?}", args.first());
         }
     }
@@ -173,8 +175,12 @@ fn watch_memory(child: &mut std::process::Child) -> anyhow::Result<f64> {
             }
             return Ok(peak / 1024.0);
         }
-        if let Ok(o) = Command::new("nvidia-smi").args(["--query-gpu=memory.used", "--format=csv,noheader,nounits"]).output() {
-            if let Some(mib) = String::from_utf8_lossy(&o.stdout).lines().next().and_then(|l| l.trim().parse::<f64>().ok()) {
+        if let Ok(o) =
+            Command::new("nvidia-smi").args(["--query-gpu=memory.used", "--format=csv,noheader,nounits"]).output()
+        {
+            if let Some(mib) =
+                String::from_utf8_lossy(&o.stdout).lines().next().and_then(|l| l.trim().parse::<f64>().ok())
+            {
                 peak = peak.max(mib);
             }
         }
@@ -195,13 +201,33 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
     println!("| model | implementation | tokens/s | MFU | peak memory GiB |");
     println!("|---|---|---|---|---|");
     for p in &presets {
-        let (layers, hidden, heads, seq, micro) = bench_shape(p).with_context(|| format!("no GPU bench shape for preset {p}: use 124m or 1.3b"))?;
+        let (layers, hidden, heads, seq, micro) =
+            bench_shape(p).with_context(|| format!("no GPU bench shape for preset {p}: use 124m or 1.3b"))?;
         let dir = std::env::temp_dir().join(format!("ferrotron-bench-{p}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let mut child = Command::new(&bin)
-            .args(["train", "--device", "cuda", "--bf16", "--preset", p, "--no-progress", "--log-interval", "1", "--eval-iters", "1"])
+            .args([
+                "train",
+                "--device",
+                "cuda",
+                "--bf16",
+                "--preset",
+                p,
+                "--no-progress",
+                "--log-interval",
+                "1",
+                "--eval-iters",
+                "1",
+            ])
             .args(["--eval-interval", "1000000", "--save-interval", "1000000", "--corpus-docs", "3000"])
-            .args(["--micro-batch-size", &micro.to_string(), "--global-batch-size", &micro.to_string(), "--train-iters", &iters.to_string()])
+            .args([
+                "--micro-batch-size",
+                &micro.to_string(),
+                "--global-batch-size",
+                &micro.to_string(),
+                "--train-iters",
+                &iters.to_string(),
+            ])
             .arg("--save")
             .arg(&dir)
             .stderr(std::process::Stdio::piped())
@@ -215,7 +241,12 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
         });
         let peak = watch_memory(&mut child)?;
         let log = reader.join().unwrap_or_default();
-        let mflop = log.split("parameters (").nth(1).and_then(|r| r.split(" MFLOP/token").next()).and_then(|x| x.parse::<f64>().ok()).context("no MFLOP/token in ferrotron's header")?;
+        let mflop = log
+            .split("parameters (")
+            .nth(1)
+            .and_then(|r| r.split(" MFLOP/token").next())
+            .and_then(|x| x.parse::<f64>().ok())
+            .context("no MFLOP/token in ferrotron's header")?;
         let metrics = std::fs::read_to_string(dir.join("metrics.jsonl"))?;
         let tps: Vec<f64> = metrics
             .lines()
@@ -224,7 +255,10 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
             .collect();
         let ours = median(tps);
         let flops = mflop * 1e6;
-        println!("| {p} | ferrotron bf16 | {ours:.0} | {:.1}% | {peak:.1} (device total) |", 100.0 * ours * flops / 989e12);
+        println!(
+            "| {p} | ferrotron bf16 | {ours:.0} | {:.1}% | {peak:.1} (device total) |",
+            100.0 * ours * flops / 989e12
+        );
         let py = Command::new("python3")
             .arg(root().join("benches/torch_gpu_gpt.py"))
             .args(["--layers", &layers.to_string(), "--hidden", &hidden.to_string(), "--heads", &heads.to_string()])
@@ -232,13 +266,21 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
             .output()
             .context("running python3 benches/torch_gpu_gpt.py")?;
         let out = String::from_utf8_lossy(&py.stdout);
-        let field = |k: &str| out.split(&format!("\"{k}\": ")).nth(1).and_then(|r| r.split([',', '}']).next()).and_then(|x| x.parse::<f64>().ok());
+        let field = |k: &str| {
+            out.split(&format!("\"{k}\": "))
+                .nth(1)
+                .and_then(|r| r.split([',', '}']).next())
+                .and_then(|x| x.parse::<f64>().ok())
+        };
         match (field("tokens_per_s"), field("mfu"), field("peak_mem_gib")) {
             (Some(t), Some(m), Some(g)) => {
                 println!("| {p} | pytorch compile+SDPA | {t:.0} | {:.1}% | {g:.1} (allocated) |", 100.0 * m);
                 println!("| {p} | ratio ferrotron / pytorch | {:.3} | | |", ours / t);
             }
-            _ => println!("| {p} | pytorch failed: {} | | | |", String::from_utf8_lossy(&py.stderr).lines().last().unwrap_or("")),
+            _ => println!(
+                "| {p} | pytorch failed: {} | | | |",
+                String::from_utf8_lossy(&py.stderr).lines().last().unwrap_or("")
+            ),
         }
         let _ = std::fs::remove_dir_all(&dir);
     }

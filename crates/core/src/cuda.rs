@@ -62,6 +62,26 @@ impl CudaDevice {
     }
 }
 
+/// An allocation failure, naming the size asked for and what the device has in use.
+fn alloc_err(dev: &CudaDevice, dtype: DType, n: usize, e: cudarc::driver::DriverError) -> Error {
+    let bytes = n * dtype.size_in_bytes();
+    let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+    if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+        let usage = match dev.context().mem_get_info() {
+            Ok((free, total)) => {
+                format!("{:.2} GiB of {:.2} GiB in use, {:.2} GiB free", gib(total - free), gib(total), gib(free))
+            }
+            Err(_) => "usage unknown".into(),
+        };
+        return Error::Cuda(format!(
+            "out of memory on cuda:{} allocating {bytes} bytes ({n} × {dtype}, {:.2} GiB); {usage}: lower --micro-batch-size or the model size",
+            dev.ordinal(),
+            gib(bytes)
+        ));
+    }
+    Error::Cuda(format!("allocating {bytes} bytes on cuda:{}: {e:?}", dev.ordinal()))
+}
+
 /// Device memory, one variant per dtype like `CpuStorage`.
 #[derive(Debug)]
 pub enum CudaStorage {
@@ -136,13 +156,14 @@ impl CudaStorage {
 
     pub fn zeros(dev: &CudaDevice, dtype: DType, n: usize) -> Result<Self> {
         let s = dev.stream();
+        let oom = |e: cudarc::driver::DriverError| alloc_err(dev, dtype, n, e);
         Ok(match dtype {
-            DType::F32 => CudaStorage::F32(s.alloc_zeros(n).map_err(driver_err)?),
-            DType::BF16 => CudaStorage::BF16(s.alloc_zeros(n).map_err(driver_err)?),
-            DType::F16 => CudaStorage::F16(s.alloc_zeros(n).map_err(driver_err)?),
-            DType::F8E4M3 => CudaStorage::F8E4M3(s.alloc_zeros(n).map_err(driver_err)?),
-            DType::F8E5M2 => CudaStorage::F8E5M2(s.alloc_zeros(n).map_err(driver_err)?),
-            DType::U32 => CudaStorage::U32(s.alloc_zeros(n).map_err(driver_err)?),
+            DType::F32 => CudaStorage::F32(s.alloc_zeros(n).map_err(oom)?),
+            DType::BF16 => CudaStorage::BF16(s.alloc_zeros(n).map_err(oom)?),
+            DType::F16 => CudaStorage::F16(s.alloc_zeros(n).map_err(oom)?),
+            DType::F8E4M3 => CudaStorage::F8E4M3(s.alloc_zeros(n).map_err(oom)?),
+            DType::F8E5M2 => CudaStorage::F8E5M2(s.alloc_zeros(n).map_err(oom)?),
+            DType::U32 => CudaStorage::U32(s.alloc_zeros(n).map_err(oom)?),
         })
     }
 

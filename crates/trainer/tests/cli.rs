@@ -108,6 +108,9 @@ fn bad_flags_fail_with_one_line_naming_the_flag() {
     fails_naming(&["--load", "/nonexistent/ferrotron"], "--load /nonexistent/ferrotron: no such folder");
     fails_naming(&["--preset", "huge"], "--preset huge: unknown preset");
     fails_naming(&["--lr-decay-style", "sqrt"], "--lr-decay-style sqrt");
+    fails_naming(&["--device", "tpu"], "use cpu, cuda or cuda:N");
+    #[cfg(not(feature = "cuda"))]
+    fails_naming(&["--device", "cuda:1"], "rebuild with `--features cuda`");
 }
 
 fn corrupt_first_byte(p: &Path) {

@@ -93,10 +93,16 @@ pub(crate) fn backend(dev: &CudaDevice) -> Result<Arc<Backend>> {
     let (major, minor) = dev.context().compute_capability().map_err(|e| cuda_err("compute capability", e))?;
     let module =
         dev.context().load_module(ptx(&format!("sm_{major}{minor}"))?).map_err(|e| cuda_err("loading kernels", e))?;
-    // SAFETY: only probes for the shared library.
+    // SAFETY: only probes for the shared libraries.
     if !unsafe { cudarc::cublaslt::sys::is_culib_present() } {
         return Err(Error::Cuda(
-            "the cuBLASLt library (libcublasLt.so) was not found: add its folder to LD_LIBRARY_PATH".into(),
+            "the cuBLASLt library (libcublasLt.so) was not found: add the CUDA toolkit's lib folder (or PyTorch's nvidia/cublas/lib) to LD_LIBRARY_PATH".into(),
+        ));
+    }
+    // SAFETY: as above.
+    if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+        return Err(Error::Cuda(
+            "the cuBLAS library (libcublas.so) was not found: add the CUDA toolkit's lib folder (or PyTorch's nvidia/cublas/lib) to LD_LIBRARY_PATH".into(),
         ));
     }
     let blas_lt = CudaBlasLT::new(dev.stream().clone()).map_err(|e| cuda_err("cuBLASLt", e))?;
