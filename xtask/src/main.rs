@@ -175,15 +175,12 @@ fn watch_memory(child: &mut std::process::Child) -> anyhow::Result<f64> {
             }
             return Ok(peak / 1024.0);
         }
-        if let Ok(o) =
-            Command::new("nvidia-smi").args(["--query-gpu=memory.used", "--format=csv,noheader,nounits"]).output()
-        {
-            if let Some(mib) =
-                String::from_utf8_lossy(&o.stdout).lines().next().and_then(|l| l.trim().parse::<f64>().ok())
-            {
-                peak = peak.max(mib);
-            }
-        }
+        let smi =
+            Command::new("nvidia-smi").args(["--query-gpu=memory.used", "--format=csv,noheader,nounits"]).output();
+        let mib = smi
+            .ok()
+            .and_then(|o| String::from_utf8_lossy(&o.stdout).lines().next().and_then(|l| l.trim().parse::<f64>().ok()));
+        peak = peak.max(mib.unwrap_or(0.0));
         std::thread::sleep(std::time::Duration::from_millis(300));
     }
 }
