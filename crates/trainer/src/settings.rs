@@ -304,7 +304,17 @@ impl Settings {
         if a.exit_interval == Some(0) {
             bail!("--exit-interval must be at least 1");
         }
-        let device = match &a.device {
+        let dist = ferrotron_comm::DistEnv::from_env()?;
+        if dist.world_size > 1 {
+            bail!(
+                "WORLD_SIZE={} ({} variables): training on several ranks is not implemented yet; run one process",
+                dist.world_size,
+                dist.source
+            );
+        }
+        let device = match a.device.as_deref() {
+            // Under a launcher, plain `cuda` means this process's local GPU.
+            Some("cuda") => ferrotron_core::Device::cuda(dist.local_rank).context("--device cuda")?,
             Some(d) => ferrotron_core::Device::parse(d).with_context(|| format!("--device {d}"))?,
             None => ferrotron_core::Device::Cpu,
         };

@@ -113,6 +113,18 @@ fn bad_flags_fail_with_one_line_naming_the_flag() {
     fails_naming(&["--device", "cuda:1"], "rebuild with `--features cuda`");
 }
 
+#[test]
+fn several_ranks_are_refused_until_data_parallelism_exists() {
+    let o = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args(TINY)
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "2")
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("WORLD_SIZE=2 (torchrun variables)"), "{}", stderr(&o));
+}
+
 fn corrupt_first_byte(p: &Path) {
     let mut b = std::fs::read(p).unwrap();
     b[100] ^= 0xff;
