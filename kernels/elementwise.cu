@@ -19,6 +19,7 @@ CAST(f32, float, f32, float) CAST(f32, float, bf16, bf16_t) CAST(bf16, bf16_t, f
 CAST(f32, float, f16, f16_t) CAST(f16, f16_t, f32, float) CAST(f16, f16_t, f16, f16_t) CAST(bf16, bf16_t, f16, f16_t) CAST(f16, f16_t, bf16, bf16_t)
 
 #define ELEMENTWISE(s, T) \
+extern "C" __global__ void fill_##s(T* y, float v, long n) { GRID_STRIDE(i, n) st(y, i, v); } \
 extern "C" __global__ void scale_##s(const T* x, T* y, float a, long n) { GRID_STRIDE(i, n) st(y, i, a * ld(x, i)); } \
 extern "C" __global__ void add_##s(const T* a, const T* b, T* y, long n) { GRID_STRIDE(i, n) st(y, i, ld(a, i) + ld(b, i)); } \
 extern "C" __global__ void bias_add_##s(const T* x, const T* b, T* y, long n, long c) { GRID_STRIDE(i, n) st(y, i, ld(x, i) + ld(b, i % c)); } \

@@ -47,6 +47,17 @@ pub(crate) struct Backend {
 
 static BACKENDS: Mutex<Vec<(usize, Arc<Backend>)>> = Mutex::new(Vec::new());
 
+static POISON: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Tests turn this on: every CUDA op output is filled with NaN before its kernel runs.
+pub fn set_poisoning(on: bool) {
+    POISON.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+pub(crate) fn poisoning() -> bool {
+    POISON.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 fn cuda_err(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Cuda(format!("{what}: {e:?}"))
 }

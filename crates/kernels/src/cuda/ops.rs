@@ -18,8 +18,15 @@ fn sfx(op: &'static str, dt: DType) -> Result<&'static str> {
     }
 }
 
+/// A fresh output. With poisoning on (tests), float outputs start as NaN so that a kernel that
+/// leaves an element unwritten fails the comparison instead of passing on a lucky zero.
 fn new(be: &B, shape: impl Into<Shape>, dt: DType) -> Result<Tensor> {
-    Tensor::zeros(shape, dt, &Device::Cuda(be.dev.clone()))
+    let t = Tensor::zeros(shape, dt, &Device::Cuda(be.dev.clone()))?;
+    if super::poisoning() && (dt == DType::F32 || dt == DType::BF16) {
+        let name = format!("fill_{}", sfx("fill", dt)?);
+        ew(be, &name, t.elem_count(), &[ptr("fill", &t)?, Arg::F32(f32::NAN), n(t.elem_count())])?;
+    }
+    Ok(t)
 }
 
 fn n(x: usize) -> Arg {
@@ -497,11 +504,11 @@ pub fn attention_bwd(
     dout: &Tensor,
     a: &AttnShape,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    let (dq, dk, dv) = (
-        new(be, q.shape().clone(), DType::F32)?,
-        new(be, k.shape().clone(), DType::F32)?,
-        new(be, v.shape().clone(), DType::F32)?,
-    );
+    // dk and dv are sums of fp32 atomics: they must start at zero (never poisoned).
+    let dev = Device::Cuda(be.dev.clone());
+    let dq = new(be, q.shape().clone(), DType::F32)?;
+    let (dk, dv) =
+        (Tensor::zeros(k.shape().clone(), DType::F32, &dev)?, Tensor::zeros(v.shape().clone(), DType::F32, &dev)?);
     let mut args = vec![
         ptr("attn", q)?,
         ptr("attn", k)?,

@@ -1,5 +1,6 @@
 //! Every op on CUDA against the CPU reference on the same fresh random inputs (feature `cuda`, run
-//! on a GPU machine by `cargo xtask gpu-test`). Tolerances: f32 1e-5 relative, bf16 1e-2.
+//! on a GPU machine by `cargo xtask gpu-test`). Outputs are poisoned with NaN before each kernel.
+//! Tolerances: f32 1e-5 relative, bf16 1e-2.
 #![cfg(feature = "cuda")]
 
 use crate::util::*;
@@ -7,6 +8,7 @@ use ferrotron_core::{DType, Device, Tensor};
 use ferrotron_kernels::{self as k, AdamW, AttnCfg, CrossEntropyCfg, RopeCfg};
 
 fn gpu() -> Device {
+    ferrotron_kernels::cuda::set_poisoning(true);
     Device::cuda(0).expect("a CUDA device")
 }
 
