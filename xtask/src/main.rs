@@ -103,6 +103,8 @@ fn gpu_test(stage: Option<PathBuf>) -> anyhow::Result<()> {
             "-p",
             "ferrotron-kernels",
             "-p",
+            "ferrotron-comm",
+            "-p",
             "ferrotron-trainer",
         ])
         .output()
