@@ -37,6 +37,11 @@ impl CudaDevice {
             ));
         }
         let ctx = CudaContext::new(ordinal).map_err(driver_err)?;
+        // SAFETY: every allocation, copy, kernel and collective of a rank is issued on its compute
+        // stream, so stream order already orders all uses; cudarc's per-allocation events are pure
+        // overhead here. (The comm stream, when overlap arrives, will synchronise with events.)
+        unsafe { ctx.disable_event_tracking() };
+        keep_freed_memory(&ctx);
         let compute = ctx.new_stream().map_err(driver_err)?;
         let comm = ctx.new_stream().map_err(driver_err)?;
         Ok(CudaDevice { ctx, compute, comm })
@@ -80,6 +85,25 @@ fn alloc_err(dev: &CudaDevice, dtype: DType, n: usize, e: cudarc::driver::Driver
         ));
     }
     Error::Cuda(format!("allocating {bytes} bytes on cuda:{}: {e:?}", dev.ordinal()))
+}
+
+/// The caching allocator: allocations are stream-ordered (`cuMemAllocAsync`) from the device's
+/// default memory pool; raising its release threshold keeps freed blocks in the pool across
+/// synchronisations instead of returning them to the driver, so steady-state steps do not allocate.
+fn keep_freed_memory(ctx: &CudaContext) {
+    use cudarc::driver::sys;
+    let mut pool = std::mem::MaybeUninit::<sys::CUmemoryPool>::uninit();
+    // SAFETY: plain driver calls on a live context's device; on failure the pool keeps its default.
+    unsafe {
+        if sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), ctx.cu_device()) == sys::CUresult::CUDA_SUCCESS {
+            let mut threshold = u64::MAX;
+            let _ = sys::cuMemPoolSetAttribute(
+                pool.assume_init(),
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut threshold as *mut u64).cast(),
+            );
+        }
+    }
 }
 
 /// Device memory, one variant per dtype like `CpuStorage`.
