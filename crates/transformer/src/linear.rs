@@ -3,7 +3,7 @@
 //! Shapes: x [..., in] → y [..., out]. Backward: dx = dy·W (`=`); dW += dyᵀ·x and db += Σ dy into
 //! main_grad.
 
-use ferrotron_core::{Cx, Init, Module, ParamId, ParamMeta, ParamTableBuilder, Result, Saved, Tensor};
+use ferrotron_core::{Cx, Init, Module, ParamId, ParamMeta, ParamTableBuilder, Result, Saved, Tensor, invalid};
 use ferrotron_kernels as k;
 
 #[derive(Debug, Clone)]
@@ -49,7 +49,7 @@ impl Module for Linear {
     }
 
     fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
-        let x = &saved.tensors[0];
+        let x = saved.tensors.first().ok_or_else(|| invalid("Linear::backward", "nothing saved by forward"))?;
         let w = cx.params.param(self.weight)?;
         let dx = k::matmul(dy, &w, false, false)?;
         let rows = dy.shape().rows();

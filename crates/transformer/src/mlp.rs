@@ -53,7 +53,7 @@ impl Module for Mlp {
             .try_into()
             .map_err(|_| ferrotron_core::invalid("Mlp::backward", "saved values do not match forward"))?;
         let da = self.linear_fc2.backward(cx, s2, dy)?;
-        let h = &tensors[0];
+        let h = tensors.first().ok_or_else(|| ferrotron_core::invalid("Mlp::backward", "nothing saved by forward"))?;
         let dh = match self.activation {
             Activation::Gelu => k::gelu_bwd(h, &da)?,
             Activation::SwiGlu => k::swiglu_bwd(h, &da)?,

@@ -2,7 +2,7 @@
 //! weight decay on either).
 
 use crate::spec::NormKind;
-use ferrotron_core::{Cx, Init, Module, ParamId, ParamMeta, ParamTableBuilder, Result, Saved, Tensor};
+use ferrotron_core::{Cx, Init, Module, ParamId, ParamMeta, ParamTableBuilder, Result, Saved, Tensor, invalid};
 use ferrotron_kernels as k;
 
 #[derive(Debug, Clone)]
@@ -44,6 +44,9 @@ impl Module for Norm {
     fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
         let w = cx.params.param(self.weight)?;
         let s = &saved.tensors;
+        if s.len() != if self.bias.is_some() { 3 } else { 2 } {
+            return Err(invalid("Norm::backward", "saved tensors do not match forward"));
+        }
         match self.bias {
             Some(b) => {
                 let (dx, dw, db) = k::layernorm_bwd(dy, &s[0], &w, &s[1], &s[2])?;

@@ -97,33 +97,16 @@ pub fn bias_grad(be: &B, dy: &Tensor) -> Result<Tensor> {
     Ok(db)
 }
 
-/// gelu/silu forward (`x → y`) or backward (`x, dy → dx`) by kernel family name.
-pub fn pointwise(be: &B, fam: &str, x: &Tensor, dy: Option<&Tensor>) -> Result<Tensor> {
-    let s = sfx("activation", x.dtype())?;
+/// gelu/silu forward (`x → y`) or backward (`x, dy → dx`); `fam` is the kernel family.
+pub fn pointwise(be: &B, fam: &'static str, x: &Tensor, dy: Option<&Tensor>) -> Result<Tensor> {
+    let s = sfx(fam, x.dtype())?;
     let y = new(be, x.shape().clone(), x.dtype())?;
+    let len = x.elem_count();
     match dy {
-        None => ew(
-            be,
-            &format!("{fam}_fwd_{s}"),
-            x.elem_count(),
-            &[ptr(fam_op(fam), x)?, ptr(fam_op(fam), &y)?, n(x.elem_count())],
-        )?,
-        Some(dy) => ew(
-            be,
-            &format!("{fam}_bwd_{s}"),
-            x.elem_count(),
-            &[ptr(fam_op(fam), x)?, ptr(fam_op(fam), dy)?, ptr(fam_op(fam), &y)?, n(x.elem_count())],
-        )?,
+        None => ew(be, &format!("{fam}_fwd_{s}"), len, &[ptr(fam, x)?, ptr(fam, &y)?, n(len)])?,
+        Some(dy) => ew(be, &format!("{fam}_bwd_{s}"), len, &[ptr(fam, x)?, ptr(fam, dy)?, ptr(fam, &y)?, n(len)])?,
     }
     Ok(y)
-}
-
-fn fam_op(fam: &str) -> &'static str {
-    match fam {
-        "gelu" => "gelu",
-        "silu" => "silu",
-        _ => "swiglu",
-    }
 }
 
 pub fn swiglu(be: &B, x: &Tensor, f: usize, out_shape: Vec<usize>) -> Result<Tensor> {
