@@ -163,3 +163,11 @@ fn optimizer_ops_match_cpu() {
     k::matmul_into(&acc_gpu, &on(&a, &gpu()), &on(&b, &gpu()), false, false, true).unwrap();
     same(&acc_cpu, &acc_gpu, DType::BF16, "matmul_into f32 += bf16");
 }
+
+#[test]
+fn out_of_memory_names_the_size_and_usage() {
+    let g = gpu();
+    // 2^38 f32 = 1 TiB: more than any single GPU holds.
+    let e = Tensor::zeros([1usize << 38], DType::F32, &g).unwrap_err().to_string();
+    assert!(e.contains("out of memory") && e.contains("1099511627776 bytes") && e.contains("GiB in use"), "{e}");
+}
