@@ -202,6 +202,8 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
     for p in &presets {
         let (layers, hidden, heads, seq, micro) =
             bench_shape(p).with_context(|| format!("no GPU bench shape for preset {p}: use 124m or 1.3b"))?;
+        // BENCH_MICRO overrides the micro-batch (e.g. 1 for a quick look at a slow build).
+        let micro = std::env::var("BENCH_MICRO").ok().and_then(|v| v.parse().ok()).unwrap_or(micro);
         let dir = std::env::temp_dir().join(format!("ferrotron-bench-{p}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let mut child = Command::new(&bin)
