@@ -91,16 +91,13 @@ impl ParamTableBuilder {
     }
 }
 
-/// FNV-1a of the name: a stream id that depends on nothing but the parameter's identity.
-fn name_stream(name: &str) -> u64 {
-    name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
-}
-
 fn init_values(m: &ParamMeta, seed: u64, out: &mut [f32]) {
     match m.init {
         Init::Zeros => out.fill(0.0),
         Init::Ones => out.fill(1.0),
-        Init::Normal { std } => Philox::new(seed).with_stream(name_stream(&m.name)).fill_normal(0, 0.0, std, out),
+        Init::Normal { std } => {
+            Philox::new(seed).with_stream(crate::rng::fnv1a64(&m.name)).fill_normal(0, 0.0, std, out)
+        }
     }
 }
 

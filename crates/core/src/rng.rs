@@ -26,6 +26,12 @@ pub fn philox4x32_10(ctr: [u32; 4], key: [u32; 2]) -> [u32; 4] {
     c
 }
 
+/// FNV-1a (64-bit) of `s`: a stable id derived from a name, e.g. a parameter's RNG stream or a
+/// cache key. Not cryptographic.
+pub fn fnv1a64(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+}
+
 /// A seeded generator: `stream` selects an independent sequence, `offset` an element within it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Philox {

@@ -31,10 +31,6 @@ pub fn source() -> String {
     SOURCES.iter().map(|(name, s)| format!("// ---- {name}\n{s}\n")).collect()
 }
 
-fn fnv(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
-}
-
 pub(crate) struct Backend {
     pub dev: CudaDevice,
     module: Arc<CudaModule>,
@@ -72,7 +68,7 @@ fn cache_dir() -> Option<std::path::PathBuf> {
 /// PTX for `arch` (e.g. `sm_90`), from the disk cache or compiled now.
 fn ptx(arch: &str) -> Result<Ptx> {
     let src = source();
-    let key = format!("{:016x}-{arch}.ptx", fnv(&src));
+    let key = format!("{:016x}-{arch}.ptx", ferrotron_core::rng::fnv1a64(&src));
     let cached = cache_dir().map(|d| d.join(&key));
     if let Some(p) = &cached {
         if let Ok(text) = std::fs::read_to_string(p) {
