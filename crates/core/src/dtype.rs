@@ -68,6 +68,8 @@ pub trait WithDType: Copy + Send + Sync + 'static + bytemuck::Pod {
     const DTYPE: DType;
     fn to_f32(self) -> f32;
     fn from_f32(v: f32) -> Self;
+    /// The host storage variant holding `v`, without copying.
+    fn into_storage(v: Vec<Self>) -> crate::CpuStorage;
 }
 
 macro_rules! with_dtype {
@@ -83,6 +85,9 @@ macro_rules! with_dtype {
             fn from_f32(v: f32) -> Self {
                 let $b = v;
                 $from
+            }
+            fn into_storage(v: Vec<Self>) -> crate::CpuStorage {
+                crate::CpuStorage::$d(v)
             }
         }
     };

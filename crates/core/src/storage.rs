@@ -41,13 +41,9 @@ impl CpuStorage {
         }
     }
 
+    /// Takes ownership of `v` (no copy).
     pub fn from_vec<T: WithDType>(v: Vec<T>) -> Self {
-        // Each WithDType type is exactly one variant's element type, so the byte cast is the identity.
-        let bytes: Vec<u8> = bytemuck::cast_slice(&v).to_vec();
-        let n = v.len();
-        let mut s = CpuStorage::zeros(T::DTYPE, n);
-        match_cpu!(&mut s, |dst| bytemuck::cast_slice_mut::<_, u8>(dst).copy_from_slice(&bytes));
-        s
+        T::into_storage(v)
     }
 
     /// Converts f32 values into storage of `dtype` (rounding to nearest even for narrow floats).

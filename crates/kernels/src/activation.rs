@@ -13,7 +13,7 @@ fn unary(op: &'static str, x: &Tensor, f: fn(&[f32], &mut [f32])) -> Result<Tens
     let xv = x.read_f32()?;
     let mut y = vec![0f32; xv.len()];
     f(&xv, &mut y);
-    check::out(&y, x.shape().clone(), x.dtype(), x.device())
+    check::out(y, x.shape().clone(), x.dtype(), x.device())
 }
 
 fn unary_bwd(op: &'static str, x: &Tensor, dy: &Tensor, f: fn(&[f32], &[f32], &mut [f32])) -> Result<Tensor> {
@@ -27,7 +27,7 @@ fn unary_bwd(op: &'static str, x: &Tensor, dy: &Tensor, f: fn(&[f32], &[f32], &m
     let (xv, dyv) = (x.read_f32()?, dy.read_f32()?);
     let mut dx = vec![0f32; xv.len()];
     f(&xv, &dyv, &mut dx);
-    check::out(&dx, x.shape().clone(), dy.dtype(), x.device())
+    check::out(dx, x.shape().clone(), dy.dtype(), x.device())
 }
 
 pub fn gelu(x: &Tensor) -> Result<Tensor> {
@@ -66,7 +66,7 @@ pub fn swiglu(x: &Tensor) -> Result<Tensor> {
     let xv = x.read_f32()?;
     let mut y = vec![0f32; xv.len() / 2];
     cpu::activation::swiglu_fwd(&xv, f, &mut y);
-    check::out(&y, shape, x.dtype(), x.device())
+    check::out(y, shape, x.dtype(), x.device())
 }
 
 pub fn swiglu_bwd(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
@@ -84,7 +84,7 @@ pub fn swiglu_bwd(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
     let (xv, dyv) = (x.read_f32()?, dy.read_f32()?);
     let mut dx = vec![0f32; xv.len()];
     cpu::activation::swiglu_bwd(&xv, &dyv, f, &mut dx);
-    check::out(&dx, x.shape().clone(), dy.dtype(), x.device())
+    check::out(dx, x.shape().clone(), dy.dtype(), x.device())
 }
 
 /// Softmax over the last dimension.
@@ -100,7 +100,7 @@ pub fn softmax(x: &Tensor) -> Result<Tensor> {
     let xv = x.read_f32()?;
     let mut y = vec![0f32; xv.len()];
     cpu::softmax::softmax_fwd(&xv, x.shape().last(), &mut y);
-    check::out(&y, x.shape().clone(), x.dtype(), x.device())
+    check::out(y, x.shape().clone(), x.dtype(), x.device())
 }
 
 /// dx from the softmax output y and dy.
@@ -116,5 +116,5 @@ pub fn softmax_bwd(y: &Tensor, dy: &Tensor) -> Result<Tensor> {
     let (yv, dyv) = (y.read_f32()?, dy.read_f32()?);
     let mut dx = vec![0f32; yv.len()];
     cpu::softmax::softmax_bwd(&yv, &dyv, y.shape().last(), &mut dx);
-    check::out(&dx, y.shape().clone(), dy.dtype(), y.device())
+    check::out(dx, y.shape().clone(), dy.dtype(), y.device())
 }

@@ -82,8 +82,8 @@ pub fn attention_fwd(q: &Tensor, k: &Tensor, v: &Tensor, cfg: &AttnCfg) -> Resul
     let mut lse = vec![0f32; d.b * d.hq * d.t];
     cpu::attention::attention_fwd(&qv, &kv, &vv, d, mask(cfg), scale(cfg, d.d), &mut o, &mut lse);
     Ok((
-        check::out(&o, q.shape().clone(), q.dtype(), q.device())?,
-        check::out(&lse, [d.b, d.hq, d.t], DType::F32, q.device())?,
+        check::out(o, q.shape().clone(), q.dtype(), q.device())?,
+        check::out(lse, [d.b, d.hq, d.t], DType::F32, q.device())?,
     ))
 }
 
@@ -126,8 +126,8 @@ pub fn attention_bwd(
     );
     let dt = dout.dtype();
     Ok((
-        check::out(&dq, q.shape().clone(), dt, q.device())?,
-        check::out(&dk, k.shape().clone(), dt, q.device())?,
-        check::out(&dv, v.shape().clone(), dt, q.device())?,
+        check::out(dq, q.shape().clone(), dt, q.device())?,
+        check::out(dk, k.shape().clone(), dt, q.device())?,
+        check::out(dv, v.shape().clone(), dt, q.device())?,
     ))
 }

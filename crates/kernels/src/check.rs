@@ -45,9 +45,12 @@ pub(crate) fn on_cpu(op: &'static str, ts: &[&Tensor]) -> Result<()> {
     Ok(())
 }
 
-/// A new tensor of `dtype` from f32 results.
-pub(crate) fn out(data: &[f32], shape: impl Into<Shape>, dtype: DType, device: &Device) -> Result<Tensor> {
-    Tensor::from_f32(data, shape, dtype, device)
+/// A new tensor of `dtype` from f32 results; f32 results are moved in, not copied.
+pub(crate) fn out(data: Vec<f32>, shape: impl Into<Shape>, dtype: DType, device: &Device) -> Result<Tensor> {
+    if dtype == DType::F32 && device.is_cpu() {
+        return Tensor::from_vec(data, shape, device);
+    }
+    Tensor::from_f32(&data, shape, dtype, device)
 }
 
 /// Token ids as u32, each checked against `bound`.

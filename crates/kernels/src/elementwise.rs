@@ -18,7 +18,7 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     check::on_cpu(OP, &[a, b])?;
     let (av, bv) = (a.read_f32()?, b.read_f32()?);
     let y: Vec<f32> = av.par_iter().zip(bv.par_iter()).map(|(x, y)| x + y).collect();
-    check::out(&y, a.shape().clone(), a.dtype(), a.device())
+    check::out(y, a.shape().clone(), a.dtype(), a.device())
 }
 
 /// dst += src (same element count; dst may be wider, e.g. an f32 main_grad view).
@@ -53,7 +53,7 @@ pub fn bias_add(x: &Tensor, bias: &Tensor) -> Result<Tensor> {
     let (xv, bv) = (x.read_f32()?, bias.read_f32()?);
     let mut y = xv.to_vec();
     y.par_chunks_mut(c.max(1)).for_each(|r| r.iter_mut().zip(bv.iter()).for_each(|(v, b)| *v += b));
-    check::out(&y, x.shape().clone(), x.dtype(), x.device())
+    check::out(y, x.shape().clone(), x.dtype(), x.device())
 }
 
 /// Σ over rows of dy [..., C] → [C] f32: the bias gradient.
@@ -74,7 +74,7 @@ pub fn bias_grad(dy: &Tensor) -> Result<Tensor> {
             }
         }
     });
-    check::out(&s, [c], DType::F32, dy.device())
+    check::out(s, [c], DType::F32, dy.device())
 }
 
 /// x · s as a new tensor.
@@ -90,7 +90,7 @@ pub fn scale(x: &Tensor, s: f32) -> Result<Tensor> {
     check::on_cpu(OP, &[x])?;
     let mut y = x.read_f32()?.to_vec();
     cpu::optim::scale(&mut y, s);
-    check::out(&y, x.shape().clone(), x.dtype(), x.device())
+    check::out(y, x.shape().clone(), x.dtype(), x.device())
 }
 
 /// x ← x · s in place.
@@ -138,5 +138,5 @@ pub fn cast(x: &Tensor, dtype: DType) -> Result<Tensor> {
         return crate::cuda::ops::cast(&g, x, dtype);
     }
     check::on_cpu(OP, &[x])?;
-    check::out(&x.read_f32()?, x.shape().clone(), dtype, x.device())
+    check::out(x.read_f32()?.to_vec(), x.shape().clone(), dtype, x.device())
 }

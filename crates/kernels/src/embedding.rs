@@ -20,7 +20,7 @@ pub fn embedding_fwd(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
     cpu::embedding::embedding_fwd(&idv, &tv, c, &mut out);
     let mut shape = ids.dims().to_vec();
     shape.push(c);
-    check::out(&out, shape, table.dtype(), table.device())
+    check::out(out, shape, table.dtype(), table.device())
 }
 
 /// dtable += scatter(dout by ids).

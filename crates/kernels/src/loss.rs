@@ -88,8 +88,8 @@ pub fn cross_entropy_fwd(
         LogitSlice::F16(x) => cpu::loss::cross_entropy_fwd(x, inp.v, &inp.targets, m, cfg, &mut loss, &mut lse),
     })?;
     Ok((
-        check::out(&loss, [inp.n], DType::F32, logits.device())?,
-        check::out(&lse, [inp.n], DType::F32, logits.device())?,
+        check::out(loss, [inp.n], DType::F32, logits.device())?,
+        check::out(lse, [inp.n], DType::F32, logits.device())?,
     ))
 }
 

@@ -65,7 +65,7 @@ pub fn matmul(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Tensor> {
     let (av, bv) = (a.read_f32()?, b.read_f32()?);
     let mut c = vec![0f32; d.batch * d.m * d.n];
     cpu::matmul::gemm_batched(d.batch, d.m, d.n, d.k, &av, ta, &bv, tb, &mut c, false, 1.0);
-    check::out(&c, d.out, a.dtype(), a.device())
+    check::out(c, d.out, a.dtype(), a.device())
 }
 
 /// c = op(a)·op(b), or c += op(a)·op(b) when `accumulate`. c may have a wider dtype than a and b.
@@ -150,7 +150,7 @@ pub fn matmul_bwd(a: &Tensor, b: &Tensor, dc: &Tensor, ta: bool, tb: bool) -> Re
     let mut db = vec![0f32; b.elem_count()];
     cpu::matmul::gemm_bwd(d.batch, d.m, d.n, d.k, &av, ta, &bv, tb, &dcv, Some(&mut da), Some(&mut db), false);
     Ok((
-        check::out(&da, a.shape().clone(), a.dtype(), a.device())?,
-        check::out(&db, b.shape().clone(), b.dtype(), b.device())?,
+        check::out(da, a.shape().clone(), a.dtype(), a.device())?,
+        check::out(db, b.shape().clone(), b.dtype(), b.device())?,
     ))
 }

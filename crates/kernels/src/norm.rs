@@ -32,9 +32,9 @@ pub fn layernorm_fwd(x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64) -> Re
     let (mut y, mut mean, mut rstd) = (vec![0f32; rows * c], vec![0f32; rows], vec![0f32; rows]);
     cpu::norm::layernorm_fwd(&xv, &wv, bv.as_deref(), eps, c, &mut y, &mut mean, &mut rstd);
     Ok((
-        check::out(&y, x.shape().clone(), x.dtype(), x.device())?,
-        check::out(&mean, [rows], DType::F32, x.device())?,
-        check::out(&rstd, [rows], DType::F32, x.device())?,
+        check::out(y, x.shape().clone(), x.dtype(), x.device())?,
+        check::out(mean, [rows], DType::F32, x.device())?,
+        check::out(rstd, [rows], DType::F32, x.device())?,
     ))
 }
 
@@ -61,9 +61,9 @@ pub fn layernorm_bwd(
     let mut dx = vec![0f32; rows * c];
     let (dw, db) = cpu::norm::layernorm_bwd(&dyv, &xv, &wv, &mv, &rv, c, &mut dx);
     Ok((
-        check::out(&dx, x.shape().clone(), x.dtype(), x.device())?,
-        check::out(&dw, [c], DType::F32, x.device())?,
-        check::out(&db, [c], DType::F32, x.device())?,
+        check::out(dx, x.shape().clone(), x.dtype(), x.device())?,
+        check::out(dw, [c], DType::F32, x.device())?,
+        check::out(db, [c], DType::F32, x.device())?,
     ))
 }
 
@@ -80,7 +80,7 @@ pub fn rmsnorm_fwd(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)>
     let (xv, wv) = (x.read_f32()?, w.read_f32()?);
     let (mut y, mut rstd) = (vec![0f32; rows * c], vec![0f32; rows]);
     cpu::norm::rmsnorm_fwd(&xv, &wv, eps, c, &mut y, &mut rstd);
-    Ok((check::out(&y, x.shape().clone(), x.dtype(), x.device())?, check::out(&rstd, [rows], DType::F32, x.device())?))
+    Ok((check::out(y, x.shape().clone(), x.dtype(), x.device())?, check::out(rstd, [rows], DType::F32, x.device())?))
 }
 
 /// Returns (dx, dweight); dweight is f32.
@@ -98,5 +98,5 @@ pub fn rmsnorm_bwd(dy: &Tensor, x: &Tensor, w: &Tensor, rstd: &Tensor) -> Result
     let (dyv, xv, wv, rv) = (dy.read_f32()?, x.read_f32()?, w.read_f32()?, rstd.read_f32()?);
     let mut dx = vec![0f32; rows * c];
     let dw = cpu::norm::rmsnorm_bwd(&dyv, &xv, &wv, &rv, c, &mut dx);
-    Ok((check::out(&dx, x.shape().clone(), x.dtype(), x.device())?, check::out(&dw, [c], DType::F32, x.device())?))
+    Ok((check::out(dx, x.shape().clone(), x.dtype(), x.device())?, check::out(dw, [c], DType::F32, x.device())?))
 }

@@ -28,9 +28,9 @@ pub fn qkv_split(x: &Tensor, hkv: usize, group: usize, d: usize) -> Result<(Tens
     cpu::qkv::qkv_split(&xv, hkv, group, d, &mut q, &mut k, &mut v);
     let (dt, dev) = (x.dtype(), x.device());
     Ok((
-        check::out(&q, [b, t, hkv * group, d], dt, dev)?,
-        check::out(&k, [b, t, hkv, d], dt, dev)?,
-        check::out(&v, [b, t, hkv, d], dt, dev)?,
+        check::out(q, [b, t, hkv * group, d], dt, dev)?,
+        check::out(k, [b, t, hkv, d], dt, dev)?,
+        check::out(v, [b, t, hkv, d], dt, dev)?,
     ))
 }
 
@@ -56,5 +56,5 @@ pub fn qkv_merge(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     let (qv, kv, vv) = (q.read_f32()?, k.read_f32()?, v.read_f32()?);
     let mut x = vec![0f32; b * t * hkv * (g + 2) * d];
     cpu::qkv::qkv_merge(&qv, &kv, &vv, hkv, g, d, &mut x);
-    check::out(&x, [b, t, hkv * (g + 2) * d], q.dtype(), q.device())
+    check::out(x, [b, t, hkv * (g + 2) * d], q.dtype(), q.device())
 }

@@ -32,7 +32,7 @@ pub fn rope_fwd(x: &Tensor, cfg: &RopeCfg) -> Result<Tensor> {
     let xv = x.read_f32()?;
     let mut y = vec![0f32; xv.len()];
     cpu::rope::rope_fwd(&xv, t, h, d, cfg, &mut y);
-    check::out(&y, x.shape().clone(), x.dtype(), x.device())
+    check::out(y, x.shape().clone(), x.dtype(), x.device())
 }
 
 pub fn rope_bwd(dy: &Tensor, cfg: &RopeCfg) -> Result<Tensor> {
@@ -46,5 +46,5 @@ pub fn rope_bwd(dy: &Tensor, cfg: &RopeCfg) -> Result<Tensor> {
     let dyv = dy.read_f32()?;
     let mut dx = vec![0f32; dyv.len()];
     cpu::rope::rope_bwd(&dyv, t, h, d, cfg, &mut dx);
-    check::out(&dx, dy.shape().clone(), dy.dtype(), dy.device())
+    check::out(dx, dy.shape().clone(), dy.dtype(), dy.device())
 }
