@@ -192,7 +192,7 @@ pub fn train(s: &Settings, paths: &Paths) -> anyhow::Result<Summary> {
         if iteration % s.log_interval == 0 || iteration == s.train_iters {
             let secs = window.0.elapsed().as_secs_f64();
             let tps = tokens_per_step * window.1 as f64 / secs.max(1e-9);
-            window = (Instant::now(), 0);
+            window.1 = 0;
             let m = Metric::Train {
                 iteration,
                 loss,
@@ -229,6 +229,10 @@ pub fn train(s: &Settings, paths: &Paths) -> anyhow::Result<Summary> {
         if exit {
             pb.suspend(|| eprintln!("exiting at iteration {iteration} (--exit-interval)"));
             break;
+        }
+        if window.1 == 0 {
+            // A window of training steps starts after this iteration's logging, eval and save.
+            window.0 = Instant::now();
         }
     }
     pb.finish_and_clear();
