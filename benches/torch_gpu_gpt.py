@@ -5,8 +5,7 @@ positions, tied output layer) in bf16 autocast with torch.compile + SDPA and fus
 Written for this project."""
 import argparse, json, time
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
+from torch_gpt_model import GPT
 
 p = argparse.ArgumentParser()
 for name, default in [("layers", 12), ("hidden", 768), ("heads", 12), ("seq", 1024), ("vocab", 50304),
@@ -18,38 +17,7 @@ dev = "cuda"
 torch.backends.cuda.matmul.allow_tf32 = True
 
 
-class Block(nn.Module):
-    def __init__(s):
-        super().__init__()
-        h = a.hidden
-        s.ln1, s.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
-        s.qkv, s.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
-        s.fc1, s.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
-
-    def forward(s, x):
-        b, t, h = x.shape
-        q, k, v = s.qkv(s.ln1(x)).view(b, t, 3, a.heads, h // a.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + s.proj(y.transpose(1, 2).reshape(b, t, h))
-        return x + s.fc2(F.gelu(s.fc1(s.ln2(x)), approximate="tanh"))
-
-
-class GPT(nn.Module):
-    def __init__(s):
-        super().__init__()
-        s.wte, s.wpe = nn.Embedding(a.vocab, a.hidden), nn.Embedding(a.seq, a.hidden)
-        s.blocks = nn.ModuleList(Block() for _ in range(a.layers))
-        s.ln_f = nn.LayerNorm(a.hidden)
-
-    def forward(s, idx, tgt):
-        x = s.wte(idx) + s.wpe(torch.arange(idx.shape[1], device=idx.device))
-        for blk in s.blocks:
-            x = blk(x)
-        logits = s.ln_f(x) @ s.wte.weight.T
-        return F.cross_entropy(logits.float().reshape(-1, a.vocab), tgt.reshape(-1))
-
-
-m = GPT().to(dev)
+m = GPT(a.layers, a.hidden, a.heads, a.seq, a.vocab).to(dev)
 opt = torch.optim.AdamW(m.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
 model = torch.compile(m)
 data = torch.randint(0, a.vocab, (a.micro, a.seq + 1), device=dev)

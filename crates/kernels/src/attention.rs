@@ -54,18 +54,8 @@ fn scale(cfg: &AttnCfg, d: usize) -> f64 {
 }
 
 #[cfg(feature = "cuda")]
-fn gpu_shape(d: &AttnDims, cfg: &AttnCfg) -> crate::cuda::ops::AttnShape {
-    crate::cuda::ops::AttnShape {
-        b: d.b,
-        t: d.t,
-        s: d.s,
-        hq: d.hq,
-        hkv: d.hkv,
-        d: d.d,
-        scale: scale(cfg, d.d) as f32,
-        causal: cfg.causal,
-        window: cfg.window.unwrap_or(0),
-    }
+fn gpu_shape<'a>(d: &'a AttnDims, cfg: &AttnCfg) -> crate::cuda::ops::AttnShape<'a> {
+    crate::cuda::ops::AttnShape { dims: d, mask: mask(cfg), scale: scale(cfg, d.d) as f32 }
 }
 
 /// Returns (o, lse).

@@ -2,6 +2,7 @@
 //! shapes here are already checked). Same signatures and results as the CPU reference.
 
 use super::{Arg, Backend, ptr};
+use crate::cpu::attention::{AttnDims, AttnMask};
 use cudarc::cublas::{Gemm, GemmConfig, StridedBatchedConfig, sys::cublasOperation_t as Op};
 use cudarc::cublaslt::{Matmul, MatmulConfig};
 use cudarc::driver::{CudaSlice, DevicePtr};
@@ -438,39 +439,44 @@ pub fn qkv_merge(be: &B, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     Ok(x)
 }
 
-pub struct AttnShape {
-    pub b: usize,
-    pub t: usize,
-    pub s: usize,
-    pub hq: usize,
-    pub hkv: usize,
-    pub d: usize,
+/// The reference attention kernels' shape arguments: the CPU's dims and mask plus the scale.
+pub struct AttnShape<'a> {
+    pub dims: &'a AttnDims,
+    pub mask: AttnMask,
     pub scale: f32,
-    pub causal: bool,
-    pub window: usize,
 }
 
 fn attn_tail(a: &AttnShape) -> [Arg; 8] {
-    [n(a.t), n(a.s), n(a.hq), n(a.hkv), n(a.d), Arg::F32(a.scale), Arg::I64(a.causal as i64), n(a.window)]
+    let d = a.dims;
+    [
+        n(d.t),
+        n(d.s),
+        n(d.hq),
+        n(d.hkv),
+        n(d.d),
+        Arg::F32(a.scale),
+        Arg::I64(a.mask.causal as i64),
+        n(a.mask.window.unwrap_or(0)),
+    ]
 }
 
 fn attn_launch(be: &B, name: &str, a: &AttnShape, args: Vec<Arg>) -> Result<()> {
-    let shared = (a.s * 4) as u32;
+    let shared = (a.dims.s * 4) as u32;
     if shared > 48 * 1024 {
         return Err(Error::NotImplemented {
             op: "attention",
             device: format!(
                 "cuda with {} keys (the reference kernel holds one score row in 48 KiB of shared memory)",
-                a.s
+                a.dims.s
             ),
         });
     }
-    be.launch(name, (a.b * a.hq * a.t) as u32, 128, shared, &args)
+    be.launch(name, (a.dims.b * a.dims.hq * a.dims.t) as u32, 128, shared, &args)
 }
 
 pub fn attention_fwd(be: &B, q: &Tensor, k: &Tensor, v: &Tensor, a: &AttnShape) -> Result<(Tensor, Tensor)> {
     let o = new(be, q.shape().clone(), q.dtype())?;
-    let lse = new(be, [a.b, a.hq, a.t], DType::F32)?;
+    let lse = new(be, [a.dims.b, a.dims.hq, a.dims.t], DType::F32)?;
     let mut args = vec![ptr("attn", q)?, ptr("attn", k)?, ptr("attn", v)?, ptr("attn", &o)?, ptr("attn", &lse)?];
     args.extend(attn_tail(a));
     attn_launch(be, &format!("attn_fwd_{}", sfx("attention_fwd", q.dtype())?), a, args)?;
