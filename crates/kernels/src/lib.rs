@@ -34,7 +34,7 @@ pub use attention::{AttnCfg, attention_bwd, attention_fwd};
 pub use elementwise::{add, add_, bias_add, bias_grad, cast, copy_, scale, scale_};
 pub use embedding::{embedding_bwd, embedding_fwd};
 pub use loss::{CrossEntropyCfg, cross_entropy_bwd, cross_entropy_fwd};
-pub use matmul::{matmul, matmul_bwd, matmul_into};
+pub use matmul::{matmul, matmul_bias, matmul_bwd, matmul_into};
 pub use norm::{layernorm_bwd, layernorm_fwd, rmsnorm_bwd, rmsnorm_fwd};
 pub use optim::{AdamW, adamw_step, global_l2_norm, sum_sq};
 pub use qkv::{qkv_merge, qkv_split};

@@ -58,7 +58,7 @@ pub fn matmul(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[a, b])? {
         let c = Tensor::zeros(d.out.clone(), a.dtype(), a.device())?;
-        crate::cuda::ops::gemm(&g, a, b, &c, d.batch, d.m, d.n, d.k, ta, tb, 0.0)?;
+        crate::cuda::ops::gemm(&g, a, b, &c, d.batch, d.m, d.n, d.k, ta, tb, 0.0, None)?;
         return Ok(c);
     }
     check::on_cpu(OP, &[a, b])?;
@@ -66,6 +66,26 @@ pub fn matmul(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Tensor> {
     let mut c = vec![0f32; d.batch * d.m * d.n];
     cpu::matmul::gemm_batched(d.batch, d.m, d.n, d.k, &av, ta, &bv, tb, &mut c, false, 1.0);
     check::out(c, d.out, a.dtype(), a.device())
+}
+
+/// op(a)·op(b) + bias (bias [n], one per output column), in a's dtype: the linear layer. On CUDA
+/// the bias is fused into cuBLASLt's epilogue for bf16.
+pub fn matmul_bias(a: &Tensor, b: &Tensor, bias: &Tensor, ta: bool, tb: bool) -> Result<Tensor> {
+    const OP: &str = "matmul_bias";
+    check::float(OP, a)?;
+    check::same_dtype(OP, a, b)?;
+    check::same_dtype(OP, a, bias)?;
+    let d = dims(OP, a, b, ta, tb)?;
+    check::shape(OP, bias, &[d.n])?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[a, b, bias])? {
+        if d.batch == 1 {
+            let c = Tensor::zeros(d.out.clone(), a.dtype(), a.device())?;
+            crate::cuda::ops::gemm(&g, a, b, &c, 1, d.m, d.n, d.k, ta, tb, 0.0, Some(bias))?;
+            return Ok(c);
+        }
+    }
+    crate::elementwise::bias_add(&matmul(a, b, ta, tb)?, bias)
 }
 
 /// c = op(a)·op(b), or c += op(a)·op(b) when `accumulate`. c may have a wider dtype than a and b.
@@ -96,6 +116,7 @@ pub fn matmul_into(c: &Tensor, a: &Tensor, b: &Tensor, ta: bool, tb: bool, accum
                 ta,
                 tb,
                 if accumulate { 1.0 } else { 0.0 },
+                None,
             );
         }
         if a.dtype() == DType::BF16 && c.dtype() == DType::F32 {

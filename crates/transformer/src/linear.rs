@@ -41,10 +41,10 @@ impl Linear {
 impl Module for Linear {
     fn forward(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Saved)> {
         let w = cx.params.param(self.weight)?;
-        let mut y = k::matmul(x, &w, false, true)?;
-        if let Some(b) = self.bias {
-            y = k::bias_add(&y, &cx.params.param(b)?)?;
-        }
+        let y = match self.bias {
+            Some(b) => k::matmul_bias(x, &w, &cx.params.param(b)?, false, true)?,
+            None => k::matmul(x, &w, false, true)?,
+        };
         Ok((y, Saved::new(vec![x.clone()], vec![])))
     }
 

@@ -532,6 +532,7 @@ pub fn gemm(
     ta: bool,
     tb: bool,
     beta: f32,
+    bias: Option<&Tensor>,
 ) -> Result<()> {
     let cfg = MatmulConfig {
         transa: tb,
@@ -585,16 +586,46 @@ pub fn gemm(
             };
             // SAFETY: the views cover exactly the shapes described by the config (validated by the caller).
             unsafe { be.blas.gemm_strided_batched(sb, &y.slice(rb), &x.slice(ra), &mut z.slice_mut(rc)) }
-                .map_err(|e| Error::Cuda(format!("cuBLAS sgemm: {e:?}")))
+                .map_err(|e| Error::Cuda(format!("cuBLAS sgemm: {e:?}")))?;
+            if let Some(bias) = bias {
+                drop((ga, gb, gc));
+                // cuBLAS has no bias epilogue: add it in place.
+                ew(
+                    be,
+                    "bias_add_f32",
+                    c.elem_count(),
+                    &[
+                        ptr("matmul_bias", c)?,
+                        ptr("matmul_bias", bias)?,
+                        ptr("matmul_bias", c)?,
+                        n(c.elem_count()),
+                        n(nn),
+                    ],
+                )?;
+            }
+            Ok(())
         }
         (
             Storage::Cuda(CudaStorage::BF16(x)),
             Storage::Cuda(CudaStorage::BF16(y)),
             Storage::Cuda(CudaStorage::BF16(z)),
         ) => {
-            // SAFETY: as above.
-            unsafe { be.blas_lt.matmul(cfg, &y.slice(rb), &x.slice(ra), &mut z.slice_mut(rc), None, None) }
-                .map_err(lt_err)
+            // The bias rides in cuBLASLt's epilogue (one per output feature: the rows of Cᵀ).
+            let gbias = bias.map(|t| t.storage());
+            let bias_view = match (bias, gbias.as_deref()) {
+                (Some(t), Some(Storage::Cuda(CudaStorage::BF16(bv)))) => {
+                    Some(bv.slice(t.layout().contiguous_range().ok_or(Error::NotContiguous { op: "matmul_bias" })?))
+                }
+                (None, _) => None,
+                _ => {
+                    return Err(Error::NotImplemented { op: "matmul_bias", device: "cuda with a non-bf16 bias".into() });
+                }
+            };
+            // SAFETY: as above; the bias view has `nn` elements (validated by the caller).
+            unsafe {
+                be.blas_lt.matmul(cfg, &y.slice(rb), &x.slice(ra), &mut z.slice_mut(rc), bias_view.as_ref(), None)
+            }
+            .map_err(lt_err)
         }
         _ => Err(Error::NotImplemented {
             op: "matmul",

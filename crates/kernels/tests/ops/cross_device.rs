@@ -89,7 +89,9 @@ fn every_op_matches_cpu() {
             let (da, db) = k::matmul_bwd(&t[0], &t[1], &p, false, false).unwrap();
             let (dl, dw) = k::matmul_bwd(&t[0], &t[2], &lin, false, true).unwrap();
             let tt = k::matmul(&t[1], &t[0], true, true).unwrap();
-            vec![p, lin, da, db, dl, dw, tt]
+            let bias = k::scale(&k::cast(&k::bias_grad(&t[2]).unwrap(), t[0].dtype()).unwrap(), 0.1).unwrap();
+            let lin_b = k::matmul_bias(&t[0], &t[2], &bias, false, true).unwrap();
+            vec![p, lin, da, db, dl, dw, tt, lin_b]
         });
         let heads = rnd(&[2, 6, 4, 16], 9, dt);
         let rope = RopeCfg { rot: 12, base: 10000.0, pos0: 3 };

@@ -104,3 +104,16 @@ fn shape_errors_name_the_op() {
     let e = k::matmul(&t32(&dev, &randv(6, 0), &[2, 3]), &bf, false, false).unwrap_err();
     assert!(matches!(e, Error::DTypeMismatch { op: "matmul", .. }), "{e}");
 }
+
+device_test!(matmul_bias_is_matmul_plus_bias, |dev: &Device| {
+    let (x, w, b) = (randv(2 * 3 * 4, 11), randv(5 * 4, 12), randv(5, 13));
+    let y =
+        k::matmul_bias(&t32(dev, &x, &[2, 3, 4]), &t32(dev, &w, &[5, 4]), &t32(dev, &b, &[5]), false, true).unwrap();
+    let want: Vec<f64> =
+        reference(1, 6, 5, 4, &x, false, &w, true).iter().enumerate().map(|(i, v)| v + b[i % 5]).collect();
+    assert_close(&host(&y), &want, 1e-5, 1e-5, "matmul_bias");
+    assert!(
+        k::matmul_bias(&t32(dev, &x, &[2, 3, 4]), &t32(dev, &w, &[5, 4]), &t32(dev, &b[..4], &[4]), false, true)
+            .is_err()
+    );
+});
