@@ -85,7 +85,15 @@ pub fn matmul_bias(a: &Tensor, b: &Tensor, bias: &Tensor, ta: bool, tb: bool) ->
             return Ok(c);
         }
     }
-    crate::elementwise::bias_add(&matmul(a, b, ta, tb)?, bias)
+    check::on_cpu(OP, &[a, b, bias])?;
+    // Bias added in f32 before the single rounding to a's dtype, exactly as the fused epilogue does.
+    let (av, bv, biasv) = (a.read_f32()?, b.read_f32()?, bias.read_f32()?);
+    let mut c = vec![0f32; d.batch * d.m * d.n];
+    cpu::matmul::gemm_batched(d.batch, d.m, d.n, d.k, &av, ta, &bv, tb, &mut c, false, 1.0);
+    for row in c.chunks_mut(d.n) {
+        row.iter_mut().zip(biasv.iter()).for_each(|(y, b)| *y += b);
+    }
+    check::out(c, d.out, a.dtype(), a.device())
 }
 
 /// c = op(a)·op(b), or c += op(a)·op(b) when `accumulate`. c may have a wider dtype than a and b.

@@ -618,7 +618,10 @@ pub fn gemm(
                 }
                 (None, _) => None,
                 _ => {
-                    return Err(Error::NotImplemented { op: "matmul_bias", device: "cuda with a non-bf16 bias".into() });
+                    return Err(Error::NotImplemented {
+                        op: "matmul_bias",
+                        device: "cuda with a non-bf16 bias".into(),
+                    });
                 }
             };
             // SAFETY: as above; the bias view has `nn` elements (validated by the caller).
