@@ -21,15 +21,21 @@ pub fn add(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     check::out(y, a.shape().clone(), a.dtype(), a.device())
 }
 
+/// Checks shared by the in-place two-tensor ops: both float, same shape, distinct storage.
+fn dst_src(op: &'static str, dst: &Tensor, src: &Tensor) -> Result<()> {
+    check::float(op, dst)?;
+    check::float(op, src)?;
+    check::shape(op, src, dst.dims())?;
+    if dst.shares_storage(src) {
+        return Err(invalid(op, "dst and src must not share storage"));
+    }
+    Ok(())
+}
+
 /// dst += src (same element count; dst may be wider, e.g. an f32 main_grad view).
 pub fn add_(dst: &Tensor, src: &Tensor) -> Result<()> {
     const OP: &str = "add_";
-    check::float(OP, dst)?;
-    check::float(OP, src)?;
-    check::shape(OP, src, dst.dims())?;
-    if dst.shares_storage(src) {
-        return Err(invalid(OP, "dst and src must not share storage"));
-    }
+    dst_src(OP, dst, src)?;
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[dst, src])? {
         return crate::cuda::ops::acc(&g, dst, src);
@@ -109,12 +115,7 @@ pub fn scale_(x: &Tensor, s: f32) -> Result<()> {
 /// parameters).
 pub fn copy_(dst: &Tensor, src: &Tensor) -> Result<()> {
     const OP: &str = "copy_";
-    check::float(OP, dst)?;
-    check::float(OP, src)?;
-    check::shape(OP, src, dst.dims())?;
-    if dst.shares_storage(src) {
-        return Err(invalid(OP, "dst and src must not share storage"));
-    }
+    dst_src(OP, dst, src)?;
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[dst, src])? {
         return crate::cuda::ops::cast_into(&g, src, dst);

@@ -111,37 +111,13 @@ pub fn matmul_into(c: &Tensor, a: &Tensor, b: &Tensor, ta: bool, tb: bool, accum
     }
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[a, b, c])? {
+        let beta = if accumulate { 1.0 } else { 0.0 };
         if c.dtype() == a.dtype() {
-            return crate::cuda::ops::gemm(
-                &g,
-                a,
-                b,
-                c,
-                d.batch,
-                d.m,
-                d.n,
-                d.k,
-                ta,
-                tb,
-                if accumulate { 1.0 } else { 0.0 },
-                None,
-            );
+            return crate::cuda::ops::gemm(&g, a, b, c, d.batch, d.m, d.n, d.k, ta, tb, beta, None);
         }
         if a.dtype() == DType::BF16 && c.dtype() == DType::F32 {
             // bf16 operands straight into an f32 output (main_grad) with fp32 accumulation.
-            return crate::cuda::ops::gemm_bf16_into_f32(
-                &g,
-                a,
-                b,
-                c,
-                d.batch,
-                d.m,
-                d.n,
-                d.k,
-                ta,
-                tb,
-                if accumulate { 1.0 } else { 0.0 },
-            );
+            return crate::cuda::ops::gemm_bf16_into_f32(&g, a, b, c, d.batch, d.m, d.n, d.k, ta, tb, beta);
         }
         return Err(ferrotron_core::Error::NotImplemented {
             op: OP,

@@ -36,6 +36,11 @@ fn n(x: usize) -> Arg {
 
 const NULL: Arg = Arg::Ptr(0);
 
+/// A tensor's address, or a null pointer for an absent optional input (kernels test for null).
+fn opt_ptr(op: &'static str, t: Option<&Tensor>) -> Result<Arg> {
+    t.map_or(Ok(NULL), |t| ptr(op, t))
+}
+
 /// Elementwise launch over `len` elements.
 fn ew(be: &B, name: &str, len: usize, args: &[Arg]) -> Result<()> {
     be.launch(name, Backend::grid_for(len), 256, 0, args)
@@ -140,10 +145,7 @@ pub fn layernorm_fwd(be: &B, x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f6
     let (rows, c) = (x.shape().rows(), x.shape().last());
     let y = new(be, x.shape().clone(), x.dtype())?;
     let (mean, rstd) = (new(be, [rows], DType::F32)?, new(be, [rows], DType::F32)?);
-    let bp = match b {
-        Some(b) => ptr("layernorm_fwd", b)?,
-        None => NULL,
-    };
+    let bp = opt_ptr("layernorm_fwd", b)?;
     let name = format!("layernorm_fwd_{}", sfx("layernorm_fwd", x.dtype())?);
     rows_launch(
         be,
@@ -265,10 +267,7 @@ pub fn ce_fwd(
 ) -> Result<(Tensor, Tensor)> {
     let (rows, v) = (logits.dims()[0], logits.dims()[1]);
     let (loss, lse) = (new(be, [rows], DType::F32)?, new(be, [rows], DType::F32)?);
-    let mp = match mask {
-        Some(m) => ptr("ce", m)?,
-        None => NULL,
-    };
+    let mp = opt_ptr("ce", mask)?;
     let name = format!("ce_fwd_{}", sfx("cross_entropy_fwd", logits.dtype())?);
     rows_launch(
         be,
@@ -290,10 +289,7 @@ pub fn ce_bwd(
 ) -> Result<Tensor> {
     let (rows, v) = (logits.dims()[0], logits.dims()[1]);
     let d = new(be, logits.shape().clone(), logits.dtype())?;
-    let mp = match mask {
-        Some(m) => ptr("ce", m)?,
-        None => NULL,
-    };
+    let mp = opt_ptr("ce", mask)?;
     let name = format!("ce_bwd_{}", sfx("cross_entropy_bwd", logits.dtype())?);
     rows_launch(
         be,
