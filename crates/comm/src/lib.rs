@@ -5,20 +5,29 @@
 //! is the TCP store at MASTER_ADDR:MASTER_PORT through which rank 0 hands every rank the same bytes
 //! (NCCL's unique id), with a timeout that names the ranks that never arrived. `Communicator` is the
 //! collective interface; `NcclComm` (feature `cuda`) implements it for one process per GPU.
-//! The thread and TCP backends, sub-groups and the remaining collectives join with the
-//! tensor/data-parallel work.
+//! `thread_world` (N ranks as threads of one process) and `tcp_world` (CPU processes, a TCP mesh
+//! set up through the same rendezvous) share one implementation of every collective (`MeshComm`)
+//! over point-to-point messages: each rank receives every contribution and reduces them itself in
+//! rank order, so all ranks get the same bits. Slow for big tensors, simple to prove right.
 //!
 //! Architecture Invariant: comm knows nothing of models; it moves tensors.
 
 mod env;
+mod mesh;
 #[cfg(feature = "cuda")]
 mod nccl;
 mod store;
+mod tcp;
+mod threads;
+mod transport;
 
 pub use env::DistEnv;
+pub use mesh::MeshComm;
 #[cfg(feature = "cuda")]
 pub use nccl::NcclComm;
-pub use store::rendezvous;
+pub use store::{rendezvous, rendezvous_all};
+pub use tcp::tcp_world;
+pub use threads::{all_ok, run_ranks, thread_world};
 
 use ferrotron_core::Tensor;
 use std::time::Duration;
@@ -29,8 +38,18 @@ pub enum CommError {
     Env(String),
     #[error("rendezvous at {addr}: {msg}")]
     Rendezvous { addr: String, msg: String },
-    #[error("{op} on group of {size}: timed out after {timeout:?} waiting for rank(s) {missing:?}")]
-    Timeout { op: &'static str, size: usize, timeout: Duration, missing: Vec<usize> },
+    #[error(
+        "{op} on group {group}: timed out after {timeout:?} waiting for world rank(s) {missing:?} (a rank skipped or is stuck before this collective)"
+    )]
+    Timeout { op: &'static str, group: String, timeout: Duration, missing: Vec<usize> },
+    #[error(
+        "{op} on group {group}: world rank {peer} called {peer_op} instead (ranks disagree on the order of collectives)"
+    )]
+    Mismatch { op: &'static str, group: String, peer: usize, peer_op: String },
+    #[error("{op} on group {group}: the connection to world rank {peer} failed: {msg}")]
+    Link { op: &'static str, group: String, peer: usize, msg: String },
+    #[error("{op} on group {group}: {msg}")]
+    Invalid { op: &'static str, group: String, msg: String },
     #[error("NCCL {op}: {msg}")]
     Nccl { op: &'static str, msg: String },
     #[error(transparent)]
@@ -48,12 +67,40 @@ pub enum ReduceOp {
 }
 
 /// Collectives over one group of ranks. Every rank of the group calls each operation in the same
-/// order; results are identical on every rank.
+/// order; reductions give the same bits on every rank. Tensors are contiguous; "rows" means the
+/// first dimension. Every operation gives up after the group's timeout with an error naming the
+/// group, the operation and the ranks that did not arrive.
 pub trait Communicator: Send + Sync {
+    /// This rank's index in the group.
     fn rank(&self) -> usize;
     fn size(&self) -> usize;
+    /// The group's name and world ranks, e.g. `tp[2, 3]` (for errors and layout tables).
+    fn name(&self) -> &str;
     /// In place: every rank ends with the reduction of all ranks' `t`.
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<()>;
+    /// `input` holds `size` equal chunks; rank r gets the reduction of every rank's chunk r in
+    /// `output`.
+    fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()>;
+    /// `output` (size × `input`'s elements) gets every rank's `input`, in rank order.
+    fn all_gather(&self, input: &Tensor, output: &Tensor) -> Result<()>;
+    /// Uneven gather along rows: rank r contributes `counts[r]` rows; returns all rows in rank order.
+    fn all_gather_v(&self, input: &Tensor, counts: &[usize]) -> Result<Tensor>;
     /// In place: every rank ends with `root`'s `t`.
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<()>;
+    fn send(&self, t: &Tensor, dst: usize) -> Result<()>;
+    /// Fills `t` with what `src` sent (same element count and dtype).
+    fn recv(&self, t: &Tensor, src: usize) -> Result<()>;
+    /// Rows `send_counts[r]`-sized slices of `input` go to rank r; returns the rows received, in
+    /// source-rank order, `recv_counts[r]` from rank r (uneven counts allowed, as MoE needs).
+    fn all_to_all_v(&self, input: &Tensor, send_counts: &[usize], recv_counts: &[usize]) -> Result<Tensor>;
+    fn barrier(&self) -> Result<()>;
+    /// Sub-groups: `groups` lists disjoint sets of this group's ranks (e.g. every tensor-parallel
+    /// group of the layout); each rank gets the one holding it, `None` when none does. Every rank
+    /// of this group calls it with the same arguments (NCCL's split is collective).
+    fn split(&self, name: &str, groups: &[Vec<usize>]) -> Result<Option<std::sync::Arc<dyn Communicator>>>;
+}
+
+/// (index of the group holding `rank`, its position there).
+pub(crate) fn find_group(groups: &[Vec<usize>], rank: usize) -> Option<(usize, usize)> {
+    groups.iter().enumerate().find_map(|(g, m)| m.iter().position(|&r| r == rank).map(|i| (g, i)))
 }

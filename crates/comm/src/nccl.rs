@@ -1,33 +1,82 @@
-//! NCCL communicator: one process per GPU, the unique id handed out by the TCP rendezvous.
-//! Collectives run on the rank's compute stream for now, so they are ordered with the kernels
-//! around them (overlap on the communication stream comes with the data-parallel work).
+//! NCCL communicator: one process per GPU, the unique id handed out by the TCP rendezvous; sub-groups
+//! through ncclCommSplit. Collectives are enqueued on the rank's compute stream, so they are ordered
+//! with the kernels around them (the comm stream with events is for the overlap work).
+//!
+//! Timeouts: NCCL calls are asynchronous; a rank that never arrives shows up as a hang inside the
+//! stream, which NCCL's own watchdog settings (NCCL_TIMEOUT, async error polling) govern. The
+//! mesh backends' per-call timeouts do not apply here.
 
 use crate::{CommError, Communicator, DistEnv, ReduceOp, Result, rendezvous};
-use cudarc::nccl::safe::{Comm, Id, ReduceOp as NcclOp};
-use ferrotron_core::cuda::{CudaDevice, CudaStorage};
-use ferrotron_core::{Device, Error, Storage, Tensor};
+use cudarc::nccl::result;
+use cudarc::nccl::sys::{self, ncclDataType_t as NT, ncclRedOp_t as NO};
+use ferrotron_core::cuda::CudaDevice;
+use ferrotron_core::{DType, Device, Error, Storage, Tensor};
+use std::mem::MaybeUninit;
+use std::sync::Arc;
 use std::time::Duration;
 
 pub struct NcclComm {
-    comm: Comm,
+    comm: sys::ncclComm_t,
+    dev: CudaDevice,
     rank: usize,
     size: usize,
+    name: String,
+    /// World ranks of the members (for names of sub-groups).
+    members: Vec<usize>,
 }
 
 // SAFETY: a NCCL communicator may be used from any thread as long as calls are not concurrent;
-// Ferrotron calls each communicator from its one rank thread.
+// Ferrotron calls each communicator from one thread at a time.
 unsafe impl Send for NcclComm {}
 unsafe impl Sync for NcclComm {}
 
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from ncclCommInitRank/ncclCommSplit and is dropped once.
+        unsafe {
+            let _ = result::comm_destroy(self.comm);
+        }
+    }
+}
+
 fn nccl_err(op: &'static str, e: impl std::fmt::Debug) -> CommError {
     CommError::Nccl { op, msg: format!("{e:?}") }
+}
+
+/// (device address of the first element, element count, NCCL type) of a contiguous CUDA tensor.
+fn buf(op: &'static str, t: &Tensor, reduce: bool) -> Result<(u64, usize, NT)> {
+    let Device::Cuda(d) = t.device() else {
+        return Err(Error::DeviceMismatch { op, a: "cuda".into(), b: t.device().name() }.into());
+    };
+    let r = t.layout().contiguous_range().ok_or(Error::NotContiguous { op })?;
+    let g = t.storage();
+    let Storage::Cuda(c) = &*g else { return Err(Error::NotContiguous { op }.into()) };
+    let es = t.dtype().size_in_bytes();
+    let ty = match t.dtype() {
+        DType::F32 => NT::ncclFloat32,
+        DType::BF16 => NT::ncclBfloat16,
+        DType::F16 => NT::ncclFloat16,
+        DType::U32 => NT::ncclUint32,
+        DType::F8E4M3 | DType::F8E5M2 if !reduce => NT::ncclUint8,
+        dt => return Err(Error::NotImplemented { op, device: format!("NCCL reductions in {dt}") }.into()),
+    };
+    Ok((c.raw_ptr(d) + (r.start * es) as u64, r.len(), ty))
+}
+
+fn red(op: ReduceOp) -> NO {
+    match op {
+        ReduceOp::Sum => NO::ncclSum,
+        ReduceOp::Avg => NO::ncclAvg,
+        ReduceOp::Max => NO::ncclMax,
+        ReduceOp::Min => NO::ncclMin,
+    }
 }
 
 impl NcclComm {
     /// Joins the world described by `env` on `dev`.
     pub fn new(dev: &CudaDevice, env: &DistEnv, timeout: Duration) -> Result<Self> {
         // SAFETY: only probes for the shared library.
-        if !unsafe { cudarc::nccl::sys::is_culib_present() } {
+        if !unsafe { sys::is_culib_present() } {
             return Err(CommError::Nccl {
                 op: "init",
                 msg: "the NCCL library (libnccl.so.2) was not found: add its folder (e.g. PyTorch's nvidia/nccl/lib) to LD_LIBRARY_PATH".into(),
@@ -36,32 +85,54 @@ impl NcclComm {
         let bytes = rendezvous(
             env,
             || {
-                let id = Id::new().map_err(|e| nccl_err("get unique id", e))?;
-                Ok(id.internal().iter().map(|&c| c as u8).collect())
+                let id = result::get_uniqueid().map_err(|e| nccl_err("get unique id", e))?;
+                Ok(id.internal.iter().map(|&c| c as u8).collect())
             },
             timeout,
         )?;
-        let mut raw = [0 as std::ffi::c_char; 128];
-        if bytes.len() != raw.len() {
+        let mut id = sys::ncclUniqueId { internal: [0; 128] };
+        if bytes.len() != id.internal.len() {
             return Err(CommError::Nccl {
                 op: "init",
                 msg: format!("unique id of {} bytes, expected 128", bytes.len()),
             });
         }
-        for (r, b) in raw.iter_mut().zip(&bytes) {
+        for (r, b) in id.internal.iter_mut().zip(&bytes) {
             *r = *b as std::ffi::c_char;
         }
-        let comm = Comm::from_rank(dev.stream().clone(), env.rank, env.world_size, Id::uninit(raw))
-            .map_err(|e| nccl_err("init", e))?;
-        Ok(NcclComm { comm, rank: env.rank, size: env.world_size })
+        dev.context().bind_to_thread().map_err(|e| nccl_err("init", e))?;
+        let mut comm = MaybeUninit::uninit();
+        // SAFETY: `comm` is written by NCCL on success.
+        let comm = unsafe {
+            result::comm_init_rank(comm.as_mut_ptr(), env.world_size as i32, id, env.rank as i32)
+                .map_err(|e| nccl_err("init", e))?;
+            comm.assume_init()
+        };
+        let members = (0..env.world_size).collect::<Vec<_>>();
+        Ok(NcclComm {
+            comm,
+            dev: dev.clone(),
+            rank: env.rank,
+            size: env.world_size,
+            name: format!("world{members:?}"),
+            members,
+        })
     }
-}
 
-fn cuda_view(op: &'static str, t: &Tensor) -> Result<std::ops::Range<usize>> {
-    if !matches!(t.device(), Device::Cuda(_)) {
-        return Err(Error::DeviceMismatch { op, a: "cuda".into(), b: t.device().name() }.into());
+    fn stream(&self) -> sys::cudaStream_t {
+        self.dev.stream().cu_stream() as _
     }
-    Ok(t.layout().contiguous_range().ok_or(Error::NotContiguous { op })?)
+
+    fn group<R>(&self, op: &'static str, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        result::group_start().map_err(|e| nccl_err(op, e))?;
+        let r = f();
+        result::group_end().map_err(|e| nccl_err(op, e))?;
+        r
+    }
+
+    fn invalid(&self, op: &'static str, msg: String) -> CommError {
+        CommError::Invalid { op, group: self.name.clone(), msg }
+    }
 }
 
 impl Communicator for NcclComm {
@@ -71,36 +142,159 @@ impl Communicator for NcclComm {
     fn size(&self) -> usize {
         self.size
     }
+    fn name(&self) -> &str {
+        &self.name
+    }
 
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<()> {
-        const OP: &str = "all_reduce";
-        let r = cuda_view(OP, t)?;
-        let op = match op {
-            ReduceOp::Sum => NcclOp::Sum,
-            ReduceOp::Avg => NcclOp::Avg,
-            ReduceOp::Max => NcclOp::Max,
-            ReduceOp::Min => NcclOp::Min,
-        };
-        let mut g = t.storage_mut();
-        match &mut *g {
-            Storage::Cuda(CudaStorage::F32(s)) => self.comm.all_reduce_in_place(&mut s.slice_mut(r), &op),
-            Storage::Cuda(CudaStorage::BF16(s)) => self.comm.all_reduce_in_place(&mut s.slice_mut(r), &op),
-            _ => return Err(Error::NotImplemented { op: OP, device: format!("NCCL for {}", t.dtype()) }.into()),
+        let (p, n, ty) = buf("all_reduce", t, true)?;
+        // SAFETY: in place on a live device buffer of n elements, on this rank's stream.
+        unsafe { result::all_reduce(p as _, p as _, n, ty, red(op), self.comm, self.stream()) }
+            .map(|_| ())
+            .map_err(|e| nccl_err("all_reduce", e))
+    }
+
+    fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
+        let (pi, ni, ty) = buf("reduce_scatter", input, true)?;
+        let (po, no, _) = buf("reduce_scatter", output, true)?;
+        if ni != no * self.size || input.dtype() != output.dtype() {
+            return Err(self.invalid("reduce_scatter", format!("input of {ni} elements for outputs of {no}")));
         }
-        .map(|_| ())
-        .map_err(|e| nccl_err(OP, e))
+        // SAFETY: both buffers live and sized as NCCL expects.
+        unsafe { result::reduce_scatter(pi as _, po as _, no, ty, red(op), self.comm, self.stream()) }
+            .map(|_| ())
+            .map_err(|e| nccl_err("reduce_scatter", e))
+    }
+
+    fn all_gather(&self, input: &Tensor, output: &Tensor) -> Result<()> {
+        let (pi, ni, ty) = buf("all_gather", input, false)?;
+        let (po, no, _) = buf("all_gather", output, false)?;
+        if no != ni * self.size || input.dtype() != output.dtype() {
+            return Err(self.invalid("all_gather", format!("output of {no} elements for inputs of {ni}")));
+        }
+        // SAFETY: both buffers live and sized as NCCL expects.
+        unsafe { result::all_gather(pi as _, po as _, ni, ty, self.comm, self.stream()) }
+            .map(|_| ())
+            .map_err(|e| nccl_err("all_gather", e))
+    }
+
+    fn all_gather_v(&self, input: &Tensor, counts: &[usize]) -> Result<Tensor> {
+        const OP: &str = "all_gather_v";
+        let rows = input.dims().first().copied().unwrap_or(1);
+        if counts.len() != self.size || counts[self.rank] != rows {
+            return Err(self.invalid(OP, format!("counts {counts:?} do not match {rows} rows")));
+        }
+        let row = input.elem_count() / rows.max(1);
+        let mut dims = input.dims().to_vec();
+        dims[0] = counts.iter().sum();
+        let out = Tensor::zeros(dims, input.dtype(), input.device())?;
+        let (pi, _, ty) = buf(OP, input, false)?;
+        let (po, _, _) = buf(OP, &out, false)?;
+        let es = input.dtype().size_in_bytes() as u64;
+        self.group(OP, || {
+            let mut off = 0u64;
+            for (r, &c) in counts.iter().enumerate() {
+                let src = if r == self.rank { pi } else { po + off * es };
+                // SAFETY: each broadcast writes its rows of `out`.
+                unsafe {
+                    result::broadcast(src as _, (po + off * es) as _, c * row, ty, r as i32, self.comm, self.stream())
+                }
+                .map_err(|e| nccl_err(OP, e))?;
+                off += (c * row) as u64;
+            }
+            Ok(())
+        })?;
+        Ok(out)
     }
 
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<()> {
-        const OP: &str = "broadcast";
-        let r = cuda_view(OP, t)?;
-        let mut g = t.storage_mut();
-        match &mut *g {
-            Storage::Cuda(CudaStorage::F32(s)) => self.comm.broadcast_in_place(&mut s.slice_mut(r), root as i32),
-            Storage::Cuda(CudaStorage::BF16(s)) => self.comm.broadcast_in_place(&mut s.slice_mut(r), root as i32),
-            _ => return Err(Error::NotImplemented { op: OP, device: format!("NCCL for {}", t.dtype()) }.into()),
+        let (p, n, ty) = buf("broadcast", t, false)?;
+        // SAFETY: in place on a live device buffer.
+        unsafe { result::broadcast(p as _, p as _, n, ty, root as i32, self.comm, self.stream()) }
+            .map(|_| ())
+            .map_err(|e| nccl_err("broadcast", e))
+    }
+
+    fn send(&self, t: &Tensor, dst: usize) -> Result<()> {
+        let (p, n, ty) = buf("send", t, false)?;
+        // SAFETY: a live device buffer of n elements.
+        unsafe { result::send(p as _, n, ty, dst as i32, self.comm, self.stream()) }
+            .map(|_| ())
+            .map_err(|e| nccl_err("send", e))
+    }
+
+    fn recv(&self, t: &Tensor, src: usize) -> Result<()> {
+        let (p, n, ty) = buf("recv", t, false)?;
+        // SAFETY: a live device buffer of n elements.
+        unsafe { result::recv(p as _, n, ty, src as i32, self.comm, self.stream()) }
+            .map(|_| ())
+            .map_err(|e| nccl_err("recv", e))
+    }
+
+    fn all_to_all_v(&self, input: &Tensor, send_counts: &[usize], recv_counts: &[usize]) -> Result<Tensor> {
+        const OP: &str = "all_to_all_v";
+        let rows = input.dims().first().copied().unwrap_or(1);
+        if send_counts.len() != self.size || recv_counts.len() != self.size || send_counts.iter().sum::<usize>() != rows
+        {
+            return Err(self.invalid(OP, format!("send {send_counts:?} / recv {recv_counts:?} for {rows} rows")));
         }
-        .map(|_| ())
-        .map_err(|e| nccl_err(OP, e))
+        let row = input.elem_count() / rows.max(1);
+        let mut dims = input.dims().to_vec();
+        dims[0] = recv_counts.iter().sum();
+        let out = Tensor::zeros(dims, input.dtype(), input.device())?;
+        let (pi, _, ty) = buf(OP, input, false)?;
+        let (po, _, _) = buf(OP, &out, false)?;
+        let es = (input.dtype().size_in_bytes() * row) as u64;
+        self.group(OP, || {
+            let (mut so, mut ro) = (0u64, 0u64);
+            for r in 0..self.size {
+                // SAFETY: row ranges inside the live input/output buffers.
+                unsafe {
+                    result::send((pi + so * es) as _, send_counts[r] * row, ty, r as i32, self.comm, self.stream())
+                        .map_err(|e| nccl_err(OP, e))?;
+                    result::recv((po + ro * es) as _, recv_counts[r] * row, ty, r as i32, self.comm, self.stream())
+                        .map_err(|e| nccl_err(OP, e))?;
+                }
+                so += send_counts[r] as u64;
+                ro += recv_counts[r] as u64;
+            }
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    fn barrier(&self) -> Result<()> {
+        let t = Tensor::zeros([1], DType::F32, &Device::Cuda(self.dev.clone()))?;
+        self.all_reduce(&t, ReduceOp::Sum)?;
+        self.dev.synchronize()?;
+        Ok(())
+    }
+
+    fn split(&self, name: &str, groups: &[Vec<usize>]) -> Result<Option<Arc<dyn Communicator>>> {
+        // ncclCommSplit is collective over the parent: every rank calls it once per kind of
+        // group; the colour is the index of the group holding this rank, NO_COLOR when none does.
+        let mine = crate::find_group(groups, self.rank);
+        let (color, key) = match mine {
+            Some((g, i)) => (g as i32, i as i32),
+            None => (-1, 0), // NCCL_SPLIT_NOCOLOR
+        };
+        let mut comm = MaybeUninit::uninit();
+        // SAFETY: `comm` is written by NCCL on success; a null config inherits the parent's.
+        let comm = unsafe {
+            sys::ncclCommSplit(self.comm, color, key, comm.as_mut_ptr(), std::ptr::null_mut())
+                .result()
+                .map_err(|e| nccl_err("split", e))?;
+            comm.assume_init()
+        };
+        let Some((g, me)) = mine else { return Ok(None) };
+        let members: Vec<usize> = groups[g].iter().map(|&r| self.members[r]).collect();
+        Ok(Some(Arc::new(NcclComm {
+            comm,
+            dev: self.dev.clone(),
+            rank: me,
+            size: members.len(),
+            name: format!("{name}{members:?}"),
+            members,
+        })))
     }
 }

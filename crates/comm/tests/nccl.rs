@@ -20,3 +20,25 @@ fn world_of_one_reduces_to_itself() {
         assert_eq!(t.to_vec_f32().unwrap(), before, "{dt}");
     }
 }
+
+#[test]
+fn world_of_one_runs_every_collective_and_splits() {
+    let Device::Cuda(dev) = Device::cuda(0).expect("a CUDA device") else { unreachable!() };
+    let comm = NcclComm::new(&dev, &DistEnv::single(), Duration::from_secs(30)).expect("NCCL init");
+    let d = Device::Cuda(dev.clone());
+    let vals: Vec<f32> = (0..12).map(|i| i as f32 - 3.5).collect();
+    let x = Tensor::from_f32(&vals, [6, 2], DType::F32, &d).unwrap();
+    let out = Tensor::zeros([6, 2], DType::F32, &d).unwrap();
+    comm.reduce_scatter(&x, &out, ReduceOp::Sum).unwrap();
+    assert_eq!(out.to_vec_f32().unwrap(), vals);
+    let out = Tensor::zeros([6, 2], DType::F32, &d).unwrap();
+    comm.all_gather(&x, &out).unwrap();
+    assert_eq!(out.to_vec_f32().unwrap(), vals);
+    assert_eq!(comm.all_gather_v(&x, &[6]).unwrap().to_vec_f32().unwrap(), vals);
+    assert_eq!(comm.all_to_all_v(&x, &[6], &[6]).unwrap().to_vec_f32().unwrap(), vals);
+    comm.barrier().unwrap();
+    let sub = comm.split("tp", &[vec![0]]).unwrap().expect("rank 0 is in the group");
+    assert_eq!((sub.rank(), sub.size(), sub.name()), (0, 1, "tp[0]"));
+    sub.all_reduce(&x, ReduceOp::Avg).unwrap();
+    assert_eq!(x.to_vec_f32().unwrap(), vals);
+}

@@ -96,6 +96,25 @@ impl CpuStorage {
         Ok(match_cpu!(self, |v| bytemuck::cast_slice_mut(v.as_mut_slice())))
     }
 
+    /// The raw little-endian bytes of elements `range`.
+    pub fn bytes(&self, range: std::ops::Range<usize>) -> &[u8] {
+        match_cpu!(self, |v| bytemuck::cast_slice(&v[range]))
+    }
+
+    /// Storage of `dtype` from raw bytes (a whole number of elements).
+    pub fn from_bytes(dtype: DType, b: &[u8]) -> Result<Self> {
+        let n = dtype.size_in_bytes();
+        if b.len() % n != 0 {
+            return Err(Error::InvalidArgument {
+                op: "from_bytes",
+                msg: format!("{} bytes are not a whole number of {dtype} elements", b.len()),
+            });
+        }
+        let mut s = CpuStorage::zeros(dtype, b.len() / n);
+        match_cpu!(&mut s, |v| bytemuck::cast_slice_mut::<_, u8>(v.as_mut_slice()).copy_from_slice(b));
+        Ok(s)
+    }
+
     /// Element `i` widened to f32.
     #[inline]
     pub fn get_f32(&self, i: usize) -> f32 {
@@ -115,6 +134,11 @@ impl CpuStorage {
             }
         })
     }
+}
+
+/// All of a storage's elements as mutable raw bytes.
+pub(crate) fn bytes_mut(s: &mut CpuStorage) -> &mut [u8] {
+    match_cpu!(s, |v| bytemuck::cast_slice_mut(v.as_mut_slice()))
 }
 
 /// Where a tensor's bytes live.

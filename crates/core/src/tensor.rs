@@ -199,6 +199,41 @@ impl Tensor {
         self.update_f32(OP, |v| v.copy_from_slice(src))
     }
 
+    /// The elements' raw bytes in row-major order, on the host (any device, layout).
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        let t = self.to_device(&Device::Cpu)?.contiguous()?;
+        let g = t.storage();
+        let (Some(s), Some(r)) = (g.as_cpu(), t.layout.contiguous_range()) else {
+            return Err(Error::NotContiguous { op: "to_bytes" });
+        };
+        Ok(s.bytes(r).to_vec())
+    }
+
+    /// Overwrites the elements (contiguous) with raw bytes of this tensor's dtype, as `to_bytes`
+    /// gives them (any device).
+    pub fn copy_from_bytes(&self, src: &[u8]) -> Result<()> {
+        const OP: &str = "copy_from_bytes";
+        let host = CpuStorage::from_bytes(self.dtype, src)?;
+        if host.len() != self.elem_count() {
+            return Err(shape_mismatch(OP, self.shape(), format!("{} bytes", src.len())));
+        }
+        let r = self.layout.contiguous_range().ok_or(Error::NotContiguous { op: OP })?;
+        let mut g = self.storage_mut();
+        match &mut *g {
+            Storage::Cpu(s) => {
+                let n = self.dtype.size_in_bytes();
+                let all: &mut [u8] = crate::storage::bytes_mut(s);
+                all[r.start * n..r.end * n].copy_from_slice(src);
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(c) => {
+                let Device::Cuda(d) = &self.device else { unreachable!("CUDA storage on a CUDA device") };
+                c.write_range(d, r.start, &host)
+            }
+        }
+    }
+
     /// Copies all elements to the host as f32 (any device, dtype, layout).
     pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
         let t = self.to_device(&Device::Cpu)?;
