@@ -1,43 +1,70 @@
 //! Embedding lookup: ids (u32, any shape) into table [V, C] → [ids..., C]; backward scatter-adds into
 //! a gradient table (`+=`). Ids ≥ V are an error naming the id and V.
+//!
+//! The `_shard` forms serve a vocabulary-parallel embedding: the table holds rows
+//! `vocab_start .. vocab_start + V` of a vocabulary of `vocab_total`; other ids give zero rows and
+//! no gradient here (the tensor-parallel all-reduce adds the shard that has them).
 
 use crate::{check, cpu};
-use ferrotron_core::{Result, Tensor, shape_mismatch};
+use ferrotron_core::{Error, Result, Tensor, shape_mismatch};
 
 pub fn embedding_fwd(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
-    const OP: &str = "embedding_fwd";
-    check::float(OP, table)?;
-    check::rank(OP, table, 2)?;
+    embedding_fwd_shard(ids, table, 0, table.dims().first().copied().unwrap_or(0))
+}
+
+/// dtable += scatter(dout by ids).
+pub fn embedding_bwd(ids: &Tensor, dout: &Tensor, dtable: &Tensor) -> Result<()> {
+    embedding_bwd_shard(ids, dout, dtable, 0, dtable.dims().first().copied().unwrap_or(0))
+}
+
+fn shard(op: &'static str, table: &Tensor, start: usize, total: usize) -> Result<(usize, usize)> {
+    check::float(op, table)?;
+    check::rank(op, table, 2)?;
     let (v, c) = (table.dims()[0], table.dims()[1]);
-    let idv = check::ids(OP, ids, v, "vocabulary (embedding rows)")?;
+    if start + v > total {
+        return Err(Error::InvalidArgument {
+            op,
+            msg: format!("vocabulary shard {start}..{} exceeds the vocabulary of {total}", start + v),
+        });
+    }
+    Ok((v, c))
+}
+
+pub fn embedding_fwd_shard(ids: &Tensor, table: &Tensor, vocab_start: usize, vocab_total: usize) -> Result<Tensor> {
+    const OP: &str = "embedding_fwd";
+    let (v, c) = shard(OP, table, vocab_start, vocab_total)?;
+    let idv = check::ids(OP, ids, vocab_total, "vocabulary (embedding rows)")?;
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[ids, table])? {
-        return crate::cuda::ops::embedding_fwd(&g, ids, table);
+        return crate::cuda::ops::embedding_fwd(&g, ids, table, vocab_start);
     }
     check::on_cpu(OP, &[ids, table])?;
     let tv = table.read_f32()?;
     let mut out = vec![0f32; idv.len() * c];
-    cpu::embedding::embedding_fwd(&idv, &tv, c, &mut out);
+    cpu::embedding::embedding_fwd(&idv, &tv, c, vocab_start..vocab_start + v, &mut out);
     let mut shape = ids.dims().to_vec();
     shape.push(c);
     check::out(out, shape, table.dtype(), table.device())
 }
 
-/// dtable += scatter(dout by ids).
-pub fn embedding_bwd(ids: &Tensor, dout: &Tensor, dtable: &Tensor) -> Result<()> {
+pub fn embedding_bwd_shard(
+    ids: &Tensor,
+    dout: &Tensor,
+    dtable: &Tensor,
+    vocab_start: usize,
+    vocab_total: usize,
+) -> Result<()> {
     const OP: &str = "embedding_bwd";
-    check::float(OP, dtable)?;
-    check::rank(OP, dtable, 2)?;
-    let (v, c) = (dtable.dims()[0], dtable.dims()[1]);
-    let idv = check::ids(OP, ids, v, "vocabulary (embedding rows)")?;
+    let (v, c) = shard(OP, dtable, vocab_start, vocab_total)?;
+    let idv = check::ids(OP, ids, vocab_total, "vocabulary (embedding rows)")?;
     if dout.elem_count() != idv.len() * c || dout.shape().last() != c {
         return Err(shape_mismatch(OP, format!("dout [{}, {c}]", idv.len()), dout.dims()));
     }
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[ids, dout, dtable])? {
-        return crate::cuda::ops::embedding_bwd(&g, ids, dout, dtable);
+        return crate::cuda::ops::embedding_bwd(&g, ids, dout, dtable, vocab_start);
     }
     check::on_cpu(OP, &[ids, dout, dtable])?;
     let dv = dout.read_f32()?;
-    dtable.update_f32(OP, |t| cpu::embedding::embedding_bwd(&idv, &dv, c, t))
+    dtable.update_f32(OP, |t| cpu::embedding::embedding_bwd(&idv, &dv, c, vocab_start..vocab_start + v, t))
 }

@@ -37,12 +37,23 @@ fn inputs(op: &'static str, logits: &Tensor, targets: &Tensor, mask: Option<&Ten
     #[cfg(feature = "cuda")]
     crate::cuda::gpu(op, &all)?;
     let raw = targets.to_vec::<u32>()?;
-    if let Some(&bad) = raw.iter().find(|&&t| t as usize >= v && cfg.ignore_index != Some(t)) {
+    let bound = cfg.vocab_total.map_or(v, |t| t as usize);
+    if cfg.vocab_start as usize + v > bound {
+        return Err(Error::InvalidArgument {
+            op,
+            msg: format!(
+                "vocabulary shard {}..{} exceeds the vocabulary of {bound}",
+                cfg.vocab_start,
+                cfg.vocab_start as usize + v
+            ),
+        });
+    }
+    if let Some(&bad) = raw.iter().find(|&&t| t as usize >= bound && cfg.ignore_index != Some(t)) {
         return Err(Error::IndexOutOfRange {
             op,
             what: "vocabulary (logit columns)",
             index: bad as u64,
-            bound: v as u64,
+            bound: bound as u64,
         });
     }
     let mask = mask.map(|m| m.to_vec_f32()).transpose()?;
@@ -67,7 +78,9 @@ enum LogitSlice<'a> {
     F16(&'a [half::f16]),
 }
 
-/// Returns (loss [N], lse [N]), both f32; masked and ignored rows have loss 0.
+/// Returns (loss [N], lse [N]), both f32; masked and ignored rows have loss 0. On a vocabulary
+/// shard (`cfg.vocab_start`), lse is the shard's and loss is `lse - logit[target]` with the target
+/// logit taken as 0 when it lies in another shard.
 pub fn cross_entropy_fwd(
     logits: &Tensor,
     targets: &Tensor,
@@ -78,7 +91,7 @@ pub fn cross_entropy_fwd(
     let inp = inputs(OP, logits, targets, mask, cfg)?;
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[logits])? {
-        return crate::cuda::ops::ce_fwd(&g, logits, targets, mask, cfg.ignore_index);
+        return crate::cuda::ops::ce_fwd(&g, logits, targets, mask, cfg);
     }
     let (mut loss, mut lse) = (vec![0f32; inp.n], vec![0f32; inp.n]);
     let m = inp.mask.as_deref();
@@ -124,7 +137,7 @@ pub fn cross_entropy_bwd(
     }
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[logits, lse, dloss])? {
-        return crate::cuda::ops::ce_bwd(&g, logits, targets, mask, cfg.ignore_index, lse, dloss);
+        return crate::cuda::ops::ce_bwd(&g, logits, targets, mask, cfg, lse, dloss);
     }
     check::on_cpu(OP, &[logits, lse, dloss])?;
     let (lv, dv) = (lse.to_vec_f32()?, dloss.to_vec_f32()?);

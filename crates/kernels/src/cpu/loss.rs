@@ -52,6 +52,20 @@ impl Elem for half::f16 {
 pub struct CeCfg {
     /// Rows whose target equals this contribute no loss and no gradient.
     pub ignore_index: Option<u32>,
+    /// Vocabulary-parallel shard: these logits are columns `vocab_start ..` of the whole
+    /// vocabulary. A row whose target lies outside the shard has no one-hot term here (its loss
+    /// is the shard's lse, and its gradient the softmax alone).
+    pub vocab_start: u32,
+    /// Size of the whole vocabulary (targets must be below it); `None`: the logits' width.
+    pub vocab_total: Option<u32>,
+}
+
+impl CeCfg {
+    /// The column of `target` in this shard, if it is here.
+    #[inline]
+    pub fn column(&self, target: u32, v: usize) -> Option<usize> {
+        target.checked_sub(self.vocab_start).map(|c| c as usize).filter(|&c| c < v)
+    }
 }
 
 fn active(target: u32, mask: Option<&[f32]>, n: usize, cfg: CeCfg) -> Option<f64> {
@@ -78,7 +92,7 @@ pub fn cross_entropy_fwd<E: Elem, T: Real>(
         let lse_n = max + sum.ln();
         *s = lse_n;
         *l = match active(targets[n], mask, n, cfg) {
-            Some(m) => T::c(m) * (lse_n - row[targets[n] as usize].get::<T>()),
+            Some(m) => T::c(m) * (lse_n - cfg.column(targets[n], v).map_or(T::zero(), |c| row[c].get::<T>())),
             None => T::zero(),
         };
     });
@@ -102,10 +116,10 @@ pub fn cross_entropy_bwd<E: Elem, T: Real>(
             return;
         };
         let g = dloss[n] * T::c(m);
-        let tgt = targets[n] as usize;
+        let tgt = cfg.column(targets[n], v);
         for (j, (d, x)) in dr.iter_mut().zip(row).enumerate() {
             let p = (x.get::<T>() - lse[n]).exp();
-            let onehot = if j == tgt { T::one() } else { T::zero() };
+            let onehot = if Some(j) == tgt { T::one() } else { T::zero() };
             *d = E::put((p - onehot) * g);
         }
     });

@@ -263,7 +263,7 @@ pub fn ce_fwd(
     logits: &Tensor,
     targets: &Tensor,
     mask: Option<&Tensor>,
-    ignore: Option<u32>,
+    cfg: crate::CrossEntropyCfg,
 ) -> Result<(Tensor, Tensor)> {
     let (rows, v) = (logits.dims()[0], logits.dims()[1]);
     let (loss, lse) = (new(be, [rows], DType::F32)?, new(be, [rows], DType::F32)?);
@@ -273,7 +273,16 @@ pub fn ce_fwd(
         be,
         &name,
         rows,
-        &[ptr("ce", logits)?, ptr("ce", targets)?, mp, ignore_arg(ignore), ptr("ce", &loss)?, ptr("ce", &lse)?, n(v)],
+        &[
+            ptr("ce", logits)?,
+            ptr("ce", targets)?,
+            mp,
+            ignore_arg(cfg.ignore_index),
+            n(cfg.vocab_start as usize),
+            ptr("ce", &loss)?,
+            ptr("ce", &lse)?,
+            n(v),
+        ],
     )?;
     Ok((loss, lse))
 }
@@ -283,7 +292,7 @@ pub fn ce_bwd(
     logits: &Tensor,
     targets: &Tensor,
     mask: Option<&Tensor>,
-    ignore: Option<u32>,
+    cfg: crate::CrossEntropyCfg,
     lse: &Tensor,
     dloss: &Tensor,
 ) -> Result<Tensor> {
@@ -299,7 +308,8 @@ pub fn ce_bwd(
             ptr("ce", logits)?,
             ptr("ce", targets)?,
             mp,
-            ignore_arg(ignore),
+            ignore_arg(cfg.ignore_index),
+            n(cfg.vocab_start as usize),
             ptr("ce", lse)?,
             ptr("ce", dloss)?,
             ptr("ce", &d)?,
@@ -376,7 +386,7 @@ pub fn rope(be: &B, x: &Tensor, cfg: &crate::RopeCfg, sign: f32) -> Result<Tenso
     Ok(y)
 }
 
-pub fn embedding_fwd(be: &B, ids: &Tensor, table: &Tensor) -> Result<Tensor> {
+pub fn embedding_fwd(be: &B, ids: &Tensor, table: &Tensor, vocab_start: usize) -> Result<Tensor> {
     let c = table.dims()[1];
     let mut shape = ids.dims().to_vec();
     shape.push(c);
@@ -386,12 +396,20 @@ pub fn embedding_fwd(be: &B, ids: &Tensor, table: &Tensor) -> Result<Tensor> {
         be,
         &name,
         out.elem_count(),
-        &[ptr("emb", ids)?, ptr("emb", table)?, ptr("emb", &out)?, n(ids.elem_count()), n(c)],
+        &[
+            ptr("emb", ids)?,
+            ptr("emb", table)?,
+            ptr("emb", &out)?,
+            n(ids.elem_count()),
+            n(c),
+            n(vocab_start),
+            n(table.dims()[0]),
+        ],
     )?;
     Ok(out)
 }
 
-pub fn embedding_bwd(be: &B, ids: &Tensor, dout: &Tensor, dtable: &Tensor) -> Result<()> {
+pub fn embedding_bwd(be: &B, ids: &Tensor, dout: &Tensor, dtable: &Tensor, vocab_start: usize) -> Result<()> {
     if dtable.dtype() != DType::F32 {
         return Err(Error::NotImplemented { op: "embedding_bwd", device: "cuda into a non-f32 gradient table".into() });
     }
@@ -401,7 +419,15 @@ pub fn embedding_bwd(be: &B, ids: &Tensor, dout: &Tensor, dtable: &Tensor) -> Re
         be,
         &name,
         dout.elem_count(),
-        &[ptr("emb", ids)?, ptr("emb", dout)?, ptr("emb", dtable)?, n(ids.elem_count()), n(c)],
+        &[
+            ptr("emb", ids)?,
+            ptr("emb", dout)?,
+            ptr("emb", dtable)?,
+            n(ids.elem_count()),
+            n(c),
+            n(vocab_start),
+            n(dtable.dims()[0]),
+        ],
     )
 }
 

@@ -1,6 +1,6 @@
 use crate::device_test;
 use crate::util::*;
-use ferrotron_core::{Device, Error, Tensor};
+use ferrotron_core::{DType, Device, Error, Tensor};
 use ferrotron_kernels as k;
 use proptest::prelude::*;
 
@@ -34,4 +34,35 @@ device_test!(out_of_range_id_names_id_and_vocab, |dev: &Device| {
     let e = k::embedding_fwd(&ids, &t32(dev, &randv(10, 0), &[5, 2])).unwrap_err();
     assert!(matches!(e, Error::IndexOutOfRange { index: 7, bound: 5, .. }), "{e}");
     assert!(e.to_string().contains("embedding_fwd"), "{e}");
+});
+
+// Vocabulary shards of a table: the shards' lookups sum to the whole lookup; each shard's gradient
+// is its rows of the whole gradient.
+device_test!(vocab_shards_sum_to_the_whole, |dev: &Device| {
+    let (v, c, parts) = (9usize, 4usize, 3usize);
+    let table: Vec<f32> = randv(v * c, 5).iter().map(|&x| x as f32).collect();
+    let ids = Tensor::from_vec(vec![0u32, 8, 3, 3, 5, 2], [2, 3], dev).unwrap();
+    let dout =
+        Tensor::from_f32(&randv(6 * c, 6).iter().map(|&x| x as f32).collect::<Vec<_>>(), [2, 3, c], DType::F32, dev)
+            .unwrap();
+    let whole = Tensor::from_f32(&table, [v, c], DType::F32, dev).unwrap();
+    let want = k::embedding_fwd(&ids, &whole).unwrap().to_vec_f32().unwrap();
+    let gwhole = Tensor::zeros([v, c], DType::F32, dev).unwrap();
+    k::embedding_bwd(&ids, &dout, &gwhole).unwrap();
+    let gwhole = gwhole.to_vec_f32().unwrap();
+    let mut sum = vec![0f32; want.len()];
+    let w = v / parts;
+    for p in 0..parts {
+        let shard = Tensor::from_f32(&table[p * w * c..(p + 1) * w * c], [w, c], DType::F32, dev).unwrap();
+        let out = k::embedding_fwd_shard(&ids, &shard, p * w, v).unwrap().to_vec_f32().unwrap();
+        sum.iter_mut().zip(&out).for_each(|(s, o)| *s += o);
+        let g = Tensor::zeros([w, c], DType::F32, dev).unwrap();
+        k::embedding_bwd_shard(&ids, &dout, &g, p * w, v).unwrap();
+        assert_eq!(g.to_vec_f32().unwrap(), gwhole[p * w * c..(p + 1) * w * c].to_vec(), "shard {p}");
+    }
+    assert_eq!(sum, want);
+    let too_big = Tensor::from_vec(vec![9u32], [1], dev).unwrap();
+    let shard = Tensor::zeros([w, c], DType::F32, dev).unwrap();
+    let e = k::embedding_fwd_shard(&too_big, &shard, 0, v).unwrap_err();
+    assert!(e.to_string().contains('9'), "{e}");
 });

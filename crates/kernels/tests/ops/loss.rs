@@ -28,7 +28,7 @@ proptest! {
         let targets: Vec<u32> = randv(n, seed ^ 1).iter().map(|x| ((x.abs() * 1000.0) as usize % v) as u32).collect();
         let mask: Vec<f64> = randv(n, seed ^ 2).iter().map(|x| if *x > 0.5 { 0.0 } else { 1.0 }).collect();
         let ignore = use_ignore.then_some(targets[0]);
-        let cfg = CrossEntropyCfg { ignore_index: ignore };
+        let cfg = CrossEntropyCfg { ignore_index: ignore, ..Default::default() };
         let (tt, mt) = (Tensor::from_vec(targets.clone(), [n], &dev).unwrap(), t32(&dev, &mask, &[n]));
         let (l, _) = k::cross_entropy_fwd(&t32(&dev, &logits, &[n, v]), &tt, Some(&mt), cfg).unwrap();
         assert_close(&host(&l), &reference(&logits, v, &targets, &mask, ignore), 1e-5, 1e-5, "ce");
@@ -75,7 +75,51 @@ device_test!(target_outside_vocab_is_an_error, |dev: &Device| {
         k::cross_entropy_fwd(&t32(dev, &randv(8, 0), &[2, 4]), &targets, None, CrossEntropyCfg::default()).unwrap_err();
     assert!(matches!(e, Error::IndexOutOfRange { index: 9, bound: 4, .. }), "{e}");
     // The ignore index may lie outside the vocabulary (Megatron uses -100).
-    let ignore = CrossEntropyCfg { ignore_index: Some(9) };
+    let ignore = CrossEntropyCfg { ignore_index: Some(9), ..Default::default() };
     let (l, _) = k::cross_entropy_fwd(&t32(dev, &randv(8, 0), &[2, 4]), &targets, None, ignore).unwrap();
     assert_eq!(host(&l)[1], 0.0);
+});
+
+// Vocabulary-parallel pieces against the whole-vocabulary op: shards' lse combine to the full lse,
+// their losses to the full loss, and the backward with the full lse gives the full gradient's
+// columns.
+device_test!(vocab_shards_combine_to_the_whole, |dev: &Device| {
+    let (n, v, parts) = (5usize, 12usize, 3usize);
+    let logits = randv(n * v, 41).iter().map(|&x| x as f32 * 3.0).collect::<Vec<_>>();
+    let targets = Tensor::from_vec(vec![0u32, 11, 4, 7, 4], [n], dev).unwrap();
+    let full = Tensor::from_f32(&logits, [n, v], DType::F32, dev).unwrap();
+    let cfg = CrossEntropyCfg::default();
+    let (loss, lse) = k::cross_entropy_fwd(&full, &targets, None, cfg).unwrap();
+    let dl = Tensor::from_f32(&[0.3, -0.2, 0.5, 1.0, 0.1], [n], DType::F32, dev).unwrap();
+    let dfull = k::cross_entropy_bwd(&full, &targets, None, &lse, &dl, cfg).unwrap().to_vec_f32().unwrap();
+    let (lse_v, loss_v) = (lse.to_vec_f32().unwrap(), loss.to_vec_f32().unwrap());
+    let w = v / parts;
+    let (mut sum_loss, mut sum_exp) = (vec![0f64; n], vec![0f64; n]);
+    for p in 0..parts {
+        let cols: Vec<f32> = (0..n).flat_map(|r| logits[r * v + p * w..r * v + (p + 1) * w].to_vec()).collect();
+        let shard = Tensor::from_f32(&cols, [n, w], DType::F32, dev).unwrap();
+        let c = CrossEntropyCfg { vocab_start: (p * w) as u32, vocab_total: Some(v as u32), ..cfg };
+        let (l, s) = k::cross_entropy_fwd(&shard, &targets, None, c).unwrap();
+        let (l, s) = (l.to_vec_f32().unwrap(), s.to_vec_f32().unwrap());
+        for r in 0..n {
+            sum_loss[r] += l[r] as f64 - s[r] as f64;
+            sum_exp[r] += (s[r] as f64).exp();
+        }
+        let d = k::cross_entropy_bwd(&shard, &targets, None, &lse, &dl, c).unwrap().to_vec_f32().unwrap();
+        for r in 0..n {
+            for j in 0..w {
+                assert!((d[r * w + j] - dfull[r * v + p * w + j]).abs() < 1e-6, "dlogits shard {p} [{r},{j}]");
+            }
+        }
+    }
+    for r in 0..n {
+        assert!((sum_exp[r].ln() - lse_v[r] as f64).abs() < 1e-5, "lse row {r}");
+        // Σ (loss_p - lse_p) = -logit[target]; loss = lse - logit[target].
+        assert!((sum_loss[r] + lse_v[r] as f64 - loss_v[r] as f64).abs() < 1e-5, "loss row {r}");
+    }
+    let bad = Tensor::from_vec(vec![12u32; n], [n], dev).unwrap();
+    let c = CrossEntropyCfg { vocab_start: 4, vocab_total: Some(v as u32), ..cfg };
+    let shard = Tensor::from_f32(&vec![0.0; n * 4], [n, 4], DType::F32, dev).unwrap();
+    let e = k::cross_entropy_fwd(&shard, &bad, None, c).unwrap_err();
+    assert!(e.to_string().contains("index 12") && e.to_string().contains("size 12"), "{e}");
 });
