@@ -1,21 +1,21 @@
 // Fused softmax cross-entropy: one block per row of logits; the gradient recomputes the softmax
 // from the logits and the saved lse. `ignore` < 0 means no ignore index; `mask` may be null.
 // On a vocabulary shard the logits are columns vstart.. of the vocabulary; a target elsewhere has
-// no one-hot term here.
+// no one-hot term here. Columns from vreal on are vocabulary padding: out of the softmax, zero grad.
 
 #define LOSS(s, T) \
-extern "C" __global__ void ce_fwd_##s(const T* logits, const u32* tgt, const float* mask, long long ignore, long vstart, float* loss, float* lse, long v) { \
+extern "C" __global__ void ce_fwd_##s(const T* logits, const u32* tgt, const float* mask, long long ignore, long vstart, long vreal, float* loss, float* lse, long v) { \
     long r = blockIdx.x; const T* row = logits + r * v; float m = -INFINITY; \
-    for (long i = threadIdx.x; i < v; i += blockDim.x) m = fmaxf(m, ld(row, i)); \
+    for (long i = threadIdx.x; i < vreal; i += blockDim.x) m = fmaxf(m, ld(row, i)); \
     m = block_max(m); float z = 0.f; \
-    for (long i = threadIdx.x; i < v; i += blockDim.x) z += expf(ld(row, i) - m); \
+    for (long i = threadIdx.x; i < vreal; i += blockDim.x) z += expf(ld(row, i) - m); \
     z = block_sum(z); \
     if (threadIdx.x == 0) { float l = m + logf(z); lse[r] = l; u32 t = tgt[r]; float mk = mask ? mask[r] : 1.f; \
-        long c = (long)t - vstart; float x = (c >= 0 && c < v) ? ld(row, c) : 0.f; \
+        long c = (long)t - vstart; float x = (c >= 0 && c < vreal) ? ld(row, c) : 0.f; \
         loss[r] = ((long long)t == ignore || mk == 0.f) ? 0.f : mk * (l - x); } } \
-extern "C" __global__ void ce_bwd_##s(const T* logits, const u32* tgt, const float* mask, long long ignore, long vstart, const float* lse, const float* dloss, T* dlogits, long v) { \
+extern "C" __global__ void ce_bwd_##s(const T* logits, const u32* tgt, const float* mask, long long ignore, long vstart, long vreal, const float* lse, const float* dloss, T* dlogits, long v) { \
     long r = blockIdx.x; u32 t = tgt[r]; float mk = mask ? mask[r] : 1.f; \
     bool off = (long long)t == ignore || mk == 0.f; float g = off ? 0.f : dloss[r] * mk; \
     for (long i = threadIdx.x; i < v; i += blockDim.x) { \
-        float p = expf(ld(logits, r * v + i) - lse[r]); st(dlogits, r * v + i, off ? 0.f : (p - (i == (long)t - vstart ? 1.f : 0.f)) * g); } }
+        float p = expf(ld(logits, r * v + i) - lse[r]); st(dlogits, r * v + i, (off || i >= vreal) ? 0.f : (p - (i == (long)t - vstart ? 1.f : 0.f)) * g); } }
 FOR_TYPES(LOSS)

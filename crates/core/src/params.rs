@@ -17,6 +17,26 @@ pub enum Init {
     Normal { std: f32 },
 }
 
+/// Which part of a parameter a tensor-parallel rank holds along `ParamMeta::split_dim`: the dim is
+/// seen as `chunks` equal blocks (2 for SwiGLU's gate|value fc1), each cut into `size` parts, and
+/// this rank holds part `rank` of every block, in block order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shard {
+    pub rank: usize,
+    pub size: usize,
+    pub chunks: usize,
+}
+
+impl Shard {
+    pub const WHOLE: Shard = Shard { rank: 0, size: 1, chunks: 1 };
+
+    /// Global index along the split dim of local index `l`, for a global length `g`.
+    pub fn global_index(&self, l: usize, g: usize) -> usize {
+        let part = g / (self.chunks * self.size);
+        (l / part) * (g / self.chunks) + self.rank * part + l % part
+    }
+}
+
 /// Everything the layers above need to know about one parameter.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ParamMeta {
@@ -28,8 +48,13 @@ pub struct ParamMeta {
     pub global_shape: Shape,
     /// Dimension split across tensor-parallel ranks, if any.
     pub split_dim: Option<usize>,
+    /// This rank's part along `split_dim` (`Shard::WHOLE` when not split).
+    pub shard: Shard,
     /// Same value on every tensor-parallel rank (counted once in norms).
     pub replicated: bool,
+    /// Replicated, but used on sequence shards, so each tensor-parallel rank holds part of its
+    /// gradient: the grads are summed over the tensor-parallel group before the step.
+    pub sequence_parallel: bool,
     pub init: Init,
     /// Megatron applies no weight decay to biases and norm weights.
     pub weight_decay: bool,
@@ -44,10 +69,56 @@ impl ParamMeta {
             local_shape: shape.clone(),
             global_shape: shape,
             split_dim: None,
+            shard: Shard::WHOLE,
             replicated: true,
+            sequence_parallel: false,
             init,
             weight_decay,
         }
+    }
+
+    /// A parameter split along `dim` across tensor-parallel ranks; `global_shape[dim]` must be a
+    /// multiple of `shard.chunks × shard.size`.
+    pub fn split(
+        name: impl Into<String>,
+        global_shape: impl Into<Shape>,
+        dim: usize,
+        shard: Shard,
+        init: Init,
+        weight_decay: bool,
+    ) -> Result<Self> {
+        let (name, global_shape) = (name.into(), global_shape.into());
+        let g = global_shape.dims().get(dim).copied().unwrap_or(0);
+        if shard.size == 0 || shard.chunks == 0 || g % (shard.size * shard.chunks) != 0 || shard.rank >= shard.size {
+            return Err(Error::InvalidArgument {
+                op: "ParamMeta::split",
+                msg: format!(
+                    "`{name}`: dimension {dim} of {:?} cannot be split into {} parts ({} block(s))",
+                    global_shape.dims(),
+                    shard.size,
+                    shard.chunks
+                ),
+            });
+        }
+        let mut local = global_shape.dims().to_vec();
+        local[dim] /= shard.size;
+        Ok(ParamMeta {
+            name,
+            local_shape: local.into(),
+            global_shape,
+            split_dim: Some(dim),
+            shard,
+            replicated: false,
+            sequence_parallel: false,
+            init,
+            weight_decay,
+        })
+    }
+
+    /// Marks a replicated parameter whose gradient is computed on sequence shards.
+    pub fn on_sequence_shards(mut self, yes: bool) -> Self {
+        self.sequence_parallel = yes && self.replicated;
+        self
     }
 }
 
@@ -91,12 +162,25 @@ impl ParamTableBuilder {
     }
 }
 
+/// Element i of the whole parameter draws Philox counter i of the parameter's stream, so a shard
+/// holds exactly the values of its part of the unsplit parameter.
 fn init_values(m: &ParamMeta, seed: u64, out: &mut [f32]) {
-    match m.init {
-        Init::Zeros => out.fill(0.0),
-        Init::Ones => out.fill(1.0),
-        Init::Normal { std } => {
-            Philox::new(seed).with_stream(crate::rng::fnv1a64(&m.name)).fill_normal(0, 0.0, std, out)
+    let std = match m.init {
+        Init::Zeros => return out.fill(0.0),
+        Init::Ones => return out.fill(1.0),
+        Init::Normal { std } => std,
+    };
+    let rng = Philox::new(seed).with_stream(crate::rng::fnv1a64(&m.name));
+    let Some(d) = m.split_dim else { return rng.fill_normal(0, 0.0, std, out) };
+    let (local, global) = (m.local_shape.dims(), m.global_shape.dims());
+    let inner: usize = local[d + 1..].iter().product();
+    let outer: usize = local[..d].iter().product();
+    let mut pos = 0;
+    for o in 0..outer {
+        for l in 0..local[d] {
+            let start = (o * global[d] + m.shard.global_index(l, global[d])) * inner;
+            rng.fill_normal(start as u64, 0.0, std, &mut out[pos..pos + inner]);
+            pos += inner;
         }
     }
 }
@@ -193,6 +277,35 @@ mod tests {
         let wb = b.param(b.id("a.weight").unwrap()).unwrap().to_vec_f32().unwrap();
         assert_eq!(wa, wb);
         assert!(wa.iter().all(|x| x.abs() < 0.2) && wa.iter().any(|&x| x != 0.0));
+    }
+
+    #[test]
+    fn shards_hold_their_part_of_the_whole() {
+        // [6, 4] split along dim 0 into 3 parts of 2 blocks (SwiGLU-style), and along dim 1.
+        for (dim, chunks) in [(0, 2), (0, 1), (1, 1)] {
+            let whole = {
+                let mut b = ParamTableBuilder::default();
+                b.add(ParamMeta::replicated("w", [6, 4], Init::Normal { std: 1.0 }, true)).unwrap();
+                b.build(&Device::Cpu, DType::F32, 3).unwrap().flat_params().to_vec_f32().unwrap()
+            };
+            let size = if dim == 0 { 3 } else { 2 };
+            let mut got = vec![f32::NAN; 24];
+            for rank in 0..size {
+                let shard = Shard { rank, size, chunks };
+                let mut b = ParamTableBuilder::default();
+                b.add(ParamMeta::split("w", [6, 4], dim, shard, Init::Normal { std: 1.0 }, true).unwrap()).unwrap();
+                let local = b.build(&Device::Cpu, DType::F32, 3).unwrap().flat_params().to_vec_f32().unwrap();
+                let ld = if dim == 0 { 6 / size } else { 4 / size };
+                for (i, v) in local.iter().enumerate() {
+                    let (r, c) = if dim == 0 { (i / 4, i % 4) } else { (i / ld, i % ld) };
+                    let (gr, gc) = if dim == 0 { (shard.global_index(r, 6), c) } else { (r, shard.global_index(c, 4)) };
+                    got[gr * 4 + gc] = *v;
+                }
+            }
+            assert_eq!(got, whole, "dim {dim}, {chunks} block(s)");
+        }
+        let e = ParamMeta::split("w", [6, 4], 0, Shard { rank: 0, size: 4, chunks: 1 }, Init::Zeros, true);
+        assert!(e.unwrap_err().to_string().contains("`w`"));
     }
 
     #[test]

@@ -38,16 +38,6 @@ fn inputs(op: &'static str, logits: &Tensor, targets: &Tensor, mask: Option<&Ten
     crate::cuda::gpu(op, &all)?;
     let raw = targets.to_vec::<u32>()?;
     let bound = cfg.vocab_total.map_or(v, |t| t as usize);
-    if cfg.vocab_start as usize + v > bound {
-        return Err(Error::InvalidArgument {
-            op,
-            msg: format!(
-                "vocabulary shard {}..{} exceeds the vocabulary of {bound}",
-                cfg.vocab_start,
-                cfg.vocab_start as usize + v
-            ),
-        });
-    }
     if let Some(&bad) = raw.iter().find(|&&t| t as usize >= bound && cfg.ignore_index != Some(t)) {
         return Err(Error::IndexOutOfRange {
             op,
@@ -79,6 +69,8 @@ enum LogitSlice<'a> {
 }
 
 /// Returns (loss [N], lse [N]), both f32; masked and ignored rows have loss 0. On a vocabulary
+/// shard (`cfg.vocab_start`), lse is the shard's and loss is `lse - logit[target]` with the target
+/// logit taken as 0 when it lies in another shard; padding columns (`cfg.vocab_total`) are left out. On a vocabulary
 /// shard (`cfg.vocab_start`), lse is the shard's and loss is `lse - logit[target]` with the target
 /// logit taken as 0 when it lies in another shard.
 pub fn cross_entropy_fwd(

@@ -56,7 +56,9 @@ pub struct CeCfg {
     /// vocabulary. A row whose target lies outside the shard has no one-hot term here (its loss
     /// is the shard's lse, and its gradient the softmax alone).
     pub vocab_start: u32,
-    /// Size of the whole vocabulary (targets must be below it); `None`: the logits' width.
+    /// The real vocabulary size: targets must be below it, and logit columns at or past it are
+    /// padding (the vocabulary is padded for tensor-parallel divisibility): left out of the
+    /// softmax, zero gradient. `None`: every column is real.
     pub vocab_total: Option<u32>,
 }
 
@@ -65,6 +67,12 @@ impl CeCfg {
     #[inline]
     pub fn column(&self, target: u32, v: usize) -> Option<usize> {
         target.checked_sub(self.vocab_start).map(|c| c as usize).filter(|&c| c < v)
+    }
+
+    /// How many of a shard's `v` columns are real (not padding).
+    #[inline]
+    pub fn real_columns(&self, v: usize) -> usize {
+        self.vocab_total.map_or(v, |t| (t as usize).saturating_sub(self.vocab_start as usize).min(v))
     }
 }
 
@@ -86,7 +94,7 @@ pub fn cross_entropy_fwd<E: Elem, T: Real>(
     lse: &mut [T],
 ) {
     loss.par_iter_mut().zip(lse.par_iter_mut()).enumerate().for_each(|(n, (l, s))| {
-        let row = &logits[n * v..(n + 1) * v];
+        let row = &logits[n * v..n * v + cfg.real_columns(v)];
         let max = row.iter().map(|x| x.get::<T>()).fold(T::neg_infinity(), T::max);
         let sum = row.iter().map(|x| (x.get::<T>() - max).exp()).sum::<T>();
         let lse_n = max + sum.ln();
@@ -110,13 +118,14 @@ pub fn cross_entropy_bwd<E: Elem, T: Real>(
     dlogits: &mut [E],
 ) {
     dlogits.par_chunks_mut(v).enumerate().for_each(|(n, dr)| {
-        let row = &logits[n * v..(n + 1) * v];
+        let row = &logits[n * v..n * v + cfg.real_columns(v)];
         let Some(m) = active(targets[n], mask, n, cfg) else {
             dr.iter_mut().for_each(|x| *x = E::put(T::zero()));
             return;
         };
         let g = dloss[n] * T::c(m);
         let tgt = cfg.column(targets[n], v);
+        dr[row.len()..].iter_mut().for_each(|x| *x = E::put(T::zero()));
         for (j, (d, x)) in dr.iter_mut().zip(row).enumerate() {
             let p = (x.get::<T>() - lse[n]).exp();
             let onehot = if Some(j) == tgt { T::one() } else { T::zero() };

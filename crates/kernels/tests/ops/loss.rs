@@ -123,3 +123,26 @@ device_test!(vocab_shards_combine_to_the_whole, |dev: &Device| {
     let e = k::cross_entropy_fwd(&shard, &bad, None, c).unwrap_err();
     assert!(e.to_string().contains("index 12") && e.to_string().contains("size 12"), "{e}");
 });
+
+// Padding columns (vocabulary padded for tensor-parallel divisibility) leave the loss unchanged and
+// get no gradient.
+device_test!(padded_columns_do_not_change_the_loss, |dev: &Device| {
+    let (n, v, pad) = (4usize, 7usize, 3usize);
+    let x = randv(n * v, 9).iter().map(|&x| x as f32).collect::<Vec<_>>();
+    let padded: Vec<f32> = x.chunks(v).flat_map(|r| r.iter().cloned().chain([5.0, -1.0, 9.0])).collect();
+    let targets = Tensor::from_vec(vec![0u32, 6, 3, 2], [n], dev).unwrap();
+    let dl = Tensor::from_f32(&[1.0; 4], [n], DType::F32, dev).unwrap();
+    let run = |vals: &[f32], w: usize, cfg: CrossEntropyCfg| {
+        let l = Tensor::from_f32(vals, [n, w], DType::F32, dev).unwrap();
+        let (loss, lse) = k::cross_entropy_fwd(&l, &targets, None, cfg).unwrap();
+        let d = k::cross_entropy_bwd(&l, &targets, None, &lse, &dl, cfg).unwrap();
+        (loss.to_vec_f32().unwrap(), d.to_vec_f32().unwrap())
+    };
+    let (l0, d0) = run(&x, v, CrossEntropyCfg::default());
+    let (l1, d1) = run(&padded, v + pad, CrossEntropyCfg { vocab_total: Some(v as u32), ..Default::default() });
+    assert_eq!(l0, l1);
+    for r in 0..n {
+        assert_eq!(&d1[r * (v + pad)..r * (v + pad) + v], &d0[r * v..(r + 1) * v]);
+        assert!(d1[r * (v + pad) + v..(r + 1) * (v + pad)].iter().all(|&g| g == 0.0));
+    }
+});
