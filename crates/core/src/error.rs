@@ -24,6 +24,10 @@ pub enum Error {
     CudaNotBuilt { device: String },
     #[error("CUDA error: {0}")]
     Cuda(String),
+    /// A failure from a layer above core (e.g. a collective inside a tensor-parallel module's
+    /// forward), kept whole so callers can downcast it.
+    #[error(transparent)]
+    External(Box<dyn std::error::Error + Send + Sync>),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

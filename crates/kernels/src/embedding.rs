@@ -2,11 +2,11 @@
 //! a gradient table (`+=`). Ids ≥ V are an error naming the id and V.
 //!
 //! The `_shard` forms serve a vocabulary-parallel embedding: the table holds rows
-//! `vocab_start .. vocab_start + V` of a vocabulary of `vocab_total`; other ids give zero rows and
-//! no gradient here (the tensor-parallel all-reduce adds the shard that has them).
+//! `vocab_start .. vocab_start + V` of a vocabulary of `vocab_total` real ids (rows past it are
+//! padding); ids must be below `vocab_total`; other shards' ids give zero rows and no gradient here (the tensor-parallel all-reduce adds the shard that has them).
 
 use crate::{check, cpu};
-use ferrotron_core::{Error, Result, Tensor, shape_mismatch};
+use ferrotron_core::{Result, Tensor, shape_mismatch};
 
 pub fn embedding_fwd(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
     embedding_fwd_shard(ids, table, 0, table.dims().first().copied().unwrap_or(0))
@@ -17,22 +17,15 @@ pub fn embedding_bwd(ids: &Tensor, dout: &Tensor, dtable: &Tensor) -> Result<()>
     embedding_bwd_shard(ids, dout, dtable, 0, dtable.dims().first().copied().unwrap_or(0))
 }
 
-fn shard(op: &'static str, table: &Tensor, start: usize, total: usize) -> Result<(usize, usize)> {
+fn shard(op: &'static str, table: &Tensor) -> Result<(usize, usize)> {
     check::float(op, table)?;
     check::rank(op, table, 2)?;
-    let (v, c) = (table.dims()[0], table.dims()[1]);
-    if start + v > total {
-        return Err(Error::InvalidArgument {
-            op,
-            msg: format!("vocabulary shard {start}..{} exceeds the vocabulary of {total}", start + v),
-        });
-    }
-    Ok((v, c))
+    Ok((table.dims()[0], table.dims()[1]))
 }
 
 pub fn embedding_fwd_shard(ids: &Tensor, table: &Tensor, vocab_start: usize, vocab_total: usize) -> Result<Tensor> {
     const OP: &str = "embedding_fwd";
-    let (v, c) = shard(OP, table, vocab_start, vocab_total)?;
+    let (v, c) = shard(OP, table)?;
     let idv = check::ids(OP, ids, vocab_total, "vocabulary (embedding rows)")?;
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[ids, table])? {
@@ -55,7 +48,7 @@ pub fn embedding_bwd_shard(
     vocab_total: usize,
 ) -> Result<()> {
     const OP: &str = "embedding_bwd";
-    let (v, c) = shard(OP, dtable, vocab_start, vocab_total)?;
+    let (v, c) = shard(OP, dtable)?;
     let idv = check::ids(OP, ids, vocab_total, "vocabulary (embedding rows)")?;
     if dout.elem_count() != idv.len() * c || dout.shape().last() != c {
         return Err(shape_mismatch(OP, format!("dout [{}, {c}]", idv.len()), dout.dims()));

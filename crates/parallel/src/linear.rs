@@ -1,0 +1,176 @@
+//! Column- and row-parallel linear layers, y = x·Wᵀ + b with W [out, in] split across the
+//! tensor-parallel group.
+//!
+//! Column: W split along out (dim 0); input replicated (or gathered along T under sequence
+//! parallelism); output split along features unless `gather_output`.
+//! Row: W split along in (dim 1); input split along features (`input_is_parallel`, else sliced
+//! here); partial outputs summed (or reduce-scattered along T); the bias is added once, after.
+//!
+//! Backward follows the region mappings of `tp`: dx = dy·W, then the entry's backward; parameter
+//! grads are added (`+=`) into main_grad from the whole (gathered) activations.
+
+use crate::tp::TensorParallel;
+use ferrotron_core::{Cx, Init, Module, ParamId, ParamMeta, ParamTableBuilder, Result, Saved, Shard, Tensor, invalid};
+use ferrotron_kernels as k;
+
+fn saved_one<'a>(op: &'static str, s: &'a Saved) -> Result<&'a Tensor> {
+    s.tensors.first().ok_or_else(|| invalid(op, "nothing saved by forward"))
+}
+
+/// dW += dyᵀ·x, db += Σ dy over rows.
+fn param_grads(cx: &Cx, w: ParamId, b: Option<ParamId>, x: &Tensor, dy: &Tensor) -> Result<()> {
+    let (out, inp) = (dy.shape().last(), x.shape().last());
+    let rows = dy.elem_count() / out.max(1);
+    k::matmul_into(&cx.params.grad(w)?, &dy.reshape([rows, out])?, &x.reshape([rows, inp])?, true, false, true)?;
+    if let Some(b) = b {
+        k::add_(&cx.params.grad(b)?, &k::bias_grad(dy)?)?;
+    }
+    Ok(())
+}
+
+#[derive(Debug, Clone)]
+pub struct ColumnParallelLinear {
+    pub weight: ParamId,
+    pub bias: Option<ParamId>,
+    pub in_features: usize,
+    /// Whole output width (all ranks).
+    pub out_features: usize,
+    pub gather_output: bool,
+    pub tp: TensorParallel,
+}
+
+impl ColumnParallelLinear {
+    /// `blocks` > 1 when the output is several equal blocks each split separately (SwiGLU's
+    /// gate|value: 2), so that every rank holds its part of each block.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        p: &mut ParamTableBuilder,
+        prefix: &str,
+        in_features: usize,
+        out_features: usize,
+        bias: bool,
+        std: f32,
+        tp: &TensorParallel,
+        blocks: usize,
+    ) -> Result<Self> {
+        let shard = Shard { rank: tp.rank(), size: tp.size(), chunks: blocks };
+        let weight = p.add(ParamMeta::split(
+            format!("{prefix}.weight"),
+            [out_features, in_features],
+            0,
+            shard,
+            Init::Normal { std },
+            true,
+        )?)?;
+        let bias = if bias {
+            Some(p.add(ParamMeta::split(format!("{prefix}.bias"), [out_features], 0, shard, Init::Zeros, false)?)?)
+        } else {
+            None
+        };
+        Ok(ColumnParallelLinear { weight, bias, in_features, out_features, gather_output: false, tp: tp.clone() })
+    }
+
+    pub fn with_gather_output(mut self, yes: bool) -> Self {
+        self.gather_output = yes;
+        self
+    }
+}
+
+impl Module for ColumnParallelLinear {
+    fn forward(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Saved)> {
+        let x = self.tp.enter(x)?;
+        let w = cx.params.param(self.weight)?;
+        let y = match self.bias {
+            Some(b) => k::matmul_bias(&x, &w, &cx.params.param(b)?, false, true)?,
+            None => k::matmul(&x, &w, false, true)?,
+        };
+        let y = if self.gather_output { self.tp.gather_last(&y)? } else { y };
+        Ok((y, Saved::new(vec![x], vec![])))
+    }
+
+    fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
+        let x = saved_one("ColumnParallelLinear::backward", &saved)?;
+        let dy = if self.gather_output { self.tp.split_last(dy)? } else { dy.clone() };
+        let dx = k::matmul(&dy, &cx.params.param(self.weight)?, false, false)?;
+        param_grads(cx, self.weight, self.bias, x, &dy)?;
+        self.tp.enter_bwd(&dx)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct RowParallelLinear {
+    pub weight: ParamId,
+    pub bias: Option<ParamId>,
+    /// Whole input width (all ranks).
+    pub in_features: usize,
+    pub out_features: usize,
+    pub input_is_parallel: bool,
+    pub tp: TensorParallel,
+}
+
+impl RowParallelLinear {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        p: &mut ParamTableBuilder,
+        prefix: &str,
+        in_features: usize,
+        out_features: usize,
+        bias: bool,
+        std: f32,
+        tp: &TensorParallel,
+    ) -> Result<Self> {
+        let shard = Shard { rank: tp.rank(), size: tp.size(), chunks: 1 };
+        let weight = p.add(ParamMeta::split(
+            format!("{prefix}.weight"),
+            [out_features, in_features],
+            1,
+            shard,
+            Init::Normal { std },
+            true,
+        )?)?;
+        let bias = if bias {
+            let m = ParamMeta::replicated(format!("{prefix}.bias"), [out_features], Init::Zeros, false);
+            Some(p.add(m.on_sequence_shards(tp.sp()))?)
+        } else {
+            None
+        };
+        Ok(RowParallelLinear { weight, bias, in_features, out_features, input_is_parallel: true, tp: tp.clone() })
+    }
+
+    pub fn with_input_is_parallel(mut self, yes: bool) -> Self {
+        self.input_is_parallel = yes;
+        self
+    }
+}
+
+impl Module for RowParallelLinear {
+    fn forward(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Saved)> {
+        let x = if self.input_is_parallel { x.clone() } else { self.tp.split_last(x)? };
+        let w = cx.params.param(self.weight)?;
+        let y = match (self.tp.size(), self.bias) {
+            // Alone: the bias rides in the GEMM epilogue.
+            (1, Some(b)) => k::matmul_bias(&x, &w, &cx.params.param(b)?, false, true)?,
+            (_, b) => {
+                let y = self.tp.exit(&k::matmul(&x, &w, false, true)?)?;
+                match b {
+                    Some(b) => k::bias_add(&y, &cx.params.param(b)?)?,
+                    None => y,
+                }
+            }
+        };
+        Ok((y, Saved::new(vec![x], vec![])))
+    }
+
+    fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
+        let x = saved_one("RowParallelLinear::backward", &saved)?;
+        if let Some(b) = self.bias {
+            // Under sequence parallelism dy is this rank's sequence slice: a partial bias grad,
+            // summed over the group with the other sequence-parallel grads before the step.
+            k::add_(&cx.params.grad(b)?, &k::bias_grad(dy)?)?;
+        }
+        let dy = self.tp.exit_bwd(dy)?;
+        let dx = k::matmul(&dy, &cx.params.param(self.weight)?, false, false)?;
+        param_grads(cx, self.weight, None, x, &dy)?;
+        if self.input_is_parallel { Ok(dx) } else { self.tp.gather_last(&dx) }
+    }
+}
