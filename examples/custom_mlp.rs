@@ -55,7 +55,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ffn_hidden_size: 96, // only the built-in MLP reads it
         seq_length: 16,
         max_position_embeddings: 16,
-        padded_vocab_size: 256,
+        vocab_size: 256,
+        make_vocab_size_divisible_by: 128,
         position_embedding: PositionEmbedding::Rope { base: 10000.0 },
         untie_embeddings_and_output_weights: false,
         layer: LayerSpec {

@@ -11,12 +11,6 @@ use ferrotron_transformer::spec::{Activation, AttentionSpec, LayerSpec, MlpSpec,
 /// Megatron pads the vocabulary to a multiple of this (times the tensor-parallel size).
 pub const VOCAB_DIVISIBLE_BY: usize = 128;
 
-/// `vocab` rounded up to a multiple of 128·tp, as Megatron's `--make-vocab-size-divisible-by`.
-pub fn pad_vocab(vocab: usize, tp: usize) -> usize {
-    let m = VOCAB_DIVISIBLE_BY * tp.max(1);
-    vocab.div_ceil(m) * m
-}
-
 /// GPT-2 BPE vocabulary (50257 tokens).
 pub const GPT2_VOCAB: usize = 50257;
 /// Byte-level vocabulary of the tiny presets.
@@ -58,7 +52,8 @@ pub fn gpt2(size: GptSize) -> TransformerConfig {
         ffn_hidden_size: 4 * hidden,
         seq_length: seq,
         max_position_embeddings: seq,
-        padded_vocab_size: pad_vocab(vocab, 1),
+        vocab_size: vocab,
+        make_vocab_size_divisible_by: VOCAB_DIVISIBLE_BY,
         position_embedding: PositionEmbedding::LearnedAbsolute,
         untie_embeddings_and_output_weights: false,
         layer: LayerSpec {
@@ -85,7 +80,8 @@ pub fn llama(size: LlamaSize) -> TransformerConfig {
         ffn_hidden_size: ffn,
         seq_length: seq,
         max_position_embeddings: seq,
-        padded_vocab_size: pad_vocab(vocab, 1),
+        vocab_size: vocab,
+        make_vocab_size_divisible_by: VOCAB_DIVISIBLE_BY,
         position_embedding: PositionEmbedding::Rope { base: 500000.0 },
         untie_embeddings_and_output_weights: true,
         layer: LayerSpec {
@@ -132,7 +128,7 @@ mod tests {
         // GPT-2 small: 124,439,808 parameters with the 50257 vocab; Megatron pads to 50304
         // (+47·768) and keeps the 1024 learned positions.
         let c = gpt2(GptSize::Gpt124m);
-        assert_eq!(c.padded_vocab_size, 50304);
+        assert_eq!(c.padded_vocab_size(1), 50304);
         assert_eq!(c.num_params(), 124_439_808 + 47 * 768);
     }
 
@@ -146,8 +142,9 @@ mod tests {
 
     #[test]
     fn vocab_padding_is_a_multiple_of_128_tp() {
-        assert_eq!(pad_vocab(50257, 1), 50304);
-        assert_eq!(pad_vocab(50257, 4), 50688);
-        assert_eq!(pad_vocab(256, 2), 256);
+        let gpt = gpt2(GptSize::Gpt124m);
+        assert_eq!((gpt.padded_vocab_size(1), gpt.padded_vocab_size(4)), (50304, 50688));
+        let tiny = gpt2(GptSize::Tiny);
+        assert_eq!((tiny.padded_vocab_size(2), tiny.padded_vocab_size(4)), (256, 512));
     }
 }

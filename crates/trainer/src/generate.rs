@@ -40,7 +40,7 @@ pub fn generate(a: &GenerateArgs) -> anyhow::Result<String> {
         let ctx = &ids[ids.len().saturating_sub(s.seq_length)..];
         let t = ctx.len();
         let logits = model.logits(&cx, &Tensor::from_vec(ctx.to_vec(), [1, t], &Device::Cpu)?)?.to_vec_f32()?;
-        let row = &logits[(t - 1) * model.config.padded_vocab_size..][..vocab];
+        let row = &logits[(t - 1) * model.config.padded_vocab_size(1)..][..vocab];
         let next = sample(row, a.temperature, a.top_k, &rng, step as u64);
         if next == tok.eod() {
             break;

@@ -3,7 +3,7 @@
 
 use anyhow::{Context, bail};
 use ferrotron_data::TokenizerKind;
-use ferrotron_models::{pad_vocab, preset};
+use ferrotron_models::{VOCAB_DIVISIBLE_BY, preset};
 use ferrotron_optim::DecayStyle;
 use ferrotron_transformer::TransformerConfig;
 use ferrotron_transformer::spec::{Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, PositionEmbedding};
@@ -191,7 +191,7 @@ fn preset_defaults(name: &str) -> anyhow::Result<TrainArgs> {
     let Some(c) = preset(name) else {
         bail!("--preset {name}: unknown preset; choose one of {}", ferrotron_models::PRESETS.join(", "));
     };
-    let tiny = c.padded_vocab_size <= 256;
+    let tiny = c.vocab_size <= 256;
     let (pe, base) = match c.position_embedding {
         PositionEmbedding::LearnedAbsolute => ("learned_absolute", 10000.0),
         PositionEmbedding::Rope { base } => ("rope", base),
@@ -387,7 +387,8 @@ impl Settings {
             ffn_hidden_size: self.ffn_hidden_size,
             seq_length: self.seq_length,
             max_position_embeddings: self.max_position_embeddings,
-            padded_vocab_size: pad_vocab(vocab, 1),
+            vocab_size: vocab,
+            make_vocab_size_divisible_by: VOCAB_DIVISIBLE_BY,
             position_embedding,
             untie_embeddings_and_output_weights: self.untie_embeddings_and_output_weights,
             layer: LayerSpec {

@@ -1,22 +1,26 @@
 //! Self-attention: fused QKV projection (Megatron's grouped layout), optional QK-LayerNorm, RoPE,
-//! causal (optionally windowed) GQA core attention, output projection.
+//! causal (optionally windowed) GQA core attention, output projection. Tensor parallel: each rank
+//! holds groups/tp query groups (their heads, keys and values) — a contiguous slice of the
+//! grouped QKV weight — and the output projection is row-parallel.
 //!
-//! Shapes: x [B, T, C] → qkv [B, T, Hkv·(G+2)·D] → q [B, T, Hq, D], k/v [B, T, Hkv, D] →
-//! o [B, T, Hq, D] → y [B, T, C].
+//! Shapes (per rank, h = heads/tp, g = groups/tp): x [B, T, C] (or [B, T/tp, C] under sequence
+//! parallelism) → qkv [B, T, g·(h/g+2)·D] → q [B, T, h, D], k/v [B, T, g, D] → o [B, T, h, D] →
+//! y [B, T, C] (or [B, T/tp, C]).
 
-use crate::linear::Linear;
 use crate::norm::Norm;
 use crate::spec::{AttentionSpec, NormKind};
 use ferrotron_core::{Cx, Module, ParamTableBuilder, Result, Saved, Tensor};
 use ferrotron_kernels::{self as k, AttnCfg, RopeCfg};
+use ferrotron_parallel::{ColumnParallelLinear, RowParallelLinear, TensorParallel};
 
 #[derive(Debug, Clone)]
 pub struct SelfAttention {
-    pub linear_qkv: Linear,
-    pub linear_proj: Linear,
+    pub linear_qkv: ColumnParallelLinear,
+    pub linear_proj: RowParallelLinear,
     pub q_layernorm: Option<Norm>,
     pub k_layernorm: Option<Norm>,
     pub rope: Option<RopeCfg>,
+    /// Heads and query groups on this rank.
     pub heads: usize,
     pub groups: usize,
     pub head_dim: usize,
@@ -36,16 +40,32 @@ pub struct AttentionDims {
 }
 
 impl SelfAttention {
-    pub fn new(p: &mut ParamTableBuilder, prefix: &str, d: &AttentionDims, spec: &AttentionSpec) -> Result<Self> {
+    pub fn new(
+        p: &mut ParamTableBuilder,
+        prefix: &str,
+        d: &AttentionDims,
+        spec: &AttentionSpec,
+        tp: &TensorParallel,
+    ) -> Result<Self> {
         let head_dim = d.hidden / d.heads;
         let qkv_out = (d.heads + 2 * d.groups) * head_dim;
-        let linear_qkv = Linear::new(p, &format!("{prefix}.linear_qkv"), d.hidden, qkv_out, spec.bias, d.std)?;
-        let linear_proj =
-            Linear::new(p, &format!("{prefix}.linear_proj"), d.heads * head_dim, d.hidden, spec.bias, d.out_std)?;
+        let linear_qkv =
+            ColumnParallelLinear::new(p, &format!("{prefix}.linear_qkv"), d.hidden, qkv_out, spec.bias, d.std, tp, 1)?;
+        let linear_proj = RowParallelLinear::new(
+            p,
+            &format!("{prefix}.linear_proj"),
+            d.heads * head_dim,
+            d.hidden,
+            spec.bias,
+            d.out_std,
+            tp,
+        )?;
+        // Each rank normalises only its heads: the norm's grads are partial over the group.
+        let split = tp.size() > 1;
         let (q_layernorm, k_layernorm) = if spec.qk_layernorm {
             (
-                Some(Norm::new(p, &format!("{prefix}.q_layernorm"), d.norm, head_dim, d.eps)?),
-                Some(Norm::new(p, &format!("{prefix}.k_layernorm"), d.norm, head_dim, d.eps)?),
+                Some(Norm::new(p, &format!("{prefix}.q_layernorm"), d.norm, head_dim, d.eps, split)?),
+                Some(Norm::new(p, &format!("{prefix}.k_layernorm"), d.norm, head_dim, d.eps, split)?),
             )
         } else {
             (None, None)
@@ -56,8 +76,8 @@ impl SelfAttention {
             q_layernorm,
             k_layernorm,
             rope: d.rope_base.map(|base| RopeCfg { rot: head_dim, base, pos0: 0 }),
-            heads: d.heads,
-            groups: d.groups,
+            heads: d.heads / tp.size(),
+            groups: d.groups / tp.size(),
             head_dim,
             attn: AttnCfg { causal: true, window: spec.window, scale: None },
         })
@@ -66,8 +86,8 @@ impl SelfAttention {
 
 impl Module for SelfAttention {
     fn forward(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Saved)> {
-        let (b, t) = (x.dims()[0], x.dims()[1]);
         let (qkv, s_qkv) = self.linear_qkv.forward(cx, x)?;
+        let (b, t) = (qkv.dims()[0], qkv.dims()[1]);
         let (mut q, mut kk, v) = k::qkv_split(&qkv, self.groups, self.heads / self.groups, self.head_dim)?;
         let mut children = vec![s_qkv];
         if let (Some(qn), Some(kn)) = (&self.q_layernorm, &self.k_layernorm) {

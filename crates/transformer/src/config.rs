@@ -13,8 +13,12 @@ pub struct TransformerConfig {
     pub ffn_hidden_size: usize,
     pub seq_length: usize,
     pub max_position_embeddings: usize,
-    /// Vocabulary size after padding (a multiple of 128 as Megatron pads it).
-    pub padded_vocab_size: usize,
+    /// The tokenizer's vocabulary (token ids are below it).
+    pub vocab_size: usize,
+    /// The embedding and output layer are padded to a multiple of this × the tensor-parallel
+    /// size (Megatron's --make-vocab-size-divisible-by, 128). Padding rows are never looked up
+    /// and their logits are left out of the loss.
+    pub make_vocab_size_divisible_by: usize,
     pub position_embedding: PositionEmbedding,
     pub untie_embeddings_and_output_weights: bool,
     pub layer: LayerSpec,
@@ -27,6 +31,33 @@ fn bad(msg: String) -> ModelError {
 }
 
 impl TransformerConfig {
+    /// Rows of the embedding table at tensor-parallel size `tp`.
+    pub fn padded_vocab_size(&self, tp: usize) -> usize {
+        let m = self.make_vocab_size_divisible_by.max(1) * tp.max(1);
+        self.vocab_size.div_ceil(m) * m
+    }
+
+    /// Checks that tensor-parallel size `tp` divides what it must split, naming the flags.
+    pub fn validate_tp(&self, tp: usize) -> Result<()> {
+        for (v, flag) in [
+            (self.num_attention_heads, "--num-attention-heads"),
+            (self.num_query_groups, "--num-query-groups"),
+            (self.ffn_hidden_size, "--ffn-hidden-size"),
+        ] {
+            if v % tp != 0 {
+                return Err(bad(format!(
+                    "{flag} {v} is not divisible by --tensor-model-parallel-size {tp}: pick a tensor-parallel size that divides it"
+                )));
+            }
+        }
+        if matches!(self.layer.mlp, MlpSpec::Custom(_)) && tp > 1 {
+            return Err(bad(format!(
+                "a custom MLP module is not tensor-parallel: use --tensor-model-parallel-size 1 (got {tp})"
+            )));
+        }
+        Ok(())
+    }
+
     pub fn head_dim(&self) -> usize {
         self.hidden_size / self.num_attention_heads
     }
@@ -41,7 +72,8 @@ impl TransformerConfig {
             (c.num_query_groups, "--num-query-groups"),
             (c.ffn_hidden_size, "--ffn-hidden-size"),
             (c.seq_length, "--seq-length"),
-            (c.padded_vocab_size, "vocabulary size"),
+            (c.vocab_size, "vocabulary size"),
+            (c.make_vocab_size_divisible_by, "--make-vocab-size-divisible-by"),
         ] {
             if v == 0 {
                 return Err(bad(format!("{flag} must be at least 1")));
@@ -90,7 +122,7 @@ impl TransformerConfig {
     /// Parameter count (untied output layer counted when untied). A custom MLP's parameters are not
     /// known here and count as a dense MLP's; the built `ParamTable::numel` is exact.
     pub fn num_params(&self) -> usize {
-        let (h, f, v) = (self.hidden_size, self.ffn_hidden_size, self.padded_vocab_size);
+        let (h, f, v) = (self.hidden_size, self.ffn_hidden_size, self.padded_vocab_size(1));
         let d = self.head_dim();
         let kv = self.num_query_groups * d;
         let (bias_attn, bias_mlp) = match &self.layer.mlp {

@@ -10,6 +10,7 @@ use crate::norm::Norm;
 use crate::spec::{MlpSpec, PositionEmbedding};
 use ferrotron_core::{Cx, Module, ParamTableBuilder, Result, Saved, Tensor, invalid};
 use ferrotron_kernels as k;
+use ferrotron_parallel::TensorParallel;
 
 pub struct TransformerLayer {
     pub input_layernorm: Norm,
@@ -19,8 +20,8 @@ pub struct TransformerLayer {
 }
 
 impl TransformerLayer {
-    pub fn new(p: &mut ParamTableBuilder, prefix: &str, c: &TransformerConfig) -> Result<Self> {
-        let (h, eps, norm) = (c.hidden_size, c.norm_epsilon, c.layer.norm);
+    pub fn new(p: &mut ParamTableBuilder, prefix: &str, c: &TransformerConfig, tp: &TensorParallel) -> Result<Self> {
+        let (h, eps, norm, sp) = (c.hidden_size, c.norm_epsilon, c.layer.norm, tp.sp());
         let std = c.init_method_std;
         let out_std = std / (2.0 * c.num_layers as f32).sqrt();
         let dims = AttentionDims {
@@ -36,13 +37,21 @@ impl TransformerLayer {
                 _ => None,
             },
         };
-        let input_layernorm = Norm::new(p, &format!("{prefix}.input_layernorm"), norm, h, eps)?;
-        let self_attention = SelfAttention::new(p, &format!("{prefix}.self_attention"), &dims, &c.layer.attention)?;
-        let pre_mlp_layernorm = Norm::new(p, &format!("{prefix}.pre_mlp_layernorm"), norm, h, eps)?;
+        let input_layernorm = Norm::new(p, &format!("{prefix}.input_layernorm"), norm, h, eps, sp)?;
+        let self_attention = SelfAttention::new(p, &format!("{prefix}.self_attention"), &dims, &c.layer.attention, tp)?;
+        let pre_mlp_layernorm = Norm::new(p, &format!("{prefix}.pre_mlp_layernorm"), norm, h, eps, sp)?;
         let mlp: Box<dyn Module> = match &c.layer.mlp {
-            MlpSpec::Dense { activation, bias } => {
-                Box::new(Mlp::new(p, &format!("{prefix}.mlp"), h, c.ffn_hidden_size, *activation, *bias, std, out_std)?)
-            }
+            MlpSpec::Dense { activation, bias } => Box::new(Mlp::new(
+                p,
+                &format!("{prefix}.mlp"),
+                h,
+                c.ffn_hidden_size,
+                *activation,
+                *bias,
+                std,
+                out_std,
+                tp,
+            )?),
             MlpSpec::Custom(f) => f.build(&format!("{prefix}.mlp"), h, p)?,
         };
         Ok(TransformerLayer { input_layernorm, self_attention, pre_mlp_layernorm, mlp })
@@ -79,12 +88,12 @@ pub struct TransformerBlock {
 }
 
 impl TransformerBlock {
-    pub fn new(p: &mut ParamTableBuilder, prefix: &str, c: &TransformerConfig) -> Result<Self> {
+    pub fn new(p: &mut ParamTableBuilder, prefix: &str, c: &TransformerConfig, tp: &TensorParallel) -> Result<Self> {
         let layers = (0..c.num_layers)
-            .map(|i| TransformerLayer::new(p, &format!("{prefix}.layers.{i}"), c))
+            .map(|i| TransformerLayer::new(p, &format!("{prefix}.layers.{i}"), c, tp))
             .collect::<Result<_>>()?;
         let final_layernorm =
-            Norm::new(p, &format!("{prefix}.final_layernorm"), c.layer.norm, c.hidden_size, c.norm_epsilon)?;
+            Norm::new(p, &format!("{prefix}.final_layernorm"), c.layer.norm, c.hidden_size, c.norm_epsilon, tp.sp())?;
         Ok(TransformerBlock { layers, final_layernorm })
     }
 }

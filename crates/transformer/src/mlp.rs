@@ -1,14 +1,16 @@
 //! Dense MLP: linear_fc1 [C → F, or 2F gate|value for SwiGLU] → activation → linear_fc2 [F → C].
+//! Tensor parallel: fc1 column-parallel (SwiGLU's gate and value blocks split separately, so each
+//! rank's activation is its slice of F), fc2 row-parallel.
 
-use crate::linear::Linear;
 use crate::spec::Activation;
 use ferrotron_core::{Cx, Module, ParamTableBuilder, Result, Saved, Tensor};
 use ferrotron_kernels as k;
+use ferrotron_parallel::{ColumnParallelLinear, RowParallelLinear, TensorParallel};
 
 #[derive(Debug, Clone)]
 pub struct Mlp {
-    pub linear_fc1: Linear,
-    pub linear_fc2: Linear,
+    pub linear_fc1: ColumnParallelLinear,
+    pub linear_fc2: RowParallelLinear,
     pub activation: Activation,
 }
 
@@ -23,14 +25,24 @@ impl Mlp {
         bias: bool,
         std: f32,
         out_std: f32,
+        tp: &TensorParallel,
     ) -> Result<Self> {
-        let fc1_out = match activation {
-            Activation::Gelu => ffn,
-            Activation::SwiGlu => 2 * ffn,
+        let blocks = match activation {
+            Activation::Gelu => 1,
+            Activation::SwiGlu => 2,
         };
         Ok(Mlp {
-            linear_fc1: Linear::new(p, &format!("{prefix}.linear_fc1"), hidden, fc1_out, bias, std)?,
-            linear_fc2: Linear::new(p, &format!("{prefix}.linear_fc2"), ffn, hidden, bias, out_std)?,
+            linear_fc1: ColumnParallelLinear::new(
+                p,
+                &format!("{prefix}.linear_fc1"),
+                hidden,
+                blocks * ffn,
+                bias,
+                std,
+                tp,
+                blocks,
+            )?,
+            linear_fc2: RowParallelLinear::new(p, &format!("{prefix}.linear_fc2"), ffn, hidden, bias, out_std, tp)?,
             activation,
         })
     }

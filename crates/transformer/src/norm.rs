@@ -1,5 +1,7 @@
 //! LayerNorm / RMSNorm over the last dimension as a module (weight initialised to 1, bias to 0; no
-//! weight decay on either).
+//! weight decay on either). `partial_grad`: the norm runs on part of the data of a
+//! tensor-parallel group (sequence shards, or this rank's heads for QK-norm), so its gradients are
+//! summed over the group before the step (`ParamMeta::sequence_parallel`).
 
 use crate::spec::NormKind;
 use ferrotron_core::{Cx, Init, Module, ParamId, ParamMeta, ParamTableBuilder, Result, Saved, Tensor, invalid};
@@ -14,12 +16,18 @@ pub struct Norm {
 }
 
 impl Norm {
-    pub fn new(p: &mut ParamTableBuilder, prefix: &str, kind: NormKind, width: usize, eps: f64) -> Result<Self> {
-        let weight = p.add(ParamMeta::replicated(format!("{prefix}.weight"), [width], Init::Ones, false))?;
+    pub fn new(
+        p: &mut ParamTableBuilder,
+        prefix: &str,
+        kind: NormKind,
+        width: usize,
+        eps: f64,
+        partial_grad: bool,
+    ) -> Result<Self> {
+        let meta = |n: &str, init| ParamMeta::replicated(format!("{prefix}.{n}"), [width], init, false);
+        let weight = p.add(meta("weight", Init::Ones).on_sequence_shards(partial_grad))?;
         let bias = match kind {
-            NormKind::LayerNorm => {
-                Some(p.add(ParamMeta::replicated(format!("{prefix}.bias"), [width], Init::Zeros, false))?)
-            }
+            NormKind::LayerNorm => Some(p.add(meta("bias", Init::Zeros).on_sequence_shards(partial_grad))?),
             NormKind::RmsNorm => None,
         };
         Ok(Norm { kind, weight, bias, eps })

@@ -14,7 +14,8 @@ fn config(llama: bool) -> TransformerConfig {
         ffn_hidden_size: 24,
         seq_length: 6,
         max_position_embeddings: 8,
-        padded_vocab_size: 11,
+        vocab_size: 11,
+        make_vocab_size_divisible_by: 1,
         position_embedding: if llama {
             PositionEmbedding::Rope { base: 10000.0 }
         } else {

@@ -13,7 +13,8 @@ fn base() -> TransformerConfig {
         ffn_hidden_size: 8,
         seq_length: 8,
         max_position_embeddings: 8,
-        padded_vocab_size: 16,
+        vocab_size: 16,
+        make_vocab_size_divisible_by: 1,
         position_embedding: PositionEmbedding::LearnedAbsolute,
         untie_embeddings_and_output_weights: false,
         layer: LayerSpec {
