@@ -146,18 +146,25 @@ impl ParamTableBuilder {
 
     /// Allocates the buffers on `device`, params in `dtype`, grads in f32, and initialises from `seed`.
     pub fn build(self, device: &Device, dtype: DType, seed: u64) -> Result<ParamTable> {
+        self.build_padded(device, dtype, seed, 1)
+    }
+
+    /// As `build`, with the flat buffers padded (with zeros after the last parameter) to a multiple
+    /// of `multiple` elements, so that data-parallel buckets split evenly.
+    pub fn build_padded(self, device: &Device, dtype: DType, seed: u64, multiple: usize) -> Result<ParamTable> {
         let mut offsets = Vec::with_capacity(self.metas.len());
         let mut total = 0;
         for m in &self.metas {
             offsets.push(total);
             total += m.local_shape.elem_count();
         }
-        let mut host = vec![0f32; total];
+        let flat = total.div_ceil(multiple.max(1)) * multiple.max(1);
+        let mut host = vec![0f32; flat];
         for (m, &off) in self.metas.iter().zip(&offsets) {
             init_values(m, seed, &mut host[off..off + m.local_shape.elem_count()]);
         }
-        let params = Tensor::from_f32(&host, [total], dtype, device)?;
-        let grads = Tensor::zeros([total], DType::F32, device)?;
+        let params = Tensor::from_f32(&host, [flat], dtype, device)?;
+        let grads = Tensor::zeros([flat], DType::F32, device)?;
         Ok(ParamTable { metas: self.metas, offsets, total, params, grads })
     }
 }
@@ -210,6 +217,10 @@ impl ParamTable {
     /// Total elements across all parameters.
     pub fn numel(&self) -> usize {
         self.total
+    }
+    /// Length of the flat buffers (`numel` plus padding).
+    pub fn flat_len(&self) -> usize {
+        self.params.elem_count()
     }
     /// Flat element range of parameter `id` in both buffers.
     pub fn range(&self, id: ParamId) -> std::ops::Range<usize> {

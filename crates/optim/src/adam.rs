@@ -1,11 +1,19 @@
 //! AdamW with fp32 master weights over flat buffers.
 //!
 //! Per step: global grad norm over main_grad → clip coefficient → one AdamW update per parameter
-//! view of the master buffer (weight decay only where `ParamMeta::weight_decay`) → master copied
+//! piece of the master buffer (weight decay only where `ParamMeta::weight_decay`) → master copied
 //! (rounded) into the model's parameter buffer. Non-finite gradients skip the step.
+//!
+//! A rank keeps master weights and moments only for the flat ranges it owns: all of the buffer,
+//! or under the distributed optimizer its slice of every data-parallel bucket (≈ 1/DP of the
+//! state). The norm sums each rank's part over the model-parallel group (and the data-parallel
+//! group when sharded), counting parameters replicated across tensor-parallel ranks once.
 
-use ferrotron_core::{DType, ParamTable, Result as CoreResult, Tensor};
+use crate::ddp::{Comm, GradSync};
+use ferrotron_comm::{CommError, ReduceOp};
+use ferrotron_core::{DType, ParamId, ParamTable, Result as CoreResult, Tensor};
 use ferrotron_kernels::{self as k, AdamW};
+use std::ops::Range;
 
 #[derive(Debug, thiserror::Error)]
 pub enum OptimError {
@@ -13,6 +21,8 @@ pub enum OptimError {
     StateMismatch(String),
     #[error(transparent)]
     Core(#[from] ferrotron_core::Error),
+    #[error(transparent)]
+    Comm(#[from] CommError),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -41,23 +51,70 @@ pub struct StepStats {
 
 pub struct Optimizer {
     pub config: AdamConfig,
+    /// Flat ranges of the parameter buffer this rank updates, in flat order (all of it unless the
+    /// optimizer is distributed); the state buffers hold them back to back.
+    owned: Vec<Range<usize>>,
     master: Tensor,
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
     step: u64,
+    /// Where gradient norms are summed: the model-parallel group (tensor × pipeline), and the
+    /// data-parallel group when each rank holds only its shards.
+    mp: Option<Comm>,
+    dp: Option<Comm>,
+    tp_rank: usize,
 }
 
 impl Optimizer {
-    /// Master weights start as an fp32 copy of the parameters; moments at zero.
+    /// One rank: master weights start as an fp32 copy of the parameters; moments at zero.
     pub fn new(table: &ParamTable, config: AdamConfig) -> CoreResult<Self> {
+        Self::build(table, config, vec![0..table.flat_len()], None, None, 0)
+    }
+
+    /// A rank of a parallel run: it updates the ranges `sync` owns (its data-parallel shards under
+    /// the distributed optimizer), and sums gradient norms over `mp` (tensor × pipeline ranks;
+    /// parameters replicated across tensor-parallel ranks counted once).
+    pub fn new_parallel(
+        table: &ParamTable,
+        config: AdamConfig,
+        sync: &GradSync,
+        mp: Comm,
+        tp_rank: usize,
+    ) -> CoreResult<Self> {
+        let owned = sync.plan.owned(sync.distributed);
+        let dp = sync.distributed.then(|| sync.dp.clone());
+        Self::build(table, config, owned, Some(mp), dp, tp_rank)
+    }
+
+    fn build(
+        table: &ParamTable,
+        config: AdamConfig,
+        owned: Vec<Range<usize>>,
+        mp: Option<Comm>,
+        dp: Option<Comm>,
+        tp_rank: usize,
+    ) -> CoreResult<Self> {
         let dev = table.flat_params().device().clone();
-        let n = table.numel();
+        let n: usize = owned.iter().map(|r| r.len()).sum();
+        let master = Tensor::zeros([n], DType::F32, &dev)?;
+        let mut at = 0;
+        for r in &owned {
+            k::copy_(
+                &master.view(at, [r.len()])?,
+                &k::cast(&table.flat_params().view(r.start, [r.len()])?, DType::F32)?,
+            )?;
+            at += r.len();
+        }
         Ok(Optimizer {
             config,
-            master: k::cast(table.flat_params(), DType::F32)?,
+            owned,
+            master,
             exp_avg: Tensor::zeros([n], DType::F32, &dev)?,
             exp_avg_sq: Tensor::zeros([n], DType::F32, &dev)?,
             step: 0,
+            mp,
+            dp,
+            tp_rank,
         })
     }
 
@@ -66,14 +123,60 @@ impl Optimizer {
         self.step
     }
 
-    /// Bytes of optimizer state (master + two moments).
+    /// Bytes of optimizer state held by this rank (master + two moments).
     pub fn state_bytes(&self) -> usize {
         3 * 4 * self.master.elem_count()
     }
 
-    /// One update from the accumulated main_grad at learning rate `lr`.
-    pub fn step(&mut self, table: &ParamTable, lr: f32) -> CoreResult<StepStats> {
-        let grad_norm = k::global_l2_norm(&[table.flat_grads()])?;
+    /// The flat ranges this rank updates (state buffers hold them back to back).
+    pub fn owned(&self) -> &[Range<usize>] {
+        &self.owned
+    }
+
+    /// (parameter, flat range within it, offset in the state buffers) for every owned piece.
+    fn pieces(&self, table: &ParamTable) -> Vec<(ParamId, Range<usize>, usize)> {
+        let mut out = vec![];
+        let mut base = 0;
+        for o in &self.owned {
+            for id in table.ids() {
+                let r = table.range(id);
+                let (s, e) = (r.start.max(o.start), r.end.min(o.end));
+                if s < e {
+                    out.push((id, s..e, base + s - o.start));
+                }
+            }
+            base += o.len();
+        }
+        out
+    }
+
+    /// L2 norm of the (synchronised) gradients over the whole model, identical on every rank.
+    pub fn grad_norm(&self, table: &ParamTable) -> Result<f64, OptimError> {
+        let g = table.flat_grads();
+        let mut sq = 0.0;
+        for (id, r, _) in self.pieces(table) {
+            // Replicated across tensor-parallel ranks: counted on one of them.
+            if table.meta(id).replicated && self.tp_rank != 0 {
+                continue;
+            }
+            sq += k::sum_sq(&g.view(r.start, [r.len()])?)?;
+        }
+        let dev = g.device();
+        for c in [&self.mp, &self.dp].into_iter().flatten() {
+            if c.size() > 1 {
+                let t = Tensor::from_vec(vec![sq as f32], [1], dev)?;
+                // Sum in f32 across ranks: every rank gets the same bits.
+                c.all_reduce(&t, ReduceOp::Sum)?;
+                sq = t.to_vec_f32()?[0] as f64;
+            }
+        }
+        Ok(sq.sqrt())
+    }
+
+    /// One update from the accumulated (and synchronised) main_grad at learning rate `lr`. Under
+    /// the distributed optimizer the caller then gathers the parameters (`GradSync::gather_params`).
+    pub fn step(&mut self, table: &ParamTable, lr: f32) -> Result<StepStats, OptimError> {
+        let grad_norm = self.grad_norm(table)?;
         if !grad_norm.is_finite() {
             return Ok(StepStats { grad_norm, applied: false });
         }
@@ -84,8 +187,7 @@ impl Optimizer {
             1.0
         };
         self.step += 1;
-        for id in table.ids() {
-            let r = table.range(id);
+        for (id, r, at) in self.pieces(table) {
             let shape = [r.len()];
             let h = AdamW {
                 lr,
@@ -97,14 +199,18 @@ impl Optimizer {
                 grad_scale,
             };
             k::adamw_step(
-                &self.master.view(r.start, shape)?,
+                &self.master.view(at, shape)?,
                 &table.flat_grads().view(r.start, shape)?,
-                &self.exp_avg.view(r.start, shape)?,
-                &self.exp_avg_sq.view(r.start, shape)?,
+                &self.exp_avg.view(at, shape)?,
+                &self.exp_avg_sq.view(at, shape)?,
                 &h,
             )?;
         }
-        k::copy_(table.flat_params(), &self.master)?;
+        let mut at = 0;
+        for o in &self.owned {
+            k::copy_(&table.flat_params().view(o.start, [o.len()])?, &self.master.view(at, [o.len()])?)?;
+            at += o.len();
+        }
         Ok(StepStats { grad_norm, applied: true })
     }
 

@@ -1,13 +1,22 @@
 //! ferrotron-optim: the optimizer side of training.
 //!
-//! `Optimizer` keeps fp32 master weights and Adam moments as flat buffers laid out by the model's
-//! `ParamTable`, so one table drives params, grads and optimizer state (and later DDP buckets and
-//! the distributed optimizer's shards). Weight decay follows Megatron: none on biases and norm
-//! weights (`ParamMeta::weight_decay`). Clipping is by global L2 norm of main_grad. `LrSchedule` is
-//! Megatron's warmup + constant/linear/cosine decay to min-lr.
+//! - `Optimizer`: AdamW with fp32 master weights and moments as flat buffers laid out by the
+//!   model's `ParamTable` (one table drives params, grads, buckets and optimizer state); weight
+//!   decay as Megatron (none on biases and norm weights); clipping by the global L2 norm, with
+//!   parameters replicated across tensor-parallel ranks counted once. Under the distributed
+//!   optimizer a rank keeps state only for its data-parallel shards.
+//! - `GradSync`: data-parallel buckets over main_grad, all-reduce or reduce-scatter, overlapped
+//!   with backward on a communication thread when asked; the parameter all-gather after a
+//!   distributed step; the tensor-parallel sum of sequence-parallel grads.
+//! - `train_step`: accumulation + sync + update for one global batch.
+//! - `LrSchedule`: Megatron's warmup + constant/linear/cosine decay to min-lr.
 
 mod adam;
+mod ddp;
 mod schedule;
+mod step;
 
 pub use adam::{AdamConfig, OptimError, Optimizer, StepStats};
+pub use ddp::{BucketPlan, GradSync, default_bucket_size};
 pub use schedule::{DecayStyle, LrSchedule};
+pub use step::{StepError, StepOutput, train_step};

@@ -67,17 +67,19 @@ impl GptModel {
         seed: u64,
     ) -> Result<(GptModel, ParamTable)> {
         let tp = TensorParallel::new(ProcessGroups::single().tp, false);
-        Self::build_parallel(config, &tp, device, dtype, seed)
+        Self::build_parallel(config, &tp, device, dtype, seed, 1)
     }
 
     /// This rank's part of the model under tensor (and sequence) parallelism `tp`. Parameters
-    /// hold exactly their part of what `build` makes with the same seed.
+    /// hold exactly their part of what `build` makes with the same seed. The flat buffers are
+    /// padded to a multiple of `pad_to` (the data-parallel size, so buckets split evenly).
     pub fn build_parallel(
         config: TransformerConfig,
         tp: &TensorParallel,
         device: &Device,
         dtype: DType,
         seed: u64,
+        pad_to: usize,
     ) -> Result<(GptModel, ParamTable)> {
         config.validate()?;
         config.validate_tp(tp.size())?;
@@ -107,7 +109,7 @@ impl GptModel {
         } else {
             embedding.weight
         };
-        let table = p.build(device, dtype, seed)?;
+        let table = p.build_padded(device, dtype, seed, pad_to)?;
         let model = GptModel { config, position_embeddings, decoder, output_layer, embedding, tp: tp.clone() };
         Ok((model, table))
     }
@@ -195,6 +197,18 @@ impl GptModel {
 
     /// Gradients of `grad_scale · loss`, added into main_grad.
     pub fn backward(&self, cx: &Cx, saved: GptSaved, grad_scale: f32) -> Result<()> {
+        self.backward_with(cx, saved, grad_scale, &mut |_| Ok(()))
+    }
+
+    /// `backward` that calls `done(offset)` whenever every gradient at flat offsets ≥ `offset` is
+    /// final: after the output layer, the final norm, each layer, and (0) the embeddings.
+    pub fn backward_with(
+        &self,
+        cx: &Cx,
+        saved: GptSaved,
+        grad_scale: f32,
+        done: &mut dyn FnMut(usize) -> ferrotron_core::Result<()>,
+    ) -> Result<()> {
         let n = saved.labels.elem_count();
         if saved.num_tokens <= 0.0 {
             return Ok(());
@@ -215,11 +229,15 @@ impl GptModel {
         let dh = k::matmul(&dlogits, &w_out, false, false)?.reshape(h.dims().to_vec())?;
         k::matmul_into(&cx.params.grad(self.output_layer)?, &dlogits, &h.reshape([n, c])?, true, false, true)?;
         let dh = self.tp.enter_bwd(&dh)?;
-        let dx = self.decoder.backward(cx, saved.decoder, &dh)?;
+        if self.config.untie_embeddings_and_output_weights {
+            done(cx.params.range(self.output_layer).start)?;
+        }
+        let dx = self.decoder.backward_with(cx, saved.decoder, &dh, done)?;
         self.embedding.backward(cx, &saved.tokens, &dx)?;
         if let (Some(pos), Some(pe)) = (&saved.positions, self.position_embeddings) {
             k::embedding_bwd(pos, &dx, &cx.params.grad(pe)?)?;
         }
+        done(0)?;
         Ok(())
     }
 

@@ -87,6 +87,34 @@ pub struct TransformerBlock {
     pub final_layernorm: Norm,
 }
 
+/// Lowest flat offset of the parameters registered from `first` on (they are registered in
+/// order, so every later parameter lies above it).
+fn offset(cx: &Cx, first: ferrotron_core::ParamId) -> usize {
+    cx.params.range(first).start
+}
+
+impl TransformerBlock {
+    /// Backward that reports, after the final norm and after each layer, the lowest flat offset
+    /// whose gradients this backward has finished (for overlapping the data-parallel reduce).
+    pub fn backward_with(
+        &self,
+        cx: &Cx,
+        saved: Saved,
+        dy: &Tensor,
+        done: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<Tensor> {
+        let mut children = saved.children;
+        let s_final = children.pop().ok_or_else(|| invalid("TransformerBlock::backward", "nothing saved"))?;
+        let mut d = self.final_layernorm.backward(cx, s_final, dy)?;
+        done(offset(cx, self.final_layernorm.weight))?;
+        for (l, s) in self.layers.iter().zip(children).rev() {
+            d = l.backward(cx, s, &d)?;
+            done(offset(cx, l.input_layernorm.weight))?;
+        }
+        Ok(d)
+    }
+}
+
 impl TransformerBlock {
     pub fn new(p: &mut ParamTableBuilder, prefix: &str, c: &TransformerConfig, tp: &TensorParallel) -> Result<Self> {
         let layers = (0..c.num_layers)
@@ -113,12 +141,6 @@ impl Module for TransformerBlock {
     }
 
     fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
-        let mut children = saved.children;
-        let s_final = children.pop().ok_or_else(|| invalid("TransformerBlock::backward", "nothing saved"))?;
-        let mut d = self.final_layernorm.backward(cx, s_final, dy)?;
-        for (l, s) in self.layers.iter().zip(children).rev() {
-            d = l.backward(cx, s, &d)?;
-        }
-        Ok(d)
+        self.backward_with(cx, saved, dy, &mut |_| Ok(()))
     }
 }

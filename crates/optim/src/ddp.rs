@@ -1,0 +1,251 @@
+//! Data-parallel gradient synchronisation over buckets of the flat main_grad buffer.
+//!
+//! Buckets are ranges of the flat buffer taken from its end (backward finishes the last layers
+//! first), each a multiple of the data-parallel size long, so that under the distributed optimizer
+//! rank d owns the d-th equal slice of every bucket (Megatron's layout). A bucket is averaged over
+//! the data-parallel group with an all-reduce, or with a reduce-scatter into the owner's slice
+//! under the distributed optimizer.
+//!
+//! Overlap (`--overlap-grad-reduce`): the model reports, after each layer's backward on the last
+//! micro-batch, the lowest flat offset whose gradients are final (`ready`); every bucket above it
+//! starts at once on a communication thread while the backward goes on. `finish` starts the rest
+//! and waits for all. (On NCCL the collectives are enqueued in order on the rank's stream.)
+//!
+//! Gradients of replicated parameters used on sequence shards (`ParamMeta::sequence_parallel`)
+//! are then summed over the tensor-parallel group, on the part of the buffer this rank keeps.
+
+use ferrotron_comm::{CommError, Communicator, ReduceOp};
+use ferrotron_core::{DType, ParamTable, Tensor};
+use ferrotron_kernels as k;
+use std::ops::Range;
+use std::sync::Arc;
+use std::sync::mpsc::{Receiver, Sender, channel};
+
+pub type Comm = Arc<dyn Communicator>;
+
+/// Megatron's default bucket size (elements): max(40M, 1M × dp).
+pub fn default_bucket_size(dp: usize) -> usize {
+    (40_000_000).max(1_000_000 * dp)
+}
+
+/// How the flat buffer is cut into buckets and shards.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BucketPlan {
+    /// Flat ranges, highest offsets first.
+    pub buckets: Vec<Range<usize>>,
+    pub dp: usize,
+    pub dp_rank: usize,
+}
+
+impl BucketPlan {
+    /// Buckets of about `bucket_size` elements over a flat buffer of `flat_len` (a multiple of
+    /// `dp`: build the table with `build_padded(.., dp)`).
+    pub fn new(flat_len: usize, bucket_size: usize, dp: usize, dp_rank: usize) -> BucketPlan {
+        let size = bucket_size.max(1).div_ceil(dp) * dp;
+        let mut buckets = vec![];
+        let mut end = flat_len;
+        while end > 0 {
+            let start = end.saturating_sub(size);
+            buckets.push(start..end);
+            end = start;
+        }
+        BucketPlan { buckets, dp, dp_rank }
+    }
+
+    /// The slice of bucket `b` this rank owns under the distributed optimizer.
+    pub fn shard(&self, b: usize) -> Range<usize> {
+        let r = &self.buckets[b];
+        let part = r.len() / self.dp;
+        r.start + self.dp_rank * part..r.start + (self.dp_rank + 1) * part
+    }
+
+    /// Every flat range this rank owns, in flat order.
+    pub fn owned(&self, distributed: bool) -> Vec<Range<usize>> {
+        let mut v: Vec<Range<usize>> =
+            if distributed { (0..self.buckets.len()).map(|b| self.shard(b)).collect() } else { self.buckets.clone() };
+        v.sort_by_key(|r| r.start);
+        v
+    }
+}
+
+/// The communication thread: runs jobs in order, one result per job.
+struct Worker {
+    jobs: Sender<Box<dyn FnOnce() -> Result<(), CommError> + Send>>,
+    done: Receiver<Result<(), CommError>>,
+}
+
+impl Worker {
+    fn new() -> Worker {
+        let (jobs, rx) = channel::<Box<dyn FnOnce() -> Result<(), CommError> + Send>>();
+        let (tx, done) = channel();
+        std::thread::Builder::new()
+            .name("grad-reduce".into())
+            .spawn(move || {
+                for job in rx {
+                    if tx.send(job()).is_err() {
+                        return;
+                    }
+                }
+            })
+            .expect("spawning the gradient-reduce thread");
+        Worker { jobs, done }
+    }
+}
+
+pub struct GradSync {
+    pub plan: BucketPlan,
+    pub dp: Comm,
+    pub tp: Comm,
+    pub distributed: bool,
+    worker: Option<Worker>,
+    /// Buckets started this step (from the top).
+    started: usize,
+    in_flight: usize,
+    /// Flat ranges of sequence-parallel grads within the owned part of the buffer.
+    sp_ranges: Vec<Range<usize>>,
+}
+
+impl GradSync {
+    pub fn new(
+        table: &ParamTable,
+        dp: Comm,
+        tp: Comm,
+        bucket_size: usize,
+        distributed: bool,
+        overlap: bool,
+    ) -> GradSync {
+        let plan = BucketPlan::new(table.flat_len(), bucket_size, dp.size(), dp.rank());
+        let owned = plan.owned(distributed);
+        let mut sp_ranges = vec![];
+        if tp.size() > 1 {
+            for id in table.ids().filter(|&id| table.meta(id).sequence_parallel) {
+                let r = table.range(id);
+                for o in &owned {
+                    let (s, e) = (r.start.max(o.start), r.end.min(o.end));
+                    if s < e {
+                        sp_ranges.push(s..e);
+                    }
+                }
+            }
+        }
+        let worker = (overlap && dp.size() > 1).then(Worker::new);
+        GradSync { plan, dp, tp, distributed, worker, started: 0, in_flight: 0, sp_ranges }
+    }
+
+    /// Call before the last micro-batch's backward.
+    pub fn begin(&mut self) {
+        self.started = 0;
+    }
+
+    fn launch(&mut self, table: &ParamTable, b: usize) -> Result<(), CommError> {
+        if self.dp.size() == 1 {
+            return Ok(());
+        }
+        let grads = table.flat_grads().clone();
+        let r = self.plan.buckets[b].clone();
+        let shard = self.plan.shard(b);
+        let (dp, distributed) = (self.dp.clone(), self.distributed);
+        let job = move || -> Result<(), CommError> {
+            let bucket = grads.view(r.start, [r.len()])?;
+            if distributed {
+                dp.reduce_scatter(&bucket, &grads.view(shard.start, [shard.len()])?, ReduceOp::Avg)
+            } else {
+                dp.all_reduce(&bucket, ReduceOp::Avg)
+            }
+        };
+        match &self.worker {
+            Some(w) => {
+                w.jobs.send(Box::new(job)).map_err(|_| worker_gone())?;
+                self.in_flight += 1;
+                Ok(())
+            }
+            None => job(),
+        }
+    }
+
+    /// Gradients at flat offsets ≥ `frontier` are final: start every bucket above it (overlap only).
+    pub fn ready(&mut self, table: &ParamTable, frontier: usize) -> Result<(), CommError> {
+        if self.worker.is_none() {
+            return Ok(());
+        }
+        while self.started < self.plan.buckets.len() && self.plan.buckets[self.started].start >= frontier {
+            self.launch(table, self.started)?;
+            self.started += 1;
+        }
+        Ok(())
+    }
+
+    /// Starts what is left, waits for every bucket, then sums sequence-parallel grads over TP.
+    pub fn finish(&mut self, table: &ParamTable) -> Result<(), CommError> {
+        while self.started < self.plan.buckets.len() {
+            self.launch(table, self.started)?;
+            self.started += 1;
+        }
+        let mut first_err = None;
+        if let Some(w) = &self.worker {
+            for _ in 0..self.in_flight {
+                if let Err(e) = w.done.recv().map_err(|_| worker_gone())? {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        self.in_flight = 0;
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+        self.reduce_sequence_parallel(table)
+    }
+
+    fn reduce_sequence_parallel(&self, table: &ParamTable) -> Result<(), CommError> {
+        let n: usize = self.sp_ranges.iter().map(|r| r.len()).sum();
+        if n == 0 {
+            return Ok(());
+        }
+        let g = table.flat_grads();
+        let packed = Tensor::zeros([n], DType::F32, g.device())?;
+        let mut at = 0;
+        for r in &self.sp_ranges {
+            k::copy_(&packed.view(at, [r.len()])?, &g.view(r.start, [r.len()])?)?;
+            at += r.len();
+        }
+        self.tp.all_reduce(&packed, ReduceOp::Sum)?;
+        at = 0;
+        for r in &self.sp_ranges {
+            k::copy_(&g.view(r.start, [r.len()])?, &packed.view(at, [r.len()])?)?;
+            at += r.len();
+        }
+        Ok(())
+    }
+
+    /// After the optimizer updated this rank's slices of the parameters: every rank gets all of
+    /// them (distributed optimizer only).
+    pub fn gather_params(&self, table: &ParamTable) -> Result<(), CommError> {
+        if !self.distributed || self.dp.size() == 1 {
+            return Ok(());
+        }
+        let p = table.flat_params();
+        for b in 0..self.plan.buckets.len() {
+            let (r, s) = (self.plan.buckets[b].clone(), self.plan.shard(b));
+            self.dp.all_gather(&p.view(s.start, [s.len()])?, &p.view(r.start, [r.len()])?)?;
+        }
+        Ok(())
+    }
+}
+
+fn worker_gone() -> CommError {
+    CommError::Invalid { op: "grad reduce", group: "dp".into(), msg: "the communication thread stopped".into() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_tile_the_buffer_and_shards_tile_each_bucket() {
+        let p = BucketPlan::new(24, 10, 2, 1);
+        assert_eq!(p.buckets, vec![14..24, 4..14, 0..4]);
+        assert_eq!((p.shard(0), p.shard(2)), (19..24, 2..4));
+        assert_eq!(p.owned(true), vec![2..4, 9..14, 19..24]);
+        assert_eq!(p.owned(false), vec![0..4, 4..14, 14..24]);
+    }
+}

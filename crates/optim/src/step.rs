@@ -1,0 +1,65 @@
+//! One training step of a (possibly parallel) GPT: gradient accumulation over this rank's
+//! micro-batches, data-parallel gradient sync (overlapped with the last backward when asked),
+//! the optimizer update, and the parameter gather of the distributed optimizer.
+//!
+//! Loss scaling: each micro-batch's mean loss is scaled by 1 / (micro-batches on this rank) and
+//! the data-parallel sync averages, so the update equals one rank's over all micro-batches of the
+//! global batch.
+
+use crate::{GradSync, OptimError, Optimizer};
+use ferrotron_comm::ReduceOp;
+use ferrotron_core::{Cx, ParamTable, Tensor};
+use ferrotron_transformer::{Batch, GptModel, ModelError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Optim(#[from] OptimError),
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct StepOutput {
+    /// Mean loss over the global batch (identical on every rank).
+    pub loss: f64,
+    pub grad_norm: f64,
+    pub applied: bool,
+}
+
+pub fn train_step(
+    model: &GptModel,
+    table: &ParamTable,
+    sync: &mut GradSync,
+    opt: &mut Optimizer,
+    micro_batches: &[Batch],
+    lr: f32,
+) -> Result<StepOutput, StepError> {
+    table.zero_grads().map_err(ModelError::from)?;
+    let cx = Cx { params: table, training: true };
+    let m = micro_batches.len();
+    let mut loss = 0.0;
+    for (i, b) in micro_batches.iter().enumerate() {
+        let (l, saved) = model.forward(&cx, b)?;
+        loss += l / m as f64;
+        if i + 1 == m {
+            sync.begin();
+            model.backward_with(&cx, saved, 1.0 / m as f32, &mut |frontier| {
+                sync.ready(table, frontier).map_err(|e| ferrotron_core::Error::External(Box::new(e)))
+            })?;
+        } else {
+            model.backward(&cx, saved, 1.0 / m as f32)?;
+        }
+    }
+    sync.finish(table).map_err(OptimError::from)?;
+    let stats = opt.step(table, lr)?;
+    if stats.applied {
+        sync.gather_params(table).map_err(OptimError::from)?;
+    }
+    if sync.dp.size() > 1 {
+        let t = Tensor::from_vec(vec![loss as f32], [1], &ferrotron_core::Device::Cpu).map_err(OptimError::from)?;
+        sync.dp.all_reduce(&t, ReduceOp::Avg).map_err(OptimError::from)?;
+        loss = t.to_vec_f32().map_err(OptimError::from)?[0] as f64;
+    }
+    Ok(StepOutput { loss, grad_norm: stats.grad_norm, applied: stats.applied })
+}

@@ -1,0 +1,193 @@
+//! The central layout test: a tiny GPT (GPT-2 style and Llama style) trained for 5 steps under
+//! tensor parallelism (2, 4) × sequence parallelism × data parallelism (1, 2) × the distributed
+//! optimizer, on thread ranks, against the same model on one rank: per-step losses within 1e-5
+//! relative and the gathered parameters after the steps within 1e-5.
+
+use ferrotron_comm::{Communicator, all_ok, run_ranks};
+use ferrotron_core::{DType, Device, ParamTable, Tensor};
+use ferrotron_optim::{AdamConfig, GradSync, Optimizer, train_step};
+use ferrotron_parallel::{Layout, ProcessGroups, TensorParallel, gather_param};
+use ferrotron_transformer::spec::{Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, PositionEmbedding};
+use ferrotron_transformer::{Batch, GptModel, TransformerConfig};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+const SEQ: usize = 8;
+const MICRO: usize = 2;
+const GLOBAL_MICROS: usize = 4;
+const STEPS: usize = 5;
+const VOCAB: usize = 40;
+
+fn config(llama: bool) -> TransformerConfig {
+    let (norm, act, bias, pos) = if llama {
+        (NormKind::RmsNorm, Activation::SwiGlu, false, PositionEmbedding::Rope { base: 10000.0 })
+    } else {
+        (NormKind::LayerNorm, Activation::Gelu, true, PositionEmbedding::LearnedAbsolute)
+    };
+    TransformerConfig {
+        num_layers: 2,
+        hidden_size: 32,
+        num_attention_heads: if llama { 8 } else { 4 },
+        num_query_groups: 4,
+        ffn_hidden_size: if llama { 48 } else { 64 },
+        seq_length: SEQ,
+        max_position_embeddings: SEQ,
+        vocab_size: VOCAB,
+        make_vocab_size_divisible_by: 8,
+        position_embedding: pos,
+        untie_embeddings_and_output_weights: llama,
+        layer: LayerSpec {
+            norm,
+            attention: AttentionSpec { bias, qk_layernorm: llama, window: None },
+            mlp: MlpSpec::Dense { activation: act, bias },
+        },
+        norm_epsilon: 1e-5,
+        init_method_std: 0.05,
+    }
+}
+
+/// Micro-batch `j` of the global batch (same on every layout; every step sees the same batch, so
+/// the loss must fall).
+fn micro_batch(j: usize) -> Batch {
+    let rng = ferrotron_core::rng::Philox::new(99).with_stream(j as u64);
+    let mut u = vec![0f32; MICRO * (SEQ + 1)];
+    rng.fill_uniform(0, &mut u);
+    let ids: Vec<u32> = u.iter().map(|x| (x * VOCAB as f32) as u32 % VOCAB as u32).collect();
+    let (mut tokens, mut labels) = (vec![], vec![]);
+    for r in ids.chunks(SEQ + 1) {
+        tokens.extend_from_slice(&r[..SEQ]);
+        labels.extend_from_slice(&r[1..]);
+    }
+    Batch {
+        tokens: Tensor::from_vec(tokens, [MICRO, SEQ], &Device::Cpu).unwrap(),
+        labels: Tensor::from_vec(labels, [MICRO, SEQ], &Device::Cpu).unwrap(),
+        loss_mask: Tensor::from_vec(vec![1f32; MICRO * SEQ], [MICRO, SEQ], &Device::Cpu).unwrap(),
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Run {
+    tp: usize,
+    sp: bool,
+    dp: usize,
+    distributed: bool,
+    overlap: bool,
+}
+
+struct Outcome {
+    losses: Vec<f64>,
+    params: BTreeMap<String, Vec<f32>>,
+    state_bytes: usize,
+    flat_len: usize,
+}
+
+fn whole_params(table: &ParamTable, g: &ProcessGroups) -> BTreeMap<String, Vec<f32>> {
+    let mut out = BTreeMap::new();
+    for id in table.ids() {
+        let m = table.meta(id);
+        let mut v = gather_param(&g.tp, m, &table.param(id).unwrap()).unwrap();
+        if m.name.ends_with("word_embeddings.weight") || m.name == "output_layer.weight" {
+            v.truncate(VOCAB * m.global_shape.dims()[1]); // padding rows differ in number only
+        }
+        out.insert(m.name.clone(), v);
+    }
+    out
+}
+
+fn train(run: Run, llama: bool, world: Arc<dyn Communicator>) -> Result<Outcome, String> {
+    let layout = Layout::new(world.size(), run.tp, 1, 1, 1).map_err(|e| e.to_string())?;
+    let g = ProcessGroups::new(world, layout).map_err(|e| e.to_string())?;
+    let tp = TensorParallel::new(g.tp.clone(), run.sp);
+    let (model, table) = GptModel::build_parallel(config(llama), &tp, &Device::Cpu, DType::F32, 1234, run.dp)
+        .map_err(|e| e.to_string())?;
+    // Adam divides by √v + eps. Where a gradient is rounding noise around zero (the key bias: a
+    // per-row shift of the attention scores, which softmax ignores, so its exact gradient is 0),
+    // eps 1e-8 turns noise of 1e-10 into steps of ±lr/100 that differ between summation orders;
+    // eps 1e-5 keeps the update a smooth function of the gradient, so layouts can be compared.
+    // Small buckets so that several overlap with the backward.
+    let mut sync = GradSync::new(&table, g.dp_cp.clone(), g.tp.clone(), 2000, run.distributed, run.overlap);
+    let adam = AdamConfig { weight_decay: 0.1, clip_grad: 0.5, eps: 1e-5, ..AdamConfig::default() };
+    let mut opt = Optimizer::new_parallel(&table, adam, &sync, g.mp.clone(), g.tp.rank()).map_err(|e| e.to_string())?;
+    let (d, dp) = (g.dp.rank(), g.dp.size());
+    let mut losses = vec![];
+    for _ in 0..STEPS {
+        let micros: Vec<Batch> = (0..GLOBAL_MICROS / dp).map(|m| micro_batch(m * dp + d)).collect();
+        let out = train_step(&model, &table, &mut sync, &mut opt, &micros, 1e-2).map_err(|e| e.to_string())?;
+        assert!(out.applied);
+        losses.push(out.loss);
+    }
+    Ok(Outcome { losses, params: whole_params(&table, &g), state_bytes: opt.state_bytes(), flat_len: table.flat_len() })
+}
+
+fn reference(llama: bool) -> Outcome {
+    let run = Run { tp: 1, sp: false, dp: 1, distributed: false, overlap: false };
+    all_ok(run_ranks(1, Duration::from_secs(60), |_, w| train(run, llama, w))).unwrap().remove(0)
+}
+
+fn check(run: Run, llama: bool, one: &Outcome) {
+    let world = run.tp * run.dp;
+    let outs = all_ok(run_ranks(world, Duration::from_secs(60), |_, w| train(run, llama, w))).unwrap();
+    for (r, o) in outs.iter().enumerate() {
+        let what = format!("{} {run:?} rank {r}", if llama { "llama" } else { "gpt" });
+        for (s, (a, b)) in o.losses.iter().zip(&one.losses).enumerate() {
+            assert!((a - b).abs() <= 1e-5 * b.abs(), "{what}: step {s} loss {a} vs {b}");
+        }
+        assert_eq!(o.params.len(), one.params.len());
+        for ((n, a), (n1, b)) in o.params.iter().zip(&one.params) {
+            assert_eq!(n, n1);
+            for (i, (x, y)) in a.iter().zip(b).enumerate() {
+                assert!((x - y).abs() <= 1e-5 * (1.0 + y.abs()), "{what}: {n}[{i}] {x} vs {y}");
+            }
+        }
+        if run.distributed {
+            // Optimizer state is sharded: exactly 1/DP of the padded buffer's 12 bytes/element.
+            assert_eq!(o.state_bytes * run.dp, 12 * o.flat_len, "{what}");
+        } else {
+            assert_eq!(o.state_bytes, 12 * o.flat_len, "{what}");
+        }
+    }
+}
+
+fn all_layouts(llama: bool) {
+    let one = reference(llama);
+    assert!(one.losses[STEPS - 1] < one.losses[0], "the reference run learns: {:?}", one.losses);
+    for tp in [2, 4] {
+        for sp in [false, true] {
+            for dp in [1, 2] {
+                for distributed in [false, true] {
+                    let overlap = dp > 1 && (sp ^ distributed);
+                    check(Run { tp, sp, dp, distributed, overlap }, llama, &one);
+                }
+            }
+        }
+    }
+    // Pure data parallelism, with and without overlap.
+    for overlap in [false, true] {
+        check(Run { tp: 1, sp: false, dp: 2, distributed: true, overlap }, llama, &one);
+        check(Run { tp: 1, sp: false, dp: 2, distributed: false, overlap }, llama, &one);
+    }
+}
+
+#[test]
+fn gpt2_style_layouts_match_one_rank() {
+    all_layouts(false);
+}
+
+#[test]
+fn llama_style_layouts_match_one_rank() {
+    all_layouts(true);
+}
+
+#[test]
+fn a_tp_size_that_does_not_divide_is_named_at_build() {
+    let outs = run_ranks(3, Duration::from_secs(10), |_, w| {
+        let g = ProcessGroups::new(w, Layout::new(3, 3, 1, 1, 1).unwrap()).unwrap();
+        let tp = TensorParallel::new(g.tp.clone(), false);
+        GptModel::build_parallel(config(true), &tp, &Device::Cpu, DType::F32, 0, 1).err().map(|e| e.to_string())
+    });
+    for o in outs {
+        let e = o.unwrap().expect("TP 3 cannot split 8 heads");
+        assert!(e.contains("--num-attention-heads 8") && e.contains("--tensor-model-parallel-size 3"), "{e}");
+    }
+}
