@@ -68,7 +68,8 @@ pub struct Optimizer {
 impl Optimizer {
     /// One rank: master weights start as an fp32 copy of the parameters; moments at zero.
     pub fn new(table: &ParamTable, config: AdamConfig) -> CoreResult<Self> {
-        Self::build(table, config, vec![0..table.flat_len()], None, None, 0)
+        let whole = std::iter::once(0..table.flat_len()).collect();
+        Self::build(table, config, whole, None, None, 0)
     }
 
     /// A rank of a parallel run: it updates the ranges `sync` owns (its data-parallel shards under
