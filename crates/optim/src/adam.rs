@@ -215,32 +215,46 @@ impl Optimizer {
         Ok(StepStats { grad_norm, applied: true })
     }
 
-    /// (master, exp_avg, exp_avg_sq, step) for checkpointing.
-    pub fn state(&self) -> (&Tensor, &Tensor, &Tensor, u64) {
-        (&self.master, &self.exp_avg, &self.exp_avg_sq, self.step)
+    /// (master, exp_avg, exp_avg_sq) laid out like the whole flat buffer (length `flat_len`), and
+    /// the step. Collective over the data-parallel group under the distributed optimizer (each
+    /// rank contributes its shards); every rank gets the whole state.
+    pub fn full_state(&self, flat_len: usize) -> Result<([Vec<f32>; 3], u64), OptimError> {
+        let mut out = [vec![0f32; flat_len], vec![0f32; flat_len], vec![0f32; flat_len]];
+        for (buf, t) in out.iter_mut().zip([&self.master, &self.exp_avg, &self.exp_avg_sq]) {
+            let v = t.to_vec_f32()?;
+            let mut at = 0;
+            for o in &self.owned {
+                buf[o.clone()].copy_from_slice(&v[at..at + o.len()]);
+                at += o.len();
+            }
+        }
+        if let Some(dp) = self.dp.as_ref().filter(|d| d.size() > 1) {
+            for buf in &mut out {
+                // Shards are disjoint: the sum is exact.
+                let t = Tensor::from_vec(std::mem::take(buf), [flat_len], &ferrotron_core::Device::Cpu)?;
+                dp.all_reduce(&t, ReduceOp::Sum)?;
+                *buf = t.to_vec_f32()?;
+            }
+        }
+        Ok((out, self.step))
     }
 
-    /// Restores state saved by `state`; sizes must match the model.
-    pub fn load_state(
-        &mut self,
-        master: &[f32],
-        exp_avg: &[f32],
-        exp_avg_sq: &[f32],
-        step: u64,
-    ) -> Result<(), OptimError> {
-        let n = self.master.elem_count();
-        for (name, v) in
-            [("master weights", master.len()), ("exp_avg", exp_avg.len()), ("exp_avg_sq", exp_avg_sq.len())]
-        {
-            if v != n {
+    /// Restores state given whole-buffer vectors (as `full_state` returns); each rank keeps the
+    /// ranges it owns.
+    pub fn load_full_state(&mut self, state: &[Vec<f32>; 3], step: u64) -> Result<(), OptimError> {
+        for (name, v) in ["master weights", "exp_avg", "exp_avg_sq"].iter().zip(state) {
+            if let Some(o) = self.owned.iter().find(|o| o.end > v.len()) {
                 return Err(OptimError::StateMismatch(format!(
-                    "{name} has {v} elements, the model has {n} parameters"
+                    "{name} has {} elements, this rank needs {}",
+                    v.len(),
+                    o.end
                 )));
             }
         }
-        self.master.copy_from_f32(master)?;
-        self.exp_avg.copy_from_f32(exp_avg)?;
-        self.exp_avg_sq.copy_from_f32(exp_avg_sq)?;
+        for (t, v) in [&self.master, &self.exp_avg, &self.exp_avg_sq].into_iter().zip(state) {
+            let mine: Vec<f32> = self.owned.iter().flat_map(|o| v[o.clone()].iter().copied()).collect();
+            t.copy_from_f32(&mine)?;
+        }
         self.step = step;
         Ok(())
     }

@@ -1,24 +1,36 @@
-//! Local checkpoints (one rank): `{save}/iter_0000120/` holds `model_optim.safetensors` (params in
-//! the model dtype, fp32 master weights and Adam moments, flat) and `state.toml` (iteration, data
-//! position, optimizer step, settings, parameter names and shapes, and the SHA-256 of the tensor
-//! file). `{save}/latest_checkpointed_iteration.txt` (Megatron's tracker name) names the newest.
+//! Checkpoints: `{save}/iter_0000120/` holds `model_optim.safetensors` and `state.toml`;
+//! `{save}/latest_checkpointed_iteration.txt` (Megatron's tracker name) names the newest.
+//!
+//! Format 2 stores every parameter whole, by its Megatron name (`{name}` in the model dtype) with
+//! its fp32 optimizer state (`optimizer.master.{name}`, `optimizer.exp_avg.{name}`,
+//! `optimizer.exp_avg_sq.{name}`), so a run can resume under another tensor-parallel,
+//! data-parallel or distributed-optimizer layout: saving gathers the shards to world rank 0, which
+//! writes; loading lets each rank take its part. `state.toml` holds the iteration, data position,
+//! optimizer step, settings, the names and whole shapes, and the SHA-256 of the tensor file.
+//! Vocabulary padding may differ between layouts: rows past the real vocabulary are not kept.
 //!
 //! Writes go to a temporary folder that is renamed into place, and the tracker is replaced
 //! atomically after that, so a save that fails midway leaves the previous checkpoint and tracker as
-//! they were. The sharded, reshardable format of ferrotron-checkpoint will replace this module.
+//! they were. (Gathering to one rank bounds the model size; the sharded format of
+//! ferrotron-checkpoint will replace this module.)
 
 use crate::settings::Settings;
 use anyhow::{Context, bail};
-use ferrotron_core::{DType, ParamTable, Tensor, bf16};
+use ferrotron_comm::ReduceOp;
+use ferrotron_core::{DType, Device, ParamMeta, ParamTable, Tensor, bf16};
+use ferrotron_optim::Optimizer;
+use ferrotron_parallel::{ProcessGroups, gather_param, global_flat_index};
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 pub const TRACKER: &str = "latest_checkpointed_iteration.txt";
 const TENSORS: &str = "model_optim.safetensors";
 const STATE: &str = "state.toml";
+const OPT: [&str; 3] = ["optimizer.master", "optimizer.exp_avg", "optimizer.exp_avg_sq"];
 
 #[derive(Clone, Debug, Deserialize, Serialize)]
 pub struct State {
@@ -29,75 +41,129 @@ pub struct State {
     pub params_dtype: String,
     pub tensors_sha256: String,
     pub param_names: Vec<String>,
+    /// Whole (unsplit) shapes.
     pub param_shapes: Vec<Vec<usize>>,
     pub settings: Settings,
 }
 
-/// What a checkpoint holds, loaded into host memory.
+/// A checkpoint in host memory: every tensor whole, by name, as f32.
 pub struct Loaded {
     pub state: State,
-    pub params: Vec<f32>,
-    pub master: Vec<f32>,
-    pub exp_avg: Vec<f32>,
-    pub exp_avg_sq: Vec<f32>,
+    pub tensors: HashMap<String, (Vec<usize>, Vec<f32>)>,
 }
 
 pub fn iter_dir(save: &Path, iteration: u64) -> PathBuf {
     save.join(format!("iter_{iteration:07}"))
 }
 
-fn f32_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+fn vocab_padded(name: &str) -> bool {
+    name.ends_with("word_embeddings.weight") || name == "output_layer.weight"
 }
 
-/// Saves atomically; returns the checkpoint folder.
+/// What one save records besides the tensors.
+pub struct SaveInfo<'a> {
+    pub iteration: u64,
+    pub consumed_samples: u64,
+    pub settings: &'a Settings,
+    /// Real vocabulary: rows past it (padding) are not written.
+    pub vocab_size: usize,
+}
+
+/// Collective over the world: gathers params and optimizer state, world rank 0 writes atomically.
+/// Returns the checkpoint folder on every rank (or every rank's error if the write failed).
 pub fn save(
     save_dir: &Path,
+    g: &ProcessGroups,
     table: &ParamTable,
-    opt: (&Tensor, &Tensor, &Tensor, u64),
-    iteration: u64,
-    consumed_samples: u64,
-    settings: &Settings,
+    opt: &Optimizer,
+    info: &SaveInfo,
+) -> anyhow::Result<PathBuf> {
+    let (state, step) = opt.full_state(table.flat_len())?;
+    let writer = g.world.rank() == 0;
+    let mut tensors: Vec<(String, DType, Vec<usize>, Vec<f32>)> = vec![];
+    for id in table.ids() {
+        let m = table.meta(id);
+        let r = table.range(id);
+        let mut shape = m.global_shape.dims().to_vec();
+        if vocab_padded(&m.name) && shape[0] > info.vocab_size {
+            shape[0] = info.vocab_size; // padding rows are not kept
+        }
+        let n: usize = shape.iter().product();
+        let trim = |mut v: Vec<f32>| {
+            v.truncate(n);
+            v
+        };
+        let p = trim(gather_param(&g.tp, m, &table.param(id)?)?);
+        let mut states = vec![];
+        for buf in &state {
+            let local = Tensor::from_f32(&buf[r.clone()], m.local_shape.clone(), DType::F32, &Device::Cpu)?;
+            states.push(trim(gather_param(&g.tp, m, &local)?));
+        }
+        if writer {
+            tensors.push((m.name.clone(), table.flat_params().dtype(), shape.clone(), p));
+            for (prefix, v) in OPT.iter().zip(states) {
+                tensors.push((format!("{prefix}.{}", m.name), DType::F32, shape.clone(), v));
+            }
+        }
+    }
+    let result =
+        if writer { write(save_dir, table, &tensors, step, info) } else { Ok(iter_dir(save_dir, info.iteration)) };
+    // Everyone learns whether rank 0's write worked.
+    let ok = Tensor::from_vec(vec![if result.is_ok() { 1f32 } else { 0.0 }], [1], &Device::Cpu)?;
+    g.world.all_reduce(&ok, ReduceOp::Min)?;
+    match (result, ok.to_vec_f32()?[0] == 1.0) {
+        (Ok(d), true) => Ok(d),
+        (Err(e), _) => Err(e),
+        (Ok(_), false) => bail!("saving iteration {} failed on world rank 0 (see its error)", info.iteration),
+    }
+}
+
+fn tensor_bytes(dtype: DType, v: &[f32]) -> anyhow::Result<(Vec<u8>, Dtype)> {
+    Ok(match dtype {
+        DType::F32 => (v.iter().flat_map(|x| x.to_le_bytes()).collect(), Dtype::F32),
+        DType::BF16 => (v.iter().flat_map(|&x| bf16::from_f32(x).to_bits().to_le_bytes()).collect(), Dtype::BF16),
+        d => bail!("saving {d} parameters is not supported"),
+    })
+}
+
+fn write(
+    save_dir: &Path,
+    table: &ParamTable,
+    tensors: &[(String, DType, Vec<usize>, Vec<f32>)],
+    step: u64,
+    info: &SaveInfo,
 ) -> anyhow::Result<PathBuf> {
     std::fs::create_dir_all(save_dir)
         .with_context(|| format!("--save {}: cannot create the folder", save_dir.display()))?;
-    let final_dir = iter_dir(save_dir, iteration);
-    let tmp = save_dir.join(format!(".tmp-iter_{iteration:07}-{}", std::process::id()));
+    let final_dir = iter_dir(save_dir, info.iteration);
+    let tmp = save_dir.join(format!(".tmp-iter_{:07}-{}", info.iteration, std::process::id()));
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp)?;
     }
     std::fs::create_dir_all(&tmp)?;
-    let params = table.flat_params();
-    let (pbytes, pdtype) = match params.dtype() {
-        DType::F32 => (f32_bytes(&params.to_vec::<f32>()?), Dtype::F32),
-        DType::BF16 => (params.to_vec::<bf16>()?.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(), Dtype::BF16),
-        d => bail!("saving {d} parameters is not supported"),
-    };
-    let (master, m, v, step) = opt;
-    let (mb, eb, vb) =
-        (f32_bytes(&master.to_vec::<f32>()?), f32_bytes(&m.to_vec::<f32>()?), f32_bytes(&v.to_vec::<f32>()?));
-    let n = table.numel();
-    let views = vec![
-        ("params", TensorView::new(pdtype, vec![n], &pbytes)?),
-        ("master", TensorView::new(Dtype::F32, vec![n], &mb)?),
-        ("exp_avg", TensorView::new(Dtype::F32, vec![n], &eb)?),
-        ("exp_avg_sq", TensorView::new(Dtype::F32, vec![n], &vb)?),
-    ];
+    let encoded: Vec<(Vec<u8>, Dtype)> =
+        tensors.iter().map(|(_, d, _, v)| tensor_bytes(*d, v)).collect::<anyhow::Result<_>>()?;
+    let views = tensors
+        .iter()
+        .zip(&encoded)
+        .map(|((name, _, shape, _), (b, d))| Ok((name.as_str(), TensorView::new(*d, shape.clone(), b)?)))
+        .collect::<anyhow::Result<Vec<_>>>()?;
     let bytes = safetensors::serialize(views, None)?;
     let sha = sha256_hex(&bytes);
     write_synced(&tmp.join(TENSORS), &bytes)?;
     let state = State {
         format_version: FORMAT_VERSION,
-        iteration,
-        consumed_samples,
+        iteration: info.iteration,
+        consumed_samples: info.consumed_samples,
         optimizer_step: step,
-        params_dtype: params.dtype().to_string(),
+        params_dtype: table.flat_params().dtype().to_string(),
         tensors_sha256: sha,
         param_names: table.metas().iter().map(|m| m.name.clone()).collect(),
-        param_shapes: table.metas().iter().map(|m| m.local_shape.dims().to_vec()).collect(),
-        settings: settings.clone(),
+        param_shapes: tensors.iter().step_by(1 + OPT.len()).map(|t| t.2.clone()).collect(),
+        settings: info.settings.clone(),
     };
     write_synced(&tmp.join(STATE), toml::to_string(&state)?.as_bytes())?;
+    let iteration = info.iteration;
     if final_dir.exists() {
         // Re-saving the same iteration: move the old one aside first so a crash never leaves neither.
         let old = save_dir.join(format!(".old-iter_{iteration:07}-{}", std::process::id()));
@@ -143,7 +209,7 @@ pub fn resolve(dir: &Path) -> anyhow::Result<PathBuf> {
     Ok(d)
 }
 
-fn f32_vec(st: &SafeTensors, name: &str, n: usize, file: &Path) -> anyhow::Result<Vec<f32>> {
+fn f32_values(st: &SafeTensors, name: &str, file: &Path) -> anyhow::Result<(Vec<usize>, Vec<f32>)> {
     let t = st.tensor(name).with_context(|| format!("{}: corrupt checkpoint: no tensor `{name}`", file.display()))?;
     let data = t.data();
     let v: Vec<f32> = match t.dtype() {
@@ -153,10 +219,10 @@ fn f32_vec(st: &SafeTensors, name: &str, n: usize, file: &Path) -> anyhow::Resul
         }
         d => bail!("{}: corrupt checkpoint: tensor `{name}` has dtype {d:?}", file.display()),
     };
-    if v.len() != n {
-        bail!("{}: corrupt checkpoint: `{name}` has {} values, expected {n}", file.display(), v.len());
+    if v.len() != t.shape().iter().product::<usize>() {
+        bail!("{}: corrupt checkpoint: `{name}` has {} values for shape {:?}", file.display(), v.len(), t.shape());
     }
-    Ok(v)
+    Ok((t.shape().to_vec(), v))
 }
 
 /// Loads and verifies a checkpoint folder (see `resolve`).
@@ -184,40 +250,72 @@ pub fn load(dir: &Path) -> anyhow::Result<Loaded> {
         );
     }
     let st = SafeTensors::deserialize(&bytes).with_context(|| format!("{}: corrupt checkpoint", file.display()))?;
-    let n: usize = state.param_shapes.iter().map(|s| s.iter().product::<usize>()).sum();
-    Ok(Loaded {
-        params: f32_vec(&st, "params", n, &file)?,
-        master: f32_vec(&st, "master", n, &file)?,
-        exp_avg: f32_vec(&st, "exp_avg", n, &file)?,
-        exp_avg_sq: f32_vec(&st, "exp_avg_sq", n, &file)?,
-        state,
-    })
-}
-
-/// Checks that the checkpoint's parameters are the model's, name by name.
-pub fn check_matches(state: &State, table: &ParamTable) -> anyhow::Result<()> {
-    let names: Vec<&str> = table.metas().iter().map(|m| m.name.as_str()).collect();
-    for (i, m) in table.metas().iter().enumerate() {
-        match (state.param_names.get(i), state.param_shapes.get(i)) {
-            (Some(n), Some(s)) if *n == m.name && s.as_slice() == m.local_shape.dims() => {}
-            (Some(n), Some(s)) => bail!(
-                "checkpoint parameter {i} is `{n}` {s:?} but the model has `{}` {:?}: the model flags differ from the saved run",
-                m.name,
-                m.local_shape.dims()
-            ),
-            _ => bail!(
-                "checkpoint has {} parameters, the model {}: the model flags differ from the saved run",
-                state.param_names.len(),
-                names.len()
-            ),
+    let mut tensors = HashMap::new();
+    for name in &state.param_names {
+        tensors.insert(name.clone(), f32_values(&st, name, &file)?);
+        for p in OPT {
+            let n = format!("{p}.{name}");
+            tensors.insert(n.clone(), f32_values(&st, &n, &file)?);
         }
     }
-    if state.param_names.len() != names.len() {
+    Ok(Loaded { state, tensors })
+}
+
+/// This rank's part of a whole tensor saved as `saved_shape`, for parameter `m`. Vocabulary rows
+/// missing from the file (padding) read as 0.
+fn local_part(m: &ParamMeta, saved_shape: &[usize], whole: &[f32]) -> anyhow::Result<Vec<f32>> {
+    let g = m.global_shape.dims();
+    let rows_differ = vocab_padded(&m.name) && saved_shape.len() == g.len() && saved_shape[1..] == g[1..];
+    if saved_shape != g && !rows_differ {
         bail!(
-            "checkpoint has {} parameters, the model {}: the model flags differ from the saved run",
-            state.param_names.len(),
+            "checkpoint parameter `{}` is {saved_shape:?} but the model's is {g:?}: the model flags differ from the saved run",
+            m.name
+        );
+    }
+    let have = whole.len();
+    Ok((0..m.local_shape.elem_count())
+        .map(|i| {
+            let gi = global_flat_index(m, m.shard, i);
+            if gi < have { whole[gi] } else { 0.0 }
+        })
+        .collect())
+}
+
+/// Puts a loaded checkpoint into this rank's parameters and optimizer (any layout).
+pub fn restore(ck: &Loaded, table: &ParamTable, opt: &mut Optimizer) -> anyhow::Result<()> {
+    let names: Vec<&str> = table.metas().iter().map(|m| m.name.as_str()).collect();
+    if ck.state.param_names.iter().map(String::as_str).collect::<Vec<_>>() != names {
+        let missing: Vec<_> = names.iter().filter(|n| !ck.tensors.contains_key(**n)).take(3).collect();
+        bail!(
+            "checkpoint has {} parameters, the model {} (e.g. missing {missing:?}): the model flags differ from the saved run",
+            ck.state.param_names.len(),
             names.len()
         );
+    }
+    let n = table.flat_len();
+    let mut state = [vec![0f32; n], vec![0f32; n], vec![0f32; n]];
+    for id in table.ids() {
+        let m = table.meta(id);
+        let (shape, whole) = &ck.tensors[&m.name];
+        table.param(id)?.copy_from_f32(&local_part(m, shape, whole)?)?;
+        let r = table.range(id);
+        for (buf, p) in state.iter_mut().zip(OPT) {
+            let (shape, whole) = &ck.tensors[&format!("{p}.{}", m.name)];
+            buf[r.clone()].copy_from_slice(&local_part(m, shape, whole)?);
+        }
+    }
+    opt.load_full_state(&state, ck.state.optimizer_step)?;
+    Ok(())
+}
+
+/// Just the parameters (for generation).
+pub fn restore_params(ck: &Loaded, table: &ParamTable) -> anyhow::Result<()> {
+    for id in table.ids() {
+        let m = table.meta(id);
+        let (shape, whole) = ck.tensors.get(&m.name).with_context(|| {
+            format!("the checkpoint has no `{}`: the model flags differ from the saved run", m.name)
+        })?;
+        table.param(id)?.copy_from_f32(&local_part(m, shape, whole)?)?;
     }
     Ok(())
 }

@@ -26,8 +26,7 @@ pub fn generate(a: &GenerateArgs) -> anyhow::Result<String> {
     let s = &ck.state.settings;
     let dtype = if s.bf16 { DType::BF16 } else { DType::F32 };
     let (model, table) = GptModel::build(s.model_config()?, &Device::Cpu, dtype, s.seed)?;
-    checkpoint::check_matches(&ck.state, &table)?;
-    table.flat_params().copy_from_f32(&ck.params)?;
+    checkpoint::restore_params(&ck, &table)?;
     let tok = Tokenizer::new(s.tokenizer()?)?;
     let mut ids = tok.encode(a.prompt);
     if ids.is_empty() {

@@ -114,6 +114,28 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip)]
     pub device: Option<String>,
+    /// Ranks as threads of this process (CPU); a launcher's WORLD_SIZE is the other way.
+    #[arg(long)]
+    #[serde(skip)]
+    pub nproc: Option<usize>,
+    #[arg(long)]
+    pub tensor_model_parallel_size: Option<usize>,
+    /// Split activations along the sequence outside the tensor-parallel regions.
+    #[arg(long)]
+    pub sequence_parallel: bool,
+    /// Shard fp32 master weights and Adam state over data-parallel ranks.
+    #[arg(long)]
+    pub use_distributed_optimizer: bool,
+    /// Reduce gradient buckets during the backward.
+    #[arg(long)]
+    pub overlap_grad_reduce: bool,
+    /// Elements per data-parallel gradient bucket (default max(40M, 1M × DP)).
+    #[arg(long)]
+    pub ddp_bucket_size: Option<usize>,
+    /// Seconds a collective may wait for the other ranks.
+    #[arg(long)]
+    #[serde(skip)]
+    pub distributed_timeout_s: Option<u64>,
 }
 
 macro_rules! merge_opts {
@@ -130,8 +152,9 @@ impl TrainArgs {
             max_position_embeddings, position_embedding_type, rotary_base, normalization, tokenizer_type, init_method_std,
             micro_batch_size, global_batch_size, train_iters, lr, min_lr, lr_decay_style, lr_warmup_iters, weight_decay,
             adam_beta1, adam_beta2, clip_grad, seed, log_interval, eval_interval, eval_iters, save, load, save_interval, corpus_docs,
-            exit_interval, device);
-        merge_flags!(self, o; swiglu, untie_embeddings_and_output_weights, disable_bias_linear, qk_layernorm, bf16, no_progress);
+            exit_interval, device, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s);
+        merge_flags!(self, o; swiglu, untie_embeddings_and_output_weights, disable_bias_linear, qk_layernorm, bf16, no_progress,
+            sequence_parallel, use_distributed_optimizer, overlap_grad_reduce);
     }
 }
 
@@ -174,10 +197,46 @@ pub struct Settings {
     pub save_interval: u64,
     pub bf16: bool,
     pub corpus_docs: usize,
+    #[serde(default = "one")]
+    pub tensor_model_parallel_size: usize,
+    #[serde(default)]
+    pub sequence_parallel: bool,
+    #[serde(default)]
+    pub use_distributed_optimizer: bool,
+    #[serde(default)]
+    pub overlap_grad_reduce: bool,
+    #[serde(default)]
+    pub ddp_bucket_size: Option<usize>,
+}
+
+fn one() -> usize {
+    1
+}
+
+/// How the ranks come to be: threads of this process, or one process each under a launcher.
+#[derive(Clone, Debug, Default)]
+pub enum Launch {
+    /// One rank.
+    #[default]
+    Single,
+    /// `--nproc N`: N thread ranks here (CPU).
+    Threads(usize),
+    /// WORLD_SIZE > 1 from torchrun / `ferrotron launch` / SLURM / Open MPI.
+    Processes(ferrotron_comm::DistEnv),
+}
+
+impl Launch {
+    pub fn world_size(&self) -> usize {
+        match self {
+            Launch::Single => 1,
+            Launch::Threads(n) => *n,
+            Launch::Processes(e) => e.world_size,
+        }
+    }
 }
 
 /// Where files go; not part of the recorded settings.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct Paths {
     pub save: Option<PathBuf>,
     pub load: Option<PathBuf>,
@@ -185,6 +244,23 @@ pub struct Paths {
     /// Megatron's --exit-interval: stop after an iteration that is a multiple of it.
     pub exit_interval: Option<u64>,
     pub device: ferrotron_core::Device,
+    pub launch: Launch,
+    /// How long a collective waits for the other ranks.
+    pub timeout: std::time::Duration,
+}
+
+impl Default for Paths {
+    fn default() -> Self {
+        Paths {
+            save: None,
+            load: None,
+            progress: false,
+            exit_interval: None,
+            device: ferrotron_core::Device::Cpu,
+            launch: Launch::Single,
+            timeout: std::time::Duration::from_secs(600),
+        }
+    }
 }
 
 fn preset_defaults(name: &str) -> anyhow::Result<TrainArgs> {
@@ -296,6 +372,11 @@ impl Settings {
             save_interval: need(&a.save_interval, "--save-interval")?,
             bf16: a.bf16,
             corpus_docs: need(&a.corpus_docs, "--corpus-docs")?,
+            tensor_model_parallel_size: a.tensor_model_parallel_size.unwrap_or(1),
+            sequence_parallel: a.sequence_parallel,
+            use_distributed_optimizer: a.use_distributed_optimizer,
+            overlap_grad_reduce: a.overlap_grad_reduce,
+            ddp_bucket_size: a.ddp_bucket_size,
         };
         s.validate()?;
         if let Some(l) = &a.load {
@@ -305,20 +386,35 @@ impl Settings {
             bail!("--exit-interval must be at least 1");
         }
         let dist = ferrotron_comm::DistEnv::from_env()?;
-        if dist.world_size > 1 {
-            bail!(
-                "WORLD_SIZE={} ({} variables): training on several ranks is not implemented yet; run one process",
-                dist.world_size,
+        let launch = match (a.nproc, dist.world_size) {
+            (Some(0), _) => bail!("--nproc must be at least 1"),
+            (Some(n), 1) if n > 1 => Launch::Threads(n),
+            (Some(n), w) if n > 1 => bail!(
+                "--nproc {n} starts thread ranks, but this process is already rank {} of {w} ({} variables): use one or the other",
+                dist.rank,
                 dist.source
-            );
-        }
+            ),
+            (_, 1) => Launch::Single,
+            _ => Launch::Processes(dist.clone()),
+        };
+        s.validate_layout(launch.world_size())?;
         let device = match a.device.as_deref() {
             // Under a launcher, plain `cuda` means this process's local GPU.
             Some("cuda") => ferrotron_core::Device::cuda(dist.local_rank).context("--device cuda")?,
             Some(d) => ferrotron_core::Device::parse(d).with_context(|| format!("--device {d}"))?,
             None => ferrotron_core::Device::Cpu,
         };
-        Ok((s, Paths { save: a.save, load: a.load, progress: !a.no_progress, exit_interval: a.exit_interval, device }))
+        let timeout = std::time::Duration::from_secs(a.distributed_timeout_s.unwrap_or(600).max(1));
+        let paths = Paths {
+            save: a.save,
+            load: a.load,
+            progress: !a.no_progress,
+            exit_interval: a.exit_interval,
+            device,
+            launch,
+            timeout,
+        };
+        Ok((s, paths))
     }
 
     /// Checks the non-model settings; the model's own checks run in `model_config`.
@@ -339,7 +435,7 @@ impl Settings {
         }
         if self.global_batch_size == 0 || self.global_batch_size % self.micro_batch_size != 0 {
             bail!(
-                "--global-batch-size {} is not a multiple of --micro-batch-size {} × data-parallel size 1: make it a multiple",
+                "--global-batch-size {} is not a multiple of --micro-batch-size {}: make it a multiple",
                 self.global_batch_size,
                 self.micro_batch_size
             );
@@ -351,6 +447,29 @@ impl Settings {
             bail!("--adam-beta1 and --adam-beta2 must lie in [0, 1)");
         }
         Ok(())
+    }
+
+    /// The parallel layout on `world` ranks, checked against the model and the batch sizes.
+    pub fn validate_layout(&self, world: usize) -> anyhow::Result<ferrotron_parallel::Layout> {
+        let tp = self.tensor_model_parallel_size;
+        let layout = ferrotron_parallel::Layout::new(world, tp, 1, 1, 1)?;
+        self.model_config()?.validate_tp(tp)?;
+        let per_step = self.micro_batch_size * layout.dp;
+        if self.global_batch_size % per_step != 0 {
+            bail!(
+                "--global-batch-size {} is not a multiple of --micro-batch-size {} × data-parallel size {}: make it a multiple of {per_step}",
+                self.global_batch_size,
+                self.micro_batch_size,
+                layout.dp
+            );
+        }
+        if self.sequence_parallel && tp > 1 && self.seq_length % tp != 0 {
+            bail!(
+                "--sequence-parallel splits --seq-length {} over --tensor-model-parallel-size {tp}: make the length a multiple of {tp}",
+                self.seq_length
+            );
+        }
+        Ok(layout)
     }
 
     pub fn tokenizer(&self) -> anyhow::Result<TokenizerKind> {

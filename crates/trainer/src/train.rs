@@ -1,13 +1,18 @@
-//! The training loop: gradient accumulation over micro-batches, AdamW step, logging, evaluation,
-//! checkpointing and resume.
+//! The training loop: ranks (one, threads of this process, or processes under a launcher), the
+//! parallel layout, gradient accumulation over this rank's micro-batches, the data-parallel sync and
+//! AdamW step, logging (world rank 0), evaluation, checkpointing and resume.
 
-use crate::checkpoint;
-use crate::settings::{Paths, Settings};
-use anyhow::Context;
+use crate::checkpoint::{self, SaveInfo};
+use crate::settings::{Launch, Paths, Settings};
+use anyhow::{Context, bail};
+use ferrotron_comm::{run_ranks, thread_world};
 use ferrotron_core::{Cx, DType, Device, ParamTable, Tensor};
 use ferrotron_data::{Sampler, TokenSplit, Tokenizer, corpus, split_documents};
-use ferrotron_optim::{AdamConfig, LrSchedule, Optimizer};
+use ferrotron_optim::{AdamConfig, GradSync, LrSchedule, Optimizer, default_bucket_size, train_step};
+use ferrotron_parallel::{ProcessGroups, TensorParallel};
 use ferrotron_transformer::{Batch, GptModel};
+
+type Comm = std::sync::Arc<dyn ferrotron_comm::Communicator>;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use std::io::Write;
@@ -109,22 +114,100 @@ fn progress(total: u64, start: u64, show: bool) -> ProgressBar {
     pb
 }
 
-/// Trains on `paths.device` from `settings`, resuming from `paths.load` when set.
+/// Trains from `settings` on the ranks `paths.launch` describes; returns world rank 0's summary.
 pub fn train(s: &Settings, paths: &Paths) -> anyhow::Result<Summary> {
+    match &paths.launch {
+        Launch::Single => train_rank(s, paths, thread_world(1, paths.timeout).remove(0)),
+        Launch::Threads(n) => {
+            let results =
+                run_ranks(*n, paths.timeout, |_, world| train_rank(s, paths, world).map_err(|e| format!("{e:#}")));
+            let mut summary = None;
+            for (r, res) in results.into_iter().enumerate() {
+                match res {
+                    Ok(Ok(sm)) if r == 0 => summary = Some(sm),
+                    Ok(Ok(_)) => {}
+                    Ok(Err(e)) => bail!("rank {r}: {e}"),
+                    Err(p) => bail!("rank {r} panicked: {p}"),
+                }
+            }
+            summary.context("rank 0 returned nothing")
+        }
+        Launch::Processes(env) => train_rank(s, paths, world_for(env, &paths.device, paths.timeout)?),
+    }
+}
+
+/// The world communicator of one process under a launcher: NCCL on a GPU, TCP on CPU.
+fn world_for(env: &ferrotron_comm::DistEnv, dev: &Device, timeout: std::time::Duration) -> anyhow::Result<Comm> {
+    match dev {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(d) => Ok(std::sync::Arc::new(ferrotron_comm::NcclComm::new(d, env, timeout)?)),
+        _ => Ok(ferrotron_comm::tcp_world(env, timeout)?),
+    }
+}
+
+/// Per-rank layout and memory, gathered to rank 0 as one line per rank.
+fn layout_table(g: &ProcessGroups, table: &ParamTable, opt: &Optimizer, sp: bool) -> anyhow::Result<Option<String>> {
+    const MIB: f32 = 1024.0 * 1024.0;
+    let (pb, gb) = (table.flat_len() * table.flat_params().dtype().size_in_bytes(), table.flat_len() * 4);
+    let mine = [
+        g.tp.rank() as f32,
+        g.dp.rank() as f32,
+        g.pp.rank() as f32,
+        table.numel() as f32,
+        pb as f32 / MIB,
+        gb as f32 / MIB,
+        opt.state_bytes() as f32 / MIB,
+    ];
+    let n = g.world.size();
+    let all = Tensor::zeros([n * mine.len()], DType::F32, &Device::Cpu)?;
+    g.world.all_gather(&Tensor::from_vec(mine.to_vec(), [mine.len()], &Device::Cpu)?, &all)?;
+    if g.world.rank() != 0 {
+        return Ok(None);
+    }
+    let v = all.to_vec_f32()?;
+    let mut out = format!(
+        "layout: tp {} × dp {} × pp {}{}\n rank  tp  dp  pp  params(local)  params MiB  grads MiB  optimizer MiB\n",
+        g.layout.tp,
+        g.layout.dp,
+        g.layout.pp,
+        if sp && g.tp.size() > 1 { ", sequence parallel" } else { "" }
+    );
+    for (r, x) in v.chunks(mine.len()).enumerate() {
+        out += &format!(
+            "{r:>5} {:>3} {:>3} {:>3} {:>14} {:>11.2} {:>10.2} {:>14.2}\n",
+            x[0] as usize, x[1] as usize, x[2] as usize, x[3] as usize, x[4], x[5], x[6]
+        );
+    }
+    Ok(Some(out))
+}
+
+/// One rank's training run.
+fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summary> {
+    let layout = s.validate_layout(world.size())?;
+    let g = ProcessGroups::new(world, layout)?;
+    let rank0 = g.world.rank() == 0;
+    let tp = TensorParallel::new(g.tp.clone(), s.sequence_parallel);
     let data = Data::build(s)?;
     let dtype = if s.bf16 { DType::BF16 } else { DType::F32 };
     let dev = paths.device.clone();
-    let (model, table) = GptModel::build(s.model_config()?, &dev, dtype, s.seed)?;
-    let mut opt = Optimizer::new(
+    let (model, table) = GptModel::build_parallel(s.model_config()?, &tp, &dev, dtype, s.seed, layout.dp)?;
+    let bucket = s.ddp_bucket_size.unwrap_or_else(|| default_bucket_size(layout.dp));
+    let mut sync = GradSync::new(
         &table,
-        AdamConfig {
-            beta1: s.adam_beta1,
-            beta2: s.adam_beta2,
-            eps: 1e-8,
-            weight_decay: s.weight_decay,
-            clip_grad: s.clip_grad,
-        },
-    )?;
+        g.dp_cp.clone(),
+        g.tp.clone(),
+        bucket,
+        s.use_distributed_optimizer,
+        s.overlap_grad_reduce,
+    );
+    let adam = AdamConfig {
+        beta1: s.adam_beta1,
+        beta2: s.adam_beta2,
+        eps: 1e-8,
+        weight_decay: s.weight_decay,
+        clip_grad: s.clip_grad,
+    };
+    let mut opt = Optimizer::new_parallel(&table, adam, &sync, g.mp.clone(), g.tp.rank())?;
     let sched = LrSchedule {
         lr: s.lr,
         min_lr: s.min_lr,
@@ -135,58 +218,68 @@ pub fn train(s: &Settings, paths: &Paths) -> anyhow::Result<Summary> {
     let (mut iteration, mut consumed) = (0u64, 0u64);
     if let Some(dir) = &paths.load {
         let ck = checkpoint::load(dir)?;
-        checkpoint::check_matches(&ck.state, &table)?;
-        table.flat_params().copy_from_f32(&ck.params)?;
-        opt.load_state(&ck.master, &ck.exp_avg, &ck.exp_avg_sq, ck.state.optimizer_step)?;
+        checkpoint::restore(&ck, &table, &mut opt)?;
         (iteration, consumed) = (ck.state.iteration, ck.state.consumed_samples);
-        eprintln!("resumed from {} at iteration {iteration}", dir.display());
+        if rank0 {
+            eprintln!("resumed from {} at iteration {iteration}", dir.display());
+        }
     }
-    let mut metrics = Metrics(match &paths.save {
-        Some(d) => {
+    let mut metrics = Metrics(match (&paths.save, rank0) {
+        (Some(d), true) => {
             std::fs::create_dir_all(d).with_context(|| format!("--save {}: cannot create the folder", d.display()))?;
             Some(std::fs::OpenOptions::new().create(true).append(true).open(d.join("metrics.jsonl"))?)
         }
-        None => None,
+        _ => None,
     });
     let mut summary = Summary { losses: vec![], evals: vec![], checkpoints: vec![] };
-    eprintln!(
-        "{dev}: {} parameters ({:.2} MFLOP/token), {} layers, hidden {}, {} heads; data: {} train / {} valid tokens; {} micro-batches of {} per step",
-        table.numel(),
-        model.config.flops_per_token() / 1e6,
-        s.num_layers,
-        s.hidden_size,
-        s.num_attention_heads,
-        data.train.tokens.len(),
-        data.valid.tokens.len(),
-        s.num_micro_batches(),
-        s.micro_batch_size
-    );
+    let (dp, dp_rank) = (layout.dp, g.dp.rank());
+    let micro_per_rank = s.num_micro_batches() / dp;
+    let table_text = layout_table(&g, &table, &opt, s.sequence_parallel)?;
+    if rank0 {
+        eprintln!(
+            "{dev}: {} parameters ({:.2} MFLOP/token), {} layers, hidden {}, {} heads; data: {} train / {} valid tokens; {} micro-batches of {} per step on each of {dp} data-parallel rank(s)",
+            model.config.num_params(),
+            model.config.flops_per_token() / 1e6,
+            s.num_layers,
+            s.hidden_size,
+            s.num_attention_heads,
+            data.train.tokens.len(),
+            data.valid.tokens.len(),
+            micro_per_rank,
+            s.micro_batch_size
+        );
+        if g.world.size() > 1 {
+            eprint!("{}", table_text.unwrap_or_default());
+        }
+    }
     if iteration == 0 {
         let l = evaluate(&model, &table, &data, s)?;
-        eprintln!("iteration 0: validation loss {l:.4}");
+        if rank0 {
+            eprintln!("iteration 0: validation loss {l:.4}");
+        }
         metrics.write(&Metric::Eval { iteration: 0, loss: l })?;
         summary.evals.push((0, l));
     }
     let mut sampler = Sampler::new(data.train.num_samples(s.seq_length), s.seed);
-    let pb = progress(s.train_iters, iteration, paths.progress);
+    let pb = progress(s.train_iters, iteration, paths.progress && rank0);
     let start = Instant::now();
     let tokens_per_step = (s.global_batch_size * s.seq_length) as f64;
     let mut window = (Instant::now(), 0u64);
+    let mb = s.micro_batch_size as u64;
     while iteration < s.train_iters {
         iteration += 1;
-        table.zero_grads()?;
-        let cx = Cx { params: &table, training: true };
-        let mut loss = 0.0;
-        let micro = s.num_micro_batches();
-        for _ in 0..micro {
-            let idx: Vec<usize> = (0..s.micro_batch_size as u64).map(|j| sampler.index(consumed + j)).collect();
-            consumed += s.micro_batch_size as u64;
-            let (l, saved) = model.forward(&cx, &batch(&data.train, &idx, s.seq_length, &dev)?)?;
-            model.backward(&cx, saved, 1.0 / micro as f32)?;
-            loss += l / micro as f64;
-        }
+        // Micro-batch j of the global batch goes to data-parallel rank j % dp, as Megatron's sampler.
+        let micros = (0..micro_per_rank)
+            .map(|m| {
+                let j = (m * dp + dp_rank) as u64;
+                let idx: Vec<usize> = (0..mb).map(|i| sampler.index(consumed + j * mb + i)).collect();
+                batch(&data.train, &idx, s.seq_length, &dev)
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        consumed += s.global_batch_size as u64;
         let lr = sched.lr_at(iteration);
-        let stats = opt.step(&table, lr as f32)?;
+        let out = train_step(&model, &table, &mut sync, &mut opt, &micros, lr as f32)?;
+        let loss = out.loss;
         summary.losses.push((iteration, loss));
         window.1 += 1;
         if iteration % s.log_interval == 0 || iteration == s.train_iters {
@@ -197,37 +290,49 @@ pub fn train(s: &Settings, paths: &Paths) -> anyhow::Result<Summary> {
                 iteration,
                 loss,
                 lr,
-                grad_norm: stats.grad_norm,
+                grad_norm: out.grad_norm,
                 tokens_per_s: tps,
                 elapsed_s: start.elapsed().as_secs_f64(),
                 consumed_samples: consumed,
             };
             metrics.write(&m)?;
             pb.set_message(format!("loss {loss:.4} | lr {lr:.2e} | {tps:.0} tok/s"));
-            if pb.is_hidden() {
+            if pb.is_hidden() && rank0 {
                 eprintln!(
                     "iteration {iteration}/{}: loss {loss:.4} lr {lr:.3e} grad-norm {:.3} {tps:.0} tokens/s",
-                    s.train_iters, stats.grad_norm
+                    s.train_iters, out.grad_norm
                 );
             }
         }
         pb.set_position(iteration);
         if iteration % s.eval_interval == 0 || iteration == s.train_iters {
             let l = evaluate(&model, &table, &data, s)?;
-            pb.suspend(|| eprintln!("iteration {iteration}: validation loss {l:.4}"));
+            if rank0 {
+                pb.suspend(|| eprintln!("iteration {iteration}: validation loss {l:.4}"));
+            }
             metrics.write(&Metric::Eval { iteration, loss: l })?;
             summary.evals.push((iteration, l));
         }
         let exit = paths.exit_interval.is_some_and(|e| iteration % e == 0);
         if let Some(dir) = &paths.save {
             if iteration % s.save_interval == 0 || iteration == s.train_iters || exit {
-                let d = checkpoint::save(dir, &table, opt.state(), iteration, consumed, s)?;
-                pb.suspend(|| eprintln!("saved {}", d.display()));
+                let info = SaveInfo {
+                    iteration,
+                    consumed_samples: consumed,
+                    settings: s,
+                    vocab_size: model.config.vocab_size,
+                };
+                let d = checkpoint::save(dir, &g, &table, &opt, &info)?;
+                if rank0 {
+                    pb.suspend(|| eprintln!("saved {}", d.display()));
+                }
                 summary.checkpoints.push(d);
             }
         }
         if exit {
-            pb.suspend(|| eprintln!("exiting at iteration {iteration} (--exit-interval)"));
+            if rank0 {
+                pb.suspend(|| eprintln!("exiting at iteration {iteration} (--exit-interval)"));
+            }
             break;
         }
         if window.1 == 0 {

@@ -113,16 +113,99 @@ fn bad_flags_fail_with_one_line_naming_the_flag() {
     fails_naming(&["--device", "cuda:1"], "rebuild with `--features cuda`");
 }
 
-#[test]
-fn several_ranks_are_refused_until_data_parallelism_exists() {
-    let o = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+fn free_port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string()
+}
+
+fn rank_process(rank: usize, world: usize, port: &str, extra: &[&str]) -> std::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_ferrotron"))
         .args(TINY)
-        .env("RANK", "0")
-        .env("WORLD_SIZE", "2")
-        .output()
-        .unwrap();
-    assert!(!o.status.success());
-    assert!(stderr(&o).contains("WORLD_SIZE=2 (torchrun variables)"), "{}", stderr(&o));
+        .args(["--train-iters", "4", "--eval-interval", "4", "--distributed-timeout-s", "20"])
+        .args(extra)
+        .env("RANK", rank.to_string())
+        .env("LOCAL_RANK", rank.to_string())
+        .env("WORLD_SIZE", world.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Two CPU processes under torchrun's variables (TCP backend), tensor parallel: both finish and
+/// rank 0 prints the layout table and the losses.
+#[test]
+fn two_processes_train_over_tcp() {
+    let port = free_port();
+    let tp = ["--tensor-model-parallel-size", "2", "--sequence-parallel"];
+    let kids: Vec<_> = (0..2).map(|r| rank_process(r, 2, &port, &tp)).collect();
+    let outs: Vec<Output> = kids.into_iter().map(|k| k.wait_with_output().unwrap()).collect();
+    for (r, o) in outs.iter().enumerate() {
+        assert!(o.status.success(), "rank {r}: {}", stderr(o));
+    }
+    let e0 = stderr(&outs[0]);
+    assert!(e0.contains("layout: tp 2 × dp 1") && e0.contains("iteration 4/4"), "{e0}");
+    assert!(!stderr(&outs[1]).contains("iteration 4/4"), "only rank 0 logs");
+}
+
+/// A rank that never starts: the other fails within the timeout, naming the missing rank.
+#[test]
+fn a_missing_process_is_named() {
+    let port = free_port();
+    let mut k = rank_process(0, 2, &port, &["--distributed-timeout-s", "2"]);
+    let status = k.wait().unwrap();
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut k.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(!status.success());
+    assert!(err.contains("rendezvous") && err.contains("[1]"), "{err}");
+}
+
+/// `--nproc 4`: thread ranks, TP 2 × DP 2 with every switch on; the loss falls.
+#[test]
+fn thread_ranks_train_with_every_switch() {
+    let o = run(&[
+        "--nproc",
+        "4",
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--use-distributed-optimizer",
+        "--overlap-grad-reduce",
+        "--ddp-bucket-size",
+        "5000",
+        "--train-iters",
+        "20",
+        "--lr",
+        "3e-3",
+        "--eval-interval",
+        "20",
+    ]);
+    let e = stderr(&o);
+    assert!(o.status.success(), "{e}");
+    assert!(e.contains("layout: tp 2 × dp 2"), "{e}");
+    let first = e.lines().find(|l| l.starts_with("iteration 0: validation loss")).unwrap();
+    let last = e.lines().find(|l| l.starts_with("iteration 20: validation loss")).unwrap();
+    let val = |l: &str| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap();
+    assert!(val(last) < val(first) - 0.5, "{first} / {last}");
+    // Each rank holds half the optimizer state of a DP-1 rank.
+    assert!(e.lines().filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit())).count() >= 4, "{e}");
+}
+
+#[test]
+fn layouts_that_do_not_fit_are_named() {
+    let mut bad = vec!["--nproc", "3", "--tensor-model-parallel-size", "2"];
+    let o = run(&bad);
+    assert!(!o.status.success() && stderr(&o).contains("--tensor-model-parallel-size 2"), "{}", stderr(&o));
+    bad = vec!["--nproc", "4", "--tensor-model-parallel-size", "4", "--num-query-groups", "2"];
+    let o = run(&bad);
+    assert!(
+        stderr(&o).contains("--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4"),
+        "{}",
+        stderr(&o)
+    );
+    let o = run(&["--nproc", "2", "--global-batch-size", "8", "--micro-batch-size", "8"]);
+    assert!(stderr(&o).contains("data-parallel size 2"), "{}", stderr(&o));
 }
 
 fn corrupt_first_byte(p: &Path) {

@@ -1,5 +1,6 @@
-//! N steps straight equals N/2 steps, save, load, N/2 steps: the same losses and parameters, bit
-//! for bit (f32 and bf16 with fp32 master weights).
+//! N steps straight equals N/2 steps, save, load, N/2 steps: the same losses, parameters and
+//! optimizer state, bit for bit (f32 and bf16 with fp32 master weights). And a checkpoint saved
+//! under one parallel layout resumes under another.
 
 mod common;
 
@@ -14,44 +15,15 @@ fn check(llama: bool, bf16: bool) {
     let s = settings(&args);
     let tag = format!("resume-{llama}-{bf16}");
     let straight_dir = tmp(&format!("{tag}-a"));
-    let straight = train(
-        &s,
-        &Paths {
-            save: Some(straight_dir.clone()),
-            load: None,
-            progress: false,
-            exit_interval: None,
-            device: Default::default(),
-        },
-    )
-    .unwrap();
+    let straight = train(&s, &Paths { save: Some(straight_dir.clone()), ..Paths::default() }).unwrap();
 
     // First half (the same 8-iteration run, stopped by --exit-interval), then resume its checkpoint.
     let half_dir = tmp(&format!("{tag}-b"));
-    let first = train(
-        &s,
-        &Paths {
-            save: Some(half_dir.clone()),
-            load: None,
-            progress: false,
-            exit_interval: Some(4),
-            device: Default::default(),
-        },
-    )
-    .unwrap();
+    let first = train(&s, &Paths { save: Some(half_dir.clone()), exit_interval: Some(4), ..Paths::default() }).unwrap();
     assert_eq!(first.losses.len(), 4);
     let resume_dir = tmp(&format!("{tag}-c"));
-    let second = train(
-        &s,
-        &Paths {
-            save: Some(resume_dir.clone()),
-            load: Some(half_dir.clone()),
-            progress: false,
-            exit_interval: None,
-            device: Default::default(),
-        },
-    )
-    .unwrap();
+    let second =
+        train(&s, &Paths { save: Some(resume_dir.clone()), load: Some(half_dir.clone()), ..Paths::default() }).unwrap();
 
     let tail: Vec<u64> = straight.losses[4..].iter().map(|(_, l)| l.to_bits()).collect();
     let resumed: Vec<u64> = second.losses.iter().map(|(_, l)| l.to_bits()).collect();
@@ -63,8 +35,12 @@ fn check(llama: bool, bf16: bool) {
     let b = checkpoint::load(&resume_dir).unwrap();
     assert_eq!(a.state.iteration, 8);
     assert_eq!(b.state.iteration, 8);
-    assert!(a.params.iter().zip(&b.params).all(|(x, y)| x.to_bits() == y.to_bits()), "params differ");
-    assert!(a.master.iter().zip(&b.master).all(|(x, y)| x.to_bits() == y.to_bits()), "master weights differ");
+    assert_eq!(a.tensors.len(), b.tensors.len());
+    for (name, (shape, x)) in &a.tensors {
+        let (shape_b, y) = &b.tensors[name];
+        assert_eq!(shape, shape_b, "{name}");
+        assert!(x.iter().zip(y).all(|(x, y)| x.to_bits() == y.to_bits()), "{name} differs after resume");
+    }
     for d in [straight_dir, half_dir, resume_dir] {
         let _ = std::fs::remove_dir_all(d);
     }
@@ -78,4 +54,42 @@ fn gpt2_style_resume_is_bit_exact() {
 #[test]
 fn llama_style_bf16_resume_is_bit_exact() {
     check(true, true);
+}
+
+/// Saved by 4 thread ranks (TP 2 × DP 2, sequence parallel, distributed optimizer), resumed on one
+/// rank and the other way round: the losses follow the one-rank run (the layouts differ only in
+/// summation order).
+#[test]
+fn a_checkpoint_resumes_under_another_layout() {
+    use ferrotron_trainer::settings::Launch;
+    let mut args = tiny_args(true);
+    args.global_batch_size = Some(4);
+    args.micro_batch_size = Some(1);
+    let s1 = settings(&args);
+    let mut s4 = s1.clone();
+    s4.tensor_model_parallel_size = 2;
+    s4.sequence_parallel = true;
+    s4.use_distributed_optimizer = true;
+    s4.overlap_grad_reduce = true;
+    let threads = Launch::Threads(4);
+    let straight = train(&s1, &Paths::default()).unwrap();
+    let (dir_a, dir_b) = (tmp("relayout-a"), tmp("relayout-b"));
+    let half = Paths { save: Some(dir_a.clone()), exit_interval: Some(4), launch: threads.clone(), ..Paths::default() };
+    let first = train(&s4, &half).unwrap();
+    let second = train(&s1, &Paths { load: Some(dir_a.clone()), ..Paths::default() }).unwrap();
+    // And back: one rank saves, four ranks resume.
+    let one_half = Paths { save: Some(dir_b.clone()), exit_interval: Some(4), ..Paths::default() };
+    train(&s1, &one_half).unwrap();
+    let third = train(&s4, &Paths { load: Some(dir_b.clone()), launch: threads, ..Paths::default() }).unwrap();
+    let all: Vec<(u64, f64)> = first.losses.iter().chain(&second.losses).cloned().collect();
+    assert_eq!(all.len(), straight.losses.len());
+    for ((i, a), (_, b)) in all.iter().zip(&straight.losses) {
+        assert!((a - b).abs() <= 1e-4 * b.abs(), "iteration {i}: {a} (4 ranks, then 1) vs {b} (1 rank)");
+    }
+    for ((i, a), (_, b)) in third.losses.iter().zip(&straight.losses[4..]) {
+        assert!((a - b).abs() <= 1e-4 * b.abs(), "iteration {i}: {a} (1 rank, then 4) vs {b} (1 rank)");
+    }
+    for d in [dir_a, dir_b] {
+        let _ = std::fs::remove_dir_all(d);
+    }
 }
