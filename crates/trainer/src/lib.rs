@@ -4,5 +4,6 @@
 
 pub mod checkpoint;
 pub mod generate;
+pub mod launch;
 pub mod settings;
 pub mod train;

@@ -1,4 +1,5 @@
-//! `ferrotron`: train (`ferrotron train --preset tiny`) and sample (`ferrotron generate --load DIR`).
+//! `ferrotron`: train (`ferrotron train --preset tiny`), start ranks (`ferrotron launch
+//! --nproc-per-node N -- train …`) and sample (`ferrotron generate --load DIR`).
 
 use clap::{Parser, Subcommand};
 use ferrotron_trainer::generate::{GenerateArgs, generate};
@@ -21,6 +22,8 @@ struct Cli {
 enum Cmd {
     /// Train a model (Megatron flag names; see --help).
     Train(Box<TrainArgs>),
+    /// Start one process per GPU on this node (torchrun-style): `launch --nproc-per-node 8 -- train …`.
+    Launch(ferrotron_trainer::launch::LaunchArgs),
     /// Sample text from a checkpoint.
     Generate {
         #[arg(long)]
@@ -48,6 +51,7 @@ fn run() -> anyhow::Result<()> {
             }
             Ok(())
         }
+        Cmd::Launch(a) => ferrotron_trainer::launch::launch(&a),
         Cmd::Generate { load, prompt, max_new_tokens, temperature, top_k, seed } => {
             let text =
                 generate(&GenerateArgs { load: &load, prompt: &prompt, max_new_tokens, temperature, top_k, seed })?;

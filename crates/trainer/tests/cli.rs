@@ -149,6 +149,26 @@ fn two_processes_train_over_tcp() {
     assert!(!stderr(&outs[1]).contains("iteration 4/4"), "only rank 0 logs");
 }
 
+/// `ferrotron launch` starts the ranks with torchrun's variables (DP 2 here) and passes NCCL_*
+/// through; a failing rank stops the launch with an error.
+#[test]
+fn launch_starts_every_rank() {
+    let port = free_port();
+    let mut args = vec!["launch", "--nproc-per-node", "2", "--master-port", &port, "--"];
+    args.extend_from_slice(TINY);
+    args.extend_from_slice(&["--train-iters", "2", "--eval-interval", "2", "--distributed-timeout-s", "20"]);
+    let o = Command::new(env!("CARGO_BIN_EXE_ferrotron")).args(&args).env("NCCL_NVLS_ENABLE", "0").output().unwrap();
+    let e = stderr(&o);
+    assert!(o.status.success(), "{e}");
+    assert!(e.contains("layout: tp 1 × dp 2") && e.contains("iteration 2/2"), "{e}");
+    let port = free_port();
+    let mut args = vec!["launch", "--nproc-per-node", "2", "--master-port", &port, "--"];
+    args.extend_from_slice(TINY);
+    args.extend_from_slice(&["--tensor-model-parallel-size", "3"]);
+    let o = Command::new(env!("CARGO_BIN_EXE_ferrotron")).args(&args).output().unwrap();
+    assert!(!o.status.success() && stderr(&o).contains("local rank"), "{}", stderr(&o));
+}
+
 /// A rank that never starts: the other fails within the timeout, naming the missing rank.
 #[test]
 fn a_missing_process_is_named() {
