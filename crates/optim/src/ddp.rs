@@ -128,7 +128,10 @@ impl GradSync {
                 }
             }
         }
-        let worker = (overlap && dp.size() > 1).then(Worker::new);
+        // The comm thread drives host collectives (thread/TCP backends). NCCL collectives are enqueued
+        // on the rank's compute stream in order instead (a second stream with events is future work).
+        let on_host = table.flat_grads().device().is_cpu();
+        let worker = (overlap && dp.size() > 1 && on_host).then(Worker::new);
         GradSync { plan, dp, tp, distributed, worker, started: 0, in_flight: 0, sp_ranges }
     }
 
