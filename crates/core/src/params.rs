@@ -55,6 +55,9 @@ pub struct ParamMeta {
     /// Replicated, but used on sequence shards, so each tensor-parallel rank holds part of its
     /// gradient: the grads are summed over the tensor-parallel group before the step.
     pub sequence_parallel: bool,
+    /// A copy of a parameter another pipeline stage owns (the tied output weight on the last
+    /// stage): its grads are summed with the owner's, and norms count it once.
+    pub pipeline_copy: bool,
     pub init: Init,
     /// Megatron applies no weight decay to biases and norm weights.
     pub weight_decay: bool,
@@ -72,6 +75,7 @@ impl ParamMeta {
             shard: Shard::WHOLE,
             replicated: true,
             sequence_parallel: false,
+            pipeline_copy: false,
             init,
             weight_decay,
         }
@@ -110,6 +114,7 @@ impl ParamMeta {
             shard,
             replicated: false,
             sequence_parallel: false,
+            pipeline_copy: false,
             init,
             weight_decay,
         })

@@ -23,6 +23,8 @@ pub enum OptimError {
     Core(#[from] ferrotron_core::Error),
     #[error(transparent)]
     Comm(#[from] CommError),
+    #[error(transparent)]
+    Parallel(#[from] ferrotron_parallel::ParallelError),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -156,8 +158,10 @@ impl Optimizer {
         let g = table.flat_grads();
         let mut sq = 0.0;
         for (id, r, _) in self.pieces(table) {
-            // Replicated across tensor-parallel ranks: counted on one of them.
-            if table.meta(id).replicated && self.tp_rank != 0 {
+            // Replicated across tensor-parallel ranks: counted on one of them; a pipeline stage's
+            // copy of the tied embedding: counted on the stage that owns it.
+            let m = table.meta(id);
+            if (m.replicated && self.tp_rank != 0) || m.pipeline_copy {
                 continue;
             }
             sq += k::sum_sq(&g.view(r.start, [r.len()])?)?;

@@ -103,6 +103,9 @@ pub struct GradSync {
     in_flight: usize,
     /// Flat ranges of sequence-parallel grads within the owned part of the buffer.
     sp_ranges: Vec<Range<usize>>,
+    /// The tied embedding (or its copy) on the first / last pipeline stage, and the group of those
+    /// two stages: its grads are summed there before the data-parallel reduce.
+    tied: Option<(Range<usize>, Comm)>,
 }
 
 impl GradSync {
@@ -132,7 +135,18 @@ impl GradSync {
         // on the rank's compute stream in order instead (a second stream with events is future work).
         let on_host = table.flat_grads().device().is_cpu();
         let worker = (overlap && dp.size() > 1 && on_host).then(Worker::new);
-        GradSync { plan, dp, tp, distributed, worker, started: 0, in_flight: 0, sp_ranges }
+        GradSync { plan, dp, tp, distributed, worker, started: 0, in_flight: 0, sp_ranges, tied: None }
+    }
+
+    /// Sums the grads of flat range `range` (the tied embedding or its pipeline copy) over `embd`
+    /// (first and last pipeline stage) before the data-parallel reduce. Overlap is switched off:
+    /// under pipelining the buckets wait for `finish`.
+    pub fn with_tied(mut self, range: Range<usize>, embd: Comm) -> Self {
+        if embd.size() > 1 {
+            self.tied = Some((range, embd));
+            self.worker = None;
+        }
+        self
     }
 
     /// Call before the last micro-batch's backward.
@@ -180,6 +194,9 @@ impl GradSync {
 
     /// Starts what is left, waits for every bucket, then sums sequence-parallel grads over TP.
     pub fn finish(&mut self, table: &ParamTable) -> Result<(), CommError> {
+        if let Some((r, embd)) = &self.tied {
+            embd.all_reduce(&table.flat_grads().view(r.start, [r.len()])?, ReduceOp::Sum)?;
+        }
         while self.started < self.plan.buckets.len() {
             self.launch(table, self.started)?;
             self.started += 1;
@@ -193,6 +210,7 @@ impl GradSync {
             }
         }
         self.in_flight = 0;
+        self.started = 0; // the next step starts from the top again
         if let Some(e) = first_err {
             return Err(e);
         }

@@ -13,10 +13,12 @@
 
 mod adam;
 mod ddp;
+mod pipeline;
 mod schedule;
 mod step;
 
 pub use adam::{AdamConfig, OptimError, Optimizer, StepStats};
 pub use ddp::{BucketPlan, GradSync, default_bucket_size};
+pub use pipeline::{eval_pipelined, schedule_kind, train_step_pipelined};
 pub use schedule::{DecayStyle, LrSchedule};
 pub use step::{StepError, StepOutput, train_step};

@@ -25,6 +25,8 @@ pub struct StepOutput {
     pub loss: f64,
     pub grad_norm: f64,
     pub applied: bool,
+    /// Peak bytes of saved activations held at once on this rank during the step.
+    pub saved_peak_bytes: usize,
 }
 
 pub fn train_step(
@@ -39,8 +41,10 @@ pub fn train_step(
     let cx = Cx { params: table, training: true };
     let m = micro_batches.len();
     let mut loss = 0.0;
+    let mut peak = 0;
     for (i, b) in micro_batches.iter().enumerate() {
         let (l, saved) = model.forward(&cx, b)?;
+        peak = peak.max(saved.bytes());
         loss += l / m as f64;
         if i + 1 == m {
             sync.begin();
@@ -61,5 +65,5 @@ pub fn train_step(
         sync.dp.all_reduce(&t, ReduceOp::Avg).map_err(OptimError::from)?;
         loss = t.to_vec_f32().map_err(OptimError::from)?[0] as f64;
     }
-    Ok(StepOutput { loss, grad_norm: stats.grad_norm, applied: stats.applied })
+    Ok(StepOutput { loss, grad_norm: stats.grad_norm, applied: stats.applied, saved_peak_bytes: peak })
 }

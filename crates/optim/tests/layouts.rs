@@ -3,68 +3,17 @@
 //! optimizer, on thread ranks, against the same model on one rank: per-step losses within 1e-5
 //! relative and the gathered parameters after the steps within 1e-5.
 
+mod common;
+
+use common::*;
 use ferrotron_comm::{Communicator, all_ok, run_ranks};
-use ferrotron_core::{DType, Device, ParamTable, Tensor};
+use ferrotron_core::{DType, Device};
 use ferrotron_optim::{AdamConfig, GradSync, Optimizer, train_step};
-use ferrotron_parallel::{Layout, ProcessGroups, TensorParallel, gather_param};
-use ferrotron_transformer::spec::{Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, PositionEmbedding};
-use ferrotron_transformer::{Batch, GptModel, TransformerConfig};
+use ferrotron_parallel::{Layout, ProcessGroups, TensorParallel};
+use ferrotron_transformer::{Batch, GptModel};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
-
-const SEQ: usize = 8;
-const MICRO: usize = 2;
-const GLOBAL_MICROS: usize = 4;
-const STEPS: usize = 5;
-const VOCAB: usize = 40;
-
-fn config(llama: bool) -> TransformerConfig {
-    let (norm, act, bias, pos) = if llama {
-        (NormKind::RmsNorm, Activation::SwiGlu, false, PositionEmbedding::Rope { base: 10000.0 })
-    } else {
-        (NormKind::LayerNorm, Activation::Gelu, true, PositionEmbedding::LearnedAbsolute)
-    };
-    TransformerConfig {
-        num_layers: 2,
-        hidden_size: 32,
-        num_attention_heads: if llama { 8 } else { 4 },
-        num_query_groups: 4,
-        ffn_hidden_size: if llama { 48 } else { 64 },
-        seq_length: SEQ,
-        max_position_embeddings: SEQ,
-        vocab_size: VOCAB,
-        make_vocab_size_divisible_by: 8,
-        position_embedding: pos,
-        untie_embeddings_and_output_weights: llama,
-        layer: LayerSpec {
-            norm,
-            attention: AttentionSpec { bias, qk_layernorm: llama, window: None },
-            mlp: MlpSpec::Dense { activation: act, bias },
-        },
-        norm_epsilon: 1e-5,
-        init_method_std: 0.05,
-    }
-}
-
-/// Micro-batch `j` of the global batch (same on every layout; every step sees the same batch, so
-/// the loss must fall).
-fn micro_batch(j: usize) -> Batch {
-    let rng = ferrotron_core::rng::Philox::new(99).with_stream(j as u64);
-    let mut u = vec![0f32; MICRO * (SEQ + 1)];
-    rng.fill_uniform(0, &mut u);
-    let ids: Vec<u32> = u.iter().map(|x| (x * VOCAB as f32) as u32 % VOCAB as u32).collect();
-    let (mut tokens, mut labels) = (vec![], vec![]);
-    for r in ids.chunks(SEQ + 1) {
-        tokens.extend_from_slice(&r[..SEQ]);
-        labels.extend_from_slice(&r[1..]);
-    }
-    Batch {
-        tokens: Tensor::from_vec(tokens, [MICRO, SEQ], &Device::Cpu).unwrap(),
-        labels: Tensor::from_vec(labels, [MICRO, SEQ], &Device::Cpu).unwrap(),
-        loss_mask: Tensor::from_vec(vec![1f32; MICRO * SEQ], [MICRO, SEQ], &Device::Cpu).unwrap(),
-    }
-}
 
 #[derive(Clone, Copy, Debug)]
 struct Run {
@@ -80,19 +29,6 @@ struct Outcome {
     params: BTreeMap<String, Vec<f32>>,
     state_bytes: usize,
     flat_len: usize,
-}
-
-fn whole_params(table: &ParamTable, g: &ProcessGroups) -> BTreeMap<String, Vec<f32>> {
-    let mut out = BTreeMap::new();
-    for id in table.ids() {
-        let m = table.meta(id);
-        let mut v = gather_param(&g.tp, m, &table.param(id).unwrap()).unwrap();
-        if m.name.ends_with("word_embeddings.weight") || m.name == "output_layer.weight" {
-            v.truncate(VOCAB * m.global_shape.dims()[1]); // padding rows differ in number only
-        }
-        out.insert(m.name.clone(), v);
-    }
-    out
 }
 
 fn train(run: Run, llama: bool, world: Arc<dyn Communicator>) -> Result<Outcome, String> {

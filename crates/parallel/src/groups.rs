@@ -30,6 +30,8 @@ pub struct ProcessGroups {
     /// Expert parallel and expert data parallel (the expert grid).
     pub ep: Comm,
     pub edp: Comm,
+    /// Point-to-point groups between pipeline stages (activations, gradients).
+    pub pipeline: crate::pipeline::PipelineComms,
 }
 
 impl ProcessGroups {
@@ -62,7 +64,8 @@ impl ProcessGroups {
         let embd = split("embd", embd_groups)?;
         let ep = must("ep", split("ep", expert.groups(&[Dim::Ep]))?)?;
         let edp = must("edp", split("edp", expert.groups(&[Dim::Dp]))?)?;
-        Ok(ProcessGroups { layout, world, tp, cp, dp, dp_cp, pp, mp, embd, ep, edp })
+        let pipeline = crate::pipeline::PipelineComms::new(&world, &pp_groups)?;
+        Ok(ProcessGroups { layout, world, tp, cp, dp, dp_cp, pp, mp, embd, ep, edp, pipeline })
     }
 
     /// One rank alone: every group has size 1 (no communication happens).

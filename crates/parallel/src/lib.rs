@@ -21,6 +21,7 @@ pub mod gather;
 pub mod groups;
 pub mod layout;
 pub mod linear;
+pub mod pipeline;
 pub mod rng;
 pub mod tp;
 

@@ -25,6 +25,8 @@ pub struct SelfAttention {
     pub groups: usize,
     pub head_dim: usize,
     pub attn: AttnCfg,
+    /// Selective recompute: keep Q, K, V only; redo the core attention in the backward.
+    pub recompute_core: bool,
 }
 
 pub struct AttentionDims {
@@ -80,6 +82,7 @@ impl SelfAttention {
             groups: d.groups / tp.size(),
             head_dim,
             attn: AttnCfg { causal: true, window: spec.window, scale: None },
+            recompute_core: false,
         })
     }
 }
@@ -101,17 +104,28 @@ impl Module for SelfAttention {
             kk = k::rope_fwd(&kk, r)?;
         }
         let (o, lse) = k::attention_fwd(&q, &kk, &v, &self.attn)?;
-        let (y, s_proj) = self.linear_proj.forward(cx, &o.reshape([b, t, self.heads * self.head_dim])?)?;
+        let (y, mut s_proj) = self.linear_proj.forward(cx, &o.reshape([b, t, self.heads * self.head_dim])?)?;
+        if self.recompute_core {
+            s_proj.tensors.clear(); // the projection's input is `o`, recomputed in the backward
+            children.push(s_proj);
+            return Ok((y, Saved::new(vec![q, kk, v], children)));
+        }
         children.push(s_proj);
         Ok((y, Saved::new(vec![q, kk, v, o, lse], children)))
     }
 
     fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
-        let Saved { tensors, mut children } = saved;
+        let Saved { mut tensors, mut children } = saved;
+        let mut s_proj = children.pop().unwrap_or_default();
+        if self.recompute_core && tensors.len() == 3 {
+            let (o, lse) = k::attention_fwd(&tensors[0], &tensors[1], &tensors[2], &self.attn)?;
+            let (b, t) = (o.dims()[0], o.dims()[1]);
+            s_proj.tensors = vec![o.reshape([b, t, self.heads * self.head_dim])?];
+            tensors.extend([o, lse]);
+        }
         let [q, kk, v, o, lse]: [Tensor; 5] = tensors
             .try_into()
             .map_err(|_| ferrotron_core::invalid("SelfAttention::backward", "saved tensors do not match forward"))?;
-        let s_proj = children.pop().unwrap_or_default();
         let d_o = self.linear_proj.backward(cx, s_proj, dy)?.reshape(o.dims().to_vec())?;
         let (mut dq, mut dk, dv) = k::attention_bwd(&q, &kk, &v, &o, &lse, &d_o, &self.attn)?;
         if let Some(r) = &self.rope {

@@ -1,20 +1,28 @@
-//! GPT model: token (+ learned position) embedding → decoder block → output layer → cross-entropy.
+//! GPT model: token (+ learned position) embedding → decoder layers → final norm → output layer →
+//! cross-entropy; or, under pipeline parallelism, this rank's part of it.
 //!
 //! Shapes: tokens, labels [B, T] u32 (the same on every tensor-parallel rank); loss_mask [B, T]
 //! f32; hidden [B, T, C] ([B, T/tp, C] under sequence parallelism); logits [B, T, V/tp] (this
 //! rank's vocabulary shard). The loss is the mean over unmasked tokens. Backward takes
 //! `grad_scale` (1 / micro-batches for gradient accumulation) and adds every parameter gradient
 //! into main_grad. With tied weights the output layer is the word embedding, so both paths add
-//! into the same main_grad view.
+//! into the same main_grad view; when the first and last pipeline stages differ, the last holds a
+//! copy (`ParamMeta::pipeline_copy`) whose grads the optimizer sums with the first stage's.
+//!
+//! A pipeline rank holds one model chunk per virtual stage (`StagePlan::chunks`); chunk `c` runs
+//! with `forward_chunk`/`backward_chunk`. The first stage's first chunk embeds tokens, the last
+//! stage's last chunk computes the loss; other chunks map hidden states to hidden states.
 
 use crate::config::TransformerConfig;
 use crate::layer::TransformerBlock;
+use crate::recompute::Recompute;
 use crate::spec::PositionEmbedding;
 use crate::{ModelError, Result};
 use ferrotron_core::{
     Cx, DType, Device, Init, Module, ParamId, ParamMeta, ParamTable, ParamTableBuilder, Saved, Shard, Tensor,
 };
 use ferrotron_kernels as k;
+use ferrotron_parallel::pipeline::StagePlan;
 use ferrotron_parallel::{
     ProcessGroups, TensorParallel, VocabParallelCe, VocabParallelEmbedding, vocab_parallel_ce_bwd,
     vocab_parallel_ce_fwd,
@@ -30,19 +38,19 @@ pub struct Batch {
 
 pub struct GptModel {
     pub config: TransformerConfig,
-    pub embedding: VocabParallelEmbedding,
+    /// First stage only.
+    pub embedding: Option<VocabParallelEmbedding>,
     pub position_embeddings: Option<ParamId>,
-    pub decoder: TransformerBlock,
-    pub output_layer: ParamId,
+    /// One block of layers per model chunk; the last stage's last chunk ends with the final norm.
+    pub chunks: Vec<TransformerBlock>,
+    /// Last stage only (the word embedding, or its copy, when tied).
+    pub output_layer: Option<ParamId>,
+    pub plan: StagePlan,
     pub tp: TensorParallel,
 }
 
-/// What the forward keeps for the backward.
-pub struct GptSaved {
-    tokens: Tensor,
-    positions: Option<Tensor>,
-    decoder: Saved,
-    /// Final hidden states entering the output layer (gathered along T under SP).
+/// What the loss end of a forward keeps.
+struct PostSaved {
     hidden: Tensor,
     logits: Tensor,
     labels: Tensor,
@@ -51,11 +59,27 @@ pub struct GptSaved {
     num_tokens: f64,
 }
 
+/// What a forward keeps for its backward.
+pub struct GptSaved {
+    tokens: Option<Tensor>,
+    positions: Option<Tensor>,
+    decoder: Saved,
+    post: Option<PostSaved>,
+}
+
 impl GptSaved {
+    /// Activation bytes held (tensors counted as they are referenced).
     pub fn bytes(&self) -> usize {
         let b = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
-        self.decoder.bytes() + b(&self.hidden) + b(&self.logits) + b(&self.lse)
+        self.decoder.bytes() + self.post.as_ref().map_or(0, |p| b(&p.hidden) + b(&p.logits) + b(&p.lse))
     }
+}
+
+/// What a chunk's forward produced.
+pub enum ChunkOut {
+    Hidden(Tensor),
+    /// Mean loss over the micro-batch's unmasked tokens (last stage, last chunk).
+    Loss(f64),
 }
 
 impl GptModel {
@@ -67,15 +91,32 @@ impl GptModel {
         seed: u64,
     ) -> Result<(GptModel, ParamTable)> {
         let tp = TensorParallel::new(ProcessGroups::single().tp, false);
-        Self::build_parallel(config, &tp, device, dtype, seed, 1)
+        let plan = StagePlan::whole(config.num_layers);
+        Self::build_stage(config, &tp, &plan, Recompute::default(), device, dtype, seed, 1)
     }
 
-    /// This rank's part of the model under tensor (and sequence) parallelism `tp`. Parameters
-    /// hold exactly their part of what `build` makes with the same seed. The flat buffers are
-    /// padded to a multiple of `pad_to` (the data-parallel size, so buckets split evenly).
+    /// This rank's part under tensor (and sequence) parallelism `tp`, all layers (no pipeline).
     pub fn build_parallel(
         config: TransformerConfig,
         tp: &TensorParallel,
+        device: &Device,
+        dtype: DType,
+        seed: u64,
+        pad_to: usize,
+    ) -> Result<(GptModel, ParamTable)> {
+        let plan = StagePlan::whole(config.num_layers);
+        Self::build_stage(config, tp, &plan, Recompute::default(), device, dtype, seed, pad_to)
+    }
+
+    /// This rank's part: the layers of `plan` (one pipeline rank's chunks) under `tp`, with
+    /// `recompute`. Parameters hold exactly their part of what `build` makes with the same seed.
+    /// The flat buffers are padded to a multiple of `pad_to` (the data-parallel size).
+    #[allow(clippy::too_many_arguments)]
+    pub fn build_stage(
+        config: TransformerConfig,
+        tp: &TensorParallel,
+        plan: &StagePlan,
+        recompute: Recompute,
         device: &Device,
         dtype: DType,
         seed: u64,
@@ -86,10 +127,14 @@ impl GptModel {
         let mut p = ParamTableBuilder::default();
         let (h, v) = (config.hidden_size, config.padded_vocab_size(tp.size()));
         let std = config.init_method_std;
-        let embedding =
-            VocabParallelEmbedding::new(&mut p, "embedding.word_embeddings.weight", config.vocab_size, v, h, std, tp)?;
-        let position_embeddings = match config.position_embedding {
-            PositionEmbedding::LearnedAbsolute => Some(
+        let word = "embedding.word_embeddings.weight";
+        let embedding = if plan.pre_process {
+            Some(VocabParallelEmbedding::new(&mut p, word, config.vocab_size, v, h, std, tp)?)
+        } else {
+            None
+        };
+        let position_embeddings = match (plan.pre_process, config.position_embedding) {
+            (true, PositionEmbedding::LearnedAbsolute) => Some(
                 p.add(
                     ParamMeta::replicated(
                         "embedding.position_embeddings.weight",
@@ -102,15 +147,40 @@ impl GptModel {
             ),
             _ => None,
         };
-        let decoder = TransformerBlock::new(&mut p, "decoder", &config, tp)?;
-        let output_layer = if config.untie_embeddings_and_output_weights {
-            let shard = Shard { rank: tp.rank(), size: tp.size(), chunks: 1 };
-            p.add(ParamMeta::split("output_layer.weight", [v, h], 0, shard, Init::Normal { std }, true)?)?
-        } else {
-            embedding.weight
+        let n = plan.chunks.len();
+        let chunks = plan
+            .chunks
+            .iter()
+            .enumerate()
+            .map(|(c, layers)| {
+                let ends = plan.post_process && c + 1 == n;
+                TransformerBlock::stage(&mut p, "decoder", &config, tp, layers.clone(), ends, recompute)
+            })
+            .collect::<ferrotron_core::Result<Vec<_>>>()?;
+        let shard = Shard { rank: tp.rank(), size: tp.size(), chunks: 1 };
+        let output_layer = match (plan.post_process, config.untie_embeddings_and_output_weights, &embedding) {
+            (false, ..) => None,
+            (true, true, _) => {
+                Some(p.add(ParamMeta::split("output_layer.weight", [v, h], 0, shard, Init::Normal { std }, true)?)?)
+            }
+            (true, false, Some(e)) => Some(e.weight),
+            (true, false, None) => {
+                // The last stage's copy of the tied embedding: same name, so the same initial values.
+                let mut m = ParamMeta::split(word, [v, h], 0, shard, Init::Normal { std }, true)?;
+                m.pipeline_copy = true;
+                Some(p.add(m)?)
+            }
         };
         let table = p.build_padded(device, dtype, seed, pad_to)?;
-        let model = GptModel { config, position_embeddings, decoder, output_layer, embedding, tp: tp.clone() };
+        let model = GptModel {
+            config,
+            embedding,
+            position_embeddings,
+            chunks,
+            output_layer,
+            plan: plan.clone(),
+            tp: tp.clone(),
+        };
         Ok((model, table))
     }
 
@@ -119,6 +189,12 @@ impl GptModel {
             vocab_size: self.config.vocab_size,
             padded_vocab_size: self.config.padded_vocab_size(self.tp.size()),
         }
+    }
+
+    /// Shape of the hidden state one micro-batch passes between pipeline stages.
+    pub fn activation_shape(&self, micro_batch: usize, seq: usize) -> Vec<usize> {
+        let t = if self.tp.sp() { seq / self.tp.size() } else { seq };
+        vec![micro_batch, t, self.config.hidden_size]
     }
 
     /// Position ids of this rank's tokens: [B, T], or its [B, T/tp] slice under SP.
@@ -141,8 +217,7 @@ impl GptModel {
         Ok(Some(Tensor::from_vec(ids, [b, len], tokens.device())?))
     }
 
-    /// Final hidden states [B, T, C] (this rank's [B, T/tp, C] under SP) and what the decoder saved.
-    fn hidden(&self, cx: &Cx, tokens: &Tensor) -> Result<(Tensor, Option<Tensor>, Saved)> {
+    fn embed(&self, cx: &Cx, tokens: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
         if tokens.shape().rank() != 2 {
             return Err(
                 ferrotron_core::shape_mismatch("GptModel::forward", "tokens [batch, seq]", tokens.dims()).into()
@@ -151,29 +226,58 @@ impl GptModel {
         if self.tp.sp() {
             self.tp.shard_len(tokens.dims()[1])?;
         }
-        let mut x = self.embedding.forward(cx, tokens)?;
+        let e = self.embedding.as_ref().ok_or_else(|| ModelError::Config("this stage has no embedding".into()))?;
+        let mut x = e.forward(cx, tokens)?;
         let positions = self.positions(tokens)?;
         if let (Some(pos), Some(pe)) = (&positions, self.position_embeddings) {
             x = k::add(&x, &k::embedding_fwd(pos, &cx.params.param(pe)?)?)?;
         }
-        let (h, s) = self.decoder.forward(cx, &x)?;
-        Ok((h, positions, s))
+        Ok((x, positions))
     }
 
-    /// Logits [B, T, V] over the whole padded vocabulary (for generation and evaluation).
+    fn output(&self) -> Result<ParamId> {
+        self.output_layer.ok_or_else(|| ModelError::Config("this stage has no output layer".into()))
+    }
+
+    /// Logits [B, T, V] over the whole padded vocabulary (one stage holding the whole model).
     pub fn logits(&self, cx: &Cx, tokens: &Tensor) -> Result<Tensor> {
-        let (h, _, _) = self.hidden(cx, tokens)?;
+        let (x, _) = self.embed(cx, tokens)?;
+        let mut h = x;
+        for c in &self.chunks {
+            h = c.forward(cx, &h)?.0;
+        }
         let h = self.tp.enter(&h)?;
-        let local = k::matmul(&h, &cx.params.param(self.output_layer)?, false, true)?;
+        let local = k::matmul(&h, &cx.params.param(self.output()?)?, false, true)?;
         Ok(self.tp.gather_last(&local)?)
     }
 
-    /// Mean loss over unmasked tokens, and what the backward needs.
-    pub fn forward(&self, cx: &Cx, batch: &Batch) -> Result<(f64, GptSaved)> {
-        let (h, positions, decoder) = self.hidden(cx, &batch.tokens)?;
+    /// Forward of chunk `c` for one micro-batch: from tokens (first chunk of the first stage) or
+    /// from `input`, to the next stage's input or (last chunk of the last stage) the loss.
+    pub fn forward_chunk(
+        &self,
+        cx: &Cx,
+        c: usize,
+        batch: &Batch,
+        input: Option<Tensor>,
+    ) -> Result<(ChunkOut, GptSaved)> {
+        let block = self.chunks.get(c).ok_or_else(|| ModelError::Config(format!("no model chunk {c}")))?;
+        let pre = self.plan.pre_process && c == 0;
+        let post = self.plan.post_process && c + 1 == self.chunks.len();
+        let (x, tokens, positions) = match (pre, input) {
+            (true, _) => {
+                let (x, pos) = self.embed(cx, &batch.tokens)?;
+                (x, Some(batch.tokens.clone()), pos)
+            }
+            (false, Some(x)) => (x, None, None),
+            (false, None) => return Err(ModelError::Config(format!("chunk {c} needs the previous stage's output"))),
+        };
+        let (h, decoder) = block.forward(cx, &x)?;
+        if !post {
+            return Ok((ChunkOut::Hidden(h), GptSaved { tokens, positions, decoder, post: None }));
+        }
         let h = self.tp.enter(&h)?;
-        let logits = k::matmul(&h, &cx.params.param(self.output_layer)?, false, true)?;
-        let n = batch.tokens.elem_count();
+        let logits = k::matmul(&h, &cx.params.param(self.output()?)?, false, true)?;
+        let n = batch.labels.elem_count();
         let flat = logits.reshape([n, logits.shape().last()])?;
         let labels = batch.labels.reshape([n])?;
         let mask = batch.loss_mask.reshape([n])?;
@@ -181,18 +285,71 @@ impl GptModel {
         let num_tokens: f64 = mask.to_vec_f32()?.iter().map(|&m| m as f64).sum();
         let total: f64 = loss.to_vec_f32()?.iter().map(|&l| l as f64).sum();
         let mean = if num_tokens > 0.0 { total / num_tokens } else { 0.0 };
-        let saved = GptSaved {
-            tokens: batch.tokens.clone(),
-            positions,
-            decoder,
-            hidden: h,
-            logits: flat,
-            labels,
-            loss_mask: mask,
-            lse,
-            num_tokens,
+        let post = PostSaved { hidden: h, logits: flat, labels, loss_mask: mask, lse, num_tokens };
+        Ok((ChunkOut::Loss(mean), GptSaved { tokens, positions, decoder, post: Some(post) }))
+    }
+
+    /// Backward of chunk `c`: from the loss (`grad_scale · loss`) or from `dy`; adds parameter
+    /// grads into main_grad and returns the gradient of the chunk's input (None where tokens came
+    /// in). `done(offset)` is called whenever every gradient at flat offsets ≥ `offset` that this
+    /// pass touches is final.
+    pub fn backward_chunk(
+        &self,
+        cx: &Cx,
+        c: usize,
+        saved: GptSaved,
+        dy: Option<&Tensor>,
+        grad_scale: f32,
+        done: &mut dyn FnMut(usize) -> ferrotron_core::Result<()>,
+    ) -> Result<Option<Tensor>> {
+        let block = self.chunks.get(c).ok_or_else(|| ModelError::Config(format!("no model chunk {c}")))?;
+        let dh = match (saved.post, dy) {
+            (Some(p), _) => {
+                let n = p.labels.elem_count();
+                let g = if p.num_tokens > 0.0 { (grad_scale as f64 / p.num_tokens) as f32 } else { 0.0 };
+                let dloss = Tensor::from_vec(vec![g; n], [n], p.logits.device())?;
+                let dlogits = vocab_parallel_ce_bwd(
+                    self.ce(),
+                    &self.tp,
+                    &p.logits,
+                    &p.labels,
+                    Some(&p.loss_mask),
+                    &p.lse,
+                    &dloss,
+                )?;
+                let (h, hid) = (&p.hidden, self.config.hidden_size);
+                let out = self.output()?;
+                let dh = k::matmul(&dlogits, &cx.params.param(out)?, false, false)?.reshape(h.dims().to_vec())?;
+                k::matmul_into(&cx.params.grad(out)?, &dlogits, &h.reshape([n, hid])?, true, false, true)?;
+                if self.config.untie_embeddings_and_output_weights {
+                    done(cx.params.range(out).start)?;
+                }
+                self.tp.enter_bwd(&dh)?
+            }
+            (None, Some(dy)) => dy.clone(),
+            (None, None) => return Err(ModelError::Config(format!("chunk {c} needs the next stage's gradient"))),
         };
-        Ok((mean, saved))
+        let dx = block.backward_with(cx, saved.decoder, &dh, done)?;
+        let Some(tokens) = &saved.tokens else { return Ok(Some(dx)) };
+        if let Some(e) = &self.embedding {
+            e.backward(cx, tokens, &dx)?;
+        }
+        if let (Some(pos), Some(pe)) = (&saved.positions, self.position_embeddings) {
+            k::embedding_bwd(pos, &dx, &cx.params.grad(pe)?)?;
+        }
+        done(0)?;
+        Ok(None)
+    }
+
+    /// Whole-model forward on one stage: the mean loss and what the backward needs.
+    pub fn forward(&self, cx: &Cx, batch: &Batch) -> Result<(f64, GptSaved)> {
+        if self.chunks.len() != 1 || !self.plan.pre_process || !self.plan.post_process {
+            return Err(ModelError::Config("forward needs the whole model on this rank; use forward_chunk".into()));
+        }
+        match self.forward_chunk(cx, 0, batch, None)? {
+            (ChunkOut::Loss(l), s) => Ok((l, s)),
+            (ChunkOut::Hidden(_), _) => Err(ModelError::Config("the model did not end in a loss".into())),
+        }
     }
 
     /// Gradients of `grad_scale · loss`, added into main_grad.
@@ -200,8 +357,7 @@ impl GptModel {
         self.backward_with(cx, saved, grad_scale, &mut |_| Ok(()))
     }
 
-    /// `backward` that calls `done(offset)` whenever every gradient at flat offsets ≥ `offset` is
-    /// final: after the output layer, the final norm, each layer, and (0) the embeddings.
+    /// `backward` with the `done` hook of `backward_chunk`.
     pub fn backward_with(
         &self,
         cx: &Cx,
@@ -209,46 +365,26 @@ impl GptModel {
         grad_scale: f32,
         done: &mut dyn FnMut(usize) -> ferrotron_core::Result<()>,
     ) -> Result<()> {
-        let n = saved.labels.elem_count();
-        if saved.num_tokens <= 0.0 {
-            return Ok(());
-        }
-        let g = (grad_scale as f64 / saved.num_tokens) as f32;
-        let dloss = Tensor::from_vec(vec![g; n], [n], saved.logits.device())?;
-        let dlogits = vocab_parallel_ce_bwd(
-            self.ce(),
-            &self.tp,
-            &saved.logits,
-            &saved.labels,
-            Some(&saved.loss_mask),
-            &saved.lse,
-            &dloss,
-        )?;
-        let (h, c) = (&saved.hidden, self.config.hidden_size);
-        let w_out = cx.params.param(self.output_layer)?;
-        let dh = k::matmul(&dlogits, &w_out, false, false)?.reshape(h.dims().to_vec())?;
-        k::matmul_into(&cx.params.grad(self.output_layer)?, &dlogits, &h.reshape([n, c])?, true, false, true)?;
-        let dh = self.tp.enter_bwd(&dh)?;
-        if self.config.untie_embeddings_and_output_weights {
-            done(cx.params.range(self.output_layer).start)?;
-        }
-        let dx = self.decoder.backward_with(cx, saved.decoder, &dh, done)?;
-        self.embedding.backward(cx, &saved.tokens, &dx)?;
-        if let (Some(pos), Some(pe)) = (&saved.positions, self.position_embeddings) {
-            k::embedding_bwd(pos, &dx, &cx.params.grad(pe)?)?;
-        }
-        done(0)?;
-        Ok(())
+        self.backward_chunk(cx, 0, saved, None, grad_scale, done).map(|_| ())
     }
 
-    /// The parameter the output layer uses (the word embedding when tied).
-    pub fn output_weight(&self) -> ParamId {
+    /// The parameter the output layer uses (the word embedding or its copy when tied).
+    pub fn output_weight(&self) -> Option<ParamId> {
         self.output_layer
     }
 
-    /// The word embedding parameter.
-    pub fn word_embeddings(&self) -> ParamId {
-        self.embedding.weight
+    /// The word embedding parameter (first stage).
+    pub fn word_embeddings(&self) -> Option<ParamId> {
+        self.embedding.as_ref().map(|e| e.weight)
+    }
+
+    /// With tied weights split over pipeline stages: this stage's side of the tie (the embedding
+    /// on the first stage, its copy on the last), whose grads are summed across the two.
+    pub fn tied_weight(&self) -> Option<ParamId> {
+        if self.config.untie_embeddings_and_output_weights || (self.plan.pre_process && self.plan.post_process) {
+            return None;
+        }
+        if self.plan.pre_process { self.word_embeddings() } else { self.output_layer }
     }
 }
 

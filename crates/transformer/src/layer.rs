@@ -7,6 +7,7 @@ use crate::attention::{AttentionDims, SelfAttention};
 use crate::config::TransformerConfig;
 use crate::mlp::Mlp;
 use crate::norm::Norm;
+use crate::recompute::Recompute;
 use crate::spec::{MlpSpec, PositionEmbedding};
 use ferrotron_core::{Cx, Module, ParamTableBuilder, Result, Saved, Tensor, invalid};
 use ferrotron_kernels as k;
@@ -81,10 +82,15 @@ impl Module for TransformerLayer {
     }
 }
 
-/// The decoder: layers then the final norm.
+/// A run of decoder layers (all of them, or one pipeline stage's chunk), then the final norm when
+/// this chunk ends the model.
 pub struct TransformerBlock {
     pub layers: Vec<TransformerLayer>,
-    pub final_layernorm: Norm,
+    /// Global index of `layers[0]` (parameter names use global indices).
+    pub first_layer: usize,
+    pub final_layernorm: Option<Norm>,
+    /// Groups of local layer indices, and whether each is recomputed in the backward.
+    groups: Vec<(std::ops::Range<usize>, bool)>,
 }
 
 /// Lowest flat offset of the parameters registered from `first` on (they are registered in
@@ -94,6 +100,43 @@ fn offset(cx: &Cx, first: ferrotron_core::ParamId) -> usize {
 }
 
 impl TransformerBlock {
+    /// Every layer and the final norm (one stage).
+    pub fn new(p: &mut ParamTableBuilder, prefix: &str, c: &TransformerConfig, tp: &TensorParallel) -> Result<Self> {
+        Self::stage(p, prefix, c, tp, 0..c.num_layers, true, Recompute::default())
+    }
+
+    /// Layers `layers` (global indices), with the final norm when `final_norm`.
+    pub fn stage(
+        p: &mut ParamTableBuilder,
+        prefix: &str,
+        c: &TransformerConfig,
+        tp: &TensorParallel,
+        layers: std::ops::Range<usize>,
+        final_norm: bool,
+        recompute: Recompute,
+    ) -> Result<Self> {
+        let first_layer = layers.start;
+        let mut built: Vec<TransformerLayer> =
+            layers.map(|i| TransformerLayer::new(p, &format!("{prefix}.layers.{i}"), c, tp)).collect::<Result<_>>()?;
+        for l in &mut built {
+            l.self_attention.recompute_core = recompute.selective();
+        }
+        let final_layernorm = if final_norm {
+            Some(Norm::new(
+                p,
+                &format!("{prefix}.final_layernorm"),
+                c.layer.norm,
+                c.hidden_size,
+                c.norm_epsilon,
+                tp.sp(),
+            )?)
+        } else {
+            None
+        };
+        let groups = recompute.groups(built.len());
+        Ok(TransformerBlock { layers: built, first_layer, final_layernorm, groups })
+    }
+
     /// Backward that reports, after the final norm and after each layer, the lowest flat offset
     /// whose gradients this backward has finished (for overlapping the data-parallel reduce).
     pub fn backward_with(
@@ -104,40 +147,60 @@ impl TransformerBlock {
         done: &mut dyn FnMut(usize) -> Result<()>,
     ) -> Result<Tensor> {
         let mut children = saved.children;
-        let s_final = children.pop().ok_or_else(|| invalid("TransformerBlock::backward", "nothing saved"))?;
-        let mut d = self.final_layernorm.backward(cx, s_final, dy)?;
-        done(offset(cx, self.final_layernorm.weight))?;
-        for (l, s) in self.layers.iter().zip(children).rev() {
-            d = l.backward(cx, s, &d)?;
-            done(offset(cx, l.input_layernorm.weight))?;
+        let mut d = dy.clone();
+        if let Some(norm) = &self.final_layernorm {
+            let s_final = children.pop().ok_or_else(|| invalid("TransformerBlock::backward", "nothing saved"))?;
+            d = norm.backward(cx, s_final, &d)?;
+            done(offset(cx, norm.weight))?;
+        }
+        if children.len() != self.groups.len() {
+            return Err(invalid("TransformerBlock::backward", "saved values do not match forward"));
+        }
+        for ((range, recompute), s) in self.groups.iter().zip(children).rev() {
+            let per_layer = if *recompute {
+                // Run the group's forward again from its saved input, keeping everything this time.
+                let mut h = s.tensors.into_iter().next().ok_or_else(|| invalid("recompute", "no saved input"))?;
+                let mut v = Vec::with_capacity(range.len());
+                for l in &self.layers[range.clone()] {
+                    let (y, sl) = l.forward(cx, &h)?;
+                    v.push(sl);
+                    h = y;
+                }
+                v
+            } else {
+                s.children
+            };
+            for (l, sl) in self.layers[range.clone()].iter().zip(per_layer).rev() {
+                d = l.backward(cx, sl, &d)?;
+                done(offset(cx, l.input_layernorm.weight))?;
+            }
         }
         Ok(d)
-    }
-}
-
-impl TransformerBlock {
-    pub fn new(p: &mut ParamTableBuilder, prefix: &str, c: &TransformerConfig, tp: &TensorParallel) -> Result<Self> {
-        let layers = (0..c.num_layers)
-            .map(|i| TransformerLayer::new(p, &format!("{prefix}.layers.{i}"), c, tp))
-            .collect::<Result<_>>()?;
-        let final_layernorm =
-            Norm::new(p, &format!("{prefix}.final_layernorm"), c.layer.norm, c.hidden_size, c.norm_epsilon, tp.sp())?;
-        Ok(TransformerBlock { layers, final_layernorm })
     }
 }
 
 impl Module for TransformerBlock {
     fn forward(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Saved)> {
         let mut h = x.clone();
-        let mut children = Vec::with_capacity(self.layers.len() + 1);
-        for l in &self.layers {
-            let (y, s) = l.forward(cx, &h)?;
+        let mut children = Vec::with_capacity(self.groups.len() + 1);
+        for (range, recompute) in &self.groups {
+            let input = h.clone();
+            let mut per_layer = vec![];
+            for l in &self.layers[range.clone()] {
+                let (y, s) = l.forward(cx, &h)?;
+                if !recompute {
+                    per_layer.push(s);
+                }
+                h = y;
+            }
+            children.push(if *recompute { Saved::new(vec![input], vec![]) } else { Saved::new(vec![], per_layer) });
+        }
+        if let Some(norm) = &self.final_layernorm {
+            let (y, s) = norm.forward(cx, &h)?;
             children.push(s);
             h = y;
         }
-        let (y, s) = self.final_layernorm.forward(cx, &h)?;
-        children.push(s);
-        Ok((y, Saved::new(vec![], children)))
+        Ok((h, Saved::new(vec![], children)))
     }
 
     fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {

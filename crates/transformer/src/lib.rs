@@ -14,10 +14,12 @@ pub mod layer;
 pub mod linear;
 pub mod mlp;
 pub mod norm;
+pub mod recompute;
 pub mod spec;
 
 pub use config::TransformerConfig;
-pub use gpt::{Batch, GptModel, GptSaved};
+pub use gpt::{Batch, ChunkOut, GptModel, GptSaved};
+pub use recompute::Recompute;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {

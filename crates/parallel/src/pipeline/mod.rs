@@ -1,0 +1,12 @@
+//! Pipeline parallelism: which layers each stage holds (`stages`), the order in which a stage runs
+//! forward and backward passes of micro-batches (`schedule`: no pipelining, 1F1B, interleaved 1F1B
+//! as Megatron has them), and the executor that runs a schedule, moving activations and their
+//! gradients between neighbouring stages (`exec`).
+
+pub mod exec;
+pub mod schedule;
+pub mod stages;
+
+pub use exec::{PipelineComms, StageRunner, run_schedule};
+pub use schedule::{Action, ScheduleKind, render, schedule};
+pub use stages::{StagePlan, stage_layers};
