@@ -1,13 +1,15 @@
-//! Checkpoints: `{save}/iter_0000120/` holds `model_optim.safetensors` and `state.toml`;
+//! Checkpoints: `{save}/iter_0000120/` holds one `model_optim.safetensors` per pipeline stage
+//! (`model_optim_pp001.safetensors` for stage 1 when there are several) and `state.toml`;
 //! `{save}/latest_checkpointed_iteration.txt` (Megatron's tracker name) names the newest.
 //!
 //! Format 2 stores every parameter whole, by its Megatron name (`{name}` in the model dtype) with
 //! its fp32 optimizer state (`optimizer.master.{name}`, `optimizer.exp_avg.{name}`,
-//! `optimizer.exp_avg_sq.{name}`), so a run can resume under another tensor-parallel,
-//! data-parallel or distributed-optimizer layout: saving gathers the shards to world rank 0, which
-//! writes; loading lets each rank take its part. `state.toml` holds the iteration, data position,
-//! optimizer step, settings, the names and whole shapes, and the SHA-256 of the tensor file.
-//! Vocabulary padding may differ between layouts: rows past the real vocabulary are not kept.
+//! `optimizer.exp_avg_sq.{name}`), so a run can resume under another tensor-parallel, pipeline,
+//! data-parallel or distributed-optimizer layout: each stage gathers its shards to its first rank,
+//! which writes the stage's file; loading reads every file and lets each rank take its part.
+//! `state.toml` holds the iteration, data position, optimizer step, settings and each file's
+//! SHA-256. Vocabulary padding may differ between layouts: rows past the real vocabulary are not
+//! kept. A tied embedding held by the first and last stage is in both files (same values).
 //!
 //! Writes go to a temporary folder that is renamed into place, and the tracker is replaced
 //! atomically after that, so a save that fails midway leaves the previous checkpoint and tracker as
@@ -28,7 +30,10 @@ use std::path::{Path, PathBuf};
 
 pub const FORMAT_VERSION: u32 = 2;
 pub const TRACKER: &str = "latest_checkpointed_iteration.txt";
-const TENSORS: &str = "model_optim.safetensors";
+/// The tensor file of pipeline stage `stage` (of `stages`).
+fn tensor_file(stage: usize, stages: usize) -> String {
+    if stages == 1 { "model_optim.safetensors".into() } else { format!("model_optim_pp{stage:03}.safetensors") }
+}
 const STATE: &str = "state.toml";
 const OPT: [&str; 3] = ["optimizer.master", "optimizer.exp_avg", "optimizer.exp_avg_sq"];
 
@@ -39,11 +44,15 @@ pub struct State {
     pub consumed_samples: u64,
     pub optimizer_step: u64,
     pub params_dtype: String,
-    pub tensors_sha256: String,
-    pub param_names: Vec<String>,
-    /// Whole (unsplit) shapes.
-    pub param_shapes: Vec<Vec<usize>>,
+    /// Tensor files, one per pipeline stage, with their SHA-256.
+    pub tensor_files: Vec<TensorFile>,
     pub settings: Settings,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize)]
+pub struct TensorFile {
+    pub file: String,
+    pub sha256: String,
 }
 
 /// A checkpoint in host memory: every tensor whole, by name, as f32.
@@ -79,7 +88,7 @@ pub fn save(
     info: &SaveInfo,
 ) -> anyhow::Result<PathBuf> {
     let (state, step) = opt.full_state(table.flat_len())?;
-    let writer = g.world.rank() == 0;
+    let writer = g.tp.rank() == 0 && g.dp.rank() == 0; // one per pipeline stage
     let mut tensors: Vec<(String, DType, Vec<usize>, Vec<f32>)> = vec![];
     for id in table.ids() {
         let m = table.meta(id);
@@ -106,16 +115,86 @@ pub fn save(
             }
         }
     }
-    let result =
-        if writer { write(save_dir, table, &tensors, step, info) } else { Ok(iter_dir(save_dir, info.iteration)) };
-    // Everyone learns whether rank 0's write worked.
-    let ok = Tensor::from_vec(vec![if result.is_ok() { 1f32 } else { 0.0 }], [1], &Device::Cpu)?;
-    g.world.all_reduce(&ok, ReduceOp::Min)?;
-    match (result, ok.to_vec_f32()?[0] == 1.0) {
-        (Ok(d), true) => Ok(d),
-        (Err(e), _) => Err(e),
-        (Ok(_), false) => bail!("saving iteration {} failed on world rank 0 (see its error)", info.iteration),
+    let (stage, stages) = (g.pp.rank(), g.pp.size());
+    let tmp = save_dir.join(format!(".tmp-iter_{:07}", info.iteration));
+    // World rank 0 prepares the folder; every stage's writer then adds its file.
+    let prepared = if g.world.rank() == 0 { prepare(save_dir, &tmp) } else { Ok(()) };
+    agree(g, prepared.is_ok(), info.iteration)?;
+    prepared?;
+    let written = if writer { write_stage(&tmp, &tensor_file(stage, stages), &tensors) } else { Ok(String::new()) };
+    // Every rank learns every stage's checksum (and whether its write worked).
+    let mut mine = vec![writer as u32, stage as u32, written.is_ok() as u32];
+    mine.extend(hex_words(written.as_deref().unwrap_or("")));
+    let n = g.world.size();
+    let all = Tensor::zeros([n * mine.len()], DType::U32, &Device::Cpu)?;
+    g.world.all_gather(&Tensor::from_vec(mine.clone(), [mine.len()], &Device::Cpu)?, &all)?;
+    let all = all.to_vec::<u32>()?;
+    written?;
+    let mut files: Vec<Option<TensorFile>> = vec![None; stages];
+    for x in all.chunks(mine.len()) {
+        if x[0] == 1 {
+            if x[2] != 1 {
+                bail!(
+                    "saving iteration {}: the writer of pipeline stage {} failed (see its error)",
+                    info.iteration,
+                    x[1]
+                );
+            }
+            files[x[1] as usize] =
+                Some(TensorFile { file: tensor_file(x[1] as usize, stages), sha256: words_hex(&x[3..]) });
+        }
     }
+    let files: Vec<TensorFile> = files.into_iter().collect::<Option<_>>().context("a pipeline stage wrote no file")?;
+    let done = if g.world.rank() == 0 { finish(save_dir, &tmp, table, files, step, info) } else { Ok(()) };
+    agree(g, done.is_ok(), info.iteration)?;
+    done?;
+    Ok(iter_dir(save_dir, info.iteration))
+}
+
+/// Fails every rank when one rank's part failed (after all of them took part).
+fn agree(g: &ProcessGroups, ok: bool, iteration: u64) -> anyhow::Result<()> {
+    let t = Tensor::from_vec(vec![if ok { 1f32 } else { 0.0 }], [1], &Device::Cpu)?;
+    g.world.all_reduce(&t, ReduceOp::Min)?;
+    if t.to_vec_f32()?[0] != 1.0 && ok {
+        bail!("saving iteration {iteration} failed on another rank (see its error)");
+    }
+    Ok(())
+}
+
+fn hex_words(hex: &str) -> Vec<u32> {
+    let mut b = [0u8; 32];
+    for (i, c) in b.iter_mut().enumerate() {
+        *c = hex.get(2 * i..2 * i + 2).and_then(|h| u8::from_str_radix(h, 16).ok()).unwrap_or(0);
+    }
+    b.chunks(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+fn words_hex(w: &[u32]) -> String {
+    w.iter().flat_map(|x| x.to_le_bytes()).map(|b| format!("{b:02x}")).collect()
+}
+
+fn prepare(save_dir: &Path, tmp: &Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(save_dir)
+        .with_context(|| format!("--save {}: cannot create the folder", save_dir.display()))?;
+    if tmp.exists() {
+        std::fs::remove_dir_all(tmp)?;
+    }
+    std::fs::create_dir_all(tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    Ok(())
+}
+
+/// Writes one stage's tensors; returns the file's SHA-256.
+fn write_stage(tmp: &Path, file: &str, tensors: &[(String, DType, Vec<usize>, Vec<f32>)]) -> anyhow::Result<String> {
+    let encoded: Vec<(Vec<u8>, Dtype)> =
+        tensors.iter().map(|(_, d, _, v)| tensor_bytes(*d, v)).collect::<anyhow::Result<_>>()?;
+    let views = tensors
+        .iter()
+        .zip(&encoded)
+        .map(|((name, _, shape, _), (b, d))| Ok((name.as_str(), TensorView::new(*d, shape.clone(), b)?)))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let bytes = safetensors::serialize(views, None)?;
+    write_synced(&tmp.join(file), &bytes)?;
+    Ok(sha256_hex(&bytes))
 }
 
 fn tensor_bytes(dtype: DType, v: &[f32]) -> anyhow::Result<(Vec<u8>, Dtype)> {
@@ -126,57 +205,40 @@ fn tensor_bytes(dtype: DType, v: &[f32]) -> anyhow::Result<(Vec<u8>, Dtype)> {
     })
 }
 
-fn write(
+/// World rank 0: state.toml, then the folder renamed into place, then the tracker.
+fn finish(
     save_dir: &Path,
+    tmp: &Path,
     table: &ParamTable,
-    tensors: &[(String, DType, Vec<usize>, Vec<f32>)],
+    tensor_files: Vec<TensorFile>,
     step: u64,
     info: &SaveInfo,
-) -> anyhow::Result<PathBuf> {
-    std::fs::create_dir_all(save_dir)
-        .with_context(|| format!("--save {}: cannot create the folder", save_dir.display()))?;
-    let final_dir = iter_dir(save_dir, info.iteration);
-    let tmp = save_dir.join(format!(".tmp-iter_{:07}-{}", info.iteration, std::process::id()));
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp)?;
-    }
-    std::fs::create_dir_all(&tmp)?;
-    let encoded: Vec<(Vec<u8>, Dtype)> =
-        tensors.iter().map(|(_, d, _, v)| tensor_bytes(*d, v)).collect::<anyhow::Result<_>>()?;
-    let views = tensors
-        .iter()
-        .zip(&encoded)
-        .map(|((name, _, shape, _), (b, d))| Ok((name.as_str(), TensorView::new(*d, shape.clone(), b)?)))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let bytes = safetensors::serialize(views, None)?;
-    let sha = sha256_hex(&bytes);
-    write_synced(&tmp.join(TENSORS), &bytes)?;
+) -> anyhow::Result<()> {
+    let iteration = info.iteration;
     let state = State {
         format_version: FORMAT_VERSION,
-        iteration: info.iteration,
+        iteration,
         consumed_samples: info.consumed_samples,
         optimizer_step: step,
         params_dtype: table.flat_params().dtype().to_string(),
-        tensors_sha256: sha,
-        param_names: table.metas().iter().map(|m| m.name.clone()).collect(),
-        param_shapes: tensors.iter().step_by(1 + OPT.len()).map(|t| t.2.clone()).collect(),
+        tensor_files,
         settings: info.settings.clone(),
     };
     write_synced(&tmp.join(STATE), toml::to_string(&state)?.as_bytes())?;
-    let iteration = info.iteration;
+    let final_dir = iter_dir(save_dir, iteration);
     if final_dir.exists() {
         // Re-saving the same iteration: move the old one aside first so a crash never leaves neither.
         let old = save_dir.join(format!(".old-iter_{iteration:07}-{}", std::process::id()));
         std::fs::rename(&final_dir, &old)?;
-        std::fs::rename(&tmp, &final_dir)?;
+        std::fs::rename(tmp, &final_dir)?;
         std::fs::remove_dir_all(&old)?;
     } else {
-        std::fs::rename(&tmp, &final_dir)?;
+        std::fs::rename(tmp, &final_dir)?;
     }
     let tracker_tmp = save_dir.join(format!(".{TRACKER}.tmp"));
     write_synced(&tracker_tmp, format!("{iteration}\n").as_bytes())?;
     std::fs::rename(&tracker_tmp, save_dir.join(TRACKER))?;
-    Ok(final_dir)
+    Ok(())
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {
@@ -239,23 +301,23 @@ pub fn load(dir: &Path) -> anyhow::Result<Loaded> {
             state.format_version
         );
     }
-    let file = dir.join(TENSORS);
-    let bytes = std::fs::read(&file).with_context(|| format!("cannot read {}", file.display()))?;
-    let sha = sha256_hex(&bytes);
-    if sha != state.tensors_sha256 {
-        bail!(
-            "{}: corrupt checkpoint: SHA-256 {sha} does not match {} recorded in {STATE}",
-            file.display(),
-            state.tensors_sha256
-        );
-    }
-    let st = SafeTensors::deserialize(&bytes).with_context(|| format!("{}: corrupt checkpoint", file.display()))?;
     let mut tensors = HashMap::new();
-    for name in &state.param_names {
-        tensors.insert(name.clone(), f32_values(&st, name, &file)?);
-        for p in OPT {
-            let n = format!("{p}.{name}");
-            tensors.insert(n.clone(), f32_values(&st, &n, &file)?);
+    for tf in &state.tensor_files {
+        let file = dir.join(&tf.file);
+        let bytes = std::fs::read(&file).with_context(|| format!("cannot read {}", file.display()))?;
+        let sha = sha256_hex(&bytes);
+        if sha != tf.sha256 {
+            bail!(
+                "{}: corrupt checkpoint: SHA-256 {sha} does not match {} recorded in {STATE}",
+                file.display(),
+                tf.sha256
+            );
+        }
+        let st = SafeTensors::deserialize(&bytes).with_context(|| format!("{}: corrupt checkpoint", file.display()))?;
+        for name in st.names() {
+            if !tensors.contains_key(name) {
+                tensors.insert(name.to_string(), f32_values(&st, name, &file)?);
+            }
         }
     }
     Ok(Loaded { state, tensors })
@@ -283,14 +345,8 @@ fn local_part(m: &ParamMeta, saved_shape: &[usize], whole: &[f32]) -> anyhow::Re
 
 /// Puts a loaded checkpoint into this rank's parameters and optimizer (any layout).
 pub fn restore(ck: &Loaded, table: &ParamTable, opt: &mut Optimizer) -> anyhow::Result<()> {
-    let names: Vec<&str> = table.metas().iter().map(|m| m.name.as_str()).collect();
-    if ck.state.param_names.iter().map(String::as_str).collect::<Vec<_>>() != names {
-        let missing: Vec<_> = names.iter().filter(|n| !ck.tensors.contains_key(**n)).take(3).collect();
-        bail!(
-            "checkpoint has {} parameters, the model {} (e.g. missing {missing:?}): the model flags differ from the saved run",
-            ck.state.param_names.len(),
-            names.len()
-        );
+    if let Some(m) = table.metas().iter().find(|m| !ck.tensors.contains_key(&m.name)) {
+        bail!("the checkpoint has no `{}`: the model flags differ from the saved run", m.name);
     }
     let n = table.flat_len();
     let mut state = [vec![0f32; n], vec![0f32; n], vec![0f32; n]];

@@ -24,6 +24,17 @@ enum Cmd {
     Train(Box<TrainArgs>),
     /// Start one process per GPU on this node (torchrun-style): `launch --nproc-per-node 8 -- train …`.
     Launch(ferrotron_trainer::launch::LaunchArgs),
+    /// Print a pipeline schedule's per-stage order of forward (F) and backward (B) passes.
+    Schedule {
+        #[arg(long)]
+        pipeline_model_parallel_size: usize,
+        /// Micro-batches per step on one data-parallel rank.
+        #[arg(long)]
+        num_micro_batches: usize,
+        /// Model chunks per pipeline rank (interleaved 1F1B when more than 1).
+        #[arg(long, default_value_t = 1)]
+        virtual_stages: usize,
+    },
     /// Sample text from a checkpoint.
     Generate {
         #[arg(long)]
@@ -52,6 +63,14 @@ fn run() -> anyhow::Result<()> {
             Ok(())
         }
         Cmd::Launch(a) => ferrotron_trainer::launch::launch(&a),
+        Cmd::Schedule { pipeline_model_parallel_size: pp, num_micro_batches: m, virtual_stages: v } => {
+            if pp == 0 || v == 0 {
+                anyhow::bail!("--pipeline-model-parallel-size and --virtual-stages must be at least 1");
+            }
+            let kind = ferrotron_optim::schedule_kind(pp, v);
+            print!("{}", ferrotron_parallel::pipeline::render(kind, pp, m)?);
+            Ok(())
+        }
         Cmd::Generate { load, prompt, max_new_tokens, temperature, top_k, seed } => {
             let text =
                 generate(&GenerateArgs { load: &load, prompt: &prompt, max_new_tokens, temperature, top_k, seed })?;

@@ -136,6 +136,23 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip)]
     pub distributed_timeout_s: Option<u64>,
+    #[arg(long)]
+    pub pipeline_model_parallel_size: Option<usize>,
+    /// Layers per virtual stage: interleaved 1F1B with num-layers / (pp × this) chunks per rank.
+    #[arg(long)]
+    pub num_layers_per_virtual_pipeline_stage: Option<usize>,
+    #[arg(long)]
+    pub decoder_first_pipeline_num_layers: Option<usize>,
+    #[arg(long)]
+    pub decoder_last_pipeline_num_layers: Option<usize>,
+    /// full or selective.
+    #[arg(long)]
+    pub recompute_granularity: Option<String>,
+    /// uniform or block (with full).
+    #[arg(long)]
+    pub recompute_method: Option<String>,
+    #[arg(long)]
+    pub recompute_num_layers: Option<usize>,
 }
 
 macro_rules! merge_opts {
@@ -152,7 +169,9 @@ impl TrainArgs {
             max_position_embeddings, position_embedding_type, rotary_base, normalization, tokenizer_type, init_method_std,
             micro_batch_size, global_batch_size, train_iters, lr, min_lr, lr_decay_style, lr_warmup_iters, weight_decay,
             adam_beta1, adam_beta2, clip_grad, seed, log_interval, eval_interval, eval_iters, save, load, save_interval, corpus_docs,
-            exit_interval, device, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s);
+            exit_interval, device, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s,
+            pipeline_model_parallel_size, num_layers_per_virtual_pipeline_stage, decoder_first_pipeline_num_layers,
+            decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers);
         merge_flags!(self, o; swiglu, untie_embeddings_and_output_weights, disable_bias_linear, qk_layernorm, bf16, no_progress,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce);
     }
@@ -207,6 +226,20 @@ pub struct Settings {
     pub overlap_grad_reduce: bool,
     #[serde(default)]
     pub ddp_bucket_size: Option<usize>,
+    #[serde(default = "one")]
+    pub pipeline_model_parallel_size: usize,
+    #[serde(default)]
+    pub num_layers_per_virtual_pipeline_stage: Option<usize>,
+    #[serde(default)]
+    pub decoder_first_pipeline_num_layers: Option<usize>,
+    #[serde(default)]
+    pub decoder_last_pipeline_num_layers: Option<usize>,
+    #[serde(default)]
+    pub recompute_granularity: Option<String>,
+    #[serde(default)]
+    pub recompute_method: Option<String>,
+    #[serde(default)]
+    pub recompute_num_layers: Option<usize>,
 }
 
 fn one() -> usize {
@@ -377,6 +410,13 @@ impl Settings {
             use_distributed_optimizer: a.use_distributed_optimizer,
             overlap_grad_reduce: a.overlap_grad_reduce,
             ddp_bucket_size: a.ddp_bucket_size,
+            pipeline_model_parallel_size: a.pipeline_model_parallel_size.unwrap_or(1),
+            num_layers_per_virtual_pipeline_stage: a.num_layers_per_virtual_pipeline_stage,
+            decoder_first_pipeline_num_layers: a.decoder_first_pipeline_num_layers,
+            decoder_last_pipeline_num_layers: a.decoder_last_pipeline_num_layers,
+            recompute_granularity: a.recompute_granularity.clone(),
+            recompute_method: a.recompute_method.clone(),
+            recompute_num_layers: a.recompute_num_layers,
         };
         s.validate()?;
         if let Some(l) = &a.load {
@@ -449,10 +489,53 @@ impl Settings {
         Ok(())
     }
 
+    /// Model chunks per pipeline rank (interleaving), from --num-layers-per-virtual-pipeline-stage.
+    pub fn virtual_stages(&self) -> anyhow::Result<usize> {
+        let pp = self.pipeline_model_parallel_size;
+        let Some(n) = self.num_layers_per_virtual_pipeline_stage else { return Ok(1) };
+        if n == 0 || self.num_layers % (pp * n) != 0 {
+            bail!(
+                "--num-layers-per-virtual-pipeline-stage {n} does not divide --num-layers {} over --pipeline-model-parallel-size {pp}: pick a count that divides num-layers / pp",
+                self.num_layers
+            );
+        }
+        Ok(self.num_layers / (pp * n))
+    }
+
+    pub fn recompute(&self) -> anyhow::Result<ferrotron_transformer::Recompute> {
+        ferrotron_transformer::Recompute::parse(
+            self.recompute_granularity.as_deref(),
+            self.recompute_method.as_deref(),
+            self.recompute_num_layers,
+        )
+        .map_err(|e| anyhow::anyhow!(e))
+    }
+
+    /// The layers of every pipeline rank, checked (errors name the flags).
+    pub fn stage_plan(&self, pp_rank: usize) -> anyhow::Result<ferrotron_parallel::pipeline::StagePlan> {
+        Ok(ferrotron_parallel::pipeline::stage_layers(
+            self.num_layers,
+            self.pipeline_model_parallel_size,
+            self.virtual_stages()?,
+            pp_rank,
+            self.decoder_first_pipeline_num_layers,
+            self.decoder_last_pipeline_num_layers,
+        )?)
+    }
+
     /// The parallel layout on `world` ranks, checked against the model and the batch sizes.
     pub fn validate_layout(&self, world: usize) -> anyhow::Result<ferrotron_parallel::Layout> {
         let tp = self.tensor_model_parallel_size;
-        let layout = ferrotron_parallel::Layout::new(world, tp, 1, 1, 1)?;
+        let pp = self.pipeline_model_parallel_size;
+        let layout = ferrotron_parallel::Layout::new(world, tp, pp, 1, 1)?;
+        self.recompute()?;
+        self.stage_plan(0)?;
+        let v = self.virtual_stages()?;
+        let micro = self.global_batch_size / (self.micro_batch_size * layout.dp).max(1);
+        if v > 1 {
+            let kind = ferrotron_parallel::pipeline::ScheduleKind::Interleaved { chunks: v };
+            ferrotron_parallel::pipeline::schedule(kind, pp, 0, micro.max(1))?;
+        }
         self.model_config()?.validate_tp(tp)?;
         let per_step = self.micro_batch_size * layout.dp;
         if self.global_batch_size % per_step != 0 {

@@ -8,7 +8,9 @@ use anyhow::{Context, bail};
 use ferrotron_comm::{run_ranks, thread_world};
 use ferrotron_core::{Cx, DType, Device, ParamTable, Tensor};
 use ferrotron_data::{Sampler, TokenSplit, Tokenizer, corpus, split_documents};
-use ferrotron_optim::{AdamConfig, GradSync, LrSchedule, Optimizer, default_bucket_size, train_step};
+use ferrotron_optim::{
+    AdamConfig, GradSync, LrSchedule, Optimizer, default_bucket_size, eval_pipelined, train_step, train_step_pipelined,
+};
 use ferrotron_parallel::{ProcessGroups, TensorParallel};
 use ferrotron_transformer::{Batch, GptModel};
 
@@ -181,6 +183,41 @@ fn layout_table(g: &ProcessGroups, table: &ParamTable, opt: &Optimizer, sp: bool
     Ok(Some(out))
 }
 
+/// Peak saved-activation bytes of each pipeline stage (the largest over its ranks), one line.
+fn saved_bytes_table(g: &ProcessGroups, peak: usize) -> anyhow::Result<String> {
+    let n = g.world.size();
+    let all = Tensor::zeros([n * 2], DType::F32, &Device::Cpu)?;
+    let mine = Tensor::from_vec(vec![g.pp.rank() as f32, peak as f32 / (1024.0 * 1024.0)], [2], &Device::Cpu)?;
+    g.world.all_gather(&mine, &all)?;
+    let v = all.to_vec_f32()?;
+    let mut per_stage = vec![0f32; g.pp.size()];
+    for x in v.chunks(2) {
+        let st = x[0] as usize;
+        per_stage[st] = per_stage[st].max(x[1]);
+    }
+    let cells: Vec<String> = per_stage.iter().enumerate().map(|(st, m)| format!("stage {st} {m:.2} MiB")).collect();
+    Ok(format!("saved activations at peak (per rank): {}\n", cells.join(", ")))
+}
+
+/// Mean validation loss through the pipeline (every rank gets it).
+fn evaluate_pipelined(
+    model: &GptModel,
+    table: &ParamTable,
+    g: &ProcessGroups,
+    data: &Data,
+    s: &Settings,
+) -> anyhow::Result<f64> {
+    let dev = table.flat_params().device().clone();
+    let n = data.valid.num_samples(s.seq_length);
+    let micros = (0..s.eval_iters as usize)
+        .map(|it| {
+            let idx: Vec<usize> = (0..s.micro_batch_size).map(|j| (it * s.micro_batch_size + j) % n).collect();
+            batch(&data.valid, &idx, s.seq_length, &dev)
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    Ok(eval_pipelined(model, table, &g.pipeline, &g.pp, &micros)?)
+}
+
 /// One rank's training run.
 fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summary> {
     let layout = s.validate_layout(world.size())?;
@@ -190,7 +227,10 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     let data = Data::build(s)?;
     let dtype = if s.bf16 { DType::BF16 } else { DType::F32 };
     let dev = paths.device.clone();
-    let (model, table) = GptModel::build_parallel(s.model_config()?, &tp, &dev, dtype, s.seed, layout.dp)?;
+    let plan = s.stage_plan(g.pp.rank())?;
+    let (model, table) =
+        GptModel::build_stage(s.model_config()?, &tp, &plan, s.recompute()?, &dev, dtype, s.seed, layout.dp)?;
+    let pipelined = layout.pp > 1 || plan.chunks.len() > 1;
     let bucket = s.ddp_bucket_size.unwrap_or_else(|| default_bucket_size(layout.dp));
     let mut sync = GradSync::new(
         &table,
@@ -200,6 +240,9 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         s.use_distributed_optimizer,
         s.overlap_grad_reduce,
     );
+    if let (Some(id), Some(embd)) = (model.tied_weight(), &g.embd) {
+        sync = sync.with_tied(table.range(id), embd.clone());
+    }
     let adam = AdamConfig {
         beta1: s.adam_beta1,
         beta2: s.adam_beta2,
@@ -252,8 +295,11 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             eprint!("{}", table_text.unwrap_or_default());
         }
     }
+    let eval = |model: &GptModel, table: &ParamTable| -> anyhow::Result<f64> {
+        if pipelined { evaluate_pipelined(model, table, &g, &data, s) } else { evaluate(model, table, &data, s) }
+    };
     if iteration == 0 {
-        let l = evaluate(&model, &table, &data, s)?;
+        let l = eval(&model, &table)?;
         if rank0 {
             eprintln!("iteration 0: validation loss {l:.4}");
         }
@@ -278,7 +324,17 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             .collect::<anyhow::Result<Vec<_>>>()?;
         consumed += s.global_batch_size as u64;
         let lr = sched.lr_at(iteration);
-        let out = train_step(&model, &table, &mut sync, &mut opt, &micros, lr as f32)?;
+        let out = if pipelined {
+            train_step_pipelined(&model, &table, &mut sync, &mut opt, &g.pipeline, &g.pp, &micros, lr as f32)?
+        } else {
+            train_step(&model, &table, &mut sync, &mut opt, &micros, lr as f32)?
+        };
+        if summary.losses.is_empty() {
+            let text = saved_bytes_table(&g, out.saved_peak_bytes)?;
+            if rank0 {
+                pb.suspend(|| eprint!("{text}"));
+            }
+        }
         let loss = out.loss;
         summary.losses.push((iteration, loss));
         window.1 += 1;
@@ -306,7 +362,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         }
         pb.set_position(iteration);
         if iteration % s.eval_interval == 0 || iteration == s.train_iters {
-            let l = evaluate(&model, &table, &data, s)?;
+            let l = eval(&model, &table)?;
             if rank0 {
                 pb.suspend(|| eprintln!("iteration {iteration}: validation loss {l:.4}"));
             }

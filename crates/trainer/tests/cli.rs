@@ -212,6 +212,56 @@ fn thread_ranks_train_with_every_switch() {
     assert!(e.lines().filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit())).count() >= 4, "{e}");
 }
 
+/// `--nproc 4`: TP 2 × PP 2 with full recompute; the per-stage saved bytes are printed.
+#[test]
+fn thread_ranks_train_a_pipeline() {
+    let o = run(&[
+        "--nproc",
+        "4",
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--recompute-granularity",
+        "full",
+        "--train-iters",
+        "12",
+        "--lr",
+        "3e-3",
+        "--eval-interval",
+        "12",
+    ]);
+    let e = stderr(&o);
+    assert!(o.status.success(), "{e}");
+    assert!(
+        e.contains("layout: tp 2 × dp 1 × pp 2") && e.contains("saved activations at peak (per rank): stage 0"),
+        "{e}"
+    );
+    let first = e.lines().find(|l| l.starts_with("iteration 0: validation loss")).unwrap();
+    let last = e.lines().find(|l| l.starts_with("iteration 12: validation loss")).unwrap();
+    let val = |l: &str| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap();
+    assert!(val(last) < val(first) - 0.3, "{first} / {last}");
+}
+
+#[test]
+fn schedule_prints_the_timeline() {
+    let o = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args(["schedule", "--pipeline-model-parallel-size", "2", "--num-micro-batches", "3"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "stage 0: F0 F1 B0 F2 B1 B2\nstage 1: F0 B0 F1 B1 F2 B2\n");
+    let o = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args(["schedule", "--pipeline-model-parallel-size", "2", "--num-micro-batches", "3", "--virtual-stages", "2"])
+        .output()
+        .unwrap();
+    assert!(
+        !o.status.success() && stderr(&o).contains("multiple of --pipeline-model-parallel-size 2"),
+        "{}",
+        stderr(&o)
+    );
+}
+
 #[test]
 fn layouts_that_do_not_fit_are_named() {
     let mut bad = vec!["--nproc", "3", "--tensor-model-parallel-size", "2"];
@@ -226,6 +276,26 @@ fn layouts_that_do_not_fit_are_named() {
     );
     let o = run(&["--nproc", "2", "--global-batch-size", "8", "--micro-batch-size", "8"]);
     assert!(stderr(&o).contains("data-parallel size 2"), "{}", stderr(&o));
+    // Pipelines: layers that do not divide, interleaving without enough micro-batches, virtual
+    // stages that do not divide.
+    let o = run(&["--nproc", "4", "--pipeline-model-parallel-size", "4", "--num-layers", "6"]);
+    assert!(stderr(&o).contains("6 layers do not divide evenly over 4 pipeline stages"), "{}", stderr(&o));
+    let o = run(&[
+        "--nproc",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--num-layers",
+        "4",
+        "--num-layers-per-virtual-pipeline-stage",
+        "1",
+        "--global-batch-size",
+        "8",
+    ]);
+    assert!(stderr(&o).contains("multiple of --pipeline-model-parallel-size 2"), "{}", stderr(&o));
+    let o =
+        run(&["--nproc", "2", "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"]);
+    assert!(stderr(&o).contains("--num-layers-per-virtual-pipeline-stage 3 does not divide"), "{}", stderr(&o));
 }
 
 fn corrupt_first_byte(p: &Path) {

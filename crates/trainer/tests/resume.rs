@@ -56,24 +56,44 @@ fn llama_style_bf16_resume_is_bit_exact() {
     check(true, true);
 }
 
-/// Saved by 4 thread ranks (TP 2 × DP 2, sequence parallel, distributed optimizer), resumed on one
-/// rank and the other way round: the losses follow the one-rank run (the layouts differ only in
-/// summation order).
+/// Saved by 4 thread ranks (TP 2 × DP 2 with sequence parallelism, or PP 2 × DP 2 with full
+/// recompute; distributed optimizer), resumed on one rank and the other way round: the losses
+/// follow the one-rank run (the layouts differ only in summation order).
 #[test]
 fn a_checkpoint_resumes_under_another_layout() {
-    use ferrotron_trainer::settings::Launch;
     let mut args = tiny_args(true);
     args.global_batch_size = Some(4);
     args.micro_batch_size = Some(1);
     let s1 = settings(&args);
-    let mut s4 = s1.clone();
-    s4.tensor_model_parallel_size = 2;
-    s4.sequence_parallel = true;
-    s4.use_distributed_optimizer = true;
-    s4.overlap_grad_reduce = true;
+    let mut tp = s1.clone();
+    tp.tensor_model_parallel_size = 2;
+    tp.sequence_parallel = true;
+    tp.use_distributed_optimizer = true;
+    tp.overlap_grad_reduce = true;
+    let mut pp = s1.clone();
+    pp.pipeline_model_parallel_size = 2;
+    pp.use_distributed_optimizer = true;
+    pp.recompute_granularity = Some("full".into());
+    relayout(&s1, &tp, "tp");
+    relayout(&s1, &pp, "pp");
+    // GPT-2 style: tied embedding, held by both pipeline stages.
+    let mut args = tiny_args(false);
+    args.global_batch_size = Some(4);
+    args.micro_batch_size = Some(1);
+    let g1 = settings(&args);
+    let mut gpp = g1.clone();
+    gpp.pipeline_model_parallel_size = 2;
+    gpp.sequence_parallel = true;
+    gpp.tensor_model_parallel_size = 2;
+    relayout(&g1, &gpp, "tied-pp");
+}
+
+fn relayout(s1: &ferrotron_trainer::settings::Settings, s4: &ferrotron_trainer::settings::Settings, tag: &str) {
+    use ferrotron_trainer::settings::Launch;
+    let (s1, s4) = (s1.clone(), s4.clone());
     let threads = Launch::Threads(4);
     let straight = train(&s1, &Paths::default()).unwrap();
-    let (dir_a, dir_b) = (tmp("relayout-a"), tmp("relayout-b"));
+    let (dir_a, dir_b) = (tmp(&format!("relayout-{tag}-a")), tmp(&format!("relayout-{tag}-b")));
     let half = Paths { save: Some(dir_a.clone()), exit_interval: Some(4), launch: threads.clone(), ..Paths::default() };
     let first = train(&s4, &half).unwrap();
     let second = train(&s1, &Paths { load: Some(dir_a.clone()), ..Paths::default() }).unwrap();
@@ -84,10 +104,10 @@ fn a_checkpoint_resumes_under_another_layout() {
     let all: Vec<(u64, f64)> = first.losses.iter().chain(&second.losses).cloned().collect();
     assert_eq!(all.len(), straight.losses.len());
     for ((i, a), (_, b)) in all.iter().zip(&straight.losses) {
-        assert!((a - b).abs() <= 1e-4 * b.abs(), "iteration {i}: {a} (4 ranks, then 1) vs {b} (1 rank)");
+        assert!((a - b).abs() <= 1e-4 * b.abs(), "{tag} iteration {i}: {a} (4 ranks, then 1) vs {b} (1 rank)");
     }
     for ((i, a), (_, b)) in third.losses.iter().zip(&straight.losses[4..]) {
-        assert!((a - b).abs() <= 1e-4 * b.abs(), "iteration {i}: {a} (1 rank, then 4) vs {b} (1 rank)");
+        assert!((a - b).abs() <= 1e-4 * b.abs(), "{tag} iteration {i}: {a} (1 rank, then 4) vs {b} (1 rank)");
     }
     for d in [dir_a, dir_b] {
         let _ = std::fs::remove_dir_all(d);
