@@ -25,6 +25,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("rope.cu", include_str!("../../../../kernels/rope.cu")),
     ("embedding.cu", include_str!("../../../../kernels/embedding.cu")),
     ("attention.cu", include_str!("../../../../kernels/attention.cu")),
+    ("flash.cu", include_str!("../../../../kernels/flash.cu")),
 ];
 
 pub fn source() -> String {

@@ -498,13 +498,80 @@ fn attn_launch(be: &B, name: &str, a: &AttnShape, args: Vec<Arg>) -> Result<()> 
     be.launch(name, (a.dims.b * a.dims.hq * a.dims.t) as u32, 128, shared, &args)
 }
 
+/// Head dims with a flash kernel (kernels/flash.cu); others use the reference kernel.
+const FLASH_DIMS: [usize; 3] = [32, 64, 128];
+/// Threads per flash block: 32 rows × a quad of 4.
+const FLASH_THREADS: u32 = 128;
+
+fn flash(a: &AttnShape) -> bool {
+    FLASH_DIMS.contains(&a.dims.d)
+}
+
 pub fn attention_fwd(be: &B, q: &Tensor, k: &Tensor, v: &Tensor, a: &AttnShape) -> Result<(Tensor, Tensor)> {
     let o = new(be, q.shape().clone(), q.dtype())?;
     let lse = new(be, [a.dims.b, a.dims.hq, a.dims.t], DType::F32)?;
     let mut args = vec![ptr("attn", q)?, ptr("attn", k)?, ptr("attn", v)?, ptr("attn", &o)?, ptr("attn", &lse)?];
     args.extend(attn_tail(a));
-    attn_launch(be, &format!("attn_fwd_{}", sfx("attention_fwd", q.dtype())?), a, args)?;
+    let sfx = sfx("attention_fwd", q.dtype())?;
+    if flash(a) {
+        let d = a.dims;
+        let grid = d.b * d.hq * d.t.div_ceil(32);
+        be.launch(&format!("flash_fwd_{sfx}_{}", d.d), grid as u32, FLASH_THREADS, 0, &args)?;
+    } else {
+        attn_launch(be, &format!("attn_fwd_{sfx}"), a, args)?;
+    }
     Ok((o, lse))
+}
+
+/// Flash backward: dQ (and delta = rowsum(dO∘O)) per query tile, then dK/dV per key tile; no
+/// atomics, so the result does not depend on scheduling.
+#[allow(clippy::too_many_arguments)]
+fn flash_bwd(
+    be: &B,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    a: &AttnShape,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let d = a.dims;
+    let sfx = sfx("attention_bwd", q.dtype())?;
+    let dq = new(be, q.shape().clone(), DType::F32)?;
+    let (dk, dv) = (new(be, k.shape().clone(), DType::F32)?, new(be, v.shape().clone(), DType::F32)?);
+    let delta = new(be, [d.b, d.hq, d.t], DType::F32)?;
+    let mut args = vec![
+        ptr("attn", q)?,
+        ptr("attn", k)?,
+        ptr("attn", v)?,
+        ptr("attn", o)?,
+        ptr("attn", lse)?,
+        ptr("attn", dout)?,
+        ptr("attn", &dq)?,
+        ptr("attn", &delta)?,
+    ];
+    args.extend(attn_tail(a));
+    be.launch(&format!("flash_bwd_dq_{sfx}_{}", d.d), (d.b * d.hq * d.t.div_ceil(32)) as u32, FLASH_THREADS, 0, &args)?;
+    let mut args = vec![
+        ptr("attn", q)?,
+        ptr("attn", k)?,
+        ptr("attn", v)?,
+        ptr("attn", lse)?,
+        ptr("attn", &delta)?,
+        ptr("attn", dout)?,
+        ptr("attn", &dk)?,
+        ptr("attn", &dv)?,
+    ];
+    args.extend(attn_tail(a));
+    be.launch(
+        &format!("flash_bwd_dkv_{sfx}_{}", d.d),
+        (d.b * d.hkv * d.s.div_ceil(32)) as u32,
+        FLASH_THREADS,
+        0,
+        &args,
+    )?;
+    Ok((dq, dk, dv))
 }
 
 pub fn attention_bwd(
@@ -517,6 +584,14 @@ pub fn attention_bwd(
     dout: &Tensor,
     a: &AttnShape,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    if flash(a) {
+        let (dq, dk, dv) = flash_bwd(be, q, k, v, o, lse, dout, a)?;
+        let dt = dout.dtype();
+        if dt == DType::F32 {
+            return Ok((dq, dk, dv));
+        }
+        return Ok((cast(be, &dq, dt)?, cast(be, &dk, dt)?, cast(be, &dv, dt)?));
+    }
     // dk and dv are sums of fp32 atomics: they must start at zero (never poisoned).
     let dev = Device::Cuda(be.dev.clone());
     let dq = new(be, q.shape().clone(), DType::F32)?;

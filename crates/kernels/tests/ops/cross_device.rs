@@ -111,6 +111,33 @@ fn every_op_matches_cpu() {
                 vec![o, lse, dq, dk, dv]
             });
         }
+        // Head dims with a flash kernel: sequence lengths across several 32-row tiles and ragged
+        // ends, GQA, causal, windowed and full.
+        for (t, hq, hkv, d) in [(45usize, 4usize, 2usize, 32usize), (70, 2, 2, 64), (33, 4, 1, 128)] {
+            let (q, kk, v, dout) = (
+                rnd(&[2, t, hq, d], 20, dt),
+                rnd(&[2, t, hkv, d], 21, dt),
+                rnd(&[2, t, hkv, d], 22, dt),
+                rnd(&[2, t, hq, d], 23, dt),
+            );
+            for cfg in [
+                AttnCfg::default(),
+                AttnCfg { causal: true, window: None, scale: None },
+                AttnCfg { causal: true, window: Some(9), scale: None },
+                AttnCfg { causal: false, window: Some(40), scale: Some(0.3) },
+            ] {
+                check(
+                    &format!("flash attention t{t} d{d} {cfg:?}"),
+                    dt,
+                    &[q.clone(), kk.clone(), v.clone(), dout.clone()],
+                    |t| {
+                        let (o, lse) = k::attention_fwd(&t[0], &t[1], &t[2], &cfg).unwrap();
+                        let (dq, dk, dv) = k::attention_bwd(&t[0], &t[1], &t[2], &o, &lse, &t[3], &cfg).unwrap();
+                        vec![o, lse, dq, dk, dv]
+                    },
+                );
+            }
+        }
         let fused = rnd(&[2, 3, 2 * 4 * 8], 14, dt);
         check("qkv", dt, &[fused], |t| {
             let (q, k2, v) = k::qkv_split(&t[0], 2, 2, 8).unwrap();
