@@ -1,6 +1,7 @@
 //! NCCL communicator: one process per GPU, the unique id handed out by the TCP rendezvous; sub-groups
-//! through ncclCommSplit. Collectives are enqueued on the rank's compute stream, so they are ordered
-//! with the kernels around them (the comm stream with events is for the overlap work).
+//! through ncclCommSplit. Collectives run on the rank's communication stream, ordered after the
+//! compute stream's queued work by an event, with the compute stream waiting on the collective by
+//! another (`ordered`).
 //!
 //! Timeouts: NCCL calls are asynchronous; a rank that never arrives shows up as a hang inside the
 //! stream, which NCCL's own watchdog settings (NCCL_TIMEOUT, async error polling) govern. The
@@ -119,8 +120,16 @@ impl NcclComm {
         })
     }
 
-    fn stream(&self) -> sys::cudaStream_t {
-        self.dev.stream().cu_stream() as _
+    /// Enqueues `f`'s NCCL work on the communication stream, after everything the compute stream
+    /// has queued so far (an event), and makes the compute stream wait for it (another event):
+    /// kernels before and after see the collective in order, while other work already queued on
+    /// the compute stream is not held up by it.
+    fn ordered<R>(&self, op: &'static str, f: impl FnOnce(sys::cudaStream_t) -> Result<R>) -> Result<R> {
+        let (compute, comm) = (self.dev.stream(), self.dev.comm_stream());
+        comm.join(compute).map_err(|e| nccl_err(op, e))?;
+        let r = f(comm.cu_stream() as _);
+        compute.join(comm).map_err(|e| nccl_err(op, e))?;
+        r
     }
 
     fn group<R>(&self, op: &'static str, f: impl FnOnce() -> Result<R>) -> Result<R> {
@@ -148,10 +157,12 @@ impl Communicator for NcclComm {
 
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<()> {
         let (p, n, ty) = buf("all_reduce", t, true)?;
-        // SAFETY: in place on a live device buffer of n elements, on this rank's stream.
-        unsafe { result::all_reduce(p as _, p as _, n, ty, red(op), self.comm, self.stream()) }
-            .map(|_| ())
-            .map_err(|e| nccl_err("all_reduce", e))
+        self.ordered("all_reduce", |s| {
+            // SAFETY: in place on a live device buffer of n elements.
+            unsafe { result::all_reduce(p as _, p as _, n, ty, red(op), self.comm, s) }
+                .map(|_| ())
+                .map_err(|e| nccl_err("all_reduce", e))
+        })
     }
 
     fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
@@ -160,10 +171,12 @@ impl Communicator for NcclComm {
         if ni != no * self.size || input.dtype() != output.dtype() {
             return Err(self.invalid("reduce_scatter", format!("input of {ni} elements for outputs of {no}")));
         }
-        // SAFETY: both buffers live and sized as NCCL expects.
-        unsafe { result::reduce_scatter(pi as _, po as _, no, ty, red(op), self.comm, self.stream()) }
-            .map(|_| ())
-            .map_err(|e| nccl_err("reduce_scatter", e))
+        self.ordered("reduce_scatter", |s| {
+            // SAFETY: both buffers live and sized as NCCL expects.
+            unsafe { result::reduce_scatter(pi as _, po as _, no, ty, red(op), self.comm, s) }
+                .map(|_| ())
+                .map_err(|e| nccl_err("reduce_scatter", e))
+        })
     }
 
     fn all_gather(&self, input: &Tensor, output: &Tensor) -> Result<()> {
@@ -172,10 +185,12 @@ impl Communicator for NcclComm {
         if no != ni * self.size || input.dtype() != output.dtype() {
             return Err(self.invalid("all_gather", format!("output of {no} elements for inputs of {ni}")));
         }
-        // SAFETY: both buffers live and sized as NCCL expects.
-        unsafe { result::all_gather(pi as _, po as _, ni, ty, self.comm, self.stream()) }
-            .map(|_| ())
-            .map_err(|e| nccl_err("all_gather", e))
+        self.ordered("all_gather", |s| {
+            // SAFETY: both buffers live and sized as NCCL expects.
+            unsafe { result::all_gather(pi as _, po as _, ni, ty, self.comm, s) }
+                .map(|_| ())
+                .map_err(|e| nccl_err("all_gather", e))
+        })
     }
 
     fn all_gather_v(&self, input: &Tensor, counts: &[usize]) -> Result<Tensor> {
@@ -191,44 +206,50 @@ impl Communicator for NcclComm {
         let (pi, _, ty) = buf(OP, input, false)?;
         let (po, _, _) = buf(OP, &out, false)?;
         let es = input.dtype().size_in_bytes() as u64;
-        self.group(OP, || {
-            let mut off = 0u64;
-            for (r, &c) in counts.iter().enumerate() {
-                let src = if r == self.rank { pi } else { po + off * es };
-                // SAFETY: each broadcast writes its rows of `out`.
-                unsafe {
-                    result::broadcast(src as _, (po + off * es) as _, c * row, ty, r as i32, self.comm, self.stream())
+        self.ordered(OP, |s| {
+            self.group(OP, || {
+                let mut off = 0u64;
+                for (r, &c) in counts.iter().enumerate() {
+                    let src = if r == self.rank { pi } else { po + off * es };
+                    // SAFETY: each broadcast writes its rows of `out`.
+                    unsafe { result::broadcast(src as _, (po + off * es) as _, c * row, ty, r as i32, self.comm, s) }
+                        .map_err(|e| nccl_err(OP, e))?;
+                    off += (c * row) as u64;
                 }
-                .map_err(|e| nccl_err(OP, e))?;
-                off += (c * row) as u64;
-            }
-            Ok(())
+                Ok(())
+            })
         })?;
         Ok(out)
     }
 
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<()> {
         let (p, n, ty) = buf("broadcast", t, false)?;
-        // SAFETY: in place on a live device buffer.
-        unsafe { result::broadcast(p as _, p as _, n, ty, root as i32, self.comm, self.stream()) }
-            .map(|_| ())
-            .map_err(|e| nccl_err("broadcast", e))
+        self.ordered("broadcast", |s| {
+            // SAFETY: in place on a live device buffer.
+            unsafe { result::broadcast(p as _, p as _, n, ty, root as i32, self.comm, s) }
+                .map(|_| ())
+                .map_err(|e| nccl_err("broadcast", e))
+        })
     }
 
     fn send(&self, t: &Tensor, dst: usize) -> Result<()> {
         let (p, n, ty) = buf("send", t, false)?;
-        // SAFETY: a live device buffer of n elements.
-        unsafe { result::send(p as _, n, ty, dst as i32, self.comm, self.stream()) }
-            .map(|_| ())
-            .map_err(|e| nccl_err("send", e))
+        self.ordered("send", |s| {
+            // SAFETY: a live device buffer of n elements.
+            unsafe { result::send(p as _, n, ty, dst as i32, self.comm, s) }
+                .map(|_| ())
+                .map_err(|e| nccl_err("send", e))
+        })
     }
 
     fn recv(&self, t: &Tensor, src: usize) -> Result<()> {
         let (p, n, ty) = buf("recv", t, false)?;
-        // SAFETY: a live device buffer of n elements.
-        unsafe { result::recv(p as _, n, ty, src as i32, self.comm, self.stream()) }
-            .map(|_| ())
-            .map_err(|e| nccl_err("recv", e))
+        self.ordered("recv", |s| {
+            // SAFETY: a live device buffer of n elements.
+            unsafe { result::recv(p as _, n, ty, src as i32, self.comm, s) }
+                .map(|_| ())
+                .map_err(|e| nccl_err("recv", e))
+        })
     }
 
     fn all_to_all_v(&self, input: &Tensor, send_counts: &[usize], recv_counts: &[usize]) -> Result<Tensor> {
@@ -245,20 +266,22 @@ impl Communicator for NcclComm {
         let (pi, _, ty) = buf(OP, input, false)?;
         let (po, _, _) = buf(OP, &out, false)?;
         let es = (input.dtype().size_in_bytes() * row) as u64;
-        self.group(OP, || {
-            let (mut so, mut ro) = (0u64, 0u64);
-            for r in 0..self.size {
-                // SAFETY: row ranges inside the live input/output buffers.
-                unsafe {
-                    result::send((pi + so * es) as _, send_counts[r] * row, ty, r as i32, self.comm, self.stream())
-                        .map_err(|e| nccl_err(OP, e))?;
-                    result::recv((po + ro * es) as _, recv_counts[r] * row, ty, r as i32, self.comm, self.stream())
-                        .map_err(|e| nccl_err(OP, e))?;
+        self.ordered(OP, |s| {
+            self.group(OP, || {
+                let (mut so, mut ro) = (0u64, 0u64);
+                for r in 0..self.size {
+                    // SAFETY: row ranges inside the live input/output buffers.
+                    unsafe {
+                        result::send((pi + so * es) as _, send_counts[r] * row, ty, r as i32, self.comm, s)
+                            .map_err(|e| nccl_err(OP, e))?;
+                        result::recv((po + ro * es) as _, recv_counts[r] * row, ty, r as i32, self.comm, s)
+                            .map_err(|e| nccl_err(OP, e))?;
+                    }
+                    so += send_counts[r] as u64;
+                    ro += recv_counts[r] as u64;
                 }
-                so += send_counts[r] as u64;
-                ro += recv_counts[r] as u64;
-            }
-            Ok(())
+                Ok(())
+            })
         })?;
         Ok(out)
     }

@@ -1,0 +1,29 @@
+"""PyTorch SDPA (flash backend) on the shapes of examples/attention_bench.rs: causal, bf16, head
+dims 64 and 128, 16k tokens per call over 2048 hidden; forward and backward TFLOP/s with
+FlashAttention's FLOP convention. Written for this project."""
+import time
+import torch
+import torch.nn.functional as F
+
+print("| head dim | seq | batch × heads | SDPA fwd TFLOP/s | SDPA bwd TFLOP/s |")
+print("|---|---|---|---|---|")
+for d in (64, 128):
+    for t in (1024, 2048, 4096, 8192, 16384):
+        b, h = max(1, 16384 // t), 2048 // d
+        q, k, v = (torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        do = torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16)
+
+        def timed(f, reps=5):
+            f()
+            torch.cuda.synchronize()
+            s = time.perf_counter()
+            for _ in range(reps):
+                f()
+            torch.cuda.synchronize()
+            return (time.perf_counter() - s) / reps
+
+        fwd = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        bwd = timed(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True))
+        flops = 4 * b * h * t * t * d / 2
+        print(f"| {d} | {t} | {b} × {h} | {flops / fwd / 1e12:.1f} | {2.5 * flops / bwd / 1e12:.1f} |")

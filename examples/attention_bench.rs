@@ -1,0 +1,60 @@
+//! Flash attention alone on a GPU (feature `cuda`): forward and backward TFLOP/s for causal
+//! attention at head dims 64 and 128 over sequence lengths 1k–16k, bf16, as issue 7's table asks.
+//! `benches/torch_sdpa.py` prints PyTorch SDPA's figures for the same shapes; run both in one
+//! command on the GPU machine. FLOPs follow FlashAttention's convention: 4·B·H·T²·D forward
+//! (halved for causal), 2.5× that for the backward.
+//!
+//! `cargo run --release --features cuda -p ferrotron-examples --example attention_bench`
+
+#[cfg(feature = "cuda")]
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    use ferrotron_core::{DType, Device, Tensor};
+    use ferrotron_kernels::{self as k, AttnCfg};
+    use std::time::Instant;
+    let dev = Device::cuda(0)?;
+    let Device::Cuda(cd) = &dev else { unreachable!() };
+    let cfg = AttnCfg { causal: true, window: None, scale: None };
+    println!("| head dim | seq | batch × heads | fwd TFLOP/s | bwd TFLOP/s |");
+    println!("|---|---|---|---|---|");
+    for d in [64usize, 128] {
+        for t in [1024usize, 2048, 4096, 8192, 16384] {
+            // 16k tokens per call, 2048 hidden (heads = 2048 / d).
+            let (b, h) = ((16384 / t).max(1), 2048 / d);
+            let n = b * t * h * d;
+            let vals: Vec<f32> = (0..n).map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * 0.5).collect();
+            let mk = || Tensor::from_f32(&vals, [b, t, h, d], DType::BF16, &dev);
+            let (q, kk, v, dout) = (mk()?, mk()?, mk()?, mk()?);
+            let time = |f: &mut dyn FnMut() -> Result<(), Box<dyn std::error::Error>>| {
+                f()?; // warm-up (and NVRTC compile on the first call)
+                cd.synchronize()?;
+                let reps = 5;
+                let start = Instant::now();
+                for _ in 0..reps {
+                    f()?;
+                }
+                cd.synchronize()?;
+                Ok::<f64, Box<dyn std::error::Error>>(start.elapsed().as_secs_f64() / reps as f64)
+            };
+            let fwd = time(&mut || {
+                k::attention_fwd(&q, &kk, &v, &cfg)?;
+                Ok(())
+            })?;
+            let (o, lse) = k::attention_fwd(&q, &kk, &v, &cfg)?;
+            let bwd = time(&mut || {
+                k::attention_bwd(&q, &kk, &v, &o, &lse, &dout, &cfg)?;
+                Ok(())
+            })?;
+            let flops = 4.0 * (b * h) as f64 * (t * t) as f64 * d as f64 / 2.0;
+            println!("| {d} | {t} | {b} × {h} | {:.1} | {:.1} |", flops / fwd / 1e12, 2.5 * flops / bwd / 1e12);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn main() {
+    eprintln!(
+        "attention_bench needs a CUDA build: cargo run --release --features cuda -p ferrotron-examples --example attention_bench"
+    );
+    std::process::exit(2);
+}
