@@ -26,6 +26,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("embedding.cu", include_str!("../../../../kernels/embedding.cu")),
     ("attention.cu", include_str!("../../../../kernels/attention.cu")),
     ("flash.cu", include_str!("../../../../kernels/flash.cu")),
+    ("flash_mma.cu", include_str!("../../../../kernels/flash_mma.cu")),
 ];
 
 pub fn source() -> String {

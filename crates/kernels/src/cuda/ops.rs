@@ -513,7 +513,12 @@ pub fn attention_fwd(be: &B, q: &Tensor, k: &Tensor, v: &Tensor, a: &AttnShape) 
     let mut args = vec![ptr("attn", q)?, ptr("attn", k)?, ptr("attn", v)?, ptr("attn", &o)?, ptr("attn", &lse)?];
     args.extend(attn_tail(a));
     let sfx = sfx("attention_fwd", q.dtype())?;
-    if flash(a) {
+    if q.dtype() == DType::BF16 && matches!(a.dims.d, 64 | 128) {
+        // Tensor cores (kernels/flash_mma.cu): 64 query rows per block of 4 warps.
+        let d = a.dims;
+        let grid = d.b * d.hq * d.t.div_ceil(64);
+        be.launch(&format!("flash_fwd_mma_bf16_{}", d.d), grid as u32, FLASH_THREADS, 0, &args)?;
+    } else if flash(a) {
         let d = a.dims;
         let grid = d.b * d.hq * d.t.div_ceil(32);
         be.launch(&format!("flash_fwd_{sfx}_{}", d.d), grid as u32, FLASH_THREADS, 0, &args)?;

@@ -1,0 +1,150 @@
+// Flash attention forward on tensor cores (bf16 in, fp32 accumulate): mma.sync m16n8k16, the
+// FlashAttention-2 arrangement. A block of 4 warps takes 64 query rows (16 per warp) of one
+// (batch, head); key tiles of 64 go through shared memory (K as [key][d], V transposed as
+// [d][key], rows padded by 8 elements so fragment loads hit 32 distinct banks). S = QKᵀ stays in
+// registers; its C-fragment layout for two adjacent 8-key blocks is exactly the A-fragment layout
+// P needs for O += PV, so P never leaves registers. Online softmax per row across the 4 threads
+// of a fragment row group (2 shuffles). Same layouts and outputs as flash.cu / attention.cu.
+
+#define FM_ROWS 64
+#define FM_KEYS 64
+
+__device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Two floats as a bf16x2 word: `lo` in the low half (the smaller column).
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+template <int D>
+__device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl,
+                              long hq, long hkv, float scale, long causal, long window) {
+    constexpr int KS = D / 16;        // k-steps over the head dim
+    constexpr int NO = D / 8;         // 8-wide blocks of the output
+    constexpr int KP = D + 8;         // padded K row (elements)
+    constexpr int VP = FM_KEYS + 8;   // padded Vᵀ row (elements)
+    __shared__ __align__(16) bf16_t ks[FM_KEYS * KP];
+    __shared__ __align__(16) bf16_t vt[D * VP];
+    long tiles = (t + FM_ROWS - 1) / FM_ROWS;
+    long qt = blockIdx.x % tiles, h = (blockIdx.x / tiles) % hq, b = blockIdx.x / (tiles * hq), kvh = h / (hq / hkv);
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
+    long r0 = qt * FM_ROWS + warp * 16 + g, r1 = r0 + 8;  // this thread's two rows
+    // Q fragments for every k-step: rows r0/r1, columns kk*16 + tg*2 (+8).
+    u32 qa[KS][4];
+    auto qword = [&](long row, int col) -> u32 {
+        if (row >= t) return 0u;
+        return *reinterpret_cast<const u32*>(q + ((b * t + row) * hq + h) * D + col);
+    };
+    for (int kk = 0; kk < KS; kk++) {
+        qa[kk][0] = qword(r0, kk * 16 + tg * 2);
+        qa[kk][1] = qword(r1, kk * 16 + tg * 2);
+        qa[kk][2] = qword(r0, kk * 16 + 8 + tg * 2);
+        qa[kk][3] = qword(r1, kk * 16 + 8 + tg * 2);
+    }
+    float acc[NO][4];
+    for (int n = 0; n < NO; n++) for (int e = 0; e < 4; e++) acc[n][e] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    long i0 = qt * FM_ROWS, i1 = lmin(t, i0 + FM_ROWS) - 1;
+    long jb = 0, je = sl;
+    if (causal) je = lmin(je, i1 + 1);
+    if (window > 0) { jb = lmax(0L, i0 - window + 1); if (!causal) je = lmin(je, i1 + window); }
+    jb = (jb / FM_KEYS) * FM_KEYS;
+    for (long j0 = jb; j0 < je; j0 += FM_KEYS) {
+        __syncthreads();
+        // K tile as [key][d] (32-bit words), V tile transposed as [d][key].
+        for (int x = threadIdx.x; x < FM_KEYS * D / 2; x += blockDim.x) {
+            int key = x / (D / 2), d2 = (x % (D / 2)) * 2;
+            long j = j0 + key;
+            u32 kw = 0u, vw = 0u;
+            if (j < sl) {
+                long off = ((b * sl + j) * hkv + kvh) * D + d2;
+                kw = *reinterpret_cast<const u32*>(k + off);
+                vw = *reinterpret_cast<const u32*>(v + off);
+            }
+            *reinterpret_cast<u32*>(ks + key * KP + d2) = kw;
+            vt[d2 * VP + key] = (bf16_t)(vw & 0xffffu);
+            vt[(d2 + 1) * VP + key] = (bf16_t)(vw >> 16);
+        }
+        __syncthreads();
+        // S = Q Kᵀ for this warp's 16 rows × 64 keys: 8 blocks of 8 keys.
+        float s[8][4];
+        for (int nb = 0; nb < 8; nb++) {
+            for (int e = 0; e < 4; e++) s[nb][e] = 0.f;
+            for (int kk = 0; kk < KS; kk++) {
+                const bf16_t* kr = ks + (nb * 8 + g) * KP + kk * 16 + tg * 2;
+                u32 b0 = *reinterpret_cast<const u32*>(kr), b1 = *reinterpret_cast<const u32*>(kr + 8);
+                mma_bf16(s[nb], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b0, b1);
+            }
+        }
+        // Mask, scale, and the online softmax for rows r0 (elements 0,1) and r1 (elements 2,3).
+        float mx[2] = {-INFINITY, -INFINITY};
+        for (int nb = 0; nb < 8; nb++) {
+            for (int e = 0; e < 4; e++) {
+                long i = e < 2 ? r0 : r1, j = j0 + nb * 8 + tg * 2 + (e & 1);
+                bool ok = i < t && j < sl && allowed(i, j, causal, window);
+                s[nb][e] = ok ? s[nb][e] * scale : -INFINITY;
+                mx[e >> 1] = fmaxf(mx[e >> 1], s[nb][e]);
+            }
+        }
+        float corr[2], mn[2];
+        for (int rr = 0; rr < 2; rr++) {
+            mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
+            mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
+            mn[rr] = fmaxf(m[rr], mx[rr]);
+            corr[rr] = mn[rr] == -INFINITY ? 1.f : expf(m[rr] - mn[rr]);
+            m[rr] = mn[rr];
+        }
+        float rs[2] = {0.f, 0.f};
+        for (int nb = 0; nb < 8; nb++) {
+            for (int e = 0; e < 4; e++) {
+                float p = s[nb][e] == -INFINITY ? 0.f : expf(s[nb][e] - mn[e >> 1]);
+                s[nb][e] = p;
+                rs[e >> 1] += p;
+            }
+        }
+        for (int rr = 0; rr < 2; rr++) l[rr] = l[rr] * corr[rr] + rs[rr];  // row sums finish after the loop
+        for (int n = 0; n < NO; n++) { acc[n][0] *= corr[0]; acc[n][1] *= corr[0]; acc[n][2] *= corr[1]; acc[n][3] *= corr[1]; }
+        // O += P V: k-steps of 16 keys; P's A fragment comes from S blocks 2ks and 2ks+1.
+        for (int kstep = 0; kstep < FM_KEYS / 16; kstep++) {
+            u32 a0 = pack_bf16(s[2 * kstep][0], s[2 * kstep][1]);
+            u32 a1 = pack_bf16(s[2 * kstep][2], s[2 * kstep][3]);
+            u32 a2 = pack_bf16(s[2 * kstep + 1][0], s[2 * kstep + 1][1]);
+            u32 a3 = pack_bf16(s[2 * kstep + 1][2], s[2 * kstep + 1][3]);
+            for (int n = 0; n < NO; n++) {
+                const bf16_t* vr = vt + (n * 8 + g) * VP + kstep * 16 + tg * 2;
+                u32 b0 = *reinterpret_cast<const u32*>(vr), b1 = *reinterpret_cast<const u32*>(vr + 8);
+                mma_bf16(acc[n], a0, a1, a2, a3, b0, b1);
+            }
+        }
+    }
+    // Row sums over the 4 threads of each row group, then O / l and lse.
+    for (int rr = 0; rr < 2; rr++) {
+        l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 1);
+        l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 2);
+    }
+    for (int rr = 0; rr < 2; rr++) {
+        long i = rr == 0 ? r0 : r1;
+        if (i >= t) continue;
+        float inv = 1.f / l[rr];
+        bf16_t* oi = o + ((b * t + i) * hq + h) * D;
+        for (int n = 0; n < NO; n++) {
+            u32 w = pack_bf16(acc[n][2 * rr] * inv, acc[n][2 * rr + 1] * inv);
+            *reinterpret_cast<u32*>(oi + n * 8 + tg * 2) = w;
+        }
+        if (tg == 0) lse[(b * hq + h) * t + i] = m[rr] + logf(l[rr]);
+    }
+}
+
+#define FLASH_MMA(D) \
+extern "C" __global__ void __launch_bounds__(128) flash_fwd_mma_bf16_##D(const bf16_t* q, const bf16_t* k, \
+        const bf16_t* v, bf16_t* o, float* lse, long t, long sl, long hq, long hkv, long d, float scale, long causal, \
+        long window) { \
+    flash_fwd_mma<D>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window); }
+FLASH_MMA(64)
+FLASH_MMA(128)
