@@ -1,6 +1,9 @@
-//! `cargo xtask <command>`: tidy (layering and house rules), bench (criterion CPU benches),
-//! ptx (compile kernels/ with nvcc ahead of time) and gpu-test (build the CUDA test binaries and run
-//! them where a GPU is, or stage them for a GPU machine).
+//! `cargo xtask <command>`: tidy (layering and house rules), bench (criterion CPU benches; `--gpu`
+//! for Ferrotron against PyTorch on one GPU, `--scaling` for several), gpu-parity (every
+//! multi-GPU layout against one GPU), ptx (compile kernels/ with nvcc ahead of time) and gpu-test
+//! (build the CUDA test binaries and run them where a GPU is, or stage them for a GPU machine).
+
+mod multi;
 
 use anyhow::{Context, bail};
 use std::path::PathBuf;
@@ -28,6 +31,10 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Some("bench") if args.get(1).map(String::as_str) == Some("--gpu") => gpu_bench(&args[2..]),
+        Some("bench") if args.get(1).map(String::as_str) == Some("--scaling") => {
+            multi::scaling(&args[2..], root().join("target/release/ferrotron"))
+        }
+        Some("gpu-parity") => multi::parity(&args[1..], root().join("target/release/ferrotron")),
         Some("bench") => {
             let status = Command::new(env!("CARGO"))
                 .current_dir(root())
@@ -44,7 +51,7 @@ fn main() -> anyhow::Result<()> {
         Some("gpu-test") => gpu_test(args.get(1).map(PathBuf::from)),
         _ => {
             eprintln!(
-                "usage: cargo xtask tidy | bench [criterion args] | bench --gpu [FERROTRON_BIN] [PRESET...] | ptx [sm_XX] | gpu-test [STAGE_DIR]"
+                "usage: cargo xtask tidy | bench [criterion args] | bench --gpu [FERROTRON_BIN] [PRESET...] | bench --scaling [FERROTRON_BIN] [--gpus N] [--plot FILE] | gpu-parity [FERROTRON_BIN] [--gpus N] | ptx [sm_XX] | gpu-test [STAGE_DIR]"
             );
             bail!("unknown command {:?}", args.first());
         }
@@ -187,6 +194,12 @@ fn watch_memory(child: &mut std::process::Child) -> anyhow::Result<f64> {
     }
 }
 
+/// FLOPs per token from ferrotron's startup line `… parameters (X MFLOP/token …`.
+fn header_flops_per_token(log: &str) -> Option<f64> {
+    let m = log.split("parameters (").nth(1)?.split(" MFLOP/token").next()?;
+    m.parse::<f64>().ok().map(|x| x * 1e6)
+}
+
 /// `cargo xtask bench --gpu [FERROTRON_BIN] [PRESET...]`: Ferrotron (bf16) and the PyTorch reference
 /// (torch.compile + SDPA, bf16 autocast) on the same GPT in the same command: tokens/s, MFU, peak
 /// memory and the ratio. Runs on the GPU machine (no cargo needed there).
@@ -242,12 +255,7 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
         });
         let peak = watch_memory(&mut child)?;
         let log = reader.join().unwrap_or_default();
-        let mflop = log
-            .split("parameters (")
-            .nth(1)
-            .and_then(|r| r.split(" MFLOP/token").next())
-            .and_then(|x| x.parse::<f64>().ok())
-            .context("no MFLOP/token in ferrotron's header")?;
+        let flops = header_flops_per_token(&log).context("no MFLOP/token in ferrotron's header")?;
         let metrics = std::fs::read_to_string(dir.join("metrics.jsonl"))?;
         let tps: Vec<f64> = metrics
             .lines()
@@ -255,7 +263,6 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
             .filter_map(|l| l.split("\"tokens_per_s\":").nth(1)?.split([',', '}']).next()?.parse().ok())
             .collect();
         let ours = median(tps);
-        let flops = mflop * 1e6;
         println!(
             "| {p} | ferrotron bf16 | {ours:.0} | {:.1}% | {peak:.1} (device total) |",
             100.0 * ours * flops / 989e12

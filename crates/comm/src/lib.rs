@@ -94,10 +94,60 @@ pub trait Communicator: Send + Sync {
     /// source-rank order, `recv_counts[r]` from rank r (uneven counts allowed, as MoE needs).
     fn all_to_all_v(&self, input: &Tensor, send_counts: &[usize], recv_counts: &[usize]) -> Result<Tensor>;
     fn barrier(&self) -> Result<()>;
+    /// `all_reduce` that later device work need not wait for, until [`Communicator::wait_async`]
+    /// (NCCL: enqueued on the communication stream, the compute stream left running; gradient
+    /// buckets reduced while the backward goes on). Host backends run it at once.
+    fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Result<()> {
+        self.all_reduce(t, op)
+    }
+    /// `reduce_scatter` in the manner of `all_reduce_async`.
+    fn reduce_scatter_async(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
+        self.reduce_scatter(input, output, op)
+    }
+    /// Later device work waits for every `*_async` operation issued so far.
+    fn wait_async(&self) -> Result<()> {
+        Ok(())
+    }
+    /// Runs `ops` (sends and receives on this and other groups of the same backend) as one batch
+    /// whose transfers may complete in any order (NCCL's grouped send/recv). Called through
+    /// [`exchange`]. The mesh backends need nothing: their sends never wait for the receiver.
+    fn p2p_group(&self, ops: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        ops()
+    }
     /// Sub-groups: `groups` lists disjoint sets of this group's ranks (e.g. every tensor-parallel
     /// group of the layout); each rank gets the one holding it, `None` when none does. Every rank
     /// of this group calls it with the same arguments (NCCL's split is collective).
     fn split(&self, name: &str, groups: &[Vec<usize>]) -> Result<Option<std::sync::Arc<dyn Communicator>>>;
+}
+
+/// One transfer of an [`exchange`]: a tensor, the group it travels on and the peer's rank there.
+pub enum P2p<'a> {
+    Send { comm: &'a dyn Communicator, t: &'a Tensor, dst: usize },
+    Recv { comm: &'a dyn Communicator, t: &'a Tensor, src: usize },
+}
+
+/// Sends and receives issued together, as Megatron's batched isend/irecv: two ranks that each
+/// send to and receive from the other in one exchange cannot deadlock, even where a send waits
+/// for its receiver (NCCL with tensors larger than its buffers). Sends go first (the mesh
+/// backends never block on a send); every group must be of one backend.
+pub fn exchange(ops: &[P2p<'_>]) -> Result<()> {
+    let Some(first) = ops.first() else { return Ok(()) };
+    let lead = match first {
+        P2p::Send { comm, .. } | P2p::Recv { comm, .. } => *comm,
+    };
+    lead.p2p_group(&mut || {
+        for op in ops {
+            if let P2p::Send { comm, t, dst } = op {
+                comm.send(t, *dst)?;
+            }
+        }
+        for op in ops {
+            if let P2p::Recv { comm, t, src } = op {
+                comm.recv(t, *src)?;
+            }
+        }
+        Ok(())
+    })
 }
 
 /// (index of the group holding `rank`, its position there).

@@ -16,6 +16,11 @@ use std::mem::MaybeUninit;
 use std::sync::Arc;
 use std::time::Duration;
 
+thread_local! {
+    /// Set while this thread is inside `p2p_group` (NCCL groups are per thread, not per comm).
+    static IN_P2P_GROUP: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 pub struct NcclComm {
     comm: sys::ncclComm_t,
     dev: CudaDevice,
@@ -126,10 +131,50 @@ impl NcclComm {
     /// the compute stream is not held up by it.
     fn ordered<R>(&self, op: &'static str, f: impl FnOnce(sys::cudaStream_t) -> Result<R>) -> Result<R> {
         let (compute, comm) = (self.dev.stream(), self.dev.comm_stream());
+        if IN_P2P_GROUP.get() {
+            // Inside `p2p_group`, which fences the whole batch once.
+            return f(comm.cu_stream() as _);
+        }
         comm.join(compute).map_err(|e| nccl_err(op, e))?;
         let r = f(comm.cu_stream() as _);
         compute.join(comm).map_err(|e| nccl_err(op, e))?;
         r
+    }
+
+    /// `ordered` without the compute stream's wait (see `Communicator::all_reduce_async`).
+    fn detached<R>(&self, op: &'static str, f: impl FnOnce(sys::cudaStream_t) -> Result<R>) -> Result<R> {
+        let (compute, comm) = (self.dev.stream(), self.dev.comm_stream());
+        comm.join(compute).map_err(|e| nccl_err(op, e))?;
+        f(comm.cu_stream() as _)
+    }
+
+    /// Enqueues `f` after the compute stream's work; with `wait` the compute stream waits for it.
+    fn fenced(&self, op: &'static str, wait: bool, f: impl FnOnce(sys::cudaStream_t) -> Result<()>) -> Result<()> {
+        if wait { self.ordered(op, f) } else { self.detached(op, f) }
+    }
+
+    fn all_reduce_on(&self, t: &Tensor, op: ReduceOp, wait: bool) -> Result<()> {
+        let (p, n, ty) = buf("all_reduce", t, true)?;
+        self.fenced("all_reduce", wait, |s| {
+            // SAFETY: in place on a live device buffer of n elements.
+            unsafe { result::all_reduce(p as _, p as _, n, ty, red(op), self.comm, s) }
+                .map(|_| ())
+                .map_err(|e| nccl_err("all_reduce", e))
+        })
+    }
+
+    fn reduce_scatter_on(&self, input: &Tensor, output: &Tensor, op: ReduceOp, wait: bool) -> Result<()> {
+        let (pi, ni, ty) = buf("reduce_scatter", input, true)?;
+        let (po, no, _) = buf("reduce_scatter", output, true)?;
+        if ni != no * self.size || input.dtype() != output.dtype() {
+            return Err(self.invalid("reduce_scatter", format!("input of {ni} elements for outputs of {no}")));
+        }
+        self.fenced("reduce_scatter", wait, |s| {
+            // SAFETY: both buffers live and sized as NCCL expects.
+            unsafe { result::reduce_scatter(pi as _, po as _, no, ty, red(op), self.comm, s) }
+                .map(|_| ())
+                .map_err(|e| nccl_err("reduce_scatter", e))
+        })
     }
 
     fn group<R>(&self, op: &'static str, f: impl FnOnce() -> Result<R>) -> Result<R> {
@@ -156,27 +201,23 @@ impl Communicator for NcclComm {
     }
 
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<()> {
-        let (p, n, ty) = buf("all_reduce", t, true)?;
-        self.ordered("all_reduce", |s| {
-            // SAFETY: in place on a live device buffer of n elements.
-            unsafe { result::all_reduce(p as _, p as _, n, ty, red(op), self.comm, s) }
-                .map(|_| ())
-                .map_err(|e| nccl_err("all_reduce", e))
-        })
+        self.all_reduce_on(t, op, true)
+    }
+
+    fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Result<()> {
+        self.all_reduce_on(t, op, false)
+    }
+
+    fn wait_async(&self) -> Result<()> {
+        self.dev.stream().join(self.dev.comm_stream()).map_err(|e| nccl_err("wait", e))
     }
 
     fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
-        let (pi, ni, ty) = buf("reduce_scatter", input, true)?;
-        let (po, no, _) = buf("reduce_scatter", output, true)?;
-        if ni != no * self.size || input.dtype() != output.dtype() {
-            return Err(self.invalid("reduce_scatter", format!("input of {ni} elements for outputs of {no}")));
-        }
-        self.ordered("reduce_scatter", |s| {
-            // SAFETY: both buffers live and sized as NCCL expects.
-            unsafe { result::reduce_scatter(pi as _, po as _, no, ty, red(op), self.comm, s) }
-                .map(|_| ())
-                .map_err(|e| nccl_err("reduce_scatter", e))
-        })
+        self.reduce_scatter_on(input, output, op, true)
+    }
+
+    fn reduce_scatter_async(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
+        self.reduce_scatter_on(input, output, op, false)
     }
 
     fn all_gather(&self, input: &Tensor, output: &Tensor) -> Result<()> {
@@ -291,6 +332,19 @@ impl Communicator for NcclComm {
         self.all_reduce(&t, ReduceOp::Sum)?;
         self.dev.synchronize()?;
         Ok(())
+    }
+
+    fn p2p_group(&self, ops: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        const OP: &str = "grouped send/recv";
+        if IN_P2P_GROUP.get() {
+            return Err(self.invalid(OP, "p2p groups do not nest".into()));
+        }
+        self.ordered(OP, |_| {
+            IN_P2P_GROUP.set(true);
+            let r = self.group(OP, &mut *ops);
+            IN_P2P_GROUP.set(false);
+            r
+        })
     }
 
     fn split(&self, name: &str, groups: &[Vec<usize>]) -> Result<Option<Arc<dyn Communicator>>> {

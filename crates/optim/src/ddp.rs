@@ -8,8 +8,9 @@
 //!
 //! Overlap (`--overlap-grad-reduce`): the model reports, after each layer's backward on the last
 //! micro-batch, the lowest flat offset whose gradients are final (`ready`); every bucket above it
-//! starts at once on a communication thread while the backward goes on. `finish` starts the rest
-//! and waits for all. (On NCCL the collectives are enqueued in order on the rank's stream.)
+//! starts at once while the backward goes on: on a communication thread for the host backends,
+//! on NCCL's communication stream (the compute stream not waiting) on GPUs. `finish` starts the
+//! rest and waits for all.
 //!
 //! Gradients of replicated parameters used on sequence shards (`ParamMeta::sequence_parallel`)
 //! are then summed over the tensor-parallel group, on the part of the buffer this rank keeps.
@@ -98,6 +99,8 @@ pub struct GradSync {
     pub tp: Comm,
     pub distributed: bool,
     worker: Option<Worker>,
+    /// Overlap on a device backend: buckets go out as `*_async` collectives.
+    detached: bool,
     /// Buckets started this step (from the top).
     started: usize,
     in_flight: usize,
@@ -131,11 +134,13 @@ impl GradSync {
                 }
             }
         }
-        // The comm thread drives host collectives (thread/TCP backends). NCCL collectives are enqueued
-        // on the rank's compute stream in order instead (a second stream with events is future work).
+        // The comm thread drives host collectives (thread/TCP backends). Device collectives (NCCL)
+        // are enqueued on the communication stream without making the compute stream wait
+        // (`*_async`) until `finish`.
         let on_host = table.flat_grads().device().is_cpu();
         let worker = (overlap && dp.size() > 1 && on_host).then(Worker::new);
-        GradSync { plan, dp, tp, distributed, worker, started: 0, in_flight: 0, sp_ranges, tied: None }
+        let detached = overlap && dp.size() > 1 && !on_host;
+        GradSync { plan, dp, tp, distributed, worker, detached, started: 0, in_flight: 0, sp_ranges, tied: None }
     }
 
     /// Sums the grads of flat range `range` (the tied embedding or its pipeline copy) over `embd`
@@ -145,6 +150,7 @@ impl GradSync {
         if embd.size() > 1 {
             self.tied = Some((range, embd));
             self.worker = None;
+            self.detached = false;
         }
         self
     }
@@ -161,13 +167,15 @@ impl GradSync {
         let grads = table.flat_grads().clone();
         let r = self.plan.buckets[b].clone();
         let shard = self.plan.shard(b);
-        let (dp, distributed) = (self.dp.clone(), self.distributed);
+        let (dp, distributed, detached) = (self.dp.clone(), self.distributed, self.detached);
         let job = move || -> Result<(), CommError> {
             let bucket = grads.view(r.start, [r.len()])?;
-            if distributed {
-                dp.reduce_scatter(&bucket, &grads.view(shard.start, [shard.len()])?, ReduceOp::Avg)
-            } else {
-                dp.all_reduce(&bucket, ReduceOp::Avg)
+            let shard = grads.view(shard.start, [shard.len()])?;
+            match (distributed, detached) {
+                (true, false) => dp.reduce_scatter(&bucket, &shard, ReduceOp::Avg),
+                (true, true) => dp.reduce_scatter_async(&bucket, &shard, ReduceOp::Avg),
+                (false, false) => dp.all_reduce(&bucket, ReduceOp::Avg),
+                (false, true) => dp.all_reduce_async(&bucket, ReduceOp::Avg),
             }
         };
         match &self.worker {
@@ -182,7 +190,7 @@ impl GradSync {
 
     /// Gradients at flat offsets ≥ `frontier` are final: start every bucket above it (overlap only).
     pub fn ready(&mut self, table: &ParamTable, frontier: usize) -> Result<(), CommError> {
-        if self.worker.is_none() {
+        if self.worker.is_none() && !self.detached {
             return Ok(());
         }
         while self.started < self.plan.buckets.len() && self.plan.buckets[self.started].start >= frontier {
@@ -211,6 +219,9 @@ impl GradSync {
         }
         self.in_flight = 0;
         self.started = 0; // the next step starts from the top again
+        if self.detached {
+            self.dp.wait_async()?;
+        }
         if let Some(e) = first_err {
             return Err(e);
         }

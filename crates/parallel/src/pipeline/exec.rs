@@ -6,11 +6,15 @@
 //! hidden state of one micro-batch, `activation` here.
 //!
 //! Sends do not wait for the receiver on the thread and TCP backends (a message waits in the
-//! peer's mailbox), so any schedule whose passes respect data dependencies runs without deadlock.
+//! peer's mailbox), but NCCL's do once a tensor outgrows its buffers, and all of a rank's NCCL
+//! work runs in order on one stream. So each pass's send is issued together with the next pass's
+//! receive (`exchanges`); a test runs every schedule under those strict rules and finds no
+//! deadlock.
 
 use super::schedule::Action;
 use crate::groups::Comm;
 use crate::{ParallelError, Result};
+use ferrotron_comm::{P2p, exchange};
 use ferrotron_core::{DType, Device, Tensor};
 
 /// The two point-to-point groups of a pipeline (same ranks as the pp group).
@@ -49,6 +53,75 @@ fn missing(what: &str, chunk: usize, micro: usize) -> ParallelError {
     ParallelError::Layout(format!("pipeline: chunk {chunk} produced no {what} for micro-batch {micro}"))
 }
 
+/// Which of the two point-to-point groups a transfer uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Dir {
+    /// Activations, towards the next stage.
+    Fwd,
+    /// Input gradients, towards the previous stage.
+    Bwd,
+}
+
+/// The transfers a rank issues together between two runs of compute: the sends the previous step's
+/// passes owe and the receives this step's passes need, each (group, peer). Batching them keeps
+/// backends whose sends wait for the receiver (NCCL) from deadlocking: neighbours that each send
+/// and receive do both in one exchange, as Megatron's `send_forward_recv_backward`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Exchange {
+    pub sends: Vec<(Dir, usize)>,
+    pub recvs: Vec<(Dir, usize)>,
+}
+
+/// The passes of one step (a range of the schedule's actions) and the exchange before them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Step {
+    pub actions: std::ops::Range<usize>,
+    pub before: Exchange,
+}
+
+/// How pipeline rank `r` of `p` runs `actions` with `chunks` chunks per rank: steps of one pass,
+/// except that with interleaving each forward + backward pair of the steady state is one step
+/// with one exchange on either side, as Megatron batches that schedule's transfers (1F1B needs no
+/// pairing: an exchange between its forward and backward is what Megatron does there too). The
+/// last step holds no passes: it sends what the last pass owes.
+pub fn plan_steps(actions: &[Action], r: usize, p: usize, chunks: usize) -> Vec<Step> {
+    let (prev, next) = ((r + p - 1) % p, (r + 1) % p);
+    let first = |c: usize| r == 0 && c == 0;
+    let last = |c: usize| r == p - 1 && c == chunks - 1;
+    // Steady state: after the leading forwards but one, alternating pairs; with no backward
+    // inside the leading run (every forward first) there is none.
+    let lead = actions.iter().take_while(|a| matches!(a, Action::Forward { .. })).count();
+    let warmup = if 2 * lead >= actions.len() { lead } else { lead.saturating_sub(1) };
+    let steady = warmup..actions.len() - warmup.min(actions.len());
+    let mut steps: Vec<Step> = Vec::new();
+    let mut owed: Vec<(Dir, usize)> = Vec::new();
+    let mut i = 0;
+    while i < actions.len() {
+        let pair = chunks > 1
+            && steady.contains(&i)
+            && matches!(actions[i], Action::Forward { .. })
+            && matches!(actions.get(i + 1), Some(Action::Backward { .. }));
+        let end = if pair { i + 2 } else { i + 1 };
+        let mut before = Exchange { sends: std::mem::take(&mut owed), recvs: vec![] };
+        for a in &actions[i..end] {
+            match *a {
+                Action::Forward { chunk, .. } => {
+                    before.recvs.extend((!first(chunk)).then_some((Dir::Fwd, prev)));
+                    owed.extend((!last(chunk)).then_some((Dir::Fwd, next)));
+                }
+                Action::Backward { chunk, .. } => {
+                    before.recvs.extend((!last(chunk)).then_some((Dir::Bwd, next)));
+                    owed.extend((!first(chunk)).then_some((Dir::Bwd, prev)));
+                }
+            }
+        }
+        steps.push(Step { actions: i..end, before });
+        i = end;
+    }
+    steps.push(Step { actions: i..i, before: Exchange { sends: owed, recvs: vec![] } });
+    steps
+}
+
 /// Runs `actions` (this rank's schedule) with `chunks` model chunks per rank.
 pub fn run_schedule(
     actions: &[Action],
@@ -57,39 +130,155 @@ pub fn run_schedule(
     runner: &mut dyn StageRunner,
 ) -> Result<()> {
     let (r, p) = (comms.fwd.rank(), comms.fwd.size());
-    let (prev, next) = ((r + p - 1) % p, (r + 1) % p);
+    let (first, last) = (|c: usize| r == 0 && c == 0, |c: usize| r == p - 1 && c == chunks - 1);
     let (shape, dtype, dev) = runner.activation();
-    let first = |c: usize| r == 0 && c == 0;
-    let last = |c: usize| r == p - 1 && c == chunks - 1;
-    for a in actions {
-        match *a {
-            Action::Forward { chunk, micro } => {
-                let input = if first(chunk) {
-                    None
-                } else {
-                    let t = Tensor::zeros(shape.clone(), dtype, &dev)?;
-                    comms.fwd.recv(&t, prev)?;
-                    Some(t)
-                };
-                let out = runner.forward(chunk, micro, input)?;
-                if !last(chunk) {
-                    comms.fwd.send(&out.ok_or_else(|| missing("output", chunk, micro))?, next)?;
+    let comm = |d: Dir| match d {
+        Dir::Fwd => comms.fwd.as_ref(),
+        Dir::Bwd => comms.bwd.as_ref(),
+    };
+    // What the previous step's passes owe their neighbours, in the plan's order.
+    let mut owed: Vec<Tensor> = Vec::new();
+    for step in plan_steps(actions, r, p, chunks) {
+        let mut incoming = step
+            .before
+            .recvs
+            .iter()
+            .map(|_| Tensor::zeros(shape.clone(), dtype, &dev))
+            .collect::<Result<Vec<_>, _>>()?;
+        let sends = step.before.sends.iter().zip(&owed).map(|(&(d, dst), t)| P2p::Send { comm: comm(d), t, dst });
+        let recvs = step.before.recvs.iter().zip(&incoming).map(|(&(d, src), t)| P2p::Recv { comm: comm(d), t, src });
+        exchange(&sends.chain(recvs).collect::<Vec<_>>())?;
+        // The sent tensors may be dropped now: the compute stream waits for NCCL before reusing
+        // their memory.
+        owed.clear();
+        incoming.reverse();
+        for a in &actions[step.actions] {
+            match *a {
+                Action::Forward { chunk, micro } => {
+                    let input = if first(chunk) { None } else { incoming.pop() };
+                    let out = runner.forward(chunk, micro, input)?;
+                    if !last(chunk) {
+                        owed.push(out.ok_or_else(|| missing("output", chunk, micro))?);
+                    }
                 }
-            }
-            Action::Backward { chunk, micro } => {
-                let dy = if last(chunk) {
-                    None
-                } else {
-                    let t = Tensor::zeros(shape.clone(), dtype, &dev)?;
-                    comms.bwd.recv(&t, next)?;
-                    Some(t)
-                };
-                let dx = runner.backward(chunk, micro, dy)?;
-                if !first(chunk) {
-                    comms.bwd.send(&dx.ok_or_else(|| missing("input gradient", chunk, micro))?, prev)?;
+                Action::Backward { chunk, micro } => {
+                    let dy = if last(chunk) { None } else { incoming.pop() };
+                    let dx = runner.backward(chunk, micro, dy)?;
+                    if !first(chunk) {
+                        owed.push(dx.ok_or_else(|| missing("input gradient", chunk, micro))?);
+                    }
                 }
             }
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pipeline::{ScheduleKind, schedule};
+    use std::collections::HashMap;
+
+    /// Runs every rank's exchanges under NCCL's strictest rules: a transfer completes only once
+    /// both ends are posted, an exchange only once all its transfers have, and a rank posts its
+    /// next exchange only after the current one completed (one stream, in order). Err names the
+    /// stuck ranks.
+    fn simulate(plans: &[Vec<Step>]) -> std::result::Result<(), String> {
+        let p = plans.len();
+        // Per channel (dir, src, dst): the exchange indices of its sends and of its receives.
+        let mut sends: HashMap<(Dir, usize, usize), Vec<usize>> = HashMap::new();
+        let mut recvs: HashMap<(Dir, usize, usize), Vec<usize>> = HashMap::new();
+        // (send?, group, peer) of every transfer of exchange i, in the order issued.
+        let ops = |r: usize, i: usize| -> Vec<(bool, Dir, usize)> {
+            let x = &plans[r][i].before;
+            let s = x.sends.iter().map(|&(d, o)| (true, d, o));
+            s.chain(x.recvs.iter().map(|&(d, o)| (false, d, o))).collect()
+        };
+        for (r, plan) in plans.iter().enumerate() {
+            for i in 0..plan.len() {
+                for (send, d, o) in ops(r, i) {
+                    let (map, ch) = if send { (&mut sends, (d, r, o)) } else { (&mut recvs, (d, o, r)) };
+                    map.entry(ch).or_default().push(i);
+                }
+            }
+        }
+        for (ch, s) in &sends {
+            let n = recvs.get(ch).map_or(0, Vec::len);
+            if n != s.len() {
+                return Err(format!("channel {ch:?}: {} sends, {n} receives", s.len()));
+            }
+        }
+        // The counterpart (rank, exchange index) of the k-th transfer of this kind on a channel
+        // issued in exchange i (several transfers of one exchange may share a channel).
+        let peer = |r: usize, i: usize, send: bool, d: Dir, other: usize, nth: usize| -> (usize, usize) {
+            let ch = if send { (d, r, other) } else { (d, other, r) };
+            let (mine, theirs) = if send { (&sends[&ch], &recvs[&ch]) } else { (&recvs[&ch], &sends[&ch]) };
+            let k = mine.iter().position(|&j| j == i).unwrap() + nth;
+            (other, theirs[k])
+        };
+        let mut pos = vec![0usize; p];
+        loop {
+            let mut moved = false;
+            for r in 0..p {
+                while pos[r] < plans[r].len() {
+                    let i = pos[r];
+                    let mine = ops(r, i);
+                    let ready = mine.iter().enumerate().all(|(n, &(send, d, o))| {
+                        let nth = mine[..n].iter().filter(|&&x| x == (send, d, o)).count();
+                        let (o, j) = peer(r, i, send, d, o, nth);
+                        pos[o] >= j
+                    });
+                    if !ready {
+                        break;
+                    }
+                    pos[r] += 1;
+                    moved = true;
+                }
+            }
+            if pos.iter().zip(plans).all(|(&i, pl)| i == pl.len()) {
+                return Ok(());
+            }
+            if !moved {
+                return Err(format!("deadlock at exchange positions {pos:?}"));
+            }
+        }
+    }
+
+    #[test]
+    fn every_schedule_completes_when_sends_wait_for_receivers() {
+        let mut cases = 0;
+        for p in 1..=5 {
+            for m in 1..=12 {
+                for v in 1..=3 {
+                    let kind = match (p, v) {
+                        (1, 1) => ScheduleKind::NoPipelining,
+                        (_, 1) => ScheduleKind::OneFOneB,
+                        (1, _) => continue,
+                        (_, v) => ScheduleKind::Interleaved { chunks: v },
+                    };
+                    let Ok(plans) = (0..p)
+                        .map(|r| schedule(kind, p, r, m).map(|a| plan_steps(&a, r, p, v)))
+                        .collect::<Result<Vec<_>>>()
+                    else {
+                        continue; // e.g. interleaving with micro-batches not a multiple of pp
+                    };
+                    simulate(&plans).unwrap_or_else(|e| panic!("{kind:?} pp {p} micro {m}: {e}"));
+                    cases += 1;
+                }
+            }
+        }
+        assert!(cases > 80, "only {cases} schedules checked");
+    }
+
+    #[test]
+    fn simulator_catches_crossed_sends() {
+        // Both neighbours send first and receive after, in separate exchanges: the classic
+        // deadlock of unbatched blocking sends.
+        let x = |sends, recvs| Step { actions: 0..0, before: Exchange { sends, recvs } };
+        let s = |d| x(vec![(Dir::Fwd, d)], vec![]);
+        let r = |d| x(vec![], vec![(Dir::Fwd, d)]);
+        assert!(simulate(&[vec![s(1), r(1)], vec![s(0), r(0)]]).is_err());
+        assert!(simulate(&[vec![s(1), r(1)], vec![r(0), s(0)]]).is_ok());
+    }
 }

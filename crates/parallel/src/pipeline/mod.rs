@@ -7,6 +7,6 @@ pub mod exec;
 pub mod schedule;
 pub mod stages;
 
-pub use exec::{PipelineComms, StageRunner, run_schedule};
+pub use exec::{Dir, Exchange, PipelineComms, StageRunner, Step, plan_steps, run_schedule};
 pub use schedule::{Action, ScheduleKind, render, schedule};
 pub use stages::{StagePlan, stage_layers};

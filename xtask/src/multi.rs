@@ -1,0 +1,306 @@
+//! Runs on a machine with several GPUs (no cargo needed there, only the built binaries):
+//!
+//! - `gpu-parity [BIN] [--gpus N]`: the tiny GPT for 20 steps on one GPU, then under every
+//!   layout that fits N GPUs (TP, SP, PP 1F1B and interleaved, DP with the distributed optimizer
+//!   and overlap, and combinations), each through `ferrotron launch` with NCCL; compares each
+//!   step's loss with the one-GPU run (fp32 within 1e-4 relative, bf16 within 2e-2).
+//! - `bench --scaling [BIN] [--gpus N] [--plot FILE]`: weak scaling of GPT 1.3B (micro-batch 8 per
+//!   GPU, DP 1 → N, distributed optimizer), the same at N GPUs without grad-reduce overlap, and
+//!   TP2 of the same model; tokens/s, TFLOP/s per GPU, MFU and efficiency per row, and an
+//!   SVG plot of throughput against GPU count.
+//!
+//! Every run gets NCCL_NVLS_ENABLE=0 unless the caller set it, and a deadline after which its
+//! process group is killed (a hung collective must not hang the table).
+
+use anyhow::{Context, bail};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// GPUs on this machine (/dev/nvidiaN).
+fn gpu_count() -> usize {
+    (0..64).take_while(|i| Path::new(&format!("/dev/nvidia{i}")).exists()).count()
+}
+
+/// (binary, --gpus, --plot, the rest) from `[BIN] [--gpus N] [--plot FILE]`.
+fn parse(args: &[String], default_bin: PathBuf) -> anyhow::Result<(PathBuf, usize, Option<PathBuf>)> {
+    let (mut bin, mut gpus, mut plot) = (default_bin, gpu_count(), None);
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--gpus" => gpus = it.next().context("--gpus N")?.parse().context("--gpus N")?,
+            "--plot" => plot = Some(PathBuf::from(it.next().context("--plot FILE")?)),
+            _ => bin = PathBuf::from(a),
+        }
+    }
+    if gpus == 0 && std::env::var("PARITY_DEVICE").as_deref() != Ok("cpu") {
+        bail!("no GPU found (/dev/nvidia0): pass --gpus N on a GPU machine");
+    }
+    Ok((bin, gpus, plot))
+}
+
+/// One `ferrotron train` run (launched over `nproc` processes when above 1), killed at `deadline`;
+/// returns the metrics lines of rank 0, the output and the wall time.
+fn train(
+    bin: &Path,
+    nproc: usize,
+    args: &[String],
+    deadline: Duration,
+    tag: &str,
+) -> anyhow::Result<(String, String, f64)> {
+    let dir = std::env::temp_dir().join(format!("ferrotron-multi-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut cmd = Command::new(bin);
+    if nproc > 1 {
+        // A fresh port per run: a killed run's port may linger in TIME_WAIT.
+        let port = 29500 + (std::process::id() as usize + tag.len() * 37 + nproc) % 2000;
+        cmd.args(["launch", "--nproc-per-node", &nproc.to_string(), "--master-port", &port.to_string(), "--"]);
+    }
+    cmd.arg("train").args(args).arg("--save").arg(&dir).arg("--no-progress");
+    if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
+        cmd.env("NCCL_NVLS_ENABLE", "0");
+    }
+    let log = std::fs::File::create(std::env::temp_dir().join(format!("ferrotron-multi-{tag}.log")))?;
+    cmd.stdout(log.try_clone()?).stderr(log).process_group(0);
+    let start = Instant::now();
+    let mut child = cmd.spawn().with_context(|| format!("running {}", bin.display()))?;
+    let status = loop {
+        if let Some(s) = child.try_wait()? {
+            break s;
+        }
+        if start.elapsed() > deadline {
+            let _ = Command::new("kill").args(["-9", &format!("-{}", child.id())]).status();
+            let _ = child.wait();
+            bail!("{tag}: no result after {deadline:?} (killed; log in {})", std::env::temp_dir().display());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let wall = start.elapsed().as_secs_f64();
+    let log = std::fs::read_to_string(std::env::temp_dir().join(format!("ferrotron-multi-{tag}.log")))?;
+    if !status.success() {
+        let tail: Vec<&str> = log.lines().rev().take(4).collect();
+        bail!("{tag}: {status}: {}", tail.into_iter().rev().collect::<Vec<_>>().join(" | "));
+    }
+    let m = std::fs::read_to_string(dir.join("metrics.jsonl")).with_context(|| format!("{tag}: metrics.jsonl"))?;
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok((m, log, wall))
+}
+
+/// The numbers after `"key":` in the train lines of a metrics file, in order.
+fn series(metrics: &str, key: &str) -> Vec<f64> {
+    let pat = format!("\"{key}\":");
+    metrics
+        .lines()
+        .filter(|l| l.contains("\"kind\":\"train\""))
+        .filter_map(|l| l.split(&pat).nth(1)?.split([',', '}']).next()?.parse().ok())
+        .collect()
+}
+
+fn owned(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| s.to_string()).collect()
+}
+
+/// The layouts of `n` GPUs for the tiny presets (4 layers, 4 heads): (name, flags).
+fn parity_layouts(n: usize) -> Vec<(String, Vec<String>)> {
+    let (nn, tp, pp) = (n.to_string(), "--tensor-model-parallel-size", "--pipeline-model-parallel-size");
+    let (distopt, overlap) = ("--use-distributed-optimizer", "--overlap-grad-reduce");
+    let mut v: Vec<(String, Vec<&str>)> = vec![
+        (format!("dp{n}"), vec![]),
+        (format!("dp{n} distopt"), vec![distopt]),
+        (format!("dp{n} distopt overlap"), vec![distopt, overlap]),
+    ];
+    if 4usize.is_multiple_of(n) {
+        v.push((format!("tp{n}"), vec![tp, &nn]));
+        v.push((format!("tp{n} sp"), vec![tp, &nn, "--sequence-parallel"]));
+        v.push((format!("pp{n} 1f1b"), vec![pp, &nn]));
+        if n == 2 {
+            v.push(("pp2 interleaved v2".into(), vec![pp, "2", "--num-layers-per-virtual-pipeline-stage", "1"]));
+        }
+    }
+    let dp = (n / 4).to_string();
+    if n.is_multiple_of(4) {
+        v.push((format!("tp2 pp2 dp{dp} sp distopt"), vec![tp, "2", pp, "2", "--sequence-parallel", distopt]));
+    }
+    v.into_iter().map(|(k, f)| (k, owned(&f))).collect()
+}
+
+/// `gpu-parity`: see the module doc.
+pub fn parity(args: &[String], default_bin: PathBuf) -> anyhow::Result<()> {
+    let (bin, gpus, _) = parse(args, default_bin)?;
+    // PARITY_DEVICE=cpu runs the same table over TCP processes (a check of this tool off the GPU).
+    let device = std::env::var("PARITY_DEVICE").unwrap_or_else(|_| "cuda".into());
+    let base = owned(&[
+        "--device",
+        &device,
+        "--preset",
+        "tiny",
+        "--train-iters",
+        "20",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--log-interval",
+        "1",
+        "--eval-interval",
+        "1000000",
+        "--eval-iters",
+        "1",
+        "--save-interval",
+        "1000000",
+        "--corpus-docs",
+        "2000",
+        "--seed",
+        "1234",
+    ]);
+    let deadline =
+        Duration::from_secs(std::env::var("PARITY_DEADLINE_S").ok().and_then(|v| v.parse().ok()).unwrap_or(90));
+    let mut failed = 0;
+    println!(
+        "| GPUs | layout | precision | steps | max relative loss difference vs 1 GPU | tolerance | result | wall s |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for (precision, extra, tol) in [("fp32", vec![], 1e-4), ("bf16", owned(&["--bf16"]), 2e-2)] {
+        let args1: Vec<String> = base.iter().chain(&extra).cloned().collect();
+        let (m, _, wall) = train(&bin, 1, &args1, deadline, &format!("ref-{precision}"))?;
+        let want = series(&m, "loss");
+        println!("| 1 | single GPU (reference) | {precision} | {} | - | - | - | {wall:.1} |", want.len());
+        for n in (2..=gpus).filter(|n| gpus.is_multiple_of(*n)) {
+            for (name, flags) in parity_layouts(n) {
+                // bf16 is checked on the data- and tensor-parallel layouts (its tolerance is loose).
+                if precision == "bf16" && !(name.ends_with("distopt") || name.ends_with(" sp")) {
+                    continue;
+                }
+                let a: Vec<String> = args1.iter().chain(&flags).cloned().collect();
+                let tag = format!("{precision}-{}", name.replace(' ', "-"));
+                match train(&bin, n, &a, deadline, &tag) {
+                    Ok((m, _, wall)) => {
+                        let got = series(&m, "loss");
+                        let diff = want
+                            .iter()
+                            .zip(&got)
+                            .map(|(a, b)| (a - b).abs() / a.abs().max(1e-12))
+                            .fold(0.0f64, f64::max);
+                        let ok = got.len() == want.len() && diff <= tol;
+                        failed += usize::from(!ok);
+                        let verdict = if ok { "pass" } else { "FAIL" };
+                        println!(
+                            "| {n} | {name} | {precision} | {} | {diff:.2e} | {tol:.0e} | {verdict} | {wall:.1} |",
+                            got.len()
+                        );
+                    }
+                    Err(e) => {
+                        failed += 1;
+                        println!("| {n} | {name} | {precision} | - | - | {tol:.0e} | FAIL: {e} | - |");
+                    }
+                }
+            }
+        }
+    }
+    if failed > 0 {
+        bail!("{failed} layout(s) did not match the one-GPU run");
+    }
+    Ok(())
+}
+
+/// `bench --scaling`: see the module doc.
+pub fn scaling(args: &[String], default_bin: PathBuf) -> anyhow::Result<()> {
+    let (bin, gpus, plot) = parse(args, default_bin)?;
+    let iters = std::env::var("BENCH_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(6u64);
+    let deadline =
+        Duration::from_secs(std::env::var("BENCH_DEADLINE_S").ok().and_then(|v| v.parse().ok()).unwrap_or(300));
+    let micro = 8usize;
+    let mut rows: Vec<(String, usize, Vec<String>)> = Vec::new();
+    let distopt = ["--use-distributed-optimizer", "--overlap-grad-reduce"];
+    let mut n = 1;
+    while n <= gpus {
+        rows.push((format!("1.3b dp{n} overlap"), n, owned(&distopt)));
+        n *= 2;
+    }
+    let top = rows.last().map_or(1, |r| r.1);
+    if top > 1 {
+        rows.push((format!("1.3b dp{top} no overlap"), top, owned(&["--use-distributed-optimizer"])));
+        // (A pipeline row needs several micro-batches per step to say anything: a larger run.)
+        rows.push((format!("1.3b tp2 dp{}", top / 2), top, owned(&["--tensor-model-parallel-size", "2", distopt[0]])));
+    }
+    println!("| run | GPUs | global batch | tokens/s | TFLOP/s per GPU | MFU | weak-scaling efficiency |");
+    println!("|---|---|---|---|---|---|---|");
+    let mut points: Vec<(usize, f64)> = Vec::new();
+    let mut one = None;
+    for (name, n, flags) in rows {
+        // Weak scaling: the global batch grows with the data-parallel size.
+        let model_par = if flags.iter().any(|f| f.contains("tensor-model-parallel-size")) { 2 } else { 1 };
+        let gbs = micro * n / model_par;
+        let mut a = owned(&["--device", "cuda", "--bf16", "--preset", "1.3b", "--log-interval", "1"]);
+        a.extend(owned(&["--eval-interval", "1000000", "--eval-iters", "1", "--save-interval", "1000000"]));
+        a.extend(owned(&["--corpus-docs", "3000", "--micro-batch-size", &micro.to_string()]));
+        a.extend(owned(&["--global-batch-size", &gbs.to_string(), "--train-iters", &iters.to_string()]));
+        a.extend(flags);
+        match train(&bin, n, &a, deadline, &name.replace(' ', "-")) {
+            Ok((m, log, _)) => {
+                let mut tps = series(&m, "tokens_per_s");
+                tps.remove(0); // the first step compiles kernels and warms the allocator
+                tps.sort_by(|a, b| a.total_cmp(b));
+                let t = tps.get(tps.len() / 2).copied().unwrap_or(0.0);
+                let flops = crate::header_flops_per_token(&log).unwrap_or(0.0);
+                let per_gpu = t * flops / n as f64;
+                if n == 1 {
+                    one = Some(t);
+                }
+                let eff = one.map_or(String::new(), |o| {
+                    if model_par == 1 { format!("{:.1}%", 100.0 * t / (o * n as f64)) } else { String::new() }
+                });
+                println!(
+                    "| {name} | {n} | {gbs} | {t:.0} | {:.1} | {:.1}% | {eff} |",
+                    per_gpu / 1e12,
+                    100.0 * per_gpu / 989e12
+                );
+                if name.ends_with("overlap") && !name.contains("no overlap") {
+                    points.push((n, t));
+                }
+            }
+            Err(e) => println!("| {name} | {n} | {gbs} | FAIL: {e} | | | |"),
+        }
+    }
+    if let Some(p) = plot {
+        std::fs::write(&p, svg(&points)).with_context(|| format!("writing {}", p.display()))?;
+        println!("plot: {}", p.display());
+    }
+    Ok(())
+}
+
+/// Throughput against GPU count, with the ideal line from one GPU.
+fn svg(points: &[(usize, f64)]) -> String {
+    let (w, h, m) = (480.0, 320.0, 50.0);
+    let max_n = points.iter().map(|p| p.0).max().unwrap_or(1).max(2) as f64;
+    let one = points.first().map_or(1.0, |p| p.1);
+    let max_t = points.iter().map(|p| p.1).fold(one * max_n, f64::max);
+    let x = |n: f64| m + (n - 1.0) / (max_n - 1.0) * (w - 2.0 * m);
+    let y = |t: f64| h - m - t / max_t * (h - 2.0 * m);
+    let line: Vec<String> = points.iter().map(|&(n, t)| format!("{:.1},{:.1}", x(n as f64), y(t))).collect();
+    let mut s = format!("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\">\n");
+    s += &format!(
+        "<line x1=\"{m}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/><line x1=\"{m}\" y1=\"{m}\" x2=\"{m}\" y2=\"{}\" stroke=\"black\"/>\n",
+        h - m,
+        w - m,
+        h - m,
+        h - m
+    );
+    s += &format!(
+        "<line x1=\"{:.1}\" y1=\"{:.1}\" x2=\"{:.1}\" y2=\"{:.1}\" stroke=\"gray\" stroke-dasharray=\"4\"/>\n",
+        x(1.0),
+        y(one),
+        x(max_n),
+        y(one * max_n)
+    );
+    s += &format!("<polyline fill=\"none\" stroke=\"blue\" stroke-width=\"2\" points=\"{}\"/>\n", line.join(" "));
+    for &(n, t) in points {
+        s += &format!("<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"3\" fill=\"blue\"/>\n", x(n as f64), y(t));
+        s += &format!("<text x=\"{:.1}\" y=\"{}\" font-size=\"11\">{n}</text>\n", x(n as f64) - 3.0, h - m + 15.0);
+        s += &format!("<text x=\"{:.1}\" y=\"{:.1}\" font-size=\"10\">{t:.0}</text>\n", x(n as f64) + 5.0, y(t) - 5.0);
+    }
+    s += &format!("<text x=\"{}\" y=\"{}\" font-size=\"12\">GPUs</text>\n", w / 2.0, h - 10.0);
+    s += &format!("<text x=\"5\" y=\"{}\" font-size=\"12\">tokens/s (GPT 1.3B, dashed: ideal)</text>\n", m - 15.0);
+    s + "</svg>\n"
+}
