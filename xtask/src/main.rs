@@ -233,7 +233,7 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
                 "--eval-iters",
                 "1",
             ])
-            .args(["--eval-interval", "1000000", "--save-interval", "1000000", "--corpus-docs", "3000"])
+            .args(["--eval-interval", "1000000", "--corpus-docs", "3000"])
             .args([
                 "--micro-batch-size",
                 &micro.to_string(),
@@ -242,8 +242,8 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
                 "--train-iters",
                 &iters.to_string(),
             ])
-            .arg("--save")
-            .arg(&dir)
+            .arg("--metrics-file")
+            .arg(dir.join("metrics.jsonl"))
             .stderr(std::process::Stdio::piped())
             .spawn()
             .with_context(|| format!("running {}", bin.display()))?;

@@ -69,6 +69,11 @@ fn buf(op: &'static str, t: &Tensor, reduce: bool) -> Result<(u64, usize, NT)> {
     Ok((c.raw_ptr(d) + (r.start * es) as u64, r.len(), ty))
 }
 
+/// Copies the device result `d` back into the host tensor `host`.
+fn unstage(host: &Tensor, d: &Tensor) -> Result<()> {
+    Ok(host.copy_from_bytes(&d.to_bytes()?)?)
+}
+
 fn red(op: ReduceOp) -> NO {
     match op {
         ReduceOp::Sum => NO::ncclSum,
@@ -141,6 +146,17 @@ impl NcclComm {
         r
     }
 
+    /// A device copy of `t` (contiguous).
+    fn on_device(&self, t: &Tensor) -> Result<Tensor> {
+        Ok(t.contiguous()?.to_device(&Device::Cuda(self.dev.clone()))?)
+    }
+
+    /// Host tensors (small control values: losses, norms, layout checks) travel through a device
+    /// copy: Some(copy) when `t` is on the host.
+    fn staged(&self, t: &Tensor) -> Result<Option<Tensor>> {
+        if t.device().is_cpu() { self.on_device(t).map(Some) } else { Ok(None) }
+    }
+
     /// `ordered` without the compute stream's wait (see `Communicator::all_reduce_async`).
     fn detached<R>(&self, op: &'static str, f: impl FnOnce(sys::cudaStream_t) -> Result<R>) -> Result<R> {
         let (compute, comm) = (self.dev.stream(), self.dev.comm_stream());
@@ -201,6 +217,10 @@ impl Communicator for NcclComm {
     }
 
     fn all_reduce(&self, t: &Tensor, op: ReduceOp) -> Result<()> {
+        if let Some(d) = self.staged(t)? {
+            self.all_reduce(&d, op)?;
+            return unstage(t, &d);
+        }
         self.all_reduce_on(t, op, true)
     }
 
@@ -213,6 +233,11 @@ impl Communicator for NcclComm {
     }
 
     fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
+        if input.device().is_cpu() || output.device().is_cpu() {
+            let (i, o) = (self.on_device(input)?, self.on_device(output)?);
+            self.reduce_scatter(&i, &o, op)?;
+            return unstage(output, &o);
+        }
         self.reduce_scatter_on(input, output, op, true)
     }
 
@@ -221,6 +246,11 @@ impl Communicator for NcclComm {
     }
 
     fn all_gather(&self, input: &Tensor, output: &Tensor) -> Result<()> {
+        if input.device().is_cpu() || output.device().is_cpu() {
+            let (i, o) = (self.on_device(input)?, self.on_device(output)?);
+            self.all_gather(&i, &o)?;
+            return unstage(output, &o);
+        }
         let (pi, ni, ty) = buf("all_gather", input, false)?;
         let (po, no, _) = buf("all_gather", output, false)?;
         if no != ni * self.size || input.dtype() != output.dtype() {
@@ -235,6 +265,9 @@ impl Communicator for NcclComm {
     }
 
     fn all_gather_v(&self, input: &Tensor, counts: &[usize]) -> Result<Tensor> {
+        if input.device().is_cpu() {
+            return Ok(self.all_gather_v(&self.on_device(input)?, counts)?.to_device(&Device::Cpu)?);
+        }
         const OP: &str = "all_gather_v";
         let rows = input.dims().first().copied().unwrap_or(1);
         if counts.len() != self.size || counts[self.rank] != rows {
@@ -264,6 +297,10 @@ impl Communicator for NcclComm {
     }
 
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<()> {
+        if let Some(d) = self.staged(t)? {
+            self.broadcast(&d, root)?;
+            return unstage(t, &d);
+        }
         let (p, n, ty) = buf("broadcast", t, false)?;
         self.ordered("broadcast", |s| {
             // SAFETY: in place on a live device buffer.
@@ -274,6 +311,9 @@ impl Communicator for NcclComm {
     }
 
     fn send(&self, t: &Tensor, dst: usize) -> Result<()> {
+        if let Some(d) = self.staged(t)? {
+            return self.send(&d, dst);
+        }
         let (p, n, ty) = buf("send", t, false)?;
         self.ordered("send", |s| {
             // SAFETY: a live device buffer of n elements.
@@ -284,6 +324,10 @@ impl Communicator for NcclComm {
     }
 
     fn recv(&self, t: &Tensor, src: usize) -> Result<()> {
+        if let Some(d) = self.staged(t)? {
+            self.recv(&d, src)?;
+            return unstage(t, &d);
+        }
         let (p, n, ty) = buf("recv", t, false)?;
         self.ordered("recv", |s| {
             // SAFETY: a live device buffer of n elements.

@@ -94,6 +94,10 @@ pub struct TrainArgs {
     /// Folder to resume from (a --save folder).
     #[arg(long)]
     pub load: Option<PathBuf>,
+    /// Where the JSONL metrics go (default: metrics.jsonl in the --save folder); benchmarks use
+    /// it to measure without writing checkpoints.
+    #[arg(long)]
+    pub metrics_file: Option<PathBuf>,
     #[arg(long)]
     pub save_interval: Option<u64>,
     /// bf16 parameters and activations with fp32 master weights and grads.
@@ -168,7 +172,7 @@ impl TrainArgs {
         merge_opts!(self, o; preset, num_layers, hidden_size, num_attention_heads, num_query_groups, ffn_hidden_size, seq_length,
             max_position_embeddings, position_embedding_type, rotary_base, normalization, tokenizer_type, init_method_std,
             micro_batch_size, global_batch_size, train_iters, lr, min_lr, lr_decay_style, lr_warmup_iters, weight_decay,
-            adam_beta1, adam_beta2, clip_grad, seed, log_interval, eval_interval, eval_iters, save, load, save_interval, corpus_docs,
+            adam_beta1, adam_beta2, clip_grad, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, corpus_docs,
             exit_interval, device, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s,
             pipeline_model_parallel_size, num_layers_per_virtual_pipeline_stage, decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers);
@@ -273,6 +277,7 @@ impl Launch {
 pub struct Paths {
     pub save: Option<PathBuf>,
     pub load: Option<PathBuf>,
+    pub metrics: Option<PathBuf>,
     pub progress: bool,
     /// Megatron's --exit-interval: stop after an iteration that is a multiple of it.
     pub exit_interval: Option<u64>,
@@ -287,6 +292,7 @@ impl Default for Paths {
         Paths {
             save: None,
             load: None,
+            metrics: None,
             progress: false,
             exit_interval: None,
             device: ferrotron_core::Device::Cpu,
@@ -445,9 +451,11 @@ impl Settings {
             None => ferrotron_core::Device::Cpu,
         };
         let timeout = std::time::Duration::from_secs(a.distributed_timeout_s.unwrap_or(600).max(1));
+        let metrics = a.metrics_file.or_else(|| a.save.as_ref().map(|d| d.join("metrics.jsonl")));
         let paths = Paths {
             save: a.save,
             load: a.load,
+            metrics,
             progress: !a.no_progress,
             exit_interval: a.exit_interval,
             device,

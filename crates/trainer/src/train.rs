@@ -267,10 +267,13 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             eprintln!("resumed from {} at iteration {iteration}", dir.display());
         }
     }
-    let mut metrics = Metrics(match (&paths.save, rank0) {
-        (Some(d), true) => {
-            std::fs::create_dir_all(d).with_context(|| format!("--save {}: cannot create the folder", d.display()))?;
-            Some(std::fs::OpenOptions::new().create(true).append(true).open(d.join("metrics.jsonl"))?)
+    let mut metrics = Metrics(match (&paths.metrics, rank0) {
+        (Some(f), true) => {
+            if let Some(d) = f.parent().filter(|d| !d.as_os_str().is_empty()) {
+                std::fs::create_dir_all(d).with_context(|| format!("{}: cannot create the folder", d.display()))?;
+            }
+            let file = std::fs::OpenOptions::new().create(true).append(true).open(f);
+            Some(file.with_context(|| format!("metrics file {}", f.display()))?)
         }
         _ => None,
     });

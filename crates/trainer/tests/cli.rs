@@ -90,6 +90,19 @@ fn short_run_learns_and_writes_parseable_files() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+#[test]
+fn metrics_file_without_save_writes_no_checkpoint() {
+    let dir = tmp("cli-metrics");
+    let f = dir.join("sub/m.jsonl");
+    let o = run(&["--train-iters", "4", "--eval-interval", "2", "--metrics-file", f.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = std::fs::read_to_string(&f).unwrap();
+    let train = text.lines().filter(|l| l.contains("\"kind\":\"train\"")).count();
+    assert_eq!(train, 2, "log interval 2 over 4 iterations:\n{text}");
+    assert_eq!(std::fs::read_dir(dir.join("sub")).unwrap().count(), 1, "only the metrics file");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 #[track_caller]
 fn fails_naming(extra: &[&str], needle: &str) {
     let o = run(extra);

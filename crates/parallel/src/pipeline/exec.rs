@@ -1,15 +1,17 @@
 //! Runs a schedule on one pipeline rank: receives each forward's input from the previous stage and
 //! sends its output on; receives each backward's output gradient from the next stage and sends the
-//! input gradient back. Activations and gradients travel on two separate groups over the same
-//! ranks, so the two streams of messages between a pair of ranks never mix (with interleaving a
-//! pair carries both directions). Shapes are agreed up front: every inter-stage tensor is the
-//! hidden state of one micro-batch, `activation` here.
+//! input gradient back. Shapes are agreed up front: every inter-stage tensor is the hidden state
+//! of one micro-batch, `activation` here.
 //!
-//! Sends do not wait for the receiver on the thread and TCP backends (a message waits in the
-//! peer's mailbox), but NCCL's do once a tensor outgrows its buffers, and all of a rank's NCCL
-//! work runs in order on one stream. So each pass's send is issued together with the next pass's
-//! receive (`exchanges`); a test runs every schedule under those strict rules and finds no
-//! deadlock.
+//! All of it travels on one point-to-point group (as Megatron's), batched per step: the sends the
+//! previous step owes and the receives this step needs go out together (`plan_steps`). NCCL's
+//! sends wait for their receivers once a tensor outgrows its buffers and a rank's NCCL work runs
+//! in order on one stream, so a rank must never wait in one exchange for what its peer posts in a
+//! later one; and messages between a pair are matched in the order posted, so both ends must post
+//! activations and gradients in the same order (with interleaving a pair carries both). A test
+//! runs every schedule under those rules. (Two groups for the two directions looked tidier but
+//! hung on two H200s: a batch spanning two NCCL communicators runs as one kernel per
+//! communicator, one after the other.)
 
 use super::schedule::Action;
 use crate::groups::Comm;
@@ -17,20 +19,17 @@ use crate::{ParallelError, Result};
 use ferrotron_comm::{P2p, exchange};
 use ferrotron_core::{DType, Device, Tensor};
 
-/// The two point-to-point groups of a pipeline (same ranks as the pp group).
+/// The point-to-point group of a pipeline (same ranks as the pp group).
 pub struct PipelineComms {
-    pub fwd: Comm,
-    pub bwd: Comm,
+    pub p2p: Comm,
 }
 
 impl PipelineComms {
     /// Collective over the world (splits are): call on every rank with the layout's pp groups.
     pub fn new(world: &Comm, pp_groups: &[Vec<usize>]) -> Result<PipelineComms> {
-        let f = world.split("pp-fwd", pp_groups)?;
-        let b = world.split("pp-bwd", pp_groups)?;
-        match (f, b) {
-            (Some(fwd), Some(bwd)) => Ok(PipelineComms { fwd, bwd }),
-            _ => Err(ParallelError::Layout(format!("rank {} is in no pipeline group", world.rank()))),
+        match world.split("pp-p2p", pp_groups)? {
+            Some(p2p) => Ok(PipelineComms { p2p }),
+            None => Err(ParallelError::Layout(format!("rank {} is in no pipeline group", world.rank()))),
         }
     }
 }
@@ -53,8 +52,8 @@ fn missing(what: &str, chunk: usize, micro: usize) -> ParallelError {
     ParallelError::Layout(format!("pipeline: chunk {chunk} produced no {what} for micro-batch {micro}"))
 }
 
-/// Which of the two point-to-point groups a transfer uses.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// What a transfer carries (both travel on the pipeline's one group).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Dir {
     /// Activations, towards the next stage.
     Fwd,
@@ -63,7 +62,7 @@ pub enum Dir {
 }
 
 /// The transfers a rank issues together between two runs of compute: the sends the previous step's
-/// passes owe and the receives this step's passes need, each (group, peer). Batching them keeps
+/// passes owe and the receives this step's passes need, each (what, peer), activations first. Batching them keeps
 /// backends whose sends wait for the receiver (NCCL) from deadlocking: neighbours that each send
 /// and receive do both in one exchange, as Megatron's `send_forward_recv_backward`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -129,13 +128,10 @@ pub fn run_schedule(
     chunks: usize,
     runner: &mut dyn StageRunner,
 ) -> Result<()> {
-    let (r, p) = (comms.fwd.rank(), comms.fwd.size());
+    let (r, p) = (comms.p2p.rank(), comms.p2p.size());
     let (first, last) = (|c: usize| r == 0 && c == 0, |c: usize| r == p - 1 && c == chunks - 1);
     let (shape, dtype, dev) = runner.activation();
-    let comm = |d: Dir| match d {
-        Dir::Fwd => comms.fwd.as_ref(),
-        Dir::Bwd => comms.bwd.as_ref(),
-    };
+    let comm = comms.p2p.as_ref();
     // What the previous step's passes owe their neighbours, in the plan's order.
     let mut owed: Vec<Tensor> = Vec::new();
     for step in plan_steps(actions, r, p, chunks) {
@@ -145,8 +141,8 @@ pub fn run_schedule(
             .iter()
             .map(|_| Tensor::zeros(shape.clone(), dtype, &dev))
             .collect::<Result<Vec<_>, _>>()?;
-        let sends = step.before.sends.iter().zip(&owed).map(|(&(d, dst), t)| P2p::Send { comm: comm(d), t, dst });
-        let recvs = step.before.recvs.iter().zip(&incoming).map(|(&(d, src), t)| P2p::Recv { comm: comm(d), t, src });
+        let sends = step.before.sends.iter().zip(&owed).map(|(&(_, dst), t)| P2p::Send { comm, t, dst });
+        let recvs = step.before.recvs.iter().zip(&incoming).map(|(&(_, src), t)| P2p::Recv { comm, t, src });
         exchange(&sends.chain(recvs).collect::<Vec<_>>())?;
         // The sent tensors may be dropped now: the compute stream waits for NCCL before reusing
         // their memory.
@@ -180,58 +176,49 @@ mod tests {
     use crate::pipeline::{ScheduleKind, schedule};
     use std::collections::HashMap;
 
-    /// Runs every rank's exchanges under NCCL's strictest rules: a transfer completes only once
-    /// both ends are posted, an exchange only once all its transfers have, and a rank posts its
-    /// next exchange only after the current one completed (one stream, in order). Err names the
-    /// stuck ranks.
+    /// Runs every rank's exchanges under NCCL's rules for one group: messages between a pair are
+    /// matched in the order posted (so both ends must agree on what the k-th one carries); a
+    /// transfer completes only once both ends are posted, an exchange only once all its transfers
+    /// have, and a rank posts its next exchange only after the current one completed (one stream,
+    /// in order). Err says what went wrong.
     fn simulate(plans: &[Vec<Step>]) -> std::result::Result<(), String> {
         let p = plans.len();
-        // Per channel (dir, src, dst): the exchange indices of its sends and of its receives.
-        let mut sends: HashMap<(Dir, usize, usize), Vec<usize>> = HashMap::new();
-        let mut recvs: HashMap<(Dir, usize, usize), Vec<usize>> = HashMap::new();
-        // (send?, group, peer) of every transfer of exchange i, in the order issued.
-        let ops = |r: usize, i: usize| -> Vec<(bool, Dir, usize)> {
-            let x = &plans[r][i].before;
-            let s = x.sends.iter().map(|&(d, o)| (true, d, o));
-            s.chain(x.recvs.iter().map(|&(d, o)| (false, d, o))).collect()
-        };
+        // Per pair (src, dst), in the order posted: (exchange index, what) of sends and receives.
+        type Posts = HashMap<(usize, usize), Vec<(usize, Dir)>>;
+        let (mut sends, mut recvs): (Posts, Posts) = Default::default();
         for (r, plan) in plans.iter().enumerate() {
-            for i in 0..plan.len() {
-                for (send, d, o) in ops(r, i) {
-                    let (map, ch) = if send { (&mut sends, (d, r, o)) } else { (&mut recvs, (d, o, r)) };
-                    map.entry(ch).or_default().push(i);
+            for (i, st) in plan.iter().enumerate() {
+                for &(d, o) in &st.before.sends {
+                    sends.entry((r, o)).or_default().push((i, d));
+                }
+                for &(d, o) in &st.before.recvs {
+                    recvs.entry((o, r)).or_default().push((i, d));
                 }
             }
         }
-        for (ch, s) in &sends {
-            let n = recvs.get(ch).map_or(0, Vec::len);
-            if n != s.len() {
-                return Err(format!("channel {ch:?}: {} sends, {n} receives", s.len()));
+        // needs[r][i]: the (rank, exchange) each transfer of rank r's exchange i waits for.
+        let mut needs: Vec<Vec<Vec<(usize, usize)>>> = plans.iter().map(|pl| vec![vec![]; pl.len()]).collect();
+        for (&(src, dst), s) in &sends {
+            let r = recvs.get(&(src, dst)).map_or(&[][..], Vec::as_slice);
+            if r.len() != s.len() {
+                return Err(format!("{src} → {dst}: {} sends, {} receives", s.len(), r.len()));
+            }
+            for (k, (&(si, sd), &(ri, rd))) in s.iter().zip(r).enumerate() {
+                if sd != rd {
+                    return Err(format!("{src} → {dst}: message {k} sent as {sd:?}, received as {rd:?}"));
+                }
+                needs[src][si].push((dst, ri));
+                needs[dst][ri].push((src, si));
             }
         }
-        // The counterpart (rank, exchange index) of the k-th transfer of this kind on a channel
-        // issued in exchange i (several transfers of one exchange may share a channel).
-        let peer = |r: usize, i: usize, send: bool, d: Dir, other: usize, nth: usize| -> (usize, usize) {
-            let ch = if send { (d, r, other) } else { (d, other, r) };
-            let (mine, theirs) = if send { (&sends[&ch], &recvs[&ch]) } else { (&recvs[&ch], &sends[&ch]) };
-            let k = mine.iter().position(|&j| j == i).unwrap() + nth;
-            (other, theirs[k])
-        };
+        if let Some((pair, _)) = recvs.iter().find(|(k, _)| !sends.contains_key(k)) {
+            return Err(format!("{pair:?}: receives with no sends"));
+        }
         let mut pos = vec![0usize; p];
         loop {
             let mut moved = false;
             for r in 0..p {
-                while pos[r] < plans[r].len() {
-                    let i = pos[r];
-                    let mine = ops(r, i);
-                    let ready = mine.iter().enumerate().all(|(n, &(send, d, o))| {
-                        let nth = mine[..n].iter().filter(|&&x| x == (send, d, o)).count();
-                        let (o, j) = peer(r, i, send, d, o, nth);
-                        pos[o] >= j
-                    });
-                    if !ready {
-                        break;
-                    }
+                while pos[r] < plans[r].len() && needs[r][pos[r]].iter().all(|&(o, j)| pos[o] >= j) {
                     pos[r] += 1;
                     moved = true;
                 }
@@ -280,5 +267,12 @@ mod tests {
         let r = |d| x(vec![], vec![(Dir::Fwd, d)]);
         assert!(simulate(&[vec![s(1), r(1)], vec![s(0), r(0)]]).is_err());
         assert!(simulate(&[vec![s(1), r(1)], vec![r(0), s(0)]]).is_ok());
+        // Activation then gradient sent, gradient then activation expected: a silent swap.
+        let both = |sends, recvs| x(sends, recvs);
+        let swapped = simulate(&[
+            vec![both(vec![(Dir::Fwd, 1), (Dir::Bwd, 1)], vec![])],
+            vec![both(vec![], vec![(Dir::Bwd, 0), (Dir::Fwd, 0)])],
+        ]);
+        assert!(swapped.unwrap_err().contains("sent as Fwd, received as Bwd"));
     }
 }
