@@ -8,6 +8,19 @@ use std::ops::AddAssign;
 pub trait Real: Float + AddAssign + Sum + Debug + Default + Send + Sync + 'static {
     fn c(x: f64) -> Self;
     fn f64(self) -> f64;
+    /// xs[i] = exp(xs[i] − m); returns their sum. Vectorised for f32 (`cpu::vexp`); f64 (the
+    /// finite-difference checks) keeps libm.
+    fn exp_sub_sum(xs: &mut [Self], m: Self) -> Self;
+    /// e^x: `cpu::vexp::exp1` for f32 (vectorises inside `map1`/`map2`), libm for f64.
+    fn fexp(self) -> Self;
+    /// y[i] = f(x[i]); for f32 compiled for the widest vector unit here.
+    fn map1(x: &[Self], y: &mut [Self], f: impl Fn(Self) -> Self) {
+        y.iter_mut().zip(x).for_each(|(o, &v)| *o = f(v));
+    }
+    /// y[i] = f(x[i], g[i]), as `map1`.
+    fn map2(x: &[Self], g: &[Self], y: &mut [Self], f: impl Fn(Self, Self) -> Self) {
+        y.iter_mut().zip(x.iter().zip(g)).for_each(|(o, (&v, &w))| *o = f(v, w));
+    }
 }
 
 impl Real for f32 {
@@ -19,6 +32,19 @@ impl Real for f32 {
     fn f64(self) -> f64 {
         self as f64
     }
+    fn exp_sub_sum(xs: &mut [f32], m: f32) -> f32 {
+        crate::cpu::vexp::exp_sub_sum_f32(xs, m)
+    }
+    #[inline(always)]
+    fn fexp(self) -> f32 {
+        crate::cpu::vexp::exp1(self)
+    }
+    fn map1(x: &[f32], y: &mut [f32], f: impl Fn(f32) -> f32) {
+        crate::cpu::vexp::map1_f32(x, y, f)
+    }
+    fn map2(x: &[f32], g: &[f32], y: &mut [f32], f: impl Fn(f32, f32) -> f32) {
+        crate::cpu::vexp::map2_f32(x, g, y, f)
+    }
 }
 
 impl Real for f64 {
@@ -29,6 +55,18 @@ impl Real for f64 {
     #[inline]
     fn f64(self) -> f64 {
         self
+    }
+    #[inline]
+    fn fexp(self) -> f64 {
+        self.exp()
+    }
+    fn exp_sub_sum(xs: &mut [f64], m: f64) -> f64 {
+        let mut s = 0.0;
+        for x in xs {
+            *x = (*x - m).exp();
+            s += *x;
+        }
+        s
     }
 }
 

@@ -28,6 +28,15 @@ pub struct AttnMask {
 }
 
 impl AttnMask {
+    /// The keys query i sees among s, as one range [lo, hi).
+    #[inline]
+    pub fn range(&self, i: usize, s: usize) -> (usize, usize) {
+        let hi = if self.causal { (i + 1).min(s) } else { s };
+        let lo = self.window.map_or(0, |w| (i + 1).saturating_sub(w));
+        let hi = self.window.map_or(hi, |w| hi.min(i + w));
+        (lo.min(hi), hi)
+    }
+
     #[inline]
     pub fn allows(&self, i: usize, j: usize) -> bool {
         (!self.causal || j <= i) && self.window.is_none_or(|w| i.abs_diff(j) < w)
@@ -71,28 +80,23 @@ fn probs<T: Real>(
     gemm_strided(t, s, d, q.mat(b, h, false), k.mat(b, kvh, true), p, s, false, scale, false);
     for i in 0..t {
         let row = &mut p[i * s..(i + 1) * s];
-        let lse = match lse_in {
-            Some(l) => l[i],
-            None => {
-                let mut max = T::neg_infinity();
-                for (j, &v) in row.iter().enumerate() {
-                    if mask.allows(i, j) {
-                        max = max.max(v);
-                    }
-                }
-                let mut sum = T::zero();
-                for (j, &v) in row.iter().enumerate() {
-                    if mask.allows(i, j) {
-                        sum += (v - max).exp();
-                    }
-                }
-                let l = max + sum.ln();
-                lse_out[i] = l;
-                l
+        // The keys row i may see form one range (causal: j ≤ i; window: |i − j| < w).
+        let (lo, hi) = mask.range(i, s);
+        row[..lo].fill(T::zero());
+        row[hi..].fill(T::zero());
+        let seen = &mut row[lo..hi];
+        match lse_in {
+            Some(l) => {
+                T::exp_sub_sum(seen, l[i]);
             }
-        };
-        for (j, v) in row.iter_mut().enumerate() {
-            *v = if mask.allows(i, j) { (*v - lse).exp() } else { T::zero() };
+            None if seen.is_empty() => lse_out[i] = T::neg_infinity(),
+            None => {
+                let max = seen.iter().copied().fold(T::neg_infinity(), T::max);
+                let sum = T::exp_sub_sum(seen, max);
+                lse_out[i] = max + sum.ln();
+                let inv = T::one() / sum;
+                seen.iter_mut().for_each(|v| *v = *v * inv);
+            }
         }
     }
 }
@@ -219,6 +223,28 @@ pub fn attention_bwd<T: Real>(
             let dst = ((b * s + j) * hkv + kvh) * d;
             dk[dst..dst + d].copy_from_slice(&dk_acc[j * d..(j + 1) * d]);
             dv[dst..dst + d].copy_from_slice(&dv_acc[j * d..(j + 1) * d]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::AttnMask;
+
+    #[test]
+    fn mask_range_is_the_set_of_allowed_keys() {
+        for causal in [false, true] {
+            for window in [None, Some(1), Some(3), Some(40)] {
+                let m = AttnMask { causal, window };
+                for s in [1, 5, 17] {
+                    for i in 0..20 {
+                        let (lo, hi) = m.range(i, s);
+                        let want: Vec<usize> = (0..s).filter(|&j| m.allows(i, j)).collect();
+                        let got: Vec<usize> = (lo..hi).collect();
+                        assert_eq!(got, want, "{m:?} s {s} row {i}");
+                    }
+                }
+            }
         }
     }
 }

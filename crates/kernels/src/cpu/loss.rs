@@ -93,10 +93,12 @@ pub fn cross_entropy_fwd<E: Elem, T: Real>(
     loss: &mut [T],
     lse: &mut [T],
 ) {
-    loss.par_iter_mut().zip(lse.par_iter_mut()).enumerate().for_each(|(n, (l, s))| {
+    loss.par_iter_mut().zip(lse.par_iter_mut()).enumerate().for_each_init(Vec::new, |buf, (n, (l, s))| {
         let row = &logits[n * v..n * v + cfg.real_columns(v)];
-        let max = row.iter().map(|x| x.get::<T>()).fold(T::neg_infinity(), T::max);
-        let sum = row.iter().map(|x| (x.get::<T>() - max).exp()).sum::<T>();
+        buf.clear();
+        buf.extend(row.iter().map(|x| x.get::<T>()));
+        let max = buf.iter().copied().fold(T::neg_infinity(), T::max);
+        let sum = T::exp_sub_sum(buf, max);
         let lse_n = max + sum.ln();
         *s = lse_n;
         *l = match active(targets[n], mask, n, cfg) {
@@ -117,7 +119,7 @@ pub fn cross_entropy_bwd<E: Elem, T: Real>(
     dloss: &[T],
     dlogits: &mut [E],
 ) {
-    dlogits.par_chunks_mut(v).enumerate().for_each(|(n, dr)| {
+    dlogits.par_chunks_mut(v).enumerate().for_each_init(Vec::new, |buf, (n, dr)| {
         let row = &logits[n * v..n * v + cfg.real_columns(v)];
         let Some(m) = active(targets[n], mask, n, cfg) else {
             dr.iter_mut().for_each(|x| *x = E::put(T::zero()));
@@ -126,8 +128,10 @@ pub fn cross_entropy_bwd<E: Elem, T: Real>(
         let g = dloss[n] * T::c(m);
         let tgt = cfg.column(targets[n], v);
         dr[row.len()..].iter_mut().for_each(|x| *x = E::put(T::zero()));
-        for (j, (d, x)) in dr.iter_mut().zip(row).enumerate() {
-            let p = (x.get::<T>() - lse[n]).exp();
+        buf.clear();
+        buf.extend(row.iter().map(|x| x.get::<T>()));
+        T::exp_sub_sum(buf, lse[n]);
+        for (j, (d, &p)) in dr.iter_mut().zip(buf.iter()).enumerate() {
             let onehot = if Some(j) == tgt { T::one() } else { T::zero() };
             *d = E::put((p - onehot) * g);
         }

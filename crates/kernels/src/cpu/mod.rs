@@ -11,3 +11,4 @@ pub mod optim;
 pub mod qkv;
 pub mod rope;
 pub mod softmax;
+pub mod vexp;

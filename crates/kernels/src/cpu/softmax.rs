@@ -12,11 +12,8 @@ pub fn softmax_fwd<T: Real>(x: &[T], c: usize, y: &mut [T]) {
 /// Stable softmax of one row; returns log Σ exp(x).
 pub fn softmax_row<T: Real>(x: &[T], y: &mut [T]) -> T {
     let max = x.iter().copied().fold(T::neg_infinity(), T::max);
-    let mut sum = T::zero();
-    for (o, &v) in y.iter_mut().zip(x) {
-        *o = (v - max).exp();
-        sum += *o;
-    }
+    y.copy_from_slice(x);
+    let sum = T::exp_sub_sum(y, max);
     let inv = T::one() / sum;
     y.iter_mut().for_each(|o| *o = *o * inv);
     max + sum.ln()
