@@ -73,11 +73,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let dev = Device::Cpu;
     let text: Vec<u32> = b"a custom mlp, end to end".iter().map(|&b| b as u32).collect();
-    let batch = Batch {
-        tokens: Tensor::from_vec(text[..16].to_vec(), [1, 16], &dev)?,
-        labels: Tensor::from_vec(text[1..17].to_vec(), [1, 16], &dev)?,
-        loss_mask: Tensor::from_vec(vec![1f32; 16], [1, 16], &dev)?,
-    };
+    let batch = Batch::new(
+        Tensor::from_vec(text[..16].to_vec(), [1, 16], &dev)?,
+        Tensor::from_vec(text[1..17].to_vec(), [1, 16], &dev)?,
+        Tensor::from_vec(vec![1f32; 16], [1, 16], &dev)?,
+    )?;
     let cx = Cx { params: &table, training: true };
     let (loss, saved) = model.forward(&cx, &batch)?;
     model.backward(&cx, saved, 1.0)?;

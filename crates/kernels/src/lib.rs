@@ -36,6 +36,6 @@ pub use embedding::{embedding_bwd, embedding_bwd_shard, embedding_fwd, embedding
 pub use loss::{CrossEntropyCfg, cross_entropy_bwd, cross_entropy_fwd};
 pub use matmul::{matmul, matmul_bias, matmul_bwd, matmul_into};
 pub use norm::{layernorm_bwd, layernorm_fwd, rmsnorm_bwd, rmsnorm_fwd};
-pub use optim::{AdamW, adamw_step, global_l2_norm, sum_sq};
+pub use optim::{AdamW, adamw_step, global_l2_norm, sum_sq, sum_sq_all};
 pub use qkv::{qkv_merge, qkv_split};
 pub use rope::{RopeCfg, rope_bwd, rope_fwd};

@@ -46,11 +46,26 @@ pub fn sum_sq(x: &Tensor) -> Result<f64> {
     Ok(cpu::optim::sum_sq(&x.read_f32()?))
 }
 
-/// √(Σ over tensors of Σ x²), the global L2 norm used for gradient clipping.
-pub fn global_l2_norm(ts: &[&Tensor]) -> Result<f64> {
+/// Σ over tensors of Σ x², tensor by tensor in order (the same bits as adding their `sum_sq`s),
+/// with one read back from the device for all of them instead of one per tensor.
+pub fn sum_sq_all(ts: &[&Tensor]) -> Result<f64> {
+    const OP: &str = "sum_sq_all";
+    for t in ts {
+        check::float(OP, t)?;
+    }
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, ts)? {
+        return crate::cuda::ops::sum_sq_all(&g, ts);
+    }
+    check::on_cpu(OP, ts)?;
     let mut total = 0.0;
     for t in ts {
-        total += sum_sq(t)?;
+        total += cpu::optim::sum_sq(&t.read_f32()?);
     }
-    Ok(total.sqrt())
+    Ok(total)
+}
+
+/// √(Σ over tensors of Σ x²), the global L2 norm used for gradient clipping.
+pub fn global_l2_norm(ts: &[&Tensor]) -> Result<f64> {
+    Ok(sum_sq_all(ts)?.sqrt())
 }

@@ -156,7 +156,7 @@ impl Optimizer {
     /// L2 norm of the (synchronised) gradients over the whole model, identical on every rank.
     pub fn grad_norm(&self, table: &ParamTable) -> Result<f64, OptimError> {
         let g = table.flat_grads();
-        let mut sq = 0.0;
+        let mut views = Vec::new();
         for (id, r, _) in self.pieces(table) {
             // Replicated across tensor-parallel ranks: counted on one of them; a pipeline stage's
             // copy of the tied embedding: counted on the stage that owns it.
@@ -164,8 +164,10 @@ impl Optimizer {
             if (m.replicated && self.tp_rank != 0) || m.pipeline_copy {
                 continue;
             }
-            sq += k::sum_sq(&g.view(r.start, [r.len()])?)?;
+            views.push(g.view(r.start, [r.len()])?);
         }
+        // One read back for every piece (no host synchronisation per parameter).
+        let mut sq = k::sum_sq_all(&views.iter().collect::<Vec<_>>())?;
         let dev = g.device();
         for c in [&self.mp, &self.dp].into_iter().flatten() {
             if c.size() > 1 {

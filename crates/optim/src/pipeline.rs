@@ -11,7 +11,7 @@ use ferrotron_comm::ReduceOp;
 use ferrotron_core::{Cx, DType, Device, ParamTable, Tensor};
 use ferrotron_parallel::pipeline::{Action, PipelineComms, ScheduleKind, StageRunner, run_schedule, schedule};
 use ferrotron_parallel::{ParallelError, groups::Comm};
-use ferrotron_transformer::{Batch, ChunkOut, GptModel, GptSaved, ModelError};
+use ferrotron_transformer::{Batch, ChunkOut, GptModel, GptSaved, MicroLoss, ModelError};
 use std::collections::HashMap;
 
 struct Runner<'a> {
@@ -19,7 +19,7 @@ struct Runner<'a> {
     cx: Cx<'a>,
     batches: &'a [Batch],
     saved: HashMap<(usize, usize), GptSaved>,
-    losses: Vec<f64>,
+    losses: Vec<MicroLoss>,
     grad_scale: f32,
     keep: bool,
     held: usize,
@@ -72,14 +72,18 @@ pub fn schedule_kind(pp: usize, chunks: usize) -> ScheduleKind {
 }
 
 /// Mean of the last stage's micro-batch losses, given to every pipeline rank.
-fn stage_loss(losses: &[f64], pp: &Comm) -> Result<f64, OptimError> {
-    let mean = if losses.is_empty() { 0.0 } else { losses.iter().sum::<f64>() / losses.len() as f64 };
+fn stage_loss(losses: &[MicroLoss], pp: &Comm) -> Result<f64, StepError> {
+    let mut sum = 0.0;
+    for l in losses {
+        sum += l.mean()?;
+    }
+    let mean = if losses.is_empty() { 0.0 } else { sum / losses.len() as f64 };
     if pp.size() == 1 {
         return Ok(mean);
     }
-    let t = Tensor::from_vec(vec![mean as f32], [1], &Device::Cpu)?;
-    pp.broadcast(&t, pp.size() - 1)?;
-    Ok(t.to_vec_f32()?[0] as f64)
+    let t = Tensor::from_vec(vec![mean as f32], [1], &Device::Cpu).map_err(OptimError::from)?;
+    pp.broadcast(&t, pp.size() - 1).map_err(OptimError::from)?;
+    Ok(t.to_vec_f32().map_err(OptimError::from)?[0] as f64)
 }
 
 /// A pipelined training step over this rank's micro-batches (all of the data-parallel rank's).
@@ -109,12 +113,12 @@ pub fn train_step_pipelined(
         peak: 0,
     };
     run_schedule(&actions, comms, model.chunks.len(), &mut runner).map_err(OptimError::from)?;
-    let mut loss = stage_loss(&runner.losses, pp)?;
     sync.finish(table).map_err(OptimError::from)?;
     let stats = opt.step(table, lr)?;
     if stats.applied {
         sync.gather_params(table).map_err(OptimError::from)?;
     }
+    let mut loss = stage_loss(&runner.losses, pp)?;
     if sync.dp.size() > 1 {
         let t = Tensor::from_vec(vec![loss as f32], [1], &Device::Cpu).map_err(OptimError::from)?;
         sync.dp.all_reduce(&t, ReduceOp::Avg).map_err(OptimError::from)?;
@@ -146,5 +150,5 @@ pub fn eval_pipelined(
         peak: 0,
     };
     run_schedule(&actions, comms, v, &mut runner).map_err(OptimError::from)?;
-    Ok(stage_loss(&runner.losses, pp)?)
+    stage_loss(&runner.losses, pp)
 }

@@ -9,7 +9,7 @@
 use crate::{GradSync, OptimError, Optimizer};
 use ferrotron_comm::ReduceOp;
 use ferrotron_core::{Cx, ParamTable, Tensor};
-use ferrotron_transformer::{Batch, GptModel, ModelError};
+use ferrotron_transformer::{Batch, ChunkOut, GptModel, ModelError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StepError {
@@ -40,12 +40,15 @@ pub fn train_step(
     table.zero_grads().map_err(ModelError::from)?;
     let cx = Cx { params: table, training: true };
     let m = micro_batches.len();
-    let mut loss = 0.0;
+    let mut losses = Vec::with_capacity(m);
     let mut peak = 0;
     for (i, b) in micro_batches.iter().enumerate() {
-        let (l, saved) = model.forward(&cx, b)?;
+        let (l, saved) = match model.forward_chunk(&cx, 0, b, None)? {
+            (ChunkOut::Loss(l), s) => (l, s),
+            (ChunkOut::Hidden(_), _) => return Err(ModelError::Config("the model did not end in a loss".into()).into()),
+        };
+        losses.push(l);
         peak = peak.max(saved.bytes());
-        loss += l / m as f64;
         if i + 1 == m {
             sync.begin();
             model.backward_with(&cx, saved, 1.0 / m as f32, &mut |frontier| {
@@ -59,6 +62,11 @@ pub fn train_step(
     let stats = opt.step(table, lr)?;
     if stats.applied {
         sync.gather_params(table).map_err(OptimError::from)?;
+    }
+    // Read back only now, with the whole step queued.
+    let mut loss = 0.0;
+    for l in &losses {
+        loss += l.mean()? / m as f64;
     }
     if sync.dp.size() > 1 {
         let t = Tensor::from_vec(vec![loss as f32], [1], &ferrotron_core::Device::Cpu).map_err(OptimError::from)?;

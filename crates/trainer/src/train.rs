@@ -79,6 +79,7 @@ fn batch(split: &TokenSplit, indices: &[usize], seq: usize, dev: &Device) -> any
         tokens: Tensor::from_vec(tokens, [b, seq], dev)?,
         labels: Tensor::from_vec(labels, [b, seq], dev)?,
         loss_mask: Tensor::from_vec(vec![1f32; b * seq], [b, seq], dev)?,
+        num_tokens: (b * seq) as f64,
     })
 }
 

@@ -34,6 +34,36 @@ pub struct Batch {
     pub tokens: Tensor,
     pub labels: Tensor,
     pub loss_mask: Tensor,
+    /// Σ loss_mask, counted once when the batch is made (so a step never reads it back from the
+    /// device).
+    pub num_tokens: f64,
+}
+
+impl Batch {
+    /// A batch; counts the mask's tokens (one read of `loss_mask`, before any compute is queued).
+    pub fn new(tokens: Tensor, labels: Tensor, loss_mask: Tensor) -> Result<Batch> {
+        let num_tokens = loss_mask.to_vec_f32()?.iter().map(|&m| m as f64).sum();
+        Ok(Batch { tokens, labels, loss_mask, num_tokens })
+    }
+}
+
+/// The last stage's per-token losses of one micro-batch, left on the device until `mean` reads
+/// them (after the step's work is queued: no host synchronisation inside the step).
+pub struct MicroLoss {
+    /// Masked per-token losses [N].
+    pub per_token: Tensor,
+    pub num_tokens: f64,
+}
+
+impl MicroLoss {
+    /// Mean over the unmasked tokens (0 when there are none), summed in f64.
+    pub fn mean(&self) -> Result<f64> {
+        if self.num_tokens <= 0.0 {
+            return Ok(0.0);
+        }
+        let total: f64 = self.per_token.to_vec_f32()?.iter().map(|&l| l as f64).sum();
+        Ok(total / self.num_tokens)
+    }
 }
 
 pub struct GptModel {
@@ -78,8 +108,8 @@ impl GptSaved {
 /// What a chunk's forward produced.
 pub enum ChunkOut {
     Hidden(Tensor),
-    /// Mean loss over the micro-batch's unmasked tokens (last stage, last chunk).
-    Loss(f64),
+    /// The micro-batch's losses (last stage, last chunk).
+    Loss(MicroLoss),
 }
 
 impl GptModel {
@@ -282,11 +312,10 @@ impl GptModel {
         let labels = batch.labels.reshape([n])?;
         let mask = batch.loss_mask.reshape([n])?;
         let (loss, lse) = vocab_parallel_ce_fwd(self.ce(), &self.tp, &flat, &labels, Some(&mask))?;
-        let num_tokens: f64 = mask.to_vec_f32()?.iter().map(|&m| m as f64).sum();
-        let total: f64 = loss.to_vec_f32()?.iter().map(|&l| l as f64).sum();
-        let mean = if num_tokens > 0.0 { total / num_tokens } else { 0.0 };
+        let num_tokens = batch.num_tokens;
         let post = PostSaved { hidden: h, logits: flat, labels, loss_mask: mask, lse, num_tokens };
-        Ok((ChunkOut::Loss(mean), GptSaved { tokens, positions, decoder, post: Some(post) }))
+        let out = ChunkOut::Loss(MicroLoss { per_token: loss, num_tokens });
+        Ok((out, GptSaved { tokens, positions, decoder, post: Some(post) }))
     }
 
     /// Backward of chunk `c`: from the loss (`grad_scale · loss`) or from `dy`; adds parameter
@@ -347,7 +376,7 @@ impl GptModel {
             return Err(ModelError::Config("forward needs the whole model on this rank; use forward_chunk".into()));
         }
         match self.forward_chunk(cx, 0, batch, None)? {
-            (ChunkOut::Loss(l), s) => Ok((l, s)),
+            (ChunkOut::Loss(l), s) => Ok((l.mean()?, s)),
             (ChunkOut::Hidden(_), _) => Err(ModelError::Config("the model did not end in a loss".into())),
         }
     }

@@ -18,7 +18,7 @@ pub mod recompute;
 pub mod spec;
 
 pub use config::TransformerConfig;
-pub use gpt::{Batch, ChunkOut, GptModel, GptSaved};
+pub use gpt::{Batch, ChunkOut, GptModel, GptSaved, MicroLoss};
 pub use recompute::Recompute;
 
 #[derive(Debug, thiserror::Error)]

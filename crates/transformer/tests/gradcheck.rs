@@ -37,11 +37,12 @@ fn batch(b: usize, t: usize, v: u32) -> Batch {
     let dev = Device::Cpu;
     let ids = |s: u64| (0..b * t).map(|i| Philox::new(s).u32_at(i as u64) % v).collect::<Vec<_>>();
     let mask: Vec<f32> = (0..b * t).map(|i| if i % 5 == 3 { 0.0 } else { 1.0 }).collect();
-    Batch {
-        tokens: Tensor::from_vec(ids(1), [b, t], &dev).unwrap(),
-        labels: Tensor::from_vec(ids(2), [b, t], &dev).unwrap(),
-        loss_mask: Tensor::from_vec(mask, [b, t], &dev).unwrap(),
-    }
+    Batch::new(
+        Tensor::from_vec(ids(1), [b, t], &dev).unwrap(),
+        Tensor::from_vec(ids(2), [b, t], &dev).unwrap(),
+        Tensor::from_vec(mask, [b, t], &dev).unwrap(),
+    )
+    .unwrap()
 }
 
 fn loss(model: &GptModel, table: &ParamTable, b: &Batch) -> f64 {

@@ -362,6 +362,30 @@ pub fn sum_sq(be: &B, x: &Tensor) -> Result<f64> {
     Ok(host.iter().sum())
 }
 
+/// `sum_sq` of every tensor into one partials buffer (each tensor its own 256 blocks), one copy
+/// back, then summed tensor by tensor in block order: the bits of adding `sum_sq`s one by one.
+pub fn sum_sq_all(be: &B, xs: &[&Tensor]) -> Result<f64> {
+    const BLOCKS: usize = 256;
+    if xs.is_empty() {
+        return Ok(0.0);
+    }
+    let partial: CudaSlice<f64> =
+        be.dev.stream().alloc_zeros(BLOCKS * xs.len()).map_err(|e| Error::Cuda(format!("{e:?}")))?;
+    let base = partial.device_ptr(be.dev.stream()).0;
+    for (i, x) in xs.iter().enumerate() {
+        let pp = Arg::Ptr(base + (i * BLOCKS * std::mem::size_of::<f64>()) as u64);
+        be.launch(
+            &format!("sum_sq_{}", sfx("sum_sq", x.dtype())?),
+            BLOCKS as u32,
+            256,
+            0,
+            &[ptr("sum_sq", x)?, pp, n(x.elem_count())],
+        )?;
+    }
+    let host = be.dev.stream().clone_dtoh(&partial).map_err(|e| Error::Cuda(format!("{e:?}")))?;
+    Ok(host.chunks(BLOCKS).fold(0.0, |total, c| total + c.iter().sum::<f64>()))
+}
+
 pub fn rope(be: &B, x: &Tensor, cfg: &crate::RopeCfg, sign: f32) -> Result<Tensor> {
     let d = x.dims();
     let (rows, t, h, hd) = (d[0] * d[1], d[1], d[2], d[3]);

@@ -57,11 +57,12 @@ pub fn micro_batch(j: usize) -> Batch {
         tokens.extend_from_slice(&r[..SEQ]);
         labels.extend_from_slice(&r[1..]);
     }
-    Batch {
-        tokens: Tensor::from_vec(tokens, [MICRO, SEQ], &Device::Cpu).unwrap(),
-        labels: Tensor::from_vec(labels, [MICRO, SEQ], &Device::Cpu).unwrap(),
-        loss_mask: Tensor::from_vec(vec![1f32; MICRO * SEQ], [MICRO, SEQ], &Device::Cpu).unwrap(),
-    }
+    Batch::new(
+        Tensor::from_vec(tokens, [MICRO, SEQ], &Device::Cpu).unwrap(),
+        Tensor::from_vec(labels, [MICRO, SEQ], &Device::Cpu).unwrap(),
+        Tensor::from_vec(vec![1f32; MICRO * SEQ], [MICRO, SEQ], &Device::Cpu).unwrap(),
+    )
+    .unwrap()
 }
 
 /// Every parameter of this rank, whole (gathered over TP), by name; the padding rows of the
