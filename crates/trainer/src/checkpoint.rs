@@ -25,6 +25,7 @@ use ferrotron_parallel::{ProcessGroups, gather_param, global_flat_index};
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -115,6 +116,7 @@ pub fn save(
             }
         }
     }
+    drop(state); // the per-tensor copies above are what gets written
     let (stage, stages) = (g.pp.rank(), g.pp.size());
     let tmp = save_dir.join(format!(".tmp-iter_{:07}", info.iteration));
     // World rank 0 prepares the folder; every stage's writer then adds its file.
@@ -183,26 +185,48 @@ fn prepare(save_dir: &Path, tmp: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Writes one stage's tensors; returns the file's SHA-256.
+/// Writes one stage's tensors, streamed to the file (f32 data straight from the gathered vectors:
+/// no whole-file buffer), synced; returns the SHA-256 of the file as it lies on disk.
 fn write_stage(tmp: &Path, file: &str, tensors: &[(String, DType, Vec<usize>, Vec<f32>)]) -> anyhow::Result<String> {
-    let encoded: Vec<(Vec<u8>, Dtype)> =
+    let encoded: Vec<(Cow<[u8]>, Dtype)> =
         tensors.iter().map(|(_, d, _, v)| tensor_bytes(*d, v)).collect::<anyhow::Result<_>>()?;
     let views = tensors
         .iter()
         .zip(&encoded)
         .map(|((name, _, shape, _), (b, d))| Ok((name.as_str(), TensorView::new(*d, shape.clone(), b)?)))
         .collect::<anyhow::Result<Vec<_>>>()?;
-    let bytes = safetensors::serialize(views, None)?;
-    write_synced(&tmp.join(file), &bytes)?;
-    Ok(sha256_hex(&bytes))
+    let path = tmp.join(file);
+    safetensors::serialize_to_file(views, None, &path).with_context(|| format!("cannot write {}", path.display()))?;
+    let mut f = std::fs::File::open(&path)?;
+    f.sync_all()?;
+    sha256_file(&mut f)
 }
 
-fn tensor_bytes(dtype: DType, v: &[f32]) -> anyhow::Result<(Vec<u8>, Dtype)> {
+fn tensor_bytes(dtype: DType, v: &[f32]) -> anyhow::Result<(Cow<'_, [u8]>, Dtype)> {
     Ok(match dtype {
-        DType::F32 => (v.iter().flat_map(|x| x.to_le_bytes()).collect(), Dtype::F32),
-        DType::BF16 => (v.iter().flat_map(|&x| bf16::from_f32(x).to_bits().to_le_bytes()).collect(), Dtype::BF16),
+        // safetensors is little-endian, like every target Ferrotron builds for today.
+        DType::F32 if cfg!(target_endian = "little") => (Cow::Borrowed(bytemuck::cast_slice(v)), Dtype::F32),
+        DType::F32 => (Cow::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect()), Dtype::F32),
+        DType::BF16 => {
+            (Cow::Owned(v.iter().flat_map(|&x| bf16::from_f32(x).to_bits().to_le_bytes()).collect()), Dtype::BF16)
+        }
         d => bail!("saving {d} parameters is not supported"),
     })
+}
+
+/// SHA-256 of a file, read in chunks.
+fn sha256_file(f: &mut std::fs::File) -> anyhow::Result<String> {
+    use std::io::Read;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 8 << 20];
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
 
 /// World rank 0: state.toml, then the folder renamed into place, then the tracker.
