@@ -20,6 +20,7 @@ mod store;
 mod tcp;
 mod threads;
 mod transport;
+mod watchdog;
 
 pub use env::DistEnv;
 pub use mesh::MeshComm;
@@ -28,6 +29,7 @@ pub use nccl::NcclComm;
 pub use store::{rendezvous, rendezvous_all};
 pub use tcp::tcp_world;
 pub use threads::{all_ok, run_ranks, thread_world};
+pub use watchdog::Watchdog;
 
 use ferrotron_core::Tensor;
 use std::time::Duration;
@@ -52,6 +54,10 @@ pub enum CommError {
     Invalid { op: &'static str, group: String, msg: String },
     #[error("NCCL {op}: {msg}")]
     Nccl { op: &'static str, msg: String },
+    #[error(
+        "{op} on group {group} did not complete within {timeout:?} (a rank skipped it or is stuck; NCCL cannot say which): the communicators were aborted"
+    )]
+    Stuck { op: &'static str, group: String, timeout: Duration },
     #[error(transparent)]
     Core(#[from] ferrotron_core::Error),
 }

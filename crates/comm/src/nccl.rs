@@ -3,11 +3,13 @@
 //! compute stream's queued work by an event, with the compute stream waiting on the collective by
 //! another (`ordered`).
 //!
-//! Timeouts: NCCL calls are asynchronous; a rank that never arrives shows up as a hang inside the
-//! stream, which NCCL's own watchdog settings (NCCL_TIMEOUT, async error polling) govern. The
-//! mesh backends' per-call timeouts do not apply here.
+//! Timeouts: NCCL calls are asynchronous; a rank that never arrives shows up as a kernel that never
+//! ends. Every operation is therefore tracked by a `Watchdog` (an event recorded after it on the
+//! communication stream); past the timeout it aborts every communicator of the process
+//! (ncclCommAbort makes the stuck kernels return) and the next call fails with
+//! `CommError::Stuck` naming the operation and group.
 
-use crate::{CommError, Communicator, DistEnv, ReduceOp, Result, rendezvous};
+use crate::{CommError, Communicator, DistEnv, ReduceOp, Result, Watchdog, rendezvous};
 use cudarc::nccl::result;
 use cudarc::nccl::sys::{self, ncclDataType_t as NT, ncclRedOp_t as NO};
 use ferrotron_core::cuda::CudaDevice;
@@ -29,6 +31,22 @@ pub struct NcclComm {
     name: String,
     /// World ranks of the members (for names of sub-groups).
     members: Vec<usize>,
+    /// Shared with every communicator split from the same world.
+    watchdog: Watchdog,
+}
+
+/// A communicator handle the watchdog thread may abort.
+struct AbortHandle(sys::ncclComm_t);
+// SAFETY: ncclCommAbort is documented as callable from another thread to end a hung communicator.
+unsafe impl Send for AbortHandle {}
+
+impl AbortHandle {
+    fn abort(&self) {
+        // SAFETY: a live handle; after this the communicator is freed and `Drop` skips it.
+        unsafe {
+            let _ = result::comm_abort(self.0);
+        }
+    }
 }
 
 // SAFETY: a NCCL communicator may be used from any thread as long as calls are not concurrent;
@@ -38,6 +56,9 @@ unsafe impl Sync for NcclComm {}
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
+        if self.watchdog.aborted() {
+            return; // ncclCommAbort already freed it
+        }
         // SAFETY: the handle came from ncclCommInitRank/ncclCommSplit and is dropped once.
         unsafe {
             let _ = result::comm_destroy(self.comm);
@@ -120,6 +141,9 @@ impl NcclComm {
             comm.assume_init()
         };
         let members = (0..env.world_size).collect::<Vec<_>>();
+        let watchdog = Watchdog::new(timeout, Duration::from_millis(100));
+        let h = AbortHandle(comm);
+        watchdog.on_timeout(move || h.abort());
         Ok(NcclComm {
             comm,
             dev: dev.clone(),
@@ -127,6 +151,7 @@ impl NcclComm {
             size: env.world_size,
             name: format!("world{members:?}"),
             members,
+            watchdog,
         })
     }
 
@@ -137,13 +162,24 @@ impl NcclComm {
     fn ordered<R>(&self, op: &'static str, f: impl FnOnce(sys::cudaStream_t) -> Result<R>) -> Result<R> {
         let (compute, comm) = (self.dev.stream(), self.dev.comm_stream());
         if IN_P2P_GROUP.get() {
-            // Inside `p2p_group`, which fences the whole batch once.
+            // Inside `p2p_group`, which fences (and watches) the whole batch once.
             return f(comm.cu_stream() as _);
         }
+        self.watchdog.check()?;
         comm.join(compute).map_err(|e| nccl_err(op, e))?;
         let r = f(comm.cu_stream() as _);
+        self.watch(op)?;
         compute.join(comm).map_err(|e| nccl_err(op, e))?;
         r
+    }
+
+    /// Hands the operation just enqueued on the communication stream to the watchdog.
+    fn watch(&self, op: &'static str) -> Result<()> {
+        let flags = cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
+        let ev = self.dev.comm_stream().record_event(Some(flags)).map_err(|e| nccl_err(op, e))?;
+        let ctx = self.dev.context().clone();
+        self.watchdog.track(op, &self.name, move || ctx.bind_to_thread().is_ok() && ev.is_complete());
+        Ok(())
     }
 
     /// A device copy of `t` (contiguous).
@@ -160,8 +196,11 @@ impl NcclComm {
     /// `ordered` without the compute stream's wait (see `Communicator::all_reduce_async`).
     fn detached<R>(&self, op: &'static str, f: impl FnOnce(sys::cudaStream_t) -> Result<R>) -> Result<R> {
         let (compute, comm) = (self.dev.stream(), self.dev.comm_stream());
+        self.watchdog.check()?;
         comm.join(compute).map_err(|e| nccl_err(op, e))?;
-        f(comm.cu_stream() as _)
+        let r = f(comm.cu_stream() as _);
+        self.watch(op)?;
+        r
     }
 
     /// Enqueues `f` after the compute stream's work; with `wait` the compute stream waits for it.
@@ -409,6 +448,8 @@ impl Communicator for NcclComm {
         };
         let Some((g, me)) = mine else { return Ok(None) };
         let members: Vec<usize> = groups[g].iter().map(|&r| self.members[r]).collect();
+        let h = AbortHandle(comm);
+        self.watchdog.on_timeout(move || h.abort());
         Ok(Some(Arc::new(NcclComm {
             comm,
             dev: self.dev.clone(),
@@ -416,6 +457,7 @@ impl Communicator for NcclComm {
             size: members.len(),
             name: format!("{name}{members:?}"),
             members,
+            watchdog: self.watchdog.clone(),
         })))
     }
 }
