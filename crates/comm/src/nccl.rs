@@ -190,7 +190,16 @@ impl NcclComm {
     /// Host tensors (small control values: losses, norms, layout checks) travel through a device
     /// copy: Some(copy) when `t` is on the host.
     fn staged(&self, t: &Tensor) -> Result<Option<Tensor>> {
-        if t.device().is_cpu() { self.on_device(t).map(Some) } else { Ok(None) }
+        if !t.device().is_cpu() {
+            return Ok(None);
+        }
+        if IN_P2P_GROUP.get() {
+            // Inside a group the transfer only starts at its end: a staged copy could not be
+            // read back in time.
+            let msg = "host tensors cannot travel in a grouped send/recv: put them on the GPU".into();
+            return Err(self.invalid("grouped send/recv", msg));
+        }
+        self.on_device(t).map(Some)
     }
 
     /// `ordered` without the compute stream's wait (see `Communicator::all_reduce_async`).
