@@ -5,9 +5,9 @@
 //!   and overlap, and combinations), each through `ferrotron launch` with NCCL; compares each
 //!   step's loss with the one-GPU run (fp32 within 1e-4 relative, bf16 within 2e-2).
 //! - `bench --scaling [BIN] [--gpus N] [--plot FILE]`: weak scaling of GPT 1.3B (micro-batch 8 per
-//!   GPU, DP 1 → N, distributed optimizer), the same at N GPUs without grad-reduce overlap, and
-//!   TP2 of the same model; tokens/s, TFLOP/s per GPU, MFU and efficiency per row, and an
-//!   SVG plot of throughput against GPU count.
+//!   GPU, DP 1 → N, distributed optimizer), the same at N GPUs without grad-reduce overlap, TP2
+//!   of the same model, and with 4+ GPUs GPT 6.7B under TP/PP layouts (`scaling_rows`); tokens/s,
+//!   TFLOP/s per GPU, MFU and efficiency per row, and an SVG plot of throughput against GPU count.
 //!
 //! Every run gets NCCL_NVLS_ENABLE=0 unless the caller set it, and a deadline after which its
 //! process group is killed (a hung collective must not hang the table).
@@ -209,63 +209,98 @@ pub fn parity(args: &[String], default_bin: PathBuf) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// One row of the scaling table.
+struct Row {
+    name: String,
+    preset: &'static str,
+    gpus: usize,
+    micro: usize,
+    global_batch: usize,
+    flags: Vec<String>,
+    /// A weak-scaling point of GPT 1.3B over data parallelism (plotted, efficiency vs 1 GPU).
+    weak: bool,
+}
+
+/// The rows for `gpus` GPUs: 1.3B weak scaling (micro-batch 8 per GPU, DP 1 → N, distributed
+/// optimizer + overlap), the same at N without overlap, 1.3B with TP2; with 4 or more GPUs GPT
+/// 6.7B under TP/PP layouts (micro-batch 2, 8 micro-batches per step so pipelines fill).
+fn scaling_rows(gpus: usize) -> Vec<Row> {
+    let (tp, pp) = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size");
+    let (distopt, overlap) = ("--use-distributed-optimizer", "--overlap-grad-reduce");
+    let row = |name: String, preset, gpus, micro, global_batch, flags: &[&str], weak| Row {
+        name,
+        preset,
+        gpus,
+        micro,
+        global_batch,
+        flags: owned(flags),
+        weak,
+    };
+    let mut rows = vec![];
+    let mut n = 1;
+    while n <= gpus {
+        rows.push(row(format!("1.3b dp{n} overlap"), "1.3b", n, 8, 8 * n, &[distopt, overlap], true));
+        n *= 2;
+    }
+    let top = rows.last().map_or(1, |r: &Row| r.gpus);
+    if top > 1 {
+        rows.push(row(format!("1.3b dp{top} no overlap"), "1.3b", top, 8, 8 * top, &[distopt], false));
+        rows.push(row(format!("1.3b tp2 dp{}", top / 2), "1.3b", top, 8, 8 * top / 2, &[tp, "2", distopt], false));
+    }
+    let layouts: &[(usize, &str, &[&str])] = &[
+        (4, "tp4", &[tp, "4"]),
+        (4, "tp2 pp2", &[tp, "2", pp, "2"]),
+        (8, "tp8", &[tp, "8"]),
+        (8, "tp4 pp2", &[tp, "4", pp, "2"]),
+    ];
+    for &(n, name, flags) in layouts.iter().filter(|l| l.0 <= gpus) {
+        rows.push(row(format!("6.7b {name}"), "6.7b", n, 2, 16, flags, false));
+    }
+    rows
+}
+
 /// `bench --scaling`: see the module doc.
 pub fn scaling(args: &[String], default_bin: PathBuf) -> anyhow::Result<()> {
     let (bin, gpus, plot) = parse(args, default_bin)?;
     let iters = std::env::var("BENCH_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(6u64);
     let deadline =
         Duration::from_secs(std::env::var("BENCH_DEADLINE_S").ok().and_then(|v| v.parse().ok()).unwrap_or(300));
-    let micro = 8usize;
-    let mut rows: Vec<(String, usize, Vec<String>)> = Vec::new();
-    let distopt = ["--use-distributed-optimizer", "--overlap-grad-reduce"];
-    let mut n = 1;
-    while n <= gpus {
-        rows.push((format!("1.3b dp{n} overlap"), n, owned(&distopt)));
-        n *= 2;
-    }
-    let top = rows.last().map_or(1, |r| r.1);
-    if top > 1 {
-        rows.push((format!("1.3b dp{top} no overlap"), top, owned(&["--use-distributed-optimizer"])));
-        // (A pipeline row needs several micro-batches per step to say anything: a larger run.)
-        rows.push((format!("1.3b tp2 dp{}", top / 2), top, owned(&["--tensor-model-parallel-size", "2", distopt[0]])));
-    }
-    println!("| run | GPUs | global batch | tokens/s | TFLOP/s per GPU | MFU | weak-scaling efficiency |");
+    println!("| run | GPUs | micro × global batch | tokens/s | TFLOP/s per GPU | MFU | weak-scaling efficiency |");
     println!("|---|---|---|---|---|---|---|");
     let mut points: Vec<(usize, f64)> = Vec::new();
     let mut one = None;
-    for (name, n, flags) in rows {
-        // Weak scaling: the global batch grows with the data-parallel size.
-        let model_par = if flags.iter().any(|f| f.contains("tensor-model-parallel-size")) { 2 } else { 1 };
-        let gbs = micro * n / model_par;
-        let mut a = owned(&["--device", "cuda", "--bf16", "--preset", "1.3b", "--log-interval", "1"]);
-        a.extend(owned(&["--eval-interval", "1000000", "--eval-iters", "1", "--save-interval", "1000000"]));
-        a.extend(owned(&["--corpus-docs", "3000", "--micro-batch-size", &micro.to_string()]));
-        a.extend(owned(&["--global-batch-size", &gbs.to_string(), "--train-iters", &iters.to_string()]));
-        a.extend(flags);
-        match train(&bin, n, &a, deadline, &name.replace(' ', "-")) {
+    for r in scaling_rows(gpus) {
+        let n = r.gpus;
+        let mut a = owned(&["--device", "cuda", "--bf16", "--preset", r.preset, "--log-interval", "1"]);
+        a.extend(owned(&["--eval-interval", "1000000", "--eval-iters", "1", "--corpus-docs", "3000"]));
+        a.extend(owned(&["--micro-batch-size", &r.micro.to_string()]));
+        a.extend(owned(&["--global-batch-size", &r.global_batch.to_string(), "--train-iters", &iters.to_string()]));
+        a.extend(r.flags);
+        let shape = format!("{} × {}", r.micro, r.global_batch);
+        match train(&bin, n, &a, deadline, &r.name.replace(' ', "-")) {
             Ok((m, log, _)) => {
                 let mut tps = series(&m, "tokens_per_s");
-                tps.remove(0); // the first step compiles kernels and warms the allocator
+                if !tps.is_empty() {
+                    tps.remove(0); // the first step compiles kernels and warms the allocator
+                }
                 tps.sort_by(|a, b| a.total_cmp(b));
                 let t = tps.get(tps.len() / 2).copied().unwrap_or(0.0);
                 let flops = crate::header_flops_per_token(&log).unwrap_or(0.0);
                 let per_gpu = t * flops / n as f64;
-                if n == 1 {
+                if r.weak && n == 1 {
                     one = Some(t);
                 }
-                let eff = one.map_or(String::new(), |o| {
-                    if model_par == 1 { format!("{:.1}%", 100.0 * t / (o * n as f64)) } else { String::new() }
-                });
-                println!(
-                    "| {name} | {n} | {gbs} | {t:.0} | {:.1} | {:.1}% | {eff} |",
-                    per_gpu / 1e12,
-                    100.0 * per_gpu / 989e12
-                );
-                if name.ends_with("overlap") && !name.contains("no overlap") {
+                let eff = match (r.weak, one) {
+                    (true, Some(o)) => format!("{:.1}%", 100.0 * t / (o * n as f64)),
+                    _ => String::new(),
+                };
+                let (name, tf, mfu) = (&r.name, per_gpu / 1e12, 100.0 * per_gpu / 989e12);
+                println!("| {name} | {n} | {shape} | {t:.0} | {tf:.1} | {mfu:.1}% | {eff} |");
+                if r.weak {
                     points.push((n, t));
                 }
             }
-            Err(e) => println!("| {name} | {n} | {gbs} | FAIL: {e} | | | |"),
+            Err(e) => println!("| {} | {n} | {shape} | FAIL: {e} | | | |", r.name),
         }
     }
     if let Some(p) = plot {
@@ -308,4 +343,39 @@ fn svg(points: &[(usize, f64)]) -> String {
     s += &format!("<text x=\"{}\" y=\"{}\" font-size=\"12\">GPUs</text>\n", w / 2.0, h - 10.0);
     s += &format!("<text x=\"5\" y=\"{}\" font-size=\"12\">tokens/s (GPT 1.3B, dashed: ideal)</text>\n", m - 15.0);
     s + "</svg>\n"
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scaling_rows_fit_their_gpu_counts() {
+        let rows = scaling_rows(8);
+        let weak: Vec<usize> = rows.iter().filter(|r| r.weak).map(|r| r.gpus).collect();
+        assert_eq!(weak, [1, 2, 4, 8]);
+        for r in &rows {
+            let arg = |k: &str| r.flags.iter().position(|f| f == k).map_or(1, |i| r.flags[i + 1].parse().unwrap());
+            let (tp, pp) = (arg("--tensor-model-parallel-size"), arg("--pipeline-model-parallel-size"));
+            assert_eq!(r.gpus % (tp * pp), 0, "{}", r.name);
+            let dp = r.gpus / (tp * pp);
+            assert_eq!(r.global_batch % (r.micro * dp), 0, "{}", r.name);
+            assert!(r.global_batch / (r.micro * dp) >= pp, "{}: too few micro-batches to fill the pipeline", r.name);
+        }
+        assert!(scaling_rows(2).iter().all(|r| r.gpus <= 2 && r.preset == "1.3b"));
+        assert_eq!(scaling_rows(1).len(), 1);
+    }
+
+    #[test]
+    fn parity_layouts_divide_the_tiny_model() {
+        for n in [2, 4, 8] {
+            for (name, flags) in parity_layouts(n) {
+                let arg = |k: &str| flags.iter().position(|f| f == k).map_or(1, |i| flags[i + 1].parse().unwrap());
+                let (tp, pp): (usize, usize) =
+                    (arg("--tensor-model-parallel-size"), arg("--pipeline-model-parallel-size"));
+                assert_eq!(n % (tp * pp), 0, "{name}");
+                assert!(4 % tp == 0 && 4 % pp == 0, "{name}: the tiny model has 4 heads and 4 layers");
+            }
+        }
+    }
 }

@@ -26,6 +26,9 @@ pub enum GptSize {
     Gpt124m,
     /// GPT 1.3B: 24 layers, hidden 2048, 16 heads, seq 2048.
     Gpt1_3b,
+    /// GPT 6.7B (GPT-3's shape): 32 layers, hidden 4096, 32 heads, seq 2048: the model of the
+    /// multi-GPU layout table.
+    Gpt6_7b,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,6 +46,7 @@ pub fn gpt2(size: GptSize) -> TransformerConfig {
         GptSize::Small => (6, 384, 6, 256, GPT2_VOCAB),
         GptSize::Gpt124m => (12, 768, 12, 1024, GPT2_VOCAB),
         GptSize::Gpt1_3b => (24, 2048, 16, 2048, GPT2_VOCAB),
+        GptSize::Gpt6_7b => (32, 4096, 32, 2048, GPT2_VOCAB),
     };
     TransformerConfig {
         num_layers: layers,
@@ -95,7 +99,7 @@ pub fn llama(size: LlamaSize) -> TransformerConfig {
 }
 
 /// Preset names the trainer accepts for `--preset`.
-pub const PRESETS: &[&str] = &["tiny", "small", "124m", "1.3b", "llama-tiny", "llama-1b"];
+pub const PRESETS: &[&str] = &["tiny", "small", "124m", "1.3b", "6.7b", "llama-tiny", "llama-1b"];
 
 /// Looks a preset up by name (see `PRESETS`); also accepts `gpt2-124m` and `gpt-1.3b`.
 pub fn preset(name: &str) -> Option<TransformerConfig> {
@@ -104,6 +108,7 @@ pub fn preset(name: &str) -> Option<TransformerConfig> {
         "small" | "gpt2-small" => gpt2(GptSize::Small),
         "124m" | "gpt2-124m" => gpt2(GptSize::Gpt124m),
         "1.3b" | "gpt-1.3b" => gpt2(GptSize::Gpt1_3b),
+        "6.7b" | "gpt-6.7b" => gpt2(GptSize::Gpt6_7b),
         "llama-tiny" => llama(LlamaSize::Tiny),
         "llama-1b" => llama(LlamaSize::Llama1b),
         _ => return None,
@@ -138,6 +143,14 @@ mod tests {
         let n = (c.num_params() - c.max_position_embeddings * c.hidden_size) as f64;
         assert_eq!(c.flops_per_token(), 6.0 * n + 12.0 * 24.0 * 2048.0 * 2048.0);
         assert!((1.2e9..1.5e9).contains(&(c.num_params() as f64)));
+    }
+
+    #[test]
+    fn gpt_6_7b_has_gpt3s_size() {
+        let c = gpt2(GptSize::Gpt6_7b);
+        let n = c.num_params() as f64;
+        assert!((6.5e9..6.9e9).contains(&n), "{n}");
+        c.validate_tp(8).unwrap();
     }
 
     #[test]
