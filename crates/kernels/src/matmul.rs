@@ -63,8 +63,7 @@ pub fn matmul(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Tensor> {
     }
     check::on_cpu(OP, &[a, b])?;
     let (av, bv) = (a.read_f32()?, b.read_f32()?);
-    let mut c = vec![0f32; d.batch * d.m * d.n];
-    cpu::matmul::gemm_batched(d.batch, d.m, d.n, d.k, &av, ta, &bv, tb, &mut c, false, 1.0);
+    let c = cpu::matmul::gemm_batched_new(d.batch, d.m, d.n, d.k, &av, ta, &bv, tb, 1.0);
     check::out(c, d.out, a.dtype(), a.device())
 }
 
@@ -88,8 +87,7 @@ pub fn matmul_bias(a: &Tensor, b: &Tensor, bias: &Tensor, ta: bool, tb: bool) ->
     check::on_cpu(OP, &[a, b, bias])?;
     // Bias added in f32 before the single rounding to a's dtype, exactly as the fused epilogue does.
     let (av, bv, biasv) = (a.read_f32()?, b.read_f32()?, bias.read_f32()?);
-    let mut c = vec![0f32; d.batch * d.m * d.n];
-    cpu::matmul::gemm_batched(d.batch, d.m, d.n, d.k, &av, ta, &bv, tb, &mut c, false, 1.0);
+    let mut c = cpu::matmul::gemm_batched_new(d.batch, d.m, d.n, d.k, &av, ta, &bv, tb, 1.0);
     for row in c.chunks_mut(d.n) {
         row.iter_mut().zip(biasv.iter()).for_each(|(y, b)| *y += b);
     }
