@@ -88,8 +88,14 @@ pub fn matmul_bias(a: &Tensor, b: &Tensor, bias: &Tensor, ta: bool, tb: bool) ->
     // Bias added in f32 before the single rounding to a's dtype, exactly as the fused epilogue does.
     let (av, bv, biasv) = (a.read_f32()?, b.read_f32()?, bias.read_f32()?);
     let mut c = cpu::matmul::gemm_batched_new(d.batch, d.m, d.n, d.k, &av, ta, &bv, tb, 1.0);
-    for row in c.chunks_mut(d.n) {
-        row.iter_mut().zip(biasv.iter()).for_each(|(y, b)| *y += b);
+    {
+        use rayon::prelude::*;
+        // Rows in parallel (each row's sums are independent: same bits on any thread count).
+        c.par_chunks_mut(d.n.max(1) * 64).for_each(|rows| {
+            for row in rows.chunks_mut(d.n.max(1)) {
+                row.iter_mut().zip(biasv.iter()).for_each(|(y, b)| *y += b);
+            }
+        });
     }
     check::out(c, d.out, a.dtype(), a.device())
 }
