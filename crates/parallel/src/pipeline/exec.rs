@@ -135,6 +135,13 @@ pub fn run_schedule(
     // What the previous step's passes owe their neighbours, in the plan's order.
     let mut owed: Vec<Tensor> = Vec::new();
     for step in plan_steps(actions, r, p, chunks) {
+        if owed.len() != step.before.sends.len() {
+            return Err(ParallelError::Layout(format!(
+                "pipeline rank {r}: {} tensors to send where the plan has {} sends",
+                owed.len(),
+                step.before.sends.len()
+            )));
+        }
         let mut incoming = step
             .before
             .recvs
