@@ -127,14 +127,16 @@ mod tests {
 
     #[test]
     fn finished_operations_never_trip_it() {
-        let w = Watchdog::new(Duration::from_millis(40), POLL);
+        // The operations finish within the timeout (with room for a loaded machine oversleeping),
+        // then the test waits well past it: a watchdog that kept finished work would trip.
+        let w = Watchdog::new(Duration::from_secs(1), POLL);
         let flag = Arc::new(AtomicBool::new(false));
         let f = flag.clone();
         w.track("all_reduce", "dp[0, 1]", move || f.load(Ordering::Relaxed));
         std::thread::sleep(Duration::from_millis(10));
         flag.store(true, Ordering::Relaxed);
         w.track("broadcast", "tp[0, 1]", || true);
-        std::thread::sleep(Duration::from_millis(100));
+        std::thread::sleep(Duration::from_millis(2500));
         assert!(w.check().is_ok());
         assert!(!w.aborted());
     }
