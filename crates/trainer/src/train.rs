@@ -120,7 +120,7 @@ fn progress(total: u64, start: u64, show: bool) -> ProgressBar {
 /// Trains from `settings` on the ranks `paths.launch` describes; returns world rank 0's summary.
 pub fn train(s: &Settings, paths: &Paths) -> anyhow::Result<Summary> {
     match &paths.launch {
-        Launch::Single => in_pool(|| train_rank(s, paths, thread_world(1, paths.timeout).remove(0))),
+        Launch::Single => in_pool(&paths.device, || train_rank(s, paths, thread_world(1, paths.timeout).remove(0))),
         Launch::Threads(n) => {
             let results =
                 run_ranks(*n, paths.timeout, |_, world| train_rank(s, paths, world).map_err(|e| format!("{e:#}")));
@@ -137,16 +137,17 @@ pub fn train(s: &Settings, paths: &Paths) -> anyhow::Result<Summary> {
         }
         Launch::Processes(env) => {
             let world = world_for(env, &paths.device, paths.timeout)?;
-            in_pool(|| train_rank(s, paths, world))
+            in_pool(&paths.device, || train_rank(s, paths, world))
         }
     }
 }
 
-/// Runs `f` on a worker of the CPU kernels' thread pool: each parallel kernel it calls then
+/// On CPU, runs `f` on a worker of the kernels' thread pool: each parallel kernel it calls then
 /// starts on this thread and shares the work, instead of the caller handing every kernel to the
-/// pool and sleeping until it ends (two thread wake-ups per kernel, a tenth of a CPU step).
-fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    rayon::scope(|_| f())
+/// pool and sleeping until it ends (two thread wake-ups per kernel, a tenth of a CPU step). GPU
+/// runs stay on the calling thread (the one their CUDA context and NCCL were set up on).
+fn in_pool<R: Send>(device: &Device, f: impl FnOnce() -> R + Send) -> R {
+    if device.is_cpu() { rayon::scope(|_| f()) } else { f() }
 }
 
 /// The world communicator of one process under a launcher: NCCL on a GPU, TCP on CPU.
