@@ -33,6 +33,8 @@ pub struct NcclComm {
     members: Vec<usize>,
     /// Shared with every communicator split from the same world.
     watchdog: Watchdog,
+    /// This communicator's abort hook in the watchdog.
+    hook: u64,
 }
 
 /// A communicator handle the watchdog thread may abort.
@@ -56,8 +58,10 @@ unsafe impl Sync for NcclComm {}
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
+        // After this the watchdog can no longer abort it; if it already did, NCCL freed it.
+        self.watchdog.forget(self.hook);
         if self.watchdog.aborted() {
-            return; // ncclCommAbort already freed it
+            return;
         }
         // SAFETY: the handle came from ncclCommInitRank/ncclCommSplit and is dropped once.
         unsafe {
@@ -143,7 +147,7 @@ impl NcclComm {
         let members = (0..env.world_size).collect::<Vec<_>>();
         let watchdog = Watchdog::new(timeout, Duration::from_millis(100));
         let h = AbortHandle(comm);
-        watchdog.on_timeout(move || h.abort());
+        let hook = watchdog.on_timeout(move || h.abort());
         Ok(NcclComm {
             comm,
             dev: dev.clone(),
@@ -152,6 +156,7 @@ impl NcclComm {
             name: format!("world{members:?}"),
             members,
             watchdog,
+            hook,
         })
     }
 
@@ -458,7 +463,7 @@ impl Communicator for NcclComm {
         let Some((g, me)) = mine else { return Ok(None) };
         let members: Vec<usize> = groups[g].iter().map(|&r| self.members[r]).collect();
         let h = AbortHandle(comm);
-        self.watchdog.on_timeout(move || h.abort());
+        let hook = self.watchdog.on_timeout(move || h.abort());
         Ok(Some(Arc::new(NcclComm {
             comm,
             dev: self.dev.clone(),
@@ -467,6 +472,7 @@ impl Communicator for NcclComm {
             name: format!("{name}{members:?}"),
             members,
             watchdog: self.watchdog.clone(),
+            hook,
         })))
     }
 }

@@ -26,7 +26,8 @@ struct Inner {
     queue: Mutex<VecDeque<Pending>>,
     failed: Mutex<Option<(&'static str, String)>>,
     aborted: AtomicBool,
-    hooks: Mutex<Vec<Hook>>,
+    hooks: Mutex<Vec<(u64, Hook)>>,
+    next_hook: std::sync::atomic::AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -48,6 +49,7 @@ impl Watchdog {
             failed: Mutex::new(None),
             aborted: AtomicBool::new(false),
             hooks: Mutex::new(vec![]),
+            next_hook: std::sync::atomic::AtomicU64::new(0),
         });
         let weak: Weak<Inner> = Arc::downgrade(&inner);
         let spawned = std::thread::Builder::new().name("comm-watchdog".into()).spawn(move || {
@@ -64,9 +66,17 @@ impl Watchdog {
         Watchdog { inner }
     }
 
-    /// Runs `hook` when an operation times out (once, with every other hook).
-    pub fn on_timeout(&self, hook: impl Fn() + Send + 'static) {
-        lock(&self.inner.hooks).push(Box::new(hook));
+    /// Runs `hook` when an operation times out (once, with every other hook); returns its id for
+    /// `forget`.
+    pub fn on_timeout(&self, hook: impl Fn() + Send + 'static) -> u64 {
+        let id = self.inner.next_hook.fetch_add(1, Ordering::Relaxed);
+        lock(&self.inner.hooks).push((id, Box::new(hook)));
+        id
+    }
+
+    /// Drops hook `id` (its communicator is going away); waits for hooks that are running.
+    pub fn forget(&self, id: u64) {
+        lock(&self.inner.hooks).retain(|(i, _)| *i != id);
     }
 
     /// Watches an operation just enqueued on `group`; `done` says whether it has finished.
@@ -111,7 +121,7 @@ impl Inner {
         q.clear();
         drop(q);
         self.aborted.store(true, Ordering::Release);
-        for h in lock(&self.hooks).iter() {
+        for (_, h) in lock(&self.hooks).iter() {
             h();
         }
         false
@@ -145,12 +155,14 @@ mod tests {
     fn a_stuck_operation_aborts_once_and_is_named() {
         let w = Watchdog::new(Duration::from_millis(30), POLL);
         let aborts = Arc::new(AtomicUsize::new(0));
-        for _ in 0..2 {
+        let mut ids = vec![];
+        for _ in 0..3 {
             let a = aborts.clone();
-            w.on_timeout(move || {
+            ids.push(w.on_timeout(move || {
                 a.fetch_add(1, Ordering::SeqCst);
-            });
+            }));
         }
+        w.forget(ids[1]); // a communicator already dropped is not aborted
         w.track("all_reduce", "dp[0, 1]", || true);
         w.track("reduce_scatter", "dp[0, 1]", || false);
         w.track("all_gather", "tp[2, 3]", || false);
@@ -163,6 +175,6 @@ mod tests {
         assert!(msg.contains("reduce_scatter") && msg.contains("dp[0, 1]"), "{msg}");
         assert!(w.aborted());
         std::thread::sleep(Duration::from_millis(50));
-        assert_eq!(aborts.load(Ordering::SeqCst), 2, "each hook runs exactly once");
+        assert_eq!(aborts.load(Ordering::SeqCst), 2, "each hook not forgotten runs exactly once");
     }
 }
