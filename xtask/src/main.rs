@@ -169,11 +169,6 @@ fn bench_shape(preset: &str) -> Option<(usize, usize, usize, usize, usize)> {
     }
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
-}
-
 /// Largest `memory.used` nvidia-smi reports while `child` runs, in GiB.
 fn watch_memory(child: &mut std::process::Child) -> anyhow::Result<f64> {
     let mut peak = 0f64;
@@ -257,12 +252,7 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
         let log = reader.join().unwrap_or_default();
         let flops = header_flops_per_token(&log).context("no MFLOP/token in ferrotron's header")?;
         let metrics = std::fs::read_to_string(dir.join("metrics.jsonl"))?;
-        let tps: Vec<f64> = metrics
-            .lines()
-            .filter(|l| l.contains("\"kind\":\"train\"") && !l.contains("\"iteration\":1,"))
-            .filter_map(|l| l.split("\"tokens_per_s\":").nth(1)?.split([',', '}']).next()?.parse().ok())
-            .collect();
-        let ours = median(tps);
+        let ours = multi::steady_median(&metrics, "tokens_per_s");
         println!(
             "| {p} | ferrotron bf16 | {ours:.0} | {:.1}% | {peak:.1} (device total) |",
             100.0 * ours * flops / 989e12

@@ -102,6 +102,18 @@ fn series(metrics: &str, key: &str) -> Vec<f64> {
         .collect()
 }
 
+/// Median of a train series without its first step (which compiles kernels and warms the
+/// allocator); 0 when nothing is left.
+pub fn steady_median(metrics: &str, key: &str) -> f64 {
+    let mut v = series(metrics, key);
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.remove(0);
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
 fn owned(v: &[&str]) -> Vec<String> {
     v.iter().map(|s| s.to_string()).collect()
 }
@@ -279,12 +291,7 @@ pub fn scaling(args: &[String], default_bin: PathBuf) -> anyhow::Result<()> {
         let shape = format!("{} × {}", r.micro, r.global_batch);
         match train(&bin, n, &a, deadline, &r.name.replace(' ', "-")) {
             Ok((m, log, _)) => {
-                let mut tps = series(&m, "tokens_per_s");
-                if !tps.is_empty() {
-                    tps.remove(0); // the first step compiles kernels and warms the allocator
-                }
-                tps.sort_by(|a, b| a.total_cmp(b));
-                let t = tps.get(tps.len() / 2).copied().unwrap_or(0.0);
+                let t = steady_median(&m, "tokens_per_s");
                 let flops = crate::header_flops_per_token(&log).unwrap_or(0.0);
                 let per_gpu = t * flops / n as f64;
                 if r.weak && n == 1 {
@@ -364,6 +371,21 @@ mod tests {
         }
         assert!(scaling_rows(2).iter().all(|r| r.gpus <= 2 && r.preset == "1.3b"));
         assert_eq!(scaling_rows(1).len(), 1);
+    }
+
+    #[test]
+    fn steady_median_skips_the_first_step_and_eval_lines() {
+        let m = [
+            r#"{"kind":"eval","iteration":0,"loss":5.0}"#,
+            r#"{"kind":"train","iteration":1,"loss":4.0,"tokens_per_s":10.0}"#,
+            r#"{"kind":"train","iteration":2,"loss":3.0,"tokens_per_s":300.0}"#,
+            r#"{"kind":"train","iteration":3,"loss":2.0,"tokens_per_s":200.0}"#,
+            r#"{"kind":"train","iteration":4,"loss":1.0,"tokens_per_s":100.0}"#,
+        ]
+        .join("\n");
+        assert_eq!(series(&m, "loss"), [4.0, 3.0, 2.0, 1.0]);
+        assert_eq!(steady_median(&m, "tokens_per_s"), 200.0);
+        assert_eq!(steady_median("", "tokens_per_s"), 0.0);
     }
 
     #[test]

@@ -36,18 +36,11 @@ pub fn adamw_step(param: &Tensor, grad: &Tensor, m: &Tensor, v: &Tensor, h: &Ada
 
 /// Σ x² in f64 (deterministic order).
 pub fn sum_sq(x: &Tensor) -> Result<f64> {
-    const OP: &str = "sum_sq";
-    check::float(OP, x)?;
-    #[cfg(feature = "cuda")]
-    if let Some(g) = crate::cuda::gpu(OP, &[x])? {
-        return crate::cuda::ops::sum_sq(&g, x);
-    }
-    check::on_cpu(OP, &[x])?;
-    Ok(cpu::optim::sum_sq(&x.read_f32()?))
+    sum_sq_all(&[x])
 }
 
 /// Σ over tensors of Σ x², tensor by tensor in order (the same bits as adding their `sum_sq`s),
-/// with one read back from the device for all of them instead of one per tensor.
+/// with one read back from the device for all of them.
 pub fn sum_sq_all(ts: &[&Tensor]) -> Result<f64> {
     const OP: &str = "sum_sq_all";
     for t in ts {

@@ -9,7 +9,7 @@
 use crate::{GradSync, OptimError, Optimizer};
 use ferrotron_comm::ReduceOp;
 use ferrotron_core::{Cx, ParamTable, Tensor};
-use ferrotron_transformer::{Batch, ChunkOut, GptModel, ModelError};
+use ferrotron_transformer::{Batch, GptModel, ModelError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StepError {
@@ -43,10 +43,7 @@ pub fn train_step(
     let mut losses = Vec::with_capacity(m);
     let mut peak = 0;
     for (i, b) in micro_batches.iter().enumerate() {
-        let (l, saved) = match model.forward_chunk(&cx, 0, b, None)? {
-            (ChunkOut::Loss(l), s) => (l, s),
-            (ChunkOut::Hidden(_), _) => return Err(ModelError::Config("the model did not end in a loss".into()).into()),
-        };
+        let (l, saved) = model.forward_deferred(&cx, b)?;
         losses.push(l);
         peak = peak.max(saved.bytes());
         if i + 1 == m {

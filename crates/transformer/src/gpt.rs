@@ -372,11 +372,18 @@ impl GptModel {
 
     /// Whole-model forward on one stage: the mean loss and what the backward needs.
     pub fn forward(&self, cx: &Cx, batch: &Batch) -> Result<(f64, GptSaved)> {
+        let (l, s) = self.forward_deferred(cx, batch)?;
+        Ok((l.mean()?, s))
+    }
+
+    /// `forward` with the losses left on the device (read them with `MicroLoss::mean` once the
+    /// step's work is queued).
+    pub fn forward_deferred(&self, cx: &Cx, batch: &Batch) -> Result<(MicroLoss, GptSaved)> {
         if self.chunks.len() != 1 || !self.plan.pre_process || !self.plan.post_process {
             return Err(ModelError::Config("forward needs the whole model on this rank; use forward_chunk".into()));
         }
         match self.forward_chunk(cx, 0, batch, None)? {
-            (ChunkOut::Loss(l), s) => Ok((l.mean()?, s)),
+            (ChunkOut::Loss(l), s) => Ok((l, s)),
             (ChunkOut::Hidden(_), _) => Err(ModelError::Config("the model did not end in a loss".into())),
         }
     }

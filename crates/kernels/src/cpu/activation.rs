@@ -9,11 +9,11 @@ use rayon::prelude::*;
 /// Elements per parallel task (fixed, so results do not depend on the thread count).
 const CHUNK: usize = 1 << 13;
 
-fn map2<T: Real>(x: &[T], y: &mut [T], f: impl Fn(T) -> T + Sync + Send + Copy) {
+fn par_map1<T: Real>(x: &[T], y: &mut [T], f: impl Fn(T) -> T + Sync + Send + Copy) {
     y.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)).for_each(|(yc, xc)| T::map1(xc, yc, f));
 }
 
-fn map3<T: Real>(x: &[T], dy: &[T], dx: &mut [T], f: impl Fn(T, T) -> T + Sync + Send + Copy) {
+fn par_map2<T: Real>(x: &[T], dy: &[T], dx: &mut [T], f: impl Fn(T, T) -> T + Sync + Send + Copy) {
     dx.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK).zip(dy.par_chunks(CHUNK))).for_each(|(o, (xc, gc))| {
         T::map2(xc, gc, o, f);
     });
@@ -23,7 +23,8 @@ const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 const GELU_C: f64 = 0.044_715;
 
 /// tanh through one exp (`Real::fexp`): libm's tanhf was a quarter of a tiny-model training step,
-/// then libm's expf a tenth. Absolute error ≈ 1e-7 in f32 (relative error grows only where tanh itself is below ~1e-3, harmless in GeLU).
+/// then libm's expf a tenth. Absolute error ≈ 1e-7 in f32 (relative error grows only where tanh
+/// itself is below ~1e-3, harmless in GeLU).
 #[inline]
 fn tanh_exp<T: Real>(u: T) -> T {
     T::one() - T::c(2.0) / ((u + u).fexp() + T::one())
@@ -61,16 +62,16 @@ fn silu_grad<T: Real>(x: T) -> T {
 }
 
 pub fn gelu_fwd<T: Real>(x: &[T], y: &mut [T]) {
-    map2(x, y, gelu);
+    par_map1(x, y, gelu);
 }
 pub fn gelu_bwd<T: Real>(x: &[T], dy: &[T], dx: &mut [T]) {
-    map3(x, dy, dx, |v, g| g * gelu_grad(v));
+    par_map2(x, dy, dx, |v, g| g * gelu_grad(v));
 }
 pub fn silu_fwd<T: Real>(x: &[T], y: &mut [T]) {
-    map2(x, y, silu);
+    par_map1(x, y, silu);
 }
 pub fn silu_bwd<T: Real>(x: &[T], dy: &[T], dx: &mut [T]) {
-    map3(x, dy, dx, |v, g| g * silu_grad(v));
+    par_map2(x, dy, dx, |v, g| g * silu_grad(v));
 }
 
 /// x [N, 2F] → y [N, F].

@@ -58,12 +58,36 @@ pub fn gemm_strided<T: Real>(
     let par = if parallel && m * n * k >= PAR_WORK { Parallelism::Rayon(0) } else { Parallelism::None };
     // SAFETY: the asserts above bound every index the kernel touches; C does not alias A or B since
     // it is a distinct &mut borrow.
+    unsafe { gemm_raw(m, n, k, a, b, c.as_mut_ptr(), ldc, accumulate, alpha, par) }
+}
+
+/// The `gemm` crate call behind every CPU GEMM: C[m,n] = alpha·A·B (+ C when `accumulate`), C at
+/// `c` with row stride `ldc`.
+///
+/// # Safety
+/// A and B hold every element their strides reach for m×k and k×n; `c` is valid for writes of
+/// every element of m rows of stride `ldc` (and initialised where `accumulate` reads it), and
+/// aliases neither.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_raw<T: Real>(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: MatRef<'_, T>,
+    b: MatRef<'_, T>,
+    c: *mut T,
+    ldc: usize,
+    accumulate: bool,
+    alpha: T,
+    par: Parallelism,
+) {
+    // SAFETY: the caller's contract.
     unsafe {
         gemm::gemm(
             m,
             n,
             k,
-            c.as_mut_ptr(),
+            c,
             1,
             ldc as isize,
             accumulate,
@@ -175,31 +199,9 @@ pub fn gemm_batched_new<T: Real>(
         let par = if big { Parallelism::Rayon(0) } else { Parallelism::None };
         let o = out;
         // SAFETY: matrix i owns elements [i·sc, (i+1)·sc) of the capacity; A and B are in bounds
-        // (checked above, packed with the strides MatRef::new gives); with `read_dst` false the
+        // (checked above, packed with the strides MatRef::new gives); with `accumulate` false the
         // kernel writes every element of C without reading it.
-        unsafe {
-            gemm::gemm(
-                m,
-                n,
-                k,
-                o.0.add(i * sc),
-                1,
-                n as isize,
-                false,
-                am.data.as_ptr(),
-                am.cs as isize,
-                am.rs as isize,
-                bm.data.as_ptr(),
-                bm.cs as isize,
-                bm.rs as isize,
-                T::one(),
-                alpha,
-                false,
-                false,
-                false,
-                par,
-            );
-        }
+        unsafe { gemm_raw(m, n, k, am, bm, o.0.add(i * sc), n, false, alpha, par) }
     };
     if big {
         (0..batch).for_each(run);

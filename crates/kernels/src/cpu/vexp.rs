@@ -7,6 +7,37 @@
 
 const LANES: usize = 16;
 
+/// `pub fn $name(args) [-> R]` that runs `$body(args)` compiled for AVX-512, AVX2 or the
+/// baseline, whichever this CPU has (`is_x86_feature_detected!` is a cached load). `$body` is
+/// `#[inline(always)]`, so each copy is vectorised for its instruction set.
+macro_rules! multiversion {
+    ($(#[$m:meta])* pub fn $name:ident($($a:ident: $t:ty),*) $(-> $r:ty)? = $body:ident;) => {
+        $(#[$m])*
+        pub fn $name($($a: $t),*) $(-> $r)? {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f")]
+                fn avx512($($a: $t),*) $(-> $r)? {
+                    $body($($a),*)
+                }
+                #[target_feature(enable = "avx2")]
+                fn avx2($($a: $t),*) $(-> $r)? {
+                    $body($($a),*)
+                }
+                if std::arch::is_x86_feature_detected!("avx512f") {
+                    // SAFETY: the CPU has AVX-512F (checked above).
+                    return unsafe { avx512($($a),*) };
+                }
+                if std::arch::is_x86_feature_detected!("avx2") {
+                    // SAFETY: the CPU has AVX2 (checked above).
+                    return unsafe { avx2($($a),*) };
+                }
+            }
+            $body($($a),*)
+        }
+    };
+}
+
 /// e^x for one f32 (inlined into vectorised loops; `Real::fexp`).
 #[inline(always)]
 pub fn exp1(x: f32) -> f32 {
@@ -57,32 +88,9 @@ fn exp_sub_sum_body(xs: &mut [f32], m: f32) -> f32 {
     acc.iter().fold(0.0, |s, &a| s + a)
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-fn exp_sub_sum_avx512(xs: &mut [f32], m: f32) -> f32 {
-    exp_sub_sum_body(xs, m)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn exp_sub_sum_avx2(xs: &mut [f32], m: f32) -> f32 {
-    exp_sub_sum_body(xs, m)
-}
-
-/// xs[i] = exp(xs[i] − m); returns their sum (`Real::exp_sub_sum` for f32).
-pub fn exp_sub_sum_f32(xs: &mut [f32], m: f32) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512F (checked above).
-            return unsafe { exp_sub_sum_avx512(xs, m) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU has AVX2 (checked above).
-            return unsafe { exp_sub_sum_avx2(xs, m) };
-        }
-    }
-    exp_sub_sum_body(xs, m)
+multiversion! {
+    /// xs[i] = exp(xs[i] − m); returns their sum (`Real::exp_sub_sum` for f32).
+    pub fn exp_sub_sum_f32(xs: &mut [f32], m: f32) -> f32 = exp_sub_sum_body;
 }
 
 #[inline(always)]
@@ -99,61 +107,15 @@ fn map2_body(x: &[f32], g: &[f32], y: &mut [f32], f: impl Fn(f32, f32) -> f32) {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-fn map1_avx512(x: &[f32], y: &mut [f32], f: impl Fn(f32) -> f32) {
-    map1_body(x, y, f)
+multiversion! {
+    /// y[i] = f(x[i]), the loop compiled for the widest vector unit here (f made of plain float
+    /// ops and `exp1` vectorises; no FMA contraction, so every CPU gets the same bits).
+    pub fn map1_f32(x: &[f32], y: &mut [f32], f: impl Fn(f32) -> f32) = map1_body;
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn map1_avx2(x: &[f32], y: &mut [f32], f: impl Fn(f32) -> f32) {
-    map1_body(x, y, f)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-fn map2_avx512(x: &[f32], g: &[f32], y: &mut [f32], f: impl Fn(f32, f32) -> f32) {
-    map2_body(x, g, y, f)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn map2_avx2(x: &[f32], g: &[f32], y: &mut [f32], f: impl Fn(f32, f32) -> f32) {
-    map2_body(x, g, y, f)
-}
-
-/// y[i] = f(x[i]), the loop compiled for the widest vector unit here (f made of plain float ops
-/// and `exp1` vectorises; no FMA contraction, so every CPU gets the same bits).
-pub fn map1_f32(x: &[f32], y: &mut [f32], f: impl Fn(f32) -> f32) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512F (checked above).
-            return unsafe { map1_avx512(x, y, f) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU has AVX2 (checked above).
-            return unsafe { map1_avx2(x, y, f) };
-        }
-    }
-    map1_body(x, y, f)
-}
-
-/// y[i] = f(x[i], g[i]), as `map1_f32`.
-pub fn map2_f32(x: &[f32], g: &[f32], y: &mut [f32], f: impl Fn(f32, f32) -> f32) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512F (checked above).
-            return unsafe { map2_avx512(x, g, y, f) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU has AVX2 (checked above).
-            return unsafe { map2_avx2(x, g, y, f) };
-        }
-    }
-    map2_body(x, g, y, f)
+multiversion! {
+    /// y[i] = f(x[i], g[i]), as `map1_f32`.
+    pub fn map2_f32(x: &[f32], g: &[f32], y: &mut [f32], f: impl Fn(f32, f32) -> f32) = map2_body;
 }
 
 #[cfg(test)]

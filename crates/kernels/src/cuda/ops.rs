@@ -346,24 +346,9 @@ pub fn adamw(be: &B, p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, h: &crate::
     )
 }
 
-/// Σ x² from 256 fixed per-block partials, summed on the host in block order.
-pub fn sum_sq(be: &B, x: &Tensor) -> Result<f64> {
-    const BLOCKS: usize = 256;
-    let partial: CudaSlice<f64> = be.dev.stream().alloc_zeros(BLOCKS).map_err(|e| Error::Cuda(format!("{e:?}")))?;
-    let pp = Arg::Ptr(partial.device_ptr(be.dev.stream()).0);
-    be.launch(
-        &format!("sum_sq_{}", sfx("sum_sq", x.dtype())?),
-        BLOCKS as u32,
-        256,
-        0,
-        &[ptr("sum_sq", x)?, pp, n(x.elem_count())],
-    )?;
-    let host = be.dev.stream().clone_dtoh(&partial).map_err(|e| Error::Cuda(format!("{e:?}")))?;
-    Ok(host.iter().sum())
-}
-
-/// `sum_sq` of every tensor into one partials buffer (each tensor its own 256 blocks), one copy
-/// back, then summed tensor by tensor in block order: the bits of adding `sum_sq`s one by one.
+/// Σ x² of every tensor: 256 fixed per-block partials each, in one buffer, one copy back, then
+/// summed on the host tensor by tensor in block order (deterministic; the bits of adding
+/// one-tensor sums in order).
 pub fn sum_sq_all(be: &B, xs: &[&Tensor]) -> Result<f64> {
     const BLOCKS: usize = 256;
     if xs.is_empty() {
