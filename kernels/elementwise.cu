@@ -24,7 +24,8 @@ extern "C" __global__ void scale_##s(const T* x, T* y, float a, long n) { GRID_S
 extern "C" __global__ void add_##s(const T* a, const T* b, T* y, long n) { GRID_STRIDE(i, n) st(y, i, ld(a, i) + ld(b, i)); } \
 extern "C" __global__ void bias_add_##s(const T* x, const T* b, T* y, long n, long c) { GRID_STRIDE(i, n) st(y, i, ld(x, i) + ld(b, i % c)); } \
 extern "C" __global__ void bias_grad_##s(const T* dy, float* db, long rows, long c) { \
-    GRID_STRIDE(j, c) { float s = 0.f; for (long r = 0; r < rows; r++) s += ld(dy, r * c + j); db[j] = s; } } \
+    GRID_STRIDE(i, (rows + COL_CHUNK - 1) / COL_CHUNK * c) { long j = i % c, r0 = i / c * COL_CHUNK, r1 = r0 + COL_CHUNK < rows ? r0 + COL_CHUNK : rows; \
+        float s = 0.f; for (long r = r0; r < r1; r++) s += ld(dy, r * c + j); db[i] = s; } } \
 extern "C" __global__ void gelu_fwd_##s(const T* x, T* y, long n) { GRID_STRIDE(i, n) st(y, i, gelu_f(ld(x, i))); } \
 extern "C" __global__ void gelu_bwd_##s(const T* x, const T* dy, T* dx, long n) { GRID_STRIDE(i, n) st(dx, i, ld(dy, i) * gelu_g(ld(x, i))); } \
 extern "C" __global__ void silu_fwd_##s(const T* x, T* y, long n) { GRID_STRIDE(i, n) st(y, i, silu_f(ld(x, i))); } \

@@ -1,8 +1,8 @@
 // Flash attention forward on tensor cores (bf16 in, fp32 accumulate): mma.sync m16n8k16, the
 // FlashAttention-2 arrangement. A block of 4 warps takes 64 query rows (16 per warp) of one
-// (batch, head); key tiles of 64 go through shared memory (K as [key][d], V transposed as
-// [d][key], rows padded by 8 elements so fragment loads hit 32 distinct banks). S = QKᵀ stays in
-// registers; its C-fragment layout for two adjacent 8-key blocks is exactly the A-fragment layout
+// (batch, head); key tiles of 64 go through shared memory (K and V as [key][d] in 16-byte copies,
+// rows padded by 8 elements so fragment loads hit 32 distinct banks; V's B operand comes from
+// ldmatrix.trans). S = QKᵀ stays in registers; its C-fragment layout for two adjacent 8-key blocks is exactly the A-fragment layout
 // P needs for O += PV, so P never leaves registers. Online softmax per row across the 4 threads
 // of a fragment row group (2 shuffles). Same layouts and outputs as flash.cu / attention.cu.
 
@@ -22,15 +22,63 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
     return r;
 }
 
+struct __align__(16) u128 { u32 x, y, z, w; };
+
+// Four 8×8 bf16 matrices, transposed on the way in: lane l names row (l & 7) of matrix (l >> 3).
+__device__ __forceinline__ void ldsm_x4_t(u32* r, const bf16_t* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+
+__device__ __forceinline__ u32 word(const bf16_t* p) { return *reinterpret_cast<const u32*>(p); }
+
+// `ROWS` rows of one head from [B, rows, heads, D] into a padded [ROWS][D + 8] tile (zeros past
+// the end), 16 bytes per copy.
+template <int D, int ROWS>
+__device__ __forceinline__ void tile_in(bf16_t* dst, const bf16_t* src, long row0, long rows, long b, long heads, long head) {
+    constexpr int V = D / 8;
+    for (int x = threadIdx.x; x < ROWS * V; x += blockDim.x) {
+        int r = x / V, c = (x % V) * 8;
+        long row = row0 + r;
+        u128 w = {0u, 0u, 0u, 0u};
+        if (row < rows) w = *reinterpret_cast<const u128*>(src + ((b * rows + row) * heads + head) * D + c);
+        *reinterpret_cast<u128*>(dst + r * (D + 8) + c) = w;
+    }
+}
+
+// acc[n] += A · B for the D/8 output blocks, B from a [k][n] tile read transposed (`tile` points at
+// the k-step's first row): O += P V here, dQ += dS K, dV += Pᵀ dO, dK += dSᵀ Q in the backward.
+template <int D>
+__device__ __forceinline__ void mma_rows_t(float (*acc)[4], const u32* a, const bf16_t* tile) {
+    int lane = threadIdx.x & 31, mi = lane >> 3, rr = lane & 7;
+    #pragma unroll
+    for (int n = 0; n < D / 8; n += 2) {
+        u32 bb[4];
+        ldsm_x4_t(bb, tile + ((mi & 1) * 8 + rr) * (D + 8) + (n + (mi >> 1)) * 8);
+        mma_bf16(acc[n], a[0], a[1], a[2], a[3], bb[0], bb[1]);
+        mma_bf16(acc[n + 1], a[0], a[1], a[2], a[3], bb[2], bb[3]);
+    }
+}
+
+// The A fragment of k-step `ks` from accumulator blocks 2ks and 2ks + 1: an m16n8 accumulator
+// block holds rows g, g + 8 × columns 2tg, 2tg + 1, which is half of the m16k16 A fragment.
+__device__ __forceinline__ void c_to_a(u32* a, const float (*c)[4], int ks) {
+    a[0] = pack_bf16(c[2 * ks][0], c[2 * ks][1]);
+    a[1] = pack_bf16(c[2 * ks][2], c[2 * ks][3]);
+    a[2] = pack_bf16(c[2 * ks + 1][0], c[2 * ks + 1][1]);
+    a[3] = pack_bf16(c[2 * ks + 1][2], c[2 * ks + 1][3]);
+}
+
 template <int D>
 __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl,
                               long hq, long hkv, float scale, long causal, long window) {
     constexpr int KS = D / 16;        // k-steps over the head dim
     constexpr int NO = D / 8;         // 8-wide blocks of the output
-    constexpr int KP = D + 8;         // padded K row (elements)
-    constexpr int VP = FM_KEYS + 8;   // padded Vᵀ row (elements)
+    constexpr int KP = D + 8;         // padded K and V rows (elements)
     __shared__ __align__(16) bf16_t ks[FM_KEYS * KP];
-    __shared__ __align__(16) bf16_t vt[D * VP];
+    __shared__ __align__(16) bf16_t vs[FM_KEYS * KP];
     long tiles = (t + FM_ROWS - 1) / FM_ROWS;
     long qt = blockIdx.x % tiles, h = (blockIdx.x / tiles) % hq, b = blockIdx.x / (tiles * hq), kvh = h / (hq / hkv);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
@@ -41,6 +89,7 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
         if (row >= t) return 0u;
         return *reinterpret_cast<const u32*>(q + ((b * t + row) * hq + h) * D + col);
     };
+    #pragma unroll
     for (int kk = 0; kk < KS; kk++) {
         qa[kk][0] = qword(r0, kk * 16 + tg * 2);
         qa[kk][1] = qword(r1, kk * 16 + tg * 2);
@@ -48,6 +97,7 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
         qa[kk][3] = qword(r1, kk * 16 + 8 + tg * 2);
     }
     float acc[NO][4];
+    #pragma unroll
     for (int n = 0; n < NO; n++) for (int e = 0; e < 4; e++) acc[n][e] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     long i0 = qt * FM_ROWS, i1 = lmin(t, i0 + FM_ROWS) - 1;
@@ -57,25 +107,16 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
     jb = (jb / FM_KEYS) * FM_KEYS;
     for (long j0 = jb; j0 < je; j0 += FM_KEYS) {
         __syncthreads();
-        // K tile as [key][d] (32-bit words), V tile transposed as [d][key].
-        for (int x = threadIdx.x; x < FM_KEYS * D / 2; x += blockDim.x) {
-            int key = x / (D / 2), d2 = (x % (D / 2)) * 2;
-            long j = j0 + key;
-            u32 kw = 0u, vw = 0u;
-            if (j < sl) {
-                long off = ((b * sl + j) * hkv + kvh) * D + d2;
-                kw = *reinterpret_cast<const u32*>(k + off);
-                vw = *reinterpret_cast<const u32*>(v + off);
-            }
-            *reinterpret_cast<u32*>(ks + key * KP + d2) = kw;
-            vt[d2 * VP + key] = (bf16_t)(vw & 0xffffu);
-            vt[(d2 + 1) * VP + key] = (bf16_t)(vw >> 16);
-        }
+        tile_in<D, FM_KEYS>(ks, k, j0, sl, b, hkv, kvh);
+        tile_in<D, FM_KEYS>(vs, v, j0, sl, b, hkv, kvh);
         __syncthreads();
         // S = Q Kᵀ for this warp's 16 rows × 64 keys: 8 blocks of 8 keys.
         float s[8][4];
+        #pragma unroll
         for (int nb = 0; nb < 8; nb++) {
+            #pragma unroll
             for (int e = 0; e < 4; e++) s[nb][e] = 0.f;
+            #pragma unroll
             for (int kk = 0; kk < KS; kk++) {
                 const bf16_t* kr = ks + (nb * 8 + g) * KP + kk * 16 + tg * 2;
                 u32 b0 = *reinterpret_cast<const u32*>(kr), b1 = *reinterpret_cast<const u32*>(kr + 8);
@@ -84,7 +125,9 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
         }
         // Mask, scale, and the online softmax for rows r0 (elements 0,1) and r1 (elements 2,3).
         float mx[2] = {-INFINITY, -INFINITY};
+        #pragma unroll
         for (int nb = 0; nb < 8; nb++) {
+            #pragma unroll
             for (int e = 0; e < 4; e++) {
                 long i = e < 2 ? r0 : r1, j = j0 + nb * 8 + tg * 2 + (e & 1);
                 bool ok = i < t && j < sl && allowed(i, j, causal, window);
@@ -93,6 +136,7 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
             }
         }
         float corr[2], mn[2];
+        #pragma unroll
         for (int rr = 0; rr < 2; rr++) {
             mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
             mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
@@ -101,38 +145,40 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
             m[rr] = mn[rr];
         }
         float rs[2] = {0.f, 0.f};
+        #pragma unroll
         for (int nb = 0; nb < 8; nb++) {
+            #pragma unroll
             for (int e = 0; e < 4; e++) {
                 float p = s[nb][e] == -INFINITY ? 0.f : expf(s[nb][e] - mn[e >> 1]);
                 s[nb][e] = p;
                 rs[e >> 1] += p;
             }
         }
+        #pragma unroll
         for (int rr = 0; rr < 2; rr++) l[rr] = l[rr] * corr[rr] + rs[rr];  // row sums finish after the loop
+        #pragma unroll
         for (int n = 0; n < NO; n++) { acc[n][0] *= corr[0]; acc[n][1] *= corr[0]; acc[n][2] *= corr[1]; acc[n][3] *= corr[1]; }
         // O += P V: k-steps of 16 keys; P's A fragment comes from S blocks 2ks and 2ks+1.
+        #pragma unroll
         for (int kstep = 0; kstep < FM_KEYS / 16; kstep++) {
-            u32 a0 = pack_bf16(s[2 * kstep][0], s[2 * kstep][1]);
-            u32 a1 = pack_bf16(s[2 * kstep][2], s[2 * kstep][3]);
-            u32 a2 = pack_bf16(s[2 * kstep + 1][0], s[2 * kstep + 1][1]);
-            u32 a3 = pack_bf16(s[2 * kstep + 1][2], s[2 * kstep + 1][3]);
-            for (int n = 0; n < NO; n++) {
-                const bf16_t* vr = vt + (n * 8 + g) * VP + kstep * 16 + tg * 2;
-                u32 b0 = *reinterpret_cast<const u32*>(vr), b1 = *reinterpret_cast<const u32*>(vr + 8);
-                mma_bf16(acc[n], a0, a1, a2, a3, b0, b1);
-            }
+            u32 a[4];
+            c_to_a(a, s, kstep);
+            mma_rows_t<D>(acc, a, vs + kstep * 16 * KP);
         }
     }
     // Row sums over the 4 threads of each row group, then O / l and lse.
+    #pragma unroll
     for (int rr = 0; rr < 2; rr++) {
         l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 1);
         l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 2);
     }
+    #pragma unroll
     for (int rr = 0; rr < 2; rr++) {
         long i = rr == 0 ? r0 : r1;
         if (i >= t) continue;
         float inv = 1.f / l[rr];
         bf16_t* oi = o + ((b * t + i) * hq + h) * D;
+        #pragma unroll
         for (int n = 0; n < NO; n++) {
             u32 w = pack_bf16(acc[n][2 * rr] * inv, acc[n][2 * rr + 1] * inv);
             *reinterpret_cast<u32*>(oi + n * 8 + tg * 2) = w;

@@ -1,15 +1,15 @@
-// Fused softmax cross-entropy: one block per row of logits; the gradient recomputes the softmax
+// Fused softmax cross-entropy: one block per row of logits, one read of the row (each thread keeps
+// a running max and its rescaled sum, merged across the block); the gradient recomputes the softmax
 // from the logits and the saved lse. `ignore` < 0 means no ignore index; `mask` may be null.
 // On a vocabulary shard the logits are columns vstart.. of the vocabulary; a target elsewhere has
 // no one-hot term here. Columns from vreal on are vocabulary padding: out of the softmax, zero grad.
 
 #define LOSS(s, T) \
 extern "C" __global__ void ce_fwd_##s(const T* logits, const u32* tgt, const float* mask, long long ignore, long vstart, long vreal, float* loss, float* lse, long v) { \
-    long r = blockIdx.x; const T* row = logits + r * v; float m = -INFINITY; \
-    for (long i = threadIdx.x; i < vreal; i += blockDim.x) m = fmaxf(m, ld(row, i)); \
-    m = block_max(m); float z = 0.f; \
-    for (long i = threadIdx.x; i < vreal; i += blockDim.x) z += expf(ld(row, i) - m); \
-    z = block_sum(z); \
+    long r = blockIdx.x; const T* row = logits + r * v; float m = -INFINITY, z = 0.f; \
+    for (long i = threadIdx.x; i < vreal; i += blockDim.x) { float x = ld(row, i); \
+        if (x > m) { z = z * expf(m - x) + 1.f; m = x; } else if (x > -INFINITY) z += expf(x - m); } \
+    float mb = block_max(m); z = block_sum(m == -INFINITY ? 0.f : z * expf(m - mb)); m = mb; \
     if (threadIdx.x == 0) { float l = m + logf(z); lse[r] = l; u32 t = tgt[r]; float mk = mask ? mask[r] : 1.f; \
         long c = (long)t - vstart; float x = (c >= 0 && c < vreal) ? ld(row, c) : 0.f; \
         loss[r] = ((long long)t == ignore || mk == 0.f) ? 0.f : mk * (l - x); } } \

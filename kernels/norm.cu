@@ -1,5 +1,6 @@
 // LayerNorm / RMSNorm / softmax over rows: one block per row (256 threads), block reductions.
-// Parameter gradients: one thread per column looping over rows in order (deterministic).
+// Parameter gradients: column sums in two passes (common.cuh's COL_CHUNK rows per partial, then
+// col_sum_f32 over the partials in order): deterministic, and enough threads for 16k-row batches.
 
 #define NORMS(s, T) \
 extern "C" __global__ void layernorm_fwd_##s(const T* x, const T* w, const T* b, T* y, float* mean, float* rstd, long c, float eps) { \
@@ -17,8 +18,9 @@ extern "C" __global__ void layernorm_bwd_##s(const T* dy, const T* x, const T* w
     for (long i = threadIdx.x; i < c; i += blockDim.x) { float xh = (ld(x, r * c + i) - mu) * rs; \
         st(dx, r * c + i, rs * (ld(dy, r * c + i) * ld(w, i) - sg - xh * sgx)); } } \
 extern "C" __global__ void norm_param_grad_##s(const T* dy, const T* x, const float* mean, const float* rstd, float* dw, float* db, long rows, long c) { \
-    GRID_STRIDE(j, c) { float a = 0.f, b = 0.f; for (long r = 0; r < rows; r++) { float g = ld(dy, r * c + j); \
-        a += g * (ld(x, r * c + j) - (mean ? mean[r] : 0.f)) * rstd[r]; b += g; } dw[j] = a; if (db) db[j] = b; } } \
+    GRID_STRIDE(i, (rows + COL_CHUNK - 1) / COL_CHUNK * c) { long j = i % c, r0 = i / c * COL_CHUNK, r1 = r0 + COL_CHUNK < rows ? r0 + COL_CHUNK : rows; \
+        float a = 0.f, b = 0.f; for (long r = r0; r < r1; r++) { float g = ld(dy, r * c + j); \
+        a += g * (ld(x, r * c + j) - (mean ? mean[r] : 0.f)) * rstd[r]; b += g; } dw[i] = a; if (db) db[i] = b; } } \
 extern "C" __global__ void rmsnorm_fwd_##s(const T* x, const T* w, T* y, float* rstd, long c, float eps) { \
     long r = blockIdx.x; const T* xr = x + r * c; float ss = 0.f; \
     for (long i = threadIdx.x; i < c; i += blockDim.x) { float v = ld(xr, i); ss += v * v; } \

@@ -120,6 +120,16 @@ pub trait Communicator: Send + Sync {
     fn p2p_group(&self, ops: &mut dyn FnMut() -> Result<()>) -> Result<()> {
         ops()
     }
+    /// Sets up the point-to-point links to `peers` now, every rank of the group at once (each
+    /// names the peers it will exchange with; the relation must be symmetric). NCCL connects a
+    /// peer lazily, on the host, inside the first batch that names it, and that handshake needs
+    /// the peer inside a batch naming this rank too: a batch opening a new direction while the
+    /// peer sits in an older one waits forever, before any kernel (and so any watchdog) runs.
+    /// The interleaved pipeline hung that way on two H200s. The mesh backends need nothing.
+    fn connect(&self, peers: &[usize]) -> Result<()> {
+        let _ = peers;
+        Ok(())
+    }
     /// Sub-groups: `groups` lists disjoint sets of this group's ranks (e.g. every tensor-parallel
     /// group of the layout); each rank gets the one holding it, `None` when none does. Every rank
     /// of this group calls it with the same arguments (NCCL's split is collective).

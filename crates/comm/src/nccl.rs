@@ -444,6 +444,28 @@ impl Communicator for NcclComm {
         })
     }
 
+    fn connect(&self, peers: &[usize]) -> Result<()> {
+        const OP: &str = "connect";
+        if let Some(p) = peers.iter().find(|&&p| p >= self.size) {
+            return Err(self.invalid(OP, format!("peer {p} outside a group of {}", self.size)));
+        }
+        let mut peers: Vec<usize> = peers.iter().copied().filter(|&p| p != self.rank).collect();
+        peers.sort_unstable();
+        peers.dedup();
+        // One element each way to every peer, all in one batch: both directions of every link
+        // are set up in the same handshake on both ends.
+        let d = Device::Cuda(self.dev.clone());
+        let bufs = peers.iter().map(|_| Ok((Tensor::zeros([1], DType::F32, &d)?, Tensor::zeros([1], DType::F32, &d)?)));
+        let bufs = bufs.collect::<Result<Vec<_>>>()?;
+        self.p2p_group(&mut || {
+            for (&p, (out, inp)) in peers.iter().zip(&bufs) {
+                self.send(out, p)?;
+                self.recv(inp, p)?;
+            }
+            Ok(())
+        })
+    }
+
     fn split(&self, name: &str, groups: &[Vec<usize>]) -> Result<Option<Arc<dyn Communicator>>> {
         // ncclCommSplit is collective over the parent: every rank calls it once per kind of
         // group; the colour is the index of the group holding this rank, NO_COLOR when none does.

@@ -191,6 +191,24 @@ impl CudaStorage {
         })
     }
 
+    /// Device memory of `n` elements with unspecified contents (no memset): for kernel outputs
+    /// that write every element before anything reads it.
+    pub fn empty(dev: &CudaDevice, dtype: DType, n: usize) -> Result<Self> {
+        let s = dev.stream();
+        let oom = |e: cudarc::driver::DriverError| alloc_err(dev, dtype, n, e);
+        // SAFETY: the buffers hold plain numbers of any bit pattern; callers write before reading.
+        unsafe {
+            Ok(match dtype {
+                DType::F32 => CudaStorage::F32(s.alloc(n).map_err(oom)?),
+                DType::BF16 => CudaStorage::BF16(s.alloc(n).map_err(oom)?),
+                DType::F16 => CudaStorage::F16(s.alloc(n).map_err(oom)?),
+                DType::F8E4M3 => CudaStorage::F8E4M3(s.alloc(n).map_err(oom)?),
+                DType::F8E5M2 => CudaStorage::F8E5M2(s.alloc(n).map_err(oom)?),
+                DType::U32 => CudaStorage::U32(s.alloc(n).map_err(oom)?),
+            })
+        }
+    }
+
     pub fn from_cpu(dev: &CudaDevice, src: &CpuStorage) -> Result<Self> {
         let s = dev.stream();
         Ok(match src {

@@ -71,6 +71,21 @@ impl Tensor {
         Ok(Self::from_storage(storage, shape, device.clone()))
     }
 
+    /// A tensor whose contents are unspecified until written: kernel outputs that set every
+    /// element (no memset pass on a GPU; zeros on the CPU, where safe Rust has no uninitialised
+    /// buffers). Kernel tests poison these with NaN to catch an element left unwritten.
+    pub fn empty(shape: impl Into<Shape>, dtype: DType, device: &Device) -> Result<Self> {
+        let shape = shape.into();
+        match device {
+            Device::Cpu => Self::zeros(shape, dtype, device),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(d) => {
+                let storage = Storage::Cuda(crate::cuda::CudaStorage::empty(d, dtype, shape.elem_count())?);
+                Ok(Self::from_storage(storage, shape, device.clone()))
+            }
+        }
+    }
+
     /// A tensor of `shape` holding `data` (row-major); the dtype is `T`'s.
     pub fn from_vec<T: WithDType>(data: Vec<T>, shape: impl Into<Shape>, device: &Device) -> Result<Self> {
         let shape = shape.into();

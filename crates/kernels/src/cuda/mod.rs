@@ -27,6 +27,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("attention.cu", include_str!("../../../../kernels/attention.cu")),
     ("flash.cu", include_str!("../../../../kernels/flash.cu")),
     ("flash_mma.cu", include_str!("../../../../kernels/flash_mma.cu")),
+    ("flash_bwd_mma.cu", include_str!("../../../../kernels/flash_bwd_mma.cu")),
 ];
 
 pub fn source() -> String {
@@ -152,6 +153,11 @@ impl Backend {
                 Arg::F32(v) => b.arg(v),
                 Arg::F64(v) => b.arg(v),
             };
+        }
+        if shared > 48 * 1024 {
+            // Past 48 KiB a kernel must opt in to its dynamic shared memory.
+            let attr = cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+            func.set_attribute(attr, shared as i32).map_err(|e| cuda_err(&format!("shared memory of {name}"), e))?;
         }
         let cfg = LaunchConfig { grid_dim: (grid.max(1), 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: shared };
         // SAFETY: every caller passes pointers to live allocations sized for the shapes it passes,

@@ -19,10 +19,11 @@ fn sfx(op: &'static str, dt: DType) -> Result<&'static str> {
     }
 }
 
-/// A fresh output. With poisoning on (tests), float outputs start as NaN so that a kernel that
-/// leaves an element unwritten fails the comparison instead of passing on a lucky zero.
+/// A fresh output, not cleared (every kernel writing into one sets every element). With
+/// poisoning on (tests), float outputs start as NaN so that a kernel that leaves an element
+/// unwritten fails the comparison instead of passing on leftover memory.
 fn new(be: &B, shape: impl Into<Shape>, dt: DType) -> Result<Tensor> {
-    let t = Tensor::zeros(shape, dt, &Device::Cuda(be.dev.clone()))?;
+    let t = Tensor::empty(shape, dt, &Device::Cuda(be.dev.clone()))?;
     if super::poisoning() && (dt == DType::F32 || dt == DType::BF16) {
         let name = format!("fill_{}", sfx("fill", dt)?);
         ew(be, &name, t.elem_count(), &[ptr("fill", &t)?, Arg::F32(f32::NAN), n(t.elem_count())])?;
@@ -96,11 +97,29 @@ pub fn bias_add(be: &B, x: &Tensor, b: &Tensor) -> Result<Tensor> {
 }
 
 pub fn bias_grad(be: &B, dy: &Tensor) -> Result<Tensor> {
-    let c = dy.shape().last();
-    let db = new(be, [c], DType::F32)?;
+    let (rows, c) = (dy.shape().rows(), dy.shape().last());
+    let chunks = rows.div_ceil(COL_CHUNK);
+    let partials = new(be, [chunks, c], DType::F32)?;
     let name = format!("bias_grad_{}", sfx("bias_grad", dy.dtype())?);
-    ew(be, &name, c, &[ptr("bias_grad", dy)?, ptr("bias_grad", &db)?, n(dy.shape().rows()), n(c)])?;
-    Ok(db)
+    ew(be, &name, chunks * c, &[ptr("bias_grad", dy)?, ptr("bias_grad", &partials)?, n(rows), n(c)])?;
+    col_sum(be, &partials, c)
+}
+
+/// Rows per partial sum of the two-pass column sums (`COL_CHUNK` in kernels/common.cuh).
+const COL_CHUNK: usize = 64;
+
+/// The second pass of a column sum: `partials` [chunks, c] (chunk order) → [c].
+fn col_sum(be: &B, partials: &Tensor, c: usize) -> Result<Tensor> {
+    let y = new(be, [c], DType::F32)?;
+    let chunks = n(partials.elem_count() / c);
+    be.launch(
+        "col_sum_f32",
+        c.div_ceil(32) as u32,
+        256,
+        0,
+        &[ptr("col_sum", partials)?, ptr("col_sum", &y)?, chunks, n(c)],
+    )?;
+    Ok(y)
 }
 
 /// gelu/silu forward (`x → y`) or backward (`x, dy → dx`); `fam` is the kernel family.
@@ -182,22 +201,20 @@ pub fn layernorm_bwd(
         rows,
         &[ptr("ln", dy)?, ptr("ln", x)?, ptr("ln", w)?, ptr("ln", mean)?, ptr("ln", rstd)?, ptr("ln", &dx)?, n(c)],
     )?;
-    let (dw, db) = (new(be, [c], DType::F32)?, new(be, [c], DType::F32)?);
-    ew(
-        be,
-        &format!("norm_param_grad_{s}"),
-        c,
-        &[
-            ptr("ln", dy)?,
-            ptr("ln", x)?,
-            ptr("ln", mean)?,
-            ptr("ln", rstd)?,
-            ptr("ln", &dw)?,
-            ptr("ln", &db)?,
-            n(rows),
-            n(c),
-        ],
-    )?;
+    let chunks = rows.div_ceil(COL_CHUNK);
+    let (pw, pb) = (new(be, [chunks, c], DType::F32)?, new(be, [chunks, c], DType::F32)?);
+    let args = [
+        ptr("ln", dy)?,
+        ptr("ln", x)?,
+        ptr("ln", mean)?,
+        ptr("ln", rstd)?,
+        ptr("ln", &pw)?,
+        ptr("ln", &pb)?,
+        n(rows),
+        n(c),
+    ];
+    ew(be, &format!("norm_param_grad_{s}"), chunks * c, &args)?;
+    let (dw, db) = (col_sum(be, &pw, c)?, col_sum(be, &pb, c)?);
     Ok((dx, dw, db))
 }
 
@@ -225,14 +242,11 @@ pub fn rmsnorm_bwd(be: &B, dy: &Tensor, x: &Tensor, w: &Tensor, rstd: &Tensor) -
         rows,
         &[ptr("rms", dy)?, ptr("rms", x)?, ptr("rms", w)?, ptr("rms", rstd)?, ptr("rms", &dx)?, n(c)],
     )?;
-    let dw = new(be, [c], DType::F32)?;
-    ew(
-        be,
-        &format!("norm_param_grad_{s}"),
-        c,
-        &[ptr("rms", dy)?, ptr("rms", x)?, NULL, ptr("rms", rstd)?, ptr("rms", &dw)?, NULL, n(rows), n(c)],
-    )?;
-    Ok((dx, dw))
+    let chunks = rows.div_ceil(COL_CHUNK);
+    let pw = new(be, [chunks, c], DType::F32)?;
+    let args = [ptr("rms", dy)?, ptr("rms", x)?, NULL, ptr("rms", rstd)?, ptr("rms", &pw)?, NULL, n(rows), n(c)];
+    ew(be, &format!("norm_param_grad_{s}"), chunks * c, &args)?;
+    Ok((dx, col_sum(be, &pw, c)?))
 }
 
 pub fn softmax(be: &B, x: &Tensor) -> Result<Tensor> {
@@ -516,13 +530,27 @@ fn flash(a: &AttnShape) -> bool {
     FLASH_DIMS.contains(&a.dims.d)
 }
 
+/// Whether the tensor-core kernels take these tensors: bf16, head dim 64 or 128, and every tile
+/// source 16-byte aligned (their loads move 16 bytes at a time; a view at an odd offset is not).
+fn mma_ok(q: &Tensor, tiles: &[&Tensor], a: &AttnShape) -> Result<bool> {
+    if q.dtype() != DType::BF16 || !matches!(a.dims.d, 64 | 128) {
+        return Ok(false);
+    }
+    for t in tiles {
+        if !matches!(ptr("attn", t)?, Arg::Ptr(p) if p % 16 == 0) {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
 pub fn attention_fwd(be: &B, q: &Tensor, k: &Tensor, v: &Tensor, a: &AttnShape) -> Result<(Tensor, Tensor)> {
     let o = new(be, q.shape().clone(), q.dtype())?;
     let lse = new(be, [a.dims.b, a.dims.hq, a.dims.t], DType::F32)?;
     let mut args = vec![ptr("attn", q)?, ptr("attn", k)?, ptr("attn", v)?, ptr("attn", &o)?, ptr("attn", &lse)?];
     args.extend(attn_tail(a));
     let sfx = sfx("attention_fwd", q.dtype())?;
-    if q.dtype() == DType::BF16 && matches!(a.dims.d, 64 | 128) {
+    if mma_ok(q, &[q, k, v], a)? {
         // Tensor cores (kernels/flash_mma.cu): 64 query rows per block of 4 warps.
         let d = a.dims;
         let grid = d.b * d.hq * d.t.div_ceil(64);
@@ -555,6 +583,28 @@ fn flash_bwd(
     let dq = new(be, q.shape().clone(), DType::F32)?;
     let (dk, dv) = (new(be, k.shape().clone(), DType::F32)?, new(be, v.shape().clone(), DType::F32)?);
     let delta = new(be, [d.b, d.hq, d.t], DType::F32)?;
+    if mma_ok(q, &[q, k, v, dout], a)? {
+        // Tensor cores (kernels/flash_bwd_mma.cu).
+        let rows = d.b * d.t * d.hq;
+        let args = [ptr("attn", o)?, ptr("attn", dout)?, ptr("attn", &delta)?, n(rows), n(d.t), n(d.hq), n(d.d)];
+        be.launch("flash_bwd_delta_bf16", rows.div_ceil(8) as u32, 256, 0, &args)?;
+        let head = |outs: &[&Tensor]| -> Result<Vec<Arg>> {
+            let mut v = vec![ptr("attn", q)?, ptr("attn", k)?, ptr("attn", v)?, ptr("attn", lse)?];
+            v.extend([ptr("attn", &delta)?, ptr("attn", dout)?]);
+            for t in outs {
+                v.push(ptr("attn", t)?);
+            }
+            v.extend(attn_tail(a));
+            Ok(v)
+        };
+        let grid = d.b * d.hq * d.t.div_ceil(64);
+        be.launch(&format!("flash_bwd_dq_mma_bf16_{}", d.d), grid as u32, FLASH_THREADS, 0, &head(&[&dq])?)?;
+        // K, V, Q and dO tiles of 64 rows (padded by 8), lse and delta of 64 rows.
+        let shared = (4 * 64 * (d.d + 8) * 2 + 2 * 64 * 4) as u32;
+        let grid = d.b * d.hkv * d.s.div_ceil(64);
+        be.launch(&format!("flash_bwd_dkv_mma_bf16_{}", d.d), grid as u32, FLASH_THREADS, shared, &head(&[&dk, &dv])?)?;
+        return Ok((dq, dk, dv));
+    }
     let mut args = vec![
         ptr("attn", q)?,
         ptr("attn", k)?,

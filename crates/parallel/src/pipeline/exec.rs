@@ -28,7 +28,12 @@ impl PipelineComms {
     /// Collective over the world (splits are): call on every rank with the layout's pp groups.
     pub fn new(world: &Comm, pp_groups: &[Vec<usize>]) -> Result<PipelineComms> {
         match world.split("pp-p2p", pp_groups)? {
-            Some(p2p) => Ok(PipelineComms { p2p }),
+            Some(p2p) => {
+                // Both neighbours, both directions, linked up front (see `Communicator::connect`).
+                let (r, p) = (p2p.rank(), p2p.size());
+                p2p.connect(&[(r + p - 1) % p, (r + 1) % p])?;
+                Ok(PipelineComms { p2p })
+            }
             None => Err(ParallelError::Layout(format!("rank {} is in no pipeline group", world.rank()))),
         }
     }

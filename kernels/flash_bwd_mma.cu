@@ -1,0 +1,231 @@
+// Flash attention backward on tensor cores (bf16 in, fp32 accumulate): mma.sync m16n8k16 as in
+// flash_mma.cu, FlashAttention-2's tiling, no atomics (same bits every run). Three kernels:
+//   flash_bwd_delta_bf16      delta = rowsum(dO ∘ O), one warp per (token, head) row.
+//   flash_bwd_dq_mma_bf16_D   4 warps × 16 query rows of one (batch, head), over key tiles:
+//                             S = Q Kᵀ, P = exp(S·scale − lse), dP = dO Vᵀ, dS = P ∘ (dP − delta),
+//                             dQ += dS K.
+//   flash_bwd_dkv_mma_bf16_D  4 warps × 16 keys of one (batch, KV head), over the group's query
+//                             heads and tiles: Sᵀ = K Qᵀ, Pᵀ, dPᵀ = V dOᵀ, dSᵀ, dV += Pᵀ dO,
+//                             dK += dSᵀ Q (GQA without repeated K/V).
+// Scores are recomputed in both (7 products where FlashAttention-2 does 5 and adds dQ with
+// atomics). Computing the transposed scores in dkv puts keys in the M dimension, so Pᵀ and dSᵀ go
+// from accumulator to A operand in registers (as P does in the forward). Operands read along the
+// other axis of a [row][d] tile (K for dQ, Q and dO for dK/dV) come from ldmatrix.trans.
+// Tiles live in shared memory as [row][d] rows padded by 8 elements (conflict-free fragment and
+// ldmatrix reads). Layouts as attention.cu; dq/dk/dv are fp32.
+
+#define FB_ROWS 64  // query rows per tile
+#define FB_KEYS 64  // keys per tile
+
+extern "C" __global__ void flash_bwd_delta_bf16(const bf16_t* o, const bf16_t* dout, float* delta, long rows, long t,
+                                                long hq, long d) {
+    long w = ((long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int lane = threadIdx.x & 31;
+    if (w >= rows) return;
+    float s = 0.f;
+    for (long e = lane; e < d; e += 32) s += ld(o, w * d + e) * ld(dout, w * d + e);
+    for (int x = 16; x > 0; x >>= 1) s += __shfl_xor_sync(0xffffffffu, s, x);
+    // Row w of [B, T, Hq] is (b, i, h); delta is [B, Hq, T].
+    long h = w % hq, i = (w / hq) % t, b = w / (hq * t);
+    if (lane == 0) delta[(b * hq + h) * t + i] = s;
+}
+
+template <int D>
+__device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse,
+                                 const float* delta, const bf16_t* dout, float* dq, long t, long sl, long hq, long hkv,
+                                 float scale, long causal, long window) {
+    constexpr int KS = D / 16, NO = D / 8, P = D + 8;
+    __shared__ __align__(16) bf16_t ks[FB_KEYS * P];
+    __shared__ __align__(16) bf16_t vs[FB_KEYS * P];
+    long tiles = (t + FB_ROWS - 1) / FB_ROWS;
+    long qt = blockIdx.x % tiles, h = (blockIdx.x / tiles) % hq, b = blockIdx.x / (tiles * hq), kvh = h / (hq / hkv);
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
+    long r0 = qt * FB_ROWS + warp * 16 + g, r1 = r0 + 8;  // this thread's two rows
+    // A fragments of Q and dO for every k-step (registers for the whole kernel).
+    u32 qa[KS][4], da[KS][4];
+    auto frag = [&](const bf16_t* x, long row, int col) -> u32 {
+        return row < t ? word(x + ((b * t + row) * hq + h) * D + col) : 0u;
+    };
+    #pragma unroll
+    for (int kk = 0; kk < KS; kk++) {
+        int c = kk * 16 + tg * 2;
+        qa[kk][0] = frag(q, r0, c); qa[kk][1] = frag(q, r1, c); qa[kk][2] = frag(q, r0, c + 8); qa[kk][3] = frag(q, r1, c + 8);
+        da[kk][0] = frag(dout, r0, c); da[kk][1] = frag(dout, r1, c); da[kk][2] = frag(dout, r0, c + 8); da[kk][3] = frag(dout, r1, c + 8);
+    }
+    float lr[2], dl[2];
+    #pragma unroll
+    for (int rr = 0; rr < 2; rr++) {
+        long i = rr ? r1 : r0;
+        lr[rr] = i < t ? lse[(b * hq + h) * t + i] : 0.f;
+        dl[rr] = i < t ? delta[(b * hq + h) * t + i] : 0.f;
+    }
+    float acc[NO][4];
+    #pragma unroll
+    for (int n = 0; n < NO; n++) for (int e = 0; e < 4; e++) acc[n][e] = 0.f;
+    long i0 = qt * FB_ROWS, i1 = lmin(t, i0 + FB_ROWS) - 1;
+    long jb = 0, je = sl;
+    if (causal) je = lmin(je, i1 + 1);
+    if (window > 0) { jb = lmax(0L, i0 - window + 1); if (!causal) je = lmin(je, i1 + window); }
+    jb = (jb / FB_KEYS) * FB_KEYS;
+    for (long j0 = jb; j0 < je; j0 += FB_KEYS) {
+        __syncthreads();
+        tile_in<D, FB_KEYS>(ks, k, j0, sl, b, hkv, kvh);
+        tile_in<D, FB_KEYS>(vs, v, j0, sl, b, hkv, kvh);
+        __syncthreads();
+        // S = Q Kᵀ and dP = dO Vᵀ: 16 rows × 64 keys each, 8 blocks of 8 keys.
+        float s[8][4], dp[8][4];
+        #pragma unroll
+        for (int nb = 0; nb < 8; nb++) {
+            #pragma unroll
+            for (int e = 0; e < 4; e++) { s[nb][e] = 0.f; dp[nb][e] = 0.f; }
+            #pragma unroll
+            for (int kk = 0; kk < KS; kk++) {
+                const bf16_t* kr = ks + (nb * 8 + g) * P + kk * 16 + tg * 2;
+                const bf16_t* vr = vs + (nb * 8 + g) * P + kk * 16 + tg * 2;
+                mma_bf16(s[nb], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], word(kr), word(kr + 8));
+                mma_bf16(dp[nb], da[kk][0], da[kk][1], da[kk][2], da[kk][3], word(vr), word(vr + 8));
+            }
+        }
+        // dS = P ∘ (dP − delta), in place of S.
+        #pragma unroll
+        for (int nb = 0; nb < 8; nb++) {
+            #pragma unroll
+            for (int e = 0; e < 4; e++) {
+                long i = e < 2 ? r0 : r1, j = j0 + nb * 8 + tg * 2 + (e & 1);
+                bool ok = i < t && j < sl && allowed(i, j, causal, window);
+                float p = ok ? expf(s[nb][e] * scale - lr[e >> 1]) : 0.f;
+                s[nb][e] = p * (dp[nb][e] - dl[e >> 1]);
+            }
+        }
+        // dQ += dS K: k-steps of 16 keys.
+        #pragma unroll
+        for (int kstep = 0; kstep < FB_KEYS / 16; kstep++) {
+            u32 a[4];
+            c_to_a(a, s, kstep);
+            mma_rows_t<D>(acc, a, ks + kstep * 16 * P);
+        }
+    }
+    #pragma unroll
+    for (int rr = 0; rr < 2; rr++) {
+        long i = rr ? r1 : r0;
+        if (i >= t) continue;
+        float* di = dq + ((b * t + i) * hq + h) * D;
+        #pragma unroll
+        for (int n = 0; n < NO; n++) {
+            di[n * 8 + tg * 2] = acc[n][2 * rr] * scale;
+            di[n * 8 + tg * 2 + 1] = acc[n][2 * rr + 1] * scale;
+        }
+    }
+}
+
+// Dynamic shared memory of the dkv kernel (the host sizes it): K, V, Q and dO tiles, then lse
+// and delta of the tile's rows: (2·FB_KEYS + 2·FB_ROWS)·(D + 8)·2 + 2·FB_ROWS·4 bytes.
+
+template <int D>
+__device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse,
+                                  const float* delta, const bf16_t* dout, float* dk, float* dv, long t, long sl,
+                                  long hq, long hkv, float scale, long causal, long window) {
+    constexpr int KS = D / 16, NO = D / 8, P = D + 8;
+    extern __shared__ __align__(16) unsigned char fb_smem[];
+    bf16_t* ks = reinterpret_cast<bf16_t*>(fb_smem);
+    bf16_t* vs = ks + FB_KEYS * P;
+    bf16_t* qs = vs + FB_KEYS * P;
+    bf16_t* dos = qs + FB_ROWS * P;
+    float* ls = reinterpret_cast<float*>(dos + FB_ROWS * P);
+    float* dls = ls + FB_ROWS;
+    long tiles = (sl + FB_KEYS - 1) / FB_KEYS;
+    long kt = blockIdx.x % tiles, kvh = (blockIdx.x / tiles) % hkv, b = blockIdx.x / (tiles * hkv);
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
+    long j0 = kt * FB_KEYS, jr0 = j0 + warp * 16 + g, jr1 = jr0 + 8;  // this thread's two keys
+    tile_in<D, FB_KEYS>(ks, k, j0, sl, b, hkv, kvh);
+    tile_in<D, FB_KEYS>(vs, v, j0, sl, b, hkv, kvh);
+    float dka[NO][4], dva[NO][4];
+    #pragma unroll
+    for (int n = 0; n < NO; n++) for (int e = 0; e < 4; e++) { dka[n][e] = 0.f; dva[n][e] = 0.f; }
+    // Query rows that can see keys [j0, j1].
+    long j1 = lmin(sl, j0 + FB_KEYS) - 1, ib = 0, ie = t;
+    if (causal) ib = j0;
+    if (window > 0) { ie = lmin(ie, j1 + window); if (!causal) ib = lmax(0L, j0 - window + 1); }
+    ib = (ib / FB_ROWS) * FB_ROWS;
+    long group = hq / hkv;
+    const bf16_t* kw = ks + (warp * 16 + g) * P + tg * 2;  // this thread's A-fragment words of K
+    const bf16_t* vw = vs + (warp * 16 + g) * P + tg * 2;
+    for (long hh = 0; hh < group; hh++) {
+        long h = kvh * group + hh;
+        for (long i0 = ib; i0 < ie; i0 += FB_ROWS) {
+            __syncthreads();
+            tile_in<D, FB_ROWS>(qs, q, i0, t, b, hq, h);
+            tile_in<D, FB_ROWS>(dos, dout, i0, t, b, hq, h);
+            if (threadIdx.x < FB_ROWS) {
+                long i = i0 + threadIdx.x;
+                ls[threadIdx.x] = i < t ? lse[(b * hq + h) * t + i] : 0.f;
+                dls[threadIdx.x] = i < t ? delta[(b * hq + h) * t + i] : 0.f;
+            }
+            __syncthreads();
+            // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: 16 keys × 64 rows each, 8 blocks of 8 rows.
+            float st[8][4], dpt[8][4];
+            #pragma unroll
+            for (int nb = 0; nb < 8; nb++) for (int e = 0; e < 4; e++) { st[nb][e] = 0.f; dpt[nb][e] = 0.f; }
+            #pragma unroll
+            for (int kk = 0; kk < KS; kk++) {
+                const int c = kk * 16;
+                u32 a0 = word(kw + c), a1 = word(kw + 8 * P + c), a2 = word(kw + c + 8), a3 = word(kw + 8 * P + c + 8);
+                u32 v0 = word(vw + c), v1 = word(vw + 8 * P + c), v2 = word(vw + c + 8), v3 = word(vw + 8 * P + c + 8);
+                #pragma unroll
+                for (int nb = 0; nb < 8; nb++) {
+                    const bf16_t* qr = qs + (nb * 8 + g) * P + c + tg * 2;
+                    const bf16_t* dr = dos + (nb * 8 + g) * P + c + tg * 2;
+                    mma_bf16(st[nb], a0, a1, a2, a3, word(qr), word(qr + 8));
+                    mma_bf16(dpt[nb], v0, v1, v2, v3, word(dr), word(dr + 8));
+                }
+            }
+            // Pᵀ into st, dSᵀ into dpt.
+            #pragma unroll
+            for (int nb = 0; nb < 8; nb++) {
+                #pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    int col = nb * 8 + tg * 2 + (e & 1);
+                    long j = e < 2 ? jr0 : jr1, i = i0 + col;
+                    bool ok = i < t && j < sl && allowed(i, j, causal, window);
+                    float p = ok ? expf(st[nb][e] * scale - ls[col]) : 0.f;
+                    st[nb][e] = p;
+                    dpt[nb][e] = p * (dpt[nb][e] - dls[col]);
+                }
+            }
+            // dV += Pᵀ dO and dK += dSᵀ Q: k-steps of 16 rows.
+            #pragma unroll
+            for (int kstep = 0; kstep < FB_ROWS / 16; kstep++) {
+                u32 a[4];
+                c_to_a(a, st, kstep);
+                mma_rows_t<D>(dva, a, dos + kstep * 16 * P);
+                c_to_a(a, dpt, kstep);
+                mma_rows_t<D>(dka, a, qs + kstep * 16 * P);
+            }
+        }
+    }
+    #pragma unroll
+    for (int rr = 0; rr < 2; rr++) {
+        long j = rr ? jr1 : jr0;
+        if (j >= sl) continue;
+        long off = ((b * sl + j) * hkv + kvh) * D;
+        #pragma unroll
+        for (int n = 0; n < NO; n++) {
+            dk[off + n * 8 + tg * 2] = dka[n][2 * rr] * scale;
+            dk[off + n * 8 + tg * 2 + 1] = dka[n][2 * rr + 1] * scale;
+            dv[off + n * 8 + tg * 2] = dva[n][2 * rr];
+            dv[off + n * 8 + tg * 2 + 1] = dva[n][2 * rr + 1];
+        }
+    }
+}
+
+#define FLASH_BWD_MMA(D) \
+extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_mma_bf16_##D(const bf16_t* q, const bf16_t* k, \
+        const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, float* dq, long t, long sl, long hq, \
+        long hkv, long d, float scale, long causal, long window) { \
+    flash_bwd_dq_mma<D>(q, k, v, lse, delta, dout, dq, t, sl, hq, hkv, scale, causal, window); } \
+extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkv_mma_bf16_##D(const bf16_t* q, const bf16_t* k, \
+        const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, float* dk, float* dv, long t, \
+        long sl, long hq, long hkv, long d, float scale, long causal, long window) { \
+    flash_bwd_dkv_mma<D>(q, k, v, lse, delta, dout, dk, dv, t, sl, hq, hkv, scale, causal, window); }
+FLASH_BWD_MMA(64)
+FLASH_BWD_MMA(128)
