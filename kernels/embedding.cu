@@ -2,6 +2,20 @@
 // shard (rows vstart..vstart+vrows) other ids give zero rows and no gradient. And the QKV
 // split/merge between Megatron's grouped layout and per-head tensors.
 
+// QKV: the fused tensor is [rows][group][slot][d] with slots 0..g-1 the group's query heads, g its
+// key, g + 1 its value. One warp per (row, group, slot) segment of d elements: the index
+// arithmetic (64-bit divisions) happens once per segment, and lanes copy consecutive elements.
+#define QKV_SEGMENTS(n, hkv, g) \
+    long lane = threadIdx.x & 31, segs = (n) * (hkv) * ((g) + 2); \
+    for (long w = ((long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < segs; w += ((long)gridDim.x * blockDim.x) >> 5)
+
+// The per-head tensor segment `w` of the fused layout belongs to (q [rows, hkv·g, d], k/v [rows, hkv, d]).
+template <typename P>
+__device__ __forceinline__ P* qkv_head(P* q, P* k, P* v, long w, long g, long d) {
+    long slot = w % (g + 2), rg = w / (g + 2);  // rg = row · hkv + group
+    return slot < g ? q + (rg * g + slot) * d : (slot == g ? k : v) + rg * d;
+}
+
 #define EMB(s, T) \
 extern "C" __global__ void embedding_fwd_##s(const u32* ids, const T* table, T* out, long n, long c, long vstart, long vrows) { \
     GRID_STRIDE(i, n * c) { long r = i / c, j = i % c, row = (long)ids[r] - vstart; \
@@ -10,16 +24,9 @@ extern "C" __global__ void embedding_bwd_##s(const u32* ids, const T* dout, floa
     GRID_STRIDE(i, n * c) { long r = i / c, j = i % c, row = (long)ids[r] - vstart; \
         if (row >= 0 && row < vrows) atomicAdd(dtable + row * c + j, ld(dout, i)); } } \
 extern "C" __global__ void qkv_split_##s(const T* x, T* q, T* k, T* v, long n, long hkv, long g, long d) { \
-    long w = hkv * (g + 2) * d; \
-    GRID_STRIDE(i, n * w) { long r = i / w, c = i % w, grp = c / ((g + 2) * d), o = c % ((g + 2) * d); float val = ld(x, i); \
-        if (o < g * d) st(q, (r * hkv + grp) * g * d + o, val); \
-        else if (o < (g + 1) * d) st(k, (r * hkv + grp) * d + (o - g * d), val); \
-        else st(v, (r * hkv + grp) * d + (o - (g + 1) * d), val); } } \
+    QKV_SEGMENTS(n, hkv, g) { const T* src = x + w * d; T* dst = qkv_head(q, k, v, w, g, d); \
+        for (long e = lane; e < d; e += 32) st(dst, e, ld(src, e)); } } \
 extern "C" __global__ void qkv_merge_##s(const T* q, const T* k, const T* v, T* x, long n, long hkv, long g, long d) { \
-    long w = hkv * (g + 2) * d; \
-    GRID_STRIDE(i, n * w) { long r = i / w, c = i % w, grp = c / ((g + 2) * d), o = c % ((g + 2) * d); float val; \
-        if (o < g * d) val = ld(q, (r * hkv + grp) * g * d + o); \
-        else if (o < (g + 1) * d) val = ld(k, (r * hkv + grp) * d + (o - g * d)); \
-        else val = ld(v, (r * hkv + grp) * d + (o - (g + 1) * d)); \
-        st(x, i, val); } }
+    QKV_SEGMENTS(n, hkv, g) { const T* src = qkv_head(q, k, v, w, g, d); T* dst = x + w * d; \
+        for (long e = lane; e < d; e += 32) st(dst, e, ld(src, e)); } }
 FOR_TYPES(EMB)

@@ -11,8 +11,9 @@
 // atomics). Computing the transposed scores in dkv puts keys in the M dimension, so Pᵀ and dSᵀ go
 // from accumulator to A operand in registers (as P does in the forward). Operands read along the
 // other axis of a [row][d] tile (K for dQ, Q and dO for dK/dV) come from ldmatrix.trans.
-// Tiles live in shared memory as [row][d] rows padded by 8 elements (conflict-free fragment and
-// ldmatrix reads). Layouts as attention.cu; dq/dk/dv are fp32.
+// Tiles live in shared memory as [row][d] rows padded by 8 elements (conflict-free ldmatrix
+// reads). Scores in base 2 as in flash_mma.cu. Layouts as attention.cu; dq/dk/dv are bf16, each
+// element written once.
 
 #define FB_ROWS 64  // query rows per tile
 #define FB_KEYS 64  // keys per tile
@@ -32,11 +33,12 @@ extern "C" __global__ void flash_bwd_delta_bf16(const bf16_t* o, const bf16_t* d
 
 template <int D>
 __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse,
-                                 const float* delta, const bf16_t* dout, float* dq, long t, long sl, long hq, long hkv,
+                                 const float* delta, const bf16_t* dout, bf16_t* dq, long t, long sl, long hq, long hkv,
                                  float scale, long causal, long window) {
     constexpr int KS = D / 16, NO = D / 8, P = D + 8;
-    __shared__ __align__(16) bf16_t ks[FB_KEYS * P];
-    __shared__ __align__(16) bf16_t vs[FB_KEYS * P];
+    // Two stages of (K tile, V tile): 4·FB_KEYS·(D + 8)·2 bytes of dynamic shared memory.
+    extern __shared__ __align__(16) unsigned char fb_smem[];
+    bf16_t* stage = reinterpret_cast<bf16_t*>(fb_smem);
     long tiles = (t + FB_ROWS - 1) / FB_ROWS;
     long qt = blockIdx.x % tiles, h = (blockIdx.x / tiles) % hq, b = blockIdx.x / (tiles * hq), kvh = h / (hq / hkv);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
@@ -56,44 +58,48 @@ __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t*
     #pragma unroll
     for (int rr = 0; rr < 2; rr++) {
         long i = rr ? r1 : r0;
-        lr[rr] = i < t ? lse[(b * hq + h) * t + i] : 0.f;
+        lr[rr] = i < t ? lse[(b * hq + h) * t + i] * LOG2E : 0.f;
         dl[rr] = i < t ? delta[(b * hq + h) * t + i] : 0.f;
     }
     float acc[NO][4];
     #pragma unroll
     for (int n = 0; n < NO; n++) for (int e = 0; e < 4; e++) acc[n][e] = 0.f;
+    const float scale2 = scale * LOG2E;
     long i0 = qt * FB_ROWS, i1 = lmin(t, i0 + FB_ROWS) - 1;
     long jb = 0, je = sl;
     if (causal) je = lmin(je, i1 + 1);
     if (window > 0) { jb = lmax(0L, i0 - window + 1); if (!causal) je = lmin(je, i1 + window); }
     jb = (jb / FB_KEYS) * FB_KEYS;
-    for (long j0 = jb; j0 < je; j0 += FB_KEYS) {
+    long steps = je > jb ? (je - jb + FB_KEYS - 1) / FB_KEYS : 0;
+    auto fetch = [&](long it) {
+        bf16_t* kt = stage + (it & 1) * 2 * FB_KEYS * P;
+        tile_async<D, FB_KEYS>(kt, k, jb + it * FB_KEYS, sl, b, hkv, kvh);
+        tile_async<D, FB_KEYS>(kt + FB_KEYS * P, v, jb + it * FB_KEYS, sl, b, hkv, kvh);
+        cp_commit();
+    };
+    if (steps > 0) fetch(0);
+    for (long it = 0; it < steps; it++) {
+        long j0 = jb + it * FB_KEYS;
+        if (it + 1 < steps) { fetch(it + 1); cp_wait<1>(); } else cp_wait<0>();
         __syncthreads();
-        tile_in<D, FB_KEYS>(ks, k, j0, sl, b, hkv, kvh);
-        tile_in<D, FB_KEYS>(vs, v, j0, sl, b, hkv, kvh);
-        __syncthreads();
+        const bf16_t* ks = stage + (it & 1) * 2 * FB_KEYS * P;
+        const bf16_t* vs = ks + FB_KEYS * P;
         // S = Q Kᵀ and dP = dO Vᵀ: 16 rows × 64 keys each, 8 blocks of 8 keys.
         float s[8][4], dp[8][4];
         #pragma unroll
-        for (int nb = 0; nb < 8; nb++) {
-            #pragma unroll
-            for (int e = 0; e < 4; e++) { s[nb][e] = 0.f; dp[nb][e] = 0.f; }
-            #pragma unroll
-            for (int kk = 0; kk < KS; kk++) {
-                const bf16_t* kr = ks + (nb * 8 + g) * P + kk * 16 + tg * 2;
-                const bf16_t* vr = vs + (nb * 8 + g) * P + kk * 16 + tg * 2;
-                mma_bf16(s[nb], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], word(kr), word(kr + 8));
-                mma_bf16(dp[nb], da[kk][0], da[kk][1], da[kk][2], da[kk][3], word(vr), word(vr + 8));
-            }
-        }
-        // dS = P ∘ (dP − delta), in place of S.
+        for (int nb = 0; nb < 8; nb++) for (int e = 0; e < 4; e++) { s[nb][e] = 0.f; dp[nb][e] = 0.f; }
+        mma_cols<D>(s, qa, ks);
+        mma_cols<D>(dp, da, vs);
+        // dS = P ∘ (dP − delta) in place of S; a tile inside the sequence below the diagonal
+        // needs no mask.
+        bool full = window == 0 && i0 + FB_ROWS <= t && j0 + FB_KEYS <= sl && (!causal || j0 + FB_KEYS - 1 <= i0);
         #pragma unroll
         for (int nb = 0; nb < 8; nb++) {
             #pragma unroll
             for (int e = 0; e < 4; e++) {
                 long i = e < 2 ? r0 : r1, j = j0 + nb * 8 + tg * 2 + (e & 1);
-                bool ok = i < t && j < sl && allowed(i, j, causal, window);
-                float p = ok ? expf(s[nb][e] * scale - lr[e >> 1]) : 0.f;
+                bool ok = full || (i < t && j < sl && allowed(i, j, causal, window));
+                float p = ok ? ex2(s[nb][e] * scale2 - lr[e >> 1]) : 0.f;
                 s[nb][e] = p * (dp[nb][e] - dl[e >> 1]);
             }
         }
@@ -104,35 +110,33 @@ __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t*
             c_to_a(a, s, kstep);
             mma_rows_t<D>(acc, a, ks + kstep * 16 * P);
         }
+        __syncthreads();  // every warp is done with this stage before it is refilled
     }
     #pragma unroll
     for (int rr = 0; rr < 2; rr++) {
         long i = rr ? r1 : r0;
         if (i >= t) continue;
-        float* di = dq + ((b * t + i) * hq + h) * D;
+        bf16_t* di = dq + ((b * t + i) * hq + h) * D;
         #pragma unroll
-        for (int n = 0; n < NO; n++) {
-            di[n * 8 + tg * 2] = acc[n][2 * rr] * scale;
-            di[n * 8 + tg * 2 + 1] = acc[n][2 * rr + 1] * scale;
-        }
+        for (int n = 0; n < NO; n++)
+            *reinterpret_cast<u32*>(di + n * 8 + tg * 2) = pack_bf16(acc[n][2 * rr] * scale, acc[n][2 * rr + 1] * scale);
     }
 }
 
-// Dynamic shared memory of the dkv kernel (the host sizes it): K, V, Q and dO tiles, then lse
-// and delta of the tile's rows: (2·FB_KEYS + 2·FB_ROWS)·(D + 8)·2 + 2·FB_ROWS·4 bytes.
+// Dynamic shared memory of the dkv kernel (the host sizes it): the K and V tiles, two stages of
+// (Q, dO) tiles, two stages of the rows' (lse, delta): (2·FB_KEYS + 4·FB_ROWS)·(D + 8)·2 +
+// 4·FB_ROWS·4 bytes.
 
 template <int D>
 __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse,
-                                  const float* delta, const bf16_t* dout, float* dk, float* dv, long t, long sl,
+                                  const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, long t, long sl,
                                   long hq, long hkv, float scale, long causal, long window) {
-    constexpr int KS = D / 16, NO = D / 8, P = D + 8;
+    constexpr int NO = D / 8, P = D + 8;
     extern __shared__ __align__(16) unsigned char fb_smem[];
     bf16_t* ks = reinterpret_cast<bf16_t*>(fb_smem);
     bf16_t* vs = ks + FB_KEYS * P;
-    bf16_t* qs = vs + FB_KEYS * P;
-    bf16_t* dos = qs + FB_ROWS * P;
-    float* ls = reinterpret_cast<float*>(dos + FB_ROWS * P);
-    float* dls = ls + FB_ROWS;
+    bf16_t* qstage = vs + FB_KEYS * P;                                        // 2 × (Q, dO) tiles
+    float* lstage = reinterpret_cast<float*>(qstage + 4 * FB_ROWS * P);      // 2 × (lse, delta) rows
     long tiles = (sl + FB_KEYS - 1) / FB_KEYS;
     long kt = blockIdx.x % tiles, kvh = (blockIdx.x / tiles) % hkv, b = blockIdx.x / (tiles * hkv);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
@@ -148,46 +152,48 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
     if (window > 0) { ie = lmin(ie, j1 + window); if (!causal) ib = lmax(0L, j0 - window + 1); }
     ib = (ib / FB_ROWS) * FB_ROWS;
     long group = hq / hkv;
-    const bf16_t* kw = ks + (warp * 16 + g) * P + tg * 2;  // this thread's A-fragment words of K
-    const bf16_t* vw = vs + (warp * 16 + g) * P + tg * 2;
-    for (long hh = 0; hh < group; hh++) {
-        long h = kvh * group + hh;
-        for (long i0 = ib; i0 < ie; i0 += FB_ROWS) {
+    const float scale2 = scale * LOG2E;
+    // Steps over (query head of the group, query tile), the next one's tiles loading meanwhile.
+    long qtiles = ie > ib ? (ie - ib + FB_ROWS - 1) / FB_ROWS : 0, steps = group * qtiles;
+    auto fetch = [&](long n) {
+        long h = kvh * group + n / qtiles, i0 = ib + (n % qtiles) * FB_ROWS;
+        bf16_t* qt = qstage + (n & 1) * 2 * FB_ROWS * P;
+        tile_async<D, FB_ROWS>(qt, q, i0, t, b, hq, h);
+        tile_async<D, FB_ROWS>(qt + FB_ROWS * P, dout, i0, t, b, hq, h);
+        cp_commit();
+        float* lt = lstage + (n & 1) * 2 * FB_ROWS;
+        if (threadIdx.x < FB_ROWS) {
+            long i = i0 + threadIdx.x;
+            lt[threadIdx.x] = i < t ? lse[(b * hq + h) * t + i] * LOG2E : 0.f;
+            lt[FB_ROWS + threadIdx.x] = i < t ? delta[(b * hq + h) * t + i] : 0.f;
+        }
+    };
+    if (steps > 0) fetch(0);
+    for (long n = 0; n < steps; n++) {
+        {
+            long i0 = ib + (n % qtiles) * FB_ROWS;
+            if (n + 1 < steps) { fetch(n + 1); cp_wait<1>(); } else cp_wait<0>();
             __syncthreads();
-            tile_in<D, FB_ROWS>(qs, q, i0, t, b, hq, h);
-            tile_in<D, FB_ROWS>(dos, dout, i0, t, b, hq, h);
-            if (threadIdx.x < FB_ROWS) {
-                long i = i0 + threadIdx.x;
-                ls[threadIdx.x] = i < t ? lse[(b * hq + h) * t + i] : 0.f;
-                dls[threadIdx.x] = i < t ? delta[(b * hq + h) * t + i] : 0.f;
-            }
-            __syncthreads();
+            const bf16_t* qs = qstage + (n & 1) * 2 * FB_ROWS * P;
+            const bf16_t* dos = qs + FB_ROWS * P;
+            const float* ls = lstage + (n & 1) * 2 * FB_ROWS;
+            const float* dls = ls + FB_ROWS;
             // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: 16 keys × 64 rows each, 8 blocks of 8 rows.
             float st[8][4], dpt[8][4];
             #pragma unroll
             for (int nb = 0; nb < 8; nb++) for (int e = 0; e < 4; e++) { st[nb][e] = 0.f; dpt[nb][e] = 0.f; }
-            #pragma unroll
-            for (int kk = 0; kk < KS; kk++) {
-                const int c = kk * 16;
-                u32 a0 = word(kw + c), a1 = word(kw + 8 * P + c), a2 = word(kw + c + 8), a3 = word(kw + 8 * P + c + 8);
-                u32 v0 = word(vw + c), v1 = word(vw + 8 * P + c), v2 = word(vw + c + 8), v3 = word(vw + 8 * P + c + 8);
-                #pragma unroll
-                for (int nb = 0; nb < 8; nb++) {
-                    const bf16_t* qr = qs + (nb * 8 + g) * P + c + tg * 2;
-                    const bf16_t* dr = dos + (nb * 8 + g) * P + c + tg * 2;
-                    mma_bf16(st[nb], a0, a1, a2, a3, word(qr), word(qr + 8));
-                    mma_bf16(dpt[nb], v0, v1, v2, v3, word(dr), word(dr + 8));
-                }
-            }
-            // Pᵀ into st, dSᵀ into dpt.
+            mma_cols_smem<D>(st, ks + warp * 16 * P, qs);
+            mma_cols_smem<D>(dpt, vs + warp * 16 * P, dos);
+            // Pᵀ into st, dSᵀ into dpt (no mask for a tile inside the sequence below the diagonal).
+            bool full = window == 0 && i0 + FB_ROWS <= t && j0 + FB_KEYS <= sl && (!causal || j0 + FB_KEYS - 1 <= i0);
             #pragma unroll
             for (int nb = 0; nb < 8; nb++) {
                 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     int col = nb * 8 + tg * 2 + (e & 1);
                     long j = e < 2 ? jr0 : jr1, i = i0 + col;
-                    bool ok = i < t && j < sl && allowed(i, j, causal, window);
-                    float p = ok ? expf(st[nb][e] * scale - ls[col]) : 0.f;
+                    bool ok = full || (i < t && j < sl && allowed(i, j, causal, window));
+                    float p = ok ? ex2(st[nb][e] * scale2 - ls[col]) : 0.f;
                     st[nb][e] = p;
                     dpt[nb][e] = p * (dpt[nb][e] - dls[col]);
                 }
@@ -201,6 +207,7 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
                 c_to_a(a, dpt, kstep);
                 mma_rows_t<D>(dka, a, qs + kstep * 16 * P);
             }
+            __syncthreads();  // every warp is done with this stage before it is refilled
         }
     }
     #pragma unroll
@@ -210,21 +217,19 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
         long off = ((b * sl + j) * hkv + kvh) * D;
         #pragma unroll
         for (int n = 0; n < NO; n++) {
-            dk[off + n * 8 + tg * 2] = dka[n][2 * rr] * scale;
-            dk[off + n * 8 + tg * 2 + 1] = dka[n][2 * rr + 1] * scale;
-            dv[off + n * 8 + tg * 2] = dva[n][2 * rr];
-            dv[off + n * 8 + tg * 2 + 1] = dva[n][2 * rr + 1];
+            *reinterpret_cast<u32*>(dk + off + n * 8 + tg * 2) = pack_bf16(dka[n][2 * rr] * scale, dka[n][2 * rr + 1] * scale);
+            *reinterpret_cast<u32*>(dv + off + n * 8 + tg * 2) = pack_bf16(dva[n][2 * rr], dva[n][2 * rr + 1]);
         }
     }
 }
 
 #define FLASH_BWD_MMA(D) \
 extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_mma_bf16_##D(const bf16_t* q, const bf16_t* k, \
-        const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, float* dq, long t, long sl, long hq, \
+        const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dq, long t, long sl, long hq, \
         long hkv, long d, float scale, long causal, long window) { \
     flash_bwd_dq_mma<D>(q, k, v, lse, delta, dout, dq, t, sl, hq, hkv, scale, causal, window); } \
 extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkv_mma_bf16_##D(const bf16_t* q, const bf16_t* k, \
-        const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, float* dk, float* dv, long t, \
+        const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, long t, \
         long sl, long hq, long hkv, long d, float scale, long causal, long window) { \
     flash_bwd_dkv_mma<D>(q, k, v, lse, delta, dout, dk, dv, t, sl, hq, hkv, scale, causal, window); }
 FLASH_BWD_MMA(64)

@@ -24,15 +24,89 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
 
 struct __align__(16) u128 { u32 x, y, z, w; };
 
-// Four 8×8 bf16 matrices, transposed on the way in: lane l names row (l & 7) of matrix (l >> 3).
-__device__ __forceinline__ void ldsm_x4_t(u32* r, const bf16_t* p) {
+// The shared-memory address of a generic pointer into shared memory (for ldmatrix, cp.async).
+__device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// Four 8×8 bf16 matrices, transposed on the way in: lane l names row (l & 7) of matrix (l >> 3).
+__device__ __forceinline__ void ldsm_x4_t(u32* r, const bf16_t* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+
+// Four 8×8 bf16 matrices as stored: lane l names row (l & 7) of matrix (l >> 3); the result is
+// the A fragment of 16 rows × 16 columns, or the B fragments of two 8-column blocks.
+__device__ __forceinline__ void ldsm_x4(u32* r, const bf16_t* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+
+// 2^x on the special-function unit (relative error about 2^-22; 2^-inf = 0). The softmaxes here
+// work in base 2 with log2(e) folded into the score scale: one multiply-add and one ex2 per score.
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+
+// One k-step of S += A · Bᵀ for 8 blocks of 8 columns, Bᵀ rows read from a [col][d] tile (`tile`
+// points at column 0) by ldmatrix: S = Q Kᵀ, dP = dO Vᵀ, Sᵀ = K Qᵀ, dPᵀ = V dOᵀ.
+template <int D>
+__device__ __forceinline__ void mma_cols_step(float (*s)[4], const u32* a, const bf16_t* tile, int kk) {
+    int lane = threadIdx.x & 31, mi = lane >> 3, rr = lane & 7;
+    #pragma unroll
+    for (int nb = 0; nb < 8; nb += 2) {
+        u32 bb[4];
+        ldsm_x4(bb, tile + ((nb + (mi >> 1)) * 8 + rr) * (D + 8) + kk * 16 + (mi & 1) * 8);
+        mma_bf16(s[nb], a[0], a[1], a[2], a[3], bb[0], bb[1]);
+        mma_bf16(s[nb + 1], a[0], a[1], a[2], a[3], bb[2], bb[3]);
+    }
+}
+
+// Every k-step, A fragments from registers (`a[kk]`: the warp's rows of Q or dO).
+template <int D>
+__device__ __forceinline__ void mma_cols(float (*s)[4], const u32 (*a)[4], const bf16_t* tile) {
+    #pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) mma_cols_step<D>(s, a[kk], tile, kk);
+}
+
+// Every k-step, A fragments by ldmatrix from the warp's 16 rows of a [row][d] tile (K or V).
+template <int D>
+__device__ __forceinline__ void mma_cols_smem(float (*s)[4], const bf16_t* rows, const bf16_t* tile) {
+    int lane = threadIdx.x & 31;
+    #pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+        u32 a[4];
+        ldsm_x4(a, rows + (lane & 15) * (D + 8) + kk * 16 + (lane >> 4) * 8);
+        mma_cols_step<D>(s, a, tile, kk);
+    }
 }
 
 __device__ __forceinline__ u32 word(const bf16_t* p) { return *reinterpret_cast<const u32*>(p); }
+
+// Like tile_in, asynchronously (cp.async, 16 bytes a copy, zero-filled past the end): the tile for
+// the next step loads while this one is computed. Commit with cp_commit, wait with cp_wait<N>
+// (at most N groups still in flight), then __syncthreads before reading.
+template <int D, int ROWS>
+__device__ __forceinline__ void tile_async(bf16_t* dst, const bf16_t* src, long row0, long rows, long b, long heads, long head) {
+    constexpr int V = D / 8;
+    for (int x = threadIdx.x; x < ROWS * V; x += blockDim.x) {
+        int r = x / V, c = (x % V) * 8;
+        long row = row0 + r;
+        bool in = row < rows;
+        const bf16_t* g = src + ((b * rows + (in ? row : 0)) * heads + head) * D + c;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst + r * (D + 8) + c)), "l"(g),
+                     "r"(in ? 16 : 0) : "memory");
+    }
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 // `ROWS` rows of one head from [B, rows, heads, D] into a padded [ROWS][D + 8] tile (zeros past
 // the end), 16 bytes per copy.
@@ -77,8 +151,9 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
     constexpr int KS = D / 16;        // k-steps over the head dim
     constexpr int NO = D / 8;         // 8-wide blocks of the output
     constexpr int KP = D + 8;         // padded K and V rows (elements)
-    __shared__ __align__(16) bf16_t ks[FM_KEYS * KP];
-    __shared__ __align__(16) bf16_t vs[FM_KEYS * KP];
+    // Two stages of (K tile, V tile): 4·FM_KEYS·(D + 8)·2 bytes of dynamic shared memory.
+    extern __shared__ __align__(16) unsigned char fm_smem[];
+    bf16_t* stage = reinterpret_cast<bf16_t*>(fm_smem);
     long tiles = (t + FM_ROWS - 1) / FM_ROWS;
     long qt = blockIdx.x % tiles, h = (blockIdx.x / tiles) % hq, b = blockIdx.x / (tiles * hq), kvh = h / (hq / hkv);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
@@ -99,39 +174,43 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
     float acc[NO][4];
     #pragma unroll
     for (int n = 0; n < NO; n++) for (int e = 0; e < 4; e++) acc[n][e] = 0.f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // running max (base 2) and sum
+    const float scale2 = scale * LOG2E;
     long i0 = qt * FM_ROWS, i1 = lmin(t, i0 + FM_ROWS) - 1;
     long jb = 0, je = sl;
     if (causal) je = lmin(je, i1 + 1);
     if (window > 0) { jb = lmax(0L, i0 - window + 1); if (!causal) je = lmin(je, i1 + window); }
     jb = (jb / FM_KEYS) * FM_KEYS;
-    for (long j0 = jb; j0 < je; j0 += FM_KEYS) {
+    long steps = je > jb ? (je - jb + FM_KEYS - 1) / FM_KEYS : 0;
+    auto fetch = [&](long it) {
+        bf16_t* kt = stage + (it & 1) * 2 * FM_KEYS * KP;
+        tile_async<D, FM_KEYS>(kt, k, jb + it * FM_KEYS, sl, b, hkv, kvh);
+        tile_async<D, FM_KEYS>(kt + FM_KEYS * KP, v, jb + it * FM_KEYS, sl, b, hkv, kvh);
+        cp_commit();
+    };
+    if (steps > 0) fetch(0);
+    for (long it = 0; it < steps; it++) {
+        long j0 = jb + it * FM_KEYS;
+        if (it + 1 < steps) { fetch(it + 1); cp_wait<1>(); } else cp_wait<0>();
         __syncthreads();
-        tile_in<D, FM_KEYS>(ks, k, j0, sl, b, hkv, kvh);
-        tile_in<D, FM_KEYS>(vs, v, j0, sl, b, hkv, kvh);
-        __syncthreads();
+        const bf16_t* ks = stage + (it & 1) * 2 * FM_KEYS * KP;
+        const bf16_t* vs = ks + FM_KEYS * KP;
         // S = Q Kᵀ for this warp's 16 rows × 64 keys: 8 blocks of 8 keys.
         float s[8][4];
         #pragma unroll
-        for (int nb = 0; nb < 8; nb++) {
-            #pragma unroll
-            for (int e = 0; e < 4; e++) s[nb][e] = 0.f;
-            #pragma unroll
-            for (int kk = 0; kk < KS; kk++) {
-                const bf16_t* kr = ks + (nb * 8 + g) * KP + kk * 16 + tg * 2;
-                u32 b0 = *reinterpret_cast<const u32*>(kr), b1 = *reinterpret_cast<const u32*>(kr + 8);
-                mma_bf16(s[nb], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b0, b1);
-            }
-        }
-        // Mask, scale, and the online softmax for rows r0 (elements 0,1) and r1 (elements 2,3).
+        for (int nb = 0; nb < 8; nb++) for (int e = 0; e < 4; e++) s[nb][e] = 0.f;
+        mma_cols<D>(s, qa, ks);
+        // Mask, scale (base 2), and the online softmax for rows r0 (elements 0,1) and r1 (2,3).
+        // A tile wholly inside the sequence and below the diagonal needs no mask.
+        bool full = window == 0 && i0 + FM_ROWS <= t && j0 + FM_KEYS <= sl && (!causal || j0 + FM_KEYS - 1 <= i0);
         float mx[2] = {-INFINITY, -INFINITY};
         #pragma unroll
         for (int nb = 0; nb < 8; nb++) {
             #pragma unroll
             for (int e = 0; e < 4; e++) {
                 long i = e < 2 ? r0 : r1, j = j0 + nb * 8 + tg * 2 + (e & 1);
-                bool ok = i < t && j < sl && allowed(i, j, causal, window);
-                s[nb][e] = ok ? s[nb][e] * scale : -INFINITY;
+                bool ok = full || (i < t && j < sl && allowed(i, j, causal, window));
+                s[nb][e] = ok ? s[nb][e] * scale2 : -INFINITY;
                 mx[e >> 1] = fmaxf(mx[e >> 1], s[nb][e]);
             }
         }
@@ -141,7 +220,7 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
             mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
             mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
             mn[rr] = fmaxf(m[rr], mx[rr]);
-            corr[rr] = mn[rr] == -INFINITY ? 1.f : expf(m[rr] - mn[rr]);
+            corr[rr] = mn[rr] == -INFINITY ? 1.f : ex2(m[rr] - mn[rr]);
             m[rr] = mn[rr];
         }
         float rs[2] = {0.f, 0.f};
@@ -149,7 +228,7 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
         for (int nb = 0; nb < 8; nb++) {
             #pragma unroll
             for (int e = 0; e < 4; e++) {
-                float p = s[nb][e] == -INFINITY ? 0.f : expf(s[nb][e] - mn[e >> 1]);
+                float p = s[nb][e] == -INFINITY ? 0.f : ex2(s[nb][e] - mn[e >> 1]);
                 s[nb][e] = p;
                 rs[e >> 1] += p;
             }
@@ -165,6 +244,7 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
             c_to_a(a, s, kstep);
             mma_rows_t<D>(acc, a, vs + kstep * 16 * KP);
         }
+        __syncthreads();  // every warp is done with this stage before it is refilled
     }
     // Row sums over the 4 threads of each row group, then O / l and lse.
     #pragma unroll
@@ -183,7 +263,7 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
             u32 w = pack_bf16(acc[n][2 * rr] * inv, acc[n][2 * rr + 1] * inv);
             *reinterpret_cast<u32*>(oi + n * 8 + tg * 2) = w;
         }
-        if (tg == 0) lse[(b * hq + h) * t + i] = m[rr] + logf(l[rr]);
+        if (tg == 0) lse[(b * hq + h) * t + i] = m[rr] * LN2 + logf(l[rr]);  // natural log
     }
 }
 

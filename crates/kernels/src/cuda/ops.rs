@@ -462,10 +462,11 @@ pub fn qkv_split(be: &B, x: &Tensor, hkv: usize, g: usize, d: usize) -> Result<(
     let k = new(be, [b, t, hkv, d], x.dtype())?;
     let v = new(be, [b, t, hkv, d], x.dtype())?;
     let name = format!("qkv_split_{}", sfx("qkv_split", x.dtype())?);
+    // One warp per head segment of d elements.
     ew(
         be,
         &name,
-        x.elem_count(),
+        x.elem_count() / d * 32,
         &[ptr("qkv", x)?, ptr("qkv", &q)?, ptr("qkv", &k)?, ptr("qkv", &v)?, n(b * t), n(hkv), n(g), n(d)],
     )?;
     Ok((q, k, v))
@@ -480,7 +481,7 @@ pub fn qkv_merge(be: &B, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     ew(
         be,
         &name,
-        x.elem_count(),
+        x.elem_count() / d * 32,
         &[ptr("qkv", q)?, ptr("qkv", k)?, ptr("qkv", v)?, ptr("qkv", &x)?, n(b * t), n(hkv), n(g), n(d)],
     )?;
     Ok(x)
@@ -530,6 +531,12 @@ fn flash(a: &AttnShape) -> bool {
     FLASH_DIMS.contains(&a.dims.d)
 }
 
+/// Dynamic shared memory of the tensor-core kernels that stream K/V: two stages of a 64-key K
+/// tile and V tile, rows padded by 8 bf16.
+fn kv_stages(d: usize) -> u32 {
+    (2 * 2 * 64 * (d + 8) * 2) as u32
+}
+
 /// Whether the tensor-core kernels take these tensors: bf16, head dim 64 or 128, and every tile
 /// source 16-byte aligned (their loads move 16 bytes at a time; a view at an odd offset is not).
 fn mma_ok(q: &Tensor, tiles: &[&Tensor], a: &AttnShape) -> Result<bool> {
@@ -537,7 +544,7 @@ fn mma_ok(q: &Tensor, tiles: &[&Tensor], a: &AttnShape) -> Result<bool> {
         return Ok(false);
     }
     for t in tiles {
-        if !matches!(ptr("attn", t)?, Arg::Ptr(p) if p % 16 == 0) {
+        if t.dtype() != DType::BF16 || !matches!(ptr("attn", t)?, Arg::Ptr(p) if p % 16 == 0) {
             return Ok(false);
         }
     }
@@ -554,7 +561,7 @@ pub fn attention_fwd(be: &B, q: &Tensor, k: &Tensor, v: &Tensor, a: &AttnShape) 
         // Tensor cores (kernels/flash_mma.cu): 64 query rows per block of 4 warps.
         let d = a.dims;
         let grid = d.b * d.hq * d.t.div_ceil(64);
-        be.launch(&format!("flash_fwd_mma_bf16_{}", d.d), grid as u32, FLASH_THREADS, 0, &args)?;
+        be.launch(&format!("flash_fwd_mma_bf16_{}", d.d), grid as u32, FLASH_THREADS, kv_stages(d.d), &args)?;
     } else if flash(a) {
         let d = a.dims;
         let grid = d.b * d.hq * d.t.div_ceil(32);
@@ -566,7 +573,8 @@ pub fn attention_fwd(be: &B, q: &Tensor, k: &Tensor, v: &Tensor, a: &AttnShape) 
 }
 
 /// Flash backward: dQ (and delta = rowsum(dO∘O)) per query tile, then dK/dV per key tile; no
-/// atomics, so the result does not depend on scheduling.
+/// atomics, so the result does not depend on scheduling. Gradients in bf16 from the tensor-core
+/// kernels, fp32 from the SIMT ones.
 #[allow(clippy::too_many_arguments)]
 fn flash_bwd(
     be: &B,
@@ -580,11 +588,11 @@ fn flash_bwd(
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let d = a.dims;
     let sfx = sfx("attention_bwd", q.dtype())?;
-    let dq = new(be, q.shape().clone(), DType::F32)?;
-    let (dk, dv) = (new(be, k.shape().clone(), DType::F32)?, new(be, v.shape().clone(), DType::F32)?);
     let delta = new(be, [d.b, d.hq, d.t], DType::F32)?;
     if mma_ok(q, &[q, k, v, dout], a)? {
-        // Tensor cores (kernels/flash_bwd_mma.cu).
+        // Tensor cores (kernels/flash_bwd_mma.cu), gradients straight in bf16.
+        let dq = new(be, q.shape().clone(), DType::BF16)?;
+        let (dk, dv) = (new(be, k.shape().clone(), DType::BF16)?, new(be, v.shape().clone(), DType::BF16)?);
         let rows = d.b * d.t * d.hq;
         let args = [ptr("attn", o)?, ptr("attn", dout)?, ptr("attn", &delta)?, n(rows), n(d.t), n(d.hq), n(d.d)];
         be.launch("flash_bwd_delta_bf16", rows.div_ceil(8) as u32, 256, 0, &args)?;
@@ -598,13 +606,21 @@ fn flash_bwd(
             Ok(v)
         };
         let grid = d.b * d.hq * d.t.div_ceil(64);
-        be.launch(&format!("flash_bwd_dq_mma_bf16_{}", d.d), grid as u32, FLASH_THREADS, 0, &head(&[&dq])?)?;
-        // K, V, Q and dO tiles of 64 rows (padded by 8), lse and delta of 64 rows.
-        let shared = (4 * 64 * (d.d + 8) * 2 + 2 * 64 * 4) as u32;
+        be.launch(
+            &format!("flash_bwd_dq_mma_bf16_{}", d.d),
+            grid as u32,
+            FLASH_THREADS,
+            kv_stages(d.d),
+            &head(&[&dq])?,
+        )?;
+        // K and V tiles, two stages of (Q, dO) tiles and of the rows' (lse, delta).
+        let shared = ((2 * 64 + 4 * 64) * (d.d + 8) * 2 + 4 * 64 * 4) as u32;
         let grid = d.b * d.hkv * d.s.div_ceil(64);
         be.launch(&format!("flash_bwd_dkv_mma_bf16_{}", d.d), grid as u32, FLASH_THREADS, shared, &head(&[&dk, &dv])?)?;
         return Ok((dq, dk, dv));
     }
+    let dq = new(be, q.shape().clone(), DType::F32)?;
+    let (dk, dv) = (new(be, k.shape().clone(), DType::F32)?, new(be, v.shape().clone(), DType::F32)?);
     let mut args = vec![
         ptr("attn", q)?,
         ptr("attn", k)?,
@@ -651,7 +667,7 @@ pub fn attention_bwd(
     if flash(a) {
         let (dq, dk, dv) = flash_bwd(be, q, k, v, o, lse, dout, a)?;
         let dt = dout.dtype();
-        if dt == DType::F32 {
+        if dq.dtype() == dt {
             return Ok((dq, dk, dv));
         }
         return Ok((cast(be, &dq, dt)?, cast(be, &dk, dt)?, cast(be, &dv, dt)?));
