@@ -47,7 +47,11 @@ pub fn exp1(x: f32) -> f32 {
     // n = round(x / ln 2) by the 1.5·2²³ trick (round-to-nearest-even, vectorises); at most 127
     // so that 2ⁿ stays finite (just below ln(f32::MAX) r then reaches ≈ ln 2, still accurate).
     let magic = 12_582_912.0f32;
-    let n = ((xc * std::f32::consts::LOG2_E + magic) - magic).min(127.0);
+    let t = xc * std::f32::consts::LOG2_E + magic;
+    let n = (t - magic).min(127.0);
+    // The same n as an integer, read from t's low mantissa bits: Rust's saturating `as i32` made
+    // LLVM convert lane by lane (scalar compares and inserts inside the vector loop).
+    let ni = (t.to_bits() as i32).wrapping_sub(magic.to_bits() as i32).min(127);
     // r = x − n·ln2 in two parts (ln2_hi has trailing zero bits, so n·ln2_hi is exact).
     let r = (xc - n * 0.693_359_4) - n * -2.121_944_4e-4;
     // e^r on |r| ≤ ln2/2: Taylor–Cephes coefficients.
@@ -59,7 +63,7 @@ pub fn exp1(x: f32) -> f32 {
         + 1.0)
         * r
         + 1.0;
-    let scale = f32::from_bits(((n as i32 + 127) << 23) as u32);
+    let scale = f32::from_bits(((ni + 127) << 23) as u32);
     let y = p * scale;
     if x < -87.3 {
         0.0
