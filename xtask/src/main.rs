@@ -58,39 +58,69 @@ fn main() -> anyhow::Result<()> {
     }
 }
 
-/// The CUDA sources as one translation unit, common header first (the order NVRTC sees them in).
+/// The CUDA sources as one translation unit, in the order NVRTC sees them: the order of the
+/// `include_str!` list in crates/kernels/src/cuda/mod.rs (later files use earlier ones' helpers).
 fn cuda_source() -> anyhow::Result<String> {
-    let dir = root().join("kernels");
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "cu"))
-        .collect();
-    files.sort();
-    let mut src = std::fs::read_to_string(dir.join("common.cuh"))?;
-    for f in files {
-        src.push_str(&std::fs::read_to_string(&f)?);
+    let list = std::fs::read_to_string(root().join("crates/kernels/src/cuda/mod.rs"))?;
+    let mut src = String::new();
+    for part in list.split("include_str!(\"../../../../kernels/").skip(1) {
+        let name = part.split('"').next().context("malformed include_str! in cuda/mod.rs")?;
+        src.push_str(&std::fs::read_to_string(root().join("kernels").join(name))?);
+        src.push('\n');
+    }
+    if src.is_empty() {
+        bail!("no kernels/ sources listed in crates/kernels/src/cuda/mod.rs");
     }
     Ok(src)
 }
 
-/// Compiles kernels/ with nvcc for `arch`: a check that the sources build ahead of time.
+/// Compiles kernels/ with nvcc for `arch` (a check that the sources build ahead of time) and
+/// prints each kernel's registers, spills and shared memory from ptxas. nvcc comes with the CUDA
+/// toolkit, or from PyPI: `pip install nvidia-cuda-nvcc` puts it in site-packages/nvidia/cu13/bin.
 fn ptx(arch: &str) -> anyhow::Result<()> {
     let out = root().join("target/ptx");
     std::fs::create_dir_all(&out)?;
     let cu = out.join("ferrotron_kernels.cu");
     std::fs::write(&cu, cuda_source()?)?;
-    let ptx = out.join(format!("ferrotron_kernels.{arch}.ptx"));
-    let status = Command::new("nvcc")
-        .args(["--ptx", &format!("-arch={arch}"), "-std=c++17", "-o"])
-        .arg(&ptx)
+    let cubin = out.join(format!("ferrotron_kernels.{arch}.cubin"));
+    let res = Command::new("nvcc")
+        .args(["--cubin", &format!("-arch={arch}"), "-std=c++17", "-Xptxas", "-v", "-o"])
+        .arg(&cubin)
         .arg(&cu)
-        .status()
-        .context("nvcc not found: install the CUDA toolkit or put nvcc on PATH")?;
-    if !status.success() {
-        bail!("nvcc failed on kernels/ for {arch}");
+        .output()
+        .context("nvcc not found: install the CUDA toolkit (or `pip install nvidia-cuda-nvcc`) and put nvcc on PATH")?;
+    let log = String::from_utf8_lossy(&res.stderr);
+    if !res.status.success() {
+        bail!("nvcc failed on kernels/ for {arch}:\n{log}");
     }
-    println!("ptx: {}", ptx.display());
+    println!("| kernel | registers | spill stores / loads (bytes) | shared memory (static) |");
+    println!("|---|---|---|---|");
+    for row in ptxas_table(&log) {
+        println!("| {} | {} | {} / {} | {} |", row.0, row.1, row.2, row.3, row.4);
+    }
+    println!("cubin: {}", cubin.display());
     Ok(())
+}
+
+/// (kernel, registers, spill store bytes, spill load bytes, static shared bytes) from `ptxas -v`.
+fn ptxas_table(log: &str) -> Vec<(String, u64, u64, u64, u64)> {
+    let num = |line: &str, before: &str| -> u64 {
+        line.split(before).next().and_then(|s| s.split_whitespace().last()).and_then(|n| n.parse().ok()).unwrap_or(0)
+    };
+    let mut rows: Vec<(String, u64, u64, u64, u64)> = Vec::new();
+    for line in log.lines() {
+        if let Some(name) = line.split("Function properties for ").nth(1) {
+            rows.push((name.trim().to_string(), 0, 0, 0, 0));
+        } else if let Some(r) = rows.last_mut() {
+            if line.contains("spill stores") {
+                (r.2, r.3) = (num(line, " bytes spill stores"), num(line, " bytes spill loads"));
+            } else if line.contains("Used ") {
+                r.1 = num(line, " registers");
+                r.4 = num(line, " bytes smem");
+            }
+        }
+    }
+    rows
 }
 
 /// Builds every test binary with `--features cuda`; runs them when a GPU is visible, otherwise
@@ -283,4 +313,37 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
         let _ = std::fs::remove_dir_all(&dir);
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ptxas_report_becomes_rows() {
+        let log = "ptxas info    : Compiling entry function 'a' for 'sm_90'\n\
+ptxas info    : Function properties for flash_bwd_dkv_mma_bf16_128\n\
+    48 bytes stack frame, 52 bytes spill stores, 144 bytes spill loads\n\
+ptxas info    : Used 255 registers, used 1 barriers, 48 bytes cumulative stack size\n\
+ptxas info    : Function properties for flash_bwd_dq_mma_bf16_64\n\
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n\
+ptxas info    : Used 168 registers, used 1 barriers, 18432 bytes smem\n";
+        let rows = ptxas_table(log);
+        assert_eq!(
+            rows,
+            vec![
+                ("flash_bwd_dkv_mma_bf16_128".to_string(), 255, 52, 144, 0),
+                ("flash_bwd_dq_mma_bf16_64".to_string(), 168, 0, 0, 18432),
+            ]
+        );
+    }
+
+    #[test]
+    fn cuda_source_follows_the_nvrtc_order() {
+        let src = cuda_source().unwrap();
+        let at = |needle: &str| src.find(needle).unwrap_or_else(|| panic!("{needle} missing"));
+        // Helpers come before their users, as NVRTC compiles them.
+        assert!(at("block_sum(") < at("layernorm_fwd_"));
+        assert!(at("void mma_bf16(") < at("flash_bwd_dq_mma"));
+    }
 }
