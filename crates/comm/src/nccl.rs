@@ -452,6 +452,9 @@ impl Communicator for NcclComm {
         let mut peers: Vec<usize> = peers.iter().copied().filter(|&p| p != self.rank).collect();
         peers.sort_unstable();
         peers.dedup();
+        if peers.is_empty() {
+            return Ok(());
+        }
         // One element each way to every peer, all in one batch: both directions of every link
         // are set up in the same handshake on both ends.
         let d = Device::Cuda(self.dev.clone());

@@ -213,6 +213,8 @@ fn init_values<'a>(m: &ParamMeta, seed: u64, out: &'a mut [f32], draws: &mut Vec
 fn fill_all(draws: Vec<Draw<'_>>) {
     const PIECE: usize = 1 << 16;
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).max(1);
+    let total: usize = draws.iter().map(|d| d.3.len()).sum();
+    let threads = if total <= 2 * PIECE { 1 } else { threads };
     let mut groups: Vec<Vec<Draw<'_>>> = (0..threads).map(|_| Vec::new()).collect();
     let mut next = 0;
     for (rng, start, std, out) in draws {
@@ -226,12 +228,12 @@ fn fill_all(draws: Vec<Draw<'_>>) {
             rng.fill_normal(start, 0.0, std, out);
         }
     };
-    if next <= 1 || threads == 1 {
+    if threads == 1 {
         groups.into_iter().for_each(run);
         return;
     }
     std::thread::scope(|s| {
-        for g in groups {
+        for g in groups.into_iter().filter(|g| !g.is_empty()) {
             s.spawn(move || run(g));
         }
     });

@@ -102,16 +102,16 @@ pub fn bias_grad(be: &B, dy: &Tensor) -> Result<Tensor> {
     let partials = new(be, [chunks, c], DType::F32)?;
     let name = format!("bias_grad_{}", sfx("bias_grad", dy.dtype())?);
     ew(be, &name, chunks * c, &[ptr("bias_grad", dy)?, ptr("bias_grad", &partials)?, n(rows), n(c)])?;
-    col_sum(be, &partials, c)
+    col_sum(be, &partials, chunks, c)
 }
 
 /// Rows per partial sum of the two-pass column sums (`COL_CHUNK` in kernels/common.cuh).
 const COL_CHUNK: usize = 64;
 
 /// The second pass of a column sum: `partials` [chunks, c] (chunk order) → [c].
-fn col_sum(be: &B, partials: &Tensor, c: usize) -> Result<Tensor> {
+fn col_sum(be: &B, partials: &Tensor, chunks: usize, c: usize) -> Result<Tensor> {
     let y = new(be, [c], DType::F32)?;
-    let chunks = n(partials.elem_count() / c);
+    let chunks = n(chunks);
     be.launch(
         "col_sum_f32",
         c.div_ceil(32) as u32,
@@ -214,7 +214,7 @@ pub fn layernorm_bwd(
         n(c),
     ];
     ew(be, &format!("norm_param_grad_{s}"), chunks * c, &args)?;
-    let (dw, db) = (col_sum(be, &pw, c)?, col_sum(be, &pb, c)?);
+    let (dw, db) = (col_sum(be, &pw, chunks, c)?, col_sum(be, &pb, chunks, c)?);
     Ok((dx, dw, db))
 }
 
@@ -246,7 +246,7 @@ pub fn rmsnorm_bwd(be: &B, dy: &Tensor, x: &Tensor, w: &Tensor, rstd: &Tensor) -
     let pw = new(be, [chunks, c], DType::F32)?;
     let args = [ptr("rms", dy)?, ptr("rms", x)?, NULL, ptr("rms", rstd)?, ptr("rms", &pw)?, NULL, n(rows), n(c)];
     ew(be, &format!("norm_param_grad_{s}"), chunks * c, &args)?;
-    Ok((dx, col_sum(be, &pw, c)?))
+    Ok((dx, col_sum(be, &pw, chunks, c)?))
 }
 
 pub fn softmax(be: &B, x: &Tensor) -> Result<Tensor> {
@@ -466,7 +466,7 @@ pub fn qkv_split(be: &B, x: &Tensor, hkv: usize, g: usize, d: usize) -> Result<(
     ew(
         be,
         &name,
-        x.elem_count() / d * 32,
+        x.elem_count() / d.max(1) * 32,
         &[ptr("qkv", x)?, ptr("qkv", &q)?, ptr("qkv", &k)?, ptr("qkv", &v)?, n(b * t), n(hkv), n(g), n(d)],
     )?;
     Ok((q, k, v))
@@ -481,7 +481,7 @@ pub fn qkv_merge(be: &B, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     ew(
         be,
         &name,
-        x.elem_count() / d * 32,
+        x.elem_count() / d.max(1) * 32,
         &[ptr("qkv", q)?, ptr("qkv", k)?, ptr("qkv", v)?, ptr("qkv", &x)?, n(b * t), n(hkv), n(g), n(d)],
     )?;
     Ok(x)
