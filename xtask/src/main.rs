@@ -227,7 +227,8 @@ fn header_flops_per_token(log: &str) -> Option<f64> {
 
 /// `cargo xtask bench --gpu [FERROTRON_BIN] [PRESET...]`: Ferrotron (bf16) and the PyTorch reference
 /// (torch.compile + SDPA, bf16 autocast) on the same GPT in the same command: tokens/s, MFU, peak
-/// memory and the ratio. Runs on the GPU machine (no cargo needed there).
+/// memory and the ratio. Runs on the GPU machine (no cargo needed there). Environment:
+/// BENCH_ITERS (steps, default 6), BENCH_MICRO (micro-batch override), BENCH_TORCH=0 (Ferrotron only).
 fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
     let (bin, presets): (PathBuf, Vec<String>) = match args.first() {
         Some(a) if bench_shape(a).is_none() => (PathBuf::from(a), args[1..].to_vec()),
@@ -287,6 +288,13 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
             "| {p} | ferrotron bf16 | {ours:.0} | {:.1}% | {peak:.1} (device total) |",
             100.0 * ours * flops / 989e12
         );
+        if std::env::var("BENCH_TORCH").is_ok_and(|v| v == "0") {
+            // The PyTorch half compiles the model first (minutes at 1.3B): skippable when its
+            // figure for this card is already in benches/NOTES.md.
+            println!("| {p} | pytorch skipped (BENCH_TORCH=0) | | | |");
+            let _ = std::fs::remove_dir_all(&dir);
+            continue;
+        }
         let py = Command::new("python3")
             .arg(root().join("benches/torch_gpu_gpt.py"))
             .args(["--layers", &layers.to_string(), "--hidden", &hidden.to_string(), "--heads", &heads.to_string()])
