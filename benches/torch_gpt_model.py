@@ -35,3 +35,53 @@ class GPT(nn.Module):
             x = blk(x)
         logits = s.ln_f(x) @ s.wte.weight.T  # tied output layer
         return F.cross_entropy(logits.float().reshape(-1, s.vocab), tgt.reshape(-1))
+
+
+def rope(x, base):
+    """Rotary embedding on [b, t, heads, d], rotate-half layout (Megatron's default)."""
+    t, d = x.shape[1], x.shape[-1]
+    inv = 1.0 / (base ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    ang = torch.outer(torch.arange(t, device=x.device, dtype=torch.float32), inv)
+    cos, sin = ang.cos()[None, :, None, :].to(x.dtype), ang.sin()[None, :, None, :].to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(s, h, heads, groups, ffn, base):
+        super().__init__()
+        s.heads, s.groups, s.d, s.base = heads, groups, h // heads, base
+        s.n1, s.n2 = nn.RMSNorm(h, eps=1e-5), nn.RMSNorm(h, eps=1e-5)
+        s.qkv = nn.Linear(h, (heads + 2 * groups) * s.d, bias=False)
+        s.proj = nn.Linear(h, h, bias=False)
+        s.fc1, s.fc2 = nn.Linear(h, 2 * ffn, bias=False), nn.Linear(ffn, h, bias=False)
+
+    def forward(s, x):
+        b, t, h = x.shape
+        q, k, v = s.qkv(s.n1(x)).split([s.heads * s.d, s.groups * s.d, s.groups * s.d], dim=-1)
+        q = rope(q.view(b, t, s.heads, s.d), s.base).transpose(1, 2)
+        k = rope(k.view(b, t, s.groups, s.d), s.base).transpose(1, 2)
+        v = v.view(b, t, s.groups, s.d).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + s.proj(y.transpose(1, 2).reshape(b, t, h))
+        gate, up = s.fc1(s.n2(x)).chunk(2, dim=-1)
+        return x + s.fc2(F.silu(gate) * up)
+
+
+class Llama(nn.Module):
+    """Ferrotron's llama presets: RMSNorm, SwiGLU, RoPE, GQA, no biases, untied output layer."""
+
+    def __init__(s, layers, hidden, heads, groups, ffn, vocab, base=500000.0):
+        super().__init__()
+        s.vocab = vocab
+        s.wte = nn.Embedding(vocab, hidden)
+        s.blocks = nn.ModuleList(LlamaBlock(hidden, heads, groups, ffn, base) for _ in range(layers))
+        s.norm_f = nn.RMSNorm(hidden, eps=1e-5)
+        s.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(s, idx, tgt):
+        x = s.wte(idx)
+        for blk in s.blocks:
+            x = blk(x)
+        logits = s.head(s.norm_f(x))
+        return F.cross_entropy(logits.float().reshape(-1, s.vocab), tgt.reshape(-1))

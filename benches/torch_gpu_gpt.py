@@ -1,23 +1,30 @@
-"""PyTorch reference for `cargo xtask bench --gpu`: the same GPT (LayerNorm, tanh-GeLU, learned
-positions, tied output layer) in bf16 autocast with torch.compile + SDPA and fused AdamW, timed over
-`--iters` steps after warm-up. Prints one JSON line: tokens/s, MFU, peak memory.
+"""PyTorch reference for `cargo xtask bench --gpu`: the same GPT (gpt2 style: LayerNorm, tanh-GeLU,
+learned positions, tied output layer; or `--style llama`: RMSNorm, SwiGLU, RoPE, GQA, untied) in
+bf16 autocast with torch.compile + SDPA and fused AdamW, timed over `--iters` steps after warm-up.
+Prints one JSON line: tokens/s, MFU, peak memory.
 
 Written for this project."""
 import argparse, json, time
 import torch
-from torch_gpt_model import GPT
+from torch_gpt_model import GPT, Llama
 
 p = argparse.ArgumentParser()
 for name, default in [("layers", 12), ("hidden", 768), ("heads", 12), ("seq", 1024), ("vocab", 50304),
                       ("micro", 8), ("iters", 10), ("warmup", 3)]:
     p.add_argument(f"--{name}", type=int, default=default)
 p.add_argument("--flops-per-token", type=float, required=True)
+p.add_argument("--style", choices=["gpt2", "llama"], default="gpt2")
+p.add_argument("--groups", type=int, default=0)  # llama: query groups (GQA)
+p.add_argument("--ffn", type=int, default=0)  # llama: SwiGLU width
 a = p.parse_args()
 dev = "cuda"
 torch.backends.cuda.matmul.allow_tf32 = True
 
 
-m = GPT(a.layers, a.hidden, a.heads, a.seq, a.vocab).to(dev)
+if a.style == "llama":
+    m = Llama(a.layers, a.hidden, a.heads, a.groups, a.ffn, a.vocab).to(dev)
+else:
+    m = GPT(a.layers, a.hidden, a.heads, a.seq, a.vocab).to(dev)
 opt = torch.optim.AdamW(m.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
 model = torch.compile(m)
 data = torch.randint(0, a.vocab, (a.micro, a.seq + 1), device=dev)

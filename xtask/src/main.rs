@@ -190,13 +190,26 @@ fn json_field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
     Some(&line[start..start + line[start..].find('"')?])
 }
 
-/// GPT shapes of the GPU bench presets: (layers, hidden, heads, seq, micro-batch).
-fn bench_shape(preset: &str) -> Option<(usize, usize, usize, usize, usize)> {
-    match preset {
-        "124m" => Some((12, 768, 12, 1024, 16)),
-        "1.3b" => Some((24, 2048, 16, 2048, 8)),
-        _ => None,
-    }
+/// A GPU bench preset: the GPT's shape (layers, hidden, heads, seq, micro-batch) and the extra
+/// arguments that make benches/torch_gpu_gpt.py build the same model.
+struct BenchShape {
+    layers: usize,
+    hidden: usize,
+    heads: usize,
+    seq: usize,
+    micro: usize,
+    torch_style: &'static [&'static str],
+}
+
+/// The presets issue 7 measures: GPT-2 124M, GPT 1.3B and the Llama-style 1B (GQA 32/8, seq 4096).
+fn bench_shape(preset: &str) -> Option<BenchShape> {
+    let (layers, hidden, heads, seq, micro, torch_style): (_, _, _, _, _, &'static [&'static str]) = match preset {
+        "124m" => (12, 768, 12, 1024, 16, &[]),
+        "1.3b" => (24, 2048, 16, 2048, 8, &[]),
+        "llama-1b" => (16, 2048, 32, 4096, 4, &["--style", "llama", "--groups", "8", "--ffn", "8192"]),
+        _ => return None,
+    };
+    Some(BenchShape { layers, hidden, heads, seq, micro, torch_style })
 }
 
 /// Largest `memory.used` nvidia-smi reports while `child` runs, in GiB.
@@ -234,13 +247,14 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
         Some(a) if bench_shape(a).is_none() => (PathBuf::from(a), args[1..].to_vec()),
         _ => (root().join("target/release/ferrotron"), args.to_vec()),
     };
-    let presets = if presets.is_empty() { vec!["124m".to_string(), "1.3b".to_string()] } else { presets };
+    let presets = if presets.is_empty() { multi::owned(&["124m", "1.3b", "llama-1b"]) } else { presets };
     let iters = std::env::var("BENCH_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(6u64);
     println!("| model | implementation | tokens/s | MFU | peak memory GiB |");
     println!("|---|---|---|---|---|");
     for p in &presets {
-        let (layers, hidden, heads, seq, micro) =
-            bench_shape(p).with_context(|| format!("no GPU bench shape for preset {p}: use 124m or 1.3b"))?;
+        let shape =
+            bench_shape(p).with_context(|| format!("no GPU bench shape for preset {p}: use 124m, 1.3b or llama-1b"))?;
+        let BenchShape { layers, hidden, heads, seq, micro, torch_style } = shape;
         // BENCH_MICRO overrides the micro-batch (e.g. 1 for a quick look at a slow build).
         let micro = std::env::var("BENCH_MICRO").ok().and_then(|v| v.parse().ok()).unwrap_or(micro);
         let dir = std::env::temp_dir().join(format!("ferrotron-bench-{p}-{}", std::process::id()));
@@ -299,6 +313,7 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
             .arg(root().join("benches/torch_gpu_gpt.py"))
             .args(["--layers", &layers.to_string(), "--hidden", &hidden.to_string(), "--heads", &heads.to_string()])
             .args(["--seq", &seq.to_string(), "--micro", &micro.to_string(), "--flops-per-token", &flops.to_string()])
+            .args(torch_style)
             .output()
             .context("running python3 benches/torch_gpu_gpt.py")?;
         let out = String::from_utf8_lossy(&py.stdout);
@@ -344,6 +359,28 @@ ptxas info    : Used 168 registers, used 1 barriers, 18432 bytes smem\n";
                 ("flash_bwd_dq_mma_bf16_64".to_string(), 168, 0, 0, 18432),
             ]
         );
+    }
+
+    #[test]
+    fn bench_shapes_are_the_presets_and_the_torch_twin_gets_the_rest() {
+        for name in ["124m", "1.3b", "llama-1b"] {
+            let s = bench_shape(name).unwrap();
+            let c = ferrotron_models::preset(name).unwrap();
+            assert_eq!(
+                (s.layers, s.hidden, s.heads, s.seq),
+                (c.num_layers, c.hidden_size, c.num_attention_heads, c.seq_length),
+                "{name}"
+            );
+            let arg = |k: &str| s.torch_style.iter().position(|a| *a == k).map(|i| s.torch_style[i + 1]);
+            if c.num_query_groups != c.num_attention_heads || c.untie_embeddings_and_output_weights {
+                assert_eq!(arg("--style"), Some("llama"), "{name}");
+                assert_eq!(arg("--groups"), Some(c.num_query_groups.to_string().as_str()), "{name}");
+                assert_eq!(arg("--ffn"), Some(c.ffn_hidden_size.to_string().as_str()), "{name}");
+            } else {
+                assert!(s.torch_style.is_empty(), "{name}");
+            }
+        }
+        assert!(bench_shape("6.7b").is_none());
     }
 
     #[test]

@@ -114,7 +114,7 @@ pub fn steady_median(metrics: &str, key: &str) -> f64 {
     v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
-fn owned(v: &[&str]) -> Vec<String> {
+pub(crate) fn owned(v: &[&str]) -> Vec<String> {
     v.iter().map(|s| s.to_string()).collect()
 }
 
