@@ -157,7 +157,18 @@ fn gpu_test(stage: Option<PathBuf>) -> anyhow::Result<()> {
     let gpu = std::path::Path::new("/dev/nvidia0").exists();
     match (gpu, stage) {
         (true, _) => {
+            let gpus = Command::new("nvidia-smi")
+                .arg("-L")
+                .output()
+                .map(|o| String::from_utf8_lossy(&o.stdout).lines().filter(|l| l.starts_with("GPU ")).count())
+                .unwrap_or(1);
             for b in &bins {
+                let name = b.file_name().and_then(|n| n.to_str()).unwrap_or("");
+                if name.starts_with("nccl_watchdog") && gpus < 2 {
+                    // Two ranks are needed to leave a collective unmatched (see the test's doc).
+                    println!("== {}: SKIPPED, needs 2 GPUs and this machine has {gpus}", b.display());
+                    continue;
+                }
                 println!("== {}", b.display());
                 let s = Command::new(b).status()?;
                 if !s.success() {
