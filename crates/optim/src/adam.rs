@@ -153,6 +153,24 @@ impl Optimizer {
         out
     }
 
+    /// `pieces` merged where neighbours touch in both the flat buffer and the state and share
+    /// the weight-decay choice: (decay, flat range, state offset). AdamW is elementwise, so one
+    /// launch per run gives the same bits as one per parameter (hundreds of launches per step on a
+    /// GPU before).
+    fn runs(&self, table: &ParamTable) -> Vec<(bool, Range<usize>, usize)> {
+        let mut out: Vec<(bool, Range<usize>, usize)> = Vec::new();
+        for (id, r, at) in self.pieces(table) {
+            let decay = table.meta(id).weight_decay;
+            match out.last_mut() {
+                Some(last) if last.0 == decay && last.1.end == r.start && last.2 + last.1.len() == at => {
+                    last.1.end = r.end;
+                }
+                _ => out.push((decay, r, at)),
+            }
+        }
+        out
+    }
+
     /// L2 norm of the (synchronised) gradients over the whole model, identical on every rank.
     pub fn grad_norm(&self, table: &ParamTable) -> Result<f64, OptimError> {
         let g = table.flat_grads();
@@ -194,14 +212,14 @@ impl Optimizer {
             1.0
         };
         self.step += 1;
-        for (id, r, at) in self.pieces(table) {
+        for (decay, r, at) in self.runs(table) {
             let shape = [r.len()];
             let h = AdamW {
                 lr,
                 beta1: c.beta1,
                 beta2: c.beta2,
                 eps: c.eps,
-                weight_decay: if table.meta(id).weight_decay { c.weight_decay } else { 0.0 },
+                weight_decay: if decay { c.weight_decay } else { 0.0 },
                 step: self.step,
                 grad_scale,
             };
