@@ -174,7 +174,8 @@ impl Optimizer {
     /// L2 norm of the (synchronised) gradients over the whole model, identical on every rank.
     pub fn grad_norm(&self, table: &ParamTable) -> Result<f64, OptimError> {
         let g = table.flat_grads();
-        let mut views = Vec::new();
+        // Ranges of the flat buffer counted here, neighbours merged (one kernel each on a GPU).
+        let mut ranges: Vec<Range<usize>> = Vec::new();
         for (id, r, _) in self.pieces(table) {
             // Replicated across tensor-parallel ranks: counted on one of them; a pipeline stage's
             // copy of the tied embedding: counted on the stage that owns it.
@@ -182,8 +183,12 @@ impl Optimizer {
             if (m.replicated && self.tp_rank != 0) || m.pipeline_copy {
                 continue;
             }
-            views.push(g.view(r.start, [r.len()])?);
+            match ranges.last_mut() {
+                Some(last) if last.end == r.start => last.end = r.end,
+                _ => ranges.push(r),
+            }
         }
+        let views = ranges.iter().map(|r| g.view(r.start, [r.len()])).collect::<Result<Vec<_>, _>>()?;
         // One read back for every piece (no host synchronisation per parameter).
         let mut sq = k::sum_sq_all(&views.iter().collect::<Vec<_>>())?;
         let dev = g.device();
