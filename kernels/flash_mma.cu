@@ -1,10 +1,12 @@
 // Flash attention forward on tensor cores (bf16 in, fp32 accumulate): mma.sync m16n8k16, the
 // FlashAttention-2 arrangement. A block of 4 warps takes 64 query rows (16 per warp) of one
-// (batch, head); key tiles of 64 go through shared memory (K and V as [key][d] in 16-byte copies,
-// rows padded by 8 elements so fragment loads hit 32 distinct banks; V's B operand comes from
-// ldmatrix.trans). S = QKᵀ stays in registers; its C-fragment layout for two adjacent 8-key blocks is exactly the A-fragment layout
-// P needs for O += PV, so P never leaves registers. Online softmax per row across the 4 threads
-// of a fragment row group (2 shuffles). Same layouts and outputs as flash.cu / attention.cu.
+// (batch, head); key tiles of 64 stream through shared memory in two stages (cp.async: the next
+// K/V tile loads while this one is used), stored as [key][d] with rows padded by 8 elements so
+// ldmatrix reads are conflict-free (K's B operand by ldmatrix, V's by ldmatrix.trans). S = QKᵀ
+// stays in registers; its C-fragment layout for two adjacent 8-key blocks is exactly the
+// A-fragment layout P needs for O += PV, so P never leaves registers. Online softmax in base 2
+// per row across the 4 threads of a fragment row group (2 shuffles). Same layouts and outputs as
+// flash.cu / attention.cu. Every helper before flash_fwd_mma is shared with flash_bwd_mma.cu.
 
 #define FM_ROWS 64
 #define FM_KEYS 64
