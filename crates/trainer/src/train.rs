@@ -75,12 +75,7 @@ fn batch(split: &TokenSplit, indices: &[usize], seq: usize, dev: &Device) -> any
         labels.extend_from_slice(&s[1..]);
     }
     let b = indices.len();
-    Ok(Batch {
-        tokens: Tensor::from_vec(tokens, [b, seq], dev)?,
-        labels: Tensor::from_vec(labels, [b, seq], dev)?,
-        loss_mask: Tensor::from_vec(vec![1f32; b * seq], [b, seq], dev)?,
-        num_tokens: (b * seq) as f64,
-    })
+    Ok(Batch::unmasked(Tensor::from_vec(tokens, [b, seq], dev)?, Tensor::from_vec(labels, [b, seq], dev)?)?)
 }
 
 /// Mean validation loss over `eval_iters` micro-batches taken in order from the start of the split.

@@ -28,7 +28,8 @@ use ferrotron_parallel::{
     vocab_parallel_ce_fwd,
 };
 
-/// One micro-batch.
+/// One micro-batch. Built by `new` or `unmasked`, which count the loss-mask tokens once, so
+/// the count always matches the mask.
 #[derive(Clone, Debug)]
 pub struct Batch {
     pub tokens: Tensor,
@@ -36,7 +37,7 @@ pub struct Batch {
     pub loss_mask: Tensor,
     /// Σ loss_mask, counted once when the batch is made (so a step never reads it back from the
     /// device).
-    pub num_tokens: f64,
+    num_tokens: f64,
 }
 
 impl Batch {
@@ -44,6 +45,18 @@ impl Batch {
     pub fn new(tokens: Tensor, labels: Tensor, loss_mask: Tensor) -> Result<Batch> {
         let num_tokens = loss_mask.to_vec_f32()?.iter().map(|&m| m as f64).sum();
         Ok(Batch { tokens, labels, loss_mask, num_tokens })
+    }
+
+    /// A batch whose every label counts: an all-ones mask on the tokens' device, no read back.
+    pub fn unmasked(tokens: Tensor, labels: Tensor) -> Result<Batch> {
+        let n = tokens.elem_count();
+        let loss_mask = Tensor::from_vec(vec![1f32; n], tokens.dims().to_vec(), tokens.device())?;
+        Ok(Batch { tokens, labels, loss_mask, num_tokens: n as f64 })
+    }
+
+    /// Σ loss_mask.
+    pub fn num_tokens(&self) -> f64 {
+        self.num_tokens
     }
 }
 
@@ -427,5 +440,23 @@ impl GptModel {
 impl From<ferrotron_core::Error> for ModelError {
     fn from(e: ferrotron_core::Error) -> Self {
         ModelError::Core(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferrotron_core::Device;
+
+    #[test]
+    fn a_batch_counts_its_mask_once_whichever_way_it_is_made() {
+        let dev = Device::Cpu;
+        let ids = || Tensor::from_vec(vec![1u32, 2, 3, 4, 5, 6], [2, 3], &dev).unwrap();
+        let mask = Tensor::from_vec(vec![1f32, 0.0, 1.0, 1.0, 0.0, 0.5], [2, 3], &dev).unwrap();
+        assert_eq!(Batch::new(ids(), ids(), mask).unwrap().num_tokens(), 3.5);
+        let all = Batch::unmasked(ids(), ids()).unwrap();
+        assert_eq!(all.num_tokens(), 6.0);
+        assert_eq!(all.loss_mask.to_vec_f32().unwrap(), vec![1.0; 6]);
+        assert_eq!(all.loss_mask.dims(), &[2, 3]);
     }
 }
