@@ -19,12 +19,24 @@ __device__ __forceinline__ float quad_sum(float v) {
     return v;
 }
 
-// Keys [*j_begin, *j_end) that query rows [i0, i1] may see.
-__device__ __forceinline__ void key_range(long i0, long i1, long sl, long causal, long window, long* jb, long* je) {
+// Keys [*j_begin, *j_end) that query rows [i0, i1] may see, the start rounded down to a tile of
+// `tile` keys (shared with the tensor-core kernels).
+__device__ __forceinline__ void key_range(long i0, long i1, long sl, long causal, long window, long tile, long* jb,
+                                          long* je) {
     long b = 0, e = sl;
     if (causal) e = lmin(e, i1 + 1);
     if (window > 0) { b = lmax(0L, i0 - window + 1); if (!causal) e = lmin(e, i1 + window); }
-    *jb = (b / FA_KEYS) * FA_KEYS; *je = e;
+    *jb = (b / tile) * tile; *je = e;
+}
+
+// Query rows [*i_begin, *i_end) that may see keys [j0, j1] of `t` rows, the start rounded down to
+// a tile of `tile` rows (the mirror of key_range, for the dK/dV kernels).
+__device__ __forceinline__ void row_range(long j0, long j1, long t, long causal, long window, long tile, long* ib,
+                                          long* ie) {
+    long b = 0, e = t;
+    if (causal) b = j0;
+    if (window > 0) { e = lmin(e, j1 + window); if (!causal) b = lmax(0L, j0 - window + 1); }
+    *ib = (b / tile) * tile; *ie = e;
 }
 
 template <typename T, int D>
@@ -51,7 +63,7 @@ __device__ void flash_fwd(const T* q, const T* k, const T* v, T* o, float* lse, 
     for (int c = 0; c < C; c++) { qr[c] = live ? ld(qi, sub + 4 * c) : 0.f; acc[c] = 0.f; }
     float m = -INFINITY, l = 0.f;
     long jb, je;
-    key_range(qt * FA_ROWS, lmin(t, qt * FA_ROWS + FA_ROWS) - 1, sl, causal, window, &jb, &je);
+    key_range(qt * FA_ROWS, lmin(t, qt * FA_ROWS + FA_ROWS) - 1, sl, causal, window, FA_KEYS, &jb, &je);
     for (long j0 = jb; j0 < je; j0 += FA_KEYS) {
         __syncthreads();
         load_tile<T, D>(ks, k, j0, sl, b, hkv, kvh);
@@ -112,7 +124,7 @@ __device__ void flash_bwd_dq(const T* q, const T* k, const T* v, const T* o, con
     float lr = live ? lse[row] : 0.f;
     if (live && sub == 0) delta[row] = di;
     long jb, je;
-    key_range(qt * FA_ROWS, lmin(t, qt * FA_ROWS + FA_ROWS) - 1, sl, causal, window, &jb, &je);
+    key_range(qt * FA_ROWS, lmin(t, qt * FA_ROWS + FA_ROWS) - 1, sl, causal, window, FA_KEYS, &jb, &je);
     for (long j0 = jb; j0 < je; j0 += FA_KEYS) {
         __syncthreads();
         load_tile<T, D>(ks, k, j0, sl, b, hkv, kvh);
@@ -153,11 +165,8 @@ __device__ void flash_bwd_dkv(const T* q, const T* k, const T* v, const float* l
         dka[c] = 0.f; dva[c] = 0.f;
     }
     // Query rows that can see keys [j0, j1].
-    long j0 = kt * FA_KEYS, j1 = lmin(sl, j0 + FA_KEYS) - 1;
-    long ib = 0, ie = t;
-    if (causal) ib = j0;
-    if (window > 0) { ie = lmin(ie, j1 + window); if (!causal) ib = lmax(0L, j0 - window + 1); }
-    ib = (ib / FA_ROWS) * FA_ROWS;
+    long j0 = kt * FA_KEYS, j1 = lmin(sl, j0 + FA_KEYS) - 1, ib, ie;
+    row_range(j0, j1, t, causal, window, FA_ROWS, &ib, &ie);
     long group = hq / hkv;
     for (long hh = 0; hh < group; hh++) {
         long h = kvh * group + hh;

@@ -65,24 +65,13 @@ __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t*
     #pragma unroll
     for (int n = 0; n < NO; n++) for (int e = 0; e < 4; e++) acc[n][e] = 0.f;
     const float scale2 = scale * LOG2E;
-    long i0 = qt * FB_ROWS, i1 = lmin(t, i0 + FB_ROWS) - 1;
-    long jb = 0, je = sl;
-    if (causal) je = lmin(je, i1 + 1);
-    if (window > 0) { jb = lmax(0L, i0 - window + 1); if (!causal) je = lmin(je, i1 + window); }
-    jb = (jb / FB_KEYS) * FB_KEYS;
-    long steps = je > jb ? (je - jb + FB_KEYS - 1) / FB_KEYS : 0;
-    auto fetch = [&](long it) {
-        bf16_t* kt = stage + (it & 1) * 2 * FB_KEYS * P;
-        tile_async<D, FB_KEYS>(kt, k, jb + it * FB_KEYS, sl, b, hkv, kvh);
-        tile_async<D, FB_KEYS>(kt + FB_KEYS * P, v, jb + it * FB_KEYS, sl, b, hkv, kvh);
-        cp_commit();
-    };
-    if (steps > 0) fetch(0);
-    for (long it = 0; it < steps; it++) {
+    long i0 = qt * FB_ROWS, i1 = lmin(t, i0 + FB_ROWS) - 1, jb, je;
+    key_range(i0, i1, sl, causal, window, FB_KEYS, &jb, &je);
+    const KvStages<D, FB_KEYS> kv(stage, k, v, jb, je, sl, b, hkv, kvh);
+    if (kv.steps > 0) kv.fetch(0);
+    for (long it = 0; it < kv.steps; it++) {
         long j0 = jb + it * FB_KEYS;
-        if (it + 1 < steps) { fetch(it + 1); cp_wait<1>(); } else cp_wait<0>();
-        __syncthreads();
-        const bf16_t* ks = stage + (it & 1) * 2 * FB_KEYS * P;
+        const bf16_t* ks = kv.wait(it);
         const bf16_t* vs = ks + FB_KEYS * P;
         // S = Q Kᵀ and dP = dO Vᵀ: 16 rows × 64 keys each, 8 blocks of 8 keys.
         float s[8][4], dp[8][4];
@@ -147,10 +136,8 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
     #pragma unroll
     for (int n = 0; n < NO; n++) for (int e = 0; e < 4; e++) { dka[n][e] = 0.f; dva[n][e] = 0.f; }
     // Query rows that can see keys [j0, j1].
-    long j1 = lmin(sl, j0 + FB_KEYS) - 1, ib = 0, ie = t;
-    if (causal) ib = j0;
-    if (window > 0) { ie = lmin(ie, j1 + window); if (!causal) ib = lmax(0L, j0 - window + 1); }
-    ib = (ib / FB_ROWS) * FB_ROWS;
+    long j1 = lmin(sl, j0 + FB_KEYS) - 1, ib, ie;
+    row_range(j0, j1, t, causal, window, FB_ROWS, &ib, &ie);
     long group = hq / hkv;
     const float scale2 = scale * LOG2E;
     // Steps over (query head of the group, query tile), the next one's tiles loading meanwhile.

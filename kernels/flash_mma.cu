@@ -110,6 +110,34 @@ __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_grou
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
+// The K and V tiles of the keys [jb, je) that a block of query rows sees, KEYS at a time, through
+// two shared-memory stages (`stage`: 4·KEYS·(D + 8) bf16): `wait(it)` returns step it's K tile
+// (its V tile follows KEYS·(D + 8) later) once it has landed, with the next step's already on its
+// way. The caller starts with `fetch(0)` (when `steps` > 0) and ends every step with
+// __syncthreads, before the stage is refilled.
+template <int D, int KEYS>
+struct KvStages {
+    bf16_t* stage;
+    const bf16_t* k;
+    const bf16_t* v;
+    long jb, steps, sl, b, hkv, kvh;
+    __device__ __forceinline__ KvStages(bf16_t* stage, const bf16_t* k, const bf16_t* v, long jb, long je, long sl,
+                                        long b, long hkv, long kvh)
+        : stage(stage), k(k), v(v), jb(jb), steps(je > jb ? (je - jb + KEYS - 1) / KEYS : 0), sl(sl), b(b), hkv(hkv),
+          kvh(kvh) {}
+    __device__ __forceinline__ void fetch(long it) const {
+        bf16_t* kt = stage + (it & 1) * 2 * KEYS * (D + 8);
+        tile_async<D, KEYS>(kt, k, jb + it * KEYS, sl, b, hkv, kvh);
+        tile_async<D, KEYS>(kt + KEYS * (D + 8), v, jb + it * KEYS, sl, b, hkv, kvh);
+        cp_commit();
+    }
+    __device__ __forceinline__ const bf16_t* wait(long it) const {
+        if (it + 1 < steps) { fetch(it + 1); cp_wait<1>(); } else cp_wait<0>();
+        __syncthreads();
+        return stage + (it & 1) * 2 * KEYS * (D + 8);
+    }
+};
+
 // `ROWS` rows of one head from [B, rows, heads, D] into a padded [ROWS][D + 8] tile (zeros past
 // the end), 16 bytes per copy.
 template <int D, int ROWS>
@@ -178,24 +206,13 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
     for (int n = 0; n < NO; n++) for (int e = 0; e < 4; e++) acc[n][e] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // running max (base 2) and sum
     const float scale2 = scale * LOG2E;
-    long i0 = qt * FM_ROWS, i1 = lmin(t, i0 + FM_ROWS) - 1;
-    long jb = 0, je = sl;
-    if (causal) je = lmin(je, i1 + 1);
-    if (window > 0) { jb = lmax(0L, i0 - window + 1); if (!causal) je = lmin(je, i1 + window); }
-    jb = (jb / FM_KEYS) * FM_KEYS;
-    long steps = je > jb ? (je - jb + FM_KEYS - 1) / FM_KEYS : 0;
-    auto fetch = [&](long it) {
-        bf16_t* kt = stage + (it & 1) * 2 * FM_KEYS * KP;
-        tile_async<D, FM_KEYS>(kt, k, jb + it * FM_KEYS, sl, b, hkv, kvh);
-        tile_async<D, FM_KEYS>(kt + FM_KEYS * KP, v, jb + it * FM_KEYS, sl, b, hkv, kvh);
-        cp_commit();
-    };
-    if (steps > 0) fetch(0);
-    for (long it = 0; it < steps; it++) {
+    long i0 = qt * FM_ROWS, i1 = lmin(t, i0 + FM_ROWS) - 1, jb, je;
+    key_range(i0, i1, sl, causal, window, FM_KEYS, &jb, &je);
+    const KvStages<D, FM_KEYS> kv(stage, k, v, jb, je, sl, b, hkv, kvh);
+    if (kv.steps > 0) kv.fetch(0);
+    for (long it = 0; it < kv.steps; it++) {
         long j0 = jb + it * FM_KEYS;
-        if (it + 1 < steps) { fetch(it + 1); cp_wait<1>(); } else cp_wait<0>();
-        __syncthreads();
-        const bf16_t* ks = stage + (it & 1) * 2 * FM_KEYS * KP;
+        const bf16_t* ks = kv.wait(it);
         const bf16_t* vs = ks + FM_KEYS * KP;
         // S = Q Kᵀ for this warp's 16 rows × 64 keys: 8 blocks of 8 keys.
         float s[8][4];

@@ -142,23 +142,9 @@ pub fn gemm_batched<T: Real>(
     accumulate: bool,
     alpha: T,
 ) {
-    use rayon::prelude::*;
-    let (sa, sb, sc) = (m * k, k * n, m * n);
-    if sc == 0 {
-        return;
-    }
-    let big = m * n * k >= PAR_WORK;
-    let run = |(i, cc): (usize, &mut [T])| {
-        let am = MatRef::new(&a[i * sa..(i + 1) * sa], if ta { m } else { k }, ta);
-        let bm = MatRef::new(&b[i * sb..(i + 1) * sb], if tb { k } else { n }, tb);
-        gemm_strided(m, n, k, am, bm, cc, n, accumulate, alpha, big);
-    };
-    let c = &mut c[..batch * sc];
-    if big {
-        c.chunks_mut(sc).enumerate().for_each(run);
-    } else {
-        c.par_chunks_mut(sc).enumerate().for_each(run);
-    }
+    assert!(c.len() >= batch * m * n, "gemm: output too short");
+    // SAFETY: `c` holds the batch's m·n outputs, initialised (read when accumulating).
+    unsafe { batched_into(batch, m, n, k, a, ta, b, tb, OutPtr(c.as_mut_ptr()), accumulate, alpha) }
 }
 
 /// A raw output pointer that may cross to the pool's threads (each writes its own matrices).
@@ -183,34 +169,72 @@ pub fn gemm_batched_new<T: Real>(
     tb: bool,
     alpha: T,
 ) -> Vec<T> {
-    use rayon::prelude::*;
-    let (sa, sb, sc) = (m * k, k * n, m * n);
-    let len = batch * sc;
-    if k == 0 || sc == 0 {
+    let len = batch * m * n;
+    if k == 0 || len == 0 {
         return vec![T::zero(); len];
     }
-    assert!(a.len() >= batch * sa && b.len() >= batch * sb, "gemm: operands too short");
     let mut c: Vec<T> = Vec::with_capacity(len);
-    let out = OutPtr(c.as_mut_ptr());
+    // SAFETY: the capacity holds the batch's outputs; not accumulating, every element is written
+    // without being read.
+    unsafe {
+        batched_into(batch, m, n, k, a, ta, b, tb, OutPtr(c.as_mut_ptr()), false, alpha);
+        c.set_len(len);
+    }
+    c
+}
+
+/// The batch loop of `gemm_batched(_new)`: matrix i of A, B and `out` at i·m·k, i·k·n, i·m·n;
+/// in parallel across the batch when each product is small, one parallel product at a time
+/// otherwise.
+///
+/// # Safety
+/// `out` is valid for batch·m·n elements: written by every product, and also read (so it must be
+/// initialised) when `accumulate`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn batched_into<T: Real>(
+    batch: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[T],
+    ta: bool,
+    b: &[T],
+    tb: bool,
+    out: OutPtr<T>,
+    accumulate: bool,
+    alpha: T,
+) {
+    use rayon::prelude::*;
+    let (sa, sb, sc) = (m * k, k * n, m * n);
+    if sc == 0 {
+        return;
+    }
+    if k == 0 {
+        // An empty sum: C = 0 (or unchanged when accumulating), as gemm_strided.
+        if !accumulate {
+            for i in 0..batch * sc {
+                // SAFETY: within the batch·m·n elements of the caller's contract.
+                unsafe { out.0.add(i).write(T::zero()) };
+            }
+        }
+        return;
+    }
+    assert!(a.len() >= batch * sa && b.len() >= batch * sb, "gemm: operands too short");
     let big = m * n * k >= PAR_WORK;
     let run = |i: usize| {
         let am = MatRef::new(&a[i * sa..(i + 1) * sa], if ta { m } else { k }, ta);
         let bm = MatRef::new(&b[i * sb..(i + 1) * sb], if tb { k } else { n }, tb);
         let par = if big { Parallelism::Rayon(0) } else { Parallelism::None };
         let o = out;
-        // SAFETY: matrix i owns elements [i·sc, (i+1)·sc) of the capacity; A and B are in bounds
-        // (checked above, packed with the strides MatRef::new gives); with `accumulate` false the
-        // kernel writes every element of C without reading it.
-        unsafe { gemm_raw(m, n, k, am, bm, o.0.add(i * sc), n, false, alpha, par) }
+        // SAFETY: matrix i owns elements [i·sc, (i+1)·sc) of `out` (the caller's contract); A and
+        // B are in bounds (checked above, packed with the strides MatRef::new gives).
+        unsafe { gemm_raw(m, n, k, am, bm, o.0.add(i * sc), n, accumulate, alpha, par) }
     };
     if big {
         (0..batch).for_each(run);
     } else {
         (0..batch).into_par_iter().for_each(run);
     }
-    // SAFETY: every element of the `len` reserved was written above.
-    unsafe { c.set_len(len) };
-    c
 }
 
 /// Gradients of C = op(A)·op(B) for one (possibly batched) product: dA and dB are written (`=`), or
