@@ -22,11 +22,54 @@ __device__ __forceinline__ void st(f16_t* p, long i, float v) {
     unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v)); p[i].bits = h;
 }
 
+// Two floats as a bf16x2 word: `lo` in the low half (the smaller column). Round to nearest even,
+// as `st`.
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+struct __align__(16) u128 { u32 x, y, z, w; };
+
+// Eight elements at a time: one 16-byte access for bf16/f16, two for f32. The `_v8` kernels use
+// them; the host picks a `_v8` kernel only when the count divides by 8 and every pointer is
+// 16-byte aligned (else the one-element kernel of the same name runs).
+__device__ __forceinline__ void ld8(const float* p, long i, float* v) {
+    u128 a = *(const u128*)(p + i), b = *(const u128*)(p + i + 4);
+    u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int j = 0; j < 8; j++) v[j] = __uint_as_float(w[j]);
+}
+__device__ __forceinline__ void st8(float* p, long i, const float* v) {
+    *(u128*)(p + i) = u128{__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3])};
+    *(u128*)(p + i + 4) = u128{__float_as_uint(v[4]), __float_as_uint(v[5]), __float_as_uint(v[6]), __float_as_uint(v[7])};
+}
+__device__ __forceinline__ void ld8(const bf16_t* p, long i, float* v) {
+    u128 a = *(const u128*)(p + i);
+    u32 w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (int j = 0; j < 4; j++) { v[2 * j] = __uint_as_float(w[j] << 16); v[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u); }
+}
+__device__ __forceinline__ void st8(bf16_t* p, long i, const float* v) {
+    *(u128*)(p + i) = u128{pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]), pack_bf16(v[4], v[5]), pack_bf16(v[6], v[7])};
+}
+__device__ __forceinline__ void ld8(const f16_t* p, long i, float* v) {
+#pragma unroll
+    for (int j = 0; j < 8; j++) v[j] = ld(p, i + j);
+}
+__device__ __forceinline__ void st8(f16_t* p, long i, const float* v) {
+#pragma unroll
+    for (int j = 0; j < 8; j++) st(p, i + j, v[j]);
+}
+
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
 #define GRID_STRIDE(i, n) for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < (long)(n); i += (long)gridDim.x * blockDim.x)
+// The same over groups of eight: i is the first element of the group.
+#define GRID_STRIDE8(i, n) for (long i = ((long)blockIdx.x * blockDim.x + threadIdx.x) * 8; i < (long)(n); i += (long)gridDim.x * blockDim.x * 8)
 
 // Sum over a block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
 __device__ float block_sum(float v) {

@@ -1,5 +1,8 @@
-// Elementwise kernels: casts, scale, add, accumulate, bias, activations. One thread per element
-// (grid-stride). Math in f32; storage f32 or bf16.
+// Elementwise kernels: casts, scale, add, accumulate, bias, activations. Math in f32; storage f32
+// or bf16 (casts and accumulation f16 too). Each kernel comes twice: one element per thread
+// (grid-stride, any count and alignment) and `_v8`, eight elements per thread through 16-byte
+// accesses (a bf16 one-element kernel moves 2 bytes per load and stays far below the memory's
+// bandwidth). Same math per element, so both give the same bits.
 
 #define SQRT_2_OVER_PI 0.7978845608028654f
 
@@ -12,9 +15,27 @@ __device__ __forceinline__ float sigm(float x) { return 1.f / (1.f + expf(-x)); 
 __device__ __forceinline__ float silu_f(float x) { return x * sigm(x); }
 __device__ __forceinline__ float silu_g(float x) { float s = sigm(x); return s * (1.f + x * (1.f - s)); }
 
+// y[i..i+8] = f(x[i..i+8]) and y = f(a, b) over groups of eight.
+template <typename TX, typename TY, typename F> __device__ __forceinline__ void map8(const TX* x, TY* y, long n, F f) {
+    GRID_STRIDE8(i, n) { float a[8]; ld8(x, i, a);
+#pragma unroll
+        for (int j = 0; j < 8; j++) a[j] = f(a[j]);
+        st8(y, i, a); }
+}
+template <typename TA, typename TB, typename TY, typename F>
+__device__ __forceinline__ void zip8(const TA* a, const TB* b, TY* y, long n, F f) {
+    GRID_STRIDE8(i, n) { float u[8], v[8]; ld8(a, i, u); ld8(b, i, v);
+#pragma unroll
+        for (int j = 0; j < 8; j++) u[j] = f(u[j], v[j]);
+        st8(y, i, u); }
+}
+__device__ __forceinline__ float plus(float a, float b) { return a + b; }
+
 #define CAST(sa, ta, sb, tb) \
 extern "C" __global__ void cast_##sa##_##sb(const ta* x, tb* y, long n) { GRID_STRIDE(i, n) st(y, i, ld(x, i)); } \
-extern "C" __global__ void acc_##sa##_##sb(tb* dst, const ta* src, long n) { GRID_STRIDE(i, n) st(dst, i, ld(dst, i) + ld(src, i)); }
+extern "C" __global__ void acc_##sa##_##sb(tb* dst, const ta* src, long n) { GRID_STRIDE(i, n) st(dst, i, ld(dst, i) + ld(src, i)); } \
+extern "C" __global__ void cast_##sa##_##sb##_v8(const ta* x, tb* y, long n) { map8(x, y, n, [](float v) { return v; }); } \
+extern "C" __global__ void acc_##sa##_##sb##_v8(tb* dst, const ta* src, long n) { zip8(dst, src, dst, n, plus); }
 CAST(f32, float, f32, float) CAST(f32, float, bf16, bf16_t) CAST(bf16, bf16_t, f32, float) CAST(bf16, bf16_t, bf16, bf16_t)
 CAST(f32, float, f16, f16_t) CAST(f16, f16_t, f32, float) CAST(f16, f16_t, f16, f16_t) CAST(bf16, bf16_t, f16, f16_t) CAST(f16, f16_t, bf16, bf16_t)
 
@@ -36,3 +57,33 @@ extern "C" __global__ void swiglu_bwd_##s(const T* x, const T* dy, T* dx, long n
     GRID_STRIDE(i, n) { long r = i / f, j = i % f; float g = ld(x, r * 2 * f + j), v = ld(x, r * 2 * f + f + j), d = ld(dy, i); \
         st(dx, r * 2 * f + j, d * v * silu_g(g)); st(dx, r * 2 * f + f + j, d * silu_f(g)); } }
 FOR_TYPES(ELEMENTWISE)
+
+#define ELEMENTWISE_V8(s, T) \
+extern "C" __global__ void scale_##s##_v8(const T* x, T* y, float a, long n) { map8(x, y, n, [a](float v) { return a * v; }); } \
+extern "C" __global__ void add_##s##_v8(const T* a, const T* b, T* y, long n) { zip8(a, b, y, n, plus); } \
+extern "C" __global__ void gelu_fwd_##s##_v8(const T* x, T* y, long n) { map8(x, y, n, gelu_f); } \
+extern "C" __global__ void gelu_bwd_##s##_v8(const T* x, const T* dy, T* dx, long n) { \
+    zip8(x, dy, dx, n, [](float x, float d) { return d * gelu_g(x); }); } \
+extern "C" __global__ void silu_fwd_##s##_v8(const T* x, T* y, long n) { map8(x, y, n, silu_f); } \
+extern "C" __global__ void silu_bwd_##s##_v8(const T* x, const T* dy, T* dx, long n) { \
+    zip8(x, dy, dx, n, [](float x, float d) { return d * silu_g(x); }); } \
+/* c % 8 == 0: a group never crosses a row, so its bias is the group at i % c. */ \
+extern "C" __global__ void bias_add_##s##_v8(const T* x, const T* b, T* y, long n, long c) { \
+    GRID_STRIDE8(i, n) { float u[8], v[8]; ld8(x, i, u); ld8(b, i % c, v); \
+        _Pragma("unroll") for (int j = 0; j < 8; j++) u[j] += v[j]; st8(y, i, u); } } \
+/* f % 8 == 0: the gate and value groups of output group i sit at the same column of their halves. */ \
+extern "C" __global__ void swiglu_fwd_##s##_v8(const T* x, T* y, long n, long f) { \
+    GRID_STRIDE8(i, n) { long r = i / f, j0 = i % f; float g[8], v[8]; ld8(x, r * 2 * f + j0, g); ld8(x, r * 2 * f + f + j0, v); \
+        _Pragma("unroll") for (int j = 0; j < 8; j++) g[j] = silu_f(g[j]) * v[j]; st8(y, i, g); } } \
+extern "C" __global__ void swiglu_bwd_##s##_v8(const T* x, const T* dy, T* dx, long n, long f) { \
+    GRID_STRIDE8(i, n) { long r = i / f, j0 = i % f; float g[8], v[8], d[8], dg[8]; \
+        ld8(x, r * 2 * f + j0, g); ld8(x, r * 2 * f + f + j0, v); ld8(dy, i, d); \
+        _Pragma("unroll") for (int j = 0; j < 8; j++) { dg[j] = d[j] * v[j] * silu_g(g[j]); v[j] = d[j] * silu_f(g[j]); } \
+        st8(dx, r * 2 * f + j0, dg); st8(dx, r * 2 * f + f + j0, v); } } \
+/* Column-sum partials over eight columns per thread (c % 8 == 0): 16-byte row reads. */ \
+extern "C" __global__ void bias_grad_##s##_v8(const T* dy, float* db, long rows, long c) { \
+    GRID_STRIDE(i, (rows + COL_CHUNK - 1) / COL_CHUNK * (c / 8)) { long j = i % (c / 8) * 8, ch = i / (c / 8), r0 = ch * COL_CHUNK; \
+        long r1 = r0 + COL_CHUNK < rows ? r0 + COL_CHUNK : rows; float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}; \
+        for (long r = r0; r < r1; r++) { float g[8]; ld8(dy, r * c + j, g); _Pragma("unroll") for (int e = 0; e < 8; e++) a[e] += g[e]; } \
+        st8(db, ch * c + j, a); } }
+FOR_TYPES(ELEMENTWISE_V8)

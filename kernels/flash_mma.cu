@@ -17,15 +17,6 @@ __device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// Two floats as a bf16x2 word: `lo` in the low half (the smaller column).
-__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-struct __align__(16) u128 { u32 x, y, z, w; };
-
 // The shared-memory address of a generic pointer into shared memory (for ldmatrix, cp.async).
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     u32 a;

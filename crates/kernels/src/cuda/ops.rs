@@ -47,6 +47,18 @@ fn ew(be: &B, name: &str, len: usize, args: &[Arg]) -> Result<()> {
     be.launch(name, Backend::grid_for(len), 256, 0, args)
 }
 
+/// Elementwise launch of a kernel with a `_v8` twin (eight elements per thread, 16-byte accesses):
+/// the twin when `len` and `unit` (a span its groups of eight must not cross: a bias row, a SwiGLU
+/// half; 8 when there is none) divide by 8 and every pointer is 16-byte aligned.
+fn ew8(be: &B, name: &str, len: usize, unit: usize, args: &[Arg]) -> Result<()> {
+    let aligned = args.iter().all(|a| !matches!(a, Arg::Ptr(p) if p % 16 != 0));
+    if len % 8 == 0 && unit % 8 == 0 && aligned {
+        be.launch(&format!("{name}_v8"), Backend::grid_for(len / 8), 256, 0, args)
+    } else {
+        ew(be, name, len, args)
+    }
+}
+
 /// Storage types the cast and accumulate kernels take (f16 too; the math kernels take f32/bf16).
 fn sfx_storage(op: &'static str, dt: DType) -> Result<&'static str> {
     if dt == DType::F16 { Ok("f16") } else { sfx(op, dt) }
@@ -60,25 +72,26 @@ pub fn cast(be: &B, x: &Tensor, dt: DType) -> Result<Tensor> {
 
 pub fn cast_into(be: &B, x: &Tensor, y: &Tensor) -> Result<()> {
     let name = format!("cast_{}_{}", sfx_storage("cast", x.dtype())?, sfx_storage("cast", y.dtype())?);
-    ew(be, &name, x.elem_count(), &[ptr("cast", x)?, ptr("cast", y)?, n(x.elem_count())])
+    ew8(be, &name, x.elem_count(), 8, &[ptr("cast", x)?, ptr("cast", y)?, n(x.elem_count())])
 }
 
 pub fn acc(be: &B, dst: &Tensor, src: &Tensor) -> Result<()> {
     let name = format!("acc_{}_{}", sfx_storage("add_", src.dtype())?, sfx_storage("add_", dst.dtype())?);
-    ew(be, &name, dst.elem_count(), &[ptr("add_", dst)?, ptr("add_", src)?, n(dst.elem_count())])
+    ew8(be, &name, dst.elem_count(), 8, &[ptr("add_", dst)?, ptr("add_", src)?, n(dst.elem_count())])
 }
 
 pub fn scale(be: &B, x: &Tensor, y: &Tensor, s: f32) -> Result<()> {
     let name = format!("scale_{}", sfx("scale", x.dtype())?);
-    ew(be, &name, x.elem_count(), &[ptr("scale", x)?, ptr("scale", y)?, Arg::F32(s), n(x.elem_count())])
+    ew8(be, &name, x.elem_count(), 8, &[ptr("scale", x)?, ptr("scale", y)?, Arg::F32(s), n(x.elem_count())])
 }
 
 pub fn add(be: &B, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let y = new(be, a.shape().clone(), a.dtype())?;
-    ew(
+    ew8(
         be,
         &format!("add_{}", sfx("add", a.dtype())?),
         a.elem_count(),
+        8,
         &[ptr("add", a)?, ptr("add", b)?, ptr("add", &y)?, n(a.elem_count())],
     )?;
     Ok(y)
@@ -87,10 +100,11 @@ pub fn add(be: &B, a: &Tensor, b: &Tensor) -> Result<Tensor> {
 pub fn bias_add(be: &B, x: &Tensor, b: &Tensor) -> Result<Tensor> {
     let y = new(be, x.shape().clone(), x.dtype())?;
     let name = format!("bias_add_{}", sfx("bias_add", x.dtype())?);
-    ew(
+    ew8(
         be,
         &name,
         x.elem_count(),
+        x.shape().last(),
         &[ptr("bias_add", x)?, ptr("bias_add", b)?, ptr("bias_add", &y)?, n(x.elem_count()), n(x.shape().last())],
     )?;
     Ok(y)
@@ -101,7 +115,7 @@ pub fn bias_grad(be: &B, dy: &Tensor) -> Result<Tensor> {
     let chunks = rows.div_ceil(COL_CHUNK);
     let partials = new(be, [chunks, c], DType::F32)?;
     let name = format!("bias_grad_{}", sfx("bias_grad", dy.dtype())?);
-    ew(be, &name, chunks * c, &[ptr("bias_grad", dy)?, ptr("bias_grad", &partials)?, n(rows), n(c)])?;
+    ew8(be, &name, chunks * c, c, &[ptr("bias_grad", dy)?, ptr("bias_grad", &partials)?, n(rows), n(c)])?;
     col_sum(be, &partials, chunks, c)
 }
 
@@ -128,18 +142,19 @@ pub fn pointwise(be: &B, fam: &'static str, x: &Tensor, dy: Option<&Tensor>) -> 
     let y = new(be, x.shape().clone(), x.dtype())?;
     let len = x.elem_count();
     match dy {
-        None => ew(be, &format!("{fam}_fwd_{s}"), len, &[ptr(fam, x)?, ptr(fam, &y)?, n(len)])?,
-        Some(dy) => ew(be, &format!("{fam}_bwd_{s}"), len, &[ptr(fam, x)?, ptr(fam, dy)?, ptr(fam, &y)?, n(len)])?,
+        None => ew8(be, &format!("{fam}_fwd_{s}"), len, 8, &[ptr(fam, x)?, ptr(fam, &y)?, n(len)])?,
+        Some(dy) => ew8(be, &format!("{fam}_bwd_{s}"), len, 8, &[ptr(fam, x)?, ptr(fam, dy)?, ptr(fam, &y)?, n(len)])?,
     }
     Ok(y)
 }
 
 pub fn swiglu(be: &B, x: &Tensor, f: usize, out_shape: Vec<usize>) -> Result<Tensor> {
     let y = new(be, out_shape, x.dtype())?;
-    ew(
+    ew8(
         be,
         &format!("swiglu_fwd_{}", sfx("swiglu", x.dtype())?),
         y.elem_count(),
+        f,
         &[ptr("swiglu", x)?, ptr("swiglu", &y)?, n(y.elem_count()), n(f)],
     )?;
     Ok(y)
@@ -147,10 +162,11 @@ pub fn swiglu(be: &B, x: &Tensor, f: usize, out_shape: Vec<usize>) -> Result<Ten
 
 pub fn swiglu_bwd(be: &B, x: &Tensor, dy: &Tensor, f: usize) -> Result<Tensor> {
     let dx = new(be, x.shape().clone(), x.dtype())?;
-    ew(
+    ew8(
         be,
         &format!("swiglu_bwd_{}", sfx("swiglu", x.dtype())?),
         dy.elem_count(),
+        f,
         &[ptr("swiglu", x)?, ptr("swiglu", dy)?, ptr("swiglu", &dx)?, n(dy.elem_count()), n(f)],
     )?;
     Ok(dx)
@@ -160,16 +176,45 @@ fn rows_launch(be: &B, name: &str, rows: usize, args: &[Arg]) -> Result<()> {
     be.launch(name, rows as u32, 256, 0, args)
 }
 
+/// Whether every tensor in `ts` starts on a 16-byte boundary (the eight-wide kernels' accesses).
+fn aligned16(ts: &[&Tensor]) -> Result<bool> {
+    for t in ts {
+        if !matches!(ptr("aligned16", t)?, Arg::Ptr(p) if p % 16 == 0) {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// Groups of eight a thread of the eight-wide row kernels holds, and their largest block
+/// (`NORM_V`, `NORM_THREADS` in kernels/norm.cu).
+const NORM_V: usize = 4;
+const NORM_THREADS: usize = 512;
+
+/// A row kernel with an eight-wide twin (the row held in registers, one 16-byte access per group):
+/// the twin, with a block sized to the row, when `c` divides by 8, fits `NORM_V` groups per
+/// thread of a `NORM_THREADS` block, and every pointer is 16-byte aligned.
+fn rows_launch8(be: &B, name: &str, rows: usize, c: usize, args: &[Arg]) -> Result<()> {
+    let aligned = args.iter().all(|a| !matches!(a, Arg::Ptr(p) if p % 16 != 0));
+    if c % 8 == 0 && c <= 8 * NORM_V * NORM_THREADS && aligned {
+        let threads = (c / 8).next_multiple_of(32).min(NORM_THREADS) as u32;
+        be.launch(&format!("{name}_v8"), rows as u32, threads, 0, args)
+    } else {
+        rows_launch(be, name, rows, args)
+    }
+}
+
 pub fn layernorm_fwd(be: &B, x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64) -> Result<(Tensor, Tensor, Tensor)> {
     let (rows, c) = (x.shape().rows(), x.shape().last());
     let y = new(be, x.shape().clone(), x.dtype())?;
     let (mean, rstd) = (new(be, [rows], DType::F32)?, new(be, [rows], DType::F32)?);
     let bp = opt_ptr("layernorm_fwd", b)?;
     let name = format!("layernorm_fwd_{}", sfx("layernorm_fwd", x.dtype())?);
-    rows_launch(
+    rows_launch8(
         be,
         &name,
         rows,
+        c,
         &[
             ptr("ln", x)?,
             ptr("ln", w)?,
@@ -195,10 +240,11 @@ pub fn layernorm_bwd(
     let (rows, c) = (x.shape().rows(), x.shape().last());
     let s = sfx("layernorm_bwd", x.dtype())?;
     let dx = new(be, x.shape().clone(), x.dtype())?;
-    rows_launch(
+    rows_launch8(
         be,
         &format!("layernorm_bwd_{s}"),
         rows,
+        c,
         &[ptr("ln", dy)?, ptr("ln", x)?, ptr("ln", w)?, ptr("ln", mean)?, ptr("ln", rstd)?, ptr("ln", &dx)?, n(c)],
     )?;
     let chunks = rows.div_ceil(COL_CHUNK);
@@ -213,7 +259,7 @@ pub fn layernorm_bwd(
         n(rows),
         n(c),
     ];
-    ew(be, &format!("norm_param_grad_{s}"), chunks * c, &args)?;
+    ew8(be, &format!("norm_param_grad_{s}"), chunks * c, c, &args)?;
     let (dw, db) = (col_sum(be, &pw, chunks, c)?, col_sum(be, &pb, chunks, c)?);
     Ok((dx, dw, db))
 }
@@ -223,10 +269,11 @@ pub fn rmsnorm_fwd(be: &B, x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, 
     let y = new(be, x.shape().clone(), x.dtype())?;
     let rstd = new(be, [rows], DType::F32)?;
     let name = format!("rmsnorm_fwd_{}", sfx("rmsnorm_fwd", x.dtype())?);
-    rows_launch(
+    rows_launch8(
         be,
         &name,
         rows,
+        c,
         &[ptr("rms", x)?, ptr("rms", w)?, ptr("rms", &y)?, ptr("rms", &rstd)?, n(c), Arg::F32(eps as f32)],
     )?;
     Ok((y, rstd))
@@ -236,16 +283,17 @@ pub fn rmsnorm_bwd(be: &B, dy: &Tensor, x: &Tensor, w: &Tensor, rstd: &Tensor) -
     let (rows, c) = (x.shape().rows(), x.shape().last());
     let s = sfx("rmsnorm_bwd", x.dtype())?;
     let dx = new(be, x.shape().clone(), x.dtype())?;
-    rows_launch(
+    rows_launch8(
         be,
         &format!("rmsnorm_bwd_{s}"),
         rows,
+        c,
         &[ptr("rms", dy)?, ptr("rms", x)?, ptr("rms", w)?, ptr("rms", rstd)?, ptr("rms", &dx)?, n(c)],
     )?;
     let chunks = rows.div_ceil(COL_CHUNK);
     let pw = new(be, [chunks, c], DType::F32)?;
     let args = [ptr("rms", dy)?, ptr("rms", x)?, NULL, ptr("rms", rstd)?, ptr("rms", &pw)?, NULL, n(rows), n(c)];
-    ew(be, &format!("norm_param_grad_{s}"), chunks * c, &args)?;
+    ew8(be, &format!("norm_param_grad_{s}"), chunks * c, c, &args)?;
     Ok((dx, col_sum(be, &pw, chunks, c)?))
 }
 
@@ -282,7 +330,10 @@ pub fn ce_fwd(
     let (rows, v) = (logits.dims()[0], logits.dims()[1]);
     let (loss, lse) = (new(be, [rows], DType::F32)?, new(be, [rows], DType::F32)?);
     let mp = opt_ptr("ce", mask)?;
-    let name = format!("ce_fwd_{}", sfx("cross_entropy_fwd", logits.dtype())?);
+    let mut name = format!("ce_fwd_{}", sfx("cross_entropy_fwd", logits.dtype())?);
+    if v % 8 == 0 && aligned16(&[logits])? {
+        name += "_v8";
+    }
     rows_launch(
         be,
         &name,
@@ -314,7 +365,10 @@ pub fn ce_bwd(
     let (rows, v) = (logits.dims()[0], logits.dims()[1]);
     let d = new(be, logits.shape().clone(), logits.dtype())?;
     let mp = opt_ptr("ce", mask)?;
-    let name = format!("ce_bwd_{}", sfx("cross_entropy_bwd", logits.dtype())?);
+    let mut name = format!("ce_bwd_{}", sfx("cross_entropy_bwd", logits.dtype())?);
+    if v % 8 == 0 && aligned16(&[logits, &d])? {
+        name += "_v8";
+    }
     rows_launch(
         be,
         &name,
@@ -456,17 +510,28 @@ pub fn embedding_bwd(be: &B, ids: &Tensor, dout: &Tensor, dtable: &Tensor, vocab
     )
 }
 
+/// The QKV split/merge over `len` elements of head segments of `d`: eight per thread when d divides
+/// by 8 and every tensor is 16-byte aligned, else a warp per segment.
+fn qkv_launch(be: &B, name: &str, len: usize, d: usize, ts: &[&Tensor], args: &[Arg]) -> Result<()> {
+    if d % 8 == 0 && aligned16(ts)? {
+        ew(be, &format!("{name}_v8"), len / 8, args)
+    } else {
+        ew(be, name, len / d.max(1) * 32, args)
+    }
+}
+
 pub fn qkv_split(be: &B, x: &Tensor, hkv: usize, g: usize, d: usize) -> Result<(Tensor, Tensor, Tensor)> {
     let (b, t) = (x.dims()[0], x.dims()[1]);
     let q = new(be, [b, t, hkv * g, d], x.dtype())?;
     let k = new(be, [b, t, hkv, d], x.dtype())?;
     let v = new(be, [b, t, hkv, d], x.dtype())?;
     let name = format!("qkv_split_{}", sfx("qkv_split", x.dtype())?);
-    // One warp per head segment of d elements.
-    ew(
+    qkv_launch(
         be,
         &name,
-        x.elem_count() / d.max(1) * 32,
+        x.elem_count(),
+        d,
+        &[x, &q, &k, &v],
         &[ptr("qkv", x)?, ptr("qkv", &q)?, ptr("qkv", &k)?, ptr("qkv", &v)?, n(b * t), n(hkv), n(g), n(d)],
     )?;
     Ok((q, k, v))
@@ -478,10 +543,12 @@ pub fn qkv_merge(be: &B, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     let g = hq / hkv;
     let x = new(be, [b, t, hkv * (g + 2) * d], q.dtype())?;
     let name = format!("qkv_merge_{}", sfx("qkv_merge", q.dtype())?);
-    ew(
+    qkv_launch(
         be,
         &name,
-        x.elem_count() / d.max(1) * 32,
+        x.elem_count(),
+        d,
+        &[q, k, v, &x],
         &[ptr("qkv", q)?, ptr("qkv", k)?, ptr("qkv", v)?, ptr("qkv", &x)?, n(b * t), n(hkv), n(g), n(d)],
     )?;
     Ok(x)

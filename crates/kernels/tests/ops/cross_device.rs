@@ -183,17 +183,32 @@ fn every_op_matches_cpu() {
                 );
             }
         }
-        let fused = rnd(&[2, 3, 2 * 4 * 8], 14, dt);
-        check("qkv", dt, &[fused], |t| {
-            let (q, k2, v) = k::qkv_split(&t[0], 2, 2, 8).unwrap();
-            vec![k::qkv_merge(&q, &k2, &v).unwrap(), q, k2, v]
-        });
+        // Head dim 8: eight per thread; head dim 6: a warp per segment.
+        for d in [8, 6] {
+            let fused = rnd(&[2, 3, 2 * 4 * d], 14, dt);
+            check(&format!("qkv d{d}"), dt, &[fused], |t| {
+                let (q, k2, v) = k::qkv_split(&t[0], 2, 2, d).unwrap();
+                vec![k::qkv_merge(&q, &k2, &v).unwrap(), q, k2, v]
+            });
+        }
         let logits = rnd(&[6, 300], 15, dt);
         let targets = Tensor::from_vec(vec![0u32, 299, 5, 17, 17, 100], [6], &Device::Cpu).unwrap();
         let mask = rnd(&[6], 16, DType::F32);
         let dl = rnd(&[6], 17, DType::F32);
         let cfg = CrossEntropyCfg { ignore_index: Some(5), ..Default::default() };
         check("cross_entropy", dt, &[logits, targets, mask, dl], |t| {
+            let (l, lse) = k::cross_entropy_fwd(&t[0], &t[1], Some(&t[2]), cfg).unwrap();
+            let d = k::cross_entropy_bwd(&t[0], &t[1], Some(&t[2]), &lse, &t[3], cfg).unwrap();
+            vec![l, lse, d]
+        });
+        // 296 columns (8 | 296: the eight-wide kernels), a vocabulary shard from column 100 with
+        // padding from column 390 of the whole (the shard's last 6 columns): targets below,
+        // inside and past the shard.
+        let logits = rnd(&[6, 296], 25, dt);
+        let targets = Tensor::from_vec(vec![3u32, 100, 250, 389, 5, 200], [6], &Device::Cpu).unwrap();
+        let (mask, dl) = (rnd(&[6], 26, DType::F32), rnd(&[6], 27, DType::F32));
+        let cfg = CrossEntropyCfg { ignore_index: Some(5), vocab_start: 100, vocab_total: Some(390) };
+        check("cross_entropy eight-wide shard", dt, &[logits, targets, mask, dl], |t| {
             let (l, lse) = k::cross_entropy_fwd(&t[0], &t[1], Some(&t[2]), cfg).unwrap();
             let d = k::cross_entropy_bwd(&t[0], &t[1], Some(&t[2]), &lse, &t[3], cfg).unwrap();
             vec![l, lse, d]
@@ -207,6 +222,71 @@ fn every_op_matches_cpu() {
             k::embedding_bwd(&t[0], &t[2], &g).unwrap();
             vec![out, g]
         });
+    }
+}
+
+/// The elementwise ops on `x`, `y` (same shape) and `b` (one row): everything with an eight-wide
+/// kernel and a one-element twin.
+fn elementwise_ops(x: &Tensor, y: &Tensor, b: &Tensor) -> Vec<Tensor> {
+    let acc = k::cast(y, DType::F32).unwrap();
+    k::add_(&acc, x).unwrap();
+    let half = y.view(0, [y.elem_count() / 2]).unwrap();
+    let gate = x.view(0, [x.elem_count() / 2, 2]).unwrap();
+    vec![
+        k::add(x, y).unwrap(),
+        k::scale(x, -1.5).unwrap(),
+        k::bias_add(x, b).unwrap(),
+        k::cast(x, DType::BF16).unwrap(),
+        acc,
+        k::gelu(x).unwrap(),
+        k::gelu_bwd(x, y).unwrap(),
+        k::silu(x).unwrap(),
+        k::silu_bwd(x, y).unwrap(),
+        k::swiglu(&gate).unwrap(),
+        k::swiglu_bwd(&gate, &half.reshape([x.elem_count() / 2, 1]).unwrap()).unwrap(),
+    ]
+}
+
+#[test]
+fn elementwise_kernels_take_both_paths() {
+    for dt in [DType::F32, DType::BF16] {
+        // 8 | count, 16-byte aligned: the eight-wide kernels (SwiGLU over rows of 2 × 8).
+        let (x, y, b) = (rnd(&[4, 32], 1, dt), rnd(&[4, 32], 2, dt), rnd(&[32], 3, dt));
+        check("elementwise, eight-wide", dt, &[x, y, b], |t| {
+            let gate = t[0].reshape([8, 16]).unwrap();
+            let mut out = elementwise_ops(&t[0], &t[1], &t[2]);
+            let dy = t[1].view(0, [8, 8]).unwrap();
+            out.extend([k::swiglu(&gate).unwrap(), k::swiglu_bwd(&gate, &dy).unwrap()]);
+            out
+        });
+        // A count of 3·7 and rows of 7: the one-element kernels.
+        let (x, y, b) = (rnd(&[3, 7], 4, dt), rnd(&[3, 7], 5, dt), rnd(&[7], 6, dt));
+        check("elementwise, odd count", dt, &[x, y, b], |t| elementwise_ops(&t[0], &t[1], &t[2]));
+        // Count 64, but views starting one element in: not 16-byte aligned, one-element kernels.
+        let (x, y, b) = (rnd(&[65], 7, dt), rnd(&[65], 8, dt), rnd(&[9], 9, dt));
+        check("elementwise, unaligned views", dt, &[x, y, b], |t| {
+            let (x, y, b) = (t[0].view(1, [8, 8]).unwrap(), t[1].view(1, [8, 8]).unwrap(), t[2].view(1, [8]).unwrap());
+            elementwise_ops(&x, &y, &b)
+        });
+    }
+}
+
+#[test]
+fn norm_kernels_take_both_paths() {
+    // Widths: 20 (not a multiple of 8: the one-element row kernels), 776 (eight-wide, one group
+    // per thread) and 8200 (eight-wide, 1025 groups over 1024 threads: thread 0 holds two). 70
+    // rows: two chunks of the parameter-gradient column sums.
+    for dt in [DType::F32, DType::BF16] {
+        for c in [20, 776, 8200] {
+            let (x, dy, w, b) = (rnd(&[70, c], 1, dt), rnd(&[70, c], 2, dt), rnd(&[c], 3, dt), rnd(&[c], 4, dt));
+            check(&format!("norms c{c}"), dt, &[x, dy, w, b], |t| {
+                let (o, m, r) = k::layernorm_fwd(&t[0], &t[2], Some(&t[3]), 1e-5).unwrap();
+                let (dx, dw, db) = k::layernorm_bwd(&t[1], &t[0], &t[2], &m, &r).unwrap();
+                let (o2, r2) = k::rmsnorm_fwd(&t[0], &t[2], 1e-5).unwrap();
+                let (dx2, dw2) = k::rmsnorm_bwd(&t[1], &t[0], &t[2], &r2).unwrap();
+                vec![o, m, r, dx, dw, db, o2, r2, dx2, dw2, k::bias_grad(&t[1]).unwrap()]
+            });
+        }
     }
 }
 
