@@ -32,6 +32,11 @@ __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
 
 struct __align__(16) u128 { u32 x, y, z, w; };
 
+// `v` as a store into `T` would leave it (kernels that write a value and go on computing with it
+// use this, so that what they compute matches what a later kernel reads back).
+__device__ __forceinline__ float as_stored(const float*, float v) { return v; }
+__device__ __forceinline__ float as_stored(const bf16_t*, float v) { return __uint_as_float(pack_bf16(v, 0.f) << 16); }
+
 // Eight elements at a time: one 16-byte access for bf16/f16, two for f32. The `_v8` kernels use
 // them; the host picks a `_v8` kernel only when the count divides by 8 and every pointer is
 // 16-byte aligned (else the one-element kernel of the same name runs).

@@ -1,37 +1,44 @@
 // LayerNorm / RMSNorm / softmax over rows: one block per row (256 threads), block reductions.
+// The residual stream's adds ride along (pre-norm layer: x1 = x + attn; h = norm(x1); and in the
+// backward dx1 = dy + normᵀ(dh)): with `r`/`sum` non-null the forward normalises x + r and writes
+// that sum (as stored, so the backward sees what the forward normalised); with `res` non-null
+// the backward adds it to dx.
 // Parameter gradients: column sums in two passes (common.cuh's COL_CHUNK rows per partial, then
 // col_sum_f32 over the partials in order): deterministic, and enough threads for 16k-row batches.
 
 #define NORMS(s, T) \
-extern "C" __global__ void layernorm_fwd_##s(const T* x, const T* w, const T* b, T* y, float* mean, float* rstd, long c, float eps) { \
+extern "C" __global__ void layernorm_fwd_##s(const T* x, const T* x2, T* xs, const T* w, const T* b, T* y, float* mean, float* rstd, long c, float eps) { \
     long r = blockIdx.x; const T* xr = x + r * c; float sum = 0.f; \
+    if (x2) { for (long i = threadIdx.x; i < c; i += blockDim.x) st(xs, r * c + i, ld(xr, i) + ld(x2, r * c + i)); xr = xs + r * c; } \
     for (long i = threadIdx.x; i < c; i += blockDim.x) sum += ld(xr, i); \
     float mu = block_sum(sum) / c; float var = 0.f; \
     for (long i = threadIdx.x; i < c; i += blockDim.x) { float d = ld(xr, i) - mu; var += d * d; } \
     float rs = rsqrtf(block_sum(var) / c + eps); \
     for (long i = threadIdx.x; i < c; i += blockDim.x) st(y, r * c + i, (ld(xr, i) - mu) * rs * ld(w, i) + (b ? ld(b, i) : 0.f)); \
     if (threadIdx.x == 0) { mean[r] = mu; rstd[r] = rs; } } \
-extern "C" __global__ void layernorm_bwd_##s(const T* dy, const T* x, const T* w, const float* mean, const float* rstd, T* dx, long c) { \
+extern "C" __global__ void layernorm_bwd_##s(const T* dy, const T* x, const T* w, const float* mean, const float* rstd, const T* res, T* dx, long c) { \
     long r = blockIdx.x; float mu = mean[r], rs = rstd[r], sg = 0.f, sgx = 0.f; \
     for (long i = threadIdx.x; i < c; i += blockDim.x) { float g = ld(dy, r * c + i) * ld(w, i); sg += g; sgx += g * (ld(x, r * c + i) - mu) * rs; } \
     sg = block_sum(sg) / c; sgx = block_sum(sgx) / c; \
     for (long i = threadIdx.x; i < c; i += blockDim.x) { float xh = (ld(x, r * c + i) - mu) * rs; \
-        st(dx, r * c + i, rs * (ld(dy, r * c + i) * ld(w, i) - sg - xh * sgx)); } } \
+        st(dx, r * c + i, rs * (ld(dy, r * c + i) * ld(w, i) - sg - xh * sgx) + (res ? ld(res, r * c + i) : 0.f)); } } \
 extern "C" __global__ void norm_param_grad_##s(const T* dy, const T* x, const float* mean, const float* rstd, float* dw, float* db, long rows, long c) { \
     GRID_STRIDE(i, (rows + COL_CHUNK - 1) / COL_CHUNK * c) { long j = i % c, r0 = i / c * COL_CHUNK, r1 = r0 + COL_CHUNK < rows ? r0 + COL_CHUNK : rows; \
         float a = 0.f, b = 0.f; for (long r = r0; r < r1; r++) { float g = ld(dy, r * c + j); \
         a += g * (ld(x, r * c + j) - (mean ? mean[r] : 0.f)) * rstd[r]; b += g; } dw[i] = a; if (db) db[i] = b; } } \
-extern "C" __global__ void rmsnorm_fwd_##s(const T* x, const T* w, T* y, float* rstd, long c, float eps) { \
+extern "C" __global__ void rmsnorm_fwd_##s(const T* x, const T* x2, T* xs, const T* w, T* y, float* rstd, long c, float eps) { \
     long r = blockIdx.x; const T* xr = x + r * c; float ss = 0.f; \
+    if (x2) { for (long i = threadIdx.x; i < c; i += blockDim.x) st(xs, r * c + i, ld(xr, i) + ld(x2, r * c + i)); xr = xs + r * c; } \
     for (long i = threadIdx.x; i < c; i += blockDim.x) { float v = ld(xr, i); ss += v * v; } \
     float rs = rsqrtf(block_sum(ss) / c + eps); \
     for (long i = threadIdx.x; i < c; i += blockDim.x) st(y, r * c + i, ld(xr, i) * rs * ld(w, i)); \
     if (threadIdx.x == 0) rstd[r] = rs; } \
-extern "C" __global__ void rmsnorm_bwd_##s(const T* dy, const T* x, const T* w, const float* rstd, T* dx, long c) { \
+extern "C" __global__ void rmsnorm_bwd_##s(const T* dy, const T* x, const T* w, const float* rstd, const T* res, T* dx, long c) { \
     long r = blockIdx.x; float rs = rstd[r], sgx = 0.f; \
     for (long i = threadIdx.x; i < c; i += blockDim.x) sgx += ld(dy, r * c + i) * ld(w, i) * ld(x, r * c + i) * rs; \
     sgx = block_sum(sgx) / c; \
-    for (long i = threadIdx.x; i < c; i += blockDim.x) st(dx, r * c + i, rs * (ld(dy, r * c + i) * ld(w, i) - ld(x, r * c + i) * rs * sgx)); } \
+    for (long i = threadIdx.x; i < c; i += blockDim.x) \
+        st(dx, r * c + i, rs * (ld(dy, r * c + i) * ld(w, i) - ld(x, r * c + i) * rs * sgx) + (res ? ld(res, r * c + i) : 0.f)); } \
 extern "C" __global__ void softmax_fwd_##s(const T* x, T* y, long c) { \
     long r = blockIdx.x; float m = -INFINITY; \
     for (long i = threadIdx.x; i < c; i += blockDim.x) m = fmaxf(m, ld(x, r * c + i)); \
@@ -54,34 +61,52 @@ FOR_TYPES(NORMS)
 #define NORM_THREADS 512
 #define ROW_GROUPS(k, j) _Pragma("unroll") for (int k = 0; k < NORM_V; k++) if (long j = ((long)threadIdx.x + k * blockDim.x) * 8; j < c)
 
+// Eight inputs of a row: x, or x + x2 written to xs and returned as stored.
+template <typename T> __device__ __forceinline__ void load_sum8(const T* x, const T* x2, T* xs, long i, float* v) {
+    ld8(x, i, v);
+    if (!x2) return;
+    float u[8]; ld8(x2, i, u);
+#pragma unroll
+    for (int e = 0; e < 8; e++) v[e] = as_stored(xs, v[e] + u[e]);
+    st8(xs, i, v);
+}
+// The residual gradient's eight values at i, or zeros.
+template <typename T> __device__ __forceinline__ void add_res8(const T* res, long i, float* a) {
+#pragma unroll
+    for (int e = 0; e < 8; e++) a[e] = 0.f;
+    if (res) ld8(res, i, a);
+}
+
 #define NORMS_V8(s, T) \
-extern "C" __global__ void __launch_bounds__(NORM_THREADS) layernorm_fwd_##s##_v8(const T* x, const T* w, const T* b, T* y, float* mean, float* rstd, long c, float eps) { \
+extern "C" __global__ void __launch_bounds__(NORM_THREADS) layernorm_fwd_##s##_v8(const T* x, const T* x2, T* xs, const T* w, const T* b, T* y, float* mean, float* rstd, long c, float eps) { \
     long r = blockIdx.x; float v[NORM_V][8], sum = 0.f, var = 0.f; \
-    ROW_GROUPS(k, j) { ld8(x, r * c + j, v[k]); for (int e = 0; e < 8; e++) sum += v[k][e]; } \
+    ROW_GROUPS(k, j) { load_sum8(x, x2, xs, r * c + j, v[k]); for (int e = 0; e < 8; e++) sum += v[k][e]; } \
     float mu = block_sum(sum) / c; \
     ROW_GROUPS(k, j) for (int e = 0; e < 8; e++) { float d = v[k][e] - mu; var += d * d; } \
     float rs = rsqrtf(block_sum(var) / c + eps); \
     ROW_GROUPS(k, j) { float g[8], h[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}; ld8(w, j, g); if (b) ld8(b, j, h); \
         for (int e = 0; e < 8; e++) v[k][e] = (v[k][e] - mu) * rs * g[e] + h[e]; st8(y, r * c + j, v[k]); } \
     if (threadIdx.x == 0) { mean[r] = mu; rstd[r] = rs; } } \
-extern "C" __global__ void __launch_bounds__(NORM_THREADS) layernorm_bwd_##s##_v8(const T* dy, const T* x, const T* w, const float* mean, const float* rstd, T* dx, long c) { \
+extern "C" __global__ void __launch_bounds__(NORM_THREADS) layernorm_bwd_##s##_v8(const T* dy, const T* x, const T* w, const float* mean, const float* rstd, const T* res, T* dx, long c) { \
     long r = blockIdx.x; float mu = mean[r], rs = rstd[r], sg = 0.f, sgx = 0.f, gw[NORM_V][8], xh[NORM_V][8]; \
     ROW_GROUPS(k, j) { float g[8]; ld8(dy, r * c + j, gw[k]); ld8(x, r * c + j, xh[k]); ld8(w, j, g); \
         for (int e = 0; e < 8; e++) { gw[k][e] *= g[e]; xh[k][e] = (xh[k][e] - mu) * rs; sg += gw[k][e]; sgx += gw[k][e] * xh[k][e]; } } \
     sg = block_sum(sg) / c; sgx = block_sum(sgx) / c; \
-    ROW_GROUPS(k, j) { for (int e = 0; e < 8; e++) gw[k][e] = rs * (gw[k][e] - sg - xh[k][e] * sgx); st8(dx, r * c + j, gw[k]); } } \
-extern "C" __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_fwd_##s##_v8(const T* x, const T* w, T* y, float* rstd, long c, float eps) { \
+    ROW_GROUPS(k, j) { float a[8]; add_res8(res, r * c + j, a); \
+        for (int e = 0; e < 8; e++) gw[k][e] = rs * (gw[k][e] - sg - xh[k][e] * sgx) + a[e]; st8(dx, r * c + j, gw[k]); } } \
+extern "C" __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_fwd_##s##_v8(const T* x, const T* x2, T* xs, const T* w, T* y, float* rstd, long c, float eps) { \
     long r = blockIdx.x; float v[NORM_V][8], ss = 0.f; \
-    ROW_GROUPS(k, j) { ld8(x, r * c + j, v[k]); for (int e = 0; e < 8; e++) ss += v[k][e] * v[k][e]; } \
+    ROW_GROUPS(k, j) { load_sum8(x, x2, xs, r * c + j, v[k]); for (int e = 0; e < 8; e++) ss += v[k][e] * v[k][e]; } \
     float rs = rsqrtf(block_sum(ss) / c + eps); \
     ROW_GROUPS(k, j) { float g[8]; ld8(w, j, g); for (int e = 0; e < 8; e++) v[k][e] = v[k][e] * rs * g[e]; st8(y, r * c + j, v[k]); } \
     if (threadIdx.x == 0) rstd[r] = rs; } \
-extern "C" __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_bwd_##s##_v8(const T* dy, const T* x, const T* w, const float* rstd, T* dx, long c) { \
+extern "C" __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_bwd_##s##_v8(const T* dy, const T* x, const T* w, const float* rstd, const T* res, T* dx, long c) { \
     long r = blockIdx.x; float rs = rstd[r], sgx = 0.f, gw[NORM_V][8], xv[NORM_V][8]; \
     ROW_GROUPS(k, j) { float g[8]; ld8(dy, r * c + j, gw[k]); ld8(x, r * c + j, xv[k]); ld8(w, j, g); \
         for (int e = 0; e < 8; e++) { gw[k][e] *= g[e]; sgx += gw[k][e] * xv[k][e] * rs; } } \
     sgx = block_sum(sgx) / c; \
-    ROW_GROUPS(k, j) { for (int e = 0; e < 8; e++) gw[k][e] = rs * (gw[k][e] - xv[k][e] * rs * sgx); st8(dx, r * c + j, gw[k]); } } \
+    ROW_GROUPS(k, j) { float a[8]; add_res8(res, r * c + j, a); \
+        for (int e = 0; e < 8; e++) gw[k][e] = rs * (gw[k][e] - xv[k][e] * rs * sgx) + a[e]; st8(dx, r * c + j, gw[k]); } } \
 /* Parameter-gradient partials over eight columns per thread (c % 8 == 0): 16-byte row reads. */ \
 extern "C" __global__ void norm_param_grad_##s##_v8(const T* dy, const T* x, const float* mean, const float* rstd, float* dw, float* db, long rows, long c) { \
     GRID_STRIDE(i, (rows + COL_CHUNK - 1) / COL_CHUNK * (c / 8)) { long j = i % (c / 8) * 8, ch = i / (c / 8), r0 = ch * COL_CHUNK; \

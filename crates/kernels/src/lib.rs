@@ -35,7 +35,10 @@ pub use elementwise::{add, add_, bias_add, bias_grad, cast, copy_, scale, scale_
 pub use embedding::{embedding_bwd, embedding_bwd_shard, embedding_fwd, embedding_fwd_shard};
 pub use loss::{CrossEntropyCfg, cross_entropy_bwd, cross_entropy_fwd};
 pub use matmul::{matmul, matmul_bias, matmul_bwd, matmul_into};
-pub use norm::{layernorm_bwd, layernorm_fwd, rmsnorm_bwd, rmsnorm_fwd};
+pub use norm::{
+    add_layernorm_fwd, add_rmsnorm_fwd, layernorm_bwd, layernorm_bwd_add, layernorm_fwd, rmsnorm_bwd, rmsnorm_bwd_add,
+    rmsnorm_fwd,
+};
 pub use optim::{AdamW, adamw_step, global_l2_norm, sum_sq, sum_sq_all};
 pub use qkv::{qkv_merge, qkv_split};
 pub use rope::{RopeCfg, rope_bwd, rope_fwd};

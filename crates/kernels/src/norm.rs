@@ -12,19 +12,55 @@ fn norm_checks(op: &'static str, x: &Tensor, w: &Tensor) -> Result<usize> {
     Ok(c)
 }
 
+/// `norm_checks` plus the bias's shape.
+fn ln_checks(op: &'static str, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<usize> {
+    let c = norm_checks(op, x, w)?;
+    if let Some(b) = b {
+        check::shape(op, b, &[c])?;
+    }
+    Ok(c)
+}
+
 /// Returns (y, mean, rstd).
 pub fn layernorm_fwd(x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64) -> Result<(Tensor, Tensor, Tensor)> {
-    const OP: &str = "layernorm_fwd";
-    let c = norm_checks(OP, x, w)?;
-    let mut all = vec![x, w];
-    if let Some(b) = b {
-        check::shape(OP, b, &[c])?;
-        all.push(b);
-    }
     #[cfg(feature = "cuda")]
-    if let Some(g) = crate::cuda::gpu(OP, &[x, w])? {
-        return crate::cuda::ops::layernorm_fwd(&g, x, w, b, eps);
+    if let Some(g) = crate::cuda::gpu("layernorm_fwd", &[x, w])? {
+        ln_checks("layernorm_fwd", x, w, b)?;
+        let (y, m, r, _) = crate::cuda::ops::layernorm_fwd(&g, x, None, w, b, eps)?;
+        return Ok((y, m, r));
     }
+    layernorm_fwd_cpu(x, w, b, eps)
+}
+
+/// The residual add of a pre-norm layer with the norm after it: returns (x + x2, y, mean, rstd)
+/// with y the LayerNorm of the sum (one kernel on a GPU; the sum is rounded to the activation
+/// dtype before it is normalised, as two separate ops would).
+pub fn add_layernorm_fwd(
+    x: &Tensor,
+    x2: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    eps: f64,
+) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+    const OP: &str = "add_layernorm_fwd";
+    ln_checks(OP, x, w, b)?;
+    check::shape(OP, x2, x.dims())?;
+    check::same_dtype(OP, x, x2)?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[x, x2, w])? {
+        let (y, m, r, sum) = crate::cuda::ops::layernorm_fwd(&g, x, Some(x2), w, b, eps)?;
+        return Ok((sum.ok_or_else(|| ferrotron_core::invalid(OP, "no sum from the fused kernel"))?, y, m, r));
+    }
+    let sum = crate::add(x, x2)?;
+    let (y, m, r) = layernorm_fwd_cpu(&sum, w, b, eps)?;
+    Ok((sum, y, m, r))
+}
+
+fn layernorm_fwd_cpu(x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64) -> Result<(Tensor, Tensor, Tensor)> {
+    const OP: &str = "layernorm_fwd";
+    let c = ln_checks(OP, x, w, b)?;
+    let mut all = vec![x, w];
+    all.extend(b);
     check::on_cpu(OP, &all)?;
     let rows = x.shape().rows();
     let (xv, wv) = (x.read_f32()?, w.read_f32()?);
@@ -46,7 +82,35 @@ pub fn layernorm_bwd(
     mean: &Tensor,
     rstd: &Tensor,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    layernorm_bwd_res(dy, x, w, mean, rstd, None)
+}
+
+/// `layernorm_bwd` with the residual stream's gradient added to dx: (dx + res, dweight, dbias)
+/// (one kernel on a GPU).
+pub fn layernorm_bwd_add(
+    dy: &Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    mean: &Tensor,
+    rstd: &Tensor,
+    res: &Tensor,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    layernorm_bwd_res(dy, x, w, mean, rstd, Some(res))
+}
+
+fn layernorm_bwd_res(
+    dy: &Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    mean: &Tensor,
+    rstd: &Tensor,
+    res: Option<&Tensor>,
+) -> Result<(Tensor, Tensor, Tensor)> {
     const OP: &str = "layernorm_bwd";
+    if let Some(res) = res {
+        check::shape(OP, res, x.dims())?;
+        check::same_dtype(OP, x, res)?;
+    }
     let c = norm_checks(OP, x, w)?;
     check::shape(OP, dy, x.dims())?;
     let rows = x.shape().rows();
@@ -54,14 +118,15 @@ pub fn layernorm_bwd(
     check::shape(OP, rstd, &[rows])?;
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[dy, x, w, mean, rstd])? {
-        return crate::cuda::ops::layernorm_bwd(&g, dy, x, w, mean, rstd);
+        return crate::cuda::ops::layernorm_bwd(&g, dy, x, w, mean, rstd, res);
     }
     check::on_cpu(OP, &[dy, x, w, mean, rstd])?;
     let (dyv, xv, wv, mv, rv) = (dy.read_f32()?, x.read_f32()?, w.read_f32()?, mean.read_f32()?, rstd.read_f32()?);
     let mut dx = vec![0f32; rows * c];
     let (dw, db) = cpu::norm::layernorm_bwd(&dyv, &xv, &wv, &mv, &rv, c, &mut dx);
+    let dx = check::out(dx, x.shape().clone(), x.dtype(), x.device())?;
     Ok((
-        check::out(dx, x.shape().clone(), x.dtype(), x.device())?,
+        res.map_or(Ok(dx.clone()), |r| crate::add(&dx, r))?,
         check::out(dw, [c], DType::F32, x.device())?,
         check::out(db, [c], DType::F32, x.device())?,
     ))
@@ -69,12 +134,34 @@ pub fn layernorm_bwd(
 
 /// Returns (y, rstd).
 pub fn rmsnorm_fwd(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu("rmsnorm_fwd", &[x, w])? {
+        norm_checks("rmsnorm_fwd", x, w)?;
+        let (y, r, _) = crate::cuda::ops::rmsnorm_fwd(&g, x, None, w, eps)?;
+        return Ok((y, r));
+    }
+    rmsnorm_fwd_cpu(x, w, eps)
+}
+
+/// `add_layernorm_fwd` for RMSNorm: returns (x + x2, y, rstd).
+pub fn add_rmsnorm_fwd(x: &Tensor, x2: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor, Tensor)> {
+    const OP: &str = "add_rmsnorm_fwd";
+    norm_checks(OP, x, w)?;
+    check::shape(OP, x2, x.dims())?;
+    check::same_dtype(OP, x, x2)?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[x, x2, w])? {
+        let (y, r, sum) = crate::cuda::ops::rmsnorm_fwd(&g, x, Some(x2), w, eps)?;
+        return Ok((sum.ok_or_else(|| ferrotron_core::invalid(OP, "no sum from the fused kernel"))?, y, r));
+    }
+    let sum = crate::add(x, x2)?;
+    let (y, r) = rmsnorm_fwd_cpu(&sum, w, eps)?;
+    Ok((sum, y, r))
+}
+
+fn rmsnorm_fwd_cpu(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
     const OP: &str = "rmsnorm_fwd";
     let c = norm_checks(OP, x, w)?;
-    #[cfg(feature = "cuda")]
-    if let Some(g) = crate::cuda::gpu(OP, &[x, w])? {
-        return crate::cuda::ops::rmsnorm_fwd(&g, x, w, eps);
-    }
     check::on_cpu(OP, &[x, w])?;
     let rows = x.shape().rows();
     let (xv, wv) = (x.read_f32()?, w.read_f32()?);
@@ -85,18 +172,38 @@ pub fn rmsnorm_fwd(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)>
 
 /// Returns (dx, dweight); dweight is f32.
 pub fn rmsnorm_bwd(dy: &Tensor, x: &Tensor, w: &Tensor, rstd: &Tensor) -> Result<(Tensor, Tensor)> {
+    rmsnorm_bwd_res(dy, x, w, rstd, None)
+}
+
+/// `rmsnorm_bwd` with the residual stream's gradient added to dx: (dx + res, dweight).
+pub fn rmsnorm_bwd_add(dy: &Tensor, x: &Tensor, w: &Tensor, rstd: &Tensor, res: &Tensor) -> Result<(Tensor, Tensor)> {
+    rmsnorm_bwd_res(dy, x, w, rstd, Some(res))
+}
+
+fn rmsnorm_bwd_res(
+    dy: &Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    rstd: &Tensor,
+    res: Option<&Tensor>,
+) -> Result<(Tensor, Tensor)> {
     const OP: &str = "rmsnorm_bwd";
+    if let Some(res) = res {
+        check::shape(OP, res, x.dims())?;
+        check::same_dtype(OP, x, res)?;
+    }
     let c = norm_checks(OP, x, w)?;
     check::shape(OP, dy, x.dims())?;
     let rows = x.shape().rows();
     check::shape(OP, rstd, &[rows])?;
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[dy, x, w, rstd])? {
-        return crate::cuda::ops::rmsnorm_bwd(&g, dy, x, w, rstd);
+        return crate::cuda::ops::rmsnorm_bwd(&g, dy, x, w, rstd, res);
     }
     check::on_cpu(OP, &[dy, x, w, rstd])?;
     let (dyv, xv, wv, rv) = (dy.read_f32()?, x.read_f32()?, w.read_f32()?, rstd.read_f32()?);
     let mut dx = vec![0f32; rows * c];
     let dw = cpu::norm::rmsnorm_bwd(&dyv, &xv, &wv, &rv, c, &mut dx);
-    Ok((check::out(dx, x.shape().clone(), x.dtype(), x.device())?, check::out(dw, [c], DType::F32, x.device())?))
+    let dx = check::out(dx, x.shape().clone(), x.dtype(), x.device())?;
+    Ok((res.map_or(Ok(dx.clone()), |r| crate::add(&dx, r))?, check::out(dw, [c], DType::F32, x.device())?))
 }

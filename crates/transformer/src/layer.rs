@@ -2,6 +2,7 @@
 //!
 //! layer: x1 = x + attn(input_layernorm(x)); y = x1 + mlp(pre_mlp_layernorm(x1)).
 //! Backward: the residual stream adds: dx1 = dy + ln2ᵀ(mlpᵀ(dy)); dx = dx1 + ln1ᵀ(attnᵀ(dx1)).
+//! The adds next to a norm run inside its kernel (`Norm::forward_add`, `Norm::backward_add`).
 
 use crate::attention::{AttentionDims, SelfAttention};
 use crate::config::TransformerConfig;
@@ -67,8 +68,7 @@ impl Module for TransformerLayer {
     fn forward(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Saved)> {
         let (h1, s1) = self.input_layernorm.forward(cx, x)?;
         let (a, s2) = self.self_attention.forward(cx, &h1)?;
-        let x1 = k::add(x, &a)?;
-        let (h2, s3) = self.pre_mlp_layernorm.forward(cx, &x1)?;
+        let (x1, h2, s3) = self.pre_mlp_layernorm.forward_add(cx, x, &a)?;
         let (m, s4) = self.mlp.forward(cx, &h2)?;
         Ok((k::add(&x1, &m)?, Saved::new(vec![], vec![s1, s2, s3, s4])))
     }
@@ -76,9 +76,9 @@ impl Module for TransformerLayer {
     fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
         let [s1, s2, s3, s4] = four("TransformerLayer::backward", saved)?;
         let dh2 = self.mlp.backward(cx, s4, dy)?;
-        let dx1 = k::add(dy, &self.pre_mlp_layernorm.backward(cx, s3, &dh2)?)?;
+        let dx1 = self.pre_mlp_layernorm.backward_add(cx, s3, &dh2, dy)?;
         let dh1 = self.self_attention.backward(cx, s2, &dx1)?;
-        k::add(&dx1, &self.input_layernorm.backward(cx, s1, &dh1)?)
+        self.input_layernorm.backward_add(cx, s1, &dh1, &dx1)
     }
 }
 

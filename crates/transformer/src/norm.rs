@@ -34,6 +34,56 @@ impl Norm {
     }
 }
 
+impl Norm {
+    /// The residual add before this norm, fused with it: returns (x + r, norm(x + r), saved). The
+    /// saved values are those of `forward` on the sum, so `backward` and `backward_add` take them.
+    pub fn forward_add(&self, cx: &Cx, x: &Tensor, r: &Tensor) -> Result<(Tensor, Tensor, Saved)> {
+        let w = cx.params.param(self.weight)?;
+        match self.bias {
+            Some(b) => {
+                let (sum, y, mean, rstd) = k::add_layernorm_fwd(x, r, &w, Some(&cx.params.param(b)?), self.eps)?;
+                Ok((sum.clone(), y, Saved::new(vec![sum, mean, rstd], vec![])))
+            }
+            None => {
+                let (sum, y, rstd) = k::add_rmsnorm_fwd(x, r, &w, self.eps)?;
+                Ok((sum.clone(), y, Saved::new(vec![sum, rstd], vec![])))
+            }
+        }
+    }
+
+    /// `backward` with the residual stream's gradient `res` added to the result (dx + res).
+    pub fn backward_add(&self, cx: &Cx, saved: Saved, dy: &Tensor, res: &Tensor) -> Result<Tensor> {
+        self.backward_res(cx, saved, dy, Some(res))
+    }
+
+    fn backward_res(&self, cx: &Cx, saved: Saved, dy: &Tensor, res: Option<&Tensor>) -> Result<Tensor> {
+        let w = cx.params.param(self.weight)?;
+        let s = &saved.tensors;
+        if s.len() != if self.bias.is_some() { 3 } else { 2 } {
+            return Err(invalid("Norm::backward", "saved tensors do not match forward"));
+        }
+        match self.bias {
+            Some(b) => {
+                let (dx, dw, db) = match res {
+                    Some(r) => k::layernorm_bwd_add(dy, &s[0], &w, &s[1], &s[2], r)?,
+                    None => k::layernorm_bwd(dy, &s[0], &w, &s[1], &s[2])?,
+                };
+                k::add_(&cx.params.grad(self.weight)?, &dw)?;
+                k::add_(&cx.params.grad(b)?, &db)?;
+                Ok(dx)
+            }
+            None => {
+                let (dx, dw) = match res {
+                    Some(r) => k::rmsnorm_bwd_add(dy, &s[0], &w, &s[1], r)?,
+                    None => k::rmsnorm_bwd(dy, &s[0], &w, &s[1])?,
+                };
+                k::add_(&cx.params.grad(self.weight)?, &dw)?;
+                Ok(dx)
+            }
+        }
+    }
+}
+
 impl Module for Norm {
     fn forward(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Saved)> {
         let w = cx.params.param(self.weight)?;
@@ -50,23 +100,6 @@ impl Module for Norm {
     }
 
     fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
-        let w = cx.params.param(self.weight)?;
-        let s = &saved.tensors;
-        if s.len() != if self.bias.is_some() { 3 } else { 2 } {
-            return Err(invalid("Norm::backward", "saved tensors do not match forward"));
-        }
-        match self.bias {
-            Some(b) => {
-                let (dx, dw, db) = k::layernorm_bwd(dy, &s[0], &w, &s[1], &s[2])?;
-                k::add_(&cx.params.grad(self.weight)?, &dw)?;
-                k::add_(&cx.params.grad(b)?, &db)?;
-                Ok(dx)
-            }
-            None => {
-                let (dx, dw) = k::rmsnorm_bwd(dy, &s[0], &w, &s[1])?;
-                k::add_(&cx.params.grad(self.weight)?, &dw)?;
-                Ok(dx)
-            }
-        }
+        self.backward_res(cx, saved, dy, None)
     }
 }

@@ -204,9 +204,25 @@ fn rows_launch8(be: &B, name: &str, rows: usize, c: usize, args: &[Arg]) -> Resu
     }
 }
 
-pub fn layernorm_fwd(be: &B, x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64) -> Result<(Tensor, Tensor, Tensor)> {
+/// The sum x + x2 of a fused residual add (written by the norm's forward kernel), or none.
+fn residual_sum(be: &B, x: &Tensor, x2: Option<&Tensor>) -> Result<(Arg, Arg, Option<Tensor>)> {
+    let Some(x2) = x2 else { return Ok((NULL, NULL, None)) };
+    let sum = new(be, x.shape().clone(), x.dtype())?;
+    Ok((ptr("norm", x2)?, ptr("norm", &sum)?, Some(sum)))
+}
+
+/// LayerNorm of x (or of x + x2, returned as the fourth value): (y, mean, rstd, sum).
+pub fn layernorm_fwd(
+    be: &B,
+    x: &Tensor,
+    x2: Option<&Tensor>,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    eps: f64,
+) -> Result<(Tensor, Tensor, Tensor, Option<Tensor>)> {
     let (rows, c) = (x.shape().rows(), x.shape().last());
     let y = new(be, x.shape().clone(), x.dtype())?;
+    let (x2p, sump, sum) = residual_sum(be, x, x2)?;
     let (mean, rstd) = (new(be, [rows], DType::F32)?, new(be, [rows], DType::F32)?);
     let bp = opt_ptr("layernorm_fwd", b)?;
     let name = format!("layernorm_fwd_{}", sfx("layernorm_fwd", x.dtype())?);
@@ -217,6 +233,8 @@ pub fn layernorm_fwd(be: &B, x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f6
         c,
         &[
             ptr("ln", x)?,
+            x2p,
+            sump,
             ptr("ln", w)?,
             bp,
             ptr("ln", &y)?,
@@ -226,9 +244,10 @@ pub fn layernorm_fwd(be: &B, x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f6
             Arg::F32(eps as f32),
         ],
     )?;
-    Ok((y, mean, rstd))
+    Ok((y, mean, rstd, sum))
 }
 
+/// LayerNorm backward: (dx + res, dw, db).
 pub fn layernorm_bwd(
     be: &B,
     dy: &Tensor,
@@ -236,6 +255,7 @@ pub fn layernorm_bwd(
     w: &Tensor,
     mean: &Tensor,
     rstd: &Tensor,
+    res: Option<&Tensor>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let (rows, c) = (x.shape().rows(), x.shape().last());
     let s = sfx("layernorm_bwd", x.dtype())?;
@@ -245,7 +265,16 @@ pub fn layernorm_bwd(
         &format!("layernorm_bwd_{s}"),
         rows,
         c,
-        &[ptr("ln", dy)?, ptr("ln", x)?, ptr("ln", w)?, ptr("ln", mean)?, ptr("ln", rstd)?, ptr("ln", &dx)?, n(c)],
+        &[
+            ptr("ln", dy)?,
+            ptr("ln", x)?,
+            ptr("ln", w)?,
+            ptr("ln", mean)?,
+            ptr("ln", rstd)?,
+            opt_ptr("ln", res)?,
+            ptr("ln", &dx)?,
+            n(c),
+        ],
     )?;
     let chunks = rows.div_ceil(COL_CHUNK);
     let (pw, pb) = (new(be, [chunks, c], DType::F32)?, new(be, [chunks, c], DType::F32)?);
@@ -264,9 +293,17 @@ pub fn layernorm_bwd(
     Ok((dx, dw, db))
 }
 
-pub fn rmsnorm_fwd(be: &B, x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+/// RMSNorm of x (or of x + x2, returned as the third value): (y, rstd, sum).
+pub fn rmsnorm_fwd(
+    be: &B,
+    x: &Tensor,
+    x2: Option<&Tensor>,
+    w: &Tensor,
+    eps: f64,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
     let (rows, c) = (x.shape().rows(), x.shape().last());
     let y = new(be, x.shape().clone(), x.dtype())?;
+    let (x2p, sump, sum) = residual_sum(be, x, x2)?;
     let rstd = new(be, [rows], DType::F32)?;
     let name = format!("rmsnorm_fwd_{}", sfx("rmsnorm_fwd", x.dtype())?);
     rows_launch8(
@@ -274,12 +311,20 @@ pub fn rmsnorm_fwd(be: &B, x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, 
         &name,
         rows,
         c,
-        &[ptr("rms", x)?, ptr("rms", w)?, ptr("rms", &y)?, ptr("rms", &rstd)?, n(c), Arg::F32(eps as f32)],
+        &[ptr("rms", x)?, x2p, sump, ptr("rms", w)?, ptr("rms", &y)?, ptr("rms", &rstd)?, n(c), Arg::F32(eps as f32)],
     )?;
-    Ok((y, rstd))
+    Ok((y, rstd, sum))
 }
 
-pub fn rmsnorm_bwd(be: &B, dy: &Tensor, x: &Tensor, w: &Tensor, rstd: &Tensor) -> Result<(Tensor, Tensor)> {
+/// RMSNorm backward: (dx + res, dw).
+pub fn rmsnorm_bwd(
+    be: &B,
+    dy: &Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    rstd: &Tensor,
+    res: Option<&Tensor>,
+) -> Result<(Tensor, Tensor)> {
     let (rows, c) = (x.shape().rows(), x.shape().last());
     let s = sfx("rmsnorm_bwd", x.dtype())?;
     let dx = new(be, x.shape().clone(), x.dtype())?;
@@ -288,7 +333,15 @@ pub fn rmsnorm_bwd(be: &B, dy: &Tensor, x: &Tensor, w: &Tensor, rstd: &Tensor) -
         &format!("rmsnorm_bwd_{s}"),
         rows,
         c,
-        &[ptr("rms", dy)?, ptr("rms", x)?, ptr("rms", w)?, ptr("rms", rstd)?, ptr("rms", &dx)?, n(c)],
+        &[
+            ptr("rms", dy)?,
+            ptr("rms", x)?,
+            ptr("rms", w)?,
+            ptr("rms", rstd)?,
+            opt_ptr("rms", res)?,
+            ptr("rms", &dx)?,
+            n(c),
+        ],
     )?;
     let chunks = rows.div_ceil(COL_CHUNK);
     let pw = new(be, [chunks, c], DType::F32)?;

@@ -286,6 +286,15 @@ fn norm_kernels_take_both_paths() {
                 let (dx2, dw2) = k::rmsnorm_bwd(&t[1], &t[0], &t[2], &r2).unwrap();
                 vec![o, m, r, dx, dw, db, o2, r2, dx2, dw2, k::bias_grad(&t[1]).unwrap()]
             });
+            // The residual adds fused into the norms: x + dy normalised, and dx + x.
+            let (x, dy, w, b) = (rnd(&[70, c], 5, dt), rnd(&[70, c], 6, dt), rnd(&[c], 7, dt), rnd(&[c], 8, dt));
+            check(&format!("norms with residual adds c{c}"), dt, &[x, dy, w, b], |t| {
+                let (s, o, m, r) = k::add_layernorm_fwd(&t[0], &t[1], &t[2], Some(&t[3]), 1e-5).unwrap();
+                let (dx, dw, db) = k::layernorm_bwd_add(&t[1], &s, &t[2], &m, &r, &t[0]).unwrap();
+                let (s2, o2, r2) = k::add_rmsnorm_fwd(&t[0], &t[1], &t[2], 1e-5).unwrap();
+                let (dx2, dw2) = k::rmsnorm_bwd_add(&t[1], &s2, &t[2], &r2, &t[0]).unwrap();
+                vec![s, o, m, r, dx, dw, db, s2, o2, r2, dx2, dw2]
+            });
         }
     }
 }
