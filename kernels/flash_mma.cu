@@ -1,6 +1,6 @@
 // Flash attention forward on tensor cores (bf16 in, fp32 accumulate): mma.sync m16n8k16, the
-// FlashAttention-2 arrangement. A block of 4 warps takes 64 query rows (16 per warp) of one
-// (batch, head); key tiles of 64 stream through shared memory in two stages (cp.async: the next
+// FlashAttention-2 arrangement. A block of 4 warps takes 64·MT query rows (MT m-tiles of 16 per
+// warp: 2 at head dim 64 from 2k tokens on, else 1) of one (batch, head); key tiles of 64 stream through shared memory in two stages (cp.async: the next
 // K/V tile loads while this one is used), stored as [key][d] with rows padded by 8 elements so
 // ldmatrix reads are conflict-free (K's B operand by ldmatrix, V's by ldmatrix.trans). S = QKᵀ
 // stays in registers; its C-fragment layout for two adjacent 8-key blocks is exactly the
@@ -166,38 +166,90 @@ __device__ __forceinline__ void c_to_a(u32* a, const float (*c)[4], int ks) {
     a[3] = pack_bf16(c[2 * ks + 1][2], c[2 * ks + 1][3]);
 }
 
-template <int D>
+// S += A · Bᵀ (as mma_cols) for MT m-tiles of 16 rows at once: each B fragment loaded from shared
+// memory feeds MT mma instructions instead of one (shared-memory reads per flop / MT).
+template <int D, int MT>
+__device__ __forceinline__ void mma_cols_mt(float (*s)[8][4], const u32 (*a)[D / 16][4], const bf16_t* tile) {
+    int lane = threadIdx.x & 31, mi = lane >> 3, rr = lane & 7;
+    #pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+        #pragma unroll
+        for (int nb = 0; nb < 8; nb += 2) {
+            u32 bb[4];
+            ldsm_x4(bb, tile + ((nb + (mi >> 1)) * 8 + rr) * (D + 8) + kk * 16 + (mi & 1) * 8);
+            #pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                const u32* x = a[mt][kk];
+                mma_bf16(s[mt][nb], x[0], x[1], x[2], x[3], bb[0], bb[1]);
+                mma_bf16(s[mt][nb + 1], x[0], x[1], x[2], x[3], bb[2], bb[3]);
+            }
+        }
+    }
+}
+
+// acc += A · B (as mma_rows_t) for MT m-tiles sharing each transposed B fragment.
+template <int D, int MT>
+__device__ __forceinline__ void mma_rows_t_mt(float (*acc)[D / 8][4], const u32 (*a)[4], const bf16_t* tile) {
+    int lane = threadIdx.x & 31, mi = lane >> 3, rr = lane & 7;
+    #pragma unroll
+    for (int n = 0; n < D / 8; n += 2) {
+        u32 bb[4];
+        ldsm_x4_t(bb, tile + ((mi & 1) * 8 + rr) * (D + 8) + (n + (mi >> 1)) * 8);
+        #pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            mma_bf16(acc[mt][n], a[mt][0], a[mt][1], a[mt][2], a[mt][3], bb[0], bb[1]);
+            mma_bf16(acc[mt][n + 1], a[mt][0], a[mt][1], a[mt][2], a[mt][3], bb[2], bb[3]);
+        }
+    }
+}
+
+// MT m-tiles of 16 query rows per warp (a block: 4 warps × 16·MT rows). MT = 2 halves the K/V
+// shared-memory reads per flop (FlashAttention-2's 128-row blocks); at D 128 the doubled
+// accumulators do not fit the 255 registers, so MT = 1 there.
+template <int D, int MT>
 __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl,
                               long hq, long hkv, float scale, long causal, long window) {
     constexpr int KS = D / 16;        // k-steps over the head dim
     constexpr int NO = D / 8;         // 8-wide blocks of the output
     constexpr int KP = D + 8;         // padded K and V rows (elements)
+    constexpr int ROWS = FM_ROWS * MT;
     // Two stages of (K tile, V tile): 4·FM_KEYS·(D + 8)·2 bytes of dynamic shared memory.
     extern __shared__ __align__(16) unsigned char fm_smem[];
     bf16_t* stage = reinterpret_cast<bf16_t*>(fm_smem);
-    long tiles = (t + FM_ROWS - 1) / FM_ROWS;
+    long tiles = (t + ROWS - 1) / ROWS;
     long qt = blockIdx.x % tiles, h = (blockIdx.x / tiles) % hq, b = blockIdx.x / (tiles * hq), kvh = h / (hq / hkv);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
-    long r0 = qt * FM_ROWS + warp * 16 + g, r1 = r0 + 8;  // this thread's two rows
-    // Q fragments for every k-step: rows r0/r1, columns kk*16 + tg*2 (+8).
-    u32 qa[KS][4];
+    // This thread's rows: r[mt][0] and r[mt][1] = r[mt][0] + 8 of m-tile mt.
+    long r[MT][2];
+    #pragma unroll
+    for (int mt = 0; mt < MT; mt++) { r[mt][0] = qt * ROWS + (warp * MT + mt) * 16 + g; r[mt][1] = r[mt][0] + 8; }
+    // Q fragments for every m-tile and k-step: columns kk*16 + tg*2 (+8).
+    u32 qa[MT][KS][4];
     auto qword = [&](long row, int col) -> u32 {
         if (row >= t) return 0u;
         return *reinterpret_cast<const u32*>(q + ((b * t + row) * hq + h) * D + col);
     };
     #pragma unroll
-    for (int kk = 0; kk < KS; kk++) {
-        qa[kk][0] = qword(r0, kk * 16 + tg * 2);
-        qa[kk][1] = qword(r1, kk * 16 + tg * 2);
-        qa[kk][2] = qword(r0, kk * 16 + 8 + tg * 2);
-        qa[kk][3] = qword(r1, kk * 16 + 8 + tg * 2);
+    for (int mt = 0; mt < MT; mt++) {
+        #pragma unroll
+        for (int kk = 0; kk < KS; kk++) {
+            qa[mt][kk][0] = qword(r[mt][0], kk * 16 + tg * 2);
+            qa[mt][kk][1] = qword(r[mt][1], kk * 16 + tg * 2);
+            qa[mt][kk][2] = qword(r[mt][0], kk * 16 + 8 + tg * 2);
+            qa[mt][kk][3] = qword(r[mt][1], kk * 16 + 8 + tg * 2);
+        }
     }
-    float acc[NO][4];
+    float acc[MT][NO][4];
+    float m[MT][2], l[MT][2];  // running max (base 2) and sum per row
     #pragma unroll
-    for (int n = 0; n < NO; n++) for (int e = 0; e < 4; e++) acc[n][e] = 0.f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // running max (base 2) and sum
+    for (int mt = 0; mt < MT; mt++) {
+        #pragma unroll
+        for (int n = 0; n < NO; n++) for (int e = 0; e < 4; e++) acc[mt][n][e] = 0.f;
+        m[mt][0] = m[mt][1] = -INFINITY;
+        l[mt][0] = l[mt][1] = 0.f;
+    }
     const float scale2 = scale * LOG2E;
-    long i0 = qt * FM_ROWS, i1 = lmin(t, i0 + FM_ROWS) - 1, jb, je;
+    long i0 = qt * ROWS, i1 = lmin(t, i0 + ROWS) - 1, jb, je;
     key_range(i0, i1, sl, causal, window, FM_KEYS, &jb, &je);
     const KvStages<D, FM_KEYS> kv(stage, k, v, jb, je, sl, b, hkv, kvh);
     if (kv.steps > 0) kv.fetch(0);
@@ -205,82 +257,99 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
         long j0 = jb + it * FM_KEYS;
         const bf16_t* ks = kv.wait(it);
         const bf16_t* vs = ks + FM_KEYS * KP;
-        // S = Q Kᵀ for this warp's 16 rows × 64 keys: 8 blocks of 8 keys.
-        float s[8][4];
+        // S = Q Kᵀ for this warp's rows × 64 keys: 8 blocks of 8 keys per m-tile.
+        float s[MT][8][4];
         #pragma unroll
-        for (int nb = 0; nb < 8; nb++) for (int e = 0; e < 4; e++) s[nb][e] = 0.f;
-        mma_cols<D>(s, qa, ks);
+        for (int mt = 0; mt < MT; mt++)
+            for (int nb = 0; nb < 8; nb++) for (int e = 0; e < 4; e++) s[mt][nb][e] = 0.f;
+        mma_cols_mt<D, MT>(s, qa, ks);
         // Mask, scale (base 2), and the online softmax for rows r0 (elements 0,1) and r1 (2,3).
         // A tile wholly inside the sequence and below the diagonal needs no mask.
-        bool full = window == 0 && i0 + FM_ROWS <= t && j0 + FM_KEYS <= sl && (!causal || j0 + FM_KEYS - 1 <= i0);
-        float mx[2] = {-INFINITY, -INFINITY};
+        bool full = window == 0 && i0 + ROWS <= t && j0 + FM_KEYS <= sl && (!causal || j0 + FM_KEYS - 1 <= i0);
+        u32 pa[MT][FM_KEYS / 16][4];  // P as A fragments, per m-tile and k-step of 16 keys
         #pragma unroll
-        for (int nb = 0; nb < 8; nb++) {
+        for (int mt = 0; mt < MT; mt++) {
+            float mx[2] = {-INFINITY, -INFINITY};
             #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                long i = e < 2 ? r0 : r1, j = j0 + nb * 8 + tg * 2 + (e & 1);
-                bool ok = full || (i < t && j < sl && allowed(i, j, causal, window));
-                s[nb][e] = ok ? s[nb][e] * scale2 : -INFINITY;
-                mx[e >> 1] = fmaxf(mx[e >> 1], s[nb][e]);
+            for (int nb = 0; nb < 8; nb++) {
+                #pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    long i = r[mt][e >> 1], j = j0 + nb * 8 + tg * 2 + (e & 1);
+                    bool ok = full || (i < t && j < sl && allowed(i, j, causal, window));
+                    s[mt][nb][e] = ok ? s[mt][nb][e] * scale2 : -INFINITY;
+                    mx[e >> 1] = fmaxf(mx[e >> 1], s[mt][nb][e]);
+                }
             }
-        }
-        float corr[2], mn[2];
-        #pragma unroll
-        for (int rr = 0; rr < 2; rr++) {
-            mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
-            mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
-            mn[rr] = fmaxf(m[rr], mx[rr]);
-            corr[rr] = mn[rr] == -INFINITY ? 1.f : ex2(m[rr] - mn[rr]);
-            m[rr] = mn[rr];
-        }
-        float rs[2] = {0.f, 0.f};
-        #pragma unroll
-        for (int nb = 0; nb < 8; nb++) {
+            float corr[2], mn[2];
             #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                float p = s[nb][e] == -INFINITY ? 0.f : ex2(s[nb][e] - mn[e >> 1]);
-                s[nb][e] = p;
-                rs[e >> 1] += p;
+            for (int rr = 0; rr < 2; rr++) {
+                mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
+                mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
+                mn[rr] = fmaxf(m[mt][rr], mx[rr]);
+                corr[rr] = mn[rr] == -INFINITY ? 1.f : ex2(m[mt][rr] - mn[rr]);
+                m[mt][rr] = mn[rr];
             }
+            float rs[2] = {0.f, 0.f};
+            #pragma unroll
+            for (int nb = 0; nb < 8; nb++) {
+                #pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    float p = s[mt][nb][e] == -INFINITY ? 0.f : ex2(s[mt][nb][e] - mn[e >> 1]);
+                    s[mt][nb][e] = p;
+                    rs[e >> 1] += p;
+                }
+            }
+            #pragma unroll
+            for (int rr = 0; rr < 2; rr++) l[mt][rr] = l[mt][rr] * corr[rr] + rs[rr];  // row sums finish after the loop
+            #pragma unroll
+            for (int n = 0; n < NO; n++) {
+                acc[mt][n][0] *= corr[0]; acc[mt][n][1] *= corr[0]; acc[mt][n][2] *= corr[1]; acc[mt][n][3] *= corr[1];
+            }
+            #pragma unroll
+            for (int kstep = 0; kstep < FM_KEYS / 16; kstep++) c_to_a(pa[mt][kstep], s[mt], kstep);
         }
-        #pragma unroll
-        for (int rr = 0; rr < 2; rr++) l[rr] = l[rr] * corr[rr] + rs[rr];  // row sums finish after the loop
-        #pragma unroll
-        for (int n = 0; n < NO; n++) { acc[n][0] *= corr[0]; acc[n][1] *= corr[0]; acc[n][2] *= corr[1]; acc[n][3] *= corr[1]; }
         // O += P V: k-steps of 16 keys; P's A fragment comes from S blocks 2ks and 2ks+1.
         #pragma unroll
         for (int kstep = 0; kstep < FM_KEYS / 16; kstep++) {
-            u32 a[4];
-            c_to_a(a, s, kstep);
-            mma_rows_t<D>(acc, a, vs + kstep * 16 * KP);
+            u32 a[MT][4];
+            #pragma unroll
+            for (int mt = 0; mt < MT; mt++) for (int x = 0; x < 4; x++) a[mt][x] = pa[mt][kstep][x];
+            mma_rows_t_mt<D, MT>(acc, a, vs + kstep * 16 * KP);
         }
         __syncthreads();  // every warp is done with this stage before it is refilled
     }
-    // Row sums over the 4 threads of each row group, then O / l and lse.
     #pragma unroll
-    for (int rr = 0; rr < 2; rr++) {
-        l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 1);
-        l[rr] += __shfl_xor_sync(0xffffffffu, l[rr], 2);
-    }
-    #pragma unroll
-    for (int rr = 0; rr < 2; rr++) {
-        long i = rr == 0 ? r0 : r1;
-        if (i >= t) continue;
-        float inv = 1.f / l[rr];
-        bf16_t* oi = o + ((b * t + i) * hq + h) * D;
+    for (int mt = 0; mt < MT; mt++) {
+        // Row sums over the 4 threads of each row group, then O / l and lse.
         #pragma unroll
-        for (int n = 0; n < NO; n++) {
-            u32 w = pack_bf16(acc[n][2 * rr] * inv, acc[n][2 * rr + 1] * inv);
-            *reinterpret_cast<u32*>(oi + n * 8 + tg * 2) = w;
+        for (int rr = 0; rr < 2; rr++) {
+            l[mt][rr] += __shfl_xor_sync(0xffffffffu, l[mt][rr], 1);
+            l[mt][rr] += __shfl_xor_sync(0xffffffffu, l[mt][rr], 2);
         }
-        if (tg == 0) lse[(b * hq + h) * t + i] = m[rr] * LN2 + logf(l[rr]);  // natural log
+        #pragma unroll
+        for (int rr = 0; rr < 2; rr++) {
+            long i = r[mt][rr];
+            if (i >= t) continue;
+            float inv = 1.f / l[mt][rr];
+            bf16_t* oi = o + ((b * t + i) * hq + h) * D;
+            #pragma unroll
+            for (int n = 0; n < NO; n++) {
+                u32 w = pack_bf16(acc[mt][n][2 * rr] * inv, acc[mt][n][2 * rr + 1] * inv);
+                *reinterpret_cast<u32*>(oi + n * 8 + tg * 2) = w;
+            }
+            if (tg == 0) lse[(b * hq + h) * t + i] = m[mt][rr] * LN2 + logf(l[mt][rr]);  // natural log
+        }
     }
 }
 
-#define FLASH_MMA(D) \
-extern "C" __global__ void __launch_bounds__(128) flash_fwd_mma_bf16_##D(const bf16_t* q, const bf16_t* k, \
+// Query rows per block: FM_ROWS · MT (the host's `fwd_kernel` must agree). At head dim 64 both:
+// two m-tiles per warp win from 2k tokens on, one (more, smaller blocks, less work on the causal
+// diagonal) below.
+#define FLASH_MMA(NAME, D, MT) \
+extern "C" __global__ void __launch_bounds__(128) NAME(const bf16_t* q, const bf16_t* k, \
         const bf16_t* v, bf16_t* o, float* lse, long t, long sl, long hq, long hkv, long d, float scale, long causal, \
         long window) { \
-    flash_fwd_mma<D>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window); }
-FLASH_MMA(64)
-FLASH_MMA(128)
+    flash_fwd_mma<D, MT>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window); }
+FLASH_MMA(flash_fwd_mma_bf16_64, 64, 1)
+FLASH_MMA(flash_fwd_mma_bf16_64x2, 64, 2)
+FLASH_MMA(flash_fwd_mma_bf16_128, 128, 1)

@@ -151,8 +151,16 @@ fn every_op_matches_cpu() {
         }
         // Head dims with a flash kernel: sequence lengths across several 32- and 64-row tiles and
         // ragged ends, GQA, causal, windowed and full (bf16 at 64/128 runs the tensor-core kernels).
-        let shapes =
-            [(45usize, 4usize, 2usize, 32usize), (70, 2, 2, 64), (33, 4, 1, 128), (130, 4, 2, 64), (150, 2, 1, 128)];
+        // 2100 rows at head dim 64: the forward with two m-tiles per warp (from 2048 rows on),
+        // 128-row blocks with a ragged last one.
+        let shapes = [
+            (45usize, 4usize, 2usize, 32usize),
+            (70, 2, 2, 64),
+            (33, 4, 1, 128),
+            (130, 4, 2, 64),
+            (150, 2, 1, 128),
+            (2100, 2, 1, 64),
+        ];
         for (t, hq, hkv, d) in shapes {
             if dt == DType::F32 && t > 100 {
                 // The long shapes are for the bf16 tensor-core kernels; f32 sums over 150 rows
