@@ -37,15 +37,6 @@ __device__ __forceinline__ void ldsm_x4(u32* r, const bf16_t* p) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
 }
 
-// 2^x on the special-function unit (relative error about 2^-22; 2^-inf = 0). The softmaxes here
-// work in base 2 with log2(e) folded into the score scale: one multiply-add and one ex2 per score.
-__device__ __forceinline__ float ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-#define LOG2E 1.4426950408889634f
-#define LN2 0.6931471805599453f
 
 // One k-step of S += A · Bᵀ for 8 blocks of 8 columns, Bᵀ rows read from a [col][d] tile (`tile`
 // points at column 0) by ldmatrix: S = Q Kᵀ, dP = dO Vᵀ, Sᵀ = K Qᵀ, dPᵀ = V dOᵀ.

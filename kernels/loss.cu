@@ -22,14 +22,16 @@ FOR_TYPES(LOSS)
 
 // Eight-wide twins (v % 8 == 0, 16-byte aligned rows): each thread reads groups of eight logits
 // with one 16-byte access; vocabulary padding (columns vreal..) is skipped element by element.
+// The forward's running max moves once per group (no per-element branch), in base 2 (ex2).
 #define LOSS_V8(s, T) \
 extern "C" __global__ void ce_fwd_##s##_v8(const T* logits, const u32* tgt, const float* mask, long long ignore, long vstart, long vreal, float* loss, float* lse, long v) { \
-    long r = blockIdx.x; const T* row = logits + r * v; float m = -INFINITY, z = 0.f; \
-    for (long i = threadIdx.x * 8L; i < vreal; i += blockDim.x * 8L) { float g[8]; ld8(row, i, g); \
-        _Pragma("unroll") for (int e = 0; e < 8; e++) { float x = i + e < vreal ? g[e] : -INFINITY; \
-            if (x > m) { z = z * expf(m - x) + 1.f; m = x; } else if (x > -INFINITY) z += expf(x - m); } } \
-    float mb = block_max(m); z = block_sum(m == -INFINITY ? 0.f : z * expf(m - mb)); m = mb; \
-    if (threadIdx.x == 0) { float l = m + logf(z); lse[r] = l; u32 t = tgt[r]; float mk = mask ? mask[r] : 1.f; \
+    long r = blockIdx.x; const T* row = logits + r * v; float m = -INFINITY, z = 0.f; /* base 2 */ \
+    for (long i = threadIdx.x * 8L; i < vreal; i += blockDim.x * 8L) { float g[8], gm = -INFINITY; ld8(row, i, g); \
+        _Pragma("unroll") for (int e = 0; e < 8; e++) { g[e] = i + e < vreal ? g[e] * LOG2E : -INFINITY; gm = fmaxf(gm, g[e]); } \
+        if (gm > -INFINITY) { float mn = fmaxf(m, gm); z *= ex2(m - mn); m = mn; \
+            _Pragma("unroll") for (int e = 0; e < 8; e++) z += ex2(g[e] - mn); } } \
+    float mb = block_max(m); z = block_sum(m == -INFINITY ? 0.f : z * ex2(m - mb)); m = mb; \
+    if (threadIdx.x == 0) { float l = m * LN2 + logf(z); lse[r] = l; u32 t = tgt[r]; float mk = mask ? mask[r] : 1.f; \
         long c = (long)t - vstart; float x = (c >= 0 && c < vreal) ? ld(row, c) : 0.f; \
         loss[r] = ((long long)t == ignore || mk == 0.f) ? 0.f : mk * (l - x); } } \
 extern "C" __global__ void ce_bwd_##s##_v8(const T* logits, const u32* tgt, const float* mask, long long ignore, long vstart, long vreal, const float* lse, const float* dloss, T* dlogits, long v) { \
@@ -37,6 +39,6 @@ extern "C" __global__ void ce_bwd_##s##_v8(const T* logits, const u32* tgt, cons
     bool off = (long long)t == ignore || mk == 0.f; float g = off ? 0.f : dloss[r] * mk; long tc = (long)t - vstart; \
     for (long i = threadIdx.x * 8L; i < v; i += blockDim.x * 8L) { float x[8]; ld8(logits, r * v + i, x); \
         _Pragma("unroll") for (int e = 0; e < 8; e++) \
-            x[e] = (off || i + e >= vreal) ? 0.f : (expf(x[e] - l) - (i + e == tc ? 1.f : 0.f)) * g; \
+            x[e] = (off || i + e >= vreal) ? 0.f : (ex2((x[e] - l) * LOG2E) - (i + e == tc ? 1.f : 0.f)) * g; \
         st8(dlogits, r * v + i, x); } }
 FOR_TYPES(LOSS_V8)
