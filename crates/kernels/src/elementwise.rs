@@ -89,7 +89,7 @@ pub fn scale(x: &Tensor, s: f32) -> Result<Tensor> {
     check::float(OP, x)?;
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[x])? {
-        let y = Tensor::zeros(x.shape().clone(), x.dtype(), x.device())?;
+        let y = crate::cuda::ops::new(&g, x.shape().clone(), x.dtype())?;
         crate::cuda::ops::scale(&g, x, &y, s)?;
         return Ok(y);
     }

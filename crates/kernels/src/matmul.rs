@@ -57,7 +57,8 @@ pub fn matmul(a: &Tensor, b: &Tensor, ta: bool, tb: bool) -> Result<Tensor> {
     let d = dims(OP, a, b, ta, tb)?;
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[a, b])? {
-        let c = Tensor::zeros(d.out.clone(), a.dtype(), a.device())?;
+        // Uncleared: with beta = 0 the GEMM writes every element without reading C.
+        let c = crate::cuda::ops::new(&g, d.out.clone(), a.dtype())?;
         crate::cuda::ops::gemm(&g, a, b, &c, d.batch, d.m, d.n, d.k, ta, tb, 0.0, None)?;
         return Ok(c);
     }
@@ -79,7 +80,7 @@ pub fn matmul_bias(a: &Tensor, b: &Tensor, bias: &Tensor, ta: bool, tb: bool) ->
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[a, b, bias])? {
         if d.batch == 1 {
-            let c = Tensor::zeros(d.out.clone(), a.dtype(), a.device())?;
+            let c = crate::cuda::ops::new(&g, d.out.clone(), a.dtype())?;
             crate::cuda::ops::gemm(&g, a, b, &c, 1, d.m, d.n, d.k, ta, tb, 0.0, Some(bias))?;
             return Ok(c);
         }
@@ -98,6 +99,56 @@ pub fn matmul_bias(a: &Tensor, b: &Tensor, bias: &Tensor, ta: bool, tb: bool) ->
         });
     }
     check::out(c, d.out, a.dtype(), a.device())
+}
+
+/// The MLP's first linear layer with its GeLU: returns (gelu(h), h) with h = x·wᵀ + bias (x
+/// [..., k], w [n, k], bias [n]). On a GPU in bf16 one cuBLASLt GEMM with the GeLU in its
+/// epilogue (h kept as its aux output for `matmul_dgelu`); elsewhere the two ops.
+pub fn linear_gelu(x: &Tensor, w: &Tensor, bias: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "linear_gelu";
+    check::float(OP, x)?;
+    check::same_dtype(OP, x, w)?;
+    let d = dims(OP, x, w, false, true)?;
+    if let Some(b) = bias {
+        check::same_dtype(OP, x, b)?;
+        check::shape(OP, b, &[d.n])?;
+    }
+    #[cfg(feature = "cuda")]
+    if x.dtype() == DType::BF16 && d.batch == 1 {
+        let mut all = vec![x, w];
+        all.extend(bias);
+        if let Some(g) = crate::cuda::gpu(OP, &all)? {
+            if let Some(r) = crate::cuda::ops::linear_gelu(&g, x, w, bias, (d.m, d.n, d.k), d.out.clone())? {
+                return Ok(r);
+            }
+        }
+    }
+    let h = match bias {
+        Some(b) => matmul_bias(x, w, b, false, true)?,
+        None => matmul(x, w, false, true)?,
+    };
+    Ok((crate::gelu(&h)?, h))
+}
+
+/// The GeLU backward fused into the product before it: gelu_bwd(h, dy·w) (dy [..., k], w [k, n],
+/// h [..., n] from `linear_gelu`). On a GPU in bf16 one cuBLASLt GEMM with the GeLU gradient in
+/// its epilogue; elsewhere the two ops.
+pub fn matmul_dgelu(dy: &Tensor, w: &Tensor, h: &Tensor) -> Result<Tensor> {
+    const OP: &str = "matmul_dgelu";
+    check::float(OP, dy)?;
+    check::same_dtype(OP, dy, w)?;
+    check::same_dtype(OP, dy, h)?;
+    let d = dims(OP, dy, w, false, false)?;
+    check::shape(OP, h, &d.out)?;
+    #[cfg(feature = "cuda")]
+    if dy.dtype() == DType::BF16 && d.batch == 1 {
+        if let Some(g) = crate::cuda::gpu(OP, &[dy, w, h])? {
+            if let Some(r) = crate::cuda::ops::matmul_dgelu(&g, dy, w, h, (d.m, d.n, d.k))? {
+                return Ok(r);
+            }
+        }
+    }
+    crate::gelu_bwd(h, &matmul(dy, w, false, false)?)
 }
 
 /// c = op(a)·op(b), or c += op(a)·op(b) when `accumulate`. c may have a wider dtype than a and b.

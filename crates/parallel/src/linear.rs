@@ -74,6 +74,19 @@ impl ColumnParallelLinear {
         self.gather_output = yes;
         self
     }
+
+    /// `forward` then GeLU: (gelu(y), y, saved), with the GeLU in the GEMM's epilogue where the
+    /// device has one (`k::linear_gelu`). `backward` takes the saved values as from `forward`.
+    pub fn forward_gelu(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Tensor, Saved)> {
+        if self.gather_output {
+            let (y, s) = self.forward(cx, x)?;
+            return Ok((k::gelu(&y)?, y, s));
+        }
+        let x = self.tp.enter(x)?;
+        let b = self.bias.map(|b| cx.params.param(b)).transpose()?;
+        let (a, y) = k::linear_gelu(&x, &cx.params.param(self.weight)?, b.as_ref())?;
+        Ok((a, y, Saved::new(vec![x], vec![])))
+    }
 }
 
 impl Module for ColumnParallelLinear {
@@ -162,6 +175,19 @@ impl Module for RowParallelLinear {
     }
 
     fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
+        self.backward_gelu_in(cx, saved, dy, None)
+    }
+}
+
+impl RowParallelLinear {
+    /// `backward` followed by the GeLU backward of the layer before (whose pre-activation is
+    /// `h`): gelu_bwd(h, dx), fused into the input-gradient GEMM where the device allows
+    /// (`k::matmul_dgelu`).
+    pub fn backward_dgelu(&self, cx: &Cx, saved: Saved, dy: &Tensor, h: &Tensor) -> Result<Tensor> {
+        self.backward_gelu_in(cx, saved, dy, Some(h))
+    }
+
+    fn backward_gelu_in(&self, cx: &Cx, saved: Saved, dy: &Tensor, h: Option<&Tensor>) -> Result<Tensor> {
         let x = saved_one("RowParallelLinear::backward", &saved)?;
         if let Some(b) = self.bias {
             // Under sequence parallelism dy is this rank's sequence slice: a partial bias grad,
@@ -169,8 +195,16 @@ impl Module for RowParallelLinear {
             k::add_(&cx.params.grad(b)?, &k::bias_grad(dy)?)?;
         }
         let dy = self.tp.exit_bwd(dy)?;
-        let dx = k::matmul(&dy, &cx.params.param(self.weight)?, false, false)?;
+        let w = cx.params.param(self.weight)?;
+        let dx = match h {
+            Some(h) if self.input_is_parallel => k::matmul_dgelu(&dy, &w, h)?,
+            _ => k::matmul(&dy, &w, false, false)?,
+        };
         param_grads(cx, self.weight, None, x, &dy)?;
-        if self.input_is_parallel { Ok(dx) } else { self.tp.gather_last(&dx) }
+        match (self.input_is_parallel, h) {
+            (true, _) => Ok(dx),
+            (false, None) => self.tp.gather_last(&dx),
+            (false, Some(h)) => k::gelu_bwd(h, &self.tp.gather_last(&dx)?),
+        }
     }
 }

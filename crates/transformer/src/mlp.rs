@@ -50,10 +50,13 @@ impl Mlp {
 
 impl Module for Mlp {
     fn forward(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Saved)> {
-        let (h, s1) = self.linear_fc1.forward(cx, x)?;
-        let a = match self.activation {
-            Activation::Gelu => k::gelu(&h)?,
-            Activation::SwiGlu => k::swiglu(&h)?,
+        let (a, h, s1) = match self.activation {
+            // GeLU in fc1's GEMM epilogue (and its gradient in fc2's input-gradient GEMM) on a GPU.
+            Activation::Gelu => self.linear_fc1.forward_gelu(cx, x)?,
+            Activation::SwiGlu => {
+                let (h, s1) = self.linear_fc1.forward(cx, x)?;
+                (k::swiglu(&h)?, h, s1)
+            }
         };
         let (y, s2) = self.linear_fc2.forward(cx, &a)?;
         Ok((y, Saved::new(vec![h], vec![s1, s2])))
@@ -64,11 +67,10 @@ impl Module for Mlp {
         let [s1, s2]: [Saved; 2] = children
             .try_into()
             .map_err(|_| ferrotron_core::invalid("Mlp::backward", "saved values do not match forward"))?;
-        let da = self.linear_fc2.backward(cx, s2, dy)?;
         let h = tensors.first().ok_or_else(|| ferrotron_core::invalid("Mlp::backward", "nothing saved by forward"))?;
         let dh = match self.activation {
-            Activation::Gelu => k::gelu_bwd(h, &da)?,
-            Activation::SwiGlu => k::swiglu_bwd(h, &da)?,
+            Activation::Gelu => self.linear_fc2.backward_dgelu(cx, s2, dy, h)?,
+            Activation::SwiGlu => k::swiglu_bwd(h, &self.linear_fc2.backward(cx, s2, dy)?)?,
         };
         self.linear_fc1.backward(cx, s1, &dh)
     }

@@ -1,9 +1,10 @@
 //! CUDA backend (feature `cuda`). The sources in the top-level kernels/ folder are embedded, compiled
 //! by NVRTC for the device's architecture on first use, cached on disk keyed by source hash + arch
 //! (`$FERROTRON_CACHE_DIR`, else `~/.cache/ferrotron/ptx`), and loaded once per device. GEMMs go
-//! through cuBLASLt (bf16) and cuBLAS (exact f32). Memory comes from cudarc's stream-ordered allocations (the driver's memory pool
+//! through cuBLASLt (bf16: `lt`, algorithms cached per shape, GeLU epilogues) and cuBLAS (exact f32). Memory comes from cudarc's stream-ordered allocations (the driver's memory pool
 //! caches them; no cudaMalloc per step).
 
+mod lt;
 pub(crate) mod ops;
 
 use cudarc::cublas::CudaBlas;
@@ -38,8 +39,10 @@ pub(crate) struct Backend {
     pub dev: CudaDevice,
     module: Arc<CudaModule>,
     functions: Mutex<HashMap<String, CudaFunction>>,
-    /// bf16 GEMMs (fp32 accumulation).
+    /// bf16 GEMMs (fp32 accumulation): the handle, and our descriptors' workspace and algorithm
+    /// cache (`lt`).
     pub blas_lt: CudaBlasLT,
+    lt: lt::Lt,
     /// f32 GEMMs: cuBLAS in its default math mode is true fp32 (cuBLASLt's f32 path in cudarc is TF32).
     pub blas: CudaBlas,
 }
@@ -117,7 +120,8 @@ pub(crate) fn backend(dev: &CudaDevice) -> Result<Arc<Backend>> {
     }
     let blas_lt = CudaBlasLT::new(dev.stream().clone()).map_err(|e| cuda_err("cuBLASLt", e))?;
     let blas = CudaBlas::new(dev.stream().clone()).map_err(|e| cuda_err("cuBLAS", e))?;
-    let b = Arc::new(Backend { dev: dev.clone(), module, functions: Mutex::new(HashMap::new()), blas_lt, blas });
+    let lt = lt::Lt::new(dev.stream())?;
+    let b = Arc::new(Backend { dev: dev.clone(), module, functions: Mutex::new(HashMap::new()), blas_lt, blas, lt });
     all.push((dev.ordinal(), b.clone()));
     Ok(b)
 }

@@ -4,7 +4,7 @@
 use super::{Arg, Backend, ptr};
 use crate::cpu::attention::{AttnDims, AttnMask};
 use cudarc::cublas::{Gemm, GemmConfig, StridedBatchedConfig, sys::cublasOperation_t as Op};
-use cudarc::cublaslt::{Matmul, MatmulConfig};
+use cudarc::cublaslt::MatmulConfig;
 use cudarc::driver::{CudaSlice, DevicePtr};
 use ferrotron_core::cuda::CudaStorage;
 use ferrotron_core::{DType, Device, Error, Result, Shape, Storage, Tensor};
@@ -19,10 +19,18 @@ fn sfx(op: &'static str, dt: DType) -> Result<&'static str> {
     }
 }
 
+/// A contiguous tensor's device address.
+fn raw(op: &'static str, t: &Tensor) -> Result<u64> {
+    match ptr(op, t)? {
+        Arg::Ptr(p) => Ok(p),
+        _ => Err(Error::NotContiguous { op }),
+    }
+}
+
 /// A fresh output, not cleared (every kernel writing into one sets every element). With
 /// poisoning on (tests), float outputs start as NaN so that a kernel that leaves an element
 /// unwritten fails the comparison instead of passing on leftover memory.
-fn new(be: &B, shape: impl Into<Shape>, dt: DType) -> Result<Tensor> {
+pub(crate) fn new(be: &B, shape: impl Into<Shape>, dt: DType) -> Result<Tensor> {
     let t = Tensor::empty(shape, dt, &Device::Cuda(be.dev.clone()))?;
     if super::poisoning() && (dt == DType::F32 || dt == DType::BF16) {
         let name = format!("fill_{}", sfx("fill", dt)?);
@@ -864,7 +872,6 @@ pub fn gemm(
     let ra = a.layout().contiguous_range().ok_or(Error::NotContiguous { op: "matmul" })?;
     let rb = b.layout().contiguous_range().ok_or(Error::NotContiguous { op: "matmul" })?;
     let rc = c.layout().contiguous_range().ok_or(Error::NotContiguous { op: "matmul" })?;
-    let lt_err = |e| Error::Cuda(format!("cuBLASLt matmul: {e:?}"));
     match (&*ga, &*gb, &mut *gc) {
         (
             Storage::Cuda(CudaStorage::F32(x)),
@@ -913,29 +920,25 @@ pub fn gemm(
             Ok(())
         }
         (
-            Storage::Cuda(CudaStorage::BF16(x)),
-            Storage::Cuda(CudaStorage::BF16(y)),
-            Storage::Cuda(CudaStorage::BF16(z)),
+            Storage::Cuda(CudaStorage::BF16(_)),
+            Storage::Cuda(CudaStorage::BF16(_)),
+            Storage::Cuda(CudaStorage::BF16(_)),
         ) => {
+            drop((ga, gb, gc));
             // The bias rides in cuBLASLt's epilogue (one per output feature: the rows of Cᵀ).
-            let gbias = bias.map(|t| t.storage());
-            let bias_view = match (bias, gbias.as_deref()) {
-                (Some(t), Some(Storage::Cuda(CudaStorage::BF16(bv)))) => {
-                    Some(bv.slice(t.layout().contiguous_range().ok_or(Error::NotContiguous { op: "matmul_bias" })?))
-                }
-                (None, _) => None,
-                _ => {
+            let epi = match bias {
+                Some(t) if t.dtype() == DType::BF16 => super::lt::Epilogue::Bias(raw("matmul_bias", t)?),
+                Some(_) => {
                     return Err(Error::NotImplemented {
                         op: "matmul_bias",
                         device: "cuda with a non-bf16 bias".into(),
                     });
                 }
+                None => super::lt::Epilogue::None,
             };
-            // SAFETY: as above; the bias view has `nn` elements (validated by the caller).
-            unsafe {
-                be.blas_lt.matmul(cfg, &y.slice(rb), &x.slice(ra), &mut z.slice_mut(rc), bias_view.as_ref(), None)
-            }
-            .map_err(lt_err)
+            // SAFETY: the tensors are contiguous bf16 of the shapes `cfg` describes (validated by
+            // the caller); the bias has `nn` elements.
+            unsafe { super::lt::matmul(be, &cfg, raw("matmul", b)?, raw("matmul", a)?, raw("matmul", c)?, epi) }
         }
         _ => Err(Error::NotImplemented {
             op: "matmul",
@@ -1001,4 +1004,72 @@ pub fn gemm_bf16_into_f32(
         return Err(Error::Cuda(format!("cublasGemmStridedBatchedEx: {status:?}")));
     }
     Ok(())
+}
+
+/// cuBLASLt's config for `a [rows, k] · bᵀ` (tb) or `a · b` (b [k, n]) as one GEMM, as `gemm` builds it.
+fn linear_cfg(rows: usize, n: usize, k: usize, tb: bool) -> MatmulConfig {
+    MatmulConfig {
+        transa: tb,
+        transb: false,
+        transc: false,
+        m: n as u64,
+        n: rows as u64,
+        k: k as u64,
+        alpha: 1.0,
+        lda: if tb { k } else { n } as i64,
+        ldb: k as i64,
+        beta: 0.0,
+        ldc: n as i64,
+        stride_a: None,
+        stride_b: None,
+        stride_c: None,
+        stride_bias: None,
+        batch_size: None,
+    }
+}
+
+/// The linear layer with GeLU in its epilogue (bf16): a = gelu(x·wᵀ + bias), h = x·wᵀ + bias.
+/// None when cuBLASLt has no algorithm for it (the caller composes the two ops instead).
+pub fn linear_gelu(
+    be: &B,
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    (rows, n, k): (usize, usize, usize),
+    out: Vec<usize>,
+) -> Result<Option<(Tensor, Tensor)>> {
+    let (a, h) = (new(be, out.clone(), x.dtype())?, new(be, out, x.dtype())?);
+    let bias = bias.map(|b| raw("linear_gelu", b)).transpose()?;
+    let epi = super::lt::Epilogue::GeluAux { bias, aux: raw("linear_gelu", &h)? };
+    let cfg = linear_cfg(rows, n, k, true);
+    // SAFETY: x [rows, k], w [n, k], a and h [rows, n], bias [n]: contiguous bf16 (validated by the caller).
+    match unsafe {
+        super::lt::matmul(be, &cfg, raw("linear_gelu", w)?, raw("linear_gelu", x)?, raw("linear_gelu", &a)?, epi)
+    } {
+        Ok(()) => Ok(Some((a, h))),
+        Err(e) if super::lt::unsupported(&e) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// The GeLU backward in the epilogue of the next layer's input gradient (bf16):
+/// dh = (dy·w) ∘ gelu'(h). None when cuBLASLt has no algorithm for it.
+pub fn matmul_dgelu(
+    be: &B,
+    dy: &Tensor,
+    w: &Tensor,
+    h: &Tensor,
+    (rows, n, k): (usize, usize, usize),
+) -> Result<Option<Tensor>> {
+    let dh = new(be, h.shape().clone(), h.dtype())?;
+    let epi = super::lt::Epilogue::DGelu { aux: raw("matmul_dgelu", h)? };
+    let cfg = linear_cfg(rows, n, k, false);
+    // SAFETY: dy [rows, k], w [k, n], h and dh [rows, n]: contiguous bf16 (validated by the caller).
+    match unsafe {
+        super::lt::matmul(be, &cfg, raw("matmul_dgelu", w)?, raw("matmul_dgelu", dy)?, raw("matmul_dgelu", &dh)?, epi)
+    } {
+        Ok(()) => Ok(Some(dh)),
+        Err(e) if super::lt::unsupported(&e) => Ok(None),
+        Err(e) => Err(e),
+    }
 }

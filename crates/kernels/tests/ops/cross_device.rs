@@ -280,6 +280,24 @@ fn elementwise_kernels_take_both_paths() {
 }
 
 #[test]
+fn gelu_gemm_epilogues_match_cpu() {
+    // bf16 runs cuBLASLt's GELU_AUX(_BIAS) and DGELU epilogues (or, where it has no algorithm,
+    // the composed ops); f32 the composed ops. Widths 40 and 36 (an aux row not a multiple of 8).
+    for dt in [DType::F32, DType::BF16] {
+        for n in [40, 36] {
+            let (x, w, b) = (rnd(&[2, 9, 24], 1, dt), rnd(&[n, 24], 2, dt), rnd(&[n], 3, dt));
+            let (dy, w2) = (rnd(&[2, 9, 16], 4, dt), rnd(&[16, n], 5, dt));
+            check(&format!("linear_gelu / matmul_dgelu n{n}"), dt, &[x, w, b, dy, w2], |t| {
+                let (a, h) = k::linear_gelu(&t[0], &t[1], Some(&t[2])).unwrap();
+                let (a0, h0) = k::linear_gelu(&t[0], &t[1], None).unwrap();
+                let dh = k::matmul_dgelu(&t[3], &t[4], &h).unwrap();
+                vec![a, h, a0, h0, dh]
+            });
+        }
+    }
+}
+
+#[test]
 fn norm_kernels_take_both_paths() {
     // Widths: 20 (not a multiple of 8: the one-element row kernels), 776 (eight-wide, one group
     // per thread) and 8200 (eight-wide, 1025 groups over a 512-thread block: thread 0 holds

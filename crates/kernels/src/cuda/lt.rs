@@ -1,0 +1,262 @@
+//! bf16 GEMMs on cuBLASLt through descriptors of our own, for two things cudarc's `Matmul` does
+//! not do: the heuristic's algorithm cached per problem (cudarc asks the heuristic on every call)
+//! and the epilogues that fuse the MLP's GeLU into its GEMMs: forward D = gelu(A·B + bias) with
+//! the pre-activation kept as the aux output, backward D = (A·B) ∘ gelu'(aux).
+//!
+//! Column-major, as cuBLASLt sees it: D [m, n] (ld ldc) = op(A) [m, k] · op(B) [k, n]; the bias
+//! has one value per row of D (per output feature of a linear layer), aux has D's shape (ld m).
+
+use super::Backend;
+use cudarc::cublaslt::sys::{
+    self, cublasLtEpilogue_t as Epi, cublasLtMatmulDescAttributes_t as DescAttr,
+    cublasLtMatmulPreferenceAttributes_t as PrefAttr, cublasLtMatrixLayoutAttribute_t as LayoutAttr,
+};
+use cudarc::cublaslt::{MatmulConfig, MatmulShared, result};
+use cudarc::driver::{CudaSlice, DevicePtr};
+use ferrotron_core::{Error, Result};
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Mutex;
+
+/// What runs after the product.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Epilogue {
+    None,
+    Bias(u64),
+    /// gelu(A·B + bias) into D, A·B + bias into `aux`.
+    GeluAux {
+        bias: Option<u64>,
+        aux: u64,
+    },
+    /// (A·B) ∘ gelu'(aux) into D.
+    DGelu {
+        aux: u64,
+    },
+}
+
+impl Epilogue {
+    fn code(self) -> Epi {
+        match self {
+            Epilogue::None => Epi::CUBLASLT_EPILOGUE_DEFAULT,
+            Epilogue::Bias(_) => Epi::CUBLASLT_EPILOGUE_BIAS,
+            Epilogue::GeluAux { bias: Some(_), .. } => Epi::CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
+            Epilogue::GeluAux { bias: None, .. } => Epi::CUBLASLT_EPILOGUE_GELU_AUX,
+            Epilogue::DGelu { .. } => Epi::CUBLASLT_EPILOGUE_DGELU,
+        }
+    }
+}
+
+/// The problem an algorithm was chosen for: shapes, layouts, epilogue and the pointers'
+/// alignment (the heuristic is told the real alignment, so its choice holds only for it).
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+struct Key {
+    ta: bool,
+    tb: bool,
+    m: u64,
+    n: u64,
+    k: u64,
+    lds: [i64; 3],
+    batch: i32,
+    strides: [i64; 3],
+    epilogue: i32,
+    align: u32,
+}
+
+/// The per-device cuBLASLt state: workspace and the algorithm cache.
+pub(crate) struct Lt {
+    workspace: CudaSlice<u8>,
+    algos: Mutex<HashMap<Key, sys::cublasLtMatmulAlgo_t>>,
+}
+
+/// Hopper's recommended cuBLASLt workspace (NVIDIA: 32 MiB on sm_90, 4 MiB before).
+const WORKSPACE: usize = 32 << 20;
+
+impl Lt {
+    pub fn new(stream: &std::sync::Arc<cudarc::driver::CudaStream>) -> Result<Lt> {
+        let workspace = stream.alloc_zeros::<u8>(WORKSPACE).map_err(|e| lt_err("workspace", e))?;
+        Ok(Lt { workspace, algos: Mutex::new(HashMap::new()) })
+    }
+}
+
+fn lt_err(what: &str, e: impl std::fmt::Debug) -> Error {
+    Error::Cuda(format!("cuBLASLt {what}: {e:?}"))
+}
+
+/// Largest power of two (up to 256) dividing every address.
+fn alignment(ptrs: &[u64]) -> u32 {
+    ptrs.iter().filter(|&&p| p != 0).map(|p| 1u32 << p.trailing_zeros().min(8)).min().unwrap_or(256)
+}
+
+// RAII guards for the descriptors of one call.
+struct Desc(sys::cublasLtMatmulDesc_t);
+impl Drop for Desc {
+    fn drop(&mut self) {
+        // SAFETY: created by create_matmul_desc and destroyed once.
+        let _ = unsafe { result::destroy_matmul_desc(self.0) };
+    }
+}
+struct Layout(sys::cublasLtMatrixLayout_t);
+impl Drop for Layout {
+    fn drop(&mut self) {
+        // SAFETY: created by create_matrix_layout and destroyed once.
+        let _ = unsafe { result::destroy_matrix_layout(self.0) };
+    }
+}
+struct Pref(sys::cublasLtMatmulPreference_t);
+impl Drop for Pref {
+    fn drop(&mut self) {
+        // SAFETY: created by create_matmul_pref and destroyed once.
+        let _ = unsafe { result::destroy_matmul_pref(self.0) };
+    }
+}
+
+fn set_desc<T>(d: &Desc, attr: DescAttr, v: &T) -> Result<()> {
+    // SAFETY: `v` is a live value of the attribute's type, read for its size only.
+    unsafe { result::set_matmul_desc_attribute(d.0, attr, v as *const T as *const c_void, size_of::<T>()) }
+        .map_err(|e| lt_err("matmul descriptor", e))
+}
+
+fn layout(rows: u64, cols: u64, ld: i64, batch: i32, stride: i64) -> Result<Layout> {
+    let l = Layout(
+        result::create_matrix_layout(sys::cudaDataType_t::CUDA_R_16BF, rows, cols, ld)
+            .map_err(|e| lt_err("layout", e))?,
+    );
+    if batch > 1 {
+        // SAFETY: as set_desc.
+        unsafe {
+            result::set_matrix_layout_attribute(
+                l.0,
+                LayoutAttr::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                &batch as *const i32 as *const c_void,
+                size_of::<i32>(),
+            )
+            .map_err(|e| lt_err("layout", e))?;
+            result::set_matrix_layout_attribute(
+                l.0,
+                LayoutAttr::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                &stride as *const i64 as *const c_void,
+                size_of::<i64>(),
+            )
+            .map_err(|e| lt_err("layout", e))?;
+        }
+    }
+    Ok(l)
+}
+
+/// Whether cuBLASLt has no algorithm for a problem (the caller may then compose the op instead).
+pub(crate) fn unsupported(e: &Error) -> bool {
+    matches!(e, Error::Cuda(m) if m.contains("CUBLAS_STATUS_NOT_SUPPORTED"))
+}
+
+/// D = epilogue(op(A)·op(B)) + beta·D on bf16 device addresses `a`, `b`, `d` (fp32 accumulation).
+/// `cfg` as cudarc's (its `transc`, `alpha` and `stride_bias` are not used).
+///
+/// # Safety
+/// The addresses must hold the matrices `cfg` describes (and the epilogue's bias [m] / aux [m, n]).
+pub(crate) unsafe fn matmul(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d: u64, epi: Epilogue) -> Result<()> {
+    let (batch, [sa, sb, sc]) = match cfg.batch_size {
+        Some(n) if n > 1 => (n, [cfg.stride_a.unwrap_or(0), cfg.stride_b.unwrap_or(0), cfg.stride_c.unwrap_or(0)]),
+        _ => (1, [0, 0, 0]),
+    };
+    let (bias, aux) = match epi {
+        Epilogue::None => (0, 0),
+        Epilogue::Bias(p) => (p, 0),
+        Epilogue::GeluAux { bias, aux } => (bias.unwrap_or(0), aux),
+        Epilogue::DGelu { aux } => (0, aux),
+    };
+    let align = alignment(&[a, b, d, aux]);
+    let (a_rows, a_cols) = if cfg.transa { (cfg.k, cfg.m) } else { (cfg.m, cfg.k) };
+    let (b_rows, b_cols) = if cfg.transb { (cfg.n, cfg.k) } else { (cfg.k, cfg.n) };
+    let la = layout(a_rows, a_cols, cfg.lda, batch, sa)?;
+    let lb = layout(b_rows, b_cols, cfg.ldb, batch, sb)?;
+    let ld = layout(cfg.m, cfg.n, cfg.ldc, batch, sc)?;
+    let desc = Desc(
+        result::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType_t::CUDA_R_32F)
+            .map_err(|e| lt_err("matmul descriptor", e))?,
+    );
+    set_desc(&desc, DescAttr::CUBLASLT_MATMUL_DESC_TRANSA, &(cfg.transa as i32))?;
+    set_desc(&desc, DescAttr::CUBLASLT_MATMUL_DESC_TRANSB, &(cfg.transb as i32))?;
+    set_desc(&desc, DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE, &epi.code())?;
+    if bias != 0 {
+        set_desc(&desc, DescAttr::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias)?;
+    }
+    if aux != 0 {
+        set_desc(&desc, DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux)?;
+        set_desc(&desc, DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &(cfg.m as i64))?;
+    }
+    let key = Key {
+        ta: cfg.transa,
+        tb: cfg.transb,
+        m: cfg.m,
+        n: cfg.n,
+        k: cfg.k,
+        lds: [cfg.lda, cfg.ldb, cfg.ldc],
+        batch,
+        strides: [sa, sb, sc],
+        epilogue: epi.code() as i32,
+        align,
+    };
+    let lt = &be.lt;
+    let cached = lt.algos.lock().unwrap_or_else(|e| e.into_inner()).get(&key).copied();
+    let handle = *be.blas_lt.handle();
+    let algo = match cached {
+        Some(a) => a,
+        None => {
+            let pref = Pref(result::create_matmul_pref().map_err(|e| lt_err("preference", e))?);
+            let align_bytes = align;
+            // SAFETY: as set_desc.
+            unsafe {
+                result::set_matmul_pref_attribute(
+                    pref.0,
+                    PrefAttr::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                    &WORKSPACE as *const usize as *const c_void,
+                    size_of::<usize>(),
+                )
+                .map_err(|e| lt_err("preference", e))?;
+                for attr in [
+                    PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                    PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                    PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                    PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                ] {
+                    result::set_matmul_pref_attribute(
+                        pref.0,
+                        attr,
+                        &align_bytes as *const u32 as *const c_void,
+                        size_of::<u32>(),
+                    )
+                    .map_err(|e| lt_err("preference", e))?;
+                }
+            }
+            // SAFETY: every descriptor is live for the call.
+            let h = unsafe { result::get_matmul_algo_heuristic(handle, desc.0, la.0, lb.0, ld.0, ld.0, pref.0) }
+                .map_err(|e| lt_err(&format!("heuristic ({epi:?}, {}×{}×{})", cfg.m, cfg.n, cfg.k), e))?;
+            lt.algos.lock().unwrap_or_else(|e| e.into_inner()).insert(key, h.algo);
+            h.algo
+        }
+    };
+    let stream = be.dev.stream();
+    let (w, _w) = lt.workspace.device_ptr(stream);
+    // SAFETY: the caller guarantees the addresses; alpha/beta are f32 as the descriptor's scale type.
+    unsafe {
+        result::matmul(
+            handle,
+            desc.0,
+            &cfg.alpha as *const f32 as *const c_void,
+            &cfg.beta as *const f32 as *const c_void,
+            a as *const c_void,
+            la.0,
+            b as *const c_void,
+            lb.0,
+            d as *const c_void,
+            ld.0,
+            d as *mut c_void,
+            ld.0,
+            &algo,
+            w as *mut c_void,
+            WORKSPACE,
+            stream.cu_stream() as *mut _,
+        )
+    }
+    .map_err(|e| lt_err("matmul", e))
+}
