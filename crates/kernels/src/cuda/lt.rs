@@ -65,7 +65,8 @@ struct Key {
 /// The per-device cuBLASLt state: workspace and the algorithm cache.
 pub(crate) struct Lt {
     workspace: CudaSlice<u8>,
-    algos: Mutex<HashMap<Key, sys::cublasLtMatmulAlgo_t>>,
+    /// None: the heuristic found no algorithm (asked once; the caller composes the op instead).
+    algos: Mutex<HashMap<Key, Option<sys::cublasLtMatmulAlgo_t>>>,
 }
 
 /// Hopper's recommended cuBLASLt workspace (NVIDIA: 32 MiB on sm_90, 4 MiB before).
@@ -200,7 +201,8 @@ pub(crate) unsafe fn matmul(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d:
     let cached = lt.algos.lock().unwrap_or_else(|e| e.into_inner()).get(&key).copied();
     let handle = *be.blas_lt.handle();
     let algo = match cached {
-        Some(a) => a,
+        Some(Some(a)) => a,
+        Some(None) => return Err(lt_err("heuristic (cached)", sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)),
         None => {
             let pref = Pref(result::create_matmul_pref().map_err(|e| lt_err("preference", e))?);
             let align_bytes = align;
@@ -229,10 +231,16 @@ pub(crate) unsafe fn matmul(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d:
                 }
             }
             // SAFETY: every descriptor is live for the call.
-            let h = unsafe { result::get_matmul_algo_heuristic(handle, desc.0, la.0, lb.0, ld.0, ld.0, pref.0) }
-                .map_err(|e| lt_err(&format!("heuristic ({epi:?}, {}×{}×{})", cfg.m, cfg.n, cfg.k), e))?;
-            lt.algos.lock().unwrap_or_else(|e| e.into_inner()).insert(key, h.algo);
-            h.algo
+            let h = unsafe { result::get_matmul_algo_heuristic(handle, desc.0, la.0, lb.0, ld.0, ld.0, pref.0) };
+            let remember = match &h {
+                Ok(h) => Some(Some(h.algo)),
+                Err(e) if e.0 == sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED => Some(None),
+                Err(_) => None,
+            };
+            if let Some(r) = remember {
+                lt.algos.lock().unwrap_or_else(|e| e.into_inner()).insert(key, r);
+            }
+            h.map_err(|e| lt_err(&format!("heuristic ({epi:?}, {}×{}×{})", cfg.m, cfg.n, cfg.k), e))?.algo
         }
     };
     let stream = be.dev.stream();
