@@ -5,8 +5,9 @@
 //!   and overlap, and combinations), each through `ferrotron launch` with NCCL; compares each
 //!   step's loss with the one-GPU run (fp32 within 1e-4 relative, bf16 within 2e-2).
 //! - `bench --scaling [BIN] [--gpus N] [--plot FILE]`: weak scaling of GPT 1.3B (micro-batch 8 per
-//!   GPU, DP 1 → N, distributed optimizer), the same at N GPUs without grad-reduce overlap, TP2
-//!   of the same model, and with 4+ GPUs GPT 6.7B under TP/PP layouts (`scaling_rows`); tokens/s,
+//!   GPU, DP 1 → N, distributed optimizer), the same at N GPUs without grad-reduce overlap (and
+//!   both at micro-batch 1, where communication is a larger share of the step), TP2 of the same
+//!   model, and with 4+ GPUs GPT 6.7B under TP/PP layouts (`scaling_rows`); tokens/s,
 //!   TFLOP/s per GPU, MFU and efficiency per row, and an SVG plot of throughput against GPU count.
 //!
 //! Every run gets NCCL_NVLS_ENABLE=0 unless the caller set it, and a deadline after which its
@@ -257,6 +258,10 @@ fn scaling_rows(gpus: usize) -> Vec<Row> {
     let top = rows.last().map_or(1, |r: &Row| r.gpus);
     if top > 1 {
         rows.push(row(format!("1.3b dp{top} no overlap"), "1.3b", top, 8, 8 * top, &[distopt], false));
+        // Micro-batch 1: an eighth of the compute per step against the same gradient and
+        // parameter traffic, so that overlap on vs off shows even on NVLink at 2 GPUs.
+        rows.push(row(format!("1.3b dp{top} micro 1 overlap"), "1.3b", top, 1, top, &[distopt, overlap], false));
+        rows.push(row(format!("1.3b dp{top} micro 1 no overlap"), "1.3b", top, 1, top, &[distopt], false));
         rows.push(row(format!("1.3b tp2 dp{}", top / 2), "1.3b", top, 8, 8 * top / 2, &[tp, "2", distopt], false));
     }
     let layouts: &[(usize, &str, &[&str])] = &[
