@@ -1,0 +1,94 @@
+//! Casts, accumulate, scale, add, bias and its gradient, activations.
+
+use super::*;
+
+pub fn cast(be: &B, x: &Tensor, dt: DType) -> Result<Tensor> {
+    let y = new(be, x.shape().clone(), dt)?;
+    cast_into(be, x, &y)?;
+    Ok(y)
+}
+
+pub fn cast_into(be: &B, x: &Tensor, y: &Tensor) -> Result<()> {
+    let name = format!("cast_{}_{}", sfx_storage("cast", x.dtype())?, sfx_storage("cast", y.dtype())?);
+    ew8(be, &name, x.elem_count(), 8, &[ptr("cast", x)?, ptr("cast", y)?, n(x.elem_count())])
+}
+
+pub fn acc(be: &B, dst: &Tensor, src: &Tensor) -> Result<()> {
+    let name = format!("acc_{}_{}", sfx_storage("add_", src.dtype())?, sfx_storage("add_", dst.dtype())?);
+    ew8(be, &name, dst.elem_count(), 8, &[ptr("add_", dst)?, ptr("add_", src)?, n(dst.elem_count())])
+}
+
+pub fn scale(be: &B, x: &Tensor, y: &Tensor, s: f32) -> Result<()> {
+    let name = format!("scale_{}", sfx("scale", x.dtype())?);
+    ew8(be, &name, x.elem_count(), 8, &[ptr("scale", x)?, ptr("scale", y)?, Arg::F32(s), n(x.elem_count())])
+}
+
+pub fn add(be: &B, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let y = new(be, a.shape().clone(), a.dtype())?;
+    ew8(
+        be,
+        &format!("add_{}", sfx("add", a.dtype())?),
+        a.elem_count(),
+        8,
+        &[ptr("add", a)?, ptr("add", b)?, ptr("add", &y)?, n(a.elem_count())],
+    )?;
+    Ok(y)
+}
+
+pub fn bias_add(be: &B, x: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let y = new(be, x.shape().clone(), x.dtype())?;
+    let name = format!("bias_add_{}", sfx("bias_add", x.dtype())?);
+    ew8(
+        be,
+        &name,
+        x.elem_count(),
+        x.shape().last(),
+        &[ptr("bias_add", x)?, ptr("bias_add", b)?, ptr("bias_add", &y)?, n(x.elem_count()), n(x.shape().last())],
+    )?;
+    Ok(y)
+}
+
+pub fn bias_grad(be: &B, dy: &Tensor) -> Result<Tensor> {
+    let (rows, c) = (dy.shape().rows(), dy.shape().last());
+    let chunks = rows.div_ceil(COL_CHUNK);
+    let partials = new(be, [chunks, c], DType::F32)?;
+    let name = format!("bias_grad_{}", sfx("bias_grad", dy.dtype())?);
+    ew8(be, &name, chunks * c, c, &[ptr("bias_grad", dy)?, ptr("bias_grad", &partials)?, n(rows), n(c)])?;
+    col_sum(be, &partials, chunks, c)
+}
+
+/// gelu/silu forward (`x → y`) or backward (`x, dy → dx`); `fam` is the kernel family.
+pub fn pointwise(be: &B, fam: &'static str, x: &Tensor, dy: Option<&Tensor>) -> Result<Tensor> {
+    let s = sfx(fam, x.dtype())?;
+    let y = new(be, x.shape().clone(), x.dtype())?;
+    let len = x.elem_count();
+    match dy {
+        None => ew8(be, &format!("{fam}_fwd_{s}"), len, 8, &[ptr(fam, x)?, ptr(fam, &y)?, n(len)])?,
+        Some(dy) => ew8(be, &format!("{fam}_bwd_{s}"), len, 8, &[ptr(fam, x)?, ptr(fam, dy)?, ptr(fam, &y)?, n(len)])?,
+    }
+    Ok(y)
+}
+
+pub fn swiglu(be: &B, x: &Tensor, f: usize, out_shape: Vec<usize>) -> Result<Tensor> {
+    let y = new(be, out_shape, x.dtype())?;
+    ew8(
+        be,
+        &format!("swiglu_fwd_{}", sfx("swiglu", x.dtype())?),
+        y.elem_count(),
+        f,
+        &[ptr("swiglu", x)?, ptr("swiglu", &y)?, n(y.elem_count()), n(f)],
+    )?;
+    Ok(y)
+}
+
+pub fn swiglu_bwd(be: &B, x: &Tensor, dy: &Tensor, f: usize) -> Result<Tensor> {
+    let dx = new(be, x.shape().clone(), x.dtype())?;
+    ew8(
+        be,
+        &format!("swiglu_bwd_{}", sfx("swiglu", x.dtype())?),
+        dy.elem_count(),
+        f,
+        &[ptr("swiglu", x)?, ptr("swiglu", dy)?, ptr("swiglu", &dx)?, n(dy.elem_count()), n(f)],
+    )?;
+    Ok(dx)
+}

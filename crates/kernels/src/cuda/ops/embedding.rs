@@ -1,0 +1,118 @@
+//! RoPE, the embedding lookup and its scatter-add, the QKV split/merge.
+
+use super::*;
+
+pub fn rope(be: &B, x: &Tensor, cfg: &crate::RopeCfg, sign: f32) -> Result<Tensor> {
+    let d = x.dims();
+    let (rows, t, h, hd) = (d[0] * d[1], d[1], d[2], d[3]);
+    let y = new(be, x.shape().clone(), x.dtype())?;
+    let work = rows * h * (cfg.rot / 2 + (hd - cfg.rot));
+    let name = format!("rope_{}", sfx("rope", x.dtype())?);
+    ew(
+        be,
+        &name,
+        work,
+        &[
+            ptr("rope", x)?,
+            ptr("rope", &y)?,
+            n(rows),
+            n(t),
+            n(h),
+            n(hd),
+            n(cfg.rot),
+            n(cfg.pos0),
+            Arg::F64(cfg.base),
+            Arg::F32(sign),
+        ],
+    )?;
+    Ok(y)
+}
+
+pub fn embedding_fwd(be: &B, ids: &Tensor, table: &Tensor, vocab_start: usize) -> Result<Tensor> {
+    let c = table.dims()[1];
+    let mut shape = ids.dims().to_vec();
+    shape.push(c);
+    let out = new(be, shape, table.dtype())?;
+    let name = format!("embedding_fwd_{}", sfx("embedding_fwd", table.dtype())?);
+    ew(
+        be,
+        &name,
+        out.elem_count(),
+        &[
+            ptr("emb", ids)?,
+            ptr("emb", table)?,
+            ptr("emb", &out)?,
+            n(ids.elem_count()),
+            n(c),
+            n(vocab_start),
+            n(table.dims()[0]),
+        ],
+    )?;
+    Ok(out)
+}
+
+pub fn embedding_bwd(be: &B, ids: &Tensor, dout: &Tensor, dtable: &Tensor, vocab_start: usize) -> Result<()> {
+    if dtable.dtype() != DType::F32 {
+        return Err(Error::NotImplemented { op: "embedding_bwd", device: "cuda into a non-f32 gradient table".into() });
+    }
+    let c = dtable.dims()[1];
+    let name = format!("embedding_bwd_{}", sfx("embedding_bwd", dout.dtype())?);
+    ew(
+        be,
+        &name,
+        dout.elem_count(),
+        &[
+            ptr("emb", ids)?,
+            ptr("emb", dout)?,
+            ptr("emb", dtable)?,
+            n(ids.elem_count()),
+            n(c),
+            n(vocab_start),
+            n(dtable.dims()[0]),
+        ],
+    )
+}
+
+/// The QKV split/merge over `len` elements of head segments of `d`: eight per thread when d divides
+/// by 8 and every tensor is 16-byte aligned, else a warp per segment.
+fn qkv_launch(be: &B, name: &str, len: usize, d: usize, ts: &[&Tensor], args: &[Arg]) -> Result<()> {
+    if d % 8 == 0 && aligned16(ts)? {
+        ew(be, &format!("{name}_v8"), len / 8, args)
+    } else {
+        ew(be, name, len / d.max(1) * 32, args)
+    }
+}
+
+pub fn qkv_split(be: &B, x: &Tensor, hkv: usize, g: usize, d: usize) -> Result<(Tensor, Tensor, Tensor)> {
+    let (b, t) = (x.dims()[0], x.dims()[1]);
+    let q = new(be, [b, t, hkv * g, d], x.dtype())?;
+    let k = new(be, [b, t, hkv, d], x.dtype())?;
+    let v = new(be, [b, t, hkv, d], x.dtype())?;
+    let name = format!("qkv_split_{}", sfx("qkv_split", x.dtype())?);
+    qkv_launch(
+        be,
+        &name,
+        x.elem_count(),
+        d,
+        &[x, &q, &k, &v],
+        &[ptr("qkv", x)?, ptr("qkv", &q)?, ptr("qkv", &k)?, ptr("qkv", &v)?, n(b * t), n(hkv), n(g), n(d)],
+    )?;
+    Ok((q, k, v))
+}
+
+pub fn qkv_merge(be: &B, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+    let (b, t, hq, d) = (q.dims()[0], q.dims()[1], q.dims()[2], q.dims()[3]);
+    let hkv = k.dims()[2];
+    let g = hq / hkv;
+    let x = new(be, [b, t, hkv * (g + 2) * d], q.dtype())?;
+    let name = format!("qkv_merge_{}", sfx("qkv_merge", q.dtype())?);
+    qkv_launch(
+        be,
+        &name,
+        x.elem_count(),
+        d,
+        &[q, k, v, &x],
+        &[ptr("qkv", q)?, ptr("qkv", k)?, ptr("qkv", v)?, ptr("qkv", &x)?, n(b * t), n(hkv), n(g), n(d)],
+    )?;
+    Ok(x)
+}

@@ -1,0 +1,116 @@
+//! CUDA implementations of the ops, called by the tensor-level functions after validation (so
+//! shapes here are already checked). Same signatures and results as the CPU reference. One file per
+//! op family (as kernels/*.cu); the launch helpers they share are here.
+
+mod attention;
+mod elementwise;
+mod embedding;
+mod gemm;
+mod loss;
+mod norm;
+mod optim;
+
+pub use attention::*;
+pub use elementwise::*;
+pub use embedding::*;
+pub use gemm::*;
+pub use loss::*;
+pub use norm::*;
+pub use optim::*;
+
+use super::{Arg, Backend, ptr};
+use ferrotron_core::{DType, Device, Error, Result, Shape, Storage, Tensor};
+
+type B = Backend;
+
+fn sfx(op: &'static str, dt: DType) -> Result<&'static str> {
+    match dt {
+        DType::F32 => Ok("f32"),
+        DType::BF16 => Ok("bf16"),
+        d => Err(Error::NotImplemented { op, device: format!("cuda for {d}") }),
+    }
+}
+
+/// A contiguous tensor's device address.
+fn raw(op: &'static str, t: &Tensor) -> Result<u64> {
+    match ptr(op, t)? {
+        Arg::Ptr(p) => Ok(p),
+        _ => Err(Error::NotContiguous { op }),
+    }
+}
+
+/// A fresh output, not cleared (every kernel writing into one sets every element). With
+/// poisoning on (tests), float outputs start as NaN so that a kernel that leaves an element
+/// unwritten fails the comparison instead of passing on leftover memory.
+pub(crate) fn new(be: &B, shape: impl Into<Shape>, dt: DType) -> Result<Tensor> {
+    let t = Tensor::empty(shape, dt, &Device::Cuda(be.dev.clone()))?;
+    if super::poisoning() && (dt == DType::F32 || dt == DType::BF16) {
+        let name = format!("fill_{}", sfx("fill", dt)?);
+        ew(be, &name, t.elem_count(), &[ptr("fill", &t)?, Arg::F32(f32::NAN), n(t.elem_count())])?;
+    }
+    Ok(t)
+}
+
+fn n(x: usize) -> Arg {
+    Arg::I64(x as i64)
+}
+
+const NULL: Arg = Arg::Ptr(0);
+
+/// A tensor's address, or a null pointer for an absent optional input (kernels test for null).
+fn opt_ptr(op: &'static str, t: Option<&Tensor>) -> Result<Arg> {
+    t.map_or(Ok(NULL), |t| ptr(op, t))
+}
+
+/// Elementwise launch over `len` elements.
+fn ew(be: &B, name: &str, len: usize, args: &[Arg]) -> Result<()> {
+    be.launch(name, Backend::grid_for(len), 256, 0, args)
+}
+
+/// Elementwise launch of a kernel with a `_v8` twin (eight elements per thread, 16-byte accesses):
+/// the twin when `len` and `unit` (a span its groups of eight must not cross: a bias row, a SwiGLU
+/// half; 8 when there is none) divide by 8 and every pointer is 16-byte aligned.
+fn ew8(be: &B, name: &str, len: usize, unit: usize, args: &[Arg]) -> Result<()> {
+    let aligned = args.iter().all(|a| !matches!(a, Arg::Ptr(p) if p % 16 != 0));
+    if len % 8 == 0 && unit % 8 == 0 && aligned {
+        be.launch(&format!("{name}_v8"), Backend::grid_for(len / 8), 256, 0, args)
+    } else {
+        ew(be, name, len, args)
+    }
+}
+
+/// Storage types the cast and accumulate kernels take (f16 too; the math kernels take f32/bf16).
+fn sfx_storage(op: &'static str, dt: DType) -> Result<&'static str> {
+    if dt == DType::F16 { Ok("f16") } else { sfx(op, dt) }
+}
+
+/// Rows per partial sum of the two-pass column sums (`COL_CHUNK` in kernels/common.cuh).
+const COL_CHUNK: usize = 64;
+
+/// The second pass of a column sum: `partials` [chunks, c] (chunk order) → [c].
+fn col_sum(be: &B, partials: &Tensor, chunks: usize, c: usize) -> Result<Tensor> {
+    let y = new(be, [c], DType::F32)?;
+    let chunks = n(chunks);
+    be.launch(
+        "col_sum_f32",
+        c.div_ceil(32) as u32,
+        256,
+        0,
+        &[ptr("col_sum", partials)?, ptr("col_sum", &y)?, chunks, n(c)],
+    )?;
+    Ok(y)
+}
+
+fn rows_launch(be: &B, name: &str, rows: usize, args: &[Arg]) -> Result<()> {
+    be.launch(name, rows as u32, 256, 0, args)
+}
+
+/// Whether every tensor in `ts` starts on a 16-byte boundary (the eight-wide kernels' accesses).
+fn aligned16(ts: &[&Tensor]) -> Result<bool> {
+    for t in ts {
+        if !matches!(ptr("aligned16", t)?, Arg::Ptr(p) if p % 16 == 0) {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}

@@ -1,0 +1,186 @@
+//! LayerNorm / RMSNorm (with the fused residual adds) and softmax over rows.
+
+use super::*;
+
+/// Groups of eight a thread of the eight-wide row kernels holds, and their largest block
+/// (`NORM_V`, `NORM_THREADS` in kernels/norm.cu).
+const NORM_V: usize = 4;
+const NORM_THREADS: usize = 512;
+
+/// A row kernel with an eight-wide twin (the row held in registers, one 16-byte access per group):
+/// the twin, with a block sized to the row, when `c` divides by 8, fits `NORM_V` groups per
+/// thread of a `NORM_THREADS` block, and every pointer is 16-byte aligned.
+fn rows_launch8(be: &B, name: &str, rows: usize, c: usize, args: &[Arg]) -> Result<()> {
+    let aligned = args.iter().all(|a| !matches!(a, Arg::Ptr(p) if p % 16 != 0));
+    if c % 8 == 0 && c <= 8 * NORM_V * NORM_THREADS && aligned {
+        let threads = (c / 8).next_multiple_of(32).min(NORM_THREADS) as u32;
+        be.launch(&format!("{name}_v8"), rows as u32, threads, 0, args)
+    } else {
+        rows_launch(be, name, rows, args)
+    }
+}
+
+/// The sum x + x2 of a fused residual add (written by the norm's forward kernel), or none.
+fn residual_sum(be: &B, x: &Tensor, x2: Option<&Tensor>) -> Result<(Arg, Arg, Option<Tensor>)> {
+    let Some(x2) = x2 else { return Ok((NULL, NULL, None)) };
+    let sum = new(be, x.shape().clone(), x.dtype())?;
+    Ok((ptr("norm", x2)?, ptr("norm", &sum)?, Some(sum)))
+}
+
+/// LayerNorm of x (or of x + x2, returned as the fourth value): (y, mean, rstd, sum).
+pub fn layernorm_fwd(
+    be: &B,
+    x: &Tensor,
+    x2: Option<&Tensor>,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    eps: f64,
+) -> Result<(Tensor, Tensor, Tensor, Option<Tensor>)> {
+    let (rows, c) = (x.shape().rows(), x.shape().last());
+    let y = new(be, x.shape().clone(), x.dtype())?;
+    let (x2p, sump, sum) = residual_sum(be, x, x2)?;
+    let (mean, rstd) = (new(be, [rows], DType::F32)?, new(be, [rows], DType::F32)?);
+    let bp = opt_ptr("layernorm_fwd", b)?;
+    let name = format!("layernorm_fwd_{}", sfx("layernorm_fwd", x.dtype())?);
+    rows_launch8(
+        be,
+        &name,
+        rows,
+        c,
+        &[
+            ptr("ln", x)?,
+            x2p,
+            sump,
+            ptr("ln", w)?,
+            bp,
+            ptr("ln", &y)?,
+            ptr("ln", &mean)?,
+            ptr("ln", &rstd)?,
+            n(c),
+            Arg::F32(eps as f32),
+        ],
+    )?;
+    Ok((y, mean, rstd, sum))
+}
+
+/// LayerNorm backward: (dx + res, dw, db).
+pub fn layernorm_bwd(
+    be: &B,
+    dy: &Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    mean: &Tensor,
+    rstd: &Tensor,
+    res: Option<&Tensor>,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (rows, c) = (x.shape().rows(), x.shape().last());
+    let s = sfx("layernorm_bwd", x.dtype())?;
+    let dx = new(be, x.shape().clone(), x.dtype())?;
+    rows_launch8(
+        be,
+        &format!("layernorm_bwd_{s}"),
+        rows,
+        c,
+        &[
+            ptr("ln", dy)?,
+            ptr("ln", x)?,
+            ptr("ln", w)?,
+            ptr("ln", mean)?,
+            ptr("ln", rstd)?,
+            opt_ptr("ln", res)?,
+            ptr("ln", &dx)?,
+            n(c),
+        ],
+    )?;
+    let chunks = rows.div_ceil(COL_CHUNK);
+    let (pw, pb) = (new(be, [chunks, c], DType::F32)?, new(be, [chunks, c], DType::F32)?);
+    let args = [
+        ptr("ln", dy)?,
+        ptr("ln", x)?,
+        ptr("ln", mean)?,
+        ptr("ln", rstd)?,
+        ptr("ln", &pw)?,
+        ptr("ln", &pb)?,
+        n(rows),
+        n(c),
+    ];
+    ew8(be, &format!("norm_param_grad_{s}"), chunks * c, c, &args)?;
+    let (dw, db) = (col_sum(be, &pw, chunks, c)?, col_sum(be, &pb, chunks, c)?);
+    Ok((dx, dw, db))
+}
+
+/// RMSNorm of x (or of x + x2, returned as the third value): (y, rstd, sum).
+pub fn rmsnorm_fwd(
+    be: &B,
+    x: &Tensor,
+    x2: Option<&Tensor>,
+    w: &Tensor,
+    eps: f64,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+    let (rows, c) = (x.shape().rows(), x.shape().last());
+    let y = new(be, x.shape().clone(), x.dtype())?;
+    let (x2p, sump, sum) = residual_sum(be, x, x2)?;
+    let rstd = new(be, [rows], DType::F32)?;
+    let name = format!("rmsnorm_fwd_{}", sfx("rmsnorm_fwd", x.dtype())?);
+    rows_launch8(
+        be,
+        &name,
+        rows,
+        c,
+        &[ptr("rms", x)?, x2p, sump, ptr("rms", w)?, ptr("rms", &y)?, ptr("rms", &rstd)?, n(c), Arg::F32(eps as f32)],
+    )?;
+    Ok((y, rstd, sum))
+}
+
+/// RMSNorm backward: (dx + res, dw).
+pub fn rmsnorm_bwd(
+    be: &B,
+    dy: &Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    rstd: &Tensor,
+    res: Option<&Tensor>,
+) -> Result<(Tensor, Tensor)> {
+    let (rows, c) = (x.shape().rows(), x.shape().last());
+    let s = sfx("rmsnorm_bwd", x.dtype())?;
+    let dx = new(be, x.shape().clone(), x.dtype())?;
+    rows_launch8(
+        be,
+        &format!("rmsnorm_bwd_{s}"),
+        rows,
+        c,
+        &[
+            ptr("rms", dy)?,
+            ptr("rms", x)?,
+            ptr("rms", w)?,
+            ptr("rms", rstd)?,
+            opt_ptr("rms", res)?,
+            ptr("rms", &dx)?,
+            n(c),
+        ],
+    )?;
+    let chunks = rows.div_ceil(COL_CHUNK);
+    let pw = new(be, [chunks, c], DType::F32)?;
+    let args = [ptr("rms", dy)?, ptr("rms", x)?, NULL, ptr("rms", rstd)?, ptr("rms", &pw)?, NULL, n(rows), n(c)];
+    ew8(be, &format!("norm_param_grad_{s}"), chunks * c, c, &args)?;
+    Ok((dx, col_sum(be, &pw, chunks, c)?))
+}
+
+pub fn softmax(be: &B, x: &Tensor) -> Result<Tensor> {
+    let y = new(be, x.shape().clone(), x.dtype())?;
+    let name = format!("softmax_fwd_{}", sfx("softmax", x.dtype())?);
+    rows_launch(be, &name, x.shape().rows(), &[ptr("softmax", x)?, ptr("softmax", &y)?, n(x.shape().last())])?;
+    Ok(y)
+}
+
+pub fn softmax_bwd(be: &B, y: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    let dx = new(be, y.shape().clone(), y.dtype())?;
+    let name = format!("softmax_bwd_{}", sfx("softmax_bwd", y.dtype())?);
+    rows_launch(
+        be,
+        &name,
+        y.shape().rows(),
+        &[ptr("softmax_bwd", y)?, ptr("softmax_bwd", dy)?, ptr("softmax_bwd", &dx)?, n(y.shape().last())],
+    )?;
+    Ok(dx)
+}

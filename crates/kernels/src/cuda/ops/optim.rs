@@ -1,0 +1,54 @@
+//! AdamW and the sum of squares behind the global grad norm.
+
+use super::*;
+use cudarc::driver::{CudaSlice, DevicePtr};
+
+pub fn adamw(be: &B, p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, h: &crate::AdamW) -> Result<()> {
+    let bc1 = 1.0 - (h.beta1 as f64).powi(h.step as i32);
+    let bc2 = 1.0 - (h.beta2 as f64).powi(h.step as i32);
+    let len = p.elem_count();
+    ew(
+        be,
+        "adamw",
+        len,
+        &[
+            ptr("adamw", p)?,
+            ptr("adamw", g)?,
+            ptr("adamw", m)?,
+            ptr("adamw", v)?,
+            n(len),
+            Arg::F32(h.beta1),
+            Arg::F32(h.beta2),
+            Arg::F32(h.eps),
+            Arg::F32((h.lr as f64 / bc1) as f32),
+            Arg::F32(bc2.sqrt() as f32),
+            Arg::F32(1.0 - h.lr * h.weight_decay),
+            Arg::F32(h.grad_scale),
+        ],
+    )
+}
+
+/// Σ x² of every tensor: 256 fixed per-block partials each, in one buffer, one copy back, then
+/// summed on the host tensor by tensor in block order (deterministic; the bits of adding
+/// one-tensor sums in order).
+pub fn sum_sq_all(be: &B, xs: &[&Tensor]) -> Result<f64> {
+    const BLOCKS: usize = 256;
+    if xs.is_empty() {
+        return Ok(0.0);
+    }
+    let partial: CudaSlice<f64> =
+        be.dev.stream().alloc_zeros(BLOCKS * xs.len()).map_err(|e| Error::Cuda(format!("{e:?}")))?;
+    let base = partial.device_ptr(be.dev.stream()).0;
+    for (i, x) in xs.iter().enumerate() {
+        let pp = Arg::Ptr(base + (i * BLOCKS * std::mem::size_of::<f64>()) as u64);
+        be.launch(
+            &format!("sum_sq_{}", sfx("sum_sq", x.dtype())?),
+            BLOCKS as u32,
+            256,
+            0,
+            &[ptr("sum_sq", x)?, pp, n(x.elem_count())],
+        )?;
+    }
+    let host = be.dev.stream().clone_dtoh(&partial).map_err(|e| Error::Cuda(format!("{e:?}")))?;
+    Ok(host.chunks(BLOCKS).fold(0.0, |total, c| total + c.iter().sum::<f64>()))
+}
