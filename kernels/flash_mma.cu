@@ -39,17 +39,29 @@ __device__ __forceinline__ void ldsm_x4(u32* r, const bf16_t* p) {
 
 
 // One k-step of S += A · Bᵀ for 8 blocks of 8 columns, Bᵀ rows read from a [col][d] tile (`tile`
-// points at column 0) by ldmatrix: S = Q Kᵀ, dP = dO Vᵀ, Sᵀ = K Qᵀ, dPᵀ = V dOᵀ.
-template <int D>
-__device__ __forceinline__ void mma_cols_step(float (*s)[4], const u32* a, const bf16_t* tile, int kk) {
+// points at column 0) by ldmatrix: S = Q Kᵀ, dP = dO Vᵀ, Sᵀ = K Qᵀ, dPᵀ = V dOᵀ. For MT m-tiles of
+// 16 rows at once (`frag(mt)`: m-tile mt's A fragment of this k-step): each B fragment loaded from
+// shared memory feeds MT mma instructions (shared-memory reads per flop / MT).
+template <int D, int MT, typename F>
+__device__ __forceinline__ void mma_cols_step_mt(float (*s)[8][4], F frag, const bf16_t* tile, int kk) {
     int lane = threadIdx.x & 31, mi = lane >> 3, rr = lane & 7;
     #pragma unroll
     for (int nb = 0; nb < 8; nb += 2) {
         u32 bb[4];
         ldsm_x4(bb, tile + ((nb + (mi >> 1)) * 8 + rr) * (D + 8) + kk * 16 + (mi & 1) * 8);
-        mma_bf16(s[nb], a[0], a[1], a[2], a[3], bb[0], bb[1]);
-        mma_bf16(s[nb + 1], a[0], a[1], a[2], a[3], bb[2], bb[3]);
+        #pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            const u32* x = frag(mt);
+            mma_bf16(s[mt][nb], x[0], x[1], x[2], x[3], bb[0], bb[1]);
+            mma_bf16(s[mt][nb + 1], x[0], x[1], x[2], x[3], bb[2], bb[3]);
+        }
     }
+}
+
+// The same for one m-tile (`a`: its A fragment).
+template <int D>
+__device__ __forceinline__ void mma_cols_step(float (*s)[4], const u32* a, const bf16_t* tile, int kk) {
+    mma_cols_step_mt<D, 1>(reinterpret_cast<float (*)[8][4]>(s), [&](int) { return a; }, tile, kk);
 }
 
 // Every k-step, A fragments from registers (`a[kk]`: the warp's rows of Q or dO).
@@ -57,6 +69,13 @@ template <int D>
 __device__ __forceinline__ void mma_cols(float (*s)[4], const u32 (*a)[4], const bf16_t* tile) {
     #pragma unroll
     for (int kk = 0; kk < D / 16; kk++) mma_cols_step<D>(s, a[kk], tile, kk);
+}
+
+// Every k-step of mma_cols_step_mt, the A fragments from registers (`a[mt][kk]`).
+template <int D, int MT>
+__device__ __forceinline__ void mma_cols_mt(float (*s)[8][4], const u32 (*a)[D / 16][4], const bf16_t* tile) {
+    #pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) mma_cols_step_mt<D, MT>(s, [&](int mt) { return a[mt][kk]; }, tile, kk);
 }
 
 // Every k-step, A fragments by ldmatrix from the warp's 16 rows of a [row][d] tile (K or V).
@@ -134,51 +153,9 @@ __device__ __forceinline__ void tile_in(bf16_t* dst, const bf16_t* src, long row
     }
 }
 
-// acc[n] += A · B for the D/8 output blocks, B from a [k][n] tile read transposed (`tile` points at
-// the k-step's first row): O += P V here, dQ += dS K, dV += Pᵀ dO, dK += dSᵀ Q in the backward.
-template <int D>
-__device__ __forceinline__ void mma_rows_t(float (*acc)[4], const u32* a, const bf16_t* tile) {
-    int lane = threadIdx.x & 31, mi = lane >> 3, rr = lane & 7;
-    #pragma unroll
-    for (int n = 0; n < D / 8; n += 2) {
-        u32 bb[4];
-        ldsm_x4_t(bb, tile + ((mi & 1) * 8 + rr) * (D + 8) + (n + (mi >> 1)) * 8);
-        mma_bf16(acc[n], a[0], a[1], a[2], a[3], bb[0], bb[1]);
-        mma_bf16(acc[n + 1], a[0], a[1], a[2], a[3], bb[2], bb[3]);
-    }
-}
-
-// The A fragment of k-step `ks` from accumulator blocks 2ks and 2ks + 1: an m16n8 accumulator
-// block holds rows g, g + 8 × columns 2tg, 2tg + 1, which is half of the m16k16 A fragment.
-__device__ __forceinline__ void c_to_a(u32* a, const float (*c)[4], int ks) {
-    a[0] = pack_bf16(c[2 * ks][0], c[2 * ks][1]);
-    a[1] = pack_bf16(c[2 * ks][2], c[2 * ks][3]);
-    a[2] = pack_bf16(c[2 * ks + 1][0], c[2 * ks + 1][1]);
-    a[3] = pack_bf16(c[2 * ks + 1][2], c[2 * ks + 1][3]);
-}
-
-// S += A · Bᵀ (as mma_cols) for MT m-tiles of 16 rows at once: each B fragment loaded from shared
-// memory feeds MT mma instructions instead of one (shared-memory reads per flop / MT).
-template <int D, int MT>
-__device__ __forceinline__ void mma_cols_mt(float (*s)[8][4], const u32 (*a)[D / 16][4], const bf16_t* tile) {
-    int lane = threadIdx.x & 31, mi = lane >> 3, rr = lane & 7;
-    #pragma unroll
-    for (int kk = 0; kk < D / 16; kk++) {
-        #pragma unroll
-        for (int nb = 0; nb < 8; nb += 2) {
-            u32 bb[4];
-            ldsm_x4(bb, tile + ((nb + (mi >> 1)) * 8 + rr) * (D + 8) + kk * 16 + (mi & 1) * 8);
-            #pragma unroll
-            for (int mt = 0; mt < MT; mt++) {
-                const u32* x = a[mt][kk];
-                mma_bf16(s[mt][nb], x[0], x[1], x[2], x[3], bb[0], bb[1]);
-                mma_bf16(s[mt][nb + 1], x[0], x[1], x[2], x[3], bb[2], bb[3]);
-            }
-        }
-    }
-}
-
-// acc += A · B (as mma_rows_t) for MT m-tiles sharing each transposed B fragment.
+// acc[mt][n] += A · B for the D/8 output blocks of MT m-tiles (`a[mt]`: m-tile mt's A fragment),
+// B from a [k][n] tile read transposed (`tile` points at the k-step's first row) and shared by the
+// m-tiles: O += P V here, dQ += dS K, dV += Pᵀ dO, dK += dSᵀ Q in the backward.
 template <int D, int MT>
 __device__ __forceinline__ void mma_rows_t_mt(float (*acc)[D / 8][4], const u32 (*a)[4], const bf16_t* tile) {
     int lane = threadIdx.x & 31, mi = lane >> 3, rr = lane & 7;
@@ -192,6 +169,21 @@ __device__ __forceinline__ void mma_rows_t_mt(float (*acc)[D / 8][4], const u32 
             mma_bf16(acc[mt][n + 1], a[mt][0], a[mt][1], a[mt][2], a[mt][3], bb[2], bb[3]);
         }
     }
+}
+
+// The same for one m-tile.
+template <int D>
+__device__ __forceinline__ void mma_rows_t(float (*acc)[4], const u32* a, const bf16_t* tile) {
+    mma_rows_t_mt<D, 1>(reinterpret_cast<float (*)[D / 8][4]>(acc), reinterpret_cast<const u32 (*)[4]>(a), tile);
+}
+
+// The A fragment of k-step `ks` from accumulator blocks 2ks and 2ks + 1: an m16n8 accumulator
+// block holds rows g, g + 8 × columns 2tg, 2tg + 1, which is half of the m16k16 A fragment.
+__device__ __forceinline__ void c_to_a(u32* a, const float (*c)[4], int ks) {
+    a[0] = pack_bf16(c[2 * ks][0], c[2 * ks][1]);
+    a[1] = pack_bf16(c[2 * ks][2], c[2 * ks][3]);
+    a[2] = pack_bf16(c[2 * ks + 1][0], c[2 * ks + 1][1]);
+    a[3] = pack_bf16(c[2 * ks + 1][2], c[2 * ks + 1][3]);
 }
 
 // MT m-tiles of 16 query rows per warp (a block: 4 warps × 16·MT rows). MT = 2 halves the K/V

@@ -64,15 +64,10 @@ fn fwd_kernel(d: usize, t: usize) -> (String, usize) {
 /// Whether the tensor-core kernels take these tensors: bf16, head dim 64 or 128, and every tile
 /// source 16-byte aligned (their loads move 16 bytes at a time; a view at an odd offset is not).
 fn mma_ok(q: &Tensor, tiles: &[&Tensor], a: &AttnShape) -> Result<bool> {
-    if q.dtype() != DType::BF16 || !matches!(a.dims.d, 64 | 128) {
+    if q.dtype() != DType::BF16 || !matches!(a.dims.d, 64 | 128) || tiles.iter().any(|t| t.dtype() != DType::BF16) {
         return Ok(false);
     }
-    for t in tiles {
-        if t.dtype() != DType::BF16 || !matches!(ptr("attn", t)?, Arg::Ptr(p) if p % 16 == 0) {
-            return Ok(false);
-        }
-    }
-    Ok(true)
+    aligned16(tiles)
 }
 
 pub fn attention_fwd(be: &B, q: &Tensor, k: &Tensor, v: &Tensor, a: &AttnShape) -> Result<(Tensor, Tensor)> {

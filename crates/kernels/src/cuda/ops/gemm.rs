@@ -21,24 +21,7 @@ pub fn gemm(
     beta: f32,
     bias: Option<&Tensor>,
 ) -> Result<()> {
-    let cfg = MatmulConfig {
-        transa: tb,
-        transb: ta,
-        transc: false,
-        m: nn as u64,
-        n: m as u64,
-        k: k as u64,
-        alpha: 1.0,
-        lda: if tb { k } else { nn } as i64,
-        ldb: if ta { m } else { k } as i64,
-        beta,
-        ldc: nn as i64,
-        stride_a: (batch > 1).then_some((k * nn) as i64),
-        stride_b: (batch > 1).then_some((m * k) as i64),
-        stride_c: (batch > 1).then_some((m * nn) as i64),
-        stride_bias: None,
-        batch_size: (batch > 1).then_some(batch as i32),
-    };
+    let cfg = lt_cfg(batch, m, nn, k, ta, tb, beta);
     let (ga, gb) = (a.storage(), b.storage());
     let mut gc = c.storage_mut();
     let ra = a.layout().contiguous_range().ok_or(Error::NotContiguous { op: "matmul" })?;
@@ -136,11 +119,7 @@ pub fn gemm_bf16_into_f32(
     beta: f32,
 ) -> Result<()> {
     use cudarc::cublas::sys;
-    let (Arg::Ptr(pa), Arg::Ptr(pb), Arg::Ptr(pc)) =
-        (ptr("matmul_into", a)?, ptr("matmul_into", b)?, ptr("matmul_into", c)?)
-    else {
-        return Err(Error::Cuda("matmul_into: expected device pointers".into()));
-    };
+    let (pa, pb, pc) = (raw("matmul_into", a)?, raw("matmul_into", b)?, raw("matmul_into", c)?);
     let op = |t: bool| if t { Op::CUBLAS_OP_T } else { Op::CUBLAS_OP_N };
     let alpha = 1.0f32;
     let bf = sys::cudaDataType_t::CUDA_R_16BF;
@@ -178,25 +157,26 @@ pub fn gemm_bf16_into_f32(
     Ok(())
 }
 
-/// cuBLASLt's config for `a [rows, k] · bᵀ` (tb) or `a · b` (b [k, n]) as one GEMM, as `gemm` builds it.
-fn linear_cfg(rows: usize, n: usize, k: usize, tb: bool) -> MatmulConfig {
+/// The column-major config of row-major C [m, nn] = op(a)·op(b) (batched when `batch` > 1): Cᵀ =
+/// op(B)ᵀ·op(A)ᵀ, so cuBLAS's A is our b and its B our a. cuBLAS (f32) reads the same fields.
+fn lt_cfg(batch: usize, m: usize, nn: usize, k: usize, ta: bool, tb: bool, beta: f32) -> MatmulConfig {
     MatmulConfig {
         transa: tb,
-        transb: false,
+        transb: ta,
         transc: false,
-        m: n as u64,
-        n: rows as u64,
+        m: nn as u64,
+        n: m as u64,
         k: k as u64,
         alpha: 1.0,
-        lda: if tb { k } else { n } as i64,
-        ldb: k as i64,
-        beta: 0.0,
-        ldc: n as i64,
-        stride_a: None,
-        stride_b: None,
-        stride_c: None,
+        lda: if tb { k } else { nn } as i64,
+        ldb: if ta { m } else { k } as i64,
+        beta,
+        ldc: nn as i64,
+        stride_a: (batch > 1).then_some((k * nn) as i64),
+        stride_b: (batch > 1).then_some((m * k) as i64),
+        stride_c: (batch > 1).then_some((m * nn) as i64),
         stride_bias: None,
-        batch_size: None,
+        batch_size: (batch > 1).then_some(batch as i32),
     }
 }
 
@@ -213,7 +193,7 @@ pub fn linear_gelu(
     let (a, h) = (new(be, out.clone(), x.dtype())?, new(be, out, x.dtype())?);
     let bias = bias.map(|b| raw("linear_gelu", b)).transpose()?;
     let epi = crate::cuda::lt::Epilogue::GeluAux { bias, aux: raw("linear_gelu", &h)? };
-    let cfg = linear_cfg(rows, n, k, true);
+    let cfg = lt_cfg(1, rows, n, k, false, true, 0.0);
     // SAFETY: x [rows, k], w [n, k], a and h [rows, n], bias [n]: contiguous bf16 (validated by the caller).
     match unsafe {
         crate::cuda::lt::matmul(be, &cfg, raw("linear_gelu", w)?, raw("linear_gelu", x)?, raw("linear_gelu", &a)?, epi)
@@ -235,7 +215,7 @@ pub fn matmul_dgelu(
 ) -> Result<Option<Tensor>> {
     let dh = new(be, h.shape().clone(), h.dtype())?;
     let epi = crate::cuda::lt::Epilogue::DGelu { aux: raw("matmul_dgelu", h)? };
-    let cfg = linear_cfg(rows, n, k, false);
+    let cfg = lt_cfg(1, rows, n, k, false, false, 0.0);
     // SAFETY: dy [rows, k], w [k, n], h and dh [rows, n]: contiguous bf16 (validated by the caller).
     match unsafe {
         crate::cuda::lt::matmul(

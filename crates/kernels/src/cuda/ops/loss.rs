@@ -2,8 +2,18 @@
 
 use super::*;
 
-fn ignore_arg(ignore: Option<u32>) -> Arg {
-    Arg::I64(ignore.map_or(-1, |i| i as i64))
+/// The arguments both cross-entropy kernels start with: logits, targets, mask, ignore index,
+/// the shard's first vocabulary column and its real (unpadded) column count.
+fn ce_args(logits: &Tensor, targets: &Tensor, mask: Option<&Tensor>, cfg: crate::CrossEntropyCfg) -> Result<Vec<Arg>> {
+    let v = logits.dims()[1];
+    Ok(vec![
+        ptr("ce", logits)?,
+        ptr("ce", targets)?,
+        opt_ptr("ce", mask)?,
+        Arg::I64(cfg.ignore_index.map_or(-1, |i| i as i64)),
+        n(cfg.vocab_start as usize),
+        n(cfg.real_columns(v)),
+    ])
 }
 
 pub fn ce_fwd(
@@ -15,27 +25,13 @@ pub fn ce_fwd(
 ) -> Result<(Tensor, Tensor)> {
     let (rows, v) = (logits.dims()[0], logits.dims()[1]);
     let (loss, lse) = (new(be, [rows], DType::F32)?, new(be, [rows], DType::F32)?);
-    let mp = opt_ptr("ce", mask)?;
     let mut name = format!("ce_fwd_{}", sfx("cross_entropy_fwd", logits.dtype())?);
     if v % 8 == 0 && aligned16(&[logits])? {
         name += "_v8";
     }
-    rows_launch(
-        be,
-        &name,
-        rows,
-        &[
-            ptr("ce", logits)?,
-            ptr("ce", targets)?,
-            mp,
-            ignore_arg(cfg.ignore_index),
-            n(cfg.vocab_start as usize),
-            n(cfg.real_columns(v)),
-            ptr("ce", &loss)?,
-            ptr("ce", &lse)?,
-            n(v),
-        ],
-    )?;
+    let mut args = ce_args(logits, targets, mask, cfg)?;
+    args.extend([ptr("ce", &loss)?, ptr("ce", &lse)?, n(v)]);
+    rows_launch(be, &name, rows, &args)?;
     Ok((loss, lse))
 }
 
@@ -50,27 +46,12 @@ pub fn ce_bwd(
 ) -> Result<Tensor> {
     let (rows, v) = (logits.dims()[0], logits.dims()[1]);
     let d = new(be, logits.shape().clone(), logits.dtype())?;
-    let mp = opt_ptr("ce", mask)?;
     let mut name = format!("ce_bwd_{}", sfx("cross_entropy_bwd", logits.dtype())?);
     if v % 8 == 0 && aligned16(&[logits, &d])? {
         name += "_v8";
     }
-    rows_launch(
-        be,
-        &name,
-        rows,
-        &[
-            ptr("ce", logits)?,
-            ptr("ce", targets)?,
-            mp,
-            ignore_arg(cfg.ignore_index),
-            n(cfg.vocab_start as usize),
-            n(cfg.real_columns(v)),
-            ptr("ce", lse)?,
-            ptr("ce", dloss)?,
-            ptr("ce", &d)?,
-            n(v),
-        ],
-    )?;
+    let mut args = ce_args(logits, targets, mask, cfg)?;
+    args.extend([ptr("ce", lse)?, ptr("ce", dloss)?, ptr("ce", &d)?, n(v)]);
+    rows_launch(be, &name, rows, &args)?;
     Ok(d)
 }

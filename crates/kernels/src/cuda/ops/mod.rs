@@ -71,8 +71,7 @@ fn ew(be: &B, name: &str, len: usize, args: &[Arg]) -> Result<()> {
 /// the twin when `len` and `unit` (a span its groups of eight must not cross: a bias row, a SwiGLU
 /// half; 8 when there is none) divide by 8 and every pointer is 16-byte aligned.
 fn ew8(be: &B, name: &str, len: usize, unit: usize, args: &[Arg]) -> Result<()> {
-    let aligned = args.iter().all(|a| !matches!(a, Arg::Ptr(p) if p % 16 != 0));
-    if len % 8 == 0 && unit % 8 == 0 && aligned {
+    if len % 8 == 0 && unit % 8 == 0 && args_aligned16(args) {
         be.launch(&format!("{name}_v8"), Backend::grid_for(len / 8), 256, 0, args)
     } else {
         ew(be, name, len, args)
@@ -103,6 +102,11 @@ fn col_sum(be: &B, partials: &Tensor, chunks: usize, c: usize) -> Result<Tensor>
 
 fn rows_launch(be: &B, name: &str, rows: usize, args: &[Arg]) -> Result<()> {
     be.launch(name, rows as u32, 256, 0, args)
+}
+
+/// Whether every address among `args` is on a 16-byte boundary (null, for an absent input, is).
+fn args_aligned16(args: &[Arg]) -> bool {
+    args.iter().all(|a| !matches!(a, Arg::Ptr(p) if p % 16 != 0))
 }
 
 /// Whether every tensor in `ts` starts on a 16-byte boundary (the eight-wide kernels' accesses).

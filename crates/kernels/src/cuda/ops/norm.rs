@@ -11,8 +11,7 @@ const NORM_THREADS: usize = 512;
 /// the twin, with a block sized to the row, when `c` divides by 8, fits `NORM_V` groups per
 /// thread of a `NORM_THREADS` block, and every pointer is 16-byte aligned.
 fn rows_launch8(be: &B, name: &str, rows: usize, c: usize, args: &[Arg]) -> Result<()> {
-    let aligned = args.iter().all(|a| !matches!(a, Arg::Ptr(p) if p % 16 != 0));
-    if c % 8 == 0 && c <= 8 * NORM_V * NORM_THREADS && aligned {
+    if c % 8 == 0 && c <= 8 * NORM_V * NORM_THREADS && args_aligned16(args) {
         let threads = (c / 8).next_multiple_of(32).min(NORM_THREADS) as u32;
         be.launch(&format!("{name}_v8"), rows as u32, threads, 0, args)
     } else {
