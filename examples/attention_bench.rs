@@ -14,10 +14,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let dev = Device::cuda(0)?;
     let Device::Cuda(cd) = &dev else { unreachable!() };
     let cfg = AttnCfg { causal: true, window: None, scale: None };
-    println!("| head dim | seq | batch × heads | fwd TFLOP/s | bwd TFLOP/s |");
-    println!("|---|---|---|---|---|");
+    // On sm_90 the kernels run on wgmma; the mma.sync kernels are timed beside them (the same
+    // kernels elsewhere). ATTN_BENCH_ONLY=DxT (e.g. 128x4096) keeps one shape and ATTN_BENCH_REPS
+    // sets the timed repetitions (5): for a profiler.
+    let only = std::env::var("ATTN_BENCH_ONLY").ok();
+    let reps: usize = std::env::var("ATTN_BENCH_REPS").ok().and_then(|r| r.parse().ok()).unwrap_or(5);
+    println!("| head dim | seq | batch × heads | fwd TFLOP/s | bwd TFLOP/s | fwd mma.sync | bwd mma.sync |");
+    println!("|---|---|---|---|---|---|---|");
     for d in [64usize, 128] {
         for t in [1024usize, 2048, 4096, 8192, 16384] {
+            if only.as_ref().is_some_and(|o| *o != format!("{d}x{t}")) {
+                continue;
+            }
             // 16k tokens per call, 2048 hidden (heads = 2048 / d).
             let (b, h) = ((16384 / t).max(1), 2048 / d);
             let n = b * t * h * d;
@@ -27,7 +35,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let time = |f: &mut dyn FnMut() -> Result<(), Box<dyn std::error::Error>>| {
                 f()?; // warm-up (and NVRTC compile on the first call)
                 cd.synchronize()?;
-                let reps = 5;
                 let start = Instant::now();
                 for _ in 0..reps {
                     f()?;
@@ -44,8 +51,25 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 k::attention_bwd(&q, &kk, &v, &o, &lse, &dout, &cfg)?;
                 Ok(())
             })?;
+            k::cuda::set_wgmma(false);
+            let fwd_mma = time(&mut || {
+                k::attention_fwd(&q, &kk, &v, &cfg)?;
+                Ok(())
+            })?;
+            let bwd_mma = time(&mut || {
+                k::attention_bwd(&q, &kk, &v, &o, &lse, &dout, &cfg)?;
+                Ok(())
+            })?;
+            k::cuda::set_wgmma(true);
             let flops = 4.0 * (b * h) as f64 * (t * t) as f64 * d as f64 / 2.0;
-            println!("| {d} | {t} | {b} × {h} | {:.1} | {:.1} |", flops / fwd / 1e12, 2.5 * flops / bwd / 1e12);
+            let tf = |secs: f64| flops / secs / 1e12;
+            println!(
+                "| {d} | {t} | {b} × {h} | {:.1} | {:.1} | {:.1} | {:.1} |",
+                tf(fwd),
+                2.5 * tf(bwd),
+                tf(fwd_mma),
+                2.5 * tf(bwd_mma)
+            );
         }
     }
     Ok(())

@@ -31,18 +31,19 @@ extern "C" __global__ void flash_bwd_delta_bf16(const bf16_t* o, const bf16_t* d
     if (lane == 0) delta[(b * hq + h) * t + i] = s;
 }
 
-template <int D>
+template <int D, bool WG = false, int NW = 1>
 __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse,
                                  const float* delta, const bf16_t* dout, bf16_t* dq, long t, long sl, long hq, long hkv,
                                  float scale, long causal, long window) {
-    constexpr int KS = D / 16, NO = D / 8, P = D + 8;
-    // Two stages of (K tile, V tile): 4·FB_KEYS·(D + 8)·2 bytes of dynamic shared memory.
+    using Stages = KvStages<D, FB_KEYS, WG>;
+    constexpr int KS = D / 16, NO = D / 8, P = Stages::TP, ROWS = FB_ROWS * NW;  // query rows per block
+    // Two stages of (K tile, V tile): 4·FB_KEYS·P·2 bytes of dynamic shared memory.
     extern __shared__ __align__(16) unsigned char fb_smem[];
     bf16_t* stage = reinterpret_cast<bf16_t*>(fb_smem);
-    long tiles = (t + FB_ROWS - 1) / FB_ROWS;
+    long tiles = (t + ROWS - 1) / ROWS;
     long qt = blockIdx.x % tiles, h = (blockIdx.x / tiles) % hq, b = blockIdx.x / (tiles * hq), kvh = h / (hq / hkv);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
-    long r0 = qt * FB_ROWS + warp * 16 + g, r1 = r0 + 8;  // this thread's two rows
+    long r0 = qt * ROWS + warp * 16 + g, r1 = r0 + 8;  // this thread's two rows
     // A fragments of Q and dO for every k-step (registers for the whole kernel).
     u32 qa[KS][4], da[KS][4];
     auto frag = [&](const bf16_t* x, long row, int col) -> u32 {
@@ -65,9 +66,9 @@ __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t*
     #pragma unroll
     for (int n = 0; n < NO; n++) for (int e = 0; e < 4; e++) acc[n][e] = 0.f;
     const float scale2 = scale * LOG2E;
-    long i0 = qt * FB_ROWS, i1 = lmin(t, i0 + FB_ROWS) - 1, jb, je;
+    long i0 = qt * ROWS, i1 = lmin(t, i0 + ROWS) - 1, jb, je;
     key_range(i0, i1, sl, causal, window, FB_KEYS, &jb, &je);
-    const KvStages<D, FB_KEYS> kv(stage, k, v, jb, je, sl, b, hkv, kvh);
+    const Stages kv(stage, k, v, jb, je, sl, b, hkv, kvh);
     if (kv.steps > 0) kv.fetch(0);
     for (long it = 0; it < kv.steps; it++) {
         long j0 = jb + it * FB_KEYS;
@@ -77,27 +78,52 @@ __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t*
         float s[8][4], dp[8][4];
         #pragma unroll
         for (int nb = 0; nb < 8; nb++) for (int e = 0; e < 4; e++) { s[nb][e] = 0.f; dp[nb][e] = 0.f; }
-        mma_cols<D>(s, qa, ks);
-        mma_cols<D>(dp, da, vs);
+        if constexpr (WG) {
+            wg_pin<32>(&dp[0][0]);
+            wg_start<32>(&s[0][0]);
+            wg_qk<D>(s, qa, ks);
+            wg_qk<D>(dp, da, vs);
+            wg_finish<32>(&s[0][0]);
+            wg_pin<32>(&dp[0][0]);
+        } else {
+            mma_cols<D>(s, qa, ks);
+            mma_cols<D>(dp, da, vs);
+        }
         // dS = P ∘ (dP − delta) in place of S; a tile inside the sequence below the diagonal
         // needs no mask.
-        bool full = window == 0 && i0 + FB_ROWS <= t && j0 + FB_KEYS <= sl && (!causal || j0 + FB_KEYS - 1 <= i0);
+        bool full = window == 0 && i0 + ROWS <= t && j0 + FB_KEYS <= sl && (!causal || j0 + FB_KEYS - 1 <= i0);
+        if (!full) {
+            #pragma unroll
+            for (int nb = 0; nb < 8; nb++)
+                #pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    long i = e < 2 ? r0 : r1, j = j0 + nb * 8 + tg * 2 + (e & 1);
+                    if (!(i < t && j < sl && allowed(i, j, causal, window))) s[nb][e] = -INFINITY;  // p = 0
+                }
+        }
         #pragma unroll
         for (int nb = 0; nb < 8; nb++) {
             #pragma unroll
             for (int e = 0; e < 4; e++) {
-                long i = e < 2 ? r0 : r1, j = j0 + nb * 8 + tg * 2 + (e & 1);
-                bool ok = full || (i < t && j < sl && allowed(i, j, causal, window));
-                float p = ok ? ex2(s[nb][e] * scale2 - lr[e >> 1]) : 0.f;
+                float p = ex2(fmaf(s[nb][e], scale2, -lr[e >> 1]));
                 s[nb][e] = p * (dp[nb][e] - dl[e >> 1]);
             }
         }
         // dQ += dS K: k-steps of 16 keys.
-        #pragma unroll
-        for (int kstep = 0; kstep < FB_KEYS / 16; kstep++) {
-            u32 a[4];
-            c_to_a(a, s, kstep);
-            mma_rows_t<D>(acc, a, ks + kstep * 16 * P);
+        if constexpr (WG) {
+            u32 a[FB_KEYS / 16][4];
+            #pragma unroll
+            for (int kstep = 0; kstep < FB_KEYS / 16; kstep++) c_to_a(a[kstep], s, kstep);
+            wg_start<D / 2>(&acc[0][0]);
+            wg_pv<D, FB_KEYS>(acc, a, ks);
+            wg_finish<D / 2>(&acc[0][0]);
+        } else {
+            #pragma unroll
+            for (int kstep = 0; kstep < FB_KEYS / 16; kstep++) {
+                u32 a[4];
+                c_to_a(a, s, kstep);
+                mma_rows_t<D>(acc, a, ks + kstep * 16 * P);
+            }
         }
         __syncthreads();  // every warp is done with this stage before it is refilled
     }
@@ -113,30 +139,38 @@ __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t*
 }
 
 // Dynamic shared memory of the dkv kernel (the host sizes it): the K and V tiles, two stages of
-// (Q, dO) tiles, two stages of the rows' (lse, delta): (2·FB_KEYS + 4·FB_ROWS)·(D + 8)·2 +
+// (Q, dO) tiles, two stages of the rows' (lse, delta): (2·KEYS + 4·FB_ROWS)·P·2 +
 // 4·FB_ROWS·4 bytes.
 
-template <int D>
+template <int D, bool WG = false, int NW = 1>
 __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse,
                                   const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, long t, long sl,
                                   long hq, long hkv, float scale, long causal, long window) {
-    constexpr int NO = D / 8, P = D + 8;
+    constexpr int NO = D / 8, P = WG ? D : D + 8;  // tile row (padded for ldmatrix; core-matrix order for wgmma)
+    constexpr int KEYS = FB_KEYS * NW;              // keys per block
     extern __shared__ __align__(16) unsigned char fb_smem[];
     bf16_t* ks = reinterpret_cast<bf16_t*>(fb_smem);
-    bf16_t* vs = ks + FB_KEYS * P;
-    bf16_t* qstage = vs + FB_KEYS * P;                                        // 2 × (Q, dO) tiles
+    bf16_t* vs = ks + KEYS * P;
+    bf16_t* qstage = vs + KEYS * P;                                           // 2 × (Q, dO) tiles
     float* lstage = reinterpret_cast<float*>(qstage + 4 * FB_ROWS * P);      // 2 × (lse, delta) rows
-    long tiles = (sl + FB_KEYS - 1) / FB_KEYS;
+    long tiles = (sl + KEYS - 1) / KEYS;
     long kt = blockIdx.x % tiles, kvh = (blockIdx.x / tiles) % hkv, b = blockIdx.x / (tiles * hkv);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
-    long j0 = kt * FB_KEYS, jr0 = j0 + warp * 16 + g, jr1 = jr0 + 8;  // this thread's two keys
-    tile_in<D, FB_KEYS>(ks, k, j0, sl, b, hkv, kvh);
-    tile_in<D, FB_KEYS>(vs, v, j0, sl, b, hkv, kvh);
+    long j0 = kt * KEYS, jr0 = j0 + warp * 16 + g, jr1 = jr0 + 8;  // this thread's two keys
+    if constexpr (WG) {
+        // Waited for with the first (Q, dO) stage.
+        tile_async<D, KEYS, true>(ks, k, j0, sl, b, hkv, kvh);
+        tile_async<D, KEYS, true>(vs, v, j0, sl, b, hkv, kvh);
+        cp_commit();
+    } else {
+        tile_in<D, KEYS>(ks, k, j0, sl, b, hkv, kvh);
+        tile_in<D, KEYS>(vs, v, j0, sl, b, hkv, kvh);
+    }
     float dka[NO][4], dva[NO][4];
     #pragma unroll
     for (int n = 0; n < NO; n++) for (int e = 0; e < 4; e++) { dka[n][e] = 0.f; dva[n][e] = 0.f; }
     // Query rows that can see keys [j0, j1].
-    long j1 = lmin(sl, j0 + FB_KEYS) - 1, ib, ie;
+    long j1 = lmin(sl, j0 + KEYS) - 1, ib, ie;
     row_range(j0, j1, t, causal, window, FB_ROWS, &ib, &ie);
     long group = hq / hkv;
     const float scale2 = scale * LOG2E;
@@ -145,8 +179,8 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
     auto fetch = [&](long n) {
         long h = kvh * group + n / qtiles, i0 = ib + (n % qtiles) * FB_ROWS;
         bf16_t* qt = qstage + (n & 1) * 2 * FB_ROWS * P;
-        tile_async<D, FB_ROWS>(qt, q, i0, t, b, hq, h);
-        tile_async<D, FB_ROWS>(qt + FB_ROWS * P, dout, i0, t, b, hq, h);
+        tile_async<D, FB_ROWS, WG>(qt, q, i0, t, b, hq, h);
+        tile_async<D, FB_ROWS, WG>(qt + FB_ROWS * P, dout, i0, t, b, hq, h);
         cp_commit();
         float* lt = lstage + (n & 1) * 2 * FB_ROWS;
         if (threadIdx.x < FB_ROWS) {
@@ -160,6 +194,7 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
         {
             long i0 = ib + (n % qtiles) * FB_ROWS;
             if (n + 1 < steps) { fetch(n + 1); cp_wait<1>(); } else cp_wait<0>();
+            if constexpr (WG) fence_async_smem();
             __syncthreads();
             const bf16_t* qs = qstage + (n & 1) * 2 * FB_ROWS * P;
             const bf16_t* dos = qs + FB_ROWS * P;
@@ -169,34 +204,69 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
             float st[8][4], dpt[8][4];
             #pragma unroll
             for (int nb = 0; nb < 8; nb++) for (int e = 0; e < 4; e++) { st[nb][e] = 0.f; dpt[nb][e] = 0.f; }
-            mma_cols_smem<D>(st, ks + warp * 16 * P, qs);
-            mma_cols_smem<D>(dpt, vs + warp * 16 * P, dos);
+            if constexpr (WG) {
+                // The warpgroup's 64 keys are its M: K and V rows straight from shared memory.
+                int wg = warp >> 2;
+                u32 kb = smem_addr(ks + wg * 64 * D), vb = smem_addr(vs + wg * 64 * D), qb = smem_addr(qs), ob = smem_addr(dos);
+                wg_pin<32>(&dpt[0][0]);
+                wg_start<32>(&st[0][0]);
+                #pragma unroll
+                for (int kk = 0; kk < D / 16; kk++) {
+                    wgmma_m64n64k16_ss(&st[0][0], wg_desc(kb + kk * 256, 128, D * 16), wg_desc(qb + kk * 256, 128, D * 16));
+                    wgmma_m64n64k16_ss(&dpt[0][0], wg_desc(vb + kk * 256, 128, D * 16), wg_desc(ob + kk * 256, 128, D * 16));
+                }
+                wg_finish<32>(&st[0][0]);
+                wg_pin<32>(&dpt[0][0]);
+            } else {
+                mma_cols_smem<D>(st, ks + warp * 16 * P, qs);
+                mma_cols_smem<D>(dpt, vs + warp * 16 * P, dos);
+            }
             // Pᵀ into st, dSᵀ into dpt (no mask for a tile inside the sequence below the diagonal).
-            bool full = window == 0 && i0 + FB_ROWS <= t && j0 + FB_KEYS <= sl && (!causal || j0 + FB_KEYS - 1 <= i0);
+            bool full = window == 0 && i0 + FB_ROWS <= t && j0 + KEYS <= sl && (!causal || j0 + KEYS - 1 <= i0);
+            if (!full) {
+                #pragma unroll
+                for (int nb = 0; nb < 8; nb++)
+                    #pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        long j = e < 2 ? jr0 : jr1, i = i0 + nb * 8 + tg * 2 + (e & 1);
+                        if (!(i < t && j < sl && allowed(i, j, causal, window))) st[nb][e] = -INFINITY;  // p = 0
+                    }
+            }
             #pragma unroll
             for (int nb = 0; nb < 8; nb++) {
                 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     int col = nb * 8 + tg * 2 + (e & 1);
-                    long j = e < 2 ? jr0 : jr1, i = i0 + col;
-                    bool ok = full || (i < t && j < sl && allowed(i, j, causal, window));
-                    float p = ok ? ex2(st[nb][e] * scale2 - ls[col]) : 0.f;
+                    float p = ex2(fmaf(st[nb][e], scale2, -ls[col]));
                     st[nb][e] = p;
                     dpt[nb][e] = p * (dpt[nb][e] - dls[col]);
                 }
             }
             // dV += Pᵀ dO and dK += dSᵀ Q: k-steps of 16 rows.
-            #pragma unroll
-            for (int kstep = 0; kstep < FB_ROWS / 16; kstep++) {
-                u32 a[4];
-                c_to_a(a, st, kstep);
-                mma_rows_t<D>(dva, a, dos + kstep * 16 * P);
-                c_to_a(a, dpt, kstep);
-                mma_rows_t<D>(dka, a, qs + kstep * 16 * P);
+            if constexpr (WG) {
+                u32 pa[FB_ROWS / 16][4], sa[FB_ROWS / 16][4];
+                #pragma unroll
+                for (int kstep = 0; kstep < FB_ROWS / 16; kstep++) { c_to_a(pa[kstep], st, kstep); c_to_a(sa[kstep], dpt, kstep); }
+                wg_pin<D / 2>(&dka[0][0]);
+                wg_start<D / 2>(&dva[0][0]);
+                wg_pv<D, FB_ROWS>(dva, pa, dos);
+                wg_pv<D, FB_ROWS>(dka, sa, qs);
+                wg_finish<D / 2>(&dva[0][0]);
+                wg_pin<D / 2>(&dka[0][0]);
+            } else {
+                #pragma unroll
+                for (int kstep = 0; kstep < FB_ROWS / 16; kstep++) {
+                    u32 a[4];
+                    c_to_a(a, st, kstep);
+                    mma_rows_t<D>(dva, a, dos + kstep * 16 * P);
+                    c_to_a(a, dpt, kstep);
+                    mma_rows_t<D>(dka, a, qs + kstep * 16 * P);
+                }
             }
             __syncthreads();  // every warp is done with this stage before it is refilled
         }
     }
+    if constexpr (WG) cp_wait<0>();  // no (Q, dO) step: the K/V copies still land before exit
     #pragma unroll
     for (int rr = 0; rr < 2; rr++) {
         long j = rr ? jr1 : jr0;
@@ -210,14 +280,20 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
     }
 }
 
-#define FLASH_BWD_MMA(D) \
-extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_mma_bf16_##D(const bf16_t* q, const bf16_t* k, \
+// flash_bwd_{dq,dkv}_mma_bf16_D (mma.sync, 4 warps) and flash_bwd_{dq,dkv}_wgNW_bf16_D (wgmma,
+// sm_90a; NW warpgroups, each 64 query rows (dq) or keys (dkv), sharing the streamed tiles).
+#define FLASH_BWD_MMA(D, SFX, WG, NW) \
+extern "C" __global__ void __launch_bounds__(128 * NW) flash_bwd_dq_##SFX##_bf16_##D(const bf16_t* q, const bf16_t* k, \
         const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dq, long t, long sl, long hq, \
         long hkv, long d, float scale, long causal, long window) { \
-    flash_bwd_dq_mma<D>(q, k, v, lse, delta, dout, dq, t, sl, hq, hkv, scale, causal, window); } \
-extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkv_mma_bf16_##D(const bf16_t* q, const bf16_t* k, \
+    flash_bwd_dq_mma<D, WG, NW>(q, k, v, lse, delta, dout, dq, t, sl, hq, hkv, scale, causal, window); } \
+extern "C" __global__ void __launch_bounds__(128 * NW) flash_bwd_dkv_##SFX##_bf16_##D(const bf16_t* q, const bf16_t* k, \
         const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, long t, \
         long sl, long hq, long hkv, long d, float scale, long causal, long window) { \
-    flash_bwd_dkv_mma<D>(q, k, v, lse, delta, dout, dk, dv, t, sl, hq, hkv, scale, causal, window); }
-FLASH_BWD_MMA(64)
-FLASH_BWD_MMA(128)
+    flash_bwd_dkv_mma<D, WG, NW>(q, k, v, lse, delta, dout, dk, dv, t, sl, hq, hkv, scale, causal, window); }
+FLASH_BWD_MMA(64, mma, false, 1)
+FLASH_BWD_MMA(128, mma, false, 1)
+// Measured on the H200 (lab notes in README.md): D 64 NW 1 (NW 2: 4–13% slower), D 128 NW 2
+// (8–26% faster than 1).
+FLASH_BWD_MMA(64, wg1, true, 1)
+FLASH_BWD_MMA(128, wg2, true, 2)

@@ -7,6 +7,8 @@
 // A-fragment layout P needs for O += PV, so P never leaves registers. Online softmax in base 2
 // per row across the 4 threads of a fragment row group (2 shuffles). Same layouts and outputs as
 // flash.cu / attention.cu. Every helper before flash_fwd_mma is shared with flash_bwd_mma.cu.
+// On sm_90 the same kernel body also runs with both products on wgmma (wgmma.cuh): one warpgroup
+// of 64 rows per block, K/V tiles in core-matrix order, A operands (Q, P) from registers.
 
 #define FM_ROWS 64
 #define FM_KEYS 64
@@ -94,17 +96,20 @@ __device__ __forceinline__ u32 word(const bf16_t* p) { return *reinterpret_cast<
 
 // Like tile_in, asynchronously (cp.async, 16 bytes a copy, zero-filled past the end): the tile for
 // the next step loads while this one is computed. Commit with cp_commit, wait with cp_wait<N>
-// (at most N groups still in flight), then __syncthreads before reading.
-template <int D, int ROWS>
+// (at most N groups still in flight), then __syncthreads before reading. CM: wgmma's core-matrix
+// order (wgmma.cuh) instead of padded rows; copy x then lands at byte 16x, so eight neighbouring
+// threads fill one 128-byte core matrix (no bank conflicts) from eight rows.
+template <int D, int ROWS, bool CM = false>
 __device__ __forceinline__ void tile_async(bf16_t* dst, const bf16_t* src, long row0, long rows, long b, long heads, long head) {
     constexpr int V = D / 8;
     for (int x = threadIdx.x; x < ROWS * V; x += blockDim.x) {
-        int r = x / V, c = (x % V) * 8;
+        int r = CM ? (x / (8 * V)) * 8 + (x & 7) : x / V, c = (CM ? (x >> 3) % V : x % V) * 8;
         long row = row0 + r;
         bool in = row < rows;
         const bf16_t* g = src + ((b * rows + (in ? row : 0)) * heads + head) * D + c;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst + r * (D + 8) + c)), "l"(g),
-                     "r"(in ? 16 : 0) : "memory");
+        bf16_t* s = CM ? dst + x * 8 : dst + r * (D + 8) + c;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(s)), "l"(g), "r"(in ? 16 : 0)
+                     : "memory");
     }
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
@@ -112,12 +117,13 @@ template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 // The K and V tiles of the keys [jb, je) that a block of query rows sees, KEYS at a time, through
-// two shared-memory stages (`stage`: 4·KEYS·(D + 8) bf16): `wait(it)` returns step it's K tile
-// (its V tile follows KEYS·(D + 8) later) once it has landed, with the next step's already on its
-// way. The caller starts with `fetch(0)` (when `steps` > 0) and ends every step with
-// __syncthreads, before the stage is refilled.
-template <int D, int KEYS>
+// two shared-memory stages (`stage`: 4·KEYS·TP bf16): `wait(it)` returns step it's K tile (its V
+// tile follows KEYS·TP later) once it has landed, with the next step's already on its way. The
+// caller starts with `fetch(0)` (when `steps` > 0) and ends every step with __syncthreads, before
+// the stage is refilled. CM: tiles in wgmma's core-matrix order, made visible to wgmma.
+template <int D, int KEYS, bool CM = false>
 struct KvStages {
+    static constexpr int TP = CM ? D : D + 8;  // elements per tile row (padded rows for ldmatrix)
     bf16_t* stage;
     const bf16_t* k;
     const bf16_t* v;
@@ -127,15 +133,16 @@ struct KvStages {
         : stage(stage), k(k), v(v), jb(jb), steps(je > jb ? (je - jb + KEYS - 1) / KEYS : 0), sl(sl), b(b), hkv(hkv),
           kvh(kvh) {}
     __device__ __forceinline__ void fetch(long it) const {
-        bf16_t* kt = stage + (it & 1) * 2 * KEYS * (D + 8);
-        tile_async<D, KEYS>(kt, k, jb + it * KEYS, sl, b, hkv, kvh);
-        tile_async<D, KEYS>(kt + KEYS * (D + 8), v, jb + it * KEYS, sl, b, hkv, kvh);
+        bf16_t* kt = stage + (it & 1) * 2 * KEYS * TP;
+        tile_async<D, KEYS, CM>(kt, k, jb + it * KEYS, sl, b, hkv, kvh);
+        tile_async<D, KEYS, CM>(kt + KEYS * TP, v, jb + it * KEYS, sl, b, hkv, kvh);
         cp_commit();
     }
     __device__ __forceinline__ const bf16_t* wait(long it) const {
         if (it + 1 < steps) { fetch(it + 1); cp_wait<1>(); } else cp_wait<0>();
+        if constexpr (CM) fence_async_smem();
         __syncthreads();
-        return stage + (it & 1) * 2 * KEYS * (D + 8);
+        return stage + (it & 1) * 2 * KEYS * TP;
     }
 };
 
@@ -186,17 +193,38 @@ __device__ __forceinline__ void c_to_a(u32* a, const float (*c)[4], int ks) {
     a[3] = pack_bf16(c[2 * ks + 1][2], c[2 * ks + 1][3]);
 }
 
+// S (64 rows × 64 keys) += A Bᵀ by wgmma, issued (between wg_start and wg_finish): A's fragments
+// from registers (`a[kk]`: Q or dO), B from a core-matrix tile of 64 rows (K or V).
+template <int D>
+__device__ __forceinline__ void wg_qk(float (*s)[4], const u32 (*a)[4], const bf16_t* tile) {
+    u32 base = smem_addr(tile);
+    #pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) wgmma_rs<64, 0>(&s[0][0], a[kk], wg_desc(base + kk * 256, 128, D * 16));
+}
+
+// acc (64 rows × D) += A B by wgmma, issued: A's fragments from registers (`a[ks]`, 16 of the K
+// dimension each: P, dS, Pᵀ, dSᵀ), B from a core-matrix tile of KEYS rows read MN-major (V, K,
+// dO, Q).
+template <int D, int KEYS>
+__device__ __forceinline__ void wg_pv(float (*acc)[4], const u32 (*a)[4], const bf16_t* tile) {
+    u32 base = smem_addr(tile);
+    #pragma unroll
+    for (int ks = 0; ks < KEYS / 16; ks++) wgmma_rs<D, 1>(&acc[0][0], a[ks], wg_desc(base + ks * 32 * D, 16 * D, 128));
+}
+
 // MT m-tiles of 16 query rows per warp (a block: 4 warps × 16·MT rows). MT = 2 halves the K/V
 // shared-memory reads per flop (FlashAttention-2's 128-row blocks); at D 128 the doubled
-// accumulators do not fit the 255 registers, so MT = 1 there.
-template <int D, int MT>
+// accumulators do not fit the 255 registers, so MT = 1 there. WG: both products go through wgmma
+// (K/V tiles in core-matrix order; MT = 1) instead of mma.sync, NW warpgroups of 64 rows per block
+// sharing each K/V tile (fewer L2 reads per flop: the single-warpgroup kernel was L2-bound).
+template <int D, int MT, bool WG = false, int NW = 1>
 __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl,
                               long hq, long hkv, float scale, long causal, long window) {
     constexpr int KS = D / 16;        // k-steps over the head dim
     constexpr int NO = D / 8;         // 8-wide blocks of the output
-    constexpr int KP = D + 8;         // padded K and V rows (elements)
-    constexpr int ROWS = FM_ROWS * MT;
-    // Two stages of (K tile, V tile): 4·FM_KEYS·(D + 8)·2 bytes of dynamic shared memory.
+    constexpr int ROWS = FM_ROWS * MT * NW;
+    static_assert(WG ? MT == 1 : NW == 1, "wgmma: 64 rows per warpgroup; mma.sync: 4 warps per block");
+    // Two stages of (K tile, V tile): 4·FM_KEYS·KP·2 bytes of dynamic shared memory.
     extern __shared__ __align__(16) unsigned char fm_smem[];
     bf16_t* stage = reinterpret_cast<bf16_t*>(fm_smem);
     long tiles = (t + ROWS - 1) / ROWS;
@@ -234,7 +262,9 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
     const float scale2 = scale * LOG2E;
     long i0 = qt * ROWS, i1 = lmin(t, i0 + ROWS) - 1, jb, je;
     key_range(i0, i1, sl, causal, window, FM_KEYS, &jb, &je);
-    const KvStages<D, FM_KEYS> kv(stage, k, v, jb, je, sl, b, hkv, kvh);
+    using Stages = KvStages<D, FM_KEYS, WG>;
+    constexpr int KP = Stages::TP;  // elements per K/V tile row
+    const Stages kv(stage, k, v, jb, je, sl, b, hkv, kvh);
     if (kv.steps > 0) kv.fetch(0);
     for (long it = 0; it < kv.steps; it++) {
         long j0 = jb + it * FM_KEYS;
@@ -245,39 +275,53 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
         #pragma unroll
         for (int mt = 0; mt < MT; mt++)
             for (int nb = 0; nb < 8; nb++) for (int e = 0; e < 4; e++) s[mt][nb][e] = 0.f;
-        mma_cols_mt<D, MT>(s, qa, ks);
-        // Mask, scale (base 2), and the online softmax for rows r0 (elements 0,1) and r1 (2,3).
-        // A tile wholly inside the sequence and below the diagonal needs no mask.
+        if constexpr (WG) {
+            wg_start<32>(&s[0][0][0]);
+            wg_qk<D>(s[0], qa[0], ks);
+            wg_finish<32>(&s[0][0][0]);
+        } else {
+            mma_cols_mt<D, MT>(s, qa, ks);
+        }
+        // Mask, then the online softmax for rows r0 (elements 0,1) and r1 (2,3), in base 2 with the
+        // scale folded into one multiply-add per element: max over raw scores (the scale is
+        // positive), p = 2^(s·scale2 − m). A tile wholly inside the sequence and below the
+        // diagonal needs no mask (a uniform branch).
         bool full = window == 0 && i0 + ROWS <= t && j0 + FM_KEYS <= sl && (!causal || j0 + FM_KEYS - 1 <= i0);
+        if (!full) {
+            #pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+                #pragma unroll
+                for (int nb = 0; nb < 8; nb++)
+                    #pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        long i = r[mt][e >> 1], j = j0 + nb * 8 + tg * 2 + (e & 1);
+                        if (!(i < t && j < sl && allowed(i, j, causal, window))) s[mt][nb][e] = -INFINITY;
+                    }
+        }
         u32 pa[MT][FM_KEYS / 16][4];  // P as A fragments, per m-tile and k-step of 16 keys
         #pragma unroll
         for (int mt = 0; mt < MT; mt++) {
             float mx[2] = {-INFINITY, -INFINITY};
             #pragma unroll
-            for (int nb = 0; nb < 8; nb++) {
+            for (int nb = 0; nb < 8; nb++)
                 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    long i = r[mt][e >> 1], j = j0 + nb * 8 + tg * 2 + (e & 1);
-                    bool ok = full || (i < t && j < sl && allowed(i, j, causal, window));
-                    s[mt][nb][e] = ok ? s[mt][nb][e] * scale2 : -INFINITY;
-                    mx[e >> 1] = fmaxf(mx[e >> 1], s[mt][nb][e]);
-                }
-            }
-            float corr[2], mn[2];
+                for (int e = 0; e < 4; e++) mx[e >> 1] = fmaxf(mx[e >> 1], s[mt][nb][e]);
+            float corr[2], mb[2];
             #pragma unroll
             for (int rr = 0; rr < 2; rr++) {
                 mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
                 mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
-                mn[rr] = fmaxf(m[mt][rr], mx[rr]);
-                corr[rr] = mn[rr] == -INFINITY ? 1.f : ex2(m[mt][rr] - mn[rr]);
-                m[mt][rr] = mn[rr];
+                float mn = fmaxf(m[mt][rr], mx[rr] * scale2);
+                corr[rr] = mn == -INFINITY ? 1.f : ex2(m[mt][rr] - mn);
+                m[mt][rr] = mn;
+                mb[rr] = mn == -INFINITY ? 0.f : mn;  // a row masked so far: its -inf scores give 0
             }
             float rs[2] = {0.f, 0.f};
             #pragma unroll
             for (int nb = 0; nb < 8; nb++) {
                 #pragma unroll
                 for (int e = 0; e < 4; e++) {
-                    float p = s[mt][nb][e] == -INFINITY ? 0.f : ex2(s[mt][nb][e] - mn[e >> 1]);
+                    float p = ex2(fmaf(s[mt][nb][e], scale2, -mb[e >> 1]));
                     s[mt][nb][e] = p;
                     rs[e >> 1] += p;
                 }
@@ -292,12 +336,18 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
             for (int kstep = 0; kstep < FM_KEYS / 16; kstep++) c_to_a(pa[mt][kstep], s[mt], kstep);
         }
         // O += P V: k-steps of 16 keys; P's A fragment comes from S blocks 2ks and 2ks+1.
-        #pragma unroll
-        for (int kstep = 0; kstep < FM_KEYS / 16; kstep++) {
-            u32 a[MT][4];
+        if constexpr (WG) {
+            wg_start<D / 2>(&acc[0][0][0]);
+            wg_pv<D, FM_KEYS>(acc[0], pa[0], vs);
+            wg_finish<D / 2>(&acc[0][0][0]);
+        } else {
             #pragma unroll
-            for (int mt = 0; mt < MT; mt++) for (int x = 0; x < 4; x++) a[mt][x] = pa[mt][kstep][x];
-            mma_rows_t_mt<D, MT>(acc, a, vs + kstep * 16 * KP);
+            for (int kstep = 0; kstep < FM_KEYS / 16; kstep++) {
+                u32 a[MT][4];
+                #pragma unroll
+                for (int mt = 0; mt < MT; mt++) for (int x = 0; x < 4; x++) a[mt][x] = pa[mt][kstep][x];
+                mma_rows_t_mt<D, MT>(acc, a, vs + kstep * 16 * KP);
+            }
         }
         __syncthreads();  // every warp is done with this stage before it is refilled
     }
@@ -325,14 +375,20 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
     }
 }
 
-// Query rows per block: FM_ROWS · MT (the host's `fwd_kernel` must agree). At head dim 64 both:
-// two m-tiles per warp win from 2k tokens on, one (more, smaller blocks, less work on the causal
-// diagonal) below.
-#define FLASH_MMA(NAME, D, MT) \
-extern "C" __global__ void __launch_bounds__(128) NAME(const bf16_t* q, const bf16_t* k, \
+// Query rows per block: FM_ROWS · MT · NW, threads 128 · NW (the host's `fwd_kernel` must agree).
+// At head dim 64 both: two m-tiles per warp win from 2k tokens on, one (more, smaller blocks, less
+// work on the causal diagonal) below. The wgmma kernels (sm_90a), flash_fwd_wgNW_bf16_D, take 64
+// rows per warpgroup; NW is bounded by the registers (NW · 128 threads share 64k).
+#define FLASH_MMA(NAME, D, MT, WG, NW) \
+extern "C" __global__ void __launch_bounds__(128 * NW) NAME(const bf16_t* q, const bf16_t* k, \
         const bf16_t* v, bf16_t* o, float* lse, long t, long sl, long hq, long hkv, long d, float scale, long causal, \
         long window) { \
-    flash_fwd_mma<D, MT>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window); }
-FLASH_MMA(flash_fwd_mma_bf16_64, 64, 1)
-FLASH_MMA(flash_fwd_mma_bf16_64x2, 64, 2)
-FLASH_MMA(flash_fwd_mma_bf16_128, 128, 1)
+    flash_fwd_mma<D, MT, WG, NW>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window); }
+FLASH_MMA(flash_fwd_mma_bf16_64, 64, 1, false, 1)
+FLASH_MMA(flash_fwd_mma_bf16_64x2, 64, 2, false, 1)
+FLASH_MMA(flash_fwd_mma_bf16_128, 128, 1, false, 1)
+// Measured on the H200 (16k tokens per call, causal; lab notes in README.md): NW = 1 was L2-bound;
+// D 64: NW 2 > 4 > 1; D 128: NW 3 from 2k rows on, NW 2 at 1k.
+FLASH_MMA(flash_fwd_wg2_bf16_64, 64, 1, true, 2)
+FLASH_MMA(flash_fwd_wg2_bf16_128, 128, 1, true, 2)
+FLASH_MMA(flash_fwd_wg3_bf16_128, 128, 1, true, 3)

@@ -47,7 +47,7 @@ fn main() -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Some("ptx") => ptx(args.get(1).map(String::as_str).unwrap_or("sm_90")),
+        Some("ptx") => ptx(args.get(1).map(String::as_str).unwrap_or("sm_90a")),
         Some("gpu-test") => gpu_test(args.get(1).map(PathBuf::from)),
         _ => {
             eprintln!(

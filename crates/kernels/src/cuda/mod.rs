@@ -27,6 +27,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("embedding.cu", include_str!("../../../../kernels/embedding.cu")),
     ("attention.cu", include_str!("../../../../kernels/attention.cu")),
     ("flash.cu", include_str!("../../../../kernels/flash.cu")),
+    ("wgmma.cuh", include_str!("../../../../kernels/wgmma.cuh")),
     ("flash_mma.cu", include_str!("../../../../kernels/flash_mma.cu")),
     ("flash_bwd_mma.cu", include_str!("../../../../kernels/flash_bwd_mma.cu")),
 ];
@@ -45,6 +46,8 @@ pub(crate) struct Backend {
     lt: lt::Lt,
     /// f32 GEMMs: cuBLAS in its default math mode is true fp32 (cuBLASLt's f32 path in cudarc is TF32).
     pub blas: CudaBlas,
+    /// The kernels were compiled for sm_90a: the wgmma kernels (kernels/wgmma.cuh) may run.
+    pub wgmma: bool,
 }
 
 static BACKENDS: Mutex<Vec<(usize, Arc<Backend>)>> = Mutex::new(Vec::new());
@@ -58,6 +61,23 @@ pub fn set_poisoning(on: bool) {
 
 pub(crate) fn poisoning() -> bool {
     POISON.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+thread_local! {
+    static WGMMA: std::cell::Cell<bool> = const { std::cell::Cell::new(true) };
+}
+
+/// Whether this thread's ops may use the Hopper wgmma kernels where the device has them (on by
+/// default). Tests and benches turn it off to run the mma.sync kernels on an sm_90 GPU too.
+pub fn set_wgmma(on: bool) {
+    WGMMA.with(|w| w.set(on));
+}
+
+impl Backend {
+    /// The device has the wgmma kernels and this thread allows them.
+    pub(crate) fn use_wgmma(&self) -> bool {
+        self.wgmma && WGMMA.with(|w| w.get())
+    }
 }
 
 fn cuda_err(what: &str, e: impl std::fmt::Debug) -> Error {
@@ -104,8 +124,10 @@ pub(crate) fn backend(dev: &CudaDevice) -> Result<Arc<Backend>> {
         return Ok(b.clone());
     }
     let (major, minor) = dev.context().compute_capability().map_err(|e| cuda_err("compute capability", e))?;
-    let module =
-        dev.context().load_module(ptx(&format!("sm_{major}{minor}"))?).map_err(|e| cuda_err("loading kernels", e))?;
+    // sm_90a (Hopper's arch-specific features: wgmma) runs on sm_90 devices only.
+    let wgmma = (major, minor) == (9, 0);
+    let arch = format!("sm_{major}{minor}{}", if wgmma { "a" } else { "" });
+    let module = dev.context().load_module(ptx(&arch)?).map_err(|e| cuda_err("loading kernels", e))?;
     // SAFETY: only probes for the shared libraries.
     if !unsafe { cudarc::cublaslt::sys::is_culib_present() } {
         return Err(Error::Cuda(
@@ -121,7 +143,8 @@ pub(crate) fn backend(dev: &CudaDevice) -> Result<Arc<Backend>> {
     let blas_lt = CudaBlasLT::new(dev.stream().clone()).map_err(|e| cuda_err("cuBLASLt", e))?;
     let blas = CudaBlas::new(dev.stream().clone()).map_err(|e| cuda_err("cuBLAS", e))?;
     let lt = lt::Lt::new(dev.stream())?;
-    let b = Arc::new(Backend { dev: dev.clone(), module, functions: Mutex::new(HashMap::new()), blas_lt, blas, lt });
+    let b =
+        Arc::new(Backend { dev: dev.clone(), module, functions: Mutex::new(HashMap::new()), blas_lt, blas, lt, wgmma });
     all.push((dev.ordinal(), b.clone()));
     Ok(b)
 }

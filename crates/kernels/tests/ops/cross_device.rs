@@ -152,7 +152,8 @@ fn every_op_matches_cpu() {
         // Head dims with a flash kernel: sequence lengths across several 32- and 64-row tiles and
         // ragged ends, GQA, causal, windowed and full (bf16 at 64/128 runs the tensor-core kernels).
         // 2100 rows at head dim 64: the forward with two m-tiles per warp (from 2048 rows on),
-        // 128-row blocks with a ragged last one.
+        // 128-row blocks with a ragged last one; 2060 at 128: on sm_90 the wgmma forward with
+        // three warpgroups (192-row blocks, from 2048 rows on).
         let shapes = [
             (45usize, 4usize, 2usize, 32usize),
             (70, 2, 2, 64),
@@ -160,8 +161,14 @@ fn every_op_matches_cpu() {
             (130, 4, 2, 64),
             (150, 2, 1, 128),
             (2100, 2, 1, 64),
+            (2060, 2, 1, 128),
         ];
-        for (t, hq, hkv, d) in shapes {
+        // bf16 on an sm_90 GPU: the wgmma forward, then the mma.sync one (wgmma off).
+        for (wg, (t, hq, hkv, d)) in [true, false].into_iter().flat_map(|wg| shapes.map(|s| (wg, s))) {
+            if dt == DType::F32 && !wg {
+                continue; // the same f32 kernels either way
+            }
+            ferrotron_kernels::cuda::set_wgmma(wg);
             if dt == DType::F32 && t > 100 {
                 // The long shapes are for the bf16 tensor-core kernels; f32 sums over 150 rows
                 // drift past the 1e-5 f32 tolerance by accumulation order alone.
@@ -180,7 +187,7 @@ fn every_op_matches_cpu() {
                 AttnCfg { causal: false, window: Some(40), scale: Some(0.3) },
             ] {
                 check_norm(
-                    &format!("flash attention t{t} d{d} {cfg:?}"),
+                    &format!("flash attention t{t} d{d} wgmma {wg} {cfg:?}"),
                     dt,
                     &[q.clone(), kk.clone(), v.clone(), dout.clone()],
                     |t| {
@@ -191,6 +198,7 @@ fn every_op_matches_cpu() {
                 );
             }
         }
+        ferrotron_kernels::cuda::set_wgmma(true);
         // Head dim 8: eight per thread; head dim 6: a warp per segment.
         for d in [8, 6] {
             let fused = rnd(&[2, 3, 2 * 4 * d], 14, dt);

@@ -48,17 +48,69 @@ fn flash(a: &AttnShape) -> bool {
 }
 
 /// Dynamic shared memory of the tensor-core kernels that stream K/V: two stages of a 64-key K
-/// tile and V tile, rows padded by 8 bf16.
-fn kv_stages(d: usize) -> u32 {
-    (2 * 2 * 64 * (d + 8) * 2) as u32
+/// tile and V tile of `row` bf16 per key (head dim + 8 padded for ldmatrix; the head dim itself in
+/// wgmma's core-matrix order).
+fn kv_stages(row: usize) -> u32 {
+    (2 * 2 * 64 * row * 2) as u32
 }
 
-/// The tensor-core forward for head dim `d` over `t` query rows, and its query rows per block (4
-/// warps × 16 rows × m-tiles per warp: `FLASH_MMA` in kernels/flash_mma.cu). Two m-tiles per warp
-/// at head dim 64 from 2048 rows on (H200, 16k tokens per call: 112 → 141–176 TFLOP/s from 2k to
-/// 16k, but slower at 1k than one m-tile); one otherwise (at 128 two do not fit the registers).
-fn fwd_kernel(d: usize, t: usize) -> (String, usize) {
-    if d == 64 && t >= 2048 { ("flash_fwd_mma_bf16_64x2".into(), 128) } else { (format!("flash_fwd_mma_bf16_{d}"), 64) }
+/// Warpgroups per block of a wgmma attention kernel (`_wgN_` in its name), from the `compiled`
+/// choices: `default`, or `FERROTRON_FLASH_WG=N` where N was compiled (to measure the others;
+/// every variant is compiled into each process, so the choices are kept few).
+fn wg_blocks(compiled: &[usize], default: usize) -> usize {
+    static CHOICE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let choice = CHOICE.get_or_init(|| std::env::var("FERROTRON_FLASH_WG").ok().and_then(|v| v.parse().ok()));
+    match choice {
+        Some(n) if compiled.contains(n) => *n,
+        _ => default,
+    }
+}
+
+/// A tensor-core attention kernel's launch: name, rows (or keys) per block, threads, dynamic
+/// shared memory.
+struct TcLaunch {
+    name: String,
+    rows: usize,
+    threads: u32,
+    shared: u32,
+}
+
+/// The tensor-core forward for head dim `d` over `t` query rows. On sm_90, wgmma: 64 rows per
+/// warpgroup, NW warpgroups per block sharing the K/V tiles (unpadded, core-matrix order).
+/// Otherwise mma.sync, 4 warps: two m-tiles per warp at head dim 64 from 2048 rows on (H200, 16k
+/// tokens per call: 112 → 141–176 TFLOP/s from 2k to 16k, but slower at 1k than one m-tile); one
+/// otherwise (at 128 two do not fit the registers).
+fn fwd_kernel(be: &B, d: usize, t: usize) -> TcLaunch {
+    if be.use_wgmma() {
+        // H200, 16k tokens per call (NW = 1 was L2-bound): D 64 NW 2 (178–246 TFLOP/s over 1k–16k;
+        // 4: 144–227, 1: 137–168); D 128 NW 3 from 2k rows (190–243), 2 at 1k (156 vs 145).
+        let nw = if d == 64 { 2 } else { wg_blocks(&[2, 3], if t >= 2048 { 3 } else { 2 }) };
+        let name = format!("flash_fwd_wg{nw}_bf16_{d}");
+        TcLaunch { name, rows: 64 * nw, threads: 128 * nw as u32, shared: kv_stages(d) }
+    } else if d == 64 && t >= 2048 {
+        TcLaunch { name: "flash_fwd_mma_bf16_64x2".into(), rows: 128, threads: 128, shared: kv_stages(d + 8) }
+    } else {
+        TcLaunch { name: format!("flash_fwd_mma_bf16_{d}"), rows: 64, threads: 128, shared: kv_stages(d + 8) }
+    }
+}
+
+/// The tensor-core backward's dQ kernel (query rows per block) and dK/dV kernel (keys per block):
+/// wgmma on sm_90 (tiles unpadded, in core-matrix order; NW warpgroups of 64 rows or keys sharing
+/// the streamed tiles), mma.sync elsewhere (4 warps, rows padded for ldmatrix).
+fn bwd_kernels(be: &B, d: usize) -> (TcLaunch, TcLaunch) {
+    let (kind, nw, row) = if be.use_wgmma() {
+        // H200: D 64 NW 1 (129–180 TFLOP/s; 2: 112–172), D 128 NW 2 (142–214; 1: 131–169).
+        let nw = if d == 64 { 1 } else { 2 };
+        (format!("wg{nw}"), nw, d)
+    } else {
+        ("mma".to_string(), 1, d + 8)
+    };
+    let threads = 128 * nw as u32;
+    let dq = TcLaunch { name: format!("flash_bwd_dq_{kind}_bf16_{d}"), rows: 64 * nw, threads, shared: kv_stages(row) };
+    // K and V tiles, two stages of 64-row (Q, dO) tiles and of the rows' (lse, delta).
+    let shared = ((2 * 64 * nw + 4 * 64) * row * 2 + 4 * 64 * 4) as u32;
+    let dkv = TcLaunch { name: format!("flash_bwd_dkv_{kind}_bf16_{d}"), rows: 64 * nw, threads, shared };
+    (dq, dkv)
 }
 
 /// Whether the tensor-core kernels take these tensors: bf16, head dim 64 or 128, and every tile
@@ -77,10 +129,10 @@ pub fn attention_fwd(be: &B, q: &Tensor, k: &Tensor, v: &Tensor, a: &AttnShape) 
     args.extend(attn_tail(a));
     let sfx = sfx("attention_fwd", q.dtype())?;
     if mma_ok(q, &[q, k, v], a)? {
-        // Tensor cores (kernels/flash_mma.cu): 64 query rows per block of 4 warps.
+        // Tensor cores (kernels/flash_mma.cu): blocks of 4 warps.
         let d = a.dims;
-        let (name, rows) = fwd_kernel(d.d, d.t);
-        be.launch(&name, (d.b * d.hq * d.t.div_ceil(rows)) as u32, FLASH_THREADS, kv_stages(d.d), &args)?;
+        let l = fwd_kernel(be, d.d, d.t);
+        be.launch(&l.name, (d.b * d.hq * d.t.div_ceil(l.rows)) as u32, l.threads, l.shared, &args)?;
     } else if flash(a) {
         let d = a.dims;
         let grid = d.b * d.hq * d.t.div_ceil(32);
@@ -124,18 +176,11 @@ fn flash_bwd(
             v.extend(attn_tail(a));
             Ok(v)
         };
-        let grid = d.b * d.hq * d.t.div_ceil(64);
-        be.launch(
-            &format!("flash_bwd_dq_mma_bf16_{}", d.d),
-            grid as u32,
-            FLASH_THREADS,
-            kv_stages(d.d),
-            &head(&[&dq])?,
-        )?;
-        // K and V tiles, two stages of (Q, dO) tiles and of the rows' (lse, delta).
-        let shared = ((2 * 64 + 4 * 64) * (d.d + 8) * 2 + 4 * 64 * 4) as u32;
-        let grid = d.b * d.hkv * d.s.div_ceil(64);
-        be.launch(&format!("flash_bwd_dkv_mma_bf16_{}", d.d), grid as u32, FLASH_THREADS, shared, &head(&[&dk, &dv])?)?;
+        let (dql, dkvl) = bwd_kernels(be, d.d);
+        let grid = d.b * d.hq * d.t.div_ceil(dql.rows);
+        be.launch(&dql.name, grid as u32, dql.threads, dql.shared, &head(&[&dq])?)?;
+        let grid = d.b * d.hkv * d.s.div_ceil(dkvl.rows);
+        be.launch(&dkvl.name, grid as u32, dkvl.threads, dkvl.shared, &head(&[&dk, &dv])?)?;
         return Ok((dq, dk, dv));
     }
     let dq = new(be, q.shape().clone(), DType::F32)?;

@@ -1,0 +1,158 @@
+// Hopper's warpgroup MMA (wgmma.mma_async; sm_90a, which the host compiles for on sm_90 devices).
+// A warpgroup (4 warps) multiplies 64 rows of A, here from registers in exactly mma.sync's
+// m16n8k16 A-fragment layout (warp w holds rows 16w..16w + 15), by a B tile the tensor cores read
+// from shared memory through a 64-bit descriptor. The fp32 64 × N accumulator is spread like N/8
+// mma.sync m16n8 C fragments per warp (d[4·nb + e] is s[nb][e]), so the softmax code of the
+// mma.sync kernels runs unchanged on it. Other architectures compile these helpers to a trap; the
+// host launches the kernels that use them only on sm_90.
+//
+// wgmma's shared-memory tiles here are in core-matrix order without swizzle: a tile of rows × D
+// bf16 is cut into core matrices of 8 rows × 16 bytes, 128 contiguous bytes each, stored
+// row-group-major: chunk c (8 elements) of row r at byte ((r / 8)·(D / 8) + c)·128 + (r % 8)·16.
+// The same bytes serve as a K-major B (rows = N, D = K: S = Q Kᵀ; core matrices 128 bytes apart
+// along K, D·16 along N) and as an MN-major B (rows = K, D = N: O = P V; D·16 along K, 128 along N).
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define WG_ARCH 1
+#else
+#define WG_ARCH 0
+#endif
+
+typedef unsigned long long u64;
+
+// A shared-memory matrix descriptor without swizzle: start address, leading-dimension byte offset
+// (between core matrices along K) and stride-dimension byte offset (along M or N), each >> 4.
+__device__ __forceinline__ u64 wg_desc(u32 addr, u32 lbo, u32 sbo) {
+    return (u64)((addr >> 4) & 0x3FFF) | ((u64)((lbo >> 4) & 0x3FFF) << 16) | ((u64)((sbo >> 4) & 0x3FFF) << 32);
+}
+
+#if WG_ARCH
+#define WG_ASM(s) asm volatile(s ::: "memory")
+#else
+#define WG_ASM(s) __trap()
+#endif
+// Orders register writes before the wgmma that reads them (accumulators, A fragments).
+__device__ __forceinline__ void wg_fence() { WG_ASM("wgmma.fence.sync.aligned;"); }
+__device__ __forceinline__ void wg_commit() { WG_ASM("wgmma.commit_group.sync.aligned;"); }
+__device__ __forceinline__ void wg_wait_all() { WG_ASM("wgmma.wait_group.sync.aligned 0;"); }
+// Makes this thread's shared-memory writes (cp.async, stores: the generic proxy) visible to
+// wgmma's operand reads (the async proxy); then a barrier, then the wgmma.
+__device__ __forceinline__ void fence_async_smem() { WG_ASM("fence.proxy.async.shared::cta;"); }
+
+// Pins N accumulator registers: the compiler may not read them before the wait that follows
+// their wgmma (it does not know the asynchronous write) nor sink earlier writes past the issue.
+template <int N>
+__device__ __forceinline__ void wg_pin(float* d) {
+    #pragma unroll
+    for (int i = 0; i < N; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d (64 × N, fp32) += A (64 × 16 from registers) · B (16 × N, shared memory by `desc`); TB = 1
+// when B is MN-major. Generated shapes: N = 64 and 128.
+template <int TB>
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float* d, const u32* a, u64 desc) {
+#if WG_ARCH
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, "
+        "%8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, "
+        "%24, %25, %26, %27, %28, %29, %30, %31"
+        "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),
+          "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+          "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1), "n"(TB));
+#else
+    __trap();
+#endif
+}
+
+template <int TB>
+__device__ __forceinline__ void wgmma_m64n128k16_rs(float* d, const u32* a, u64 desc) {
+#if WG_ARCH
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, "
+        "%8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, "
+        "%24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, "
+        "%40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, "
+        "%56, %57, %58, %59, %60, %61, %62, %63"
+        "}, {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),
+          "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+          "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+          "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
+          "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]),
+          "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+          "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1), "n"(TB));
+#else
+    __trap();
+#endif
+}
+
+// d (64 × 64, fp32) += A (64 × 16, shared memory by `da`, K-major) · B (16 × 64 by `db`, K-major).
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float* d, u64 da, u64 db) {
+#if WG_ARCH
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, "
+        "%8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, "
+        "%24, %25, %26, %27, %28, %29, %30, %31"
+        "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),
+          "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+          "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "n"(1));
+#else
+    __trap();
+#endif
+}
+
+template <int N, int TB>
+__device__ __forceinline__ void wgmma_rs(float* d, const u32* a, u64 desc) {
+    static_assert(N == 64 || N == 128, "wgmma_rs: N is 64 or 128");
+    if constexpr (N == 64) wgmma_m64n64k16_rs<TB>(d, a, desc); else wgmma_m64n128k16_rs<TB>(d, a, desc);
+}
+
+// Around a batch of wgmmas accumulating into N registers at `d`: wg_start pins them and fences
+// (registers written since are ordered before the wgmmas), wg_finish commits, waits for every
+// wgmma of this warp and pins them again.
+template <int N>
+__device__ __forceinline__ void wg_start(float* d) {
+    wg_pin<N>(d);
+    wg_fence();
+}
+template <int N>
+__device__ __forceinline__ void wg_finish(float* d) {
+    wg_commit();
+    wg_wait_all();
+    wg_pin<N>(d);
+}
