@@ -117,6 +117,7 @@ __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t*
             wg_start<D / 2>(&acc[0][0]);
             wg_pv<D, FB_KEYS>(acc, a, ks);
             wg_finish<D / 2>(&acc[0][0]);
+            wg_keep<FB_KEYS / 4>(&a[0][0]);
         } else {
             #pragma unroll
             for (int kstep = 0; kstep < FB_KEYS / 16; kstep++) {
@@ -253,6 +254,8 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
                 wg_pv<D, FB_ROWS>(dka, sa, qs);
                 wg_finish<D / 2>(&dva[0][0]);
                 wg_pin<D / 2>(&dka[0][0]);
+                wg_keep<FB_ROWS / 4>(&pa[0][0]);
+                wg_keep<FB_ROWS / 4>(&sa[0][0]);
             } else {
                 #pragma unroll
                 for (int kstep = 0; kstep < FB_ROWS / 16; kstep++) {

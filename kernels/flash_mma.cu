@@ -212,6 +212,93 @@ __device__ __forceinline__ void wg_pv(float (*acc)[4], const u32 (*a)[4], const 
     for (int ks = 0; ks < KEYS / 16; ks++) wgmma_rs<D, 1>(&acc[0][0], a[ks], wg_desc(base + ks * 32 * D, 16 * D, 128));
 }
 
+// One key tile's online softmax for MT m-tiles of S (this thread: rows r[mt][0] for elements 0, 1
+// and r[mt][1] for 2, 3 of each 8-key block; keys from j0): masks S unless the tile is `full`
+// (inside the sequence, below the diagonal: a uniform branch), moves the running max m (base 2,
+// scaled) and sum l on, returns in corr the factor each row's accumulator must be scaled by and
+// P in pa as A fragments (k-steps of 16 keys). The scale is folded into one multiply-add per
+// element: the max is taken over raw scores (the scale is positive), p = 2^(s·scale2 − m).
+template <int MT>
+__device__ __forceinline__ void softmax_tile(float (*s)[8][4], float (*m)[2], float (*l)[2], float (*corr)[2],
+                                             u32 (*pa)[FM_KEYS / 16][4], bool full, const long (*r)[2], long j0,
+                                             long t, long sl, long causal, long window, float scale2) {
+    int tg = threadIdx.x & 3;
+    if (!full) {
+        #pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+            #pragma unroll
+            for (int nb = 0; nb < 8; nb++)
+                #pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    long i = r[mt][e >> 1], j = j0 + nb * 8 + tg * 2 + (e & 1);
+                    if (!(i < t && j < sl && allowed(i, j, causal, window))) s[mt][nb][e] = -INFINITY;
+                }
+    }
+    #pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        float mx[2] = {-INFINITY, -INFINITY};
+        #pragma unroll
+        for (int nb = 0; nb < 8; nb++)
+            #pragma unroll
+            for (int e = 0; e < 4; e++) mx[e >> 1] = fmaxf(mx[e >> 1], s[mt][nb][e]);
+        float mb[2];
+        #pragma unroll
+        for (int rr = 0; rr < 2; rr++) {
+            mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
+            mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
+            float mn = fmaxf(m[mt][rr], mx[rr] * scale2);
+            corr[mt][rr] = mn == -INFINITY ? 1.f : ex2(m[mt][rr] - mn);
+            m[mt][rr] = mn;
+            mb[rr] = mn == -INFINITY ? 0.f : mn;  // a row masked so far: its -inf scores give 0
+        }
+        float rs[2] = {0.f, 0.f};
+        #pragma unroll
+        for (int nb = 0; nb < 8; nb++) {
+            #pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float p = ex2(fmaf(s[mt][nb][e], scale2, -mb[e >> 1]));
+                s[mt][nb][e] = p;
+                rs[e >> 1] += p;
+            }
+        }
+        #pragma unroll
+        for (int rr = 0; rr < 2; rr++) l[mt][rr] = l[mt][rr] * corr[mt][rr] + rs[rr];  // row sums finish at the end
+        #pragma unroll
+        for (int kstep = 0; kstep < FM_KEYS / 16; kstep++) c_to_a(pa[mt][kstep], s[mt], kstep);
+    }
+}
+
+// The forward's end for MT m-tiles: row sums over the 4 threads of each row group, then O / l
+// (bf16) and lse (natural log) for this thread's rows r[mt][0], r[mt][1] below t.
+template <int D, int MT>
+__device__ __forceinline__ void fwd_store(float (*acc)[D / 8][4], float (*m)[2], float (*l)[2], const long (*r)[2],
+                                          bf16_t* o, float* lse, long t, long hq, long b, long h) {
+    constexpr int NO = D / 8;
+    int tg = threadIdx.x & 3;
+    #pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        // Row sums over the 4 threads of each row group, then O / l and lse.
+        #pragma unroll
+        for (int rr = 0; rr < 2; rr++) {
+            l[mt][rr] += __shfl_xor_sync(0xffffffffu, l[mt][rr], 1);
+            l[mt][rr] += __shfl_xor_sync(0xffffffffu, l[mt][rr], 2);
+        }
+        #pragma unroll
+        for (int rr = 0; rr < 2; rr++) {
+            long i = r[mt][rr];
+            if (i >= t) continue;
+            float inv = 1.f / l[mt][rr];
+            bf16_t* oi = o + ((b * t + i) * hq + h) * D;
+            #pragma unroll
+            for (int n = 0; n < NO; n++) {
+                u32 w = pack_bf16(acc[mt][n][2 * rr] * inv, acc[mt][n][2 * rr + 1] * inv);
+                *reinterpret_cast<u32*>(oi + n * 8 + tg * 2) = w;
+            }
+            if (tg == 0) lse[(b * hq + h) * t + i] = m[mt][rr] * LN2 + logf(l[mt][rr]);  // natural log
+        }
+    }
+}
+
 // MT m-tiles of 16 query rows per warp (a block: 4 warps × 16·MT rows). MT = 2 halves the K/V
 // shared-memory reads per flop (FlashAttention-2's 128-row blocks); at D 128 the doubled
 // accumulators do not fit the 255 registers, so MT = 1 there. WG: both products go through wgmma
@@ -282,64 +369,23 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
         } else {
             mma_cols_mt<D, MT>(s, qa, ks);
         }
-        // Mask, then the online softmax for rows r0 (elements 0,1) and r1 (2,3), in base 2 with the
-        // scale folded into one multiply-add per element: max over raw scores (the scale is
-        // positive), p = 2^(s·scale2 − m). A tile wholly inside the sequence and below the
-        // diagonal needs no mask (a uniform branch).
         bool full = window == 0 && i0 + ROWS <= t && j0 + FM_KEYS <= sl && (!causal || j0 + FM_KEYS - 1 <= i0);
-        if (!full) {
-            #pragma unroll
-            for (int mt = 0; mt < MT; mt++)
-                #pragma unroll
-                for (int nb = 0; nb < 8; nb++)
-                    #pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        long i = r[mt][e >> 1], j = j0 + nb * 8 + tg * 2 + (e & 1);
-                        if (!(i < t && j < sl && allowed(i, j, causal, window))) s[mt][nb][e] = -INFINITY;
-                    }
-        }
         u32 pa[MT][FM_KEYS / 16][4];  // P as A fragments, per m-tile and k-step of 16 keys
+        float corr[MT][2];
+        softmax_tile<MT>(s, m, l, corr, pa, full, r, j0, t, sl, causal, window, scale2);
         #pragma unroll
-        for (int mt = 0; mt < MT; mt++) {
-            float mx[2] = {-INFINITY, -INFINITY};
-            #pragma unroll
-            for (int nb = 0; nb < 8; nb++)
-                #pragma unroll
-                for (int e = 0; e < 4; e++) mx[e >> 1] = fmaxf(mx[e >> 1], s[mt][nb][e]);
-            float corr[2], mb[2];
-            #pragma unroll
-            for (int rr = 0; rr < 2; rr++) {
-                mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 1));
-                mx[rr] = fmaxf(mx[rr], __shfl_xor_sync(0xffffffffu, mx[rr], 2));
-                float mn = fmaxf(m[mt][rr], mx[rr] * scale2);
-                corr[rr] = mn == -INFINITY ? 1.f : ex2(m[mt][rr] - mn);
-                m[mt][rr] = mn;
-                mb[rr] = mn == -INFINITY ? 0.f : mn;  // a row masked so far: its -inf scores give 0
-            }
-            float rs[2] = {0.f, 0.f};
-            #pragma unroll
-            for (int nb = 0; nb < 8; nb++) {
-                #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    float p = ex2(fmaf(s[mt][nb][e], scale2, -mb[e >> 1]));
-                    s[mt][nb][e] = p;
-                    rs[e >> 1] += p;
-                }
-            }
-            #pragma unroll
-            for (int rr = 0; rr < 2; rr++) l[mt][rr] = l[mt][rr] * corr[rr] + rs[rr];  // row sums finish after the loop
+        for (int mt = 0; mt < MT; mt++)
             #pragma unroll
             for (int n = 0; n < NO; n++) {
-                acc[mt][n][0] *= corr[0]; acc[mt][n][1] *= corr[0]; acc[mt][n][2] *= corr[1]; acc[mt][n][3] *= corr[1];
+                acc[mt][n][0] *= corr[mt][0]; acc[mt][n][1] *= corr[mt][0];
+                acc[mt][n][2] *= corr[mt][1]; acc[mt][n][3] *= corr[mt][1];
             }
-            #pragma unroll
-            for (int kstep = 0; kstep < FM_KEYS / 16; kstep++) c_to_a(pa[mt][kstep], s[mt], kstep);
-        }
         // O += P V: k-steps of 16 keys; P's A fragment comes from S blocks 2ks and 2ks+1.
         if constexpr (WG) {
             wg_start<D / 2>(&acc[0][0][0]);
             wg_pv<D, FM_KEYS>(acc[0], pa[0], vs);
             wg_finish<D / 2>(&acc[0][0][0]);
+            wg_keep<FM_KEYS / 4>(&pa[0][0][0]);
         } else {
             #pragma unroll
             for (int kstep = 0; kstep < FM_KEYS / 16; kstep++) {
@@ -351,28 +397,7 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
         }
         __syncthreads();  // every warp is done with this stage before it is refilled
     }
-    #pragma unroll
-    for (int mt = 0; mt < MT; mt++) {
-        // Row sums over the 4 threads of each row group, then O / l and lse.
-        #pragma unroll
-        for (int rr = 0; rr < 2; rr++) {
-            l[mt][rr] += __shfl_xor_sync(0xffffffffu, l[mt][rr], 1);
-            l[mt][rr] += __shfl_xor_sync(0xffffffffu, l[mt][rr], 2);
-        }
-        #pragma unroll
-        for (int rr = 0; rr < 2; rr++) {
-            long i = r[mt][rr];
-            if (i >= t) continue;
-            float inv = 1.f / l[mt][rr];
-            bf16_t* oi = o + ((b * t + i) * hq + h) * D;
-            #pragma unroll
-            for (int n = 0; n < NO; n++) {
-                u32 w = pack_bf16(acc[mt][n][2 * rr] * inv, acc[mt][n][2 * rr + 1] * inv);
-                *reinterpret_cast<u32*>(oi + n * 8 + tg * 2) = w;
-            }
-            if (tg == 0) lse[(b * hq + h) * t + i] = m[mt][rr] * LN2 + logf(l[mt][rr]);  // natural log
-        }
-    }
+    fwd_store<D, MT>(acc, m, l, r, o, lse, t, hq, b, h);
 }
 
 // Query rows per block: FM_ROWS · MT · NW, threads 128 · NW (the host's `fwd_kernel` must agree).

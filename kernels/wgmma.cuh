@@ -47,6 +47,14 @@ __device__ __forceinline__ void wg_pin(float* d) {
     for (int i = 0; i < N; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// Keeps N A-fragment registers live up to here: wgmma reads them asynchronously, after the
+// instruction that the compiler sees consume them; place after the wait.
+template <int N>
+__device__ __forceinline__ void wg_keep(const u32* a) {
+    #pragma unroll
+    for (int i = 0; i < N; i++) asm volatile("" ::"r"(a[i]) : "memory");
+}
+
 // d (64 × N, fp32) += A (64 × 16 from registers) · B (16 × N, shared memory by `desc`); TB = 1
 // when B is MN-major. Generated shapes: N = 64 and 128.
 template <int TB>

@@ -260,8 +260,8 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
     };
     let presets = if presets.is_empty() { multi::owned(&["124m", "1.3b", "llama-1b"]) } else { presets };
     let iters = std::env::var("BENCH_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(6u64);
-    println!("| model | implementation | tokens/s | MFU | peak memory GiB |");
-    println!("|---|---|---|---|---|");
+    println!("| model | implementation | tokens/s | MFU | peak memory GiB | last train loss |");
+    println!("|---|---|---|---|---|---|");
     for p in &presets {
         let shape =
             bench_shape(p).with_context(|| format!("no GPU bench shape for preset {p}: use 124m, 1.3b or llama-1b"))?;
@@ -309,14 +309,16 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
         let flops = header_flops_per_token(&log).context("no MFLOP/token in ferrotron's header")?;
         let metrics = std::fs::read_to_string(dir.join("metrics.jsonl"))?;
         let ours = multi::steady_median(&metrics, "tokens_per_s");
+        let loss = multi::last_finite_loss(&metrics)
+            .map_or_else(|| "not finite: the figure is invalid".to_string(), |l| format!("{l:.3}"));
         println!(
-            "| {p} | ferrotron bf16 | {ours:.0} | {:.1}% | {peak:.1} (device total) |",
+            "| {p} | ferrotron bf16 | {ours:.0} | {:.1}% | {peak:.1} (device total) | {loss} |",
             100.0 * ours * flops / 989e12
         );
         if std::env::var("BENCH_TORCH").is_ok_and(|v| v == "0") {
             // The PyTorch half compiles the model first (minutes at 1.3B): skippable when its
             // figure for this card is already in benches/NOTES.md.
-            println!("| {p} | pytorch skipped (BENCH_TORCH=0) | | | |");
+            println!("| {p} | pytorch skipped (BENCH_TORCH=0) | | | | |");
             let _ = std::fs::remove_dir_all(&dir);
             continue;
         }
@@ -336,11 +338,11 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
         };
         match (field("tokens_per_s"), field("mfu"), field("peak_mem_gib")) {
             (Some(t), Some(m), Some(g)) => {
-                println!("| {p} | pytorch compile+SDPA | {t:.0} | {:.1}% | {g:.1} (allocated) |", 100.0 * m);
-                println!("| {p} | ratio ferrotron / pytorch | {:.3} | | |", ours / t);
+                println!("| {p} | pytorch compile+SDPA | {t:.0} | {:.1}% | {g:.1} (allocated) | |", 100.0 * m);
+                println!("| {p} | ratio ferrotron / pytorch | {:.3} | | | |", ours / t);
             }
             _ => println!(
-                "| {p} | pytorch failed: {} | | | |",
+                "| {p} | pytorch failed: {} | | | | |",
                 String::from_utf8_lossy(&py.stderr).lines().last().unwrap_or("")
             ),
         }

@@ -103,6 +103,17 @@ fn series(metrics: &str, key: &str) -> Vec<f64> {
         .collect()
 }
 
+/// The last train loss when every train line has a finite one (metrics.jsonl writes a NaN or
+/// infinite loss as null): a bench figure from a run whose loss blew up is not a figure.
+pub fn last_finite_loss(metrics: &str) -> Option<f64> {
+    let lines = metrics.lines().filter(|l| l.contains("\"kind\":\"train\"")).count();
+    let losses = series(metrics, "loss");
+    match losses.last() {
+        Some(l) if losses.len() == lines && losses.iter().all(|x| x.is_finite()) => Some(*l),
+        _ => None,
+    }
+}
+
 /// Median of a train series without its first step (which compiles kernels and warms the
 /// allocator); 0 when nothing is left.
 pub fn steady_median(metrics: &str, key: &str) -> f64 {
@@ -389,6 +400,10 @@ mod tests {
         ]
         .join("\n");
         assert_eq!(series(&m, "loss"), [4.0, 3.0, 2.0, 1.0]);
+        assert_eq!(last_finite_loss(&m), Some(1.0));
+        let blown = m.replace(r#""loss":3.0"#, r#""loss":null"#);
+        assert_eq!(last_finite_loss(&blown), None);
+        assert_eq!(last_finite_loss(""), None);
         assert_eq!(steady_median(&m, "tokens_per_s"), 200.0);
         assert_eq!(steady_median("", "tokens_per_s"), 0.0);
     }
