@@ -126,7 +126,6 @@ __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t*
                 mma_rows_t<D>(acc, a, ks + kstep * 16 * P);
             }
         }
-        __syncthreads();  // every warp is done with this stage before it is refilled
     }
     #pragma unroll
     for (int rr = 0; rr < 2; rr++) {
@@ -194,9 +193,12 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
     for (long n = 0; n < steps; n++) {
         {
             long i0 = ib + (n % qtiles) * FB_ROWS;
-            if (n + 1 < steps) { fetch(n + 1); cp_wait<1>(); } else cp_wait<0>();
+            // One barrier per step (as KvStages): step n's tiles have landed and every warp is done
+            // with step n − 1, whose stage the next copy refills.
+            cp_wait<0>();
             if constexpr (WG) fence_async_smem();
             __syncthreads();
+            if (n + 1 < steps) fetch(n + 1);
             const bf16_t* qs = qstage + (n & 1) * 2 * FB_ROWS * P;
             const bf16_t* dos = qs + FB_ROWS * P;
             const float* ls = lstage + (n & 1) * 2 * FB_ROWS;
@@ -266,7 +268,6 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
                     mma_rows_t<D>(dka, a, qs + kstep * 16 * P);
                 }
             }
-            __syncthreads();  // every warp is done with this stage before it is refilled
         }
     }
     if constexpr (WG) cp_wait<0>();  // no (Q, dO) step: the K/V copies still land before exit
@@ -284,13 +285,14 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
 }
 
 // flash_bwd_{dq,dkv}_mma_bf16_D (mma.sync, 4 warps) and flash_bwd_{dq,dkv}_wgNW_bf16_D (wgmma,
-// sm_90a; NW warpgroups, each 64 query rows (dq) or keys (dkv), sharing the streamed tiles).
+// sm_90a; NW warpgroups, each 64 query rows (dq) or keys (dkv), sharing the streamed tiles). The
+// one-warpgroup dK/dV kernel is held to 168 registers: three blocks per SM (175 would allow two).
 #define FLASH_BWD_MMA(D, SFX, WG, NW) \
 extern "C" __global__ void __launch_bounds__(128 * NW) flash_bwd_dq_##SFX##_bf16_##D(const bf16_t* q, const bf16_t* k, \
         const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dq, long t, long sl, long hq, \
         long hkv, long d, float scale, long causal, long window) { \
     flash_bwd_dq_mma<D, WG, NW>(q, k, v, lse, delta, dout, dq, t, sl, hq, hkv, scale, causal, window); } \
-extern "C" __global__ void __launch_bounds__(128 * NW) flash_bwd_dkv_##SFX##_bf16_##D(const bf16_t* q, const bf16_t* k, \
+extern "C" __global__ void __launch_bounds__(128 * NW, WG ? 3 / NW : 1) flash_bwd_dkv_##SFX##_bf16_##D(const bf16_t* q, const bf16_t* k, \
         const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, long t, \
         long sl, long hq, long hkv, long d, float scale, long causal, long window) { \
     flash_bwd_dkv_mma<D, WG, NW>(q, k, v, lse, delta, dout, dk, dv, t, sl, hq, hkv, scale, causal, window); }

@@ -118,9 +118,10 @@ __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0
 
 // The K and V tiles of the keys [jb, je) that a block of query rows sees, KEYS at a time, through
 // two shared-memory stages (`stage`: 4·KEYS·TP bf16): `wait(it)` returns step it's K tile (its V
-// tile follows KEYS·TP later) once it has landed, with the next step's already on its way. The
-// caller starts with `fetch(0)` (when `steps` > 0) and ends every step with __syncthreads, before
-// the stage is refilled. CM: tiles in wgmma's core-matrix order, made visible to wgmma.
+// tile follows KEYS·TP later) once it has landed, and starts the next step's copy. One barrier per
+// step: once every thread has passed it, every copy of tile it has landed and every warp is done
+// with step it − 1, whose stage the next copy refills. The caller starts with `fetch(0)` (when
+// `steps` > 0). CM: tiles in wgmma's core-matrix order, made visible to wgmma.
 template <int D, int KEYS, bool CM = false>
 struct KvStages {
     static constexpr int TP = CM ? D : D + 8;  // elements per tile row (padded rows for ldmatrix)
@@ -139,9 +140,10 @@ struct KvStages {
         cp_commit();
     }
     __device__ __forceinline__ const bf16_t* wait(long it) const {
-        if (it + 1 < steps) { fetch(it + 1); cp_wait<1>(); } else cp_wait<0>();
+        cp_wait<0>();
         if constexpr (CM) fence_async_smem();
         __syncthreads();
+        if (it + 1 < steps) fetch(it + 1);
         return stage + (it & 1) * 2 * KEYS * TP;
     }
 };
@@ -395,7 +397,6 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
                 mma_rows_t_mt<D, MT>(acc, a, vs + kstep * 16 * KP);
             }
         }
-        __syncthreads();  // every warp is done with this stage before it is refilled
     }
     fwd_store<D, MT>(acc, m, l, r, o, lse, t, hq, b, h);
 }
