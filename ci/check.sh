@@ -16,14 +16,15 @@ cargo test --workspace
 step "cargo build --workspace --features cuda"
 cargo build --workspace --features cuda
 
-step "kernels/ compiled by nvcc for sm_90 (nvcc from PyPI; no GPU needed)"
+step "kernels/ compiled by nvcc for sm_90a (wgmma) and sm_80 (nvcc from PyPI; no GPU needed)"
 # The GPU tests need the device machine; this at least proves every kernel compiles (registers and
 # spills printed). nvcc comes as a Python wheel into target/ci-venv; if PyPI cannot be reached
 # the step says so and is skipped (a network problem, not a code one).
 venv=target/ci-venv
 if { [ -x "$venv/bin/pip" ] || python3 -m venv "$venv"; } && "$venv/bin/pip" install -q "nvidia-cuda-nvcc>=13,<14"; then
   nv=$("$venv/bin/python" -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "bin"))')
-  PATH="$nv:$PATH" cargo run -q -p xtask -- ptx sm_90
+  PATH="$nv:$PATH" cargo run -q -p xtask -- ptx sm_90a
+  PATH="$nv:$PATH" cargo run -q -p xtask -- ptx sm_80 > /dev/null  # the non-Hopper side of wgmma.cuh
 else
   echo "nvidia-cuda-nvcc could not be installed here: kernels/ compile check skipped"
 fi
