@@ -124,10 +124,15 @@ pub(crate) fn backend(dev: &CudaDevice) -> Result<Arc<Backend>> {
         return Ok(b.clone());
     }
     let (major, minor) = dev.context().compute_capability().map_err(|e| cuda_err("compute capability", e))?;
-    // sm_90a (Hopper's arch-specific features: wgmma) runs on sm_90 devices only.
-    let wgmma = (major, minor) == (9, 0);
-    let arch = format!("sm_{major}{minor}{}", if wgmma { "a" } else { "" });
-    let module = dev.context().load_module(ptx(&arch)?).map_err(|e| cuda_err("loading kernels", e))?;
+    // sm_90a (Hopper's arch-specific features: wgmma) runs on sm_90 devices only; a driver or
+    // NVRTC that cannot take it leaves the plain sm_90 build (mma.sync attention).
+    let plain = format!("sm_{major}{minor}");
+    let hopper = (major, minor) == (9, 0);
+    let a = hopper.then(|| ptx("sm_90a").and_then(|p| dev.context().load_module(p).map_err(|e| cuda_err("sm_90a", e))));
+    let (module, wgmma) = match a {
+        Some(Ok(m)) => (m, true),
+        _ => (dev.context().load_module(ptx(&plain)?).map_err(|e| cuda_err("loading kernels", e))?, false),
+    };
     // SAFETY: only probes for the shared libraries.
     if !unsafe { cudarc::cublaslt::sys::is_culib_present() } {
         return Err(Error::Cuda(
