@@ -14,6 +14,10 @@
 // Tiles live in shared memory as [row][d] rows padded by 8 elements (conflict-free ldmatrix
 // reads). Scores in base 2 as in flash_mma.cu. Layouts as attention.cu; dq/dk/dv are bf16, each
 // element written once.
+// On sm_90 the same bodies run on wgmma (template flag WG, kernels `_wgNW_`): NW warpgroups of 64
+// query rows (dQ) or 64 keys (dK/dV) per block share the streamed tiles, which are then stored in
+// wgmma's core-matrix order; dK/dV's K and V rows are the A operand straight from shared memory,
+// the operands read "transposed" above are MN-major B operands of wgmma.
 
 #define FB_ROWS 64  // query rows per tile
 #define FB_KEYS 64  // keys per tile
