@@ -94,3 +94,34 @@ pub fn par_row_sum<T: Real>(rows: usize, width: usize, f: impl Fn(std::ops::Rang
     }
     out
 }
+
+/// (Σ f(i).0, Σ f(i).1) for i in 0..n in one pass, each through eight independent partial sums
+/// combined in a fixed order: one running sum is a chain of dependent adds the compiler may not
+/// reorder (float addition is not associative), eight vectorise. Deterministic for a given n, but
+/// not the left-to-right sum.
+#[inline(always)]
+pub fn sum8x2<T: Real>(n: usize, f: impl Fn(usize) -> (T, T)) -> (T, T) {
+    let (mut a, mut b) = ([T::zero(); 8], [T::zero(); 8]);
+    let full = n - n % 8;
+    for base in (0..full).step_by(8) {
+        for l in 0..8 {
+            let (x, y) = f(base + l);
+            a[l] += x;
+            b[l] += y;
+        }
+    }
+    let (mut ta, mut tb) = (T::zero(), T::zero());
+    for i in full..n {
+        let (x, y) = f(i);
+        ta += x;
+        tb += y;
+    }
+    let fold = |v: [T; 8], t: T| ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])) + t;
+    (fold(a, ta), fold(b, tb))
+}
+
+/// Σ f(i) for i in 0..n as `sum8x2` (one sum).
+#[inline(always)]
+pub fn sum8<T: Real>(n: usize, f: impl Fn(usize) -> T) -> T {
+    sum8x2(n, |i| (f(i), T::zero())).0
+}

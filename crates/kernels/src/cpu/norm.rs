@@ -5,7 +5,7 @@
 //! 1/√(mean(x²) + eps). Backward writes dx (`=`) and returns dweight/dbias summed over rows in a fixed
 //! order; callers add them into main_grad.
 
-use crate::real::{Real, par_row_sum};
+use crate::real::{Real, par_row_sum, sum8, sum8x2};
 use rayon::prelude::*;
 
 pub fn layernorm_fwd<T: Real>(
@@ -22,8 +22,8 @@ pub fn layernorm_fwd<T: Real>(
     let inv_c = T::c(1.0 / c as f64);
     y.par_chunks_mut(c).zip(mean.par_iter_mut().zip(rstd.par_iter_mut())).enumerate().for_each(|(r, (yr, (m, s)))| {
         let xr = &x[r * c..(r + 1) * c];
-        let mu = xr.iter().copied().sum::<T>() * inv_c;
-        let var = xr.iter().map(|&v| (v - mu) * (v - mu)).sum::<T>() * inv_c;
+        let mu = sum8(c, |i| xr[i]) * inv_c;
+        let var = sum8(c, |i| (xr[i] - mu) * (xr[i] - mu)) * inv_c;
         let rs = T::one() / (var + eps).sqrt();
         for i in 0..c {
             let n = (xr[i] - mu) * rs * w[i];
@@ -52,15 +52,11 @@ pub fn layernorm_bwd<T: Real>(
     dx.par_chunks_mut(c).enumerate().for_each(|(r, dxr)| {
         let (xr, dyr) = (&x[r * c..(r + 1) * c], &dy[r * c..(r + 1) * c]);
         let (mu, rs) = (mean[r], rstd[r]);
-        let mut mean_g = T::zero();
-        let mut mean_gx = T::zero();
-        for i in 0..c {
+        let (sg, sgx) = sum8x2(c, |i| {
             let g = dyr[i] * w[i];
-            mean_g += g;
-            mean_gx += g * (xr[i] - mu) * rs;
-        }
-        mean_g = mean_g * inv_c;
-        mean_gx = mean_gx * inv_c;
+            (g, g * (xr[i] - mu) * rs)
+        });
+        let (mean_g, mean_gx) = (sg * inv_c, sgx * inv_c);
         for i in 0..c {
             let xhat = (xr[i] - mu) * rs;
             dxr[i] = rs * (dyr[i] * w[i] - mean_g - xhat * mean_gx);
@@ -84,7 +80,7 @@ pub fn rmsnorm_fwd<T: Real>(x: &[T], w: &[T], eps: f64, c: usize, y: &mut [T], r
     let inv_c = T::c(1.0 / c as f64);
     y.par_chunks_mut(c).zip(rstd.par_iter_mut()).enumerate().for_each(|(r, (yr, s))| {
         let xr = &x[r * c..(r + 1) * c];
-        let ms = xr.iter().map(|&v| v * v).sum::<T>() * inv_c;
+        let ms = sum8(c, |i| xr[i] * xr[i]) * inv_c;
         let rs = T::one() / (ms + eps).sqrt();
         for i in 0..c {
             yr[i] = xr[i] * rs * w[i];
@@ -99,7 +95,7 @@ pub fn rmsnorm_bwd<T: Real>(dy: &[T], x: &[T], w: &[T], rstd: &[T], c: usize, dx
     dx.par_chunks_mut(c).enumerate().for_each(|(r, dxr)| {
         let (xr, dyr) = (&x[r * c..(r + 1) * c], &dy[r * c..(r + 1) * c]);
         let rs = rstd[r];
-        let mean_gx = (0..c).map(|i| dyr[i] * w[i] * xr[i] * rs).sum::<T>() * inv_c;
+        let mean_gx = sum8(c, |i| dyr[i] * w[i] * xr[i] * rs) * inv_c;
         for i in 0..c {
             dxr[i] = rs * (dyr[i] * w[i] - xr[i] * rs * mean_gx);
         }
