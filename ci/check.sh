@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every CI check, in order: the README's test command, then the CUDA build (compiles without CUDA thanks to dynamic
-# loading), the CUDA kernels through nvcc, clippy with warnings as errors, and formatting.
+# loading), the CUDA kernels through nvcc and through NVRTC, clippy with warnings as errors, and formatting.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never
@@ -27,6 +27,16 @@ if { [ -x "$venv/bin/pip" ] || python3 -m venv "$venv"; } && "$venv/bin/pip" ins
   PATH="$nv:$PATH" cargo run -q -p xtask -- ptx sm_80 > /dev/null  # the non-Hopper side of wgmma.cuh
 else
   echo "nvidia-cuda-nvcc could not be installed here: kernels/ compile check skipped"
+fi
+
+step "kernels/ compiled by NVRTC 13.0, the GPU machine's version (from PyPI; no GPU needed)"
+# NVRTC is what the backend runs, and it refuses some code nvcc takes (generic lambdas).
+if [ -x "$venv/bin/pip" ] && "$venv/bin/pip" install -q "nvidia-cuda-nvrtc==13.0.*"; then
+  lib=$("$venv/bin/python" -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))')
+  LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+    cargo test -q -p ferrotron-kernels --features cuda --lib kernels_compile_under_nvrtc
+else
+  echo "nvidia-cuda-nvrtc could not be installed here: NVRTC compile check skipped"
 fi
 
 step "cargo clippy (cuda on, all targets)"

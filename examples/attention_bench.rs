@@ -19,8 +19,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // sets the timed repetitions (5): for a profiler.
     let only = std::env::var("ATTN_BENCH_ONLY").ok();
     let reps: usize = std::env::var("ATTN_BENCH_REPS").ok().and_then(|r| r.parse().ok()).unwrap_or(5);
-    println!("| head dim | seq | batch × heads | fwd TFLOP/s | bwd TFLOP/s | fwd mma.sync | bwd mma.sync |");
-    println!("|---|---|---|---|---|---|---|");
+    // The backward also runs deterministic (dQ by its own kernel instead of atomics).
+    println!(
+        "| head dim | seq | batch × heads | fwd TFLOP/s | bwd TFLOP/s | bwd deterministic | fwd mma.sync | bwd mma.sync |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
     for d in [64usize, 128] {
         for t in [1024usize, 2048, 4096, 8192, 16384] {
             if only.as_ref().is_some_and(|o| *o != format!("{d}x{t}")) {
@@ -51,6 +54,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 k::attention_bwd(&q, &kk, &v, &o, &lse, &dout, &cfg)?;
                 Ok(())
             })?;
+            k::cuda::set_deterministic(true);
+            let bwd_det = time(&mut || {
+                k::attention_bwd(&q, &kk, &v, &o, &lse, &dout, &cfg)?;
+                Ok(())
+            })?;
+            k::cuda::set_deterministic(false);
             k::cuda::set_wgmma(false);
             let fwd_mma = time(&mut || {
                 k::attention_fwd(&q, &kk, &v, &cfg)?;
@@ -64,9 +73,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let flops = 4.0 * (b * h) as f64 * (t * t) as f64 * d as f64 / 2.0;
             let tf = |secs: f64| flops / secs / 1e12;
             println!(
-                "| {d} | {t} | {b} × {h} | {:.1} | {:.1} | {:.1} | {:.1} |",
+                "| {d} | {t} | {b} × {h} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |",
                 tf(fwd),
                 2.5 * tf(bwd),
+                2.5 * tf(bwd_det),
                 tf(fwd_mma),
                 2.5 * tf(bwd_mma)
             );

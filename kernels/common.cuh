@@ -144,3 +144,10 @@ extern "C" __global__ void __launch_bounds__(256) col_sum_f32(const float* p, fl
 
 // Instantiates macro M once per storage type: M(suffix, type).
 #define FOR_TYPES(M) M(f32, float) M(bf16, bf16_t)
+
+// The shared-memory address of a generic pointer into shared memory (for ldmatrix, cp.async).
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}

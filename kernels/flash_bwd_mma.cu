@@ -146,17 +146,24 @@ __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t*
 // (Q, dO) tiles, two stages of the rows' (lse, delta): (2·KEYS + 4·FB_ROWS)·P·2 +
 // 4·FB_ROWS·4 bytes.
 
-template <int D, bool WG = false, int NW = 1>
+// dQ as well (DQ, wgmma only): dS (bf16, this step's 64 rows × the block's keys) goes through
+// shared memory, each warpgroup multiplies it by its D / NW columns of the K tile and adds
+// dQ·scale into the fp32 `dqa` ([B, T, Hq, D], zeroed by the host) with vector atomics: five
+// products per tile instead of seven, no dQ kernel, but the sums' order depends on scheduling.
+template <int D, bool WG = false, int NW = 1, bool DQ = false>
 __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse,
-                                  const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, long t, long sl,
-                                  long hq, long hkv, float scale, long causal, long window) {
+                                  const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, float* dqa, long t,
+                                  long sl, long hq, long hkv, float scale, long causal, long window) {
     constexpr int NO = D / 8, P = WG ? D : D + 8;  // tile row (padded for ldmatrix; core-matrix order for wgmma)
     constexpr int KEYS = FB_KEYS * NW;              // keys per block
+    static_assert(!DQ || (WG && D / NW == 64), "fused dQ: wgmma, 64 dQ columns per warpgroup");
     extern __shared__ __align__(16) unsigned char fb_smem[];
     bf16_t* ks = reinterpret_cast<bf16_t*>(fb_smem);
     bf16_t* vs = ks + KEYS * P;
     bf16_t* qstage = vs + KEYS * P;                                           // 2 × (Q, dO) tiles
     float* lstage = reinterpret_cast<float*>(qstage + 4 * FB_ROWS * P);      // 2 × (lse, delta) rows
+    // DQ: dSᵀ of this step, KEYS × FB_ROWS bf16 in core-matrix order (rows = keys).
+    unsigned char* dss = reinterpret_cast<unsigned char*>(lstage + 4 * FB_ROWS);
     long tiles = (sl + KEYS - 1) / KEYS;
     long kt = blockIdx.x % tiles, kvh = (blockIdx.x / tiles) % hkv, b = blockIdx.x / (tiles * hkv);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
@@ -254,14 +261,52 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
                 u32 pa[FB_ROWS / 16][4], sa[FB_ROWS / 16][4];
                 #pragma unroll
                 for (int kstep = 0; kstep < FB_ROWS / 16; kstep++) { c_to_a(pa[kstep], st, kstep); c_to_a(sa[kstep], dpt, kstep); }
+                float dqc[8][4];  // DQ: this warpgroup's 64 columns of the step's dQ rows
+                if constexpr (DQ) {
+                    // dSᵀ (key jl, row il) at byte ((jl/8)·8 + il/8)·128 + (jl%8)·16 + (il%8)·2: an
+                    // MN-major A operand (rows contiguous); the words of a warp fill whole core
+                    // matrices (no bank conflicts).
+                    #pragma unroll
+                    for (int nb = 0; nb < 8; nb++)
+                        #pragma unroll
+                        for (int rr = 0; rr < 2; rr++)
+                            *reinterpret_cast<u32*>(dss + ((warp * 2 + rr) * 8 + nb) * 128 + g * 16 + tg * 4) =
+                                pack_bf16(dpt[nb][2 * rr], dpt[nb][2 * rr + 1]);
+                    #pragma unroll
+                    for (int nb = 0; nb < 8; nb++) for (int e = 0; e < 4; e++) dqc[nb][e] = 0.f;
+                    fence_async_smem();
+                    __syncthreads();
+                }
                 wg_pin<D / 2>(&dka[0][0]);
+                if constexpr (DQ) wg_pin<32>(&dqc[0][0]);
                 wg_start<D / 2>(&dva[0][0]);
                 wg_pv<D, FB_ROWS>(dva, pa, dos);
                 wg_pv<D, FB_ROWS>(dka, sa, qs);
+                if constexpr (DQ) {
+                    // dQ[:, 64w .. 64w + 64) += dS (A: dSᵀ MN-major) · K (B: the K tile's columns
+                    // 64w.., MN-major), k-steps of 16 keys over the block's keys.
+                    u32 ab = smem_addr(dss), kb = smem_addr(ks) + (warp >> 2) * 1024;
+                    #pragma unroll
+                    for (int kk = 0; kk < KEYS / 16; kk++)
+                        wgmma_m64n64k16_ss<1, 1>(&dqc[0][0], wg_desc(ab + kk * 32 * FB_ROWS, 16 * FB_ROWS, 128),
+                                                 wg_desc(kb + kk * 32 * D, 16 * D, 128));
+                }
                 wg_finish<D / 2>(&dva[0][0]);
                 wg_pin<D / 2>(&dka[0][0]);
                 wg_keep<FB_ROWS / 4>(&pa[0][0]);
                 wg_keep<FB_ROWS / 4>(&sa[0][0]);
+                if constexpr (DQ) {
+                    wg_pin<32>(&dqc[0][0]);
+                    long h = kvh * group + n / qtiles;
+                    #pragma unroll
+                    for (int rr = 0; rr < 2; rr++) {
+                        long i = i0 + (warp & 3) * 16 + g + 8 * rr;
+                        if (i >= t) continue;
+                        float* di = dqa + ((b * t + i) * hq + h) * D + (warp >> 2) * 64 + tg * 2;
+                        #pragma unroll
+                        for (int nb = 0; nb < 8; nb++) red_add2(di + nb * 8, dqc[nb][2 * rr] * scale, dqc[nb][2 * rr + 1] * scale);
+                    }
+                }
             } else {
                 #pragma unroll
                 for (int kstep = 0; kstep < FB_ROWS / 16; kstep++) {
@@ -299,10 +344,18 @@ extern "C" __global__ void __launch_bounds__(128 * NW) flash_bwd_dq_##SFX##_bf16
 extern "C" __global__ void __launch_bounds__(128 * NW, WG ? 3 / NW : 1) flash_bwd_dkv_##SFX##_bf16_##D(const bf16_t* q, const bf16_t* k, \
         const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, long t, \
         long sl, long hq, long hkv, long d, float scale, long causal, long window) { \
-    flash_bwd_dkv_mma<D, WG, NW>(q, k, v, lse, delta, dout, dk, dv, t, sl, hq, hkv, scale, causal, window); }
+    flash_bwd_dkv_mma<D, WG, NW>(q, k, v, lse, delta, dout, dk, dv, nullptr, t, sl, hq, hkv, scale, causal, window); }
 FLASH_BWD_MMA(64, mma, false, 1)
 FLASH_BWD_MMA(128, mma, false, 1)
 // Measured on the H200 (lab notes in README.md): D 64 NW 1 (NW 2: 4–13% slower), D 128 NW 2
 // (8–26% faster than 1).
 FLASH_BWD_MMA(64, wg1, true, 1)
 FLASH_BWD_MMA(128, wg2, true, 2)
+// dK, dV and dQ in one pass (flash_bwd_dkvq_wgNW_bf16_D; fp32 dQ by atomics, see DQ above).
+#define FLASH_BWD_DKVQ(D, NW, MINB) \
+extern "C" __global__ void __launch_bounds__(128 * NW, MINB) flash_bwd_dkvq_wg##NW##_bf16_##D(const bf16_t* q, \
+        const bf16_t* k, const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, \
+        bf16_t* dv, float* dqa, long t, long sl, long hq, long hkv, long d, float scale, long causal, long window) { \
+    flash_bwd_dkv_mma<D, true, NW, true>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale, causal, window); }
+FLASH_BWD_DKVQ(64, 1, 2)
+FLASH_BWD_DKVQ(128, 2, 1)

@@ -19,13 +19,6 @@ __device__ __forceinline__ void mma_bf16(float* c, u32 a0, u32 a1, u32 a2, u32 a
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// The shared-memory address of a generic pointer into shared memory (for ldmatrix, cp.async).
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
 // Four 8×8 bf16 matrices, transposed on the way in: lane l names row (l & 7) of matrix (l >> 3).
 __device__ __forceinline__ void ldsm_x4_t(u32* r, const bf16_t* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
@@ -99,10 +92,12 @@ __device__ __forceinline__ u32 word(const bf16_t* p) { return *reinterpret_cast<
 // (at most N groups still in flight), then __syncthreads before reading. CM: wgmma's core-matrix
 // order (wgmma.cuh) instead of padded rows; copy x then lands at byte 16x, so eight neighbouring
 // threads fill one 128-byte core matrix (no bank conflicts) from eight rows.
+// `tid` of `nt` threads share the copies (default: the whole block).
 template <int D, int ROWS, bool CM = false>
-__device__ __forceinline__ void tile_async(bf16_t* dst, const bf16_t* src, long row0, long rows, long b, long heads, long head) {
+__device__ __forceinline__ void tile_async(bf16_t* dst, const bf16_t* src, long row0, long rows, long b, long heads,
+                                           long head, int tid = threadIdx.x, int nt = blockDim.x) {
     constexpr int V = D / 8;
-    for (int x = threadIdx.x; x < ROWS * V; x += blockDim.x) {
+    for (int x = tid; x < ROWS * V; x += nt) {
         int r = CM ? (x / (8 * V)) * 8 + (x & 7) : x / V, c = (CM ? (x >> 3) % V : x % V) * 8;
         long row = row0 + r;
         bool in = row < rows;
@@ -401,6 +396,130 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
     fwd_store<D, MT>(acc, m, l, r, o, lse, t, hq, b, h);
 }
 
+// The wgmma forward with its warps specialised (FlashAttention-3's arrangement, without TMA): NC
+// consumer warpgroups of 64 query rows each and a producer warpgroup that streams K/V tiles through
+// FW_STAGES shared-memory stages (cp.async, core-matrix order). Stages hand over through
+// mbarriers (full: the producer's copies landed; empty: every consumer is done with the tile), so
+// no block-wide barrier ties the warpgroups together. Each consumer's turn on the tensor cores
+// is P·V of tile it − 1, then S = Q·Kᵀ of tile it; the warpgroups take turns (named barriers,
+// round robin), so while one multiplies the others compute their softmax ("ping-pong"). The
+// online softmax and the output are softmax_tile and fwd_store, as above; O is rescaled after
+// each turn, before the next P·V.
+#define FW_STAGES 3
+
+template <int D, int NC>
+__device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl,
+                             long hq, long hkv, float scale, long causal, long window) {
+    constexpr int NO = D / 8, ROWS = FM_ROWS * NC, TILE = FM_KEYS * D;  // bf16 per K or V tile
+    extern __shared__ __align__(16) unsigned char fm_smem[];
+    bf16_t* stage = reinterpret_cast<bf16_t*>(fm_smem);  // FW_STAGES × (K, V), then the mbarriers
+    u64* full = reinterpret_cast<u64*>(stage + FW_STAGES * 2 * TILE);
+    u64* empty = full + FW_STAGES;
+    long tiles = (t + ROWS - 1) / ROWS;
+    long qt = blockIdx.x % tiles, h = (blockIdx.x / tiles) % hq, b = blockIdx.x / (tiles * hq), kvh = h / (hq / hkv);
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3, wg = warp >> 2;
+    long i0 = qt * ROWS, i1 = lmin(t, i0 + ROWS) - 1, jb, je;
+    key_range(i0, i1, sl, causal, window, FM_KEYS, &jb, &je);
+    long steps = je > jb ? (je - jb + FM_KEYS - 1) / FM_KEYS : 0;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < FW_STAGES; s++) { mbar_init(&full[s], 128); mbar_init(&empty[s], NC * 128); }
+    }
+    __syncthreads();  // the only block-wide barrier
+    if (wg == NC) {
+        // The producer warpgroup copies tile it into stage it % FW_STAGES once the consumers have
+        // released the tile that stage held.
+        for (long it = 0; it < steps; it++) {
+            int st = it % FW_STAGES;
+            if (it >= FW_STAGES) mbar_wait(&empty[st], ((it / FW_STAGES) - 1) & 1);
+            bf16_t* kt = stage + st * 2 * TILE;
+            tile_async<D, FM_KEYS, true>(kt, k, jb + it * FM_KEYS, sl, b, hkv, kvh, threadIdx.x & 127, 128);
+            tile_async<D, FM_KEYS, true>(kt + TILE, v, jb + it * FM_KEYS, sl, b, hkv, kvh, threadIdx.x & 127, 128);
+            cp_arrive(&full[st]);
+        }
+        cp_wait<0>();
+        return;
+    }
+    // A consumer warpgroup: rows r[0][0] and r[0][1] of this thread, Q as A fragments.
+    long r[1][2];
+    r[0][0] = i0 + warp * 16 + g;
+    r[0][1] = r[0][0] + 8;
+    u32 qa[D / 16][4];
+    auto qword = [&](long row, int col) -> u32 {
+        return row < t ? *reinterpret_cast<const u32*>(q + ((b * t + row) * hq + h) * D + col) : 0u;
+    };
+    #pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+        qa[kk][0] = qword(r[0][0], kk * 16 + tg * 2);
+        qa[kk][1] = qword(r[0][1], kk * 16 + tg * 2);
+        qa[kk][2] = qword(r[0][0], kk * 16 + 8 + tg * 2);
+        qa[kk][3] = qword(r[0][1], kk * 16 + 8 + tg * 2);
+    }
+    float acc[1][NO][4];
+    float m[1][2] = {{-INFINITY, -INFINITY}}, l[1][2] = {{0.f, 0.f}};
+    #pragma unroll
+    for (int n = 0; n < NO; n++) for (int e = 0; e < 4; e++) acc[0][n][e] = 0.f;
+    const float scale2 = scale * LOG2E;
+    float s[1][8][4];
+    u32 pa[1][FM_KEYS / 16][4];
+    // Turns: warpgroup w waits on named barrier 1 + w and passes the turn to the next one; the
+    // last passes the first its first turn, and not after its last turn (every barrier then
+    // sees as many arrivals as waits).
+    const int mine = 1 + wg, next = 1 + (wg + 1) % NC;
+    if (steps > 0 && NC > 1 && wg == NC - 1) named_arrive(1, 256);
+    // Turn bt: O += P V of tile bt − 1 (pv), S = Q Kᵀ of tile bt (qk). The first turn has no
+    // P V, the last no Q Kᵀ; both are peeled off the loop so that no wgmma sits on a branch
+    // (ptxas would serialise them all).
+    auto turn = [&](long bt, bool pv, bool qk) {
+        const bf16_t* kv_prev = stage + ((bt + FW_STAGES - 1) % FW_STAGES) * 2 * TILE;
+        const bf16_t* kv_cur = stage + (bt % FW_STAGES) * 2 * TILE;
+        if (qk) {
+            mbar_wait(&full[bt % FW_STAGES], (bt / FW_STAGES) & 1);
+            fence_async_smem();
+            #pragma unroll
+            for (int nb = 0; nb < 8; nb++) for (int e = 0; e < 4; e++) s[0][nb][e] = 0.f;
+        }
+        if constexpr (NC > 1) named_sync(mine, 256);
+        // P V, then S = Q Kᵀ, each waited for: P's and S's registers are not live at once (the
+        // 168 registers of 3 warps per scheduler would not hold both).
+        if (pv) {
+            wg_start<D / 2>(&acc[0][0][0]);
+            wg_pv<D, FM_KEYS>(acc[0], pa[0], kv_prev + TILE);
+            wg_finish<D / 2>(&acc[0][0][0]);
+            wg_keep<FM_KEYS / 4>(&pa[0][0][0]);
+        }
+        if (qk) {
+            wg_start<32>(&s[0][0][0]);
+            wg_qk<D>(s[0], qa, kv_cur);
+            wg_commit();
+        }
+        if constexpr (NC > 1) {
+            if (!(wg == NC - 1 && !qk)) named_arrive(next, 256);
+        }
+        if (qk) {
+            wg_wait_all();
+            wg_pin<32>(&s[0][0][0]);
+        }
+        if (pv) mbar_arrive(&empty[(bt + FW_STAGES - 1) % FW_STAGES]);  // tile bt − 1 done
+        if (qk) {
+            long j0 = jb + bt * FM_KEYS;
+            bool whole = window == 0 && i0 + ROWS <= t && j0 + FM_KEYS <= sl && (!causal || j0 + FM_KEYS - 1 <= i0);
+            float corr[1][2];
+            softmax_tile<1>(s, m, l, corr, pa, whole, r, j0, t, sl, causal, window, scale2);
+            #pragma unroll
+            for (int n = 0; n < NO; n++) {
+                acc[0][n][0] *= corr[0][0]; acc[0][n][1] *= corr[0][0];
+                acc[0][n][2] *= corr[0][1]; acc[0][n][3] *= corr[0][1];
+            }
+        }
+    };
+    if (steps > 0) {
+        turn(0, false, true);
+        for (long bt = 1; bt < steps; bt++) turn(bt, true, true);
+        turn(steps, true, false);
+    }
+    fwd_store<D, 1>(acc, m, l, r, o, lse, t, hq, b, h);
+}
+
 // Query rows per block: FM_ROWS · MT · NW, threads 128 · NW (the host's `fwd_kernel` must agree).
 // At head dim 64 both: two m-tiles per warp win from 2k tokens on, one (more, smaller blocks, less
 // work on the causal diagonal) below. The wgmma kernels (sm_90a), flash_fwd_wgNW_bf16_D, take 64
@@ -418,3 +537,12 @@ FLASH_MMA(flash_fwd_mma_bf16_128, 128, 1, false, 1)
 FLASH_MMA(flash_fwd_wg2_bf16_64, 64, 1, true, 2)
 FLASH_MMA(flash_fwd_wg2_bf16_128, 128, 1, true, 2)
 FLASH_MMA(flash_fwd_wg3_bf16_128, 128, 1, true, 3)
+// The warp-specialised forward (flash_fwd_ws2_bf16_D): two consumer warpgroups (128 rows) and a
+// producer warpgroup; FW_STAGES · 2 · 64 · D · 2 bytes of K/V tiles, then 2 · FW_STAGES mbarriers.
+// Head dim 128 only: at 64 it measured slower than flash_fwd_wg2_bf16_64 (README.md).
+#define FLASH_WS(D, NC) \
+extern "C" __global__ void __launch_bounds__(128 * NC + 128, 1) flash_fwd_ws##NC##_bf16_##D(const bf16_t* q, \
+        const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl, long hq, long hkv, long d, \
+        float scale, long causal, long window) { \
+    flash_fwd_ws<D, NC>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window); }
+FLASH_WS(128, 2)

@@ -28,8 +28,10 @@ __device__ __forceinline__ u64 wg_desc(u32 addr, u32 lbo, u32 sbo) {
 
 #if WG_ARCH
 #define WG_ASM(s) asm volatile(s ::: "memory")
+#define WG_ASM_ARGS(s, ...) asm volatile(s ::__VA_ARGS__ : "memory")
 #else
 #define WG_ASM(s) __trap()
+#define WG_ASM_ARGS(s, ...) __trap()
 #endif
 // Orders register writes before the wgmma that reads them (accumulators, A fragments).
 __device__ __forceinline__ void wg_fence() { WG_ASM("wgmma.fence.sync.aligned;"); }
@@ -119,7 +121,9 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float* d, const u32* a, u64 
 #endif
 }
 
-// d (64 × 64, fp32) += A (64 × 16, shared memory by `da`, K-major) · B (16 × 64 by `db`, K-major).
+// d (64 × 64, fp32) += A (64 × 16, shared memory by `da`) · B (16 × 64 by `db`); TA / TB = 1
+// when A / B is MN-major (K-major otherwise).
+template <int TA = 0, int TB = 0>
 __device__ __forceinline__ void wgmma_m64n64k16_ss(float* d, u64 da, u64 db) {
 #if WG_ARCH
     asm volatile(
@@ -129,7 +133,7 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float* d, u64 da, u64 db) {
         "%8, %9, %10, %11, %12, %13, %14, %15, "
         "%16, %17, %18, %19, %20, %21, %22, %23, "
         "%24, %25, %26, %27, %28, %29, %30, %31"
-        "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        "}, %32, %33, p, 1, 1, %35, %36;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),
           "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
@@ -138,7 +142,7 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float* d, u64 da, u64 db) {
           "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
           "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(da), "l"(db), "n"(1));
+        : "l"(da), "l"(db), "n"(1), "n"(TA), "n"(TB));
 #else
     __trap();
 #endif
@@ -164,3 +168,45 @@ __device__ __forceinline__ void wg_finish(float* d) {
     wg_wait_all();
     wg_pin<N>(d);
 }
+
+// p[0] += x, p[1] += y in global memory: one vector reduction (sm_90), no value returned.
+__device__ __forceinline__ void red_add2(float* p, float x, float y) {
+#if WG_ARCH
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(x), "f"(y) : "memory");
+#else
+    __trap();
+#endif
+}
+
+// mbarriers in shared memory (sm_90): `count` arrivals complete a phase; waiters name the parity
+// of the phase they wait for (0 for the first, then alternating).
+__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
+    WG_ASM_ARGS("mbarrier.init.shared::cta.b64 [%0], %1;", "r"(smem_addr(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_arrive(u64* bar) {
+    WG_ASM_ARGS("mbarrier.arrive.shared::cta.b64 _, [%0];", "r"(smem_addr(bar)));
+}
+// Arrives once this thread's cp.async copies so far have landed (counts as one of `count`).
+__device__ __forceinline__ void cp_arrive(u64* bar) {
+    WG_ASM_ARGS("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];", "r"(smem_addr(bar)));
+}
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+#if WG_ARCH
+    asm volatile(
+        "{\n.reg .pred p;\nwait_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra wait_%=;\n}\n" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
+#else
+    __trap();
+#endif
+}
+
+// Named barriers 1–15: `count` threads (whole warps) in all, some waiting (sync), some passing
+// (arrive, no wait).
+__device__ __forceinline__ void named_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+

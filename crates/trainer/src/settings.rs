@@ -114,6 +114,11 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip)]
     pub no_progress: bool,
+    /// Same bits on every run on a GPU: the flash backward's dQ by its own kernel instead of
+    /// atomics (slower). CPU runs are always deterministic.
+    #[arg(long)]
+    #[serde(skip)]
+    pub deterministic_mode: bool,
     /// cpu, cuda or cuda:N (CUDA needs a build with `--features cuda`).
     #[arg(long)]
     #[serde(skip)]
@@ -176,7 +181,7 @@ impl TrainArgs {
             exit_interval, device, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s,
             pipeline_model_parallel_size, num_layers_per_virtual_pipeline_stage, decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers);
-        merge_flags!(self, o; swiglu, untie_embeddings_and_output_weights, disable_bias_linear, qk_layernorm, bf16, no_progress,
+        merge_flags!(self, o; swiglu, untie_embeddings_and_output_weights, disable_bias_linear, qk_layernorm, bf16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce);
     }
 }
@@ -285,6 +290,8 @@ pub struct Paths {
     pub launch: Launch,
     /// How long a collective waits for the other ranks.
     pub timeout: std::time::Duration,
+    /// Megatron's --deterministic-mode: GPU kernels without order-dependent atomics.
+    pub deterministic: bool,
 }
 
 impl Default for Paths {
@@ -298,6 +305,7 @@ impl Default for Paths {
             device: ferrotron_core::Device::Cpu,
             launch: Launch::Single,
             timeout: std::time::Duration::from_secs(600),
+            deterministic: false,
         }
     }
 }
@@ -461,6 +469,7 @@ impl Settings {
             device,
             launch,
             timeout,
+            deterministic: a.deterministic_mode,
         };
         Ok((s, paths))
     }

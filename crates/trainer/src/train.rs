@@ -227,6 +227,9 @@ fn evaluate_pipelined(
 
 /// One rank's training run.
 fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summary> {
+    // Per thread: this rank's kernels run on it.
+    #[cfg(feature = "cuda")]
+    ferrotron_kernels::cuda::set_deterministic(paths.deterministic);
     let layout = s.validate_layout(world.size())?;
     let g = ProcessGroups::new(world, layout)?;
     let rank0 = g.world.rank() == 0;

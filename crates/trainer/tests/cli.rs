@@ -59,6 +59,7 @@ fn short_run_learns_and_writes_parseable_files() {
         "15",
         "--save",
         d,
+        "--deterministic-mode", // accepted; CPU runs are deterministic anyway
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     // metrics.jsonl: every line is JSON; eval loss falls from iteration 0 to the end.

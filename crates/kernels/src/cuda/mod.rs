@@ -65,6 +65,18 @@ pub(crate) fn poisoning() -> bool {
 
 thread_local! {
     static WGMMA: std::cell::Cell<bool> = const { std::cell::Cell::new(true) };
+    static DETERMINISTIC: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this thread's ops must give the same bits on every run (off by default, as Megatron's
+/// `--deterministic-mode`): on, the flash backward computes dQ in its own kernel instead of adding
+/// it with atomics from the dK/dV kernel (two more matrix products per tile).
+pub fn set_deterministic(on: bool) {
+    DETERMINISTIC.with(|d| d.set(on));
+}
+
+pub(crate) fn deterministic() -> bool {
+    DETERMINISTIC.with(|d| d.get())
 }
 
 /// Whether this thread's ops may use the Hopper wgmma kernels where the device has them (on by
@@ -101,6 +113,16 @@ fn ptx(arch: &str) -> Result<Ptx> {
             return Ok(Ptx::from_src(text));
         }
     }
+    let ptx = compile(&src, arch)?;
+    if let Some(p) = &cached {
+        // The cache is an optimisation: failing to write it is not an error.
+        let _ = std::fs::create_dir_all(p.parent().unwrap_or(p)).and_then(|_| std::fs::write(p, ptx.to_src()));
+    }
+    Ok(ptx)
+}
+
+/// `src` through NVRTC for `arch`; needs the library, not a GPU.
+fn compile(src: &str, arch: &str) -> Result<Ptx> {
     // SAFETY: only probes for the shared library.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(Error::Cuda("the NVRTC library (libnvrtc.so) was not found: add the CUDA toolkit's lib folder (or PyTorch's nvidia/cuda_nvrtc/lib) to LD_LIBRARY_PATH".into()));
@@ -109,12 +131,7 @@ fn ptx(arch: &str) -> Result<Ptx> {
         options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".into()],
         ..Default::default()
     };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(&src, opts).map_err(|e| cuda_err("NVRTC compile of kernels/", e))?;
-    if let Some(p) = &cached {
-        // The cache is an optimisation: failing to write it is not an error.
-        let _ = std::fs::create_dir_all(p.parent().unwrap_or(p)).and_then(|_| std::fs::write(p, ptx.to_src()));
-    }
-    Ok(ptx)
+    cudarc::nvrtc::compile_ptx_with_opts(src, opts).map_err(|e| cuda_err("NVRTC compile of kernels/", e))
 }
 
 /// The backend of `dev`, created on first use.
@@ -233,5 +250,21 @@ pub(crate) fn gpu(op: &'static str, ts: &[&Tensor]) -> Result<Option<Arc<Backend
     match device_of(op, ts)? {
         Some(d) => backend(&d).map(Some),
         None => Ok(None),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// kernels/ through NVRTC, the compiler the backend runs, for Hopper (sm_90a: wgmma) and for
+    /// sm_80 (the other side of wgmma.cuh). NVRTC rejects what nvcc takes (a generic lambda is a
+    /// host function to it), so `cargo xtask ptx` alone does not prove the kernels load. CI runs
+    /// this with NVRTC 13.0 from PyPI, the GPU machine's version; no GPU needed.
+    #[test]
+    fn kernels_compile_under_nvrtc() {
+        let src = super::source();
+        for arch in ["sm_90a", "sm_80"] {
+            let ptx = super::compile(&src, arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
+            assert!(ptx.to_src().contains(".entry flash_bwd_dkvq_wg2_bf16_128"), "{arch}: a kernel is missing");
+        }
     }
 }

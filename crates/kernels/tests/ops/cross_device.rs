@@ -163,12 +163,15 @@ fn every_op_matches_cpu() {
             (2100, 2, 1, 64),
             (2060, 2, 1, 128),
         ];
-        // bf16 on an sm_90 GPU: the wgmma forward, then the mma.sync one (wgmma off).
-        for (wg, (t, hq, hkv, d)) in [true, false].into_iter().flat_map(|wg| shapes.map(|s| (wg, s))) {
-            if dt == DType::F32 && !wg {
+        // bf16 on an sm_90 GPU: the wgmma kernels (the backward's dQ by atomics, then, deterministic,
+        // by its own kernel), then the mma.sync ones (wgmma off).
+        let modes = [(true, false), (true, true), (false, false)];
+        for ((wg, det), (t, hq, hkv, d)) in modes.into_iter().flat_map(|m| shapes.map(|s| (m, s))) {
+            if dt == DType::F32 && (!wg || det) {
                 continue; // the same f32 kernels either way
             }
             ferrotron_kernels::cuda::set_wgmma(wg);
+            ferrotron_kernels::cuda::set_deterministic(det);
             if dt == DType::F32 && t > 100 {
                 // The long shapes are for the bf16 tensor-core kernels; f32 sums over 150 rows
                 // drift past the 1e-5 f32 tolerance by accumulation order alone.
@@ -187,7 +190,7 @@ fn every_op_matches_cpu() {
                 AttnCfg { causal: false, window: Some(40), scale: Some(0.3) },
             ] {
                 check_norm(
-                    &format!("flash attention t{t} d{d} wgmma {wg} {cfg:?}"),
+                    &format!("flash attention t{t} d{d} wgmma {wg} deterministic {det} {cfg:?}"),
                     dt,
                     &[q.clone(), kk.clone(), v.clone(), dout.clone()],
                     |t| {
@@ -199,6 +202,20 @@ fn every_op_matches_cpu() {
             }
         }
         ferrotron_kernels::cuda::set_wgmma(true);
+        if dt == DType::BF16 {
+            // Deterministic mode: the backward twice on the GPU gives the same bits.
+            ferrotron_kernels::cuda::set_deterministic(true);
+            let g = gpu();
+            let x: Vec<Tensor> = (0..4).map(|s| on(&rnd(&[2, 300, 2, 128], 30 + s, dt), &g)).collect();
+            let cfg = AttnCfg { causal: true, window: None, scale: None };
+            let (o, lse) = k::attention_fwd(&x[0], &x[1], &x[2], &cfg).unwrap();
+            let run = || k::attention_bwd(&x[0], &x[1], &x[2], &o, &lse, &x[3], &cfg).unwrap();
+            let (a, b) = (run(), run());
+            for (u, w) in [(&a.0, &b.0), (&a.1, &b.1), (&a.2, &b.2)] {
+                assert_eq!(host(u), host(w), "deterministic flash backward differs between two runs");
+            }
+        }
+        ferrotron_kernels::cuda::set_deterministic(false);
         // Head dim 8: eight per thread; head dim 6: a warp per segment.
         for d in [8, 6] {
             let fused = rnd(&[2, 3, 2 * 4 * d], 14, dt);

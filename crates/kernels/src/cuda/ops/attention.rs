@@ -66,6 +66,22 @@ fn wg_blocks(compiled: &[usize], default: usize) -> usize {
     }
 }
 
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum FwdChoice {
+    WarpSpecialised,
+    Warpgroups,
+}
+
+/// The wgmma forward at head dim 128: warp-specialised unless `FERROTRON_FLASH_FWD=wg` (the block
+/// of warpgroups in lockstep, kept to measure against).
+fn fwd_choice() -> FwdChoice {
+    static CHOICE: std::sync::OnceLock<FwdChoice> = std::sync::OnceLock::new();
+    *CHOICE.get_or_init(|| match std::env::var("FERROTRON_FLASH_FWD").as_deref() {
+        Ok("wg") => FwdChoice::Warpgroups,
+        _ => FwdChoice::WarpSpecialised,
+    })
+}
+
 /// A tensor-core attention kernel's launch: name, rows (or keys) per block, threads, dynamic
 /// shared memory.
 struct TcLaunch {
@@ -81,7 +97,15 @@ struct TcLaunch {
 /// tokens per call: 112 → 141–176 TFLOP/s from 2k to 16k, but slower at 1k than one m-tile); one
 /// otherwise (at 128 two do not fit the registers).
 fn fwd_kernel(be: &B, d: usize, t: usize) -> TcLaunch {
-    if be.use_wgmma() {
+    if be.use_wgmma() && d == 128 && fwd_choice() == FwdChoice::WarpSpecialised {
+        // H200, 16k tokens per call: 198–306 TFLOP/s over 1k–16k (the warpgroups in lockstep:
+        // 166–284). Not at head dim 64 (141–204 against 187–263: the softmax outweighs the
+        // products there, and the lockstep kernel fits two blocks per SM).
+        // Two consumer warpgroups of 64 rows and a producer warpgroup; FW_STAGES (3) stages of K
+        // and V tiles, then 2 · 3 mbarriers.
+        let shared = (3 * 2 * 64 * d * 2 + 2 * 3 * 8) as u32;
+        TcLaunch { name: format!("flash_fwd_ws2_bf16_{d}"), rows: 128, threads: 3 * 128, shared }
+    } else if be.use_wgmma() {
         // H200, 16k tokens per call (NW = 1 was L2-bound): D 64 NW 2 (178–246 TFLOP/s over 1k–16k;
         // 4: 144–227, 1: 137–168); D 128 NW 3 from 2k rows (190–243), 2 at 1k (156 vs 145).
         let nw = if d == 64 { 2 } else { wg_blocks(&[2, 3], if t >= 2048 { 3 } else { 2 }) };
@@ -92,6 +116,25 @@ fn fwd_kernel(be: &B, d: usize, t: usize) -> TcLaunch {
     } else {
         TcLaunch { name: format!("flash_fwd_mma_bf16_{d}"), rows: 64, threads: 128, shared: kv_stages(d + 8) }
     }
+}
+
+/// The tensor-core backward's kernels: with wgmma and unless deterministic, one kernel for dK, dV
+/// and dQ (keys per block; dQ added into fp32 by atomics), else the dQ kernel (query rows per
+/// block) and the dK/dV kernel.
+enum BwdKernels {
+    Fused(TcLaunch),
+    Split(TcLaunch, TcLaunch),
+}
+
+fn bwd_plan(be: &B, d: usize) -> BwdKernels {
+    let (dq, dkv) = bwd_kernels(be, d);
+    if !be.use_wgmma() || crate::cuda::deterministic() {
+        return BwdKernels::Split(dq, dkv);
+    }
+    let nw = dkv.rows / 64;
+    // The dK/dV kernel's shared memory plus dSᵀ of one step (the block's keys × 64 rows).
+    let shared = dkv.shared + (64 * nw * 64 * 2) as u32;
+    BwdKernels::Fused(TcLaunch { name: format!("flash_bwd_dkvq_wg{nw}_bf16_{d}"), shared, ..dkv })
 }
 
 /// The tensor-core backward's dQ kernel (query rows per block) and dK/dV kernel (keys per block):
@@ -161,8 +204,7 @@ fn flash_bwd(
     let sfx = sfx("attention_bwd", q.dtype())?;
     let delta = new(be, [d.b, d.hq, d.t], DType::F32)?;
     if mma_ok(q, &[q, k, v, dout], a)? {
-        // Tensor cores (kernels/flash_bwd_mma.cu), gradients straight in bf16.
-        let dq = new(be, q.shape().clone(), DType::BF16)?;
+        // Tensor cores (kernels/flash_bwd_mma.cu), gradients in bf16.
         let (dk, dv) = (new(be, k.shape().clone(), DType::BF16)?, new(be, v.shape().clone(), DType::BF16)?);
         let rows = d.b * d.t * d.hq;
         let args = [ptr("attn", o)?, ptr("attn", dout)?, ptr("attn", &delta)?, n(rows), n(d.t), n(d.hq), n(d.d)];
@@ -176,12 +218,24 @@ fn flash_bwd(
             v.extend(attn_tail(a));
             Ok(v)
         };
-        let (dql, dkvl) = bwd_kernels(be, d.d);
-        let grid = d.b * d.hq * d.t.div_ceil(dql.rows);
-        be.launch(&dql.name, grid as u32, dql.threads, dql.shared, &head(&[&dq])?)?;
-        let grid = d.b * d.hkv * d.s.div_ceil(dkvl.rows);
-        be.launch(&dkvl.name, grid as u32, dkvl.threads, dkvl.shared, &head(&[&dk, &dv])?)?;
-        return Ok((dq, dk, dv));
+        match bwd_plan(be, d.d) {
+            BwdKernels::Fused(l) => {
+                // dQ's fp32 sums start at zero (never poisoned), then one cast to bf16.
+                let dqa = Tensor::zeros(q.shape().clone(), DType::F32, &Device::Cuda(be.dev.clone()))?;
+                let grid = d.b * d.hkv * d.s.div_ceil(l.rows);
+                be.launch(&l.name, grid as u32, l.threads, l.shared, &head(&[&dk, &dv, &dqa])?)?;
+                let dq = cast(be, &dqa, DType::BF16)?;
+                return Ok((dq, dk, dv));
+            }
+            BwdKernels::Split(dql, dkvl) => {
+                let dq = new(be, q.shape().clone(), DType::BF16)?;
+                let grid = d.b * d.hq * d.t.div_ceil(dql.rows);
+                be.launch(&dql.name, grid as u32, dql.threads, dql.shared, &head(&[&dq])?)?;
+                let grid = d.b * d.hkv * d.s.div_ceil(dkvl.rows);
+                be.launch(&dkvl.name, grid as u32, dkvl.threads, dkvl.shared, &head(&[&dk, &dv])?)?;
+                return Ok((dq, dk, dv));
+            }
+        }
     }
     let dq = new(be, q.shape().clone(), DType::F32)?;
     let (dk, dv) = (new(be, k.shape().clone(), DType::F32)?, new(be, v.shape().clone(), DType::F32)?);
