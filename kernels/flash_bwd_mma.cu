@@ -17,7 +17,9 @@
 // On sm_90 the same bodies run on wgmma (template flag WG, kernels `_wgNW_`): NW warpgroups of 64
 // query rows (dQ) or 64 keys (dK/dV) per block share the streamed tiles, which are then stored in
 // wgmma's core-matrix order; dK/dV's K and V rows are the A operand straight from shared memory,
-// the operands read "transposed" above are MN-major B operands of wgmma.
+// the operands read "transposed" above are MN-major B operands of wgmma. There the host runs, by
+// default, `flash_bwd_dkvq_wgNW_bf16_D` instead of the two: the dK/dV body also adds dQ with
+// atomics (DQ below: 5 products), so only the deterministic mode pays for 7.
 
 #define FB_ROWS 64  // query rows per tile
 #define FB_KEYS 64  // keys per tile
