@@ -18,8 +18,8 @@
 // query rows (dQ) or 64 keys (dK/dV) per block share the streamed tiles, which are then stored in
 // wgmma's core-matrix order; dK/dV's K and V rows are the A operand straight from shared memory,
 // the operands read "transposed" above are MN-major B operands of wgmma. There the host runs, by
-// default, `flash_bwd_dkvq_wgNW_bf16_D` instead of the two: the dK/dV body also adds dQ with
-// atomics (DQ below: 5 products), so only the deterministic mode pays for 7.
+// default, `flash_bwd_dkvq_wgNW_bf16_D` instead of the two: the dK/dV body also adds dQ by bulk
+// reductions (DQ below: 5 products), so only the deterministic mode pays for 7.
 
 #define FB_ROWS 64  // query rows per tile
 #define FB_KEYS 64  // keys per tile
@@ -149,9 +149,13 @@ __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t*
 // 4·FB_ROWS·4 bytes.
 
 // dQ as well (DQ, wgmma only): dS (bf16, this step's 64 rows × the block's keys) goes through
-// shared memory, each warpgroup multiplies it by its D / NW columns of the K tile and adds
-// dQ·scale into the fp32 `dqa` ([B, T, Hq, D], zeroed by the host) with vector atomics: five
-// products per tile instead of seven, no dQ kernel, but the sums' order depends on scheduling.
+// shared memory, each warpgroup multiplies it by its D / NW = 64 columns of the K tile, writes
+// that 64 × 64 fp32 piece of dQ·scale to shared memory in fragment order and adds it to the fp32
+// `dqa` (zeroed by the host) with one bulk reduction (cp.reduce.async.bulk .add.f32, 16 KB):
+// five products per tile instead of seven, no dQ kernel, but the sums' order depends on
+// scheduling. dqa holds those pieces whole, per (batch, head, 64-row tile, 64-column block);
+// flash_dq_tiles_bf16 turns them into dQ. (Vector atomics straight into [B, T, Hq, D] measured
+// 0–14% slower.)
 template <int D, bool WG = false, int NW = 1, bool DQ = false>
 __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse,
                                   const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, float* dqa, long t,
@@ -164,8 +168,10 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
     bf16_t* vs = ks + KEYS * P;
     bf16_t* qstage = vs + KEYS * P;                                           // 2 × (Q, dO) tiles
     float* lstage = reinterpret_cast<float*>(qstage + 4 * FB_ROWS * P);      // 2 × (lse, delta) rows
-    // DQ: dSᵀ of this step, KEYS × FB_ROWS bf16 in core-matrix order (rows = keys).
+    // DQ: dSᵀ of this step, KEYS × FB_ROWS bf16 in core-matrix order (rows = keys), then two
+    // staging buffers per warpgroup of its 64 × 64 fp32 dQ piece (alternate steps).
     unsigned char* dss = reinterpret_cast<unsigned char*>(lstage + 4 * FB_ROWS);
+    float* dqs = reinterpret_cast<float*>(dss + KEYS * FB_ROWS * 2) + (threadIdx.x >> 7) * 2 * 4096;
     long tiles = (sl + KEYS - 1) / KEYS;
     long kt = blockIdx.x % tiles, kvh = (blockIdx.x / tiles) % hkv, b = blockIdx.x / (tiles * hkv);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
@@ -299,14 +305,22 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
                 wg_keep<FB_ROWS / 4>(&sa[0][0]);
                 if constexpr (DQ) {
                     wg_pin<32>(&dqc[0][0]);
-                    long h = kvh * group + n / qtiles;
+                    // This thread's 32 values at fragment positions ((w4·8 + nb)·32 + lane)·4 + e:
+                    // 16-byte stores, consecutive lanes side by side (no bank conflicts).
+                    float* buf = dqs + (n & 1) * 4096;
                     #pragma unroll
-                    for (int rr = 0; rr < 2; rr++) {
-                        long i = i0 + (warp & 3) * 16 + g + 8 * rr;
-                        if (i >= t) continue;
-                        float* di = dqa + ((b * t + i) * hq + h) * D + (warp >> 2) * 64 + tg * 2;
-                        #pragma unroll
-                        for (int nb = 0; nb < 8; nb++) red_add2(di + nb * 8, dqc[nb][2 * rr] * scale, dqc[nb][2 * rr + 1] * scale);
+                    for (int nb = 0; nb < 8; nb++)
+                        *reinterpret_cast<float4*>(buf + (((warp & 3) * 8 + nb) * 32 + lane) * 4) =
+                            make_float4(dqc[nb][0] * scale, dqc[nb][1] * scale, dqc[nb][2] * scale, dqc[nb][3] * scale);
+                    fence_async_smem();
+                    named_sync(1 + (warp >> 2), 128);
+                    if ((threadIdx.x & 127) == 0) {
+                        long h = kvh * group + n / qtiles, tp = (t + 63) / 64;
+                        float* dst = dqa + (((b * hq + h) * tp + i0 / 64) * (D / 64) + (warp >> 2)) * 4096;
+                        bulk_reduce_add(dst, buf, 4096 * 4);
+                        // The buffer of step n − 1 is read before step n + 1 refills it (the
+                        // step's block barrier follows).
+                        bulk_wait_read<1>();
                     }
                 }
             } else {
@@ -322,6 +336,9 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
         }
     }
     if constexpr (WG) cp_wait<0>();  // no (Q, dO) step: the K/V copies still land before exit
+    if constexpr (DQ) {
+        if ((threadIdx.x & 127) == 0) bulk_wait<0>();
+    }
     #pragma unroll
     for (int rr = 0; rr < 2; rr++) {
         long j = rr ? jr1 : jr0;
@@ -353,7 +370,8 @@ FLASH_BWD_MMA(128, mma, false, 1)
 // (8–26% faster than 1).
 FLASH_BWD_MMA(64, wg1, true, 1)
 FLASH_BWD_MMA(128, wg2, true, 2)
-// dK, dV and dQ in one pass (flash_bwd_dkvq_wgNW_bf16_D; fp32 dQ by atomics, see DQ above).
+// dK, dV and dQ in one pass (flash_bwd_dkvq_wgNW_bf16_D; fp32 dQ tiles by bulk reductions, see
+// DQ above). D 64: two blocks per SM (at three it spilled).
 #define FLASH_BWD_DKVQ(D, NW, MINB) \
 extern "C" __global__ void __launch_bounds__(128 * NW, MINB) flash_bwd_dkvq_wg##NW##_bf16_##D(const bf16_t* q, \
         const bf16_t* k, const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, \
@@ -361,3 +379,24 @@ extern "C" __global__ void __launch_bounds__(128 * NW, MINB) flash_bwd_dkvq_wg##
     flash_bwd_dkv_mma<D, true, NW, true>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale, causal, window); }
 FLASH_BWD_DKVQ(64, 1, 2)
 FLASH_BWD_DKVQ(128, 2, 1)
+
+// dQ (bf16, [B, T, Hq, D]) from the bulk-reduced fp32 tiles: per (batch, head, 64-row tile,
+// 64-column block) 4096 floats in the dK/dV kernel's fragment order (row 16·w4 + 8·rr + g, column
+// 8·nb + 2·tg + c at ((w4·8 + nb)·32 + 4g + tg)·4 + 2rr + c). One thread per eight columns.
+extern "C" __global__ void flash_dq_tiles_bf16(const float* dqa, bf16_t* dq, long bsz, long t, long hq, long d) {
+    long x = (long)blockIdx.x * blockDim.x + threadIdx.x, groups = d / 8;
+    if (x >= bsz * t * hq * groups) return;
+    long c8 = x % groups, h = (x / groups) % hq, i = (x / (groups * hq)) % t, b = x / (groups * hq * t);
+    long tp = (t + 63) / 64, row = i % 64;
+    int w4 = row >> 4, rr = (row >> 3) & 1, g = row & 7, nb = c8 % 8;
+    const float* tile = dqa + (((b * hq + h) * tp + i / 64) * (d / 64) + c8 / 8) * 4096;
+    const float* p = tile + ((w4 * 8 + nb) * 32 + 4 * g) * 4 + 2 * rr;
+    float v[8];
+    #pragma unroll
+    for (int tg = 0; tg < 4; tg++) {
+        float2 w = *reinterpret_cast<const float2*>(p + tg * 4);
+        v[2 * tg] = w.x;
+        v[2 * tg + 1] = w.y;
+    }
+    st8(dq, ((b * t + i) * hq + h) * d + c8 * 8, v);
+}

@@ -169,15 +169,6 @@ __device__ __forceinline__ void wg_finish(float* d) {
     wg_pin<N>(d);
 }
 
-// p[0] += x, p[1] += y in global memory: one vector reduction (sm_90), no value returned.
-__device__ __forceinline__ void red_add2(float* p, float x, float y) {
-#if WG_ARCH
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(x), "f"(y) : "memory");
-#else
-    __trap();
-#endif
-}
-
 // mbarriers in shared memory (sm_90): `count` arrivals complete a phase; waiters name the parity
 // of the phase they wait for (0 for the first, then alternating).
 __device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
@@ -210,3 +201,21 @@ __device__ __forceinline__ void named_arrive(int id, int count) {
     asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
 
+
+// dst[0..bytes/4) += src[...] in global memory from shared memory, as one asynchronous bulk
+// reduction (sm_90; both 16-byte aligned, bytes a multiple of 16), then committed as a group.
+// Wait with bulk_wait_read<N> before refilling src (at most N groups still reading) and with
+// bulk_wait<N> for the writes.
+__device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, u32 bytes) {
+    WG_ASM_ARGS("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                "cp.async.bulk.commit_group;",
+                "l"(dst), "r"(smem_addr(src)), "r"(bytes));
+}
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+    WG_ASM_ARGS("cp.async.bulk.wait_group.read %0;", "n"(N));
+}
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+    WG_ASM_ARGS("cp.async.bulk.wait_group %0;", "n"(N));
+}

@@ -132,8 +132,9 @@ fn bwd_plan(be: &B, d: usize) -> BwdKernels {
         return BwdKernels::Split(dq, dkv);
     }
     let nw = dkv.rows / 64;
-    // The dK/dV kernel's shared memory plus dSᵀ of one step (the block's keys × 64 rows).
-    let shared = dkv.shared + (64 * nw * 64 * 2) as u32;
+    // The dK/dV kernel's shared memory plus dSᵀ of one step (the block's keys × 64 rows) and two
+    // 64 × 64 fp32 dQ staging buffers per warpgroup.
+    let shared = dkv.shared + (64 * nw * 64 * 2 + nw * 2 * 4096 * 4) as u32;
     BwdKernels::Fused(TcLaunch { name: format!("flash_bwd_dkvq_wg{nw}_bf16_{d}"), shared, ..dkv })
 }
 
@@ -220,11 +221,16 @@ fn flash_bwd(
         };
         match bwd_plan(be, d.d) {
             BwdKernels::Fused(l) => {
-                // dQ's fp32 sums start at zero (never poisoned), then one cast to bf16.
-                let dqa = Tensor::zeros(q.shape().clone(), DType::F32, &Device::Cuda(be.dev.clone()))?;
+                // dQ's fp32 tiles (64 rows × 64 columns per batch and head, rows padded to 64)
+                // start at zero (never poisoned); then one pass to bf16 [B, T, Hq, D].
+                let dev = Device::Cuda(be.dev.clone());
+                let dqa = Tensor::zeros([d.b, d.hq, d.t.div_ceil(64) * 64, d.d], DType::F32, &dev)?;
                 let grid = d.b * d.hkv * d.s.div_ceil(l.rows);
                 be.launch(&l.name, grid as u32, l.threads, l.shared, &head(&[&dk, &dv, &dqa])?)?;
-                let dq = cast(be, &dqa, DType::BF16)?;
+                let dq = new(be, q.shape().clone(), DType::BF16)?;
+                let groups = d.b * d.t * d.hq * d.d / 8;
+                let args = [ptr("attn", &dqa)?, ptr("attn", &dq)?, n(d.b), n(d.t), n(d.hq), n(d.d)];
+                be.launch("flash_dq_tiles_bf16", groups.div_ceil(256) as u32, 256, 0, &args)?;
                 return Ok((dq, dk, dv));
             }
             BwdKernels::Split(dql, dkvl) => {
