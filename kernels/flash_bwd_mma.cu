@@ -97,7 +97,7 @@ __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t*
         }
         // dS = P ∘ (dP − delta) in place of S; a tile inside the sequence below the diagonal
         // needs no mask.
-        bool full = window == 0 && i0 + ROWS <= t && j0 + FB_KEYS <= sl && (!causal || j0 + FB_KEYS - 1 <= i0);
+        bool full = tile_full(i0, ROWS, j0, FB_KEYS, t, sl, causal, window);
         if (!full) {
             #pragma unroll
             for (int nb = 0; nb < 8; nb++)
@@ -244,7 +244,7 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
                 mma_cols_smem<D>(dpt, vs + warp * 16 * P, dos);
             }
             // Pᵀ into st, dSᵀ into dpt (no mask for a tile inside the sequence below the diagonal).
-            bool full = window == 0 && i0 + FB_ROWS <= t && j0 + KEYS <= sl && (!causal || j0 + KEYS - 1 <= i0);
+            bool full = tile_full(i0, FB_ROWS, j0, KEYS, t, sl, causal, window);
             if (!full) {
                 #pragma unroll
                 for (int nb = 0; nb < 8; nb++)

@@ -209,6 +209,13 @@ __device__ __forceinline__ void wg_pv(float (*acc)[4], const u32 (*a)[4], const 
     for (int ks = 0; ks < KEYS / 16; ks++) wgmma_rs<D, 1>(&acc[0][0], a[ks], wg_desc(base + ks * 32 * D, 16 * D, 128));
 }
 
+// Whether the tile of query rows [i0, i0 + rows) × keys [j0, j0 + keys) needs no mask: inside
+// the sequence, no window, and (causal) wholly on or below the diagonal.
+__device__ __forceinline__ bool tile_full(long i0, long rows, long j0, long keys, long t, long sl, long causal,
+                                          long window) {
+    return window == 0 && i0 + rows <= t && j0 + keys <= sl && (!causal || j0 + keys - 1 <= i0);
+}
+
 // One key tile's online softmax for MT m-tiles of S (this thread: rows r[mt][0] for elements 0, 1
 // and r[mt][1] for 2, 3 of each 8-key block; keys from j0): masks S unless the tile is `full`
 // (inside the sequence, below the diagonal: a uniform branch), moves the running max m (base 2,
@@ -366,7 +373,7 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
         } else {
             mma_cols_mt<D, MT>(s, qa, ks);
         }
-        bool full = window == 0 && i0 + ROWS <= t && j0 + FM_KEYS <= sl && (!causal || j0 + FM_KEYS - 1 <= i0);
+        bool full = tile_full(i0, ROWS, j0, FM_KEYS, t, sl, causal, window);
         u32 pa[MT][FM_KEYS / 16][4];  // P as A fragments, per m-tile and k-step of 16 keys
         float corr[MT][2];
         softmax_tile<MT>(s, m, l, corr, pa, full, r, j0, t, sl, causal, window, scale2);
@@ -502,7 +509,7 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
         if (pv) mbar_arrive(&empty[(bt + FW_STAGES - 1) % FW_STAGES]);  // tile bt − 1 done
         if (qk) {
             long j0 = jb + bt * FM_KEYS;
-            bool whole = window == 0 && i0 + ROWS <= t && j0 + FM_KEYS <= sl && (!causal || j0 + FM_KEYS - 1 <= i0);
+            bool whole = tile_full(i0, ROWS, j0, FM_KEYS, t, sl, causal, window);
             float corr[1][2];
             softmax_tile<1>(s, m, l, corr, pa, whole, r, j0, t, sl, causal, window, scale2);
             #pragma unroll
