@@ -146,7 +146,7 @@ __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t*
 
 // Dynamic shared memory of the dkv kernel (the host sizes it): the K and V tiles, two stages of
 // (Q, dO) tiles, two stages of the rows' (lse, delta): (2·KEYS + 4·FB_ROWS)·P·2 +
-// 4·FB_ROWS·4 bytes.
+// 4·FB_ROWS·4 bytes; with DQ also dSᵀ (KEYS·FB_ROWS·2) and 2·NW staging buffers of 4096 floats.
 
 // dQ as well (DQ, wgmma only): dS (bf16, this step's 64 rows × the block's keys) goes through
 // shared memory, each warpgroup multiplies it by its D / NW = 64 columns of the K tile, writes

@@ -119,8 +119,8 @@ fn fwd_kernel(be: &B, d: usize, t: usize) -> TcLaunch {
 }
 
 /// The tensor-core backward's kernels: with wgmma and unless deterministic, one kernel for dK, dV
-/// and dQ (keys per block; dQ added into fp32 by atomics), else the dQ kernel (query rows per
-/// block) and the dK/dV kernel.
+/// and dQ (keys per block; dQ's 64 × 64 pieces added into fp32 tiles by bulk reductions), else the
+/// dQ kernel (query rows per block) and the dK/dV kernel.
 enum BwdKernels {
     Fused(TcLaunch),
     Split(TcLaunch, TcLaunch),
@@ -187,8 +187,9 @@ pub fn attention_fwd(be: &B, q: &Tensor, k: &Tensor, v: &Tensor, a: &AttnShape) 
     Ok((o, lse))
 }
 
-/// Flash backward: dQ (and delta = rowsum(dO∘O)) per query tile, then dK/dV per key tile; no
-/// atomics, so the result does not depend on scheduling. Gradients in bf16 from the tensor-core
+/// Flash backward: delta = rowsum(dO∘O), then either dK/dV per key tile with dQ summed into fp32
+/// tiles by bulk reductions (wgmma, not deterministic) or dQ per query tile and dK/dV per key tile
+/// with no sums across blocks (the same bits every run). Gradients in bf16 from the tensor-core
 /// kernels, fp32 from the SIMT ones.
 #[allow(clippy::too_many_arguments)]
 fn flash_bwd(
