@@ -91,8 +91,9 @@ struct TcLaunch {
     shared: u32,
 }
 
-/// The tensor-core forward for head dim `d` over `t` query rows. On sm_90, wgmma: 64 rows per
-/// warpgroup, NW warpgroups per block sharing the K/V tiles (unpadded, core-matrix order).
+/// The tensor-core forward for head dim `d` over `t` query rows. On sm_90, wgmma: at head dim 128
+/// the warp-specialised kernel (two consumer warpgroups, a producer warpgroup); otherwise 64 rows
+/// per warpgroup, NW warpgroups per block sharing the K/V tiles (unpadded, core-matrix order).
 /// Otherwise mma.sync, 4 warps: two m-tiles per warp at head dim 64 from 2048 rows on (H200, 16k
 /// tokens per call: 112 → 141–176 TFLOP/s from 2k to 16k, but slower at 1k than one m-tile); one
 /// otherwise (at 128 two do not fit the registers).
