@@ -19,7 +19,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // sets the timed repetitions (5): for a profiler.
     let only = std::env::var("ATTN_BENCH_ONLY").ok();
     let reps: usize = std::env::var("ATTN_BENCH_REPS").ok().and_then(|r| r.parse().ok()).unwrap_or(5);
-    // The backward also runs deterministic (dQ by its own kernel instead of atomics).
+    // The backward also runs deterministic (dQ by its own kernel instead of bulk reductions).
     println!(
         "| head dim | seq | batch × heads | fwd TFLOP/s | bwd TFLOP/s | bwd deterministic | fwd mma.sync | bwd mma.sync |"
     );

@@ -1,5 +1,6 @@
 // Flash attention backward on tensor cores (bf16 in, fp32 accumulate): mma.sync m16n8k16 as in
-// flash_mma.cu, FlashAttention-2's tiling, no atomics (same bits every run). Three kernels:
+// flash_mma.cu, FlashAttention-2's tiling, no atomics (same bits every run; the wgmma default
+// below, flash_bwd_dkvq, is the exception). Three kernels:
 //   flash_bwd_delta_bf16      delta = rowsum(dO ∘ O), one warp per (token, head) row.
 //   flash_bwd_dq_mma_bf16_D   4 warps × 16 query rows of one (batch, head), over key tiles:
 //                             S = Q Kᵀ, P = exp(S·scale − lse), dP = dO Vᵀ, dS = P ∘ (dP − delta),

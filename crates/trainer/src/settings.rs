@@ -114,8 +114,8 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip)]
     pub no_progress: bool,
-    /// Same bits on every run on a GPU: the flash backward's dQ by its own kernel instead of
-    /// atomics (slower). CPU runs are always deterministic.
+    /// Same bits on every run on a GPU: the flash backward's dQ by its own kernel instead of sums
+    /// in scheduling order (slower). CPU runs are always deterministic.
     #[arg(long)]
     #[serde(skip)]
     pub deterministic_mode: bool,
@@ -290,7 +290,7 @@ pub struct Paths {
     pub launch: Launch,
     /// How long a collective waits for the other ranks.
     pub timeout: std::time::Duration,
-    /// Megatron's --deterministic-mode: GPU kernels without order-dependent atomics.
+    /// Megatron's --deterministic-mode: GPU kernels without order-dependent sums.
     pub deterministic: bool,
 }
 

@@ -70,7 +70,8 @@ thread_local! {
 
 /// Whether this thread's ops must give the same bits on every run (off by default, as Megatron's
 /// `--deterministic-mode`): on, the flash backward computes dQ in its own kernel instead of adding
-/// it with atomics from the dK/dV kernel (two more matrix products per tile).
+/// it from the dK/dV kernel by bulk reductions in scheduling order (two more matrix products per
+/// tile).
 pub fn set_deterministic(on: bool) {
     DETERMINISTIC.with(|d| d.set(on));
 }

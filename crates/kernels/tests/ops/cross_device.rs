@@ -152,8 +152,8 @@ fn every_op_matches_cpu() {
         // Head dims with a flash kernel: sequence lengths across several 32- and 64-row tiles and
         // ragged ends, GQA, causal, windowed and full (bf16 at 64/128 runs the tensor-core kernels).
         // 2100 rows at head dim 64: the forward with two m-tiles per warp (from 2048 rows on),
-        // 128-row blocks with a ragged last one; 2060 at 128: on sm_90 the wgmma forward with
-        // three warpgroups (192-row blocks, from 2048 rows on).
+        // 128-row blocks with a ragged last one; 2060 at 128: several key tiles per block and a
+        // ragged last block in the warp-specialised forward (128-row blocks) on sm_90.
         let shapes = [
             (45usize, 4usize, 2usize, 32usize),
             (70, 2, 2, 64),
@@ -163,8 +163,8 @@ fn every_op_matches_cpu() {
             (2100, 2, 1, 64),
             (2060, 2, 1, 128),
         ];
-        // bf16 on an sm_90 GPU: the wgmma kernels (the backward's dQ by atomics, then, deterministic,
-        // by its own kernel), then the mma.sync ones (wgmma off).
+        // bf16 on an sm_90 GPU: the wgmma kernels (the backward's dQ by bulk reductions, then,
+        // deterministic, by its own kernel), then the mma.sync ones (wgmma off).
         let modes = [(true, false), (true, true), (false, false)];
         for ((wg, det), (t, hq, hkv, d)) in modes.into_iter().flat_map(|m| shapes.map(|s| (m, s))) {
             if dt == DType::F32 && (!wg || det) {
