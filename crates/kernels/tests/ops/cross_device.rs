@@ -121,15 +121,18 @@ fn every_op_matches_cpu() {
             vec![k::bias_grad(&t[1]).unwrap(), dw, db, dw2]
         });
         let (a2, b2, c2) = (rnd(&[2, 33, 17], 6, dt), rnd(&[2, 17, 9], 7, dt), rnd(&[9, 17], 8, dt));
-        let bias9 = rnd(&[9], 20, dt);
-        check("matmul", dt, &[a2.clone(), b2.clone(), c2.clone(), bias9], |t| {
+        // The bias as a view at element 0 and at element 1 (2 bytes off 16-byte alignment in bf16:
+        // cuBLASLt's epilogue for the first, a separate add for the second).
+        let bias10 = rnd(&[10], 20, dt);
+        check("matmul", dt, &[a2.clone(), b2.clone(), c2.clone(), bias10], |t| {
             let p = k::matmul(&t[0], &t[1], false, false).unwrap();
             let lin = k::matmul(&t[0], &t[2], false, true).unwrap();
             let (da, db) = k::matmul_bwd(&t[0], &t[1], &p, false, false).unwrap();
             let (dl, dw) = k::matmul_bwd(&t[0], &t[2], &lin, false, true).unwrap();
             let tt = k::matmul(&t[1], &t[0], true, true).unwrap();
-            let lin_b = k::matmul_bias(&t[0], &t[2], &t[3], false, true).unwrap();
-            vec![p, lin, da, db, dl, dw, tt, lin_b]
+            let lin_b = k::matmul_bias(&t[0], &t[2], &t[3].view(0, [9]).unwrap(), false, true).unwrap();
+            let lin_odd = k::matmul_bias(&t[0], &t[2], &t[3].view(1, [9]).unwrap(), false, true).unwrap();
+            vec![p, lin, da, db, dl, dw, tt, lin_b, lin_odd]
         });
         let heads = rnd(&[2, 6, 4, 16], 9, dt);
         let rope = RopeCfg { rot: 12, base: 10000.0, pos0: 3 };
@@ -314,13 +317,15 @@ fn gelu_gemm_epilogues_match_cpu() {
     for dt in [DType::F32, DType::BF16] {
         for n in [40, 36] {
             let x = k::scale(&rnd(&[2, 9, 24], 1, dt), 0.3).unwrap();
-            let (w, b) = (rnd(&[n, 24], 2, dt), rnd(&[n], 3, dt));
+            let (w, b) = (rnd(&[n, 24], 2, dt), rnd(&[n + 1], 3, dt));
             let (dy, w2) = (rnd(&[2, 9, 16], 4, dt), rnd(&[16, n], 5, dt));
             check(&format!("linear_gelu / matmul_dgelu n{n}"), dt, &[x, w, b, dy, w2], |t| {
-                let (a, h) = k::linear_gelu(&t[0], &t[1], Some(&t[2])).unwrap();
+                let (a, h) = k::linear_gelu(&t[0], &t[1], Some(&t[2].view(0, [n]).unwrap())).unwrap();
                 let (a0, h0) = k::linear_gelu(&t[0], &t[1], None).unwrap();
+                // A bias off 16-byte alignment: the composed ops.
+                let (a1, h1) = k::linear_gelu(&t[0], &t[1], Some(&t[2].view(1, [n]).unwrap())).unwrap();
                 let dh = k::matmul_dgelu(&t[3], &t[4], &h).unwrap();
-                vec![a, h, a0, h0, dh]
+                vec![a, h, a0, h0, a1, h1, dh]
             });
         }
     }

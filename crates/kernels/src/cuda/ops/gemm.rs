@@ -80,20 +80,31 @@ pub fn gemm(
             Storage::Cuda(CudaStorage::BF16(_)),
         ) => {
             drop((ga, gb, gc));
-            // The bias rides in cuBLASLt's epilogue (one per output feature: the rows of Cᵀ).
-            let epi = match bias {
-                Some(t) if t.dtype() == DType::BF16 => crate::cuda::lt::Epilogue::Bias(raw("matmul_bias", t)?),
+            // The bias rides in cuBLASLt's epilogue (one per output feature: the rows of Cᵀ) when
+            // it is 16-byte aligned; a bias elsewhere (a view after an odd-sized parameter in the
+            // flat buffer) is added in place after the product.
+            let (epi, after) = match bias {
+                Some(t) if t.dtype() == DType::BF16 && bias_aligned(t)? => {
+                    (crate::cuda::lt::Epilogue::Bias(raw("matmul_bias", t)?), None)
+                }
+                Some(t) if t.dtype() == DType::BF16 => (crate::cuda::lt::Epilogue::None, Some(t)),
                 Some(_) => {
                     return Err(Error::NotImplemented {
                         op: "matmul_bias",
                         device: "cuda with a non-bf16 bias".into(),
                     });
                 }
-                None => crate::cuda::lt::Epilogue::None,
+                None => (crate::cuda::lt::Epilogue::None, None),
             };
             // SAFETY: the tensors are contiguous bf16 of the shapes `cfg` describes (validated by
             // the caller); the bias has `nn` elements.
-            unsafe { crate::cuda::lt::matmul(be, &cfg, raw("matmul", b)?, raw("matmul", a)?, raw("matmul", c)?, epi) }
+            unsafe { crate::cuda::lt::matmul(be, &cfg, raw("matmul", b)?, raw("matmul", a)?, raw("matmul", c)?, epi)? };
+            if let Some(t) = after {
+                let len = c.elem_count();
+                let args = [ptr("matmul_bias", c)?, ptr("matmul_bias", t)?, ptr("matmul_bias", c)?, n(len), n(nn)];
+                ew8(be, "bias_add_bf16", len, nn, &args)?;
+            }
+            Ok(())
         }
         _ => Err(Error::NotImplemented {
             op: "matmul",
@@ -180,8 +191,15 @@ fn lt_cfg(batch: usize, m: usize, nn: usize, k: usize, ta: bool, tb: bool, beta:
     }
 }
 
+/// Whether cuBLASLt's bias epilogue may read `bias`: it loads the vector 16 bytes at a time
+/// (Marian found misaligned biases fail on A100), so a bias at another address is added apart.
+fn bias_aligned(bias: &Tensor) -> Result<bool> {
+    Ok(raw("matmul_bias", bias)? % 16 == 0)
+}
+
 /// The linear layer with GeLU in its epilogue (bf16): a = gelu(x·wᵀ + bias), h = x·wᵀ + bias.
-/// None when cuBLASLt has no algorithm for it (the caller composes the two ops instead).
+/// None when cuBLASLt has no algorithm for it or the bias is not 16-byte aligned (the caller
+/// composes the two ops instead).
 pub fn linear_gelu(
     be: &B,
     x: &Tensor,
@@ -190,6 +208,11 @@ pub fn linear_gelu(
     (rows, n, k): (usize, usize, usize),
     out: Vec<usize>,
 ) -> Result<Option<(Tensor, Tensor)>> {
+    if let Some(b) = bias {
+        if !bias_aligned(b)? {
+            return Ok(None);
+        }
+    }
     let (a, h) = (new(be, out.clone(), x.dtype())?, new(be, out, x.dtype())?);
     let bias = bias.map(|b| raw("linear_gelu", b)).transpose()?;
     let epi = crate::cuda::lt::Epilogue::GeluAux { bias, aux: raw("linear_gelu", &h)? };
