@@ -17,7 +17,7 @@
 // element written once.
 // On sm_90 the same bodies run on wgmma (template flag WG, kernels `_wgNW_`): NW warpgroups of 64
 // query rows (dQ) or 64 keys (dK/dV) per block share the streamed tiles, which are then stored in
-// wgmma's core-matrix order; dK/dV's K and V rows are the A operand straight from shared memory,
+// wgmma's 128-byte swizzled layout (wgmma.cuh); dK/dV's K and V rows are the A operand straight from shared memory,
 // the operands read "transposed" above are MN-major B operands of wgmma. There the host runs, by
 // default, `flash_bwd_dkvq_wgNW_bf16_D` instead of the two: the dK/dV body also adds dQ by bulk
 // reductions (DQ below: 5 products), so only the deterministic mode pays for 7.
@@ -45,7 +45,7 @@ __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t*
     using Stages = KvStages<D, FB_KEYS, WG>;
     constexpr int KS = D / 16, NO = D / 8, P = Stages::TP, ROWS = FB_ROWS * NW;  // query rows per block
     // Two stages of (K tile, V tile): 4·FB_KEYS·P·2 bytes of dynamic shared memory.
-    extern __shared__ __align__(16) unsigned char fb_smem[];
+    extern __shared__ __align__(1024) unsigned char fb_smem[];  // swizzled tiles: 1024-byte aligned
     bf16_t* stage = reinterpret_cast<bf16_t*>(fb_smem);
     long tiles = (t + ROWS - 1) / ROWS;
     long qt = blockIdx.x % tiles, h = (blockIdx.x / tiles) % hq, b = blockIdx.x / (tiles * hq), kvh = h / (hq / hkv);
@@ -161,10 +161,10 @@ template <int D, bool WG = false, int NW = 1, bool DQ = false>
 __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse,
                                   const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, float* dqa, long t,
                                   long sl, long hq, long hkv, float scale, long causal, long window) {
-    constexpr int NO = D / 8, P = WG ? D : D + 8;  // tile row (padded for ldmatrix; core-matrix order for wgmma)
+    constexpr int NO = D / 8, P = WG ? D : D + 8;  // tile row (padded for ldmatrix; swizzled for wgmma)
     constexpr int KEYS = FB_KEYS * NW;              // keys per block
     static_assert(!DQ || (WG && D / NW == 64), "fused dQ: wgmma, 64 dQ columns per warpgroup");
-    extern __shared__ __align__(16) unsigned char fb_smem[];
+    extern __shared__ __align__(1024) unsigned char fb_smem[];  // swizzled tiles: 1024-byte aligned
     bf16_t* ks = reinterpret_cast<bf16_t*>(fb_smem);
     bf16_t* vs = ks + KEYS * P;
     bf16_t* qstage = vs + KEYS * P;                                           // 2 × (Q, dO) tiles
@@ -230,13 +230,15 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
             if constexpr (WG) {
                 // The warpgroup's 64 keys are its M: K and V rows straight from shared memory.
                 int wg = warp >> 2;
-                u32 kb = smem_addr(ks + wg * 64 * D), vb = smem_addr(vs + wg * 64 * D), qb = smem_addr(qs), ob = smem_addr(dos);
+                // (Rows 64·wg.. of the KEYS-row K and V tiles: 128 bytes a row in each column block.)
+                u32 kb = smem_addr(ks) + wg * 64 * 128, vb = smem_addr(vs) + wg * 64 * 128, qb = smem_addr(qs),
+                    ob = smem_addr(dos);
                 wg_pin<32>(&dpt[0][0]);
                 wg_start<32>(&st[0][0]);
                 #pragma unroll
                 for (int kk = 0; kk < D / 16; kk++) {
-                    wgmma_m64n64k16_ss(&st[0][0], wg_desc(kb + kk * 256, 128, D * 16), wg_desc(qb + kk * 256, 128, D * 16));
-                    wgmma_m64n64k16_ss(&dpt[0][0], wg_desc(vb + kk * 256, 128, D * 16), wg_desc(ob + kk * 256, 128, D * 16));
+                    wgmma_m64n64k16_ss(&st[0][0], sw_kmajor(kb, KEYS, kk), sw_kmajor(qb, FB_ROWS, kk));
+                    wgmma_m64n64k16_ss(&dpt[0][0], sw_kmajor(vb, KEYS, kk), sw_kmajor(ob, FB_ROWS, kk));
                 }
                 wg_finish<32>(&st[0][0]);
                 wg_pin<32>(&dpt[0][0]);
@@ -292,13 +294,13 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
                 wg_pv<D, FB_ROWS>(dva, pa, dos);
                 wg_pv<D, FB_ROWS>(dka, sa, qs);
                 if constexpr (DQ) {
-                    // dQ[:, 64w .. 64w + 64) += dS (A: dSᵀ MN-major) · K (B: the K tile's columns
-                    // 64w.., MN-major), k-steps of 16 keys over the block's keys.
-                    u32 ab = smem_addr(dss), kb = smem_addr(ks) + (warp >> 2) * 1024;
+                    // dQ[:, 64w .. 64w + 64) += dS (A: dSᵀ MN-major) · K (B: the K tile's column
+                    // block w, MN-major), k-steps of 16 keys over the block's keys.
+                    u32 ab = smem_addr(dss), kb = smem_addr(ks) + (warp >> 2) * KEYS * 128;
                     #pragma unroll
                     for (int kk = 0; kk < KEYS / 16; kk++)
                         wgmma_m64n64k16_ss<1, 1>(&dqc[0][0], wg_desc(ab + kk * 32 * FB_ROWS, 16 * FB_ROWS, 128),
-                                                 wg_desc(kb + kk * 32 * D, 16 * D, 128));
+                                                 sw_mnmajor(kb, KEYS, kk));
                 }
                 wg_finish<D / 2>(&dva[0][0]);
                 wg_pin<D / 2>(&dka[0][0]);

@@ -8,7 +8,7 @@
 // per row across the 4 threads of a fragment row group (2 shuffles). Same layouts and outputs as
 // flash.cu / attention.cu. Every helper before flash_fwd_mma is shared with flash_bwd_mma.cu.
 // On sm_90 the same kernel body also runs with both products on wgmma (wgmma.cuh): one warpgroup
-// of 64 rows per block, K/V tiles in core-matrix order, A operands (Q, P) from registers.
+// of 64 rows per block, K/V tiles in the 128-byte swizzled layout, A operands (Q, P) from registers.
 
 #define FM_ROWS 64
 #define FM_KEYS 64
@@ -89,20 +89,20 @@ __device__ __forceinline__ u32 word(const bf16_t* p) { return *reinterpret_cast<
 
 // Like tile_in, asynchronously (cp.async, 16 bytes a copy, zero-filled past the end): the tile for
 // the next step loads while this one is computed. Commit with cp_commit, wait with cp_wait<N>
-// (at most N groups still in flight), then __syncthreads before reading. CM: wgmma's core-matrix
-// order (wgmma.cuh) instead of padded rows; copy x then lands at byte 16x, so eight neighbouring
-// threads fill one 128-byte core matrix (no bank conflicts) from eight rows.
+// (at most N groups still in flight), then __syncthreads before reading. CM: wgmma's 128-byte
+// swizzled layout (wgmma.cuh) instead of padded rows. Either way copy x is chunk x % (D / 8) of
+// row x / (D / 8): eight neighbouring threads read 128 contiguous bytes of one row.
 // `tid` of `nt` threads share the copies (default: the whole block).
 template <int D, int ROWS, bool CM = false>
 __device__ __forceinline__ void tile_async(bf16_t* dst, const bf16_t* src, long row0, long rows, long b, long heads,
                                            long head, int tid = threadIdx.x, int nt = blockDim.x) {
     constexpr int V = D / 8;
     for (int x = tid; x < ROWS * V; x += nt) {
-        int r = CM ? (x / (8 * V)) * 8 + (x & 7) : x / V, c = (CM ? (x >> 3) % V : x % V) * 8;
+        int r = x / V, c = x % V;
         long row = row0 + r;
         bool in = row < rows;
-        const bf16_t* g = src + ((b * rows + (in ? row : 0)) * heads + head) * D + c;
-        bf16_t* s = CM ? dst + x * 8 : dst + r * (D + 8) + c;
+        const bf16_t* g = src + ((b * rows + (in ? row : 0)) * heads + head) * D + c * 8;
+        bf16_t* s = CM ? dst + sw_offset(r, c, ROWS) : dst + r * (D + 8) + c * 8;
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(s)), "l"(g), "r"(in ? 16 : 0)
                      : "memory");
     }
@@ -116,7 +116,7 @@ __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0
 // tile follows KEYS·TP later) once it has landed, and starts the next step's copy. One barrier per
 // step: once every thread has passed it, every copy of tile it has landed and every warp is done
 // with step it − 1, whose stage the next copy refills. The caller starts with `fetch(0)` (when
-// `steps` > 0). CM: tiles in wgmma's core-matrix order, made visible to wgmma.
+// `steps` > 0). CM: tiles in wgmma's swizzled layout, made visible to wgmma.
 template <int D, int KEYS, bool CM = false>
 struct KvStages {
     static constexpr int TP = CM ? D : D + 8;  // elements per tile row (padded rows for ldmatrix)
@@ -191,22 +191,21 @@ __device__ __forceinline__ void c_to_a(u32* a, const float (*c)[4], int ks) {
 }
 
 // S (64 rows × 64 keys) += A Bᵀ by wgmma, issued (between wg_start and wg_finish): A's fragments
-// from registers (`a[kk]`: Q or dO), B from a core-matrix tile of 64 rows (K or V).
+// from registers (`a[kk]`: Q or dO), B K-major from a swizzled tile of 64 rows (K or V).
 template <int D>
 __device__ __forceinline__ void wg_qk(float (*s)[4], const u32 (*a)[4], const bf16_t* tile) {
     u32 base = smem_addr(tile);
     #pragma unroll
-    for (int kk = 0; kk < D / 16; kk++) wgmma_rs<64, 0>(&s[0][0], a[kk], wg_desc(base + kk * 256, 128, D * 16));
+    for (int kk = 0; kk < D / 16; kk++) wgmma_rs<64, 0>(&s[0][0], a[kk], sw_kmajor(base, 64, kk));
 }
 
 // acc (64 rows × D) += A B by wgmma, issued: A's fragments from registers (`a[ks]`, 16 of the K
-// dimension each: P, dS, Pᵀ, dSᵀ), B from a core-matrix tile of KEYS rows read MN-major (V, K,
-// dO, Q).
+// dimension each: P, dS, Pᵀ, dSᵀ), B MN-major from a swizzled tile of KEYS rows (V, K, dO, Q).
 template <int D, int KEYS>
 __device__ __forceinline__ void wg_pv(float (*acc)[4], const u32 (*a)[4], const bf16_t* tile) {
     u32 base = smem_addr(tile);
     #pragma unroll
-    for (int ks = 0; ks < KEYS / 16; ks++) wgmma_rs<D, 1>(&acc[0][0], a[ks], wg_desc(base + ks * 32 * D, 16 * D, 128));
+    for (int ks = 0; ks < KEYS / 16; ks++) wgmma_rs<D, 1>(&acc[0][0], a[ks], sw_mnmajor(base, KEYS, ks));
 }
 
 // Whether the tile of query rows [i0, i0 + rows) × keys [j0, j0 + keys) needs no mask: inside
@@ -306,7 +305,7 @@ __device__ __forceinline__ void fwd_store(float (*acc)[D / 8][4], float (*m)[2],
 // MT m-tiles of 16 query rows per warp (a block: 4 warps × 16·MT rows). MT = 2 halves the K/V
 // shared-memory reads per flop (FlashAttention-2's 128-row blocks); at D 128 the doubled
 // accumulators do not fit the 255 registers, so MT = 1 there. WG: both products go through wgmma
-// (K/V tiles in core-matrix order; MT = 1) instead of mma.sync, NW warpgroups of 64 rows per block
+// (K/V tiles swizzled; MT = 1) instead of mma.sync, NW warpgroups of 64 rows per block
 // sharing each K/V tile (fewer L2 reads per flop: the single-warpgroup kernel was L2-bound).
 template <int D, int MT, bool WG = false, int NW = 1>
 __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl,
@@ -316,7 +315,7 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
     constexpr int ROWS = FM_ROWS * MT * NW;
     static_assert(WG ? MT == 1 : NW == 1, "wgmma: 64 rows per warpgroup; mma.sync: 4 warps per block");
     // Two stages of (K tile, V tile): 4·FM_KEYS·KP·2 bytes of dynamic shared memory.
-    extern __shared__ __align__(16) unsigned char fm_smem[];
+    extern __shared__ __align__(1024) unsigned char fm_smem[];  // swizzled tiles: 1024-byte aligned
     bf16_t* stage = reinterpret_cast<bf16_t*>(fm_smem);
     long tiles = (t + ROWS - 1) / ROWS;
     long qt = blockIdx.x % tiles, h = (blockIdx.x / tiles) % hq, b = blockIdx.x / (tiles * hq), kvh = h / (hq / hkv);
@@ -405,7 +404,7 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
 
 // The wgmma forward with its warps specialised (FlashAttention-3's arrangement, without TMA): NC
 // consumer warpgroups of 64 query rows each and a producer warpgroup that streams K/V tiles through
-// FW_STAGES shared-memory stages (cp.async, core-matrix order). Stages hand over through
+// FW_STAGES shared-memory stages (cp.async, swizzled). Stages hand over through
 // mbarriers (full: the producer's copies landed; empty: every consumer is done with the tile), so
 // no block-wide barrier ties the warpgroups together. Each consumer's turn on the tensor cores
 // is P·V of tile it − 1, then S = Q·Kᵀ of tile it; the warpgroups take turns (named barriers,
@@ -418,7 +417,7 @@ template <int D, int NC>
 __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl,
                              long hq, long hkv, float scale, long causal, long window) {
     constexpr int NO = D / 8, ROWS = FM_ROWS * NC, TILE = FM_KEYS * D;  // bf16 per K or V tile
-    extern __shared__ __align__(16) unsigned char fm_smem[];
+    extern __shared__ __align__(1024) unsigned char fm_smem[];  // swizzled tiles: 1024-byte aligned
     bf16_t* stage = reinterpret_cast<bf16_t*>(fm_smem);  // FW_STAGES × (K, V), then the mbarriers
     u64* full = reinterpret_cast<u64*>(stage + FW_STAGES * 2 * TILE);
     u64* empty = full + FW_STAGES;

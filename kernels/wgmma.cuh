@@ -6,11 +6,14 @@
 // mma.sync kernels runs unchanged on it. Other architectures compile these helpers to a trap; the
 // host launches the kernels that use them only on sm_90.
 //
-// wgmma's shared-memory tiles here are in core-matrix order without swizzle: a tile of rows × D
-// bf16 is cut into core matrices of 8 rows × 16 bytes, 128 contiguous bytes each, stored
-// row-group-major: chunk c (8 elements) of row r at byte ((r / 8)·(D / 8) + c)·128 + (r % 8)·16.
-// The same bytes serve as a K-major B (rows = N, D = K: S = Q Kᵀ; core matrices 128 bytes apart
-// along K, D·16 along N) and as an MN-major B (rows = K, D = N: O = P V; D·16 along K, 128 along N).
+// wgmma's shared-memory tiles here use the 128-byte swizzle (descriptor mode 1): a tile of rows × D
+// bf16 is stored as D / 64 column blocks of rows × 128 bytes (one row of 64 elements per 128
+// bytes), and within each 1024-byte group of 8 rows the 16-byte chunk c of row r sits at chunk
+// c ^ (r % 8) (the hardware applies the same XOR to address bits 4–6 from bits 7–9, so tiles
+// start on 1024-byte boundaries). Eight threads copying the eight chunks of one 128-byte row
+// read one whole line of global memory and write eight different bank groups. The same bytes
+// serve as a K-major operand (rows = M or N, D = K: S = Q Kᵀ) and as an MN-major B (rows = K,
+// D = N: O = P V); sw_kmajor and sw_mnmajor make the descriptors.
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define WG_ARCH 1
@@ -20,10 +23,28 @@
 
 typedef unsigned long long u64;
 
-// A shared-memory matrix descriptor without swizzle: start address, leading-dimension byte offset
-// (between core matrices along K) and stride-dimension byte offset (along M or N), each >> 4.
+// A shared-memory matrix descriptor: start address, leading- and stride-dimension byte offsets,
+// each >> 4; no swizzle (core matrices of 8 rows × 16 bytes: LBO between core matrices along K,
+// SBO along M or N).
 __device__ __forceinline__ u64 wg_desc(u32 addr, u32 lbo, u32 sbo) {
     return (u64)((addr >> 4) & 0x3FFF) | ((u64)((lbo >> 4) & 0x3FFF) << 16) | ((u64)((sbo >> 4) & 0x3FFF) << 32);
+}
+
+// Element offset of chunk c (8 elements) of row r in a swizzled tile of `rows` rows (see above).
+__device__ __forceinline__ int sw_offset(int r, int c, int rows) { return (c >> 3) * rows * 64 + r * 64 + ((c ^ r) & 7) * 8; }
+
+// K-major operand from a swizzled tile of `rows` rows at shared address `base` (64 of its rows:
+// start further down for others), k-step kk (16 elements of D): within a 128-byte row the step
+// moves the start by 32 bytes and the hardware's XOR finds the chunks; SBO = 1024 (8 rows), LBO
+// unused (1).
+__device__ __forceinline__ u64 sw_kmajor(u32 base, int rows, int kk) {
+    return wg_desc(base + (kk >> 2) * rows * 128 + (kk & 3) * 32, 16, 1024) | (1ull << 62);
+}
+
+// MN-major operand (rows = K, D = N) from a swizzled tile of `rows` rows, k-step ks (16 rows):
+// SBO = 1024 (next 8 rows along K), LBO = the column-block stride (next 64 along N).
+__device__ __forceinline__ u64 sw_mnmajor(u32 base, int rows, int ks) {
+    return wg_desc(base + ks * 2048, rows * 128, 1024) | (1ull << 62);
 }
 
 #if WG_ARCH
