@@ -190,13 +190,13 @@ __device__ __forceinline__ void c_to_a(u32* a, const float (*c)[4], int ks) {
     a[3] = pack_bf16(c[2 * ks + 1][2], c[2 * ks + 1][3]);
 }
 
-// S (64 rows × 64 keys) += A Bᵀ by wgmma, issued (between wg_start and wg_finish): A's fragments
-// from registers (`a[kk]`: Q or dO), B K-major from a swizzled tile of 64 rows (K or V).
-template <int D>
+// S (64 rows × N keys) += A Bᵀ by wgmma, issued (between wg_start and wg_finish): A's fragments
+// from registers (`a[kk]`: Q or dO), B K-major from a swizzled tile of N rows (K or V).
+template <int D, int N = 64>
 __device__ __forceinline__ void wg_qk(float (*s)[4], const u32 (*a)[4], const bf16_t* tile) {
     u32 base = smem_addr(tile);
     #pragma unroll
-    for (int kk = 0; kk < D / 16; kk++) wgmma_rs<64, 0>(&s[0][0], a[kk], sw_kmajor(base, 64, kk));
+    for (int kk = 0; kk < D / 16; kk++) wgmma_rs<N, 0>(&s[0][0], a[kk], sw_kmajor(base, N, kk));
 }
 
 // acc (64 rows × D) += A B by wgmma, issued: A's fragments from registers (`a[ks]`, 16 of the K
@@ -215,22 +215,22 @@ __device__ __forceinline__ bool tile_full(long i0, long rows, long j0, long keys
     return window == 0 && i0 + rows <= t && j0 + keys <= sl && (!causal || j0 + keys - 1 <= i0);
 }
 
-// One key tile's online softmax for MT m-tiles of S (this thread: rows r[mt][0] for elements 0, 1
-// and r[mt][1] for 2, 3 of each 8-key block; keys from j0): masks S unless the tile is `full`
+// One key tile's online softmax for MT m-tiles of S (NB blocks of 8 keys; this thread: rows
+// r[mt][0] for elements 0, 1 and r[mt][1] for 2, 3 of each 8-key block; keys from j0): masks S unless the tile is `full`
 // (inside the sequence, below the diagonal: a uniform branch), moves the running max m (base 2,
 // scaled) and sum l on, returns in corr the factor each row's accumulator must be scaled by and
 // P in pa as A fragments (k-steps of 16 keys). The scale is folded into one multiply-add per
 // element: the max is taken over raw scores (the scale is positive), p = 2^(s·scale2 − m).
-template <int MT>
-__device__ __forceinline__ void softmax_tile(float (*s)[8][4], float (*m)[2], float (*l)[2], float (*corr)[2],
-                                             u32 (*pa)[FM_KEYS / 16][4], bool full, const long (*r)[2], long j0,
+template <int MT, int NB = FM_KEYS / 8>
+__device__ __forceinline__ void softmax_tile(float (*s)[NB][4], float (*m)[2], float (*l)[2], float (*corr)[2],
+                                             u32 (*pa)[NB / 2][4], bool full, const long (*r)[2], long j0,
                                              long t, long sl, long causal, long window, float scale2) {
     int tg = threadIdx.x & 3;
     if (!full) {
         #pragma unroll
         for (int mt = 0; mt < MT; mt++)
             #pragma unroll
-            for (int nb = 0; nb < 8; nb++)
+            for (int nb = 0; nb < NB; nb++)
                 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     long i = r[mt][e >> 1], j = j0 + nb * 8 + tg * 2 + (e & 1);
@@ -241,7 +241,7 @@ __device__ __forceinline__ void softmax_tile(float (*s)[8][4], float (*m)[2], fl
     for (int mt = 0; mt < MT; mt++) {
         float mx[2] = {-INFINITY, -INFINITY};
         #pragma unroll
-        for (int nb = 0; nb < 8; nb++)
+        for (int nb = 0; nb < NB; nb++)
             #pragma unroll
             for (int e = 0; e < 4; e++) mx[e >> 1] = fmaxf(mx[e >> 1], s[mt][nb][e]);
         float mb[2];
@@ -256,7 +256,7 @@ __device__ __forceinline__ void softmax_tile(float (*s)[8][4], float (*m)[2], fl
         }
         float rs[2] = {0.f, 0.f};
         #pragma unroll
-        for (int nb = 0; nb < 8; nb++) {
+        for (int nb = 0; nb < NB; nb++) {
             #pragma unroll
             for (int e = 0; e < 4; e++) {
                 float p = ex2(fmaf(s[mt][nb][e], scale2, -mb[e >> 1]));
@@ -267,7 +267,7 @@ __device__ __forceinline__ void softmax_tile(float (*s)[8][4], float (*m)[2], fl
         #pragma unroll
         for (int rr = 0; rr < 2; rr++) l[mt][rr] = l[mt][rr] * corr[mt][rr] + rs[rr];  // row sums finish at the end
         #pragma unroll
-        for (int kstep = 0; kstep < FM_KEYS / 16; kstep++) c_to_a(pa[mt][kstep], s[mt], kstep);
+        for (int kstep = 0; kstep < NB / 2; kstep++) c_to_a(pa[mt][kstep], s[mt], kstep);
     }
 }
 
@@ -413,10 +413,10 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
 // each turn, before the next P·V.
 #define FW_STAGES 3
 
-template <int D, int NC>
+template <int D, int NC, int KEYS = FM_KEYS>
 __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl,
                              long hq, long hkv, float scale, long causal, long window) {
-    constexpr int NO = D / 8, ROWS = FM_ROWS * NC, TILE = FM_KEYS * D;  // bf16 per K or V tile
+    constexpr int NO = D / 8, NB = KEYS / 8, ROWS = FM_ROWS * NC, TILE = KEYS * D;  // bf16 per K or V tile
     extern __shared__ __align__(1024) unsigned char fm_smem[];  // swizzled tiles: 1024-byte aligned
     bf16_t* stage = reinterpret_cast<bf16_t*>(fm_smem);  // FW_STAGES × (K, V), then the mbarriers
     u64* full = reinterpret_cast<u64*>(stage + FW_STAGES * 2 * TILE);
@@ -425,8 +425,8 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
     long qt = blockIdx.x % tiles, h = (blockIdx.x / tiles) % hq, b = blockIdx.x / (tiles * hq), kvh = h / (hq / hkv);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3, wg = warp >> 2;
     long i0 = qt * ROWS, i1 = lmin(t, i0 + ROWS) - 1, jb, je;
-    key_range(i0, i1, sl, causal, window, FM_KEYS, &jb, &je);
-    long steps = je > jb ? (je - jb + FM_KEYS - 1) / FM_KEYS : 0;
+    key_range(i0, i1, sl, causal, window, KEYS, &jb, &je);
+    long steps = je > jb ? (je - jb + KEYS - 1) / KEYS : 0;
     if (threadIdx.x == 0) {
         for (int s = 0; s < FW_STAGES; s++) { mbar_init(&full[s], 128); mbar_init(&empty[s], NC * 128); }
     }
@@ -438,8 +438,8 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
             int st = it % FW_STAGES;
             if (it >= FW_STAGES) mbar_wait(&empty[st], ((it / FW_STAGES) - 1) & 1);
             bf16_t* kt = stage + st * 2 * TILE;
-            tile_async<D, FM_KEYS, true>(kt, k, jb + it * FM_KEYS, sl, b, hkv, kvh, threadIdx.x & 127, 128);
-            tile_async<D, FM_KEYS, true>(kt + TILE, v, jb + it * FM_KEYS, sl, b, hkv, kvh, threadIdx.x & 127, 128);
+            tile_async<D, KEYS, true>(kt, k, jb + it * KEYS, sl, b, hkv, kvh, threadIdx.x & 127, 128);
+            tile_async<D, KEYS, true>(kt + TILE, v, jb + it * KEYS, sl, b, hkv, kvh, threadIdx.x & 127, 128);
             cp_arrive(&full[st]);
         }
         cp_wait<0>();
@@ -465,8 +465,8 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
     #pragma unroll
     for (int n = 0; n < NO; n++) for (int e = 0; e < 4; e++) acc[0][n][e] = 0.f;
     const float scale2 = scale * LOG2E;
-    float s[1][8][4];
-    u32 pa[1][FM_KEYS / 16][4];
+    float s[1][NB][4];
+    u32 pa[1][NB / 2][4];
     // Turns: warpgroup w waits on named barrier 1 + w and passes the turn to the next one; the
     // last passes the first its first turn, and not after its last turn (every barrier then
     // sees as many arrivals as waits).
@@ -482,20 +482,20 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
             mbar_wait(&full[bt % FW_STAGES], (bt / FW_STAGES) & 1);
             fence_async_smem();
             #pragma unroll
-            for (int nb = 0; nb < 8; nb++) for (int e = 0; e < 4; e++) s[0][nb][e] = 0.f;
+            for (int nb = 0; nb < NB; nb++) for (int e = 0; e < 4; e++) s[0][nb][e] = 0.f;
         }
         if constexpr (NC > 1) named_sync(mine, 256);
         // P V, then S = Q Kᵀ, each waited for: P's and S's registers are not live at once (the
         // 168 registers of 3 warps per scheduler would not hold both).
         if (pv) {
             wg_start<D / 2>(&acc[0][0][0]);
-            wg_pv<D, FM_KEYS>(acc[0], pa[0], kv_prev + TILE);
+            wg_pv<D, KEYS>(acc[0], pa[0], kv_prev + TILE);
             wg_finish<D / 2>(&acc[0][0][0]);
-            wg_keep<FM_KEYS / 4>(&pa[0][0][0]);
+            wg_keep<KEYS / 4>(&pa[0][0][0]);
         }
         if (qk) {
-            wg_start<32>(&s[0][0][0]);
-            wg_qk<D>(s[0], qa, kv_cur);
+            wg_start<KEYS / 2>(&s[0][0][0]);
+            wg_qk<D, KEYS>(s[0], qa, kv_cur);
             wg_commit();
         }
         if constexpr (NC > 1) {
@@ -503,14 +503,14 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
         }
         if (qk) {
             wg_wait_all();
-            wg_pin<32>(&s[0][0][0]);
+            wg_pin<KEYS / 2>(&s[0][0][0]);
         }
         if (pv) mbar_arrive(&empty[(bt + FW_STAGES - 1) % FW_STAGES]);  // tile bt − 1 done
         if (qk) {
-            long j0 = jb + bt * FM_KEYS;
-            bool whole = tile_full(i0, ROWS, j0, FM_KEYS, t, sl, causal, window);
+            long j0 = jb + bt * KEYS;
+            bool whole = tile_full(i0, ROWS, j0, KEYS, t, sl, causal, window);
             float corr[1][2];
-            softmax_tile<1>(s, m, l, corr, pa, whole, r, j0, t, sl, causal, window, scale2);
+            softmax_tile<1, NB>(s, m, l, corr, pa, whole, r, j0, t, sl, causal, window, scale2);
             #pragma unroll
             for (int n = 0; n < NO; n++) {
                 acc[0][n][0] *= corr[0][0]; acc[0][n][1] *= corr[0][0];
@@ -543,12 +543,14 @@ FLASH_MMA(flash_fwd_mma_bf16_128, 128, 1, false, 1)
 FLASH_MMA(flash_fwd_wg2_bf16_64, 64, 1, true, 2)
 FLASH_MMA(flash_fwd_wg2_bf16_128, 128, 1, true, 2)
 FLASH_MMA(flash_fwd_wg3_bf16_128, 128, 1, true, 3)
-// The warp-specialised forward (flash_fwd_ws2_bf16_D): two consumer warpgroups (128 rows) and a
-// producer warpgroup; FW_STAGES · 2 · 64 · D · 2 bytes of K/V tiles, then 2 · FW_STAGES mbarriers.
-// Head dim 128 only: at 64 it measured slower than flash_fwd_wg2_bf16_64 (README.md).
-#define FLASH_WS(D, NC) \
-extern "C" __global__ void __launch_bounds__(128 * NC + 128, 1) flash_fwd_ws##NC##_bf16_##D(const bf16_t* q, \
+// The warp-specialised forward (flash_fwd_ws2_bf16_D, with KEYS-key tiles flash_fwd_ws2k128_bf16_D):
+// two consumer warpgroups (128 rows) and a producer warpgroup; FW_STAGES · 2 · KEYS · D · 2 bytes
+// of K/V tiles, then 2 · FW_STAGES mbarriers.
+#define FLASH_WS(NAME, D, NC, KEYS) \
+extern "C" __global__ void __launch_bounds__(128 * NC + 128, 1) NAME(const bf16_t* q, \
         const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl, long hq, long hkv, long d, \
         float scale, long causal, long window) { \
-    flash_fwd_ws<D, NC>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window); }
-FLASH_WS(128, 2)
+    flash_fwd_ws<D, NC, KEYS>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window); }
+FLASH_WS(flash_fwd_ws2_bf16_128, 128, 2, 64)
+FLASH_WS(flash_fwd_ws2_bf16_64, 64, 2, 64)
+FLASH_WS(flash_fwd_ws2k128_bf16_64, 64, 2, 128)

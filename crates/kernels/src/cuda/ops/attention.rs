@@ -49,7 +49,7 @@ fn flash(a: &AttnShape) -> bool {
 
 /// Dynamic shared memory of the tensor-core kernels that stream K/V: two stages of a 64-key K
 /// tile and V tile of `row` bf16 per key (head dim + 8 padded for ldmatrix; the head dim itself in
-/// wgmma's core-matrix order).
+/// wgmma's 128-byte swizzled layout).
 fn kv_stages(row: usize) -> u32 {
     (2 * 2 * 64 * row * 2) as u32
 }
@@ -68,17 +68,25 @@ fn wg_blocks(compiled: &[usize], default: usize) -> usize {
 
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum FwdChoice {
-    WarpSpecialised,
+    /// Per head dim and length, as measured (fwd_kernel).
+    Measured,
+    /// `FERROTRON_FLASH_FWD=wg`: warpgroups in lockstep at both head dims.
     Warpgroups,
+    /// `ws`: warp-specialised with 64-key tiles at both head dims.
+    WarpSpecialised,
+    /// `ws128`: warp-specialised, 128-key tiles at head dim 64.
+    WarpSpecialised128,
 }
 
-/// The wgmma forward at head dim 128: warp-specialised unless `FERROTRON_FLASH_FWD=wg` (the block
-/// of warpgroups in lockstep, kept to measure against).
+/// The wgmma forward: the measured choice unless `FERROTRON_FLASH_FWD` names another (kept to
+/// measure against).
 fn fwd_choice() -> FwdChoice {
     static CHOICE: std::sync::OnceLock<FwdChoice> = std::sync::OnceLock::new();
     *CHOICE.get_or_init(|| match std::env::var("FERROTRON_FLASH_FWD").as_deref() {
         Ok("wg") => FwdChoice::Warpgroups,
-        _ => FwdChoice::WarpSpecialised,
+        Ok("ws") => FwdChoice::WarpSpecialised,
+        Ok("ws128") => FwdChoice::WarpSpecialised128,
+        _ => FwdChoice::Measured,
     })
 }
 
@@ -91,21 +99,30 @@ struct TcLaunch {
     shared: u32,
 }
 
-/// The tensor-core forward for head dim `d` over `t` query rows. On sm_90, wgmma: at head dim 128
-/// the warp-specialised kernel (two consumer warpgroups, a producer warpgroup); otherwise 64 rows
-/// per warpgroup, NW warpgroups per block sharing the K/V tiles (unpadded, core-matrix order).
-/// Otherwise mma.sync, 4 warps: two m-tiles per warp at head dim 64 from 2048 rows on (H200, 16k
-/// tokens per call: 112 → 141–176 TFLOP/s from 2k to 16k, but slower at 1k than one m-tile); one
-/// otherwise (at 128 two do not fit the registers).
+/// The tensor-core forward for head dim `d` over `t` query rows. On sm_90, wgmma: the
+/// warp-specialised kernel (two consumer warpgroups, a producer warpgroup) at head dim 128, and at
+/// 64 from 2048 rows on with 128-key tiles; otherwise 64 rows per warpgroup, NW warpgroups per
+/// block sharing the K/V tiles in lockstep. Otherwise mma.sync, 4 warps: two m-tiles per warp at
+/// head dim 64 from 2048 rows on (H200, 16k tokens per call: 112 → 141–176 TFLOP/s from 2k to
+/// 16k, but slower at 1k than one m-tile); one otherwise (at 128 two do not fit the registers).
 fn fwd_kernel(be: &B, d: usize, t: usize) -> TcLaunch {
-    if be.use_wgmma() && d == 128 && fwd_choice() == FwdChoice::WarpSpecialised {
-        // H200, 16k tokens per call: 198–306 TFLOP/s over 1k–16k (the warpgroups in lockstep:
-        // 166–284). Not at head dim 64 (141–204 against 187–263: the softmax outweighs the
-        // products there, and the lockstep kernel fits two blocks per SM).
-        // Two consumer warpgroups of 64 rows and a producer warpgroup; FW_STAGES (3) stages of K
-        // and V tiles, then 2 · 3 mbarriers.
-        let shared = (3 * 2 * 64 * d * 2 + 2 * 3 * 8) as u32;
-        TcLaunch { name: format!("flash_fwd_ws2_bf16_{d}"), rows: 128, threads: 3 * 128, shared }
+    use FwdChoice::*;
+    // H200, 16k tokens per call, swizzled tiles (kernels/README.md, v12): at head dim 128 the
+    // warp-specialised kernel 234–365 TFLOP/s over 1k–16k, the lockstep one 189–325; at 64 with
+    // 128-key tiles 193–326 against the lockstep kernel's 200–283 (which fits two blocks per SM
+    // and stays ahead at 1k) and 170–282 with 64-key tiles.
+    let ws_keys = match (d, fwd_choice()) {
+        (128, Measured | WarpSpecialised | WarpSpecialised128) | (64, WarpSpecialised) => Some(64),
+        (64, WarpSpecialised128) => Some(128),
+        (64, Measured) if t >= 2048 => Some(128),
+        _ => None,
+    };
+    if let (true, Some(keys)) = (be.use_wgmma(), ws_keys) {
+        // FW_STAGES (3) stages of K and V tiles, then 2 · 3 mbarriers.
+        let shared = (3 * 2 * keys * d * 2 + 2 * 3 * 8) as u32;
+        let name =
+            if keys == 64 { format!("flash_fwd_ws2_bf16_{d}") } else { format!("flash_fwd_ws2k{keys}_bf16_{d}") };
+        TcLaunch { name, rows: 128, threads: 3 * 128, shared }
     } else if be.use_wgmma() {
         // H200, 16k tokens per call (NW = 1 was L2-bound): D 64 NW 2 (178–246 TFLOP/s over 1k–16k;
         // 4: 144–227, 1: 137–168); D 128 NW 3 from 2k rows (190–243), 2 at 1k (156 vs 145).
@@ -121,15 +138,17 @@ fn fwd_kernel(be: &B, d: usize, t: usize) -> TcLaunch {
 
 /// The tensor-core backward's kernels: with wgmma and unless deterministic, one kernel for dK, dV
 /// and dQ (keys per block; dQ's 64 × 64 pieces added into fp32 tiles by bulk reductions), else the
-/// dQ kernel (query rows per block) and the dK/dV kernel.
+/// dQ kernel (query rows per block) and the dK/dV kernel. At head dim 64 up to 2048 rows the two
+/// kernels measured faster (H200, 16k tokens per call, swizzled tiles: 152 and 182 TFLOP/s
+/// against 142 and 176 at 1k and 2k; equal at 4k, the one kernel ahead from 8k).
 enum BwdKernels {
     Fused(TcLaunch),
     Split(TcLaunch, TcLaunch),
 }
 
-fn bwd_plan(be: &B, d: usize) -> BwdKernels {
+fn bwd_plan(be: &B, d: usize, t: usize) -> BwdKernels {
     let (dq, dkv) = bwd_kernels(be, d);
-    if !be.use_wgmma() || crate::cuda::deterministic() {
+    if !be.use_wgmma() || crate::cuda::deterministic() || (d == 64 && t <= 2048) {
         return BwdKernels::Split(dq, dkv);
     }
     let nw = dkv.rows / 64;
@@ -140,7 +159,7 @@ fn bwd_plan(be: &B, d: usize) -> BwdKernels {
 }
 
 /// The tensor-core backward's dQ kernel (query rows per block) and dK/dV kernel (keys per block):
-/// wgmma on sm_90 (tiles unpadded, in core-matrix order; NW warpgroups of 64 rows or keys sharing
+/// wgmma on sm_90 (tiles unpadded, 128-byte swizzled; NW warpgroups of 64 rows or keys sharing
 /// the streamed tiles), mma.sync elsewhere (4 warps, rows padded for ldmatrix).
 fn bwd_kernels(be: &B, d: usize) -> (TcLaunch, TcLaunch) {
     let (kind, nw, row) = if be.use_wgmma() {
@@ -221,7 +240,7 @@ fn flash_bwd(
             v.extend(attn_tail(a));
             Ok(v)
         };
-        match bwd_plan(be, d.d) {
+        match bwd_plan(be, d.d, d.t) {
             BwdKernels::Fused(l) => {
                 // dQ's fp32 tiles (64 rows × 64 columns per batch and head, rows padded to 64)
                 // start at zero (never poisoned); then one pass to bf16 [B, T, Hq, D].
