@@ -1,7 +1,7 @@
 // Flash attention backward on tensor cores (bf16 in, fp32 accumulate): mma.sync m16n8k16 as in
 // flash_mma.cu, FlashAttention-2's tiling, no atomics (same bits every run; the wgmma default
 // below, flash_bwd_dkvq, is the exception). Three kernels:
-//   flash_bwd_delta_bf16      delta = rowsum(dO ∘ O), one warp per (token, head) row.
+//   flash_bwd_delta_bf16      delta = rowsum(dO ∘ O), d / 8 lanes per (token, head) row.
 //   flash_bwd_dq_mma_bf16_D   4 warps × 16 query rows of one (batch, head), over key tiles:
 //                             S = Q Kᵀ, P = exp(S·scale − lse), dP = dO Vᵀ, dS = P ∘ (dP − delta),
 //                             dQ += dS K.
@@ -25,17 +25,27 @@
 #define FB_ROWS 64  // query rows per tile
 #define FB_KEYS 64  // keys per tile
 
-extern "C" __global__ void flash_bwd_delta_bf16(const bf16_t* o, const bf16_t* dout, float* delta, long rows, long t,
-                                                long hq, long d) {
-    long w = ((long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    int lane = threadIdx.x & 31;
-    if (w >= rows) return;
+// delta = rowsum(dO ∘ O) for rows of [B, T, Hq] (delta is [B, Hq, T]): eight elements per thread
+// (16-byte loads, o and dout 16-byte aligned), d / 8 lanes per row, a power of two up to 32 (head
+// dims 64 and 128: 8 and 16), so a row's lanes sit in one warp.
+extern "C" __global__ void flash_bwd_delta_bf16(const bf16_t* o, const bf16_t* dout, float* delta, long rows,
+                                                long t, long hq, long d) {
+    int lanes = d / 8;
+    long x = (long)blockIdx.x * blockDim.x + threadIdx.x, w = x / lanes;
+    int c = x % lanes;
     float s = 0.f;
-    for (long e = lane; e < d; e += 32) s += ld(o, w * d + e) * ld(dout, w * d + e);
-    for (int x = 16; x > 0; x >>= 1) s += __shfl_xor_sync(0xffffffffu, s, x);
-    // Row w of [B, T, Hq] is (b, i, h); delta is [B, Hq, T].
-    long h = w % hq, i = (w / hq) % t, b = w / (hq * t);
-    if (lane == 0) delta[(b * hq + h) * t + i] = s;
+    if (w < rows) {
+        float a[8], g[8];
+        ld8(o, w * d + c * 8, a);
+        ld8(dout, w * d + c * 8, g);
+        #pragma unroll
+        for (int j = 0; j < 8; j++) s += a[j] * g[j];
+    }
+    for (int m = lanes / 2; m > 0; m >>= 1) s += __shfl_xor_sync(0xffffffffu, s, m);
+    if (w < rows && c == 0) {
+        long h = w % hq, i = (w / hq) % t, b = w / (hq * t);
+        delta[(b * hq + h) * t + i] = s;
+    }
 }
 
 template <int D, bool WG = false, int NW = 1>

@@ -1,5 +1,8 @@
-// Rotary embedding, rotate-half: one thread per (token, head, pair). Angles in f64 so that long
-// positions match the CPU reference.
+// Rotary embedding, rotate-half. Angles in f64 so that long positions match the CPU reference.
+// One thread per (token, head, pair), each computing its angle; or, eight-wide (`_v8`, when the
+// half and the pass-through part divide by 8 and the tensors are 16-byte aligned), one thread per
+// eight pairs reading the angles from a table that `rope_table` fills once per call (the
+// one-element kernel recomputes every angle for every head: f64 pow, sin and cos per pair).
 
 #define ROPE(s, T) \
 extern "C" __global__ void rope_##s(const T* x, T* y, long rows, long t, long h, long d, long rot, long pos0, double base, float sign) { \
@@ -14,3 +17,38 @@ extern "C" __global__ void rope_##s(const T* x, T* y, long rows, long t, long h,
             st(y, base_i + k, a * c - b * sn); st(y, base_i + k + half, b * c + a * sn); \
         } else { long j = rot + (k - half); st(y, base_i + j, ld(x, base_i + j)); } } }
 FOR_TYPES(ROPE)
+
+// cs[p · half + k] = (cos, sin) of the angle of position pos0 + p and pair k, rounded to f32 as
+// the one-element kernel rounds them.
+extern "C" __global__ void rope_table(float2* cs, long t, long rot, long pos0, double base) {
+    long half = rot / 2;
+    GRID_STRIDE(i, t * half) {
+        long p = i / half, k = i % half;
+        double ang = (double)(pos0 + p) * pow(base, -2.0 * (double)k / (double)rot);
+        cs[i] = make_float2((float)cos(ang), (float)sin(ang));
+    }
+}
+
+// Per (token, head): half / 8 groups of eight pairs, then (d − rot) / 8 groups copied through.
+#define ROPE8(s, T) \
+extern "C" __global__ void rope_##s##_v8(const T* x, T* y, const float2* cs, long rows, long t, long h, long d, long rot, float sign) { \
+    long half = rot / 2, hc = half / 8, nc = hc + (d - rot) / 8; \
+    GRID_STRIDE(idx, rows * h * nc) { \
+        long c = idx % nc, hr = idx / nc, base_i = hr * d; \
+        if (c < hc) { \
+            long k0 = c * 8; \
+            float a[8], b[8], ya[8], yb[8]; \
+            ld8(x, base_i + k0, a); ld8(x, base_i + k0 + half, b); \
+            const float4* e = reinterpret_cast<const float4*>(cs + ((hr / h) % t) * half + k0); \
+            _Pragma("unroll") for (int j = 0; j < 4; j++) { \
+                float4 w = e[j]; \
+                float c0 = w.x, s0 = sign * w.y, c1 = w.z, s1 = sign * w.w; \
+                ya[2 * j] = a[2 * j] * c0 - b[2 * j] * s0; yb[2 * j] = b[2 * j] * c0 + a[2 * j] * s0; \
+                ya[2 * j + 1] = a[2 * j + 1] * c1 - b[2 * j + 1] * s1; yb[2 * j + 1] = b[2 * j + 1] * c1 + a[2 * j + 1] * s1; \
+            } \
+            st8(y, base_i + k0, ya); st8(y, base_i + k0 + half, yb); \
+        } else { \
+            float v[8]; long j = rot + (c - hc) * 8; \
+            ld8(x, base_i + j, v); st8(y, base_i + j, v); \
+        } } }
+FOR_TYPES(ROPE8)

@@ -134,11 +134,19 @@ fn every_op_matches_cpu() {
             let lin_odd = k::matmul_bias(&t[0], &t[2], &t[3].view(1, [9]).unwrap(), false, true).unwrap();
             vec![p, lin, da, db, dl, dw, tt, lin_b, lin_odd]
         });
+        // RoPE one pair per thread (a half of 6), then eight pairs per thread from the angle table
+        // (halves of 32 and 24, the latter with 16 dims passed through), at long positions.
         let heads = rnd(&[2, 6, 4, 16], 9, dt);
-        let rope = RopeCfg { rot: 12, base: 10000.0, pos0: 3 };
-        check("rope", dt, std::slice::from_ref(&heads), |t| {
-            vec![k::rope_fwd(&t[0], &rope).unwrap(), k::rope_bwd(&t[0], &rope).unwrap()]
-        });
+        let heads64 = rnd(&[2, 9, 3, 64], 31, dt);
+        for (x, rope) in [
+            (&heads, RopeCfg { rot: 12, base: 10000.0, pos0: 3 }),
+            (&heads64, RopeCfg { rot: 64, base: 500000.0, pos0: 4000 }),
+            (&heads64, RopeCfg { rot: 48, base: 10000.0, pos0: 7 }),
+        ] {
+            check(&format!("rope {rope:?}"), dt, std::slice::from_ref(x), |t| {
+                vec![k::rope_fwd(&t[0], &rope).unwrap(), k::rope_bwd(&t[0], &rope).unwrap()]
+            });
+        }
         let (q, kk, v, dout) = (
             rnd(&[2, 7, 4, 16], 10, dt),
             rnd(&[2, 7, 2, 16], 11, dt),

@@ -225,12 +225,13 @@ fn flash_bwd(
     let d = a.dims;
     let sfx = sfx("attention_bwd", q.dtype())?;
     let delta = new(be, [d.b, d.hq, d.t], DType::F32)?;
-    if mma_ok(q, &[q, k, v, dout], a)? {
+    if mma_ok(q, &[q, k, v, dout, o], a)? {
         // Tensor cores (kernels/flash_bwd_mma.cu), gradients in bf16.
         let (dk, dv) = (new(be, k.shape().clone(), DType::BF16)?, new(be, v.shape().clone(), DType::BF16)?);
         let rows = d.b * d.t * d.hq;
         let args = [ptr("attn", o)?, ptr("attn", dout)?, ptr("attn", &delta)?, n(rows), n(d.t), n(d.hq), n(d.d)];
-        be.launch("flash_bwd_delta_bf16", rows.div_ceil(8) as u32, 256, 0, &args)?;
+        // d / 8 threads per row, 16-byte loads (head dims 64 and 128, every tile aligned here).
+        be.launch("flash_bwd_delta_bf16", (rows * d.d / 8).div_ceil(256) as u32, 256, 0, &args)?;
         let head = |outs: &[&Tensor]| -> Result<Vec<Arg>> {
             let mut v = vec![ptr("attn", q)?, ptr("attn", k)?, ptr("attn", v)?, ptr("attn", lse)?];
             v.extend([ptr("attn", &delta)?, ptr("attn", dout)?]);

@@ -6,11 +6,30 @@ pub fn rope(be: &B, x: &Tensor, cfg: &crate::RopeCfg, sign: f32) -> Result<Tenso
     let d = x.dims();
     let (rows, t, h, hd) = (d[0] * d[1], d[1], d[2], d[3]);
     let y = new(be, x.shape().clone(), x.dtype())?;
-    let work = rows * h * (cfg.rot / 2 + (hd - cfg.rot));
-    let name = format!("rope_{}", sfx("rope", x.dtype())?);
+    let sfx = sfx("rope", x.dtype())?;
+    let half = cfg.rot / 2;
+    if half % 8 == 0 && (hd - cfg.rot) % 8 == 0 && aligned16(&[x, &y])? {
+        // Eight pairs per thread, the angles from a table filled once per call (rope.cu).
+        let cs = new(be, [t, half, 2], DType::F32)?;
+        ew(be, "rope_table", t * half, &[ptr("rope", &cs)?, n(t), n(cfg.rot), n(cfg.pos0), Arg::F64(cfg.base)])?;
+        let args = [
+            ptr("rope", x)?,
+            ptr("rope", &y)?,
+            ptr("rope", &cs)?,
+            n(rows),
+            n(t),
+            n(h),
+            n(hd),
+            n(cfg.rot),
+            Arg::F32(sign),
+        ];
+        ew(be, &format!("rope_{sfx}_v8"), rows * h * (half / 8 + (hd - cfg.rot) / 8), &args)?;
+        return Ok(y);
+    }
+    let work = rows * h * (half + (hd - cfg.rot));
     ew(
         be,
-        &name,
+        &format!("rope_{sfx}"),
         work,
         &[
             ptr("rope", x)?,
