@@ -84,6 +84,6 @@ extern "C" __global__ void swiglu_bwd_##s##_v8(const T* x, const T* dy, T* dx, l
 extern "C" __global__ void bias_grad_##s##_v8(const T* dy, float* db, long rows, long c) { \
     GRID_STRIDE(i, (rows + COL_CHUNK - 1) / COL_CHUNK * (c / 8)) { long j = i % (c / 8) * 8, ch = i / (c / 8), r0 = ch * COL_CHUNK; \
         long r1 = r0 + COL_CHUNK < rows ? r0 + COL_CHUNK : rows; float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}; \
-        for (long r = r0; r < r1; r++) { float g[8]; ld8(dy, r * c + j, g); _Pragma("unroll") for (int e = 0; e < 8; e++) a[e] += g[e]; } \
+        _Pragma("unroll 4") for (long r = r0; r < r1; r++) { float g[8]; ld8(dy, r * c + j, g); _Pragma("unroll") for (int e = 0; e < 8; e++) a[e] += g[e]; } \
         st8(db, ch * c + j, a); } }
 FOR_TYPES(ELEMENTWISE_V8)

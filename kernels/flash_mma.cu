@@ -318,7 +318,8 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
     extern __shared__ __align__(1024) unsigned char fm_smem[];  // swizzled tiles: 1024-byte aligned
     bf16_t* stage = reinterpret_cast<bf16_t*>(fm_smem);
     long tiles = (t + ROWS - 1) / ROWS;
-    long qt = blockIdx.x % tiles, h = (blockIdx.x / tiles) % hq, b = blockIdx.x / (tiles * hq), kvh = h / (hq / hkv);
+    // Within a head, the last query tiles (the most keys under a causal mask) start first.
+    long qt = tiles - 1 - blockIdx.x % tiles, h = (blockIdx.x / tiles) % hq, b = blockIdx.x / (tiles * hq), kvh = h / (hq / hkv);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
     // This thread's rows: r[mt][0] and r[mt][1] = r[mt][0] + 8 of m-tile mt.
     long r[MT][2];
@@ -422,7 +423,8 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
     u64* full = reinterpret_cast<u64*>(stage + FW_STAGES * 2 * TILE);
     u64* empty = full + FW_STAGES;
     long tiles = (t + ROWS - 1) / ROWS;
-    long qt = blockIdx.x % tiles, h = (blockIdx.x / tiles) % hq, b = blockIdx.x / (tiles * hq), kvh = h / (hq / hkv);
+    // Within a head, the last query tiles (the most keys under a causal mask) start first.
+    long qt = tiles - 1 - blockIdx.x % tiles, h = (blockIdx.x / tiles) % hq, b = blockIdx.x / (tiles * hq), kvh = h / (hq / hkv);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3, wg = warp >> 2;
     long i0 = qt * ROWS, i1 = lmin(t, i0 + ROWS) - 1, jb, je;
     key_range(i0, i1, sl, causal, window, KEYS, &jb, &je);

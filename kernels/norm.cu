@@ -107,11 +107,11 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_bwd_##s##_v8(
     sgx = block_sum(sgx) / c; \
     ROW_GROUPS(k, j) { float a[8]; add_res8(res, r * c + j, a); \
         for (int e = 0; e < 8; e++) gw[k][e] = rs * (gw[k][e] - xv[k][e] * rs * sgx) + a[e]; st8(dx, r * c + j, gw[k]); } } \
-/* Parameter-gradient partials over eight columns per thread (c % 8 == 0): 16-byte row reads. */ \
+/* Parameter-gradient partials over eight columns per thread (c % 8 == 0): 16-byte row reads, four rows' loads in flight (the sums keep their order). */ \
 extern "C" __global__ void norm_param_grad_##s##_v8(const T* dy, const T* x, const float* mean, const float* rstd, float* dw, float* db, long rows, long c) { \
     GRID_STRIDE(i, (rows + COL_CHUNK - 1) / COL_CHUNK * (c / 8)) { long j = i % (c / 8) * 8, ch = i / (c / 8), r0 = ch * COL_CHUNK; \
         long r1 = r0 + COL_CHUNK < rows ? r0 + COL_CHUNK : rows; float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, bs[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}; \
-        for (long r = r0; r < r1; r++) { float g[8], xv[8]; ld8(dy, r * c + j, g); ld8(x, r * c + j, xv); float mu = mean ? mean[r] : 0.f, rs = rstd[r]; \
+        _Pragma("unroll 4") for (long r = r0; r < r1; r++) { float g[8], xv[8]; ld8(dy, r * c + j, g); ld8(x, r * c + j, xv); float mu = mean ? mean[r] : 0.f, rs = rstd[r]; \
             _Pragma("unroll") for (int e = 0; e < 8; e++) { a[e] += g[e] * (xv[e] - mu) * rs; bs[e] += g[e]; } } \
         st8(dw, ch * c + j, a); if (db) st8(db, ch * c + j, bs); } }
 FOR_TYPES(NORMS_V8)
