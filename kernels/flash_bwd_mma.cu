@@ -59,7 +59,8 @@ __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t*
     bf16_t* stage = reinterpret_cast<bf16_t*>(fb_smem);
     long tiles = (t + ROWS - 1) / ROWS;
     // Within a head, the last query tiles (the most keys under a causal mask) start first.
-    long qt = tiles - 1 - blockIdx.x % tiles, h = (blockIdx.x / tiles) % hq, b = blockIdx.x / (tiles * hq), kvh = h / (hq / hkv);
+    long qt = tiles - 1 - blockIdx.x % tiles, h = (blockIdx.x / tiles) % hq, b = blockIdx.x / (tiles * hq);
+    long kvh = h / (hq / hkv);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
     long r0 = qt * ROWS + warp * 16 + g, r1 = r0 + 8;  // this thread's two rows
     // A fragments of Q and dO for every k-step (registers for the whole kernel).

@@ -216,11 +216,12 @@ __device__ __forceinline__ bool tile_full(long i0, long rows, long j0, long keys
 }
 
 // One key tile's online softmax for MT m-tiles of S (NB blocks of 8 keys; this thread: rows
-// r[mt][0] for elements 0, 1 and r[mt][1] for 2, 3 of each 8-key block; keys from j0): masks S unless the tile is `full`
-// (inside the sequence, below the diagonal: a uniform branch), moves the running max m (base 2,
-// scaled) and sum l on, returns in corr the factor each row's accumulator must be scaled by and
-// P in pa as A fragments (k-steps of 16 keys). The scale is folded into one multiply-add per
-// element: the max is taken over raw scores (the scale is positive), p = 2^(s·scale2 − m).
+// r[mt][0] for elements 0, 1 and r[mt][1] for 2, 3 of each 8-key block; keys from j0): masks S
+// unless the tile is `full` (inside the sequence, below the diagonal: a uniform branch), moves
+// the running max m (base 2, scaled) and sum l on, returns in corr the factor each row's
+// accumulator must be scaled by and P in pa as A fragments (k-steps of 16 keys). The scale is
+// folded into one multiply-add per element: the max is taken over raw scores (the scale is
+// positive), p = 2^(s·scale2 − m).
 template <int MT, int NB = FM_KEYS / 8>
 __device__ __forceinline__ void softmax_tile(float (*s)[NB][4], float (*m)[2], float (*l)[2], float (*corr)[2],
                                              u32 (*pa)[NB / 2][4], bool full, const long (*r)[2], long j0,
@@ -319,7 +320,8 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
     bf16_t* stage = reinterpret_cast<bf16_t*>(fm_smem);
     long tiles = (t + ROWS - 1) / ROWS;
     // Within a head, the last query tiles (the most keys under a causal mask) start first.
-    long qt = tiles - 1 - blockIdx.x % tiles, h = (blockIdx.x / tiles) % hq, b = blockIdx.x / (tiles * hq), kvh = h / (hq / hkv);
+    long qt = tiles - 1 - blockIdx.x % tiles, h = (blockIdx.x / tiles) % hq, b = blockIdx.x / (tiles * hq);
+    long kvh = h / (hq / hkv);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
     // This thread's rows: r[mt][0] and r[mt][1] = r[mt][0] + 8 of m-tile mt.
     long r[MT][2];
@@ -424,7 +426,8 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
     u64* empty = full + FW_STAGES;
     long tiles = (t + ROWS - 1) / ROWS;
     // Within a head, the last query tiles (the most keys under a causal mask) start first.
-    long qt = tiles - 1 - blockIdx.x % tiles, h = (blockIdx.x / tiles) % hq, b = blockIdx.x / (tiles * hq), kvh = h / (hq / hkv);
+    long qt = tiles - 1 - blockIdx.x % tiles, h = (blockIdx.x / tiles) % hq, b = blockIdx.x / (tiles * hq);
+    long kvh = h / (hq / hkv);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3, wg = warp >> 2;
     long i0 = qt * ROWS, i1 = lmin(t, i0 + ROWS) - 1, jb, je;
     key_range(i0, i1, sl, causal, window, KEYS, &jb, &je);
