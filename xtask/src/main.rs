@@ -1,5 +1,6 @@
 //! `cargo xtask <command>`: tidy (layering and house rules), bench (criterion CPU benches; `--gpu`
-//! for Ferrotron against PyTorch on one GPU, `--scaling` for several), gpu-parity (every
+//! for Ferrotron against PyTorch on one GPU, `--gpu-profile` for its time by kernel, `--scaling`
+//! for several GPUs), gpu-parity (every
 //! multi-GPU layout against one GPU), ptx (compile kernels/ with nvcc ahead of time) and gpu-test
 //! (build the CUDA test binaries and run them where a GPU is, or stage them for a GPU machine).
 
@@ -31,6 +32,7 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Some("bench") if args.get(1).map(String::as_str) == Some("--gpu") => gpu_bench(&args[2..]),
+        Some("bench") if args.get(1).map(String::as_str) == Some("--gpu-profile") => gpu_profile(&args[2..]),
         Some("bench") if args.get(1).map(String::as_str) == Some("--scaling") => {
             multi::scaling(&args[2..], root().join("target/release/ferrotron"))
         }
@@ -51,7 +53,7 @@ fn main() -> anyhow::Result<()> {
         Some("gpu-test") => gpu_test(args.get(1).map(PathBuf::from)),
         _ => {
             eprintln!(
-                "usage: cargo xtask tidy | bench [criterion args] | bench --gpu [FERROTRON_BIN] [PRESET...] | bench --scaling [FERROTRON_BIN] [--gpus N] [--plot FILE] | gpu-parity [FERROTRON_BIN] [--gpus N] | ptx [sm_XX] | gpu-test [STAGE_DIR]"
+                "usage: cargo xtask tidy | bench [criterion args] | bench --gpu [FERROTRON_BIN] [PRESET...] | bench --gpu-profile [FERROTRON_BIN] [PRESET...] | bench --scaling [FERROTRON_BIN] [--gpus N] [--plot FILE] | gpu-parity [FERROTRON_BIN] [--gpus N] | ptx [sm_XX] | gpu-test [STAGE_DIR]"
             );
             bail!("unknown command {:?}", args.first());
         }
@@ -223,6 +225,16 @@ fn bench_shape(preset: &str) -> Option<BenchShape> {
     Some(BenchShape { layers, hidden, heads, seq, micro, torch_style })
 }
 
+/// `ferrotron train` arguments of a GPU bench run: bf16 on CUDA, one evaluation batch (at the
+/// end), a log line per step, `micro` as both micro and global batch.
+fn bench_train_args(preset: &str, micro: usize, iters: u64) -> Vec<String> {
+    let mut a = multi::owned(&["train", "--device", "cuda", "--bf16", "--preset", preset, "--no-progress"]);
+    a.extend(multi::owned(&["--log-interval", "1", "--eval-iters", "1", "--eval-interval", "1000000"]));
+    a.extend(multi::owned(&["--corpus-docs", "3000", "--micro-batch-size", &micro.to_string()]));
+    a.extend(multi::owned(&["--global-batch-size", &micro.to_string(), "--train-iters", &iters.to_string()]));
+    a
+}
+
 /// Largest `memory.used` nvidia-smi reports while `child` runs, in GiB.
 fn watch_memory(child: &mut std::process::Child) -> anyhow::Result<f64> {
     let mut peak = 0f64;
@@ -249,16 +261,53 @@ fn header_flops_per_token(log: &str) -> Option<f64> {
     m.parse::<f64>().ok().map(|x| x * 1e6)
 }
 
-/// `cargo xtask bench --gpu [FERROTRON_BIN] [PRESET...]`: Ferrotron (bf16) and the PyTorch reference
-/// (torch.compile + SDPA, bf16 autocast) on the same GPT in the same command: tokens/s, MFU, peak
-/// memory and the ratio. Runs on the GPU machine (no cargo needed there). Environment:
-/// BENCH_ITERS (steps, default 6), BENCH_MICRO (micro-batch override), BENCH_TORCH=0 (Ferrotron only).
-fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
+/// `cargo xtask bench --gpu-profile [FERROTRON_BIN] [PRESET...]`: where a bench step's GPU time
+/// goes. Runs the bench's `ferrotron train` (PROFILE_ITERS steps, default 2, plus the final
+/// evaluation batch) under Nsight Compute, timing every kernel (`gpu__time_duration`, clocks left
+/// alone), and prints the kernels by total time (PROFILE_TOP rows, default 30).
+fn gpu_profile(args: &[String]) -> anyhow::Result<()> {
+    let (bin, presets) = bench_bin_and_presets(args);
+    let iters = std::env::var("PROFILE_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(2u64);
+    let top = std::env::var("PROFILE_TOP").ok().and_then(|v| v.parse().ok()).unwrap_or(30usize);
+    let ncu = ["ncu", "/usr/local/cuda/bin/ncu"]
+        .into_iter()
+        .find(|c| Command::new(c).arg("--version").output().is_ok_and(|o| o.status.success()))
+        .context("Nsight Compute (ncu) not found on PATH or in /usr/local/cuda/bin")?;
+    for p in &presets {
+        let shape =
+            bench_shape(p).with_context(|| format!("no GPU bench shape for preset {p}: use 124m, 1.3b or llama-1b"))?;
+        let out = Command::new(ncu)
+            .args(["--clock-control", "none", "--metrics", "gpu__time_duration.sum", "--csv"])
+            .arg(&bin)
+            .args(bench_train_args(p, shape.micro, iters))
+            .output()
+            .with_context(|| format!("running {ncu} on {}", bin.display()))?;
+        if !out.status.success() {
+            bail!("{ncu} on {p} exited with {}: {}", out.status, String::from_utf8_lossy(&out.stderr));
+        }
+        let rows = xtask::profile::kernel_times(&String::from_utf8_lossy(&out.stdout))?;
+        print!("{}", xtask::profile::table(p, &rows, top));
+    }
+    Ok(())
+}
+
+/// The ferrotron binary (an explicit first argument, else target/release/ferrotron) and the
+/// presets (all three when none is named).
+fn bench_bin_and_presets(args: &[String]) -> (PathBuf, Vec<String>) {
     let (bin, presets): (PathBuf, Vec<String>) = match args.first() {
         Some(a) if bench_shape(a).is_none() => (PathBuf::from(a), args[1..].to_vec()),
         _ => (root().join("target/release/ferrotron"), args.to_vec()),
     };
     let presets = if presets.is_empty() { multi::owned(&["124m", "1.3b", "llama-1b"]) } else { presets };
+    (bin, presets)
+}
+
+/// `cargo xtask bench --gpu [FERROTRON_BIN] [PRESET...]`: Ferrotron (bf16) and the PyTorch reference
+/// (torch.compile + SDPA, bf16 autocast) on the same GPT in the same command: tokens/s, MFU, peak
+/// memory and the ratio. Runs on the GPU machine (no cargo needed there). Environment:
+/// BENCH_ITERS (steps, default 6), BENCH_MICRO (micro-batch override), BENCH_TORCH=0 (Ferrotron only).
+fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
+    let (bin, presets) = bench_bin_and_presets(args);
     let iters = std::env::var("BENCH_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(6u64);
     println!("| model | implementation | tokens/s | MFU | peak memory GiB | last train loss |");
     println!("|---|---|---|---|---|---|");
@@ -271,28 +320,7 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
         let dir = std::env::temp_dir().join(format!("ferrotron-bench-{p}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let mut child = Command::new(&bin)
-            .args([
-                "train",
-                "--device",
-                "cuda",
-                "--bf16",
-                "--preset",
-                p,
-                "--no-progress",
-                "--log-interval",
-                "1",
-                "--eval-iters",
-                "1",
-            ])
-            .args(["--eval-interval", "1000000", "--corpus-docs", "3000"])
-            .args([
-                "--micro-batch-size",
-                &micro.to_string(),
-                "--global-batch-size",
-                &micro.to_string(),
-                "--train-iters",
-                &iters.to_string(),
-            ])
+            .args(bench_train_args(p, micro, iters))
             .arg("--metrics-file")
             .arg(dir.join("metrics.jsonl"))
             .stderr(std::process::Stdio::piped())
