@@ -31,12 +31,14 @@ __device__ __forceinline__ u64 wg_desc(u32 addr, u32 lbo, u32 sbo) {
 }
 
 // Element offset of chunk c (8 elements) of row r in a swizzled tile of `rows` rows (see above).
-__device__ __forceinline__ int sw_offset(int r, int c, int rows) { return (c >> 3) * rows * 64 + r * 64 + ((c ^ r) & 7) * 8; }
+__device__ __forceinline__ int sw_offset(int r, int c, int rows) {
+    return (c >> 3) * rows * 64 + r * 64 + ((c ^ r) & 7) * 8;
+}
 
-// K-major operand from a swizzled tile of `rows` rows at shared address `base` (64 of its rows:
-// start further down for others), k-step kk (16 elements of D): within a 128-byte row the step
-// moves the start by 32 bytes and the hardware's XOR finds the chunks; SBO = 1024 (8 rows), LBO
-// unused (1).
+// K-major operand (rows = M or N, D = K) from a swizzled tile of `rows` rows, its first row at
+// shared address `base` (row r of the tile starts r · 128 bytes after row 0), k-step kk (16
+// elements of D): within a 128-byte row the step moves the start by 32 bytes and the hardware's
+// XOR finds the chunks; SBO = 1024 (8 rows), LBO unused (1).
 __device__ __forceinline__ u64 sw_kmajor(u32 base, int rows, int kk) {
     return wg_desc(base + (kk >> 2) * rows * 128 + (kk & 3) * 32, 16, 1024) | (1ull << 62);
 }
