@@ -4,6 +4,12 @@
 // eight pairs reading the angles from a table that `rope_table` fills once per call (the
 // one-element kernel recomputes every angle for every head: f64 pow, sin and cos per pair).
 
+// (cos, sin) of the angle of position `pos` and pair k, computed in f64, rounded to f32.
+__device__ __forceinline__ float2 rope_cs(long pos, long k, long rot, double base) {
+    double ang = (double)pos * pow(base, -2.0 * (double)k / (double)rot);
+    return make_float2((float)cos(ang), (float)sin(ang));
+}
+
 #define ROPE(s, T) \
 extern "C" __global__ void rope_##s(const T* x, T* y, long rows, long t, long h, long d, long rot, long pos0, double base, float sign) { \
     long half = rot / 2, pass = d - rot; \
@@ -11,22 +17,17 @@ extern "C" __global__ void rope_##s(const T* x, T* y, long rows, long t, long h,
         long k = idx % (half + pass), hr = idx / (half + pass), row = hr / h; \
         long base_i = hr * d; \
         if (k < half) { \
-            double ang = (double)(pos0 + row % t) * pow(base, -2.0 * (double)k / (double)rot); \
-            float c = (float)cos(ang), sn = sign * (float)sin(ang); \
+            float2 cs = rope_cs(pos0 + row % t, k, rot, base); \
+            float c = cs.x, sn = sign * cs.y; \
             float a = ld(x, base_i + k), b = ld(x, base_i + k + half); \
             st(y, base_i + k, a * c - b * sn); st(y, base_i + k + half, b * c + a * sn); \
         } else { long j = rot + (k - half); st(y, base_i + j, ld(x, base_i + j)); } } }
 FOR_TYPES(ROPE)
 
-// cs[p · half + k] = (cos, sin) of the angle of position pos0 + p and pair k, rounded to f32 as
-// the one-element kernel rounds them.
+// cs[p · half + k] = rope_cs of position pos0 + p and pair k (the one-element kernel's values).
 extern "C" __global__ void rope_table(float2* cs, long t, long rot, long pos0, double base) {
     long half = rot / 2;
-    GRID_STRIDE(i, t * half) {
-        long p = i / half, k = i % half;
-        double ang = (double)(pos0 + p) * pow(base, -2.0 * (double)k / (double)rot);
-        cs[i] = make_float2((float)cos(ang), (float)sin(ang));
-    }
+    GRID_STRIDE(i, t * half) cs[i] = rope_cs(pos0 + i / half, i % half, rot, base);
 }
 
 // Per (token, head): half / 8 groups of eight pairs, then (d − rot) / 8 groups copied through.
