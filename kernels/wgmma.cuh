@@ -217,9 +217,10 @@ __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
 
 // Register reallocation between the warpgroups of a warp-specialised block (setmaxnreg): every
 // thread of a warpgroup executes one of these, the producer giving registers back (dealloc) and
-// the consumers taking them (alloc, which waits until the pool has them). ptxas compiles the
-// code after each for its new count, so the kernel's launch count (65536 / threads) only bounds
-// the code before them.
+// the consumers taking them (alloc, which waits until the pool has them). The pool is the block's
+// launch allocation (threads · the kernel's register count), so the counts asked for must sum
+// to no more than that or alloc waits forever. ptxas compiles the code after each for its new
+// count, so the kernel's launch count only bounds the code before them.
 template <int N>
 __device__ __forceinline__ void wg_reg_dealloc() { WG_ASM_ARGS("setmaxnreg.dec.sync.aligned.u32 %0;", "n"(N)); }
 template <int N>
