@@ -436,7 +436,14 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
         for (int s = 0; s < FW_STAGES; s++) { mbar_init(&full[s], 128); mbar_init(&empty[s], NC * 128); }
     }
     __syncthreads();  // the only block-wide barrier
+    // With 128 × 128 tiles at head dim 128 a consumer needs ≈ 190 registers (S 64, P 32, O 64,
+    // Q 32): the producer hands registers over. The pool is what the block was launched with,
+    // 384 · 168 = 64512 (168: 65536 / 384 rounded down to a multiple of 8), so 40 + 2 · 232 = 504
+    // per thread slot; 32 + 2 · 240 = 512 asked for more than the pool and the consumers waited
+    // forever (H200, 2026-11-30).
+    constexpr bool REALLOC = D == 128 && KEYS == 128 && NC == 2;
     if (wg == NC) {
+        if constexpr (REALLOC) wg_reg_dealloc<40>();
         // The producer warpgroup copies tile it into stage it % FW_STAGES once the consumers have
         // released the tile that stage held.
         for (long it = 0; it < steps; it++) {
@@ -450,6 +457,7 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
         cp_wait<0>();
         return;
     }
+    if constexpr (REALLOC) wg_reg_alloc<232>();
     // A consumer warpgroup: rows r[0][0] and r[0][1] of this thread, Q as A fragments.
     long r[1][2];
     r[0][0] = i0 + warp * 16 + g;
@@ -559,3 +567,5 @@ extern "C" __global__ void __launch_bounds__(128 * NC + 128, 1) NAME(const bf16_
 FLASH_WS(flash_fwd_ws2_bf16_128, 128, 2, 64)
 FLASH_WS(flash_fwd_ws2_bf16_64, 64, 2, 64)
 FLASH_WS(flash_fwd_ws2k128_bf16_64, 64, 2, 128)
+// 128-key tiles at head dim 128: registers handed from the producer to the consumers (REALLOC).
+FLASH_WS(flash_fwd_ws2k128_bf16_128, 128, 2, 128)

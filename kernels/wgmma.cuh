@@ -215,6 +215,17 @@ __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
 #endif
 }
 
+// Register reallocation between the warpgroups of a warp-specialised block (setmaxnreg): every
+// thread of a warpgroup executes one of these, the producer giving registers back (dealloc) and
+// the consumers taking them (alloc, which waits until the pool has them). The pool is the block's
+// launch allocation (threads · the kernel's register count), so the counts asked for must sum
+// to no more than that or alloc waits forever. ptxas compiles the code after each for its new
+// count, so the kernel's launch count only bounds the code before them.
+template <int N>
+__device__ __forceinline__ void wg_reg_dealloc() { WG_ASM_ARGS("setmaxnreg.dec.sync.aligned.u32 %0;", "n"(N)); }
+template <int N>
+__device__ __forceinline__ void wg_reg_alloc() { WG_ASM_ARGS("setmaxnreg.inc.sync.aligned.u32 %0;", "n"(N)); }
+
 // Named barriers 1–15: `count` threads (whole warps) in all, some waiting (sync), some passing
 // (arrive, no wait).
 __device__ __forceinline__ void named_sync(int id, int count) {

@@ -74,7 +74,8 @@ enum FwdChoice {
     Warpgroups,
     /// `ws`: warp-specialised with 64-key tiles at both head dims.
     WarpSpecialised,
-    /// `ws128`: warp-specialised, 128-key tiles at head dim 64.
+    /// `ws128`: warp-specialised with 128-key tiles at both head dims (at 128 the producer hands
+    /// registers to the consumers; not yet run on a GPU).
     WarpSpecialised128,
 }
 
@@ -112,8 +113,8 @@ fn fwd_kernel(be: &B, d: usize, t: usize) -> TcLaunch {
     // 128-key tiles 193–326 against the lockstep kernel's 200–283 (which fits two blocks per SM
     // and stays ahead at 1k) and 170–282 with 64-key tiles.
     let ws_keys = match (d, fwd_choice()) {
-        (128, Measured | WarpSpecialised | WarpSpecialised128) | (64, WarpSpecialised) => Some(64),
-        (64, WarpSpecialised128) => Some(128),
+        (128, Measured | WarpSpecialised) | (64, WarpSpecialised) => Some(64),
+        (_, WarpSpecialised128) => Some(128),
         (64, Measured) if t >= 2048 => Some(128),
         _ => None,
     };
