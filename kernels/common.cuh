@@ -142,6 +142,38 @@ extern "C" __global__ void __launch_bounds__(256) col_sum_f32(const float* p, fl
     }
 }
 
+// The first pass of a column sum, eight columns per thread: a block is 8 warps over 256
+// columns (32 groups of eight) of one chunk; warp w adds rows r0 + w, r0 + w + 8, … (each load a
+// warp issues is one 512-byte run of a row, and a thread's loads are independent, so the whole
+// chunk is in flight at once), then warp 0 adds the eight warps' sums in warp order. Grid: chunks
+// · ceil(c / 256), chunk-major. Per element, `f(r, j, acc_w, acc_b)` adds row r's eight values at
+// column j (c % 8 == 0). (A thread per chunk and column group summing all COL_CHUNK rows in turn
+// had 25k threads at c = 768: too few loads in flight to reach the memory's rate.)
+template <bool TWO, typename F>
+__device__ __forceinline__ void col_partials8(float* pa, float* pb, long rows, long c, F f) {
+    __shared__ float sa[8][8][32], sb[TWO ? 8 : 1][8][32];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    long groups = (c / 8 + 31) / 32, ch = blockIdx.x / groups, j = ((blockIdx.x % groups) * 32 + lane) * 8;
+    long r0 = ch * COL_CHUNK, r1 = r0 + COL_CHUNK < rows ? r0 + COL_CHUNK : rows;
+    float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, b[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (j < c) {
+#pragma unroll
+        for (int k = 0; k < COL_CHUNK / 8; k++)
+            if (long r = r0 + w + 8 * k; r < r1) f(r, j, a, b);
+    }
+#pragma unroll
+    for (int e = 0; e < 8; e++) { sa[w][e][lane] = a[e]; if constexpr (TWO) sb[w][e][lane] = b[e]; }
+    __syncthreads();
+    if (w != 0 || j >= c) return;
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+        a[e] = 0.f; b[e] = 0.f;
+        for (int x = 0; x < 8; x++) { a[e] += sa[x][e][lane]; if constexpr (TWO) b[e] += sb[x][e][lane]; }
+    }
+    st8(pa, ch * c + j, a);
+    if (pb) st8(pb, ch * c + j, b);
+}
+
 // Instantiates macro M once per storage type: M(suffix, type).
 #define FOR_TYPES(M) M(f32, float) M(bf16, bf16_t)
 

@@ -80,10 +80,8 @@ extern "C" __global__ void swiglu_bwd_##s##_v8(const T* x, const T* dy, T* dx, l
         ld8(x, r * 2 * f + j0, g); ld8(x, r * 2 * f + f + j0, v); ld8(dy, i, d); \
         _Pragma("unroll") for (int j = 0; j < 8; j++) { dg[j] = d[j] * v[j] * silu_g(g[j]); v[j] = d[j] * silu_f(g[j]); } \
         st8(dx, r * 2 * f + j0, dg); st8(dx, r * 2 * f + f + j0, v); } } \
-/* Column-sum partials over eight columns per thread (c % 8 == 0): 16-byte row reads. */ \
-extern "C" __global__ void bias_grad_##s##_v8(const T* dy, float* db, long rows, long c) { \
-    GRID_STRIDE(i, (rows + COL_CHUNK - 1) / COL_CHUNK * (c / 8)) { long j = i % (c / 8) * 8, ch = i / (c / 8), r0 = ch * COL_CHUNK; \
-        long r1 = r0 + COL_CHUNK < rows ? r0 + COL_CHUNK : rows; float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}; \
-        _Pragma("unroll 4") for (long r = r0; r < r1; r++) { float g[8]; ld8(dy, r * c + j, g); _Pragma("unroll") for (int e = 0; e < 8; e++) a[e] += g[e]; } \
-        st8(db, ch * c + j, a); } }
+/* Column-sum partials (col_partials8: c % 8 == 0, grid chunks · ceil(c / 256), 256 threads). */ \
+extern "C" __global__ void __launch_bounds__(256) bias_grad_##s##_v8(const T* dy, float* db, long rows, long c) { \
+    col_partials8<false>(db, nullptr, rows, c, [&](long r, long j, float (&a)[8], float (&)[8]) { \
+        float g[8]; ld8(dy, r * c + j, g); _Pragma("unroll") for (int e = 0; e < 8; e++) a[e] += g[e]; }); }
 FOR_TYPES(ELEMENTWISE_V8)

@@ -56,7 +56,10 @@ FOR_TYPES(NORMS)
 // Eight-wide row kernels (c % 8 == 0, 16-byte aligned rows, c ≤ 8 · NORM_V · blockDim): a thread
 // holds up to NORM_V groups of eight of its row in registers, so the row is read from memory once
 // (the kernels above re-read it for every pass). The host sizes the block to the row, at most
-// NORM_THREADS (the backward's ≈ 90 registers per thread do not fit 1024 threads).
+// NORM_THREADS (the backward's ≈ 90 registers per thread do not fit 1024 threads). Two builds:
+// `_v8` with NORM_V 4, and `_v8n1` with NORM_V 1 for rows of at most 8 · NORM_THREADS (every
+// hidden size up to 4096): a quarter of the registers, so more rows in flight per SM (the
+// backward at NORM_V 4 held ≈ 7 rows of 768 per SM and ran at half the memory's rate).
 #define NORM_V 4
 #define NORM_THREADS 512
 #define ROW_GROUPS(k, j) _Pragma("unroll") for (int k = 0; k < NORM_V; k++) if (long j = ((long)threadIdx.x + k * blockDim.x) * 8; j < c)
@@ -77,8 +80,8 @@ template <typename T> __device__ __forceinline__ void add_res8(const T* res, lon
     if (res) ld8(res, i, a);
 }
 
-#define NORMS_V8(s, T) \
-extern "C" __global__ void __launch_bounds__(NORM_THREADS) layernorm_fwd_##s##_v8(const T* x, const T* x2, T* xs, const T* w, const T* b, T* y, float* mean, float* rstd, long c, float eps) { \
+#define NORMS_V8(s, T, SUF) \
+extern "C" __global__ void __launch_bounds__(NORM_THREADS) layernorm_fwd_##s##SUF(const T* x, const T* x2, T* xs, const T* w, const T* b, T* y, float* mean, float* rstd, long c, float eps) { \
     long r = blockIdx.x; float v[NORM_V][8], sum = 0.f, var = 0.f; \
     ROW_GROUPS(k, j) { load_sum8(x, x2, xs, r * c + j, v[k]); for (int e = 0; e < 8; e++) sum += v[k][e]; } \
     float mu = block_sum(sum) / c; \
@@ -87,31 +90,38 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) layernorm_fwd_##s##_v
     ROW_GROUPS(k, j) { float g[8], h[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}; ld8(w, j, g); if (b) ld8(b, j, h); \
         for (int e = 0; e < 8; e++) v[k][e] = (v[k][e] - mu) * rs * g[e] + h[e]; st8(y, r * c + j, v[k]); } \
     if (threadIdx.x == 0) { mean[r] = mu; rstd[r] = rs; } } \
-extern "C" __global__ void __launch_bounds__(NORM_THREADS) layernorm_bwd_##s##_v8(const T* dy, const T* x, const T* w, const float* mean, const float* rstd, const T* res, T* dx, long c) { \
+extern "C" __global__ void __launch_bounds__(NORM_THREADS) layernorm_bwd_##s##SUF(const T* dy, const T* x, const T* w, const float* mean, const float* rstd, const T* res, T* dx, long c) { \
     long r = blockIdx.x; float mu = mean[r], rs = rstd[r], sg = 0.f, sgx = 0.f, gw[NORM_V][8], xh[NORM_V][8]; \
     ROW_GROUPS(k, j) { float g[8]; ld8(dy, r * c + j, gw[k]); ld8(x, r * c + j, xh[k]); ld8(w, j, g); \
         for (int e = 0; e < 8; e++) { gw[k][e] *= g[e]; xh[k][e] = (xh[k][e] - mu) * rs; sg += gw[k][e]; sgx += gw[k][e] * xh[k][e]; } } \
     sg = block_sum(sg) / c; sgx = block_sum(sgx) / c; \
     ROW_GROUPS(k, j) { float a[8]; add_res8(res, r * c + j, a); \
         for (int e = 0; e < 8; e++) gw[k][e] = rs * (gw[k][e] - sg - xh[k][e] * sgx) + a[e]; st8(dx, r * c + j, gw[k]); } } \
-extern "C" __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_fwd_##s##_v8(const T* x, const T* x2, T* xs, const T* w, T* y, float* rstd, long c, float eps) { \
+extern "C" __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_fwd_##s##SUF(const T* x, const T* x2, T* xs, const T* w, T* y, float* rstd, long c, float eps) { \
     long r = blockIdx.x; float v[NORM_V][8], ss = 0.f; \
     ROW_GROUPS(k, j) { load_sum8(x, x2, xs, r * c + j, v[k]); for (int e = 0; e < 8; e++) ss += v[k][e] * v[k][e]; } \
     float rs = rsqrtf(block_sum(ss) / c + eps); \
     ROW_GROUPS(k, j) { float g[8]; ld8(w, j, g); for (int e = 0; e < 8; e++) v[k][e] = v[k][e] * rs * g[e]; st8(y, r * c + j, v[k]); } \
     if (threadIdx.x == 0) rstd[r] = rs; } \
-extern "C" __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_bwd_##s##_v8(const T* dy, const T* x, const T* w, const float* rstd, const T* res, T* dx, long c) { \
+extern "C" __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_bwd_##s##SUF(const T* dy, const T* x, const T* w, const float* rstd, const T* res, T* dx, long c) { \
     long r = blockIdx.x; float rs = rstd[r], sgx = 0.f, gw[NORM_V][8], xv[NORM_V][8]; \
     ROW_GROUPS(k, j) { float g[8]; ld8(dy, r * c + j, gw[k]); ld8(x, r * c + j, xv[k]); ld8(w, j, g); \
         for (int e = 0; e < 8; e++) { gw[k][e] *= g[e]; sgx += gw[k][e] * xv[k][e] * rs; } } \
     sgx = block_sum(sgx) / c; \
     ROW_GROUPS(k, j) { float a[8]; add_res8(res, r * c + j, a); \
-        for (int e = 0; e < 8; e++) gw[k][e] = rs * (gw[k][e] - xv[k][e] * rs * sgx) + a[e]; st8(dx, r * c + j, gw[k]); } } \
-/* Parameter-gradient partials over eight columns per thread (c % 8 == 0): 16-byte row reads, four rows' loads in flight (the sums keep their order). */ \
-extern "C" __global__ void norm_param_grad_##s##_v8(const T* dy, const T* x, const float* mean, const float* rstd, float* dw, float* db, long rows, long c) { \
-    GRID_STRIDE(i, (rows + COL_CHUNK - 1) / COL_CHUNK * (c / 8)) { long j = i % (c / 8) * 8, ch = i / (c / 8), r0 = ch * COL_CHUNK; \
-        long r1 = r0 + COL_CHUNK < rows ? r0 + COL_CHUNK : rows; float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, bs[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}; \
-        _Pragma("unroll 4") for (long r = r0; r < r1; r++) { float g[8], xv[8]; ld8(dy, r * c + j, g); ld8(x, r * c + j, xv); float mu = mean ? mean[r] : 0.f, rs = rstd[r]; \
-            _Pragma("unroll") for (int e = 0; e < 8; e++) { a[e] += g[e] * (xv[e] - mu) * rs; bs[e] += g[e]; } } \
-        st8(dw, ch * c + j, a); if (db) st8(db, ch * c + j, bs); } }
-FOR_TYPES(NORMS_V8)
+        for (int e = 0; e < 8; e++) gw[k][e] = rs * (gw[k][e] - xv[k][e] * rs * sgx) + a[e]; st8(dx, r * c + j, gw[k]); } }
+#define NORMS_V8_N4(s, T) NORMS_V8(s, T, _v8)
+FOR_TYPES(NORMS_V8_N4)
+#undef NORM_V
+#define NORM_V 1
+#define NORMS_V8_N1(s, T) NORMS_V8(s, T, _v8n1)
+FOR_TYPES(NORMS_V8_N1)
+#undef NORM_V
+
+#define NORM_PARAM_GRAD8(s, T) \
+/* Parameter-gradient partials (col_partials8: c % 8 == 0, grid chunks · ceil(c / 256), 256 threads). */ \
+extern "C" __global__ void __launch_bounds__(256) norm_param_grad_##s##_v8(const T* dy, const T* x, const float* mean, const float* rstd, float* dw, float* db, long rows, long c) { \
+    col_partials8<true>(dw, db, rows, c, [&](long r, long j, float (&a)[8], float (&bs)[8]) { \
+        float g[8], xv[8]; ld8(dy, r * c + j, g); ld8(x, r * c + j, xv); float mu = mean ? mean[r] : 0.f, rs = rstd[r]; \
+        _Pragma("unroll") for (int e = 0; e < 8; e++) { a[e] += g[e] * (xv[e] - mu) * rs; bs[e] += g[e]; } }); }
+FOR_TYPES(NORM_PARAM_GRAD8)

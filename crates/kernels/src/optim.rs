@@ -1,7 +1,7 @@
 //! In-place optimizer ops over flat fp32 buffers: AdamW, squared norms and scaling.
 
 use crate::{check, cpu};
-use ferrotron_core::{DType, Result, Tensor, invalid};
+use ferrotron_core::{DType, Device, Result, Tensor, invalid};
 
 pub use crate::cpu::optim::AdamW;
 
@@ -31,6 +31,117 @@ pub fn adamw_step(param: &Tensor, grad: &Tensor, m: &Tensor, v: &Tensor, h: &Ada
     param.update_f32(OP, |p| {
         m.update_f32(OP, |mm| v.update_f32(OP, |vv| cpu::optim::adamw_step(p, &g, mm, vv, h)))
     })???;
+    Ok(())
+}
+
+/// One run of a flat buffer for [`adamw_runs`]: `len` elements at `flat` in the gradient and
+/// parameter buffers and at `state` in the master weights and moments, with weight decay or not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AdamRun {
+    pub flat: usize,
+    pub state: usize,
+    pub len: usize,
+    pub decay: bool,
+}
+
+/// An optimizer's runs, built once: on a GPU also as a table on the device (eight u32 per run,
+/// kernels/optim.cu), so a step uploads nothing (a copy from pageable memory would wait for the
+/// stream).
+pub struct AdamRuns {
+    runs: Vec<AdamRun>,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    table: Option<Tensor>,
+    /// Blocks of the GPU launch: ADAM_CHUNK-element chunks over all runs.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    chunks: usize,
+}
+
+/// Elements per block of the GPU update (`ADAM_CHUNK` in kernels/optim.cu).
+const ADAM_CHUNK: usize = 2048;
+
+impl AdamRuns {
+    pub fn new(runs: Vec<AdamRun>, device: &Device) -> Result<Self> {
+        let chunks: usize = runs.iter().map(|r| r.len.div_ceil(ADAM_CHUNK)).sum();
+        if chunks > u32::MAX as usize {
+            return Err(invalid(
+                "adamw_runs",
+                format!("{chunks} chunks of {ADAM_CHUNK} elements: more than a launch holds"),
+            ));
+        }
+        let table = if runs.is_empty() || matches!(device, Device::Cpu) {
+            None
+        } else {
+            let lohi = |x: usize| [x as u32, (x as u64 >> 32) as u32];
+            let mut first = 0u32;
+            let mut words = Vec::with_capacity(8 * runs.len());
+            for r in &runs {
+                let ([f0, f1], [s0, s1], [l0, l1]) = (lohi(r.flat), lohi(r.state), lohi(r.len));
+                words.extend([f0, f1, s0, s1, l0, l1, r.decay as u32, first]);
+                first += r.len.div_ceil(ADAM_CHUNK) as u32;
+            }
+            let n = words.len();
+            Some(Tensor::from_vec(words, [n], device)?)
+        };
+        Ok(AdamRuns { runs, table, chunks })
+    }
+
+    pub fn runs(&self) -> &[AdamRun] {
+        &self.runs
+    }
+}
+
+/// AdamW over every run (one launch on a GPU), each updated master weight also rounded into
+/// `params` at the run's flat offset: the same bits as [`adamw_step`] per run (`h.weight_decay`
+/// where the run has `decay`, else none) followed by [`copy_`](crate::copy_) of the master weights
+/// into the parameters. master, exp_avg, exp_avg_sq and grads are f32; params any float type.
+pub fn adamw_runs(
+    master: &Tensor,
+    exp_avg: &Tensor,
+    exp_avg_sq: &Tensor,
+    grads: &Tensor,
+    params: &Tensor,
+    runs: &AdamRuns,
+    h: &AdamW,
+) -> Result<()> {
+    const OP: &str = "adamw_runs";
+    for t in [master, exp_avg, exp_avg_sq, grads] {
+        check::dtype(OP, t, DType::F32)?;
+    }
+    check::float(OP, params)?;
+    for t in [exp_avg, exp_avg_sq] {
+        check::shape(OP, t, master.dims())?;
+    }
+    check::shape(OP, params, grads.dims())?;
+    let all = [master, exp_avg, exp_avg_sq, grads, params];
+    if !all.iter().enumerate().all(|(i, a)| all[i + 1..].iter().all(|b| !a.shares_storage(b))) {
+        return Err(invalid(OP, "master, exp_avg, exp_avg_sq, grads and params must be distinct buffers"));
+    }
+    if h.step == 0 {
+        return Err(invalid(OP, "step counts from 1"));
+    }
+    let (flat_len, state_len) = (grads.elem_count(), master.elem_count());
+    if let Some(r) = runs.runs.iter().find(|r| r.flat + r.len > flat_len || r.state + r.len > state_len) {
+        return Err(invalid(
+            OP,
+            format!("run {r:?} reaches past the flat buffer ({flat_len}) or the state ({state_len})"),
+        ));
+    }
+    if runs.runs.is_empty() {
+        return Ok(());
+    }
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &all)? {
+        let table = runs.table.as_ref().ok_or_else(|| invalid(OP, "the runs were built for the CPU"))?;
+        return crate::cuda::ops::adamw_runs(&g, master, exp_avg, exp_avg_sq, grads, params, table, runs.chunks, h);
+    }
+    check::on_cpu(OP, &all)?;
+    for r in &runs.runs {
+        let wd = if r.decay { h.weight_decay } else { 0.0 };
+        let (p, m, v) =
+            (master.view(r.state, [r.len])?, exp_avg.view(r.state, [r.len])?, exp_avg_sq.view(r.state, [r.len])?);
+        adamw_step(&p, &grads.view(r.flat, [r.len])?, &m, &v, &AdamW { weight_decay: wd, ..*h })?;
+        crate::copy_(&params.view(r.flat, [r.len])?, &p)?;
+    }
     Ok(())
 }
 

@@ -1,8 +1,9 @@
 //! AdamW with fp32 master weights over flat buffers.
 //!
-//! Per step: global grad norm over main_grad → clip coefficient → one AdamW update per parameter
-//! piece of the master buffer (weight decay only where `ParamMeta::weight_decay`) → master copied
-//! (rounded) into the model's parameter buffer. Non-finite gradients skip the step.
+//! Per step: global grad norm over main_grad → clip coefficient → one AdamW pass over every owned
+//! piece of the master buffer (weight decay only where `ParamMeta::weight_decay`) that also
+//! writes each new master weight (rounded) into the model's parameter buffer. Non-finite
+//! gradients skip the step.
 //!
 //! A rank keeps master weights and moments only for the flat ranges it owns: all of the buffer,
 //! or under the distributed optimizer its slice of every data-parallel bucket (≈ 1/DP of the
@@ -12,7 +13,7 @@
 use crate::ddp::{Comm, GradSync};
 use ferrotron_comm::{CommError, ReduceOp};
 use ferrotron_core::{DType, ParamId, ParamTable, Result as CoreResult, Tensor};
-use ferrotron_kernels::{self as k, AdamW};
+use ferrotron_kernels::{self as k, AdamRun, AdamRuns, AdamW};
 use std::ops::Range;
 
 #[derive(Debug, thiserror::Error)]
@@ -59,6 +60,8 @@ pub struct Optimizer {
     master: Tensor,
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
+    /// The owned pieces merged into runs (one AdamW launch per step for all of them).
+    runs: AdamRuns,
     step: u64,
     /// Where gradient norms are summed: the model-parallel group (tensor × pipeline), and the
     /// data-parallel group when each rank holds only its shards.
@@ -108,12 +111,17 @@ impl Optimizer {
             )?;
             at += r.len();
         }
+        let runs = runs(table, &owned)
+            .into_iter()
+            .map(|(decay, r, state)| AdamRun { flat: r.start, state, len: r.len(), decay })
+            .collect();
         Ok(Optimizer {
             config,
             owned,
             master,
             exp_avg: Tensor::zeros([n], DType::F32, &dev)?,
             exp_avg_sq: Tensor::zeros([n], DType::F32, &dev)?,
+            runs: AdamRuns::new(runs, &dev)?,
             step: 0,
             mp,
             dp,
@@ -136,47 +144,12 @@ impl Optimizer {
         &self.owned
     }
 
-    /// (parameter, flat range within it, offset in the state buffers) for every owned piece.
-    fn pieces(&self, table: &ParamTable) -> Vec<(ParamId, Range<usize>, usize)> {
-        let mut out = vec![];
-        let mut base = 0;
-        for o in &self.owned {
-            for id in table.ids() {
-                let r = table.range(id);
-                let (s, e) = (r.start.max(o.start), r.end.min(o.end));
-                if s < e {
-                    out.push((id, s..e, base + s - o.start));
-                }
-            }
-            base += o.len();
-        }
-        out
-    }
-
-    /// `pieces` merged where neighbours touch in both the flat buffer and the state and share
-    /// the weight-decay choice: (decay, flat range, state offset). AdamW is elementwise, so one
-    /// launch per run gives the same bits as one per parameter (hundreds of launches per step on a
-    /// GPU before).
-    fn runs(&self, table: &ParamTable) -> Vec<(bool, Range<usize>, usize)> {
-        let mut out: Vec<(bool, Range<usize>, usize)> = Vec::new();
-        for (id, r, at) in self.pieces(table) {
-            let decay = table.meta(id).weight_decay;
-            match out.last_mut() {
-                Some(last) if last.0 == decay && last.1.end == r.start && last.2 + last.1.len() == at => {
-                    last.1.end = r.end;
-                }
-                _ => out.push((decay, r, at)),
-            }
-        }
-        out
-    }
-
     /// L2 norm of the (synchronised) gradients over the whole model, identical on every rank.
     pub fn grad_norm(&self, table: &ParamTable) -> Result<f64, OptimError> {
         let g = table.flat_grads();
         // Ranges of the flat buffer counted here, neighbours merged (one kernel each on a GPU).
         let mut ranges: Vec<Range<usize>> = Vec::new();
-        for (id, r, _) in self.pieces(table) {
+        for (id, r, _) in pieces(table, &self.owned) {
             // Replicated across tensor-parallel ranks: counted on one of them; a pipeline stage's
             // copy of the tied embedding: counted on the stage that owns it.
             let m = table.meta(id);
@@ -217,30 +190,24 @@ impl Optimizer {
             1.0
         };
         self.step += 1;
-        for (decay, r, at) in self.runs(table) {
-            let shape = [r.len()];
-            let h = AdamW {
-                lr,
-                beta1: c.beta1,
-                beta2: c.beta2,
-                eps: c.eps,
-                weight_decay: if decay { c.weight_decay } else { 0.0 },
-                step: self.step,
-                grad_scale,
-            };
-            k::adamw_step(
-                &self.master.view(at, shape)?,
-                &table.flat_grads().view(r.start, shape)?,
-                &self.exp_avg.view(at, shape)?,
-                &self.exp_avg_sq.view(at, shape)?,
-                &h,
-            )?;
-        }
-        let mut at = 0;
-        for o in &self.owned {
-            k::copy_(&table.flat_params().view(o.start, [o.len()])?, &self.master.view(at, [o.len()])?)?;
-            at += o.len();
-        }
+        let h = AdamW {
+            lr,
+            beta1: c.beta1,
+            beta2: c.beta2,
+            eps: c.eps,
+            weight_decay: c.weight_decay,
+            step: self.step,
+            grad_scale,
+        };
+        k::adamw_runs(
+            &self.master,
+            &self.exp_avg,
+            &self.exp_avg_sq,
+            table.flat_grads(),
+            table.flat_params(),
+            &self.runs,
+            &h,
+        )?;
         Ok(StepStats { grad_norm, applied: true })
     }
 
@@ -287,4 +254,39 @@ impl Optimizer {
         self.step = step;
         Ok(())
     }
+}
+
+/// (parameter, flat range within it, offset in the state buffers) for every owned piece.
+fn pieces(table: &ParamTable, owned: &[Range<usize>]) -> Vec<(ParamId, Range<usize>, usize)> {
+    let mut out = vec![];
+    let mut base = 0;
+    for o in owned {
+        for id in table.ids() {
+            let r = table.range(id);
+            let (s, e) = (r.start.max(o.start), r.end.min(o.end));
+            if s < e {
+                out.push((id, s..e, base + s - o.start));
+            }
+        }
+        base += o.len();
+    }
+    out
+}
+
+/// `pieces` merged where neighbours touch in both the flat buffer and the state and share
+/// the weight-decay choice: (decay, flat range, state offset). AdamW is elementwise, so the runs
+/// give the same bits as one update per parameter; all of them go to one `adamw_runs` (one
+/// launch per step on a GPU, with the rounded copy into the parameters in the same pass).
+fn runs(table: &ParamTable, owned: &[Range<usize>]) -> Vec<(bool, Range<usize>, usize)> {
+    let mut out: Vec<(bool, Range<usize>, usize)> = Vec::new();
+    for (id, r, at) in pieces(table, owned) {
+        let decay = table.meta(id).weight_decay;
+        match out.last_mut() {
+            Some(last) if last.0 == decay && last.1.end == r.start && last.2 + last.1.len() == at => {
+                last.1.end = r.end;
+            }
+            _ => out.push((decay, r, at)),
+        }
+    }
+    out
 }

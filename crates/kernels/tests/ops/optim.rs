@@ -48,3 +48,49 @@ device_test!(global_norm_matches_naive, |dev: &Device| {
     let got = k::global_l2_norm(&[&t32(dev, &a, &[50_000]), &t32(dev, &b, &[17])]).unwrap();
     assert!((got - want).abs() < 1e-6 * want, "{got} vs {want}");
 });
+
+device_test!(adamw_runs_updates_each_run_and_writes_params, |dev: &Device| {
+    use ferrotron_core::DType;
+    use k::{AdamRun, AdamRuns};
+    // Three runs of a 10k flat buffer held in a 9k state: decay, no decay, decay; flat 4000..5000
+    // belongs to no run (another rank's shard) and must come through untouched.
+    let runs = vec![
+        AdamRun { flat: 0, state: 0, len: 3000, decay: true },
+        AdamRun { flat: 3000, state: 3000, len: 1000, decay: false },
+        AdamRun { flat: 5000, state: 4000, len: 5000, decay: true },
+    ];
+    let (flat, state) = (10_000, 9_000);
+    let mut p = randv(state, 1);
+    let (mut m, mut v) = (vec![0.0; state], vec![0.0; state]);
+    let (pt, mt, vt) = (t32(dev, &p, &[state]), t32(dev, &m, &[state]), t32(dev, &v, &[state]));
+    let before = randv(flat, 2);
+    let params = tensor(dev, &before, &[flat], DType::BF16);
+    let table = AdamRuns::new(runs.clone(), dev).unwrap();
+    for step in 1..=3u64 {
+        let g = randv(flat, 10 + step);
+        let h = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step, grad_scale: 0.5 };
+        k::adamw_runs(&pt, &mt, &vt, &t32(dev, &g, &[flat]), &params, &table, &h).unwrap();
+        for r in &runs {
+            let (s, f) = (r.state..r.state + r.len, r.flat..r.flat + r.len);
+            let hr = AdamW { weight_decay: if r.decay { h.weight_decay } else { 0.0 }, ..h };
+            reference(&mut p[s.clone()], &g[f], &mut m[s.clone()], &mut v[s], &hr);
+        }
+    }
+    assert_close(&host(&pt), &p, 1e-5, 1e-6, "master");
+    assert_close(&host(&mt), &m, 1e-5, 1e-6, "m");
+    assert_close(&host(&vt), &v, 1e-4, 1e-7, "v");
+    // Each run's parameters are its master weights rounded to bf16, bit for bit as a cast gives.
+    let got = host(&params);
+    for r in &runs {
+        let want = host(&k::cast(&pt.view(r.state, [r.len]).unwrap(), DType::BF16).unwrap());
+        assert_eq!(&got[r.flat..r.flat + r.len], &want[..], "params of {r:?}");
+    }
+    let untouched = host(&tensor(dev, &before[4000..5000], &[1000], DType::BF16));
+    assert_eq!(&got[4000..5000], &untouched[..], "the gap between runs");
+    // A run past the end of the flat buffer is refused before anything is written.
+    let bad = AdamRuns::new(vec![AdamRun { flat: 9_500, state: 0, len: 1000, decay: true }], dev).unwrap();
+    let h = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step: 4, grad_scale: 1.0 };
+    let e = k::adamw_runs(&pt, &mt, &vt, &t32(dev, &before, &[flat]), &params, &bad, &h).unwrap_err().to_string();
+    assert!(e.contains("reaches past"), "{e}");
+    assert_eq!(host(&params), got, "a refused step wrote the parameters");
+});

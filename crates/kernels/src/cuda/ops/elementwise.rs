@@ -53,7 +53,7 @@ pub fn bias_grad(be: &B, dy: &Tensor) -> Result<Tensor> {
     let chunks = rows.div_ceil(COL_CHUNK);
     let partials = new(be, [chunks, c], DType::F32)?;
     let name = format!("bias_grad_{}", sfx("bias_grad", dy.dtype())?);
-    ew8(be, &name, chunks * c, c, &[ptr("bias_grad", dy)?, ptr("bias_grad", &partials)?, n(rows), n(c)])?;
+    col_partials(be, &name, chunks, c, &[ptr("bias_grad", dy)?, ptr("bias_grad", &partials)?, n(rows), n(c)])?;
     col_sum(be, &partials, chunks, c)
 }
 

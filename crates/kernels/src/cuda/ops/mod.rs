@@ -100,6 +100,17 @@ fn col_sum(be: &B, partials: &Tensor, chunks: usize, c: usize) -> Result<Tensor>
     Ok(y)
 }
 
+/// The first pass of a column sum (`partials` [chunks, c]): the eight-wide kernel (a block of 8
+/// warps per chunk and 256 columns, kernels/common.cuh `col_partials8`) when `c` divides by 8 and
+/// every pointer is 16-byte aligned, else one thread per chunk and column.
+fn col_partials(be: &B, name: &str, chunks: usize, c: usize, args: &[Arg]) -> Result<()> {
+    if c % 8 == 0 && args_aligned16(args) {
+        be.launch(&format!("{name}_v8"), (chunks * (c / 8).div_ceil(32)) as u32, 256, 0, args)
+    } else {
+        ew(be, name, chunks * c, args)
+    }
+}
+
 fn rows_launch(be: &B, name: &str, rows: usize, args: &[Arg]) -> Result<()> {
     be.launch(name, rows as u32, 256, 0, args)
 }

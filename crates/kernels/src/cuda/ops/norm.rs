@@ -9,11 +9,13 @@ const NORM_THREADS: usize = 512;
 
 /// A row kernel with an eight-wide twin (the row held in registers, one 16-byte access per group):
 /// the twin, with a block sized to the row, when `c` divides by 8, fits `NORM_V` groups per
-/// thread of a `NORM_THREADS` block, and every pointer is 16-byte aligned.
+/// thread of a `NORM_THREADS` block, and every pointer is 16-byte aligned; its one-group build
+/// (`_v8n1`, a quarter of the registers) when one group per thread covers the row.
 fn rows_launch8(be: &B, name: &str, rows: usize, c: usize, args: &[Arg]) -> Result<()> {
     if c % 8 == 0 && c <= 8 * NORM_V * NORM_THREADS && args_aligned16(args) {
         let threads = (c / 8).next_multiple_of(32).min(NORM_THREADS) as u32;
-        be.launch(&format!("{name}_v8"), rows as u32, threads, 0, args)
+        let build = if c <= 8 * NORM_THREADS { "v8n1" } else { "v8" };
+        be.launch(&format!("{name}_{build}"), rows as u32, threads, 0, args)
     } else {
         rows_launch(be, name, rows, args)
     }
@@ -103,7 +105,7 @@ pub fn layernorm_bwd(
         n(rows),
         n(c),
     ];
-    ew8(be, &format!("norm_param_grad_{s}"), chunks * c, c, &args)?;
+    col_partials(be, &format!("norm_param_grad_{s}"), chunks, c, &args)?;
     let (dw, db) = (col_sum(be, &pw, chunks, c)?, col_sum(be, &pb, chunks, c)?);
     Ok((dx, dw, db))
 }
@@ -161,7 +163,7 @@ pub fn rmsnorm_bwd(
     let chunks = rows.div_ceil(COL_CHUNK);
     let pw = new(be, [chunks, c], DType::F32)?;
     let args = [ptr("rms", dy)?, ptr("rms", x)?, NULL, ptr("rms", rstd)?, ptr("rms", &pw)?, NULL, n(rows), n(c)];
-    ew8(be, &format!("norm_param_grad_{s}"), chunks * c, c, &args)?;
+    col_partials(be, &format!("norm_param_grad_{s}"), chunks, c, &args)?;
     Ok((dx, col_sum(be, &pw, chunks, c)?))
 }
 

@@ -28,6 +28,46 @@ pub fn adamw(be: &B, p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, h: &crate::
     )
 }
 
+/// `adamw` over the runs in `table` (kernels/optim.cu `adamw_runs_*`, one block per chunk), writing
+/// params too.
+#[allow(clippy::too_many_arguments)]
+pub fn adamw_runs(
+    be: &B,
+    p: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    params: &Tensor,
+    table: &Tensor,
+    chunks: usize,
+    h: &crate::AdamW,
+) -> Result<()> {
+    let bc1 = 1.0 - (h.beta1 as f64).powi(h.step as i32);
+    let bc2 = 1.0 - (h.beta2 as f64).powi(h.step as i32);
+    be.launch(
+        &format!("adamw_runs_{}", sfx_storage("adamw_runs", params.dtype())?),
+        chunks as u32,
+        256,
+        0,
+        &[
+            ptr("adamw_runs", p)?,
+            ptr("adamw_runs", g)?,
+            ptr("adamw_runs", m)?,
+            ptr("adamw_runs", v)?,
+            ptr("adamw_runs", params)?,
+            ptr("adamw_runs", table)?,
+            n(table.elem_count() / 8),
+            Arg::F32(h.beta1),
+            Arg::F32(h.beta2),
+            Arg::F32(h.eps),
+            Arg::F32((h.lr as f64 / bc1) as f32),
+            Arg::F32(bc2.sqrt() as f32),
+            Arg::F32(1.0 - h.lr * h.weight_decay),
+            Arg::F32(h.grad_scale),
+        ],
+    )
+}
+
 /// Σ x² of every tensor: 256 fixed per-block partials each, in one buffer, one copy back, then
 /// summed on the host tensor by tensor in block order (deterministic; the bits of adding
 /// one-tensor sums in order).
