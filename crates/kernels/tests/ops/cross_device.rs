@@ -266,6 +266,15 @@ fn every_op_matches_cpu() {
             k::embedding_bwd(&t[0], &t[2], &g).unwrap();
             vec![out, g]
         });
+        // Rows of 24 take the eight-wide forward, rows of 20 the one-element one; a vocabulary
+        // shard [4, 8) leaves the ids outside it as zero rows.
+        for c in [24, 20] {
+            let ids = Tensor::from_vec(vec![3u32, 0, 5, 9, 7, 4], [6], &Device::Cpu).unwrap();
+            let table = rnd(&[4, c], 20, dt);
+            check(&format!("embedding shard c{c}"), dt, &[ids, table], |t| {
+                vec![k::embedding_fwd_shard(&t[0], &t[1], 4, 10).unwrap()]
+            });
+        }
     }
 }
 

@@ -52,12 +52,14 @@ device_test!(global_norm_matches_naive, |dev: &Device| {
 device_test!(adamw_runs_updates_each_run_and_writes_params, |dev: &Device| {
     use ferrotron_core::DType;
     use k::{AdamRun, AdamRuns};
-    // Three runs of a 10k flat buffer held in a 9k state: decay, no decay, decay; flat 4000..5000
-    // belongs to no run (another rank's shard) and must come through untouched.
+    // Three runs of a 10k flat buffer held in a 9k state: decay, no decay, decay; flat 3998..5001
+    // belongs to no run (another rank's shard) and must come through untouched. The second run
+    // ends two elements into a group of four, the third starts off a 16-byte boundary (the GPU's
+    // one-element path).
     let runs = vec![
         AdamRun { flat: 0, state: 0, len: 3000, decay: true },
-        AdamRun { flat: 3000, state: 3000, len: 1000, decay: false },
-        AdamRun { flat: 5000, state: 4000, len: 5000, decay: true },
+        AdamRun { flat: 3000, state: 3000, len: 998, decay: false },
+        AdamRun { flat: 5001, state: 4000, len: 4999, decay: true },
     ];
     let (flat, state) = (10_000, 9_000);
     let mut p = randv(state, 1);
@@ -85,8 +87,8 @@ device_test!(adamw_runs_updates_each_run_and_writes_params, |dev: &Device| {
         let want = host(&k::cast(&pt.view(r.state, [r.len]).unwrap(), DType::BF16).unwrap());
         assert_eq!(&got[r.flat..r.flat + r.len], &want[..], "params of {r:?}");
     }
-    let untouched = host(&tensor(dev, &before[4000..5000], &[1000], DType::BF16));
-    assert_eq!(&got[4000..5000], &untouched[..], "the gap between runs");
+    let untouched = host(&tensor(dev, &before[3998..5001], &[1003], DType::BF16));
+    assert_eq!(&got[3998..5001], &untouched[..], "the gap between runs");
     // A run past the end of the flat buffer is refused before anything is written.
     let bad = AdamRuns::new(vec![AdamRun { flat: 9_500, state: 0, len: 1000, decay: true }], dev).unwrap();
     let h = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step: 4, grad_scale: 1.0 };

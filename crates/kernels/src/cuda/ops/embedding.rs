@@ -53,10 +53,11 @@ pub fn embedding_fwd(be: &B, ids: &Tensor, table: &Tensor, vocab_start: usize) -
     shape.push(c);
     let out = new(be, shape, table.dtype())?;
     let name = format!("embedding_fwd_{}", sfx("embedding_fwd", table.dtype())?);
-    ew(
+    ew8(
         be,
         &name,
         out.elem_count(),
+        c,
         &[
             ptr("emb", ids)?,
             ptr("emb", table)?,
