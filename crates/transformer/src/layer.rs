@@ -2,7 +2,10 @@
 //!
 //! layer: x1 = x + attn(input_layernorm(x)); y = x1 + mlp(pre_mlp_layernorm(x1)).
 //! Backward: the residual stream adds: dx1 = dy + ln2ᵀ(mlpᵀ(dy)); dx = dx1 + ln1ᵀ(attnᵀ(dx1)).
-//! The adds next to a norm run inside its kernel (`Norm::forward_add`, `Norm::backward_add`).
+//! The adds next to a norm run inside its kernel (`Norm::forward_add`, `Norm::backward_add`):
+//! in a block the layer's own output add x1 + mlp(…) too, in the next layer's input norm or the
+//! final norm ([`Residual::Pending`]); only a block without a final norm (a pipeline stage that
+//! does not end the model) or a recompute group's saved input ends with a separate add.
 
 use crate::attention::{AttentionDims, SelfAttention};
 use crate::config::TransformerConfig;
@@ -60,17 +63,54 @@ impl TransformerLayer {
     }
 }
 
+/// The residual stream between layers: a tensor, or a layer's output x1 + m not yet summed (the
+/// next norm adds it in its own kernel: one pass over the activations fewer per layer).
+pub enum Residual {
+    Sum(Tensor),
+    Pending(Tensor, Tensor),
+}
+
+impl Residual {
+    /// The stream as one tensor (the add, when still pending).
+    pub fn into_sum(self) -> Result<Tensor> {
+        match self {
+            Residual::Sum(x) => Ok(x),
+            Residual::Pending(a, b) => k::add(&a, &b),
+        }
+    }
+
+    /// `norm` of the stream: (the stream summed, norm(stream), what `norm.backward` takes).
+    fn norm(self, cx: &Cx, norm: &Norm) -> Result<(Tensor, Tensor, Saved)> {
+        match self {
+            Residual::Sum(x) => {
+                let (y, s) = norm.forward(cx, &x)?;
+                Ok((x, y, s))
+            }
+            Residual::Pending(a, b) => norm.forward_add(cx, &a, &b),
+        }
+    }
+}
+
 fn four(op: &'static str, s: Saved) -> Result<[Saved; 4]> {
     s.children.try_into().map_err(|_| invalid(op, "saved values do not match forward"))
 }
 
+impl TransformerLayer {
+    /// Forward from the residual stream `x` (a pending add is summed by the input norm's kernel),
+    /// leaving the output's add pending. The saved values are `forward`'s: the backward is the same.
+    pub fn forward_parts(&self, cx: &Cx, x: Residual) -> Result<(Residual, Saved)> {
+        let (x, h1, s1) = x.norm(cx, &self.input_layernorm)?;
+        let (a, s2) = self.self_attention.forward(cx, &h1)?;
+        let (x1, h2, s3) = self.pre_mlp_layernorm.forward_add(cx, &x, &a)?;
+        let (m, s4) = self.mlp.forward(cx, &h2)?;
+        Ok((Residual::Pending(x1, m), Saved::new(vec![], vec![s1, s2, s3, s4])))
+    }
+}
+
 impl Module for TransformerLayer {
     fn forward(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Saved)> {
-        let (h1, s1) = self.input_layernorm.forward(cx, x)?;
-        let (a, s2) = self.self_attention.forward(cx, &h1)?;
-        let (x1, h2, s3) = self.pre_mlp_layernorm.forward_add(cx, x, &a)?;
-        let (m, s4) = self.mlp.forward(cx, &h2)?;
-        Ok((k::add(&x1, &m)?, Saved::new(vec![], vec![s1, s2, s3, s4])))
+        let (y, s) = self.forward_parts(cx, Residual::Sum(x.clone()))?;
+        Ok((y.into_sum()?, s))
     }
 
     fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
@@ -159,10 +199,11 @@ impl TransformerBlock {
         for ((range, recompute), s) in self.groups.iter().zip(children).rev() {
             let per_layer = if *recompute {
                 // Run the group's forward again from its saved input, keeping everything this time.
-                let mut h = s.tensors.into_iter().next().ok_or_else(|| invalid("recompute", "no saved input"))?;
+                let x = s.tensors.into_iter().next().ok_or_else(|| invalid("recompute", "no saved input"))?;
+                let mut h = Residual::Sum(x);
                 let mut v = Vec::with_capacity(range.len());
                 for l in &self.layers[range.clone()] {
-                    let (y, sl) = l.forward(cx, &h)?;
+                    let (y, sl) = l.forward_parts(cx, h)?;
                     v.push(sl);
                     h = y;
                 }
@@ -181,26 +222,36 @@ impl TransformerBlock {
 
 impl Module for TransformerBlock {
     fn forward(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Saved)> {
-        let mut h = x.clone();
+        let mut h = Residual::Sum(x.clone());
         let mut children = Vec::with_capacity(self.groups.len() + 1);
         for (range, recompute) in &self.groups {
-            let input = h.clone();
+            // A recompute group keeps one tensor of its input (the pending add summed here).
+            let input = if *recompute {
+                let x = h.into_sum()?;
+                h = Residual::Sum(x.clone());
+                vec![x]
+            } else {
+                vec![]
+            };
             let mut per_layer = vec![];
             for l in &self.layers[range.clone()] {
-                let (y, s) = l.forward(cx, &h)?;
+                let (y, s) = l.forward_parts(cx, h)?;
                 if !recompute {
                     per_layer.push(s);
                 }
                 h = y;
             }
-            children.push(if *recompute { Saved::new(vec![input], vec![]) } else { Saved::new(vec![], per_layer) });
+            children.push(if *recompute { Saved::new(input, vec![]) } else { Saved::new(vec![], per_layer) });
         }
-        if let Some(norm) = &self.final_layernorm {
-            let (y, s) = norm.forward(cx, &h)?;
-            children.push(s);
-            h = y;
-        }
-        Ok((h, Saved::new(vec![], children)))
+        let out = match &self.final_layernorm {
+            Some(norm) => {
+                let (_, y, s) = h.norm(cx, norm)?;
+                children.push(s);
+                y
+            }
+            None => h.into_sum()?,
+        };
+        Ok((out, Saved::new(vec![], children)))
     }
 
     fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
