@@ -264,7 +264,8 @@ fn header_flops_per_token(log: &str) -> Option<f64> {
 /// `cargo xtask bench --gpu-profile [FERROTRON_BIN] [PRESET...]`: where a bench step's GPU time
 /// goes. Runs the bench's `ferrotron train` (PROFILE_ITERS steps, default 2, plus the final
 /// evaluation batch) under Nsight Compute, timing every kernel (`gpu__time_duration`, clocks left
-/// alone), and prints the kernels by total time (PROFILE_TOP rows, default 30).
+/// alone), and prints the kernels by total time (PROFILE_TOP rows, default 30), then the time per
+/// part of the step (GEMMs, attention, norms, optimizer, …).
 fn gpu_profile(args: &[String]) -> anyhow::Result<()> {
     let (bin, presets) = bench_bin_and_presets(args);
     let iters = std::env::var("PROFILE_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(2u64);
@@ -287,6 +288,7 @@ fn gpu_profile(args: &[String]) -> anyhow::Result<()> {
         }
         let rows = xtask::profile::kernel_times(&String::from_utf8_lossy(&out.stdout))?;
         print!("{}", xtask::profile::table(p, &rows, top));
+        print!("{}", xtask::profile::category_table(&rows));
     }
     Ok(())
 }

@@ -79,6 +79,51 @@ pub fn table(preset: &str, rows: &[KernelTime], top: usize) -> String {
     s
 }
 
+/// The part of a training step a kernel belongs to, from its name (Ferrotron's kernels/ names and
+/// cuBLASLt's): what the bench notes add up by hand otherwise.
+pub fn category(name: &str) -> &'static str {
+    let has = |p: &[&str]| p.iter().any(|x| name.contains(x));
+    if has(&["nvjet", "xmma", "gemm", "splitKreduce", "cutlass"]) {
+        "GEMMs (cuBLASLt)"
+    } else if has(&["flash_", "attn_"]) {
+        "attention"
+    } else if has(&["layernorm", "rmsnorm", "norm_param_grad"]) {
+        "norms"
+    } else if has(&["adamw", "sum_sq"]) {
+        "optimizer (AdamW, grad norm)"
+    } else if has(&["ce_fwd", "ce_bwd"]) {
+        "cross-entropy"
+    } else if has(&["qkv_split", "qkv_merge", "rope"]) {
+        "qkv split/merge, RoPE"
+    } else if has(&["bias_grad", "col_sum", "acc_"]) {
+        "bias grads, main_grad adds"
+    } else {
+        "other elementwise"
+    }
+}
+
+/// Time per `category`, largest first: a markdown table with each one's share.
+pub fn category_table(rows: &[KernelTime]) -> String {
+    let total: f64 = rows.iter().map(|k| k.ms).sum();
+    let mut cats: Vec<(&str, f64, usize)> = Vec::new();
+    for k in rows {
+        let c = category(&k.name);
+        match cats.iter_mut().find(|x| x.0 == c) {
+            Some(x) => {
+                x.1 += k.ms;
+                x.2 += k.calls;
+            }
+            None => cats.push((c, k.ms, k.calls)),
+        }
+    }
+    cats.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let mut s = String::from("\n| ms | share | launches | part of the step |\n|---|---|---|---|\n");
+    for (c, ms, calls) in cats {
+        s.push_str(&format!("| {ms:.2} | {:.1}% | {calls} | {c} |\n", 100.0 * ms / total.max(f64::MIN_POSITIVE)));
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -103,6 +148,25 @@ iter 1 loss 8.6\n\
         assert!(t.contains("1.3 ms of kernels over 3 launches"), "{t}");
         assert!(t.contains("| 1.25 | 96.2% | 1 | void gemm<a, b>(x, y) |"), "{t}");
         assert!(!t.contains("rope"), "top 1 only: {t}");
+    }
+
+    #[test]
+    fn kernels_add_up_by_part_of_the_step() {
+        let rows = [
+            ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", 6.0, 3),
+            ("void cublasLt::splitKreduce_kernel<32, 16>", 1.0, 2),
+            ("flash_bwd_dkvq_wg1_bf16_64", 2.0, 1),
+            ("layernorm_bwd_bf16_v8n1", 0.5, 4),
+            ("adamw_runs_bf16", 0.5, 1),
+        ]
+        .map(|(n, ms, calls)| KernelTime { name: n.into(), ms, calls });
+        assert_eq!(category(&rows[1].name), "GEMMs (cuBLASLt)");
+        assert_eq!(category("qkv_split_bf16_v8"), "qkv split/merge, RoPE");
+        assert_eq!(category("swiglu_fwd_bf16_v8"), "other elementwise");
+        let t = category_table(&rows);
+        assert!(t.contains("| 7.00 | 70.0% | 5 | GEMMs (cuBLASLt) |"), "{t}");
+        assert!(t.contains("| 2.00 | 20.0% | 1 | attention |"), "{t}");
+        assert!(t.find("GEMMs").unwrap() < t.find("attention").unwrap(), "largest first: {t}");
     }
 
     #[test]
