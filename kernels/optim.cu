@@ -1,14 +1,23 @@
 // AdamW over flat fp32 buffers, and the sum of squares in fixed partials (summed on the host in
 // order, so the global norm does not depend on scheduling).
 
+// One element of AdamW, the arithmetic of every kernel here: the gradient scaled (clipping), the
+// moments moved on, the weight decayed by `decay` (1 − lr·wd, or 1 without weight decay) and
+// stepped.
+struct AdamH {
+    float b1, b2, eps, step_size, bc2_sqrt, decay, grad_scale;
+};
+__device__ __forceinline__ void adam_elem(float& p, float& m, float& v, float g, const AdamH& h, float decay) {
+    float gi = g * h.grad_scale;
+    m = h.b1 * m + (1.f - h.b1) * gi;
+    v = h.b2 * v + (1.f - h.b2) * gi * gi;
+    p = p * decay - h.step_size * m / (sqrtf(v) / h.bc2_sqrt + h.eps);
+}
+
 extern "C" __global__ void adamw(float* p, const float* g, float* m, float* v, long n, float b1, float b2, float eps,
                                  float step_size, float bc2_sqrt, float decay, float grad_scale) {
-    GRID_STRIDE(i, n) {
-        float gi = g[i] * grad_scale;
-        float mi = b1 * m[i] + (1.f - b1) * gi, vi = b2 * v[i] + (1.f - b2) * gi * gi;
-        m[i] = mi; v[i] = vi;
-        p[i] = p[i] * decay - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
-    }
+    const AdamH h{b1, b2, eps, step_size, bc2_sqrt, decay, grad_scale};
+    GRID_STRIDE(i, n) adam_elem(p[i], m[i], v[i], g[i], h, decay);
 }
 
 // AdamW over the runs of one flat buffer in one launch (multi-tensor apply). Run k is eight
@@ -23,8 +32,7 @@ extern "C" __global__ void adamw(float* p, const float* g, float* m, float* v, l
 #define ADAM_CHUNK 2048
 template <typename T>
 __device__ __forceinline__ void adamw_runs_impl(float* p, const float* g, float* m, float* v, T* param, const u32* runs,
-                                                long nruns, float b1, float b2, float eps, float step_size,
-                                                float bc2_sqrt, float decay, float grad_scale) {
+                                                long nruns, const AdamH& h) {
     u32 b = blockIdx.x;
     long lo = 0, hi = nruns - 1;
     while (lo < hi) {
@@ -34,16 +42,12 @@ __device__ __forceinline__ void adamw_runs_impl(float* p, const float* g, float*
     const u32* d = runs + 8 * lo;
     long flat = (long)d[0] | ((long)d[1] << 32), state = (long)d[2] | ((long)d[3] << 32);
     long len = (long)d[4] | ((long)d[5] << 32);
-    float dk = d[6] ? decay : 1.f;
+    float dk = d[6] ? h.decay : 1.f;
     long e0 = (long)(b - d[7]) * ADAM_CHUNK, e1 = e0 + ADAM_CHUNK < len ? e0 + ADAM_CHUNK : len;
     auto one = [&](long i) {
-        float gi = g[flat + i] * grad_scale;
         long s = state + i;
-        float mi = b1 * m[s] + (1.f - b1) * gi, vi = b2 * v[s] + (1.f - b2) * gi * gi;
-        m[s] = mi; v[s] = vi;
-        float pi = p[s] * dk - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
-        p[s] = pi;
-        st(param, flat + i, pi);
+        adam_elem(p[s], m[s], v[s], g[flat + i], h, dk);
+        st(param, flat + i, p[s]);
     };
     unsigned long addr = (unsigned long)(g + flat) | (unsigned long)(m + state) | (unsigned long)(v + state) |
                          (unsigned long)(p + state);
@@ -60,9 +64,7 @@ __device__ __forceinline__ void adamw_runs_impl(float* p, const float* g, float*
         float* gg = &g4.x; float* mm = &m4.x; float* vv = &v4.x; float* pp = &p4.x;
 #pragma unroll
         for (int e = 0; e < 4; e++) {
-            float gi = gg[e] * grad_scale;
-            mm[e] = b1 * mm[e] + (1.f - b1) * gi; vv[e] = b2 * vv[e] + (1.f - b2) * gi * gi;
-            pp[e] = pp[e] * dk - step_size * mm[e] / (sqrtf(vv[e]) / bc2_sqrt + eps);
+            adam_elem(pp[e], mm[e], vv[e], gg[e], h, dk);
             st(param, flat + i + e, pp[e]);
         }
         *(float4*)(m + state + i) = m4; *(float4*)(v + state + i) = v4; *(float4*)(p + state + i) = p4;
@@ -71,7 +73,7 @@ __device__ __forceinline__ void adamw_runs_impl(float* p, const float* g, float*
 #define ADAMW_RUNS(s, T) \
 extern "C" __global__ void adamw_runs_##s(float* p, const float* g, float* m, float* v, T* param, const u32* runs, \
         long nruns, float b1, float b2, float eps, float step_size, float bc2_sqrt, float decay, float grad_scale) { \
-    adamw_runs_impl(p, g, m, v, param, runs, nruns, b1, b2, eps, step_size, bc2_sqrt, decay, grad_scale); }
+    adamw_runs_impl(p, g, m, v, param, runs, nruns, AdamH{b1, b2, eps, step_size, bc2_sqrt, decay, grad_scale}); }
 FOR_TYPES(ADAMW_RUNS)
 ADAMW_RUNS(f16, f16_t)
 

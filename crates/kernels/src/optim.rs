@@ -15,11 +15,7 @@ pub fn adamw_step(param: &Tensor, grad: &Tensor, m: &Tensor, v: &Tensor, h: &Ada
     if h.step == 0 {
         return Err(invalid(OP, "step counts from 1"));
     }
-    let distinct = [param, grad, m, v]
-        .iter()
-        .enumerate()
-        .all(|(i, a)| [param, grad, m, v][i + 1..].iter().all(|b| !a.shares_storage(b)));
-    if !distinct {
+    if !distinct(&[param, grad, m, v]) {
         return Err(invalid(OP, "param, grad, m and v must be distinct buffers"));
     }
     #[cfg(feature = "cuda")]
@@ -62,10 +58,10 @@ const ADAM_CHUNK: usize = 2048;
 impl AdamRuns {
     pub fn new(runs: Vec<AdamRun>, device: &Device) -> Result<Self> {
         let chunks: usize = runs.iter().map(|r| r.len.div_ceil(ADAM_CHUNK)).sum();
-        if chunks > u32::MAX as usize {
+        if chunks > i32::MAX as usize {
             return Err(invalid(
                 "adamw_runs",
-                format!("{chunks} chunks of {ADAM_CHUNK} elements: more than a launch holds"),
+                format!("{chunks} chunks of {ADAM_CHUNK} elements: more than one launch's grid (2^31 − 1 blocks)"),
             ));
         }
         let table = if runs.is_empty() || matches!(device, Device::Cpu) {
@@ -83,10 +79,6 @@ impl AdamRuns {
             Some(Tensor::from_vec(words, [n], device)?)
         };
         Ok(AdamRuns { runs, table, chunks })
-    }
-
-    pub fn runs(&self) -> &[AdamRun] {
-        &self.runs
     }
 }
 
@@ -113,7 +105,7 @@ pub fn adamw_runs(
     }
     check::shape(OP, params, grads.dims())?;
     let all = [master, exp_avg, exp_avg_sq, grads, params];
-    if !all.iter().enumerate().all(|(i, a)| all[i + 1..].iter().all(|b| !a.shares_storage(b))) {
+    if !distinct(&all) {
         return Err(invalid(OP, "master, exp_avg, exp_avg_sq, grads and params must be distinct buffers"));
     }
     if h.step == 0 {
@@ -143,6 +135,11 @@ pub fn adamw_runs(
         crate::copy_(&params.view(r.flat, [r.len])?, &p)?;
     }
     Ok(())
+}
+
+/// Whether no two of `ts` share storage (the in-place updates read and write each once).
+fn distinct(ts: &[&Tensor]) -> bool {
+    ts.iter().enumerate().all(|(i, a)| ts[i + 1..].iter().all(|b| !a.shares_storage(b)))
 }
 
 /// Σ x² in f64 (deterministic order).

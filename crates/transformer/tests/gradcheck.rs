@@ -1,37 +1,11 @@
 //! Whole-model gradient check: for every parameter, the directional derivative of the loss along a
 //! random direction (central differences) equals main_grad · direction. Both preset styles.
 
-use ferrotron_core::{Cx, DType, Device, ParamTable, Tensor, rng::Philox};
-use ferrotron_transformer::spec::{Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, PositionEmbedding};
-use ferrotron_transformer::{Batch, GptModel, TransformerConfig};
+mod common;
 
-fn config(llama: bool) -> TransformerConfig {
-    TransformerConfig {
-        num_layers: 2,
-        hidden_size: 16,
-        num_attention_heads: 4,
-        num_query_groups: if llama { 2 } else { 4 },
-        ffn_hidden_size: 24,
-        seq_length: 6,
-        max_position_embeddings: 8,
-        vocab_size: 11,
-        make_vocab_size_divisible_by: 1,
-        position_embedding: if llama {
-            PositionEmbedding::Rope { base: 10000.0 }
-        } else {
-            PositionEmbedding::LearnedAbsolute
-        },
-        untie_embeddings_and_output_weights: llama,
-        layer: LayerSpec {
-            norm: if llama { NormKind::RmsNorm } else { NormKind::LayerNorm },
-            attention: AttentionSpec { bias: !llama, qk_layernorm: llama, window: None },
-            mlp: MlpSpec::Dense { activation: if llama { Activation::SwiGlu } else { Activation::Gelu }, bias: !llama },
-        },
-        norm_epsilon: 1e-5,
-        // Large enough that every layer's gradient stands far above f32 round-off.
-        init_method_std: 0.3,
-    }
-}
+use common::config;
+use ferrotron_core::{Cx, DType, Device, ParamTable, Tensor, rng::Philox};
+use ferrotron_transformer::{Batch, GptModel};
 
 fn batch(b: usize, t: usize, v: u32) -> Batch {
     let dev = Device::Cpu;

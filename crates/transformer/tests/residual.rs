@@ -4,42 +4,21 @@
 //! and then the final norm: bf16, where the sum's rounding before the norm shows; both styles;
 //! with full recompute too (which sums at its groups' inputs).
 
+mod common;
+
 use ferrotron_core::{Cx, DType, Device, Module, ParamTableBuilder, Tensor, rng::Philox};
 use ferrotron_parallel::{ProcessGroups, TensorParallel};
 use ferrotron_transformer::layer::TransformerBlock;
 use ferrotron_transformer::recompute::{Granularity, Method};
-use ferrotron_transformer::spec::{Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, PositionEmbedding};
 use ferrotron_transformer::{Recompute, TransformerConfig};
-
-fn config(llama: bool) -> TransformerConfig {
-    TransformerConfig {
-        num_layers: 3,
-        hidden_size: 16,
-        num_attention_heads: 4,
-        num_query_groups: if llama { 2 } else { 4 },
-        ffn_hidden_size: 24,
-        seq_length: 6,
-        max_position_embeddings: 8,
-        vocab_size: 11,
-        make_vocab_size_divisible_by: 1,
-        position_embedding: if llama { PositionEmbedding::Rope { base: 10000.0 } } else { PositionEmbedding::None },
-        untie_embeddings_and_output_weights: llama,
-        layer: LayerSpec {
-            norm: if llama { NormKind::RmsNorm } else { NormKind::LayerNorm },
-            attention: AttentionSpec { bias: !llama, qk_layernorm: false, window: None },
-            mlp: MlpSpec::Dense { activation: if llama { Activation::SwiGlu } else { Activation::Gelu }, bias: !llama },
-        },
-        norm_epsilon: 1e-5,
-        init_method_std: 0.3,
-    }
-}
 
 fn bits(t: &Tensor) -> Vec<u32> {
     t.to_vec_f32().unwrap().iter().map(|v| v.to_bits()).collect()
 }
 
 fn check(llama: bool, recompute: Recompute) {
-    let c = config(llama);
+    // Three layers: two pending adds between layers and one into the final norm.
+    let c = TransformerConfig { num_layers: 3, ..common::config(llama) };
     let tp = TensorParallel::new(ProcessGroups::single().tp.clone(), false);
     let mut p = ParamTableBuilder::default();
     let block = TransformerBlock::stage(&mut p, "decoder", &c, &tp, 0..c.num_layers, true, recompute).unwrap();

@@ -3,29 +3,27 @@
 use super::*;
 use cudarc::driver::{CudaSlice, DevicePtr};
 
-pub fn adamw(be: &B, p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, h: &crate::AdamW) -> Result<()> {
+/// The hyperparameter arguments the AdamW kernels end with (kernels/optim.cu `AdamH`): the bias
+/// corrections folded into the step size and the second moment's divisor.
+fn adam_hyper(h: &crate::AdamW) -> [Arg; 7] {
     let bc1 = 1.0 - (h.beta1 as f64).powi(h.step as i32);
     let bc2 = 1.0 - (h.beta2 as f64).powi(h.step as i32);
+    [
+        Arg::F32(h.beta1),
+        Arg::F32(h.beta2),
+        Arg::F32(h.eps),
+        Arg::F32((h.lr as f64 / bc1) as f32),
+        Arg::F32(bc2.sqrt() as f32),
+        Arg::F32(1.0 - h.lr * h.weight_decay),
+        Arg::F32(h.grad_scale),
+    ]
+}
+
+pub fn adamw(be: &B, p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, h: &crate::AdamW) -> Result<()> {
     let len = p.elem_count();
-    ew(
-        be,
-        "adamw",
-        len,
-        &[
-            ptr("adamw", p)?,
-            ptr("adamw", g)?,
-            ptr("adamw", m)?,
-            ptr("adamw", v)?,
-            n(len),
-            Arg::F32(h.beta1),
-            Arg::F32(h.beta2),
-            Arg::F32(h.eps),
-            Arg::F32((h.lr as f64 / bc1) as f32),
-            Arg::F32(bc2.sqrt() as f32),
-            Arg::F32(1.0 - h.lr * h.weight_decay),
-            Arg::F32(h.grad_scale),
-        ],
-    )
+    let mut args = vec![ptr("adamw", p)?, ptr("adamw", g)?, ptr("adamw", m)?, ptr("adamw", v)?, n(len)];
+    args.extend(adam_hyper(h));
+    ew(be, "adamw", len, &args)
 }
 
 /// `adamw` over the runs in `table` (kernels/optim.cu `adamw_runs_*`, one block per chunk), writing
@@ -42,30 +40,11 @@ pub fn adamw_runs(
     chunks: usize,
     h: &crate::AdamW,
 ) -> Result<()> {
-    let bc1 = 1.0 - (h.beta1 as f64).powi(h.step as i32);
-    let bc2 = 1.0 - (h.beta2 as f64).powi(h.step as i32);
-    be.launch(
-        &format!("adamw_runs_{}", sfx_storage("adamw_runs", params.dtype())?),
-        chunks as u32,
-        256,
-        0,
-        &[
-            ptr("adamw_runs", p)?,
-            ptr("adamw_runs", g)?,
-            ptr("adamw_runs", m)?,
-            ptr("adamw_runs", v)?,
-            ptr("adamw_runs", params)?,
-            ptr("adamw_runs", table)?,
-            n(table.elem_count() / 8),
-            Arg::F32(h.beta1),
-            Arg::F32(h.beta2),
-            Arg::F32(h.eps),
-            Arg::F32((h.lr as f64 / bc1) as f32),
-            Arg::F32(bc2.sqrt() as f32),
-            Arg::F32(1.0 - h.lr * h.weight_decay),
-            Arg::F32(h.grad_scale),
-        ],
-    )
+    let op = "adamw_runs";
+    let mut args = vec![ptr(op, p)?, ptr(op, g)?, ptr(op, m)?, ptr(op, v)?, ptr(op, params)?, ptr(op, table)?];
+    args.push(n(table.elem_count() / 8));
+    args.extend(adam_hyper(h));
+    be.launch(&format!("adamw_runs_{}", sfx_storage(op, params.dtype())?), chunks as u32, 256, 0, &args)
 }
 
 /// Σ x² of every tensor: 256 fixed per-block partials each, in one buffer, one copy back, then
