@@ -77,11 +77,34 @@ extern "C" __global__ void adamw_runs_##s(float* p, const float* g, float* m, fl
 FOR_TYPES(ADAMW_RUNS)
 ADAMW_RUNS(f16, f16_t)
 
+// Σ x² per block (256 threads) into partial[blockIdx.x], f64 throughout. V8: eight elements per
+// 16-byte-aligned group (n % 8 == 0): the one-element loop ran at ≈ 2 TB/s over the 1.3B model's
+// 5.2 GB of main_grad (2.6 ms a step).
+template <bool V8, typename T>
+__device__ __forceinline__ void sum_sq_impl(const T* x, double* partial, long n) {
+    __shared__ double sh[256];
+    double a = 0.0;
+    if constexpr (V8) {
+        GRID_STRIDE8(i, n) {
+            float v[8];
+            ld8(x, i, v);
+#pragma unroll
+            for (int e = 0; e < 8; e++) a += (double)v[e] * v[e];
+        }
+    } else {
+        GRID_STRIDE(i, n) { double v = ld(x, i); a += v * v; }
+    }
+    sh[threadIdx.x] = a;
+    __syncthreads();
+    for (int o = blockDim.x / 2; o > 0; o >>= 1) {
+        if ((int)threadIdx.x < o) sh[threadIdx.x] += sh[threadIdx.x + o];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) partial[blockIdx.x] = sh[0];
+}
 #define SUMSQ(s, T) \
-extern "C" __global__ void sum_sq_##s(const T* x, double* partial, long n) { \
-    __shared__ double sh[256]; double a = 0.0; \
-    GRID_STRIDE(i, n) { double v = ld(x, i); a += v * v; } \
-    sh[threadIdx.x] = a; __syncthreads(); \
-    for (int o = blockDim.x / 2; o > 0; o >>= 1) { if ((int)threadIdx.x < o) sh[threadIdx.x] += sh[threadIdx.x + o]; __syncthreads(); } \
-    if (threadIdx.x == 0) partial[blockIdx.x] = sh[0]; }
+extern "C" __global__ void __launch_bounds__(256) sum_sq_##s(const T* x, double* partial, long n) { \
+    sum_sq_impl<false>(x, partial, n); } \
+extern "C" __global__ void __launch_bounds__(256) sum_sq_##s##_v8(const T* x, double* partial, long n) { \
+    sum_sq_impl<true>(x, partial, n); }
 FOR_TYPES(SUMSQ)
