@@ -148,9 +148,30 @@ enum BwdKernels {
     Split(TcLaunch, TcLaunch),
 }
 
+/// `FERROTRON_FLASH_BWD=ws`: the warp-specialised dK/dV/dQ kernel at head dim 64 (being measured
+/// against the default plan; kernels/flash_bwd_mma.cu `flash_bwd_dkvq_ws`).
+fn bwd_ws() -> bool {
+    static CHOICE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *CHOICE.get_or_init(|| std::env::var("FERROTRON_FLASH_BWD").as_deref() == Ok("ws"))
+}
+
 fn bwd_plan(be: &B, d: usize, t: usize) -> BwdKernels {
     let (dq, dkv) = bwd_kernels(be, d);
-    if !be.use_wgmma() || crate::cuda::deterministic() || (d == 64 && t <= 2048) {
+    let wgmma = be.use_wgmma() && !crate::cuda::deterministic();
+    if wgmma && d == 64 && bwd_ws() {
+        // K and V (128 keys), BW_STAGES (3) × (Q, dO) tiles, two consumers' dSᵀ and dQ staging,
+        // 3 × (lse, delta) rows, 2 · 3 + 1 mbarriers.
+        let shared =
+            (2 * 128 * 64 * 2 + 3 * 2 * 64 * 64 * 2 + 2 * 64 * 64 * 2 + 2 * 2 * 4096 * 4 + 3 * 2 * 64 * 4 + 7 * 8)
+                as u32;
+        return BwdKernels::Fused(TcLaunch {
+            name: "flash_bwd_dkvq_ws2_bf16_64".into(),
+            rows: 128,
+            threads: 384,
+            shared,
+        });
+    }
+    if !wgmma || (d == 64 && t <= 2048) {
         return BwdKernels::Split(dq, dkv);
     }
     let nw = dkv.rows / 64;
