@@ -148,17 +148,12 @@ enum BwdKernels {
     Split(TcLaunch, TcLaunch),
 }
 
-/// `FERROTRON_FLASH_BWD=ws`: the warp-specialised dK/dV/dQ kernel at head dim 64 (being measured
-/// against the default plan; kernels/flash_bwd_mma.cu `flash_bwd_dkvq_ws`).
-fn bwd_ws() -> bool {
-    static CHOICE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *CHOICE.get_or_init(|| std::env::var("FERROTRON_FLASH_BWD").as_deref() == Ok("ws"))
-}
-
 fn bwd_plan(be: &B, d: usize, t: usize) -> BwdKernels {
     let (dq, dkv) = bwd_kernels(be, d);
     let wgmma = be.use_wgmma() && !crate::cuda::deterministic();
-    if wgmma && d == 64 && bwd_ws() {
+    // The warp-specialised kernel at head dim 64 (`cuda::set_flash_bwd_ws`, FERROTRON_FLASH_BWD=ws;
+    // kernels/flash_bwd_mma.cu `flash_bwd_dkvq_ws`), being measured against the plan below.
+    if wgmma && d == 64 && crate::cuda::flash_bwd_ws() {
         // K and V (128 keys), BW_STAGES (3) × (Q, dO) tiles, two consumers' dSᵀ and dQ staging,
         // 3 × (lse, delta) rows, 2 · 3 + 1 mbarriers.
         let shared =
