@@ -395,6 +395,193 @@ extern "C" __global__ void __launch_bounds__(128 * NW, MINB) flash_bwd_dkvq_wg##
 FLASH_BWD_DKVQ(64, 1, 2)
 FLASH_BWD_DKVQ(128, 2, 1)
 
+// Warp-specialised dK, dV and dQ (sm_90a, head dim 64; `FERROTRON_FLASH_BWD=ws` selects it while
+// it is measured): a producer warpgroup and two consumer warpgroups of 64 keys each, 128 keys per
+// block. The producer copies the block's K and V once, then streams each step's (Q, dO) tiles and
+// (lse, delta) rows into BW_STAGES stages handed over by mbarriers (full: the copies landed;
+// empty: both consumers are done with the stage), so after the first no block-wide barrier
+// stalls a step: one consumer's products overlap the other's softmax and the next step's copies.
+// Each consumer runs the DQ body of flash_bwd_dkv_mma on its own keys with its own dSᵀ buffer and
+// dQ staging, and adds its 64 × 64 dQ piece by its own bulk reduction (two per step per block,
+// the same count per key as before). Registers: the producer gives its registers to the
+// consumers (setmaxnreg 40 / 232; the block launches with 384 · 168).
+// Dynamic shared memory (bytes): K, V 2·128·64·2; BW_STAGES × (Q, dO) 2·64·64·2; dSᵀ 2·64·64·2;
+// dQ staging 2 consumers × 2 × 4096 · 4; BW_STAGES × (lse, delta) 2·64·4; 2·BW_STAGES + 1
+// mbarriers (the host's `bwd_plan` must agree).
+#define BW_STAGES 3
+// 4-byte asynchronous copy (zero-filled when `in` is false).
+__device__ __forceinline__ void cp_async4(float* dst, const float* src, bool in) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(in ? 4 : 0)
+                 : "memory");
+}
+template <int D>
+__device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse,
+                                  const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, float* dqa, long t,
+                                  long sl, long hq, long hkv, float scale, long causal, long window) {
+    static_assert(D == 64, "one 64-column dQ piece per consumer");
+    constexpr int NO = D / 8, KEYS = 128, CK = 64, TILE = FB_ROWS * D;  // CK: keys per consumer
+    extern __shared__ __align__(1024) unsigned char fb_smem[];
+    bf16_t* ks = reinterpret_cast<bf16_t*>(fb_smem);
+    bf16_t* vs = ks + KEYS * D;
+    bf16_t* qstage = vs + KEYS * D;                                               // (Q, dO) per stage
+    unsigned char* dss_all = reinterpret_cast<unsigned char*>(qstage + BW_STAGES * 2 * TILE);
+    float* dqs_all = reinterpret_cast<float*>(dss_all + 2 * CK * FB_ROWS * 2);
+    float* lstage = dqs_all + 2 * 2 * 4096;                                       // (lse, delta) per stage
+    u64* full = reinterpret_cast<u64*>(lstage + BW_STAGES * 2 * FB_ROWS);
+    u64* empty = full + BW_STAGES;
+    u64* kvbar = empty + BW_STAGES;
+    long tiles = (sl + KEYS - 1) / KEYS;
+    long kt = blockIdx.x % tiles, kvh = (blockIdx.x / tiles) % hkv, b = blockIdx.x / (tiles * hkv);
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3, wg = warp >> 2;
+    long j0 = kt * KEYS, j1 = lmin(sl, j0 + KEYS) - 1, ib, ie;
+    row_range(j0, j1, t, causal, window, FB_ROWS, &ib, &ie);
+    long group = hq / hkv, tp = (t + 63) / 64;
+    long qtiles = ie > ib ? (ie - ib + FB_ROWS - 1) / FB_ROWS : 0, steps = group * qtiles;
+    if (threadIdx.x == 0) {
+        for (int st = 0; st < BW_STAGES; st++) { mbar_init(&full[st], 128); mbar_init(&empty[st], 256); }
+        mbar_init(kvbar, 128);
+    }
+    __syncthreads();  // the only block-wide barrier
+    if (wg == 2) {
+        wg_reg_dealloc<40>();
+        int tid = threadIdx.x & 127;
+        tile_async<D, KEYS, true>(ks, k, j0, sl, b, hkv, kvh, tid, 128);
+        tile_async<D, KEYS, true>(vs, v, j0, sl, b, hkv, kvh, tid, 128);
+        cp_arrive(kvbar);
+        for (long n = 0; n < steps; n++) {
+            int st = n % BW_STAGES;
+            if (n >= BW_STAGES) mbar_wait(&empty[st], ((n / BW_STAGES) - 1) & 1);
+            long h = kvh * group + n / qtiles, i0 = ib + (n % qtiles) * FB_ROWS;
+            bf16_t* qt = qstage + st * 2 * TILE;
+            tile_async<D, FB_ROWS, true>(qt, q, i0, t, b, hq, h, tid, 128);
+            tile_async<D, FB_ROWS, true>(qt + TILE, dout, i0, t, b, hq, h, tid, 128);
+            long i = i0 + (tid & 63);
+            const float* rows = (tid < FB_ROWS ? lse : delta) + (b * hq + h) * t;
+            cp_async4(lstage + st * 2 * FB_ROWS + tid, rows + (i < t ? i : 0), i < t);
+            cp_arrive(&full[st]);
+        }
+        cp_wait<0>();
+        return;
+    }
+    wg_reg_alloc<232>();
+    // Consumer wg: keys j0 + 64·wg .. (rows 64·wg.. of the K and V tiles); this thread's two keys.
+    long jc = j0 + wg * CK, jr0 = jc + (warp & 3) * 16 + g, jr1 = jr0 + 8;
+    unsigned char* dss = dss_all + wg * CK * FB_ROWS * 2;
+    float* dqs = dqs_all + wg * 2 * 4096;
+    u32 kb = smem_addr(ks) + wg * CK * 128, vb = smem_addr(vs) + wg * CK * 128;
+    const float scale2 = scale * LOG2E;
+    float dka[NO][4], dva[NO][4];
+    #pragma unroll
+    for (int n = 0; n < NO; n++) for (int e = 0; e < 4; e++) { dka[n][e] = 0.f; dva[n][e] = 0.f; }
+    mbar_wait(kvbar, 0);
+    for (long n = 0; n < steps; n++) {
+        int stg = n % BW_STAGES;
+        long h = kvh * group + n / qtiles, i0 = ib + (n % qtiles) * FB_ROWS;
+        mbar_wait(&full[stg], (n / BW_STAGES) & 1);
+        fence_async_smem();
+        const bf16_t* qs = qstage + stg * 2 * TILE;
+        const bf16_t* dos = qs + TILE;
+        const float* ls = lstage + stg * 2 * FB_ROWS;
+        const float* dls = ls + FB_ROWS;
+        // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: this consumer's 64 keys × 64 rows each.
+        float st[8][4], dpt[8][4];
+        #pragma unroll
+        for (int nb = 0; nb < 8; nb++) for (int e = 0; e < 4; e++) { st[nb][e] = 0.f; dpt[nb][e] = 0.f; }
+        u32 qb = smem_addr(qs), ob = smem_addr(dos);
+        wg_pin<32>(&dpt[0][0]);
+        wg_start<32>(&st[0][0]);
+        #pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            wgmma_m64n64k16_ss(&st[0][0], sw_kmajor(kb, KEYS, kk), sw_kmajor(qb, FB_ROWS, kk));
+            wgmma_m64n64k16_ss(&dpt[0][0], sw_kmajor(vb, KEYS, kk), sw_kmajor(ob, FB_ROWS, kk));
+        }
+        wg_finish<32>(&st[0][0]);
+        wg_pin<32>(&dpt[0][0]);
+        // Pᵀ into st, dSᵀ into dpt (no mask for a tile inside the sequence below the diagonal).
+        if (!tile_full(i0, FB_ROWS, jc, CK, t, sl, causal, window)) {
+            #pragma unroll
+            for (int nb = 0; nb < 8; nb++)
+                #pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    long j = e < 2 ? jr0 : jr1, i = i0 + nb * 8 + tg * 2 + (e & 1);
+                    if (!(i < t && j < sl && allowed(i, j, causal, window))) st[nb][e] = -INFINITY;  // p = 0
+                }
+        }
+        #pragma unroll
+        for (int nb = 0; nb < 8; nb++) {
+            #pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int col = nb * 8 + tg * 2 + (e & 1);
+                float p = ex2(fmaf(st[nb][e], scale2, -(ls[col] * LOG2E)));
+                st[nb][e] = p;
+                dpt[nb][e] = p * (dpt[nb][e] - dls[col]);
+            }
+        }
+        u32 pa[FB_ROWS / 16][4], sa[FB_ROWS / 16][4];
+        #pragma unroll
+        for (int kstep = 0; kstep < FB_ROWS / 16; kstep++) { c_to_a(pa[kstep], st, kstep); c_to_a(sa[kstep], dpt, kstep); }
+        // dSᵀ to shared memory as flash_bwd_dkv_mma's DQ body lays it out (this consumer's keys).
+        #pragma unroll
+        for (int nb = 0; nb < 8; nb++)
+            #pragma unroll
+            for (int rr = 0; rr < 2; rr++)
+                *reinterpret_cast<u32*>(dss + (((warp & 3) * 2 + rr) * 8 + nb) * 128 + g * 16 + tg * 4) =
+                    pack_bf16(dpt[nb][2 * rr], dpt[nb][2 * rr + 1]);
+        float dqc[8][4];
+        #pragma unroll
+        for (int nb = 0; nb < 8; nb++) for (int e = 0; e < 4; e++) dqc[nb][e] = 0.f;
+        fence_async_smem();
+        named_sync(1 + wg, 128);
+        // dV += Pᵀ dO, dK += dSᵀ Q, dQ (this consumer's keys, all 64 columns) += dS K.
+        wg_pin<D / 2>(&dka[0][0]);
+        wg_pin<32>(&dqc[0][0]);
+        wg_start<D / 2>(&dva[0][0]);
+        wg_pv<D, FB_ROWS>(dva, pa, dos);
+        wg_pv<D, FB_ROWS>(dka, sa, qs);
+        u32 ab = smem_addr(dss);
+        #pragma unroll
+        for (int kk = 0; kk < CK / 16; kk++)
+            wgmma_m64n64k16_ss<1, 1>(&dqc[0][0], wg_desc(ab + kk * 32 * FB_ROWS, 16 * FB_ROWS, 128),
+                                     sw_mnmajor(kb, KEYS, kk));
+        wg_finish<D / 2>(&dva[0][0]);
+        wg_pin<D / 2>(&dka[0][0]);
+        wg_pin<32>(&dqc[0][0]);
+        wg_keep<FB_ROWS / 4>(&pa[0][0]);
+        wg_keep<FB_ROWS / 4>(&sa[0][0]);
+        // Every product that read stage stg is complete: hand it back to the producer.
+        mbar_arrive(&empty[stg]);
+        float* buf = dqs + (n & 1) * 4096;
+        #pragma unroll
+        for (int nb = 0; nb < 8; nb++)
+            *reinterpret_cast<float4*>(buf + (((warp & 3) * 8 + nb) * 32 + lane) * 4) =
+                make_float4(dqc[nb][0] * scale, dqc[nb][1] * scale, dqc[nb][2] * scale, dqc[nb][3] * scale);
+        fence_async_smem();
+        named_sync(1 + wg, 128);
+        if ((threadIdx.x & 127) == 0) {
+            bulk_reduce_add(dqa + ((b * hq + h) * tp + i0 / 64) * 4096, buf, 4096 * 4);
+            // The buffer of step n − 1 is read before step n + 1 refills it.
+            bulk_wait_read<1>();
+        }
+    }
+    if ((threadIdx.x & 127) == 0) bulk_wait<0>();
+    #pragma unroll
+    for (int rr = 0; rr < 2; rr++) {
+        long j = rr ? jr1 : jr0;
+        if (j >= sl) continue;
+        long off = ((b * sl + j) * hkv + kvh) * D;
+        #pragma unroll
+        for (int n = 0; n < NO; n++) {
+            *reinterpret_cast<u32*>(dk + off + n * 8 + tg * 2) = pack_bf16(dka[n][2 * rr] * scale, dka[n][2 * rr + 1] * scale);
+            *reinterpret_cast<u32*>(dv + off + n * 8 + tg * 2) = pack_bf16(dva[n][2 * rr], dva[n][2 * rr + 1]);
+        }
+    }
+}
+extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_dkvq_ws2_bf16_64(const bf16_t* q, const bf16_t* k,
+        const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, float* dqa,
+        long t, long sl, long hq, long hkv, long d, float scale, long causal, long window) {
+    flash_bwd_dkvq_ws<64>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale, causal, window);
+}
+
 // dQ (bf16, [B, T, Hq, D]) from the bulk-reduced fp32 tiles: per (batch, head, 64-row tile,
 // 64-column block) 4096 floats in the dK/dV kernel's fragment order (row 16·w4 + 8·rr + g, column
 // 8·nb + 2·tg + c at ((w4·8 + nb)·32 + 4g + tg)·4 + 2rr + c). One thread per eight columns.

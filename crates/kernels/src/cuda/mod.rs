@@ -66,6 +66,20 @@ pub(crate) fn poisoning() -> bool {
 thread_local! {
     static WGMMA: std::cell::Cell<bool> = const { std::cell::Cell::new(true) };
     static DETERMINISTIC: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    static FLASH_BWD_WS: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+}
+
+/// Whether this thread's flash backward at head dim 64 runs the warp-specialised kernel (being
+/// measured; default: `FERROTRON_FLASH_BWD=ws` in the environment). Tests set it to run both.
+pub fn set_flash_bwd_ws(on: bool) {
+    FLASH_BWD_WS.with(|w| w.set(Some(on)));
+}
+
+pub(crate) fn flash_bwd_ws() -> bool {
+    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    FLASH_BWD_WS
+        .with(|w| w.get())
+        .unwrap_or_else(|| *ENV.get_or_init(|| std::env::var("FERROTRON_FLASH_BWD").as_deref() == Ok("ws")))
 }
 
 /// Whether this thread's ops must give the same bits on every run (off by default, as Megatron's

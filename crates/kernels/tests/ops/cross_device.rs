@@ -175,14 +175,19 @@ fn every_op_matches_cpu() {
             (2060, 2, 1, 128),
         ];
         // bf16 on an sm_90 GPU: the wgmma kernels (the backward's dQ by bulk reductions, then,
-        // deterministic, by its own kernel), then the mma.sync ones (wgmma off).
-        let modes = [(true, false), (true, true), (false, false)];
-        for ((wg, det), (t, hq, hkv, d)) in modes.into_iter().flat_map(|m| shapes.map(|s| (m, s))) {
-            if dt == DType::F32 && (!wg || det) {
+        // deterministic, by its own kernel), the warp-specialised backward at head dim 64, then
+        // the mma.sync ones (wgmma off).
+        let modes = [(true, false, false), (true, true, false), (true, false, true), (false, false, false)];
+        for ((wg, det, ws), (t, hq, hkv, d)) in modes.into_iter().flat_map(|m| shapes.map(|s| (m, s))) {
+            if dt == DType::F32 && (!wg || det || ws) {
                 continue; // the same f32 kernels either way
+            }
+            if ws && d != 64 {
+                continue; // the warp-specialised backward is head dim 64 only
             }
             ferrotron_kernels::cuda::set_wgmma(wg);
             ferrotron_kernels::cuda::set_deterministic(det);
+            ferrotron_kernels::cuda::set_flash_bwd_ws(ws);
             if dt == DType::F32 && t > 100 {
                 // The long shapes are for the bf16 tensor-core kernels; f32 sums over 150 rows
                 // drift past the 1e-5 f32 tolerance by accumulation order alone.
@@ -201,7 +206,7 @@ fn every_op_matches_cpu() {
                 AttnCfg { causal: false, window: Some(40), scale: Some(0.3) },
             ] {
                 check_norm(
-                    &format!("flash attention t{t} d{d} wgmma {wg} deterministic {det} {cfg:?}"),
+                    &format!("flash attention t{t} d{d} wgmma {wg} deterministic {det} ws {ws} {cfg:?}"),
                     dt,
                     &[q.clone(), kk.clone(), v.clone(), dout.clone()],
                     |t| {
@@ -213,6 +218,7 @@ fn every_op_matches_cpu() {
             }
         }
         ferrotron_kernels::cuda::set_wgmma(true);
+        ferrotron_kernels::cuda::set_flash_bwd_ws(false);
         if dt == DType::BF16 {
             // Deterministic mode: the backward twice on the GPU gives the same bits.
             ferrotron_kernels::cuda::set_deterministic(true);

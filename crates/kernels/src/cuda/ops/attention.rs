@@ -150,7 +150,23 @@ enum BwdKernels {
 
 fn bwd_plan(be: &B, d: usize, t: usize) -> BwdKernels {
     let (dq, dkv) = bwd_kernels(be, d);
-    if !be.use_wgmma() || crate::cuda::deterministic() || (d == 64 && t <= 2048) {
+    let wgmma = be.use_wgmma() && !crate::cuda::deterministic();
+    // The warp-specialised kernel at head dim 64 (`cuda::set_flash_bwd_ws`, FERROTRON_FLASH_BWD=ws;
+    // kernels/flash_bwd_mma.cu `flash_bwd_dkvq_ws`), being measured against the plan below.
+    if wgmma && d == 64 && crate::cuda::flash_bwd_ws() {
+        // K and V (128 keys), BW_STAGES (3) × (Q, dO) tiles, two consumers' dSᵀ and dQ staging,
+        // 3 × (lse, delta) rows, 2 · 3 + 1 mbarriers.
+        let shared =
+            (2 * 128 * 64 * 2 + 3 * 2 * 64 * 64 * 2 + 2 * 64 * 64 * 2 + 2 * 2 * 4096 * 4 + 3 * 2 * 64 * 4 + 7 * 8)
+                as u32;
+        return BwdKernels::Fused(TcLaunch {
+            name: "flash_bwd_dkvq_ws2_bf16_64".into(),
+            rows: 128,
+            threads: 384,
+            shared,
+        });
+    }
+    if !wgmma || (d == 64 && t <= 2048) {
         return BwdKernels::Split(dq, dkv);
     }
     let nw = dkv.rows / 64;
