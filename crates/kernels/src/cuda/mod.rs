@@ -173,6 +173,7 @@ pub(crate) fn backend(dev: &CudaDevice) -> Result<Arc<Backend>> {
 }
 
 /// A kernel argument.
+#[derive(Clone, Copy)]
 pub(crate) enum Arg {
     Ptr(u64),
     I64(i64),
