@@ -405,8 +405,8 @@ FLASH_BWD_DKVQ(64, 1, 2)
 FLASH_BWD_DKVQ(128, 2, 1)
 
 // dQ (bf16, [B, T, Hq, D], or with `fused` the query slots of dQKV: Place) from the bulk-reduced
-// fp32 tiles: per (batch, head, 64-row tile,
-// 64-column block) 4096 floats in the dK/dV kernel's fragment order (row 16·w4 + 8·rr + g, column
+// fp32 tiles: per (batch, head, 64-row tile, 64-column block) 4096 floats in the dK/dV kernel's
+// fragment order (row 16·w4 + 8·rr + g, column
 // 8·nb + 2·tg + c at ((w4·8 + nb)·32 + 4g + tg)·4 + 2rr + c). One thread per eight columns.
 extern "C" __global__ void flash_dq_tiles_bf16(const float* dqa, bf16_t* dq, long bsz, long t, long hq, long d,
                                                 long hkv, long fused) {
