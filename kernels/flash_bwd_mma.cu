@@ -51,7 +51,7 @@ extern "C" __global__ void flash_bwd_delta_bf16(const bf16_t* o, const bf16_t* d
 template <int D, bool WG = false, int NW = 1>
 __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse,
                                  const float* delta, const bf16_t* dout, bf16_t* dq, long t, long sl, long hq, long hkv,
-                                 float scale, long causal, long window) {
+                                 float scale, long causal, long window, long fused) {
     using Stages = KvStages<D, FB_KEYS, WG>;
     constexpr int KS = D / 16, NO = D / 8, P = Stages::TP, ROWS = FB_ROWS * NW;  // query rows per block
     // Two stages of (K tile, V tile): 4·FB_KEYS·P·2 bytes of dynamic shared memory.
@@ -61,18 +61,22 @@ __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t*
     // Within a head, the last query tiles (the most keys under a causal mask) start first.
     long qt = tiles - 1 - blockIdx.x % tiles, h = (blockIdx.x / tiles) % hq, b = blockIdx.x / (tiles * hq);
     long kvh = h / (hq / hkv);
+    // Q (and dQ) where `fused` puts them; dO, O, lse and delta are always [B, T, hq, ·].
+    const Place qp = q_place(h, hq, hkv, fused), kp = kv_place(kvh, hq, hkv, fused), op = {hq, h};
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
     long r0 = qt * ROWS + warp * 16 + g, r1 = r0 + 8;  // this thread's two rows
     // A fragments of Q and dO for every k-step (registers for the whole kernel).
     u32 qa[KS][4], da[KS][4];
-    auto frag = [&](const bf16_t* x, long row, int col) -> u32 {
-        return row < t ? word(x + ((b * t + row) * hq + h) * D + col) : 0u;
+    auto frag = [&](const bf16_t* x, Place at, long row, int col) -> u32 {
+        return row < t ? word(x + ((b * t + row) * at.heads + at.head) * D + col) : 0u;
     };
     #pragma unroll
     for (int kk = 0; kk < KS; kk++) {
         int c = kk * 16 + tg * 2;
-        qa[kk][0] = frag(q, r0, c); qa[kk][1] = frag(q, r1, c); qa[kk][2] = frag(q, r0, c + 8); qa[kk][3] = frag(q, r1, c + 8);
-        da[kk][0] = frag(dout, r0, c); da[kk][1] = frag(dout, r1, c); da[kk][2] = frag(dout, r0, c + 8); da[kk][3] = frag(dout, r1, c + 8);
+        qa[kk][0] = frag(q, qp, r0, c); qa[kk][1] = frag(q, qp, r1, c);
+        qa[kk][2] = frag(q, qp, r0, c + 8); qa[kk][3] = frag(q, qp, r1, c + 8);
+        da[kk][0] = frag(dout, op, r0, c); da[kk][1] = frag(dout, op, r1, c);
+        da[kk][2] = frag(dout, op, r0, c + 8); da[kk][3] = frag(dout, op, r1, c + 8);
     }
     float lr[2], dl[2];
     #pragma unroll
@@ -87,7 +91,7 @@ __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t*
     const float scale2 = scale * LOG2E;
     long i0 = qt * ROWS, i1 = lmin(t, i0 + ROWS) - 1, jb, je;
     key_range(i0, i1, sl, causal, window, FB_KEYS, &jb, &je);
-    const Stages kv(stage, k, v, jb, je, sl, b, hkv, kvh);
+    const Stages kv(stage, k, v, jb, je, sl, b, kp.heads, kp.head);
     if (kv.steps > 0) kv.fetch(0);
     for (long it = 0; it < kv.steps; it++) {
         long j0 = jb + it * FB_KEYS;
@@ -150,7 +154,7 @@ __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t*
     for (int rr = 0; rr < 2; rr++) {
         long i = rr ? r1 : r0;
         if (i >= t) continue;
-        bf16_t* di = dq + ((b * t + i) * hq + h) * D;
+        bf16_t* di = dq + ((b * t + i) * qp.heads + qp.head) * D;
         #pragma unroll
         for (int n = 0; n < NO; n++)
             *reinterpret_cast<u32*>(di + n * 8 + tg * 2) = pack_bf16(acc[n][2 * rr] * scale, acc[n][2 * rr + 1] * scale);
@@ -172,7 +176,7 @@ __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t*
 template <int D, bool WG = false, int NW = 1, bool DQ = false>
 __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse,
                                   const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, float* dqa, long t,
-                                  long sl, long hq, long hkv, float scale, long causal, long window) {
+                                  long sl, long hq, long hkv, float scale, long causal, long window, long fused) {
     constexpr int NO = D / 8, P = WG ? D : D + 8;  // tile row (padded for ldmatrix; swizzled for wgmma)
     constexpr int KEYS = FB_KEYS * NW;              // keys per block
     static_assert(!DQ || (WG && D / NW == 64), "fused dQ: wgmma, 64 dQ columns per warpgroup");
@@ -187,16 +191,17 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
     float* dqs = reinterpret_cast<float*>(dss + KEYS * FB_ROWS * 2) + (threadIdx.x >> 7) * 2 * 4096;
     long tiles = (sl + KEYS - 1) / KEYS;
     long kt = blockIdx.x % tiles, kvh = (blockIdx.x / tiles) % hkv, b = blockIdx.x / (tiles * hkv);
+    const Place kp = kv_place(kvh, hq, hkv, fused);  // K, V, dK, dV (dO stays [B, T, hq, D])
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
     long j0 = kt * KEYS, jr0 = j0 + warp * 16 + g, jr1 = jr0 + 8;  // this thread's two keys
     if constexpr (WG) {
         // Waited for with the first (Q, dO) stage.
-        tile_async<D, KEYS, true>(ks, k, j0, sl, b, hkv, kvh);
-        tile_async<D, KEYS, true>(vs, v, j0, sl, b, hkv, kvh);
+        tile_async<D, KEYS, true>(ks, k, j0, sl, b, kp.heads, kp.head);
+        tile_async<D, KEYS, true>(vs, v, j0, sl, b, kp.heads, kp.head);
         cp_commit();
     } else {
-        tile_in<D, KEYS>(ks, k, j0, sl, b, hkv, kvh);
-        tile_in<D, KEYS>(vs, v, j0, sl, b, hkv, kvh);
+        tile_in<D, KEYS>(ks, k, j0, sl, b, kp.heads, kp.head);
+        tile_in<D, KEYS>(vs, v, j0, sl, b, kp.heads, kp.head);
     }
     float dka[NO][4], dva[NO][4];
     #pragma unroll
@@ -204,14 +209,15 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
     // Query rows that can see keys [j0, j1].
     long j1 = lmin(sl, j0 + KEYS) - 1, ib, ie;
     row_range(j0, j1, t, causal, window, FB_ROWS, &ib, &ie);
-    long group = hq / hkv;
+    long group = hq / hkv, qgs = fused ? group + 2 : group;  // heads per query group's run (Place)
     const float scale2 = scale * LOG2E;
     // Steps over (query head of the group, query tile), the next one's tiles loading meanwhile.
     long qtiles = ie > ib ? (ie - ib + FB_ROWS - 1) / FB_ROWS : 0, steps = group * qtiles;
     auto fetch = [&](long n) {
         long h = kvh * group + n / qtiles, i0 = ib + (n % qtiles) * FB_ROWS;
         bf16_t* qt = qstage + (n & 1) * 2 * FB_ROWS * P;
-        tile_async<D, FB_ROWS, WG>(qt, q, i0, t, b, hq, h);
+        // q_place(h) without its divisions: the group's query heads sit qgs apart per group.
+        tile_async<D, FB_ROWS, WG>(qt, q, i0, t, b, hkv * qgs, kvh * qgs + n / qtiles);
         tile_async<D, FB_ROWS, WG>(qt + FB_ROWS * P, dout, i0, t, b, hq, h);
         cp_commit();
         float* lt = lstage + (n & 1) * 2 * FB_ROWS;
@@ -358,7 +364,7 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
     for (int rr = 0; rr < 2; rr++) {
         long j = rr ? jr1 : jr0;
         if (j >= sl) continue;
-        long off = ((b * sl + j) * hkv + kvh) * D;
+        long off = ((b * sl + j) * kp.heads + kp.head) * D;
         #pragma unroll
         for (int n = 0; n < NO; n++) {
             *reinterpret_cast<u32*>(dk + off + n * 8 + tg * 2) = pack_bf16(dka[n][2 * rr] * scale, dka[n][2 * rr + 1] * scale);
@@ -373,12 +379,13 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
 #define FLASH_BWD_MMA(D, SFX, WG, NW) \
 extern "C" __global__ void __launch_bounds__(128 * NW) flash_bwd_dq_##SFX##_bf16_##D(const bf16_t* q, const bf16_t* k, \
         const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dq, long t, long sl, long hq, \
-        long hkv, long d, float scale, long causal, long window) { \
-    flash_bwd_dq_mma<D, WG, NW>(q, k, v, lse, delta, dout, dq, t, sl, hq, hkv, scale, causal, window); } \
+        long hkv, long d, float scale, long causal, long window, long fused) { \
+    flash_bwd_dq_mma<D, WG, NW>(q, k, v, lse, delta, dout, dq, t, sl, hq, hkv, scale, causal, window, fused); } \
 extern "C" __global__ void __launch_bounds__(128 * NW, WG ? 3 / NW : 1) flash_bwd_dkv_##SFX##_bf16_##D(const bf16_t* q, const bf16_t* k, \
         const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, long t, \
-        long sl, long hq, long hkv, long d, float scale, long causal, long window) { \
-    flash_bwd_dkv_mma<D, WG, NW>(q, k, v, lse, delta, dout, dk, dv, nullptr, t, sl, hq, hkv, scale, causal, window); }
+        long sl, long hq, long hkv, long d, float scale, long causal, long window, long fused) { \
+    flash_bwd_dkv_mma<D, WG, NW>(q, k, v, lse, delta, dout, dk, dv, nullptr, t, sl, hq, hkv, scale, causal, window, \
+                                 fused); }
 FLASH_BWD_MMA(64, mma, false, 1)
 FLASH_BWD_MMA(128, mma, false, 1)
 // Measured on the H200 (lab notes in README.md): D 64 NW 1 (NW 2: 4–13% slower), D 128 NW 2
@@ -390,13 +397,15 @@ FLASH_BWD_MMA(128, wg2, true, 2)
 #define FLASH_BWD_DKVQ(D, NW, MINB) \
 extern "C" __global__ void __launch_bounds__(128 * NW, MINB) flash_bwd_dkvq_wg##NW##_bf16_##D(const bf16_t* q, \
         const bf16_t* k, const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, \
-        bf16_t* dv, float* dqa, long t, long sl, long hq, long hkv, long d, float scale, long causal, long window) { \
-    flash_bwd_dkv_mma<D, true, NW, true>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale, causal, window); }
+        bf16_t* dv, float* dqa, long t, long sl, long hq, long hkv, long d, float scale, long causal, long window, \
+        long fused) { \
+    flash_bwd_dkv_mma<D, true, NW, true>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale, causal, window, \
+                                         fused); }
 FLASH_BWD_DKVQ(64, 1, 2)
 FLASH_BWD_DKVQ(128, 2, 1)
 
-// Warp-specialised dK, dV and dQ (sm_90a, head dim 64; `FERROTRON_FLASH_BWD=ws` selects it while
-// it is measured): a producer warpgroup and two consumer warpgroups of 64 keys each, 128 keys per
+// Warp-specialised dK, dV and dQ (sm_90a, head dim 64; the default there, `FERROTRON_FLASH_BWD=wg`
+// selects the lockstep kernels instead): a producer warpgroup and two consumer warpgroups of 64 keys each, 128 keys per
 // block. The producer copies the block's K and V once, then streams each step's (Q, dO) tiles and
 // (lse, delta) rows into BW_STAGES stages handed over by mbarriers (full: the copies landed;
 // empty: both consumers are done with the stage), so after the first no block-wide barrier
@@ -417,7 +426,7 @@ __device__ __forceinline__ void cp_async4(float* dst, const float* src, bool in)
 template <int D>
 __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse,
                                   const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, float* dqa, long t,
-                                  long sl, long hq, long hkv, float scale, long causal, long window) {
+                                  long sl, long hq, long hkv, float scale, long causal, long window, long fused) {
     static_assert(D == 64, "one 64-column dQ piece per consumer");
     constexpr int NO = D / 8, KEYS = 128, CK = 64, TILE = FB_ROWS * D;  // CK: keys per consumer
     extern __shared__ __align__(1024) unsigned char fb_smem[];
@@ -432,10 +441,11 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
     u64* kvbar = empty + BW_STAGES;
     long tiles = (sl + KEYS - 1) / KEYS;
     long kt = blockIdx.x % tiles, kvh = (blockIdx.x / tiles) % hkv, b = blockIdx.x / (tiles * hkv);
+    const Place kp = kv_place(kvh, hq, hkv, fused);  // K, V, dK, dV (dO stays [B, T, hq, D])
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3, wg = warp >> 2;
     long j0 = kt * KEYS, j1 = lmin(sl, j0 + KEYS) - 1, ib, ie;
     row_range(j0, j1, t, causal, window, FB_ROWS, &ib, &ie);
-    long group = hq / hkv, tp = (t + 63) / 64;
+    long group = hq / hkv, tp = (t + 63) / 64, qgs = fused ? group + 2 : group;  // qgs: as in flash_bwd_dkv_mma
     long qtiles = ie > ib ? (ie - ib + FB_ROWS - 1) / FB_ROWS : 0, steps = group * qtiles;
     if (threadIdx.x == 0) {
         for (int st = 0; st < BW_STAGES; st++) { mbar_init(&full[st], 128); mbar_init(&empty[st], 256); }
@@ -445,15 +455,15 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
     if (wg == 2) {
         wg_reg_dealloc<40>();
         int tid = threadIdx.x & 127;
-        tile_async<D, KEYS, true>(ks, k, j0, sl, b, hkv, kvh, tid, 128);
-        tile_async<D, KEYS, true>(vs, v, j0, sl, b, hkv, kvh, tid, 128);
+        tile_async<D, KEYS, true>(ks, k, j0, sl, b, kp.heads, kp.head, tid, 128);
+        tile_async<D, KEYS, true>(vs, v, j0, sl, b, kp.heads, kp.head, tid, 128);
         cp_arrive(kvbar);
         for (long n = 0; n < steps; n++) {
             int st = n % BW_STAGES;
             if (n >= BW_STAGES) mbar_wait(&empty[st], ((n / BW_STAGES) - 1) & 1);
             long h = kvh * group + n / qtiles, i0 = ib + (n % qtiles) * FB_ROWS;
             bf16_t* qt = qstage + st * 2 * TILE;
-            tile_async<D, FB_ROWS, true>(qt, q, i0, t, b, hq, h, tid, 128);
+            tile_async<D, FB_ROWS, true>(qt, q, i0, t, b, hkv * qgs, kvh * qgs + n / qtiles, tid, 128);
             tile_async<D, FB_ROWS, true>(qt + TILE, dout, i0, t, b, hq, h, tid, 128);
             long i = i0 + (tid & 63);
             const float* rows = (tid < FB_ROWS ? lse : delta) + (b * hq + h) * t;
@@ -568,7 +578,7 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
     for (int rr = 0; rr < 2; rr++) {
         long j = rr ? jr1 : jr0;
         if (j >= sl) continue;
-        long off = ((b * sl + j) * hkv + kvh) * D;
+        long off = ((b * sl + j) * kp.heads + kp.head) * D;
         #pragma unroll
         for (int n = 0; n < NO; n++) {
             *reinterpret_cast<u32*>(dk + off + n * 8 + tg * 2) = pack_bf16(dka[n][2 * rr] * scale, dka[n][2 * rr + 1] * scale);
@@ -578,14 +588,16 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
 }
 extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_dkvq_ws2_bf16_64(const bf16_t* q, const bf16_t* k,
         const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, float* dqa,
-        long t, long sl, long hq, long hkv, long d, float scale, long causal, long window) {
-    flash_bwd_dkvq_ws<64>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale, causal, window);
+        long t, long sl, long hq, long hkv, long d, float scale, long causal, long window, long fused) {
+    flash_bwd_dkvq_ws<64>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale, causal, window, fused);
 }
 
-// dQ (bf16, [B, T, Hq, D]) from the bulk-reduced fp32 tiles: per (batch, head, 64-row tile,
-// 64-column block) 4096 floats in the dK/dV kernel's fragment order (row 16·w4 + 8·rr + g, column
+// dQ (bf16, [B, T, Hq, D], or with `fused` the query slots of dQKV: Place) from the bulk-reduced
+// fp32 tiles: per (batch, head, 64-row tile, 64-column block) 4096 floats in the dK/dV kernel's
+// fragment order (row 16·w4 + 8·rr + g, column
 // 8·nb + 2·tg + c at ((w4·8 + nb)·32 + 4g + tg)·4 + 2rr + c). One thread per eight columns.
-extern "C" __global__ void flash_dq_tiles_bf16(const float* dqa, bf16_t* dq, long bsz, long t, long hq, long d) {
+extern "C" __global__ void flash_dq_tiles_bf16(const float* dqa, bf16_t* dq, long bsz, long t, long hq, long d,
+                                                long hkv, long fused) {
     long x = (long)blockIdx.x * blockDim.x + threadIdx.x, groups = d / 8;
     if (x >= bsz * t * hq * groups) return;
     long c8 = x % groups, h = (x / groups) % hq, i = (x / (groups * hq)) % t, b = x / (groups * hq * t);
@@ -600,5 +612,6 @@ extern "C" __global__ void flash_dq_tiles_bf16(const float* dqa, bf16_t* dq, lon
         v[2 * tg] = w.x;
         v[2 * tg + 1] = w.y;
     }
-    st8(dq, ((b * t + i) * hq + h) * d + c8 * 8, v);
+    const Place qp = q_place(h, hq, hkv, fused);
+    st8(dq, ((b * t + i) * qp.heads + qp.head) * d + c8 * 8, v);
 }

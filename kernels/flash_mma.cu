@@ -87,6 +87,23 @@ __device__ __forceinline__ void mma_cols_smem(float (*s)[4], const bf16_t* rows,
 
 __device__ __forceinline__ u32 word(const bf16_t* p) { return *reinterpret_cast<const u32*>(p); }
 
+// Where a head's rows sit in a [B, T, ·, D] tensor: heads per row, and the head's index in a row.
+// Separate tensors: [B, T, hq, D] for Q, [B, T, hkv, D] for K and V. `fused`: the QKV projection
+// output read in place (Megatron's [B, T, hkv, g + 2, D]: each query group's g query heads, then
+// its key head and its value head), with the q / k / v pointers offset by 0 / g / g + 1 heads, so
+// a group's K and V share one index. The same for the gradients written into dQKV.
+struct Place {
+    long heads, head;
+};
+__device__ __forceinline__ Place q_place(long h, long hq, long hkv, long fused) {
+    long g = hq / hkv;
+    return fused ? Place{hkv * (g + 2), h / g * (g + 2) + h % g} : Place{hq, h};
+}
+__device__ __forceinline__ Place kv_place(long j, long hq, long hkv, long fused) {
+    long g = hq / hkv;
+    return fused ? Place{hkv * (g + 2), j * (g + 2)} : Place{hkv, j};
+}
+
 // Like tile_in, asynchronously (cp.async, 16 bytes a copy, zero-filled past the end): the tile for
 // the next step loads while this one is computed. Commit with cp_commit, wait with cp_wait<N>
 // (at most N groups still in flight), then __syncthreads before reading. CM: wgmma's 128-byte
@@ -123,15 +140,15 @@ struct KvStages {
     bf16_t* stage;
     const bf16_t* k;
     const bf16_t* v;
-    long jb, steps, sl, b, hkv, kvh;
+    long jb, steps, sl, b, heads, head;  // (heads, head): the K/V head's Place
     __device__ __forceinline__ KvStages(bf16_t* stage, const bf16_t* k, const bf16_t* v, long jb, long je, long sl,
-                                        long b, long hkv, long kvh)
-        : stage(stage), k(k), v(v), jb(jb), steps(je > jb ? (je - jb + KEYS - 1) / KEYS : 0), sl(sl), b(b), hkv(hkv),
-          kvh(kvh) {}
+                                        long b, long heads, long head)
+        : stage(stage), k(k), v(v), jb(jb), steps(je > jb ? (je - jb + KEYS - 1) / KEYS : 0), sl(sl), b(b),
+          heads(heads), head(head) {}
     __device__ __forceinline__ void fetch(long it) const {
         bf16_t* kt = stage + (it & 1) * 2 * KEYS * TP;
-        tile_async<D, KEYS, CM>(kt, k, jb + it * KEYS, sl, b, hkv, kvh);
-        tile_async<D, KEYS, CM>(kt + KEYS * TP, v, jb + it * KEYS, sl, b, hkv, kvh);
+        tile_async<D, KEYS, CM>(kt, k, jb + it * KEYS, sl, b, heads, head);
+        tile_async<D, KEYS, CM>(kt + KEYS * TP, v, jb + it * KEYS, sl, b, heads, head);
         cp_commit();
     }
     __device__ __forceinline__ const bf16_t* wait(long it) const {
@@ -310,7 +327,7 @@ __device__ __forceinline__ void fwd_store(float (*acc)[D / 8][4], float (*m)[2],
 // sharing each K/V tile (fewer L2 reads per flop: the single-warpgroup kernel was L2-bound).
 template <int D, int MT, bool WG = false, int NW = 1>
 __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl,
-                              long hq, long hkv, float scale, long causal, long window) {
+                              long hq, long hkv, float scale, long causal, long window, long fused) {
     constexpr int KS = D / 16;        // k-steps over the head dim
     constexpr int NO = D / 8;         // 8-wide blocks of the output
     constexpr int ROWS = FM_ROWS * MT * NW;
@@ -322,6 +339,7 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
     // Within a head, the last query tiles (the most keys under a causal mask) start first.
     long qt = tiles - 1 - blockIdx.x % tiles, h = (blockIdx.x / tiles) % hq, b = blockIdx.x / (tiles * hq);
     long kvh = h / (hq / hkv);
+    const Place qp = q_place(h, hq, hkv, fused), kp = kv_place(kvh, hq, hkv, fused);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
     // This thread's rows: r[mt][0] and r[mt][1] = r[mt][0] + 8 of m-tile mt.
     long r[MT][2];
@@ -331,7 +349,7 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
     u32 qa[MT][KS][4];
     auto qword = [&](long row, int col) -> u32 {
         if (row >= t) return 0u;
-        return *reinterpret_cast<const u32*>(q + ((b * t + row) * hq + h) * D + col);
+        return *reinterpret_cast<const u32*>(q + ((b * t + row) * qp.heads + qp.head) * D + col);
     };
     #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
@@ -357,7 +375,7 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
     key_range(i0, i1, sl, causal, window, FM_KEYS, &jb, &je);
     using Stages = KvStages<D, FM_KEYS, WG>;
     constexpr int KP = Stages::TP;  // elements per K/V tile row
-    const Stages kv(stage, k, v, jb, je, sl, b, hkv, kvh);
+    const Stages kv(stage, k, v, jb, je, sl, b, kp.heads, kp.head);
     if (kv.steps > 0) kv.fetch(0);
     for (long it = 0; it < kv.steps; it++) {
         long j0 = jb + it * FM_KEYS;
@@ -418,7 +436,7 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
 
 template <int D, int NC, int KEYS = FM_KEYS>
 __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl,
-                             long hq, long hkv, float scale, long causal, long window) {
+                             long hq, long hkv, float scale, long causal, long window, long fused) {
     constexpr int NO = D / 8, NB = KEYS / 8, ROWS = FM_ROWS * NC, TILE = KEYS * D;  // bf16 per K or V tile
     extern __shared__ __align__(1024) unsigned char fm_smem[];  // swizzled tiles: 1024-byte aligned
     bf16_t* stage = reinterpret_cast<bf16_t*>(fm_smem);  // FW_STAGES × (K, V), then the mbarriers
@@ -428,6 +446,7 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
     // Within a head, the last query tiles (the most keys under a causal mask) start first.
     long qt = tiles - 1 - blockIdx.x % tiles, h = (blockIdx.x / tiles) % hq, b = blockIdx.x / (tiles * hq);
     long kvh = h / (hq / hkv);
+    const Place qp = q_place(h, hq, hkv, fused), kp = kv_place(kvh, hq, hkv, fused);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3, wg = warp >> 2;
     long i0 = qt * ROWS, i1 = lmin(t, i0 + ROWS) - 1, jb, je;
     key_range(i0, i1, sl, causal, window, KEYS, &jb, &je);
@@ -450,8 +469,8 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
             int st = it % FW_STAGES;
             if (it >= FW_STAGES) mbar_wait(&empty[st], ((it / FW_STAGES) - 1) & 1);
             bf16_t* kt = stage + st * 2 * TILE;
-            tile_async<D, KEYS, true>(kt, k, jb + it * KEYS, sl, b, hkv, kvh, threadIdx.x & 127, 128);
-            tile_async<D, KEYS, true>(kt + TILE, v, jb + it * KEYS, sl, b, hkv, kvh, threadIdx.x & 127, 128);
+            tile_async<D, KEYS, true>(kt, k, jb + it * KEYS, sl, b, kp.heads, kp.head, threadIdx.x & 127, 128);
+            tile_async<D, KEYS, true>(kt + TILE, v, jb + it * KEYS, sl, b, kp.heads, kp.head, threadIdx.x & 127, 128);
             cp_arrive(&full[st]);
         }
         cp_wait<0>();
@@ -464,7 +483,7 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
     r[0][1] = r[0][0] + 8;
     u32 qa[D / 16][4];
     auto qword = [&](long row, int col) -> u32 {
-        return row < t ? *reinterpret_cast<const u32*>(q + ((b * t + row) * hq + h) * D + col) : 0u;
+        return row < t ? *reinterpret_cast<const u32*>(q + ((b * t + row) * qp.heads + qp.head) * D + col) : 0u;
     };
     #pragma unroll
     for (int kk = 0; kk < D / 16; kk++) {
@@ -546,8 +565,8 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
 #define FLASH_MMA(NAME, D, MT, WG, NW) \
 extern "C" __global__ void __launch_bounds__(128 * NW) NAME(const bf16_t* q, const bf16_t* k, \
         const bf16_t* v, bf16_t* o, float* lse, long t, long sl, long hq, long hkv, long d, float scale, long causal, \
-        long window) { \
-    flash_fwd_mma<D, MT, WG, NW>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window); }
+        long window, long fused) { \
+    flash_fwd_mma<D, MT, WG, NW>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window, fused); }
 FLASH_MMA(flash_fwd_mma_bf16_64, 64, 1, false, 1)
 FLASH_MMA(flash_fwd_mma_bf16_64x2, 64, 2, false, 1)
 FLASH_MMA(flash_fwd_mma_bf16_128, 128, 1, false, 1)
@@ -562,8 +581,8 @@ FLASH_MMA(flash_fwd_wg3_bf16_128, 128, 1, true, 3)
 #define FLASH_WS(NAME, D, NC, KEYS) \
 extern "C" __global__ void __launch_bounds__(128 * NC + 128, 1) NAME(const bf16_t* q, \
         const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl, long hq, long hkv, long d, \
-        float scale, long causal, long window) { \
-    flash_fwd_ws<D, NC, KEYS>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window); }
+        float scale, long causal, long window, long fused) { \
+    flash_fwd_ws<D, NC, KEYS>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window, fused); }
 FLASH_WS(flash_fwd_ws2_bf16_128, 128, 2, 64)
 FLASH_WS(flash_fwd_ws2_bf16_64, 64, 2, 64)
 FLASH_WS(flash_fwd_ws2k128_bf16_64, 64, 2, 128)

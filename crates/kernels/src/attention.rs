@@ -121,3 +121,66 @@ pub fn attention_bwd(
         check::out(dv, v.shape().clone(), dt, q.device())?,
     ))
 }
+
+/// [`attention_fwd`] on the fused QKV projection output `qkv` [B, T, Hkv·(G+2)·D] (Megatron's
+/// grouped layout, as [`qkv_split`](crate::qkv_split) reads it): the same (o, lse). On a GPU the
+/// tensor-core kernels read Q, K and V where they sit (no split copy); elsewhere the split runs
+/// first.
+pub fn attention_fwd_qkv(qkv: &Tensor, hkv: usize, group: usize, d: usize, cfg: &AttnCfg) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu("attention_fwd_qkv", &[qkv])? {
+        let dm = fused_dims(qkv, hkv, group, d, cfg)?;
+        if let Some(out) = crate::cuda::ops::attention_fwd_qkv(&g, qkv, &gpu_shape(&dm, cfg))? {
+            return Ok(out);
+        }
+    }
+    let (q, k, v) = crate::qkv_split(qkv, hkv, group, d)?;
+    attention_fwd(&q, &k, &v, cfg)
+}
+
+/// The gradient of [`attention_fwd_qkv`]: dQKV [B, T, Hkv·(G+2)·D] (as
+/// [`qkv_merge`](crate::qkv_merge) of [`attention_bwd`]'s dq, dk, dv). On a GPU the tensor-core
+/// kernels read Q, K, V in place and write each gradient into its slots of dQKV.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_bwd_qkv(
+    qkv: &Tensor,
+    o: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    hkv: usize,
+    group: usize,
+    d: usize,
+    cfg: &AttnCfg,
+) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu("attention_bwd_qkv", &[qkv, o, lse, dout])? {
+        const OP: &str = "attention_bwd_qkv";
+        let dm = fused_dims(qkv, hkv, group, d, cfg)?;
+        let qd = [dm.b, dm.t, dm.hq, dm.d];
+        check::shape(OP, o, &qd)?;
+        check::shape(OP, dout, &qd)?;
+        check::shape(OP, lse, &[dm.b, dm.hq, dm.t])?;
+        if let Some(dqkv) = crate::cuda::ops::attention_bwd_qkv(&g, qkv, o, lse, dout, &gpu_shape(&dm, cfg))? {
+            return Ok(dqkv);
+        }
+    }
+    let (q, k, v) = crate::qkv_split(qkv, hkv, group, d)?;
+    let (dq, dk, dv) = attention_bwd(&q, &k, &v, o, lse, dout, cfg)?;
+    crate::qkv_merge(&dq, &dk, &dv)
+}
+
+/// The attention dims of a fused projection output, checked as `qkv_split` and `dims` check them.
+#[cfg(feature = "cuda")]
+fn fused_dims(qkv: &Tensor, hkv: usize, group: usize, d: usize, cfg: &AttnCfg) -> Result<AttnDims> {
+    const OP: &str = "attention_qkv";
+    check::float(OP, qkv)?;
+    check::rank(OP, qkv, 3)?;
+    let (b, t, w) = (qkv.dims()[0], qkv.dims()[1], qkv.dims()[2]);
+    if hkv == 0 || group == 0 || w != hkv * (group + 2) * d {
+        return Err(shape_mismatch(OP, format!("last dim {hkv}·({group}+2)·{d}"), qkv.dims()));
+    }
+    if cfg.window == Some(0) {
+        return Err(invalid(OP, "sliding window must be at least 1"));
+    }
+    Ok(AttnDims { b, t, s: t, hq: hkv * group, hkv, d })
+}

@@ -5,7 +5,9 @@
 //!
 //! Shapes (per rank, h = heads/tp, g = groups/tp): x [B, T, C] (or [B, T/tp, C] under sequence
 //! parallelism) → qkv [B, T, g·(h/g+2)·D] → q [B, T, h, D], k/v [B, T, g, D] → o [B, T, h, D] →
-//! y [B, T, C] (or [B, T/tp, C]).
+//! y [B, T, C] (or [B, T/tp, C]). Without RoPE or QK-norm the core attention reads Q, K and V
+//! straight from qkv and writes their gradients into dqkv (`k::attention_fwd_qkv`: on a GPU no
+//! split or merge copy; elsewhere the same split runs inside it).
 
 use crate::norm::Norm;
 use crate::spec::{AttentionSpec, NormKind};
@@ -25,7 +27,7 @@ pub struct SelfAttention {
     pub groups: usize,
     pub head_dim: usize,
     pub attn: AttnCfg,
-    /// Selective recompute: keep Q, K, V only; redo the core attention in the backward.
+    /// Selective recompute: keep Q, K, V (or qkv) only; redo the core attention in the backward.
     pub recompute_core: bool,
 }
 
@@ -87,8 +89,54 @@ impl SelfAttention {
     }
 }
 
+impl SelfAttention {
+    /// Whether the core attention reads Q, K and V straight from the fused projection output
+    /// (no RoPE or QK-norm to apply to them first): `k::attention_fwd_qkv`, no split or merge copy.
+    fn reads_fused(&self) -> bool {
+        self.rope.is_none() && self.q_layernorm.is_none()
+    }
+
+    /// The core attention on the fused projection output: (o, lse).
+    fn core_fused(&self, qkv: &Tensor) -> Result<(Tensor, Tensor)> {
+        k::attention_fwd_qkv(qkv, self.groups, self.heads / self.groups, self.head_dim, &self.attn)
+    }
+
+    /// `forward` when `reads_fused`: saved [qkv, o, lse] (or [qkv] with the core recomputed).
+    fn forward_fused(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Saved)> {
+        let (qkv, s_qkv) = self.linear_qkv.forward(cx, x)?;
+        let (b, t) = (qkv.dims()[0], qkv.dims()[1]);
+        let (o, lse) = self.core_fused(&qkv)?;
+        let (y, mut s_proj) = self.linear_proj.forward(cx, &o.reshape([b, t, self.heads * self.head_dim])?)?;
+        if self.recompute_core {
+            s_proj.tensors.clear(); // the projection's input is `o`, recomputed in the backward
+            return Ok((y, Saved::new(vec![qkv], vec![s_qkv, s_proj])));
+        }
+        Ok((y, Saved::new(vec![qkv, o, lse], vec![s_qkv, s_proj])))
+    }
+
+    fn backward_fused(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
+        let Saved { mut tensors, children } = saved;
+        let bad = || ferrotron_core::invalid("SelfAttention::backward", "saved tensors do not match forward");
+        let [s_qkv, mut s_proj]: [Saved; 2] = children.try_into().map_err(|_| bad())?;
+        if self.recompute_core && tensors.len() == 1 {
+            let (o, lse) = self.core_fused(&tensors[0])?;
+            let (b, t) = (o.dims()[0], o.dims()[1]);
+            s_proj.tensors = vec![o.reshape([b, t, self.heads * self.head_dim])?];
+            tensors.extend([o, lse]);
+        }
+        let [qkv, o, lse]: [Tensor; 3] = tensors.try_into().map_err(|_| bad())?;
+        let d_o = self.linear_proj.backward(cx, s_proj, dy)?.reshape(o.dims().to_vec())?;
+        let (g, hd) = (self.heads / self.groups, self.head_dim);
+        let dqkv = k::attention_bwd_qkv(&qkv, &o, &lse, &d_o, self.groups, g, hd, &self.attn)?;
+        self.linear_qkv.backward(cx, s_qkv, &dqkv)
+    }
+}
+
 impl Module for SelfAttention {
     fn forward(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Saved)> {
+        if self.reads_fused() {
+            return self.forward_fused(cx, x);
+        }
         let (qkv, s_qkv) = self.linear_qkv.forward(cx, x)?;
         let (b, t) = (qkv.dims()[0], qkv.dims()[1]);
         let (mut q, mut kk, v) = k::qkv_split(&qkv, self.groups, self.heads / self.groups, self.head_dim)?;
@@ -115,6 +163,9 @@ impl Module for SelfAttention {
     }
 
     fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
+        if self.reads_fused() {
+            return self.backward_fused(cx, saved, dy);
+        }
         let Saved { mut tensors, mut children } = saved;
         let mut s_proj = children.pop().unwrap_or_default();
         if self.recompute_core && tensors.len() == 3 {

@@ -69,8 +69,8 @@ thread_local! {
     static FLASH_BWD_WS: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
 }
 
-/// Whether this thread's flash backward at head dim 64 runs the warp-specialised kernel (being
-/// measured; default: `FERROTRON_FLASH_BWD=ws` in the environment). Tests set it to run both.
+/// Whether this thread's flash backward at head dim 64 runs the warp-specialised kernel (default
+/// on; `FERROTRON_FLASH_BWD=wg` in the environment turns it off). Tests set it to run both.
 pub fn set_flash_bwd_ws(on: bool) {
     FLASH_BWD_WS.with(|w| w.set(Some(on)));
 }
@@ -79,7 +79,7 @@ pub(crate) fn flash_bwd_ws() -> bool {
     static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     FLASH_BWD_WS
         .with(|w| w.get())
-        .unwrap_or_else(|| *ENV.get_or_init(|| std::env::var("FERROTRON_FLASH_BWD").as_deref() == Ok("ws")))
+        .unwrap_or_else(|| *ENV.get_or_init(|| std::env::var("FERROTRON_FLASH_BWD").as_deref() != Ok("wg")))
 }
 
 /// Whether this thread's ops must give the same bits on every run (off by default, as Megatron's
@@ -187,6 +187,7 @@ pub(crate) fn backend(dev: &CudaDevice) -> Result<Arc<Backend>> {
 }
 
 /// A kernel argument.
+#[derive(Clone, Copy)]
 pub(crate) enum Arg {
     Ptr(u64),
     I64(i64),

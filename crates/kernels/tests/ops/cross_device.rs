@@ -216,6 +216,22 @@ fn every_op_matches_cpu() {
                     },
                 );
             }
+            // Q, K, V read in place from the fused projection output, dQ, dK, dV written into the
+            // slots of its gradient (bf16 at 64/128; every other case splits first). Every slot
+            // of dQKV must be written (outputs are poisoned).
+            let g = hq / hkv;
+            let qkv = rnd(&[2, t, hkv * (g + 2) * d], 24, dt);
+            let cfg = AttnCfg::default();
+            check_norm(
+                &format!("flash attention fused qkv t{t} d{d} hq{hq} hkv{hkv} wgmma {wg} deterministic {det} ws {ws}"),
+                dt,
+                &[qkv, dout.clone()],
+                |t| {
+                    let (o, lse) = k::attention_fwd_qkv(&t[0], hkv, g, d, &cfg).unwrap();
+                    let dqkv = k::attention_bwd_qkv(&t[0], &o, &lse, &t[1], hkv, g, d, &cfg).unwrap();
+                    vec![o, lse, dqkv]
+                },
+            );
         }
         ferrotron_kernels::cuda::set_wgmma(true);
         ferrotron_kernels::cuda::set_flash_bwd_ws(false);

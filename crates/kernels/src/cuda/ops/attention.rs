@@ -151,8 +151,9 @@ enum BwdKernels {
 fn bwd_plan(be: &B, d: usize, t: usize) -> BwdKernels {
     let (dq, dkv) = bwd_kernels(be, d);
     let wgmma = be.use_wgmma() && !crate::cuda::deterministic();
-    // The warp-specialised kernel at head dim 64 (`cuda::set_flash_bwd_ws`, FERROTRON_FLASH_BWD=ws;
-    // kernels/flash_bwd_mma.cu `flash_bwd_dkvq_ws`), being measured against the plan below.
+    // The warp-specialised kernel at head dim 64 (kernels/flash_bwd_mma.cu `flash_bwd_dkvq_ws`;
+    // H200, 16k tokens per call: 209–398 TFLOP/s over 1k–16k against 166–229 for the plan below,
+    // which `cuda::set_flash_bwd_ws(false)` or FERROTRON_FLASH_BWD=wg keeps).
     if wgmma && d == 64 && crate::cuda::flash_bwd_ws() {
         // K and V (128 keys), BW_STAGES (3) × (Q, dO) tiles, two consumers' dSᵀ and dQ staging,
         // 3 × (lse, delta) rows, 2 · 3 + 1 mbarriers.
@@ -204,18 +205,49 @@ fn mma_ok(q: &Tensor, tiles: &[&Tensor], a: &AttnShape) -> Result<bool> {
     aligned16(tiles)
 }
 
+/// The tensor-core forward over Q, K, V at `qkv` (separate tensors, or with `fused` the projection
+/// output's slots: kernels/flash_mma.cu `Place`), into (o, lse).
+fn tc_fwd(be: &B, qkv: [Arg; 3], fused: bool, a: &AttnShape) -> Result<(Tensor, Tensor)> {
+    let d = a.dims;
+    let o = new(be, [d.b, d.t, d.hq, d.d], DType::BF16)?;
+    let lse = new(be, [d.b, d.hq, d.t], DType::F32)?;
+    let mut args = qkv.to_vec();
+    args.extend([ptr("attn", &o)?, ptr("attn", &lse)?]);
+    args.extend(attn_tail(a));
+    args.push(Arg::I64(fused as i64));
+    let l = fwd_kernel(be, d.d, d.t);
+    be.launch(&l.name, (d.b * d.hq * d.t.div_ceil(l.rows)) as u32, l.threads, l.shared, &args)?;
+    Ok((o, lse))
+}
+
+/// Q, K and V's addresses in the fused projection output [B, T, Hkv·(G+2)·D]: its start, then G
+/// and G + 1 heads on (each K/V group's heads sit (G + 2)·D apart, `Place` in the kernels).
+fn fused_ptrs(qkv: &Tensor, a: &AttnShape) -> Result<[Arg; 3]> {
+    let Arg::Ptr(base) = ptr("attn", qkv)? else { unreachable!("a tensor's address is a pointer") };
+    let (g, head_bytes) = ((a.dims.hq / a.dims.hkv) as u64, (a.dims.d * qkv.dtype().size_in_bytes()) as u64);
+    Ok([Arg::Ptr(base), Arg::Ptr(base + g * head_bytes), Arg::Ptr(base + (g + 1) * head_bytes)])
+}
+
+/// The forward reading Q, K, V in place from the fused projection output; None where the
+/// tensor-core kernels do not apply (the caller splits).
+pub fn attention_fwd_qkv(be: &B, qkv: &Tensor, a: &AttnShape) -> Result<Option<(Tensor, Tensor)>> {
+    if !mma_ok(qkv, &[qkv], a)? {
+        return Ok(None);
+    }
+    tc_fwd(be, fused_ptrs(qkv, a)?, true, a).map(Some)
+}
+
 pub fn attention_fwd(be: &B, q: &Tensor, k: &Tensor, v: &Tensor, a: &AttnShape) -> Result<(Tensor, Tensor)> {
+    if mma_ok(q, &[q, k, v], a)? {
+        // Tensor cores (kernels/flash_mma.cu).
+        return tc_fwd(be, [ptr("attn", q)?, ptr("attn", k)?, ptr("attn", v)?], false, a);
+    }
     let o = new(be, q.shape().clone(), q.dtype())?;
     let lse = new(be, [a.dims.b, a.dims.hq, a.dims.t], DType::F32)?;
     let mut args = vec![ptr("attn", q)?, ptr("attn", k)?, ptr("attn", v)?, ptr("attn", &o)?, ptr("attn", &lse)?];
     args.extend(attn_tail(a));
     let sfx = sfx("attention_fwd", q.dtype())?;
-    if mma_ok(q, &[q, k, v], a)? {
-        // Tensor cores (kernels/flash_mma.cu): blocks of 4 warps.
-        let d = a.dims;
-        let l = fwd_kernel(be, d.d, d.t);
-        be.launch(&l.name, (d.b * d.hq * d.t.div_ceil(l.rows)) as u32, l.threads, l.shared, &args)?;
-    } else if flash(a) {
+    if flash(a) {
         let d = a.dims;
         let grid = d.b * d.hq * d.t.div_ceil(32);
         be.launch(&format!("flash_fwd_{sfx}_{}", d.d), grid as u32, FLASH_THREADS, 0, &args)?;
@@ -223,6 +255,72 @@ pub fn attention_fwd(be: &B, q: &Tensor, k: &Tensor, v: &Tensor, a: &AttnShape) 
         attn_launch(be, &format!("attn_fwd_{sfx}"), a, args)?;
     }
     Ok((o, lse))
+}
+
+/// Where the tensor-core backward reads Q, K, V and writes dQ, dK, dV (bf16): separate tensors,
+/// or with `fused` the slots of the projection output and of its gradient (`Place`).
+struct TcQkv {
+    qkv: [Arg; 3],
+    grads: [Arg; 3],
+    fused: bool,
+}
+
+/// The tensor-core backward: delta, then the fused dK/dV/dQ kernel and the dQ tiles' pass to
+/// bf16, or the dQ and dK/dV kernels (`bwd_plan`).
+fn tc_bwd(be: &B, x: &TcQkv, o: &Tensor, lse: &Tensor, dout: &Tensor, a: &AttnShape) -> Result<()> {
+    let d = a.dims;
+    let delta = new(be, [d.b, d.hq, d.t], DType::F32)?;
+    let rows = d.b * d.t * d.hq;
+    let args = [ptr("attn", o)?, ptr("attn", dout)?, ptr("attn", &delta)?, n(rows), n(d.t), n(d.hq), n(d.d)];
+    // d / 8 threads per row, 16-byte loads (head dims 64 and 128, every tile aligned here).
+    be.launch("flash_bwd_delta_bf16", (rows * d.d / 8).div_ceil(256) as u32, 256, 0, &args)?;
+    let [dq, dk, dv] = x.grads;
+    let head = |outs: &[Arg]| -> Result<Vec<Arg>> {
+        let mut v = x.qkv.to_vec();
+        v.extend([ptr("attn", lse)?, ptr("attn", &delta)?, ptr("attn", dout)?]);
+        v.extend_from_slice(outs);
+        v.extend(attn_tail(a));
+        v.push(Arg::I64(x.fused as i64));
+        Ok(v)
+    };
+    match bwd_plan(be, d.d, d.t) {
+        BwdKernels::Fused(l) => {
+            // dQ's fp32 tiles (64 rows × 64 columns per batch and head, rows padded to 64)
+            // start at zero (never poisoned); then one pass to bf16.
+            let dev = Device::Cuda(be.dev.clone());
+            let dqa = Tensor::zeros([d.b, d.hq, d.t.div_ceil(64) * 64, d.d], DType::F32, &dev)?;
+            let grid = d.b * d.hkv * d.s.div_ceil(l.rows);
+            be.launch(&l.name, grid as u32, l.threads, l.shared, &head(&[dk, dv, ptr("attn", &dqa)?])?)?;
+            let groups = d.b * d.t * d.hq * d.d / 8;
+            let args = [ptr("attn", &dqa)?, dq, n(d.b), n(d.t), n(d.hq), n(d.d), n(d.hkv), Arg::I64(x.fused as i64)];
+            be.launch("flash_dq_tiles_bf16", groups.div_ceil(256) as u32, 256, 0, &args)
+        }
+        BwdKernels::Split(dql, dkvl) => {
+            let grid = d.b * d.hq * d.t.div_ceil(dql.rows);
+            be.launch(&dql.name, grid as u32, dql.threads, dql.shared, &head(&[dq])?)?;
+            let grid = d.b * d.hkv * d.s.div_ceil(dkvl.rows);
+            be.launch(&dkvl.name, grid as u32, dkvl.threads, dkvl.shared, &head(&[dk, dv])?)
+        }
+    }
+}
+
+/// The backward reading Q, K, V in place from the fused projection output and writing dQKV
+/// [B, T, Hkv·(G+2)·D] (every slot written once); None where the tensor-core kernels do not apply.
+pub fn attention_bwd_qkv(
+    be: &B,
+    qkv: &Tensor,
+    o: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    a: &AttnShape,
+) -> Result<Option<Tensor>> {
+    if !mma_ok(qkv, &[qkv, dout, o], a)? || !flash(a) {
+        return Ok(None);
+    }
+    let dqkv = new(be, qkv.shape().clone(), DType::BF16)?;
+    let x = TcQkv { qkv: fused_ptrs(qkv, a)?, grads: fused_ptrs(&dqkv, a)?, fused: true };
+    tc_bwd(be, &x, o, lse, dout, a)?;
+    Ok(Some(dqkv))
 }
 
 /// Flash backward: delta = rowsum(dO∘O), then either dK/dV per key tile with dQ summed into fp32
@@ -242,47 +340,16 @@ fn flash_bwd(
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let d = a.dims;
     let sfx = sfx("attention_bwd", q.dtype())?;
-    let delta = new(be, [d.b, d.hq, d.t], DType::F32)?;
     if mma_ok(q, &[q, k, v, dout, o], a)? {
         // Tensor cores (kernels/flash_bwd_mma.cu), gradients in bf16.
+        let dq = new(be, q.shape().clone(), DType::BF16)?;
         let (dk, dv) = (new(be, k.shape().clone(), DType::BF16)?, new(be, v.shape().clone(), DType::BF16)?);
-        let rows = d.b * d.t * d.hq;
-        let args = [ptr("attn", o)?, ptr("attn", dout)?, ptr("attn", &delta)?, n(rows), n(d.t), n(d.hq), n(d.d)];
-        // d / 8 threads per row, 16-byte loads (head dims 64 and 128, every tile aligned here).
-        be.launch("flash_bwd_delta_bf16", (rows * d.d / 8).div_ceil(256) as u32, 256, 0, &args)?;
-        let head = |outs: &[&Tensor]| -> Result<Vec<Arg>> {
-            let mut v = vec![ptr("attn", q)?, ptr("attn", k)?, ptr("attn", v)?, ptr("attn", lse)?];
-            v.extend([ptr("attn", &delta)?, ptr("attn", dout)?]);
-            for t in outs {
-                v.push(ptr("attn", t)?);
-            }
-            v.extend(attn_tail(a));
-            Ok(v)
-        };
-        match bwd_plan(be, d.d, d.t) {
-            BwdKernels::Fused(l) => {
-                // dQ's fp32 tiles (64 rows × 64 columns per batch and head, rows padded to 64)
-                // start at zero (never poisoned); then one pass to bf16 [B, T, Hq, D].
-                let dev = Device::Cuda(be.dev.clone());
-                let dqa = Tensor::zeros([d.b, d.hq, d.t.div_ceil(64) * 64, d.d], DType::F32, &dev)?;
-                let grid = d.b * d.hkv * d.s.div_ceil(l.rows);
-                be.launch(&l.name, grid as u32, l.threads, l.shared, &head(&[&dk, &dv, &dqa])?)?;
-                let dq = new(be, q.shape().clone(), DType::BF16)?;
-                let groups = d.b * d.t * d.hq * d.d / 8;
-                let args = [ptr("attn", &dqa)?, ptr("attn", &dq)?, n(d.b), n(d.t), n(d.hq), n(d.d)];
-                be.launch("flash_dq_tiles_bf16", groups.div_ceil(256) as u32, 256, 0, &args)?;
-                return Ok((dq, dk, dv));
-            }
-            BwdKernels::Split(dql, dkvl) => {
-                let dq = new(be, q.shape().clone(), DType::BF16)?;
-                let grid = d.b * d.hq * d.t.div_ceil(dql.rows);
-                be.launch(&dql.name, grid as u32, dql.threads, dql.shared, &head(&[&dq])?)?;
-                let grid = d.b * d.hkv * d.s.div_ceil(dkvl.rows);
-                be.launch(&dkvl.name, grid as u32, dkvl.threads, dkvl.shared, &head(&[&dk, &dv])?)?;
-                return Ok((dq, dk, dv));
-            }
-        }
+        let at = |t: &Tensor| ptr("attn", t);
+        let x = TcQkv { qkv: [at(q)?, at(k)?, at(v)?], grads: [at(&dq)?, at(&dk)?, at(&dv)?], fused: false };
+        tc_bwd(be, &x, o, lse, dout, a)?;
+        return Ok((dq, dk, dv));
     }
+    let delta = new(be, [d.b, d.hq, d.t], DType::F32)?;
     let dq = new(be, q.shape().clone(), DType::F32)?;
     let (dk, dv) = (new(be, k.shape().clone(), DType::F32)?, new(be, v.shape().clone(), DType::F32)?);
     let mut args = vec![
