@@ -404,20 +404,33 @@ extern "C" __global__ void __launch_bounds__(128 * NW, MINB) flash_bwd_dkvq_wg##
 FLASH_BWD_DKVQ(64, 1, 2)
 FLASH_BWD_DKVQ(128, 2, 1)
 
-// Warp-specialised dK, dV and dQ (sm_90a, head dim 64; the default there, `FERROTRON_FLASH_BWD=wg`
-// selects the lockstep kernels instead): a producer warpgroup and two consumer warpgroups of 64 keys each, 128 keys per
-// block. The producer copies the block's K and V once, then streams each step's (Q, dO) tiles and
-// (lse, delta) rows into BW_STAGES stages handed over by mbarriers (full: the copies landed;
-// empty: both consumers are done with the stage), so after the first no block-wide barrier
-// stalls a step: one consumer's products overlap the other's softmax and the next step's copies.
-// Each consumer runs the DQ body of flash_bwd_dkv_mma on its own keys with its own dSᵀ buffer and
-// dQ staging, and adds its 64 × 64 dQ piece by its own bulk reduction (two per step per block,
-// the same count per key as before). Registers: the producer gives its registers to the
-// consumers (setmaxnreg 40 / 232; the block launches with 384 · 168).
-// Dynamic shared memory (bytes): K, V 2·128·64·2; BW_STAGES × (Q, dO) 2·64·64·2; dSᵀ 2·64·64·2;
-// dQ staging 2 consumers × 2 × 4096 · 4; BW_STAGES × (lse, delta) 2·64·4; 2·BW_STAGES + 1
-// mbarriers (the host's `bwd_plan` must agree).
-#define BW_STAGES 3
+// Warp-specialised dK, dV and dQ (sm_90a, head dims 64 and 128; the default there,
+// `FERROTRON_FLASH_BWD=wg` selects the lockstep kernels instead): a producer warpgroup and two
+// consumer warpgroups of 64 keys each, 128 keys per block. The producer copies the block's K and V
+// once, then streams each step's (Q, dO) tiles and (lse, delta) rows into bw_stages(D) stages
+// handed over by mbarriers (full: the copies landed; empty: both consumers are done with the
+// stage), so after the first no block-wide barrier stalls a step: one consumer's products overlap
+// the other's softmax and the next step's copies. Each consumer runs the DQ body of
+// flash_bwd_dkv_mma on its own keys with its own dQ staging and bulk reductions (two 64 × 64 dQ
+// pieces per step per block, the same count per key as before):
+//   D 64:  consumer w: its own keys' dS times its K rows, all 64 columns (own dSᵀ buffer);
+//   D 128: its keys × 128 columns would not fit beside dK and dV (64 registers each), so consumer w
+//          computes column block w over all 128 keys from both consumers' dSᵀ (two buffers,
+//          alternate steps; one 256-thread barrier per step between the stores and the product).
+// Registers: the producer gives its registers to the consumers (setmaxnreg 40 / 232; the block
+// launches with 384 · 168).
+// Dynamic shared memory (bytes; the host's `bwd_plan` must agree): K, V 2·128·D·2; bw_stages ×
+// (Q, dO) 2·64·D·2; dSᵀ 2·64·64·2 per buffer (D 64: one, 128: two); dQ staging 2 consumers × 2 ×
+// 4096·4; bw_stages × (lse, delta) 2·64·4; 2·bw_stages + 1 mbarriers. D 128: 230,440 of 232,448.
+__host__ __device__ constexpr int bw_stages(int d) { return d == 64 ? 3 : 2; }
+template <bool C, class T, class F>
+struct Pick {
+    using type = T;
+};
+template <class T, class F>
+struct Pick<false, T, F> {
+    using type = F;
+};
 // 4-byte asynchronous copy (zero-filled when `in` is false).
 __device__ __forceinline__ void cp_async4(float* dst, const float* src, bool in) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(in ? 4 : 0)
@@ -427,18 +440,20 @@ template <int D>
 __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse,
                                   const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, float* dqa, long t,
                                   long sl, long hq, long hkv, float scale, long causal, long window, long fused) {
-    static_assert(D == 64, "one 64-column dQ piece per consumer");
-    constexpr int NO = D / 8, KEYS = 128, CK = 64, TILE = FB_ROWS * D;  // CK: keys per consumer
+    static_assert(D == 64 || D == 128, "64-column dQ pieces");
+    // CK: keys per consumer; DSB: dSᵀ buffers (each both consumers' keys × 64 rows).
+    constexpr int NO = D / 8, KEYS = 128, CK = 64, TILE = FB_ROWS * D, ST = bw_stages(D), DSB = D == 64 ? 1 : 2;
+    constexpr int DSS = 2 * CK * FB_ROWS * 2;  // bytes of one dSᵀ buffer
     extern __shared__ __align__(1024) unsigned char fb_smem[];
     bf16_t* ks = reinterpret_cast<bf16_t*>(fb_smem);
     bf16_t* vs = ks + KEYS * D;
     bf16_t* qstage = vs + KEYS * D;                                               // (Q, dO) per stage
-    unsigned char* dss_all = reinterpret_cast<unsigned char*>(qstage + BW_STAGES * 2 * TILE);
-    float* dqs_all = reinterpret_cast<float*>(dss_all + 2 * CK * FB_ROWS * 2);
+    unsigned char* dss_all = reinterpret_cast<unsigned char*>(qstage + ST * 2 * TILE);
+    float* dqs_all = reinterpret_cast<float*>(dss_all + DSB * DSS);
     float* lstage = dqs_all + 2 * 2 * 4096;                                       // (lse, delta) per stage
-    u64* full = reinterpret_cast<u64*>(lstage + BW_STAGES * 2 * FB_ROWS);
-    u64* empty = full + BW_STAGES;
-    u64* kvbar = empty + BW_STAGES;
+    u64* full = reinterpret_cast<u64*>(lstage + ST * 2 * FB_ROWS);
+    u64* empty = full + ST;
+    u64* kvbar = empty + ST;
     long tiles = (sl + KEYS - 1) / KEYS;
     long kt = blockIdx.x % tiles, kvh = (blockIdx.x / tiles) % hkv, b = blockIdx.x / (tiles * hkv);
     const Place kp = kv_place(kvh, hq, hkv, fused);  // K, V, dK, dV (dO stays [B, T, hq, D])
@@ -448,7 +463,7 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
     long group = hq / hkv, tp = (t + 63) / 64, qgs = fused ? group + 2 : group;  // qgs: as in flash_bwd_dkv_mma
     long qtiles = ie > ib ? (ie - ib + FB_ROWS - 1) / FB_ROWS : 0, steps = group * qtiles;
     if (threadIdx.x == 0) {
-        for (int st = 0; st < BW_STAGES; st++) { mbar_init(&full[st], 128); mbar_init(&empty[st], 256); }
+        for (int st = 0; st < ST; st++) { mbar_init(&full[st], 128); mbar_init(&empty[st], 256); }
         mbar_init(kvbar, 128);
     }
     __syncthreads();  // the only block-wide barrier
@@ -459,8 +474,8 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
         tile_async<D, KEYS, true>(vs, v, j0, sl, b, kp.heads, kp.head, tid, 128);
         cp_arrive(kvbar);
         for (long n = 0; n < steps; n++) {
-            int st = n % BW_STAGES;
-            if (n >= BW_STAGES) mbar_wait(&empty[st], ((n / BW_STAGES) - 1) & 1);
+            int st = n % ST;
+            if (n >= ST) mbar_wait(&empty[st], ((n / ST) - 1) & 1);
             long h = kvh * group + n / qtiles, i0 = ib + (n % qtiles) * FB_ROWS;
             bf16_t* qt = qstage + st * 2 * TILE;
             tile_async<D, FB_ROWS, true>(qt, q, i0, t, b, hkv * qgs, kvh * qgs + n / qtiles, tid, 128);
@@ -475,8 +490,10 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
     }
     wg_reg_alloc<232>();
     // Consumer wg: keys j0 + 64·wg .. (rows 64·wg.. of the K and V tiles); this thread's two keys.
-    long jc = j0 + wg * CK, jr0 = jc + (warp & 3) * 16 + g, jr1 = jr0 + 8;
-    unsigned char* dss = dss_all + wg * CK * FB_ROWS * 2;
+    // Positions: 32-bit at D 128 (64-bit ones spilled its accumulators); 64-bit at D 64, whose
+    // build with 32-bit ones (same hot-path length in the SASS) ran 7% slower on the H200.
+    using Pos = typename Pick<D == 64, long, int>::type;
+    Pos jc = (Pos)j0 + wg * CK, jr0 = jc + (warp & 3) * 16 + g, jr1 = jr0 + 8, nsteps = (Pos)steps, nq = (Pos)qtiles;
     float* dqs = dqs_all + wg * 2 * 4096;
     u32 kb = smem_addr(ks) + wg * CK * 128, vb = smem_addr(vs) + wg * CK * 128;
     const float scale2 = scale * LOG2E;
@@ -484,10 +501,10 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
     #pragma unroll
     for (int n = 0; n < NO; n++) for (int e = 0; e < 4; e++) { dka[n][e] = 0.f; dva[n][e] = 0.f; }
     mbar_wait(kvbar, 0);
-    for (long n = 0; n < steps; n++) {
-        int stg = n % BW_STAGES;
-        long h = kvh * group + n / qtiles, i0 = ib + (n % qtiles) * FB_ROWS;
-        mbar_wait(&full[stg], (n / BW_STAGES) & 1);
+    for (Pos n = 0; n < nsteps; n++) {
+        int stg = n % ST;
+        Pos i0 = (Pos)ib + (n % nq) * FB_ROWS;
+        mbar_wait(&full[stg], (n / ST) & 1);
         fence_async_smem();
         const bf16_t* qs = qstage + stg * 2 * TILE;
         const bf16_t* dos = qs + TILE;
@@ -508,13 +525,26 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
         wg_finish<32>(&st[0][0]);
         wg_pin<32>(&dpt[0][0]);
         // Pᵀ into st, dSᵀ into dpt (no mask for a tile inside the sequence below the diagonal).
-        if (!tile_full(i0, FB_ROWS, jc, CK, t, sl, causal, window)) {
+        if (D == 64 && !tile_full(i0, FB_ROWS, jc, CK, t, sl, causal, window)) {
             #pragma unroll
             for (int nb = 0; nb < 8; nb++)
                 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     long j = e < 2 ? jr0 : jr1, i = i0 + nb * 8 + tg * 2 + (e & 1);
                     if (!(i < t && j < sl && allowed(i, j, causal, window))) st[nb][e] = -INFINITY;  // p = 0
+                }
+        } else if (D == 128 && !tile_full(i0, FB_ROWS, jc, CK, t, sl, causal, window)) {
+            // `allowed` in 32-bit arithmetic (64-bit temporaries here spilled the D 128 scores):
+            // row i0 + col against key jr0 (e < 2) or jr1 = jr0 + 8, i − j = dd + col (− 8).
+            int left = (int)lmin(t - i0, FB_ROWS), dd = (int)(i0 - jr0), win = (int)window;
+            bool in0 = jr0 < sl, in1 = jr1 < sl;
+            #pragma unroll
+            for (int nb = 0; nb < 8; nb++)
+                #pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    int col = nb * 8 + tg * 2 + (e & 1), diff = dd + col - (e < 2 ? 0 : 8);
+                    bool ok = col < left && (e < 2 ? in0 : in1) && (!causal || diff >= 0) && (win <= 0 || abs(diff) < win);
+                    if (!ok) st[nb][e] = -INFINITY;  // p = 0
                 }
         }
         #pragma unroll
@@ -530,7 +560,10 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
         u32 pa[FB_ROWS / 16][4], sa[FB_ROWS / 16][4];
         #pragma unroll
         for (int kstep = 0; kstep < FB_ROWS / 16; kstep++) { c_to_a(pa[kstep], st, kstep); c_to_a(sa[kstep], dpt, kstep); }
-        // dSᵀ to shared memory as flash_bwd_dkv_mma's DQ body lays it out (this consumer's keys).
+        // dSᵀ to shared memory as flash_bwd_dkv_mma's DQ body lays it out: this consumer's keys
+        // from byte wg · DSS / 2 of the step's buffer.
+        unsigned char* dsb = dss_all + (DSB == 1 ? 0 : (n & 1) * DSS);
+        unsigned char* dss = dsb + wg * (DSS / 2);
         #pragma unroll
         for (int nb = 0; nb < 8; nb++)
             #pragma unroll
@@ -541,18 +574,29 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
         #pragma unroll
         for (int nb = 0; nb < 8; nb++) for (int e = 0; e < 4; e++) dqc[nb][e] = 0.f;
         fence_async_smem();
-        named_sync(1 + wg, 128);
-        // dV += Pᵀ dO, dK += dSᵀ Q, dQ (this consumer's keys, all 64 columns) += dS K.
+        // D 128: both consumers' dSᵀ are stored (a buffer is rewritten two steps on, after both
+        // consumers passed the next step's barrier, so after their products that read it finished).
+        if constexpr (D == 64) named_sync(1 + wg, 128); else named_sync(1, 256);
+        // dV += Pᵀ dO, dK += dSᵀ Q, dQ's 64 columns += dS K (see above for which keys and columns).
         wg_pin<D / 2>(&dka[0][0]);
         wg_pin<32>(&dqc[0][0]);
         wg_start<D / 2>(&dva[0][0]);
         wg_pv<D, FB_ROWS>(dva, pa, dos);
         wg_pv<D, FB_ROWS>(dka, sa, qs);
-        u32 ab = smem_addr(dss);
-        #pragma unroll
-        for (int kk = 0; kk < CK / 16; kk++)
-            wgmma_m64n64k16_ss<1, 1>(&dqc[0][0], wg_desc(ab + kk * 32 * FB_ROWS, 16 * FB_ROWS, 128),
-                                     sw_mnmajor(kb, KEYS, kk));
+        if constexpr (D == 64) {
+            u32 ab = smem_addr(dss);
+            #pragma unroll
+            for (int kk = 0; kk < CK / 16; kk++)
+                wgmma_m64n64k16_ss<1, 1>(&dqc[0][0], wg_desc(ab + kk * 32 * FB_ROWS, 16 * FB_ROWS, 128),
+                                         sw_mnmajor(kb, KEYS, kk));
+        } else {
+            // A: dSᵀ of all 128 keys; B: column block wg of the K tile (all its rows).
+            u32 ab = smem_addr(dsb), kc = smem_addr(ks) + wg * KEYS * 128;
+            #pragma unroll
+            for (int kk = 0; kk < KEYS / 16; kk++)
+                wgmma_m64n64k16_ss<1, 1>(&dqc[0][0], wg_desc(ab + kk * 32 * FB_ROWS, 16 * FB_ROWS, 128),
+                                         sw_mnmajor(kc, KEYS, kk));
+        }
         wg_finish<D / 2>(&dva[0][0]);
         wg_pin<D / 2>(&dka[0][0]);
         wg_pin<32>(&dqc[0][0]);
@@ -566,9 +610,10 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
             *reinterpret_cast<float4*>(buf + (((warp & 3) * 8 + nb) * 32 + lane) * 4) =
                 make_float4(dqc[nb][0] * scale, dqc[nb][1] * scale, dqc[nb][2] * scale, dqc[nb][3] * scale);
         fence_async_smem();
-        named_sync(1 + wg, 128);
+        named_sync(D == 64 ? 1 + wg : 2 + wg, 128);  // (D 128: barrier 1 is the consumers')
         if ((threadIdx.x & 127) == 0) {
-            bulk_reduce_add(dqa + ((b * hq + h) * tp + i0 / 64) * 4096, buf, 4096 * 4);
+            long h = kvh * group + n / nq, cb = D == 64 ? 0 : wg;  // the piece's head and column block
+            bulk_reduce_add(dqa + (((b * hq + h) * tp + i0 / 64) * (D / 64) + cb) * 4096, buf, 4096 * 4);
             // The buffer of step n − 1 is read before step n + 1 refills it.
             bulk_wait_read<1>();
         }
@@ -586,11 +631,13 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
         }
     }
 }
-extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_dkvq_ws2_bf16_64(const bf16_t* q, const bf16_t* k,
-        const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, float* dqa,
-        long t, long sl, long hq, long hkv, long d, float scale, long causal, long window, long fused) {
-    flash_bwd_dkvq_ws<64>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale, causal, window, fused);
-}
+#define FLASH_BWD_DKVQ_WS(D) \
+extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_dkvq_ws2_bf16_##D(const bf16_t* q, const bf16_t* k, \
+        const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, float* dqa, \
+        long t, long sl, long hq, long hkv, long d, float scale, long causal, long window, long fused) { \
+    flash_bwd_dkvq_ws<D>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale, causal, window, fused); }
+FLASH_BWD_DKVQ_WS(64)
+FLASH_BWD_DKVQ_WS(128)
 
 // dQ (bf16, [B, T, Hq, D], or with `fused` the query slots of dQKV: Place) from the bulk-reduced
 // fp32 tiles: per (batch, head, 64-row tile, 64-column block) 4096 floats in the dK/dV kernel's

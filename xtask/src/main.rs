@@ -100,6 +100,10 @@ fn ptx(arch: &str) -> anyhow::Result<()> {
     for row in ptxas_table(&log) {
         println!("| {} | {} | {} / {} | {} |", row.0, row.1, row.2, row.3, row.4);
     }
+    // ptxas's performance warnings (e.g. C7512: wgmma serialized for want of registers).
+    for line in log.lines().filter(|l| l.contains("Performance Loss")) {
+        println!("warning: {}", line.trim());
+    }
     println!("cubin: {}", cubin.display());
     Ok(())
 }

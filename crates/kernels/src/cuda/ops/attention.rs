@@ -151,20 +151,15 @@ enum BwdKernels {
 fn bwd_plan(be: &B, d: usize, t: usize) -> BwdKernels {
     let (dq, dkv) = bwd_kernels(be, d);
     let wgmma = be.use_wgmma() && !crate::cuda::deterministic();
-    // The warp-specialised kernel at head dim 64 (kernels/flash_bwd_mma.cu `flash_bwd_dkvq_ws`;
-    // H200, 16k tokens per call: 209–398 TFLOP/s over 1k–16k against 166–229 for the plan below,
-    // which `cuda::set_flash_bwd_ws(false)` or FERROTRON_FLASH_BWD=wg keeps).
-    if wgmma && d == 64 && crate::cuda::flash_bwd_ws() {
-        // K and V (128 keys), BW_STAGES (3) × (Q, dO) tiles, two consumers' dSᵀ and dQ staging,
-        // 3 × (lse, delta) rows, 2 · 3 + 1 mbarriers.
-        let shared =
-            (2 * 128 * 64 * 2 + 3 * 2 * 64 * 64 * 2 + 2 * 64 * 64 * 2 + 2 * 2 * 4096 * 4 + 3 * 2 * 64 * 4 + 7 * 8)
-                as u32;
+    // The warp-specialised kernel (kernels/flash_bwd_mma.cu `flash_bwd_dkvq_ws`; H200, 16k tokens
+    // per call, D 64: 209–398 TFLOP/s over 1k–16k against 166–229 for the plan below, which
+    // `cuda::set_flash_bwd_ws(false)` or FERROTRON_FLASH_BWD=wg keeps).
+    if wgmma && crate::cuda::flash_bwd_ws() {
         return BwdKernels::Fused(TcLaunch {
-            name: "flash_bwd_dkvq_ws2_bf16_64".into(),
+            name: format!("flash_bwd_dkvq_ws2_bf16_{d}"),
             rows: 128,
             threads: 384,
-            shared,
+            shared: ws_shared(d),
         });
     }
     if !wgmma || (d == 64 && t <= 2048) {
@@ -175,6 +170,15 @@ fn bwd_plan(be: &B, d: usize, t: usize) -> BwdKernels {
     // 64 × 64 fp32 dQ staging buffers per warpgroup.
     let shared = dkv.shared + (64 * nw * 64 * 2 + nw * 2 * 4096 * 4) as u32;
     BwdKernels::Fused(TcLaunch { name: format!("flash_bwd_dkvq_wg{nw}_bf16_{d}"), shared, ..dkv })
+}
+
+/// The warp-specialised backward's dynamic shared memory (kernels/flash_bwd_mma.cu, above
+/// `bw_stages`): K and V (128 keys), the stages' (Q, dO) tiles, the dSᵀ buffers, two consumers'
+/// double dQ staging, the stages' (lse, delta) rows and 2 · stages + 1 mbarriers.
+fn ws_shared(d: usize) -> u32 {
+    let (stages, dss) = if d == 64 { (3, 1) } else { (2, 2) };
+    let bytes = 2 * 128 * d * 2 + stages * 2 * 64 * d * 2 + dss * 2 * 64 * 64 * 2 + 2 * 2 * 4096 * 4;
+    (bytes + stages * 2 * 64 * 4 + (2 * stages + 1) * 8) as u32
 }
 
 /// The tensor-core backward's dQ kernel (query rows per block) and dK/dV kernel (keys per block):
