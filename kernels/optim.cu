@@ -30,9 +30,25 @@ extern "C" __global__ void adamw(float* p, const float* g, float* m, float* v, l
 // walking every run, grid-striding, cost more in the run loop than the update: 2 ms a step at
 // 124M against 1.25 ms for the per-run launches.)
 #define ADAM_CHUNK 2048
+// The optimizer's step state on the device (crates/kernels/src/optim.rs `adam_state` names the
+// same slots): written by adam_prepare, read by adamw_runs, read back by the host only when it
+// logs or saves.
+#define ADAM_GRAD_SCALE 0
+#define ADAM_GRAD_NORM 1
+#define ADAM_APPLIED 2
+#define ADAM_STEP_SIZE 3
+#define ADAM_BC2_SQRT 4
+#define ADAM_STEPS 5
 template <typename T>
 __device__ __forceinline__ void adamw_runs_impl(float* p, const float* g, float* m, float* v, T* param, const u32* runs,
-                                                long nruns, const AdamH& h) {
+                                                long nruns, AdamH h, const float* step_state) {
+    if (step_state) {
+        // The step as `adam_prepare` settled it on the device (no read back on the host).
+        if (step_state[ADAM_APPLIED] == 0.f) return;
+        h.grad_scale = step_state[ADAM_GRAD_SCALE];
+        h.step_size = step_state[ADAM_STEP_SIZE];
+        h.bc2_sqrt = step_state[ADAM_BC2_SQRT];
+    }
     u32 b = blockIdx.x;
     long lo = 0, hi = nruns - 1;
     while (lo < hi) {
@@ -72,8 +88,10 @@ __device__ __forceinline__ void adamw_runs_impl(float* p, const float* g, float*
 }
 #define ADAMW_RUNS(s, T) \
 extern "C" __global__ void adamw_runs_##s(float* p, const float* g, float* m, float* v, T* param, const u32* runs, \
-        long nruns, float b1, float b2, float eps, float step_size, float bc2_sqrt, float decay, float grad_scale) { \
-    adamw_runs_impl(p, g, m, v, param, runs, nruns, AdamH{b1, b2, eps, step_size, bc2_sqrt, decay, grad_scale}); }
+        long nruns, const float* step_state, float b1, float b2, float eps, float step_size, float bc2_sqrt, \
+        float decay, float grad_scale) { \
+    adamw_runs_impl(p, g, m, v, param, runs, nruns, AdamH{b1, b2, eps, step_size, bc2_sqrt, decay, grad_scale}, \
+                    step_state); }
 FOR_TYPES(ADAMW_RUNS)
 ADAMW_RUNS(f16, f16_t)
 
@@ -108,3 +126,34 @@ extern "C" __global__ void __launch_bounds__(256) sum_sq_##s(const T* x, double*
 extern "C" __global__ void __launch_bounds__(256) sum_sq_##s##_v8(const T* x, double* partial, long n) { \
     sum_sq_impl<true>(x, partial, n); }
 FOR_TYPES(SUMSQ)
+
+// Σ of n f64 partials into out[0] as f32 (one block of 256 threads: thread i adds partials i,
+// i + 256, … in order, then a fixed tree; the same bits every run).
+extern "C" __global__ void __launch_bounds__(256) sum_partials_f32(const double* partial, long n, float* out) {
+    __shared__ double sh[256];
+    double a = 0.0;
+    for (long i = threadIdx.x; i < n; i += 256) a += partial[i];
+    sh[threadIdx.x] = a;
+    __syncthreads();
+    for (int o = 128; o > 0; o >>= 1) {
+        if ((int)threadIdx.x < o) sh[threadIdx.x] += sh[threadIdx.x + o];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[0] = (float)sh[0];
+}
+
+// One thread settles the step from Σ g² (sq[0], summed across ranks): the norm, the clip factor,
+// whether the update applies (a finite norm), the step count moved on when it does, and the
+// bias-corrected step size and √(1 − β2ᵗ) for that count (f64, as the host computed them).
+extern "C" __global__ void adam_prepare(const float* sq, float* state, float lr, float b1, float b2, float clip) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    double norm = sqrt((double)sq[0]);
+    bool ok = isfinite(norm);
+    double t = (double)state[ADAM_STEPS] + (ok ? 1.0 : 0.0);
+    state[ADAM_GRAD_NORM] = (float)norm;
+    state[ADAM_GRAD_SCALE] = clip > 0.f && norm > (double)clip ? (float)((double)clip / (norm + 1e-6)) : 1.f;
+    state[ADAM_APPLIED] = ok ? 1.f : 0.f;
+    state[ADAM_STEPS] = (float)t;
+    state[ADAM_STEP_SIZE] = (float)((double)lr / (1.0 - pow((double)b1, t)));
+    state[ADAM_BC2_SQRT] = (float)sqrt(1.0 - pow((double)b2, t));
+}

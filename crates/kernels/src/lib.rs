@@ -39,6 +39,9 @@ pub use norm::{
     add_layernorm_fwd, add_rmsnorm_fwd, layernorm_bwd, layernorm_bwd_add, layernorm_fwd, rmsnorm_bwd, rmsnorm_bwd_add,
     rmsnorm_fwd,
 };
-pub use optim::{AdamRun, AdamRuns, AdamW, adamw_runs, adamw_step, global_l2_norm, sum_sq, sum_sq_all};
+pub use optim::{
+    AdamPrep, AdamRun, AdamRuns, AdamW, adam_prepare, adam_state, adamw_runs, adamw_step, global_l2_norm, sum_sq,
+    sum_sq_all, sum_sq_dev,
+};
 pub use qkv::{qkv_merge, qkv_split};
 pub use rope::{RopeCfg, rope_bwd, rope_fwd};

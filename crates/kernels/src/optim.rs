@@ -86,6 +86,10 @@ impl AdamRuns {
 /// `params` at the run's flat offset: the same bits as [`adamw_step`] per run (`h.weight_decay`
 /// where the run has `decay`, else none) followed by [`copy_`](crate::copy_) of the master weights
 /// into the parameters. master, exp_avg, exp_avg_sq and grads are f32; params any float type.
+/// With `state` (an [`adam_state`] tensor that [`adam_prepare`] settled, on the same device) the
+/// clip factor, the step count and whether to update at all come from it instead of `h`, so the
+/// host need not read anything back first.
+#[allow(clippy::too_many_arguments)]
 pub fn adamw_runs(
     master: &Tensor,
     exp_avg: &Tensor,
@@ -94,10 +98,15 @@ pub fn adamw_runs(
     params: &Tensor,
     runs: &AdamRuns,
     h: &AdamW,
+    state: Option<&Tensor>,
 ) -> Result<()> {
     const OP: &str = "adamw_runs";
     for t in [master, exp_avg, exp_avg_sq, grads] {
         check::dtype(OP, t, DType::F32)?;
+    }
+    if let Some(st) = state {
+        check::dtype(OP, st, DType::F32)?;
+        check::shape(OP, st, &[adam_state::LEN])?;
     }
     check::float(OP, params)?;
     for t in [exp_avg, exp_avg_sq] {
@@ -108,7 +117,7 @@ pub fn adamw_runs(
     if !distinct(&all) {
         return Err(invalid(OP, "master, exp_avg, exp_avg_sq, grads and params must be distinct buffers"));
     }
-    if h.step == 0 {
+    if h.step == 0 && state.is_none() {
         return Err(invalid(OP, "step counts from 1"));
     }
     let (flat_len, state_len) = (grads.elem_count(), master.elem_count());
@@ -121,17 +130,30 @@ pub fn adamw_runs(
     if runs.runs.is_empty() {
         return Ok(());
     }
+    // The state on the parameters' device (every tensor's device checked at once).
+    let every: Vec<&Tensor> = all.iter().copied().chain(state).collect();
     #[cfg(feature = "cuda")]
-    if let Some(g) = crate::cuda::gpu(OP, &all)? {
+    if let Some(g) = crate::cuda::gpu(OP, &every)? {
         let table = runs.table.as_ref().ok_or_else(|| invalid(OP, "the runs were built for the CPU"))?;
-        return crate::cuda::ops::adamw_runs(&g, master, exp_avg, exp_avg_sq, grads, params, table, runs.chunks, h);
+        let x = crate::cuda::ops::AdamTensors { p: master, m: exp_avg, v: exp_avg_sq, g: grads, params, state };
+        return crate::cuda::ops::adamw_runs(&g, &x, table, runs.chunks, h);
     }
-    check::on_cpu(OP, &all)?;
+    check::on_cpu(OP, &every)?;
+    let h = match state {
+        Some(st) => {
+            let s = st.read_f32()?;
+            if s[adam_state::APPLIED] == 0.0 {
+                return Ok(());
+            }
+            AdamW { grad_scale: s[adam_state::GRAD_SCALE], step: s[adam_state::STEPS] as u64, ..*h }
+        }
+        None => *h,
+    };
     for r in &runs.runs {
         let wd = if r.decay { h.weight_decay } else { 0.0 };
         let (p, m, v) =
             (master.view(r.state, [r.len])?, exp_avg.view(r.state, [r.len])?, exp_avg_sq.view(r.state, [r.len])?);
-        adamw_step(&p, &grads.view(r.flat, [r.len])?, &m, &v, &AdamW { weight_decay: wd, ..*h })?;
+        adamw_step(&p, &grads.view(r.flat, [r.len])?, &m, &v, &AdamW { weight_decay: wd, ..h })?;
         crate::copy_(&params.view(r.flat, [r.len])?, &p)?;
     }
     Ok(())
@@ -169,4 +191,87 @@ pub fn sum_sq_all(ts: &[&Tensor]) -> Result<f64> {
 /// √(Σ over tensors of Σ x²), the global L2 norm used for gradient clipping.
 pub fn global_l2_norm(ts: &[&Tensor]) -> Result<f64> {
     Ok(sum_sq_all(ts)?.sqrt())
+}
+
+/// The slots of an optimizer's step state: an f32 tensor of `LEN` elements on the parameters'
+/// device that [`adam_prepare`] writes and [`adamw_runs`] reads, so a training step queues its
+/// update without reading the gradient norm back (kernels/optim.cu `ADAM_*`).
+pub mod adam_state {
+    /// The clip factor applied to the gradients.
+    pub const GRAD_SCALE: usize = 0;
+    /// The global gradient L2 norm (before clipping).
+    pub const GRAD_NORM: usize = 1;
+    /// 1 when the update applies, 0 when the norm was not finite (the step is skipped).
+    pub const APPLIED: usize = 2;
+    /// lr / (1 − β1ᵗ) for the step count t below.
+    pub const STEP_SIZE: usize = 3;
+    /// √(1 − β2ᵗ).
+    pub const BC2_SQRT: usize = 4;
+    /// Updates applied so far (an integer, exact in f32 up to 2²⁴ steps).
+    pub const STEPS: usize = 5;
+    pub const LEN: usize = 8;
+}
+
+/// What [`adam_prepare`] needs besides Σ g²: this step's learning rate, the betas, and the clip
+/// threshold (0: no clipping).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamPrep {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub clip_grad: f32,
+}
+
+/// Σ over tensors of Σ x² as a one-element f32 tensor on `device` (their device), without reading
+/// anything back: on a GPU fixed per-block partials then one block adding them in a fixed order,
+/// on the CPU [`sum_sq_all`]. Either way the same bits every run.
+pub fn sum_sq_dev(ts: &[&Tensor], device: &Device) -> Result<Tensor> {
+    const OP: &str = "sum_sq_dev";
+    for t in ts {
+        check::float(OP, t)?;
+        if t.device().name() != device.name() {
+            return Err(invalid(OP, "every tensor must be on the given device"));
+        }
+    }
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        let g = crate::cuda::backend(d)?;
+        return crate::cuda::ops::sum_sq_dev(&g, ts);
+    }
+    Tensor::from_vec(vec![sum_sq_all(ts)? as f32], [1], device)
+}
+
+/// Settles one step in `state` (an [`adam_state`] tensor) from `sq` = Σ g² (one f32, summed
+/// across ranks, on the same device): the norm √sq, the clip factor clip / (norm + 10⁻⁶) when the
+/// norm exceeds a positive `clip_grad` (else 1), whether the update applies (a finite norm), the
+/// step count moved on when it does, and the bias corrections for that count. Queued work only on
+/// a GPU (one thread).
+pub fn adam_prepare(sq: &Tensor, state: &Tensor, p: &AdamPrep) -> Result<()> {
+    const OP: &str = "adam_prepare";
+    check::dtype(OP, sq, DType::F32)?;
+    check::shape(OP, sq, &[1])?;
+    check::dtype(OP, state, DType::F32)?;
+    check::shape(OP, state, &[adam_state::LEN])?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[sq, state])? {
+        return crate::cuda::ops::adam_prepare(&g, sq, state, p);
+    }
+    check::on_cpu(OP, &[sq, state])?;
+    let norm = (sq.read_f32()?[0] as f64).sqrt();
+    state.update_f32(OP, |s| settle(s, norm, p))?;
+    Ok(())
+}
+
+/// `adam_prepare`'s arithmetic on the CPU (kernels/optim.cu `adam_prepare` on a GPU).
+fn settle(s: &mut [f32], norm: f64, p: &AdamPrep) {
+    use adam_state::*;
+    let ok = norm.is_finite();
+    let t = s[STEPS] as f64 + if ok { 1.0 } else { 0.0 };
+    s[GRAD_NORM] = norm as f32;
+    s[GRAD_SCALE] =
+        if p.clip_grad > 0.0 && norm > p.clip_grad as f64 { (p.clip_grad as f64 / (norm + 1e-6)) as f32 } else { 1.0 };
+    s[APPLIED] = if ok { 1.0 } else { 0.0 };
+    s[STEPS] = t as f32;
+    s[STEP_SIZE] = (p.lr as f64 / (1.0 - (p.beta1 as f64).powf(t))) as f32;
+    s[BC2_SQRT] = (1.0 - (p.beta2 as f64).powf(t)).sqrt() as f32;
 }

@@ -5,6 +5,12 @@
 //! writes each new master weight (rounded) into the model's parameter buffer. Non-finite
 //! gradients skip the step.
 //!
+//! The step is decided on the parameters' device: Σ g² stays there (summed across ranks by the
+//! collective), `adam_prepare` turns it into the clip factor, the skip flag and the bias
+//! corrections in a small state tensor, and the AdamW kernel reads them, so queuing a step reads
+//! nothing back (no host synchronisation between the backward and the update). The state also
+//! holds the step count; `last_stats` and `steps` read it when the caller wants them.
+//!
 //! A rank keeps master weights and moments only for the flat ranges it owns: all of the buffer,
 //! or under the distributed optimizer its slice of every data-parallel bucket (≈ 1/DP of the
 //! state). The norm sums each rank's part over the model-parallel group (and the data-parallel
@@ -13,7 +19,7 @@
 use crate::ddp::{Comm, GradSync};
 use ferrotron_comm::{CommError, ReduceOp};
 use ferrotron_core::{DType, ParamId, ParamTable, Result as CoreResult, Tensor};
-use ferrotron_kernels::{self as k, AdamRun, AdamRuns, AdamW};
+use ferrotron_kernels::{self as k, AdamPrep, AdamRun, AdamRuns, AdamW, adam_state};
 use std::ops::Range;
 
 #[derive(Debug, thiserror::Error)]
@@ -45,6 +51,7 @@ impl Default for AdamConfig {
     }
 }
 
+/// A step's outcome, read back from the device state (`Optimizer::last_stats`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StepStats {
     pub grad_norm: f64,
@@ -62,7 +69,9 @@ pub struct Optimizer {
     exp_avg_sq: Tensor,
     /// The owned pieces merged into runs (one AdamW launch per step for all of them).
     runs: AdamRuns,
-    step: u64,
+    /// The step state on the parameters' device (kernels' `adam_state` slots: clip factor, norm,
+    /// applied, bias corrections, steps so far).
+    state: Tensor,
     /// Where gradient norms are summed: the model-parallel group (tensor × pipeline), and the
     /// data-parallel group when each rank holds only its shards.
     mp: Option<Comm>,
@@ -122,16 +131,22 @@ impl Optimizer {
             exp_avg: Tensor::zeros([n], DType::F32, &dev)?,
             exp_avg_sq: Tensor::zeros([n], DType::F32, &dev)?,
             runs: AdamRuns::new(runs, &dev)?,
-            step: 0,
+            state: Tensor::zeros([adam_state::LEN], DType::F32, &dev)?,
             mp,
             dp,
             tp_rank,
         })
     }
 
-    /// Steps taken so far.
-    pub fn steps(&self) -> u64 {
-        self.step
+    /// Updates applied so far (a read back from the device: it waits for queued work).
+    pub fn steps(&self) -> Result<u64, OptimError> {
+        Ok(self.state.to_vec_f32()?[adam_state::STEPS] as u64)
+    }
+
+    /// The last step's grad norm and whether it was applied (a read back: it waits for the step).
+    pub fn last_stats(&self) -> Result<StepStats, OptimError> {
+        let s = self.state.to_vec_f32()?;
+        Ok(StepStats { grad_norm: s[adam_state::GRAD_NORM] as f64, applied: s[adam_state::APPLIED] == 1.0 })
     }
 
     /// Bytes of optimizer state held by this rank (master + two moments).
@@ -144,8 +159,15 @@ impl Optimizer {
         &self.owned
     }
 
-    /// L2 norm of the (synchronised) gradients over the whole model, identical on every rank.
+    /// L2 norm of the (synchronised) gradients over the whole model, identical on every rank (a
+    /// read back).
     pub fn grad_norm(&self, table: &ParamTable) -> Result<f64, OptimError> {
+        Ok((self.sum_sq(table)?.to_vec_f32()?[0] as f64).sqrt())
+    }
+
+    /// Σ g² over the whole model as one f32 on the parameters' device, summed across the ranks
+    /// that share the norm (nothing read back).
+    fn sum_sq(&self, table: &ParamTable) -> Result<Tensor, OptimError> {
         let g = table.flat_grads();
         // Ranges of the flat buffer counted here, neighbours merged (one kernel each on a GPU).
         let mut ranges: Vec<Range<usize>> = Vec::new();
@@ -162,53 +184,37 @@ impl Optimizer {
             }
         }
         let views = ranges.iter().map(|r| g.view(r.start, [r.len()])).collect::<Result<Vec<_>, _>>()?;
-        // One read back for every piece (no host synchronisation per parameter).
-        let mut sq = k::sum_sq_all(&views.iter().collect::<Vec<_>>())?;
-        let dev = g.device();
+        let sq = k::sum_sq_dev(&views.iter().collect::<Vec<_>>(), g.device())?;
         for c in [&self.mp, &self.dp].into_iter().flatten() {
             if c.size() > 1 {
-                let t = Tensor::from_vec(vec![sq as f32], [1], dev)?;
-                // Sum in f32 across ranks: every rank gets the same bits.
-                c.all_reduce(&t, ReduceOp::Sum)?;
-                sq = t.to_vec_f32()?[0] as f64;
+                // Summed in f32 across ranks: every rank gets the same bits.
+                c.all_reduce(&sq, ReduceOp::Sum)?;
             }
         }
-        Ok(sq.sqrt())
+        Ok(sq)
     }
 
-    /// One update from the accumulated (and synchronised) main_grad at learning rate `lr`. Under
-    /// the distributed optimizer the caller then gathers the parameters (`GradSync::gather_params`).
-    pub fn step(&mut self, table: &ParamTable, lr: f32) -> Result<StepStats, OptimError> {
-        let grad_norm = self.grad_norm(table)?;
-        if !grad_norm.is_finite() {
-            return Ok(StepStats { grad_norm, applied: false });
-        }
+    /// Queues one update from the accumulated (and synchronised) main_grad at learning rate `lr`:
+    /// the norm, clip factor and skip decision stay on the device (`last_stats` reads them). Under
+    /// the distributed optimizer the caller then gathers the parameters
+    /// (`GradSync::gather_params`; after a skipped step that copies the unchanged shards).
+    pub fn step(&mut self, table: &ParamTable, lr: f32) -> Result<(), OptimError> {
         let c = self.config;
-        let grad_scale = if c.clip_grad > 0.0 && grad_norm > c.clip_grad as f64 {
-            (c.clip_grad as f64 / (grad_norm + 1e-6)) as f32
-        } else {
-            1.0
-        };
-        self.step += 1;
+        let sq = self.sum_sq(table)?;
+        k::adam_prepare(&sq, &self.state, &AdamPrep { lr, beta1: c.beta1, beta2: c.beta2, clip_grad: c.clip_grad })?;
+        // Step count and clip factor come from the state.
         let h = AdamW {
             lr,
             beta1: c.beta1,
             beta2: c.beta2,
             eps: c.eps,
             weight_decay: c.weight_decay,
-            step: self.step,
-            grad_scale,
+            step: 0,
+            grad_scale: 1.0,
         };
-        k::adamw_runs(
-            &self.master,
-            &self.exp_avg,
-            &self.exp_avg_sq,
-            table.flat_grads(),
-            table.flat_params(),
-            &self.runs,
-            &h,
-        )?;
-        Ok(StepStats { grad_norm, applied: true })
+        let (p, g) = (table.flat_params(), table.flat_grads());
+        k::adamw_runs(&self.master, &self.exp_avg, &self.exp_avg_sq, g, p, &self.runs, &h, Some(&self.state))?;
+        Ok(())
     }
 
     /// (master, exp_avg, exp_avg_sq) laid out like the whole flat buffer (length `flat_len`), and
@@ -232,7 +238,7 @@ impl Optimizer {
                 *buf = t.to_vec_f32()?;
             }
         }
-        Ok((out, self.step))
+        Ok((out, self.steps()?))
     }
 
     /// Restores state given whole-buffer vectors (as `full_state` returns); each rank keeps the
@@ -251,7 +257,9 @@ impl Optimizer {
             let mine: Vec<f32> = self.owned.iter().flat_map(|o| v[o.clone()].iter().copied()).collect();
             t.copy_from_f32(&mine)?;
         }
-        self.step = step;
+        let mut st = vec![0f32; adam_state::LEN];
+        st[adam_state::STEPS] = step as f32;
+        self.state.copy_from_f32(&st)?;
         Ok(())
     }
 }

@@ -114,16 +114,17 @@ pub fn train_step_pipelined(
     };
     run_schedule(&actions, comms, model.chunks.len(), &mut runner).map_err(OptimError::from)?;
     sync.finish(table).map_err(OptimError::from)?;
-    let stats = opt.step(table, lr)?;
-    if stats.applied {
-        sync.gather_params(table).map_err(OptimError::from)?;
-    }
+    opt.step(table, lr)?;
+    // Unconditionally: whether the step applied is known on the device only (a skipped step's
+    // gather copies the unchanged shards).
+    sync.gather_params(table).map_err(OptimError::from)?;
     let mut loss = stage_loss(&runner.losses, pp)?;
     if sync.dp.size() > 1 {
         let t = Tensor::from_vec(vec![loss as f32], [1], &Device::Cpu).map_err(OptimError::from)?;
         sync.dp.all_reduce(&t, ReduceOp::Avg).map_err(OptimError::from)?;
         loss = t.to_vec_f32().map_err(OptimError::from)?[0] as f64;
     }
+    let stats = opt.last_stats()?;
     Ok(StepOutput { loss, grad_norm: stats.grad_norm, applied: stats.applied, saved_peak_bytes: runner.peak })
 }
 

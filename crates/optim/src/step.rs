@@ -56,10 +56,10 @@ pub fn train_step(
         }
     }
     sync.finish(table).map_err(OptimError::from)?;
-    let stats = opt.step(table, lr)?;
-    if stats.applied {
-        sync.gather_params(table).map_err(OptimError::from)?;
-    }
+    opt.step(table, lr)?;
+    // Unconditionally: whether the step applied is known on the device only (a skipped step's
+    // gather copies the unchanged shards).
+    sync.gather_params(table).map_err(OptimError::from)?;
     // Read back only now, with the whole step queued.
     let mut loss = 0.0;
     for l in &losses {
@@ -70,5 +70,6 @@ pub fn train_step(
         sync.dp.all_reduce(&t, ReduceOp::Avg).map_err(OptimError::from)?;
         loss = t.to_vec_f32().map_err(OptimError::from)?[0] as f64;
     }
+    let stats = opt.last_stats()?;
     Ok(StepOutput { loss, grad_norm: stats.grad_norm, applied: stats.applied, saved_peak_bytes: peak })
 }

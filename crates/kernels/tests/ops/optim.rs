@@ -71,7 +71,7 @@ device_test!(adamw_runs_updates_each_run_and_writes_params, |dev: &Device| {
     for step in 1..=3u64 {
         let g = randv(flat, 10 + step);
         let h = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step, grad_scale: 0.5 };
-        k::adamw_runs(&pt, &mt, &vt, &t32(dev, &g, &[flat]), &params, &table, &h).unwrap();
+        k::adamw_runs(&pt, &mt, &vt, &t32(dev, &g, &[flat]), &params, &table, &h, None).unwrap();
         for r in &runs {
             let (s, f) = (r.state..r.state + r.len, r.flat..r.flat + r.len);
             let hr = AdamW { weight_decay: if r.decay { h.weight_decay } else { 0.0 }, ..h };
@@ -92,7 +92,53 @@ device_test!(adamw_runs_updates_each_run_and_writes_params, |dev: &Device| {
     // A run past the end of the flat buffer is refused before anything is written.
     let bad = AdamRuns::new(vec![AdamRun { flat: 9_500, state: 0, len: 1000, decay: true }], dev).unwrap();
     let h = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step: 4, grad_scale: 1.0 };
-    let e = k::adamw_runs(&pt, &mt, &vt, &t32(dev, &before, &[flat]), &params, &bad, &h).unwrap_err().to_string();
+    let e = k::adamw_runs(&pt, &mt, &vt, &t32(dev, &before, &[flat]), &params, &bad, &h, None).unwrap_err().to_string();
     assert!(e.contains("reaches past"), "{e}");
     assert_eq!(host(&params), got, "a refused step wrote the parameters");
+});
+
+device_test!(adamw_runs_from_the_device_state, |dev: &Device| {
+    use ferrotron_core::DType;
+    use k::{AdamPrep, AdamRun, AdamRuns, adam_state as st};
+    // The step settled on the device (Σ g², clip factor, skip flag, bias corrections) against the
+    // reference fed the same values from the host: two clipped steps, a skipped one (a NaN
+    // gradient: nothing moves, the count stays), then an unclipped one.
+    let n = 5_000;
+    let runs = vec![AdamRun { flat: 0, state: 0, len: n, decay: true }];
+    let table = AdamRuns::new(runs, dev).unwrap();
+    let mut p = randv(n, 1);
+    let (mut m, mut v) = (vec![0.0; n], vec![0.0; n]);
+    let (pt, mt, vt) = (t32(dev, &p, &[n]), t32(dev, &m, &[n]), t32(dev, &v, &[n]));
+    let params = tensor(dev, &p, &[n], DType::F32);
+    let state = ferrotron_core::Tensor::zeros([st::LEN], DType::F32, dev).unwrap();
+    let base = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step: 0, grad_scale: 1.0 };
+    let mut steps = 0u64;
+    for (i, clip) in [1.0f32, 1.0, 1.0, 1e6].into_iter().enumerate() {
+        let mut g = randv(n, 20 + i as u64);
+        if i == 2 {
+            g[7] = f64::NAN;
+        }
+        let gt = t32(dev, &g, &[n]);
+        let sq = k::sum_sq_dev(&[&gt], dev).unwrap();
+        let prep = AdamPrep { lr: base.lr, beta1: base.beta1, beta2: base.beta2, clip_grad: clip };
+        k::adam_prepare(&sq, &state, &prep).unwrap();
+        k::adamw_runs(&pt, &mt, &vt, &gt, &params, &table, &base, Some(&state)).unwrap();
+        let s = host(&state);
+        let norm = g.iter().map(|x| x * x).sum::<f64>().sqrt();
+        if i == 2 {
+            assert!(s[st::APPLIED] == 0.0 && !s[st::GRAD_NORM].is_finite(), "{s:?}");
+        } else {
+            steps += 1;
+            let scale = if norm > clip as f64 { clip as f64 / (norm + 1e-6) } else { 1.0 };
+            assert!(s[st::APPLIED] == 1.0 && (s[st::GRAD_NORM] - norm).abs() < 1e-5 * norm, "{s:?}");
+            assert!((s[st::GRAD_SCALE] - scale).abs() < 1e-5 * scale, "{s:?} vs {scale}");
+            let h = AdamW { step: steps, grad_scale: scale as f32, ..base };
+            reference(&mut p, &g, &mut m, &mut v, &h);
+        }
+        assert_eq!(s[st::STEPS], steps as f64, "step count after step {i}");
+    }
+    assert_close(&host(&pt), &p, 1e-5, 1e-6, "master");
+    assert_close(&host(&mt), &m, 1e-5, 1e-6, "m");
+    assert_close(&host(&vt), &v, 1e-4, 1e-7, "v");
+    assert_eq!(host(&params), host(&pt), "the parameters are the master weights (f32)");
 });

@@ -26,45 +26,73 @@ pub fn adamw(be: &B, p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor, h: &crate::
     ew(be, "adamw", len, &args)
 }
 
+/// `adamw_runs`'s tensors: master weights, moments, gradients, parameters and the optional step
+/// state (`adam_state`).
+pub struct AdamTensors<'a> {
+    pub p: &'a Tensor,
+    pub m: &'a Tensor,
+    pub v: &'a Tensor,
+    pub g: &'a Tensor,
+    pub params: &'a Tensor,
+    pub state: Option<&'a Tensor>,
+}
+
 /// `adamw` over the runs in `table` (kernels/optim.cu `adamw_runs_*`, one block per chunk), writing
-/// params too.
-#[allow(clippy::too_many_arguments)]
-pub fn adamw_runs(
-    be: &B,
-    p: &Tensor,
-    m: &Tensor,
-    v: &Tensor,
-    g: &Tensor,
-    params: &Tensor,
-    table: &Tensor,
-    chunks: usize,
-    h: &crate::AdamW,
-) -> Result<()> {
+/// params too; with a state, its clip factor, bias corrections and skip flag instead of `h`'s.
+pub fn adamw_runs(be: &B, x: &AdamTensors, table: &Tensor, chunks: usize, h: &crate::AdamW) -> Result<()> {
     let op = "adamw_runs";
-    let mut args = vec![ptr(op, p)?, ptr(op, g)?, ptr(op, m)?, ptr(op, v)?, ptr(op, params)?, ptr(op, table)?];
-    args.push(n(table.elem_count() / 8));
-    args.extend(adam_hyper(h));
-    be.launch(&format!("adamw_runs_{}", sfx_storage(op, params.dtype())?), chunks as u32, 256, 0, &args)
+    let mut args = vec![ptr(op, x.p)?, ptr(op, x.g)?, ptr(op, x.m)?, ptr(op, x.v)?, ptr(op, x.params)?];
+    args.extend([ptr(op, table)?, n(table.elem_count() / 8)]);
+    args.push(match x.state {
+        Some(s) => ptr(op, s)?,
+        None => Arg::Ptr(0),
+    });
+    // Without a state `h.step` counts from 1 (checked by the caller); with one it is unused.
+    args.extend(adam_hyper(&crate::AdamW { step: h.step.max(1), ..*h }));
+    be.launch(&format!("adamw_runs_{}", sfx_storage(op, x.params.dtype())?), chunks as u32, 256, 0, &args)
+}
+
+/// Σ x² of every tensor into a one-element f32 tensor on the device: `sum_sq_all`'s partials,
+/// then one block adding them in a fixed order (kernels/optim.cu `sum_partials_f32`). Nothing is
+/// read back.
+pub fn sum_sq_dev(be: &B, xs: &[&Tensor]) -> Result<Tensor> {
+    let out = new(be, [1], DType::F32)?;
+    let parts = sum_sq_partials(be, xs)?;
+    let base = parts.device_ptr(be.dev.stream()).0;
+    be.launch("sum_partials_f32", 1, 256, 0, &[Arg::Ptr(base), n(parts.len()), ptr("sum_sq_dev", &out)?])?;
+    Ok(out)
+}
+
+pub fn adam_prepare(be: &B, sq: &Tensor, state: &Tensor, p: &crate::AdamPrep) -> Result<()> {
+    let op = "adam_prepare";
+    let args =
+        [ptr(op, sq)?, ptr(op, state)?, Arg::F32(p.lr), Arg::F32(p.beta1), Arg::F32(p.beta2), Arg::F32(p.clip_grad)];
+    be.launch(op, 1, 32, 0, &args)
 }
 
 /// Σ x² of every tensor: BLOCKS fixed per-block partials each, in one buffer, one copy back, then
 /// summed on the host tensor by tensor in block order (deterministic; the bits of adding
 /// one-tensor sums in order). Eight elements per thread where a tensor allows (`_v8`).
 pub fn sum_sq_all(be: &B, xs: &[&Tensor]) -> Result<f64> {
-    // Enough 256-thread blocks to keep the loads in flight across the GPU (256 ran at 2 TB/s).
-    const BLOCKS: usize = 1024;
-    if xs.is_empty() {
-        return Ok(0.0);
-    }
+    let partial = sum_sq_partials(be, xs)?;
+    let host = be.dev.stream().clone_dtoh(&partial).map_err(|e| Error::Cuda(format!("{e:?}")))?;
+    Ok(host.chunks(SUM_SQ_BLOCKS).fold(0.0, |total, c| total + c.iter().sum::<f64>()))
+}
+
+/// Enough 256-thread blocks to keep the loads in flight across the GPU (256 ran at 2 TB/s).
+const SUM_SQ_BLOCKS: usize = 1024;
+
+/// SUM_SQ_BLOCKS f64 partials of Σ x² per tensor, tensor by tensor (at least one zero partial
+/// when there is no tensor).
+fn sum_sq_partials(be: &B, xs: &[&Tensor]) -> Result<CudaSlice<f64>> {
     let partial: CudaSlice<f64> =
-        be.dev.stream().alloc_zeros(BLOCKS * xs.len()).map_err(|e| Error::Cuda(format!("{e:?}")))?;
+        be.dev.stream().alloc_zeros(SUM_SQ_BLOCKS * xs.len().max(1)).map_err(|e| Error::Cuda(format!("{e:?}")))?;
     let base = partial.device_ptr(be.dev.stream()).0;
     for (i, x) in xs.iter().enumerate() {
-        let pp = Arg::Ptr(base + (i * BLOCKS * std::mem::size_of::<f64>()) as u64);
+        let pp = Arg::Ptr(base + (i * SUM_SQ_BLOCKS * std::mem::size_of::<f64>()) as u64);
         let args = [ptr("sum_sq", x)?, pp, n(x.elem_count())];
         let v8 = if x.elem_count() % 8 == 0 && args_aligned16(&args) { "_v8" } else { "" };
-        be.launch(&format!("sum_sq_{}{v8}", sfx("sum_sq", x.dtype())?), BLOCKS as u32, 256, 0, &args)?;
+        be.launch(&format!("sum_sq_{}{v8}", sfx("sum_sq", x.dtype())?), SUM_SQ_BLOCKS as u32, 256, 0, &args)?;
     }
-    let host = be.dev.stream().clone_dtoh(&partial).map_err(|e| Error::Cuda(format!("{e:?}")))?;
-    Ok(host.chunks(BLOCKS).fold(0.0, |total, c| total + c.iter().sum::<f64>()))
+    Ok(partial)
 }
