@@ -59,6 +59,14 @@ pub struct StepStats {
     pub applied: bool,
 }
 
+impl StepStats {
+    /// From a step state (the optimizer's, or a snapshot of it): a read back.
+    pub fn read(state: &Tensor) -> Result<Self, OptimError> {
+        let s = state.to_vec_f32()?;
+        Ok(StepStats { grad_norm: s[adam_state::GRAD_NORM] as f64, applied: s[adam_state::APPLIED] == 1.0 })
+    }
+}
+
 pub struct Optimizer {
     pub config: AdamConfig,
     /// Flat ranges of the parameter buffer this rank updates, in flat order (all of it unless the
@@ -145,8 +153,15 @@ impl Optimizer {
 
     /// The last step's grad norm and whether it was applied (a read back: it waits for the step).
     pub fn last_stats(&self) -> Result<StepStats, OptimError> {
-        let s = self.state.to_vec_f32()?;
-        Ok(StepStats { grad_norm: s[adam_state::GRAD_NORM] as f64, applied: s[adam_state::APPLIED] == 1.0 })
+        StepStats::read(&self.state)
+    }
+
+    /// A copy of the step state as the queued work leaves it (a device copy, nothing read back),
+    /// for [`StepStats::read`] later, after further steps.
+    pub fn stats_snapshot(&self) -> Result<Tensor, OptimError> {
+        let t = Tensor::zeros([adam_state::LEN], DType::F32, self.state.device())?;
+        k::copy_(&t, &self.state)?;
+        Ok(t)
     }
 
     /// Bytes of optimizer state held by this rank (master + two moments).

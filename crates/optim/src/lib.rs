@@ -8,7 +8,8 @@
 //! - `GradSync`: data-parallel buckets over main_grad, all-reduce or reduce-scatter, overlapped
 //!   with backward on a communication thread when asked; the parameter all-gather after a
 //!   distributed step; the tensor-parallel sum of sequence-parallel grads.
-//! - `train_step`: accumulation + sync + update for one global batch.
+//! - `train_step`: accumulation + sync + update for one global batch (`queue_train_step` queues it
+//!   without reading the loss back; `QueuedStep::read` later).
 //! - `LrSchedule`: Megatron's warmup + constant/linear/cosine decay to min-lr.
 
 mod adam;
@@ -19,6 +20,6 @@ mod step;
 
 pub use adam::{AdamConfig, OptimError, Optimizer, StepStats};
 pub use ddp::{BucketPlan, GradSync, default_bucket_size};
-pub use pipeline::{eval_pipelined, schedule_kind, train_step_pipelined};
+pub use pipeline::{eval_pipelined, queue_train_step_pipelined, schedule_kind, train_step_pipelined};
 pub use schedule::{DecayStyle, LrSchedule};
-pub use step::{StepError, StepOutput, train_step};
+pub use step::{QueuedStep, StepError, StepOutput, queue_train_step, train_step};

@@ -5,9 +5,8 @@
 //! Saved activations live in the runner from a pass's forward to its backward; the peak of their
 //! bytes on this rank is reported (1F1B holds up to pp − rank micro-batches at once).
 
-use crate::step::{StepError, StepOutput};
+use crate::step::{QueuedStep, StepError, StepOutput};
 use crate::{GradSync, OptimError, Optimizer};
-use ferrotron_comm::ReduceOp;
 use ferrotron_core::{Cx, DType, Device, ParamTable, Tensor};
 use ferrotron_parallel::pipeline::{Action, PipelineComms, ScheduleKind, StageRunner, run_schedule, schedule};
 use ferrotron_parallel::{ParallelError, groups::Comm};
@@ -72,7 +71,7 @@ pub fn schedule_kind(pp: usize, chunks: usize) -> ScheduleKind {
 }
 
 /// Mean of the last stage's micro-batch losses, given to every pipeline rank.
-fn stage_loss(losses: &[MicroLoss], pp: &Comm) -> Result<f64, StepError> {
+pub(crate) fn stage_loss(losses: &[MicroLoss], pp: &Comm) -> Result<f64, StepError> {
     let mut sum = 0.0;
     for l in losses {
         sum += l.mean()?;
@@ -86,7 +85,8 @@ fn stage_loss(losses: &[MicroLoss], pp: &Comm) -> Result<f64, StepError> {
     Ok(t.to_vec_f32().map_err(OptimError::from)?[0] as f64)
 }
 
-/// A pipelined training step over this rank's micro-batches (all of the data-parallel rank's).
+/// A pipelined training step over this rank's micro-batches (all of the data-parallel rank's):
+/// [`queue_train_step_pipelined`], then [`QueuedStep::read`].
 #[allow(clippy::too_many_arguments)]
 pub fn train_step_pipelined(
     model: &GptModel,
@@ -98,6 +98,22 @@ pub fn train_step_pipelined(
     micro_batches: &[Batch],
     lr: f32,
 ) -> Result<StepOutput, StepError> {
+    queue_train_step_pipelined(model, table, sync, opt, comms, pp, micro_batches, lr)?.read()
+}
+
+/// The pipelined step queued without reading anything back (its activations cross stages as the
+/// schedule runs; the losses and stats wait for [`QueuedStep::read`]).
+#[allow(clippy::too_many_arguments)]
+pub fn queue_train_step_pipelined(
+    model: &GptModel,
+    table: &ParamTable,
+    sync: &mut GradSync,
+    opt: &mut Optimizer,
+    comms: &PipelineComms,
+    pp: &Comm,
+    micro_batches: &[Batch],
+    lr: f32,
+) -> Result<QueuedStep, StepError> {
     table.zero_grads().map_err(ModelError::from)?;
     let kind = schedule_kind(pp.size(), model.chunks.len());
     let actions = schedule(kind, pp.size(), pp.rank(), micro_batches.len()).map_err(OptimError::from)?;
@@ -118,14 +134,13 @@ pub fn train_step_pipelined(
     // Unconditionally: whether the step applied is known on the device only (a skipped step's
     // gather copies the unchanged shards).
     sync.gather_params(table).map_err(OptimError::from)?;
-    let mut loss = stage_loss(&runner.losses, pp)?;
-    if sync.dp.size() > 1 {
-        let t = Tensor::from_vec(vec![loss as f32], [1], &Device::Cpu).map_err(OptimError::from)?;
-        sync.dp.all_reduce(&t, ReduceOp::Avg).map_err(OptimError::from)?;
-        loss = t.to_vec_f32().map_err(OptimError::from)?[0] as f64;
-    }
-    let stats = opt.last_stats()?;
-    Ok(StepOutput { loss, grad_norm: stats.grad_norm, applied: stats.applied, saved_peak_bytes: runner.peak })
+    Ok(QueuedStep {
+        losses: runner.losses,
+        stats: opt.stats_snapshot()?,
+        dp: sync.dp.clone(),
+        pp: Some(pp.clone()),
+        saved_peak_bytes: runner.peak,
+    })
 }
 
 /// Mean loss of `micro_batches` through the pipeline without gradients (every rank gets it).

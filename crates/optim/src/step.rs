@@ -6,10 +6,10 @@
 //! the data-parallel sync averages, so the update equals one rank's over all micro-batches of the
 //! global batch.
 
-use crate::{GradSync, OptimError, Optimizer};
+use crate::{GradSync, OptimError, Optimizer, StepStats, ddp::Comm};
 use ferrotron_comm::ReduceOp;
 use ferrotron_core::{Cx, ParamTable, Tensor};
-use ferrotron_transformer::{Batch, GptModel, ModelError};
+use ferrotron_transformer::{Batch, GptModel, MicroLoss, ModelError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StepError {
@@ -29,6 +29,57 @@ pub struct StepOutput {
     pub saved_peak_bytes: usize,
 }
 
+/// A step whose work is queued on the device and whose results are not yet read back: the
+/// micro-batches' losses and a copy of the optimizer's step state. [`QueuedStep::read`] waits for
+/// it and gives its [`StepOutput`]. The read is collective over the data-parallel group (and the
+/// pipeline group for a pipelined step), so every rank reads the same steps in the same order;
+/// the trainer reads at log intervals, so steps in between queue one after another without the
+/// host waiting (Megatron likewise reads losses back only to log them).
+pub struct QueuedStep {
+    pub(crate) losses: Vec<MicroLoss>,
+    pub(crate) stats: Tensor,
+    pub(crate) dp: Comm,
+    /// Pipelined: the pipeline group, whose last stage holds the losses.
+    pub(crate) pp: Option<Comm>,
+    pub(crate) saved_peak_bytes: usize,
+}
+
+impl QueuedStep {
+    /// Peak bytes of saved activations held at once on this rank during the step (known on the
+    /// host as soon as the step is queued).
+    pub fn saved_peak_bytes(&self) -> usize {
+        self.saved_peak_bytes
+    }
+
+    /// Waits for the step and reads its loss (averaged over data-parallel ranks) and stats.
+    pub fn read(self) -> Result<StepOutput, StepError> {
+        let mut loss = match &self.pp {
+            Some(pp) => crate::pipeline::stage_loss(&self.losses, pp)?,
+            None => {
+                let m = self.losses.len();
+                let mut loss = 0.0;
+                for l in &self.losses {
+                    loss += l.mean()? / m as f64;
+                }
+                loss
+            }
+        };
+        if self.dp.size() > 1 {
+            let t = Tensor::from_vec(vec![loss as f32], [1], &ferrotron_core::Device::Cpu).map_err(OptimError::from)?;
+            self.dp.all_reduce(&t, ReduceOp::Avg).map_err(OptimError::from)?;
+            loss = t.to_vec_f32().map_err(OptimError::from)?[0] as f64;
+        }
+        let stats = StepStats::read(&self.stats)?;
+        Ok(StepOutput {
+            loss,
+            grad_norm: stats.grad_norm,
+            applied: stats.applied,
+            saved_peak_bytes: self.saved_peak_bytes,
+        })
+    }
+}
+
+/// [`queue_train_step`], then [`QueuedStep::read`].
 pub fn train_step(
     model: &GptModel,
     table: &ParamTable,
@@ -37,6 +88,18 @@ pub fn train_step(
     micro_batches: &[Batch],
     lr: f32,
 ) -> Result<StepOutput, StepError> {
+    queue_train_step(model, table, sync, opt, micro_batches, lr)?.read()
+}
+
+/// One step over this rank's micro-batches, queued without reading anything back.
+pub fn queue_train_step(
+    model: &GptModel,
+    table: &ParamTable,
+    sync: &mut GradSync,
+    opt: &mut Optimizer,
+    micro_batches: &[Batch],
+    lr: f32,
+) -> Result<QueuedStep, StepError> {
     table.zero_grads().map_err(ModelError::from)?;
     let cx = Cx { params: table, training: true };
     let m = micro_batches.len();
@@ -60,16 +123,5 @@ pub fn train_step(
     // Unconditionally: whether the step applied is known on the device only (a skipped step's
     // gather copies the unchanged shards).
     sync.gather_params(table).map_err(OptimError::from)?;
-    // Read back only now, with the whole step queued.
-    let mut loss = 0.0;
-    for l in &losses {
-        loss += l.mean()? / m as f64;
-    }
-    if sync.dp.size() > 1 {
-        let t = Tensor::from_vec(vec![loss as f32], [1], &ferrotron_core::Device::Cpu).map_err(OptimError::from)?;
-        sync.dp.all_reduce(&t, ReduceOp::Avg).map_err(OptimError::from)?;
-        loss = t.to_vec_f32().map_err(OptimError::from)?[0] as f64;
-    }
-    let stats = opt.last_stats()?;
-    Ok(StepOutput { loss, grad_norm: stats.grad_norm, applied: stats.applied, saved_peak_bytes: peak })
+    Ok(QueuedStep { losses, stats: opt.stats_snapshot()?, dp: sync.dp.clone(), pp: None, saved_peak_bytes: peak })
 }

@@ -9,7 +9,8 @@ use ferrotron_comm::{run_ranks, thread_world};
 use ferrotron_core::{Cx, DType, Device, ParamTable, Tensor};
 use ferrotron_data::{Sampler, TokenSplit, Tokenizer, corpus, split_documents};
 use ferrotron_optim::{
-    AdamConfig, GradSync, LrSchedule, Optimizer, default_bucket_size, eval_pipelined, train_step, train_step_pipelined,
+    AdamConfig, GradSync, LrSchedule, Optimizer, QueuedStep, default_bucket_size, eval_pipelined, queue_train_step,
+    queue_train_step_pipelined,
 };
 use ferrotron_parallel::{ProcessGroups, TensorParallel};
 use ferrotron_transformer::{Batch, GptModel};
@@ -325,6 +326,10 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     let tokens_per_step = (s.global_batch_size * s.seq_length) as f64;
     let mut window = (Instant::now(), 0u64);
     let mb = s.micro_batch_size as u64;
+    // Steps queued since the last log line: their losses are read back together at the next log
+    // interval (or the end of training), not after every step.
+    let mut queued: Vec<(u64, QueuedStep)> = Vec::new();
+    let first_iteration = iteration + 1;
     while iteration < s.train_iters {
         iteration += 1;
         // Micro-batch j of the global batch goes to data-parallel rank j % dp, as Megatron's sampler.
@@ -337,21 +342,22 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             .collect::<anyhow::Result<Vec<_>>>()?;
         consumed += s.global_batch_size as u64;
         let lr = sched.lr_at(iteration);
-        let out = if pipelined {
-            train_step_pipelined(&model, &table, &mut sync, &mut opt, &g.pipeline, &g.pp, &micros, lr as f32)?
+        let step = if pipelined {
+            queue_train_step_pipelined(&model, &table, &mut sync, &mut opt, &g.pipeline, &g.pp, &micros, lr as f32)?
         } else {
-            train_step(&model, &table, &mut sync, &mut opt, &micros, lr as f32)?
+            queue_train_step(&model, &table, &mut sync, &mut opt, &micros, lr as f32)?
         };
-        if summary.losses.is_empty() {
-            let text = saved_bytes_table(&g, out.saved_peak_bytes)?;
+        if iteration == first_iteration {
+            let text = saved_bytes_table(&g, step.saved_peak_bytes())?;
             if rank0 {
                 pb.suspend(|| eprint!("{text}"));
             }
         }
-        let loss = out.loss;
-        summary.losses.push((iteration, loss));
+        queued.push((iteration, step));
         window.1 += 1;
         if iteration % s.log_interval == 0 || iteration == s.train_iters {
+            let out = read_queued(&mut queued, &mut summary)?.context("no step queued at a log interval")?;
+            let loss = out.loss;
             let secs = window.0.elapsed().as_secs_f64();
             let tps = tokens_per_step * window.1 as f64 / secs.max(1e-9);
             window.1 = 0;
@@ -399,6 +405,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             }
         }
         if exit {
+            read_queued(&mut queued, &mut summary)?;
             if rank0 {
                 pb.suspend(|| eprintln!("exiting at iteration {iteration} (--exit-interval)"));
             }
@@ -409,6 +416,22 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             window.0 = Instant::now();
         }
     }
+    read_queued(&mut queued, &mut summary)?;
     pb.finish_and_clear();
     Ok(summary)
+}
+
+/// Reads the queued steps back in order (collective: every rank reads the same steps), records
+/// their losses, and returns the last one's output.
+fn read_queued(
+    queued: &mut Vec<(u64, QueuedStep)>,
+    summary: &mut Summary,
+) -> anyhow::Result<Option<ferrotron_optim::StepOutput>> {
+    let mut last = None;
+    for (iteration, step) in queued.drain(..) {
+        let out = step.read()?;
+        summary.losses.push((iteration, out.loss));
+        last = Some(out);
+    }
+    Ok(last)
 }

@@ -113,3 +113,20 @@ fn relayout(s1: &ferrotron_trainer::settings::Settings, s4: &ferrotron_trainer::
         let _ = std::fs::remove_dir_all(d);
     }
 }
+
+/// Losses are read back at log intervals (the steps between are only queued): every iteration's
+/// loss still arrives, in order and bit for bit as when each step is read at once, also when
+/// --exit-interval stops the run between log lines.
+#[test]
+fn losses_read_at_log_intervals_equal_per_step_reads() {
+    let every = train(&settings(&tiny_args(false)), &Paths::default()).unwrap();
+    let mut args = tiny_args(false);
+    args.log_interval = Some(3);
+    let s = settings(&args);
+    let deferred = train(&s, &Paths::default()).unwrap();
+    let bits = |l: &[(u64, f64)]| l.iter().map(|(i, x)| (*i, x.to_bits())).collect::<Vec<_>>();
+    assert_eq!(every.losses.len(), 8);
+    assert_eq!(bits(&deferred.losses), bits(&every.losses));
+    let stopped = train(&s, &Paths { exit_interval: Some(4), ..Paths::default() }).unwrap();
+    assert_eq!(bits(&stopped.losses), bits(&every.losses[..4]));
+}
