@@ -129,4 +129,18 @@ fn losses_read_at_log_intervals_equal_per_step_reads() {
     assert_eq!(bits(&deferred.losses), bits(&every.losses));
     let stopped = train(&s, &Paths { exit_interval: Some(4), ..Paths::default() }).unwrap();
     assert_eq!(bits(&stopped.losses), bits(&every.losses[..4]));
+    // Four thread ranks, PP 2 × DP 2 with the distributed optimizer: the deferred reads are
+    // collectives (the last stage's broadcast, the DP average), in the same order on every rank.
+    let threads = Paths { launch: ferrotron_trainer::settings::Launch::Threads(4), ..Paths::default() };
+    let mut args = tiny_args(false);
+    args.global_batch_size = Some(4);
+    args.micro_batch_size = Some(1);
+    let mut s1 = settings(&args);
+    s1.pipeline_model_parallel_size = 2;
+    s1.use_distributed_optimizer = true;
+    let mut s3 = s1.clone();
+    s3.log_interval = 3;
+    let (a, b) = (train(&s1, &threads).unwrap(), train(&s3, &threads).unwrap());
+    assert_eq!(a.losses.len(), 8);
+    assert_eq!(bits(&b.losses), bits(&a.losses));
 }
