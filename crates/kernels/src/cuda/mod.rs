@@ -69,8 +69,9 @@ thread_local! {
     static FLASH_BWD_WS: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
 }
 
-/// Whether this thread's flash backward at head dim 64 runs the warp-specialised kernel (default
-/// on; `FERROTRON_FLASH_BWD=wg` in the environment turns it off). Tests set it to run both.
+/// Whether this thread's wgmma flash backward runs the warp-specialised kernel (head dims 64 and
+/// 128; default on, `FERROTRON_FLASH_BWD=wg` in the environment turns it off). Tests set it to run
+/// both.
 pub fn set_flash_bwd_ws(on: bool) {
     FLASH_BWD_WS.with(|w| w.set(Some(on)));
 }

@@ -231,7 +231,7 @@ fn every_op_matches_cpu() {
             );
         }
         ferrotron_kernels::cuda::set_wgmma(true);
-        ferrotron_kernels::cuda::set_flash_bwd_ws(false);
+        ferrotron_kernels::cuda::set_flash_bwd_ws(true);
         if dt == DType::BF16 {
             // Deterministic mode: the backward twice on the GPU gives the same bits.
             ferrotron_kernels::cuda::set_deterministic(true);
