@@ -230,10 +230,11 @@ fn bench_shape(preset: &str) -> Option<BenchShape> {
 }
 
 /// `ferrotron train` arguments of a GPU bench run: bf16 on CUDA, one evaluation batch (at the
-/// end), a log line per step, `micro` as both micro and global batch.
-fn bench_train_args(preset: &str, micro: usize, iters: u64) -> Vec<String> {
+/// end), a log line (and so a loss read back) every `log` steps, `micro` as both micro and global
+/// batch.
+fn bench_train_args(preset: &str, micro: usize, iters: u64, log: u64) -> Vec<String> {
     let mut a = multi::owned(&["train", "--device", "cuda", "--bf16", "--preset", preset, "--no-progress"]);
-    a.extend(multi::owned(&["--log-interval", "1", "--eval-iters", "1", "--eval-interval", "1000000"]));
+    a.extend(multi::owned(&["--log-interval", &log.to_string(), "--eval-iters", "1", "--eval-interval", "1000000"]));
     a.extend(multi::owned(&["--corpus-docs", "3000", "--micro-batch-size", &micro.to_string()]));
     a.extend(multi::owned(&["--global-batch-size", &micro.to_string(), "--train-iters", &iters.to_string()]));
     a
@@ -284,7 +285,7 @@ fn gpu_profile(args: &[String]) -> anyhow::Result<()> {
         let out = Command::new(ncu)
             .args(["--clock-control", "none", "--metrics", "gpu__time_duration.sum", "--csv"])
             .arg(&bin)
-            .args(bench_train_args(p, shape.micro, iters))
+            .args(bench_train_args(p, shape.micro, iters, 1))
             .output()
             .with_context(|| format!("running {ncu} on {}", bin.display()))?;
         if !out.status.success() {
@@ -311,10 +312,14 @@ fn bench_bin_and_presets(args: &[String]) -> (PathBuf, Vec<String>) {
 /// `cargo xtask bench --gpu [FERROTRON_BIN] [PRESET...]`: Ferrotron (bf16) and the PyTorch reference
 /// (torch.compile + SDPA, bf16 autocast) on the same GPT in the same command: tokens/s, MFU, peak
 /// memory and the ratio. Runs on the GPU machine (no cargo needed there). Environment:
-/// BENCH_ITERS (steps, default 6), BENCH_MICRO (micro-batch override), BENCH_TORCH=0 (Ferrotron only).
+/// BENCH_ITERS (steps, default 6), BENCH_MICRO (micro-batch override), BENCH_TORCH=0 (Ferrotron only),
+/// BENCH_LOG_INTERVAL (steps per log line, default 1: the loss is read back every step; at Megatron's
+/// usual 10–100 the steps between are queued without the host waiting; tokens/s is then the median
+/// over log windows after the first, so give BENCH_ITERS several windows).
 fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
     let (bin, presets) = bench_bin_and_presets(args);
     let iters = std::env::var("BENCH_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(6u64);
+    let log = std::env::var("BENCH_LOG_INTERVAL").ok().and_then(|v| v.parse().ok()).filter(|&l| l > 0).unwrap_or(1u64);
     println!("| model | implementation | tokens/s | MFU | peak memory GiB | last train loss |");
     println!("|---|---|---|---|---|---|");
     for p in &presets {
@@ -326,7 +331,7 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
         let dir = std::env::temp_dir().join(format!("ferrotron-bench-{p}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let mut child = Command::new(&bin)
-            .args(bench_train_args(p, micro, iters))
+            .args(bench_train_args(p, micro, iters, log))
             .arg("--metrics-file")
             .arg(dir.join("metrics.jsonl"))
             .stderr(std::process::Stdio::piped())
@@ -406,6 +411,15 @@ ptxas info    : Used 168 registers, used 1 barriers, 18432 bytes smem\n";
                 ("flash_bwd_dq_mma_bf16_64".to_string(), 168, 0, 0, 18432),
             ]
         );
+    }
+
+    #[test]
+    fn bench_train_args_carry_the_log_interval_and_batch() {
+        let a = bench_train_args("124m", 16, 20, 5);
+        let arg = |k: &str| a.iter().position(|x| x == k).map(|i| a[i + 1].as_str());
+        assert_eq!(arg("--log-interval"), Some("5"));
+        assert_eq!(arg("--train-iters"), Some("20"));
+        assert_eq!((arg("--micro-batch-size"), arg("--global-batch-size")), (Some("16"), Some("16")));
     }
 
     #[test]
