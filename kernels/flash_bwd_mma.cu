@@ -161,6 +161,72 @@ __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t*
     }
 }
 
+// The dK/dV kernels' per-step pieces, shared by flash_bwd_dkv_mma and the warp-specialised
+// flash_bwd_dkvq_ws (same fragments: this thread's keys jr0 and jr0 + 8, rows 8·nb + 2·tg + (e & 1)
+// of the 64-row query tile).
+// Sᵀ = K Qᵀ and dPᵀ = V dOᵀ by wgmma for one warpgroup's 64 keys: its K and V rows at kb, vb in
+// swizzled tiles of `keys` rows, the Q and dO tiles at qb, ob; waited for.
+template <int D>
+__device__ __forceinline__ void wg_scores_t(float (*st)[4], float (*dpt)[4], u32 kb, u32 vb, u32 qb, u32 ob,
+                                            int keys) {
+    wg_pin<32>(&dpt[0][0]);
+    wg_start<32>(&st[0][0]);
+    #pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+        wgmma_m64n64k16_ss(&st[0][0], sw_kmajor(kb, keys, kk), sw_kmajor(qb, FB_ROWS, kk));
+        wgmma_m64n64k16_ss(&dpt[0][0], sw_kmajor(vb, keys, kk), sw_kmajor(ob, FB_ROWS, kk));
+    }
+    wg_finish<32>(&st[0][0]);
+    wg_pin<32>(&dpt[0][0]);
+}
+// Sᵀ to −∞ (p = 0) where row i0 + 8·nb + 2·tg + (e & 1) may not see key jr0 (e < 2) or jr1.
+__device__ __forceinline__ void mask_t(float (*st)[4], long i0, long jr0, long jr1, int tg, long t, long sl,
+                                       long causal, long window) {
+    #pragma unroll
+    for (int nb = 0; nb < 8; nb++)
+        #pragma unroll
+        for (int e = 0; e < 4; e++) {
+            long j = e < 2 ? jr0 : jr1, i = i0 + nb * 8 + tg * 2 + (e & 1);
+            if (!(i < t && j < sl && allowed(i, j, causal, window))) st[nb][e] = -INFINITY;
+        }
+}
+// Pᵀ = exp2(Sᵀ·scale2 − lse·log2 e) into st and dSᵀ = Pᵀ ∘ (dPᵀ − delta) into dpt, from the rows'
+// lse (`ls`: RAW as stored, else already times LOG2E) and delta (`dls`).
+template <bool RAW>
+__device__ __forceinline__ void p_ds_t(float (*st)[4], float (*dpt)[4], const float* ls, const float* dls, float scale2,
+                                       int tg) {
+    #pragma unroll
+    for (int nb = 0; nb < 8; nb++) {
+        #pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int col = nb * 8 + tg * 2 + (e & 1);
+            float p = ex2(fmaf(st[nb][e], scale2, RAW ? -(ls[col] * LOG2E) : -ls[col]));
+            st[nb][e] = p;
+            dpt[nb][e] = p * (dpt[nb][e] - dls[col]);
+        }
+    }
+}
+// dSᵀ (key jl, row il) to shared memory at byte ((jl/8)·8 + il/8)·128 + (jl%8)·16 + (il%8)·2: an
+// MN-major A operand (rows contiguous); the words of a warp fill whole core matrices (no bank
+// conflicts). `w`: the warp's 16 keys from key 16·w of `dss`.
+__device__ __forceinline__ void store_dst(unsigned char* dss, const float (*dpt)[4], int w, int g, int tg) {
+    #pragma unroll
+    for (int nb = 0; nb < 8; nb++)
+        #pragma unroll
+        for (int rr = 0; rr < 2; rr++)
+            *reinterpret_cast<u32*>(dss + ((w * 2 + rr) * 8 + nb) * 128 + g * 16 + tg * 4) =
+                pack_bf16(dpt[nb][2 * rr], dpt[nb][2 * rr + 1]);
+}
+// A warpgroup's 64 × 64 dQ piece times `scale` to `buf` in fragment order: this thread's 32
+// values at ((w4·8 + nb)·32 + lane)·4 + e, 16-byte stores, consecutive lanes side by side (no
+// bank conflicts).
+__device__ __forceinline__ void stage_dq(float* buf, const float (*dqc)[4], float scale, int w4, int lane) {
+    #pragma unroll
+    for (int nb = 0; nb < 8; nb++)
+        *reinterpret_cast<float4*>(buf + ((w4 * 8 + nb) * 32 + lane) * 4) =
+            make_float4(dqc[nb][0] * scale, dqc[nb][1] * scale, dqc[nb][2] * scale, dqc[nb][3] * scale);
+}
+
 // Dynamic shared memory of the dkv kernel (the host sizes it): the K and V tiles, two stages of
 // (Q, dO) tiles, two stages of the rows' (lse, delta): (2·KEYS + 4·FB_ROWS)·P·2 +
 // 4·FB_ROWS·4 bytes; with DQ also dSᵀ (KEYS·FB_ROWS·2) and 2·NW staging buffers of 4096 floats.
@@ -249,42 +315,16 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
                 // The warpgroup's 64 keys are its M: K and V rows straight from shared memory.
                 int wg = warp >> 2;
                 // (Rows 64·wg.. of the KEYS-row K and V tiles: 128 bytes a row in each column block.)
-                u32 kb = smem_addr(ks) + wg * 64 * 128, vb = smem_addr(vs) + wg * 64 * 128, qb = smem_addr(qs),
-                    ob = smem_addr(dos);
-                wg_pin<32>(&dpt[0][0]);
-                wg_start<32>(&st[0][0]);
-                #pragma unroll
-                for (int kk = 0; kk < D / 16; kk++) {
-                    wgmma_m64n64k16_ss(&st[0][0], sw_kmajor(kb, KEYS, kk), sw_kmajor(qb, FB_ROWS, kk));
-                    wgmma_m64n64k16_ss(&dpt[0][0], sw_kmajor(vb, KEYS, kk), sw_kmajor(ob, FB_ROWS, kk));
-                }
-                wg_finish<32>(&st[0][0]);
-                wg_pin<32>(&dpt[0][0]);
+                u32 kb = smem_addr(ks) + wg * 64 * 128, vb = smem_addr(vs) + wg * 64 * 128;
+                wg_scores_t<D>(st, dpt, kb, vb, smem_addr(qs), smem_addr(dos), KEYS);
             } else {
                 mma_cols_smem<D>(st, ks + warp * 16 * P, qs);
                 mma_cols_smem<D>(dpt, vs + warp * 16 * P, dos);
             }
             // Pᵀ into st, dSᵀ into dpt (no mask for a tile inside the sequence below the diagonal).
-            bool full = tile_full(i0, FB_ROWS, j0, KEYS, t, sl, causal, window);
-            if (!full) {
-                #pragma unroll
-                for (int nb = 0; nb < 8; nb++)
-                    #pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        long j = e < 2 ? jr0 : jr1, i = i0 + nb * 8 + tg * 2 + (e & 1);
-                        if (!(i < t && j < sl && allowed(i, j, causal, window))) st[nb][e] = -INFINITY;  // p = 0
-                    }
-            }
-            #pragma unroll
-            for (int nb = 0; nb < 8; nb++) {
-                #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    int col = nb * 8 + tg * 2 + (e & 1);
-                    float p = ex2(fmaf(st[nb][e], scale2, -ls[col]));
-                    st[nb][e] = p;
-                    dpt[nb][e] = p * (dpt[nb][e] - dls[col]);
-                }
-            }
+            if (!tile_full(i0, FB_ROWS, j0, KEYS, t, sl, causal, window))
+                mask_t(st, i0, jr0, jr1, tg, t, sl, causal, window);
+            p_ds_t<false>(st, dpt, ls, dls, scale2, tg);
             // dV += Pᵀ dO and dK += dSᵀ Q: k-steps of 16 rows.
             if constexpr (WG) {
                 u32 pa[FB_ROWS / 16][4], sa[FB_ROWS / 16][4];
@@ -292,15 +332,7 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
                 for (int kstep = 0; kstep < FB_ROWS / 16; kstep++) { c_to_a(pa[kstep], st, kstep); c_to_a(sa[kstep], dpt, kstep); }
                 float dqc[8][4];  // DQ: this warpgroup's 64 columns of the step's dQ rows
                 if constexpr (DQ) {
-                    // dSᵀ (key jl, row il) at byte ((jl/8)·8 + il/8)·128 + (jl%8)·16 + (il%8)·2: an
-                    // MN-major A operand (rows contiguous); the words of a warp fill whole core
-                    // matrices (no bank conflicts).
-                    #pragma unroll
-                    for (int nb = 0; nb < 8; nb++)
-                        #pragma unroll
-                        for (int rr = 0; rr < 2; rr++)
-                            *reinterpret_cast<u32*>(dss + ((warp * 2 + rr) * 8 + nb) * 128 + g * 16 + tg * 4) =
-                                pack_bf16(dpt[nb][2 * rr], dpt[nb][2 * rr + 1]);
+                    store_dst(dss, dpt, warp, g, tg);  // an MN-major A operand (store_dst)
                     #pragma unroll
                     for (int nb = 0; nb < 8; nb++) for (int e = 0; e < 4; e++) dqc[nb][e] = 0.f;
                     fence_async_smem();
@@ -326,13 +358,8 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
                 wg_keep<FB_ROWS / 4>(&sa[0][0]);
                 if constexpr (DQ) {
                     wg_pin<32>(&dqc[0][0]);
-                    // This thread's 32 values at fragment positions ((w4·8 + nb)·32 + lane)·4 + e:
-                    // 16-byte stores, consecutive lanes side by side (no bank conflicts).
                     float* buf = dqs + (n & 1) * 4096;
-                    #pragma unroll
-                    for (int nb = 0; nb < 8; nb++)
-                        *reinterpret_cast<float4*>(buf + (((warp & 3) * 8 + nb) * 32 + lane) * 4) =
-                            make_float4(dqc[nb][0] * scale, dqc[nb][1] * scale, dqc[nb][2] * scale, dqc[nb][3] * scale);
+                    stage_dq(buf, dqc, scale, warp & 3, lane);
                     fence_async_smem();
                     named_sync(1 + (warp >> 2), 128);
                     if ((threadIdx.x & 127) == 0) {
@@ -514,25 +541,10 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
         float st[8][4], dpt[8][4];
         #pragma unroll
         for (int nb = 0; nb < 8; nb++) for (int e = 0; e < 4; e++) { st[nb][e] = 0.f; dpt[nb][e] = 0.f; }
-        u32 qb = smem_addr(qs), ob = smem_addr(dos);
-        wg_pin<32>(&dpt[0][0]);
-        wg_start<32>(&st[0][0]);
-        #pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) {
-            wgmma_m64n64k16_ss(&st[0][0], sw_kmajor(kb, KEYS, kk), sw_kmajor(qb, FB_ROWS, kk));
-            wgmma_m64n64k16_ss(&dpt[0][0], sw_kmajor(vb, KEYS, kk), sw_kmajor(ob, FB_ROWS, kk));
-        }
-        wg_finish<32>(&st[0][0]);
-        wg_pin<32>(&dpt[0][0]);
+        wg_scores_t<D>(st, dpt, kb, vb, smem_addr(qs), smem_addr(dos), KEYS);
         // Pᵀ into st, dSᵀ into dpt (no mask for a tile inside the sequence below the diagonal).
         if (D == 64 && !tile_full(i0, FB_ROWS, jc, CK, t, sl, causal, window)) {
-            #pragma unroll
-            for (int nb = 0; nb < 8; nb++)
-                #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    long j = e < 2 ? jr0 : jr1, i = i0 + nb * 8 + tg * 2 + (e & 1);
-                    if (!(i < t && j < sl && allowed(i, j, causal, window))) st[nb][e] = -INFINITY;  // p = 0
-                }
+            mask_t(st, i0, jr0, jr1, tg, t, sl, causal, window);
         } else if (D == 128 && !tile_full(i0, FB_ROWS, jc, CK, t, sl, causal, window)) {
             // `allowed` in 32-bit arithmetic (64-bit temporaries here spilled the D 128 scores):
             // row i0 + col against key jr0 (e < 2) or jr1 = jr0 + 8, i − j = dd + col (− 8).
@@ -547,16 +559,7 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
                     if (!ok) st[nb][e] = -INFINITY;  // p = 0
                 }
         }
-        #pragma unroll
-        for (int nb = 0; nb < 8; nb++) {
-            #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int col = nb * 8 + tg * 2 + (e & 1);
-                float p = ex2(fmaf(st[nb][e], scale2, -(ls[col] * LOG2E)));
-                st[nb][e] = p;
-                dpt[nb][e] = p * (dpt[nb][e] - dls[col]);
-            }
-        }
+        p_ds_t<true>(st, dpt, ls, dls, scale2, tg);
         u32 pa[FB_ROWS / 16][4], sa[FB_ROWS / 16][4];
         #pragma unroll
         for (int kstep = 0; kstep < FB_ROWS / 16; kstep++) { c_to_a(pa[kstep], st, kstep); c_to_a(sa[kstep], dpt, kstep); }
@@ -564,12 +567,7 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
         // from byte wg · DSS / 2 of the step's buffer.
         unsigned char* dsb = dss_all + (DSB == 1 ? 0 : (n & 1) * DSS);
         unsigned char* dss = dsb + wg * (DSS / 2);
-        #pragma unroll
-        for (int nb = 0; nb < 8; nb++)
-            #pragma unroll
-            for (int rr = 0; rr < 2; rr++)
-                *reinterpret_cast<u32*>(dss + (((warp & 3) * 2 + rr) * 8 + nb) * 128 + g * 16 + tg * 4) =
-                    pack_bf16(dpt[nb][2 * rr], dpt[nb][2 * rr + 1]);
+        store_dst(dss, dpt, warp & 3, g, tg);
         float dqc[8][4];
         #pragma unroll
         for (int nb = 0; nb < 8; nb++) for (int e = 0; e < 4; e++) dqc[nb][e] = 0.f;
@@ -605,10 +603,7 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
         // Every product that read stage stg is complete: hand it back to the producer.
         mbar_arrive(&empty[stg]);
         float* buf = dqs + (n & 1) * 4096;
-        #pragma unroll
-        for (int nb = 0; nb < 8; nb++)
-            *reinterpret_cast<float4*>(buf + (((warp & 3) * 8 + nb) * 32 + lane) * 4) =
-                make_float4(dqc[nb][0] * scale, dqc[nb][1] * scale, dqc[nb][2] * scale, dqc[nb][3] * scale);
+        stage_dq(buf, dqc, scale, warp & 3, lane);
         fence_async_smem();
         named_sync(D == 64 ? 1 + wg : 2 + wg, 128);  // (D 128: barrier 1 is the consumers')
         if ((threadIdx.x & 127) == 0) {
