@@ -126,6 +126,17 @@ pub fn steady_median(metrics: &str, key: &str) -> f64 {
     v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
+/// Total tokens over total time of the train lines after the first (each line one log window of
+/// equal tokens): the harmonic mean of their rates. 0 when there is no second line.
+pub fn steady_rate(metrics: &str, key: &str) -> f64 {
+    let v = series(metrics, key);
+    let rest = v.get(1..).unwrap_or(&[]);
+    if rest.is_empty() || !rest.iter().all(|r| r.is_finite() && *r > 0.0) {
+        return 0.0;
+    }
+    rest.len() as f64 / rest.iter().map(|r| 1.0 / r).sum::<f64>()
+}
+
 pub(crate) fn owned(v: &[&str]) -> Vec<String> {
     v.iter().map(|s| s.to_string()).collect()
 }
@@ -406,6 +417,10 @@ mod tests {
         assert_eq!(last_finite_loss(""), None);
         assert_eq!(steady_median(&m, "tokens_per_s"), 200.0);
         assert_eq!(steady_median("", "tokens_per_s"), 0.0);
+        // 3 windows of equal tokens at 300, 200, 100 per second: 3 / (1/300 + 1/200 + 1/100).
+        let r = steady_rate(&m, "tokens_per_s");
+        assert!((r - 3.0 / (1.0 / 300.0 + 1.0 / 200.0 + 1.0 / 100.0)).abs() < 1e-9, "{r}");
+        assert_eq!(steady_rate(&m.lines().take(2).collect::<Vec<_>>().join("\n"), "tokens_per_s"), 0.0);
     }
 
     #[test]
