@@ -115,6 +115,23 @@ fn progress(total: u64, start: u64, show: bool) -> ProgressBar {
 
 /// Trains from `settings` on the ranks `paths.launch` describes; returns world rank 0's summary.
 pub fn train(s: &Settings, paths: &Paths) -> anyhow::Result<Summary> {
+    let summary = train_ranks(s, paths);
+    // FERROTRON_GEMM_TUNE_REPORT=1: each GEMM shape's timed algorithms (the heuristic's first
+    // against the one chosen), for the kernel notes.
+    #[cfg(feature = "cuda")]
+    if std::env::var("FERROTRON_GEMM_TUNE_REPORT").is_ok_and(|v| v == "1") {
+        for t in ferrotron_kernels::cuda::gemm_tuning_report() {
+            let gain = t.first_ms / t.best_ms;
+            eprintln!(
+                "gemm tuning: {}: {} candidates, first {:.4} ms, chosen #{} {:.4} ms ({gain:.3}x)",
+                t.problem, t.candidates, t.first_ms, t.best, t.best_ms
+            );
+        }
+    }
+    summary
+}
+
+fn train_ranks(s: &Settings, paths: &Paths) -> anyhow::Result<Summary> {
     match &paths.launch {
         Launch::Single => in_pool(&paths.device, || train_rank(s, paths, thread_world(1, paths.timeout).remove(0))),
         Launch::Threads(n) => {

@@ -6,7 +6,7 @@
 //! Column-major, as cuBLASLt sees it: D [m, n] (ld ldc) = op(A) [m, k] · op(B) [k, n]; the bias
 //! has one value per row of D (per output feature of a linear layer), aux has D's shape (ld m).
 
-use super::Backend;
+use super::{Backend, tune};
 use cudarc::cublaslt::sys::{
     self, cublasLtEpilogue_t as Epi, cublasLtMatmulDescAttributes_t as DescAttr,
     cublasLtMatmulPreferenceAttributes_t as PrefAttr, cublasLtMatrixLayoutAttribute_t as LayoutAttr,
@@ -60,6 +60,7 @@ struct Key {
     strides: [i64; 3],
     epilogue: i32,
     align: u32,
+    out: Out,
 }
 
 /// The per-device cuBLASLt state: workspace and the algorithm cache.
@@ -117,11 +118,8 @@ fn set_desc<T>(d: &Desc, attr: DescAttr, v: &T) -> Result<()> {
         .map_err(|e| lt_err("matmul descriptor", e))
 }
 
-fn layout(rows: u64, cols: u64, ld: i64, batch: i32, stride: i64) -> Result<Layout> {
-    let l = Layout(
-        result::create_matrix_layout(sys::cudaDataType_t::CUDA_R_16BF, rows, cols, ld)
-            .map_err(|e| lt_err("layout", e))?,
-    );
+fn layout(ty: sys::cudaDataType_t, rows: u64, cols: u64, ld: i64, batch: i32, stride: i64) -> Result<Layout> {
+    let l = Layout(result::create_matrix_layout(ty, rows, cols, ld).map_err(|e| lt_err("layout", e))?);
     if batch > 1 {
         // SAFETY: as set_desc.
         unsafe {
@@ -155,6 +153,42 @@ pub(crate) fn unsupported(e: &Error) -> bool {
 /// # Safety
 /// The addresses must hold the matrices `cfg` describes (and the epilogue's bias [m] / aux [m, n]).
 pub(crate) unsafe fn matmul(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d: u64, epi: Epilogue) -> Result<()> {
+    // SAFETY: the caller's guarantee.
+    unsafe { run(be, cfg, a, b, d, epi, Out::Bf16) }
+}
+
+/// D = op(A)·op(B) + beta·D for bf16 A, B and an fp32 D (the weight gradient into fp32 main_grad).
+///
+/// # Safety
+/// As `matmul`, with D fp32.
+pub(crate) unsafe fn matmul_into_f32(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d: u64) -> Result<()> {
+    // SAFETY: the caller's guarantee.
+    unsafe { run(be, cfg, a, b, d, Epilogue::None, Out::F32) }
+}
+
+/// The element type of C and D (A and B are bf16).
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+enum Out {
+    Bf16,
+    F32,
+}
+
+impl Out {
+    fn cuda(self) -> sys::cudaDataType_t {
+        match self {
+            Out::Bf16 => sys::cudaDataType_t::CUDA_R_16BF,
+            Out::F32 => sys::cudaDataType_t::CUDA_R_32F,
+        }
+    }
+    fn bytes(self) -> usize {
+        match self {
+            Out::Bf16 => 2,
+            Out::F32 => 4,
+        }
+    }
+}
+
+unsafe fn run(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d: u64, epi: Epilogue, out: Out) -> Result<()> {
     let (batch, [sa, sb, sc]) = match cfg.batch_size {
         Some(n) if n > 1 => (n, [cfg.stride_a.unwrap_or(0), cfg.stride_b.unwrap_or(0), cfg.stride_c.unwrap_or(0)]),
         _ => (1, [0, 0, 0]),
@@ -166,11 +200,12 @@ pub(crate) unsafe fn matmul(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d:
         Epilogue::DGelu { aux } => (0, aux),
     };
     let align = alignment(&[a, b, d, aux]);
+    let bf = sys::cudaDataType_t::CUDA_R_16BF;
     let (a_rows, a_cols) = if cfg.transa { (cfg.k, cfg.m) } else { (cfg.m, cfg.k) };
     let (b_rows, b_cols) = if cfg.transb { (cfg.n, cfg.k) } else { (cfg.k, cfg.n) };
-    let la = layout(a_rows, a_cols, cfg.lda, batch, sa)?;
-    let lb = layout(b_rows, b_cols, cfg.ldb, batch, sb)?;
-    let ld = layout(cfg.m, cfg.n, cfg.ldc, batch, sc)?;
+    let la = layout(bf, a_rows, a_cols, cfg.lda, batch, sa)?;
+    let lb = layout(bf, b_rows, b_cols, cfg.ldb, batch, sb)?;
+    let ld = layout(out.cuda(), cfg.m, cfg.n, cfg.ldc, batch, sc)?;
     let desc = Desc(
         result::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType_t::CUDA_R_32F)
             .map_err(|e| lt_err("matmul descriptor", e))?,
@@ -196,75 +231,134 @@ pub(crate) unsafe fn matmul(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d:
         strides: [sa, sb, sc],
         epilogue: epi.code() as i32,
         align,
+        out,
     };
     let lt = &be.lt;
-    let cached = lt.algos.lock().unwrap_or_else(|e| e.into_inner()).get(&key).copied();
     let handle = *be.blas_lt.handle();
+    let stream = be.dev.stream();
+    let (w, _w) = lt.workspace.device_ptr(stream);
+    // One product with `algo` into `dst` (D, or a scratch matrix of D's size while timing).
+    let launch = |algo: &sys::cublasLtMatmulAlgo_t, dst: u64| {
+        // SAFETY: the caller guarantees the addresses (`dst` is D or as large as D); alpha/beta
+        // are f32 as the descriptor's scale type.
+        unsafe {
+            result::matmul(
+                handle,
+                desc.0,
+                &cfg.alpha as *const f32 as *const c_void,
+                &cfg.beta as *const f32 as *const c_void,
+                a as *const c_void,
+                la.0,
+                b as *const c_void,
+                lb.0,
+                dst as *const c_void,
+                ld.0,
+                dst as *mut c_void,
+                ld.0,
+                algo,
+                w as *mut c_void,
+                WORKSPACE,
+                stream.cu_stream() as *mut _,
+            )
+        }
+        .map_err(|e| lt_err("matmul", e))
+    };
+    let cached = lt.algos.lock().unwrap_or_else(|e| e.into_inner()).get(&key).copied();
     let algo = match cached {
         Some(Some(a)) => a,
         Some(None) => return Err(lt_err("heuristic (cached)", sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)),
         None => {
-            let pref = Pref(result::create_matmul_pref().map_err(|e| lt_err("preference", e))?);
-            let align_bytes = align;
-            // SAFETY: as set_desc.
-            unsafe {
-                result::set_matmul_pref_attribute(
-                    pref.0,
-                    PrefAttr::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                    &WORKSPACE as *const usize as *const c_void,
-                    size_of::<usize>(),
-                )
-                .map_err(|e| lt_err("preference", e))?;
-                for attr in [
-                    PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-                    PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                    PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                    PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-                ] {
-                    result::set_matmul_pref_attribute(
-                        pref.0,
-                        attr,
-                        &align_bytes as *const u32 as *const c_void,
-                        size_of::<u32>(),
-                    )
-                    .map_err(|e| lt_err("preference", e))?;
+            let found = candidates(handle, &desc, [&la, &lb, &ld], align);
+            let remember = match &found {
+                Ok(v) if v.is_empty() => Some(None),
+                Ok(v) if v.len() > 1 && tune::enabled() => {
+                    // Time the candidates where they cannot disturb D: in D itself when the
+                    // product overwrites it (beta 0; the chosen one runs after), else in scratch.
+                    let extent = (batch as i64 - 1) * sc + cfg.ldc * cfg.n as i64;
+                    let bytes = extent as usize * out.bytes();
+                    let scratch = if cfg.beta == 0.0 { None } else { tune::scratch(stream, bytes) };
+                    let dst = match &scratch {
+                        Some(s) => Some(s.device_ptr(stream).0),
+                        None if cfg.beta == 0.0 => Some(d),
+                        None => None,
+                    };
+                    Some(Some(match dst {
+                        Some(dst) => {
+                            let op = |t: bool| if t { 'T' } else { 'N' };
+                            let problem = || {
+                                let (m, n, k, b) = (key.m, key.n, key.k, key.batch);
+                                let (ta, tb) = (op(key.ta), op(key.tb));
+                                format!("{m}×{n}×{k} {ta}{tb} batch {b} epilogue {epi:?} out {out:?}")
+                            };
+                            tune::fastest(stream, problem, v, |algo| launch(algo, dst))
+                        }
+                        None => v[0],
+                    }))
                 }
-            }
-            // SAFETY: every descriptor is live for the call.
-            let h = unsafe { result::get_matmul_algo_heuristic(handle, desc.0, la.0, lb.0, ld.0, ld.0, pref.0) };
-            let remember = match &h {
-                Ok(h) => Some(Some(h.algo)),
-                Err(e) if e.0 == sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED => Some(None),
+                Ok(v) => Some(Some(v[0])),
                 Err(_) => None,
             };
             if let Some(r) = remember {
                 lt.algos.lock().unwrap_or_else(|e| e.into_inner()).insert(key, r);
             }
-            h.map_err(|e| lt_err(&format!("heuristic ({epi:?}, {}×{}×{})", cfg.m, cfg.n, cfg.k), e))?.algo
+            match (found, remember) {
+                (Ok(_), Some(Some(a))) => a,
+                (Err(e), _) => return Err(lt_err(&format!("heuristic ({epi:?}, {}×{}×{})", cfg.m, cfg.n, cfg.k), e)),
+                _ => {
+                    let e = sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED;
+                    return Err(lt_err(&format!("heuristic ({epi:?}, {}×{}×{})", cfg.m, cfg.n, cfg.k), e));
+                }
+            }
         }
     };
-    let stream = be.dev.stream();
-    let (w, _w) = lt.workspace.device_ptr(stream);
-    // SAFETY: the caller guarantees the addresses; alpha/beta are f32 as the descriptor's scale type.
+    launch(&algo, d)
+}
+
+/// Up to `tune::CANDIDATES` algorithms from the heuristic, best first, for pointers of `align`
+/// bytes' alignment and our workspace.
+fn candidates(
+    handle: sys::cublasLtHandle_t,
+    desc: &Desc,
+    [la, lb, ld]: [&Layout; 3],
+    align: u32,
+) -> std::result::Result<Vec<sys::cublasLtMatmulAlgo_t>, cudarc::cublaslt::result::CublasError> {
+    let pref = Pref(result::create_matmul_pref()?);
+    // SAFETY: each attribute is given a live value of its type.
     unsafe {
-        result::matmul(
+        result::set_matmul_pref_attribute(
+            pref.0,
+            PrefAttr::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+            &WORKSPACE as *const usize as *const c_void,
+            size_of::<usize>(),
+        )?;
+        for attr in [
+            PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+            PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+            PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+            PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+        ] {
+            result::set_matmul_pref_attribute(pref.0, attr, &align as *const u32 as *const c_void, size_of::<u32>())?;
+        }
+    }
+    // SAFETY: a plain C struct of integers and an opaque array, for cuBLASLt to fill.
+    let mut found: [sys::cublasLtMatmulHeuristicResult_t; tune::CANDIDATES] = unsafe { std::mem::zeroed() };
+    let mut count = 0i32;
+    // SAFETY: every descriptor is live for the call; `found` holds CANDIDATES results.
+    unsafe {
+        sys::cublasLtMatmulAlgoGetHeuristic(
             handle,
             desc.0,
-            &cfg.alpha as *const f32 as *const c_void,
-            &cfg.beta as *const f32 as *const c_void,
-            a as *const c_void,
             la.0,
-            b as *const c_void,
             lb.0,
-            d as *const c_void,
             ld.0,
-            d as *mut c_void,
             ld.0,
-            &algo,
-            w as *mut c_void,
-            WORKSPACE,
-            stream.cu_stream() as *mut _,
+            pref.0,
+            tune::CANDIDATES as i32,
+            found.as_mut_ptr(),
+            &mut count,
         )
+        .result()?;
     }
-    .map_err(|e| lt_err("matmul", e))
+    let ok = sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS;
+    Ok(found[..count.max(0) as usize].iter().filter(|h| h.state == ok).map(|h| h.algo).collect())
 }

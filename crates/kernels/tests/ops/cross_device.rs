@@ -368,6 +368,32 @@ fn gelu_gemm_epilogues_match_cpu() {
 }
 
 #[test]
+fn gemm_algorithm_timing_leaves_every_output_as_one_product() {
+    // A new shape's first call times cuBLASLt's candidates (`tune`): in D itself when the product
+    // overwrites it, in scratch when it accumulates. Were a timed run to land in an accumulated D,
+    // main_grad would gain the product a dozen times. Each mode gets shapes of its own, as the
+    // choice is cached per shape: sizes where the heuristic offers several algorithms.
+    for (tuned, m) in [(true, 264), (false, 392)] {
+        ferrotron_kernels::cuda::set_gemm_tuning(tuned);
+        let (a, b, bias) =
+            (rnd(&[m, 320], 1, DType::BF16), rnd(&[448, 320], 2, DType::BF16), rnd(&[448], 3, DType::BF16));
+        let (dy, acc) = (rnd(&[m, 448], 4, DType::BF16), rnd(&[448, 320], 5, DType::F32));
+        let (dg, w2) = (rnd(&[m, 256], 6, DType::BF16), rnd(&[256, 448], 7, DType::BF16));
+        check(&format!("GEMMs, tuning {tuned}"), DType::BF16, &[a, b, bias, dy, acc, dg, w2], |t| {
+            let y = k::matmul_bias(&t[0], &t[1], &t[2], false, true).unwrap();
+            let (g, h) = k::linear_gelu(&t[0], &t[1], Some(&t[2])).unwrap();
+            let dh = k::matmul_dgelu(&t[5], &t[6], &h).unwrap();
+            let acc = t[4].deep_copy().unwrap();
+            // main_grad += dyᵀ·a, twice: the second call finds the shape cached.
+            k::matmul_into(&acc, &t[3], &t[0], true, false, true).unwrap();
+            k::matmul_into(&acc, &t[3], &t[0], true, false, true).unwrap();
+            vec![y, g, h, dh, acc]
+        });
+    }
+    ferrotron_kernels::cuda::set_gemm_tuning(true);
+}
+
+#[test]
 fn norm_kernels_take_both_paths() {
     // Widths: 20 (not a multiple of 8: the one-element row kernels), 776 (eight-wide, one group
     // per thread) and 8200 (eight-wide, 1025 groups over a 512-thread block: thread 0 holds

@@ -114,7 +114,8 @@ pub fn gemm(
 }
 
 /// C (+)= op(A)·op(B) for bf16 A, B and an f32 C (the weight gradient straight into fp32 main_grad,
-/// Megatron's gradient-accumulation fusion), through cublasGemmStridedBatchedEx with fp32 compute.
+/// Megatron's gradient-accumulation fusion), on cuBLASLt (its algorithm timed and cached like the
+/// bf16 products'), else cublasGemmStridedBatchedEx with fp32 compute.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_bf16_into_f32(
     be: &B,
@@ -131,10 +132,16 @@ pub fn gemm_bf16_into_f32(
 ) -> Result<()> {
     use cudarc::cublas::sys;
     let (pa, pb, pc) = (raw("matmul_into", a)?, raw("matmul_into", b)?, raw("matmul_into", c)?);
+    let cfg = lt_cfg(batch, m, nn, k, ta, tb, beta);
+    // SAFETY: pointers come from live tensors whose shapes the caller validated against (m, n, k, batch).
+    match unsafe { crate::cuda::lt::matmul_into_f32(be, &cfg, pb, pa, pc) } {
+        Err(e) if crate::cuda::lt::unsupported(&e) => {}
+        r => return r,
+    }
     let op = |t: bool| if t { Op::CUBLAS_OP_T } else { Op::CUBLAS_OP_N };
     let alpha = 1.0f32;
     let bf = sys::cudaDataType_t::CUDA_R_16BF;
-    // SAFETY: pointers come from live tensors whose shapes the caller validated against (m, n, k, batch).
+    // SAFETY: as above.
     let status = unsafe {
         sys::cublasGemmStridedBatchedEx(
             *be.blas.handle(),
@@ -146,11 +153,11 @@ pub fn gemm_bf16_into_f32(
             (&alpha as *const f32).cast(),
             pb as *const std::ffi::c_void,
             bf,
-            (if tb { k } else { nn }) as i32,
+            cfg.lda as i32,
             (k * nn) as i64,
             pa as *const std::ffi::c_void,
             bf,
-            (if ta { m } else { k }) as i32,
+            cfg.ldb as i32,
             (m * k) as i64,
             (&beta as *const f32).cast(),
             pc as *mut std::ffi::c_void,

@@ -1,0 +1,105 @@
+//! Picking a GEMM's algorithm by timing cuBLASLt's candidates on the problem's first call (as
+//! cuDNN's benchmark mode does), instead of taking the heuristic's first. The choice is cached with
+//! the problem (`lt`), so the timing runs once per shape per process, inside the first step.
+//!
+//! Timings differ from run to run, and so can the choice and the last bits of the products:
+//! deterministic mode (`set_deterministic`) and `FERROTRON_GEMM_TUNE=0` take the heuristic's
+//! first, as before.
+
+use cudarc::driver::{CudaSlice, CudaStream, sys::CUevent_flags};
+use ferrotron_core::Result;
+use std::sync::Arc;
+
+/// How many of the heuristic's algorithms are asked for and timed.
+pub(crate) const CANDIDATES: usize = 8;
+/// Timed runs per candidate, after one untimed.
+const ROUNDS: usize = 3;
+
+thread_local! {
+    static TUNE: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+}
+
+/// Whether this thread's GEMMs time the candidate algorithms of a new shape (default on unless
+/// `FERROTRON_GEMM_TUNE=0`; never in deterministic mode). Tests set it to run both ways.
+pub fn set_gemm_tuning(on: bool) {
+    TUNE.with(|t| t.set(Some(on)));
+}
+
+pub(crate) fn enabled() -> bool {
+    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = TUNE
+        .with(|t| t.get())
+        .unwrap_or_else(|| *ENV.get_or_init(|| std::env::var("FERROTRON_GEMM_TUNE").as_deref() != Ok("0")));
+    on && !super::deterministic()
+}
+
+/// An uncleared buffer to time products in when they may not write their real output (they
+/// accumulate into it); None when the memory is not there (the heuristic's first is taken then).
+pub(crate) fn scratch(stream: &Arc<CudaStream>, bytes: usize) -> Option<CudaSlice<u8>> {
+    // SAFETY: only ever written by the products being timed, never read back.
+    unsafe { stream.alloc::<u8>(bytes) }.ok()
+}
+
+/// One problem's timing: what `gemm_tuning_report` lists.
+#[derive(Clone, Debug)]
+pub struct Tuned {
+    /// The problem as cuBLASLt sees it (column-major m×n×k, transposes, epilogue, output type).
+    pub problem: String,
+    /// Candidates timed.
+    pub candidates: usize,
+    /// Milliseconds per product of the heuristic's first and of the one chosen.
+    pub first_ms: f32,
+    pub best_ms: f32,
+    /// The chosen one's place in the heuristic's order (0: its first).
+    pub best: usize,
+}
+
+static REPORT: std::sync::Mutex<Vec<Tuned>> = std::sync::Mutex::new(Vec::new());
+
+/// Every problem timed in this process so far, in order.
+pub fn gemm_tuning_report() -> Vec<Tuned> {
+    REPORT.lock().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
+/// The candidate whose `launch` takes least time on `stream` (the first when timing fails; a
+/// candidate that fails to launch is passed over). Each is launched once untimed, then timed once
+/// per round, the rounds going over all candidates in turn so that a clock falling as the card
+/// warms weighs on each alike; a candidate's time is its best round's.
+pub(crate) fn fastest<A: Copy>(
+    stream: &Arc<CudaStream>,
+    problem: impl FnOnce() -> String,
+    cands: &[A],
+    launch: impl Fn(&A) -> Result<()>,
+) -> A {
+    let times = time_all(stream, cands.len(), |i| launch(&cands[i]));
+    let best = (0..cands.len()).min_by(|&i, &j| times[i].total_cmp(&times[j])).unwrap_or(0);
+    if times[best].is_finite() {
+        let t = Tuned { problem: problem(), candidates: cands.len(), first_ms: times[0], best_ms: times[best], best };
+        REPORT.lock().unwrap_or_else(|e| e.into_inner()).push(t);
+    }
+    cands[best]
+}
+
+/// Each candidate's best time in milliseconds over ROUNDS (infinite where it failed to launch or
+/// the events failed).
+fn time_all(stream: &Arc<CudaStream>, n: usize, launch: impl Fn(usize) -> Result<()>) -> Vec<f32> {
+    let ok: Vec<bool> = (0..n).map(|i| launch(i).is_ok()).collect();
+    let event = || stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).ok();
+    let mut marks = Vec::with_capacity(ROUNDS * n);
+    for _ in 0..ROUNDS {
+        for i in (0..n).filter(|&i| ok[i]) {
+            let start = event();
+            let ran = launch(i).is_ok();
+            marks.push((i, start, event().filter(|_| ran)));
+        }
+    }
+    let mut best = vec![f32::INFINITY; n];
+    for (i, start, end) in marks {
+        if let (Some(s), Some(e)) = (start, end)
+            && let Ok(ms) = s.elapsed_ms(&e)
+        {
+            best[i] = best[i].min(ms);
+        }
+    }
+    best
+}
