@@ -1,7 +1,7 @@
 //! CUDA backend (feature `cuda`). The sources in the top-level kernels/ folder are embedded, compiled
 //! by NVRTC for the device's architecture on first use, cached on disk keyed by source hash + arch
 //! (`$FERROTRON_CACHE_DIR`, else `~/.cache/ferrotron/ptx`), and loaded once per device. GEMMs go
-//! through cuBLASLt (bf16: `lt`, algorithms timed (`tune`) and cached per shape, GeLU epilogues) and cuBLAS (exact f32). Memory comes from cudarc's stream-ordered allocations (the driver's memory pool
+//! through cuBLASLt (bf16: `lt`, algorithms cached per shape (timed by `tune` on request), GeLU epilogues) and cuBLAS (exact f32). Memory comes from cudarc's stream-ordered allocations (the driver's memory pool
 //! caches them; no cudaMalloc per step).
 
 mod lt;
