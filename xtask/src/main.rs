@@ -362,6 +362,13 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
             "| {p} | ferrotron bf16 | {ours:.0} | {:.1}% | {peak:.1} (device total) | {loss} |",
             100.0 * ours * flops / 989e12
         );
+        // The host's least queueing time per step against the step: the GPU waits on the host
+        // (launch gaps: the case for CUDA graphs) only as the first nears the second.
+        let host = multi::series(&metrics, "host_ms_min").get(1..).and_then(|v| v.iter().copied().reduce(f64::min));
+        if let Some(h) = host {
+            let step_ms = 1e3 * (micro * seq) as f64 / ours.max(1e-9);
+            println!("| {p} | host queue per step (least) | {h:.1} ms of a {step_ms:.1} ms step | | | |");
+        }
         if std::env::var("BENCH_TORCH").is_ok_and(|v| v == "0") {
             // The PyTorch half compiles the model first (minutes at 1.3B): skippable when its
             // figure for this card is already in benches/NOTES.md.

@@ -94,7 +94,7 @@ fn train(
 }
 
 /// The numbers after `"key":` in the train lines of a metrics file, in order.
-fn series(metrics: &str, key: &str) -> Vec<f64> {
+pub(crate) fn series(metrics: &str, key: &str) -> Vec<f64> {
     let pat = format!("\"{key}\":");
     metrics
         .lines()

@@ -31,6 +31,11 @@ pub enum Metric {
         lr: f64,
         grad_norm: f64,
         tokens_per_s: f64,
+        /// The least wall time the host took over one step of the window to build its batch and
+        /// queue its work. On a GPU, when it is well under the step's time the device never
+        /// waits for the host (launch gaps, the case for CUDA graphs, would show as it nears the
+        /// step time); on CPU the work runs as it is queued, so it is the step time.
+        host_ms_min: f64,
         elapsed_s: f64,
         consumed_samples: u64,
     },
@@ -342,6 +347,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     let start = Instant::now();
     let tokens_per_step = (s.global_batch_size * s.seq_length) as f64;
     let mut window = (Instant::now(), 0u64);
+    let mut host_min = f64::INFINITY;
     let mb = s.micro_batch_size as u64;
     // Steps queued since the last log line: their losses are read back together at the next log
     // interval (or the end of training), not after every step.
@@ -349,6 +355,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     let first_iteration = iteration + 1;
     while iteration < s.train_iters {
         iteration += 1;
+        let host_start = Instant::now();
         // Micro-batch j of the global batch goes to data-parallel rank j % dp, as Megatron's sampler.
         let micros = (0..micro_per_rank)
             .map(|m| {
@@ -364,6 +371,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         } else {
             queue_train_step(&model, &table, &mut sync, &mut opt, &micros, lr as f32)?
         };
+        host_min = host_min.min(1e3 * host_start.elapsed().as_secs_f64());
         if iteration == first_iteration {
             let text = saved_bytes_table(&g, step.saved_peak_bytes())?;
             if rank0 {
@@ -384,6 +392,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
                 lr,
                 grad_norm: out.grad_norm,
                 tokens_per_s: tps,
+                host_ms_min: std::mem::replace(&mut host_min, f64::INFINITY),
                 elapsed_s: start.elapsed().as_secs_f64(),
                 consumed_samples: consumed,
             };

@@ -76,6 +76,12 @@ fn short_run_learns_and_writes_parseable_files() {
     let (start, end) = (evals[0].1, evals.last().unwrap().1);
     assert!(end < start - 1.0, "validation loss {start} -> {end} did not fall");
     assert!(lines.iter().filter(|v| v["kind"] == "train").all(|v| v["tokens_per_s"].as_f64().unwrap() > 0.0));
+    // The host's least time per step is a step's own time on CPU: above zero, and no more than the
+    // window's mean step (16 × 32 tokens a step).
+    for v in lines.iter().filter(|v| v["kind"] == "train") {
+        let (host, tps) = (v["host_ms_min"].as_f64().unwrap(), v["tokens_per_s"].as_f64().unwrap());
+        assert!(host > 0.0 && host <= 1e3 * 512.0 / tps * 1.001, "host {host} ms, {tps} tokens/s");
+    }
     // Checkpoint files parse, the tracker names the last one.
     assert_eq!(std::fs::read_to_string(dir.join("latest_checkpointed_iteration.txt")).unwrap().trim(), "30");
     let state: toml::Table = std::fs::read_to_string(dir.join("iter_0000030/state.toml")).unwrap().parse().unwrap();
