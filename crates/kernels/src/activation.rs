@@ -1,6 +1,6 @@
 //! GeLU (tanh), SiLU, SwiGLU and softmax, forward and backward, in the input's dtype.
 
-use crate::{check, cpu};
+use crate::{buf, check, cpu};
 use ferrotron_core::{Result, Tensor, shape_mismatch};
 
 fn unary(op: &'static str, x: &Tensor, f: fn(&[f32], &mut [f32])) -> Result<Tensor> {
@@ -11,7 +11,8 @@ fn unary(op: &'static str, x: &Tensor, f: fn(&[f32], &mut [f32])) -> Result<Tens
     }
     check::on_cpu(op, &[x])?;
     let xv = x.read_f32()?;
-    let mut y = vec![0f32; xv.len()];
+    // SAFETY: the activations write every element (elementwise maps).
+    let mut y = unsafe { buf::uninit(xv.len()) };
     f(&xv, &mut y);
     check::out(y, x.shape().clone(), x.dtype(), x.device())
 }
@@ -25,7 +26,8 @@ fn unary_bwd(op: &'static str, x: &Tensor, dy: &Tensor, f: fn(&[f32], &[f32], &m
     }
     check::on_cpu(op, &[x, dy])?;
     let (xv, dyv) = (x.read_f32()?, dy.read_f32()?);
-    let mut dx = vec![0f32; xv.len()];
+    // SAFETY: as `unary`.
+    let mut dx = unsafe { buf::uninit(xv.len()) };
     f(&xv, &dyv, &mut dx);
     check::out(dx, x.shape().clone(), dy.dtype(), x.device())
 }
@@ -64,7 +66,8 @@ pub fn swiglu(x: &Tensor) -> Result<Tensor> {
     }
     check::on_cpu(OP, &[x])?;
     let xv = x.read_f32()?;
-    let mut y = vec![0f32; xv.len() / 2];
+    // SAFETY: swiglu_fwd writes each of a row's f outputs.
+    let mut y = unsafe { buf::uninit(xv.len() / 2) };
     cpu::activation::swiglu_fwd(&xv, f, &mut y);
     check::out(y, shape, x.dtype(), x.device())
 }
@@ -82,7 +85,8 @@ pub fn swiglu_bwd(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
     }
     check::on_cpu(OP, &[x, dy])?;
     let (xv, dyv) = (x.read_f32()?, dy.read_f32()?);
-    let mut dx = vec![0f32; xv.len()];
+    // SAFETY: swiglu_bwd writes both halves of every row.
+    let mut dx = unsafe { buf::uninit(xv.len()) };
     cpu::activation::swiglu_bwd(&xv, &dyv, f, &mut dx);
     check::out(dx, x.shape().clone(), dy.dtype(), x.device())
 }

@@ -2,7 +2,7 @@
 //! q [B, T, Hq, D], k/v [B, S, Hkv, D] → o [B, T, Hq, D] and lse [B, Hq, T] (f32).
 
 use crate::cpu::attention::{AttnDims, AttnMask};
-use crate::{check, cpu};
+use crate::{buf, check, cpu};
 use ferrotron_core::{DType, Result, Tensor, invalid, shape_mismatch};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -68,8 +68,8 @@ pub fn attention_fwd(q: &Tensor, k: &Tensor, v: &Tensor, cfg: &AttnCfg) -> Resul
     }
     check::on_cpu(OP, &[q, k, v])?;
     let (qv, kv, vv) = (q.read_f32()?, k.read_f32()?, v.read_f32()?);
-    let mut o = vec![0f32; qv.len()];
-    let mut lse = vec![0f32; d.b * d.hq * d.t];
+    // SAFETY: attention_fwd copies every (batch, head)'s rows of o and lse.
+    let (mut o, mut lse) = unsafe { (buf::uninit(qv.len()), buf::uninit(d.b * d.hq * d.t)) };
     cpu::attention::attention_fwd(&qv, &kv, &vv, d, mask(cfg), scale(cfg, d.d), &mut o, &mut lse);
     Ok((
         check::out(o, q.shape().clone(), q.dtype(), q.device())?,
@@ -99,7 +99,8 @@ pub fn attention_bwd(
     check::on_cpu(OP, &[q, k, v, o, lse, dout])?;
     let (qv, kv, vv) = (q.read_f32()?, k.read_f32()?, v.read_f32()?);
     let (ov, lv, dov) = (o.read_f32()?, lse.read_f32()?, dout.read_f32()?);
-    let (mut dq, mut dk, mut dv) = (vec![0f32; qv.len()], vec![0f32; kv.len()], vec![0f32; vv.len()]);
+    // SAFETY: attention_bwd copies (`=`) every head's rows of dq, dk and dv.
+    let (mut dq, mut dk, mut dv) = unsafe { (buf::uninit(qv.len()), buf::uninit(kv.len()), buf::uninit(vv.len())) };
     cpu::attention::attention_bwd(
         &qv,
         &kv,

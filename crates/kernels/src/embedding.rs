@@ -5,7 +5,7 @@
 //! `vocab_start .. vocab_start + V` of a vocabulary of `vocab_total` real ids (rows past it are
 //! padding); ids must be below `vocab_total`; other shards' ids give zero rows and no gradient here (the tensor-parallel all-reduce adds the shard that has them).
 
-use crate::{check, cpu};
+use crate::{buf, check, cpu};
 use ferrotron_core::{Result, Tensor, shape_mismatch};
 
 pub fn embedding_fwd(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
@@ -33,7 +33,8 @@ pub fn embedding_fwd_shard(ids: &Tensor, table: &Tensor, vocab_start: usize, voc
     }
     check::on_cpu(OP, &[ids, table])?;
     let tv = table.read_f32()?;
-    let mut out = vec![0f32; idv.len() * c];
+    // SAFETY: embedding_fwd writes each id's row (zeros for ids outside this shard).
+    let mut out = unsafe { buf::uninit(idv.len() * c) };
     cpu::embedding::embedding_fwd(&idv, &tv, c, vocab_start..vocab_start + v, &mut out);
     let mut shape = ids.dims().to_vec();
     shape.push(c);

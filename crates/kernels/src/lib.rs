@@ -15,6 +15,7 @@
 
 mod activation;
 mod attention;
+mod buf;
 mod check;
 pub mod cpu;
 #[cfg(feature = "cuda")]

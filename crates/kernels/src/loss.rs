@@ -2,7 +2,7 @@
 //! place, one row at a time; per-token loss and lse come back as f32 [N].
 
 use crate::cpu::loss::{CeCfg, Elem};
-use crate::{check, cpu};
+use crate::{buf, check, cpu};
 use ferrotron_core::{CpuStorage, DType, Error, Result, Tensor, shape_mismatch};
 
 pub use crate::cpu::loss::CeCfg as CrossEntropyCfg;
@@ -85,7 +85,8 @@ pub fn cross_entropy_fwd(
     if let Some(g) = crate::cuda::gpu(OP, &[logits])? {
         return crate::cuda::ops::ce_fwd(&g, logits, targets, mask, cfg);
     }
-    let (mut loss, mut lse) = (vec![0f32; inp.n], vec![0f32; inp.n]);
+    // SAFETY: cross_entropy_fwd writes every row's loss (zero where masked) and lse.
+    let (mut loss, mut lse) = unsafe { (buf::uninit(inp.n), buf::uninit(inp.n)) };
     let m = inp.mask.as_deref();
     with_logits(OP, logits, &mut |l| match l {
         LogitSlice::F32(x) => cpu::loss::cross_entropy_fwd(x, inp.v, &inp.targets, m, cfg, &mut loss, &mut lse),

@@ -1,7 +1,7 @@
 //! LayerNorm / RMSNorm over the last dimension (see `cpu::norm` for the math). Statistics (mean,
 //! rstd [rows]) and weight gradients are f32 whatever the activation dtype.
 
-use crate::{check, cpu};
+use crate::{buf, check, cpu};
 use ferrotron_core::{DType, Result, Tensor};
 
 fn norm_checks(op: &'static str, x: &Tensor, w: &Tensor) -> Result<usize> {
@@ -65,7 +65,8 @@ fn layernorm_fwd_cpu(x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64) -> Re
     let rows = x.shape().rows();
     let (xv, wv) = (x.read_f32()?, w.read_f32()?);
     let bv = b.map(|b| b.read_f32()).transpose()?;
-    let (mut y, mut mean, mut rstd) = (vec![0f32; rows * c], vec![0f32; rows], vec![0f32; rows]);
+    // SAFETY: layernorm_fwd writes every row of y and its mean and rstd.
+    let (mut y, mut mean, mut rstd) = unsafe { (buf::uninit(rows * c), buf::uninit(rows), buf::uninit(rows)) };
     cpu::norm::layernorm_fwd(&xv, &wv, bv.as_deref(), eps, c, &mut y, &mut mean, &mut rstd);
     Ok((
         check::out(y, x.shape().clone(), x.dtype(), x.device())?,
@@ -122,7 +123,8 @@ fn layernorm_bwd_res(
     }
     check::on_cpu(OP, &[dy, x, w, mean, rstd])?;
     let (dyv, xv, wv, mv, rv) = (dy.read_f32()?, x.read_f32()?, w.read_f32()?, mean.read_f32()?, rstd.read_f32()?);
-    let mut dx = vec![0f32; rows * c];
+    // SAFETY: layernorm_bwd writes (not adds) every row of dx.
+    let mut dx = unsafe { buf::uninit(rows * c) };
     let (dw, db) = cpu::norm::layernorm_bwd(&dyv, &xv, &wv, &mv, &rv, c, &mut dx);
     let dx = check::out(dx, x.shape().clone(), x.dtype(), x.device())?;
     Ok((
@@ -165,7 +167,8 @@ fn rmsnorm_fwd_cpu(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)>
     check::on_cpu(OP, &[x, w])?;
     let rows = x.shape().rows();
     let (xv, wv) = (x.read_f32()?, w.read_f32()?);
-    let (mut y, mut rstd) = (vec![0f32; rows * c], vec![0f32; rows]);
+    // SAFETY: rmsnorm_fwd writes every row of y and its rstd.
+    let (mut y, mut rstd) = unsafe { (buf::uninit(rows * c), buf::uninit(rows)) };
     cpu::norm::rmsnorm_fwd(&xv, &wv, eps, c, &mut y, &mut rstd);
     Ok((check::out(y, x.shape().clone(), x.dtype(), x.device())?, check::out(rstd, [rows], DType::F32, x.device())?))
 }
@@ -202,7 +205,8 @@ fn rmsnorm_bwd_res(
     }
     check::on_cpu(OP, &[dy, x, w, rstd])?;
     let (dyv, xv, wv, rv) = (dy.read_f32()?, x.read_f32()?, w.read_f32()?, rstd.read_f32()?);
-    let mut dx = vec![0f32; rows * c];
+    // SAFETY: rmsnorm_bwd writes (not adds) every row of dx.
+    let mut dx = unsafe { buf::uninit(rows * c) };
     let dw = cpu::norm::rmsnorm_bwd(&dyv, &xv, &wv, &rv, c, &mut dx);
     let dx = check::out(dx, x.shape().clone(), x.dtype(), x.device())?;
     Ok((res.map_or(Ok(dx.clone()), |r| crate::add(&dx, r))?, check::out(dw, [c], DType::F32, x.device())?))

@@ -1,7 +1,7 @@
 //! QKV split/merge between the fused projection [..., Hkv·(G+2)·D] and per-head q/k/v
 //! [..., heads, D] (Megatron's grouped layout; see `cpu::qkv`).
 
-use crate::{check, cpu};
+use crate::{buf, check, cpu};
 use ferrotron_core::{Result, Tensor, shape_mismatch};
 
 /// x [B, T, Hkv·(G+2)·D] → (q [B, T, Hkv·G, D], k [B, T, Hkv, D], v [B, T, Hkv, D]).
@@ -24,7 +24,9 @@ pub fn qkv_split(x: &Tensor, hkv: usize, group: usize, d: usize) -> Result<(Tens
     check::on_cpu(OP, &[x])?;
     let xv = x.read_f32()?;
     let n = b * t;
-    let (mut q, mut k, mut v) = (vec![0f32; n * hkv * group * d], vec![0f32; n * hkv * d], vec![0f32; n * hkv * d]);
+    // SAFETY: qkv_split copies every row's q, k and v segments.
+    let (mut q, mut k, mut v) =
+        unsafe { (buf::uninit(n * hkv * group * d), buf::uninit(n * hkv * d), buf::uninit(n * hkv * d)) };
     cpu::qkv::qkv_split(&xv, hkv, group, d, &mut q, &mut k, &mut v);
     let (dt, dev) = (x.dtype(), x.device());
     Ok((
@@ -54,7 +56,8 @@ pub fn qkv_merge(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     check::on_cpu(OP, &[q, k, v])?;
     let g = hq / hkv;
     let (qv, kv, vv) = (q.read_f32()?, k.read_f32()?, v.read_f32()?);
-    let mut x = vec![0f32; b * t * hkv * (g + 2) * d];
+    // SAFETY: qkv_merge copies into every segment of every row.
+    let mut x = unsafe { buf::uninit(b * t * hkv * (g + 2) * d) };
     cpu::qkv::qkv_merge(&qv, &kv, &vv, hkv, g, d, &mut x);
     check::out(x, [b, t, hkv * (g + 2) * d], q.dtype(), q.device())
 }

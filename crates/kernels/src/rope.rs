@@ -1,6 +1,6 @@
 //! Rotary position embedding on [B, T, H, D] (math in `cpu::rope`).
 
-use crate::{check, cpu};
+use crate::{buf, check, cpu};
 use ferrotron_core::{Result, Tensor, invalid};
 
 pub use crate::cpu::rope::RopeCfg;
@@ -30,7 +30,8 @@ pub fn rope_fwd(x: &Tensor, cfg: &RopeCfg) -> Result<Tensor> {
     }
     check::on_cpu(OP, &[x])?;
     let xv = x.read_f32()?;
-    let mut y = vec![0f32; xv.len()];
+    // SAFETY: the rotation writes each head's rotated pairs and copies the rest.
+    let mut y = unsafe { buf::uninit(xv.len()) };
     cpu::rope::rope_fwd(&xv, t, h, d, cfg, &mut y);
     check::out(y, x.shape().clone(), x.dtype(), x.device())
 }
@@ -44,7 +45,8 @@ pub fn rope_bwd(dy: &Tensor, cfg: &RopeCfg) -> Result<Tensor> {
     }
     check::on_cpu(OP, &[dy])?;
     let dyv = dy.read_f32()?;
-    let mut dx = vec![0f32; dyv.len()];
+    // SAFETY: as rope_fwd.
+    let mut dx = unsafe { buf::uninit(dyv.len()) };
     cpu::rope::rope_bwd(&dyv, t, h, d, cfg, &mut dx);
     check::out(dx, dy.shape().clone(), dy.dtype(), dy.device())
 }

@@ -125,8 +125,9 @@ pub fn attention_fwd<T: Real>(
         .into_par_iter()
         .map(|task| {
             let (b, kvh) = (task / hkv, task % hkv);
-            let mut out = vec![T::zero(); group * t * d];
-            let mut l = vec![T::zero(); group * t];
+            // SAFETY: each head's P·V product (not accumulating) writes its t × d block of `out`,
+            // and `probs` its t log-sum-exps.
+            let (mut out, mut l) = unsafe { (crate::buf::uninit(group * t * d), crate::buf::uninit(group * t)) };
             let mut p = vec![T::zero(); t * s];
             for g in 0..group {
                 let h = kvh * group + g;
@@ -178,7 +179,8 @@ pub fn attention_bwd<T: Real>(
         .into_par_iter()
         .map(|task| {
             let (b, kvh) = (task / hkv, task % hkv);
-            let mut dq_g = vec![T::zero(); group * t * d];
+            // SAFETY: each head's dS·K product (not accumulating) writes its t × d block.
+            let mut dq_g = unsafe { crate::buf::uninit(group * t * d) };
             let mut dk_acc = vec![T::zero(); s * d];
             let mut dv_acc = vec![T::zero(); s * d];
             let mut p = vec![T::zero(); t * s];
