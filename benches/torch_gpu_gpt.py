@@ -1,6 +1,8 @@
 """PyTorch reference for `cargo xtask bench --gpu`: the same GPT (gpt2 style: LayerNorm, tanh-GeLU,
 learned positions, tied output layer; or `--style llama`: RMSNorm, SwiGLU, RoPE, GQA, untied) in
-bf16 autocast with torch.compile + SDPA and fused AdamW, timed over `--iters` steps after warm-up.
+bf16 autocast with torch.compile + SDPA and fused AdamW, gradients clipped by their global norm at
+`--clip` (1.0, Ferrotron's and Megatron's default; 0 turns it off), timed over `--iters` steps
+after warm-up.
 Prints one JSON line: tokens/s, MFU, peak memory.
 
 Written for this project."""
@@ -13,6 +15,7 @@ for name, default in [("layers", 12), ("hidden", 768), ("heads", 12), ("seq", 10
                       ("micro", 8), ("iters", 10), ("warmup", 3)]:
     p.add_argument(f"--{name}", type=int, default=default)
 p.add_argument("--flops-per-token", type=float, required=True)
+p.add_argument("--clip", type=float, default=1.0)
 p.add_argument("--style", choices=["gpt2", "llama"], default="gpt2")
 p.add_argument("--groups", type=int, default=0)  # llama: query groups (GQA)
 p.add_argument("--ffn", type=int, default=0)  # llama: SwiGLU width
@@ -35,6 +38,8 @@ def step():
     with torch.autocast("cuda", dtype=torch.bfloat16):
         loss = model(data[:, :-1], data[:, 1:])
     loss.backward()
+    if a.clip > 0:
+        torch.nn.utils.clip_grad_norm_(m.parameters(), a.clip, foreach=True)
     opt.step()
 
 
