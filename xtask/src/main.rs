@@ -4,6 +4,7 @@
 //! multi-GPU layout against one GPU), ptx (compile kernels/ with nvcc ahead of time) and gpu-test
 //! (build the CUDA test binaries and run them where a GPU is, or stage them for a GPU machine).
 
+mod gpuwatch;
 mod multi;
 
 use anyhow::{Context, bail};
@@ -240,24 +241,15 @@ fn bench_train_args(preset: &str, micro: usize, iters: u64, log: u64) -> Vec<Str
     a
 }
 
-/// Largest `memory.used` nvidia-smi reports while `child` runs, in GiB.
-fn watch_memory(child: &mut std::process::Child) -> anyhow::Result<f64> {
-    let mut peak = 0f64;
-    loop {
-        if let Some(s) = child.try_wait()? {
-            if !s.success() {
-                bail!("ferrotron exited with {s}");
-            }
-            return Ok(peak / 1024.0);
+/// A thread reading all of a child's pipe (so that a full pipe never stalls it).
+fn read_all<R: std::io::Read + Send + 'static>(r: Option<R>) -> std::thread::JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut s = String::new();
+        if let Some(mut r) = r {
+            let _ = r.read_to_string(&mut s);
         }
-        let smi =
-            Command::new("nvidia-smi").args(["--query-gpu=memory.used", "--format=csv,noheader,nounits"]).output();
-        let mib = smi
-            .ok()
-            .and_then(|o| String::from_utf8_lossy(&o.stdout).lines().next().and_then(|l| l.trim().parse::<f64>().ok()));
-        peak = peak.max(mib.unwrap_or(0.0));
-        std::thread::sleep(std::time::Duration::from_millis(300));
-    }
+        s
+    })
 }
 
 /// FLOPs per token from ferrotron's startup line `… parameters (X MFLOP/token …`.
@@ -328,8 +320,10 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
     let iters = std::env::var("BENCH_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(30u64);
     // At least two windows, each whole: the first is warm-up on both sides.
     let iters = iters.max(2 * every).div_ceil(every) * every;
-    println!("| model | implementation | tokens/s | MFU | peak memory GiB | last train loss |");
-    println!("|---|---|---|---|---|---|");
+    println!(
+        "| model | implementation | tokens/s | MFU | peak memory GiB | SM clock / power (busy) | last train loss |"
+    );
+    println!("|---|---|---|---|---|---|---|");
     for p in &presets {
         let shape =
             bench_shape(p).with_context(|| format!("no GPU bench shape for preset {p}: use 124m, 1.3b or llama-1b"))?;
@@ -345,13 +339,8 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
             .stderr(std::process::Stdio::piped())
             .spawn()
             .with_context(|| format!("running {}", bin.display()))?;
-        let mut stderr = child.stderr.take().context("stderr")?;
-        let reader = std::thread::spawn(move || {
-            let mut s = String::new();
-            let _ = std::io::Read::read_to_string(&mut stderr, &mut s);
-            s
-        });
-        let peak = watch_memory(&mut child)?;
+        let reader = read_all(child.stderr.take());
+        let gpu = gpuwatch::watch(&mut child, "ferrotron")?;
         let log = reader.join().unwrap_or_default();
         let flops = header_flops_per_token(&log).context("no MFLOP/token in ferrotron's header")?;
         let metrics = std::fs::read_to_string(dir.join("metrics.jsonl"))?;
@@ -359,47 +348,51 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
         let loss = multi::last_finite_loss(&metrics)
             .map_or_else(|| "not finite: the figure is invalid".to_string(), |l| format!("{l:.3}"));
         println!(
-            "| {p} | ferrotron bf16 | {ours:.0} | {:.1}% | {peak:.1} (device total) | {loss} |",
-            100.0 * ours * flops / 989e12
+            "| {p} | ferrotron bf16 | {ours:.0} | {:.1}% | {:.1} (device total) | {} | {loss} |",
+            100.0 * ours * flops / 989e12,
+            gpu.peak_mem_gib,
+            gpu.clock_power()
         );
         // The host's least queueing time per step against the step: the GPU waits on the host
         // (launch gaps: the case for CUDA graphs) only as the first nears the second.
         let host = multi::series(&metrics, "host_ms_min").get(1..).and_then(|v| v.iter().copied().reduce(f64::min));
         if let Some(h) = host {
             let step_ms = 1e3 * (micro * seq) as f64 / ours.max(1e-9);
-            println!("| {p} | host queue per step (least) | {h:.1} ms of a {step_ms:.1} ms step | | | |");
+            println!("| {p} | host queue per step (least) | {h:.1} ms of a {step_ms:.1} ms step | | | | |");
         }
         if std::env::var("BENCH_TORCH").is_ok_and(|v| v == "0") {
             // The PyTorch half compiles the model first (minutes at 1.3B): skippable when its
             // figure for this card is already in benches/NOTES.md.
-            println!("| {p} | pytorch skipped (BENCH_TORCH=0) | | | | |");
+            println!("| {p} | pytorch skipped (BENCH_TORCH=0) | | | | | |");
             let _ = std::fs::remove_dir_all(&dir);
             continue;
         }
-        let py = Command::new("python3")
+        let mut py = Command::new("python3")
             .arg(root().join("benches/torch_gpu_gpt.py"))
             .args(["--layers", &layers.to_string(), "--hidden", &hidden.to_string(), "--heads", &heads.to_string()])
             .args(["--seq", &seq.to_string(), "--micro", &micro.to_string(), "--flops-per-token", &flops.to_string()])
             .args(["--warmup", &every.to_string(), "--iters", &(iters - every).to_string()])
             .args(torch_style)
-            .output()
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
             .context("running python3 benches/torch_gpu_gpt.py")?;
-        let out = String::from_utf8_lossy(&py.stdout);
+        let (out, err) = (read_all(py.stdout.take()), read_all(py.stderr.take()));
+        let watched = gpuwatch::watch(&mut py, "python3 benches/torch_gpu_gpt.py");
+        let (out, err) = (out.join().unwrap_or_default(), err.join().unwrap_or_default());
         let field = |k: &str| {
             out.split(&format!("\"{k}\": "))
                 .nth(1)
                 .and_then(|r| r.split([',', '}']).next())
                 .and_then(|x| x.parse::<f64>().ok())
         };
-        match (field("tokens_per_s"), field("mfu"), field("peak_mem_gib")) {
-            (Some(t), Some(m), Some(g)) => {
-                println!("| {p} | pytorch compile+SDPA | {t:.0} | {:.1}% | {g:.1} (allocated) | |", 100.0 * m);
-                println!("| {p} | ratio ferrotron / pytorch | {:.3} | | | |", ours / t);
+        match (&watched, field("tokens_per_s"), field("mfu"), field("peak_mem_gib")) {
+            (Ok(w), Some(t), Some(m), Some(g)) => {
+                let cp = w.clock_power();
+                println!("| {p} | pytorch compile+SDPA | {t:.0} | {:.1}% | {g:.1} (allocated) | {cp} | |", 100.0 * m);
+                println!("| {p} | ratio ferrotron / pytorch | {:.3} | | | | |", ours / t);
             }
-            _ => println!(
-                "| {p} | pytorch failed: {} | | | | |",
-                String::from_utf8_lossy(&py.stderr).lines().last().unwrap_or("")
-            ),
+            _ => println!("| {p} | pytorch failed: {} | | | | | |", err.lines().last().unwrap_or("")),
         }
         let _ = std::fs::remove_dir_all(&dir);
     }
