@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 /// How many of the heuristic's algorithms are asked for and timed.
 pub(crate) const CANDIDATES: usize = 8;
-/// Timed runs per candidate, after one untimed.
+/// Rounds over all candidates, one timed run of each per round (after one untimed run each).
 const ROUNDS: usize = 3;
 
 thread_local! {
@@ -38,7 +38,8 @@ pub(crate) fn enabled() -> bool {
 /// An uncleared buffer to time products in when they may not write their real output (they
 /// accumulate into it); None when the memory is not there (the heuristic's first is taken then).
 pub(crate) fn scratch(stream: &Arc<CudaStream>, bytes: usize) -> Option<CudaSlice<u8>> {
-    // SAFETY: only ever written by the products being timed, never read back.
+    // SAFETY: device memory of plain bytes, read (as C) and written only by the products being
+    // timed, whose values are never used.
     unsafe { stream.alloc::<u8>(bytes) }.ok()
 }
 
