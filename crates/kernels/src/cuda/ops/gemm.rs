@@ -114,8 +114,8 @@ pub fn gemm(
 }
 
 /// C (+)= op(A)·op(B) for bf16 A, B and an f32 C (the weight gradient straight into fp32 main_grad,
-/// Megatron's gradient-accumulation fusion), on cuBLASLt (its algorithm cached, and timed on request, like the
-/// bf16 products'), else cublasGemmStridedBatchedEx with fp32 compute.
+/// Megatron's gradient-accumulation fusion), on cuBLASLt (its algorithm cached, and timed on
+/// request, like the bf16 products'), else cublasGemmStridedBatchedEx with fp32 compute.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_bf16_into_f32(
     be: &B,
