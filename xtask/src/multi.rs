@@ -286,7 +286,11 @@ fn scaling_rows(gpus: usize) -> Vec<Row> {
         rows.push(row(format!("1.3b dp{top} micro 1 no overlap"), "1.3b", top, 1, top, &[distopt], false));
         rows.push(row(format!("1.3b tp2 dp{}", top / 2), "1.3b", top, 8, 8 * top / 2, &[tp, "2", distopt], false));
     }
+    // The larger GPT's layouts (GPT 6.7B does not fit one H200 with fp32 master weights and Adam
+    // state: 6.7B × 18 bytes is 121 GB before activations).
     let layouts: &[(usize, &str, &[&str])] = &[
+        (2, "tp2", &[tp, "2"]),
+        (2, "pp2", &[pp, "2"]),
         (4, "tp4", &[tp, "4"]),
         (4, "tp2 pp2", &[tp, "2", pp, "2"]),
         (8, "tp8", &[tp, "8"]),
@@ -396,7 +400,10 @@ mod tests {
             assert_eq!(r.global_batch % (r.micro * dp), 0, "{}", r.name);
             assert!(r.global_batch / (r.micro * dp) >= pp, "{}: too few micro-batches to fill the pipeline", r.name);
         }
-        assert!(scaling_rows(2).iter().all(|r| r.gpus <= 2 && r.preset == "1.3b"));
+        let two = scaling_rows(2);
+        assert!(two.iter().all(|r| r.gpus <= 2));
+        let larger: Vec<&str> = two.iter().filter(|r| r.preset == "6.7b").map(|r| r.name.as_str()).collect();
+        assert_eq!(larger, ["6.7b tp2", "6.7b pp2"]);
         assert_eq!(scaling_rows(1).len(), 1);
     }
 
