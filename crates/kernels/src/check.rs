@@ -53,6 +53,26 @@ pub(crate) fn out(data: Vec<f32>, shape: impl Into<Shape>, dtype: DType, device:
     Tensor::from_f32(&data, shape, dtype, device)
 }
 
+thread_local! {
+    static IDS_PRECHECKED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether this thread's callers have checked the token ids of device tensors already (off by
+/// default). Checking ids held on a GPU means reading them back, which waits for everything queued
+/// before: the trainer checks each batch on the host before uploading it and turns this on, so a
+/// step never waits on such a read. The CUDA kernels stay within bounds either way (an id outside
+/// the table reads a zero row and adds no gradient; a target outside the vocabulary counts as
+/// another shard's).
+pub fn set_device_ids_prechecked(on: bool) {
+    IDS_PRECHECKED.with(|p| p.set(on));
+}
+
+/// Whether the ids of a device tensor are to be read back and checked (unless the caller has).
+#[cfg(feature = "cuda")]
+pub(crate) fn read_ids(t: &Tensor) -> bool {
+    t.device().is_cpu() || !IDS_PRECHECKED.with(|p| p.get())
+}
+
 /// Token ids as u32, each checked against `bound`.
 pub(crate) fn ids(op: &'static str, t: &Tensor, bound: usize, what: &'static str) -> Result<Vec<u32>> {
     dtype(op, t, DType::U32)?;

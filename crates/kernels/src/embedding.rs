@@ -6,7 +6,10 @@
 //! padding); ids must be below `vocab_total`; other shards' ids give zero rows and no gradient here (the tensor-parallel all-reduce adds the shard that has them).
 
 use crate::{buf, check, cpu};
-use ferrotron_core::{Result, Tensor, shape_mismatch};
+use ferrotron_core::{DType, Result, Tensor, shape_mismatch};
+
+/// What an embedding's ids index, for the out-of-range error.
+const WHAT: &str = "vocabulary (embedding rows)";
 
 pub fn embedding_fwd(ids: &Tensor, table: &Tensor) -> Result<Tensor> {
     embedding_fwd_shard(ids, table, 0, table.dims().first().copied().unwrap_or(0))
@@ -26,11 +29,15 @@ fn shard(op: &'static str, table: &Tensor) -> Result<(usize, usize)> {
 pub fn embedding_fwd_shard(ids: &Tensor, table: &Tensor, vocab_start: usize, vocab_total: usize) -> Result<Tensor> {
     const OP: &str = "embedding_fwd";
     let (v, c) = shard(OP, table)?;
-    let idv = check::ids(OP, ids, vocab_total, "vocabulary (embedding rows)")?;
+    check::dtype(OP, ids, DType::U32)?;
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[ids, table])? {
+        if check::read_ids(ids) {
+            check::ids(OP, ids, vocab_total, WHAT)?;
+        }
         return crate::cuda::ops::embedding_fwd(&g, ids, table, vocab_start);
     }
+    let idv = check::ids(OP, ids, vocab_total, WHAT)?;
     check::on_cpu(OP, &[ids, table])?;
     let tv = table.read_f32()?;
     // SAFETY: embedding_fwd writes each id's row (zeros for ids outside this shard).
@@ -50,14 +57,19 @@ pub fn embedding_bwd_shard(
 ) -> Result<()> {
     const OP: &str = "embedding_bwd";
     let (v, c) = shard(OP, dtable)?;
-    let idv = check::ids(OP, ids, vocab_total, "vocabulary (embedding rows)")?;
-    if dout.elem_count() != idv.len() * c || dout.shape().last() != c {
-        return Err(shape_mismatch(OP, format!("dout [{}, {c}]", idv.len()), dout.dims()));
+    check::dtype(OP, ids, DType::U32)?;
+    let n = ids.elem_count();
+    if dout.elem_count() != n * c || dout.shape().last() != c {
+        return Err(shape_mismatch(OP, format!("dout [{n}, {c}]"), dout.dims()));
     }
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[ids, dout, dtable])? {
+        if check::read_ids(ids) {
+            check::ids(OP, ids, vocab_total, WHAT)?;
+        }
         return crate::cuda::ops::embedding_bwd(&g, ids, dout, dtable, vocab_start);
     }
+    let idv = check::ids(OP, ids, vocab_total, WHAT)?;
     check::on_cpu(OP, &[ids, dout, dtable])?;
     let dv = dout.read_f32()?;
     dtable.update_f32(OP, |t| cpu::embedding::embedding_bwd(&idv, &dv, c, vocab_start..vocab_start + v, t))

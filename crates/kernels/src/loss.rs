@@ -7,6 +7,7 @@ use ferrotron_core::{CpuStorage, DType, Error, Result, Tensor, shape_mismatch};
 
 pub use crate::cpu::loss::CeCfg as CrossEntropyCfg;
 
+/// Checked shapes, and on the CPU the targets and mask the math reads (empty for a GPU run).
 struct Inputs {
     n: usize,
     v: usize,
@@ -33,10 +34,18 @@ fn inputs(op: &'static str, logits: &Tensor, targets: &Tensor, mask: Option<&Ten
         all.push(m);
     }
     #[cfg(not(feature = "cuda"))]
-    check::on_cpu(op, &all)?;
+    let (on_gpu, read) = {
+        check::on_cpu(op, &all)?;
+        (false, true)
+    };
+    // On a GPU the targets are read back only to be checked, and not where the caller has
+    // checked them (`set_device_ids_prechecked`): the read waits for all queued work.
     #[cfg(feature = "cuda")]
-    crate::cuda::gpu(op, &all)?;
-    let raw = targets.to_vec::<u32>()?;
+    let (on_gpu, read) = match crate::cuda::gpu(op, &all)? {
+        Some(_) => (true, check::read_ids(targets)),
+        None => (false, true),
+    };
+    let raw = if read { targets.to_vec::<u32>()? } else { Vec::new() };
     let bound = cfg.vocab_total.map_or(v, |t| t as usize);
     if let Some(&bad) = raw.iter().find(|&&t| t as usize >= bound && cfg.ignore_index != Some(t)) {
         return Err(Error::IndexOutOfRange {
@@ -46,7 +55,7 @@ fn inputs(op: &'static str, logits: &Tensor, targets: &Tensor, mask: Option<&Ten
             bound: bound as u64,
         });
     }
-    let mask = mask.map(|m| m.to_vec_f32()).transpose()?;
+    let mask = if on_gpu { None } else { mask.map(|m| m.to_vec_f32()).transpose()? };
     Ok(Inputs { n, v, targets: raw, mask })
 }
 

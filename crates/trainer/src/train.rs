@@ -73,10 +73,17 @@ impl Data {
     }
 }
 
-fn batch(split: &TokenSplit, indices: &[usize], seq: usize, dev: &Device) -> anyhow::Result<Batch> {
+fn batch(split: &TokenSplit, indices: &[usize], seq: usize, vocab: usize, dev: &Device) -> anyhow::Result<Batch> {
     let (mut tokens, mut labels) = (Vec::with_capacity(indices.len() * seq), Vec::with_capacity(indices.len() * seq));
     for &i in indices {
         let s = split.sample(i, seq);
+        // Checked here, on the host, so that the kernels need not read the ids back from a GPU
+        // (`set_device_ids_prechecked`): a read there would wait for all the work queued before.
+        if let Some(&bad) = s.iter().find(|&&t| t as usize >= vocab) {
+            bail!(
+                "token id {bad} in sample {i} is not below the model's vocabulary size {vocab}: the data was tokenized with another tokenizer than the one the model is built for"
+            );
+        }
         tokens.extend_from_slice(&s[..seq]);
         labels.extend_from_slice(&s[1..]);
     }
@@ -92,7 +99,7 @@ pub fn evaluate(model: &GptModel, table: &ParamTable, data: &Data, s: &Settings)
     let mut total = 0.0;
     for it in 0..s.eval_iters as usize {
         let idx: Vec<usize> = (0..s.micro_batch_size).map(|j| (it * s.micro_batch_size + j) % n).collect();
-        total += model.forward(&cx, &batch(&data.valid, &idx, s.seq_length, &dev)?)?.0;
+        total += model.forward(&cx, &batch(&data.valid, &idx, s.seq_length, model.config.vocab_size, &dev)?)?.0;
     }
     Ok(total / s.eval_iters as f64)
 }
@@ -242,7 +249,7 @@ fn evaluate_pipelined(
     let micros = (0..s.eval_iters as usize)
         .map(|it| {
             let idx: Vec<usize> = (0..s.micro_batch_size).map(|j| (it * s.micro_batch_size + j) % n).collect();
-            batch(&data.valid, &idx, s.seq_length, &dev)
+            batch(&data.valid, &idx, s.seq_length, model.config.vocab_size, &dev)
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
     Ok(eval_pipelined(model, table, &g.pipeline, &g.pp, &micros)?)
@@ -253,6 +260,8 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     // Per thread: this rank's kernels run on it.
     #[cfg(feature = "cuda")]
     ferrotron_kernels::cuda::set_deterministic(paths.deterministic);
+    // Every batch's ids are checked on the host (`batch`) before they reach a device.
+    ferrotron_kernels::set_device_ids_prechecked(true);
     let layout = s.validate_layout(world.size())?;
     let g = ProcessGroups::new(world, layout)?;
     let rank0 = g.world.rank() == 0;
@@ -361,7 +370,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             .map(|m| {
                 let j = (m * dp + dp_rank) as u64;
                 let idx: Vec<usize> = (0..mb).map(|i| sampler.index(consumed + j * mb + i)).collect();
-                batch(&data.train, &idx, s.seq_length, &dev)
+                batch(&data.train, &idx, s.seq_length, model.config.vocab_size, &dev)
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
         consumed += s.global_batch_size as u64;
@@ -460,4 +469,20 @@ fn read_queued(
         last = Some(out);
     }
     Ok(last)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_batch_with_an_id_past_the_vocabulary_is_refused_before_upload() {
+        let split = TokenSplit { name: "train", tokens: vec![1, 2, 3, 4, 9, 5, 6, 7, 8] };
+        // Sample 0 (tokens 0..=4) holds 9; sample 1 (4..=8) does too, as its first token.
+        let ok = batch(&split, &[0, 1], 4, 10, &Device::Cpu).unwrap();
+        assert_eq!(ok.tokens.to_vec::<u32>().unwrap(), [1, 2, 3, 4, 9, 5, 6, 7]);
+        assert_eq!(ok.labels.to_vec::<u32>().unwrap(), [2, 3, 4, 9, 5, 6, 7, 8]);
+        let e = batch(&split, &[1], 4, 9, &Device::Cpu).unwrap_err().to_string();
+        assert!(e.contains("token id 9 in sample 1") && e.contains("vocabulary size 9"), "{e}");
+    }
 }

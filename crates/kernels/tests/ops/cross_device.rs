@@ -454,6 +454,33 @@ fn optimizer_ops_match_cpu() {
 }
 
 #[test]
+fn prechecked_device_ids_are_trusted_and_stay_in_bounds() {
+    // With the caller vouching for the ids (the trainer checks each batch on the host), the ops
+    // do not read them back; an id past the table then reads a zero row and a target past the
+    // vocabulary counts as another shard's (loss = lse), never memory outside the buffers.
+    let g = gpu();
+    let table = rnd(&[5, 2], 1, DType::F32);
+    let logits = rnd(&[2, 4], 2, DType::F32);
+    let (ids, targets) = (vec![0u32, 7, 2], vec![1u32, 9]);
+    ferrotron_kernels::set_device_ids_prechecked(true);
+    let out = k::embedding_fwd(&Tensor::from_vec(ids.clone(), [3], &g).unwrap(), &on(&table, &g)).unwrap();
+    let t_gpu = Tensor::from_vec(targets.clone(), [2], &g).unwrap();
+    let (loss, lse) = k::cross_entropy_fwd(&on(&logits, &g), &t_gpu, None, CrossEntropyCfg::default()).unwrap();
+    ferrotron_kernels::set_device_ids_prechecked(false);
+    let (out, t) = (host(&out), host(&table));
+    assert_eq!([out[0], out[1], out[4], out[5]], [t[0], t[1], t[4], t[5]]);
+    assert_eq!([out[2], out[3]], [0.0, 0.0], "an id past the table reads a zero row");
+    let (loss, lse) = (host(&loss), host(&lse));
+    assert!((loss[1] - lse[1]).abs() < 1e-6, "a target past the vocabulary: loss {} vs lse {}", loss[1], lse[1]);
+    let cpu_t = Tensor::from_vec(vec![1u32, 0], [2], &Device::Cpu).unwrap();
+    let (want, _) = k::cross_entropy_fwd(&logits, &cpu_t, None, CrossEntropyCfg::default()).unwrap();
+    assert!((loss[0] - host(&want)[0]).abs() < 1e-5, "row 0 as on the CPU");
+    // Off again (the default), a bad id is an error on the GPU too.
+    let e = k::embedding_fwd(&Tensor::from_vec(ids, [3], &g).unwrap(), &on(&table, &g)).unwrap_err();
+    assert!(matches!(e, ferrotron_core::Error::IndexOutOfRange { index: 7, bound: 5, .. }), "{e}");
+}
+
+#[test]
 fn out_of_memory_names_the_size_and_usage() {
     let g = gpu();
     // 2^38 f32 = 1 TiB: more than any single GPU holds.
