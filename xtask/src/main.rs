@@ -311,7 +311,7 @@ fn bench_bin_and_presets(args: &[String]) -> (PathBuf, Vec<String>) {
 /// Both sides are timed over the same steps: the first log window is warm-up (PyTorch's compile and
 /// Ferrotron's first allocations and GEMM algorithm choices fall in it), the rest is timed as total
 /// tokens over total time. The card is power-capped (700 W on the H200): under sustained load its
-/// clock falls from 1980 to ≈ 1560–1650 MHz within seconds, so a side timed over earlier steps than
+/// clock falls from 1980 to ≈ 1450–1710 MHz within seconds, so a side timed over earlier steps than
 /// the other would be measured at a higher clock.
 fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
     let (bin, presets) = bench_bin_and_presets(args);

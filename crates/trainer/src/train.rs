@@ -255,13 +255,33 @@ fn evaluate_pipelined(
     Ok(eval_pipelined(model, table, &g.pipeline, &g.pp, &micros)?)
 }
 
+/// The kernels' per-thread switches for a rank's run, back to their defaults when it ends (under
+/// `Launch::Single` the rank runs on the caller's thread, which may call kernels afterwards).
+struct RankThreadFlags;
+
+impl RankThreadFlags {
+    fn set(deterministic: bool) -> RankThreadFlags {
+        #[cfg(feature = "cuda")]
+        ferrotron_kernels::cuda::set_deterministic(deterministic);
+        #[cfg(not(feature = "cuda"))]
+        let _ = deterministic;
+        // Every batch's ids are checked on the host (`batch`) before they reach a device.
+        ferrotron_kernels::set_device_ids_prechecked(true);
+        RankThreadFlags
+    }
+}
+
+impl Drop for RankThreadFlags {
+    fn drop(&mut self) {
+        #[cfg(feature = "cuda")]
+        ferrotron_kernels::cuda::set_deterministic(false);
+        ferrotron_kernels::set_device_ids_prechecked(false);
+    }
+}
+
 /// One rank's training run.
 fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summary> {
-    // Per thread: this rank's kernels run on it.
-    #[cfg(feature = "cuda")]
-    ferrotron_kernels::cuda::set_deterministic(paths.deterministic);
-    // Every batch's ids are checked on the host (`batch`) before they reach a device.
-    ferrotron_kernels::set_device_ids_prechecked(true);
+    let _flags = RankThreadFlags::set(paths.deterministic);
     let layout = s.validate_layout(world.size())?;
     let g = ProcessGroups::new(world, layout)?;
     let rank0 = g.world.rank() == 0;
