@@ -42,3 +42,23 @@ extern "C" __global__ void ce_bwd_##s##_v8(const T* logits, const u32* tgt, cons
             x[e] = (off || i + e >= vreal) ? 0.f : (ex2((x[e] - l) * LOG2E) - (i + e == tc ? 1.f : 0.f)) * g; \
         st8(dlogits, r * v + i, x); } }
 FOR_TYPES(LOSS_V8)
+
+// Vocabulary-parallel cross-entropy: the whole vocabulary's lse and loss per row from the tensor-
+// parallel shards' (`all` [n, 2, rows]: each shard's lse row, then its loss row, in rank order),
+// in f64 as the CPU reference: lse = log Σ_r exp(lse_r), loss = m·lse − Σ_r (m·lse_r − loss_r)
+// over the shards with a finite lse (m·lse_r − loss_r is m·logit[target] on the shard holding the
+// target, 0 elsewhere); 0 where the mask is 0.
+extern "C" __global__ void ce_combine_f32(const float* all, const float* mask, float* loss, float* lse, long n, long rows) {
+    GRID_STRIDE(i, rows) {
+        double top = -INFINITY;
+        for (long r = 0; r < n; r++) top = fmax(top, (double)all[r * 2 * rows + i]);
+        double m = mask ? (double)mask[i] : 1.0, z = 0.0, mx = 0.0;
+        for (long r = 0; r < n; r++) {
+            double l = all[r * 2 * rows + i], lo = all[r * 2 * rows + rows + i];
+            if (isfinite(l)) { z += exp(l - top); mx += m * l - lo; }
+        }
+        double whole = top + log(z);
+        lse[i] = (float)whole;
+        loss[i] = m == 0.0 ? 0.f : (float)(m * whole - mx);
+    }
+}

@@ -150,3 +150,33 @@ pub fn cross_entropy_bwd(
         LogitSlice::F16(x) => bwd_typed(x, &inp, cfg, &lv, &dv, &shape, &dev),
     })?
 }
+
+/// The whole vocabulary's (loss [rows], lse [rows]) from the tensor-parallel shards' forward
+/// results gathered in rank order, `all` [tp, 2, rows] f32 (each shard's lse row, then its loss
+/// row), and the loss mask [rows]. On a GPU it runs there (no read-back inside a step).
+pub fn ce_combine_shards(all: &Tensor, mask: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "ce_combine_shards";
+    check::dtype(OP, all, DType::F32)?;
+    check::rank(OP, all, 3)?;
+    let (n, rows) = (all.dims()[0], all.dims()[2]);
+    if all.dims()[1] != 2 {
+        return Err(shape_mismatch(OP, "[shards, 2, rows] (lse, then loss)", all.dims()));
+    }
+    if let Some(m) = mask {
+        check::dtype(OP, m, DType::F32)?;
+        if m.elem_count() != rows {
+            return Err(shape_mismatch(OP, format!("loss mask with {rows} elements"), m.dims()));
+        }
+    }
+    let ts: Vec<&Tensor> = [Some(all), mask].into_iter().flatten().collect();
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &ts)? {
+        return crate::cuda::ops::ce_combine(&g, all, mask, n, rows);
+    }
+    check::on_cpu(OP, &ts)?;
+    let (av, mv) = (all.read_f32()?, mask.map(|m| m.read_f32()).transpose()?);
+    // SAFETY: ce_combine_shards writes every row's loss and lse.
+    let (mut loss, mut lse) = unsafe { (buf::uninit(rows), buf::uninit(rows)) };
+    cpu::loss::ce_combine_shards(&av, n, rows, mv.as_deref(), &mut loss, &mut lse);
+    Ok((check::out(loss, [rows], DType::F32, all.device())?, check::out(lse, [rows], DType::F32, all.device())?))
+}

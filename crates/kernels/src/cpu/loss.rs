@@ -137,3 +137,26 @@ pub fn cross_entropy_bwd<E: Elem, T: Real>(
         }
     });
 }
+
+/// The whole vocabulary's (loss, lse) per row from the tensor-parallel shards' (`all` [n, 2, rows]:
+/// each shard's lse row, then its loss row, in rank order), in f64: lse = log Σ_r exp(lse_r),
+/// loss = m·lse − Σ_r (m·lse_r − loss_r) over the shards with a finite lse (the term is
+/// m·logit[target] on the shard holding the target, 0 elsewhere); 0 where the mask is 0.
+pub fn ce_combine_shards(all: &[f32], n: usize, rows: usize, mask: Option<&[f32]>, loss: &mut [f32], lse: &mut [f32]) {
+    for i in 0..rows {
+        let shard = |r: usize| (all[r * 2 * rows + i] as f64, all[r * 2 * rows + rows + i] as f64);
+        let top = (0..n).map(|r| shard(r).0).fold(f64::NEG_INFINITY, f64::max);
+        let m = mask.map_or(1.0, |m| m[i] as f64);
+        let (mut z, mut mx) = (0.0, 0.0);
+        for r in 0..n {
+            let (lse_r, loss_r) = shard(r);
+            if lse_r.is_finite() {
+                z += (lse_r - top).exp();
+                mx += m * lse_r - loss_r;
+            }
+        }
+        let whole = top + z.ln();
+        lse[i] = whole as f32;
+        loss[i] = if m == 0.0 { 0.0 } else { (m * whole - mx) as f32 };
+    }
+}

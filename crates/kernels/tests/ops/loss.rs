@@ -146,3 +146,34 @@ device_test!(padded_columns_do_not_change_the_loss, |dev: &Device| {
         assert!(d1[r * (v + pad) + v..(r + 1) * (v + pad)].iter().all(|&g| g == 0.0));
     }
 });
+
+// The vocabulary-parallel combine against the whole vocabulary: the logits split into three
+// column shards, each shard's forward (lse, loss) stacked in rank order, combined, equal the
+// forward over all columns; masked rows (0 and ½) included, a target in every shard.
+device_test!(shard_combine_equals_the_whole_vocabulary, |dev: &Device| {
+    let (rows, v, n) = (6, 12, 3);
+    let w = v / n;
+    let x = randv(rows * v, 3);
+    let targets = Tensor::from_vec(vec![0u32, 5, 11, 4, 8, 2], [rows], dev).unwrap();
+    let mask = t32(dev, &[1.0, 0.0, 1.0, 0.5, 1.0, 1.0], &[rows]);
+    let whole = t32(dev, &x, &[rows, v]);
+    let (want_loss, want_lse) =
+        k::cross_entropy_fwd(&whole, &targets, Some(&mask), CrossEntropyCfg::default()).unwrap();
+    let mut all = Vec::with_capacity(n * 2 * rows);
+    let mut parts = Vec::new();
+    for r in 0..n {
+        let shard: Vec<f64> = (0..rows).flat_map(|i| x[i * v + r * w..i * v + (r + 1) * w].to_vec()).collect();
+        let cfg = CrossEntropyCfg { vocab_start: (r * w) as u32, vocab_total: Some(v as u32), ..Default::default() };
+        let (loss, lse) = k::cross_entropy_fwd(&t32(dev, &shard, &[rows, w]), &targets, Some(&mask), cfg).unwrap();
+        parts.push((host(&lse), host(&loss)));
+    }
+    for (lse, loss) in &parts {
+        all.extend(lse);
+        all.extend(loss);
+    }
+    let (loss, lse) = k::ce_combine_shards(&t32(dev, &all, &[n, 2, rows]), Some(&mask)).unwrap();
+    assert_close(&host(&lse), &host(&want_lse), 1e-5, 1e-5, "lse");
+    assert_close(&host(&loss), &host(&want_loss), 1e-5, 1e-5, "loss");
+    let e = k::ce_combine_shards(&t32(dev, &all, &[n, rows, 2]), None).unwrap_err();
+    assert!(e.to_string().contains("ce_combine_shards"), "{e}");
+});

@@ -55,3 +55,18 @@ pub fn ce_bwd(
     rows_launch(be, &name, rows, &args)?;
     Ok(d)
 }
+
+/// The vocabulary-parallel combine of the shards' (lse, loss): one thread per row.
+pub fn ce_combine(be: &B, all: &Tensor, mask: Option<&Tensor>, shards: usize, rows: usize) -> Result<(Tensor, Tensor)> {
+    let (loss, lse) = (new(be, [rows], DType::F32)?, new(be, [rows], DType::F32)?);
+    let args = [
+        ptr("ce_combine", all)?,
+        opt_ptr("ce_combine", mask)?,
+        ptr("ce", &loss)?,
+        ptr("ce", &lse)?,
+        n(shards),
+        n(rows),
+    ];
+    ew(be, "ce_combine_f32", rows, &args)?;
+    Ok((loss, lse))
+}
