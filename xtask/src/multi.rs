@@ -11,7 +11,9 @@
 //!   TFLOP/s per GPU, MFU and efficiency per row, and an SVG plot of throughput against GPU count.
 //!
 //! Every run gets NCCL_NVLS_ENABLE=0 unless the caller set it, and a deadline after which its
-//! process group is killed (a hung collective must not hang the table).
+//! process group is killed (a hung collective must not hang the table). `PARITY_LAYOUTS` and
+//! `BENCH_ROWS` (comma-separated parts of row names, e.g. `6.7b,dp2 overlap`) run a subset, so a
+//! short device lease can take the rows that matter.
 
 use anyhow::{Context, bail};
 use std::os::unix::process::CommandExt;
@@ -137,6 +139,15 @@ pub fn steady_rate(metrics: &str, key: &str) -> f64 {
     rest.len() as f64 / rest.iter().map(|r| 1.0 / r).sum::<f64>()
 }
 
+/// Whether the row `name` is among those the environment variable `var` names (all when unset).
+fn chosen(var: &str, name: &str) -> bool {
+    selected(std::env::var(var).ok().as_deref(), name)
+}
+
+fn selected(filter: Option<&str>, name: &str) -> bool {
+    filter.is_none_or(|f| f.split(',').map(str::trim).any(|part| !part.is_empty() && name.contains(part)))
+}
+
 pub(crate) fn owned(v: &[&str]) -> Vec<String> {
     v.iter().map(|s| s.to_string()).collect()
 }
@@ -207,7 +218,7 @@ pub fn parity(args: &[String], default_bin: PathBuf) -> anyhow::Result<()> {
         let want = series(&m, "loss");
         println!("| 1 | single GPU (reference) | {precision} | {} | - | - | - | {wall:.1} |", want.len());
         for n in (2..=gpus).filter(|n| gpus.is_multiple_of(*n)) {
-            for (name, flags) in parity_layouts(n) {
+            for (name, flags) in parity_layouts(n).into_iter().filter(|l| chosen("PARITY_LAYOUTS", &l.0)) {
                 // bf16 is checked on the data- and tensor-parallel layouts (its tolerance is loose).
                 if precision == "bf16" && !(name.ends_with("distopt") || name.ends_with(" sp")) {
                     continue;
@@ -312,7 +323,7 @@ pub fn scaling(args: &[String], default_bin: PathBuf) -> anyhow::Result<()> {
     println!("|---|---|---|---|---|---|---|");
     let mut points: Vec<(usize, f64)> = Vec::new();
     let mut one = None;
-    for r in scaling_rows(gpus) {
+    for r in scaling_rows(gpus).into_iter().filter(|r| chosen("BENCH_ROWS", &r.name)) {
         let n = r.gpus;
         let mut a = owned(&["--device", "cuda", "--bf16", "--preset", r.preset, "--log-interval", "1"]);
         a.extend(owned(&["--eval-interval", "1000000", "--eval-iters", "1", "--corpus-docs", "3000"]));
@@ -405,6 +416,16 @@ mod tests {
         let larger: Vec<&str> = two.iter().filter(|r| r.preset == "6.7b").map(|r| r.name.as_str()).collect();
         assert_eq!(larger, ["6.7b tp2", "6.7b pp2"]);
         assert_eq!(scaling_rows(1).len(), 1);
+    }
+
+    #[test]
+    fn row_filters_take_parts_of_names() {
+        let names: Vec<String> = scaling_rows(2).into_iter().map(|r| r.name).collect();
+        let pick = |f| names.iter().filter(|n| selected(f, n)).cloned().collect::<Vec<_>>();
+        assert_eq!(pick(None), names);
+        assert_eq!(pick(Some("6.7b, dp2 overlap")), ["1.3b dp2 overlap", "6.7b tp2", "6.7b pp2"]);
+        assert!(pick(Some("")).is_empty());
+        assert!(pick(Some("no such row")).is_empty());
     }
 
     #[test]
