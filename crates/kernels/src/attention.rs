@@ -128,15 +128,25 @@ pub fn attention_bwd(
 /// tensor-core kernels read Q, K and V where they sit (no split copy); elsewhere the split runs
 /// first.
 pub fn attention_fwd_qkv(qkv: &Tensor, hkv: usize, group: usize, d: usize, cfg: &AttnCfg) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "attention_fwd_qkv";
+    let dm = fused_dims(qkv, hkv, group, d, cfg)?;
     #[cfg(feature = "cuda")]
-    if let Some(g) = crate::cuda::gpu("attention_fwd_qkv", &[qkv])? {
-        let dm = fused_dims(qkv, hkv, group, d, cfg)?;
+    if let Some(g) = crate::cuda::gpu(OP, &[qkv])? {
         if let Some(out) = crate::cuda::ops::attention_fwd_qkv(&g, qkv, &gpu_shape(&dm, cfg))? {
             return Ok(out);
         }
+        let (q, k, v) = crate::qkv_split(qkv, hkv, group, d)?;
+        return attention_fwd(&q, &k, &v, cfg);
     }
-    let (q, k, v) = crate::qkv_split(qkv, hkv, group, d)?;
-    attention_fwd(&q, &k, &v, cfg)
+    check::on_cpu(OP, &[qkv])?;
+    let x = qkv.read_f32()?;
+    // SAFETY: attention_fwd_fused copies every (batch, head)'s rows of o and lse.
+    let (mut o, mut lse) = unsafe { (buf::uninit(dm.b * dm.t * dm.hq * d), buf::uninit(dm.b * dm.hq * dm.t)) };
+    cpu::attention::attention_fwd_fused(&x, dm, mask(cfg), scale(cfg, d), &mut o, &mut lse);
+    Ok((
+        check::out(o, [dm.b, dm.t, dm.hq, d], qkv.dtype(), qkv.device())?,
+        check::out(lse, [dm.b, dm.hq, dm.t], DType::F32, qkv.device())?,
+    ))
 }
 
 /// The gradient of [`attention_fwd_qkv`]: dQKV [B, T, Hkv·(G+2)·D] (as
@@ -153,25 +163,31 @@ pub fn attention_bwd_qkv(
     d: usize,
     cfg: &AttnCfg,
 ) -> Result<Tensor> {
+    const OP: &str = "attention_bwd_qkv";
+    let dm = fused_dims(qkv, hkv, group, d, cfg)?;
+    let qd = [dm.b, dm.t, dm.hq, dm.d];
+    check::shape(OP, o, &qd)?;
+    check::shape(OP, dout, &qd)?;
+    check::shape(OP, lse, &[dm.b, dm.hq, dm.t])?;
     #[cfg(feature = "cuda")]
-    if let Some(g) = crate::cuda::gpu("attention_bwd_qkv", &[qkv, o, lse, dout])? {
-        const OP: &str = "attention_bwd_qkv";
-        let dm = fused_dims(qkv, hkv, group, d, cfg)?;
-        let qd = [dm.b, dm.t, dm.hq, dm.d];
-        check::shape(OP, o, &qd)?;
-        check::shape(OP, dout, &qd)?;
-        check::shape(OP, lse, &[dm.b, dm.hq, dm.t])?;
+    if let Some(g) = crate::cuda::gpu(OP, &[qkv, o, lse, dout])? {
         if let Some(dqkv) = crate::cuda::ops::attention_bwd_qkv(&g, qkv, o, lse, dout, &gpu_shape(&dm, cfg))? {
             return Ok(dqkv);
         }
+        let (q, k, v) = crate::qkv_split(qkv, hkv, group, d)?;
+        let (dq, dk, dv) = attention_bwd(&q, &k, &v, o, lse, dout, cfg)?;
+        return crate::qkv_merge(&dq, &dk, &dv);
     }
-    let (q, k, v) = crate::qkv_split(qkv, hkv, group, d)?;
-    let (dq, dk, dv) = attention_bwd(&q, &k, &v, o, lse, dout, cfg)?;
-    crate::qkv_merge(&dq, &dk, &dv)
+    check::on_cpu(OP, &[qkv, o, lse, dout])?;
+    let (x, ov, lv, dov) = (qkv.read_f32()?, o.read_f32()?, lse.read_f32()?, dout.read_f32()?);
+    // SAFETY: attention_bwd_fused copies (`=`) every head's rows of dq, dk and dv into their slots,
+    // which tile dqkv.
+    let mut dqkv = unsafe { buf::uninit(x.len()) };
+    cpu::attention::attention_bwd_fused(&x, &ov, &lv, &dov, dm, mask(cfg), scale(cfg, d), &mut dqkv);
+    check::out(dqkv, qkv.shape().clone(), dout.dtype(), qkv.device())
 }
 
 /// The attention dims of a fused projection output, checked as `qkv_split` and `dims` check them.
-#[cfg(feature = "cuda")]
 fn fused_dims(qkv: &Tensor, hkv: usize, group: usize, d: usize, cfg: &AttnCfg) -> Result<AttnDims> {
     const OP: &str = "attention_qkv";
     check::float(OP, qkv)?;

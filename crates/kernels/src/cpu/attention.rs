@@ -43,19 +43,46 @@ impl AttnMask {
     }
 }
 
-struct Heads<'a, T> {
-    x: &'a [T],
-    heads: usize,
-    len: usize,
+/// Where a head's rows sit in a [B, len, ·] buffer: `row` elements per token, and head h at slot
+/// (h / per) · stride + offset + h % per of D elements each. Separate tensors ([B, len, H, D]):
+/// slot h. The fused projection output ([B, T, Hkv, G + 2, D]: each group's G query heads, then
+/// its key head and its value head): q per G, k and v one per group, at G and G + 1.
+#[derive(Clone, Copy, Debug)]
+struct Place {
+    row: usize,
+    per: usize,
+    stride: usize,
+    offset: usize,
     d: usize,
 }
 
+impl Place {
+    fn separate(heads: usize, d: usize) -> Place {
+        Place { row: heads * d, per: heads, stride: 0, offset: 0, d }
+    }
+
+    /// Slot `which` (0 q, 1 k, 2 v) of the fused output of `hkv` groups of `group` query heads.
+    fn fused(hkv: usize, group: usize, d: usize, which: usize) -> Place {
+        let per = if which == 0 { group } else { 1 };
+        Place { row: hkv * (group + 2) * d, per, stride: group + 2, offset: [0, group, group + 1][which], d }
+    }
+
+    /// Element index of token i of batch b (of `len` tokens), head h.
+    fn at(&self, b: usize, len: usize, i: usize, h: usize) -> usize {
+        (b * len + i) * self.row + ((h / self.per) * self.stride + self.offset + h % self.per) * self.d
+    }
+}
+
+struct Heads<'a, T> {
+    x: &'a [T],
+    place: Place,
+    len: usize,
+}
+
 impl<'a, T> Heads<'a, T> {
-    /// Head `h` of batch `b` as a [len, d] matrix with row stride heads·d.
+    /// Head `h` of batch `b` as a [len, d] matrix with row stride `place.row`.
     fn mat(&self, b: usize, h: usize, transposed: bool) -> MatRef<'a, T> {
-        let start = b * self.len * self.heads * self.d + h * self.d;
-        let ld = self.heads * self.d;
-        let data = &self.x[start..];
+        let (data, ld) = (&self.x[self.place.at(b, self.len, 0, h)..], self.place.row);
         if transposed { MatRef { data, rs: 1, cs: ld } } else { MatRef { data, rs: ld, cs: 1 } }
     }
 }
@@ -113,14 +140,45 @@ pub fn attention_fwd<T: Real>(
     o: &mut [T],
     lse: &mut [T],
 ) {
+    let [qh, kh, vh] = separate(q, k, v, &dims);
+    fwd(qh, kh, vh, dims, mask, scale, o, lse);
+}
+
+/// [`attention_fwd`] reading Q, K and V where they sit in the fused projection output `qkv`
+/// [B, T, Hkv·(G+2)·D] (no split copy); the same values.
+pub fn attention_fwd_fused<T: Real>(qkv: &[T], dims: AttnDims, mask: AttnMask, scale: f64, o: &mut [T], lse: &mut [T]) {
+    let [qh, kh, vh] = fused(qkv, &dims);
+    fwd(qh, kh, vh, dims, mask, scale, o, lse);
+}
+
+fn separate<'a, T>(q: &'a [T], k: &'a [T], v: &'a [T], dims: &AttnDims) -> [Heads<'a, T>; 3] {
+    let (hkv, d) = (dims.hkv, dims.d);
+    [
+        Heads { x: q, place: Place::separate(dims.hq, d), len: dims.t },
+        Heads { x: k, place: Place::separate(hkv, d), len: dims.s },
+        Heads { x: v, place: Place::separate(hkv, d), len: dims.s },
+    ]
+}
+
+fn fused<'a, T>(qkv: &'a [T], dims: &AttnDims) -> [Heads<'a, T>; 3] {
+    let (hkv, group, d) = (dims.hkv, dims.hq / dims.hkv, dims.d);
+    [0, 1, 2].map(|w| Heads { x: qkv, place: Place::fused(hkv, group, d, w), len: dims.t })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn fwd<T: Real>(
+    qh: Heads<T>,
+    kh: Heads<T>,
+    vh: Heads<T>,
+    dims: AttnDims,
+    mask: AttnMask,
+    scale: f64,
+    o: &mut [T],
+    lse: &mut [T],
+) {
     let AttnDims { b: nb, t, s, hq, hkv, d } = dims;
     let group = hq / hkv;
     let scale = T::c(scale);
-    let (qh, kh, vh) = (
-        Heads { x: q, heads: hq, len: t, d },
-        Heads { x: k, heads: hkv, len: s, d },
-        Heads { x: v, heads: hkv, len: s, d },
-    );
     let results: Vec<(Vec<T>, Vec<T>)> = (0..nb * hkv)
         .into_par_iter()
         .map(|task| {
@@ -168,14 +226,56 @@ pub fn attention_bwd<T: Real>(
     dk: &mut [T],
     dv: &mut [T],
 ) {
+    let [qh, kh, vh] = separate(q, k, v, &dims);
+    let (pq, pk, pv) = (qh.place, kh.place, vh.place);
+    let parts = bwd(qh, kh, vh, o, lse, dout, dims, mask, scale);
+    scatter(&parts, &dims, 0, pq, dq);
+    scatter(&parts, &dims, 1, pk, dk);
+    scatter(&parts, &dims, 2, pv, dv);
+}
+
+/// [`attention_bwd`] reading Q, K and V in place from the fused projection output `qkv` and
+/// writing (`=`) each gradient into its slots of `dqkv` (the same layout); the same values.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_bwd_fused<T: Real>(
+    qkv: &[T],
+    o: &[T],
+    lse: &[T],
+    dout: &[T],
+    dims: AttnDims,
+    mask: AttnMask,
+    scale: f64,
+    dqkv: &mut [T],
+) {
+    let heads = fused(qkv, &dims);
+    let places = heads.each_ref().map(|h| h.place);
+    let [qh, kh, vh] = heads;
+    let parts = bwd(qh, kh, vh, o, lse, dout, dims, mask, scale);
+    for (which, place) in places.into_iter().enumerate() {
+        scatter(&parts, &dims, which, place, dqkv);
+    }
+}
+
+/// Per (batch, kv head) task: the group's dq [G, T, D], then dk and dv [S, D].
+type Parts<T> = Vec<[Vec<T>; 3]>;
+
+#[allow(clippy::too_many_arguments)]
+fn bwd<T: Real>(
+    qh: Heads<T>,
+    kh: Heads<T>,
+    vh: Heads<T>,
+    o: &[T],
+    lse: &[T],
+    dout: &[T],
+    dims: AttnDims,
+    mask: AttnMask,
+    scale: f64,
+) -> Parts<T> {
     let AttnDims { b: nb, t, s, hq, hkv, d } = dims;
     let group = hq / hkv;
     let scale = T::c(scale);
-    let qh = Heads { x: q, heads: hq, len: t, d };
-    let kh = Heads { x: k, heads: hkv, len: s, d };
-    let vh = Heads { x: v, heads: hkv, len: s, d };
-    let doh = Heads { x: dout, heads: hq, len: t, d };
-    let results: Vec<(Vec<T>, Vec<T>, Vec<T>)> = (0..nb * hkv)
+    let doh = Heads { x: dout, place: Place::separate(hq, d), len: t };
+    (0..nb * hkv)
         .into_par_iter()
         .map(|task| {
             let (b, kvh) = (task / hkv, task % hkv);
@@ -209,22 +309,29 @@ pub fn attention_bwd<T: Real>(
                 gemm_strided(t, d, s, dsm, kh.mat(b, kvh, false), &mut dq_g[g * t * d..], d, false, scale, false);
                 gemm_strided(s, d, t, dst, qh.mat(b, h, false), &mut dk_acc, d, true, scale, false);
             }
-            (dq_g, dk_acc, dv_acc)
+            [dq_g, dk_acc, dv_acc]
         })
-        .collect();
-    for (task, (dq_g, dk_acc, dv_acc)) in results.into_iter().enumerate() {
-        let (b, kvh) = (task / hkv, task % hkv);
-        for g in 0..group {
-            let h = kvh * group + g;
-            for i in 0..t {
-                let dst = ((b * t + i) * hq + h) * d;
-                dq[dst..dst + d].copy_from_slice(&dq_g[(g * t + i) * d..(g * t + i + 1) * d]);
+        .collect()
+}
+
+/// Copies part `which` (0 dq, 1 dk, 2 dv) of every task into `out` at `place`.
+fn scatter<T: Copy>(parts: &Parts<T>, dims: &AttnDims, which: usize, place: Place, out: &mut [T]) {
+    let (group, d) = (dims.hq / dims.hkv, dims.d);
+    for (task, part) in parts.iter().enumerate() {
+        let (b, kvh) = (task / dims.hkv, task % dims.hkv);
+        let src = &part[which];
+        if which == 0 {
+            for g in 0..group {
+                for i in 0..dims.t {
+                    let dst = place.at(b, dims.t, i, kvh * group + g);
+                    out[dst..dst + d].copy_from_slice(&src[(g * dims.t + i) * d..(g * dims.t + i + 1) * d]);
+                }
             }
-        }
-        for j in 0..s {
-            let dst = ((b * s + j) * hkv + kvh) * d;
-            dk[dst..dst + d].copy_from_slice(&dk_acc[j * d..(j + 1) * d]);
-            dv[dst..dst + d].copy_from_slice(&dv_acc[j * d..(j + 1) * d]);
+        } else {
+            for j in 0..dims.s {
+                let dst = place.at(b, dims.s, j, kvh);
+                out[dst..dst + d].copy_from_slice(&src[j * d..(j + 1) * d]);
+            }
         }
     }
 }

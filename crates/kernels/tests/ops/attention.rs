@@ -1,6 +1,6 @@
 use crate::device_test;
 use crate::util::*;
-use ferrotron_core::Device;
+use ferrotron_core::{DType, Device, Tensor};
 use ferrotron_kernels::cpu::attention::{self as at, AttnDims, AttnMask};
 use ferrotron_kernels::{self as k, AttnCfg};
 use proptest::prelude::*;
@@ -134,4 +134,39 @@ fn bad_head_counts_are_errors() {
     let kv = t32(&dev, &randv(2 * 2 * 4, 0), &[1, 2, 2, 4]);
     let e = k::attention_fwd(&q, &kv, &kv, &AttnCfg::default()).unwrap_err();
     assert!(e.to_string().contains("multiple of kv heads"), "{e}");
+}
+
+#[test]
+fn fused_qkv_attention_equals_split_then_merge() {
+    // Q, K and V read in place from the fused projection output [B, T, Hkv·(G+2)·D] (and the
+    // gradients written into its slots) give the same bits as splitting, attending and merging:
+    // GQA with 2 groups of 3 heads, one group of 1, causal, windowed and full, f32 and bf16.
+    let dev = Device::Cpu;
+    for (hkv, g, dt) in [(2usize, 3usize, DType::F32), (1, 1, DType::F32), (2, 3, DType::BF16)] {
+        let (b, t, d) = (2, 7, 4);
+        let qkv = tensor(&dev, &randv(b * t * hkv * (g + 2) * d, 1), &[b, t, hkv * (g + 2) * d], dt);
+        let dout = tensor(&dev, &randv(b * t * hkv * g * d, 2), &[b, t, hkv * g, d], dt);
+        for cfg in [
+            AttnCfg::default(),
+            AttnCfg { causal: true, window: Some(3), scale: None },
+            AttnCfg { causal: false, window: None, scale: Some(0.3) },
+        ] {
+            let (o, lse) = k::attention_fwd_qkv(&qkv, hkv, g, d, &cfg).unwrap();
+            let dqkv = k::attention_bwd_qkv(&qkv, &o, &lse, &dout, hkv, g, d, &cfg).unwrap();
+            let (q, kk, v) = k::qkv_split(&qkv, hkv, g, d).unwrap();
+            let (o2, lse2) = k::attention_fwd(&q, &kk, &v, &cfg).unwrap();
+            let (dq, dk, dv) = k::attention_bwd(&q, &kk, &v, &o2, &lse2, &dout, &cfg).unwrap();
+            let dqkv2 = k::qkv_merge(&dq, &dk, &dv).unwrap();
+            let what = format!("hkv {hkv} g {g} {dt} {cfg:?}");
+            assert_eq!(o.dims(), o2.dims(), "{what}");
+            for (x, y, name) in [(&o, &o2, "o"), (&lse, &lse2, "lse"), (&dqkv, &dqkv2, "dqkv")] {
+                assert_eq!(x.dtype(), y.dtype(), "{what} {name}");
+                let bits = |t: &Tensor| t.to_vec_f32().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(x), bits(y), "{what} {name}");
+            }
+        }
+    }
+    let bad = t32(&dev, &randv(2 * 7 * 19, 3), &[2, 7, 19]);
+    let e = k::attention_fwd_qkv(&bad, 2, 3, 4, &AttnCfg::default()).unwrap_err();
+    assert!(e.to_string().contains("attention_qkv"), "{e}");
 }
