@@ -124,9 +124,9 @@ pub fn attention_bwd(
 }
 
 /// [`attention_fwd`] on the fused QKV projection output `qkv` [B, T, Hkv·(G+2)·D] (Megatron's
-/// grouped layout, as [`qkv_split`](crate::qkv_split) reads it): the same (o, lse). On a GPU the
-/// tensor-core kernels read Q, K and V where they sit (no split copy); elsewhere the split runs
-/// first.
+/// grouped layout, as [`qkv_split`](crate::qkv_split) reads it): the same (o, lse). Q, K and V
+/// are read where they sit (no split copy) on the CPU and by the GPU's tensor-core kernels; the
+/// GPU's other kernels take the split first.
 pub fn attention_fwd_qkv(qkv: &Tensor, hkv: usize, group: usize, d: usize, cfg: &AttnCfg) -> Result<(Tensor, Tensor)> {
     const OP: &str = "attention_fwd_qkv";
     let dm = fused_dims(qkv, hkv, group, d, cfg)?;

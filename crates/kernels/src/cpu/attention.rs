@@ -4,7 +4,9 @@
 //! Shapes (batch-major, heads inside): q, o, dq [B, T, Hq, D]; k, v, dk, dv [B, S, Hkv, D];
 //! lse [B, Hq, T] (log-sum-exp of each score row, saved for backward). Query head h reads kv head
 //! h / (Hq / Hkv). Backward recomputes P = exp(scale·qkᵀ − lse) and writes dq, dk, dv (`=`); the
-//! group's query heads add into one dk/dv before that write.
+//! group's query heads add into one dk/dv before that write. The `_fused` twins read q, k, v in
+//! place from the QKV projection output [B, T, Hkv·(G+2)·D] and write dq, dk, dv into its slots
+//! (`Place`), with the same arithmetic.
 
 use crate::cpu::matmul::{MatRef, gemm_strided};
 use crate::real::Real;
