@@ -316,26 +316,30 @@ fn bwd<T: Real>(
         .collect()
 }
 
-/// Copies part `which` (0 dq, 1 dk, 2 dv) of every task into `out` at `place`.
-fn scatter<T: Copy>(parts: &Parts<T>, dims: &AttnDims, which: usize, place: Place, out: &mut [T]) {
-    let (group, d) = (dims.hq / dims.hkv, dims.d);
-    for (task, part) in parts.iter().enumerate() {
-        let (b, kvh) = (task / dims.hkv, task % dims.hkv);
-        let src = &part[which];
-        if which == 0 {
-            for g in 0..group {
-                for i in 0..dims.t {
-                    let dst = place.at(b, dims.t, i, kvh * group + g);
-                    out[dst..dst + d].copy_from_slice(&src[(g * dims.t + i) * d..(g * dims.t + i + 1) * d]);
+/// Copies part `which` (0 dq, 1 dk, 2 dv) of every task into `out` at `place`, a batch per
+/// thread (each batch's rows are one contiguous block of `out`).
+fn scatter<T: Copy + Send + Sync>(parts: &Parts<T>, dims: &AttnDims, which: usize, place: Place, out: &mut [T]) {
+    let (group, d, hkv) = (dims.hq / dims.hkv, dims.d, dims.hkv);
+    let len = if which == 0 { dims.t } else { dims.s };
+    // (At least 1: a zero-length sequence has no rows, and chunks may not be empty.)
+    out.par_chunks_mut((len * place.row).max(1)).enumerate().for_each(|(b, out)| {
+        for (kvh, part) in parts[b * hkv..(b + 1) * hkv].iter().enumerate() {
+            let src = &part[which];
+            if which == 0 {
+                for g in 0..group {
+                    for i in 0..len {
+                        let dst = place.at(0, len, i, kvh * group + g);
+                        out[dst..dst + d].copy_from_slice(&src[(g * len + i) * d..(g * len + i + 1) * d]);
+                    }
+                }
+            } else {
+                for j in 0..len {
+                    let dst = place.at(0, len, j, kvh);
+                    out[dst..dst + d].copy_from_slice(&src[j * d..(j + 1) * d]);
                 }
             }
-        } else {
-            for j in 0..dims.s {
-                let dst = place.at(b, dims.s, j, kvh);
-                out[dst..dst + d].copy_from_slice(&src[j * d..(j + 1) * d]);
-            }
         }
-    }
+    });
 }
 
 #[cfg(test)]
