@@ -62,8 +62,8 @@ pub fn ce_combine(be: &B, all: &Tensor, mask: Option<&Tensor>, shards: usize, ro
     let args = [
         ptr("ce_combine", all)?,
         opt_ptr("ce_combine", mask)?,
-        ptr("ce", &loss)?,
-        ptr("ce", &lse)?,
+        ptr("ce_combine", &loss)?,
+        ptr("ce_combine", &lse)?,
         n(shards),
         n(rows),
     ];
