@@ -320,6 +320,42 @@ __device__ __forceinline__ void fwd_store(float (*acc)[D / 8][4], float (*m)[2],
     }
 }
 
+// fwd_store for one warpgroup of the warp-specialised forward, through shared memory: its 64 rows
+// of O (normalised, bf16) go into `tile` (64 × (D + 8): padded rows, so the fragment writes are
+// conflict-free), then out row by row in 16-byte pieces, D / 8 neighbouring threads per row:
+// whole 32-byte sectors, 8 stores a thread at D 128. The fragment stores wrote 4 bytes a thread,
+// half a sector an instruction: 32 stores a thread. `bar`: a named barrier of the warpgroup's 128
+// threads; `row0`: its first query row.
+template <int D>
+__device__ __forceinline__ void fwd_store_staged(float (*acc)[D / 8][4], float (*m)[2], float (*l)[2],
+                                                 const long (*r)[2], bf16_t* tile, int bar, long row0, bf16_t* o,
+                                                 float* lse, long t, long hq, long b, long h) {
+    constexpr int NO = D / 8, TP = D + 8;
+    const int lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3, wl = (threadIdx.x >> 5) & 3;
+    #pragma unroll
+    for (int rr = 0; rr < 2; rr++) {
+        l[0][rr] += __shfl_xor_sync(0xffffffffu, l[0][rr], 1);
+        l[0][rr] += __shfl_xor_sync(0xffffffffu, l[0][rr], 2);
+    }
+    #pragma unroll
+    for (int rr = 0; rr < 2; rr++) {
+        const float inv = 1.f / l[0][rr];
+        bf16_t* row = tile + (wl * 16 + g + rr * 8) * TP + tg * 2;
+        #pragma unroll
+        for (int n = 0; n < NO; n++)
+            *reinterpret_cast<u32*>(row + n * 8) = pack_bf16(acc[0][n][2 * rr] * inv, acc[0][n][2 * rr + 1] * inv);
+        const long i = r[0][rr];
+        if (tg == 0 && i < t) lse[(b * hq + h) * t + i] = m[0][rr] * LN2 + logf(l[0][rr]);  // natural log
+    }
+    named_sync(bar, 128);
+    for (int x = threadIdx.x & 127; x < 64 * NO; x += 128) {
+        const int row = x / NO, c = x % NO;
+        const long i = row0 + row;
+        if (i < t) *reinterpret_cast<u128*>(o + ((b * t + i) * hq + h) * D + c * 8) =
+            *reinterpret_cast<const u128*>(tile + row * TP + c * 8);
+    }
+}
+
 // MT m-tiles of 16 query rows per warp (a block: 4 warps × 16·MT rows). MT = 2 halves the K/V
 // shared-memory reads per flop (FlashAttention-2's 128-row blocks); at D 128 the doubled
 // accumulators do not fit the 255 registers, so MT = 1 there. WG: both products go through wgmma
@@ -439,9 +475,10 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
                              long hq, long hkv, float scale, long causal, long window, long fused) {
     constexpr int NO = D / 8, NB = KEYS / 8, ROWS = FM_ROWS * NC, TILE = KEYS * D;  // bf16 per K or V tile
     extern __shared__ __align__(1024) unsigned char fm_smem[];  // swizzled tiles: 1024-byte aligned
-    bf16_t* stage = reinterpret_cast<bf16_t*>(fm_smem);  // FW_STAGES × (K, V), then the mbarriers
+    bf16_t* stage = reinterpret_cast<bf16_t*>(fm_smem);  // FW_STAGES × (K, V), the mbarriers, O tiles
     u64* full = reinterpret_cast<u64*>(stage + FW_STAGES * 2 * TILE);
     u64* empty = full + FW_STAGES;
+    bf16_t* o_tiles = reinterpret_cast<bf16_t*>(empty + FW_STAGES);  // NC × 64 × (D + 8), for fwd_store_staged
     long tiles = (t + ROWS - 1) / ROWS;
     // Within a head, the last query tiles (the most keys under a causal mask) start first.
     long qt = tiles - 1 - blockIdx.x % tiles, h = (blockIdx.x / tiles) % hq, b = blockIdx.x / (tiles * hq);
@@ -555,7 +592,7 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
         for (long bt = 1; bt < steps; bt++) turn(bt, true, true);
         turn(steps, true, false);
     }
-    fwd_store<D, 1>(acc, m, l, r, o, lse, t, hq, b, h);
+    fwd_store_staged<D>(acc, m, l, r, o_tiles + wg * 64 * (D + 8), NC + 1 + wg, i0 + wg * 64, o, lse, t, hq, b, h);
 }
 
 // Query rows per block: FM_ROWS · MT · NW, threads 128 · NW (the host's `fwd_kernel` must agree).
@@ -577,7 +614,7 @@ FLASH_MMA(flash_fwd_wg2_bf16_128, 128, 1, true, 2)
 FLASH_MMA(flash_fwd_wg3_bf16_128, 128, 1, true, 3)
 // The warp-specialised forward (flash_fwd_ws2_bf16_D, with KEYS-key tiles flash_fwd_ws2k128_bf16_D):
 // two consumer warpgroups (128 rows) and a producer warpgroup; FW_STAGES · 2 · KEYS · D · 2 bytes
-// of K/V tiles, then 2 · FW_STAGES mbarriers.
+// of K/V tiles, then 2 · FW_STAGES mbarriers, then the consumers' O tiles (2 · 64 · (D + 8) · 2 bytes).
 #define FLASH_WS(NAME, D, NC, KEYS) \
 extern "C" __global__ void __launch_bounds__(128 * NC + 128, 1) NAME(const bf16_t* q, \
         const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl, long hq, long hkv, long d, \

@@ -120,8 +120,9 @@ fn fwd_kernel(be: &B, d: usize, t: usize) -> TcLaunch {
         _ => None,
     };
     if let (true, Some(keys)) = (be.use_wgmma(), ws_keys) {
-        // FW_STAGES (3) stages of K and V tiles, then 2 · 3 mbarriers.
-        let shared = (3 * 2 * keys * d * 2 + 2 * 3 * 8) as u32;
+        // FW_STAGES (3) stages of K and V tiles, 2 · 3 mbarriers, the two consumers' O tiles of
+        // 64 padded rows (`fwd_store_staged`).
+        let shared = (3 * 2 * keys * d * 2 + 2 * 3 * 8 + 2 * 64 * (d + 8) * 2) as u32;
         let name =
             if keys == 64 { format!("flash_fwd_ws2_bf16_{d}") } else { format!("flash_fwd_ws2k{keys}_bf16_{d}") };
         TcLaunch { name, rows: 128, threads: 3 * 128, shared }
