@@ -3,6 +3,11 @@
 // half and the pass-through part divide by 8 and the tensors are 16-byte aligned), one thread per
 // eight pairs reading the angles from a table that `rope_table` fills once per call (the
 // one-element kernel recomputes every angle for every head: f64 pow, sin and cos per pair).
+// In place (x == y) with `period` > 0: the query and key heads of a fused QKV row rotate and its
+// value heads (head % period == period − 1) are left alone; pass-through features are not copied.
+
+// Whether head `hh` of a row is a value head to leave alone (only in place: see above).
+__device__ __forceinline__ bool rope_skip(long hh, long period) { return period > 0 && hh % period == period - 1; }
 
 // (cos, sin) of the angle of position `pos` and pair k, computed in f64, rounded to f32.
 __device__ __forceinline__ float2 rope_cs(long pos, long k, long rot, double base) {
@@ -11,17 +16,18 @@ __device__ __forceinline__ float2 rope_cs(long pos, long k, long rot, double bas
 }
 
 #define ROPE(s, T) \
-extern "C" __global__ void rope_##s(const T* x, T* y, long rows, long t, long h, long d, long rot, long pos0, double base, float sign) { \
+extern "C" __global__ void rope_##s(const T* x, T* y, long rows, long t, long h, long d, long rot, long pos0, double base, float sign, long period) { \
     long half = rot / 2, pass = d - rot; \
     GRID_STRIDE(idx, rows * h * (half + pass)) { \
         long k = idx % (half + pass), hr = idx / (half + pass), row = hr / h; \
         long base_i = hr * d; \
+        if (rope_skip(hr % h, period)) continue; \
         if (k < half) { \
             float2 cs = rope_cs(pos0 + row % t, k, rot, base); \
             float c = cs.x, sn = sign * cs.y; \
             float a = ld(x, base_i + k), b = ld(x, base_i + k + half); \
             st(y, base_i + k, a * c - b * sn); st(y, base_i + k + half, b * c + a * sn); \
-        } else { long j = rot + (k - half); st(y, base_i + j, ld(x, base_i + j)); } } }
+        } else if (x != y) { long j = rot + (k - half); st(y, base_i + j, ld(x, base_i + j)); } } }
 FOR_TYPES(ROPE)
 
 // cs[p · half + k] = rope_cs of position pos0 + p and pair k (the one-element kernel's values).
@@ -32,10 +38,11 @@ extern "C" __global__ void rope_table(float2* cs, long t, long rot, long pos0, d
 
 // Per (token, head): half / 8 groups of eight pairs, then (d − rot) / 8 groups copied through.
 #define ROPE8(s, T) \
-extern "C" __global__ void rope_##s##_v8(const T* x, T* y, const float2* cs, long rows, long t, long h, long d, long rot, float sign) { \
+extern "C" __global__ void rope_##s##_v8(const T* x, T* y, const float2* cs, long rows, long t, long h, long d, long rot, float sign, long period) { \
     long half = rot / 2, hc = half / 8, nc = hc + (d - rot) / 8; \
     GRID_STRIDE(idx, rows * h * nc) { \
         long c = idx % nc, hr = idx / nc, base_i = hr * d; \
+        if (rope_skip(hr % h, period)) continue; \
         if (c < hc) { \
             long k0 = c * 8; \
             float a[8], b[8], ya[8], yb[8]; \
@@ -48,7 +55,7 @@ extern "C" __global__ void rope_##s##_v8(const T* x, T* y, const float2* cs, lon
                 ya[2 * j + 1] = a[2 * j + 1] * c1 - b[2 * j + 1] * s1; yb[2 * j + 1] = b[2 * j + 1] * c1 + a[2 * j + 1] * s1; \
             } \
             st8(y, base_i + k0, ya); st8(y, base_i + k0 + half, yb); \
-        } else { \
+        } else if (x != y) { \
             float v[8]; long j = rot + (c - hc) * 8; \
             ld8(x, base_i + j, v); st8(y, base_i + j, v); \
         } } }

@@ -1,7 +1,8 @@
-//! Rotary position embedding on [B, T, H, D] (math in `cpu::rope`).
+//! Rotary position embedding on [B, T, H, D], or in place on the query and key heads of a fused
+//! QKV tensor [B, T, Hkv·(G+2)·D] (math in `cpu::rope`).
 
 use crate::{buf, check, cpu};
-use ferrotron_core::{Result, Tensor, invalid};
+use ferrotron_core::{Result, Tensor, invalid, shape_mismatch};
 
 pub use crate::cpu::rope::RopeCfg;
 
@@ -9,16 +10,21 @@ fn validate(op: &'static str, x: &Tensor, cfg: &RopeCfg) -> Result<(usize, usize
     check::float(op, x)?;
     check::rank(op, x, 4)?;
     let d = x.dims();
-    if cfg.rot == 0 || cfg.rot % 2 != 0 || cfg.rot > d[3] {
+    validate_cfg(op, cfg, d[3])?;
+    Ok((d[1], d[2], d[3]))
+}
+
+fn validate_cfg(op: &'static str, cfg: &RopeCfg, head_dim: usize) -> Result<()> {
+    if cfg.rot == 0 || cfg.rot % 2 != 0 || cfg.rot > head_dim {
         return Err(invalid(
             op,
-            format!("rotary dim {} must be even, non-zero and at most the head dim {}", cfg.rot, d[3]),
+            format!("rotary dim {} must be even, non-zero and at most the head dim {head_dim}", cfg.rot),
         ));
     }
     if cfg.base <= 0.0 || !cfg.base.is_finite() {
         return Err(invalid(op, format!("rotary base {} must be positive", cfg.base)));
     }
-    Ok((d[1], d[2], d[3]))
+    Ok(())
 }
 
 pub fn rope_fwd(x: &Tensor, cfg: &RopeCfg) -> Result<Tensor> {
@@ -49,4 +55,35 @@ pub fn rope_bwd(dy: &Tensor, cfg: &RopeCfg) -> Result<Tensor> {
     let mut dx = unsafe { buf::uninit(dyv.len()) };
     cpu::rope::rope_bwd(&dyv, t, h, d, cfg, &mut dx);
     check::out(dx, dy.shape().clone(), dy.dtype(), dy.device())
+}
+
+/// RoPE in place on the query and key heads of fused QKV [B, T, hkv·(group+2)·d] (Megatron's
+/// grouped layout: each group's `group` query heads, its key head, its value head); the value
+/// heads are left as they are. Equal to `qkv_split`, `rope_fwd` on q and k, `qkv_merge`, without
+/// the copies, so the core attention can then read Q, K and V in place.
+pub fn rope_qkv_fwd_(qkv: &Tensor, hkv: usize, group: usize, d: usize, cfg: &RopeCfg) -> Result<()> {
+    rope_qkv_("rope_qkv_fwd_", qkv, (hkv, group, d), cfg, 1.0)
+}
+
+/// The gradient of [`rope_qkv_fwd_`], in place on dQKV (the rotation by −θ of its query and key
+/// heads).
+pub fn rope_qkv_bwd_(dqkv: &Tensor, hkv: usize, group: usize, d: usize, cfg: &RopeCfg) -> Result<()> {
+    rope_qkv_("rope_qkv_bwd_", dqkv, (hkv, group, d), cfg, -1.0)
+}
+
+fn rope_qkv_(op: &'static str, x: &Tensor, (hkv, g, d): (usize, usize, usize), cfg: &RopeCfg, sign: f32) -> Result<()> {
+    check::float(op, x)?;
+    check::rank(op, x, 3)?;
+    let w = hkv * (g + 2) * d;
+    if x.dims()[2] != w {
+        return Err(shape_mismatch(op, format!("last dim {hkv}·({g}+2)·{d} = {w}"), x.dims()));
+    }
+    validate_cfg(op, cfg, d)?;
+    let t = x.dims()[1];
+    #[cfg(feature = "cuda")]
+    if let Some(gpu) = crate::cuda::gpu(op, &[x])? {
+        return crate::cuda::ops::rope_qkv_(&gpu, x, (hkv, g, d), cfg, sign);
+    }
+    check::on_cpu(op, &[x])?;
+    x.update_f32(op, |v| cpu::rope::rope_qkv_(v, t, hkv, g, d, cfg, sign))
 }

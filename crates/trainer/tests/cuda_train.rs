@@ -1,14 +1,15 @@
-//! The tiny preset's first 20 training steps on CUDA against the CPU run of the same recipe (feature
-//! `cuda`; runs on the GPU machine): fp32 within 1e-4 relative loss, bf16 within 2e-2.
+//! The tiny presets' first 20 training steps on CUDA against the CPU run of the same recipe (feature
+//! `cuda`; runs on the GPU machine): fp32 within 1e-4 relative loss, bf16 within 2e-2. GPT-2 style
+//! (`tiny`) and Llama style (`llama-tiny`: RoPE in place on the fused QKV, GQA, SwiGLU, RMSNorm).
 #![cfg(feature = "cuda")]
 
 use ferrotron_core::Device;
 use ferrotron_trainer::settings::{Paths, Settings, TrainArgs};
 use ferrotron_trainer::train::train;
 
-fn losses(bf16: bool, device: Device) -> Vec<f64> {
+fn losses(preset: &str, bf16: bool, device: Device) -> Vec<f64> {
     let args = TrainArgs {
-        preset: Some("tiny".into()),
+        preset: Some(preset.into()),
         train_iters: Some(20),
         eval_interval: Some(20),
         eval_iters: Some(1),
@@ -23,18 +24,27 @@ fn losses(bf16: bool, device: Device) -> Vec<f64> {
 
 #[test]
 fn tiny_preset_cuda_matches_cpu() {
+    matches_cpu("tiny");
+}
+
+#[test]
+fn llama_tiny_preset_cuda_matches_cpu() {
+    matches_cpu("llama-tiny");
+}
+
+fn matches_cpu(preset: &str) {
     let gpu = Device::cuda(0).expect("a CUDA device");
-    let cpu = losses(false, Device::Cpu);
-    let f32_gpu = losses(false, gpu.clone());
-    let bf16_gpu = losses(true, gpu);
-    let bf16_cpu = losses(true, Device::Cpu);
-    eprintln!("cpu fp32 {cpu:?}\ncuda fp32 {f32_gpu:?}\ncpu bf16 {bf16_cpu:?}\ncuda bf16 {bf16_gpu:?}");
+    let cpu = losses(preset, false, Device::Cpu);
+    let f32_gpu = losses(preset, false, gpu.clone());
+    let bf16_gpu = losses(preset, true, gpu);
+    let bf16_cpu = losses(preset, true, Device::Cpu);
+    eprintln!("{preset}\ncpu fp32 {cpu:?}\ncuda fp32 {f32_gpu:?}\ncpu bf16 {bf16_cpu:?}\ncuda bf16 {bf16_gpu:?}");
     assert_eq!(cpu.len(), 20);
     for (i, (c, g)) in cpu.iter().zip(&f32_gpu).enumerate() {
-        assert!((c - g).abs() <= 1e-4 * c.abs(), "step {}: cpu fp32 {c} vs cuda fp32 {g}", i + 1);
+        assert!((c - g).abs() <= 1e-4 * c.abs(), "{preset} step {}: cpu fp32 {c} vs cuda fp32 {g}", i + 1);
     }
     assert_eq!(bf16_gpu.len(), 20);
     for (i, (c, b)) in bf16_cpu.iter().zip(&bf16_gpu).enumerate() {
-        assert!((c - b).abs() <= 2e-2 * c.abs(), "step {}: cpu bf16 {c} vs cuda bf16 {b}", i + 1);
+        assert!((c - b).abs() <= 2e-2 * c.abs(), "{preset} step {}: cpu bf16 {c} vs cuda bf16 {b}", i + 1);
     }
 }

@@ -5,9 +5,10 @@
 //!
 //! Shapes (per rank, h = heads/tp, g = groups/tp): x [B, T, C] (or [B, T/tp, C] under sequence
 //! parallelism) → qkv [B, T, g·(h/g+2)·D] → q [B, T, h, D], k/v [B, T, g, D] → o [B, T, h, D] →
-//! y [B, T, C] (or [B, T/tp, C]). Without RoPE or QK-norm the core attention reads Q, K and V
-//! straight from qkv and writes their gradients into dqkv (`k::attention_fwd_qkv`: on a GPU no
-//! split or merge copy; elsewhere the same split runs inside it).
+//! y [B, T, C] (or [B, T/tp, C]). Without QK-norm the core attention reads Q, K and V straight
+//! from qkv and writes their gradients into dqkv (`k::attention_fwd_qkv`: no split or merge copy),
+//! RoPE rotating qkv's query and key heads in place first (`k::rope_qkv_fwd_`; its backward, on
+//! dqkv, `k::rope_qkv_bwd_`).
 
 use crate::norm::Norm;
 use crate::spec::{AttentionSpec, NormKind};
@@ -91,9 +92,10 @@ impl SelfAttention {
 
 impl SelfAttention {
     /// Whether the core attention reads Q, K and V straight from the fused projection output
-    /// (no RoPE or QK-norm to apply to them first): `k::attention_fwd_qkv`, no split or merge copy.
+    /// (no QK-norm to apply to them first; RoPE runs in place on it): `k::attention_fwd_qkv`, no
+    /// split or merge copy.
     fn reads_fused(&self) -> bool {
-        self.rope.is_none() && self.q_layernorm.is_none()
+        self.q_layernorm.is_none()
     }
 
     /// The core attention on the fused projection output: (o, lse).
@@ -101,9 +103,14 @@ impl SelfAttention {
         k::attention_fwd_qkv(qkv, self.groups, self.heads / self.groups, self.head_dim, &self.attn)
     }
 
-    /// `forward` when `reads_fused`: saved [qkv, o, lse] (or [qkv] with the core recomputed).
+    /// `forward` when `reads_fused`: saved [qkv, o, lse] (or [qkv] with the core recomputed), qkv
+    /// with RoPE applied.
     fn forward_fused(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Saved)> {
         let (qkv, s_qkv) = self.linear_qkv.forward(cx, x)?;
+        if let Some(r) = &self.rope {
+            // qkv is this call's fresh projection output: nothing else holds it.
+            k::rope_qkv_fwd_(&qkv, self.groups, self.heads / self.groups, self.head_dim, r)?;
+        }
         let (b, t) = (qkv.dims()[0], qkv.dims()[1]);
         let (o, lse) = self.core_fused(&qkv)?;
         let (y, mut s_proj) = self.linear_proj.forward(cx, &o.reshape([b, t, self.heads * self.head_dim])?)?;
@@ -128,6 +135,9 @@ impl SelfAttention {
         let d_o = self.linear_proj.backward(cx, s_proj, dy)?.reshape(o.dims().to_vec())?;
         let (g, hd) = (self.heads / self.groups, self.head_dim);
         let dqkv = k::attention_bwd_qkv(&qkv, &o, &lse, &d_o, self.groups, g, hd, &self.attn)?;
+        if let Some(r) = &self.rope {
+            k::rope_qkv_bwd_(&dqkv, self.groups, g, hd, r)?;
+        }
         self.linear_qkv.backward(cx, s_qkv, &dqkv)
     }
 }

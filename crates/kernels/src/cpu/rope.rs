@@ -3,7 +3,8 @@
 //! Shapes: x, y [B, T, H, D]; the first `rot` (even, ≤ D) features of each head rotate, the rest pass.
 //! Pair i (< rot/2) is (x[i], x[i + rot/2]) at angle θ = (pos0 + t) · base^(−2i/rot):
 //!   y[i] = x[i]·cos θ − x[i+rot/2]·sin θ,  y[i+rot/2] = x[i+rot/2]·cos θ + x[i]·sin θ.
-//! Backward is the rotation by −θ.
+//! Backward is the rotation by −θ. `rope_qkv_` applies the same to the query and key heads of a
+//! fused QKV row in place, leaving its value heads.
 
 use crate::real::Real;
 use rayon::prelude::*;
@@ -32,28 +33,39 @@ fn tables<T: Real>(t: usize, cfg: &RopeCfg) -> (Vec<T>, Vec<T>) {
     (cos, sin)
 }
 
-fn rotate<T: Real>(x: &[T], t: usize, h: usize, d: usize, cfg: &RopeCfg, sign: T, y: &mut [T]) {
+/// Rotates every head of `x` [rows, h, d] in place, position `row % t`, except the heads that
+/// `skip` names (the value heads of a fused QKV row: `head % (g + 2) == g + 1`).
+fn rotate_<T: Real>(x: &mut [T], t: usize, h: usize, d: usize, cfg: &RopeCfg, sign: T, skip: Option<usize>) {
     let half = cfg.rot / 2;
     let (cos, sin) = tables::<T>(t, cfg);
-    y.par_chunks_mut(h * d).zip(x.par_chunks(h * d)).enumerate().for_each(|(row, (yr, xr))| {
+    x.par_chunks_mut(h * d).enumerate().for_each(|(row, xr)| {
         let p = row % t;
-        for head in 0..h {
-            let (xs, ys) = (&xr[head * d..(head + 1) * d], &mut yr[head * d..(head + 1) * d]);
+        for (head, xs) in xr.chunks_mut(d).enumerate() {
+            if skip.is_some_and(|period| head % period == period - 1) {
+                continue;
+            }
             for i in 0..half {
                 let (c, s) = (cos[p * half + i], sign * sin[p * half + i]);
                 let (a, b) = (xs[i], xs[i + half]);
-                ys[i] = a * c - b * s;
-                ys[i + half] = b * c + a * s;
+                xs[i] = a * c - b * s;
+                xs[i + half] = b * c + a * s;
             }
-            ys[cfg.rot..].copy_from_slice(&xs[cfg.rot..]);
         }
     });
 }
 
 pub fn rope_fwd<T: Real>(x: &[T], t: usize, h: usize, d: usize, cfg: &RopeCfg, y: &mut [T]) {
-    rotate(x, t, h, d, cfg, T::one(), y);
+    y.copy_from_slice(x);
+    rotate_(y, t, h, d, cfg, T::one(), None);
 }
 
 pub fn rope_bwd<T: Real>(dy: &[T], t: usize, h: usize, d: usize, cfg: &RopeCfg, dx: &mut [T]) {
-    rotate(dy, t, h, d, cfg, -T::one(), dx);
+    dx.copy_from_slice(dy);
+    rotate_(dx, t, h, d, cfg, -T::one(), None);
+}
+
+/// RoPE in place on the query and key heads of a fused QKV tensor [B, T, hkv·(g + 2)·d] (each
+/// group: g query heads, its key head, its value head); `sign` −1 is the backward (on dQKV).
+pub fn rope_qkv_<T: Real>(qkv: &mut [T], t: usize, hkv: usize, g: usize, d: usize, cfg: &RopeCfg, sign: T) {
+    rotate_(qkv, t, hkv * (g + 2), d, cfg, sign, Some(g + 2));
 }

@@ -147,6 +147,17 @@ fn every_op_matches_cpu() {
                 vec![k::rope_fwd(&t[0], &rope).unwrap(), k::rope_bwd(&t[0], &rope).unwrap()]
             });
         }
+        // RoPE in place on fused QKV (3 groups of 2 query heads at head dim 64): query and key
+        // heads rotate, value heads stay; eight-wide and, with a rotary dim of 36, one pair a thread.
+        let qkv = rnd(&[2, 9, 3 * 4 * 64], 32, dt);
+        for rope in [RopeCfg { rot: 64, base: 500000.0, pos0: 0 }, RopeCfg { rot: 36, base: 10000.0, pos0: 5 }] {
+            check(&format!("rope_qkv {rope:?}"), dt, std::slice::from_ref(&qkv), |t| {
+                let (f, b) = (t[0].deep_copy().unwrap(), t[0].deep_copy().unwrap());
+                k::rope_qkv_fwd_(&f, 3, 2, 64, &rope).unwrap();
+                k::rope_qkv_bwd_(&b, 3, 2, 64, &rope).unwrap();
+                vec![f, b]
+            });
+        }
         let (q, kk, v, dout) = (
             rnd(&[2, 7, 4, 16], 10, dt),
             rnd(&[2, 7, 2, 16], 11, dt),

@@ -55,3 +55,42 @@ fn odd_rotary_dim_is_an_error() {
     let e = k::rope_fwd(&x, &RopeCfg { rot: 5, base: 10000.0, pos0: 0 }).unwrap_err();
     assert!(e.to_string().contains("must be even"), "{e}");
 }
+
+// RoPE in place on a fused QKV tensor equals splitting it, rotating q and k, and merging back, to
+// the bit (the same arithmetic per element); its backward likewise. GQA with 2 query heads per
+// group, a rotary dim below the head dim, a non-zero first position; f32 and bf16.
+device_test!(rope_on_fused_qkv_equals_split_rope_merge, |dev: &Device| {
+    use ferrotron_core::DType;
+    let (b, t, hkv, g, d) = (2, 5, 3, 2, 16);
+    let w = hkv * (g + 2) * d;
+    for (dt, cfg) in [
+        (DType::F32, RopeCfg { rot: 12, base: 10000.0, pos0: 7 }),
+        (DType::BF16, RopeCfg { rot: 16, base: 500000.0, pos0: 0 }),
+    ] {
+        let x = tensor(dev, &randv(b * t * w, 41), &[b, t, w], dt);
+        for (sign, name) in [(1.0, "fwd"), (-1.0, "bwd")] {
+            let (q, kk, v) = k::qkv_split(&x, hkv, g, d).unwrap();
+            let rot = |x: &ferrotron_core::Tensor| if sign > 0.0 { k::rope_fwd(x, &cfg) } else { k::rope_bwd(x, &cfg) };
+            let want = k::qkv_merge(&rot(&q).unwrap(), &rot(&kk).unwrap(), &v).unwrap();
+            let got = x.deep_copy().unwrap();
+            if sign > 0.0 {
+                k::rope_qkv_fwd_(&got, hkv, g, d, &cfg).unwrap();
+            } else {
+                k::rope_qkv_bwd_(&got, hkv, g, d, &cfg).unwrap();
+            }
+            assert_eq!(host(&got), host(&want), "rope_qkv {name} {dt:?}");
+            assert_ne!(host(&got), host(&x), "rope_qkv {name} {dt:?} changed nothing");
+        }
+    }
+});
+
+#[test]
+fn fused_qkv_rope_names_a_width_that_does_not_fit_its_groups() {
+    let x = t32(&Device::Cpu, &randv(2 * 3 * 40, 0), &[2, 3, 40]);
+    let cfg = RopeCfg { rot: 8, base: 10000.0, pos0: 0 };
+    let e = k::rope_qkv_fwd_(&x, 2, 2, 8, &cfg).unwrap_err().to_string();
+    assert!(e.contains("rope_qkv_fwd_") && e.contains("2·(2+2)·8 = 64"), "{e}");
+    let e =
+        k::rope_qkv_bwd_(&t32(&Device::Cpu, &randv(2 * 3 * 64, 0), &[2, 3, 64]), 2, 2, 8, &RopeCfg { rot: 10, ..cfg });
+    assert!(e.unwrap_err().to_string().contains("at most the head dim 8"));
+}

@@ -4,17 +4,43 @@ use super::*;
 
 pub fn rope(be: &B, x: &Tensor, cfg: &crate::RopeCfg, sign: f32) -> Result<Tensor> {
     let d = x.dims();
-    let (rows, t, h, hd) = (d[0] * d[1], d[1], d[2], d[3]);
     let y = new(be, x.shape().clone(), x.dtype())?;
+    rope_heads(be, x, &y, (d[0] * d[1], d[1], d[2], d[3]), cfg, sign, 0)?;
+    Ok(y)
+}
+
+/// RoPE in place on the query and key heads of fused QKV [B, T, hkv·(g + 2)·d] (rope.cu: the
+/// value heads, every (g + 2)th, are skipped).
+pub fn rope_qkv_(
+    be: &B,
+    qkv: &Tensor,
+    (hkv, g, d): (usize, usize, usize),
+    cfg: &crate::RopeCfg,
+    sign: f32,
+) -> Result<()> {
+    let dm = qkv.dims();
+    rope_heads(be, qkv, qkv, (dm[0] * dm[1], dm[1], hkv * (g + 2), d), cfg, sign, g + 2)
+}
+
+/// x, y viewed as [rows, h, hd] at positions row % t; `period` > 0 only in place (x == y).
+fn rope_heads(
+    be: &B,
+    x: &Tensor,
+    y: &Tensor,
+    (rows, t, h, hd): (usize, usize, usize, usize),
+    cfg: &crate::RopeCfg,
+    sign: f32,
+    period: usize,
+) -> Result<()> {
     let sfx = sfx("rope", x.dtype())?;
     let half = cfg.rot / 2;
-    if half % 8 == 0 && (hd - cfg.rot) % 8 == 0 && aligned16(&[x, &y])? {
+    if half % 8 == 0 && (hd - cfg.rot) % 8 == 0 && aligned16(&[x, y])? {
         // Eight pairs per thread, the angles from a table filled once per call (rope.cu).
         let cs = new(be, [t, half, 2], DType::F32)?;
         ew(be, "rope_table", t * half, &[ptr("rope", &cs)?, n(t), n(cfg.rot), n(cfg.pos0), Arg::F64(cfg.base)])?;
         let args = [
             ptr("rope", x)?,
-            ptr("rope", &y)?,
+            ptr("rope", y)?,
             ptr("rope", &cs)?,
             n(rows),
             n(t),
@@ -22,29 +48,25 @@ pub fn rope(be: &B, x: &Tensor, cfg: &crate::RopeCfg, sign: f32) -> Result<Tenso
             n(hd),
             n(cfg.rot),
             Arg::F32(sign),
+            n(period),
         ];
-        ew(be, &format!("rope_{sfx}_v8"), rows * h * (half / 8 + (hd - cfg.rot) / 8), &args)?;
-        return Ok(y);
+        return ew(be, &format!("rope_{sfx}_v8"), rows * h * (half / 8 + (hd - cfg.rot) / 8), &args);
     }
     let work = rows * h * (half + (hd - cfg.rot));
-    ew(
-        be,
-        &format!("rope_{sfx}"),
-        work,
-        &[
-            ptr("rope", x)?,
-            ptr("rope", &y)?,
-            n(rows),
-            n(t),
-            n(h),
-            n(hd),
-            n(cfg.rot),
-            n(cfg.pos0),
-            Arg::F64(cfg.base),
-            Arg::F32(sign),
-        ],
-    )?;
-    Ok(y)
+    let args = [
+        ptr("rope", x)?,
+        ptr("rope", y)?,
+        n(rows),
+        n(t),
+        n(h),
+        n(hd),
+        n(cfg.rot),
+        n(cfg.pos0),
+        Arg::F64(cfg.base),
+        Arg::F32(sign),
+        n(period),
+    ];
+    ew(be, &format!("rope_{sfx}"), work, &args)
 }
 
 pub fn embedding_fwd(be: &B, ids: &Tensor, table: &Tensor, vocab_start: usize) -> Result<Tensor> {
