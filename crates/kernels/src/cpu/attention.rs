@@ -198,18 +198,10 @@ fn fwd<T: Real>(
             (out, l)
         })
         .collect();
-    for (task, (out, l)) in results.into_iter().enumerate() {
-        let (b, kvh) = (task / hkv, task % hkv);
-        for g in 0..group {
-            let h = kvh * group + g;
-            for i in 0..t {
-                let dst = ((b * t + i) * hq + h) * d;
-                o[dst..dst + d].copy_from_slice(&out[(g * t + i) * d..(g * t + i + 1) * d]);
-            }
-            let dst = (b * hq + h) * t;
-            lse[dst..dst + t].copy_from_slice(&l[g * t..(g + 1) * t]);
-        }
-    }
+    let outs: Vec<&[T]> = results.iter().map(|r| &r.0[..]).collect();
+    scatter(&outs, &dims, group, t, Place::separate(hq, d), o);
+    // A task's log-sum-exps are its group's heads' rows of lse [B, Hq, T]: one contiguous block.
+    lse.par_chunks_mut((group * t).max(1)).zip(results.par_iter()).for_each(|(dst, r)| dst.copy_from_slice(&r.1));
 }
 
 /// Writes dq, dk, dv (`=`).
@@ -231,9 +223,9 @@ pub fn attention_bwd<T: Real>(
     let [qh, kh, vh] = separate(q, k, v, &dims);
     let (pq, pk, pv) = (qh.place, kh.place, vh.place);
     let parts = bwd(qh, kh, vh, o, lse, dout, dims, mask, scale);
-    scatter(&parts, &dims, 0, pq, dq);
-    scatter(&parts, &dims, 1, pk, dk);
-    scatter(&parts, &dims, 2, pv, dv);
+    for (which, place, out) in [(0, pq, dq), (1, pk, dk), (2, pv, dv)] {
+        scatter_part(&parts, &dims, which, place, out);
+    }
 }
 
 /// [`attention_bwd`] reading Q, K and V in place from the fused projection output `qkv` and
@@ -254,7 +246,7 @@ pub fn attention_bwd_fused<T: Real>(
     let [qh, kh, vh] = heads;
     let parts = bwd(qh, kh, vh, o, lse, dout, dims, mask, scale);
     for (which, place) in places.into_iter().enumerate() {
-        scatter(&parts, &dims, which, place, dqkv);
+        scatter_part(&parts, &dims, which, place, dqkv);
     }
 }
 
@@ -316,26 +308,32 @@ fn bwd<T: Real>(
         .collect()
 }
 
-/// Copies part `which` (0 dq, 1 dk, 2 dv) of every task into `out` at `place`, a batch per
-/// thread (each batch's rows are one contiguous block of `out`).
-fn scatter<T: Copy + Send + Sync>(parts: &Parts<T>, dims: &AttnDims, which: usize, place: Place, out: &mut [T]) {
-    let (group, d, hkv) = (dims.hq / dims.hkv, dims.d, dims.hkv);
-    let len = if which == 0 { dims.t } else { dims.s };
+/// Copies part `which` (0 dq, 1 dk, 2 dv) of every task into `out` at `place`.
+fn scatter_part<T: Copy + Send + Sync>(parts: &Parts<T>, dims: &AttnDims, which: usize, place: Place, out: &mut [T]) {
+    let srcs: Vec<&[T]> = parts.iter().map(|p| &p[which][..]).collect();
+    let (heads, len) = if which == 0 { (dims.hq / dims.hkv, dims.t) } else { (1, dims.s) };
+    scatter(&srcs, dims, heads, len, place, out);
+}
+
+/// Copies each (batch, kv head) task's `heads` × [len, D] rows (its group's query heads, or its
+/// one key or value head) into `out` at `place`, a batch per thread (each batch's rows are one
+/// contiguous block of `out`).
+fn scatter<T: Copy + Send + Sync>(
+    srcs: &[&[T]],
+    dims: &AttnDims,
+    heads: usize,
+    len: usize,
+    place: Place,
+    out: &mut [T],
+) {
+    let (d, hkv) = (dims.d, dims.hkv);
     // (At least 1: a zero-length sequence has no rows, and chunks may not be empty.)
     out.par_chunks_mut((len * place.row).max(1)).enumerate().for_each(|(b, out)| {
-        for (kvh, part) in parts[b * hkv..(b + 1) * hkv].iter().enumerate() {
-            let src = &part[which];
-            if which == 0 {
-                for g in 0..group {
-                    for i in 0..len {
-                        let dst = place.at(0, len, i, kvh * group + g);
-                        out[dst..dst + d].copy_from_slice(&src[(g * len + i) * d..(g * len + i + 1) * d]);
-                    }
-                }
-            } else {
-                for j in 0..len {
-                    let dst = place.at(0, len, j, kvh);
-                    out[dst..dst + d].copy_from_slice(&src[j * d..(j + 1) * d]);
+        for (kvh, src) in srcs[b * hkv..(b + 1) * hkv].iter().enumerate() {
+            for g in 0..heads {
+                for i in 0..len {
+                    let dst = place.at(0, len, i, kvh * heads + g);
+                    out[dst..dst + d].copy_from_slice(&src[(g * len + i) * d..(g * len + i + 1) * d]);
                 }
             }
         }
