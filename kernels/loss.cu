@@ -43,6 +43,43 @@ extern "C" __global__ void ce_bwd_##s##_v8(const T* logits, const u32* tgt, cons
         st8(dlogits, r * v + i, x); } }
 FOR_TYPES(LOSS_V8)
 
+// Forward and backward in one launch, in place (one whole-vocabulary shard: vstart 0): the
+// forward's pass over the row, then the gradient written over the logits with dloss = dscale on
+// every row: the same arithmetic as ce_fwd then ce_bwd, one DRAM read of the row instead of two
+// (the second pass finds the block's row in L2) and no separate dlogits buffer. The target's logit
+// is read before the block's reductions (barriers), so before any thread overwrites it.
+#define LOSS_FB(s, T) \
+extern "C" __global__ void ce_fwdbwd_##s(T* logits, const u32* tgt, const float* mask, long long ignore, long vreal, float* loss, float* lse, float dscale, long v) { \
+    long r = blockIdx.x; T* row = logits + r * v; u32 t = tgt[r]; float mk = mask ? mask[r] : 1.f; \
+    float xt = (threadIdx.x == 0 && (long)t < vreal) ? ld(row, (long)t) : 0.f, m = -INFINITY, z = 0.f; \
+    for (long i = threadIdx.x; i < vreal; i += blockDim.x) { float x = ld(row, i); \
+        if (x > m) { z = z * expf(m - x) + 1.f; m = x; } else if (x > -INFINITY) z += expf(x - m); } \
+    float mb = block_max(m); z = block_sum(m == -INFINITY ? 0.f : z * expf(m - mb)); m = mb; \
+    float l = m + logf(z); bool off = (long long)t == ignore || mk == 0.f; \
+    if (threadIdx.x == 0) { lse[r] = l; loss[r] = off ? 0.f : mk * (l - xt); } \
+    float g = off ? 0.f : dscale * mk; \
+    for (long i = threadIdx.x; i < v; i += blockDim.x) { \
+        float p = expf(ld(row, i) - l); st(row, i, (off || i >= vreal) ? 0.f : (p - (i == (long)t ? 1.f : 0.f)) * g); } }
+FOR_TYPES(LOSS_FB)
+
+#define LOSS_FB_V8(s, T) \
+extern "C" __global__ void ce_fwdbwd_##s##_v8(T* logits, const u32* tgt, const float* mask, long long ignore, long vreal, float* loss, float* lse, float dscale, long v) { \
+    long r = blockIdx.x; T* row = logits + r * v; u32 t = tgt[r]; float mk = mask ? mask[r] : 1.f; \
+    float xt = (threadIdx.x == 0 && (long)t < vreal) ? ld(row, (long)t) : 0.f, m = -INFINITY, z = 0.f; /* base 2 */ \
+    for (long i = threadIdx.x * 8L; i < vreal; i += blockDim.x * 8L) { float g[8], gm = -INFINITY; ld8(row, i, g); \
+        _Pragma("unroll") for (int e = 0; e < 8; e++) { g[e] = i + e < vreal ? g[e] * LOG2E : -INFINITY; gm = fmaxf(gm, g[e]); } \
+        if (gm > -INFINITY) { float mn = fmaxf(m, gm); z *= ex2(m - mn); m = mn; \
+            _Pragma("unroll") for (int e = 0; e < 8; e++) z += ex2(g[e] - mn); } } \
+    float mb = block_max(m); z = block_sum(m == -INFINITY ? 0.f : z * ex2(m - mb)); m = mb; \
+    float l = m * LN2 + logf(z); bool off = (long long)t == ignore || mk == 0.f; \
+    if (threadIdx.x == 0) { lse[r] = l; loss[r] = off ? 0.f : mk * (l - xt); } \
+    float gs = off ? 0.f : dscale * mk; long tc = (long)t; \
+    for (long i = threadIdx.x * 8L; i < v; i += blockDim.x * 8L) { float x[8]; ld8(row, i, x); \
+        _Pragma("unroll") for (int e = 0; e < 8; e++) \
+            x[e] = (off || i + e >= vreal) ? 0.f : (ex2((x[e] - l) * LOG2E) - (i + e == tc ? 1.f : 0.f)) * gs; \
+        st8(row, i, x); } }
+FOR_TYPES(LOSS_FB_V8)
+
 // Vocabulary-parallel cross-entropy: the whole vocabulary's lse and loss per row from the tensor-
 // parallel shards' (`all` [n, 2, rows]: each shard's lse row, then its loss row, in rank order),
 // in f64 as the CPU reference: lse = log Σ_r exp(lse_r), loss = m·lse − Σ_r (m·lse_r − loss_r)

@@ -33,6 +33,8 @@ impl Saved {
 /// What a module needs at run time: the parameters (and their grads) and whether it is training.
 pub struct Cx<'a> {
     pub params: &'a ParamTable,
+    /// A backward follows this forward, so a module may do part of it now (the GPT loss head on
+    /// one tensor-parallel rank writes dlogits over its logits while it has them in hand).
     pub training: bool,
 }
 

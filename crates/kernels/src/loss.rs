@@ -151,6 +151,41 @@ pub fn cross_entropy_bwd(
     })?
 }
 
+/// [`cross_entropy_fwd`], then [`cross_entropy_bwd`] with dloss = `dscale` on every row, the
+/// gradient written over `logits` in place (the same values, bit for bit); returns (loss, lse).
+/// One read of the logits instead of two and no second [N, V] buffer. A whole vocabulary only
+/// (`cfg.vocab_start` 0): a shard's gradient needs the whole lse, known after the shards combine.
+pub fn cross_entropy_fwd_bwd_(
+    logits: &Tensor,
+    targets: &Tensor,
+    mask: Option<&Tensor>,
+    cfg: CeCfg,
+    dscale: f32,
+) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "cross_entropy_fwd_bwd_";
+    if cfg.vocab_start != 0 {
+        return Err(ferrotron_core::invalid(
+            OP,
+            "a vocabulary shard (vocab_start > 0) needs the whole lse: use cross_entropy_fwd, combine, then cross_entropy_bwd",
+        ));
+    }
+    let inp = inputs(OP, logits, targets, mask, cfg)?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[logits])? {
+        return crate::cuda::ops::ce_fwd_bwd_(&g, logits, targets, mask, cfg, dscale);
+    }
+    // SAFETY: cross_entropy_fwd_bwd_ writes every row's loss and lse.
+    let (mut loss, mut lse) = unsafe { (buf::uninit(inp.n), buf::uninit(inp.n)) };
+    let m = inp.mask.as_deref();
+    logits.update_f32(OP, |x| {
+        cpu::loss::cross_entropy_fwd_bwd_(x, inp.v, &inp.targets, m, cfg, dscale, &mut loss, &mut lse)
+    })?;
+    Ok((
+        check::out(loss, [inp.n], DType::F32, logits.device())?,
+        check::out(lse, [inp.n], DType::F32, logits.device())?,
+    ))
+}
+
 /// The whole vocabulary's (loss [rows], lse [rows]) from the tensor-parallel shards' forward
 /// results gathered in rank order, `all` [tp, 2, rows] f32 (each shard's lse row, then its loss
 /// row), and the loss mask [rows]. On a GPU it runs there (no read-back inside a step).

@@ -7,6 +7,8 @@
 //! Padding columns (past the real vocabulary) are outside the softmax, so the padding that makes
 //! the vocabulary divide the group changes nothing. The backward needs no communication: the
 //! softmax of each shard against the whole lse, minus the one-hot where the shard holds it.
+//! On one rank the forward can take the backward along (`vocab_parallel_ce_fwd_bwd_`): one pass
+//! over the logits, the gradient written over them.
 
 use crate::comm_err;
 use crate::tp::TensorParallel;
@@ -64,4 +66,22 @@ pub fn vocab_parallel_ce_bwd(
     dloss: &Tensor,
 ) -> Result<Tensor> {
     k::cross_entropy_bwd(logits, targets, mask, lse, dloss, v.cfg(tp))
+}
+
+/// The forward and the backward in one pass over the logits on a group of one rank (a shard's
+/// gradient needs the whole lse, known only after the combine): (loss [N], lse [N]) as
+/// [`vocab_parallel_ce_fwd`], and `logits` overwritten with dlogits for dloss = `dscale` on every
+/// row (`k::cross_entropy_fwd_bwd_`). `None`, touching nothing, on a larger group.
+pub fn vocab_parallel_ce_fwd_bwd_(
+    v: VocabParallelCe,
+    tp: &TensorParallel,
+    logits: &Tensor,
+    targets: &Tensor,
+    mask: Option<&Tensor>,
+    dscale: f32,
+) -> Result<Option<(Tensor, Tensor)>> {
+    if tp.size() != 1 {
+        return Ok(None);
+    }
+    k::cross_entropy_fwd_bwd_(logits, targets, mask, v.cfg(tp), dscale).map(Some)
 }

@@ -25,7 +25,7 @@ pub mod pipeline;
 pub mod rng;
 pub mod tp;
 
-pub use cross_entropy::{VocabParallelCe, vocab_parallel_ce_bwd, vocab_parallel_ce_fwd};
+pub use cross_entropy::{VocabParallelCe, vocab_parallel_ce_bwd, vocab_parallel_ce_fwd, vocab_parallel_ce_fwd_bwd_};
 pub use embedding::VocabParallelEmbedding;
 pub use gather::{gather_param, global_flat_index};
 pub use groups::ProcessGroups;

@@ -25,7 +25,7 @@ use ferrotron_kernels as k;
 use ferrotron_parallel::pipeline::StagePlan;
 use ferrotron_parallel::{
     ProcessGroups, TensorParallel, VocabParallelCe, VocabParallelEmbedding, vocab_parallel_ce_bwd,
-    vocab_parallel_ce_fwd,
+    vocab_parallel_ce_fwd, vocab_parallel_ce_fwd_bwd_,
 };
 
 /// One micro-batch. Built by `new` or `unmasked`, which count the loss-mask tokens once, so
@@ -95,7 +95,9 @@ pub struct GptModel {
 /// What the loss end of a forward keeps.
 struct PostSaved {
     hidden: Tensor,
+    /// The logits, or (`grad_done`) already dlogits for the mean loss (dloss = 1 / num_tokens).
     logits: Tensor,
+    grad_done: bool,
     labels: Tensor,
     loss_mask: Tensor,
     lse: Tensor,
@@ -324,9 +326,20 @@ impl GptModel {
         let flat = logits.reshape([n, logits.shape().last()])?;
         let labels = batch.labels.reshape([n])?;
         let mask = batch.loss_mask.reshape([n])?;
-        let (loss, lse) = vocab_parallel_ce_fwd(self.ce(), &self.tp, &flat, &labels, Some(&mask))?;
         let num_tokens = batch.num_tokens;
-        let post = PostSaved { hidden: h, logits: flat, labels, loss_mask: mask, lse, num_tokens };
+        // Training on one tensor-parallel rank: the backward's dlogits (for grad_scale 1) are
+        // written over the logits in the same pass, one read of [N, V] instead of two.
+        let dscale = if num_tokens > 0.0 { (1.0 / num_tokens) as f32 } else { 0.0 };
+        let fused = match cx.training {
+            true => vocab_parallel_ce_fwd_bwd_(self.ce(), &self.tp, &flat, &labels, Some(&mask), dscale)?,
+            false => None,
+        };
+        let grad_done = fused.is_some();
+        let (loss, lse) = match fused {
+            Some(r) => r,
+            None => vocab_parallel_ce_fwd(self.ce(), &self.tp, &flat, &labels, Some(&mask))?,
+        };
+        let post = PostSaved { hidden: h, logits: flat, grad_done, labels, loss_mask: mask, lse, num_tokens };
         let out = ChunkOut::Loss(MicroLoss { per_token: loss, num_tokens });
         Ok((out, GptSaved { tokens, positions, decoder, post: Some(post) }))
     }
@@ -348,21 +361,35 @@ impl GptModel {
         let dh = match (saved.post, dy) {
             (Some(p), _) => {
                 let n = p.labels.elem_count();
-                let g = if p.num_tokens > 0.0 { (grad_scale as f64 / p.num_tokens) as f32 } else { 0.0 };
-                let dloss = Tensor::from_vec(vec![g; n], [n], p.logits.device())?;
-                let dlogits = vocab_parallel_ce_bwd(
-                    self.ce(),
-                    &self.tp,
-                    &p.logits,
-                    &p.labels,
-                    Some(&p.loss_mask),
-                    &p.lse,
-                    &dloss,
-                )?;
                 let (h, hid) = (&p.hidden, self.config.hidden_size);
+                let mut h2 = h.reshape([n, hid])?;
+                // Fused in the forward for grad_scale 1: any other scale goes on the two products'
+                // small operands (h, dh: hidden / vocab of dlogits' size) rather than on dlogits.
+                let rescale = p.grad_done && grad_scale != 1.0;
+                let dlogits = if p.grad_done {
+                    p.logits
+                } else {
+                    let g = if p.num_tokens > 0.0 { (grad_scale as f64 / p.num_tokens) as f32 } else { 0.0 };
+                    let dloss = Tensor::from_vec(vec![g; n], [n], p.logits.device())?;
+                    vocab_parallel_ce_bwd(
+                        self.ce(),
+                        &self.tp,
+                        &p.logits,
+                        &p.labels,
+                        Some(&p.loss_mask),
+                        &p.lse,
+                        &dloss,
+                    )?
+                };
+                if rescale {
+                    h2 = k::scale(&h2, grad_scale)?;
+                }
                 let out = self.output()?;
                 let dh = k::matmul(&dlogits, &cx.params.param(out)?, false, false)?.reshape(h.dims().to_vec())?;
-                k::matmul_into(&cx.params.grad(out)?, &dlogits, &h.reshape([n, hid])?, true, false, true)?;
+                if rescale {
+                    k::scale_(&dh, grad_scale)?;
+                }
+                k::matmul_into(&cx.params.grad(out)?, &dlogits, &h2, true, false, true)?;
                 if self.config.untie_embeddings_and_output_weights {
                     done(cx.params.range(out).start)?;
                 }

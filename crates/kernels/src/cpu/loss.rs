@@ -31,12 +31,14 @@ impl Elem for f64 {
         v.f64()
     }
 }
+// Narrowed through f32 (exact for f32 math): `half`'s from_f64 drops the low 32 bits before it
+// rounds, so a value just past a tie could round the other way than from_f32 (and the GPU) do.
 impl Elem for half::bf16 {
     fn get<T: Real>(self) -> T {
         T::c(self.to_f64())
     }
     fn put<T: Real>(v: T) -> Self {
-        half::bf16::from_f64(v.f64())
+        half::bf16::from_f32(v.f64() as f32)
     }
 }
 impl Elem for half::f16 {
@@ -44,7 +46,7 @@ impl Elem for half::f16 {
         T::c(self.to_f64())
     }
     fn put<T: Real>(v: T) -> Self {
-        half::f16::from_f64(v.f64())
+        half::f16::from_f32(v.f64() as f32)
     }
 }
 
@@ -136,6 +138,49 @@ pub fn cross_entropy_bwd<E: Elem, T: Real>(
             *d = E::put((p - onehot) * g);
         }
     });
+}
+
+/// `cross_entropy_fwd`, then `cross_entropy_bwd` with dloss = `dscale` on every row, the gradient
+/// written over the logits `x` [N, V] in place (a whole vocabulary: `cfg.vocab_start` 0). The
+/// same arithmetic as the two passes, so the same bits.
+#[allow(clippy::too_many_arguments)]
+pub fn cross_entropy_fwd_bwd_<T: Real>(
+    x: &mut [T],
+    v: usize,
+    targets: &[u32],
+    mask: Option<&[f32]>,
+    cfg: CeCfg,
+    dscale: T,
+    loss: &mut [T],
+    lse: &mut [T],
+) {
+    let real = cfg.real_columns(v);
+    x.par_chunks_mut(v).zip(loss.par_iter_mut().zip(lse.par_iter_mut())).enumerate().for_each_init(
+        Vec::new,
+        |buf, (n, (row, (l, s)))| {
+            buf.clear();
+            buf.extend_from_slice(&row[..real]);
+            let max = buf.iter().copied().fold(T::neg_infinity(), T::max);
+            let lse_n = max + T::exp_sub_sum(buf, max).ln();
+            *s = lse_n;
+            let tgt = cfg.column(targets[n], v);
+            let Some(m) = active(targets[n], mask, n, cfg) else {
+                *l = T::zero();
+                row.iter_mut().for_each(|x| *x = T::zero());
+                return;
+            };
+            *l = T::c(m) * (lse_n - tgt.map_or(T::zero(), |c| row[c]));
+            let g = dscale * T::c(m);
+            buf.clear();
+            buf.extend_from_slice(&row[..real]);
+            T::exp_sub_sum(buf, lse_n);
+            for (j, (d, &p)) in row.iter_mut().zip(buf.iter()).enumerate() {
+                let onehot = if Some(j) == tgt { T::one() } else { T::zero() };
+                *d = (p - onehot) * g;
+            }
+            row[real..].iter_mut().for_each(|x| *x = T::zero());
+        },
+    );
 }
 
 /// The whole vocabulary's (loss, lse) per row from the tensor-parallel shards' (`all` [n, 2, rows]:

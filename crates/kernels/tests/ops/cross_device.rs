@@ -287,6 +287,17 @@ fn every_op_matches_cpu() {
             let d = k::cross_entropy_bwd(&t[0], &t[1], Some(&t[2]), &lse, &t[3], cfg).unwrap();
             vec![l, lse, d]
         });
+        // Forward and backward in one pass, over the logits (one element a thread, then eight).
+        for (v, total) in [(300usize, None), (296, Some(290u32))] {
+            let logits = rnd(&[6, v], 28, dt);
+            let targets = Tensor::from_vec(vec![0u32, 289, 5, 17, 17, 100], [6], &Device::Cpu).unwrap();
+            let cfg = CrossEntropyCfg { ignore_index: Some(5), vocab_start: 0, vocab_total: total };
+            check(&format!("cross_entropy_fwd_bwd_ {v}"), dt, &[logits, targets, rnd(&[6], 29, DType::F32)], |t| {
+                let x = t[0].deep_copy().unwrap();
+                let (l, lse) = k::cross_entropy_fwd_bwd_(&x, &t[1], Some(&t[2]), cfg, 0.25).unwrap();
+                vec![l, lse, x]
+            });
+        }
         let ids = Tensor::from_vec(vec![3u32, 0, 3, 9, 1], [5], &Device::Cpu).unwrap();
         let table = rnd(&[10, 24], 18, dt);
         let dout = rnd(&[5, 24], 19, dt);

@@ -56,6 +56,37 @@ pub fn ce_bwd(
     Ok(d)
 }
 
+/// `ce_fwd` and `ce_bwd` (dloss = `dscale` on every row) in one launch, the gradient written over
+/// the logits (a whole vocabulary: no shard offset).
+pub fn ce_fwd_bwd_(
+    be: &B,
+    logits: &Tensor,
+    targets: &Tensor,
+    mask: Option<&Tensor>,
+    cfg: crate::CrossEntropyCfg,
+    dscale: f32,
+) -> Result<(Tensor, Tensor)> {
+    let (rows, v) = (logits.dims()[0], logits.dims()[1]);
+    let (loss, lse) = (new(be, [rows], DType::F32)?, new(be, [rows], DType::F32)?);
+    let mut name = format!("ce_fwdbwd_{}", sfx("cross_entropy_fwd_bwd_", logits.dtype())?);
+    if v % 8 == 0 && aligned16(&[logits])? {
+        name += "_v8";
+    }
+    let args = [
+        ptr("ce", logits)?,
+        ptr("ce", targets)?,
+        opt_ptr("ce", mask)?,
+        Arg::I64(cfg.ignore_index.map_or(-1, |i| i as i64)),
+        n(cfg.real_columns(v)),
+        ptr("ce", &loss)?,
+        ptr("ce", &lse)?,
+        Arg::F32(dscale),
+        n(v),
+    ];
+    rows_launch(be, &name, rows, &args)?;
+    Ok((loss, lse))
+}
+
 /// The vocabulary-parallel combine of the shards' (lse, loss): one thread per row.
 pub fn ce_combine(be: &B, all: &Tensor, mask: Option<&Tensor>, shards: usize, rows: usize) -> Result<(Tensor, Tensor)> {
     let (loss, lse) = (new(be, [rows], DType::F32)?, new(be, [rows], DType::F32)?);
