@@ -7,7 +7,14 @@ use float8::{F8E4M3, F8E5M2};
 use half::{bf16, f16};
 use std::sync::Arc;
 
-/// One GPU: its context, a compute stream and a communication stream.
+/// One GPU: its context, a compute stream and a communication stream. One per ordinal and
+/// process: every `CudaDevice::new(n)` hands out the same streams.
+///
+/// Architecture invariant: all work on a GPU (copies, kernels, GEMMs) goes to its one compute
+/// stream. Event tracking is off, so two streams for one GPU would race: the kernel backend is
+/// cached per ordinal and launches on the stream of the device it was first built for, while a
+/// tensor's copies run on its own device's stream. (Two tests that each opened `cuda(0)` once
+/// raced exactly so: a kernel ran before the upload of its input had landed.)
 #[derive(Clone)]
 pub struct CudaDevice {
     ctx: Arc<CudaContext>,
@@ -27,6 +34,17 @@ fn driver_err(e: impl std::fmt::Debug) -> Error {
 
 impl CudaDevice {
     pub fn new(ordinal: usize) -> Result<Self> {
+        static OPEN: std::sync::Mutex<Vec<CudaDevice>> = std::sync::Mutex::new(Vec::new());
+        let mut open = OPEN.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(d) = open.iter().find(|d| d.ordinal() == ordinal) {
+            return Ok(d.clone());
+        }
+        let d = Self::open(ordinal)?;
+        open.push(d.clone());
+        Ok(d)
+    }
+
+    fn open(ordinal: usize) -> Result<Self> {
         // cudarc panics when libcuda cannot be loaded; check first so the user gets an error instead.
         // SAFETY: only probes for the shared library.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
