@@ -330,9 +330,10 @@ impl GptModel {
         // Training on one tensor-parallel rank: the backward's dlogits (for grad_scale 1) are
         // written over the logits in the same pass, one read of [N, V] instead of two.
         let dscale = if num_tokens > 0.0 { (1.0 / num_tokens) as f32 } else { 0.0 };
-        let fused = match cx.training {
-            true => vocab_parallel_ce_fwd_bwd_(self.ce(), &self.tp, &flat, &labels, Some(&mask), dscale)?,
-            false => None,
+        let fused = if cx.training {
+            vocab_parallel_ce_fwd_bwd_(self.ce(), &self.tp, &flat, &labels, Some(&mask), dscale)?
+        } else {
+            None
         };
         let grad_done = fused.is_some();
         let (loss, lse) = match fused {
