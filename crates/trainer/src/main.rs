@@ -115,3 +115,21 @@ fn main() {
         std::process::exit(1);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// Option 15 must still be mimalloc's purge delay (default 1000 ms) in the linked
+    /// libmimalloc-sys: after an upgrade that renumbers the options, `keep_freed_pages` would
+    /// quietly do nothing, and this fails instead.
+    #[test]
+    fn option_15_is_the_purge_delay() {
+        // SAFETY: option reads of the linked allocator.
+        let before = unsafe { super::mi_option_get(15) };
+        if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
+            assert_eq!(before, 1000, "option 15 no longer holds mimalloc's purge-delay default");
+        }
+        super::keep_freed_pages();
+        let after = unsafe { super::mi_option_get(15) };
+        assert_eq!(after, if before == 1000 { -1 } else { before });
+    }
+}
