@@ -3,28 +3,16 @@
 
 mod common;
 
-use common::config;
-use ferrotron_core::{Cx, DType, Device, ParamTable, Tensor, rng::Philox};
+use common::{batch, config};
+use ferrotron_core::{Cx, DType, Device, ParamTable, rng::Philox};
 use ferrotron_transformer::{Batch, GptModel};
-
-fn batch(b: usize, t: usize, v: u32) -> Batch {
-    let dev = Device::Cpu;
-    let ids = |s: u64| (0..b * t).map(|i| Philox::new(s).u32_at(i as u64) % v).collect::<Vec<_>>();
-    let mask: Vec<f32> = (0..b * t).map(|i| if i % 5 == 3 { 0.0 } else { 1.0 }).collect();
-    Batch::new(
-        Tensor::from_vec(ids(1), [b, t], &dev).unwrap(),
-        Tensor::from_vec(ids(2), [b, t], &dev).unwrap(),
-        Tensor::from_vec(mask, [b, t], &dev).unwrap(),
-    )
-    .unwrap()
-}
 
 fn loss(model: &GptModel, table: &ParamTable, b: &Batch) -> f64 {
     model.forward(&Cx { params: table, training: true }, b).unwrap().0
 }
 
-fn check(llama: bool) {
-    let (model, table) = GptModel::build(config(llama), &Device::Cpu, DType::F32, 3).unwrap();
+fn check(cfg: ferrotron_transformer::TransformerConfig) {
+    let (model, table) = GptModel::build(cfg, &Device::Cpu, DType::F32, 3).unwrap();
     let b = batch(2, 6, 11);
     let cx = Cx { params: &table, training: true };
     let (_, saved) = model.forward(&cx, &b).unwrap();
@@ -54,10 +42,19 @@ fn check(llama: bool) {
 
 #[test]
 fn gpt2_style_gradients_match_finite_differences() {
-    check(false);
+    check(config(false));
 }
 
 #[test]
 fn llama_style_gradients_match_finite_differences() {
-    check(true);
+    check(config(true));
+}
+
+/// Without QK-norm the attention takes the fused path: RoPE in place on the QKV projection
+/// output and on its gradient (`rope_qkv_fwd_` / `rope_qkv_bwd_`), Q, K, V read in place.
+#[test]
+fn llama_style_without_qk_norm_gradients_match_finite_differences() {
+    let mut cfg = config(true);
+    cfg.layer.attention.qk_layernorm = false;
+    check(cfg);
 }

@@ -5,21 +5,9 @@
 
 mod common;
 
-use common::config;
-use ferrotron_core::{Cx, DType, Device, ParamTable, Tensor, rng::Philox};
+use common::{batch, config};
+use ferrotron_core::{Cx, DType, Device, ParamTable};
 use ferrotron_transformer::{Batch, GptModel};
-
-fn batch(b: usize, t: usize, v: u32) -> Batch {
-    let dev = Device::Cpu;
-    let ids = |s: u64| (0..b * t).map(|i| Philox::new(s).u32_at(i as u64) % v).collect::<Vec<_>>();
-    let mask: Vec<f32> = (0..b * t).map(|i| if i % 4 == 1 { 0.0 } else { 1.0 }).collect();
-    Batch::new(
-        Tensor::from_vec(ids(5), [b, t], &dev).unwrap(),
-        Tensor::from_vec(ids(6), [b, t], &dev).unwrap(),
-        Tensor::from_vec(mask, [b, t], &dev).unwrap(),
-    )
-    .unwrap()
-}
 
 /// (loss, every parameter's gradient) after a forward with `training` and a backward at `scale`.
 fn run(model: &GptModel, table: &ParamTable, b: &Batch, training: bool, scale: f32) -> (f64, Vec<Vec<f32>>) {

@@ -1,7 +1,8 @@
 //! The tiny model of both preset styles that the transformer tests share.
 
-use ferrotron_transformer::TransformerConfig;
+use ferrotron_core::{Device, Tensor, rng::Philox};
 use ferrotron_transformer::spec::{Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, PositionEmbedding};
+use ferrotron_transformer::{Batch, TransformerConfig};
 
 /// GPT-2 style (LayerNorm, GeLU, learned positions, biases, tied) or Llama style (RMSNorm,
 /// SwiGLU, RoPE, GQA, QK-norm, no biases, untied): 2 layers, hidden 16, 4 heads.
@@ -31,4 +32,18 @@ pub fn config(llama: bool) -> TransformerConfig {
         // Large enough that every layer's gradient stands far above f32 round-off.
         init_method_std: 0.3,
     }
+}
+
+/// A CPU batch of b × t random token ids below `v` (labels likewise), every fifth token masked.
+#[allow(dead_code)] // not every test binary that shares this module uses it
+pub fn batch(b: usize, t: usize, v: u32) -> Batch {
+    let dev = Device::Cpu;
+    let ids = |s: u64| (0..b * t).map(|i| Philox::new(s).u32_at(i as u64) % v).collect::<Vec<_>>();
+    let mask: Vec<f32> = (0..b * t).map(|i| if i % 5 == 3 { 0.0 } else { 1.0 }).collect();
+    Batch::new(
+        Tensor::from_vec(ids(1), [b, t], &dev).unwrap(),
+        Tensor::from_vec(ids(2), [b, t], &dev).unwrap(),
+        Tensor::from_vec(mask, [b, t], &dev).unwrap(),
+    )
+    .unwrap()
 }
