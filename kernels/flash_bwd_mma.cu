@@ -497,16 +497,16 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
     if (wg == 2) {
         wg_reg_dealloc<40>();
         int tid = threadIdx.x & 127;
-        tile_async<D, KEYS, true>(ks, k, j0, sl, b, kp.heads, kp.head, tid, 128);
-        tile_async<D, KEYS, true>(vs, v, j0, sl, b, kp.heads, kp.head, tid, 128);
+        tile_async_sw<D, KEYS, 128>(ks, k, j0, sl, b, kp.heads, kp.head, tid);
+        tile_async_sw<D, KEYS, 128>(vs, v, j0, sl, b, kp.heads, kp.head, tid);
         cp_arrive(kvbar);
         for (long n = 0; n < steps; n++) {
             int st = n % ST;
             if (n >= ST) mbar_wait(&empty[st], ((n / ST) - 1) & 1);
             long h = kvh * group + n / qtiles, i0 = ib + (n % qtiles) * FB_ROWS;
             bf16_t* qt = qstage + st * 2 * TILE;
-            tile_async<D, FB_ROWS, true>(qt, q, i0, t, b, hkv * qgs, kvh * qgs + n / qtiles, tid, 128);
-            tile_async<D, FB_ROWS, true>(qt + TILE, dout, i0, t, b, hq, h, tid, 128);
+            tile_async_sw<D, FB_ROWS, 128>(qt, q, i0, t, b, hkv * qgs, kvh * qgs + n / qtiles, tid);
+            tile_async_sw<D, FB_ROWS, 128>(qt + TILE, dout, i0, t, b, hq, h, tid);
             long i = i0 + (tid & 63);
             const float* rows = (tid < FB_ROWS ? lse : delta) + (b * hq + h) * t;
             cp_async4(lstage + st * 2 * FB_ROWS + tid, rows + (i < t ? i : 0), i < t);

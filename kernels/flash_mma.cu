@@ -124,6 +124,29 @@ __device__ __forceinline__ void tile_async(bf16_t* dst, const bf16_t* src, long 
                      : "memory");
     }
 }
+// tile_async into the swizzled layout by NT threads, a compile-time count (the warp-specialised
+// kernels' producer warpgroups): each thread's chunk column is fixed (c = tid % (D / 8)) and its
+// rows step by NT / (D / 8), a multiple of 8, so its shared-memory offset steps by whole 1024-byte
+// groups (the swizzle's XOR stays the same) and its global address by a fixed stride. The
+// addresses are computed once a tile instead of once a copy: tile_async's 64-bit index arithmetic
+// cost ≈ 29 instructions a copy (SASS), issued on the schedulers the consumers need.
+template <int D, int ROWS, int NT>
+__device__ __forceinline__ void tile_async_sw(bf16_t* dst, const bf16_t* src, long row0, long rows, long b,
+                                              long heads, long head, int tid) {
+    constexpr int V = D / 8, STEP = NT / V, N = ROWS * V / NT;
+    static_assert(NT % V == 0 && STEP % 8 == 0 && (ROWS * V) % NT == 0, "tile_async_sw: rows per thread step");
+    const int c = tid % V, r0 = tid / V;
+    const long stride = STEP * heads * D;  // elements between one copy's row and the next one's
+    const bf16_t* g = src + ((b * rows + row0 + r0) * heads + head) * D + c * 8;
+    const u32 s = smem_addr(dst + sw_offset(r0, c, ROWS));
+    const long left = rows - row0 - r0;  // rows from this thread's first that exist
+    #pragma unroll
+    for (int i = 0; i < N; i++) {
+        const bool in = i * STEP < left;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s + i * STEP * 128),
+                     "l"(in ? g + i * stride : src), "r"(in ? 16 : 0) : "memory");
+    }
+}
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
@@ -209,11 +232,13 @@ __device__ __forceinline__ void c_to_a(u32* a, const float (*c)[4], int ks) {
 
 // S (64 rows × N keys) += A Bᵀ by wgmma, issued (between wg_start and wg_finish): A's fragments
 // from registers (`a[kk]`: Q or dO), B K-major from a swizzled tile of N rows (K or V).
-template <int D, int N = 64>
+// FRESH: the first k-step overwrites S (no zeroing before).
+template <int D, int N = 64, bool FRESH = false>
 __device__ __forceinline__ void wg_qk(float (*s)[4], const u32 (*a)[4], const bf16_t* tile) {
     u32 base = smem_addr(tile);
+    if constexpr (FRESH) wgmma_rs<N, 0, 0>(&s[0][0], a[0], sw_kmajor(base, N, 0));
     #pragma unroll
-    for (int kk = 0; kk < D / 16; kk++) wgmma_rs<N, 0>(&s[0][0], a[kk], sw_kmajor(base, N, kk));
+    for (int kk = FRESH ? 1 : 0; kk < D / 16; kk++) wgmma_rs<N, 0>(&s[0][0], a[kk], sw_kmajor(base, N, kk));
 }
 
 // acc (64 rows × D) += A B by wgmma, issued: A's fragments from registers (`a[ks]`, 16 of the K
@@ -238,9 +263,11 @@ __device__ __forceinline__ bool tile_full(long i0, long rows, long j0, long keys
 // the running max m (base 2, scaled) and sum l on, returns in corr the factor each row's
 // accumulator must be scaled by and P in pa as A fragments (k-steps of 16 keys). The scale is
 // folded into one multiply-add per element: the max is taken over raw scores (the scale is
-// positive), p = 2^(s·scale2 − m).
-template <int MT, int NB = FM_KEYS / 8>
-__device__ __forceinline__ void softmax_tile(float (*s)[NB][4], float (*m)[2], float (*l)[2], float (*corr)[2],
+// positive), p = 2^(s·scale2 − m). PACK = false leaves P in s (fp32) for the caller to pack with
+// c_to_a later. VOTE: returns whether some row of the warp moved its max (a warp-uniform answer:
+// the accumulator's rescale can be skipped otherwise; true without VOTE).
+template <int MT, int NB = FM_KEYS / 8, bool PACK = true, bool VOTE = false>
+__device__ __forceinline__ bool softmax_tile(float (*s)[NB][4], float (*m)[2], float (*l)[2], float (*corr)[2],
                                              u32 (*pa)[NB / 2][4], bool full, const long (*r)[2], long j0,
                                              long t, long sl, long causal, long window, float scale2) {
     int tg = threadIdx.x & 3;
@@ -284,9 +311,16 @@ __device__ __forceinline__ void softmax_tile(float (*s)[NB][4], float (*m)[2], f
         }
         #pragma unroll
         for (int rr = 0; rr < 2; rr++) l[mt][rr] = l[mt][rr] * corr[mt][rr] + rs[rr];  // row sums finish at the end
-        #pragma unroll
-        for (int kstep = 0; kstep < NB / 2; kstep++) c_to_a(pa[mt][kstep], s[mt], kstep);
+        if constexpr (PACK) {
+            #pragma unroll
+            for (int kstep = 0; kstep < NB / 2; kstep++) c_to_a(pa[mt][kstep], s[mt], kstep);
+        }
     }
+    if constexpr (!VOTE) return true;
+    bool moved = false;
+    #pragma unroll
+    for (int mt = 0; mt < MT; mt++) moved |= corr[mt][0] != 1.f || corr[mt][1] != 1.f;
+    return __any_sync(0xffffffffu, moved);
 }
 
 // The forward's end for MT m-tiles: row sums over the 4 threads of each row group, then O / l
@@ -459,20 +493,30 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
     fwd_store<D, MT>(acc, m, l, r, o, lse, t, hq, b, h);
 }
 
-// The wgmma forward with its warps specialised (FlashAttention-3's arrangement, without TMA): NC
-// consumer warpgroups of 64 query rows each and a producer warpgroup that streams K/V tiles through
-// FW_STAGES shared-memory stages (cp.async, swizzled). Stages hand over through
-// mbarriers (full: the producer's copies landed; empty: every consumer is done with the tile), so
-// no block-wide barrier ties the warpgroups together. Each consumer's turn on the tensor cores
-// is P·V of tile it − 1, then S = Q·Kᵀ of tile it; the warpgroups take turns (named barriers,
-// round robin), so while one multiplies the others compute their softmax ("ping-pong"). The
-// online softmax and the output are softmax_tile and fwd_store, as above; O is rescaled after
-// each turn, before the next P·V.
+// The wgmma forward with its warps specialised (FlashAttention-3's arrangement, without TMA): two
+// consumer warpgroups of 64 query rows each and a producer warpgroup that streams K/V tiles
+// through FW_STAGES shared-memory stages (cp.async, swizzled, tile_async_sw). Stages hand over
+// through mbarriers (full: the producer's copies landed; empty: both consumers are done with the
+// tile), so no block-wide barrier ties the warpgroups together. A consumer's turn on the tensor
+// cores issues S = Q·Kᵀ of tile it and O += P·V of tile it − 1 back to back as two commit groups
+// and waits for S first; the warpgroups take turns (named barriers), so while one multiplies the
+// other computes its softmax ("ping-pong"). The softmax of tile it is written to run while P·V
+// of tile it − 1 still does (FlashAttention-3's intra-warpgroup overlap), but ptxas 13.0 puts the
+// wait for P·V before the first exponential (MUFU) whatever the source order (SASS, 2026-11-30:
+// at both head dims, with registers to spare), so only the row maxima overlap. What the
+// arrangement gains (kernels/README.md v20) comes from the two products issued together, one
+// wait instead of two per turn, and no branch while a product runs: the mask's branch made
+// ptxas wait at its join, so key tiles that need no mask run in a loop of their own.
+// LATE (head dim 128): P stays in fp32 through the softmax and is packed to bf16 after the wait,
+// and O's rescale is skipped when no row's max moved (a warp vote); at head dim 64 (128-key
+// tiles) P is packed inside the softmax and O always rescaled (measured faster there). The
+// consumers hold S, P, O and Q at once and take registers from the producer (setmaxnreg).
 #define FW_STAGES 3
 
-template <int D, int NC, int KEYS = FM_KEYS>
+template <int D, int KEYS, bool LATE>
 __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl,
                              long hq, long hkv, float scale, long causal, long window, long fused) {
+    constexpr int NC = 2;  // consumer warpgroups: the register split below is for two
     constexpr int NO = D / 8, NB = KEYS / 8, ROWS = FM_ROWS * NC, TILE = KEYS * D;  // bf16 per K or V tile
     extern __shared__ __align__(1024) unsigned char fm_smem[];  // swizzled tiles: 1024-byte aligned
     bf16_t* stage = reinterpret_cast<bf16_t*>(fm_smem);  // FW_STAGES × (K, V), the mbarriers, O tiles
@@ -492,28 +536,25 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
         for (int s = 0; s < FW_STAGES; s++) { mbar_init(&full[s], 128); mbar_init(&empty[s], NC * 128); }
     }
     __syncthreads();  // the only block-wide barrier
-    // With 128 × 128 tiles at head dim 128 a consumer needs ≈ 190 registers (S 64, P 32, O 64,
-    // Q 32): the producer hands registers over. The pool is what the block was launched with,
-    // 384 · 168 = 64512 (168: 65536 / 384 rounded down to a multiple of 8), so 40 + 2 · 232 = 504
-    // per thread slot; 32 + 2 · 240 = 512 asked for more than the pool and the consumers waited
-    // forever (H200, 2026-11-30).
-    constexpr bool REALLOC = D == 128 && KEYS == 128 && NC == 2;
+    // Registers: the pool is what the block was launched with, 384 · 168 = 64512 (168: 65536 / 384
+    // rounded down to a multiple of 8), so 40 + 2 · 232 = 504 per thread slot; asking for more
+    // than the pool (32 + 2 · 240 = 512) left the consumers waiting forever (H200, 2026-11-30).
     if (wg == NC) {
-        if constexpr (REALLOC) wg_reg_dealloc<40>();
+        wg_reg_dealloc<40>();
         // The producer warpgroup copies tile it into stage it % FW_STAGES once the consumers have
         // released the tile that stage held.
         for (long it = 0; it < steps; it++) {
             int st = it % FW_STAGES;
             if (it >= FW_STAGES) mbar_wait(&empty[st], ((it / FW_STAGES) - 1) & 1);
             bf16_t* kt = stage + st * 2 * TILE;
-            tile_async<D, KEYS, true>(kt, k, jb + it * KEYS, sl, b, kp.heads, kp.head, threadIdx.x & 127, 128);
-            tile_async<D, KEYS, true>(kt + TILE, v, jb + it * KEYS, sl, b, kp.heads, kp.head, threadIdx.x & 127, 128);
+            tile_async_sw<D, KEYS, 128>(kt, k, jb + it * KEYS, sl, b, kp.heads, kp.head, threadIdx.x & 127);
+            tile_async_sw<D, KEYS, 128>(kt + TILE, v, jb + it * KEYS, sl, b, kp.heads, kp.head, threadIdx.x & 127);
             cp_arrive(&full[st]);
         }
         cp_wait<0>();
         return;
     }
-    if constexpr (REALLOC) wg_reg_alloc<232>();
+    wg_reg_alloc<232>();
     // A consumer warpgroup: rows r[0][0] and r[0][1] of this thread, Q as A fragments.
     long r[1][2];
     r[0][0] = i0 + warp * 16 + g;
@@ -535,62 +576,84 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
     for (int n = 0; n < NO; n++) for (int e = 0; e < 4; e++) acc[0][n][e] = 0.f;
     const float scale2 = scale * LOG2E;
     float s[1][NB][4];
-    u32 pa[1][NB / 2][4];
+    u32 pa[1][NB / 2][4];  // P as A fragments (bf16)
+    u32 pn[1][NB / 2][4];
     // Turns: warpgroup w waits on named barrier 1 + w and passes the turn to the next one; the
     // last passes the first its first turn, and not after its last turn (every barrier then
     // sees as many arrivals as waits).
     const int mine = 1 + wg, next = 1 + (wg + 1) % NC;
-    if (steps > 0 && NC > 1 && wg == NC - 1) named_arrive(1, 256);
-    // Turn bt: O += P V of tile bt − 1 (pv), S = Q Kᵀ of tile bt (qk). The first turn has no
-    // P V, the last no Q Kᵀ; both are peeled off the loop so that no wgmma sits on a branch
-    // (ptxas would serialise them all).
-    auto turn = [&](long bt, bool pv, bool qk) {
+    if (steps > 0 && wg == NC - 1) named_arrive(1, 256);
+    // Turn bt: S = Q Kᵀ of tile bt (qk) and O += P V of tile bt − 1 (pv); `unmasked`: tile bt
+    // needs no mask. The first turn has no P V, the last no Q Kᵀ; both are peeled off the loop
+    // so that no wgmma sits on a branch (ptxas would serialise them all). Nor may a branch run
+    // while P V is in flight (ptxas waits for it there), so the loop's turns get `unmasked` as
+    // a constant: the tiles that need no mask in one loop, the rest in another.
+    auto turn = [&](long bt, bool pv, bool qk, bool unmasked) {
         const bf16_t* kv_prev = stage + ((bt + FW_STAGES - 1) % FW_STAGES) * 2 * TILE;
         const bf16_t* kv_cur = stage + (bt % FW_STAGES) * 2 * TILE;
         if (qk) {
             mbar_wait(&full[bt % FW_STAGES], (bt / FW_STAGES) & 1);
             fence_async_smem();
-            #pragma unroll
-            for (int nb = 0; nb < NB; nb++) for (int e = 0; e < 4; e++) s[0][nb][e] = 0.f;
         }
-        if constexpr (NC > 1) named_sync(mine, 256);
-        // P V, then S = Q Kᵀ, each waited for: P's and S's registers are not live at once (the
-        // 168 registers of 3 warps per scheduler would not hold both).
-        if (pv) {
-            wg_start<D / 2>(&acc[0][0][0]);
-            wg_pv<D, KEYS>(acc[0], pa[0], kv_prev + TILE);
-            wg_finish<D / 2>(&acc[0][0][0]);
-            wg_keep<KEYS / 4>(&pa[0][0][0]);
-        }
+        named_sync(mine, 256);
+        wg_pin<KEYS / 2>(&s[0][0][0]);
+        wg_pin<D / 2>(&acc[0][0][0]);
+        wg_fence();
         if (qk) {
-            wg_start<KEYS / 2>(&s[0][0][0]);
-            wg_qk<D, KEYS>(s[0], qa, kv_cur);
+            wg_qk<D, KEYS, true>(s[0], qa, kv_cur);
             wg_commit();
         }
-        if constexpr (NC > 1) {
-            if (!(wg == NC - 1 && !qk)) named_arrive(next, 256);
+        if (pv) {
+            wg_pv<D, KEYS>(acc[0], pa[0], kv_prev + TILE);
+            wg_commit();
         }
+        if (!(wg == NC - 1 && !qk)) named_arrive(next, 256);
+        float corr[1][2];
+        bool moved = true;
         if (qk) {
-            wg_wait_all();
+            if (pv) wg_wait<1>(); else wg_wait<0>();  // the groups finish in order: S first
             wg_pin<KEYS / 2>(&s[0][0][0]);
-        }
-        if (pv) mbar_arrive(&empty[(bt + FW_STAGES - 1) % FW_STAGES]);  // tile bt − 1 done
-        if (qk) {
             long j0 = jb + bt * KEYS;
-            bool whole = tile_full(i0, ROWS, j0, KEYS, t, sl, causal, window);
-            float corr[1][2];
-            softmax_tile<1, NB>(s, m, l, corr, pa, whole, r, j0, t, sl, causal, window, scale2);
-            #pragma unroll
-            for (int n = 0; n < NO; n++) {
-                acc[0][n][0] *= corr[0][0]; acc[0][n][1] *= corr[0][0];
-                acc[0][n][2] *= corr[0][1]; acc[0][n][3] *= corr[0][1];
+            // LATE: P stays in s (fp32) until the product that reads pa is done, then goes into
+            // pa; else it is packed into pn here and copied.
+            if constexpr (LATE)
+                moved = softmax_tile<1, NB, false, true>(s, m, l, corr, pa, unmasked, r, j0, t, sl, causal, window, scale2);
+            else
+                moved = softmax_tile<1, NB>(s, m, l, corr, pn, unmasked, r, j0, t, sl, causal, window, scale2);
+        }
+        if (pv) {
+            wg_wait<0>();
+            wg_pin<D / 2>(&acc[0][0][0]);
+            wg_keep<KEYS / 4>(&pa[0][0][0]);
+            mbar_arrive(&empty[(bt + FW_STAGES - 1) % FW_STAGES]);  // tile bt − 1 done
+        }
+        if (qk) {
+            if (moved) {
+                #pragma unroll
+                for (int n = 0; n < NO; n++) {
+                    acc[0][n][0] *= corr[0][0]; acc[0][n][1] *= corr[0][0];
+                    acc[0][n][2] *= corr[0][1]; acc[0][n][3] *= corr[0][1];
+                }
+            }
+            if constexpr (LATE) {
+                #pragma unroll
+                for (int kstep = 0; kstep < NB / 2; kstep++) c_to_a(pa[0][kstep], s[0], kstep);
+            } else {
+                #pragma unroll
+                for (int x = 0; x < NB / 2; x++) for (int y = 0; y < 4; y++) pa[0][x][y] = pn[0][x][y];
             }
         }
     };
     if (steps > 0) {
-        turn(0, false, true);
-        for (long bt = 1; bt < steps; bt++) turn(bt, true, true);
-        turn(steps, true, false);
+        turn(0, false, true, tile_full(i0, ROWS, jb, KEYS, t, sl, causal, window));
+        // Tiles [0, nf) need no mask: without a window, every key tile that ends inside the
+        // sequence and (causal) at or before the block's first row.
+        long nf = 0;
+        if (window == 0 && i0 + ROWS <= t) nf = lmin(steps, ((causal ? lmin(sl, i0 + 1) : sl) - jb) / KEYS);
+        long bt = 1;
+        for (; bt < nf; bt++) turn(bt, true, true, true);
+        for (; bt < steps; bt++) turn(bt, true, true, false);
+        turn(steps, true, false, false);
     }
     fwd_store_staged<D>(acc, m, l, r, o_tiles + wg * 64 * (D + 8), NC + 1 + wg, i0 + wg * 64, o, lse, t, hq, b, h);
 }
@@ -614,14 +677,14 @@ FLASH_MMA(flash_fwd_wg2_bf16_128, 128, 1, true, 2)
 FLASH_MMA(flash_fwd_wg3_bf16_128, 128, 1, true, 3)
 // The warp-specialised forward (flash_fwd_ws2_bf16_D, with KEYS-key tiles flash_fwd_ws2k128_bf16_D):
 // two consumer warpgroups (128 rows) and a producer warpgroup; FW_STAGES · 2 · KEYS · D · 2 bytes
-// of K/V tiles, then 2 · FW_STAGES mbarriers, then the consumers' O tiles (2 · 64 · (D + 8) · 2 bytes).
-#define FLASH_WS(NAME, D, NC, KEYS) \
-extern "C" __global__ void __launch_bounds__(128 * NC + 128, 1) NAME(const bf16_t* q, \
+// of K/V tiles, then 2 · FW_STAGES mbarriers, then the consumers' O tiles (2 · 64 · (D + 8) · 2
+// bytes). Not at head dim 128 with 128-key tiles: S, both P and O (224 registers) would not fit
+// in 232.
+#define FLASH_WS(NAME, D, KEYS, LATE) \
+extern "C" __global__ void __launch_bounds__(384, 1) NAME(const bf16_t* q, \
         const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl, long hq, long hkv, long d, \
         float scale, long causal, long window, long fused) { \
-    flash_fwd_ws<D, NC, KEYS>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window, fused); }
-FLASH_WS(flash_fwd_ws2_bf16_128, 128, 2, 64)
-FLASH_WS(flash_fwd_ws2_bf16_64, 64, 2, 64)
-FLASH_WS(flash_fwd_ws2k128_bf16_64, 64, 2, 128)
-// 128-key tiles at head dim 128: registers handed from the producer to the consumers (REALLOC).
-FLASH_WS(flash_fwd_ws2k128_bf16_128, 128, 2, 128)
+    flash_fwd_ws<D, KEYS, LATE>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window, fused); }
+FLASH_WS(flash_fwd_ws2_bf16_128, 128, 64, true)
+FLASH_WS(flash_fwd_ws2_bf16_64, 64, 64, false)
+FLASH_WS(flash_fwd_ws2k128_bf16_64, 64, 128, false)

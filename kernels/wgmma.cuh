@@ -60,6 +60,10 @@ __device__ __forceinline__ u64 sw_mnmajor(u32 base, int rows, int ks) {
 __device__ __forceinline__ void wg_fence() { WG_ASM("wgmma.fence.sync.aligned;"); }
 __device__ __forceinline__ void wg_commit() { WG_ASM("wgmma.commit_group.sync.aligned;"); }
 __device__ __forceinline__ void wg_wait_all() { WG_ASM("wgmma.wait_group.sync.aligned 0;"); }
+// Waits until at most N committed groups of this warp's wgmmas are still running (they finish
+// in order: N = 1 after two commits waits for the first).
+template <int N>
+__device__ __forceinline__ void wg_wait() { WG_ASM_ARGS("wgmma.wait_group.sync.aligned %0;", "n"(N)); }
 // Makes this thread's shared-memory writes (cp.async, stores: the generic proxy) visible to
 // wgmma's operand reads (the async proxy); then a barrier, then the wgmma.
 __device__ __forceinline__ void fence_async_smem() { WG_ASM("fence.proxy.async.shared::cta;"); }
@@ -81,8 +85,9 @@ __device__ __forceinline__ void wg_keep(const u32* a) {
 }
 
 // d (64 × N, fp32) += A (64 × 16 from registers) · B (16 × N, shared memory by `desc`); TB = 1
-// when B is MN-major. Generated shapes: N = 64 and 128.
-template <int TB>
+// when B is MN-major; SD = 0 overwrites d instead (d = A · B: no zeroing of the accumulator
+// first). Generated shapes: N = 64 and 128.
+template <int TB, int SD = 1>
 __device__ __forceinline__ void wgmma_m64n64k16_rs(float* d, const u32* a, u64 desc) {
 #if WG_ARCH
     asm volatile(
@@ -101,13 +106,13 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs(float* d, const u32* a, u64 d
           "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
           "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1), "n"(TB));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(SD), "n"(TB));
 #else
     __trap();
 #endif
 }
 
-template <int TB>
+template <int TB, int SD = 1>
 __device__ __forceinline__ void wgmma_m64n128k16_rs(float* d, const u32* a, u64 desc) {
 #if WG_ARCH
     asm volatile(
@@ -138,7 +143,7 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float* d, const u32* a, u64 
           "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
           "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
           "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1), "n"(TB));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(SD), "n"(TB));
 #else
     __trap();
 #endif
@@ -171,10 +176,10 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float* d, u64 da, u64 db) {
 #endif
 }
 
-template <int N, int TB>
+template <int N, int TB, int SD = 1>
 __device__ __forceinline__ void wgmma_rs(float* d, const u32* a, u64 desc) {
     static_assert(N == 64 || N == 128, "wgmma_rs: N is 64 or 128");
-    if constexpr (N == 64) wgmma_m64n64k16_rs<TB>(d, a, desc); else wgmma_m64n128k16_rs<TB>(d, a, desc);
+    if constexpr (N == 64) wgmma_m64n64k16_rs<TB, SD>(d, a, desc); else wgmma_m64n128k16_rs<TB, SD>(d, a, desc);
 }
 
 // Around a batch of wgmmas accumulating into N registers at `d`: wg_start pins them and fences

@@ -69,21 +69,30 @@ pub(crate) fn poisoning() -> bool {
 thread_local! {
     static WGMMA: std::cell::Cell<bool> = const { std::cell::Cell::new(true) };
     static DETERMINISTIC: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-    static FLASH_BWD_WS: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+    static FLASH_WS: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
 }
 
-/// Whether this thread's wgmma flash backward runs the warp-specialised kernel (head dims 64 and
-/// 128; default on, `FERROTRON_FLASH_BWD=wg` in the environment turns it off). Tests set it to run
-/// both.
-pub fn set_flash_bwd_ws(on: bool) {
-    FLASH_BWD_WS.with(|w| w.set(Some(on)));
+/// Whether this thread's wgmma flash kernels are the warp-specialised ones, forward and backward
+/// (head dims 64 and 128; default on: `FERROTRON_FLASH_FWD=wg` or `FERROTRON_FLASH_BWD=wg` in the
+/// environment turns one direction off, to the kernels whose warpgroups run in lockstep). Tests
+/// set it to run both kinds.
+pub fn set_flash_ws(on: bool) {
+    FLASH_WS.with(|w| w.set(Some(on)));
+}
+
+/// One direction's choice: this thread's `set_flash_ws`, else whether its variable says `wg`.
+fn flash_ws(var: &'static str, env: &'static std::sync::OnceLock<bool>) -> bool {
+    FLASH_WS.with(|w| w.get()).unwrap_or_else(|| *env.get_or_init(|| std::env::var(var).as_deref() != Ok("wg")))
+}
+
+pub(crate) fn flash_fwd_ws() -> bool {
+    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    flash_ws("FERROTRON_FLASH_FWD", &ENV)
 }
 
 pub(crate) fn flash_bwd_ws() -> bool {
     static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    FLASH_BWD_WS
-        .with(|w| w.get())
-        .unwrap_or_else(|| *ENV.get_or_init(|| std::env::var("FERROTRON_FLASH_BWD").as_deref() != Ok("wg")))
+    flash_ws("FERROTRON_FLASH_BWD", &ENV)
 }
 
 /// Whether this thread's ops must give the same bits on every run (off by default, as Megatron's

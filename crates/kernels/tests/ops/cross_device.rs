@@ -185,9 +185,9 @@ fn every_op_matches_cpu() {
             (2100, 2, 1, 64),
             (2060, 2, 1, 128),
         ];
-        // bf16 on an sm_90 GPU: the wgmma kernels (the backward's dQ by bulk reductions, then,
-        // deterministic, by its own kernel), the warp-specialised backward, then
-        // the mma.sync ones (wgmma off).
+        // bf16 on an sm_90 GPU: the wgmma kernels with warpgroups in lockstep (the backward's dQ
+        // by bulk reductions, then, deterministic, by its own kernel), the warp-specialised
+        // forward and backward, then the mma.sync ones (wgmma off).
         let modes = [(true, false, false), (true, true, false), (true, false, true), (false, false, false)];
         for ((wg, det, ws), (t, hq, hkv, d)) in modes.into_iter().flat_map(|m| shapes.map(|s| (m, s))) {
             if dt == DType::F32 && (!wg || det || ws) {
@@ -195,7 +195,7 @@ fn every_op_matches_cpu() {
             }
             ferrotron_kernels::cuda::set_wgmma(wg);
             ferrotron_kernels::cuda::set_deterministic(det);
-            ferrotron_kernels::cuda::set_flash_bwd_ws(ws);
+            ferrotron_kernels::cuda::set_flash_ws(ws);
             if dt == DType::F32 && t > 100 {
                 // The long shapes are for the bf16 tensor-core kernels; f32 sums over 150 rows
                 // drift past the 1e-5 f32 tolerance by accumulation order alone.
@@ -242,7 +242,7 @@ fn every_op_matches_cpu() {
             );
         }
         ferrotron_kernels::cuda::set_wgmma(true);
-        ferrotron_kernels::cuda::set_flash_bwd_ws(true);
+        ferrotron_kernels::cuda::set_flash_ws(true);
         if dt == DType::BF16 {
             // Deterministic mode: the backward twice on the GPU gives the same bits.
             ferrotron_kernels::cuda::set_deterministic(true);

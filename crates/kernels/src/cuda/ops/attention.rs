@@ -66,30 +66,11 @@ fn wg_blocks(compiled: &[usize], default: usize) -> usize {
     }
 }
 
-#[derive(Clone, Copy, PartialEq, Debug)]
-enum FwdChoice {
-    /// Per head dim and length, as measured (fwd_kernel).
-    Measured,
-    /// `FERROTRON_FLASH_FWD=wg`: warpgroups in lockstep at both head dims.
-    Warpgroups,
-    /// `ws`: warp-specialised with 64-key tiles at both head dims.
-    WarpSpecialised,
-    /// `ws128`: warp-specialised with 128-key tiles at both head dims (at 128 the producer hands
-    /// registers to the consumers, `setmaxnreg` 40 / 232; correct on the H200 but ≈ 10% slower
-    /// than the 64-key kernel there).
-    WarpSpecialised128,
-}
-
-/// The wgmma forward: the measured choice unless `FERROTRON_FLASH_FWD` names another (kept to
-/// measure against).
-fn fwd_choice() -> FwdChoice {
-    static CHOICE: std::sync::OnceLock<FwdChoice> = std::sync::OnceLock::new();
-    *CHOICE.get_or_init(|| match std::env::var("FERROTRON_FLASH_FWD").as_deref() {
-        Ok("wg") => FwdChoice::Warpgroups,
-        Ok("ws") => FwdChoice::WarpSpecialised,
-        Ok("ws128") => FwdChoice::WarpSpecialised128,
-        _ => FwdChoice::Measured,
-    })
+/// `FERROTRON_FLASH_FWD=ws64`: the warp-specialised forward with 64-key tiles at head dim 64 too
+/// (kept to measure against the 128-key tiles it uses there).
+fn fwd_ws_keys64() -> bool {
+    static CHOICE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *CHOICE.get_or_init(|| std::env::var("FERROTRON_FLASH_FWD").as_deref() == Ok("ws64"))
 }
 
 /// A tensor-core attention kernel's launch: name, rows (or keys) per block, threads, dynamic
@@ -102,24 +83,18 @@ struct TcLaunch {
 }
 
 /// The tensor-core forward for head dim `d` over `t` query rows. On sm_90, wgmma: the
-/// warp-specialised kernel (two consumer warpgroups, a producer warpgroup) at head dim 128, and at
-/// 64 from 2048 rows on with 128-key tiles; otherwise 64 rows per warpgroup, NW warpgroups per
-/// block sharing the K/V tiles in lockstep. Otherwise mma.sync, 4 warps: two m-tiles per warp at
-/// head dim 64 from 2048 rows on (H200, 16k tokens per call: 112 → 141–176 TFLOP/s from 2k to
-/// 16k, but slower at 1k than one m-tile); one otherwise (at 128 two do not fit the registers).
+/// warp-specialised kernel (two consumer warpgroups, a producer warpgroup; 64-key tiles at head
+/// dim 128, 128-key tiles at 64), or where `cuda::flash_fwd_ws` says no, 64 rows per warpgroup
+/// and NW warpgroups per block sharing the K/V tiles in lockstep. Otherwise mma.sync, 4 warps:
+/// two m-tiles per warp at head dim 64 from 2048 rows on (H200, 16k tokens per call: 112 →
+/// 141–176 TFLOP/s from 2k to 16k, but slower at 1k than one m-tile); one otherwise (at 128 two
+/// do not fit the registers).
 fn fwd_kernel(be: &B, d: usize, t: usize) -> TcLaunch {
-    use FwdChoice::*;
-    // H200, 16k tokens per call, swizzled tiles (kernels/README.md, v12): at head dim 128 the
-    // warp-specialised kernel 234–365 TFLOP/s over 1k–16k, the lockstep one 189–325; at 64 with
-    // 128-key tiles 193–326 against the lockstep kernel's 200–283 (which fits two blocks per SM
-    // and stays ahead at 1k) and 170–282 with 64-key tiles.
-    let ws_keys = match (d, fwd_choice()) {
-        (128, Measured | WarpSpecialised) | (64, WarpSpecialised) => Some(64),
-        (_, WarpSpecialised128) => Some(128),
-        (64, Measured) if t >= 2048 => Some(128),
-        _ => None,
-    };
-    if let (true, Some(keys)) = (be.use_wgmma(), ws_keys) {
+    if be.use_wgmma() && crate::cuda::flash_fwd_ws() {
+        // H200, 16k tokens per call, causal, over 1k–16k (kernels/README.md v20): head dim 128
+        // 285–517 TFLOP/s, head dim 64 with 128-key tiles 212–425 (lockstep: 202–350 with the
+        // kernels of the same build).
+        let keys = if d == 64 && !fwd_ws_keys64() { 128 } else { 64 };
         // FW_STAGES (3) stages of K and V tiles, 2 · 3 mbarriers, the two consumers' O tiles of
         // 64 padded rows (`fwd_store_staged`).
         let shared = (3 * 2 * keys * d * 2 + 2 * 3 * 8 + 2 * 64 * (d + 8) * 2) as u32;
@@ -154,7 +129,7 @@ fn bwd_plan(be: &B, d: usize, t: usize) -> BwdKernels {
     let wgmma = be.use_wgmma() && !crate::cuda::deterministic();
     // The warp-specialised kernel (kernels/flash_bwd_mma.cu `flash_bwd_dkvq_ws`; H200, 16k tokens
     // per call, D 64: 209–398 TFLOP/s over 1k–16k against 166–229 for the plan below, which
-    // `cuda::set_flash_bwd_ws(false)` or FERROTRON_FLASH_BWD=wg keeps).
+    // `cuda::set_flash_ws(false)` or FERROTRON_FLASH_BWD=wg keeps).
     if wgmma && crate::cuda::flash_bwd_ws() {
         return BwdKernels::Fused(TcLaunch {
             name: format!("flash_bwd_dkvq_ws2_bf16_{d}"),
