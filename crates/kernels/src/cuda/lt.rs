@@ -272,6 +272,15 @@ unsafe fn run(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d: u64, epi: Epi
             let remember = match &found {
                 Ok(v) if v.is_empty() => Some(None),
                 Ok(v) if v.len() > 1 && tune::enabled() => {
+                    // Only candidates whose split-K partial sums add up in fp32 (or that have
+                    // none) race the heuristic's own choice: a bf16 output summed in bf16 differs
+                    // by several ulps (an op test caught one: −1.789 for −1.75).
+                    let v: Vec<_> = v
+                        .iter()
+                        .enumerate()
+                        .filter(|&(i, a)| i == 0 || matches!(out, Out::F32) || sums_in_fp32(a))
+                        .map(|(_, a)| *a)
+                        .collect();
                     // Time the candidates where they cannot disturb D: in D itself when the
                     // product overwrites it (beta 0; the chosen one runs after), else in scratch.
                     let extent = (batch as i64 - 1) * sc + cfg.ldc * cfg.n as i64;
@@ -290,7 +299,7 @@ unsafe fn run(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d: u64, epi: Epi
                                 let (ta, tb) = (op(key.ta), op(key.tb));
                                 format!("{m}×{n}×{k} {ta}{tb} batch {b} epilogue {epi:?} out {out:?}")
                             };
-                            tune::fastest(stream, problem, v, |algo| launch(algo, dst))
+                            tune::fastest(stream, problem, &v, |algo| launch(algo, dst))
                         }
                         None => v[0],
                     }))
@@ -312,6 +321,29 @@ unsafe fn run(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d: u64, epi: Epi
         }
     };
     launch(&algo, d)
+}
+
+/// Whether an algorithm's split-K partial sums (if it splits K) are added in the compute type:
+/// the in-place and output-type reduction schemes add them in the output's type.
+fn sums_in_fp32(algo: &sys::cublasLtMatmulAlgo_t) -> bool {
+    let get = |attr| {
+        let (mut value, mut written) = (0u32, 0usize);
+        // SAFETY: `algo` is a live algorithm from the heuristic; both attributes are u32.
+        let st = unsafe {
+            sys::cublasLtMatmulAlgoConfigGetAttribute(
+                algo,
+                attr,
+                &mut value as *mut u32 as *mut c_void,
+                size_of::<u32>(),
+                &mut written,
+            )
+        };
+        (st == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS).then_some(value)
+    };
+    let splits = get(sys::cublasLtMatmulAlgoConfigAttributes_t::CUBLASLT_ALGO_CONFIG_SPLITK_NUM);
+    let scheme = get(sys::cublasLtMatmulAlgoConfigAttributes_t::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME);
+    let compute = sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE as u32;
+    matches!(splits, Some(0 | 1)) || scheme == Some(compute)
 }
 
 /// Up to `tune::CANDIDATES` algorithms from the heuristic, best first, for pointers of `align`
