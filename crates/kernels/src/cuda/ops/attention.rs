@@ -91,9 +91,9 @@ struct TcLaunch {
 /// do not fit the registers).
 fn fwd_kernel(be: &B, d: usize, t: usize) -> TcLaunch {
     if be.use_wgmma() && crate::cuda::flash_fwd_ws() {
-        // H200, 16k tokens per call, causal, over 1k–16k (kernels/README.md v20): head dim 128
-        // 285–517 TFLOP/s, head dim 64 with 128-key tiles 212–425 (lockstep: 202–350 with the
-        // kernels of the same build).
+        // H200, 16k tokens per call, causal, over 1k–16k (kernels/README.md v21): head dim 128
+        // 288–567 TFLOP/s, head dim 64 with 128-key tiles 207–434 (ahead of the lockstep kernel
+        // at 1k too: 207 against 202).
         let keys = if d == 64 && !fwd_ws_keys64() { 128 } else { 64 };
         // FW_STAGES (3) stages of K and V tiles, 2 · 3 mbarriers, the two consumers' O tiles of
         // 64 padded rows (`fwd_store_staged`).
