@@ -502,9 +502,11 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
 // and waits for S first; the warpgroups take turns (named barriers), so while one multiplies the
 // other computes its softmax ("ping-pong"). The softmax of tile it is written to run while P·V
 // of tile it − 1 still does (FlashAttention-3's intra-warpgroup overlap), but ptxas 13.0 puts the
-// wait for P·V before the first exponential (MUFU) whatever the source order (SASS, 2026-11-30:
-// at both head dims, with registers to spare), so only the row maxima overlap. What the
-// arrangement gains (kernels/README.md v20) comes from the two products issued together, one
+// wait for P·V before the first write into a register S occupied (SASS, 2026-11-30: at both head
+// dims, with registers to spare; the same with the exponentials replaced by multiplies, with P
+// in an array apart from S — ptxas reuses S's dead registers for it — and with a fence before
+// each product), so only the row maxima overlap. What the
+// arrangement gains (kernels/README.md v21) comes from the two products issued together, one
 // wait instead of two per turn, and no branch while a product runs: the mask's branch made
 // ptxas wait at its join, so key tiles that need no mask run in a loop of their own.
 // LATE (head dim 128): P stays in fp32 through the softmax and is packed to bf16 after the wait,
