@@ -505,10 +505,10 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
 // wait for P·V before the first write into a register S occupied (SASS, 2026-11-30: at both head
 // dims, with registers to spare; the same with the exponentials replaced by multiplies, with P
 // in an array apart from S — ptxas reuses S's dead registers for it — and with a fence before
-// each product), so only the row maxima overlap. What the
-// arrangement gains (kernels/README.md v21) comes from the two products issued together, one
-// wait instead of two per turn, and no branch while a product runs: the mask's branch made
-// ptxas wait at its join, so key tiles that need no mask run in a loop of their own.
+// each product), so only the row maxima overlap. What the arrangement gains (kernels/README.md
+// v21) comes from the two products issued together, one wait instead of two per turn, and no
+// branch while a product runs: the mask's branch made ptxas wait at its join, so key tiles
+// that need no mask run in a loop of their own.
 // LATE (head dim 128): P stays in fp32 through the softmax and is packed to bf16 after the wait,
 // and O's rescale is skipped when no row's max moved (a warp vote); at head dim 64 (128-key
 // tiles) P is packed inside the softmax and O always rescaled (measured faster there). The
