@@ -501,14 +501,15 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
 // cores issues S = Q·Kᵀ of tile it and O += P·V of tile it − 1 back to back as two commit groups
 // and waits for S first; the warpgroups take turns (named barriers), so while one multiplies the
 // other computes its softmax ("ping-pong"). The softmax of tile it is written to run while P·V
-// of tile it − 1 still does (FlashAttention-3's intra-warpgroup overlap), but ptxas 13.0 puts the
-// wait for P·V before the first write into a register S occupied (SASS, 2026-11-30: at both head
-// dims, with registers to spare; the same with the exponentials replaced by multiplies, with P
-// in an array apart from S — ptxas reuses S's dead registers for it — and with a fence before
-// each product), so only the row maxima overlap. What the arrangement gains (kernels/README.md
-// v21) comes from the two products issued together, one wait instead of two per turn, and no
-// branch while a product runs: the mask's branch made ptxas wait at its join, so key tiles
-// that need no mask run in a loop of their own.
+// of tile it − 1 still does (FlashAttention-3's intra-warpgroup overlap), but ptxas 13.0 places
+// the wait for P·V about 18 instructions after the wait for S, part-way through the row maxima,
+// whatever follows (SASS, 2026-11-30: at both head dims; the same with S kept live by a store
+// never taken so that P went to other registers, with the stage's release moved to the turn's
+// end or left out, with O's rescale moved to the next turn, with the exponentials replaced by
+// multiplies, with a fence before each product), so only part of the row maxima overlaps. What
+// the arrangement gains (kernels/README.md v21) comes from the two products issued together,
+// one wait instead of two per turn, and no branch while a product runs: the mask's branch made
+// ptxas wait at its join, so key tiles that need no mask run in a loop of their own.
 // LATE (head dim 128): P stays in fp32 through the softmax and is packed to bf16 after the wait,
 // and O's rescale is skipped when no row's max moved (a warp vote); at head dim 64 (128-key
 // tiles) P is packed inside the softmax and O always rescaled (measured faster there). The
