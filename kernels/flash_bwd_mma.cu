@@ -349,7 +349,7 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
                     u32 ab = smem_addr(dss), kb = smem_addr(ks) + (warp >> 2) * KEYS * 128;
                     #pragma unroll
                     for (int kk = 0; kk < KEYS / 16; kk++)
-                        wgmma_m64n64k16_ss<1, 1>(&dqc[0][0], wg_desc(ab + kk * 32 * FB_ROWS, 16 * FB_ROWS, 128),
+                        wgmma_m64n64k16_ss<1, 1>(&dqc[0][0], wg_step(wg_desc(ab, 16 * FB_ROWS, 128), kk * 32 * FB_ROWS),
                                                  sw_mnmajor(kb, KEYS, kk));
                 }
                 wg_finish<D / 2>(&dva[0][0]);
@@ -528,10 +528,14 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
     #pragma unroll
     for (int n = 0; n < NO; n++) for (int e = 0; e < 4; e++) { dka[n][e] = 0.f; dva[n][e] = 0.f; }
     mbar_wait(kvbar, 0);
+    // Step n's stage (n % ST), its parity ((n / ST) & 1), its query tile (n % nq) and the head of
+    // the group it belongs to (n / nq), stepped on rather than divided each step.
+    int stg = 0;
+    u32 phase = 0;
+    Pos qi = 0, qh = 0;
     for (Pos n = 0; n < nsteps; n++) {
-        int stg = n % ST;
-        Pos i0 = (Pos)ib + (n % nq) * FB_ROWS;
-        mbar_wait(&full[stg], (n / ST) & 1);
+        Pos i0 = (Pos)ib + qi * FB_ROWS;
+        mbar_wait(&full[stg], phase);
         fence_async_smem();
         const bf16_t* qs = qstage + stg * 2 * TILE;
         const bf16_t* dos = qs + TILE;
@@ -585,14 +589,14 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
             u32 ab = smem_addr(dss);
             #pragma unroll
             for (int kk = 0; kk < CK / 16; kk++)
-                wgmma_m64n64k16_ss<1, 1>(&dqc[0][0], wg_desc(ab + kk * 32 * FB_ROWS, 16 * FB_ROWS, 128),
+                wgmma_m64n64k16_ss<1, 1>(&dqc[0][0], wg_step(wg_desc(ab, 16 * FB_ROWS, 128), kk * 32 * FB_ROWS),
                                          sw_mnmajor(kb, KEYS, kk));
         } else {
             // A: dSᵀ of all 128 keys; B: column block wg of the K tile (all its rows).
             u32 ab = smem_addr(dsb), kc = smem_addr(ks) + wg * KEYS * 128;
             #pragma unroll
             for (int kk = 0; kk < KEYS / 16; kk++)
-                wgmma_m64n64k16_ss<1, 1>(&dqc[0][0], wg_desc(ab + kk * 32 * FB_ROWS, 16 * FB_ROWS, 128),
+                wgmma_m64n64k16_ss<1, 1>(&dqc[0][0], wg_step(wg_desc(ab, 16 * FB_ROWS, 128), kk * 32 * FB_ROWS),
                                          sw_mnmajor(kc, KEYS, kk));
         }
         wg_finish<D / 2>(&dva[0][0]);
@@ -607,11 +611,13 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
         fence_async_smem();
         named_sync(D == 64 ? 1 + wg : 2 + wg, 128);  // (D 128: barrier 1 is the consumers')
         if ((threadIdx.x & 127) == 0) {
-            long h = kvh * group + n / nq, cb = D == 64 ? 0 : wg;  // the piece's head and column block
+            long h = kvh * group + qh, cb = D == 64 ? 0 : wg;  // the piece's head and column block
             bulk_reduce_add(dqa + (((b * hq + h) * tp + i0 / 64) * (D / 64) + cb) * 4096, buf, 4096 * 4);
             // The buffer of step n − 1 is read before step n + 1 refills it.
             bulk_wait_read<1>();
         }
+        if (++stg == ST) { stg = 0; phase ^= 1; }
+        if (++qi == nq) { qi = 0; qh++; }
     }
     if ((threadIdx.x & 127) == 0) bulk_wait<0>();
     #pragma unroll

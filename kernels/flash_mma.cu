@@ -592,10 +592,11 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
     // while P V is in flight (ptxas waits for it there), so the loop's turns get `unmasked` as
     // a constant: the tiles that need no mask in one loop, the rest in another.
     auto turn = [&](long bt, bool pv, bool qk, bool unmasked) {
-        const bf16_t* kv_prev = stage + ((bt + FW_STAGES - 1) % FW_STAGES) * 2 * TILE;
-        const bf16_t* kv_cur = stage + (bt % FW_STAGES) * 2 * TILE;
+        const u32 ub = (u32)bt;  // stage arithmetic in 32 bits (a 64-bit % 3 is ~15 instructions)
+        const bf16_t* kv_prev = stage + ((ub + FW_STAGES - 1) % FW_STAGES) * 2 * TILE;
+        const bf16_t* kv_cur = stage + (ub % FW_STAGES) * 2 * TILE;
         if (qk) {
-            mbar_wait(&full[bt % FW_STAGES], (bt / FW_STAGES) & 1);
+            mbar_wait(&full[ub % FW_STAGES], (ub / FW_STAGES) & 1);
             fence_async_smem();
         }
         named_sync(mine, 256);
@@ -628,7 +629,7 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
             wg_wait<0>();
             wg_pin<D / 2>(&acc[0][0][0]);
             wg_keep<KEYS / 4>(&pa[0][0][0]);
-            mbar_arrive(&empty[(bt + FW_STAGES - 1) % FW_STAGES]);  // tile bt − 1 done
+            mbar_arrive(&empty[(ub + FW_STAGES - 1) % FW_STAGES]);  // tile bt − 1 done
         }
         if (qk) {
             if (moved) {

@@ -35,18 +35,24 @@ __device__ __forceinline__ int sw_offset(int r, int c, int rows) {
     return (c >> 3) * rows * 64 + r * 64 + ((c ^ r) & 7) * 8;
 }
 
+// `desc` moved on by `bytes` (a multiple of 16): an add into the start-address field, which
+// cannot carry out of it (shared addresses stay below 2^18). A k-loop's descriptors are then its
+// first one plus constants: one uniform add per wgmma instead of the add, shift, mask and move
+// of a descriptor built from each address (issue slots the consumer warps share; SASS).
+__device__ __forceinline__ u64 wg_step(u64 desc, u32 bytes) { return desc + (bytes >> 4); }
+
 // K-major operand (rows = M or N, D = K) from a swizzled tile of `rows` rows, its first row at
 // shared address `base` (row r of the tile starts r · 128 bytes after row 0), k-step kk (16
 // elements of D): within a 128-byte row the step moves the start by 32 bytes and the hardware's
 // XOR finds the chunks; SBO = 1024 (8 rows), LBO unused (1).
 __device__ __forceinline__ u64 sw_kmajor(u32 base, int rows, int kk) {
-    return wg_desc(base + (kk >> 2) * rows * 128 + (kk & 3) * 32, 16, 1024) | (1ull << 62);
+    return wg_step(wg_desc(base, 16, 1024) | (1ull << 62), (kk >> 2) * rows * 128 + (kk & 3) * 32);
 }
 
 // MN-major operand (rows = K, D = N) from a swizzled tile of `rows` rows, k-step ks (16 rows):
 // SBO = 1024 (next 8 rows along K), LBO = the column-block stride (next 64 along N).
 __device__ __forceinline__ u64 sw_mnmajor(u32 base, int rows, int ks) {
-    return wg_desc(base + ks * 2048, rows * 128, 1024) | (1ull << 62);
+    return wg_step(wg_desc(base, rows * 128, 1024) | (1ull << 62), ks * 2048);
 }
 
 #if WG_ARCH
