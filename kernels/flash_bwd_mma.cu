@@ -165,14 +165,17 @@ __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t*
 // flash_bwd_dkvq_ws (same fragments: this thread's keys jr0 and jr0 + 8, rows 8·nb + 2·tg + (e & 1)
 // of the 64-row query tile).
 // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ by wgmma for one warpgroup's 64 keys: its K and V rows at kb, vb in
-// swizzled tiles of `keys` rows, the Q and dO tiles at qb, ob; waited for.
+// swizzled tiles of `keys` rows, the Q and dO tiles at qb, ob; waited for. The first k-step
+// overwrites st and dpt (no zeroing before: 64 moves a step).
 template <int D>
 __device__ __forceinline__ void wg_scores_t(float (*st)[4], float (*dpt)[4], u32 kb, u32 vb, u32 qb, u32 ob,
                                             int keys) {
     wg_pin<32>(&dpt[0][0]);
     wg_start<32>(&st[0][0]);
+    wgmma_m64n64k16_ss<0, 0, 0>(&st[0][0], sw_kmajor(kb, keys, 0), sw_kmajor(qb, FB_ROWS, 0));
+    wgmma_m64n64k16_ss<0, 0, 0>(&dpt[0][0], sw_kmajor(vb, keys, 0), sw_kmajor(ob, FB_ROWS, 0));
     #pragma unroll
-    for (int kk = 0; kk < D / 16; kk++) {
+    for (int kk = 1; kk < D / 16; kk++) {
         wgmma_m64n64k16_ss(&st[0][0], sw_kmajor(kb, keys, kk), sw_kmajor(qb, FB_ROWS, kk));
         wgmma_m64n64k16_ss(&dpt[0][0], sw_kmajor(vb, keys, kk), sw_kmajor(ob, FB_ROWS, kk));
     }
@@ -217,14 +220,15 @@ __device__ __forceinline__ void store_dst(unsigned char* dss, const float (*dpt)
             *reinterpret_cast<u32*>(dss + ((w * 2 + rr) * 8 + nb) * 128 + g * 16 + tg * 4) =
                 pack_bf16(dpt[nb][2 * rr], dpt[nb][2 * rr + 1]);
 }
-// A warpgroup's 64 × 64 dQ piece times `scale` to `buf` in fragment order: this thread's 32
-// values at ((w4·8 + nb)·32 + lane)·4 + e, 16-byte stores, consecutive lanes side by side (no
-// bank conflicts).
-__device__ __forceinline__ void stage_dq(float* buf, const float (*dqc)[4], float scale, int w4, int lane) {
+// A warpgroup's 64 × 64 dQ piece (not yet times the softmax scale: flash_dq_tiles_bf16 applies
+// it once, saving 32 multiplies a step) to `buf` in fragment order: this thread's 32 values at
+// ((w4·8 + nb)·32 + lane)·4 + e, 16-byte stores, consecutive lanes side by side (no bank
+// conflicts).
+__device__ __forceinline__ void stage_dq(float* buf, const float (*dqc)[4], int w4, int lane) {
     #pragma unroll
     for (int nb = 0; nb < 8; nb++)
         *reinterpret_cast<float4*>(buf + ((w4 * 8 + nb) * 32 + lane) * 4) =
-            make_float4(dqc[nb][0] * scale, dqc[nb][1] * scale, dqc[nb][2] * scale, dqc[nb][3] * scale);
+            make_float4(dqc[nb][0], dqc[nb][1], dqc[nb][2], dqc[nb][3]);
 }
 
 // Dynamic shared memory of the dkv kernel (the host sizes it): the K and V tiles, two stages of
@@ -233,7 +237,7 @@ __device__ __forceinline__ void stage_dq(float* buf, const float (*dqc)[4], floa
 
 // dQ as well (DQ, wgmma only): dS (bf16, this step's 64 rows × the block's keys) goes through
 // shared memory, each warpgroup multiplies it by its D / NW = 64 columns of the K tile, writes
-// that 64 × 64 fp32 piece of dQ·scale to shared memory in fragment order and adds it to the fp32
+// that 64 × 64 fp32 piece of dQ / scale to shared memory in fragment order and adds it to the fp32
 // `dqa` (zeroed by the host) with one bulk reduction (cp.reduce.async.bulk .add.f32, 16 KB):
 // five products per tile instead of seven, no dQ kernel, but the sums' order depends on
 // scheduling. dqa holds those pieces whole, per (batch, head, 64-row tile, 64-column block);
@@ -359,7 +363,7 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
                 if constexpr (DQ) {
                     wg_pin<32>(&dqc[0][0]);
                     float* buf = dqs + (n & 1) * 4096;
-                    stage_dq(buf, dqc, scale, warp & 3, lane);
+                    stage_dq(buf, dqc, warp & 3, lane);
                     fence_async_smem();
                     named_sync(1 + (warp >> 2), 128);
                     if ((threadIdx.x & 127) == 0) {
@@ -541,10 +545,8 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
         const bf16_t* dos = qs + TILE;
         const float* ls = lstage + stg * 2 * FB_ROWS;
         const float* dls = ls + FB_ROWS;
-        // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: this consumer's 64 keys × 64 rows each.
+        // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: this consumer's 64 keys × 64 rows each (overwritten).
         float st[8][4], dpt[8][4];
-        #pragma unroll
-        for (int nb = 0; nb < 8; nb++) for (int e = 0; e < 4; e++) { st[nb][e] = 0.f; dpt[nb][e] = 0.f; }
         wg_scores_t<D>(st, dpt, kb, vb, smem_addr(qs), smem_addr(dos), KEYS);
         // Pᵀ into st, dSᵀ into dpt (no mask for a tile inside the sequence below the diagonal).
         if (D == 64 && !tile_full(i0, FB_ROWS, jc, CK, t, sl, causal, window)) {
@@ -607,7 +609,7 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
         // Every product that read stage stg is complete: hand it back to the producer.
         mbar_arrive(&empty[stg]);
         float* buf = dqs + (n & 1) * 4096;
-        stage_dq(buf, dqc, scale, warp & 3, lane);
+        stage_dq(buf, dqc, warp & 3, lane);
         fence_async_smem();
         named_sync(D == 64 ? 1 + wg : 2 + wg, 128);  // (D 128: barrier 1 is the consumers')
         if ((threadIdx.x & 127) == 0) {
@@ -645,7 +647,7 @@ FLASH_BWD_DKVQ_WS(128)
 // fragment order (row 16·w4 + 8·rr + g, column
 // 8·nb + 2·tg + c at ((w4·8 + nb)·32 + 4g + tg)·4 + 2rr + c). One thread per eight columns.
 extern "C" __global__ void flash_dq_tiles_bf16(const float* dqa, bf16_t* dq, long bsz, long t, long hq, long d,
-                                                long hkv, long fused) {
+                                                long hkv, long fused, float scale) {
     long x = (long)blockIdx.x * blockDim.x + threadIdx.x, groups = d / 8;
     if (x >= bsz * t * hq * groups) return;
     long c8 = x % groups, h = (x / groups) % hq, i = (x / (groups * hq)) % t, b = x / (groups * hq * t);
@@ -657,8 +659,8 @@ extern "C" __global__ void flash_dq_tiles_bf16(const float* dqa, bf16_t* dq, lon
     #pragma unroll
     for (int tg = 0; tg < 4; tg++) {
         float2 w = *reinterpret_cast<const float2*>(p + tg * 4);
-        v[2 * tg] = w.x;
-        v[2 * tg + 1] = w.y;
+        v[2 * tg] = w.x * scale;
+        v[2 * tg + 1] = w.y * scale;
     }
     const Place qp = q_place(h, hq, hkv, fused);
     st8(dq, ((b * t + i) * qp.heads + qp.head) * d + c8 * 8, v);

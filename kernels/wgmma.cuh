@@ -156,8 +156,8 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float* d, const u32* a, u64 
 }
 
 // d (64 × 64, fp32) += A (64 × 16, shared memory by `da`) · B (16 × 64 by `db`); TA / TB = 1
-// when A / B is MN-major (K-major otherwise).
-template <int TA = 0, int TB = 0>
+// when A / B is MN-major (K-major otherwise); SD = 0 overwrites d (no zeroing first).
+template <int TA = 0, int TB = 0, int SD = 1>
 __device__ __forceinline__ void wgmma_m64n64k16_ss(float* d, u64 da, u64 db) {
 #if WG_ARCH
     asm volatile(
@@ -176,7 +176,7 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float* d, u64 da, u64 db) {
           "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
           "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
           "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(da), "l"(db), "n"(1), "n"(TA), "n"(TB));
+        : "l"(da), "l"(db), "n"(SD), "n"(TA), "n"(TB));
 #else
     __trap();
 #endif

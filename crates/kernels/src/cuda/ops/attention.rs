@@ -265,14 +265,16 @@ fn tc_bwd(be: &B, x: &TcQkv, o: &Tensor, lse: &Tensor, dout: &Tensor, a: &AttnSh
     };
     match bwd_plan(be, d.d, d.t) {
         BwdKernels::Fused(l) => {
-            // dQ's fp32 tiles (64 rows × 64 columns per batch and head, rows padded to 64)
-            // start at zero (never poisoned); then one pass to bf16.
+            // dQ's fp32 tiles (64 rows × 64 columns per batch and head, rows padded to 64, sums
+            // of dS·K without the softmax scale) start at zero (never poisoned); then one pass
+            // to bf16 that applies the scale.
             let dev = Device::Cuda(be.dev.clone());
             let dqa = Tensor::zeros([d.b, d.hq, d.t.div_ceil(64) * 64, d.d], DType::F32, &dev)?;
             let grid = d.b * d.hkv * d.s.div_ceil(l.rows);
             be.launch(&l.name, grid as u32, l.threads, l.shared, &head(&[dk, dv, ptr("attn", &dqa)?])?)?;
             let groups = d.b * d.t * d.hq * d.d / 8;
-            let args = [ptr("attn", &dqa)?, dq, n(d.b), n(d.t), n(d.hq), n(d.d), n(d.hkv), Arg::I64(x.fused as i64)];
+            let fused = Arg::I64(x.fused as i64);
+            let args = [ptr("attn", &dqa)?, dq, n(d.b), n(d.t), n(d.hq), n(d.d), n(d.hkv), fused, Arg::F32(a.scale)];
             be.launch("flash_dq_tiles_bf16", groups.div_ceil(256) as u32, 256, 0, &args)
         }
         BwdKernels::Split(dql, dkvl) => {
