@@ -525,6 +525,14 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
     // build with 32-bit ones (same hot-path length in the SASS) ran 7% slower on the H200.
     using Pos = typename Pick<D == 64, long, int>::type;
     Pos jc = (Pos)j0 + wg * CK, jr0 = jc + (warp & 3) * 16 + g, jr1 = jr0 + 8, nsteps = (Pos)steps, nq = (Pos)qtiles;
+    // The steps whose tile needs no mask (`tile_full` of rows ib + 64·qi against this consumer's
+    // keys) are those with qlo ≤ qi < qhi: two compares a step instead of the test.
+    Pos qlo = 0, qhi = 0;
+    if (window == 0 && (long)jc + CK <= sl) {
+        long a = (long)jc + CK - 1 - ib, c = t - FB_ROWS - ib;
+        qlo = (Pos)(!causal || a <= 0 ? 0 : (a + FB_ROWS - 1) / FB_ROWS);
+        qhi = (Pos)(c < 0 ? 0 : c / FB_ROWS + 1);
+    }
     float* dqs = dqs_all + wg * 2 * 4096;
     u32 kb = smem_addr(ks) + wg * CK * 128, vb = smem_addr(vs) + wg * CK * 128;
     const float scale2 = scale * LOG2E;
@@ -549,9 +557,10 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
         float st[8][4], dpt[8][4];
         wg_scores_t<D>(st, dpt, kb, vb, smem_addr(qs), smem_addr(dos), KEYS);
         // Pᵀ into st, dSᵀ into dpt (no mask for a tile inside the sequence below the diagonal).
-        if (D == 64 && !tile_full(i0, FB_ROWS, jc, CK, t, sl, causal, window)) {
+        const bool unmasked = qi >= qlo && qi < qhi;
+        if (D == 64 && !unmasked) {
             mask_t(st, i0, jr0, jr1, tg, t, sl, causal, window);
-        } else if (D == 128 && !tile_full(i0, FB_ROWS, jc, CK, t, sl, causal, window)) {
+        } else if (D == 128 && !unmasked) {
             // `allowed` in 32-bit arithmetic (64-bit temporaries here spilled the D 128 scores):
             // row i0 + col against key jr0 (e < 2) or jr1 = jr0 + 8, i − j = dd + col (− 8).
             int left = (int)lmin(t - i0, FB_ROWS), dd = (int)(i0 - jr0), win = (int)window;
