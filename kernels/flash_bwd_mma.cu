@@ -241,7 +241,7 @@ __device__ __forceinline__ void stage_dq(float* buf, const float (*dqc)[4], int 
 // `dqa` (zeroed by the host) with one bulk reduction (cp.reduce.async.bulk .add.f32, 16 KB):
 // five products per tile instead of seven, no dQ kernel, but the sums' order depends on
 // scheduling. dqa holds those pieces whole, per (batch, head, 64-row tile, 64-column block);
-// flash_dq_tiles_bf16 turns them into dQ. (Vector atomics straight into [B, T, Hq, D] measured
+// flash_dq_tiles_bf16 scales them into dQ. (Vector atomics straight into [B, T, Hq, D] measured
 // 0–14% slower.)
 template <int D, bool WG = false, int NW = 1, bool DQ = false>
 __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse,
@@ -654,7 +654,8 @@ FLASH_BWD_DKVQ_WS(128)
 // dQ (bf16, [B, T, Hq, D], or with `fused` the query slots of dQKV: Place) from the bulk-reduced
 // fp32 tiles: per (batch, head, 64-row tile, 64-column block) 4096 floats in the dK/dV kernel's
 // fragment order (row 16·w4 + 8·rr + g, column
-// 8·nb + 2·tg + c at ((w4·8 + nb)·32 + 4g + tg)·4 + 2rr + c). One thread per eight columns.
+// 8·nb + 2·tg + c at ((w4·8 + nb)·32 + 4g + tg)·4 + 2rr + c), times the softmax `scale` the
+// tiles are summed without. One thread per eight columns.
 extern "C" __global__ void flash_dq_tiles_bf16(const float* dqa, bf16_t* dq, long bsz, long t, long hq, long d,
                                                 long hkv, long fused, float scale) {
     long x = (long)blockIdx.x * blockDim.x + threadIdx.x, groups = d / 8;

@@ -91,9 +91,9 @@ struct TcLaunch {
 /// do not fit the registers).
 fn fwd_kernel(be: &B, d: usize, t: usize) -> TcLaunch {
     if be.use_wgmma() && crate::cuda::flash_fwd_ws() {
-        // H200, 16k tokens per call, causal, over 1k–16k (kernels/README.md v21): head dim 128
-        // 288–567 TFLOP/s, head dim 64 with 128-key tiles 207–434 (ahead of the lockstep kernel
-        // at 1k too: 207 against 202).
+        // H200, 16k tokens per call, causal, over 1k–16k (kernels/README.md v21–v23): head dim
+        // 128 299–597 TFLOP/s, head dim 64 with 128-key tiles 208–444 (ahead of the lockstep
+        // kernel at 1k too: 207 against 202 in v21).
         let keys = if d == 64 && !fwd_ws_keys64() { 128 } else { 64 };
         // FW_STAGES (3) stages of K and V tiles, 2 · 3 mbarriers, the two consumers' O tiles of
         // 64 padded rows (`fwd_store_staged`).
@@ -128,7 +128,7 @@ fn bwd_plan(be: &B, d: usize, t: usize) -> BwdKernels {
     let (dq, dkv) = bwd_kernels(be, d);
     let wgmma = be.use_wgmma() && !crate::cuda::deterministic();
     // The warp-specialised kernel (kernels/flash_bwd_mma.cu `flash_bwd_dkvq_ws`; H200, 16k tokens
-    // per call, D 64: 209–398 TFLOP/s over 1k–16k against 166–229 for the plan below, which
+    // per call, D 64: 217–411 TFLOP/s over 1k–16k (v24) against 166–229 for the plan below, which
     // `cuda::set_flash_ws(false)` or FERROTRON_FLASH_BWD=wg keeps).
     if wgmma && crate::cuda::flash_bwd_ws() {
         return BwdKernels::Fused(TcLaunch {
