@@ -94,6 +94,52 @@ device_test!(bf16_storage_stays_close, |dev: &Device| {
     assert_close(&host(&c), &reference(1, 64, 16, 32, &a, false, &b, false), 2e-2, 0.15, "bf16 matmul");
 });
 
+/// A transposed (a weight gradient's Xᵀ) and large enough that `gemm_strided` splits C's rows
+/// over the pool's threads (m ≥ 32 per thread, 2^18 multiply-adds): every row block, the ragged
+/// last one included, equals the naive product, into a C with a row stride wider than n, written
+/// and accumulated; the columns past n are left alone; and through `gemm_batched`. Run on pools
+/// of 2, 3 and 4 threads.
+#[test]
+fn transposed_a_row_blocks_match_the_reference() {
+    let (m, n, kk, ldc) = (203, 37, 300, 41);
+    let (a, b) = (randv(kk * m, 11), randv(kk * n, 12));
+    let want = reference(1, m, n, kk, &a, true, &b, false);
+    let (a32, b32): (Vec<f32>, Vec<f32>) =
+        (a.iter().map(|&x| x as f32).collect(), b.iter().map(|&x| x as f32).collect());
+    for threads in [2, 3, 4] {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        for accumulate in [false, true] {
+            let mut c = vec![0.5f32; (m - 1) * ldc + n + 3];
+            pool.install(|| {
+                mm::gemm_strided(
+                    m,
+                    n,
+                    kk,
+                    mm::MatRef::new(&a32, m, true),
+                    mm::MatRef::new(&b32, n, false),
+                    &mut c,
+                    ldc,
+                    accumulate,
+                    1.0,
+                    true,
+                )
+            });
+            let got: Vec<f64> =
+                (0..m * n).map(|x| c[(x / n) * ldc + x % n] as f64 - if accumulate { 0.5 } else { 0.0 }).collect();
+            assert_close(&got, &want, 1e-4, 1e-4, &format!("{threads} threads, accumulate {accumulate}"));
+            for r in 0..m - 1 {
+                assert!(c[r * ldc + n..(r + 1) * ldc].iter().all(|&x| x == 0.5), "row {r}'s padding written");
+            }
+            assert!(c[(m - 1) * ldc + n..].iter().all(|&x| x == 0.5), "the tail past the last row written");
+        }
+        // The trainer's path (a batch of one, packed C): the same blocks.
+        let mut c = vec![0f32; m * n];
+        pool.install(|| mm::gemm_batched(1, m, n, kk, &a32, true, &b32, false, &mut c, false, 1.0));
+        let got: Vec<f64> = c.iter().map(|&x| x as f64).collect();
+        assert_close(&got, &want, 1e-4, 1e-4, &format!("batched, {threads} threads"));
+    }
+}
+
 #[test]
 fn shape_errors_name_the_op() {
     let dev = Device::Cpu;
