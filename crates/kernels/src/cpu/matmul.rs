@@ -55,60 +55,19 @@ pub fn gemm_strided<T: Real>(
     assert!(span(a, m, k) < a.data.len(), "gemm: A too short");
     assert!(span(b, k, n) < b.data.len(), "gemm: B too short");
     assert!((m - 1) * ldc + n <= c.len(), "gemm: C too short");
+    let par = if parallel && m * n * k >= PAR_WORK { Parallelism::Rayon(0) } else { Parallelism::None };
     // SAFETY: the asserts above bound every index the kernel touches; C does not alias A or B since
     // it is a distinct &mut borrow.
-    unsafe {
-        if parallel && m * n * k >= PAR_WORK {
-            gemm_raw_par(m, n, k, a, b, c.as_mut_ptr(), ldc, accumulate, alpha)
-        } else {
-            gemm_raw(m, n, k, a, b, c.as_mut_ptr(), ldc, accumulate, alpha, Parallelism::None)
-        }
-    }
-}
-
-/// `gemm_raw` on the pool's threads. With A stored transposed (the weight gradient dYᵀ·X: m
-/// output features, k tokens), C's rows in blocks, one per thread, each a serial product: on 2
-/// cores equal to the gemm crate's own threading or up to 16% faster at the tiny preset's
-/// shapes when the machine is idle, 1.2–1.6× while another process loads it (benches/NOTES.md);
-/// each element is still summed by one thread over all of k (the trainer's losses are the same
-/// bits). Otherwise the crate's threading.
-///
-/// # Safety
-/// As `gemm_raw`.
-#[allow(clippy::too_many_arguments)]
-unsafe fn gemm_raw_par<T: Real>(
-    m: usize,
-    n: usize,
-    k: usize,
-    a: MatRef<'_, T>,
-    b: MatRef<'_, T>,
-    c: *mut T,
-    ldc: usize,
-    accumulate: bool,
-    alpha: T,
-) {
-    use rayon::prelude::*;
-    let threads = rayon::current_num_threads();
-    if a.rs == 1 && a.cs > 1 && threads > 1 && m >= 32 * threads {
-        let rows = m.div_ceil(threads).next_multiple_of(16);
-        let out = OutPtr(c);
-        (0..m.div_ceil(rows)).into_par_iter().for_each(|i| {
-            let (r0, o) = (i * rows, out);
-            let a = MatRef { data: &a.data[r0..], rs: 1, cs: a.cs };
-            // SAFETY: block i reads A's columns and writes C's rows [r0, r0 + rows) only, within
-            // the caller's contract.
-            unsafe {
-                gemm_raw(rows.min(m - r0), n, k, a, b, o.0.add(r0 * ldc), ldc, accumulate, alpha, Parallelism::None)
-            }
-        });
-    } else {
-        // SAFETY: the caller's contract.
-        unsafe { gemm_raw(m, n, k, a, b, c, ldc, accumulate, alpha, Parallelism::Rayon(0)) }
-    }
+    unsafe { gemm_raw(m, n, k, a, b, c.as_mut_ptr(), ldc, accumulate, alpha, par) }
 }
 
 /// The `gemm` crate call behind every CPU GEMM: C[m,n] = alpha·A·B (+ C when `accumulate`), C at
-/// `c` with row stride `ldc`.
+/// `c` with row stride `ldc`. Threaded (`Parallelism::Rayon`) with A stored transposed (the weight
+/// gradient dYᵀ·X: m output features, k tokens): C's rows in blocks, one per thread, each a
+/// serial product: on 2 cores equal to the gemm crate's own threading or up to 16% faster at the
+/// tiny preset's shapes when the machine is idle, 1.2–1.6× while another process loads it
+/// (benches/NOTES.md); each element is still summed by one thread over all of k (the trainer's
+/// losses are the same bits). Otherwise the crate's threading.
 ///
 /// # Safety
 /// A and B hold every element their strides reach for m×k and k×n; `c` is valid for writes of
@@ -127,6 +86,22 @@ unsafe fn gemm_raw<T: Real>(
     alpha: T,
     par: Parallelism,
 ) {
+    use rayon::prelude::*;
+    let threads = rayon::current_num_threads();
+    if matches!(par, Parallelism::Rayon(_)) && a.rs == 1 && a.cs > 1 && threads > 1 && m >= 32 * threads {
+        let rows = m.div_ceil(threads).next_multiple_of(16);
+        let out = OutPtr(c);
+        (0..m.div_ceil(rows)).into_par_iter().for_each(|i| {
+            let (r0, o) = (i * rows, out);
+            let a = MatRef { data: &a.data[r0..], rs: 1, cs: a.cs };
+            // SAFETY: block i reads A's columns and writes C's rows [r0, r0 + rows) only, within
+            // the caller's contract.
+            unsafe {
+                gemm_raw(rows.min(m - r0), n, k, a, b, o.0.add(r0 * ldc), ldc, accumulate, alpha, Parallelism::None)
+            }
+        });
+        return;
+    }
     // SAFETY: the caller's contract.
     unsafe {
         gemm::gemm(
@@ -270,16 +245,11 @@ unsafe fn batched_into<T: Real>(
     let run = |i: usize| {
         let am = MatRef::new(&a[i * sa..(i + 1) * sa], if ta { m } else { k }, ta);
         let bm = MatRef::new(&b[i * sb..(i + 1) * sb], if tb { k } else { n }, tb);
+        let par = if big { Parallelism::Rayon(0) } else { Parallelism::None };
         let o = out;
         // SAFETY: matrix i owns elements [i·sc, (i+1)·sc) of `out` (the caller's contract); A and
         // B are in bounds (checked above, packed with the strides MatRef::new gives).
-        unsafe {
-            if big {
-                gemm_raw_par(m, n, k, am, bm, o.0.add(i * sc), n, accumulate, alpha)
-            } else {
-                gemm_raw(m, n, k, am, bm, o.0.add(i * sc), n, accumulate, alpha, Parallelism::None)
-            }
-        }
+        unsafe { gemm_raw(m, n, k, am, bm, o.0.add(i * sc), n, accumulate, alpha, par) }
     };
     if big {
         (0..batch).for_each(run);
