@@ -19,6 +19,7 @@ p.add_argument("--clip", type=float, default=1.0)
 p.add_argument("--style", choices=["gpt2", "llama"], default="gpt2")
 p.add_argument("--groups", type=int, default=0)  # llama: query groups (GQA)
 p.add_argument("--ffn", type=int, default=0)  # llama: SwiGLU width
+p.add_argument("--profile", type=int, default=0)  # N > 0: a CUDA profiler range over N steps, no timing
 a = p.parse_args()
 dev = "cuda"
 torch.backends.cuda.matmul.allow_tf32 = True
@@ -46,6 +47,16 @@ def step():
 for _ in range(a.warmup):
     step()
 torch.cuda.synchronize()
+
+if a.profile > 0:
+    # A CUDA profiler range over N steps after warm-up, for `ncu --profile-from-start off`
+    # (`cargo xtask bench --gpu-profile`, which runs Ferrotron's `--profile` range the same way).
+    torch.cuda.cudart().cudaProfilerStart()
+    for _ in range(a.profile):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    raise SystemExit(0)
 torch.cuda.reset_peak_memory_stats()
 t0 = time.perf_counter()
 for _ in range(a.iters):

@@ -125,9 +125,10 @@ __device__ float block_max(float v) {
 // Column sums over many rows (bias and norm parameter gradients) run in two passes: partial sums
 // of COL_CHUNK rows each (one thread per chunk and column, reads coalesced along the row), then
 // col_sum_f32 adds a column's partials in a fixed order: a block of 8 warps per 32 columns, warp w
-// summing chunks w, w + 8, ..., then warp 0 the 8 results. Same bits every run.
+// summing chunks w, w + 8, ..., then warp 0 the 8 results. Same bits every run. With `acc` the sum
+// is added to y (a main_grad view: no separate add pass), else y is overwritten.
 #define COL_CHUNK 64
-extern "C" __global__ void __launch_bounds__(256) col_sum_f32(const float* p, float* y, long chunks, long c) {
+extern "C" __global__ void __launch_bounds__(256) col_sum_f32(const float* p, float* y, long chunks, long c, long acc) {
     __shared__ float part[8][33];
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     long j = (long)blockIdx.x * 32 + lane;
@@ -138,7 +139,7 @@ extern "C" __global__ void __launch_bounds__(256) col_sum_f32(const float* p, fl
     if (w == 0 && j < c) {
         float total = 0.f;
         for (int x = 0; x < 8; x++) total += part[x][lane];
-        y[j] = total;
+        y[j] = acc ? y[j] + total : total;
     }
 }
 

@@ -259,35 +259,80 @@ fn header_flops_per_token(log: &str) -> Option<f64> {
 }
 
 /// `cargo xtask bench --gpu-profile [FERROTRON_BIN] [PRESET...]`: where a bench step's GPU time
-/// goes. Runs the bench's `ferrotron train` (PROFILE_ITERS steps, default 2, plus the final
-/// evaluation batch) under Nsight Compute, timing every kernel (`gpu__time_duration`, clocks left
-/// alone), and prints the kernels by total time (PROFILE_TOP rows, default 30), then the time per
-/// part of the step (GEMMs, attention, norms, optimizer, …).
+/// goes, beside the PyTorch reference's. Both sides run under Nsight Compute with
+/// `--profile-from-start off`, timing every kernel (`gpu__time_duration`, clocks left alone) of
+/// PROFILE_ITERS training steps (default 2) after three warm-up steps: Ferrotron through its
+/// `--profile` range, benches/torch_gpu_gpt.py through `--profile` (BENCH_TORCH=0 skips it).
+/// Prints each side's kernels by total time (PROFILE_TOP rows, default 30), then the time per part
+/// of the step (GEMMs, attention, norms, optimizer, …) side by side. ncu runs each kernel alone,
+/// so these are kernel times at the clock an idle card holds, not a loaded step's.
 fn gpu_profile(args: &[String]) -> anyhow::Result<()> {
     let (bin, presets) = bench_bin_and_presets(args);
-    let iters = std::env::var("PROFILE_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(2u64);
+    let steps = std::env::var("PROFILE_ITERS").ok().and_then(|v| v.parse().ok()).filter(|&n| n > 0).unwrap_or(2u64);
     let top = std::env::var("PROFILE_TOP").ok().and_then(|v| v.parse().ok()).unwrap_or(30usize);
+    let torch = !std::env::var("BENCH_TORCH").is_ok_and(|v| v == "0");
     let ncu = ["ncu", "/usr/local/cuda/bin/ncu"]
         .into_iter()
         .find(|c| Command::new(c).arg("--version").output().is_ok_and(|o| o.status.success()))
         .context("Nsight Compute (ncu) not found on PATH or in /usr/local/cuda/bin")?;
+    // Steps before the range: first allocations and GEMM algorithm choices (Ferrotron), the
+    // compile (PyTorch).
+    const WARM: u64 = 3;
     for p in &presets {
         let shape =
             bench_shape(p).with_context(|| format!("no GPU bench shape for preset {p}: use 124m, 1.3b or llama-1b"))?;
-        let out = Command::new(ncu)
-            .args(["--clock-control", "none", "--metrics", "gpu__time_duration.sum", "--csv"])
-            .arg(&bin)
-            .args(bench_train_args(p, shape.micro, iters, 1))
-            .output()
-            .with_context(|| format!("running {ncu} on {}", bin.display()))?;
-        if !out.status.success() {
-            bail!("{ncu} on {p} exited with {}: {}", out.status, String::from_utf8_lossy(&out.stderr));
-        }
-        let rows = xtask::profile::kernel_times(&String::from_utf8_lossy(&out.stdout))?;
-        print!("{}", xtask::profile::table(p, &rows, top));
-        print!("{}", xtask::profile::category_table(&rows));
+        let mut ours_args = bench_train_args(p, shape.micro, WARM + steps, WARM + steps);
+        let range = [WARM.to_string(), (WARM + steps).to_string()];
+        ours_args.extend(multi::owned(&[
+            "--profile",
+            "--profile-step-start",
+            &range[0],
+            "--profile-step-end",
+            &range[1],
+        ]));
+        let ours = ncu_kernel_times(ncu, bin.as_os_str(), &ours_args)?;
+        print!("{}", xtask::profile::table(&format!("{p} ferrotron, {steps} steps"), &ours, top));
+        let theirs = if torch {
+            let BenchShape { layers, hidden, heads, seq, micro, torch_style } = shape;
+            let mut a = vec![root().join("benches/torch_gpu_gpt.py").display().to_string()];
+            a.extend(multi::owned(&["--layers", &layers.to_string(), "--hidden", &hidden.to_string()]));
+            a.extend(multi::owned(&["--heads", &heads.to_string(), "--seq", &seq.to_string()]));
+            a.extend(multi::owned(&["--micro", &micro.to_string(), "--flops-per-token", "0"]));
+            a.extend(multi::owned(&["--warmup", &WARM.to_string(), "--profile", &steps.to_string()]));
+            a.extend(torch_style.iter().map(|x| x.to_string()));
+            let t = ncu_kernel_times(ncu, std::ffi::OsStr::new("python3"), &a)?;
+            print!("{}", xtask::profile::table(&format!("{p} pytorch compile+SDPA, {steps} steps"), &t, top));
+            t
+        } else {
+            Vec::new()
+        };
+        print!("{}", xtask::profile::compare_table(&ours, &theirs, steps as f64));
     }
     Ok(())
+}
+
+/// Kernel times of `program args` under ncu, recording only inside the program's CUDA profiler
+/// range.
+fn ncu_kernel_times(
+    ncu: &str,
+    program: &std::ffi::OsStr,
+    args: &[String],
+) -> anyhow::Result<Vec<xtask::profile::KernelTime>> {
+    let what = program.to_string_lossy();
+    // Inductor's compile workers are processes of their own: ncu is kept out of them, and
+    // TORCHINDUCTOR_COMPILE_THREADS=1 keeps the compile in the profiled process.
+    let out = Command::new(ncu)
+        .args(["--target-processes", "application-only", "--profile-from-start", "off", "--clock-control", "none"])
+        .args(["--metrics", "gpu__time_duration.sum", "--csv"])
+        .arg(program)
+        .args(args)
+        .env("TORCHINDUCTOR_COMPILE_THREADS", "1")
+        .output()
+        .with_context(|| format!("running {ncu} on {what}"))?;
+    if !out.status.success() {
+        bail!("{ncu} on {what} exited with {}: {}", out.status, String::from_utf8_lossy(&out.stderr));
+    }
+    xtask::profile::kernel_times(&String::from_utf8_lossy(&out.stdout)).with_context(|| format!("{ncu} on {what}"))
 }
 
 /// The ferrotron binary (an explicit first argument, else target/release/ferrotron) and the

@@ -79,33 +79,38 @@ pub fn table(preset: &str, rows: &[KernelTime], top: usize) -> String {
     s
 }
 
-/// The part of a training step a kernel belongs to, from its name (Ferrotron's kernels/ names and
-/// cuBLASLt's): what the bench notes add up by hand otherwise.
+/// The part of a training step a kernel belongs to, from its name: Ferrotron's kernels/ names,
+/// cuBLASLt's, and the PyTorch reference's (cuDNN attention, Triton kernels named after the ops
+/// they fuse, ATen's optimizer and reductions). GEMM epilogues stay GEMMs.
 pub fn category(name: &str) -> &'static str {
     let has = |p: &[&str]| p.iter().any(|x| name.contains(x));
     if has(&["nvjet", "xmma", "gemm", "splitKreduce", "cutlass"]) {
         "GEMMs (cuBLASLt)"
-    } else if has(&["flash_", "attn_"]) {
+    } else if has(&["flash_", "attn_", "sdpa", "fmha", "compute_dot_do_o", "convert_dq"]) {
         "attention"
-    } else if has(&["layernorm", "rmsnorm", "norm_param_grad"]) {
+    } else if has(&["layernorm", "rmsnorm", "norm_param_grad", "layer_norm", "rms_norm"]) {
         "norms"
-    } else if has(&["adamw", "sum_sq"]) {
+    } else if has(&["adam", "sum_sq", "sum_partials", "FusedOpti", "multi_tensor_apply", "lpnorm", "NormTwoOps"]) {
         "optimizer (AdamW, grad norm)"
-    } else if has(&["ce_fwd", "ce_bwd"]) {
+    } else if has(&["ce_fwd", "ce_bwd", "log_softmax", "nll_loss"]) {
         "cross-entropy"
-    } else if has(&["qkv_split", "qkv_merge", "rope"]) {
+    } else if has(&["gelu", "silu", "swiglu"]) {
+        "activations (outside GEMM epilogues)"
+    } else if has(&["qkv_split", "qkv_merge", "rope", "permute"]) {
         "qkv split/merge, RoPE"
-    } else if has(&["bias_grad", "col_sum", "acc_"]) {
+    } else if has(&["bias_grad", "col_sum", "acc_", "fused_sum", "reduce_kernel"]) {
         "bias grads, main_grad adds"
     } else {
         "other elementwise"
     }
 }
 
-/// Time per `category`, largest first: a markdown table with each one's share.
-pub fn category_table(rows: &[KernelTime]) -> String {
-    let total: f64 = rows.iter().map(|k| k.ms).sum();
-    let mut cats: Vec<(&str, f64, usize)> = Vec::new();
+/// Milliseconds and launches.
+type Side = (f64, usize);
+
+/// (ms, launches) per `category`.
+fn by_category(rows: &[KernelTime]) -> Vec<(&'static str, f64, usize)> {
+    let mut cats: Vec<(&'static str, f64, usize)> = Vec::new();
     for k in rows {
         let c = category(&k.name);
         match cats.iter_mut().find(|x| x.0 == c) {
@@ -116,10 +121,38 @@ pub fn category_table(rows: &[KernelTime]) -> String {
             None => cats.push((c, k.ms, k.calls)),
         }
     }
-    cats.sort_by(|a, b| b.1.total_cmp(&a.1));
-    let mut s = String::from("\n| ms | share | launches | part of the step |\n|---|---|---|---|\n");
-    for (c, ms, calls) in cats {
-        s.push_str(&format!("| {ms:.2} | {:.1}% | {calls} | {c} |\n", 100.0 * ms / total.max(f64::MIN_POSITIVE)));
+    cats
+}
+
+/// Time and launches per `category` and training step (`steps` steps profiled), Ferrotron beside
+/// PyTorch, larger first, then the total; with `theirs` empty (not profiled) its columns are
+/// dashes. The last column is Ferrotron's time over PyTorch's: below 1 is where Ferrotron is ahead.
+pub fn compare_table(ours: &[KernelTime], theirs: &[KernelTime], steps: f64) -> String {
+    let (a, b) = (by_category(ours), by_category(theirs));
+    let names: Vec<&str> = a.iter().chain(&b).map(|x| x.0).collect();
+    let get = |v: &[(&str, f64, usize)], n: &str| v.iter().find(|x| x.0 == n).map_or((0.0, 0), |x| (x.1, x.2));
+    let mut rows: Vec<(&str, Side, Side)> = Vec::new();
+    for n in names {
+        if !rows.iter().any(|r| r.0 == n) {
+            rows.push((n, get(&a, n), get(&b, n)));
+        }
+    }
+    rows.sort_by(|x, y| y.1.0.max(y.2.0).total_cmp(&x.1.0.max(x.2.0)));
+    let total = |v: &[(&str, f64, usize)]| (v.iter().map(|x| x.1).sum::<f64>(), v.iter().map(|x| x.2).sum::<usize>());
+    rows.push(("all kernels", total(&a), total(&b)));
+    let torch = !theirs.is_empty();
+    let mut s = String::from(
+        "\n| part of the step | Ferrotron ms / step | launches | PyTorch ms / step | launches | Ferrotron / PyTorch |\n|---|---|---|---|---|---|\n",
+    );
+    for (n, (ms, calls), (tms, tcalls)) in rows {
+        let (o, oc) = (ms / steps, calls as f64 / steps);
+        let (t, tc, r) = if torch {
+            let r = if tms > 0.0 { format!("{:.2}", ms / tms) } else { "–".into() };
+            (format!("{:.2}", tms / steps), format!("{:.0}", tcalls as f64 / steps), r)
+        } else {
+            ("–".into(), "–".into(), "–".into())
+        };
+        s.push_str(&format!("| {n} | {o:.2} | {oc:.0} | {t} | {tc} | {r} |\n"));
     }
     s
 }
@@ -151,22 +184,42 @@ iter 1 loss 8.6\n\
     }
 
     #[test]
-    fn kernels_add_up_by_part_of_the_step() {
-        let rows = [
-            ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", 6.0, 3),
-            ("void cublasLt::splitKreduce_kernel<32, 16>", 1.0, 2),
-            ("flash_bwd_dkvq_wg1_bf16_64", 2.0, 1),
+    fn kernels_add_up_by_part_of_the_step_beside_pytorch() {
+        let ours = [
+            ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", 6.0, 4),
+            ("void cublasLt::splitKreduce_kernel<32, 16>", 2.0, 2),
+            ("flash_bwd_dkvq_wg1_bf16_64", 2.0, 2),
             ("layernorm_bwd_bf16_v8n1", 0.5, 4),
-            ("adamw_runs_bf16", 0.5, 1),
         ]
         .map(|(n, ms, calls)| KernelTime { name: n.into(), ms, calls });
-        assert_eq!(category(&rows[1].name), "GEMMs (cuBLASLt)");
+        let theirs = [
+            ("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_TNN", 10.0, 6),
+            ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26", 1.0, 2),
+            ("triton_per_fused__to_copy_add_native_layer_norm_backward_view_9", 1.0, 2),
+            ("triton_poi_fused_gelu_gelu_backward_view_6", 1.0, 2),
+        ]
+        .map(|(n, ms, calls)| KernelTime { name: n.into(), ms, calls });
+        assert_eq!(category(&ours[1].name), "GEMMs (cuBLASLt)");
         assert_eq!(category("qkv_split_bf16_v8"), "qkv split/merge, RoPE");
-        assert_eq!(category("swiglu_fwd_bf16_v8"), "other elementwise");
-        let t = category_table(&rows);
-        assert!(t.contains("| 7.00 | 70.0% | 5 | GEMMs (cuBLASLt) |"), "{t}");
-        assert!(t.contains("| 2.00 | 20.0% | 1 | attention |"), "{t}");
+        assert_eq!(category("swiglu_fwd_bf16_v8"), "activations (outside GEMM epilogues)");
+        assert_eq!(category("nvjet_sm90_tst_192x128_64x5_1x2_h_bz_coopA_geluauxbias_auxt_TNN"), "GEMMs (cuBLASLt)");
+        assert_eq!(
+            category("void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata>"),
+            "optimizer (AdamW, grad norm)"
+        );
+        assert_eq!(
+            category("triton_red_fused__log_softmax__to_copy__unsafe_view_prepare_softmax_online_view_18"),
+            "cross-entropy"
+        );
+        let t = compare_table(&ours, &theirs, 2.0);
+        assert!(t.contains("| GEMMs (cuBLASLt) | 4.00 | 3 | 5.00 | 3 | 0.80 |"), "{t}");
+        assert!(t.contains("| attention | 1.00 | 1 | 0.50 | 1 | 2.00 |"), "{t}");
+        assert!(t.contains("| activations (outside GEMM epilogues) | 0.00 | 0 | 0.50 | 1 | 0.00 |"), "{t}");
+        assert!(t.contains("| all kernels | 5.25 | 6 | 6.50 | 6 | 0.81 |"), "{t}");
         assert!(t.find("GEMMs").unwrap() < t.find("attention").unwrap(), "largest first: {t}");
+        assert!(t.trim_end().ends_with("0.81 |"), "total last: {t}");
+        let alone = compare_table(&ours, &[], 2.0);
+        assert!(alone.contains("| attention | 1.00 | 1 | – | – | – |"), "{alone}");
     }
 
     #[test]

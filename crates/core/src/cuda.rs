@@ -83,6 +83,15 @@ impl CudaDevice {
     pub fn synchronize(&self) -> Result<()> {
         self.compute.synchronize().map_err(driver_err)
     }
+
+    /// Opens (`true`) or closes the range a profiler started with `--profile-from-start off`
+    /// (Nsight Compute) or `--capture-range=cudaProfilerApi` (Nsight Systems) records: the work
+    /// queued in between. Without a profiler attached it does nothing.
+    pub fn profiler_range(&self, on: bool) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(driver_err)?;
+        let r = if on { cudarc::driver::profiler_start() } else { cudarc::driver::profiler_stop() };
+        r.map_err(driver_err)
+    }
 }
 
 /// An allocation failure, naming the size asked for and what the device has in use.

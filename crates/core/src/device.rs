@@ -49,6 +49,19 @@ impl Device {
         matches!(self, Device::Cpu)
     }
 
+    /// Opens (`true`) or closes a CUDA profiler range (`CudaDevice::profiler_range`); the CPU has
+    /// none, so there it does nothing.
+    pub fn profiler_range(&self, on: bool) -> Result<()> {
+        match self {
+            Device::Cpu => {
+                let _ = on;
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda(d) => d.profiler_range(on),
+        }
+    }
+
     /// Same physical device (CPU, or the same CUDA ordinal).
     pub fn same(&self, other: &Device) -> bool {
         self.name() == other.name()

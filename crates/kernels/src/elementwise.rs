@@ -68,7 +68,7 @@ pub fn bias_grad(dy: &Tensor) -> Result<Tensor> {
     check::float(OP, dy)?;
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[dy])? {
-        return crate::cuda::ops::bias_grad(&g, dy);
+        return crate::cuda::ops::bias_grad(&g, dy, crate::cuda::ops::SumTo::New);
     }
     check::on_cpu(OP, &[dy])?;
     let c = dy.shape().last();
@@ -81,6 +81,25 @@ pub fn bias_grad(dy: &Tensor) -> Result<Tensor> {
         }
     });
     check::out(s, [c], DType::F32, dy.device())
+}
+
+/// dst [C] += Σ over rows of dy [..., C]: the bias gradient added into main_grad (on a GPU an f32
+/// `dst` takes the column sums directly, with no add pass after).
+pub fn bias_grad_into(dst: &Tensor, dy: &Tensor) -> Result<()> {
+    const OP: &str = "bias_grad_into";
+    check::float(OP, dst)?;
+    check::shape(OP, dst, &[dy.shape().last()])?;
+    if dst.shares_storage(dy) {
+        return Err(invalid(OP, "dst and dy must not share storage"));
+    }
+    #[cfg(feature = "cuda")]
+    if dst.dtype() == DType::F32
+        && let Some(g) = crate::cuda::gpu(OP, &[dst, dy])?
+    {
+        check::float(OP, dy)?;
+        return crate::cuda::ops::bias_grad(&g, dy, crate::cuda::ops::SumTo::Add(dst)).map(drop);
+    }
+    add_(dst, &bias_grad(dy)?)
 }
 
 /// x · s as a new tensor.

@@ -33,13 +33,13 @@ mod rope;
 pub use activation::{gelu, gelu_bwd, silu, silu_bwd, softmax, softmax_bwd, swiglu, swiglu_bwd};
 pub use attention::{AttnCfg, attention_bwd, attention_bwd_qkv, attention_fwd, attention_fwd_qkv};
 pub use check::set_device_ids_prechecked;
-pub use elementwise::{add, add_, bias_add, bias_grad, cast, copy_, scale, scale_};
+pub use elementwise::{add, add_, bias_add, bias_grad, bias_grad_into, cast, copy_, scale, scale_};
 pub use embedding::{embedding_bwd, embedding_bwd_shard, embedding_fwd, embedding_fwd_shard};
 pub use loss::{CrossEntropyCfg, ce_combine_shards, cross_entropy_bwd, cross_entropy_fwd, cross_entropy_fwd_bwd_};
 pub use matmul::{linear_gelu, matmul, matmul_bias, matmul_bwd, matmul_dgelu, matmul_into};
 pub use norm::{
-    add_layernorm_fwd, add_rmsnorm_fwd, layernorm_bwd, layernorm_bwd_add, layernorm_fwd, rmsnorm_bwd, rmsnorm_bwd_add,
-    rmsnorm_fwd,
+    add_layernorm_fwd, add_rmsnorm_fwd, layernorm_bwd, layernorm_bwd_add, layernorm_bwd_into, layernorm_fwd,
+    rmsnorm_bwd, rmsnorm_bwd_add, rmsnorm_bwd_into, rmsnorm_fwd,
 };
 pub use optim::{
     AdamPrep, AdamRun, AdamRuns, AdamW, adam_prepare, adam_state, adamw_runs, adamw_step, global_l2_norm, sum_sq,

@@ -83,7 +83,7 @@ pub fn layernorm_bwd(
     mean: &Tensor,
     rstd: &Tensor,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    layernorm_bwd_res(dy, x, w, mean, rstd, None)
+    layernorm_bwd_res(dy, x, w, mean, rstd, None, None)
 }
 
 /// `layernorm_bwd` with the residual stream's gradient added to dx: (dx + res, dweight, dbias)
@@ -96,7 +96,57 @@ pub fn layernorm_bwd_add(
     rstd: &Tensor,
     res: &Tensor,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    layernorm_bwd_res(dy, x, w, mean, rstd, Some(res))
+    layernorm_bwd_res(dy, x, w, mean, rstd, Some(res), None)
+}
+
+/// `layernorm_bwd` (with `res` as `layernorm_bwd_add`) whose parameter gradients are added into
+/// `dw` and `db` [C] (main_grad views; on a GPU, f32 ones take the sums directly, with no add pass
+/// after); returns dx (+ res).
+#[allow(clippy::too_many_arguments)]
+pub fn layernorm_bwd_into(
+    dy: &Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    mean: &Tensor,
+    rstd: &Tensor,
+    res: Option<&Tensor>,
+    dw: &Tensor,
+    db: &Tensor,
+) -> Result<Tensor> {
+    layernorm_bwd_res(dy, x, w, mean, rstd, res, Some([dw, db])).map(|(dx, _, _)| dx)
+}
+
+/// The parameter-gradient destinations of an `_into` backward: [C], float, apart from `inputs`.
+fn check_into(op: &'static str, c: usize, into: &[&Tensor], inputs: &[&Tensor]) -> Result<()> {
+    for d in into {
+        check::float(op, d)?;
+        check::shape(op, d, &[c])?;
+        if inputs.iter().any(|t| t.shares_storage(d)) {
+            return Err(ferrotron_core::invalid(op, "a gradient destination shares storage with an input"));
+        }
+    }
+    Ok(())
+}
+
+/// Adds each of `sums` into its destination in `into`, unless the kernel already summed into it
+/// (then the sum is the destination itself).
+fn add_into(into: Option<&[&Tensor]>, sums: &[&Tensor]) -> Result<()> {
+    for (d, s) in into.unwrap_or(&[]).iter().zip(sums) {
+        if !d.shares_storage(s) {
+            crate::add_(d, s)?;
+        }
+    }
+    Ok(())
+}
+
+/// How a CUDA backward sums a parameter gradient: straight into an f32 destination, else into a
+/// new tensor (`add_into` adds it after).
+#[cfg(feature = "cuda")]
+fn sum_to(d: Option<&Tensor>) -> crate::cuda::ops::SumTo<'_> {
+    match d {
+        Some(d) if d.dtype() == DType::F32 => crate::cuda::ops::SumTo::Add(d),
+        _ => crate::cuda::ops::SumTo::New,
+    }
 }
 
 fn layernorm_bwd_res(
@@ -106,6 +156,7 @@ fn layernorm_bwd_res(
     mean: &Tensor,
     rstd: &Tensor,
     res: Option<&Tensor>,
+    into: Option<[&Tensor; 2]>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     const OP: &str = "layernorm_bwd";
     if let Some(res) = res {
@@ -117,9 +168,15 @@ fn layernorm_bwd_res(
     let rows = x.shape().rows();
     check::shape(OP, mean, &[rows])?;
     check::shape(OP, rstd, &[rows])?;
+    if let Some(d) = &into {
+        check_into(OP, c, d, &[dy, x, w, mean, rstd])?;
+    }
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[dy, x, w, mean, rstd])? {
-        return crate::cuda::ops::layernorm_bwd(&g, dy, x, w, mean, rstd, res);
+        let to = [sum_to(into.map(|d| d[0])), sum_to(into.map(|d| d[1]))];
+        let (dx, dw, db) = crate::cuda::ops::layernorm_bwd(&g, dy, x, w, mean, rstd, res, to)?;
+        add_into(into.as_ref().map(|d| &d[..]), &[&dw, &db])?;
+        return Ok((dx, dw, db));
     }
     check::on_cpu(OP, &[dy, x, w, mean, rstd])?;
     let (dyv, xv, wv, mv, rv) = (dy.read_f32()?, x.read_f32()?, w.read_f32()?, mean.read_f32()?, rstd.read_f32()?);
@@ -127,11 +184,9 @@ fn layernorm_bwd_res(
     let mut dx = unsafe { buf::uninit(rows * c) };
     let (dw, db) = cpu::norm::layernorm_bwd(&dyv, &xv, &wv, &mv, &rv, c, &mut dx);
     let dx = check::out(dx, x.shape().clone(), x.dtype(), x.device())?;
-    Ok((
-        res.map_or(Ok(dx.clone()), |r| crate::add(&dx, r))?,
-        check::out(dw, [c], DType::F32, x.device())?,
-        check::out(db, [c], DType::F32, x.device())?,
-    ))
+    let (dw, db) = (check::out(dw, [c], DType::F32, x.device())?, check::out(db, [c], DType::F32, x.device())?);
+    add_into(into.as_ref().map(|d| &d[..]), &[&dw, &db])?;
+    Ok((res.map_or(Ok(dx.clone()), |r| crate::add(&dx, r))?, dw, db))
 }
 
 /// Returns (y, rstd).
@@ -175,12 +230,25 @@ fn rmsnorm_fwd_cpu(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)>
 
 /// Returns (dx, dweight); dweight is f32.
 pub fn rmsnorm_bwd(dy: &Tensor, x: &Tensor, w: &Tensor, rstd: &Tensor) -> Result<(Tensor, Tensor)> {
-    rmsnorm_bwd_res(dy, x, w, rstd, None)
+    rmsnorm_bwd_res(dy, x, w, rstd, None, None)
 }
 
 /// `rmsnorm_bwd` with the residual stream's gradient added to dx: (dx + res, dweight).
 pub fn rmsnorm_bwd_add(dy: &Tensor, x: &Tensor, w: &Tensor, rstd: &Tensor, res: &Tensor) -> Result<(Tensor, Tensor)> {
-    rmsnorm_bwd_res(dy, x, w, rstd, Some(res))
+    rmsnorm_bwd_res(dy, x, w, rstd, Some(res), None)
+}
+
+/// `rmsnorm_bwd` (with `res` as `rmsnorm_bwd_add`) whose weight gradient is added into `dw` [C]
+/// (as `layernorm_bwd_into`); returns dx (+ res).
+pub fn rmsnorm_bwd_into(
+    dy: &Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    rstd: &Tensor,
+    res: Option<&Tensor>,
+    dw: &Tensor,
+) -> Result<Tensor> {
+    rmsnorm_bwd_res(dy, x, w, rstd, res, Some(dw)).map(|(dx, _)| dx)
 }
 
 fn rmsnorm_bwd_res(
@@ -189,6 +257,7 @@ fn rmsnorm_bwd_res(
     w: &Tensor,
     rstd: &Tensor,
     res: Option<&Tensor>,
+    into: Option<&Tensor>,
 ) -> Result<(Tensor, Tensor)> {
     const OP: &str = "rmsnorm_bwd";
     if let Some(res) = res {
@@ -199,9 +268,14 @@ fn rmsnorm_bwd_res(
     check::shape(OP, dy, x.dims())?;
     let rows = x.shape().rows();
     check::shape(OP, rstd, &[rows])?;
+    if let Some(d) = into {
+        check_into(OP, c, &[d], &[dy, x, w, rstd])?;
+    }
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[dy, x, w, rstd])? {
-        return crate::cuda::ops::rmsnorm_bwd(&g, dy, x, w, rstd, res);
+        let (dx, dw) = crate::cuda::ops::rmsnorm_bwd(&g, dy, x, w, rstd, res, sum_to(into))?;
+        add_into(into.as_ref().map(std::slice::from_ref), &[&dw])?;
+        return Ok((dx, dw));
     }
     check::on_cpu(OP, &[dy, x, w, rstd])?;
     let (dyv, xv, wv, rv) = (dy.read_f32()?, x.read_f32()?, w.read_f32()?, rstd.read_f32()?);
@@ -209,5 +283,7 @@ fn rmsnorm_bwd_res(
     let mut dx = unsafe { buf::uninit(rows * c) };
     let dw = cpu::norm::rmsnorm_bwd(&dyv, &xv, &wv, &rv, c, &mut dx);
     let dx = check::out(dx, x.shape().clone(), x.dtype(), x.device())?;
-    Ok((res.map_or(Ok(dx.clone()), |r| crate::add(&dx, r))?, check::out(dw, [c], DType::F32, x.device())?))
+    let dw = check::out(dw, [c], DType::F32, x.device())?;
+    add_into(into.as_ref().map(std::slice::from_ref), &[&dw])?;
+    Ok((res.map_or(Ok(dx.clone()), |r| crate::add(&dx, r))?, dw))
 }

@@ -23,7 +23,7 @@ fn param_grads(cx: &Cx, w: ParamId, b: Option<ParamId>, x: &Tensor, dy: &Tensor)
     let rows = dy.elem_count() / out.max(1);
     k::matmul_into(&cx.params.grad(w)?, &dy.reshape([rows, out])?, &x.reshape([rows, inp])?, true, false, true)?;
     if let Some(b) = b {
-        k::add_(&cx.params.grad(b)?, &k::bias_grad(dy)?)?;
+        k::bias_grad_into(&cx.params.grad(b)?, dy)?;
     }
     Ok(())
 }
@@ -192,7 +192,7 @@ impl RowParallelLinear {
         if let Some(b) = self.bias {
             // Under sequence parallelism dy is this rank's sequence slice: a partial bias grad,
             // summed over the group with the other sequence-parallel grads before the step.
-            k::add_(&cx.params.grad(b)?, &k::bias_grad(dy)?)?;
+            k::bias_grad_into(&cx.params.grad(b)?, dy)?;
         }
         let dy = self.tp.exit_bwd(dy)?;
         let w = cx.params.param(self.weight)?;

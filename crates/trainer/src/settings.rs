@@ -123,6 +123,23 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip)]
     pub device: Option<String>,
+    /// Open a CUDA profiler range (cudaProfilerStart/Stop) over steps profile-step-start + 1 to
+    /// profile-step-end, for `ncu --profile-from-start off` or `nsys --capture-range=cudaProfilerApi`.
+    #[arg(long)]
+    #[serde(skip)]
+    pub profile: bool,
+    /// Steps done before the range opens (default 10).
+    #[arg(long)]
+    #[serde(skip)]
+    pub profile_step_start: Option<u64>,
+    /// Steps done when the range closes (default 12).
+    #[arg(long)]
+    #[serde(skip)]
+    pub profile_step_end: Option<u64>,
+    /// Global ranks that profile (default 0).
+    #[arg(long, num_args = 1..)]
+    #[serde(skip)]
+    pub profile_ranks: Vec<usize>,
     /// Ranks as threads of this process (CPU); a launcher's WORLD_SIZE is the other way.
     #[arg(long)]
     #[serde(skip)]
@@ -178,11 +195,14 @@ impl TrainArgs {
             max_position_embeddings, position_embedding_type, rotary_base, normalization, tokenizer_type, init_method_std,
             micro_batch_size, global_batch_size, train_iters, lr, min_lr, lr_decay_style, lr_warmup_iters, weight_decay,
             adam_beta1, adam_beta2, clip_grad, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, corpus_docs,
-            exit_interval, device, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s,
+            exit_interval, device, profile_step_start, profile_step_end, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s,
             pipeline_model_parallel_size, num_layers_per_virtual_pipeline_stage, decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers);
         merge_flags!(self, o; swiglu, untie_embeddings_and_output_weights, disable_bias_linear, qk_layernorm, bf16, no_progress, deterministic_mode,
-            sequence_parallel, use_distributed_optimizer, overlap_grad_reduce);
+            sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, profile);
+        if !o.profile_ranks.is_empty() {
+            self.profile_ranks = o.profile_ranks.clone();
+        }
     }
 }
 
@@ -292,6 +312,17 @@ pub struct Paths {
     pub timeout: std::time::Duration,
     /// Megatron's --deterministic-mode: GPU kernels without order-dependent sums.
     pub deterministic: bool,
+    /// Megatron's --profile: the steps a CUDA profiler range covers on the ranks that profile.
+    pub profile: Option<ProfileRange>,
+}
+
+/// `--profile`: the range opens before step `start + 1` is queued and closes after step `end` is,
+/// on the global ranks listed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ProfileRange {
+    pub start: u64,
+    pub end: u64,
+    pub ranks: Vec<usize>,
 }
 
 impl Default for Paths {
@@ -306,8 +337,30 @@ impl Default for Paths {
             launch: Launch::Single,
             timeout: std::time::Duration::from_secs(600),
             deterministic: false,
+            profile: None,
         }
     }
+}
+
+/// `--profile`'s range, checked: it needs a CUDA device and a step range that is not empty.
+fn profile_range(a: &TrainArgs, device: &ferrotron_core::Device) -> anyhow::Result<Option<ProfileRange>> {
+    let (start, end) = (a.profile_step_start.unwrap_or(10), a.profile_step_end.unwrap_or(12));
+    if !a.profile {
+        if a.profile_step_start.is_some() || a.profile_step_end.is_some() || !a.profile_ranks.is_empty() {
+            bail!("--profile-step-start, --profile-step-end and --profile-ranks take effect with --profile: add it");
+        }
+        return Ok(None);
+    }
+    if end <= start {
+        bail!(
+            "--profile-step-end {end} must be greater than --profile-step-start {start}: the range covers steps start + 1 to end"
+        );
+    }
+    if device.is_cpu() {
+        bail!("--profile opens a CUDA profiler range: run with --device cuda (or drop --profile)");
+    }
+    let ranks = if a.profile_ranks.is_empty() { vec![0] } else { a.profile_ranks.clone() };
+    Ok(Some(ProfileRange { start, end, ranks }))
 }
 
 fn preset_defaults(name: &str) -> anyhow::Result<TrainArgs> {
@@ -459,6 +512,7 @@ impl Settings {
             None => ferrotron_core::Device::Cpu,
         };
         let timeout = std::time::Duration::from_secs(a.distributed_timeout_s.unwrap_or(600).max(1));
+        let profile = profile_range(&a, &device)?;
         let metrics = a.metrics_file.or_else(|| a.save.as_ref().map(|d| d.join("metrics.jsonl")));
         let paths = Paths {
             save: a.save,
@@ -470,6 +524,7 @@ impl Settings {
             launch,
             timeout,
             deterministic: a.deterministic_mode,
+            profile,
         };
         Ok((s, paths))
     }

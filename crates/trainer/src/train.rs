@@ -382,7 +382,12 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     // interval (or the end of training), not after every step.
     let mut queued: Vec<(u64, QueuedStep)> = Vec::new();
     let first_iteration = iteration + 1;
+    // Megatron's --profile: a CUDA profiler range over steps start + 1 ..= end on the ranks listed.
+    let profile = paths.profile.as_ref().filter(|p| p.ranks.contains(&g.world.rank()));
     while iteration < s.train_iters {
+        if profile.is_some_and(|p| p.start == iteration) {
+            dev.profiler_range(true).context("--profile: opening the CUDA profiler range")?;
+        }
         iteration += 1;
         let host_start = Instant::now();
         // Micro-batch j of the global batch goes to data-parallel rank j % dp, as Megatron's sampler.
@@ -409,6 +414,9 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         }
         queued.push((iteration, step));
         window.1 += 1;
+        if profile.is_some_and(|p| p.end == iteration) {
+            dev.profiler_range(false).context("--profile: closing the CUDA profiler range")?;
+        }
         if iteration % s.log_interval == 0 || iteration == s.train_iters {
             let out = read_queued(&mut queued, &mut summary)?.context("no step queued at a log interval")?;
             let loss = out.loss;

@@ -129,6 +129,13 @@ fn bad_flags_fail_with_one_line_naming_the_flag() {
     fails_naming(&["--preset", "huge"], "--preset huge: unknown preset");
     fails_naming(&["--lr-decay-style", "sqrt"], "--lr-decay-style sqrt");
     fails_naming(&["--device", "tpu"], "use cpu, cuda or cuda:N");
+    fails_naming(&["--profile"], "--profile opens a CUDA profiler range: run with --device cuda");
+    fails_naming(
+        &["--profile", "--profile-step-start", "5", "--profile-step-end", "5"],
+        "--profile-step-end 5 must be greater",
+    );
+    fails_naming(&["--profile-step-start", "3"], "take effect with --profile");
+    fails_naming(&["--profile-ranks", "0", "1"], "take effect with --profile");
     #[cfg(not(feature = "cuda"))]
     fails_naming(&["--device", "cuda:1"], "rebuild with `--features cuda`");
 }

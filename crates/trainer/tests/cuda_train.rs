@@ -4,7 +4,7 @@
 #![cfg(feature = "cuda")]
 
 use ferrotron_core::Device;
-use ferrotron_trainer::settings::{Paths, Settings, TrainArgs};
+use ferrotron_trainer::settings::{Paths, ProfileRange, Settings, TrainArgs};
 use ferrotron_trainer::train::train;
 
 fn losses(preset: &str, bf16: bool, device: Device) -> Vec<f64> {
@@ -47,4 +47,24 @@ fn matches_cpu(preset: &str) {
     for (i, (c, b)) in bf16_cpu.iter().zip(&bf16_gpu).enumerate() {
         assert!((c - b).abs() <= 2e-2 * c.abs(), "{preset} step {}: cpu bf16 {c} vs cuda bf16 {b}", i + 1);
     }
+}
+
+/// `--profile`'s range opens and closes around steps 2–3 (no profiler attached: the driver's
+/// start and stop calls must still succeed) and training goes on past it.
+#[test]
+fn profiler_range_opens_and_closes_without_a_profiler() {
+    let args = TrainArgs {
+        preset: Some("tiny".into()),
+        train_iters: Some(4),
+        eval_interval: Some(4),
+        eval_iters: Some(1),
+        no_progress: true,
+        ..TrainArgs::default()
+    };
+    let (s, _): (Settings, Paths) = Settings::resolve(&args).unwrap();
+    let range = ProfileRange { start: 1, end: 3, ranks: vec![0] };
+    let paths = Paths { device: Device::cuda(0).expect("a CUDA device"), profile: Some(range), ..Paths::default() };
+    let summary = train(&s, &paths).unwrap();
+    assert_eq!(summary.losses.len(), 4);
+    assert!(summary.losses.iter().all(|(_, l)| l.is_finite()), "{:?}", summary.losses);
 }

@@ -57,7 +57,7 @@ impl Module for Linear {
         let x2 = x.reshape([rows, self.in_features])?;
         k::matmul_into(&cx.params.grad(self.weight)?, &dy2, &x2, true, false, true)?;
         if let Some(b) = self.bias {
-            k::add_(&cx.params.grad(b)?, &k::bias_grad(dy)?)?;
+            k::bias_grad_into(&cx.params.grad(b)?, dy)?;
         }
         Ok(dx)
     }

@@ -62,24 +62,10 @@ impl Norm {
         if s.len() != if self.bias.is_some() { 3 } else { 2 } {
             return Err(invalid("Norm::backward", "saved tensors do not match forward"));
         }
+        let dw = cx.params.grad(self.weight)?;
         match self.bias {
-            Some(b) => {
-                let (dx, dw, db) = match res {
-                    Some(r) => k::layernorm_bwd_add(dy, &s[0], &w, &s[1], &s[2], r)?,
-                    None => k::layernorm_bwd(dy, &s[0], &w, &s[1], &s[2])?,
-                };
-                k::add_(&cx.params.grad(self.weight)?, &dw)?;
-                k::add_(&cx.params.grad(b)?, &db)?;
-                Ok(dx)
-            }
-            None => {
-                let (dx, dw) = match res {
-                    Some(r) => k::rmsnorm_bwd_add(dy, &s[0], &w, &s[1], r)?,
-                    None => k::rmsnorm_bwd(dy, &s[0], &w, &s[1])?,
-                };
-                k::add_(&cx.params.grad(self.weight)?, &dw)?;
-                Ok(dx)
-            }
+            Some(b) => k::layernorm_bwd_into(dy, &s[0], &w, &s[1], &s[2], res, &dw, &cx.params.grad(b)?),
+            None => k::rmsnorm_bwd_into(dy, &s[0], &w, &s[1], res, &dw),
         }
     }
 }

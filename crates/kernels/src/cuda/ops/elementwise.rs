@@ -48,13 +48,14 @@ pub fn bias_add(be: &B, x: &Tensor, b: &Tensor) -> Result<Tensor> {
     Ok(y)
 }
 
-pub fn bias_grad(be: &B, dy: &Tensor) -> Result<Tensor> {
+/// Σ over rows of dy into `to` (a new f32 tensor, or added into one); returns where it went.
+pub fn bias_grad(be: &B, dy: &Tensor, to: SumTo) -> Result<Tensor> {
     let (rows, c) = (dy.shape().rows(), dy.shape().last());
     let chunks = rows.div_ceil(COL_CHUNK);
     let partials = new(be, [chunks, c], DType::F32)?;
     let name = format!("bias_grad_{}", sfx("bias_grad", dy.dtype())?);
     col_partials(be, &name, chunks, c, &[ptr("bias_grad", dy)?, ptr("bias_grad", &partials)?, n(rows), n(c)])?;
-    col_sum(be, &partials, chunks, c)
+    to.col_sum(be, &partials, chunks, c)
 }
 
 /// gelu/silu forward (`x → y`) or backward (`x, dy → dx`); `fam` is the kernel family.

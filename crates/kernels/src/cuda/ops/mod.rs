@@ -86,18 +86,29 @@ fn sfx_storage(op: &'static str, dt: DType) -> Result<&'static str> {
 /// Rows per partial sum of the two-pass column sums (`COL_CHUNK` in kernels/common.cuh).
 const COL_CHUNK: usize = 64;
 
-/// The second pass of a column sum: `partials` [chunks, c] (chunk order) → [c].
-fn col_sum(be: &B, partials: &Tensor, chunks: usize, c: usize) -> Result<Tensor> {
-    let y = new(be, [c], DType::F32)?;
-    let chunks = n(chunks);
-    be.launch(
-        "col_sum_f32",
-        c.div_ceil(32) as u32,
-        256,
-        0,
-        &[ptr("col_sum", partials)?, ptr("col_sum", &y)?, chunks, n(c)],
-    )?;
-    Ok(y)
+/// The second pass of a column sum: `partials` [chunks, c] (chunk order) → `y` [c] f32, added to
+/// y's values when `acc` (a main_grad view), else written.
+fn col_sum_to(be: &B, partials: &Tensor, chunks: usize, c: usize, y: &Tensor, acc: bool) -> Result<()> {
+    let args = [ptr("col_sum", partials)?, ptr("col_sum", y)?, n(chunks), n(c), Arg::I64(acc as i64)];
+    be.launch("col_sum_f32", c.div_ceil(32) as u32, 256, 0, &args)
+}
+
+/// Where a column sum goes: a new f32 tensor, or added into an existing one.
+pub enum SumTo<'a> {
+    New,
+    Add(&'a Tensor),
+}
+
+impl SumTo<'_> {
+    /// The second pass into this destination; returns the tensor the sums went to.
+    fn col_sum(&self, be: &B, partials: &Tensor, chunks: usize, c: usize) -> Result<Tensor> {
+        let (y, acc) = match self {
+            SumTo::New => (new(be, [c], DType::F32)?, false),
+            SumTo::Add(y) => ((*y).clone(), true),
+        };
+        col_sum_to(be, partials, chunks, c, &y, acc)?;
+        Ok(y)
+    }
 }
 
 /// The first pass of a column sum (`partials` [chunks, c]): the eight-wide kernel (a block of 8

@@ -64,7 +64,8 @@ pub fn layernorm_fwd(
     Ok((y, mean, rstd, sum))
 }
 
-/// LayerNorm backward: (dx + res, dw, db).
+/// LayerNorm backward: (dx + res, dw, db), dw and db summed into `to` (new tensors or added
+/// into f32 ones).
 pub fn layernorm_bwd(
     be: &B,
     dy: &Tensor,
@@ -73,6 +74,7 @@ pub fn layernorm_bwd(
     mean: &Tensor,
     rstd: &Tensor,
     res: Option<&Tensor>,
+    to: [SumTo; 2],
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let (rows, c) = (x.shape().rows(), x.shape().last());
     let s = sfx("layernorm_bwd", x.dtype())?;
@@ -106,8 +108,8 @@ pub fn layernorm_bwd(
         n(c),
     ];
     col_partials(be, &format!("norm_param_grad_{s}"), chunks, c, &args)?;
-    let (dw, db) = (col_sum(be, &pw, chunks, c)?, col_sum(be, &pb, chunks, c)?);
-    Ok((dx, dw, db))
+    let [tw, tb] = to;
+    Ok((dx, tw.col_sum(be, &pw, chunks, c)?, tb.col_sum(be, &pb, chunks, c)?))
 }
 
 /// RMSNorm of x (or of x + x2, returned as the third value): (y, rstd, sum).
@@ -133,7 +135,7 @@ pub fn rmsnorm_fwd(
     Ok((y, rstd, sum))
 }
 
-/// RMSNorm backward: (dx + res, dw).
+/// RMSNorm backward: (dx + res, dw), dw summed into `to`.
 pub fn rmsnorm_bwd(
     be: &B,
     dy: &Tensor,
@@ -141,6 +143,7 @@ pub fn rmsnorm_bwd(
     w: &Tensor,
     rstd: &Tensor,
     res: Option<&Tensor>,
+    to: SumTo,
 ) -> Result<(Tensor, Tensor)> {
     let (rows, c) = (x.shape().rows(), x.shape().last());
     let s = sfx("rmsnorm_bwd", x.dtype())?;
@@ -164,7 +167,7 @@ pub fn rmsnorm_bwd(
     let pw = new(be, [chunks, c], DType::F32)?;
     let args = [ptr("rms", dy)?, ptr("rms", x)?, NULL, ptr("rms", rstd)?, ptr("rms", &pw)?, NULL, n(rows), n(c)];
     col_partials(be, &format!("norm_param_grad_{s}"), chunks, c, &args)?;
-    Ok((dx, col_sum(be, &pw, chunks, c)?))
+    Ok((dx, to.col_sum(be, &pw, chunks, c)?))
 }
 
 pub fn softmax(be: &B, x: &Tensor) -> Result<Tensor> {
