@@ -516,9 +516,13 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
 // consumers hold S, P, O and Q at once and take registers from the producer (setmaxnreg).
 #define FW_STAGES 3
 
-template <int D, int KEYS, bool LATE>
+// PERSIST: one block per SM walks the query tiles (tile k, then 2G − 1 − k, 2G + k, …: heaviest
+// first, a light tile after each heavy one) with the stage ring and its phases running on across
+// tiles, so the producer copies the next tile's K/V while the consumers finish this one and store
+// O; without it a block is one tile and the next block starts only once a block has left.
+template <int D, int KEYS, bool LATE, bool PERSIST>
 __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl,
-                             long hq, long hkv, float scale, long causal, long window, long fused) {
+                             long hq, long hkv, float scale, long causal, long window, long fused, long bh) {
     constexpr int NC = 2;  // consumer warpgroups: the register split below is for two
     constexpr int NO = D / 8, NB = KEYS / 8, ROWS = FM_ROWS * NC, TILE = KEYS * D;  // bf16 per K or V tile
     extern __shared__ __align__(1024) unsigned char fm_smem[];  // swizzled tiles: 1024-byte aligned
@@ -526,15 +530,31 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
     u64* full = reinterpret_cast<u64*>(stage + FW_STAGES * 2 * TILE);
     u64* empty = full + FW_STAGES;
     bf16_t* o_tiles = reinterpret_cast<bf16_t*>(empty + FW_STAGES);  // NC × 64 × (D + 8), for fwd_store_staged
-    long tiles = (t + ROWS - 1) / ROWS;
-    // Within a head, the last query tiles (the most keys under a causal mask) start first.
-    long qt = tiles - 1 - blockIdx.x % tiles, h = (blockIdx.x / tiles) % hq, b = blockIdx.x / (tiles * hq);
-    long kvh = h / (hq / hkv);
-    const Place qp = q_place(h, hq, hkv, fused), kp = kv_place(kvh, hq, hkv, fused);
+    // PERSIST's grid: G blocks walking bh (batch × heads) × tiles query tiles; else one block per
+    // query tile, tiles fastest.
+    const long tiles = (t + ROWS - 1) / ROWS, ntiles = tiles * bh;
+    const long G = gridDim.x, rounds = PERSIST ? (ntiles + G - 1) / G : 1;
+    // This block's query tile in round j: (tile index, head, batch, keys [jb, je), steps).
+    long qt, h, b, i0, jb, je, steps;
+    auto pick = [&](long j) -> bool {
+        if (PERSIST) {
+            long u = j * G + ((j & 1) ? G - 1 - blockIdx.x : blockIdx.x);
+            if (u >= ntiles) return false;
+            qt = tiles - 1 - u / bh;  // all heads' last query tiles (the most keys) first
+            h = (u % bh) % hq;
+            b = (u % bh) / hq;
+        } else {
+            // Within a head, the last query tiles (the most keys under a causal mask) start first.
+            qt = tiles - 1 - blockIdx.x % tiles;
+            h = (blockIdx.x / tiles) % hq;
+            b = blockIdx.x / (tiles * hq);
+        }
+        i0 = qt * ROWS;
+        key_range(i0, lmin(t, i0 + ROWS) - 1, sl, causal, window, KEYS, &jb, &je);
+        steps = je > jb ? (je - jb + KEYS - 1) / KEYS : 0;
+        return true;
+    };
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3, wg = warp >> 2;
-    long i0 = qt * ROWS, i1 = lmin(t, i0 + ROWS) - 1, jb, je;
-    key_range(i0, i1, sl, causal, window, KEYS, &jb, &je);
-    long steps = je > jb ? (je - jb + KEYS - 1) / KEYS : 0;
     if (threadIdx.x == 0) {
         for (int s = 0; s < FW_STAGES; s++) { mbar_init(&full[s], 128); mbar_init(&empty[s], NC * 128); }
     }
@@ -544,122 +564,132 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
     // than the pool (32 + 2 · 240 = 512) left the consumers waiting forever (H200, 2026-11-30).
     if (wg == NC) {
         wg_reg_dealloc<40>();
-        // The producer warpgroup copies tile it into stage it % FW_STAGES once the consumers have
-        // released the tile that stage held.
-        for (long it = 0; it < steps; it++) {
-            int st = it % FW_STAGES;
-            if (it >= FW_STAGES) mbar_wait(&empty[st], ((it / FW_STAGES) - 1) & 1);
-            bf16_t* kt = stage + st * 2 * TILE;
-            tile_async_sw<D, KEYS, 128>(kt, k, jb + it * KEYS, sl, b, kp.heads, kp.head, threadIdx.x & 127);
-            tile_async_sw<D, KEYS, 128>(kt + TILE, v, jb + it * KEYS, sl, b, kp.heads, kp.head, threadIdx.x & 127);
-            cp_arrive(&full[st]);
+        // The producer warpgroup copies key tile n (counted over the block's query tiles) into
+        // stage n % FW_STAGES once the consumers have released the tile that stage held.
+        u32 n = 0;
+        for (long j = 0; j < rounds && pick(j); j++) {
+            const Place kp = kv_place(h / (hq / hkv), hq, hkv, fused);
+            for (long it = 0; it < steps; it++, n++) {
+                int st = n % FW_STAGES;
+                if (n >= FW_STAGES) mbar_wait(&empty[st], ((n / FW_STAGES) - 1) & 1);
+                bf16_t* kt = stage + st * 2 * TILE;
+                tile_async_sw<D, KEYS, 128>(kt, k, jb + it * KEYS, sl, b, kp.heads, kp.head, threadIdx.x & 127);
+                tile_async_sw<D, KEYS, 128>(kt + TILE, v, jb + it * KEYS, sl, b, kp.heads, kp.head, threadIdx.x & 127);
+                cp_arrive(&full[st]);
+            }
         }
         cp_wait<0>();
         return;
     }
     wg_reg_alloc<232>();
-    // A consumer warpgroup: rows r[0][0] and r[0][1] of this thread, Q as A fragments.
-    long r[1][2];
-    r[0][0] = i0 + warp * 16 + g;
-    r[0][1] = r[0][0] + 8;
-    u32 qa[D / 16][4];
-    auto qword = [&](long row, int col) -> u32 {
-        return row < t ? *reinterpret_cast<const u32*>(q + ((b * t + row) * qp.heads + qp.head) * D + col) : 0u;
-    };
-    #pragma unroll
-    for (int kk = 0; kk < D / 16; kk++) {
-        qa[kk][0] = qword(r[0][0], kk * 16 + tg * 2);
-        qa[kk][1] = qword(r[0][1], kk * 16 + tg * 2);
-        qa[kk][2] = qword(r[0][0], kk * 16 + 8 + tg * 2);
-        qa[kk][3] = qword(r[0][1], kk * 16 + 8 + tg * 2);
-    }
-    float acc[1][NO][4];
-    float m[1][2] = {{-INFINITY, -INFINITY}}, l[1][2] = {{0.f, 0.f}};
-    #pragma unroll
-    for (int n = 0; n < NO; n++) for (int e = 0; e < 4; e++) acc[0][n][e] = 0.f;
-    const float scale2 = scale * LOG2E;
-    float s[1][NB][4];
-    u32 pa[1][NB / 2][4];  // P as A fragments (bf16)
-    u32 pn[1][NB / 2][4];
-    // Turns: warpgroup w waits on named barrier 1 + w and passes the turn to the next one; the
-    // last passes the first its first turn, and not after its last turn (every barrier then
-    // sees as many arrivals as waits).
-    const int mine = 1 + wg, next = 1 + (wg + 1) % NC;
-    if (steps > 0 && wg == NC - 1) named_arrive(1, 256);
-    // Turn bt: S = Q Kᵀ of tile bt (qk) and O += P V of tile bt − 1 (pv); `unmasked`: tile bt
-    // needs no mask. The first turn has no P V, the last no Q Kᵀ; both are peeled off the loop
-    // so that no wgmma sits on a branch (ptxas would serialise them all). Nor may a branch run
-    // while P V is in flight (ptxas waits for it there), so the loop's turns get `unmasked` as
-    // a constant: the tiles that need no mask in one loop, the rest in another.
-    auto turn = [&](long bt, bool pv, bool qk, bool unmasked) {
-        const u32 ub = (u32)bt;  // stage arithmetic in 32 bits (a 64-bit % 3 is ~15 instructions)
-        const bf16_t* kv_prev = stage + ((ub + FW_STAGES - 1) % FW_STAGES) * 2 * TILE;
-        const bf16_t* kv_cur = stage + (ub % FW_STAGES) * 2 * TILE;
-        if (qk) {
-            mbar_wait(&full[ub % FW_STAGES], (ub / FW_STAGES) & 1);
-            fence_async_smem();
+    u32 base = 0;  // the stage ring's position at this tile's first key tile
+    for (long j = 0; j < rounds && pick(j); j++) {
+        const Place qp = q_place(h, hq, hkv, fused);
+        // A consumer warpgroup: rows r[0][0] and r[0][1] of this thread, Q as A fragments.
+        long r[1][2];
+        r[0][0] = i0 + warp * 16 + g;
+        r[0][1] = r[0][0] + 8;
+        u32 qa[D / 16][4];
+        auto qword = [&](long row, int col) -> u32 {
+            return row < t ? *reinterpret_cast<const u32*>(q + ((b * t + row) * qp.heads + qp.head) * D + col) : 0u;
+        };
+        #pragma unroll
+        for (int kk = 0; kk < D / 16; kk++) {
+            qa[kk][0] = qword(r[0][0], kk * 16 + tg * 2);
+            qa[kk][1] = qword(r[0][1], kk * 16 + tg * 2);
+            qa[kk][2] = qword(r[0][0], kk * 16 + 8 + tg * 2);
+            qa[kk][3] = qword(r[0][1], kk * 16 + 8 + tg * 2);
         }
-        named_sync(mine, 256);
-        wg_pin<KEYS / 2>(&s[0][0][0]);
-        wg_pin<D / 2>(&acc[0][0][0]);
-        wg_fence();
-        if (qk) {
-            wg_qk<D, KEYS, true>(s[0], qa, kv_cur);
-            wg_commit();
-        }
-        if (pv) {
-            wg_pv<D, KEYS>(acc[0], pa[0], kv_prev + TILE);
-            wg_commit();
-        }
-        if (!(wg == NC - 1 && !qk)) named_arrive(next, 256);
-        float corr[1][2];
-        bool moved = true;
-        if (qk) {
-            if (pv) wg_wait<1>(); else wg_wait<0>();  // the groups finish in order: S first
+        float acc[1][NO][4];
+        float m[1][2] = {{-INFINITY, -INFINITY}}, l[1][2] = {{0.f, 0.f}};
+        #pragma unroll
+        for (int n = 0; n < NO; n++) for (int e = 0; e < 4; e++) acc[0][n][e] = 0.f;
+        const float scale2 = scale * LOG2E;
+        float s[1][NB][4];
+        u32 pa[1][NB / 2][4];  // P as A fragments (bf16)
+        u32 pn[1][NB / 2][4];
+        // Turns: warpgroup w waits on named barrier 1 + w and passes the turn to the next one; the
+        // last passes the first its first turn, and not after its last turn (every barrier then
+        // sees as many arrivals as waits).
+        const int mine = 1 + wg, next = 1 + (wg + 1) % NC;
+        if (steps > 0 && wg == NC - 1) named_arrive(1, 256);
+        // Turn bt: S = Q Kᵀ of tile bt (qk) and O += P V of tile bt − 1 (pv); `unmasked`: tile bt
+        // needs no mask. The first turn has no P V, the last no Q Kᵀ; both are peeled off the loop
+        // so that no wgmma sits on a branch (ptxas would serialise them all). Nor may a branch run
+        // while P V is in flight (ptxas waits for it there), so the loop's turns get `unmasked` as
+        // a constant: the tiles that need no mask in one loop, the rest in another.
+        auto turn = [&](long bt, bool pv, bool qk, bool unmasked) {
+            const u32 ub = base + (u32)bt;  // stage arithmetic in 32 bits (a 64-bit % 3 is ~15 instructions)
+            const bf16_t* kv_prev = stage + ((ub + FW_STAGES - 1) % FW_STAGES) * 2 * TILE;
+            const bf16_t* kv_cur = stage + (ub % FW_STAGES) * 2 * TILE;
+            if (qk) {
+                mbar_wait(&full[ub % FW_STAGES], (ub / FW_STAGES) & 1);
+                fence_async_smem();
+            }
+            named_sync(mine, 256);
             wg_pin<KEYS / 2>(&s[0][0][0]);
-            long j0 = jb + bt * KEYS;
-            // LATE: P stays in s (fp32) until the product that reads pa is done, then goes into
-            // pa; else it is packed into pn here and copied.
-            if constexpr (LATE)
-                moved = softmax_tile<1, NB, false, true>(s, m, l, corr, pa, unmasked, r, j0, t, sl, causal, window, scale2);
-            else
-                moved = softmax_tile<1, NB>(s, m, l, corr, pn, unmasked, r, j0, t, sl, causal, window, scale2);
-        }
-        if (pv) {
-            wg_wait<0>();
             wg_pin<D / 2>(&acc[0][0][0]);
-            wg_keep<KEYS / 4>(&pa[0][0][0]);
-            mbar_arrive(&empty[(ub + FW_STAGES - 1) % FW_STAGES]);  // tile bt − 1 done
-        }
-        if (qk) {
-            if (moved) {
-                #pragma unroll
-                for (int n = 0; n < NO; n++) {
-                    acc[0][n][0] *= corr[0][0]; acc[0][n][1] *= corr[0][0];
-                    acc[0][n][2] *= corr[0][1]; acc[0][n][3] *= corr[0][1];
+            wg_fence();
+            if (qk) {
+                wg_qk<D, KEYS, true>(s[0], qa, kv_cur);
+                wg_commit();
+            }
+            if (pv) {
+                wg_pv<D, KEYS>(acc[0], pa[0], kv_prev + TILE);
+                wg_commit();
+            }
+            if (!(wg == NC - 1 && !qk)) named_arrive(next, 256);
+            float corr[1][2];
+            bool moved = true;
+            if (qk) {
+                if (pv) wg_wait<1>(); else wg_wait<0>();  // the groups finish in order: S first
+                wg_pin<KEYS / 2>(&s[0][0][0]);
+                long j0 = jb + bt * KEYS;
+                // LATE: P stays in s (fp32) until the product that reads pa is done, then goes into
+                // pa; else it is packed into pn here and copied.
+                if constexpr (LATE)
+                    moved = softmax_tile<1, NB, false, true>(s, m, l, corr, pa, unmasked, r, j0, t, sl, causal, window, scale2);
+                else
+                    moved = softmax_tile<1, NB>(s, m, l, corr, pn, unmasked, r, j0, t, sl, causal, window, scale2);
+            }
+            if (pv) {
+                wg_wait<0>();
+                wg_pin<D / 2>(&acc[0][0][0]);
+                wg_keep<KEYS / 4>(&pa[0][0][0]);
+                mbar_arrive(&empty[(ub + FW_STAGES - 1) % FW_STAGES]);  // tile bt − 1 done
+            }
+            if (qk) {
+                if (moved) {
+                    #pragma unroll
+                    for (int n = 0; n < NO; n++) {
+                        acc[0][n][0] *= corr[0][0]; acc[0][n][1] *= corr[0][0];
+                        acc[0][n][2] *= corr[0][1]; acc[0][n][3] *= corr[0][1];
+                    }
+                }
+                if constexpr (LATE) {
+                    #pragma unroll
+                    for (int kstep = 0; kstep < NB / 2; kstep++) c_to_a(pa[0][kstep], s[0], kstep);
+                } else {
+                    #pragma unroll
+                    for (int x = 0; x < NB / 2; x++) for (int y = 0; y < 4; y++) pa[0][x][y] = pn[0][x][y];
                 }
             }
-            if constexpr (LATE) {
-                #pragma unroll
-                for (int kstep = 0; kstep < NB / 2; kstep++) c_to_a(pa[0][kstep], s[0], kstep);
-            } else {
-                #pragma unroll
-                for (int x = 0; x < NB / 2; x++) for (int y = 0; y < 4; y++) pa[0][x][y] = pn[0][x][y];
-            }
+        };
+        if (steps > 0) {
+            turn(0, false, true, tile_full(i0, ROWS, jb, KEYS, t, sl, causal, window));
+            // Tiles [0, nf) need no mask: without a window, every key tile that ends inside the
+            // sequence and (causal) at or before the block's first row.
+            long nf = 0;
+            if (window == 0 && i0 + ROWS <= t) nf = lmin(steps, ((causal ? lmin(sl, i0 + 1) : sl) - jb) / KEYS);
+            long bt = 1;
+            for (; bt < nf; bt++) turn(bt, true, true, true);
+            for (; bt < steps; bt++) turn(bt, true, true, false);
+            turn(steps, true, false, false);
         }
-    };
-    if (steps > 0) {
-        turn(0, false, true, tile_full(i0, ROWS, jb, KEYS, t, sl, causal, window));
-        // Tiles [0, nf) need no mask: without a window, every key tile that ends inside the
-        // sequence and (causal) at or before the block's first row.
-        long nf = 0;
-        if (window == 0 && i0 + ROWS <= t) nf = lmin(steps, ((causal ? lmin(sl, i0 + 1) : sl) - jb) / KEYS);
-        long bt = 1;
-        for (; bt < nf; bt++) turn(bt, true, true, true);
-        for (; bt < steps; bt++) turn(bt, true, true, false);
-        turn(steps, true, false, false);
+        fwd_store_staged<D>(acc, m, l, r, o_tiles + wg * 64 * (D + 8), NC + 1 + wg, i0 + wg * 64, o, lse, t, hq, b, h);
+        if (PERSIST) named_sync(NC + 1 + wg, 128);  // the O tile read out before the next tile writes it
+        base += (u32)steps;
     }
-    fwd_store_staged<D>(acc, m, l, r, o_tiles + wg * 64 * (D + 8), NC + 1 + wg, i0 + wg * 64, o, lse, t, hq, b, h);
 }
 
 // Query rows per block: FM_ROWS · MT · NW, threads 128 · NW (the host's `fwd_kernel` must agree).
@@ -684,11 +714,15 @@ FLASH_MMA(flash_fwd_wg3_bf16_128, 128, 1, true, 3)
 // of K/V tiles, then 2 · FW_STAGES mbarriers, then the consumers' O tiles (2 · 64 · (D + 8) · 2
 // bytes). Not at head dim 128 with 128-key tiles: S, both P and O (224 registers) would not fit
 // in 232.
-#define FLASH_WS(NAME, D, KEYS, LATE) \
+// Grid: bh (batch × heads) × query tiles, or with PERSIST (the `p` kernels) at most one block
+// per SM.
+#define FLASH_WS(NAME, D, KEYS, LATE, PERSIST) \
 extern "C" __global__ void __launch_bounds__(384, 1) NAME(const bf16_t* q, \
         const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl, long hq, long hkv, long d, \
-        float scale, long causal, long window, long fused) { \
-    flash_fwd_ws<D, KEYS, LATE>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window, fused); }
-FLASH_WS(flash_fwd_ws2_bf16_128, 128, 64, true)
-FLASH_WS(flash_fwd_ws2_bf16_64, 64, 64, false)
-FLASH_WS(flash_fwd_ws2k128_bf16_64, 64, 128, false)
+        float scale, long causal, long window, long fused, long bh) { \
+    flash_fwd_ws<D, KEYS, LATE, PERSIST>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window, fused, bh); }
+FLASH_WS(flash_fwd_ws2_bf16_128, 128, 64, true, false)
+FLASH_WS(flash_fwd_ws2_bf16_64, 64, 64, false, false)
+FLASH_WS(flash_fwd_ws2k128_bf16_64, 64, 128, false, false)
+FLASH_WS(flash_fwd_ws2p_bf16_128, 128, 64, true, true)
+FLASH_WS(flash_fwd_ws2pk128_bf16_64, 64, 128, false, true)

@@ -51,6 +51,8 @@ pub(crate) struct Backend {
     pub blas: CudaBlas,
     /// The kernels were compiled for sm_90a: the wgmma kernels (kernels/wgmma.cuh) may run.
     pub wgmma: bool,
+    /// Streaming multiprocessors: the grid of the persistent kernels.
+    pub sms: u32,
 }
 
 static BACKENDS: Mutex<Vec<(usize, Arc<Backend>)>> = Mutex::new(Vec::new());
@@ -70,6 +72,7 @@ thread_local! {
     static WGMMA: std::cell::Cell<bool> = const { std::cell::Cell::new(true) };
     static DETERMINISTIC: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     static FLASH_WS: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+    static FLASH_PERSIST: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
 }
 
 /// Whether this thread's wgmma flash kernels are the warp-specialised ones, forward and backward
@@ -88,6 +91,25 @@ fn flash_ws(var: &'static str, env: &'static std::sync::OnceLock<bool>) -> bool 
 pub(crate) fn flash_fwd_ws() -> bool {
     static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     flash_ws("FERROTRON_FLASH_FWD", &ENV)
+}
+
+/// Whether the warp-specialised forward runs persistent (one block per SM walking the query
+/// tiles; kernels/flash_mma.cu `PERSIST`): this thread's `set_flash_persist`, else
+/// `FERROTRON_FLASH_PERSIST=1` or `=0`, else None (the head dim decides: `fwd_kernel`). Tests set
+/// it to run both kinds.
+pub fn set_flash_persist(on: bool) {
+    FLASH_PERSIST.with(|w| w.set(Some(on)));
+}
+
+pub(crate) fn flash_persist() -> Option<bool> {
+    static ENV: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    FLASH_PERSIST.with(|w| w.get()).or_else(|| {
+        *ENV.get_or_init(|| match std::env::var("FERROTRON_FLASH_PERSIST").as_deref() {
+            Ok("1") => Some(true),
+            Ok("0") => Some(false),
+            _ => None,
+        })
+    })
 }
 
 pub(crate) fn flash_bwd_ws() -> bool {
@@ -193,8 +215,10 @@ pub(crate) fn backend(dev: &CudaDevice) -> Result<Arc<Backend>> {
     let blas_lt = CudaBlasLT::new(dev.stream().clone()).map_err(|e| cuda_err("cuBLASLt", e))?;
     let blas = CudaBlas::new(dev.stream().clone()).map_err(|e| cuda_err("cuBLAS", e))?;
     let lt = lt::Lt::new(dev.stream())?;
-    let b =
-        Arc::new(Backend { dev: dev.clone(), module, functions: Mutex::new(HashMap::new()), blas_lt, blas, lt, wgmma });
+    let sm_attr = cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
+    let sms = dev.context().attribute(sm_attr).map_err(|e| cuda_err("multiprocessor count", e))?.max(1) as u32;
+    let functions = Mutex::new(HashMap::new());
+    let b = Arc::new(Backend { dev: dev.clone(), module, functions, blas_lt, blas, lt, wgmma, sms });
     all.push((dev.ordinal(), b.clone()));
     Ok(b)
 }

@@ -244,6 +244,30 @@ fn every_op_matches_cpu() {
         ferrotron_kernels::cuda::set_wgmma(true);
         ferrotron_kernels::cuda::set_flash_ws(true);
         if dt == DType::BF16 {
+            // The warp-specialised forward persistent (one block per SM walking the query tiles:
+            // 512 and 320 tiles here, so every block takes several, in both directions of its
+            // walk) and not, causal and full, GQA.
+            for (t, hq, hkv, d) in [(1000usize, 32usize, 8usize, 64usize), (520, 32, 8, 128)] {
+                let x: Vec<Tensor> = [hq, hkv, hkv, hq]
+                    .iter()
+                    .enumerate()
+                    .map(|(i, h)| rnd(&[2, t, *h, d], 40 + i as u64, dt))
+                    .collect();
+                for persist in [true, false] {
+                    ferrotron_kernels::cuda::set_flash_persist(persist);
+                    for causal in [true, false] {
+                        let cfg = AttnCfg { causal, window: None, scale: None };
+                        check_norm(&format!("flash attention t{t} d{d} persistent {persist} {cfg:?}"), dt, &x, |t| {
+                            let (o, lse) = k::attention_fwd(&t[0], &t[1], &t[2], &cfg).unwrap();
+                            let (dq, dk, dv) = k::attention_bwd(&t[0], &t[1], &t[2], &o, &lse, &t[3], &cfg).unwrap();
+                            vec![o, lse, dq, dk, dv]
+                        });
+                    }
+                }
+            }
+            ferrotron_kernels::cuda::set_flash_persist(true);
+        }
+        if dt == DType::BF16 {
             // Deterministic mode: the backward twice on the GPU gives the same bits.
             ferrotron_kernels::cuda::set_deterministic(true);
             let g = gpu();

@@ -82,6 +82,16 @@ struct TcLaunch {
     shared: u32,
 }
 
+/// How a forward kernel's blocks cover the query tiles: one block each (the warp-specialised
+/// kernels also take batch × heads as their last argument), or at most one block per SM walking
+/// them all (`cuda::flash_persist`).
+#[derive(Clone, Copy, PartialEq)]
+enum FwdGrid {
+    Tiles,
+    WsTiles,
+    WsPersistent,
+}
+
 /// The tensor-core forward for head dim `d` over `t` query rows. On sm_90, wgmma: the
 /// warp-specialised kernel (two consumer warpgroups, a producer warpgroup; 64-key tiles at head
 /// dim 128, 128-key tiles at 64), or where `cuda::flash_fwd_ws` says no, 64 rows per warpgroup
@@ -89,7 +99,7 @@ struct TcLaunch {
 /// two m-tiles per warp at head dim 64 from 2048 rows on (H200, 16k tokens per call: 112 →
 /// 141–176 TFLOP/s from 2k to 16k, but slower at 1k than one m-tile); one otherwise (at 128 two
 /// do not fit the registers).
-fn fwd_kernel(be: &B, d: usize, t: usize) -> TcLaunch {
+fn fwd_kernel(be: &B, d: usize, t: usize) -> (TcLaunch, FwdGrid) {
     if be.use_wgmma() && crate::cuda::flash_fwd_ws() {
         // H200, 16k tokens per call, causal, over 1k–16k (kernels/README.md v21–v23): head dim
         // 128 299–597 TFLOP/s, head dim 64 with 128-key tiles 208–444 (ahead of the lockstep
@@ -98,19 +108,32 @@ fn fwd_kernel(be: &B, d: usize, t: usize) -> TcLaunch {
         // FW_STAGES (3) stages of K and V tiles, 2 · 3 mbarriers, the two consumers' O tiles of
         // 64 padded rows (`fwd_store_staged`).
         let shared = (3 * 2 * keys * d * 2 + 2 * 3 * 8 + 2 * 64 * (d + 8) * 2) as u32;
+        // Persistent at head dim 64 (H200, 16k tokens per call: +4% at 1k, +1–4% to 8k, equal at
+        // 16k; the 124M model's attention 5.28 → 5.24 ms a step), not at 128 (−4% at 1k, −8% at
+        // 2k: the static walk balances the causal tiles worse than the hardware's block order).
+        // (The 64-key tiles at head dim 64, kept to measure against, have no persistent build.)
+        let persistent = crate::cuda::flash_persist().unwrap_or(d == 64) && !(d == 64 && keys == 64);
+        let p = if persistent { "p" } else { "" };
         let name =
-            if keys == 64 { format!("flash_fwd_ws2_bf16_{d}") } else { format!("flash_fwd_ws2k{keys}_bf16_{d}") };
-        TcLaunch { name, rows: 128, threads: 3 * 128, shared }
+            if keys == 64 { format!("flash_fwd_ws2{p}_bf16_{d}") } else { format!("flash_fwd_ws2{p}k{keys}_bf16_{d}") };
+        let grid = if persistent { FwdGrid::WsPersistent } else { FwdGrid::WsTiles };
+        (TcLaunch { name, rows: 128, threads: 3 * 128, shared }, grid)
     } else if be.use_wgmma() {
         // H200, 16k tokens per call (NW = 1 was L2-bound): D 64 NW 2 (178–246 TFLOP/s over 1k–16k;
         // 4: 144–227, 1: 137–168); D 128 NW 3 from 2k rows (190–243), 2 at 1k (156 vs 145).
         let nw = if d == 64 { 2 } else { wg_blocks(&[2, 3], if t >= 2048 { 3 } else { 2 }) };
         let name = format!("flash_fwd_wg{nw}_bf16_{d}");
-        TcLaunch { name, rows: 64 * nw, threads: 128 * nw as u32, shared: kv_stages(d) }
+        (TcLaunch { name, rows: 64 * nw, threads: 128 * nw as u32, shared: kv_stages(d) }, FwdGrid::Tiles)
     } else if d == 64 && t >= 2048 {
-        TcLaunch { name: "flash_fwd_mma_bf16_64x2".into(), rows: 128, threads: 128, shared: kv_stages(d + 8) }
+        (
+            TcLaunch { name: "flash_fwd_mma_bf16_64x2".into(), rows: 128, threads: 128, shared: kv_stages(d + 8) },
+            FwdGrid::Tiles,
+        )
     } else {
-        TcLaunch { name: format!("flash_fwd_mma_bf16_{d}"), rows: 64, threads: 128, shared: kv_stages(d + 8) }
+        (
+            TcLaunch { name: format!("flash_fwd_mma_bf16_{d}"), rows: 64, threads: 128, shared: kv_stages(d + 8) },
+            FwdGrid::Tiles,
+        )
     }
 }
 
@@ -195,8 +218,16 @@ fn tc_fwd(be: &B, qkv: [Arg; 3], fused: bool, a: &AttnShape) -> Result<(Tensor, 
     args.extend([ptr("attn", &o)?, ptr("attn", &lse)?]);
     args.extend(attn_tail(a));
     args.push(Arg::I64(fused as i64));
-    let l = fwd_kernel(be, d.d, d.t);
-    be.launch(&l.name, (d.b * d.hq * d.t.div_ceil(l.rows)) as u32, l.threads, l.shared, &args)?;
+    let (l, grid) = fwd_kernel(be, d.d, d.t);
+    let (bh, tiles) = (d.b * d.hq, d.t.div_ceil(l.rows));
+    let blocks = match grid {
+        FwdGrid::Tiles => bh * tiles,
+        FwdGrid::WsTiles | FwdGrid::WsPersistent => {
+            args.push(n(bh));
+            if grid == FwdGrid::WsPersistent { (bh * tiles).min(be.sms as usize) } else { bh * tiles }
+        }
+    };
+    be.launch(&l.name, blocks as u32, l.threads, l.shared, &args)?;
     Ok((o, lse))
 }
 
