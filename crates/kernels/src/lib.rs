@@ -9,7 +9,7 @@
 //! Families: `matmul`, `norm`, `activation` (incl. softmax), `attention`, `rope`, `embedding`, `loss`,
 //! `optim`, `elementwise`, `qkv`. Accumulation rule: activation gradients are returned (`=`); parameter
 //! gradients are either returned as f32 for the caller to add, or added in place (`matmul_into` with
-//! `accumulate`, `embedding_bwd`) into fp32 main_grad buffers.
+//! `accumulate`, `embedding_bwd`, the `_into` bias and norm backwards) into fp32 main_grad buffers.
 //!
 //! Architecture Invariant: this crate knows nothing of ranks, process groups or models.
 
