@@ -102,7 +102,6 @@ pub fn layernorm_bwd_add(
 /// `layernorm_bwd` (with `res` as `layernorm_bwd_add`) whose parameter gradients are added into
 /// `dw` and `db` [C] (main_grad views; on a GPU, f32 ones take the sums directly, with no add pass
 /// after); returns dx (+ res).
-#[allow(clippy::too_many_arguments)]
 pub fn layernorm_bwd_into(
     dy: &Tensor,
     x: &Tensor,
