@@ -108,17 +108,17 @@ pub fn category(name: &str) -> &'static str {
 /// Milliseconds and launches.
 type Side = (f64, usize);
 
-/// (ms, launches) per `category`.
-fn by_category(rows: &[KernelTime]) -> Vec<(&'static str, f64, usize)> {
-    let mut cats: Vec<(&'static str, f64, usize)> = Vec::new();
+/// (ms, launches) per `category`, in order of first appearance.
+fn by_category(rows: &[KernelTime]) -> Vec<(&'static str, Side)> {
+    let mut cats: Vec<(&'static str, Side)> = Vec::new();
     for k in rows {
         let c = category(&k.name);
         match cats.iter_mut().find(|x| x.0 == c) {
-            Some(x) => {
-                x.1 += k.ms;
-                x.2 += k.calls;
+            Some((_, (ms, calls))) => {
+                *ms += k.ms;
+                *calls += k.calls;
             }
-            None => cats.push((c, k.ms, k.calls)),
+            None => cats.push((c, (k.ms, k.calls))),
         }
     }
     cats
@@ -129,16 +129,15 @@ fn by_category(rows: &[KernelTime]) -> Vec<(&'static str, f64, usize)> {
 /// dashes. The last column is Ferrotron's time over PyTorch's: below 1 is where Ferrotron is ahead.
 pub fn compare_table(ours: &[KernelTime], theirs: &[KernelTime], steps: f64) -> String {
     let (a, b) = (by_category(ours), by_category(theirs));
-    let names: Vec<&str> = a.iter().chain(&b).map(|x| x.0).collect();
-    let get = |v: &[(&str, f64, usize)], n: &str| v.iter().find(|x| x.0 == n).map_or((0.0, 0), |x| (x.1, x.2));
+    let get = |v: &[(&str, Side)], n: &str| v.iter().find(|x| x.0 == n).map_or((0.0, 0), |x| x.1);
     let mut rows: Vec<(&str, Side, Side)> = Vec::new();
-    for n in names {
-        if !rows.iter().any(|r| r.0 == n) {
+    for (n, _) in a.iter().chain(&b) {
+        if !rows.iter().any(|r| r.0 == *n) {
             rows.push((n, get(&a, n), get(&b, n)));
         }
     }
     rows.sort_by(|x, y| y.1.0.max(y.2.0).total_cmp(&x.1.0.max(x.2.0)));
-    let total = |v: &[(&str, f64, usize)]| (v.iter().map(|x| x.1).sum::<f64>(), v.iter().map(|x| x.2).sum::<usize>());
+    let total = |v: &[(&str, Side)]| (v.iter().map(|x| x.1.0).sum::<f64>(), v.iter().map(|x| x.1.1).sum::<usize>());
     rows.push(("all kernels", total(&a), total(&b)));
     let torch = !theirs.is_empty();
     let mut s = String::from(
