@@ -20,6 +20,7 @@ p.add_argument("--style", choices=["gpt2", "llama"], default="gpt2")
 p.add_argument("--groups", type=int, default=0)  # llama: query groups (GQA)
 p.add_argument("--ffn", type=int, default=0)  # llama: SwiGLU width
 p.add_argument("--profile", type=int, default=0)  # N > 0: a CUDA profiler range over N steps, no timing
+p.add_argument("--trace", default="")  # FILE: torch.profiler's GPU timeline of --iters steps, no timing
 a = p.parse_args()
 dev = "cuda"
 torch.backends.cuda.matmul.allow_tf32 = True
@@ -46,6 +47,19 @@ def step():
 
 for _ in range(a.warmup):
     step()
+
+if a.trace:
+    # The GPU timeline of --iters steps (`cargo xtask bench --gpu-trace`, beside Ferrotron's
+    # --profile-trace): kernels, copies and memsets with the GPU's own times, as a Chrome trace.
+    # No synchronisation before it, so the warm-up steps' queue runs on into the traced ones as
+    # in a running job; the first traced step, cut by the start, is left out of the tables.
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(a.iters):
+            step()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(a.trace)
+    raise SystemExit(0)
 torch.cuda.synchronize()
 
 if a.profile > 0:

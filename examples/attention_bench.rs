@@ -16,9 +16,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let cfg = AttnCfg { causal: true, window: None, scale: None };
     // On sm_90 the kernels run on wgmma; the mma.sync kernels are timed beside them (the same
     // kernels elsewhere). ATTN_BENCH_ONLY=DxT (e.g. 128x4096) keeps one shape and ATTN_BENCH_REPS
-    // sets the timed repetitions (5): for a profiler.
+    // sets the timed repetitions (5): for a profiler. ATTN_BENCH_FUSED=1 reads Q, K and V in place
+    // from one [B, T, H·3·D] projection output, as the GPT layers do (`attention_fwd_qkv`), in the
+    // fwd and bwd columns. ATTN_BENCH_DATA=pattern fills the inputs with the short repeating
+    // pattern of the tables before 2026-12-01 instead of pseudo-random values: on a power-capped
+    // card the data moves the clock (fewer bits flipping, less power).
     let only = std::env::var("ATTN_BENCH_ONLY").ok();
     let reps: usize = std::env::var("ATTN_BENCH_REPS").ok().and_then(|r| r.parse().ok()).unwrap_or(5);
+    let fused = std::env::var("ATTN_BENCH_FUSED").is_ok_and(|v| v == "1");
+    let pattern = std::env::var("ATTN_BENCH_DATA").is_ok_and(|v| v == "pattern");
+    // Uniform in [-1, 1) from a splitmix64 hash of the index (the same values on every run).
+    let value = |i: usize| -> f32 {
+        if pattern {
+            return ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * 0.5;
+        }
+        let mut z = (i as u64).wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        (z >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    };
     // The backward also runs deterministic (dQ by its own kernel instead of bulk reductions).
     println!(
         "| head dim | seq | batch × heads | fwd TFLOP/s | bwd TFLOP/s | bwd deterministic | fwd mma.sync | bwd mma.sync |"
@@ -32,9 +49,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             // 16k tokens per call, 2048 hidden (heads = 2048 / d).
             let (b, h) = ((16384 / t).max(1), 2048 / d);
             let n = b * t * h * d;
-            let vals: Vec<f32> = (0..n).map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * 0.5).collect();
-            let mk = || Tensor::from_f32(&vals, [b, t, h, d], DType::BF16, &dev);
-            let (q, kk, v, dout) = (mk()?, mk()?, mk()?, mk()?);
+            let mk = |salt: usize| {
+                let vals: Vec<f32> = (0..n).map(|i| value(i + salt * n)).collect();
+                Tensor::from_f32(&vals, [b, t, h, d], DType::BF16, &dev)
+            };
+            let (q, kk, v, dout) = (mk(0)?, mk(1)?, mk(2)?, mk(3)?);
+            let qkv_vals: Vec<f32> = (0..3 * n).map(|i| value(i + 4 * n)).collect();
+            let qkv = Tensor::from_f32(&qkv_vals, [b, t, h * 3 * d], DType::BF16, &dev)?;
             let time = |f: &mut dyn FnMut() -> Result<(), Box<dyn std::error::Error>>| {
                 f()?; // warm-up (and NVRTC compile on the first call)
                 cd.synchronize()?;
@@ -45,15 +66,30 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 cd.synchronize()?;
                 Ok::<f64, Box<dyn std::error::Error>>(start.elapsed().as_secs_f64() / reps as f64)
             };
-            let fwd = time(&mut || {
-                k::attention_fwd(&q, &kk, &v, &cfg)?;
-                Ok(())
-            })?;
+            let (fwd, bwd) = if fused {
+                let fwd = time(&mut || {
+                    k::attention_fwd_qkv(&qkv, h, 1, d, &cfg)?;
+                    Ok(())
+                })?;
+                let (o, lse) = k::attention_fwd_qkv(&qkv, h, 1, d, &cfg)?;
+                let bwd = time(&mut || {
+                    k::attention_bwd_qkv(&qkv, &o, &lse, &dout, h, 1, d, &cfg)?;
+                    Ok(())
+                })?;
+                (fwd, bwd)
+            } else {
+                let fwd = time(&mut || {
+                    k::attention_fwd(&q, &kk, &v, &cfg)?;
+                    Ok(())
+                })?;
+                let (o, lse) = k::attention_fwd(&q, &kk, &v, &cfg)?;
+                let bwd = time(&mut || {
+                    k::attention_bwd(&q, &kk, &v, &o, &lse, &dout, &cfg)?;
+                    Ok(())
+                })?;
+                (fwd, bwd)
+            };
             let (o, lse) = k::attention_fwd(&q, &kk, &v, &cfg)?;
-            let bwd = time(&mut || {
-                k::attention_bwd(&q, &kk, &v, &o, &lse, &dout, &cfg)?;
-                Ok(())
-            })?;
             k::cuda::set_deterministic(true);
             let bwd_det = time(&mut || {
                 k::attention_bwd(&q, &kk, &v, &o, &lse, &dout, &cfg)?;

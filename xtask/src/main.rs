@@ -1,11 +1,13 @@
 //! `cargo xtask <command>`: tidy (layering and house rules), bench (criterion CPU benches; `--gpu`
-//! for Ferrotron against PyTorch on one GPU, `--gpu-profile` for its time by kernel, `--scaling`
-//! for several GPUs), gpu-parity (every
+//! for Ferrotron against PyTorch on one GPU, `--gpu-profile` for its time by kernel, `--gpu-trace`
+//! for the GPU timeline of running steps, `--scaling` for several GPUs), trace (summarise GPU
+//! timelines), gpu-parity (every
 //! multi-GPU layout against one GPU), ptx (compile kernels/ with nvcc ahead of time) and gpu-test
 //! (build the CUDA test binaries and run them where a GPU is, or stage them for a GPU machine).
 
 mod gpuwatch;
 mod multi;
+mod tracerun;
 
 use anyhow::{Context, bail};
 use std::path::PathBuf;
@@ -34,6 +36,8 @@ fn main() -> anyhow::Result<()> {
         }
         Some("bench") if args.get(1).map(String::as_str) == Some("--gpu") => gpu_bench(&args[2..]),
         Some("bench") if args.get(1).map(String::as_str) == Some("--gpu-profile") => gpu_profile(&args[2..]),
+        Some("bench") if args.get(1).map(String::as_str) == Some("--gpu-trace") => tracerun::gpu_trace(&args[2..]),
+        Some("trace") => tracerun::trace(&args[1..]),
         Some("bench") if args.get(1).map(String::as_str) == Some("--scaling") => {
             multi::scaling(&args[2..], root().join("target/release/ferrotron"))
         }
@@ -54,7 +58,7 @@ fn main() -> anyhow::Result<()> {
         Some("gpu-test") => gpu_test(args.get(1).map(PathBuf::from)),
         _ => {
             eprintln!(
-                "usage: cargo xtask tidy | bench [criterion args] | bench --gpu [FERROTRON_BIN] [PRESET...] | bench --gpu-profile [FERROTRON_BIN] [PRESET...] | bench --scaling [FERROTRON_BIN] [--gpus N] [--plot FILE] | gpu-parity [FERROTRON_BIN] [--gpus N] | ptx [sm_XX] | gpu-test [STAGE_DIR]"
+                "usage: cargo xtask tidy | bench [criterion args] | bench --gpu [FERROTRON_BIN] [PRESET...] | bench --gpu-profile [FERROTRON_BIN] [PRESET...] | bench --gpu-trace [FERROTRON_BIN] [PRESET...] | trace FILE [FILE2] | bench --scaling [FERROTRON_BIN] [--gpus N] [--plot FILE] | gpu-parity [FERROTRON_BIN] [--gpus N] | ptx [sm_XX] | gpu-test [STAGE_DIR]"
             );
             bail!("unknown command {:?}", args.first());
         }
@@ -306,7 +310,7 @@ fn gpu_profile(args: &[String]) -> anyhow::Result<()> {
         } else {
             Vec::new()
         };
-        print!("{}", xtask::profile::compare_table(&ours, &theirs, steps as f64));
+        print!("{}", xtask::profile::compare_table(&ours, &theirs, (steps as f64, steps as f64)));
     }
     Ok(())
 }

@@ -124,10 +124,11 @@ fn by_category(rows: &[KernelTime]) -> Vec<(&'static str, Side)> {
     cats
 }
 
-/// Time and launches per `category` and training step (`steps` steps profiled), Ferrotron beside
-/// PyTorch, larger first, then the total; with `theirs` empty (not profiled) its columns are
-/// dashes. The last column is Ferrotron's time over PyTorch's: below 1 is where Ferrotron is ahead.
-pub fn compare_table(ours: &[KernelTime], theirs: &[KernelTime], steps: f64) -> String {
+/// Time and launches per `category` and training step (`steps` steps profiled on each side:
+/// Ferrotron's, PyTorch's), Ferrotron beside PyTorch, larger first, then the total; with `theirs`
+/// empty (not profiled) its columns are dashes. The last column is Ferrotron's time over
+/// PyTorch's: below 1 is where Ferrotron is ahead.
+pub fn compare_table(ours: &[KernelTime], theirs: &[KernelTime], steps: (f64, f64)) -> String {
     let (a, b) = (by_category(ours), by_category(theirs));
     let get = |v: &[(&str, Side)], n: &str| v.iter().find(|x| x.0 == n).map_or((0.0, 0), |x| x.1);
     let mut rows: Vec<(&str, Side, Side)> = Vec::new();
@@ -144,10 +145,11 @@ pub fn compare_table(ours: &[KernelTime], theirs: &[KernelTime], steps: f64) -> 
         "\n| part of the step | Ferrotron ms / step | launches | PyTorch ms / step | launches | Ferrotron / PyTorch |\n|---|---|---|---|---|---|\n",
     );
     for (n, (ms, calls), (tms, tcalls)) in rows {
-        let (o, oc) = (ms / steps, calls as f64 / steps);
+        let (o, oc) = (ms / steps.0, calls as f64 / steps.0);
         let (t, tc, r) = if torch {
-            let r = if tms > 0.0 { format!("{:.2}", ms / tms) } else { "–".into() };
-            (format!("{:.2}", tms / steps), format!("{:.0}", tcalls as f64 / steps), r)
+            let (t, tc) = (tms / steps.1, tcalls as f64 / steps.1);
+            let r = if t > 0.0 { format!("{:.2}", o / t) } else { "–".into() };
+            (format!("{t:.2}"), format!("{tc:.0}"), r)
         } else {
             ("–".into(), "–".into(), "–".into())
         };
@@ -210,14 +212,16 @@ iter 1 loss 8.6\n\
             category("triton_red_fused__log_softmax__to_copy__unsafe_view_prepare_softmax_online_view_18"),
             "cross-entropy"
         );
-        let t = compare_table(&ours, &theirs, 2.0);
+        let t = compare_table(&ours, &theirs, (2.0, 2.0));
         assert!(t.contains("| GEMMs (cuBLASLt) | 4.00 | 3 | 5.00 | 3 | 0.80 |"), "{t}");
         assert!(t.contains("| attention | 1.00 | 1 | 0.50 | 1 | 2.00 |"), "{t}");
         assert!(t.contains("| activations (outside GEMM epilogues) | 0.00 | 0 | 0.50 | 1 | 0.00 |"), "{t}");
         assert!(t.contains("| all kernels | 5.25 | 6 | 6.50 | 6 | 0.81 |"), "{t}");
         assert!(t.find("GEMMs").unwrap() < t.find("attention").unwrap(), "largest first: {t}");
         assert!(t.trim_end().ends_with("0.81 |"), "total last: {t}");
-        let alone = compare_table(&ours, &[], 2.0);
+        let alone = compare_table(&ours, &[], (2.0, 2.0));
+        let uneven = compare_table(&ours, &theirs, (2.0, 4.0));
+        assert!(uneven.contains("| attention | 1.00 | 1 | 0.25 | 0 | 4.00 |"), "{uneven}");
         assert!(alone.contains("| attention | 1.00 | 1 | – | – | – |"), "{alone}");
     }
 

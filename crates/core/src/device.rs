@@ -62,6 +62,16 @@ impl Device {
         }
     }
 
+    /// Waits until the device has finished everything queued on it (the CPU runs ops as they are
+    /// called, so there it returns at once).
+    pub fn synchronize(&self) -> Result<()> {
+        match self {
+            Device::Cpu => Ok(()),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(d) => d.synchronize(),
+        }
+    }
+
     /// Same physical device (CPU, or the same CUDA ordinal).
     pub fn same(&self, other: &Device) -> bool {
         self.name() == other.name()

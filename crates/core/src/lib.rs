@@ -15,6 +15,7 @@ pub mod cuda;
 mod device;
 mod dtype;
 mod error;
+pub mod gpu_trace;
 mod module;
 mod params;
 pub mod rng;

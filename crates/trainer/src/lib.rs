@@ -6,4 +6,5 @@ pub mod checkpoint;
 pub mod generate;
 pub mod launch;
 pub mod settings;
+pub mod trace;
 pub mod train;

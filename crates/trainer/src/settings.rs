@@ -140,6 +140,13 @@ pub struct TrainArgs {
     #[arg(long, num_args = 1..)]
     #[serde(skip)]
     pub profile_ranks: Vec<usize>,
+    /// With --profile: record the range's GPU timeline (every kernel, copy and memset, with the
+    /// GPU's start and end times, through CUPTI) into this Chrome trace file (Perfetto,
+    /// chrome://tracing; `cargo xtask trace` summarises it). A rank other than 0 writes
+    /// FILE.rankN.
+    #[arg(long)]
+    #[serde(skip)]
+    pub profile_trace: Option<PathBuf>,
     /// Ranks as threads of this process (CPU); a launcher's WORLD_SIZE is the other way.
     #[arg(long)]
     #[serde(skip)]
@@ -195,7 +202,7 @@ impl TrainArgs {
             max_position_embeddings, position_embedding_type, rotary_base, normalization, tokenizer_type, init_method_std,
             micro_batch_size, global_batch_size, train_iters, lr, min_lr, lr_decay_style, lr_warmup_iters, weight_decay,
             adam_beta1, adam_beta2, clip_grad, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, corpus_docs,
-            exit_interval, device, profile_step_start, profile_step_end, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s,
+            exit_interval, device, profile_step_start, profile_step_end, profile_trace, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s,
             pipeline_model_parallel_size, num_layers_per_virtual_pipeline_stage, decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers);
         merge_flags!(self, o; swiglu, untie_embeddings_and_output_weights, disable_bias_linear, qk_layernorm, bf16, no_progress, deterministic_mode,
@@ -317,12 +324,13 @@ pub struct Paths {
 }
 
 /// `--profile`: the range opens before step `start + 1` is queued and closes after step `end` is,
-/// on the global ranks listed.
+/// on the global ranks listed; with `trace`, the GPU's timeline of the range is written there.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ProfileRange {
     pub start: u64,
     pub end: u64,
     pub ranks: Vec<usize>,
+    pub trace: Option<PathBuf>,
 }
 
 impl Default for Paths {
@@ -346,8 +354,14 @@ impl Default for Paths {
 fn profile_range(a: &TrainArgs, device: &ferrotron_core::Device) -> anyhow::Result<Option<ProfileRange>> {
     let (start, end) = (a.profile_step_start.unwrap_or(10), a.profile_step_end.unwrap_or(12));
     if !a.profile {
-        if a.profile_step_start.is_some() || a.profile_step_end.is_some() || !a.profile_ranks.is_empty() {
-            bail!("--profile-step-start, --profile-step-end and --profile-ranks take effect with --profile: add it");
+        if a.profile_step_start.is_some()
+            || a.profile_step_end.is_some()
+            || !a.profile_ranks.is_empty()
+            || a.profile_trace.is_some()
+        {
+            bail!(
+                "--profile-step-start, --profile-step-end, --profile-ranks and --profile-trace take effect with --profile: add it"
+            );
         }
         return Ok(None);
     }
@@ -360,7 +374,7 @@ fn profile_range(a: &TrainArgs, device: &ferrotron_core::Device) -> anyhow::Resu
         bail!("--profile opens a CUDA profiler range: run with --device cuda (or drop --profile)");
     }
     let ranks = if a.profile_ranks.is_empty() { vec![0] } else { a.profile_ranks.clone() };
-    Ok(Some(ProfileRange { start, end, ranks }))
+    Ok(Some(ProfileRange { start, end, ranks, trace: a.profile_trace.clone() }))
 }
 
 fn preset_defaults(name: &str) -> anyhow::Result<TrainArgs> {

@@ -385,8 +385,11 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     // Megatron's --profile: a CUDA profiler range over steps start + 1 ..= end on the ranks listed.
     let profile = paths.profile.as_ref().filter(|p| p.ranks.contains(&g.world.rank()));
     while iteration < s.train_iters {
-        if profile.is_some_and(|p| p.start == iteration) {
+        if let Some(p) = profile.filter(|p| p.start == iteration) {
             dev.profiler_range(true).context("--profile: opening the CUDA profiler range")?;
+            if p.trace.is_some() {
+                ferrotron_core::gpu_trace::start().context("--profile-trace: starting the GPU trace")?;
+            }
         }
         iteration += 1;
         let host_start = Instant::now();
@@ -414,8 +417,11 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         }
         queued.push((iteration, step));
         window.1 += 1;
-        if profile.is_some_and(|p| p.end == iteration) {
+        if let Some(p) = profile.filter(|p| p.end == iteration) {
             dev.profiler_range(false).context("--profile: closing the CUDA profiler range")?;
+            if let Some(path) = &p.trace {
+                finish_trace(&dev, path, g.world.rank(), p, &pb)?;
+            }
         }
         if iteration % s.log_interval == 0 || iteration == s.train_iters {
             let out = read_queued(&mut queued, &mut summary)?.context("no step queued at a log interval")?;
@@ -486,6 +492,33 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
 
 /// Reads the queued steps back in order (collective: every rank reads the same steps), records
 /// their losses, and returns the last one's output.
+/// `--profile-trace`: waits for the range's steps to finish on the GPU (a synchronisation the
+/// steps after the range pay once), stops the GPU trace and writes it.
+fn finish_trace(
+    dev: &Device,
+    path: &std::path::Path,
+    rank: usize,
+    p: &crate::settings::ProfileRange,
+    pb: &ProgressBar,
+) -> anyhow::Result<()> {
+    dev.synchronize().context("--profile-trace: waiting for the traced steps")?;
+    let trace = ferrotron_core::gpu_trace::stop().context("--profile-trace: stopping the GPU trace")?;
+    let path = crate::trace::rank_path(path, rank);
+    let steps = crate::trace::TraceSteps { first: p.start + 1, last: p.end };
+    crate::trace::write_chrome_trace(&path, &trace, steps)?;
+    let dropped = if trace.dropped > 0 { format!(" ({} dropped)", trace.dropped) } else { String::new() };
+    pb.suspend(|| {
+        eprintln!(
+            "GPU trace of steps {}-{}: {} kernels, copies and memsets{dropped} in {}",
+            steps.first,
+            steps.last,
+            trace.activities.len(),
+            path.display()
+        )
+    });
+    Ok(())
+}
+
 fn read_queued(
     queued: &mut Vec<(u64, QueuedStep)>,
     summary: &mut Summary,

@@ -136,6 +136,7 @@ fn bad_flags_fail_with_one_line_naming_the_flag() {
     );
     fails_naming(&["--profile-step-start", "3"], "take effect with --profile");
     fails_naming(&["--profile-ranks", "0", "1"], "take effect with --profile");
+    fails_naming(&["--profile-trace", "steps.json"], "take effect with --profile");
     #[cfg(not(feature = "cuda"))]
     fails_naming(&["--device", "cuda:1"], "rebuild with `--features cuda`");
 }

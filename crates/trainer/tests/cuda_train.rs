@@ -64,9 +64,45 @@ fn training_runs_through_a_profiler_range_with_no_profiler_attached() {
         ..TrainArgs::default()
     };
     let (s, _): (Settings, Paths) = Settings::resolve(&args).unwrap();
-    let range = ProfileRange { start: 1, end: 3, ranks: vec![0] };
+    let range = ProfileRange { start: 1, end: 3, ranks: vec![0], trace: None };
     let paths = Paths { device: Device::cuda(0).expect("a CUDA device"), profile: Some(range), ..Paths::default() };
     let summary = train(&s, &paths).unwrap();
     assert_eq!(summary.losses.len(), 4);
     assert!(summary.losses.iter().all(|(_, l)| l.is_finite()), "{:?}", summary.losses);
+}
+
+/// `--profile-trace`: the range's GPU timeline through CUPTI, written as a Chrome trace. Steps 2
+/// and 3 are traced, so the file holds (at least: the tests of this binary share the GPU, and a
+/// trace is process-wide) their two optimizer updates and their batches' uploads, each activity
+/// with an end after its start, in start order. (`cargo xtask trace` reading such files is tested
+/// in xtask.)
+#[test]
+fn a_traced_range_writes_the_gpu_timeline_of_its_steps() {
+    let args = TrainArgs {
+        preset: Some("tiny".into()),
+        train_iters: Some(4),
+        eval_interval: Some(4),
+        eval_iters: Some(1),
+        no_progress: true,
+        ..TrainArgs::default()
+    };
+    let (s, _): (Settings, Paths) = Settings::resolve(&args).unwrap();
+    let dir = std::env::temp_dir().join(format!("ferrotron-cuda-trace-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("steps.json");
+    let range = ProfileRange { start: 1, end: 3, ranks: vec![0], trace: Some(file.clone()) };
+    let paths = Paths { device: Device::cuda(0).expect("a CUDA device"), profile: Some(range), ..Paths::default() };
+    let summary = train(&s, &paths).unwrap();
+    assert_eq!(summary.losses.len(), 4);
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    assert_eq!(v["ferrotron"]["steps"].as_u64(), Some(2));
+    let ev = v["traceEvents"].as_array().unwrap();
+    let named = |p: &str| ev.iter().filter(|e| e["name"].as_str().is_some_and(|n| n.contains(p))).count();
+    assert!(named("adamw_runs") >= 2, "{} updates in {} events", named("adamw_runs"), ev.len());
+    let uploads = ev.iter().filter(|e| e["cat"] == "gpu_memcpy" && e["args"]["bytes"].as_u64() > Some(0)).count();
+    assert!(uploads >= 2, "{uploads} uploads");
+    let ts: Vec<f64> = ev.iter().map(|e| e["ts"].as_f64().unwrap()).collect();
+    assert!(ts.windows(2).all(|w| w[0] <= w[1]), "start order");
+    assert!(ev.iter().all(|e| e["dur"].as_f64().is_some_and(|d| d >= 0.0)));
+    std::fs::remove_dir_all(&dir).unwrap();
 }
