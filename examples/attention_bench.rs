@@ -20,11 +20,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // from one [B, T, H·3·D] projection output, as the GPT layers do (`attention_fwd_qkv`), in the
     // fwd and bwd columns. ATTN_BENCH_DATA=pattern fills the inputs with the short repeating
     // pattern of the tables before 2026-12-01 instead of pseudo-random values: on a power-capped
-    // card the data moves the clock (fewer bits flipping, less power).
+    // card the data moves the clock (fewer bits flipping, less power). ATTN_BENCH_FWD_ONLY=1
+    // times the forward alone.
     let only = std::env::var("ATTN_BENCH_ONLY").ok();
     let reps: usize = std::env::var("ATTN_BENCH_REPS").ok().and_then(|r| r.parse().ok()).unwrap_or(5);
     let fused = std::env::var("ATTN_BENCH_FUSED").is_ok_and(|v| v == "1");
     let pattern = std::env::var("ATTN_BENCH_DATA").is_ok_and(|v| v == "pattern");
+    let fwd_only = std::env::var("ATTN_BENCH_FWD_ONLY").is_ok_and(|v| v == "1");
     // Uniform in [-1, 1) from a splitmix64 hash of the index (the same values on every run).
     let value = |i: usize| -> f32 {
         if pattern {
@@ -89,6 +91,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 })?;
                 (fwd, bwd)
             };
+            if fwd_only {
+                let flops = 4.0 * (b * h) as f64 * (t * t) as f64 * d as f64 / 2.0;
+                println!("| {d} | {t} | {b} × {h} | {:.1} | – | – | – | – |", flops / fwd / 1e12);
+                continue;
+            }
             let (o, lse) = k::attention_fwd(&q, &kk, &v, &cfg)?;
             k::cuda::set_deterministic(true);
             let bwd_det = time(&mut || {

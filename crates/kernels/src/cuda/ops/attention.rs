@@ -281,10 +281,18 @@ struct TcQkv {
 fn tc_bwd(be: &B, x: &TcQkv, o: &Tensor, lse: &Tensor, dout: &Tensor, a: &AttnShape) -> Result<()> {
     let d = a.dims;
     let delta = new(be, [d.b, d.hq, d.t], DType::F32)?;
-    let rows = d.b * d.t * d.hq;
-    let args = [ptr("attn", o)?, ptr("attn", dout)?, ptr("attn", &delta)?, n(rows), n(d.t), n(d.hq), n(d.d)];
-    // d / 8 threads per row, 16-byte loads (head dims 64 and 128, every tile aligned here).
-    be.launch("flash_bwd_delta_bf16", (rows * d.d / 8).div_ceil(256) as u32, 256, 0, &args)?;
+    // delta = rowsum(dO∘O): d / 8 threads per row, 16-byte loads (head dims 64 and 128, every
+    // tile aligned here); `zero`: fp32 tiles it clears on the way.
+    let launch_delta = |zero: Option<&Tensor>| -> Result<()> {
+        let rows = d.b * d.t * d.hq;
+        let (z, zn) = match zero {
+            Some(t) => (ptr("attn", t)?, t.elem_count()),
+            None => (Arg::Ptr(0), 0),
+        };
+        let args = [ptr("attn", o)?, ptr("attn", dout)?, ptr("attn", &delta)?, n(rows), n(d.t), n(d.hq), n(d.d), z, n(zn)];
+        let threads = (rows * d.d).max(zn) / 8;
+        be.launch("flash_bwd_delta_bf16", threads.div_ceil(256) as u32, 256, 0, &args)
+    };
     let [dq, dk, dv] = x.grads;
     let head = |outs: &[Arg]| -> Result<Vec<Arg>> {
         let mut v = x.qkv.to_vec();
@@ -297,18 +305,19 @@ fn tc_bwd(be: &B, x: &TcQkv, o: &Tensor, lse: &Tensor, dout: &Tensor, a: &AttnSh
     match bwd_plan(be, d.d, d.t) {
         BwdKernels::Fused(l) => {
             // dQ's fp32 tiles (64 rows × 64 columns per batch and head, rows padded to 64, sums
-            // of dS·K without the softmax scale) start at zero (never poisoned); then one pass
-            // to bf16 that applies the scale.
-            let dev = Device::Cuda(be.dev.clone());
-            let dqa = Tensor::zeros([d.b, d.hq, d.t.div_ceil(64) * 64, d.d], DType::F32, &dev)?;
+            // of dS·K without the softmax scale), cleared by the delta kernel (never poisoned).
+            let dqa = new(be, [d.b, d.hq, d.t.div_ceil(64) * 64, d.d], DType::F32)?;
+            launch_delta(Some(&dqa))?;
             let grid = d.b * d.hkv * d.s.div_ceil(l.rows);
             be.launch(&l.name, grid as u32, l.threads, l.shared, &head(&[dk, dv, ptr("attn", &dqa)?])?)?;
-            let groups = d.b * d.t * d.hq * d.d / 8;
+            // Then to bf16 with the scale applied: one block per 64 × 64 tile.
+            let tiles = d.b * d.hq * d.t.div_ceil(64) * (d.d / 64);
             let fused = Arg::I64(x.fused as i64);
-            let args = [ptr("attn", &dqa)?, dq, n(d.b), n(d.t), n(d.hq), n(d.d), n(d.hkv), fused, Arg::F32(a.scale)];
-            be.launch("flash_dq_tiles_bf16", groups.div_ceil(256) as u32, 256, 0, &args)
+            let args = [ptr("attn", &dqa)?, dq, n(d.t), n(d.hq), n(d.d), n(d.hkv), fused, Arg::F32(a.scale)];
+            be.launch("flash_dq_tiles_bf16", tiles as u32, 256, 0, &args)
         }
         BwdKernels::Split(dql, dkvl) => {
+            launch_delta(None)?;
             let grid = d.b * d.hq * d.t.div_ceil(dql.rows);
             be.launch(&dql.name, grid as u32, dql.threads, dql.shared, &head(&[dq])?)?;
             let grid = d.b * d.hkv * d.s.div_ceil(dkvl.rows);
