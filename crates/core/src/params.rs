@@ -175,7 +175,8 @@ impl ParamTableBuilder {
         fill_all(draws);
         let params = Tensor::from_f32(&host, [flat], dtype, device)?;
         let grads = Tensor::zeros([flat], DType::F32, device)?;
-        Ok(ParamTable { metas: self.metas, offsets, total, params, grads })
+        let written = std::sync::Mutex::new(vec![true; self.metas.len()]);
+        Ok(ParamTable { metas: self.metas, offsets, total, params, grads, written })
     }
 }
 
@@ -258,12 +259,21 @@ fn fill_all(draws: Vec<Draw<'_>>) {
 }
 
 /// Parameter metadata plus the flat parameter and fp32 main_grad buffers.
+///
+/// main_grad is zeroed lazily in a training step: `defer_zero_grads` marks every parameter's
+/// gradient stale instead of clearing 4 bytes per parameter, the first backward op to reach a
+/// parameter writes its gradient (`grad_acc` says which: a weight-gradient GEMM with beta = 0, a
+/// column sum that stores), later ones add, and `settle_grads` zeroes what no op reached before
+/// anything reads the buffer. Architecture invariant: every reader of `flat_grads` in a deferred
+/// step settles the range it reads first; `grad` settles its parameter itself.
 pub struct ParamTable {
     metas: Vec<ParamMeta>,
     offsets: Vec<usize>,
     total: usize,
     params: Tensor,
     grads: Tensor,
+    /// Per parameter: its main_grad view holds a value (zero or sums) rather than a stale one.
+    written: std::sync::Mutex<Vec<bool>>,
 }
 
 impl ParamTable {
@@ -302,18 +312,99 @@ impl ParamTable {
     pub fn param(&self, id: ParamId) -> Result<Tensor> {
         self.params.view(self.offsets[id.0], self.metas[id.0].local_shape.clone())
     }
-    /// Its fp32 main_grad view (backward adds into it).
+    /// Its fp32 main_grad view, holding a value: zeroed first if a deferred step has not
+    /// reached it yet (so adding into it is always right).
     pub fn grad(&self, id: ParamId) -> Result<Tensor> {
+        self.settle_grads(self.range(id))?;
+        self.grad_view(id)
+    }
+
+    fn grad_view(&self, id: ParamId) -> Result<Tensor> {
         self.grads.view(self.offsets[id.0], self.metas[id.0].local_shape.clone())
     }
+
+    fn written(&self) -> std::sync::MutexGuard<'_, Vec<bool>> {
+        self.written.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// For a backward op that produces this parameter's gradient: its main_grad view and whether
+    /// to add into it (`true`) or overwrite it (`false`: the first op to reach it in a deferred
+    /// step). Either way the view holds a value afterwards, so the op must write or add all of it.
+    pub fn grad_acc(&self, id: ParamId) -> Result<(Tensor, bool)> {
+        let v = self.grad_view(id)?;
+        let mut w = self.written();
+        let acc = w[id.0];
+        w[id.0] = true;
+        Ok((v, acc))
+    }
+
+    /// `grad_acc` for parameters one op produces together (a norm's weight and bias): one
+    /// answer for all. Should some hold a value and others not, those are zeroed and all add.
+    pub fn grads_acc(&self, ids: &[ParamId]) -> Result<(Vec<Tensor>, bool)> {
+        let views = ids.iter().map(|&id| self.grad_view(id)).collect::<Result<Vec<_>>>()?;
+        let flags: Vec<bool> = {
+            let w = self.written();
+            ids.iter().map(|id| w[id.0]).collect()
+        };
+        if flags.iter().all(|&f| f) || flags.iter().all(|&f| !f) {
+            let mut w = self.written();
+            ids.iter().for_each(|id| w[id.0] = true);
+            return Ok((views, flags.first().copied().unwrap_or(true)));
+        }
+        for &id in ids {
+            self.settle_grads(self.range(id))?;
+        }
+        Ok((views, true))
+    }
+
     pub fn flat_params(&self) -> &Tensor {
         &self.params
     }
+    /// The flat main_grad buffer. In a deferred step (`defer_zero_grads`), `settle_grads` the
+    /// range to be read first.
     pub fn flat_grads(&self) -> &Tensor {
         &self.grads
     }
+    /// Zeroes main_grad now (one memset of the flat buffer).
     pub fn zero_grads(&self) -> Result<()> {
-        self.grads.zero_()
+        self.grads.zero_()?;
+        self.written().iter_mut().for_each(|w| *w = true);
+        Ok(())
+    }
+
+    /// Starts a step whose backward writes each gradient first and adds after (see the type's
+    /// doc): no memset.
+    pub fn defer_zero_grads(&self) {
+        self.written().iter_mut().for_each(|w| *w = false);
+    }
+
+    /// Zeroes the main_grad of every parameter overlapping the flat `range` that no backward op
+    /// has reached since `defer_zero_grads` (neighbours as one memset), so the range can be read.
+    pub fn settle_grads(&self, range: std::ops::Range<usize>) -> Result<()> {
+        let mut w = self.written();
+        let mut span: Option<std::ops::Range<usize>> = None;
+        let clear = |s: &mut Option<std::ops::Range<usize>>| -> Result<()> {
+            if let Some(r) = s.take() {
+                self.grads.view(r.start, [r.len()])?.zero_()?;
+            }
+            Ok(())
+        };
+        for i in 0..self.metas.len() {
+            let r = self.range(ParamId(i));
+            if w[i] || r.end <= range.start || r.start >= range.end || r.is_empty() {
+                if w[i] {
+                    clear(&mut span)?;
+                }
+                continue;
+            }
+            w[i] = true;
+            span = match span {
+                // Parameters are laid out in id order: extend over the padding between them.
+                Some(s) => Some(s.start..r.end),
+                None => Some(r),
+            };
+        }
+        clear(&mut span)
     }
 }
 
@@ -327,6 +418,34 @@ mod tests {
         b.add(ParamMeta::replicated("a.bias", [3], Init::Zeros, false)).unwrap();
         b.add(ParamMeta::replicated("n.weight", [3], Init::Ones, false)).unwrap();
         b.build(&Device::Cpu, dtype, 7).unwrap()
+    }
+
+    /// A deferred step: the first op to reach a gradient stores, later ones add; settling zeroes
+    /// only the gradients no op reached, so stale values never survive into a read.
+    #[test]
+    fn deferred_zeroing_stores_first_then_adds_and_settles_the_rest() {
+        let t = table(DType::F32);
+        t.flat_grads().update_f32("t", |g| g.fill(9.0)).unwrap(); // last step's values
+        t.defer_zero_grads();
+        let (w, acc) = t.grad_acc(ParamId(0)).unwrap();
+        assert!(!acc, "first op of the step stores");
+        w.update_f32("t", |g| g.fill(1.0)).unwrap();
+        assert!(t.grad_acc(ParamId(0)).unwrap().1, "the next one adds");
+        // A norm's weight and bias together: one reached (by grad), one not: both add, the
+        // unreached one cleared first.
+        let (g, acc) = t.grads_acc(&[ParamId(1), ParamId(2)]).unwrap();
+        assert!(!acc && g.len() == 2, "neither reached: store");
+        t.defer_zero_grads();
+        assert_eq!(t.grad(ParamId(1)).unwrap().to_vec_f32().unwrap(), vec![0.0; 3], "grad() settles");
+        let (_, acc) = t.grads_acc(&[ParamId(1), ParamId(2)]).unwrap();
+        assert!(acc, "one reached: add");
+        assert_eq!(t.grad(ParamId(2)).unwrap().to_vec_f32().unwrap(), vec![0.0; 3], "the other cleared");
+        // Parameter 0 unreached this time: settling clears it and leaves the others.
+        t.grad(ParamId(1)).unwrap().update_f32("t", |g| g.fill(2.0)).unwrap();
+        t.settle_grads(0..t.flat_len()).unwrap();
+        assert_eq!(t.flat_grads().to_vec_f32().unwrap(), [vec![0.0; 6], vec![2.0; 3], vec![0.0; 3]].concat());
+        t.zero_grads().unwrap();
+        assert!(t.grad_acc(ParamId(0)).unwrap().1, "after an eager zero every op adds");
     }
 
     #[test]

@@ -83,9 +83,9 @@ pub fn bias_grad(dy: &Tensor) -> Result<Tensor> {
     check::out(s, [c], DType::F32, dy.device())
 }
 
-/// dst [C] += Σ over rows of dy [..., C]: the bias gradient added into main_grad (on a GPU an f32
-/// `dst` takes the column sums directly, with no add pass after).
-pub fn bias_grad_into(dst: &Tensor, dy: &Tensor) -> Result<()> {
+/// dst [C] += Σ over rows of dy [..., C] (`acc`), or dst = Σ: the bias gradient into main_grad
+/// (on a GPU an f32 `dst` takes the column sums directly, with no add pass after).
+pub fn bias_grad_into(dst: &Tensor, dy: &Tensor, acc: bool) -> Result<()> {
     const OP: &str = "bias_grad_into";
     check::float(OP, dst)?;
     check::shape(OP, dst, &[dy.shape().last()])?;
@@ -97,9 +97,10 @@ pub fn bias_grad_into(dst: &Tensor, dy: &Tensor) -> Result<()> {
         && let Some(g) = crate::cuda::gpu(OP, &[dst, dy])?
     {
         check::float(OP, dy)?;
-        return crate::cuda::ops::bias_grad(&g, dy, crate::cuda::ops::SumTo::Add(dst)).map(drop);
+        let to = if acc { crate::cuda::ops::SumTo::Add(dst) } else { crate::cuda::ops::SumTo::Write(dst) };
+        return crate::cuda::ops::bias_grad(&g, dy, to).map(drop);
     }
-    add_(dst, &bias_grad(dy)?)
+    if acc { add_(dst, &bias_grad(dy)?) } else { crate::copy_(dst, &bias_grad(dy)?) }
 }
 
 /// x · s as a new tensor.

@@ -83,7 +83,7 @@ pub fn layernorm_bwd(
     mean: &Tensor,
     rstd: &Tensor,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    layernorm_bwd_res(dy, x, w, mean, rstd, None, None)
+    layernorm_bwd_res(dy, x, w, mean, rstd, None, None, true)
 }
 
 /// `layernorm_bwd` with the residual stream's gradient added to dx: (dx + res, dweight, dbias)
@@ -96,7 +96,7 @@ pub fn layernorm_bwd_add(
     rstd: &Tensor,
     res: &Tensor,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    layernorm_bwd_res(dy, x, w, mean, rstd, Some(res), None)
+    layernorm_bwd_res(dy, x, w, mean, rstd, Some(res), None, true)
 }
 
 /// `layernorm_bwd` (with `res` as `layernorm_bwd_add`) whose parameter gradients are added into
@@ -111,8 +111,9 @@ pub fn layernorm_bwd_into(
     res: Option<&Tensor>,
     dw: &Tensor,
     db: &Tensor,
+    acc: bool,
 ) -> Result<Tensor> {
-    layernorm_bwd_res(dy, x, w, mean, rstd, res, Some([dw, db])).map(|(dx, _, _)| dx)
+    layernorm_bwd_res(dy, x, w, mean, rstd, res, Some([dw, db]), acc).map(|(dx, _, _)| dx)
 }
 
 /// The parameter-gradient destinations of an `_into` backward: [C], float, apart from `inputs`.
@@ -127,12 +128,12 @@ fn check_into(op: &'static str, c: usize, into: &[&Tensor], inputs: &[&Tensor]) 
     Ok(())
 }
 
-/// Adds each of `sums` into its destination in `into`, unless the kernel already summed into it
-/// (then the sum is the destination itself).
-fn add_into(into: Option<&[&Tensor]>, sums: &[&Tensor]) -> Result<()> {
+/// Adds (`acc`) or copies each of `sums` into its destination in `into`, unless the kernel
+/// already summed into it (then the sum is the destination itself).
+fn add_into(into: Option<&[&Tensor]>, sums: &[&Tensor], acc: bool) -> Result<()> {
     for (d, s) in into.unwrap_or(&[]).iter().zip(sums) {
         if !d.shares_storage(s) {
-            crate::add_(d, s)?;
+            if acc { crate::add_(d, s)? } else { crate::copy_(d, s)? }
         }
     }
     Ok(())
@@ -141,9 +142,10 @@ fn add_into(into: Option<&[&Tensor]>, sums: &[&Tensor]) -> Result<()> {
 /// How a CUDA backward sums a parameter gradient: straight into an f32 destination, else into a
 /// new tensor (`add_into` adds it after).
 #[cfg(feature = "cuda")]
-fn sum_to(d: Option<&Tensor>) -> crate::cuda::ops::SumTo<'_> {
+fn sum_to(d: Option<&Tensor>, acc: bool) -> crate::cuda::ops::SumTo<'_> {
     match d {
-        Some(d) if d.dtype() == DType::F32 => crate::cuda::ops::SumTo::Add(d),
+        Some(d) if d.dtype() == DType::F32 && acc => crate::cuda::ops::SumTo::Add(d),
+        Some(d) if d.dtype() == DType::F32 => crate::cuda::ops::SumTo::Write(d),
         _ => crate::cuda::ops::SumTo::New,
     }
 }
@@ -156,6 +158,7 @@ fn layernorm_bwd_res(
     rstd: &Tensor,
     res: Option<&Tensor>,
     into: Option<[&Tensor; 2]>,
+    acc: bool,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     const OP: &str = "layernorm_bwd";
     if let Some(res) = res {
@@ -172,9 +175,9 @@ fn layernorm_bwd_res(
     }
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[dy, x, w, mean, rstd])? {
-        let to = [sum_to(into.map(|d| d[0])), sum_to(into.map(|d| d[1]))];
+        let to = [sum_to(into.map(|d| d[0]), acc), sum_to(into.map(|d| d[1]), acc)];
         let (dx, dw, db) = crate::cuda::ops::layernorm_bwd(&g, dy, x, w, mean, rstd, res, to)?;
-        add_into(into.as_ref().map(|d| &d[..]), &[&dw, &db])?;
+        add_into(into.as_ref().map(|d| &d[..]), &[&dw, &db], acc)?;
         return Ok((dx, dw, db));
     }
     check::on_cpu(OP, &[dy, x, w, mean, rstd])?;
@@ -184,7 +187,7 @@ fn layernorm_bwd_res(
     let (dw, db) = cpu::norm::layernorm_bwd(&dyv, &xv, &wv, &mv, &rv, c, &mut dx);
     let dx = check::out(dx, x.shape().clone(), x.dtype(), x.device())?;
     let (dw, db) = (check::out(dw, [c], DType::F32, x.device())?, check::out(db, [c], DType::F32, x.device())?);
-    add_into(into.as_ref().map(|d| &d[..]), &[&dw, &db])?;
+    add_into(into.as_ref().map(|d| &d[..]), &[&dw, &db], acc)?;
     Ok((res.map_or(Ok(dx.clone()), |r| crate::add(&dx, r))?, dw, db))
 }
 
@@ -229,12 +232,12 @@ fn rmsnorm_fwd_cpu(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)>
 
 /// Returns (dx, dweight); dweight is f32.
 pub fn rmsnorm_bwd(dy: &Tensor, x: &Tensor, w: &Tensor, rstd: &Tensor) -> Result<(Tensor, Tensor)> {
-    rmsnorm_bwd_res(dy, x, w, rstd, None, None)
+    rmsnorm_bwd_res(dy, x, w, rstd, None, None, true)
 }
 
 /// `rmsnorm_bwd` with the residual stream's gradient added to dx: (dx + res, dweight).
 pub fn rmsnorm_bwd_add(dy: &Tensor, x: &Tensor, w: &Tensor, rstd: &Tensor, res: &Tensor) -> Result<(Tensor, Tensor)> {
-    rmsnorm_bwd_res(dy, x, w, rstd, Some(res), None)
+    rmsnorm_bwd_res(dy, x, w, rstd, Some(res), None, true)
 }
 
 /// `rmsnorm_bwd` (with `res` as `rmsnorm_bwd_add`) whose weight gradient is added into `dw` [C]
@@ -246,8 +249,9 @@ pub fn rmsnorm_bwd_into(
     rstd: &Tensor,
     res: Option<&Tensor>,
     dw: &Tensor,
+    acc: bool,
 ) -> Result<Tensor> {
-    rmsnorm_bwd_res(dy, x, w, rstd, res, Some(dw)).map(|(dx, _)| dx)
+    rmsnorm_bwd_res(dy, x, w, rstd, res, Some(dw), acc).map(|(dx, _)| dx)
 }
 
 fn rmsnorm_bwd_res(
@@ -257,6 +261,7 @@ fn rmsnorm_bwd_res(
     rstd: &Tensor,
     res: Option<&Tensor>,
     into: Option<&Tensor>,
+    acc: bool,
 ) -> Result<(Tensor, Tensor)> {
     const OP: &str = "rmsnorm_bwd";
     if let Some(res) = res {
@@ -272,8 +277,8 @@ fn rmsnorm_bwd_res(
     }
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[dy, x, w, rstd])? {
-        let (dx, dw) = crate::cuda::ops::rmsnorm_bwd(&g, dy, x, w, rstd, res, sum_to(into))?;
-        add_into(into.as_ref().map(std::slice::from_ref), &[&dw])?;
+        let (dx, dw) = crate::cuda::ops::rmsnorm_bwd(&g, dy, x, w, rstd, res, sum_to(into, acc))?;
+        add_into(into.as_ref().map(std::slice::from_ref), &[&dw], acc)?;
         return Ok((dx, dw));
     }
     check::on_cpu(OP, &[dy, x, w, rstd])?;
@@ -283,6 +288,6 @@ fn rmsnorm_bwd_res(
     let dw = cpu::norm::rmsnorm_bwd(&dyv, &xv, &wv, &rv, c, &mut dx);
     let dx = check::out(dx, x.shape().clone(), x.dtype(), x.device())?;
     let dw = check::out(dw, [c], DType::F32, x.device())?;
-    add_into(into.as_ref().map(std::slice::from_ref), &[&dw])?;
+    add_into(into.as_ref().map(std::slice::from_ref), &[&dw], acc)?;
     Ok((res.map_or(Ok(dx.clone()), |r| crate::add(&dx, r))?, dw))
 }

@@ -183,6 +183,8 @@ impl Optimizer {
     /// Σ g² over the whole model as one f32 on the parameters' device, summed across the ranks
     /// that share the norm (nothing read back).
     fn sum_sq(&self, table: &ParamTable) -> Result<Tensor, OptimError> {
+        // Gradients no backward op reached this step are zero (a no-op when the sync settled them).
+        table.settle_grads(0..table.flat_len())?;
         let g = table.flat_grads();
         // Ranges of the flat buffer counted here, neighbours merged (one kernel each on a GPU).
         let mut ranges: Vec<Range<usize>> = Vec::new();

@@ -164,8 +164,11 @@ impl GradSync {
         if self.dp.size() == 1 {
             return Ok(());
         }
-        let grads = table.flat_grads().clone();
         let r = self.plan.buckets[b].clone();
+        // Parameters of the bucket no backward op reached are final at zero (`ParamTable`'s
+        // deferred zeroing), cleared on the compute stream before the reduction reads them.
+        table.settle_grads(r.clone())?;
+        let grads = table.flat_grads().clone();
         let shard = self.plan.shard(b);
         let (dp, distributed, detached) = (self.dp.clone(), self.distributed, self.detached);
         let job = move || -> Result<(), CommError> {
@@ -202,6 +205,7 @@ impl GradSync {
 
     /// Starts what is left, waits for every bucket, then sums sequence-parallel grads over TP.
     pub fn finish(&mut self, table: &ParamTable) -> Result<(), CommError> {
+        table.settle_grads(0..table.flat_len())?;
         if let Some((r, embd)) = &self.tied {
             embd.all_reduce(&table.flat_grads().view(r.start, [r.len()])?, ReduceOp::Sum)?;
         }

@@ -114,7 +114,8 @@ pub fn queue_train_step_pipelined(
     micro_batches: &[Batch],
     lr: f32,
 ) -> Result<QueuedStep, StepError> {
-    table.zero_grads().map_err(ModelError::from)?;
+    // main_grad is not cleared: each gradient's first op stores, later ones add (`ParamTable`).
+    table.defer_zero_grads();
     let kind = schedule_kind(pp.size(), model.chunks.len());
     let actions = schedule(kind, pp.size(), pp.rank(), micro_batches.len()).map_err(OptimError::from)?;
     let mut runner = Runner {

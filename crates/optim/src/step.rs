@@ -100,7 +100,8 @@ pub fn queue_train_step(
     micro_batches: &[Batch],
     lr: f32,
 ) -> Result<QueuedStep, StepError> {
-    table.zero_grads().map_err(ModelError::from)?;
+    // main_grad is not cleared: each gradient's first op stores, later ones add (`ParamTable`).
+    table.defer_zero_grads();
     let cx = Cx { params: table, training: true };
     let m = micro_batches.len();
     let mut losses = Vec::with_capacity(m);

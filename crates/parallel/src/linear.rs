@@ -17,13 +17,15 @@ fn saved_one<'a>(op: &'static str, s: &'a Saved) -> Result<&'a Tensor> {
     s.tensors.first().ok_or_else(|| invalid(op, "nothing saved by forward"))
 }
 
-/// dW += dyᵀ·x, db += Σ dy over rows.
+/// dW += dyᵀ·x, db += Σ dy over rows (or = where the step reaches them first: `grad_acc`).
 fn param_grads(cx: &Cx, w: ParamId, b: Option<ParamId>, x: &Tensor, dy: &Tensor) -> Result<()> {
     let (out, inp) = (dy.shape().last(), x.shape().last());
     let rows = dy.elem_count() / out.max(1);
-    k::matmul_into(&cx.params.grad(w)?, &dy.reshape([rows, out])?, &x.reshape([rows, inp])?, true, false, true)?;
+    let (dw, acc) = cx.params.grad_acc(w)?;
+    k::matmul_into(&dw, &dy.reshape([rows, out])?, &x.reshape([rows, inp])?, true, false, acc)?;
     if let Some(b) = b {
-        k::bias_grad_into(&cx.params.grad(b)?, dy)?;
+        let (db, acc) = cx.params.grad_acc(b)?;
+        k::bias_grad_into(&db, dy, acc)?;
     }
     Ok(())
 }
@@ -192,7 +194,8 @@ impl RowParallelLinear {
         if let Some(b) = self.bias {
             // Under sequence parallelism dy is this rank's sequence slice: a partial bias grad,
             // summed over the group with the other sequence-parallel grads before the step.
-            k::bias_grad_into(&cx.params.grad(b)?, dy)?;
+            let (db, acc) = cx.params.grad_acc(b)?;
+            k::bias_grad_into(&db, dy, acc)?;
         }
         let dy = self.tp.exit_bwd(dy)?;
         let w = cx.params.param(self.weight)?;

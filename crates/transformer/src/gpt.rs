@@ -390,7 +390,8 @@ impl GptModel {
                 if rescale {
                     k::scale_(&dh, grad_scale)?;
                 }
-                k::matmul_into(&cx.params.grad(out)?, &dlogits, &h2, true, false, true)?;
+                let (dw, acc) = cx.params.grad_acc(out)?;
+                k::matmul_into(&dw, &dlogits, &h2, true, false, acc)?;
                 if self.config.untie_embeddings_and_output_weights {
                     done(cx.params.range(out).start)?;
                 }

@@ -55,9 +55,11 @@ impl Module for Linear {
         let rows = dy.shape().rows();
         let dy2 = dy.reshape([rows, self.out_features])?;
         let x2 = x.reshape([rows, self.in_features])?;
-        k::matmul_into(&cx.params.grad(self.weight)?, &dy2, &x2, true, false, true)?;
+        let (dw, acc) = cx.params.grad_acc(self.weight)?;
+        k::matmul_into(&dw, &dy2, &x2, true, false, acc)?;
         if let Some(b) = self.bias {
-            k::bias_grad_into(&cx.params.grad(b)?, dy)?;
+            let (db, acc) = cx.params.grad_acc(b)?;
+            k::bias_grad_into(&db, dy, acc)?;
         }
         Ok(dx)
     }

@@ -62,10 +62,15 @@ impl Norm {
         if s.len() != if self.bias.is_some() { 3 } else { 2 } {
             return Err(invalid("Norm::backward", "saved tensors do not match forward"));
         }
-        let dw = cx.params.grad(self.weight)?;
         match self.bias {
-            Some(b) => k::layernorm_bwd_into(dy, &s[0], &w, &s[1], &s[2], res, &dw, &cx.params.grad(b)?),
-            None => k::rmsnorm_bwd_into(dy, &s[0], &w, &s[1], res, &dw),
+            Some(b) => {
+                let (g, acc) = cx.params.grads_acc(&[self.weight, b])?;
+                k::layernorm_bwd_into(dy, &s[0], &w, &s[1], &s[2], res, &g[0], &g[1], acc)
+            }
+            None => {
+                let (dw, acc) = cx.params.grad_acc(self.weight)?;
+                k::rmsnorm_bwd_into(dy, &s[0], &w, &s[1], res, &dw, acc)
+            }
         }
     }
 }

@@ -100,8 +100,9 @@ fn weight_of_wrong_size_is_an_error() {
 }
 
 // The `_into` backwards add their parameter gradients into views of one flat f32 buffer (as
-// main_grad), at an offset off 16-byte alignment and with values already there; dx (+ res) and
-// every other element of the buffer are left as the plain backward gives them.
+// main_grad), at an offset off 16-byte alignment and with values already there, or with `acc`
+// false store them over what is there (the first op of a step to reach a parameter); dx (+ res)
+// and every other element of the buffer are left as the plain backward gives them.
 device_test!(parameter_gradients_add_into_main_grad_views, |dev: &Device| {
     let (rows, c) = (150, 24); // several reduction chunks, the last short
     let (x, w, b, r, res) = (randv(rows * c, 1), randv(c, 2), randv(c, 3), randv(rows * c, 4), randv(rows * c, 5));
@@ -112,11 +113,11 @@ device_test!(parameter_gradients_add_into_main_grad_views, |dev: &Device| {
     let (dw_v, db_v, rw_v) =
         (flat.view(1, [c]).unwrap(), flat.view(c + 2, [c]).unwrap(), flat.view(3 * c + 3, [c]).unwrap());
     let (_, mean, rstd) = k::layernorm_fwd(&xt, &wt, Some(&t32(dev, &b, &[c])), 1e-5).unwrap();
-    let dx = k::layernorm_bwd_into(&rt, &xt, &wt, &mean, &rstd, Some(&rest), &dw_v, &db_v).unwrap();
+    let dx = k::layernorm_bwd_into(&rt, &xt, &wt, &mean, &rstd, Some(&rest), &dw_v, &db_v, true).unwrap();
     let (dx_ref, dw, db) = k::layernorm_bwd_add(&rt, &xt, &wt, &mean, &rstd, &rest).unwrap();
     assert_close(&host(&dx), &host(&dx_ref), 1e-6, 1e-6, "layernorm dx + res");
     let (_, rs) = k::rmsnorm_fwd(&xt, &wt, 1e-5).unwrap();
-    let dx2 = k::rmsnorm_bwd_into(&rt, &xt, &wt, &rs, None, &rw_v).unwrap();
+    let dx2 = k::rmsnorm_bwd_into(&rt, &xt, &wt, &rs, None, &rw_v, true).unwrap();
     let (dx2_ref, rw) = k::rmsnorm_bwd(&rt, &xt, &wt, &rs).unwrap();
     assert_close(&host(&dx2), &host(&dx2_ref), 1e-6, 1e-6, "rmsnorm dx");
     let mut want = flat0.clone();
@@ -126,10 +127,20 @@ device_test!(parameter_gradients_add_into_main_grad_views, |dev: &Device| {
     assert_close(&host(&flat), &want, 1e-6, 1e-6, "main_grad after the norms");
     // The bias gradient of bf16 activations, into the same buffer's first view.
     let dy = tensor(dev, &r, &[rows, c], ferrotron_core::DType::BF16);
-    k::bias_grad_into(&dw_v, &dy).unwrap();
+    k::bias_grad_into(&dw_v, &dy, true).unwrap();
     let bg = host(&k::bias_grad(&dy).unwrap());
     want[1..1 + c].iter_mut().zip(&bg).for_each(|(v, g)| *v += g);
     assert_close(&host(&flat), &want, 1e-6, 1e-6, "main_grad after the bias gradient");
+    // Stored over the old values: the views then hold the gradients alone.
+    k::layernorm_bwd_into(&rt, &xt, &wt, &mean, &rstd, Some(&rest), &dw_v, &db_v, false).unwrap();
+    k::rmsnorm_bwd_into(&rt, &xt, &wt, &rs, None, &rw_v, false).unwrap();
+    for (at, g) in [(1, host(&dw)), (c + 2, host(&db)), (3 * c + 3, host(&rw))] {
+        want[at..at + c].copy_from_slice(&g);
+    }
+    assert_close(&host(&flat), &want, 1e-6, 1e-6, "main_grad after the norms, stored");
+    k::bias_grad_into(&db_v, &dy, false).unwrap();
+    want[c + 2..2 * c + 2].copy_from_slice(&bg);
+    assert_close(&host(&flat), &want, 1e-6, 1e-6, "main_grad after the bias gradient, stored");
 });
 
 #[test]
@@ -137,8 +148,8 @@ fn a_gradient_destination_of_the_wrong_size_is_an_error() {
     let dev = Device::Cpu;
     let (x, w) = (t32(&dev, &randv(12, 0), &[3, 4]), t32(&dev, &randv(4, 1), &[4]));
     let (_, rstd) = k::rmsnorm_fwd(&x, &w, 1e-5).unwrap();
-    let e = k::rmsnorm_bwd_into(&x, &x, &w, &rstd, None, &t32(&dev, &randv(5, 2), &[5])).unwrap_err();
+    let e = k::rmsnorm_bwd_into(&x, &x, &w, &rstd, None, &t32(&dev, &randv(5, 2), &[5]), true).unwrap_err();
     assert!(e.to_string().contains("rmsnorm_bwd") && e.to_string().contains("[4]"), "{e}");
-    let e = k::bias_grad_into(&t32(&dev, &randv(3, 2), &[3]), &x).unwrap_err();
+    let e = k::bias_grad_into(&t32(&dev, &randv(3, 2), &[3]), &x, true).unwrap_err();
     assert!(e.to_string().contains("bias_grad_into") && e.to_string().contains("[4]"), "{e}");
 }

@@ -289,7 +289,8 @@ fn tc_bwd(be: &B, x: &TcQkv, o: &Tensor, lse: &Tensor, dout: &Tensor, a: &AttnSh
             Some(t) => (ptr("attn", t)?, t.elem_count()),
             None => (Arg::Ptr(0), 0),
         };
-        let args = [ptr("attn", o)?, ptr("attn", dout)?, ptr("attn", &delta)?, n(rows), n(d.t), n(d.hq), n(d.d), z, n(zn)];
+        let args =
+            [ptr("attn", o)?, ptr("attn", dout)?, ptr("attn", &delta)?, n(rows), n(d.t), n(d.hq), n(d.d), z, n(zn)];
         let threads = (rows * d.d).max(zn) / 8;
         be.launch("flash_bwd_delta_bf16", threads.div_ceil(256) as u32, 256, 0, &args)
     };

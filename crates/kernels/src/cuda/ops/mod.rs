@@ -93,10 +93,11 @@ fn col_sum_to(be: &B, partials: &Tensor, chunks: usize, c: usize, y: &Tensor, ac
     be.launch("col_sum_f32", c.div_ceil(32) as u32, 256, 0, &args)
 }
 
-/// Where a column sum goes: a new f32 tensor, or added into an existing one.
+/// Where a column sum goes: a new f32 tensor, added into an existing one, or stored over it.
 pub enum SumTo<'a> {
     New,
     Add(&'a Tensor),
+    Write(&'a Tensor),
 }
 
 impl SumTo<'_> {
@@ -105,6 +106,7 @@ impl SumTo<'_> {
         let (y, acc) = match self {
             SumTo::New => (new(be, [c], DType::F32)?, false),
             SumTo::Add(y) => ((*y).clone(), true),
+            SumTo::Write(y) => ((*y).clone(), false),
         };
         col_sum_to(be, partials, chunks, c, &y, acc)?;
         Ok(y)
