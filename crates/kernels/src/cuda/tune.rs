@@ -2,11 +2,14 @@
 //! cuDNN's benchmark mode does), instead of taking the heuristic's first. The choice is cached with
 //! the problem (`lt`), so the timing runs once per shape per process, inside the first step.
 //!
-//! Off by default (`FERROTRON_GEMM_TUNE=1` turns it on): on the H200 single shapes gained up to
-//! 1.2× in isolation (the LM head's forward, the dGeLU product), yet whole training steps under the
-//! card's 700 W cap moved by no more than their run-to-run spread (kernels/README.md, GEMM
-//! algorithms). Timings differ from run to run, and so can the choice and the last bits of the
-//! products: deterministic mode (`set_deterministic`) never tunes.
+//! By default only the dGeLU product (fc2's input gradient) is tuned; `FERROTRON_GEMM_TUNE=1`
+//! tunes every product, `=0` none. On the H200 single shapes gained up to 1.2× in isolation (the
+//! LM head's forward, the dGeLU product), yet in a running step under the card's 700 W cap most
+//! choices timed alone ran no faster or slower (GPU timelines, benches/NOTES.md session 17: 1.3B
+//! GEMMs 185.4 ms a step untuned, 186.4–188.3 all tuned). The dGeLU product is the exception: the
+//! heuristic's first is an older kernel, and the tuned one ran 0.85–0.86 against 0.91 ms a 1.3B
+//! layer in the step (124M 0.163 against 0.173). Timings differ from run to run, and so can the
+//! choice and the last bits of the products: deterministic mode (`set_deterministic`) never tunes.
 
 use cudarc::driver::{CudaSlice, CudaStream, sys::CUevent_flags};
 use ferrotron_core::Result;
@@ -21,18 +24,24 @@ thread_local! {
     static TUNE: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
 }
 
-/// Whether this thread's GEMMs time the candidate algorithms of a new shape (default off unless
-/// `FERROTRON_GEMM_TUNE=1`; never in deterministic mode). Tests set it to run both ways.
+/// Whether this thread's GEMMs, all of them, time the candidate algorithms of a new shape
+/// (default: the dGeLU product only, or as `FERROTRON_GEMM_TUNE` says; never in deterministic
+/// mode). Tests set it to run both ways.
 pub fn set_gemm_tuning(on: bool) {
     TUNE.with(|t| t.set(Some(on)));
 }
 
-pub(crate) fn enabled() -> bool {
-    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let on = TUNE
-        .with(|t| t.get())
-        .unwrap_or_else(|| *ENV.get_or_init(|| std::env::var("FERROTRON_GEMM_TUNE").as_deref() == Ok("1")));
-    on && !super::deterministic()
+/// Whether a new shape's candidates are timed; `dgelu`: the product has the dGeLU epilogue.
+pub(crate) fn enabled(dgelu: bool) -> bool {
+    static ENV: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    let all = TUNE.with(|t| t.get()).or_else(|| {
+        *ENV.get_or_init(|| match std::env::var("FERROTRON_GEMM_TUNE").as_deref() {
+            Ok("1") => Some(true),
+            Ok("0") => Some(false),
+            _ => None,
+        })
+    });
+    all.unwrap_or(dgelu) && !super::deterministic()
 }
 
 /// An uncleared buffer to time products in when they may not write their real output (they
