@@ -20,6 +20,8 @@ pub struct CudaDevice {
     ctx: Arc<CudaContext>,
     compute: Arc<CudaStream>,
     comm: Arc<CudaStream>,
+    /// Page-locked buffers small uploads go through (`staging`).
+    staging: Arc<std::sync::Mutex<crate::staging::Staging>>,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -62,7 +64,8 @@ impl CudaDevice {
         keep_freed_memory(&ctx);
         let compute = ctx.new_stream().map_err(driver_err)?;
         let comm = ctx.new_stream().map_err(driver_err)?;
-        Ok(CudaDevice { ctx, compute, comm })
+        let staging = Arc::new(std::sync::Mutex::new(crate::staging::Staging::new()));
+        Ok(CudaDevice { ctx, compute, comm, staging })
     }
 
     pub fn ordinal(&self) -> usize {
@@ -92,6 +95,20 @@ impl CudaDevice {
         let r = if on { cudarc::driver::profiler_start() } else { cudarc::driver::profiler_stop() };
         r.map_err(driver_err)
     }
+}
+
+/// A new device copy of `v`: small ones through the page-locked ring (queued without waiting for
+/// the stream, `staging`), larger ones from pageable memory (the driver waits for the stream).
+fn upload<T: cudarc::driver::DeviceRepr>(dev: &CudaDevice, v: &[T]) -> Result<CudaSlice<T>> {
+    let s = dev.stream();
+    if v.is_empty() || std::mem::size_of_val(v) > crate::staging::SLOT_BYTES {
+        return s.clone_htod(v).map_err(driver_err);
+    }
+    // SAFETY: filled by the copy queued next, before any use on this stream.
+    let mut d = unsafe { s.alloc::<T>(v.len()) }.map_err(driver_err)?;
+    let mut ring = dev.staging.lock().unwrap_or_else(|e| e.into_inner());
+    ring.upload(&dev.ctx, s, v, &mut d).map_err(driver_err)?;
+    Ok(d)
 }
 
 /// An allocation failure, naming the size asked for and what the device has in use.
@@ -237,14 +254,13 @@ impl CudaStorage {
     }
 
     pub fn from_cpu(dev: &CudaDevice, src: &CpuStorage) -> Result<Self> {
-        let s = dev.stream();
         Ok(match src {
-            CpuStorage::F32(v) => CudaStorage::F32(s.clone_htod(v).map_err(driver_err)?),
-            CpuStorage::BF16(v) => CudaStorage::BF16(s.clone_htod(v).map_err(driver_err)?),
-            CpuStorage::F16(v) => CudaStorage::F16(s.clone_htod(v).map_err(driver_err)?),
-            CpuStorage::F8E4M3(v) => CudaStorage::F8E4M3(s.clone_htod(v).map_err(driver_err)?),
-            CpuStorage::F8E5M2(v) => CudaStorage::F8E5M2(s.clone_htod(v).map_err(driver_err)?),
-            CpuStorage::U32(v) => CudaStorage::U32(s.clone_htod(v).map_err(driver_err)?),
+            CpuStorage::F32(v) => CudaStorage::F32(upload(dev, v)?),
+            CpuStorage::BF16(v) => CudaStorage::BF16(upload(dev, v)?),
+            CpuStorage::F16(v) => CudaStorage::F16(upload(dev, v)?),
+            CpuStorage::F8E4M3(v) => CudaStorage::F8E4M3(upload(dev, v)?),
+            CpuStorage::F8E5M2(v) => CudaStorage::F8E5M2(upload(dev, v)?),
+            CpuStorage::U32(v) => CudaStorage::U32(upload(dev, v)?),
         })
     }
 

@@ -20,6 +20,8 @@ mod module;
 mod params;
 pub mod rng;
 mod shape;
+#[cfg(feature = "cuda")]
+mod staging;
 mod storage;
 mod tensor;
 

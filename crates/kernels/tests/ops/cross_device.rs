@@ -533,3 +533,28 @@ fn out_of_memory_names_the_size_and_usage() {
     let e = Tensor::zeros([1usize << 38], DType::F32, &g).unwrap_err().to_string();
     assert!(e.contains("out of memory") && e.contains("1099511627776 bytes") && e.contains("GiB in use"), "{e}");
 }
+
+/// Small uploads go through a ring of page-locked buffers (ferrotron-core `staging`) and are
+/// queued without waiting for the stream. Many more of them than the ring has slots, queued
+/// behind a long product and in several dtypes, each read back equal to what was sent: a slot is
+/// never refilled before its last copy has landed.
+#[test]
+fn staged_uploads_behind_queued_work_arrive_whole() {
+    let dev = gpu();
+    let big = rnd(&[1024, 1024], 1, DType::F32).to_device(&dev).unwrap();
+    let _busy = k::matmul(&big, &big, false, false).unwrap(); // queued work ahead of the copies
+    let mut sent = Vec::new();
+    for i in 0..40u32 {
+        let ids: Vec<u32> = (0..1000 + i).map(|j| j.wrapping_mul(2_654_435_761) ^ i).collect();
+        let vals: Vec<f32> = (0..500 + i).map(|j| (j as f32 + i as f32) * 0.25).collect();
+        let t = Tensor::from_vec(ids.clone(), [ids.len()], &dev).unwrap();
+        let f = Tensor::from_f32(&vals, [vals.len()], DType::BF16, &dev).unwrap();
+        sent.push((ids, vals, t, f));
+    }
+    for (ids, vals, t, f) in &sent {
+        assert_eq!(&t.to_vec::<u32>().unwrap(), ids);
+        let back = f.to_vec_f32().unwrap();
+        let want: Vec<f32> = vals.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+        assert_eq!(back, want);
+    }
+}
