@@ -315,7 +315,10 @@ impl ParamTable {
     /// Its fp32 main_grad view, holding a value: zeroed first if a deferred step has not
     /// reached it yet (so adding into it is always right).
     pub fn grad(&self, id: ParamId) -> Result<Tensor> {
-        self.settle_grads(self.range(id))?;
+        let reached = self.written()[id.0];
+        if !reached {
+            self.settle_grads(self.range(id))?;
+        }
         self.grad_view(id)
     }
 
@@ -399,7 +402,7 @@ impl ParamTable {
             }
             w[i] = true;
             span = match span {
-                // Parameters are laid out in id order: extend over the padding between them.
+                // Parameters lie back to back in id order: one memset for neighbours.
                 Some(s) => Some(s.start..r.end),
                 None => Some(r),
             };
