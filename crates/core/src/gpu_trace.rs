@@ -56,6 +56,19 @@ pub fn start() -> Result<()> {
     }
 }
 
+/// Whether a recording can start here: the CUPTI library loads (checked before training starts,
+/// so a missing library is reported before the steps it would have traced).
+pub fn available() -> Result<()> {
+    #[cfg(feature = "cuda")]
+    {
+        cupti::available()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err(crate::Error::CudaNotBuilt { device: "a GPU trace".into() })
+    }
+}
+
 /// Stops recording and returns what ran since `start`. Work still queued is not waited for:
 /// synchronise the devices first.
 pub fn stop() -> Result<GpuTrace> {
@@ -186,7 +199,7 @@ mod cupti {
         out
     }
 
-    pub(super) fn start() -> Result<()> {
+    pub(super) fn available() -> Result<()> {
         // cudarc panics when the library cannot be loaded: check first.
         // SAFETY: only probes for the shared library.
         if !unsafe { sys::is_culib_present() } {
@@ -196,6 +209,11 @@ mod cupti {
                     .into(),
             ));
         }
+        Ok(())
+    }
+
+    pub(super) fn start() -> Result<()> {
+        available()?;
         let mut records = RECORDS.lock().unwrap_or_else(|e| e.into_inner());
         if records.is_some() {
             return Err(trace_err("start", "a recording is already running in this process; stop it first"));

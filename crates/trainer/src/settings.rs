@@ -373,6 +373,9 @@ fn profile_range(a: &TrainArgs, device: &ferrotron_core::Device) -> anyhow::Resu
     if device.is_cpu() {
         bail!("--profile opens a CUDA profiler range: run with --device cuda (or drop --profile)");
     }
+    if let Some(t) = &a.profile_trace {
+        ferrotron_core::gpu_trace::available().with_context(|| format!("--profile-trace {}", t.display()))?;
+    }
     let ranks = if a.profile_ranks.is_empty() { vec![0] } else { a.profile_ranks.clone() };
     Ok(Some(ProfileRange { start, end, ranks, trace: a.profile_trace.clone() }))
 }
