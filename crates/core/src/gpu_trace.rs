@@ -214,16 +214,27 @@ mod cupti {
 
     pub(super) fn start() -> Result<()> {
         available()?;
-        let mut records = RECORDS.lock().unwrap_or_else(|e| e.into_inner());
-        if records.is_some() {
-            return Err(trace_err("start", "a recording is already running in this process; stop it first"));
+        {
+            let mut records = RECORDS.lock().unwrap_or_else(|e| e.into_inner());
+            if records.is_some() {
+                return Err(trace_err("start", "a recording is already running in this process; stop it first"));
+            }
+            *records = Some(Vec::new());
         }
-        activity::register_callbacks(Some(requested), Some(completed)).map_err(|e| trace_err("register", e))?;
-        for k in KINDS {
-            activity::enable(k).map_err(|e| trace_err("enable", e))?;
-        }
-        *records = Some(Vec::new());
-        Ok(())
+        // Not under the lock: CUPTI may hand over a buffer (`completed` takes it) at any time.
+        let on = || -> Result<()> {
+            activity::register_callbacks(Some(requested), Some(completed)).map_err(|e| trace_err("register", e))?;
+            for k in KINDS {
+                activity::enable(k).map_err(|e| trace_err("enable", e))?;
+            }
+            Ok(())
+        };
+        on().inspect_err(|_| {
+            for k in KINDS {
+                let _ = activity::disable(k);
+            }
+            *RECORDS.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        })
     }
 
     pub(super) fn stop() -> Result<GpuTrace> {
