@@ -234,6 +234,22 @@ fn bench_shape(preset: &str) -> Option<BenchShape> {
     Some(BenchShape { layers, hidden, heads, seq, micro, torch_style })
 }
 
+/// benches/torch_gpu_gpt.py and its arguments for the same model as `shape` at micro-batch
+/// `micro` (`flops` per token for its MFU; 0 where it is not timed); callers add the run's own.
+fn torch_args(shape: &BenchShape, micro: usize, flops: f64) -> Vec<String> {
+    let mut a = vec![root().join("benches/torch_gpu_gpt.py").display().to_string()];
+    a.extend(multi::owned(&["--layers", &shape.layers.to_string(), "--hidden", &shape.hidden.to_string()]));
+    a.extend(multi::owned(&["--heads", &shape.heads.to_string(), "--seq", &shape.seq.to_string()]));
+    a.extend(multi::owned(&["--micro", &micro.to_string(), "--flops-per-token", &flops.to_string()]));
+    a.extend(multi::owned(shape.torch_style));
+    a
+}
+
+/// `ferrotron train`'s `--profile` range over steps `start` + 1 to `end`.
+fn profile_args(start: u64, end: u64) -> Vec<String> {
+    multi::owned(&["--profile", "--profile-step-start", &start.to_string(), "--profile-step-end", &end.to_string()])
+}
+
 /// `ferrotron train` arguments of a GPU bench run: bf16 on CUDA, one evaluation batch (at the
 /// end), a log line (and so a loss read back) every `log` steps, `micro` as both micro and global
 /// batch.
@@ -286,24 +302,12 @@ fn gpu_profile(args: &[String]) -> anyhow::Result<()> {
         let shape =
             bench_shape(p).with_context(|| format!("no GPU bench shape for preset {p}: use 124m, 1.3b or llama-1b"))?;
         let mut ours_args = bench_train_args(p, shape.micro, WARM + steps, WARM + steps);
-        let range = [WARM.to_string(), (WARM + steps).to_string()];
-        ours_args.extend(multi::owned(&[
-            "--profile",
-            "--profile-step-start",
-            &range[0],
-            "--profile-step-end",
-            &range[1],
-        ]));
+        ours_args.extend(profile_args(WARM, WARM + steps));
         let ours = ncu_kernel_times(ncu, bin.as_os_str(), &ours_args)?;
         print!("{}", xtask::profile::table(&format!("{p} ferrotron, {steps} steps"), &ours, top));
         let theirs = if torch {
-            let BenchShape { layers, hidden, heads, seq, micro, torch_style } = shape;
-            let mut a = vec![root().join("benches/torch_gpu_gpt.py").display().to_string()];
-            a.extend(multi::owned(&["--layers", &layers.to_string(), "--hidden", &hidden.to_string()]));
-            a.extend(multi::owned(&["--heads", &heads.to_string(), "--seq", &seq.to_string()]));
-            a.extend(multi::owned(&["--micro", &micro.to_string(), "--flops-per-token", "0"]));
+            let mut a = torch_args(&shape, shape.micro, 0.0);
             a.extend(multi::owned(&["--warmup", &WARM.to_string(), "--profile", &steps.to_string()]));
-            a.extend(torch_style.iter().map(|x| x.to_string()));
             let t = ncu_kernel_times(ncu, std::ffi::OsStr::new("python3"), &a)?;
             print!("{}", xtask::profile::table(&format!("{p} pytorch compile+SDPA, {steps} steps"), &t, top));
             t
@@ -376,9 +380,9 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
     for p in &presets {
         let shape =
             bench_shape(p).with_context(|| format!("no GPU bench shape for preset {p}: use 124m, 1.3b or llama-1b"))?;
-        let BenchShape { layers, hidden, heads, seq, micro, torch_style } = shape;
+        let seq = shape.seq;
         // BENCH_MICRO overrides the micro-batch (e.g. 1 for a quick look at a slow build).
-        let micro = std::env::var("BENCH_MICRO").ok().and_then(|v| v.parse().ok()).unwrap_or(micro);
+        let micro = std::env::var("BENCH_MICRO").ok().and_then(|v| v.parse().ok()).unwrap_or(shape.micro);
         let dir = std::env::temp_dir().join(format!("ferrotron-bench-{p}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let mut child = Command::new(&bin)
@@ -417,11 +421,8 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
             continue;
         }
         let mut py = Command::new("python3")
-            .arg(root().join("benches/torch_gpu_gpt.py"))
-            .args(["--layers", &layers.to_string(), "--hidden", &hidden.to_string(), "--heads", &heads.to_string()])
-            .args(["--seq", &seq.to_string(), "--micro", &micro.to_string(), "--flops-per-token", &flops.to_string()])
+            .args(torch_args(&shape, micro, flops))
             .args(["--warmup", &every.to_string(), "--iters", &(iters - every).to_string()])
-            .args(torch_style)
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
             .spawn()

@@ -2,7 +2,7 @@
 //! training steps (xtask::trace), Ferrotron's from `ferrotron train --profile-trace`, PyTorch's
 //! from its profiler.
 
-use crate::{BenchShape, bench_bin_and_presets, bench_shape, bench_train_args, multi, root};
+use crate::{bench_bin_and_presets, bench_shape, bench_train_args, multi, profile_args, torch_args};
 use anyhow::{Context, bail};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -60,21 +60,15 @@ pub fn gpu_trace(args: &[String]) -> anyhow::Result<()> {
         let ours = dir.join(format!("ferrotron-{p}.trace.json"));
         // One log line at the end, so no loss is read back inside the traced steps.
         let mut a = bench_train_args(p, shape.micro, WARM + n + 1, WARM + n + 1);
-        let range = [WARM.to_string(), (WARM + n).to_string()];
-        a.extend(multi::owned(&["--profile", "--profile-step-start", &range[0], "--profile-step-end", &range[1]]));
+        a.extend(profile_args(WARM, WARM + n));
         a.extend(["--profile-trace".to_string(), ours.display().to_string()]);
         run(Command::new(&bin).args(&a), "ferrotron")?;
         let mut files = vec![ours];
         if torch {
             let theirs = dir.join(format!("pytorch-{p}.trace.json"));
-            let BenchShape { layers, hidden, heads, seq, micro, torch_style } = shape;
-            let mut a = vec![root().join("benches/torch_gpu_gpt.py").display().to_string()];
-            a.extend(multi::owned(&["--layers", &layers.to_string(), "--hidden", &hidden.to_string()]));
-            a.extend(multi::owned(&["--heads", &heads.to_string(), "--seq", &seq.to_string()]));
-            a.extend(multi::owned(&["--micro", &micro.to_string(), "--flops-per-token", "0"]));
+            let mut a = torch_args(&shape, shape.micro, 0.0);
             a.extend(multi::owned(&["--warmup", &WARM.to_string(), "--iters", &n.to_string()]));
             a.extend(["--trace".to_string(), theirs.display().to_string()]);
-            a.extend(torch_style.iter().map(|x| x.to_string()));
             run(Command::new("python3").args(&a), "benches/torch_gpu_gpt.py")?;
             files.push(theirs);
         }

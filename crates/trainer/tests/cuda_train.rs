@@ -49,12 +49,8 @@ fn matches_cpu(preset: &str) {
     }
 }
 
-/// `--profile`'s range around steps 2–3 with no profiler attached: the driver's start and stop
-/// calls must succeed and training go on past them. (That ncu records inside the range, and only
-/// there, is what `cargo xtask bench --gpu-profile` relies on: its parse fails on an empty
-/// profile.)
-#[test]
-fn training_runs_through_a_profiler_range_with_no_profiler_attached() {
+/// The tiny preset for 4 steps, one evaluation at the end: the profiling tests' run.
+fn tiny_four_steps() -> Settings {
     let args = TrainArgs {
         preset: Some("tiny".into()),
         train_iters: Some(4),
@@ -63,7 +59,16 @@ fn training_runs_through_a_profiler_range_with_no_profiler_attached() {
         no_progress: true,
         ..TrainArgs::default()
     };
-    let (s, _): (Settings, Paths) = Settings::resolve(&args).unwrap();
+    Settings::resolve(&args).unwrap().0
+}
+
+/// `--profile`'s range around steps 2–3 with no profiler attached: the driver's start and stop
+/// calls must succeed and training go on past them. (That ncu records inside the range, and only
+/// there, is what `cargo xtask bench --gpu-profile` relies on: its parse fails on an empty
+/// profile.)
+#[test]
+fn training_runs_through_a_profiler_range_with_no_profiler_attached() {
+    let s = tiny_four_steps();
     let range = ProfileRange { start: 1, end: 3, ranks: vec![0], trace: None };
     let paths = Paths { device: Device::cuda(0).expect("a CUDA device"), profile: Some(range), ..Paths::default() };
     let summary = train(&s, &paths).unwrap();
@@ -78,15 +83,7 @@ fn training_runs_through_a_profiler_range_with_no_profiler_attached() {
 /// in xtask.)
 #[test]
 fn a_traced_range_writes_the_gpu_timeline_of_its_steps() {
-    let args = TrainArgs {
-        preset: Some("tiny".into()),
-        train_iters: Some(4),
-        eval_interval: Some(4),
-        eval_iters: Some(1),
-        no_progress: true,
-        ..TrainArgs::default()
-    };
-    let (s, _): (Settings, Paths) = Settings::resolve(&args).unwrap();
+    let s = tiny_four_steps();
     let dir = std::env::temp_dir().join(format!("ferrotron-cuda-trace-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("steps.json");
