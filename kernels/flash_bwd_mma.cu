@@ -473,10 +473,17 @@ __device__ __forceinline__ void cp_async4(float* dst, const float* src, bool in)
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(in ? 4 : 0)
                  : "memory");
 }
-template <int D>
+// TMA: the K/V, Q and dO tiles copied by one producer thread through the tensor maps km, vm, qm
+// and dom (as [B, rows, heads, D] by their `Place`: boxes of 64 columns × 128 keys or 64 rows),
+// instead of 128 threads' cp.async (the copy loop was 18% of the head dim 128 kernel's
+// instructions, on the schedulers the consumers issue from); the (lse, delta) rows stay 4-byte
+// cp.async from 128 threads (their rows need not be 16-byte aligned), so a stage's full barrier
+// counts those 128 arrivals and the copying thread's expected bytes.
+template <int D, bool TMA>
 __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse,
                                   const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, float* dqa, long t,
-                                  long sl, long hq, long hkv, float scale, long causal, long window, long fused) {
+                                  long sl, long hq, long hkv, float scale, long causal, long window, long fused,
+                                  const TmaMap* km, const TmaMap* vm, const TmaMap* qm, const TmaMap* dom) {
     static_assert(D == 64 || D == 128, "64-column dQ pieces");
     // CK: keys per consumer; DSB: dSᵀ buffers (each both consumers' keys × 64 rows).
     constexpr int NO = D / 8, KEYS = 128, CK = 64, TILE = FB_ROWS * D, ST = bw_stages(D), DSB = D == 64 ? 1 : 2;
@@ -500,23 +507,42 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
     long group = hq / hkv, tp = (t + 63) / 64, qgs = fused ? group + 2 : group;  // qgs: as in flash_bwd_dkv_mma
     long qtiles = ie > ib ? (ie - ib + FB_ROWS - 1) / FB_ROWS : 0, steps = group * qtiles;
     if (threadIdx.x == 0) {
-        for (int st = 0; st < ST; st++) { mbar_init(&full[st], 128); mbar_init(&empty[st], 256); }
-        mbar_init(kvbar, 128);
+        for (int st = 0; st < ST; st++) { mbar_init(&full[st], TMA ? 129 : 128); mbar_init(&empty[st], 256); }
+        mbar_init(kvbar, TMA ? 1 : 128);
     }
     __syncthreads();  // the only block-wide barrier
     if (wg == 2) {
         wg_reg_dealloc<40>();
         int tid = threadIdx.x & 127;
-        tile_async_sw<D, KEYS, 128>(ks, k, j0, sl, b, kp.heads, kp.head, tid);
-        tile_async_sw<D, KEYS, 128>(vs, v, j0, sl, b, kp.heads, kp.head, tid);
-        cp_arrive(kvbar);
+        if (!TMA) {
+            tile_async_sw<D, KEYS, 128>(ks, k, j0, sl, b, kp.heads, kp.head, tid);
+            tile_async_sw<D, KEYS, 128>(vs, v, j0, sl, b, kp.heads, kp.head, tid);
+            cp_arrive(kvbar);
+        } else if (tid == 0) {
+            mbar_expect_tx(kvbar, 2 * KEYS * D * 2);
+            #pragma unroll
+            for (int cb = 0; cb < D / 64; cb++) {
+                tma_load_4d(ks + cb * KEYS * 64, km, cb * 64, (int)kp.head, (int)j0, (int)b, kvbar);
+                tma_load_4d(vs + cb * KEYS * 64, vm, cb * 64, (int)kp.head, (int)j0, (int)b, kvbar);
+            }
+        }
         for (long n = 0; n < steps; n++) {
             int st = n % ST;
             if (n >= ST) mbar_wait(&empty[st], ((n / ST) - 1) & 1);
             long h = kvh * group + n / qtiles, i0 = ib + (n % qtiles) * FB_ROWS;
             bf16_t* qt = qstage + st * 2 * TILE;
-            tile_async_sw<D, FB_ROWS, 128>(qt, q, i0, t, b, hkv * qgs, kvh * qgs + n / qtiles, tid);
-            tile_async_sw<D, FB_ROWS, 128>(qt + TILE, dout, i0, t, b, hq, h, tid);
+            if (!TMA) {
+                tile_async_sw<D, FB_ROWS, 128>(qt, q, i0, t, b, hkv * qgs, kvh * qgs + n / qtiles, tid);
+                tile_async_sw<D, FB_ROWS, 128>(qt + TILE, dout, i0, t, b, hq, h, tid);
+            } else if (tid == 0) {
+                mbar_expect_tx(&full[st], 2 * TILE * 2);
+                #pragma unroll
+                for (int cb = 0; cb < D / 64; cb++) {
+                    tma_load_4d(qt + cb * FB_ROWS * 64, qm, cb * 64, (int)(kvh * qgs + n / qtiles), (int)i0, (int)b,
+                                &full[st]);
+                    tma_load_4d(qt + TILE + cb * FB_ROWS * 64, dom, cb * 64, (int)h, (int)i0, (int)b, &full[st]);
+                }
+            }
             long i = i0 + (tid & 63);
             const float* rows = (tid < FB_ROWS ? lse : delta) + (b * hq + h) * t;
             cp_async4(lstage + st * 2 * FB_ROWS + tid, rows + (i < t ? i : 0), i < t);
@@ -649,13 +675,18 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
         }
     }
 }
-#define FLASH_BWD_DKVQ_WS(D) \
-extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_dkvq_ws2_bf16_##D(const bf16_t* q, const bf16_t* k, \
-        const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, float* dqa, \
-        long t, long sl, long hq, long hkv, long d, float scale, long causal, long window, long fused) { \
-    flash_bwd_dkvq_ws<D>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale, causal, window, fused); }
-FLASH_BWD_DKVQ_WS(64)
-FLASH_BWD_DKVQ_WS(128)
+#define FLASH_BWD_DKVQ_WS(NAME, D, TMA) \
+extern "C" __global__ void __launch_bounds__(384, 1) NAME(const bf16_t* q, const bf16_t* k, const bf16_t* v, \
+        const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, float* dqa, long t, \
+        long sl, long hq, long hkv, long d, float scale, long causal, long window, long fused, \
+        const __grid_constant__ TmaMap km, const __grid_constant__ TmaMap vm, const __grid_constant__ TmaMap qm, \
+        const __grid_constant__ TmaMap dom) { \
+    flash_bwd_dkvq_ws<D, TMA>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale, causal, window, fused, \
+                              &km, &vm, &qm, &dom); }
+FLASH_BWD_DKVQ_WS(flash_bwd_dkvq_ws2_bf16_64, 64, false)
+FLASH_BWD_DKVQ_WS(flash_bwd_dkvq_ws2_bf16_128, 128, false)
+FLASH_BWD_DKVQ_WS(flash_bwd_dkvq_ws2t_bf16_64, 64, true)
+FLASH_BWD_DKVQ_WS(flash_bwd_dkvq_ws2t_bf16_128, 128, true)
 
 // dQ (bf16, [B, T, Hq, D], or with `fused` the query slots of dQKV: Place) from the bulk-reduced
 // fp32 tiles: per (batch, head, 64-row tile, 64-column block) 4096 floats in the dK/dV kernel's

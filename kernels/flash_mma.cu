@@ -493,10 +493,10 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
     fwd_store<D, MT>(acc, m, l, r, o, lse, t, hq, b, h);
 }
 
-// The wgmma forward with its warps specialised (FlashAttention-3's arrangement, without TMA): two
-// consumer warpgroups of 64 query rows each and a producer warpgroup that streams K/V tiles
-// through FW_STAGES shared-memory stages (cp.async, swizzled, tile_async_sw). Stages hand over
-// through mbarriers (full: the producer's copies landed; empty: both consumers are done with the
+// The wgmma forward with its warps specialised (FlashAttention-3's arrangement): two consumer
+// warpgroups of 64 query rows each and a producer warpgroup that streams K/V tiles through
+// FW_STAGES shared-memory stages (swizzled; by TMA from one thread, or by cp.async from all 128,
+// tile_async_sw). Stages hand over through mbarriers (full: the producer's copies landed; empty: both consumers are done with the
 // tile), so no block-wide barrier ties the warpgroups together. A consumer's turn on the tensor
 // cores issues S = Q·Kᵀ of tile it and O += P·V of tile it − 1 back to back as two commit groups
 // and waits for S first; the warpgroups take turns (named barriers), so while one multiplies the
@@ -520,9 +520,14 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
 // first, a light tile after each heavy one) with the stage ring and its phases running on across
 // tiles, so the producer copies the next tile's K/V while the consumers finish this one and store
 // O; without it a block is one tile and the next block starts only once a block has left.
-template <int D, int KEYS, bool LATE, bool PERSIST>
+// TMA: the producer's copies by one thread through the tensor maps km and vm (K and V as
+// [B, sl, heads, D] by their `Place`: box 64 columns × KEYS rows, D / 64 copies a tile), instead
+// of 128 threads' cp.async (≈ 16 instructions a 16-byte copy in the SASS: 26% of the head dim 128
+// forward's instructions, on the schedulers the consumers issue from).
+template <int D, int KEYS, bool LATE, bool PERSIST, bool TMA>
 __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl,
-                             long hq, long hkv, float scale, long causal, long window, long fused, long bh) {
+                             long hq, long hkv, float scale, long causal, long window, long fused, long bh,
+                             const TmaMap* km, const TmaMap* vm) {
     constexpr int NC = 2;  // consumer warpgroups: the register split below is for two
     constexpr int NO = D / 8, NB = KEYS / 8, ROWS = FM_ROWS * NC, TILE = KEYS * D;  // bf16 per K or V tile
     extern __shared__ __align__(1024) unsigned char fm_smem[];  // swizzled tiles: 1024-byte aligned
@@ -556,7 +561,7 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
     };
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3, wg = warp >> 2;
     if (threadIdx.x == 0) {
-        for (int s = 0; s < FW_STAGES; s++) { mbar_init(&full[s], 128); mbar_init(&empty[s], NC * 128); }
+        for (int s = 0; s < FW_STAGES; s++) { mbar_init(&full[s], TMA ? 1 : 128); mbar_init(&empty[s], NC * 128); }
     }
     __syncthreads();  // the only block-wide barrier
     // Registers: the pool is what the block was launched with, 384 · 168 = 64512 (168: 65536 / 384
@@ -566,6 +571,7 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
         wg_reg_dealloc<40>();
         // The producer warpgroup copies key tile n (counted over the block's query tiles) into
         // stage n % FW_STAGES once the consumers have released the tile that stage held.
+        if (TMA && threadIdx.x != NC * 128) return;  // one thread copies
         u32 n = 0;
         for (long j = 0; j < rounds && pick(j); j++) {
             const Place kp = kv_place(h / (hq / hkv), hq, hkv, fused);
@@ -573,12 +579,22 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
                 int st = n % FW_STAGES;
                 if (n >= FW_STAGES) mbar_wait(&empty[st], ((n / FW_STAGES) - 1) & 1);
                 bf16_t* kt = stage + st * 2 * TILE;
+                if constexpr (TMA) {
+                    mbar_expect_tx(&full[st], 2 * TILE * 2);
+                    const int row = (int)(jb + it * KEYS);
+                    #pragma unroll
+                    for (int cb = 0; cb < D / 64; cb++) {
+                        tma_load_4d(kt + cb * KEYS * 64, km, cb * 64, (int)kp.head, row, (int)b, &full[st]);
+                        tma_load_4d(kt + TILE + cb * KEYS * 64, vm, cb * 64, (int)kp.head, row, (int)b, &full[st]);
+                    }
+                    continue;
+                }
                 tile_async_sw<D, KEYS, 128>(kt, k, jb + it * KEYS, sl, b, kp.heads, kp.head, threadIdx.x & 127);
                 tile_async_sw<D, KEYS, 128>(kt + TILE, v, jb + it * KEYS, sl, b, kp.heads, kp.head, threadIdx.x & 127);
                 cp_arrive(&full[st]);
             }
         }
-        cp_wait<0>();
+        if (!TMA) cp_wait<0>();
         return;
     }
     wg_reg_alloc<232>();
@@ -709,20 +725,28 @@ FLASH_MMA(flash_fwd_mma_bf16_128, 128, 1, false, 1)
 FLASH_MMA(flash_fwd_wg2_bf16_64, 64, 1, true, 2)
 FLASH_MMA(flash_fwd_wg2_bf16_128, 128, 1, true, 2)
 FLASH_MMA(flash_fwd_wg3_bf16_128, 128, 1, true, 3)
-// The warp-specialised forward (flash_fwd_ws2_bf16_D, with KEYS-key tiles flash_fwd_ws2k128_bf16_D):
+// The warp-specialised forward (flash_fwd_ws2[t][p]k128_bf16_D; 64-key tiles without `k128`):
 // two consumer warpgroups (128 rows) and a producer warpgroup; FW_STAGES · 2 · KEYS · D · 2 bytes
 // of K/V tiles, then 2 · FW_STAGES mbarriers, then the consumers' O tiles (2 · 64 · (D + 8) · 2
-// bytes). Not at head dim 128 with 128-key tiles: S, both P and O (224 registers) would not fit
-// in 232.
+// bytes). At head dim 128 with 128-key tiles a consumer holds S (64 registers), P in flight (32),
+// O (64) and Q (32): LATE keeps the next P in S's registers until the product reading the last
+// one is done (ptxas: no spill in 232).
 // Grid: bh (batch × heads) × query tiles, or with PERSIST (the `p` kernels) at most one block
-// per SM.
-#define FLASH_WS(NAME, D, KEYS, LATE, PERSIST) \
+// per SM. `t`: K and V copied by TMA.
+#define FLASH_WS(NAME, D, KEYS, LATE, PERSIST, TMA) \
 extern "C" __global__ void __launch_bounds__(384, 1) NAME(const bf16_t* q, \
         const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl, long hq, long hkv, long d, \
-        float scale, long causal, long window, long fused, long bh) { \
-    flash_fwd_ws<D, KEYS, LATE, PERSIST>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window, fused, bh); }
-FLASH_WS(flash_fwd_ws2_bf16_128, 128, 64, true, false)
-FLASH_WS(flash_fwd_ws2_bf16_64, 64, 64, false, false)
-FLASH_WS(flash_fwd_ws2k128_bf16_64, 64, 128, false, false)
-FLASH_WS(flash_fwd_ws2p_bf16_128, 128, 64, true, true)
-FLASH_WS(flash_fwd_ws2pk128_bf16_64, 64, 128, false, true)
+        float scale, long causal, long window, long fused, long bh, const __grid_constant__ TmaMap km, \
+        const __grid_constant__ TmaMap vm) { \
+    flash_fwd_ws<D, KEYS, LATE, PERSIST, TMA>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window, fused, bh, &km, &vm); }
+FLASH_WS(flash_fwd_ws2k128_bf16_128, 128, 128, true, false, false)
+FLASH_WS(flash_fwd_ws2k128_bf16_64, 64, 128, false, false, false)
+FLASH_WS(flash_fwd_ws2pk128_bf16_64, 64, 128, false, true, false)
+// The same with TMA copies (`t`), the default.
+FLASH_WS(flash_fwd_ws2tk128_bf16_128, 128, 128, true, false, true)
+FLASH_WS(flash_fwd_ws2tk128_bf16_64, 64, 128, false, false, true)
+FLASH_WS(flash_fwd_ws2tpk128_bf16_64, 64, 128, false, true, true)
+// 64-key tiles (`FERROTRON_FLASH_FWD=ws64`, kept to measure against).
+FLASH_WS(flash_fwd_ws2_bf16_128, 128, 64, true, false, false)
+FLASH_WS(flash_fwd_ws2t_bf16_128, 128, 64, true, false, true)
+FLASH_WS(flash_fwd_ws2_bf16_64, 64, 64, false, false, false)

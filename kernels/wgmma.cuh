@@ -226,6 +226,26 @@ __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
 #endif
 }
 
+// TMA (sm_90's tensor memory accelerator): one thread copies a whole box of a tensor into shared
+// memory, laid out (here) in the 128-byte swizzle above, rows past the tensor's end zero-filled,
+// and the copy's bytes count against an mbarrier's expected transaction count, so the phase
+// completes when every byte has landed. The host encodes the tensor map (cuTensorMapEncodeTiled,
+// crates/kernels/src/cuda/tma.rs); it is passed by value as a __grid_constant__ parameter.
+struct __align__(64) TmaMap {
+    unsigned long long opaque[16];
+};
+// Arrives on `bar` (one of its count) and raises the phase's expected bytes by `bytes`.
+__device__ __forceinline__ void mbar_expect_tx(u64* bar, u32 bytes) {
+    WG_ASM_ARGS("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;", "r"(smem_addr(bar)), "r"(bytes));
+}
+// The box at coordinates (c0 innermost, c1, c2, c3) of the 4-d tensor `map` into `dst`
+// (1024-byte aligned for the 128-byte swizzle), completing on `bar`.
+__device__ __forceinline__ void tma_load_4d(void* dst, const TmaMap* map, int c0, int c1, int c2, int c3, u64* bar) {
+    WG_ASM_ARGS("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                " [%0], [%1, {%2, %3, %4, %5}], [%6];",
+                "r"(smem_addr(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar)));
+}
+
 // Register reallocation between the warpgroups of a warp-specialised block (setmaxnreg): every
 // thread of a warpgroup executes one of these, the producer giving registers back (dealloc) and
 // the consumers taking them (alloc, which waits until the pool has them). The pool is the block's

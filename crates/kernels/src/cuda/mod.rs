@@ -6,6 +6,7 @@
 
 mod lt;
 pub(crate) mod ops;
+mod tma;
 mod tune;
 
 pub use tune::{Tuned, gemm_tuning_report, set_gemm_tuning};
@@ -73,6 +74,7 @@ thread_local! {
     static DETERMINISTIC: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     static FLASH_WS: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static FLASH_PERSIST: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+    static FLASH_TMA: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
 }
 
 /// Whether this thread's wgmma flash kernels are the warp-specialised ones, forward and backward
@@ -110,6 +112,20 @@ pub(crate) fn flash_persist() -> Option<bool> {
             _ => None,
         })
     })
+}
+
+/// Whether the warp-specialised forward copies its K and V tiles by TMA (one thread, tensor maps:
+/// `tma`) where a TMA build of its kernel exists, or by 128 producer threads' cp.async: this
+/// thread's `set_flash_tma`, else `FERROTRON_FLASH_TMA=0` turns it off. Tests set it to run both.
+pub fn set_flash_tma(on: bool) {
+    FLASH_TMA.with(|w| w.set(Some(on)));
+}
+
+pub(crate) fn flash_tma() -> bool {
+    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    FLASH_TMA
+        .with(|w| w.get())
+        .unwrap_or_else(|| *ENV.get_or_init(|| std::env::var("FERROTRON_FLASH_TMA").as_deref() != Ok("0")))
 }
 
 pub(crate) fn flash_bwd_ws() -> bool {
@@ -230,6 +246,7 @@ pub(crate) enum Arg {
     I64(i64),
     F32(f32),
     F64(f64),
+    Map(tma::TmaMap),
 }
 
 impl Backend {
@@ -254,6 +271,7 @@ impl Backend {
                 Arg::I64(v) => b.arg(v),
                 Arg::F32(v) => b.arg(v),
                 Arg::F64(v) => b.arg(v),
+                Arg::Map(m) => b.arg(m),
             };
         }
         if shared > 48 * 1024 {

@@ -187,15 +187,23 @@ fn every_op_matches_cpu() {
         ];
         // bf16 on an sm_90 GPU: the wgmma kernels with warpgroups in lockstep (the backward's dQ
         // by bulk reductions, then, deterministic, by its own kernel), the warp-specialised
-        // forward and backward, then the mma.sync ones (wgmma off).
-        let modes = [(true, false, false), (true, true, false), (true, false, true), (false, false, false)];
-        for ((wg, det, ws), (t, hq, hkv, d)) in modes.into_iter().flat_map(|m| shapes.map(|s| (m, s))) {
+        // forward and backward (its forward's K/V copied by TMA, then by cp.async), then the
+        // mma.sync ones (wgmma off).
+        let modes = [
+            (true, false, false, true),
+            (true, true, false, true),
+            (true, false, true, true),
+            (true, false, true, false),
+            (false, false, false, true),
+        ];
+        for ((wg, det, ws, tma), (t, hq, hkv, d)) in modes.into_iter().flat_map(|m| shapes.map(|s| (m, s))) {
             if dt == DType::F32 && (!wg || det || ws) {
                 continue; // the same f32 kernels either way
             }
             ferrotron_kernels::cuda::set_wgmma(wg);
             ferrotron_kernels::cuda::set_deterministic(det);
             ferrotron_kernels::cuda::set_flash_ws(ws);
+            ferrotron_kernels::cuda::set_flash_tma(tma);
             if dt == DType::F32 && t > 100 {
                 // The long shapes are for the bf16 tensor-core kernels; f32 sums over 150 rows
                 // drift past the 1e-5 f32 tolerance by accumulation order alone.
@@ -214,7 +222,7 @@ fn every_op_matches_cpu() {
                 AttnCfg { causal: false, window: Some(40), scale: Some(0.3) },
             ] {
                 check_norm(
-                    &format!("flash attention t{t} d{d} wgmma {wg} deterministic {det} ws {ws} {cfg:?}"),
+                    &format!("flash attention t{t} d{d} wgmma {wg} deterministic {det} ws {ws} tma {tma} {cfg:?}"),
                     dt,
                     &[q.clone(), kk.clone(), v.clone(), dout.clone()],
                     |t| {
@@ -231,7 +239,9 @@ fn every_op_matches_cpu() {
             let qkv = rnd(&[2, t, hkv * (g + 2) * d], 24, dt);
             let cfg = AttnCfg::default();
             check_norm(
-                &format!("flash attention fused qkv t{t} d{d} hq{hq} hkv{hkv} wgmma {wg} deterministic {det} ws {ws}"),
+                &format!(
+                    "flash attention fused qkv t{t} d{d} hq{hq} hkv{hkv} wgmma {wg} deterministic {det} ws {ws} tma {tma}"
+                ),
                 dt,
                 &[qkv, dout.clone()],
                 |t| {
@@ -243,10 +253,12 @@ fn every_op_matches_cpu() {
         }
         ferrotron_kernels::cuda::set_wgmma(true);
         ferrotron_kernels::cuda::set_flash_ws(true);
+        ferrotron_kernels::cuda::set_flash_tma(true);
         if dt == DType::BF16 {
             // The warp-specialised forward persistent (one block per SM walking the query tiles:
-            // 512 and 320 tiles here, so every block takes several, in both directions of its
-            // walk) and not, causal and full, GQA.
+            // 512 tiles here, so every block takes several, in both directions of its walk) and
+            // not, causal and full, GQA; at head dim 128 (320 tiles; built only one block per
+            // tile) both choices run that kernel.
             for (t, hq, hkv, d) in [(1000usize, 32usize, 8usize, 64usize), (520, 32, 8, 128)] {
                 let x: Vec<Tensor> = [hq, hkv, hkv, hq]
                     .iter()

@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::cpu::attention::{AttnDims, AttnMask};
+use crate::cuda::tma::TmaMap;
 
 /// The reference attention kernels' shape arguments: the CPU's dims and mask plus the scale.
 pub struct AttnShape<'a> {
@@ -66,11 +67,12 @@ fn wg_blocks(compiled: &[usize], default: usize) -> usize {
     }
 }
 
-/// `FERROTRON_FLASH_FWD=ws64`: the warp-specialised forward with 64-key tiles at head dim 64 too
-/// (kept to measure against the 128-key tiles it uses there).
-fn fwd_ws_keys64() -> bool {
-    static CHOICE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *CHOICE.get_or_init(|| std::env::var("FERROTRON_FLASH_FWD").as_deref() == Ok("ws64"))
+/// Key-tile size of the warp-specialised forward: 128 (S = Q·Kᵀ as one m64n128 product per
+/// k-step, half the per-tile softmax overhead per key); `FERROTRON_FLASH_FWD=ws64` gives 64 (kept
+/// to measure against).
+fn fwd_ws_keys() -> usize {
+    static CHOICE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CHOICE.get_or_init(|| if std::env::var("FERROTRON_FLASH_FWD").as_deref() == Ok("ws64") { 64 } else { 128 })
 }
 
 /// A tensor-core attention kernel's launch: name, rows (or keys) per block, threads, dynamic
@@ -90,6 +92,9 @@ enum FwdGrid {
     Tiles,
     WsTiles,
     WsPersistent,
+    /// The same with K and V copied by TMA (the kernel reads the two tensor maps).
+    WsTilesTma,
+    WsPersistentTma,
 }
 
 /// The tensor-core forward for head dim `d` over `t` query rows. On sm_90, wgmma: the
@@ -101,22 +106,30 @@ enum FwdGrid {
 /// do not fit the registers).
 fn fwd_kernel(be: &B, d: usize, t: usize) -> (TcLaunch, FwdGrid) {
     if be.use_wgmma() && crate::cuda::flash_fwd_ws() {
-        // H200, 16k tokens per call, causal, over 1k–16k (kernels/README.md v21–v23): head dim
-        // 128 299–597 TFLOP/s, head dim 64 with 128-key tiles 208–444 (ahead of the lockstep
-        // kernel at 1k too: 207 against 202 in v21).
-        let keys = if d == 64 && !fwd_ws_keys64() { 128 } else { 64 };
+        // H200, 16k tokens per call, causal, 1k / 2k / 4k / 8k / 16k (kernels/README.md v28):
+        // head dim 128 337 / 460 / 563 / 633 / 706 TFLOP/s with 128-key tiles and TMA copies
+        // (64-key tiles by cp.async: 299 / 387 / 455 / 507 / 569), head dim 64 221–466.
+        let keys = fwd_ws_keys();
         // FW_STAGES (3) stages of K and V tiles, 2 · 3 mbarriers, the two consumers' O tiles of
-        // 64 padded rows (`fwd_store_staged`).
+        // 64 padded rows (`fwd_store_staged`): 231,472 bytes at head dim 128.
         let shared = (3 * 2 * keys * d * 2 + 2 * 3 * 8 + 2 * 64 * (d + 8) * 2) as u32;
         // Persistent at head dim 64 (H200, 16k tokens per call: +4% at 1k, +1–4% to 8k, equal at
         // 16k; the 124M model's attention 5.28 → 5.24 ms a step), not at 128 (−4% at 1k, −8% at
-        // 2k: the static walk balances the causal tiles worse than the hardware's block order).
-        // (The 64-key tiles at head dim 64, kept to measure against, have no persistent build.)
-        let persistent = crate::cuda::flash_persist().unwrap_or(d == 64) && !(d == 64 && keys == 64);
-        let p = if persistent { "p" } else { "" };
-        let name =
-            if keys == 64 { format!("flash_fwd_ws2{p}_bf16_{d}") } else { format!("flash_fwd_ws2{p}k{keys}_bf16_{d}") };
-        let grid = if persistent { FwdGrid::WsPersistent } else { FwdGrid::WsTiles };
+        // 2k with 64-key tiles: the static walk balances the causal tiles worse than the
+        // hardware's block order; no build since).
+        let persistent = crate::cuda::flash_persist().unwrap_or(true) && d == 64 && keys == 128;
+        // TMA copies (kernels/flash_mma.cu `TMA`) built for every choice but 64-key tiles at
+        // head dim 64.
+        let tma = crate::cuda::flash_tma() && !(d == 64 && keys == 64);
+        let (p, t) = (if persistent { "p" } else { "" }, if tma { "t" } else { "" });
+        let k = if keys == 64 { String::new() } else { format!("k{keys}") };
+        let name = format!("flash_fwd_ws2{t}{p}{k}_bf16_{d}");
+        let grid = match (persistent, tma) {
+            (true, true) => FwdGrid::WsPersistentTma,
+            (true, false) => FwdGrid::WsPersistent,
+            (false, true) => FwdGrid::WsTilesTma,
+            (false, false) => FwdGrid::WsTiles,
+        };
         (TcLaunch { name, rows: 128, threads: 3 * 128, shared }, grid)
     } else if be.use_wgmma() {
         // H200, 16k tokens per call (NW = 1 was L2-bound): D 64 NW 2 (178–246 TFLOP/s over 1k–16k;
@@ -143,7 +156,9 @@ fn fwd_kernel(be: &B, d: usize, t: usize) -> (TcLaunch, FwdGrid) {
 /// kernels measured faster (H200, 16k tokens per call, swizzled tiles: 152 and 182 TFLOP/s
 /// against 142 and 176 at 1k and 2k; equal at 4k, the one kernel ahead from 8k).
 enum BwdKernels {
-    Fused(TcLaunch),
+    /// The one kernel; `Some(tma)` for the warp-specialised one, which takes four tensor maps
+    /// (read when `tma`: kernels/flash_bwd_mma.cu `TMA`).
+    Fused(TcLaunch, Option<bool>),
     Split(TcLaunch, TcLaunch),
 }
 
@@ -154,12 +169,10 @@ fn bwd_plan(be: &B, d: usize, t: usize) -> BwdKernels {
     // per call, D 64: 217–411 TFLOP/s over 1k–16k (v24) against 166–229 for the plan below, which
     // `cuda::set_flash_ws(false)` or FERROTRON_FLASH_BWD=wg keeps).
     if wgmma && crate::cuda::flash_bwd_ws() {
-        return BwdKernels::Fused(TcLaunch {
-            name: format!("flash_bwd_dkvq_ws2_bf16_{d}"),
-            rows: 128,
-            threads: 384,
-            shared: ws_shared(d),
-        });
+        let tma = crate::cuda::flash_tma();
+        let t = if tma { "t" } else { "" };
+        let name = format!("flash_bwd_dkvq_ws2{t}_bf16_{d}");
+        return BwdKernels::Fused(TcLaunch { name, rows: 128, threads: 384, shared: ws_shared(d) }, Some(tma));
     }
     if !wgmma || (d == 64 && t <= 2048) {
         return BwdKernels::Split(dq, dkv);
@@ -168,7 +181,7 @@ fn bwd_plan(be: &B, d: usize, t: usize) -> BwdKernels {
     // The dK/dV kernel's shared memory plus dSᵀ of one step (the block's keys × 64 rows) and two
     // 64 × 64 fp32 dQ staging buffers per warpgroup.
     let shared = dkv.shared + (64 * nw * 64 * 2 + nw * 2 * 4096 * 4) as u32;
-    BwdKernels::Fused(TcLaunch { name: format!("flash_bwd_dkvq_wg{nw}_bf16_{d}"), shared, ..dkv })
+    BwdKernels::Fused(TcLaunch { name: format!("flash_bwd_dkvq_wg{nw}_bf16_{d}"), shared, ..dkv }, None)
 }
 
 /// The warp-specialised backward's dynamic shared memory (kernels/flash_bwd_mma.cu, above
@@ -222,9 +235,23 @@ fn tc_fwd(be: &B, qkv: [Arg; 3], fused: bool, a: &AttnShape) -> Result<(Tensor, 
     let (bh, tiles) = (d.b * d.hq, d.t.div_ceil(l.rows));
     let blocks = match grid {
         FwdGrid::Tiles => bh * tiles,
-        FwdGrid::WsTiles | FwdGrid::WsPersistent => {
+        _ => {
             args.push(n(bh));
-            if grid == FwdGrid::WsPersistent { (bh * tiles).min(be.sms as usize) } else { bh * tiles }
+            // The tensor maps of K and V (`Place`: fused, each K/V head sits among the group's
+            // G + 2 heads), or two unused ones for the cp.async builds.
+            let kv_heads = if fused { d.hkv * (d.hq / d.hkv + 2) } else { d.hkv };
+            let maps = match grid {
+                FwdGrid::WsTilesTma | FwdGrid::WsPersistentTma => [&qkv[1], &qkv[2]].map(|x| {
+                    let Arg::Ptr(a) = x else { unreachable!("a tensor's address is a pointer") };
+                    TmaMap::rows(*a, d.b, d.s, kv_heads, d.d, fwd_ws_keys())
+                }),
+                _ => [Ok(TmaMap::unused()), Ok(TmaMap::unused())],
+            };
+            for m in maps {
+                args.push(Arg::Map(m?));
+            }
+            let persistent = matches!(grid, FwdGrid::WsPersistent | FwdGrid::WsPersistentTma);
+            if persistent { (bh * tiles).min(be.sms as usize) } else { bh * tiles }
         }
     };
     be.launch(&l.name, blocks as u32, l.threads, l.shared, &args)?;
@@ -304,13 +331,35 @@ fn tc_bwd(be: &B, x: &TcQkv, o: &Tensor, lse: &Tensor, dout: &Tensor, a: &AttnSh
         Ok(v)
     };
     match bwd_plan(be, d.d, d.t) {
-        BwdKernels::Fused(l) => {
+        BwdKernels::Fused(l, ws) => {
             // dQ's fp32 tiles (64 rows × 64 columns per batch and head, rows padded to 64, sums
             // of dS·K without the softmax scale), cleared by the delta kernel (never poisoned).
             let dqa = new(be, [d.b, d.hq, d.t.div_ceil(64) * 64, d.d], DType::F32)?;
             launch_delta(Some(&dqa))?;
             let grid = d.b * d.hkv * d.s.div_ceil(l.rows);
-            be.launch(&l.name, grid as u32, l.threads, l.shared, &head(&[dk, dv, ptr("attn", &dqa)?])?)?;
+            let mut args = head(&[dk, dv, ptr("attn", &dqa)?])?;
+            if let Some(tma) = ws {
+                // K and V (the block's 128 keys), Q and dO (64-row tiles) by their `Place`.
+                let g = d.hq / d.hkv;
+                let (kv_heads, q_heads) = if x.fused { (d.hkv * (g + 2), d.hkv * (g + 2)) } else { (d.hkv, d.hq) };
+                let [q, k, v] = x.qkv.map(|a| match a {
+                    Arg::Ptr(p) => p,
+                    _ => unreachable!("a tensor's address is a pointer"),
+                });
+                let Arg::Ptr(dop) = ptr("attn", dout)? else { unreachable!("a tensor's address is a pointer") };
+                let maps = if tma {
+                    [
+                        TmaMap::rows(k, d.b, d.s, kv_heads, d.d, 128)?,
+                        TmaMap::rows(v, d.b, d.s, kv_heads, d.d, 128)?,
+                        TmaMap::rows(q, d.b, d.t, q_heads, d.d, 64)?,
+                        TmaMap::rows(dop, d.b, d.t, d.hq, d.d, 64)?,
+                    ]
+                } else {
+                    [TmaMap::unused(); 4]
+                };
+                args.extend(maps.map(Arg::Map));
+            }
+            be.launch(&l.name, grid as u32, l.threads, l.shared, &args)?;
             // Then to bf16 with the scale applied: one block per 64 × 64 tile.
             let tiles = d.b * d.hq * d.t.div_ceil(64) * (d.d / 64);
             let fused = Arg::I64(x.fused as i64);
