@@ -459,6 +459,31 @@ FLASH_BWD_DKVQ(128, 2, 1)
 // Dynamic shared memory (bytes; the host's `bwd_plan` must agree): K, V 2·128·D·2; bw_stages ×
 // (Q, dO) 2·64·D·2; dSᵀ 2·64·64·2 per buffer (D 64: one, 128: two); dQ staging 2 consumers × 2 ×
 // 4096·4; bw_stages × (lse, delta) 2·64·4; 2·bw_stages + 1 mbarriers. D 128: 230,440 of 232,448.
+// A consumer's 64 keys of dK or dV (accumulator fragments times `mul`, bf16) into [B, sl, heads,
+// D] by their `Place`, through shared memory as the forward's O (fwd_store_staged): the fragments
+// into `tile` (64 × (D + 8), padded rows), then out in 16-byte pieces with D / 8 neighbouring
+// threads per key, whole sectors (the fragment stores wrote 4 bytes a thread). `bar`: the
+// consumer's 128-thread named barrier; `j0`: its first key.
+template <int D>
+__device__ __forceinline__ void store_keys_staged(float (*acc)[4], float mul, bf16_t* tile, int bar, long j0,
+                                                  bf16_t* out, long sl, long heads, long head, long b) {
+    constexpr int NO = D / 8, TP = D + 8;
+    const int lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3, wl = (threadIdx.x >> 5) & 3;
+    #pragma unroll
+    for (int rr = 0; rr < 2; rr++) {
+        bf16_t* row = tile + (wl * 16 + g + rr * 8) * TP + tg * 2;
+        #pragma unroll
+        for (int n = 0; n < NO; n++)
+            *reinterpret_cast<u32*>(row + n * 8) = pack_bf16(acc[n][2 * rr] * mul, acc[n][2 * rr + 1] * mul);
+    }
+    named_sync(bar, 128);
+    for (int x = threadIdx.x & 127; x < 64 * NO; x += 128) {
+        const int row = x / NO, c = x % NO;
+        const long j = j0 + row;
+        if (j < sl) *reinterpret_cast<u128*>(out + ((b * sl + j) * heads + head) * D + c * 8) =
+            *reinterpret_cast<const u128*>(tile + row * TP + c * 8);
+    }
+}
 __host__ __device__ constexpr int bw_stages(int d) { return d == 64 ? 3 : 2; }
 template <bool C, class T, class F>
 struct Pick {
@@ -662,18 +687,15 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
         if (++stg == ST) { stg = 0; phase ^= 1; }
         if (++qi == nq) { qi = 0; qh++; }
     }
+    // dK and dV out through this consumer's dQ staging buffers, once its bulk reductions have
+    // read them (32 KB; a padded 64 × (D + 8) bf16 tile is 17 KB at D 128).
+    const int bar = D == 64 ? 1 + wg : 2 + wg;
     if ((threadIdx.x & 127) == 0) bulk_wait<0>();
-    #pragma unroll
-    for (int rr = 0; rr < 2; rr++) {
-        long j = rr ? jr1 : jr0;
-        if (j >= sl) continue;
-        long off = ((b * sl + j) * kp.heads + kp.head) * D;
-        #pragma unroll
-        for (int n = 0; n < NO; n++) {
-            *reinterpret_cast<u32*>(dk + off + n * 8 + tg * 2) = pack_bf16(dka[n][2 * rr] * scale, dka[n][2 * rr + 1] * scale);
-            *reinterpret_cast<u32*>(dv + off + n * 8 + tg * 2) = pack_bf16(dva[n][2 * rr], dva[n][2 * rr + 1]);
-        }
-    }
+    named_sync(bar, 128);
+    bf16_t* tile = reinterpret_cast<bf16_t*>(dqs);
+    store_keys_staged<D>(dka, scale, tile, bar, jc, dk, sl, kp.heads, kp.head, b);
+    named_sync(bar, 128);  // every row of dK read out before dV overwrites the tile
+    store_keys_staged<D>(dva, 1.f, tile, bar, jc, dv, sl, kp.heads, kp.head, b);
 }
 #define FLASH_BWD_DKVQ_WS(NAME, D, TMA) \
 extern "C" __global__ void __launch_bounds__(384, 1) NAME(const bf16_t* q, const bf16_t* k, const bf16_t* v, \

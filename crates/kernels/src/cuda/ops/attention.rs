@@ -114,13 +114,14 @@ fn fwd_kernel(be: &B, d: usize, t: usize) -> (TcLaunch, FwdGrid) {
         // 64 padded rows (`fwd_store_staged`): 231,472 bytes at head dim 128.
         let shared = (3 * 2 * keys * d * 2 + 2 * 3 * 8 + 2 * 64 * (d + 8) * 2) as u32;
         // Persistent at head dim 64 (H200, 16k tokens per call: +4% at 1k, +1–4% to 8k, equal at
-        // 16k; the 124M model's attention 5.28 → 5.24 ms a step), not at 128 (−4% at 1k, −8% at
-        // 2k with 64-key tiles: the static walk balances the causal tiles worse than the
-        // hardware's block order; no build since).
-        let persistent = crate::cuda::flash_persist().unwrap_or(true) && d == 64 && keys == 128;
+        // 16k; the 124M model's attention 5.28 → 5.24 ms a step), not at 128: −4% at 1k, −8% at
+        // 2k with 64-key tiles by cp.async, and again with 128-key tiles by TMA (332 / 456 → 305
+        // / 404 TFLOP/s at 1k / 2k, −1 to −3% from 4k; the 1.3B step's attention 35.0 → 35.2
+        // ms): the static walk balances the causal tiles worse than the hardware's block order.
         // TMA copies (kernels/flash_mma.cu `TMA`) built for every choice but 64-key tiles at
         // head dim 64.
         let tma = crate::cuda::flash_tma() && !(d == 64 && keys == 64);
+        let persistent = crate::cuda::flash_persist().unwrap_or(true) && d == 64 && keys == 128;
         let (p, t) = (if persistent { "p" } else { "" }, if tma { "t" } else { "" });
         let k = if keys == 64 { String::new() } else { format!("k{keys}") };
         let name = format!("flash_fwd_ws2{t}{p}{k}_bf16_{d}");
