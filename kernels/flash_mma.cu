@@ -527,14 +527,22 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
 template <int D, int KEYS, bool LATE, bool PERSIST, bool TMA>
 __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl,
                              long hq, long hkv, float scale, long causal, long window, long fused, long bh,
-                             const TmaMap* km, const TmaMap* vm) {
+                             const TmaMap* km, const TmaMap* vm, const TmaMap* qm) {
     constexpr int NC = 2;  // consumer warpgroups: the register split below is for two
     constexpr int NO = D / 8, NB = KEYS / 8, ROWS = FM_ROWS * NC, TILE = KEYS * D;  // bf16 per K or V tile
+    // QT: the persistent TMA build also copies each query tile's Q by TMA, into one of two Q
+    // buffers, when the producer reaches that tile (a few key tiles before the consumers do), so
+    // the consumers load Q from shared memory instead of waiting on global loads at every tile.
+    constexpr bool QT = TMA && PERSIST;
     extern __shared__ __align__(1024) unsigned char fm_smem[];  // swizzled tiles: 1024-byte aligned
-    bf16_t* stage = reinterpret_cast<bf16_t*>(fm_smem);  // FW_STAGES × (K, V), the mbarriers, O tiles
-    u64* full = reinterpret_cast<u64*>(stage + FW_STAGES * 2 * TILE);
+    // FW_STAGES × (K, V), with QT two Q tiles (ROWS × D), then the mbarriers, then the O tiles.
+    bf16_t* stage = reinterpret_cast<bf16_t*>(fm_smem);
+    bf16_t* qbuf = stage + FW_STAGES * 2 * TILE;
+    u64* full = reinterpret_cast<u64*>(qbuf + (QT ? 2 * ROWS * D : 0));
     u64* empty = full + FW_STAGES;
-    bf16_t* o_tiles = reinterpret_cast<bf16_t*>(empty + FW_STAGES);  // NC × 64 × (D + 8), for fwd_store_staged
+    u64* qfull = empty + FW_STAGES;  // QT: Q buffer landed (2), consumers done with it (2)
+    u64* qempty = qfull + 2;
+    bf16_t* o_tiles = reinterpret_cast<bf16_t*>(qempty + 2);  // NC × 64 × (D + 8), for fwd_store_staged
     // PERSIST's grid: G blocks walking bh (batch × heads) × tiles query tiles; else one block per
     // query tile, tiles fastest.
     const long tiles = (t + ROWS - 1) / ROWS, ntiles = tiles * bh;
@@ -562,6 +570,7 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3, wg = warp >> 2;
     if (threadIdx.x == 0) {
         for (int s = 0; s < FW_STAGES; s++) { mbar_init(&full[s], TMA ? 1 : 128); mbar_init(&empty[s], NC * 128); }
+        for (int s = 0; s < 2; s++) { mbar_init(&qfull[s], 1); mbar_init(&qempty[s], NC * 128); }
     }
     __syncthreads();  // the only block-wide barrier
     // Registers: the pool is what the block was launched with, 384 · 168 = 64512 (168: 65536 / 384
@@ -575,6 +584,17 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
         u32 n = 0;
         for (long j = 0; j < rounds && pick(j); j++) {
             const Place kp = kv_place(h / (hq / hkv), hq, hkv, fused);
+            if constexpr (QT) {
+                // Q of this tile into buffer j % 2, once the consumers have read tile j − 2's.
+                const int qs = (int)(j & 1);
+                if (j >= 2) mbar_wait(&qempty[qs], ((j >> 1) - 1) & 1);
+                mbar_expect_tx(&qfull[qs], ROWS * D * 2);
+                const Place qp = q_place(h, hq, hkv, fused);
+                #pragma unroll
+                for (int cb = 0; cb < D / 64; cb++)
+                    tma_load_4d(qbuf + qs * ROWS * D + cb * ROWS * 64, qm, cb * 64, (int)qp.head, (int)i0, (int)b,
+                                &qfull[qs]);
+            }
             for (long it = 0; it < steps; it++, n++) {
                 int st = n % FW_STAGES;
                 if (n >= FW_STAGES) mbar_wait(&empty[st], ((n / FW_STAGES) - 1) & 1);
@@ -600,21 +620,33 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
     wg_reg_alloc<232>();
     u32 base = 0;  // the stage ring's position at this tile's first key tile
     for (long j = 0; j < rounds && pick(j); j++) {
-        const Place qp = q_place(h, hq, hkv, fused);
         // A consumer warpgroup: rows r[0][0] and r[0][1] of this thread, Q as A fragments.
         long r[1][2];
         r[0][0] = i0 + warp * 16 + g;
         r[0][1] = r[0][0] + 8;
         u32 qa[D / 16][4];
-        auto qword = [&](long row, int col) -> u32 {
-            return row < t ? *reinterpret_cast<const u32*>(q + ((b * t + row) * qp.heads + qp.head) * D + col) : 0u;
-        };
-        #pragma unroll
-        for (int kk = 0; kk < D / 16; kk++) {
-            qa[kk][0] = qword(r[0][0], kk * 16 + tg * 2);
-            qa[kk][1] = qword(r[0][1], kk * 16 + tg * 2);
-            qa[kk][2] = qword(r[0][0], kk * 16 + 8 + tg * 2);
-            qa[kk][3] = qword(r[0][1], kk * 16 + 8 + tg * 2);
+        if constexpr (QT) {
+            // From the swizzled Q tile (rows past t zero-filled): lane l gives row (l & 7) of 8 × 8
+            // matrix l >> 3 (rows +8 for matrices 1 and 3, columns +8 for 2 and 3), the A fragment.
+            const int qs = (int)(j & 1), mi = lane >> 3;
+            mbar_wait(&qfull[qs], (j >> 1) & 1);
+            const int row = wg * 64 + (warp & 3) * 16 + (lane & 7) + (mi & 1) * 8;
+            #pragma unroll
+            for (int kk = 0; kk < D / 16; kk++)
+                ldsm_x4(qa[kk], qbuf + qs * ROWS * D + sw_offset(row, kk * 2 + (mi >> 1), ROWS));
+            mbar_arrive(&qempty[qs]);
+        } else {
+            const Place qp = q_place(h, hq, hkv, fused);
+            auto qword = [&](long row, int col) -> u32 {
+                return row < t ? *reinterpret_cast<const u32*>(q + ((b * t + row) * qp.heads + qp.head) * D + col) : 0u;
+            };
+            #pragma unroll
+            for (int kk = 0; kk < D / 16; kk++) {
+                qa[kk][0] = qword(r[0][0], kk * 16 + tg * 2);
+                qa[kk][1] = qword(r[0][1], kk * 16 + tg * 2);
+                qa[kk][2] = qword(r[0][0], kk * 16 + 8 + tg * 2);
+                qa[kk][3] = qword(r[0][1], kk * 16 + 8 + tg * 2);
+            }
         }
         float acc[1][NO][4];
         float m[1][2] = {{-INFINITY, -INFINITY}}, l[1][2] = {{0.f, 0.f}};
@@ -737,8 +769,9 @@ FLASH_MMA(flash_fwd_wg3_bf16_128, 128, 1, true, 3)
 extern "C" __global__ void __launch_bounds__(384, 1) NAME(const bf16_t* q, \
         const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl, long hq, long hkv, long d, \
         float scale, long causal, long window, long fused, long bh, const __grid_constant__ TmaMap km, \
-        const __grid_constant__ TmaMap vm) { \
-    flash_fwd_ws<D, KEYS, LATE, PERSIST, TMA>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window, fused, bh, &km, &vm); }
+        const __grid_constant__ TmaMap vm, const __grid_constant__ TmaMap qm) { \
+    flash_fwd_ws<D, KEYS, LATE, PERSIST, TMA>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window, fused, bh, &km, \
+                                              &vm, &qm); }
 FLASH_WS(flash_fwd_ws2k128_bf16_128, 128, 128, true, false, false)
 FLASH_WS(flash_fwd_ws2k128_bf16_64, 64, 128, false, false, false)
 FLASH_WS(flash_fwd_ws2pk128_bf16_64, 64, 128, false, true, false)

@@ -28,6 +28,9 @@ impl TmaMap {
     /// rows (a head dim 128 tile takes two copies). `addr` and the row stride must be 16-byte
     /// aligned, `d` a multiple of 64.
     pub(crate) fn rows(addr: u64, b: usize, t: usize, heads: usize, d: usize, rows: usize) -> Result<Self> {
+        if b == 0 || t == 0 || heads == 0 {
+            return Ok(Self::unused()); // an empty tensor: no tile is ever copied from it
+        }
         let dims = [d as u64, heads as u64, t as u64, b as u64];
         // Bytes between neighbours along dims 1.. (dim 0 is contiguous).
         let strides = [(d * 2) as u64, (heads * d * 2) as u64, (t * heads * d * 2) as u64];

@@ -110,9 +110,10 @@ fn fwd_kernel(be: &B, d: usize, t: usize) -> (TcLaunch, FwdGrid) {
         // head dim 128 337 / 460 / 563 / 633 / 706 TFLOP/s with 128-key tiles and TMA copies
         // (64-key tiles by cp.async: 299 / 387 / 455 / 507 / 569), head dim 64 221–466.
         let keys = fwd_ws_keys();
-        // FW_STAGES (3) stages of K and V tiles, 2 · 3 mbarriers, the two consumers' O tiles of
-        // 64 padded rows (`fwd_store_staged`): 231,472 bytes at head dim 128.
-        let shared = (3 * 2 * keys * d * 2 + 2 * 3 * 8 + 2 * 64 * (d + 8) * 2) as u32;
+        // FW_STAGES (3) stages of K and V tiles, the persistent TMA build's two 128-row Q tiles,
+        // 2 · 3 + 4 mbarriers, the two consumers' O tiles of 64 padded rows (`fwd_store_staged`):
+        // 231,504 bytes at head dim 128.
+        let q_tiles = |persistent_tma: bool| if persistent_tma { 2 * 128 * d * 2 } else { 0 };
         // Persistent at head dim 64 (H200, 16k tokens per call: +4% at 1k, +1–4% to 8k, equal at
         // 16k; the 124M model's attention 5.28 → 5.24 ms a step), not at 128: −4% at 1k, −8% at
         // 2k with 64-key tiles by cp.async, and again with 128-key tiles by TMA (332 / 456 → 305
@@ -131,7 +132,8 @@ fn fwd_kernel(be: &B, d: usize, t: usize) -> (TcLaunch, FwdGrid) {
             (false, true) => FwdGrid::WsTilesTma,
             (false, false) => FwdGrid::WsTiles,
         };
-        (TcLaunch { name, rows: 128, threads: 3 * 128, shared }, grid)
+        let shared = 3 * 2 * keys * d * 2 + q_tiles(grid == FwdGrid::WsPersistentTma) + 10 * 8 + 2 * 64 * (d + 8) * 2;
+        (TcLaunch { name, rows: 128, threads: 3 * 128, shared: shared as u32 }, grid)
     } else if be.use_wgmma() {
         // H200, 16k tokens per call (NW = 1 was L2-bound): D 64 NW 2 (178–246 TFLOP/s over 1k–16k;
         // 4: 144–227, 1: 137–168); D 128 NW 3 from 2k rows (190–243), 2 at 1k (156 vs 145).
@@ -240,17 +242,24 @@ fn tc_fwd(be: &B, qkv: [Arg; 3], fused: bool, a: &AttnShape) -> Result<(Tensor, 
             args.push(n(bh));
             // The tensor maps of K and V (`Place`: fused, each K/V head sits among the group's
             // G + 2 heads), or two unused ones for the cp.async builds.
-            let kv_heads = if fused { d.hkv * (d.hq / d.hkv + 2) } else { d.hkv };
-            let maps = match grid {
-                FwdGrid::WsTilesTma | FwdGrid::WsPersistentTma => [&qkv[1], &qkv[2]].map(|x| {
-                    let Arg::Ptr(a) = x else { unreachable!("a tensor's address is a pointer") };
-                    TmaMap::rows(*a, d.b, d.s, kv_heads, d.d, fwd_ws_keys())
-                }),
-                _ => [Ok(TmaMap::unused()), Ok(TmaMap::unused())],
-            };
-            for m in maps {
-                args.push(Arg::Map(m?));
-            }
+            // With persistence, Q's too (its query tiles of 128 rows).
+            let slots = d.hkv * (d.hq / d.hkv + 2);
+            let (kv_heads, q_heads) = if fused { (slots, slots) } else { (d.hkv, d.hq) };
+            let [q, k, v] = qkv.map(|a| match a {
+                Arg::Ptr(p) => p,
+                _ => unreachable!("a tensor's address is a pointer"),
+            });
+            let tma = matches!(grid, FwdGrid::WsTilesTma | FwdGrid::WsPersistentTma);
+            let maps = [
+                if tma { TmaMap::rows(k, d.b, d.s, kv_heads, d.d, fwd_ws_keys())? } else { TmaMap::unused() },
+                if tma { TmaMap::rows(v, d.b, d.s, kv_heads, d.d, fwd_ws_keys())? } else { TmaMap::unused() },
+                if grid == FwdGrid::WsPersistentTma {
+                    TmaMap::rows(q, d.b, d.t, q_heads, d.d, 128)?
+                } else {
+                    TmaMap::unused()
+                },
+            ];
+            args.extend(maps.map(Arg::Map));
             let persistent = matches!(grid, FwdGrid::WsPersistent | FwdGrid::WsPersistentTma);
             if persistent { (bh * tiles).min(be.sms as usize) } else { bh * tiles }
         }
