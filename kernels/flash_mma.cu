@@ -524,7 +524,7 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
 // [B, sl, heads, D] by their `Place`: box 64 columns × KEYS rows, D / 64 copies a tile), instead
 // of 128 threads' cp.async (≈ 16 instructions a 16-byte copy in the SASS: 26% of the head dim 128
 // forward's instructions, on the schedulers the consumers issue from).
-template <int D, int KEYS, bool LATE, bool PERSIST, bool TMA>
+template <int D, int KEYS, bool LATE, bool PERSIST, bool TMA, bool DEFER>
 __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl,
                              long hq, long hkv, float scale, long causal, long window, long fused, long bh,
                              const TmaMap* km, const TmaMap* vm, const TmaMap* qm) {
@@ -666,10 +666,42 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
         // so that no wgmma sits on a branch (ptxas would serialise them all). Nor may a branch run
         // while P V is in flight (ptxas waits for it there), so the loop's turns get `unmasked` as
         // a constant: the tiles that need no mask in one loop, the rest in another.
+        // The last softmax's row corrections and whether any row's max moved (DEFER: applied at
+        // the start of the next turn).
+        float corr[1][2] = {{1.f, 1.f}};
+        bool moved = false;
+        // O *= corr (this thread's rows), then P of the last softmax into pa (from s, or pn).
+        auto rescale_and_pack = [&]() {
+            if (moved) {
+                #pragma unroll
+                for (int n = 0; n < NO; n++) {
+                    acc[0][n][0] *= corr[0][0]; acc[0][n][1] *= corr[0][0];
+                    acc[0][n][2] *= corr[0][1]; acc[0][n][3] *= corr[0][1];
+                }
+            }
+            if constexpr (LATE) {
+                #pragma unroll
+                for (int kstep = 0; kstep < NB / 2; kstep++) c_to_a(pa[0][kstep], s[0], kstep);
+            } else {
+                #pragma unroll
+                for (int x = 0; x < NB / 2; x++) for (int y = 0; y < 4; y++) pa[0][x][y] = pn[0][x][y];
+            }
+        };
         auto turn = [&](long bt, bool pv, bool qk, bool unmasked) {
             const u32 ub = base + (u32)bt;  // stage arithmetic in 32 bits (a 64-bit % 3 is ~15 instructions)
             const bf16_t* kv_prev = stage + ((ub + FW_STAGES - 1) % FW_STAGES) * 2 * TILE;
             const bf16_t* kv_cur = stage + (ub % FW_STAGES) * 2 * TILE;
+            if constexpr (DEFER) {
+                if (pv) {
+                    // P·V of tile bt − 2 (issued last turn; nothing in flight at bt = 1) done, then
+                    // O rescaled and tile bt − 1's P into pa, while the other warpgroup multiplies.
+                    wg_wait<0>();
+                    wg_pin<D / 2>(&acc[0][0][0]);
+                    wg_keep<KEYS / 4>(&pa[0][0][0]);
+                    if (bt >= 2) mbar_arrive(&empty[(ub + FW_STAGES - 2) % FW_STAGES]);  // tile bt − 2 done
+                    rescale_and_pack();
+                }
+            }
             if (qk) {
                 mbar_wait(&full[ub % FW_STAGES], (ub / FW_STAGES) & 1);
                 fence_async_smem();
@@ -687,8 +719,6 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
                 wg_commit();
             }
             if (!(wg == NC - 1 && !qk)) named_arrive(next, 256);
-            float corr[1][2];
-            bool moved = true;
             if (qk) {
                 if (pv) wg_wait<1>(); else wg_wait<0>();  // the groups finish in order: S first
                 wg_pin<KEYS / 2>(&s[0][0][0]);
@@ -700,28 +730,16 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
                 else
                     moved = softmax_tile<1, NB>(s, m, l, corr, pn, unmasked, r, j0, t, sl, causal, window, scale2);
             }
-            if (pv) {
+            // DEFER: only the last turn waits for its P·V here (O is read next); the others leave
+            // it running into the next turn, past the loop's back edge, where ptxas cannot hoist
+            // the wait above this softmax as it does within one turn.
+            if (pv && (!DEFER || !qk)) {
                 wg_wait<0>();
                 wg_pin<D / 2>(&acc[0][0][0]);
                 wg_keep<KEYS / 4>(&pa[0][0][0]);
                 mbar_arrive(&empty[(ub + FW_STAGES - 1) % FW_STAGES]);  // tile bt − 1 done
             }
-            if (qk) {
-                if (moved) {
-                    #pragma unroll
-                    for (int n = 0; n < NO; n++) {
-                        acc[0][n][0] *= corr[0][0]; acc[0][n][1] *= corr[0][0];
-                        acc[0][n][2] *= corr[0][1]; acc[0][n][3] *= corr[0][1];
-                    }
-                }
-                if constexpr (LATE) {
-                    #pragma unroll
-                    for (int kstep = 0; kstep < NB / 2; kstep++) c_to_a(pa[0][kstep], s[0], kstep);
-                } else {
-                    #pragma unroll
-                    for (int x = 0; x < NB / 2; x++) for (int y = 0; y < 4; y++) pa[0][x][y] = pn[0][x][y];
-                }
-            }
+            if (!DEFER && qk) rescale_and_pack();
         };
         if (steps > 0) {
             turn(0, false, true, tile_full(i0, ROWS, jb, KEYS, t, sl, causal, window));
@@ -765,13 +783,14 @@ FLASH_MMA(flash_fwd_wg3_bf16_128, 128, 1, true, 3)
 // one is done (ptxas: no spill in 232).
 // Grid: bh (batch × heads) × query tiles, or with PERSIST (the `p` kernels) at most one block
 // per SM. `t`: K and V copied by TMA.
-#define FLASH_WS(NAME, D, KEYS, LATE, PERSIST, TMA) \
+#define FLASH_WS_D(NAME, D, KEYS, LATE, PERSIST, TMA, DEFER) \
 extern "C" __global__ void __launch_bounds__(384, 1) NAME(const bf16_t* q, \
         const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl, long hq, long hkv, long d, \
         float scale, long causal, long window, long fused, long bh, const __grid_constant__ TmaMap km, \
         const __grid_constant__ TmaMap vm, const __grid_constant__ TmaMap qm) { \
-    flash_fwd_ws<D, KEYS, LATE, PERSIST, TMA>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window, fused, bh, &km, \
-                                              &vm, &qm); }
+    flash_fwd_ws<D, KEYS, LATE, PERSIST, TMA, DEFER>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window, fused, \
+                                                     bh, &km, &vm, &qm); }
+#define FLASH_WS(NAME, D, KEYS, LATE, PERSIST, TMA) FLASH_WS_D(NAME, D, KEYS, LATE, PERSIST, TMA, false)
 FLASH_WS(flash_fwd_ws2k128_bf16_128, 128, 128, true, false, false)
 FLASH_WS(flash_fwd_ws2k128_bf16_64, 64, 128, false, false, false)
 FLASH_WS(flash_fwd_ws2pk128_bf16_64, 64, 128, false, true, false)
@@ -779,6 +798,9 @@ FLASH_WS(flash_fwd_ws2pk128_bf16_64, 64, 128, false, true, false)
 FLASH_WS(flash_fwd_ws2tk128_bf16_128, 128, 128, true, false, true)
 FLASH_WS(flash_fwd_ws2tk128_bf16_64, 64, 128, false, false, true)
 FLASH_WS(flash_fwd_ws2tpk128_bf16_64, 64, 128, false, true, true)
+// Each turn's wait for its P·V deferred to the next turn (`d`, FERROTRON_FLASH_DEFER=1).
+FLASH_WS_D(flash_fwd_ws2tdk128_bf16_128, 128, 128, true, false, true, true)
+FLASH_WS_D(flash_fwd_ws2tdpk128_bf16_64, 64, 128, true, true, true, true)
 // 64-key tiles (`FERROTRON_FLASH_FWD=ws64`, kept to measure against).
 FLASH_WS(flash_fwd_ws2_bf16_128, 128, 64, true, false, false)
 FLASH_WS(flash_fwd_ws2t_bf16_128, 128, 64, true, false, true)

@@ -75,6 +75,7 @@ thread_local! {
     static FLASH_WS: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static FLASH_PERSIST: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static FLASH_TMA: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+    static FLASH_DEFER: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
 }
 
 /// Whether this thread's wgmma flash kernels are the warp-specialised ones, forward and backward
@@ -126,6 +127,20 @@ pub(crate) fn flash_tma() -> bool {
     FLASH_TMA
         .with(|w| w.get())
         .unwrap_or_else(|| *ENV.get_or_init(|| std::env::var("FERROTRON_FLASH_TMA").as_deref() != Ok("0")))
+}
+
+/// Whether the warp-specialised forward defers each turn's wait for its P·V to the next turn
+/// (kernels/flash_mma.cu `DEFER`): this thread's `set_flash_defer`, else `FERROTRON_FLASH_DEFER=1`.
+/// Off by default until measured; tests set it to run both.
+pub fn set_flash_defer(on: bool) {
+    FLASH_DEFER.with(|w| w.set(Some(on)));
+}
+
+pub(crate) fn flash_defer() -> bool {
+    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    FLASH_DEFER
+        .with(|w| w.get())
+        .unwrap_or_else(|| *ENV.get_or_init(|| std::env::var("FERROTRON_FLASH_DEFER").as_deref() == Ok("1")))
 }
 
 pub(crate) fn flash_bwd_ws() -> bool {

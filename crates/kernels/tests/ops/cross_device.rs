@@ -187,16 +187,17 @@ fn every_op_matches_cpu() {
         ];
         // bf16 on an sm_90 GPU: the wgmma kernels with warpgroups in lockstep (the backward's dQ
         // by bulk reductions, then, deterministic, by its own kernel), the warp-specialised
-        // forward and backward (its forward's K/V copied by TMA, then by cp.async), then the
-        // mma.sync ones (wgmma off).
+        // forward and backward (tiles copied by TMA; then the forward's P·V waited for a turn
+        // later; then copied by cp.async), then the mma.sync ones (wgmma off).
         let modes = [
-            (true, false, false, true),
-            (true, true, false, true),
-            (true, false, true, true),
-            (true, false, true, false),
-            (false, false, false, true),
+            (true, false, false, true, false),
+            (true, true, false, true, false),
+            (true, false, true, true, false),
+            (true, false, true, true, true),
+            (true, false, true, false, false),
+            (false, false, false, true, false),
         ];
-        for ((wg, det, ws, tma), (t, hq, hkv, d)) in modes.into_iter().flat_map(|m| shapes.map(|s| (m, s))) {
+        for ((wg, det, ws, tma, defer), (t, hq, hkv, d)) in modes.into_iter().flat_map(|m| shapes.map(|s| (m, s))) {
             if dt == DType::F32 && (!wg || det || ws) {
                 continue; // the same f32 kernels either way
             }
@@ -204,6 +205,7 @@ fn every_op_matches_cpu() {
             ferrotron_kernels::cuda::set_deterministic(det);
             ferrotron_kernels::cuda::set_flash_ws(ws);
             ferrotron_kernels::cuda::set_flash_tma(tma);
+            ferrotron_kernels::cuda::set_flash_defer(defer);
             if dt == DType::F32 && t > 100 {
                 // The long shapes are for the bf16 tensor-core kernels; f32 sums over 150 rows
                 // drift past the 1e-5 f32 tolerance by accumulation order alone.
@@ -222,7 +224,9 @@ fn every_op_matches_cpu() {
                 AttnCfg { causal: false, window: Some(40), scale: Some(0.3) },
             ] {
                 check_norm(
-                    &format!("flash attention t{t} d{d} wgmma {wg} deterministic {det} ws {ws} tma {tma} {cfg:?}"),
+                    &format!(
+                        "flash attention t{t} d{d} wgmma {wg} deterministic {det} ws {ws} tma {tma} defer {defer} {cfg:?}"
+                    ),
                     dt,
                     &[q.clone(), kk.clone(), v.clone(), dout.clone()],
                     |t| {
@@ -240,7 +244,7 @@ fn every_op_matches_cpu() {
             let cfg = AttnCfg::default();
             check_norm(
                 &format!(
-                    "flash attention fused qkv t{t} d{d} hq{hq} hkv{hkv} wgmma {wg} deterministic {det} ws {ws} tma {tma}"
+                    "flash attention fused qkv t{t} d{d} hq{hq} hkv{hkv} wgmma {wg} deterministic {det} ws {ws} tma {tma} defer {defer}"
                 ),
                 dt,
                 &[qkv, dout.clone()],
@@ -254,22 +258,26 @@ fn every_op_matches_cpu() {
         ferrotron_kernels::cuda::set_wgmma(true);
         ferrotron_kernels::cuda::set_flash_ws(true);
         ferrotron_kernels::cuda::set_flash_tma(true);
+        ferrotron_kernels::cuda::set_flash_defer(false);
         if dt == DType::BF16 {
             // The warp-specialised forward persistent (one block per SM walking the query tiles:
             // 512 tiles here, so every block takes several, in both directions of its walk) and
             // not, causal and full, GQA; at head dim 128 (320 tiles; built only one block per
-            // tile) both choices run that kernel.
+            // tile) both choices run that kernel. Each also with P·V waited for a turn later
+            // (`set_flash_defer`), whose turns carry state across tiles of a persistent block.
             for (t, hq, hkv, d) in [(1000usize, 32usize, 8usize, 64usize), (520, 32, 8, 128)] {
                 let x: Vec<Tensor> = [hq, hkv, hkv, hq]
                     .iter()
                     .enumerate()
                     .map(|(i, h)| rnd(&[2, t, *h, d], 40 + i as u64, dt))
                     .collect();
-                for persist in [true, false] {
+                for (persist, defer) in [(true, false), (false, false), (true, true)] {
                     ferrotron_kernels::cuda::set_flash_persist(persist);
+                    ferrotron_kernels::cuda::set_flash_defer(defer);
                     for causal in [true, false] {
                         let cfg = AttnCfg { causal, window: None, scale: None };
-                        check_norm(&format!("flash attention t{t} d{d} persistent {persist} {cfg:?}"), dt, &x, |t| {
+                        let what = format!("flash attention t{t} d{d} persistent {persist} defer {defer} {cfg:?}");
+                        check_norm(&what, dt, &x, |t| {
                             let (o, lse) = k::attention_fwd(&t[0], &t[1], &t[2], &cfg).unwrap();
                             let (dq, dk, dv) = k::attention_bwd(&t[0], &t[1], &t[2], &o, &lse, &t[3], &cfg).unwrap();
                             vec![o, lse, dq, dk, dv]
@@ -278,6 +286,7 @@ fn every_op_matches_cpu() {
                 }
             }
             ferrotron_kernels::cuda::set_flash_persist(true);
+            ferrotron_kernels::cuda::set_flash_defer(false);
         }
         if dt == DType::BF16 {
             // Deterministic mode: the backward twice on the GPU gives the same bits.

@@ -123,9 +123,12 @@ fn fwd_kernel(be: &B, d: usize, t: usize) -> (TcLaunch, FwdGrid) {
         // head dim 64.
         let tma = crate::cuda::flash_tma() && !(d == 64 && keys == 64);
         let persistent = crate::cuda::flash_persist().unwrap_or(true) && d == 64 && keys == 128;
+        // FERROTRON_FLASH_DEFER=1: each turn's wait for its P·V deferred to the next turn
+        // (kernels/flash_mma.cu `DEFER`; built for the default choices only).
+        let defer = tma && keys == 128 && persistent == (d == 64) && crate::cuda::flash_defer();
         let (p, t) = (if persistent { "p" } else { "" }, if tma { "t" } else { "" });
-        let k = if keys == 64 { String::new() } else { format!("k{keys}") };
-        let name = format!("flash_fwd_ws2{t}{p}{k}_bf16_{d}");
+        let (dd, k) = (if defer { "d" } else { "" }, if keys == 64 { String::new() } else { format!("k{keys}") });
+        let name = format!("flash_fwd_ws2{t}{dd}{p}{k}_bf16_{d}");
         let grid = match (persistent, tma) {
             (true, true) => FwdGrid::WsPersistentTma,
             (true, false) => FwdGrid::WsPersistent,
