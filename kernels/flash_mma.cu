@@ -496,8 +496,8 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
 // The wgmma forward with its warps specialised (FlashAttention-3's arrangement): two consumer
 // warpgroups of 64 query rows each and a producer warpgroup that streams K/V tiles through
 // FW_STAGES shared-memory stages (swizzled; by TMA from one thread, or by cp.async from all 128,
-// tile_async_sw). Stages hand over through mbarriers (full: the producer's copies landed; empty: both consumers are done with the
-// tile), so no block-wide barrier ties the warpgroups together. A consumer's turn on the tensor
+// tile_async_sw). Stages hand over through mbarriers (full: the producer's copies landed; empty:
+// both consumers are done with the tile), so no block-wide barrier ties the warpgroups together. A consumer's turn on the tensor
 // cores issues S = Q·Kᵀ of tile it and O += P·V of tile it − 1 back to back as two commit groups
 // and waits for S first; the warpgroups take turns (named barriers), so while one multiplies the
 // other computes its softmax ("ping-pong"). The softmax of tile it is written to run while P·V
@@ -777,12 +777,13 @@ FLASH_MMA(flash_fwd_wg2_bf16_128, 128, 1, true, 2)
 FLASH_MMA(flash_fwd_wg3_bf16_128, 128, 1, true, 3)
 // The warp-specialised forward (flash_fwd_ws2[t][p]k128_bf16_D; 64-key tiles without `k128`):
 // two consumer warpgroups (128 rows) and a producer warpgroup; FW_STAGES · 2 · KEYS · D · 2 bytes
-// of K/V tiles, then 2 · FW_STAGES mbarriers, then the consumers' O tiles (2 · 64 · (D + 8) · 2
-// bytes). At head dim 128 with 128-key tiles a consumer holds S (64 registers), P in flight (32),
+// of K/V tiles, the persistent TMA build's two Q tiles (2 · 128 · D · 2), 2 · FW_STAGES + 4
+// mbarriers, then the consumers' O tiles (2 · 64 · (D + 8) · 2 bytes; the host's `fwd_kernel`
+// must agree). At head dim 128 with 128-key tiles a consumer holds S (64 registers), P in flight (32),
 // O (64) and Q (32): LATE keeps the next P in S's registers until the product reading the last
 // one is done (ptxas: no spill in 232).
 // Grid: bh (batch × heads) × query tiles, or with PERSIST (the `p` kernels) at most one block
-// per SM. `t`: K and V copied by TMA.
+// per SM. `t`: K and V (and, persistent, Q) copied by TMA; `d`: DEFER.
 #define FLASH_WS_D(NAME, D, KEYS, LATE, PERSIST, TMA, DEFER) \
 extern "C" __global__ void __launch_bounds__(384, 1) NAME(const bf16_t* q, \
         const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl, long hq, long hkv, long d, \

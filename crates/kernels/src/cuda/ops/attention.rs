@@ -227,6 +227,21 @@ fn mma_ok(q: &Tensor, tiles: &[&Tensor], a: &AttnShape) -> Result<bool> {
     aligned16(tiles)
 }
 
+/// A tensor's address as `ptr` gives it.
+fn addr(a: Arg) -> u64 {
+    match a {
+        Arg::Ptr(p) => p,
+        _ => unreachable!("a tensor's address is a pointer"),
+    }
+}
+
+/// The rows' head counts of K/V and of Q as the kernels' `Place` reads them: with `fused`, every
+/// head sits among its group's G + 2 (G query heads, then K, then V); else their own tensors.
+fn map_heads(d: &AttnDims, fused: bool) -> (usize, usize) {
+    let slots = d.hkv * (d.hq / d.hkv + 2);
+    if fused { (slots, slots) } else { (d.hkv, d.hq) }
+}
+
 /// The tensor-core forward over Q, K, V at `qkv` (separate tensors, or with `fused` the projection
 /// output's slots: kernels/flash_mma.cu `Place`), into (o, lse).
 fn tc_fwd(be: &B, qkv: [Arg; 3], fused: bool, a: &AttnShape) -> Result<(Tensor, Tensor)> {
@@ -243,15 +258,10 @@ fn tc_fwd(be: &B, qkv: [Arg; 3], fused: bool, a: &AttnShape) -> Result<(Tensor, 
         FwdGrid::Tiles => bh * tiles,
         _ => {
             args.push(n(bh));
-            // The tensor maps of K and V (`Place`: fused, each K/V head sits among the group's
-            // G + 2 heads), or two unused ones for the cp.async builds.
-            // With persistence, Q's too (its query tiles of 128 rows).
-            let slots = d.hkv * (d.hq / d.hkv + 2);
-            let (kv_heads, q_heads) = if fused { (slots, slots) } else { (d.hkv, d.hq) };
-            let [q, k, v] = qkv.map(|a| match a {
-                Arg::Ptr(p) => p,
-                _ => unreachable!("a tensor's address is a pointer"),
-            });
+            // The tensor maps of K and V and, with persistence, of Q (its 128-row query tiles);
+            // unused ones for the cp.async builds.
+            let (kv_heads, q_heads) = map_heads(d, fused);
+            let [q, k, v] = qkv.map(addr);
             let tma = matches!(grid, FwdGrid::WsTilesTma | FwdGrid::WsPersistentTma);
             let maps = [
                 if tma { TmaMap::rows(k, d.b, d.s, kv_heads, d.d, fwd_ws_keys())? } else { TmaMap::unused() },
@@ -274,7 +284,7 @@ fn tc_fwd(be: &B, qkv: [Arg; 3], fused: bool, a: &AttnShape) -> Result<(Tensor, 
 /// Q, K and V's addresses in the fused projection output [B, T, Hkv·(G+2)·D]: its start, then G
 /// and G + 1 heads on (each K/V group's heads sit (G + 2)·D apart, `Place` in the kernels).
 fn fused_ptrs(qkv: &Tensor, a: &AttnShape) -> Result<[Arg; 3]> {
-    let Arg::Ptr(base) = ptr("attn", qkv)? else { unreachable!("a tensor's address is a pointer") };
+    let base = addr(ptr("attn", qkv)?);
     let (g, head_bytes) = ((a.dims.hq / a.dims.hkv) as u64, (a.dims.d * qkv.dtype().size_in_bytes()) as u64);
     Ok([Arg::Ptr(base), Arg::Ptr(base + g * head_bytes), Arg::Ptr(base + (g + 1) * head_bytes)])
 }
@@ -352,14 +362,10 @@ fn tc_bwd(be: &B, x: &TcQkv, o: &Tensor, lse: &Tensor, dout: &Tensor, a: &AttnSh
             let grid = d.b * d.hkv * d.s.div_ceil(l.rows);
             let mut args = head(&[dk, dv, ptr("attn", &dqa)?])?;
             if let Some(tma) = ws {
-                // K and V (the block's 128 keys), Q and dO (64-row tiles) by their `Place`.
-                let g = d.hq / d.hkv;
-                let (kv_heads, q_heads) = if x.fused { (d.hkv * (g + 2), d.hkv * (g + 2)) } else { (d.hkv, d.hq) };
-                let [q, k, v] = x.qkv.map(|a| match a {
-                    Arg::Ptr(p) => p,
-                    _ => unreachable!("a tensor's address is a pointer"),
-                });
-                let Arg::Ptr(dop) = ptr("attn", dout)? else { unreachable!("a tensor's address is a pointer") };
+                // K and V (the block's 128 keys), Q and dO (64-row tiles).
+                let (kv_heads, q_heads) = map_heads(d, x.fused);
+                let [q, k, v] = x.qkv.map(addr);
+                let dop = addr(ptr("attn", dout)?);
                 let maps = if tma {
                     [
                         TmaMap::rows(k, d.b, d.s, kv_heads, d.d, 128)?,
