@@ -271,7 +271,9 @@ __device__ __forceinline__ bool softmax_tile(float (*s)[NB][4], float (*m)[2], f
                                              u32 (*pa)[NB / 2][4], bool full, const long (*r)[2], long j0,
                                              long t, long sl, long causal, long window, float scale2) {
     int tg = threadIdx.x & 3;
-    if (!full) {
+    if (!full && MT > 1) {
+        // Two m-tiles (the mma.sync head dim 64 kernel): `allowed` per score; the column ranges
+        // below took it past 255 registers.
         #pragma unroll
         for (int mt = 0; mt < MT; mt++)
             #pragma unroll
@@ -281,6 +283,31 @@ __device__ __forceinline__ bool softmax_tile(float (*s)[NB][4], float (*m)[2], f
                     long i = r[mt][e >> 1], j = j0 + nb * 8 + tg * 2 + (e & 1);
                     if (!(i < t && j < sl && allowed(i, j, causal, window))) s[mt][nb][e] = -INFINITY;
                 }
+    } else if (!full) {
+        // `allowed` as a column range per row: key j0 + c is seen from row i iff lo ≤ c ≤ hi
+        // (c < sl − j0; causal: c ≤ i − j0; window w: |i − j0 − c| < w; none from a row ≥ t),
+        // worked out once per row in 64 bits and clamped to the tile, so each score costs two
+        // 32-bit compares against its constant column (less this thread's 2·tg) and a select
+        // instead of `allowed`'s 64-bit arithmetic (the masked turn took ≈ 2× an unmasked one).
+        #pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+            #pragma unroll
+            for (int rr = 0; rr < 2; rr++) {
+                const long i = r[mt][rr], di = i - j0;
+                long hi = sl - j0 - 1, lo = 0;
+                if (causal) hi = lmin(hi, di);
+                if (window > 0) { hi = lmin(hi, di + window - 1); lo = di - window + 1; }
+                if (i >= t) hi = -1;
+                const int h32 = (int)lmax(-1, lmin(hi, NB * 8)) - tg * 2;
+                const int l32 = (int)lmax(0, lmin(lo, NB * 8 + 1)) - tg * 2;
+                #pragma unroll
+                for (int nb = 0; nb < NB; nb++)
+                    #pragma unroll
+                    for (int e = rr * 2; e < rr * 2 + 2; e++) {
+                        const int c = nb * 8 + (e & 1);
+                        if (c > h32 || c < l32) s[mt][nb][e] = -INFINITY;
+                    }
+            }
     }
     #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
