@@ -1,7 +1,9 @@
 //! xtask: the project's automation, as a library so that `cargo test` runs the same checks as
-//! `cargo xtask tidy`. `tidy`, the pure half of `bench --gpu-profile` (ncu's CSV to a table) and
-//! of `trace` (Chrome traces to step timelines) live here; the binary adds the commands that shell out.
+//! `cargo xtask tidy`. `tidy` and the pure halves of `bench --attention` (both tables side by
+//! side), `bench --gpu-profile` (ncu's CSV to a table) and `trace` (Chrome traces to step
+//! timelines) live here; the binary adds the commands that shell out.
 
+pub mod attn;
 pub mod profile;
 pub mod tidy;
 pub mod trace;

@@ -1,6 +1,7 @@
 //! `cargo xtask <command>`: tidy (layering and house rules), bench (criterion CPU benches; `--gpu`
 //! for Ferrotron against PyTorch on one GPU, `--gpu-profile` for its time by kernel, `--gpu-trace`
-//! for the GPU timeline of running steps, `--scaling` for several GPUs), trace (summarise GPU
+//! for the GPU timeline of running steps, `--attention` for flash attention beside SDPA,
+//! `--scaling` for several GPUs), trace (summarise GPU
 //! timelines), gpu-parity (every
 //! multi-GPU layout against one GPU), ptx (compile kernels/ with nvcc ahead of time) and gpu-test
 //! (build the CUDA test binaries and run them where a GPU is, or stage them for a GPU machine).
@@ -37,6 +38,7 @@ fn main() -> anyhow::Result<()> {
         Some("bench") if args.get(1).map(String::as_str) == Some("--gpu") => gpu_bench(&args[2..]),
         Some("bench") if args.get(1).map(String::as_str) == Some("--gpu-profile") => gpu_profile(&args[2..]),
         Some("bench") if args.get(1).map(String::as_str) == Some("--gpu-trace") => tracerun::gpu_trace(&args[2..]),
+        Some("bench") if args.get(1).map(String::as_str) == Some("--attention") => attention_bench(&args[2..]),
         Some("trace") => tracerun::trace(&args[1..]),
         Some("bench") if args.get(1).map(String::as_str) == Some("--scaling") => {
             multi::scaling(&args[2..], root().join("target/release/ferrotron"))
@@ -58,7 +60,7 @@ fn main() -> anyhow::Result<()> {
         Some("gpu-test") => gpu_test(args.get(1).map(PathBuf::from)),
         _ => {
             eprintln!(
-                "usage: cargo xtask tidy | bench [criterion args] | bench --gpu [FERROTRON_BIN] [PRESET...] | bench --gpu-profile [FERROTRON_BIN] [PRESET...] | bench --gpu-trace [FERROTRON_BIN] [PRESET...] | trace FILE [FILE2] | bench --scaling [FERROTRON_BIN] [--gpus N] [--plot FILE] | gpu-parity [FERROTRON_BIN] [--gpus N] | ptx [sm_XX] | gpu-test [STAGE_DIR]"
+                "usage: cargo xtask tidy | bench [criterion args] | bench --gpu [FERROTRON_BIN] [PRESET...] | bench --gpu-profile [FERROTRON_BIN] [PRESET...] | bench --gpu-trace [FERROTRON_BIN] [PRESET...] | bench --attention [ATTENTION_BENCH_BIN] | trace FILE [FILE2] | bench --scaling [FERROTRON_BIN] [--gpus N] [--plot FILE] | gpu-parity [FERROTRON_BIN] [--gpus N] | ptx [sm_XX] | gpu-test [STAGE_DIR]"
             );
             bail!("unknown command {:?}", args.first());
         }
@@ -352,6 +354,40 @@ fn bench_bin_and_presets(args: &[String]) -> (PathBuf, Vec<String>) {
     };
     let presets = if presets.is_empty() { multi::owned(&["124m", "1.3b", "llama-1b"]) } else { presets };
     (bin, presets)
+}
+
+/// `cargo xtask bench --attention [ATTENTION_BENCH_BIN]`: flash attention alone (causal, bf16,
+/// head dims 64 and 128, 1k–16k tokens; examples/attention_bench, built with `--features cuda`,
+/// default target/release/examples/attention_bench) and PyTorch SDPA on the same shapes
+/// (benches/torch_sdpa.py; BENCH_TORCH=0 skips it) in one command: both tables as they ran, then
+/// one table side by side with the ratios. attention_bench's own variables (ATTN_BENCH_*) pass on.
+fn attention_bench(args: &[String]) -> anyhow::Result<()> {
+    let bin = args.first().map(PathBuf::from).unwrap_or_else(|| root().join("target/release/examples/attention_bench"));
+    let out = Command::new(&bin).output().with_context(|| {
+        format!(
+            "running {} (cargo build --release --features cuda -p ferrotron-examples --example attention_bench)",
+            bin.display()
+        )
+    })?;
+    let ours = String::from_utf8_lossy(&out.stdout).to_string();
+    print!("{ours}");
+    if !out.status.success() {
+        bail!("{} failed: {}", bin.display(), String::from_utf8_lossy(&out.stderr));
+    }
+    let sdpa = if std::env::var("BENCH_TORCH").is_ok_and(|v| v == "0") {
+        String::new()
+    } else {
+        let py = Command::new("python3")
+            .arg(root().join("benches/torch_sdpa.py"))
+            .output()
+            .context("running python3 benches/torch_sdpa.py")?;
+        if !py.status.success() {
+            bail!("benches/torch_sdpa.py failed: {}", String::from_utf8_lossy(&py.stderr));
+        }
+        String::from_utf8_lossy(&py.stdout).to_string()
+    };
+    print!("{sdpa}\n{}", xtask::attn::merge(&ours, &sdpa));
+    Ok(())
 }
 
 /// `cargo xtask bench --gpu [FERROTRON_BIN] [PRESET...]`: Ferrotron (bf16) and the PyTorch reference
