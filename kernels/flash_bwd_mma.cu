@@ -189,15 +189,40 @@ __device__ __forceinline__ void wg_scores_t(float (*st)[4], float (*dpt)[4], u32
     wg_pin<32>(&dpt[0][0]);
 }
 // Sᵀ to −∞ (p = 0) where row i0 + 8·nb + 2·tg + (e & 1) may not see key jr0 (e < 2) or jr1.
+// As the forward's `softmax_tile`: per key, the query rows that see it as a column range [lo, hi]
+// of the tile (i < t; causal: i ≥ j; window w: |i − j| < w; none for a key ≥ sl), worked out once
+// in 64 bits and clamped, so a score costs two 32-bit compares against its constant column (less
+// 2·tg) and a select instead of `allowed` in 64-bit arithmetic. RANGE = false keeps `allowed` per
+// score (the head dim 128 kernels: the ranges' registers made them spill more).
+template <bool RANGE>
 __device__ __forceinline__ void mask_t(float (*st)[4], long i0, long jr0, long jr1, int tg, long t, long sl,
                                        long causal, long window) {
-    #pragma unroll
-    for (int nb = 0; nb < 8; nb++)
+    if constexpr (!RANGE) {
         #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            long j = e < 2 ? jr0 : jr1, i = i0 + nb * 8 + tg * 2 + (e & 1);
-            if (!(i < t && j < sl && allowed(i, j, causal, window))) st[nb][e] = -INFINITY;
-        }
+        for (int nb = 0; nb < 8; nb++)
+            #pragma unroll
+            for (int e = 0; e < 4; e++) {
+                long j = e < 2 ? jr0 : jr1, i = i0 + nb * 8 + tg * 2 + (e & 1);
+                if (!(i < t && j < sl && allowed(i, j, causal, window))) st[nb][e] = -INFINITY;
+            }
+        return;
+    }
+    #pragma unroll
+    for (int rr = 0; rr < 2; rr++) {
+        const long j = rr ? jr1 : jr0, dj = j - i0;
+        long lo = causal ? dj : 0, hi = t - i0 - 1;
+        if (window > 0) { lo = lmax(lo, dj - window + 1); hi = lmin(hi, dj + window - 1); }
+        if (j >= sl) hi = -1;
+        const int h32 = (int)lmax(-1, lmin(hi, 64)) - tg * 2;
+        const int l32 = (int)lmax(0, lmin(lo, 65)) - tg * 2;
+        #pragma unroll
+        for (int nb = 0; nb < 8; nb++)
+            #pragma unroll
+            for (int e = rr * 2; e < rr * 2 + 2; e++) {
+                const int c = nb * 8 + (e & 1);
+                if (c > h32 || c < l32) st[nb][e] = -INFINITY;
+            }
+    }
 }
 // Pᵀ = exp2(Sᵀ·scale2 − lse·log2 e) into st and dSᵀ = Pᵀ ∘ (dPᵀ − delta) into dpt, from the rows'
 // lse (`ls`: RAW as stored, else already times LOG2E) and delta (`dls`).
@@ -333,7 +358,7 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
             }
             // Pᵀ into st, dSᵀ into dpt (no mask for a tile inside the sequence below the diagonal).
             if (!tile_full(i0, FB_ROWS, j0, KEYS, t, sl, causal, window))
-                mask_t(st, i0, jr0, jr1, tg, t, sl, causal, window);
+                mask_t<D == 64>(st, i0, jr0, jr1, tg, t, sl, causal, window);
             p_ds_t<false>(st, dpt, ls, dls, scale2, tg);
             // dV += Pᵀ dO and dK += dSᵀ Q: k-steps of 16 rows.
             if constexpr (WG) {
@@ -616,7 +641,7 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
         // Pᵀ into st, dSᵀ into dpt (no mask for a tile inside the sequence below the diagonal).
         const bool unmasked = qi >= qlo && qi < qhi;
         if (D == 64 && !unmasked) {
-            mask_t(st, i0, jr0, jr1, tg, t, sl, causal, window);
+            mask_t<true>(st, i0, jr0, jr1, tg, t, sl, causal, window);
         } else if (D == 128 && !unmasked) {
             // `allowed` in 32-bit arithmetic (64-bit temporaries here spilled the D 128 scores):
             // row i0 + col against key jr0 (e < 2) or jr1 = jr0 + 8, i − j = dd + col (− 8).
