@@ -643,18 +643,26 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
         if (D == 64 && !unmasked) {
             mask_t<true>(st, i0, jr0, jr1, tg, t, sl, causal, window);
         } else if (D == 128 && !unmasked) {
-            // `allowed` in 32-bit arithmetic (64-bit temporaries here spilled the D 128 scores):
-            // row i0 + col against key jr0 (e < 2) or jr1 = jr0 + 8, i − j = dd + col (− 8).
-            int left = (int)lmin(t - i0, FB_ROWS), dd = (int)(i0 - jr0), win = (int)window;
-            bool in0 = jr0 < sl, in1 = jr1 < sl;
+            // `mask_t`'s column ranges in 32-bit arithmetic (64-bit temporaries here spilled the
+            // D 128 scores): row i0 + col against key jr0 (e < 2) or jr1 = jr0 + 8, i − j = dd +
+            // col (− 8), so key k sees the columns [lo, hi] below, less this thread's 2·tg.
+            const int left = (int)lmin(t - i0, FB_ROWS), win = (int)window;
             #pragma unroll
-            for (int nb = 0; nb < 8; nb++)
+            for (int rr = 0; rr < 2; rr++) {
+                const int dd = (int)(i0 - jr0) - rr * 8;
+                int lo = causal ? -dd : 0, hi = left - 1;
+                if (win > 0) { lo = max(lo, 1 - win - dd); hi = min(hi, win - 1 - dd); }
+                if ((rr ? jr1 : jr0) >= sl) hi = -1;
+                hi -= tg * 2;
+                lo -= tg * 2;
                 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    int col = nb * 8 + tg * 2 + (e & 1), diff = dd + col - (e < 2 ? 0 : 8);
-                    bool ok = col < left && (e < 2 ? in0 : in1) && (!causal || diff >= 0) && (win <= 0 || abs(diff) < win);
-                    if (!ok) st[nb][e] = -INFINITY;  // p = 0
-                }
+                for (int nb = 0; nb < 8; nb++)
+                    #pragma unroll
+                    for (int e = rr * 2; e < rr * 2 + 2; e++) {
+                        const int c = nb * 8 + (e & 1);
+                        if (c > hi || c < lo) st[nb][e] = -INFINITY;  // p = 0
+                    }
+            }
         }
         p_ds_t<true>(st, dpt, ls, dls, scale2, tg);
         u32 pa[FB_ROWS / 16][4], sa[FB_ROWS / 16][4];
