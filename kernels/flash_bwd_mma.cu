@@ -466,24 +466,6 @@ extern "C" __global__ void __launch_bounds__(128 * NW, MINB) flash_bwd_dkvq_wg##
 FLASH_BWD_DKVQ(64, 1, 2)
 FLASH_BWD_DKVQ(128, 2, 1)
 
-// Warp-specialised dK, dV and dQ (sm_90a, head dims 64 and 128; the default there,
-// `FERROTRON_FLASH_BWD=wg` selects the lockstep kernels instead): a producer warpgroup and two
-// consumer warpgroups of 64 keys each, 128 keys per block. The producer copies the block's K and V
-// once, then streams each step's (Q, dO) tiles and (lse, delta) rows into bw_stages(D) stages
-// handed over by mbarriers (full: the copies landed; empty: both consumers are done with the
-// stage), so after the first no block-wide barrier stalls a step: one consumer's products overlap
-// the other's softmax and the next step's copies. Each consumer runs the DQ body of
-// flash_bwd_dkv_mma on its own keys with its own dQ staging and bulk reductions (two 64 × 64 dQ
-// pieces per step per block, the same count per key as before):
-//   D 64:  consumer w: its own keys' dS times its K rows, all 64 columns (own dSᵀ buffer);
-//   D 128: its keys × 128 columns would not fit beside dK and dV (64 registers each), so consumer w
-//          computes column block w over all 128 keys from both consumers' dSᵀ (two buffers,
-//          alternate steps; one 256-thread barrier per step between the stores and the product).
-// Registers: the producer gives its registers to the consumers (setmaxnreg 40 / 232; the block
-// launches with 384 · 168).
-// Dynamic shared memory (bytes; the host's `bwd_plan` must agree): K, V 2·128·D·2; bw_stages ×
-// (Q, dO) 2·64·D·2; dSᵀ 2·64·64·2 per buffer (D 64: one, 128: two); dQ staging 2 consumers × 2 ×
-// 4096·4; bw_stages × (lse, delta) 2·64·4; 2·bw_stages + 1 mbarriers. D 128: 230,440 of 232,448.
 // A consumer's 64 keys of dK or dV (accumulator fragments times `mul`, bf16) into [B, sl, heads,
 // D] by their `Place`, through shared memory as the forward's O (fwd_store_staged): the fragments
 // into `tile` (64 × (D + 8), padded rows), then out in 16-byte pieces with D / 8 neighbouring
@@ -509,6 +491,25 @@ __device__ __forceinline__ void store_keys_staged(float (*acc)[4], float mul, bf
             *reinterpret_cast<const u128*>(tile + row * TP + c * 8);
     }
 }
+
+// Warp-specialised dK, dV and dQ (sm_90a, head dims 64 and 128; the default there,
+// `FERROTRON_FLASH_BWD=wg` selects the lockstep kernels instead): a producer warpgroup and two
+// consumer warpgroups of 64 keys each, 128 keys per block. The producer copies the block's K and V
+// once, then streams each step's (Q, dO) tiles and (lse, delta) rows into bw_stages(D) stages
+// handed over by mbarriers (full: the copies landed; empty: both consumers are done with the
+// stage), so after the first no block-wide barrier stalls a step: one consumer's products overlap
+// the other's softmax and the next step's copies. Each consumer runs the DQ body of
+// flash_bwd_dkv_mma on its own keys with its own dQ staging and bulk reductions (two 64 × 64 dQ
+// pieces per step per block, the same count per key as before):
+//   D 64:  consumer w: its own keys' dS times its K rows, all 64 columns (own dSᵀ buffer);
+//   D 128: its keys × 128 columns would not fit beside dK and dV (64 registers each), so consumer w
+//          computes column block w over all 128 keys from both consumers' dSᵀ (two buffers,
+//          alternate steps; one 256-thread barrier per step between the stores and the product).
+// Registers: the producer gives its registers to the consumers (setmaxnreg 40 / 232; the block
+// launches with 384 · 168).
+// Dynamic shared memory (bytes; the host's `bwd_plan` must agree): K, V 2·128·D·2; bw_stages ×
+// (Q, dO) 2·64·D·2; dSᵀ 2·64·64·2 per buffer (D 64: one, 128: two); dQ staging 2 consumers × 2 ×
+// 4096·4; bw_stages × (lse, delta) 2·64·4; 2·bw_stages + 1 mbarriers. D 128: 230,440 of 232,448.
 __host__ __device__ constexpr int bw_stages(int d) { return d == 64 ? 3 : 2; }
 template <bool C, class T, class F>
 struct Pick {
