@@ -522,7 +522,7 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
 
 // The wgmma forward with its warps specialised (FlashAttention-3's arrangement): two consumer
 // warpgroups of 64 query rows each and a producer warpgroup that streams K/V tiles through
-// FW_STAGES shared-memory stages (swizzled; by TMA from one thread, or by cp.async from all 128,
+// fw_stages shared-memory stages (swizzled; by TMA from one thread, or by cp.async from all 128,
 // tile_async_sw). Stages hand over through mbarriers (full: the producer's copies landed; empty:
 // both consumers are done with the tile), so no block-wide barrier ties the warpgroups together. A consumer's turn on the tensor
 // cores issues S = Q·Kᵀ of tile it and O += P·V of tile it − 1 back to back as two commit groups
@@ -541,7 +541,9 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
 // and O's rescale is skipped when no row's max moved (a warp vote); at head dim 64 (128-key
 // tiles) P is packed inside the softmax and O always rescaled (measured faster there). The
 // consumers hold S, P, O and Q at once and take registers from the producer (setmaxnreg).
-#define FW_STAGES 3
+// K/V stages: 3, and 4 for the head dim 64 DEFER build (its stages come back a turn later; at
+// head dim 128 a fourth 64 KB stage does not fit). The host's `fwd_kernel` must agree.
+__host__ __device__ constexpr int fw_stages(int d, bool defer) { return defer && d == 64 ? 4 : 3; }
 
 // PERSIST: one block per SM walks the query tiles (tile k, then 2G − 1 − k, 2G + k, …: heaviest
 // first, a light tile after each heavy one) with the stage ring and its phases running on across
@@ -557,6 +559,7 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
                              const TmaMap* km, const TmaMap* vm, const TmaMap* qm) {
     constexpr int NC = 2;  // consumer warpgroups: the register split below is for two
     constexpr int NO = D / 8, NB = KEYS / 8, ROWS = FM_ROWS * NC, TILE = KEYS * D;  // bf16 per K or V tile
+    constexpr int FW_STAGES = fw_stages(D, DEFER);
     // QT: the persistent TMA build also copies each query tile's Q by TMA, into one of two Q
     // buffers, when the producer reaches that tile (a few key tiles before the consumers do), so
     // the consumers load Q from shared memory instead of waiting on global loads at every tile.
@@ -803,8 +806,8 @@ FLASH_MMA(flash_fwd_wg2_bf16_64, 64, 1, true, 2)
 FLASH_MMA(flash_fwd_wg2_bf16_128, 128, 1, true, 2)
 FLASH_MMA(flash_fwd_wg3_bf16_128, 128, 1, true, 3)
 // The warp-specialised forward (flash_fwd_ws2[t][p]k128_bf16_D; 64-key tiles without `k128`):
-// two consumer warpgroups (128 rows) and a producer warpgroup; FW_STAGES · 2 · KEYS · D · 2 bytes
-// of K/V tiles, the persistent TMA build's two Q tiles (2 · 128 · D · 2), 2 · FW_STAGES + 4
+// two consumer warpgroups (128 rows) and a producer warpgroup; fw_stages · 2 · KEYS · D · 2 bytes
+// of K/V tiles, the persistent TMA build's two Q tiles (2 · 128 · D · 2), 2 · fw_stages + 4
 // mbarriers, then the consumers' O tiles (2 · 64 · (D + 8) · 2 bytes; the host's `fwd_kernel`
 // must agree). At head dim 128 with 128-key tiles a consumer holds S (64 registers), P in flight (32),
 // O (64) and Q (32): LATE keeps the next P in S's registers until the product reading the last

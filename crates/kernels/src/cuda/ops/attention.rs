@@ -110,9 +110,9 @@ fn fwd_kernel(be: &B, d: usize, t: usize) -> (TcLaunch, FwdGrid) {
         // head dim 128 337 / 460 / 563 / 633 / 706 TFLOP/s with 128-key tiles and TMA copies
         // (64-key tiles by cp.async: 299 / 387 / 455 / 507 / 569), head dim 64 221–466.
         let keys = fwd_ws_keys();
-        // FW_STAGES (3) stages of K and V tiles, the persistent TMA build's two 128-row Q tiles,
-        // 2 · 3 + 4 mbarriers, the two consumers' O tiles of 64 padded rows (`fwd_store_staged`):
-        // 231,504 bytes at head dim 128.
+        // The stages of K and V tiles (3; 4 for the head dim 64 DEFER build), the persistent TMA
+        // build's two 128-row Q tiles, 2 · stages + 4 mbarriers, the two consumers' O tiles of 64
+        // padded rows (`fwd_store_staged`): 231,504 bytes at head dim 128.
         let q_tiles = |persistent_tma: bool| if persistent_tma { 2 * 128 * d * 2 } else { 0 };
         // Persistent at head dim 64 (H200, 16k tokens per call: +4% at 1k, +1–4% to 8k, equal at
         // 16k; the 124M model's attention 5.28 → 5.24 ms a step), not at 128: −4% at 1k, −8% at
@@ -135,7 +135,11 @@ fn fwd_kernel(be: &B, d: usize, t: usize) -> (TcLaunch, FwdGrid) {
             (false, true) => FwdGrid::WsTilesTma,
             (false, false) => FwdGrid::WsTiles,
         };
-        let shared = 3 * 2 * keys * d * 2 + q_tiles(grid == FwdGrid::WsPersistentTma) + 10 * 8 + 2 * 64 * (d + 8) * 2;
+        let stages = if defer && d == 64 { 4 } else { 3 }; // kernels/flash_mma.cu `fw_stages`
+        let shared = stages * 2 * keys * d * 2
+            + q_tiles(grid == FwdGrid::WsPersistentTma)
+            + (2 * stages + 4) * 8
+            + 2 * 64 * (d + 8) * 2;
         (TcLaunch { name, rows: 128, threads: 3 * 128, shared: shared as u32 }, grid)
     } else if be.use_wgmma() {
         // H200, 16k tokens per call (NW = 1 was L2-bound): D 64 NW 2 (178–246 TFLOP/s over 1k–16k;
