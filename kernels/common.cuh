@@ -175,6 +175,23 @@ __device__ __forceinline__ void col_partials8(float* pa, float* pb, long rows, l
     if (pb) st8(pb, ch * c + j, b);
 }
 
+// One column's partial over a chunk of COL_CHUNK (64) rows, `v(r)` being row r's value, added in
+// col_partials8's order (eight runs r = w, w + 8, …, each from 0, then the runs in order): a
+// kernel that already holds the rows (the flash backward's dQ, dK, dV tiles) writes the partial
+// the first pass would have, to the bit, so col_sum_f32 finishes it alone.
+template <typename F>
+__device__ __forceinline__ float col_chunk_sum(F v) {
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < 8; w++) {
+        float s = 0.f;
+#pragma unroll
+        for (int k = 0; k < COL_CHUNK / 8; k++) s += v(w + 8 * k);
+        total += s;
+    }
+    return total;
+}
+
 // Instantiates macro M once per storage type: M(suffix, type).
 #define FOR_TYPES(M) M(f32, float) M(bf16, bf16_t)
 

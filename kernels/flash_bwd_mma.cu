@@ -471,9 +471,11 @@ FLASH_BWD_DKVQ(128, 2, 1)
 // into `tile` (64 × (D + 8), padded rows), then out in 16-byte pieces with D / 8 neighbouring
 // threads per key, whole sectors (the fragment stores wrote 4 bytes a thread). `bar`: the
 // consumer's 128-thread named barrier; `j0`: its first key.
+// `part`: where this tile's 64 keys' column partials go (the bias-gradient partials of the
+// fused gradient: col_chunk_sum of the bf16 values written), or null.
 template <int D>
 __device__ __forceinline__ void store_keys_staged(float (*acc)[4], float mul, bf16_t* tile, int bar, long j0,
-                                                  bf16_t* out, long sl, long heads, long head, long b) {
+                                                  bf16_t* out, long sl, long heads, long head, long b, float* part) {
     constexpr int NO = D / 8, TP = D + 8;
     const int lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3, wl = (threadIdx.x >> 5) & 3;
     #pragma unroll
@@ -484,6 +486,10 @@ __device__ __forceinline__ void store_keys_staged(float (*acc)[4], float mul, bf
             *reinterpret_cast<u32*>(row + n * 8) = pack_bf16(acc[n][2 * rr] * mul, acc[n][2 * rr + 1] * mul);
     }
     named_sync(bar, 128);
+    if (part && (threadIdx.x & 127) < D) {
+        const int c = threadIdx.x & 127;
+        part[c] = col_chunk_sum([&](int r) { return __uint_as_float((u32)tile[r * TP + c] << 16); });
+    }
     for (int x = threadIdx.x & 127; x < 64 * NO; x += 128) {
         const int row = x / NO, c = x % NO;
         const long j = j0 + row;
@@ -534,7 +540,8 @@ template <int D, bool TMA>
 __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse,
                                   const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, float* dqa, long t,
                                   long sl, long hq, long hkv, float scale, long causal, long window, long fused,
-                                  const TmaMap* km, const TmaMap* vm, const TmaMap* qm, const TmaMap* dom) {
+                                  const TmaMap* km, const TmaMap* vm, const TmaMap* qm, const TmaMap* dom,
+                                  float* bp, long bc) {
     static_assert(D == 64 || D == 128, "64-column dQ pieces");
     // CK: keys per consumer; DSB: dSᵀ buffers (each both consumers' keys × 64 rows).
     constexpr int NO = D / 8, KEYS = 128, CK = 64, TILE = FB_ROWS * D, ST = bw_stages(D), DSB = D == 64 ? 1 : 2;
@@ -727,18 +734,21 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
     if ((threadIdx.x & 127) == 0) bulk_wait<0>();
     named_sync(bar, 128);
     bf16_t* tile = reinterpret_cast<bf16_t*>(dqs);
-    store_keys_staged<D>(dka, scale, tile, bar, jc, dk, sl, kp.heads, kp.head, b);
+    // Bias-gradient partials (`bp`: [B·sl / 64, bc], fused layout, sl % 64 == 0, or null): this
+    // consumer's 64 keys are one chunk; dK's slot is column (kp.head + group)·D of a row, dV's next.
+    float* pk = bp && (long)jc < sl ? bp + ((b * sl + (long)jc) / 64) * bc + (kp.head + group) * D : nullptr;
+    store_keys_staged<D>(dka, scale, tile, bar, jc, dk, sl, kp.heads, kp.head, b, pk);
     named_sync(bar, 128);  // every row of dK read out before dV overwrites the tile
-    store_keys_staged<D>(dva, 1.f, tile, bar, jc, dv, sl, kp.heads, kp.head, b);
+    store_keys_staged<D>(dva, 1.f, tile, bar, jc, dv, sl, kp.heads, kp.head, b, pk ? pk + D : nullptr);
 }
 #define FLASH_BWD_DKVQ_WS(NAME, D, TMA) \
 extern "C" __global__ void __launch_bounds__(384, 1) NAME(const bf16_t* q, const bf16_t* k, const bf16_t* v, \
         const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, float* dqa, long t, \
         long sl, long hq, long hkv, long d, float scale, long causal, long window, long fused, \
         const __grid_constant__ TmaMap km, const __grid_constant__ TmaMap vm, const __grid_constant__ TmaMap qm, \
-        const __grid_constant__ TmaMap dom) { \
+        const __grid_constant__ TmaMap dom, float* bp, long bc) { \
     flash_bwd_dkvq_ws<D, TMA>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale, causal, window, fused, \
-                              &km, &vm, &qm, &dom); }
+                              &km, &vm, &qm, &dom, bp, bc); }
 FLASH_BWD_DKVQ_WS(flash_bwd_dkvq_ws2_bf16_64, 64, false)
 FLASH_BWD_DKVQ_WS(flash_bwd_dkvq_ws2_bf16_128, 128, false)
 FLASH_BWD_DKVQ_WS(flash_bwd_dkvq_ws2t_bf16_64, 64, true)
@@ -755,7 +765,8 @@ FLASH_BWD_DKVQ_WS(flash_bwd_dkvq_ws2t_bf16_128, 128, true)
 // at a time: 92 µs a 1.3B layer, ≈ 2.2 TB/s.)
 #define DQT_STRIDE 72
 extern "C" __global__ void __launch_bounds__(256) flash_dq_tiles_bf16(const float* dqa, bf16_t* dq, long t, long hq,
-                                                                      long d, long hkv, long fused, float scale) {
+                                                                      long d, long hkv, long fused, float scale,
+                                                                      float* bp, long bc) {
     __shared__ __align__(16) float tile[64 * DQT_STRIDE];
     const long cbs = d / 64, tp = (t + 63) / 64;
     long id = blockIdx.x;  // ((b · hq + h) · tp + it) · cbs + cb
@@ -772,6 +783,13 @@ extern "C" __global__ void __launch_bounds__(256) flash_dq_tiles_bf16(const floa
     }
     __syncthreads();
     const Place qp = q_place(h, hq, hkv, fused);
+    if (bp && threadIdx.x < 64) {
+        // Bias-gradient partials (as flash_bwd_dkvq_ws's `bp`; t % 64 == 0): the tile's 64 rows are
+        // one chunk, of the bf16 values written below.
+        const int c = threadIdx.x;
+        bp[((b * t) / 64 + it) * bc + qp.head * d + cb * 64 + c] =
+            col_chunk_sum([&](int r) { return as_stored(dq, tile[r * DQT_STRIDE + c]); });
+    }
     #pragma unroll
     for (int k = 0; k < 2; k++) {
         int u = k * 256 + threadIdx.x, row = u >> 3, c8 = u & 7;

@@ -163,6 +163,53 @@ pub fn attention_bwd_qkv(
     d: usize,
     cfg: &AttnCfg,
 ) -> Result<Tensor> {
+    bwd_qkv(qkv, o, lse, dout, hkv, group, d, cfg, None).map(|(dqkv, _)| dqkv)
+}
+
+/// [`attention_bwd_qkv`] with Σ over rows of dQKV (the QKV projection's bias gradient) added into
+/// `db` [Hkv·(G+2)·D] (`acc`), or stored there: a main_grad view, as
+/// [`bias_grad_into`](crate::bias_grad_into). On a GPU whose flash backward can
+/// (`cuda::set_flash_bias_grad`), its own kernels sum the tiles they write, so dQKV is not read
+/// again for the bias; the sums have the bits `bias_grad_into` would give.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_bwd_qkv_into(
+    qkv: &Tensor,
+    o: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    hkv: usize,
+    group: usize,
+    d: usize,
+    cfg: &AttnCfg,
+    db: &Tensor,
+    acc: bool,
+) -> Result<Tensor> {
+    const OP: &str = "attention_bwd_qkv_into";
+    check::float(OP, db)?;
+    check::shape(OP, db, &[qkv.shape().last()])?;
+    if [qkv, o, lse, dout].iter().any(|t| t.shares_storage(db)) {
+        return Err(invalid(OP, "the bias gradient destination shares storage with an input"));
+    }
+    let (dqkv, summed) = bwd_qkv(qkv, o, lse, dout, hkv, group, d, cfg, Some((db, acc)))?;
+    if !summed {
+        crate::bias_grad_into(db, &dqkv, acc)?;
+    }
+    Ok(dqkv)
+}
+
+/// dQKV, and whether Σ rows of it went into `db` already (the GPU kernels' partials).
+#[allow(clippy::too_many_arguments)]
+fn bwd_qkv(
+    qkv: &Tensor,
+    o: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    hkv: usize,
+    group: usize,
+    d: usize,
+    cfg: &AttnCfg,
+    #[allow(unused_variables)] db: Option<(&Tensor, bool)>,
+) -> Result<(Tensor, bool)> {
     const OP: &str = "attention_bwd_qkv";
     let dm = fused_dims(qkv, hkv, group, d, cfg)?;
     let qd = [dm.b, dm.t, dm.hq, dm.d];
@@ -171,12 +218,12 @@ pub fn attention_bwd_qkv(
     check::shape(OP, lse, &[dm.b, dm.hq, dm.t])?;
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[qkv, o, lse, dout])? {
-        if let Some(dqkv) = crate::cuda::ops::attention_bwd_qkv(&g, qkv, o, lse, dout, &gpu_shape(&dm, cfg))? {
-            return Ok(dqkv);
+        if let Some(r) = crate::cuda::ops::attention_bwd_qkv(&g, qkv, o, lse, dout, &gpu_shape(&dm, cfg), db)? {
+            return Ok(r);
         }
         let (q, k, v) = crate::qkv_split(qkv, hkv, group, d)?;
         let (dq, dk, dv) = attention_bwd(&q, &k, &v, o, lse, dout, cfg)?;
-        return crate::qkv_merge(&dq, &dk, &dv);
+        return Ok((crate::qkv_merge(&dq, &dk, &dv)?, false));
     }
     check::on_cpu(OP, &[qkv, o, lse, dout])?;
     let (x, ov, lv, dov) = (qkv.read_f32()?, o.read_f32()?, lse.read_f32()?, dout.read_f32()?);
@@ -184,7 +231,7 @@ pub fn attention_bwd_qkv(
     // which tile dqkv.
     let mut dqkv = unsafe { buf::uninit(x.len()) };
     cpu::attention::attention_bwd_fused(&x, &ov, &lv, &dov, dm, mask(cfg), scale(cfg, d), &mut dqkv);
-    check::out(dqkv, qkv.shape().clone(), dout.dtype(), qkv.device())
+    Ok((check::out(dqkv, qkv.shape().clone(), dout.dtype(), qkv.device())?, false))
 }
 
 /// The attention dims of a fused projection output, checked as `qkv_split` and `dims` check them.

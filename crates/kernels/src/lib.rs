@@ -31,7 +31,9 @@ pub mod real;
 mod rope;
 
 pub use activation::{gelu, gelu_bwd, silu, silu_bwd, softmax, softmax_bwd, swiglu, swiglu_bwd};
-pub use attention::{AttnCfg, attention_bwd, attention_bwd_qkv, attention_fwd, attention_fwd_qkv};
+pub use attention::{
+    AttnCfg, attention_bwd, attention_bwd_qkv, attention_bwd_qkv_into, attention_fwd, attention_fwd_qkv,
+};
 pub use check::set_device_ids_prechecked;
 pub use elementwise::{add, add_, bias_add, bias_grad, bias_grad_into, cast, copy_, scale, scale_};
 pub use embedding::{embedding_bwd, embedding_bwd_shard, embedding_fwd, embedding_fwd_shard};

@@ -104,10 +104,26 @@ impl Module for ColumnParallelLinear {
     }
 
     fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
+        self.backward_with(cx, saved, dy, self.bias)
+    }
+}
+
+impl ColumnParallelLinear {
+    /// `backward` for a caller whose own kernel already summed dy into the bias gradient (the
+    /// flash backward writing dQKV: `k::attention_bwd_qkv_into`); the weight's gradient and dx as
+    /// `backward`. Only where dy is this rank's output as is (no `gather_output`).
+    pub fn backward_bias_summed(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
+        if self.gather_output {
+            return Err(invalid("ColumnParallelLinear::backward_bias_summed", "the output is gathered: use backward"));
+        }
+        self.backward_with(cx, saved, dy, None)
+    }
+
+    fn backward_with(&self, cx: &Cx, saved: Saved, dy: &Tensor, bias: Option<ParamId>) -> Result<Tensor> {
         let x = saved_one("ColumnParallelLinear::backward", &saved)?;
         let dy = if self.gather_output { self.tp.split_last(dy)? } else { dy.clone() };
         let dx = k::matmul(&dy, &cx.params.param(self.weight)?, false, false)?;
-        param_grads(cx, self.weight, self.bias, x, &dy)?;
+        param_grads(cx, self.weight, bias, x, &dy)?;
         self.tp.enter_bwd(&dx)
     }
 }

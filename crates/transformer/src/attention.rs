@@ -134,6 +134,13 @@ impl SelfAttention {
         let [qkv, o, lse]: [Tensor; 3] = tensors.try_into().map_err(|_| bad())?;
         let d_o = self.linear_proj.backward(cx, s_proj, dy)?.reshape(o.dims().to_vec())?;
         let (g, hd) = (self.heads / self.groups, self.head_dim);
+        if let (Some(b), None) = (self.linear_qkv.bias, &self.rope) {
+            // The bias gradient is Σ rows of dQKV as the attention backward writes it (no RoPE
+            // backward after), which its kernels can sum as they write.
+            let (db, acc) = cx.params.grad_acc(b)?;
+            let dqkv = k::attention_bwd_qkv_into(&qkv, &o, &lse, &d_o, self.groups, g, hd, &self.attn, &db, acc)?;
+            return self.linear_qkv.backward_bias_summed(cx, s_qkv, &dqkv);
+        }
         let dqkv = k::attention_bwd_qkv(&qkv, &o, &lse, &d_o, self.groups, g, hd, &self.attn)?;
         if let Some(r) = &self.rope {
             k::rope_qkv_bwd_(&dqkv, self.groups, g, hd, r)?;

@@ -76,6 +76,7 @@ thread_local! {
     static FLASH_PERSIST: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static FLASH_TMA: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static FLASH_DEFER: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+    static FLASH_BIAS_GRAD: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
 }
 
 /// Whether this thread's wgmma flash kernels are the warp-specialised ones, forward and backward
@@ -141,6 +142,21 @@ pub(crate) fn flash_defer() -> bool {
     FLASH_DEFER
         .with(|w| w.get())
         .unwrap_or_else(|| *ENV.get_or_init(|| std::env::var("FERROTRON_FLASH_DEFER").as_deref() == Ok("1")))
+}
+
+/// Whether the flash backward on the fused projection output writes the first pass of the QKV
+/// bias gradient's column sums from its own dQ, dK and dV tiles (`attention_bwd_qkv_into`: no
+/// read of dQKV for the bias): this thread's `set_flash_bias_grad`, else
+/// `FERROTRON_FLASH_BIAS_GRAD=1`. Off by default until measured; tests set it to run both.
+pub fn set_flash_bias_grad(on: bool) {
+    FLASH_BIAS_GRAD.with(|w| w.set(Some(on)));
+}
+
+pub(crate) fn flash_bias_grad() -> bool {
+    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    FLASH_BIAS_GRAD
+        .with(|w| w.get())
+        .unwrap_or_else(|| *ENV.get_or_init(|| std::env::var("FERROTRON_FLASH_BIAS_GRAD").as_deref() == Ok("1")))
 }
 
 pub(crate) fn flash_bwd_ws() -> bool {

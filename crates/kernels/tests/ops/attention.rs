@@ -170,3 +170,33 @@ fn fused_qkv_attention_equals_split_then_merge() {
     let e = k::attention_fwd_qkv(&bad, 2, 3, 4, &AttnCfg::default()).unwrap_err();
     assert!(e.to_string().contains("attention_qkv"), "{e}");
 }
+
+#[test]
+fn fused_qkv_backward_into_adds_the_bias_gradient() {
+    // attention_bwd_qkv_into = attention_bwd_qkv, plus Σ rows of dQKV stored into (acc false) or
+    // added onto (acc true) the bias gradient, as bias_grad_into gives it; a destination of the
+    // wrong width, or one sharing an input's storage, is an error that leaves it untouched.
+    let dev = Device::Cpu;
+    let (b, t, d, hkv, g) = (2, 9, 4, 2, 2);
+    let w = hkv * (g + 2) * d;
+    let qkv = t32(&dev, &randv(b * t * w, 5), &[b, t, w]);
+    let dout = t32(&dev, &randv(b * t * hkv * g * d, 6), &[b, t, hkv * g, d]);
+    let cfg = AttnCfg::default();
+    let (o, lse) = k::attention_fwd_qkv(&qkv, hkv, g, d, &cfg).unwrap();
+    let dqkv = k::attention_bwd_qkv(&qkv, &o, &lse, &dout, hkv, g, d, &cfg).unwrap();
+    let start = randv(w, 7);
+    for acc in [false, true] {
+        let (db, want) = (t32(&dev, &start, &[w]), t32(&dev, &start, &[w]));
+        k::bias_grad_into(&want, &dqkv, acc).unwrap();
+        let got = k::attention_bwd_qkv_into(&qkv, &o, &lse, &dout, hkv, g, d, &cfg, &db, acc).unwrap();
+        assert_eq!(host(&got), host(&dqkv), "dqkv, acc {acc}");
+        assert_eq!(host(&db), host(&want), "bias gradient, acc {acc}");
+    }
+    let narrow = t32(&dev, &start[..w - 1], &[w - 1]);
+    let e = k::attention_bwd_qkv_into(&qkv, &o, &lse, &dout, hkv, g, d, &cfg, &narrow, true).unwrap_err();
+    assert!(e.to_string().contains("attention_bwd_qkv_into"), "{e}");
+    assert_eq!(host(&narrow), start[..w - 1].to_vec());
+    let inside = qkv.view(w, [w]).unwrap();
+    let e = k::attention_bwd_qkv_into(&qkv, &o, &lse, &dout, hkv, g, d, &cfg, &inside, true).unwrap_err();
+    assert!(e.to_string().contains("shares storage"), "{e}");
+}

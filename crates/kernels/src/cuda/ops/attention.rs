@@ -331,8 +331,18 @@ struct TcQkv {
 }
 
 /// The tensor-core backward: delta, then the fused dK/dV/dQ kernel and the dQ tiles' pass to
-/// bf16, or the dQ and dK/dV kernels (`bwd_plan`).
-fn tc_bwd(be: &B, x: &TcQkv, o: &Tensor, lse: &Tensor, dout: &Tensor, a: &AttnShape) -> Result<()> {
+/// bf16, or the dQ and dK/dV kernels (`bwd_plan`). `partials` ([B·T / 64, width of dQKV] f32,
+/// only where `bias_partials_ok`): the first pass of dQKV's column sums, written by the kernels
+/// that write dQKV.
+fn tc_bwd(
+    be: &B,
+    x: &TcQkv,
+    o: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    a: &AttnShape,
+    partials: Option<&Tensor>,
+) -> Result<()> {
     let d = a.dims;
     let delta = new(be, [d.b, d.hq, d.t], DType::F32)?;
     // delta = rowsum(dO∘O): d / 8 threads per row, 16-byte loads (head dims 64 and 128, every
@@ -381,15 +391,20 @@ fn tc_bwd(be: &B, x: &TcQkv, o: &Tensor, lse: &Tensor, dout: &Tensor, a: &AttnSh
                     [TmaMap::unused(); 4]
                 };
                 args.extend(maps.map(Arg::Map));
+                args.extend(partial_args(partials)?);
             }
             be.launch(&l.name, grid as u32, l.threads, l.shared, &args)?;
             // Then to bf16 with the scale applied: one block per 64 × 64 tile.
             let tiles = d.b * d.hq * d.t.div_ceil(64) * (d.d / 64);
             let fused = Arg::I64(x.fused as i64);
-            let args = [ptr("attn", &dqa)?, dq, n(d.t), n(d.hq), n(d.d), n(d.hkv), fused, Arg::F32(a.scale)];
+            let mut args = vec![ptr("attn", &dqa)?, dq, n(d.t), n(d.hq), n(d.d), n(d.hkv), fused, Arg::F32(a.scale)];
+            args.extend(partial_args(partials)?);
             be.launch("flash_dq_tiles_bf16", tiles as u32, 256, 0, &args)
         }
         BwdKernels::Split(dql, dkvl) => {
+            if partials.is_some() {
+                return Err(ferrotron_core::invalid("attention_bwd_qkv", "bias partials need the fused backward"));
+            }
             launch_delta(None)?;
             let grid = d.b * d.hq * d.t.div_ceil(dql.rows);
             be.launch(&dql.name, grid as u32, dql.threads, dql.shared, &head(&[dq])?)?;
@@ -399,8 +414,32 @@ fn tc_bwd(be: &B, x: &TcQkv, o: &Tensor, lse: &Tensor, dout: &Tensor, a: &AttnSh
     }
 }
 
+/// The bias-partial arguments of the warp-specialised backward and the dQ tiles' pass: the
+/// partials' address and row width, or null.
+fn partial_args(partials: Option<&Tensor>) -> Result<[Arg; 2]> {
+    Ok(match partials {
+        Some(p) => [ptr("attn", p)?, n(p.shape().last())],
+        None => [Arg::Ptr(0), n(0)],
+    })
+}
+
+/// Whether the backward's own kernels can write dQKV's column-sum partials: the warp-specialised
+/// plan (the only one whose dK/dV kernel takes them), whole 64-row chunks (T % 64 == 0, so no
+/// chunk straddles two sequences), and `cuda::flash_bias_grad` on.
+fn bias_partials_ok(be: &B, a: &AttnShape) -> bool {
+    let d = a.dims;
+    crate::cuda::flash_bias_grad()
+        && d.t % 64 == 0
+        && d.s == d.t
+        && matches!(bwd_plan(be, d.d, d.t), BwdKernels::Fused(_, Some(_)))
+}
+
 /// The backward reading Q, K, V in place from the fused projection output and writing dQKV
 /// [B, T, Hkv·(G+2)·D] (every slot written once); None where the tensor-core kernels do not apply.
+/// With `db` (an f32 [width] vector and whether to add into it) the kernels that write dQKV also
+/// write the first pass of its column sums, and the second pass puts Σ rows of dQKV into db (the
+/// QKV projection's bias gradient, without reading dQKV again) where `bias_partials_ok`; the bool
+/// returned says whether that happened (else the caller sums).
 pub fn attention_bwd_qkv(
     be: &B,
     qkv: &Tensor,
@@ -408,14 +447,21 @@ pub fn attention_bwd_qkv(
     lse: &Tensor,
     dout: &Tensor,
     a: &AttnShape,
-) -> Result<Option<Tensor>> {
+    db: Option<(&Tensor, bool)>,
+) -> Result<Option<(Tensor, bool)>> {
     if !mma_ok(qkv, &[qkv, dout, o], a)? || !flash(a) {
         return Ok(None);
     }
     let dqkv = new(be, qkv.shape().clone(), DType::BF16)?;
     let x = TcQkv { qkv: fused_ptrs(qkv, a)?, grads: fused_ptrs(&dqkv, a)?, fused: true };
-    tc_bwd(be, &x, o, lse, dout, a)?;
-    Ok(Some(dqkv))
+    let (rows, width) = (a.dims.b * a.dims.t, qkv.shape().last());
+    let db = db.filter(|(db, _)| db.dtype() == DType::F32 && bias_partials_ok(be, a));
+    let partials = db.map(|_| new(be, [rows / 64, width], DType::F32)).transpose()?;
+    tc_bwd(be, &x, o, lse, dout, a, partials.as_ref())?;
+    if let (Some(p), Some((db, acc))) = (&partials, db) {
+        col_sum_to(be, p, rows / 64, width, db, acc)?;
+    }
+    Ok(Some((dqkv, partials.is_some())))
 }
 
 /// Flash backward: delta = rowsum(dO∘O), then either dK/dV per key tile with dQ summed into fp32
@@ -441,7 +487,7 @@ fn flash_bwd(
         let (dk, dv) = (new(be, k.shape().clone(), DType::BF16)?, new(be, v.shape().clone(), DType::BF16)?);
         let at = |t: &Tensor| ptr("attn", t);
         let x = TcQkv { qkv: [at(q)?, at(k)?, at(v)?], grads: [at(&dq)?, at(&dk)?, at(&dv)?], fused: false };
-        tc_bwd(be, &x, o, lse, dout, a)?;
+        tc_bwd(be, &x, o, lse, dout, a, None)?;
         return Ok((dq, dk, dv));
     }
     let delta = new(be, [d.b, d.hq, d.t], DType::F32)?;

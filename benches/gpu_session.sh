@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# A device lease's checks and measurements in one command, so a short lease is spent on the GPU
+# rather than on typing. Two sides:
+#
+#   here (with cargo):  benches/gpu_session.sh stage
+#       builds the release binaries with CUDA and stages them in .gpu/ (ignore it in
+#       .git/info/exclude; carry it to the GPU machine): .gpu/v/tests/* (`cargo xtask gpu-test`),
+#       .gpu/v/ferrotron, .gpu/v/attention_bench, .gpu/xtask, .gpu/benches/*.py.
+#
+#   there (repo root, no cargo):  benches/gpu_session.sh STEP...
+#       verify                 the op tests, then the CUDA training tests (stops at a failure:
+#                              nothing is measured on a build that computes wrongly)
+#       attn[:VAR=V,...]       `xtask bench --attention`: our kernels beside SDPA, with VARs set
+#       trace:PRESET[:VAR=V,...]   our GPU timeline of PRESET (124m, 1.3b, llama-1b) alone
+#       matched[:PRESET,...]   the matched bench, Ferrotron and PyTorch (`xtask bench --gpu`)
+#     e.g. `verify attn attn:FERROTRON_FLASH_DEFER=1 trace:124m trace:124m:FERROTRON_FLASH_BIAS_GRAD=1`.
+#     Every step's output goes to the console and to $OUT/session.log (./gpu-logs without $OUT).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "${1:-}" = stage ]; then
+    set -e
+    cargo build --release --features cuda -p ferrotron-trainer -p xtask -p ferrotron-examples --examples --bins
+    rm -rf .gpu/v && mkdir -p .gpu/v .gpu/benches
+    cargo run -q --release -p xtask -- gpu-test .gpu/v/tests
+    find .gpu/v/tests -type f ! -name 'ops' ! -name 'cuda_train' -delete
+    cp target/release/ferrotron target/release/examples/attention_bench .gpu/v/
+    cp target/release/xtask .gpu/
+    cp benches/*.py .gpu/benches/
+    strip .gpu/v/ferrotron .gpu/v/attention_bench .gpu/xtask
+    du -sh .gpu
+    exit 0
+fi
+
+[ -d .gpu/v ] || { echo "no .gpu/v here: run 'benches/gpu_session.sh stage' where cargo is, and carry .gpu"; exit 2; }
+SP=$(python3 -c "import site;print(site.getsitepackages()[0])")
+export LD_LIBRARY_PATH="$(ls -d "$SP"/nvidia/*/lib 2>/dev/null | tr '\n' ':')${LD_LIBRARY_PATH:-}"
+export FERROTRON_CACHE_DIR=${FERROTRON_CACHE_DIR:-/tmp/fc} NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+log=${OUT:-gpu-logs}/session.log  # one file: the device returns at most 8
+mkdir -p "$(dirname "$log")"
+status=0
+for step in "$@"; do
+    kind=${step%%:*}
+    rest=${step#"$kind"}
+    rest=${rest#:}
+    vars=()
+    rc=0
+    echo "== $step ($(date +%T))" | tee -a "$log"
+    case $kind in
+        verify)
+            (cd .gpu/v/tests && ./ops && ./cuda_train) 2>&1 | tee -a "$log" | tail -n 40
+            rc=${PIPESTATUS[0]}
+            if [ "$rc" -ne 0 ]; then
+                echo "verify FAILED: the remaining steps are skipped" | tee -a "$log"
+                exit 1
+            fi
+            ;;
+        attn)
+            [ -n "$rest" ] && IFS=, read -ra vars <<< "$rest"
+            (cd .gpu && env "${vars[@]}" ./xtask bench --attention v/attention_bench) 2>&1 | tee -a "$log"
+            rc=${PIPESTATUS[0]}
+            ;;
+        trace)
+            preset=${rest%%:*}
+            more=${rest#"$preset"}
+            more=${more#:}
+            [ -n "$more" ] && IFS=, read -ra vars <<< "$more"
+            (cd .gpu && env BENCH_TORCH=0 "${vars[@]}" ./xtask bench --gpu-trace v/ferrotron "$preset") 2>&1 | tee -a "$log"
+            rc=${PIPESTATUS[0]}
+            ;;
+        matched)
+            IFS=, read -ra presets <<< "${rest:-124m,1.3b,llama-1b}"
+            (cd .gpu && ./xtask bench --gpu v/ferrotron "${presets[@]}") 2>&1 | tee -a "$log"
+            rc=${PIPESTATUS[0]}
+            ;;
+        *)
+            echo "unknown step '$step' (verify, attn[:VARS], trace:PRESET[:VARS], matched[:PRESETS])" | tee -a "$log"
+            rc=2
+            ;;
+    esac
+    [ "$rc" -ne 0 ] && status=$rc
+done
+exit $status
