@@ -77,6 +77,7 @@ thread_local! {
     static FLASH_TMA: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static FLASH_DEFER: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static FLASH_BIAS_GRAD: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+    static FLASH_DQ_SUM: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
 }
 
 /// Whether this thread's wgmma flash kernels are the warp-specialised ones, forward and backward
@@ -157,6 +158,21 @@ pub(crate) fn flash_bias_grad() -> bool {
     FLASH_BIAS_GRAD
         .with(|w| w.get())
         .unwrap_or_else(|| *ENV.get_or_init(|| std::env::var("FERROTRON_FLASH_BIAS_GRAD").as_deref() == Ok("1")))
+}
+
+/// Whether the warp-specialised head dim 64 backward (TMA build) adds its two consumers' dQ
+/// pieces in shared memory before reducing them into dQ's fp32 tiles (kernels/flash_bwd_mma.cu
+/// `QS`: half the reduction traffic to L2): this thread's `set_flash_dq_sum`, else
+/// `FERROTRON_FLASH_DQ_SUM=1`. Off by default until measured; tests set it to run both.
+pub fn set_flash_dq_sum(on: bool) {
+    FLASH_DQ_SUM.with(|w| w.set(Some(on)));
+}
+
+pub(crate) fn flash_dq_sum() -> bool {
+    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    FLASH_DQ_SUM
+        .with(|w| w.get())
+        .unwrap_or_else(|| *ENV.get_or_init(|| std::env::var("FERROTRON_FLASH_DQ_SUM").as_deref() == Ok("1")))
 }
 
 pub(crate) fn flash_bwd_ws() -> bool {

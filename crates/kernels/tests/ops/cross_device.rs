@@ -192,16 +192,21 @@ fn every_op_matches_cpu() {
         // bf16 on an sm_90 GPU: the wgmma kernels with warpgroups in lockstep (the backward's dQ
         // by bulk reductions, then, deterministic, by its own kernel), the warp-specialised
         // forward and backward (tiles copied by TMA; then the forward's P·V waited for a turn
-        // later; then copied by cp.async), then the mma.sync ones (wgmma off).
+        // later; then the head dim 64 backward's dQ pieces summed in shared memory; then copied by
+        // cp.async), then the mma.sync ones (wgmma off).
         let modes = [
-            (true, false, false, true, false),
-            (true, true, false, true, false),
-            (true, false, true, true, false),
-            (true, false, true, true, true),
-            (true, false, true, false, false),
-            (false, false, false, true, false),
+            (true, false, false, true, false, false),
+            (true, true, false, true, false, false),
+            (true, false, true, true, false, false),
+            (true, false, true, true, true, false),
+            (true, false, true, true, false, true),
+            (true, false, true, false, false, false),
+            (false, false, false, true, false, false),
         ];
-        for ((wg, det, ws, tma, defer), (t, hq, hkv, d)) in modes.into_iter().flat_map(|m| shapes.map(|s| (m, s))) {
+        for ((wg, det, ws, tma, defer, qs), (t, hq, hkv, d)) in modes.into_iter().flat_map(|m| shapes.map(|s| (m, s))) {
+            if qs && d != 64 {
+                continue; // built at head dim 64 only
+            }
             if dt == DType::F32 && (!wg || det || ws) {
                 continue; // the same f32 kernels either way
             }
@@ -210,6 +215,7 @@ fn every_op_matches_cpu() {
             ferrotron_kernels::cuda::set_flash_ws(ws);
             ferrotron_kernels::cuda::set_flash_tma(tma);
             ferrotron_kernels::cuda::set_flash_defer(defer);
+            ferrotron_kernels::cuda::set_flash_dq_sum(qs);
             if dt == DType::F32 && t > 100 {
                 // The long shapes are for the bf16 tensor-core kernels; f32 sums over 150 rows
                 // drift past the 1e-5 f32 tolerance by accumulation order alone.
@@ -229,7 +235,7 @@ fn every_op_matches_cpu() {
             ] {
                 check_norm(
                     &format!(
-                        "flash attention t{t} d{d} wgmma {wg} deterministic {det} ws {ws} tma {tma} defer {defer} {cfg:?}"
+                        "flash attention t{t} d{d} wgmma {wg} deterministic {det} ws {ws} tma {tma} defer {defer} dq sum {qs} {cfg:?}"
                     ),
                     dt,
                     &[q.clone(), kk.clone(), v.clone(), dout.clone()],
@@ -248,7 +254,7 @@ fn every_op_matches_cpu() {
             let cfg = AttnCfg::default();
             check_norm(
                 &format!(
-                    "flash attention fused qkv t{t} d{d} hq{hq} hkv{hkv} wgmma {wg} deterministic {det} ws {ws} tma {tma} defer {defer}"
+                    "flash attention fused qkv t{t} d{d} hq{hq} hkv{hkv} wgmma {wg} deterministic {det} ws {ws} tma {tma} defer {defer} dq sum {qs}"
                 ),
                 dt,
                 &[qkv, dout.clone()],
@@ -263,6 +269,7 @@ fn every_op_matches_cpu() {
         ferrotron_kernels::cuda::set_flash_ws(true);
         ferrotron_kernels::cuda::set_flash_tma(true);
         ferrotron_kernels::cuda::set_flash_defer(false);
+        ferrotron_kernels::cuda::set_flash_dq_sum(false);
         if dt == DType::BF16 {
             // The warp-specialised forward persistent (one block per SM walking the query tiles:
             // 512 tiles here, so every block takes several, in both directions of its walk) and

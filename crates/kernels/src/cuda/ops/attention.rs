@@ -181,7 +181,10 @@ fn bwd_plan(be: &B, d: usize, t: usize) -> BwdKernels {
     if wgmma && crate::cuda::flash_bwd_ws() {
         let tma = crate::cuda::flash_tma();
         let t = if tma { "t" } else { "" };
-        let name = format!("flash_bwd_dkvq_ws2{t}_bf16_{d}");
+        // FERROTRON_FLASH_DQ_SUM=1 (head dim 64, TMA build): the two consumers' dQ pieces added
+        // in shared memory before the reductions (kernels/flash_bwd_mma.cu `QS`).
+        let s = if tma && d == 64 && crate::cuda::flash_dq_sum() { "s" } else { "" };
+        let name = format!("flash_bwd_dkvq_ws2{t}{s}_bf16_{d}");
         return BwdKernels::Fused(TcLaunch { name, rows: 128, threads: 384, shared: ws_shared(d) }, Some(tma));
     }
     if !wgmma || (d == 64 && t <= 2048) {
