@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 #[derive(clap::Args, Clone, Debug, Default, Deserialize, Serialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields, default)]
 pub struct TrainArgs {
-    /// Model preset: tiny, small, 124m, 1.3b, llama-tiny, llama-1b.
+    /// Model preset: tiny, small, 124m, 1.3b, 6.7b, llama-tiny, llama-1b.
     #[arg(long)]
     pub preset: Option<String>,
     /// TOML file with the same keys as these flags; flags override it.
@@ -52,6 +52,25 @@ pub struct TrainArgs {
     pub disable_bias_linear: bool,
     #[arg(long)]
     pub qk_layernorm: bool,
+    /// The norms' ε (default 1e-5).
+    #[arg(long)]
+    pub norm_epsilon: Option<f64>,
+    /// The embedding and output layer padded to a multiple of this × the tensor-parallel size
+    /// (default 128).
+    #[arg(long)]
+    pub make_vocab_size_divisible_by: Option<usize>,
+    /// Dropout is not implemented: only 0 is accepted (Megatron's default is 0.1).
+    #[arg(long)]
+    pub hidden_dropout: Option<f64>,
+    /// Dropout is not implemented: only 0 is accepted (Megatron's default is 0.1).
+    #[arg(long)]
+    pub attention_dropout: Option<f64>,
+    /// Accepted for Megatron's scripts: --num-query-groups takes effect with or without it.
+    #[arg(long)]
+    pub group_query_attention: bool,
+    /// Accepted for Megatron's scripts: flash attention runs wherever its kernels apply.
+    #[arg(long)]
+    pub use_flash_attn: bool,
     /// byte or gpt2.
     #[arg(long)]
     pub tokenizer_type: Option<String>,
@@ -72,12 +91,21 @@ pub struct TrainArgs {
     pub lr_decay_style: Option<String>,
     #[arg(long)]
     pub lr_warmup_iters: Option<u64>,
+    /// Warm-up as a fraction of the decay iterations (instead of --lr-warmup-iters).
+    #[arg(long)]
+    pub lr_warmup_fraction: Option<f64>,
+    /// Iterations the learning rate decays over (default --train-iters); min-lr after.
+    #[arg(long)]
+    pub lr_decay_iters: Option<u64>,
     #[arg(long)]
     pub weight_decay: Option<f32>,
     #[arg(long)]
     pub adam_beta1: Option<f32>,
     #[arg(long)]
     pub adam_beta2: Option<f32>,
+    /// Adam's ε (default 1e-8).
+    #[arg(long)]
+    pub adam_eps: Option<f32>,
     #[arg(long)]
     pub clip_grad: Option<f32>,
     #[arg(long)]
@@ -200,13 +228,14 @@ impl TrainArgs {
     fn overlay(&mut self, o: &TrainArgs) {
         merge_opts!(self, o; preset, num_layers, hidden_size, num_attention_heads, num_query_groups, ffn_hidden_size, seq_length,
             max_position_embeddings, position_embedding_type, rotary_base, normalization, tokenizer_type, init_method_std,
-            micro_batch_size, global_batch_size, train_iters, lr, min_lr, lr_decay_style, lr_warmup_iters, weight_decay,
-            adam_beta1, adam_beta2, clip_grad, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, corpus_docs,
+            micro_batch_size, global_batch_size, train_iters, lr, min_lr, lr_decay_style, lr_warmup_iters, lr_warmup_fraction,
+            lr_decay_iters, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad, norm_epsilon, make_vocab_size_divisible_by,
+            hidden_dropout, attention_dropout, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, corpus_docs,
             exit_interval, device, profile_step_start, profile_step_end, profile_trace, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s,
             pipeline_model_parallel_size, num_layers_per_virtual_pipeline_stage, decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers);
         merge_flags!(self, o; swiglu, untie_embeddings_and_output_weights, disable_bias_linear, qk_layernorm, bf16, no_progress, deterministic_mode,
-            sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, profile);
+            sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, profile, group_query_attention, use_flash_attn);
         if !o.profile_ranks.is_empty() {
             self.profile_ranks = o.profile_ranks.clone();
         }
@@ -276,10 +305,32 @@ pub struct Settings {
     pub recompute_method: Option<String>,
     #[serde(default)]
     pub recompute_num_layers: Option<usize>,
+    /// None: --train-iters.
+    #[serde(default)]
+    pub lr_decay_iters: Option<u64>,
+    #[serde(default = "adam_eps")]
+    pub adam_eps: f32,
+    #[serde(default = "norm_epsilon")]
+    pub norm_epsilon: f64,
+    #[serde(default = "vocab_divisible_by")]
+    pub make_vocab_size_divisible_by: usize,
 }
 
 fn one() -> usize {
     1
+}
+
+// Defaults of the settings added after checkpoints recorded them (older ones lack the keys).
+fn adam_eps() -> f32 {
+    1e-8
+}
+
+fn norm_epsilon() -> f64 {
+    1e-5
+}
+
+fn vocab_divisible_by() -> usize {
+    VOCAB_DIVISIBLE_BY
 }
 
 /// How the ranks come to be: threads of this process, or one process each under a launcher.
@@ -453,7 +504,7 @@ impl Settings {
         let mut a = preset_defaults(&name)?;
         a.overlay(&file);
         a.overlay(flags);
-        let s = Settings {
+        let mut s = Settings {
             preset: name,
             num_layers: need(&a.num_layers, "--num-layers")?,
             hidden_size: need(&a.hidden_size, "--hidden-size")?,
@@ -501,7 +552,27 @@ impl Settings {
             recompute_granularity: a.recompute_granularity.clone(),
             recompute_method: a.recompute_method.clone(),
             recompute_num_layers: a.recompute_num_layers,
+            lr_decay_iters: a.lr_decay_iters,
+            adam_eps: a.adam_eps.unwrap_or_else(adam_eps),
+            norm_epsilon: a.norm_epsilon.unwrap_or_else(norm_epsilon),
+            make_vocab_size_divisible_by: a.make_vocab_size_divisible_by.unwrap_or_else(vocab_divisible_by),
         };
+        if let Some(f) = a.lr_warmup_fraction {
+            if file.lr_warmup_iters.or(flags.lr_warmup_iters).is_some() {
+                bail!("--lr-warmup-fraction and --lr-warmup-iters both set the warm-up: keep one");
+            }
+            if !(0.0..=1.0).contains(&f) {
+                bail!("--lr-warmup-fraction {f} must lie in [0, 1]");
+            }
+            s.lr_warmup_iters = (f * s.decay_iters() as f64) as u64;
+        }
+        for (p, flag) in [(a.hidden_dropout, "--hidden-dropout"), (a.attention_dropout, "--attention-dropout")] {
+            if let Some(p) = p.filter(|&p| p != 0.0) {
+                bail!(
+                    "{flag} {p}: dropout is not implemented in Ferrotron; pass {flag} 0 (or leave it out: no dropout)"
+                );
+            }
+        }
         s.validate()?;
         if let Some(l) = &a.load {
             check_dir(l, "--load")?;
@@ -575,7 +646,19 @@ impl Settings {
         if !(0.0..1.0).contains(&self.adam_beta1) || !(0.0..1.0).contains(&self.adam_beta2) {
             bail!("--adam-beta1 and --adam-beta2 must lie in [0, 1)");
         }
+        let positive = |x: f64| x.is_finite() && x > 0.0;
+        if !positive(self.adam_eps as f64) || !positive(self.norm_epsilon) {
+            bail!("--adam-eps {} and --norm-epsilon {} must be positive", self.adam_eps, self.norm_epsilon);
+        }
+        if self.lr_decay_iters == Some(0) {
+            bail!("--lr-decay-iters must be at least 1 (or leave it out: --train-iters)");
+        }
         Ok(())
+    }
+
+    /// Iterations the learning rate decays over: --lr-decay-iters, else --train-iters.
+    pub fn decay_iters(&self) -> u64 {
+        self.lr_decay_iters.unwrap_or(self.train_iters)
     }
 
     /// Model chunks per pipeline rank (interleaving), from --num-layers-per-virtual-pipeline-stage.
@@ -679,7 +762,7 @@ impl Settings {
             seq_length: self.seq_length,
             max_position_embeddings: self.max_position_embeddings,
             vocab_size: vocab,
-            make_vocab_size_divisible_by: VOCAB_DIVISIBLE_BY,
+            make_vocab_size_divisible_by: self.make_vocab_size_divisible_by,
             position_embedding,
             untie_embeddings_and_output_weights: self.untie_embeddings_and_output_weights,
             layer: LayerSpec {
@@ -694,7 +777,7 @@ impl Settings {
                     bias: !self.disable_bias_linear,
                 },
             },
-            norm_epsilon: 1e-5,
+            norm_epsilon: self.norm_epsilon,
             init_method_std: self.init_method_std,
         })
     }
@@ -737,5 +820,55 @@ mod tests {
         let back: Settings = toml::from_str(&toml::to_string(&s).unwrap()).unwrap();
         assert_eq!(back, s);
         assert_eq!(s.preset, "tiny");
+        // A checkpoint written before a setting existed loads with that setting's default.
+        let mut old: toml::Table = toml::from_str(&toml::to_string(&s).unwrap()).unwrap();
+        for k in ["lr-decay-iters", "adam-eps", "norm-epsilon", "make-vocab-size-divisible-by"] {
+            old.remove(k);
+        }
+        let back: Settings = toml::from_str(&toml::to_string(&old).unwrap()).unwrap();
+        assert_eq!((back.adam_eps, back.norm_epsilon, back.make_vocab_size_divisible_by), (1e-8, 1e-5, 128));
+        assert_eq!(back.decay_iters(), s.train_iters);
+    }
+
+    /// Parses a command line as `ferrotron train` does.
+    fn parse(line: &str) -> anyhow::Result<Settings> {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: TrainArgs,
+        }
+        let cli = <Cli as clap::Parser>::try_parse_from(std::iter::once("train").chain(line.split_whitespace()))?;
+        Ok(Settings::resolve(&cli.args)?.0)
+    }
+
+    #[test]
+    fn megatron_schedule_norm_and_vocab_flags() {
+        let s = parse("--train-iters 50 --lr-decay-iters 100 --lr-warmup-fraction 0.1").unwrap();
+        assert_eq!((s.decay_iters(), s.lr_warmup_iters), (100, 10));
+        let s = parse("--lr-warmup-fraction 0.25").unwrap();
+        assert_eq!(s.lr_warmup_iters, s.train_iters / 4, "the fraction of --train-iters without --lr-decay-iters");
+        let e = parse("--lr-warmup-fraction 0.1 --lr-warmup-iters 5").unwrap_err().to_string();
+        assert!(e.contains("--lr-warmup-fraction") && e.contains("--lr-warmup-iters"), "{e}");
+        assert!(parse("--lr-warmup-fraction 1.5").unwrap_err().to_string().contains("[0, 1]"));
+        assert!(parse("--lr-decay-iters 0").unwrap_err().to_string().contains("--lr-decay-iters"));
+        let s = parse("--norm-epsilon 1e-6 --adam-eps 1e-6 --make-vocab-size-divisible-by 96").unwrap();
+        assert_eq!((s.norm_epsilon, s.adam_eps), (1e-6, 1e-6));
+        let c = s.model_config().unwrap();
+        assert_eq!((c.norm_epsilon, c.make_vocab_size_divisible_by), (1e-6, 96));
+        assert_eq!(c.padded_vocab_size(1), 288, "the byte tokenizer's 256 ids padded to a multiple of 96");
+        assert!(parse("--adam-eps 0").unwrap_err().to_string().contains("--adam-eps"));
+        let e = parse("--make-vocab-size-divisible-by 0").unwrap_err().to_string();
+        assert!(e.contains("--make-vocab-size-divisible-by"), "{e}");
+    }
+
+    #[test]
+    fn megatron_switches_accepted_and_dropout_refused() {
+        let plain = parse("").unwrap();
+        let s = parse("--use-flash-attn --group-query-attention --hidden-dropout 0 --attention-dropout 0.0").unwrap();
+        assert_eq!(s, plain, "these change nothing");
+        for flag in ["--hidden-dropout", "--attention-dropout"] {
+            let e = parse(&format!("{flag} 0.1")).unwrap_err().to_string();
+            assert!(e.contains(flag) && e.contains("not implemented") && e.contains(&format!("{flag} 0")), "{e}");
+        }
     }
 }

@@ -308,7 +308,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     let adam = AdamConfig {
         beta1: s.adam_beta1,
         beta2: s.adam_beta2,
-        eps: 1e-8,
+        eps: s.adam_eps,
         weight_decay: s.weight_decay,
         clip_grad: s.clip_grad,
     };
@@ -317,7 +317,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         lr: s.lr,
         min_lr: s.min_lr,
         warmup_iters: s.lr_warmup_iters,
-        decay_iters: s.train_iters,
+        decay_iters: s.decay_iters(),
         style: s.decay_style()?,
     };
     let (mut iteration, mut consumed) = (0u64, 0u64);
