@@ -5,7 +5,8 @@
 //!   and overlap, and combinations), each through `ferrotron launch` with NCCL; compares each
 //!   step's loss with the one-GPU run (fp32 within 1e-4 relative, bf16 within 2e-2).
 //! - `bench --scaling [BIN] [--gpus N] [--plot FILE]`: weak scaling of GPT 1.3B (micro-batch 8 per
-//!   GPU, DP 1 → N, distributed optimizer), the same at N GPUs without grad-reduce overlap (and
+//!   GPU, DP 1 → N, distributed optimizer), the same at N GPUs without overlapping the grad
+//!   reduce and the param gather (and
 //!   both at micro-batch 1, where communication is a larger share of the step), TP2 of the same
 //!   model, and with 4+ GPUs GPT 6.7B under TP/PP layouts (`scaling_rows`); tokens/s,
 //!   TFLOP/s per GPU, MFU and efficiency per row, and an SVG plot of throughput against GPU count.
@@ -155,11 +156,11 @@ pub(crate) fn owned(v: &[&str]) -> Vec<String> {
 /// The layouts of `n` GPUs for the tiny presets (4 layers, 4 heads): (name, flags).
 fn parity_layouts(n: usize) -> Vec<(String, Vec<String>)> {
     let (nn, tp, pp) = (n.to_string(), "--tensor-model-parallel-size", "--pipeline-model-parallel-size");
-    let (distopt, overlap) = ("--use-distributed-optimizer", "--overlap-grad-reduce");
+    let (distopt, overlap, gather) = ("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather");
     let mut v: Vec<(String, Vec<&str>)> = vec![
         (format!("dp{n}"), vec![]),
         (format!("dp{n} distopt"), vec![distopt]),
-        (format!("dp{n} distopt overlap"), vec![distopt, overlap]),
+        (format!("dp{n} distopt overlap"), vec![distopt, overlap, gather]),
     ];
     if 4usize.is_multiple_of(n) {
         v.push((format!("tp{n}"), vec![tp, &nn]));
@@ -268,11 +269,12 @@ struct Row {
 }
 
 /// The rows for `gpus` GPUs: 1.3B weak scaling (micro-batch 8 per GPU, DP 1 → N, distributed
-/// optimizer + overlap), the same at N without overlap, 1.3B with TP2; with 4 or more GPUs GPT
-/// 6.7B under TP/PP layouts (micro-batch 2, 8 micro-batches per step so pipelines fill).
+/// optimizer, grad reduce and param gather overlapped), the same at N without overlap, 1.3B with
+/// TP2; with 4 or more GPUs GPT 6.7B under TP/PP layouts (micro-batch 2, 8 micro-batches per step
+/// so pipelines fill).
 fn scaling_rows(gpus: usize) -> Vec<Row> {
     let (tp, pp) = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size");
-    let (distopt, overlap) = ("--use-distributed-optimizer", "--overlap-grad-reduce");
+    let (distopt, overlap, gather) = ("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather");
     let row = |name: String, preset, gpus, micro, global_batch, flags: &[&str], weak| Row {
         name,
         preset,
@@ -285,7 +287,7 @@ fn scaling_rows(gpus: usize) -> Vec<Row> {
     let mut rows = vec![];
     let mut n = 1;
     while n <= gpus {
-        rows.push(row(format!("1.3b dp{n} overlap"), "1.3b", n, 8, 8 * n, &[distopt, overlap], true));
+        rows.push(row(format!("1.3b dp{n} overlap"), "1.3b", n, 8, 8 * n, &[distopt, overlap, gather], true));
         n *= 2;
     }
     let top = rows.last().map_or(1, |r: &Row| r.gpus);
@@ -293,7 +295,15 @@ fn scaling_rows(gpus: usize) -> Vec<Row> {
         rows.push(row(format!("1.3b dp{top} no overlap"), "1.3b", top, 8, 8 * top, &[distopt], false));
         // Micro-batch 1: an eighth of the compute per step against the same gradient and
         // parameter traffic, so that overlap on vs off shows even on NVLink at 2 GPUs.
-        rows.push(row(format!("1.3b dp{top} micro 1 overlap"), "1.3b", top, 1, top, &[distopt, overlap], false));
+        rows.push(row(
+            format!("1.3b dp{top} micro 1 overlap"),
+            "1.3b",
+            top,
+            1,
+            top,
+            &[distopt, overlap, gather],
+            false,
+        ));
         rows.push(row(format!("1.3b dp{top} micro 1 no overlap"), "1.3b", top, 1, top, &[distopt], false));
         rows.push(row(format!("1.3b tp2 dp{}", top / 2), "1.3b", top, 8, 8 * top / 2, &[tp, "2", distopt], false));
     }

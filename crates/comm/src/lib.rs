@@ -110,6 +110,11 @@ pub trait Communicator: Send + Sync {
     fn reduce_scatter_async(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
         self.reduce_scatter(input, output, op)
     }
+    /// `all_gather` in the manner of `all_reduce_async` (the distributed optimizer's parameter
+    /// gathers overlapped with the next forward).
+    fn all_gather_async(&self, input: &Tensor, output: &Tensor) -> Result<()> {
+        self.all_gather(input, output)
+    }
     /// Later device work waits for every `*_async` operation issued so far.
     fn wait_async(&self) -> Result<()> {
         Ok(())

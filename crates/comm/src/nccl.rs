@@ -232,6 +232,22 @@ impl NcclComm {
         })
     }
 
+    /// `all_gather` of device buffers; with `wait` false the compute stream does not wait for it
+    /// (`all_gather_async`).
+    fn all_gather_on(&self, input: &Tensor, output: &Tensor, wait: bool) -> Result<()> {
+        let (pi, ni, ty) = buf("all_gather", input, false)?;
+        let (po, no, _) = buf("all_gather", output, false)?;
+        if no != ni * self.size || input.dtype() != output.dtype() {
+            return Err(self.invalid("all_gather", format!("output of {no} elements for inputs of {ni}")));
+        }
+        self.fenced("all_gather", wait, |s| {
+            // SAFETY: both buffers live and sized as NCCL expects.
+            unsafe { result::all_gather(pi as _, po as _, ni, ty, self.comm, s) }
+                .map(|_| ())
+                .map_err(|e| nccl_err("all_gather", e))
+        })
+    }
+
     fn reduce_scatter_on(&self, input: &Tensor, output: &Tensor, op: ReduceOp, wait: bool) -> Result<()> {
         let (pi, ni, ty) = buf("reduce_scatter", input, true)?;
         let (po, no, _) = buf("reduce_scatter", output, true)?;
@@ -304,17 +320,14 @@ impl Communicator for NcclComm {
             self.all_gather(&i, &o)?;
             return unstage(output, &o);
         }
-        let (pi, ni, ty) = buf("all_gather", input, false)?;
-        let (po, no, _) = buf("all_gather", output, false)?;
-        if no != ni * self.size || input.dtype() != output.dtype() {
-            return Err(self.invalid("all_gather", format!("output of {no} elements for inputs of {ni}")));
+        self.all_gather_on(input, output, true)
+    }
+
+    fn all_gather_async(&self, input: &Tensor, output: &Tensor) -> Result<()> {
+        if input.device().is_cpu() || output.device().is_cpu() {
+            return self.all_gather(input, output);
         }
-        self.ordered("all_gather", |s| {
-            // SAFETY: both buffers live and sized as NCCL expects.
-            unsafe { result::all_gather(pi as _, po as _, ni, ty, self.comm, s) }
-                .map(|_| ())
-                .map_err(|e| nccl_err("all_gather", e))
-        })
+        self.all_gather_on(input, output, false)
     }
 
     fn all_gather_v(&self, input: &Tensor, counts: &[usize]) -> Result<Tensor> {

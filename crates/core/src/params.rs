@@ -176,7 +176,7 @@ impl ParamTableBuilder {
         let params = Tensor::from_f32(&host, [flat], dtype, device)?;
         let grads = Tensor::zeros([flat], DType::F32, device)?;
         let written = std::sync::Mutex::new(vec![true; self.metas.len()]);
-        Ok(ParamTable { metas: self.metas, offsets, total, params, grads, written })
+        Ok(ParamTable { metas: self.metas, offsets, total, params, grads, written, pending: Default::default() })
     }
 }
 
@@ -258,6 +258,14 @@ fn fill_all(draws: Vec<Draw<'_>>) {
     });
 }
 
+/// Parameter values still arriving into the flat buffer: the distributed optimizer's all-gathers
+/// put off until the next forward reaches each bucket (`--overlap-param-gather`). `wait` returns
+/// once every element of the flat range holds its new value (issuing what it must, in the same
+/// order on every rank, and may issue more ahead).
+pub trait PendingParams: Send + Sync {
+    fn wait(&self, range: std::ops::Range<usize>) -> Result<()>;
+}
+
 /// Parameter metadata plus the flat parameter and fp32 main_grad buffers.
 ///
 /// main_grad is zeroed lazily in a training step: `defer_zero_grads` marks every parameter's
@@ -266,6 +274,9 @@ fn fill_all(draws: Vec<Draw<'_>>) {
 /// column sum that stores), later ones add, and `settle_grads` zeroes what no op reached before
 /// anything reads the buffer. Architecture invariant: every reader of `flat_grads` in a deferred
 /// step settles the range it reads first; `grad` settles its parameter itself.
+///
+/// Likewise the parameters, when their gathers are pending (`set_pending`): `param` waits for
+/// its own range, and every reader of `flat_params`' values calls `settle_params` first.
 pub struct ParamTable {
     metas: Vec<ParamMeta>,
     offsets: Vec<usize>,
@@ -274,6 +285,8 @@ pub struct ParamTable {
     grads: Tensor,
     /// Per parameter: its main_grad view holds a value (zero or sums) rather than a stale one.
     written: std::sync::Mutex<Vec<bool>>,
+    /// Parameter values still arriving (`set_pending`), if any.
+    pending: std::sync::Mutex<Option<std::sync::Arc<dyn PendingParams>>>,
 }
 
 impl ParamTable {
@@ -308,9 +321,30 @@ impl ParamTable {
     pub fn ids(&self) -> impl Iterator<Item = ParamId> + '_ {
         (0..self.metas.len()).map(ParamId)
     }
-    /// The parameter as a view of the flat buffer.
+    /// The parameter as a view of the flat buffer (its pending values waited for first).
     pub fn param(&self, id: ParamId) -> Result<Tensor> {
+        let pending = self.pending.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if let Some(p) = pending {
+            p.wait(self.range(id))?;
+        }
         self.params.view(self.offsets[id.0], self.metas[id.0].local_shape.clone())
+    }
+
+    /// Parameter values will arrive through `p` (see `PendingParams`); whatever was pending
+    /// before is settled first.
+    pub fn set_pending(&self, p: std::sync::Arc<dyn PendingParams>) -> Result<()> {
+        self.settle_params()?;
+        *self.pending.lock().unwrap_or_else(|e| e.into_inner()) = Some(p);
+        Ok(())
+    }
+
+    /// Waits until every parameter value has arrived, so `flat_params` can be read.
+    pub fn settle_params(&self) -> Result<()> {
+        let pending = self.pending.lock().unwrap_or_else(|e| e.into_inner()).take();
+        match pending {
+            Some(p) => p.wait(0..self.flat_len()),
+            None => Ok(()),
+        }
     }
     /// Its fp32 main_grad view, holding a value: zeroed first if a deferred step has not
     /// reached it yet (so adding into it is always right).
@@ -360,6 +394,8 @@ impl ParamTable {
         Ok((views, true))
     }
 
+    /// The flat parameter buffer. While gathers are pending (`set_pending`), `settle_params`
+    /// before reading its values.
     pub fn flat_params(&self) -> &Tensor {
         &self.params
     }
@@ -449,6 +485,33 @@ mod tests {
         assert_eq!(t.flat_grads().to_vec_f32().unwrap(), [vec![0.0; 6], vec![2.0; 3], vec![0.0; 3]].concat());
         t.zero_grads().unwrap();
         assert!(t.grad_acc(ParamId(0)).unwrap().1, "after an eager zero every op adds");
+    }
+
+    /// Pending parameter values: `param` waits for its own range only, `settle_params` for all
+    /// and then drops the hook; a new hook settles the old one first.
+    #[test]
+    fn pending_params_are_waited_for_by_range() {
+        struct Log(std::sync::Mutex<Vec<std::ops::Range<usize>>>);
+        impl PendingParams for Log {
+            fn wait(&self, range: std::ops::Range<usize>) -> Result<()> {
+                self.0.lock().unwrap().push(range);
+                Ok(())
+            }
+        }
+        let t = table(DType::F32);
+        let log = std::sync::Arc::new(Log(Default::default()));
+        t.set_pending(log.clone()).unwrap();
+        t.param(ParamId(1)).unwrap();
+        t.param(ParamId(2)).unwrap();
+        assert_eq!(*log.0.lock().unwrap(), vec![6..9, 9..12]);
+        t.settle_params().unwrap();
+        t.param(ParamId(0)).unwrap();
+        assert_eq!(*log.0.lock().unwrap(), vec![6..9, 9..12, 0..12], "settled, then no more waits");
+        let second = std::sync::Arc::new(Log(Default::default()));
+        t.set_pending(log.clone()).unwrap();
+        t.set_pending(second.clone()).unwrap();
+        assert_eq!(log.0.lock().unwrap().last(), Some(&(0..t.flat_len())), "the old hook settled");
+        assert!(second.0.lock().unwrap().is_empty());
     }
 
     #[test]

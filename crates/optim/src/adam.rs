@@ -216,6 +216,7 @@ impl Optimizer {
     /// the distributed optimizer the caller then gathers the parameters
     /// (`GradSync::gather_params`; after a skipped step that copies the unchanged shards).
     pub fn step(&mut self, table: &ParamTable, lr: f32) -> Result<(), OptimError> {
+        table.settle_params()?; // every parameter value in place before its shard is updated
         let c = self.config;
         let sq = self.sum_sq(table)?;
         k::adam_prepare(&sq, &self.state, &AdamPrep { lr, beta1: c.beta1, beta2: c.beta2, clip_grad: c.clip_grad })?;

@@ -14,9 +14,16 @@
 //!
 //! Gradients of replicated parameters used on sequence shards (`ParamMeta::sequence_parallel`)
 //! are then summed over the tensor-parallel group, on the part of the buffer this rank keeps.
+//!
+//! Under the distributed optimizer each rank then gathers the updated parameters, bucket by
+//! bucket. With `--overlap-param-gather` (`with_overlap_param_gather`) the gathers wait for the
+//! next forward: `ParamTable::param` waits for its parameter's bucket (`ParamGather`), which
+//! issues bucket k + 1 once bucket k is waited for, in ascending flat order (the forward's) on
+//! every rank; on a GPU asynchronously, so each bucket's gather runs beside the layers of the one
+//! before.
 
 use ferrotron_comm::{CommError, Communicator, ReduceOp};
-use ferrotron_core::{DType, ParamTable, Tensor};
+use ferrotron_core::{DType, ParamTable, PendingParams, Tensor};
 use ferrotron_kernels as k;
 use std::ops::Range;
 use std::sync::Arc;
@@ -109,6 +116,8 @@ pub struct GradSync {
     /// The tied embedding (or its copy) on the first / last pipeline stage, and the group of those
     /// two stages: its grads are summed there before the data-parallel reduce.
     tied: Option<(Range<usize>, Comm)>,
+    /// `--overlap-param-gather`: the gathers put off until the forward reaches each bucket.
+    overlap_gather: bool,
 }
 
 impl GradSync {
@@ -140,7 +149,25 @@ impl GradSync {
         let on_host = table.flat_grads().device().is_cpu();
         let worker = (overlap && dp.size() > 1 && on_host).then(Worker::new);
         let detached = overlap && dp.size() > 1 && !on_host;
-        GradSync { plan, dp, tp, distributed, worker, detached, started: 0, in_flight: 0, sp_ranges, tied: None }
+        GradSync {
+            plan,
+            dp,
+            tp,
+            distributed,
+            worker,
+            detached,
+            started: 0,
+            in_flight: 0,
+            sp_ranges,
+            tied: None,
+            overlap_gather: false,
+        }
+    }
+
+    /// Megatron's `--overlap-param-gather` (distributed optimizer only; see the module's doc).
+    pub fn with_overlap_param_gather(mut self, yes: bool) -> Self {
+        self.overlap_gather = yes;
+        self
     }
 
     /// Sums the grads of flat range `range` (the tied embedding or its pipeline copy) over `embd`
@@ -254,17 +281,82 @@ impl GradSync {
     }
 
     /// After the optimizer updated this rank's slices of the parameters: every rank gets all of
-    /// them (distributed optimizer only).
+    /// them (distributed optimizer only), now or, with `with_overlap_param_gather`, as the next
+    /// forward reaches each bucket (`ParamTable::set_pending`).
     pub fn gather_params(&self, table: &ParamTable) -> Result<(), CommError> {
         if !self.distributed || self.dp.size() == 1 {
             return Ok(());
         }
+        table.settle_params()?;
         let p = table.flat_params();
-        for b in 0..self.plan.buckets.len() {
-            let (r, s) = (self.plan.buckets[b].clone(), self.plan.shard(b));
+        // Ascending flat order: the forward's.
+        let buckets: Vec<_> =
+            (0..self.plan.buckets.len()).rev().map(|b| (self.plan.buckets[b].clone(), self.plan.shard(b))).collect();
+        if self.overlap_gather {
+            let device = !p.device().is_cpu();
+            let mut st = GatherState { buckets, issued: 0, done: 0, dp: self.dp.clone(), params: p.clone(), device };
+            st.issue()?; // the first bucket at once: it runs beside whatever comes before the forward
+            table.set_pending(Arc::new(ParamGather(std::sync::Mutex::new(st))))?;
+            return Ok(());
+        }
+        for (r, s) in buckets {
             self.dp.all_gather(&p.view(s.start, [s.len()])?, &p.view(r.start, [r.len()])?)?;
         }
         Ok(())
+    }
+}
+
+/// The pending parameter gathers of `--overlap-param-gather` (`GradSync::gather_params`).
+struct ParamGather(std::sync::Mutex<GatherState>);
+
+struct GatherState {
+    /// (bucket, this rank's shard of it), ascending.
+    buckets: Vec<(Range<usize>, Range<usize>)>,
+    /// Buckets issued, and buckets the compute stream (or host) has waited for: done ≤ issued.
+    issued: usize,
+    done: usize,
+    dp: Comm,
+    params: Tensor,
+    /// On a GPU: issued on the communication stream, the compute stream waiting only in `wait`.
+    device: bool,
+}
+
+impl GatherState {
+    fn issue(&mut self) -> Result<(), CommError> {
+        let (r, s) = self.buckets[self.issued].clone();
+        let (whole, mine) = (self.params.view(r.start, [r.len()])?, self.params.view(s.start, [s.len()])?);
+        if self.device {
+            self.dp.all_gather_async(&mine, &whole)?
+        } else {
+            self.dp.all_gather(&mine, &whole)?
+        }
+        self.issued += 1;
+        Ok(())
+    }
+
+    /// Every bucket that starts below `end` gathered, the next one issued behind it.
+    fn wait_below(&mut self, end: usize) -> Result<(), CommError> {
+        while self.done < self.buckets.len() && self.buckets[self.done].0.start < end {
+            if self.issued == self.done {
+                self.issue()?;
+            }
+            if self.device {
+                // Only bucket `done` is in flight (one ahead): the compute stream waits for it.
+                self.dp.wait_async()?;
+            }
+            self.done += 1;
+            if self.issued == self.done && self.issued < self.buckets.len() {
+                self.issue()?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl PendingParams for ParamGather {
+    fn wait(&self, range: Range<usize>) -> ferrotron_core::Result<()> {
+        let mut st = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        st.wait_below(range.end).map_err(|e| ferrotron_core::Error::External(Box::new(e)))
     }
 }
 

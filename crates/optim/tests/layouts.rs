@@ -22,6 +22,8 @@ struct Run {
     dp: usize,
     distributed: bool,
     overlap: bool,
+    /// `--overlap-param-gather` (distributed optimizer only).
+    gather: bool,
 }
 
 struct Outcome {
@@ -42,7 +44,8 @@ fn train(run: Run, llama: bool, world: Arc<dyn Communicator>) -> Result<Outcome,
     // eps 1e-8 turns noise of 1e-10 into steps of ±lr/100 that differ between summation orders;
     // eps 1e-5 keeps the update a smooth function of the gradient, so layouts can be compared.
     // Small buckets so that several overlap with the backward.
-    let mut sync = GradSync::new(&table, g.dp_cp.clone(), g.tp.clone(), 2000, run.distributed, run.overlap);
+    let mut sync = GradSync::new(&table, g.dp_cp.clone(), g.tp.clone(), 2000, run.distributed, run.overlap)
+        .with_overlap_param_gather(run.gather);
     let adam = AdamConfig { weight_decay: 0.1, clip_grad: 0.5, eps: 1e-5, ..AdamConfig::default() };
     let mut opt = Optimizer::new_parallel(&table, adam, &sync, g.mp.clone(), g.tp.rank()).map_err(|e| e.to_string())?;
     let (d, dp) = (g.dp.rank(), g.dp.size());
@@ -57,7 +60,7 @@ fn train(run: Run, llama: bool, world: Arc<dyn Communicator>) -> Result<Outcome,
 }
 
 fn reference(llama: bool) -> Outcome {
-    let run = Run { tp: 1, sp: false, dp: 1, distributed: false, overlap: false };
+    let run = Run { tp: 1, sp: false, dp: 1, distributed: false, overlap: false, gather: false };
     all_ok(run_ranks(1, Duration::from_secs(60), |_, w| train(run, llama, w))).unwrap().remove(0)
 }
 
@@ -93,15 +96,57 @@ fn all_layouts(llama: bool) {
             for dp in [1, 2] {
                 for distributed in [false, true] {
                     let overlap = dp > 1 && (sp ^ distributed);
-                    check(Run { tp, sp, dp, distributed, overlap }, llama, &one);
+                    let gather = distributed && dp > 1 && sp;
+                    check(Run { tp, sp, dp, distributed, overlap, gather }, llama, &one);
                 }
             }
         }
     }
     // Pure data parallelism, with and without overlap.
     for overlap in [false, true] {
-        check(Run { tp: 1, sp: false, dp: 2, distributed: true, overlap }, llama, &one);
-        check(Run { tp: 1, sp: false, dp: 2, distributed: false, overlap }, llama, &one);
+        check(Run { tp: 1, sp: false, dp: 2, distributed: true, overlap, gather: overlap }, llama, &one);
+        check(Run { tp: 1, sp: false, dp: 2, distributed: false, overlap, gather: false }, llama, &one);
+    }
+}
+
+/// `--overlap-param-gather`: after a step the buckets past the first are still to come (the flat
+/// buffer holds last step's values outside this rank's shards), the next forward or
+/// `settle_params` brings them, and then every bit equals the gathers done at once.
+#[test]
+fn overlapped_param_gathers_wait_for_the_forward() {
+    let step = |gather: bool| {
+        all_ok(run_ranks(2, Duration::from_secs(60), move |_, w| -> Result<_, String> {
+            let g = ProcessGroups::new(w, Layout::new(2, 1, 1, 1, 1).unwrap()).map_err(|e| e.to_string())?;
+            let tp = TensorParallel::new(g.tp.clone(), false);
+            let (model, table) = GptModel::build_parallel(config(false), &tp, &Device::Cpu, DType::F32, 1234, 2)
+                .map_err(|e| e.to_string())?;
+            let mut sync = GradSync::new(&table, g.dp_cp.clone(), g.tp.clone(), 2000, true, false)
+                .with_overlap_param_gather(gather);
+            let adam = AdamConfig { eps: 1e-5, ..AdamConfig::default() };
+            let mut opt = Optimizer::new_parallel(&table, adam, &sync, g.mp.clone(), 0).map_err(|e| e.to_string())?;
+            let micros = vec![micro_batch(g.dp.rank())];
+            let before = table.flat_params().to_vec_f32().map_err(|e| e.to_string())?;
+            train_step(&model, &table, &mut sync, &mut opt, &micros, 1e-2).map_err(|e| e.to_string())?;
+            let raw = table.flat_params().to_vec_f32().map_err(|e| e.to_string())?;
+            table.settle_params().map_err(|e| e.to_string())?;
+            let settled = table.flat_params().to_vec_f32().map_err(|e| e.to_string())?;
+            Ok((before, raw, settled, sync.plan.clone()))
+        }))
+        .unwrap()
+    };
+    let (now, later) = (step(false), step(true));
+    for (r, ((_, raw_now, settled_now, _), (before, raw, settled, plan))) in now.iter().zip(&later).enumerate() {
+        assert_eq!(raw_now, settled_now, "rank {r}: gathered at once, nothing pending");
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(settled), bits(settled_now), "rank {r}: the same parameters either way");
+        // The lowest bucket went out at once; in the highest the other rank's shard is stale.
+        assert!(plan.buckets.len() > 2, "several buckets: {:?}", plan.buckets);
+        let top = &plan.buckets[0];
+        let other = plan.buckets[0].start + (1 - r) * top.len() / 2..plan.buckets[0].start + (2 - r) * top.len() / 2;
+        assert_eq!(raw[other.clone()], before[other.clone()], "rank {r}: the top bucket waits for the forward");
+        assert_ne!(settled[other.clone()], before[other], "rank {r}: and then arrives");
+        let low = plan.buckets.last().unwrap().clone();
+        assert_eq!(raw[low.clone()], settled[low], "rank {r}: the lowest bucket went out at once");
     }
 }
 

@@ -29,6 +29,8 @@ struct Run {
     dp: usize,
     sp: bool,
     distributed: bool,
+    /// `--overlap-param-gather`.
+    gather: bool,
     first_last: Option<(usize, usize)>,
     recompute: Recompute,
 }
@@ -61,7 +63,8 @@ fn train(run: Run, llama: bool, world: Arc<dyn Communicator>) -> Result<Outcome,
         run.dp,
     )
     .map_err(|x| e(&x))?;
-    let mut sync = GradSync::new(&table, g.dp_cp.clone(), g.tp.clone(), 1500, run.distributed, false);
+    let mut sync = GradSync::new(&table, g.dp_cp.clone(), g.tp.clone(), 1500, run.distributed, false)
+        .with_overlap_param_gather(run.gather);
     if let (Some(id), Some(embd)) = (model.tied_weight(), &g.embd) {
         sync = sync.with_tied(table.range(id), embd.clone());
     }
@@ -110,6 +113,7 @@ fn all(llama: bool) {
         dp: 1,
         sp: false,
         distributed: false,
+        gather: false,
         first_last: None,
         recompute: Recompute::default(),
     };
@@ -129,6 +133,8 @@ fn all(llama: bool) {
     // Block recompute of the first layer of each stage, interleaved.
     let block = Recompute { granularity: Granularity::Full, method: Method::Block, num_layers: 1 };
     check(Run { pp: 2, vpp: 2, recompute: block, ..base }, llama, &one);
+    // The distributed optimizer's gathers waiting for each stage's next forward, interleaved.
+    check(Run { pp: 2, vpp: 2, dp: 2, distributed: true, gather: true, ..base }, llama, &one);
 }
 
 #[test]

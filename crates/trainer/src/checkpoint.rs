@@ -88,6 +88,7 @@ pub fn save(
     opt: &Optimizer,
     info: &SaveInfo,
 ) -> anyhow::Result<PathBuf> {
+    table.settle_params()?; // pending gathers (--overlap-param-gather) before anything reads
     let (state, step) = opt.full_state(table.flat_len())?;
     let writer = g.tp.rank() == 0 && g.dp.rank() == 0; // one per pipeline stage
     let mut tensors: Vec<(String, DType, Vec<usize>, Vec<f32>)> = vec![];
@@ -369,6 +370,7 @@ fn local_part(m: &ParamMeta, saved_shape: &[usize], whole: &[f32]) -> anyhow::Re
 
 /// Puts a loaded checkpoint into this rank's parameters and optimizer (any layout).
 pub fn restore(ck: &Loaded, table: &ParamTable, opt: &mut Optimizer) -> anyhow::Result<()> {
+    table.settle_params()?; // no gather still pending may overwrite what is restored
     if let Some(m) = table.metas().iter().find(|m| !ck.tensors.contains_key(&m.name)) {
         bail!("the checkpoint has no `{}`: the model flags differ from the saved run", m.name);
     }

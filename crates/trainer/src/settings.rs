@@ -190,6 +190,10 @@ pub struct TrainArgs {
     /// Reduce gradient buckets during the backward.
     #[arg(long)]
     pub overlap_grad_reduce: bool,
+    /// Gather the distributed optimizer's parameter buckets during the next forward, each just
+    /// ahead of the layers that use it.
+    #[arg(long)]
+    pub overlap_param_gather: bool,
     /// Elements per data-parallel gradient bucket (default max(40M, 1M × DP)).
     #[arg(long)]
     pub ddp_bucket_size: Option<usize>,
@@ -235,7 +239,8 @@ impl TrainArgs {
             pipeline_model_parallel_size, num_layers_per_virtual_pipeline_stage, decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers);
         merge_flags!(self, o; swiglu, untie_embeddings_and_output_weights, disable_bias_linear, qk_layernorm, bf16, no_progress, deterministic_mode,
-            sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, profile, group_query_attention, use_flash_attn);
+            sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, overlap_param_gather, profile, group_query_attention,
+            use_flash_attn);
         if !o.profile_ranks.is_empty() {
             self.profile_ranks = o.profile_ranks.clone();
         }
@@ -289,6 +294,8 @@ pub struct Settings {
     pub use_distributed_optimizer: bool,
     #[serde(default)]
     pub overlap_grad_reduce: bool,
+    #[serde(default)]
+    pub overlap_param_gather: bool,
     #[serde(default)]
     pub ddp_bucket_size: Option<usize>,
     #[serde(default = "one")]
@@ -544,6 +551,7 @@ impl Settings {
             sequence_parallel: a.sequence_parallel,
             use_distributed_optimizer: a.use_distributed_optimizer,
             overlap_grad_reduce: a.overlap_grad_reduce,
+            overlap_param_gather: a.overlap_param_gather,
             ddp_bucket_size: a.ddp_bucket_size,
             pipeline_model_parallel_size: a.pipeline_model_parallel_size.unwrap_or(1),
             num_layers_per_virtual_pipeline_stage: a.num_layers_per_virtual_pipeline_stage,
@@ -645,6 +653,11 @@ impl Settings {
         }
         if !(0.0..1.0).contains(&self.adam_beta1) || !(0.0..1.0).contains(&self.adam_beta2) {
             bail!("--adam-beta1 and --adam-beta2 must lie in [0, 1)");
+        }
+        if self.overlap_param_gather && !self.use_distributed_optimizer {
+            bail!(
+                "--overlap-param-gather overlaps the distributed optimizer's gathers: add --use-distributed-optimizer"
+            );
         }
         let positive = |x: f64| x.is_finite() && x > 0.0;
         if !positive(self.adam_eps as f64) || !positive(self.norm_epsilon) {
@@ -866,6 +879,9 @@ mod tests {
         let plain = parse("").unwrap();
         let s = parse("--use-flash-attn --group-query-attention --hidden-dropout 0 --attention-dropout 0.0").unwrap();
         assert_eq!(s, plain, "these change nothing");
+        let e = parse("--overlap-param-gather").unwrap_err().to_string();
+        assert!(e.contains("--overlap-param-gather") && e.contains("--use-distributed-optimizer"), "{e}");
+        assert!(parse("--overlap-param-gather --use-distributed-optimizer").unwrap().overlap_param_gather);
         for flag in ["--hidden-dropout", "--attention-dropout"] {
             let e = parse(&format!("{flag} 0.1")).unwrap_err().to_string();
             assert!(e.contains(flag) && e.contains("not implemented") && e.contains(&format!("{flag} 0")), "{e}");

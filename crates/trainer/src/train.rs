@@ -301,7 +301,8 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         bucket,
         s.use_distributed_optimizer,
         s.overlap_grad_reduce,
-    );
+    )
+    .with_overlap_param_gather(s.overlap_param_gather);
     if let (Some(id), Some(embd)) = (model.tied_weight(), &g.embd) {
         sync = sync.with_tied(table.range(id), embd.clone());
     }

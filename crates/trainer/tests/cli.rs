@@ -220,6 +220,7 @@ fn thread_ranks_train_with_every_switch() {
         "--sequence-parallel",
         "--use-distributed-optimizer",
         "--overlap-grad-reduce",
+        "--overlap-param-gather",
         "--ddp-bucket-size",
         "5000",
         "--train-iters",

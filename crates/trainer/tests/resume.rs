@@ -70,6 +70,7 @@ fn a_checkpoint_resumes_under_another_layout() {
     tp.sequence_parallel = true;
     tp.use_distributed_optimizer = true;
     tp.overlap_grad_reduce = true;
+    tp.overlap_param_gather = true; // the save settles the gathers still pending
     let mut pp = s1.clone();
     pp.pipeline_model_parallel_size = 2;
     pp.use_distributed_optimizer = true;
@@ -143,4 +144,8 @@ fn losses_read_at_log_intervals_equal_per_step_reads() {
     let (a, b) = (train(&s1, &threads).unwrap(), train(&s3, &threads).unwrap());
     assert_eq!(a.losses.len(), 8);
     assert_eq!(bits(&b.losses), bits(&a.losses));
+    // The parameter gathers left to the next forward (--overlap-param-gather) interleave with
+    // those reads and the evaluations, in the same order on every rank: the same bits.
+    s3.overlap_param_gather = true;
+    assert_eq!(bits(&train(&s3, &threads).unwrap().losses), bits(&a.losses));
 }
