@@ -4,12 +4,14 @@
 #
 #   here (with cargo):  benches/gpu_session.sh stage
 #       builds the release binaries with CUDA and stages them in .gpu/ (ignore it in
-#       .git/info/exclude; carry it to the GPU machine): .gpu/v/tests/* (`cargo xtask gpu-test`),
+#       .git/info/exclude; carry it to the GPU machine): .gpu/v/tests/{ops,cuda_train,nccl}
+#       (`cargo xtask gpu-test`),
 #       .gpu/v/ferrotron, .gpu/v/attention_bench, .gpu/xtask, .gpu/benches/*.py.
 #
 #   there (repo root, no cargo):  benches/gpu_session.sh STEP...
-#       verify                 the op tests, then the CUDA training tests (stops at a failure:
-#                              nothing is measured on a build that computes wrongly)
+#       verify                 the op tests, the CUDA training tests and NCCL at world size 1
+#                              (stops at a failure: nothing is measured on a build that computes
+#                              wrongly)
 #       attn[:VAR=V,...]       `xtask bench --attention`: our kernels beside SDPA, with VARs set
 #       trace:PRESET[:VAR=V,...]   our GPU timeline of PRESET (124m, 1.3b, llama-1b) alone
 #       matched[:PRESET,...]   the matched bench, Ferrotron and PyTorch (`xtask bench --gpu`)
@@ -23,7 +25,7 @@ if [ "${1:-}" = stage ]; then
     cargo build --release --features cuda -p ferrotron-trainer -p xtask -p ferrotron-examples --examples --bins
     rm -rf .gpu/v && mkdir -p .gpu/v .gpu/benches
     cargo run -q --release -p xtask -- gpu-test .gpu/v/tests
-    find .gpu/v/tests -type f ! -name 'ops' ! -name 'cuda_train' -delete
+    find .gpu/v/tests -type f ! -name ops ! -name cuda_train ! -name nccl -delete
     cp target/release/ferrotron target/release/examples/attention_bench .gpu/v/
     cp target/release/xtask .gpu/
     cp benches/*.py .gpu/benches/
@@ -48,7 +50,7 @@ for step in "$@"; do
     echo "== $step ($(date +%T))" | tee -a "$log"
     case $kind in
         verify)
-            (cd .gpu/v/tests && ./ops && ./cuda_train) 2>&1 | tee -a "$log" | tail -n 40
+            (cd .gpu/v/tests && ./ops && ./cuda_train && ./nccl) 2>&1 | tee -a "$log" | tail -n 40
             rc=${PIPESTATUS[0]}
             if [ "$rc" -ne 0 ]; then
                 echo "verify FAILED: the remaining steps are skipped" | tee -a "$log"

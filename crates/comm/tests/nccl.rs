@@ -34,6 +34,11 @@ fn world_of_one_runs_every_collective_and_splits() {
     let out = Tensor::zeros([6, 2], DType::F32, &d).unwrap();
     comm.all_gather(&x, &out).unwrap();
     assert_eq!(out.to_vec_f32().unwrap(), vals);
+    // On the communication stream, the compute stream waiting only at wait_async (then the read).
+    let out = Tensor::zeros([6, 2], DType::F32, &d).unwrap();
+    comm.all_gather_async(&x, &out).unwrap();
+    comm.wait_async().unwrap();
+    assert_eq!(out.to_vec_f32().unwrap(), vals);
     assert_eq!(comm.all_gather_v(&x, &[6]).unwrap().to_vec_f32().unwrap(), vals);
     assert_eq!(comm.all_to_all_v(&x, &[6], &[6]).unwrap().to_vec_f32().unwrap(), vals);
     comm.barrier().unwrap();
