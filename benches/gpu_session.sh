@@ -15,6 +15,8 @@
 #       attn[:VAR=V,...]       `xtask bench --attention`: our kernels beside SDPA, with VARs set
 #       trace:PRESET[:VAR=V,...]   our GPU timeline of PRESET (124m, 1.3b, llama-1b) alone
 #       matched[:PRESET,...]   the matched bench, Ferrotron and PyTorch (`xtask bench --gpu`)
+#       ncu-bwd:DxT[:VAR=V,...]    Nsight Compute on one flash backward of attention_bench's shape
+#                              DxT (e.g. 64x1024): time, instructions, L2 bytes and reductions
 #     e.g. `verify attn attn:FERROTRON_FLASH_DEFER=1 trace:124m trace:124m:FERROTRON_FLASH_BIAS_GRAD=1`.
 #     Every step's output goes to the console and to $OUT/session.log (./gpu-logs without $OUT).
 set -uo pipefail
@@ -70,13 +72,24 @@ for step in "$@"; do
             (cd .gpu && env BENCH_TORCH=0 "${vars[@]}" ./xtask bench --gpu-trace v/ferrotron "$preset") 2>&1 | tee -a "$log"
             rc=${PIPESTATUS[0]}
             ;;
+        ncu-bwd)
+            shape=${rest%%:*}
+            more=${rest#"$shape"}
+            more=${more#:}
+            [ -n "$more" ] && IFS=, read -ra vars <<< "$more"
+            m=gpu__time_duration.sum,smsp__inst_executed.sum,lts__t_bytes.sum,lts__t_sectors_op_red.sum
+            m=$m,lts__throughput.avg.pct_of_peak_sustained_elapsed
+            (cd .gpu && env ATTN_BENCH_ONLY="$shape" ATTN_BENCH_REPS=1 "${vars[@]}" \
+                ncu --kernel-name regex:flash_bwd_dkvq --launch-count 1 --metrics "$m" v/attention_bench) 2>&1 | tee -a "$log"
+            rc=${PIPESTATUS[0]}
+            ;;
         matched)
             IFS=, read -ra presets <<< "${rest:-124m,1.3b,llama-1b}"
             (cd .gpu && ./xtask bench --gpu v/ferrotron "${presets[@]}") 2>&1 | tee -a "$log"
             rc=${PIPESTATUS[0]}
             ;;
         *)
-            echo "unknown step '$step' (verify, attn[:VARS], trace:PRESET[:VARS], matched[:PRESETS])" | tee -a "$log"
+            echo "unknown step '$step' (verify, attn[:VARS], trace:PRESET[:VARS], matched[:PRESETS], ncu-bwd:DxT[:VARS])" | tee -a "$log"
             rc=2
             ;;
     esac
