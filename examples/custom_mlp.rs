@@ -52,6 +52,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         hidden_size: 64,
         num_attention_heads: 4,
         num_query_groups: 4,
+        kv_channels: None,
         ffn_hidden_size: 96, // only the built-in MLP reads it
         seq_length: 16,
         max_position_embeddings: 16,

@@ -30,6 +30,9 @@ pub struct TrainArgs {
     pub num_attention_heads: Option<usize>,
     #[arg(long)]
     pub num_query_groups: Option<usize>,
+    /// Width of a head (default --hidden-size / --num-attention-heads).
+    #[arg(long)]
+    pub kv_channels: Option<usize>,
     #[arg(long)]
     pub ffn_hidden_size: Option<usize>,
     #[arg(long)]
@@ -230,7 +233,7 @@ macro_rules! merge_flags {
 impl TrainArgs {
     /// Overlays `o` on `self` (set values in `o` win; switches are or-ed).
     fn overlay(&mut self, o: &TrainArgs) {
-        merge_opts!(self, o; preset, num_layers, hidden_size, num_attention_heads, num_query_groups, ffn_hidden_size, seq_length,
+        merge_opts!(self, o; preset, num_layers, hidden_size, num_attention_heads, num_query_groups, kv_channels, ffn_hidden_size, seq_length,
             max_position_embeddings, position_embedding_type, rotary_base, normalization, tokenizer_type, init_method_std,
             micro_batch_size, global_batch_size, train_iters, lr, min_lr, lr_decay_style, lr_warmup_iters, lr_warmup_fraction,
             lr_decay_iters, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad, norm_epsilon, make_vocab_size_divisible_by,
@@ -256,6 +259,8 @@ pub struct Settings {
     pub hidden_size: usize,
     pub num_attention_heads: usize,
     pub num_query_groups: usize,
+    #[serde(default)]
+    pub kv_channels: Option<usize>,
     pub ffn_hidden_size: usize,
     pub seq_length: usize,
     pub max_position_embeddings: usize,
@@ -458,6 +463,7 @@ fn preset_defaults(name: &str) -> anyhow::Result<TrainArgs> {
         hidden_size: Some(c.hidden_size),
         num_attention_heads: Some(c.num_attention_heads),
         num_query_groups: Some(c.num_query_groups),
+        kv_channels: c.kv_channels,
         ffn_hidden_size: Some(c.ffn_hidden_size),
         seq_length: Some(c.seq_length),
         max_position_embeddings: Some(c.max_position_embeddings),
@@ -517,6 +523,7 @@ impl Settings {
             hidden_size: need(&a.hidden_size, "--hidden-size")?,
             num_attention_heads: need(&a.num_attention_heads, "--num-attention-heads")?,
             num_query_groups: a.num_query_groups.or(a.num_attention_heads).context("--num-query-groups")?,
+            kv_channels: a.kv_channels,
             ffn_hidden_size: need(&a.ffn_hidden_size, "--ffn-hidden-size")?,
             seq_length: need(&a.seq_length, "--seq-length")?,
             max_position_embeddings: need(&a.max_position_embeddings, "--max-position-embeddings")?,
@@ -771,6 +778,7 @@ impl Settings {
             hidden_size: self.hidden_size,
             num_attention_heads: self.num_attention_heads,
             num_query_groups: self.num_query_groups,
+            kv_channels: self.kv_channels,
             ffn_hidden_size: self.ffn_hidden_size,
             seq_length: self.seq_length,
             max_position_embeddings: self.max_position_embeddings,
@@ -870,6 +878,9 @@ mod tests {
         assert_eq!((c.norm_epsilon, c.make_vocab_size_divisible_by), (1e-6, 96));
         assert_eq!(c.padded_vocab_size(1), 288, "the byte tokenizer's 256 ids padded to a multiple of 96");
         assert!(parse("--adam-eps 0").unwrap_err().to_string().contains("--adam-eps"));
+        let s = parse("--kv-channels 16").unwrap();
+        assert_eq!((s.kv_channels, s.model_config().unwrap().head_dim()), (Some(16), 16));
+        assert!(parse("--kv-channels 0").unwrap_err().to_string().contains("--kv-channels"));
         let e = parse("--make-vocab-size-divisible-by 0").unwrap_err().to_string();
         assert!(e.contains("--make-vocab-size-divisible-by"), "{e}");
     }

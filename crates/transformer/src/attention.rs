@@ -34,6 +34,8 @@ pub struct SelfAttention {
 
 pub struct AttentionDims {
     pub hidden: usize,
+    /// Width of a head (the hidden size / heads unless --kv-channels sets it).
+    pub head_dim: usize,
     pub heads: usize,
     pub groups: usize,
     pub norm: NormKind,
@@ -52,7 +54,7 @@ impl SelfAttention {
         spec: &AttentionSpec,
         tp: &TensorParallel,
     ) -> Result<Self> {
-        let head_dim = d.hidden / d.heads;
+        let head_dim = d.head_dim;
         let qkv_out = (d.heads + 2 * d.groups) * head_dim;
         let linear_qkv =
             ColumnParallelLinear::new(p, &format!("{prefix}.linear_qkv"), d.hidden, qkv_out, spec.bias, d.std, tp, 1)?;

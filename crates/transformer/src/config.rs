@@ -10,6 +10,8 @@ pub struct TransformerConfig {
     pub num_attention_heads: usize,
     /// Key/value heads (GQA); equal to the attention heads for MHA.
     pub num_query_groups: usize,
+    /// Width of a head (Megatron's --kv-channels); None: hidden size / attention heads.
+    pub kv_channels: Option<usize>,
     pub ffn_hidden_size: usize,
     pub seq_length: usize,
     pub max_position_embeddings: usize,
@@ -59,7 +61,7 @@ impl TransformerConfig {
     }
 
     pub fn head_dim(&self) -> usize {
-        self.hidden_size / self.num_attention_heads
+        self.kv_channels.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
     }
 
     /// Checks every combination that cannot work, naming the Megatron flag and the fix.
@@ -79,7 +81,10 @@ impl TransformerConfig {
                 return Err(bad(format!("{flag} must be at least 1")));
             }
         }
-        if c.hidden_size % c.num_attention_heads != 0 {
+        if c.kv_channels == Some(0) {
+            return Err(bad("--kv-channels must be at least 1 (or leave it out: hidden size / heads)".into()));
+        }
+        if c.kv_channels.is_none() && c.hidden_size % c.num_attention_heads != 0 {
             return Err(bad(format!(
                 "--hidden-size {} is not divisible by --num-attention-heads {}: pick a head count that divides it",
                 c.hidden_size, c.num_attention_heads
@@ -100,10 +105,10 @@ impl TransformerConfig {
         if let PositionEmbedding::Rope { base } = c.position_embedding {
             if c.head_dim() % 2 != 0 {
                 return Err(bad(format!(
-                    "rotary embeddings need an even head dim, but --hidden-size {} / --num-attention-heads {} = {}: change either, or use --position-embedding-type learned_absolute",
+                    "rotary embeddings need an even head dim, but it is {} (--kv-channels, else --hidden-size {} / --num-attention-heads {}): change them, or use --position-embedding-type learned_absolute",
+                    c.head_dim(),
                     c.hidden_size,
-                    c.num_attention_heads,
-                    c.head_dim()
+                    c.num_attention_heads
                 )));
             }
             if base.is_nan() || base <= 0.0 || base.is_infinite() {
@@ -133,8 +138,9 @@ impl TransformerConfig {
             crate::spec::NormKind::LayerNorm => 2 * n,
             crate::spec::NormKind::RmsNorm => n,
         };
-        let qkv_out = h + 2 * kv;
-        let attn = h * qkv_out + h * h + if bias_attn { qkv_out + h } else { 0 };
+        let q = self.num_attention_heads * d;
+        let qkv_out = q + 2 * kv;
+        let attn = h * qkv_out + q * h + if bias_attn { qkv_out + h } else { 0 };
         let qk_ln = if self.layer.attention.qk_layernorm { 2 * norm(d) } else { 0 };
         let fc1_out = match self.layer.mlp {
             MlpSpec::Dense { activation: Activation::SwiGlu, .. } => 2 * f,
@@ -161,6 +167,7 @@ impl TransformerConfig {
             0
         };
         let n = (self.num_params() - pos) as f64;
-        6.0 * n + 12.0 * (self.num_layers * self.hidden_size * self.seq_length) as f64
+        let width = self.num_attention_heads * self.head_dim(); // the hidden size unless --kv-channels
+        6.0 * n + 12.0 * (self.num_layers * width * self.seq_length) as f64
     }
 }

@@ -31,6 +31,7 @@ impl TransformerLayer {
         let out_std = std / (2.0 * c.num_layers as f32).sqrt();
         let dims = AttentionDims {
             hidden: h,
+            head_dim: c.head_dim(),
             heads: c.num_attention_heads,
             groups: c.num_query_groups,
             norm,

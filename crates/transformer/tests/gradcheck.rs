@@ -50,6 +50,15 @@ fn llama_style_gradients_match_finite_differences() {
     check(config(true));
 }
 
+/// Heads wider than hidden / heads (--kv-channels 6 against 16 / 4): the projections are sized
+/// by heads × head width, not the hidden size.
+#[test]
+fn kv_channels_gradients_match_finite_differences() {
+    for llama in [false, true] {
+        check(ferrotron_transformer::TransformerConfig { kv_channels: Some(6), ..config(llama) });
+    }
+}
+
 /// Without QK-norm the attention takes the fused path: RoPE in place on the QKV projection
 /// output and on its gradient (`rope_qkv_fwd_` / `rope_qkv_bwd_`), Q, K, V read in place.
 #[test]

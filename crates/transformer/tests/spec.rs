@@ -10,6 +10,7 @@ fn base() -> TransformerConfig {
         hidden_size: 12,
         num_attention_heads: 4,
         num_query_groups: 4,
+        kv_channels: None,
         ffn_hidden_size: 8,
         seq_length: 8,
         max_position_embeddings: 8,
@@ -75,6 +76,7 @@ fn param_count_matches_table_for_llama_style() {
     let c = TransformerConfig {
         hidden_size: 16,
         num_query_groups: 2,
+        kv_channels: None,
         position_embedding: PositionEmbedding::Rope { base: 10000.0 },
         untie_embeddings_and_output_weights: true,
         layer: LayerSpec {
@@ -86,4 +88,17 @@ fn param_count_matches_table_for_llama_style() {
     };
     let (_, table) = GptModel::build(c.clone(), &Device::Cpu, DType::F32, 0).unwrap();
     assert_eq!(table.numel(), c.num_params());
+    // Heads of width 6 (--kv-channels) against hidden 16 / 4 heads; and no hidden size
+    // divisible by the heads needed then.
+    for (hidden, heads) in [(16, 4), (18, 4)] {
+        let k =
+            TransformerConfig { kv_channels: Some(6), hidden_size: hidden, num_attention_heads: heads, ..c.clone() };
+        k.validate().unwrap();
+        let (_, table) = GptModel::build(k.clone(), &Device::Cpu, DType::F32, 0).unwrap();
+        assert_eq!(table.numel(), k.num_params(), "hidden {hidden}");
+        let qkv = table.id("decoder.layers.0.self_attention.linear_qkv.weight").unwrap();
+        assert_eq!(table.meta(qkv).global_shape.dims(), &[(heads + 2 * 2) * 6, hidden]);
+    }
+    let e = err(TransformerConfig { kv_channels: Some(0), ..c.clone() });
+    assert!(e.contains("--kv-channels"), "{e}");
 }

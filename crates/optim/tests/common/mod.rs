@@ -28,6 +28,8 @@ pub fn config_layers(llama: bool, layers: usize) -> TransformerConfig {
         hidden_size: 32,
         num_attention_heads: if llama { 8 } else { 4 },
         num_query_groups: 4,
+        // Llama style: heads wider than hidden / heads (--kv-channels), as some presets have.
+        kv_channels: llama.then_some(6),
         ffn_hidden_size: if llama { 48 } else { 64 },
         seq_length: SEQ,
         max_position_embeddings: SEQ,

@@ -12,6 +12,7 @@ pub fn config(llama: bool) -> TransformerConfig {
         hidden_size: 16,
         num_attention_heads: 4,
         num_query_groups: if llama { 2 } else { 4 },
+        kv_channels: None,
         ffn_hidden_size: 24,
         seq_length: 6,
         max_position_embeddings: 8,
