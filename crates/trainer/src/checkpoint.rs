@@ -390,8 +390,9 @@ pub fn restore(ck: &Loaded, table: &ParamTable, opt: &mut Optimizer) -> anyhow::
     Ok(())
 }
 
-/// Just the parameters (for generation).
+/// Just the parameters (generation, `--finetune`, `--no-load-optim`).
 pub fn restore_params(ck: &Loaded, table: &ParamTable) -> anyhow::Result<()> {
+    table.settle_params()?;
     for id in table.ids() {
         let m = table.meta(id);
         let (shape, whole) = ck.tensors.get(&m.name).with_context(|| {

@@ -125,6 +125,13 @@ pub struct TrainArgs {
     /// Folder to resume from (a --save folder).
     #[arg(long)]
     pub load: Option<PathBuf>,
+    /// With --load: take the parameters only, and start at iteration 0 with a fresh optimizer
+    /// and the data from its start.
+    #[arg(long)]
+    pub finetune: bool,
+    /// With --load: take the parameters and the iteration, with a fresh optimizer.
+    #[arg(long)]
+    pub no_load_optim: bool,
     /// Where the JSONL metrics go (default: metrics.jsonl in the --save folder); benchmarks use
     /// it to measure without writing checkpoints.
     #[arg(long)]
@@ -243,7 +250,7 @@ impl TrainArgs {
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers);
         merge_flags!(self, o; swiglu, untie_embeddings_and_output_weights, disable_bias_linear, qk_layernorm, bf16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, overlap_param_gather, profile, group_query_attention,
-            use_flash_attn);
+            use_flash_attn, finetune, no_load_optim);
         if !o.profile_ranks.is_empty() {
             self.profile_ranks = o.profile_ranks.clone();
         }
@@ -372,6 +379,8 @@ impl Launch {
 pub struct Paths {
     pub save: Option<PathBuf>,
     pub load: Option<PathBuf>,
+    /// What --load takes (Megatron's --finetune and --no-load-optim).
+    pub load_mode: LoadMode,
     pub metrics: Option<PathBuf>,
     pub progress: bool,
     /// Megatron's --exit-interval: stop after an iteration that is a multiple of it.
@@ -384,6 +393,19 @@ pub struct Paths {
     pub deterministic: bool,
     /// Megatron's --profile: the steps a CUDA profiler range covers on the ranks that profile.
     pub profile: Option<ProfileRange>,
+}
+
+/// What `--load` restores.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LoadMode {
+    /// Everything: the run goes on where it stopped.
+    #[default]
+    Resume,
+    /// `--no-load-optim`: parameters and position, a fresh optimizer (its fp32 master weights
+    /// from the loaded parameters).
+    NoOptim,
+    /// `--finetune`: parameters only; iteration 0, a fresh optimizer, the data from its start.
+    Finetune,
 }
 
 /// `--profile`: the range opens before step `start + 1` is queued and closes after step `end` is,
@@ -401,6 +423,7 @@ impl Default for Paths {
         Paths {
             save: None,
             load: None,
+            load_mode: LoadMode::Resume,
             metrics: None,
             progress: false,
             exit_interval: None,
@@ -592,6 +615,14 @@ impl Settings {
         if let Some(l) = &a.load {
             check_dir(l, "--load")?;
         }
+        let load_mode = match (a.finetune, a.no_load_optim) {
+            _ if a.load.is_none() && (a.finetune || a.no_load_optim) => {
+                bail!("--finetune and --no-load-optim say what --load takes: add --load FOLDER")
+            }
+            (true, _) => LoadMode::Finetune,
+            (false, true) => LoadMode::NoOptim,
+            (false, false) => LoadMode::Resume,
+        };
         if a.exit_interval == Some(0) {
             bail!("--exit-interval must be at least 1");
         }
@@ -620,6 +651,7 @@ impl Settings {
         let paths = Paths {
             save: a.save,
             load: a.load,
+            load_mode,
             metrics,
             progress: !a.no_progress,
             exit_interval: a.exit_interval,
@@ -890,6 +922,9 @@ mod tests {
         let plain = parse("").unwrap();
         let s = parse("--use-flash-attn --group-query-attention --hidden-dropout 0 --attention-dropout 0.0").unwrap();
         assert_eq!(s, plain, "these change nothing");
+        let e = parse("--finetune").unwrap_err().to_string();
+        assert!(e.contains("--finetune") && e.contains("--load"), "{e}");
+        assert!(parse("--no-load-optim").unwrap_err().to_string().contains("--load"));
         let e = parse("--overlap-param-gather").unwrap_err().to_string();
         assert!(e.contains("--overlap-param-gather") && e.contains("--use-distributed-optimizer"), "{e}");
         assert!(parse("--overlap-param-gather --use-distributed-optimizer").unwrap().overlap_param_gather);

@@ -3,7 +3,7 @@
 //! AdamW step, logging (world rank 0), evaluation, checkpointing and resume.
 
 use crate::checkpoint::{self, SaveInfo};
-use crate::settings::{Launch, Paths, Settings};
+use crate::settings::{Launch, LoadMode, Paths, Settings};
 use anyhow::{Context, bail};
 use ferrotron_comm::{run_ranks, thread_world};
 use ferrotron_core::{Cx, DType, Device, ParamTable, Tensor};
@@ -324,10 +324,23 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     let (mut iteration, mut consumed) = (0u64, 0u64);
     if let Some(dir) = &paths.load {
         let ck = checkpoint::load(dir)?;
-        checkpoint::restore(&ck, &table, &mut opt)?;
-        (iteration, consumed) = (ck.state.iteration, ck.state.consumed_samples);
+        if paths.load_mode == LoadMode::Resume {
+            checkpoint::restore(&ck, &table, &mut opt)?;
+        } else {
+            checkpoint::restore_params(&ck, &table)?;
+            // A fresh optimizer: fp32 master weights from the loaded parameters, no moments.
+            opt = Optimizer::new_parallel(&table, adam, &sync, g.mp.clone(), g.tp.rank())?;
+        }
+        if paths.load_mode != LoadMode::Finetune {
+            (iteration, consumed) = (ck.state.iteration, ck.state.consumed_samples);
+        }
         if rank0 {
-            eprintln!("resumed from {} at iteration {iteration}", dir.display());
+            let what = match paths.load_mode {
+                LoadMode::Resume => "resumed",
+                LoadMode::NoOptim => "loaded (parameters and position; fresh optimizer)",
+                LoadMode::Finetune => "loaded for fine-tuning (parameters only)",
+            };
+            eprintln!("{what} from {} at iteration {iteration}", dir.display());
         }
     }
     let mut metrics = Metrics(match (&paths.metrics, rank0) {

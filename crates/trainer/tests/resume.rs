@@ -115,6 +115,26 @@ fn relayout(s1: &ferrotron_trainer::settings::Settings, s4: &ferrotron_trainer::
     }
 }
 
+/// Megatron's --no-load-optim and --finetune. Without the optimizer's state the run goes on at
+/// the saved iteration with the saved parameters (its first loss is the resumed run's, bit for
+/// bit) but a fresh Adam (the next ones differ); fine-tuning starts at iteration 1 on the data's
+/// first batch with the trained parameters (lower than the untrained model's loss there).
+#[test]
+fn loading_without_the_optimizer_or_for_fine_tuning() {
+    use ferrotron_trainer::settings::LoadMode;
+    let s = settings(&tiny_args(false));
+    let dir = tmp("load-modes");
+    let scratch = train(&s, &Paths { save: Some(dir.clone()), exit_interval: Some(4), ..Paths::default() }).unwrap();
+    let load = |load_mode| train(&s, &Paths { load: Some(dir.clone()), load_mode, ..Paths::default() }).unwrap();
+    let (resumed, fresh, tuned) = (load(LoadMode::Resume), load(LoadMode::NoOptim), load(LoadMode::Finetune));
+    assert_eq!((resumed.losses[0].0, fresh.losses[0].0), (5, 5));
+    assert_eq!(fresh.losses[0].1.to_bits(), resumed.losses[0].1.to_bits(), "same parameters, same batch");
+    assert_ne!(fresh.losses[1].1.to_bits(), resumed.losses[1].1.to_bits(), "a fresh optimizer steps differently");
+    assert_eq!(tuned.losses.iter().map(|l| l.0).collect::<Vec<_>>(), (1..=8).collect::<Vec<_>>());
+    assert!(tuned.losses[0].1 < scratch.losses[0].1, "{:?} vs {:?}", tuned.losses[0], scratch.losses[0]);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// Losses are read back at log intervals (the steps between are only queued): every iteration's
 /// loss still arrives, in order and bit for bit as when each step is read at once, also when
 /// --exit-interval stops the run between log lines.
