@@ -78,6 +78,7 @@ thread_local! {
     static FLASH_DEFER: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static FLASH_BIAS_GRAD: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static FLASH_DQ_SUM: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+    static FLASH_BIAS_GRAD_RUNS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
 /// Whether this thread's wgmma flash kernels are the warp-specialised ones, forward and backward
@@ -131,6 +132,16 @@ pub(crate) fn flash_tma() -> bool {
         .unwrap_or_else(|| *ENV.get_or_init(|| std::env::var("FERROTRON_FLASH_TMA").as_deref() != Ok("0")))
 }
 
+/// A switch off by default until measured: this thread's setting in `cell`, else whether `var`
+/// is `1` in the environment (read once).
+fn opt_in(
+    cell: &'static std::thread::LocalKey<std::cell::Cell<Option<bool>>>,
+    var: &'static str,
+    env: &'static std::sync::OnceLock<bool>,
+) -> bool {
+    cell.with(|w| w.get()).unwrap_or_else(|| *env.get_or_init(|| std::env::var(var).as_deref() == Ok("1")))
+}
+
 /// Whether the warp-specialised forward defers each turn's wait for its P·V to the next turn
 /// (kernels/flash_mma.cu `DEFER`): this thread's `set_flash_defer`, else `FERROTRON_FLASH_DEFER=1`.
 /// Off by default until measured; tests set it to run both.
@@ -140,9 +151,7 @@ pub fn set_flash_defer(on: bool) {
 
 pub(crate) fn flash_defer() -> bool {
     static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    FLASH_DEFER
-        .with(|w| w.get())
-        .unwrap_or_else(|| *ENV.get_or_init(|| std::env::var("FERROTRON_FLASH_DEFER").as_deref() == Ok("1")))
+    opt_in(&FLASH_DEFER, "FERROTRON_FLASH_DEFER", &ENV)
 }
 
 /// Whether the flash backward on the fused projection output writes the first pass of the QKV
@@ -153,11 +162,19 @@ pub fn set_flash_bias_grad(on: bool) {
     FLASH_BIAS_GRAD.with(|w| w.set(Some(on)));
 }
 
+/// How many backwards on this thread summed the bias in their own kernels (tests check that the
+/// path they compare was taken).
+pub fn flash_bias_grad_runs() -> u64 {
+    FLASH_BIAS_GRAD_RUNS.with(|c| c.get())
+}
+
+pub(crate) fn count_flash_bias_grad_run() {
+    FLASH_BIAS_GRAD_RUNS.with(|c| c.set(c.get() + 1));
+}
+
 pub(crate) fn flash_bias_grad() -> bool {
     static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    FLASH_BIAS_GRAD
-        .with(|w| w.get())
-        .unwrap_or_else(|| *ENV.get_or_init(|| std::env::var("FERROTRON_FLASH_BIAS_GRAD").as_deref() == Ok("1")))
+    opt_in(&FLASH_BIAS_GRAD, "FERROTRON_FLASH_BIAS_GRAD", &ENV)
 }
 
 /// Whether the warp-specialised head dim 64 backward (TMA build) adds its two consumers' dQ
@@ -170,9 +187,7 @@ pub fn set_flash_dq_sum(on: bool) {
 
 pub(crate) fn flash_dq_sum() -> bool {
     static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    FLASH_DQ_SUM
-        .with(|w| w.get())
-        .unwrap_or_else(|| *ENV.get_or_init(|| std::env::var("FERROTRON_FLASH_DQ_SUM").as_deref() == Ok("1")))
+    opt_in(&FLASH_DQ_SUM, "FERROTRON_FLASH_DQ_SUM", &ENV)
 }
 
 pub(crate) fn flash_bwd_ws() -> bool {

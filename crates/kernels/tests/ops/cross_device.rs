@@ -337,7 +337,10 @@ fn every_op_matches_cpu() {
                     let (o, lse) = k::attention_fwd_qkv(&qc, hkv, gq, d, &cfg).unwrap();
                     ferrotron_kernels::cuda::set_flash_bias_grad(true);
                     let db = on(&start(), &g);
+                    let runs = ferrotron_kernels::cuda::flash_bias_grad_runs();
                     let dqkv = k::attention_bwd_qkv_into(&qc, &o, &lse, &dc, hkv, gq, d, &cfg, &db, acc).unwrap();
+                    let fused = ferrotron_kernels::cuda::flash_bias_grad_runs() > runs;
+                    assert_eq!(fused, t % 64 == 0, "{what}: the kernels summed the bias (whole chunks only)");
                     ferrotron_kernels::cuda::set_flash_bias_grad(false);
                     let want = on(&start(), &g);
                     k::bias_grad_into(&want, &dqkv, acc).unwrap();

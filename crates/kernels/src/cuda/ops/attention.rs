@@ -463,6 +463,7 @@ pub fn attention_bwd_qkv(
     tc_bwd(be, &x, o, lse, dout, a, partials.as_ref())?;
     if let (Some(p), Some((db, acc))) = (&partials, db) {
         col_sum_to(be, p, rows / 64, width, db, acc)?;
+        crate::cuda::count_flash_bias_grad_run();
     }
     Ok(Some((dqkv, partials.is_some())))
 }
