@@ -17,7 +17,7 @@
 #       matched[:PRESET,...]   the matched bench, Ferrotron and PyTorch (`xtask bench --gpu`)
 #       ncu-bwd:DxT[:VAR=V,...]    Nsight Compute on one flash backward of attention_bench's shape
 #                              DxT (e.g. 64x1024): time, instructions, L2 bytes and reductions
-#     e.g. `verify attn attn:FERROTRON_FLASH_DEFER=1 trace:124m trace:124m:FERROTRON_FLASH_BIAS_GRAD=1`.
+#     e.g. `verify attn attn:FERROTRON_FLASH_TMA=0 trace:124m trace:124m:FERROTRON_FLASH_BIAS_GRAD=0`.
 #     Every step's output goes to the console and to $OUT/session.log (./gpu-logs without $OUT).
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -536,20 +536,13 @@ __device__ __forceinline__ void cp_async4(float* dst, const float* src, bool in)
 // instructions, on the schedulers the consumers issue from); the (lse, delta) rows stay 4-byte
 // cp.async from 128 threads (their rows need not be 16-byte aligned), so a stage's full barrier
 // counts those 128 arrivals and the copying thread's expected bytes.
-// QS (head dim 64 only): the two consumers' 64 × 64 dQ pieces of a step, partial sums over each
-// one's own keys, are added in shared memory before they leave (after both are staged, one
-// 256-thread barrier; each consumer adds one half of the tile from both staging buffers into its
-// own and bulk-reduces that 8 KB half), so each step sends 16 KB of fp32 reductions to L2 instead
-// of 32 KB: FlashAttention-3's traffic at head dim 64 (128-row tiles, one dQ piece per key block).
-// The last step's cross reads end at a 256-thread barrier before dK and dV reuse the buffers.
-template <int D, bool TMA, bool QS = false>
+template <int D, bool TMA>
 __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse,
                                   const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, float* dqa, long t,
                                   long sl, long hq, long hkv, float scale, long causal, long window, long fused,
                                   const TmaMap* km, const TmaMap* vm, const TmaMap* qm, const TmaMap* dom,
                                   float* bp, long bc) {
     static_assert(D == 64 || D == 128, "64-column dQ pieces");
-    static_assert(!QS || D == 64, "QS: the head dim 64 consumers' redundant dQ pieces");
     // CK: keys per consumer; DSB: dSᵀ buffers (each both consumers' keys × 64 rows).
     constexpr int NO = D / 8, KEYS = 128, CK = 64, TILE = FB_ROWS * D, ST = bw_stages(D), DSB = D == 64 ? 1 : 2;
     constexpr int DSS = 2 * CK * FB_ROWS * 2;  // bytes of one dSᵀ buffer
@@ -724,25 +717,11 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
         mbar_arrive(&empty[stg]);
         float* buf = dqs + (n & 1) * 4096;
         stage_dq(buf, dqc, warp & 3, lane);
-        // QS: the half of the tile this consumer sends (floats [half, half + 2048)).
-        const int half = QS ? wg * 2048 : 0;
-        if constexpr (QS) {
-            named_sync(3, 256);  // both pieces staged (barriers 1 and 2 are the consumers' own)
-            const float4* other = reinterpret_cast<const float4*>(dqs_all + (1 - wg) * 2 * 4096 + (n & 1) * 4096);
-            float4* mine = reinterpret_cast<float4*>(buf);
-            #pragma unroll
-            for (int x = 0; x < 4; x++) {
-                const int i = half / 4 + x * 128 + (threadIdx.x & 127);
-                const float4 a = mine[i], c = other[i];
-                mine[i] = make_float4(a.x + c.x, a.y + c.y, a.z + c.z, a.w + c.w);
-            }
-        }
         fence_async_smem();
         named_sync(D == 64 ? 1 + wg : 2 + wg, 128);  // (D 128: barrier 1 is the consumers')
         if ((threadIdx.x & 127) == 0) {
             long h = kvh * group + qh, cb = D == 64 ? 0 : wg;  // the piece's head and column block
-            bulk_reduce_add(dqa + (((b * hq + h) * tp + i0 / 64) * (D / 64) + cb) * 4096 + half, buf + half,
-                            (QS ? 2048 : 4096) * 4);
+            bulk_reduce_add(dqa + (((b * hq + h) * tp + i0 / 64) * (D / 64) + cb) * 4096, buf, 4096 * 4);
             // The buffer of step n − 1 is read before step n + 1 refills it.
             bulk_wait_read<1>();
         }
@@ -752,7 +731,6 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
     // dK and dV out through this consumer's dQ staging buffers, once its bulk reductions have
     // read them (32 KB; a padded 64 × (D + 8) bf16 tile is 17 KB at D 128).
     const int bar = D == 64 ? 1 + wg : 2 + wg;
-    if constexpr (QS) named_sync(3, 256);  // the other consumer's last reads of these buffers done
     if ((threadIdx.x & 127) == 0) bulk_wait<0>();
     named_sync(bar, 128);
     bf16_t* tile = reinterpret_cast<bf16_t*>(dqs);
@@ -763,19 +741,18 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
     named_sync(bar, 128);  // every row of dK read out before dV overwrites the tile
     store_keys_staged<D>(dva, 1.f, tile, bar, jc, dv, sl, kp.heads, kp.head, b, pk ? pk + D : nullptr);
 }
-#define FLASH_BWD_DKVQ_WS(NAME, D, TMA, QS) \
+#define FLASH_BWD_DKVQ_WS(NAME, D, TMA) \
 extern "C" __global__ void __launch_bounds__(384, 1) NAME(const bf16_t* q, const bf16_t* k, const bf16_t* v, \
         const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, float* dqa, long t, \
         long sl, long hq, long hkv, long d, float scale, long causal, long window, long fused, \
         const __grid_constant__ TmaMap km, const __grid_constant__ TmaMap vm, const __grid_constant__ TmaMap qm, \
         const __grid_constant__ TmaMap dom, float* bp, long bc) { \
-    flash_bwd_dkvq_ws<D, TMA, QS>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale, causal, window, fused, \
+    flash_bwd_dkvq_ws<D, TMA>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale, causal, window, fused, \
                               &km, &vm, &qm, &dom, bp, bc); }
-FLASH_BWD_DKVQ_WS(flash_bwd_dkvq_ws2_bf16_64, 64, false, false)
-FLASH_BWD_DKVQ_WS(flash_bwd_dkvq_ws2_bf16_128, 128, false, false)
-FLASH_BWD_DKVQ_WS(flash_bwd_dkvq_ws2t_bf16_64, 64, true, false)
-FLASH_BWD_DKVQ_WS(flash_bwd_dkvq_ws2t_bf16_128, 128, true, false)
-FLASH_BWD_DKVQ_WS(flash_bwd_dkvq_ws2ts_bf16_64, 64, true, true)
+FLASH_BWD_DKVQ_WS(flash_bwd_dkvq_ws2_bf16_64, 64, false)
+FLASH_BWD_DKVQ_WS(flash_bwd_dkvq_ws2_bf16_128, 128, false)
+FLASH_BWD_DKVQ_WS(flash_bwd_dkvq_ws2t_bf16_64, 64, true)
+FLASH_BWD_DKVQ_WS(flash_bwd_dkvq_ws2t_bf16_128, 128, true)
 
 // dQ (bf16, [B, T, Hq, D], or with `fused` the query slots of dQKV: Place) from the bulk-reduced
 // fp32 tiles: per (batch, head, 64-row tile, 64-column block) 4096 floats in the dK/dV kernel's

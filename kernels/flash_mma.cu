@@ -522,7 +522,7 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
 
 // The wgmma forward with its warps specialised (FlashAttention-3's arrangement): two consumer
 // warpgroups of 64 query rows each and a producer warpgroup that streams K/V tiles through
-// fw_stages shared-memory stages (swizzled; by TMA from one thread, or by cp.async from all 128,
+// FW_STAGES shared-memory stages (swizzled; by TMA from one thread, or by cp.async from all 128,
 // tile_async_sw). Stages hand over through mbarriers (full: the producer's copies landed; empty:
 // both consumers are done with the tile), so no block-wide barrier ties the warpgroups together. A consumer's turn on the tensor
 // cores issues S = Q·Kᵀ of tile it and O += P·V of tile it − 1 back to back as two commit groups
@@ -541,9 +541,7 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
 // and O's rescale is skipped when no row's max moved (a warp vote); at head dim 64 (128-key
 // tiles) P is packed inside the softmax and O always rescaled (measured faster there). The
 // consumers hold S, P, O and Q at once and take registers from the producer (setmaxnreg).
-// K/V stages: 3, and 4 for the head dim 64 DEFER build (its stages come back a turn later; at
-// head dim 128 a fourth 64 KB stage does not fit). The host's `fwd_kernel` must agree.
-__host__ __device__ constexpr int fw_stages(int d, bool defer) { return defer && d == 64 ? 4 : 3; }
+#define FW_STAGES 3
 
 // PERSIST: one block per SM walks the query tiles (tile k, then 2G − 1 − k, 2G + k, …: heaviest
 // first, a light tile after each heavy one) with the stage ring and its phases running on across
@@ -553,13 +551,12 @@ __host__ __device__ constexpr int fw_stages(int d, bool defer) { return defer &&
 // [B, sl, heads, D] by their `Place`: box 64 columns × KEYS rows, D / 64 copies a tile), instead
 // of 128 threads' cp.async (≈ 16 instructions a 16-byte copy in the SASS: 26% of the head dim 128
 // forward's instructions, on the schedulers the consumers issue from).
-template <int D, int KEYS, bool LATE, bool PERSIST, bool TMA, bool DEFER>
+template <int D, int KEYS, bool LATE, bool PERSIST, bool TMA>
 __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl,
                              long hq, long hkv, float scale, long causal, long window, long fused, long bh,
                              const TmaMap* km, const TmaMap* vm, const TmaMap* qm) {
     constexpr int NC = 2;  // consumer warpgroups: the register split below is for two
     constexpr int NO = D / 8, NB = KEYS / 8, ROWS = FM_ROWS * NC, TILE = KEYS * D;  // bf16 per K or V tile
-    constexpr int FW_STAGES = fw_stages(D, DEFER);
     // QT: the persistent TMA build also copies each query tile's Q by TMA, into one of two Q
     // buffers, when the producer reaches that tile (a few key tiles before the consumers do), so
     // the consumers load Q from shared memory instead of waiting on global loads at every tile.
@@ -696,42 +693,10 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
         // so that no wgmma sits on a branch (ptxas would serialise them all). Nor may a branch run
         // while P V is in flight (ptxas waits for it there), so the loop's turns get `unmasked` as
         // a constant: the tiles that need no mask in one loop, the rest in another.
-        // The last softmax's row corrections and whether any row's max moved (DEFER: applied at
-        // the start of the next turn).
-        float corr[1][2] = {{1.f, 1.f}};
-        bool moved = false;
-        // O *= corr (this thread's rows), then P of the last softmax into pa (from s, or pn).
-        auto rescale_and_pack = [&]() {
-            if (moved) {
-                #pragma unroll
-                for (int n = 0; n < NO; n++) {
-                    acc[0][n][0] *= corr[0][0]; acc[0][n][1] *= corr[0][0];
-                    acc[0][n][2] *= corr[0][1]; acc[0][n][3] *= corr[0][1];
-                }
-            }
-            if constexpr (LATE) {
-                #pragma unroll
-                for (int kstep = 0; kstep < NB / 2; kstep++) c_to_a(pa[0][kstep], s[0], kstep);
-            } else {
-                #pragma unroll
-                for (int x = 0; x < NB / 2; x++) for (int y = 0; y < 4; y++) pa[0][x][y] = pn[0][x][y];
-            }
-        };
         auto turn = [&](long bt, bool pv, bool qk, bool unmasked) {
             const u32 ub = base + (u32)bt;  // stage arithmetic in 32 bits (a 64-bit % 3 is ~15 instructions)
             const bf16_t* kv_prev = stage + ((ub + FW_STAGES - 1) % FW_STAGES) * 2 * TILE;
             const bf16_t* kv_cur = stage + (ub % FW_STAGES) * 2 * TILE;
-            if constexpr (DEFER) {
-                if (pv) {
-                    // P·V of tile bt − 2 (issued last turn; nothing in flight at bt = 1) done, then
-                    // O rescaled and tile bt − 1's P into pa, while the other warpgroup multiplies.
-                    wg_wait<0>();
-                    wg_pin<D / 2>(&acc[0][0][0]);
-                    wg_keep<KEYS / 4>(&pa[0][0][0]);
-                    if (bt >= 2) mbar_arrive(&empty[(ub + FW_STAGES - 2) % FW_STAGES]);  // tile bt − 2 done
-                    rescale_and_pack();
-                }
-            }
             if (qk) {
                 mbar_wait(&full[ub % FW_STAGES], (ub / FW_STAGES) & 1);
                 fence_async_smem();
@@ -749,6 +714,8 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
                 wg_commit();
             }
             if (!(wg == NC - 1 && !qk)) named_arrive(next, 256);
+            float corr[1][2];
+            bool moved = true;
             if (qk) {
                 if (pv) wg_wait<1>(); else wg_wait<0>();  // the groups finish in order: S first
                 wg_pin<KEYS / 2>(&s[0][0][0]);
@@ -760,16 +727,28 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
                 else
                     moved = softmax_tile<1, NB>(s, m, l, corr, pn, unmasked, r, j0, t, sl, causal, window, scale2);
             }
-            // DEFER: only the last turn waits for its P·V here (O is read next); the others leave
-            // it running into the next turn, past the loop's back edge, where ptxas cannot hoist
-            // the wait above this softmax as it does within one turn.
-            if (pv && (!DEFER || !qk)) {
+            if (pv) {
                 wg_wait<0>();
                 wg_pin<D / 2>(&acc[0][0][0]);
                 wg_keep<KEYS / 4>(&pa[0][0][0]);
                 mbar_arrive(&empty[(ub + FW_STAGES - 1) % FW_STAGES]);  // tile bt − 1 done
             }
-            if (!DEFER && qk) rescale_and_pack();
+            if (qk) {
+                if (moved) {
+                    #pragma unroll
+                    for (int n = 0; n < NO; n++) {
+                        acc[0][n][0] *= corr[0][0]; acc[0][n][1] *= corr[0][0];
+                        acc[0][n][2] *= corr[0][1]; acc[0][n][3] *= corr[0][1];
+                    }
+                }
+                if constexpr (LATE) {
+                    #pragma unroll
+                    for (int kstep = 0; kstep < NB / 2; kstep++) c_to_a(pa[0][kstep], s[0], kstep);
+                } else {
+                    #pragma unroll
+                    for (int x = 0; x < NB / 2; x++) for (int y = 0; y < 4; y++) pa[0][x][y] = pn[0][x][y];
+                }
+            }
         };
         if (steps > 0) {
             turn(0, false, true, tile_full(i0, ROWS, jb, KEYS, t, sl, causal, window));
@@ -806,22 +785,21 @@ FLASH_MMA(flash_fwd_wg2_bf16_64, 64, 1, true, 2)
 FLASH_MMA(flash_fwd_wg2_bf16_128, 128, 1, true, 2)
 FLASH_MMA(flash_fwd_wg3_bf16_128, 128, 1, true, 3)
 // The warp-specialised forward (flash_fwd_ws2[t][p]k128_bf16_D; 64-key tiles without `k128`):
-// two consumer warpgroups (128 rows) and a producer warpgroup; fw_stages · 2 · KEYS · D · 2 bytes
-// of K/V tiles, the persistent TMA build's two Q tiles (2 · 128 · D · 2), 2 · fw_stages + 4
+// two consumer warpgroups (128 rows) and a producer warpgroup; FW_STAGES · 2 · KEYS · D · 2 bytes
+// of K/V tiles, the persistent TMA build's two Q tiles (2 · 128 · D · 2), 2 · FW_STAGES + 4
 // mbarriers, then the consumers' O tiles (2 · 64 · (D + 8) · 2 bytes; the host's `fwd_kernel`
 // must agree). At head dim 128 with 128-key tiles a consumer holds S (64 registers), P in flight (32),
 // O (64) and Q (32): LATE keeps the next P in S's registers until the product reading the last
 // one is done (ptxas: no spill in 232).
 // Grid: bh (batch × heads) × query tiles, or with PERSIST (the `p` kernels) at most one block
-// per SM. `t`: K and V (and, persistent, Q) copied by TMA; `d`: DEFER.
-#define FLASH_WS_D(NAME, D, KEYS, LATE, PERSIST, TMA, DEFER) \
+// per SM. `t`: K and V (and, persistent, Q) copied by TMA.
+#define FLASH_WS(NAME, D, KEYS, LATE, PERSIST, TMA) \
 extern "C" __global__ void __launch_bounds__(384, 1) NAME(const bf16_t* q, \
         const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl, long hq, long hkv, long d, \
         float scale, long causal, long window, long fused, long bh, const __grid_constant__ TmaMap km, \
         const __grid_constant__ TmaMap vm, const __grid_constant__ TmaMap qm) { \
-    flash_fwd_ws<D, KEYS, LATE, PERSIST, TMA, DEFER>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window, fused, \
-                                                     bh, &km, &vm, &qm); }
-#define FLASH_WS(NAME, D, KEYS, LATE, PERSIST, TMA) FLASH_WS_D(NAME, D, KEYS, LATE, PERSIST, TMA, false)
+    flash_fwd_ws<D, KEYS, LATE, PERSIST, TMA>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window, fused, bh, &km, \
+                                              &vm, &qm); }
 FLASH_WS(flash_fwd_ws2k128_bf16_128, 128, 128, true, false, false)
 FLASH_WS(flash_fwd_ws2k128_bf16_64, 64, 128, false, false, false)
 FLASH_WS(flash_fwd_ws2pk128_bf16_64, 64, 128, false, true, false)
@@ -829,9 +807,6 @@ FLASH_WS(flash_fwd_ws2pk128_bf16_64, 64, 128, false, true, false)
 FLASH_WS(flash_fwd_ws2tk128_bf16_128, 128, 128, true, false, true)
 FLASH_WS(flash_fwd_ws2tk128_bf16_64, 64, 128, false, false, true)
 FLASH_WS(flash_fwd_ws2tpk128_bf16_64, 64, 128, false, true, true)
-// Each turn's wait for its P·V deferred to the next turn (`d`, FERROTRON_FLASH_DEFER=1).
-FLASH_WS_D(flash_fwd_ws2tdk128_bf16_128, 128, 128, true, false, true, true)
-FLASH_WS_D(flash_fwd_ws2tdpk128_bf16_64, 64, 128, true, true, true, true)
 // 64-key tiles (`FERROTRON_FLASH_FWD=ws64`, kept to measure against).
 FLASH_WS(flash_fwd_ws2_bf16_128, 128, 64, true, false, false)
 FLASH_WS(flash_fwd_ws2t_bf16_128, 128, 64, true, false, true)

@@ -168,9 +168,9 @@ pub fn attention_bwd_qkv(
 
 /// [`attention_bwd_qkv`] with Σ over rows of dQKV (the QKV projection's bias gradient) added into
 /// `db` [Hkv·(G+2)·D] (`acc`), or stored there: a main_grad view, as
-/// [`bias_grad_into`](crate::bias_grad_into). On a GPU whose flash backward can
-/// (`cuda::set_flash_bias_grad`), its own kernels sum the tiles they write, so dQKV is not read
-/// again for the bias; the sums have the bits `bias_grad_into` would give.
+/// [`bias_grad_into`](crate::bias_grad_into). On a GPU whose flash backward can (the default;
+/// `cuda::set_flash_bias_grad(false)` turns it off), its own kernels sum the tiles they write, so
+/// dQKV is not read again for the bias; the sums have the bits `bias_grad_into` would give.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_bwd_qkv_into(
     qkv: &Tensor,

@@ -75,9 +75,7 @@ thread_local! {
     static FLASH_WS: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static FLASH_PERSIST: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static FLASH_TMA: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
-    static FLASH_DEFER: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static FLASH_BIAS_GRAD: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
-    static FLASH_DQ_SUM: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static FLASH_BIAS_GRAD_RUNS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
@@ -132,32 +130,10 @@ pub(crate) fn flash_tma() -> bool {
         .unwrap_or_else(|| *ENV.get_or_init(|| std::env::var("FERROTRON_FLASH_TMA").as_deref() != Ok("0")))
 }
 
-/// A switch off by default until measured: this thread's setting in `cell`, else whether `var`
-/// is `1` in the environment (read once).
-fn opt_in(
-    cell: &'static std::thread::LocalKey<std::cell::Cell<Option<bool>>>,
-    var: &'static str,
-    env: &'static std::sync::OnceLock<bool>,
-) -> bool {
-    cell.with(|w| w.get()).unwrap_or_else(|| *env.get_or_init(|| std::env::var(var).as_deref() == Ok("1")))
-}
-
-/// Whether the warp-specialised forward defers each turn's wait for its P·V to the next turn
-/// (kernels/flash_mma.cu `DEFER`): this thread's `set_flash_defer`, else `FERROTRON_FLASH_DEFER=1`.
-/// Off by default until measured; tests set it to run both.
-pub fn set_flash_defer(on: bool) {
-    FLASH_DEFER.with(|w| w.set(Some(on)));
-}
-
-pub(crate) fn flash_defer() -> bool {
-    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    opt_in(&FLASH_DEFER, "FERROTRON_FLASH_DEFER", &ENV)
-}
-
 /// Whether the flash backward on the fused projection output writes the first pass of the QKV
 /// bias gradient's column sums from its own dQ, dK and dV tiles (`attention_bwd_qkv_into`: no
-/// read of dQKV for the bias): this thread's `set_flash_bias_grad`, else
-/// `FERROTRON_FLASH_BIAS_GRAD=1`. Off by default until measured; tests set it to run both.
+/// read of dQKV for the bias): this thread's `set_flash_bias_grad`, else on unless
+/// `FERROTRON_FLASH_BIAS_GRAD=0`. Tests set it to run both.
 pub fn set_flash_bias_grad(on: bool) {
     FLASH_BIAS_GRAD.with(|w| w.set(Some(on)));
 }
@@ -174,20 +150,9 @@ pub(crate) fn count_flash_bias_grad_run() {
 
 pub(crate) fn flash_bias_grad() -> bool {
     static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    opt_in(&FLASH_BIAS_GRAD, "FERROTRON_FLASH_BIAS_GRAD", &ENV)
-}
-
-/// Whether the warp-specialised head dim 64 backward (TMA build) adds its two consumers' dQ
-/// pieces in shared memory before reducing them into dQ's fp32 tiles (kernels/flash_bwd_mma.cu
-/// `QS`: half the reduction traffic to L2): this thread's `set_flash_dq_sum`, else
-/// `FERROTRON_FLASH_DQ_SUM=1`. Off by default until measured; tests set it to run both.
-pub fn set_flash_dq_sum(on: bool) {
-    FLASH_DQ_SUM.with(|w| w.set(Some(on)));
-}
-
-pub(crate) fn flash_dq_sum() -> bool {
-    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    opt_in(&FLASH_DQ_SUM, "FERROTRON_FLASH_DQ_SUM", &ENV)
+    FLASH_BIAS_GRAD
+        .with(|w| w.get())
+        .unwrap_or_else(|| *ENV.get_or_init(|| std::env::var("FERROTRON_FLASH_BIAS_GRAD").as_deref() != Ok("0")))
 }
 
 pub(crate) fn flash_bwd_ws() -> bool {

@@ -191,22 +191,16 @@ fn every_op_matches_cpu() {
         ];
         // bf16 on an sm_90 GPU: the wgmma kernels with warpgroups in lockstep (the backward's dQ
         // by bulk reductions, then, deterministic, by its own kernel), the warp-specialised
-        // forward and backward (tiles copied by TMA; then the forward's P·V waited for a turn
-        // later; then the head dim 64 backward's dQ pieces summed in shared memory; then copied by
-        // cp.async), then the mma.sync ones (wgmma off).
+        // forward and backward (its forward's K/V copied by TMA, then by cp.async), then the
+        // mma.sync ones (wgmma off).
         let modes = [
-            (true, false, false, true, false, false),
-            (true, true, false, true, false, false),
-            (true, false, true, true, false, false),
-            (true, false, true, true, true, false),
-            (true, false, true, true, false, true),
-            (true, false, true, false, false, false),
-            (false, false, false, true, false, false),
+            (true, false, false, true),
+            (true, true, false, true),
+            (true, false, true, true),
+            (true, false, true, false),
+            (false, false, false, true),
         ];
-        for ((wg, det, ws, tma, defer, qs), (t, hq, hkv, d)) in modes.into_iter().flat_map(|m| shapes.map(|s| (m, s))) {
-            if qs && d != 64 {
-                continue; // built at head dim 64 only
-            }
+        for ((wg, det, ws, tma), (t, hq, hkv, d)) in modes.into_iter().flat_map(|m| shapes.map(|s| (m, s))) {
             if dt == DType::F32 && (!wg || det || ws) {
                 continue; // the same f32 kernels either way
             }
@@ -214,8 +208,6 @@ fn every_op_matches_cpu() {
             ferrotron_kernels::cuda::set_deterministic(det);
             ferrotron_kernels::cuda::set_flash_ws(ws);
             ferrotron_kernels::cuda::set_flash_tma(tma);
-            ferrotron_kernels::cuda::set_flash_defer(defer);
-            ferrotron_kernels::cuda::set_flash_dq_sum(qs);
             if dt == DType::F32 && t > 100 {
                 // The long shapes are for the bf16 tensor-core kernels; f32 sums over 150 rows
                 // drift past the 1e-5 f32 tolerance by accumulation order alone.
@@ -234,9 +226,7 @@ fn every_op_matches_cpu() {
                 AttnCfg { causal: false, window: Some(40), scale: Some(0.3) },
             ] {
                 check_norm(
-                    &format!(
-                        "flash attention t{t} d{d} wgmma {wg} deterministic {det} ws {ws} tma {tma} defer {defer} dq sum {qs} {cfg:?}"
-                    ),
+                    &format!("flash attention t{t} d{d} wgmma {wg} deterministic {det} ws {ws} tma {tma} {cfg:?}"),
                     dt,
                     &[q.clone(), kk.clone(), v.clone(), dout.clone()],
                     |t| {
@@ -254,7 +244,7 @@ fn every_op_matches_cpu() {
             let cfg = AttnCfg::default();
             check_norm(
                 &format!(
-                    "flash attention fused qkv t{t} d{d} hq{hq} hkv{hkv} wgmma {wg} deterministic {det} ws {ws} tma {tma} defer {defer} dq sum {qs}"
+                    "flash attention fused qkv t{t} d{d} hq{hq} hkv{hkv} wgmma {wg} deterministic {det} ws {ws} tma {tma}"
                 ),
                 dt,
                 &[qkv, dout.clone()],
@@ -268,27 +258,22 @@ fn every_op_matches_cpu() {
         ferrotron_kernels::cuda::set_wgmma(true);
         ferrotron_kernels::cuda::set_flash_ws(true);
         ferrotron_kernels::cuda::set_flash_tma(true);
-        ferrotron_kernels::cuda::set_flash_defer(false);
-        ferrotron_kernels::cuda::set_flash_dq_sum(false);
         if dt == DType::BF16 {
             // The warp-specialised forward persistent (one block per SM walking the query tiles:
             // 512 tiles here, so every block takes several, in both directions of its walk) and
             // not, causal and full, GQA; at head dim 128 (320 tiles; built only one block per
-            // tile) both choices run that kernel. Each also with P·V waited for a turn later
-            // (`set_flash_defer`), whose turns carry state across tiles of a persistent block.
+            // tile) both choices run that kernel.
             for (t, hq, hkv, d) in [(1000usize, 32usize, 8usize, 64usize), (520, 32, 8, 128)] {
                 let x: Vec<Tensor> = [hq, hkv, hkv, hq]
                     .iter()
                     .enumerate()
                     .map(|(i, h)| rnd(&[2, t, *h, d], 40 + i as u64, dt))
                     .collect();
-                for (persist, defer) in [(true, false), (false, false), (true, true)] {
+                for persist in [true, false] {
                     ferrotron_kernels::cuda::set_flash_persist(persist);
-                    ferrotron_kernels::cuda::set_flash_defer(defer);
                     for causal in [true, false] {
                         let cfg = AttnCfg { causal, window: None, scale: None };
-                        let what = format!("flash attention t{t} d{d} persistent {persist} defer {defer} {cfg:?}");
-                        check_norm(&what, dt, &x, |t| {
+                        check_norm(&format!("flash attention t{t} d{d} persistent {persist} {cfg:?}"), dt, &x, |t| {
                             let (o, lse) = k::attention_fwd(&t[0], &t[1], &t[2], &cfg).unwrap();
                             let (dq, dk, dv) = k::attention_bwd(&t[0], &t[1], &t[2], &o, &lse, &t[3], &cfg).unwrap();
                             vec![o, lse, dq, dk, dv]
@@ -297,7 +282,6 @@ fn every_op_matches_cpu() {
                 }
             }
             ferrotron_kernels::cuda::set_flash_persist(true);
-            ferrotron_kernels::cuda::set_flash_defer(false);
         }
         if dt == DType::BF16 {
             // Deterministic mode: the backward twice on the GPU gives the same bits.
@@ -314,8 +298,8 @@ fn every_op_matches_cpu() {
         }
         ferrotron_kernels::cuda::set_deterministic(false);
         if dt == DType::BF16 {
-            // The QKV bias gradient summed by the flash backward's own kernels
-            // (`set_flash_bias_grad`): the same bits as bias_grad_into over the dQKV it wrote,
+            // The QKV bias gradient summed by the flash backward's own kernels (the default;
+            // `set_flash_bias_grad(false)` sums the written dQKV instead): the same bits as bias_grad_into over the dQKV it wrote,
             // stored (acc false) and added; against the CPU within bf16 tolerance. T 192 at head
             // dim 128 leaves the last 128-key block half empty (its second consumer has no
             // chunk); T 130 is not whole chunks (the backward does not sum, bias_grad_into does).
@@ -355,6 +339,7 @@ fn every_op_matches_cpu() {
                 }
             }
             ferrotron_kernels::cuda::set_flash_tma(true);
+            ferrotron_kernels::cuda::set_flash_bias_grad(true);
         }
         // Head dim 8: eight per thread; head dim 6: a warp per segment.
         for d in [8, 6] {

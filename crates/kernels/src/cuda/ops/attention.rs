@@ -110,9 +110,9 @@ fn fwd_kernel(be: &B, d: usize, t: usize) -> (TcLaunch, FwdGrid) {
         // head dim 128 337 / 460 / 563 / 633 / 706 TFLOP/s with 128-key tiles and TMA copies
         // (64-key tiles by cp.async: 299 / 387 / 455 / 507 / 569), head dim 64 221–466.
         let keys = fwd_ws_keys();
-        // The stages of K and V tiles (3; 4 for the head dim 64 DEFER build), the persistent TMA
-        // build's two 128-row Q tiles, 2 · stages + 4 mbarriers, the two consumers' O tiles of 64
-        // padded rows (`fwd_store_staged`): 231,504 bytes at head dim 128.
+        // FW_STAGES (3) stages of K and V tiles, the persistent TMA build's two 128-row Q tiles,
+        // 2 · 3 + 4 mbarriers, the two consumers' O tiles of 64 padded rows (`fwd_store_staged`):
+        // 231,504 bytes at head dim 128.
         let q_tiles = |persistent_tma: bool| if persistent_tma { 2 * 128 * d * 2 } else { 0 };
         // Persistent at head dim 64 (H200, 16k tokens per call: +4% at 1k, +1–4% to 8k, equal at
         // 16k; the 124M model's attention 5.28 → 5.24 ms a step), not at 128: −4% at 1k, −8% at
@@ -123,23 +123,16 @@ fn fwd_kernel(be: &B, d: usize, t: usize) -> (TcLaunch, FwdGrid) {
         // head dim 64.
         let tma = crate::cuda::flash_tma() && !(d == 64 && keys == 64);
         let persistent = crate::cuda::flash_persist().unwrap_or(true) && d == 64 && keys == 128;
-        // FERROTRON_FLASH_DEFER=1: each turn's wait for its P·V deferred to the next turn
-        // (kernels/flash_mma.cu `DEFER`; built for the default choices only).
-        let defer = tma && keys == 128 && persistent == (d == 64) && crate::cuda::flash_defer();
         let (p, t) = (if persistent { "p" } else { "" }, if tma { "t" } else { "" });
-        let (dd, k) = (if defer { "d" } else { "" }, if keys == 64 { String::new() } else { format!("k{keys}") });
-        let name = format!("flash_fwd_ws2{t}{dd}{p}{k}_bf16_{d}");
+        let k = if keys == 64 { String::new() } else { format!("k{keys}") };
+        let name = format!("flash_fwd_ws2{t}{p}{k}_bf16_{d}");
         let grid = match (persistent, tma) {
             (true, true) => FwdGrid::WsPersistentTma,
             (true, false) => FwdGrid::WsPersistent,
             (false, true) => FwdGrid::WsTilesTma,
             (false, false) => FwdGrid::WsTiles,
         };
-        let stages = if defer && d == 64 { 4 } else { 3 }; // kernels/flash_mma.cu `fw_stages`
-        let shared = stages * 2 * keys * d * 2
-            + q_tiles(grid == FwdGrid::WsPersistentTma)
-            + (2 * stages + 4) * 8
-            + 2 * 64 * (d + 8) * 2;
+        let shared = 3 * 2 * keys * d * 2 + q_tiles(grid == FwdGrid::WsPersistentTma) + 10 * 8 + 2 * 64 * (d + 8) * 2;
         (TcLaunch { name, rows: 128, threads: 3 * 128, shared: shared as u32 }, grid)
     } else if be.use_wgmma() {
         // H200, 16k tokens per call (NW = 1 was L2-bound): D 64 NW 2 (178–246 TFLOP/s over 1k–16k;
@@ -181,10 +174,7 @@ fn bwd_plan(be: &B, d: usize, t: usize) -> BwdKernels {
     if wgmma && crate::cuda::flash_bwd_ws() {
         let tma = crate::cuda::flash_tma();
         let t = if tma { "t" } else { "" };
-        // FERROTRON_FLASH_DQ_SUM=1 (head dim 64, TMA build): the two consumers' dQ pieces added
-        // in shared memory before the reductions (kernels/flash_bwd_mma.cu `QS`).
-        let s = if tma && d == 64 && crate::cuda::flash_dq_sum() { "s" } else { "" };
-        let name = format!("flash_bwd_dkvq_ws2{t}{s}_bf16_{d}");
+        let name = format!("flash_bwd_dkvq_ws2{t}_bf16_{d}");
         return BwdKernels::Fused(TcLaunch { name, rows: 128, threads: 384, shared: ws_shared(d) }, Some(tma));
     }
     if !wgmma || (d == 64 && t <= 2048) {
