@@ -125,3 +125,87 @@ extern "C" __global__ void __launch_bounds__(256) norm_param_grad_##s##_v8(const
         float g[8], xv[8]; ld8(dy, r * c + j, g); ld8(x, r * c + j, xv); float mu = mean ? mean[r] : 0.f, rs = rstd[r]; \
         _Pragma("unroll") for (int e = 0; e < 8; e++) { a[e] += g[e] * (xv[e] - mu) * rs; bs[e] += g[e]; } }); }
 FOR_TYPES(NORM_PARAM_GRAD8)
+
+// Norm backward with its parameter gradients' first pass in the same launch (c % 256 == 0,
+// c ≤ 4096, 16-byte aligned; the host's `bwd_cols_block`): norm_param_grad read dy and x a
+// second time (2 · 67 MB a 1.3B LayerNorm, 48 of them a step). A block takes one COL_CHUNK-row
+// chunk (64 registers a thread: two 512-thread blocks an SM, so 16k rows are one wave) with
+// `teams` teams of c / 8 threads (whole warps), team u taking rows u, u + teams, …; a thread
+// holds eight columns. Per row: dy and x once, the two row sums by warp shuffles and one
+// barrier of the team (two slots, alternating by row, so a slot is rewritten only after every
+// reader of its last use has reached the next barrier), dx stored, and the thread's running dw
+// (and db) sums over its rows updated. Then the teams' sums are added in team order and stored as
+// the chunk's partials, which col_sum_f32 finishes as before. The order of the adds differs from
+// norm_param_grad's (deterministic either way). Dynamic shared memory: max(2 · teams · warps a
+// team · 2, teams · c · (LN ? 2 : 1)) floats.
+__device__ __forceinline__ void team_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+template <bool LN, typename T>
+__device__ __forceinline__ void norm_bwd_cols(const T* dy, const T* x, const T* w, const float* mean,
+                                              const float* rstd, const T* res, T* dx, float* pw, float* pb,
+                                              long rows, long c) {
+    extern __shared__ float nb_smem[];
+    const int tthreads = (int)(c / 8), teams = blockDim.x / tthreads, wpt = tthreads / 32;
+    const int team = threadIdx.x / tthreads, tt = threadIdx.x % tthreads, lane = threadIdx.x & 31, wit = tt >> 5;
+    const long j = (long)tt * 8, r0 = (long)blockIdx.x * COL_CHUNK, r1 = r0 + COL_CHUNK < rows ? r0 + COL_CHUNK : rows;
+    float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, b[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    int k = 0;
+    for (long r = r0 + team; r < r1; r += teams, k++) {
+        float g[8], gw[8], xh[8], sg = 0.f, sgx = 0.f;
+        ld8(w, j, g);  // from L1 each row: held across the loop it cost spills under 64 registers
+        ld8(dy, r * c + j, gw);
+        ld8(x, r * c + j, xh);
+        const float mu = LN ? mean[r] : 0.f, rs = rstd[r];
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            xh[e] = (xh[e] - mu) * rs;
+            a[e] += gw[e] * xh[e];
+            if (LN) b[e] += gw[e];
+            gw[e] *= g[e];
+            sg += gw[e];
+            sgx += gw[e] * xh[e];
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            sg += __shfl_xor_sync(0xffffffffu, sg, o);
+            sgx += __shfl_xor_sync(0xffffffffu, sgx, o);
+        }
+        float* slot = nb_smem + ((k & 1) * teams + team) * wpt * 2;
+        if (lane == 0) { slot[2 * wit] = sg; slot[2 * wit + 1] = sgx; }
+        team_sync(1 + team, tthreads);
+        sg = 0.f; sgx = 0.f;
+        for (int u = 0; u < wpt; u++) { sg += slot[2 * u]; sgx += slot[2 * u + 1]; }
+        sg /= c; sgx /= c;
+        float rr[8];
+        add_res8(res, r * c + j, rr);
+#pragma unroll
+        for (int e = 0; e < 8; e++) gw[e] = rs * (gw[e] - (LN ? sg : 0.f) - xh[e] * sgx) + rr[e];
+        st8(dx, r * c + j, gw);
+    }
+    const long out = (long)blockIdx.x * c + j;
+    if (teams == 1) {
+        st8(pw, out, a);
+        if (LN) st8(pb, out, b);
+        return;
+    }
+    __syncthreads();  // every team past its last row: the slots' memory takes the sums
+    float* sa = nb_smem;
+    float* sb = nb_smem + (long)teams * c;
+#pragma unroll
+    for (int e = 0; e < 8; e++) { sa[team * c + j + e] = a[e]; if (LN) sb[team * c + j + e] = b[e]; }
+    __syncthreads();
+    if (team != 0) return;
+#pragma unroll
+    for (int e = 0; e < 8; e++) {
+        a[e] = 0.f; b[e] = 0.f;
+        for (int u = 0; u < teams; u++) { a[e] += sa[u * c + j + e]; if (LN) b[e] += sb[u * c + j + e]; }
+    }
+    st8(pw, out, a);
+    if (LN) st8(pb, out, b);
+}
+#define NORM_BWD_COLS(s, T) \
+extern "C" __global__ void __launch_bounds__(512, 2) layernorm_bwd_cols_##s(const T* dy, const T* x, const T* w, const float* mean, const float* rstd, const T* res, T* dx, float* pw, float* pb, long rows, long c) { \
+    norm_bwd_cols<true>(dy, x, w, mean, rstd, res, dx, pw, pb, rows, c); } \
+extern "C" __global__ void __launch_bounds__(512, 2) rmsnorm_bwd_cols_##s(const T* dy, const T* x, const T* w, const float* rstd, const T* res, T* dx, float* pw, long rows, long c) { \
+    norm_bwd_cols<false>(dy, x, w, nullptr, rstd, res, dx, pw, nullptr, rows, c); }
+FOR_TYPES(NORM_BWD_COLS)

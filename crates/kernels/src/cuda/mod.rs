@@ -77,6 +77,7 @@ thread_local! {
     static FLASH_TMA: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static FLASH_BIAS_GRAD: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static FLASH_BIAS_GRAD_RUNS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    static NORM_FUSED: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
 }
 
 /// Whether this thread's wgmma flash kernels are the warp-specialised ones, forward and backward
@@ -125,9 +126,17 @@ pub fn set_flash_tma(on: bool) {
 
 pub(crate) fn flash_tma() -> bool {
     static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    FLASH_TMA
-        .with(|w| w.get())
-        .unwrap_or_else(|| *ENV.get_or_init(|| std::env::var("FERROTRON_FLASH_TMA").as_deref() != Ok("0")))
+    opt_out(&FLASH_TMA, "FERROTRON_FLASH_TMA", &ENV)
+}
+
+/// A switch on by default: this thread's setting in `cell`, else off only where `var` is `0` in
+/// the environment (read once).
+fn opt_out(
+    cell: &'static std::thread::LocalKey<std::cell::Cell<Option<bool>>>,
+    var: &'static str,
+    env: &'static std::sync::OnceLock<bool>,
+) -> bool {
+    cell.with(|w| w.get()).unwrap_or_else(|| *env.get_or_init(|| std::env::var(var).as_deref() != Ok("0")))
 }
 
 /// Whether the flash backward on the fused projection output writes the first pass of the QKV
@@ -150,9 +159,19 @@ pub(crate) fn count_flash_bias_grad_run() {
 
 pub(crate) fn flash_bias_grad() -> bool {
     static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    FLASH_BIAS_GRAD
-        .with(|w| w.get())
-        .unwrap_or_else(|| *ENV.get_or_init(|| std::env::var("FERROTRON_FLASH_BIAS_GRAD").as_deref() != Ok("0")))
+    opt_out(&FLASH_BIAS_GRAD, "FERROTRON_FLASH_BIAS_GRAD", &ENV)
+}
+
+/// Whether the norm backwards compute their parameter gradients' first pass in the same launch
+/// where the width allows (kernels/norm.cu `norm_bwd_cols`): this thread's `set_norm_fused`, else
+/// on unless `FERROTRON_NORM_FUSED=0`. Tests set it to run both.
+pub fn set_norm_fused(on: bool) {
+    NORM_FUSED.with(|w| w.set(Some(on)));
+}
+
+pub(crate) fn norm_fused() -> bool {
+    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    opt_out(&NORM_FUSED, "FERROTRON_NORM_FUSED", &ENV)
 }
 
 pub(crate) fn flash_bwd_ws() -> bool {

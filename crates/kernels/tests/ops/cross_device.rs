@@ -506,29 +506,39 @@ fn norm_kernels_take_both_paths() {
     // three). 70 rows: two chunks of the parameter-gradient column sums. At 8200 only 3 rows: a
     // weight gradient sums rows of ≈ ±1 terms to ≈ 0.01, so the f32 statistics' last-bit
     // differences from the CPU (mean and rstd over 8200 values) pass 1e-5 on the result only
-    // when few rows cancel.
+    // when few rows cancel. Widths 256, 768 and 2048 take the backward with the parameter
+    // gradients fused (`norm_bwd_cols`: 8, 5 and 2 teams of rows; at 256 the short last chunk
+    // leaves two teams without a row), and run again with it off.
     for dt in [DType::F32, DType::BF16] {
-        for c in [20, 776, 8200] {
-            let rows = if c > 1000 { 3 } else { 70 };
-            let (x, dy, w, b) = (rnd(&[rows, c], 1, dt), rnd(&[rows, c], 2, dt), rnd(&[c], 3, dt), rnd(&[c], 4, dt));
-            check(&format!("norms c{c}"), dt, &[x, dy, w, b], |t| {
-                let (o, m, r) = k::layernorm_fwd(&t[0], &t[2], Some(&t[3]), 1e-5).unwrap();
-                let (dx, dw, db) = k::layernorm_bwd(&t[1], &t[0], &t[2], &m, &r).unwrap();
-                let (o2, r2) = k::rmsnorm_fwd(&t[0], &t[2], 1e-5).unwrap();
-                let (dx2, dw2) = k::rmsnorm_bwd(&t[1], &t[0], &t[2], &r2).unwrap();
-                vec![o, m, r, dx, dw, db, o2, r2, dx2, dw2, k::bias_grad(&t[1]).unwrap()]
-            });
-            // The residual adds fused into the norms: x + dy normalised, and dx + x.
-            let (x, dy, w, b) = (rnd(&[rows, c], 5, dt), rnd(&[rows, c], 6, dt), rnd(&[c], 7, dt), rnd(&[c], 8, dt));
-            check(&format!("norms with residual adds c{c}"), dt, &[x, dy, w, b], |t| {
-                let (s, o, m, r) = k::add_layernorm_fwd(&t[0], &t[1], &t[2], Some(&t[3]), 1e-5).unwrap();
-                let (dx, dw, db) = k::layernorm_bwd_add(&t[1], &s, &t[2], &m, &r, &t[0]).unwrap();
-                let (s2, o2, r2) = k::add_rmsnorm_fwd(&t[0], &t[1], &t[2], 1e-5).unwrap();
-                let (dx2, dw2) = k::rmsnorm_bwd_add(&t[1], &s2, &t[2], &r2, &t[0]).unwrap();
-                vec![s, o, m, r, dx, dw, db, s2, o2, r2, dx2, dw2]
-            });
+        for (c, fused) in [(20, false), (776, false), (8200, false), (256, true), (768, true), (2048, true)] {
+            for on in if fused { vec![true, false] } else { vec![true] } {
+                ferrotron_kernels::cuda::set_norm_fused(on);
+                norm_cases(dt, c, &format!("c{c} fused {}", fused && on));
+            }
         }
     }
+    ferrotron_kernels::cuda::set_norm_fused(true);
+}
+
+fn norm_cases(dt: DType, c: usize, what: &str) {
+    let rows = if c > 1000 { 3 } else { 70 };
+    let (x, dy, w, b) = (rnd(&[rows, c], 1, dt), rnd(&[rows, c], 2, dt), rnd(&[c], 3, dt), rnd(&[c], 4, dt));
+    check(&format!("norms {what}"), dt, &[x, dy, w, b], |t| {
+        let (o, m, r) = k::layernorm_fwd(&t[0], &t[2], Some(&t[3]), 1e-5).unwrap();
+        let (dx, dw, db) = k::layernorm_bwd(&t[1], &t[0], &t[2], &m, &r).unwrap();
+        let (o2, r2) = k::rmsnorm_fwd(&t[0], &t[2], 1e-5).unwrap();
+        let (dx2, dw2) = k::rmsnorm_bwd(&t[1], &t[0], &t[2], &r2).unwrap();
+        vec![o, m, r, dx, dw, db, o2, r2, dx2, dw2, k::bias_grad(&t[1]).unwrap()]
+    });
+    // The residual adds fused into the norms: x + dy normalised, and dx + x.
+    let (x, dy, w, b) = (rnd(&[rows, c], 5, dt), rnd(&[rows, c], 6, dt), rnd(&[c], 7, dt), rnd(&[c], 8, dt));
+    check(&format!("norms with residual adds {what}"), dt, &[x, dy, w, b], |t| {
+        let (s, o, m, r) = k::add_layernorm_fwd(&t[0], &t[1], &t[2], Some(&t[3]), 1e-5).unwrap();
+        let (dx, dw, db) = k::layernorm_bwd_add(&t[1], &s, &t[2], &m, &r, &t[0]).unwrap();
+        let (s2, o2, r2) = k::add_rmsnorm_fwd(&t[0], &t[1], &t[2], 1e-5).unwrap();
+        let (dx2, dw2) = k::rmsnorm_bwd_add(&t[1], &s2, &t[2], &r2, &t[0]).unwrap();
+        vec![s, o, m, r, dx, dw, db, s2, o2, r2, dx2, dw2]
+    });
 }
 
 #[test]

@@ -21,6 +21,24 @@ fn rows_launch8(be: &B, name: &str, rows: usize, c: usize, args: &[Arg]) -> Resu
     }
 }
 
+/// The block of the backward with its parameter gradients' first pass fused (kernels/norm.cu
+/// `norm_bwd_cols`, one block per COL_CHUNK rows): teams of c / 8 threads, whole warps
+/// (c % 256 == 0), as many as fit 512 threads but at most 8 (named barriers 1–8), and the dynamic
+/// shared memory (two row-sum slots per warp and team, or the teams' column sums at the end):
+/// (threads, bytes). None where it does not apply or `cuda::set_norm_fused(false)` /
+/// `FERROTRON_NORM_FUSED=0` keeps the two launches. (H200, 16k rows: blocks of 32 rows lost to
+/// 64, their twice as many partials costing the column sums more than the blocks gained; 16 lost
+/// more.)
+fn bwd_cols_block(c: usize, ln: bool, args: &[Arg]) -> Option<(u32, u32)> {
+    if c % 256 != 0 || c > 4096 || !args_aligned16(args) || !crate::cuda::norm_fused() {
+        return None;
+    }
+    let team = c / 8;
+    let teams = (512 / team).min(8);
+    let floats = (2 * teams * (team / 32) * 2).max(if teams > 1 { teams * c * if ln { 2 } else { 1 } } else { 0 });
+    Some(((teams * team) as u32, (floats * 4) as u32))
+}
+
 /// The sum x + x2 of a fused residual add (written by the norm's forward kernel), or none.
 fn residual_sum(be: &B, x: &Tensor, x2: Option<&Tensor>) -> Result<(Arg, Arg, Option<Tensor>)> {
     let Some(x2) = x2 else { return Ok((NULL, NULL, None)) };
@@ -79,35 +97,20 @@ pub fn layernorm_bwd(
     let (rows, c) = (x.shape().rows(), x.shape().last());
     let s = sfx("layernorm_bwd", x.dtype())?;
     let dx = new(be, x.shape().clone(), x.dtype())?;
-    rows_launch8(
-        be,
-        &format!("layernorm_bwd_{s}"),
-        rows,
-        c,
-        &[
-            ptr("ln", dy)?,
-            ptr("ln", x)?,
-            ptr("ln", w)?,
-            ptr("ln", mean)?,
-            ptr("ln", rstd)?,
-            opt_ptr("ln", res)?,
-            ptr("ln", &dx)?,
-            n(c),
-        ],
-    )?;
+    let (dyp, xp, wp, mp, rp) = (ptr("ln", dy)?, ptr("ln", x)?, ptr("ln", w)?, ptr("ln", mean)?, ptr("ln", rstd)?);
+    let (resp, dxp) = (opt_ptr("ln", res)?, ptr("ln", &dx)?);
+    let plan = bwd_cols_block(c, true, &[dyp, xp, wp, resp, dxp]);
     let chunks = rows.div_ceil(COL_CHUNK);
     let (pw, pb) = (new(be, [chunks, c], DType::F32)?, new(be, [chunks, c], DType::F32)?);
-    let args = [
-        ptr("ln", dy)?,
-        ptr("ln", x)?,
-        ptr("ln", mean)?,
-        ptr("ln", rstd)?,
-        ptr("ln", &pw)?,
-        ptr("ln", &pb)?,
-        n(rows),
-        n(c),
-    ];
-    col_partials(be, &format!("norm_param_grad_{s}"), chunks, c, &args)?;
+    let (pwp, pbp) = (ptr("ln", &pw)?, ptr("ln", &pb)?);
+    if let Some((threads, shared)) = plan {
+        let args = [dyp, xp, wp, mp, rp, resp, dxp, pwp, pbp, n(rows), n(c)];
+        be.launch(&format!("layernorm_bwd_cols_{s}"), chunks as u32, threads, shared, &args)?;
+    } else {
+        rows_launch8(be, &format!("layernorm_bwd_{s}"), rows, c, &[dyp, xp, wp, mp, rp, resp, dxp, n(c)])?;
+        let args = [dyp, xp, mp, rp, pwp, pbp, n(rows), n(c)];
+        col_partials(be, &format!("norm_param_grad_{s}"), chunks, c, &args)?;
+    }
     let [tw, tb] = to;
     Ok((dx, tw.col_sum(be, &pw, chunks, c)?, tb.col_sum(be, &pb, chunks, c)?))
 }
@@ -148,25 +151,20 @@ pub fn rmsnorm_bwd(
     let (rows, c) = (x.shape().rows(), x.shape().last());
     let s = sfx("rmsnorm_bwd", x.dtype())?;
     let dx = new(be, x.shape().clone(), x.dtype())?;
-    rows_launch8(
-        be,
-        &format!("rmsnorm_bwd_{s}"),
-        rows,
-        c,
-        &[
-            ptr("rms", dy)?,
-            ptr("rms", x)?,
-            ptr("rms", w)?,
-            ptr("rms", rstd)?,
-            opt_ptr("rms", res)?,
-            ptr("rms", &dx)?,
-            n(c),
-        ],
-    )?;
+    let (dyp, xp, wp, rp) = (ptr("rms", dy)?, ptr("rms", x)?, ptr("rms", w)?, ptr("rms", rstd)?);
+    let (resp, dxp) = (opt_ptr("rms", res)?, ptr("rms", &dx)?);
+    let plan = bwd_cols_block(c, false, &[dyp, xp, wp, resp, dxp]);
     let chunks = rows.div_ceil(COL_CHUNK);
     let pw = new(be, [chunks, c], DType::F32)?;
-    let args = [ptr("rms", dy)?, ptr("rms", x)?, NULL, ptr("rms", rstd)?, ptr("rms", &pw)?, NULL, n(rows), n(c)];
-    col_partials(be, &format!("norm_param_grad_{s}"), chunks, c, &args)?;
+    let pwp = ptr("rms", &pw)?;
+    if let Some((threads, shared)) = plan {
+        let args = [dyp, xp, wp, rp, resp, dxp, pwp, n(rows), n(c)];
+        be.launch(&format!("rmsnorm_bwd_cols_{s}"), chunks as u32, threads, shared, &args)?;
+    } else {
+        rows_launch8(be, &format!("rmsnorm_bwd_{s}"), rows, c, &[dyp, xp, wp, rp, resp, dxp, n(c)])?;
+        let args = [dyp, xp, NULL, rp, pwp, NULL, n(rows), n(c)];
+        col_partials(be, &format!("norm_param_grad_{s}"), chunks, c, &args)?;
+    }
     Ok((dx, to.col_sum(be, &pw, chunks, c)?))
 }
 
