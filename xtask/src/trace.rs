@@ -190,6 +190,20 @@ pub fn gap_table(side: &str, st: &Steps, top: usize) -> String {
     s
 }
 
+/// The `top` activities by GPU time per whole step: calls and µs a call beside the ms (names cut
+/// to 90 characters), to see within a part of the step which kernel moved.
+pub fn kernel_table(side: &str, st: &Steps, top: usize) -> String {
+    let mut s = format!(
+        "\n{side}: kernels by time per step\n\n| kernel | ms / step | calls / step | µs / call |\n|---|---|---|---|\n"
+    );
+    for k in st.kernel_times().iter().take(top) {
+        let name: String = k.name.chars().take(90).collect();
+        let (ms, calls) = (k.ms / st.n(), k.calls as f64 / st.n());
+        s.push_str(&format!("| {name} | {ms:.3} | {calls:.1} | {:.1} |\n", 1e3 * ms / calls));
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -241,6 +255,9 @@ mod tests {
         assert!(t.contains("| GPU wall ms | 0.10 | 0.10 |"), "{t}");
         assert!(t.contains("| busy ms | 0.02 (17.3%) |"), "{t}");
         assert!(t.contains("| idle gaps ≥ 100 µs: count, ms | 0.5, 0.069 |"), "{t}");
+        let kt = kernel_table("Ferrotron", &st, 2);
+        assert!(kt.contains("| nvjet_fwd | 0.005 | 0.5 | 10.0 |"), "{kt}");
+        assert!(kt.contains("| gemm_b | 0.005 | 0.5 | 10.0 |") && !kt.contains("layernorm"), "top 2 only: {kt}");
         let g = gap_table("Ferrotron", &st, 2);
         assert!(g.contains("| 138.0 | adamw_runs_bf16 | gemm_b |"), "{g}");
         assert!(!g.contains("| 1.0 |"), "top 2 only: {g}");
