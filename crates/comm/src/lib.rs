@@ -101,7 +101,7 @@ pub trait Communicator: Send + Sync {
     fn all_to_all_v(&self, input: &Tensor, send_counts: &[usize], recv_counts: &[usize]) -> Result<Tensor>;
     fn barrier(&self) -> Result<()>;
     /// `all_reduce` that later device work need not wait for, until [`Communicator::wait_async`]
-    /// (NCCL: enqueued on the communication stream, the compute stream left running; gradient
+    /// (NCCL: enqueued on this communicator's stream, the compute stream left running; gradient
     /// buckets reduced while the backward goes on). Host backends run it at once.
     fn all_reduce_async(&self, t: &Tensor, op: ReduceOp) -> Result<()> {
         self.all_reduce(t, op)
@@ -115,7 +115,8 @@ pub trait Communicator: Send + Sync {
     fn all_gather_async(&self, input: &Tensor, output: &Tensor) -> Result<()> {
         self.all_gather(input, output)
     }
-    /// Later device work waits for every `*_async` operation issued so far.
+    /// Later device work waits for every `*_async` operation issued so far on this communicator
+    /// (on NCCL each communicator has a stream of its own: wait on the one the work went to).
     fn wait_async(&self) -> Result<()> {
         Ok(())
     }

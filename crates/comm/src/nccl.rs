@@ -1,15 +1,18 @@
 //! NCCL communicator: one process per GPU, the unique id handed out by the TCP rendezvous; sub-groups
-//! through ncclCommSplit. Collectives run on the rank's communication stream, ordered after the
+//! through ncclCommSplit. Collectives run on the communicator's own stream, ordered after the
 //! compute stream's queued work by an event, with the compute stream waiting on the collective by
-//! another (`ordered`).
+//! another (`ordered`). One stream per communicator, as PyTorch gives each process group its own:
+//! a tensor-parallel all-reduce the forward waits for does not queue behind a data-parallel
+//! gather or reduce left running to overlap (`*_async`).
 //!
 //! Timeouts: NCCL calls are asynchronous; a rank that never arrives shows up as a kernel that never
 //! ends. Every operation is therefore tracked by a `Watchdog` (an event recorded after it on the
-//! communication stream); past the timeout it aborts every communicator of the process
+//! communicator's stream); past the timeout it aborts every communicator of the process
 //! (ncclCommAbort makes the stuck kernels return) and the next call fails with
 //! `CommError::Stuck` naming the operation and group.
 
 use crate::{CommError, Communicator, DistEnv, ReduceOp, Result, Watchdog, rendezvous};
+use cudarc::driver::CudaStream;
 use cudarc::nccl::result;
 use cudarc::nccl::sys::{self, ncclDataType_t as NT, ncclRedOp_t as NO};
 use ferrotron_core::cuda::CudaDevice;
@@ -19,13 +22,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 thread_local! {
-    /// Set while this thread is inside `p2p_group` (NCCL groups are per thread, not per comm).
-    static IN_P2P_GROUP: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// While this thread is inside `p2p_group` (NCCL groups are per thread, not per comm): the
+    /// stream of the communicator that leads it, which every transfer of the batch goes on.
+    static P2P_STREAM: std::cell::Cell<Option<sys::cudaStream_t>> = const { std::cell::Cell::new(None) };
 }
 
 pub struct NcclComm {
     comm: sys::ncclComm_t,
     dev: CudaDevice,
+    /// This communicator's stream: its collectives, in issue order.
+    stream: Arc<CudaStream>,
     rank: usize,
     size: usize,
     name: String,
@@ -145,12 +151,14 @@ impl NcclComm {
             comm.assume_init()
         };
         let members = (0..env.world_size).collect::<Vec<_>>();
+        let stream = dev.context().new_stream().map_err(|e| nccl_err("init", e))?;
         let watchdog = Watchdog::new(timeout, Duration::from_millis(100));
         let h = AbortHandle(comm);
         let hook = watchdog.on_timeout(move || h.abort());
         Ok(NcclComm {
             comm,
             dev: dev.clone(),
+            stream,
             rank: env.rank,
             size: env.world_size,
             name: format!("world{members:?}"),
@@ -160,15 +168,16 @@ impl NcclComm {
         })
     }
 
-    /// Enqueues `f`'s NCCL work on the communication stream, after everything the compute stream
-    /// has queued so far (an event), and makes the compute stream wait for it (another event):
-    /// kernels before and after see the collective in order, while other work already queued on
-    /// the compute stream is not held up by it.
+    /// Enqueues `f`'s NCCL work on this communicator's stream, after everything the compute
+    /// stream has queued so far (an event), and makes the compute stream wait for it (another
+    /// event): kernels before and after see the collective in order, while other work already
+    /// queued on the compute stream is not held up by it.
     fn ordered<R>(&self, op: &'static str, f: impl FnOnce(sys::cudaStream_t) -> Result<R>) -> Result<R> {
-        let (compute, comm) = (self.dev.stream(), self.dev.comm_stream());
-        if IN_P2P_GROUP.get() {
-            // Inside `p2p_group`, which fences (and watches) the whole batch once.
-            return f(comm.cu_stream() as _);
+        let (compute, comm) = (self.dev.stream(), &self.stream);
+        if let Some(lead) = P2P_STREAM.get() {
+            // Inside `p2p_group`, which fences (and watches) the whole batch once, on its
+            // leader's stream.
+            return f(lead);
         }
         self.watchdog.check()?;
         comm.join(compute).map_err(|e| nccl_err(op, e))?;
@@ -178,10 +187,10 @@ impl NcclComm {
         r
     }
 
-    /// Hands the operation just enqueued on the communication stream to the watchdog.
+    /// Hands the operation just enqueued on this communicator's stream to the watchdog.
     fn watch(&self, op: &'static str) -> Result<()> {
         let flags = cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
-        let ev = self.dev.comm_stream().record_event(Some(flags)).map_err(|e| nccl_err(op, e))?;
+        let ev = self.stream.record_event(Some(flags)).map_err(|e| nccl_err(op, e))?;
         let ctx = self.dev.context().clone();
         self.watchdog.track(op, &self.name, move || ctx.bind_to_thread().is_ok() && ev.is_complete());
         Ok(())
@@ -198,7 +207,7 @@ impl NcclComm {
         if !t.device().is_cpu() {
             return Ok(None);
         }
-        if IN_P2P_GROUP.get() {
+        if P2P_STREAM.get().is_some() {
             // Inside a group the transfer only starts at its end: a staged copy could not be
             // read back in time.
             let msg = "host tensors cannot travel in a grouped send/recv: put them on the GPU".into();
@@ -209,7 +218,7 @@ impl NcclComm {
 
     /// `ordered` without the compute stream's wait (see `Communicator::all_reduce_async`).
     fn detached<R>(&self, op: &'static str, f: impl FnOnce(sys::cudaStream_t) -> Result<R>) -> Result<R> {
-        let (compute, comm) = (self.dev.stream(), self.dev.comm_stream());
+        let (compute, comm) = (self.dev.stream(), &self.stream);
         self.watchdog.check()?;
         comm.join(compute).map_err(|e| nccl_err(op, e))?;
         let r = f(comm.cu_stream() as _);
@@ -298,7 +307,7 @@ impl Communicator for NcclComm {
     }
 
     fn wait_async(&self) -> Result<()> {
-        self.dev.stream().join(self.dev.comm_stream()).map_err(|e| nccl_err("wait", e))
+        self.dev.stream().join(&self.stream).map_err(|e| nccl_err("wait", e))
     }
 
     fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
@@ -446,13 +455,13 @@ impl Communicator for NcclComm {
 
     fn p2p_group(&self, ops: &mut dyn FnMut() -> Result<()>) -> Result<()> {
         const OP: &str = "grouped send/recv";
-        if IN_P2P_GROUP.get() {
+        if P2P_STREAM.get().is_some() {
             return Err(self.invalid(OP, "p2p groups do not nest".into()));
         }
-        self.ordered(OP, |_| {
-            IN_P2P_GROUP.set(true);
+        self.ordered(OP, |s| {
+            P2P_STREAM.set(Some(s));
             let r = self.group(OP, &mut *ops);
-            IN_P2P_GROUP.set(false);
+            P2P_STREAM.set(None);
             r
         })
     }
@@ -502,9 +511,21 @@ impl Communicator for NcclComm {
         let members: Vec<usize> = groups[g].iter().map(|&r| self.members[r]).collect();
         let h = AbortHandle(comm);
         let hook = self.watchdog.on_timeout(move || h.abort());
+        let stream = match self.dev.context().new_stream() {
+            Ok(s) => s,
+            Err(e) => {
+                self.watchdog.forget(hook);
+                // SAFETY: the handle just came from ncclCommSplit and is not used again.
+                unsafe {
+                    let _ = result::comm_destroy(comm);
+                }
+                return Err(nccl_err("split", e));
+            }
+        };
         Ok(Some(Arc::new(NcclComm {
             comm,
             dev: self.dev.clone(),
+            stream,
             rank: me,
             size: members.len(),
             name: format!("{name}{members:?}"),

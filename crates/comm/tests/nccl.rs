@@ -34,7 +34,7 @@ fn world_of_one_runs_every_collective_and_splits() {
     let out = Tensor::zeros([6, 2], DType::F32, &d).unwrap();
     comm.all_gather(&x, &out).unwrap();
     assert_eq!(out.to_vec_f32().unwrap(), vals);
-    // On the communication stream, the compute stream waiting only at wait_async (then the read).
+    // On the communicator's stream, the compute stream waiting only at wait_async (then the read).
     let out = Tensor::zeros([6, 2], DType::F32, &d).unwrap();
     comm.all_gather_async(&x, &out).unwrap();
     comm.wait_async().unwrap();
@@ -46,4 +46,22 @@ fn world_of_one_runs_every_collective_and_splits() {
     assert_eq!((sub.rank(), sub.size(), sub.name()), (0, 1, "tp[0]"));
     sub.all_reduce(&x, ReduceOp::Avg).unwrap();
     assert_eq!(x.to_vec_f32().unwrap(), vals);
+    // Each communicator has its own stream: a gather left running on the world's while the
+    // split group reduces (ordered, the compute stream waiting for that one only), then a
+    // grouped send/recv to itself on the split group, then the world's wait.
+    let big: Vec<f32> = (0..1 << 20).map(|i| (i % 977) as f32).collect();
+    let bx = Tensor::from_f32(&big, [1 << 20], DType::F32, &d).unwrap();
+    let bout = Tensor::zeros([1 << 20], DType::F32, &d).unwrap();
+    comm.all_gather_async(&bx, &bout).unwrap();
+    let y = Tensor::from_f32(&vals, [6, 2], DType::F32, &d).unwrap();
+    sub.all_reduce(&y, ReduceOp::Sum).unwrap();
+    let back = Tensor::zeros([6, 2], DType::F32, &d).unwrap();
+    ferrotron_comm::exchange(&[
+        ferrotron_comm::P2p::Send { comm: sub.as_ref(), t: &y, dst: 0 },
+        ferrotron_comm::P2p::Recv { comm: sub.as_ref(), t: &back, src: 0 },
+    ])
+    .unwrap();
+    assert_eq!(back.to_vec_f32().unwrap(), vals);
+    comm.wait_async().unwrap();
+    assert_eq!(bout.to_vec_f32().unwrap(), big);
 }

@@ -7,11 +7,12 @@ use float8::{F8E4M3, F8E5M2};
 use half::{bf16, f16};
 use std::sync::Arc;
 
-/// One GPU: its context, a compute stream and a communication stream. One per ordinal and
-/// process: every `CudaDevice::new(n)` hands out the same streams.
+/// One GPU: its context and its compute stream. One per ordinal and process: every
+/// `CudaDevice::new(n)` hands out the same stream.
 ///
 /// Architecture invariant: all work on a GPU (copies, kernels, GEMMs) goes to its one compute
-/// stream. Event tracking is off, so two streams for one GPU would race: the kernel backend is
+/// stream; only collectives run elsewhere, each communicator on a stream of its own, fenced
+/// against this one by events (ferrotron-comm's NCCL backend). Event tracking is off, so two streams for one GPU would race: the kernel backend is
 /// cached per ordinal and launches on the stream of the device it was first built for, while a
 /// tensor's copies run on its own device's stream. (Two tests that each opened `cuda(0)` once
 /// raced exactly so: a kernel ran before the upload of its input had landed.)
@@ -19,7 +20,6 @@ use std::sync::Arc;
 pub struct CudaDevice {
     ctx: Arc<CudaContext>,
     compute: Arc<CudaStream>,
-    comm: Arc<CudaStream>,
     /// Page-locked buffers small uploads go through (`staging`).
     staging: Arc<std::sync::Mutex<crate::staging::Staging>>,
 }
@@ -59,13 +59,12 @@ impl CudaDevice {
         let ctx = CudaContext::new(ordinal).map_err(driver_err)?;
         // SAFETY: every allocation, copy, kernel and collective of a rank is issued on its compute
         // stream, so stream order already orders all uses; cudarc's per-allocation events are pure
-        // overhead here. (The comm stream, when overlap arrives, will synchronise with events.)
+        // overhead here. (Communicators' own streams synchronise with it by events.)
         unsafe { ctx.disable_event_tracking() };
         keep_freed_memory(&ctx);
         let compute = ctx.new_stream().map_err(driver_err)?;
-        let comm = ctx.new_stream().map_err(driver_err)?;
         let staging = Arc::new(std::sync::Mutex::new(crate::staging::Staging::new()));
-        Ok(CudaDevice { ctx, compute, comm, staging })
+        Ok(CudaDevice { ctx, compute, staging })
     }
 
     pub fn ordinal(&self) -> usize {
@@ -78,11 +77,6 @@ impl CudaDevice {
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.compute
     }
-    /// The stream collectives run on, so they overlap with compute.
-    pub fn comm_stream(&self) -> &Arc<CudaStream> {
-        &self.comm
-    }
-
     pub fn synchronize(&self) -> Result<()> {
         self.compute.synchronize().map_err(driver_err)
     }

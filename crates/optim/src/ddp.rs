@@ -9,7 +9,7 @@
 //! Overlap (`--overlap-grad-reduce`): the model reports, after each layer's backward on the last
 //! micro-batch, the lowest flat offset whose gradients are final (`ready`); every bucket above it
 //! starts at once while the backward goes on: on a communication thread for the host backends,
-//! on NCCL's communication stream (the compute stream not waiting) on GPUs. `finish` starts the
+//! on the DP communicator's NCCL stream (the compute stream not waiting) on GPUs. `finish` starts the
 //! rest and waits for all.
 //!
 //! Gradients of replicated parameters used on sequence shards (`ParamMeta::sequence_parallel`)
@@ -144,7 +144,7 @@ impl GradSync {
             }
         }
         // The comm thread drives host collectives (thread/TCP backends). Device collectives (NCCL)
-        // are enqueued on the communication stream without making the compute stream wait
+        // are enqueued on the DP communicator's stream without making the compute stream wait
         // (`*_async`) until `finish`.
         let on_host = table.flat_grads().device().is_cpu();
         let worker = (overlap && dp.size() > 1 && on_host).then(Worker::new);
@@ -317,7 +317,7 @@ struct GatherState {
     done: usize,
     dp: Comm,
     params: Tensor,
-    /// On a GPU: issued on the communication stream, the compute stream waiting only in `wait`.
+    /// On a GPU: issued on the DP communicator's stream, the compute stream waiting only in `wait`.
     device: bool,
 }
 
