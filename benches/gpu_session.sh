@@ -14,7 +14,8 @@
 #                              wrongly)
 #       attn[:VAR=V,...]       `xtask bench --attention`: our kernels beside SDPA, with VARs set
 #       trace:PRESET[:VAR=V,...]   our GPU timeline of PRESET (124m, 1.3b, llama-1b) alone
-#                              (TRACE_KERNELS=N among the VARs: its N costliest kernels too)
+#                              (TRACE_KERNELS=N among the VARs: its N costliest kernels too;
+#                              TRACE_GAPS=N: the N kernel pairs with the most idle time between)
 #       matched[:PRESET,...]   the matched bench, Ferrotron and PyTorch (`xtask bench --gpu`)
 #       ncu-bwd:DxT[:VAR=V,...]    Nsight Compute on one flash backward of attention_bench's shape
 #                              DxT (e.g. 64x1024): time, instructions, L2 bytes and reductions

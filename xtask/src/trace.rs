@@ -204,6 +204,31 @@ pub fn kernel_table(side: &str, st: &Steps, top: usize) -> String {
     s
 }
 
+/// The `top` pairs of neighbouring activities (the one before an idle gap, the one after) with
+/// the most idle time between them per step: where the gaps come from.
+pub fn gap_pair_table(side: &str, st: &Steps, top: usize) -> String {
+    let mut pairs: Vec<(String, String, usize, f64)> = Vec::new();
+    for (us, before, after) in &st.gaps {
+        let cut = |n: &str| n.chars().take(60).collect::<String>();
+        let (b, a) = (cut(before), cut(after));
+        match pairs.iter_mut().find(|p| p.0 == b && p.1 == a) {
+            Some(p) => {
+                p.2 += 1;
+                p.3 += us;
+            }
+            None => pairs.push((b, a, 1, *us)),
+        }
+    }
+    pairs.sort_by(|x, y| y.3.total_cmp(&x.3));
+    let mut s = format!(
+        "\n{side}: idle time by neighbours\n\n| after | before | gaps / step | µs / step |\n|---|---|---|---|\n"
+    );
+    for (b, a, n, us) in pairs.iter().take(top) {
+        s.push_str(&format!("| {b} | {a} | {:.1} | {:.1} |\n", *n as f64 / st.n(), us / st.n()));
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -258,6 +283,8 @@ mod tests {
         let kt = kernel_table("Ferrotron", &st, 2);
         assert!(kt.contains("| nvjet_fwd | 0.005 | 0.5 | 10.0 |"), "{kt}");
         assert!(kt.contains("| gemm_b | 0.005 | 0.5 | 10.0 |") && !kt.contains("layernorm"), "top 2 only: {kt}");
+        let gp = gap_pair_table("Ferrotron", &st, 1);
+        assert!(gp.contains("| adamw_runs_bf16 | gemm_b | 0.5 | 69.0 |") && !gp.contains("flash_fwd"), "{gp}");
         let g = gap_table("Ferrotron", &st, 2);
         assert!(g.contains("| 138.0 | adamw_runs_bf16 | gemm_b |"), "{g}");
         assert!(!g.contains("| 1.0 |"), "top 2 only: {g}");

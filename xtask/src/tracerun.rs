@@ -6,7 +6,7 @@ use crate::{bench_bin_and_presets, bench_shape, bench_train_args, multi, profile
 use anyhow::{Context, bail};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use xtask::trace::{Steps, gap_table, kernel_table, spans, step_table, steps};
+use xtask::trace::{Steps, gap_pair_table, gap_table, kernel_table, spans, step_table, steps};
 
 /// A trace file's whole steps, and the side's name: Ferrotron's files carry a "ferrotron" key.
 fn load(path: &Path) -> anyhow::Result<(&'static str, Steps)> {
@@ -19,7 +19,7 @@ fn load(path: &Path) -> anyhow::Result<(&'static str, Steps)> {
 
 /// Prints the step table, the time per part of the step and the longest gaps of one or two traces
 /// (Ferrotron's first where there are two), and with TRACE_KERNELS=N each side's N kernels that
-/// take the most time.
+/// take the most time, with TRACE_GAPS=N the N neighbour pairs with the most idle time between.
 fn report(files: &[PathBuf]) -> anyhow::Result<()> {
     let mut sides = files.iter().map(|f| load(f)).collect::<anyhow::Result<Vec<_>>>()?;
     sides.sort_by_key(|s| s.0 != "Ferrotron");
@@ -30,11 +30,15 @@ fn report(files: &[PathBuf]) -> anyhow::Result<()> {
     let (tk, tn) = theirs.map_or((Vec::new(), 1.0), |t| (t.kernel_times(), n(t)));
     println!("\nGPU time per part of the step, at the running step's clocks:");
     print!("{}", xtask::profile::compare_table(&ours.kernel_times(), &tk, (n(ours), tn)));
-    let top = std::env::var("TRACE_KERNELS").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+    let n = |var: &str| std::env::var(var).ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+    let (top, pairs) = (n("TRACE_KERNELS"), n("TRACE_GAPS"));
     for (name, st) in &named {
         print!("{}", gap_table(name, st, 8));
         if top > 0 {
             print!("{}", kernel_table(name, st, top));
+        }
+        if pairs > 0 {
+            print!("{}", gap_pair_table(name, st, pairs));
         }
     }
     Ok(())
