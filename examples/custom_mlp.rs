@@ -67,6 +67,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         },
         norm_epsilon: 1e-5,
         init_method_std: 0.02,
+        hidden_dropout: 0.0,
     };
     let (model, table) = GptModel::build(config, &Device::Cpu, DType::F32, 0)?;
     for m in table.metas().iter().filter(|m| m.name.contains("layers.0.mlp")) {
@@ -79,7 +80,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Tensor::from_vec(text[1..17].to_vec(), [1, 16], &dev)?,
         Tensor::from_vec(vec![1f32; 16], [1, 16], &dev)?,
     )?;
-    let cx = Cx { params: &table, training: true };
+    let cx = Cx::new(&table, true);
     let (loss, saved) = model.forward(&cx, &batch)?;
     model.backward(&cx, saved, 1.0)?;
     let up = table.id("decoder.layers.0.mlp.up_proj.weight").ok_or("missing up_proj")?;

@@ -85,3 +85,31 @@ extern "C" __global__ void __launch_bounds__(256) bias_grad_##s##_v8(const T* dy
     col_partials8<false>(db, nullptr, rows, c, [&](long r, long j, float (&a)[8], float (&)[8]) { \
         float g[8]; ld8(dy, r * c + j, g); _Pragma("unroll") for (int e = 0; e < 8; e++) a[e] += g[e]; }); }
 FOR_TYPES(ELEMENTWISE_V8)
+
+// Dropout (the host's dropout.rs has the rule): element j of batch row b keeps v / (1 − p) unless
+// the top 24 bits of Philox-4x32-10 word base + b · bstride + off + j of (seed, stream) are below
+// `thr` (⌈p · 2²⁴⌉). The same rounds and word order as ferrotron_core::rng::Philox, so the mask is
+// the CPU's, bit for bit.
+__device__ __forceinline__ u32 philox_word(unsigned long long seed, unsigned long long stream, unsigned long long w) {
+    const unsigned long long blk = w >> 2;
+    u32 c0 = (u32)blk, c1 = (u32)(blk >> 32), c2 = (u32)stream, c3 = (u32)(stream >> 32);
+    u32 k0 = (u32)seed, k1 = (u32)(seed >> 32);
+#pragma unroll
+    for (int round = 0; round < 10; round++) {
+        if (round > 0) { k0 += 0x9E3779B9u; k1 += 0xBB67AE85u; }
+        const u32 h0 = __umulhi(0xD2511F53u, c0), l0 = 0xD2511F53u * c0;
+        const u32 h1 = __umulhi(0xCD9E8D57u, c2), l1 = 0xCD9E8D57u * c2;
+        const u32 n0 = h1 ^ c1 ^ k0, n2 = h0 ^ c3 ^ k1;
+        c0 = n0; c1 = l1; c2 = n2; c3 = l0;
+    }
+    const u32 lane = (u32)(w & 3);
+    return lane == 0 ? c0 : lane == 1 ? c1 : lane == 2 ? c2 : c3;
+}
+#define DROPOUT(s, T) \
+extern "C" __global__ void dropout_##s(const T* x, T* y, long n, long row, unsigned long long seed, \
+        unsigned long long stream, unsigned long long base, unsigned long long bstride, unsigned long long off, \
+        long thr, float scale) { \
+    GRID_STRIDE(i, n) { const long b = i / row, j = i - b * row; \
+        const u32 u = philox_word(seed, stream, base + (unsigned long long)b * bstride + off + (unsigned long long)j); \
+        st(y, i, (long)(u >> 8) >= thr ? ld(x, i) * scale : 0.f); } }
+FOR_TYPES(DROPOUT)

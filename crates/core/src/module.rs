@@ -36,6 +36,30 @@ pub struct Cx<'a> {
     /// A backward follows this forward, so a module may do part of it now (the GPT loss head on
     /// one tensor-parallel rank writes dlogits over its logits while it has them in hand).
     pub training: bool,
+    /// The random draws of the micro-batch being run (dropout), when it has any.
+    pub draw: Option<Draw>,
+}
+
+impl<'a> Cx<'a> {
+    /// A context with no random draws.
+    pub fn new(params: &'a ParamTable, training: bool) -> Self {
+        Cx { params, training, draw: None }
+    }
+    /// The same context for a micro-batch with `draw`.
+    pub fn with_draw(&self, draw: Option<Draw>) -> Cx<'a> {
+        Cx { params: self.params, training: self.training, draw }
+    }
+}
+
+/// Where a micro-batch's random numbers come from: the run's seed and the global index of its first
+/// sample (samples counted over the whole run, in the order the data sampler hands them out). A
+/// module indexes its random words by sample, position and column from there, so the draws depend
+/// on which samples a rank holds, not on the layout (data-parallel rank, micro-batch, pipeline
+/// stage, a tensor-parallel shard), and a recomputed forward or the backward draws them again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Draw {
+    pub seed: u64,
+    pub first_sample: u64,
 }
 
 /// A layer with an explicit forward and backward.

@@ -20,6 +20,7 @@ mod check;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+mod dropout;
 mod elementwise;
 mod embedding;
 mod loss;
@@ -35,6 +36,7 @@ pub use attention::{
     AttnCfg, attention_bwd, attention_bwd_qkv, attention_bwd_qkv_into, attention_fwd, attention_fwd_qkv,
 };
 pub use check::set_device_ids_prechecked;
+pub use dropout::{DropoutKey, dropout};
 pub use elementwise::{add, add_, bias_add, bias_grad, bias_grad_into, cast, copy_, scale, scale_};
 pub use embedding::{embedding_bwd, embedding_bwd_shard, embedding_fwd, embedding_fwd_shard};
 pub use loss::{CrossEntropyCfg, ce_combine_shards, cross_entropy_bwd, cross_entropy_fwd, cross_entropy_fwd_bwd_};

@@ -120,7 +120,7 @@ pub fn queue_train_step_pipelined(
     let actions = schedule(kind, pp.size(), pp.rank(), micro_batches.len()).map_err(OptimError::from)?;
     let mut runner = Runner {
         model,
-        cx: Cx { params: table, training: true },
+        cx: Cx::new(table, true),
         batches: micro_batches,
         saved: HashMap::new(),
         losses: vec![],
@@ -157,7 +157,7 @@ pub fn eval_pipelined(
         (0..micro_batches.len()).flat_map(|m| (0..v).map(move |c| Action::Forward { chunk: c, micro: m })).collect();
     let mut runner = Runner {
         model,
-        cx: Cx { params: table, training: false },
+        cx: Cx::new(table, false),
         batches: micro_batches,
         saved: HashMap::new(),
         losses: vec![],

@@ -102,7 +102,7 @@ pub fn queue_train_step(
 ) -> Result<QueuedStep, StepError> {
     // main_grad is not cleared: each gradient's first op stores, later ones add (`ParamTable`).
     table.defer_zero_grads();
-    let cx = Cx { params: table, training: true };
+    let cx = Cx::new(table, true);
     let m = micro_batches.len();
     let mut losses = Vec::with_capacity(m);
     let mut peak = 0;

@@ -7,10 +7,10 @@ mod common;
 
 use common::*;
 use ferrotron_comm::{Communicator, all_ok, run_ranks};
-use ferrotron_core::{DType, Device};
+use ferrotron_core::{DType, Device, Draw};
 use ferrotron_optim::{AdamConfig, GradSync, Optimizer, train_step};
 use ferrotron_parallel::{Layout, ProcessGroups, TensorParallel};
-use ferrotron_transformer::{Batch, GptModel};
+use ferrotron_transformer::{Batch, GptModel, TransformerConfig};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,6 +24,8 @@ struct Run {
     overlap: bool,
     /// `--overlap-param-gather` (distributed optimizer only).
     gather: bool,
+    /// Hidden dropout 0.2, each micro-batch drawing from its first sample's place in the run.
+    dropout: bool,
 }
 
 struct Outcome {
@@ -37,8 +39,9 @@ fn train(run: Run, llama: bool, world: Arc<dyn Communicator>) -> Result<Outcome,
     let layout = Layout::new(world.size(), run.tp, 1, 1, 1).map_err(|e| e.to_string())?;
     let g = ProcessGroups::new(world, layout).map_err(|e| e.to_string())?;
     let tp = TensorParallel::new(g.tp.clone(), run.sp);
-    let (model, table) = GptModel::build_parallel(config(llama), &tp, &Device::Cpu, DType::F32, 1234, run.dp)
-        .map_err(|e| e.to_string())?;
+    let cfg = TransformerConfig { hidden_dropout: if run.dropout { 0.2 } else { 0.0 }, ..config(llama) };
+    let (model, table) =
+        GptModel::build_parallel(cfg, &tp, &Device::Cpu, DType::F32, 1234, run.dp).map_err(|e| e.to_string())?;
     // Adam divides by √v + eps. Where a gradient is rounding noise around zero (the key bias: a
     // per-row shift of the attention scores, which softmax ignores, so its exact gradient is 0),
     // eps 1e-8 turns noise of 1e-10 into steps of ±lr/100 that differ between summation orders;
@@ -50,8 +53,14 @@ fn train(run: Run, llama: bool, world: Arc<dyn Communicator>) -> Result<Outcome,
     let mut opt = Optimizer::new_parallel(&table, adam, &sync, g.mp.clone(), g.tp.rank()).map_err(|e| e.to_string())?;
     let (d, dp) = (g.dp.rank(), g.dp.size());
     let mut losses = vec![];
-    for _ in 0..STEPS {
-        let micros: Vec<Batch> = (0..GLOBAL_MICROS / dp).map(|m| micro_batch(m * dp + d)).collect();
+    for step in 0..STEPS {
+        let micros: Vec<Batch> = (0..GLOBAL_MICROS / dp)
+            .map(|m| {
+                let j = m * dp + d;
+                let first_sample = ((step * GLOBAL_MICROS + j) * MICRO) as u64;
+                micro_batch(j).with_draw(Draw { seed: 7, first_sample })
+            })
+            .collect();
         let out = train_step(&model, &table, &mut sync, &mut opt, &micros, 1e-2).map_err(|e| e.to_string())?;
         assert!(out.applied);
         losses.push(out.loss);
@@ -59,8 +68,8 @@ fn train(run: Run, llama: bool, world: Arc<dyn Communicator>) -> Result<Outcome,
     Ok(Outcome { losses, params: whole_params(&table, &g), state_bytes: opt.state_bytes(), flat_len: table.flat_len() })
 }
 
-fn reference(llama: bool) -> Outcome {
-    let run = Run { tp: 1, sp: false, dp: 1, distributed: false, overlap: false, gather: false };
+fn reference(llama: bool, dropout: bool) -> Outcome {
+    let run = Run { tp: 1, sp: false, dp: 1, distributed: false, overlap: false, gather: false, dropout };
     all_ok(run_ranks(1, Duration::from_secs(60), |_, w| train(run, llama, w))).unwrap().remove(0)
 }
 
@@ -89,7 +98,7 @@ fn check(run: Run, llama: bool, one: &Outcome) {
 }
 
 fn all_layouts(llama: bool) {
-    let one = reference(llama);
+    let one = reference(llama, false);
     assert!(one.losses[STEPS - 1] < one.losses[0], "the reference run learns: {:?}", one.losses);
     for tp in [2, 4] {
         for sp in [false, true] {
@@ -97,15 +106,39 @@ fn all_layouts(llama: bool) {
                 for distributed in [false, true] {
                     let overlap = dp > 1 && (sp ^ distributed);
                     let gather = distributed && dp > 1 && sp;
-                    check(Run { tp, sp, dp, distributed, overlap, gather }, llama, &one);
+                    check(Run { tp, sp, dp, distributed, overlap, gather, dropout: false }, llama, &one);
                 }
             }
         }
     }
     // Pure data parallelism, with and without overlap.
     for overlap in [false, true] {
-        check(Run { tp: 1, sp: false, dp: 2, distributed: true, overlap, gather: overlap }, llama, &one);
-        check(Run { tp: 1, sp: false, dp: 2, distributed: false, overlap, gather: false }, llama, &one);
+        check(
+            Run { tp: 1, sp: false, dp: 2, distributed: true, overlap, gather: overlap, dropout: false },
+            llama,
+            &one,
+        );
+        check(Run { tp: 1, sp: false, dp: 2, distributed: false, overlap, gather: false, dropout: false }, llama, &one);
+    }
+}
+
+/// Hidden dropout draws its masks by global sample, position and column: tensor parallelism
+/// (the outputs replicated), sequence parallelism (each rank its part of every sequence) and data
+/// parallelism (each rank its micro-batches) train as one rank does, step for step; and dropout
+/// does change the run.
+#[test]
+fn hidden_dropout_layouts_match_one_rank() {
+    for llama in [false, true] {
+        let one = reference(llama, true);
+        let plain = reference(llama, false);
+        assert!(one.losses[STEPS - 1] < one.losses[0], "the run with dropout learns: {:?}", one.losses);
+        assert_ne!(one.losses[0], plain.losses[0], "dropout 0.2 left the first loss unchanged");
+        let run =
+            |tp, sp, dp, distributed| Run { tp, sp, dp, distributed, overlap: false, gather: false, dropout: true };
+        check(run(2, false, 1, false), llama, &one);
+        check(run(2, true, 2, true), llama, &one);
+        check(run(4, true, 1, false), llama, &one);
+        check(run(1, false, 2, false), llama, &one);
     }
 }
 

@@ -9,12 +9,12 @@ mod common;
 
 use common::*;
 use ferrotron_comm::{Communicator, all_ok, run_ranks};
-use ferrotron_core::{DType, Device};
+use ferrotron_core::{DType, Device, Draw};
 use ferrotron_optim::{AdamConfig, GradSync, Optimizer, train_step, train_step_pipelined};
 use ferrotron_parallel::pipeline::stage_layers;
 use ferrotron_parallel::{Layout, ProcessGroups, TensorParallel};
 use ferrotron_transformer::recompute::{Granularity, Method};
-use ferrotron_transformer::{Batch, GptModel, Recompute};
+use ferrotron_transformer::{Batch, GptModel, Recompute, TransformerConfig};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,6 +33,8 @@ struct Run {
     gather: bool,
     first_last: Option<(usize, usize)>,
     recompute: Recompute,
+    /// Hidden dropout 0.2, each micro-batch drawing from its first sample's place in the run.
+    dropout: bool,
 }
 
 struct Outcome {
@@ -52,8 +54,9 @@ fn train(run: Run, llama: bool, world: Arc<dyn Communicator>) -> Result<Outcome,
     let tp = TensorParallel::new(g.tp.clone(), run.sp);
     let (first, last) = run.first_last.map_or((None, None), |(f, l)| (Some(f), Some(l)));
     let plan = stage_layers(LAYERS, run.pp, run.vpp, g.pp.rank(), first, last).map_err(|x| e(&x))?;
+    let dropout = if run.dropout { 0.2 } else { 0.0 };
     let (model, table) = GptModel::build_stage(
-        config_layers(llama, LAYERS),
+        TransformerConfig { hidden_dropout: dropout, ..config_layers(llama, LAYERS) },
         &tp,
         &plan,
         run.recompute,
@@ -71,8 +74,13 @@ fn train(run: Run, llama: bool, world: Arc<dyn Communicator>) -> Result<Outcome,
     let mut opt = Optimizer::new_parallel(&table, adam(), &sync, g.mp.clone(), g.tp.rank()).map_err(|x| e(&x))?;
     let (d, dp) = (g.dp.rank(), g.dp.size());
     let mut losses = vec![];
-    for _ in 0..STEPS {
-        let micros: Vec<Batch> = (0..GLOBAL_MICROS / dp).map(|m| micro_batch(m * dp + d)).collect();
+    for step in 0..STEPS {
+        let micros: Vec<Batch> = (0..GLOBAL_MICROS / dp)
+            .map(|m| {
+                let j = m * dp + d;
+                micro_batch(j).with_draw(Draw { seed: 7, first_sample: ((step * GLOBAL_MICROS + j) * MICRO) as u64 })
+            })
+            .collect();
         let out = train_step_pipelined(&model, &table, &mut sync, &mut opt, &g.pipeline, &g.pp, &micros, 1e-2)
             .map_err(|x| e(&x))?;
         losses.push(out.loss);
@@ -116,6 +124,7 @@ fn all(llama: bool) {
         gather: false,
         first_last: None,
         recompute: Recompute::default(),
+        dropout: false,
     };
     let one = all_ok(run_ranks(1, Duration::from_secs(60), |_, w| train(base, llama, w))).unwrap().remove(0);
     assert!(one.losses[STEPS - 1] < one.losses[0]);
@@ -135,6 +144,14 @@ fn all(llama: bool) {
     check(Run { pp: 2, vpp: 2, recompute: block, ..base }, llama, &one);
     // The distributed optimizer's gathers waiting for each stage's next forward, interleaved.
     check(Run { pp: 2, vpp: 2, dp: 2, distributed: true, gather: true, ..base }, llama, &one);
+    // Hidden dropout: every stage, chunk and data-parallel rank draws the one-rank run's masks,
+    // the recomputed forwards too.
+    let drop = Run { dropout: true, ..base };
+    let one = all_ok(run_ranks(1, Duration::from_secs(60), |_, w| train(drop, llama, w))).unwrap().remove(0);
+    for recompute in recomputes() {
+        check(Run { pp: 2, vpp: 2, recompute, ..drop }, llama, &one);
+    }
+    check(Run { tp: 2, pp: 2, dp: 2, sp: true, distributed: true, ..drop }, llama, &one);
 }
 
 #[test]

@@ -33,7 +33,7 @@ fn run(tp: &TensorParallel, blocks: usize) -> Result<Run, Box<dyn std::error::Er
     let c2 = ColumnParallelLinear::new(&mut p, "c2", C, F, true, 0.3, tp, 1)?.with_gather_output(true);
     let r2 = RowParallelLinear::new(&mut p, "r2", F, C, false, 0.3, tp)?.with_input_is_parallel(false);
     let table: ParamTable = p.build(&Device::Cpu, DType::F32, 5)?;
-    let cx = Cx { params: &table, training: true };
+    let cx = Cx::new(&table, true);
     let ids: Vec<u32> = (0..B * T).map(|i| (i * 7 % V) as u32).collect();
     let ids = Tensor::from_vec(ids, [B, T], &Device::Cpu)?;
     let x = emb.forward(&cx, &ids)?;

@@ -33,7 +33,7 @@ pub fn generate(a: &GenerateArgs) -> anyhow::Result<String> {
         ids.push(tok.eod());
     }
     let vocab = tok.vocab_size();
-    let cx = Cx { params: &table, training: false };
+    let cx = Cx::new(&table, false);
     let rng = Philox::new(a.seed).with_stream(0x67656e);
     for step in 0..a.max_new_tokens {
         let ctx = &ids[ids.len().saturating_sub(s.seq_length)..];

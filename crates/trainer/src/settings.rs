@@ -62,10 +62,13 @@ pub struct TrainArgs {
     /// (default 128).
     #[arg(long)]
     pub make_vocab_size_divisible_by: Option<usize>,
-    /// Dropout is not implemented: only 0 is accepted (Megatron's default is 0.1).
+    /// Dropout rate on each layer's attention and MLP outputs before their residual adds and on
+    /// the embedding's output, in training (default 0: none; Megatron's default is 0.1, GPT-2
+    /// recipes use it, Llama's 0).
     #[arg(long)]
     pub hidden_dropout: Option<f64>,
-    /// Dropout is not implemented: only 0 is accepted (Megatron's default is 0.1).
+    /// Attention-probability dropout is not implemented: only 0 is accepted (Megatron's default
+    /// is 0.1).
     #[arg(long)]
     pub attention_dropout: Option<f64>,
     /// Accepted for Megatron's scripts: --num-query-groups takes effect with or without it.
@@ -333,6 +336,8 @@ pub struct Settings {
     pub norm_epsilon: f64,
     #[serde(default = "vocab_divisible_by")]
     pub make_vocab_size_divisible_by: usize,
+    #[serde(default)]
+    pub hidden_dropout: f32,
 }
 
 fn one() -> usize {
@@ -594,6 +599,7 @@ impl Settings {
             adam_eps: a.adam_eps.unwrap_or_else(adam_eps),
             norm_epsilon: a.norm_epsilon.unwrap_or_else(norm_epsilon),
             make_vocab_size_divisible_by: a.make_vocab_size_divisible_by.unwrap_or_else(vocab_divisible_by),
+            hidden_dropout: a.hidden_dropout.unwrap_or(0.0) as f32,
         };
         if let Some(f) = a.lr_warmup_fraction {
             if file.lr_warmup_iters.or(flags.lr_warmup_iters).is_some() {
@@ -604,12 +610,10 @@ impl Settings {
             }
             s.lr_warmup_iters = (f * s.decay_iters() as f64) as u64;
         }
-        for (p, flag) in [(a.hidden_dropout, "--hidden-dropout"), (a.attention_dropout, "--attention-dropout")] {
-            if let Some(p) = p.filter(|&p| p != 0.0) {
-                bail!(
-                    "{flag} {p}: dropout is not implemented in Ferrotron; pass {flag} 0 (or leave it out: no dropout)"
-                );
-            }
+        if let Some(p) = a.attention_dropout.filter(|&p| p != 0.0) {
+            bail!(
+                "--attention-dropout {p}: dropout of the attention probabilities is not implemented in Ferrotron; pass --attention-dropout 0 (or leave it out); --hidden-dropout is"
+            );
         }
         s.validate()?;
         if let Some(l) = &a.load {
@@ -832,6 +836,7 @@ impl Settings {
             },
             norm_epsilon: self.norm_epsilon,
             init_method_std: self.init_method_std,
+            hidden_dropout: self.hidden_dropout,
         })
     }
 }
@@ -918,7 +923,7 @@ mod tests {
     }
 
     #[test]
-    fn megatron_switches_accepted_and_dropout_refused() {
+    fn megatron_switches_accepted_and_attention_dropout_refused() {
         let plain = parse("").unwrap();
         let s = parse("--use-flash-attn --group-query-attention --hidden-dropout 0 --attention-dropout 0.0").unwrap();
         assert_eq!(s, plain, "these change nothing");
@@ -928,9 +933,13 @@ mod tests {
         let e = parse("--overlap-param-gather").unwrap_err().to_string();
         assert!(e.contains("--overlap-param-gather") && e.contains("--use-distributed-optimizer"), "{e}");
         assert!(parse("--overlap-param-gather --use-distributed-optimizer").unwrap().overlap_param_gather);
-        for flag in ["--hidden-dropout", "--attention-dropout"] {
-            let e = parse(&format!("{flag} 0.1")).unwrap_err().to_string();
-            assert!(e.contains(flag) && e.contains("not implemented") && e.contains(&format!("{flag} 0")), "{e}");
-        }
+        let e = parse("--attention-dropout 0.1").unwrap_err().to_string();
+        assert!(
+            e.contains("--attention-dropout") && e.contains("not implemented") && e.contains("--attention-dropout 0"),
+            "{e}"
+        );
+        assert_eq!(parse("--hidden-dropout 0.1").unwrap().hidden_dropout, 0.1);
+        let e = parse("--hidden-dropout 1").unwrap_err().to_string();
+        assert!(e.contains("--hidden-dropout 1") && e.contains("[0, 1)"), "{e}");
     }
 }

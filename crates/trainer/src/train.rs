@@ -6,7 +6,7 @@ use crate::checkpoint::{self, SaveInfo};
 use crate::settings::{Launch, LoadMode, Paths, Settings};
 use anyhow::{Context, bail};
 use ferrotron_comm::{run_ranks, thread_world};
-use ferrotron_core::{Cx, DType, Device, ParamTable, Tensor};
+use ferrotron_core::{Cx, DType, Device, Draw, ParamTable, Tensor};
 use ferrotron_data::{Sampler, TokenSplit, Tokenizer, corpus, split_documents};
 use ferrotron_optim::{
     AdamConfig, GradSync, LrSchedule, Optimizer, QueuedStep, default_bucket_size, eval_pipelined, queue_train_step,
@@ -95,7 +95,7 @@ fn batch(split: &TokenSplit, indices: &[usize], seq: usize, vocab: usize, dev: &
 pub fn evaluate(model: &GptModel, table: &ParamTable, data: &Data, s: &Settings) -> anyhow::Result<f64> {
     let dev = table.flat_params().device().clone();
     let n = data.valid.num_samples(s.seq_length);
-    let cx = Cx { params: table, training: false };
+    let cx = Cx::new(table, false);
     let mut total = 0.0;
     for it in 0..s.eval_iters as usize {
         let idx: Vec<usize> = (0..s.micro_batch_size).map(|j| (it * s.micro_batch_size + j) % n).collect();
@@ -408,11 +408,14 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         iteration += 1;
         let host_start = Instant::now();
         // Micro-batch j of the global batch goes to data-parallel rank j % dp, as Megatron's sampler.
+        // Its random draws (dropout) start at its first sample's place in the run, whatever rank
+        // or micro-batch holds it.
         let micros = (0..micro_per_rank)
             .map(|m| {
                 let j = (m * dp + dp_rank) as u64;
                 let idx: Vec<usize> = (0..mb).map(|i| sampler.index(consumed + j * mb + i)).collect();
-                batch(&data.train, &idx, s.seq_length, model.config.vocab_size, &dev)
+                let draw = Draw { seed: s.seed, first_sample: consumed + j * mb };
+                Ok(batch(&data.train, &idx, s.seq_length, model.config.vocab_size, &dev)?.with_draw(draw))
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
         consumed += s.global_batch_size as u64;

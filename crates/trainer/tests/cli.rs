@@ -128,6 +128,7 @@ fn bad_flags_fail_with_one_line_naming_the_flag() {
     fails_naming(&["--load", "/nonexistent/ferrotron"], "--load /nonexistent/ferrotron: no such folder");
     fails_naming(&["--preset", "huge"], "--preset huge: unknown preset");
     fails_naming(&["--lr-decay-style", "sqrt"], "--lr-decay-style sqrt");
+    fails_naming(&["--hidden-dropout", "1"], "--hidden-dropout 1 must be in [0, 1)");
     fails_naming(&["--device", "tpu"], "use cpu, cuda or cuda:N");
     fails_naming(&["--profile"], "--profile opens a CUDA profiler range: run with --device cuda");
     fails_naming(
@@ -209,7 +210,8 @@ fn a_missing_process_is_named() {
     assert!(err.contains("rendezvous") && err.contains("[1]"), "{err}");
 }
 
-/// `--nproc 4`: thread ranks, TP 2 × DP 2 with every switch on; the loss falls.
+/// `--nproc 4`: thread ranks, TP 2 × DP 2 with every switch on (hidden dropout too); the loss
+/// falls.
 #[test]
 fn thread_ranks_train_with_every_switch() {
     let o = run(&[
@@ -218,6 +220,8 @@ fn thread_ranks_train_with_every_switch() {
         "--tensor-model-parallel-size",
         "2",
         "--sequence-parallel",
+        "--hidden-dropout",
+        "0.1",
         "--use-distributed-optimizer",
         "--overlap-grad-reduce",
         "--overlap-param-gather",

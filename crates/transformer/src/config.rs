@@ -26,6 +26,9 @@ pub struct TransformerConfig {
     pub layer: LayerSpec,
     pub norm_epsilon: f64,
     pub init_method_std: f32,
+    /// Dropout rate on each branch's output before its residual add and on the embedding's output
+    /// (Megatron's --hidden-dropout), in training; 0: none.
+    pub hidden_dropout: f32,
 }
 
 fn bad(msg: String) -> ModelError {
@@ -117,6 +120,9 @@ impl TransformerConfig {
         }
         if c.layer.attention.window == Some(0) {
             return Err(bad("--window-size must be at least 1".into()));
+        }
+        if !(0.0..1.0).contains(&c.hidden_dropout) {
+            return Err(bad(format!("--hidden-dropout {} must be in [0, 1): a rate such as 0.1", c.hidden_dropout)));
         }
         if c.norm_epsilon.is_nan() || c.norm_epsilon <= 0.0 {
             return Err(bad("--norm-epsilon must be positive".into()));

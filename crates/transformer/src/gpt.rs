@@ -14,12 +14,13 @@
 //! stage's last chunk computes the loss; other chunks map hidden states to hidden states.
 
 use crate::config::TransformerConfig;
+use crate::dropout::{HiddenDropout, maybe};
 use crate::layer::TransformerBlock;
 use crate::recompute::Recompute;
 use crate::spec::PositionEmbedding;
 use crate::{ModelError, Result};
 use ferrotron_core::{
-    Cx, DType, Device, Init, Module, ParamId, ParamMeta, ParamTable, ParamTableBuilder, Saved, Shard, Tensor,
+    Cx, DType, Device, Draw, Init, Module, ParamId, ParamMeta, ParamTable, ParamTableBuilder, Saved, Shard, Tensor,
 };
 use ferrotron_kernels as k;
 use ferrotron_parallel::pipeline::StagePlan;
@@ -38,20 +39,28 @@ pub struct Batch {
     /// Σ loss_mask, counted once when the batch is made (so a step never reads it back from the
     /// device).
     num_tokens: f64,
+    /// Where its random draws (hidden dropout) come from: the trainer gives each training
+    /// micro-batch the global index of its first sample.
+    pub draw: Option<Draw>,
 }
 
 impl Batch {
     /// A batch; counts the mask's tokens (one read of `loss_mask`, before any compute is queued).
     pub fn new(tokens: Tensor, labels: Tensor, loss_mask: Tensor) -> Result<Batch> {
         let num_tokens = loss_mask.to_vec_f32()?.iter().map(|&m| m as f64).sum();
-        Ok(Batch { tokens, labels, loss_mask, num_tokens })
+        Ok(Batch { tokens, labels, loss_mask, num_tokens, draw: None })
+    }
+
+    /// The batch with its random draws' origin (see `Draw`).
+    pub fn with_draw(self, draw: Draw) -> Batch {
+        Batch { draw: Some(draw), ..self }
     }
 
     /// A batch whose every label counts: an all-ones mask on the tokens' device, no read back.
     pub fn unmasked(tokens: Tensor, labels: Tensor) -> Result<Batch> {
         let n = tokens.elem_count();
         let loss_mask = Tensor::from_vec(vec![1f32; n], tokens.dims().to_vec(), tokens.device())?;
-        Ok(Batch { tokens, labels, loss_mask, num_tokens: n as f64 })
+        Ok(Batch { tokens, labels, loss_mask, num_tokens: n as f64, draw: None })
     }
 
     /// Σ loss_mask.
@@ -90,6 +99,8 @@ pub struct GptModel {
     pub output_layer: Option<ParamId>,
     pub plan: StagePlan,
     pub tp: TensorParallel,
+    /// Hidden dropout on the embedding's output (first stage, rate above 0).
+    embedding_dropout: Option<HiddenDropout>,
 }
 
 /// What the loss end of a forward keeps.
@@ -110,6 +121,8 @@ pub struct GptSaved {
     positions: Option<Tensor>,
     decoder: Saved,
     post: Option<PostSaved>,
+    /// The micro-batch's draws, for the backward's dropout masks.
+    draw: Option<Draw>,
 }
 
 impl GptSaved {
@@ -217,6 +230,11 @@ impl GptModel {
             }
         };
         let table = p.build_padded(device, dtype, seed, pad_to)?;
+        let embedding_dropout = if embedding.is_some() {
+            HiddenDropout::new(config.hidden_dropout, "embedding.dropout", config.hidden_size, tp)
+        } else {
+            None
+        };
         let model = GptModel {
             config,
             embedding,
@@ -225,6 +243,7 @@ impl GptModel {
             output_layer,
             plan: plan.clone(),
             tp: tp.clone(),
+            embedding_dropout,
         };
         Ok((model, table))
     }
@@ -277,7 +296,7 @@ impl GptModel {
         if let (Some(pos), Some(pe)) = (&positions, self.position_embeddings) {
             x = k::add(&x, &k::embedding_fwd(pos, &cx.params.param(pe)?)?)?;
         }
-        Ok((x, positions))
+        Ok((maybe(&self.embedding_dropout, cx, x)?, positions))
     }
 
     fn output(&self) -> Result<ParamId> {
@@ -306,6 +325,8 @@ impl GptModel {
         input: Option<Tensor>,
     ) -> Result<(ChunkOut, GptSaved)> {
         let block = self.chunks.get(c).ok_or_else(|| ModelError::Config(format!("no model chunk {c}")))?;
+        let draw = batch.draw.or(cx.draw);
+        let cx = &cx.with_draw(draw);
         let pre = self.plan.pre_process && c == 0;
         let post = self.plan.post_process && c + 1 == self.chunks.len();
         let (x, tokens, positions) = match (pre, input) {
@@ -318,7 +339,7 @@ impl GptModel {
         };
         let (h, decoder) = block.forward(cx, &x)?;
         if !post {
-            return Ok((ChunkOut::Hidden(h), GptSaved { tokens, positions, decoder, post: None }));
+            return Ok((ChunkOut::Hidden(h), GptSaved { tokens, positions, decoder, post: None, draw }));
         }
         let h = self.tp.enter(&h)?;
         let logits = k::matmul(&h, &cx.params.param(self.output()?)?, false, true)?;
@@ -342,7 +363,7 @@ impl GptModel {
         };
         let post = PostSaved { hidden: h, logits: flat, grad_done, labels, loss_mask: mask, lse, num_tokens };
         let out = ChunkOut::Loss(MicroLoss { per_token: loss, num_tokens });
-        Ok((out, GptSaved { tokens, positions, decoder, post: Some(post) }))
+        Ok((out, GptSaved { tokens, positions, decoder, post: Some(post), draw }))
     }
 
     /// Backward of chunk `c`: from the loss (`grad_scale · loss`) or from `dy`; adds parameter
@@ -359,6 +380,7 @@ impl GptModel {
         done: &mut dyn FnMut(usize) -> ferrotron_core::Result<()>,
     ) -> Result<Option<Tensor>> {
         let block = self.chunks.get(c).ok_or_else(|| ModelError::Config(format!("no model chunk {c}")))?;
+        let cx = &cx.with_draw(saved.draw);
         let dh = match (saved.post, dy) {
             (Some(p), _) => {
                 let n = p.labels.elem_count();
@@ -402,6 +424,7 @@ impl GptModel {
         };
         let dx = block.backward_with(cx, saved.decoder, &dh, done)?;
         let Some(tokens) = &saved.tokens else { return Ok(Some(dx)) };
+        let dx = maybe(&self.embedding_dropout, cx, dx)?;
         if let Some(e) = &self.embedding {
             e.backward(cx, tokens, &dx)?;
         }

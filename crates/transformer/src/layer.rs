@@ -1,6 +1,7 @@
 //! Pre-norm transformer layer and the block of layers.
 //!
-//! layer: x1 = x + attn(input_layernorm(x)); y = x1 + mlp(pre_mlp_layernorm(x1)).
+//! layer: x1 = x + attn(input_layernorm(x)); y = x1 + mlp(pre_mlp_layernorm(x1)), each branch's
+//! output through hidden dropout (in training, at a rate above 0) before its add.
 //! Backward: the residual stream adds: dx1 = dy + ln2ᵀ(mlpᵀ(dy)); dx = dx1 + ln1ᵀ(attnᵀ(dx1)).
 //! The adds next to a norm run inside its kernel (`Norm::forward_add`, `Norm::backward_add`):
 //! in a block the layer's own output add x1 + mlp(…) too, in the next layer's input norm or the
@@ -9,6 +10,7 @@
 
 use crate::attention::{AttentionDims, SelfAttention};
 use crate::config::TransformerConfig;
+use crate::dropout::{HiddenDropout, maybe};
 use crate::mlp::Mlp;
 use crate::norm::Norm;
 use crate::recompute::Recompute;
@@ -22,6 +24,9 @@ pub struct TransformerLayer {
     pub self_attention: SelfAttention,
     pub pre_mlp_layernorm: Norm,
     pub mlp: Box<dyn Module>,
+    /// Hidden dropout on the attention's and the MLP's outputs (None at rate 0).
+    attention_dropout_out: Option<HiddenDropout>,
+    mlp_dropout_out: Option<HiddenDropout>,
 }
 
 impl TransformerLayer {
@@ -60,7 +65,15 @@ impl TransformerLayer {
             )?),
             MlpSpec::Custom(f) => f.build(&format!("{prefix}.mlp"), h, p)?,
         };
-        Ok(TransformerLayer { input_layernorm, self_attention, pre_mlp_layernorm, mlp })
+        let drop = |site: &str| HiddenDropout::new(c.hidden_dropout, &format!("{prefix}.{site}"), h, tp);
+        Ok(TransformerLayer {
+            input_layernorm,
+            self_attention,
+            pre_mlp_layernorm,
+            mlp,
+            attention_dropout_out: drop("self_attention.dropout"),
+            mlp_dropout_out: drop("mlp.dropout"),
+        })
     }
 }
 
@@ -102,8 +115,10 @@ impl TransformerLayer {
     pub fn forward_parts(&self, cx: &Cx, x: Residual) -> Result<(Residual, Saved)> {
         let (x, h1, s1) = x.norm(cx, &self.input_layernorm)?;
         let (a, s2) = self.self_attention.forward(cx, &h1)?;
+        let a = maybe(&self.attention_dropout_out, cx, a)?;
         let (x1, h2, s3) = self.pre_mlp_layernorm.forward_add(cx, &x, &a)?;
         let (m, s4) = self.mlp.forward(cx, &h2)?;
+        let m = maybe(&self.mlp_dropout_out, cx, m)?;
         Ok((Residual::Pending(x1, m), Saved::new(vec![], vec![s1, s2, s3, s4])))
     }
 }
@@ -116,9 +131,9 @@ impl Module for TransformerLayer {
 
     fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
         let [s1, s2, s3, s4] = four("TransformerLayer::backward", saved)?;
-        let dh2 = self.mlp.backward(cx, s4, dy)?;
+        let dh2 = self.mlp.backward(cx, s4, &maybe(&self.mlp_dropout_out, cx, dy.clone())?)?;
         let dx1 = self.pre_mlp_layernorm.backward_add(cx, s3, &dh2, dy)?;
-        let dh1 = self.self_attention.backward(cx, s2, &dx1)?;
+        let dh1 = self.self_attention.backward(cx, s2, &maybe(&self.attention_dropout_out, cx, dx1.clone())?)?;
         self.input_layernorm.backward_add(cx, s1, &dh1, &dx1)
     }
 }

@@ -9,6 +9,7 @@
 
 pub mod attention;
 pub mod config;
+pub mod dropout;
 pub mod gpt;
 pub mod layer;
 pub mod linear;

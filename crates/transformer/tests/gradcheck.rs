@@ -8,13 +8,16 @@ use ferrotron_core::{Cx, DType, Device, ParamTable, rng::Philox};
 use ferrotron_transformer::{Batch, GptModel};
 
 fn loss(model: &GptModel, table: &ParamTable, b: &Batch) -> f64 {
-    model.forward(&Cx { params: table, training: true }, b).unwrap().0
+    model.forward(&Cx::new(table, true), b).unwrap().0
 }
 
 fn check(cfg: ferrotron_transformer::TransformerConfig) {
+    check_batch(cfg, batch(2, 6, 11));
+}
+
+fn check_batch(cfg: ferrotron_transformer::TransformerConfig, b: Batch) {
     let (model, table) = GptModel::build(cfg, &Device::Cpu, DType::F32, 3).unwrap();
-    let b = batch(2, 6, 11);
-    let cx = Cx { params: &table, training: true };
+    let cx = Cx::new(&table, true);
     let (_, saved) = model.forward(&cx, &b).unwrap();
     model.backward(&cx, saved, 1.0).unwrap();
     let h = 1e-3f32;
@@ -66,4 +69,31 @@ fn llama_style_without_qk_norm_gradients_match_finite_differences() {
     let mut cfg = config(true);
     cfg.layer.attention.qk_layernorm = false;
     check(cfg);
+}
+
+/// Hidden dropout (a fixed draw: the same masks in every forward): the backward applies the
+/// forward's masks, so the finite differences still match; and the masks do act (the loss differs
+/// from the model's without dropout, and from another draw's).
+#[test]
+fn hidden_dropout_gradients_match_finite_differences() {
+    use ferrotron_core::Draw;
+    let draw = Draw { seed: 5, first_sample: 40 };
+    for llama in [false, true] {
+        let cfg = ferrotron_transformer::TransformerConfig { hidden_dropout: 0.3, ..config(llama) };
+        check_batch(cfg.clone(), batch(2, 6, 11).with_draw(draw));
+        let (model, table) = GptModel::build(cfg.clone(), &Device::Cpu, DType::F32, 3).unwrap();
+        let plain = GptModel::build(config(llama), &Device::Cpu, DType::F32, 3).unwrap().0;
+        let with = loss(&model, &table, &batch(2, 6, 11).with_draw(draw));
+        assert_eq!(with, loss(&model, &table, &batch(2, 6, 11).with_draw(draw)), "the same draw, the same loss");
+        assert_ne!(with, loss(&plain, &table, &batch(2, 6, 11)), "dropout changed nothing");
+        let other = loss(&model, &table, &batch(2, 6, 11).with_draw(Draw { first_sample: 41, ..draw }));
+        assert_ne!(with, other, "another sample index, another mask");
+        // Outside training there is no dropout and no draw is needed.
+        let eval = model.forward(&Cx::new(&table, false), &batch(2, 6, 11)).unwrap().0;
+        assert_eq!(eval, plain.forward(&Cx::new(&table, false), &batch(2, 6, 11)).unwrap().0);
+        let Err(e) = model.forward(&Cx::new(&table, true), &batch(2, 6, 11)) else {
+            panic!("training with dropout and no draw should be an error")
+        };
+        assert!(e.to_string().contains("Batch::with_draw"), "{e}");
+    }
 }

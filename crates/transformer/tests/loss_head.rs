@@ -12,7 +12,7 @@ use ferrotron_transformer::{Batch, GptModel};
 /// (loss, every parameter's gradient) after a forward with `training` and a backward at `scale`.
 fn run(model: &GptModel, table: &ParamTable, b: &Batch, training: bool, scale: f32) -> (f64, Vec<Vec<f32>>) {
     table.zero_grads().unwrap();
-    let cx = Cx { params: table, training };
+    let cx = Cx::new(table, training);
     let (loss, saved) = model.forward(&cx, b).unwrap();
     model.backward(&cx, saved, scale).unwrap();
     (loss, table.ids().map(|id| table.grad(id).unwrap().to_vec_f32().unwrap()).collect())

@@ -23,7 +23,7 @@ fn check(llama: bool, recompute: Recompute) {
     let mut p = ParamTableBuilder::default();
     let block = TransformerBlock::stage(&mut p, "decoder", &c, &tp, 0..c.num_layers, true, recompute).unwrap();
     let table = p.build(&Device::Cpu, DType::BF16, 5).unwrap();
-    let cx = Cx { params: &table, training: true };
+    let cx = Cx::new(&table, true);
     let n = 2 * 6 * 16;
     let mut v = vec![0f32; n];
     Philox::new(7).fill_normal(0, 0.0, 1.0, &mut v);
@@ -49,7 +49,7 @@ fn check(llama: bool, recompute: Recompute) {
     let plain =
         TransformerBlock::stage(&mut p2, "decoder", &c, &tp, 0..c.num_layers, true, Recompute::default()).unwrap();
     let t2 = p2.build(&Device::Cpu, DType::BF16, 5).unwrap();
-    let cx2 = Cx { params: &t2, training: true };
+    let cx2 = Cx::new(&t2, true);
     let (_, s2) = plain.forward(&cx2, &x).unwrap();
     let dx2 = plain.backward(&cx2, s2, &dy).unwrap();
     assert_eq!(bits(&dx), bits(&dx2), "llama {llama}, {recompute:?}: input gradient");

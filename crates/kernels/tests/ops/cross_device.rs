@@ -100,6 +100,10 @@ fn every_op_matches_cpu() {
         check("swiglu", dt, &[x.clone(), half], |t| {
             vec![k::swiglu(&t[0]).unwrap(), k::swiglu_bwd(&t[0], &t[1]).unwrap()]
         });
+        // The same Philox words on both devices: the same mask (a shard's offset and a batch
+        // stride larger than the rows held, as under sequence parallelism).
+        let key = k::DropoutKey { seed: 11, stream: 0xfeed, base: (1 << 33) + 5, batch_stride: 1000, offset: 7 };
+        check("dropout", dt, std::slice::from_ref(&x), |t| vec![k::dropout(&t[0], 0.3, &key).unwrap()]);
         check("softmax", dt, &[x.clone(), y.clone()], |t| {
             let s = k::softmax(&t[0]).unwrap();
             vec![k::softmax_bwd(&s, &t[1]).unwrap(), s]

@@ -32,6 +32,7 @@ pub fn config(llama: bool) -> TransformerConfig {
         norm_epsilon: 1e-5,
         // Large enough that every layer's gradient stands far above f32 round-off.
         init_method_std: 0.3,
+        hidden_dropout: 0.0,
     }
 }
 

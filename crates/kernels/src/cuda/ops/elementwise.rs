@@ -23,6 +23,28 @@ pub fn scale(be: &B, x: &Tensor, y: &Tensor, s: f32) -> Result<()> {
     ew8(be, &name, x.elem_count(), 8, &[ptr("scale", x)?, ptr("scale", y)?, Arg::F32(s), n(x.elem_count())])
 }
 
+/// x with its dropout mask applied (crate::dropout has the rule; `thr` the 24-bit threshold).
+pub fn dropout(be: &B, x: &Tensor, row: usize, key: &crate::DropoutKey, thr: u32, scale: f32) -> Result<Tensor> {
+    let y = new(be, x.shape().clone(), x.dtype())?;
+    let name = format!("dropout_{}", sfx("dropout", x.dtype())?);
+    let w = |v: u64| Arg::I64(v as i64);
+    let args = [
+        ptr("dropout", x)?,
+        ptr("dropout", &y)?,
+        n(x.elem_count()),
+        n(row.max(1)),
+        w(key.seed),
+        w(key.stream),
+        w(key.base),
+        w(key.batch_stride),
+        w(key.offset),
+        Arg::I64(thr as i64),
+        Arg::F32(scale),
+    ];
+    ew(be, &name, x.elem_count(), &args)?;
+    Ok(y)
+}
+
 pub fn add(be: &B, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let y = new(be, a.shape().clone(), a.dtype())?;
     ew8(

@@ -1,0 +1,73 @@
+//! Hidden dropout (Megatron's `--hidden-dropout`): on each branch's output before its residual add
+//! and on the embedding's output, in training only. The mask's random words are indexed by global
+//! sample, position and column from the micro-batch's `Draw`, with one Philox stream per site (a
+//! hash of its name, the layer's global index in it), so one rank and any layout (data-parallel
+//! ranks, micro-batches, pipeline stages, sequence-parallel shards) draw the same mask for the same
+//! sample, the backward and a recomputed forward draw it again, and nothing is saved for it.
+
+use ferrotron_core::rng::fnv1a64;
+use ferrotron_core::{Cx, Result, Tensor, invalid};
+use ferrotron_kernels as k;
+use ferrotron_parallel::TensorParallel;
+
+/// One site's dropout: the rate, its stream, the hidden size, and (sequence parallel) which
+/// part of each sequence this rank holds: (tensor-parallel rank, size).
+#[derive(Clone, Debug)]
+pub struct HiddenDropout {
+    p: f32,
+    stream: u64,
+    hidden: usize,
+    shard: Option<(usize, usize)>,
+}
+
+impl HiddenDropout {
+    /// The dropout at `site` (a name, e.g. `decoder.layers.3.mlp.dropout`), or None at rate 0.
+    pub fn new(p: f32, site: &str, hidden: usize, tp: &TensorParallel) -> Option<Self> {
+        (p > 0.0).then(|| HiddenDropout {
+            p,
+            stream: fnv1a64(site),
+            hidden,
+            shard: tp.sp().then(|| (tp.rank(), tp.size())),
+        })
+    }
+
+    /// x [B, T (or this rank's T / tp under sequence parallelism), hidden] with the mask applied
+    /// (the forward, and the backward on dy); x itself outside training.
+    pub fn apply(&self, cx: &Cx, x: &Tensor) -> Result<Tensor> {
+        if !cx.training {
+            return Ok(x.clone());
+        }
+        let Some(draw) = cx.draw else {
+            return Err(invalid(
+                "hidden dropout",
+                "a training micro-batch without its sample index: build it with Batch::with_draw (or set --hidden-dropout 0)",
+            ));
+        };
+        let dims = x.dims();
+        if dims.len() != 3 || dims[2] != self.hidden {
+            return Err(invalid(
+                "hidden dropout",
+                format!("activations {dims:?}, expected [batch, seq, {}]", self.hidden),
+            ));
+        }
+        let (rank, size) = self.shard.unwrap_or((0, 1));
+        let local = (dims[1] * self.hidden) as u64;
+        let row = local * size as u64;
+        let key = k::DropoutKey {
+            seed: draw.seed,
+            stream: self.stream,
+            base: draw.first_sample.wrapping_mul(row),
+            batch_stride: row,
+            offset: rank as u64 * local,
+        };
+        k::dropout(x, self.p, &key)
+    }
+}
+
+/// `d.apply` where there is a dropout, else x.
+pub fn maybe(d: &Option<HiddenDropout>, cx: &Cx, x: Tensor) -> Result<Tensor> {
+    match d {
+        Some(d) => d.apply(cx, &x),
+        None => Ok(x),
+    }
+}
