@@ -70,12 +70,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             };
             let (fwd, bwd) = if fused {
                 let fwd = time(&mut || {
-                    k::attention_fwd_qkv(&qkv, h, 1, d, &cfg)?;
+                    k::attention_fwd_qkv(&qkv, k::QkvHeads::new(h, 1, d), &cfg)?;
                     Ok(())
                 })?;
-                let (o, lse) = k::attention_fwd_qkv(&qkv, h, 1, d, &cfg)?;
+                let (o, lse) = k::attention_fwd_qkv(&qkv, k::QkvHeads::new(h, 1, d), &cfg)?;
                 let bwd = time(&mut || {
-                    k::attention_bwd_qkv(&qkv, &o, &lse, &dout, h, 1, d, &cfg)?;
+                    k::attention_bwd_qkv(&qkv, &o, &lse, &dout, k::QkvHeads::new(h, 1, d), &cfg)?;
                     Ok(())
                 })?;
                 (fwd, bwd)

@@ -123,19 +123,36 @@ pub fn attention_bwd(
     ))
 }
 
-/// [`attention_fwd`] on the fused QKV projection output `qkv` [B, T, Hkv·(G+2)·D] (Megatron's
-/// grouped layout, as [`qkv_split`](crate::qkv_split) reads it): the same (o, lse). Q, K and V
+/// How the heads sit in a fused QKV projection output [B, T, Hkv·(G+2)·D] (Megatron's grouped
+/// layout, as [`qkv_split`](crate::qkv_split) reads it): `hkv` groups, each its `group` query
+/// heads then its key and its value head, every head `d` wide.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QkvHeads {
+    pub hkv: usize,
+    pub group: usize,
+    pub d: usize,
+}
+
+impl QkvHeads {
+    pub fn new(hkv: usize, group: usize, d: usize) -> Self {
+        QkvHeads { hkv, group, d }
+    }
+}
+
+/// [`attention_fwd`] on the fused QKV projection output `qkv` [B, T, Hkv·(G+2)·D] laid out as
+/// `heads` says: the same (o, lse). Q, K and V
 /// are read where they sit (no split copy) on the CPU and by the GPU's tensor-core kernels; the
 /// GPU's other kernels take the split first.
-pub fn attention_fwd_qkv(qkv: &Tensor, hkv: usize, group: usize, d: usize, cfg: &AttnCfg) -> Result<(Tensor, Tensor)> {
+pub fn attention_fwd_qkv(qkv: &Tensor, heads: QkvHeads, cfg: &AttnCfg) -> Result<(Tensor, Tensor)> {
     const OP: &str = "attention_fwd_qkv";
-    let dm = fused_dims(qkv, hkv, group, d, cfg)?;
+    let dm = fused_dims(qkv, heads, cfg)?;
+    let d = heads.d;
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[qkv])? {
         if let Some(out) = crate::cuda::ops::attention_fwd_qkv(&g, qkv, &gpu_shape(&dm, cfg))? {
             return Ok(out);
         }
-        let (q, k, v) = crate::qkv_split(qkv, hkv, group, d)?;
+        let (q, k, v) = crate::qkv_split(qkv, heads.hkv, heads.group, d)?;
         return attention_fwd(&q, &k, &v, cfg);
     }
     check::on_cpu(OP, &[qkv])?;
@@ -152,18 +169,15 @@ pub fn attention_fwd_qkv(qkv: &Tensor, hkv: usize, group: usize, d: usize, cfg: 
 /// The gradient of [`attention_fwd_qkv`]: dQKV [B, T, Hkv·(G+2)·D] (as
 /// [`qkv_merge`](crate::qkv_merge) of [`attention_bwd`]'s dq, dk, dv). On a GPU the tensor-core
 /// kernels read Q, K, V in place and write each gradient into its slots of dQKV.
-#[allow(clippy::too_many_arguments)]
 pub fn attention_bwd_qkv(
     qkv: &Tensor,
     o: &Tensor,
     lse: &Tensor,
     dout: &Tensor,
-    hkv: usize,
-    group: usize,
-    d: usize,
+    heads: QkvHeads,
     cfg: &AttnCfg,
 ) -> Result<Tensor> {
-    bwd_qkv(qkv, o, lse, dout, hkv, group, d, cfg, None).map(|(dqkv, _)| dqkv)
+    bwd_qkv(qkv, o, lse, dout, heads, cfg, None).map(|(dqkv, _)| dqkv)
 }
 
 /// [`attention_bwd_qkv`] with Σ over rows of dQKV (the QKV projection's bias gradient) added into
@@ -177,9 +191,7 @@ pub fn attention_bwd_qkv_into(
     o: &Tensor,
     lse: &Tensor,
     dout: &Tensor,
-    hkv: usize,
-    group: usize,
-    d: usize,
+    heads: QkvHeads,
     cfg: &AttnCfg,
     db: &Tensor,
     acc: bool,
@@ -190,7 +202,7 @@ pub fn attention_bwd_qkv_into(
     if [qkv, o, lse, dout].iter().any(|t| t.shares_storage(db)) {
         return Err(invalid(OP, "the bias gradient destination shares storage with an input"));
     }
-    let (dqkv, summed) = bwd_qkv(qkv, o, lse, dout, hkv, group, d, cfg, Some((db, acc)))?;
+    let (dqkv, summed) = bwd_qkv(qkv, o, lse, dout, heads, cfg, Some((db, acc)))?;
     if !summed {
         crate::bias_grad_into(db, &dqkv, acc)?;
     }
@@ -198,20 +210,17 @@ pub fn attention_bwd_qkv_into(
 }
 
 /// dQKV, and whether Σ rows of it went into `db` already (the GPU kernels' partials).
-#[allow(clippy::too_many_arguments)]
 fn bwd_qkv(
     qkv: &Tensor,
     o: &Tensor,
     lse: &Tensor,
     dout: &Tensor,
-    hkv: usize,
-    group: usize,
-    d: usize,
+    heads: QkvHeads,
     cfg: &AttnCfg,
     #[allow(unused_variables)] db: Option<(&Tensor, bool)>,
 ) -> Result<(Tensor, bool)> {
     const OP: &str = "attention_bwd_qkv";
-    let dm = fused_dims(qkv, hkv, group, d, cfg)?;
+    let dm = fused_dims(qkv, heads, cfg)?;
     let qd = [dm.b, dm.t, dm.hq, dm.d];
     check::shape(OP, o, &qd)?;
     check::shape(OP, dout, &qd)?;
@@ -221,7 +230,7 @@ fn bwd_qkv(
         if let Some(r) = crate::cuda::ops::attention_bwd_qkv(&g, qkv, o, lse, dout, &gpu_shape(&dm, cfg), db)? {
             return Ok(r);
         }
-        let (q, k, v) = crate::qkv_split(qkv, hkv, group, d)?;
+        let (q, k, v) = crate::qkv_split(qkv, heads.hkv, heads.group, heads.d)?;
         let (dq, dk, dv) = attention_bwd(&q, &k, &v, o, lse, dout, cfg)?;
         return Ok((crate::qkv_merge(&dq, &dk, &dv)?, false));
     }
@@ -230,13 +239,14 @@ fn bwd_qkv(
     // SAFETY: attention_bwd_fused copies (`=`) every head's rows of dq, dk and dv into their slots,
     // which tile dqkv.
     let mut dqkv = unsafe { buf::uninit(x.len()) };
-    cpu::attention::attention_bwd_fused(&x, &ov, &lv, &dov, dm, mask(cfg), scale(cfg, d), &mut dqkv);
+    cpu::attention::attention_bwd_fused(&x, &ov, &lv, &dov, dm, mask(cfg), scale(cfg, heads.d), &mut dqkv);
     Ok((check::out(dqkv, qkv.shape().clone(), dout.dtype(), qkv.device())?, false))
 }
 
 /// The attention dims of a fused projection output, checked as `qkv_split` and `dims` check them.
-fn fused_dims(qkv: &Tensor, hkv: usize, group: usize, d: usize, cfg: &AttnCfg) -> Result<AttnDims> {
+fn fused_dims(qkv: &Tensor, heads: QkvHeads, cfg: &AttnCfg) -> Result<AttnDims> {
     const OP: &str = "attention_qkv";
+    let QkvHeads { hkv, group, d } = heads;
     check::float(OP, qkv)?;
     check::rank(OP, qkv, 3)?;
     let (b, t, w) = (qkv.dims()[0], qkv.dims()[1], qkv.dims()[2]);

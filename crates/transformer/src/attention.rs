@@ -100,9 +100,14 @@ impl SelfAttention {
         self.q_layernorm.is_none()
     }
 
+    /// Where the heads sit in the fused projection output.
+    fn qkv_heads(&self) -> k::QkvHeads {
+        k::QkvHeads::new(self.groups, self.heads / self.groups, self.head_dim)
+    }
+
     /// The core attention on the fused projection output: (o, lse).
     fn core_fused(&self, qkv: &Tensor) -> Result<(Tensor, Tensor)> {
-        k::attention_fwd_qkv(qkv, self.groups, self.heads / self.groups, self.head_dim, &self.attn)
+        k::attention_fwd_qkv(qkv, self.qkv_heads(), &self.attn)
     }
 
     /// `forward` when `reads_fused`: saved [qkv, o, lse] (or [qkv] with the core recomputed), qkv
@@ -140,10 +145,10 @@ impl SelfAttention {
             // The bias gradient is Σ rows of dQKV as the attention backward writes it (no RoPE
             // backward after), which its kernels can sum as they write.
             let (db, acc) = cx.params.grad_acc(b)?;
-            let dqkv = k::attention_bwd_qkv_into(&qkv, &o, &lse, &d_o, self.groups, g, hd, &self.attn, &db, acc)?;
+            let dqkv = k::attention_bwd_qkv_into(&qkv, &o, &lse, &d_o, self.qkv_heads(), &self.attn, &db, acc)?;
             return self.linear_qkv.backward_bias_summed(cx, s_qkv, &dqkv);
         }
-        let dqkv = k::attention_bwd_qkv(&qkv, &o, &lse, &d_o, self.groups, g, hd, &self.attn)?;
+        let dqkv = k::attention_bwd_qkv(&qkv, &o, &lse, &d_o, self.qkv_heads(), &self.attn)?;
         if let Some(r) = &self.rope {
             k::rope_qkv_bwd_(&dqkv, self.groups, g, hd, r)?;
         }

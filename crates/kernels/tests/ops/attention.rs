@@ -151,8 +151,8 @@ fn fused_qkv_attention_equals_split_then_merge() {
             AttnCfg { causal: true, window: Some(3), scale: None },
             AttnCfg { causal: false, window: None, scale: Some(0.3) },
         ] {
-            let (o, lse) = k::attention_fwd_qkv(&qkv, hkv, g, d, &cfg).unwrap();
-            let dqkv = k::attention_bwd_qkv(&qkv, &o, &lse, &dout, hkv, g, d, &cfg).unwrap();
+            let (o, lse) = k::attention_fwd_qkv(&qkv, k::QkvHeads::new(hkv, g, d), &cfg).unwrap();
+            let dqkv = k::attention_bwd_qkv(&qkv, &o, &lse, &dout, k::QkvHeads::new(hkv, g, d), &cfg).unwrap();
             let (q, kk, v) = k::qkv_split(&qkv, hkv, g, d).unwrap();
             let (o2, lse2) = k::attention_fwd(&q, &kk, &v, &cfg).unwrap();
             let (dq, dk, dv) = k::attention_bwd(&q, &kk, &v, &o2, &lse2, &dout, &cfg).unwrap();
@@ -167,7 +167,7 @@ fn fused_qkv_attention_equals_split_then_merge() {
         }
     }
     let bad = t32(&dev, &randv(2 * 7 * 19, 3), &[2, 7, 19]);
-    let e = k::attention_fwd_qkv(&bad, 2, 3, 4, &AttnCfg::default()).unwrap_err();
+    let e = k::attention_fwd_qkv(&bad, k::QkvHeads::new(2, 3, 4), &AttnCfg::default()).unwrap_err();
     assert!(e.to_string().contains("attention_qkv"), "{e}");
 }
 
@@ -182,21 +182,24 @@ fn fused_qkv_backward_into_adds_the_bias_gradient() {
     let qkv = t32(&dev, &randv(b * t * w, 5), &[b, t, w]);
     let dout = t32(&dev, &randv(b * t * hkv * g * d, 6), &[b, t, hkv * g, d]);
     let cfg = AttnCfg::default();
-    let (o, lse) = k::attention_fwd_qkv(&qkv, hkv, g, d, &cfg).unwrap();
-    let dqkv = k::attention_bwd_qkv(&qkv, &o, &lse, &dout, hkv, g, d, &cfg).unwrap();
+    let (o, lse) = k::attention_fwd_qkv(&qkv, k::QkvHeads::new(hkv, g, d), &cfg).unwrap();
+    let dqkv = k::attention_bwd_qkv(&qkv, &o, &lse, &dout, k::QkvHeads::new(hkv, g, d), &cfg).unwrap();
     let start = randv(w, 7);
     for acc in [false, true] {
         let (db, want) = (t32(&dev, &start, &[w]), t32(&dev, &start, &[w]));
         k::bias_grad_into(&want, &dqkv, acc).unwrap();
-        let got = k::attention_bwd_qkv_into(&qkv, &o, &lse, &dout, hkv, g, d, &cfg, &db, acc).unwrap();
+        let got =
+            k::attention_bwd_qkv_into(&qkv, &o, &lse, &dout, k::QkvHeads::new(hkv, g, d), &cfg, &db, acc).unwrap();
         assert_eq!(host(&got), host(&dqkv), "dqkv, acc {acc}");
         assert_eq!(host(&db), host(&want), "bias gradient, acc {acc}");
     }
     let narrow = t32(&dev, &start[..w - 1], &[w - 1]);
-    let e = k::attention_bwd_qkv_into(&qkv, &o, &lse, &dout, hkv, g, d, &cfg, &narrow, true).unwrap_err();
+    let e =
+        k::attention_bwd_qkv_into(&qkv, &o, &lse, &dout, k::QkvHeads::new(hkv, g, d), &cfg, &narrow, true).unwrap_err();
     assert!(e.to_string().contains("attention_bwd_qkv_into"), "{e}");
     assert_eq!(host(&narrow), start[..w - 1].to_vec());
     let inside = qkv.view(w, [w]).unwrap();
-    let e = k::attention_bwd_qkv_into(&qkv, &o, &lse, &dout, hkv, g, d, &cfg, &inside, true).unwrap_err();
+    let e =
+        k::attention_bwd_qkv_into(&qkv, &o, &lse, &dout, k::QkvHeads::new(hkv, g, d), &cfg, &inside, true).unwrap_err();
     assert!(e.to_string().contains("shares storage"), "{e}");
 }

@@ -253,8 +253,8 @@ fn every_op_matches_cpu() {
                 dt,
                 &[qkv, dout.clone()],
                 |t| {
-                    let (o, lse) = k::attention_fwd_qkv(&t[0], hkv, g, d, &cfg).unwrap();
-                    let dqkv = k::attention_bwd_qkv(&t[0], &o, &lse, &t[1], hkv, g, d, &cfg).unwrap();
+                    let (o, lse) = k::attention_fwd_qkv(&t[0], k::QkvHeads::new(hkv, g, d), &cfg).unwrap();
+                    let dqkv = k::attention_bwd_qkv(&t[0], &o, &lse, &t[1], k::QkvHeads::new(hkv, g, d), &cfg).unwrap();
                     vec![o, lse, dqkv]
                 },
             );
@@ -322,11 +322,13 @@ fn every_op_matches_cpu() {
                     let cfg = AttnCfg { causal, window: None, scale: None };
                     let what = format!("flash bias grad t{t} d{d} hq{hq} hkv{hkv} tma {tma} causal {causal} acc {acc}");
                     let (qc, dc) = (on(&qkv, &g), on(&dout, &g));
-                    let (o, lse) = k::attention_fwd_qkv(&qc, hkv, gq, d, &cfg).unwrap();
+                    let (o, lse) = k::attention_fwd_qkv(&qc, k::QkvHeads::new(hkv, gq, d), &cfg).unwrap();
                     ferrotron_kernels::cuda::set_flash_bias_grad(true);
                     let db = on(&start(), &g);
                     let runs = ferrotron_kernels::cuda::flash_bias_grad_runs();
-                    let dqkv = k::attention_bwd_qkv_into(&qc, &o, &lse, &dc, hkv, gq, d, &cfg, &db, acc).unwrap();
+                    let dqkv =
+                        k::attention_bwd_qkv_into(&qc, &o, &lse, &dc, k::QkvHeads::new(hkv, gq, d), &cfg, &db, acc)
+                            .unwrap();
                     let fused = ferrotron_kernels::cuda::flash_bias_grad_runs() > runs;
                     assert_eq!(fused, t % 64 == 0, "{what}: the kernels summed the bias (whole chunks only)");
                     ferrotron_kernels::cuda::set_flash_bias_grad(false);
@@ -334,10 +336,19 @@ fn every_op_matches_cpu() {
                     k::bias_grad_into(&want, &dqkv, acc).unwrap();
                     let bits = |t: &Tensor| t.to_vec_f32().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
                     assert_eq!(bits(&db), bits(&want), "{what}: fused sums against bias_grad_into");
-                    let (oc, lc) = k::attention_fwd_qkv(&qkv, hkv, gq, d, &cfg).unwrap();
+                    let (oc, lc) = k::attention_fwd_qkv(&qkv, k::QkvHeads::new(hkv, gq, d), &cfg).unwrap();
                     let cpu_db = start();
-                    let cpu_dqkv =
-                        k::attention_bwd_qkv_into(&qkv, &oc, &lc, &dout, hkv, gq, d, &cfg, &cpu_db, acc).unwrap();
+                    let cpu_dqkv = k::attention_bwd_qkv_into(
+                        &qkv,
+                        &oc,
+                        &lc,
+                        &dout,
+                        k::QkvHeads::new(hkv, gq, d),
+                        &cfg,
+                        &cpu_db,
+                        acc,
+                    )
+                    .unwrap();
                     same_in_norm(&cpu_dqkv, &dqkv, dt, &format!("{what}: dqkv"));
                     same_in_norm(&cpu_db, &db, dt, &format!("{what}: bias gradient"));
                 }
