@@ -307,7 +307,12 @@ impl Backend {
     }
 
     /// Launches `name` with `grid` × `block` threads and `shared` bytes of dynamic shared memory.
+    /// A grid of 0 blocks (no rows, no chunks, no tiles) launches nothing: one block would index
+    /// row 0 of outputs that have none.
     pub fn launch(&self, name: &str, grid: u32, block: u32, shared: u32, args: &[Arg]) -> Result<()> {
+        if grid == 0 {
+            return Ok(());
+        }
         let func = self.function(name)?;
         let stream = self.dev.stream();
         let mut b = stream.launch_builder(&func);
@@ -325,7 +330,7 @@ impl Backend {
             let attr = cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
             func.set_attribute(attr, shared as i32).map_err(|e| cuda_err(&format!("shared memory of {name}"), e))?;
         }
-        let cfg = LaunchConfig { grid_dim: (grid.max(1), 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: shared };
+        let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: shared };
         // SAFETY: every caller passes pointers to live allocations sized for the shapes it passes,
         // in the order the kernel declares them.
         unsafe { b.launch(cfg) }.map_err(|e| cuda_err(&format!("launching {name}"), e))?;

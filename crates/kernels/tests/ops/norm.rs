@@ -153,3 +153,18 @@ fn a_gradient_destination_of_the_wrong_size_is_an_error() {
     let e = k::bias_grad_into(&t32(&dev, &randv(3, 2), &[3]), &x, true).unwrap_err();
     assert!(e.to_string().contains("bias_grad_into") && e.to_string().contains("[4]"), "{e}");
 }
+
+// No rows (c = 256 takes the fused backward on a GPU): empty outputs, parameter gradients of
+// zero, and no kernel indexing a row that is not there.
+device_test!(norms_of_no_rows_are_empty_with_zero_parameter_gradients, |dev: &Device| {
+    let c = 256;
+    let (x, w, b) = (t32(dev, &[], &[0, c]), t32(dev, &randv(c, 2), &[c]), t32(dev, &randv(c, 3), &[c]));
+    let (y, mean, rstd) = k::layernorm_fwd(&x, &w, Some(&b), 1e-5).unwrap();
+    assert_eq!((y.dims(), mean.elem_count()), (&[0, c][..], 0));
+    let (dx, dw, db) = k::layernorm_bwd(&x, &x, &w, &mean, &rstd).unwrap();
+    assert_eq!(dx.dims(), &[0, c]);
+    assert_eq!((host(&dw), host(&db)), (vec![0.0; c], vec![0.0; c]));
+    let (_, r) = k::rmsnorm_fwd(&x, &w, 1e-5).unwrap();
+    let (dx, dw) = k::rmsnorm_bwd(&x, &x, &w, &r).unwrap();
+    assert_eq!((dx.elem_count(), host(&dw)), (0, vec![0.0; c]));
+});
