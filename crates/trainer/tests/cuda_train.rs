@@ -8,6 +8,10 @@ use ferrotron_trainer::settings::{Paths, ProfileRange, Settings, TrainArgs};
 use ferrotron_trainer::train::train;
 
 fn losses(preset: &str, bf16: bool, device: Device) -> Vec<f64> {
+    losses_with(preset, bf16, device, None)
+}
+
+fn losses_with(preset: &str, bf16: bool, device: Device, hidden_dropout: Option<f64>) -> Vec<f64> {
     let args = TrainArgs {
         preset: Some(preset.into()),
         train_iters: Some(20),
@@ -15,6 +19,7 @@ fn losses(preset: &str, bf16: bool, device: Device) -> Vec<f64> {
         eval_iters: Some(1),
         bf16,
         no_progress: true,
+        hidden_dropout,
         ..TrainArgs::default()
     };
     let (s, _): (Settings, Paths) = Settings::resolve(&args).unwrap();
@@ -47,6 +52,20 @@ fn matches_cpu(preset: &str) {
     for (i, (c, b)) in bf16_cpu.iter().zip(&bf16_gpu).enumerate() {
         assert!((c - b).abs() <= 2e-2 * c.abs(), "{preset} step {}: cpu bf16 {c} vs cuda bf16 {b}", i + 1);
     }
+}
+
+/// Hidden dropout 0.1 (fp32): the CUDA kernel draws the CPU's masks, so the runs stay as close as
+/// without dropout; and dropout changes the run.
+#[test]
+fn tiny_preset_with_hidden_dropout_cuda_matches_cpu() {
+    let gpu = Device::cuda(0).expect("a CUDA device");
+    let cpu = losses_with("tiny", false, Device::Cpu, Some(0.1));
+    let cuda = losses_with("tiny", false, gpu, Some(0.1));
+    assert_eq!(cpu.len(), 20);
+    for (i, (c, g)) in cpu.iter().zip(&cuda).enumerate() {
+        assert!((c - g).abs() <= 1e-4 * c.abs(), "step {}: cpu {c} vs cuda {g} with dropout", i + 1);
+    }
+    assert_ne!(cpu, losses("tiny", false, Device::Cpu), "dropout 0.1 changed nothing");
 }
 
 /// The tiny preset for 4 steps, one evaluation at the end: the profiling tests' run.
