@@ -12,9 +12,10 @@ use std::sync::Arc;
 ///
 /// Architecture invariant: all work on a GPU (copies, kernels, GEMMs) goes to its one compute
 /// stream; only collectives run elsewhere, each communicator on a stream of its own, fenced
-/// against this one by events (ferrotron-comm's NCCL backend). Event tracking is off, so two streams for one GPU would race: the kernel backend is
-/// cached per ordinal and launches on the stream of the device it was first built for, while a
-/// tensor's copies run on its own device's stream. (Two tests that each opened `cuda(0)` once
+/// against this one by events (ferrotron-comm's NCCL backend). Event tracking is off, so two
+/// handles' streams for one GPU would race: the kernel backend is cached per ordinal and launches
+/// on the stream of the device it was first built for, while a tensor's copies run on its own
+/// device's stream. (Two tests that each opened `cuda(0)` once
 /// raced exactly so: a kernel ran before the upload of its input had landed.)
 #[derive(Clone)]
 pub struct CudaDevice {

@@ -185,7 +185,6 @@ pub fn attention_bwd_qkv(
 /// [`bias_grad_into`](crate::bias_grad_into). On a GPU whose flash backward can (the default;
 /// `cuda::set_flash_bias_grad(false)` turns it off), its own kernels sum the tiles they write, so
 /// dQKV is not read again for the bias; the sums have the bits `bias_grad_into` would give.
-#[allow(clippy::too_many_arguments)]
 pub fn attention_bwd_qkv_into(
     qkv: &Tensor,
     o: &Tensor,

@@ -24,9 +24,9 @@ pub struct DropoutKey {
     pub offset: u64,
 }
 
-/// Whether the word `u` (as Philox gives it) drops its element at probability `p`: the 24-bit
-/// uniform below p. The CUDA kernel (kernels/elementwise.cu `dropout_keep`) compares the same
-/// integers, so both devices draw the same mask.
+/// Whether the word `u` (as Philox gives it) keeps its element: its top 24 bits, a uniform in
+/// [0, 1), at least p (`threshold`). The CUDA kernel (kernels/elementwise.cu `dropout_*`)
+/// compares the same integers, so both devices draw the same mask.
 fn keep(u: u32, threshold: u32) -> bool {
     (u >> 8) >= threshold
 }
