@@ -346,16 +346,6 @@ fn sums_in_fp32(algo: &sys::cublasLtMatmulAlgo_t) -> bool {
     matches!(splits, Some(0 | 1)) || scheme == Some(compute)
 }
 
-/// The workspace the heuristic may plan for: all of it, or `FERROTRON_GEMM_WORKSPACE` bytes (a
-/// measurement switch: with 0 only algorithms that need none, which cuBLASLt runs without
-/// clearing part of the workspace first).
-fn offered_workspace() -> usize {
-    static ENV: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *ENV.get_or_init(|| {
-        std::env::var("FERROTRON_GEMM_WORKSPACE").ok().and_then(|v| v.parse().ok()).unwrap_or(WORKSPACE).min(WORKSPACE)
-    })
-}
-
 /// Up to `tune::CANDIDATES` algorithms from the heuristic, best first, for pointers of `align`
 /// bytes' alignment and our workspace.
 fn candidates(
@@ -365,7 +355,7 @@ fn candidates(
     align: u32,
 ) -> std::result::Result<Vec<sys::cublasLtMatmulAlgo_t>, cudarc::cublaslt::result::CublasError> {
     let pref = Pref(result::create_matmul_pref()?);
-    let workspace = offered_workspace();
+    let workspace = WORKSPACE;
     // SAFETY: each attribute is given a live value of its type.
     unsafe {
         result::set_matmul_pref_attribute(

@@ -83,8 +83,19 @@ pub fn ce_fwd_bwd_(
         Arg::F32(dscale),
         n(v),
     ];
-    rows_launch(be, &name, rows, &args)?;
+    be.launch(&name, rows as u32, ce_threads(), 0, &args)?;
     Ok((loss, lse))
+}
+
+/// Threads per row of the fused cross-entropy: 256, or `FERROTRON_CE_THREADS` (a measurement
+/// switch, a multiple of 32 up to 1024). A block's row is read twice, the second time from L2, so
+/// the rows in flight (blocks resident on the card) must fit there.
+fn ce_threads() -> u32 {
+    static ENV: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *ENV.get_or_init(|| {
+        let t = std::env::var("FERROTRON_CE_THREADS").ok().and_then(|v| v.parse().ok());
+        t.filter(|&t: &u32| t % 32 == 0 && (32..=1024).contains(&t)).unwrap_or(256)
+    })
 }
 
 /// The vocabulary-parallel combine of the shards' (lse, loss): one thread per row.
