@@ -96,9 +96,6 @@ pub(crate) fn fastest<A: Copy>(
 /// the events failed).
 fn time_all(stream: &Arc<CudaStream>, n: usize, launch: impl Fn(usize) -> Result<()>) -> Vec<f32> {
     let ok: Vec<bool> = (0..n).map(|i| launch(i).is_ok()).collect();
-    if let Some(hold) = hold_ms() {
-        return (0..n).map(|i| if ok[i] { held(stream, hold, || launch(i)) } else { f32::INFINITY }).collect();
-    }
     let event = || stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).ok();
     let mut marks = Vec::with_capacity(ROUNDS * n);
     for _ in 0..ROUNDS {
@@ -117,40 +114,4 @@ fn time_all(stream: &Arc<CudaStream>, n: usize, launch: impl Fn(usize) -> Result
         }
     }
     best
-}
-
-/// `FERROTRON_GEMM_TUNE_HOLD_MS`: time each candidate under sustained load instead (a measurement
-/// switch). On the power-capped H200 a running step holds the card at its 700 W cap, where a
-/// product's time follows its energy rather than its speed on a cool card; a candidate repeated
-/// back to back for this long settles the clock as the step does.
-fn hold_ms() -> Option<f32> {
-    static ENV: std::sync::OnceLock<Option<f32>> = std::sync::OnceLock::new();
-    *ENV.get_or_init(|| std::env::var("FERROTRON_GEMM_TUNE_HOLD_MS").ok()?.parse().ok().filter(|&ms: &f32| ms > 0.0))
-}
-
-/// One candidate's milliseconds per product under `hold` ms of back-to-back runs: the mean over
-/// the second half (the first is the clock settling). A batch is always queued behind the one
-/// being waited on, so the card never idles. Infinite when a launch or event fails.
-fn held(stream: &Arc<CudaStream>, hold: f32, launch: impl Fn() -> Result<()>) -> f32 {
-    const BATCH: usize = 16;
-    let batch = || -> Option<_> {
-        let start = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).ok()?;
-        for _ in 0..BATCH {
-            launch().ok()?;
-        }
-        Some((start, stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).ok()?))
-    };
-    let (mut spent, mut settled) = (0f32, Vec::new());
-    let Some(mut queued) = batch() else { return f32::INFINITY };
-    while spent < hold {
-        let Some(next) = batch() else { return f32::INFINITY };
-        let Ok(ms) = queued.0.elapsed_ms(&queued.1) else { return f32::INFINITY };
-        queued = next;
-        spent += ms;
-        if spent >= hold / 2.0 {
-            settled.push(ms);
-        }
-    }
-    let _ = queued.1.synchronize();
-    settled.iter().sum::<f32>() / (settled.len() * BATCH).max(1) as f32
 }

@@ -69,7 +69,10 @@ pub fn ce_fwd_bwd_(
     let (rows, v) = (logits.dims()[0], logits.dims()[1]);
     let (loss, lse) = (new(be, [rows], DType::F32)?, new(be, [rows], DType::F32)?);
     let mut name = format!("ce_fwdbwd_{}", sfx("cross_entropy_fwd_bwd_", logits.dtype())?);
-    if v % 8 == 0 && aligned16(&[logits])? {
+    let wide = v % 8 == 0 && aligned16(&[logits])?;
+    // bf16 rows up to 110 KB: kept in shared memory between the passes (two blocks an SM).
+    let keep = wide && logits.dtype() == DType::BF16 && v * 2 <= KEEP_BYTES && keep_row();
+    if wide {
         name += "_v8";
     }
     let args = [
@@ -83,19 +86,22 @@ pub fn ce_fwd_bwd_(
         Arg::F32(dscale),
         n(v),
     ];
-    be.launch(&name, rows as u32, ce_threads(), 0, &args)?;
+    if keep {
+        be.launch("ce_fwdbwd_bf16_keep", rows as u32, 1024, (v * 2) as u32, &args)?;
+    } else {
+        rows_launch(be, &name, rows, &args)?;
+    }
     Ok((loss, lse))
 }
 
-/// Threads per row of the fused cross-entropy: 256, or `FERROTRON_CE_THREADS` (a measurement
-/// switch, a multiple of 32 up to 1024). A block's row is read twice, the second time from L2, so
-/// the rows in flight (blocks resident on the card) must fit there.
-fn ce_threads() -> u32 {
-    static ENV: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    *ENV.get_or_init(|| {
-        let t = std::env::var("FERROTRON_CE_THREADS").ok().and_then(|v| v.parse().ok());
-        t.filter(|&t: &u32| t % 32 == 0 && (32..=1024).contains(&t)).unwrap_or(256)
-    })
+/// The largest bf16 row the fused cross-entropy keeps in shared memory.
+const KEEP_BYTES: usize = 110 << 10;
+
+/// Whether the fused cross-entropy keeps its row in shared memory (`FERROTRON_CE_KEEP=0`: not; a
+/// measurement switch).
+fn keep_row() -> bool {
+    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENV.get_or_init(|| std::env::var("FERROTRON_CE_KEEP").as_deref() != Ok("0"))
 }
 
 /// The vocabulary-parallel combine of the shards' (lse, loss): one thread per row.
