@@ -54,6 +54,8 @@ pub(crate) struct Backend {
     pub wgmma: bool,
     /// Streaming multiprocessors: the grid of the persistent kernels.
     pub sms: u32,
+    /// Shared memory one block may opt into (bytes): 227 KB on Hopper, 99 KB on sm_86/sm_89.
+    pub smem_optin: usize,
 }
 
 static BACKENDS: Mutex<Vec<(usize, Arc<Backend>)>> = Mutex::new(Vec::new());
@@ -279,8 +281,11 @@ pub(crate) fn backend(dev: &CudaDevice) -> Result<Arc<Backend>> {
     let lt = lt::Lt::new(dev.stream())?;
     let sm_attr = cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
     let sms = dev.context().attribute(sm_attr).map_err(|e| cuda_err("multiprocessor count", e))?.max(1) as u32;
+    let optin = cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN;
+    let smem_optin =
+        dev.context().attribute(optin).map_err(|e| cuda_err("shared memory per block", e))?.max(0) as usize;
     let functions = Mutex::new(HashMap::new());
-    let b = Arc::new(Backend { dev: dev.clone(), module, functions, blas_lt, blas, lt, wgmma, sms });
+    let b = Arc::new(Backend { dev: dev.clone(), module, functions, blas_lt, blas, lt, wgmma, sms, smem_optin });
     all.push((dev.ordinal(), b.clone()));
     Ok(b)
 }

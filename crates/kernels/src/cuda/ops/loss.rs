@@ -70,8 +70,10 @@ pub fn ce_fwd_bwd_(
     let (loss, lse) = (new(be, [rows], DType::F32)?, new(be, [rows], DType::F32)?);
     let mut name = format!("ce_fwdbwd_{}", sfx("cross_entropy_fwd_bwd_", logits.dtype())?);
     let wide = v % 8 == 0 && aligned16(&[logits])?;
-    // bf16 rows up to 110 KB: kept in shared memory between the passes (two blocks an SM).
-    let keep = wide && logits.dtype() == DType::BF16 && v * 2 <= KEEP_BYTES && keep_row();
+    // bf16 rows up to 110 KB: kept in shared memory between the passes (two blocks an SM), where
+    // the card lets a block have that much besides the reductions' 1 KB.
+    let fits = v * 2 <= KEEP_BYTES && v * 2 + 1024 <= be.smem_optin;
+    let keep = wide && logits.dtype() == DType::BF16 && fits && keep_row();
     if wide {
         name += "_v8";
     }
