@@ -77,7 +77,8 @@ impl TensorParallel {
             return Ok(x.clone());
         }
         let (b, tl, rest) = self.btc("gather_seq", x)?;
-        let buf = Tensor::zeros(Self::dims(n, &[b, tl], &rest), x.dtype(), x.device())?;
+        // The collective writes every element of its output: no memset first.
+        let buf = Tensor::empty(Self::dims(n, &[b, tl], &rest), x.dtype(), x.device())?;
         self.comm.all_gather(&x.contiguous()?, &buf).map_err(comm_err)?;
         buf.transpose(0, 1)?.contiguous()?.reshape(Self::dims(b, &[n * tl], &rest))
     }
@@ -91,7 +92,7 @@ impl TensorParallel {
         let (b, t, rest) = self.btc("reduce_scatter_seq", x)?;
         let tl = self.shard_len(t)?;
         let staged = x.contiguous()?.reshape(Self::dims(b, &[n, tl], &rest))?.transpose(0, 1)?.contiguous()?;
-        let out = Tensor::zeros(Self::dims(b, &[tl], &rest), x.dtype(), x.device())?;
+        let out = Tensor::empty(Self::dims(b, &[tl], &rest), x.dtype(), x.device())?;
         self.comm.reduce_scatter(&staged, &out, ReduceOp::Sum).map_err(comm_err)?;
         Ok(out)
     }
@@ -130,7 +131,7 @@ impl TensorParallel {
         }
         let c = x.shape().last();
         let rows = x.elem_count() / c.max(1);
-        let buf = Tensor::zeros([n, rows, c], x.dtype(), x.device())?;
+        let buf = Tensor::empty([n, rows, c], x.dtype(), x.device())?;
         self.comm.all_gather(&x.contiguous()?, &buf).map_err(comm_err)?;
         let mut dims = x.dims().to_vec();
         *dims.last_mut().unwrap_or(&mut 0) = n * c;
