@@ -515,7 +515,8 @@ __device__ __forceinline__ void store_keys_staged(float (*acc)[4], float mul, bf
 // launches with 384 · 168).
 // Dynamic shared memory (bytes; the host's `bwd_plan` must agree): K, V 2·128·D·2; bw_stages ×
 // (Q, dO) 2·64·D·2; dSᵀ 2·64·64·2 per buffer (D 64: one, 128: two); dQ staging 2 consumers × 2 ×
-// 4096·4; bw_stages × (lse, delta) 2·64·4; 2·bw_stages + 1 mbarriers. D 128: 230,440 of 232,448.
+// 4096·4; bw_stages × (lse, delta) 2·64·4; 2·bw_stages + 6 mbarriers and DYN's two tile-index
+// slots (8 bytes each). D 128: 230,496 of 232,448.
 __host__ __device__ constexpr int bw_stages(int d) { return d == 64 ? 3 : 2; }
 template <bool C, class T, class F>
 struct Pick {
@@ -536,13 +537,21 @@ __device__ __forceinline__ void cp_async4(float* dst, const float* src, bool in)
 // instructions, on the schedulers the consumers issue from); the (lse, delta) rows stay 4-byte
 // cp.async from 128 threads (their rows need not be 16-byte aligned), so a stage's full barrier
 // counts those 128 arrivals and the copying thread's expected bytes.
-template <int D, bool TMA>
+// DYN (TMA): persistent, one block per SM taking key tiles from a global counter (`sched`, as the
+// forward's DYN: groups of `hg` K/V heads whose Q, dO, lse and delta share L2, in a group every
+// head's heaviest key tile first). The stage ring and its phases run on across tiles; the copying
+// thread loads the next tile's K and V once both consumers are done with this tile's (kvempty:
+// after their last products), which its first stages' Q/dO copies do not wait for, so the copies
+// overlap the consumers' dK/dV stores. The tile index goes to the other 383 threads through two
+// shared slots (tfull / tempty).
+template <int D, bool TMA, bool DYN>
 __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse,
                                   const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, float* dqa, long t,
                                   long sl, long hq, long hkv, float scale, long causal, long window, long fused,
                                   const TmaMap* km, const TmaMap* vm, const TmaMap* qm, const TmaMap* dom,
-                                  float* bp, long bc) {
+                                  float* bp, long bc, long bkv, long hg, u32* sched) {
     static_assert(D == 64 || D == 128, "64-column dQ pieces");
+    static_assert(!DYN || TMA, "the dynamic walk's K/V reloads are the copying thread's");
     // CK: keys per consumer; DSB: dSᵀ buffers (each both consumers' keys × 64 rows).
     constexpr int NO = D / 8, KEYS = 128, CK = 64, TILE = FB_ROWS * D, ST = bw_stages(D), DSB = D == 64 ? 1 : 2;
     constexpr int DSS = 2 * CK * FB_ROWS * 2;  // bytes of one dSᵀ buffer
@@ -556,203 +565,288 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
     u64* full = reinterpret_cast<u64*>(lstage + ST * 2 * FB_ROWS);
     u64* empty = full + ST;
     u64* kvbar = empty + ST;
-    long tiles = (sl + KEYS - 1) / KEYS;
-    long kt = blockIdx.x % tiles, kvh = (blockIdx.x / tiles) % hkv, b = blockIdx.x / (tiles * hkv);
-    const Place kp = kv_place(kvh, hq, hkv, fused);  // K, V, dK, dV (dO stays [B, T, hq, D])
+    u64* kvempty = kvbar + 1;  // DYN: both consumers are done with this tile's K and V
+    u64* tfull = kvempty + 1;  // DYN: tile index written (2), the other threads have read it (2)
+    u64* tempty = tfull + 2;
+    volatile long* tix = reinterpret_cast<volatile long*>(tempty + 2);  // DYN: two index slots
+    const long tiles = (sl + KEYS - 1) / KEYS, ntiles = tiles * bkv;
+    const long group = hq / hkv, tp = (t + 63) / 64, qgs = fused ? group + 2 : group;  // qgs: as in flash_bwd_dkv_mma
+    // The key tile of index u: (key tile, K/V head, batch), its keys j0.., the query rows [ib, ie)
+    // that see them, in qtiles tiles, and the steps (group heads × qtiles).
+    long kt, kvh, b, j0, ib, ie, qtiles, steps;
+    auto decode = [&](long u) {
+        if (DYN) {
+            const long gt = hg * tiles, grp = u / gt, r = u - grp * gt, gsz = lmin(hg, bkv - grp * hg);
+            const long hh = grp * hg + r % gsz;
+            kt = r / gsz;  // key tile 0 is seen by the most query rows under a causal mask
+            kvh = hh % hkv;
+            b = hh / hkv;
+        } else {
+            kt = u % tiles;
+            kvh = (u / tiles) % hkv;
+            b = u / (tiles * hkv);
+        }
+        j0 = kt * KEYS;
+        row_range(j0, lmin(sl, j0 + KEYS) - 1, t, causal, window, FB_ROWS, &ib, &ie);
+        qtiles = ie > ib ? (ie - ib + FB_ROWS - 1) / FB_ROWS : 0;
+        steps = group * qtiles;
+    };
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3, wg = warp >> 2;
-    long j0 = kt * KEYS, j1 = lmin(sl, j0 + KEYS) - 1, ib, ie;
-    row_range(j0, j1, t, causal, window, FB_ROWS, &ib, &ie);
-    long group = hq / hkv, tp = (t + 63) / 64, qgs = fused ? group + 2 : group;  // qgs: as in flash_bwd_dkv_mma
-    long qtiles = ie > ib ? (ie - ib + FB_ROWS - 1) / FB_ROWS : 0, steps = group * qtiles;
     if (threadIdx.x == 0) {
         for (int st = 0; st < ST; st++) { mbar_init(&full[st], TMA ? 129 : 128); mbar_init(&empty[st], 256); }
         mbar_init(kvbar, TMA ? 1 : 128);
+        mbar_init(kvempty, 256);
+        for (int s = 0; s < 2; s++) { mbar_init(&tfull[s], 1); mbar_init(&tempty[s], 383); }
     }
     __syncthreads();  // the only block-wide barrier
+    const bool copier = threadIdx.x == 256;  // the producer thread that issues the TMA copies
+    // This block's tile in round j into the decode's variables; false past the last. DYN: the
+    // copier (`takes`) takes the index from the counter and hands it over; the others wait for it
+    // (the consumers pass a constant false: no copier code in their registers).
+    auto next = [&](u32 j, bool takes) -> bool {
+        if constexpr (DYN) {
+            const int ts = (int)(j & 1);
+            long u;
+            if (takes) {
+                u = (long)atomicAdd(sched, 1u);
+                if (u >= ntiles) u = -1;
+                if (j >= 2) mbar_wait(&tempty[ts], ((j >> 1) - 1) & 1);
+                tix[ts] = u;
+                mbar_arrive(&tfull[ts]);  // release: the waits below see the index
+            } else {
+                mbar_wait(&tfull[ts], (j >> 1) & 1);
+                u = tix[ts];
+                mbar_arrive(&tempty[ts]);
+            }
+            if (u < 0) return false;
+            decode(u);
+            return true;
+        } else {
+            if (j > 0) return false;
+            decode(blockIdx.x);
+            return true;
+        }
+    };
     if (wg == 2) {
         wg_reg_dealloc<40>();
         int tid = threadIdx.x & 127;
-        if (!TMA) {
-            tile_async_sw<D, KEYS, 128>(ks, k, j0, sl, b, kp.heads, kp.head, tid);
-            tile_async_sw<D, KEYS, 128>(vs, v, j0, sl, b, kp.heads, kp.head, tid);
-            cp_arrive(kvbar);
-        } else if (tid == 0) {
-            mbar_expect_tx(kvbar, 2 * KEYS * D * 2);
-            #pragma unroll
-            for (int cb = 0; cb < D / 64; cb++) {
-                tma_load_4d(ks + cb * KEYS * 64, km, cb * 64, (int)kp.head, (int)j0, (int)b, kvbar);
-                tma_load_4d(vs + cb * KEYS * 64, vm, cb * 64, (int)kp.head, (int)j0, (int)b, kvbar);
-            }
-        }
-        for (long n = 0; n < steps; n++) {
-            int st = n % ST;
-            if (n >= ST) mbar_wait(&empty[st], ((n / ST) - 1) & 1);
-            long h = kvh * group + n / qtiles, i0 = ib + (n % qtiles) * FB_ROWS;
-            bf16_t* qt = qstage + st * 2 * TILE;
-            if (!TMA) {
-                tile_async_sw<D, FB_ROWS, 128>(qt, q, i0, t, b, hkv * qgs, kvh * qgs + n / qtiles, tid);
-                tile_async_sw<D, FB_ROWS, 128>(qt + TILE, dout, i0, t, b, hq, h, tid);
-            } else if (tid == 0) {
-                mbar_expect_tx(&full[st], 2 * TILE * 2);
+        long n = 0;  // steps over this block's tiles: the stage ring's position
+        for (u32 j = 0; next(j, copier); j++) {
+            const Place kp = kv_place(kvh, hq, hkv, fused);
+            // K and V of this tile: DYN's tile j > 0 once the consumers released tile j − 1's,
+            // after this tile's first stages are issued (their slots free up as the consumers
+            // finish the last tile's steps, which they need no K/V of this tile for).
+            auto load_kv = [&]() {
+                if (j > 0) mbar_wait(kvempty, (j - 1) & 1);
+                mbar_expect_tx(kvbar, 2 * KEYS * D * 2);
                 #pragma unroll
                 for (int cb = 0; cb < D / 64; cb++) {
-                    tma_load_4d(qt + cb * FB_ROWS * 64, qm, cb * 64, (int)(kvh * qgs + n / qtiles), (int)i0, (int)b,
-                                &full[st]);
-                    tma_load_4d(qt + TILE + cb * FB_ROWS * 64, dom, cb * 64, (int)h, (int)i0, (int)b, &full[st]);
+                    tma_load_4d(ks + cb * KEYS * 64, km, cb * 64, (int)kp.head, (int)j0, (int)b, kvbar);
+                    tma_load_4d(vs + cb * KEYS * 64, vm, cb * 64, (int)kp.head, (int)j0, (int)b, kvbar);
                 }
+            };
+            const long early = DYN ? lmin(steps, ST) : 0;  // stages issued before the K/V copy
+            if (!TMA) {
+                tile_async_sw<D, KEYS, 128>(ks, k, j0, sl, b, kp.heads, kp.head, tid);
+                tile_async_sw<D, KEYS, 128>(vs, v, j0, sl, b, kp.heads, kp.head, tid);
+                cp_arrive(kvbar);
+            } else if (copier && early == 0) {
+                load_kv();
             }
-            long i = i0 + (tid & 63);
-            const float* rows = (tid < FB_ROWS ? lse : delta) + (b * hq + h) * t;
-            cp_async4(lstage + st * 2 * FB_ROWS + tid, rows + (i < t ? i : 0), i < t);
-            cp_arrive(&full[st]);
+            for (long s = 0; s < steps; s++, n++) {
+                if (copier && DYN && s == early && early > 0) load_kv();
+                int st = n % ST;
+                if (n >= ST) mbar_wait(&empty[st], ((n / ST) - 1) & 1);
+                long h = kvh * group + s / qtiles, i0 = ib + (s % qtiles) * FB_ROWS;
+                bf16_t* qt = qstage + st * 2 * TILE;
+                if (!TMA) {
+                    tile_async_sw<D, FB_ROWS, 128>(qt, q, i0, t, b, hkv * qgs, kvh * qgs + s / qtiles, tid);
+                    tile_async_sw<D, FB_ROWS, 128>(qt + TILE, dout, i0, t, b, hq, h, tid);
+                } else if (tid == 0) {
+                    mbar_expect_tx(&full[st], 2 * TILE * 2);
+                    #pragma unroll
+                    for (int cb = 0; cb < D / 64; cb++) {
+                        tma_load_4d(qt + cb * FB_ROWS * 64, qm, cb * 64, (int)(kvh * qgs + s / qtiles), (int)i0, (int)b,
+                                    &full[st]);
+                        tma_load_4d(qt + TILE + cb * FB_ROWS * 64, dom, cb * 64, (int)h, (int)i0, (int)b, &full[st]);
+                    }
+                }
+                long i = i0 + (tid & 63);
+                const float* rows = (tid < FB_ROWS ? lse : delta) + (b * hq + h) * t;
+                cp_async4(lstage + st * 2 * FB_ROWS + tid, rows + (i < t ? i : 0), i < t);
+                cp_arrive(&full[st]);
+            }
+            if (copier && DYN && early > 0 && early == steps) load_kv();
         }
         cp_wait<0>();
+        if (DYN && copier) {
+            // Every block's last index has been taken before its count: the last one to count
+            // clears both for the next launch (stream order makes the writes visible to it).
+            __threadfence();
+            if (atomicAdd(sched + 1, 1u) == gridDim.x - 1) {
+                atomicExch(sched, 0u);
+                atomicExch(sched + 1, 0u);
+            }
+        }
         return;
     }
     wg_reg_alloc<232>();
-    // Consumer wg: keys j0 + 64·wg .. (rows 64·wg.. of the K and V tiles); this thread's two keys.
-    // Positions: 32-bit at D 128 (64-bit ones spilled its accumulators); 64-bit at D 64, whose
-    // build with 32-bit ones (same hot-path length in the SASS) ran 7% slower on the H200.
-    using Pos = typename Pick<D == 64, long, int>::type;
-    Pos jc = (Pos)j0 + wg * CK, jr0 = jc + (warp & 3) * 16 + g, jr1 = jr0 + 8, nsteps = (Pos)steps, nq = (Pos)qtiles;
-    // The steps whose tile needs no mask (`tile_full` of rows ib + 64·qi against this consumer's
-    // keys) are those with qlo ≤ qi < qhi: two compares a step instead of the test.
-    Pos qlo = 0, qhi = 0;
-    if (window == 0 && (long)jc + CK <= sl) {
-        long a = (long)jc + CK - 1 - ib, c = t - FB_ROWS - ib;
-        qlo = (Pos)(!causal || a <= 0 ? 0 : (a + FB_ROWS - 1) / FB_ROWS);
-        qhi = (Pos)(c < 0 ? 0 : c / FB_ROWS + 1);
-    }
-    float* dqs = dqs_all + wg * 2 * 4096;
-    u32 kb = smem_addr(ks) + wg * CK * 128, vb = smem_addr(vs) + wg * CK * 128;
-    const float scale2 = scale * LOG2E;
-    float dka[NO][4], dva[NO][4];
-    #pragma unroll
-    for (int n = 0; n < NO; n++) for (int e = 0; e < 4; e++) { dka[n][e] = 0.f; dva[n][e] = 0.f; }
-    mbar_wait(kvbar, 0);
-    // Step n's stage (n % ST), its parity ((n / ST) & 1), its query tile (n % nq) and the head of
-    // the group it belongs to (n / nq), stepped on rather than divided each step.
+    // The stage ring's position and parity, and a step count for the alternating buffers (dSᵀ at
+    // D 128 and the dQ staging), all running on across this block's tiles. With two stages the
+    // stage index is that count's parity (a register fewer: the head dim 128 build spilled).
     int stg = 0;
-    u32 phase = 0;
-    Pos qi = 0, qh = 0;
-    for (Pos n = 0; n < nsteps; n++) {
-        Pos i0 = (Pos)ib + qi * FB_ROWS;
-        mbar_wait(&full[stg], phase);
-        fence_async_smem();
-        const bf16_t* qs = qstage + stg * 2 * TILE;
-        const bf16_t* dos = qs + TILE;
-        const float* ls = lstage + stg * 2 * FB_ROWS;
-        const float* dls = ls + FB_ROWS;
-        // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: this consumer's 64 keys × 64 rows each (overwritten).
-        float st[8][4], dpt[8][4];
-        wg_scores_t<D>(st, dpt, kb, vb, smem_addr(qs), smem_addr(dos), KEYS);
-        // Pᵀ into st, dSᵀ into dpt (no mask for a tile inside the sequence below the diagonal).
-        const bool unmasked = qi >= qlo && qi < qhi;
-        if (D == 64 && !unmasked) {
-            mask_t<true>(st, i0, jr0, jr1, tg, t, sl, causal, window);
-        } else if (D == 128 && !unmasked) {
-            // `mask_t`'s column ranges in 32-bit arithmetic (64-bit temporaries here spilled the
-            // D 128 scores): row i0 + col against key jr0 (e < 2) or jr1 = jr0 + 8, i − j = dd +
-            // col (− 8), so key k sees the columns [lo, hi] below, less this thread's 2·tg.
-            const int left = (int)lmin(t - i0, FB_ROWS), win = (int)window;
-            #pragma unroll
-            for (int rr = 0; rr < 2; rr++) {
-                const int dd = (int)(i0 - jr0) - rr * 8;
-                int lo = causal ? -dd : 0, hi = left - 1;
-                if (win > 0) { lo = max(lo, 1 - win - dd); hi = min(hi, win - 1 - dd); }
-                if ((rr ? jr1 : jr0) >= sl) hi = -1;
-                hi -= tg * 2;
-                lo -= tg * 2;
+    u32 phase = 0, sn = 0;
+    for (u32 j = 0; next(j, false); j++) {
+        const Place kp = kv_place(kvh, hq, hkv, fused);
+        // Consumer wg: keys j0 + 64·wg .. (rows 64·wg.. of the K and V tiles); this thread's two keys.
+        // Positions: 32-bit at D 128 (64-bit ones spilled its accumulators); 64-bit at D 64, whose
+        // build with 32-bit ones (same hot-path length in the SASS) ran 7% slower on the H200.
+        using Pos = typename Pick<D == 64, long, int>::type;
+        Pos jc = (Pos)j0 + wg * CK, jr0 = jc + (warp & 3) * 16 + g, jr1 = jr0 + 8, nsteps = (Pos)steps, nq = (Pos)qtiles;
+        // The steps whose tile needs no mask (`tile_full` of rows ib + 64·qi against this consumer's
+        // keys) are those with qlo ≤ qi < qhi: two compares a step instead of the test.
+        Pos qlo = 0, qhi = 0;
+        if (window == 0 && (long)jc + CK <= sl) {
+            long a = (long)jc + CK - 1 - ib, c = t - FB_ROWS - ib;
+            qlo = (Pos)(!causal || a <= 0 ? 0 : (a + FB_ROWS - 1) / FB_ROWS);
+            qhi = (Pos)(c < 0 ? 0 : c / FB_ROWS + 1);
+        }
+        float* dqs = dqs_all + wg * 2 * 4096;
+        u32 kb = smem_addr(ks) + wg * CK * 128, vb = smem_addr(vs) + wg * CK * 128;
+        const float scale2 = scale * LOG2E;
+        float dka[NO][4], dva[NO][4];
+        #pragma unroll
+        for (int n = 0; n < NO; n++) for (int e = 0; e < 4; e++) { dka[n][e] = 0.f; dva[n][e] = 0.f; }
+        mbar_wait(kvbar, j & 1);
+        // Step n's stage (stg), its parity (phase), its query tile (n % nq) and the head of the group
+        // it belongs to (n / nq), stepped on rather than divided each step.
+        Pos qi = 0, qh = 0;
+        for (Pos n = 0; n < nsteps; n++, sn++) {
+            Pos i0 = (Pos)ib + qi * FB_ROWS;
+            mbar_wait(&full[stg], phase);
+            fence_async_smem();
+            const bf16_t* qs = qstage + stg * 2 * TILE;
+            const bf16_t* dos = qs + TILE;
+            const float* ls = lstage + stg * 2 * FB_ROWS;
+            const float* dls = ls + FB_ROWS;
+            // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: this consumer's 64 keys × 64 rows each (overwritten).
+            float st[8][4], dpt[8][4];
+            wg_scores_t<D>(st, dpt, kb, vb, smem_addr(qs), smem_addr(dos), KEYS);
+            // Pᵀ into st, dSᵀ into dpt (no mask for a tile inside the sequence below the diagonal).
+            const bool unmasked = qi >= qlo && qi < qhi;
+            if (D == 64 && !unmasked) {
+                mask_t<true>(st, i0, jr0, jr1, tg, t, sl, causal, window);
+            } else if (D == 128 && !unmasked) {
+                // `mask_t`'s column ranges in 32-bit arithmetic (64-bit temporaries here spilled the
+                // D 128 scores): row i0 + col against key jr0 (e < 2) or jr1 = jr0 + 8, i − j = dd +
+                // col (− 8), so key k sees the columns [lo, hi] below, less this thread's 2·tg.
+                const int left = (int)lmin(t - i0, FB_ROWS), win = (int)window;
                 #pragma unroll
-                for (int nb = 0; nb < 8; nb++)
+                for (int rr = 0; rr < 2; rr++) {
+                    const int dd = (int)(i0 - jr0) - rr * 8;
+                    int lo = causal ? -dd : 0, hi = left - 1;
+                    if (win > 0) { lo = max(lo, 1 - win - dd); hi = min(hi, win - 1 - dd); }
+                    if ((rr ? jr1 : jr0) >= sl) hi = -1;
+                    hi -= tg * 2;
+                    lo -= tg * 2;
                     #pragma unroll
-                    for (int e = rr * 2; e < rr * 2 + 2; e++) {
-                        const int c = nb * 8 + (e & 1);
-                        if (c > hi || c < lo) st[nb][e] = -INFINITY;  // p = 0
-                    }
+                    for (int nb = 0; nb < 8; nb++)
+                        #pragma unroll
+                        for (int e = rr * 2; e < rr * 2 + 2; e++) {
+                            const int c = nb * 8 + (e & 1);
+                            if (c > hi || c < lo) st[nb][e] = -INFINITY;  // p = 0
+                        }
+                }
             }
-        }
-        p_ds_t<true>(st, dpt, ls, dls, scale2, tg);
-        u32 pa[FB_ROWS / 16][4], sa[FB_ROWS / 16][4];
-        #pragma unroll
-        for (int kstep = 0; kstep < FB_ROWS / 16; kstep++) { c_to_a(pa[kstep], st, kstep); c_to_a(sa[kstep], dpt, kstep); }
-        // dSᵀ to shared memory as flash_bwd_dkv_mma's DQ body lays it out: this consumer's keys
-        // from byte wg · DSS / 2 of the step's buffer.
-        unsigned char* dsb = dss_all + (DSB == 1 ? 0 : (n & 1) * DSS);
-        unsigned char* dss = dsb + wg * (DSS / 2);
-        store_dst(dss, dpt, warp & 3, g, tg);
-        float dqc[8][4];
-        #pragma unroll
-        for (int nb = 0; nb < 8; nb++) for (int e = 0; e < 4; e++) dqc[nb][e] = 0.f;
-        fence_async_smem();
-        // D 128: both consumers' dSᵀ are stored (a buffer is rewritten two steps on, after both
-        // consumers passed the next step's barrier, so after their products that read it finished).
-        if constexpr (D == 64) named_sync(1 + wg, 128); else named_sync(1, 256);
-        // dV += Pᵀ dO, dK += dSᵀ Q, dQ's 64 columns += dS K (see above for which keys and columns).
-        wg_pin<D / 2>(&dka[0][0]);
-        wg_pin<32>(&dqc[0][0]);
-        wg_start<D / 2>(&dva[0][0]);
-        wg_pv<D, FB_ROWS>(dva, pa, dos);
-        wg_pv<D, FB_ROWS>(dka, sa, qs);
-        if constexpr (D == 64) {
-            u32 ab = smem_addr(dss);
+            p_ds_t<true>(st, dpt, ls, dls, scale2, tg);
+            u32 pa[FB_ROWS / 16][4], sa[FB_ROWS / 16][4];
             #pragma unroll
-            for (int kk = 0; kk < CK / 16; kk++)
-                wgmma_m64n64k16_ss<1, 1>(&dqc[0][0], wg_step(wg_desc(ab, 16 * FB_ROWS, 128), kk * 32 * FB_ROWS),
-                                         sw_mnmajor(kb, KEYS, kk));
-        } else {
-            // A: dSᵀ of all 128 keys; B: column block wg of the K tile (all its rows).
-            u32 ab = smem_addr(dsb), kc = smem_addr(ks) + wg * KEYS * 128;
+            for (int kstep = 0; kstep < FB_ROWS / 16; kstep++) { c_to_a(pa[kstep], st, kstep); c_to_a(sa[kstep], dpt, kstep); }
+            // dSᵀ to shared memory as flash_bwd_dkv_mma's DQ body lays it out: this consumer's keys
+            // from byte wg · DSS / 2 of the step's buffer.
+            const int alt = ST == 2 ? stg : (int)(sn & 1);  // this step's buffer of each pair
+            unsigned char* dsb = dss_all + (DSB == 1 ? 0 : alt * DSS);
+            unsigned char* dss = dsb + wg * (DSS / 2);
+            store_dst(dss, dpt, warp & 3, g, tg);
+            float dqc[8][4];
             #pragma unroll
-            for (int kk = 0; kk < KEYS / 16; kk++)
-                wgmma_m64n64k16_ss<1, 1>(&dqc[0][0], wg_step(wg_desc(ab, 16 * FB_ROWS, 128), kk * 32 * FB_ROWS),
-                                         sw_mnmajor(kc, KEYS, kk));
+            for (int nb = 0; nb < 8; nb++) for (int e = 0; e < 4; e++) dqc[nb][e] = 0.f;
+            fence_async_smem();
+            // D 128: both consumers' dSᵀ are stored (a buffer is rewritten two steps on, after both
+            // consumers passed the next step's barrier, so after their products that read it finished).
+            if constexpr (D == 64) named_sync(1 + wg, 128); else named_sync(1, 256);
+            // dV += Pᵀ dO, dK += dSᵀ Q, dQ's 64 columns += dS K (see above for which keys and columns).
+            wg_pin<D / 2>(&dka[0][0]);
+            wg_pin<32>(&dqc[0][0]);
+            wg_start<D / 2>(&dva[0][0]);
+            wg_pv<D, FB_ROWS>(dva, pa, dos);
+            wg_pv<D, FB_ROWS>(dka, sa, qs);
+            if constexpr (D == 64) {
+                u32 ab = smem_addr(dss);
+                #pragma unroll
+                for (int kk = 0; kk < CK / 16; kk++)
+                    wgmma_m64n64k16_ss<1, 1>(&dqc[0][0], wg_step(wg_desc(ab, 16 * FB_ROWS, 128), kk * 32 * FB_ROWS),
+                                             sw_mnmajor(kb, KEYS, kk));
+            } else {
+                // A: dSᵀ of all 128 keys; B: column block wg of the K tile (all its rows).
+                u32 ab = smem_addr(dsb), kc = smem_addr(ks) + wg * KEYS * 128;
+                #pragma unroll
+                for (int kk = 0; kk < KEYS / 16; kk++)
+                    wgmma_m64n64k16_ss<1, 1>(&dqc[0][0], wg_step(wg_desc(ab, 16 * FB_ROWS, 128), kk * 32 * FB_ROWS),
+                                             sw_mnmajor(kc, KEYS, kk));
+            }
+            wg_finish<D / 2>(&dva[0][0]);
+            wg_pin<D / 2>(&dka[0][0]);
+            wg_pin<32>(&dqc[0][0]);
+            wg_keep<FB_ROWS / 4>(&pa[0][0]);
+            wg_keep<FB_ROWS / 4>(&sa[0][0]);
+            // Every product that read stage stg is complete: hand it back to the producer.
+            mbar_arrive(&empty[stg]);
+            float* buf = dqs + alt * 4096;
+            stage_dq(buf, dqc, warp & 3, lane);
+            fence_async_smem();
+            named_sync(D == 64 ? 1 + wg : 2 + wg, 128);  // (D 128: barrier 1 is the consumers')
+            if ((threadIdx.x & 127) == 0) {
+                long h = kvh * group + qh, cb = D == 64 ? 0 : wg;  // the piece's head and column block
+                bulk_reduce_add(dqa + (((b * hq + h) * tp + i0 / 64) * (D / 64) + cb) * 4096, buf, 4096 * 4);
+                // The buffer of step n − 1 is read before step n + 1 refills it.
+                bulk_wait_read<1>();
+            }
+            if (++stg == ST) { stg = 0; phase ^= 1; }
+            if (++qi == nq) { qi = 0; qh++; }
         }
-        wg_finish<D / 2>(&dva[0][0]);
-        wg_pin<D / 2>(&dka[0][0]);
-        wg_pin<32>(&dqc[0][0]);
-        wg_keep<FB_ROWS / 4>(&pa[0][0]);
-        wg_keep<FB_ROWS / 4>(&sa[0][0]);
-        // Every product that read stage stg is complete: hand it back to the producer.
-        mbar_arrive(&empty[stg]);
-        float* buf = dqs + (n & 1) * 4096;
-        stage_dq(buf, dqc, warp & 3, lane);
-        fence_async_smem();
-        named_sync(D == 64 ? 1 + wg : 2 + wg, 128);  // (D 128: barrier 1 is the consumers')
-        if ((threadIdx.x & 127) == 0) {
-            long h = kvh * group + qh, cb = D == 64 ? 0 : wg;  // the piece's head and column block
-            bulk_reduce_add(dqa + (((b * hq + h) * tp + i0 / 64) * (D / 64) + cb) * 4096, buf, 4096 * 4);
-            // The buffer of step n − 1 is read before step n + 1 refills it.
-            bulk_wait_read<1>();
-        }
-        if (++stg == ST) { stg = 0; phase ^= 1; }
-        if (++qi == nq) { qi = 0; qh++; }
+        if (DYN) mbar_arrive(kvempty);  // its products are done: the copier may load the next K and V
+        // dK and dV out through this consumer's dQ staging buffers, once its bulk reductions have
+        // read them (32 KB; a padded 64 × (D + 8) bf16 tile is 17 KB at D 128).
+        const int bar = D == 64 ? 1 + wg : 2 + wg;
+        if ((threadIdx.x & 127) == 0) bulk_wait<0>();
+        named_sync(bar, 128);
+        bf16_t* tile = reinterpret_cast<bf16_t*>(dqs);
+        // Bias-gradient partials (`bp`: [B·sl / 64, bc], fused layout, sl % 64 == 0, or null): this
+        // consumer's 64 keys are one chunk; dK's slot is column (kp.head + group)·D of a row, dV's next.
+        float* pk = bp && (long)jc < sl ? bp + ((b * sl + (long)jc) / 64) * bc + (kp.head + group) * D : nullptr;
+        store_keys_staged<D>(dka, scale, tile, bar, jc, dk, sl, kp.heads, kp.head, b, pk);
+        named_sync(bar, 128);  // every row of dK read out before dV overwrites the tile
+        store_keys_staged<D>(dva, 1.f, tile, bar, jc, dv, sl, kp.heads, kp.head, b, pk ? pk + D : nullptr);
+        if (DYN) named_sync(bar, 128);  // the tile read out before the next tile's dQ staging
     }
-    // dK and dV out through this consumer's dQ staging buffers, once its bulk reductions have
-    // read them (32 KB; a padded 64 × (D + 8) bf16 tile is 17 KB at D 128).
-    const int bar = D == 64 ? 1 + wg : 2 + wg;
-    if ((threadIdx.x & 127) == 0) bulk_wait<0>();
-    named_sync(bar, 128);
-    bf16_t* tile = reinterpret_cast<bf16_t*>(dqs);
-    // Bias-gradient partials (`bp`: [B·sl / 64, bc], fused layout, sl % 64 == 0, or null): this
-    // consumer's 64 keys are one chunk; dK's slot is column (kp.head + group)·D of a row, dV's next.
-    float* pk = bp && (long)jc < sl ? bp + ((b * sl + (long)jc) / 64) * bc + (kp.head + group) * D : nullptr;
-    store_keys_staged<D>(dka, scale, tile, bar, jc, dk, sl, kp.heads, kp.head, b, pk);
-    named_sync(bar, 128);  // every row of dK read out before dV overwrites the tile
-    store_keys_staged<D>(dva, 1.f, tile, bar, jc, dv, sl, kp.heads, kp.head, b, pk ? pk + D : nullptr);
 }
-#define FLASH_BWD_DKVQ_WS(NAME, D, TMA) \
+// `bkv`: batch × K/V heads (the grid's tiles are bkv × key tiles); `hg` and `sched` (a zeroed
+// pair of counters the kernel leaves zeroed) are read by the dynamic walk (`d`) only.
+#define FLASH_BWD_DKVQ_WS(NAME, D, TMA, DYN) \
 extern "C" __global__ void __launch_bounds__(384, 1) NAME(const bf16_t* q, const bf16_t* k, const bf16_t* v, \
         const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, float* dqa, long t, \
         long sl, long hq, long hkv, long d, float scale, long causal, long window, long fused, \
         const __grid_constant__ TmaMap km, const __grid_constant__ TmaMap vm, const __grid_constant__ TmaMap qm, \
-        const __grid_constant__ TmaMap dom, float* bp, long bc) { \
-    flash_bwd_dkvq_ws<D, TMA>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale, causal, window, fused, \
-                              &km, &vm, &qm, &dom, bp, bc); }
-FLASH_BWD_DKVQ_WS(flash_bwd_dkvq_ws2_bf16_64, 64, false)
-FLASH_BWD_DKVQ_WS(flash_bwd_dkvq_ws2_bf16_128, 128, false)
-FLASH_BWD_DKVQ_WS(flash_bwd_dkvq_ws2t_bf16_64, 64, true)
-FLASH_BWD_DKVQ_WS(flash_bwd_dkvq_ws2t_bf16_128, 128, true)
+        const __grid_constant__ TmaMap dom, float* bp, long bc, long bkv, long hg, u32* sched) { \
+    flash_bwd_dkvq_ws<D, TMA, DYN>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale, causal, window, \
+                                   fused, &km, &vm, &qm, &dom, bp, bc, bkv, hg, sched); }
+FLASH_BWD_DKVQ_WS(flash_bwd_dkvq_ws2_bf16_64, 64, false, false)
+FLASH_BWD_DKVQ_WS(flash_bwd_dkvq_ws2_bf16_128, 128, false, false)
+FLASH_BWD_DKVQ_WS(flash_bwd_dkvq_ws2t_bf16_64, 64, true, false)
+FLASH_BWD_DKVQ_WS(flash_bwd_dkvq_ws2t_bf16_128, 128, true, false)
+FLASH_BWD_DKVQ_WS(flash_bwd_dkvq_ws2td_bf16_64, 64, true, true)
+FLASH_BWD_DKVQ_WS(flash_bwd_dkvq_ws2td_bf16_128, 128, true, true)
 
 // dQ (bf16, [B, T, Hq, D], or with `fused` the query slots of dQKV: Place) from the bulk-reduced
 // fp32 tiles: per (batch, head, 64-row tile, 64-column block) 4096 floats in the dK/dV kernel's

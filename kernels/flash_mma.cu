@@ -551,53 +551,81 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
 // [B, sl, heads, D] by their `Place`: box 64 columns × KEYS rows, D / 64 copies a tile), instead
 // of 128 threads' cp.async (≈ 16 instructions a 16-byte copy in the SASS: 26% of the head dim 128
 // forward's instructions, on the schedulers the consumers issue from).
-template <int D, int KEYS, bool LATE, bool PERSIST, bool TMA>
+// DYN (persistent, TMA): the query tiles are handed out by a global counter (`sched[0]`) instead
+// of the static walk, in groups of `hg` heads (their K/V fit in L2 together: the static walk's
+// heaviest-tile-first order over all heads streams every head's K/V from DRAM at once), within a
+// group heaviest tile first over its heads. The producer thread takes the next index when it
+// reaches that tile and passes it to the consumers through a ring of two shared slots (mbarriers
+// tfull / tempty); a block whose index is past the end stops, and the last block to stop (count
+// in `sched[1]`) sets both counters back to 0 for the next launch on the stream.
+template <int D, int KEYS, bool LATE, bool PERSIST, bool TMA, bool DYN>
 __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl,
                              long hq, long hkv, float scale, long causal, long window, long fused, long bh,
-                             const TmaMap* km, const TmaMap* vm, const TmaMap* qm) {
+                             const TmaMap* km, const TmaMap* vm, const TmaMap* qm, long hg, u32* sched) {
+    static_assert(!DYN || (PERSIST && TMA), "the dynamic walk is one producer thread's: persistent, TMA");
     constexpr int NC = 2;  // consumer warpgroups: the register split below is for two
     constexpr int NO = D / 8, NB = KEYS / 8, ROWS = FM_ROWS * NC, TILE = KEYS * D;  // bf16 per K or V tile
     // QT: the persistent TMA build also copies each query tile's Q by TMA, into one of two Q
     // buffers, when the producer reaches that tile (a few key tiles before the consumers do), so
     // the consumers load Q from shared memory instead of waiting on global loads at every tile.
-    constexpr bool QT = TMA && PERSIST;
+    // Head dim 64 only: at 128 the three K/V stages and the O tiles leave no room for two Q tiles.
+    constexpr bool QT = TMA && PERSIST && D == 64;
     extern __shared__ __align__(1024) unsigned char fm_smem[];  // swizzled tiles: 1024-byte aligned
-    // FW_STAGES × (K, V), with QT two Q tiles (ROWS × D), then the mbarriers, then the O tiles.
+    // FW_STAGES × (K, V), with QT two Q tiles (ROWS × D), then 16 slots of 8 bytes (the mbarriers
+    // and DYN's tile indices), then the O tiles.
     bf16_t* stage = reinterpret_cast<bf16_t*>(fm_smem);
     bf16_t* qbuf = stage + FW_STAGES * 2 * TILE;
     u64* full = reinterpret_cast<u64*>(qbuf + (QT ? 2 * ROWS * D : 0));
     u64* empty = full + FW_STAGES;
     u64* qfull = empty + FW_STAGES;  // QT: Q buffer landed (2), consumers done with it (2)
     u64* qempty = qfull + 2;
-    bf16_t* o_tiles = reinterpret_cast<bf16_t*>(qempty + 2);  // NC × 64 × (D + 8), for fwd_store_staged
+    u64* tfull = qempty + 2;  // DYN: tile index written (2), consumers have read it (2)
+    u64* tempty = tfull + 2;
+    volatile long* tix = reinterpret_cast<volatile long*>(tempty + 2);  // DYN: the two index slots
+    static_assert(2 * FW_STAGES + 10 == 16, "the host reserves 16 slots");
+    bf16_t* o_tiles = reinterpret_cast<bf16_t*>(full + 16);  // NC × 64 × (D + 8), for fwd_store_staged
     // PERSIST's grid: G blocks walking bh (batch × heads) × tiles query tiles; else one block per
     // query tile, tiles fastest.
     const long tiles = (t + ROWS - 1) / ROWS, ntiles = tiles * bh;
     const long G = gridDim.x, rounds = PERSIST ? (ntiles + G - 1) / G : 1;
-    // This block's query tile in round j: (tile index, head, batch, keys [jb, je), steps).
+    // The query tile of index u: (tile index, head, batch), keys [jb, je), steps.
     long qt, h, b, i0, jb, je, steps;
-    auto pick = [&](long j) -> bool {
-        if (PERSIST) {
-            long u = j * G + ((j & 1) ? G - 1 - blockIdx.x : blockIdx.x);
-            if (u >= ntiles) return false;
-            qt = tiles - 1 - u / bh;  // all heads' last query tiles (the most keys) first
+    auto decode = [&](long u) {
+        if (DYN) {
+            // Groups of hg heads (the last may be smaller); in a group, every head's last query
+            // tile (the most keys under a causal mask) first.
+            const long gt = hg * tiles, grp = u / gt, r = u - grp * gt, gsz = lmin(hg, bh - grp * hg);
+            const long hh = grp * hg + r % gsz;
+            qt = tiles - 1 - r / gsz;
+            h = hh % hq;
+            b = hh / hq;
+        } else if (PERSIST) {
+            qt = tiles - 1 - u / bh;  // all heads' last query tiles first
             h = (u % bh) % hq;
             b = (u % bh) / hq;
         } else {
-            // Within a head, the last query tiles (the most keys under a causal mask) start first.
-            qt = tiles - 1 - blockIdx.x % tiles;
-            h = (blockIdx.x / tiles) % hq;
-            b = blockIdx.x / (tiles * hq);
+            // Within a head, the last query tiles start first.
+            qt = tiles - 1 - u % tiles;
+            h = (u / tiles) % hq;
+            b = u / (tiles * hq);
         }
         i0 = qt * ROWS;
         key_range(i0, lmin(t, i0 + ROWS) - 1, sl, causal, window, KEYS, &jb, &je);
         steps = je > jb ? (je - jb + KEYS - 1) / KEYS : 0;
+    };
+    // The static walks: this block's tile in round j (persistent: k, 2G − 1 − k, 2G + k, …; else
+    // its own), false past the last.
+    auto pick = [&](long j) -> bool {
+        const long u = PERSIST ? j * G + ((j & 1) ? G - 1 - blockIdx.x : blockIdx.x) : blockIdx.x;
+        if (j >= rounds || u >= ntiles) return false;
+        decode(u);
         return true;
     };
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3, wg = warp >> 2;
     if (threadIdx.x == 0) {
         for (int s = 0; s < FW_STAGES; s++) { mbar_init(&full[s], TMA ? 1 : 128); mbar_init(&empty[s], NC * 128); }
         for (int s = 0; s < 2; s++) { mbar_init(&qfull[s], 1); mbar_init(&qempty[s], NC * 128); }
+        for (int s = 0; s < 2; s++) { mbar_init(&tfull[s], 1); mbar_init(&tempty[s], NC * 128); }
     }
     __syncthreads();  // the only block-wide barrier
     // Registers: the pool is what the block was launched with, 384 · 168 = 64512 (168: 65536 / 384
@@ -609,7 +637,18 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
         // stage n % FW_STAGES once the consumers have released the tile that stage held.
         if (TMA && threadIdx.x != NC * 128) return;  // one thread copies
         u32 n = 0;
-        for (long j = 0; j < rounds && pick(j); j++) {
+        for (long j = 0;; j++) {
+            if constexpr (DYN) {
+                const long u = (long)atomicAdd(sched, 1u);
+                const int ts = (int)(j & 1);
+                if (j >= 2) mbar_wait(&tempty[ts], ((j >> 1) - 1) & 1);
+                tix[ts] = u < ntiles ? u : -1;
+                mbar_arrive(&tfull[ts]);  // release: the consumers' wait sees the index
+                if (u >= ntiles) break;
+                decode(u);
+            } else if (!pick(j)) {
+                break;
+            }
             const Place kp = kv_place(h / (hq / hkv), hq, hkv, fused);
             if constexpr (QT) {
                 // Q of this tile into buffer j % 2, once the consumers have read tile j − 2's.
@@ -642,11 +681,30 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
             }
         }
         if (!TMA) cp_wait<0>();
+        if constexpr (DYN) {
+            // Every block's last index has been taken before its count: the last one to count
+            // clears both for the next launch (stream order makes the writes visible to it).
+            __threadfence();
+            if (atomicAdd(sched + 1, 1u) == gridDim.x - 1) {
+                atomicExch(sched, 0u);
+                atomicExch(sched + 1, 0u);
+            }
+        }
         return;
     }
     wg_reg_alloc<232>();
     u32 base = 0;  // the stage ring's position at this tile's first key tile
-    for (long j = 0; j < rounds && pick(j); j++) {
+    for (long j = 0;; j++) {
+        if constexpr (DYN) {
+            const int ts = (int)(j & 1);
+            mbar_wait(&tfull[ts], (j >> 1) & 1);
+            const long u = tix[ts];
+            mbar_arrive(&tempty[ts]);
+            if (u < 0) break;
+            decode(u);
+        } else if (!pick(j)) {
+            break;
+        }
         // A consumer warpgroup: rows r[0][0] and r[0][1] of this thread, Q as A fragments.
         long r[1][2];
         r[0][0] = i0 + warp * 16 + g;
@@ -784,30 +842,34 @@ FLASH_MMA(flash_fwd_mma_bf16_128, 128, 1, false, 1)
 FLASH_MMA(flash_fwd_wg2_bf16_64, 64, 1, true, 2)
 FLASH_MMA(flash_fwd_wg2_bf16_128, 128, 1, true, 2)
 FLASH_MMA(flash_fwd_wg3_bf16_128, 128, 1, true, 3)
-// The warp-specialised forward (flash_fwd_ws2[t][p]k128_bf16_D; 64-key tiles without `k128`):
+// The warp-specialised forward (flash_fwd_ws2[t][p[d]]k128_bf16_D; 64-key tiles without `k128`):
 // two consumer warpgroups (128 rows) and a producer warpgroup; FW_STAGES · 2 · KEYS · D · 2 bytes
-// of K/V tiles, the persistent TMA build's two Q tiles (2 · 128 · D · 2), 2 · FW_STAGES + 4
-// mbarriers, then the consumers' O tiles (2 · 64 · (D + 8) · 2 bytes; the host's `fwd_kernel`
-// must agree). At head dim 128 with 128-key tiles a consumer holds S (64 registers), P in flight (32),
+// of K/V tiles, the persistent TMA build's two Q tiles at head dim 64 (2 · 128 · D · 2), 16 slots
+// of 8 bytes (mbarriers, tile indices), then the consumers' O tiles (2 · 64 · (D + 8) · 2 bytes;
+// the host's `fwd_kernel` must agree). At head dim 128 with 128-key tiles a consumer holds S (64 registers), P in flight (32),
 // O (64) and Q (32): LATE keeps the next P in S's registers until the product reading the last
 // one is done (ptxas: no spill in 232).
 // Grid: bh (batch × heads) × query tiles, or with PERSIST (the `p` kernels) at most one block
-// per SM. `t`: K and V (and, persistent, Q) copied by TMA.
-#define FLASH_WS(NAME, D, KEYS, LATE, PERSIST, TMA) \
+// per SM. `t`: K and V (and, persistent at head dim 64, Q) copied by TMA. `hg` and `sched` (a
+// zeroed pair of counters the kernel leaves zeroed) are read by the dynamic walk only.
+#define FLASH_WS(NAME, D, KEYS, LATE, PERSIST, TMA, DYN) \
 extern "C" __global__ void __launch_bounds__(384, 1) NAME(const bf16_t* q, \
         const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl, long hq, long hkv, long d, \
         float scale, long causal, long window, long fused, long bh, const __grid_constant__ TmaMap km, \
-        const __grid_constant__ TmaMap vm, const __grid_constant__ TmaMap qm) { \
-    flash_fwd_ws<D, KEYS, LATE, PERSIST, TMA>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window, fused, bh, &km, \
-                                              &vm, &qm); }
-FLASH_WS(flash_fwd_ws2k128_bf16_128, 128, 128, true, false, false)
-FLASH_WS(flash_fwd_ws2k128_bf16_64, 64, 128, false, false, false)
-FLASH_WS(flash_fwd_ws2pk128_bf16_64, 64, 128, false, true, false)
+        const __grid_constant__ TmaMap vm, const __grid_constant__ TmaMap qm, long hg, u32* sched) { \
+    flash_fwd_ws<D, KEYS, LATE, PERSIST, TMA, DYN>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window, fused, bh, \
+                                                   &km, &vm, &qm, hg, sched); }
+FLASH_WS(flash_fwd_ws2k128_bf16_128, 128, 128, true, false, false, false)
+FLASH_WS(flash_fwd_ws2k128_bf16_64, 64, 128, false, false, false, false)
+FLASH_WS(flash_fwd_ws2pk128_bf16_64, 64, 128, false, true, false, false)
 // The same with TMA copies (`t`), the default.
-FLASH_WS(flash_fwd_ws2tk128_bf16_128, 128, 128, true, false, true)
-FLASH_WS(flash_fwd_ws2tk128_bf16_64, 64, 128, false, false, true)
-FLASH_WS(flash_fwd_ws2tpk128_bf16_64, 64, 128, false, true, true)
+FLASH_WS(flash_fwd_ws2tk128_bf16_128, 128, 128, true, false, true, false)
+FLASH_WS(flash_fwd_ws2tk128_bf16_64, 64, 128, false, false, true, false)
+FLASH_WS(flash_fwd_ws2tpk128_bf16_64, 64, 128, false, true, true, false)
+// Persistent with the dynamic walk (`d`: tiles by a global counter, in head groups that share L2).
+FLASH_WS(flash_fwd_ws2tpdk128_bf16_64, 64, 128, false, true, true, true)
+FLASH_WS(flash_fwd_ws2tpdk128_bf16_128, 128, 128, true, true, true, true)
 // 64-key tiles (`FERROTRON_FLASH_FWD=ws64`, kept to measure against).
-FLASH_WS(flash_fwd_ws2_bf16_128, 128, 64, true, false, false)
-FLASH_WS(flash_fwd_ws2t_bf16_128, 128, 64, true, false, true)
-FLASH_WS(flash_fwd_ws2_bf16_64, 64, 64, false, false, false)
+FLASH_WS(flash_fwd_ws2_bf16_128, 128, 64, true, false, false, false)
+FLASH_WS(flash_fwd_ws2t_bf16_128, 128, 64, true, false, true, false)
+FLASH_WS(flash_fwd_ws2_bf16_64, 64, 64, false, false, false, false)

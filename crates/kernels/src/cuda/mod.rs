@@ -56,6 +56,10 @@ pub(crate) struct Backend {
     pub sms: u32,
     /// Shared memory one block may opt into (bytes): 227 KB on Hopper, 99 KB on sm_86/sm_89.
     pub smem_optin: usize,
+    /// Two u32 counters, zero between launches: the dynamic tile walk of the persistent flash
+    /// forward takes its tiles from the first and clears both when its last block stops
+    /// (kernels/flash_mma.cu `DYN`). One per device suffices: every kernel runs on its one stream.
+    pub tile_counter: ferrotron_core::cuda::CudaStorage,
 }
 
 static BACKENDS: Mutex<Vec<(usize, Arc<Backend>)>> = Mutex::new(Vec::new());
@@ -77,6 +81,9 @@ thread_local! {
     static FLASH_WS: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static FLASH_PERSIST: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static FLASH_TMA: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+    static FLASH_DYN: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+    static FLASH_BWD_DYN: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+    static FLASH_GROUP_HEADS: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
     static FLASH_BIAS_GRAD: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static FLASH_BIAS_GRAD_RUNS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     static NORM_FUSED: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
@@ -117,6 +124,53 @@ pub(crate) fn flash_persist() -> Option<bool> {
             _ => None,
         })
     })
+}
+
+/// Whether the warp-specialised forward (128-key tiles, TMA) runs persistent with the dynamic tile
+/// walk (kernels/flash_mma.cu `DYN`: tiles from a global counter, heads in groups whose K/V share
+/// L2), at either head dim: this thread's `set_flash_dyn`, else on unless `FERROTRON_FLASH_DYN=0`
+/// (then head dim 64 takes the static persistent walk, 128 one block per tile).
+pub fn set_flash_dyn(on: bool) {
+    FLASH_DYN.with(|w| w.set(Some(on)));
+}
+
+pub(crate) fn flash_dyn() -> bool {
+    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    opt_out(&FLASH_DYN, "FERROTRON_FLASH_DYN", &ENV)
+}
+
+/// Whether the warp-specialised backward (TMA) may run persistent with the dynamic tile walk
+/// (kernels/flash_bwd_mma.cu `DYN`; `bwd_plan` takes it up to 8k tokens): this thread's
+/// `set_flash_bwd_dyn`, else on unless `FERROTRON_FLASH_BWD_DYN=0`; `FERROTRON_FLASH_PERSIST=0`
+/// turns it off too.
+pub fn set_flash_bwd_dyn(on: bool) {
+    FLASH_BWD_DYN.with(|w| w.set(Some(on)));
+}
+
+pub(crate) fn flash_bwd_dyn() -> bool {
+    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    opt_out(&FLASH_BWD_DYN, "FERROTRON_FLASH_BWD_DYN", &ENV)
+}
+
+/// The dynamic walks' heads per group: this thread's `set_flash_group_heads` (tests: several
+/// groups on small shapes), else as many heads as keep `FERROTRON_FLASH_GROUP_MB` (default 16)
+/// MiB of what their tiles share (the forward: a query head's K and V; the backward: a K/V
+/// head's Q and dO), `bytes_per_head` each, at least one.
+pub fn set_flash_group_heads(heads: Option<usize>) {
+    FLASH_GROUP_HEADS.with(|w| w.set(heads));
+}
+
+pub(crate) fn flash_group_heads(bytes_per_head: usize) -> usize {
+    static MB: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    FLASH_GROUP_HEADS
+        .with(|w| w.get())
+        .unwrap_or_else(|| {
+            let mb = *MB.get_or_init(|| {
+                std::env::var("FERROTRON_FLASH_GROUP_MB").ok().and_then(|v| v.parse().ok()).unwrap_or(16)
+            });
+            (mb << 20) / bytes_per_head.max(1)
+        })
+        .max(1)
 }
 
 /// Whether the warp-specialised forward copies its K and V tiles by TMA (one thread, tensor maps:
@@ -285,7 +339,19 @@ pub(crate) fn backend(dev: &CudaDevice) -> Result<Arc<Backend>> {
     let smem_optin =
         dev.context().attribute(optin).map_err(|e| cuda_err("shared memory per block", e))?.max(0) as usize;
     let functions = Mutex::new(HashMap::new());
-    let b = Arc::new(Backend { dev: dev.clone(), module, functions, blas_lt, blas, lt, wgmma, sms, smem_optin });
+    let tile_counter = ferrotron_core::cuda::CudaStorage::zeros(dev, ferrotron_core::DType::U32, 2)?;
+    let b = Arc::new(Backend {
+        dev: dev.clone(),
+        module,
+        functions,
+        blas_lt,
+        blas,
+        lt,
+        wgmma,
+        sms,
+        smem_optin,
+        tile_counter,
+    });
     all.push((dev.ordinal(), b.clone()));
     Ok(b)
 }

@@ -265,19 +265,31 @@ fn every_op_matches_cpu() {
         if dt == DType::BF16 {
             // The warp-specialised forward persistent (one block per SM walking the query tiles:
             // 512 tiles here, so every block takes several, in both directions of its walk) and
-            // not, causal and full, GQA; at head dim 128 (320 tiles; built only one block per
-            // tile) both choices run that kernel.
+            // not, causal and full, GQA; at head dim 128 (320 tiles) the static walk is built only
+            // one block per tile, so both of those choices run that kernel. Then the dynamic walk
+            // (tiles from the device's counter, which each launch must leave at zero for the next:
+            // every case here launches several in a row), forward and backward, with the heads in
+            // groups of 3 (the last group of 64 query heads, or of 16 K/V heads, smaller) and in the
+            // default groups (one here).
             for (t, hq, hkv, d) in [(1000usize, 32usize, 8usize, 64usize), (520, 32, 8, 128)] {
                 let x: Vec<Tensor> = [hq, hkv, hkv, hq]
                     .iter()
                     .enumerate()
                     .map(|(i, h)| rnd(&[2, t, *h, d], 40 + i as u64, dt))
                     .collect();
-                for persist in [true, false] {
+                for (persist, dynamic, groups) in
+                    [(true, false, None), (false, false, None), (true, true, Some(3)), (true, true, None)]
+                {
                     ferrotron_kernels::cuda::set_flash_persist(persist);
+                    ferrotron_kernels::cuda::set_flash_dyn(dynamic);
+                    ferrotron_kernels::cuda::set_flash_bwd_dyn(dynamic);
+                    ferrotron_kernels::cuda::set_flash_group_heads(groups);
                     for causal in [true, false] {
                         let cfg = AttnCfg { causal, window: None, scale: None };
-                        check_norm(&format!("flash attention t{t} d{d} persistent {persist} {cfg:?}"), dt, &x, |t| {
+                        let name = format!(
+                            "flash attention t{t} d{d} persistent {persist} dynamic {dynamic} groups {groups:?} {cfg:?}"
+                        );
+                        check_norm(&name, dt, &x, |t| {
                             let (o, lse) = k::attention_fwd(&t[0], &t[1], &t[2], &cfg).unwrap();
                             let (dq, dk, dv) = k::attention_bwd(&t[0], &t[1], &t[2], &o, &lse, &t[3], &cfg).unwrap();
                             vec![o, lse, dq, dk, dv]
@@ -286,6 +298,9 @@ fn every_op_matches_cpu() {
                 }
             }
             ferrotron_kernels::cuda::set_flash_persist(true);
+            ferrotron_kernels::cuda::set_flash_dyn(true);
+            ferrotron_kernels::cuda::set_flash_bwd_dyn(true);
+            ferrotron_kernels::cuda::set_flash_group_heads(None);
         }
         if dt == DType::BF16 {
             // Deterministic mode: the backward twice on the GPU gives the same bits.
@@ -308,19 +323,26 @@ fn every_op_matches_cpu() {
             // dim 128 leaves the last 128-key block half empty (its second consumer has no
             // chunk); T 130 is not whole chunks (the backward does not sum, bias_grad_into does).
             let g = gpu();
-            for (t, hq, hkv, d, tma) in [
-                (128usize, 4usize, 2usize, 64usize, true),
-                (192, 2, 1, 128, true),
-                (256, 4, 1, 64, false),
-                (130, 2, 1, 64, true),
+            // The first two again with both dynamic walks (the backward's partials per tile taken).
+            for (t, hq, hkv, d, tma, dynamic) in [
+                (128usize, 4usize, 2usize, 64usize, true, false),
+                (192, 2, 1, 128, true, false),
+                (256, 4, 1, 64, false, false),
+                (130, 2, 1, 64, true, false),
+                (128, 4, 2, 64, true, true),
+                (192, 2, 1, 128, true, true),
             ] {
                 ferrotron_kernels::cuda::set_flash_tma(tma);
+                ferrotron_kernels::cuda::set_flash_dyn(dynamic);
+                ferrotron_kernels::cuda::set_flash_bwd_dyn(dynamic);
                 let (gq, w) = (hq / hkv, hkv * (hq / hkv + 2) * d);
                 let (qkv, dout) = (rnd(&[2, t, w], 50, dt), rnd(&[2, t, hq, d], 51, dt));
                 let start = || rnd(&[w], 52, DType::F32);
                 for (causal, acc) in [(true, true), (false, false)] {
                     let cfg = AttnCfg { causal, window: None, scale: None };
-                    let what = format!("flash bias grad t{t} d{d} hq{hq} hkv{hkv} tma {tma} causal {causal} acc {acc}");
+                    let what = format!(
+                        "flash bias grad t{t} d{d} hq{hq} hkv{hkv} tma {tma} dynamic {dynamic} causal {causal} acc {acc}"
+                    );
                     let (qc, dc) = (on(&qkv, &g), on(&dout, &g));
                     let (o, lse) = k::attention_fwd_qkv(&qc, k::QkvHeads::new(hkv, gq, d), &cfg).unwrap();
                     ferrotron_kernels::cuda::set_flash_bias_grad(true);
@@ -354,6 +376,8 @@ fn every_op_matches_cpu() {
                 }
             }
             ferrotron_kernels::cuda::set_flash_tma(true);
+            ferrotron_kernels::cuda::set_flash_dyn(true);
+            ferrotron_kernels::cuda::set_flash_bwd_dyn(true);
             ferrotron_kernels::cuda::set_flash_bias_grad(true);
         }
         // Head dim 8: eight per thread; head dim 6: a warp per segment.

@@ -95,11 +95,13 @@ enum FwdGrid {
     /// The same with K and V copied by TMA (the kernel reads the two tensor maps).
     WsTilesTma,
     WsPersistentTma,
+    /// Persistent with TMA and the dynamic tile walk (`cuda::flash_dyn`).
+    WsDynamicTma,
 }
 
 /// The tensor-core forward for head dim `d` over `t` query rows. On sm_90, wgmma: the
-/// warp-specialised kernel (two consumer warpgroups, a producer warpgroup; 64-key tiles at head
-/// dim 128, 128-key tiles at 64), or where `cuda::flash_fwd_ws` says no, 64 rows per warpgroup
+/// warp-specialised kernel (two consumer warpgroups, a producer warpgroup; 128-key tiles, or 64
+/// with `FERROTRON_FLASH_FWD=ws64`), or where `cuda::flash_fwd_ws` says no, 64 rows per warpgroup
 /// and NW warpgroups per block sharing the K/V tiles in lockstep. Otherwise mma.sync, 4 warps:
 /// two m-tiles per warp at head dim 64 from 2048 rows on (H200, 16k tokens per call: 112 →
 /// 141–176 TFLOP/s from 2k to 16k, but slower at 1k than one m-tile); one otherwise (at 128 two
@@ -110,29 +112,41 @@ fn fwd_kernel(be: &B, d: usize, t: usize) -> (TcLaunch, FwdGrid) {
         // head dim 128 337 / 460 / 563 / 633 / 706 TFLOP/s with 128-key tiles and TMA copies
         // (64-key tiles by cp.async: 299 / 387 / 455 / 507 / 569), head dim 64 221–466.
         let keys = fwd_ws_keys();
-        // FW_STAGES (3) stages of K and V tiles, the persistent TMA build's two 128-row Q tiles,
-        // 2 · 3 + 4 mbarriers, the two consumers' O tiles of 64 padded rows (`fwd_store_staged`):
-        // 231,504 bytes at head dim 128.
-        let q_tiles = |persistent_tma: bool| if persistent_tma { 2 * 128 * d * 2 } else { 0 };
-        // Persistent at head dim 64 (H200, 16k tokens per call: +4% at 1k, +1–4% to 8k, equal at
-        // 16k; the 124M model's attention 5.28 → 5.24 ms a step), not at 128: −4% at 1k, −8% at
-        // 2k with 64-key tiles by cp.async, and again with 128-key tiles by TMA (332 / 456 → 305
-        // / 404 TFLOP/s at 1k / 2k, −1 to −3% from 4k; the 1.3B step's attention 35.0 → 35.2
-        // ms): the static walk balances the causal tiles worse than the hardware's block order.
+        // FW_STAGES (3) stages of K and V tiles, the persistent TMA build's two 128-row Q tiles
+        // (head dim 64), 16 slots of 8 bytes (mbarriers, tile indices), the two consumers' O
+        // tiles of 64 padded rows (`fwd_store_staged`): 231,552 bytes at head dim 128.
+        let q_tiles = |persistent_tma: bool| if persistent_tma && d == 64 { 2 * 128 * d * 2 } else { 0 };
+        // Persistent, one block per SM, with the dynamic walk (kernels/flash_mma.cu `DYN`; H200,
+        // 16k tokens per call, head dim 128: 356 / 477 / 574 / 639 / 712 → 381 / 509 / 600 / 661
+        // / 696 TFLOP/s at 1k / 2k / 4k / 8k / 16k against one block per tile; the 1.3B step's
+        // forward 346 → 322 µs a layer; head dim 64 level with the static persistent walk). The
+        // static walk (all heads' heaviest tiles first) had lost at head dim 128 (456 → 404 at
+        // 2k): its order streamed every head's K/V from DRAM at once; the dynamic walk's head
+        // groups keep theirs in L2 (without the groups it too fell to 401 at 2k).
         // TMA copies (kernels/flash_mma.cu `TMA`) built for every choice but 64-key tiles at
-        // head dim 64.
+        // head dim 64. `FERROTRON_FLASH_PERSIST=0`: one block per tile; `FERROTRON_FLASH_DYN=0`:
+        // the static walk at head dim 64, one block per tile at 128.
         let tma = crate::cuda::flash_tma() && !(d == 64 && keys == 64);
-        let persistent = crate::cuda::flash_persist().unwrap_or(true) && d == 64 && keys == 128;
-        let (p, t) = (if persistent { "p" } else { "" }, if tma { "t" } else { "" });
+        let allowed = crate::cuda::flash_persist() != Some(false) && keys == 128;
+        let dynamic = allowed && crate::cuda::flash_dyn() && tma;
+        let persistent = dynamic || (allowed && crate::cuda::flash_persist().unwrap_or(true) && d == 64);
+        let p = match (persistent, dynamic) {
+            (true, true) => "pd",
+            (true, false) => "p",
+            _ => "",
+        };
+        let t = if tma { "t" } else { "" };
         let k = if keys == 64 { String::new() } else { format!("k{keys}") };
         let name = format!("flash_fwd_ws2{t}{p}{k}_bf16_{d}");
-        let grid = match (persistent, tma) {
-            (true, true) => FwdGrid::WsPersistentTma,
-            (true, false) => FwdGrid::WsPersistent,
-            (false, true) => FwdGrid::WsTilesTma,
-            (false, false) => FwdGrid::WsTiles,
+        let grid = match (persistent, tma, dynamic) {
+            (true, true, true) => FwdGrid::WsDynamicTma,
+            (true, true, false) => FwdGrid::WsPersistentTma,
+            (true, false, _) => FwdGrid::WsPersistent,
+            (false, true, _) => FwdGrid::WsTilesTma,
+            (false, false, _) => FwdGrid::WsTiles,
         };
-        let shared = 3 * 2 * keys * d * 2 + q_tiles(grid == FwdGrid::WsPersistentTma) + 10 * 8 + 2 * 64 * (d + 8) * 2;
+        let persistent_tma = matches!(grid, FwdGrid::WsPersistentTma | FwdGrid::WsDynamicTma);
+        let shared = 3 * 2 * keys * d * 2 + q_tiles(persistent_tma) + 16 * 8 + 2 * 64 * (d + 8) * 2;
         (TcLaunch { name, rows: 128, threads: 3 * 128, shared: shared as u32 }, grid)
     } else if be.use_wgmma() {
         // H200, 16k tokens per call (NW = 1 was L2-bound): D 64 NW 2 (178–246 TFLOP/s over 1k–16k;
@@ -159,10 +173,18 @@ fn fwd_kernel(be: &B, d: usize, t: usize) -> (TcLaunch, FwdGrid) {
 /// kernels measured faster (H200, 16k tokens per call, swizzled tiles: 152 and 182 TFLOP/s
 /// against 142 and 176 at 1k and 2k; equal at 4k, the one kernel ahead from 8k).
 enum BwdKernels {
-    /// The one kernel; `Some(tma)` for the warp-specialised one, which takes four tensor maps
-    /// (read when `tma`: kernels/flash_bwd_mma.cu `TMA`).
-    Fused(TcLaunch, Option<bool>),
+    /// The one kernel; `Some(ws)` for the warp-specialised one, which takes four tensor maps
+    /// (read when `ws.tma`: kernels/flash_bwd_mma.cu `TMA`).
+    Fused(TcLaunch, Option<WsBwd>),
     Split(TcLaunch, TcLaunch),
+}
+
+/// The warp-specialised backward's build: copies by TMA; persistent with the dynamic walk
+/// (kernels/flash_bwd_mma.cu `DYN`, TMA builds only).
+#[derive(Clone, Copy)]
+struct WsBwd {
+    tma: bool,
+    dynamic: bool,
 }
 
 fn bwd_plan(be: &B, d: usize, t: usize) -> BwdKernels {
@@ -172,10 +194,21 @@ fn bwd_plan(be: &B, d: usize, t: usize) -> BwdKernels {
     // per call, D 64: 217–411 TFLOP/s over 1k–16k (v24) against 166–229 for the plan below, which
     // `cuda::set_flash_ws(false)` or FERROTRON_FLASH_BWD=wg keeps).
     if wgmma && crate::cuda::flash_bwd_ws() {
+        // Persistent with the dynamic walk (kernels/flash_bwd_mma.cu `DYN`; H200, 16k tokens per
+        // call, head dim 128: 303 / 393 / 463 / 515 / 568 → 320 / 413 / 490 / 536 / 552 TFLOP/s
+        // at 1k / 2k / 4k / 8k / 16k against one block per key tile, head dim 64 +1–2% to 4k and
+        // −3% at 16k; in the running steps the backward 262 → 243 µs a 124M layer, 2388 → 2206
+        // a Llama-1B one, the 1.3B step's attention 33.8 → 32.4 ms): up to 8k tokens.
         let tma = crate::cuda::flash_tma();
-        let t = if tma { "t" } else { "" };
+        let dynamic = tma && t <= 8192 && crate::cuda::flash_bwd_dyn() && crate::cuda::flash_persist() != Some(false);
+        let t = match (tma, dynamic) {
+            (true, true) => "td",
+            (true, false) => "t",
+            _ => "",
+        };
         let name = format!("flash_bwd_dkvq_ws2{t}_bf16_{d}");
-        return BwdKernels::Fused(TcLaunch { name, rows: 128, threads: 384, shared: ws_shared(d) }, Some(tma));
+        let ws = WsBwd { tma, dynamic };
+        return BwdKernels::Fused(TcLaunch { name, rows: 128, threads: 384, shared: ws_shared(d) }, Some(ws));
     }
     if !wgmma || (d == 64 && t <= 2048) {
         return BwdKernels::Split(dq, dkv);
@@ -189,11 +222,12 @@ fn bwd_plan(be: &B, d: usize, t: usize) -> BwdKernels {
 
 /// The warp-specialised backward's dynamic shared memory (kernels/flash_bwd_mma.cu, above
 /// `bw_stages`): K and V (128 keys), the stages' (Q, dO) tiles, the dSᵀ buffers, two consumers'
-/// double dQ staging, the stages' (lse, delta) rows and 2 · stages + 1 mbarriers.
+/// double dQ staging, the stages' (lse, delta) rows, 2 · stages + 6 mbarriers and two tile-index
+/// slots (8 bytes each).
 fn ws_shared(d: usize) -> u32 {
     let (stages, dss) = if d == 64 { (3, 1) } else { (2, 2) };
     let bytes = 2 * 128 * d * 2 + stages * 2 * 64 * d * 2 + dss * 2 * 64 * 64 * 2 + 2 * 2 * 4096 * 4;
-    (bytes + stages * 2 * 64 * 4 + (2 * stages + 1) * 8) as u32
+    (bytes + stages * 2 * 64 * 4 + (2 * stages + 8) * 8) as u32
 }
 
 /// The tensor-core backward's dQ kernel (query rows per block) and dK/dV kernel (keys per block):
@@ -259,18 +293,20 @@ fn tc_fwd(be: &B, qkv: [Arg; 3], fused: bool, a: &AttnShape) -> Result<(Tensor, 
             // unused ones for the cp.async builds.
             let (kv_heads, q_heads) = map_heads(d, fused);
             let [q, k, v] = qkv.map(addr);
-            let tma = matches!(grid, FwdGrid::WsTilesTma | FwdGrid::WsPersistentTma);
+            let tma = matches!(grid, FwdGrid::WsTilesTma | FwdGrid::WsPersistentTma | FwdGrid::WsDynamicTma);
+            let q_by_tma = matches!(grid, FwdGrid::WsPersistentTma | FwdGrid::WsDynamicTma) && d.d == 64;
             let maps = [
                 if tma { TmaMap::rows(k, d.b, d.s, kv_heads, d.d, fwd_ws_keys())? } else { TmaMap::unused() },
                 if tma { TmaMap::rows(v, d.b, d.s, kv_heads, d.d, fwd_ws_keys())? } else { TmaMap::unused() },
-                if grid == FwdGrid::WsPersistentTma {
-                    TmaMap::rows(q, d.b, d.t, q_heads, d.d, 128)?
-                } else {
-                    TmaMap::unused()
-                },
+                if q_by_tma { TmaMap::rows(q, d.b, d.t, q_heads, d.d, 128)? } else { TmaMap::unused() },
             ];
             args.extend(maps.map(Arg::Map));
-            let persistent = matches!(grid, FwdGrid::WsPersistent | FwdGrid::WsPersistentTma);
+            // The dynamic walk's heads per group (by the bytes of K and V a query head reads:
+            // GQA's query heads of one group share theirs) and its counters.
+            let kv_per_head = d.s * d.d * 2 * 2 * d.hkv / d.hq;
+            args.push(n(crate::cuda::flash_group_heads(kv_per_head)));
+            args.push(Arg::Ptr(be.tile_counter.raw_ptr(&be.dev)));
+            let persistent = matches!(grid, FwdGrid::WsPersistent | FwdGrid::WsPersistentTma | FwdGrid::WsDynamicTma);
             if persistent { (bh * tiles).min(be.sms as usize) } else { bh * tiles }
         }
     };
@@ -366,9 +402,9 @@ fn tc_bwd(
             // of dS·K without the softmax scale), cleared by the delta kernel (never poisoned).
             let dqa = new(be, [d.b, d.hq, d.t.div_ceil(64) * 64, d.d], DType::F32)?;
             launch_delta(Some(&dqa))?;
-            let grid = d.b * d.hkv * d.s.div_ceil(l.rows);
+            let mut grid = d.b * d.hkv * d.s.div_ceil(l.rows);
             let mut args = head(&[dk, dv, ptr("attn", &dqa)?])?;
-            if let Some(tma) = ws {
+            if let Some(WsBwd { tma, dynamic }) = ws {
                 // K and V (the block's 128 keys), Q and dO (64-row tiles).
                 let (kv_heads, q_heads) = map_heads(d, x.fused);
                 let [q, k, v] = x.qkv.map(addr);
@@ -385,6 +421,14 @@ fn tc_bwd(
                 };
                 args.extend(maps.map(Arg::Map));
                 args.extend(partial_args(partials)?);
+                // The dynamic walk's K/V heads per group (by the Q and dO bytes a K/V head's
+                // tiles read) and its counters; persistent, one block per SM.
+                let qdo_per_kv_head = d.hq / d.hkv * d.t * d.d * 2 * 2;
+                args.extend([n(d.b * d.hkv), n(crate::cuda::flash_group_heads(qdo_per_kv_head))]);
+                args.push(Arg::Ptr(be.tile_counter.raw_ptr(&be.dev)));
+                if dynamic {
+                    grid = grid.min(be.sms as usize);
+                }
             }
             be.launch(&l.name, grid as u32, l.threads, l.shared, &args)?;
             // Then to bf16 with the scale applied: one block per 64 × 64 tile.
