@@ -241,6 +241,16 @@ __device__ __forceinline__ void wg_qk(float (*s)[4], const u32 (*a)[4], const bf
     for (int kk = FRESH ? 1 : 0; kk < D / 16; kk++) wgmma_rs<N, 0>(&s[0][0], a[kk], sw_kmajor(base, N, kk));
 }
 
+// wg_qk with A from shared memory too: `qa`, the address of this warpgroup's first row of a
+// K-major swizzled Q tile whose 64-column blocks are `rows` rows apart (sw_kmajor). 128 keys.
+template <int D>
+__device__ __forceinline__ void wg_qk_ss(float (*s)[4], u32 qa, int rows, const bf16_t* tile) {
+    u32 base = smem_addr(tile);
+    wgmma_m64n128k16_ss<0>(&s[0][0], sw_kmajor(qa, rows, 0), sw_kmajor(base, 128, 0));
+    #pragma unroll
+    for (int kk = 1; kk < D / 16; kk++) wgmma_m64n128k16_ss<1>(&s[0][0], sw_kmajor(qa, rows, kk), sw_kmajor(base, 128, kk));
+}
+
 // acc (64 rows × D) += A B by wgmma, issued: A's fragments from registers (`a[ks]`, 16 of the K
 // dimension each: P, dS, Pᵀ, dSᵀ), B MN-major from a swizzled tile of KEYS rows (V, K, dO, Q).
 template <int D, int KEYS>
@@ -558,7 +568,7 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
 // reaches that tile and passes it to the consumers through a ring of two shared slots (mbarriers
 // tfull / tempty); a block whose index is past the end stops, and the last block to stop (count
 // in `sched[1]`) sets both counters back to 0 for the next launch on the stream.
-template <int D, int KEYS, bool LATE, bool PERSIST, bool TMA, bool DYN>
+template <int D, int KEYS, bool LATE, bool PERSIST, bool TMA, bool DYN, int S>
 __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl,
                              long hq, long hkv, float scale, long causal, long window, long fused, long bh,
                              const TmaMap* km, const TmaMap* vm, const TmaMap* qm, long hg, u32* sched) {
@@ -568,21 +578,27 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
     // QT: the persistent TMA build also copies each query tile's Q by TMA, into one of two Q
     // buffers, when the producer reaches that tile (a few key tiles before the consumers do), so
     // the consumers load Q from shared memory instead of waiting on global loads at every tile.
-    // Head dim 64 only: at 128 the three K/V stages and the O tiles leave no room for two Q tiles.
-    constexpr bool QT = TMA && PERSIST && D == 64;
+    // At head dim 128 the three K/V stages and the O tiles leave no room for two Q tiles: there
+    // only with two stages (S).
+    constexpr bool QT = TMA && PERSIST && (D == 64 || S == 2);
+    // QSS (head dim 128 with QT): Q·Kᵀ reads Q from its shared tile (wgmma with both operands in
+    // shared memory, as FlashAttention-3 does) instead of 32 registers of A fragments a thread,
+    // which the consumers at this head dim cannot spare; the tile is released after the last product.
+    constexpr bool QSS = QT && D == 128;
+    static_assert(!QSS || KEYS == 128, "wg_qk_ss multiplies 128-key tiles");
     extern __shared__ __align__(1024) unsigned char fm_smem[];  // swizzled tiles: 1024-byte aligned
-    // FW_STAGES × (K, V), with QT two Q tiles (ROWS × D), then 16 slots of 8 bytes (the mbarriers
+    // S stages of (K, V), with QT two Q tiles (ROWS × D), then 16 slots of 8 bytes (the mbarriers
     // and DYN's tile indices), then the O tiles.
     bf16_t* stage = reinterpret_cast<bf16_t*>(fm_smem);
-    bf16_t* qbuf = stage + FW_STAGES * 2 * TILE;
+    bf16_t* qbuf = stage + S * 2 * TILE;
     u64* full = reinterpret_cast<u64*>(qbuf + (QT ? 2 * ROWS * D : 0));
-    u64* empty = full + FW_STAGES;
-    u64* qfull = empty + FW_STAGES;  // QT: Q buffer landed (2), consumers done with it (2)
+    u64* empty = full + S;
+    u64* qfull = empty + S;  // QT: Q buffer landed (2), consumers done with it (2)
     u64* qempty = qfull + 2;
     u64* tfull = qempty + 2;  // DYN: tile index written (2), consumers have read it (2)
     u64* tempty = tfull + 2;
     volatile long* tix = reinterpret_cast<volatile long*>(tempty + 2);  // DYN: the two index slots
-    static_assert(2 * FW_STAGES + 10 == 16, "the host reserves 16 slots");
+    static_assert(2 * S + 10 <= 16, "the host reserves 16 slots");
     bf16_t* o_tiles = reinterpret_cast<bf16_t*>(full + 16);  // NC × 64 × (D + 8), for fwd_store_staged
     // PERSIST's grid: G blocks walking bh (batch × heads) × tiles query tiles; else one block per
     // query tile, tiles fastest.
@@ -623,7 +639,7 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
     };
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3, wg = warp >> 2;
     if (threadIdx.x == 0) {
-        for (int s = 0; s < FW_STAGES; s++) { mbar_init(&full[s], TMA ? 1 : 128); mbar_init(&empty[s], NC * 128); }
+        for (int s = 0; s < S; s++) { mbar_init(&full[s], TMA ? 1 : 128); mbar_init(&empty[s], NC * 128); }
         for (int s = 0; s < 2; s++) { mbar_init(&qfull[s], 1); mbar_init(&qempty[s], NC * 128); }
         for (int s = 0; s < 2; s++) { mbar_init(&tfull[s], 1); mbar_init(&tempty[s], NC * 128); }
     }
@@ -634,7 +650,7 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
     if (wg == NC) {
         wg_reg_dealloc<40>();
         // The producer warpgroup copies key tile n (counted over the block's query tiles) into
-        // stage n % FW_STAGES once the consumers have released the tile that stage held.
+        // stage n % S once the consumers have released the tile that stage held.
         if (TMA && threadIdx.x != NC * 128) return;  // one thread copies
         u32 n = 0;
         for (long j = 0;; j++) {
@@ -661,9 +677,10 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
                     tma_load_4d(qbuf + qs * ROWS * D + cb * ROWS * 64, qm, cb * 64, (int)qp.head, (int)i0, (int)b,
                                 &qfull[qs]);
             }
-            for (long it = 0; it < steps; it++, n++) {
-                int st = n % FW_STAGES;
-                if (n >= FW_STAGES) mbar_wait(&empty[st], ((n / FW_STAGES) - 1) & 1);
+            // Key tile it of this query tile into stage n % S.
+            auto copy = [&](long it) {
+                int st = n % S;
+                if (n >= S) mbar_wait(&empty[st], ((n / S) - 1) & 1);
                 bf16_t* kt = stage + st * 2 * TILE;
                 if constexpr (TMA) {
                     mbar_expect_tx(&full[st], 2 * TILE * 2);
@@ -673,11 +690,18 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
                         tma_load_4d(kt + cb * KEYS * 64, km, cb * 64, (int)kp.head, row, (int)b, &full[st]);
                         tma_load_4d(kt + TILE + cb * KEYS * 64, vm, cb * 64, (int)kp.head, row, (int)b, &full[st]);
                     }
-                    continue;
+                    return;
                 }
                 tile_async_sw<D, KEYS, 128>(kt, k, jb + it * KEYS, sl, b, kp.heads, kp.head, threadIdx.x & 127);
                 tile_async_sw<D, KEYS, 128>(kt + TILE, v, jb + it * KEYS, sl, b, kp.heads, kp.head, threadIdx.x & 127);
                 cp_arrive(&full[st]);
+            };
+            if constexpr (S == 2) {
+                // Not unrolled: with two stages ptxas unrolled it and spilled in the producer's 40 registers.
+                #pragma unroll 1
+                for (long it = 0; it < steps; it++, n++) copy(it);
+            } else {
+                for (long it = 0; it < steps; it++, n++) copy(it);
             }
         }
         if (!TMA) cp_wait<0>();
@@ -709,8 +733,12 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
         long r[1][2];
         r[0][0] = i0 + warp * 16 + g;
         r[0][1] = r[0][0] + 8;
-        u32 qa[D / 16][4];
-        if constexpr (QT) {
+        u32 qa[QSS ? 1 : D / 16][4];
+        u32 qaddr = 0;  // QSS: this warpgroup's first row of its Q tile
+        if constexpr (QSS) {
+            mbar_wait(&qfull[j & 1], (j >> 1) & 1);
+            qaddr = smem_addr(qbuf + (j & 1) * ROWS * D) + wg * 64 * 128;
+        } else if constexpr (QT) {
             // From the swizzled Q tile (rows past t zero-filled): lane l gives row (l & 7) of 8 × 8
             // matrix l >> 3 (rows +8 for matrices 1 and 3, columns +8 for 2 and 3), the A fragment.
             const int qs = (int)(j & 1), mi = lane >> 3;
@@ -753,10 +781,10 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
         // a constant: the tiles that need no mask in one loop, the rest in another.
         auto turn = [&](long bt, bool pv, bool qk, bool unmasked) {
             const u32 ub = base + (u32)bt;  // stage arithmetic in 32 bits (a 64-bit % 3 is ~15 instructions)
-            const bf16_t* kv_prev = stage + ((ub + FW_STAGES - 1) % FW_STAGES) * 2 * TILE;
-            const bf16_t* kv_cur = stage + (ub % FW_STAGES) * 2 * TILE;
+            const bf16_t* kv_prev = stage + ((ub + S - 1) % S) * 2 * TILE;
+            const bf16_t* kv_cur = stage + (ub % S) * 2 * TILE;
             if (qk) {
-                mbar_wait(&full[ub % FW_STAGES], (ub / FW_STAGES) & 1);
+                mbar_wait(&full[ub % S], (ub / S) & 1);
                 fence_async_smem();
             }
             named_sync(mine, 256);
@@ -764,7 +792,7 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
             wg_pin<D / 2>(&acc[0][0][0]);
             wg_fence();
             if (qk) {
-                wg_qk<D, KEYS, true>(s[0], qa, kv_cur);
+                if constexpr (QSS) wg_qk_ss<D>(s[0], qaddr, ROWS, kv_cur); else wg_qk<D, KEYS, true>(s[0], qa, kv_cur);
                 wg_commit();
             }
             if (pv) {
@@ -789,7 +817,7 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
                 wg_wait<0>();
                 wg_pin<D / 2>(&acc[0][0][0]);
                 wg_keep<KEYS / 4>(&pa[0][0][0]);
-                mbar_arrive(&empty[(ub + FW_STAGES - 1) % FW_STAGES]);  // tile bt − 1 done
+                mbar_arrive(&empty[(ub + S - 1) % S]);  // tile bt − 1 done
             }
             if (qk) {
                 if (moved) {
@@ -817,8 +845,9 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
             long bt = 1;
             for (; bt < nf; bt++) turn(bt, true, true, true);
             for (; bt < steps; bt++) turn(bt, true, true, false);
-            turn(steps, true, false, false);
+            turn(steps, true, false, false);  // waits for every product: Q is read
         }
+        if constexpr (QSS) mbar_arrive(&qempty[j & 1]);
         fwd_store_staged<D>(acc, m, l, r, o_tiles + wg * 64 * (D + 8), NC + 1 + wg, i0 + wg * 64, o, lse, t, hq, b, h);
         if (PERSIST) named_sync(NC + 1 + wg, 128);  // the O tile read out before the next tile writes it
         base += (u32)steps;
@@ -852,24 +881,27 @@ FLASH_MMA(flash_fwd_wg3_bf16_128, 128, 1, true, 3)
 // Grid: bh (batch × heads) × query tiles, or with PERSIST (the `p` kernels) at most one block
 // per SM. `t`: K and V (and, persistent at head dim 64, Q) copied by TMA. `hg` and `sched` (a
 // zeroed pair of counters the kernel leaves zeroed) are read by the dynamic walk only.
-#define FLASH_WS(NAME, D, KEYS, LATE, PERSIST, TMA, DYN) \
+#define FLASH_WS(NAME, D, KEYS, LATE, PERSIST, TMA, DYN, S) \
 extern "C" __global__ void __launch_bounds__(384, 1) NAME(const bf16_t* q, \
         const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl, long hq, long hkv, long d, \
         float scale, long causal, long window, long fused, long bh, const __grid_constant__ TmaMap km, \
         const __grid_constant__ TmaMap vm, const __grid_constant__ TmaMap qm, long hg, u32* sched) { \
-    flash_fwd_ws<D, KEYS, LATE, PERSIST, TMA, DYN>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window, fused, bh, \
-                                                   &km, &vm, &qm, hg, sched); }
-FLASH_WS(flash_fwd_ws2k128_bf16_128, 128, 128, true, false, false, false)
-FLASH_WS(flash_fwd_ws2k128_bf16_64, 64, 128, false, false, false, false)
-FLASH_WS(flash_fwd_ws2pk128_bf16_64, 64, 128, false, true, false, false)
+    flash_fwd_ws<D, KEYS, LATE, PERSIST, TMA, DYN, S>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window, fused, \
+                                                      bh, &km, &vm, &qm, hg, sched); }
+FLASH_WS(flash_fwd_ws2k128_bf16_128, 128, 128, true, false, false, false, FW_STAGES)
+FLASH_WS(flash_fwd_ws2k128_bf16_64, 64, 128, false, false, false, false, FW_STAGES)
+FLASH_WS(flash_fwd_ws2pk128_bf16_64, 64, 128, false, true, false, false, FW_STAGES)
 // The same with TMA copies (`t`), the default.
-FLASH_WS(flash_fwd_ws2tk128_bf16_128, 128, 128, true, false, true, false)
-FLASH_WS(flash_fwd_ws2tk128_bf16_64, 64, 128, false, false, true, false)
-FLASH_WS(flash_fwd_ws2tpk128_bf16_64, 64, 128, false, true, true, false)
+FLASH_WS(flash_fwd_ws2tk128_bf16_128, 128, 128, true, false, true, false, FW_STAGES)
+FLASH_WS(flash_fwd_ws2tk128_bf16_64, 64, 128, false, false, true, false, FW_STAGES)
+FLASH_WS(flash_fwd_ws2tpk128_bf16_64, 64, 128, false, true, true, false, FW_STAGES)
 // Persistent with the dynamic walk (`d`: tiles by a global counter, in head groups that share L2).
-FLASH_WS(flash_fwd_ws2tpdk128_bf16_64, 64, 128, false, true, true, true)
-FLASH_WS(flash_fwd_ws2tpdk128_bf16_128, 128, 128, true, true, true, true)
+FLASH_WS(flash_fwd_ws2tpdk128_bf16_64, 64, 128, false, true, true, true, FW_STAGES)
+FLASH_WS(flash_fwd_ws2tpdk128_bf16_128, 128, 128, true, true, true, true, FW_STAGES)
+// Head dim 128 with two K/V stages, which leaves room for the two Q tiles the producer copies by
+// TMA ahead of each tile (`q`; `FERROTRON_FLASH_FWD_Q=tma`), as at head dim 64.
+FLASH_WS(flash_fwd_ws2tpdqk128_bf16_128, 128, 128, true, true, true, true, 2)
 // 64-key tiles (`FERROTRON_FLASH_FWD=ws64`, kept to measure against).
-FLASH_WS(flash_fwd_ws2_bf16_128, 128, 64, true, false, false, false)
-FLASH_WS(flash_fwd_ws2t_bf16_128, 128, 64, true, false, true, false)
-FLASH_WS(flash_fwd_ws2_bf16_64, 64, 64, false, false, false, false)
+FLASH_WS(flash_fwd_ws2_bf16_128, 128, 64, true, false, false, false, FW_STAGES)
+FLASH_WS(flash_fwd_ws2t_bf16_128, 128, 64, true, false, true, false, FW_STAGES)
+FLASH_WS(flash_fwd_ws2_bf16_64, 64, 64, false, false, false, false, FW_STAGES)

@@ -270,24 +270,31 @@ fn every_op_matches_cpu() {
             // (tiles from the device's counter, which each launch must leave at zero for the next:
             // every case here launches several in a row), forward and backward, with the heads in
             // groups of 3 (the last group of 64 query heads, or of 16 K/V heads, smaller) and in the
-            // default groups (one here).
+            // default groups (one here); at head dim 128 also with Q by TMA and two K/V stages
+            // (Q·Kᵀ from shared memory).
             for (t, hq, hkv, d) in [(1000usize, 32usize, 8usize, 64usize), (520, 32, 8, 128)] {
                 let x: Vec<Tensor> = [hq, hkv, hkv, hq]
                     .iter()
                     .enumerate()
                     .map(|(i, h)| rnd(&[2, t, *h, d], 40 + i as u64, dt))
                     .collect();
-                for (persist, dynamic, groups) in
-                    [(true, false, None), (false, false, None), (true, true, Some(3)), (true, true, None)]
-                {
+                let modes = [
+                    (true, false, None, false),
+                    (false, false, None, false),
+                    (true, true, Some(3), false),
+                    (true, true, None, false),
+                    (true, true, Some(3), true),
+                ];
+                for (persist, dynamic, groups, q_tma) in modes {
                     ferrotron_kernels::cuda::set_flash_persist(persist);
+                    ferrotron_kernels::cuda::set_flash_fwd_q_tma(q_tma);
                     ferrotron_kernels::cuda::set_flash_dyn(dynamic);
                     ferrotron_kernels::cuda::set_flash_bwd_dyn(dynamic);
                     ferrotron_kernels::cuda::set_flash_group_heads(groups);
                     for causal in [true, false] {
                         let cfg = AttnCfg { causal, window: None, scale: None };
                         let name = format!(
-                            "flash attention t{t} d{d} persistent {persist} dynamic {dynamic} groups {groups:?} {cfg:?}"
+                            "flash attention t{t} d{d} persistent {persist} dynamic {dynamic} groups {groups:?} q by TMA {q_tma} {cfg:?}"
                         );
                         check_norm(&name, dt, &x, |t| {
                             let (o, lse) = k::attention_fwd(&t[0], &t[1], &t[2], &cfg).unwrap();
@@ -300,6 +307,7 @@ fn every_op_matches_cpu() {
             ferrotron_kernels::cuda::set_flash_persist(true);
             ferrotron_kernels::cuda::set_flash_dyn(true);
             ferrotron_kernels::cuda::set_flash_bwd_dyn(true);
+            ferrotron_kernels::cuda::set_flash_fwd_q_tma(false);
             ferrotron_kernels::cuda::set_flash_group_heads(None);
         }
         if dt == DType::BF16 {
