@@ -71,6 +71,10 @@ pub struct TrainArgs {
     /// is 0.1).
     #[arg(long)]
     pub attention_dropout: Option<f64>,
+    /// Sliding-window attention as Megatron's (left, right), e.g. "(4096,0)": each token sees
+    /// itself and the `left` tokens before it (-1: all of them). The GPT is causal, so right is 0.
+    #[arg(long, allow_hyphen_values = true)]
+    pub window_size: Option<String>,
     /// Accepted for Megatron's scripts: --num-query-groups takes effect with or without it.
     #[arg(long)]
     pub group_query_attention: bool,
@@ -247,7 +251,7 @@ impl TrainArgs {
             max_position_embeddings, position_embedding_type, rotary_base, normalization, tokenizer_type, init_method_std,
             micro_batch_size, global_batch_size, train_iters, lr, min_lr, lr_decay_style, lr_warmup_iters, lr_warmup_fraction,
             lr_decay_iters, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad, norm_epsilon, make_vocab_size_divisible_by,
-            hidden_dropout, attention_dropout, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, corpus_docs,
+            hidden_dropout, attention_dropout, window_size, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, corpus_docs,
             exit_interval, device, profile_step_start, profile_step_end, profile_trace, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s,
             pipeline_model_parallel_size, num_layers_per_virtual_pipeline_stage, decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers);
@@ -338,6 +342,28 @@ pub struct Settings {
     pub make_vocab_size_divisible_by: usize,
     #[serde(default)]
     pub hidden_dropout: f32,
+    /// Tokens before itself that each token's attention sees (`--window-size`'s left); None: all.
+    #[serde(default)]
+    pub window_size: Option<usize>,
+}
+
+/// `--window-size` as Megatron writes it, "(left,right)" (brackets and spaces optional): the
+/// tokens before itself each token sees, None for -1 (all). Right must be 0 (or -1, which a
+/// causal mask makes the same): later tokens are never seen.
+fn parse_window(v: &str) -> anyhow::Result<Option<usize>> {
+    let bad = || {
+        anyhow::anyhow!(
+            "--window-size {v}: write (left,right) as Megatron does, e.g. (4096,0); left -1 is no window, right must be 0"
+        )
+    };
+    let inner = v.trim().trim_start_matches(['(', '[']).trim_end_matches([')', ']']);
+    let parts: Vec<i64> =
+        inner.split(',').map(|x| x.trim().parse::<i64>()).collect::<Result<_, _>>().map_err(|_| bad())?;
+    let [left, right] = parts[..] else { return Err(bad()) };
+    if left < -1 || !matches!(right, 0 | -1) {
+        return Err(bad());
+    }
+    Ok(usize::try_from(left).ok())
 }
 
 fn one() -> usize {
@@ -600,6 +626,7 @@ impl Settings {
             norm_epsilon: a.norm_epsilon.unwrap_or_else(norm_epsilon),
             make_vocab_size_divisible_by: a.make_vocab_size_divisible_by.unwrap_or_else(vocab_divisible_by),
             hidden_dropout: a.hidden_dropout.unwrap_or(0.0) as f32,
+            window_size: a.window_size.as_deref().map(parse_window).transpose()?.flatten(),
         };
         if let Some(f) = a.lr_warmup_fraction {
             if file.lr_warmup_iters.or(flags.lr_warmup_iters).is_some() {
@@ -827,7 +854,8 @@ impl Settings {
                 attention: AttentionSpec {
                     bias: !self.disable_bias_linear,
                     qk_layernorm: self.qk_layernorm,
-                    window: None,
+                    // The mask keeps |i − j| < w: the token itself and the `left` before it.
+                    window: self.window_size.map(|left| left + 1),
                 },
                 mlp: MlpSpec::Dense {
                     activation: if self.swiglu { Activation::SwiGlu } else { Activation::Gelu },
@@ -941,5 +969,22 @@ mod tests {
         assert_eq!(parse("--hidden-dropout 0.1").unwrap().hidden_dropout, 0.1);
         let e = parse("--hidden-dropout 1").unwrap_err().to_string();
         assert!(e.contains("--hidden-dropout 1") && e.contains("[0, 1)"), "{e}");
+    }
+
+    #[test]
+    fn window_size_is_megatrons_left_and_right() {
+        // Each token sees itself and `left` before it: the mask's |i − j| < left + 1.
+        for (flag, left) in
+            [("(128,0)", Some(128)), ("4,0", Some(4)), ("[0,0]", Some(0)), ("(-1,0)", None), ("(7,-1)", Some(7))]
+        {
+            let s = parse(&format!("--window-size {flag}")).unwrap();
+            assert_eq!(s.window_size, left, "{flag}");
+            assert_eq!(s.model_config().unwrap().layer.attention.window, left.map(|l| l + 1), "{flag}");
+        }
+        assert_eq!(parse("").unwrap().window_size, None);
+        for bad in ["(4,2)", "(4)", "(a,0)", "(-2,0)", "(1,0,0)"] {
+            let e = parse(&format!("--window-size {bad}")).unwrap_err().to_string();
+            assert!(e.contains("--window-size") && e.contains("(left,right)"), "{bad}: {e}");
+        }
     }
 }

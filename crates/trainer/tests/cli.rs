@@ -129,6 +129,7 @@ fn bad_flags_fail_with_one_line_naming_the_flag() {
     fails_naming(&["--preset", "huge"], "--preset huge: unknown preset");
     fails_naming(&["--lr-decay-style", "sqrt"], "--lr-decay-style sqrt");
     fails_naming(&["--hidden-dropout", "1"], "--hidden-dropout 1 must be in [0, 1)");
+    fails_naming(&["--window-size", "(4,2)"], "--window-size (4,2): write (left,right)");
     fails_naming(&["--device", "tpu"], "use cpu, cuda or cuda:N");
     fails_naming(&["--profile"], "--profile opens a CUDA profiler range: run with --device cuda");
     fails_naming(
@@ -208,6 +209,28 @@ fn a_missing_process_is_named() {
     std::io::Read::read_to_string(&mut k.stderr.take().unwrap(), &mut err).unwrap();
     assert!(!status.success());
     assert!(err.contains("rendezvous") && err.contains("[1]"), "{err}");
+}
+
+/// `--window-size (4,0)`: each token sees itself and the 4 before it (sequences of 32); the loss
+/// falls, to another value than without the window.
+#[test]
+fn a_sliding_window_run_learns() {
+    let args = |window: bool| {
+        let mut a = vec!["--train-iters", "20", "--lr", "3e-3", "--eval-interval", "20"];
+        if window {
+            a.extend(["--window-size", "(4,0)"]);
+        }
+        run(&a)
+    };
+    let val = |o: &Output, it: u32| -> f64 {
+        let e = stderr(o);
+        assert!(o.status.success(), "{e}");
+        let line = e.lines().find(|l| l.starts_with(&format!("iteration {it}: validation loss"))).unwrap().to_owned();
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    let (windowed, full) = (args(true), args(false));
+    assert!(val(&windowed, 20) < val(&windowed, 0) - 0.5, "{}", stderr(&windowed));
+    assert_ne!(val(&windowed, 20), val(&full, 20), "the window changed nothing");
 }
 
 /// `--nproc 4`: thread ranks, TP 2 × DP 2 with every switch on (hidden dropout too); the loss

@@ -12,16 +12,13 @@ fn losses(preset: &str, bf16: bool, device: Device) -> Vec<f64> {
 }
 
 fn losses_with(preset: &str, bf16: bool, device: Device, hidden_dropout: Option<f64>) -> Vec<f64> {
-    let args = TrainArgs {
-        preset: Some(preset.into()),
-        train_iters: Some(20),
-        eval_interval: Some(20),
-        eval_iters: Some(1),
-        bf16,
-        no_progress: true,
-        hidden_dropout,
-        ..TrainArgs::default()
-    };
+    losses_of(TrainArgs { preset: Some(preset.into()), bf16, hidden_dropout, ..TrainArgs::default() }, device)
+}
+
+/// 20 steps of `args` (one evaluation at the end) on `device`: the training losses.
+fn losses_of(args: TrainArgs, device: Device) -> Vec<f64> {
+    let args =
+        TrainArgs { train_iters: Some(20), eval_interval: Some(20), eval_iters: Some(1), no_progress: true, ..args };
     let (s, _): (Settings, Paths) = Settings::resolve(&args).unwrap();
     let summary = train(&s, &Paths { device, ..Paths::default() }).unwrap();
     summary.losses.into_iter().map(|(_, l)| l).collect()
@@ -66,6 +63,24 @@ fn tiny_preset_with_hidden_dropout_cuda_matches_cpu() {
         assert!((c - g).abs() <= 1e-4 * c.abs(), "step {}: cpu {c} vs cuda {g} with dropout", i + 1);
     }
     assert_ne!(cpu, losses("tiny", false, Device::Cpu), "dropout 0.1 changed nothing");
+}
+
+/// `--window-size (16,0)` (each token sees itself and 16 before it) on both tiny presets, fp32:
+/// the flash kernels' window mask against the CPU's, and the window changes the run.
+#[test]
+fn sliding_window_cuda_matches_cpu() {
+    let gpu = Device::cuda(0).expect("a CUDA device");
+    for preset in ["tiny", "llama-tiny"] {
+        let args =
+            || TrainArgs { preset: Some(preset.into()), window_size: Some("(16,0)".into()), ..TrainArgs::default() };
+        let cpu = losses_of(args(), Device::Cpu);
+        let cuda = losses_of(args(), gpu.clone());
+        assert_eq!(cpu.len(), 20);
+        for (i, (c, g)) in cpu.iter().zip(&cuda).enumerate() {
+            assert!((c - g).abs() <= 1e-4 * c.abs(), "{preset} step {}: cpu {c} vs cuda {g} with a window", i + 1);
+        }
+        assert_ne!(cpu, losses(preset, false, Device::Cpu), "{preset}: the window changed nothing");
+    }
 }
 
 /// The tiny preset for 4 steps, one evaluation at the end: the profiling tests' run.
