@@ -115,9 +115,10 @@ fn fwd_kernel(be: &B, d: usize, t: usize) -> (TcLaunch, FwdGrid) {
         // head dim 128 337 / 460 / 563 / 633 / 706 TFLOP/s with 128-key tiles and TMA copies
         // (64-key tiles by cp.async: 299 / 387 / 455 / 507 / 569), head dim 64 221–466.
         let keys = fwd_ws_keys();
-        // FW_STAGES (3) stages of K and V tiles, the persistent TMA build's two 128-row Q tiles
-        // (head dim 64), 16 slots of 8 bytes (mbarriers, tile indices), the two consumers' O
-        // tiles of 64 padded rows (`fwd_store_staged`): 231,552 bytes at head dim 128.
+        // FW_STAGES (3, or 2 with Q by TMA at head dim 128) stages of K and V tiles, the two
+        // 128-row Q tiles of the builds that copy Q (`q_by_tma`), 16 slots of 8 bytes (mbarriers,
+        // tile indices), the two consumers' O tiles of 64 padded rows (`fwd_store_staged`):
+        // 231,552 bytes at head dim 128 either way.
         let q_tiles = |on: bool| if on { 2 * 128 * d * 2 } else { 0 };
         // Persistent, one block per SM, with the dynamic walk (kernels/flash_mma.cu `DYN`; H200,
         // 16k tokens per call, head dim 128: 356 / 477 / 574 / 639 / 712 → 381 / 509 / 600 / 661
