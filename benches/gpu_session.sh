@@ -16,7 +16,8 @@
 #       trace:PRESET[:VAR=V,...]   our GPU timeline of PRESET (124m, 1.3b, llama-1b) alone
 #                              (TRACE_KERNELS=N among the VARs: its N costliest kernels too;
 #                              TRACE_GAPS=N: the N kernel pairs with the most idle time between)
-#       matched[:PRESET,...]   the matched bench, Ferrotron and PyTorch (`xtask bench --gpu`)
+#       matched[:PRESET,...[:VAR=V,...]]   the matched bench, Ferrotron and PyTorch (`xtask bench
+#                              --gpu`), with VARs set for both (e.g. matched:124m,1.3b:FERROTRON_FLASH_FWD_Q=tma)
 #       ncu-bwd:DxT[:VAR=V,...]    Nsight Compute on one flash backward of attention_bench's shape
 #                              DxT (e.g. 64x1024): time, instructions, L2 bytes and reductions
 #     e.g. `verify attn attn:FERROTRON_FLASH_TMA=0 trace:124m trace:124m:FERROTRON_FLASH_BIAS_GRAD=0`.
@@ -86,12 +87,16 @@ for step in "$@"; do
             rc=${PIPESTATUS[0]}
             ;;
         matched)
-            IFS=, read -ra presets <<< "${rest:-124m,1.3b,llama-1b}"
-            (cd .gpu && ./xtask bench --gpu v/ferrotron "${presets[@]}") 2>&1 | tee -a "$log"
+            list=${rest%%:*}
+            more=${rest#"$list"}
+            more=${more#:}
+            [ -n "$more" ] && IFS=, read -ra vars <<< "$more"
+            IFS=, read -ra presets <<< "${list:-124m,1.3b,llama-1b}"
+            (cd .gpu && env "${vars[@]}" ./xtask bench --gpu v/ferrotron "${presets[@]}") 2>&1 | tee -a "$log"
             rc=${PIPESTATUS[0]}
             ;;
         *)
-            echo "unknown step '$step' (verify, attn[:VARS], trace:PRESET[:VARS], matched[:PRESETS], ncu-bwd:DxT[:VARS])" | tee -a "$log"
+            echo "unknown step '$step' (verify, attn[:VARS], trace:PRESET[:VARS], matched[:PRESETS[:VARS]], ncu-bwd:DxT[:VARS])" | tee -a "$log"
             rc=2
             ;;
     esac
