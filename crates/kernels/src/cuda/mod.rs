@@ -56,9 +56,10 @@ pub(crate) struct Backend {
     pub sms: u32,
     /// Shared memory one block may opt into (bytes): 227 KB on Hopper, 99 KB on sm_86/sm_89.
     pub smem_optin: usize,
-    /// Two u32 counters, zero between launches: the dynamic tile walk of the persistent flash
-    /// forward takes its tiles from the first and clears both when its last block stops
-    /// (kernels/flash_mma.cu `DYN`). One per device suffices: every kernel runs on its one stream.
+    /// Two u32 counters, zero between launches: the dynamic tile walks of the persistent flash
+    /// forward and backward take their tiles from the first, and each launch's last block clears
+    /// both (kernels/flash_mma.cu and flash_bwd_mma.cu `DYN`). One per device suffices: every
+    /// kernel runs on its one stream.
     pub tile_counter: ferrotron_core::cuda::CudaStorage,
 }
 
