@@ -1,7 +1,9 @@
 //! What the GPU did while a bench run ran: nvidia-smi polled every 300 ms for memory in use, SM
-//! clock, power draw and utilisation. The H200 is power-capped (700 W): under sustained load its
-//! clock falls from 1980 MHz to 1450–1710 within seconds, so the clock a run held is part of its
-//! figure, and two runs compare fairly only at like clocks.
+//! clock, power draw, utilisation and temperature. The H200 is power-capped (700 W): under
+//! sustained load its clock falls from 1980 MHz to 1450–1710 within seconds, so the clock a run
+//! held is part of its figure, and two runs compare fairly only at like clocks. A hotter die
+//! leaks more of the same 700 W, so the temperature a run starts busy at is reported too: a side
+//! that starts on a card still hot from the run before it starts behind.
 
 use anyhow::bail;
 use std::process::{Child, Command};
@@ -13,19 +15,22 @@ pub struct Watch {
     pub peak_mem_gib: f64,
     /// Medians over the samples with the GPU at least half busy: SM clock (MHz), power (W).
     pub busy: Option<(f64, f64)>,
+    /// GPU temperature (°C) at the first and the last busy sample.
+    pub temp: Option<(f64, f64)>,
 }
 
 impl Watch {
-    /// "1,620 MHz / 690 W" over the busy samples, or a dash.
+    /// "1620 MHz / 690 W, 41→68 °C" over the busy samples, or a dash.
     pub fn clock_power(&self) -> String {
-        self.busy.map_or_else(|| "–".into(), |(c, p)| format!("{c:.0} MHz / {p:.0} W"))
+        let t = self.temp.map_or_else(String::new, |(a, b)| format!(", {a:.0}→{b:.0} °C"));
+        self.busy.map_or_else(|| "–".into(), |(c, p)| format!("{c:.0} MHz / {p:.0} W{t}"))
     }
 }
 
-/// One poll's "memory.used, clocks.sm, power.draw, utilization.gpu" line.
-fn parse(line: &str) -> Option<[f64; 4]> {
+/// One poll's "memory.used, clocks.sm, power.draw, utilization.gpu, temperature.gpu" line.
+fn parse(line: &str) -> Option<[f64; 5]> {
     let v: Vec<f64> = line.split(',').filter_map(|x| x.trim().parse().ok()).collect();
-    <[f64; 4]>::try_from(v).ok()
+    <[f64; 5]>::try_from(v).ok()
 }
 
 fn median(mut v: Vec<f64>) -> Option<f64> {
@@ -33,12 +38,13 @@ fn median(mut v: Vec<f64>) -> Option<f64> {
     v.get(v.len() / 2).copied()
 }
 
-fn summarize(samples: &[[f64; 4]]) -> Watch {
+fn summarize(samples: &[[f64; 5]]) -> Watch {
     let peak = samples.iter().map(|s| s[0]).fold(0.0, f64::max) / 1024.0;
-    let busy: Vec<&[f64; 4]> = samples.iter().filter(|s| s[3] >= 50.0).collect();
+    let busy: Vec<&[f64; 5]> = samples.iter().filter(|s| s[3] >= 50.0).collect();
     let clock = median(busy.iter().map(|s| s[1]).collect());
     let power = median(busy.iter().map(|s| s[2]).collect());
-    Watch { peak_mem_gib: peak, busy: clock.zip(power) }
+    let temp = busy.first().zip(busy.last()).map(|(a, b)| (a[4], b[4]));
+    Watch { peak_mem_gib: peak, busy: clock.zip(power), temp }
 }
 
 /// Polls the GPU until `child` exits; an unsuccessful exit is an error naming `what`.
@@ -51,7 +57,7 @@ pub fn watch(child: &mut Child, what: &str) -> anyhow::Result<Watch> {
             }
             return Ok(summarize(&samples));
         }
-        let q = "--query-gpu=memory.used,clocks.sm,power.draw,utilization.gpu";
+        let q = "--query-gpu=memory.used,clocks.sm,power.draw,utilization.gpu,temperature.gpu";
         if let Ok(o) = Command::new("nvidia-smi").args([q, "--format=csv,noheader,nounits"]).output()
             && let Some(s) = String::from_utf8_lossy(&o.stdout).lines().next().and_then(parse)
         {
@@ -61,23 +67,41 @@ pub fn watch(child: &mut Child, what: &str) -> anyhow::Result<Watch> {
     }
 }
 
+/// Waits (at most two minutes) until the GPU is at or below `limit` °C, so both sides of a bench
+/// start at like temperatures (`BENCH_COOL_C`); returns the temperature it started at, if read.
+pub fn cool_to(limit: f64) -> Option<f64> {
+    let read = || {
+        let o =
+            Command::new("nvidia-smi").args(["--query-gpu=temperature.gpu", "--format=csv,noheader,nounits"]).output();
+        o.ok().and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse::<f64>().ok())
+    };
+    let start = std::time::Instant::now();
+    while let Some(t) = read() {
+        if t <= limit || start.elapsed().as_secs() >= 120 {
+            return Some(t);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(500));
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn polls_become_peak_memory_and_busy_medians() {
-        assert_eq!(parse("51200, 1620, 690.52, 100"), Some([51200.0, 1620.0, 690.52, 100.0]));
-        assert_eq!(parse("51200, 1620, [N/A], 100"), None);
+        assert_eq!(parse("51200, 1620, 690.52, 100, 45"), Some([51200.0, 1620.0, 690.52, 100.0, 45.0]));
+        assert_eq!(parse("51200, 1620, [N/A], 100, 45"), None);
         let s = [
-            [1024.0, 1980.0, 120.0, 0.0], // idle (compiling): left out of the medians
-            [4096.0, 1650.0, 690.0, 100.0],
-            [8192.0, 1560.0, 700.0, 100.0],
-            [6144.0, 1600.0, 650.0, 80.0],
+            [1024.0, 1980.0, 120.0, 0.0, 33.0], // idle (compiling): left out of the medians
+            [4096.0, 1650.0, 690.0, 100.0, 41.0],
+            [8192.0, 1560.0, 700.0, 100.0, 60.0],
+            [6144.0, 1600.0, 650.0, 80.0, 68.0],
         ];
         let w = summarize(&s);
-        assert_eq!(w, Watch { peak_mem_gib: 8.0, busy: Some((1600.0, 690.0)) });
-        assert_eq!(w.clock_power(), "1600 MHz / 690 W");
+        assert_eq!(w, Watch { peak_mem_gib: 8.0, busy: Some((1600.0, 690.0)), temp: Some((41.0, 68.0)) });
+        assert_eq!(w.clock_power(), "1600 MHz / 690 W, 41→68 °C");
         assert_eq!(summarize(&s[..1]).busy, None);
         assert_eq!(summarize(&[]).clock_power(), "–");
     }

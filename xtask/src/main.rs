@@ -395,7 +395,8 @@ fn attention_bench(args: &[String]) -> anyhow::Result<()> {
 /// memory and the ratio. Runs on the GPU machine (no cargo needed there). Environment:
 /// BENCH_ITERS (steps, default 30, rounded up to whole log windows), BENCH_MICRO (micro-batch override),
 /// BENCH_TORCH=0 (Ferrotron only), BENCH_LOG_INTERVAL (steps per log line and loss read-back, default
-/// 10 as in Megatron runs; 1 reads the loss every step).
+/// 10 as in Megatron runs; 1 reads the loss every step), BENCH_COOL_C (before each side, wait up to
+/// two minutes for the card to cool to this many °C: both sides then start alike).
 ///
 /// Both sides are timed over the same steps: the first log window is warm-up (PyTorch's compile and
 /// Ferrotron's first allocations and GEMM algorithm choices fall in it), the rest is timed as total
@@ -421,6 +422,10 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
         let micro = std::env::var("BENCH_MICRO").ok().and_then(|v| v.parse().ok()).unwrap_or(shape.micro);
         let dir = std::env::temp_dir().join(format!("ferrotron-bench-{p}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
+        let cool = std::env::var("BENCH_COOL_C").ok().and_then(|v| v.parse::<f64>().ok());
+        if let Some(c) = cool {
+            gpuwatch::cool_to(c);
+        }
         let mut child = Command::new(&bin)
             .args(bench_train_args(p, micro, iters, every))
             .arg("--metrics-file")
@@ -455,6 +460,11 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
             println!("| {p} | pytorch skipped (BENCH_TORCH=0) | | | | | |");
             let _ = std::fs::remove_dir_all(&dir);
             continue;
+        }
+        // PyTorch compiles for a while before its first step (the card cools meanwhile); the
+        // wait here only brings it down from our run.
+        if let Some(c) = cool {
+            gpuwatch::cool_to(c);
         }
         let mut py = Command::new("python3")
             .args(torch_args(&shape, micro, flops))
