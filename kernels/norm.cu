@@ -136,20 +136,36 @@ FOR_TYPES(NORM_PARAM_GRAD8)
 // reader of its last use has reached the next barrier), dx stored, and the thread's running dw
 // (and db) sums over its rows updated. Then the teams' sums are added in team order and stored as
 // the chunk's partials, which col_sum_f32 finishes as before. The order of the adds differs from
-// norm_param_grad's (deterministic either way). Dynamic shared memory: max(2 · teams · warps a
-// team · 2, teams · c · (LN ? 2 : 1)) floats.
+// norm_param_grad's (deterministic either way). `pr` (or null): partials of Σ rows of `res` too,
+// the bias gradient of the linear layer whose output gradient the residual stream's is (fc2's
+// before the MLP's norm, the attention projection's before the input norm), from the values this
+// pass reads anyway instead of a bias_grad pass over them, kept in shared memory past the other
+// sums' region. Dynamic shared memory: max(2 · teams · warps a team · 2, teams · c · (1 + LN +
+// (pr != null))) floats, the last term also with one team when pr is given.
 __device__ __forceinline__ void team_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
 template <bool LN, typename T>
 __device__ __forceinline__ void norm_bwd_cols(const T* dy, const T* x, const T* w, const float* mean,
                                               const float* rstd, const T* res, T* dx, float* pw, float* pb,
-                                              long rows, long c) {
+                                              float* pr, long rows, long c) {
     extern __shared__ float nb_smem[];
     const int tthreads = (int)(c / 8), teams = blockDim.x / tthreads, wpt = tthreads / 32;
     const int team = threadIdx.x / tthreads, tt = threadIdx.x % tthreads, lane = threadIdx.x & 31, wit = tt >> 5;
     const long j = (long)tt * 8, r0 = (long)blockIdx.x * COL_CHUNK, r1 = r0 + COL_CHUNK < rows ? r0 + COL_CHUNK : rows;
     float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, b[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    // The residual's sums run in shared memory (in registers they spilled under 64): this
+    // thread's eight columns as two float4s, at (team · 2 + half) · tthreads + tt, so a warp's
+    // accesses are consecutive 16-byte pieces (no bank conflicts; eight floats a thread apart
+    // were 8-way conflicted and made the kernel 1.7× slower). No other thread touches them until
+    // the end.
+    const bool rs_on = pr != nullptr && res != nullptr;
+    float4* sr = reinterpret_cast<float4*>(nb_smem + (long)teams * c * (LN ? 2 : 1));
+    float4* mine = sr + (long)team * 2 * tthreads + tt;
+    if (rs_on) {
+        mine[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+        mine[tthreads] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
     int k = 0;
     for (long r = r0 + team; r < r1; r += teams, k++) {
         float g[8], gw[8], xh[8], sg = 0.f, sgx = 0.f;
@@ -180,32 +196,65 @@ __device__ __forceinline__ void norm_bwd_cols(const T* dy, const T* x, const T* 
         add_res8(res, r * c + j, rr);
 #pragma unroll
         for (int e = 0; e < 8; e++) gw[e] = rs * (gw[e] - (LN ? sg : 0.f) - xh[e] * sgx) + rr[e];
+        if (rs_on) {
+            // A 32-bit shared address and one half at a time: fewer registers live.
+            const unsigned at = (unsigned)__cvta_generic_to_shared(mine), step = 16u * tthreads;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                float4 v;
+                asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(at + h * step));
+                v.x += rr[4 * h]; v.y += rr[4 * h + 1]; v.z += rr[4 * h + 2]; v.w += rr[4 * h + 3];
+                asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" :: "r"(at + h * step), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
+            }
+        }
         st8(dx, r * c + j, gw);
     }
     const long out = (long)blockIdx.x * c + j;
     if (teams == 1) {
         st8(pw, out, a);
         if (LN) st8(pb, out, b);
+        if (rs_on) {
+            const float4 lo = mine[0], hi = mine[tthreads];
+            const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+            st8(pr, out, v);
+        }
         return;
     }
     __syncthreads();  // every team past its last row: the slots' memory takes the sums
     float* sa = nb_smem;
     float* sb = nb_smem + (long)teams * c;
 #pragma unroll
-    for (int e = 0; e < 8; e++) { sa[team * c + j + e] = a[e]; if (LN) sb[team * c + j + e] = b[e]; }
+    for (int e = 0; e < 8; e++) {
+        sa[team * c + j + e] = a[e];
+        if (LN) sb[team * c + j + e] = b[e];
+    }
     __syncthreads();
     if (team != 0) return;
 #pragma unroll
     for (int e = 0; e < 8; e++) {
         a[e] = 0.f; b[e] = 0.f;
-        for (int u = 0; u < teams; u++) { a[e] += sa[u * c + j + e]; if (LN) b[e] += sb[u * c + j + e]; }
+        for (int u = 0; u < teams; u++) {
+            a[e] += sa[u * c + j + e];
+            if (LN) b[e] += sb[u * c + j + e];
+        }
     }
     st8(pw, out, a);
     if (LN) st8(pb, out, b);
+    if (rs_on) {
+        // Reusing a and b (their sums are stored) for the residual's, added in team order.
+#pragma unroll
+        for (int e = 0; e < 8; e++) a[e] = 0.f;
+        for (int u = 0; u < teams; u++) {
+            const float4 lo = sr[(long)u * 2 * tthreads + tt], hi = sr[((long)u * 2 + 1) * tthreads + tt];
+            a[0] += lo.x; a[1] += lo.y; a[2] += lo.z; a[3] += lo.w;
+            a[4] += hi.x; a[5] += hi.y; a[6] += hi.z; a[7] += hi.w;
+        }
+        st8(pr, out, a);
+    }
 }
 #define NORM_BWD_COLS(s, T) \
-extern "C" __global__ void __launch_bounds__(512, 2) layernorm_bwd_cols_##s(const T* dy, const T* x, const T* w, const float* mean, const float* rstd, const T* res, T* dx, float* pw, float* pb, long rows, long c) { \
-    norm_bwd_cols<true>(dy, x, w, mean, rstd, res, dx, pw, pb, rows, c); } \
-extern "C" __global__ void __launch_bounds__(512, 2) rmsnorm_bwd_cols_##s(const T* dy, const T* x, const T* w, const float* rstd, const T* res, T* dx, float* pw, long rows, long c) { \
-    norm_bwd_cols<false>(dy, x, w, nullptr, rstd, res, dx, pw, nullptr, rows, c); }
+extern "C" __global__ void __launch_bounds__(512, 2) layernorm_bwd_cols_##s(const T* dy, const T* x, const T* w, const float* mean, const float* rstd, const T* res, T* dx, float* pw, float* pb, float* pr, long rows, long c) { \
+    norm_bwd_cols<true>(dy, x, w, mean, rstd, res, dx, pw, pb, pr, rows, c); } \
+extern "C" __global__ void __launch_bounds__(512, 2) rmsnorm_bwd_cols_##s(const T* dy, const T* x, const T* w, const float* rstd, const T* res, T* dx, float* pw, float* pr, long rows, long c) { \
+    norm_bwd_cols<false>(dy, x, w, nullptr, rstd, res, dx, pw, nullptr, pr, rows, c); }
 FOR_TYPES(NORM_BWD_COLS)

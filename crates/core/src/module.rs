@@ -68,4 +68,18 @@ pub trait Module: Send + Sync {
     fn forward(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Saved)>;
     /// dx from dy; parameter gradients are added into main_grad.
     fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor>;
+
+    /// The bias whose gradient is Σ rows of `dy` (the module ends in a biased linear layer), for a
+    /// caller that reads `dy` anyway and sums it there (the norm backward after a residual add):
+    /// it then runs `backward_without_out_bias`. None (the default): the caller runs `backward`.
+    fn out_bias(&self) -> Option<crate::ParamId> {
+        None
+    }
+
+    /// `backward` leaving `out_bias`'s gradient to the caller. A module whose `out_bias` is Some
+    /// implements it; the default refuses (rather than count that gradient twice).
+    fn backward_without_out_bias(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
+        let _ = (cx, saved, dy);
+        Err(crate::invalid("Module::backward_without_out_bias", "this module leaves no bias gradient to its caller"))
+    }
 }

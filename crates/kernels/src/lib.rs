@@ -42,8 +42,8 @@ pub use embedding::{embedding_bwd, embedding_bwd_shard, embedding_fwd, embedding
 pub use loss::{CrossEntropyCfg, ce_combine_shards, cross_entropy_bwd, cross_entropy_fwd, cross_entropy_fwd_bwd_};
 pub use matmul::{linear_gelu, matmul, matmul_bias, matmul_bwd, matmul_dgelu, matmul_into};
 pub use norm::{
-    add_layernorm_fwd, add_rmsnorm_fwd, layernorm_bwd, layernorm_bwd_add, layernorm_bwd_into, layernorm_fwd,
-    rmsnorm_bwd, rmsnorm_bwd_add, rmsnorm_bwd_into, rmsnorm_fwd,
+    add_layernorm_fwd, add_rmsnorm_fwd, layernorm_bwd, layernorm_bwd_add, layernorm_bwd_into, layernorm_bwd_into_bias,
+    layernorm_fwd, rmsnorm_bwd, rmsnorm_bwd_add, rmsnorm_bwd_into, rmsnorm_bwd_into_bias, rmsnorm_fwd,
 };
 pub use optim::{
     AdamPrep, AdamRun, AdamRuns, AdamW, adam_prepare, adam_state, adamw_runs, adamw_step, global_l2_norm, sum_sq,

@@ -83,7 +83,7 @@ pub fn layernorm_bwd(
     mean: &Tensor,
     rstd: &Tensor,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    layernorm_bwd_res(dy, x, w, mean, rstd, None, None, true)
+    layernorm_bwd_res(dy, x, w, mean, rstd, None, None, None, true)
 }
 
 /// `layernorm_bwd` with the residual stream's gradient added to dx: (dx + res, dweight, dbias)
@@ -96,7 +96,7 @@ pub fn layernorm_bwd_add(
     rstd: &Tensor,
     res: &Tensor,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    layernorm_bwd_res(dy, x, w, mean, rstd, Some(res), None, true)
+    layernorm_bwd_res(dy, x, w, mean, rstd, Some(res), None, None, true)
 }
 
 /// `layernorm_bwd` (with `res` as `layernorm_bwd_add`) whose parameter gradients are added into
@@ -113,7 +113,36 @@ pub fn layernorm_bwd_into(
     db: &Tensor,
     acc: bool,
 ) -> Result<Tensor> {
-    layernorm_bwd_res(dy, x, w, mean, rstd, res, Some([dw, db]), acc).map(|(dx, _, _)| dx)
+    layernorm_bwd_res(dy, x, w, mean, rstd, res, Some([dw, db]), None, acc).map(|(dx, _, _)| dx)
+}
+
+/// `layernorm_bwd_into` with Σ rows of `res` added into `dres` [C] as well (stored, without
+/// `acc`): the bias gradient of the linear layer whose output gradient is the residual stream's
+/// (fc2's before the MLP's norm, the attention projection's before the input norm). On a GPU the
+/// norm's kernel sums it from its own reads of `res`, so no separate pass reads them again.
+pub fn layernorm_bwd_into_bias(
+    dy: &Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    mean: &Tensor,
+    rstd: &Tensor,
+    res: &Tensor,
+    dw: &Tensor,
+    db: &Tensor,
+    dres: &Tensor,
+    acc: bool,
+) -> Result<Tensor> {
+    layernorm_bwd_res(dy, x, w, mean, rstd, Some(res), Some([dw, db]), Some(dres), acc).map(|(dx, _, _)| dx)
+}
+
+/// Σ rows of `res` into `dres` (as `acc`) where a norm's kernel did not already: the CPU's and
+/// the fallback's part of the `_into_bias` backwards.
+fn res_sum_into(op: &'static str, res: Option<&Tensor>, dres: Option<&Tensor>, acc: bool) -> Result<()> {
+    match (res, dres) {
+        (Some(r), Some(d)) => crate::bias_grad_into(d, r, acc),
+        (None, Some(_)) => Err(ferrotron_core::invalid(op, "a residual bias gradient asked for without a residual")),
+        _ => Ok(()),
+    }
 }
 
 /// The parameter-gradient destinations of an `_into` backward: [C], float, apart from `inputs`.
@@ -158,6 +187,7 @@ fn layernorm_bwd_res(
     rstd: &Tensor,
     res: Option<&Tensor>,
     into: Option<[&Tensor; 2]>,
+    dres: Option<&Tensor>,
     acc: bool,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     const OP: &str = "layernorm_bwd";
@@ -173,13 +203,21 @@ fn layernorm_bwd_res(
     if let Some(d) = &into {
         check_into(OP, c, d, &[dy, x, w, mean, rstd])?;
     }
+    if let (Some(d), Some(r)) = (dres, res) {
+        check_into(OP, c, &[d], &[dy, x, w, mean, rstd, r])?;
+    }
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[dy, x, w, mean, rstd])? {
         let to = [sum_to(into.map(|d| d[0]), acc), sum_to(into.map(|d| d[1]), acc)];
-        let (dx, dw, db) = crate::cuda::ops::layernorm_bwd(&g, dy, x, w, mean, rstd, res, to)?;
+        let res_to = dres.filter(|d| d.dtype() == DType::F32).map(|d| sum_to(Some(d), acc));
+        let (dx, dw, db, _) = crate::cuda::ops::layernorm_bwd(&g, dy, x, w, mean, rstd, res, to, res_to)?;
         add_into(into.as_ref().map(|d| &d[..]), &[&dw, &db], acc)?;
+        if res_to.is_none() {
+            res_sum_into(OP, res, dres, acc)?;
+        }
         return Ok((dx, dw, db));
     }
+    res_sum_into(OP, res, dres, acc)?;
     check::on_cpu(OP, &[dy, x, w, mean, rstd])?;
     let (dyv, xv, wv, mv, rv) = (dy.read_f32()?, x.read_f32()?, w.read_f32()?, mean.read_f32()?, rstd.read_f32()?);
     // SAFETY: layernorm_bwd writes (not adds) every row of dx.
@@ -232,12 +270,12 @@ fn rmsnorm_fwd_cpu(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)>
 
 /// Returns (dx, dweight); dweight is f32.
 pub fn rmsnorm_bwd(dy: &Tensor, x: &Tensor, w: &Tensor, rstd: &Tensor) -> Result<(Tensor, Tensor)> {
-    rmsnorm_bwd_res(dy, x, w, rstd, None, None, true)
+    rmsnorm_bwd_res(dy, x, w, rstd, None, None, None, true)
 }
 
 /// `rmsnorm_bwd` with the residual stream's gradient added to dx: (dx + res, dweight).
 pub fn rmsnorm_bwd_add(dy: &Tensor, x: &Tensor, w: &Tensor, rstd: &Tensor, res: &Tensor) -> Result<(Tensor, Tensor)> {
-    rmsnorm_bwd_res(dy, x, w, rstd, Some(res), None, true)
+    rmsnorm_bwd_res(dy, x, w, rstd, Some(res), None, None, true)
 }
 
 /// `rmsnorm_bwd` (with `res` as `rmsnorm_bwd_add`) whose weight gradient is added into `dw` [C]
@@ -251,7 +289,21 @@ pub fn rmsnorm_bwd_into(
     dw: &Tensor,
     acc: bool,
 ) -> Result<Tensor> {
-    rmsnorm_bwd_res(dy, x, w, rstd, res, Some(dw), acc).map(|(dx, _)| dx)
+    rmsnorm_bwd_res(dy, x, w, rstd, res, Some(dw), None, acc).map(|(dx, _)| dx)
+}
+
+/// `rmsnorm_bwd_into` with Σ rows of `res` into `dres`, as `layernorm_bwd_into_bias`.
+pub fn rmsnorm_bwd_into_bias(
+    dy: &Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    rstd: &Tensor,
+    res: &Tensor,
+    dw: &Tensor,
+    dres: &Tensor,
+    acc: bool,
+) -> Result<Tensor> {
+    rmsnorm_bwd_res(dy, x, w, rstd, Some(res), Some(dw), Some(dres), acc).map(|(dx, _)| dx)
 }
 
 fn rmsnorm_bwd_res(
@@ -261,6 +313,7 @@ fn rmsnorm_bwd_res(
     rstd: &Tensor,
     res: Option<&Tensor>,
     into: Option<&Tensor>,
+    dres: Option<&Tensor>,
     acc: bool,
 ) -> Result<(Tensor, Tensor)> {
     const OP: &str = "rmsnorm_bwd";
@@ -275,12 +328,20 @@ fn rmsnorm_bwd_res(
     if let Some(d) = into {
         check_into(OP, c, &[d], &[dy, x, w, rstd])?;
     }
+    if let (Some(d), Some(r)) = (dres, res) {
+        check_into(OP, c, &[d], &[dy, x, w, rstd, r])?;
+    }
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[dy, x, w, rstd])? {
-        let (dx, dw) = crate::cuda::ops::rmsnorm_bwd(&g, dy, x, w, rstd, res, sum_to(into, acc))?;
+        let res_to = dres.filter(|d| d.dtype() == DType::F32).map(|d| sum_to(Some(d), acc));
+        let (dx, dw, _) = crate::cuda::ops::rmsnorm_bwd(&g, dy, x, w, rstd, res, sum_to(into, acc), res_to)?;
         add_into(into.as_ref().map(std::slice::from_ref), &[&dw], acc)?;
+        if res_to.is_none() {
+            res_sum_into(OP, res, dres, acc)?;
+        }
         return Ok((dx, dw));
     }
+    res_sum_into(OP, res, dres, acc)?;
     check::on_cpu(OP, &[dy, x, w, rstd])?;
     let (dyv, xv, wv, rv) = (dy.read_f32()?, x.read_f32()?, w.read_f32()?, rstd.read_f32()?);
     // SAFETY: rmsnorm_bwd writes (not adds) every row of dx.

@@ -193,7 +193,15 @@ impl Module for RowParallelLinear {
     }
 
     fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
-        self.backward_gelu_in(cx, saved, dy, None)
+        self.backward_parts(cx, saved, dy, None, true)
+    }
+
+    fn out_bias(&self) -> Option<ParamId> {
+        self.bias
+    }
+
+    fn backward_without_out_bias(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
+        self.backward_parts(cx, saved, dy, None, false)
     }
 }
 
@@ -202,12 +210,22 @@ impl RowParallelLinear {
     /// `h`): gelu_bwd(h, dx), fused into the input-gradient GEMM where the device allows
     /// (`k::matmul_dgelu`).
     pub fn backward_dgelu(&self, cx: &Cx, saved: Saved, dy: &Tensor, h: &Tensor) -> Result<Tensor> {
-        self.backward_gelu_in(cx, saved, dy, Some(h))
+        self.backward_parts(cx, saved, dy, Some(h), true)
     }
 
-    fn backward_gelu_in(&self, cx: &Cx, saved: Saved, dy: &Tensor, h: Option<&Tensor>) -> Result<Tensor> {
+    /// The backward with the GeLU backward of the layer before (`dgelu_of`: its pre-activation)
+    /// or not, and with the bias gradient (`bias_grad`) or without it (`out_bias`'s contract).
+    pub fn backward_parts(
+        &self,
+        cx: &Cx,
+        saved: Saved,
+        dy: &Tensor,
+        dgelu_of: Option<&Tensor>,
+        bias_grad: bool,
+    ) -> Result<Tensor> {
+        let h = dgelu_of;
         let x = saved_one("RowParallelLinear::backward", &saved)?;
-        if let Some(b) = self.bias {
+        if let Some(b) = self.bias.filter(|_| bias_grad) {
             // Under sequence parallelism dy is this rank's sequence slice: a partial bias grad,
             // summed over the group with the other sequence-parallel grads before the step.
             let (db, acc) = cx.params.grad_acc(b)?;

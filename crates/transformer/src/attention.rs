@@ -12,7 +12,7 @@
 
 use crate::norm::Norm;
 use crate::spec::{AttentionSpec, NormKind};
-use ferrotron_core::{Cx, Module, ParamTableBuilder, Result, Saved, Tensor};
+use ferrotron_core::{Cx, Module, ParamId, ParamTableBuilder, Result, Saved, Tensor};
 use ferrotron_kernels::{self as k, AttnCfg, RopeCfg};
 use ferrotron_parallel::{ColumnParallelLinear, RowParallelLinear, TensorParallel};
 
@@ -128,7 +128,12 @@ impl SelfAttention {
         Ok((y, Saved::new(vec![qkv, o, lse], vec![s_qkv, s_proj])))
     }
 
-    fn backward_fused(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
+    /// The projection's backward, with its bias gradient or leaving it to the caller (`out_bias`).
+    fn proj_backward(&self, cx: &Cx, s_proj: Saved, dy: &Tensor, proj_bias: bool) -> Result<Tensor> {
+        self.linear_proj.backward_parts(cx, s_proj, dy, None, proj_bias)
+    }
+
+    fn backward_fused(&self, cx: &Cx, saved: Saved, dy: &Tensor, proj_bias: bool) -> Result<Tensor> {
         let Saved { mut tensors, children } = saved;
         let bad = || ferrotron_core::invalid("SelfAttention::backward", "saved tensors do not match forward");
         let [s_qkv, mut s_proj]: [Saved; 2] = children.try_into().map_err(|_| bad())?;
@@ -139,7 +144,7 @@ impl SelfAttention {
             tensors.extend([o, lse]);
         }
         let [qkv, o, lse]: [Tensor; 3] = tensors.try_into().map_err(|_| bad())?;
-        let d_o = self.linear_proj.backward(cx, s_proj, dy)?.reshape(o.dims().to_vec())?;
+        let d_o = self.proj_backward(cx, s_proj, dy, proj_bias)?.reshape(o.dims().to_vec())?;
         let (g, hd) = (self.heads / self.groups, self.head_dim);
         if let (Some(b), None) = (self.linear_qkv.bias, &self.rope) {
             // The bias gradient is Σ rows of dQKV as the attention backward writes it (no RoPE
@@ -187,8 +192,23 @@ impl Module for SelfAttention {
     }
 
     fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
+        self.backward_parts(cx, saved, dy, true)
+    }
+
+    fn out_bias(&self) -> Option<ParamId> {
+        self.linear_proj.out_bias()
+    }
+
+    fn backward_without_out_bias(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
+        self.backward_parts(cx, saved, dy, false)
+    }
+}
+
+impl SelfAttention {
+    /// The backward, with the projection's bias gradient or without it (`out_bias`).
+    fn backward_parts(&self, cx: &Cx, saved: Saved, dy: &Tensor, proj_bias: bool) -> Result<Tensor> {
         if self.reads_fused() {
-            return self.backward_fused(cx, saved, dy);
+            return self.backward_fused(cx, saved, dy, proj_bias);
         }
         let Saved { mut tensors, mut children } = saved;
         let mut s_proj = children.pop().unwrap_or_default();
@@ -201,7 +221,7 @@ impl Module for SelfAttention {
         let [q, kk, v, o, lse]: [Tensor; 5] = tensors
             .try_into()
             .map_err(|_| ferrotron_core::invalid("SelfAttention::backward", "saved tensors do not match forward"))?;
-        let d_o = self.linear_proj.backward(cx, s_proj, dy)?.reshape(o.dims().to_vec())?;
+        let d_o = self.proj_backward(cx, s_proj, dy, proj_bias)?.reshape(o.dims().to_vec())?;
         let (mut dq, mut dk, dv) = k::attention_bwd(&q, &kk, &v, &o, &lse, &d_o, &self.attn)?;
         if let Some(r) = &self.rope {
             dq = k::rope_bwd(&dq, r)?;

@@ -129,12 +129,32 @@ impl Module for TransformerLayer {
         Ok((y.into_sum()?, s))
     }
 
+    /// A branch's output linear has a bias whose gradient is Σ rows of the branch's output
+    /// gradient; with no dropout between, that is the residual gradient the norm's backward reads
+    /// next, so the norm sums it there (`Norm::backward_add_bias`) and the branch skips its pass.
     fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
         let [s1, s2, s3, s4] = four("TransformerLayer::backward", saved)?;
-        let dh2 = self.mlp.backward(cx, s4, &maybe(&self.mlp_dropout_out, cx, dy.clone())?)?;
-        let dx1 = self.pre_mlp_layernorm.backward_add(cx, s3, &dh2, dy)?;
-        let dh1 = self.self_attention.backward(cx, s2, &maybe(&self.attention_dropout_out, cx, dx1.clone())?)?;
-        self.input_layernorm.backward_add(cx, s1, &dh1, &dx1)
+        let dx1 = match self.mlp.out_bias().filter(|_| self.mlp_dropout_out.is_none()) {
+            Some(b) => {
+                let dh2 = self.mlp.backward_without_out_bias(cx, s4, dy)?;
+                self.pre_mlp_layernorm.backward_add_bias(cx, s3, &dh2, dy, b)?
+            }
+            None => {
+                let dh2 = self.mlp.backward(cx, s4, &maybe(&self.mlp_dropout_out, cx, dy.clone())?)?;
+                self.pre_mlp_layernorm.backward_add(cx, s3, &dh2, dy)?
+            }
+        };
+        match self.self_attention.out_bias().filter(|_| self.attention_dropout_out.is_none()) {
+            Some(b) => {
+                let dh1 = self.self_attention.backward_without_out_bias(cx, s2, &dx1)?;
+                self.input_layernorm.backward_add_bias(cx, s1, &dh1, &dx1, b)
+            }
+            None => {
+                let dh1 =
+                    self.self_attention.backward(cx, s2, &maybe(&self.attention_dropout_out, cx, dx1.clone())?)?;
+                self.input_layernorm.backward_add(cx, s1, &dh1, &dx1)
+            }
+        }
     }
 }
 

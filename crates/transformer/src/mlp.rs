@@ -3,7 +3,7 @@
 //! rank's activation is its slice of F), fc2 row-parallel.
 
 use crate::spec::Activation;
-use ferrotron_core::{Cx, Module, ParamTableBuilder, Result, Saved, Tensor};
+use ferrotron_core::{Cx, Module, ParamId, ParamTableBuilder, Result, Saved, Tensor};
 use ferrotron_kernels as k;
 use ferrotron_parallel::{ColumnParallelLinear, RowParallelLinear, TensorParallel};
 
@@ -63,14 +63,29 @@ impl Module for Mlp {
     }
 
     fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
+        self.backward_parts(cx, saved, dy, true)
+    }
+
+    fn out_bias(&self) -> Option<ParamId> {
+        self.linear_fc2.out_bias()
+    }
+
+    fn backward_without_out_bias(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
+        self.backward_parts(cx, saved, dy, false)
+    }
+}
+
+impl Mlp {
+    /// The backward, with fc2's bias gradient or without it (`out_bias`).
+    fn backward_parts(&self, cx: &Cx, saved: Saved, dy: &Tensor, fc2_bias: bool) -> Result<Tensor> {
         let Saved { tensors, children } = saved;
         let [s1, s2]: [Saved; 2] = children
             .try_into()
             .map_err(|_| ferrotron_core::invalid("Mlp::backward", "saved values do not match forward"))?;
         let h = tensors.first().ok_or_else(|| ferrotron_core::invalid("Mlp::backward", "nothing saved by forward"))?;
         let dh = match self.activation {
-            Activation::Gelu => self.linear_fc2.backward_dgelu(cx, s2, dy, h)?,
-            Activation::SwiGlu => k::swiglu_bwd(h, &self.linear_fc2.backward(cx, s2, dy)?)?,
+            Activation::Gelu => self.linear_fc2.backward_parts(cx, s2, dy, Some(h), fc2_bias)?,
+            Activation::SwiGlu => k::swiglu_bwd(h, &self.linear_fc2.backward_parts(cx, s2, dy, None, fc2_bias)?)?,
         };
         self.linear_fc1.backward(cx, s1, &dh)
     }

@@ -53,24 +53,48 @@ impl Norm {
 
     /// `backward` with the residual stream's gradient `res` added to the result (dx + res).
     pub fn backward_add(&self, cx: &Cx, saved: Saved, dy: &Tensor, res: &Tensor) -> Result<Tensor> {
-        self.backward_res(cx, saved, dy, Some(res))
+        self.backward_res(cx, saved, dy, Some(res), None)
     }
 
-    fn backward_res(&self, cx: &Cx, saved: Saved, dy: &Tensor, res: Option<&Tensor>) -> Result<Tensor> {
+    /// `backward_add` that also adds Σ rows of `res` into `res_bias`'s gradient: the bias of the
+    /// linear layer whose output gradient `res` is (a branch's `Module::out_bias`), summed in the
+    /// norm's own pass over `res` on a GPU.
+    pub fn backward_add_bias(
+        &self,
+        cx: &Cx,
+        saved: Saved,
+        dy: &Tensor,
+        res: &Tensor,
+        res_bias: ParamId,
+    ) -> Result<Tensor> {
+        self.backward_res(cx, saved, dy, Some(res), Some(res_bias))
+    }
+
+    fn backward_res(
+        &self,
+        cx: &Cx,
+        saved: Saved,
+        dy: &Tensor,
+        res: Option<&Tensor>,
+        res_bias: Option<ParamId>,
+    ) -> Result<Tensor> {
         let w = cx.params.param(self.weight)?;
         let s = &saved.tensors;
         if s.len() != if self.bias.is_some() { 3 } else { 2 } {
             return Err(invalid("Norm::backward", "saved tensors do not match forward"));
         }
-        match self.bias {
-            Some(b) => {
-                let (g, acc) = cx.params.grads_acc(&[self.weight, b])?;
-                k::layernorm_bwd_into(dy, &s[0], &w, &s[1], &s[2], res, &g[0], &g[1], acc)
+        let mut ids = vec![self.weight];
+        ids.extend(self.bias);
+        ids.extend(res_bias);
+        let (g, acc) = cx.params.grads_acc(&ids)?;
+        match (self.bias, res_bias, res) {
+            (Some(_), Some(_), Some(r)) => {
+                k::layernorm_bwd_into_bias(dy, &s[0], &w, &s[1], &s[2], r, &g[0], &g[1], &g[2], acc)
             }
-            None => {
-                let (dw, acc) = cx.params.grad_acc(self.weight)?;
-                k::rmsnorm_bwd_into(dy, &s[0], &w, &s[1], res, &dw, acc)
-            }
+            (Some(_), None, _) => k::layernorm_bwd_into(dy, &s[0], &w, &s[1], &s[2], res, &g[0], &g[1], acc),
+            (None, Some(_), Some(r)) => k::rmsnorm_bwd_into_bias(dy, &s[0], &w, &s[1], r, &g[0], &g[1], acc),
+            (None, None, _) => k::rmsnorm_bwd_into(dy, &s[0], &w, &s[1], res, &g[0], acc),
+            (_, Some(_), None) => Err(invalid("Norm::backward", "a residual bias gradient without a residual")),
         }
     }
 }
@@ -91,6 +115,6 @@ impl Module for Norm {
     }
 
     fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
-        self.backward_res(cx, saved, dy, None)
+        self.backward_res(cx, saved, dy, None, None)
     }
 }

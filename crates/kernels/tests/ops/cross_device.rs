@@ -586,6 +586,24 @@ fn norm_cases(dt: DType, c: usize, what: &str) {
         let (dx2, dw2) = k::rmsnorm_bwd_add(&t[1], &s2, &t[2], &r2, &t[0]).unwrap();
         vec![s, o, m, r, dx, dw, db, s2, o2, r2, dx2, dw2]
     });
+    // The residual's column sums (a linear layer's bias gradient) in the norm's own backward,
+    // into f32 main_grad-like destinations: added into values they hold, then stored over them.
+    let dst = |seed| rnd(&[c], seed, DType::F32);
+    let ins = [rnd(&[rows, c], 9, dt), rnd(&[rows, c], 10, dt), rnd(&[c], 11, dt), rnd(&[c], 12, dt)];
+    let ins: Vec<Tensor> = ins.into_iter().chain([13, 14, 15, 16, 17].map(dst)).collect();
+    check(&format!("norms with the residual's bias gradient {what}"), dt, &ins, |t| {
+        let d: Vec<Tensor> = t[4..9].iter().map(|x| x.deep_copy().unwrap()).collect();
+        let (s, _, m, r) = k::add_layernorm_fwd(&t[0], &t[1], &t[2], Some(&t[3]), 1e-5).unwrap();
+        let dx = k::layernorm_bwd_into_bias(&t[1], &s, &t[2], &m, &r, &t[0], &d[0], &d[1], &d[2], true).unwrap();
+        let (s2, _, r2) = k::add_rmsnorm_fwd(&t[0], &t[1], &t[2], 1e-5).unwrap();
+        let dx2 = k::rmsnorm_bwd_into_bias(&t[1], &s2, &t[2], &r2, &t[0], &d[3], &d[4], true).unwrap();
+        let stored = d[2].deep_copy().unwrap();
+        k::layernorm_bwd_into_bias(&t[1], &s, &t[2], &m, &r, &t[0], &d[0], &d[1], &stored, false).unwrap();
+        // On each device, the stored sums against the plain column sum of the residual.
+        let plain = k::bias_grad(&t[0]).unwrap();
+        assert_close(&host(&stored), &host(&plain), 1e-5, 1e-5, &format!("residual sums {what} [{dt}]"));
+        vec![dx, d[0].clone(), d[1].clone(), d[2].clone(), dx2, d[3].clone(), d[4].clone(), stored]
+    });
 }
 
 #[test]

@@ -143,6 +143,35 @@ device_test!(parameter_gradients_add_into_main_grad_views, |dev: &Device| {
     assert_close(&host(&flat), &want, 1e-6, 1e-6, "main_grad after the bias gradient, stored");
 });
 
+// The `_into_bias` backwards also sum the residual's rows into a third view (a linear layer's
+// bias gradient; on a GPU inside the norm's kernel at this width): added, then stored, each
+// against the plain backward and the plain column sum of the residual.
+device_test!(residual_bias_gradient_rides_in_the_norm_backward, |dev: &Device| {
+    let (rows, c) = (150, 256);
+    let (x, w, b, r, res) = (randv(rows * c, 1), randv(c, 2), randv(c, 3), randv(rows * c, 4), randv(rows * c, 5));
+    let (xt, wt, rt, rest) =
+        (t32(dev, &x, &[rows, c]), t32(dev, &w, &[c]), t32(dev, &r, &[rows, c]), t32(dev, &res, &[rows, c]));
+    let flat0 = randv(5 * c, 6);
+    let flat = t32(dev, &flat0, &[5 * c]);
+    let v: Vec<ferrotron_core::Tensor> = (0..5).map(|i| flat.view(i * c, [c]).unwrap()).collect();
+    let (_, mean, rstd) = k::layernorm_fwd(&xt, &wt, Some(&t32(dev, &b, &[c])), 1e-5).unwrap();
+    let (_, rs) = k::rmsnorm_fwd(&xt, &wt, 1e-5).unwrap();
+    let (dx_ref, dw, db) = k::layernorm_bwd_add(&rt, &xt, &wt, &mean, &rstd, &rest).unwrap();
+    let (dx2_ref, rw) = k::rmsnorm_bwd_add(&rt, &xt, &wt, &rs, &rest).unwrap();
+    let sums = host(&k::bias_grad(&rest).unwrap());
+    for acc in [true, false] {
+        let dx = k::layernorm_bwd_into_bias(&rt, &xt, &wt, &mean, &rstd, &rest, &v[0], &v[1], &v[2], acc).unwrap();
+        let dx2 = k::rmsnorm_bwd_into_bias(&rt, &xt, &wt, &rs, &rest, &v[3], &v[4], acc).unwrap();
+        assert_close(&host(&dx), &host(&dx_ref), 1e-6, 1e-6, "layernorm dx + res");
+        assert_close(&host(&dx2), &host(&dx2_ref), 1e-6, 1e-6, "rmsnorm dx + res");
+        let mut want = if acc { flat0.clone() } else { vec![0.0; 5 * c] };
+        for (i, g) in [host(&dw), host(&db), sums.clone(), host(&rw), sums.clone()].iter().enumerate() {
+            want[i * c..(i + 1) * c].iter_mut().zip(g).for_each(|(v, g)| *v += g);
+        }
+        assert_close(&host(&flat), &want, 1e-5, 1e-5, &format!("main_grad, acc {acc}"));
+    }
+});
+
 #[test]
 fn a_gradient_destination_of_the_wrong_size_is_an_error() {
     let dev = Device::Cpu;

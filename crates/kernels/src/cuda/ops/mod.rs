@@ -94,6 +94,7 @@ fn col_sum_to(be: &B, partials: &Tensor, chunks: usize, c: usize, y: &Tensor, ac
 }
 
 /// Where a column sum goes: a new f32 tensor, added into an existing one, or stored over it.
+#[derive(Clone, Copy)]
 pub enum SumTo<'a> {
     New,
     Add(&'a Tensor),

@@ -29,14 +29,36 @@ fn rows_launch8(be: &B, name: &str, rows: usize, c: usize, args: &[Arg]) -> Resu
 /// `FERROTRON_NORM_FUSED=0` keeps the two launches. (H200, 16k rows: blocks of 32 rows lost to
 /// 64, their twice as many partials costing the column sums more than the blocks gained; 16 lost
 /// more.)
-fn bwd_cols_block(c: usize, ln: bool, args: &[Arg]) -> Option<(u32, u32)> {
+/// `ln`: a LayerNorm (a bias's sums too); `res_sum`: the residual's column sums as well (held in
+/// shared memory, also with one team).
+fn bwd_cols_block(c: usize, ln: bool, res_sum: bool, args: &[Arg]) -> Option<(u32, u32)> {
     if c % 256 != 0 || c > 4096 || !args_aligned16(args) || !crate::cuda::norm_fused() {
         return None;
     }
     let team = c / 8;
     let teams = (512 / team).min(8);
-    let floats = (2 * teams * (team / 32) * 2).max(if teams > 1 { teams * c * if ln { 2 } else { 1 } } else { 0 });
+    let sums = 1 + usize::from(ln) + usize::from(res_sum);
+    let floats = (2 * teams * (team / 32) * 2).max(if teams > 1 || res_sum { teams * c * sums } else { 0 });
     Some(((teams * team) as u32, (floats * 4) as u32))
+}
+
+/// The residual gradient's column sums (a bias gradient, `res_to`): partials [chunks, c] for the
+/// fused kernel's `pr` when it runs (`fused`), else summed by bias_grad's own pass here. Returns
+/// the kernel's `pr` and the partials to finish.
+fn res_partials(
+    be: &B,
+    fused: bool,
+    res: Option<&Tensor>,
+    res_to: &Option<SumTo>,
+    chunks: usize,
+    c: usize,
+) -> Result<(Arg, Option<Tensor>, Option<Tensor>)> {
+    let (Some(res), Some(to)) = (res, res_to) else { return Ok((NULL, None, None)) };
+    if !fused {
+        return Ok((NULL, None, Some(super::elementwise::bias_grad(be, res, *to)?)));
+    }
+    let pr = new(be, [chunks, c], DType::F32)?;
+    Ok((ptr("norm", &pr)?, Some(pr), None))
 }
 
 /// The sum x + x2 of a fused residual add (written by the norm's forward kernel), or none.
@@ -93,18 +115,20 @@ pub fn layernorm_bwd(
     rstd: &Tensor,
     res: Option<&Tensor>,
     to: [SumTo; 2],
-) -> Result<(Tensor, Tensor, Tensor)> {
+    res_to: Option<SumTo>,
+) -> Result<(Tensor, Tensor, Tensor, Option<Tensor>)> {
     let (rows, c) = (x.shape().rows(), x.shape().last());
     let s = sfx("layernorm_bwd", x.dtype())?;
     let dx = new(be, x.shape().clone(), x.dtype())?;
     let (dyp, xp, wp, mp, rp) = (ptr("ln", dy)?, ptr("ln", x)?, ptr("ln", w)?, ptr("ln", mean)?, ptr("ln", rstd)?);
     let (resp, dxp) = (opt_ptr("ln", res)?, ptr("ln", &dx)?);
-    let plan = bwd_cols_block(c, true, &[dyp, xp, wp, resp, dxp]);
+    let plan = bwd_cols_block(c, true, res.is_some() && res_to.is_some(), &[dyp, xp, wp, resp, dxp]);
     let chunks = rows.div_ceil(COL_CHUNK);
     let (pw, pb) = (new(be, [chunks, c], DType::F32)?, new(be, [chunks, c], DType::F32)?);
     let (pwp, pbp) = (ptr("ln", &pw)?, ptr("ln", &pb)?);
+    let (prp, pr, res_sum) = res_partials(be, plan.is_some(), res, &res_to, chunks, c)?;
     if let Some((threads, shared)) = plan {
-        let args = [dyp, xp, wp, mp, rp, resp, dxp, pwp, pbp, n(rows), n(c)];
+        let args = [dyp, xp, wp, mp, rp, resp, dxp, pwp, pbp, prp, n(rows), n(c)];
         be.launch(&format!("layernorm_bwd_cols_{s}"), chunks as u32, threads, shared, &args)?;
     } else {
         rows_launch8(be, &format!("layernorm_bwd_{s}"), rows, c, &[dyp, xp, wp, mp, rp, resp, dxp, n(c)])?;
@@ -112,7 +136,12 @@ pub fn layernorm_bwd(
         col_partials(be, &format!("norm_param_grad_{s}"), chunks, c, &args)?;
     }
     let [tw, tb] = to;
-    Ok((dx, tw.col_sum(be, &pw, chunks, c)?, tb.col_sum(be, &pb, chunks, c)?))
+    let (dw, db) = (tw.col_sum(be, &pw, chunks, c)?, tb.col_sum(be, &pb, chunks, c)?);
+    let res_sum = match (pr, res_to) {
+        (Some(pr), Some(to)) => Some(to.col_sum(be, &pr, chunks, c)?),
+        _ => res_sum,
+    };
+    Ok((dx, dw, db, res_sum))
 }
 
 /// RMSNorm of x (or of x + x2, returned as the third value): (y, rstd, sum).
@@ -147,25 +176,32 @@ pub fn rmsnorm_bwd(
     rstd: &Tensor,
     res: Option<&Tensor>,
     to: SumTo,
-) -> Result<(Tensor, Tensor)> {
+    res_to: Option<SumTo>,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
     let (rows, c) = (x.shape().rows(), x.shape().last());
     let s = sfx("rmsnorm_bwd", x.dtype())?;
     let dx = new(be, x.shape().clone(), x.dtype())?;
     let (dyp, xp, wp, rp) = (ptr("rms", dy)?, ptr("rms", x)?, ptr("rms", w)?, ptr("rms", rstd)?);
     let (resp, dxp) = (opt_ptr("rms", res)?, ptr("rms", &dx)?);
-    let plan = bwd_cols_block(c, false, &[dyp, xp, wp, resp, dxp]);
+    let plan = bwd_cols_block(c, false, res.is_some() && res_to.is_some(), &[dyp, xp, wp, resp, dxp]);
     let chunks = rows.div_ceil(COL_CHUNK);
     let pw = new(be, [chunks, c], DType::F32)?;
     let pwp = ptr("rms", &pw)?;
+    let (prp, pr, res_sum) = res_partials(be, plan.is_some(), res, &res_to, chunks, c)?;
     if let Some((threads, shared)) = plan {
-        let args = [dyp, xp, wp, rp, resp, dxp, pwp, n(rows), n(c)];
+        let args = [dyp, xp, wp, rp, resp, dxp, pwp, prp, n(rows), n(c)];
         be.launch(&format!("rmsnorm_bwd_cols_{s}"), chunks as u32, threads, shared, &args)?;
     } else {
         rows_launch8(be, &format!("rmsnorm_bwd_{s}"), rows, c, &[dyp, xp, wp, rp, resp, dxp, n(c)])?;
         let args = [dyp, xp, NULL, rp, pwp, NULL, n(rows), n(c)];
         col_partials(be, &format!("norm_param_grad_{s}"), chunks, c, &args)?;
     }
-    Ok((dx, to.col_sum(be, &pw, chunks, c)?))
+    let dw = to.col_sum(be, &pw, chunks, c)?;
+    let res_sum = match (pr, res_to) {
+        (Some(pr), Some(to)) => Some(to.col_sum(be, &pr, chunks, c)?),
+        _ => res_sum,
+    };
+    Ok((dx, dw, res_sum))
 }
 
 pub fn softmax(be: &B, x: &Tensor) -> Result<Tensor> {
