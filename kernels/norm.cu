@@ -202,7 +202,7 @@ __device__ __forceinline__ void norm_bwd_cols(const T* dy, const T* x, const T* 
 #pragma unroll
             for (int h = 0; h < 2; h++) {
                 float4 v;
-                asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(at + h * step));
+                asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(at + h * step) : "memory");
                 v.x += rr[4 * h]; v.y += rr[4 * h + 1]; v.z += rr[4 * h + 2]; v.w += rr[4 * h + 3];
                 asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" :: "r"(at + h * step), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
             }
@@ -241,7 +241,7 @@ __device__ __forceinline__ void norm_bwd_cols(const T* dy, const T* x, const T* 
     st8(pw, out, a);
     if (LN) st8(pb, out, b);
     if (rs_on) {
-        // Reusing a and b (their sums are stored) for the residual's, added in team order.
+        // Reusing a (its sums are stored) for the residual's, added in team order.
 #pragma unroll
         for (int e = 0; e < 8; e++) a[e] = 0.f;
         for (int u = 0; u < teams; u++) {
