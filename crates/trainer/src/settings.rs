@@ -148,6 +148,10 @@ pub struct TrainArgs {
     /// bf16 parameters and activations with fp32 master weights and grads.
     #[arg(long)]
     pub bf16: bool,
+    /// fp16 with loss scaling is not implemented: refused with a pointer to --bf16 (accepted as a
+    /// flag so Megatron's scripts get that answer rather than an unknown-argument one).
+    #[arg(long)]
+    pub fp16: bool,
     /// Documents of the built-in corpus to generate.
     #[arg(long)]
     pub corpus_docs: Option<usize>,
@@ -255,7 +259,7 @@ impl TrainArgs {
             exit_interval, device, profile_step_start, profile_step_end, profile_trace, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s,
             pipeline_model_parallel_size, num_layers_per_virtual_pipeline_stage, decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers);
-        merge_flags!(self, o; swiglu, untie_embeddings_and_output_weights, disable_bias_linear, qk_layernorm, bf16, no_progress, deterministic_mode,
+        merge_flags!(self, o; swiglu, untie_embeddings_and_output_weights, disable_bias_linear, qk_layernorm, bf16, fp16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, overlap_param_gather, profile, group_query_attention,
             use_flash_attn, finetune, no_load_optim);
         if !o.profile_ranks.is_empty() {
@@ -637,6 +641,11 @@ impl Settings {
             }
             s.lr_warmup_iters = (f * s.decay_iters() as f64) as u64;
         }
+        if a.fp16 {
+            bail!(
+                "--fp16: fp16 training with loss scaling is not implemented in Ferrotron; use --bf16 (bf16 parameters and activations, fp32 master weights and grads, no loss scale needed)"
+            );
+        }
         if let Some(p) = a.attention_dropout.filter(|&p| p != 0.0) {
             bail!(
                 "--attention-dropout {p}: dropout of the attention probabilities is not implemented in Ferrotron; pass --attention-dropout 0 (or leave it out); --hidden-dropout is"
@@ -961,6 +970,8 @@ mod tests {
         let e = parse("--overlap-param-gather").unwrap_err().to_string();
         assert!(e.contains("--overlap-param-gather") && e.contains("--use-distributed-optimizer"), "{e}");
         assert!(parse("--overlap-param-gather --use-distributed-optimizer").unwrap().overlap_param_gather);
+        let e = parse("--fp16").unwrap_err().to_string();
+        assert!(e.contains("--fp16") && e.contains("not implemented") && e.contains("--bf16"), "{e}");
         let e = parse("--attention-dropout 0.1").unwrap_err().to_string();
         assert!(
             e.contains("--attention-dropout") && e.contains("not implemented") && e.contains("--attention-dropout 0"),
