@@ -396,7 +396,9 @@ fn attention_bench(args: &[String]) -> anyhow::Result<()> {
 /// BENCH_ITERS (steps, default 30, rounded up to whole log windows), BENCH_MICRO (micro-batch override),
 /// BENCH_TORCH=0 (Ferrotron only), BENCH_LOG_INTERVAL (steps per log line and loss read-back, default
 /// 10 as in Megatron runs; 1 reads the loss every step), BENCH_COOL_C (before each side, wait up to
-/// two minutes for the card to cool to this many °C: both sides then start alike).
+/// two minutes for the card to cool to this many °C: both sides then start alike), BENCH_ROUNDS
+/// (default 1: each side runs that many times per preset, PyTorch first in odd rounds, and the
+/// ratio of the means follows the per-round ratios).
 ///
 /// Both sides are timed over the same steps: the first log window is warm-up (PyTorch's compile and
 /// Ferrotron's first allocations and GEMM algorithm choices fall in it), the rest is timed as total
@@ -410,6 +412,9 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
     let iters = std::env::var("BENCH_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(30u64);
     // At least two windows, each whole: the first is warm-up on both sides.
     let iters = iters.max(2 * every).div_ceil(every) * every;
+    let rounds = std::env::var("BENCH_ROUNDS").ok().and_then(|v| v.parse().ok()).filter(|&r| r > 0).unwrap_or(1usize);
+    let torch = !std::env::var("BENCH_TORCH").is_ok_and(|v| v == "0");
+    let cool = std::env::var("BENCH_COOL_C").ok().and_then(|v| v.parse::<f64>().ok());
     println!(
         "| model | implementation | tokens/s | MFU | peak memory GiB | SM clock / power (busy) | last train loss |"
     );
@@ -417,27 +422,83 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
     for p in &presets {
         let shape =
             bench_shape(p).with_context(|| format!("no GPU bench shape for preset {p}: use 124m, 1.3b or llama-1b"))?;
-        let seq = shape.seq;
         // BENCH_MICRO overrides the micro-batch (e.g. 1 for a quick look at a slow build).
         let micro = std::env::var("BENCH_MICRO").ok().and_then(|v| v.parse().ok()).unwrap_or(shape.micro);
+        let run = BenchRun { preset: p, bin: &bin, shape: &shape, micro, iters, every, cool };
+        let mut pairs = Vec::new();
+        let mut flops = None;
+        for round in 0..rounds {
+            // Odd rounds run PyTorch first: over an even number of rounds neither side always
+            // starts on a card the other has just heated.
+            let torch_first = torch && round % 2 == 1;
+            let mut t = None;
+            if let (true, Some(f)) = (torch_first, flops) {
+                t = run.pytorch(f);
+            }
+            let (o, f) = run.ferrotron()?;
+            flops = Some(f);
+            if torch && !torch_first {
+                t = run.pytorch(f);
+            }
+            if let Some(t) = t {
+                pairs.push((o, t));
+                println!("| {p} | ratio ferrotron / pytorch | {:.3} | | | | |", o / t);
+            }
+        }
+        if !torch {
+            // The PyTorch half compiles the model first (minutes at 1.3B): skippable when its
+            // figure for this card is already in benches/NOTES.md.
+            println!("| {p} | pytorch skipped (BENCH_TORCH=0) | | | | | |");
+        }
+        if let Some(r) = mean_ratio(&pairs).filter(|_| rounds > 1) {
+            println!(
+                "| {p} | ratio of the means over {rounds} rounds (alternating which side runs first) | {r:.3} | | | | |"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// mean(ours) / mean(theirs) over the rounds both sides finished, given as (ours, theirs) pairs
+/// (None with none).
+fn mean_ratio(pairs: &[(f64, f64)]) -> Option<f64> {
+    let (o, t) = pairs.iter().fold((0.0, 0.0), |(o, t), &(a, b)| (o + a, t + b));
+    (!pairs.is_empty()).then_some(o / t)
+}
+
+/// One preset's bench settings: each side's run prints its rows.
+struct BenchRun<'a> {
+    preset: &'a str,
+    bin: &'a std::path::Path,
+    shape: &'a BenchShape,
+    micro: usize,
+    iters: u64,
+    every: u64,
+    cool: Option<f64>,
+}
+
+impl BenchRun<'_> {
+    /// Ferrotron's run: (tokens/s over the timed windows, FLOPs a token from its header).
+    fn ferrotron(&self) -> anyhow::Result<(f64, f64)> {
+        let (p, micro) = (self.preset, self.micro);
         let dir = std::env::temp_dir().join(format!("ferrotron-bench-{p}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let cool = std::env::var("BENCH_COOL_C").ok().and_then(|v| v.parse::<f64>().ok());
-        if let Some(c) = cool {
+        if let Some(c) = self.cool {
             gpuwatch::cool_to(c);
         }
-        let mut child = Command::new(&bin)
-            .args(bench_train_args(p, micro, iters, every))
+        let mut child = Command::new(self.bin)
+            .args(bench_train_args(p, micro, self.iters, self.every))
             .arg("--metrics-file")
             .arg(dir.join("metrics.jsonl"))
             .stderr(std::process::Stdio::piped())
             .spawn()
-            .with_context(|| format!("running {}", bin.display()))?;
+            .with_context(|| format!("running {}", self.bin.display()))?;
         let reader = read_all(child.stderr.take());
         let gpu = gpuwatch::watch(&mut child, "ferrotron")?;
         let log = reader.join().unwrap_or_default();
         let flops = header_flops_per_token(&log).context("no MFLOP/token in ferrotron's header")?;
         let metrics = std::fs::read_to_string(dir.join("metrics.jsonl"))?;
+        let _ = std::fs::remove_dir_all(&dir);
         let ours = multi::steady_rate(&metrics, "tokens_per_s");
         let loss = multi::last_finite_loss(&metrics)
             .map_or_else(|| "not finite: the figure is invalid".to_string(), |l| format!("{l:.3}"));
@@ -451,28 +512,34 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
         // (launch gaps: the case for CUDA graphs) only as the first nears the second.
         let host = multi::series(&metrics, "host_ms_min").get(1..).and_then(|v| v.iter().copied().reduce(f64::min));
         if let Some(h) = host {
-            let step_ms = 1e3 * (micro * seq) as f64 / ours.max(1e-9);
+            let step_ms = 1e3 * (micro * self.shape.seq) as f64 / ours.max(1e-9);
             println!("| {p} | host queue per step (least) | {h:.1} ms of a {step_ms:.1} ms step | | | | |");
         }
-        if std::env::var("BENCH_TORCH").is_ok_and(|v| v == "0") {
-            // The PyTorch half compiles the model first (minutes at 1.3B): skippable when its
-            // figure for this card is already in benches/NOTES.md.
-            println!("| {p} | pytorch skipped (BENCH_TORCH=0) | | | | | |");
-            let _ = std::fs::remove_dir_all(&dir);
-            continue;
-        }
+        Ok((ours, flops))
+    }
+
+    /// PyTorch's run of the same model (`flops` a token, for its MFU): its tokens/s, or None
+    /// (the failure printed as a row).
+    fn pytorch(&self, flops: f64) -> Option<f64> {
+        let p = self.preset;
         // PyTorch compiles for a while before its first step (the card cools meanwhile); the
-        // wait here only brings it down from our run.
-        if let Some(c) = cool {
+        // wait here only brings it down from the run before.
+        if let Some(c) = self.cool {
             gpuwatch::cool_to(c);
         }
-        let mut py = Command::new("python3")
-            .args(torch_args(&shape, micro, flops))
-            .args(["--warmup", &every.to_string(), "--iters", &(iters - every).to_string()])
+        let spawned = Command::new("python3")
+            .args(torch_args(self.shape, self.micro, flops))
+            .args(["--warmup", &self.every.to_string(), "--iters", &(self.iters - self.every).to_string()])
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
-            .spawn()
-            .context("running python3 benches/torch_gpu_gpt.py")?;
+            .spawn();
+        let mut py = match spawned {
+            Ok(c) => c,
+            Err(e) => {
+                println!("| {p} | pytorch failed: running python3 benches/torch_gpu_gpt.py: {e} | | | | | |");
+                return None;
+            }
+        };
         let (out, err) = (read_all(py.stdout.take()), read_all(py.stderr.take()));
         let watched = gpuwatch::watch(&mut py, "python3 benches/torch_gpu_gpt.py");
         let (out, err) = (out.join().unwrap_or_default(), err.join().unwrap_or_default());
@@ -486,18 +553,26 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
             (Ok(w), Some(t), Some(m), Some(g)) => {
                 let cp = w.clock_power();
                 println!("| {p} | pytorch compile+SDPA | {t:.0} | {:.1}% | {g:.1} (allocated) | {cp} | |", 100.0 * m);
-                println!("| {p} | ratio ferrotron / pytorch | {:.3} | | | | |", ours / t);
+                Some(t)
             }
-            _ => println!("| {p} | pytorch failed: {} | | | | | |", err.lines().last().unwrap_or("")),
+            _ => {
+                println!("| {p} | pytorch failed: {} | | | | | |", err.lines().last().unwrap_or(""));
+                None
+            }
         }
-        let _ = std::fs::remove_dir_all(&dir);
     }
-    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mean_ratio_is_the_ratio_of_the_means() {
+        assert_eq!(mean_ratio(&[(110.0, 100.0), (130.0, 100.0)]), Some(1.2));
+        assert_eq!(mean_ratio(&[(100.0, 80.0), (140.0, 120.0)]), Some(1.2));
+        assert_eq!(mean_ratio(&[]), None);
+    }
 
     #[test]
     fn ptxas_report_becomes_rows() {
