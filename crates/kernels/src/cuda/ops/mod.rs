@@ -93,6 +93,31 @@ fn col_sum_to(be: &B, partials: &Tensor, chunks: usize, c: usize, y: &Tensor, ac
     be.launch("col_sum_f32", c.div_ceil(32) as u32, 256, 0, &args)
 }
 
+/// The second passes of up to three column sums over the same chunks and width, in one launch
+/// (kernels/common.cuh `col_sums3_f32`, the same bits as one `col_sum_f32` each): the tensors the
+/// sums went to, in order.
+fn col_sums(be: &B, sums: &[(&Tensor, SumTo)], chunks: usize, c: usize) -> Result<Vec<Tensor>> {
+    if sums.is_empty() || sums.len() > 3 {
+        return Err(Error::Cuda(format!("col_sums takes one to three sums, not {}", sums.len())));
+    }
+    let mut ys = Vec::with_capacity(sums.len());
+    let mut args = Vec::with_capacity(9);
+    let mut acc = 0i64;
+    for (i, (partials, to)) in sums.iter().enumerate() {
+        let (y, add) = to.target(be, c)?;
+        acc |= (add as i64) << i;
+        args.extend([ptr("col_sums", partials)?, ptr("col_sums", &y)?]);
+        ys.push(y);
+    }
+    // Unused slots repeat the first sum's pointers: no block reads them (the grid stops short).
+    while args.len() < 6 {
+        args.extend([args[0], args[1]]);
+    }
+    args.extend([n(chunks), n(c), Arg::I64(acc)]);
+    be.launch("col_sums3_f32", (sums.len() * c.div_ceil(32)) as u32, 256, 0, &args)?;
+    Ok(ys)
+}
+
 /// Where a column sum goes: a new f32 tensor, added into an existing one, or stored over it.
 #[derive(Clone, Copy)]
 pub enum SumTo<'a> {
@@ -102,13 +127,18 @@ pub enum SumTo<'a> {
 }
 
 impl SumTo<'_> {
-    /// The second pass into this destination; returns the tensor the sums went to.
-    fn col_sum(&self, be: &B, partials: &Tensor, chunks: usize, c: usize) -> Result<Tensor> {
-        let (y, acc) = match self {
+    /// The tensor the sums go to and whether they add into it.
+    fn target(&self, be: &B, c: usize) -> Result<(Tensor, bool)> {
+        Ok(match self {
             SumTo::New => (new(be, [c], DType::F32)?, false),
             SumTo::Add(y) => ((*y).clone(), true),
             SumTo::Write(y) => ((*y).clone(), false),
-        };
+        })
+    }
+
+    /// The second pass into this destination; returns the tensor the sums went to.
+    fn col_sum(&self, be: &B, partials: &Tensor, chunks: usize, c: usize) -> Result<Tensor> {
+        let (y, acc) = self.target(be, c)?;
         col_sum_to(be, partials, chunks, c, &y, acc)?;
         Ok(y)
     }

@@ -136,12 +136,16 @@ pub fn layernorm_bwd(
         col_partials(be, &format!("norm_param_grad_{s}"), chunks, c, &args)?;
     }
     let [tw, tb] = to;
-    let (dw, db) = (tw.col_sum(be, &pw, chunks, c)?, tb.col_sum(be, &pb, chunks, c)?);
-    let res_sum = match (pr, res_to) {
-        (Some(pr), Some(to)) => Some(to.col_sum(be, &pr, chunks, c)?),
-        _ => res_sum,
-    };
-    Ok((dx, dw, db, res_sum))
+    // The weight's, the bias's and the residual's second passes in one launch.
+    let mut sums = vec![(&pw, tw), (&pb, tb)];
+    if let (Some(pr), Some(to)) = (&pr, res_to) {
+        sums.push((pr, to));
+    }
+    let mut ys = col_sums(be, &sums, chunks, c)?.into_iter();
+    let (dw, db) = (ys.next(), ys.next());
+    let res_sum = ys.next().or(res_sum);
+    let missing = || Error::Cuda("col_sums returned fewer sums than asked".into());
+    Ok((dx, dw.ok_or_else(missing)?, db.ok_or_else(missing)?, res_sum))
 }
 
 /// RMSNorm of x (or of x + x2, returned as the third value): (y, rstd, sum).
@@ -196,12 +200,13 @@ pub fn rmsnorm_bwd(
         let args = [dyp, xp, NULL, rp, pwp, NULL, n(rows), n(c)];
         col_partials(be, &format!("norm_param_grad_{s}"), chunks, c, &args)?;
     }
-    let dw = to.col_sum(be, &pw, chunks, c)?;
-    let res_sum = match (pr, res_to) {
-        (Some(pr), Some(to)) => Some(to.col_sum(be, &pr, chunks, c)?),
-        _ => res_sum,
-    };
-    Ok((dx, dw, res_sum))
+    let mut sums = vec![(&pw, to)];
+    if let (Some(pr), Some(rt)) = (&pr, res_to) {
+        sums.push((pr, rt));
+    }
+    let mut ys = col_sums(be, &sums, chunks, c)?.into_iter();
+    let dw = ys.next().ok_or_else(|| Error::Cuda("col_sums returned no sum".into()))?;
+    Ok((dx, dw, ys.next().or(res_sum)))
 }
 
 pub fn softmax(be: &B, x: &Tensor) -> Result<Tensor> {
