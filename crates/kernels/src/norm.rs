@@ -217,8 +217,8 @@ fn layernorm_bwd_res(
         }
         return Ok((dx, dw, db));
     }
-    res_sum_into(OP, res, dres, acc)?;
     check::on_cpu(OP, &[dy, x, w, mean, rstd])?;
+    res_sum_into(OP, res, dres, acc)?;
     let (dyv, xv, wv, mv, rv) = (dy.read_f32()?, x.read_f32()?, w.read_f32()?, mean.read_f32()?, rstd.read_f32()?);
     // SAFETY: layernorm_bwd writes (not adds) every row of dx.
     let mut dx = unsafe { buf::uninit(rows * c) };
@@ -341,8 +341,8 @@ fn rmsnorm_bwd_res(
         }
         return Ok((dx, dw));
     }
-    res_sum_into(OP, res, dres, acc)?;
     check::on_cpu(OP, &[dy, x, w, rstd])?;
+    res_sum_into(OP, res, dres, acc)?;
     let (dyv, xv, wv, rv) = (dy.read_f32()?, x.read_f32()?, w.read_f32()?, rstd.read_f32()?);
     // SAFETY: rmsnorm_bwd writes (not adds) every row of dx.
     let mut dx = unsafe { buf::uninit(rows * c) };
