@@ -6,7 +6,8 @@
 #       builds the release binaries with CUDA and stages them in .gpu/ (ignore it in
 #       .git/info/exclude; carry it to the GPU machine): .gpu/v/tests/{ops,cuda_train,nccl}
 #       (`cargo xtask gpu-test`),
-#       .gpu/v/ferrotron, .gpu/v/attention_bench, .gpu/xtask, .gpu/benches/*.py.
+#       .gpu/v/ferrotron, .gpu/v/attention_bench, .gpu/xtask, .gpu/benches/*.py, and the
+#       kernels compiled for sm_90a in .gpu/fc (examples/kernel_cache.rs, NVRTC 13.0 from PyPI).
 #
 #   there (repo root, no cargo):  benches/gpu_session.sh STEP...
 #       verify                 the op tests, the CUDA training tests and NCCL at world size 1
@@ -35,6 +36,17 @@ if [ "${1:-}" = stage ]; then
     cp target/release/xtask .gpu/
     cp benches/*.py .gpu/benches/
     strip .gpu/v/ferrotron .gpu/v/attention_bench .gpu/xtask
+    # The kernels compiled here (NVRTC 13.0 from PyPI, the GPU machine's version) into .gpu/fc:
+    # a fresh GPU machine then loads the CUBIN instead of compiling for about a minute.
+    rm -rf .gpu/fc
+    venv=target/ci-venv
+    if { [ -x "$venv/bin/pip" ] || python3 -m venv "$venv"; } && "$venv/bin/pip" install -q "nvidia-cuda-nvrtc==13.0.*"; then
+        lib=$("$venv/bin/python" -c 'import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], "cu13", "lib"))')
+        FERROTRON_CACHE_DIR=.gpu/fc LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+            cargo run -q --release --features cuda -p ferrotron-examples --example kernel_cache -- sm_90a
+    else
+        echo "NVRTC 13.0 could not be installed here: the GPU machine compiles the kernels itself"
+    fi
     du -sh .gpu
     exit 0
 fi
@@ -43,6 +55,10 @@ fi
 SP=$(python3 -c "import site;print(site.getsitepackages()[0])")
 export LD_LIBRARY_PATH="$(ls -d "$SP"/nvidia/*/lib 2>/dev/null | tr '\n' ':')${LD_LIBRARY_PATH:-}"
 export FERROTRON_CACHE_DIR=${FERROTRON_CACHE_DIR:-/tmp/fc} NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+# The kernels staged with the binaries (`stage`), where the cache does not hold them yet.
+if [ -d .gpu/fc/ptx ]; then
+    mkdir -p "$FERROTRON_CACHE_DIR/ptx" && cp -n .gpu/fc/ptx/* "$FERROTRON_CACHE_DIR/ptx/" 2>/dev/null
+fi
 log=${OUT:-gpu-logs}/session.log  # one file: the device returns at most 8
 mkdir -p "$(dirname "$log")"
 status=0

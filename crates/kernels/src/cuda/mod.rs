@@ -1,6 +1,9 @@
 //! CUDA backend (feature `cuda`). The sources in the top-level kernels/ folder are embedded, compiled
-//! by NVRTC for the device's architecture on first use, cached on disk keyed by source hash + arch
-//! (`$FERROTRON_CACHE_DIR`, else `~/.cache/ferrotron/ptx`), and loaded once per device. GEMMs go
+//! by NVRTC for the device's architecture on first use into a CUBIN (NVRTC runs ptxas itself, so
+//! loading leaves the driver nothing to compile; PTX for the driver to compile is the fallback),
+//! cached on disk keyed by source hash + arch (`$FERROTRON_CACHE_DIR`, else
+//! `~/.cache/ferrotron/ptx`; `prebuild_kernels` fills it ahead, no GPU needed), and loaded once
+//! per device. GEMMs go
 //! through cuBLASLt (bf16: `lt`, algorithms cached per shape (timed by `tune` on request), GeLU epilogues) and cuBLAS (exact f32). Memory comes from cudarc's stream-ordered allocations (the driver's memory pool
 //! caches them; no cudaMalloc per step).
 
@@ -318,11 +321,16 @@ fn cache_dir() -> Option<std::path::PathBuf> {
     std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache/ferrotron/ptx"))
 }
 
-/// PTX for `arch` (e.g. `sm_90`), from the disk cache or compiled now.
+/// The file of kernels/ built for `arch` as `ext` (cubin or ptx) in the cache folder `dir`.
+fn cache_file(dir: Option<std::path::PathBuf>, src: &str, arch: &str, ext: &str) -> Option<std::path::PathBuf> {
+    dir.map(|d| d.join(format!("{:016x}-{arch}.{ext}", ferrotron_core::rng::fnv1a64(src))))
+}
+
+/// PTX for `arch` (e.g. `sm_90`), from the disk cache or compiled now: what the driver compiles
+/// when the CUBIN does not load.
 fn ptx(arch: &str) -> Result<Ptx> {
     let src = source();
-    let key = format!("{:016x}-{arch}.ptx", ferrotron_core::rng::fnv1a64(&src));
-    let cached = cache_dir().map(|d| d.join(&key));
+    let cached = cache_file(cache_dir(), &src, arch, "ptx");
     if let Some(p) = &cached {
         if let Ok(text) = std::fs::read_to_string(p) {
             return Ok(Ptx::from_src(text));
@@ -334,6 +342,93 @@ fn ptx(arch: &str) -> Result<Ptx> {
         let _ = std::fs::create_dir_all(p.parent().unwrap_or(p)).and_then(|_| std::fs::write(p, ptx.to_src()));
     }
     Ok(ptx)
+}
+
+/// The CUBIN for `arch`, from the disk cache or compiled now (and cached).
+fn cubin(arch: &str) -> Result<Vec<u8>> {
+    cubin_in(cache_dir(), arch)
+}
+
+/// `cubin` with the cache in `dir` (None: none).
+fn cubin_in(dir: Option<std::path::PathBuf>, arch: &str) -> Result<Vec<u8>> {
+    let src = source();
+    let cached = cache_file(dir, &src, arch, "cubin");
+    if let Some(bytes) = cached.as_ref().and_then(|p| std::fs::read(p).ok()) {
+        return Ok(bytes);
+    }
+    let bin = compile_cubin(&src, arch)?;
+    if let Some(p) = &cached {
+        // Written whole under another name, then renamed: a reader never sees half a file.
+        let tmp = p.with_extension(format!("cubin.{}", std::process::id()));
+        let _ = std::fs::create_dir_all(p.parent().unwrap_or(p))
+            .and_then(|_| std::fs::write(&tmp, &bin))
+            .and_then(|_| std::fs::rename(&tmp, p));
+    }
+    Ok(bin)
+}
+
+/// Compiles kernels/ for `arch` (e.g. `sm_90a`) into the disk cache now, so a later first use on
+/// a GPU only loads it (the GPU machine's fresh start then skips a minute of compiling). Needs
+/// NVRTC, not a GPU. Returns the cache file.
+pub fn prebuild_kernels(arch: &str) -> Result<std::path::PathBuf> {
+    prebuild_in(cache_dir(), arch)
+}
+
+fn prebuild_in(dir: Option<std::path::PathBuf>, arch: &str) -> Result<std::path::PathBuf> {
+    let path = cache_file(dir.clone(), &source(), arch, "cubin")
+        .ok_or_else(|| Error::Cuda("no kernel cache folder: set FERROTRON_CACHE_DIR (or HOME)".into()))?;
+    cubin_in(dir, arch)?;
+    if !path.exists() {
+        return Err(Error::Cuda(format!("the kernel cache file {} could not be written", path.display())));
+    }
+    Ok(path)
+}
+
+/// The kernels loaded on `dev` for `arch`: the CUBIN, else (a driver that refuses it) the PTX.
+fn load_kernels(dev: &CudaDevice, arch: &str) -> Result<Arc<CudaModule>> {
+    let ctx = dev.context();
+    match cubin(arch).and_then(|b| ctx.load_module(Ptx::from_binary(b)).map_err(|e| cuda_err(arch, e))) {
+        Ok(m) => Ok(m),
+        Err(first) => ptx(arch)
+            .and_then(|p| ctx.load_module(p).map_err(|e| cuda_err(arch, e)))
+            .map_err(|e| Error::Cuda(format!("loading kernels/ for {arch}: as CUBIN: {first}; as PTX: {e}"))),
+    }
+}
+
+/// `src` through NVRTC for the real architecture `arch` into a CUBIN; needs the library, not a
+/// GPU.
+fn compile_cubin(src: &str, arch: &str) -> Result<Vec<u8>> {
+    use cudarc::nvrtc::{result, sys};
+    // SAFETY: only probes for the shared library.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(Error::Cuda("the NVRTC library (libnvrtc.so) was not found: add the CUDA toolkit's lib folder (or PyTorch's nvidia/cuda_nvrtc/lib) to LD_LIBRARY_PATH".into()));
+    }
+    let csrc = std::ffi::CString::new(src).map_err(|_| Error::Cuda("kernels/ holds a NUL byte".into()))?;
+    let prog = result::create_program(&csrc, None).map_err(|e| cuda_err("NVRTC program", e))?;
+    let opts = [format!("--gpu-architecture={arch}"), "--std=c++17".to_string()];
+    // SAFETY: `prog` is live (created above, destroyed once below) and `csrc` outlives it.
+    let out = unsafe {
+        let built = result::compile_program(prog, &opts).map_err(|e| {
+            let log = result::get_program_log(prog)
+                .map(|l| std::ffi::CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned())
+                .unwrap_or_default();
+            Error::Cuda(format!("NVRTC compile of kernels/ for {arch}: {e:?}\n{log}"))
+        });
+        let bin = built.and_then(|_| {
+            let mut size = 0usize;
+            sys::nvrtcGetCUBINSize(prog, &mut size).result().map_err(|e| cuda_err("NVRTC CUBIN size", e))?;
+            let mut bin = vec![0u8; size];
+            sys::nvrtcGetCUBIN(prog, bin.as_mut_ptr().cast()).result().map_err(|e| cuda_err("NVRTC CUBIN", e))?;
+            Ok(bin)
+        });
+        let _ = result::destroy_program(prog);
+        bin
+    };
+    match out {
+        Ok(bin) if !bin.is_empty() => Ok(bin),
+        Ok(_) => Err(Error::Cuda(format!("NVRTC gave no CUBIN for {arch} (a virtual architecture?)"))),
+        Err(e) => Err(e),
+    }
 }
 
 /// `src` through NVRTC for `arch`; needs the library, not a GPU.
@@ -360,10 +455,10 @@ pub(crate) fn backend(dev: &CudaDevice) -> Result<Arc<Backend>> {
     // NVRTC that cannot take it leaves the plain sm_90 build (mma.sync attention).
     let plain = format!("sm_{major}{minor}");
     let hopper = (major, minor) == (9, 0);
-    let a = hopper.then(|| ptx("sm_90a").and_then(|p| dev.context().load_module(p).map_err(|e| cuda_err("sm_90a", e))));
+    let a = hopper.then(|| load_kernels(dev, "sm_90a"));
     let (module, wgmma) = match a {
         Some(Ok(m)) => (m, true),
-        _ => (dev.context().load_module(ptx(&plain)?).map_err(|e| cuda_err("loading kernels", e))?, false),
+        _ => (load_kernels(dev, &plain)?, false),
     };
     // SAFETY: only probes for the shared libraries.
     if !unsafe { cudarc::cublaslt::sys::is_culib_present() } {
@@ -506,5 +601,16 @@ mod tests {
             let ptx = super::compile(&src, arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
             assert!(ptx.to_src().contains(".entry flash_bwd_dkvq_wg2_bf16_128"), "{arch}: a kernel is missing");
         }
+        // The CUBIN the backend loads: an ELF image naming the kernels, cached where asked.
+        let dir = std::env::temp_dir().join(format!("ferrotron-cubin-test-{}", std::process::id()));
+        let path = super::prebuild_in(Some(dir.clone()), "sm_90a").unwrap_or_else(|e| panic!("sm_90a CUBIN: {e}"));
+        let bin = std::fs::read(&path).unwrap();
+        assert_eq!(&bin[..4], b"\x7fELF", "{}: not an ELF image", path.display());
+        let name = b"flash_bwd_dkvq_wg2_bf16_128";
+        assert!(bin.windows(name.len()).any(|w| w == name), "the CUBIN lacks a kernel");
+        // A second call reads the cache: a file put in its place is what comes back.
+        std::fs::write(&path, b"cached").unwrap();
+        assert_eq!(super::cubin_in(Some(dir.clone()), "sm_90a").unwrap(), b"cached");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
