@@ -128,34 +128,11 @@ __device__ float block_max(float v) {
 // summing chunks w, w + 8, ..., then warp 0 the 8 results. Same bits every run. With `acc` the sum
 // is added to y (a main_grad view: no separate add pass), else y is overwritten.
 #define COL_CHUNK 64
-extern "C" __global__ void __launch_bounds__(256) col_sum_f32(const float* p, float* y, long chunks, long c, long acc) {
+// One block's 32 columns from column block `cb` on: the second pass both kernels below run.
+__device__ __forceinline__ void col_sum_block(const float* p, float* y, long chunks, long c, bool add, long cb) {
     __shared__ float part[8][33];
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    long j = (long)blockIdx.x * 32 + lane;
-    float s = 0.f;
-    if (j < c) for (long k = w; k < chunks; k += 8) s += p[k * c + j];
-    part[w][lane] = s;
-    __syncthreads();
-    if (w == 0 && j < c) {
-        float total = 0.f;
-        for (int x = 0; x < 8; x++) total += part[x][lane];
-        y[j] = acc ? y[j] + total : total;
-    }
-}
-
-// Up to three column sums' second passes in one launch (a norm backward's weight, bias and
-// residual sums: one launch instead of three): block b takes sum b / cb, columns (b % cb) · 32 on,
-// cb = ceil(c / 32), each exactly as col_sum_f32 (same order, same bits); bit i of `acc` says
-// whether sum i adds into its y.
-extern "C" __global__ void __launch_bounds__(256) col_sums3_f32(const float* p0, float* y0, const float* p1, float* y1,
-                                                               const float* p2, float* y2, long chunks, long c, long acc) {
-    __shared__ float part[8][33];
-    const long cb = (c + 31) / 32, which = blockIdx.x / cb;
-    const float* p = which == 0 ? p0 : which == 1 ? p1 : p2;
-    float* y = which == 0 ? y0 : which == 1 ? y1 : y2;
-    const bool add = (acc >> which) & 1;
-    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    long j = (blockIdx.x % cb) * 32 + lane;
+    long j = cb * 32 + lane;
     float s = 0.f;
     if (j < c) for (long k = w; k < chunks; k += 8) s += p[k * c + j];
     part[w][lane] = s;
@@ -165,6 +142,21 @@ extern "C" __global__ void __launch_bounds__(256) col_sums3_f32(const float* p0,
         for (int x = 0; x < 8; x++) total += part[x][lane];
         y[j] = add ? y[j] + total : total;
     }
+}
+extern "C" __global__ void __launch_bounds__(256) col_sum_f32(const float* p, float* y, long chunks, long c, long acc) {
+    col_sum_block(p, y, chunks, c, acc != 0, blockIdx.x);
+}
+
+// Up to three column sums' second passes in one launch (a norm backward's weight, bias and
+// residual sums: one launch instead of three): block b takes sum b / cb, columns (b % cb) · 32 on,
+// cb = ceil(c / 32), each exactly as col_sum_f32 (same order, same bits); bit i of `acc` says
+// whether sum i adds into its y.
+extern "C" __global__ void __launch_bounds__(256) col_sums3_f32(const float* p0, float* y0, const float* p1, float* y1,
+                                                               const float* p2, float* y2, long chunks, long c, long acc) {
+    const long cb = (c + 31) / 32, which = blockIdx.x / cb;
+    const float* p = which == 0 ? p0 : which == 1 ? p1 : p2;
+    float* y = which == 0 ? y0 : which == 1 ? y1 : y2;
+    col_sum_block(p, y, chunks, c, (acc >> which) & 1, blockIdx.x % cb);
 }
 
 // The first pass of a column sum, eight columns per thread: a block is 8 warps over 256
