@@ -85,7 +85,9 @@ fn run() -> anyhow::Result<()> {
                 keep_freed_pages();
             }
             let summary = ferrotron_trainer::train::train(&settings, &paths)?;
-            if let (Some((_, first)), Some((it, last))) = (summary.evals.first(), summary.evals.last()) {
+            if let (true, Some((_, first)), Some((it, last))) =
+                (summary.logs, summary.evals.first(), summary.evals.last())
+            {
                 eprintln!("done: validation loss {first:.4} -> {last:.4} at iteration {it}");
             }
             Ok(())

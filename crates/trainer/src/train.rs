@@ -53,6 +53,9 @@ pub struct Summary {
     /// (iteration, validation loss), including iteration 0 for a fresh run.
     pub evals: Vec<(u64, f64)>,
     pub checkpoints: Vec<std::path::PathBuf>,
+    /// This rank is the one that logs (global rank 0): a launched run's other processes print no
+    /// summary either, so their lines cannot cut into rank 0's.
+    pub logs: bool,
 }
 
 /// The data the run trains and evaluates on.
@@ -353,7 +356,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         }
         _ => None,
     });
-    let mut summary = Summary { losses: vec![], evals: vec![], checkpoints: vec![] };
+    let mut summary = Summary { losses: vec![], evals: vec![], checkpoints: vec![], logs: rank0 };
     let (dp, dp_rank) = (layout.dp, g.dp.rank());
     let micro_per_rank = s.num_micro_batches() / dp;
     let table_text = layout_table(&g, &table, &opt, s.sequence_parallel)?;

@@ -191,6 +191,8 @@ fn launch_starts_every_rank() {
     let e = stderr(&o);
     assert!(o.status.success(), "{e}");
     assert!(e.contains("layout: tp 1 × dp 2") && e.contains("iteration 2/2"), "{e}");
+    // Rank 0 alone prints the summary: another rank's line once cut into its "iteration 2/2".
+    assert_eq!(e.matches("done: validation loss").count(), 1, "{e}");
     let port = free_port();
     let mut args = vec!["launch", "--nproc-per-node", "2", "--master-port", &port, "--"];
     args.extend_from_slice(TINY);
