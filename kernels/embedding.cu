@@ -1,6 +1,7 @@
-// Embedding lookup and its scatter-add backward (fp32 atomics into main_grad); on a vocabulary
-// shard (rows vstart..vstart+vrows) other ids give zero rows and no gradient. And the QKV
-// split/merge between Megatron's grouped layout and per-head tensors.
+// Embedding lookup and its scatter-add backward (fp32 atomics into main_grad, or under
+// deterministic mode `embedding_bwd_rows`: every row's additions in position order); on a
+// vocabulary shard (rows vstart..vstart+vrows) other ids give zero rows and no gradient. And the
+// QKV split/merge between Megatron's grouped layout and per-head tensors.
 
 // QKV: the fused tensor is [rows][group][slot][d] with slots 0..g-1 the group's query heads, g its
 // key, g + 1 its value. One warp per (row, group, slot) segment of d elements: the index
@@ -16,7 +17,44 @@ __device__ __forceinline__ P* qkv_head(P* q, P* k, P* v, long w, long g, long d)
     return slot < g ? q + (rg * g + slot) * d : (slot == g ? k : v) + rg * d;
 }
 
+// The deterministic scatter-add: block b owns rows [64b, 64b + 64) of the shard and scans all n
+// ids in order, 256 at a time; the positions whose id falls in its rows are compacted in order
+// (warp ballots, then the warps' counts added up), and the block adds their dout rows one after
+// another. Each row thus sums its positions in increasing order, as the CPU's loop does: the same
+// bits every run, and the CPU's for an f32 dout. (Reading all ids per block costs 64 KB of L2
+// reads a block at 16k positions.)
+#define EMB_ROWS 64
+template <typename T>
+__device__ __forceinline__ void embedding_bwd_rows_impl(const u32* ids, const T* dout, float* dtable, long n, long c,
+                                                        long vstart, long vrows) {
+    __shared__ int hits[256];
+    __shared__ int warp_base[9];
+    const long r0 = (long)blockIdx.x * EMB_ROWS, r1 = r0 + EMB_ROWS < vrows ? r0 + EMB_ROWS : vrows;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (long base = 0; base < n; base += 256) {
+        long i = base + threadIdx.x, row = i < n ? (long)ids[i] - vstart : -1;
+        bool hit = row >= r0 && row < r1;
+        unsigned ballot = __ballot_sync(0xffffffffu, hit);
+        if (lane == 0) warp_base[warp + 1] = __popc(ballot);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            warp_base[0] = 0;
+            for (int w = 1; w <= 8; w++) warp_base[w] += warp_base[w - 1];
+        }
+        __syncthreads();
+        if (hit) hits[warp_base[warp] + __popc(ballot & ((1u << lane) - 1u))] = (int)(i - base);
+        __syncthreads();
+        for (int h = 0; h < warp_base[8]; h++) {
+            long p = base + hits[h], dst = ((long)ids[p] - vstart) * c;
+            for (long j = threadIdx.x; j < c; j += 256) dtable[dst + j] += ld(dout, p * c + j);
+        }
+        __syncthreads();
+    }
+}
+
 #define EMB(s, T) \
+extern "C" __global__ void __launch_bounds__(256) embedding_bwd_rows_##s(const u32* ids, const T* dout, float* dtable, long n, long c, long vstart, long vrows) { \
+    embedding_bwd_rows_impl(ids, dout, dtable, n, c, vstart, vrows); } \
 extern "C" __global__ void embedding_fwd_##s(const u32* ids, const T* table, T* out, long n, long c, long vstart, long vrows) { \
     GRID_STRIDE(i, n * c) { long r = i / c, j = i % c, row = (long)ids[r] - vstart; \
         st(out, i, (row >= 0 && row < vrows) ? ld(table, row * c + j) : 0.f); } } \

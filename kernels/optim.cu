@@ -39,6 +39,8 @@ extern "C" __global__ void adamw(float* p, const float* g, float* m, float* v, l
 #define ADAM_STEP_SIZE 3
 #define ADAM_BC2_SQRT 4
 #define ADAM_STEPS 5
+#define ADAM_LR 6
+#define ADAM_DECAY 7
 template <typename T>
 __device__ __forceinline__ void adamw_runs_impl(float* p, const float* g, float* m, float* v, T* param, const u32* runs,
                                                 long nruns, AdamH h, const float* step_state) {
@@ -48,6 +50,7 @@ __device__ __forceinline__ void adamw_runs_impl(float* p, const float* g, float*
         h.grad_scale = step_state[ADAM_GRAD_SCALE];
         h.step_size = step_state[ADAM_STEP_SIZE];
         h.bc2_sqrt = step_state[ADAM_BC2_SQRT];
+        h.decay = step_state[ADAM_DECAY];
     }
     u32 b = blockIdx.x;
     long lo = 0, hi = nruns - 1;
@@ -142,11 +145,14 @@ extern "C" __global__ void __launch_bounds__(256) sum_partials_f32(const double*
     if (threadIdx.x == 0) out[0] = (float)sh[0];
 }
 
-// One thread settles the step from Σ g² (sq[0], summed across ranks): the norm, the clip factor,
-// whether the update applies (a finite norm), the step count moved on when it does, and the
-// bias-corrected step size and √(1 − β2ᵗ) for that count (f64, as the host computed them).
-extern "C" __global__ void adam_prepare(const float* sq, float* state, float lr, float b1, float b2, float clip) {
+// One thread settles the step from Σ g² (sq[0], summed across ranks) and the learning rate the
+// host wrote into the state: the norm, the clip factor, whether the update applies (a finite
+// norm), the step count moved on when it does, the bias-corrected step size and √(1 − β2ᵗ) for
+// that count (f64, as the host computed them), and the decay factor 1 − lr·wd (rounded as the
+// host's f32 arithmetic rounds it: no fused multiply-add).
+extern "C" __global__ void adam_prepare(const float* sq, float* state, float b1, float b2, float clip, float wd) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    float lr = state[ADAM_LR];
     double norm = sqrt((double)sq[0]);
     bool ok = isfinite(norm);
     double t = (double)state[ADAM_STEPS] + (ok ? 1.0 : 0.0);
@@ -156,4 +162,5 @@ extern "C" __global__ void adam_prepare(const float* sq, float* state, float lr,
     state[ADAM_STEPS] = (float)t;
     state[ADAM_STEP_SIZE] = (float)((double)lr / (1.0 - pow((double)b1, t)));
     state[ADAM_BC2_SQRT] = (float)sqrt(1.0 - pow((double)b2, t));
+    state[ADAM_DECAY] = __fsub_rn(1.f, __fmul_rn(lr, wd));
 }

@@ -260,6 +260,11 @@ fn bench_train_args(preset: &str, micro: usize, iters: u64, log: u64) -> Vec<Str
     a.extend(multi::owned(&["--log-interval", &log.to_string(), "--eval-iters", "1", "--eval-interval", "1000000"]));
     a.extend(multi::owned(&["--corpus-docs", "3000", "--micro-batch-size", &micro.to_string()]));
     a.extend(multi::owned(&["--global-batch-size", &micro.to_string(), "--train-iters", &iters.to_string()]));
+    // BENCH_CUDA_GRAPH=N: the step graphed after N eager steps (`--cuda-graph-impl local`).
+    if let Some(n) = std::env::var("BENCH_CUDA_GRAPH").ok().and_then(|v| v.parse::<u64>().ok()) {
+        a.extend(multi::owned(&["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]));
+        a.extend(multi::owned(&["--cuda-graph-warmup-steps", &n.to_string()]));
+    }
     a
 }
 
@@ -394,6 +399,7 @@ fn attention_bench(args: &[String]) -> anyhow::Result<()> {
 /// (torch.compile + SDPA, bf16 autocast) on the same GPT in the same command: tokens/s, MFU, peak
 /// memory and the ratio. Runs on the GPU machine (no cargo needed there). Environment:
 /// BENCH_ITERS (steps, default 30, rounded up to whole log windows), BENCH_MICRO (micro-batch override),
+/// BENCH_CUDA_GRAPH=N (Ferrotron's step replayed as a CUDA graph after N eager steps),
 /// BENCH_TORCH=0 (Ferrotron only), BENCH_LOG_INTERVAL (steps per log line and loss read-back, default
 /// 10 as in Megatron runs; 1 reads the loss every step), BENCH_COOL_C (before each side, wait up to
 /// two minutes for the card to cool to this many °C: both sides then start alike), BENCH_ROUNDS

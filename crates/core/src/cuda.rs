@@ -2,10 +2,11 @@
 //! compiles on machines without CUDA; opening a device there returns an error naming the library.
 
 use crate::{CpuStorage, DType, Error, Result, WithDType};
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cudarc::driver::{CudaContext, CudaGraph, CudaSlice, CudaStream, DevicePtr};
 use float8::{F8E4M3, F8E5M2};
 use half::{bf16, f16};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// One GPU: its context and its compute stream. One per ordinal and process: every
 /// `CudaDevice::new(n)` hands out the same stream.
@@ -23,6 +24,8 @@ pub struct CudaDevice {
     compute: Arc<CudaStream>,
     /// Page-locked buffers small uploads go through (`staging`).
     staging: Arc<std::sync::Mutex<crate::staging::Staging>>,
+    /// Set while the compute stream is being captured into a CUDA graph (`capture`).
+    capturing: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -65,7 +68,7 @@ impl CudaDevice {
         keep_freed_memory(&ctx);
         let compute = ctx.new_stream().map_err(driver_err)?;
         let staging = Arc::new(std::sync::Mutex::new(crate::staging::Staging::new()));
-        Ok(CudaDevice { ctx, compute, staging })
+        Ok(CudaDevice { ctx, compute, staging, capturing: Arc::new(AtomicBool::new(false)) })
     }
 
     pub fn ordinal(&self) -> usize {
@@ -82,6 +85,65 @@ impl CudaDevice {
         self.compute.synchronize().map_err(driver_err)
     }
 
+    /// Captures the work `f` queues on the compute stream into a CUDA graph instead of running it,
+    /// and gives the graph with `f`'s result. Nothing runs until [`DeviceGraph::launch`]; each
+    /// launch replays the same kernels on the same addresses. So what the graph reads must be
+    /// written into buffers allocated before the capture, and every buffer allocated inside it
+    /// must be freed inside it (the allocator's stream-ordered allocations become the graph's own).
+    /// Copies between host and device are refused while capturing: a replay would not see new
+    /// host values.
+    pub fn capture<R, E: From<Error>>(
+        &self,
+        f: impl FnOnce() -> std::result::Result<R, E>,
+    ) -> std::result::Result<(DeviceGraph, R), E> {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        if self.capturing.swap(true, Ordering::SeqCst) {
+            let msg = format!("cuda:{}: a CUDA graph capture is already under way", self.ordinal());
+            return Err(Error::Cuda(msg).into());
+        }
+        let s = self.stream();
+        // The graph allocates from a pool of its own: hand the blocks the default pool keeps
+        // (`keep_freed_memory`) back to the driver first, or both would hold a step's activations.
+        if let Err(e) = s.synchronize() {
+            self.capturing.store(false, Ordering::SeqCst);
+            return Err(driver_err(e).into());
+        }
+        trim_freed_memory(&self.ctx);
+        // Thread-local: calls that would synchronise are refused on this thread only, so other
+        // ranks' threads and the host's own threads go on.
+        if let Err(e) = s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) {
+            self.capturing.store(false, Ordering::SeqCst);
+            return Err(Error::Cuda(format!("starting a CUDA graph capture: {e:?}")).into());
+        }
+        let r = f();
+        let g = s.end_capture(CUgraphInstantiate_flags(0));
+        self.capturing.store(false, Ordering::SeqCst);
+        let r = r?;
+        match g {
+            Ok(Some(graph)) => Ok((DeviceGraph { graph }, r)),
+            Ok(None) => Err(Error::Cuda("the CUDA graph capture recorded no work".into()).into()),
+            Err(e) => Err(Error::Cuda(format!(
+                "capturing work into a CUDA graph failed ({e:?}): an operation queued inside it cannot be captured"
+            ))
+            .into()),
+        }
+    }
+
+    /// Whether the compute stream is being captured (`capture`).
+    pub fn is_capturing(&self) -> bool {
+        self.capturing.load(Ordering::SeqCst)
+    }
+
+    fn refuse_in_capture(&self, what: &str) -> Result<()> {
+        if self.is_capturing() {
+            return Err(Error::Cuda(format!(
+                "{what} inside a CUDA graph capture on cuda:{}: a replay would not repeat it; queue it before the captured work",
+                self.ordinal()
+            )));
+        }
+        Ok(())
+    }
+
     /// Opens (`true`) or closes the range a profiler started with `--profile-from-start off`
     /// (Nsight Compute) or `--capture-range=cudaProfilerApi` (Nsight Systems) records: the work
     /// queued in between. Without a profiler attached it does nothing.
@@ -92,18 +154,58 @@ impl CudaDevice {
     }
 }
 
+/// Work captured from a device's compute stream (`CudaDevice::capture`).
+pub struct DeviceGraph {
+    graph: CudaGraph,
+}
+
+impl DeviceGraph {
+    /// Queues one replay on the compute stream it was captured from.
+    pub fn launch(&self) -> Result<()> {
+        self.graph.launch().map_err(|e| Error::Cuda(format!("launching a CUDA graph: {e:?}")))
+    }
+}
+
 /// A new device copy of `v`: small ones through the page-locked ring (queued without waiting for
 /// the stream, `staging`), larger ones from pageable memory (the driver waits for the stream).
 fn upload<T: cudarc::driver::DeviceRepr>(dev: &CudaDevice, v: &[T]) -> Result<CudaSlice<T>> {
+    dev.refuse_in_capture("a copy from the host")?;
     let s = dev.stream();
     if v.is_empty() || std::mem::size_of_val(v) > crate::staging::SLOT_BYTES {
         return s.clone_htod(v).map_err(driver_err);
     }
     // SAFETY: filled by the copy queued next, before any use on this stream.
-    let mut d = unsafe { s.alloc::<T>(v.len()) }.map_err(driver_err)?;
+    let d = unsafe { s.alloc::<T>(v.len()) }.map_err(driver_err)?;
     let mut ring = dev.staging.lock().unwrap_or_else(|e| e.into_inner());
-    ring.upload(&dev.ctx, s, v, &mut d).map_err(driver_err)?;
+    // SAFETY: `d` holds v.len() elements and is only freed on this stream, after the copy.
+    unsafe { ring.upload(&dev.ctx, s, v, d.device_ptr(s).0) }.map_err(driver_err)?;
     Ok(d)
+}
+
+/// Host values into elements `start..` of `d`: small ones through the page-locked ring (no wait
+/// for the stream: an optimizer's learning rate each step), larger ones from pageable memory.
+fn write_into<T: cudarc::driver::DeviceRepr>(
+    dev: &CudaDevice,
+    d: &mut CudaSlice<T>,
+    start: usize,
+    h: &[T],
+) -> Result<()> {
+    dev.refuse_in_capture("a copy from the host")?;
+    let s = dev.stream();
+    let end = start + h.len();
+    if end > d.len() {
+        return Err(Error::InvalidArgument {
+            op: "write_range",
+            msg: format!("elements {start}..{end} reach past the buffer's {}", d.len()),
+        });
+    }
+    if h.is_empty() || std::mem::size_of_val(h) > crate::staging::SLOT_BYTES {
+        return s.memcpy_htod(h, &mut d.slice_mut(start..end)).map_err(driver_err);
+    }
+    let dst = d.device_ptr(s).0 + (start * std::mem::size_of::<T>()) as u64;
+    let mut ring = dev.staging.lock().unwrap_or_else(|e| e.into_inner());
+    // SAFETY: elements start..end lie inside `d` (checked), which is only freed on this stream.
+    unsafe { ring.upload(&dev.ctx, s, h, dst) }.map_err(driver_err)
 }
 
 /// An allocation failure, naming the size asked for and what the device has in use.
@@ -141,6 +243,19 @@ fn keep_freed_memory(ctx: &CudaContext) {
                 sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
                 (&mut threshold as *mut u64).cast(),
             );
+        }
+    }
+}
+
+/// Returns the default pool's unused blocks to the driver (after a synchronisation, so that the
+/// stream's frees have landed).
+fn trim_freed_memory(ctx: &CudaContext) {
+    use cudarc::driver::sys;
+    let mut pool = std::mem::MaybeUninit::<sys::CUmemoryPool>::uninit();
+    // SAFETY: plain driver calls on a live context's device; a failure leaves the pool as it was.
+    unsafe {
+        if sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), ctx.cu_device()) == sys::CUresult::CUDA_SUCCESS {
+            let _ = sys::cuMemPoolTrimTo(pool.assume_init(), 0);
         }
     }
 }
@@ -197,20 +312,44 @@ impl CudaStorage {
         .map_err(driver_err)
     }
 
-    /// Copies host values of the same dtype to elements `start..`.
+    /// Copies host values of the same dtype to elements `start..` (queued on the compute stream;
+    /// small copies do not wait for it).
     pub fn write_range(&mut self, dev: &CudaDevice, start: usize, src: &CpuStorage) -> Result<()> {
-        let s = dev.stream();
-        let end = start + src.len();
         match (self, src) {
-            (CudaStorage::F32(v), CpuStorage::F32(h)) => s.memcpy_htod(h, &mut v.slice_mut(start..end)),
-            (CudaStorage::BF16(v), CpuStorage::BF16(h)) => s.memcpy_htod(h, &mut v.slice_mut(start..end)),
-            (CudaStorage::F16(v), CpuStorage::F16(h)) => s.memcpy_htod(h, &mut v.slice_mut(start..end)),
-            (CudaStorage::U32(v), CpuStorage::U32(h)) => s.memcpy_htod(h, &mut v.slice_mut(start..end)),
-            (d, h) => {
+            (CudaStorage::F32(v), CpuStorage::F32(h)) => write_into(dev, v, start, h),
+            (CudaStorage::BF16(v), CpuStorage::BF16(h)) => write_into(dev, v, start, h),
+            (CudaStorage::F16(v), CpuStorage::F16(h)) => write_into(dev, v, start, h),
+            (CudaStorage::U32(v), CpuStorage::U32(h)) => write_into(dev, v, start, h),
+            (d, h) => Err(Error::DTypeMismatch { op: "write_range", expected: d.dtype().to_string(), got: h.dtype() }),
+        }
+    }
+
+    /// Copies `src`'s elements `r` to elements `start..` (same dtype), on the compute stream.
+    pub fn copy_range_from(
+        &mut self,
+        dev: &CudaDevice,
+        start: usize,
+        src: &CudaStorage,
+        r: std::ops::Range<usize>,
+    ) -> Result<()> {
+        let s = dev.stream();
+        let end = start + r.len();
+        match (self, src) {
+            (CudaStorage::F32(d), CudaStorage::F32(f)) => s.memcpy_dtod(&f.slice(r), &mut d.slice_mut(start..end)),
+            (CudaStorage::BF16(d), CudaStorage::BF16(f)) => s.memcpy_dtod(&f.slice(r), &mut d.slice_mut(start..end)),
+            (CudaStorage::F16(d), CudaStorage::F16(f)) => s.memcpy_dtod(&f.slice(r), &mut d.slice_mut(start..end)),
+            (CudaStorage::F8E4M3(d), CudaStorage::F8E4M3(f)) => {
+                s.memcpy_dtod(&f.slice(r), &mut d.slice_mut(start..end))
+            }
+            (CudaStorage::F8E5M2(d), CudaStorage::F8E5M2(f)) => {
+                s.memcpy_dtod(&f.slice(r), &mut d.slice_mut(start..end))
+            }
+            (CudaStorage::U32(d), CudaStorage::U32(f)) => s.memcpy_dtod(&f.slice(r), &mut d.slice_mut(start..end)),
+            (d, f) => {
                 return Err(Error::DTypeMismatch {
-                    op: "write_range",
+                    op: "copy_range_from",
                     expected: d.dtype().to_string(),
-                    got: h.dtype(),
+                    got: f.dtype(),
                 });
             }
         }
@@ -260,6 +399,7 @@ impl CudaStorage {
     }
 
     pub fn to_cpu(&self, dev: &CudaDevice) -> Result<CpuStorage> {
+        dev.refuse_in_capture("a copy to the host")?;
         fn get<T: WithDType + cudarc::driver::DeviceRepr>(dev: &CudaDevice, v: &CudaSlice<T>) -> Result<Vec<T>> {
             dev.stream().clone_dtoh(v).map_err(driver_err)
         }

@@ -11,6 +11,22 @@ pub enum Device {
     Cuda(crate::cuda::CudaDevice),
 }
 
+/// Work captured from a device (`Device::capture`), replayed by `launch`.
+pub enum Graph {
+    #[cfg(feature = "cuda")]
+    Cuda(crate::cuda::DeviceGraph),
+}
+
+impl Graph {
+    /// Queues one replay of the captured work.
+    pub fn launch(&self) -> Result<()> {
+        match *self {
+            #[cfg(feature = "cuda")]
+            Graph::Cuda(ref g) => g.launch(),
+        }
+    }
+}
+
 impl Device {
     /// Parses `cpu`, `cuda` (ordinal 0) or `cuda:N`, opening the CUDA device when asked for one.
     pub fn parse(spec: &str) -> Result<Device> {
@@ -59,6 +75,23 @@ impl Device {
             }
             #[cfg(feature = "cuda")]
             Device::Cuda(d) => d.profiler_range(on),
+        }
+    }
+
+    /// Captures the work `f` queues on this device into a graph that [`Graph::launch`] replays
+    /// (`CudaDevice::capture`: what may and may not happen inside). The CPU runs ops as they are
+    /// called, so it has nothing to capture: an error there.
+    pub fn capture<R, E: From<Error>>(
+        &self,
+        f: impl FnOnce() -> std::result::Result<R, E>,
+    ) -> std::result::Result<(Graph, R), E> {
+        match self {
+            Device::Cpu => {
+                let _ = f;
+                Err(Error::NotImplemented { op: "graph capture", device: self.name() }.into())
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda(d) => d.capture(f).map(|(g, r)| (Graph::Cuda(g), r)),
         }
     }
 

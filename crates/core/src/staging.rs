@@ -9,7 +9,7 @@
 //! previous copy to have finished (it was queued `SLOTS` uploads ago), fills it and queues the
 //! copy, then records an event. Larger copies (parameter init, checkpoints) stay pageable.
 
-use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtrMut, DeviceRepr, result, sys};
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DeviceRepr, result, sys};
 use std::sync::Arc;
 
 /// The largest copy staged, in bytes (a 1.3B batch's ids: 64 KB).
@@ -34,16 +34,20 @@ impl Staging {
         Staging { slots: Vec::new(), next: 0 }
     }
 
-    /// Queues dst ← src through the next slot (`src` at most `SLOT_BYTES`).
-    pub(crate) fn upload<T: DeviceRepr>(
+    /// Queues the copy of `src` (at most `SLOT_BYTES`) to device address `dst` through the next slot.
+    ///
+    /// # Safety
+    /// `dst` must address at least `size_of_val(src)` bytes of device memory that stay allocated
+    /// until the copy, queued on `stream`, has run.
+    pub(crate) unsafe fn upload<T: DeviceRepr>(
         &mut self,
         ctx: &Arc<CudaContext>,
         stream: &CudaStream,
         src: &[T],
-        dst: &mut CudaSlice<T>,
+        dst: sys::CUdeviceptr,
     ) -> Result<(), cudarc::driver::DriverError> {
         let bytes = std::mem::size_of_val(src);
-        debug_assert!(bytes <= SLOT_BYTES && dst.len() >= src.len());
+        debug_assert!(bytes <= SLOT_BYTES);
         if self.slots.len() < SLOTS {
             ctx.bind_to_thread()?;
             // SAFETY: a fresh page-locked allocation, freed in Drop.
@@ -54,14 +58,13 @@ impl Staging {
         self.next = (self.next + 1) % SLOTS;
         // The copy this slot held last (never recorded: returns at once).
         slot.done.synchronize()?;
-        let (dptr, _guard) = dst.device_ptr_mut(stream);
         // SAFETY: the slot holds SLOT_BYTES ≥ bytes and no copy reads it any more; src is plain
         // data of `bytes` bytes; the queued copy reads the slot, which is not written again before
-        // its event (recorded right after) has completed.
+        // its event (recorded right after) has completed; `dst` is the caller's promise.
         unsafe {
             std::ptr::copy_nonoverlapping(src.as_ptr() as *const u8, slot.ptr, bytes);
             result::memcpy_htod_async(
-                dptr,
+                dst,
                 std::slice::from_raw_parts(slot.ptr as *const T, src.len()),
                 stream.cu_stream(),
             )?;

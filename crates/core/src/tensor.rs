@@ -214,6 +214,42 @@ impl Tensor {
         self.update_f32(OP, |v| v.copy_from_slice(src))
     }
 
+    /// Overwrites the elements with `src`'s, bit for bit: same dtype and element count, both
+    /// contiguous, on the same device, in different storage. On a GPU a device-to-device copy
+    /// queued on the compute stream (token ids too, which the float kernels do not take).
+    pub fn copy_from(&self, src: &Tensor) -> Result<()> {
+        const OP: &str = "copy_from";
+        if src.dtype != self.dtype || src.elem_count() != self.elem_count() {
+            let got = format!("{} {} elements", src.elem_count(), src.dtype);
+            return Err(shape_mismatch(OP, self.shape(), got));
+        }
+        if !self.device.same(&src.device) || self.shares_storage(src) {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                msg: "source and destination must be distinct storage on the same device".into(),
+            });
+        }
+        let (Some(d), Some(r)) = (self.layout.contiguous_range(), src.layout.contiguous_range()) else {
+            return Err(Error::NotContiguous { op: OP });
+        };
+        let from = src.storage();
+        let mut to = self.storage_mut();
+        match (&mut *to, &*from) {
+            (Storage::Cpu(t), Storage::Cpu(f)) => {
+                let n = self.dtype.size_in_bytes();
+                crate::storage::bytes_mut(t)[d.start * n..d.end * n].copy_from_slice(f.bytes(r));
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            (Storage::Cuda(t), Storage::Cuda(f)) => {
+                let Device::Cuda(dev) = &self.device else { unreachable!("CUDA storage on a CUDA device") };
+                t.copy_range_from(dev, d.start, f, r)
+            }
+            #[cfg(feature = "cuda")]
+            _ => unreachable!("storage on the same device is of the same kind"),
+        }
+    }
+
     /// The elements' raw bytes in row-major order, on the host (any device, layout).
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
         let t = self.to_device(&Device::Cpu)?.contiguous()?;
@@ -397,6 +433,19 @@ mod tests {
         assert_eq!(flat.to_vec_f32().unwrap(), vec![0., 0., 1., 1., 1., 1., 0., 0., 0., 0.]);
         assert!(flat.view(8, [3]).is_err());
         assert!(a.shares_storage(&flat));
+    }
+
+    #[test]
+    fn copy_from_copies_bits_between_views_and_refuses_mismatches() {
+        let src = Tensor::from_vec(vec![7u32, 8, 9, u32::MAX], [4], &Device::Cpu).unwrap();
+        let flat = Tensor::zeros([6], DType::U32, &Device::Cpu).unwrap();
+        flat.view(1, [2, 2]).unwrap().copy_from(&src).unwrap();
+        assert_eq!(flat.to_vec::<u32>().unwrap(), vec![0, 7, 8, 9, u32::MAX, 0]);
+        let e = flat.view(0, [3]).unwrap().copy_from(&src).unwrap_err().to_string();
+        assert!(e.contains("copy_from"), "{e}");
+        let f = Tensor::zeros([4], DType::F32, &Device::Cpu).unwrap();
+        assert!(f.copy_from(&src).is_err(), "u32 into f32");
+        assert!(flat.view(0, [4]).unwrap().copy_from(&flat.view(2, [4]).unwrap()).is_err(), "overlapping storage");
     }
 
     #[test]

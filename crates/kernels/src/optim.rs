@@ -87,8 +87,8 @@ impl AdamRuns {
 /// where the run has `decay`, else none) followed by [`copy_`](crate::copy_) of the master weights
 /// into the parameters. master, exp_avg, exp_avg_sq and grads are f32; params any float type.
 /// With `state` (an [`adam_state`] tensor that [`adam_prepare`] settled, on the same device) the
-/// clip factor, the step count and whether to update at all come from it instead of `h`, so the
-/// host need not read anything back first.
+/// learning rate, clip factor, step count and whether to update at all come from it instead of
+/// `h`, so the host need not read anything back first.
 #[allow(clippy::too_many_arguments)]
 pub fn adamw_runs(
     master: &Tensor,
@@ -145,7 +145,8 @@ pub fn adamw_runs(
             if s[adam_state::APPLIED] == 0.0 {
                 return Ok(());
             }
-            AdamW { grad_scale: s[adam_state::GRAD_SCALE], step: s[adam_state::STEPS] as u64, ..*h }
+            let (grad_scale, step, lr) = (s[adam_state::GRAD_SCALE], s[adam_state::STEPS] as u64, s[adam_state::LR]);
+            AdamW { grad_scale, step, lr, ..*h }
         }
         None => *h,
     };
@@ -209,17 +210,22 @@ pub mod adam_state {
     pub const BC2_SQRT: usize = 4;
     /// Updates applied so far (an integer, exact in f32 up to 2²⁴ steps).
     pub const STEPS: usize = 5;
+    /// This step's learning rate: written by the host before the step is queued, so a replayed
+    /// CUDA graph of the step reads each step's own.
+    pub const LR: usize = 6;
+    /// 1 − lr·weight_decay, the factor decayed weights are multiplied by.
+    pub const DECAY: usize = 7;
     pub const LEN: usize = 8;
 }
 
-/// What [`adam_prepare`] needs besides Σ g²: this step's learning rate, the betas, and the clip
-/// threshold (0: no clipping).
+/// What [`adam_prepare`] needs besides Σ g² and the learning rate in the state: the betas, the
+/// clip threshold (0: no clipping) and the weight decay.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamPrep {
-    pub lr: f32,
     pub beta1: f32,
     pub beta2: f32,
     pub clip_grad: f32,
+    pub weight_decay: f32,
 }
 
 /// Σ over tensors of Σ x² as a one-element f32 tensor on `device` (their device), without reading
@@ -241,11 +247,11 @@ pub fn sum_sq_dev(ts: &[&Tensor], device: &Device) -> Result<Tensor> {
     Tensor::from_vec(vec![sum_sq_all(ts)? as f32], [1], device)
 }
 
-/// Settles one step in `state` (an [`adam_state`] tensor) from `sq` = Σ g² (one f32, summed
-/// across ranks, on the same device): the norm √sq, the clip factor clip / (norm + 10⁻⁶) when the
-/// norm exceeds a positive `clip_grad` (else 1), whether the update applies (a finite norm), the
-/// step count moved on when it does, and the bias corrections for that count. Queued work only on
-/// a GPU (one thread).
+/// Settles one step in `state` (an [`adam_state`] tensor whose `LR` slot holds this step's
+/// learning rate) from `sq` = Σ g² (one f32, summed across ranks, on the same device): the norm
+/// √sq, the clip factor clip / (norm + 10⁻⁶) when the norm exceeds a positive `clip_grad` (else
+/// 1), whether the update applies (a finite norm), the step count moved on when it does, the bias
+/// corrections for that count and the decay factor. Queued work only on a GPU (one thread).
 pub fn adam_prepare(sq: &Tensor, state: &Tensor, p: &AdamPrep) -> Result<()> {
     const OP: &str = "adam_prepare";
     check::dtype(OP, sq, DType::F32)?;
@@ -272,6 +278,7 @@ fn settle(s: &mut [f32], norm: f64, p: &AdamPrep) {
         if p.clip_grad > 0.0 && norm > p.clip_grad as f64 { (p.clip_grad as f64 / (norm + 1e-6)) as f32 } else { 1.0 };
     s[APPLIED] = if ok { 1.0 } else { 0.0 };
     s[STEPS] = t as f32;
-    s[STEP_SIZE] = (p.lr as f64 / (1.0 - (p.beta1 as f64).powf(t))) as f32;
+    s[STEP_SIZE] = (s[LR] as f64 / (1.0 - (p.beta1 as f64).powf(t))) as f32;
     s[BC2_SQRT] = (1.0 - (p.beta2 as f64).powf(t)).sqrt() as f32;
+    s[DECAY] = 1.0 - s[LR] * p.weight_decay;
 }

@@ -216,13 +216,29 @@ impl Optimizer {
     /// the distributed optimizer the caller then gathers the parameters
     /// (`GradSync::gather_params`; after a skipped step that copies the unchanged shards).
     pub fn step(&mut self, table: &ParamTable, lr: f32) -> Result<(), OptimError> {
+        self.set_lr(lr)?;
+        self.apply(table)
+    }
+
+    /// Writes the next update's learning rate into the step state on the device (a small copy
+    /// queued without waiting for the stream). Kept apart from [`Optimizer::apply`] so that a
+    /// step captured as a CUDA graph reads each replay's own learning rate.
+    pub fn set_lr(&self, lr: f32) -> Result<(), OptimError> {
+        self.state.view(adam_state::LR, [1])?.copy_from_f32(&[lr])?;
+        Ok(())
+    }
+
+    /// [`Optimizer::step`] at the learning rate [`Optimizer::set_lr`] last wrote: queued work
+    /// only, nothing copied from or to the host.
+    pub fn apply(&mut self, table: &ParamTable) -> Result<(), OptimError> {
         table.settle_params()?; // every parameter value in place before its shard is updated
         let c = self.config;
         let sq = self.sum_sq(table)?;
-        k::adam_prepare(&sq, &self.state, &AdamPrep { lr, beta1: c.beta1, beta2: c.beta2, clip_grad: c.clip_grad })?;
-        // Step count and clip factor come from the state.
+        let prep = AdamPrep { beta1: c.beta1, beta2: c.beta2, clip_grad: c.clip_grad, weight_decay: c.weight_decay };
+        k::adam_prepare(&sq, &self.state, &prep)?;
+        // Learning rate, step count and clip factor come from the state.
         let h = AdamW {
-            lr,
+            lr: 0.0,
             beta1: c.beta1,
             beta2: c.beta2,
             eps: c.eps,

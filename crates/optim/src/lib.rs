@@ -10,16 +10,19 @@
 //!   distributed step; the tensor-parallel sum of sequence-parallel grads.
 //! - `train_step`: accumulation + sync + update for one global batch (`queue_train_step` queues it
 //!   without reading the loss back; `QueuedStep::read` later).
+//! - `StepGraph`: the whole step captured once as a CUDA graph and replayed (`graph`).
 //! - `LrSchedule`: Megatron's warmup + constant/linear/cosine decay to min-lr.
 
 mod adam;
 mod ddp;
+mod graph;
 mod pipeline;
 mod schedule;
 mod step;
 
 pub use adam::{AdamConfig, OptimError, Optimizer, StepStats};
 pub use ddp::{BucketPlan, GradSync, default_bucket_size};
+pub use graph::StepGraph;
 pub use pipeline::{eval_pipelined, queue_train_step_pipelined, schedule_kind, train_step_pipelined};
 pub use schedule::{DecayStyle, LrSchedule};
 pub use step::{QueuedStep, StepError, StepOutput, queue_train_step, train_step};

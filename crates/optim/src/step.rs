@@ -17,6 +17,15 @@ pub enum StepError {
     Model(#[from] ModelError),
     #[error(transparent)]
     Optim(#[from] OptimError),
+    /// The step cannot be captured or replayed as a CUDA graph (`StepGraph`).
+    #[error("CUDA graph of the training step: {0}")]
+    Graph(String),
+}
+
+impl From<ferrotron_core::Error> for StepError {
+    fn from(e: ferrotron_core::Error) -> Self {
+        StepError::Optim(OptimError::Core(e))
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -100,6 +109,22 @@ pub fn queue_train_step(
     micro_batches: &[Batch],
     lr: f32,
 ) -> Result<QueuedStep, StepError> {
+    opt.set_lr(lr)?;
+    let (losses, peak) = queue_step_work(model, table, sync, opt, micro_batches)?;
+    Ok(QueuedStep { losses, stats: opt.stats_snapshot()?, dp: sync.dp.clone(), pp: None, saved_peak_bytes: peak })
+}
+
+/// The device work of a step at the learning rate already in the optimizer's state: every
+/// micro-batch's forward and backward, the gradient sync, the update and the parameter gather.
+/// Nothing is copied from or to the host, so `graph` captures exactly this. Gives the
+/// micro-batches' losses and the peak bytes of saved activations.
+pub(crate) fn queue_step_work(
+    model: &GptModel,
+    table: &ParamTable,
+    sync: &mut GradSync,
+    opt: &mut Optimizer,
+    micro_batches: &[Batch],
+) -> Result<(Vec<MicroLoss>, usize), StepError> {
     // main_grad is not cleared: each gradient's first op stores, later ones add (`ParamTable`).
     table.defer_zero_grads();
     let cx = Cx::new(table, true);
@@ -120,9 +145,9 @@ pub fn queue_train_step(
         }
     }
     sync.finish(table).map_err(OptimError::from)?;
-    opt.step(table, lr)?;
+    opt.apply(table)?;
     // Unconditionally: whether the step applied is known on the device only (a skipped step's
     // gather copies the unchanged shards).
     sync.gather_params(table).map_err(OptimError::from)?;
-    Ok(QueuedStep { losses, stats: opt.stats_snapshot()?, dp: sync.dp.clone(), pp: None, saved_peak_bytes: peak })
+    Ok((losses, peak))
 }

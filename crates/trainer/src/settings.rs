@@ -196,6 +196,19 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip)]
     pub profile_trace: Option<PathBuf>,
+    /// Megatron's CUDA graph implementation: none (default) or local (Ferrotron's own capture).
+    #[arg(long)]
+    #[serde(skip)]
+    pub cuda_graph_impl: Option<String>,
+    /// What the graph covers; full_iteration (the whole step: forward, backward, optimizer) is
+    /// the scope Ferrotron captures.
+    #[arg(long, num_args = 1..)]
+    #[serde(skip)]
+    pub cuda_graph_scope: Vec<String>,
+    /// Eager steps before the step is captured (default 3, as Megatron; at least 1).
+    #[arg(long)]
+    #[serde(skip)]
+    pub cuda_graph_warmup_steps: Option<usize>,
     /// Ranks as threads of this process (CPU); a launcher's WORLD_SIZE is the other way.
     #[arg(long)]
     #[serde(skip)]
@@ -256,7 +269,7 @@ impl TrainArgs {
             micro_batch_size, global_batch_size, train_iters, lr, min_lr, lr_decay_style, lr_warmup_iters, lr_warmup_fraction,
             lr_decay_iters, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad, norm_epsilon, make_vocab_size_divisible_by,
             hidden_dropout, attention_dropout, window_size, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, corpus_docs,
-            exit_interval, device, profile_step_start, profile_step_end, profile_trace, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s,
+            exit_interval, device, cuda_graph_impl, cuda_graph_warmup_steps, profile_step_start, profile_step_end, profile_trace, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s,
             pipeline_model_parallel_size, num_layers_per_virtual_pipeline_stage, decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers);
         merge_flags!(self, o; swiglu, untie_embeddings_and_output_weights, disable_bias_linear, qk_layernorm, bf16, fp16, no_progress, deterministic_mode,
@@ -264,6 +277,9 @@ impl TrainArgs {
             use_flash_attn, finetune, no_load_optim);
         if !o.profile_ranks.is_empty() {
             self.profile_ranks = o.profile_ranks.clone();
+        }
+        if !o.cuda_graph_scope.is_empty() {
+            self.cuda_graph_scope = o.cuda_graph_scope.clone();
         }
     }
 }
@@ -428,6 +444,9 @@ pub struct Paths {
     pub deterministic: bool,
     /// Megatron's --profile: the steps a CUDA profiler range covers on the ranks that profile.
     pub profile: Option<ProfileRange>,
+    /// `--cuda-graph-impl local --cuda-graph-scope full_iteration`: the whole step replayed as a
+    /// CUDA graph after this many eager warm-up steps.
+    pub cuda_graph_warmup: Option<usize>,
 }
 
 /// What `--load` restores.
@@ -467,6 +486,7 @@ impl Default for Paths {
             timeout: std::time::Duration::from_secs(600),
             deterministic: false,
             profile: None,
+            cuda_graph_warmup: None,
         }
     }
 }
@@ -499,6 +519,56 @@ fn profile_range(a: &TrainArgs, device: &ferrotron_core::Device) -> anyhow::Resu
     }
     let ranks = if a.profile_ranks.is_empty() { vec![0] } else { a.profile_ranks.clone() };
     Ok(Some(ProfileRange { start, end, ranks, trace: a.profile_trace.clone() }))
+}
+
+/// `--cuda-graph-impl`, `--cuda-graph-scope` and `--cuda-graph-warmup-steps`, checked: the
+/// warm-up steps before the step is graphed, or None without graphs.
+fn cuda_graph(
+    a: &TrainArgs,
+    s: &Settings,
+    device: &ferrotron_core::Device,
+    world: usize,
+) -> anyhow::Result<Option<usize>> {
+    match a.cuda_graph_impl.as_deref() {
+        None | Some("none") => {
+            if !a.cuda_graph_scope.is_empty() || a.cuda_graph_warmup_steps.is_some() {
+                bail!(
+                    "--cuda-graph-scope and --cuda-graph-warmup-steps take effect with --cuda-graph-impl local: add it"
+                );
+            }
+            return Ok(None);
+        }
+        Some("local") => {}
+        Some("transformer_engine") => bail!(
+            "--cuda-graph-impl transformer_engine: Ferrotron has no Transformer Engine; use --cuda-graph-impl local"
+        ),
+        Some(o) => bail!("--cuda-graph-impl {o}: use none or local"),
+    }
+    if let Some(o) = a.cuda_graph_scope.iter().find(|x| x.as_str() != "full_iteration") {
+        bail!(
+            "--cuda-graph-scope {o}: Ferrotron graphs the whole step only; use --cuda-graph-scope full_iteration (the default with --cuda-graph-impl local)"
+        );
+    }
+    if world > 1 {
+        bail!(
+            "--cuda-graph-impl local runs on one GPU for now ({world} ranks asked for): graphs with collectives inside are not yet tested; drop it for multi-GPU runs"
+        );
+    }
+    if s.hidden_dropout > 0.0 {
+        bail!(
+            "--cuda-graph-impl local with --hidden-dropout {}: a replayed step would reuse the captured step's dropout masks; use --hidden-dropout 0",
+            s.hidden_dropout
+        );
+    }
+    if a.cuda_graph_warmup_steps == Some(0) {
+        bail!(
+            "--cuda-graph-warmup-steps 0: at least one eager step must come first (it picks the GEMM algorithms and makes the buffers the graph reuses)"
+        );
+    }
+    if device.is_cpu() {
+        bail!("--cuda-graph-impl local captures CUDA work: run with --device cuda (or drop it)");
+    }
+    Ok(Some(a.cuda_graph_warmup_steps.unwrap_or(3)))
 }
 
 fn preset_defaults(name: &str) -> anyhow::Result<TrainArgs> {
@@ -687,6 +757,7 @@ impl Settings {
         };
         let timeout = std::time::Duration::from_secs(a.distributed_timeout_s.unwrap_or(600).max(1));
         let profile = profile_range(&a, &device)?;
+        let cuda_graph_warmup = cuda_graph(&a, &s, &device, launch.world_size())?;
         let metrics = a.metrics_file.or_else(|| a.save.as_ref().map(|d| d.join("metrics.jsonl")));
         let paths = Paths {
             save: a.save,
@@ -700,6 +771,7 @@ impl Settings {
             timeout,
             deterministic: a.deterministic_mode,
             profile,
+            cuda_graph_warmup,
         };
         Ok((s, paths))
     }
@@ -957,6 +1029,36 @@ mod tests {
         assert!(parse("--kv-channels 0").unwrap_err().to_string().contains("--kv-channels"));
         let e = parse("--make-vocab-size-divisible-by 0").unwrap_err().to_string();
         assert!(e.contains("--make-vocab-size-divisible-by"), "{e}");
+    }
+
+    #[test]
+    fn cuda_graph_flags_are_checked() {
+        let paths = |line: &str| -> anyhow::Result<Paths> {
+            #[derive(clap::Parser)]
+            struct Cli {
+                #[command(flatten)]
+                args: TrainArgs,
+            }
+            let cli = <Cli as clap::Parser>::try_parse_from(std::iter::once("train").chain(line.split_whitespace()))?;
+            Ok(Settings::resolve(&cli.args)?.1)
+        };
+        assert_eq!(paths("").unwrap().cuda_graph_warmup, None);
+        assert_eq!(paths("--cuda-graph-impl none").unwrap().cuda_graph_warmup, None);
+        let err = |line: &str| paths(line).unwrap_err().to_string();
+        let e = err("--cuda-graph-impl local");
+        assert!(e.contains("--device cuda"), "{e}");
+        let e = err("--cuda-graph-impl local --cuda-graph-scope attn");
+        assert!(e.contains("--cuda-graph-scope attn") && e.contains("full_iteration"), "{e}");
+        let e = err("--cuda-graph-impl local --hidden-dropout 0.1");
+        assert!(e.contains("--hidden-dropout 0"), "{e}");
+        let e = err("--cuda-graph-impl local --nproc 2");
+        assert!(e.contains("one GPU"), "{e}");
+        let e = err("--cuda-graph-impl transformer_engine");
+        assert!(e.contains("--cuda-graph-impl local"), "{e}");
+        assert!(err("--cuda-graph-impl cudagraph").contains("none or local"));
+        assert!(err("--cuda-graph-impl local --cuda-graph-warmup-steps 0").contains("at least one eager step"));
+        let e = err("--cuda-graph-scope full_iteration --cuda-graph-warmup-steps 2");
+        assert!(e.contains("--cuda-graph-impl local"), "{e}");
     }
 
     #[test]

@@ -9,8 +9,8 @@ use ferrotron_comm::{run_ranks, thread_world};
 use ferrotron_core::{Cx, DType, Device, Draw, ParamTable, Tensor};
 use ferrotron_data::{Sampler, TokenSplit, Tokenizer, corpus, split_documents};
 use ferrotron_optim::{
-    AdamConfig, GradSync, LrSchedule, Optimizer, QueuedStep, default_bucket_size, eval_pipelined, queue_train_step,
-    queue_train_step_pipelined,
+    AdamConfig, GradSync, LrSchedule, Optimizer, QueuedStep, StepGraph, default_bucket_size, eval_pipelined,
+    queue_train_step, queue_train_step_pipelined,
 };
 use ferrotron_parallel::{ProcessGroups, TensorParallel};
 use ferrotron_transformer::{Batch, GptModel};
@@ -56,6 +56,8 @@ pub struct Summary {
     /// This rank is the one that logs (global rank 0): a launched run's other processes print no
     /// summary either, so their lines cannot cut into rank 0's.
     pub logs: bool,
+    /// Steps run by replaying the step's CUDA graph (`--cuda-graph-impl local`).
+    pub graphed_steps: u64,
 }
 
 /// The data the run trains and evaluates on.
@@ -356,7 +358,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         }
         _ => None,
     });
-    let mut summary = Summary { losses: vec![], evals: vec![], checkpoints: vec![], logs: rank0 };
+    let mut summary = Summary { losses: vec![], evals: vec![], checkpoints: vec![], logs: rank0, graphed_steps: 0 };
     let (dp, dp_rank) = (layout.dp, g.dp.rank());
     let micro_per_rank = s.num_micro_batches() / dp;
     let table_text = layout_table(&g, &table, &opt, s.sequence_parallel)?;
@@ -399,6 +401,8 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     // interval (or the end of training), not after every step.
     let mut queued: Vec<(u64, QueuedStep)> = Vec::new();
     let first_iteration = iteration + 1;
+    // --cuda-graph-impl local: the step graphed after its warm-up steps (one GPU, checked).
+    let mut graph = paths.cuda_graph_warmup.map(StepGraph::new);
     // Megatron's --profile: a CUDA profiler range over steps start + 1 ..= end on the ranks listed.
     let profile = paths.profile.as_ref().filter(|p| p.ranks.contains(&g.world.rank()));
     while iteration < s.train_iters {
@@ -425,6 +429,13 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         let lr = sched.lr_at(iteration);
         let step = if pipelined {
             queue_train_step_pipelined(&model, &table, &mut sync, &mut opt, &g.pipeline, &g.pp, &micros, lr as f32)?
+        } else if let Some(gr) = graph.as_mut() {
+            let was = gr.is_captured();
+            let q = gr.queue(&model, &table, &mut sync, &mut opt, &micros, lr as f32)?;
+            if !was && gr.is_captured() && rank0 {
+                pb.suspend(|| eprintln!("iteration {iteration}: step captured as a CUDA graph, replayed from here on"));
+            }
+            q
         } else {
             queue_train_step(&model, &table, &mut sync, &mut opt, &micros, lr as f32)?
         };
@@ -507,6 +518,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     }
     read_queued(&mut queued, &mut summary)?;
     pb.finish_and_clear();
+    summary.graphed_steps = graph.map_or(0, |g| g.launches());
     Ok(summary)
 }
 

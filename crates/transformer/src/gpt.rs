@@ -101,6 +101,9 @@ pub struct GptModel {
     pub tp: TensorParallel,
     /// Hidden dropout on the embedding's output (first stage, rate above 0).
     embedding_dropout: Option<HiddenDropout>,
+    /// The last position ids uploaded (learned absolute positions): every step of a run asks for
+    /// the same ones, and a step captured as a CUDA graph may copy nothing from the host.
+    positions: std::sync::Mutex<Option<Tensor>>,
 }
 
 /// What the loss end of a forward keeps.
@@ -244,6 +247,7 @@ impl GptModel {
             plan: plan.clone(),
             tp: tp.clone(),
             embedding_dropout,
+            positions: std::sync::Mutex::new(None),
         };
         Ok((model, table))
     }
@@ -277,8 +281,15 @@ impl GptModel {
         } else {
             (0, t)
         };
+        let mut cached = self.positions.lock().unwrap_or_else(|e| e.into_inner());
+        // The start is rank × len under SP and 0 otherwise, so (b, len) decide the ids.
+        if let Some(p) = cached.as_ref().filter(|p| p.dims() == [b, len] && p.device().same(tokens.device())) {
+            return Ok(Some(p.clone()));
+        }
         let ids: Vec<u32> = (0..b).flat_map(|_| (start..start + len).map(|i| i as u32)).collect();
-        Ok(Some(Tensor::from_vec(ids, [b, len], tokens.device())?))
+        let p = Tensor::from_vec(ids, [b, len], tokens.device())?;
+        *cached = Some(p.clone());
+        Ok(Some(p))
     }
 
     fn embed(&self, cx: &Cx, tokens: &Tensor) -> Result<(Tensor, Option<Tensor>)> {

@@ -288,7 +288,7 @@ pub(crate) fn flash_bwd_ws() -> bool {
 /// Whether this thread's ops must give the same bits on every run (off by default, as Megatron's
 /// `--deterministic-mode`): on, the flash backward computes dQ in its own kernel instead of adding
 /// it from the dK/dV kernel by bulk reductions in scheduling order (two more matrix products per
-/// tile).
+/// tile), and the embedding's scatter-add sums each row in position order instead of by atomics.
 pub fn set_deterministic(on: bool) {
     DETERMINISTIC.with(|d| d.set(on));
 }

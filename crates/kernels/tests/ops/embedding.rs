@@ -66,3 +66,31 @@ device_test!(vocab_shards_sum_to_the_whole, |dev: &Device| {
     let e = k::embedding_fwd_shard(&too_big, &shard, 0, v).unwrap_err();
     assert!(e.to_string().contains('9'), "{e}");
 });
+
+// Deterministic mode on a GPU (`cuda::set_deterministic`): the scatter-add sums every row's
+// positions in order, so the gradient equals the CPU's bit for bit, run after run, with many
+// repeated ids, more positions than one 256-id chunk, and a shard of rows spanning several
+// 64-row blocks.
+#[cfg(feature = "cuda")]
+#[test]
+fn deterministic_scatter_add_equals_the_cpu_bit_for_bit() {
+    let gpu = Device::cuda(0).expect("a CUDA device for the cuda tests");
+    let (n, v, c, start) = (700usize, 150usize, 96usize, 20usize);
+    let ids: Vec<u32> = (0..n).map(|i| ((i * 7919) % 23 + (i % 5) * 31) as u32 % v as u32).collect();
+    let dout: Vec<f32> = randv(n * c, 3).iter().map(|&x| x as f32).collect();
+    let g0: Vec<f32> = randv((v - start) * c, 4).iter().map(|&x| x as f32).collect();
+    let run = |dev: &Device| {
+        let g = Tensor::from_f32(&g0, [v - start, c], DType::F32, dev).unwrap();
+        let idt = Tensor::from_vec(ids.clone(), [n], dev).unwrap();
+        let d = Tensor::from_f32(&dout, [n, c], DType::F32, dev).unwrap();
+        k::embedding_bwd_shard(&idt, &d, &g, start, v).unwrap();
+        g.to_vec_f32().unwrap()
+    };
+    let cpu = run(&Device::Cpu);
+    ferrotron_kernels::cuda::set_deterministic(true);
+    let (a, b) = (run(&gpu), run(&gpu));
+    ferrotron_kernels::cuda::set_deterministic(false);
+    assert!(cpu.iter().zip(&g0).any(|(x, y)| x != y), "the gradient moved");
+    assert_eq!(a, cpu, "deterministic CUDA scatter-add against the CPU");
+    assert_eq!(a, b, "two deterministic runs");
+}

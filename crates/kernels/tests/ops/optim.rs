@@ -100,9 +100,10 @@ device_test!(adamw_runs_updates_each_run_and_writes_params, |dev: &Device| {
 device_test!(adamw_runs_from_the_device_state, |dev: &Device| {
     use ferrotron_core::DType;
     use k::{AdamPrep, AdamRun, AdamRuns, adam_state as st};
-    // The step settled on the device (Σ g², clip factor, skip flag, bias corrections) against the
-    // reference fed the same values from the host: two clipped steps, a skipped one (a NaN
-    // gradient: nothing moves, the count stays), then an unclipped one.
+    // The step settled on the device (Σ g², clip factor, skip flag, bias corrections, decay, each
+    // step's own learning rate written into the state) against the reference fed the same values
+    // from the host: two clipped steps, a skipped one (a NaN gradient: nothing moves, the count
+    // stays), then an unclipped one.
     let n = 5_000;
     let runs = vec![AdamRun { flat: 0, state: 0, len: n, decay: true }];
     let table = AdamRuns::new(runs, dev).unwrap();
@@ -120,7 +121,9 @@ device_test!(adamw_runs_from_the_device_state, |dev: &Device| {
         }
         let gt = t32(dev, &g, &[n]);
         let sq = k::sum_sq_dev(&[&gt], dev).unwrap();
-        let prep = AdamPrep { lr: base.lr, beta1: base.beta1, beta2: base.beta2, clip_grad: clip };
+        let lr = base.lr * (1.0 + 0.5 * i as f32);
+        state.view(st::LR, [1]).unwrap().copy_from_f32(&[lr]).unwrap();
+        let prep = AdamPrep { beta1: base.beta1, beta2: base.beta2, clip_grad: clip, weight_decay: base.weight_decay };
         k::adam_prepare(&sq, &state, &prep).unwrap();
         k::adamw_runs(&pt, &mt, &vt, &gt, &params, &table, &base, Some(&state)).unwrap();
         let s = host(&state);
@@ -132,10 +135,11 @@ device_test!(adamw_runs_from_the_device_state, |dev: &Device| {
             let scale = if norm > clip as f64 { clip as f64 / (norm + 1e-6) } else { 1.0 };
             assert!(s[st::APPLIED] == 1.0 && (s[st::GRAD_NORM] - norm).abs() < 1e-5 * norm, "{s:?}");
             assert!((s[st::GRAD_SCALE] - scale).abs() < 1e-5 * scale, "{s:?} vs {scale}");
-            let h = AdamW { step: steps, grad_scale: scale as f32, ..base };
+            let h = AdamW { step: steps, grad_scale: scale as f32, lr, ..base };
             reference(&mut p, &g, &mut m, &mut v, &h);
         }
         assert_eq!(s[st::STEPS], steps as f64, "step count after step {i}");
+        assert_eq!(s[st::DECAY], (1.0 - lr * base.weight_decay) as f64, "decay factor after step {i}");
     }
     assert_close(&host(&pt), &p, 1e-5, 1e-6, "master");
     assert_close(&host(&mt), &m, 1e-5, 1e-6, "m");

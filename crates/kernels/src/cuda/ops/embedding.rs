@@ -98,21 +98,23 @@ pub fn embedding_bwd(be: &B, ids: &Tensor, dout: &Tensor, dtable: &Tensor, vocab
         return Err(Error::NotImplemented { op: "embedding_bwd", device: "cuda into a non-f32 gradient table".into() });
     }
     let c = dtable.dims()[1];
-    let name = format!("embedding_bwd_{}", sfx("embedding_bwd", dout.dtype())?);
-    ew(
-        be,
-        &name,
-        dout.elem_count(),
-        &[
-            ptr("emb", ids)?,
-            ptr("emb", dout)?,
-            ptr("emb", dtable)?,
-            n(ids.elem_count()),
-            n(c),
-            n(vocab_start),
-            n(dtable.dims()[0]),
-        ],
-    )
+    let sfx = sfx("embedding_bwd", dout.dtype())?;
+    let args = [
+        ptr("emb", ids)?,
+        ptr("emb", dout)?,
+        ptr("emb", dtable)?,
+        n(ids.elem_count()),
+        n(c),
+        n(vocab_start),
+        n(dtable.dims()[0]),
+    ];
+    if crate::cuda::deterministic() {
+        // Every row's sums in position order (kernels/embedding.cu `embedding_bwd_rows`): the
+        // atomics' order depends on scheduling.
+        let blocks = dtable.dims()[0].div_ceil(64) as u32;
+        return be.launch(&format!("embedding_bwd_rows_{sfx}"), blocks, 256, 0, &args);
+    }
+    ew(be, &format!("embedding_bwd_{sfx}"), dout.elem_count(), &args)
 }
 
 /// The QKV split/merge over `len` elements of head segments of `d`: eight per thread when d divides

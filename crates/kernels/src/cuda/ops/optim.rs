@@ -38,7 +38,7 @@ pub struct AdamTensors<'a> {
 }
 
 /// `adamw` over the runs in `table` (kernels/optim.cu `adamw_runs_*`, one block per chunk), writing
-/// params too; with a state, its clip factor, bias corrections and skip flag instead of `h`'s.
+/// params too; with a state, its clip factor, bias corrections, decay and skip flag instead of `h`'s.
 pub fn adamw_runs(be: &B, x: &AdamTensors, table: &Tensor, chunks: usize, h: &crate::AdamW) -> Result<()> {
     let op = "adamw_runs";
     let mut args = vec![ptr(op, x.p)?, ptr(op, x.g)?, ptr(op, x.m)?, ptr(op, x.v)?, ptr(op, x.params)?];
@@ -65,8 +65,14 @@ pub fn sum_sq_dev(be: &B, xs: &[&Tensor]) -> Result<Tensor> {
 
 pub fn adam_prepare(be: &B, sq: &Tensor, state: &Tensor, p: &crate::AdamPrep) -> Result<()> {
     let op = "adam_prepare";
-    let args =
-        [ptr(op, sq)?, ptr(op, state)?, Arg::F32(p.lr), Arg::F32(p.beta1), Arg::F32(p.beta2), Arg::F32(p.clip_grad)];
+    let args = [
+        ptr(op, sq)?,
+        ptr(op, state)?,
+        Arg::F32(p.beta1),
+        Arg::F32(p.beta2),
+        Arg::F32(p.clip_grad),
+        Arg::F32(p.weight_decay),
+    ];
     be.launch(op, 1, 32, 0, &args)
 }
 

@@ -1,0 +1,181 @@
+//! A whole training step captured once as a CUDA graph and replayed every step after it
+//! (Megatron's `--cuda-graph-impl local --cuda-graph-scope full_iteration`). One launch queues
+//! the step's several hundred kernels, memsets and GEMMs, so the GPU runs them without the gaps
+//! of launching them one by one.
+//!
+//! A replay repeats what was captured: the same kernels with the same arguments on the same
+//! buffers. So before each replay the step's batches are copied into the captured batches'
+//! buffers and its learning rate into the optimizer's state (`Optimizer::set_lr`), and after it
+//! the losses the graph wrote are copied out. A step whose batches differ from the captured ones
+//! in shape or in the number of tokens the loss counts (1/tokens is a kernel argument) runs
+//! eagerly instead. Hidden dropout draws its masks from offsets the host passes each step, so a
+//! model with dropout is refused.
+//!
+//! Architecture invariant: a replayed step gives the bits an eager step gives on the same inputs
+//! (the same kernels run in the same order; the CUDA training tests compare the two runs).
+
+use crate::{GradSync, OptimError, Optimizer, QueuedStep, StepError, queue_train_step, step::queue_step_work};
+use ferrotron_core::{DType, Graph, ParamTable, Tensor};
+use ferrotron_transformer::{Batch, GptModel, MicroLoss};
+
+/// The steps of a run with the step graphed: `warmup` eager steps (GEMM algorithm choices,
+/// kernel loading and the allocator's pool settle in them), then a capture, then replays.
+pub struct StepGraph {
+    warmup: usize,
+    eager: usize,
+    captured: Option<Captured>,
+    launches: u64,
+}
+
+struct Captured {
+    graph: Graph,
+    /// The batches the graph reads; each replay's batches are copied into them.
+    inputs: Vec<Batch>,
+    /// Per micro-batch, the per-token losses the graph writes (allocated before the capture, so
+    /// they outlive each replay).
+    losses: Vec<Tensor>,
+    saved_peak_bytes: usize,
+}
+
+impl StepGraph {
+    /// Graphs the steps after the first `warmup_steps` (Megatron's `--cuda-graph-warmup-steps`),
+    /// at least one: the first step chooses GEMM algorithms (timing some) and uploads what later
+    /// steps reuse, none of which a capture may do.
+    pub fn new(warmup_steps: usize) -> Self {
+        StepGraph { warmup: warmup_steps.max(1), eager: 0, captured: None, launches: 0 }
+    }
+
+    /// Steps run by launching the graph (the captured one included).
+    pub fn launches(&self) -> u64 {
+        self.launches
+    }
+
+    /// Whether a captured graph replays the steps that fit it.
+    pub fn is_captured(&self) -> bool {
+        self.captured.is_some()
+    }
+
+    /// `queue_train_step`, eagerly during the warm-up and for batches the graph does not fit,
+    /// else by replaying the captured step (capturing it first).
+    pub fn queue(
+        &mut self,
+        model: &GptModel,
+        table: &ParamTable,
+        sync: &mut GradSync,
+        opt: &mut Optimizer,
+        micro_batches: &[Batch],
+        lr: f32,
+    ) -> Result<QueuedStep, StepError> {
+        if model.config.hidden_dropout > 0.0 {
+            return Err(StepError::Graph(format!(
+                "the model has hidden dropout {}: a replayed graph would reuse the captured step's masks; \
+                 train with --hidden-dropout 0, or without --cuda-graph-impl local",
+                model.config.hidden_dropout
+            )));
+        }
+        if self.eager < self.warmup {
+            self.eager += 1;
+            return queue_train_step(model, table, sync, opt, micro_batches, lr);
+        }
+        let q = match &self.captured {
+            Some(c) if c.fits(micro_batches) => c.replay(sync, opt, micro_batches, lr)?,
+            Some(_) => return queue_train_step(model, table, sync, opt, micro_batches, lr),
+            None => {
+                let c = Captured::capture(model, table, sync, opt, micro_batches, lr)?;
+                c.graph.launch().map_err(OptimError::from)?;
+                let q = c.queued(sync, opt, micro_batches)?;
+                self.captured = Some(c);
+                q
+            }
+        };
+        self.launches += 1;
+        Ok(q)
+    }
+}
+
+impl Captured {
+    fn capture(
+        model: &GptModel,
+        table: &ParamTable,
+        sync: &mut GradSync,
+        opt: &mut Optimizer,
+        micro_batches: &[Batch],
+        lr: f32,
+    ) -> Result<Captured, StepError> {
+        let dev = match micro_batches.first() {
+            Some(b) => b.tokens.device().clone(),
+            None => return Err(StepError::Graph("a step of no micro-batches has nothing to capture".into())),
+        };
+        // Allocated before the capture: buffers inside it belong to the graph and are freed in it.
+        let losses = micro_batches
+            .iter()
+            .map(|b| Tensor::zeros([b.tokens.elem_count()], DType::F32, &dev))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(OptimError::from)?;
+        let inputs = micro_batches.to_vec();
+        opt.set_lr(lr)?;
+        let (graph, saved_peak_bytes) = dev.capture(|| -> Result<usize, StepError> {
+            let (step_losses, peak) = queue_step_work(model, table, sync, opt, &inputs)?;
+            for (l, keep) in step_losses.iter().zip(&losses) {
+                if l.per_token.elem_count() != keep.elem_count() {
+                    return Err(StepError::Graph(format!(
+                        "the loss has {} values for a micro-batch of {} tokens",
+                        l.per_token.elem_count(),
+                        keep.elem_count()
+                    )));
+                }
+                keep.copy_from(&l.per_token).map_err(OptimError::from)?;
+            }
+            Ok(peak)
+        })?;
+        Ok(Captured { graph, inputs, losses, saved_peak_bytes })
+    }
+
+    /// Whether `micro_batches` can take the captured batches' place: as many, each of the same
+    /// shapes, dtypes and loss token count.
+    fn fits(&self, micro_batches: &[Batch]) -> bool {
+        let same = |a: &Tensor, b: &Tensor| a.dims() == b.dims() && a.dtype() == b.dtype();
+        self.inputs.len() == micro_batches.len()
+            && self.inputs.iter().zip(micro_batches).all(|(c, b)| {
+                same(&c.tokens, &b.tokens)
+                    && same(&c.labels, &b.labels)
+                    && same(&c.loss_mask, &b.loss_mask)
+                    && c.num_tokens() == b.num_tokens()
+            })
+    }
+
+    fn replay(
+        &self,
+        sync: &GradSync,
+        opt: &Optimizer,
+        micro_batches: &[Batch],
+        lr: f32,
+    ) -> Result<QueuedStep, StepError> {
+        for (c, b) in self.inputs.iter().zip(micro_batches) {
+            for (to, from) in [(&c.tokens, &b.tokens), (&c.labels, &b.labels), (&c.loss_mask, &b.loss_mask)] {
+                to.copy_from(from).map_err(OptimError::from)?;
+            }
+        }
+        opt.set_lr(lr)?;
+        self.graph.launch().map_err(OptimError::from)?;
+        self.queued(sync, opt, micro_batches)
+    }
+
+    /// The launched step's results, copied out of the graph's buffers (queued work: the next
+    /// replay may overwrite them before the host reads the losses).
+    fn queued(&self, sync: &GradSync, opt: &Optimizer, micro_batches: &[Batch]) -> Result<QueuedStep, StepError> {
+        let mut losses = Vec::with_capacity(self.losses.len());
+        for (l, b) in self.losses.iter().zip(micro_batches) {
+            let per_token = Tensor::empty(l.shape().clone(), DType::F32, l.device()).map_err(OptimError::from)?;
+            per_token.copy_from(l).map_err(OptimError::from)?;
+            losses.push(MicroLoss { per_token, num_tokens: b.num_tokens() });
+        }
+        Ok(QueuedStep {
+            losses,
+            stats: opt.stats_snapshot()?,
+            dp: sync.dp.clone(),
+            pp: None,
+            saved_peak_bytes: self.saved_peak_bytes,
+        })
+    }
+}
