@@ -184,39 +184,6 @@ pub fn matmul_into(c: &Tensor, a: &Tensor, b: &Tensor, ta: bool, tb: bool, accum
     c.update_f32(OP, |cv| cpu::matmul::gemm_batched(d.batch, d.m, d.n, d.k, &av, ta, &bv, tb, cv, accumulate, 1.0))
 }
 
-/// A linear layer's parameter gradients, y = x·Wᵀ + b: dw (+)= dyᵀ·x [out, in] and db (+)= Σ rows
-/// of dy [out] (as `acc`; f32 destinations, dy [rows, out], x [rows, in]). On a GPU with
-/// `cuda::set_wgrad_bias_epilogue` on, one cuBLASLt product writes both (its BGRADB epilogue);
-/// otherwise, or where cuBLASLt has no algorithm for it, `matmul_into` then `bias_grad_into`.
-pub fn linear_grads_into(dw: &Tensor, db: &Tensor, dy: &Tensor, x: &Tensor, acc: bool) -> Result<()> {
-    const OP: &str = "linear_grads_into";
-    check::float(OP, dy)?;
-    check::same_dtype(OP, dy, x)?;
-    let (rows, out, inp) = (dy.shape().rows(), dy.shape().last(), x.shape().last());
-    if x.shape().rows() != rows {
-        return Err(shape_mismatch(OP, format!("x with dy's {rows} rows"), x.dims()));
-    }
-    check::shape(OP, dw, &[out, inp])?;
-    check::shape(OP, db, &[out])?;
-    #[cfg(feature = "cuda")]
-    if dy.dtype() == DType::BF16
-        && dw.dtype() == DType::F32
-        && db.dtype() == DType::F32
-        && crate::cuda::wgrad_bias_epilogue()
-        && !dw.shares_storage(dy)
-        && !dw.shares_storage(x)
-        && !db.shares_storage(dy)
-        && let Some(g) = crate::cuda::gpu(OP, &[dw, db, dy, x])?
-    {
-        let (dy2, x2) = (dy.reshape([rows, out])?, x.reshape([rows, inp])?);
-        if crate::cuda::ops::wgrad_bias_into_f32(&g, dw, db, &dy2, &x2, acc)? {
-            return Ok(());
-        }
-    }
-    matmul_into(dw, &dy.reshape([rows, out])?, &x.reshape([rows, inp])?, true, false, acc)?;
-    crate::bias_grad_into(db, dy, acc)
-}
-
 /// Gradients (da, db) of c = op(a)·op(b) given dc, shaped like a and b.
 pub fn matmul_bwd(a: &Tensor, b: &Tensor, dc: &Tensor, ta: bool, tb: bool) -> Result<(Tensor, Tensor)> {
     const OP: &str = "matmul_bwd";

@@ -21,17 +21,13 @@ fn saved_one<'a>(op: &'static str, s: &'a Saved) -> Result<&'a Tensor> {
 fn param_grads(cx: &Cx, w: ParamId, b: Option<ParamId>, x: &Tensor, dy: &Tensor) -> Result<()> {
     let (out, inp) = (dy.shape().last(), x.shape().last());
     let rows = dy.elem_count() / out.max(1);
-    let (dy, x) = (dy.reshape([rows, out])?, x.reshape([rows, inp])?);
-    match b {
-        Some(b) => {
-            let (g, acc) = cx.params.grads_acc(&[w, b])?;
-            k::linear_grads_into(&g[0], &g[1], &dy, &x, acc)
-        }
-        None => {
-            let (dw, acc) = cx.params.grad_acc(w)?;
-            k::matmul_into(&dw, &dy, &x, true, false, acc)
-        }
+    let (dw, acc) = cx.params.grad_acc(w)?;
+    k::matmul_into(&dw, &dy.reshape([rows, out])?, &x.reshape([rows, inp])?, true, false, acc)?;
+    if let Some(b) = b {
+        let (db, acc) = cx.params.grad_acc(b)?;
+        k::bias_grad_into(&db, dy, acc)?;
     }
+    Ok(())
 }
 
 #[derive(Debug, Clone)]

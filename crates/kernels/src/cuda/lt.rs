@@ -32,9 +32,6 @@ pub(crate) enum Epilogue {
     DGelu {
         aux: u64,
     },
-    /// A·B into D and Σ over k of B into `bias` [n] (stored, in D's type): a linear layer's bias
-    /// gradient from its weight-gradient product.
-    BGradB(u64),
 }
 
 impl Epilogue {
@@ -45,7 +42,6 @@ impl Epilogue {
             Epilogue::GeluAux { bias: Some(_), .. } => Epi::CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
             Epilogue::GeluAux { bias: None, .. } => Epi::CUBLASLT_EPILOGUE_GELU_AUX,
             Epilogue::DGelu { .. } => Epi::CUBLASLT_EPILOGUE_DGELU,
-            Epilogue::BGradB(_) => Epi::CUBLASLT_EPILOGUE_BGRADB,
         }
     }
 }
@@ -185,23 +181,6 @@ pub(crate) unsafe fn matmul_into_f32(be: &Backend, cfg: &MatmulConfig, a: u64, b
     unsafe { run(be, cfg, a, b, d, Epilogue::None, Out::F32) }
 }
 
-/// `matmul_into_f32` with the BGRADB epilogue: Σ over k of op(B) stored into the fp32 vector at
-/// `bias` [n].
-///
-/// # Safety
-/// As `matmul_into_f32`, and `bias` holds n fp32 values.
-pub(crate) unsafe fn matmul_into_f32_bgrad(
-    be: &Backend,
-    cfg: &MatmulConfig,
-    a: u64,
-    b: u64,
-    d: u64,
-    bias: u64,
-) -> Result<()> {
-    // SAFETY: the caller's guarantee.
-    unsafe { run(be, cfg, a, b, d, Epilogue::BGradB(bias), Out::F32) }
-}
-
 /// The element type of C and D (A and B are bf16).
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 enum Out {
@@ -234,10 +213,8 @@ unsafe fn run(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d: u64, epi: Epi
         Epilogue::Bias(p) => (p, 0),
         Epilogue::GeluAux { bias, aux } => (bias.unwrap_or(0), aux),
         Epilogue::DGelu { aux } => (0, aux),
-        Epilogue::BGradB(p) => (p, 0),
     };
-    // The bias gradient's vector is written by the product: its address counts too.
-    let align = alignment(&[a, b, d, aux, if matches!(epi, Epilogue::BGradB(_)) { bias } else { 0 }]);
+    let align = alignment(&[a, b, d, aux]);
     let bf = sys::cudaDataType_t::CUDA_R_16BF;
     let (a_rows, a_cols) = if cfg.transa { (cfg.k, cfg.m) } else { (cfg.m, cfg.k) };
     let (b_rows, b_cols) = if cfg.transb { (cfg.n, cfg.k) } else { (cfg.k, cfg.n) };

@@ -92,8 +92,6 @@ thread_local! {
     static FLASH_BIAS_GRAD: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static FLASH_BIAS_GRAD_RUNS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     static NORM_FUSED: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
-    static WGRAD_BGRAD: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
-    static WGRAD_BGRAD_RUNS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
 /// Whether this thread's wgmma flash kernels are the warp-specialised ones, forward and backward
@@ -238,34 +236,6 @@ pub(crate) fn count_flash_bias_grad_run() {
 pub(crate) fn flash_bias_grad() -> bool {
     static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     opt_out(&FLASH_BIAS_GRAD, "FERROTRON_FLASH_BIAS_GRAD", &ENV)
-}
-
-/// Whether `linear_grads_into` takes a linear layer's bias gradient from its weight-gradient
-/// product (cuBLASLt's BGRADB epilogue) instead of a column-sum pass over dy: this thread's
-/// `set_wgrad_bias_epilogue`, else `FERROTRON_WGRAD_BGRAD=1`. Off by default: on 2026-11-30 the
-/// epilogue's algorithms lost to the pass over every linear layer (kernels/README.md, "bias
-/// gradients in the weight-gradient product" v5: −0.9%). Only fc1's bias takes this path now (the
-/// others ride in the flash and norm kernels), where the pass costs 13% of the product at 1.3B,
-/// so it waits for a measurement.
-pub fn set_wgrad_bias_epilogue(on: bool) {
-    WGRAD_BGRAD.with(|w| w.set(Some(on)));
-}
-
-pub(crate) fn wgrad_bias_epilogue() -> bool {
-    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    WGRAD_BGRAD
-        .with(|w| w.get())
-        .unwrap_or_else(|| *ENV.get_or_init(|| std::env::var("FERROTRON_WGRAD_BGRAD").as_deref() == Ok("1")))
-}
-
-/// How many weight-gradient products on this thread also wrote their bias gradient (tests check
-/// that the path they compare was taken).
-pub fn wgrad_bias_epilogue_runs() -> u64 {
-    WGRAD_BGRAD_RUNS.with(|c| c.get())
-}
-
-pub(crate) fn count_wgrad_bias_epilogue_run() {
-    WGRAD_BGRAD_RUNS.with(|c| c.set(c.get() + 1));
 }
 
 /// Whether the norm backwards compute their parameter gradients' first pass in the same launch

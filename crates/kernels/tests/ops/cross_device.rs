@@ -547,34 +547,6 @@ fn gemm_algorithm_timing_leaves_every_output_as_one_product() {
 }
 
 #[test]
-fn wgrad_bias_epilogue_matches_cpu() {
-    // fc1's shape class at a small size: bf16 dy [rows, out] and x [rows, in], f32 destinations
-    // holding values, added into then stored over, with the bias gradient from the weight-gradient
-    // product's BGRADB epilogue; a bias view off 16 bytes takes the epilogue's vector and an add.
-    let (rows, out, inp) = (256, 192, 128);
-    let ins = [
-        rnd(&[rows, out], 1, DType::BF16),
-        rnd(&[rows, inp], 2, DType::BF16),
-        rnd(&[out * inp + out + 1], 3, DType::F32),
-    ];
-    ferrotron_kernels::cuda::set_wgrad_bias_epilogue(true);
-    for at in [out * inp, out * inp + 1] {
-        let before = ferrotron_kernels::cuda::wgrad_bias_epilogue_runs();
-        check(&format!("linear grads, bias at {at}"), DType::BF16, &ins, |t| {
-            let flat = t[2].deep_copy().unwrap();
-            let (dw, db) = (flat.view(0, [out, inp]).unwrap(), flat.view(at, [out]).unwrap());
-            k::linear_grads_into(&dw, &db, &t[0], &t[1], true).unwrap();
-            let added = flat.deep_copy().unwrap();
-            k::linear_grads_into(&dw, &db, &t[0], &t[1], false).unwrap();
-            vec![added, flat]
-        });
-        let runs = ferrotron_kernels::cuda::wgrad_bias_epilogue_runs() - before;
-        assert_eq!(runs, 2, "the epilogue ran {runs} of 2 times (bias at {at})");
-    }
-    ferrotron_kernels::cuda::set_wgrad_bias_epilogue(false);
-}
-
-#[test]
 fn norm_kernels_take_both_paths() {
     // Widths: 20 (not a multiple of 8: the one-element row kernels), 776 (eight-wide, one group
     // per thread) and 8200 (eight-wide, 1025 groups over a 512-thread block: thread 0 holds

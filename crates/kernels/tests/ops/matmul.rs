@@ -81,29 +81,6 @@ device_test!(matmul_into_accumulates, |dev: &Device| {
     assert_close(&host(&c), &reference(1, 2, 2, 3, &a, false, &b, false), 1e-5, 1e-5, "c = ab");
 });
 
-// A linear layer's parameter gradients into f32 views of one flat buffer holding values: dw +=
-// dyᵀ·x and db += Σ rows of dy, then stored over them, against the naive products and sums.
-device_test!(linear_grads_add_and_store, |dev: &Device| {
-    let (rows, out, inp) = (70, 6, 5);
-    let (dy, x, flat0) = (randv(rows * out, 1), randv(rows * inp, 2), randv(out * inp + out + 1, 3));
-    let flat = t32(dev, &flat0, &[out * inp + out + 1]);
-    let (dw, db) = (flat.view(0, [out, inp]).unwrap(), flat.view(out * inp + 1, [out]).unwrap());
-    let (dyt, xt) = (t32(dev, &dy, &[rows, out]), t32(dev, &x, &[rows, inp]));
-    let wg = reference(1, out, inp, rows, &dy, true, &x, false);
-    let bg: Vec<f64> = (0..out).map(|o| (0..rows).map(|r| dy[r * out + o]).sum()).collect();
-    k::linear_grads_into(&dw, &db, &dyt, &xt, true).unwrap();
-    let mut want = flat0.clone();
-    want[..out * inp].iter_mut().zip(&wg).for_each(|(v, g)| *v += g);
-    want[out * inp + 1..].iter_mut().zip(&bg).for_each(|(v, g)| *v += g);
-    assert_close(&host(&flat), &want, 1e-5, 1e-5, "linear grads added");
-    k::linear_grads_into(&dw, &db, &dyt, &xt, false).unwrap();
-    want[..out * inp].copy_from_slice(&wg);
-    want[out * inp + 1..].copy_from_slice(&bg);
-    assert_close(&host(&flat), &want, 1e-5, 1e-5, "linear grads stored");
-    let e = k::linear_grads_into(&dw, &db, &dyt, &t32(dev, &x[..inp * 3], &[3, inp]), true).unwrap_err();
-    assert!(e.to_string().contains("linear_grads_into"), "{e}");
-});
-
 device_test!(bf16_storage_stays_close, |dev: &Device| {
     let (a, b) = (randv(64 * 32, 6), randv(32 * 16, 7));
     let c = k::matmul(

@@ -113,32 +113,6 @@ pub fn gemm(
     }
 }
 
-/// dw (+)= dyᵀ·x and db (+)= Σ rows of dy (as `acc`; bf16 dy [rows, out], x [rows, in], f32 dw
-/// [out, in] and db [out]) from one cuBLASLt product: its BGRADB epilogue (dy is the product's B
-/// operand) stores the sums, into `db` itself when not accumulating and it is 16-byte aligned,
-/// else into a new vector added (or copied) after. Ok(false) when cuBLASLt has no such algorithm
-/// (nothing was written: the caller composes the two ops).
-pub fn wgrad_bias_into_f32(be: &B, dw: &Tensor, db: &Tensor, dy: &Tensor, x: &Tensor, acc: bool) -> Result<bool> {
-    let (rows, out, inp) = (dy.shape().rows(), dy.shape().last(), x.shape().last());
-    let cfg = lt_cfg(1, out, inp, rows, true, false, if acc { 1.0 } else { 0.0 });
-    let direct = !acc && raw("wgrad", db)? % 16 == 0;
-    let sums = if direct { db.clone() } else { new(be, [out], DType::F32)? };
-    let (pdy, px, pdw, ps) = (raw("wgrad", dy)?, raw("wgrad", x)?, raw("wgrad", dw)?, raw("wgrad", &sums)?);
-    // SAFETY: the caller validated the shapes: dw [out, in], db [out], dy [rows, out], x [rows, in];
-    // `sums` holds out f32 values.
-    match unsafe { crate::cuda::lt::matmul_into_f32_bgrad(be, &cfg, px, pdy, pdw, ps) } {
-        Err(e) if crate::cuda::lt::unsupported(&e) => return Ok(false),
-        Err(e) => return Err(e),
-        Ok(()) => crate::cuda::count_wgrad_bias_epilogue_run(),
-    }
-    match (direct, acc) {
-        (true, _) => {}
-        (false, true) => crate::add_(db, &sums)?,
-        (false, false) => crate::copy_(db, &sums)?,
-    }
-    Ok(true)
-}
-
 /// C (+)= op(A)·op(B) for bf16 A, B and an f32 C (the weight gradient straight into fp32 main_grad,
 /// Megatron's gradient-accumulation fusion), on cuBLASLt (its algorithm cached, and timed on
 /// request, like the bf16 products'), else cublasGemmStridedBatchedEx with fp32 compute.
