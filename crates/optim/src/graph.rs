@@ -12,7 +12,8 @@
 //! model with dropout is refused.
 //!
 //! Architecture invariant: a replayed step gives the bits an eager step gives on the same inputs
-//! (the same kernels run in the same order; the CUDA training tests compare the two runs).
+//! (the same kernels run in the same order; the trainer's `cuda_graph` test compares 20 steps of
+//! both under `--deterministic-mode`, where two eager runs agree to the bit).
 
 use crate::{GradSync, OptimError, Optimizer, QueuedStep, StepError, queue_train_step, step::queue_step_work};
 use ferrotron_core::{DType, Graph, ParamTable, Tensor};
