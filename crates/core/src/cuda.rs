@@ -101,23 +101,25 @@ impl CudaDevice {
             let msg = format!("cuda:{}: a CUDA graph capture is already under way", self.ordinal());
             return Err(Error::Cuda(msg).into());
         }
+        // Cleared however this returns (an error or a panic in `f` included).
+        struct Capturing<'a>(&'a AtomicBool);
+        impl Drop for Capturing<'_> {
+            fn drop(&mut self) {
+                self.0.store(false, Ordering::SeqCst);
+            }
+        }
+        let _flag = Capturing(&self.capturing);
         let s = self.stream();
         // The graph allocates from a pool of its own: hand the blocks the default pool keeps
         // (`keep_freed_memory`) back to the driver first, or both would hold a step's activations.
-        if let Err(e) = s.synchronize() {
-            self.capturing.store(false, Ordering::SeqCst);
-            return Err(driver_err(e).into());
-        }
+        s.synchronize().map_err(driver_err)?;
         trim_freed_memory(&self.ctx);
         // Thread-local: calls that would synchronise are refused on this thread only, so other
         // ranks' threads and the host's own threads go on.
-        if let Err(e) = s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) {
-            self.capturing.store(false, Ordering::SeqCst);
-            return Err(Error::Cuda(format!("starting a CUDA graph capture: {e:?}")).into());
-        }
+        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| Error::Cuda(format!("starting a CUDA graph capture: {e:?}")))?;
         let r = f();
         let g = s.end_capture(CUgraphInstantiate_flags(0));
-        self.capturing.store(false, Ordering::SeqCst);
         let r = r?;
         match g {
             Ok(Some(graph)) => Ok((DeviceGraph { graph }, r)),
