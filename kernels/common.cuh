@@ -5,6 +5,16 @@ typedef unsigned int u32;
 // f16 is a distinct struct so that overloads can tell it from bf16; converted with PTX cvt.
 struct f16_t { unsigned short bits; };
 
+// Programmatic dependent launch (Hopper): a kernel the host launches with
+// CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda/mod.rs `waits_on_predecessor`
+// lists them) may be scheduled while the kernel before it drains; it waits here, before touching
+// memory, until that kernel has finished and its writes are visible. Elsewhere a no-op.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float ld(const float* p, long i) { return p[i]; }
 __device__ __forceinline__ float ld(const bf16_t* p, long i) { return __uint_as_float(((u32)p[i]) << 16); }
 __device__ __forceinline__ void st(float* p, long i, float v) { p[i] = v; }
@@ -144,6 +154,7 @@ __device__ __forceinline__ void col_sum_block(const float* p, float* y, long chu
     }
 }
 extern "C" __global__ void __launch_bounds__(256) col_sum_f32(const float* p, float* y, long chunks, long c, long acc) {
+    pdl_wait();
     col_sum_block(p, y, chunks, c, acc != 0, blockIdx.x);
 }
 
@@ -153,6 +164,7 @@ extern "C" __global__ void __launch_bounds__(256) col_sum_f32(const float* p, fl
 // whether sum i adds into its y.
 extern "C" __global__ void __launch_bounds__(256) col_sums3_f32(const float* p0, float* y0, const float* p1, float* y1,
                                                                const float* p2, float* y2, long chunks, long c, long acc) {
+    pdl_wait();
     const long cb = (c + 31) / 32, which = blockIdx.x / cb;
     const float* p = which == 0 ? p0 : which == 1 ? p1 : p2;
     float* y = which == 0 ? y0 : which == 1 ? y1 : y2;

@@ -82,6 +82,7 @@ extern "C" __global__ void swiglu_bwd_##s##_v8(const T* x, const T* dy, T* dx, l
         st8(dx, r * 2 * f + j0, dg); st8(dx, r * 2 * f + f + j0, v); } } \
 /* Column-sum partials (col_partials8: c % 8 == 0, grid chunks · ceil(c / 256), 256 threads). */ \
 extern "C" __global__ void __launch_bounds__(256) bias_grad_##s##_v8(const T* dy, float* db, long rows, long c) { \
+    pdl_wait(); \
     col_partials8<false>(db, nullptr, rows, c, [&](long r, long j, float (&a)[8], float (&)[8]) { \
         float g[8]; ld8(dy, r * c + j, g); _Pragma("unroll") for (int e = 0; e < 8; e++) a[e] += g[e]; }); }
 FOR_TYPES(ELEMENTWISE_V8)

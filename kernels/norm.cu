@@ -82,6 +82,7 @@ template <typename T> __device__ __forceinline__ void add_res8(const T* res, lon
 
 #define NORMS_V8(s, T, SUF) \
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) layernorm_fwd_##s##SUF(const T* x, const T* x2, T* xs, const T* w, const T* b, T* y, float* mean, float* rstd, long c, float eps) { \
+    pdl_wait(); \
     long r = blockIdx.x; float v[NORM_V][8], sum = 0.f, var = 0.f; \
     ROW_GROUPS(k, j) { load_sum8(x, x2, xs, r * c + j, v[k]); for (int e = 0; e < 8; e++) sum += v[k][e]; } \
     float mu = block_sum(sum) / c; \
@@ -91,6 +92,7 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) layernorm_fwd_##s##SU
         for (int e = 0; e < 8; e++) v[k][e] = (v[k][e] - mu) * rs * g[e] + h[e]; st8(y, r * c + j, v[k]); } \
     if (threadIdx.x == 0) { mean[r] = mu; rstd[r] = rs; } } \
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) layernorm_bwd_##s##SUF(const T* dy, const T* x, const T* w, const float* mean, const float* rstd, const T* res, T* dx, long c) { \
+    pdl_wait(); \
     long r = blockIdx.x; float mu = mean[r], rs = rstd[r], sg = 0.f, sgx = 0.f, gw[NORM_V][8], xh[NORM_V][8]; \
     ROW_GROUPS(k, j) { float g[8]; ld8(dy, r * c + j, gw[k]); ld8(x, r * c + j, xh[k]); ld8(w, j, g); \
         for (int e = 0; e < 8; e++) { gw[k][e] *= g[e]; xh[k][e] = (xh[k][e] - mu) * rs; sg += gw[k][e]; sgx += gw[k][e] * xh[k][e]; } } \
@@ -98,12 +100,14 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS) layernorm_bwd_##s##SU
     ROW_GROUPS(k, j) { float a[8]; add_res8(res, r * c + j, a); \
         for (int e = 0; e < 8; e++) gw[k][e] = rs * (gw[k][e] - sg - xh[k][e] * sgx) + a[e]; st8(dx, r * c + j, gw[k]); } } \
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_fwd_##s##SUF(const T* x, const T* x2, T* xs, const T* w, T* y, float* rstd, long c, float eps) { \
+    pdl_wait(); \
     long r = blockIdx.x; float v[NORM_V][8], ss = 0.f; \
     ROW_GROUPS(k, j) { load_sum8(x, x2, xs, r * c + j, v[k]); for (int e = 0; e < 8; e++) ss += v[k][e] * v[k][e]; } \
     float rs = rsqrtf(block_sum(ss) / c + eps); \
     ROW_GROUPS(k, j) { float g[8]; ld8(w, j, g); for (int e = 0; e < 8; e++) v[k][e] = v[k][e] * rs * g[e]; st8(y, r * c + j, v[k]); } \
     if (threadIdx.x == 0) rstd[r] = rs; } \
 extern "C" __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_bwd_##s##SUF(const T* dy, const T* x, const T* w, const float* rstd, const T* res, T* dx, long c) { \
+    pdl_wait(); \
     long r = blockIdx.x; float rs = rstd[r], sgx = 0.f, gw[NORM_V][8], xv[NORM_V][8]; \
     ROW_GROUPS(k, j) { float g[8]; ld8(dy, r * c + j, gw[k]); ld8(x, r * c + j, xv[k]); ld8(w, j, g); \
         for (int e = 0; e < 8; e++) { gw[k][e] *= g[e]; sgx += gw[k][e] * xv[k][e] * rs; } } \
@@ -121,6 +125,7 @@ FOR_TYPES(NORMS_V8_N1)
 #define NORM_PARAM_GRAD8(s, T) \
 /* Parameter-gradient partials (col_partials8: c % 8 == 0, grid chunks · ceil(c / 256), 256 threads). */ \
 extern "C" __global__ void __launch_bounds__(256) norm_param_grad_##s##_v8(const T* dy, const T* x, const float* mean, const float* rstd, float* dw, float* db, long rows, long c) { \
+    pdl_wait(); \
     col_partials8<true>(dw, db, rows, c, [&](long r, long j, float (&a)[8], float (&bs)[8]) { \
         float g[8], xv[8]; ld8(dy, r * c + j, g); ld8(x, r * c + j, xv); float mu = mean ? mean[r] : 0.f, rs = rstd[r]; \
         _Pragma("unroll") for (int e = 0; e < 8; e++) { a[e] += g[e] * (xv[e] - mu) * rs; bs[e] += g[e]; } }); }
@@ -254,7 +259,7 @@ __device__ __forceinline__ void norm_bwd_cols(const T* dy, const T* x, const T* 
 }
 #define NORM_BWD_COLS(s, T) \
 extern "C" __global__ void __launch_bounds__(512, 2) layernorm_bwd_cols_##s(const T* dy, const T* x, const T* w, const float* mean, const float* rstd, const T* res, T* dx, float* pw, float* pb, float* pr, long rows, long c) { \
-    norm_bwd_cols<true>(dy, x, w, mean, rstd, res, dx, pw, pb, pr, rows, c); } \
+    pdl_wait(); norm_bwd_cols<true>(dy, x, w, mean, rstd, res, dx, pw, pb, pr, rows, c); } \
 extern "C" __global__ void __launch_bounds__(512, 2) rmsnorm_bwd_cols_##s(const T* dy, const T* x, const T* w, const float* rstd, const T* res, T* dx, float* pw, float* pr, long rows, long c) { \
-    norm_bwd_cols<false>(dy, x, w, nullptr, rstd, res, dx, pw, nullptr, pr, rows, c); }
+    pdl_wait(); norm_bwd_cols<false>(dy, x, w, nullptr, rstd, res, dx, pw, nullptr, pr, rows, c); }
 FOR_TYPES(NORM_BWD_COLS)

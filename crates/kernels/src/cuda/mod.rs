@@ -280,6 +280,29 @@ impl Backend {
     }
 }
 
+/// Whether the kernels that wait for their predecessor (`waits_on_predecessor`) launch with
+/// programmatic dependent launch (Hopper): `FERROTRON_PDL=1`. Off by default: built, not yet
+/// measured.
+fn pdl() -> bool {
+    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENV.get_or_init(|| std::env::var("FERROTRON_PDL").as_deref() == Ok("1"))
+}
+
+/// The kernels whose first statement is `pdl_wait()` (kernels/common.cuh): they may be launched
+/// to start while the kernel before them drains, since they touch no memory before it has
+/// finished. A kernel on this list without the wait would race its predecessor; the NVRTC test
+/// checks every one of them in the compiled PTX.
+pub(crate) fn waits_on_predecessor(name: &str) -> bool {
+    let v8 = name.ends_with("_v8") || name.ends_with("_v8n1");
+    matches!(name, "col_sum_f32" | "col_sums3_f32")
+        || name.starts_with("layernorm_bwd_cols_")
+        || name.starts_with("rmsnorm_bwd_cols_")
+        || (v8
+            && ["layernorm_fwd_", "layernorm_bwd_", "rmsnorm_fwd_", "rmsnorm_bwd_", "bias_grad_", "norm_param_grad_"]
+                .iter()
+                .any(|p| name.starts_with(p)))
+}
+
 fn cuda_err(what: &str, e: impl std::fmt::Debug) -> Error {
     Error::Cuda(format!("{what}: {e:?}"))
 }
@@ -498,6 +521,14 @@ impl Backend {
         }
         let func = self.function(name)?;
         let stream = self.dev.stream();
+        if shared > 48 * 1024 {
+            // Past 48 KiB a kernel must opt in to its dynamic shared memory.
+            let attr = cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+            func.set_attribute(attr, shared as i32).map_err(|e| cuda_err(&format!("shared memory of {name}"), e))?;
+        }
+        if self.wgmma && pdl() && waits_on_predecessor(name) {
+            return self.launch_pdl(name, &func, grid, block, shared, args);
+        }
         let mut b = stream.launch_builder(&func);
         for a in args {
             match a {
@@ -508,16 +539,59 @@ impl Backend {
                 Arg::Map(m) => b.arg(m),
             };
         }
-        if shared > 48 * 1024 {
-            // Past 48 KiB a kernel must opt in to its dynamic shared memory.
-            let attr = cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-            func.set_attribute(attr, shared as i32).map_err(|e| cuda_err(&format!("shared memory of {name}"), e))?;
-        }
         let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: shared };
         // SAFETY: every caller passes pointers to live allocations sized for the shapes it passes,
         // in the order the kernel declares them.
         unsafe { b.launch(cfg) }.map_err(|e| cuda_err(&format!("launching {name}"), e))?;
         Ok(())
+    }
+
+    /// `launch` through cuLaunchKernelEx with programmatic stream serialisation: the kernel may be
+    /// scheduled before its predecessor on the stream has finished, and waits in `pdl_wait`.
+    fn launch_pdl(
+        &self,
+        name: &str,
+        func: &CudaFunction,
+        grid: u32,
+        block: u32,
+        shared: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        use cudarc::driver::sys;
+        use std::ffi::c_void;
+        let stream = self.dev.stream();
+        stream.context().bind_to_thread().map_err(|e| cuda_err(&format!("launching {name}"), e))?;
+        // The driver reads each argument through its pointer during the call; `args` outlives it.
+        let mut params: Vec<*mut c_void> = args
+            .iter()
+            .map(|a| match a {
+                Arg::Ptr(p) => p as *const u64 as *mut c_void,
+                Arg::I64(v) => v as *const i64 as *mut c_void,
+                Arg::F32(v) => v as *const f32 as *mut c_void,
+                Arg::F64(v) => v as *const f64 as *mut c_void,
+                Arg::Map(m) => m as *const tma::TmaMap as *mut c_void,
+            })
+            .collect();
+        // SAFETY: a zeroed attribute value is valid plain data; the field set is the one the id names.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: grid,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: shared,
+            hStream: stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: as `launch`: the arguments match the kernel's parameters in order and type, and
+        // point at live allocations; `params` and `attr` outlive the call.
+        let r = unsafe { sys::cuLaunchKernelEx(&cfg, func.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) };
+        r.result().map_err(|e| cuda_err(&format!("launching {name} (programmatic dependent launch)"), e))
     }
 
     /// Grid size for a grid-stride loop over `n` elements.
@@ -569,7 +643,20 @@ mod tests {
         let src = super::source();
         for arch in ["sm_90a", "sm_80"] {
             let ptx = super::compile(&src, arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
-            assert!(ptx.to_src().contains(".entry flash_bwd_dkvq_wg2_bf16_128"), "{arch}: a kernel is missing");
+            let ptx = ptx.to_src();
+            assert!(ptx.contains(".entry flash_bwd_dkvq_wg2_bf16_128"), "{arch}: a kernel is missing");
+            if arch == "sm_90a" {
+                // Every kernel that may launch before its predecessor finishes waits for it.
+                let mut listed = 0;
+                for entry in ptx.split(".entry ").skip(1) {
+                    let name = entry.split('(').next().unwrap_or("").trim();
+                    if super::waits_on_predecessor(name) {
+                        listed += 1;
+                        assert!(entry.contains("griddepcontrol.wait"), "{name} is launched early but never waits");
+                    }
+                }
+                assert!(listed >= 20, "only {listed} kernels matched the programmatic-launch list");
+            }
         }
         // The CUBIN the backend loads: an ELF image naming the kernels, cached where asked.
         let dir = std::env::temp_dir().join(format!("ferrotron-cubin-test-{}", std::process::id()));
