@@ -29,6 +29,9 @@ else
   echo "nvidia-cuda-nvcc could not be installed here: kernels/ compile check skipped"
 fi
 
+step "the CUDA backend's host-side unit tests (no GPU needed)"
+cargo test -q -p ferrotron-kernels --features cuda --lib cuda::choices
+
 step "kernels/ compiled by NVRTC 13.0, the GPU machine's version (from PyPI; no GPU needed)"
 # NVRTC is what the backend runs, and it refuses some code nvcc takes (generic lambdas).
 if [ -x "$venv/bin/pip" ] && "$venv/bin/pip" install -q "nvidia-cuda-nvrtc==13.0.*"; then

@@ -68,6 +68,8 @@ pub(crate) struct Lt {
     workspace: CudaSlice<u8>,
     /// None: the heuristic found no algorithm (asked once; the caller composes the op instead).
     algos: Mutex<HashMap<Key, Option<sys::cublasLtMatmulAlgo_t>>>,
+    /// Choices timed under sustained load in this or an earlier run (`choices`), by problem.
+    stored: Mutex<super::choices::Choices>,
 }
 
 /// Hopper's recommended cuBLASLt workspace (NVIDIA: 32 MiB on sm_90, 4 MiB before).
@@ -91,7 +93,13 @@ fn offered_workspace() -> usize {
 impl Lt {
     pub fn new(stream: &std::sync::Arc<cudarc::driver::CudaStream>) -> Result<Lt> {
         let workspace = stream.alloc_zeros::<u8>(WORKSPACE).map_err(|e| lt_err("workspace", e))?;
-        Ok(Lt { workspace, algos: Mutex::new(HashMap::new()) })
+        // The stored choices hold for this GPU model and cuBLASLt build only.
+        let gpu = stream.context().name().unwrap_or_else(|_| "unknown GPU".into());
+        // SAFETY: a plain query of the loaded library's version.
+        let version = unsafe { sys::cublasLtGetVersion() };
+        let stored =
+            super::choices::Choices::load(super::choices::dir().as_deref(), &format!("{gpu} cuBLASLt {version}"));
+        Ok(Lt { workspace, algos: Mutex::new(HashMap::new()), stored: Mutex::new(stored) })
     }
 }
 
@@ -284,18 +292,26 @@ unsafe fn run(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d: u64, epi: Epi
         Some(None) => return Err(lt_err("heuristic (cached)", sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)),
         None => {
             let found = candidates(handle, &desc, [&la, &lb, &ld], align);
+            // Only candidates whose split-K partial sums add up in fp32 (or that have none) may
+            // replace the heuristic's own choice: a bf16 output summed in bf16 differs by several
+            // ulps (an op test caught one: −1.789 for −1.75).
+            let eligible =
+                |i: usize, a: &sys::cublasLtMatmulAlgo_t| i == 0 || matches!(out, Out::F32) || sums_in_fp32(a);
+            // A choice timed under load in this or an earlier run (`choices`), where one is stored.
+            let stored_as = format!("{key:?}");
+            let stored = match &found {
+                Ok(v) if v.len() > 1 && !super::deterministic() => {
+                    let i = lt.stored.lock().unwrap_or_else(|e| e.into_inner()).get(&stored_as);
+                    i.filter(|&i| i < v.len() && eligible(i, &v[i])).map(|i| v[i])
+                }
+                _ => None,
+            };
             let remember = match &found {
+                _ if stored.is_some() => Some(stored),
                 Ok(v) if v.is_empty() => Some(None),
                 Ok(v) if v.len() > 1 && tune::enabled(matches!(epi, Epilogue::DGelu { .. })) => {
-                    // Only candidates whose split-K partial sums add up in fp32 (or that have
-                    // none) race the heuristic's own choice: a bf16 output summed in bf16 differs
-                    // by several ulps (an op test caught one: −1.789 for −1.75).
-                    let v: Vec<_> = v
-                        .iter()
-                        .enumerate()
-                        .filter(|&(i, a)| i == 0 || matches!(out, Out::F32) || sums_in_fp32(a))
-                        .map(|(_, a)| *a)
-                        .collect();
+                    let all = v;
+                    let v: Vec<_> = v.iter().enumerate().filter(|&(i, a)| eligible(i, a)).map(|(_, a)| *a).collect();
                     // Time the candidates where they cannot disturb D: in D itself when the
                     // product overwrites it (beta 0; the chosen one runs after), else in scratch.
                     let extent = (batch as i64 - 1) * sc + cfg.ldc * cfg.n as i64;
@@ -314,7 +330,13 @@ unsafe fn run(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d: u64, epi: Epi
                                 let (ta, tb) = (op(key.ta), op(key.tb));
                                 format!("{m}×{n}×{k} {ta}{tb} batch {b} epilogue {epi:?} out {out:?}")
                             };
-                            tune::fastest(stream, problem, &v, |algo| launch(algo, dst))
+                            let best = tune::fastest(stream, problem, &v, |algo| launch(algo, dst));
+                            if tune::hold_ms().is_some()
+                                && let Some(i) = all.iter().position(|a| a.data == best.data)
+                            {
+                                lt.stored.lock().unwrap_or_else(|e| e.into_inner()).put(&stored_as, i);
+                            }
+                            best
                         }
                         None => v[0],
                     }))

@@ -7,6 +7,7 @@
 //! through cuBLASLt (bf16: `lt`, algorithms cached per shape (timed by `tune` on request), GeLU epilogues) and cuBLAS (exact f32). Memory comes from cudarc's stream-ordered allocations (the driver's memory pool
 //! caches them; no cudaMalloc per step).
 
+mod choices;
 mod lt;
 pub(crate) mod ops;
 mod tma;

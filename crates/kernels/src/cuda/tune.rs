@@ -10,6 +10,11 @@
 //! heuristic's first is an older kernel, and the tuned one ran 0.85–0.86 against 0.91 ms a 1.3B
 //! layer in the step (124M 0.163 against 0.173). Timings differ from run to run, and so can the
 //! choice and the last bits of the products: deterministic mode (`set_deterministic`) never tunes.
+//!
+//! `FERROTRON_GEMM_TUNE_HOLD_MS=T` times every product's candidates under sustained load instead
+//! (each repeated back to back for T ms, timed over the second half: the clock a running step
+//! holds the power-capped card at; session 21: 124M +1.0%, the LM head forward 1793 → 1576 µs),
+//! and stores the choices on disk (`choices`), where later runs take them without timing.
 
 use cudarc::driver::{CudaSlice, CudaStream, sys::CUevent_flags};
 use ferrotron_core::Result;
@@ -41,7 +46,14 @@ pub(crate) fn enabled(dgelu: bool) -> bool {
             _ => None,
         })
     });
-    all.unwrap_or(dgelu) && !super::deterministic()
+    (all.unwrap_or(dgelu) || hold_ms().is_some()) && !super::deterministic()
+}
+
+/// `FERROTRON_GEMM_TUNE_HOLD_MS`: each candidate timed over this many milliseconds of back-to-back
+/// runs, and the choices stored.
+pub(crate) fn hold_ms() -> Option<f32> {
+    static ENV: std::sync::OnceLock<Option<f32>> = std::sync::OnceLock::new();
+    *ENV.get_or_init(|| std::env::var("FERROTRON_GEMM_TUNE_HOLD_MS").ok()?.parse().ok().filter(|&ms: &f32| ms > 0.0))
 }
 
 /// An uncleared buffer to time products in when they may not write their real output (they
@@ -96,6 +108,9 @@ pub(crate) fn fastest<A: Copy>(
 /// the events failed).
 fn time_all(stream: &Arc<CudaStream>, n: usize, launch: impl Fn(usize) -> Result<()>) -> Vec<f32> {
     let ok: Vec<bool> = (0..n).map(|i| launch(i).is_ok()).collect();
+    if let Some(hold) = hold_ms() {
+        return (0..n).map(|i| if ok[i] { held(stream, hold, || launch(i)) } else { f32::INFINITY }).collect();
+    }
     let event = || stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).ok();
     let mut marks = Vec::with_capacity(ROUNDS * n);
     for _ in 0..ROUNDS {
@@ -114,4 +129,31 @@ fn time_all(stream: &Arc<CudaStream>, n: usize, launch: impl Fn(usize) -> Result
         }
     }
     best
+}
+
+/// One candidate's milliseconds per product under `hold` ms of back-to-back runs: the mean over
+/// the second half (the first is the clock settling). A batch is always queued behind the one
+/// being waited on, so the card never idles. Infinite when a launch or event fails.
+fn held(stream: &Arc<CudaStream>, hold: f32, launch: impl Fn() -> Result<()>) -> f32 {
+    const BATCH: usize = 16;
+    let batch = || -> Option<_> {
+        let start = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).ok()?;
+        for _ in 0..BATCH {
+            launch().ok()?;
+        }
+        Some((start, stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).ok()?))
+    };
+    let (mut spent, mut settled) = (0f32, Vec::new());
+    let Some(mut queued) = batch() else { return f32::INFINITY };
+    while spent < hold {
+        let Some(next) = batch() else { return f32::INFINITY };
+        let Ok(ms) = queued.0.elapsed_ms(&queued.1) else { return f32::INFINITY };
+        queued = next;
+        spent += ms;
+        if spent >= hold / 2.0 {
+            settled.push(ms);
+        }
+    }
+    let _ = queued.1.synchronize();
+    settled.iter().sum::<f32>() / (settled.len() * BATCH).max(1) as f32
 }
