@@ -171,16 +171,12 @@ impl DeviceGraph {
 /// A new device copy of `v`: small ones through the page-locked ring (queued without waiting for
 /// the stream, `staging`), larger ones from pageable memory (the driver waits for the stream).
 fn upload<T: cudarc::driver::DeviceRepr>(dev: &CudaDevice, v: &[T]) -> Result<CudaSlice<T>> {
-    dev.refuse_in_capture("a copy from the host")?;
-    let s = dev.stream();
-    if v.is_empty() || std::mem::size_of_val(v) > crate::staging::SLOT_BYTES {
-        return s.clone_htod(v).map_err(driver_err);
+    if v.is_empty() {
+        return dev.stream().clone_htod(v).map_err(driver_err);
     }
     // SAFETY: filled by the copy queued next, before any use on this stream.
-    let d = unsafe { s.alloc::<T>(v.len()) }.map_err(driver_err)?;
-    let mut ring = dev.staging.lock().unwrap_or_else(|e| e.into_inner());
-    // SAFETY: `d` holds v.len() elements and is only freed on this stream, after the copy.
-    unsafe { ring.upload(&dev.ctx, s, v, d.device_ptr(s).0) }.map_err(driver_err)?;
+    let mut d = unsafe { dev.stream().alloc::<T>(v.len()) }.map_err(driver_err)?;
+    write_into(dev, &mut d, 0, v)?;
     Ok(d)
 }
 
@@ -288,7 +284,6 @@ impl CudaStorage {
     /// Raw device address of element 0, for kernel arguments. Every kernel of a rank runs on its one
     /// compute stream, so stream order alone keeps reads after writes.
     pub fn raw_ptr(&self, dev: &CudaDevice) -> u64 {
-        use cudarc::driver::DevicePtr;
         let s = dev.stream();
         match self {
             CudaStorage::F32(v) => v.device_ptr(s).0,

@@ -15,7 +15,7 @@
 //! (the same kernels run in the same order; the trainer's `cuda_graph` test compares 20 steps of
 //! both under `--deterministic-mode`, where two eager runs agree to the bit).
 
-use crate::{GradSync, OptimError, Optimizer, QueuedStep, StepError, queue_train_step, step::queue_step_work};
+use crate::{GradSync, Optimizer, QueuedStep, StepError, queue_train_step, step::queue_step_work};
 use ferrotron_core::{DType, Graph, ParamTable, Tensor};
 use ferrotron_transformer::{Batch, GptModel, MicroLoss};
 
@@ -83,7 +83,7 @@ impl StepGraph {
             Some(_) => return queue_train_step(model, table, sync, opt, micro_batches, lr),
             None => {
                 let c = Captured::capture(model, table, sync, opt, micro_batches, lr)?;
-                c.graph.launch().map_err(OptimError::from)?;
+                c.graph.launch()?;
                 let q = c.queued(sync, opt, micro_batches)?;
                 self.captured = Some(c);
                 q
@@ -111,8 +111,7 @@ impl Captured {
         let losses = micro_batches
             .iter()
             .map(|b| Tensor::zeros([b.tokens.elem_count()], DType::F32, &dev))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(OptimError::from)?;
+            .collect::<Result<Vec<_>, _>>()?;
         let inputs = micro_batches.to_vec();
         opt.set_lr(lr)?;
         let (graph, saved_peak_bytes) = dev.capture(|| -> Result<usize, StepError> {
@@ -125,7 +124,7 @@ impl Captured {
                         keep.elem_count()
                     )));
                 }
-                keep.copy_from(&l.per_token).map_err(OptimError::from)?;
+                keep.copy_from(&l.per_token)?;
             }
             Ok(peak)
         })?;
@@ -154,11 +153,11 @@ impl Captured {
     ) -> Result<QueuedStep, StepError> {
         for (c, b) in self.inputs.iter().zip(micro_batches) {
             for (to, from) in [(&c.tokens, &b.tokens), (&c.labels, &b.labels), (&c.loss_mask, &b.loss_mask)] {
-                to.copy_from(from).map_err(OptimError::from)?;
+                to.copy_from(from)?;
             }
         }
         opt.set_lr(lr)?;
-        self.graph.launch().map_err(OptimError::from)?;
+        self.graph.launch()?;
         self.queued(sync, opt, micro_batches)
     }
 
@@ -167,16 +166,10 @@ impl Captured {
     fn queued(&self, sync: &GradSync, opt: &Optimizer, micro_batches: &[Batch]) -> Result<QueuedStep, StepError> {
         let mut losses = Vec::with_capacity(self.losses.len());
         for (l, b) in self.losses.iter().zip(micro_batches) {
-            let per_token = Tensor::empty(l.shape().clone(), DType::F32, l.device()).map_err(OptimError::from)?;
-            per_token.copy_from(l).map_err(OptimError::from)?;
+            let per_token = Tensor::empty(l.shape().clone(), DType::F32, l.device())?;
+            per_token.copy_from(l)?;
             losses.push(MicroLoss { per_token, num_tokens: b.num_tokens() });
         }
-        Ok(QueuedStep {
-            losses,
-            stats: opt.stats_snapshot()?,
-            dp: sync.dp.clone(),
-            pp: None,
-            saved_peak_bytes: self.saved_peak_bytes,
-        })
+        QueuedStep::unpipelined(losses, sync, opt, self.saved_peak_bytes)
     }
 }

@@ -54,6 +54,17 @@ pub struct QueuedStep {
 }
 
 impl QueuedStep {
+    /// A step without a pipeline: its micro-batches' losses and a copy of the optimizer's step
+    /// state (queued, not read).
+    pub(crate) fn unpipelined(
+        losses: Vec<MicroLoss>,
+        sync: &GradSync,
+        opt: &Optimizer,
+        saved_peak_bytes: usize,
+    ) -> Result<QueuedStep, StepError> {
+        Ok(QueuedStep { losses, stats: opt.stats_snapshot()?, dp: sync.dp.clone(), pp: None, saved_peak_bytes })
+    }
+
     /// Peak bytes of saved activations held at once on this rank during the step (known on the
     /// host as soon as the step is queued).
     pub fn saved_peak_bytes(&self) -> usize {
@@ -111,7 +122,7 @@ pub fn queue_train_step(
 ) -> Result<QueuedStep, StepError> {
     opt.set_lr(lr)?;
     let (losses, peak) = queue_step_work(model, table, sync, opt, micro_batches)?;
-    Ok(QueuedStep { losses, stats: opt.stats_snapshot()?, dp: sync.dp.clone(), pp: None, saved_peak_bytes: peak })
+    QueuedStep::unpipelined(losses, sync, opt, peak)
 }
 
 /// The device work of a step at the learning rate already in the optimizer's state: every
