@@ -18,7 +18,7 @@
 #                              (TRACE_KERNELS=N among the VARs: its N costliest kernels too;
 #                              TRACE_GAPS=N: the N kernel pairs with the most idle time between)
 #       matched[:PRESET,...[:VAR=V,...]]   the matched bench, Ferrotron and PyTorch (`xtask bench
-#                              --gpu`), with VARs set for both (e.g. matched:124m,1.3b:FERROTRON_FLASH_FWD_Q=tma)
+#                              --gpu`), with VARs set for both (e.g. matched:124m,1.3b:FERROTRON_FLASH_DYN=0)
 #       ncu-bwd:DxT[:VAR=V,...]    Nsight Compute on one flash backward of attention_bench's shape
 #                              DxT (e.g. 64x1024): time, instructions, L2 bytes and reductions
 #     e.g. `verify attn attn:FERROTRON_FLASH_TMA=0 trace:124m trace:124m:FERROTRON_FLASH_BIAS_GRAD=0`.

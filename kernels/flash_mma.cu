@@ -241,16 +241,6 @@ __device__ __forceinline__ void wg_qk(float (*s)[4], const u32 (*a)[4], const bf
     for (int kk = FRESH ? 1 : 0; kk < D / 16; kk++) wgmma_rs<N, 0>(&s[0][0], a[kk], sw_kmajor(base, N, kk));
 }
 
-// wg_qk with A from shared memory too: `qa`, the address of this warpgroup's first row of a
-// K-major swizzled Q tile whose 64-column blocks are `rows` rows apart (sw_kmajor). 128 keys.
-template <int D>
-__device__ __forceinline__ void wg_qk_ss(float (*s)[4], u32 qa, int rows, const bf16_t* tile) {
-    u32 base = smem_addr(tile);
-    wgmma_m64n128k16_ss<0>(&s[0][0], sw_kmajor(qa, rows, 0), sw_kmajor(base, 128, 0));
-    #pragma unroll
-    for (int kk = 1; kk < D / 16; kk++) wgmma_m64n128k16_ss<1>(&s[0][0], sw_kmajor(qa, rows, kk), sw_kmajor(base, 128, kk));
-}
-
 // acc (64 rows × D) += A B by wgmma, issued: A's fragments from registers (`a[ks]`, 16 of the K
 // dimension each: P, dS, Pᵀ, dSᵀ), B MN-major from a swizzled tile of KEYS rows (V, K, dO, Q).
 template <int D, int KEYS>
@@ -578,14 +568,9 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
     // QT: the persistent TMA build also copies each query tile's Q by TMA, into one of two Q
     // buffers, when the producer reaches that tile (a few key tiles before the consumers do), so
     // the consumers load Q from shared memory instead of waiting on global loads at every tile.
-    // At head dim 128 the three K/V stages and the O tiles leave no room for two Q tiles: there
-    // only with two stages (S).
-    constexpr bool QT = TMA && PERSIST && (D == 64 || S == 2);
-    // QSS (head dim 128 with QT): Q·Kᵀ reads Q from its shared tile (wgmma with both operands in
-    // shared memory, as FlashAttention-3 does) instead of 32 registers of A fragments a thread,
-    // which the consumers at this head dim cannot spare; the tile is released after the last product.
-    constexpr bool QSS = QT && D == 128;
-    static_assert(!QSS || KEYS == 128, "wg_qk_ss multiplies 128-key tiles");
+    // At head dim 128 the three K/V stages and the O tiles leave no room for two Q tiles (v38 made
+    // room with two stages and lost 3–23%: kernels/README.md).
+    constexpr bool QT = TMA && PERSIST && D == 64;
     extern __shared__ __align__(1024) unsigned char fm_smem[];  // swizzled tiles: 1024-byte aligned
     // S stages of (K, V), with QT two Q tiles (ROWS × D), then 16 slots of 8 bytes (the mbarriers
     // and DYN's tile indices), then the O tiles.
@@ -696,13 +681,7 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
                 tile_async_sw<D, KEYS, 128>(kt + TILE, v, jb + it * KEYS, sl, b, kp.heads, kp.head, threadIdx.x & 127);
                 cp_arrive(&full[st]);
             };
-            if constexpr (S == 2) {
-                // Not unrolled: with two stages ptxas unrolled it and spilled in the producer's 40 registers.
-                #pragma unroll 1
-                for (long it = 0; it < steps; it++, n++) copy(it);
-            } else {
-                for (long it = 0; it < steps; it++, n++) copy(it);
-            }
+            for (long it = 0; it < steps; it++, n++) copy(it);
         }
         if (!TMA) cp_wait<0>();
         if constexpr (DYN) {
@@ -733,12 +712,8 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
         long r[1][2];
         r[0][0] = i0 + warp * 16 + g;
         r[0][1] = r[0][0] + 8;
-        u32 qa[QSS ? 1 : D / 16][4];
-        u32 qaddr = 0;  // QSS: this warpgroup's first row of its Q tile
-        if constexpr (QSS) {
-            mbar_wait(&qfull[j & 1], (j >> 1) & 1);
-            qaddr = smem_addr(qbuf + (j & 1) * ROWS * D) + wg * 64 * 128;
-        } else if constexpr (QT) {
+        u32 qa[D / 16][4];
+        if constexpr (QT) {
             // From the swizzled Q tile (rows past t zero-filled): lane l gives row (l & 7) of 8 × 8
             // matrix l >> 3 (rows +8 for matrices 1 and 3, columns +8 for 2 and 3), the A fragment.
             const int qs = (int)(j & 1), mi = lane >> 3;
@@ -792,7 +767,7 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
             wg_pin<D / 2>(&acc[0][0][0]);
             wg_fence();
             if (qk) {
-                if constexpr (QSS) wg_qk_ss<D>(s[0], qaddr, ROWS, kv_cur); else wg_qk<D, KEYS, true>(s[0], qa, kv_cur);
+                wg_qk<D, KEYS, true>(s[0], qa, kv_cur);
                 wg_commit();
             }
             if (pv) {
@@ -845,9 +820,8 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
             long bt = 1;
             for (; bt < nf; bt++) turn(bt, true, true, true);
             for (; bt < steps; bt++) turn(bt, true, true, false);
-            turn(steps, true, false, false);  // waits for every product: Q is read
+            turn(steps, true, false, false);  // waits for every product
         }
-        if constexpr (QSS) mbar_arrive(&qempty[j & 1]);
         fwd_store_staged<D>(acc, m, l, r, o_tiles + wg * 64 * (D + 8), NC + 1 + wg, i0 + wg * 64, o, lse, t, hq, b, h);
         if (PERSIST) named_sync(NC + 1 + wg, 128);  // the O tile read out before the next tile writes it
         base += (u32)steps;
@@ -898,9 +872,6 @@ FLASH_WS(flash_fwd_ws2tpk128_bf16_64, 64, 128, false, true, true, false, FW_STAG
 // Persistent with the dynamic walk (`d`: tiles by a global counter, in head groups that share L2).
 FLASH_WS(flash_fwd_ws2tpdk128_bf16_64, 64, 128, false, true, true, true, FW_STAGES)
 FLASH_WS(flash_fwd_ws2tpdk128_bf16_128, 128, 128, true, true, true, true, FW_STAGES)
-// Head dim 128 with two K/V stages, which leaves room for the two Q tiles the producer copies by
-// TMA ahead of each tile (`q`; `FERROTRON_FLASH_FWD_Q=tma`), as at head dim 64.
-FLASH_WS(flash_fwd_ws2tpdqk128_bf16_128, 128, 128, true, true, true, true, 2)
 // 64-key tiles (`FERROTRON_FLASH_FWD=ws64`, kept to measure against).
 FLASH_WS(flash_fwd_ws2_bf16_128, 128, 64, true, false, false, false, FW_STAGES)
 FLASH_WS(flash_fwd_ws2t_bf16_128, 128, 64, true, false, true, false, FW_STAGES)

@@ -88,7 +88,6 @@ thread_local! {
     static FLASH_TMA: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static FLASH_DYN: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static FLASH_BWD_DYN: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
-    static FLASH_FWD_Q_TMA: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static FLASH_GROUP_HEADS: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
     static FLASH_BIAS_GRAD: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static FLASH_BIAS_GRAD_RUNS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
@@ -143,21 +142,6 @@ pub fn set_flash_dyn(on: bool) {
 pub(crate) fn flash_dyn() -> bool {
     static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     opt_out(&FLASH_DYN, "FERROTRON_FLASH_DYN", &ENV)
-}
-
-/// Whether the dynamic-walk forward at head dim 128 copies each query tile's Q by TMA ahead of
-/// it, as at head dim 64, with two K/V stages instead of three to make room for the Q tiles
-/// (kernels/flash_mma.cu `QT`): this thread's `set_flash_fwd_q_tma`, else
-/// `FERROTRON_FLASH_FWD_Q=tma`. Off by default: not yet measured.
-pub fn set_flash_fwd_q_tma(on: bool) {
-    FLASH_FWD_Q_TMA.with(|w| w.set(Some(on)));
-}
-
-pub(crate) fn flash_fwd_q_tma() -> bool {
-    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    FLASH_FWD_Q_TMA
-        .with(|w| w.get())
-        .unwrap_or_else(|| *ENV.get_or_init(|| std::env::var("FERROTRON_FLASH_FWD_Q").as_deref() == Ok("tma")))
 }
 
 /// Whether the warp-specialised backward (TMA) may run persistent with the dynamic tile walk

@@ -278,23 +278,16 @@ fn every_op_matches_cpu() {
                     .enumerate()
                     .map(|(i, h)| rnd(&[2, t, *h, d], 40 + i as u64, dt))
                     .collect();
-                let modes = [
-                    (true, false, None, false),
-                    (false, false, None, false),
-                    (true, true, Some(3), false),
-                    (true, true, None, false),
-                    (true, true, Some(3), true),
-                ];
-                for (persist, dynamic, groups, q_tma) in modes {
+                let modes = [(true, false, None), (false, false, None), (true, true, Some(3)), (true, true, None)];
+                for (persist, dynamic, groups) in modes {
                     ferrotron_kernels::cuda::set_flash_persist(persist);
-                    ferrotron_kernels::cuda::set_flash_fwd_q_tma(q_tma);
                     ferrotron_kernels::cuda::set_flash_dyn(dynamic);
                     ferrotron_kernels::cuda::set_flash_bwd_dyn(dynamic);
                     ferrotron_kernels::cuda::set_flash_group_heads(groups);
                     for causal in [true, false] {
                         let cfg = AttnCfg { causal, window: None, scale: None };
                         let name = format!(
-                            "flash attention t{t} d{d} persistent {persist} dynamic {dynamic} groups {groups:?} q by TMA {q_tma} {cfg:?}"
+                            "flash attention t{t} d{d} persistent {persist} dynamic {dynamic} groups {groups:?} {cfg:?}"
                         );
                         check_norm(&name, dt, &x, |t| {
                             let (o, lse) = k::attention_fwd(&t[0], &t[1], &t[2], &cfg).unwrap();
@@ -307,7 +300,6 @@ fn every_op_matches_cpu() {
             ferrotron_kernels::cuda::set_flash_persist(true);
             ferrotron_kernels::cuda::set_flash_dyn(true);
             ferrotron_kernels::cuda::set_flash_bwd_dyn(true);
-            ferrotron_kernels::cuda::set_flash_fwd_q_tma(false);
             ferrotron_kernels::cuda::set_flash_group_heads(None);
         }
         if dt == DType::BF16 {

@@ -97,9 +97,6 @@ enum FwdGrid {
     WsPersistentTma,
     /// Persistent with TMA and the dynamic tile walk (`cuda::flash_dyn`).
     WsDynamicTma,
-    /// The same at head dim 128 with two K/V stages and Q copied by TMA too
-    /// (`cuda::flash_fwd_q_tma`).
-    WsDynamicTmaQ,
 }
 
 /// The tensor-core forward for head dim `d` over `t` query rows. On sm_90, wgmma: the
@@ -115,10 +112,9 @@ fn fwd_kernel(be: &B, d: usize, t: usize) -> (TcLaunch, FwdGrid) {
         // head dim 128 337 / 460 / 563 / 633 / 706 TFLOP/s with 128-key tiles and TMA copies
         // (64-key tiles by cp.async: 299 / 387 / 455 / 507 / 569), head dim 64 221–466.
         let keys = fwd_ws_keys();
-        // FW_STAGES (3, or 2 with Q by TMA at head dim 128) stages of K and V tiles, the two
-        // 128-row Q tiles of the builds that copy Q (`q_by_tma`), 16 slots of 8 bytes (mbarriers,
-        // tile indices), the two consumers' O tiles of 64 padded rows (`fwd_store_staged`):
-        // 231,552 bytes at head dim 128 either way.
+        // FW_STAGES (3) stages of K and V tiles, the two 128-row Q tiles of the builds that copy
+        // Q (`q_by_tma`), 16 slots of 8 bytes (mbarriers, tile indices), the two consumers' O tiles
+        // of 64 padded rows (`fwd_store_staged`): 231,552 bytes at head dim 128.
         let q_tiles = |on: bool| if on { 2 * 128 * d * 2 } else { 0 };
         // Persistent, one block per SM, with the dynamic walk (kernels/flash_mma.cu `DYN`; H200,
         // 16k tokens per call, head dim 128: 356 / 477 / 574 / 639 / 712 → 381 / 509 / 600 / 661
@@ -134,27 +130,22 @@ fn fwd_kernel(be: &B, d: usize, t: usize) -> (TcLaunch, FwdGrid) {
         let allowed = crate::cuda::flash_persist() != Some(false) && keys == 128;
         let dynamic = allowed && crate::cuda::flash_dyn() && tma;
         let persistent = dynamic || (allowed && crate::cuda::flash_persist().unwrap_or(true) && d == 64);
-        // Head dim 128 with Q by TMA: two K/V stages make room for its two Q tiles.
-        let q128 = dynamic && d == 128 && keys == 128 && crate::cuda::flash_fwd_q_tma();
-        let p = match (persistent, dynamic, q128) {
-            (true, true, true) => "pdq",
-            (true, true, false) => "pd",
-            (true, false, _) => "p",
+        let p = match (persistent, dynamic) {
+            (true, true) => "pd",
+            (true, false) => "p",
             _ => "",
         };
         let t = if tma { "t" } else { "" };
         let k = if keys == 64 { String::new() } else { format!("k{keys}") };
         let name = format!("flash_fwd_ws2{t}{p}{k}_bf16_{d}");
         let grid = match (persistent, tma, dynamic) {
-            (true, true, true) if q128 => FwdGrid::WsDynamicTmaQ,
             (true, true, true) => FwdGrid::WsDynamicTma,
             (true, true, false) => FwdGrid::WsPersistentTma,
             (true, false, _) => FwdGrid::WsPersistent,
             (false, true, _) => FwdGrid::WsTilesTma,
             (false, false, _) => FwdGrid::WsTiles,
         };
-        let stages = if q128 { 2 } else { 3 };
-        let shared = stages * 2 * keys * d * 2 + q_tiles(q_by_tma(grid, d)) + 16 * 8 + 2 * 64 * (d + 8) * 2;
+        let shared = 3 * 2 * keys * d * 2 + q_tiles(q_by_tma(grid, d)) + 16 * 8 + 2 * 64 * (d + 8) * 2;
         (TcLaunch { name, rows: 128, threads: 3 * 128, shared: shared as u32 }, grid)
     } else if be.use_wgmma() {
         // H200, 16k tokens per call (NW = 1 was L2-bound): D 64 NW 2 (178–246 TFLOP/s over 1k–16k;
@@ -176,13 +167,9 @@ fn fwd_kernel(be: &B, d: usize, t: usize) -> (TcLaunch, FwdGrid) {
 }
 
 /// Whether the forward kernel of `grid` copies Q by TMA too (kernels/flash_mma.cu `QT`): the
-/// persistent TMA builds at head dim 64, and the two-stage one at 128.
+/// persistent TMA builds at head dim 64.
 fn q_by_tma(grid: FwdGrid, d: usize) -> bool {
-    match grid {
-        FwdGrid::WsPersistentTma | FwdGrid::WsDynamicTma => d == 64,
-        FwdGrid::WsDynamicTmaQ => true,
-        _ => false,
-    }
+    matches!(grid, FwdGrid::WsPersistentTma | FwdGrid::WsDynamicTma) && d == 64
 }
 
 /// The tensor-core backward's kernels: with wgmma and unless deterministic, one kernel for dK, dV
@@ -311,10 +298,7 @@ fn tc_fwd(be: &B, qkv: [Arg; 3], fused: bool, a: &AttnShape) -> Result<(Tensor, 
             // unused ones for the cp.async builds.
             let (kv_heads, q_heads) = map_heads(d, fused);
             let [q, k, v] = qkv.map(addr);
-            let tma = matches!(
-                grid,
-                FwdGrid::WsTilesTma | FwdGrid::WsPersistentTma | FwdGrid::WsDynamicTma | FwdGrid::WsDynamicTmaQ
-            );
+            let tma = matches!(grid, FwdGrid::WsTilesTma | FwdGrid::WsPersistentTma | FwdGrid::WsDynamicTma);
             let maps = [
                 if tma { TmaMap::rows(k, d.b, d.s, kv_heads, d.d, fwd_ws_keys())? } else { TmaMap::unused() },
                 if tma { TmaMap::rows(v, d.b, d.s, kv_heads, d.d, fwd_ws_keys())? } else { TmaMap::unused() },
@@ -326,10 +310,7 @@ fn tc_fwd(be: &B, qkv: [Arg; 3], fused: bool, a: &AttnShape) -> Result<(Tensor, 
             let kv_per_head = d.s * d.d * 2 * 2 * d.hkv / d.hq;
             args.push(n(crate::cuda::flash_group_heads(kv_per_head)));
             args.push(Arg::Ptr(be.tile_counter.raw_ptr(&be.dev)));
-            let persistent = matches!(
-                grid,
-                FwdGrid::WsPersistent | FwdGrid::WsPersistentTma | FwdGrid::WsDynamicTma | FwdGrid::WsDynamicTmaQ
-            );
+            let persistent = matches!(grid, FwdGrid::WsPersistent | FwdGrid::WsPersistentTma | FwdGrid::WsDynamicTma);
             if persistent { (bh * tiles).min(be.sms as usize) } else { bh * tiles }
         }
     };
