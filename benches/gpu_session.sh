@@ -21,6 +21,9 @@
 #                              --gpu`), with VARs set for both (e.g. matched:124m,1.3b:FERROTRON_FLASH_DYN=0)
 #       ncu-bwd:DxT[:VAR=V,...]    Nsight Compute on one flash backward of attention_bench's shape
 #                              DxT (e.g. 64x1024): time, instructions, L2 bytes and reductions
+#       ncu:REGEX:DxT[:VAR=V,...]  Nsight Compute on the first kernel matching REGEX in one
+#                              attention_bench call of shape DxT: speed of light, pipe use (the
+#                              MUFU's and wgmma's too), warp stall reasons
 #     e.g. `verify attn attn:FERROTRON_FLASH_TMA=0 trace:124m trace:124m:FERROTRON_FLASH_BIAS_GRAD=0`.
 #     Every step's output goes to the console and to $OUT/session.log (./gpu-logs without $OUT).
 set -uo pipefail
@@ -102,6 +105,24 @@ for step in "$@"; do
                 ncu --kernel-name regex:flash_bwd_dkvq --launch-count 1 --metrics "$m" v/attention_bench) 2>&1 | tee -a "$log"
             rc=${PIPESTATUS[0]}
             ;;
+        ncu)
+            # ncu:REGEX:DxT[:VARS]: the first kernel matching REGEX in one attention_bench call of
+            # shape DxT, with where its time goes (SOL, pipes incl. the MUFU, warp stall reasons);
+            # clocks left alone, as the device notes ask.
+            re=${rest%%:*}
+            more=${rest#"$re"}
+            more=${more#:}
+            shape=${more%%:*}
+            more=${more#"$shape"}
+            more=${more#:}
+            [ -n "$more" ] && IFS=, read -ra vars <<< "$more"
+            (cd .gpu && env ATTN_BENCH_ONLY="$shape" ATTN_BENCH_REPS=1 "${vars[@]}" \
+                ncu --clock-control none --kernel-name "regex:$re" --launch-count 1 --section SpeedOfLight \
+                --section ComputeWorkloadAnalysis --section WarpStateStats --section LaunchStats \
+                --metrics sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active \
+                v/attention_bench) 2>&1 | tee -a "$log"
+            rc=${PIPESTATUS[0]}
+            ;;
         matched)
             list=${rest%%:*}
             more=${rest#"$list"}
@@ -112,7 +133,7 @@ for step in "$@"; do
             rc=${PIPESTATUS[0]}
             ;;
         *)
-            echo "unknown step '$step' (verify, attn[:VARS], trace:PRESET[:VARS], matched[:PRESETS[:VARS]], ncu-bwd:DxT[:VARS])" | tee -a "$log"
+            echo "unknown step '$step' (verify, attn[:VARS], trace:PRESET[:VARS], matched[:PRESETS[:VARS]], ncu-bwd:DxT[:VARS], ncu:REGEX:DxT[:VARS])" | tee -a "$log"
             rc=2
             ;;
     esac

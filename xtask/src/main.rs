@@ -223,6 +223,12 @@ struct BenchShape {
     seq: usize,
     micro: usize,
     torch_style: &'static [&'static str],
+    /// The matched bench's default steps and log window (its first window is warm-up): long
+    /// enough that both sides are timed at the power cap's steady clock. A 124M step takes ≈ 29
+    /// ms, so 30 steps timed 0.6 s after 0.3 s of warm-up, before the cap had settled: 1.18
+    /// there against 1.154 over 300 steps (benches/NOTES.md, session 25).
+    iters: u64,
+    every: u64,
 }
 
 /// The presets issue 7 measures: GPT-2 124M, GPT 1.3B and the Llama-style 1B (GQA 32/8, seq 4096).
@@ -233,7 +239,9 @@ fn bench_shape(preset: &str) -> Option<BenchShape> {
         "llama-1b" => (16, 2048, 32, 4096, 4, &["--style", "llama", "--groups", "8", "--ffn", "8192"]),
         _ => return None,
     };
-    Some(BenchShape { layers, hidden, heads, seq, micro, torch_style })
+    // Warm-up ≥ 2.5 s and ≥ 5 s timed on the H200 (1.3B and Llama-1B steps take ≈ 250 ms).
+    let (iters, every) = if preset == "124m" { (300, 100) } else { (30, 10) };
+    Some(BenchShape { layers, hidden, heads, seq, micro, torch_style, iters, every })
 }
 
 /// benches/torch_gpu_gpt.py and its arguments for the same model as `shape` at micro-batch
@@ -398,10 +406,11 @@ fn attention_bench(args: &[String]) -> anyhow::Result<()> {
 /// `cargo xtask bench --gpu [FERROTRON_BIN] [PRESET...]`: Ferrotron (bf16) and the PyTorch reference
 /// (torch.compile + SDPA, bf16 autocast) on the same GPT in the same command: tokens/s, MFU, peak
 /// memory and the ratio. Runs on the GPU machine (no cargo needed there). Environment:
-/// BENCH_ITERS (steps, default 30, rounded up to whole log windows), BENCH_MICRO (micro-batch override),
+/// BENCH_ITERS (steps, default 300 at 124M and 30 otherwise, rounded up to whole log windows),
+/// BENCH_MICRO (micro-batch override),
 /// BENCH_CUDA_GRAPH=N (Ferrotron's step replayed as a CUDA graph after N eager steps),
 /// BENCH_TORCH=0 (Ferrotron only), BENCH_LOG_INTERVAL (steps per log line and loss read-back, default
-/// 10 as in Megatron runs; 1 reads the loss every step), BENCH_COOL_C (before each side, wait up to
+/// 100 at 124M and 10 otherwise, as in Megatron runs; 1 reads the loss every step), BENCH_COOL_C (before each side, wait up to
 /// two minutes for the card to cool to this many °C: both sides then start alike), BENCH_ROUNDS
 /// (default 1: each side runs that many times per preset, PyTorch first in odd rounds, and the
 /// ratio of the means follows the per-round ratios).
@@ -413,11 +422,8 @@ fn attention_bench(args: &[String]) -> anyhow::Result<()> {
 /// the other would be measured at a higher clock.
 fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
     let (bin, presets) = bench_bin_and_presets(args);
-    let every =
-        std::env::var("BENCH_LOG_INTERVAL").ok().and_then(|v| v.parse().ok()).filter(|&l| l > 0).unwrap_or(10u64);
-    let iters = std::env::var("BENCH_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(30u64);
-    // At least two windows, each whole: the first is warm-up on both sides.
-    let iters = iters.max(2 * every).div_ceil(every) * every;
+    let every_env = std::env::var("BENCH_LOG_INTERVAL").ok().and_then(|v| v.parse::<u64>().ok()).filter(|&l| l > 0);
+    let iters_env = std::env::var("BENCH_ITERS").ok().and_then(|v| v.parse::<u64>().ok());
     let rounds = std::env::var("BENCH_ROUNDS").ok().and_then(|v| v.parse().ok()).filter(|&r| r > 0).unwrap_or(1usize);
     let torch = !std::env::var("BENCH_TORCH").is_ok_and(|v| v == "0");
     let cool = std::env::var("BENCH_COOL_C").ok().and_then(|v| v.parse::<f64>().ok());
@@ -430,6 +436,9 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
             bench_shape(p).with_context(|| format!("no GPU bench shape for preset {p}: use 124m, 1.3b or llama-1b"))?;
         // BENCH_MICRO overrides the micro-batch (e.g. 1 for a quick look at a slow build).
         let micro = std::env::var("BENCH_MICRO").ok().and_then(|v| v.parse().ok()).unwrap_or(shape.micro);
+        let every = every_env.unwrap_or(shape.every);
+        // At least two windows, each whole: the first is warm-up on both sides.
+        let iters = iters_env.unwrap_or(shape.iters).max(2 * every).div_ceil(every) * every;
         let run = BenchRun { preset: p, bin: &bin, shape: &shape, micro, iters, every, cool };
         let mut pairs = Vec::new();
         let mut flops = None;
@@ -613,6 +622,13 @@ ptxas info    : Used 168 registers, used 1 barriers, 18432 bytes smem\n";
         for name in ["124m", "1.3b", "llama-1b"] {
             let s = bench_shape(name).unwrap();
             let c = ferrotron_models::preset(name).unwrap();
+            // Whole log windows, the first of them warm-up, at least as many timed steps after it.
+            assert!(
+                s.iters.is_multiple_of(s.every) && s.iters >= 3 * s.every,
+                "{name}: {} steps, windows of {}",
+                s.iters,
+                s.every
+            );
             assert_eq!(
                 (s.layers, s.hidden, s.heads, s.seq),
                 (c.num_layers, c.hidden_size, c.num_attention_heads, c.seq_length),
