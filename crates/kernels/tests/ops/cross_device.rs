@@ -172,13 +172,24 @@ fn every_op_matches_cpu() {
             rnd(&[2, 7, 2, 16], 12, dt),
             rnd(&[2, 7, 4, 16], 13, dt),
         );
-        for cfg in [AttnCfg::default(), AttnCfg { causal: true, window: Some(3), scale: None }] {
-            check("attention", dt, &[q.clone(), kk.clone(), v.clone(), dout.clone()], |t| {
-                let (o, lse) = k::attention_fwd(&t[0], &t[1], &t[2], &cfg).unwrap();
-                let (dq, dk, dv) = k::attention_bwd(&t[0], &t[1], &t[2], &o, &lse, &t[3], &cfg).unwrap();
-                vec![o, lse, dq, dk, dv]
-            });
+        // The reference kernels (head dim 16): dk/dv by atomics, and in deterministic mode by
+        // `attn_bwd_kv`'s ordered sums.
+        for det in [false, true] {
+            ferrotron_kernels::cuda::set_deterministic(det);
+            for cfg in [AttnCfg::default(), AttnCfg { causal: true, window: Some(3), scale: None }] {
+                check(
+                    &format!("attention deterministic {det}"),
+                    dt,
+                    &[q.clone(), kk.clone(), v.clone(), dout.clone()],
+                    |t| {
+                        let (o, lse) = k::attention_fwd(&t[0], &t[1], &t[2], &cfg).unwrap();
+                        let (dq, dk, dv) = k::attention_bwd(&t[0], &t[1], &t[2], &o, &lse, &t[3], &cfg).unwrap();
+                        vec![o, lse, dq, dk, dv]
+                    },
+                );
+            }
         }
+        ferrotron_kernels::cuda::set_deterministic(false);
         // Head dims with a flash kernel: sequence lengths across several 32- and 64-row tiles and
         // ragged ends, GQA, causal, windowed and full (bf16 at 64/128 runs the tensor-core kernels).
         // 2100 rows at head dim 64: the forward with two m-tiles per warp (from 2048 rows on),
@@ -303,16 +314,25 @@ fn every_op_matches_cpu() {
             ferrotron_kernels::cuda::set_flash_group_heads(None);
         }
         if dt == DType::BF16 {
-            // Deterministic mode: the backward twice on the GPU gives the same bits.
+            // Deterministic mode: the backward twice on the GPU gives the same bits, at head dim
+            // 128 (flash) and 48 (the reference kernels; GQA, many query rows per key row).
             ferrotron_kernels::cuda::set_deterministic(true);
             let g = gpu();
-            let x: Vec<Tensor> = (0..4).map(|s| on(&rnd(&[2, 300, 2, 128], 30 + s, dt), &g)).collect();
-            let cfg = AttnCfg { causal: true, window: None, scale: None };
-            let (o, lse) = k::attention_fwd(&x[0], &x[1], &x[2], &cfg).unwrap();
-            let run = || k::attention_bwd(&x[0], &x[1], &x[2], &o, &lse, &x[3], &cfg).unwrap();
-            let (a, b) = (run(), run());
-            for (u, w) in [(&a.0, &b.0), (&a.1, &b.1), (&a.2, &b.2)] {
-                assert_eq!(host(u), host(w), "deterministic flash backward differs between two runs");
+            for (hq, hkv, d) in [(2, 2, 128), (4, 2, 48)] {
+                let shape = |h: usize| [2, 300, h, d];
+                let x: Vec<Tensor> =
+                    [hq, hkv, hkv, hq].iter().zip(30..).map(|(&h, seed)| on(&rnd(&shape(h), seed, dt), &g)).collect();
+                let cfg = AttnCfg { causal: true, window: None, scale: None };
+                let (o, lse) = k::attention_fwd(&x[0], &x[1], &x[2], &cfg).unwrap();
+                let run = || k::attention_bwd(&x[0], &x[1], &x[2], &o, &lse, &x[3], &cfg).unwrap();
+                let (a, b) = (run(), run());
+                for (u, w) in [(&a.0, &b.0), (&a.1, &b.1), (&a.2, &b.2)] {
+                    assert_eq!(
+                        host(u),
+                        host(w),
+                        "deterministic attention backward (head dim {d}) differs between two runs"
+                    );
+                }
             }
         }
         ferrotron_kernels::cuda::set_deterministic(false);

@@ -586,24 +586,34 @@ pub fn attention_bwd(
         }
         return Ok((cast(be, &dq, dt)?, cast(be, &dk, dt)?, cast(be, &dv, dt)?));
     }
-    // dk and dv are sums of fp32 atomics: they must start at zero (never poisoned).
+    // dk and dv are sums of fp32 atomics: they must start at zero (never poisoned). Deterministic
+    // mode leaves them to `attn_bwd_kv`, which writes every element.
+    let det = crate::cuda::deterministic();
     let dev = Device::Cuda(be.dev.clone());
     let dq = new(be, q.shape().clone(), DType::F32)?;
-    let (dk, dv) =
-        (Tensor::zeros(k.shape().clone(), DType::F32, &dev)?, Tensor::zeros(v.shape().clone(), DType::F32, &dev)?);
-    let mut args = vec![
-        ptr("attn", q)?,
-        ptr("attn", k)?,
-        ptr("attn", v)?,
-        ptr("attn", o)?,
-        ptr("attn", lse)?,
-        ptr("attn", dout)?,
-        ptr("attn", &dq)?,
-        ptr("attn", &dk)?,
-        ptr("attn", &dv)?,
-    ];
+    let (dk, dv) = if det {
+        (new(be, k.shape().clone(), DType::F32)?, new(be, v.shape().clone(), DType::F32)?)
+    } else {
+        (Tensor::zeros(k.shape().clone(), DType::F32, &dev)?, Tensor::zeros(v.shape().clone(), DType::F32, &dev)?)
+    };
+    let s = sfx("attention_bwd", q.dtype())?;
+    let inputs = [q, k, v, o, lse, dout].map(|t| ptr("attn", t)).into_iter().collect::<Result<Vec<_>>>()?;
+    let mut args = inputs.clone();
+    args.extend([ptr("attn", &dq)?, ptr("attn", &dk)?, ptr("attn", &dv)?]);
     args.extend(attn_tail(a));
-    attn_launch(be, &format!("attn_bwd_{}", sfx("attention_bwd", q.dtype())?), a, args)?;
+    args.push(Arg::I64(!det as i64));
+    attn_launch(be, &format!("attn_bwd_{s}"), a, args)?;
+    if det {
+        // One block per (batch, kv head, key row): p and ds of 128 query rows at a time, then the
+        // row's dk and dv columns, all in shared memory.
+        const ROWS: usize = 128;
+        let mut args = inputs;
+        args.extend([ptr("attn", &dk)?, ptr("attn", &dv)?]);
+        args.extend(attn_tail(a));
+        let dm = a.dims;
+        let shared = (2 * ROWS + 2 * dm.d) * 4;
+        be.launch(&format!("attn_bwd_kv_{s}"), (dm.b * dm.hkv * dm.s) as u32, ROWS as u32, shared as u32, &args)?;
+    }
     let dt = dout.dtype();
     if dt == DType::F32 {
         return Ok((dq, dk, dv));
