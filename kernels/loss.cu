@@ -94,13 +94,14 @@ FOR_TYPES(LOSS_V8)
 
 // Forward and backward in one launch, in place (one whole-vocabulary shard: vstart 0): the
 // forward's pass over the row, then the gradient written over the logits with dloss = dscale on
-// every row: the same arithmetic as ce_fwd then ce_bwd, no separate dlogits buffer, and the second
+// every row (or *dscale_p where given: read when the kernel runs, so a replayed CUDA graph takes
+// the value written there since its capture): the same arithmetic as ce_fwd then ce_bwd, no separate dlogits buffer, and the second
 // pass meant to find the block's row in L2 (on the H200 it mostly does not: 1.21 ms a 16k × 50304
 // bf16 call, at any block size; `ce_fwdbwd_bf16_keep` below keeps the row in shared memory instead,
 // 0.98 ms). The target's logit is read before the block's reductions (barriers), so before any
 // thread overwrites it.
 #define LOSS_FB(s, T) \
-extern "C" __global__ void ce_fwdbwd_##s(T* logits, const u32* tgt, const float* mask, long long ignore, long vreal, float* loss, float* lse, float dscale, long v) { \
+extern "C" __global__ void ce_fwdbwd_##s(T* logits, const u32* tgt, const float* mask, long long ignore, long vreal, float* loss, float* lse, float dscale, const float* dscale_p, long v) { \
     long r = blockIdx.x; T* row = logits + r * v; u32 t = tgt[r]; float mk = mask ? mask[r] : 1.f; \
     float xt = (threadIdx.x == 0 && (long)t < vreal) ? ld(row, (long)t) : 0.f, m = -INFINITY, z = 0.f; \
     for (long i = threadIdx.x; i < vreal; i += blockDim.x) { float x = ld(row, i); \
@@ -108,18 +109,18 @@ extern "C" __global__ void ce_fwdbwd_##s(T* logits, const u32* tgt, const float*
     float mb = block_max(m); z = block_sum(m == -INFINITY ? 0.f : z * expf(m - mb)); m = mb; \
     float l = m + logf(z); bool off = (long long)t == ignore || mk == 0.f; \
     if (threadIdx.x == 0) { lse[r] = l; loss[r] = off ? 0.f : mk * (l - xt); } \
-    float g = off ? 0.f : dscale * mk; \
+    float g = off ? 0.f : (dscale_p ? *dscale_p : dscale) * mk; \
     for (long i = threadIdx.x; i < v; i += blockDim.x) { \
         float p = expf(ld(row, i) - l); st(row, i, (off || i >= vreal) ? 0.f : (p - (i == (long)t ? 1.f : 0.f)) * g); } }
 FOR_TYPES(LOSS_FB)
 
 #define LOSS_FB_V8(s, T) \
-extern "C" __global__ void ce_fwdbwd_##s##_v8(T* logits, const u32* tgt, const float* mask, long long ignore, long vreal, float* loss, float* lse, float dscale, long v) { \
+extern "C" __global__ void ce_fwdbwd_##s##_v8(T* logits, const u32* tgt, const float* mask, long long ignore, long vreal, float* loss, float* lse, float dscale, const float* dscale_p, long v) { \
     long r = blockIdx.x; T* row = logits + r * v; u32 t = tgt[r]; float mk = mask ? mask[r] : 1.f; \
     float xt = (threadIdx.x == 0 && (long)t < vreal) ? ld(row, (long)t) : 0.f, m, z; ce_partial8(row, vreal, m, z); \
     float l = ce_lse8(m, z); bool off = (long long)t == ignore || mk == 0.f; \
     if (threadIdx.x == 0) { lse[r] = l; loss[r] = off ? 0.f : mk * (l - xt); } \
-    float g = off ? 0.f : dscale * mk, ll = l * LOG2E; \
+    float g = off ? 0.f : (dscale_p ? *dscale_p : dscale) * mk, ll = l * LOG2E; \
     for (long i = threadIdx.x * 8L; i < v; i += blockDim.x * 8L) { float x[8]; ld8(row, i, x); \
         ce_grad8(x, i, vreal, ll, g, (long)t, off); st8(row, i, x); } }
 FOR_TYPES(LOSS_FB_V8)
@@ -127,14 +128,14 @@ FOR_TYPES(LOSS_FB_V8)
 // The same with the row kept in shared memory (v bf16, up to 110 KB: two blocks of 1024 threads
 // an SM), so the gradient pass reads it there instead of hoping to find it in L2; columns from
 // vreal on are never read, so the gradient pass reads them from the row.
-extern "C" __global__ void __launch_bounds__(1024, 2) ce_fwdbwd_bf16_keep(bf16_t* logits, const u32* tgt, const float* mask, long long ignore, long vreal, float* loss, float* lse, float dscale, long v) {
+extern "C" __global__ void __launch_bounds__(1024, 2) ce_fwdbwd_bf16_keep(bf16_t* logits, const u32* tgt, const float* mask, long long ignore, long vreal, float* loss, float* lse, float dscale, const float* dscale_p, long v) {
     extern __shared__ u128 keep_raw[];
     bf16_t* keep = (bf16_t*)keep_raw;
     long r = blockIdx.x; bf16_t* row = logits + r * v; u32 t = tgt[r]; float mk = mask ? mask[r] : 1.f;
     float xt = (threadIdx.x == 0 && (long)t < vreal) ? ld(row, (long)t) : 0.f, m, z; ce_partial8(row, vreal, m, z, keep);
     float l = ce_lse8(m, z); bool off = (long long)t == ignore || mk == 0.f;
     if (threadIdx.x == 0) { lse[r] = l; loss[r] = off ? 0.f : mk * (l - xt); }
-    float g = off ? 0.f : dscale * mk, ll = l * LOG2E;
+    float g = off ? 0.f : (dscale_p ? *dscale_p : dscale) * mk, ll = l * LOG2E;
     for (long i = threadIdx.x * 8L; i < v; i += blockDim.x * 8L) { float x[8]; ld8(i < vreal ? (const bf16_t*)keep : (const bf16_t*)row, i, x);
         ce_grad8(x, i, vreal, ll, g, (long)t, off); st8(row, i, x); }
 }

@@ -151,6 +151,16 @@ pub fn cross_entropy_bwd(
     })?
 }
 
+/// The loss gradient given to every row by [`cross_entropy_fwd_bwd_`]: a value fixed when the op
+/// is queued, or the one f32 of a tensor on the logits' device, read when the op runs. A CUDA
+/// graph that captured the op then takes whatever was written there since, such as 1 / the loss
+/// token count of each replayed step's batch.
+#[derive(Clone, Copy, Debug)]
+pub enum RowScale<'a> {
+    Value(f32),
+    Read(&'a Tensor),
+}
+
 /// [`cross_entropy_fwd`], then [`cross_entropy_bwd`] with dloss = `dscale` on every row, the
 /// gradient written over `logits` in place (the same values, bit for bit); returns (loss, lse).
 /// One read of the logits instead of two and no second [N, V] buffer. A whole vocabulary only
@@ -160,7 +170,7 @@ pub fn cross_entropy_fwd_bwd_(
     targets: &Tensor,
     mask: Option<&Tensor>,
     cfg: CeCfg,
-    dscale: f32,
+    dscale: RowScale,
 ) -> Result<(Tensor, Tensor)> {
     const OP: &str = "cross_entropy_fwd_bwd_";
     if cfg.vocab_start != 0 {
@@ -170,10 +180,29 @@ pub fn cross_entropy_fwd_bwd_(
         ));
     }
     let inp = inputs(OP, logits, targets, mask, cfg)?;
+    if let RowScale::Read(t) = dscale {
+        if !t.device().same(logits.device()) {
+            return Err(Error::DeviceMismatch { op: OP, a: logits.device().name(), b: t.device().name() });
+        }
+        if t.dtype() != DType::F32 || t.elem_count() != 1 {
+            return Err(ferrotron_core::invalid(
+                OP,
+                format!(
+                    "the row scale tensor is {:?} {:?}: give one f32 (1 / the loss token count)",
+                    t.dtype(),
+                    t.dims()
+                ),
+            ));
+        }
+    }
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[logits])? {
         return crate::cuda::ops::ce_fwd_bwd_(&g, logits, targets, mask, cfg, dscale);
     }
+    let dscale = match dscale {
+        RowScale::Value(x) => x,
+        RowScale::Read(t) => t.to_vec_f32()?[0],
+    };
     // SAFETY: cross_entropy_fwd_bwd_ writes every row's loss and lse.
     let (mut loss, mut lse) = unsafe { (buf::uninit(inp.n), buf::uninit(inp.n)) };
     let m = inp.mask.as_deref();

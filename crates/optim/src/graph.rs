@@ -5,9 +5,9 @@
 //!
 //! A replay repeats what was captured: the same kernels with the same arguments on the same
 //! buffers. So before each replay the step's batches are copied into the captured batches'
-//! buffers and its learning rate into the optimizer's state (`Optimizer::set_lr`), and after it
-//! the losses the graph wrote are copied out. A step whose batches differ from the captured ones
-//! in shape or in the number of tokens the loss counts (1/tokens is a kernel argument) runs
+//! buffers (their 1 / loss-token count too, which the fused cross-entropy reads when it runs) and
+//! its learning rate into the optimizer's state (`Optimizer::set_lr`), and after it the losses the
+//! graph wrote are copied out. A step whose batches differ from the captured ones in shape runs
 //! eagerly instead. Hidden dropout draws its masks from offsets the host passes each step, so a
 //! model with dropout is refused.
 //!
@@ -132,15 +132,12 @@ impl Captured {
     }
 
     /// Whether `micro_batches` can take the captured batches' place: as many, each of the same
-    /// shapes, dtypes and loss token count.
+    /// shapes and dtypes (the loss-token count may differ: it travels in `inv_tokens`).
     fn fits(&self, micro_batches: &[Batch]) -> bool {
         let same = |a: &Tensor, b: &Tensor| a.dims() == b.dims() && a.dtype() == b.dtype();
         self.inputs.len() == micro_batches.len()
             && self.inputs.iter().zip(micro_batches).all(|(c, b)| {
-                same(&c.tokens, &b.tokens)
-                    && same(&c.labels, &b.labels)
-                    && same(&c.loss_mask, &b.loss_mask)
-                    && c.num_tokens() == b.num_tokens()
+                same(&c.tokens, &b.tokens) && same(&c.labels, &b.labels) && same(&c.loss_mask, &b.loss_mask)
             })
     }
 
@@ -152,7 +149,13 @@ impl Captured {
         lr: f32,
     ) -> Result<QueuedStep, StepError> {
         for (c, b) in self.inputs.iter().zip(micro_batches) {
-            for (to, from) in [(&c.tokens, &b.tokens), (&c.labels, &b.labels), (&c.loss_mask, &b.loss_mask)] {
+            let pairs = [
+                (&c.tokens, &b.tokens),
+                (&c.labels, &b.labels),
+                (&c.loss_mask, &b.loss_mask),
+                (c.inv_tokens(), b.inv_tokens()),
+            ];
+            for (to, from) in pairs {
                 to.copy_from(from)?;
             }
         }

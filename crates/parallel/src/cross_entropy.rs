@@ -78,7 +78,7 @@ pub fn vocab_parallel_ce_fwd_bwd_(
     logits: &Tensor,
     targets: &Tensor,
     mask: Option<&Tensor>,
-    dscale: f32,
+    dscale: k::RowScale,
 ) -> Result<Option<(Tensor, Tensor)>> {
     if tp.size() != 1 {
         return Ok(None);

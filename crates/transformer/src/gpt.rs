@@ -39,6 +39,10 @@ pub struct Batch {
     /// Σ loss_mask, counted once when the batch is made (so a step never reads it back from the
     /// device).
     num_tokens: f64,
+    /// 1 / num_tokens (0 for none) as one f32 on the batch's device: the fused cross-entropy reads
+    /// its gradient scale from here when it runs, so a CUDA graph captured on one batch replays
+    /// the right mean for a batch with another loss-token count (copied into this tensor).
+    inv_tokens: Tensor,
     /// Where its random draws (hidden dropout) come from: the trainer gives each training
     /// micro-batch the global index of its first sample.
     pub draw: Option<Draw>,
@@ -48,7 +52,8 @@ impl Batch {
     /// A batch; counts the mask's tokens (one read of `loss_mask`, before any compute is queued).
     pub fn new(tokens: Tensor, labels: Tensor, loss_mask: Tensor) -> Result<Batch> {
         let num_tokens = loss_mask.to_vec_f32()?.iter().map(|&m| m as f64).sum();
-        Ok(Batch { tokens, labels, loss_mask, num_tokens, draw: None })
+        let inv_tokens = inverse_count(num_tokens, loss_mask.device())?;
+        Ok(Batch { tokens, labels, loss_mask, num_tokens, inv_tokens, draw: None })
     }
 
     /// The batch with its random draws' origin (see `Draw`).
@@ -60,13 +65,25 @@ impl Batch {
     pub fn unmasked(tokens: Tensor, labels: Tensor) -> Result<Batch> {
         let n = tokens.elem_count();
         let loss_mask = Tensor::from_vec(vec![1f32; n], tokens.dims().to_vec(), tokens.device())?;
-        Ok(Batch { tokens, labels, loss_mask, num_tokens: n as f64, draw: None })
+        let inv_tokens = inverse_count(n as f64, tokens.device())?;
+        Ok(Batch { tokens, labels, loss_mask, num_tokens: n as f64, inv_tokens, draw: None })
     }
 
     /// Σ loss_mask.
     pub fn num_tokens(&self) -> f64 {
         self.num_tokens
     }
+
+    /// 1 / Σ loss_mask (0 where nothing counts) as one f32 on the batch's device.
+    pub fn inv_tokens(&self) -> &Tensor {
+        &self.inv_tokens
+    }
+}
+
+/// The mean's scale, 1 / count (0 for an empty count), as a one-element f32 tensor on `dev`.
+fn inverse_count(count: f64, dev: &Device) -> Result<Tensor> {
+    let inv = if count > 0.0 { (1.0 / count) as f32 } else { 0.0 };
+    Ok(Tensor::from_f32(&[inv], [1], DType::F32, dev)?)
 }
 
 /// The last stage's per-token losses of one micro-batch, left on the device until `mean` reads
@@ -360,8 +377,9 @@ impl GptModel {
         let mask = batch.loss_mask.reshape([n])?;
         let num_tokens = batch.num_tokens;
         // Training on one tensor-parallel rank: the backward's dlogits (for grad_scale 1) are
-        // written over the logits in the same pass, one read of [N, V] instead of two.
-        let dscale = if num_tokens > 0.0 { (1.0 / num_tokens) as f32 } else { 0.0 };
+        // written over the logits in the same pass, one read of [N, V] instead of two; the mean's
+        // 1 / num_tokens read from the batch's tensor when the kernel runs.
+        let dscale = k::RowScale::Read(&batch.inv_tokens);
         let fused = if cx.training {
             vocab_parallel_ce_fwd_bwd_(self.ce(), &self.tp, &flat, &labels, Some(&mask), dscale)?
         } else {

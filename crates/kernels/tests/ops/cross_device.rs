@@ -437,7 +437,8 @@ fn every_op_matches_cpu() {
             let cfg = CrossEntropyCfg { ignore_index: Some(5), vocab_start: 0, vocab_total: total };
             check(&format!("cross_entropy_fwd_bwd_ {v}"), dt, &[logits, targets, rnd(&[6], 29, DType::F32)], |t| {
                 let x = t[0].deep_copy().unwrap();
-                let (l, lse) = k::cross_entropy_fwd_bwd_(&x, &t[1], Some(&t[2]), cfg, 0.25).unwrap();
+                let (l, lse) =
+                    k::cross_entropy_fwd_bwd_(&x, &t[1], Some(&t[2]), cfg, k::RowScale::Value(0.25)).unwrap();
                 vec![l, lse, x]
             });
         }

@@ -196,7 +196,8 @@ device_test!(forward_with_backward_in_place_equals_the_two_passes, |dev: &Device
             let dl = Tensor::from_f32(&[dscale; 6], [6], DType::F32, dev).unwrap();
             let want = k::cross_entropy_bwd(&logits, &targets, Some(&mask), &lse, &dl, cfg).unwrap();
             let x = logits.deep_copy().unwrap();
-            let (l2, lse2) = k::cross_entropy_fwd_bwd_(&x, &targets, Some(&mask), cfg, dscale).unwrap();
+            let (l2, lse2) =
+                k::cross_entropy_fwd_bwd_(&x, &targets, Some(&mask), cfg, k::RowScale::Value(dscale)).unwrap();
             let what = format!("{dt:?} v {v}");
             assert_eq!(host(&l2), host(&loss), "{what}: loss");
             assert_eq!(host(&lse2), host(&lse), "{what}: lse");
@@ -204,8 +205,24 @@ device_test!(forward_with_backward_in_place_equals_the_two_passes, |dev: &Device
             let bad: Vec<_> =
                 (0..got.len()).filter(|&i| got[i] != want[i]).map(|i| (i, got[i], want[i])).take(5).collect();
             assert!(bad.is_empty(), "{what}: dlogits over the logits differ at (index, got, want) {bad:?}");
+            // The row scale read from a tensor when the op runs: the same bits.
+            let y = logits.deep_copy().unwrap();
+            let s = Tensor::from_f32(&[dscale], [1], DType::F32, dev).unwrap();
+            let (l3, _) = k::cross_entropy_fwd_bwd_(&y, &targets, Some(&mask), cfg, k::RowScale::Read(&s)).unwrap();
+            assert_eq!(host(&l3), host(&loss), "{what}: loss, scale read from a tensor");
+            assert_eq!(host(&y), got, "{what}: dlogits, scale read from a tensor");
         }
     }
+    // A row scale tensor of more than one value is refused, naming it, before the logits change.
+    let logits = tensor(dev, &randv(2 * 8, 3), &[2, 8], DType::F32);
+    let targets = Tensor::from_vec(vec![1u32, 2], [2], dev).unwrap();
+    let two = Tensor::from_f32(&[0.5, 0.5], [2], DType::F32, dev).unwrap();
+    let before = host(&logits);
+    let e = k::cross_entropy_fwd_bwd_(&logits, &targets, None, CrossEntropyCfg::default(), k::RowScale::Read(&two))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("row scale") && e.contains("one f32"), "{e}");
+    assert_eq!(host(&logits), before, "the logits were touched");
 });
 
 #[test]
@@ -215,7 +232,7 @@ fn forward_with_backward_refuses_a_vocabulary_shard() {
     let targets = Tensor::from_vec(vec![9u32, 12], [2], &dev).unwrap();
     let cfg = CrossEntropyCfg { vocab_start: 8, ..Default::default() };
     let before = host(&logits);
-    let e = k::cross_entropy_fwd_bwd_(&logits, &targets, None, cfg, 1.0).unwrap_err().to_string();
+    let e = k::cross_entropy_fwd_bwd_(&logits, &targets, None, cfg, k::RowScale::Value(1.0)).unwrap_err().to_string();
     assert!(e.contains("cross_entropy_fwd_bwd_") && e.contains("vocab_start"), "{e}");
     assert_eq!(host(&logits), before, "the logits were touched");
 }

@@ -64,7 +64,7 @@ pub fn ce_fwd_bwd_(
     targets: &Tensor,
     mask: Option<&Tensor>,
     cfg: crate::CrossEntropyCfg,
-    dscale: f32,
+    dscale: crate::RowScale,
 ) -> Result<(Tensor, Tensor)> {
     let (rows, v) = (logits.dims()[0], logits.dims()[1]);
     let (loss, lse) = (new(be, [rows], DType::F32)?, new(be, [rows], DType::F32)?);
@@ -85,7 +85,8 @@ pub fn ce_fwd_bwd_(
         n(cfg.real_columns(v)),
         ptr("ce", &loss)?,
         ptr("ce", &lse)?,
-        Arg::F32(dscale),
+        Arg::F32(if let crate::RowScale::Value(x) = dscale { x } else { 0.0 }),
+        opt_ptr("ce", if let crate::RowScale::Read(t) = dscale { Some(t) } else { None })?,
         n(v),
     ];
     if keep {
