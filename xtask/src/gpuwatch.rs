@@ -75,6 +75,8 @@ fn summarize(samples: &[([f64; 5], u64)]) -> Watch {
 /// Polls the GPU until `child` exits; an unsuccessful exit is an error naming `what`.
 pub fn watch(child: &mut Child, what: &str) -> anyhow::Result<Watch> {
     let mut samples = Vec::new();
+    // Drivers that do not know the reasons field refuse the whole query: then poll without it.
+    let mut reasons = true;
     loop {
         if let Some(s) = child.try_wait()? {
             if !s.success() {
@@ -82,12 +84,14 @@ pub fn watch(child: &mut Child, what: &str) -> anyhow::Result<Watch> {
             }
             return Ok(summarize(&samples));
         }
-        let q = "--query-gpu=memory.used,clocks.sm,power.draw,utilization.gpu,temperature.gpu,\
-                 clocks_event_reasons.active";
-        if let Ok(o) = Command::new("nvidia-smi").args([q, "--format=csv,noheader,nounits"]).output()
-            && let Some(s) = String::from_utf8_lossy(&o.stdout).lines().next().and_then(parse)
-        {
-            samples.push(s);
+        let q = "--query-gpu=memory.used,clocks.sm,power.draw,utilization.gpu,temperature.gpu";
+        let q = if reasons { format!("{q},clocks_event_reasons.active") } else { q.to_string() };
+        if let Ok(o) = Command::new("nvidia-smi").args([q.as_str(), "--format=csv,noheader,nounits"]).output() {
+            match String::from_utf8_lossy(&o.stdout).lines().next().and_then(parse) {
+                Some(s) => samples.push(s),
+                None if reasons && !o.status.success() => reasons = false,
+                None => {}
+            }
         }
         std::thread::sleep(std::time::Duration::from_millis(300));
     }
