@@ -95,8 +95,8 @@ FOR_TYPES(LOSS_V8)
 // Forward and backward in one launch, in place (one whole-vocabulary shard: vstart 0): the
 // forward's pass over the row, then the gradient written over the logits with dloss = dscale on
 // every row (or *dscale_p where given: read when the kernel runs, so a replayed CUDA graph takes
-// the value written there since its capture): the same arithmetic as ce_fwd then ce_bwd, no separate dlogits buffer, and the second
-// pass meant to find the block's row in L2 (on the H200 it mostly does not: 1.21 ms a 16k × 50304
+// the value written there since its capture): the same arithmetic as ce_fwd then ce_bwd, no
+// separate dlogits buffer, and the second pass meant to find the block's row in L2 (on the H200 it mostly does not: 1.21 ms a 16k × 50304
 // bf16 call, at any block size; `ce_fwdbwd_bf16_keep` below keeps the row in shared memory instead,
 // 0.98 ms). The target's logit is read before the block's reductions (barriers), so before any
 // thread overwrites it.
