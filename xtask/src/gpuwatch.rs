@@ -1,7 +1,8 @@
 //! What the GPU did while a bench run ran: nvidia-smi polled every 300 ms for memory in use, SM
-//! clock, power draw, utilisation, temperature and why the clock is held below its top. The H200 is power-capped (700 W): under
-//! sustained load its clock falls from 1980 MHz to 1450–1710 within seconds, so the clock a run
-//! held is part of its figure, and two runs compare fairly only at like clocks. A hotter die
+//! clock, power draw, utilisation, temperature and why the clock is held below its top. The H200
+//! is power-capped (700 W): under sustained load its clock falls from 1980 MHz to 1450–1710
+//! within seconds, so the clock a run held is part of its figure, and two runs compare fairly
+//! only at like clocks. A hotter die
 //! leaks more of the same 700 W, so the temperature a run starts busy at is reported too: a side
 //! that starts on a card still hot from the run before it starts behind.
 

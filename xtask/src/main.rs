@@ -409,9 +409,10 @@ fn attention_bench(args: &[String]) -> anyhow::Result<()> {
 /// BENCH_ITERS (steps, default 300 at 124M and 30 otherwise, rounded up to whole log windows),
 /// BENCH_MICRO (micro-batch override),
 /// BENCH_CUDA_GRAPH=N (Ferrotron's step replayed as a CUDA graph after N eager steps),
-/// BENCH_TORCH=0 (Ferrotron only), BENCH_LOG_INTERVAL (steps per log line and loss read-back, default
-/// 100 at 124M and 10 otherwise, as in Megatron runs; 1 reads the loss every step), BENCH_COOL_C (before each side, wait up to
-/// two minutes for the card to cool to this many °C: both sides then start alike), BENCH_ROUNDS
+/// BENCH_TORCH=0 (Ferrotron only), BENCH_LOG_INTERVAL (steps per log line and loss read-back,
+/// default 100 at 124M and 10 otherwise, as in Megatron runs; 1 reads the loss every step),
+/// BENCH_COOL_C (before each side, wait up to two minutes for the card to cool to this many °C:
+/// both sides then start alike), BENCH_ROUNDS
 /// (default 1: each side runs that many times per preset, PyTorch first in odd rounds, and the
 /// ratio of the means follows the per-round ratios).
 ///

@@ -181,11 +181,7 @@ fn every_op_matches_cpu() {
                     &format!("attention deterministic {det}"),
                     dt,
                     &[q.clone(), kk.clone(), v.clone(), dout.clone()],
-                    |t| {
-                        let (o, lse) = k::attention_fwd(&t[0], &t[1], &t[2], &cfg).unwrap();
-                        let (dq, dk, dv) = k::attention_bwd(&t[0], &t[1], &t[2], &o, &lse, &t[3], &cfg).unwrap();
-                        vec![o, lse, dq, dk, dv]
-                    },
+                    |t| attention_fwd_bwd(t, &cfg),
                 );
             }
         }
@@ -244,11 +240,7 @@ fn every_op_matches_cpu() {
                     &format!("flash attention t{t} d{d} wgmma {wg} deterministic {det} ws {ws} tma {tma} {cfg:?}"),
                     dt,
                     &[q.clone(), kk.clone(), v.clone(), dout.clone()],
-                    |t| {
-                        let (o, lse) = k::attention_fwd(&t[0], &t[1], &t[2], &cfg).unwrap();
-                        let (dq, dk, dv) = k::attention_bwd(&t[0], &t[1], &t[2], &o, &lse, &t[3], &cfg).unwrap();
-                        vec![o, lse, dq, dk, dv]
-                    },
+                    |t| attention_fwd_bwd(t, &cfg),
                 );
             }
             // Q, K, V read in place from the fused projection output, dQ, dK, dV written into the
@@ -300,11 +292,7 @@ fn every_op_matches_cpu() {
                         let name = format!(
                             "flash attention t{t} d{d} persistent {persist} dynamic {dynamic} groups {groups:?} {cfg:?}"
                         );
-                        check_norm(&name, dt, &x, |t| {
-                            let (o, lse) = k::attention_fwd(&t[0], &t[1], &t[2], &cfg).unwrap();
-                            let (dq, dk, dv) = k::attention_bwd(&t[0], &t[1], &t[2], &o, &lse, &t[3], &cfg).unwrap();
-                            vec![o, lse, dq, dk, dv]
-                        });
+                        check_norm(&name, dt, &x, |t| attention_fwd_bwd(t, &cfg));
                     }
                 }
             }
@@ -465,6 +453,13 @@ fn every_op_matches_cpu() {
 
 /// The elementwise ops on `x`, `y` (same shape) and `b` (one row): everything with an eight-wide
 /// kernel and a one-element twin.
+/// Attention forward then backward on (q, k, v, dout): o, lse, dq, dk, dv.
+fn attention_fwd_bwd(t: &[Tensor], cfg: &AttnCfg) -> Vec<Tensor> {
+    let (o, lse) = k::attention_fwd(&t[0], &t[1], &t[2], cfg).unwrap();
+    let (dq, dk, dv) = k::attention_bwd(&t[0], &t[1], &t[2], &o, &lse, &t[3], cfg).unwrap();
+    vec![o, lse, dq, dk, dv]
+}
+
 fn elementwise_ops(x: &Tensor, y: &Tensor, b: &Tensor) -> Vec<Tensor> {
     let acc = k::cast(y, DType::F32).unwrap();
     k::add_(&acc, x).unwrap();
