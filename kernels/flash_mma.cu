@@ -241,6 +241,16 @@ __device__ __forceinline__ void wg_qk(float (*s)[4], const u32 (*a)[4], const bf
     for (int kk = FRESH ? 1 : 0; kk < D / 16; kk++) wgmma_rs<N, 0>(&s[0][0], a[kk], sw_kmajor(base, N, kk));
 }
 
+// wg_qk with A from shared memory too: `qa`, the address of this warpgroup's first row of a
+// K-major swizzled Q tile whose 64-column blocks are `rows` rows apart (sw_kmajor). 128 keys.
+template <int D>
+__device__ __forceinline__ void wg_qk_ss(float (*s)[4], u32 qa, int rows, const bf16_t* tile) {
+    u32 base = smem_addr(tile);
+    wgmma_m64n128k16_ss<0>(&s[0][0], sw_kmajor(qa, rows, 0), sw_kmajor(base, 128, 0));
+    #pragma unroll
+    for (int kk = 1; kk < D / 16; kk++) wgmma_m64n128k16_ss<1>(&s[0][0], sw_kmajor(qa, rows, kk), sw_kmajor(base, 128, kk));
+}
+
 // acc (64 rows × D) += A B by wgmma, issued: A's fragments from registers (`a[ks]`, 16 of the K
 // dimension each: P, dS, Pᵀ, dSᵀ), B MN-major from a swizzled tile of KEYS rows (V, K, dO, Q).
 template <int D, int KEYS>
@@ -406,13 +416,13 @@ __device__ __forceinline__ void fwd_store_staged(float (*acc)[D / 8][4], float (
         for (int n = 0; n < NO; n++)
             *reinterpret_cast<u32*>(row + n * 8) = pack_bf16(acc[0][n][2 * rr] * inv, acc[0][n][2 * rr + 1] * inv);
         const long i = r[0][rr];
-        if (tg == 0 && i < t) lse[(b * hq + h) * t + i] = m[0][rr] * LN2 + logf(l[0][rr]);  // natural log
+        if (tg == 0 && i >= 0 && i < t) lse[(b * hq + h) * t + i] = m[0][rr] * LN2 + logf(l[0][rr]);  // natural log
     }
     named_sync(bar, 128);
     for (int x = threadIdx.x & 127; x < 64 * NO; x += 128) {
         const int row = x / NO, c = x % NO;
         const long i = row0 + row;
-        if (i < t) *reinterpret_cast<u128*>(o + ((b * t + i) * hq + h) * D + c * 8) =
+        if (i >= 0 && i < t) *reinterpret_cast<u128*>(o + ((b * t + i) * hq + h) * D + c * 8) =
             *reinterpret_cast<const u128*>(tile + row * TP + c * 8);
     }
 }
@@ -558,12 +568,20 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
 // reaches that tile and passes it to the consumers through a ring of two shared slots (mbarriers
 // tfull / tempty); a block whose index is past the end stops, and the last block to stop (count
 // in `sched[1]`) sets both counters back to 0 for the next launch on the stream.
-template <int D, int KEYS, bool LATE, bool PERSIST, bool TMA, bool DYN, int S>
+// NC = 3 (head dim 64, persistent, TMA, dynamic walk; FlashAttention-3's choice there): three
+// consumer warpgroups, 192 query rows a tile, take turns on the tensor cores, so two of them
+// have their softmax in flight while one multiplies (ncu at NC = 2: the tensor pipe 34% busy,
+// issue slots 41%, the consumers waiting on each other's turns). 512 threads leave a consumer 160
+// registers: S = Q·Kᵀ reads Q from its shared tile (QSS) instead of 16 registers of fragments,
+// and P stays in S's registers until the last P·V is done (LATE). Under a causal mask the tiles
+// are laid from the last row back, so the partial one (t is rarely a multiple of 192) is the
+// first, the lightest: its rows before 0 see no keys and are not stored.
+template <int D, int KEYS, bool LATE, bool PERSIST, bool TMA, bool DYN, int S, int NC = 2>
 __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl,
                              long hq, long hkv, float scale, long causal, long window, long fused, long bh,
                              const TmaMap* km, const TmaMap* vm, const TmaMap* qm, long hg, u32* sched) {
     static_assert(!DYN || (PERSIST && TMA), "the dynamic walk is one producer thread's: persistent, TMA");
-    constexpr int NC = 2;  // consumer warpgroups: the register split below is for two
+    static_assert(NC == 2 || (NC == 3 && D == 64 && KEYS == 128 && LATE && DYN), "three consumers: head dim 64, DYN");
     constexpr int NO = D / 8, NB = KEYS / 8, ROWS = FM_ROWS * NC, TILE = KEYS * D;  // bf16 per K or V tile
     // QT: the persistent TMA build also copies each query tile's Q by TMA, into one of two Q
     // buffers, when the producer reaches that tile (a few key tiles before the consumers do), so
@@ -571,6 +589,7 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
     // At head dim 128 the three K/V stages and the O tiles leave no room for two Q tiles (v38 made
     // room with two stages and lost 3–23%: kernels/README.md).
     constexpr bool QT = TMA && PERSIST && D == 64;
+    constexpr bool QSS = QT && NC == 3;  // Q·Kᵀ with Q from its shared tile (wg_qk_ss)
     extern __shared__ __align__(1024) unsigned char fm_smem[];  // swizzled tiles: 1024-byte aligned
     // S stages of (K, V), with QT two Q tiles (ROWS × D), then 16 slots of 8 bytes (the mbarriers
     // and DYN's tile indices), then the O tiles.
@@ -610,7 +629,7 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
             h = (u / tiles) % hq;
             b = u / (tiles * hq);
         }
-        i0 = qt * ROWS;
+        i0 = NC == 3 && causal ? t - (tiles - qt) * ROWS : qt * ROWS;
         key_range(i0, lmin(t, i0 + ROWS) - 1, sl, causal, window, KEYS, &jb, &je);
         steps = je > jb ? (je - jb + KEYS - 1) / KEYS : 0;
     };
@@ -632,8 +651,9 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
     // Registers: the pool is what the block was launched with, 384 · 168 = 64512 (168: 65536 / 384
     // rounded down to a multiple of 8), so 40 + 2 · 232 = 504 per thread slot; asking for more
     // than the pool (32 + 2 · 240 = 512) left the consumers waiting forever (H200, 2026-11-30).
+    // NC = 3: 512 · 128 = 65536, so 32 + 3 · 160 = 512.
     if (wg == NC) {
-        wg_reg_dealloc<40>();
+        wg_reg_dealloc<NC == 2 ? 40 : 32>();
         // The producer warpgroup copies key tile n (counted over the block's query tiles) into
         // stage n % S once the consumers have released the tile that stage held.
         if (TMA && threadIdx.x != NC * 128) return;  // one thread copies
@@ -695,7 +715,7 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
         }
         return;
     }
-    wg_reg_alloc<232>();
+    wg_reg_alloc<NC == 2 ? 232 : 160>();
     u32 base = 0;  // the stage ring's position at this tile's first key tile
     for (long j = 0;; j++) {
         if constexpr (DYN) {
@@ -712,8 +732,12 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
         long r[1][2];
         r[0][0] = i0 + warp * 16 + g;
         r[0][1] = r[0][0] + 8;
-        u32 qa[D / 16][4];
-        if constexpr (QT) {
+        u32 qa[QSS ? 1 : D / 16][4];
+        u32 qaddr = 0;  // QSS: this warpgroup's first row of its Q tile
+        if constexpr (QSS) {
+            mbar_wait(&qfull[j & 1], (j >> 1) & 1);
+            qaddr = smem_addr(qbuf + (j & 1) * ROWS * D) + wg * 64 * 128;
+        } else if constexpr (QT) {
             // From the swizzled Q tile (rows past t zero-filled): lane l gives row (l & 7) of 8 × 8
             // matrix l >> 3 (rows +8 for matrices 1 and 3, columns +8 for 2 and 3), the A fragment.
             const int qs = (int)(j & 1), mi = lane >> 3;
@@ -767,7 +791,7 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
             wg_pin<D / 2>(&acc[0][0][0]);
             wg_fence();
             if (qk) {
-                wg_qk<D, KEYS, true>(s[0], qa, kv_cur);
+                if constexpr (QSS) wg_qk_ss<D>(s[0], qaddr, ROWS, kv_cur); else wg_qk<D, KEYS, true>(s[0], qa, kv_cur);
                 wg_commit();
             }
             if (pv) {
@@ -812,16 +836,17 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
             }
         };
         if (steps > 0) {
-            turn(0, false, true, tile_full(i0, ROWS, jb, KEYS, t, sl, causal, window));
+            turn(0, false, true, i0 >= 0 && tile_full(i0, ROWS, jb, KEYS, t, sl, causal, window));
             // Tiles [0, nf) need no mask: without a window, every key tile that ends inside the
             // sequence and (causal) at or before the block's first row.
             long nf = 0;
-            if (window == 0 && i0 + ROWS <= t) nf = lmin(steps, ((causal ? lmin(sl, i0 + 1) : sl) - jb) / KEYS);
+            if (window == 0 && i0 >= 0 && i0 + ROWS <= t) nf = lmin(steps, ((causal ? lmin(sl, i0 + 1) : sl) - jb) / KEYS);
             long bt = 1;
             for (; bt < nf; bt++) turn(bt, true, true, true);
             for (; bt < steps; bt++) turn(bt, true, true, false);
-            turn(steps, true, false, false);  // waits for every product
+            turn(steps, true, false, false);  // waits for every product: Q is read
         }
+        if constexpr (QSS) mbar_arrive(&qempty[j & 1]);
         fwd_store_staged<D>(acc, m, l, r, o_tiles + wg * 64 * (D + 8), NC + 1 + wg, i0 + wg * 64, o, lse, t, hq, b, h);
         if (PERSIST) named_sync(NC + 1 + wg, 128);  // the O tile read out before the next tile writes it
         base += (u32)steps;
@@ -855,24 +880,26 @@ FLASH_MMA(flash_fwd_wg3_bf16_128, 128, 1, true, 3)
 // Grid: bh (batch × heads) × query tiles, or with PERSIST (the `p` kernels) at most one block
 // per SM. `t`: K and V (and, persistent at head dim 64, Q) copied by TMA. `hg` and `sched` (a
 // zeroed pair of counters the kernel leaves zeroed) are read by the dynamic walk only.
-#define FLASH_WS(NAME, D, KEYS, LATE, PERSIST, TMA, DYN, S) \
-extern "C" __global__ void __launch_bounds__(384, 1) NAME(const bf16_t* q, \
+#define FLASH_WS(NAME, D, KEYS, LATE, PERSIST, TMA, DYN, S, NC) \
+extern "C" __global__ void __launch_bounds__(128 * (NC + 1), 1) NAME(const bf16_t* q, \
         const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl, long hq, long hkv, long d, \
         float scale, long causal, long window, long fused, long bh, const __grid_constant__ TmaMap km, \
         const __grid_constant__ TmaMap vm, const __grid_constant__ TmaMap qm, long hg, u32* sched) { \
-    flash_fwd_ws<D, KEYS, LATE, PERSIST, TMA, DYN, S>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window, fused, \
-                                                      bh, &km, &vm, &qm, hg, sched); }
-FLASH_WS(flash_fwd_ws2k128_bf16_128, 128, 128, true, false, false, false, FW_STAGES)
-FLASH_WS(flash_fwd_ws2k128_bf16_64, 64, 128, false, false, false, false, FW_STAGES)
-FLASH_WS(flash_fwd_ws2pk128_bf16_64, 64, 128, false, true, false, false, FW_STAGES)
+    flash_fwd_ws<D, KEYS, LATE, PERSIST, TMA, DYN, S, NC>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window, \
+                                                          fused, bh, &km, &vm, &qm, hg, sched); }
+FLASH_WS(flash_fwd_ws2k128_bf16_128, 128, 128, true, false, false, false, FW_STAGES, 2)
+FLASH_WS(flash_fwd_ws2k128_bf16_64, 64, 128, false, false, false, false, FW_STAGES, 2)
+FLASH_WS(flash_fwd_ws2pk128_bf16_64, 64, 128, false, true, false, false, FW_STAGES, 2)
 // The same with TMA copies (`t`), the default.
-FLASH_WS(flash_fwd_ws2tk128_bf16_128, 128, 128, true, false, true, false, FW_STAGES)
-FLASH_WS(flash_fwd_ws2tk128_bf16_64, 64, 128, false, false, true, false, FW_STAGES)
-FLASH_WS(flash_fwd_ws2tpk128_bf16_64, 64, 128, false, true, true, false, FW_STAGES)
+FLASH_WS(flash_fwd_ws2tk128_bf16_128, 128, 128, true, false, true, false, FW_STAGES, 2)
+FLASH_WS(flash_fwd_ws2tk128_bf16_64, 64, 128, false, false, true, false, FW_STAGES, 2)
+FLASH_WS(flash_fwd_ws2tpk128_bf16_64, 64, 128, false, true, true, false, FW_STAGES, 2)
 // Persistent with the dynamic walk (`d`: tiles by a global counter, in head groups that share L2).
-FLASH_WS(flash_fwd_ws2tpdk128_bf16_64, 64, 128, false, true, true, true, FW_STAGES)
-FLASH_WS(flash_fwd_ws2tpdk128_bf16_128, 128, 128, true, true, true, true, FW_STAGES)
+FLASH_WS(flash_fwd_ws2tpdk128_bf16_64, 64, 128, false, true, true, true, FW_STAGES, 2)
+FLASH_WS(flash_fwd_ws2tpdk128_bf16_128, 128, 128, true, true, true, true, FW_STAGES, 2)
+// Three consumer warpgroups, 192 query rows a tile (`ws3`; `FERROTRON_FLASH_FWD_WARPGROUPS=3`).
+FLASH_WS(flash_fwd_ws3tpdk128_bf16_64, 64, 128, true, true, true, true, FW_STAGES, 3)
 // 64-key tiles (`FERROTRON_FLASH_FWD=ws64`, kept to measure against).
-FLASH_WS(flash_fwd_ws2_bf16_128, 128, 64, true, false, false, false, FW_STAGES)
-FLASH_WS(flash_fwd_ws2t_bf16_128, 128, 64, true, false, true, false, FW_STAGES)
-FLASH_WS(flash_fwd_ws2_bf16_64, 64, 64, false, false, false, false, FW_STAGES)
+FLASH_WS(flash_fwd_ws2_bf16_128, 128, 64, true, false, false, false, FW_STAGES, 2)
+FLASH_WS(flash_fwd_ws2t_bf16_128, 128, 64, true, false, true, false, FW_STAGES, 2)
+FLASH_WS(flash_fwd_ws2_bf16_64, 64, 64, false, false, false, false, FW_STAGES, 2)

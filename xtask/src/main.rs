@@ -414,7 +414,15 @@ fn attention_bench(args: &[String]) -> anyhow::Result<()> {
 /// BENCH_COOL_C (before each side, wait up to two minutes for the card to cool to this many °C:
 /// both sides then start alike), BENCH_ROUNDS
 /// (default 1: each side runs that many times per preset, PyTorch first in odd rounds, and the
-/// ratio of the means follows the per-round ratios).
+/// ratio of the means follows the per-round ratios), BENCH_GEMM_TUNE=0 (both sides on their
+/// GEMM libraries' heuristics instead of tuned choices, below).
+///
+/// GEMM algorithms are tuned on both sides by default, each by its own means: ours timed under
+/// sustained load once per shape and stored (`FERROTRON_GEMM_TUNE_HOLD_MS=150`, the choices kept
+/// in the kernel cache folder), PyTorch's by TunableOp (`PYTORCH_TUNABLEOP_ENABLED=1`, its results
+/// kept in the temp folder). A first run on a machine spends a minute or so on that in its warm-up
+/// window. Session 26 on the H200: TunableOp moved PyTorch by +0.1–0.3%, the stored choices ours by
+/// +0.4–0.9%. A variable already set in the environment is left as it is.
 ///
 /// Both sides are timed over the same steps: the first log window is warm-up (PyTorch's compile and
 /// Ferrotron's first allocations and GEMM algorithm choices fall in it), the rest is timed as total
@@ -428,6 +436,7 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
     let rounds = std::env::var("BENCH_ROUNDS").ok().and_then(|v| v.parse().ok()).filter(|&r| r > 0).unwrap_or(1usize);
     let torch = !std::env::var("BENCH_TORCH").is_ok_and(|v| v == "0");
     let cool = std::env::var("BENCH_COOL_C").ok().and_then(|v| v.parse::<f64>().ok());
+    let tuned = !std::env::var("BENCH_GEMM_TUNE").is_ok_and(|v| v == "0");
     println!(
         "| model | implementation | tokens/s | MFU | peak memory GiB | SM clock / power (busy) | last train loss |"
     );
@@ -440,7 +449,7 @@ fn gpu_bench(args: &[String]) -> anyhow::Result<()> {
         let every = every_env.unwrap_or(shape.every);
         // At least two windows, each whole: the first is warm-up on both sides.
         let iters = iters_env.unwrap_or(shape.iters).max(2 * every).div_ceil(every) * every;
-        let run = BenchRun { preset: p, bin: &bin, shape: &shape, micro, iters, every, cool };
+        let run = BenchRun { preset: p, bin: &bin, shape: &shape, micro, iters, every, cool, tuned };
         let mut pairs = Vec::new();
         let mut flops = None;
         for round in 0..rounds {
@@ -491,6 +500,17 @@ struct BenchRun<'a> {
     iters: u64,
     every: u64,
     cool: Option<f64>,
+    /// GEMM algorithms tuned on both sides (BENCH_GEMM_TUNE, default on).
+    tuned: bool,
+}
+
+/// `vars` for a child process where tuning is on, each unless the caller's environment sets it.
+fn tuning_env(cmd: &mut Command, tuned: bool, vars: &[(&str, String)]) {
+    for (k, v) in vars {
+        if tuned && std::env::var_os(k).is_none() {
+            cmd.env(k, v);
+        }
+    }
 }
 
 impl BenchRun<'_> {
@@ -502,13 +522,13 @@ impl BenchRun<'_> {
         if let Some(c) = self.cool {
             gpuwatch::cool_to(c);
         }
-        let mut child = Command::new(self.bin)
-            .args(bench_train_args(p, micro, self.iters, self.every))
+        let mut cmd = Command::new(self.bin);
+        cmd.args(bench_train_args(p, micro, self.iters, self.every))
             .arg("--metrics-file")
             .arg(dir.join("metrics.jsonl"))
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .with_context(|| format!("running {}", self.bin.display()))?;
+            .stderr(std::process::Stdio::piped());
+        tuning_env(&mut cmd, self.tuned, &[("FERROTRON_GEMM_TUNE_HOLD_MS", "150".into())]);
+        let mut child = cmd.spawn().with_context(|| format!("running {}", self.bin.display()))?;
         let reader = read_all(child.stderr.take());
         let gpu = gpuwatch::watch(&mut child, "ferrotron")?;
         let log = reader.join().unwrap_or_default();
@@ -519,7 +539,8 @@ impl BenchRun<'_> {
         let loss = multi::last_finite_loss(&metrics)
             .map_or_else(|| "not finite: the figure is invalid".to_string(), |l| format!("{l:.3}"));
         println!(
-            "| {p} | ferrotron bf16 | {ours:.0} | {:.1}% | {:.1} (device total) | {} | {loss} |",
+            "| {p} | ferrotron bf16{} | {ours:.0} | {:.1}% | {:.1} (device total) | {} | {loss} |",
+            if self.tuned { ", GEMMs tuned" } else { "" },
             100.0 * ours * flops / 989e12,
             gpu.peak_mem_gib,
             gpu.clock_power()
@@ -543,12 +564,22 @@ impl BenchRun<'_> {
         if let Some(c) = self.cool {
             gpuwatch::cool_to(c);
         }
-        let spawned = Command::new("python3")
-            .args(torch_args(self.shape, self.micro, flops))
+        let mut cmd = Command::new("python3");
+        cmd.args(torch_args(self.shape, self.micro, flops))
             .args(["--warmup", &self.every.to_string(), "--iters", &(self.iters - self.every).to_string()])
             .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn();
+            .stderr(std::process::Stdio::piped());
+        let results = std::env::temp_dir().join("ferrotron-bench-tunableop.csv");
+        tuning_env(
+            &mut cmd,
+            self.tuned,
+            &[
+                ("PYTORCH_TUNABLEOP_ENABLED", "1".into()),
+                ("PYTORCH_TUNABLEOP_TUNING", "1".into()),
+                ("PYTORCH_TUNABLEOP_FILENAME", results.display().to_string()),
+            ],
+        );
+        let spawned = cmd.spawn();
         let mut py = match spawned {
             Ok(c) => c,
             Err(e) => {
@@ -568,7 +599,8 @@ impl BenchRun<'_> {
         match (&watched, field("tokens_per_s"), field("mfu"), field("peak_mem_gib")) {
             (Ok(w), Some(t), Some(m), Some(g)) => {
                 let cp = w.clock_power();
-                println!("| {p} | pytorch compile+SDPA | {t:.0} | {:.1}% | {g:.1} (allocated) | {cp} | |", 100.0 * m);
+                let label = if self.tuned { "pytorch compile+SDPA, TunableOp" } else { "pytorch compile+SDPA" };
+                println!("| {p} | {label} | {t:.0} | {:.1}% | {g:.1} (allocated) | {cp} | |", 100.0 * m);
                 Some(t)
             }
             _ => {

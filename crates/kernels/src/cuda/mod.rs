@@ -89,6 +89,7 @@ thread_local! {
     static FLASH_DYN: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static FLASH_BWD_DYN: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static FLASH_GROUP_HEADS: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+    static FLASH_FWD_CONSUMERS: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
     static FLASH_BIAS_GRAD: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static FLASH_BIAS_GRAD_RUNS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     static NORM_FUSED: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
@@ -188,6 +189,24 @@ pub fn set_flash_tma(on: bool) {
 pub(crate) fn flash_tma() -> bool {
     static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     opt_out(&FLASH_TMA, "FERROTRON_FLASH_TMA", &ENV)
+}
+
+/// The consumer warpgroups of the head dim 64 forward with the dynamic walk (kernels/flash_mma.cu
+/// `NC`: 2, 128 query rows a tile, or 3, 192): this thread's `set_flash_fwd_consumers`, else
+/// `FERROTRON_FLASH_FWD_CONSUMERS` (2 or 3), else None (the sequence length decides:
+/// `fwd_kernel`). Tests set it to run both.
+pub fn set_flash_fwd_consumers(n: Option<usize>) {
+    FLASH_FWD_CONSUMERS.with(|w| w.set(n));
+}
+
+pub(crate) fn flash_fwd_consumers() -> Option<usize> {
+    static ENV: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    FLASH_FWD_CONSUMERS
+        .with(|w| w.get())
+        .or_else(|| {
+            *ENV.get_or_init(|| std::env::var("FERROTRON_FLASH_FWD_CONSUMERS").ok().and_then(|v| v.parse().ok()))
+        })
+        .map(|n| if n == 3 { 3 } else { 2 })
 }
 
 /// A switch on by default: this thread's setting in `cell`, else off only where `var` is `0` in

@@ -273,8 +273,7 @@ fn every_op_matches_cpu() {
             // (tiles from the device's counter, which each launch must leave at zero for the next:
             // every case here launches several in a row), forward and backward, with the heads in
             // groups of 3 (the last group of 64 query heads, or of 16 K/V heads, smaller) and in the
-            // default groups (one here); at head dim 128 also with Q by TMA and two K/V stages
-            // (Q·Kᵀ from shared memory).
+            // default groups (one here).
             for (t, hq, hkv, d) in [(1000usize, 32usize, 8usize, 64usize), (520, 32, 8, 128)] {
                 let x: Vec<Tensor> = [hq, hkv, hkv, hq]
                     .iter()
@@ -300,6 +299,40 @@ fn every_op_matches_cpu() {
             ferrotron_kernels::cuda::set_flash_dyn(true);
             ferrotron_kernels::cuda::set_flash_bwd_dyn(true);
             ferrotron_kernels::cuda::set_flash_group_heads(None);
+            // The head dim 64 forward with three consumer warpgroups (192-row tiles; under a
+            // causal mask laid from the last row back, so the first tile starts before row 0):
+            // fewer rows than one tile, a ragged first tile with GQA, several heads' groups, a
+            // window, and Q, K, V read in place from the fused projection output.
+            ferrotron_kernels::cuda::set_flash_fwd_consumers(Some(3));
+            for (t, hq, hkv) in [(70usize, 2usize, 2usize), (1000, 32, 8), (2100, 2, 1)] {
+                let x: Vec<Tensor> =
+                    [hq, hkv, hkv, hq].iter().zip(50..).map(|(&h, seed)| rnd(&[2, t, h, 64], seed, dt)).collect();
+                for cfg in [
+                    AttnCfg::default(),
+                    AttnCfg { causal: true, window: None, scale: None },
+                    AttnCfg { causal: true, window: Some(9), scale: None },
+                    AttnCfg { causal: false, window: Some(40), scale: Some(0.3) },
+                ] {
+                    check_norm(&format!("flash attention t{t} d64 three consumers {cfg:?}"), dt, &x, |t| {
+                        attention_fwd_bwd(t, &cfg)
+                    });
+                }
+            }
+            let (hkv, g) = (2, 2);
+            let qkv = rnd(&[2, 400, hkv * (g + 2) * 64], 60, dt);
+            let cfg = AttnCfg { causal: true, window: None, scale: None };
+            check_norm(
+                "flash attention fused qkv d64 three consumers",
+                dt,
+                &[qkv, rnd(&[2, 400, hkv * g, 64], 61, dt)],
+                |t| {
+                    let (o, lse) = k::attention_fwd_qkv(&t[0], k::QkvHeads::new(hkv, g, 64), &cfg).unwrap();
+                    let dqkv =
+                        k::attention_bwd_qkv(&t[0], &o, &lse, &t[1], k::QkvHeads::new(hkv, g, 64), &cfg).unwrap();
+                    vec![o, lse, dqkv]
+                },
+            );
+            ferrotron_kernels::cuda::set_flash_fwd_consumers(None);
         }
         if dt == DType::BF16 {
             // Deterministic mode: the backward twice on the GPU gives the same bits, at head dim

@@ -112,10 +112,6 @@ fn fwd_kernel(be: &B, d: usize, t: usize) -> (TcLaunch, FwdGrid) {
         // head dim 128 337 / 460 / 563 / 633 / 706 TFLOP/s with 128-key tiles and TMA copies
         // (64-key tiles by cp.async: 299 / 387 / 455 / 507 / 569), head dim 64 221–466.
         let keys = fwd_ws_keys();
-        // FW_STAGES (3) stages of K and V tiles, the two 128-row Q tiles of the builds that copy
-        // Q (`q_by_tma`), 16 slots of 8 bytes (mbarriers, tile indices), the two consumers' O tiles
-        // of 64 padded rows (`fwd_store_staged`): 231,552 bytes at head dim 128.
-        let q_tiles = |on: bool| if on { 2 * 128 * d * 2 } else { 0 };
         // Persistent, one block per SM, with the dynamic walk (kernels/flash_mma.cu `DYN`; H200,
         // 16k tokens per call, head dim 128: 356 / 477 / 574 / 639 / 712 → 381 / 509 / 600 / 661
         // / 696 TFLOP/s at 1k / 2k / 4k / 8k / 16k against one block per tile; the 1.3B step's
@@ -135,9 +131,19 @@ fn fwd_kernel(be: &B, d: usize, t: usize) -> (TcLaunch, FwdGrid) {
             (true, false) => "p",
             _ => "",
         };
-        let t = if tma { "t" } else { "" };
+        let tm = if tma { "t" } else { "" };
         let k = if keys == 64 { String::new() } else { format!("k{keys}") };
-        let name = format!("flash_fwd_ws2{t}{p}{k}_bf16_{d}");
+        // Three consumer warpgroups (192 query rows a tile; kernels/flash_mma.cu `NC`) with the
+        // dynamic walk at head dim 64 from 2k rows on. H200, 16k tokens per call, causal, 1k / 2k
+        // / 4k / 8k / 16k: 284 / 358 / 412 / 448 / 470 TFLOP/s with two, 281 / 389 / 460 / 508 /
+        // 536 with three (at 1k a 192-row tile leaves more of the causal mask's work unused).
+        let nc = match crate::cuda::flash_fwd_consumers() {
+            _ if !(dynamic && d == 64) => 2,
+            Some(n) => n,
+            None if t >= 2048 => 3,
+            None => 2,
+        };
+        let name = format!("flash_fwd_ws{nc}{tm}{p}{k}_bf16_{d}");
         let grid = match (persistent, tma, dynamic) {
             (true, true, true) => FwdGrid::WsDynamicTma,
             (true, true, false) => FwdGrid::WsPersistentTma,
@@ -145,8 +151,13 @@ fn fwd_kernel(be: &B, d: usize, t: usize) -> (TcLaunch, FwdGrid) {
             (false, true, _) => FwdGrid::WsTilesTma,
             (false, false, _) => FwdGrid::WsTiles,
         };
-        let shared = 3 * 2 * keys * d * 2 + q_tiles(q_by_tma(grid, d)) + 16 * 8 + 2 * 64 * (d + 8) * 2;
-        (TcLaunch { name, rows: 128, threads: 3 * 128, shared: shared as u32 }, grid)
+        // FW_STAGES (3) stages of K and V tiles, the two Q tiles (64·nc rows) of the builds that
+        // copy Q (`q_by_tma`), 16 slots of 8 bytes (mbarriers, tile indices), the consumers' O
+        // tiles of 64 padded rows (`fwd_store_staged`): 231,552 bytes at head dim 128.
+        let rows = 64 * nc;
+        let q_tiles = if q_by_tma(grid, d) { 2 * rows * d * 2 } else { 0 };
+        let shared = 3 * 2 * keys * d * 2 + q_tiles + 16 * 8 + nc * 64 * (d + 8) * 2;
+        (TcLaunch { name, rows, threads: 128 * (nc as u32 + 1), shared: shared as u32 }, grid)
     } else if be.use_wgmma() {
         // H200, 16k tokens per call (NW = 1 was L2-bound): D 64 NW 2 (178–246 TFLOP/s over 1k–16k;
         // 4: 144–227, 1: 137–168); D 128 NW 3 from 2k rows (190–243), 2 at 1k (156 vs 145).
@@ -294,7 +305,7 @@ fn tc_fwd(be: &B, qkv: [Arg; 3], fused: bool, a: &AttnShape) -> Result<(Tensor, 
         FwdGrid::Tiles => bh * tiles,
         _ => {
             args.push(n(bh));
-            // The tensor maps of K and V and, with persistence, of Q (its 128-row query tiles);
+            // The tensor maps of K and V and, with persistence, of Q (its query tiles);
             // unused ones for the cp.async builds.
             let (kv_heads, q_heads) = map_heads(d, fused);
             let [q, k, v] = qkv.map(addr);
@@ -302,7 +313,7 @@ fn tc_fwd(be: &B, qkv: [Arg; 3], fused: bool, a: &AttnShape) -> Result<(Tensor, 
             let maps = [
                 if tma { TmaMap::rows(k, d.b, d.s, kv_heads, d.d, fwd_ws_keys())? } else { TmaMap::unused() },
                 if tma { TmaMap::rows(v, d.b, d.s, kv_heads, d.d, fwd_ws_keys())? } else { TmaMap::unused() },
-                if q_by_tma(grid, d.d) { TmaMap::rows(q, d.b, d.t, q_heads, d.d, 128)? } else { TmaMap::unused() },
+                if q_by_tma(grid, d.d) { TmaMap::rows(q, d.b, d.t, q_heads, d.d, l.rows)? } else { TmaMap::unused() },
             ];
             args.extend(maps.map(Arg::Map));
             // The dynamic walk's heads per group (by the bytes of K and V a query head reads:
