@@ -122,7 +122,7 @@ impl CudaDevice {
         let g = s.end_capture(CUgraphInstantiate_flags(0));
         let r = r?;
         match g {
-            Ok(Some(graph)) => Ok((DeviceGraph { graph }, r)),
+            Ok(Some(graph)) => Ok((DeviceGraph { graph, stream: s.clone() }, r)),
             Ok(None) => Err(Error::Cuda("the CUDA graph capture recorded no work".into()).into()),
             Err(e) => Err(Error::Cuda(format!(
                 "capturing work into a CUDA graph failed ({e:?}): an operation queued inside it cannot be captured"
@@ -159,12 +159,29 @@ impl CudaDevice {
 /// Work captured from a device's compute stream (`CudaDevice::capture`).
 pub struct DeviceGraph {
     graph: CudaGraph,
+    stream: Arc<CudaStream>,
 }
 
 impl DeviceGraph {
     /// Queues one replay on the compute stream it was captured from.
     pub fn launch(&self) -> Result<()> {
         self.graph.launch().map_err(|e| Error::Cuda(format!("launching a CUDA graph: {e:?}")))
+    }
+
+    /// Drops the graph once the work queued on its stream (replays included) has finished, and
+    /// hands the memory its captured allocations held back to the driver: work queued next does
+    /// not sit beside it. Waits for the stream.
+    pub fn release(self) -> Result<()> {
+        self.stream.synchronize().map_err(driver_err)?;
+        let ctx = self.stream.context().clone();
+        drop(self.graph);
+        // SAFETY: a plain driver call on a live context's device; it frees only graph memory
+        // that no graph in flight uses (none is: the stream has drained).
+        let r = unsafe { cudarc::driver::sys::cuDeviceGraphMemTrim(ctx.cu_device()) };
+        match r {
+            cudarc::driver::sys::CUresult::CUDA_SUCCESS => Ok(()),
+            e => Err(Error::Cuda(format!("handing a released CUDA graph's memory back: {e:?}"))),
+        }
     }
 }
 

@@ -25,6 +25,15 @@ impl Graph {
             Graph::Cuda(ref g) => g.launch(),
         }
     }
+
+    /// Drops the graph after the work queued before it (its replays included) and gives the
+    /// memory its captured allocations held back to the device (waits for that work).
+    pub fn release(self) -> Result<()> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Graph::Cuda(g) => g.release(),
+        }
+    }
 }
 
 impl Device {

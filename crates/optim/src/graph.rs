@@ -7,9 +7,11 @@
 //! buffers. So before each replay the step's batches are copied into the captured batches'
 //! buffers (their 1 / loss-token count too, which the fused cross-entropy reads when it runs) and
 //! its learning rate into the optimizer's state (`Optimizer::set_lr`), and after it the losses the
-//! graph wrote are copied out. A step whose batches differ from the captured ones in shape runs
-//! eagerly instead. Hidden dropout draws its masks from offsets the host passes each step, so a
-//! model with dropout is refused.
+//! graph wrote are copied out. A step whose batches differ from the captured ones in shape (a
+//! shorter last batch, another micro-batch count) releases the graph, so that its memory does not
+//! sit beside the eager step's activations, and runs eagerly; the warm-up then starts again and
+//! the step that follows it is captured anew. Hidden dropout draws its masks from offsets the host
+//! passes each step, so a model with dropout is refused.
 //!
 //! Architecture invariant: a replayed step gives the bits an eager step gives on the same inputs
 //! (the same kernels run in the same order; the trainer's `cuda_graph` test compares 20 steps of
@@ -26,6 +28,7 @@ pub struct StepGraph {
     eager: usize,
     captured: Option<Captured>,
     launches: u64,
+    captures: u64,
 }
 
 struct Captured {
@@ -43,7 +46,7 @@ impl StepGraph {
     /// at least one: the first step chooses GEMM algorithms (timing some) and uploads what later
     /// steps reuse, none of which a capture may do.
     pub fn new(warmup_steps: usize) -> Self {
-        StepGraph { warmup: warmup_steps.max(1), eager: 0, captured: None, launches: 0 }
+        StepGraph { warmup: warmup_steps.max(1), eager: 0, captured: None, launches: 0, captures: 0 }
     }
 
     /// Steps run by launching the graph (the captured one included).
@@ -51,13 +54,20 @@ impl StepGraph {
         self.launches
     }
 
+    /// Graphs captured so far (a step of another shape releases the graph; a later one captures
+    /// again).
+    pub fn captures(&self) -> u64 {
+        self.captures
+    }
+
     /// Whether a captured graph replays the steps that fit it.
     pub fn is_captured(&self) -> bool {
         self.captured.is_some()
     }
 
-    /// `queue_train_step`, eagerly during the warm-up and for batches the graph does not fit,
-    /// else by replaying the captured step (capturing it first).
+    /// `queue_train_step`, eagerly during the warm-up and for batches the graph does not fit
+    /// (releasing the graph: the warm-up starts again), else by replaying the captured step
+    /// (capturing it first).
     pub fn queue(
         &mut self,
         model: &GptModel,
@@ -74,18 +84,24 @@ impl StepGraph {
                 model.config.hidden_dropout
             )));
         }
+        if let Some(c) = self.captured.take_if(|c| !c.fits(micro_batches)) {
+            // Its pool would hold a step's activations beside the eager step's (twice the memory
+            // at 1.3B): released, and captured again after the warm-up.
+            c.graph.release()?;
+            self.eager = 0;
+        }
         if self.eager < self.warmup {
             self.eager += 1;
             return queue_train_step(model, table, sync, opt, micro_batches, lr);
         }
         let q = match &self.captured {
-            Some(c) if c.fits(micro_batches) => c.replay(sync, opt, micro_batches, lr)?,
-            Some(_) => return queue_train_step(model, table, sync, opt, micro_batches, lr),
+            Some(c) => c.replay(sync, opt, micro_batches, lr)?,
             None => {
                 let c = Captured::capture(model, table, sync, opt, micro_batches, lr)?;
                 c.graph.launch()?;
                 let q = c.queued(sync, opt, micro_batches)?;
                 self.captured = Some(c);
+                self.captures += 1;
                 q
             }
         };

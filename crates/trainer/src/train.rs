@@ -435,6 +435,14 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             if !was && gr.is_captured() && rank0 {
                 pb.suspend(|| eprintln!("iteration {iteration}: step captured as a CUDA graph, replayed from here on"));
             }
+            if was && !gr.is_captured() && rank0 {
+                pb.suspend(|| {
+                    eprintln!(
+                        "iteration {iteration}: a batch of another shape: the CUDA graph released, this step run \
+                         eagerly, the step captured again after the warm-up"
+                    )
+                });
+            }
             q
         } else {
             queue_train_step(&model, &table, &mut sync, &mut opt, &micros, lr as f32)?

@@ -57,16 +57,31 @@ fn graphed_steps_equal_eager_steps_bit_for_bit() {
     }
 }
 
-/// Losses of 8 steps of the tiny preset in bf16 on the GPU under deterministic kernels, eagerly or
-/// (`warmup`) through a `StepGraph`, with loss masks whose token count changes from step to step.
-fn masked_steps(warmup: Option<usize>, world: Arc<dyn Communicator>) -> Vec<f64> {
+/// What a run of `graph_steps` saw of its `StepGraph`: replays, captures, and after each step
+/// whether a graph was held.
+#[derive(Debug, PartialEq)]
+struct GraphTally {
+    launches: u64,
+    captures: u64,
+    held: Vec<bool>,
+}
+
+/// Losses of `steps` steps of the tiny preset in bf16 on the GPU under deterministic kernels,
+/// eagerly or (`warmup`) through a `StepGraph`, with loss masks whose token count changes from step
+/// to step and `micro_of(step)` sequences in each of the two micro-batches.
+fn graph_steps(
+    warmup: Option<usize>,
+    world: Arc<dyn Communicator>,
+    steps: usize,
+    micro_of: fn(usize) -> usize,
+) -> (Vec<f64>, Option<GraphTally>) {
     ferrotron_kernels::cuda::set_deterministic(true);
     // The ids below are made within the vocabulary, as the trainer checks them before upload: a
     // read-back check inside the capture would be refused.
     ferrotron_kernels::set_device_ids_prechecked(true);
     let gpu = Device::cuda(0).expect("a CUDA device");
     let cfg = ferrotron_models::preset("tiny").unwrap();
-    let (seq, micro, vocab) = (cfg.seq_length, 2usize, cfg.vocab_size as u32);
+    let (seq, vocab) = (cfg.seq_length, cfg.vocab_size as u32);
     let g = ProcessGroups::new(world, Layout::new(1, 1, 1, 1, 1).unwrap()).unwrap();
     let tp = TensorParallel::new(g.tp.clone(), false);
     let (model, table) = GptModel::build_parallel(cfg, &tp, &gpu, DType::BF16, 1234, 1).unwrap();
@@ -74,7 +89,9 @@ fn masked_steps(warmup: Option<usize>, world: Arc<dyn Communicator>) -> Vec<f64>
     let mut opt = Optimizer::new_parallel(&table, AdamConfig::default(), &sync, g.mp.clone(), 0).unwrap();
     let mut graph = warmup.map(StepGraph::new);
     let mut losses = vec![];
-    for step in 0..8usize {
+    let mut held = vec![];
+    for step in 0..steps {
+        let micro = micro_of(step);
         let micros: Vec<Batch> = (0..2usize)
             .map(|j| {
                 let n = micro * seq;
@@ -96,11 +113,10 @@ fn masked_steps(warmup: Option<usize>, world: Arc<dyn Communicator>) -> Vec<f64>
             None => queue_train_step(&model, &table, &mut sync, &mut opt, &micros, lr),
         };
         losses.push(q.and_then(|q| q.read()).unwrap().loss);
+        held.extend(graph.as_ref().map(|g| g.is_captured()));
     }
-    if let Some(gr) = &graph {
-        assert_eq!(gr.launches(), 7, "steps 2-8 replay the graph though their loss-token counts differ");
-    }
-    losses
+    let tally = graph.map(|g| GraphTally { launches: g.launches(), captures: g.captures(), held });
+    (losses, tally)
 }
 
 /// A replayed step takes each batch's own 1 / loss-token count (copied into the tensor the fused
@@ -111,11 +127,38 @@ fn masked_steps(warmup: Option<usize>, world: Arc<dyn Communicator>) -> Vec<f64>
 fn graphed_steps_take_each_batchs_loss_token_count() {
     let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
     let one = |warmup: Option<usize>| {
-        run_ranks(1, Duration::from_secs(120), move |_, w| masked_steps(warmup, w)).remove(0).unwrap()
+        run_ranks(1, Duration::from_secs(120), move |_, w| graph_steps(warmup, w, 8, |_| 2)).remove(0).unwrap()
     };
-    let eager = one(None);
-    let graphed = one(Some(1));
+    let (eager, _) = one(None);
+    let (graphed, tally) = one(Some(1));
     assert_eq!(eager.len(), 8);
     assert!(eager.iter().all(|l| l.is_finite()), "{eager:?}");
+    let tally = tally.unwrap();
+    assert_eq!(tally.launches, 7, "steps 2-8 replay the graph though their loss-token counts differ");
+    assert_eq!(tally.captures, 1);
     assert_eq!(graphed, eager, "graphed against eager losses with changing loss masks");
+}
+
+/// A step whose batches have another shape (here one micro-batch of one sequence instead of two,
+/// at step 5) releases the graph and runs eagerly; after the warm-up step that follows, the step is
+/// captured again and replayed. Under deterministic kernels every loss equals the eager run's.
+#[test]
+fn a_batch_of_another_shape_releases_the_graph_and_it_is_captured_again() {
+    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let micro_of = |step: usize| if step == 4 { 1 } else { 2 };
+    let one = |warmup: Option<usize>| {
+        run_ranks(1, Duration::from_secs(120), move |_, w| graph_steps(warmup, w, 10, micro_of)).remove(0).unwrap()
+    };
+    let (eager, _) = one(None);
+    let (graphed, tally) = one(Some(1));
+    assert!(eager.iter().all(|l| l.is_finite()), "{eager:?}");
+    let want = GraphTally {
+        // Steps 2-4 and 6-10 replay; step 1 warms up, step 5 (the other shape) runs eagerly and,
+        // with a warm-up of one step, counts as the new warm-up.
+        launches: 8,
+        captures: 2,
+        held: (0..10).map(|s| s != 0 && s != 4).collect(),
+    };
+    assert_eq!(tally.unwrap(), want);
+    assert_eq!(graphed, eager, "graphed against eager losses across the change of shape");
 }

@@ -118,9 +118,10 @@ pub struct GptModel {
     pub tp: TensorParallel,
     /// Hidden dropout on the embedding's output (first stage, rate above 0).
     embedding_dropout: Option<HiddenDropout>,
-    /// The last position ids uploaded (learned absolute positions): every step of a run asks for
-    /// the same ones, and a step captured as a CUDA graph may copy nothing from the host.
-    positions: std::sync::Mutex<Option<Tensor>>,
+    /// The position ids uploaded (learned absolute positions), the last few shapes: every step of
+    /// a run asks for the same ones, and a step captured as a CUDA graph may copy nothing from the
+    /// host, also when it follows a step of another shape (a shorter last batch, an evaluation).
+    positions: std::sync::Mutex<Vec<Tensor>>,
 }
 
 /// What the loss end of a forward keeps.
@@ -264,7 +265,7 @@ impl GptModel {
             plan: plan.clone(),
             tp: tp.clone(),
             embedding_dropout,
-            positions: std::sync::Mutex::new(None),
+            positions: std::sync::Mutex::new(Vec::new()),
         };
         Ok((model, table))
     }
@@ -300,12 +301,16 @@ impl GptModel {
         };
         let mut cached = self.positions.lock().unwrap_or_else(|e| e.into_inner());
         // The start is rank × len under SP and 0 otherwise, so (b, len) decide the ids.
-        if let Some(p) = cached.as_ref().filter(|p| p.dims() == [b, len] && p.device().same(tokens.device())) {
+        if let Some(p) = cached.iter().find(|p| p.dims() == [b, len] && p.device().same(tokens.device())) {
             return Ok(Some(p.clone()));
         }
         let ids: Vec<u32> = (0..b).flat_map(|_| (start..start + len).map(|i| i as u32)).collect();
         let p = Tensor::from_vec(ids, [b, len], tokens.device())?;
-        *cached = Some(p.clone());
+        // A few shapes (b · len · 4 bytes each), the oldest dropped first.
+        if cached.len() == 4 {
+            cached.remove(0);
+        }
+        cached.push(p.clone());
         Ok(Some(p))
     }
 
