@@ -28,13 +28,15 @@ FOR_TYPES(LOSS)
 
 // One thread's running max (natural units) and its sum of 2^((x − max)·log2e) over its groups of
 // the real vocabulary (columns ..vreal).
-// With `keep` (shared memory), each group read is kept there too, for the gradient pass.
+// With `keep` (shared memory), each group read before column `kcap` (a multiple of 8) is kept
+// there too, for the gradient pass.
 template <typename T>
-__device__ __forceinline__ void ce_partial8(const T* row, long vreal, float& m, float& z, T* keep = nullptr) {
+__device__ __forceinline__ void ce_partial8(const T* row, long vreal, float& m, float& z, T* keep = nullptr,
+                                            long kcap = 0) {
     m = -INFINITY; z = 0.f;
     for (long i = threadIdx.x * 8L; i < vreal; i += blockDim.x * 8L) {
         float g[8]; ld8(row, i, g);
-        if (keep) st8(keep, i, g);
+        if (keep && i < kcap) st8(keep, i, g);
         if (i + 8 > vreal) {
 #pragma unroll
             for (int e = 0; e < 8; e++) if (i + e >= vreal) g[e] = -INFINITY;
@@ -125,18 +127,20 @@ extern "C" __global__ void ce_fwdbwd_##s##_v8(T* logits, const u32* tgt, const f
         ce_grad8(x, i, vreal, ll, g, (long)t, off); st8(row, i, x); } }
 FOR_TYPES(LOSS_FB_V8)
 
-// The same with the row kept in shared memory (v bf16, up to 110 KB: two blocks of 1024 threads
-// an SM), so the gradient pass reads it there instead of hoping to find it in L2; columns from
-// vreal on are never read, so the gradient pass reads them from the row.
-extern "C" __global__ void __launch_bounds__(1024, 2) ce_fwdbwd_bf16_keep(bf16_t* logits, const u32* tgt, const float* mask, long long ignore, long vreal, float* loss, float* lse, float dscale, const float* dscale_p, long v) {
+// The same with the row's first `kcap` columns (a multiple of 8; all of a row up to 110 KB: two
+// blocks of 1024 threads an SM) kept in shared memory, so the gradient pass reads them there
+// instead of hoping to find them in L2; the rest of a longer row (a 128k vocabulary) and the
+// columns from vreal on, which the forward never reads, come from the row again.
+extern "C" __global__ void __launch_bounds__(1024, 2) ce_fwdbwd_bf16_keep(bf16_t* logits, const u32* tgt, const float* mask, long long ignore, long vreal, float* loss, float* lse, float dscale, const float* dscale_p, long v, long kcap) {
     extern __shared__ u128 keep_raw[];
     bf16_t* keep = (bf16_t*)keep_raw;
     long r = blockIdx.x; bf16_t* row = logits + r * v; u32 t = tgt[r]; float mk = mask ? mask[r] : 1.f;
-    float xt = (threadIdx.x == 0 && (long)t < vreal) ? ld(row, (long)t) : 0.f, m, z; ce_partial8(row, vreal, m, z, keep);
+    float xt = (threadIdx.x == 0 && (long)t < vreal) ? ld(row, (long)t) : 0.f, m, z; ce_partial8(row, vreal, m, z, keep, kcap);
     float l = ce_lse8(m, z); bool off = (long long)t == ignore || mk == 0.f;
     if (threadIdx.x == 0) { lse[r] = l; loss[r] = off ? 0.f : mk * (l - xt); }
     float g = off ? 0.f : (dscale_p ? *dscale_p : dscale) * mk, ll = l * LOG2E;
-    for (long i = threadIdx.x * 8L; i < v; i += blockDim.x * 8L) { float x[8]; ld8(i < vreal ? (const bf16_t*)keep : (const bf16_t*)row, i, x);
+    const long kept = kcap < vreal ? kcap : vreal;
+    for (long i = threadIdx.x * 8L; i < v; i += blockDim.x * 8L) { float x[8]; ld8(i < kept ? (const bf16_t*)keep : (const bf16_t*)row, i, x);
         ce_grad8(x, i, vreal, ll, g, (long)t, off); st8(row, i, x); }
 }
 

@@ -70,14 +70,15 @@ pub fn ce_fwd_bwd_(
     let (loss, lse) = (new(be, [rows], DType::F32)?, new(be, [rows], DType::F32)?);
     let mut name = format!("ce_fwdbwd_{}", sfx("cross_entropy_fwd_bwd_", logits.dtype())?);
     let wide = v % 8 == 0 && aligned16(&[logits])?;
-    // bf16 rows up to 110 KB: kept in shared memory between the passes (two blocks an SM), where
-    // the card lets a block have that much besides the reductions' 1 KB.
-    let fits = v * 2 <= KEEP_BYTES && v * 2 + 1024 <= be.smem_optin;
-    let keep = wide && logits.dtype() == DType::BF16 && fits && keep_row();
+    // A bf16 row's first 110 KB (56,320 columns: all of a GPT-2 vocabulary, 44% of a 128k one)
+    // kept in shared memory between the passes (two blocks an SM), as much as the card lets a
+    // block have besides the reductions' 1 KB.
+    let kcap = v.min(KEEP_BYTES / 2).min(be.smem_optin.saturating_sub(1024) / 2) / 8 * 8;
+    let keep = wide && logits.dtype() == DType::BF16 && kcap > 0 && keep_row();
     if wide {
         name += "_v8";
     }
-    let args = [
+    let mut args = vec![
         ptr("ce", logits)?,
         ptr("ce", targets)?,
         opt_ptr("ce", mask)?,
@@ -90,14 +91,15 @@ pub fn ce_fwd_bwd_(
         n(v),
     ];
     if keep {
-        be.launch("ce_fwdbwd_bf16_keep", rows as u32, 1024, (v * 2) as u32, &args)?;
+        args.push(n(kcap));
+        be.launch("ce_fwdbwd_bf16_keep", rows as u32, 1024, (kcap * 2) as u32, &args)?;
     } else {
         rows_launch(be, &name, rows, &args)?;
     }
     Ok((loss, lse))
 }
 
-/// The largest bf16 row the fused cross-entropy keeps in shared memory.
+/// The most of a bf16 row the fused cross-entropy keeps in shared memory.
 const KEEP_BYTES: usize = 110 << 10;
 
 /// Whether the fused cross-entropy keeps its row in shared memory (`FERROTRON_CE_KEEP=0`: not; a
