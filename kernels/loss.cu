@@ -80,8 +80,10 @@ __device__ __forceinline__ void ce_grad8(float* x, long i, long vreal, float ll,
     }
 }
 
+// The eight-wide forward kernels run 1024 threads a row, as the kept-row kernel does: each thread
+// then sums the same groups in all three, so their bits agree.
 #define LOSS_V8(s, T) \
-extern "C" __global__ void ce_fwd_##s##_v8(const T* logits, const u32* tgt, const float* mask, long long ignore, long vstart, long vreal, float* loss, float* lse, long v) { \
+extern "C" __global__ void __launch_bounds__(1024) ce_fwd_##s##_v8(const T* logits, const u32* tgt, const float* mask, long long ignore, long vstart, long vreal, float* loss, float* lse, long v) { \
     long r = blockIdx.x; const T* row = logits + r * v; float m, z; ce_partial8(row, vreal, m, z); \
     float l = ce_lse8(m, z); \
     if (threadIdx.x == 0) { lse[r] = l; u32 t = tgt[r]; float mk = mask ? mask[r] : 1.f; \
@@ -117,7 +119,7 @@ extern "C" __global__ void ce_fwdbwd_##s(T* logits, const u32* tgt, const float*
 FOR_TYPES(LOSS_FB)
 
 #define LOSS_FB_V8(s, T) \
-extern "C" __global__ void ce_fwdbwd_##s##_v8(T* logits, const u32* tgt, const float* mask, long long ignore, long vreal, float* loss, float* lse, float dscale, const float* dscale_p, long v) { \
+extern "C" __global__ void __launch_bounds__(1024) ce_fwdbwd_##s##_v8(T* logits, const u32* tgt, const float* mask, long long ignore, long vreal, float* loss, float* lse, float dscale, const float* dscale_p, long v) { \
     long r = blockIdx.x; T* row = logits + r * v; u32 t = tgt[r]; float mk = mask ? mask[r] : 1.f; \
     float xt = (threadIdx.x == 0 && (long)t < vreal) ? ld(row, (long)t) : 0.f, m, z; ce_partial8(row, vreal, m, z); \
     float l = ce_lse8(m, z); bool off = (long long)t == ignore || mk == 0.f; \

@@ -26,12 +26,13 @@ pub fn ce_fwd(
     let (rows, v) = (logits.dims()[0], logits.dims()[1]);
     let (loss, lse) = (new(be, [rows], DType::F32)?, new(be, [rows], DType::F32)?);
     let mut name = format!("ce_fwd_{}", sfx("cross_entropy_fwd", logits.dtype())?);
-    if v % 8 == 0 && aligned16(&[logits])? {
+    let wide = v % 8 == 0 && aligned16(&[logits])?;
+    if wide {
         name += "_v8";
     }
     let mut args = ce_args(logits, targets, mask, cfg)?;
     args.extend([ptr("ce", &loss)?, ptr("ce", &lse)?, n(v)]);
-    rows_launch(be, &name, rows, &args)?;
+    ce_launch(be, &name, rows, wide, &args)?;
     Ok((loss, lse))
 }
 
@@ -94,9 +95,16 @@ pub fn ce_fwd_bwd_(
         args.push(n(kcap));
         be.launch("ce_fwdbwd_bf16_keep", rows as u32, 1024, (kcap * 2) as u32, &args)?;
     } else {
-        rows_launch(be, &name, rows, &args)?;
+        ce_launch(be, &name, rows, wide, &args)?;
     }
     Ok((loss, lse))
+}
+
+/// One block per row: 1024 threads for the eight-wide forwards (the kept-row kernel's count, so
+/// the three sum each row's groups alike and agree to the bit; session 21 timed 1024 a row at
+/// least as fast as 128–512), else 256.
+fn ce_launch(be: &B, name: &str, rows: usize, wide: bool, args: &[Arg]) -> Result<()> {
+    be.launch(name, rows as u32, if wide { 1024 } else { 256 }, 0, args)
 }
 
 /// The most of a bf16 row the fused cross-entropy keeps in shared memory.
