@@ -13,7 +13,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     use std::time::Instant;
     let dev = Device::cuda(0)?;
     let Device::Cuda(cd) = &dev else { unreachable!() };
-    let cfg = AttnCfg { causal: true, window: None, scale: None };
+    let cfg = AttnCfg { causal: true, window: None, scale: None, dropout: None };
     // On sm_90 the kernels run on wgmma; the mma.sync kernels are timed beside them (the same
     // kernels elsewhere). ATTN_BENCH_ONLY=DxT (e.g. 128x4096) keeps one shape and ATTN_BENCH_REPS
     // sets the timed repetitions (5): for a profiler. ATTN_BENCH_FUSED=1 reads Q, K and V in place

@@ -1,6 +1,7 @@
 //! Causal self-attention with GQA and an optional sliding window (math in `cpu::attention`).
 //! q [B, T, Hq, D], k/v [B, S, Hkv, D] → o [B, T, Hq, D] and lse [B, Hq, T] (f32).
 
+pub use crate::cpu::attention::AttnDropout;
 use crate::cpu::attention::{AttnDims, AttnMask};
 use crate::{buf, check, cpu};
 use ferrotron_core::{DType, Result, Tensor, invalid, shape_mismatch};
@@ -12,12 +13,25 @@ pub struct AttnCfg {
     pub window: Option<usize>,
     /// Softmax scale; 1/√D when None.
     pub scale: Option<f64>,
+    /// Dropout of the probabilities (training; CPU only for now: the GPU kernels refuse it).
+    pub dropout: Option<AttnDropout>,
 }
 
 impl Default for AttnCfg {
     fn default() -> Self {
-        AttnCfg { causal: true, window: None, scale: None }
+        AttnCfg { causal: true, window: None, scale: None, dropout: None }
     }
+}
+
+/// The checks `dims` and `fused_dims` share: the window and the dropout rate.
+fn check_cfg(op: &'static str, cfg: &AttnCfg) -> Result<()> {
+    if cfg.window == Some(0) {
+        return Err(invalid(op, "sliding window must be at least 1"));
+    }
+    if let Some(p) = cfg.dropout.map(|d| d.p).filter(|p| !(0.0..1.0).contains(p)) {
+        return Err(invalid(op, format!("attention dropout {p} outside [0, 1): pass a rate such as 0.1")));
+    }
+    Ok(())
 }
 
 fn dims(op: &'static str, q: &Tensor, k: &Tensor, v: &Tensor, cfg: &AttnCfg) -> Result<AttnDims> {
@@ -39,23 +53,29 @@ fn dims(op: &'static str, q: &Tensor, k: &Tensor, v: &Tensor, cfg: &AttnCfg) -> 
     if cfg.causal && s != t {
         return Err(shape_mismatch(op, format!("causal self-attention with S == T = {t}"), kd));
     }
-    if cfg.window == Some(0) {
-        return Err(invalid(op, "sliding window must be at least 1"));
-    }
+    check_cfg(op, cfg)?;
     Ok(AttnDims { b, t, s, hq, hkv, d })
 }
 
 fn mask(cfg: &AttnCfg) -> AttnMask {
-    AttnMask { causal: cfg.causal, window: cfg.window }
+    AttnMask { causal: cfg.causal, window: cfg.window, dropout: cfg.dropout.filter(|d| d.p > 0.0) }
 }
 
 fn scale(cfg: &AttnCfg, d: usize) -> f64 {
     cfg.scale.unwrap_or(1.0 / (d as f64).sqrt())
 }
 
+/// The GPU kernels' view of the call; an error where they cannot run it (dropout).
 #[cfg(feature = "cuda")]
-fn gpu_shape<'a>(d: &'a AttnDims, cfg: &AttnCfg) -> crate::cuda::ops::AttnShape<'a> {
-    crate::cuda::ops::AttnShape { dims: d, mask: mask(cfg), scale: scale(cfg, d.d) as f32 }
+fn gpu_shape<'a>(op: &'static str, d: &'a AttnDims, cfg: &AttnCfg) -> Result<crate::cuda::ops::AttnShape<'a>> {
+    if cfg.dropout.is_some_and(|d| d.p > 0.0) {
+        return Err(invalid(
+            op,
+            "attention dropout runs on the CPU only: the GPU's attention kernels have no dropout yet; \
+             train on a GPU with --attention-dropout 0",
+        ));
+    }
+    Ok(crate::cuda::ops::AttnShape { dims: d, mask: mask(cfg), scale: scale(cfg, d.d) as f32 })
 }
 
 /// Returns (o, lse).
@@ -64,7 +84,7 @@ pub fn attention_fwd(q: &Tensor, k: &Tensor, v: &Tensor, cfg: &AttnCfg) -> Resul
     let d = dims(OP, q, k, v, cfg)?;
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[q, k, v])? {
-        return crate::cuda::ops::attention_fwd(&g, q, k, v, &gpu_shape(&d, cfg));
+        return crate::cuda::ops::attention_fwd(&g, q, k, v, &gpu_shape(OP, &d, cfg)?);
     }
     check::on_cpu(OP, &[q, k, v])?;
     let (qv, kv, vv) = (q.read_f32()?, k.read_f32()?, v.read_f32()?);
@@ -94,7 +114,7 @@ pub fn attention_bwd(
     check::shape(OP, lse, &[d.b, d.hq, d.t])?;
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[q, k, v, o, lse, dout])? {
-        return crate::cuda::ops::attention_bwd(&g, q, k, v, o, lse, dout, &gpu_shape(&d, cfg));
+        return crate::cuda::ops::attention_bwd(&g, q, k, v, o, lse, dout, &gpu_shape(OP, &d, cfg)?);
     }
     check::on_cpu(OP, &[q, k, v, o, lse, dout])?;
     let (qv, kv, vv) = (q.read_f32()?, k.read_f32()?, v.read_f32()?);
@@ -149,7 +169,7 @@ pub fn attention_fwd_qkv(qkv: &Tensor, heads: QkvHeads, cfg: &AttnCfg) -> Result
     let d = heads.d;
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[qkv])? {
-        if let Some(out) = crate::cuda::ops::attention_fwd_qkv(&g, qkv, &gpu_shape(&dm, cfg))? {
+        if let Some(out) = crate::cuda::ops::attention_fwd_qkv(&g, qkv, &gpu_shape(OP, &dm, cfg)?)? {
             return Ok(out);
         }
         let (q, k, v) = crate::qkv_split(qkv, heads.hkv, heads.group, d)?;
@@ -226,7 +246,7 @@ fn bwd_qkv(
     check::shape(OP, lse, &[dm.b, dm.hq, dm.t])?;
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[qkv, o, lse, dout])? {
-        if let Some(r) = crate::cuda::ops::attention_bwd_qkv(&g, qkv, o, lse, dout, &gpu_shape(&dm, cfg), db)? {
+        if let Some(r) = crate::cuda::ops::attention_bwd_qkv(&g, qkv, o, lse, dout, &gpu_shape(OP, &dm, cfg)?, db)? {
             return Ok(r);
         }
         let (q, k, v) = crate::qkv_split(qkv, heads.hkv, heads.group, heads.d)?;
@@ -252,8 +272,6 @@ fn fused_dims(qkv: &Tensor, heads: QkvHeads, cfg: &AttnCfg) -> Result<AttnDims> 
     if hkv == 0 || group == 0 || w != hkv * (group + 2) * d {
         return Err(shape_mismatch(OP, format!("last dim {hkv}·({group}+2)·{d}"), qkv.dims()));
     }
-    if cfg.window == Some(0) {
-        return Err(invalid(OP, "sliding window must be at least 1"));
-    }
+    check_cfg(OP, cfg)?;
     Ok(AttnDims { b, t, s: t, hq: hkv * group, hkv, d })
 }

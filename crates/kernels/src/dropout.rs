@@ -27,12 +27,12 @@ pub struct DropoutKey {
 /// Whether the word `u` (as Philox gives it) keeps its element: its top 24 bits, a uniform in
 /// [0, 1), at least p (`threshold`). The CUDA kernel (kernels/elementwise.cu `dropout_*`)
 /// compares the same integers, so both devices draw the same mask.
-fn keep(u: u32, threshold: u32) -> bool {
+pub(crate) fn keep(u: u32, threshold: u32) -> bool {
     (u >> 8) >= threshold
 }
 
 /// p as the 24-bit threshold `keep` compares against: ⌈p · 2²⁴⌉.
-fn threshold(p: f32) -> u32 {
+pub(crate) fn threshold(p: f32) -> u32 {
     ((p as f64) * (1u64 << 24) as f64).ceil() as u32
 }
 

@@ -33,7 +33,8 @@ mod rope;
 
 pub use activation::{gelu, gelu_bwd, silu, silu_bwd, softmax, softmax_bwd, swiglu, swiglu_bwd};
 pub use attention::{
-    AttnCfg, QkvHeads, attention_bwd, attention_bwd_qkv, attention_bwd_qkv_into, attention_fwd, attention_fwd_qkv,
+    AttnCfg, AttnDropout, QkvHeads, attention_bwd, attention_bwd_qkv, attention_bwd_qkv_into, attention_fwd,
+    attention_fwd_qkv,
 };
 pub use check::set_device_ids_prechecked;
 pub use dropout::{DropoutKey, dropout};

@@ -69,6 +69,7 @@ pub fn gpt2(size: GptSize) -> TransformerConfig {
         norm_epsilon: 1e-5,
         init_method_std: 0.02,
         hidden_dropout: 0.0,
+        attention_dropout: 0.0,
     }
 }
 
@@ -99,6 +100,7 @@ pub fn llama(size: LlamaSize) -> TransformerConfig {
         norm_epsilon: 1e-5,
         init_method_std: 0.02,
         hidden_dropout: 0.0,
+        attention_dropout: 0.0,
     }
 }
 

@@ -10,8 +10,8 @@
 //! graph wrote are copied out. A step whose batches differ from the captured ones in shape (a
 //! shorter last batch, another micro-batch count) releases the graph, so that its memory does not
 //! sit beside the eager step's activations, and runs eagerly; the warm-up then starts again and
-//! the step that follows it is captured anew. Hidden dropout draws its masks from offsets the host
-//! passes each step, so a model with dropout is refused.
+//! the step that follows it is captured anew. Hidden and attention dropout draw their masks from
+//! offsets the host passes each step, so a model with dropout is refused.
 //!
 //! Architecture invariant: a replayed step gives the bits an eager step gives on the same inputs
 //! (the same kernels run in the same order; the trainer's `cuda_graph` test compares 20 steps of
@@ -82,6 +82,13 @@ impl StepGraph {
                 "the model has hidden dropout {}: a replayed graph would reuse the captured step's masks; \
                  train with --hidden-dropout 0, or without --cuda-graph-impl local",
                 model.config.hidden_dropout
+            )));
+        }
+        if model.config.attention_dropout > 0.0 {
+            return Err(StepError::Graph(format!(
+                "the model has attention dropout {}: a replayed graph would reuse the captured step's masks; \
+                 train with --attention-dropout 0, or without --cuda-graph-impl local",
+                model.config.attention_dropout
             )));
         }
         if let Some(c) = self.captured.take_if(|c| !c.fits(micro_batches)) {

@@ -24,7 +24,8 @@ struct Run {
     overlap: bool,
     /// `--overlap-param-gather` (distributed optimizer only).
     gather: bool,
-    /// Hidden dropout 0.2, each micro-batch drawing from its first sample's place in the run.
+    /// Hidden dropout 0.2 and attention dropout 0.1, each micro-batch drawing from its first
+    /// sample's place in the run.
     dropout: bool,
 }
 
@@ -39,7 +40,8 @@ fn train(run: Run, llama: bool, world: Arc<dyn Communicator>) -> Result<Outcome,
     let layout = Layout::new(world.size(), run.tp, 1, 1, 1).map_err(|e| e.to_string())?;
     let g = ProcessGroups::new(world, layout).map_err(|e| e.to_string())?;
     let tp = TensorParallel::new(g.tp.clone(), run.sp);
-    let cfg = TransformerConfig { hidden_dropout: if run.dropout { 0.2 } else { 0.0 }, ..config(llama) };
+    let (hidden_dropout, attention_dropout) = if run.dropout { (0.2, 0.1) } else { (0.0, 0.0) };
+    let cfg = TransformerConfig { hidden_dropout, attention_dropout, ..config(llama) };
     let (model, table) =
         GptModel::build_parallel(cfg, &tp, &Device::Cpu, DType::F32, 1234, run.dp).map_err(|e| e.to_string())?;
     // Adam divides by √v + eps. Where a gradient is rounding noise around zero (the key bias: a
@@ -122,12 +124,12 @@ fn all_layouts(llama: bool) {
     }
 }
 
-/// Hidden dropout draws its masks by global sample, position and column: tensor parallelism
-/// (the outputs replicated), sequence parallelism (each rank its part of every sequence) and data
-/// parallelism (each rank its micro-batches) train as one rank does, step for step; and dropout
-/// does change the run.
+/// Hidden dropout draws its masks by global sample, position and column, attention dropout by
+/// global sample, head, query and key: tensor parallelism (the outputs replicated; each rank its
+/// heads), sequence parallelism (each rank its part of every sequence) and data parallelism (each
+/// rank its micro-batches) train as one rank does, step for step; and dropout does change the run.
 #[test]
-fn hidden_dropout_layouts_match_one_rank() {
+fn dropout_layouts_match_one_rank() {
     for llama in [false, true] {
         let one = reference(llama, true);
         let plain = reference(llama, false);

@@ -362,6 +362,9 @@ pub struct Settings {
     pub make_vocab_size_divisible_by: usize,
     #[serde(default)]
     pub hidden_dropout: f32,
+    /// Dropout of the attention probabilities (CPU only for now).
+    #[serde(default)]
+    pub attention_dropout: f32,
     /// Tokens before itself that each token's attention sees (`--window-size`'s left); None: all.
     #[serde(default)]
     pub window_size: Option<usize>,
@@ -700,6 +703,7 @@ impl Settings {
             norm_epsilon: a.norm_epsilon.unwrap_or_else(norm_epsilon),
             make_vocab_size_divisible_by: a.make_vocab_size_divisible_by.unwrap_or_else(vocab_divisible_by),
             hidden_dropout: a.hidden_dropout.unwrap_or(0.0) as f32,
+            attention_dropout: a.attention_dropout.unwrap_or(0.0) as f32,
             window_size: a.window_size.as_deref().map(parse_window).transpose()?.flatten(),
         };
         if let Some(f) = a.lr_warmup_fraction {
@@ -714,11 +718,6 @@ impl Settings {
         if a.fp16 {
             bail!(
                 "--fp16: fp16 training with loss scaling is not implemented in Ferrotron; use --bf16 (bf16 parameters and activations, fp32 master weights and grads, no loss scale needed)"
-            );
-        }
-        if let Some(p) = a.attention_dropout.filter(|&p| p != 0.0) {
-            bail!(
-                "--attention-dropout {p}: dropout of the attention probabilities is not implemented in Ferrotron; pass --attention-dropout 0 (or leave it out); --hidden-dropout is"
             );
         }
         s.validate()?;
@@ -749,6 +748,12 @@ impl Settings {
             _ => Launch::Processes(dist.clone()),
         };
         s.validate_layout(launch.world_size())?;
+        if s.attention_dropout > 0.0 && a.device.as_deref().is_some_and(|d| d.trim() != "cpu") {
+            bail!(
+                "--attention-dropout {}: dropout of the attention probabilities runs on the CPU only for now (the GPU's flash attention kernels have none); on a GPU pass --attention-dropout 0 (--hidden-dropout works on both)",
+                s.attention_dropout
+            );
+        }
         let device = match a.device.as_deref() {
             // Under a launcher, plain `cuda` means this process's local GPU.
             Some("cuda") => ferrotron_core::Device::cuda(dist.local_rank).context("--device cuda")?,
@@ -946,6 +951,7 @@ impl Settings {
             norm_epsilon: self.norm_epsilon,
             init_method_std: self.init_method_std,
             hidden_dropout: self.hidden_dropout,
+            attention_dropout: self.attention_dropout,
         })
     }
 }
@@ -1062,7 +1068,7 @@ mod tests {
     }
 
     #[test]
-    fn megatron_switches_accepted_and_attention_dropout_refused() {
+    fn megatron_switches_accepted() {
         let plain = parse("").unwrap();
         let s = parse("--use-flash-attn --group-query-attention --hidden-dropout 0 --attention-dropout 0.0").unwrap();
         assert_eq!(s, plain, "these change nothing");
@@ -1074,11 +1080,12 @@ mod tests {
         assert!(parse("--overlap-param-gather --use-distributed-optimizer").unwrap().overlap_param_gather);
         let e = parse("--fp16").unwrap_err().to_string();
         assert!(e.contains("--fp16") && e.contains("not implemented") && e.contains("--bf16"), "{e}");
-        let e = parse("--attention-dropout 0.1").unwrap_err().to_string();
-        assert!(
-            e.contains("--attention-dropout") && e.contains("not implemented") && e.contains("--attention-dropout 0"),
-            "{e}"
-        );
+        assert_eq!(parse("--attention-dropout 0.1").unwrap().attention_dropout, 0.1);
+        let e = parse("--attention-dropout 1").unwrap_err().to_string();
+        assert!(e.contains("--attention-dropout 1") && e.contains("[0, 1)"), "{e}");
+        // On a GPU it is refused before the device opens, naming the way out.
+        let e = parse("--attention-dropout 0.1 --device cuda").unwrap_err().to_string();
+        assert!(e.contains("CPU only") && e.contains("--attention-dropout 0"), "{e}");
         assert_eq!(parse("--hidden-dropout 0.1").unwrap().hidden_dropout, 0.1);
         let e = parse("--hidden-dropout 1").unwrap_err().to_string();
         assert!(e.contains("--hidden-dropout 1") && e.contains("[0, 1)"), "{e}");

@@ -12,8 +12,10 @@ use ferrotron_trainer::train::train;
 fn check(llama: bool, bf16: bool) {
     let mut args = tiny_args(llama);
     args.bf16 = bf16;
-    // Hidden dropout in the GPT-2 style run: the resumed steps draw the masks the straight run did.
+    // Hidden dropout in the GPT-2 style run, attention dropout in the Llama-style one: the resumed
+    // steps draw the masks the straight run did.
     args.hidden_dropout = (!llama).then_some(0.1);
+    args.attention_dropout = llama.then_some(0.1);
     let s = settings(&args);
     let tag = format!("resume-{llama}-{bf16}");
     let straight_dir = tmp(&format!("{tag}-a"));

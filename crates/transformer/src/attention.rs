@@ -12,8 +12,9 @@
 
 use crate::norm::Norm;
 use crate::spec::{AttentionSpec, NormKind};
-use ferrotron_core::{Cx, Module, ParamId, ParamTableBuilder, Result, Saved, Tensor};
-use ferrotron_kernels::{self as k, AttnCfg, RopeCfg};
+use ferrotron_core::rng::fnv1a64;
+use ferrotron_core::{Cx, Module, ParamId, ParamTableBuilder, Result, Saved, Tensor, invalid};
+use ferrotron_kernels::{self as k, AttnCfg, AttnDropout, RopeCfg};
 use ferrotron_parallel::{ColumnParallelLinear, RowParallelLinear, TensorParallel};
 
 #[derive(Debug, Clone)]
@@ -30,6 +31,20 @@ pub struct SelfAttention {
     pub attn: AttnCfg,
     /// Selective recompute: keep Q, K, V (or qkv) only; redo the core attention in the backward.
     pub recompute_core: bool,
+    /// Dropout of the attention probabilities in training (--attention-dropout), None at rate 0.
+    pub dropout: Option<ProbDropout>,
+}
+
+/// One layer's attention dropout: the rate, its Philox stream (a hash of the site's name, the
+/// layer's global index in it), all heads' count and this rank's first head (tensor parallel).
+/// The mask's words are indexed by global sample, head, query and key (`k::AttnDropout`), so any
+/// layout draws the same mask for the same sample, and the backward draws it again.
+#[derive(Debug, Clone)]
+pub struct ProbDropout {
+    p: f32,
+    stream: u64,
+    heads_total: usize,
+    head_offset: usize,
 }
 
 pub struct AttentionDims {
@@ -44,6 +59,8 @@ pub struct AttentionDims {
     /// Output projection init std (Megatron scales it by 1/√(2·layers)).
     pub out_std: f32,
     pub rope_base: Option<f64>,
+    /// --attention-dropout (0: none).
+    pub attention_dropout: f32,
 }
 
 impl SelfAttention {
@@ -86,8 +103,14 @@ impl SelfAttention {
             heads: d.heads / tp.size(),
             groups: d.groups / tp.size(),
             head_dim,
-            attn: AttnCfg { causal: true, window: spec.window, scale: None },
+            attn: AttnCfg { causal: true, window: spec.window, scale: None, dropout: None },
             recompute_core: false,
+            dropout: (d.attention_dropout > 0.0).then(|| ProbDropout {
+                p: d.attention_dropout,
+                stream: fnv1a64(&format!("{prefix}.core_attention.dropout")),
+                heads_total: d.heads,
+                head_offset: tp.rank() * (d.heads / tp.size()),
+            }),
         })
     }
 }
@@ -105,9 +128,32 @@ impl SelfAttention {
         k::QkvHeads::new(self.groups, self.heads / self.groups, self.head_dim)
     }
 
+    /// The core attention's settings for a [B, T, ·] micro-batch: with dropout in training, its
+    /// key from the micro-batch's draw (the same in the forward, a recomputed forward and the
+    /// backward).
+    fn cfg(&self, cx: &Cx, t: usize) -> Result<AttnCfg> {
+        let Some(dr) = self.dropout.as_ref().filter(|_| cx.training) else { return Ok(self.attn) };
+        let Some(draw) = cx.draw else {
+            return Err(invalid(
+                "attention dropout",
+                "a training micro-batch without its sample index: build it with Batch::with_draw (or set --attention-dropout 0)",
+            ));
+        };
+        let batch_stride = (dr.heads_total * t * t) as u64;
+        let dropout = AttnDropout {
+            p: dr.p,
+            seed: draw.seed,
+            stream: dr.stream,
+            base: draw.first_sample.wrapping_mul(batch_stride),
+            batch_stride,
+            head_offset: dr.head_offset as u64,
+        };
+        Ok(AttnCfg { dropout: Some(dropout), ..self.attn })
+    }
+
     /// The core attention on the fused projection output: (o, lse).
-    fn core_fused(&self, qkv: &Tensor) -> Result<(Tensor, Tensor)> {
-        k::attention_fwd_qkv(qkv, self.qkv_heads(), &self.attn)
+    fn core_fused(&self, cx: &Cx, qkv: &Tensor) -> Result<(Tensor, Tensor)> {
+        k::attention_fwd_qkv(qkv, self.qkv_heads(), &self.cfg(cx, qkv.dims()[1])?)
     }
 
     /// `forward` when `reads_fused`: saved [qkv, o, lse] (or [qkv] with the core recomputed), qkv
@@ -119,7 +165,7 @@ impl SelfAttention {
             k::rope_qkv_fwd_(&qkv, self.groups, self.heads / self.groups, self.head_dim, r)?;
         }
         let (b, t) = (qkv.dims()[0], qkv.dims()[1]);
-        let (o, lse) = self.core_fused(&qkv)?;
+        let (o, lse) = self.core_fused(cx, &qkv)?;
         let (y, mut s_proj) = self.linear_proj.forward(cx, &o.reshape([b, t, self.heads * self.head_dim])?)?;
         if self.recompute_core {
             s_proj.tensors.clear(); // the projection's input is `o`, recomputed in the backward
@@ -138,7 +184,7 @@ impl SelfAttention {
         let bad = || ferrotron_core::invalid("SelfAttention::backward", "saved tensors do not match forward");
         let [s_qkv, mut s_proj]: [Saved; 2] = children.try_into().map_err(|_| bad())?;
         if self.recompute_core && tensors.len() == 1 {
-            let (o, lse) = self.core_fused(&tensors[0])?;
+            let (o, lse) = self.core_fused(cx, &tensors[0])?;
             let (b, t) = (o.dims()[0], o.dims()[1]);
             s_proj.tensors = vec![o.reshape([b, t, self.heads * self.head_dim])?];
             tensors.extend([o, lse]);
@@ -150,10 +196,11 @@ impl SelfAttention {
             // The bias gradient is Σ rows of dQKV as the attention backward writes it (no RoPE
             // backward after), which its kernels can sum as they write.
             let (db, acc) = cx.params.grad_acc(b)?;
-            let dqkv = k::attention_bwd_qkv_into(&qkv, &o, &lse, &d_o, self.qkv_heads(), &self.attn, &db, acc)?;
+            let cfg = self.cfg(cx, qkv.dims()[1])?;
+            let dqkv = k::attention_bwd_qkv_into(&qkv, &o, &lse, &d_o, self.qkv_heads(), &cfg, &db, acc)?;
             return self.linear_qkv.backward_bias_summed(cx, s_qkv, &dqkv);
         }
-        let dqkv = k::attention_bwd_qkv(&qkv, &o, &lse, &d_o, self.qkv_heads(), &self.attn)?;
+        let dqkv = k::attention_bwd_qkv(&qkv, &o, &lse, &d_o, self.qkv_heads(), &self.cfg(cx, qkv.dims()[1])?)?;
         if let Some(r) = &self.rope {
             k::rope_qkv_bwd_(&dqkv, self.groups, g, hd, r)?;
         }
@@ -180,7 +227,7 @@ impl Module for SelfAttention {
             q = k::rope_fwd(&q, r)?;
             kk = k::rope_fwd(&kk, r)?;
         }
-        let (o, lse) = k::attention_fwd(&q, &kk, &v, &self.attn)?;
+        let (o, lse) = k::attention_fwd(&q, &kk, &v, &self.cfg(cx, t)?)?;
         let (y, mut s_proj) = self.linear_proj.forward(cx, &o.reshape([b, t, self.heads * self.head_dim])?)?;
         if self.recompute_core {
             s_proj.tensors.clear(); // the projection's input is `o`, recomputed in the backward
@@ -213,7 +260,8 @@ impl SelfAttention {
         let Saved { mut tensors, mut children } = saved;
         let mut s_proj = children.pop().unwrap_or_default();
         if self.recompute_core && tensors.len() == 3 {
-            let (o, lse) = k::attention_fwd(&tensors[0], &tensors[1], &tensors[2], &self.attn)?;
+            let cfg = self.cfg(cx, tensors[0].dims()[1])?;
+            let (o, lse) = k::attention_fwd(&tensors[0], &tensors[1], &tensors[2], &cfg)?;
             let (b, t) = (o.dims()[0], o.dims()[1]);
             s_proj.tensors = vec![o.reshape([b, t, self.heads * self.head_dim])?];
             tensors.extend([o, lse]);
@@ -222,7 +270,7 @@ impl SelfAttention {
             .try_into()
             .map_err(|_| ferrotron_core::invalid("SelfAttention::backward", "saved tensors do not match forward"))?;
         let d_o = self.proj_backward(cx, s_proj, dy, proj_bias)?.reshape(o.dims().to_vec())?;
-        let (mut dq, mut dk, dv) = k::attention_bwd(&q, &kk, &v, &o, &lse, &d_o, &self.attn)?;
+        let (mut dq, mut dk, dv) = k::attention_bwd(&q, &kk, &v, &o, &lse, &d_o, &self.cfg(cx, q.dims()[1])?)?;
         if let Some(r) = &self.rope {
             dq = k::rope_bwd(&dq, r)?;
             dk = k::rope_bwd(&dk, r)?;

@@ -29,6 +29,9 @@ pub struct TransformerConfig {
     /// Dropout rate on each branch's output before its residual add and on the embedding's output
     /// (Megatron's --hidden-dropout), in training; 0: none.
     pub hidden_dropout: f32,
+    /// Dropout rate on the attention probabilities after the softmax (Megatron's
+    /// --attention-dropout), in training; 0: none. CPU only for now (the GPU kernels refuse it).
+    pub attention_dropout: f32,
 }
 
 fn bad(msg: String) -> ModelError {
@@ -123,6 +126,12 @@ impl TransformerConfig {
         }
         if !(0.0..1.0).contains(&c.hidden_dropout) {
             return Err(bad(format!("--hidden-dropout {} must be in [0, 1): a rate such as 0.1", c.hidden_dropout)));
+        }
+        if !(0.0..1.0).contains(&c.attention_dropout) {
+            return Err(bad(format!(
+                "--attention-dropout {} must be in [0, 1): a rate such as 0.1",
+                c.attention_dropout
+            )));
         }
         if c.norm_epsilon.is_nan() || c.norm_epsilon <= 0.0 {
             return Err(bad("--norm-epsilon must be positive".into()));

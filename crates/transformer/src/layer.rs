@@ -47,6 +47,7 @@ impl TransformerLayer {
                 PositionEmbedding::Rope { base } => Some(base),
                 _ => None,
             },
+            attention_dropout: c.attention_dropout,
         };
         let input_layernorm = Norm::new(p, &format!("{prefix}.input_layernorm"), norm, h, eps, sp)?;
         let self_attention = SelfAttention::new(p, &format!("{prefix}.self_attention"), &dims, &c.layer.attention, tp)?;

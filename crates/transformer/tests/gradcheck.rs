@@ -71,15 +71,19 @@ fn llama_style_without_qk_norm_gradients_match_finite_differences() {
     check(cfg);
 }
 
-/// Hidden dropout (a fixed draw: the same masks in every forward): the backward applies the
-/// forward's masks, so the finite differences still match; and the masks do act (the loss differs
-/// from the model's without dropout, and from another draw's).
+/// Hidden dropout and attention dropout, each alone (a fixed draw: the same masks in every
+/// forward): the backward applies the forward's masks, so the finite differences still match; and
+/// the masks do act (the loss differs from the model's without dropout, and from another draw's).
 #[test]
-fn hidden_dropout_gradients_match_finite_differences() {
+fn dropout_gradients_match_finite_differences() {
     use ferrotron_core::Draw;
     let draw = Draw { seed: 5, first_sample: 40 };
-    for llama in [false, true] {
-        let cfg = ferrotron_transformer::TransformerConfig { hidden_dropout: 0.3, ..config(llama) };
+    for (llama, hidden, attention) in [(false, 0.3, 0.0), (true, 0.3, 0.0), (false, 0.0, 0.3), (true, 0.0, 0.3)] {
+        let cfg = ferrotron_transformer::TransformerConfig {
+            hidden_dropout: hidden,
+            attention_dropout: attention,
+            ..config(llama)
+        };
         check_batch(cfg.clone(), batch(2, 6, 11).with_draw(draw));
         let (model, table) = GptModel::build(cfg.clone(), &Device::Cpu, DType::F32, 3).unwrap();
         let plain = GptModel::build(config(llama), &Device::Cpu, DType::F32, 3).unwrap().0;

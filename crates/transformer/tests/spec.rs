@@ -26,6 +26,7 @@ fn base() -> TransformerConfig {
         norm_epsilon: 1e-5,
         init_method_std: 0.02,
         hidden_dropout: 0.0,
+        attention_dropout: 0.0,
     }
 }
 

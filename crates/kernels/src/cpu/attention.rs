@@ -7,6 +7,10 @@
 //! group's query heads add into one dk/dv before that write. The `_fused` twins read q, k, v in
 //! place from the QKV projection output [B, T, Hkv·(G+2)·D] and write dq, dk, dv into its slots
 //! (`Place`), with the same arithmetic.
+//!
+//! With `AttnMask::dropout` (training), P is masked after the softmax: P̃ = P ∘ M / (1 − p), O =
+//! P̃ V. The backward: dV = P̃ᵀ dO, dP = (dO Vᵀ) ∘ M / (1 − p), dS = P ∘ (dP − rowsum(dO ∘ O))
+//! (rowsum(dO ∘ O) = Σ_j P̃ dP̃ = Σ_j P dP still holds, so the same δ serves).
 
 use crate::cpu::matmul::{MatRef, gemm_strided};
 use crate::real::Real;
@@ -22,11 +26,53 @@ pub struct AttnDims {
     pub d: usize,
 }
 
-/// Which keys a query may see: `causal` keeps j ≤ i; `window` w keeps |i − j| < w.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// Which keys a query may see: `causal` keeps j ≤ i; `window` w keeps |i − j| < w; and, in
+/// training, which of the probabilities dropout keeps.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct AttnMask {
     pub causal: bool,
     pub window: Option<usize>,
+    pub dropout: Option<AttnDropout>,
+}
+
+/// Dropout of the attention probabilities (Megatron's `--attention-dropout`): probability (i, j)
+/// of local head h of batch row b is kept, scaled by 1 / (1 − p), unless Philox word
+/// `base + b · batch_stride + ((head_offset + h) · T + i) · S + j` of (seed, stream), as
+/// [`dropout`](crate::dropout)'s 24-bit uniform, is below p. The word is a pure function of the
+/// element's global place, so the backward, a recomputed forward, micro-batches (`base`) and heads
+/// split over tensor-parallel ranks (`head_offset`) all draw the same mask.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttnDropout {
+    pub p: f32,
+    pub seed: u64,
+    pub stream: u64,
+    /// Word of element (0, 0, 0) of batch row 0's first head.
+    pub base: u64,
+    /// Words between consecutive batch rows: all heads' T · S probabilities.
+    pub batch_stride: u64,
+    /// The global index of this tensor's head 0 (tensor parallelism splits the heads).
+    pub head_offset: u64,
+}
+
+impl AttnDropout {
+    /// Row i of local head h of batch row b, keys 0..s: each key's multiplier, 1 / (1 − p) where
+    /// kept, 0 where dropped, into `out`.
+    fn row<T: Real>(&self, b: usize, h: usize, i: usize, t: usize, out: &mut [T]) {
+        let s = out.len() as u64;
+        let rng = ferrotron_core::rng::Philox::new(self.seed).with_stream(self.stream);
+        let (thr, scale) = (crate::dropout::threshold(self.p), T::c(1.0 / (1.0 - self.p as f64)));
+        let start =
+            self.base + b as u64 * self.batch_stride + ((self.head_offset + h as u64) * t as u64 + i as u64) * s;
+        // Philox gives four words a block: one block per four keys.
+        let mut block = (u64::MAX, [0u32; 4]);
+        for (j, m) in out.iter_mut().enumerate() {
+            let w = start + j as u64;
+            if block.0 != w / 4 {
+                block = (w / 4, rng.block(w / 4));
+            }
+            *m = if crate::dropout::keep(block.1[(w % 4) as usize], thr) { scale } else { T::zero() };
+        }
+    }
 }
 
 impl AttnMask {
@@ -189,9 +235,17 @@ fn fwd<T: Real>(
             // and `probs` its t log-sum-exps.
             let (mut out, mut l) = unsafe { (crate::buf::uninit(group * t * d), crate::buf::uninit(group * t)) };
             let mut p = vec![T::zero(); t * s];
+            let mut keep = vec![T::zero(); if mask.dropout.is_some() { s } else { 0 }];
             for g in 0..group {
                 let h = kvh * group + g;
                 probs(&dims, mask, scale, &qh, &kh, b, h, kvh, &mut p, None, &mut l[g * t..(g + 1) * t]);
+                if let Some(dr) = &mask.dropout {
+                    // P̃ = P ∘ M / (1 − p); lse stays the undropped softmax's.
+                    for i in 0..t {
+                        dr.row(b, h, i, t, &mut keep);
+                        p[i * s..(i + 1) * s].iter_mut().zip(&keep).for_each(|(x, m)| *x = *x * *m);
+                    }
+                }
                 let pm = MatRef { data: &p[..], rs: s, cs: 1 };
                 gemm_strided(t, d, s, pm, vh.mat(b, kvh, false), &mut out[g * t * d..], d, false, T::one(), false);
             }
@@ -279,24 +333,34 @@ fn bwd<T: Real>(
             let mut dv_acc = vec![T::zero(); s * d];
             let mut p = vec![T::zero(); t * s];
             let mut ds = vec![T::zero(); t * s];
+            let mut keep = vec![T::zero(); if mask.dropout.is_some() { s } else { 0 }];
             let mut unused = [];
             for g in 0..group {
                 let h = kvh * group + g;
                 let lse_h = &lse[(b * hq + h) * t..(b * hq + h + 1) * t];
                 probs(&dims, mask, scale, &qh, &kh, b, h, kvh, &mut p, Some(lse_h), &mut unused);
-                // dV += Pᵀ dO
-                let pt = MatRef { data: &p[..], rs: 1, cs: s };
-                gemm_strided(s, d, t, pt, doh.mat(b, h, false), &mut dv_acc, d, true, T::one(), false);
-                // dP = dO Vᵀ
+                // dP̃ = dO Vᵀ
                 gemm_strided(t, s, d, doh.mat(b, h, false), vh.mat(b, kvh, true), &mut ds, s, false, T::one(), false);
-                // dS = P ∘ (dP − rowsum(dO ∘ O))
+                // dS = P ∘ (dP − rowsum(dO ∘ O)), dP = dP̃ ∘ M / (1 − p) with dropout; then P
+                // becomes P̃ for dV.
                 for i in 0..t {
                     let base = ((b * t + i) * hq + h) * d;
                     let di = (0..d).map(|e| dout[base + e] * o[base + e]).sum::<T>();
-                    for j in 0..s {
-                        ds[i * s + j] = p[i * s + j] * (ds[i * s + j] - di);
+                    let (pr, dr) = (&mut p[i * s..(i + 1) * s], &mut ds[i * s..(i + 1) * s]);
+                    match &mask.dropout {
+                        Some(drop) => {
+                            drop.row(b, h, i, t, &mut keep);
+                            for j in 0..s {
+                                dr[j] = pr[j] * (dr[j] * keep[j] - di);
+                                pr[j] = pr[j] * keep[j];
+                            }
+                        }
+                        None => (0..s).for_each(|j| dr[j] = pr[j] * (dr[j] - di)),
                     }
                 }
+                // dV += P̃ᵀ dO
+                let pt = MatRef { data: &p[..], rs: 1, cs: s };
+                gemm_strided(s, d, t, pt, doh.mat(b, h, false), &mut dv_acc, d, true, T::one(), false);
                 let dsm = MatRef { data: &ds[..], rs: s, cs: 1 };
                 let dst = MatRef { data: &ds[..], rs: 1, cs: s };
                 // dQ = scale · dS K ; dK += scale · dSᵀ Q
@@ -348,7 +412,7 @@ mod tests {
     fn mask_range_is_the_set_of_allowed_keys() {
         for causal in [false, true] {
             for window in [None, Some(1), Some(3), Some(40)] {
-                let m = AttnMask { causal, window };
+                let m = AttnMask { causal, window, dropout: None };
                 for s in [1, 5, 17] {
                     for i in 0..20 {
                         let (lo, hi) = m.range(i, s);

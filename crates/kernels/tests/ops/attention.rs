@@ -1,9 +1,24 @@
 use crate::device_test;
 use crate::util::*;
+use ferrotron_core::rng::Philox;
 use ferrotron_core::{DType, Device, Tensor};
 use ferrotron_kernels::cpu::attention::{self as at, AttnDims, AttnMask};
-use ferrotron_kernels::{self as k, AttnCfg};
+use ferrotron_kernels::{self as k, AttnCfg, AttnDropout};
 use proptest::prelude::*;
+
+/// Dropout's multiplier for probability (i, j) of head h of batch row b, straight from the
+/// documented word (`AttnDropout`): 1 / (1 − p) where the word's top 24 bits are at least
+/// ⌈p · 2²⁴⌉, else 0; 1 without dropout.
+fn drop_factor(dr: Option<AttnDropout>, d: AttnDims, b: usize, h: usize, i: usize, j: usize) -> f64 {
+    let Some(dr) = dr else { return 1.0 };
+    let word = dr.base
+        + b as u64 * dr.batch_stride
+        + ((dr.head_offset + h as u64) * d.t as u64 + i as u64) * d.s as u64
+        + j as u64;
+    let u = Philox::new(dr.seed).with_stream(dr.stream).u32_at(word);
+    let threshold = (dr.p as f64 * (1u64 << 24) as f64).ceil() as u32;
+    if (u >> 8) >= threshold { 1.0 / (1.0 - dr.p as f64) } else { 0.0 }
+}
 
 /// Naive attention: explicit loops over every (batch, head, query, key).
 fn reference(q: &[f64], kk: &[f64], v: &[f64], d: AttnDims, mask: AttnMask) -> Vec<f64> {
@@ -25,7 +40,7 @@ fn reference(q: &[f64], kk: &[f64], v: &[f64], d: AttnDims, mask: AttnMask) -> V
                 let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let z: f64 = scores.iter().map(|s| (s - max).exp()).sum();
                 for (&j, s) in allowed.iter().zip(&scores) {
-                    let p = (s - max).exp() / z;
+                    let p = (s - max).exp() / z * drop_factor(mask.dropout, d, b, h, i, j);
                     for e in 0..d.d {
                         o[((b * d.t + i) * d.hq + h) * d.d + e] += p * v[((b * d.s + j) * d.hkv + kvh) * d.d + e];
                     }
@@ -46,19 +61,61 @@ fn run_f64(q: &[f64], kk: &[f64], v: &[f64], d: AttnDims, mask: AttnMask) -> (Ve
 fn dims_strategy() -> impl Strategy<Value = (AttnDims, AttnMask)> {
     (1usize..3, 1usize..6, 1usize..3, 1usize..3, 1usize..5, any::<bool>(), prop::option::of(1usize..4)).prop_map(
         |(b, t, hkv, group, d, causal, window)| {
-            (AttnDims { b, t, s: t, hq: hkv * group, hkv, d }, AttnMask { causal: causal || window.is_some(), window })
+            (
+                AttnDims { b, t, s: t, hq: hkv * group, hkv, d },
+                AttnMask { causal: causal || window.is_some(), window, dropout: None },
+            )
         },
     )
+}
+
+/// The same shapes with dropout of the probabilities at rate 0.3, from a random key (several
+/// micro-batch bases and head offsets: a tensor-parallel rank's heads).
+fn dropout_strategy() -> impl Strategy<Value = (AttnDims, AttnMask)> {
+    (dims_strategy(), any::<u64>(), 0u64..3, 0u64..1000).prop_map(|((d, mask), seed, head_offset, sample)| {
+        let batch_stride = ((d.hq as u64 + head_offset) * (d.t * d.s) as u64).max(1);
+        let dropout = Some(AttnDropout {
+            p: 0.3,
+            seed,
+            stream: seed >> 7,
+            base: sample * batch_stride,
+            batch_stride,
+            head_offset,
+        });
+        (d, AttnMask { dropout, ..mask })
+    })
 }
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(24))]
 
     #[test]
+    fn forward_with_dropout_matches_naive((d, mask) in dropout_strategy(), seed: u64) {
+        let (q, kk, v) = (randv(d.b * d.t * d.hq * d.d, seed), randv(d.b * d.s * d.hkv * d.d, seed ^ 1), randv(d.b * d.s * d.hkv * d.d, seed ^ 2));
+        let (o, lse) = run_f64(&q, &kk, &v, d, mask);
+        let (_, lse0) = run_f64(&q, &kk, &v, d, AttnMask { dropout: None, ..mask });
+        assert_close(&o, &reference(&q, &kk, &v, d, mask), 1e-9, 1e-9, "attention with dropout");
+        // The saved log-sum-exp is the undropped softmax's (the backward recomputes P from it).
+        prop_assert_eq!(lse, lse0);
+    }
+
+    #[test]
+    fn backward_with_dropout_matches_finite_differences((d, mask) in dropout_strategy(), seed: u64) {
+        let (q, kk, v) = (randv(d.b * d.t * d.hq * d.d, seed), randv(d.b * d.s * d.hkv * d.d, seed ^ 1), randv(d.b * d.s * d.hkv * d.d, seed ^ 2));
+        let r = randv(q.len(), seed ^ 3);
+        let (o, lse) = run_f64(&q, &kk, &v, d, mask);
+        let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; kk.len()], vec![0.0; v.len()]);
+        at::attention_bwd(&q, &kk, &v, &o, &lse, &r, d, mask, 1.0 / (d.d as f64).sqrt(), &mut dq, &mut dk, &mut dv);
+        fd_check(&q, &dq, |x| dot(&run_f64(x, &kk, &v, d, mask).0, &r), "dq");
+        fd_check(&kk, &dk, |x| dot(&run_f64(&q, x, &v, d, mask).0, &r), "dk");
+        fd_check(&v, &dv, |x| dot(&run_f64(&q, &kk, x, d, mask).0, &r), "dv");
+    }
+
+    #[test]
     fn forward_matches_naive((d, mask) in dims_strategy(), seed: u64) {
         let dev = Device::Cpu;
         let (q, kk, v) = (randv(d.b * d.t * d.hq * d.d, seed), randv(d.b * d.s * d.hkv * d.d, seed ^ 1), randv(d.b * d.s * d.hkv * d.d, seed ^ 2));
-        let cfg = AttnCfg { causal: mask.causal, window: mask.window, scale: None };
+        let cfg = AttnCfg { causal: mask.causal, window: mask.window, scale: None, dropout: None };
         let (o, lse) = k::attention_fwd(&t32(&dev, &q, &[d.b, d.t, d.hq, d.d]), &t32(&dev, &kk, &[d.b, d.s, d.hkv, d.d]), &t32(&dev, &v, &[d.b, d.s, d.hkv, d.d]), &cfg).unwrap();
         prop_assert_eq!(lse.dims(), &[d.b, d.hq, d.t]);
         assert_close(&host(&o), &reference(&q, &kk, &v, d, mask), 1e-5, 1e-5, "attention");
@@ -121,7 +178,7 @@ device_test!(sliding_window_hides_old_keys, |dev: &Device| {
     // With window 1 every query sees only itself: the output is v at the same position.
     let (b, t, h, dd) = (1, 5, 2, 3);
     let (q, kk, v) = (randv(b * t * h * dd, 1), randv(b * t * h * dd, 2), randv(b * t * h * dd, 3));
-    let cfg = AttnCfg { causal: true, window: Some(1), scale: None };
+    let cfg = AttnCfg { causal: true, window: Some(1), scale: None, dropout: None };
     let sh = [b, t, h, dd];
     let (o, _) = k::attention_fwd(&t32(dev, &q, &sh), &t32(dev, &kk, &sh), &t32(dev, &v, &sh), &cfg).unwrap();
     assert_close(&host(&o), &v, 1e-6, 1e-6, "window 1");
@@ -148,8 +205,8 @@ fn fused_qkv_attention_equals_split_then_merge() {
         let dout = tensor(&dev, &randv(b * t * hkv * g * d, 2), &[b, t, hkv * g, d], dt);
         for cfg in [
             AttnCfg::default(),
-            AttnCfg { causal: true, window: Some(3), scale: None },
-            AttnCfg { causal: false, window: None, scale: Some(0.3) },
+            AttnCfg { causal: true, window: Some(3), scale: None, dropout: None },
+            AttnCfg { causal: false, window: None, scale: Some(0.3), dropout: None },
         ] {
             let (o, lse) = k::attention_fwd_qkv(&qkv, k::QkvHeads::new(hkv, g, d), &cfg).unwrap();
             let dqkv = k::attention_bwd_qkv(&qkv, &o, &lse, &dout, k::QkvHeads::new(hkv, g, d), &cfg).unwrap();
@@ -203,3 +260,55 @@ fn fused_qkv_backward_into_adds_the_bias_gradient() {
         k::attention_bwd_qkv_into(&qkv, &o, &lse, &dout, k::QkvHeads::new(hkv, g, d), &cfg, &inside, true).unwrap_err();
     assert!(e.to_string().contains("shares storage"), "{e}");
 }
+
+// Attention dropout through the tensor ops: about p of the probabilities dropped (V = I shows
+// P̃ itself), the fused-QKV path equal to the split one, the heads of a tensor-parallel rank
+// (`head_offset`) equal to its part of the whole, and on a GPU a clear refusal.
+device_test!(attention_dropout_through_the_ops, |dev: &Device| {
+    let (b, t, h, dd) = (2usize, 48usize, 4usize, 48usize);
+    let batch_stride = (h * t * t) as u64;
+    let dropout =
+        Some(AttnDropout { p: 0.25, seed: 11, stream: 3, base: 7 * batch_stride, batch_stride, head_offset: 0 });
+    let cfg = AttnCfg { causal: false, window: None, scale: None, dropout };
+    let q = t32(dev, &randv(b * t * h * dd, 1), &[b, t, h, dd]);
+    let kk = t32(dev, &randv(b * t * h * dd, 2), &[b, t, h, dd]);
+    // V's rows the unit vectors: O's row i is P̃'s row i.
+    let eye: Vec<f64> = (0..b * t * h * dd).map(|x| if (x / (h * dd)) % t == x % dd { 1.0 } else { 0.0 }).collect();
+    let v = t32(dev, &eye, &[b, t, h, dd]);
+    if !matches!(dev, Device::Cpu) {
+        let e = k::attention_fwd(&q, &kk, &v, &cfg).unwrap_err().to_string();
+        assert!(e.contains("dropout") && e.contains("--attention-dropout 0"), "{e}");
+        return;
+    }
+    let (o, _) = k::attention_fwd(&q, &kk, &v, &cfg).unwrap();
+    let o = host(&o);
+    let dropped = o.iter().filter(|&&x| x == 0.0).count() as f64 / o.len() as f64;
+    assert!((dropped - 0.25).abs() < 0.02, "dropped {dropped}");
+    // Rows of P̃ average 1 over the mask's draws (each kept value scaled by 1 / (1 − p)).
+    let mean_row_sum = o.chunks(dd).map(|r| r.iter().sum::<f64>()).sum::<f64>() / (b * t * h) as f64;
+    assert!((mean_row_sum - 1.0).abs() < 0.05, "mean row sum {mean_row_sum}");
+    // Heads 2..4 alone, as a second tensor-parallel rank holds them: their part of the whole.
+    let part = |x: &Tensor| -> Tensor {
+        let v = host(x);
+        let rows: Vec<f64> =
+            v.chunks(dd).enumerate().filter(|(r, _)| r % h >= 2).flat_map(|(_, c)| c.to_vec()).collect();
+        t32(dev, &rows, &[b, t, 2, dd])
+    };
+    let cfg2 = AttnCfg { dropout: dropout.map(|d| AttnDropout { head_offset: 2, ..d }), ..cfg };
+    let (o2, _) = k::attention_fwd(&part(&q), &part(&kk), &part(&v), &cfg2).unwrap();
+    let whole = t32(dev, &o, &[b, t, h, dd]);
+    assert_eq!(host(&o2), host(&part(&whole)), "the rank's heads draw their part of the mask");
+    // Q, K, V in place from a fused projection output: the same as split (forward and backward).
+    let (hkv, g) = (2usize, 2usize);
+    let qkv = t32(dev, &randv(b * t * hkv * (g + 2) * dd, 5), &[b, t, hkv * (g + 2) * dd]);
+    let r = t32(dev, &randv(b * t * hkv * g * dd, 6), &[b, t, hkv * g, dd]);
+    let heads = k::QkvHeads::new(hkv, g, dd);
+    let causal = AttnCfg { causal: true, ..cfg };
+    let (of, lf) = k::attention_fwd_qkv(&qkv, heads, &causal).unwrap();
+    let (qs, ks, vs) = k::qkv_split(&qkv, hkv, g, dd).unwrap();
+    let (os, ls) = k::attention_fwd(&qs, &ks, &vs, &causal).unwrap();
+    assert_eq!(host(&of), host(&os), "fused against split, forward");
+    let dqkv = k::attention_bwd_qkv(&qkv, &of, &lf, &r, heads, &causal).unwrap();
+    let (dq, dk, dv) = k::attention_bwd(&qs, &ks, &vs, &os, &ls, &r, &causal).unwrap();
+    assert_eq!(host(&dqkv), host(&k::qkv_merge(&dq, &dk, &dv).unwrap()), "fused against split, backward");
+});

@@ -176,7 +176,7 @@ fn every_op_matches_cpu() {
         // `attn_bwd_kv`'s ordered sums.
         for det in [false, true] {
             ferrotron_kernels::cuda::set_deterministic(det);
-            for cfg in [AttnCfg::default(), AttnCfg { causal: true, window: Some(3), scale: None }] {
+            for cfg in [AttnCfg::default(), AttnCfg { causal: true, window: Some(3), scale: None, dropout: None }] {
                 check(
                     &format!("attention deterministic {det}"),
                     dt,
@@ -232,9 +232,9 @@ fn every_op_matches_cpu() {
             );
             for cfg in [
                 AttnCfg::default(),
-                AttnCfg { causal: true, window: None, scale: None },
-                AttnCfg { causal: true, window: Some(9), scale: None },
-                AttnCfg { causal: false, window: Some(40), scale: Some(0.3) },
+                AttnCfg { causal: true, window: None, scale: None, dropout: None },
+                AttnCfg { causal: true, window: Some(9), scale: None, dropout: None },
+                AttnCfg { causal: false, window: Some(40), scale: Some(0.3), dropout: None },
             ] {
                 check_norm(
                     &format!("flash attention t{t} d{d} wgmma {wg} deterministic {det} ws {ws} tma {tma} {cfg:?}"),
@@ -287,7 +287,7 @@ fn every_op_matches_cpu() {
                     ferrotron_kernels::cuda::set_flash_bwd_dyn(dynamic);
                     ferrotron_kernels::cuda::set_flash_group_heads(groups);
                     for causal in [true, false] {
-                        let cfg = AttnCfg { causal, window: None, scale: None };
+                        let cfg = AttnCfg { causal, window: None, scale: None, dropout: None };
                         let name = format!(
                             "flash attention t{t} d{d} persistent {persist} dynamic {dynamic} groups {groups:?} {cfg:?}"
                         );
@@ -309,9 +309,9 @@ fn every_op_matches_cpu() {
                     [hq, hkv, hkv, hq].iter().zip(50..).map(|(&h, seed)| rnd(&[2, t, h, 64], seed, dt)).collect();
                 for cfg in [
                     AttnCfg::default(),
-                    AttnCfg { causal: true, window: None, scale: None },
-                    AttnCfg { causal: true, window: Some(9), scale: None },
-                    AttnCfg { causal: false, window: Some(40), scale: Some(0.3) },
+                    AttnCfg { causal: true, window: None, scale: None, dropout: None },
+                    AttnCfg { causal: true, window: Some(9), scale: None, dropout: None },
+                    AttnCfg { causal: false, window: Some(40), scale: Some(0.3), dropout: None },
                 ] {
                     check_norm(&format!("flash attention t{t} d64 three consumers {cfg:?}"), dt, &x, |t| {
                         attention_fwd_bwd(t, &cfg)
@@ -320,7 +320,7 @@ fn every_op_matches_cpu() {
             }
             let (hkv, g) = (2, 2);
             let qkv = rnd(&[2, 400, hkv * (g + 2) * 64], 60, dt);
-            let cfg = AttnCfg { causal: true, window: None, scale: None };
+            let cfg = AttnCfg { causal: true, window: None, scale: None, dropout: None };
             check_norm(
                 "flash attention fused qkv d64 three consumers",
                 dt,
@@ -343,7 +343,7 @@ fn every_op_matches_cpu() {
                 let shape = |h: usize| [2, 300, h, d];
                 let x: Vec<Tensor> =
                     [hq, hkv, hkv, hq].iter().zip(30..).map(|(&h, seed)| on(&rnd(&shape(h), seed, dt), &g)).collect();
-                let cfg = AttnCfg { causal: true, window: None, scale: None };
+                let cfg = AttnCfg { causal: true, window: None, scale: None, dropout: None };
                 let (o, lse) = k::attention_fwd(&x[0], &x[1], &x[2], &cfg).unwrap();
                 let run = || k::attention_bwd(&x[0], &x[1], &x[2], &o, &lse, &x[3], &cfg).unwrap();
                 let (a, b) = (run(), run());
@@ -380,7 +380,7 @@ fn every_op_matches_cpu() {
                 let (qkv, dout) = (rnd(&[2, t, w], 50, dt), rnd(&[2, t, hq, d], 51, dt));
                 let start = || rnd(&[w], 52, DType::F32);
                 for (causal, acc) in [(true, true), (false, false)] {
-                    let cfg = AttnCfg { causal, window: None, scale: None };
+                    let cfg = AttnCfg { causal, window: None, scale: None, dropout: None };
                     let what = format!(
                         "flash bias grad t{t} d{d} hq{hq} hkv{hkv} tma {tma} dynamic {dynamic} causal {causal} acc {acc}"
                     );

@@ -45,6 +45,7 @@ pub fn config_layers(llama: bool, layers: usize) -> TransformerConfig {
         norm_epsilon: 1e-5,
         init_method_std: 0.05,
         hidden_dropout: 0.0,
+        attention_dropout: 0.0,
     }
 }
 

@@ -33,6 +33,7 @@ pub fn config(llama: bool) -> TransformerConfig {
         // Large enough that every layer's gradient stands far above f32 round-off.
         init_method_std: 0.3,
         hidden_dropout: 0.0,
+        attention_dropout: 0.0,
     }
 }
 
