@@ -67,8 +67,8 @@ pub struct TrainArgs {
     /// recipes use it, Llama's 0).
     #[arg(long)]
     pub hidden_dropout: Option<f64>,
-    /// Attention-probability dropout is not implemented: only 0 is accepted (Megatron's default
-    /// is 0.1).
+    /// Dropout rate on the attention probabilities after the softmax, in training (default 0;
+    /// Megatron's is 0.1). CPU only for now: a GPU run with it is refused.
     #[arg(long)]
     pub attention_dropout: Option<f64>,
     /// Sliding-window attention as Megatron's (left, right), e.g. "(4096,0)": each token sees
