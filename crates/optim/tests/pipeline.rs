@@ -33,7 +33,8 @@ struct Run {
     gather: bool,
     first_last: Option<(usize, usize)>,
     recompute: Recompute,
-    /// Hidden dropout 0.2, each micro-batch drawing from its first sample's place in the run.
+    /// Hidden dropout 0.2 and attention dropout 0.1, each micro-batch drawing from its first
+    /// sample's place in the run.
     dropout: bool,
 }
 
@@ -56,7 +57,7 @@ fn train(run: Run, llama: bool, world: Arc<dyn Communicator>) -> Result<Outcome,
     let plan = stage_layers(LAYERS, run.pp, run.vpp, g.pp.rank(), first, last).map_err(|x| e(&x))?;
     let dropout = if run.dropout { 0.2 } else { 0.0 };
     let (model, table) = GptModel::build_stage(
-        TransformerConfig { hidden_dropout: dropout, ..config_layers(llama, LAYERS) },
+        TransformerConfig { hidden_dropout: dropout, attention_dropout: dropout / 2.0, ..config_layers(llama, LAYERS) },
         &tp,
         &plan,
         run.recompute,
@@ -144,8 +145,8 @@ fn all(llama: bool) {
     check(Run { pp: 2, vpp: 2, recompute: block, ..base }, llama, &one);
     // The distributed optimizer's gathers waiting for each stage's next forward, interleaved.
     check(Run { pp: 2, vpp: 2, dp: 2, distributed: true, gather: true, ..base }, llama, &one);
-    // Hidden dropout: every stage, chunk and data-parallel rank draws the one-rank run's masks,
-    // the recomputed forwards too.
+    // Hidden and attention dropout: every stage, chunk and data-parallel rank draws the one-rank
+    // run's masks, the recomputed forwards (full and of the core attention alone) too.
     let drop = Run { dropout: true, ..base };
     let one = all_ok(run_ranks(1, Duration::from_secs(60), |_, w| train(drop, llama, w))).unwrap().remove(0);
     for recompute in recomputes() {
