@@ -92,12 +92,25 @@ fn ptx(arch: &str) -> anyhow::Result<()> {
     let cu = out.join("ferrotron_kernels.cu");
     std::fs::write(&cu, cuda_source()?)?;
     let cubin = out.join(format!("ferrotron_kernels.{arch}.cubin"));
-    let res = Command::new("nvcc")
+    let mut cmd = Command::new("nvcc");
+    if let Some(bin) = venv_nvcc_bin() {
+        // nvcc finds ptxas and cicc next to itself only through PATH.
+        let path = std::env::var_os("PATH").unwrap_or_default();
+        let joined = std::env::join_paths(std::iter::once(bin.clone()).chain(std::env::split_paths(&path)))?;
+        cmd = Command::new(bin.join("nvcc"));
+        cmd.env("PATH", joined);
+    }
+    let res = cmd
         .args(["--cubin", &format!("-arch={arch}"), "-std=c++17", "-Xptxas", "-v", "-o"])
         .arg(&cubin)
         .arg(&cu)
         .output()
-        .context("nvcc not found: install the CUDA toolkit (or `pip install nvidia-cuda-nvcc`) and put nvcc on PATH")?;
+        .context(
+            "nvcc not found: install the CUDA toolkit and put nvcc on PATH, or here without one: \
+             python3 -m venv target/ci-venv && target/ci-venv/bin/pip install \
+             'nvidia-cuda-nvcc==13.0.*' 'nvidia-nvvm==13.0.*' 'nvidia-cuda-crt==13.0.*' 'nvidia-cuda-runtime==13.0.*' \
+             (one version for all four: a newer front end writes PTX that ptxas 13.0 refuses)",
+        )?;
     let log = String::from_utf8_lossy(&res.stderr);
     if !res.status.success() {
         bail!("nvcc failed on kernels/ for {arch}:\n{log}");
@@ -113,6 +126,20 @@ fn ptx(arch: &str) -> anyhow::Result<()> {
     }
     println!("cubin: {}", cubin.display());
     Ok(())
+}
+
+/// The folder of the nvcc that pip installs into target/ci-venv (`nvidia-cuda-nvcc`), where no
+/// nvcc is on PATH.
+fn venv_nvcc_bin() -> Option<PathBuf> {
+    let on_path = std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join("nvcc").is_file()));
+    if on_path {
+        return None;
+    }
+    let lib = root().join("target/ci-venv/lib");
+    std::fs::read_dir(lib).ok()?.flatten().find_map(|py| {
+        let bin = py.path().join("site-packages/nvidia/cu13/bin");
+        bin.join("nvcc").is_file().then_some(bin)
+    })
 }
 
 /// (kernel, registers, spill store bytes, spill load bytes, static shared bytes) from `ptxas -v`.
