@@ -58,9 +58,10 @@ pub fn dropout(x: &Tensor, p: f32, key: &DropoutKey) -> Result<Tensor> {
     let rng = Philox::new(key.seed).with_stream(key.stream);
     let mut y = x.read_f32()?.to_vec();
     y.par_chunks_mut(row.max(1)).enumerate().for_each(|(b, r)| {
-        let start = key.base + b as u64 * key.batch_stride + key.offset;
+        // Wrapping, as the CUDA kernel's 64-bit arithmetic does.
+        let start = key.base.wrapping_add((b as u64).wrapping_mul(key.batch_stride)).wrapping_add(key.offset);
         for (j, v) in r.iter_mut().enumerate() {
-            *v = if keep(rng.u32_at(start + j as u64), t) { *v * scale } else { 0.0 };
+            *v = if keep(rng.u32_at(start.wrapping_add(j as u64)), t) { *v * scale } else { 0.0 };
         }
     });
     check::out(y, x.shape().clone(), x.dtype(), x.device())

@@ -61,12 +61,15 @@ impl AttnDropout {
         let s = out.len() as u64;
         let rng = ferrotron_core::rng::Philox::new(self.seed).with_stream(self.stream);
         let (thr, scale) = (crate::dropout::threshold(self.p), T::c(1.0 / (1.0 - self.p as f64)));
+        // In wrapping 64-bit arithmetic, as the counter itself (a long run's sample index times
+        // heads · T · S may pass 2⁶⁴).
+        let row = (self.head_offset.wrapping_add(h as u64)).wrapping_mul(t as u64).wrapping_add(i as u64);
         let start =
-            self.base + b as u64 * self.batch_stride + ((self.head_offset + h as u64) * t as u64 + i as u64) * s;
+            self.base.wrapping_add((b as u64).wrapping_mul(self.batch_stride)).wrapping_add(row.wrapping_mul(s));
         // Philox gives four words a block: one block per four keys.
         let mut block = (u64::MAX, [0u32; 4]);
         for (j, m) in out.iter_mut().enumerate() {
-            let w = start + j as u64;
+            let w = start.wrapping_add(j as u64);
             if block.0 != w / 4 {
                 block = (w / 4, rng.block(w / 4));
             }
