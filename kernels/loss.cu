@@ -100,10 +100,11 @@ FOR_TYPES(LOSS_V8)
 // forward's pass over the row, then the gradient written over the logits with dloss = dscale on
 // every row (or *dscale_p where given: read when the kernel runs, so a replayed CUDA graph takes
 // the value written there since its capture): the same arithmetic as ce_fwd then ce_bwd, no
-// separate dlogits buffer, and the second pass meant to find the block's row in L2 (on the H200 it mostly does not: 1.21 ms a 16k × 50304
-// bf16 call, at any block size; `ce_fwdbwd_bf16_keep` below keeps the row in shared memory instead,
-// 0.98 ms). The target's logit is read before the block's reductions (barriers), so before any
-// thread overwrites it.
+// separate dlogits buffer, and the second pass meant to find the block's row in L2 (H200, 16k ×
+// 50304 bf16: 1.21 ms with 256 threads a row in session 21, 1.01–1.03 ms with 1024 in session 26,
+// level with `ce_fwdbwd_bf16_keep` below, which keeps the row in shared memory and is 10% faster
+// at 128,256 columns). The target's logit is read before the block's reductions (barriers), so
+// before any thread overwrites it.
 #define LOSS_FB(s, T) \
 extern "C" __global__ void ce_fwdbwd_##s(T* logits, const u32* tgt, const float* mask, long long ignore, long vreal, float* loss, float* lse, float dscale, const float* dscale_p, long v) { \
     long r = blockIdx.x; T* row = logits + r * v; u32 t = tgt[r]; float mk = mask ? mask[r] : 1.f; \

@@ -442,7 +442,8 @@ fn attention_bench(args: &[String]) -> anyhow::Result<()> {
 /// both sides then start alike), BENCH_ROUNDS
 /// (default 1: each side runs that many times per preset, PyTorch first in odd rounds, and the
 /// ratio of the means follows the per-round ratios), BENCH_GEMM_TUNE=0 (both sides on their
-/// GEMM libraries' heuristics instead of tuned choices, below).
+/// GEMM libraries' heuristics instead of tuned choices, below: ours with FERROTRON_GEMM_TUNE=0,
+/// which also leaves stored choices unread).
 ///
 /// GEMM algorithms are tuned on both sides by default, each by its own means: ours timed under
 /// sustained load once per shape and stored (`FERROTRON_GEMM_TUNE_HOLD_MS=150`, the choices kept
@@ -531,10 +532,10 @@ struct BenchRun<'a> {
     tuned: bool,
 }
 
-/// `vars` for a child process where tuning is on, each unless the caller's environment sets it.
-fn tuning_env(cmd: &mut Command, tuned: bool, vars: &[(&str, String)]) {
+/// `vars` for a child process, each unless the caller's environment sets it.
+fn env_unless_set(cmd: &mut Command, vars: &[(&str, String)]) {
     for (k, v) in vars {
-        if tuned && std::env::var_os(k).is_none() {
+        if std::env::var_os(k).is_none() {
             cmd.env(k, v);
         }
     }
@@ -554,7 +555,9 @@ impl BenchRun<'_> {
             .arg("--metrics-file")
             .arg(dir.join("metrics.jsonl"))
             .stderr(std::process::Stdio::piped());
-        tuning_env(&mut cmd, self.tuned, &[("FERROTRON_GEMM_TUNE_HOLD_MS", "150".into())]);
+        // Untuned: FERROTRON_GEMM_TUNE=0 also leaves choices stored by an earlier run unread.
+        let ours = if self.tuned { ("FERROTRON_GEMM_TUNE_HOLD_MS", "150") } else { ("FERROTRON_GEMM_TUNE", "0") };
+        env_unless_set(&mut cmd, &[(ours.0, ours.1.into())]);
         let mut child = cmd.spawn().with_context(|| format!("running {}", self.bin.display()))?;
         let reader = read_all(child.stderr.take());
         let gpu = gpuwatch::watch(&mut child, "ferrotron")?;
@@ -597,15 +600,16 @@ impl BenchRun<'_> {
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped());
         let results = std::env::temp_dir().join("ferrotron-bench-tunableop.csv");
-        tuning_env(
-            &mut cmd,
-            self.tuned,
-            &[
-                ("PYTORCH_TUNABLEOP_ENABLED", "1".into()),
-                ("PYTORCH_TUNABLEOP_TUNING", "1".into()),
-                ("PYTORCH_TUNABLEOP_FILENAME", results.display().to_string()),
-            ],
-        );
+        if self.tuned {
+            env_unless_set(
+                &mut cmd,
+                &[
+                    ("PYTORCH_TUNABLEOP_ENABLED", "1".into()),
+                    ("PYTORCH_TUNABLEOP_TUNING", "1".into()),
+                    ("PYTORCH_TUNABLEOP_FILENAME", results.display().to_string()),
+                ],
+            );
+        }
         let spawned = cmd.spawn();
         let mut py = match spawned {
             Ok(c) => c,

@@ -300,7 +300,7 @@ unsafe fn run(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d: u64, epi: Epi
             // A choice timed under load in this or an earlier run (`choices`), where one is stored.
             let stored_as = format!("{key:?}");
             let stored = match &found {
-                Ok(v) if v.len() > 1 && !super::deterministic() => {
+                Ok(v) if v.len() > 1 && !super::deterministic() && !tune::off() => {
                     let i = lt.stored.lock().unwrap_or_else(|e| e.into_inner()).get(&stored_as);
                     i.filter(|&i| i < v.len() && eligible(i, &v[i])).map(|i| v[i])
                 }

@@ -3,7 +3,7 @@
 //! the problem (`lt`), so the timing runs once per shape per process, inside the first step.
 //!
 //! By default only the dGeLU product (fc2's input gradient) is tuned; `FERROTRON_GEMM_TUNE=1`
-//! tunes every product, `=0` none. On the H200 single shapes gained up to 1.2× in isolation (the
+//! tunes every product, `=0` none (and stored choices are not read either). On the H200 single shapes gained up to 1.2× in isolation (the
 //! LM head's forward, the dGeLU product), yet in a running step under the card's 700 W cap most
 //! choices timed alone ran no faster or slower (GPU timelines, benches/NOTES.md session 17: 1.3B
 //! GEMMs 185.4 ms a step untuned, 186.4–188.3 all tuned). The dGeLU product is the exception: the
@@ -36,17 +36,27 @@ pub fn set_gemm_tuning(on: bool) {
     TUNE.with(|t| t.set(Some(on)));
 }
 
-/// Whether a new shape's candidates are timed; `dgelu`: the product has the dGeLU epilogue.
-pub(crate) fn enabled(dgelu: bool) -> bool {
+/// This thread's `set_gemm_tuning`, else `FERROTRON_GEMM_TUNE` (1 or 0), else None.
+fn all() -> Option<bool> {
     static ENV: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    let all = TUNE.with(|t| t.get()).or_else(|| {
+    TUNE.with(|t| t.get()).or_else(|| {
         *ENV.get_or_init(|| match std::env::var("FERROTRON_GEMM_TUNE").as_deref() {
             Ok("1") => Some(true),
             Ok("0") => Some(false),
             _ => None,
         })
-    });
-    (all.unwrap_or(dgelu) || hold_ms().is_some()) && !super::deterministic()
+    })
+}
+
+/// Whether a new shape's candidates are timed; `dgelu`: the product has the dGeLU epilogue.
+pub(crate) fn enabled(dgelu: bool) -> bool {
+    (all().unwrap_or(dgelu) || hold_ms().is_some()) && !super::deterministic()
+}
+
+/// Whether tuning is off altogether (`FERROTRON_GEMM_TUNE=0` or `set_gemm_tuning(false)`, no hold
+/// asked for): the heuristic's first for every product, stored choices (`choices`) left unread.
+pub(crate) fn off() -> bool {
+    all() == Some(false) && hold_ms().is_none()
 }
 
 /// `FERROTRON_GEMM_TUNE_HOLD_MS`: each candidate timed over this many milliseconds of back-to-back

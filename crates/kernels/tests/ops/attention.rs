@@ -58,6 +58,19 @@ fn run_f64(q: &[f64], kk: &[f64], v: &[f64], d: AttnDims, mask: AttnMask) -> (Ve
     (o, lse)
 }
 
+/// The CPU backward's dq, dk, dv against finite differences of ⟨o, r⟩ on random inputs.
+fn backward_against_finite_differences(d: AttnDims, mask: AttnMask, seed: u64) {
+    let n = d.b * d.s * d.hkv * d.d;
+    let (q, kk, v) = (randv(d.b * d.t * d.hq * d.d, seed), randv(n, seed ^ 1), randv(n, seed ^ 2));
+    let r = randv(q.len(), seed ^ 3);
+    let (o, lse) = run_f64(&q, &kk, &v, d, mask);
+    let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; kk.len()], vec![0.0; v.len()]);
+    at::attention_bwd(&q, &kk, &v, &o, &lse, &r, d, mask, 1.0 / (d.d as f64).sqrt(), &mut dq, &mut dk, &mut dv);
+    fd_check(&q, &dq, |x| dot(&run_f64(x, &kk, &v, d, mask).0, &r), "dq");
+    fd_check(&kk, &dk, |x| dot(&run_f64(&q, x, &v, d, mask).0, &r), "dk");
+    fd_check(&v, &dv, |x| dot(&run_f64(&q, &kk, x, d, mask).0, &r), "dv");
+}
+
 fn dims_strategy() -> impl Strategy<Value = (AttnDims, AttnMask)> {
     (1usize..3, 1usize..6, 1usize..3, 1usize..3, 1usize..5, any::<bool>(), prop::option::of(1usize..4)).prop_map(
         |(b, t, hkv, group, d, causal, window)| {
@@ -101,14 +114,7 @@ proptest! {
 
     #[test]
     fn backward_with_dropout_matches_finite_differences((d, mask) in dropout_strategy(), seed: u64) {
-        let (q, kk, v) = (randv(d.b * d.t * d.hq * d.d, seed), randv(d.b * d.s * d.hkv * d.d, seed ^ 1), randv(d.b * d.s * d.hkv * d.d, seed ^ 2));
-        let r = randv(q.len(), seed ^ 3);
-        let (o, lse) = run_f64(&q, &kk, &v, d, mask);
-        let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; kk.len()], vec![0.0; v.len()]);
-        at::attention_bwd(&q, &kk, &v, &o, &lse, &r, d, mask, 1.0 / (d.d as f64).sqrt(), &mut dq, &mut dk, &mut dv);
-        fd_check(&q, &dq, |x| dot(&run_f64(x, &kk, &v, d, mask).0, &r), "dq");
-        fd_check(&kk, &dk, |x| dot(&run_f64(&q, x, &v, d, mask).0, &r), "dk");
-        fd_check(&v, &dv, |x| dot(&run_f64(&q, &kk, x, d, mask).0, &r), "dv");
+        backward_against_finite_differences(d, mask, seed);
     }
 
     #[test]
@@ -123,14 +129,7 @@ proptest! {
 
     #[test]
     fn backward_matches_finite_differences((d, mask) in dims_strategy(), seed: u64) {
-        let (q, kk, v) = (randv(d.b * d.t * d.hq * d.d, seed), randv(d.b * d.s * d.hkv * d.d, seed ^ 1), randv(d.b * d.s * d.hkv * d.d, seed ^ 2));
-        let r = randv(q.len(), seed ^ 3);
-        let (o, lse) = run_f64(&q, &kk, &v, d, mask);
-        let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; kk.len()], vec![0.0; v.len()]);
-        at::attention_bwd(&q, &kk, &v, &o, &lse, &r, d, mask, 1.0 / (d.d as f64).sqrt(), &mut dq, &mut dk, &mut dv);
-        fd_check(&q, &dq, |x| dot(&run_f64(x, &kk, &v, d, mask).0, &r), "dq");
-        fd_check(&kk, &dk, |x| dot(&run_f64(&q, x, &v, d, mask).0, &r), "dk");
-        fd_check(&v, &dv, |x| dot(&run_f64(&q, &kk, x, d, mask).0, &r), "dv");
+        backward_against_finite_differences(d, mask, seed);
     }
 }
 
