@@ -8,6 +8,8 @@ import torch.nn.functional as F
 # --fused: Q, K and V as strided views of one [B, T, 3, H, D] projection output, as the GPT twin
 # (benches/torch_gpt_model.py) passes them.
 fused = "--fused" in sys.argv
+# --dropout P: attention dropout at rate P (dropout_p), as ATTN_BENCH_DROPOUT=P for ours.
+dropout = float(sys.argv[sys.argv.index("--dropout") + 1]) if "--dropout" in sys.argv else 0.0
 
 print("| head dim | seq | batch × heads | SDPA fwd TFLOP/s | SDPA bwd TFLOP/s |")
 print("|---|---|---|---|---|")
@@ -30,8 +32,8 @@ for d in (64, 128):
             torch.cuda.synchronize()
             return (time.perf_counter() - s) / reps
 
-        fwd = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        fwd = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
         inputs = (qkv,) if fused else (q, k, v)
         bwd = timed(lambda: torch.autograd.grad(o, inputs, do, retain_graph=True))
         flops = 4 * b * h * t * t * d / 2

@@ -13,7 +13,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     use std::time::Instant;
     let dev = Device::cuda(0)?;
     let Device::Cuda(cd) = &dev else { unreachable!() };
-    let cfg = AttnCfg { causal: true, window: None, scale: None, dropout: None };
+    // ATTN_BENCH_DROPOUT=P: attention dropout at rate P (the kernels' `_drop` builds).
+    let dropout: Option<f32> = std::env::var("ATTN_BENCH_DROPOUT").ok().and_then(|p| p.parse().ok());
     // On sm_90 the kernels run on wgmma; the mma.sync kernels are timed beside them (the same
     // kernels elsewhere). ATTN_BENCH_ONLY=DxT (e.g. 128x4096) keeps one shape and ATTN_BENCH_REPS
     // sets the timed repetitions (5): for a profiler. ATTN_BENCH_FUSED=1 reads Q, K and V in place
@@ -21,7 +22,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // fwd and bwd columns. ATTN_BENCH_DATA=pattern fills the inputs with the short repeating
     // pattern of the tables before 2026-12-01 instead of pseudo-random values: on a power-capped
     // card the data moves the clock (fewer bits flipping, less power). ATTN_BENCH_FWD_ONLY=1
-    // times the forward alone.
+    // times the forward alone (and `benches/torch_sdpa.py --dropout P` is SDPA's side of it).
     let only = std::env::var("ATTN_BENCH_ONLY").ok();
     let reps: usize = std::env::var("ATTN_BENCH_REPS").ok().and_then(|r| r.parse().ok()).unwrap_or(5);
     let fused = std::env::var("ATTN_BENCH_FUSED").is_ok_and(|v| v == "1");
@@ -51,6 +52,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             // 16k tokens per call, 2048 hidden (heads = 2048 / d).
             let (b, h) = ((16384 / t).max(1), 2048 / d);
             let n = b * t * h * d;
+            let dropout = dropout.map(|p| k::AttnDropout {
+                p,
+                seed: 1,
+                stream: 2,
+                base: 0,
+                batch_stride: k::AttnDropout::blocks_per_sample(h, t, t),
+                head_offset: 0,
+            });
+            let cfg = AttnCfg { causal: true, window: None, scale: None, dropout };
             let mk = |salt: usize| {
                 let vals: Vec<f32> = (0..n).map(|i| value(i + salt * n)).collect();
                 Tensor::from_f32(&vals, [b, t, h, d], DType::BF16, &dev)

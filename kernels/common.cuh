@@ -220,6 +220,24 @@ __device__ __forceinline__ float col_chunk_sum(F v) {
     return total;
 }
 
+// Philox-4x32-10 block `blk` of key `seed` and stream `stream`: the four words of counter
+// (blk, stream), the rounds and word order of ferrotron_core::rng::Philox::block, so a mask drawn
+// here is the CPU's, bit for bit (dropout: elementwise.cu; attention's: attention.cu `AttnDrop`).
+__device__ __forceinline__ uint4 philox4(unsigned long long seed, unsigned long long stream, unsigned long long blk) {
+    u32 c0 = (u32)blk, c1 = (u32)(blk >> 32), c2 = (u32)stream, c3 = (u32)(stream >> 32);
+    u32 k0 = (u32)seed, k1 = (u32)(seed >> 32);
+#pragma unroll
+    for (int round = 0; round < 10; round++) {
+        if (round > 0) { k0 += 0x9E3779B9u; k1 += 0xBB67AE85u; }
+        const u32 h0 = __umulhi(0xD2511F53u, c0), l0 = 0xD2511F53u * c0;
+        const u32 h1 = __umulhi(0xCD9E8D57u, c2), l1 = 0xCD9E8D57u * c2;
+        const u32 n0 = h1 ^ c1 ^ k0, n2 = h0 ^ c3 ^ k1;
+        c0 = n0; c1 = l1; c2 = n2; c3 = l0;
+    }
+    return make_uint4(c0, c1, c2, c3);
+}
+__device__ __forceinline__ u32 lane_of(uint4 w, int i) { return i == 0 ? w.x : i == 1 ? w.y : i == 2 ? w.z : w.w; }
+
 // Instantiates macro M once per storage type: M(suffix, type).
 #define FOR_TYPES(M) M(f32, float) M(bf16, bf16_t)
 

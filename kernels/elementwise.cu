@@ -92,19 +92,7 @@ FOR_TYPES(ELEMENTWISE_V8)
 // `thr` (⌈p · 2²⁴⌉). The same rounds and word order as ferrotron_core::rng::Philox, so the mask is
 // the CPU's, bit for bit.
 __device__ __forceinline__ u32 philox_word(unsigned long long seed, unsigned long long stream, unsigned long long w) {
-    const unsigned long long blk = w >> 2;
-    u32 c0 = (u32)blk, c1 = (u32)(blk >> 32), c2 = (u32)stream, c3 = (u32)(stream >> 32);
-    u32 k0 = (u32)seed, k1 = (u32)(seed >> 32);
-#pragma unroll
-    for (int round = 0; round < 10; round++) {
-        if (round > 0) { k0 += 0x9E3779B9u; k1 += 0xBB67AE85u; }
-        const u32 h0 = __umulhi(0xD2511F53u, c0), l0 = 0xD2511F53u * c0;
-        const u32 h1 = __umulhi(0xCD9E8D57u, c2), l1 = 0xCD9E8D57u * c2;
-        const u32 n0 = h1 ^ c1 ^ k0, n2 = h0 ^ c3 ^ k1;
-        c0 = n0; c1 = l1; c2 = n2; c3 = l0;
-    }
-    const u32 lane = (u32)(w & 3);
-    return lane == 0 ? c0 : lane == 1 ? c1 : lane == 2 ? c2 : c3;
+    return lane_of(philox4(seed, stream, w >> 2), (int)(w & 3));
 }
 #define DROPOUT(s, T) \
 extern "C" __global__ void dropout_##s(const T* x, T* y, long n, long row, unsigned long long seed, \

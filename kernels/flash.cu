@@ -49,7 +49,7 @@ __device__ void load_tile(float (*dst)[D], const T* src, long row0, long rows, l
 
 template <typename T, int D>
 __device__ void flash_fwd(const T* q, const T* k, const T* v, T* o, float* lse, long t, long sl, long hq, long hkv,
-                          float scale, long causal, long window) {
+                          float scale, long causal, long window, const AttnDrop& dr) {
     constexpr int C = D / 4;
     __shared__ float ks[FA_KEYS][D];
     __shared__ float vs[FA_KEYS][D];
@@ -87,6 +87,7 @@ __device__ void flash_fwd(const T* q, const T* k, const T* v, T* o, float* lse, 
             if (s[jj] == -INFINITY) continue;
             float p = expf(s[jj] - mn);
             l += p;
+            if (dr.thr) p *= drop_at(dr, b, h, i, j0 + jj, t, sl);  // P̃ = P ∘ M / (1 − p); l stays P's
             for (int c = 0; c < C; c++) acc[c] += p * vs[jj][sub + 4 * c];
         }
         m = mn;
@@ -101,7 +102,8 @@ __device__ void flash_fwd(const T* q, const T* k, const T* v, T* o, float* lse, 
 
 template <typename T, int D>
 __device__ void flash_bwd_dq(const T* q, const T* k, const T* v, const T* o, const float* lse, const T* dout, float* dq,
-                             float* delta, long t, long sl, long hq, long hkv, float scale, long causal, long window) {
+                             float* delta, long t, long sl, long hq, long hkv, float scale, long causal, long window,
+                             const AttnDrop& dr) {
     constexpr int C = D / 4;
     __shared__ float ks[FA_KEYS][D];
     __shared__ float vs[FA_KEYS][D];
@@ -137,6 +139,7 @@ __device__ void flash_bwd_dq(const T* q, const T* k, const T* v, const T* o, con
             dp = quad_sum(dp);
             long j = j0 + jj;
             if (!(live && j < sl && allowed(i, j, causal, window))) continue;
+            if (dr.thr) dp *= drop_at(dr, b, h, i, j, t, sl);  // dP = dP̃ ∘ M / (1 − p)
             float ds = expf(a - lr) * (dp - di);
             for (int c = 0; c < C; c++) dqa[c] += ds * ks[jj][sub + 4 * c];
         }
@@ -147,7 +150,7 @@ __device__ void flash_bwd_dq(const T* q, const T* k, const T* v, const T* o, con
 template <typename T, int D>
 __device__ void flash_bwd_dkv(const T* q, const T* k, const T* v, const float* lse, const float* delta, const T* dout,
                               float* dk, float* dv, long t, long sl, long hq, long hkv, float scale, long causal,
-                              long window) {
+                              long window, const AttnDrop& dr) {
     constexpr int C = D / 4;
     __shared__ float qs[FA_ROWS][D];
     __shared__ float dos[FA_ROWS][D];
@@ -187,7 +190,9 @@ __device__ void flash_bwd_dkv(const T* q, const T* k, const T* v, const float* l
                 dp = quad_sum(dp);
                 long i = i0 + ii;
                 if (!(live && i < t && allowed(i, j, causal, window))) continue;
-                float p = expf(a - ls[ii]), ds = p * (dp - dl[ii]);
+                const float mul = dr.thr ? drop_at(dr, b, h, i, j, t, sl) : 1.f;
+                float p = expf(a - ls[ii]), ds = p * (dp * mul - dl[ii]);
+                p *= mul;  // dV = P̃ᵀ dO
                 for (int c = 0; c < C; c++) { dva[c] += p * dos[ii][sub + 4 * c]; dka[c] += ds * qs[ii][sub + 4 * c]; }
             }
         }
@@ -197,15 +202,15 @@ __device__ void flash_bwd_dkv(const T* q, const T* k, const T* v, const float* l
 
 #define FLASH(s, T, D) \
 extern "C" __global__ void __launch_bounds__(128) flash_fwd_##s##_##D(const T* q, const T* k, const T* v, T* o, float* lse, \
-        long t, long sl, long hq, long hkv, long d, float scale, long causal, long window) { \
-    flash_fwd<T, D>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window); } \
+        long t, long sl, long hq, long hkv, long d, float scale, long causal, long window, AttnDrop dr) { \
+    flash_fwd<T, D>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window, dr); } \
 extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_##s##_##D(const T* q, const T* k, const T* v, const T* o, \
         const float* lse, const T* dout, float* dq, float* delta, long t, long sl, long hq, long hkv, long d, float scale, \
-        long causal, long window) { \
-    flash_bwd_dq<T, D>(q, k, v, o, lse, dout, dq, delta, t, sl, hq, hkv, scale, causal, window); } \
+        long causal, long window, AttnDrop dr) { \
+    flash_bwd_dq<T, D>(q, k, v, o, lse, dout, dq, delta, t, sl, hq, hkv, scale, causal, window, dr); } \
 extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkv_##s##_##D(const T* q, const T* k, const T* v, \
         const float* lse, const float* delta, const T* dout, float* dk, float* dv, long t, long sl, long hq, long hkv, \
-        long d, float scale, long causal, long window) { \
-    flash_bwd_dkv<T, D>(q, k, v, lse, delta, dout, dk, dv, t, sl, hq, hkv, scale, causal, window); }
+        long d, float scale, long causal, long window, AttnDrop dr) { \
+    flash_bwd_dkv<T, D>(q, k, v, lse, delta, dout, dk, dv, t, sl, hq, hkv, scale, causal, window, dr); }
 #define FLASH_DIMS(s, T) FLASH(s, T, 32) FLASH(s, T, 64) FLASH(s, T, 128)
 FOR_TYPES(FLASH_DIMS)

@@ -54,10 +54,11 @@ extern "C" __global__ void flash_bwd_delta_bf16(const bf16_t* o, const bf16_t* d
     }
 }
 
-template <int D, bool WG = false, int NW = 1>
+// DROP: attention dropout (`dr`; attention.cu `AttnDrop`): dS = P ∘ (dP̃ ∘ M / (1 − p) − delta).
+template <int D, bool WG = false, int NW = 1, bool DROP = false>
 __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse,
                                  const float* delta, const bf16_t* dout, bf16_t* dq, long t, long sl, long hq, long hkv,
-                                 float scale, long causal, long window, long fused) {
+                                 float scale, long causal, long window, long fused, const AttnDrop& dr) {
     using Stages = KvStages<D, FB_KEYS, WG>;
     constexpr int KS = D / 16, NO = D / 8, P = Stages::TP, ROWS = FB_ROWS * NW;  // query rows per block
     // Two stages of (K tile, V tile): 4·FB_KEYS·P·2 bytes of dynamic shared memory.
@@ -130,6 +131,9 @@ __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t*
                     if (!(i < t && j < sl && allowed(i, j, causal, window))) s[nb][e] = -INFINITY;  // p = 0
                 }
         }
+        if constexpr (DROP)
+            drop_frag<false, 8>(dr, drop_tile(dr, b, h, r0 >> 4, j0 >> 4, t, sl), 64, g, tg,
+                                [&](int nb, int e, float mul) { dp[nb][e] *= mul; });
         #pragma unroll
         for (int nb = 0; nb < 8; nb++) {
             #pragma unroll
@@ -274,10 +278,13 @@ __device__ __forceinline__ void stage_dq(float* buf, const float (*dqc)[4], int 
 // scheduling. dqa holds those pieces whole, per (batch, head, 64-row tile, 64-column block);
 // flash_dq_tiles_bf16 scales them into dQ. (Vector atomics straight into [B, T, Hq, D] measured
 // 0–14% slower.)
-template <int D, bool WG = false, int NW = 1, bool DQ = false>
+// DROP: attention dropout (`dr`; attention.cu `AttnDrop`): dSᵀ from dPᵀ ∘ M / (1 − p), dV from
+// P̃ᵀ; the step's 32 keep bits of this thread's scores carry the mask from one to the other.
+template <int D, bool WG = false, int NW = 1, bool DQ = false, bool DROP = false>
 __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse,
                                   const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, float* dqa, long t,
-                                  long sl, long hq, long hkv, float scale, long causal, long window, long fused) {
+                                  long sl, long hq, long hkv, float scale, long causal, long window, long fused,
+                                  const AttnDrop& dr) {
     constexpr int NO = D / 8, P = WG ? D : D + 8;  // tile row (padded for ldmatrix; swizzled for wgmma)
     constexpr int KEYS = FB_KEYS * NW;              // keys per block
     static_assert(!DQ || (WG && D / NW == 64), "fused dQ: wgmma, 64 dQ columns per warpgroup");
@@ -359,7 +366,22 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
             // Pᵀ into st, dSᵀ into dpt (no mask for a tile inside the sequence below the diagonal).
             if (!tile_full(i0, FB_ROWS, j0, KEYS, t, sl, causal, window))
                 mask_t<D == 64>(st, i0, jr0, jr1, tg, t, sl, causal, window);
+            u32 keep = 0;
+            if constexpr (DROP) {
+                const long h = kvh * group + n / qtiles;
+                drop_frag<true, 8>(dr, drop_tile(dr, b, h, i0 >> 4, jr0 >> 4, t, sl), (sl + 15) / 16 * 64, g, tg,
+                                   [&](int nb, int e, float mul) {
+                                       dpt[nb][e] *= mul;
+                                       keep |= (mul != 0.f ? 1u : 0u) << (nb * 4 + e);
+                                   });
+            }
             p_ds_t<false>(st, dpt, ls, dls, scale2, tg);
+            if constexpr (DROP) {
+                #pragma unroll
+                for (int nb = 0; nb < 8; nb++)
+                    #pragma unroll
+                    for (int e = 0; e < 4; e++) st[nb][e] = (keep >> (nb * 4 + e)) & 1u ? st[nb][e] * dr.scale : 0.f;
+            }
             // dV += Pᵀ dO and dK += dSᵀ Q: k-steps of 16 rows.
             if constexpr (WG) {
                 u32 pa[FB_ROWS / 16][4], sa[FB_ROWS / 16][4];
@@ -442,12 +464,13 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
 extern "C" __global__ void __launch_bounds__(128 * NW) flash_bwd_dq_##SFX##_bf16_##D(const bf16_t* q, const bf16_t* k, \
         const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dq, long t, long sl, long hq, \
         long hkv, long d, float scale, long causal, long window, long fused) { \
-    flash_bwd_dq_mma<D, WG, NW>(q, k, v, lse, delta, dout, dq, t, sl, hq, hkv, scale, causal, window, fused); } \
+    flash_bwd_dq_mma<D, WG, NW>(q, k, v, lse, delta, dout, dq, t, sl, hq, hkv, scale, causal, window, fused, \
+                                AttnDrop{}); } \
 extern "C" __global__ void __launch_bounds__(128 * NW, WG ? 3 / NW : 1) flash_bwd_dkv_##SFX##_bf16_##D(const bf16_t* q, const bf16_t* k, \
         const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, long t, \
         long sl, long hq, long hkv, long d, float scale, long causal, long window, long fused) { \
     flash_bwd_dkv_mma<D, WG, NW>(q, k, v, lse, delta, dout, dk, dv, nullptr, t, sl, hq, hkv, scale, causal, window, \
-                                 fused); }
+                                 fused, AttnDrop{}); }
 FLASH_BWD_MMA(64, mma, false, 1)
 FLASH_BWD_MMA(128, mma, false, 1)
 // Measured on the H200 (lab notes in README.md): D 64 NW 1 (NW 2: 4–13% slower), D 128 NW 2
@@ -462,9 +485,29 @@ extern "C" __global__ void __launch_bounds__(128 * NW, MINB) flash_bwd_dkvq_wg##
         bf16_t* dv, float* dqa, long t, long sl, long hq, long hkv, long d, float scale, long causal, long window, \
         long fused) { \
     flash_bwd_dkv_mma<D, true, NW, true>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale, causal, window, \
-                                         fused); }
+                                         fused, AttnDrop{}); }
 FLASH_BWD_DKVQ(64, 1, 2)
 FLASH_BWD_DKVQ(128, 2, 1)
+// With attention dropout (`_drop`, the key last): the fused kernel on wgmma, the two mma.sync
+// kernels elsewhere and in deterministic mode.
+#define FLASH_BWD_DROP(D, NW, MINB) \
+extern "C" __global__ void __launch_bounds__(128 * NW, MINB) flash_bwd_dkvq_wg##NW##_drop_bf16_##D(const bf16_t* q, \
+        const bf16_t* k, const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, \
+        bf16_t* dv, float* dqa, long t, long sl, long hq, long hkv, long d, float scale, long causal, long window, \
+        long fused, AttnDrop dr) { \
+    flash_bwd_dkv_mma<D, true, NW, true, true>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale, causal, \
+                                               window, fused, dr); } \
+extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_mma_drop_bf16_##D(const bf16_t* q, const bf16_t* k, \
+        const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dq, long t, long sl, long hq, \
+        long hkv, long d, float scale, long causal, long window, long fused, AttnDrop dr) { \
+    flash_bwd_dq_mma<D, false, 1, true>(q, k, v, lse, delta, dout, dq, t, sl, hq, hkv, scale, causal, window, fused, dr); } \
+extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkv_mma_drop_bf16_##D(const bf16_t* q, const bf16_t* k, \
+        const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, long t, \
+        long sl, long hq, long hkv, long d, float scale, long causal, long window, long fused, AttnDrop dr) { \
+    flash_bwd_dkv_mma<D, false, 1, false, true>(q, k, v, lse, delta, dout, dk, dv, nullptr, t, sl, hq, hkv, scale, \
+                                                causal, window, fused, dr); }
+FLASH_BWD_DROP(64, 1, 2)
+FLASH_BWD_DROP(128, 2, 1)
 
 // A consumer's 64 keys of dK or dV (accumulator fragments times `mul`, bf16) into [B, sl, heads,
 // D] by their `Place`, through shared memory as the forward's O (fwd_store_staged): the fragments

@@ -432,9 +432,12 @@ __device__ __forceinline__ void fwd_store_staged(float (*acc)[D / 8][4], float (
 // accumulators do not fit the 255 registers, so MT = 1 there. WG: both products go through wgmma
 // (K/V tiles swizzled; MT = 1) instead of mma.sync, NW warpgroups of 64 rows per block
 // sharing each K/V tile (fewer L2 reads per flop: the single-warpgroup kernel was L2-bound).
-template <int D, int MT, bool WG = false, int NW = 1>
+// DROP: attention dropout (`dr`; attention.cu `AttnDrop`): P's row sums are taken before, P·V
+// multiplies P̃ = P ∘ M / (1 − p).
+template <int D, int MT, bool WG = false, int NW = 1, bool DROP = false>
 __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl,
-                              long hq, long hkv, float scale, long causal, long window, long fused) {
+                              long hq, long hkv, float scale, long causal, long window, long fused,
+                              const AttnDrop& dr) {
     constexpr int KS = D / 16;        // k-steps over the head dim
     constexpr int NO = D / 8;         // 8-wide blocks of the output
     constexpr int ROWS = FM_ROWS * MT * NW;
@@ -503,7 +506,16 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
         bool full = tile_full(i0, ROWS, j0, FM_KEYS, t, sl, causal, window);
         u32 pa[MT][FM_KEYS / 16][4];  // P as A fragments, per m-tile and k-step of 16 keys
         float corr[MT][2];
-        softmax_tile<MT>(s, m, l, corr, pa, full, r, j0, t, sl, causal, window, scale2);
+        softmax_tile<MT, FM_KEYS / 8, !DROP>(s, m, l, corr, pa, full, r, j0, t, sl, causal, window, scale2);
+        if constexpr (DROP) {
+            #pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                const unsigned long long tile = drop_tile(dr, b, h, r[mt][0] >> 4, j0 >> 4, t, sl);
+                drop_frag<false, FM_KEYS / 8>(dr, tile, 64, g, tg, [&](int nb, int e, float mul) { s[mt][nb][e] *= mul; });
+                #pragma unroll
+                for (int kstep = 0; kstep < FM_KEYS / 16; kstep++) c_to_a(pa[mt][kstep], s[mt], kstep);
+            }
+        }
         #pragma unroll
         for (int mt = 0; mt < MT; mt++)
             #pragma unroll
@@ -861,7 +873,17 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
 extern "C" __global__ void __launch_bounds__(128 * NW) NAME(const bf16_t* q, const bf16_t* k, \
         const bf16_t* v, bf16_t* o, float* lse, long t, long sl, long hq, long hkv, long d, float scale, long causal, \
         long window, long fused) { \
-    flash_fwd_mma<D, MT, WG, NW>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window, fused); }
+    flash_fwd_mma<D, MT, WG, NW>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window, fused, AttnDrop{}); }
+// With attention dropout (`_drop`, the key last): one m-tile per warp, NW 2 with wgmma.
+#define FLASH_MMA_DROP(NAME, D, WG, NW) \
+extern "C" __global__ void __launch_bounds__(128 * NW) NAME(const bf16_t* q, const bf16_t* k, \
+        const bf16_t* v, bf16_t* o, float* lse, long t, long sl, long hq, long hkv, long d, float scale, long causal, \
+        long window, long fused, AttnDrop dr) { \
+    flash_fwd_mma<D, 1, WG, NW, true>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window, fused, dr); }
+FLASH_MMA_DROP(flash_fwd_mma_drop_bf16_64, 64, false, 1)
+FLASH_MMA_DROP(flash_fwd_mma_drop_bf16_128, 128, false, 1)
+FLASH_MMA_DROP(flash_fwd_wg2_drop_bf16_64, 64, true, 2)
+FLASH_MMA_DROP(flash_fwd_wg2_drop_bf16_128, 128, true, 2)
 FLASH_MMA(flash_fwd_mma_bf16_64, 64, 1, false, 1)
 FLASH_MMA(flash_fwd_mma_bf16_64x2, 64, 2, false, 1)
 FLASH_MMA(flash_fwd_mma_bf16_128, 128, 1, false, 1)

@@ -400,7 +400,8 @@ fn bench_bin_and_presets(args: &[String]) -> (PathBuf, Vec<String>) {
 /// head dims 64 and 128, 1k–16k tokens; examples/attention_bench, built with `--features cuda`,
 /// default target/release/examples/attention_bench) and PyTorch SDPA on the same shapes
 /// (benches/torch_sdpa.py; BENCH_TORCH=0 skips it) in one command: both tables as they ran, then
-/// one table side by side with the ratios. attention_bench's own variables (ATTN_BENCH_*) pass on.
+/// one table side by side with the ratios. attention_bench's own variables (ATTN_BENCH_*) pass on;
+/// ATTN_BENCH_DROPOUT=P (attention dropout at rate P) reaches SDPA too (`--dropout P`).
 fn attention_bench(args: &[String]) -> anyhow::Result<()> {
     let bin = args.first().map(PathBuf::from).unwrap_or_else(|| root().join("target/release/examples/attention_bench"));
     let out = Command::new(&bin).output().with_context(|| {
@@ -417,10 +418,12 @@ fn attention_bench(args: &[String]) -> anyhow::Result<()> {
     let sdpa = if std::env::var("BENCH_TORCH").is_ok_and(|v| v == "0") {
         String::new()
     } else {
-        let py = Command::new("python3")
-            .arg(root().join("benches/torch_sdpa.py"))
-            .output()
-            .context("running python3 benches/torch_sdpa.py")?;
+        let mut py = Command::new("python3");
+        py.arg(root().join("benches/torch_sdpa.py"));
+        if let Ok(p) = std::env::var("ATTN_BENCH_DROPOUT") {
+            py.args(["--dropout", &p]);
+        }
+        let py = py.output().context("running python3 benches/torch_sdpa.py")?;
         if !py.status.success() {
             bail!("benches/torch_sdpa.py failed: {}", String::from_utf8_lossy(&py.stderr));
         }

@@ -13,7 +13,7 @@ pub struct AttnCfg {
     pub window: Option<usize>,
     /// Softmax scale; 1/√D when None.
     pub scale: Option<f64>,
-    /// Dropout of the probabilities (training; CPU only for now: the GPU kernels refuse it).
+    /// Dropout of the probabilities (training).
     pub dropout: Option<AttnDropout>,
 }
 
@@ -65,17 +65,10 @@ fn scale(cfg: &AttnCfg, d: usize) -> f64 {
     cfg.scale.unwrap_or(1.0 / (d as f64).sqrt())
 }
 
-/// The GPU kernels' view of the call; an error where they cannot run it (dropout).
+/// The GPU kernels' view of the call.
 #[cfg(feature = "cuda")]
-fn gpu_shape<'a>(op: &'static str, d: &'a AttnDims, cfg: &AttnCfg) -> Result<crate::cuda::ops::AttnShape<'a>> {
-    if cfg.dropout.is_some_and(|d| d.p > 0.0) {
-        return Err(invalid(
-            op,
-            "attention dropout runs on the CPU only: the GPU's attention kernels have no dropout yet; \
-             train on a GPU with --attention-dropout 0",
-        ));
-    }
-    Ok(crate::cuda::ops::AttnShape { dims: d, mask: mask(cfg), scale: scale(cfg, d.d) as f32 })
+fn gpu_shape<'a>(d: &'a AttnDims, cfg: &AttnCfg) -> crate::cuda::ops::AttnShape<'a> {
+    crate::cuda::ops::AttnShape { dims: d, mask: mask(cfg), scale: scale(cfg, d.d) as f32 }
 }
 
 /// Returns (o, lse).
@@ -84,7 +77,7 @@ pub fn attention_fwd(q: &Tensor, k: &Tensor, v: &Tensor, cfg: &AttnCfg) -> Resul
     let d = dims(OP, q, k, v, cfg)?;
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[q, k, v])? {
-        return crate::cuda::ops::attention_fwd(&g, q, k, v, &gpu_shape(OP, &d, cfg)?);
+        return crate::cuda::ops::attention_fwd(&g, q, k, v, &gpu_shape(&d, cfg));
     }
     check::on_cpu(OP, &[q, k, v])?;
     let (qv, kv, vv) = (q.read_f32()?, k.read_f32()?, v.read_f32()?);
@@ -114,7 +107,7 @@ pub fn attention_bwd(
     check::shape(OP, lse, &[d.b, d.hq, d.t])?;
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[q, k, v, o, lse, dout])? {
-        return crate::cuda::ops::attention_bwd(&g, q, k, v, o, lse, dout, &gpu_shape(OP, &d, cfg)?);
+        return crate::cuda::ops::attention_bwd(&g, q, k, v, o, lse, dout, &gpu_shape(&d, cfg));
     }
     check::on_cpu(OP, &[q, k, v, o, lse, dout])?;
     let (qv, kv, vv) = (q.read_f32()?, k.read_f32()?, v.read_f32()?);
@@ -169,7 +162,7 @@ pub fn attention_fwd_qkv(qkv: &Tensor, heads: QkvHeads, cfg: &AttnCfg) -> Result
     let d = heads.d;
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[qkv])? {
-        if let Some(out) = crate::cuda::ops::attention_fwd_qkv(&g, qkv, &gpu_shape(OP, &dm, cfg)?)? {
+        if let Some(out) = crate::cuda::ops::attention_fwd_qkv(&g, qkv, &gpu_shape(&dm, cfg))? {
             return Ok(out);
         }
         let (q, k, v) = crate::qkv_split(qkv, heads.hkv, heads.group, d)?;
@@ -246,7 +239,7 @@ fn bwd_qkv(
     check::shape(OP, lse, &[dm.b, dm.hq, dm.t])?;
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[qkv, o, lse, dout])? {
-        if let Some(r) = crate::cuda::ops::attention_bwd_qkv(&g, qkv, o, lse, dout, &gpu_shape(OP, &dm, cfg)?, db)? {
+        if let Some(r) = crate::cuda::ops::attention_bwd_qkv(&g, qkv, o, lse, dout, &gpu_shape(&dm, cfg), db)? {
             return Ok(r);
         }
         let (q, k, v) = crate::qkv_split(qkv, heads.hkv, heads.group, heads.d)?;

@@ -362,7 +362,7 @@ pub struct Settings {
     pub make_vocab_size_divisible_by: usize,
     #[serde(default)]
     pub hidden_dropout: f32,
-    /// Dropout of the attention probabilities (CPU only for now).
+    /// Dropout of the attention probabilities.
     #[serde(default)]
     pub attention_dropout: f32,
     /// Tokens before itself that each token's attention sees (`--window-size`'s left); None: all.
@@ -748,12 +748,6 @@ impl Settings {
             _ => Launch::Processes(dist.clone()),
         };
         s.validate_layout(launch.world_size())?;
-        if s.attention_dropout > 0.0 && a.device.as_deref().is_some_and(|d| d.trim() != "cpu") {
-            bail!(
-                "--attention-dropout {}: dropout of the attention probabilities runs on the CPU only for now (the GPU's flash attention kernels have none); on a GPU pass --attention-dropout 0 (--hidden-dropout works on both)",
-                s.attention_dropout
-            );
-        }
         let device = match a.device.as_deref() {
             // Under a launcher, plain `cuda` means this process's local GPU.
             Some("cuda") => ferrotron_core::Device::cuda(dist.local_rank).context("--device cuda")?,
@@ -1083,9 +1077,6 @@ mod tests {
         assert_eq!(parse("--attention-dropout 0.1").unwrap().attention_dropout, 0.1);
         let e = parse("--attention-dropout 1").unwrap_err().to_string();
         assert!(e.contains("--attention-dropout 1") && e.contains("[0, 1)"), "{e}");
-        // On a GPU it is refused before the device opens, naming the way out.
-        let e = parse("--attention-dropout 0.1 --device cuda").unwrap_err().to_string();
-        assert!(e.contains("CPU only") && e.contains("--attention-dropout 0"), "{e}");
         assert_eq!(parse("--hidden-dropout 0.1").unwrap().hidden_dropout, 0.1);
         let e = parse("--hidden-dropout 1").unwrap_err().to_string();
         assert!(e.contains("--hidden-dropout 1") && e.contains("[0, 1)"), "{e}");

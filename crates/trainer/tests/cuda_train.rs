@@ -65,6 +65,34 @@ fn tiny_preset_with_hidden_dropout_cuda_matches_cpu() {
     assert_ne!(cpu, losses("tiny", false, Device::Cpu), "dropout 0.1 changed nothing");
 }
 
+/// `--attention-dropout 0.1` on both tiny presets: fp32 (the SIMT flash kernels, head dim 32)
+/// within 1e-4 of the CPU, and bf16 with two heads of 64 (the tensor-core `_drop` kernels) within
+/// 2e-2; the GPU draws the CPU's mask, and dropout changes the run.
+#[test]
+fn attention_dropout_cuda_matches_cpu() {
+    let gpu = Device::cuda(0).expect("a CUDA device");
+    for preset in ["tiny", "llama-tiny"] {
+        for (bf16, heads, tol) in [(false, None, 1e-4), (true, Some(2), 2e-2)] {
+            let args = |dropout: f64| TrainArgs {
+                preset: Some(preset.into()),
+                bf16,
+                num_attention_heads: heads,
+                num_query_groups: heads.map(|_| 1),
+                attention_dropout: Some(dropout),
+                ..TrainArgs::default()
+            };
+            let cpu = losses_of(args(0.1), Device::Cpu);
+            let cuda = losses_of(args(0.1), gpu.clone());
+            eprintln!("{preset} bf16 {bf16}\ncpu {cpu:?}\ncuda {cuda:?}");
+            assert_eq!(cpu.len(), 20);
+            for (i, (c, g)) in cpu.iter().zip(&cuda).enumerate() {
+                assert!((c - g).abs() <= tol * c.abs(), "{preset} bf16 {bf16} step {}: cpu {c} vs cuda {g}", i + 1);
+            }
+            assert_ne!(cpu, losses_of(args(0.0), Device::Cpu), "{preset}: attention dropout changed nothing");
+        }
+    }
+}
+
 /// `--window-size (16,0)` (each token sees itself and 16 before it) on both tiny presets, fp32:
 /// the flash kernels' window mask against the CPU's, and the window changes the run.
 #[test]

@@ -139,7 +139,7 @@ impl SelfAttention {
                 "a training micro-batch without its sample index: build it with Batch::with_draw (or set --attention-dropout 0)",
             ));
         };
-        let batch_stride = (dr.heads_total * t * t) as u64;
+        let batch_stride = AttnDropout::blocks_per_sample(dr.heads_total, t, t);
         let dropout = AttnDropout {
             p: dr.p,
             seed: draw.seed,

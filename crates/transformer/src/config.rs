@@ -30,7 +30,7 @@ pub struct TransformerConfig {
     /// (Megatron's --hidden-dropout), in training; 0: none.
     pub hidden_dropout: f32,
     /// Dropout rate on the attention probabilities after the softmax (Megatron's
-    /// --attention-dropout), in training; 0: none. CPU only for now (the GPU kernels refuse it).
+    /// --attention-dropout), in training; 0: none.
     pub attention_dropout: f32,
 }
 

@@ -36,44 +36,66 @@ pub struct AttnMask {
 }
 
 /// Dropout of the attention probabilities (Megatron's `--attention-dropout`): probability (i, j)
-/// of local head h of batch row b is kept, scaled by 1 / (1 − p), unless Philox word
-/// `base + b · batch_stride + ((head_offset + h) · T + i) · S + j` of (seed, stream), as
-/// [`dropout`](crate::dropout)'s 24-bit uniform, is below p. The word is a pure function of the
-/// element's global place, so the backward, a recomputed forward, micro-batches (`base`) and heads
-/// split over tensor-parallel ranks (`head_offset`) all draw the same mask.
+/// of local head h of batch row b is kept, scaled by 1 / (1 − p), unless its Philox word of
+/// (seed, stream), as [`dropout`](crate::dropout)'s 24-bit uniform, is below p. The words come in
+/// cells of four: the probabilities {i, i + 8} × {j, j + 8} of a 16 × 16 tile (i, j ≡ 0..8 mod 16)
+/// share Philox block
+///
+/// `base + b · batch_stride + ((H · ⌈T/16⌉ + ⌊i/16⌋) · ⌈S/16⌉ + ⌊j/16⌋) · 64 + (i mod 8) · 8 + (j mod 8)`
+///
+/// (H = head_offset + h), probability (i, j) taking word `((i mod 16) div 8) · 2 + (j mod 16) div 8`
+/// of it. Why cells: a tensor core's accumulator fragment gives each thread exactly such a cell,
+/// whether its rows are the queries (the forward, dQ) or the keys (dK/dV compute Sᵀ), so each of
+/// the GPU kernels' Philox calls serves one thread's four probabilities in both. The block is a
+/// pure function of the element's global place, so the backward, a recomputed forward,
+/// micro-batches (`base`) and heads split over tensor-parallel ranks (`head_offset`) all draw the
+/// same mask, on either device.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttnDropout {
     pub p: f32,
     pub seed: u64,
     pub stream: u64,
-    /// Word of element (0, 0, 0) of batch row 0's first head.
+    /// Philox block of batch row 0's first cell.
     pub base: u64,
-    /// Words between consecutive batch rows: all heads' T · S probabilities.
+    /// Blocks between consecutive batch rows: [`AttnDropout::blocks_per_sample`] of all heads.
     pub batch_stride: u64,
     /// The global index of this tensor's head 0 (tensor parallelism splits the heads).
     pub head_offset: u64,
 }
 
 impl AttnDropout {
+    /// Philox blocks one sample's mask spans: `heads` · ⌈T/16⌉ · ⌈S/16⌉ tiles of 64 cells.
+    pub fn blocks_per_sample(heads: usize, t: usize, s: usize) -> u64 {
+        (heads as u64) * (t.div_ceil(16) as u64) * (s.div_ceil(16) as u64) * 64
+    }
+
     /// Row i of local head h of batch row b, keys 0..s: each key's multiplier, 1 / (1 − p) where
     /// kept, 0 where dropped, into `out`.
     fn row<T: Real>(&self, b: usize, h: usize, i: usize, t: usize, out: &mut [T]) {
-        let s = out.len() as u64;
+        let s = out.len();
         let rng = ferrotron_core::rng::Philox::new(self.seed).with_stream(self.stream);
         let (thr, scale) = (crate::dropout::threshold(self.p), T::c(1.0 / (1.0 - self.p as f64)));
-        // In wrapping 64-bit arithmetic, as the counter itself (a long run's sample index times
-        // heads · T · S may pass 2⁶⁴).
-        let row = (self.head_offset.wrapping_add(h as u64)).wrapping_mul(t as u64).wrapping_add(i as u64);
-        let start =
-            self.base.wrapping_add((b as u64).wrapping_mul(self.batch_stride)).wrapping_add(row.wrapping_mul(s));
-        // Philox gives four words a block: one block per four keys.
-        let mut block = (u64::MAX, [0u32; 4]);
-        for (j, m) in out.iter_mut().enumerate() {
-            let w = start.wrapping_add(j as u64);
-            if block.0 != w / 4 {
-                block = (w / 4, rng.block(w / 4));
+        // In wrapping 64-bit arithmetic, as the kernels (a long run's sample index times the
+        // blocks per sample may pass 2⁶⁴).
+        let tile_row =
+            self.head_offset.wrapping_add(h as u64).wrapping_mul(t.div_ceil(16) as u64).wrapping_add((i / 16) as u64);
+        let row0 = self
+            .base
+            .wrapping_add((b as u64).wrapping_mul(self.batch_stride))
+            .wrapping_add(tile_row.wrapping_mul(s.div_ceil(16) as u64 * 64))
+            .wrapping_add((i % 8 * 8) as u64);
+        let lane = (i % 16) / 8 * 2;
+        // Keys j and j + 8 of a tile share their cell's block.
+        for j0 in (0..s).step_by(16) {
+            let tile = row0.wrapping_add((j0 / 16 * 64) as u64);
+            for jj in 0..8.min(s - j0) {
+                let w = rng.block(tile.wrapping_add(jj as u64));
+                for half in 0..2 {
+                    if let Some(m) = out.get_mut(j0 + jj + 8 * half) {
+                        *m = if crate::dropout::keep(w[lane + half], thr) { scale } else { T::zero() };
+                    }
+                }
             }
-            *m = if crate::dropout::keep(block.1[(w % 4) as usize], thr) { scale } else { T::zero() };
         }
     }
 }

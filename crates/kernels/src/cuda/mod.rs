@@ -503,6 +503,8 @@ pub(crate) enum Arg {
     F32(f32),
     F64(f64),
     Map(tma::TmaMap),
+    /// An attention dropout key (kernels/attention.cu `AttnDrop`), by value.
+    Drop(ops::AttnDropArgs),
 }
 
 impl Backend {
@@ -541,6 +543,7 @@ impl Backend {
                 Arg::F32(v) => b.arg(v),
                 Arg::F64(v) => b.arg(v),
                 Arg::Map(m) => b.arg(m),
+                Arg::Drop(d) => b.arg(d),
             };
         }
         let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: shared };
@@ -574,6 +577,7 @@ impl Backend {
                 Arg::F32(v) => v as *const f32 as *mut c_void,
                 Arg::F64(v) => v as *const f64 as *mut c_void,
                 Arg::Map(m) => m as *const tma::TmaMap as *mut c_void,
+                Arg::Drop(d) => d as *const ops::AttnDropArgs as *mut c_void,
             })
             .collect();
         // SAFETY: a zeroed attribute value is valid plain data; the field set is the one the id names.

@@ -484,8 +484,6 @@ fn every_op_matches_cpu() {
     }
 }
 
-/// The elementwise ops on `x`, `y` (same shape) and `b` (one row): everything with an eight-wide
-/// kernel and a one-element twin.
 /// Attention forward then backward on (q, k, v, dout): o, lse, dq, dk, dv.
 fn attention_fwd_bwd(t: &[Tensor], cfg: &AttnCfg) -> Vec<Tensor> {
     let (o, lse) = k::attention_fwd(&t[0], &t[1], &t[2], cfg).unwrap();
@@ -493,6 +491,66 @@ fn attention_fwd_bwd(t: &[Tensor], cfg: &AttnCfg) -> Vec<Tensor> {
     vec![o, lse, dq, dk, dv]
 }
 
+/// Attention dropout on every GPU path against the CPU's mask: the reference kernels (head dims
+/// 16 and 48, atomics and deterministic), the SIMT flash kernels (f32, and head dim 32), and the
+/// tensor-core `_drop` builds at head dims 64 and 128 (bf16): wgmma's fused dK/dV/dQ, the
+/// mma.sync pair in deterministic mode, mma.sync alone with wgmma off; ragged ends, GQA, causal,
+/// windowed and full masks, a nonzero micro-batch base and head offset (a tensor-parallel rank),
+/// and the fused-QKV entry points. The CPU kernel is checked against a naive reference with the
+/// documented mask (tests/ops/attention.rs).
+#[test]
+fn attention_dropout_matches_cpu() {
+    let key = |hq: usize, t: usize| {
+        let batch_stride = k::AttnDropout::blocks_per_sample(hq + 1, t, t);
+        Some(k::AttnDropout { p: 0.2, seed: 77, stream: 5, base: 3 * batch_stride, batch_stride, head_offset: 1 })
+    };
+    let shapes = [
+        (7usize, 4usize, 2usize, 16usize),
+        (40, 2, 1, 48),
+        (45, 4, 2, 32),
+        (70, 2, 2, 64),
+        (130, 4, 2, 64),
+        (33, 4, 1, 128),
+        (150, 2, 1, 128),
+    ];
+    // (wgmma, deterministic)
+    let modes = [(true, false), (true, true), (false, false)];
+    for dt in [DType::F32, DType::BF16] {
+        for ((wg, det), (t, hq, hkv, d)) in modes.into_iter().flat_map(|m| shapes.map(|s| (m, s))) {
+            if dt == DType::F32 && (t > 100 || !wg) {
+                continue; // f32 runs the same kernels either way; long f32 sums drift past 1e-5
+            }
+            ferrotron_kernels::cuda::set_wgmma(wg);
+            ferrotron_kernels::cuda::set_deterministic(det);
+            let x: Vec<Tensor> =
+                [hq, hkv, hkv, hq].iter().zip(70..).map(|(&h, seed)| rnd(&[2, t, h, d], seed, dt)).collect();
+            for (causal, window) in [(true, None), (true, Some(9)), (false, None)] {
+                let cfg = AttnCfg { causal, window, scale: None, dropout: key(hq, t) };
+                let name =
+                    format!("attention dropout t{t} d{d} hq{hq} hkv{hkv} wgmma {wg} deterministic {det} {cfg:?}");
+                check_norm(&name, dt, &x, |t| attention_fwd_bwd(t, &cfg));
+            }
+            let g = hq / hkv;
+            let qkv = rnd(&[2, t, hkv * (g + 2) * d], 79, dt);
+            let cfg = AttnCfg { dropout: key(hq, t), ..AttnCfg::default() };
+            check_norm(
+                &format!("attention dropout fused qkv t{t} d{d} wgmma {wg} det {det}"),
+                dt,
+                &[qkv, x[3].clone()],
+                |t| {
+                    let (o, lse) = k::attention_fwd_qkv(&t[0], k::QkvHeads::new(hkv, g, d), &cfg).unwrap();
+                    let dqkv = k::attention_bwd_qkv(&t[0], &o, &lse, &t[1], k::QkvHeads::new(hkv, g, d), &cfg).unwrap();
+                    vec![o, lse, dqkv]
+                },
+            );
+        }
+    }
+    ferrotron_kernels::cuda::set_wgmma(true);
+    ferrotron_kernels::cuda::set_deterministic(false);
+}
+
+/// The elementwise ops on `x`, `y` (same shape) and `b` (one row): everything with an eight-wide
+/// kernel and a one-element twin.
 fn elementwise_ops(x: &Tensor, y: &Tensor, b: &Tensor) -> Vec<Tensor> {
     let acc = k::cast(y, DType::F32).unwrap();
     k::add_(&acc, x).unwrap();

@@ -11,6 +11,41 @@ pub struct AttnShape<'a> {
     pub scale: f32,
 }
 
+/// kernels/attention.cu `AttnDrop`, field for field: the dropout key of the probabilities and
+/// its threshold (0: no dropout) and scale.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct AttnDropArgs {
+    seed: u64,
+    stream: u64,
+    base: u64,
+    batch_stride: u64,
+    head_offset: u64,
+    threshold: u32,
+    scale: f32,
+}
+
+// SAFETY: plain data, laid out as the kernels' `AttnDrop` (five u64, a u32, an f32: 48 bytes).
+unsafe impl cudarc::driver::DeviceRepr for AttnDropArgs {}
+
+/// The call's dropout key as a kernel argument (zeros without dropout).
+fn drop_arg(a: &AttnShape) -> Arg {
+    Arg::Drop(a.mask.dropout.map_or_else(AttnDropArgs::default, |d| AttnDropArgs {
+        seed: d.seed,
+        stream: d.stream,
+        base: d.base,
+        batch_stride: d.batch_stride,
+        head_offset: d.head_offset,
+        threshold: crate::dropout::threshold(d.p),
+        scale: (1.0 / (1.0 - d.p as f64)) as f32,
+    }))
+}
+
+/// Whether the call drops probabilities (the tensor-core kernels' `_drop` builds).
+fn drops(a: &AttnShape) -> bool {
+    a.mask.dropout.is_some()
+}
+
 fn attn_tail(a: &AttnShape) -> [Arg; 8] {
     let d = a.dims;
     [
@@ -105,8 +140,17 @@ enum FwdGrid {
 /// and NW warpgroups per block sharing the K/V tiles in lockstep. Otherwise mma.sync, 4 warps:
 /// two m-tiles per warp at head dim 64 from 2048 rows on (H200, 16k tokens per call: 112 →
 /// 141–176 TFLOP/s from 2k to 16k, but slower at 1k than one m-tile); one otherwise (at 128 two
-/// do not fit the registers).
-fn fwd_kernel(be: &B, d: usize, t: usize) -> (TcLaunch, FwdGrid) {
+/// do not fit the registers). With attention dropout (`drop`): the `_drop` builds, two
+/// warpgroups in lockstep on sm_90, else mma.sync with one m-tile.
+fn fwd_kernel(be: &B, d: usize, t: usize, drop: bool) -> (TcLaunch, FwdGrid) {
+    if drop {
+        let l = if be.use_wgmma() {
+            TcLaunch { name: format!("flash_fwd_wg2_drop_bf16_{d}"), rows: 128, threads: 256, shared: kv_stages(d) }
+        } else {
+            TcLaunch { name: format!("flash_fwd_mma_drop_bf16_{d}"), rows: 64, threads: 128, shared: kv_stages(d + 8) }
+        };
+        return (l, FwdGrid::Tiles);
+    }
     if be.use_wgmma() && crate::cuda::flash_fwd_ws() {
         // H200, 16k tokens per call, causal, 1k / 2k / 4k / 8k / 16k (kernels/README.md v28):
         // head dim 128 337 / 460 / 563 / 633 / 706 TFLOP/s with 128-key tiles and TMA copies
@@ -203,9 +247,19 @@ struct WsBwd {
     dynamic: bool,
 }
 
-fn bwd_plan(be: &B, d: usize, t: usize) -> BwdKernels {
-    let (dq, dkv) = bwd_kernels(be, d);
+/// With attention dropout (`drop`): the `_drop` builds, the fused one on wgmma unless
+/// deterministic, else the two mma.sync ones.
+fn bwd_plan(be: &B, d: usize, t: usize, drop: bool) -> BwdKernels {
     let wgmma = be.use_wgmma() && !crate::cuda::deterministic();
+    if drop {
+        let (dq, dkv) = bwd_kernels(d, false, "_drop");
+        if !wgmma {
+            return BwdKernels::Split(dq, dkv);
+        }
+        let (_, dkv) = bwd_kernels(d, true, "");
+        return BwdKernels::Fused(fused_dkvq(dkv, d, "_drop"), None);
+    }
+    let (dq, dkv) = bwd_kernels(d, be.use_wgmma(), "");
     // The warp-specialised kernel (kernels/flash_bwd_mma.cu `flash_bwd_dkvq_ws`; H200, 16k tokens
     // per call, D 64: 217–411 TFLOP/s over 1k–16k (v24) against 166–229 for the plan below, which
     // `cuda::set_flash_ws(false)` or FERROTRON_FLASH_BWD=wg keeps).
@@ -229,11 +283,16 @@ fn bwd_plan(be: &B, d: usize, t: usize) -> BwdKernels {
     if !wgmma || (d == 64 && t <= 2048) {
         return BwdKernels::Split(dq, dkv);
     }
+    BwdKernels::Fused(fused_dkvq(dkv, d, ""), None)
+}
+
+/// The fused dK/dV/dQ kernel (`flash_bwd_dkvq_wgNW{sfx}_bf16_D`) of the wgmma dK/dV launch `dkv`:
+/// its shared memory plus dSᵀ of one step (the block's keys × 64 rows) and two 64 × 64 fp32 dQ
+/// staging buffers per warpgroup.
+fn fused_dkvq(dkv: TcLaunch, d: usize, sfx: &str) -> TcLaunch {
     let nw = dkv.rows / 64;
-    // The dK/dV kernel's shared memory plus dSᵀ of one step (the block's keys × 64 rows) and two
-    // 64 × 64 fp32 dQ staging buffers per warpgroup.
     let shared = dkv.shared + (64 * nw * 64 * 2 + nw * 2 * 4096 * 4) as u32;
-    BwdKernels::Fused(TcLaunch { name: format!("flash_bwd_dkvq_wg{nw}_bf16_{d}"), shared, ..dkv }, None)
+    TcLaunch { name: format!("flash_bwd_dkvq_wg{nw}{sfx}_bf16_{d}"), shared, ..dkv }
 }
 
 /// The warp-specialised backward's dynamic shared memory (kernels/flash_bwd_mma.cu, above
@@ -248,9 +307,10 @@ fn ws_shared(d: usize) -> u32 {
 
 /// The tensor-core backward's dQ kernel (query rows per block) and dK/dV kernel (keys per block):
 /// wgmma on sm_90 (tiles unpadded, 128-byte swizzled; NW warpgroups of 64 rows or keys sharing
-/// the streamed tiles), mma.sync elsewhere (4 warps, rows padded for ldmatrix).
-fn bwd_kernels(be: &B, d: usize) -> (TcLaunch, TcLaunch) {
-    let (kind, nw, row) = if be.use_wgmma() {
+/// the streamed tiles: `wg`), mma.sync elsewhere (4 warps, rows padded for ldmatrix); `sfx` after
+/// the kind (`_drop`: the dropout builds, mma.sync only).
+fn bwd_kernels(d: usize, wg: bool, sfx: &str) -> (TcLaunch, TcLaunch) {
+    let (kind, nw, row) = if wg {
         // H200: D 64 NW 1 (129–180 TFLOP/s; 2: 112–172), D 128 NW 2 (142–214; 1: 131–169).
         let nw = if d == 64 { 1 } else { 2 };
         (format!("wg{nw}"), nw, d)
@@ -258,10 +318,11 @@ fn bwd_kernels(be: &B, d: usize) -> (TcLaunch, TcLaunch) {
         ("mma".to_string(), 1, d + 8)
     };
     let threads = 128 * nw as u32;
-    let dq = TcLaunch { name: format!("flash_bwd_dq_{kind}_bf16_{d}"), rows: 64 * nw, threads, shared: kv_stages(row) };
+    let dq =
+        TcLaunch { name: format!("flash_bwd_dq_{kind}{sfx}_bf16_{d}"), rows: 64 * nw, threads, shared: kv_stages(row) };
     // K and V tiles, two stages of 64-row (Q, dO) tiles and of the rows' (lse, delta).
     let shared = ((2 * 64 * nw + 4 * 64) * row * 2 + 4 * 64 * 4) as u32;
-    let dkv = TcLaunch { name: format!("flash_bwd_dkv_{kind}_bf16_{d}"), rows: 64 * nw, threads, shared };
+    let dkv = TcLaunch { name: format!("flash_bwd_dkv_{kind}{sfx}_bf16_{d}"), rows: 64 * nw, threads, shared };
     (dq, dkv)
 }
 
@@ -299,10 +360,15 @@ fn tc_fwd(be: &B, qkv: [Arg; 3], fused: bool, a: &AttnShape) -> Result<(Tensor, 
     args.extend([ptr("attn", &o)?, ptr("attn", &lse)?]);
     args.extend(attn_tail(a));
     args.push(Arg::I64(fused as i64));
-    let (l, grid) = fwd_kernel(be, d.d, d.t);
+    let (l, grid) = fwd_kernel(be, d.d, d.t, drops(a));
     let (bh, tiles) = (d.b * d.hq, d.t.div_ceil(l.rows));
     let blocks = match grid {
-        FwdGrid::Tiles => bh * tiles,
+        FwdGrid::Tiles => {
+            if drops(a) {
+                args.push(drop_arg(a));
+            }
+            bh * tiles
+        }
         _ => {
             args.push(n(bh));
             // The tensor maps of K and V and, with persistence, of Q (its query tiles);
@@ -355,6 +421,7 @@ pub fn attention_fwd(be: &B, q: &Tensor, k: &Tensor, v: &Tensor, a: &AttnShape) 
     let lse = new(be, [a.dims.b, a.dims.hq, a.dims.t], DType::F32)?;
     let mut args = vec![ptr("attn", q)?, ptr("attn", k)?, ptr("attn", v)?, ptr("attn", &o)?, ptr("attn", &lse)?];
     args.extend(attn_tail(a));
+    args.push(drop_arg(a));
     let sfx = sfx("attention_fwd", q.dtype())?;
     if flash(a) {
         let d = a.dims;
@@ -409,9 +476,12 @@ fn tc_bwd(
         v.extend_from_slice(outs);
         v.extend(attn_tail(a));
         v.push(Arg::I64(x.fused as i64));
+        if drops(a) {
+            v.push(drop_arg(a));
+        }
         Ok(v)
     };
-    match bwd_plan(be, d.d, d.t) {
+    match bwd_plan(be, d.d, d.t, drops(a)) {
         BwdKernels::Fused(l, ws) => {
             // dQ's fp32 tiles (64 rows × 64 columns per batch and head, rows padded to 64, sums
             // of dS·K without the softmax scale), cleared by the delta kernel (never poisoned).
@@ -483,7 +553,7 @@ fn bias_partials_ok(be: &B, a: &AttnShape) -> bool {
     crate::cuda::flash_bias_grad()
         && d.t % 64 == 0
         && d.s == d.t
-        && matches!(bwd_plan(be, d.d, d.t), BwdKernels::Fused(_, Some(_)))
+        && matches!(bwd_plan(be, d.d, d.t, drops(a)), BwdKernels::Fused(_, Some(_)))
 }
 
 /// The backward reading Q, K, V in place from the fused projection output and writing dQKV
@@ -557,6 +627,7 @@ fn flash_bwd(
         ptr("attn", &delta)?,
     ];
     args.extend(attn_tail(a));
+    args.push(drop_arg(a));
     be.launch(&format!("flash_bwd_dq_{sfx}_{}", d.d), (d.b * d.hq * d.t.div_ceil(32)) as u32, FLASH_THREADS, 0, &args)?;
     let mut args = vec![
         ptr("attn", q)?,
@@ -569,6 +640,7 @@ fn flash_bwd(
         ptr("attn", &dv)?,
     ];
     args.extend(attn_tail(a));
+    args.push(drop_arg(a));
     be.launch(
         &format!("flash_bwd_dkv_{sfx}_{}", d.d),
         (d.b * d.hkv * d.s.div_ceil(32)) as u32,
@@ -613,6 +685,7 @@ pub fn attention_bwd(
     args.extend([ptr("attn", &dq)?, ptr("attn", &dk)?, ptr("attn", &dv)?]);
     args.extend(attn_tail(a));
     args.push(Arg::I64(!det as i64));
+    args.push(drop_arg(a));
     attn_launch(be, &format!("attn_bwd_{s}"), a, args)?;
     if det {
         // One block per (batch, kv head, key row): p and ds of 128 query rows at a time, then the
@@ -621,6 +694,7 @@ pub fn attention_bwd(
         let mut args = inputs;
         args.extend([ptr("attn", &dk)?, ptr("attn", &dv)?]);
         args.extend(attn_tail(a));
+        args.push(drop_arg(a));
         let dm = a.dims;
         let shared = (2 * ROWS + 2 * dm.d) * 4;
         be.launch(&format!("attn_bwd_kv_{s}"), (dm.b * dm.hkv * dm.s) as u32, ROWS as u32, shared as u32, &args)?;
