@@ -6,9 +6,9 @@ import torch.nn.functional as F
 
 
 class Block(nn.Module):
-    def __init__(s, h, heads):
+    def __init__(s, h, heads, attn_dropout=0.0):
         super().__init__()
-        s.heads = heads
+        s.heads, s.attn_dropout = heads, attn_dropout
         s.ln1, s.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
         s.qkv, s.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
         s.fc1, s.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
@@ -16,17 +16,17 @@ class Block(nn.Module):
     def forward(s, x):
         b, t, h = x.shape
         q, k, v = s.qkv(s.ln1(x)).view(b, t, 3, s.heads, h // s.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=s.attn_dropout if s.training else 0.0)
         x = x + s.proj(y.transpose(1, 2).reshape(b, t, h))
         return x + s.fc2(F.gelu(s.fc1(s.ln2(x)), approximate="tanh"))
 
 
 class GPT(nn.Module):
-    def __init__(s, layers, hidden, heads, seq, vocab):
+    def __init__(s, layers, hidden, heads, seq, vocab, attn_dropout=0.0):
         super().__init__()
         s.vocab = vocab
         s.wte, s.wpe = nn.Embedding(vocab, hidden), nn.Embedding(seq, hidden)
-        s.blocks = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
+        s.blocks = nn.ModuleList(Block(hidden, heads, attn_dropout) for _ in range(layers))
         s.ln_f = nn.LayerNorm(hidden)
 
     def forward(s, idx, tgt):
@@ -48,9 +48,9 @@ def rope(x, base):
 
 
 class LlamaBlock(nn.Module):
-    def __init__(s, h, heads, groups, ffn, base):
+    def __init__(s, h, heads, groups, ffn, base, attn_dropout=0.0):
         super().__init__()
-        s.heads, s.groups, s.d, s.base = heads, groups, h // heads, base
+        s.heads, s.groups, s.d, s.base, s.attn_dropout = heads, groups, h // heads, base, attn_dropout
         s.n1, s.n2 = nn.RMSNorm(h, eps=1e-5), nn.RMSNorm(h, eps=1e-5)
         s.qkv = nn.Linear(h, (heads + 2 * groups) * s.d, bias=False)
         s.proj = nn.Linear(h, h, bias=False)
@@ -62,7 +62,9 @@ class LlamaBlock(nn.Module):
         q = rope(q.view(b, t, s.heads, s.d), s.base).transpose(1, 2)
         k = rope(k.view(b, t, s.groups, s.d), s.base).transpose(1, 2)
         v = v.view(b, t, s.groups, s.d).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True, dropout_p=s.attn_dropout if s.training else 0.0
+        )
         x = x + s.proj(y.transpose(1, 2).reshape(b, t, h))
         gate, up = s.fc1(s.n2(x)).chunk(2, dim=-1)
         return x + s.fc2(F.silu(gate) * up)
@@ -71,11 +73,11 @@ class LlamaBlock(nn.Module):
 class Llama(nn.Module):
     """Ferrotron's llama presets: RMSNorm, SwiGLU, RoPE, GQA, no biases, untied output layer."""
 
-    def __init__(s, layers, hidden, heads, groups, ffn, vocab, base=500000.0):
+    def __init__(s, layers, hidden, heads, groups, ffn, vocab, base=500000.0, attn_dropout=0.0):
         super().__init__()
         s.vocab = vocab
         s.wte = nn.Embedding(vocab, hidden)
-        s.blocks = nn.ModuleList(LlamaBlock(hidden, heads, groups, ffn, base) for _ in range(layers))
+        s.blocks = nn.ModuleList(LlamaBlock(hidden, heads, groups, ffn, base, attn_dropout) for _ in range(layers))
         s.norm_f = nn.RMSNorm(hidden, eps=1e-5)
         s.head = nn.Linear(hidden, vocab, bias=False)
 

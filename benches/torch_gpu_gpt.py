@@ -19,6 +19,7 @@ p.add_argument("--clip", type=float, default=1.0)
 p.add_argument("--style", choices=["gpt2", "llama"], default="gpt2")
 p.add_argument("--groups", type=int, default=0)  # llama: query groups (GQA)
 p.add_argument("--ffn", type=int, default=0)  # llama: SwiGLU width
+p.add_argument("--attn-dropout", type=float, default=0.0)  # SDPA's dropout_p (Ferrotron's --attention-dropout)
 p.add_argument("--profile", type=int, default=0)  # N > 0: a CUDA profiler range over N steps, no timing
 p.add_argument("--trace", default="")  # FILE: torch.profiler's GPU timeline of --iters steps, no timing
 a = p.parse_args()
@@ -27,9 +28,9 @@ torch.backends.cuda.matmul.allow_tf32 = True
 
 
 if a.style == "llama":
-    m = Llama(a.layers, a.hidden, a.heads, a.groups, a.ffn, a.vocab).to(dev)
+    m = Llama(a.layers, a.hidden, a.heads, a.groups, a.ffn, a.vocab, attn_dropout=a.attn_dropout).to(dev)
 else:
-    m = GPT(a.layers, a.hidden, a.heads, a.seq, a.vocab).to(dev)
+    m = GPT(a.layers, a.hidden, a.heads, a.seq, a.vocab, attn_dropout=a.attn_dropout).to(dev)
 opt = torch.optim.AdamW(m.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
 model = torch.compile(m)
 data = torch.randint(0, a.vocab, (a.micro, a.seq + 1), device=dev)

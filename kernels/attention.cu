@@ -11,50 +11,81 @@ __device__ __forceinline__ bool allowed(long i, long j, long causal, long window
 }
 
 // Attention dropout (the rule is the host's cpu/attention.rs `AttnDropout`): probability (i, j)
-// of head H = hoff + h of batch row b takes word ((i mod 16) div 8) · 2 + (j mod 16) div 8 of
-// Philox block base + b · bstride + ((H · ⌈t/16⌉ + ⌊i/16⌋) · ⌈sl/16⌉ + ⌊j/16⌋) · 64 + (i mod 8) · 8
-// + j mod 8, and is kept, times `scale` (1 / (1 − p)), where that word's top 24 bits are at least
-// `thr` (⌈p · 2²⁴⌉). thr = 0: no dropout (the reference and SIMT kernels take a key always and
-// test it; the tensor-core kernels have `_drop` builds). Passed by value, as the host's
-// `AttnDropArgs` lays it out.
+// of head H = hoff + h of batch row b is half j mod 2 (low 16 bits first) of word
+// ((i mod 16) div 8) · 2 + (j mod 16) div 8 of Philox block base + b · bstride + ((H · ⌈t/16⌉ +
+// ⌊i/16⌋) · ⌈sl/16⌉ + ⌊j/16⌋) · 32 + (i mod 8) · 4 + (j mod 8) div 2, and is kept, times `scale`
+// (1 / (1 − p)), where that half is at least `thr` (⌈p · 2¹⁶⌉). thr = 0: no dropout (the
+// reference and SIMT kernels take a key always and test it; the tensor-core kernels have `_drop`
+// builds). Passed by value, as the host's `AttnDropArgs` lays it out.
 struct AttnDrop {
     unsigned long long seed, stream, base, bstride, hoff;
     u32 thr;
     float scale;
 };
-// Block of cell 0 of the 16 × 16 tile (ti, tj) of local head h of batch row b.
+// Block of the first probabilities of the 16 × 16 tile (ti, tj) of local head h of batch row b.
 __device__ __forceinline__ unsigned long long drop_tile(const AttnDrop& d, long b, long h, long ti, long tj, long t,
                                                         long sl) {
     const unsigned long long tt = (t + 15) / 16, st = (sl + 15) / 16;
-    return d.base + (unsigned long long)b * d.bstride + ((d.hoff + h) * tt + ti) * st * 64 + (unsigned long long)tj * 64;
+    return d.base + (unsigned long long)b * d.bstride + ((d.hoff + h) * tt + ti) * st * 32 + (unsigned long long)tj * 32;
 }
-__device__ __forceinline__ float drop_mul(const AttnDrop& d, u32 w) { return (w >> 8) >= d.thr ? d.scale : 0.f; }
+// The multiplier of half `hi` (0 or 1) of word w.
+__device__ __forceinline__ float drop_mul(const AttnDrop& d, u32 w, int hi) {
+    return ((hi ? w >> 16 : w & 0xffffu) >= d.thr) ? d.scale : 0.f;
+}
 // One probability's multiplier: a Philox call each (the reference and SIMT kernels).
 __device__ __forceinline__ float drop_at(const AttnDrop& d, long b, long h, long i, long j, long t, long sl) {
-    const uint4 w = philox4(d.seed, d.stream, drop_tile(d, b, h, i >> 4, j >> 4, t, sl) + (i & 7) * 8 + (j & 7));
-    return drop_mul(d, lane_of(w, (int)(((i >> 3) & 1) * 2 + ((j >> 3) & 1))));
+    const uint4 w = philox4(d.seed, d.stream, drop_tile(d, b, h, i >> 4, j >> 4, t, sl) + (i & 7) * 4 + ((j & 7) >> 1));
+    return drop_mul(d, lane_of(w, (int)(((i >> 3) & 1) * 2 + ((j >> 3) & 1))), (int)(j & 1));
 }
 // The tensor-core kernels' accumulator fragments (mma.sync m16n8k16 and wgmma alike): a thread
-// holds rows g and g + 8 of a 16-row tile (g = lane / 4) and columns 8·nb + 2·tg + {0, 1} (tg =
-// lane % 4), so of 16 columns (nb = 2ks, 2ks + 1) it holds, for c = 0 and 1, the cell {g, g + 8}
-// × {2tg + c, 2tg + c + 8}: one Philox block, used whole. Calls f(nb, e, multiplier) for the NB
-// blocks of 8 columns of `frag[nb][e]`. TR: the rows are keys and the columns queries (the dK/dV
-// kernels' Sᵀ), else rows are queries. `tile0`: drop_tile of the first 16 columns; `step`: blocks
-// from one 16-column tile to the next (64 for key columns, ⌈sl/16⌉ · 64 for query columns).
+// holds rows g and g + 8 of a 16-row tile (g = lane / 4) and, of each 16 columns (nb = 2ks,
+// 2ks + 1), columns {2tg, 2tg + 1} + {0, 8} (tg = lane % 4): element frag[2ks + x][2y + c] is row
+// g + 8y, column 16ks + 8x + 2tg + c. Calls f(nb, e, multiplier) for the NB blocks of 8 columns.
+// Rows = queries (TR false: the forward, dQ): the thread's eight probabilities of 16 columns are
+// one Philox block. Rows = keys (TR: the dK/dV kernels' Sᵀ): a block holds two keys (g, g ^ 1)
+// × two queries, so the threads g and g ^ 1 (lanes 4 apart) each compute one, queries 2tg + (g &
+// 1), and swap the halves the other needs (two shuffles). `tile0`: drop_tile of the first 16
+// columns; `step`: blocks from one 16-column tile to the next (32 for key columns, ⌈sl/16⌉ · 32
+// for query columns).
 template <bool TR, int NB, class F>
 __device__ __forceinline__ void drop_frag(const AttnDrop& d, unsigned long long tile0, unsigned long long step, int g,
                                           int tg, F f) {
 #pragma unroll
-    for (int ks = 0; ks < NB / 2; ks++)
-#pragma unroll
-        for (int c = 0; c < 2; c++) {
-            const unsigned long long cell = TR ? (2 * tg + c) * 8 + g : g * 8 + 2 * tg + c;
-            const uint4 w = philox4(d.seed, d.stream, tile0 + ks * step + cell);
+    for (int ks = 0; ks < NB / 2; ks++) {
+        if constexpr (!TR) {
+            const uint4 w4 = philox4(d.seed, d.stream, tile0 + ks * step + g * 4 + tg);
+            const u32 w[4] = {w4.x, w4.y, w4.z, w4.w};
 #pragma unroll
             for (int x = 0; x < 2; x++)
 #pragma unroll
-                for (int y = 0; y < 2; y++) f(2 * ks + x, 2 * y + c, drop_mul(d, lane_of(w, TR ? x * 2 + y : y * 2 + x)));
+                for (int y = 0; y < 2; y++)
+#pragma unroll
+                    for (int c = 0; c < 2; c++) f(2 * ks + x, 2 * y + c, drop_mul(d, w[y * 2 + x], c));
+        } else {
+            // Element (x, y, c): query 16ks + 8x + 2tg + c, key g + 8y: block (2tg + c) · 4 + g / 2,
+            // word x · 2 + y, half g & 1. This thread computes c = g & 1; its neighbour g ^ 1 the
+            // other, whose halves g & 1 it sends over (and receives this thread's in turn).
+            const int own = g & 1;
+            const uint4 w4 = philox4(d.seed, d.stream, tile0 + ks * step + (2 * tg + own) * 4 + (g >> 1));
+            // The halves the neighbour needs (1 − own), two to a word: words 0 and 1, then 2 and 3.
+            const u32 sel = own ? 0x5410u : 0x7632u;
+            const u32 r01 = __shfl_xor_sync(0xffffffffu, __byte_perm(w4.x, w4.y, sel), 4);
+            const u32 r23 = __shfl_xor_sync(0xffffffffu, __byte_perm(w4.z, w4.w, sel), 4);
+            const u32 mine[4] = {w4.x, w4.y, w4.z, w4.w};
+            // Received: the neighbour's words 0 / 1 (2 / 3) in the low / high half of r01 (r23).
+            const u32 theirs[4] = {r01, r01 >> 16, r23, r23 >> 16};
+            // Elements c = 0 and 1 by selects, so every fragment index stays a constant (an index
+            // depending on `own` would put the fragment in local memory).
+#pragma unroll
+            for (int x = 0; x < 2; x++)
+#pragma unroll
+                for (int y = 0; y < 2; y++) {
+                    const u32 m = (mine[x * 2 + y] >> (16 * own)) & 0xffffu, o = theirs[x * 2 + y] & 0xffffu;
+                    f(2 * ks + x, 2 * y, drop_mul(d, own ? o : m, 0));
+                    f(2 * ks + x, 2 * y + 1, drop_mul(d, own ? m : o, 0));
+                }
         }
+    }
 }
 
 #define ATTN(s, T) \

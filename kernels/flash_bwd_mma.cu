@@ -132,7 +132,7 @@ __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t*
                 }
         }
         if constexpr (DROP)
-            drop_frag<false, 8>(dr, drop_tile(dr, b, h, r0 >> 4, j0 >> 4, t, sl), 64, g, tg,
+            drop_frag<false, 8>(dr, drop_tile(dr, b, h, r0 >> 4, j0 >> 4, t, sl), 32, g, tg,
                                 [&](int nb, int e, float mul) { dp[nb][e] *= mul; });
         #pragma unroll
         for (int nb = 0; nb < 8; nb++) {
@@ -369,7 +369,7 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
             u32 keep = 0;
             if constexpr (DROP) {
                 const long h = kvh * group + n / qtiles;
-                drop_frag<true, 8>(dr, drop_tile(dr, b, h, i0 >> 4, jr0 >> 4, t, sl), (sl + 15) / 16 * 64, g, tg,
+                drop_frag<true, 8>(dr, drop_tile(dr, b, h, i0 >> 4, jr0 >> 4, t, sl), (sl + 15) / 16 * 32, g, tg,
                                    [&](int nb, int e, float mul) {
                                        dpt[nb][e] *= mul;
                                        keep |= (mul != 0.f ? 1u : 0u) << (nb * 4 + e);

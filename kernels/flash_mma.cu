@@ -511,7 +511,7 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
             #pragma unroll
             for (int mt = 0; mt < MT; mt++) {
                 const unsigned long long tile = drop_tile(dr, b, h, r[mt][0] >> 4, j0 >> 4, t, sl);
-                drop_frag<false, FM_KEYS / 8>(dr, tile, 64, g, tg, [&](int nb, int e, float mul) { s[mt][nb][e] *= mul; });
+                drop_frag<false, FM_KEYS / 8>(dr, tile, 32, g, tg, [&](int nb, int e, float mul) { s[mt][nb][e] *= mul; });
                 #pragma unroll
                 for (int kstep = 0; kstep < FM_KEYS / 16; kstep++) c_to_a(pa[mt][kstep], s[mt], kstep);
             }

@@ -279,7 +279,16 @@ fn torch_args(shape: &BenchShape, micro: usize, flops: f64) -> Vec<String> {
     a.extend(multi::owned(&["--heads", &shape.heads.to_string(), "--seq", &shape.seq.to_string()]));
     a.extend(multi::owned(&["--micro", &micro.to_string(), "--flops-per-token", &flops.to_string()]));
     a.extend(multi::owned(shape.torch_style));
+    if let Some(p) = bench_attn_dropout() {
+        a.extend(multi::owned(&["--attn-dropout", &p]));
+    }
     a
+}
+
+/// BENCH_ATTN_DROPOUT=P: both sides train with attention dropout at rate P (ours
+/// `--attention-dropout P`, PyTorch SDPA's `dropout_p`).
+fn bench_attn_dropout() -> Option<String> {
+    std::env::var("BENCH_ATTN_DROPOUT").ok().filter(|p| p.parse::<f64>().is_ok_and(|p| p > 0.0))
 }
 
 /// `ferrotron train`'s `--profile` range over steps `start` + 1 to `end`.
@@ -295,6 +304,9 @@ fn bench_train_args(preset: &str, micro: usize, iters: u64, log: u64) -> Vec<Str
     a.extend(multi::owned(&["--log-interval", &log.to_string(), "--eval-iters", "1", "--eval-interval", "1000000"]));
     a.extend(multi::owned(&["--corpus-docs", "3000", "--micro-batch-size", &micro.to_string()]));
     a.extend(multi::owned(&["--global-batch-size", &micro.to_string(), "--train-iters", &iters.to_string()]));
+    if let Some(p) = bench_attn_dropout() {
+        a.extend(multi::owned(&["--attention-dropout", &p]));
+    }
     // BENCH_CUDA_GRAPH=N: the step graphed after N eager steps (`--cuda-graph-impl local`).
     if let Some(n) = std::env::var("BENCH_CUDA_GRAPH").ok().and_then(|v| v.parse::<u64>().ok()) {
         a.extend(multi::owned(&["--cuda-graph-impl", "local", "--cuda-graph-scope", "full_iteration"]));
@@ -439,7 +451,8 @@ fn attention_bench(args: &[String]) -> anyhow::Result<()> {
 /// BENCH_ITERS (steps, default 300 at 124M and 30 otherwise, rounded up to whole log windows),
 /// BENCH_MICRO (micro-batch override),
 /// BENCH_CUDA_GRAPH=N (Ferrotron's step replayed as a CUDA graph after N eager steps),
-/// BENCH_TORCH=0 (Ferrotron only), BENCH_LOG_INTERVAL (steps per log line and loss read-back,
+/// BENCH_TORCH=0 (Ferrotron only), BENCH_ATTN_DROPOUT=P (both sides with attention dropout at
+/// rate P; with BENCH_CUDA_GRAPH ours refuses it), BENCH_LOG_INTERVAL (steps per log line and loss read-back,
 /// default 100 at 124M and 10 otherwise, as in Megatron runs; 1 reads the loss every step),
 /// BENCH_COOL_C (before each side, wait up to two minutes for the card to cool to this many °C:
 /// both sides then start alike), BENCH_ROUNDS

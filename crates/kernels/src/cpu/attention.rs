@@ -36,26 +36,27 @@ pub struct AttnMask {
 }
 
 /// Dropout of the attention probabilities (Megatron's `--attention-dropout`): probability (i, j)
-/// of local head h of batch row b is kept, scaled by 1 / (1 − p), unless its Philox word of
-/// (seed, stream), as [`dropout`](crate::dropout)'s 24-bit uniform, is below p. The words come in
-/// cells of four: the probabilities {i, i + 8} × {j, j + 8} of a 16 × 16 tile (i, j ≡ 0..8 mod 16)
-/// share Philox block
+/// of local head h of batch row b is kept, scaled by 1 / (1 − p), unless its 16-bit random value
+/// of (seed, stream), as a uniform in [0, 1), is below p (`keep16`: p rounded up to a multiple of
+/// 2⁻¹⁶). Within a 16 × 16 tile (rows i, columns j taken mod 16), the eight probabilities
+/// {i, i + 8} × {j, j + 1, j + 8, j + 9} (i < 8, j < 8 even) share Philox block
 ///
-/// `base + b · batch_stride + ((H · ⌈T/16⌉ + ⌊i/16⌋) · ⌈S/16⌉ + ⌊j/16⌋) · 64 + (i mod 8) · 8 + (j mod 8)`
+/// `base + b · batch_stride + ((H · ⌈T/16⌉ + ⌊i/16⌋) · ⌈S/16⌉ + ⌊j/16⌋) · 32 + (i mod 8) · 4 + (j mod 8) div 2`
 ///
-/// (H = head_offset + h), probability (i, j) taking word `((i mod 16) div 8) · 2 + (j mod 16) div 8`
-/// of it. Why cells: a tensor core's accumulator fragment gives each thread exactly such a cell,
-/// whether its rows are the queries (the forward, dQ) or the keys (dK/dV compute Sᵀ), so each of
-/// the GPU kernels' Philox calls serves one thread's four probabilities in both. The block is a
-/// pure function of the element's global place, so the backward, a recomputed forward,
-/// micro-batches (`base`) and heads split over tensor-parallel ranks (`head_offset`) all draw the
-/// same mask, on either device.
+/// (H = head_offset + h): probability (i, j) is half `j mod 2` (low 16 bits first) of word
+/// `((i mod 16) div 8) · 2 + (j mod 16) div 8`. Why this grouping: a tensor core's accumulator
+/// fragment gives each thread rows {r, r + 8} and columns {c, c + 1, c + 8, c + 9} of a 16 × 16
+/// tile, so where the rows are the queries (the forward, dQ) one Philox call serves a thread's
+/// eight probabilities; where they are the keys (dK/dV compute Sᵀ) two neighbouring threads each
+/// compute one block and swap the halves the other needs. The block is a pure function of the
+/// element's global place, so the backward, a recomputed forward, micro-batches (`base`) and
+/// heads split over tensor-parallel ranks (`head_offset`) all draw the same mask, on either device.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttnDropout {
     pub p: f32,
     pub seed: u64,
     pub stream: u64,
-    /// Philox block of batch row 0's first cell.
+    /// Philox block of batch row 0's first probabilities.
     pub base: u64,
     /// Blocks between consecutive batch rows: [`AttnDropout::blocks_per_sample`] of all heads.
     pub batch_stride: u64,
@@ -64,9 +65,9 @@ pub struct AttnDropout {
 }
 
 impl AttnDropout {
-    /// Philox blocks one sample's mask spans: `heads` · ⌈T/16⌉ · ⌈S/16⌉ tiles of 64 cells.
+    /// Philox blocks one sample's mask spans: `heads` · ⌈T/16⌉ · ⌈S/16⌉ tiles of 32 blocks.
     pub fn blocks_per_sample(heads: usize, t: usize, s: usize) -> u64 {
-        (heads as u64) * (t.div_ceil(16) as u64) * (s.div_ceil(16) as u64) * 64
+        (heads as u64) * (t.div_ceil(16) as u64) * (s.div_ceil(16) as u64) * 32
     }
 
     /// Row i of local head h of batch row b, keys 0..s: each key's multiplier, 1 / (1 − p) where
@@ -74,7 +75,7 @@ impl AttnDropout {
     fn row<T: Real>(&self, b: usize, h: usize, i: usize, t: usize, out: &mut [T]) {
         let s = out.len();
         let rng = ferrotron_core::rng::Philox::new(self.seed).with_stream(self.stream);
-        let (thr, scale) = (crate::dropout::threshold(self.p), T::c(1.0 / (1.0 - self.p as f64)));
+        let (thr, scale) = (threshold16(self.p), T::c(1.0 / (1.0 - self.p as f64)));
         // In wrapping 64-bit arithmetic, as the kernels (a long run's sample index times the
         // blocks per sample may pass 2⁶⁴).
         let tile_row =
@@ -82,22 +83,33 @@ impl AttnDropout {
         let row0 = self
             .base
             .wrapping_add((b as u64).wrapping_mul(self.batch_stride))
-            .wrapping_add(tile_row.wrapping_mul(s.div_ceil(16) as u64 * 64))
-            .wrapping_add((i % 8 * 8) as u64);
+            .wrapping_add(tile_row.wrapping_mul(s.div_ceil(16) as u64 * 32))
+            .wrapping_add((i % 8 * 4) as u64);
         let lane = (i % 16) / 8 * 2;
-        // Keys j and j + 8 of a tile share their cell's block.
+        // Keys j, j + 1, j + 8, j + 9 of a tile (j even) share a block.
         for j0 in (0..s).step_by(16) {
-            let tile = row0.wrapping_add((j0 / 16 * 64) as u64);
-            for jj in 0..8.min(s - j0) {
-                let w = rng.block(tile.wrapping_add(jj as u64));
-                for half in 0..2 {
-                    if let Some(m) = out.get_mut(j0 + jj + 8 * half) {
-                        *m = if crate::dropout::keep(w[lane + half], thr) { scale } else { T::zero() };
+            let tile = row0.wrapping_add((j0 / 16 * 32) as u64);
+            for pair in 0..4 {
+                let w = rng.block(tile.wrapping_add(pair as u64));
+                for (x, half) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
+                    if let Some(m) = out.get_mut(j0 + 8 * x + 2 * pair + half) {
+                        *m = if keep16(w[lane + x], half, thr) { scale } else { T::zero() };
                     }
                 }
             }
         }
     }
+}
+
+/// p as the 16-bit threshold `keep16` compares against: ⌈p · 2¹⁶⌉.
+pub(crate) fn threshold16(p: f32) -> u32 {
+    ((p as f64) * 65536.0).ceil() as u32
+}
+
+/// Whether half `half` of word `w` (0: the low 16 bits) keeps its probability: at least the
+/// threshold. The CUDA kernels (kernels/attention.cu `AttnDrop`) compare the same integers.
+fn keep16(w: u32, half: usize, threshold: u32) -> bool {
+    (w >> (16 * half)) & 0xffff >= threshold
 }
 
 impl AttnMask {

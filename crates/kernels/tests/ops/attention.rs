@@ -7,16 +7,17 @@ use ferrotron_kernels::{self as k, AttnCfg, AttnDropout};
 use proptest::prelude::*;
 
 /// Dropout's multiplier for probability (i, j) of head h of batch row b, straight from the
-/// documented block and word (`AttnDropout`): 1 / (1 − p) where the word's top 24 bits are at
-/// least ⌈p · 2²⁴⌉, else 0; 1 without dropout.
+/// documented block, word and half (`AttnDropout`): 1 / (1 − p) where the 16-bit value is at
+/// least ⌈p · 2¹⁶⌉, else 0; 1 without dropout.
 fn drop_factor(dr: Option<AttnDropout>, d: AttnDims, b: usize, h: usize, i: usize, j: usize) -> f64 {
     let Some(dr) = dr else { return 1.0 };
     let (tiles_t, tiles_s) = (d.t.div_ceil(16) as u64, d.s.div_ceil(16) as u64);
     let tile = ((dr.head_offset + h as u64) * tiles_t + (i / 16) as u64) * tiles_s + (j / 16) as u64;
-    let block = dr.base + b as u64 * dr.batch_stride + tile * 64 + (i % 8 * 8 + j % 8) as u64;
-    let u = Philox::new(dr.seed).with_stream(dr.stream).block(block)[i % 16 / 8 * 2 + j % 16 / 8];
-    let threshold = (dr.p as f64 * (1u64 << 24) as f64).ceil() as u32;
-    if (u >> 8) >= threshold { 1.0 / (1.0 - dr.p as f64) } else { 0.0 }
+    let block = dr.base + b as u64 * dr.batch_stride + tile * 32 + (i % 8 * 4 + j % 8 / 2) as u64;
+    let word = Philox::new(dr.seed).with_stream(dr.stream).block(block)[i % 16 / 8 * 2 + j % 16 / 8];
+    let u = if j % 2 == 0 { word & 0xffff } else { word >> 16 };
+    let threshold = (dr.p as f64 * 65536.0).ceil() as u32;
+    if u >= threshold { 1.0 / (1.0 - dr.p as f64) } else { 0.0 }
 }
 
 /// Naive attention: explicit loops over every (batch, head, query, key).
@@ -309,5 +310,10 @@ device_test!(attention_dropout_through_the_ops, |dev: &Device| {
     assert_eq!(host(&of), host(&os), "fused against split, forward");
     let dqkv = k::attention_bwd_qkv(&qkv, &of, &lf, &r, heads, &causal).unwrap();
     let (dq, dk, dv) = k::attention_bwd(&qs, &ks, &vs, &os, &ls, &r, &causal).unwrap();
-    assert_eq!(host(&dqkv), host(&k::qkv_merge(&dq, &dk, &dv).unwrap()), "fused against split, backward");
+    // On a GPU the reference backward adds dK and dV by fp32 atomics, in no fixed order.
+    let split = host(&k::qkv_merge(&dq, &dk, &dv).unwrap());
+    match dev {
+        Device::Cpu => assert_eq!(host(&dqkv), split, "fused against split, backward"),
+        _ => assert_close(&host(&dqkv), &split, 1e-5, 1e-6, "fused against split, backward"),
+    }
 });
