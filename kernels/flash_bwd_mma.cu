@@ -587,12 +587,13 @@ __device__ __forceinline__ void cp_async4(float* dst, const float* src, bool in)
 // after their last products), which its first stages' Q/dO copies do not wait for, so the copies
 // overlap the consumers' dK/dV stores. The tile index goes to the other 383 threads through two
 // shared slots (tfull / tempty).
-template <int D, bool TMA, bool DYN>
+// DROP: attention dropout (`dr`; attention.cu `AttnDrop`), as flash_bwd_dkv_mma's.
+template <int D, bool TMA, bool DYN, bool DROP = false>
 __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse,
                                   const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, float* dqa, long t,
                                   long sl, long hq, long hkv, float scale, long causal, long window, long fused,
                                   const TmaMap* km, const TmaMap* vm, const TmaMap* qm, const TmaMap* dom,
-                                  float* bp, long bc, long bkv, long hg, u32* sched) {
+                                  float* bp, long bc, long bkv, long hg, u32* sched, const AttnDrop& dr) {
     static_assert(D == 64 || D == 128, "64-column dQ pieces");
     static_assert(!DYN || TMA, "the dynamic walk's K/V reloads are the copying thread's");
     // CK: keys per consumer; DSB: dSᵀ buffers (each both consumers' keys × 64 rows).
@@ -801,7 +802,21 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
                         }
                 }
             }
+            u32 keep = 0;
+            if constexpr (DROP) {
+                drop_frag<true, 8>(dr, drop_tile(dr, b, kvh * group + qh, i0 >> 4, jr0 >> 4, t, sl), (sl + 15) / 16 * 32,
+                                   g, tg, [&](int nb, int e, float mul) {
+                                       dpt[nb][e] *= mul;
+                                       keep |= (mul != 0.f ? 1u : 0u) << (nb * 4 + e);
+                                   });
+            }
             p_ds_t<true>(st, dpt, ls, dls, scale2, tg);
+            if constexpr (DROP) {
+                #pragma unroll
+                for (int nb = 0; nb < 8; nb++)
+                    #pragma unroll
+                    for (int e = 0; e < 4; e++) st[nb][e] = (keep >> (nb * 4 + e)) & 1u ? st[nb][e] * dr.scale : 0.f;
+            }
             u32 pa[FB_ROWS / 16][4], sa[FB_ROWS / 16][4];
             #pragma unroll
             for (int kstep = 0; kstep < FB_ROWS / 16; kstep++) { c_to_a(pa[kstep], st, kstep); c_to_a(sa[kstep], dpt, kstep); }
@@ -883,13 +898,24 @@ extern "C" __global__ void __launch_bounds__(384, 1) NAME(const bf16_t* q, const
         const __grid_constant__ TmaMap km, const __grid_constant__ TmaMap vm, const __grid_constant__ TmaMap qm, \
         const __grid_constant__ TmaMap dom, float* bp, long bc, long bkv, long hg, u32* sched) { \
     flash_bwd_dkvq_ws<D, TMA, DYN>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale, causal, window, \
-                                   fused, &km, &vm, &qm, &dom, bp, bc, bkv, hg, sched); }
+                                   fused, &km, &vm, &qm, &dom, bp, bc, bkv, hg, sched, AttnDrop{}); }
 FLASH_BWD_DKVQ_WS(flash_bwd_dkvq_ws2_bf16_64, 64, false, false)
 FLASH_BWD_DKVQ_WS(flash_bwd_dkvq_ws2_bf16_128, 128, false, false)
 FLASH_BWD_DKVQ_WS(flash_bwd_dkvq_ws2t_bf16_64, 64, true, false)
 FLASH_BWD_DKVQ_WS(flash_bwd_dkvq_ws2t_bf16_128, 128, true, false)
 FLASH_BWD_DKVQ_WS(flash_bwd_dkvq_ws2td_bf16_64, 64, true, true)
 FLASH_BWD_DKVQ_WS(flash_bwd_dkvq_ws2td_bf16_128, 128, true, true)
+// With attention dropout (`_drop`, the key last): TMA copies, the dynamic walk.
+#define FLASH_BWD_DKVQ_WS_DROP(NAME, D) \
+extern "C" __global__ void __launch_bounds__(384, 1) NAME(const bf16_t* q, const bf16_t* k, const bf16_t* v, \
+        const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, float* dqa, long t, \
+        long sl, long hq, long hkv, long d, float scale, long causal, long window, long fused, \
+        const __grid_constant__ TmaMap km, const __grid_constant__ TmaMap vm, const __grid_constant__ TmaMap qm, \
+        const __grid_constant__ TmaMap dom, float* bp, long bc, long bkv, long hg, u32* sched, AttnDrop dr) { \
+    flash_bwd_dkvq_ws<D, true, true, true>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale, causal, \
+                                           window, fused, &km, &vm, &qm, &dom, bp, bc, bkv, hg, sched, dr); }
+FLASH_BWD_DKVQ_WS_DROP(flash_bwd_dkvq_ws2td_drop_bf16_64, 64)
+FLASH_BWD_DKVQ_WS_DROP(flash_bwd_dkvq_ws2td_drop_bf16_128, 128)
 
 // dQ (bf16, [B, T, Hq, D], or with `fused` the query slots of dQKV: Place) from the bulk-reduced
 // fp32 tiles: per (batch, head, 64-row tile, 64-column block) 4096 floats in the dK/dV kernel's

@@ -588,11 +588,15 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
 // and P stays in S's registers until the last P·V is done (LATE). Under a causal mask the tiles
 // are laid from the last row back, so the partial one (t is rarely a multiple of 192) is the
 // first, the lightest: its rows before 0 see no keys and are not stored.
-template <int D, int KEYS, bool LATE, bool PERSIST, bool TMA, bool DYN, int S, int NC = 2>
+// DROP: attention dropout (`dr`; attention.cu `AttnDrop`) on P (fp32, LATE) right after the
+// softmax; query tiles from multiples of 16 rows (two consumers), as the mask's tiles need.
+template <int D, int KEYS, bool LATE, bool PERSIST, bool TMA, bool DYN, int S, int NC = 2, bool DROP = false>
 __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl,
                              long hq, long hkv, float scale, long causal, long window, long fused, long bh,
-                             const TmaMap* km, const TmaMap* vm, const TmaMap* qm, long hg, u32* sched) {
+                             const TmaMap* km, const TmaMap* vm, const TmaMap* qm, long hg, u32* sched,
+                             const AttnDrop& dr) {
     static_assert(!DYN || (PERSIST && TMA), "the dynamic walk is one producer thread's: persistent, TMA");
+    static_assert(!DROP || (LATE && NC == 2), "dropout: P in fp32 after the softmax, 128-row tiles");
     static_assert(NC == 2 || (NC == 3 && D == 64 && KEYS == 128 && LATE && DYN), "three consumers: head dim 64, DYN");
     constexpr int NO = D / 8, NB = KEYS / 8, ROWS = FM_ROWS * NC, TILE = KEYS * D;  // bf16 per K or V tile
     // QT: the persistent TMA build also copies each query tile's Q by TMA, into one of two Q
@@ -819,9 +823,12 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
                 long j0 = jb + bt * KEYS;
                 // LATE: P stays in s (fp32) until the product that reads pa is done, then goes into
                 // pa; else it is packed into pn here and copied.
-                if constexpr (LATE)
+                if constexpr (LATE) {
                     moved = softmax_tile<1, NB, false, true>(s, m, l, corr, pa, unmasked, r, j0, t, sl, causal, window, scale2);
-                else
+                    if constexpr (DROP)
+                        drop_frag<false, NB>(dr, drop_tile(dr, b, h, r[0][0] >> 4, j0 >> 4, t, sl), 32, g, tg,
+                                             [&](int nb, int e, float mul) { s[0][nb][e] *= mul; });
+                } else
                     moved = softmax_tile<1, NB>(s, m, l, corr, pn, unmasked, r, j0, t, sl, causal, window, scale2);
             }
             if (pv) {
@@ -908,7 +915,15 @@ extern "C" __global__ void __launch_bounds__(128 * (NC + 1), 1) NAME(const bf16_
         float scale, long causal, long window, long fused, long bh, const __grid_constant__ TmaMap km, \
         const __grid_constant__ TmaMap vm, const __grid_constant__ TmaMap qm, long hg, u32* sched) { \
     flash_fwd_ws<D, KEYS, LATE, PERSIST, TMA, DYN, S, NC>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window, \
-                                                          fused, bh, &km, &vm, &qm, hg, sched); }
+                                                          fused, bh, &km, &vm, &qm, hg, sched, AttnDrop{}); }
+// With attention dropout (`_drop`, the key last): two consumers, P kept in fp32 (LATE).
+#define FLASH_WS_DROP(NAME, D) \
+extern "C" __global__ void __launch_bounds__(384, 1) NAME(const bf16_t* q, \
+        const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl, long hq, long hkv, long d, \
+        float scale, long causal, long window, long fused, long bh, const __grid_constant__ TmaMap km, \
+        const __grid_constant__ TmaMap vm, const __grid_constant__ TmaMap qm, long hg, u32* sched, AttnDrop dr) { \
+    flash_fwd_ws<D, 128, true, true, true, true, FW_STAGES, 2, true>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, \
+                                                                     window, fused, bh, &km, &vm, &qm, hg, sched, dr); }
 FLASH_WS(flash_fwd_ws2k128_bf16_128, 128, 128, true, false, false, false, FW_STAGES, 2)
 FLASH_WS(flash_fwd_ws2k128_bf16_64, 64, 128, false, false, false, false, FW_STAGES, 2)
 FLASH_WS(flash_fwd_ws2pk128_bf16_64, 64, 128, false, true, false, false, FW_STAGES, 2)
@@ -921,6 +936,9 @@ FLASH_WS(flash_fwd_ws2tpdk128_bf16_64, 64, 128, false, true, true, true, FW_STAG
 FLASH_WS(flash_fwd_ws2tpdk128_bf16_128, 128, 128, true, true, true, true, FW_STAGES, 2)
 // Three consumer warpgroups, 192 query rows a tile (`ws3`; `FERROTRON_FLASH_FWD_WARPGROUPS=3`).
 FLASH_WS(flash_fwd_ws3tpdk128_bf16_64, 64, 128, true, true, true, true, FW_STAGES, 3)
+// The dynamic walk with attention dropout.
+FLASH_WS_DROP(flash_fwd_ws2tpdk128_drop_bf16_64, 64)
+FLASH_WS_DROP(flash_fwd_ws2tpdk128_drop_bf16_128, 128)
 // 64-key tiles (`FERROTRON_FLASH_FWD=ws64`, kept to measure against).
 FLASH_WS(flash_fwd_ws2_bf16_128, 128, 64, true, false, false, false, FW_STAGES, 2)
 FLASH_WS(flash_fwd_ws2t_bf16_128, 128, 64, true, false, true, false, FW_STAGES, 2)

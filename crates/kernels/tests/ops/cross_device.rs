@@ -493,8 +493,9 @@ fn attention_fwd_bwd(t: &[Tensor], cfg: &AttnCfg) -> Vec<Tensor> {
 
 /// Attention dropout on every GPU path against the CPU's mask: the reference kernels (head dims
 /// 16 and 48, atomics and deterministic), the SIMT flash kernels (f32, and head dim 32), and the
-/// tensor-core `_drop` builds at head dims 64 and 128 (bf16): wgmma's fused dK/dV/dQ, the
-/// mma.sync pair in deterministic mode, mma.sync alone with wgmma off; ragged ends, GQA, causal,
+/// tensor-core `_drop` builds at head dims 64 and 128 (bf16): the warp-specialised forward and
+/// backward, wgmma in lockstep with the fused dK/dV/dQ, the mma.sync pair in deterministic mode,
+/// mma.sync alone with wgmma off; ragged ends, GQA, causal,
 /// windowed and full masks, a nonzero micro-batch base and head offset (a tensor-parallel rank),
 /// and the fused-QKV entry points. The CPU kernel is checked against a naive reference with the
 /// documented mask (tests/ops/attention.rs).
@@ -513,28 +514,30 @@ fn attention_dropout_matches_cpu() {
         (33, 4, 1, 128),
         (150, 2, 1, 128),
     ];
-    // (wgmma, deterministic)
-    let modes = [(true, false), (true, true), (false, false)];
+    // (wgmma, deterministic, warp-specialised)
+    let modes = [(true, false, true), (true, false, false), (true, true, true), (false, false, false)];
     for dt in [DType::F32, DType::BF16] {
-        for ((wg, det), (t, hq, hkv, d)) in modes.into_iter().flat_map(|m| shapes.map(|s| (m, s))) {
-            if dt == DType::F32 && (t > 100 || !wg) {
+        for ((wg, det, ws), (t, hq, hkv, d)) in modes.into_iter().flat_map(|m| shapes.map(|s| (m, s))) {
+            if dt == DType::F32 && (t > 100 || !wg || !ws) {
                 continue; // f32 runs the same kernels either way; long f32 sums drift past 1e-5
             }
             ferrotron_kernels::cuda::set_wgmma(wg);
             ferrotron_kernels::cuda::set_deterministic(det);
+            ferrotron_kernels::cuda::set_flash_ws(ws);
             let x: Vec<Tensor> =
                 [hq, hkv, hkv, hq].iter().zip(70..).map(|(&h, seed)| rnd(&[2, t, h, d], seed, dt)).collect();
             for (causal, window) in [(true, None), (true, Some(9)), (false, None)] {
                 let cfg = AttnCfg { causal, window, scale: None, dropout: key(hq, t) };
-                let name =
-                    format!("attention dropout t{t} d{d} hq{hq} hkv{hkv} wgmma {wg} deterministic {det} {cfg:?}");
+                let name = format!(
+                    "attention dropout t{t} d{d} hq{hq} hkv{hkv} wgmma {wg} deterministic {det} ws {ws} {cfg:?}"
+                );
                 check_norm(&name, dt, &x, |t| attention_fwd_bwd(t, &cfg));
             }
             let g = hq / hkv;
             let qkv = rnd(&[2, t, hkv * (g + 2) * d], 79, dt);
             let cfg = AttnCfg { dropout: key(hq, t), ..AttnCfg::default() };
             check_norm(
-                &format!("attention dropout fused qkv t{t} d{d} wgmma {wg} det {det}"),
+                &format!("attention dropout fused qkv t{t} d{d} wgmma {wg} det {det} ws {ws}"),
                 dt,
                 &[qkv, x[3].clone()],
                 |t| {
@@ -547,6 +550,7 @@ fn attention_dropout_matches_cpu() {
     }
     ferrotron_kernels::cuda::set_wgmma(true);
     ferrotron_kernels::cuda::set_deterministic(false);
+    ferrotron_kernels::cuda::set_flash_ws(true);
 }
 
 /// The elementwise ops on `x`, `y` (same shape) and `b` (one row): everything with an eight-wide

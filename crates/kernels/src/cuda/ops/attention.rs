@@ -140,9 +140,18 @@ enum FwdGrid {
 /// and NW warpgroups per block sharing the K/V tiles in lockstep. Otherwise mma.sync, 4 warps:
 /// two m-tiles per warp at head dim 64 from 2048 rows on (H200, 16k tokens per call: 112 →
 /// 141–176 TFLOP/s from 2k to 16k, but slower at 1k than one m-tile); one otherwise (at 128 two
-/// do not fit the registers). With attention dropout (`drop`): the `_drop` builds, two
+/// do not fit the registers). With attention dropout (`drop`): the `_drop` builds, the
+/// warp-specialised one (two consumers, TMA, the dynamic walk) where those are on, else two
 /// warpgroups in lockstep on sm_90, else mma.sync with one m-tile.
 fn fwd_kernel(be: &B, d: usize, t: usize, drop: bool) -> (TcLaunch, FwdGrid) {
+    if drop && ws_drop(be) {
+        // As the default build's below: 3 stages of 128-key K and V tiles, at head dim 64 the two
+        // Q tiles, the slots, the consumers' O tiles.
+        let q_tiles = if d == 64 { 2 * 128 * d * 2 } else { 0 };
+        let shared = 3 * 2 * 128 * d * 2 + q_tiles + 16 * 8 + 2 * 64 * (d + 8) * 2;
+        let name = format!("flash_fwd_ws2tpdk128_drop_bf16_{d}");
+        return (TcLaunch { name, rows: 128, threads: 384, shared: shared as u32 }, FwdGrid::WsDynamicTma);
+    }
     if drop {
         let l = if be.use_wgmma() {
             TcLaunch { name: format!("flash_fwd_wg2_drop_bf16_{d}"), rows: 128, threads: 256, shared: kv_stages(d) }
@@ -221,6 +230,19 @@ fn fwd_kernel(be: &B, d: usize, t: usize, drop: bool) -> (TcLaunch, FwdGrid) {
     }
 }
 
+/// Whether attention dropout runs the warp-specialised `_drop` builds (TMA copies, the dynamic
+/// walk: kernels/flash_mma.cu `FLASH_WS_DROP`, flash_bwd_mma.cu `FLASH_BWD_DKVQ_WS_DROP`): on
+/// sm_90 where the warp-specialised kernels, TMA and the dynamic walks are all on; the backward's
+/// needs its fused dQ too (not deterministic). Else the lockstep `_drop` builds.
+fn ws_drop(be: &B) -> bool {
+    be.use_wgmma()
+        && crate::cuda::flash_fwd_ws()
+        && fwd_ws_keys() == 128
+        && crate::cuda::flash_tma()
+        && crate::cuda::flash_persist() != Some(false)
+        && crate::cuda::flash_dyn()
+}
+
 /// Whether the forward kernel of `grid` copies Q by TMA too (kernels/flash_mma.cu `QT`): the
 /// persistent TMA builds at head dim 64.
 fn q_by_tma(grid: FwdGrid, d: usize) -> bool {
@@ -251,6 +273,17 @@ struct WsBwd {
 /// deterministic, else the two mma.sync ones.
 fn bwd_plan(be: &B, d: usize, t: usize, drop: bool) -> BwdKernels {
     let wgmma = be.use_wgmma() && !crate::cuda::deterministic();
+    if drop
+        && wgmma
+        && crate::cuda::flash_bwd_ws()
+        && crate::cuda::flash_tma()
+        && crate::cuda::flash_bwd_dyn()
+        && crate::cuda::flash_persist() != Some(false)
+    {
+        let name = format!("flash_bwd_dkvq_ws2td_drop_bf16_{d}");
+        let ws = WsBwd { tma: true, dynamic: true };
+        return BwdKernels::Fused(TcLaunch { name, rows: 128, threads: 384, shared: ws_shared(d) }, Some(ws));
+    }
     if drop {
         let (dq, dkv) = bwd_kernels(d, false, "_drop");
         if !wgmma {
@@ -387,6 +420,9 @@ fn tc_fwd(be: &B, qkv: [Arg; 3], fused: bool, a: &AttnShape) -> Result<(Tensor, 
             let kv_per_head = d.s * d.d * 2 * 2 * d.hkv / d.hq;
             args.push(n(crate::cuda::flash_group_heads(kv_per_head)));
             args.push(Arg::Ptr(be.tile_counter.raw_ptr(&be.dev)));
+            if drops(a) {
+                args.push(drop_arg(a));
+            }
             let persistent = matches!(grid, FwdGrid::WsPersistent | FwdGrid::WsPersistentTma | FwdGrid::WsDynamicTma);
             if persistent { (bh * tiles).min(be.sms as usize) } else { bh * tiles }
         }
@@ -476,10 +512,14 @@ fn tc_bwd(
         v.extend_from_slice(outs);
         v.extend(attn_tail(a));
         v.push(Arg::I64(x.fused as i64));
+        Ok(v)
+    };
+    // The dropout builds take the key last.
+    let key = |mut v: Vec<Arg>| {
         if drops(a) {
             v.push(drop_arg(a));
         }
-        Ok(v)
+        v
     };
     match bwd_plan(be, d.d, d.t, drops(a)) {
         BwdKernels::Fused(l, ws) => {
@@ -515,7 +555,7 @@ fn tc_bwd(
                     grid = grid.min(be.sms as usize);
                 }
             }
-            be.launch(&l.name, grid as u32, l.threads, l.shared, &args)?;
+            be.launch(&l.name, grid as u32, l.threads, l.shared, &key(args))?;
             // Then to bf16 with the scale applied: one block per 64 × 64 tile.
             let tiles = d.b * d.hq * d.t.div_ceil(64) * (d.d / 64);
             let fused = Arg::I64(x.fused as i64);
@@ -529,9 +569,9 @@ fn tc_bwd(
             }
             launch_delta(None)?;
             let grid = d.b * d.hq * d.t.div_ceil(dql.rows);
-            be.launch(&dql.name, grid as u32, dql.threads, dql.shared, &head(&[dq])?)?;
+            be.launch(&dql.name, grid as u32, dql.threads, dql.shared, &key(head(&[dq])?))?;
             let grid = d.b * d.hkv * d.s.div_ceil(dkvl.rows);
-            be.launch(&dkvl.name, grid as u32, dkvl.threads, dkvl.shared, &head(&[dk, dv])?)
+            be.launch(&dkvl.name, grid as u32, dkvl.threads, dkvl.shared, &key(head(&[dk, dv])?))
         }
     }
 }
