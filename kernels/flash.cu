@@ -6,6 +6,8 @@
 // Layouts as attention.cu: q/o/do [B,T,Hq,D], k/v [B,S,Hkv,D], lse and delta [B,Hq,T].
 // Backward without atomics: one kernel for dQ (which also stores delta = rowsum(dO∘O)), one for
 // dK and dV (a block per key tile of one KV head loops over every query head of its group).
+// Attention dropout by the key `dr` (attention.cu `AttnDrop`; thr 0: none), a Philox call per
+// probability: these kernels are the fallback, the tensor-core ones spend one per eight.
 
 #define FA_ROWS 32
 #define FA_KEYS 32

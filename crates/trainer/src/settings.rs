@@ -68,7 +68,7 @@ pub struct TrainArgs {
     #[arg(long)]
     pub hidden_dropout: Option<f64>,
     /// Dropout rate on the attention probabilities after the softmax, in training (default 0;
-    /// Megatron's is 0.1). CPU only for now: a GPU run with it is refused.
+    /// Megatron's is 0.1). On the CPU and the GPU alike (the same mask).
     #[arg(long)]
     pub attention_dropout: Option<f64>,
     /// Sliding-window attention as Megatron's (left, right), e.g. "(4096,0)": each token sees

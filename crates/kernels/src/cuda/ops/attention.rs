@@ -230,10 +230,10 @@ fn fwd_kernel(be: &B, d: usize, t: usize, drop: bool) -> (TcLaunch, FwdGrid) {
     }
 }
 
-/// Whether attention dropout runs the warp-specialised `_drop` builds (TMA copies, the dynamic
-/// walk: kernels/flash_mma.cu `FLASH_WS_DROP`, flash_bwd_mma.cu `FLASH_BWD_DKVQ_WS_DROP`): on
-/// sm_90 where the warp-specialised kernels, TMA and the dynamic walks are all on; the backward's
-/// needs its fused dQ too (not deterministic). Else the lockstep `_drop` builds.
+/// Whether the forward with attention dropout runs the warp-specialised `_drop` build (TMA copies,
+/// the dynamic walk: kernels/flash_mma.cu `FLASH_WS_DROP`): on sm_90 where the warp-specialised
+/// forward, its 128-key tiles, TMA and the dynamic walk are all on; else the lockstep `_drop`
+/// build. (`bwd_plan` decides the backward's by its own switches, and not in deterministic mode.)
 fn ws_drop(be: &B) -> bool {
     be.use_wgmma()
         && crate::cuda::flash_fwd_ws()
