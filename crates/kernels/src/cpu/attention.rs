@@ -70,30 +70,38 @@ impl AttnDropout {
         (heads as u64) * (t.div_ceil(16) as u64) * (s.div_ceil(16) as u64) * 32
     }
 
-    /// Row i of local head h of batch row b, keys 0..s: each key's multiplier, 1 / (1 − p) where
-    /// kept, 0 where dropped, into `out`.
-    fn row<T: Real>(&self, b: usize, h: usize, i: usize, t: usize, out: &mut [T]) {
-        let s = out.len();
+    /// Rows i0 .. i0 + 16 (i0 a multiple of 16; those below t) of local head h of batch row b,
+    /// keys 0..s: each key's multiplier, 1 / (1 − p) where kept, 0 where dropped, row i − i0 at
+    /// `out[(i − i0) · s ..]`. Rows i and i + 8 share their blocks, so a tile's rows are drawn
+    /// together: one block per eight probabilities, as on the GPU.
+    fn tile_rows<T: Real>(&self, b: usize, h: usize, i0: usize, t: usize, s: usize, out: &mut [T]) {
         let rng = ferrotron_core::rng::Philox::new(self.seed).with_stream(self.stream);
         let (thr, scale) = (threshold16(self.p), T::c(1.0 / (1.0 - self.p as f64)));
+        let m = |w: u32, half: usize| if keep16(w, half, thr) { scale } else { T::zero() };
         // In wrapping 64-bit arithmetic, as the kernels (a long run's sample index times the
         // blocks per sample may pass 2⁶⁴).
         let tile_row =
-            self.head_offset.wrapping_add(h as u64).wrapping_mul(t.div_ceil(16) as u64).wrapping_add((i / 16) as u64);
-        let row0 = self
+            self.head_offset.wrapping_add(h as u64).wrapping_mul(t.div_ceil(16) as u64).wrapping_add((i0 / 16) as u64);
+        let first = self
             .base
             .wrapping_add((b as u64).wrapping_mul(self.batch_stride))
-            .wrapping_add(tile_row.wrapping_mul(s.div_ceil(16) as u64 * 32))
-            .wrapping_add((i % 8 * 4) as u64);
-        let lane = (i % 16) / 8 * 2;
-        // Keys j, j + 1, j + 8, j + 9 of a tile (j even) share a block.
-        for j0 in (0..s).step_by(16) {
-            let tile = row0.wrapping_add((j0 / 16 * 32) as u64);
-            for pair in 0..4 {
-                let w = rng.block(tile.wrapping_add(pair as u64));
-                for (x, half) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
-                    if let Some(m) = out.get_mut(j0 + 8 * x + 2 * pair + half) {
-                        *m = if keep16(w[lane + x], half, thr) { scale } else { T::zero() };
+            .wrapping_add(tile_row.wrapping_mul(s.div_ceil(16) as u64 * 32));
+        for r in 0..8.min(t - i0) {
+            let lower = i0 + r + 8 < t; // row r + 8 of the tile exists
+            for j0 in (0..s).step_by(16) {
+                // Keys j, j + 1, j + 8, j + 9 of the tile (j even): words x (row r) and 2 + x
+                // (row r + 8) of one block, half j mod 2.
+                let tile = first.wrapping_add((j0 / 16 * 32 + r * 4) as u64);
+                for pair in 0..4 {
+                    let w = rng.block(tile.wrapping_add(pair as u64));
+                    for (x, half) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
+                        let j = j0 + 8 * x + 2 * pair + half;
+                        if j < s {
+                            out[r * s + j] = m(w[x], half);
+                            if lower {
+                                out[(r + 8) * s + j] = m(w[2 + x], half);
+                            }
+                        }
                     }
                 }
             }
@@ -272,15 +280,18 @@ fn fwd<T: Real>(
             // and `probs` its t log-sum-exps.
             let (mut out, mut l) = unsafe { (crate::buf::uninit(group * t * d), crate::buf::uninit(group * t)) };
             let mut p = vec![T::zero(); t * s];
-            let mut keep = vec![T::zero(); if mask.dropout.is_some() { s } else { 0 }];
+            let mut keep = vec![T::zero(); if mask.dropout.is_some() { 16 * s } else { 0 }];
             for g in 0..group {
                 let h = kvh * group + g;
                 probs(&dims, mask, scale, &qh, &kh, b, h, kvh, &mut p, None, &mut l[g * t..(g + 1) * t]);
                 if let Some(dr) = &mask.dropout {
                     // P̃ = P ∘ M / (1 − p); lse stays the undropped softmax's.
                     for i in 0..t {
-                        dr.row(b, h, i, t, &mut keep);
-                        p[i * s..(i + 1) * s].iter_mut().zip(&keep).for_each(|(x, m)| *x = *x * *m);
+                        if i % 16 == 0 {
+                            dr.tile_rows(b, h, i, t, s, &mut keep);
+                        }
+                        let keep = &keep[i % 16 * s..][..s];
+                        p[i * s..(i + 1) * s].iter_mut().zip(keep).for_each(|(x, m)| *x = *x * *m);
                     }
                 }
                 let pm = MatRef { data: &p[..], rs: s, cs: 1 };
@@ -370,7 +381,7 @@ fn bwd<T: Real>(
             let mut dv_acc = vec![T::zero(); s * d];
             let mut p = vec![T::zero(); t * s];
             let mut ds = vec![T::zero(); t * s];
-            let mut keep = vec![T::zero(); if mask.dropout.is_some() { s } else { 0 }];
+            let mut keep = vec![T::zero(); if mask.dropout.is_some() { 16 * s } else { 0 }];
             let mut unused = [];
             for g in 0..group {
                 let h = kvh * group + g;
@@ -386,7 +397,10 @@ fn bwd<T: Real>(
                     let (pr, dr) = (&mut p[i * s..(i + 1) * s], &mut ds[i * s..(i + 1) * s]);
                     match &mask.dropout {
                         Some(drop) => {
-                            drop.row(b, h, i, t, &mut keep);
+                            if i % 16 == 0 {
+                                drop.tile_rows(b, h, i, t, s, &mut keep);
+                            }
+                            let keep = &keep[i % 16 * s..][..s];
                             for j in 0..s {
                                 dr[j] = pr[j] * (dr[j] * keep[j] - di);
                                 pr[j] = pr[j] * keep[j];
