@@ -36,6 +36,19 @@ pub(crate) fn threshold(p: f32) -> u32 {
     ((p as f64) * (1u64 << 24) as f64).ceil() as u32
 }
 
+/// Attention dropout's rule (`AttnDropout`: two probabilities a word): whether half `half` of
+/// word `w` (0: the low 16 bits), a uniform in [0, 1) with 16 bits, keeps its probability: at
+/// least `threshold16`. The CUDA kernels (kernels/attention.cu `drop_mul`) compare the same
+/// integers.
+pub(crate) fn keep16(w: u32, half: usize, threshold: u32) -> bool {
+    (w >> (16 * half)) & 0xffff >= threshold
+}
+
+/// p as the 16-bit threshold `keep16` compares against: ⌈p · 2¹⁶⌉.
+pub(crate) fn threshold16(p: f32) -> u32 {
+    ((p as f64) * 65536.0).ceil() as u32
+}
+
 /// x [B, …] with its dropout mask applied (the forward, and the backward on dy with the same key).
 /// p in [0, 1); p = 0 returns x.
 pub fn dropout(x: &Tensor, p: f32, key: &DropoutKey) -> Result<Tensor> {

@@ -37,8 +37,8 @@ pub struct AttnMask {
 
 /// Dropout of the attention probabilities (Megatron's `--attention-dropout`): probability (i, j)
 /// of local head h of batch row b is kept, scaled by 1 / (1 − p), unless its 16-bit random value
-/// of (seed, stream), as a uniform in [0, 1), is below p (`keep16`: p rounded up to a multiple of
-/// 2⁻¹⁶). Within a 16 × 16 tile (rows i, columns j taken mod 16), the eight probabilities
+/// of (seed, stream), as a uniform in [0, 1), is below p (`dropout::keep16`: p rounded up to a
+/// multiple of 2⁻¹⁶). Within a 16 × 16 tile (rows i, columns j taken mod 16), the eight probabilities
 /// {i, i + 8} × {j, j + 1, j + 8, j + 9} (i < 8, j < 8 even) share Philox block
 ///
 /// `base + b · batch_stride + ((H · ⌈T/16⌉ + ⌊i/16⌋) · ⌈S/16⌉ + ⌊j/16⌋) · 32 + (i mod 8) · 4 + (j mod 8) div 2`
@@ -76,8 +76,8 @@ impl AttnDropout {
     /// together: one block per eight probabilities, as on the GPU.
     fn tile_rows<T: Real>(&self, b: usize, h: usize, i0: usize, t: usize, s: usize, out: &mut [T]) {
         let rng = ferrotron_core::rng::Philox::new(self.seed).with_stream(self.stream);
-        let (thr, scale) = (threshold16(self.p), T::c(1.0 / (1.0 - self.p as f64)));
-        let m = |w: u32, half: usize| if keep16(w, half, thr) { scale } else { T::zero() };
+        let (thr, scale) = (crate::dropout::threshold16(self.p), T::c(1.0 / (1.0 - self.p as f64)));
+        let m = |w: u32, half: usize| if crate::dropout::keep16(w, half, thr) { scale } else { T::zero() };
         // In wrapping 64-bit arithmetic, as the kernels (a long run's sample index times the
         // blocks per sample may pass 2⁶⁴).
         let tile_row =
@@ -107,17 +107,6 @@ impl AttnDropout {
             }
         }
     }
-}
-
-/// p as the 16-bit threshold `keep16` compares against: ⌈p · 2¹⁶⌉.
-pub(crate) fn threshold16(p: f32) -> u32 {
-    ((p as f64) * 65536.0).ceil() as u32
-}
-
-/// Whether half `half` of word `w` (0: the low 16 bits) keeps its probability: at least the
-/// threshold. The CUDA kernels (kernels/attention.cu `AttnDrop`) compare the same integers.
-fn keep16(w: u32, half: usize, threshold: u32) -> bool {
-    (w >> (16 * half)) & 0xffff >= threshold
 }
 
 impl AttnMask {

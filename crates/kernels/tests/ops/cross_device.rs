@@ -255,11 +255,7 @@ fn every_op_matches_cpu() {
                 ),
                 dt,
                 &[qkv, dout.clone()],
-                |t| {
-                    let (o, lse) = k::attention_fwd_qkv(&t[0], k::QkvHeads::new(hkv, g, d), &cfg).unwrap();
-                    let dqkv = k::attention_bwd_qkv(&t[0], &o, &lse, &t[1], k::QkvHeads::new(hkv, g, d), &cfg).unwrap();
-                    vec![o, lse, dqkv]
-                },
+                |t| attention_qkv_fwd_bwd(t, k::QkvHeads::new(hkv, g, d), &cfg),
             );
         }
         ferrotron_kernels::cuda::set_wgmma(true);
@@ -325,12 +321,7 @@ fn every_op_matches_cpu() {
                 "flash attention fused qkv d64 three consumers",
                 dt,
                 &[qkv, rnd(&[2, 400, hkv * g, 64], 61, dt)],
-                |t| {
-                    let (o, lse) = k::attention_fwd_qkv(&t[0], k::QkvHeads::new(hkv, g, 64), &cfg).unwrap();
-                    let dqkv =
-                        k::attention_bwd_qkv(&t[0], &o, &lse, &t[1], k::QkvHeads::new(hkv, g, 64), &cfg).unwrap();
-                    vec![o, lse, dqkv]
-                },
+                |t| attention_qkv_fwd_bwd(t, k::QkvHeads::new(hkv, g, 64), &cfg),
             );
             ferrotron_kernels::cuda::set_flash_fwd_consumers(None);
         }
@@ -491,6 +482,13 @@ fn attention_fwd_bwd(t: &[Tensor], cfg: &AttnCfg) -> Vec<Tensor> {
     vec![o, lse, dq, dk, dv]
 }
 
+/// The same reading Q, K, V in place from the fused projection output (qkv, dout): o, lse, dQKV.
+fn attention_qkv_fwd_bwd(t: &[Tensor], heads: k::QkvHeads, cfg: &AttnCfg) -> Vec<Tensor> {
+    let (o, lse) = k::attention_fwd_qkv(&t[0], heads, cfg).unwrap();
+    let dqkv = k::attention_bwd_qkv(&t[0], &o, &lse, &t[1], heads, cfg).unwrap();
+    vec![o, lse, dqkv]
+}
+
 /// Attention dropout on every GPU path against the CPU's mask: the reference kernels (head dims
 /// 16 and 48, atomics and deterministic), the SIMT flash kernels (f32, and head dim 32), and the
 /// tensor-core `_drop` builds at head dims 64 and 128 (bf16): the warp-specialised forward and
@@ -540,11 +538,7 @@ fn attention_dropout_matches_cpu() {
                 &format!("attention dropout fused qkv t{t} d{d} wgmma {wg} det {det} ws {ws}"),
                 dt,
                 &[qkv, x[3].clone()],
-                |t| {
-                    let (o, lse) = k::attention_fwd_qkv(&t[0], k::QkvHeads::new(hkv, g, d), &cfg).unwrap();
-                    let dqkv = k::attention_bwd_qkv(&t[0], &o, &lse, &t[1], k::QkvHeads::new(hkv, g, d), &cfg).unwrap();
-                    vec![o, lse, dqkv]
-                },
+                |t| attention_qkv_fwd_bwd(t, k::QkvHeads::new(hkv, g, d), &cfg),
             );
         }
     }

@@ -36,7 +36,7 @@ fn drop_arg(a: &AttnShape) -> Arg {
         base: d.base,
         batch_stride: d.batch_stride,
         head_offset: d.head_offset,
-        threshold: crate::cpu::attention::threshold16(d.p),
+        threshold: crate::dropout::threshold16(d.p),
         scale: (1.0 / (1.0 - d.p as f64)) as f32,
     }))
 }
