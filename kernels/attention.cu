@@ -13,10 +13,11 @@ __device__ __forceinline__ bool allowed(long i, long j, long causal, long window
 // Attention dropout (the rule is the host's cpu/attention.rs `AttnDropout`): probability (i, j)
 // of head H = hoff + h of batch row b is half j mod 2 (low 16 bits first) of word
 // ((i mod 16) div 8) · 2 + (j mod 16) div 8 of Philox block base + b · bstride + ((H · ⌈t/16⌉ +
-// ⌊i/16⌋) · ⌈sl/16⌉ + ⌊j/16⌋) · 32 + (i mod 8) · 4 + (j mod 8) div 2, and is kept, times `scale`
-// (1 / (1 − p)), where that half is at least `thr` (⌈p · 2¹⁶⌉). thr = 0: no dropout (the
-// reference and SIMT kernels take a key always and test it; the tensor-core kernels have `_drop`
-// builds). Passed by value, as the host's `AttnDropArgs` lays it out.
+// ⌊i/16⌋) · ⌈sl/16⌉ + ⌊j/16⌋) · 32 + (i mod 8) · 4 + (j mod 8) div 2 (Philox-4x32-7: ATTN_ROUNDS),
+// and is kept, times `scale` (1 / (1 − p)), where that half is at least `thr` (⌈p · 2¹⁶⌉). thr =
+// 0: no dropout (the reference and SIMT kernels take a key always and test it; the tensor-core
+// kernels have `_drop` builds). Passed by value, as the host's `AttnDropArgs` lays it out.
+#define ATTN_ROUNDS 7  // cpu/attention.rs `AttnDropout::PHILOX_ROUNDS`
 struct AttnDrop {
     unsigned long long seed, stream, base, bstride, hoff;
     u32 thr;
@@ -34,7 +35,7 @@ __device__ __forceinline__ float drop_mul(const AttnDrop& d, u32 w, int hi) {
 }
 // One probability's multiplier: a Philox call each (the reference and SIMT kernels).
 __device__ __forceinline__ float drop_at(const AttnDrop& d, long b, long h, long i, long j, long t, long sl) {
-    const uint4 w = philox4(d.seed, d.stream, drop_tile(d, b, h, i >> 4, j >> 4, t, sl) + (i & 7) * 4 + ((j & 7) >> 1));
+    const uint4 w = philox4<ATTN_ROUNDS>(d.seed, d.stream, drop_tile(d, b, h, i >> 4, j >> 4, t, sl) + (i & 7) * 4 + ((j & 7) >> 1));
     return drop_mul(d, lane_of(w, (int)(((i >> 3) & 1) * 2 + ((j >> 3) & 1))), (int)(j & 1));
 }
 // The tensor-core kernels' accumulator fragments (mma.sync m16n8k16 and wgmma alike): a thread
@@ -53,7 +54,7 @@ __device__ __forceinline__ void drop_frag(const AttnDrop& d, unsigned long long 
 #pragma unroll
     for (int ks = 0; ks < NB / 2; ks++) {
         if constexpr (!TR) {
-            const uint4 w4 = philox4(d.seed, d.stream, tile0 + ks * step + g * 4 + tg);
+            const uint4 w4 = philox4<ATTN_ROUNDS>(d.seed, d.stream, tile0 + ks * step + g * 4 + tg);
             const u32 w[4] = {w4.x, w4.y, w4.z, w4.w};
 #pragma unroll
             for (int x = 0; x < 2; x++)
@@ -66,7 +67,7 @@ __device__ __forceinline__ void drop_frag(const AttnDrop& d, unsigned long long 
             // word x · 2 + y, half g & 1. This thread computes c = g & 1; its neighbour g ^ 1 the
             // other, whose halves g & 1 it sends over (and receives this thread's in turn).
             const int own = g & 1;
-            const uint4 w4 = philox4(d.seed, d.stream, tile0 + ks * step + (2 * tg + own) * 4 + (g >> 1));
+            const uint4 w4 = philox4<ATTN_ROUNDS>(d.seed, d.stream, tile0 + ks * step + (2 * tg + own) * 4 + (g >> 1));
             // The halves the neighbour needs (1 − own), two to a word: words 0 and 1, then 2 and 3.
             const u32 sel = own ? 0x5410u : 0x7632u;
             const u32 r01 = __shfl_xor_sync(0xffffffffu, __byte_perm(w4.x, w4.y, sel), 4);

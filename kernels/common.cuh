@@ -220,14 +220,16 @@ __device__ __forceinline__ float col_chunk_sum(F v) {
     return total;
 }
 
-// Philox-4x32-10 block `blk` of key `seed` and stream `stream`: the four words of counter
-// (blk, stream), the rounds and word order of ferrotron_core::rng::Philox::block, so a mask drawn
-// here is the CPU's, bit for bit (dropout: elementwise.cu; attention's: attention.cu `AttnDrop`).
+// Philox-4x32-R block `blk` of key `seed` and stream `stream`: the four words of counter
+// (blk, stream), the rounds and word order of ferrotron_core::rng::Philox::block_rounds, so a mask
+// drawn here is the CPU's, bit for bit (dropout: elementwise.cu, 10 rounds; attention's:
+// attention.cu `AttnDrop`, 7).
+template <int R = 10>
 __device__ __forceinline__ uint4 philox4(unsigned long long seed, unsigned long long stream, unsigned long long blk) {
     u32 c0 = (u32)blk, c1 = (u32)(blk >> 32), c2 = (u32)stream, c3 = (u32)(stream >> 32);
     u32 k0 = (u32)seed, k1 = (u32)(seed >> 32);
 #pragma unroll
-    for (int round = 0; round < 10; round++) {
+    for (int round = 0; round < R; round++) {
         if (round > 0) { k0 += 0x9E3779B9u; k1 += 0xBB67AE85u; }
         const u32 h0 = __umulhi(0xD2511F53u, c0), l0 = 0xD2511F53u * c0;
         const u32 h1 = __umulhi(0xCD9E8D57u, c2), l1 = 0xCD9E8D57u * c2;

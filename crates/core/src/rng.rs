@@ -1,4 +1,7 @@
-//! Philox-4x32-10 counter-based RNG (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3").
+//! Philox-4x32 counter-based RNG (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3"):
+//! 10 rounds for everything but attention dropout's mask, which takes 7 (`Philox::block_rounds`;
+//! FlashAttention's choice too: Philox-4x32-7 passes BigCrush, and its mask is drawn again in the
+//! backward, where the rounds are most of the cost).
 //!
 //! A random value is a pure function of (seed, stream, offset): no state advances, so the numbers a
 //! parameter or a dropout mask gets do not depend on how many threads or ranks computed them, or in
@@ -12,9 +15,14 @@ const W1: u32 = 0xBB67_AE85;
 
 /// One Philox-4x32 block: 10 rounds over a 128-bit counter with a 64-bit key.
 pub fn philox4x32_10(ctr: [u32; 4], key: [u32; 2]) -> [u32; 4] {
+    philox4x32(ctr, key, 10)
+}
+
+/// One Philox-4x32 block of `rounds` rounds (Random123's philox4x32_R).
+pub fn philox4x32(ctr: [u32; 4], key: [u32; 2], rounds: u32) -> [u32; 4] {
     let mut c = ctr;
     let mut k = key;
-    for round in 0..10 {
+    for round in 0..rounds {
         if round > 0 {
             k[0] = k[0].wrapping_add(W0);
             k[1] = k[1].wrapping_add(W1);
@@ -51,9 +59,14 @@ impl Philox {
 
     /// Four random words for block `block` (each block covers offsets 4·block .. 4·block+3).
     pub fn block(&self, block: u64) -> [u32; 4] {
+        self.block_rounds(block, 10)
+    }
+
+    /// Block `block` of `rounds` rounds instead of 10 (attention dropout's mask: 7).
+    pub fn block_rounds(&self, block: u64, rounds: u32) -> [u32; 4] {
         let key = [self.seed as u32, (self.seed >> 32) as u32];
         let ctr = [block as u32, (block >> 32) as u32, self.stream as u32, (self.stream >> 32) as u32];
-        philox4x32_10(ctr, key)
+        philox4x32(ctr, key, rounds)
     }
 
     /// The 32-bit word at `offset`.
@@ -98,6 +111,17 @@ mod tests {
         assert_eq!(
             philox4x32_10([0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344], [0xa4093822, 0x299f31d0]),
             [0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1]
+        );
+    }
+
+    /// The same for 7 rounds (attention dropout's mask).
+    #[test]
+    fn known_answers_7_rounds() {
+        assert_eq!(philox4x32([0; 4], [0; 2], 7), [0x5f6fb709, 0x0d893f64, 0x4f121f81, 0x4f730a48]);
+        assert_eq!(philox4x32([u32::MAX; 4], [u32::MAX; 2], 7), [0x5207ddc2, 0x45165e59, 0x4d8ee751, 0x8c52f662]);
+        assert_eq!(
+            philox4x32([0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344], [0xa4093822, 0x299f31d0], 7),
+            [0x4dfccaba, 0x190a87f0, 0xc47362ba, 0xb6b5242a]
         );
     }
 

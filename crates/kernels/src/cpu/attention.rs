@@ -43,8 +43,8 @@ pub struct AttnMask {
 ///
 /// `base + b · batch_stride + ((H · ⌈T/16⌉ + ⌊i/16⌋) · ⌈S/16⌉ + ⌊j/16⌋) · 32 + (i mod 8) · 4 + (j mod 8) div 2`
 ///
-/// (H = head_offset + h): probability (i, j) is half `j mod 2` (low 16 bits first) of word
-/// `((i mod 16) div 8) · 2 + (j mod 16) div 8`. Why this grouping: a tensor core's accumulator
+/// (H = head_offset + h), a block of Philox-4x32-7 ([`AttnDropout::PHILOX_ROUNDS`]): probability
+/// (i, j) is half `j mod 2` (low 16 bits first) of word `((i mod 16) div 8) · 2 + (j mod 16) div 8`. Why this grouping: a tensor core's accumulator
 /// fragment gives each thread rows {r, r + 8} and columns {c, c + 1, c + 8, c + 9} of a 16 × 16
 /// tile, so where the rows are the queries (the forward, dQ) one Philox call serves a thread's
 /// eight probabilities; where they are the keys (dK/dV compute Sᵀ) two neighbouring threads each
@@ -65,6 +65,10 @@ pub struct AttnDropout {
 }
 
 impl AttnDropout {
+    /// Philox rounds of the mask's blocks: 7, not 10 (FlashAttention's count; Philox-4x32-7
+    /// passes BigCrush). The backward draws the mask again, and the rounds are most of its cost.
+    pub const PHILOX_ROUNDS: u32 = 7;
+
     /// Philox blocks one sample's mask spans: `heads` · ⌈T/16⌉ · ⌈S/16⌉ tiles of 32 blocks.
     pub fn blocks_per_sample(heads: usize, t: usize, s: usize) -> u64 {
         (heads as u64) * (t.div_ceil(16) as u64) * (s.div_ceil(16) as u64) * 32
@@ -93,7 +97,7 @@ impl AttnDropout {
                 // (row r + 8) of one block, half j mod 2.
                 let tile = first.wrapping_add((j0 / 16 * 32 + r * 4) as u64);
                 for pair in 0..4 {
-                    let w = rng.block(tile.wrapping_add(pair as u64));
+                    let w = rng.block_rounds(tile.wrapping_add(pair as u64), Self::PHILOX_ROUNDS);
                     for (x, half) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
                         let j = j0 + 8 * x + 2 * pair + half;
                         if j < s {

@@ -7,14 +7,14 @@ use ferrotron_kernels::{self as k, AttnCfg, AttnDropout};
 use proptest::prelude::*;
 
 /// Dropout's multiplier for probability (i, j) of head h of batch row b, straight from the
-/// documented block, word and half (`AttnDropout`): 1 / (1 − p) where the 16-bit value is at
-/// least ⌈p · 2¹⁶⌉, else 0; 1 without dropout.
+/// documented block (of Philox-4x32-7), word and half (`AttnDropout`): 1 / (1 − p) where the
+/// 16-bit value is at least ⌈p · 2¹⁶⌉, else 0; 1 without dropout.
 fn drop_factor(dr: Option<AttnDropout>, d: AttnDims, b: usize, h: usize, i: usize, j: usize) -> f64 {
     let Some(dr) = dr else { return 1.0 };
     let (tiles_t, tiles_s) = (d.t.div_ceil(16) as u64, d.s.div_ceil(16) as u64);
     let tile = ((dr.head_offset + h as u64) * tiles_t + (i / 16) as u64) * tiles_s + (j / 16) as u64;
     let block = dr.base + b as u64 * dr.batch_stride + tile * 32 + (i % 8 * 4 + j % 8 / 2) as u64;
-    let word = Philox::new(dr.seed).with_stream(dr.stream).block(block)[i % 16 / 8 * 2 + j % 16 / 8];
+    let word = Philox::new(dr.seed).with_stream(dr.stream).block_rounds(block, 7)[i % 16 / 8 * 2 + j % 16 / 8];
     let u = if j % 2 == 0 { word & 0xffff } else { word >> 16 };
     let threshold = (dr.p as f64 * 65536.0).ceil() as u32;
     if u >= threshold { 1.0 / (1.0 - dr.p as f64) } else { 0.0 }
