@@ -3,7 +3,8 @@
 //! for the GPU timeline of running steps, `--attention` for flash attention beside SDPA,
 //! `--scaling` for several GPUs), trace (summarise GPU
 //! timelines), gpu-parity (every
-//! multi-GPU layout against one GPU), ptx (compile kernels/ with nvcc ahead of time) and gpu-test
+//! multi-GPU layout against one GPU), ptx (compile kernels/ with nvcc ahead of time), sass-diff
+//! (which kernels a change reached, to the instruction) and gpu-test
 //! (build the CUDA test binaries and run them where a GPU is, or stage them for a GPU machine).
 
 mod gpuwatch;
@@ -57,10 +58,14 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Some("ptx") => ptx(args.get(1).map(String::as_str).unwrap_or("sm_90a")),
+        Some("sass-diff") => match args.get(1) {
+            Some(rev) => sass_diff(rev, args.get(2).map(String::as_str).unwrap_or("sm_90a")),
+            None => bail!("usage: cargo xtask sass-diff REV [sm_XX]: kernels/ at commit REV against the working tree"),
+        },
         Some("gpu-test") => gpu_test(args.get(1).map(PathBuf::from)),
         _ => {
             eprintln!(
-                "usage: cargo xtask tidy | bench [criterion args] | bench --gpu [FERROTRON_BIN] [PRESET...] | bench --gpu-profile [FERROTRON_BIN] [PRESET...] | bench --gpu-trace [FERROTRON_BIN] [PRESET...] | bench --attention [ATTENTION_BENCH_BIN] | trace FILE [FILE2] | bench --scaling [FERROTRON_BIN] [--gpus N] [--plot FILE] | gpu-parity [FERROTRON_BIN] [--gpus N] | ptx [sm_XX] | gpu-test [STAGE_DIR]"
+                "usage: cargo xtask tidy | bench [criterion args] | bench --gpu [FERROTRON_BIN] [PRESET...] | bench --gpu-profile [FERROTRON_BIN] [PRESET...] | bench --gpu-trace [FERROTRON_BIN] [PRESET...] | bench --attention [ATTENTION_BENCH_BIN] | trace FILE [FILE2] | bench --scaling [FERROTRON_BIN] [--gpus N] [--plot FILE] | gpu-parity [FERROTRON_BIN] [--gpus N] | ptx [sm_XX] | sass-diff REV [sm_XX] | gpu-test [STAGE_DIR]"
             );
             bail!("unknown command {:?}", args.first());
         }
@@ -70,11 +75,17 @@ fn main() -> anyhow::Result<()> {
 /// The CUDA sources as one translation unit, in the order NVRTC sees them: the order of the
 /// `include_str!` list in crates/kernels/src/cuda/mod.rs (later files use earlier ones' helpers).
 fn cuda_source() -> anyhow::Result<String> {
-    let list = std::fs::read_to_string(root().join("crates/kernels/src/cuda/mod.rs"))?;
+    cuda_source_from(|path| Ok(std::fs::read_to_string(root().join(path))?))
+}
+
+/// `cuda_source` with each file (a path from the workspace root) read by `read`: the working tree's
+/// or a commit's (`git show REV:PATH`).
+fn cuda_source_from(read: impl Fn(&str) -> anyhow::Result<String>) -> anyhow::Result<String> {
+    let list = read("crates/kernels/src/cuda/mod.rs")?;
     let mut src = String::new();
     for part in list.split("include_str!(\"../../../../kernels/").skip(1) {
         let name = part.split('"').next().context("malformed include_str! in cuda/mod.rs")?;
-        src.push_str(&std::fs::read_to_string(root().join("kernels").join(name))?);
+        src.push_str(&read(&format!("kernels/{name}"))?);
         src.push('\n');
     }
     if src.is_empty() {
@@ -87,34 +98,7 @@ fn cuda_source() -> anyhow::Result<String> {
 /// prints each kernel's registers, spills and shared memory from ptxas. nvcc comes with the CUDA
 /// toolkit, or from PyPI: `pip install nvidia-cuda-nvcc` puts it in site-packages/nvidia/cu13/bin.
 fn ptx(arch: &str) -> anyhow::Result<()> {
-    let out = root().join("target/ptx");
-    std::fs::create_dir_all(&out)?;
-    let cu = out.join("ferrotron_kernels.cu");
-    std::fs::write(&cu, cuda_source()?)?;
-    let cubin = out.join(format!("ferrotron_kernels.{arch}.cubin"));
-    let mut cmd = Command::new("nvcc");
-    if let Some(bin) = venv_nvcc_bin() {
-        // nvcc finds ptxas and cicc next to itself only through PATH.
-        let path = std::env::var_os("PATH").unwrap_or_default();
-        let joined = std::env::join_paths(std::iter::once(bin.clone()).chain(std::env::split_paths(&path)))?;
-        cmd = Command::new(bin.join("nvcc"));
-        cmd.env("PATH", joined);
-    }
-    let res = cmd
-        .args(["--cubin", &format!("-arch={arch}"), "-std=c++17", "-Xptxas", "-v", "-o"])
-        .arg(&cubin)
-        .arg(&cu)
-        .output()
-        .context(
-            "nvcc not found: install the CUDA toolkit and put nvcc on PATH, or here without one: \
-             python3 -m venv target/ci-venv && target/ci-venv/bin/pip install \
-             'nvidia-cuda-nvcc==13.0.*' 'nvidia-nvvm==13.0.*' 'nvidia-cuda-crt==13.0.*' 'nvidia-cuda-runtime==13.0.*' \
-             (one version for all four: a newer front end writes PTX that ptxas 13.0 refuses)",
-        )?;
-    let log = String::from_utf8_lossy(&res.stderr);
-    if !res.status.success() {
-        bail!("nvcc failed on kernels/ for {arch}:\n{log}");
-    }
+    let (cubin, log) = nvcc_cubin(arch, &cuda_source()?, "ferrotron_kernels")?;
     println!("| kernel | registers | spill stores / loads (bytes) | shared memory (static) |");
     println!("|---|---|---|---|");
     for row in ptxas_table(&log) {
@@ -128,18 +112,101 @@ fn ptx(arch: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The folder of the nvcc that pip installs into target/ci-venv (`nvidia-cuda-nvcc`), where no
-/// nvcc is on PATH.
-fn venv_nvcc_bin() -> Option<PathBuf> {
-    let on_path = std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join("nvcc").is_file()));
-    if on_path {
-        return None;
+/// Compiles `src` with nvcc for `arch` into target/ptx/STEM.ARCH.cubin: the cubin and ptxas's
+/// `-v` log.
+fn nvcc_cubin(arch: &str, src: &str, stem: &str) -> anyhow::Result<(PathBuf, String)> {
+    let out = root().join("target/ptx");
+    std::fs::create_dir_all(&out)?;
+    let cu = out.join(format!("{stem}.cu"));
+    std::fs::write(&cu, src)?;
+    let cubin = out.join(format!("{stem}.{arch}.cubin"));
+    let mut cmd = cuda_tool("nvcc")?;
+    let res = cmd
+        .args(["--cubin", &format!("-arch={arch}"), "-std=c++17", "-Xptxas", "-v", "-o"])
+        .arg(&cubin)
+        .arg(&cu)
+        .output()
+        .context(
+            "nvcc not found: install the CUDA toolkit and put nvcc on PATH, or here without one: \
+             python3 -m venv target/ci-venv && target/ci-venv/bin/pip install \
+             'nvidia-cuda-nvcc==13.0.*' 'nvidia-nvvm==13.0.*' 'nvidia-cuda-crt==13.0.*' 'nvidia-cuda-runtime==13.0.*' \
+             (one version for all four: a newer front end writes PTX that ptxas 13.0 refuses)",
+        )?;
+    let log = String::from_utf8_lossy(&res.stderr).into_owned();
+    if !res.status.success() {
+        bail!("nvcc failed on kernels/ for {arch}:\n{log}");
     }
-    let lib = root().join("target/ci-venv/lib");
-    std::fs::read_dir(lib).ok()?.flatten().find_map(|py| {
-        let bin = py.path().join("site-packages/nvidia/cu13/bin");
-        bin.join("nvcc").is_file().then_some(bin)
-    })
+    Ok((cubin, log))
+}
+
+/// `cargo xtask sass-diff REV [sm_XX]`: kernels/ at commit REV and in the working tree compiled
+/// for the same arch, their SASS compared kernel by kernel (`xtask::sass`): which kernels changed
+/// and how many instructions each has, which are the same to the instruction. cuobjdump and
+/// nvdisasm come with the CUDA toolkit, or from PyPI into target/ci-venv beside nvcc.
+fn sass_diff(rev: &str, arch: &str) -> anyhow::Result<()> {
+    let at_rev = |path: &str| -> anyhow::Result<String> {
+        let out = Command::new("git").current_dir(root()).args(["show", &format!("{rev}:{path}")]).output()?;
+        if !out.status.success() {
+            bail!("git show {rev}:{path}: {}", String::from_utf8_lossy(&out.stderr).trim());
+        }
+        Ok(String::from_utf8(out.stdout)?)
+    };
+    let (old, _) = nvcc_cubin(arch, &cuda_source_from(at_rev)?, "ferrotron_kernels_old")?;
+    let (new, _) = nvcc_cubin(arch, &cuda_source()?, "ferrotron_kernels")?;
+    let sass = |cubin: &PathBuf| -> anyhow::Result<String> {
+        let out = cuda_tool("cuobjdump")?.arg("-sass").arg(cubin).output().context(
+            "cuobjdump not found: install the CUDA toolkit, or here without one: target/ci-venv/bin/pip install \
+             'nvidia-cuda-cuobjdump==13.2.*' 'nvidia-cuda-nvdisasm==13.2.*' (13.2 reads 13.0's cubins)",
+        )?;
+        if !out.status.success() {
+            bail!("cuobjdump -sass {}: {}", cubin.display(), String::from_utf8_lossy(&out.stderr).trim());
+        }
+        Ok(String::from_utf8(out.stdout)?)
+    };
+    let d = xtask::sass::diff(&xtask::sass::functions(&sass(&old)?), &xtask::sass::functions(&sass(&new)?));
+    println!(
+        "{rev} → working tree, {arch}: {} kernels the same to the instruction, {} changed",
+        d.same,
+        d.changed.len()
+    );
+    if !d.changed.is_empty() {
+        println!("| kernel | instructions at {rev} | now |");
+        println!("|---|---|---|");
+        for (name, a, b) in &d.changed {
+            println!("| {name} | {a} | {b} |");
+        }
+    }
+    for name in &d.removed {
+        println!("removed: {name}");
+    }
+    for name in &d.added {
+        println!("added: {name}");
+    }
+    Ok(())
+}
+
+/// A CUDA tool (nvcc, cuobjdump): from PATH, or from the folder pip installs them into in
+/// target/ci-venv (site-packages/nvidia/cu13/bin), put first on the command's PATH (nvcc finds
+/// ptxas and cicc, cuobjdump nvdisasm, only through it).
+fn cuda_tool(name: &str) -> anyhow::Result<Command> {
+    let on_path = std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(name).is_file()));
+    let venv = || {
+        let lib = root().join("target/ci-venv/lib");
+        std::fs::read_dir(lib).ok()?.flatten().find_map(|py| {
+            let bin = py.path().join("site-packages/nvidia/cu13/bin");
+            bin.join(name).is_file().then_some(bin)
+        })
+    };
+    match venv().filter(|_| !on_path) {
+        Some(bin) => {
+            let path = std::env::var_os("PATH").unwrap_or_default();
+            let joined = std::env::join_paths(std::iter::once(bin.clone()).chain(std::env::split_paths(&path)))?;
+            let mut cmd = Command::new(bin.join(name));
+            cmd.env("PATH", joined);
+            Ok(cmd)
+        }
+        None => Ok(Command::new(name)),
+    }
 }
 
 /// (kernel, registers, spill store bytes, spill load bytes, static shared bytes) from `ptxas -v`.
