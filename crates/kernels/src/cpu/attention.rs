@@ -44,13 +44,14 @@ pub struct AttnMask {
 /// `base + b · batch_stride + ((H · ⌈T/16⌉ + ⌊i/16⌋) · ⌈S/16⌉ + ⌊j/16⌋) · 32 + (i mod 8) · 4 + (j mod 8) div 2`
 ///
 /// (H = head_offset + h), a block of Philox-4x32-7 ([`AttnDropout::PHILOX_ROUNDS`]): probability
-/// (i, j) is half `j mod 2` (low 16 bits first) of word `((i mod 16) div 8) · 2 + (j mod 16) div 8`. Why this grouping: a tensor core's accumulator
-/// fragment gives each thread rows {r, r + 8} and columns {c, c + 1, c + 8, c + 9} of a 16 × 16
-/// tile, so where the rows are the queries (the forward, dQ) one Philox call serves a thread's
-/// eight probabilities; where they are the keys (dK/dV compute Sᵀ) two neighbouring threads each
-/// compute one block and swap the halves the other needs. The block is a pure function of the
-/// element's global place, so the backward, a recomputed forward, micro-batches (`base`) and
-/// heads split over tensor-parallel ranks (`head_offset`) all draw the same mask, on either device.
+/// (i, j) is half `j mod 2` (low 16 bits first) of word `((i mod 16) div 8) · 2 + (j mod 16) div 8`.
+/// Why this grouping: a tensor core's accumulator fragment gives each thread rows {r, r + 8} and
+/// columns {c, c + 1, c + 8, c + 9} of a 16 × 16 tile, so where the rows are the queries (the
+/// forward, dQ) one Philox call serves a thread's eight probabilities; where they are the keys
+/// (dK/dV compute Sᵀ) two neighbouring threads each compute one block and swap the halves the
+/// other needs. The block is a pure function of the element's global place, so the backward, a
+/// recomputed forward, micro-batches (`base`) and heads split over tensor-parallel ranks
+/// (`head_offset`) all draw the same mask, on either device.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttnDropout {
     pub p: f32,
