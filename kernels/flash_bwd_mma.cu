@@ -244,6 +244,25 @@ __device__ __forceinline__ void p_ds_t(float (*st)[4], float (*dpt)[4], const fl
         }
     }
 }
+// Attention dropout on a dK/dV step (rows = keys; attention.cu `drop_frag`, TR): dPᵀ times the
+// mask's multipliers of this thread's scores, whose first 16 × 16 tile is `tile` (drop_tile);
+// returns the keep bits (bit nb · 4 + e) that carry the mask on to P̃ᵀ (`drop_keep`).
+__device__ __forceinline__ u32 drop_dpt(const AttnDrop& dr, float (*dpt)[4], unsigned long long tile, long sl, int g,
+                                        int tg) {
+    u32 keep = 0;
+    drop_frag<true, 8>(dr, tile, (sl + 15) / 16 * 32, g, tg, [&](int nb, int e, float mul) {
+        dpt[nb][e] *= mul;
+        keep |= (mul != 0.f ? 1u : 0u) << (nb * 4 + e);
+    });
+    return keep;
+}
+// P̃ᵀ = Pᵀ ∘ M / (1 − p) in st, M from `drop_dpt`'s keep bits.
+__device__ __forceinline__ void drop_keep(float (*st)[4], u32 keep, float scale) {
+    #pragma unroll
+    for (int nb = 0; nb < 8; nb++)
+        #pragma unroll
+        for (int e = 0; e < 4; e++) st[nb][e] = (keep >> (nb * 4 + e)) & 1u ? st[nb][e] * scale : 0.f;
+}
 // dSᵀ (key jl, row il) to shared memory at byte ((jl/8)·8 + il/8)·128 + (jl%8)·16 + (il%8)·2: an
 // MN-major A operand (rows contiguous); the words of a warp fill whole core matrices (no bank
 // conflicts). `w`: the warp's 16 keys from key 16·w of `dss`.
@@ -367,21 +386,10 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
             if (!tile_full(i0, FB_ROWS, j0, KEYS, t, sl, causal, window))
                 mask_t<D == 64>(st, i0, jr0, jr1, tg, t, sl, causal, window);
             u32 keep = 0;
-            if constexpr (DROP) {
-                const long h = kvh * group + n / qtiles;
-                drop_frag<true, 8>(dr, drop_tile(dr, b, h, i0 >> 4, jr0 >> 4, t, sl), (sl + 15) / 16 * 32, g, tg,
-                                   [&](int nb, int e, float mul) {
-                                       dpt[nb][e] *= mul;
-                                       keep |= (mul != 0.f ? 1u : 0u) << (nb * 4 + e);
-                                   });
-            }
+            if constexpr (DROP)
+                keep = drop_dpt(dr, dpt, drop_tile(dr, b, kvh * group + n / qtiles, i0 >> 4, jr0 >> 4, t, sl), sl, g, tg);
             p_ds_t<false>(st, dpt, ls, dls, scale2, tg);
-            if constexpr (DROP) {
-                #pragma unroll
-                for (int nb = 0; nb < 8; nb++)
-                    #pragma unroll
-                    for (int e = 0; e < 4; e++) st[nb][e] = (keep >> (nb * 4 + e)) & 1u ? st[nb][e] * dr.scale : 0.f;
-            }
+            if constexpr (DROP) drop_keep(st, keep, dr.scale);
             // dV += Pᵀ dO and dK += dSᵀ Q: k-steps of 16 rows.
             if constexpr (WG) {
                 u32 pa[FB_ROWS / 16][4], sa[FB_ROWS / 16][4];
@@ -803,20 +811,10 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
                 }
             }
             u32 keep = 0;
-            if constexpr (DROP) {
-                drop_frag<true, 8>(dr, drop_tile(dr, b, kvh * group + qh, i0 >> 4, jr0 >> 4, t, sl), (sl + 15) / 16 * 32,
-                                   g, tg, [&](int nb, int e, float mul) {
-                                       dpt[nb][e] *= mul;
-                                       keep |= (mul != 0.f ? 1u : 0u) << (nb * 4 + e);
-                                   });
-            }
+            if constexpr (DROP)
+                keep = drop_dpt(dr, dpt, drop_tile(dr, b, kvh * group + qh, i0 >> 4, jr0 >> 4, t, sl), sl, g, tg);
             p_ds_t<true>(st, dpt, ls, dls, scale2, tg);
-            if constexpr (DROP) {
-                #pragma unroll
-                for (int nb = 0; nb < 8; nb++)
-                    #pragma unroll
-                    for (int e = 0; e < 4; e++) st[nb][e] = (keep >> (nb * 4 + e)) & 1u ? st[nb][e] * dr.scale : 0.f;
-            }
+            if constexpr (DROP) drop_keep(st, keep, dr.scale);
             u32 pa[FB_ROWS / 16][4], sa[FB_ROWS / 16][4];
             #pragma unroll
             for (int kstep = 0; kstep < FB_ROWS / 16; kstep++) { c_to_a(pa[kstep], st, kstep); c_to_a(sa[kstep], dpt, kstep); }

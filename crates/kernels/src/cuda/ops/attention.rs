@@ -145,12 +145,10 @@ enum FwdGrid {
 /// warpgroups in lockstep on sm_90, else mma.sync with one m-tile.
 fn fwd_kernel(be: &B, d: usize, t: usize, drop: bool) -> (TcLaunch, FwdGrid) {
     if drop && ws_drop(be) {
-        // As the default build's below: 3 stages of 128-key K and V tiles, at head dim 64 the two
-        // Q tiles, the slots, the consumers' O tiles.
-        let q_tiles = if d == 64 { 2 * 128 * d * 2 } else { 0 };
-        let shared = 3 * 2 * 128 * d * 2 + q_tiles + 16 * 8 + 2 * 64 * (d + 8) * 2;
+        let grid = FwdGrid::WsDynamicTma;
+        let shared = ws_fwd_shared(d, 128, 2, q_by_tma(grid, d));
         let name = format!("flash_fwd_ws2tpdk128_drop_bf16_{d}");
-        return (TcLaunch { name, rows: 128, threads: 384, shared: shared as u32 }, FwdGrid::WsDynamicTma);
+        return (TcLaunch { name, rows: 128, threads: 384, shared }, grid);
     }
     if drop {
         let l = if be.use_wgmma() {
@@ -204,13 +202,8 @@ fn fwd_kernel(be: &B, d: usize, t: usize, drop: bool) -> (TcLaunch, FwdGrid) {
             (false, true, _) => FwdGrid::WsTilesTma,
             (false, false, _) => FwdGrid::WsTiles,
         };
-        // FW_STAGES (3) stages of K and V tiles, the two Q tiles (64·nc rows) of the builds that
-        // copy Q (`q_by_tma`), 16 slots of 8 bytes (mbarriers, tile indices), the consumers' O
-        // tiles of 64 padded rows (`fwd_store_staged`): 231,552 bytes at head dim 128.
-        let rows = 64 * nc;
-        let q_tiles = if q_by_tma(grid, d) { 2 * rows * d * 2 } else { 0 };
-        let shared = 3 * 2 * keys * d * 2 + q_tiles + 16 * 8 + nc * 64 * (d + 8) * 2;
-        (TcLaunch { name, rows, threads: 128 * (nc as u32 + 1), shared: shared as u32 }, grid)
+        let shared = ws_fwd_shared(d, keys, nc, q_by_tma(grid, d));
+        (TcLaunch { name, rows: 64 * nc, threads: 128 * (nc as u32 + 1), shared }, grid)
     } else if be.use_wgmma() {
         // H200, 16k tokens per call (NW = 1 was L2-bound): D 64 NW 2 (178–246 TFLOP/s over 1k–16k;
         // 4: 144–227, 1: 137–168); D 128 NW 3 from 2k rows (190–243), 2 at 1k (156 vs 145).
@@ -228,6 +221,15 @@ fn fwd_kernel(be: &B, d: usize, t: usize, drop: bool) -> (TcLaunch, FwdGrid) {
             FwdGrid::Tiles,
         )
     }
+}
+
+/// Dynamic shared memory of the warp-specialised forward (kernels/flash_mma.cu `flash_fwd_ws`):
+/// FW_STAGES (3) stages of K and V tiles of `keys` rows, the two Q tiles (64·nc rows) of the builds
+/// that copy Q (`q_tiles`: `q_by_tma`), 16 slots of 8 bytes (mbarriers, tile indices), the `nc`
+/// consumers' O tiles of 64 padded rows (`fwd_store_staged`): 231,552 bytes at head dim 128.
+fn ws_fwd_shared(d: usize, keys: usize, nc: usize, q_tiles: bool) -> u32 {
+    let q = if q_tiles { 2 * 64 * nc * d * 2 } else { 0 };
+    (3 * 2 * keys * d * 2 + q + 16 * 8 + nc * 64 * (d + 8) * 2) as u32
 }
 
 /// Whether the forward with attention dropout runs the warp-specialised `_drop` build (TMA copies,
