@@ -16,13 +16,20 @@ __device__ __forceinline__ bool allowed(long i, long j, long causal, long window
 // ⌊i/16⌋) · ⌈sl/16⌉ + ⌊j/16⌋) · 32 + (i mod 8) · 4 + (j mod 8) div 2 (Philox-4x32-7: ATTN_ROUNDS),
 // and is kept, times `scale` (1 / (1 − p)), where that half is at least `thr` (⌈p · 2¹⁶⌉). thr =
 // 0: no dropout (the reference and SIMT kernels take a key always and test it; the tensor-core
-// kernels have `_drop` builds). Passed by value, as the host's `AttnDropArgs` lays it out.
+// kernels have `_drop` builds). Passed by value, as the host's `AttnDropArgs` lays it out;
+// `shift` (or null) points at samples to add to the first sample `base` was worked out for (a
+// replayed CUDA graph's step), applied by `drop_shifted` at each kernel's entry.
 #define ATTN_ROUNDS 7  // cpu/attention.rs `AttnDropout::PHILOX_ROUNDS`
 struct AttnDrop {
     unsigned long long seed, stream, base, bstride, hoff;
     u32 thr;
     float scale;
+    const unsigned long long* shift;
 };
+__device__ __forceinline__ AttnDrop drop_shifted(AttnDrop d) {
+    if (d.shift) d.base += *d.shift * d.bstride;
+    return d;
+}
 // Block of the first probabilities of the 16 × 16 tile (ti, tj) of local head h of batch row b.
 __device__ __forceinline__ unsigned long long drop_tile(const AttnDrop& d, long b, long h, long ti, long tj, long t,
                                                         long sl) {
@@ -91,7 +98,8 @@ __device__ __forceinline__ void drop_frag(const AttnDrop& d, unsigned long long 
 
 #define ATTN(s, T) \
 extern "C" __global__ void attn_fwd_##s(const T* q, const T* k, const T* v, T* o, float* lse, long t, long sl, long hq, long hkv, long d, \
-                                         float scale, long causal, long window, AttnDrop dr) { \
+                                         float scale, long causal, long window, AttnDrop dr0) { \
+    const AttnDrop dr = drop_shifted(dr0); \
     extern __shared__ float sc[]; \
     long i = blockIdx.x % t, h = (blockIdx.x / t) % hq, b = blockIdx.x / (t * hq), kvh = h / (hq / hkv); \
     const T* qi = q + ((b * t + i) * hq + h) * d; \
@@ -110,7 +118,8 @@ extern "C" __global__ void attn_fwd_##s(const T* q, const T* k, const T* v, T* o
     if (threadIdx.x == 0) lse[(b * hq + h) * t + i] = m + logf(z); } \
 extern "C" __global__ void attn_bwd_##s(const T* q, const T* k, const T* v, const T* o, const float* lse, const T* dout, \
                                          float* dq, float* dk, float* dv, long t, long sl, long hq, long hkv, long d, \
-                                         float scale, long causal, long window, long atomics, AttnDrop dr) { \
+                                         float scale, long causal, long window, long atomics, AttnDrop dr0) { \
+    const AttnDrop dr = drop_shifted(dr0); \
     extern __shared__ float sc[]; \
     long i = blockIdx.x % t, h = (blockIdx.x / t) % hq, b = blockIdx.x / (t * hq), kvh = h / (hq / hkv); \
     long qo = ((b * t + i) * hq + h) * d; float l = lse[(b * hq + h) * t + i]; \
@@ -133,7 +142,8 @@ extern "C" __global__ void attn_bwd_##s(const T* q, const T* k, const T* v, cons
    adds them in query order: the same sum in the same order on every run. */ \
 extern "C" __global__ void attn_bwd_kv_##s(const T* q, const T* k, const T* v, const T* o, const float* lse, \
                                             const T* dout, float* dk, float* dv, long t, long sl, long hq, long hkv, \
-                                            long d, float scale, long causal, long window, AttnDrop dr) { \
+                                            long d, float scale, long causal, long window, AttnDrop dr0) { \
+    const AttnDrop dr = drop_shifted(dr0); \
     extern __shared__ float sc[]; \
     const long n = blockDim.x; float *ps = sc, *dss = sc + n, *ak = sc + 2 * n, *av = ak + d; \
     long j = blockIdx.x % sl, kvh = (blockIdx.x / sl) % hkv, b = blockIdx.x / (sl * hkv), g = hq / hkv; \

@@ -204,15 +204,18 @@ __device__ void flash_bwd_dkv(const T* q, const T* k, const T* v, const float* l
 
 #define FLASH(s, T, D) \
 extern "C" __global__ void __launch_bounds__(128) flash_fwd_##s##_##D(const T* q, const T* k, const T* v, T* o, float* lse, \
-        long t, long sl, long hq, long hkv, long d, float scale, long causal, long window, AttnDrop dr) { \
+        long t, long sl, long hq, long hkv, long d, float scale, long causal, long window, AttnDrop dr0) { \
+    const AttnDrop dr = drop_shifted(dr0); \
     flash_fwd<T, D>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window, dr); } \
 extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_##s##_##D(const T* q, const T* k, const T* v, const T* o, \
         const float* lse, const T* dout, float* dq, float* delta, long t, long sl, long hq, long hkv, long d, float scale, \
-        long causal, long window, AttnDrop dr) { \
+        long causal, long window, AttnDrop dr0) { \
+    const AttnDrop dr = drop_shifted(dr0); \
     flash_bwd_dq<T, D>(q, k, v, o, lse, dout, dq, delta, t, sl, hq, hkv, scale, causal, window, dr); } \
 extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkv_##s##_##D(const T* q, const T* k, const T* v, \
         const float* lse, const float* delta, const T* dout, float* dk, float* dv, long t, long sl, long hq, long hkv, \
-        long d, float scale, long causal, long window, AttnDrop dr) { \
+        long d, float scale, long causal, long window, AttnDrop dr0) { \
+    const AttnDrop dr = drop_shifted(dr0); \
     flash_bwd_dkv<T, D>(q, k, v, lse, delta, dout, dk, dv, t, sl, hq, hkv, scale, causal, window, dr); }
 #define FLASH_DIMS(s, T) FLASH(s, T, 32) FLASH(s, T, 64) FLASH(s, T, 128)
 FOR_TYPES(FLASH_DIMS)

@@ -502,16 +502,19 @@ FLASH_BWD_DKVQ(128, 2, 1)
 extern "C" __global__ void __launch_bounds__(128 * NW, MINB) flash_bwd_dkvq_wg##NW##_drop_bf16_##D(const bf16_t* q, \
         const bf16_t* k, const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, \
         bf16_t* dv, float* dqa, long t, long sl, long hq, long hkv, long d, float scale, long causal, long window, \
-        long fused, AttnDrop dr) { \
+        long fused, AttnDrop dr0) { \
+    const AttnDrop dr = drop_shifted(dr0); \
     flash_bwd_dkv_mma<D, true, NW, true, true>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale, causal, \
                                                window, fused, dr); } \
 extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_mma_drop_bf16_##D(const bf16_t* q, const bf16_t* k, \
         const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dq, long t, long sl, long hq, \
-        long hkv, long d, float scale, long causal, long window, long fused, AttnDrop dr) { \
+        long hkv, long d, float scale, long causal, long window, long fused, AttnDrop dr0) { \
+    const AttnDrop dr = drop_shifted(dr0); \
     flash_bwd_dq_mma<D, false, 1, true>(q, k, v, lse, delta, dout, dq, t, sl, hq, hkv, scale, causal, window, fused, dr); } \
 extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkv_mma_drop_bf16_##D(const bf16_t* q, const bf16_t* k, \
         const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, long t, \
-        long sl, long hq, long hkv, long d, float scale, long causal, long window, long fused, AttnDrop dr) { \
+        long sl, long hq, long hkv, long d, float scale, long causal, long window, long fused, AttnDrop dr0) { \
+    const AttnDrop dr = drop_shifted(dr0); \
     flash_bwd_dkv_mma<D, false, 1, false, true>(q, k, v, lse, delta, dout, dk, dv, nullptr, t, sl, hq, hkv, scale, \
                                                 causal, window, fused, dr); }
 FLASH_BWD_DROP(64, 1, 2)
@@ -909,7 +912,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) NAME(const bf16_t* q, const
         const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, float* dqa, long t, \
         long sl, long hq, long hkv, long d, float scale, long causal, long window, long fused, \
         const __grid_constant__ TmaMap km, const __grid_constant__ TmaMap vm, const __grid_constant__ TmaMap qm, \
-        const __grid_constant__ TmaMap dom, float* bp, long bc, long bkv, long hg, u32* sched, AttnDrop dr) { \
+        const __grid_constant__ TmaMap dom, float* bp, long bc, long bkv, long hg, u32* sched, AttnDrop dr0) { \
+    const AttnDrop dr = drop_shifted(dr0); \
     flash_bwd_dkvq_ws<D, true, true, true>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale, causal, \
                                            window, fused, &km, &vm, &qm, &dom, bp, bc, bkv, hg, sched, dr); }
 FLASH_BWD_DKVQ_WS_DROP(flash_bwd_dkvq_ws2td_drop_bf16_64, 64)

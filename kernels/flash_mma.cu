@@ -885,7 +885,8 @@ extern "C" __global__ void __launch_bounds__(128 * NW) NAME(const bf16_t* q, con
 #define FLASH_MMA_DROP(NAME, D, WG, NW) \
 extern "C" __global__ void __launch_bounds__(128 * NW) NAME(const bf16_t* q, const bf16_t* k, \
         const bf16_t* v, bf16_t* o, float* lse, long t, long sl, long hq, long hkv, long d, float scale, long causal, \
-        long window, long fused, AttnDrop dr) { \
+        long window, long fused, AttnDrop dr0) { \
+    const AttnDrop dr = drop_shifted(dr0); \
     flash_fwd_mma<D, 1, WG, NW, true>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window, fused, dr); }
 FLASH_MMA_DROP(flash_fwd_mma_drop_bf16_64, 64, false, 1)
 FLASH_MMA_DROP(flash_fwd_mma_drop_bf16_128, 128, false, 1)
@@ -921,7 +922,8 @@ extern "C" __global__ void __launch_bounds__(128 * (NC + 1), 1) NAME(const bf16_
 extern "C" __global__ void __launch_bounds__(384, 1) NAME(const bf16_t* q, \
         const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl, long hq, long hkv, long d, \
         float scale, long causal, long window, long fused, long bh, const __grid_constant__ TmaMap km, \
-        const __grid_constant__ TmaMap vm, const __grid_constant__ TmaMap qm, long hg, u32* sched, AttnDrop dr) { \
+        const __grid_constant__ TmaMap vm, const __grid_constant__ TmaMap qm, long hg, u32* sched, AttnDrop dr0) { \
+    const AttnDrop dr = drop_shifted(dr0); \
     flash_fwd_ws<D, 128, true, true, true, true, FW_STAGES, 2, true>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, \
                                                                      window, fused, bh, &km, &vm, &qm, hg, sched, dr); }
 FLASH_WS(flash_fwd_ws2k128_bf16_128, 128, 128, true, false, false, false, FW_STAGES, 2)

@@ -519,7 +519,7 @@ fn attention_bench(args: &[String]) -> anyhow::Result<()> {
 /// BENCH_MICRO (micro-batch override),
 /// BENCH_CUDA_GRAPH=N (Ferrotron's step replayed as a CUDA graph after N eager steps),
 /// BENCH_TORCH=0 (Ferrotron only), BENCH_ATTN_DROPOUT=P (both sides with attention dropout at
-/// rate P; with BENCH_CUDA_GRAPH ours refuses it), BENCH_LOG_INTERVAL (steps per log line and loss read-back,
+/// rate P), BENCH_LOG_INTERVAL (steps per log line and loss read-back,
 /// default 100 at 124M and 10 otherwise, as in Megatron runs; 1 reads the loss every step),
 /// BENCH_COOL_C (before each side, wait up to two minutes for the card to cool to this many °C:
 /// both sides then start alike), BENCH_ROUNDS

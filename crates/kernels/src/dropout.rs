@@ -24,6 +24,23 @@ pub struct DropoutKey {
     pub offset: u64,
 }
 
+/// The samples by which a replayed CUDA graph's step is ahead of the step it captured: the dropout
+/// kernels (hidden and attention) captured in a graph add it to their keys' first sample, so a
+/// replay draws its own step's masks from the captured keys (eager kernels do not read it). Queued
+/// on the device's stream: set it before each launch of the graph (0 for the captured step's own).
+/// The CPU has no graphs: only 0 is accepted there.
+pub fn set_draw_shift(device: &ferrotron_core::Device, samples: u64) -> Result<()> {
+    match device {
+        ferrotron_core::Device::Cpu if samples == 0 => Ok(()),
+        ferrotron_core::Device::Cpu => Err(invalid(
+            "set_draw_shift",
+            format!("a shift of {samples} samples on the CPU, which replays no CUDA graph: its masks follow the keys"),
+        )),
+        #[cfg(feature = "cuda")]
+        ferrotron_core::Device::Cuda(d) => crate::cuda::backend(d)?.set_draw_shift(samples),
+    }
+}
+
 /// Whether the word `u` (as Philox gives it) keeps its element: its top 24 bits, a uniform in
 /// [0, 1), at least p (`threshold`). The CUDA kernel (kernels/elementwise.cu `dropout_*`)
 /// compares the same integers, so both devices draw the same mask.

@@ -37,7 +37,7 @@ pub use attention::{
     attention_fwd_qkv,
 };
 pub use check::set_device_ids_prechecked;
-pub use dropout::{DropoutKey, dropout};
+pub use dropout::{DropoutKey, dropout, set_draw_shift};
 pub use elementwise::{add, add_, bias_add, bias_grad, bias_grad_into, cast, copy_, scale, scale_};
 pub use embedding::{embedding_bwd, embedding_bwd_shard, embedding_fwd, embedding_fwd_shard};
 pub use loss::{

@@ -10,8 +10,14 @@
 //! graph wrote are copied out. A step whose batches differ from the captured ones in shape (a
 //! shorter last batch, another micro-batch count) releases the graph, so that its memory does not
 //! sit beside the eager step's activations, and runs eagerly; the warm-up then starts again and
-//! the step that follows it is captured anew. Hidden and attention dropout draw their masks from
-//! offsets the host passes each step, so a model with dropout is refused.
+//! the step that follows it is captured anew.
+//!
+//! Dropout (hidden and attention) keys its masks by the micro-batch's first sample, which moves
+//! on every step while the captured kernels hold the captured step's. The captured dropout kernels
+//! add a shift they read from the device (`k::set_draw_shift`; eager ones do not read it): before
+//! each launch it is set to how many samples the step's batches are ahead of the captured ones (0
+//! for the captured step itself; the same lead for every micro-batch of a step, else the step runs
+//! eagerly as one of another shape).
 //!
 //! Architecture invariant: a replayed step gives the bits an eager step gives on the same inputs
 //! (the same kernels run in the same order; the trainer's `cuda_graph` test compares 20 steps of
@@ -77,21 +83,14 @@ impl StepGraph {
         micro_batches: &[Batch],
         lr: f32,
     ) -> Result<QueuedStep, StepError> {
-        if model.config.hidden_dropout > 0.0 {
-            return Err(StepError::Graph(format!(
-                "the model has hidden dropout {}: a replayed graph would reuse the captured step's masks; \
-                 train with --hidden-dropout 0, or without --cuda-graph-impl local",
-                model.config.hidden_dropout
-            )));
-        }
-        if model.config.attention_dropout > 0.0 {
-            return Err(StepError::Graph(format!(
-                "the model has attention dropout {}: a replayed graph would reuse the captured step's masks; \
-                 train with --attention-dropout 0, or without --cuda-graph-impl local",
-                model.config.attention_dropout
-            )));
-        }
-        if let Some(c) = self.captured.take_if(|c| !c.fits(micro_batches)) {
+        let dev = match micro_batches.first() {
+            Some(b) => b.tokens.device().clone(),
+            None => return Err(StepError::Graph("a step of no micro-batches has nothing to run".into())),
+        };
+        let drops = model.config.hidden_dropout > 0.0 || model.config.attention_dropout > 0.0;
+        if let Some(c) =
+            self.captured.take_if(|c| !c.fits(micro_batches) || (drops && c.shift(micro_batches).is_none()))
+        {
             // Its pool would hold a step's activations beside the eager step's (twice the memory
             // at 1.3B): released, and captured again after the warm-up.
             c.graph.release()?;
@@ -102,9 +101,18 @@ impl StepGraph {
             return queue_train_step(model, table, sync, opt, micro_batches, lr);
         }
         let q = match &self.captured {
-            Some(c) => c.replay(sync, opt, micro_batches, lr)?,
+            Some(c) => {
+                // The masks' shift: the batches' lead on the captured ones.
+                if drops {
+                    ferrotron_kernels::set_draw_shift(&dev, c.shift(micro_batches).unwrap_or(0))?;
+                }
+                c.replay(sync, opt, micro_batches, lr)?
+            }
             None => {
                 let c = Captured::capture(model, table, sync, opt, micro_batches, lr)?;
+                if drops {
+                    ferrotron_kernels::set_draw_shift(&dev, 0)?;
+                }
                 c.graph.launch()?;
                 let q = c.queued(sync, opt, micro_batches)?;
                 self.captured = Some(c);
@@ -162,6 +170,26 @@ impl Captured {
             && self.inputs.iter().zip(micro_batches).all(|(c, b)| {
                 same(&c.tokens, &b.tokens) && same(&c.labels, &b.labels) && same(&c.loss_mask, &b.loss_mask)
             })
+    }
+
+    /// How many samples `micro_batches` are ahead of the captured batches, if by the same for
+    /// every micro-batch (their dropout masks then follow from the captured keys by one shift).
+    fn shift(&self, micro_batches: &[Batch]) -> Option<u64> {
+        let mut lead = None;
+        for (c, b) in self.inputs.iter().zip(micro_batches) {
+            match (c.draw, b.draw) {
+                (Some(c), Some(b)) if c.seed == b.seed => {
+                    let d = b.first_sample.wrapping_sub(c.first_sample);
+                    if lead.is_some_and(|l| l != d) {
+                        return None;
+                    }
+                    lead = Some(d);
+                }
+                (None, None) => {}
+                _ => return None,
+            }
+        }
+        Some(lead.unwrap_or(0))
     }
 
     fn replay(

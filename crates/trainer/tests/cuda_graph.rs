@@ -57,6 +57,52 @@ fn graphed_steps_equal_eager_steps_bit_for_bit() {
     }
 }
 
+/// With hidden and attention dropout (0.1 each, and each alone) the masks move on every step
+/// while the captured kernels hold the captured step's keys: each replay shifts them by its
+/// batches' lead (`set_draw_shift`), so the graphed losses still equal the eager ones bit for bit,
+/// on both tiny presets (a replay that reused the captured masks would part from step 4 on). Two
+/// eager runs are compared first: the premise that the eager steps repeat to the bit.
+#[test]
+fn graphed_steps_with_dropout_draw_each_steps_masks() {
+    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let gpu = Device::cuda(0).expect("a CUDA device");
+    let mut failed = vec![];
+    for preset in ["tiny", "llama-tiny"] {
+        for (hidden, attention) in [(0.1, 0.1), (0.1, 0.0), (0.0, 0.1)] {
+            let args = TrainArgs {
+                preset: Some(preset.into()),
+                bf16: true,
+                train_iters: Some(12),
+                hidden_dropout: Some(hidden),
+                attention_dropout: Some(attention),
+                log_interval: Some(1),
+                eval_interval: Some(12),
+                eval_iters: Some(1),
+                no_progress: true,
+                ..TrainArgs::default()
+            };
+            let (s, _): (Settings, Paths) = Settings::resolve(&args).unwrap();
+            let run = |warmup: Option<usize>| {
+                let paths =
+                    Paths { device: gpu.clone(), cuda_graph_warmup: warmup, deterministic: true, ..Paths::default() };
+                train(&s, &paths).unwrap()
+            };
+            let eager = run(None);
+            let again = run(None);
+            let graphed = run(Some(2));
+            assert_eq!(graphed.graphed_steps, 10, "{preset}: steps 3-12 replay the graph");
+            assert_eq!(eager.losses.len(), 12);
+            let case = format!("{preset}, hidden dropout {hidden}, attention dropout {attention}");
+            if again.losses != eager.losses {
+                failed.push(format!("{case}: two eager runs differ: {:?} against {:?}", again.losses, eager.losses));
+            } else if graphed.losses != eager.losses || graphed.evals != eager.evals {
+                failed.push(format!("{case}: graphed {:?} against eager {:?}", graphed.losses, eager.losses));
+            }
+        }
+    }
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
+}
+
 /// What a run of `graph_steps` saw of its `StepGraph`: replays, captures, and after each step
 /// whether a graph was held.
 #[derive(Debug, PartialEq)]

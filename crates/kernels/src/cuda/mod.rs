@@ -65,6 +65,10 @@ pub(crate) struct Backend {
     /// both (kernels/flash_mma.cu and flash_bwd_mma.cu `DYN`). One per device suffices: every
     /// kernel runs on its one stream.
     pub tile_counter: ferrotron_core::cuda::CudaStorage,
+    /// One u64 (two u32 words): the samples a replayed CUDA graph's step is ahead of the captured
+    /// step. The dropout kernels captured in a graph take its address and add it to their keys'
+    /// first sample (`crate::set_draw_shift`); eager ones do not read it.
+    pub draw_shift: Mutex<ferrotron_core::cuda::CudaStorage>,
 }
 
 static BACKENDS: Mutex<Vec<(usize, Arc<Backend>)>> = Mutex::new(Vec::new());
@@ -282,6 +286,21 @@ impl Backend {
     pub(crate) fn use_wgmma(&self) -> bool {
         self.wgmma && WGMMA.with(|w| w.get())
     }
+
+    /// The address of `draw_shift` for a dropout kernel being captured into a CUDA graph, else 0
+    /// (null): eager kernels take their keys as given, whatever a graph last set the shift to.
+    pub(crate) fn draw_shift_ptr(&self) -> u64 {
+        if !self.dev.is_capturing() {
+            return 0;
+        }
+        self.draw_shift.lock().unwrap_or_else(|e| e.into_inner()).raw_ptr(&self.dev)
+    }
+
+    /// Sets `draw_shift` to `samples`, queued on the stream like the kernels that read it.
+    pub(crate) fn set_draw_shift(&self, samples: u64) -> Result<()> {
+        let words = ferrotron_core::CpuStorage::U32(vec![samples as u32, (samples >> 32) as u32]);
+        self.draw_shift.lock().unwrap_or_else(|e| e.into_inner()).write_range(&self.dev, 0, &words)
+    }
 }
 
 /// Whether the kernels that wait for their predecessor (`waits_on_predecessor`) launch with
@@ -479,6 +498,7 @@ pub(crate) fn backend(dev: &CudaDevice) -> Result<Arc<Backend>> {
         dev.context().attribute(optin).map_err(|e| cuda_err("shared memory per block", e))?.max(0) as usize;
     let functions = Mutex::new(HashMap::new());
     let tile_counter = ferrotron_core::cuda::CudaStorage::zeros(dev, ferrotron_core::DType::U32, 2)?;
+    let draw_shift = Mutex::new(ferrotron_core::cuda::CudaStorage::zeros(dev, ferrotron_core::DType::U32, 2)?);
     let b = Arc::new(Backend {
         dev: dev.clone(),
         module,
@@ -490,6 +510,7 @@ pub(crate) fn backend(dev: &CudaDevice) -> Result<Arc<Backend>> {
         sms,
         smem_optin,
         tile_counter,
+        draw_shift,
     });
     all.push((dev.ordinal(), b.clone()));
     Ok(b)

@@ -23,13 +23,16 @@ pub(crate) struct AttnDropArgs {
     head_offset: u64,
     threshold: u32,
     scale: f32,
+    /// The device's draw shift (`Backend::draw_shift`), or 0 without dropout.
+    shift: u64,
 }
 
-// SAFETY: plain data, laid out as the kernels' `AttnDrop` (five u64, a u32, an f32: 48 bytes).
+// SAFETY: plain data, laid out as the kernels' `AttnDrop` (five u64, a u32, an f32, a pointer:
+// 56 bytes).
 unsafe impl cudarc::driver::DeviceRepr for AttnDropArgs {}
 
 /// The call's dropout key as a kernel argument (zeros without dropout).
-fn drop_arg(a: &AttnShape) -> Arg {
+fn drop_arg(be: &B, a: &AttnShape) -> Arg {
     Arg::Drop(a.mask.dropout.map_or_else(AttnDropArgs::default, |d| AttnDropArgs {
         seed: d.seed,
         stream: d.stream,
@@ -38,6 +41,7 @@ fn drop_arg(a: &AttnShape) -> Arg {
         head_offset: d.head_offset,
         threshold: crate::dropout::threshold16(d.p),
         scale: (1.0 / (1.0 - d.p as f64)) as f32,
+        shift: be.draw_shift_ptr(),
     }))
 }
 
@@ -400,7 +404,7 @@ fn tc_fwd(be: &B, qkv: [Arg; 3], fused: bool, a: &AttnShape) -> Result<(Tensor, 
     let blocks = match grid {
         FwdGrid::Tiles => {
             if drops(a) {
-                args.push(drop_arg(a));
+                args.push(drop_arg(be, a));
             }
             bh * tiles
         }
@@ -423,7 +427,7 @@ fn tc_fwd(be: &B, qkv: [Arg; 3], fused: bool, a: &AttnShape) -> Result<(Tensor, 
             args.push(n(crate::cuda::flash_group_heads(kv_per_head)));
             args.push(Arg::Ptr(be.tile_counter.raw_ptr(&be.dev)));
             if drops(a) {
-                args.push(drop_arg(a));
+                args.push(drop_arg(be, a));
             }
             let persistent = matches!(grid, FwdGrid::WsPersistent | FwdGrid::WsPersistentTma | FwdGrid::WsDynamicTma);
             if persistent { (bh * tiles).min(be.sms as usize) } else { bh * tiles }
@@ -459,7 +463,7 @@ pub fn attention_fwd(be: &B, q: &Tensor, k: &Tensor, v: &Tensor, a: &AttnShape) 
     let lse = new(be, [a.dims.b, a.dims.hq, a.dims.t], DType::F32)?;
     let mut args = vec![ptr("attn", q)?, ptr("attn", k)?, ptr("attn", v)?, ptr("attn", &o)?, ptr("attn", &lse)?];
     args.extend(attn_tail(a));
-    args.push(drop_arg(a));
+    args.push(drop_arg(be, a));
     let sfx = sfx("attention_fwd", q.dtype())?;
     if flash(a) {
         let d = a.dims;
@@ -519,7 +523,7 @@ fn tc_bwd(
     // The dropout builds take the key last.
     let key = |mut v: Vec<Arg>| {
         if drops(a) {
-            v.push(drop_arg(a));
+            v.push(drop_arg(be, a));
         }
         v
     };
@@ -669,7 +673,7 @@ fn flash_bwd(
         ptr("attn", &delta)?,
     ];
     args.extend(attn_tail(a));
-    args.push(drop_arg(a));
+    args.push(drop_arg(be, a));
     be.launch(&format!("flash_bwd_dq_{sfx}_{}", d.d), (d.b * d.hq * d.t.div_ceil(32)) as u32, FLASH_THREADS, 0, &args)?;
     let mut args = vec![
         ptr("attn", q)?,
@@ -682,7 +686,7 @@ fn flash_bwd(
         ptr("attn", &dv)?,
     ];
     args.extend(attn_tail(a));
-    args.push(drop_arg(a));
+    args.push(drop_arg(be, a));
     be.launch(
         &format!("flash_bwd_dkv_{sfx}_{}", d.d),
         (d.b * d.hkv * d.s.div_ceil(32)) as u32,
@@ -727,7 +731,7 @@ pub fn attention_bwd(
     args.extend([ptr("attn", &dq)?, ptr("attn", &dk)?, ptr("attn", &dv)?]);
     args.extend(attn_tail(a));
     args.push(Arg::I64(!det as i64));
-    args.push(drop_arg(a));
+    args.push(drop_arg(be, a));
     attn_launch(be, &format!("attn_bwd_{s}"), a, args)?;
     if det {
         // One block per (batch, kv head, key row): p and ds of 128 query rows at a time, then the
@@ -736,7 +740,7 @@ pub fn attention_bwd(
         let mut args = inputs;
         args.extend([ptr("attn", &dk)?, ptr("attn", &dv)?]);
         args.extend(attn_tail(a));
-        args.push(drop_arg(a));
+        args.push(drop_arg(be, a));
         let dm = a.dims;
         let shared = (2 * ROWS + 2 * dm.d) * 4;
         be.launch(&format!("attn_bwd_kv_{s}"), (dm.b * dm.hkv * dm.s) as u32, ROWS as u32, shared as u32, &args)?;

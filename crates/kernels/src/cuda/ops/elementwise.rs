@@ -40,6 +40,7 @@ pub fn dropout(be: &B, x: &Tensor, row: usize, key: &crate::DropoutKey, thr: u32
         w(key.offset),
         Arg::I64(thr as i64),
         Arg::F32(scale),
+        Arg::Ptr(be.draw_shift_ptr()),
     ];
     ew(be, &name, x.elem_count(), &args)?;
     Ok(y)
