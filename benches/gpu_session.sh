@@ -6,7 +6,7 @@
 #       builds the release binaries with CUDA and stages them in .gpu/ (ignore it in
 #       .git/info/exclude; carry it to the GPU machine): .gpu/v/tests/{ops,cuda_train,cuda_graph,nccl}
 #       (`cargo xtask gpu-test`),
-#       .gpu/v/ferrotron, .gpu/v/attention_bench, .gpu/v/loss_bench, .gpu/xtask, .gpu/benches/*.py, and the
+#       .gpu/v/ferrotron, .gpu/v/{attention,loss,gemm}_bench, .gpu/xtask, .gpu/benches/*.py, and the
 #       kernels compiled for sm_90a in .gpu/fc (examples/kernel_cache.rs, NVRTC 13.0 from PyPI).
 #
 #   there (repo root, no cargo):  benches/gpu_session.sh STEP...
@@ -16,6 +16,8 @@
 #       attn[:VAR=V,...]       `xtask bench --attention`: our kernels beside SDPA, with VARs set
 #       ce                     the fused cross-entropy alone (examples/loss_bench.rs), keeping the
 #                              row in shared memory and (FERROTRON_CE_KEEP=0) not
+#       gemm                   our GEMM kernels beside cuBLASLt on the MLP's products
+#                              (examples/gemm_bench.rs)
 #       trace:PRESET[:VAR=V,...]   our GPU timeline of PRESET (124m, 1.3b, llama-1b) alone
 #                              (TRACE_KERNELS=N among the VARs: its N costliest kernels too;
 #                              TRACE_GAPS=N: the N kernel pairs with the most idle time between)
@@ -37,10 +39,10 @@ if [ "${1:-}" = stage ]; then
     rm -rf .gpu/v && mkdir -p .gpu/v .gpu/benches
     cargo run -q --release -p xtask -- gpu-test .gpu/v/tests
     find .gpu/v/tests -type f ! -name ops ! -name cuda_train ! -name nccl ! -name cuda_graph -delete
-    cp target/release/ferrotron target/release/examples/attention_bench target/release/examples/loss_bench .gpu/v/
+    cp target/release/ferrotron target/release/examples/{attention,loss,gemm}_bench .gpu/v/
     cp target/release/xtask .gpu/
     cp benches/*.py .gpu/benches/
-    strip .gpu/v/ferrotron .gpu/v/attention_bench .gpu/v/loss_bench .gpu/xtask
+    strip .gpu/v/ferrotron .gpu/v/{attention,loss,gemm}_bench .gpu/xtask
     # The kernels compiled here (NVRTC 13.0 from PyPI, the GPU machine's version) into .gpu/fc:
     # a fresh GPU machine then loads the CUBIN instead of compiling for about a minute.
     rm -rf .gpu/fc
@@ -90,6 +92,10 @@ for step in "$@"; do
             ;;
         ce)
             { .gpu/v/loss_bench && FERROTRON_CE_KEEP=0 .gpu/v/loss_bench; } 2>&1 | tee -a "$log"
+            rc=${PIPESTATUS[0]}
+            ;;
+        gemm)
+            .gpu/v/gemm_bench 2>&1 | tee -a "$log"
             rc=${PIPESTATUS[0]}
             ;;
         trace)

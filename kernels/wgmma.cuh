@@ -171,6 +171,23 @@ __device__ __forceinline__ void wgmma_m64n128k16_ss(float* d, u64 da, u64 db) {
 #endif
 }
 
+// d (64 × 128, fp32) += A (64 × 16, shared memory by `da`, K-major) · B (16 × 128 by `db`;
+// TB = 1 when MN-major); `acc` = 0 overwrites d (a tile's first k-step), at run time.
+template <int TB>
+__device__ __forceinline__ void wgmma_m64n128k16_ss_acc(float* d, u64 da, u64 db, int acc) {
+#if WG_ARCH
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        WG_REGS64
+        "}, %64, %65, p, 1, 1, 0, %67;\n}\n"
+        : WG_ACC64
+        : "l"(da), "l"(db), "r"(acc), "n"(TB));
+#else
+    __trap();
+#endif
+}
+
 template <int N, int TB, int SD = 1>
 __device__ __forceinline__ void wgmma_rs(float* d, const u32* a, u64 desc) {
     static_assert(N == 64 || N == 128, "wgmma_rs: N is 64 or 128");
@@ -233,6 +250,52 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const TmaMap* map, int c0
     WG_ASM_ARGS("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
                 " [%0], [%1, {%2, %3, %4, %5}], [%6];",
                 "r"(smem_addr(dst)), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar)));
+}
+
+// The box at (c0 innermost, c1) of the 2-d tensor `map` into `dst`, completing on `bar`.
+__device__ __forceinline__ void tma_load_2d(void* dst, const TmaMap* map, int c0, int c1, u64* bar) {
+    WG_ASM_ARGS("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                " [%0], [%1, {%2, %3}], [%4];",
+                "r"(smem_addr(dst)), "l"(map), "r"(c0), "r"(c1), "r"(smem_addr(bar)));
+}
+
+// The same box written to the same shared-memory offset in every block of the cluster named in
+// `mask` (bit r: cluster rank r), each completing on its own mbarrier at `bar`'s offset.
+__device__ __forceinline__ void tma_load_2d_mc(void* dst, const TmaMap* map, int c0, int c1, u64* bar,
+                                               unsigned short mask) {
+    WG_ASM_ARGS("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+                " [%0], [%1, {%2, %3}], [%4], %5;",
+                "r"(smem_addr(dst)), "l"(map), "r"(c0), "r"(c1), "r"(smem_addr(bar)), "h"(mask));
+}
+
+// Thread blocks in clusters (sm_90): this block's rank, the whole cluster's barrier (every
+// thread of every block, release / acquire: mbarrier inits and shared writes before it are seen
+// after it), and an arrival on the mbarrier at `bar`'s offset in the block of rank `peer`.
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 r = 0;
+#if WG_ARCH
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+    return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+    WG_ASM("fence.mbarrier_init.release.cluster;\n"
+           "barrier.cluster.arrive.release.aligned;\n"
+           "barrier.cluster.wait.acquire.aligned;");
+}
+__device__ __forceinline__ void mbar_arrive_peer(u64* bar, u32 peer) {
+    WG_ASM_ARGS("{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\n"
+                "mbarrier.arrive.shared::cluster.b64 _, [ra];\n}",
+                "r"(smem_addr(bar)), "r"(peer));
+}
+
+// The box at (c0, c1) of the 2-d tensor `map` from `src` (shared memory in the map's swizzle,
+// 1024-byte aligned; the generic proxy's writes fenced by fence_async_smem), as one bulk group;
+// elements past the tensor's edge are not written. bulk_wait_read before refilling src.
+__device__ __forceinline__ void tma_store_2d(const TmaMap* map, const void* src, int c0, int c1) {
+    WG_ASM_ARGS("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n"
+                "cp.async.bulk.commit_group;",
+                "l"(map), "r"(smem_addr(src)), "r"(c0), "r"(c1));
 }
 
 // Register reallocation between the warpgroups of a warp-specialised block (setmaxnreg): every

@@ -38,6 +38,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("wgmma.cuh", include_str!("../../../../kernels/wgmma.cuh")),
     ("flash_mma.cu", include_str!("../../../../kernels/flash_mma.cu")),
     ("flash_bwd_mma.cu", include_str!("../../../../kernels/flash_bwd_mma.cu")),
+    ("gemm.cu", include_str!("../../../../kernels/gemm.cu")),
 ];
 
 pub fn source() -> String {
@@ -69,6 +70,8 @@ pub(crate) struct Backend {
     /// step. The dropout kernels captured in a graph take its address and add it to their keys'
     /// first sample (`crate::set_draw_shift`); eager ones do not read it.
     pub draw_shift: Mutex<ferrotron_core::cuda::CudaStorage>,
+    /// Clusters of a kernel that can be resident at once, by kernel name (`launch_cluster`).
+    clusters: Mutex<HashMap<String, u32>>,
 }
 
 static BACKENDS: Mutex<Vec<(usize, Arc<Backend>)>> = Mutex::new(Vec::new());
@@ -97,6 +100,9 @@ thread_local! {
     static FLASH_BIAS_GRAD: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static FLASH_BIAS_GRAD_RUNS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     static NORM_FUSED: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+    static OWN_GEMM: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+    static OWN_GEMM_RUNS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    static OWN_GEMM_CLUSTERS: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
 }
 
 /// Whether this thread's wgmma flash kernels are the warp-specialised ones, forward and backward
@@ -223,6 +229,16 @@ fn opt_out(
     cell.with(|w| w.get()).unwrap_or_else(|| *env.get_or_init(|| std::env::var(var).as_deref() != Ok("0")))
 }
 
+/// A switch off by default: this thread's setting in `cell`, else on only where `var` is `1` in
+/// the environment (read once).
+fn opt_in(
+    cell: &'static std::thread::LocalKey<std::cell::Cell<Option<bool>>>,
+    var: &'static str,
+    env: &'static std::sync::OnceLock<bool>,
+) -> bool {
+    cell.with(|w| w.get()).unwrap_or_else(|| *env.get_or_init(|| std::env::var(var).as_deref() == Ok("1")))
+}
+
 /// Whether the flash backward on the fused projection output writes the first pass of the QKV
 /// bias gradient's column sums from its own dQ, dK and dV tiles (`attention_bwd_qkv_into`: no
 /// read of dQKV for the bias): this thread's `set_flash_bias_grad`, else on unless
@@ -256,6 +272,42 @@ pub fn set_norm_fused(on: bool) {
 pub(crate) fn norm_fused() -> bool {
     static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     opt_out(&NORM_FUSED, "FERROTRON_NORM_FUSED", &ENV)
+}
+
+/// Whether the MLP's products with a GeLU epilogue run on our own GEMM kernels (kernels/gemm.cu)
+/// where they fit, instead of cuBLASLt's epilogues: this thread's `set_own_gemm`, else off unless
+/// `FERROTRON_OWN_GEMM=1` (off by default while they are slower than cuBLASLt: kernels/README.md).
+/// Tests set it to run both.
+pub fn set_own_gemm(on: bool) {
+    OWN_GEMM.with(|w| w.set(Some(on)));
+}
+
+pub(crate) fn own_gemm() -> bool {
+    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    opt_in(&OWN_GEMM, "FERROTRON_OWN_GEMM", &ENV)
+}
+
+/// Whether our GEMM kernels run in clusters of two blocks that copy B once for both (TMA
+/// multicast; kernels/gemm.cu `_c2`): this thread's `set_own_gemm_clusters`, else off unless
+/// `FERROTRON_OWN_GEMM_CLUSTERS=1` (no faster than single blocks yet: kernels/README.md). Tests
+/// set it to run both.
+pub fn set_own_gemm_clusters(on: bool) {
+    OWN_GEMM_CLUSTERS.with(|w| w.set(Some(on)));
+}
+
+pub(crate) fn own_gemm_clusters() -> bool {
+    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    opt_in(&OWN_GEMM_CLUSTERS, "FERROTRON_OWN_GEMM_CLUSTERS", &ENV)
+}
+
+/// How many products on this thread ran on our own GEMM kernels (tests check that the path they
+/// compare was taken).
+pub fn own_gemm_runs() -> u64 {
+    OWN_GEMM_RUNS.with(|c| c.get())
+}
+
+pub(crate) fn count_own_gemm_run() {
+    OWN_GEMM_RUNS.with(|c| c.set(c.get() + 1));
 }
 
 pub(crate) fn flash_bwd_ws() -> bool {
@@ -511,6 +563,7 @@ pub(crate) fn backend(dev: &CudaDevice) -> Result<Arc<Backend>> {
         smem_optin,
         tile_counter,
         draw_shift,
+        clusters: Mutex::new(HashMap::new()),
     });
     all.push((dev.ordinal(), b.clone()));
     Ok(b)
@@ -554,7 +607,7 @@ impl Backend {
             func.set_attribute(attr, shared as i32).map_err(|e| cuda_err(&format!("shared memory of {name}"), e))?;
         }
         if self.wgmma && pdl() && waits_on_predecessor(name) {
-            return self.launch_pdl(name, &func, grid, block, shared, args);
+            return self.launch_ex(name, &func, (grid, block, shared, 1), args, true);
         }
         let mut b = stream.launch_builder(&func);
         for a in args {
@@ -574,16 +627,70 @@ impl Backend {
         Ok(())
     }
 
-    /// `launch` through cuLaunchKernelEx with programmatic stream serialisation: the kernel may be
-    /// scheduled before its predecessor on the stream has finished, and waits in `pdl_wait`.
-    fn launch_pdl(
+    /// `launch` for a kernel whose blocks run in clusters of `cluster` (sm_90; kernels/gemm.cu's
+    /// `_c2` kernels): `grid` a multiple of it. Returns how many clusters of the kernel can be
+    /// resident at once when `grid` is 0 (nothing launched): the grid of a persistent kernel.
+    pub fn launch_cluster(
+        &self,
+        name: &str,
+        (grid, block, shared, cluster): (u32, u32, u32, u32),
+        args: &[Arg],
+    ) -> Result<u32> {
+        let func = self.function(name)?;
+        if shared > 48 * 1024 {
+            let attr = cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+            func.set_attribute(attr, shared as i32).map_err(|e| cuda_err(&format!("shared memory of {name}"), e))?;
+        }
+        if grid == 0 {
+            return self.max_clusters(name, &func, (block, shared, cluster));
+        }
+        self.launch_ex(name, &func, (grid, block, shared, cluster), args, false).map(|()| grid / cluster)
+    }
+
+    /// cuOccupancyMaxActiveClusters, cached per kernel name (its shared memory and cluster size
+    /// are fixed per name).
+    fn max_clusters(&self, name: &str, func: &CudaFunction, (block, shared, cluster): (u32, u32, u32)) -> Result<u32> {
+        use cudarc::driver::sys;
+        let mut cache = self.clusters.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(&n) = cache.get(name) {
+            return Ok(n);
+        }
+        self.dev.stream().context().bind_to_thread().map_err(|e| cuda_err(&format!("clusters of {name}"), e))?;
+        let mut attr = cluster_attr(cluster);
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: cluster * self.sms,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: shared,
+            hStream: self.dev.stream().cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        let mut n: std::ffi::c_int = 0;
+        // SAFETY: `cfg` and `attr` outlive the call; the function handle is live (loaded above).
+        unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, func.cu_function(), &cfg) }
+            .result()
+            .map_err(|e| cuda_err(&format!("clusters of {name}"), e))?;
+        if n <= 0 {
+            return Err(Error::Cuda(format!("{name}: no cluster of {cluster} blocks fits on this device")));
+        }
+        cache.insert(name.to_string(), n as u32);
+        Ok(n as u32)
+    }
+
+    /// `launch` through cuLaunchKernelEx: with programmatic stream serialisation (`pdl`: the
+    /// kernel may be scheduled before its predecessor on the stream has finished, and waits in
+    /// `pdl_wait`) or in clusters of `cluster` blocks (more than 1).
+    fn launch_ex(
         &self,
         name: &str,
         func: &CudaFunction,
-        grid: u32,
-        block: u32,
-        shared: u32,
+        (grid, block, shared, cluster): (u32, u32, u32, u32),
         args: &[Arg],
+        pdl: bool,
     ) -> Result<()> {
         use cudarc::driver::sys;
         use std::ffi::c_void;
@@ -601,10 +708,15 @@ impl Backend {
                 Arg::Drop(d) => d as *const ops::AttnDropArgs as *mut c_void,
             })
             .collect();
-        // SAFETY: a zeroed attribute value is valid plain data; the field set is the one the id names.
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
+        let mut attr = if pdl {
+            // SAFETY: a zeroed attribute value is valid plain data; the field set is the one the id names.
+            let mut a: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            a.value.programmaticStreamSerializationAllowed = 1;
+            a
+        } else {
+            cluster_attr(cluster)
+        };
         let cfg = sys::CUlaunchConfig {
             gridDimX: grid,
             gridDimY: 1,
@@ -620,13 +732,23 @@ impl Backend {
         // SAFETY: as `launch`: the arguments match the kernel's parameters in order and type, and
         // point at live allocations; `params` and `attr` outlive the call.
         let r = unsafe { sys::cuLaunchKernelEx(&cfg, func.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) };
-        r.result().map_err(|e| cuda_err(&format!("launching {name} (programmatic dependent launch)"), e))
+        r.result().map_err(|e| cuda_err(&format!("launching {name} (cuLaunchKernelEx)"), e))
     }
 
     /// Grid size for a grid-stride loop over `n` elements.
     pub fn grid_for(n: usize) -> u32 {
         n.div_ceil(256).clamp(1, 65_535) as u32
     }
+}
+
+/// The launch attribute that groups a grid's blocks in clusters of `n` along x.
+fn cluster_attr(n: u32) -> cudarc::driver::sys::CUlaunchAttribute {
+    use cudarc::driver::sys;
+    // SAFETY: a zeroed attribute value is valid plain data; the field set is the one the id names.
+    let mut a: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    a.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: n, y: 1, z: 1 };
+    a
 }
 
 /// The CUDA device all of `ts` live on, or None when they are CPU tensors.
@@ -659,6 +781,42 @@ pub(crate) fn gpu(op: &'static str, ts: &[&Tensor]) -> Result<Option<Arc<Backend
         Some(d) => backend(&d).map(Some),
         None => Ok(None),
     }
+}
+
+/// Whether `dev` runs the Hopper wgmma kernels (compiled for sm_90a) and this thread allows them
+/// (`set_wgmma`): tests assert the paths that need them were taken.
+pub fn wgmma_device(dev: &Device) -> Result<bool> {
+    match dev {
+        Device::Cuda(d) => Ok(backend(d)?.use_wgmma()),
+        _ => Ok(false),
+    }
+}
+
+/// a [m, k] · bᵀ (b [n, k], `b_kmajor`) or a · b (b [k, n]) on our own GEMM kernel
+/// (kernels/gemm.cu), bf16 out: None where it does not run (not an sm_90 device, the switch off,
+/// a shape or alignment it does not take: `ops::gemm_ws::fits`). The MLP's GeLU products use the
+/// same kernel with their epilogues; benches and tests time and check its main loop with this.
+pub fn own_matmul(a: &Tensor, b: &Tensor, b_kmajor: bool) -> Result<Option<Tensor>> {
+    const OP: &str = "own_matmul";
+    let (&[m, k], &[b0, b1]) = (a.dims(), b.dims()) else {
+        return Err(ferrotron_core::invalid(OP, "a and b must be matrices"));
+    };
+    let n = if b_kmajor { b0 } else { b1 };
+    if (if b_kmajor { b1 } else { b0 }) != k || a.dtype() != ferrotron_core::DType::BF16 || b.dtype() != a.dtype() {
+        return Err(ferrotron_core::invalid(
+            OP,
+            format!("a {:?} and b {:?} do not multiply as bf16", a.dims(), b.dims()),
+        ));
+    }
+    let Some(be) = gpu(OP, &[a, b])? else { return Ok(None) };
+    let out = ops::new(&be, [m, n], a.dtype())?;
+    let io = (ops::raw(OP, a)?, ops::raw(OP, b)?, ops::raw(OP, &out)?, 0, 0);
+    if !ops::gemm_ws::fits(&be, (m, n, k), &[io.0, io.1, io.2]) {
+        return Ok(None);
+    }
+    ops::gemm_ws::launch(&be, ops::gemm_ws::Epi::Plain, io, b_kmajor, (m, n, k))?;
+    count_own_gemm_run();
+    Ok(Some(out))
 }
 
 #[cfg(test)]

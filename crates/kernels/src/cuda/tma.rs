@@ -34,29 +34,51 @@ impl TmaMap {
         let dims = [d as u64, heads as u64, t as u64, b as u64];
         // Bytes between neighbours along dims 1.. (dim 0 is contiguous).
         let strides = [(d * 2) as u64, (heads * d * 2) as u64, (t * heads * d * 2) as u64];
-        let boxes = [64u32, 1, rows as u32, 1];
-        let unit = [1u32; 4];
-        let mut map = sys::CUtensorMap { opaque: [0; 16] };
-        // SAFETY: every array holds the rank's (4) or rank − 1's entries; the driver only
-        // encodes (it reads no device memory here).
-        unsafe {
-            sys::cuTensorMapEncodeTiled(
-                &mut map,
-                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                4,
-                addr as *mut std::ffi::c_void,
-                dims.as_ptr(),
-                strides.as_ptr(),
-                boxes.as_ptr(),
-                unit.as_ptr(),
-                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
-                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-            )
-        }
-        .result()
-        .map_err(|e| cuda_err(&format!("TMA map of [{b}, {t}, {heads}, {d}] bf16 rows, {rows}-row boxes"), e))?;
-        Ok(TmaMap(map))
+        encode(addr, &dims, &strides, &[64, 1, rows as u32, 1])
+            .map_err(|e| cuda_err(&format!("TMA map of [{b}, {t}, {heads}, {d}] bf16 rows, {rows}-row boxes"), e))
     }
+
+    /// A row-major bf16 matrix [rows, cols] at `addr` (`cols` contiguous), boxes of 64 columns by
+    /// `box_rows` rows (the GEMM's A and B tiles, kernels/gemm.cu). `addr` 16-byte aligned and
+    /// `cols` a multiple of 8 (the driver's rules for the row stride).
+    pub(crate) fn matrix(addr: u64, rows: usize, cols: usize, box_rows: usize) -> Result<Self> {
+        if rows == 0 || cols == 0 {
+            return Ok(Self::unused());
+        }
+        encode(addr, &[cols as u64, rows as u64], &[(cols * 2) as u64], &[64, box_rows as u32])
+            .map_err(|e| cuda_err(&format!("TMA map of a [{rows}, {cols}] bf16 matrix, {box_rows}-row boxes"), e))
+    }
+}
+
+/// cuTensorMapEncodeTiled for bf16 with the 128-byte swizzle: `dims` innermost first, `strides`
+/// the bytes between neighbours along dims 1.., `boxes` the box's extent along each.
+fn encode(
+    addr: u64,
+    dims: &[u64],
+    strides: &[u64],
+    boxes: &[u32],
+) -> std::result::Result<TmaMap, cudarc::driver::DriverError> {
+    debug_assert!(dims.len() == boxes.len() && strides.len() + 1 == dims.len());
+    let unit = [1u32; 5];
+    let mut map = sys::CUtensorMap { opaque: [0; 16] };
+    // SAFETY: every array holds the rank's (or rank − 1's) entries; the driver only encodes (it
+    // reads no device memory here).
+    unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map,
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            dims.len() as u32,
+            addr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            unit.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    }
+    .result()
+    .map(|()| TmaMap(map))
 }

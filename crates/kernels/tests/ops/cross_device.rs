@@ -618,6 +618,50 @@ fn gelu_gemm_epilogues_match_cpu() {
 }
 
 #[test]
+fn own_gemm_kernels_match_cpu() {
+    // kernels/gemm.cu (on sm_90) against the CPU, in clusters of two blocks and in single blocks:
+    // 33 × 9 output tiles of 128 × 128, more than two a block on 132 SMs (both warpgroups,
+    // several rounds each), with m (4200), n (1032) and k (200) none a multiple of its tile
+    // (zero-filled boxes past the edges, stores cut there; 33 m-tiles leave the last cluster's
+    // second block a tile wholly past m).
+    // x is scaled so that h stays within a few units (GeLU's tail, as above). The GeLU gradient
+    // takes an h given to both devices: one from each device's own forward may differ by a bf16
+    // step, which the gradient's slope times a product of ≈ 14 turns into more than bf16's
+    // tolerance.
+    let (m, n, kd) = (4200, 1032, 200);
+    let dt = DType::BF16;
+    let x = k::scale(&rnd(&[m, kd], 1, dt), 0.1).unwrap();
+    let (w, b) = (rnd(&[n, kd], 2, dt), rnd(&[n], 3, dt));
+    let (dy, w2, h) = (rnd(&[m, kd], 4, dt), rnd(&[kd, n], 5, dt), rnd(&[m, n], 6, dt));
+    ferrotron_kernels::cuda::set_own_gemm(true);
+    let before = ferrotron_kernels::cuda::own_gemm_runs();
+    for clusters in [true, false] {
+        ferrotron_kernels::cuda::set_own_gemm_clusters(clusters);
+        check(
+            &format!("own GEMM kernels, clusters {clusters}"),
+            dt,
+            &[x.clone(), w.clone(), b.clone(), dy.clone(), w2.clone(), h.clone()],
+            |t| {
+                let (a, h) = k::linear_gelu(&t[0], &t[1], Some(&t[2])).unwrap();
+                let dh = k::matmul_dgelu(&t[3], &t[4], &t[5]).unwrap();
+                // The plain products: ours on the GPU where it runs, the reference matmul elsewhere.
+                let own = |b: &Tensor, tb: bool| {
+                    let got = ferrotron_kernels::cuda::own_matmul(&t[0], b, tb).unwrap();
+                    got.unwrap_or_else(|| k::matmul(&t[0], b, false, tb).unwrap())
+                };
+                vec![a, h, dh, own(&t[1], true), own(&t[4], false)]
+            },
+        );
+    }
+    ferrotron_kernels::cuda::set_own_gemm_clusters(true);
+    ferrotron_kernels::cuda::set_own_gemm(false);
+    let ran = ferrotron_kernels::cuda::own_gemm_runs() - before;
+    if ferrotron_kernels::cuda::wgmma_device(&gpu()).unwrap() {
+        assert_eq!(ran, 8, "the GeLU, dGeLU and two plain products on our own kernels, with and without clusters");
+    }
+}
+
+#[test]
 fn gemm_algorithm_timing_leaves_every_output_as_one_product() {
     // A new shape's first call times cuBLASLt's candidates (`tune`): in D itself when the product
     // overwrites it, in scratch when it accumulates. Were a timed run to land in an accumulated D,

@@ -222,6 +222,13 @@ pub fn linear_gelu(
     }
     let (a, h) = (new(be, out.clone(), x.dtype())?, new(be, out, x.dtype())?);
     let bias = bias.map(|b| raw("linear_gelu", b)).transpose()?;
+    let ptrs = (raw("linear_gelu", x)?, raw("linear_gelu", w)?, raw("linear_gelu", &a)?, raw("linear_gelu", &h)?);
+    if gemm_ws::fits(be, (rows, n, k), &[ptrs.0, ptrs.1, ptrs.2, ptrs.3, bias.unwrap_or(0)]) {
+        let io = (ptrs.0, ptrs.1, ptrs.2, ptrs.3, bias.unwrap_or(0));
+        gemm_ws::launch(be, gemm_ws::Epi::Gelu, io, true, (rows, n, k))?;
+        crate::cuda::count_own_gemm_run();
+        return Ok(Some((a, h)));
+    }
     let epi = crate::cuda::lt::Epilogue::GeluAux { bias, aux: raw("linear_gelu", &h)? };
     let cfg = lt_cfg(1, rows, n, k, false, true, 0.0);
     // SAFETY: x [rows, k], w [n, k], a and h [rows, n], bias [n]: contiguous bf16 (validated by the caller).
@@ -244,6 +251,12 @@ pub fn matmul_dgelu(
     (rows, n, k): (usize, usize, usize),
 ) -> Result<Option<Tensor>> {
     let dh = new(be, h.shape().clone(), h.dtype())?;
+    let io = (raw("matmul_dgelu", dy)?, raw("matmul_dgelu", w)?, raw("matmul_dgelu", &dh)?, raw("matmul_dgelu", h)?, 0);
+    if gemm_ws::fits(be, (rows, n, k), &[io.0, io.1, io.2, io.3]) {
+        gemm_ws::launch(be, gemm_ws::Epi::DGelu, io, false, (rows, n, k))?;
+        crate::cuda::count_own_gemm_run();
+        return Ok(Some(dh));
+    }
     let epi = crate::cuda::lt::Epilogue::DGelu { aux: raw("matmul_dgelu", h)? };
     let cfg = lt_cfg(1, rows, n, k, false, false, 0.0);
     // SAFETY: dy [rows, k], w [k, n], h and dh [rows, n]: contiguous bf16 (validated by the caller).

@@ -6,6 +6,7 @@ mod attention;
 mod elementwise;
 mod embedding;
 mod gemm;
+pub(crate) mod gemm_ws;
 mod loss;
 mod norm;
 mod optim;
@@ -32,7 +33,7 @@ fn sfx(op: &'static str, dt: DType) -> Result<&'static str> {
 }
 
 /// A contiguous tensor's device address.
-fn raw(op: &'static str, t: &Tensor) -> Result<u64> {
+pub(crate) fn raw(op: &'static str, t: &Tensor) -> Result<u64> {
     match ptr(op, t)? {
         Arg::Ptr(p) => Ok(p),
         _ => Err(Error::NotContiguous { op }),

@@ -1,0 +1,86 @@
+//! Our own GEMM kernels (kernels/gemm.cu) beside cuBLASLt on the MLP's products (feature `cuda`, an
+//! sm_90 GPU): fc1 with its GeLU epilogue and fc2's input gradient with the GeLU's gradient, at the
+//! GPT-2 124M (hidden 768) and GPT 1.3B (hidden 2048) shapes over 16,384 tokens, each with the
+//! same product without an epilogue. µs a call (the mean of 20 after one warm-up) and TFLOP/s.
+//!
+//! `cargo run --release --features cuda -p ferrotron-examples --example gemm_bench`
+
+#[cfg(feature = "cuda")]
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    use ferrotron_core::{DType, Device, Tensor};
+    use ferrotron_kernels::{self as k, cuda};
+    use std::time::Instant;
+    let dev = Device::cuda(0)?;
+    let Device::Cuda(cd) = &dev else { unreachable!() };
+    let rnd = |rows: usize, cols: usize, seed: usize| -> Result<Tensor, Box<dyn std::error::Error>> {
+        let v: Vec<f32> =
+            (0..rows * cols).map(|i| (((i + seed) * 7919 % 10007) as f32 / 10007.0 - 0.5) * 0.2).collect();
+        Ok(Tensor::from_f32(&v, [rows, cols], DType::BF16, &dev)?)
+    };
+    println!(
+        "| model | product (m × n × k) | cuBLASLt µs | TFLOP/s | ours, one block µs | TFLOP/s | ours, clusters of 2 µs | TFLOP/s | cuBLASLt / best of ours |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
+    // GEMM_BENCH_ONLY=124M or 1.3B: that model alone; GEMM_BENCH_REPS: calls timed (Nsight
+    // Compute runs take 1).
+    let only = std::env::var("GEMM_BENCH_ONLY").ok();
+    let reps: usize = std::env::var("GEMM_BENCH_REPS").ok().and_then(|v| v.parse().ok()).unwrap_or(20);
+    for (model, h) in [("124M", 768usize), ("1.3B", 2048)] {
+        if only.as_deref().is_some_and(|o| o != model) {
+            continue;
+        }
+        let (m, f) = (16_384usize, 4 * h);
+        let (x, w, b) = (rnd(m, h, 1)?, rnd(f, h, 2)?, rnd(1, f, 3)?.reshape([f])?);
+        let (dy, w2) = (rnd(m, h, 4)?, rnd(h, f, 5)?);
+        let (_, hh) = k::linear_gelu(&x, &w, Some(&b))?;
+        // mode 0: cuBLASLt; 1: ours in single blocks; 2: ours in clusters of two.
+        let time = |mode: u8, f: &dyn Fn() -> ferrotron_core::Result<()>| -> ferrotron_core::Result<f64> {
+            cuda::set_own_gemm(mode > 0);
+            cuda::set_own_gemm_clusters(mode == 2);
+            f()?;
+            cd.synchronize()?;
+            let t0 = Instant::now();
+            for _ in 0..reps {
+                f()?;
+            }
+            cd.synchronize()?;
+            Ok(t0.elapsed().as_secs_f64() / reps as f64)
+        };
+        let flop = 2.0 * (m * f * h) as f64;
+        let row = |what: &str, call: &dyn Fn() -> ferrotron_core::Result<()>| -> ferrotron_core::Result<()> {
+            let (lt, one, two) = (time(0, call)?, time(1, call)?, time(2, call)?);
+            let rate = |s: f64| flop / s / 1e12;
+            println!(
+                "| {model} | {what} ({m} × {f} × {h}) | {:.1} | {:.0} | {:.1} | {:.0} | {:.1} | {:.0} | {:.3} |",
+                lt * 1e6,
+                rate(lt),
+                one * 1e6,
+                rate(one),
+                two * 1e6,
+                rate(two),
+                lt / one.min(two)
+            );
+            Ok(())
+        };
+        // The plain products: cuBLASLt when our kernels are off (mode 0), else ours.
+        let plain = |a: &Tensor, b: &Tensor, tb: bool| -> ferrotron_core::Result<()> {
+            match cuda::own_matmul(a, b, tb)? {
+                Some(_) => Ok(()),
+                None => k::matmul(a, b, false, tb).map(drop),
+            }
+        };
+        row("x·wᵀ", &|| plain(&x, &w, true))?;
+        row("fc1 + bias + GeLU (h kept)", &|| k::linear_gelu(&x, &w, Some(&b)).map(drop))?;
+        row("dy·w", &|| plain(&dy, &w2, false))?;
+        row("fc2 input gradient + dGeLU", &|| k::matmul_dgelu(&dy, &w2, &hh).map(drop))?;
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn main() {
+    eprintln!(
+        "gemm_bench needs a CUDA build: cargo run --release --features cuda -p ferrotron-examples --example gemm_bench"
+    );
+    std::process::exit(2);
+}

@@ -1,0 +1,267 @@
+// Our own bf16 GEMM for the two MLP products whose epilogue cuBLASLt runs slowly (sm_90a: wgmma,
+// TMA; the host launches these only where the wgmma kernels run, and only when asked:
+// `FERROTRON_OWN_GEMM=1`). cuBLASLt's GELU_AUX_BIAS kernel for fc1 and its DGELU kernel (an older
+// xmma one) for fc2's input gradient take 1.1–1.35× the time of the same product without the
+// epilogue (kernels/README.md, "own GEMM"): their warps stop multiplying while they store. Here
+// one tile's epilogue runs while the tensor cores multiply another. So far the main loop is what
+// loses: 0.88–0.90× cuBLASLt's plain product, at the same cycles per tile on a lower clock (its
+// L2 traffic is higher), so the fused kernels stand at 0.76–0.97× cuBLASLt's.
+//
+//   C [M, N] = A [M, K] · op(B), fp32 accumulation, then per element (r, c):
+//     EPI_GELU   h = bf16(C + bias[c]) → aux[r, c], out[r, c] = bf16(gelu(h))   (B = w [N, K])
+//     EPI_DGELU  out[r, c] = bf16(C · gelu'(aux[r, c]))                         (B = w [K, N])
+//     EPI_PLAIN  out[r, c] = bf16(C (+ bias[c]))                                 (either layout)
+//   GeLU is the tanh form of elementwise.cu, written with a sigmoid (0.5 (1 + tanh u) =
+//   1 / (1 + e^(−2u))), and taken of h as stored: `out` is gelu of the h a later kernel reads.
+//
+// Block: three warpgroups, "ping-pong". Warpgroups 0 and 1 each take whole 128 × 128 output
+// tiles, alternately (round j of the block's walk goes to warpgroup j % 2): two m64n128k16
+// wgmmas a k-step, 128 accumulator registers a thread. A named-barrier handoff keeps their
+// products in turn, so one warpgroup's epilogue runs while the other multiplies. The epilogue
+// writes each 64-column half of its tile into a staging buffer in shared memory (the 128-byte
+// swizzle a TMA box has there) and one thread stores it by TMA; the GeLU gradient's h arrives
+// the same way, copied when the tile starts. Warpgroup 2 produces: one thread issues the TMA
+// copies of A (128 × 64) and B (128 × 64, K-major: one box; MN-major: two 64 × 64 boxes) into
+// GM_S stages of 32 KiB in the 128-byte swizzle (wgmma.cuh), in the order the rounds consume
+// them. With CL = 2 (`_c2`, launched in clusters of two blocks) the two blocks take adjacent
+// m-tiles of one n-tile and each copies half of B into both (TMA multicast); a stage is then
+// free once both blocks' consumers are done with it.
+// Accumulation: every k-step adds into the fp32 registers in k order (the first overwrites them),
+// so each output's sum has one fixed order: the same bits on every run.
+
+#define GM_BM 128
+#define GM_BN 128
+#define GM_BK 64
+#define GM_S 5
+#define GM_GROUP 16
+#define EPI_GELU 0
+#define EPI_DGELU 1
+#define EPI_PLAIN 2
+
+// sigmoid(2u) for GeLU's u = √(2/π) (x + 0.044715 x³): 0.5 (1 + tanh u).
+__device__ __forceinline__ float gelu_sig(float x) {
+    const float u = SQRT_2_OVER_PI * (x + 0.044715f * x * x * x);
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.f + ex2(-2.f * LOG2E * u)));  // 1 / inf = 0
+    return r;
+}
+__device__ __forceinline__ float gelu_fs(float x) { return x * gelu_sig(x); }
+// d/dx: 0.5 (1 + t) + 0.5 x (1 − t²) u'(x) with 0.5 (1 + t) = s and 1 − t² = 4 s (1 − s).
+__device__ __forceinline__ float gelu_gs(float x) {
+    const float s = gelu_sig(x);
+    return s + 2.f * x * s * (1.f - s) * SQRT_2_OVER_PI * (1.f + 3.f * 0.044715f * x * x);
+}
+
+// A WG's staging buffer: 128 rows × 64 columns of bf16 in the 128-byte swizzle, the layout a
+// TMA box of 64 × 128 has in shared memory: the 4-byte pair at (row, col) of the buffer, col
+// even. Within a warp's store of one 8-column block the 8 rows g land in 8 different 16-byte
+// chunks (chunk ^ g), the 4 lanes tg in its 4 words: no bank conflict.
+__device__ __forceinline__ u32* stage_word(unsigned char* buf, int row, int col) {
+    return reinterpret_cast<u32*>(buf + row * 128 + ((((col >> 3) ^ row) & 7) << 4) + (col & 7) * 2);
+}
+
+template <int EPI, bool BMN, int CL>
+__device__ void gemm_ws(const TmaMap* am, const TmaMap* bm, const TmaMap* om, const TmaMap* xm, const bf16_t* bias,
+                        long M, long N, long K) {
+    extern __shared__ __align__(1024) unsigned char gm_smem[];  // swizzled tiles: 1024-byte aligned
+    constexpr u32 A_BYTES = GM_BM * GM_BK * 2, B_BYTES = GM_BN * GM_BK * 2, C_BYTES = GM_BM * 64 * 2;
+    unsigned char* sa = gm_smem;              // GM_S × A tile
+    unsigned char* sb = sa + GM_S * A_BYTES;  // GM_S × B tile
+    unsigned char* sc = sb + GM_S * B_BYTES;  // 2 × 2 staging buffers (two a consumer)
+    u64* full = reinterpret_cast<u64*>(sc + 4 * C_BYTES);
+    u64* empty = full + GM_S;
+    u64* hfull = empty + GM_S;  // EPI_DGELU: a consumer's h tile landed in its buffers
+    // The walk: units of CL m-tiles (one a block of the cluster) by one n-tile, unit u = cluster,
+    // cluster + clusters, …; in groups of GM_GROUP units down the rows, m fastest, so the tiles
+    // running together cover a compact block of rows and columns whose A and B stay in L2.
+    const long tn = (N + GM_BN - 1) / GM_BN, tmu = ((M + GM_BM - 1) / GM_BM + CL - 1) / CL, units = tmu * tn;
+    const long nk = (K + GM_BK - 1) / GM_BK, C = gridDim.x / CL, cid = blockIdx.x / CL;
+    const u32 rank = CL > 1 ? cluster_rank() : 0;
+    auto tile_of = [&](long u, int& m0, int& n0) {
+        const long per = GM_GROUP * tn, grp = u / per, first = grp * GM_GROUP, r = u - grp * per;
+        const long gs = lmin(tmu - first, GM_GROUP);
+        m0 = (int)(((first + r % gs) * CL + rank) * GM_BM);  // past M when the last unit is short
+        n0 = (int)((r / gs) * GM_BN);
+    };
+    const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31;
+    if (threadIdx.x == 0) {
+        // A stage is free once every consumer warp of every block it was copied into is done.
+        for (int s = 0; s < GM_S; s++) { mbar_init(&full[s], 1); mbar_init(&empty[s], 4 * CL); }
+        for (int w = 0; w < 2; w++) mbar_init(&hfull[w], 1);
+    }
+    if (CL > 1) cluster_sync(); else __syncthreads();  // the peers' barriers exist before any copy
+    // A consumer warp's release of k-step x's stage, in its own block and (clusters) the peer's.
+    auto release = [&](u32 x) {
+        if (lane != 0) return;
+        mbar_arrive(&empty[x % GM_S]);
+        if (CL > 1) mbar_arrive_peer(&empty[x % GM_S], rank ^ 1);
+    };
+    // Registers: 384 · 168 = 64512 launched; 40 + 2 · 232 = 504 a thread slot (as flash_mma.cu).
+    if (wg == 2) {
+        wg_reg_dealloc<40>();
+        if (threadIdx.x != 256) return;  // one thread copies
+        u32 n = 0;  // k-steps over the block's rounds: stage n % GM_S
+        for (long u = cid; u < units; u += C) {
+            int m0, n0;
+            tile_of(u, m0, n0);
+            for (long kb = 0; kb < nk; kb++, n++) {
+                const int st = n % GM_S, k0 = (int)(kb * GM_BK);
+                if (n >= GM_S) mbar_wait(&empty[st], ((n / GM_S) - 1) & 1);
+                // Boxes past the matrix's edge are zero-filled and still count their full bytes.
+                mbar_expect_tx(&full[st], A_BYTES + B_BYTES);
+                tma_load_2d(sa + st * A_BYTES, am, k0, m0, &full[st]);
+                if constexpr (CL == 2) {
+                    // Both blocks share the n-tile: each copies its half of B (64 rows of N
+                    // K-major, or one 64-column block MN-major: either 8 KiB at the same offset)
+                    // into both.
+                    unsigned char* half = sb + st * B_BYTES + rank * 64 * GM_BK * 2;
+                    if constexpr (BMN) tma_load_2d_mc(half, bm, n0 + rank * 64, k0, &full[st], 3);
+                    else tma_load_2d_mc(half, bm, k0, n0 + rank * 64, &full[st], 3);
+                } else if constexpr (BMN) {
+                    #pragma unroll
+                    for (int cb = 0; cb < GM_BN / 64; cb++)
+                        tma_load_2d(sb + st * B_BYTES + cb * 64 * GM_BK * 2, bm, n0 + cb * 64, k0, &full[st]);
+                } else {
+                    tma_load_2d(sb + st * B_BYTES, bm, k0, n0, &full[st]);
+                }
+            }
+        }
+        if constexpr (CL > 1) {
+            // Stay until the last GM_S stages are released by both blocks' consumers: the peer's
+            // arrivals on these barriers must find this block's shared memory still there.
+            for (u32 q = n; q < n + GM_S; q++)
+                if (q >= GM_S) mbar_wait(&empty[q % GM_S], ((q / GM_S) - 1) & 1);
+        }
+        return;
+    }
+    wg_reg_alloc<232>();
+    const int warp = (threadIdx.x >> 5) & 3, g = lane >> 2, tg = lane & 3;
+    const bool leader = (threadIdx.x & 127) == 0;
+    // Barrier 1: warpgroup 1 may multiply; 2: warpgroup 0 may (after the other's round); 3 + wg:
+    // this warpgroup's own.
+    const int mine = wg == 0 ? 2 : 1, other = wg == 0 ? 1 : 2, own = 3 + wg;
+    unsigned char* buf[2] = {sc + (2 * wg) * C_BYTES, sc + (2 * wg + 1) * C_BYTES};
+    const u32 a_base = smem_addr(sa), b_base = smem_addr(sb);
+    float d[2][64];  // rows 0–63 and 64–127 of the tile
+    for (long j = wg;; j += 2) {
+        const long u = cid + j * C;
+        if (u >= units) break;
+        int m0, n0;
+        tile_of(u, m0, n0);
+        if (j > 0) named_sync(mine, 256);
+        if (EPI == EPI_DGELU && leader) {
+            // h's two 64-column halves into the buffers, once the last tile's stores have read them.
+            bulk_wait_read<0>();
+            mbar_expect_tx(&hfull[wg], 2 * C_BYTES);
+            tma_load_2d(buf[0], xm, n0, m0, &hfull[wg]);
+            tma_load_2d(buf[1], xm, n0 + 64, m0, &hfull[wg]);
+        }
+        u32 n = (u32)(j * nk);
+        for (long kb = 0; kb < nk; kb++, n++) {
+            const int st = n % GM_S;
+            mbar_wait(&full[st], (n / GM_S) & 1);
+            wg_fence();
+            const u32 ab = a_base + st * A_BYTES, bb = b_base + st * B_BYTES;
+            #pragma unroll
+            for (int kk = 0; kk < GM_BK / 16; kk++) {
+                const u64 db = BMN ? sw_mnmajor(bb, GM_BK, kk) : sw_kmajor(bb, GM_BN, kk);
+                const int acc = kb > 0 || kk > 0;
+                wgmma_m64n128k16_ss_acc<BMN ? 1 : 0>(d[0], sw_kmajor(ab, 64, kk), db, acc);
+                wgmma_m64n128k16_ss_acc<BMN ? 1 : 0>(d[1], sw_kmajor(ab + 64 * 128, 64, kk), db, acc);
+            }
+            wg_commit();
+            // One k-step's products stay in flight; the one before has finished reading its stage.
+            if (kb > 0) {
+                wg_wait<1>();
+                release(n - 1);
+            }
+        }
+        // Every product of this round is issued: the other warpgroup's round may queue its own.
+        if (u + C < units) named_arrive(other, 256);
+        wg_wait<0>();
+        wg_pin<64>(d[0]);
+        wg_pin<64>(d[1]);
+        release(n - 1);
+        // Epilogue: thread (warp, g, tg) holds rows 16·warp + g (+ 8) of each 64-row half hm and
+        // columns 8·nb + 2·tg (+ 1) (d[hm][4·nb + e], mma.sync's C-fragment layout); column half
+        // cb = nb / 8 goes through buf[cb] (GeLU: h through buf[0] and a through buf[1], one half
+        // after the other) and out by TMA, which leaves what lies past M and N unwritten.
+        if constexpr (EPI == EPI_DGELU) mbar_wait(&hfull[wg], (u32)(j >> 1) & 1);
+        #pragma unroll
+        for (int cb = 0; cb < 2; cb++) {
+            if (EPI == EPI_GELU || (EPI == EPI_PLAIN && cb == 0)) {
+                if (leader) bulk_wait_read<0>();  // the buffers' last stores have read them
+                named_sync(own, 128);
+            }
+            #pragma unroll
+            for (int nq = 0; nq < 8; nq++) {
+                const int nb = cb * 8 + nq, col = nq * 8 + 2 * tg;
+                float b0 = 0.f, b1 = 0.f;
+                if (EPI != EPI_DGELU && bias && n0 + nb * 8 + 2 * tg < N) {
+                    const u32 bv = *reinterpret_cast<const u32*>(bias + n0 + nb * 8 + 2 * tg);
+                    b0 = __uint_as_float(bv << 16);
+                    b1 = __uint_as_float(bv & 0xffff0000u);
+                }
+                #pragma unroll
+                for (int e = 0; e < 4; e += 2) {
+                    #pragma unroll
+                    for (int hm = 0; hm < 2; hm++) {
+                        const int row = hm * 64 + warp * 16 + g + 4 * e;
+                        const float x0 = d[hm][4 * nb + e], x1 = d[hm][4 * nb + e + 1];
+                        if constexpr (EPI == EPI_GELU) {
+                            const u32 hv = pack_bf16(x0 + b0, x1 + b1);
+                            *stage_word(buf[0], row, col) = hv;
+                            *stage_word(buf[1], row, col) = pack_bf16(gelu_fs(__uint_as_float(hv << 16)),
+                                                                      gelu_fs(__uint_as_float(hv & 0xffff0000u)));
+                        } else if constexpr (EPI == EPI_DGELU) {
+                            u32* p = stage_word(buf[cb], row, col);
+                            const u32 hv = *p;
+                            *p = pack_bf16(x0 * gelu_gs(__uint_as_float(hv << 16)),
+                                           x1 * gelu_gs(__uint_as_float(hv & 0xffff0000u)));
+                        } else {
+                            *stage_word(buf[cb], row, col) = pack_bf16(x0 + b0, x1 + b1);
+                        }
+                    }
+                }
+            }
+            if (EPI == EPI_GELU || cb == 1) {
+                fence_async_smem();
+                named_sync(own, 128);
+                if (leader) {
+                    if constexpr (EPI == EPI_GELU) {
+                        tma_store_2d(xm, buf[0], n0 + cb * 64, m0);
+                        tma_store_2d(om, buf[1], n0 + cb * 64, m0);
+                    } else {
+                        tma_store_2d(om, buf[0], n0, m0);
+                        tma_store_2d(om, buf[1], n0 + 64, m0);
+                    }
+                }
+            }
+        }
+    }
+    if (leader) bulk_wait<0>();  // the last stores done before the block's shared memory goes
+}
+
+// am: the tensor map of A [M, K] (boxes 64 × 128); bm: of w [N, K] (boxes 64 × 128, `_tn`) or of
+// w [K, N] (64 × 64, `_nn`); om and xm: of out and aux [M, N] (64 × 128; xm unused by the plain
+// kernels); bias [N] or null. N and K multiples of 8 (rows of 16-byte multiples for TMA). Grid:
+// at most one block per SM; 384 threads; shared memory GM_S · 32 KiB + 64 KiB of staging
+// buffers + (2 · GM_S + 2) · 8 bytes of mbarriers (the host's `SMEM`).
+#define GEMM_WS(NAME, EPI, BMN, CL) \
+extern "C" __global__ void __launch_bounds__(384, 1) NAME(const __grid_constant__ TmaMap am, \
+        const __grid_constant__ TmaMap bm, const __grid_constant__ TmaMap om, const __grid_constant__ TmaMap xm, \
+        const bf16_t* bias, long M, long N, long K) { \
+    gemm_ws<EPI, BMN, CL>(&am, &bm, &om, &xm, bias, M, N, K); }
+GEMM_WS(gemm_gelu_tn_bf16, EPI_GELU, false, 1)
+GEMM_WS(gemm_dgelu_nn_bf16, EPI_DGELU, true, 1)
+GEMM_WS(gemm_plain_tn_bf16, EPI_PLAIN, false, 1)
+GEMM_WS(gemm_plain_nn_bf16, EPI_PLAIN, true, 1)
+// Launched in clusters of two blocks (`_c2`, `FERROTRON_OWN_GEMM_CLUSTERS=1`) that take adjacent
+// m-tiles of one n-tile and copy B once for both (TMA multicast), meant to cut the L2 traffic
+// that holds the one-block kernel's clock down (H200, session 29: L2 busy 86% and 1.52 GHz
+// against cuBLASLt's 58% and 1.64 GHz at the same cycles); so far no faster. bm's boxes are then
+// 64 × 64 in either layout.
+GEMM_WS(gemm_gelu_tn_c2_bf16, EPI_GELU, false, 2)
+GEMM_WS(gemm_dgelu_nn_c2_bf16, EPI_DGELU, true, 2)
+GEMM_WS(gemm_plain_tn_c2_bf16, EPI_PLAIN, false, 2)
+GEMM_WS(gemm_plain_nn_c2_bf16, EPI_PLAIN, true, 2)
