@@ -1,7 +1,7 @@
 // Our own bf16 GEMM for the two MLP products whose epilogue cuBLASLt runs slowly (sm_90a: wgmma,
 // TMA; the host launches these only where the wgmma kernels run, and only when asked:
 // `FERROTRON_OWN_GEMM=1`). cuBLASLt's GELU_AUX_BIAS kernel for fc1 and its DGELU kernel (an older
-// xmma one) for fc2's input gradient take 1.1–1.35× the time of the same product without the
+// xmma one) for fc2's input gradient take up to 1.33× the time of the same product without the
 // epilogue (kernels/README.md, "own GEMM"): their warps stop multiplying while they store. Here
 // one tile's epilogue runs while the tensor cores multiply another. So far the main loop is what
 // loses: 0.88–0.90× cuBLASLt's plain product, at the same cycles per tile on a lower clock (its
