@@ -25,7 +25,8 @@
 // GM_S stages of 32 KiB in the 128-byte swizzle (wgmma.cuh), in the order the rounds consume
 // them. With CL = 2 (`_c2`, launched in clusters of two blocks) the two blocks take adjacent
 // m-tiles of one n-tile and each copies half of B into both (TMA multicast); a stage is then
-// free once both blocks' consumers are done with it.
+// free once both blocks' consumers are done with it. With CO (`_m256`) both consumers work on
+// one 256 × 128 tile instead (below).
 // Accumulation: every k-step adds into the fp32 registers in k order (the first overwrites them),
 // so each output's sum has one fixed order: the same bits on every run.
 
@@ -60,53 +61,57 @@ __device__ __forceinline__ u32* stage_word(unsigned char* buf, int row, int col)
     return reinterpret_cast<u32*>(buf + row * 128 + ((((col >> 3) ^ row) & 7) << 4) + (col & 7) * 2);
 }
 
-template <int EPI, bool BMN, int CL>
+// CO: cooperative instead of ping-pong: both consumer warpgroups work on one 256 × 128 tile
+// (rows 0–127 and 128–255), sharing each B stage, so A and B cross L2 a quarter less often per
+// product; the epilogue no longer overlaps the other warpgroup's products. 3 stages of 48 KiB.
+template <int EPI, bool BMN, int CL, bool CO>
 __device__ void gemm_ws(const TmaMap* am, const TmaMap* bm, const TmaMap* om, const TmaMap* xm, const bf16_t* bias,
                         long M, long N, long K) {
     extern __shared__ __align__(1024) unsigned char gm_smem[];  // swizzled tiles: 1024-byte aligned
-    constexpr u32 A_BYTES = GM_BM * GM_BK * 2, B_BYTES = GM_BN * GM_BK * 2, C_BYTES = GM_BM * 64 * 2;
-    unsigned char* sa = gm_smem;              // GM_S × A tile
-    unsigned char* sb = sa + GM_S * A_BYTES;  // GM_S × B tile
-    unsigned char* sc = sb + GM_S * B_BYTES;  // 2 × 2 staging buffers (two a consumer)
+    constexpr int BM = CO ? 2 * GM_BM : GM_BM, S = CO ? 3 : GM_S;
+    constexpr u32 A_BYTES = BM * GM_BK * 2, B_BYTES = GM_BN * GM_BK * 2, C_BYTES = GM_BM * 64 * 2;
+    unsigned char* sa = gm_smem;              // S × A tile
+    unsigned char* sb = sa + S * A_BYTES;     // S × B tile
+    unsigned char* sc = sb + S * B_BYTES;     // 2 × 2 staging buffers (two a consumer)
     u64* full = reinterpret_cast<u64*>(sc + 4 * C_BYTES);
-    u64* empty = full + GM_S;
-    u64* hfull = empty + GM_S;  // EPI_DGELU: a consumer's h tile landed in its buffers
+    u64* empty = full + S;
+    u64* hfull = empty + S;  // EPI_DGELU: a consumer's h tile landed in its buffers
     // The walk: units of CL m-tiles (one a block of the cluster) by one n-tile, unit u = cluster,
     // cluster + clusters, …; in groups of GM_GROUP units down the rows, m fastest, so the tiles
     // running together cover a compact block of rows and columns whose A and B stay in L2.
-    const long tn = (N + GM_BN - 1) / GM_BN, tmu = ((M + GM_BM - 1) / GM_BM + CL - 1) / CL, units = tmu * tn;
+    const long tn = (N + GM_BN - 1) / GM_BN, tmu = ((M + BM - 1) / BM + CL - 1) / CL, units = tmu * tn;
     const long nk = (K + GM_BK - 1) / GM_BK, C = gridDim.x / CL, cid = blockIdx.x / CL;
     const u32 rank = CL > 1 ? cluster_rank() : 0;
     auto tile_of = [&](long u, int& m0, int& n0) {
         const long per = GM_GROUP * tn, grp = u / per, first = grp * GM_GROUP, r = u - grp * per;
         const long gs = lmin(tmu - first, GM_GROUP);
-        m0 = (int)(((first + r % gs) * CL + rank) * GM_BM);  // past M when the last unit is short
+        m0 = (int)(((first + r % gs) * CL + rank) * BM);  // past M when the last unit is short
         n0 = (int)((r / gs) * GM_BN);
     };
     const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31;
     if (threadIdx.x == 0) {
         // A stage is free once every consumer warp of every block it was copied into is done.
-        for (int s = 0; s < GM_S; s++) { mbar_init(&full[s], 1); mbar_init(&empty[s], 4 * CL); }
+        for (int s = 0; s < S; s++) { mbar_init(&full[s], 1); mbar_init(&empty[s], (CO ? 8 : 4) * CL); }
         for (int w = 0; w < 2; w++) mbar_init(&hfull[w], 1);
     }
     if (CL > 1) cluster_sync(); else __syncthreads();  // the peers' barriers exist before any copy
     // A consumer warp's release of k-step x's stage, in its own block and (clusters) the peer's.
     auto release = [&](u32 x) {
         if (lane != 0) return;
-        mbar_arrive(&empty[x % GM_S]);
-        if (CL > 1) mbar_arrive_peer(&empty[x % GM_S], rank ^ 1);
+        mbar_arrive(&empty[x % S]);
+        if (CL > 1) mbar_arrive_peer(&empty[x % S], rank ^ 1);
     };
     // Registers: 384 · 168 = 64512 launched; 40 + 2 · 232 = 504 a thread slot (as flash_mma.cu).
     if (wg == 2) {
         wg_reg_dealloc<40>();
         if (threadIdx.x != 256) return;  // one thread copies
-        u32 n = 0;  // k-steps over the block's rounds: stage n % GM_S
+        u32 n = 0;  // k-steps over the block's rounds: stage n % S
         for (long u = cid; u < units; u += C) {
             int m0, n0;
             tile_of(u, m0, n0);
             for (long kb = 0; kb < nk; kb++, n++) {
-                const int st = n % GM_S, k0 = (int)(kb * GM_BK);
-                if (n >= GM_S) mbar_wait(&empty[st], ((n / GM_S) - 1) & 1);
+                const int st = n % S, k0 = (int)(kb * GM_BK);
+                if (n >= S) mbar_wait(&empty[st], ((n / S) - 1) & 1);
                 // Boxes past the matrix's edge are zero-filled and still count their full bytes.
                 mbar_expect_tx(&full[st], A_BYTES + B_BYTES);
                 tma_load_2d(sa + st * A_BYTES, am, k0, m0, &full[st]);
@@ -127,10 +132,10 @@ __device__ void gemm_ws(const TmaMap* am, const TmaMap* bm, const TmaMap* om, co
             }
         }
         if constexpr (CL > 1) {
-            // Stay until the last GM_S stages are released by both blocks' consumers: the peer's
+            // Stay until the last S stages are released by both blocks' consumers: the peer's
             // arrivals on these barriers must find this block's shared memory still there.
-            for (u32 q = n; q < n + GM_S; q++)
-                if (q >= GM_S) mbar_wait(&empty[q % GM_S], ((q / GM_S) - 1) & 1);
+            for (u32 q = n; q < n + S; q++)
+                if (q >= S) mbar_wait(&empty[q % S], ((q / S) - 1) & 1);
         }
         return;
     }
@@ -141,14 +146,16 @@ __device__ void gemm_ws(const TmaMap* am, const TmaMap* bm, const TmaMap* om, co
     // this warpgroup's own.
     const int mine = wg == 0 ? 2 : 1, other = wg == 0 ? 1 : 2, own = 3 + wg;
     unsigned char* buf[2] = {sc + (2 * wg) * C_BYTES, sc + (2 * wg + 1) * C_BYTES};
-    const u32 a_base = smem_addr(sa), b_base = smem_addr(sb);
-    float d[2][64];  // rows 0–63 and 64–127 of the tile
-    for (long j = wg;; j += 2) {
+    // CO: this warpgroup's 128 rows of the stage's A tile.
+    const u32 a_base = smem_addr(sa) + (CO ? wg * GM_BM * 128 : 0), b_base = smem_addr(sb);
+    float d[2][64];  // rows 0–63 and 64–127 of the warpgroup's 128
+    for (long j = CO ? 0 : wg;; j += CO ? 1 : 2) {
         const long u = cid + j * C;
         if (u >= units) break;
         int m0, n0;
         tile_of(u, m0, n0);
-        if (j > 0) named_sync(mine, 256);
+        if (CO) m0 += wg * GM_BM;
+        if (!CO && j > 0) named_sync(mine, 256);
         if (EPI == EPI_DGELU && leader) {
             // h's two 64-column halves into the buffers, once the last tile's stores have read them.
             bulk_wait_read<0>();
@@ -158,8 +165,8 @@ __device__ void gemm_ws(const TmaMap* am, const TmaMap* bm, const TmaMap* om, co
         }
         u32 n = (u32)(j * nk);
         for (long kb = 0; kb < nk; kb++, n++) {
-            const int st = n % GM_S;
-            mbar_wait(&full[st], (n / GM_S) & 1);
+            const int st = n % S;
+            mbar_wait(&full[st], (n / S) & 1);
             wg_fence();
             const u32 ab = a_base + st * A_BYTES, bb = b_base + st * B_BYTES;
             #pragma unroll
@@ -177,7 +184,7 @@ __device__ void gemm_ws(const TmaMap* am, const TmaMap* bm, const TmaMap* om, co
             }
         }
         // Every product of this round is issued: the other warpgroup's round may queue its own.
-        if (u + C < units) named_arrive(other, 256);
+        if (!CO && u + C < units) named_arrive(other, 256);
         wg_wait<0>();
         wg_pin<64>(d[0]);
         wg_pin<64>(d[1]);
@@ -186,7 +193,7 @@ __device__ void gemm_ws(const TmaMap* am, const TmaMap* bm, const TmaMap* om, co
         // columns 8·nb + 2·tg (+ 1) (d[hm][4·nb + e], mma.sync's C-fragment layout); column half
         // cb = nb / 8 goes through buf[cb] (GeLU: h through buf[0] and a through buf[1], one half
         // after the other) and out by TMA, which leaves what lies past M and N unwritten.
-        if constexpr (EPI == EPI_DGELU) mbar_wait(&hfull[wg], (u32)(j >> 1) & 1);
+        if constexpr (EPI == EPI_DGELU) mbar_wait(&hfull[wg], (u32)(CO ? j : j >> 1) & 1);  // its rounds so far
         #pragma unroll
         for (int cb = 0; cb < 2; cb++) {
             if (EPI == EPI_GELU || (EPI == EPI_PLAIN && cb == 0)) {
@@ -245,23 +252,28 @@ __device__ void gemm_ws(const TmaMap* am, const TmaMap* bm, const TmaMap* om, co
 // am: the tensor map of A [M, K] (boxes 64 × 128); bm: of w [N, K] (boxes 64 × 128, `_tn`) or of
 // w [K, N] (64 × 64, `_nn`); om and xm: of out and aux [M, N] (64 × 128; xm unused by the plain
 // kernels); bias [N] or null. N and K multiples of 8 (rows of 16-byte multiples for TMA). Grid:
-// at most one block per SM; 384 threads; shared memory GM_S · 32 KiB + 64 KiB of staging
-// buffers + (2 · GM_S + 2) · 8 bytes of mbarriers (the host's `SMEM`).
-#define GEMM_WS(NAME, EPI, BMN, CL) \
+// at most one block per SM; 384 threads; shared memory S stages of A and B tiles + 64 KiB of
+// staging buffers + (2 · S + 2) · 8 bytes of mbarriers (the host's `smem`).
+#define GEMM_WS(NAME, EPI, BMN, CL, CO) \
 extern "C" __global__ void __launch_bounds__(384, 1) NAME(const __grid_constant__ TmaMap am, \
         const __grid_constant__ TmaMap bm, const __grid_constant__ TmaMap om, const __grid_constant__ TmaMap xm, \
         const bf16_t* bias, long M, long N, long K) { \
-    gemm_ws<EPI, BMN, CL>(&am, &bm, &om, &xm, bias, M, N, K); }
-GEMM_WS(gemm_gelu_tn_bf16, EPI_GELU, false, 1)
-GEMM_WS(gemm_dgelu_nn_bf16, EPI_DGELU, true, 1)
-GEMM_WS(gemm_plain_tn_bf16, EPI_PLAIN, false, 1)
-GEMM_WS(gemm_plain_nn_bf16, EPI_PLAIN, true, 1)
+    gemm_ws<EPI, BMN, CL, CO>(&am, &bm, &om, &xm, bias, M, N, K); }
+GEMM_WS(gemm_gelu_tn_bf16, EPI_GELU, false, 1, false)
+GEMM_WS(gemm_dgelu_nn_bf16, EPI_DGELU, true, 1, false)
+GEMM_WS(gemm_plain_tn_bf16, EPI_PLAIN, false, 1, false)
+GEMM_WS(gemm_plain_nn_bf16, EPI_PLAIN, true, 1, false)
 // Launched in clusters of two blocks (`_c2`, `FERROTRON_OWN_GEMM_CLUSTERS=1`) that take adjacent
 // m-tiles of one n-tile and copy B once for both (TMA multicast), meant to cut the L2 traffic
 // that holds the one-block kernel's clock down (H200, session 29: L2 busy 86% and 1.52 GHz
 // against cuBLASLt's 58% and 1.64 GHz at the same cycles); so far no faster. bm's boxes are then
 // 64 × 64 in either layout.
-GEMM_WS(gemm_gelu_tn_c2_bf16, EPI_GELU, false, 2)
-GEMM_WS(gemm_dgelu_nn_c2_bf16, EPI_DGELU, true, 2)
-GEMM_WS(gemm_plain_tn_c2_bf16, EPI_PLAIN, false, 2)
-GEMM_WS(gemm_plain_nn_c2_bf16, EPI_PLAIN, true, 2)
+GEMM_WS(gemm_gelu_tn_c2_bf16, EPI_GELU, false, 2, false)
+GEMM_WS(gemm_dgelu_nn_c2_bf16, EPI_DGELU, true, 2, false)
+GEMM_WS(gemm_plain_tn_c2_bf16, EPI_PLAIN, false, 2, false)
+GEMM_WS(gemm_plain_nn_c2_bf16, EPI_PLAIN, true, 2, false)
+// Cooperative 256 × 128 tiles (`_m256`, `FERROTRON_OWN_GEMM_M256=1`): am's boxes 64 × 256.
+GEMM_WS(gemm_gelu_tn_m256_bf16, EPI_GELU, false, 1, true)
+GEMM_WS(gemm_dgelu_nn_m256_bf16, EPI_DGELU, true, 1, true)
+GEMM_WS(gemm_plain_tn_m256_bf16, EPI_PLAIN, false, 1, true)
+GEMM_WS(gemm_plain_nn_m256_bf16, EPI_PLAIN, true, 1, true)

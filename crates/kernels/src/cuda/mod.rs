@@ -103,6 +103,7 @@ thread_local! {
     static OWN_GEMM: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static OWN_GEMM_RUNS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     static OWN_GEMM_CLUSTERS: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+    static OWN_GEMM_M256: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
 }
 
 /// Whether this thread's wgmma flash kernels are the warp-specialised ones, forward and backward
@@ -298,6 +299,19 @@ pub fn set_own_gemm_clusters(on: bool) {
 pub(crate) fn own_gemm_clusters() -> bool {
     static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     opt_in(&OWN_GEMM_CLUSTERS, "FERROTRON_OWN_GEMM_CLUSTERS", &ENV)
+}
+
+/// Whether our GEMM kernels run both consumer warpgroups on one 256-row tile (kernels/gemm.cu
+/// `_m256`, `CO`: B shared by both, no epilogue overlap) instead of taking 128-row tiles in turn:
+/// this thread's `set_own_gemm_m256`, else off unless `FERROTRON_OWN_GEMM_M256=1` (before the
+/// clusters' switch, which it overrides). Tests set it to run every build.
+pub fn set_own_gemm_m256(on: bool) {
+    OWN_GEMM_M256.with(|w| w.set(Some(on)));
+}
+
+pub(crate) fn own_gemm_m256() -> bool {
+    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    opt_in(&OWN_GEMM_M256, "FERROTRON_OWN_GEMM_M256", &ENV)
 }
 
 /// How many products on this thread ran on our own GEMM kernels (tests check that the path they

@@ -619,7 +619,8 @@ fn gelu_gemm_epilogues_match_cpu() {
 
 #[test]
 fn own_gemm_kernels_match_cpu() {
-    // kernels/gemm.cu (on sm_90) against the CPU, in clusters of two blocks and in single blocks:
+    // kernels/gemm.cu (on sm_90) against the CPU, in clusters of two blocks, in single blocks and
+    // with 256-row tiles (17 of them, the last 104 rows deep):
     // 33 × 9 output tiles of 128 × 128, more than two a block on 132 SMs (both warpgroups,
     // several rounds each), with m (4200), n (1032) and k (200) none a multiple of its tile
     // (zero-filled boxes past the edges, stores cut there; 33 m-tiles leave the last cluster's
@@ -635,10 +636,11 @@ fn own_gemm_kernels_match_cpu() {
     let (dy, w2, h) = (rnd(&[m, kd], 4, dt), rnd(&[kd, n], 5, dt), rnd(&[m, n], 6, dt));
     ferrotron_kernels::cuda::set_own_gemm(true);
     let before = ferrotron_kernels::cuda::own_gemm_runs();
-    for clusters in [true, false] {
+    for (clusters, m256) in [(true, false), (false, false), (false, true)] {
         ferrotron_kernels::cuda::set_own_gemm_clusters(clusters);
+        ferrotron_kernels::cuda::set_own_gemm_m256(m256);
         check(
-            &format!("own GEMM kernels, clusters {clusters}"),
+            &format!("own GEMM kernels, clusters {clusters}, 256-row tiles {m256}"),
             dt,
             &[x.clone(), w.clone(), b.clone(), dy.clone(), w2.clone(), h.clone()],
             |t| {
@@ -653,11 +655,12 @@ fn own_gemm_kernels_match_cpu() {
             },
         );
     }
-    ferrotron_kernels::cuda::set_own_gemm_clusters(true);
+    ferrotron_kernels::cuda::set_own_gemm_clusters(false);
+    ferrotron_kernels::cuda::set_own_gemm_m256(false);
     ferrotron_kernels::cuda::set_own_gemm(false);
     let ran = ferrotron_kernels::cuda::own_gemm_runs() - before;
     if ferrotron_kernels::cuda::wgmma_device(&gpu()).unwrap() {
-        assert_eq!(ran, 8, "the GeLU, dGeLU and two plain products on our own kernels, with and without clusters");
+        assert_eq!(ran, 12, "the GeLU, dGeLU and two plain products on each of our three builds");
     }
 }
 

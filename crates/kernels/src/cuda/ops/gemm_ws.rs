@@ -1,18 +1,58 @@
 //! Our own bf16 GEMM kernels (kernels/gemm.cu: wgmma, TMA, two warpgroups taking turns) for the
 //! MLP's products with a GeLU epilogue, which cuBLASLt runs up to 1.33× slower than without one.
-//! Off by default (`FERROTRON_OWN_GEMM=1`; their main loop is still 0.88–0.90× cuBLASLt's): the
+//! Off by default (`FERROTRON_OWN_GEMM=1`; the fused products are still 0.76–0.97× cuBLASLt's): the
 //! callers in gemm.rs try these first when on and fall back to cuBLASLt where `fits` says no.
 
 use super::*;
 use crate::cuda::tma::TmaMap;
 
-/// kernels/gemm.cu's tile and stages: GM_BM × GM_BN outputs, GM_BK deep, GM_S stages.
+/// kernels/gemm.cu's tiles: a warpgroup's GM_BM × GM_BN outputs, GM_BK deep.
 const BM: usize = 128;
 const BN: usize = 128;
 const BK: usize = 64;
-const STAGES: usize = 5;
-/// The stages (A and B tiles), four staging buffers of BM × 64 outputs and 2 · STAGES + 2 mbarriers.
-const SMEM: usize = STAGES * (BM + BN) * BK * 2 + 4 * BM * 64 * 2 + (2 * STAGES + 2) * 8;
+
+/// Which build of the kernel: one block of two warpgroups taking 128-row tiles in turn, the same
+/// in clusters of two sharing B (`_c2`), or both warpgroups on one 256-row tile (`_m256`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Build {
+    One,
+    Cluster2,
+    M256,
+}
+
+impl Build {
+    /// This thread's choice (`cuda::set_own_gemm_m256`, `cuda::set_own_gemm_clusters`).
+    fn current() -> Self {
+        if crate::cuda::own_gemm_m256() {
+            Build::M256
+        } else if crate::cuda::own_gemm_clusters() {
+            Build::Cluster2
+        } else {
+            Build::One
+        }
+    }
+    /// A block's tile rows (kernels/gemm.cu `BM`).
+    fn rows(self) -> usize {
+        if self == Build::M256 { 2 * BM } else { BM }
+    }
+    /// Blocks a cluster.
+    fn cluster(self) -> usize {
+        if self == Build::Cluster2 { 2 } else { 1 }
+    }
+    /// The stages (A and B tiles: kernels/gemm.cu `S`), four staging buffers of BM × 64 outputs
+    /// and 2 · S + 2 mbarriers.
+    fn smem(self) -> usize {
+        let stages = if self == Build::M256 { 3 } else { 5 };
+        stages * (self.rows() + BN) * BK * 2 + 4 * BM * 64 * 2 + (2 * stages + 2) * 8
+    }
+    fn suffix(self) -> &'static str {
+        match self {
+            Build::One => "",
+            Build::Cluster2 => "_c2",
+            Build::M256 => "_m256",
+        }
+    }
+}
 
 /// Which epilogue (kernels/gemm.cu `EPI_*`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,12 +72,12 @@ pub enum Epi {
 pub fn fits(be: &B, (m, n, k): (usize, usize, usize), ptrs: &[u64]) -> bool {
     be.use_wgmma()
         && crate::cuda::own_gemm()
-        && m >= BM
+        && m >= Build::current().rows()
         && n >= BN
         && k >= BK
         && n % 8 == 0
         && k % 8 == 0
-        && be.smem_optin >= SMEM
+        && be.smem_optin >= Build::current().smem()
         && ptrs.iter().all(|p| p % 16 == 0)
 }
 
@@ -52,19 +92,18 @@ pub fn launch(
     b_kmajor: bool,
     (m, n, k): (usize, usize, usize),
 ) -> Result<()> {
-    // Clusters of two blocks sharing B (the `_c2` kernels) unless turned off.
-    let cl: u32 = if crate::cuda::own_gemm_clusters() { 2 } else { 1 };
-    let sfx = if cl == 2 { "_c2" } else { "" };
+    let build = Build::current();
+    let (cl, rows, smem) = (build.cluster(), build.rows(), build.smem() as u32);
     // B's boxes: 64 columns by BN rows K-major (by half that when a cluster shares it), 64 × 64 MN-major.
     let (name, bmap) = match (epi, b_kmajor) {
-        (Epi::Gelu, true) => ("gemm_gelu_tn", TmaMap::matrix(b, n, k, BN / cl as usize)?),
+        (Epi::Gelu, true) => ("gemm_gelu_tn", TmaMap::matrix(b, n, k, BN / cl)?),
         (Epi::DGelu, false) => ("gemm_dgelu_nn", TmaMap::matrix(b, k, n, 64)?),
-        (Epi::Plain, true) => ("gemm_plain_tn", TmaMap::matrix(b, n, k, BN / cl as usize)?),
+        (Epi::Plain, true) => ("gemm_plain_tn", TmaMap::matrix(b, n, k, BN / cl)?),
         (Epi::Plain, false) => ("gemm_plain_nn", TmaMap::matrix(b, k, n, 64)?),
         (e, t) => return Err(ferrotron_core::invalid("gemm_ws", format!("no kernel for {e:?} with B K-major {t}"))),
     };
-    let name = format!("{name}{sfx}_bf16");
-    let amap = TmaMap::matrix(a, m, k, BM)?;
+    let name = format!("{name}{}_bf16", build.suffix());
+    let amap = TmaMap::matrix(a, m, k, rows)?;
     let omap = TmaMap::matrix(out, m, n, BM)?;
     let xmap = if aux == 0 { TmaMap::unused() } else { TmaMap::matrix(aux, m, n, BM)? };
     let args = [
@@ -79,12 +118,12 @@ pub fn launch(
     ];
     // Persistent: as many blocks (clusters) as can be resident, no more than there are tiles
     // (pairs of m-tiles with clusters).
-    let units = m.div_ceil(BM).div_ceil(cl as usize) * n.div_ceil(BN);
+    let units = m.div_ceil(rows).div_ceil(cl) * n.div_ceil(BN);
     if cl == 1 {
         let grid = units.min(be.sms as usize) as u32;
-        return be.launch(&name, grid, 384, SMEM as u32, &args);
+        return be.launch(&name, grid, 384, smem, &args);
     }
-    let resident = be.launch_cluster(&name, (0, 384, SMEM as u32, cl), &[])? as usize;
-    let grid = units.min(resident) as u32 * cl;
-    be.launch_cluster(&name, (grid, 384, SMEM as u32, cl), &args).map(drop)
+    let resident = be.launch_cluster(&name, (0, 384, smem, cl as u32), &[])? as usize;
+    let grid = (units.min(resident) * cl) as u32;
+    be.launch_cluster(&name, (grid, 384, smem, cl as u32), &args).map(drop)
 }
