@@ -819,15 +819,21 @@ pub fn own_matmul(a: &Tensor, b: &Tensor, b_kmajor: bool) -> Result<Option<Tenso
     if (if b_kmajor { b1 } else { b0 }) != k || a.dtype() != ferrotron_core::DType::BF16 || b.dtype() != a.dtype() {
         return Err(ferrotron_core::invalid(
             OP,
-            format!("a {:?} and b {:?} do not multiply as bf16", a.dims(), b.dims()),
+            format!(
+                "a {:?} and b {:?} do not multiply: give a [m, k] and b [n, k] (b_kmajor) or [k, n], both bf16",
+                a.dims(),
+                b.dims()
+            ),
         ));
     }
     let Some(be) = gpu(OP, &[a, b])? else { return Ok(None) };
-    let out = ops::new(&be, [m, n], a.dtype())?;
-    let io = (ops::raw(OP, a)?, ops::raw(OP, b)?, ops::raw(OP, &out)?, 0, 0);
-    if !ops::gemm_ws::fits(&be, (m, n, k), &[io.0, io.1, io.2]) {
+    let (pa, pb) = (ops::raw(OP, a)?, ops::raw(OP, b)?);
+    // A fresh output is 256-byte aligned: only the inputs' addresses can fail the check.
+    if !ops::gemm_ws::fits(&be, (m, n, k), &[pa, pb]) {
         return Ok(None);
     }
+    let out = ops::new(&be, [m, n], a.dtype())?;
+    let io = (pa, pb, ops::raw(OP, &out)?, 0, 0);
     ops::gemm_ws::launch(&be, ops::gemm_ws::Epi::Plain, io, b_kmajor, (m, n, k))?;
     count_own_gemm_run();
     Ok(Some(out))

@@ -222,9 +222,10 @@ pub fn linear_gelu(
     }
     let (a, h) = (new(be, out.clone(), x.dtype())?, new(be, out, x.dtype())?);
     let bias = bias.map(|b| raw("linear_gelu", b)).transpose()?;
-    let ptrs = (raw("linear_gelu", x)?, raw("linear_gelu", w)?, raw("linear_gelu", &a)?, raw("linear_gelu", &h)?);
-    if gemm_ws::fits(be, (rows, n, k), &[ptrs.0, ptrs.1, ptrs.2, ptrs.3, bias.unwrap_or(0)]) {
-        let io = (ptrs.0, ptrs.1, ptrs.2, ptrs.3, bias.unwrap_or(0));
+    let (px, pw, pa, ph) =
+        (raw("linear_gelu", x)?, raw("linear_gelu", w)?, raw("linear_gelu", &a)?, raw("linear_gelu", &h)?);
+    let io = (px, pw, pa, ph, bias.unwrap_or(0));
+    if gemm_ws::fits(be, (rows, n, k), &[px, pw, pa, ph, io.4]) {
         gemm_ws::launch(be, gemm_ws::Epi::Gelu, io, true, (rows, n, k))?;
         crate::cuda::count_own_gemm_run();
         return Ok(Some((a, h)));
