@@ -841,6 +841,22 @@ pub fn own_matmul(a: &Tensor, b: &Tensor, b_kmajor: bool) -> Result<Option<Tenso
 
 #[cfg(test)]
 mod tests {
+    /// `own_matmul` names shapes that do not multiply (and dtypes it does not take) before it
+    /// looks for a GPU, and leaves CPU tensors to the caller (None). No GPU needed.
+    #[test]
+    fn own_matmul_refuses_what_does_not_multiply() {
+        use ferrotron_core::{DType, Device, Error, Tensor};
+        let t = |r: usize, c: usize, dt| Tensor::zeros([r, c], dt, &Device::Cpu).unwrap();
+        let bad = super::own_matmul(&t(4, 8, DType::BF16), &t(6, 5, DType::BF16), true).unwrap_err();
+        assert!(matches!(&bad, Error::InvalidArgument { op: "own_matmul", msg } if msg.contains("[4, 8]")), "{bad}");
+        let bad = super::own_matmul(&t(4, 8, DType::BF16), &t(6, 8, DType::BF16), false).unwrap_err();
+        assert!(matches!(bad, Error::InvalidArgument { .. }), "b [6, 8] is not [k = 8, n]: {bad}");
+        let bad = super::own_matmul(&t(4, 8, DType::F32), &t(6, 8, DType::F32), true).unwrap_err();
+        assert!(bad.to_string().contains("bf16"), "{bad}");
+        assert!(super::own_matmul(&t(4, 8, DType::BF16), &t(6, 8, DType::BF16), true).unwrap().is_none());
+        assert!(super::own_matmul(&t(4, 8, DType::BF16), &t(8, 6, DType::BF16), false).unwrap().is_none());
+    }
+
     /// kernels/ through NVRTC, the compiler the backend runs, for Hopper (sm_90a: wgmma) and for
     /// sm_80 (the other side of wgmma.cuh). NVRTC rejects what nvcc takes (a generic lambda is a
     /// host function to it), so `cargo xtask ptx` alone does not prove the kernels load. CI runs
