@@ -4,8 +4,9 @@
 // xmma one) for fc2's input gradient take up to 1.33× the time of the same product without the
 // epilogue (kernels/README.md, "own GEMM"): their warps stop multiplying while they store. Here
 // one tile's epilogue runs while the tensor cores multiply another. So far the main loop is what
-// loses: 0.88–0.90× cuBLASLt's plain product, at the same cycles per tile on a lower clock (its
-// L2 traffic is higher), so the fused kernels stand at 0.76–0.97× cuBLASLt's.
+// loses: 0.88–0.90× cuBLASLt's plain product (≈ 5% more cycles alone, more energy a product at
+// the power cap), so the fused kernels stand at 0.76–0.97× cuBLASLt's; the 256-row build (CO)
+// brings the main loop level, but its epilogue stops the tensor cores (kernels/README.md).
 //
 //   C [M, N] = A [M, K] · op(B), fp32 accumulation, then per element (r, c):
 //     EPI_GELU   h = bf16(C + bias[c]) → aux[r, c], out[r, c] = bf16(gelu(h))   (B = w [N, K])
