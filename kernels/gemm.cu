@@ -6,7 +6,8 @@
 // one tile's epilogue runs while the tensor cores multiply another. So far the main loop is what
 // loses: 0.88–0.90× cuBLASLt's plain product (≈ 5% more cycles alone, more energy a product at
 // the power cap), so the fused kernels stand at 0.76–0.97× cuBLASLt's; the 256-row build (CO)
-// brings the main loop level, but its epilogue stops the tensor cores (kernels/README.md).
+// brings the main loop within 5–13% (ahead on one shape), but its epilogue stops the tensor
+// cores (kernels/README.md).
 //
 //   C [M, N] = A [M, K] · op(B), fp32 accumulation, then per element (r, c):
 //     EPI_GELU   h = bf16(C + bias[c]) → aux[r, c], out[r, c] = bf16(gelu(h))   (B = w [N, K])
