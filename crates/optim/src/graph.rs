@@ -88,9 +88,13 @@ impl StepGraph {
             None => return Err(StepError::Graph("a step of no micro-batches has nothing to run".into())),
         };
         let drops = model.config.hidden_dropout > 0.0 || model.config.attention_dropout > 0.0;
-        if let Some(c) =
-            self.captured.take_if(|c| !c.fits(micro_batches) || (drops && c.shift(micro_batches).is_none()))
-        {
+        // With dropout, the masks' shift: the batches' lead on the captured ones (None: unequal
+        // leads, which a replay cannot follow).
+        let shift = match &self.captured {
+            Some(c) if drops => c.shift(micro_batches),
+            _ => Some(0),
+        };
+        if let Some(c) = self.captured.take_if(|c| !c.fits(micro_batches) || shift.is_none()) {
             // Its pool would hold a step's activations beside the eager step's (twice the memory
             // at 1.3B): released, and captured again after the warm-up.
             c.graph.release()?;
@@ -102,9 +106,8 @@ impl StepGraph {
         }
         let q = match &self.captured {
             Some(c) => {
-                // The masks' shift: the batches' lead on the captured ones.
-                if drops {
-                    ferrotron_kernels::set_draw_shift(&dev, c.shift(micro_batches).unwrap_or(0))?;
+                if let (true, Some(lead)) = (drops, shift) {
+                    ferrotron_kernels::set_draw_shift(&dev, lead)?;
                 }
                 c.replay(sync, opt, micro_batches, lr)?
             }

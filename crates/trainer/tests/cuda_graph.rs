@@ -17,6 +17,13 @@ use std::time::Duration;
 /// The tests of this binary take turns: a capture records all work on the device's stream.
 static TURN: Mutex<()> = Mutex::new(());
 
+/// A training run of `s` on `gpu` under `--deterministic-mode`, eager or (`warmup`) with the step
+/// graphed after that many eager steps.
+fn train_deterministic(s: &Settings, gpu: &Device, warmup: Option<usize>) -> ferrotron_trainer::train::Summary {
+    let paths = Paths { device: gpu.clone(), cuda_graph_warmup: warmup, deterministic: true, ..Paths::default() };
+    train(s, &paths).unwrap()
+}
+
 /// `--cuda-graph-impl local --cuda-graph-scope full_iteration`: after two eager warm-up steps the
 /// step is captured once and replayed for the other 18. A replay runs the eager step's kernels on
 /// the same inputs, so under `--deterministic-mode` every loss equals the eager run's bit for bit
@@ -42,11 +49,7 @@ fn graphed_steps_equal_eager_steps_bit_for_bit() {
             ..TrainArgs::default()
         };
         let (s, _): (Settings, Paths) = Settings::resolve(&args).unwrap();
-        let run = |warmup: Option<usize>| {
-            let paths =
-                Paths { device: gpu.clone(), cuda_graph_warmup: warmup, deterministic: true, ..Paths::default() };
-            train(&s, &paths).unwrap()
-        };
+        let run = |warmup| train_deterministic(&s, &gpu, warmup);
         let eager = run(None);
         let graphed = run(Some(2));
         assert_eq!(eager.graphed_steps, 0);
@@ -82,11 +85,7 @@ fn graphed_steps_with_dropout_draw_each_steps_masks() {
                 ..TrainArgs::default()
             };
             let (s, _): (Settings, Paths) = Settings::resolve(&args).unwrap();
-            let run = |warmup: Option<usize>| {
-                let paths =
-                    Paths { device: gpu.clone(), cuda_graph_warmup: warmup, deterministic: true, ..Paths::default() };
-                train(&s, &paths).unwrap()
-            };
+            let run = |warmup| train_deterministic(&s, &gpu, warmup);
             let eager = run(None);
             let again = run(None);
             let graphed = run(Some(2));
