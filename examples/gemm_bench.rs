@@ -18,9 +18,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Ok(Tensor::from_f32(&v, [rows, cols], DType::BF16, &dev)?)
     };
     println!(
-        "| model | product (m × n × k) | cuBLASLt µs | TFLOP/s | ours, one block µs | TFLOP/s | ours, clusters of 2 µs | TFLOP/s | ours, 256-row tiles µs | TFLOP/s | cuBLASLt / best of ours |"
+        "| model | product (m × n × k) | cuBLASLt µs | TFLOP/s | ours, ping-pong µs | TFLOP/s | ours, clusters of 2 µs | TFLOP/s | ours, 256 × 128 µs | TFLOP/s | ours, 128 × 256 µs | TFLOP/s | cuBLASLt / best of ours |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     // GEMM_BENCH_ONLY=124M or 1.3B: that model alone; GEMM_BENCH_REPS: calls timed (Nsight
     // Compute runs take 1).
     let only = std::env::var("GEMM_BENCH_ONLY").ok();
@@ -33,11 +33,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let (x, w, b) = (rnd(m, h, 1)?, rnd(f, h, 2)?, rnd(1, f, 3)?.reshape([f])?);
         let (dy, w2) = (rnd(m, h, 4)?, rnd(h, f, 5)?);
         let (_, hh) = k::linear_gelu(&x, &w, Some(&b))?;
-        // mode 0: cuBLASLt; 1: ours in single blocks; 2: ours in clusters of two; 3: ours on 256-row tiles.
-        let time = |mode: u8, f: &dyn Fn() -> ferrotron_core::Result<()>| -> ferrotron_core::Result<f64> {
-            cuda::set_own_gemm(mode > 0);
-            cuda::set_own_gemm_clusters(mode == 2);
-            cuda::set_own_gemm_m256(mode == 3);
+        // None: cuBLASLt; else ours in that build.
+        let time = |build: Option<cuda::OwnGemmBuild>,
+                    f: &dyn Fn() -> ferrotron_core::Result<()>|
+         -> ferrotron_core::Result<f64> {
+            cuda::set_own_gemm(build.is_some());
+            cuda::set_own_gemm_build(build.unwrap_or(cuda::OwnGemmBuild::PingPong));
             f()?;
             cd.synchronize()?;
             let t0 = Instant::now();
@@ -49,23 +50,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         };
         let flop = 2.0 * (m * f * h) as f64;
         let row = |what: &str, call: &dyn Fn() -> ferrotron_core::Result<()>| -> ferrotron_core::Result<()> {
-            let (lt, one, two, tall) = (time(0, call)?, time(1, call)?, time(2, call)?, time(3, call)?);
-            let rate = |s: f64| flop / s / 1e12;
-            println!(
-                "| {model} | {what} ({m} × {f} × {h}) | {:.1} | {:.0} | {:.1} | {:.0} | {:.1} | {:.0} | {:.1} | {:.0} | {:.3} |",
-                lt * 1e6,
-                rate(lt),
-                one * 1e6,
-                rate(one),
-                two * 1e6,
-                rate(two),
-                tall * 1e6,
-                rate(tall),
-                lt / one.min(two).min(tall)
-            );
+            use cuda::OwnGemmBuild as G;
+            let lt = time(None, call)?;
+            let mut line =
+                format!("| {model} | {what} ({m} × {f} × {h}) | {:.1} | {:.0} |", lt * 1e6, flop / lt / 1e12);
+            let mut best = f64::INFINITY;
+            for b in [G::PingPong, G::Clusters2, G::M256, G::N256] {
+                let s = time(Some(b), call)?;
+                best = best.min(s);
+                line += &format!(" {:.1} | {:.0} |", s * 1e6, flop / s / 1e12);
+            }
+            println!("{line} {:.3} |", lt / best);
             Ok(())
         };
-        // The plain products: cuBLASLt when our kernels are off (mode 0), else ours.
+        // The plain products: cuBLASLt when our kernels are off, else ours.
         let plain = |a: &Tensor, b: &Tensor, tb: bool| -> ferrotron_core::Result<()> {
             match cuda::own_matmul(a, b, tb)? {
                 Some(_) => Ok(()),

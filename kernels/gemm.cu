@@ -63,32 +63,105 @@ __device__ __forceinline__ u32* stage_word(unsigned char* buf, int row, int col)
     return reinterpret_cast<u32*>(buf + row * 128 + ((((col >> 3) ^ row) & 7) << 4) + (col & 7) * 2);
 }
 
-// CO: cooperative instead of ping-pong: both consumer warpgroups work on one 256 × 128 tile
-// (rows 0–127 and 128–255), sharing each B stage, so A and B cross L2 a quarter less often per
-// product; the epilogue no longer overlaps the other warpgroup's products. 3 stages of 48 KiB.
-template <int EPI, bool BMN, int CL, bool CO>
+// The cooperative shapes (SH ≠ GM_PP): both consumer warpgroups work on one tile, sharing each
+// B stage, so A and B cross L2 a quarter less often per product: GM_M256, 256 × 128 (a
+// warpgroup's 128 rows by two m64n128k16 wgmmas a k16, as the ping-pong build) and GM_N256,
+// 128 × 256 (a warpgroup's 64 rows by one m64n256k16: B read from shared memory once a k16
+// instead of twice, a sixth less shared-memory traffic a product). 3 stages of 48 KiB. The
+// epilogue goes to the producer warpgroup's three idle warps (a fourth warpgroup would leave 128
+// registers a thread at launch, fewer than an m64n256 wgmma needs) so that the consumers go
+// straight on to the next tile: a consumer writes bf16(C (+ bias)) into its staging buffers (32
+// KiB: two of 128 rows × 64 columns, or four of 64 × 64) and passes them on (named barrier
+// GM_FULL + wg); the epilogue warps store them by TMA, for GeLU as h and then, computed in place once that store has read them,
+// as gelu(h). It hands the buffers back (GM_EMPTY + wg) once its stores have read them; the
+// consumer waits for that only before its next tile's writes, a whole main loop later. dGeLU
+// turns this round: the epilogue warps first copy the tile's h into the buffers and replaces it by
+// gelu'(h) in fp16 (relative error 2⁻¹¹; bf16's 2⁻⁸ would add a rounding the fused product
+// does not have), hands them over, and the consumer writes bf16(C · gelu'(h)) there.
+#define GM_PP 0
+#define GM_M256 1
+#define GM_N256 2
+#define GM_FULL 5
+#define GM_EMPTY 7
+#define GM_EPI 9
+
+__device__ __forceinline__ u32 pack_f16(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ float f16_half(u32 w, int hi) {
+    float f;
+    const unsigned short b = (unsigned short)(hi ? w >> 16 : w);
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(b));
+    return f;
+}
+
+// The epilogue warps' work on one staging buffer of RB rows × 64 columns, in place. Thread t of
+// GM_ET takes 16-byte chunks t + GM_ET i (row q / 8, chunk q % 8: eight threads a 128-byte row,
+// so each quarter-warp reads one whole row, conflict-free), four at a time (gelu': two). EPI_GELU: h →
+// gelu(h); the leader's store of h from this buffer has to have read it before the first write,
+// and LATER bulk groups (the other buffers' h stores, the earlier buffers' gelu stores) may still
+// be pending. EPI_DGELU: h → gelu'(h) as fp16 pairs.
+#define GM_ET 96
+template <int EPI, int RB, int LATER>
+__device__ __forceinline__ void gemm_epi_buffer(unsigned char* buf, int t, bool leader) {
+    constexpr int CP = EPI == EPI_GELU ? 4 : 2;  // chunks at a time (gelu' needs more registers)
+    #pragma unroll 1
+    for (int q0 = 0; q0 < RB * 8; q0 += CP * GM_ET) {
+        u128 v[CP];
+        #pragma unroll
+        for (int i = 0; i < CP; i++) {
+            const int q = q0 + t + GM_ET * i, row = q >> 3, c8 = q & 7;
+            if (q < RB * 8) v[i] = *reinterpret_cast<const u128*>(buf + row * 128 + (((c8 ^ row) & 7) << 4));
+        }
+        #pragma unroll
+        for (int i = 0; i < CP; i++) {
+            u32* w = &v[i].x;
+            #pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const float lo = __uint_as_float(w[k] << 16), hi = __uint_as_float(w[k] & 0xffff0000u);
+                w[k] = EPI == EPI_GELU ? pack_bf16(gelu_fs(lo), gelu_fs(hi)) : pack_f16(gelu_gs(lo), gelu_gs(hi));
+            }
+        }
+        if (EPI == EPI_GELU && q0 == 0) {
+            if (leader) bulk_wait_read<LATER>();
+            named_sync(GM_EPI, GM_ET);
+        }
+        #pragma unroll
+        for (int i = 0; i < CP; i++) {
+            const int q = q0 + t + GM_ET * i, row = q >> 3, c8 = q & 7;
+            if (q < RB * 8) *reinterpret_cast<u128*>(buf + row * 128 + (((c8 ^ row) & 7) << 4)) = v[i];
+        }
+    }
+}
+
+template <int EPI, bool BMN, int CL, int SH>
 __device__ void gemm_ws(const TmaMap* am, const TmaMap* bm, const TmaMap* om, const TmaMap* xm, const bf16_t* bias,
                         long M, long N, long K) {
     extern __shared__ __align__(1024) unsigned char gm_smem[];  // swizzled tiles: 1024-byte aligned
-    constexpr int BM = CO ? 2 * GM_BM : GM_BM, S = CO ? 3 : GM_S;
-    constexpr u32 A_BYTES = BM * GM_BK * 2, B_BYTES = GM_BN * GM_BK * 2, C_BYTES = GM_BM * 64 * 2;
+    constexpr bool CO = SH != GM_PP;
+    constexpr int BM = SH == GM_M256 ? 2 * GM_BM : GM_BM, BN = SH == GM_N256 ? 2 * GM_BN : GM_BN, S = CO ? 3 : GM_S;
+    // A consumer's rows of the tile, and its staging buffers: NB of RB rows × 64 columns.
+    constexpr int WR = CO ? BM / 2 : GM_BM, NB = CO ? BN / 64 : 2, RB = CO ? WR : GM_BM;
+    constexpr u32 A_BYTES = BM * GM_BK * 2, B_BYTES = BN * GM_BK * 2, C_BYTES = RB * 64 * 2;
     unsigned char* sa = gm_smem;              // S × A tile
     unsigned char* sb = sa + S * A_BYTES;     // S × B tile
-    unsigned char* sc = sb + S * B_BYTES;     // 2 × 2 staging buffers (two a consumer)
-    u64* full = reinterpret_cast<u64*>(sc + 4 * C_BYTES);
+    unsigned char* sc = sb + S * B_BYTES;     // 64 KiB of staging buffers (32 KiB a consumer)
+    u64* full = reinterpret_cast<u64*>(sc + 65536);
     u64* empty = full + S;
     u64* hfull = empty + S;  // EPI_DGELU: a consumer's h tile landed in its buffers
     // The walk: units of CL m-tiles (one a block of the cluster) by one n-tile, unit u = cluster,
     // cluster + clusters, …; in groups of GM_GROUP units down the rows, m fastest, so the tiles
     // running together cover a compact block of rows and columns whose A and B stay in L2.
-    const long tn = (N + GM_BN - 1) / GM_BN, tmu = ((M + BM - 1) / BM + CL - 1) / CL, units = tmu * tn;
+    const long tn = (N + BN - 1) / BN, tmu = ((M + BM - 1) / BM + CL - 1) / CL, units = tmu * tn;
     const long nk = (K + GM_BK - 1) / GM_BK, C = gridDim.x / CL, cid = blockIdx.x / CL;
     const u32 rank = CL > 1 ? cluster_rank() : 0;
     auto tile_of = [&](long u, int& m0, int& n0) {
         const long per = GM_GROUP * tn, grp = u / per, first = grp * GM_GROUP, r = u - grp * per;
         const long gs = lmin(tmu - first, GM_GROUP);
         m0 = (int)(((first + r % gs) * CL + rank) * BM);  // past M when the last unit is short
-        n0 = (int)((r / gs) * GM_BN);
+        n0 = (int)((r / gs) * BN);
     };
     const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31;
     if (threadIdx.x == 0) {
@@ -103,9 +176,85 @@ __device__ void gemm_ws(const TmaMap* am, const TmaMap* bm, const TmaMap* om, co
         mbar_arrive(&empty[x % S]);
         if (CL > 1) mbar_arrive_peer(&empty[x % S], rank ^ 1);
     };
-    // Registers: 384 · 168 = 64512 launched; 40 + 2 · 232 = 504 a thread slot (as flash_mma.cu).
+    // The epilogue warps (cooperative builds): warps 1–3 of warpgroup 2.
+    auto epilogue = [&]() {
+        const int t = threadIdx.x - 288;
+        const bool leader = t == 0;
+        // dGeLU: consumer c's buffers of unit u hold gelu'(h) (fp16), then go to the consumer.
+        // With `older`, consumer 1's NB stores may still be reading its own buffers.
+        auto prime = [&](long u, int c, u32 parity, bool older) {
+            int m0, n0;
+            tile_of(u, m0, n0);
+            unsigned char* b = sc + c * 32768;
+            if (leader) {
+                // The last stores from these buffers have read them.
+                if (older) bulk_wait_read<NB>();
+                else bulk_wait_read<0>();
+                mbar_expect_tx(&hfull[c], NB * C_BYTES);
+                for (int i = 0; i < NB; i++) tma_load_2d(b + i * C_BYTES, xm, n0 + i * 64, m0 + c * WR, &hfull[c]);
+            }
+            mbar_wait(&hfull[c], parity);
+            #pragma unroll 1
+            for (int i = 0; i < NB; i++) gemm_epi_buffer<EPI_DGELU, RB, 0>(b + i * C_BYTES, t, leader);
+            named_arrive(GM_EMPTY + c, 128 + GM_ET);
+        };
+        if constexpr (EPI == EPI_DGELU) {
+            if (cid < units) {
+                prime(cid, 0, 0, false);
+                prime(cid, 1, 0, false);
+            }
+        }
+        for (long j = 0;; j++) {
+            const long u = cid + j * C;
+            if (u >= units) break;
+            int m0, n0;
+            tile_of(u, m0, n0);
+            #pragma unroll 1
+            for (int c = 0; c < 2; c++) {
+                const int rm = m0 + c * WR;
+                unsigned char* b = sc + c * 32768;
+                named_sync(GM_FULL + c, 128 + GM_ET);
+                if (EPI != EPI_GELU) {
+                    if (leader)
+                        for (int i = 0; i < NB; i++) tma_store_2d(om, b + i * C_BYTES, n0 + i * 64, rm);
+                    continue;
+                }
+                if (leader)
+                    for (int i = 0; i < NB; i++) tma_store_2d(xm, b + i * C_BYTES, n0 + i * 64, rm);  // h
+                #pragma unroll 1
+                for (int i = 0; i < NB; i++) {
+                    gemm_epi_buffer<EPI_GELU, RB, NB - 1>(b + i * C_BYTES, t, leader);
+                    fence_async_smem();
+                    named_sync(GM_EPI, GM_ET);
+                    if (leader) tma_store_2d(om, b + i * C_BYTES, n0 + i * 64, rm);
+                }
+            }
+            if (u + C >= units) continue;
+            if constexpr (EPI == EPI_DGELU) {
+                // Consumer 0's stores are the older NB groups.
+                prime(u + C, 0, (u32)(j + 1) & 1, true);
+                prime(u + C, 1, (u32)(j + 1) & 1, false);
+            } else {
+                // The consumers' next tiles may write the buffers once the stores have read them.
+                if (leader) bulk_wait_read<0>();
+                named_sync(GM_EPI, GM_ET);
+                named_arrive(GM_EMPTY, 128 + GM_ET);
+                named_arrive(GM_EMPTY + 1, 128 + GM_ET);
+            }
+        }
+        if (leader) bulk_wait<0>();  // the last stores done before the block's shared memory goes
+    };
+    // Registers: 384 · 168 = 64512 launched; 40 + 2 · 232 = 504 a thread slot (as flash_mma.cu),
+    // cooperative 56 + 2 · 224 (the epilogue warps need more than the producer).
     if (wg == 2) {
-        wg_reg_dealloc<40>();
+        if constexpr (CO) wg_reg_dealloc<56>();
+        else wg_reg_dealloc<40>();
+        if constexpr (CO) {
+            if (threadIdx.x >= 288) {
+                epilogue();
+                return;
+            }
+        }
         if (threadIdx.x != 256) return;  // one thread copies
         u32 n = 0;  // k-steps over the block's rounds: stage n % S
         for (long u = cid; u < units; u += C) {
@@ -126,7 +275,7 @@ __device__ void gemm_ws(const TmaMap* am, const TmaMap* bm, const TmaMap* om, co
                     else tma_load_2d_mc(half, bm, k0, n0 + rank * 64, &full[st], 3);
                 } else if constexpr (BMN) {
                     #pragma unroll
-                    for (int cb = 0; cb < GM_BN / 64; cb++)
+                    for (int cb = 0; cb < BN / 64; cb++)
                         tma_load_2d(sb + st * B_BYTES + cb * 64 * GM_BK * 2, bm, n0 + cb * 64, k0, &full[st]);
                 } else {
                     tma_load_2d(sb + st * B_BYTES, bm, k0, n0, &full[st]);
@@ -141,24 +290,27 @@ __device__ void gemm_ws(const TmaMap* am, const TmaMap* bm, const TmaMap* om, co
         }
         return;
     }
-    wg_reg_alloc<232>();
+    if constexpr (CO) wg_reg_alloc<224>();
+    else wg_reg_alloc<232>();
     const int warp = (threadIdx.x >> 5) & 3, g = lane >> 2, tg = lane & 3;
     const bool leader = (threadIdx.x & 127) == 0;
     // Barrier 1: warpgroup 1 may multiply; 2: warpgroup 0 may (after the other's round); 3 + wg:
     // this warpgroup's own.
     const int mine = wg == 0 ? 2 : 1, other = wg == 0 ? 1 : 2, own = 3 + wg;
-    unsigned char* buf[2] = {sc + (2 * wg) * C_BYTES, sc + (2 * wg + 1) * C_BYTES};
-    // CO: this warpgroup's 128 rows of the stage's A tile.
-    const u32 a_base = smem_addr(sa) + (CO ? wg * GM_BM * 128 : 0), b_base = smem_addr(sb);
-    float d[2][64];  // rows 0–63 and 64–127 of the warpgroup's 128
+    unsigned char* buf[2] = {sc + (2 * wg) * C_BYTES, sc + (2 * wg + 1) * C_BYTES};  // ping-pong's
+    unsigned char* cbuf = sc + wg * 32768;  // cooperative: this consumer's NB buffers
+    // This warpgroup's rows of the stage's A tile (cooperative: its half).
+    const u32 a_base = smem_addr(sa) + (CO ? wg * WR * 128 : 0), b_base = smem_addr(sb);
+    // Ping-pong and GM_M256: rows 0–63 in d[0..64), 64–127 in d[64..128); GM_N256: 64 rows × 256.
+    float d[128];
     for (long j = CO ? 0 : wg;; j += CO ? 1 : 2) {
         const long u = cid + j * C;
         if (u >= units) break;
         int m0, n0;
         tile_of(u, m0, n0);
-        if (CO) m0 += wg * GM_BM;
+        if (CO) m0 += wg * WR;
         if (!CO && j > 0) named_sync(mine, 256);
-        if (EPI == EPI_DGELU && leader) {
+        if (!CO && EPI == EPI_DGELU && leader) {
             // h's two 64-column halves into the buffers, once the last tile's stores have read them.
             bulk_wait_read<0>();
             mbar_expect_tx(&hfull[wg], 2 * C_BYTES);
@@ -173,10 +325,14 @@ __device__ void gemm_ws(const TmaMap* am, const TmaMap* bm, const TmaMap* om, co
             const u32 ab = a_base + st * A_BYTES, bb = b_base + st * B_BYTES;
             #pragma unroll
             for (int kk = 0; kk < GM_BK / 16; kk++) {
-                const u64 db = BMN ? sw_mnmajor(bb, GM_BK, kk) : sw_kmajor(bb, GM_BN, kk);
+                const u64 db = BMN ? sw_mnmajor(bb, GM_BK, kk) : sw_kmajor(bb, BN, kk);
                 const int acc = kb > 0 || kk > 0;
-                wgmma_m64n128k16_ss_acc<BMN ? 1 : 0>(d[0], sw_kmajor(ab, 64, kk), db, acc);
-                wgmma_m64n128k16_ss_acc<BMN ? 1 : 0>(d[1], sw_kmajor(ab + 64 * 128, 64, kk), db, acc);
+                if constexpr (SH == GM_N256) {
+                    wgmma_m64n256k16_ss_acc<BMN ? 1 : 0>(d, sw_kmajor(ab, 64, kk), db, acc);
+                } else {
+                    wgmma_m64n128k16_ss_acc<BMN ? 1 : 0>(d, sw_kmajor(ab, 64, kk), db, acc);
+                    wgmma_m64n128k16_ss_acc<BMN ? 1 : 0>(d + 64, sw_kmajor(ab + 64 * 128, 64, kk), db, acc);
+                }
             }
             wg_commit();
             // One k-step's products stay in flight; the one before has finished reading its stage.
@@ -188,23 +344,19 @@ __device__ void gemm_ws(const TmaMap* am, const TmaMap* bm, const TmaMap* om, co
         // Every product of this round is issued: the other warpgroup's round may queue its own.
         if (!CO && u + C < units) named_arrive(other, 256);
         wg_wait<0>();
-        wg_pin<64>(d[0]);
-        wg_pin<64>(d[1]);
+        wg_pin<128>(d);
         release(n - 1);
-        // Epilogue: thread (warp, g, tg) holds rows 16·warp + g (+ 8) of each 64-row half hm and
-        // columns 8·nb + 2·tg (+ 1) (d[hm][4·nb + e], mma.sync's C-fragment layout); column half
-        // cb = nb / 8 goes through buf[cb] (GeLU: h through buf[0] and a through buf[1], one half
-        // after the other) and out by TMA, which leaves what lies past M and N unwritten.
-        if constexpr (EPI == EPI_DGELU) mbar_wait(&hfull[wg], (u32)(CO ? j : j >> 1) & 1);  // its rounds so far
-        #pragma unroll
-        for (int cb = 0; cb < 2; cb++) {
-            if (EPI == EPI_GELU || (EPI == EPI_PLAIN && cb == 0)) {
-                if (leader) bulk_wait_read<0>();  // the buffers' last stores have read them
-                named_sync(own, 128);
-            }
+        if constexpr (CO) {
+            // Into the staging buffers for the epilogue warps, once it has handed them back (dGeLU: with
+            // gelu'(h) in them): thread (warp, g, tg) holds row 16·warp + g (+ 8) and columns
+            // 8·nb + 2·tg (+ 1) of each 64-row block (d[4·nb + e], mma.sync's C-fragment layout).
+            if (EPI == EPI_DGELU || j > 0) named_sync(GM_EMPTY + wg, 128 + GM_ET);
             #pragma unroll
-            for (int nq = 0; nq < 8; nq++) {
-                const int nb = cb * 8 + nq, col = nq * 8 + 2 * tg;
+            for (int i = 0; i < 32; i++) {
+                // GM_M256: block i / 16 of rows, columns 8 · (i % 16); GM_N256: columns 8 · i.
+                const int nb = SH == GM_M256 ? i & 15 : i, r0 = SH == GM_M256 ? (i >> 4) * 64 : 0;
+                unsigned char* bf = cbuf + (nb >> 3) * C_BYTES;
+                const int col = (nb & 7) * 8 + 2 * tg;
                 float b0 = 0.f, b1 = 0.f;
                 if (EPI != EPI_DGELU && bias && n0 + nb * 8 + 2 * tg < N) {
                     const u32 bv = *reinterpret_cast<const u32*>(bias + n0 + nb * 8 + 2 * tg);
@@ -213,69 +365,110 @@ __device__ void gemm_ws(const TmaMap* am, const TmaMap* bm, const TmaMap* om, co
                 }
                 #pragma unroll
                 for (int e = 0; e < 4; e += 2) {
-                    #pragma unroll
-                    for (int hm = 0; hm < 2; hm++) {
-                        const int row = hm * 64 + warp * 16 + g + 4 * e;
-                        const float x0 = d[hm][4 * nb + e], x1 = d[hm][4 * nb + e + 1];
-                        if constexpr (EPI == EPI_GELU) {
-                            const u32 hv = pack_bf16(x0 + b0, x1 + b1);
-                            *stage_word(buf[0], row, col) = hv;
-                            *stage_word(buf[1], row, col) = pack_bf16(gelu_fs(__uint_as_float(hv << 16)),
-                                                                      gelu_fs(__uint_as_float(hv & 0xffff0000u)));
-                        } else if constexpr (EPI == EPI_DGELU) {
-                            u32* p = stage_word(buf[cb], row, col);
-                            const u32 hv = *p;
-                            *p = pack_bf16(x0 * gelu_gs(__uint_as_float(hv << 16)),
-                                           x1 * gelu_gs(__uint_as_float(hv & 0xffff0000u)));
-                        } else {
-                            *stage_word(buf[cb], row, col) = pack_bf16(x0 + b0, x1 + b1);
-                        }
+                    u32* p = stage_word(bf, r0 + warp * 16 + g + 4 * e, col);
+                    const float x0 = d[4 * i + e], x1 = d[4 * i + e + 1];
+                    if constexpr (EPI == EPI_DGELU) {
+                        const u32 gv = *p;
+                        *p = pack_bf16(x0 * f16_half(gv, 0), x1 * f16_half(gv, 1));
+                    } else {
+                        *p = pack_bf16(x0 + b0, x1 + b1);
                     }
                 }
             }
-            if (EPI == EPI_GELU || cb == 1) {
-                fence_async_smem();
-                named_sync(own, 128);
-                if (leader) {
-                    if constexpr (EPI == EPI_GELU) {
-                        tma_store_2d(xm, buf[0], n0 + cb * 64, m0);
-                        tma_store_2d(om, buf[1], n0 + cb * 64, m0);
-                    } else {
-                        tma_store_2d(om, buf[0], n0, m0);
-                        tma_store_2d(om, buf[1], n0 + 64, m0);
+            fence_async_smem();
+            named_arrive(GM_FULL + wg, 128 + GM_ET);
+        } else {
+            // Epilogue: thread (warp, g, tg) holds rows 16·warp + g (+ 8) of each 64-row half hm and
+            // columns 8·nb + 2·tg (+ 1) (d[64·hm + 4·nb + e], mma.sync's C-fragment layout); column
+            // half cb = nb / 8 goes through buf[cb] (GeLU: h through buf[0] and a through buf[1], one
+            // half after the other) and out by TMA, which leaves what lies past M and N unwritten.
+            if constexpr (EPI == EPI_DGELU) mbar_wait(&hfull[wg], (u32)(j >> 1) & 1);  // its rounds so far
+            #pragma unroll
+            for (int cb = 0; cb < 2; cb++) {
+                if (EPI == EPI_GELU || (EPI == EPI_PLAIN && cb == 0)) {
+                    if (leader) bulk_wait_read<0>();  // the buffers' last stores have read them
+                    named_sync(own, 128);
+                }
+                #pragma unroll
+                for (int nq = 0; nq < 8; nq++) {
+                    const int nb = cb * 8 + nq, col = nq * 8 + 2 * tg;
+                    float b0 = 0.f, b1 = 0.f;
+                    if (EPI != EPI_DGELU && bias && n0 + nb * 8 + 2 * tg < N) {
+                        const u32 bv = *reinterpret_cast<const u32*>(bias + n0 + nb * 8 + 2 * tg);
+                        b0 = __uint_as_float(bv << 16);
+                        b1 = __uint_as_float(bv & 0xffff0000u);
+                    }
+                    #pragma unroll
+                    for (int e = 0; e < 4; e += 2) {
+                        #pragma unroll
+                        for (int hm = 0; hm < 2; hm++) {
+                            const int row = hm * 64 + warp * 16 + g + 4 * e;
+                            const float x0 = d[64 * hm + 4 * nb + e], x1 = d[64 * hm + 4 * nb + e + 1];
+                            if constexpr (EPI == EPI_GELU) {
+                                const u32 hv = pack_bf16(x0 + b0, x1 + b1);
+                                *stage_word(buf[0], row, col) = hv;
+                                *stage_word(buf[1], row, col) = pack_bf16(gelu_fs(__uint_as_float(hv << 16)),
+                                                                          gelu_fs(__uint_as_float(hv & 0xffff0000u)));
+                            } else if constexpr (EPI == EPI_DGELU) {
+                                u32* p = stage_word(buf[cb], row, col);
+                                const u32 hv = *p;
+                                *p = pack_bf16(x0 * gelu_gs(__uint_as_float(hv << 16)),
+                                               x1 * gelu_gs(__uint_as_float(hv & 0xffff0000u)));
+                            } else {
+                                *stage_word(buf[cb], row, col) = pack_bf16(x0 + b0, x1 + b1);
+                            }
+                        }
+                    }
+                }
+                if (EPI == EPI_GELU || cb == 1) {
+                    fence_async_smem();
+                    named_sync(own, 128);
+                    if (leader) {
+                        if constexpr (EPI == EPI_GELU) {
+                            tma_store_2d(xm, buf[0], n0 + cb * 64, m0);
+                            tma_store_2d(om, buf[1], n0 + cb * 64, m0);
+                        } else {
+                            tma_store_2d(om, buf[0], n0, m0);
+                            tma_store_2d(om, buf[1], n0 + 64, m0);
+                        }
                     }
                 }
             }
         }
     }
-    if (leader) bulk_wait<0>();  // the last stores done before the block's shared memory goes
+    if (!CO && leader) bulk_wait<0>();  // the last stores done before the block's shared memory goes
 }
 
-// am: the tensor map of A [M, K] (boxes 64 × 128); bm: of w [N, K] (boxes 64 × 128, `_tn`) or of
-// w [K, N] (64 × 64, `_nn`); om and xm: of out and aux [M, N] (64 × 128; xm unused by the plain
+// am: the tensor map of A [M, K] (boxes 64 × BM); bm: of w [N, K] (boxes 64 × BN, `_tn`) or of
+// w [K, N] (64 × 64, `_nn`); om and xm: of out and aux [M, N] (64 × RB; xm unused by the plain
 // kernels); bias [N] or null. N and K multiples of 8 (rows of 16-byte multiples for TMA). Grid:
-// at most one block per SM; 384 threads; shared memory S stages of A and B tiles + 64 KiB of
-// staging buffers + (2 · S + 2) · 8 bytes of mbarriers (the host's `smem`).
-#define GEMM_WS(NAME, EPI, BMN, CL, CO) \
+// at most one block per SM; 384 threads; shared memory S stages of A and B
+// tiles + 64 KiB of staging buffers + (2 · S + 2) · 8 bytes of mbarriers (the host's `smem`).
+#define GEMM_WS(NAME, EPI, BMN, CL, SH) \
 extern "C" __global__ void __launch_bounds__(384, 1) NAME(const __grid_constant__ TmaMap am, \
         const __grid_constant__ TmaMap bm, const __grid_constant__ TmaMap om, const __grid_constant__ TmaMap xm, \
         const bf16_t* bias, long M, long N, long K) { \
-    gemm_ws<EPI, BMN, CL, CO>(&am, &bm, &om, &xm, bias, M, N, K); }
-GEMM_WS(gemm_gelu_tn_bf16, EPI_GELU, false, 1, false)
-GEMM_WS(gemm_dgelu_nn_bf16, EPI_DGELU, true, 1, false)
-GEMM_WS(gemm_plain_tn_bf16, EPI_PLAIN, false, 1, false)
-GEMM_WS(gemm_plain_nn_bf16, EPI_PLAIN, true, 1, false)
+    gemm_ws<EPI, BMN, CL, SH>(&am, &bm, &om, &xm, bias, M, N, K); }
+GEMM_WS(gemm_gelu_tn_bf16, EPI_GELU, false, 1, GM_PP)
+GEMM_WS(gemm_dgelu_nn_bf16, EPI_DGELU, true, 1, GM_PP)
+GEMM_WS(gemm_plain_tn_bf16, EPI_PLAIN, false, 1, GM_PP)
+GEMM_WS(gemm_plain_nn_bf16, EPI_PLAIN, true, 1, GM_PP)
 // Launched in clusters of two blocks (`_c2`, `FERROTRON_OWN_GEMM_CLUSTERS=1`) that take adjacent
 // m-tiles of one n-tile and copy B once for both (TMA multicast), meant to cut the L2 traffic
 // that holds the one-block kernel's clock down (H200, session 29: L2 busy 86% and 1.52 GHz
 // against cuBLASLt's 58% and 1.64 GHz at the same cycles); so far no faster. bm's boxes are then
 // 64 × 64 in either layout.
-GEMM_WS(gemm_gelu_tn_c2_bf16, EPI_GELU, false, 2, false)
-GEMM_WS(gemm_dgelu_nn_c2_bf16, EPI_DGELU, true, 2, false)
-GEMM_WS(gemm_plain_tn_c2_bf16, EPI_PLAIN, false, 2, false)
-GEMM_WS(gemm_plain_nn_c2_bf16, EPI_PLAIN, true, 2, false)
-// Cooperative 256 × 128 tiles (`_m256`, `FERROTRON_OWN_GEMM_M256=1`): am's boxes 64 × 256.
-GEMM_WS(gemm_gelu_tn_m256_bf16, EPI_GELU, false, 1, true)
-GEMM_WS(gemm_dgelu_nn_m256_bf16, EPI_DGELU, true, 1, true)
-GEMM_WS(gemm_plain_tn_m256_bf16, EPI_PLAIN, false, 1, true)
-GEMM_WS(gemm_plain_nn_m256_bf16, EPI_PLAIN, true, 1, true)
+GEMM_WS(gemm_gelu_tn_c2_bf16, EPI_GELU, false, 2, GM_PP)
+GEMM_WS(gemm_dgelu_nn_c2_bf16, EPI_DGELU, true, 2, GM_PP)
+GEMM_WS(gemm_plain_tn_c2_bf16, EPI_PLAIN, false, 2, GM_PP)
+GEMM_WS(gemm_plain_nn_c2_bf16, EPI_PLAIN, true, 2, GM_PP)
+// Cooperative 256 × 128 tiles (`_m256`, `FERROTRON_OWN_GEMM_M256=1`) and 128 × 256 tiles
+// (`_n256`, `FERROTRON_OWN_GEMM_N256=1`), with the epilogue warpgroup.
+GEMM_WS(gemm_gelu_tn_m256_bf16, EPI_GELU, false, 1, GM_M256)
+GEMM_WS(gemm_dgelu_nn_m256_bf16, EPI_DGELU, true, 1, GM_M256)
+GEMM_WS(gemm_plain_tn_m256_bf16, EPI_PLAIN, false, 1, GM_M256)
+GEMM_WS(gemm_plain_nn_m256_bf16, EPI_PLAIN, true, 1, GM_M256)
+GEMM_WS(gemm_gelu_tn_n256_bf16, EPI_GELU, false, 1, GM_N256)
+GEMM_WS(gemm_dgelu_nn_n256_bf16, EPI_DGELU, true, 1, GM_N256)
+GEMM_WS(gemm_plain_tn_n256_bf16, EPI_PLAIN, false, 1, GM_N256)
+GEMM_WS(gemm_plain_nn_n256_bf16, EPI_PLAIN, true, 1, GM_N256)

@@ -99,10 +99,18 @@ __device__ __forceinline__ void wg_keep(const u32* a) {
     WG_REGS32 ", " \
     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define WG_REGS128 \
+    WG_REGS64 ", " \
+    "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+    "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
+    "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+    "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
 #define WG_ACC8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), \
     "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
 #define WG_ACC32 WG_ACC8(0), WG_ACC8(8), WG_ACC8(16), WG_ACC8(24)
 #define WG_ACC64 WG_ACC32, WG_ACC8(32), WG_ACC8(40), WG_ACC8(48), WG_ACC8(56)
+#define WG_ACC128 WG_ACC64, WG_ACC8(64), WG_ACC8(72), WG_ACC8(80), WG_ACC8(88), WG_ACC8(96), WG_ACC8(104), \
+    WG_ACC8(112), WG_ACC8(120)
 
 // d (64 × N, fp32) += A (64 × 16 from registers) · B (16 × N, shared memory by `desc`); TB = 1
 // when B is MN-major; SD = 0 overwrites d instead (d = A · B: no zeroing of the accumulator
@@ -182,6 +190,23 @@ __device__ __forceinline__ void wgmma_m64n128k16_ss_acc(float* d, u64 da, u64 db
         WG_REGS64
         "}, %64, %65, p, 1, 1, 0, %67;\n}\n"
         : WG_ACC64
+        : "l"(da), "l"(db), "r"(acc), "n"(TB));
+#else
+    __trap();
+#endif
+}
+
+// The same with N = 256: 128 accumulator registers a thread; B (16 × 256) read from shared
+// memory once for all 64 rows, where two m64n128 wgmmas of 128 rows read it twice.
+template <int TB>
+__device__ __forceinline__ void wgmma_m64n256k16_ss_acc(float* d, u64 da, u64 db, int acc) {
+#if WG_ARCH
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        WG_REGS128
+        "}, %128, %129, p, 1, 1, 0, %131;\n}\n"
+        : WG_ACC128
         : "l"(da), "l"(db), "r"(acc), "n"(TB));
 #else
     __trap();

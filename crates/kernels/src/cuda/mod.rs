@@ -102,8 +102,7 @@ thread_local! {
     static NORM_FUSED: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static OWN_GEMM: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static OWN_GEMM_RUNS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
-    static OWN_GEMM_CLUSTERS: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
-    static OWN_GEMM_M256: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+    static OWN_GEMM_BUILD: std::cell::Cell<Option<OwnGemmBuild>> = const { std::cell::Cell::new(None) };
 }
 
 /// Whether this thread's wgmma flash kernels are the warp-specialised ones, forward and backward
@@ -288,30 +287,50 @@ pub(crate) fn own_gemm() -> bool {
     opt_in(&OWN_GEMM, "FERROTRON_OWN_GEMM", &ENV)
 }
 
-/// Whether our GEMM kernels run in clusters of two blocks that copy B once for both (TMA
-/// multicast; kernels/gemm.cu `_c2`): this thread's `set_own_gemm_clusters`, else off unless
-/// `FERROTRON_OWN_GEMM_CLUSTERS=1` (no faster than single blocks yet: kernels/README.md). Tests
-/// set it to run both.
-pub fn set_own_gemm_clusters(on: bool) {
-    OWN_GEMM_CLUSTERS.with(|w| w.set(Some(on)));
+/// Which build of our GEMM kernels runs (kernels/gemm.cu; kernels/README.md has each one's
+/// figures).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OwnGemmBuild {
+    /// Two consumer warpgroups taking 128 × 128 tiles in turn (ping-pong), single blocks.
+    PingPong,
+    /// The same in clusters of two blocks that copy B once for both (TMA multicast; `_c2`).
+    Clusters2,
+    /// Both consumers on one 256 × 128 tile, an epilogue warpgroup storing (`_m256`).
+    M256,
+    /// Both consumers on one 128 × 256 tile, one m64n256 wgmma a k-step each (`_n256`).
+    N256,
 }
 
-pub(crate) fn own_gemm_clusters() -> bool {
-    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    opt_in(&OWN_GEMM_CLUSTERS, "FERROTRON_OWN_GEMM_CLUSTERS", &ENV)
+impl OwnGemmBuild {
+    /// `FERROTRON_OWN_GEMM_BUILD`'s values: `pingpong`, `c2`, `m256`, `n256`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "pingpong" => Some(Self::PingPong),
+            "c2" => Some(Self::Clusters2),
+            "m256" => Some(Self::M256),
+            "n256" => Some(Self::N256),
+            _ => None,
+        }
+    }
 }
 
-/// Whether our GEMM kernels run both consumer warpgroups on one 256-row tile (kernels/gemm.cu
-/// `_m256`, `CO`: B shared by both, no epilogue overlap) instead of taking 128-row tiles in turn:
-/// this thread's `set_own_gemm_m256`, else off unless `FERROTRON_OWN_GEMM_M256=1` (before the
-/// clusters' switch, which it overrides). Tests set it to run every build.
-pub fn set_own_gemm_m256(on: bool) {
-    OWN_GEMM_M256.with(|w| w.set(Some(on)));
+/// Which build of our GEMM kernels runs where they are on (`set_own_gemm`): this thread's
+/// `set_own_gemm_build`, else `FERROTRON_OWN_GEMM_BUILD` (`pingpong`, `c2`, `m256` or `n256`),
+/// else ping-pong. Tests set it to run every build.
+pub fn set_own_gemm_build(b: OwnGemmBuild) {
+    OWN_GEMM_BUILD.with(|w| w.set(Some(b)));
 }
 
-pub(crate) fn own_gemm_m256() -> bool {
-    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    opt_in(&OWN_GEMM_M256, "FERROTRON_OWN_GEMM_M256", &ENV)
+pub(crate) fn own_gemm_build() -> OwnGemmBuild {
+    static ENV: std::sync::OnceLock<OwnGemmBuild> = std::sync::OnceLock::new();
+    OWN_GEMM_BUILD.with(|w| w.get()).unwrap_or_else(|| {
+        *ENV.get_or_init(|| {
+            std::env::var("FERROTRON_OWN_GEMM_BUILD")
+                .ok()
+                .and_then(|v| OwnGemmBuild::parse(&v))
+                .unwrap_or(OwnGemmBuild::PingPong)
+        })
+    })
 }
 
 /// How many products on this thread ran on our own GEMM kernels (tests check that the path they

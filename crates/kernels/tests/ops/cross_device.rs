@@ -619,8 +619,9 @@ fn gelu_gemm_epilogues_match_cpu() {
 
 #[test]
 fn own_gemm_kernels_match_cpu() {
-    // kernels/gemm.cu (on sm_90) against the CPU, in clusters of two blocks, in single blocks and
-    // with 256-row tiles (17 of them, the last 104 rows deep):
+    // kernels/gemm.cu (on sm_90) against the CPU, in every build: clusters of two blocks, single
+    // blocks, 256-row tiles (17 of them, the last 104 rows deep) and 256-column tiles (5 of
+    // them, the last 8 columns wide):
     // 33 × 9 output tiles of 128 × 128, more than two a block on 132 SMs (both warpgroups,
     // several rounds each), with m (4200), n (1032) and k (200) none a multiple of its tile
     // (zero-filled boxes past the edges, stores cut there; 33 m-tiles leave the last cluster's
@@ -636,11 +637,12 @@ fn own_gemm_kernels_match_cpu() {
     let (dy, w2, h) = (rnd(&[m, kd], 4, dt), rnd(&[kd, n], 5, dt), rnd(&[m, n], 6, dt));
     ferrotron_kernels::cuda::set_own_gemm(true);
     let before = ferrotron_kernels::cuda::own_gemm_runs();
-    for (clusters, m256) in [(true, false), (false, false), (false, true)] {
-        ferrotron_kernels::cuda::set_own_gemm_clusters(clusters);
-        ferrotron_kernels::cuda::set_own_gemm_m256(m256);
+    use ferrotron_kernels::cuda::OwnGemmBuild;
+    let builds = [OwnGemmBuild::Clusters2, OwnGemmBuild::PingPong, OwnGemmBuild::M256, OwnGemmBuild::N256];
+    for build in builds {
+        ferrotron_kernels::cuda::set_own_gemm_build(build);
         check(
-            &format!("own GEMM kernels, clusters {clusters}, 256-row tiles {m256}"),
+            &format!("own GEMM kernels, build {build:?}"),
             dt,
             &[x.clone(), w.clone(), b.clone(), dy.clone(), w2.clone(), h.clone()],
             |t| {
@@ -655,12 +657,11 @@ fn own_gemm_kernels_match_cpu() {
             },
         );
     }
-    ferrotron_kernels::cuda::set_own_gemm_clusters(false);
-    ferrotron_kernels::cuda::set_own_gemm_m256(false);
+    ferrotron_kernels::cuda::set_own_gemm_build(OwnGemmBuild::PingPong);
     ferrotron_kernels::cuda::set_own_gemm(false);
     let ran = ferrotron_kernels::cuda::own_gemm_runs() - before;
     if ferrotron_kernels::cuda::wgmma_device(&gpu()).unwrap() {
-        assert_eq!(ran, 12, "the GeLU, dGeLU and two plain products on each of our three builds");
+        assert_eq!(ran, 4 * builds.len() as u64, "the GeLU, dGeLU and two plain products on each of our builds");
     }
 }
 

@@ -11,45 +11,41 @@ const BM: usize = 128;
 const BN: usize = 128;
 const BK: usize = 64;
 
-/// Which build of the kernel: one block of two warpgroups taking 128-row tiles in turn, the same
-/// in clusters of two sharing B (`_c2`), or both warpgroups on one 256-row tile (`_m256`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Build {
-    One,
-    Cluster2,
-    M256,
-}
+use crate::cuda::OwnGemmBuild as Build;
 
 impl Build {
-    /// This thread's choice (`cuda::set_own_gemm_m256`, `cuda::set_own_gemm_clusters`).
-    fn current() -> Self {
-        if crate::cuda::own_gemm_m256() {
-            Build::M256
-        } else if crate::cuda::own_gemm_clusters() {
-            Build::Cluster2
-        } else {
-            Build::One
+    /// A block's tile: rows (kernels/gemm.cu `BM`) and columns (`BN`).
+    fn tile(self) -> (usize, usize) {
+        match self {
+            Build::M256 => (2 * BM, BN),
+            Build::N256 => (BM, 2 * BN),
+            Build::PingPong | Build::Clusters2 => (BM, BN),
         }
     }
-    /// A block's tile rows (kernels/gemm.cu `BM`).
-    fn rows(self) -> usize {
-        if self == Build::M256 { 2 * BM } else { BM }
+    /// Rows of a staging buffer: the TMA box of the outputs (kernels/gemm.cu `RB`).
+    fn staged_rows(self) -> usize {
+        if self == Build::N256 { BM / 2 } else { BM }
+    }
+    fn cooperative(self) -> bool {
+        matches!(self, Build::M256 | Build::N256)
     }
     /// Blocks a cluster.
     fn cluster(self) -> usize {
-        if self == Build::Cluster2 { 2 } else { 1 }
+        if self == Build::Clusters2 { 2 } else { 1 }
     }
-    /// The stages (A and B tiles: kernels/gemm.cu `S`), four staging buffers of BM × 64 outputs
-    /// and 2 · S + 2 mbarriers.
+    /// The stages (A and B tiles: kernels/gemm.cu `S`), 64 KiB of staging buffers and 2 · S + 2
+    /// mbarriers.
     fn smem(self) -> usize {
-        let stages = if self == Build::M256 { 3 } else { 5 };
-        stages * (self.rows() + BN) * BK * 2 + 4 * BM * 64 * 2 + (2 * stages + 2) * 8
+        let stages = if self.cooperative() { 3 } else { 5 };
+        let (rows, cols) = self.tile();
+        stages * (rows + cols) * BK * 2 + 64 * 1024 + (2 * stages + 2) * 8
     }
     fn suffix(self) -> &'static str {
         match self {
-            Build::One => "",
-            Build::Cluster2 => "_c2",
+            Build::PingPong => "",
+            Build::Clusters2 => "_c2",
             Build::M256 => "_m256",
+            Build::N256 => "_n256",
         }
     }
 }
@@ -70,14 +66,16 @@ pub enum Epi {
 /// larger than its matrix), n and k multiples of 8 and every address 16-byte aligned (TMA's rules
 /// for rows; the epilogue's paired columns).
 pub fn fits(be: &B, (m, n, k): (usize, usize, usize), ptrs: &[u64]) -> bool {
+    let build = crate::cuda::own_gemm_build();
+    let (rows, cols) = build.tile();
     be.use_wgmma()
         && crate::cuda::own_gemm()
-        && m >= Build::current().rows()
-        && n >= BN
+        && m >= rows
+        && n >= cols
         && k >= BK
         && n % 8 == 0
         && k % 8 == 0
-        && be.smem_optin >= Build::current().smem()
+        && be.smem_optin >= build.smem()
         && ptrs.iter().all(|p| p % 16 == 0)
 }
 
@@ -92,20 +90,21 @@ pub fn launch(
     b_kmajor: bool,
     (m, n, k): (usize, usize, usize),
 ) -> Result<()> {
-    let build = Build::current();
-    let (cl, rows, smem) = (build.cluster(), build.rows(), build.smem() as u32);
-    // B's boxes: 64 columns by BN rows K-major (by half that when a cluster shares it), 64 × 64 MN-major.
+    let build = crate::cuda::own_gemm_build();
+    let (cl, (rows, cols), smem) = (build.cluster(), build.tile(), build.smem() as u32);
+    // B's boxes: 64 columns by the tile's columns K-major (by half that when a cluster shares
+    // it), 64 × 64 MN-major.
     let (name, bmap) = match (epi, b_kmajor) {
-        (Epi::Gelu, true) => ("gemm_gelu_tn", TmaMap::matrix(b, n, k, BN / cl)?),
+        (Epi::Gelu, true) => ("gemm_gelu_tn", TmaMap::matrix(b, n, k, cols / cl)?),
         (Epi::DGelu, false) => ("gemm_dgelu_nn", TmaMap::matrix(b, k, n, 64)?),
-        (Epi::Plain, true) => ("gemm_plain_tn", TmaMap::matrix(b, n, k, BN / cl)?),
+        (Epi::Plain, true) => ("gemm_plain_tn", TmaMap::matrix(b, n, k, cols / cl)?),
         (Epi::Plain, false) => ("gemm_plain_nn", TmaMap::matrix(b, k, n, 64)?),
         (e, t) => return Err(ferrotron_core::invalid("gemm_ws", format!("no kernel for {e:?} with B K-major {t}"))),
     };
     let name = format!("{name}{}_bf16", build.suffix());
     let amap = TmaMap::matrix(a, m, k, rows)?;
-    let omap = TmaMap::matrix(out, m, n, BM)?;
-    let xmap = if aux == 0 { TmaMap::unused() } else { TmaMap::matrix(aux, m, n, BM)? };
+    let omap = TmaMap::matrix(out, m, n, build.staged_rows())?;
+    let xmap = if aux == 0 { TmaMap::unused() } else { TmaMap::matrix(aux, m, n, build.staged_rows())? };
     let args = [
         Arg::Map(amap),
         Arg::Map(bmap),
@@ -118,7 +117,7 @@ pub fn launch(
     ];
     // Persistent: as many blocks (clusters) as can be resident, no more than there are tiles
     // (pairs of m-tiles with clusters).
-    let units = m.div_ceil(rows).div_ceil(cl) * n.div_ceil(BN);
+    let units = m.div_ceil(rows).div_ceil(cl) * n.div_ceil(cols);
     if cl == 1 {
         let grid = units.min(be.sms as usize) as u32;
         return be.launch(&name, grid, 384, smem, &args);
