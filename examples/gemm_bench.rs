@@ -1,7 +1,8 @@
 //! Our own GEMM kernels (kernels/gemm.cu) beside cuBLASLt on the MLP's products (feature `cuda`, an
 //! sm_90 GPU): fc1 with its GeLU epilogue and fc2's input gradient with the GeLU's gradient, at the
 //! GPT-2 124M (hidden 768) and GPT 1.3B (hidden 2048) shapes over 16,384 tokens, each with the
-//! same product without an epilogue. µs a call (the mean of 20 after one warm-up) and TFLOP/s.
+//! same product without an epilogue, and the plain products whose output is only hidden wide.
+//! µs a call (the mean of 20 after one warm-up) and TFLOP/s.
 //!
 //! `cargo run --release --features cuda -p ferrotron-examples --example gemm_bench`
 
@@ -33,11 +34,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let (x, w, b) = (rnd(m, h, 1)?, rnd(f, h, 2)?, rnd(1, f, 3)?.reshape([f])?);
         let (dy, w2) = (rnd(m, h, 4)?, rnd(h, f, 5)?);
         let (_, hh) = k::linear_gelu(&x, &w, Some(&b))?;
-        // None: cuBLASLt; else ours in that build.
+        // None: cuBLASLt; else ours in that build, for the fused and the plain products.
         let time = |build: Option<cuda::OwnGemmBuild>,
                     f: &dyn Fn() -> ferrotron_core::Result<()>|
          -> ferrotron_core::Result<f64> {
             cuda::set_own_gemm(build.is_some());
+            cuda::set_own_gemm_plain(build.is_some());
             cuda::set_own_gemm_build(build.unwrap_or(cuda::OwnGemmBuild::PingPong));
             f()?;
             cd.synchronize()?;
@@ -48,12 +50,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             cd.synchronize()?;
             Ok(t0.elapsed().as_secs_f64() / reps as f64)
         };
-        let flop = 2.0 * (m * f * h) as f64;
-        let row = |what: &str, call: &dyn Fn() -> ferrotron_core::Result<()>| -> ferrotron_core::Result<()> {
+        let row = |what: &str,
+                   (rm, rn, rk): (usize, usize, usize),
+                   call: &dyn Fn() -> ferrotron_core::Result<()>|
+         -> ferrotron_core::Result<()> {
             use cuda::OwnGemmBuild as G;
+            let flop = 2.0 * (rm * rn * rk) as f64;
             let lt = time(None, call)?;
             let mut line =
-                format!("| {model} | {what} ({m} × {f} × {h}) | {:.1} | {:.0} |", lt * 1e6, flop / lt / 1e12);
+                format!("| {model} | {what} ({rm} × {rn} × {rk}) | {:.1} | {:.0} |", lt * 1e6, flop / lt / 1e12);
             let mut best = f64::INFINITY;
             for b in [G::PingPong, G::Clusters2, G::M256, G::N256] {
                 let s = time(Some(b), call)?;
@@ -63,17 +68,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             println!("{line} {:.3} |", lt / best);
             Ok(())
         };
-        // The plain products: cuBLASLt when our kernels are off, else ours.
-        let plain = |a: &Tensor, b: &Tensor, tb: bool| -> ferrotron_core::Result<()> {
-            match cuda::own_matmul(a, b, tb)? {
-                Some(_) => Ok(()),
-                None => k::matmul(a, b, false, tb).map(drop),
-            }
-        };
-        row("x·wᵀ", &|| plain(&x, &w, true))?;
-        row("fc1 + bias + GeLU (h kept)", &|| k::linear_gelu(&x, &w, Some(&b)).map(drop))?;
-        row("dy·w", &|| plain(&dy, &w2, false))?;
-        row("fc2 input gradient + dGeLU", &|| k::matmul_dgelu(&dy, &w2, &hh).map(drop))?;
+        let mlp = (m, f, h);
+        row("x·wᵀ", mlp, &|| k::matmul(&x, &w, false, true).map(drop))?;
+        row("fc1 + bias + GeLU (h kept)", mlp, &|| k::linear_gelu(&x, &w, Some(&b)).map(drop))?;
+        row("dy·w", mlp, &|| k::matmul(&dy, &w2, false, false).map(drop))?;
+        row("fc2 input gradient + dGeLU", mlp, &|| k::matmul_dgelu(&dy, &w2, &hh).map(drop))?;
+        // The products h columns wide (cuBLASLt splits their k, with memsets before them in the
+        // step): fc2 forward with its bias, fc1's and the QKV projection's input gradients.
+        let (a4, w4, bh) = (rnd(m, f, 6)?, rnd(h, f, 7)?, rnd(1, h, 8)?.reshape([h])?);
+        let (dq, wq) = (rnd(m, 3 * h, 9)?, rnd(3 * h, h, 10)?);
+        row("fc2 + bias", (m, h, f), &|| k::matmul_bias(&a4, &w4, &bh, false, true).map(drop))?;
+        row("fc1 input gradient", (m, h, f), &|| k::matmul(&a4, &w, false, false).map(drop))?;
+        row("QKV input gradient", (m, h, 3 * h), &|| k::matmul(&dq, &wq, false, false).map(drop))?;
     }
     Ok(())
 }

@@ -5,9 +5,9 @@
 // epilogue (kernels/README.md, "own GEMM"): their warps stop multiplying while they store. Here
 // one tile's epilogue runs while the tensor cores multiply another. So far the main loop is what
 // loses: 0.88–0.90× cuBLASLt's plain product (≈ 5% more cycles alone, more energy a product at
-// the power cap), so the fused kernels stand at 0.76–0.97× cuBLASLt's; the 256-row build (CO)
-// brings the main loop within 5–13% (ahead on one shape), but its epilogue stops the tensor
-// cores (kernels/README.md).
+// the power cap), so the fused kernels stand at 0.76–0.97× cuBLASLt's. The cooperative builds
+// (below) fix the main loop (the 128 × 256 one runs level with cuBLASLt's plain product at
+// 124M), but no placement of their epilogue has hidden it yet (kernels/README.md).
 //
 //   C [M, N] = A [M, K] · op(B), fp32 accumulation, then per element (r, c):
 //     EPI_GELU   h = bf16(C + bias[c]) → aux[r, c], out[r, c] = bf16(gelu(h))   (B = w [N, K])
@@ -27,8 +27,8 @@
 // GM_S stages of 32 KiB in the 128-byte swizzle (wgmma.cuh), in the order the rounds consume
 // them. With CL = 2 (`_c2`, launched in clusters of two blocks) the two blocks take adjacent
 // m-tiles of one n-tile and each copies half of B into both (TMA multicast); a stage is then
-// free once both blocks' consumers are done with it. With CO (`_m256`) both consumers work on
-// one 256 × 128 tile instead (below).
+// free once both blocks' consumers are done with it. The cooperative builds (`_m256`, `_n256`)
+// put both consumers on one tile instead (below).
 // Accumulation: every k-step adds into the fp32 registers in k order (the first overwrites them),
 // so each output's sum has one fixed order: the same bits on every run.
 
@@ -67,23 +67,20 @@ __device__ __forceinline__ u32* stage_word(unsigned char* buf, int row, int col)
 // B stage, so A and B cross L2 a quarter less often per product: GM_M256, 256 × 128 (a
 // warpgroup's 128 rows by two m64n128k16 wgmmas a k16, as the ping-pong build) and GM_N256,
 // 128 × 256 (a warpgroup's 64 rows by one m64n256k16: B read from shared memory once a k16
-// instead of twice, a sixth less shared-memory traffic a product). 3 stages of 48 KiB. The
-// epilogue goes to the producer warpgroup's three idle warps (a fourth warpgroup would leave 128
-// registers a thread at launch, fewer than an m64n256 wgmma needs) so that the consumers go
-// straight on to the next tile: a consumer writes bf16(C (+ bias)) into its staging buffers (32
-// KiB: two of 128 rows × 64 columns, or four of 64 × 64) and passes them on (named barrier
-// GM_FULL + wg); the epilogue warps store them by TMA, for GeLU as h and then, computed in place once that store has read them,
-// as gelu(h). It hands the buffers back (GM_EMPTY + wg) once its stores have read them; the
-// consumer waits for that only before its next tile's writes, a whole main loop later. dGeLU
-// turns this round: the epilogue warps first copy the tile's h into the buffers and replaces it by
-// gelu'(h) in fp16 (relative error 2⁻¹¹; bf16's 2⁻⁸ would add a rounding the fused product
-// does not have), hands them over, and the consumer writes bf16(C · gelu'(h)) there.
+// instead of twice, a sixth less shared-memory traffic a product). 3 stages of 48 KiB.
+// The epilogue's arithmetic runs in the slots the consumer warps have free while their wgmmas
+// run: at a tile's end a consumer writes bf16(C (+ bias)) into its staging buffers (32 KiB: two
+// of 128 rows × 64 columns, or four of 64 × 64) and stores them by TMA (GeLU: as h); during the
+// next tile's k-steps it turns them, a slice of chunks a k-step, into gelu(h) in place and stores
+// that after the last slice. dGeLU turns this round: during the tile's own k-steps the buffers
+// receive its h by TMA and become gelu'(h) in fp16 (relative error 2⁻¹¹; bf16's 2⁻⁸ would add a
+// rounding the fused product does not have), and at the end the consumer writes bf16(C ·
+// gelu'(h)) there. (A fourth warpgroup for the epilogue leaves 128 registers a thread at launch,
+// fewer than an m64n256 wgmma needs; in the producer warpgroup's three idle warps it ran 124M's
+// fc1 + GeLU at 299 µs against the plain product's 112: kernels/README.md.)
 #define GM_PP 0
 #define GM_M256 1
 #define GM_N256 2
-#define GM_FULL 5
-#define GM_EMPTY 7
-#define GM_EPI 9
 
 __device__ __forceinline__ u32 pack_f16(float lo, float hi) {
     u32 r;
@@ -97,44 +94,49 @@ __device__ __forceinline__ float f16_half(u32 w, int hi) {
     return f;
 }
 
-// The epilogue warps' work on one staging buffer of RB rows × 64 columns, in place. Thread t of
-// GM_ET takes 16-byte chunks t + GM_ET i (row q / 8, chunk q % 8: eight threads a 128-byte row,
-// so each quarter-warp reads one whole row, conflict-free), four at a time (gelu': two). EPI_GELU: h →
-// gelu(h); the leader's store of h from this buffer has to have read it before the first write,
-// and LATER bulk groups (the other buffers' h stores, the earlier buffers' gelu stores) may still
-// be pending. EPI_DGELU: h → gelu'(h) as fp16 pairs.
-#define GM_ET 96
-template <int EPI, int RB, int LATER>
-__device__ __forceinline__ void gemm_epi_buffer(unsigned char* buf, int t, bool leader) {
-    constexpr int CP = EPI == EPI_GELU ? 4 : 2;  // chunks at a time (gelu' needs more registers)
+// gelu of a bf16x2 word of h, in f16x2 arithmetic (a quarter of the fp32 form's MUFU operations,
+// half its instructions): 0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³))), the constants rounded
+// to fp16 (√(2/π) → 0x3a62, √(2/π) · 0.044715 → 0x2891). Relative error ≈ 2⁻¹¹ for x > 0;
+// for x < 0, where 1 + tanh cancels, ≈ 2⁻¹² |x| absolute: below the bf16 rounding of the result
+// and of h itself. |h| past fp16's 65504 becomes ±inf (gelu: inf or 0).
+__device__ __forceinline__ u32 gelu_bf16x2(u32 w) {
+    const u32 x = pack_f16(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+    u32 g;
+    asm("{\n.reg .b32 xx, p, u, t, hx;\n"
+        "mul.rn.f16x2 xx, %1, %1;\n"
+        "fma.rn.f16x2 p, xx, %2, %3;\n"
+        "mul.rn.f16x2 u, %1, p;\n"
+        "tanh.approx.f16x2 t, u;\n"
+        "mul.rn.f16x2 hx, %1, %4;\n"
+        "fma.rn.f16x2 %0, hx, t, hx;\n}"
+        : "=r"(g)
+        : "r"(x), "r"(0x28912891u), "r"(0x3a623a62u), "r"(0x38003800u));
+    return pack_bf16(f16_half(g, 0), f16_half(g, 1));
+}
+
+// A consumer's staged epilogue work on its chunks [i0, i1) of 16 (thread t's chunk i is chunk
+// q = t + 128 i of the consumer's 32 KiB: buffer q / (RB · 8), row (q % (RB · 8)) / 8, 16-byte
+// column chunk q % 8; eight threads a 128-byte row, so each quarter-warp reads one whole row,
+// conflict-free), in place: EPI_GELU h → gelu(h) (gelu_bf16x2), EPI_DGELU h → gelu'(h) as fp16
+// pairs (fp32 arithmetic: in fp16, 1 − tanh² would lose the digits that x u'(x) multiplies).
+template <int EPI, int RB>
+__device__ __forceinline__ void gemm_epi_chunks(unsigned char* cbuf, int t, int i0, int i1) {
     #pragma unroll 1
-    for (int q0 = 0; q0 < RB * 8; q0 += CP * GM_ET) {
-        u128 v[CP];
+    for (int i = i0; i < i1; i++) {
+        const int q = t + 128 * i, qq = q % (RB * 8), row = qq >> 3, c8 = qq & 7;
+        u128* p = reinterpret_cast<u128*>(cbuf + (q / (RB * 8)) * (RB * 128) + row * 128 + (((c8 ^ row) & 7) << 4));
+        u128 v = *p;
+        u32* w = &v.x;
         #pragma unroll
-        for (int i = 0; i < CP; i++) {
-            const int q = q0 + t + GM_ET * i, row = q >> 3, c8 = q & 7;
-            if (q < RB * 8) v[i] = *reinterpret_cast<const u128*>(buf + row * 128 + (((c8 ^ row) & 7) << 4));
+        for (int k = 0; k < 4; k++) {
+            const float lo = __uint_as_float(w[k] << 16), hi = __uint_as_float(w[k] & 0xffff0000u);
+            w[k] = EPI == EPI_GELU ? gelu_bf16x2(w[k]) : pack_f16(gelu_gs(lo), gelu_gs(hi));
         }
-        #pragma unroll
-        for (int i = 0; i < CP; i++) {
-            u32* w = &v[i].x;
-            #pragma unroll
-            for (int k = 0; k < 4; k++) {
-                const float lo = __uint_as_float(w[k] << 16), hi = __uint_as_float(w[k] & 0xffff0000u);
-                w[k] = EPI == EPI_GELU ? pack_bf16(gelu_fs(lo), gelu_fs(hi)) : pack_f16(gelu_gs(lo), gelu_gs(hi));
-            }
-        }
-        if (EPI == EPI_GELU && q0 == 0) {
-            if (leader) bulk_wait_read<LATER>();
-            named_sync(GM_EPI, GM_ET);
-        }
-        #pragma unroll
-        for (int i = 0; i < CP; i++) {
-            const int q = q0 + t + GM_ET * i, row = q >> 3, c8 = q & 7;
-            if (q < RB * 8) *reinterpret_cast<u128*>(buf + row * 128 + (((c8 ^ row) & 7) << 4)) = v[i];
-        }
+        *p = v;
     }
 }
+// The first of thread chunks 0..16 that slot s of `slots` takes (s = slots: 16).
+__device__ __forceinline__ int gemm_slice(int s, int slots) { return (s * 16 + slots - 1) / slots; }
 
 template <int EPI, bool BMN, int CL, int SH>
 __device__ void gemm_ws(const TmaMap* am, const TmaMap* bm, const TmaMap* om, const TmaMap* xm, const bf16_t* bias,
@@ -176,85 +178,9 @@ __device__ void gemm_ws(const TmaMap* am, const TmaMap* bm, const TmaMap* om, co
         mbar_arrive(&empty[x % S]);
         if (CL > 1) mbar_arrive_peer(&empty[x % S], rank ^ 1);
     };
-    // The epilogue warps (cooperative builds): warps 1–3 of warpgroup 2.
-    auto epilogue = [&]() {
-        const int t = threadIdx.x - 288;
-        const bool leader = t == 0;
-        // dGeLU: consumer c's buffers of unit u hold gelu'(h) (fp16), then go to the consumer.
-        // With `older`, consumer 1's NB stores may still be reading its own buffers.
-        auto prime = [&](long u, int c, u32 parity, bool older) {
-            int m0, n0;
-            tile_of(u, m0, n0);
-            unsigned char* b = sc + c * 32768;
-            if (leader) {
-                // The last stores from these buffers have read them.
-                if (older) bulk_wait_read<NB>();
-                else bulk_wait_read<0>();
-                mbar_expect_tx(&hfull[c], NB * C_BYTES);
-                for (int i = 0; i < NB; i++) tma_load_2d(b + i * C_BYTES, xm, n0 + i * 64, m0 + c * WR, &hfull[c]);
-            }
-            mbar_wait(&hfull[c], parity);
-            #pragma unroll 1
-            for (int i = 0; i < NB; i++) gemm_epi_buffer<EPI_DGELU, RB, 0>(b + i * C_BYTES, t, leader);
-            named_arrive(GM_EMPTY + c, 128 + GM_ET);
-        };
-        if constexpr (EPI == EPI_DGELU) {
-            if (cid < units) {
-                prime(cid, 0, 0, false);
-                prime(cid, 1, 0, false);
-            }
-        }
-        for (long j = 0;; j++) {
-            const long u = cid + j * C;
-            if (u >= units) break;
-            int m0, n0;
-            tile_of(u, m0, n0);
-            #pragma unroll 1
-            for (int c = 0; c < 2; c++) {
-                const int rm = m0 + c * WR;
-                unsigned char* b = sc + c * 32768;
-                named_sync(GM_FULL + c, 128 + GM_ET);
-                if (EPI != EPI_GELU) {
-                    if (leader)
-                        for (int i = 0; i < NB; i++) tma_store_2d(om, b + i * C_BYTES, n0 + i * 64, rm);
-                    continue;
-                }
-                if (leader)
-                    for (int i = 0; i < NB; i++) tma_store_2d(xm, b + i * C_BYTES, n0 + i * 64, rm);  // h
-                #pragma unroll 1
-                for (int i = 0; i < NB; i++) {
-                    gemm_epi_buffer<EPI_GELU, RB, NB - 1>(b + i * C_BYTES, t, leader);
-                    fence_async_smem();
-                    named_sync(GM_EPI, GM_ET);
-                    if (leader) tma_store_2d(om, b + i * C_BYTES, n0 + i * 64, rm);
-                }
-            }
-            if (u + C >= units) continue;
-            if constexpr (EPI == EPI_DGELU) {
-                // Consumer 0's stores are the older NB groups.
-                prime(u + C, 0, (u32)(j + 1) & 1, true);
-                prime(u + C, 1, (u32)(j + 1) & 1, false);
-            } else {
-                // The consumers' next tiles may write the buffers once the stores have read them.
-                if (leader) bulk_wait_read<0>();
-                named_sync(GM_EPI, GM_ET);
-                named_arrive(GM_EMPTY, 128 + GM_ET);
-                named_arrive(GM_EMPTY + 1, 128 + GM_ET);
-            }
-        }
-        if (leader) bulk_wait<0>();  // the last stores done before the block's shared memory goes
-    };
-    // Registers: 384 · 168 = 64512 launched; 40 + 2 · 232 = 504 a thread slot (as flash_mma.cu),
-    // cooperative 56 + 2 · 224 (the epilogue warps need more than the producer).
+    // Registers: 384 · 168 = 64512 launched; 40 + 2 · 232 = 504 a thread slot (as flash_mma.cu).
     if (wg == 2) {
-        if constexpr (CO) wg_reg_dealloc<56>();
-        else wg_reg_dealloc<40>();
-        if constexpr (CO) {
-            if (threadIdx.x >= 288) {
-                epilogue();
-                return;
-            }
-        }
+        wg_reg_dealloc<40>();
         if (threadIdx.x != 256) return;  // one thread copies
         u32 n = 0;  // k-steps over the block's rounds: stage n % S
         for (long u = cid; u < units; u += C) {
@@ -290,8 +216,7 @@ __device__ void gemm_ws(const TmaMap* am, const TmaMap* bm, const TmaMap* om, co
         }
         return;
     }
-    if constexpr (CO) wg_reg_alloc<224>();
-    else wg_reg_alloc<232>();
+    wg_reg_alloc<232>();
     const int warp = (threadIdx.x >> 5) & 3, g = lane >> 2, tg = lane & 3;
     const bool leader = (threadIdx.x & 127) == 0;
     // Barrier 1: warpgroup 1 may multiply; 2: warpgroup 0 may (after the other's round); 3 + wg:
@@ -299,10 +224,26 @@ __device__ void gemm_ws(const TmaMap* am, const TmaMap* bm, const TmaMap* om, co
     const int mine = wg == 0 ? 2 : 1, other = wg == 0 ? 1 : 2, own = 3 + wg;
     unsigned char* buf[2] = {sc + (2 * wg) * C_BYTES, sc + (2 * wg + 1) * C_BYTES};  // ping-pong's
     unsigned char* cbuf = sc + wg * 32768;  // cooperative: this consumer's NB buffers
+    const int t = threadIdx.x & 127;
     // This warpgroup's rows of the stage's A tile (cooperative: its half).
     const u32 a_base = smem_addr(sa) + (CO ? wg * WR * 128 : 0), b_base = smem_addr(sb);
     // Ping-pong and GM_M256: rows 0–63 in d[0..64), 64–127 in d[64..128); GM_N256: 64 rows × 256.
     float d[128];
+    // Cooperative GeLU: the last tile's h waits in the staging buffers for its slices (at pm0, pn0).
+    bool pend = false;
+    int pm0 = 0, pn0 = 0;
+    // The k-steps that carry slices. GeLU: from g0 (a k-step after the h stores) for gslots,
+    // ending a k-step or more before the tile's end (which waits for the gelu stores). dGeLU: the
+    // h copy at k-step d0 (a k-step after the last tile's stores), then dslots slices from two
+    // k-steps later to the end; with fewer k-steps, the copy at the first and the whole of
+    // gelu' at the end.
+    const int g0 = nk >= 3 ? 1 : 0, gslots = nk >= 3 ? (int)nk - 2 : 1;
+    const int d0 = nk >= 4 ? 1 : 0, dslots = nk >= 4 ? (int)nk - 3 : 0;
+    // All NB buffers of this consumer out by TMA at (r0, c0): h (GeLU's first) or out.
+    auto store_all = [&](const TmaMap* map, int r0, int c0) {
+        if (leader)
+            for (int i = 0; i < NB; i++) tma_store_2d(map, cbuf + i * C_BYTES, c0 + i * 64, r0);
+    };
     for (long j = CO ? 0 : wg;; j += CO ? 1 : 2) {
         const long u = cid + j * C;
         if (u >= units) break;
@@ -340,6 +281,40 @@ __device__ void gemm_ws(const TmaMap* am, const TmaMap* bm, const TmaMap* om, co
                 wg_wait<1>();
                 release(n - 1);
             }
+            // Cooperative epilogue slices while this k-step's products run (after the release, so
+            // the producer's refill of that stage is not held up). No wait here on a bulk copy
+            // issued less than a k-step before: a waiting leader holds its whole warpgroup's next
+            // wgmma.
+            if constexpr (CO && EPI == EPI_GELU) {
+                // A slice of the last tile's gelu, from the k-step after its h stores were issued.
+                if (pend && kb >= g0 && kb < g0 + gslots) {
+                    if (kb == g0) {
+                        if (leader) bulk_wait_read<0>();  // h's stores have read the buffers
+                        named_sync(own, 128);
+                    }
+                    const int sl = (int)kb - g0;
+                    gemm_epi_chunks<EPI_GELU, RB>(cbuf, t, gemm_slice(sl, gslots), gemm_slice(sl + 1, gslots));
+                    if (sl == gslots - 1) {
+                        fence_async_smem();
+                        named_sync(own, 128);
+                        store_all(om, pm0, pn0);
+                        pend = false;
+                    }
+                }
+            }
+            if constexpr (CO && EPI == EPI_DGELU) {
+                if (kb == d0 && leader) {
+                    // This tile's h into the buffers, once the last tile's stores have read them.
+                    bulk_wait_read<0>();
+                    mbar_expect_tx(&hfull[wg], NB * C_BYTES);
+                    for (int i = 0; i < NB; i++) tma_load_2d(cbuf + i * C_BYTES, xm, n0 + i * 64, m0, &hfull[wg]);
+                }
+                if (dslots > 0 && kb >= d0 + 2) {
+                    if (kb == d0 + 2) mbar_wait(&hfull[wg], (u32)j & 1);
+                    const int sl = (int)kb - d0 - 2;
+                    gemm_epi_chunks<EPI_DGELU, RB>(cbuf, t, gemm_slice(sl, dslots), gemm_slice(sl + 1, dslots));
+                }
+            }
         }
         // Every product of this round is issued: the other warpgroup's round may queue its own.
         if (!CO && u + C < units) named_arrive(other, 256);
@@ -347,10 +322,19 @@ __device__ void gemm_ws(const TmaMap* am, const TmaMap* bm, const TmaMap* om, co
         wg_pin<128>(d);
         release(n - 1);
         if constexpr (CO) {
-            // Into the staging buffers for the epilogue warps, once it has handed them back (dGeLU: with
-            // gelu'(h) in them): thread (warp, g, tg) holds row 16·warp + g (+ 8) and columns
-            // 8·nb + 2·tg (+ 1) of each 64-row block (d[4·nb + e], mma.sync's C-fragment layout).
-            if (EPI == EPI_DGELU || j > 0) named_sync(GM_EMPTY + wg, 128 + GM_ET);
+            // Into this consumer's staging buffers: thread (warp, g, tg) holds row 16·warp + g (+ 8)
+            // and columns 8·nb + 2·tg (+ 1) of each 64-row block (d[4·nb + e], mma.sync's C-fragment
+            // layout). GeLU and plain: once the last stores from them have read them; dGeLU: once
+            // every thread's slices of gelu' are in (with a one-k-step tile, all of them here).
+            if constexpr (EPI == EPI_DGELU) {
+                if (dslots == 0) {
+                    mbar_wait(&hfull[wg], (u32)j & 1);
+                    gemm_epi_chunks<EPI_DGELU, RB>(cbuf, t, 0, 16);
+                }
+            } else if (leader) {
+                bulk_wait_read<0>();
+            }
+            named_sync(own, 128);
             #pragma unroll
             for (int i = 0; i < 32; i++) {
                 // GM_M256: block i / 16 of rows, columns 8 · (i % 16); GM_N256: columns 8 · i.
@@ -376,7 +360,14 @@ __device__ void gemm_ws(const TmaMap* am, const TmaMap* bm, const TmaMap* om, co
                 }
             }
             fence_async_smem();
-            named_arrive(GM_FULL + wg, 128 + GM_ET);
+            named_sync(own, 128);
+            // GeLU: h now; gelu(h) after the next tile's slices (or the drain below).
+            store_all(EPI == EPI_GELU ? xm : om, m0, n0);
+            if (EPI == EPI_GELU) {
+                pend = true;
+                pm0 = m0;
+                pn0 = n0;
+            }
         } else {
             // Epilogue: thread (warp, g, tg) holds rows 16·warp + g (+ 8) of each 64-row half hm and
             // columns 8·nb + 2·tg (+ 1) (d[64·hm + 4·nb + e], mma.sync's C-fragment layout); column
@@ -436,7 +427,16 @@ __device__ void gemm_ws(const TmaMap* am, const TmaMap* bm, const TmaMap* om, co
             }
         }
     }
-    if (!CO && leader) bulk_wait<0>();  // the last stores done before the block's shared memory goes
+    if (CO && EPI == EPI_GELU && pend) {
+        // The last tile's gelu, with no products left to hide it.
+        if (leader) bulk_wait_read<0>();
+        named_sync(own, 128);
+        gemm_epi_chunks<EPI_GELU, RB>(cbuf, t, 0, 16);
+        fence_async_smem();
+        named_sync(own, 128);
+        store_all(om, pm0, pn0);
+    }
+    if (leader) bulk_wait<0>();  // the last stores done before the block's shared memory goes
 }
 
 // am: the tensor map of A [M, K] (boxes 64 × BM); bm: of w [N, K] (boxes 64 × BN, `_tn`) or of

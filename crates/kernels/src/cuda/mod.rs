@@ -102,6 +102,7 @@ thread_local! {
     static NORM_FUSED: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static OWN_GEMM: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static OWN_GEMM_RUNS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    static OWN_GEMM_PLAIN: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static OWN_GEMM_BUILD: std::cell::Cell<Option<OwnGemmBuild>> = const { std::cell::Cell::new(None) };
 }
 
@@ -287,6 +288,18 @@ pub(crate) fn own_gemm() -> bool {
     opt_in(&OWN_GEMM, "FERROTRON_OWN_GEMM", &ENV)
 }
 
+/// Whether the plain bf16 products (no epilogue but a bias: bf16 out, nothing accumulated) run on
+/// our own GEMM kernels where they fit, instead of cuBLASLt: this thread's `set_own_gemm_plain`,
+/// else off unless `FERROTRON_OWN_GEMM_PLAIN=1`. Tests set it to run both.
+pub fn set_own_gemm_plain(on: bool) {
+    OWN_GEMM_PLAIN.with(|w| w.set(Some(on)));
+}
+
+pub(crate) fn own_gemm_plain() -> bool {
+    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    opt_in(&OWN_GEMM_PLAIN, "FERROTRON_OWN_GEMM_PLAIN", &ENV)
+}
+
 /// Which build of our GEMM kernels runs (kernels/gemm.cu; kernels/README.md has each one's
 /// figures).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -295,9 +308,11 @@ pub enum OwnGemmBuild {
     PingPong,
     /// The same in clusters of two blocks that copy B once for both (TMA multicast; `_c2`).
     Clusters2,
-    /// Both consumers on one 256 × 128 tile, an epilogue warpgroup storing (`_m256`).
+    /// Both consumers on one 256 × 128 tile (`_m256`), the epilogue sliced over the next tile's
+    /// k-steps.
     M256,
-    /// Both consumers on one 128 × 256 tile, one m64n256 wgmma a k-step each (`_n256`).
+    /// Both consumers on one 128 × 256 tile, one m64n256 wgmma a k16 each (`_n256`): the main
+    /// loop level with cuBLASLt's at 124M.
     N256,
 }
 
@@ -848,7 +863,7 @@ pub fn own_matmul(a: &Tensor, b: &Tensor, b_kmajor: bool) -> Result<Option<Tenso
     let Some(be) = gpu(OP, &[a, b])? else { return Ok(None) };
     let (pa, pb) = (ops::raw(OP, a)?, ops::raw(OP, b)?);
     // A fresh output is 256-byte aligned: only the inputs' addresses can fail the check.
-    if !ops::gemm_ws::fits(&be, (m, n, k), &[pa, pb]) {
+    if !own_gemm() || !ops::gemm_ws::fits(&be, (m, n, k), &[pa, pb]) {
         return Ok(None);
     }
     let out = ops::new(&be, [m, n], a.dtype())?;

@@ -630,38 +630,55 @@ fn own_gemm_kernels_match_cpu() {
     // takes an h given to both devices: one from each device's own forward may differ by a bf16
     // step, which the gradient's slope times a product of ≈ 14 turns into more than bf16's
     // tolerance.
-    let (m, n, kd) = (4200, 1032, 200);
+    // Depths 200 and 72 (4 and 2 k-steps): the cooperative builds spread the epilogue over a
+    // tile's k-steps from the fourth (dGeLU) or second (GeLU) on, and do it whole at the tile's
+    // end below that.
+    // The plain products go through `matmul` and `matmul_bias` too (`set_own_gemm_plain`): with
+    // an aligned bias in the epilogue, and with one off 16-byte alignment, which cuBLASLt takes.
+    let (m, n) = (4200, 1032);
     let dt = DType::BF16;
-    let x = k::scale(&rnd(&[m, kd], 1, dt), 0.1).unwrap();
-    let (w, b) = (rnd(&[n, kd], 2, dt), rnd(&[n], 3, dt));
-    let (dy, w2, h) = (rnd(&[m, kd], 4, dt), rnd(&[kd, n], 5, dt), rnd(&[m, n], 6, dt));
     ferrotron_kernels::cuda::set_own_gemm(true);
+    ferrotron_kernels::cuda::set_own_gemm_plain(true);
     let before = ferrotron_kernels::cuda::own_gemm_runs();
     use ferrotron_kernels::cuda::OwnGemmBuild;
     let builds = [OwnGemmBuild::Clusters2, OwnGemmBuild::PingPong, OwnGemmBuild::M256, OwnGemmBuild::N256];
-    for build in builds {
-        ferrotron_kernels::cuda::set_own_gemm_build(build);
-        check(
-            &format!("own GEMM kernels, build {build:?}"),
-            dt,
-            &[x.clone(), w.clone(), b.clone(), dy.clone(), w2.clone(), h.clone()],
-            |t| {
-                let (a, h) = k::linear_gelu(&t[0], &t[1], Some(&t[2])).unwrap();
-                let dh = k::matmul_dgelu(&t[3], &t[4], &t[5]).unwrap();
-                // The plain products: ours on the GPU where it runs, the reference matmul elsewhere.
-                let own = |b: &Tensor, tb: bool| {
-                    let got = ferrotron_kernels::cuda::own_matmul(&t[0], b, tb).unwrap();
-                    got.unwrap_or_else(|| k::matmul(&t[0], b, false, tb).unwrap())
-                };
-                vec![a, h, dh, own(&t[1], true), own(&t[4], false)]
-            },
-        );
+    let depths = [200, 72];
+    for kd in depths {
+        let x = k::scale(&rnd(&[m, kd], 1, dt), 0.1).unwrap();
+        let (w, b) = (rnd(&[n, kd], 2, dt), rnd(&[n + 1], 3, dt));
+        let (dy, w2, h) = (rnd(&[m, kd], 4, dt), rnd(&[kd, n], 5, dt), rnd(&[m, n], 6, dt));
+        for build in builds {
+            ferrotron_kernels::cuda::set_own_gemm_build(build);
+            check(
+                &format!("own GEMM kernels, build {build:?}, k {kd}"),
+                dt,
+                &[x.clone(), w.clone(), b.clone(), dy.clone(), w2.clone(), h.clone()],
+                |t| {
+                    let bias = t[2].view(0, [n]).unwrap();
+                    let (a, h) = k::linear_gelu(&t[0], &t[1], Some(&bias)).unwrap();
+                    let dh = k::matmul_dgelu(&t[3], &t[4], &t[5]).unwrap();
+                    // The plain products: ours on the GPU where it runs, the reference matmul elsewhere.
+                    let own = |b: &Tensor, tb: bool| {
+                        let got = ferrotron_kernels::cuda::own_matmul(&t[0], b, tb).unwrap();
+                        got.unwrap_or_else(|| k::matmul(&t[0], b, false, tb).unwrap())
+                    };
+                    let biased = k::matmul_bias(&t[0], &t[1], &bias, false, true).unwrap();
+                    let odd = k::matmul_bias(&t[0], &t[1], &t[2].view(1, [n]).unwrap(), false, true).unwrap();
+                    let nn = k::matmul(&t[3], &t[4], false, false).unwrap();
+                    vec![a, h, dh, own(&t[1], true), own(&t[4], false), biased, odd, nn]
+                },
+            );
+        }
     }
     ferrotron_kernels::cuda::set_own_gemm_build(OwnGemmBuild::PingPong);
     ferrotron_kernels::cuda::set_own_gemm(false);
+    ferrotron_kernels::cuda::set_own_gemm_plain(false);
     let ran = ferrotron_kernels::cuda::own_gemm_runs() - before;
     if ferrotron_kernels::cuda::wgmma_device(&gpu()).unwrap() {
-        assert_eq!(ran, 4 * builds.len() as u64, "the GeLU, dGeLU and two plain products on each of our builds");
+        // GeLU, dGeLU, two by own_matmul, the biased and the NN product by matmul(_bias); the
+        // one with its bias off alignment goes to cuBLASLt.
+        let want = 6 * (builds.len() * depths.len()) as u64;
+        assert_eq!(ran, want, "our builds' products at each depth");
     }
 }
 

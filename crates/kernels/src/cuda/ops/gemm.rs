@@ -83,6 +83,20 @@ pub fn gemm(
             // The bias rides in cuBLASLt's epilogue (one per output feature: the rows of Cᵀ) when
             // it is 16-byte aligned; a bias elsewhere (a view after an odd-sized parameter in the
             // flat buffer) is added in place after the product.
+            if batch == 1 && !ta && beta == 0.0 && crate::cuda::own_gemm_plain() {
+                // Our kernel where it takes the product (with the bias in its epilogue when aligned).
+                let pb = match bias {
+                    Some(t) if t.dtype() == DType::BF16 && bias_aligned(t)? => Some(raw("matmul_bias", t)?),
+                    Some(_) => None,
+                    None => Some(0),
+                };
+                let io = (raw("matmul", a)?, raw("matmul", b)?, raw("matmul", c)?, 0, pb.unwrap_or(0));
+                if pb.is_some() && gemm_ws::fits(be, (m, nn, k), &[io.0, io.1, io.2, io.4]) {
+                    gemm_ws::launch(be, gemm_ws::Epi::Plain, io, tb, (m, nn, k))?;
+                    crate::cuda::count_own_gemm_run();
+                    return Ok(());
+                }
+            }
             let (epi, after) = match bias {
                 Some(t) if t.dtype() == DType::BF16 && bias_aligned(t)? => {
                     (crate::cuda::lt::Epilogue::Bias(raw("matmul_bias", t)?), None)
@@ -225,7 +239,7 @@ pub fn linear_gelu(
     let (px, pw, pa, ph) =
         (raw("linear_gelu", x)?, raw("linear_gelu", w)?, raw("linear_gelu", &a)?, raw("linear_gelu", &h)?);
     let io = (px, pw, pa, ph, bias.unwrap_or(0));
-    if gemm_ws::fits(be, (rows, n, k), &[px, pw, pa, ph, io.4]) {
+    if crate::cuda::own_gemm() && gemm_ws::fits(be, (rows, n, k), &[px, pw, pa, ph, io.4]) {
         gemm_ws::launch(be, gemm_ws::Epi::Gelu, io, true, (rows, n, k))?;
         crate::cuda::count_own_gemm_run();
         return Ok(Some((a, h)));
@@ -253,7 +267,7 @@ pub fn matmul_dgelu(
 ) -> Result<Option<Tensor>> {
     let dh = new(be, h.shape().clone(), h.dtype())?;
     let io = (raw("matmul_dgelu", dy)?, raw("matmul_dgelu", w)?, raw("matmul_dgelu", &dh)?, raw("matmul_dgelu", h)?, 0);
-    if gemm_ws::fits(be, (rows, n, k), &[io.0, io.1, io.2, io.3]) {
+    if crate::cuda::own_gemm() && gemm_ws::fits(be, (rows, n, k), &[io.0, io.1, io.2, io.3]) {
         gemm_ws::launch(be, gemm_ws::Epi::DGelu, io, false, (rows, n, k))?;
         crate::cuda::count_own_gemm_run();
         return Ok(Some(dh));

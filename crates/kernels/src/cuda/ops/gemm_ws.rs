@@ -1,7 +1,8 @@
-//! Our own bf16 GEMM kernels (kernels/gemm.cu: wgmma, TMA, two warpgroups taking turns) for the
-//! MLP's products with a GeLU epilogue, which cuBLASLt runs up to 1.33× slower than without one.
-//! Off by default (`FERROTRON_OWN_GEMM=1`; the fused products are still 0.76–0.97× cuBLASLt's): the
-//! callers in gemm.rs try these first when on and fall back to cuBLASLt where `fits` says no.
+//! Our own bf16 GEMM kernels (kernels/gemm.cu: wgmma, TMA, warp-specialised) for the MLP's
+//! products with a GeLU epilogue, which cuBLASLt runs up to 1.33× slower than without one, and
+//! for the plain bf16 products. Off by default (`FERROTRON_OWN_GEMM=1` for the fused products,
+//! still behind cuBLASLt's; `FERROTRON_OWN_GEMM_PLAIN=1` for the plain ones): the callers in
+//! gemm.rs try these first when on and fall back to cuBLASLt where `fits` says no.
 
 use super::*;
 use crate::cuda::tma::TmaMap;
@@ -62,14 +63,13 @@ pub enum Epi {
 }
 
 /// Whether the kernels take this product: an sm_90 device whose wgmma kernels this thread allows,
-/// the switch on (`cuda::set_own_gemm`), every dimension at least one tile (so no TMA box is
+/// every dimension at least one tile (so no TMA box is
 /// larger than its matrix), n and k multiples of 8 and every address 16-byte aligned (TMA's rules
 /// for rows; the epilogue's paired columns).
 pub fn fits(be: &B, (m, n, k): (usize, usize, usize), ptrs: &[u64]) -> bool {
     let build = crate::cuda::own_gemm_build();
     let (rows, cols) = build.tile();
     be.use_wgmma()
-        && crate::cuda::own_gemm()
         && m >= rows
         && n >= cols
         && k >= BK
