@@ -121,18 +121,29 @@ __device__ __forceinline__ u32 gelu_bf16x2(u32 w) {
 // pairs (fp32 arithmetic: in fp16, 1 − tanh² would lose the digits that x u'(x) multiplies).
 template <int EPI, int RB>
 __device__ __forceinline__ void gemm_epi_chunks(unsigned char* cbuf, int t, int i0, int i1) {
+    // Two chunks at a time (the second predicated): a slice is one or two chunks, and their
+    // dependency chains run side by side.
     #pragma unroll 1
-    for (int i = i0; i < i1; i++) {
-        const int q = t + 128 * i, qq = q % (RB * 8), row = qq >> 3, c8 = qq & 7;
-        u128* p = reinterpret_cast<u128*>(cbuf + (q / (RB * 8)) * (RB * 128) + row * 128 + (((c8 ^ row) & 7) << 4));
-        u128 v = *p;
-        u32* w = &v.x;
+    for (int i = i0; i < i1; i += 2) {
+        u128* p[2];
+        u128 v[2];
         #pragma unroll
-        for (int k = 0; k < 4; k++) {
-            const float lo = __uint_as_float(w[k] << 16), hi = __uint_as_float(w[k] & 0xffff0000u);
-            w[k] = EPI == EPI_GELU ? gelu_bf16x2(w[k]) : pack_f16(gelu_gs(lo), gelu_gs(hi));
+        for (int c = 0; c < 2; c++) {
+            const int q = t + 128 * (i + c), qq = q % (RB * 8), row = qq >> 3, c8 = qq & 7;
+            p[c] = reinterpret_cast<u128*>(cbuf + (q / (RB * 8)) * (RB * 128) + row * 128 + (((c8 ^ row) & 7) << 4));
+            if (c == 0 || i + 1 < i1) v[c] = *p[c];
         }
-        *p = v;
+        #pragma unroll
+        for (int c = 0; c < 2; c++) {
+            u32* w = &v[c].x;
+            #pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const float lo = __uint_as_float(w[k] << 16), hi = __uint_as_float(w[k] & 0xffff0000u);
+                w[k] = EPI == EPI_GELU ? gelu_bf16x2(w[k]) : pack_f16(gelu_gs(lo), gelu_gs(hi));
+            }
+        }
+        *p[0] = v[0];
+        if (i + 1 < i1) *p[1] = v[1];
     }
 }
 // The first of thread chunks 0..16 that slot s of `slots` takes (s = slots: 16).
