@@ -5,14 +5,13 @@
 //! gemm.rs try these first when on and fall back to cuBLASLt where `fits` says no.
 
 use super::*;
+use crate::cuda::OwnGemmBuild as Build;
 use crate::cuda::tma::TmaMap;
 
 /// kernels/gemm.cu's tiles: a warpgroup's GM_BM × GM_BN outputs, GM_BK deep.
 const BM: usize = 128;
 const BN: usize = 128;
 const BK: usize = 64;
-
-use crate::cuda::OwnGemmBuild as Build;
 
 impl Build {
     /// A block's tile: rows (kernels/gemm.cu `BM`) and columns (`BN`).
@@ -62,10 +61,10 @@ pub enum Epi {
     Plain,
 }
 
-/// Whether the kernels take this product: an sm_90 device whose wgmma kernels this thread allows,
-/// every dimension at least one tile (so no TMA box is
-/// larger than its matrix), n and k multiples of 8 and every address 16-byte aligned (TMA's rules
-/// for rows; the epilogue's paired columns).
+/// Whether this thread's build takes this product (the callers check their switches): an sm_90
+/// device whose wgmma kernels this thread allows, every dimension at least one tile (so no TMA
+/// box is larger than its matrix), n and k multiples of 8 and every address 16-byte aligned
+/// (TMA's rules for rows; the epilogue's paired columns).
 pub fn fits(be: &B, (m, n, k): (usize, usize, usize), ptrs: &[u64]) -> bool {
     let build = crate::cuda::own_gemm_build();
     let (rows, cols) = build.tile();
