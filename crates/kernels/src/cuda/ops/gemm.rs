@@ -80,9 +80,6 @@ pub fn gemm(
             Storage::Cuda(CudaStorage::BF16(_)),
         ) => {
             drop((ga, gb, gc));
-            // The bias rides in cuBLASLt's epilogue (one per output feature: the rows of Cᵀ) when
-            // it is 16-byte aligned; a bias elsewhere (a view after an odd-sized parameter in the
-            // flat buffer) is added in place after the product.
             if batch == 1 && !ta && beta == 0.0 && crate::cuda::own_gemm_plain() {
                 // Our kernel where it takes the product (with the bias in its epilogue when aligned).
                 let pb = match bias {
@@ -97,6 +94,9 @@ pub fn gemm(
                     return Ok(());
                 }
             }
+            // The bias rides in cuBLASLt's epilogue (one per output feature: the rows of Cᵀ) when
+            // it is 16-byte aligned; a bias elsewhere (a view after an odd-sized parameter in the
+            // flat buffer) is added in place after the product.
             let (epi, after) = match bias {
                 Some(t) if t.dtype() == DType::BF16 && bias_aligned(t)? => {
                     (crate::cuda::lt::Epilogue::Bias(raw("matmul_bias", t)?), None)
