@@ -146,6 +146,16 @@ __device__ __forceinline__ void gemm_epi_chunks(unsigned char* cbuf, int t, int 
         if (i + 1 < i1) *p[1] = v[1];
     }
 }
+// bias[c] and bias[c + 1] (c even), or zeros without a bias or past N (a multiple of 8).
+__device__ __forceinline__ void bias_pair(const bf16_t* bias, long c, long N, float& b0, float& b1) {
+    b0 = b1 = 0.f;
+    if (bias && c < N) {
+        const u32 bv = *reinterpret_cast<const u32*>(bias + c);
+        b0 = __uint_as_float(bv << 16);
+        b1 = __uint_as_float(bv & 0xffff0000u);
+    }
+}
+
 // The first of thread chunks 0..16 that slot s of `slots` takes (s = slots: 16).
 __device__ __forceinline__ int gemm_slice(int s, int slots) { return (s * 16 + slots - 1) / slots; }
 
@@ -352,12 +362,8 @@ __device__ void gemm_ws(const TmaMap* am, const TmaMap* bm, const TmaMap* om, co
                 const int nb = SH == GM_M256 ? i & 15 : i, r0 = SH == GM_M256 ? (i >> 4) * 64 : 0;
                 unsigned char* bf = cbuf + (nb >> 3) * C_BYTES;
                 const int col = (nb & 7) * 8 + 2 * tg;
-                float b0 = 0.f, b1 = 0.f;
-                if (EPI != EPI_DGELU && bias && n0 + nb * 8 + 2 * tg < N) {
-                    const u32 bv = *reinterpret_cast<const u32*>(bias + n0 + nb * 8 + 2 * tg);
-                    b0 = __uint_as_float(bv << 16);
-                    b1 = __uint_as_float(bv & 0xffff0000u);
-                }
+                float b0, b1;
+                bias_pair(EPI == EPI_DGELU ? nullptr : bias, n0 + nb * 8 + 2 * tg, N, b0, b1);
                 #pragma unroll
                 for (int e = 0; e < 4; e += 2) {
                     u32* p = stage_word(bf, r0 + warp * 16 + g + 4 * e, col);
@@ -394,12 +400,8 @@ __device__ void gemm_ws(const TmaMap* am, const TmaMap* bm, const TmaMap* om, co
                 #pragma unroll
                 for (int nq = 0; nq < 8; nq++) {
                     const int nb = cb * 8 + nq, col = nq * 8 + 2 * tg;
-                    float b0 = 0.f, b1 = 0.f;
-                    if (EPI != EPI_DGELU && bias && n0 + nb * 8 + 2 * tg < N) {
-                        const u32 bv = *reinterpret_cast<const u32*>(bias + n0 + nb * 8 + 2 * tg);
-                        b0 = __uint_as_float(bv << 16);
-                        b1 = __uint_as_float(bv & 0xffff0000u);
-                    }
+                    float b0, b1;
+                    bias_pair(EPI == EPI_DGELU ? nullptr : bias, n0 + nb * 8 + 2 * tg, N, b0, b1);
                     #pragma unroll
                     for (int e = 0; e < 4; e += 2) {
                         #pragma unroll
