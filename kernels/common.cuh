@@ -134,12 +134,14 @@ __device__ float block_max(float v) {
 
 // Column sums over many rows (bias and norm parameter gradients) run in two passes: partial sums
 // of COL_CHUNK rows each (one thread per chunk and column, reads coalesced along the row), then
-// col_sum_f32 adds a column's partials in a fixed order: a block of 8 warps per 32 columns, warp w
+// col_sum adds a column's partials in a fixed order: a block of 8 warps per 32 columns, warp w
 // summing chunks w, w + 8, ..., then warp 0 the 8 results. Same bits every run. With `acc` the sum
-// is added to y (a main_grad view: no separate add pass), else y is overwritten.
+// is added to y (a main_grad view: no separate add pass), else y is overwritten. y is f32 or, for
+// a bf16 main_grad (`--grad-reduce-in-bf16`), bf16: the add happens in f32 and rounds once.
 #define COL_CHUNK 64
 // One block's 32 columns from column block `cb` on: the second pass both kernels below run.
-__device__ __forceinline__ void col_sum_block(const float* p, float* y, long chunks, long c, bool add, long cb) {
+template <typename Y>
+__device__ __forceinline__ void col_sum_block(const float* p, Y* y, long chunks, long c, bool add, long cb) {
     __shared__ float part[8][33];
     int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     long j = cb * 32 + lane;
@@ -150,26 +152,27 @@ __device__ __forceinline__ void col_sum_block(const float* p, float* y, long chu
     if (w == 0 && j < c) {
         float total = 0.f;
         for (int x = 0; x < 8; x++) total += part[x][lane];
-        y[j] = add ? y[j] + total : total;
+        st(y, j, add ? ld(y, j) + total : total);
     }
-}
-extern "C" __global__ void __launch_bounds__(256) col_sum_f32(const float* p, float* y, long chunks, long c, long acc) {
-    pdl_wait();
-    col_sum_block(p, y, chunks, c, acc != 0, blockIdx.x);
 }
 
 // Up to three column sums' second passes in one launch (a norm backward's weight, bias and
 // residual sums: one launch instead of three): block b takes sum b / cb, columns (b % cb) · 32 on,
-// cb = ceil(c / 32), each exactly as col_sum_f32 (same order, same bits); bit i of `acc` says
+// cb = ceil(c / 32), each exactly as col_sum (same order, same bits); bit i of `acc` says
 // whether sum i adds into its y.
-extern "C" __global__ void __launch_bounds__(256) col_sums3_f32(const float* p0, float* y0, const float* p1, float* y1,
-                                                               const float* p2, float* y2, long chunks, long c, long acc) {
-    pdl_wait();
-    const long cb = (c + 31) / 32, which = blockIdx.x / cb;
-    const float* p = which == 0 ? p0 : which == 1 ? p1 : p2;
-    float* y = which == 0 ? y0 : which == 1 ? y1 : y2;
-    col_sum_block(p, y, chunks, c, (acc >> which) & 1, blockIdx.x % cb);
-}
+#define COL_SUMS(s, Y) \
+extern "C" __global__ void __launch_bounds__(256) col_sum_##s(const float* p, Y* y, long chunks, long c, long acc) { \
+    pdl_wait(); \
+    col_sum_block(p, y, chunks, c, acc != 0, blockIdx.x); } \
+extern "C" __global__ void __launch_bounds__(256) col_sums3_##s(const float* p0, Y* y0, const float* p1, Y* y1, \
+                                                               const float* p2, Y* y2, long chunks, long c, long acc) { \
+    pdl_wait(); \
+    const long cb = (c + 31) / 32, which = blockIdx.x / cb; \
+    const float* p = which == 0 ? p0 : which == 1 ? p1 : p2; \
+    Y* y = which == 0 ? y0 : which == 1 ? y1 : y2; \
+    col_sum_block(p, y, chunks, c, (acc >> which) & 1, blockIdx.x % cb); }
+COL_SUMS(f32, float)
+COL_SUMS(bf16, bf16_t)
 
 // The first pass of a column sum, eight columns per thread: a block is 8 warps over 256
 // columns (32 groups of eight) of one chunk; warp w adds rows r0 + w, r0 + w + 8, … (each load a

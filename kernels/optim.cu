@@ -41,8 +41,20 @@ extern "C" __global__ void adamw(float* p, const float* g, float* m, float* v, l
 #define ADAM_STEPS 5
 #define ADAM_LR 6
 #define ADAM_DECAY 7
-template <typename T>
-__device__ __forceinline__ void adamw_runs_impl(float* p, const float* g, float* m, float* v, T* param, const u32* runs,
+// Four consecutive gradients from a 4-element-aligned index (16 bytes of f32, 8 of bf16).
+__device__ __forceinline__ void ld4(const float* g, long i, float* out) {
+    float4 q = *(const float4*)(g + i);
+    out[0] = q.x; out[1] = q.y; out[2] = q.z; out[3] = q.w;
+}
+__device__ __forceinline__ void ld4(const bf16_t* g, long i, float* out) {
+    uint2 q = *(const uint2*)(g + i);
+    out[0] = __uint_as_float(q.x << 16); out[1] = __uint_as_float(q.x & 0xffff0000u);
+    out[2] = __uint_as_float(q.y << 16); out[3] = __uint_as_float(q.y & 0xffff0000u);
+}
+// G is the gradient buffer's type: f32 main_grad, or bf16 under `--grad-reduce-in-bf16` (widened
+// exactly, so the update is the one an f32 buffer holding the same values gives).
+template <typename T, typename G>
+__device__ __forceinline__ void adamw_runs_impl(float* p, const G* g, float* m, float* v, T* param, const u32* runs,
                                                 long nruns, AdamH h, const float* step_state) {
     if (step_state) {
         // The step as `adam_prepare` settled it on the device (no read back on the host).
@@ -65,12 +77,11 @@ __device__ __forceinline__ void adamw_runs_impl(float* p, const float* g, float*
     long e0 = (long)(b - d[7]) * ADAM_CHUNK, e1 = e0 + ADAM_CHUNK < len ? e0 + ADAM_CHUNK : len;
     auto one = [&](long i) {
         long s = state + i;
-        adam_elem(p[s], m[s], v[s], g[flat + i], h, dk);
+        adam_elem(p[s], m[s], v[s], ld(g, flat + i), h, dk);
         st(param, flat + i, p[s]);
     };
-    unsigned long addr = (unsigned long)(g + flat) | (unsigned long)(m + state) | (unsigned long)(v + state) |
-                         (unsigned long)(p + state);
-    if (addr % 16 != 0) {
+    unsigned long addr = (unsigned long)(m + state) | (unsigned long)(v + state) | (unsigned long)(p + state);
+    if (addr % 16 != 0 || (unsigned long)(g + flat) % (4 * sizeof(G)) != 0) {
         for (long i = e0 + threadIdx.x; i < e1; i += blockDim.x) one(i);
         return;
     }
@@ -78,9 +89,11 @@ __device__ __forceinline__ void adamw_runs_impl(float* p, const float* g, float*
     // 16-byte accesses to the f32 buffers; the same arithmetic per element.
     for (long i = e0 + 4 * threadIdx.x; i < e1; i += 4 * blockDim.x) {
         if (i + 4 > e1) { for (long x = i; x < e1; x++) one(x); break; }
-        float4 g4 = *(const float4*)(g + flat + i), m4 = *(const float4*)(m + state + i);
+        float gg[4];
+        ld4(g, flat + i, gg);
+        float4 m4 = *(const float4*)(m + state + i);
         float4 v4 = *(const float4*)(v + state + i), p4 = *(const float4*)(p + state + i);
-        float* gg = &g4.x; float* mm = &m4.x; float* vv = &v4.x; float* pp = &p4.x;
+        float* mm = &m4.x; float* vv = &v4.x; float* pp = &p4.x;
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             adam_elem(pp[e], mm[e], vv[e], gg[e], h, dk);
@@ -89,12 +102,14 @@ __device__ __forceinline__ void adamw_runs_impl(float* p, const float* g, float*
         *(float4*)(m + state + i) = m4; *(float4*)(v + state + i) = v4; *(float4*)(p + state + i) = p4;
     }
 }
-#define ADAMW_RUNS(s, T) \
-extern "C" __global__ void adamw_runs_##s(float* p, const float* g, float* m, float* v, T* param, const u32* runs, \
-        long nruns, const float* step_state, float b1, float b2, float eps, float step_size, float bc2_sqrt, \
-        float decay, float grad_scale) { \
+// adamw_runs_<params>_g<grads>.
+#define ADAMW_RUNS_G(s, T, gs, G) \
+extern "C" __global__ void adamw_runs_##s##_g##gs(float* p, const G* g, float* m, float* v, T* param, \
+        const u32* runs, long nruns, const float* step_state, float b1, float b2, float eps, float step_size, \
+        float bc2_sqrt, float decay, float grad_scale) { \
     adamw_runs_impl(p, g, m, v, param, runs, nruns, AdamH{b1, b2, eps, step_size, bc2_sqrt, decay, grad_scale}, \
                     step_state); }
+#define ADAMW_RUNS(s, T) ADAMW_RUNS_G(s, T, f32, float) ADAMW_RUNS_G(s, T, bf16, bf16_t)
 FOR_TYPES(ADAMW_RUNS)
 ADAMW_RUNS(f16, f16_t)
 

@@ -358,6 +358,13 @@ fn bench_attn_dropout() -> Option<String> {
     std::env::var("BENCH_ATTN_DROPOUT").ok().filter(|p| p.parse::<f64>().is_ok_and(|p| p > 0.0))
 }
 
+/// BENCH_GRAD_BF16=1: our main_grad in bf16 (`--grad-reduce-in-bf16`). With one micro-batch a
+/// step (the bench's), that rounds each weight gradient to bf16 once, as the PyTorch reference's
+/// autocast products do before their cast to its fp32 `.grad`.
+fn bench_grad_bf16() -> bool {
+    std::env::var("BENCH_GRAD_BF16").is_ok_and(|v| v == "1")
+}
+
 /// `ferrotron train`'s `--profile` range over steps `start` + 1 to `end`.
 fn profile_args(start: u64, end: u64) -> Vec<String> {
     multi::owned(&["--profile", "--profile-step-start", &start.to_string(), "--profile-step-end", &end.to_string()])
@@ -373,6 +380,9 @@ fn bench_train_args(preset: &str, micro: usize, iters: u64, log: u64) -> Vec<Str
     a.extend(multi::owned(&["--global-batch-size", &micro.to_string(), "--train-iters", &iters.to_string()]));
     if let Some(p) = bench_attn_dropout() {
         a.extend(multi::owned(&["--attention-dropout", &p]));
+    }
+    if bench_grad_bf16() {
+        a.push("--grad-reduce-in-bf16".into());
     }
     // BENCH_CUDA_GRAPH=N: the step graphed after N eager steps (`--cuda-graph-impl local`).
     if let Some(n) = std::env::var("BENCH_CUDA_GRAPH").ok().and_then(|v| v.parse::<u64>().ok()) {
@@ -519,7 +529,7 @@ fn attention_bench(args: &[String]) -> anyhow::Result<()> {
 /// BENCH_MICRO (micro-batch override),
 /// BENCH_CUDA_GRAPH=N (Ferrotron's step replayed as a CUDA graph after N eager steps),
 /// BENCH_TORCH=0 (Ferrotron only), BENCH_ATTN_DROPOUT=P (both sides with attention dropout at
-/// rate P), BENCH_LOG_INTERVAL (steps per log line and loss read-back,
+/// rate P), BENCH_GRAD_BF16=1 (our main_grad in bf16, `--grad-reduce-in-bf16`), BENCH_LOG_INTERVAL (steps per log line and loss read-back,
 /// default 100 at 124M and 10 otherwise, as in Megatron runs; 1 reads the loss every step),
 /// BENCH_COOL_C (before each side, wait up to two minutes for the card to cool to this many °C:
 /// both sides then start alike), BENCH_ROUNDS
@@ -652,7 +662,8 @@ impl BenchRun<'_> {
         let loss = multi::last_finite_loss(&metrics)
             .map_or_else(|| "not finite: the figure is invalid".to_string(), |l| format!("{l:.3}"));
         println!(
-            "| {p} | ferrotron bf16{} | {ours:.0} | {:.1}% | {:.1} (device total) | {} | {loss} |",
+            "| {p} | ferrotron bf16{}{} | {ours:.0} | {:.1}% | {:.1} (device total) | {} | {loss} |",
+            if bench_grad_bf16() { ", bf16 main_grad" } else { "" },
             if self.tuned { ", GEMMs tuned" } else { "" },
             100.0 * ours * flops / 989e12,
             gpu.peak_mem_gib,

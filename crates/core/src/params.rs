@@ -266,7 +266,9 @@ pub trait PendingParams: Send + Sync {
     fn wait(&self, range: std::ops::Range<usize>) -> Result<()>;
 }
 
-/// Parameter metadata plus the flat parameter and fp32 main_grad buffers.
+/// Parameter metadata plus the flat parameter and main_grad buffers. main_grad is fp32 unless
+/// `set_grad_dtype` makes it bf16 (Megatron's `--grad-reduce-in-bf16`: weight gradients leave
+/// their GEMMs in bf16, the data-parallel reduction and the optimizer read half the bytes).
 ///
 /// main_grad is zeroed lazily in a training step: `defer_zero_grads` marks every parameter's
 /// gradient stale instead of clearing 4 bytes per parameter, the first backward op to reach a
@@ -346,7 +348,7 @@ impl ParamTable {
             None => Ok(()),
         }
     }
-    /// Its fp32 main_grad view, holding a value: zeroed first if a deferred step has not
+    /// Its main_grad view, holding a value: zeroed first if a deferred step has not
     /// reached it yet (so adding into it is always right).
     pub fn grad(&self, id: ParamId) -> Result<Tensor> {
         let reached = self.written()[id.0];
@@ -404,6 +406,30 @@ impl ParamTable {
     pub fn flat_grads(&self) -> &Tensor {
         &self.grads
     }
+    /// The main_grad buffer's dtype: f32 (the default) or bf16.
+    pub fn grad_dtype(&self) -> DType {
+        self.grads.dtype()
+    }
+
+    /// Reallocates main_grad, zeroed, as `dtype` (f32 or bf16), before any gradient is taken: the
+    /// old buffer is freed first, so the switch never holds both.
+    pub fn set_grad_dtype(&mut self, dtype: DType) -> Result<()> {
+        if !matches!(dtype, DType::F32 | DType::BF16) {
+            return Err(Error::InvalidArgument {
+                op: "ParamTable::set_grad_dtype",
+                msg: format!("main_grad is f32 or bf16, not {dtype}"),
+            });
+        }
+        if dtype == self.grads.dtype() {
+            return Ok(());
+        }
+        let (n, device) = (self.grads.elem_count(), self.grads.device().clone());
+        self.grads = Tensor::zeros([0], dtype, &device)?;
+        self.grads = Tensor::zeros([n], dtype, &device)?;
+        self.written().iter_mut().for_each(|w| *w = true);
+        Ok(())
+    }
+
     /// Zeroes main_grad now (one memset of the flat buffer).
     pub fn zero_grads(&self) -> Result<()> {
         self.grads.zero_()?;
@@ -512,6 +538,23 @@ mod tests {
         t.set_pending(second.clone()).unwrap();
         assert_eq!(log.0.lock().unwrap().last(), Some(&(0..t.flat_len())), "the old hook settled");
         assert!(second.0.lock().unwrap().is_empty());
+    }
+
+    /// main_grad in bf16: every view takes the new dtype, zeroed; f16 and the like are refused.
+    #[test]
+    fn grads_can_be_held_in_bf16() {
+        let mut t = table(DType::BF16);
+        assert_eq!(t.grad_dtype(), DType::F32, "fp32 main_grad by default");
+        t.flat_grads().update_f32("t", |g| g.fill(3.0)).unwrap();
+        t.set_grad_dtype(DType::BF16).unwrap();
+        assert_eq!(t.grad_dtype(), DType::BF16);
+        assert_eq!(t.flat_grads().elem_count(), t.flat_len());
+        let g = t.grad(ParamId(0)).unwrap();
+        assert_eq!((g.dtype(), g.dims()), (DType::BF16, &[2usize, 3][..]));
+        assert_eq!(t.flat_grads().to_vec_f32().unwrap(), vec![0.0; t.flat_len()], "zeroed");
+        let e = t.set_grad_dtype(DType::F16).unwrap_err().to_string();
+        assert!(e.contains("f32 or bf16"), "{e}");
+        assert_eq!(t.grad_dtype(), DType::BF16, "a refused switch keeps the buffer");
     }
 
     #[test]

@@ -84,7 +84,7 @@ pub fn bias_grad(dy: &Tensor) -> Result<Tensor> {
 }
 
 /// dst [C] += Σ over rows of dy [..., C] (`acc`), or dst = Σ: the bias gradient into main_grad
-/// (on a GPU an f32 `dst` takes the column sums directly, with no add pass after).
+/// (on a GPU an f32 or bf16 `dst` takes the column sums directly, with no add pass after).
 pub fn bias_grad_into(dst: &Tensor, dy: &Tensor, acc: bool) -> Result<()> {
     const OP: &str = "bias_grad_into";
     check::float(OP, dst)?;
@@ -93,7 +93,7 @@ pub fn bias_grad_into(dst: &Tensor, dy: &Tensor, acc: bool) -> Result<()> {
         return Err(invalid(OP, "dst and dy must not share storage"));
     }
     #[cfg(feature = "cuda")]
-    if dst.dtype() == DType::F32
+    if matches!(dst.dtype(), DType::F32 | DType::BF16)
         && let Some(g) = crate::cuda::gpu(OP, &[dst, dy])?
     {
         check::float(OP, dy)?;

@@ -62,6 +62,14 @@ pub fn embedding_bwd_shard(
     if dout.elem_count() != n * c || dout.shape().last() != c {
         return Err(shape_mismatch(OP, format!("dout [{n}, {c}]"), dout.dims()));
     }
+    if dtable.dtype() != DType::F32 {
+        // A bf16 main_grad (`--grad-reduce-in-bf16`): the rows summed in f32 first, then added and
+        // rounded once, as PyTorch's embedding backward sums a row before storing it; scatter-adds
+        // straight into bf16 would round at every position.
+        let sums = Tensor::zeros(dtable.dims(), DType::F32, dtable.device())?;
+        embedding_bwd_shard(ids, dout, &sums, vocab_start, vocab_total)?;
+        return crate::add_(dtable, &sums);
+    }
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[ids, dout, dtable])? {
         if check::read_ids(ids) {

@@ -100,7 +100,7 @@ pub fn layernorm_bwd_add(
 }
 
 /// `layernorm_bwd` (with `res` as `layernorm_bwd_add`) whose parameter gradients are added into
-/// `dw` and `db` [C] (main_grad views; on a GPU, f32 ones take the sums directly, with no add pass
+/// `dw` and `db` [C] (main_grad views; on a GPU, f32 or bf16 ones take the sums directly, with no add pass
 /// after); returns dx (+ res).
 pub fn layernorm_bwd_into(
     dy: &Tensor,
@@ -168,15 +168,21 @@ fn add_into(into: Option<&[&Tensor]>, sums: &[&Tensor], acc: bool) -> Result<()>
     Ok(())
 }
 
-/// How a CUDA backward sums a parameter gradient: straight into an f32 destination, else into a
-/// new tensor (`add_into` adds it after).
+/// How a CUDA backward sums a parameter gradient: straight into an f32 or bf16 destination (the
+/// main_grad dtypes), else into a new tensor (`add_into` adds it after).
 #[cfg(feature = "cuda")]
 fn sum_to(d: Option<&Tensor>, acc: bool) -> crate::cuda::ops::SumTo<'_> {
     match d {
-        Some(d) if d.dtype() == DType::F32 && acc => crate::cuda::ops::SumTo::Add(d),
-        Some(d) if d.dtype() == DType::F32 => crate::cuda::ops::SumTo::Write(d),
+        Some(d) if sums_into(d) && acc => crate::cuda::ops::SumTo::Add(d),
+        Some(d) if sums_into(d) => crate::cuda::ops::SumTo::Write(d),
         _ => crate::cuda::ops::SumTo::New,
     }
+}
+
+/// Whether the CUDA column sums can finish straight into `d`.
+#[cfg(feature = "cuda")]
+fn sums_into(d: &Tensor) -> bool {
+    matches!(d.dtype(), DType::F32 | DType::BF16)
 }
 
 fn layernorm_bwd_res(
@@ -209,7 +215,7 @@ fn layernorm_bwd_res(
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[dy, x, w, mean, rstd])? {
         let to = [sum_to(into.map(|d| d[0]), acc), sum_to(into.map(|d| d[1]), acc)];
-        let res_to = dres.filter(|d| d.dtype() == DType::F32).map(|d| sum_to(Some(d), acc));
+        let res_to = dres.filter(|d| sums_into(d)).map(|d| sum_to(Some(d), acc));
         let (dx, dw, db, _) = crate::cuda::ops::layernorm_bwd(&g, dy, x, w, mean, rstd, res, to, res_to)?;
         add_into(into.as_ref().map(|d| &d[..]), &[&dw, &db], acc)?;
         if res_to.is_none() {
@@ -333,7 +339,7 @@ fn rmsnorm_bwd_res(
     }
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[dy, x, w, rstd])? {
-        let res_to = dres.filter(|d| d.dtype() == DType::F32).map(|d| sum_to(Some(d), acc));
+        let res_to = dres.filter(|d| sums_into(d)).map(|d| sum_to(Some(d), acc));
         let (dx, dw, _) = crate::cuda::ops::rmsnorm_bwd(&g, dy, x, w, rstd, res, sum_to(into, acc), res_to)?;
         add_into(into.as_ref().map(std::slice::from_ref), &[&dw], acc)?;
         if res_to.is_none() {

@@ -85,7 +85,8 @@ impl AdamRuns {
 /// AdamW over every run (one launch on a GPU), each updated master weight also rounded into
 /// `params` at the run's flat offset: the same bits as [`adamw_step`] per run (`h.weight_decay`
 /// where the run has `decay`, else none) followed by [`copy_`](crate::copy_) of the master weights
-/// into the parameters. master, exp_avg, exp_avg_sq and grads are f32; params any float type.
+/// into the parameters. master, exp_avg and exp_avg_sq are f32; grads f32 or bf16 (a bf16
+/// main_grad, widened exactly); params any float type.
 /// With `state` (an [`adam_state`] tensor that [`adam_prepare`] settled, on the same device) the
 /// learning rate, clip factor, step count and whether to update at all come from it instead of
 /// `h`, so the host need not read anything back first.
@@ -101,8 +102,11 @@ pub fn adamw_runs(
     state: Option<&Tensor>,
 ) -> Result<()> {
     const OP: &str = "adamw_runs";
-    for t in [master, exp_avg, exp_avg_sq, grads] {
+    for t in [master, exp_avg, exp_avg_sq] {
         check::dtype(OP, t, DType::F32)?;
+    }
+    if grads.dtype() != DType::BF16 {
+        check::dtype(OP, grads, DType::F32)?;
     }
     if let Some(st) = state {
         check::dtype(OP, st, DType::F32)?;
@@ -154,7 +158,10 @@ pub fn adamw_runs(
         let wd = if r.decay { h.weight_decay } else { 0.0 };
         let (p, m, v) =
             (master.view(r.state, [r.len])?, exp_avg.view(r.state, [r.len])?, exp_avg_sq.view(r.state, [r.len])?);
-        adamw_step(&p, &grads.view(r.flat, [r.len])?, &m, &v, &AdamW { weight_decay: wd, ..h })?;
+        // A bf16 main_grad widened first (exactly): adamw_step takes f32.
+        let g = grads.view(r.flat, [r.len])?;
+        let g = if g.dtype() == DType::F32 { g } else { crate::cast(&g, DType::F32)? };
+        adamw_step(&p, &g, &m, &v, &AdamW { weight_decay: wd, ..h })?;
         crate::copy_(&params.view(r.flat, [r.len])?, &p)?;
     }
     Ok(())

@@ -23,7 +23,7 @@
 //! before.
 
 use ferrotron_comm::{CommError, Communicator, ReduceOp};
-use ferrotron_core::{DType, ParamTable, PendingParams, Tensor};
+use ferrotron_core::{ParamTable, PendingParams, Tensor};
 use ferrotron_kernels as k;
 use std::ops::Range;
 use std::sync::Arc;
@@ -265,7 +265,7 @@ impl GradSync {
             return Ok(());
         }
         let g = table.flat_grads();
-        let packed = Tensor::zeros([n], DType::F32, g.device())?;
+        let packed = Tensor::zeros([n], g.dtype(), g.device())?;
         let mut at = 0;
         for r in &self.sp_ranges {
             k::copy_(&packed.view(at, [r.len()])?, &g.view(r.start, [r.len()])?)?;

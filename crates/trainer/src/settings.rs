@@ -224,6 +224,11 @@ pub struct TrainArgs {
     /// Reduce gradient buckets during the backward.
     #[arg(long)]
     pub overlap_grad_reduce: bool,
+    /// Keep main_grad in bf16 instead of fp32 (with --bf16): weight gradients leave their GEMMs
+    /// in bf16 and the data-parallel reduction and the optimizer read half the bytes. Gradients
+    /// accumulated over micro-batches then add in bf16.
+    #[arg(long)]
+    pub grad_reduce_in_bf16: bool,
     /// Gather the distributed optimizer's parameter buckets during the next forward, each just
     /// ahead of the layers that use it.
     #[arg(long)]
@@ -273,7 +278,7 @@ impl TrainArgs {
             pipeline_model_parallel_size, num_layers_per_virtual_pipeline_stage, decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers);
         merge_flags!(self, o; swiglu, untie_embeddings_and_output_weights, disable_bias_linear, qk_layernorm, bf16, fp16, no_progress, deterministic_mode,
-            sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, overlap_param_gather, profile, group_query_attention,
+            sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
             use_flash_attn, finetune, no_load_optim);
         if !o.profile_ranks.is_empty() {
             self.profile_ranks = o.profile_ranks.clone();
@@ -333,6 +338,8 @@ pub struct Settings {
     pub use_distributed_optimizer: bool,
     #[serde(default)]
     pub overlap_grad_reduce: bool,
+    #[serde(default)]
+    pub grad_reduce_in_bf16: bool,
     #[serde(default)]
     pub overlap_param_gather: bool,
     #[serde(default)]
@@ -678,6 +685,7 @@ impl Settings {
             sequence_parallel: a.sequence_parallel,
             use_distributed_optimizer: a.use_distributed_optimizer,
             overlap_grad_reduce: a.overlap_grad_reduce,
+            grad_reduce_in_bf16: a.grad_reduce_in_bf16,
             overlap_param_gather: a.overlap_param_gather,
             ddp_bucket_size: a.ddp_bucket_size,
             pipeline_model_parallel_size: a.pipeline_model_parallel_size.unwrap_or(1),
@@ -792,6 +800,11 @@ impl Settings {
         }
         if !(0.0..1.0).contains(&self.adam_beta1) || !(0.0..1.0).contains(&self.adam_beta2) {
             bail!("--adam-beta1 and --adam-beta2 must lie in [0, 1)");
+        }
+        if self.grad_reduce_in_bf16 && !self.bf16 {
+            bail!(
+                "--grad-reduce-in-bf16 keeps bf16 training's gradients in bf16: add --bf16 (fp32 training keeps fp32 gradients)"
+            );
         }
         if self.overlap_param_gather && !self.use_distributed_optimizer {
             bail!(

@@ -295,8 +295,11 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     let dtype = if s.bf16 { DType::BF16 } else { DType::F32 };
     let dev = paths.device.clone();
     let plan = s.stage_plan(g.pp.rank())?;
-    let (model, table) =
+    let (model, mut table) =
         GptModel::build_stage(s.model_config()?, &tp, &plan, s.recompute()?, &dev, dtype, s.seed, layout.dp)?;
+    if s.grad_reduce_in_bf16 {
+        table.set_grad_dtype(DType::BF16)?;
+    }
     let pipelined = layout.pp > 1 || plan.chunks.len() > 1;
     let bucket = s.ddp_bucket_size.unwrap_or_else(|| default_bucket_size(layout.dp));
     let mut sync = GradSync::new(

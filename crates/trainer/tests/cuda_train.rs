@@ -51,6 +51,27 @@ fn matches_cpu(preset: &str) {
     }
 }
 
+/// `--grad-reduce-in-bf16` (bf16 main_grad: weight gradients out of bf16 GEMMs, column sums and
+/// the embedding's scatter-add rounded once, AdamW reading bf16): CUDA against the CPU run with
+/// the same flag, and against CUDA's fp32 main_grad, both within bf16's 2e-2.
+#[test]
+fn bf16_main_grad_cuda_matches_cpu() {
+    let gpu = Device::cuda(0).expect("a CUDA device");
+    for preset in ["tiny", "llama-tiny"] {
+        let args = TrainArgs { preset: Some(preset.into()), bf16: true, ..TrainArgs::default() };
+        let narrow = TrainArgs { grad_reduce_in_bf16: true, ..args.clone() };
+        let cpu = losses_of(narrow.clone(), Device::Cpu);
+        let cuda = losses_of(narrow, gpu.clone());
+        let wide = losses_of(args, gpu.clone());
+        eprintln!("{preset}\ncpu bf16 grads {cpu:?}\ncuda bf16 grads {cuda:?}\ncuda f32 grads {wide:?}");
+        assert_eq!(cuda.len(), 20);
+        for (i, ((c, g), w)) in cpu.iter().zip(&cuda).zip(&wide).enumerate() {
+            assert!((c - g).abs() <= 2e-2 * c.abs(), "{preset} step {}: cpu {c} vs cuda {g}", i + 1);
+            assert!((w - g).abs() <= 2e-2 * w.abs(), "{preset} step {}: f32 grads {w} vs bf16 {g}", i + 1);
+        }
+    }
+}
+
 /// Hidden dropout 0.1 (fp32): the CUDA kernel draws the CPU's masks, so the runs stay as close as
 /// without dropout; and dropout changes the run.
 #[test]

@@ -417,7 +417,7 @@ fn pdl() -> bool {
 /// checks every one of them in the compiled PTX.
 pub(crate) fn waits_on_predecessor(name: &str) -> bool {
     let v8 = name.ends_with("_v8") || name.ends_with("_v8n1");
-    matches!(name, "col_sum_f32" | "col_sums3_f32")
+    matches!(name, "col_sum_f32" | "col_sums3_f32" | "col_sum_bf16" | "col_sums3_bf16")
         || name.starts_with("layernorm_bwd_cols_")
         || name.starts_with("rmsnorm_bwd_cols_")
         || (v8

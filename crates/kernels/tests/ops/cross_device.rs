@@ -369,11 +369,15 @@ fn every_op_matches_cpu() {
                 ferrotron_kernels::cuda::set_flash_bwd_dyn(dynamic);
                 let (gq, w) = (hq / hkv, hkv * (hq / hkv + 2) * d);
                 let (qkv, dout) = (rnd(&[2, t, w], 50, dt), rnd(&[2, t, hq, d], 51, dt));
-                let start = || rnd(&[w], 52, DType::F32);
-                for (causal, acc) in [(true, true), (false, false)] {
+                // The bias gradient's destination: an f32 main_grad view, or a bf16 one
+                // (`--grad-reduce-in-bf16`).
+                for (causal, acc, gdt) in
+                    [(true, true, DType::F32), (false, false, DType::F32), (true, true, DType::BF16)]
+                {
+                    let start = || rnd(&[w], 52, gdt);
                     let cfg = AttnCfg { causal, window: None, scale: None, dropout: None };
                     let what = format!(
-                        "flash bias grad t{t} d{d} hq{hq} hkv{hkv} tma {tma} dynamic {dynamic} causal {causal} acc {acc}"
+                        "flash bias grad t{t} d{d} hq{hq} hkv{hkv} tma {tma} dynamic {dynamic} causal {causal} acc {acc} into {gdt}"
                     );
                     let (qc, dc) = (on(&qkv, &g), on(&dout, &g));
                     let (o, lse) = k::attention_fwd_qkv(&qc, k::QkvHeads::new(hkv, gq, d), &cfg).unwrap();
@@ -766,6 +770,69 @@ fn norm_cases(dt: DType, c: usize, what: &str) {
         assert_close(&host(&stored), &host(&plain), 1e-5, 1e-5, &format!("residual sums {what} [{dt}]"));
         vec![dx, d[0].clone(), d[1].clone(), d[2].clone(), dx2, d[3].clone(), d[4].clone(), stored]
     });
+}
+
+/// The parameter-gradient ops into a bf16 main_grad (`--grad-reduce-in-bf16`): the column sums
+/// (bias, norm weights, the residual's bias) finish in f32 and round once, so they must give the
+/// bits of the f32 destination's result rounded to bf16; the embedding's scatter-add (sums in f32,
+/// then added) and the weight-gradient product against the CPU within bf16 tolerance.
+#[test]
+fn bf16_main_grad_takes_the_f32_sums_rounded_once() {
+    let g = gpu();
+    let bits = |t: &Tensor| t.to_vec_f32().unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    let rounded = |t: &Tensor| bits(&k::cast(t, DType::BF16).unwrap());
+    for (c, acc) in [(20usize, true), (768, false), (768, true)] {
+        let what = format!("c{c} acc {acc}");
+        let dt = DType::BF16;
+        let (x, dy, w, b) = (rnd(&[70, c], 1, dt), rnd(&[70, c], 2, dt), rnd(&[c], 3, dt), rnd(&[c], 4, dt));
+        let (x, dy, w, b) = (on(&x, &g), on(&dy, &g), on(&w, &g), on(&b, &g));
+        // Starting values representable in bf16, so both destinations start equal.
+        let start = |seed, gdt| on(&k::cast(&rnd(&[c], seed, DType::BF16), gdt).unwrap(), &g);
+        let sums = |gdt: DType| {
+            let d: Vec<Tensor> = (0..6).map(|i| start(20 + i, gdt)).collect();
+            k::bias_grad_into(&d[0], &dy, acc).unwrap();
+            let (s, _, m, r) = k::add_layernorm_fwd(&x, &dy, &w, Some(&b), 1e-5).unwrap();
+            k::layernorm_bwd_into_bias(&dy, &s, &w, &m, &r, &x, &d[1], &d[2], &d[3], acc).unwrap();
+            let (s2, _, r2) = k::add_rmsnorm_fwd(&x, &dy, &w, 1e-5).unwrap();
+            k::rmsnorm_bwd_into(&dy, &s2, &w, &r2, None, &d[4], acc).unwrap();
+            let (_, m3, r3) = k::layernorm_fwd(&x, &w, Some(&b), 1e-5).unwrap();
+            let dd = [start(30, gdt), start(31, gdt)];
+            k::layernorm_bwd_into(&dy, &x, &w, &m3, &r3, None, &dd[0], &dd[1], acc).unwrap();
+            d.into_iter().chain(dd).collect::<Vec<_>>()
+        };
+        let (wide, narrow) = (sums(DType::F32), sums(DType::BF16));
+        for (i, (a, n)) in wide.iter().zip(&narrow).enumerate() {
+            assert_eq!(n.dtype(), DType::BF16);
+            assert_eq!(bits(n), rounded(a), "{what}: sum {i} into bf16 against the f32 sum rounded");
+        }
+    }
+    // Embedding: from zero in deterministic mode the f32 table holds the position-order sums,
+    // which the bf16 path rounds once; from nonzero values, against the CPU.
+    let (n, v, c) = (300usize, 37usize, 24usize);
+    let ids: Vec<u32> = (0..n).map(|i| ((i * 7 + i / 5) % v) as u32).collect();
+    let ids = Tensor::from_vec(ids, [n], &Device::Cpu).unwrap();
+    let dout = rnd(&[n, c], 5, DType::BF16);
+    ferrotron_kernels::cuda::set_deterministic(true);
+    let (t32z, t16z) =
+        (Tensor::zeros([v, c], DType::F32, &g).unwrap(), Tensor::zeros([v, c], DType::BF16, &g).unwrap());
+    k::embedding_bwd(&on(&ids, &g), &on(&dout, &g), &t32z).unwrap();
+    k::embedding_bwd(&on(&ids, &g), &on(&dout, &g), &t16z).unwrap();
+    assert_eq!(bits(&t16z), rounded(&t32z), "embedding into bf16 from zero");
+    ferrotron_kernels::cuda::set_deterministic(false);
+    let table = rnd(&[v, c], 6, DType::BF16);
+    let (cpu_t, gpu_t) = (table.deep_copy().unwrap(), on(&table, &g));
+    k::embedding_bwd(&ids, &dout, &cpu_t).unwrap();
+    k::embedding_bwd(&on(&ids, &g), &on(&dout, &g), &gpu_t).unwrap();
+    same(&cpu_t, &gpu_t, DType::BF16, "embedding into bf16");
+    assert_ne!(bits(&gpu_t), bits(&on(&table, &g)), "the embedding gradient reached the table");
+    // The weight gradient into a bf16 main_grad view: stored, then added.
+    let (a, b) = (rnd(&[40, 24], 7, DType::BF16), rnd(&[40, 16], 8, DType::BF16));
+    let (cpu_c, gpu_c) = (rnd(&[24, 16], 9, DType::BF16), on(&rnd(&[24, 16], 9, DType::BF16), &g));
+    for accumulate in [false, true] {
+        k::matmul_into(&cpu_c, &a, &b, true, false, accumulate).unwrap();
+        k::matmul_into(&gpu_c, &on(&a, &g), &on(&b, &g), true, false, accumulate).unwrap();
+        same(&cpu_c, &gpu_c, DType::BF16, &format!("matmul_into bf16 accumulate {accumulate}"));
+    }
 }
 
 #[test]

@@ -97,6 +97,37 @@ device_test!(adamw_runs_updates_each_run_and_writes_params, |dev: &Device| {
     assert_eq!(host(&params), got, "a refused step wrote the parameters");
 });
 
+device_test!(adamw_runs_from_bf16_grads_as_from_the_same_f32_values, |dev: &Device| {
+    use ferrotron_core::DType;
+    use k::{AdamRun, AdamRuns};
+    // A bf16 main_grad (`--grad-reduce-in-bf16`): the update widens each gradient exactly, so it
+    // must equal, bit for bit, the update from an f32 buffer holding the same values. The second
+    // run starts off an 8-byte boundary of the bf16 buffer (the GPU's one-element path).
+    let runs = vec![
+        AdamRun { flat: 0, state: 0, len: 4096, decay: true },
+        AdamRun { flat: 4097, state: 4096, len: 2001, decay: false },
+    ];
+    let (flat, state) = (6100, 6097);
+    let g16 = tensor(dev, &randv(flat, 3), &[flat], DType::BF16);
+    let g32 = k::cast(&g16, DType::F32).unwrap();
+    let table = AdamRuns::new(runs, dev).unwrap();
+    let run = |g: &ferrotron_core::Tensor| {
+        let p = t32(dev, &randv(state, 4), &[state]);
+        let (m, v) = (t32(dev, &vec![0.0; state], &[state]), t32(dev, &vec![0.0; state], &[state]));
+        let params = tensor(dev, &vec![0.0; flat], &[flat], DType::BF16);
+        for step in 1..=2u64 {
+            let h = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step, grad_scale: 0.5 };
+            k::adamw_runs(&p, &m, &v, g, &params, &table, &h, None).unwrap();
+        }
+        [p, m, v, params].map(|t| t.to_vec_f32().unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+    };
+    let (a, b) = (run(&g16), run(&g32));
+    for (i, what) in ["master", "exp_avg", "exp_avg_sq", "params"].iter().enumerate() {
+        assert_eq!(a[i], b[i], "{what}: bf16 grads against the same values in f32");
+    }
+    assert_ne!(a[0], run(&k::scale(&g32, 2.0).unwrap())[0], "the gradients reach the update");
+});
+
 device_test!(adamw_runs_from_the_device_state, |dev: &Device| {
     use ferrotron_core::DType;
     use k::{AdamPrep, AdamRun, AdamRuns, adam_state as st};

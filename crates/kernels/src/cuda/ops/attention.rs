@@ -604,7 +604,7 @@ fn bias_partials_ok(be: &B, a: &AttnShape) -> bool {
 
 /// The backward reading Q, K, V in place from the fused projection output and writing dQKV
 /// [B, T, Hkv·(G+2)·D] (every slot written once); None where the tensor-core kernels do not apply.
-/// With `db` (an f32 [width] vector and whether to add into it) the kernels that write dQKV also
+/// With `db` (an f32 or bf16 [width] vector and whether to add into it) the kernels that write dQKV also
 /// write the first pass of its column sums, and the second pass puts Σ rows of dQKV into db (the
 /// QKV projection's bias gradient, without reading dQKV again) where `bias_partials_ok`; the bool
 /// returned says whether that happened (else the caller sums).
@@ -623,7 +623,7 @@ pub fn attention_bwd_qkv(
     let dqkv = new(be, qkv.shape().clone(), DType::BF16)?;
     let x = TcQkv { qkv: fused_ptrs(qkv, a)?, grads: fused_ptrs(&dqkv, a)?, fused: true };
     let (rows, width) = (a.dims.b * a.dims.t, qkv.shape().last());
-    let db = db.filter(|(db, _)| db.dtype() == DType::F32 && bias_partials_ok(be, a));
+    let db = db.filter(|(db, _)| matches!(db.dtype(), DType::F32 | DType::BF16) && bias_partials_ok(be, a));
     let partials = db.map(|_| new(be, [rows / 64, width], DType::F32)).transpose()?;
     tc_bwd(be, &x, o, lse, dout, a, partials.as_ref())?;
     if let (Some(p), Some((db, acc))) = (&partials, db) {

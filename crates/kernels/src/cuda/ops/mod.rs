@@ -87,36 +87,42 @@ fn sfx_storage(op: &'static str, dt: DType) -> Result<&'static str> {
 /// Rows per partial sum of the two-pass column sums (`COL_CHUNK` in kernels/common.cuh).
 const COL_CHUNK: usize = 64;
 
-/// The second pass of a column sum: `partials` [chunks, c] (chunk order) → `y` [c] f32, added to
-/// y's values when `acc` (a main_grad view), else written.
+/// The second pass of a column sum: `partials` [chunks, c] (chunk order) → `y` [c] (f32, or bf16
+/// for a bf16 main_grad), added to y's values when `acc` (a main_grad view), else written.
 fn col_sum_to(be: &B, partials: &Tensor, chunks: usize, c: usize, y: &Tensor, acc: bool) -> Result<()> {
     let args = [ptr("col_sum", partials)?, ptr("col_sum", y)?, n(chunks), n(c), Arg::I64(acc as i64)];
-    be.launch("col_sum_f32", c.div_ceil(32) as u32, 256, 0, &args)
+    be.launch(&format!("col_sum_{}", sfx("col_sum", y.dtype())?), c.div_ceil(32) as u32, 256, 0, &args)
 }
 
 /// The second passes of up to three column sums over the same chunks and width, in one launch
-/// (kernels/common.cuh `col_sums3_f32`, the same bits as one `col_sum_f32` each): the tensors the
-/// sums went to, in order.
+/// (kernels/common.cuh `col_sums3_*`, the same bits as one `col_sum_*` each): the tensors the
+/// sums went to, in order. Destinations of different dtypes take a launch each.
 fn col_sums(be: &B, sums: &[(&Tensor, SumTo)], chunks: usize, c: usize) -> Result<Vec<Tensor>> {
     if sums.is_empty() || sums.len() > 3 {
         return Err(Error::Cuda(format!("col_sums takes one to three sums, not {}", sums.len())));
     }
-    let mut ys = Vec::with_capacity(sums.len());
+    let targets = sums.iter().map(|(_, to)| to.target(be, c)).collect::<Result<Vec<_>>>()?;
+    let dtype = targets[0].0.dtype();
+    if targets.iter().any(|(y, _)| y.dtype() != dtype) {
+        for ((partials, _), (y, add)) in sums.iter().zip(&targets) {
+            col_sum_to(be, partials, chunks, c, y, *add)?;
+        }
+        return Ok(targets.into_iter().map(|(y, _)| y).collect());
+    }
     let mut args = Vec::with_capacity(9);
     let mut acc = 0i64;
-    for (i, (partials, to)) in sums.iter().enumerate() {
-        let (y, add) = to.target(be, c)?;
-        acc |= (add as i64) << i;
-        args.extend([ptr("col_sums", partials)?, ptr("col_sums", &y)?]);
-        ys.push(y);
+    for (i, ((partials, _), (y, add))) in sums.iter().zip(&targets).enumerate() {
+        acc |= (*add as i64) << i;
+        args.extend([ptr("col_sums", partials)?, ptr("col_sums", y)?]);
     }
     // Unused slots repeat the first sum's pointers: no block reads them (the grid stops short).
     while args.len() < 6 {
         args.extend([args[0], args[1]]);
     }
     args.extend([n(chunks), n(c), Arg::I64(acc)]);
-    be.launch("col_sums3_f32", (sums.len() * c.div_ceil(32)) as u32, 256, 0, &args)?;
-    Ok(ys)
+    let name = format!("col_sums3_{}", sfx("col_sums", dtype)?);
+    be.launch(&name, (sums.len() * c.div_ceil(32)) as u32, 256, 0, &args)?;
+    Ok(targets.into_iter().map(|(y, _)| y).collect())
 }
 
 /// Where a column sum goes: a new f32 tensor, added into an existing one, or stored over it.

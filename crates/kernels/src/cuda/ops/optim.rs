@@ -49,7 +49,8 @@ pub fn adamw_runs(be: &B, x: &AdamTensors, table: &Tensor, chunks: usize, h: &cr
     });
     // Without a state `h.step` counts from 1 (checked by the caller); with one it is unused.
     args.extend(adam_hyper(&crate::AdamW { step: h.step.max(1), ..*h }));
-    be.launch(&format!("adamw_runs_{}", sfx_storage(op, x.params.dtype())?), chunks as u32, 256, 0, &args)
+    let (ps, gs) = (sfx_storage(op, x.params.dtype())?, sfx(op, x.g.dtype())?);
+    be.launch(&format!("adamw_runs_{ps}_g{gs}"), chunks as u32, 256, 0, &args)
 }
 
 /// Σ x² of every tensor into a one-element f32 tensor on the device: `sum_sq_all`'s partials,
