@@ -9,7 +9,8 @@
 //! Families: `matmul`, `norm`, `activation` (incl. softmax), `attention`, `rope`, `embedding`, `loss`,
 //! `optim`, `elementwise`, `qkv`. Accumulation rule: activation gradients are returned (`=`); parameter
 //! gradients are either returned as f32 for the caller to add, or added in place (`matmul_into` with
-//! `accumulate`, `embedding_bwd`, the `_into` bias and norm backwards) into fp32 main_grad buffers.
+//! `accumulate`, `embedding_bwd`, the `_into` bias and norm backwards) into main_grad buffers (fp32,
+//! or bf16 with the sums formed in fp32 and rounded once).
 //!
 //! Architecture Invariant: this crate knows nothing of ranks, process groups or models.
 
@@ -23,6 +24,7 @@ pub mod cuda;
 mod dropout;
 mod elementwise;
 mod embedding;
+mod lab_env;
 mod loss;
 mod matmul;
 mod norm;
@@ -40,6 +42,7 @@ pub use check::set_device_ids_prechecked;
 pub use dropout::{DropoutKey, dropout, set_draw_shift};
 pub use elementwise::{add, add_, bias_add, bias_grad, bias_grad_into, cast, copy_, scale, scale_};
 pub use embedding::{embedding_bwd, embedding_bwd_shard, embedding_fwd, embedding_fwd_shard};
+pub use lab_env::check_lab_switches;
 pub use loss::{
     CrossEntropyCfg, RowScale, ce_combine_shards, cross_entropy_bwd, cross_entropy_fwd, cross_entropy_fwd_bwd_,
 };

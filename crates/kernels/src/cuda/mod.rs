@@ -566,6 +566,7 @@ pub(crate) fn backend(dev: &CudaDevice) -> Result<Arc<Backend>> {
     if let Some((_, b)) = all.iter().find(|(o, _)| *o == dev.ordinal()) {
         return Ok(b.clone());
     }
+    crate::check_lab_switches()?;
     let (major, minor) = dev.context().compute_capability().map_err(|e| cuda_err("compute capability", e))?;
     // sm_90a (Hopper's arch-specific features: wgmma) runs on sm_90 devices only; a driver or
     // NVRTC that cannot take it leaves the plain sm_90 build (mma.sync attention).
