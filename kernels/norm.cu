@@ -147,6 +147,9 @@ FOR_TYPES(NORM_PARAM_GRAD8)
 // pass reads anyway instead of a bias_grad pass over them, kept in shared memory past the other
 // sums' region. Dynamic shared memory: max(2 · teams · warps a team · 2, teams · c · (1 + LN +
 // (pr != null))) floats, the last term also with one team when pr is given.
+// A hint to bring the 128-byte line holding p into L1 (or L2): no register waits for it.
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 __device__ __forceinline__ void team_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
@@ -174,6 +177,16 @@ __device__ __forceinline__ void norm_bwd_cols(const T* dy, const T* x, const T* 
     int k = 0;
     for (long r = r0 + team; r < r1; r += teams, k++) {
         float g[8], gw[8], xh[8], sg = 0.f, sgx = 0.f;
+        // The row's residual is read after the row sums' barrier, and the team's next row only
+        // after this one's store: prefetches start them now, with no registers held (loads
+        // issued here and held over the barrier spilled under 64 registers).
+        if (res) prefetch_l1(res + r * c + j);
+        // One thread per 128-byte line of the next row.
+        if (const long nr = r + teams; nr < r1 && tt % (128 / (8 * (int)sizeof(T))) == 0) {
+            prefetch_l2(dy + nr * c + j);
+            prefetch_l2(x + nr * c + j);
+            if (res) prefetch_l2(res + nr * c + j);
+        }
         ld8(w, j, g);  // from L1 each row: held across the loop it cost spills under 64 registers
         ld8(dy, r * c + j, gw);
         ld8(x, r * c + j, xh);
