@@ -412,7 +412,8 @@ impl ParamTable {
     }
 
     /// Reallocates main_grad, zeroed, as `dtype` (f32 or bf16), before any gradient is taken: the
-    /// old buffer is freed first, so the switch never holds both.
+    /// old buffer is freed first, so the switch never holds both. Should the new one not fit, the
+    /// old dtype's buffer is made again (zeroed) and the error returned.
     pub fn set_grad_dtype(&mut self, dtype: DType) -> Result<()> {
         if !matches!(dtype, DType::F32 | DType::BF16) {
             return Err(Error::InvalidArgument {
@@ -423,11 +424,19 @@ impl ParamTable {
         if dtype == self.grads.dtype() {
             return Ok(());
         }
-        let (n, device) = (self.grads.elem_count(), self.grads.device().clone());
+        let (n, old, device) = (self.grads.elem_count(), self.grads.dtype(), self.grads.device().clone());
         self.grads = Tensor::zeros([0], dtype, &device)?;
-        self.grads = Tensor::zeros([n], dtype, &device)?;
         self.written().iter_mut().for_each(|w| *w = true);
-        Ok(())
+        match Tensor::zeros([n], dtype, &device) {
+            Ok(g) => {
+                self.grads = g;
+                Ok(())
+            }
+            Err(e) => {
+                self.grads = Tensor::zeros([n], old, &device)?;
+                Err(e)
+            }
+        }
     }
 
     /// Zeroes main_grad now (one memset of the flat buffer).
