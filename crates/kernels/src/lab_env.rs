@@ -40,6 +40,7 @@ const SWITCHES: &[(&str, Accepts)] = &[
     ("FERROTRON_GEMM_TUNE", OFF_ON),
     ("FERROTRON_GEMM_TUNE_REPORT", OFF_ON),
     ("FERROTRON_GEMM_TUNE_HOLD_MS", Accepts::Positive),
+    ("FERROTRON_GEMM_CANDIDATES", Accepts::Whole(1)),
     ("FERROTRON_GEMM_WORKSPACE_MB", Accepts::Whole(0)),
 ];
 

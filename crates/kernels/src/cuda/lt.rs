@@ -383,7 +383,7 @@ fn sums_in_fp32(algo: &sys::cublasLtMatmulAlgo_t) -> bool {
     matches!(splits, Some(0 | 1)) || scheme == Some(compute)
 }
 
-/// Up to `tune::CANDIDATES` algorithms from the heuristic, best first, for pointers of `align`
+/// Up to `tune::candidates()` algorithms from the heuristic, best first, for pointers of `align`
 /// bytes' alignment and our workspace.
 fn candidates(
     handle: sys::cublasLtHandle_t,
@@ -411,9 +411,10 @@ fn candidates(
         }
     }
     // SAFETY: a plain C struct of integers and an opaque array, for cuBLASLt to fill.
-    let mut found: [sys::cublasLtMatmulHeuristicResult_t; tune::CANDIDATES] = unsafe { std::mem::zeroed() };
+    let n = tune::candidates();
+    let mut found: Vec<sys::cublasLtMatmulHeuristicResult_t> = (0..n).map(|_| unsafe { std::mem::zeroed() }).collect();
     let mut count = 0i32;
-    // SAFETY: every descriptor is live for the call; `found` holds CANDIDATES results.
+    // SAFETY: every descriptor is live for the call; `found` holds n results.
     unsafe {
         sys::cublasLtMatmulAlgoGetHeuristic(
             handle,
@@ -423,7 +424,7 @@ fn candidates(
             ld.0,
             ld.0,
             pref.0,
-            tune::CANDIDATES as i32,
+            n as i32,
             found.as_mut_ptr(),
             &mut count,
         )

@@ -20,8 +20,18 @@ use cudarc::driver::{CudaSlice, CudaStream, sys::CUevent_flags};
 use ferrotron_core::Result;
 use std::sync::Arc;
 
-/// How many of the heuristic's algorithms are asked for and timed.
-pub(crate) const CANDIDATES: usize = 8;
+/// How many of the heuristic's algorithms are asked for and timed: 8, or
+/// `FERROTRON_GEMM_CANDIDATES` (at most 64; a stored choice is a place in the heuristic's
+/// best-first list, so choices stored with fewer stay valid with more).
+pub(crate) fn candidates() -> usize {
+    static ENV: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *ENV.get_or_init(|| {
+        std::env::var("FERROTRON_GEMM_CANDIDATES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .map_or(8, |n: usize| n.clamp(1, 64))
+    })
+}
 /// Rounds over all candidates, one timed run of each per round (after one untimed run each).
 const ROUNDS: usize = 3;
 
