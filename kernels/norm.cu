@@ -131,6 +131,10 @@ extern "C" __global__ void __launch_bounds__(256) norm_param_grad_##s##_v8(const
         _Pragma("unroll") for (int e = 0; e < 8; e++) { a[e] += g[e] * (xv[e] - mu) * rs; bs[e] += g[e]; } }); }
 FOR_TYPES(NORM_PARAM_GRAD8)
 
+// A hint to bring the 128-byte line holding p into L1 (or L2): no register waits for it.
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 // Norm backward with its parameter gradients' first pass in the same launch (c % 256 == 0,
 // c ≤ 4096, 16-byte aligned; the host's `bwd_cols_block`): norm_param_grad read dy and x a
 // second time (2 · 67 MB a 1.3B LayerNorm, 48 of them a step). A block takes one COL_CHUNK-row
@@ -147,9 +151,6 @@ FOR_TYPES(NORM_PARAM_GRAD8)
 // pass reads anyway instead of a bias_grad pass over them, kept in shared memory past the other
 // sums' region. Dynamic shared memory: max(2 · teams · warps a team · 2, teams · c · (1 + LN +
 // (pr != null))) floats, the last term also with one team when pr is given.
-// A hint to bring the 128-byte line holding p into L1 (or L2): no register waits for it.
-__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 __device__ __forceinline__ void team_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
 }

@@ -11,8 +11,8 @@ use ferrotron_core::{Error, Result};
 enum Accepts {
     /// One of these words.
     Words(&'static [&'static str]),
-    /// A whole number of at least this.
-    Whole(u64),
+    /// A whole number from the first to the second, both included.
+    Whole(u64, u64),
     /// A number above zero.
     Positive,
 }
@@ -29,8 +29,8 @@ const SWITCHES: &[(&str, Accepts)] = &[
     ("FERROTRON_FLASH_TMA", OFF_ON),
     ("FERROTRON_FLASH_BIAS_GRAD", OFF_ON),
     ("FERROTRON_FLASH_FWD_CONSUMERS", Accepts::Words(&["2", "3"])),
-    ("FERROTRON_FLASH_GROUP_MB", Accepts::Whole(1)),
-    ("FERROTRON_FLASH_WG", Accepts::Whole(1)),
+    ("FERROTRON_FLASH_GROUP_MB", Accepts::Whole(1, u64::MAX)),
+    ("FERROTRON_FLASH_WG", Accepts::Whole(1, u64::MAX)),
     ("FERROTRON_NORM_FUSED", OFF_ON),
     ("FERROTRON_CE_KEEP", OFF_ON),
     ("FERROTRON_PDL", OFF_ON),
@@ -40,8 +40,8 @@ const SWITCHES: &[(&str, Accepts)] = &[
     ("FERROTRON_GEMM_TUNE", OFF_ON),
     ("FERROTRON_GEMM_TUNE_REPORT", OFF_ON),
     ("FERROTRON_GEMM_TUNE_HOLD_MS", Accepts::Positive),
-    ("FERROTRON_GEMM_CANDIDATES", Accepts::Whole(1)),
-    ("FERROTRON_GEMM_WORKSPACE_MB", Accepts::Whole(0)),
+    ("FERROTRON_GEMM_CANDIDATES", Accepts::Whole(1, 64)),
+    ("FERROTRON_GEMM_WORKSPACE_MB", Accepts::Whole(0, u64::MAX)),
 ];
 
 /// Checks every switch set in this process's environment.
@@ -55,13 +55,14 @@ fn check_with(get: impl Fn(&str) -> Option<String>) -> Result<()> {
         let Some(v) = get(name) else { continue };
         let ok = match accepts {
             Accepts::Words(w) => w.contains(&v.as_str()),
-            Accepts::Whole(min) => v.parse::<u64>().is_ok_and(|n| n >= *min),
+            Accepts::Whole(lo, hi) => v.parse::<u64>().is_ok_and(|n| (*lo..=*hi).contains(&n)),
             Accepts::Positive => v.parse::<f64>().is_ok_and(|x| x > 0.0 && x.is_finite()),
         };
         if !ok {
             let want = match accepts {
                 Accepts::Words(w) => format!("one of {}", w.join(", ")),
-                Accepts::Whole(min) => format!("a whole number of at least {min}"),
+                Accepts::Whole(lo, u64::MAX) => format!("a whole number of at least {lo}"),
+                Accepts::Whole(lo, hi) => format!("a whole number from {lo} to {hi}"),
                 Accepts::Positive => "a number above zero".into(),
             };
             return Err(Error::InvalidArgument {
@@ -94,6 +95,9 @@ mod tests {
         assert!(e.contains("above zero"), "{e}");
         let e = check(&[("FERROTRON_FLASH_GROUP_MB", "0")]).unwrap_err().to_string();
         assert!(e.contains("at least 1"), "{e}");
+        check(&[("FERROTRON_GEMM_CANDIDATES", "64")]).unwrap();
+        let e = check(&[("FERROTRON_GEMM_CANDIDATES", "65")]).unwrap_err().to_string();
+        assert!(e.contains("from 1 to 64"), "{e}");
     }
 
     /// Every switch read in the kernels' CUDA code (`std::env::var("FERROTRON_…")` there) has an

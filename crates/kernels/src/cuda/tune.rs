@@ -21,8 +21,8 @@ use ferrotron_core::Result;
 use std::sync::Arc;
 
 /// How many of the heuristic's algorithms are asked for and timed: 8, or
-/// `FERROTRON_GEMM_CANDIDATES` (at most 64; a stored choice is a place in the heuristic's
-/// best-first list, so choices stored with fewer stay valid with more).
+/// `FERROTRON_GEMM_CANDIDATES` (1 to 64, checked at start by `lab_env`; a stored choice is a
+/// place in the heuristic's best-first list, so choices stored with fewer stay valid with more).
 pub(crate) fn candidates() -> usize {
     static ENV: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *ENV.get_or_init(|| {
@@ -32,6 +32,7 @@ pub(crate) fn candidates() -> usize {
             .map_or(8, |n: usize| n.clamp(1, 64))
     })
 }
+
 /// Rounds over all candidates, one timed run of each per round (after one untimed run each).
 const ROUNDS: usize = 3;
 
