@@ -1,5 +1,6 @@
 // Embedding lookup and its scatter-add backward (fp32 atomics into main_grad, or under
-// deterministic mode `embedding_bwd_rows`: every row's additions in position order); on a
+// deterministic mode `embedding_bwd_rows`: every row's additions in position order; into a bf16
+// main_grad through a persistent f32 scratch, `embedding_bwd_flag` then `embedding_flush`); on a
 // vocabulary shard (rows vstart..vstart+vrows) other ids give zero rows and no gradient. And the
 // QKV split/merge between Megatron's grouped layout and per-head tensors.
 
@@ -61,6 +62,22 @@ extern "C" __global__ void embedding_fwd_##s(const u32* ids, const T* table, T* 
 extern "C" __global__ void embedding_bwd_##s(const u32* ids, const T* dout, float* dtable, long n, long c, long vstart, long vrows) { \
     GRID_STRIDE(i, n * c) { long r = i / c, j = i % c, row = (long)ids[r] - vstart; \
         if (row >= 0 && row < vrows) atomicAdd(dtable + row * c + j, ld(dout, i)); } } \
+/* A bf16 main_grad: the scatter-add into a zeroed f32 scratch `sums` (as embedding_bwd), each \
+   touched row marked in `flags`... */ \
+extern "C" __global__ void embedding_bwd_flag_##s(const u32* ids, const T* dout, float* sums, u32* flags, long n, long c, long vstart, long vrows) { \
+    GRID_STRIDE(i, n * c) { long r = i / c, j = i % c, row = (long)ids[r] - vstart; \
+        if (row >= 0 && row < vrows) { atomicAdd(sums + row * c + j, ld(dout, i)); if (j == 0) flags[row] = 1u; } } } \
+/* ...then, a warp per position, the first warp to claim a marked row adds its f32 sums into the \
+   table (rounded once, as `acc`) and clears them and the flag: the scratch is left zeroed for the \
+   next call, and the bytes moved are the touched rows', not the whole table's. */ \
+extern "C" __global__ void embedding_flush_##s(const u32* ids, float* sums, u32* flags, T* table, long n, long c, long vstart, long vrows) { \
+    int lane = threadIdx.x & 31; \
+    for (long p = ((long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; p < n; p += ((long)gridDim.x * blockDim.x) >> 5) { \
+        long row = (long)ids[p] - vstart; \
+        if (row < 0 || row >= vrows) continue; \
+        u32 mine = lane == 0 ? atomicExch(flags + row, 0u) : 0u; \
+        if (!__shfl_sync(0xffffffffu, mine, 0)) continue; \
+        for (long j = lane; j < c; j += 32) { long e = row * c + j; st(table, e, ld(table, e) + sums[e]); sums[e] = 0.f; } } } \
 extern "C" __global__ void qkv_split_##s(const T* x, T* q, T* k, T* v, long n, long hkv, long g, long d) { \
     QKV_SEGMENTS(n, hkv, g) { const T* src = x + w * d; T* dst = qkv_head(q, k, v, w, g, d); \
         for (long e = lane; e < d; e += 32) st(dst, e, ld(src, e)); } } \

@@ -62,6 +62,17 @@ pub fn embedding_bwd_shard(
     if dout.elem_count() != n * c || dout.shape().last() != c {
         return Err(shape_mismatch(OP, format!("dout [{n}, {c}]"), dout.dims()));
     }
+    #[cfg(feature = "cuda")]
+    if dtable.dtype() == DType::BF16
+        && let Some(g) = crate::cuda::gpu(OP, &[ids, dout, dtable])?
+    {
+        if check::read_ids(ids) {
+            check::ids(OP, ids, vocab_total, WHAT)?;
+        }
+        if crate::cuda::ops::embedding_bwd_scratch(&g, ids, dout, dtable, vocab_start)? {
+            return Ok(());
+        }
+    }
     if dtable.dtype() != DType::F32 {
         // A bf16 main_grad (`--grad-reduce-in-bf16`): the rows summed in f32 first, then added and
         // rounded once, as PyTorch's embedding backward sums a row before storing it; scatter-adds

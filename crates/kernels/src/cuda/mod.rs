@@ -72,6 +72,17 @@ pub(crate) struct Backend {
     pub draw_shift: Mutex<ferrotron_core::cuda::CudaStorage>,
     /// Clusters of a kernel that can be resident at once, by kernel name (`launch_cluster`).
     clusters: Mutex<HashMap<String, u32>>,
+    /// The embedding backward's f32 sums and row flags for a bf16 main_grad, zero between calls
+    /// (kernels/embedding.cu `embedding_flush` clears what it used); grown, never shrunk.
+    pub emb_scratch: Mutex<Option<EmbScratch>>,
+}
+
+/// `Backend::emb_scratch`: room for `floats` f32 sums and `rows` u32 flags.
+pub(crate) struct EmbScratch {
+    pub sums: ferrotron_core::cuda::CudaStorage,
+    pub flags: ferrotron_core::cuda::CudaStorage,
+    pub floats: usize,
+    pub rows: usize,
 }
 
 static BACKENDS: Mutex<Vec<(usize, Arc<Backend>)>> = Mutex::new(Vec::new());
@@ -613,6 +624,7 @@ pub(crate) fn backend(dev: &CudaDevice) -> Result<Arc<Backend>> {
         tile_counter,
         draw_shift,
         clusters: Mutex::new(HashMap::new()),
+        emb_scratch: Mutex::new(None),
     });
     all.push((dev.ordinal(), b.clone()));
     Ok(b)

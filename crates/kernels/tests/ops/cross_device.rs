@@ -825,6 +825,23 @@ fn bf16_main_grad_takes_the_f32_sums_rounded_once() {
     k::embedding_bwd(&on(&ids, &g), &on(&dout, &g), &gpu_t).unwrap();
     same(&cpu_t, &gpu_t, DType::BF16, "embedding into bf16");
     assert_ne!(bits(&gpu_t), bits(&on(&table, &g)), "the embedding gradient reached the table");
+    // The device's persistent scratch (outside deterministic mode): calls of other sizes and
+    // vocabulary shards in turn, each against the CPU. A scratch not left zeroed, or a flag left
+    // set, by one call would show in the next; the second call grows it.
+    for (round, (v2, c2, start)) in
+        [(37usize, 24usize, 0usize), (90, 40, 20), (37, 24, 0), (60, 16, 30)].into_iter().enumerate()
+    {
+        let total = start + v2 + 10;
+        let ids: Vec<u32> = (0..n).map(|i| ((i * 13 + round * 5 + i / 7) % total) as u32).collect();
+        let ids = Tensor::from_vec(ids, [n], &Device::Cpu).unwrap();
+        let dout = rnd(&[n, c2], 40 + round as u64, DType::BF16);
+        let table = rnd(&[v2, c2], 50 + round as u64, DType::BF16);
+        let (cpu_t, gpu_t) = (table.deep_copy().unwrap(), on(&table, &g));
+        k::embedding_bwd_shard(&ids, &dout, &cpu_t, start, total).unwrap();
+        k::embedding_bwd_shard(&on(&ids, &g), &on(&dout, &g), &gpu_t, start, total).unwrap();
+        same(&cpu_t, &gpu_t, DType::BF16, &format!("embedding into bf16 through the scratch, call {round}"));
+        assert_ne!(bits(&gpu_t), bits(&on(&table, &g)), "call {round}: the gradient reached the table");
+    }
     // The weight gradient into a bf16 main_grad view: stored, then added.
     let (a, b) = (rnd(&[40, 24], 7, DType::BF16), rnd(&[40, 16], 8, DType::BF16));
     let (cpu_c, gpu_c) = (rnd(&[24, 16], 9, DType::BF16), on(&rnd(&[24, 16], 9, DType::BF16), &g));

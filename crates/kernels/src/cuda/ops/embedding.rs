@@ -1,6 +1,7 @@
 //! RoPE, the embedding lookup and its scatter-add, the QKV split/merge.
 
 use super::*;
+use ferrotron_core::cuda::CudaStorage;
 
 pub fn rope(be: &B, x: &Tensor, cfg: &crate::RopeCfg, sign: f32) -> Result<Tensor> {
     let d = x.dims();
@@ -115,6 +116,42 @@ pub fn embedding_bwd(be: &B, ids: &Tensor, dout: &Tensor, dtable: &Tensor, vocab
         return be.launch(&format!("embedding_bwd_rows_{sfx}"), blocks, 256, 0, &args);
     }
     ew(be, &format!("embedding_bwd_{sfx}"), dout.elem_count(), &args)
+}
+
+/// The scatter-add into a bf16 main_grad table (`--grad-reduce-in-bf16`) through the device's
+/// persistent f32 scratch (kernels/embedding.cu `embedding_bwd_flag`, `embedding_flush`): each
+/// touched row summed in f32 and rounded into the table once. Returns false, queuing nothing,
+/// where this path does not apply: another table dtype, deterministic mode (whose row order the
+/// atomics do not keep), or a scratch that would have to grow inside a CUDA graph capture.
+pub fn embedding_bwd_scratch(be: &B, ids: &Tensor, dout: &Tensor, dtable: &Tensor, vocab_start: usize) -> Result<bool> {
+    if dtable.dtype() != DType::BF16 || crate::cuda::deterministic() {
+        return Ok(false);
+    }
+    let (rows, c) = (dtable.dims()[0], dtable.dims()[1]);
+    let mut guard = be.emb_scratch.lock().unwrap_or_else(|e| e.into_inner());
+    if guard.as_ref().is_none_or(|s| s.floats < rows * c || s.rows < rows) {
+        if be.dev.is_capturing() {
+            return Ok(false);
+        }
+        let (floats, frows) = guard.as_ref().map_or((0, 0), |s| (s.floats, s.rows));
+        let (floats, frows) = (floats.max(rows * c), frows.max(rows));
+        // The old scratch goes first: both at once could exceed memory the new one alone fits.
+        *guard = None;
+        *guard = Some(crate::cuda::EmbScratch {
+            sums: CudaStorage::zeros(&be.dev, DType::F32, floats)?,
+            flags: CudaStorage::zeros(&be.dev, DType::U32, frows)?,
+            floats,
+            rows: frows,
+        });
+    }
+    let Some(s) = guard.as_ref() else { return Ok(false) };
+    let (sums, flags) = (Arg::Ptr(s.sums.raw_ptr(&be.dev)), Arg::Ptr(s.flags.raw_ptr(&be.dev)));
+    let (idp, nn, cc, vs, vr) = (ptr("emb", ids)?, n(ids.elem_count()), n(c), n(vocab_start), n(rows));
+    let flag = format!("embedding_bwd_flag_{}", sfx("embedding_bwd", dout.dtype())?);
+    ew(be, &flag, dout.elem_count(), &[idp, ptr("emb", dout)?, sums, flags, nn, cc, vs, vr])?;
+    // A warp per position.
+    ew(be, "embedding_flush_bf16", ids.elem_count() * 32, &[idp, sums, flags, ptr("emb", dtable)?, nn, cc, vs, vr])?;
+    Ok(true)
 }
 
 /// The QKV split/merge over `len` elements of head segments of `d`: eight per thread when d divides
