@@ -53,6 +53,28 @@ __device__ __forceinline__ void embedding_bwd_rows_impl(const u32* ids, const T*
     }
 }
 
+// Learned position embeddings' backward: row start + t of the table gets Σ_b dout[b, t, :], one
+// thread per (t, column), no atomics. embedding_bwd's sums for the ids start..start + l of every
+// batch row, in its CPU loop's order (b = 0, 1, …): into an f32 table from the table's value;
+// into bf16 (`--grad-reduce-in-bf16`), the f32 sum from zero added and rounded once, as the
+// scratch path of embedding_bwd does.
+template <typename T, typename U>
+__device__ __forceinline__ void pos_emb_bwd(const T* dout, U* table, long b, long l, long c, long start) {
+    constexpr bool WIDE = sizeof(U) == 4;
+    GRID_STRIDE(i, l * c) {
+        const long t = i / c, j = i - t * c, at = (start + t) * c + j;
+        float s = WIDE ? ld(table, at) : 0.f;
+        for (long bb = 0; bb < b; bb++) s += ld(dout, (bb * l + t) * c + j);
+        st(table, at, WIDE ? s : ld(table, at) + s);
+    }
+}
+#define POS_EMB(s, T) \
+extern "C" __global__ void pos_emb_bwd_##s##_f32(const T* dout, float* table, long b, long l, long c, long start) { \
+    pos_emb_bwd(dout, table, b, l, c, start); } \
+extern "C" __global__ void pos_emb_bwd_##s##_bf16(const T* dout, bf16_t* table, long b, long l, long c, long start) { \
+    pos_emb_bwd(dout, table, b, l, c, start); }
+FOR_TYPES(POS_EMB)
+
 #define EMB(s, T) \
 extern "C" __global__ void __launch_bounds__(256) embedding_bwd_rows_##s(const u32* ids, const T* dout, float* dtable, long n, long c, long vstart, long vrows) { \
     embedding_bwd_rows_impl(ids, dout, dtable, n, c, vstart, vrows); } \

@@ -93,3 +93,30 @@ pub fn embedding_bwd_shard(
     let dv = dout.read_f32()?;
     dtable.update_f32(OP, |t| cpu::embedding::embedding_bwd(&idv, &dv, c, vocab_start..vocab_start + v, t))
 }
+
+/// The gradient of learned position embeddings whose ids are `start..start + L` in every row of
+/// the batch: `dtable[start + t] (+)= Σ_b dout[b, t]` for dout [B, L, C]. The same as
+/// `embedding_bwd` with those ids (the same sums in the same order, so the same bits), where a GPU
+/// needs no atomics or scratch table for it: one thread per (position, column) sums the batch.
+pub fn position_embedding_bwd(dout: &Tensor, dtable: &Tensor, start: usize) -> Result<()> {
+    const OP: &str = "position_embedding_bwd";
+    let (v, c) = shard(OP, dtable)?;
+    check::rank(OP, dout, 3)?;
+    let (b, l) = (dout.dims()[0], dout.dims()[1]);
+    if dout.dims()[2] != c {
+        return Err(shape_mismatch(OP, format!("dout [{b}, {l}, {c}]"), dout.dims()));
+    }
+    if start + l > v {
+        return Err(ferrotron_core::invalid(
+            OP,
+            format!("positions {start}..{} outside the table's {v} rows: raise --max-position-embeddings", start + l),
+        ));
+    }
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[dout, dtable])? {
+        return crate::cuda::ops::position_embedding_bwd(&g, dout, dtable, (b, l, c), start);
+    }
+    let ids: Vec<u32> = (0..b).flat_map(|_| (start..start + l).map(|i| i as u32)).collect();
+    let ids = Tensor::from_vec(ids, [b, l], dout.device())?;
+    embedding_bwd(&ids, dout, dtable)
+}

@@ -463,7 +463,14 @@ impl GptModel {
             e.backward(cx, tokens, &dx)?;
         }
         if let (Some(pos), Some(pe)) = (&saved.positions, self.position_embeddings) {
-            k::embedding_bwd(pos, &dx, &cx.params.grad(pe)?)?;
+            // `positions`' ids: start..start + len in every batch row.
+            let (t, len) = (tokens.dims()[1], pos.dims()[1]);
+            let start = if self.tp.sp() { self.tp.rank() * self.tp.shard_len(t)? } else { 0 };
+            k::position_embedding_bwd(
+                &dx.reshape([pos.dims()[0], len, dx.shape().last()])?,
+                &cx.params.grad(pe)?,
+                start,
+            )?;
         }
         done(0)?;
         Ok(None)

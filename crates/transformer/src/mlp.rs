@@ -83,10 +83,21 @@ impl Mlp {
             .try_into()
             .map_err(|_| ferrotron_core::invalid("Mlp::backward", "saved values do not match forward"))?;
         let h = tensors.first().ok_or_else(|| ferrotron_core::invalid("Mlp::backward", "nothing saved by forward"))?;
-        let dh = match self.activation {
-            Activation::Gelu => self.linear_fc2.backward_parts(cx, s2, dy, Some(h), fc2_bias)?,
-            Activation::SwiGlu => k::swiglu_bwd(h, &self.linear_fc2.backward_parts(cx, s2, dy, None, fc2_bias)?)?,
-        };
-        self.linear_fc1.backward(cx, s1, &dh)
+        match self.activation {
+            Activation::Gelu => {
+                // fc1's bias gradient summed with the GeLU backward (in the product's epilogue on a GPU).
+                let fc1_bias = self.linear_fc1.bias;
+                let dh = self.linear_fc2.backward_parts(cx, s2, dy, Some((h, fc1_bias)), fc2_bias)?;
+                if fc1_bias.is_some() {
+                    Ok(self.linear_fc1.backward_bias_summed(cx, s1, &dh)?)
+                } else {
+                    Ok(self.linear_fc1.backward(cx, s1, &dh)?)
+                }
+            }
+            Activation::SwiGlu => {
+                let dh = k::swiglu_bwd(h, &self.linear_fc2.backward_parts(cx, s2, dy, None, fc2_bias)?)?;
+                Ok(self.linear_fc1.backward(cx, s1, &dh)?)
+            }
+        }
     }
 }

@@ -32,6 +32,11 @@ pub(crate) enum Epilogue {
     DGelu {
         aux: u64,
     },
+    /// DGelu, and D's row sums (the previous layer's bias gradient) into f32 `bias` [m].
+    DGeluBgrad {
+        aux: u64,
+        bias: u64,
+    },
 }
 
 impl Epilogue {
@@ -42,6 +47,7 @@ impl Epilogue {
             Epilogue::GeluAux { bias: Some(_), .. } => Epi::CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
             Epilogue::GeluAux { bias: None, .. } => Epi::CUBLASLT_EPILOGUE_GELU_AUX,
             Epilogue::DGelu { .. } => Epi::CUBLASLT_EPILOGUE_DGELU,
+            Epilogue::DGeluBgrad { .. } => Epi::CUBLASLT_EPILOGUE_DGELU_BGRAD,
         }
     }
 }
@@ -221,6 +227,7 @@ unsafe fn run(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d: u64, epi: Epi
         Epilogue::Bias(p) => (p, 0),
         Epilogue::GeluAux { bias, aux } => (bias.unwrap_or(0), aux),
         Epilogue::DGelu { aux } => (0, aux),
+        Epilogue::DGeluBgrad { aux, bias } => (bias, aux),
     };
     let align = alignment(&[a, b, d, aux]);
     let bf = sys::cudaDataType_t::CUDA_R_16BF;
@@ -238,6 +245,9 @@ unsafe fn run(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d: u64, epi: Epi
     set_desc(&desc, DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE, &epi.code())?;
     if bias != 0 {
         set_desc(&desc, DescAttr::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias)?;
+    }
+    if let Epilogue::DGeluBgrad { .. } = epi {
+        set_desc(&desc, DescAttr::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &sys::cudaDataType_t::CUDA_R_32F)?;
     }
     if aux != 0 {
         set_desc(&desc, DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux)?;
@@ -309,7 +319,10 @@ unsafe fn run(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d: u64, epi: Epi
             let remember = match &found {
                 _ if stored.is_some() => Some(stored),
                 Ok(v) if v.is_empty() => Some(None),
-                Ok(v) if v.len() > 1 && tune::enabled(matches!(epi, Epilogue::DGelu { .. })) => {
+                Ok(v)
+                    if v.len() > 1
+                        && tune::enabled(matches!(epi, Epilogue::DGelu { .. } | Epilogue::DGeluBgrad { .. })) =>
+                {
                     let all = v;
                     let v: Vec<_> = v.iter().enumerate().filter(|&(i, a)| eligible(i, a)).map(|(_, a)| *a).collect();
                     // Time the candidates where they cannot disturb D: in D itself when the

@@ -154,6 +154,22 @@ pub fn embedding_bwd_scratch(be: &B, ids: &Tensor, dout: &Tensor, dtable: &Tenso
     Ok(true)
 }
 
+/// kernels/embedding.cu `pos_emb_bwd`: dout [b, l, c] into the table's rows start.. (f32 or bf16).
+pub fn position_embedding_bwd(
+    be: &B,
+    dout: &Tensor,
+    dtable: &Tensor,
+    (b, l, c): (usize, usize, usize),
+    start: usize,
+) -> Result<()> {
+    let name = format!(
+        "pos_emb_bwd_{}_{}",
+        sfx("position_embedding_bwd", dout.dtype())?,
+        sfx("position_embedding_bwd", dtable.dtype())?
+    );
+    ew(be, &name, l * c, &[ptr("emb", dout)?, ptr("emb", dtable)?, n(b), n(l), n(c), n(start)])
+}
+
 /// The QKV split/merge over `len` elements of head segments of `d`: eight per thread when d divides
 /// by 8 and every tensor is 16-byte aligned, else a warp per segment.
 fn qkv_launch(be: &B, name: &str, len: usize, d: usize, ts: &[&Tensor], args: &[Arg]) -> Result<()> {
