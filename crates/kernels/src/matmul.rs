@@ -153,8 +153,8 @@ pub fn matmul_dgelu(dy: &Tensor, w: &Tensor, h: &Tensor) -> Result<Tensor> {
 
 /// `matmul_dgelu`, and the result's column sums into `db` ([n], f32 or bf16; added when
 /// `accumulate`): the bias gradient of the layer whose pre-activation is h. On a GPU in bf16 the
-/// product sums them in its epilogue (cuBLASLt's DGELU_BGRAD, in f32 before dh is rounded) instead
-/// of a pass that reads dh again; elsewhere, in deterministic mode or with
+/// product sums them in its epilogue (cuBLASLt's DGELU_BGRAD, from dh before it is rounded; the
+/// sums in f32, or in bf16 where cuBLASLt offers only that) instead of a pass that reads dh again; elsewhere, in deterministic mode or with
 /// `FERROTRON_DGELU_BGRAD=0`, `bias_grad_into` over the dh written.
 pub fn matmul_dgelu_bias_grad_into(
     dy: &Tensor,
@@ -178,15 +178,19 @@ pub fn matmul_dgelu_bias_grad_into(
         if d.batch == 1
             && let Some(g) = crate::cuda::gpu(OP, &[dy, w, h, db])?
         {
-            let sums = Tensor::empty([n], DType::F32, db.device())?;
-            if let Some(r) = crate::cuda::ops::matmul_dgelu(&g, dy, w, h, (d.m, d.n, d.k), Some(&sums))? {
-                if accumulate {
-                    crate::add_(db, &sums)?
-                } else {
-                    crate::copy_(db, &sums)?
+            // The sums in f32, or where cuBLASLt has that for no algorithm in bf16 (rounded once,
+            // as PyTorch's bf16 bias gradient is before it reaches main_grad).
+            for sdt in [DType::F32, DType::BF16] {
+                let sums = Tensor::empty([n], sdt, db.device())?;
+                if let Some(r) = crate::cuda::ops::matmul_dgelu(&g, dy, w, h, (d.m, d.n, d.k), Some(&sums))? {
+                    if accumulate {
+                        crate::add_(db, &sums)?
+                    } else {
+                        crate::copy_(db, &sums)?
+                    }
+                    crate::cuda::count_dgelu_bgrad_run();
+                    return Ok(r);
                 }
-                crate::cuda::count_dgelu_bgrad_run();
-                return Ok(r);
             }
         }
     }

@@ -32,10 +32,12 @@ pub(crate) enum Epilogue {
     DGelu {
         aux: u64,
     },
-    /// DGelu, and D's row sums (the previous layer's bias gradient) into f32 `bias` [m].
+    /// DGelu, and D's row sums (the previous layer's bias gradient) into `bias` [m]: f32 where
+    /// `wide`, else D's type.
     DGeluBgrad {
         aux: u64,
         bias: u64,
+        wide: bool,
     },
 }
 
@@ -65,6 +67,8 @@ struct Key {
     batch: i32,
     strides: [i64; 3],
     epilogue: i32,
+    /// The bias (gradient) is f32 rather than D's type.
+    wide_bias: bool,
     align: u32,
     out: Out,
 }
@@ -227,7 +231,7 @@ unsafe fn run(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d: u64, epi: Epi
         Epilogue::Bias(p) => (p, 0),
         Epilogue::GeluAux { bias, aux } => (bias.unwrap_or(0), aux),
         Epilogue::DGelu { aux } => (0, aux),
-        Epilogue::DGeluBgrad { aux, bias } => (bias, aux),
+        Epilogue::DGeluBgrad { aux, bias, .. } => (bias, aux),
     };
     let align = alignment(&[a, b, d, aux]);
     let bf = sys::cudaDataType_t::CUDA_R_16BF;
@@ -246,7 +250,7 @@ unsafe fn run(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d: u64, epi: Epi
     if bias != 0 {
         set_desc(&desc, DescAttr::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias)?;
     }
-    if let Epilogue::DGeluBgrad { .. } = epi {
+    if let Epilogue::DGeluBgrad { wide: true, .. } = epi {
         set_desc(&desc, DescAttr::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &sys::cudaDataType_t::CUDA_R_32F)?;
     }
     if aux != 0 {
@@ -263,6 +267,7 @@ unsafe fn run(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d: u64, epi: Epi
         batch,
         strides: [sa, sb, sc],
         epilogue: epi.code() as i32,
+        wide_bias: matches!(epi, Epilogue::DGeluBgrad { wide: true, .. }),
         align,
         out,
     };
@@ -355,6 +360,9 @@ unsafe fn run(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d: u64, epi: Epi
                     }))
                 }
                 Ok(v) => Some(Some(v[0])),
+                // The bias-gradient epilogue is refused as an invalid value, not as unsupported,
+                // where cuBLASLt lacks it for these types: remembered as no algorithm.
+                Err(_) if matches!(epi, Epilogue::DGeluBgrad { .. }) => Some(None),
                 Err(_) => None,
             };
             if let Some(r) = remember {
@@ -362,7 +370,9 @@ unsafe fn run(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d: u64, epi: Epi
             }
             match (found, remember) {
                 (Ok(_), Some(Some(a))) => a,
-                (Err(e), _) => return Err(lt_err(&format!("heuristic ({epi:?}, {}×{}×{})", cfg.m, cfg.n, cfg.k), e)),
+                (Err(e), None) => {
+                    return Err(lt_err(&format!("heuristic ({epi:?}, {}×{}×{})", cfg.m, cfg.n, cfg.k), e));
+                }
                 _ => {
                     let e = sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED;
                     return Err(lt_err(&format!("heuristic ({epi:?}, {}×{}×{})", cfg.m, cfg.n, cfg.k), e));

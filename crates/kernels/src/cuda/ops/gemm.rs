@@ -258,7 +258,7 @@ pub fn linear_gelu(
 
 /// The GeLU backward in the epilogue of the next layer's input gradient (bf16):
 /// dh = (dy·w) ∘ gelu'(h). None when cuBLASLt has no algorithm for it.
-/// `bgrad`: an f32 [n] tensor for dh's column sums (the bias gradient of the layer that made h),
+/// `bgrad`: an f32 or bf16 [n] tensor for dh's column sums (the bias gradient of the layer that made h),
 /// written by the same product (cuBLASLt's DGELU_BGRAD epilogue); None where that has no
 /// algorithm, as for the product itself.
 pub fn matmul_dgelu(
@@ -278,7 +278,11 @@ pub fn matmul_dgelu(
     }
     let aux = raw("matmul_dgelu", h)?;
     let epi = match bgrad {
-        Some(db) => crate::cuda::lt::Epilogue::DGeluBgrad { aux, bias: raw("matmul_dgelu", db)? },
+        Some(db) => crate::cuda::lt::Epilogue::DGeluBgrad {
+            aux,
+            bias: raw("matmul_dgelu", db)?,
+            wide: db.dtype() == DType::F32,
+        },
         None => crate::cuda::lt::Epilogue::DGelu { aux },
     };
     let cfg = lt_cfg(1, rows, n, k, false, false, 0.0);
