@@ -85,8 +85,11 @@ impl Mlp {
         let h = tensors.first().ok_or_else(|| ferrotron_core::invalid("Mlp::backward", "nothing saved by forward"))?;
         match self.activation {
             Activation::Gelu => {
-                // fc1's bias gradient summed with the GeLU backward (in the product's epilogue on a GPU).
-                let fc1_bias = self.linear_fc1.bias;
+                // fc1's bias gradient summed with the GeLU backward (in the product's epilogue on a
+                // GPU), where dh is fc1's output as is (Megatron's layout: fc1 not gathered, fc2's
+                // input parallel).
+                let as_is = self.linear_fc2.input_is_parallel && !self.linear_fc1.gather_output;
+                let fc1_bias = self.linear_fc1.bias.filter(|_| as_is);
                 let dh = self.linear_fc2.backward_parts(cx, s2, dy, Some((h, fc1_bias)), fc2_bias)?;
                 if fc1_bias.is_some() {
                     Ok(self.linear_fc1.backward_bias_summed(cx, s1, &dh)?)

@@ -73,8 +73,9 @@ pub(crate) struct Backend {
     /// Clusters of a kernel that can be resident at once, by kernel name (`launch_cluster`).
     clusters: Mutex<HashMap<String, u32>>,
     /// The embedding backward's f32 sums and row flags for a bf16 main_grad, zero between calls
-    /// (kernels/embedding.cu `embedding_flush` clears what it used); grown, never shrunk.
-    pub emb_scratch: Mutex<Option<EmbScratch>>,
+    /// (kernels/embedding.cu `embedding_flush` clears what it used); the last is in use. Grown by
+    /// a larger one, the smaller ones kept: a CUDA graph captured with one replays its addresses.
+    pub emb_scratch: Mutex<Vec<EmbScratch>>,
 }
 
 /// `Backend::emb_scratch`: room for `floats` f32 sums and `rows` u32 flags.
@@ -648,7 +649,7 @@ pub(crate) fn backend(dev: &CudaDevice) -> Result<Arc<Backend>> {
         tile_counter,
         draw_shift,
         clusters: Mutex::new(HashMap::new()),
-        emb_scratch: Mutex::new(None),
+        emb_scratch: Mutex::new(Vec::new()),
     });
     all.push((dev.ordinal(), b.clone()));
     Ok(b)

@@ -128,23 +128,21 @@ pub fn embedding_bwd_scratch(be: &B, ids: &Tensor, dout: &Tensor, dtable: &Tenso
         return Ok(false);
     }
     let (rows, c) = (dtable.dims()[0], dtable.dims()[1]);
-    let mut guard = be.emb_scratch.lock().unwrap_or_else(|e| e.into_inner());
-    if guard.as_ref().is_none_or(|s| s.floats < rows * c || s.rows < rows) {
+    let mut all = be.emb_scratch.lock().unwrap_or_else(|e| e.into_inner());
+    if all.last().is_none_or(|s| s.floats < rows * c || s.rows < rows) {
         if be.dev.is_capturing() {
             return Ok(false);
         }
-        let (floats, frows) = guard.as_ref().map_or((0, 0), |s| (s.floats, s.rows));
+        let (floats, frows) = all.last().map_or((0, 0), |s| (s.floats, s.rows));
         let (floats, frows) = (floats.max(rows * c), frows.max(rows));
-        // The old scratch goes first: both at once could exceed memory the new one alone fits.
-        *guard = None;
-        *guard = Some(crate::cuda::EmbScratch {
+        all.push(crate::cuda::EmbScratch {
             sums: CudaStorage::zeros(&be.dev, DType::F32, floats)?,
             flags: CudaStorage::zeros(&be.dev, DType::U32, frows)?,
             floats,
             rows: frows,
         });
     }
-    let Some(s) = guard.as_ref() else { return Ok(false) };
+    let Some(s) = all.last() else { return Ok(false) };
     let (sums, flags) = (Arg::Ptr(s.sums.raw_ptr(&be.dev)), Arg::Ptr(s.flags.raw_ptr(&be.dev)));
     let (idp, nn, cc, vs, vr) = (ptr("emb", ids)?, n(ids.elem_count()), n(c), n(vocab_start), n(rows));
     let flag = format!("embedding_bwd_flag_{}", sfx("embedding_bwd", dout.dtype())?);
