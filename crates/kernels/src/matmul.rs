@@ -155,8 +155,9 @@ pub fn matmul_dgelu(dy: &Tensor, w: &Tensor, h: &Tensor) -> Result<Tensor> {
 /// `accumulate`): the bias gradient of the layer whose pre-activation is h. On a GPU in bf16 the
 /// product sums them in its epilogue (cuBLASLt's DGELU_BGRAD, from dh before it is rounded; the
 /// sums in f32, or in bf16 where cuBLASLt offers only that) instead of a pass that reads dh
-/// again; elsewhere, in deterministic mode, with `FERROTRON_DGELU_BGRAD=0` or where cuBLASLt has
-/// neither, `bias_grad_into` over the dh written.
+/// again, with `FERROTRON_DGELU_BGRAD=1` (off by default until measured and checked on a GPU);
+/// elsewhere, in deterministic mode or where cuBLASLt has neither, `bias_grad_into` over the dh
+/// written.
 pub fn matmul_dgelu_bias_grad_into(
     dy: &Tensor,
     w: &Tensor,
