@@ -19,6 +19,10 @@ enum Accepts {
 
 const OFF_ON: Accepts = Accepts::Words(&["0", "1"]);
 
+/// `FERROTRON_OWN_GEMM_BUILD`'s words, in `cuda::OwnGemmBuild::ALL`'s order: its parser reads
+/// them from here, and the two lists' lengths are checked equal at compile time.
+pub(crate) const OWN_GEMM_BUILDS: &[&str] = &["pingpong", "c2", "m256", "n256"];
+
 /// Every switch the kernels and the trainer read, with what it accepts.
 const SWITCHES: &[(&str, Accepts)] = &[
     ("FERROTRON_FLASH_FWD", Accepts::Words(&["ws", "ws64", "ws128", "wg"])),
@@ -37,7 +41,7 @@ const SWITCHES: &[(&str, Accepts)] = &[
     ("FERROTRON_PDL", OFF_ON),
     ("FERROTRON_OWN_GEMM", OFF_ON),
     ("FERROTRON_OWN_GEMM_PLAIN", OFF_ON),
-    ("FERROTRON_OWN_GEMM_BUILD", Accepts::Words(&["pingpong", "c2", "m256", "n256"])),
+    ("FERROTRON_OWN_GEMM_BUILD", Accepts::Words(OWN_GEMM_BUILDS)),
     ("FERROTRON_GEMM_TUNE", OFF_ON),
     ("FERROTRON_GEMM_TUNE_REPORT", OFF_ON),
     ("FERROTRON_GEMM_TUNE_HOLD_MS", Accepts::Positive),

@@ -354,17 +354,17 @@ pub enum OwnGemmBuild {
 }
 
 impl OwnGemmBuild {
+    /// Every build, in the order of `FERROTRON_OWN_GEMM_BUILD`'s words (lab_env.rs).
+    pub const ALL: [OwnGemmBuild; 4] = [Self::PingPong, Self::Clusters2, Self::M256, Self::N256];
+
     /// `FERROTRON_OWN_GEMM_BUILD`'s values: `pingpong`, `c2`, `m256`, `n256`.
     pub fn parse(s: &str) -> Option<Self> {
-        match s {
-            "pingpong" => Some(Self::PingPong),
-            "c2" => Some(Self::Clusters2),
-            "m256" => Some(Self::M256),
-            "n256" => Some(Self::N256),
-            _ => None,
-        }
+        crate::lab_env::OWN_GEMM_BUILDS.iter().position(|w| *w == s).map(|i| Self::ALL[i])
     }
 }
+
+// One word per build: the lab switch check and the parser read the same list.
+const _: () = assert!(crate::lab_env::OWN_GEMM_BUILDS.len() == OwnGemmBuild::ALL.len());
 
 /// Which build of our GEMM kernels runs where they are on (`set_own_gemm`): this thread's
 /// `set_own_gemm_build`, else `FERROTRON_OWN_GEMM_BUILD` (`pingpong`, `c2`, `m256` or `n256`),
