@@ -63,12 +63,14 @@ pub fn embedding_bwd_shard(
         return Err(shape_mismatch(OP, format!("dout [{n}, {c}]"), dout.dims()));
     }
     #[cfg(feature = "cuda")]
-    if dtable.dtype() == DType::BF16
-        && let Some(g) = crate::cuda::gpu(OP, &[ids, dout, dtable])?
-    {
+    if let Some(g) = crate::cuda::gpu(OP, &[ids, dout, dtable])? {
         if check::read_ids(ids) {
             check::ids(OP, ids, vocab_total, WHAT)?;
         }
+        if dtable.dtype() == DType::F32 {
+            return crate::cuda::ops::embedding_bwd(&g, ids, dout, dtable, vocab_start);
+        }
+        // A bf16 table through the device's scratch where it applies, else as on the CPU below.
         if crate::cuda::ops::embedding_bwd_scratch(&g, ids, dout, dtable, vocab_start)? {
             return Ok(());
         }
@@ -80,13 +82,6 @@ pub fn embedding_bwd_shard(
         let sums = Tensor::zeros(dtable.dims(), DType::F32, dtable.device())?;
         embedding_bwd_shard(ids, dout, &sums, vocab_start, vocab_total)?;
         return crate::add_(dtable, &sums);
-    }
-    #[cfg(feature = "cuda")]
-    if let Some(g) = crate::cuda::gpu(OP, &[ids, dout, dtable])? {
-        if check::read_ids(ids) {
-            check::ids(OP, ids, vocab_total, WHAT)?;
-        }
-        return crate::cuda::ops::embedding_bwd(&g, ids, dout, dtable, vocab_start);
     }
     let idv = check::ids(OP, ids, vocab_total, WHAT)?;
     check::on_cpu(OP, &[ids, dout, dtable])?;

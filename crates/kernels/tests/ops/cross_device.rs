@@ -654,7 +654,6 @@ fn dgelu_product_sums_the_bias_gradient() {
             }
         }
     }
-    ferrotron_kernels::cuda::set_dgelu_bgrad(true);
 }
 
 #[test]

@@ -97,8 +97,8 @@ fn deterministic_scatter_add_equals_the_cpu_bit_for_bit() {
 
 // Learned position embeddings' backward (ids start..start + L in every batch row): each row of
 // the table takes its batch's rows from its own value in batch order, the CPU's scatter-add loop
-// to the bit; rows outside start..start + L untouched; a range past the table is an error naming
-// the flag to raise.
+// to the bit (the whole table compared, so rows outside start..start + L must be untouched); a
+// range past the table is an error naming the flag to raise.
 device_test!(position_embedding_bwd_sums_the_batch_in_order, |dev: &Device| {
     let (b, l, c, p, start) = (3usize, 5usize, 24usize, 9usize, 2usize);
     let (dout, t0) = (randv(b * l * c, 11), randv(p * c, 12));
@@ -117,7 +117,6 @@ device_test!(position_embedding_bwd_sums_the_batch_in_order, |dev: &Device| {
         got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
         want.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
     );
-    assert_eq!(got[..start * c], want[..start * c], "rows before start untouched");
     let e = k::position_embedding_bwd(&t32(dev, &dout, &[b, l, c]), &table, 5).unwrap_err();
     assert!(e.to_string().contains("--max-position-embeddings"), "{e}");
 });
