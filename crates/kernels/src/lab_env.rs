@@ -32,7 +32,6 @@ const SWITCHES: &[(&str, Accepts)] = &[
     ("FERROTRON_FLASH_BWD_DYN", OFF_ON),
     ("FERROTRON_FLASH_TMA", OFF_ON),
     ("FERROTRON_FLASH_BIAS_GRAD", OFF_ON),
-    ("FERROTRON_DGELU_BGRAD", OFF_ON),
     ("FERROTRON_FLASH_FWD_CONSUMERS", Accepts::Words(&["2", "3"])),
     ("FERROTRON_FLASH_GROUP_MB", Accepts::Whole(1, u64::MAX)),
     ("FERROTRON_FLASH_WG", Accepts::Whole(1, u64::MAX)),

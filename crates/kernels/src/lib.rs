@@ -46,9 +46,7 @@ pub use lab_env::check_lab_switches;
 pub use loss::{
     CrossEntropyCfg, RowScale, ce_combine_shards, cross_entropy_bwd, cross_entropy_fwd, cross_entropy_fwd_bwd_,
 };
-pub use matmul::{
-    linear_gelu, matmul, matmul_bias, matmul_bwd, matmul_dgelu, matmul_dgelu_bias_grad_into, matmul_into,
-};
+pub use matmul::{linear_gelu, matmul, matmul_bias, matmul_bwd, matmul_dgelu, matmul_into};
 pub use norm::{
     add_layernorm_fwd, add_rmsnorm_fwd, layernorm_bwd, layernorm_bwd_add, layernorm_bwd_into, layernorm_bwd_into_bias,
     layernorm_fwd, rmsnorm_bwd, rmsnorm_bwd_add, rmsnorm_bwd_into, rmsnorm_bwd_into_bias, rmsnorm_fwd,

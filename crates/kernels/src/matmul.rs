@@ -143,62 +143,12 @@ pub fn matmul_dgelu(dy: &Tensor, w: &Tensor, h: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if dy.dtype() == DType::BF16 && d.batch == 1 {
         if let Some(g) = crate::cuda::gpu(OP, &[dy, w, h])? {
-            if let Some(r) = crate::cuda::ops::matmul_dgelu(&g, dy, w, h, (d.m, d.n, d.k), None)? {
+            if let Some(r) = crate::cuda::ops::matmul_dgelu(&g, dy, w, h, (d.m, d.n, d.k))? {
                 return Ok(r);
             }
         }
     }
     crate::gelu_bwd(h, &matmul(dy, w, false, false)?)
-}
-
-/// `matmul_dgelu`, and the result's column sums into `db` ([n], f32 or bf16; added when
-/// `accumulate`): the bias gradient of the layer whose pre-activation is h. On a GPU in bf16 the
-/// product sums them in its epilogue (cuBLASLt's DGELU_BGRAD, from dh before it is rounded; the
-/// sums in f32, or in bf16 where cuBLASLt offers only that) instead of a pass that reads dh
-/// again, with `FERROTRON_DGELU_BGRAD=1` (off by default until measured and checked on a GPU);
-/// elsewhere, in deterministic mode or where cuBLASLt has neither, `bias_grad_into` over the dh
-/// written.
-pub fn matmul_dgelu_bias_grad_into(
-    dy: &Tensor,
-    w: &Tensor,
-    h: &Tensor,
-    db: &Tensor,
-    accumulate: bool,
-) -> Result<Tensor> {
-    const OP: &str = "matmul_dgelu_bias_grad_into";
-    let n = h.shape().last();
-    if db.elem_count() != n {
-        return Err(shape_mismatch(OP, format!("db [{n}]"), db.dims()));
-    }
-    #[cfg(feature = "cuda")]
-    if dy.dtype() == DType::BF16 && crate::cuda::dgelu_bgrad() && matches!(db.dtype(), DType::F32 | DType::BF16) {
-        check::float(OP, dy)?;
-        check::same_dtype(OP, dy, w)?;
-        check::same_dtype(OP, dy, h)?;
-        let d = dims(OP, dy, w, false, false)?;
-        check::shape(OP, h, &d.out)?;
-        if d.batch == 1
-            && let Some(g) = crate::cuda::gpu(OP, &[dy, w, h, db])?
-        {
-            // The sums in f32, or where cuBLASLt has that for no algorithm in bf16 (rounded once,
-            // as PyTorch's bf16 bias gradient is before it reaches main_grad).
-            for sdt in [DType::F32, DType::BF16] {
-                let sums = Tensor::empty([n], sdt, db.device())?;
-                if let Some(r) = crate::cuda::ops::matmul_dgelu(&g, dy, w, h, (d.m, d.n, d.k), Some(&sums))? {
-                    if accumulate {
-                        crate::add_(db, &sums)?
-                    } else {
-                        crate::copy_(db, &sums)?
-                    }
-                    crate::cuda::count_dgelu_bgrad_run();
-                    return Ok(r);
-                }
-            }
-        }
-    }
-    let dh = matmul_dgelu(dy, w, h)?;
-    crate::bias_grad_into(db, &dh, accumulate)?;
-    Ok(dh)
 }
 
 /// c = op(a)·op(b), or c += op(a)·op(b) when `accumulate`. c may have a wider dtype than a and b.

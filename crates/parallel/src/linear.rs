@@ -210,23 +210,20 @@ impl RowParallelLinear {
     /// `h`): gelu_bwd(h, dx), fused into the input-gradient GEMM where the device allows
     /// (`k::matmul_dgelu`).
     pub fn backward_dgelu(&self, cx: &Cx, saved: Saved, dy: &Tensor, h: &Tensor) -> Result<Tensor> {
-        self.backward_parts(cx, saved, dy, Some((h, None)), true)
+        self.backward_parts(cx, saved, dy, Some(h), true)
     }
 
-    /// The backward with the GeLU backward of the layer before (`dgelu_of`: its pre-activation,
-    /// and its bias, whose gradient, the column sums of the returned gradient, this adds too:
-    /// in the input-gradient product's epilogue where the device allows,
-    /// `k::matmul_dgelu_bias_grad_into`) or not, and with this layer's bias gradient
-    /// (`bias_grad`) or without it (`out_bias`'s contract).
+    /// The backward with the GeLU backward of the layer before (`dgelu_of`: its pre-activation)
+    /// or not, and with the bias gradient (`bias_grad`) or without it (`out_bias`'s contract).
     pub fn backward_parts(
         &self,
         cx: &Cx,
         saved: Saved,
         dy: &Tensor,
-        dgelu_of: Option<(&Tensor, Option<ParamId>)>,
+        dgelu_of: Option<&Tensor>,
         bias_grad: bool,
     ) -> Result<Tensor> {
-        let (h, prev_bias) = (dgelu_of.map(|d| d.0), dgelu_of.and_then(|d| d.1));
+        let h = dgelu_of;
         let x = saved_one("RowParallelLinear::backward", &saved)?;
         if let Some(b) = self.bias.filter(|_| bias_grad) {
             // Under sequence parallelism dy is this rank's sequence slice: a partial bias grad,
@@ -236,24 +233,15 @@ impl RowParallelLinear {
         }
         let dy = self.tp.exit_bwd(dy)?;
         let w = cx.params.param(self.weight)?;
-        let dx = match (h, prev_bias) {
-            (Some(h), Some(b)) if self.input_is_parallel => {
-                let (db, acc) = cx.params.grad_acc(b)?;
-                k::matmul_dgelu_bias_grad_into(&dy, &w, h, &db, acc)?
-            }
-            (Some(h), None) if self.input_is_parallel => k::matmul_dgelu(&dy, &w, h)?,
+        let dx = match h {
+            Some(h) if self.input_is_parallel => k::matmul_dgelu(&dy, &w, h)?,
             _ => k::matmul(&dy, &w, false, false)?,
         };
         param_grads(cx, self.weight, None, x, &dy)?;
-        let dx = match (self.input_is_parallel, h) {
-            (true, _) => return Ok(dx),
-            (false, None) => return self.tp.gather_last(&dx),
-            (false, Some(h)) => k::gelu_bwd(h, &self.tp.gather_last(&dx)?)?,
-        };
-        if let Some(b) = prev_bias {
-            let (db, acc) = cx.params.grad_acc(b)?;
-            k::bias_grad_into(&db, &dx, acc)?;
+        match (self.input_is_parallel, h) {
+            (true, _) => Ok(dx),
+            (false, None) => self.tp.gather_last(&dx),
+            (false, Some(h)) => k::gelu_bwd(h, &self.tp.gather_last(&dx)?),
         }
-        Ok(dx)
     }
 }

@@ -83,24 +83,10 @@ impl Mlp {
             .try_into()
             .map_err(|_| ferrotron_core::invalid("Mlp::backward", "saved values do not match forward"))?;
         let h = tensors.first().ok_or_else(|| ferrotron_core::invalid("Mlp::backward", "nothing saved by forward"))?;
-        match self.activation {
-            Activation::Gelu => {
-                // fc1's bias gradient summed with the GeLU backward (in the product's epilogue on a
-                // GPU), where dh is fc1's output as is (Megatron's layout: fc1 not gathered, fc2's
-                // input parallel).
-                let as_is = self.linear_fc2.input_is_parallel && !self.linear_fc1.gather_output;
-                let fc1_bias = self.linear_fc1.bias.filter(|_| as_is);
-                let dh = self.linear_fc2.backward_parts(cx, s2, dy, Some((h, fc1_bias)), fc2_bias)?;
-                if fc1_bias.is_some() {
-                    Ok(self.linear_fc1.backward_bias_summed(cx, s1, &dh)?)
-                } else {
-                    Ok(self.linear_fc1.backward(cx, s1, &dh)?)
-                }
-            }
-            Activation::SwiGlu => {
-                let dh = k::swiglu_bwd(h, &self.linear_fc2.backward_parts(cx, s2, dy, None, fc2_bias)?)?;
-                Ok(self.linear_fc1.backward(cx, s1, &dh)?)
-            }
-        }
+        let dh = match self.activation {
+            Activation::Gelu => self.linear_fc2.backward_parts(cx, s2, dy, Some(h), fc2_bias)?,
+            Activation::SwiGlu => k::swiglu_bwd(h, &self.linear_fc2.backward_parts(cx, s2, dy, None, fc2_bias)?)?,
+        };
+        self.linear_fc1.backward(cx, s1, &dh)
     }
 }

@@ -32,13 +32,6 @@ pub(crate) enum Epilogue {
     DGelu {
         aux: u64,
     },
-    /// DGelu, and D's row sums (the previous layer's bias gradient) into `bias` [m]: f32 where
-    /// `wide`, else D's type.
-    DGeluBgrad {
-        aux: u64,
-        bias: u64,
-        wide: bool,
-    },
 }
 
 impl Epilogue {
@@ -49,7 +42,6 @@ impl Epilogue {
             Epilogue::GeluAux { bias: Some(_), .. } => Epi::CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
             Epilogue::GeluAux { bias: None, .. } => Epi::CUBLASLT_EPILOGUE_GELU_AUX,
             Epilogue::DGelu { .. } => Epi::CUBLASLT_EPILOGUE_DGELU,
-            Epilogue::DGeluBgrad { .. } => Epi::CUBLASLT_EPILOGUE_DGELU_BGRAD,
         }
     }
 }
@@ -67,8 +59,6 @@ struct Key {
     batch: i32,
     strides: [i64; 3],
     epilogue: i32,
-    /// The bias (gradient) is f32 rather than D's type.
-    wide_bias: bool,
     align: u32,
     out: Out,
 }
@@ -231,7 +221,6 @@ unsafe fn run(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d: u64, epi: Epi
         Epilogue::Bias(p) => (p, 0),
         Epilogue::GeluAux { bias, aux } => (bias.unwrap_or(0), aux),
         Epilogue::DGelu { aux } => (0, aux),
-        Epilogue::DGeluBgrad { aux, bias, .. } => (bias, aux),
     };
     let align = alignment(&[a, b, d, aux]);
     let bf = sys::cudaDataType_t::CUDA_R_16BF;
@@ -250,9 +239,6 @@ unsafe fn run(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d: u64, epi: Epi
     if bias != 0 {
         set_desc(&desc, DescAttr::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias)?;
     }
-    if let Epilogue::DGeluBgrad { wide: true, .. } = epi {
-        set_desc(&desc, DescAttr::CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &sys::cudaDataType_t::CUDA_R_32F)?;
-    }
     if aux != 0 {
         set_desc(&desc, DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux)?;
         set_desc(&desc, DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &(cfg.m as i64))?;
@@ -267,7 +253,6 @@ unsafe fn run(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d: u64, epi: Epi
         batch,
         strides: [sa, sb, sc],
         epilogue: epi.code() as i32,
-        wide_bias: matches!(epi, Epilogue::DGeluBgrad { wide: true, .. }),
         align,
         out,
     };
@@ -324,10 +309,7 @@ unsafe fn run(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d: u64, epi: Epi
             let remember = match &found {
                 _ if stored.is_some() => Some(stored),
                 Ok(v) if v.is_empty() => Some(None),
-                Ok(v)
-                    if v.len() > 1
-                        && tune::enabled(matches!(epi, Epilogue::DGelu { .. } | Epilogue::DGeluBgrad { .. })) =>
-                {
+                Ok(v) if v.len() > 1 && tune::enabled(matches!(epi, Epilogue::DGelu { .. })) => {
                     let all = v;
                     let v: Vec<_> = v.iter().enumerate().filter(|&(i, a)| eligible(i, a)).map(|(_, a)| *a).collect();
                     // Time the candidates where they cannot disturb D: in D itself when the
@@ -360,9 +342,6 @@ unsafe fn run(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d: u64, epi: Epi
                     }))
                 }
                 Ok(v) => Some(Some(v[0])),
-                // The bias-gradient epilogue is refused as an invalid value, not as unsupported,
-                // where cuBLASLt lacks it for these types: remembered as no algorithm.
-                Err(_) if matches!(epi, Epilogue::DGeluBgrad { .. }) => Some(None),
                 Err(_) => None,
             };
             if let Some(r) = remember {
@@ -370,9 +349,7 @@ unsafe fn run(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d: u64, epi: Epi
             }
             match (found, remember) {
                 (Ok(_), Some(Some(a))) => a,
-                (Err(e), None) => {
-                    return Err(lt_err(&format!("heuristic ({epi:?}, {}×{}×{})", cfg.m, cfg.n, cfg.k), e));
-                }
+                (Err(e), _) => return Err(lt_err(&format!("heuristic ({epi:?}, {}×{}×{})", cfg.m, cfg.n, cfg.k), e)),
                 _ => {
                     let e = sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED;
                     return Err(lt_err(&format!("heuristic ({epi:?}, {}×{}×{})", cfg.m, cfg.n, cfg.k), e));

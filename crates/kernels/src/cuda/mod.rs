@@ -110,8 +110,6 @@ thread_local! {
     static FLASH_GROUP_HEADS: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
     static FLASH_FWD_CONSUMERS: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
     static FLASH_BIAS_GRAD: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
-    static DGELU_BGRAD: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
-    static DGELU_BGRAD_RUNS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     static FLASH_BIAS_GRAD_RUNS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     static NORM_FUSED: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static OWN_GEMM: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
@@ -275,29 +273,6 @@ pub(crate) fn count_flash_bias_grad_run() {
 pub(crate) fn flash_bias_grad() -> bool {
     static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     opt_out(&FLASH_BIAS_GRAD, "FERROTRON_FLASH_BIAS_GRAD", &ENV)
-}
-
-/// Whether `matmul_dgelu_bias_grad_into` sums the bias gradient in the product's epilogue
-/// (cuBLASLt's DGELU_BGRAD, outside deterministic mode): this thread's `set_dgelu_bgrad`, else off
-/// unless `FERROTRON_DGELU_BGRAD=1` (off until its op test has passed on a GPU: the first form,
-/// f32 sums, was refused by cuBLASLt 13 on the H200). Tests set it to run both.
-pub fn set_dgelu_bgrad(on: bool) {
-    DGELU_BGRAD.with(|w| w.set(Some(on)));
-}
-
-/// How many products on this thread summed the bias gradient in their epilogue (tests check that
-/// the path they compare was taken).
-pub fn dgelu_bgrad_runs() -> u64 {
-    DGELU_BGRAD_RUNS.with(|c| c.get())
-}
-
-pub(crate) fn count_dgelu_bgrad_run() {
-    DGELU_BGRAD_RUNS.with(|c| c.set(c.get() + 1));
-}
-
-pub(crate) fn dgelu_bgrad() -> bool {
-    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    opt_in(&DGELU_BGRAD, "FERROTRON_DGELU_BGRAD", &ENV) && !deterministic()
 }
 
 /// Whether the norm backwards compute their parameter gradients' first pass in the same launch

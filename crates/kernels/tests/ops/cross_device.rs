@@ -621,41 +621,6 @@ fn gelu_gemm_epilogues_match_cpu() {
     }
 }
 
-/// The dGeLU product with the previous layer's bias gradient (its column sums) summed in the
-/// epilogue (cuBLASLt's DGELU_BGRAD): dh against the CPU elementwise, the bias gradient in norm
-/// (the epilogue sums dh in f32 before rounding it, the CPU the rounded values), into f32 and bf16
-/// main_grad, stored and added; then the same with the epilogue off (`bias_grad_into` over dh).
-/// The fused path must have run for the shapes a layer has (rows and widths multiples of 64).
-#[test]
-fn dgelu_product_sums_the_bias_gradient() {
-    let g = gpu();
-    let dt = DType::BF16;
-    for fused in [true, false] {
-        ferrotron_kernels::cuda::set_dgelu_bgrad(fused);
-        for (rows, k2, n) in [(18usize, 16usize, 40usize), (256, 64, 384), (1024, 128, 768)] {
-            let h = k::scale(&rnd(&[rows, n], 1, dt), 0.5).unwrap();
-            let (dy, w) = (rnd(&[rows, k2], 2, dt), rnd(&[k2, n], 3, dt));
-            for (gdt, acc) in [(DType::F32, false), (DType::F32, true), (DType::BF16, true)] {
-                let what = format!("rows {rows} k {k2} n {n} into {gdt} acc {acc} fused {fused}");
-                let start = rnd(&[n], 4, gdt);
-                let (cpu_db, gpu_db) = (start.deep_copy().unwrap(), on(&start, &g));
-                let cpu_dh = k::matmul_dgelu_bias_grad_into(&dy, &w, &h, &cpu_db, acc).unwrap();
-                let runs = ferrotron_kernels::cuda::dgelu_bgrad_runs();
-                let gpu_dh =
-                    k::matmul_dgelu_bias_grad_into(&on(&dy, &g), &on(&w, &g), &on(&h, &g), &gpu_db, acc).unwrap();
-                let took = ferrotron_kernels::cuda::dgelu_bgrad_runs() > runs;
-                if !fused || rows >= 256 {
-                    assert_eq!(took, fused, "{what}: the epilogue summed the bias");
-                }
-                same(&cpu_dh, &gpu_dh, dt, &format!("{what}: dh"));
-                same_in_norm(&cpu_db, &gpu_db, dt, &format!("{what}: bias gradient"));
-                let moved = host(&gpu_db).iter().zip(host(&on(&start, &g))).filter(|(a, b)| *a != b).count();
-                assert!(moved > n / 2, "{what}: the bias gradient reached main_grad ({moved} of {n} changed)");
-            }
-        }
-    }
-}
-
 #[test]
 fn own_gemm_kernels_match_cpu() {
     // kernels/gemm.cu (on sm_90) against the CPU, in every build: clusters of two blocks, single

@@ -258,33 +258,21 @@ pub fn linear_gelu(
 
 /// The GeLU backward in the epilogue of the next layer's input gradient (bf16):
 /// dh = (dy·w) ∘ gelu'(h). None when cuBLASLt has no algorithm for it.
-/// `bgrad`: an f32 or bf16 [n] tensor for dh's column sums (the bias gradient of the layer that made h),
-/// written by the same product (cuBLASLt's DGELU_BGRAD epilogue); None where that has no
-/// algorithm, as for the product itself.
 pub fn matmul_dgelu(
     be: &B,
     dy: &Tensor,
     w: &Tensor,
     h: &Tensor,
     (rows, n, k): (usize, usize, usize),
-    bgrad: Option<&Tensor>,
 ) -> Result<Option<Tensor>> {
     let dh = new(be, h.shape().clone(), h.dtype())?;
     let io = (raw("matmul_dgelu", dy)?, raw("matmul_dgelu", w)?, raw("matmul_dgelu", &dh)?, raw("matmul_dgelu", h)?, 0);
-    if bgrad.is_none() && crate::cuda::own_gemm() && gemm_ws::fits(be, (rows, n, k), &[io.0, io.1, io.2, io.3]) {
+    if crate::cuda::own_gemm() && gemm_ws::fits(be, (rows, n, k), &[io.0, io.1, io.2, io.3]) {
         gemm_ws::launch(be, gemm_ws::Epi::DGelu, io, false, (rows, n, k))?;
         crate::cuda::count_own_gemm_run();
         return Ok(Some(dh));
     }
-    let aux = raw("matmul_dgelu", h)?;
-    let epi = match bgrad {
-        Some(db) => crate::cuda::lt::Epilogue::DGeluBgrad {
-            aux,
-            bias: raw("matmul_dgelu", db)?,
-            wide: db.dtype() == DType::F32,
-        },
-        None => crate::cuda::lt::Epilogue::DGelu { aux },
-    };
+    let epi = crate::cuda::lt::Epilogue::DGelu { aux: raw("matmul_dgelu", h)? };
     let cfg = lt_cfg(1, rows, n, k, false, false, 0.0);
     // SAFETY: dy [rows, k], w [k, n], h and dh [rows, n]: contiguous bf16 (validated by the caller).
     match unsafe {
