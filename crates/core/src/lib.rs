@@ -16,6 +16,8 @@ mod device;
 mod dtype;
 mod error;
 pub mod gpu_trace;
+#[cfg(feature = "cuda")]
+pub mod graph_hoist;
 mod module;
 mod params;
 pub mod rng;
