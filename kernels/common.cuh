@@ -15,6 +15,16 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// p[0..4] += v[0..4] as relaxed atomics (p 16-byte aligned, global memory): one vector reduction
+// on Hopper (`red.global.add.v4.f32`, sm_90), four atomicAdds before it.
+__device__ __forceinline__ void red_add4(float* p, float a, float b, float c, float d) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+#else
+    atomicAdd(p, a); atomicAdd(p + 1, b); atomicAdd(p + 2, c); atomicAdd(p + 3, d);
+#endif
+}
+
 __device__ __forceinline__ float ld(const float* p, long i) { return p[i]; }
 __device__ __forceinline__ float ld(const bf16_t* p, long i) { return __uint_as_float(((u32)p[i]) << 16); }
 __device__ __forceinline__ void st(float* p, long i, float v) { p[i] = v; }

@@ -89,6 +89,13 @@ extern "C" __global__ void embedding_bwd_##s(const u32* ids, const T* dout, floa
 extern "C" __global__ void embedding_bwd_flag_##s(const u32* ids, const T* dout, float* sums, u32* flags, long n, long c, long vstart, long vrows) { \
     GRID_STRIDE(i, n * c) { long r = i / c, j = i % c, row = (long)ids[r] - vstart; \
         if (row >= 0 && row < vrows) { atomicAdd(sums + row * c + j, ld(dout, i)); if (j == 0) flags[row] = 1u; } } } \
+/* The same with c % 4 == 0: four columns a thread, one vector reduction (`red_add4`), a quarter \
+   of the reduction operations and index divisions. */ \
+extern "C" __global__ void embedding_bwd_flag4_##s(const u32* ids, const T* dout, float* sums, u32* flags, long n, long c, long vstart, long vrows) { \
+    long q = c / 4; GRID_STRIDE(i, n * q) { long r = i / q, j = (i - r * q) * 4, row = (long)ids[r] - vstart; \
+        if (row >= 0 && row < vrows) { long e = r * c + j; \
+            red_add4(sums + row * c + j, ld(dout, e), ld(dout, e + 1), ld(dout, e + 2), ld(dout, e + 3)); \
+            if (j == 0) flags[row] = 1u; } } } \
 /* ...then, a warp per position, the first warp to claim a marked row adds its f32 sums into the \
    table (rounded once, as `acc`) and clears them and the flag: the scratch is left zeroed for the \
    next call, and the bytes moved are the touched rows', not the whole table's. */ \

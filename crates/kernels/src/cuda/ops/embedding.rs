@@ -145,8 +145,10 @@ pub fn embedding_bwd_scratch(be: &B, ids: &Tensor, dout: &Tensor, dtable: &Tenso
     let Some(s) = all.last() else { return Ok(false) };
     let (sums, flags) = (Arg::Ptr(s.sums.raw_ptr(&be.dev)), Arg::Ptr(s.flags.raw_ptr(&be.dev)));
     let (idp, nn, cc, vs, vr) = (ptr("emb", ids)?, n(ids.elem_count()), n(c), n(vocab_start), n(rows));
-    let flag = format!("embedding_bwd_flag_{}", sfx("embedding_bwd", dout.dtype())?);
-    ew(be, &flag, dout.elem_count(), &[idp, ptr("emb", dout)?, sums, flags, nn, cc, vs, vr])?;
+    // Four columns a thread (one vector reduction) where the rows allow.
+    let (wide, per) = if c % 4 == 0 { ("4", 4) } else { ("", 1) };
+    let flag = format!("embedding_bwd_flag{wide}_{}", sfx("embedding_bwd", dout.dtype())?);
+    ew(be, &flag, dout.elem_count() / per, &[idp, ptr("emb", dout)?, sums, flags, nn, cc, vs, vr])?;
     // A warp per position.
     ew(be, "embedding_flush_bf16", ids.elem_count() * 32, &[idp, sums, flags, ptr("emb", dtable)?, nn, cc, vs, vr])?;
     Ok(true)
