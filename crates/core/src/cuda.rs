@@ -35,8 +35,8 @@ pub struct CudaDevice {
 struct CaptureBook {
     /// [start, end) and lane.
     ranges: Vec<(u64, u64, u32)>,
-    /// (lane, the capture's last node after that lane's work), in capture order.
-    marks: Vec<(u32, usize)>,
+    /// (lane, before or after that lane's work, the capture's last node then), in capture order.
+    marks: Vec<(u32, crate::graph_hoist::Mark, usize)>,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -168,8 +168,9 @@ impl CudaDevice {
         self.book.lock().unwrap_or_else(|e| e.into_inner()).ranges.push((start, start + len as u64, lane));
     }
 
-    /// Marks the capture under way (if any) after work of `lane` was queued (`register_scratch`).
-    pub fn mark_capture(&self, lane: u32) -> Result<()> {
+    /// Marks the capture under way (if any) before or after work of `lane` is queued
+    /// (`register_scratch`): the work's nodes are those between the two.
+    pub fn mark_capture(&self, lane: u32, at: crate::graph_hoist::Mark) -> Result<()> {
         if !self.is_capturing() {
             return Ok(());
         }
@@ -194,7 +195,7 @@ impl CudaDevice {
         if status == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE && n == 1 {
             // SAFETY: the driver's array of n nodes, valid until the next capture call.
             let node = unsafe { *deps } as usize;
-            self.book.lock().unwrap_or_else(|e| e.into_inner()).marks.push((lane, node));
+            self.book.lock().unwrap_or_else(|e| e.into_inner()).marks.push((lane, at, node));
         }
         Ok(())
     }
