@@ -26,17 +26,11 @@ pub struct CudaDevice {
     staging: Arc<std::sync::Mutex<crate::staging::Staging>>,
     /// Set while the compute stream is being captured into a CUDA graph (`capture`).
     capturing: Arc<AtomicBool>,
-    /// Scratch ranges by lane and the current capture's marks (`register_scratch`,
-    /// `mark_capture`; graph_hoist.rs).
-    book: Arc<std::sync::Mutex<CaptureBook>>,
-}
-
-#[derive(Default)]
-struct CaptureBook {
-    /// [start, end) and lane.
-    ranges: Vec<(u64, u64, u32)>,
-    /// (lane, before or after that lane's work, the capture's last node then), in capture order.
-    marks: Vec<(u32, crate::graph_hoist::Mark, usize)>,
+    /// Whether the capture under way takes scratch memsets off the chain (`in_lane`).
+    hoisting: Arc<AtomicBool>,
+    /// Scratch ranges by lane and what the capture under way queued in them (`register_scratch`,
+    /// `in_lane`; graph_hoist.rs).
+    lanes: Arc<std::sync::Mutex<crate::graph_hoist::Lanes>>,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -79,7 +73,14 @@ impl CudaDevice {
         keep_freed_memory(&ctx);
         let compute = ctx.new_stream().map_err(driver_err)?;
         let staging = Arc::new(std::sync::Mutex::new(crate::staging::Staging::new()));
-        Ok(CudaDevice { ctx, compute, staging, capturing: Arc::new(AtomicBool::new(false)), book: Default::default() })
+        Ok(CudaDevice {
+            ctx,
+            compute,
+            staging,
+            capturing: Arc::new(AtomicBool::new(false)),
+            hoisting: Arc::new(AtomicBool::new(false)),
+            lanes: Default::default(),
+        })
     }
 
     pub fn ordinal(&self) -> usize {
@@ -120,7 +121,9 @@ impl CudaDevice {
             }
         }
         let _flag = Capturing(&self.capturing);
-        self.book.lock().unwrap_or_else(|e| e.into_inner()).marks.clear();
+        let hoist = hoist_memsets();
+        self.lanes.lock().unwrap_or_else(|e| e.into_inner()).start();
+        self.hoisting.store(hoist, Ordering::SeqCst);
         let s = self.stream();
         // The graph allocates from a pool of its own: hand the blocks the default pool keeps
         // (`keep_freed_memory`) back to the driver first, or both would hold a step's activations.
@@ -148,56 +151,47 @@ impl CudaDevice {
             r?;
             return Err(Error::Cuda("the CUDA graph capture recorded no work".into()).into());
         }
-        let mut dg = DeviceGraph { graph, exec: std::ptr::null_mut(), stream: s.clone(), hoisted: None };
+        let hoisted = hoist.then(|| self.lanes.lock().unwrap_or_else(|e| e.into_inner()).done);
+        let mut dg = DeviceGraph { graph, exec: std::ptr::null_mut(), stream: s.clone(), hoisted };
         let r = r?;
-        if hoist_memsets() {
-            let book = self.book.lock().unwrap_or_else(|e| e.into_inner());
-            // SAFETY: the graph just captured, not yet instantiated; the marks are its nodes.
-            dg.hoisted = Some(unsafe { crate::graph_hoist::hoist(graph, &book.marks, &book.ranges)? });
-        }
         // SAFETY: a complete captured graph.
         dg.exec = unsafe { cudarc::driver::result::graph::instantiate(graph, CUgraphInstantiate_flags(0)) }
             .map_err(|e| Error::Cuda(format!("instantiating the captured CUDA graph: {e:?}")))?;
         Ok((dg, r))
     }
 
-    /// Declares `len` bytes at `start` scratch of `lane`: memory only work that marks the capture
-    /// with that lane afterwards (`mark_capture`) touches, so a captured memset of it may run as
-    /// soon as the lane's previous work is done (graph_hoist.rs).
+    /// Declares `len` bytes at `start` scratch of `lane`: memory only work queued through
+    /// `in_lane` with that lane touches, so a captured memset of it may run as soon as the lane's
+    /// previous work is done (graph_hoist.rs).
     pub fn register_scratch(&self, start: u64, len: usize, lane: u32) {
-        self.book.lock().unwrap_or_else(|e| e.into_inner()).ranges.push((start, start + len as u64, lane));
+        self.lanes.lock().unwrap_or_else(|e| e.into_inner()).ranges.push((start, start + len as u64, lane));
     }
 
-    /// Marks the capture under way (if any) before or after work of `lane` is queued
-    /// (`register_scratch`): the work's nodes are those between the two.
-    pub fn mark_capture(&self, lane: u32, at: crate::graph_hoist::Mark) -> Result<()> {
-        if !self.is_capturing() {
-            return Ok(());
+    /// Queues `f`'s work, which uses `lane`'s scratch (`register_scratch`). Under a capture that
+    /// takes scratch memsets off the chain (`set_graph_hoist`), its memsets of that scratch follow
+    /// the lane's previous work instead of the node before, and everything else it queues follows
+    /// that node as it would have (graph_hoist.rs); otherwise it just runs `f`.
+    pub fn in_lane<R, E: From<Error>>(
+        &self,
+        lane: u32,
+        f: impl FnOnce() -> std::result::Result<R, E>,
+    ) -> std::result::Result<R, E> {
+        if !self.is_capturing() || !self.hoisting.load(Ordering::SeqCst) {
+            return f();
         }
-        use cudarc::driver::sys;
-        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        let (mut deps, mut n): (*const sys::CUgraphNode, usize) = (std::ptr::null(), 0);
-        // SAFETY: a query of this stream's capture; the out-pointers are valid.
-        let r = unsafe {
-            sys::cuStreamGetCaptureInfo_v3(
-                self.compute.cu_stream(),
-                &mut status,
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-                &mut deps,
-                std::ptr::null_mut(),
-                &mut n,
-            )
+        let s = self.compute.cu_stream();
+        let pending = {
+            let lanes = self.lanes.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: the compute stream; `finish` follows below.
+            unsafe { crate::graph_hoist::begin(s, &lanes, lane)? }
         };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            return Err(Error::Cuda(format!("reading the capture's last node: {r:?}")));
+        let r = f();
+        if let Some(pending) = pending {
+            let mut lanes = self.lanes.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: as above, with begin's `Pending`.
+            unsafe { crate::graph_hoist::finish(s, &mut lanes, lane, pending)? };
         }
-        if status == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE && n == 1 {
-            // SAFETY: the driver's array of n nodes, valid until the next capture call.
-            let node = unsafe { *deps } as usize;
-            self.book.lock().unwrap_or_else(|e| e.into_inner()).marks.push((lane, at, node));
-        }
-        Ok(())
+        r
     }
 
     /// Whether the compute stream is being captured (`capture`).

@@ -7,26 +7,28 @@
 //! needs the previous user of the same scratch to be done, so it can run beside the kernels
 //! queued since.
 //!
-//! The rule (`hoist`): scratch ranges belong to lanes (`CudaDevice::register_scratch`); work that
-//! uses a lane's scratch marks the capture before and after it is queued (`CudaDevice::
-//! mark_capture`), so its nodes are those between the two marks. A memset node whose whole target
-//! lies in lane k's range, with exactly one dependency P by a plain edge, then depends on every
-//! node of lane k's previous piece of work instead of P (none before it: on nothing); each node
-//! that depended on the memset depends on P too, so it still follows everything before it. With
-//! two lanes used in turn, a product's memset runs beside the product before. Depending on each of
-//! the piece's nodes, not only its last, keeps this right where the last was launched to overlap
-//! the one before it (programmatic dependent launch: cuBLASLt's split-K reduction). A memset is
-//! left in place where the chain behind it branches (a walk back that meets a node of several
-//! dependencies) or where P is itself a node of that piece.
+//! How (`begin` / `finish`, around each product: `CudaDevice::in_lane`): scratch ranges belong
+//! to lanes (`CudaDevice::register_scratch`; the kernels give cuBLASLt two workspaces, one lane
+//! each, taken in turn). While a step is captured, a product of lane k is queued with the
+//! capture's dependencies set to the nodes of lane k's previous product (none before it: no
+//! dependencies) instead of the node before it, P. Once queued, every node of the product but the
+//! memsets of lane k's scratch gets an edge from P. So the product still follows everything before
+//! it, and its memset only the previous user of the same workspace: with two lanes in turn it runs
+//! beside the product before. (The edit happens during the capture, which allows adding edges:
+//! the step's graph holds memory allocation nodes, and a graph that does refuses to remove any.)
+//! The memset waits for each node of the lane's previous product, not only its last: cuBLASLt's
+//! split-K reduction may be launched to overlap the product before it (programmatic dependent
+//! launch). Where the capture has more than one node before the product, or one joined by an edge
+//! of another kind, the product is queued as it comes.
 //!
-//! Architecture invariant: only memsets inside a registered range lose a dependency; every other
-//! node keeps the ones it was captured with (a moved memset's successors gain its predecessor),
-//! so no order among them is lost.
+//! Architecture invariant: only memsets of registered scratch lose a dependency; every other node
+//! keeps the ones it would have been captured with (P, directly), so no order among them is lost.
 
 use cudarc::driver::sys::{self, CUgraph, CUgraphNode, CUresult};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
-/// What `hoist` did: memsets moved off the chain, and memsets found.
+/// What a capture's `in_lane` calls did: scratch memsets queued behind their lane's previous work
+/// instead of the node before, and scratch memsets found.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Hoisted {
     pub moved: usize,
@@ -41,26 +43,8 @@ fn check(what: &str, r: CUresult) -> crate::Result<()> {
 }
 
 type Edge = sys::CUgraphEdgeData;
-
-/// A node list filled by a driver call that takes (buffer, count in/out): asked once for the
-/// count, then for the nodes.
-unsafe fn nodes(what: &str, f: impl Fn(*mut CUgraphNode, *mut usize) -> CUresult) -> crate::Result<Vec<CUgraphNode>> {
-    let mut n = 0usize;
-    check(what, f(std::ptr::null_mut(), &mut n))?;
-    let mut v = vec![std::ptr::null_mut(); n];
-    if n > 0 {
-        check(what, f(v.as_mut_ptr(), &mut n))?;
-        v.truncate(n);
-    }
-    Ok(v)
-}
-
-/// Where a mark sits: before a lane's work is queued, or after (`CudaDevice::mark_capture`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Mark {
-    Before,
-    After,
-}
+/// A capture's graph and its current dependencies (with their edges).
+type Capture = (CUgraph, Vec<(CUgraphNode, Edge)>);
 
 /// A node's neighbours on one side, with their edges' data (asked for with it: a captured graph
 /// has edges of other kinds, which a query without it refuses as lossy).
@@ -82,11 +66,6 @@ unsafe fn edges(
 unsafe fn deps(node: CUgraphNode) -> crate::Result<Vec<(CUgraphNode, Edge)>> {
     // SAFETY (caller): `node` is a live node of the graph being edited.
     unsafe { edges("dependencies", |p, e, n| sys::cuGraphNodeGetDependencies_v2(node, p, e, n)) }
-}
-
-unsafe fn dependents(node: CUgraphNode) -> crate::Result<Vec<(CUgraphNode, Edge)>> {
-    // SAFETY (caller): as `deps`.
-    unsafe { edges("dependents", |p, e, n| sys::cuGraphNodeGetDependentNodes_v2(node, p, e, n)) }
 }
 
 fn plain(e: &Edge) -> bool {
@@ -111,100 +90,155 @@ unsafe fn memset_lane(node: CUgraphNode, ranges: &[(u64, u64, u32)]) -> crate::R
     Ok(ranges.iter().find(|&&(s, e, _)| p.dst >= s && end <= e).map(|&(_, _, lane)| lane))
 }
 
-/// The nodes of lane `lane`'s last piece of work before `p` (inclusive), walking back along the
-/// chain: Some(nodes) (empty where no piece of that lane comes before), or None where the chain
-/// branches first or `p` is itself inside that piece.
-unsafe fn previous_piece(
-    p: CUgraphNode,
-    lane: u32,
-    marks: &HashMap<usize, Vec<(u32, Mark)>>,
-) -> crate::Result<Option<Vec<CUgraphNode>>> {
-    let has = |n: CUgraphNode, m: Mark| marks.get(&(n as usize)).is_some_and(|v| v.contains(&(lane, m)));
-    let (mut cur, mut piece, mut inside) = (Some(p), Vec::new(), false);
-    // Outside the piece until its After mark; inside until its Before mark (or the start). The
-    // Before mark on p itself is the memset's own piece's.
-    while let Some(n) = cur {
-        let before = n != p && has(n, Mark::Before);
-        if inside && before {
-            break;
-        }
-        if !inside && has(n, Mark::After) {
-            inside = true;
-        } else if !inside && before {
-            return Ok(None); // p lies inside a piece of this lane
-        }
-        if inside {
-            piece.push(n);
-        }
-        // SAFETY (caller): nodes of the graph being edited.
-        cur = match unsafe { deps(n)? }[..] {
-            [(d, _)] => Some(d),
-            [] => None,
-            _ => return Ok(None),
-        };
-    }
-    Ok(Some(piece))
+/// The lanes' scratch and what the capture under way has queued in them.
+#[derive(Default)]
+pub(crate) struct Lanes {
+    /// [start, end) and lane.
+    pub ranges: Vec<(u64, u64, u32)>,
+    /// Each lane's last product in this capture: its nodes (as addresses).
+    prev: HashMap<u32, Vec<usize>>,
+    pub done: Hoisted,
 }
 
-/// Moves the scratch memsets of `graph` (captured, not instantiated) off its chain (the module's
-/// rule). `marks`: (lane, before or after, node) in capture order; `ranges`: [start, end) and lane.
+impl Lanes {
+    /// A new capture: no product queued yet.
+    pub fn start(&mut self) {
+        self.prev.clear();
+        self.done = Hoisted::default();
+    }
+}
+
+/// What `begin` found: the graph, the capture's dependencies before the product, and P where the
+/// product is queued behind its lane's previous one instead.
+pub(crate) struct Pending {
+    graph: CUgraph,
+    before: Vec<(CUgraphNode, Edge)>,
+    p: Option<CUgraphNode>,
+}
+
+/// The stream's capture: its graph and current dependencies (None when not capturing).
+unsafe fn capture(stream: sys::CUstream) -> crate::Result<Option<Capture>> {
+    let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    let mut graph: CUgraph = std::ptr::null_mut();
+    let (mut deps, mut data, mut n): (*const CUgraphNode, *const Edge, usize) = (std::ptr::null(), std::ptr::null(), 0);
+    // SAFETY (caller): a live stream; the out-pointers are valid.
+    let r = unsafe {
+        sys::cuStreamGetCaptureInfo_v3(
+            stream,
+            &mut status,
+            std::ptr::null_mut(),
+            &mut graph,
+            &mut deps,
+            &mut data,
+            &mut n,
+        )
+    };
+    check("the capture's state", r)?;
+    if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE {
+        return Ok(None);
+    }
+    let mut v = Vec::with_capacity(n);
+    for i in 0..n {
+        // SAFETY: the driver's arrays of n nodes (and n edges, or none: all plain).
+        let e = if data.is_null() { unsafe { std::mem::zeroed() } } else { unsafe { *data.add(i) } };
+        v.push((unsafe { *deps.add(i) }, e));
+    }
+    Ok(Some((graph, v)))
+}
+
+unsafe fn set_capture_deps(stream: sys::CUstream, deps: &[(CUgraphNode, Edge)]) -> crate::Result<()> {
+    let (mut nodes, data): (Vec<CUgraphNode>, Vec<Edge>) = deps.iter().copied().unzip();
+    let set = sys::CUstreamUpdateCaptureDependencies_flags::CU_STREAM_SET_CAPTURE_DEPENDENCIES as u32;
+    // SAFETY (caller): a stream under capture; the nodes are its graph's.
+    let r = unsafe {
+        sys::cuStreamUpdateCaptureDependencies_v2(stream, nodes.as_mut_ptr(), data.as_ptr(), nodes.len(), set)
+    };
+    check("setting the capture's dependencies", r)
+}
+
+/// Before a product of `lane` is queued on `stream` under capture: sets the capture's dependencies
+/// to the lane's previous product where the module's rule applies. None when not capturing.
 ///
 /// # Safety
-/// `graph` is a live graph no executable has been instantiated from yet, and the marks are its
-/// nodes.
-pub(crate) unsafe fn hoist(
-    graph: CUgraph,
-    marks: &[(u32, Mark, usize)],
-    ranges: &[(u64, u64, u32)],
-) -> crate::Result<Hoisted> {
-    let mut done = Hoisted::default();
-    if ranges.is_empty() {
-        return Ok(done);
+/// `stream` is live; `finish` follows once the product is queued (or failed).
+pub(crate) unsafe fn begin(stream: sys::CUstream, lanes: &Lanes, lane: u32) -> crate::Result<Option<Pending>> {
+    // SAFETY: the caller's stream.
+    let Some((graph, before)) = (unsafe { capture(stream)? }) else { return Ok(None) };
+    let p = match before[..] {
+        [(p, e)] if plain(&e) => Some(p),
+        _ => None,
+    };
+    if p.is_some() {
+        let zero: Edge = unsafe { std::mem::zeroed() };
+        let prev = lanes.prev.get(&lane).map_or(&[][..], |v| &v[..]);
+        let to: Vec<_> = prev.iter().map(|&n| (n as CUgraphNode, zero)).collect();
+        // SAFETY: the capture's stream; the nodes are its graph's (this capture's).
+        unsafe { set_capture_deps(stream, &to)? };
     }
-    let mut by_node: HashMap<usize, Vec<(u32, Mark)>> = HashMap::new();
-    for &(lane, m, n) in marks {
-        by_node.entry(n).or_default().push((lane, m));
-    }
-    // SAFETY: the caller's graph; all nodes below are its own.
-    let all = unsafe { nodes("nodes", |p, n| sys::cuGraphGetNodes(graph, p, n))? };
-    // Every move is decided on the graph as captured, then applied.
-    let mut moves = Vec::new();
-    for &m in &all {
-        let Some(lane) = (unsafe { memset_lane(m, ranges)? }) else { continue };
-        done.memsets += 1;
-        let before = unsafe { deps(m)? };
-        let [(p, e)] = before[..] else { continue };
-        if !plain(&e) {
+    Ok(Some(Pending { graph, before, p }))
+}
+
+/// After the product: its nodes (back from the capture's dependencies to those `begin` set),
+/// an edge from P to each but the lane's scratch memsets, and the lane's last product noted.
+///
+/// # Safety
+/// As `begin`, with its `Pending`.
+pub(crate) unsafe fn finish(
+    stream: sys::CUstream,
+    lanes: &mut Lanes,
+    lane: u32,
+    pending: Pending,
+) -> crate::Result<()> {
+    let Pending { graph, before, p } = pending;
+    // SAFETY: the caller's stream, still under capture.
+    let Some((_, leaf)) = (unsafe { capture(stream)? }) else { return Ok(()) };
+    let stop: HashSet<usize> = match p {
+        Some(_) => lanes.prev.get(&lane).map_or_else(HashSet::new, |v| v.iter().copied().collect()),
+        None => before.iter().map(|&(n, _)| n as usize).collect(),
+    };
+    // The product's nodes: back from the leaf to the nodes it was queued behind.
+    let (mut piece, mut seen, mut todo) = (Vec::new(), HashSet::new(), Vec::new());
+    todo.extend(leaf.iter().map(|&(n, _)| n).filter(|n| !stop.contains(&(*n as usize))));
+    while let Some(n) = todo.pop() {
+        if !seen.insert(n as usize) {
             continue;
         }
-        if let Some(piece) = unsafe { previous_piece(p, lane, &by_node)? }
-            && !piece.contains(&p)
-        {
-            moves.push((m, p, piece, unsafe { dependents(m)? }));
+        piece.push(n);
+        // SAFETY: a node of the graph under capture (reading it is allowed).
+        for (d, _) in unsafe { deps(n)? } {
+            if !stop.contains(&(d as usize)) {
+                todo.push(d);
+            }
         }
     }
-    let edge = |what: &str, from: CUgraphNode, to: CUgraphNode, add: bool| {
-        // SAFETY: both nodes belong to the caller's graph; a plain edge (no edge data).
-        let r = unsafe {
-            if add {
-                sys::cuGraphAddDependencies_v2(graph, &from, &to, std::ptr::null(), 1)
-            } else {
-                sys::cuGraphRemoveDependencies_v2(graph, &from, &to, std::ptr::null(), 1)
+    let Some(p) = p else {
+        for &n in &piece {
+            // SAFETY: nodes of the graph under capture.
+            if unsafe { memset_lane(n, &lanes.ranges)? } == Some(lane) {
+                lanes.done.memsets += 1;
             }
-        };
-        check(what, r)
+        }
+        lanes.prev.insert(lane, piece.iter().map(|&n| n as usize).collect());
+        return Ok(());
     };
-    for (m, p, piece, after) in moves {
-        for (k, _) in after {
-            if !unsafe { deps(k)? }.iter().any(|&(d, _)| d == p) {
-                edge("adding the memset's predecessor to its successor", p, k, true)?;
-            }
-        }
-        edge("removing the memset's dependency", p, m, false)?;
-        for x in piece {
-            edge("adding the lane's previous work", x, m, true)?;
-        }
-        done.moved += 1;
+    if piece.is_empty() {
+        // Nothing queued: the capture goes on behind P, as before.
+        // SAFETY: the capture's stream and its own nodes.
+        return unsafe { set_capture_deps(stream, &before) };
     }
-    Ok(done)
+    for &n in &piece {
+        // SAFETY: nodes of the graph under capture, which allows adding edges.
+        if unsafe { memset_lane(n, &lanes.ranges)? } == Some(lane) {
+            lanes.done.moved += 1;
+            lanes.done.memsets += 1;
+            continue;
+        }
+        if !unsafe { deps(n)? }.iter().any(|&(d, _)| d == p) {
+            // SAFETY: as above; a plain edge.
+            let r = unsafe { sys::cuGraphAddDependencies_v2(graph, &p, &n, std::ptr::null(), 1) };
+            check("an edge from the node before the product", r)?;
+        }
+    }
+    lanes.prev.insert(lane, piece.iter().map(|&n| n as usize).collect());
+    Ok(())
 }

@@ -5,7 +5,7 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr, sys};
 use ferrotron_core::cuda::{CudaDevice, set_graph_hoist};
-use ferrotron_core::graph_hoist::{Hoisted, Mark};
+use ferrotron_core::graph_hoist::Hoisted;
 
 /// 64 MiB a buffer: copies long enough (≈ 40 µs) that a memset moved before the copy that reads
 /// its lane's previous value would overwrite that value first.
@@ -33,10 +33,11 @@ fn scratch_memsets_move_off_the_chain_and_keep_their_order() {
         let (g, ()) = dev
             .capture(|| -> ferrotron_core::Result<()> {
                 for (i, (lane, r)) in [(900, &r0), (901, &r1), (900, &r0)].into_iter().enumerate() {
-                    dev.mark_capture(lane, Mark::Before)?;
-                    memset(p(r), i as u8 + 1);
-                    copy(p(&outs[i]), p(r));
-                    dev.mark_capture(lane, Mark::After)?;
+                    dev.in_lane(lane, || -> ferrotron_core::Result<()> {
+                        memset(p(r), i as u8 + 1);
+                        copy(p(&outs[i]), p(r));
+                        Ok(())
+                    })?;
                 }
                 Ok(())
             })

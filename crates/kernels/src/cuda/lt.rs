@@ -13,7 +13,6 @@ use cudarc::cublaslt::sys::{
 };
 use cudarc::cublaslt::{MatmulConfig, MatmulShared, result};
 use cudarc::driver::{CudaSlice, DevicePtr};
-use ferrotron_core::graph_hoist::Mark;
 use ferrotron_core::{Error, Result};
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -375,10 +374,7 @@ unsafe fn run(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d: u64, epi: Epi
             }
         }
     };
-    let lane = LANE0 + lane as u32;
-    be.dev.mark_capture(lane, Mark::Before)?;
-    launch(&algo, d)?;
-    be.dev.mark_capture(lane, Mark::After)
+    be.dev.in_lane(LANE0 + lane as u32, || launch(&algo, d))
 }
 
 /// Whether an algorithm's split-K partial sums (if it splits K) are added in the compute type:
