@@ -4,7 +4,7 @@
 #
 #   here (with cargo):  benches/gpu_session.sh stage
 #       builds the release binaries with CUDA and stages them in .gpu/ (ignore it in
-#       .git/info/exclude; carry it to the GPU machine): .gpu/v/tests/{ops,cuda_train,cuda_graph,graph_hoist,nccl}
+#       .git/info/exclude; carry it to the GPU machine): .gpu/v/tests/{ops,cuda_train,cuda_graph,nccl}
 #       (`cargo xtask gpu-test`),
 #       .gpu/v/ferrotron, .gpu/v/{attention,loss,gemm}_bench, .gpu/xtask, .gpu/benches/*.py, and the
 #       kernels compiled for sm_90a in .gpu/fc (examples/kernel_cache.rs, NVRTC 13.0 from PyPI).
@@ -38,7 +38,7 @@ if [ "${1:-}" = stage ]; then
     cargo build --release --features cuda -p ferrotron-trainer -p xtask -p ferrotron-examples --examples --bins
     rm -rf .gpu/v && mkdir -p .gpu/v .gpu/benches
     cargo run -q --release -p xtask -- gpu-test .gpu/v/tests
-    find .gpu/v/tests -type f ! -name ops ! -name cuda_train ! -name nccl ! -name cuda_graph ! -name graph_hoist -delete
+    find .gpu/v/tests -type f ! -name ops ! -name cuda_train ! -name nccl ! -name cuda_graph -delete
     cp target/release/ferrotron target/release/examples/{attention,loss,gemm}_bench .gpu/v/
     cp target/release/xtask .gpu/
     cp benches/*.py .gpu/benches/
@@ -78,7 +78,7 @@ for step in "$@"; do
     echo "== $step ($(date +%T))" | tee -a "$log"
     case $kind in
         verify)
-            (cd .gpu/v/tests && ./ops && ./cuda_train && ./cuda_graph && ./graph_hoist && ./nccl) 2>&1 | tee -a "$log" | tail -n 40
+            (cd .gpu/v/tests && ./ops && ./cuda_train && ./cuda_graph && ./nccl) 2>&1 | tee -a "$log" | tail -n 40
             rc=${PIPESTATUS[0]}
             if [ "$rc" -ne 0 ]; then
                 echo "verify FAILED: the remaining steps are skipped" | tee -a "$log"

@@ -2,7 +2,7 @@
 //! compiles on machines without CUDA; opening a device there returns an error naming the library.
 
 use crate::{CpuStorage, DType, Error, Result, WithDType};
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{CudaContext, CudaGraph, CudaSlice, CudaStream, DevicePtr};
 use float8::{F8E4M3, F8E5M2};
 use half::{bf16, f16};
 use std::sync::Arc;
@@ -26,11 +26,6 @@ pub struct CudaDevice {
     staging: Arc<std::sync::Mutex<crate::staging::Staging>>,
     /// Set while the compute stream is being captured into a CUDA graph (`capture`).
     capturing: Arc<AtomicBool>,
-    /// Whether the capture under way takes scratch memsets off the chain (`in_lane`).
-    hoisting: Arc<AtomicBool>,
-    /// Scratch ranges by lane and what the capture under way queued in them (`register_scratch`,
-    /// `in_lane`; graph_hoist.rs).
-    lanes: Arc<std::sync::Mutex<crate::graph_hoist::Lanes>>,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -73,14 +68,7 @@ impl CudaDevice {
         keep_freed_memory(&ctx);
         let compute = ctx.new_stream().map_err(driver_err)?;
         let staging = Arc::new(std::sync::Mutex::new(crate::staging::Staging::new()));
-        Ok(CudaDevice {
-            ctx,
-            compute,
-            staging,
-            capturing: Arc::new(AtomicBool::new(false)),
-            hoisting: Arc::new(AtomicBool::new(false)),
-            lanes: Default::default(),
-        })
+        Ok(CudaDevice { ctx, compute, staging, capturing: Arc::new(AtomicBool::new(false)) })
     }
 
     pub fn ordinal(&self) -> usize {
@@ -121,9 +109,6 @@ impl CudaDevice {
             }
         }
         let _flag = Capturing(&self.capturing);
-        let hoist = hoist_memsets();
-        self.lanes.lock().unwrap_or_else(|e| e.into_inner()).start();
-        self.hoisting.store(hoist, Ordering::SeqCst);
         let s = self.stream();
         // The graph allocates from a pool of its own: hand the blocks the default pool keeps
         // (`keep_freed_memory`) back to the driver first, or both would hold a step's activations.
@@ -134,64 +119,16 @@ impl CudaDevice {
         s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| Error::Cuda(format!("starting a CUDA graph capture: {e:?}")))?;
         let r = f();
-        self.ctx.bind_to_thread().map_err(driver_err)?;
-        // SAFETY: ends the capture begun above on this stream.
-        let g = unsafe { cudarc::driver::result::stream::end_capture(s.cu_stream()) };
-        let graph = match g {
-            Ok(g) => g,
-            Err(e) => {
-                r?;
-                return Err(Error::Cuda(format!(
-                    "capturing work into a CUDA graph failed ({e:?}): an operation queued inside it cannot be captured"
-                ))
-                .into());
-            }
-        };
-        if graph.is_null() {
-            r?;
-            return Err(Error::Cuda("the CUDA graph capture recorded no work".into()).into());
-        }
-        let hoisted = hoist.then(|| self.lanes.lock().unwrap_or_else(|e| e.into_inner()).done);
-        let mut dg = DeviceGraph { graph, exec: std::ptr::null_mut(), stream: s.clone(), hoisted };
+        let g = s.end_capture(CUgraphInstantiate_flags(0));
         let r = r?;
-        // SAFETY: a complete captured graph.
-        dg.exec = unsafe { cudarc::driver::result::graph::instantiate(graph, CUgraphInstantiate_flags(0)) }
-            .map_err(|e| Error::Cuda(format!("instantiating the captured CUDA graph: {e:?}")))?;
-        Ok((dg, r))
-    }
-
-    /// Declares `len` bytes at `start` scratch of `lane`: memory only work queued through
-    /// `in_lane` with that lane touches, so a captured memset of it may run as soon as the lane's
-    /// previous work is done (graph_hoist.rs).
-    pub fn register_scratch(&self, start: u64, len: usize, lane: u32) {
-        self.lanes.lock().unwrap_or_else(|e| e.into_inner()).ranges.push((start, start + len as u64, lane));
-    }
-
-    /// Queues `f`'s work, which uses `lane`'s scratch (`register_scratch`). Under a capture that
-    /// takes scratch memsets off the chain (`set_graph_hoist`), its memsets of that scratch follow
-    /// the lane's previous work instead of the node before, and everything else it queues follows
-    /// that node as it would have (graph_hoist.rs); otherwise it just runs `f`.
-    pub fn in_lane<R, E: From<Error>>(
-        &self,
-        lane: u32,
-        f: impl FnOnce() -> std::result::Result<R, E>,
-    ) -> std::result::Result<R, E> {
-        if !self.is_capturing() || !self.hoisting.load(Ordering::SeqCst) {
-            return f();
+        match g {
+            Ok(Some(graph)) => Ok((DeviceGraph { graph, stream: s.clone() }, r)),
+            Ok(None) => Err(Error::Cuda("the CUDA graph capture recorded no work".into()).into()),
+            Err(e) => Err(Error::Cuda(format!(
+                "capturing work into a CUDA graph failed ({e:?}): an operation queued inside it cannot be captured"
+            ))
+            .into()),
         }
-        let s = self.compute.cu_stream();
-        let pending = {
-            let lanes = self.lanes.lock().unwrap_or_else(|e| e.into_inner());
-            // SAFETY: the compute stream; `finish` follows below.
-            unsafe { crate::graph_hoist::begin(s, &lanes, lane)? }
-        };
-        let r = f();
-        if let Some(pending) = pending {
-            let mut lanes = self.lanes.lock().unwrap_or_else(|e| e.into_inner());
-            // SAFETY: as above, with begin's `Pending`.
-            unsafe { crate::graph_hoist::finish(s, &mut lanes, lane, pending)? };
-        }
-        r
     }
 
     /// Whether the compute stream is being captured (`capture`).
@@ -219,62 +156,16 @@ impl CudaDevice {
     }
 }
 
-thread_local! {
-    static GRAPH_HOIST: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
-}
-
-/// Whether captures on this thread take scratch memsets off the graph's chain (graph_hoist.rs):
-/// this thread's `set_graph_hoist`, else `FERROTRON_GRAPH_HOIST=1`. Tests set it to run both.
-pub fn set_graph_hoist(on: bool) {
-    GRAPH_HOIST.with(|h| h.set(Some(on)));
-}
-
-fn hoist_memsets() -> bool {
-    static ENV: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    GRAPH_HOIST
-        .with(|h| h.get())
-        .unwrap_or_else(|| *ENV.get_or_init(|| std::env::var("FERROTRON_GRAPH_HOIST").is_ok_and(|v| v == "1")))
-}
-
-/// Work captured from a device's compute stream (`CudaDevice::capture`): the graph and its
-/// executable, destroyed together.
+/// Work captured from a device's compute stream (`CudaDevice::capture`).
 pub struct DeviceGraph {
-    graph: cudarc::driver::sys::CUgraph,
-    exec: cudarc::driver::sys::CUgraphExec,
+    graph: CudaGraph,
     stream: Arc<CudaStream>,
-    hoisted: Option<crate::graph_hoist::Hoisted>,
-}
-
-// SAFETY: the handles are used only through `&self` driver calls the driver allows from any
-// thread (launch), and destroyed once, on drop.
-unsafe impl Send for DeviceGraph {}
-unsafe impl Sync for DeviceGraph {}
-
-impl Drop for DeviceGraph {
-    fn drop(&mut self) {
-        let _ = self.stream.context().bind_to_thread();
-        // SAFETY: both handles are this graph's own and destroyed only here.
-        unsafe {
-            if !self.exec.is_null() {
-                let _ = cudarc::driver::result::graph::exec_destroy(self.exec);
-            }
-            let _ = cudarc::driver::result::graph::destroy(self.graph);
-        }
-    }
 }
 
 impl DeviceGraph {
     /// Queues one replay on the compute stream it was captured from.
     pub fn launch(&self) -> Result<()> {
-        self.stream.context().bind_to_thread().map_err(driver_err)?;
-        // SAFETY: a live executable, launched on the stream it was captured from.
-        unsafe { cudarc::driver::result::graph::launch(self.exec, self.stream.cu_stream()) }
-            .map_err(|e| Error::Cuda(format!("launching a CUDA graph: {e:?}")))
-    }
-
-    /// What taking scratch memsets off the chain did, where it ran (`FERROTRON_GRAPH_HOIST=1`).
-    pub fn hoisted(&self) -> Option<crate::graph_hoist::Hoisted> {
-        self.hoisted
+        self.graph.launch().map_err(|e| Error::Cuda(format!("launching a CUDA graph: {e:?}")))
     }
 
     /// Drops the graph once the work queued on its stream (replays included) has finished, and
@@ -283,7 +174,7 @@ impl DeviceGraph {
     pub fn release(self) -> Result<()> {
         self.stream.synchronize().map_err(driver_err)?;
         let ctx = self.stream.context().clone();
-        drop(self);
+        drop(self.graph);
         // SAFETY: a plain driver call on a live context's device; it frees only graph memory
         // that no graph in flight uses (none is: the stream has drained).
         let r = unsafe { cudarc::driver::sys::cuDeviceGraphMemTrim(ctx.cu_device()) };

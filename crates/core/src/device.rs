@@ -26,15 +26,6 @@ impl Graph {
         }
     }
 
-    /// Scratch memsets taken off the captured chain, and of how many found
-    /// (`FERROTRON_GRAPH_HOIST=1`, core's graph_hoist.rs); None where that did not run.
-    pub fn hoisted(&self) -> Option<(usize, usize)> {
-        match *self {
-            #[cfg(feature = "cuda")]
-            Graph::Cuda(ref g) => g.hoisted().map(|h| (h.moved, h.memsets)),
-        }
-    }
-
     /// Drops the graph after the work queued before it (its replays included) and gives the
     /// memory its captured allocations held back to the device (waits for that work).
     pub fn release(self) -> Result<()> {

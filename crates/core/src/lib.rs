@@ -16,8 +16,6 @@ mod device;
 mod dtype;
 mod error;
 pub mod gpu_trace;
-#[cfg(feature = "cuda")]
-pub mod graph_hoist;
 mod module;
 mod params;
 pub mod rng;

@@ -71,12 +71,6 @@ impl StepGraph {
         self.captured.is_some()
     }
 
-    /// The captured graph's scratch memsets taken off its chain, of how many found
-    /// (`FERROTRON_GRAPH_HOIST=1`); None without a graph or where that did not run.
-    pub fn hoisted(&self) -> Option<(usize, usize)> {
-        self.captured.as_ref().and_then(|c| c.graph.hoisted())
-    }
-
     /// `queue_train_step`, eagerly during the warm-up and for batches the graph does not fit
     /// (releasing the graph: the warm-up starts again), else by replaying the captured step
     /// (capturing it first).

@@ -436,13 +436,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             let was = gr.is_captured();
             let q = gr.queue(&model, &table, &mut sync, &mut opt, &micros, lr as f32)?;
             if !was && gr.is_captured() && rank0 {
-                let moved = match gr.hoisted() {
-                    Some((moved, of)) => format!(" ({moved} of {of} cuBLASLt workspace memsets off the chain)"),
-                    None => String::new(),
-                };
-                pb.suspend(|| {
-                    eprintln!("iteration {iteration}: step captured as a CUDA graph{moved}, replayed from here on")
-                });
+                pb.suspend(|| eprintln!("iteration {iteration}: step captured as a CUDA graph, replayed from here on"));
             }
             if was && !gr.is_captured() && rank0 {
                 pb.suspend(|| {

@@ -30,10 +30,7 @@ fn train_deterministic(s: &Settings, gpu: &Device, warmup: Option<usize>) -> fer
 /// (without it two eager runs already part within a few steps: atomics' order), on both tiny
 /// presets in bf16 with two micro-batches a step, the learning rate moving every step (warm-up
 /// then cosine decay: it reaches the graph through the optimizer's state), and losses read back
-/// every 3 steps (replays queued before their losses are read each keep their own). Both with
-/// cuBLASLt's workspace memsets left on the captured chain and taken off it (core's
-/// graph_hoist.rs): the products' two workspaces in turn must keep each product's memset after
-/// the previous product of its workspace.
+/// every 3 steps (replays queued before their losses are read each keep their own).
 #[test]
 fn graphed_steps_equal_eager_steps_bit_for_bit() {
     let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
@@ -54,17 +51,12 @@ fn graphed_steps_equal_eager_steps_bit_for_bit() {
         let (s, _): (Settings, Paths) = Settings::resolve(&args).unwrap();
         let run = |warmup| train_deterministic(&s, &gpu, warmup);
         let eager = run(None);
+        let graphed = run(Some(2));
         assert_eq!(eager.graphed_steps, 0);
+        assert_eq!(graphed.graphed_steps, 18, "{preset}: steps 3-20 replay the graph");
         assert_eq!(eager.losses.len(), 20);
-        for hoist in [false, true] {
-            ferrotron_core::cuda::set_graph_hoist(hoist);
-            let graphed = run(Some(2));
-            let what = format!("{preset}, memsets off the chain {hoist}");
-            assert_eq!(graphed.graphed_steps, 18, "{what}: steps 3-20 replay the graph");
-            assert_eq!(graphed.losses, eager.losses, "{what}: graphed against eager losses");
-            assert_eq!(graphed.evals, eager.evals, "{what}: validation after the graphed steps");
-        }
-        ferrotron_core::cuda::set_graph_hoist(false);
+        assert_eq!(graphed.losses, eager.losses, "{preset}: graphed against eager losses");
+        assert_eq!(graphed.evals, eager.evals, "{preset}: validation after the graphed steps");
     }
 }
 

@@ -63,21 +63,14 @@ struct Key {
     out: Out,
 }
 
-/// The per-device cuBLASLt state: workspaces and the algorithm cache.
+/// The per-device cuBLASLt state: workspace and the algorithm cache.
 pub(crate) struct Lt {
-    /// Two, taken in turn by the products: each is registered as scratch of its own lane, so in a
-    /// captured step the memset cuBLASLt queues before a product may run beside the product
-    /// before it (core's graph_hoist.rs, `FERROTRON_GRAPH_HOIST=1`).
-    workspaces: [CudaSlice<u8>; 2],
-    turn: std::sync::atomic::AtomicUsize,
+    workspace: CudaSlice<u8>,
     /// None: the heuristic found no algorithm (asked once; the caller composes the op instead).
     algos: Mutex<HashMap<Key, Option<sys::cublasLtMatmulAlgo_t>>>,
     /// Choices timed under sustained load in this or an earlier run (`choices`), by problem.
     stored: Mutex<super::choices::Choices>,
 }
-
-/// The first of the workspaces' scratch lanes (`CudaDevice::register_scratch`).
-const LANE0: u32 = 0;
 
 /// Hopper's recommended cuBLASLt workspace (NVIDIA: 32 MiB on sm_90, 4 MiB before).
 const WORKSPACE: usize = 32 << 20;
@@ -99,23 +92,14 @@ fn offered_workspace() -> usize {
 
 impl Lt {
     pub fn new(stream: &std::sync::Arc<cudarc::driver::CudaStream>) -> Result<Lt> {
-        let ws = || stream.alloc_zeros::<u8>(WORKSPACE).map_err(|e| lt_err("workspace", e));
-        let workspaces = [ws()?, ws()?];
+        let workspace = stream.alloc_zeros::<u8>(WORKSPACE).map_err(|e| lt_err("workspace", e))?;
         // The stored choices hold for this GPU model and cuBLASLt build only.
         let gpu = stream.context().name().unwrap_or_else(|_| "unknown GPU".into());
         // SAFETY: a plain query of the loaded library's version.
         let version = unsafe { sys::cublasLtGetVersion() };
         let stored =
             super::choices::Choices::load(super::choices::dir().as_deref(), &format!("{gpu} cuBLASLt {version}"));
-        Ok(Lt { workspaces, turn: 0.into(), algos: Mutex::new(HashMap::new()), stored: Mutex::new(stored) })
-    }
-
-    /// Registers the workspaces as scratch lanes `LANE0` and `LANE0 + 1` of `dev`.
-    pub fn register(&self, dev: &ferrotron_core::cuda::CudaDevice) {
-        for (i, w) in self.workspaces.iter().enumerate() {
-            let (p, _g) = w.device_ptr(dev.stream());
-            dev.register_scratch(p, WORKSPACE, LANE0 + i as u32);
-        }
+        Ok(Lt { workspace, algos: Mutex::new(HashMap::new()), stored: Mutex::new(stored) })
     }
 }
 
@@ -275,8 +259,7 @@ unsafe fn run(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d: u64, epi: Epi
     let lt = &be.lt;
     let handle = *be.blas_lt.handle();
     let stream = be.dev.stream();
-    let lane = lt.turn.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 2;
-    let (w, _w) = lt.workspaces[lane].device_ptr(stream);
+    let (w, _w) = lt.workspace.device_ptr(stream);
     // One product with `algo` into `dst` (D, or a scratch matrix of D's size while timing).
     let launch = |algo: &sys::cublasLtMatmulAlgo_t, dst: u64| {
         // SAFETY: the caller guarantees the addresses (`dst` is D or as large as D); alpha/beta
@@ -374,7 +357,7 @@ unsafe fn run(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d: u64, epi: Epi
             }
         }
     };
-    be.dev.in_lane(LANE0 + lane as u32, || launch(&algo, d))
+    launch(&algo, d)
 }
 
 /// Whether an algorithm's split-K partial sums (if it splits K) are added in the compute type:

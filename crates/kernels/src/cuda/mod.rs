@@ -604,7 +604,6 @@ pub(crate) fn backend(dev: &CudaDevice) -> Result<Arc<Backend>> {
     let blas_lt = CudaBlasLT::new(dev.stream().clone()).map_err(|e| cuda_err("cuBLASLt", e))?;
     let blas = CudaBlas::new(dev.stream().clone()).map_err(|e| cuda_err("cuBLAS", e))?;
     let lt = lt::Lt::new(dev.stream())?;
-    lt.register(dev);
     let sm_attr = cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
     let sms = dev.context().attribute(sm_attr).map_err(|e| cuda_err("multiprocessor count", e))?.max(1) as u32;
     let optin = cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN;
