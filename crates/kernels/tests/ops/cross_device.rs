@@ -827,8 +827,8 @@ fn bf16_main_grad_takes_the_f32_sums_rounded_once() {
     assert_ne!(bits(&gpu_t), bits(&on(&table, &g)), "the embedding gradient reached the table");
     // The device's persistent scratch (outside deterministic mode): calls of other sizes and
     // vocabulary shards in turn, each against the CPU. A scratch not left zeroed, or a flag left
-    // set, by one call would show in the next; the second call grows it. Widths a multiple of 4
-    // take four columns a thread (one vector reduction), the last (18) one.
+    // set, by one call would show in the next; the second call grows it. The first three widths
+    // (multiples of 4) take four columns a thread (one vector reduction); the last, 18, one.
     for (round, (v2, c2, start)) in
         [(37usize, 24usize, 0usize), (90, 40, 20), (37, 24, 0), (60, 18, 30)].into_iter().enumerate()
     {
