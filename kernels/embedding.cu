@@ -85,7 +85,7 @@ extern "C" __global__ void embedding_bwd_##s(const u32* ids, const T* dout, floa
     GRID_STRIDE(i, n * c) { long r = i / c, j = i % c, row = (long)ids[r] - vstart; \
         if (row >= 0 && row < vrows) atomicAdd(dtable + row * c + j, ld(dout, i)); } } \
 /* A bf16 main_grad: the scatter-add into a zeroed f32 scratch `sums` (as embedding_bwd), each \
-   touched row marked in `flags`... */ \
+   touched row marked in `flags` (then `embedding_flush_bf16`, below). */ \
 extern "C" __global__ void embedding_bwd_flag_##s(const u32* ids, const T* dout, float* sums, u32* flags, long n, long c, long vstart, long vrows) { \
     GRID_STRIDE(i, n * c) { long r = i / c, j = i % c, row = (long)ids[r] - vstart; \
         if (row >= 0 && row < vrows) { atomicAdd(sums + row * c + j, ld(dout, i)); if (j == 0) flags[row] = 1u; } } } \
@@ -96,17 +96,6 @@ extern "C" __global__ void embedding_bwd_flag4_##s(const u32* ids, const T* dout
         if (row >= 0 && row < vrows) { long e = r * c + j; \
             red_add4(sums + row * c + j, ld(dout, e), ld(dout, e + 1), ld(dout, e + 2), ld(dout, e + 3)); \
             if (j == 0) flags[row] = 1u; } } } \
-/* ...then, a warp per position, the first warp to claim a marked row adds its f32 sums into the \
-   table (rounded once, as `acc`) and clears them and the flag: the scratch is left zeroed for the \
-   next call, and the bytes moved are the touched rows', not the whole table's. */ \
-extern "C" __global__ void embedding_flush_##s(const u32* ids, float* sums, u32* flags, T* table, long n, long c, long vstart, long vrows) { \
-    int lane = threadIdx.x & 31; \
-    for (long p = ((long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; p < n; p += ((long)gridDim.x * blockDim.x) >> 5) { \
-        long row = (long)ids[p] - vstart; \
-        if (row < 0 || row >= vrows) continue; \
-        u32 mine = lane == 0 ? atomicExch(flags + row, 0u) : 0u; \
-        if (!__shfl_sync(0xffffffffu, mine, 0)) continue; \
-        for (long j = lane; j < c; j += 32) { long e = row * c + j; st(table, e, ld(table, e) + sums[e]); sums[e] = 0.f; } } } \
 extern "C" __global__ void qkv_split_##s(const T* x, T* q, T* k, T* v, long n, long hkv, long g, long d) { \
     QKV_SEGMENTS(n, hkv, g) { const T* src = x + w * d; T* dst = qkv_head(q, k, v, w, g, d); \
         for (long e = lane; e < d; e += 32) st(dst, e, ld(src, e)); } } \
@@ -127,3 +116,18 @@ extern "C" __global__ void embedding_fwd_##s##_v8(const u32* ids, const T* table
     GRID_STRIDE8(i, n * c) { long r = i / c, j = i - r * c, row = (long)ids[r] - vstart; float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}; \
         if (row >= 0 && row < vrows) ld8(table, row * c + j, a); st8(out, i, a); } }
 FOR_TYPES(EMB)
+
+// The bf16 scratch path's second pass (after `embedding_bwd_flag`): a warp per position, the
+// first warp to claim a marked row adds its f32 sums into the bf16 table (rounded once, as `acc`) and clears them and the flag: the scratch is left zeroed for
+// the next call, and the bytes moved are the touched rows', not the whole table's. (Only a bf16
+// table takes this path, so only that build exists.)
+extern "C" __global__ void embedding_flush_bf16(const u32* ids, float* sums, u32* flags, bf16_t* table, long n, long c, long vstart, long vrows) {
+    int lane = threadIdx.x & 31;
+    for (long p = ((long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; p < n; p += ((long)gridDim.x * blockDim.x) >> 5) {
+        long row = (long)ids[p] - vstart;
+        if (row < 0 || row >= vrows) continue;
+        u32 mine = lane == 0 ? atomicExch(flags + row, 0u) : 0u;
+        if (!__shfl_sync(0xffffffffu, mine, 0)) continue;
+        for (long j = lane; j < c; j += 32) { long e = row * c + j; st(table, e, ld(table, e) + sums[e]); sums[e] = 0.f; }
+    }
+}
