@@ -1,8 +1,9 @@
 //! Our own GEMM kernels (kernels/gemm.cu) beside cuBLASLt on the MLP's products (feature `cuda`, an
 //! sm_90 GPU): fc1 with its GeLU epilogue and fc2's input gradient with the GeLU's gradient, at the
 //! GPT-2 124M (hidden 768) and GPT 1.3B (hidden 2048) shapes over 16,384 tokens, each with the
-//! same product without an epilogue, and the plain products whose output is only hidden wide.
-//! µs a call (the mean of 20 after one warm-up) and TFLOP/s.
+//! same product without an epilogue, the plain products whose output is only hidden wide, and
+//! (`GEMM_BENCH_LM=1`) the LM head's two products with the vocabulary wide. µs a call (the mean of
+//! 20 after one warm-up) and TFLOP/s.
 //!
 //! `cargo run --release --features cuda -p ferrotron-examples --example gemm_bench`
 
@@ -80,6 +81,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         row("fc2 + bias", (m, h, f), &|| k::matmul_bias(&a4, &w4, &bh, false, true).map(drop))?;
         row("fc1 input gradient", (m, h, f), &|| k::matmul(&a4, &w, false, false).map(drop))?;
         row("QKV input gradient", (m, h, 3 * h), &|| k::matmul(&dq, &wq, false, false).map(drop))?;
+        // GEMM_BENCH_LM=1: the LM head's logits and input gradient too (GPT-2's 50,304-column
+        // vocabulary; 1.65 GB of dlogits made on the host first).
+        if std::env::var("GEMM_BENCH_LM").is_ok_and(|v| v == "1") {
+            let v = 50_304usize;
+            let (wv, dl) = (rnd(v, h, 11)?, rnd(m, v, 12)?);
+            row("LM head h·wᵀ", (m, v, h), &|| k::matmul(&x, &wv, false, true).map(drop))?;
+            row("LM head dlogits·w", (m, h, v), &|| k::matmul(&dl, &wv, false, false).map(drop))?;
+        }
     }
     Ok(())
 }
