@@ -214,12 +214,18 @@ __device__ void gemm_ws(const TmaMap* am, const TmaMap* bm, const TmaMap* om, co
                 mbar_expect_tx(&full[st], A_BYTES + B_BYTES);
                 tma_load_2d(sa + st * A_BYTES, am, k0, m0, &full[st]);
                 if constexpr (CL == 2) {
-                    // Both blocks share the n-tile: each copies its half of B (64 rows of N
-                    // K-major, or one 64-column block MN-major: either 8 KiB at the same offset)
-                    // into both.
-                    unsigned char* half = sb + st * B_BYTES + rank * 64 * GM_BK * 2;
-                    if constexpr (BMN) tma_load_2d_mc(half, bm, n0 + rank * 64, k0, &full[st], 3);
-                    else tma_load_2d_mc(half, bm, k0, n0 + rank * 64, &full[st], 3);
+                    // Both blocks share the n-tile: each copies its half of B (BN / 2 rows of N
+                    // K-major, or BN / 128 64-column blocks MN-major: BN · 64 bytes at the same
+                    // offset) into both.
+                    unsigned char* half = sb + st * B_BYTES + rank * (BN / 2) * GM_BK * 2;
+                    if constexpr (BMN) {
+                        #pragma unroll
+                        for (int cb = 0; cb < BN / 128; cb++)
+                            tma_load_2d_mc(half + cb * 64 * GM_BK * 2, bm, n0 + rank * (BN / 2) + cb * 64, k0,
+                                           &full[st], 3);
+                    } else {
+                        tma_load_2d_mc(half, bm, k0, n0 + rank * (BN / 2), &full[st], 3);
+                    }
                 } else if constexpr (BMN) {
                     #pragma unroll
                     for (int cb = 0; cb < BN / 64; cb++)
@@ -466,7 +472,7 @@ GEMM_WS(gemm_gelu_tn_bf16, EPI_GELU, false, 1, GM_PP)
 GEMM_WS(gemm_dgelu_nn_bf16, EPI_DGELU, true, 1, GM_PP)
 GEMM_WS(gemm_plain_tn_bf16, EPI_PLAIN, false, 1, GM_PP)
 GEMM_WS(gemm_plain_nn_bf16, EPI_PLAIN, true, 1, GM_PP)
-// Launched in clusters of two blocks (`_c2`, `FERROTRON_OWN_GEMM_CLUSTERS=1`) that take adjacent
+// Launched in clusters of two blocks (`_c2`, `FERROTRON_OWN_GEMM_BUILD=c2`) that take adjacent
 // m-tiles of one n-tile and copy B once for both (TMA multicast), meant to cut the L2 traffic
 // that holds the one-block kernel's clock down (H200, session 29: L2 busy 86% and 1.52 GHz
 // against cuBLASLt's 58% and 1.64 GHz at the same cycles); so far no faster. bm's boxes are then
@@ -475,8 +481,8 @@ GEMM_WS(gemm_gelu_tn_c2_bf16, EPI_GELU, false, 2, GM_PP)
 GEMM_WS(gemm_dgelu_nn_c2_bf16, EPI_DGELU, true, 2, GM_PP)
 GEMM_WS(gemm_plain_tn_c2_bf16, EPI_PLAIN, false, 2, GM_PP)
 GEMM_WS(gemm_plain_nn_c2_bf16, EPI_PLAIN, true, 2, GM_PP)
-// Cooperative 256 × 128 tiles (`_m256`, `FERROTRON_OWN_GEMM_M256=1`) and 128 × 256 tiles
-// (`_n256`, `FERROTRON_OWN_GEMM_N256=1`), with the epilogue warpgroup.
+// Cooperative 256 × 128 tiles (`_m256`, `FERROTRON_OWN_GEMM_BUILD=m256`) and 128 × 256 tiles
+// (`_n256`, `=n256`), the epilogue sliced over the consumers' next tile.
 GEMM_WS(gemm_gelu_tn_m256_bf16, EPI_GELU, false, 1, GM_M256)
 GEMM_WS(gemm_dgelu_nn_m256_bf16, EPI_DGELU, true, 1, GM_M256)
 GEMM_WS(gemm_plain_tn_m256_bf16, EPI_PLAIN, false, 1, GM_M256)
@@ -485,3 +491,11 @@ GEMM_WS(gemm_gelu_tn_n256_bf16, EPI_GELU, false, 1, GM_N256)
 GEMM_WS(gemm_dgelu_nn_n256_bf16, EPI_DGELU, true, 1, GM_N256)
 GEMM_WS(gemm_plain_tn_n256_bf16, EPI_PLAIN, false, 1, GM_N256)
 GEMM_WS(gemm_plain_nn_n256_bf16, EPI_PLAIN, true, 1, GM_N256)
+// 128 × 256 tiles in clusters of two blocks on adjacent m-tiles of one n-tile, each copying half
+// of the B tile into both (`_n256c2`): B crosses L2 once a pair of tiles, as in cuBLASLt's
+// 1 × 2 and 2 × 1 cluster kernels (the LM head's products, where `_n256` runs 0.87–0.91× them;
+// `=n256c2`).
+GEMM_WS(gemm_gelu_tn_n256c2_bf16, EPI_GELU, false, 2, GM_N256)
+GEMM_WS(gemm_dgelu_nn_n256c2_bf16, EPI_DGELU, true, 2, GM_N256)
+GEMM_WS(gemm_plain_tn_n256c2_bf16, EPI_PLAIN, false, 2, GM_N256)
+GEMM_WS(gemm_plain_nn_n256c2_bf16, EPI_PLAIN, true, 2, GM_N256)

@@ -21,7 +21,7 @@ const OFF_ON: Accepts = Accepts::Words(&["0", "1"]);
 
 /// `FERROTRON_OWN_GEMM_BUILD`'s words, in `cuda::OwnGemmBuild::ALL`'s order: its parser reads
 /// them from here, and the two lists' lengths are checked equal at compile time.
-pub(crate) const OWN_GEMM_BUILDS: &[&str] = &["pingpong", "c2", "m256", "n256"];
+pub(crate) const OWN_GEMM_BUILDS: &[&str] = &["pingpong", "c2", "m256", "n256", "n256c2"];
 
 /// Every switch the kernels and the trainer read, with what it accepts.
 const SWITCHES: &[(&str, Accepts)] = &[

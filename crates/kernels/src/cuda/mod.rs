@@ -326,13 +326,15 @@ pub enum OwnGemmBuild {
     /// Both consumers on one 128 × 256 tile, one m64n256 wgmma a k16 each (`_n256`): the main
     /// loop level with cuBLASLt's at 124M.
     N256,
+    /// `N256` in clusters of two blocks that copy B once for both (`_n256c2`).
+    N256Clusters2,
 }
 
 impl OwnGemmBuild {
     /// Every build, in the order of `FERROTRON_OWN_GEMM_BUILD`'s words (lab_env.rs).
-    pub const ALL: [OwnGemmBuild; 4] = [Self::PingPong, Self::Clusters2, Self::M256, Self::N256];
+    pub const ALL: [OwnGemmBuild; 5] = [Self::PingPong, Self::Clusters2, Self::M256, Self::N256, Self::N256Clusters2];
 
-    /// `FERROTRON_OWN_GEMM_BUILD`'s values: `pingpong`, `c2`, `m256`, `n256`.
+    /// `FERROTRON_OWN_GEMM_BUILD`'s values: `pingpong`, `c2`, `m256`, `n256`, `n256c2`.
     pub fn parse(s: &str) -> Option<Self> {
         crate::lab_env::OWN_GEMM_BUILDS.iter().position(|w| *w == s).map(|i| Self::ALL[i])
     }
@@ -342,7 +344,8 @@ impl OwnGemmBuild {
 const _: () = assert!(crate::lab_env::OWN_GEMM_BUILDS.len() == OwnGemmBuild::ALL.len());
 
 /// Which build of our GEMM kernels runs where they are on (`set_own_gemm`): this thread's
-/// `set_own_gemm_build`, else `FERROTRON_OWN_GEMM_BUILD` (`pingpong`, `c2`, `m256` or `n256`),
+/// `set_own_gemm_build`, else `FERROTRON_OWN_GEMM_BUILD` (`pingpong`, `c2`, `m256`, `n256` or
+/// `n256c2`),
 /// else ping-pong. Tests set it to run every build.
 pub fn set_own_gemm_build(b: OwnGemmBuild) {
     OWN_GEMM_BUILD.with(|w| w.set(Some(b)));

@@ -625,7 +625,7 @@ fn gelu_gemm_epilogues_match_cpu() {
 fn own_gemm_kernels_match_cpu() {
     // kernels/gemm.cu (on sm_90) against the CPU, in every build: clusters of two blocks, single
     // blocks, 256-row tiles (17 of them, the last 104 rows deep) and 256-column tiles (5 of
-    // them, the last 8 columns wide):
+    // them, the last 8 columns wide; alone and in clusters of two):
     // 33 × 9 output tiles of 128 × 128, more than two a block on 132 SMs (both warpgroups,
     // several rounds each), with m (4200), n (1032) and k (200) none a multiple of its tile
     // (zero-filled boxes past the edges, stores cut there; 33 m-tiles leave the last cluster's
@@ -645,7 +645,13 @@ fn own_gemm_kernels_match_cpu() {
     ferrotron_kernels::cuda::set_own_gemm_plain(true);
     let before = ferrotron_kernels::cuda::own_gemm_runs();
     use ferrotron_kernels::cuda::OwnGemmBuild;
-    let builds = [OwnGemmBuild::Clusters2, OwnGemmBuild::PingPong, OwnGemmBuild::M256, OwnGemmBuild::N256];
+    let builds = [
+        OwnGemmBuild::Clusters2,
+        OwnGemmBuild::PingPong,
+        OwnGemmBuild::M256,
+        OwnGemmBuild::N256,
+        OwnGemmBuild::N256Clusters2,
+    ];
     let depths = [200, 72];
     for kd in depths {
         let x = k::scale(&rnd(&[m, kd], 1, dt), 0.1).unwrap();

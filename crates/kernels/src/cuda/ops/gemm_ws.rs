@@ -18,20 +18,20 @@ impl Build {
     fn tile(self) -> (usize, usize) {
         match self {
             Build::M256 => (2 * BM, BN),
-            Build::N256 => (BM, 2 * BN),
+            Build::N256 | Build::N256Clusters2 => (BM, 2 * BN),
             Build::PingPong | Build::Clusters2 => (BM, BN),
         }
     }
     /// Rows of a staging buffer: the TMA box of the outputs (kernels/gemm.cu `RB`).
     fn staged_rows(self) -> usize {
-        if self == Build::N256 { BM / 2 } else { BM }
+        if matches!(self, Build::N256 | Build::N256Clusters2) { BM / 2 } else { BM }
     }
     fn cooperative(self) -> bool {
-        matches!(self, Build::M256 | Build::N256)
+        matches!(self, Build::M256 | Build::N256 | Build::N256Clusters2)
     }
     /// Blocks a cluster.
     fn cluster(self) -> usize {
-        if self == Build::Clusters2 { 2 } else { 1 }
+        if matches!(self, Build::Clusters2 | Build::N256Clusters2) { 2 } else { 1 }
     }
     /// The stages (A and B tiles: kernels/gemm.cu `S`), 64 KiB of staging buffers and 2 · S + 2
     /// mbarriers.
@@ -46,6 +46,7 @@ impl Build {
             Build::Clusters2 => "_c2",
             Build::M256 => "_m256",
             Build::N256 => "_n256",
+            Build::N256Clusters2 => "_n256c2",
         }
     }
 }
