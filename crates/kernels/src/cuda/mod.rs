@@ -345,8 +345,7 @@ const _: () = assert!(crate::lab_env::OWN_GEMM_BUILDS.len() == OwnGemmBuild::ALL
 
 /// Which build of our GEMM kernels runs where they are on (`set_own_gemm`): this thread's
 /// `set_own_gemm_build`, else `FERROTRON_OWN_GEMM_BUILD` (`pingpong`, `c2`, `m256`, `n256` or
-/// `n256c2`),
-/// else ping-pong. Tests set it to run every build.
+/// `n256c2`), else ping-pong. Tests set it to run every build.
 pub fn set_own_gemm_build(b: OwnGemmBuild) {
     OWN_GEMM_BUILD.with(|w| w.set(Some(b)));
 }
