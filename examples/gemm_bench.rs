@@ -26,6 +26,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // GEMM_BENCH_ONLY=124M or 1.3B: that model alone; GEMM_BENCH_REPS: calls timed (Nsight
     // Compute runs take 1).
     let only = std::env::var("GEMM_BENCH_ONLY").ok();
+    // GEMM_BENCH_ROW=TEXT: only the products whose name contains TEXT (e.g. "LM head h").
+    let row_only = std::env::var("GEMM_BENCH_ROW").ok();
     let reps: usize = std::env::var("GEMM_BENCH_REPS").ok().and_then(|v| v.parse().ok()).unwrap_or(20);
     for (model, h) in [("124M", 768usize), ("1.3B", 2048)] {
         if only.as_deref().is_some_and(|o| o != model) {
@@ -56,6 +58,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                    call: &dyn Fn() -> ferrotron_core::Result<()>|
          -> ferrotron_core::Result<()> {
             use cuda::OwnGemmBuild as G;
+            if row_only.as_deref().is_some_and(|r| !what.contains(r)) {
+                return Ok(());
+            }
             let flop = 2.0 * (rm * rn * rk) as f64;
             let lt = time(None, call)?;
             let mut line =
