@@ -3,7 +3,9 @@
 //! GPT-2 124M (hidden 768) and GPT 1.3B (hidden 2048) shapes over 16,384 tokens, each with the
 //! same product without an epilogue, the plain products whose output is only hidden wide, and
 //! (`GEMM_BENCH_LM=1`) the LM head's two products with the vocabulary wide. µs a call (the mean of
-//! 20 after one warm-up) and TFLOP/s.
+//! 20 after one warm-up) and TFLOP/s. cuBLASLt runs first in each row, on a cooler card than the
+//! builds after it: to compare them at the card's power cap, time 1,000 calls or more
+//! (`GEMM_BENCH_REPS`).
 //!
 //! `cargo run --release --features cuda -p ferrotron-examples --example gemm_bench`
 

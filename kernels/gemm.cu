@@ -492,9 +492,9 @@ GEMM_WS(gemm_dgelu_nn_n256_bf16, EPI_DGELU, true, 1, GM_N256)
 GEMM_WS(gemm_plain_tn_n256_bf16, EPI_PLAIN, false, 1, GM_N256)
 GEMM_WS(gemm_plain_nn_n256_bf16, EPI_PLAIN, true, 1, GM_N256)
 // 128 × 256 tiles in clusters of two blocks on adjacent m-tiles of one n-tile, each copying half
-// of the B tile into both (`_n256c2`): B crosses L2 once a pair of tiles, as in cuBLASLt's
-// 1 × 2 and 2 × 1 cluster kernels (the LM head's products, where `_n256` runs 0.87–0.91× them;
-// `=n256c2`).
+// of the B tile into both (`_n256c2`, `=n256c2`): B crosses L2 once a pair of tiles, as in
+// cuBLASLt's 1 × 2 and 2 × 1 cluster kernels. Sustained at the power cap it runs no faster than
+// `_n256` on the LM head's products (kernels/README.md).
 GEMM_WS(gemm_gelu_tn_n256c2_bf16, EPI_GELU, false, 2, GM_N256)
 GEMM_WS(gemm_dgelu_nn_n256c2_bf16, EPI_DGELU, true, 2, GM_N256)
 GEMM_WS(gemm_plain_tn_n256c2_bf16, EPI_PLAIN, false, 2, GM_N256)
