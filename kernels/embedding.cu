@@ -118,9 +118,10 @@ extern "C" __global__ void embedding_fwd_##s##_v8(const u32* ids, const T* table
 FOR_TYPES(EMB)
 
 // The bf16 scratch path's second pass (after `embedding_bwd_flag`): a warp per position, the
-// first warp to claim a marked row adds its f32 sums into the bf16 table (rounded once, as `acc`) and clears them and the flag: the scratch is left zeroed for
-// the next call, and the bytes moved are the touched rows', not the whole table's. (Only a bf16
-// table takes this path, so only that build exists.)
+// first warp to claim a marked row adds its f32 sums into the bf16 table (rounded once, as
+// `acc`) and clears them and the flag: the scratch is left zeroed for the next call, and the
+// bytes moved are the touched rows', not the whole table's. (Only a bf16 table takes this path,
+// so only that build exists.)
 extern "C" __global__ void embedding_flush_bf16(const u32* ids, float* sums, u32* flags, bf16_t* table, long n, long c, long vstart, long vrows) {
     int lane = threadIdx.x & 31;
     for (long p = ((long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; p < n; p += ((long)gridDim.x * blockDim.x) >> 5) {
