@@ -4,13 +4,16 @@
 //! needed), byte-level and GPT-2 BPE tokenizers, a train/valid split by document, fixed-length
 //! samples of seq_length + 1 tokens, and a sampler whose order is a pure function of (seed, epoch),
 //! so a run resumed from `consumed_samples` sees exactly the batches it would have seen.
-//! Megatron's indexed .bin/.idx datasets and blending join this crate later.
+//! Megatron's indexed datasets (`--data-path PREFIX`: PREFIX.bin + PREFIX.idx, memory-mapped),
+//! split by documents as `--split` says and blended by weight, feed the same samples and sampler.
 
 pub mod corpus;
 mod dataset;
+mod indexed;
 mod tokenizer;
 
-pub use dataset::{Sampler, TokenSplit, split_documents};
+pub use dataset::{Sampler, TokenSplit, blend, parse_split, split_documents, split_indexed};
+pub use indexed::{IndexedDataset, TokenDtype, write_indexed};
 pub use tokenizer::{Tokenizer, TokenizerKind};
 
 #[derive(Debug, thiserror::Error)]
@@ -25,4 +28,18 @@ pub enum DataError {
         "the {split} split has {tokens} tokens, fewer than one sample of --seq-length {seq} + 1: use more data or a shorter --seq-length"
     )]
     TooSmall { split: &'static str, tokens: usize, seq: usize },
+    #[error("{}: {source}", path.display())]
+    Io { path: std::path::PathBuf, source: std::io::Error },
+    #[error("{}: {what}", path.display())]
+    BadIndex { path: std::path::PathBuf, what: String },
+    #[error("a document of {tokens} tokens is longer than an indexed dataset's sequence can be (2^31 - 1)")]
+    TooLong { tokens: usize },
+    #[error("token id {id} does not fit the indexed dataset's {dtype:?} tokens: write it as I32")]
+    TokenDoesNotFit { id: u32, dtype: TokenDtype },
+    #[error("--split {0}: give up to three non-negative weights for train, valid and test, e.g. 969,30,1 (or 98/2/0)")]
+    BadSplit(String),
+    #[error("--data-path: {0}")]
+    BadDataPath(String),
+    #[error("the blended {split} split was built for --seq-length {built}, asked for samples of {asked}")]
+    BlendSeq { split: &'static str, built: usize, asked: usize },
 }

@@ -152,9 +152,18 @@ pub struct TrainArgs {
     /// flag so Megatron's scripts get that answer rather than an unknown-argument one).
     #[arg(long)]
     pub fp16: bool,
-    /// Documents of the built-in corpus to generate.
+    /// Documents of the built-in corpus to generate (without --data-path).
     #[arg(long)]
     pub corpus_docs: Option<usize>,
+    /// Megatron indexed datasets to train on instead of the built-in corpus: PREFIX (for
+    /// PREFIX.bin and PREFIX.idx), several prefixes (blended by their sizes), or weight-prefix
+    /// pairs ("0.7 web 0.3 code"). The tokens must come from --tokenizer-type's tokenizer.
+    #[arg(long, num_args = 1..)]
+    pub data_path: Vec<String>,
+    /// The indexed datasets' documents cut into train, valid and test by these weights, as
+    /// Megatron's --split (default "969, 30, 1").
+    #[arg(long)]
+    pub split: Option<String>,
     /// Stop (saving first when --save is set) once the iteration is a multiple of this.
     #[arg(long)]
     #[serde(skip)]
@@ -273,7 +282,7 @@ impl TrainArgs {
             max_position_embeddings, position_embedding_type, rotary_base, normalization, tokenizer_type, init_method_std,
             micro_batch_size, global_batch_size, train_iters, lr, min_lr, lr_decay_style, lr_warmup_iters, lr_warmup_fraction,
             lr_decay_iters, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad, norm_epsilon, make_vocab_size_divisible_by,
-            hidden_dropout, attention_dropout, window_size, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, corpus_docs,
+            hidden_dropout, attention_dropout, window_size, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, corpus_docs, split,
             exit_interval, device, cuda_graph_impl, cuda_graph_warmup_steps, profile_step_start, profile_step_end, profile_trace, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s,
             pipeline_model_parallel_size, num_layers_per_virtual_pipeline_stage, decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers);
@@ -285,6 +294,9 @@ impl TrainArgs {
         }
         if !o.cuda_graph_scope.is_empty() {
             self.cuda_graph_scope = o.cuda_graph_scope.clone();
+        }
+        if !o.data_path.is_empty() {
+            self.data_path = o.data_path.clone();
         }
     }
 }
@@ -375,6 +387,11 @@ pub struct Settings {
     /// Tokens before itself that each token's attention sees (`--window-size`'s left); None: all.
     #[serde(default)]
     pub window_size: Option<usize>,
+    /// `--data-path` as given; empty: the built-in corpus.
+    #[serde(default)]
+    pub data_path: Vec<String>,
+    #[serde(default = "default_split")]
+    pub split: String,
 }
 
 /// `--window-size` as Megatron writes it, "(left,right)" (brackets and spaces optional): the
@@ -398,6 +415,10 @@ fn parse_window(v: &str) -> anyhow::Result<Option<usize>> {
 
 fn one() -> usize {
     1
+}
+
+fn default_split() -> String {
+    "969, 30, 1".into()
 }
 
 // Defaults of the settings added after checkpoints recorded them (older ones lack the keys).
@@ -681,6 +702,8 @@ impl Settings {
             save_interval: need(&a.save_interval, "--save-interval")?,
             bf16: a.bf16,
             corpus_docs: need(&a.corpus_docs, "--corpus-docs")?,
+            data_path: a.data_path.clone(),
+            split: a.split.clone().unwrap_or_else(default_split),
             tensor_model_parallel_size: a.tensor_model_parallel_size.unwrap_or(1),
             sequence_parallel: a.sequence_parallel,
             use_distributed_optimizer: a.use_distributed_optimizer,
@@ -775,6 +798,8 @@ impl Settings {
     /// Checks the non-model settings; the model's own checks run in `model_config`.
     pub fn validate(&self) -> anyhow::Result<()> {
         self.tokenizer()?;
+        self.data_blend()?;
+        ferrotron_data::parse_split(&self.split)?;
         self.decay_style()?;
         self.model_config()?.validate()?;
         for (v, flag) in [
@@ -894,6 +919,31 @@ impl Settings {
 
     pub fn tokenizer(&self) -> anyhow::Result<TokenizerKind> {
         TokenizerKind::parse(&self.tokenizer_type).map_err(|e| anyhow::anyhow!("--tokenizer-type: {e}"))
+    }
+
+    /// `--data-path` as (weight, prefix) pairs, Megatron's two spellings: prefixes alone (weight
+    /// None: each by its size) or weight-prefix pairs.
+    pub fn data_blend(&self) -> anyhow::Result<Vec<(Option<f64>, PathBuf)>> {
+        let d = &self.data_path;
+        let weighted = d.len() % 2 == 0 && d.iter().step_by(2).all(|w| w.parse::<f64>().is_ok());
+        if !weighted {
+            if let Some(w) = d.iter().find(|x| x.parse::<f64>().is_ok()) {
+                bail!(
+                    "--data-path {}: `{w}` reads as a weight, but not every prefix has one: write `W1 PREFIX1 W2 PREFIX2 …` or prefixes alone",
+                    d.join(" ")
+                );
+            }
+            return Ok(d.iter().map(|p| (None, PathBuf::from(p))).collect());
+        }
+        d.chunks(2)
+            .map(|c| {
+                let w: f64 = c[0].parse()?;
+                if !w.is_finite() || w < 0.0 {
+                    bail!("--data-path: weight {w} of {} must be a non-negative number", c[1]);
+                }
+                Ok((Some(w), PathBuf::from(&c[1])))
+            })
+            .collect()
     }
 
     pub fn decay_style(&self) -> anyhow::Result<DecayStyle> {

@@ -7,7 +7,9 @@ use crate::settings::{Launch, LoadMode, Paths, Settings};
 use anyhow::{Context, bail};
 use ferrotron_comm::{run_ranks, thread_world};
 use ferrotron_core::{Cx, DType, Device, Draw, ParamTable, Tensor};
-use ferrotron_data::{Sampler, TokenSplit, Tokenizer, corpus, split_documents};
+use ferrotron_data::{
+    IndexedDataset, Sampler, TokenSplit, Tokenizer, blend, corpus, parse_split, split_documents, split_indexed,
+};
 use ferrotron_optim::{
     AdamConfig, GradSync, LrSchedule, Optimizer, QueuedStep, StepGraph, default_bucket_size, eval_pipelined,
     queue_train_step, queue_train_step_pipelined,
@@ -19,6 +21,7 @@ type Comm = std::sync::Arc<dyn ferrotron_comm::Communicator>;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use std::io::Write;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// One line of metrics.jsonl.
@@ -70,18 +73,44 @@ pub struct Data {
 impl Data {
     pub fn build(s: &Settings) -> anyhow::Result<Data> {
         let tokenizer = Tokenizer::new(s.tokenizer()?)?;
-        let docs = corpus::documents(s.seed, s.corpus_docs);
-        let (train, valid) = split_documents(&docs, &tokenizer, 0.05);
+        let (train, valid) = if s.data_path.is_empty() {
+            let docs = corpus::documents(s.seed, s.corpus_docs);
+            split_documents(&docs, &tokenizer, 0.05)
+        } else {
+            indexed_splits(s)?
+        };
         train.check(s.seq_length)?;
         valid.check(s.seq_length)?;
         Ok(Data { tokenizer, train, valid })
     }
 }
 
+/// `--data-path`'s datasets, each cut by `--split`, their train and valid splits blended by the
+/// weights given (or by their sizes); one dataset is used as it is.
+fn indexed_splits(s: &Settings) -> anyhow::Result<(TokenSplit, TokenSplit)> {
+    let weights = parse_split(&s.split)?;
+    let mut train = Vec::new();
+    let mut valid = Vec::new();
+    for (w, prefix) in s.data_blend()? {
+        let ds = Arc::new(IndexedDataset::open(&prefix)?);
+        let [t, v, _] = split_indexed(&ds, weights);
+        let by_size = |x: &TokenSplit| x.num_samples(s.seq_length) as f64;
+        train.push((w.unwrap_or_else(|| by_size(&t)), t));
+        valid.push((w.unwrap_or_else(|| by_size(&v)), v));
+    }
+    if train.len() == 1 {
+        return Ok((
+            train.pop().map(|x| x.1).context("one dataset")?,
+            valid.pop().map(|x| x.1).context("one dataset")?,
+        ));
+    }
+    Ok((blend("train", train, s.seq_length), blend("valid", valid, s.seq_length)))
+}
+
 fn batch(split: &TokenSplit, indices: &[usize], seq: usize, vocab: usize, dev: &Device) -> anyhow::Result<Batch> {
     let (mut tokens, mut labels) = (Vec::with_capacity(indices.len() * seq), Vec::with_capacity(indices.len() * seq));
     for &i in indices {
-        let s = split.sample(i, seq);
+        let s = split.sample(i, seq)?;
         // Checked here, on the host, so that the kernels need not read the ids back from a GPU
         // (`set_device_ids_prechecked`): a read there would wait for all the work queued before.
         if let Some(&bad) = s.iter().find(|&&t| t as usize >= vocab) {
@@ -373,8 +402,8 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             s.num_layers,
             s.hidden_size,
             s.num_attention_heads,
-            data.train.tokens.len(),
-            data.valid.tokens.len(),
+            data.train.num_tokens(),
+            data.valid.num_tokens(),
             micro_per_rank,
             s.micro_batch_size
         );
@@ -581,7 +610,7 @@ mod tests {
 
     #[test]
     fn a_batch_with_an_id_past_the_vocabulary_is_refused_before_upload() {
-        let split = TokenSplit { name: "train", tokens: vec![1, 2, 3, 4, 9, 5, 6, 7, 8] };
+        let split = TokenSplit::from_tokens("train", vec![1, 2, 3, 4, 9, 5, 6, 7, 8]);
         // Sample 0 (tokens 0..=4) holds 9; sample 1 (4..=8) does too, as its first token.
         let ok = batch(&split, &[0, 1], 4, 10, &Device::Cpu).unwrap();
         assert_eq!(ok.tokens.to_vec::<u32>().unwrap(), [1, 2, 3, 4, 9, 5, 6, 7]);

@@ -139,6 +139,8 @@ fn bad_flags_fail_with_one_line_naming_the_flag() {
     fails_naming(&["--profile-step-start", "3"], "take effect with --profile");
     fails_naming(&["--profile-ranks", "0", "1"], "take effect with --profile");
     fails_naming(&["--profile-trace", "steps.json"], "take effect with --profile");
+    fails_naming(&["--data-path", "/nonexistent/ferrotron/data"], "/nonexistent/ferrotron/data.idx: No such file");
+    fails_naming(&["--data-path", "/nonexistent/a", "--split", "98,x"], "--split 98,x: give up to three");
     #[cfg(not(feature = "cuda"))]
     fails_naming(&["--device", "cuda:1"], "rebuild with `--features cuda`");
 }

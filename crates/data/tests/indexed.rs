@@ -1,0 +1,181 @@
+//! Megatron indexed datasets: a file written by an independent script (tests/fixtures), our own
+//! writer's round trip, every corrupt-index case refused with the file named, `--split`'s
+//! arithmetic and the blend.
+
+use ferrotron_data::{
+    DataError, IndexedDataset, TokenDtype, TokenSplit, blend, parse_split, split_indexed, write_indexed,
+};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+fn fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/megatron_tiny")
+}
+
+fn fixture_docs() -> Vec<Vec<u32>> {
+    std::fs::read_to_string(fixture().with_extension("txt"))
+        .unwrap()
+        .lines()
+        .map(|l| l.split(' ').map(|t| t.parse().unwrap()).collect())
+        .collect()
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("ferrotron-indexed-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join("data")
+}
+
+#[test]
+fn reads_a_dataset_written_as_megatron_writes_it() {
+    let docs = fixture_docs();
+    let ds = IndexedDataset::open(fixture()).unwrap();
+    assert_eq!(ds.dtype(), TokenDtype::U16);
+    assert_eq!(ds.num_sequences(), docs.len());
+    assert_eq!(ds.num_documents(), docs.len());
+    let all: Vec<u32> = docs.concat();
+    assert_eq!(ds.num_tokens(), all.len() as u64);
+    let mut got = vec![0u32; all.len()];
+    ds.read(0, &mut got).unwrap();
+    assert_eq!(got, all);
+    // Documents 3..7 are one range of tokens.
+    let start: usize = docs[..3].iter().map(Vec::len).sum();
+    let len: usize = docs[3..7].iter().map(Vec::len).sum();
+    assert_eq!(ds.document_tokens(3..7), start as u64..(start + len) as u64);
+    // Samples of a split cross document boundaries as the joined stream does.
+    let ds = Arc::new(ds);
+    let split = TokenSplit::indexed("train", ds.clone(), 0..docs.len());
+    let joined = TokenSplit::from_tokens("train", all);
+    assert_eq!(split.num_samples(16), joined.num_samples(16));
+    for i in 0..split.num_samples(16) {
+        assert_eq!(split.sample(i, 16).unwrap(), joined.sample(i, 16).unwrap(), "sample {i}");
+    }
+    assert!(ds.read(ds.num_tokens() - 2, &mut [0; 3]).is_err(), "a read past the end is refused");
+}
+
+#[test]
+fn our_writer_round_trips_every_integer_type() {
+    let docs: Vec<Vec<u32>> = vec![vec![1, 2, 3], vec![], vec![4, 120, 7, 0]];
+    for dt in [TokenDtype::U8, TokenDtype::I8, TokenDtype::I16, TokenDtype::U16, TokenDtype::I32, TokenDtype::I64] {
+        let p = scratch(&format!("rt{}", dt.code()));
+        write_indexed(&p, &docs, dt).unwrap();
+        let ds = IndexedDataset::open(&p).unwrap();
+        assert_eq!((ds.dtype(), ds.num_documents()), (dt, 3));
+        let mut got = vec![0; 7];
+        ds.read(0, &mut got).unwrap();
+        assert_eq!(got, docs.concat(), "{dt:?}");
+        assert_eq!(ds.document_tokens(1..2), 3..3, "an empty document");
+    }
+    // The same bytes as the independent script for its documents.
+    let p = scratch("same");
+    write_indexed(&p, &fixture_docs(), TokenDtype::for_vocab(50257)).unwrap();
+    for ext in ["bin", "idx"] {
+        assert_eq!(
+            std::fs::read(p.with_extension(ext)).unwrap(),
+            std::fs::read(fixture().with_extension(ext)).unwrap()
+        );
+    }
+    let err = write_indexed(scratch("big"), &[vec![300]], TokenDtype::U8).unwrap_err();
+    assert!(matches!(err, DataError::TokenDoesNotFit { id: 300, .. }), "{err}");
+}
+
+/// Spoils the copied index and data files.
+type Edit<'a> = Box<dyn FnOnce(&mut Vec<u8>, &mut Vec<u8>) + 'a>;
+
+/// Copies the fixture, lets `edit` spoil the index or data, and returns `open`'s error text.
+fn corrupt(name: &str, edit: impl FnOnce(&mut Vec<u8>, &mut Vec<u8>)) -> String {
+    let p = scratch(name);
+    let (mut idx, mut bin) = (
+        std::fs::read(fixture().with_extension("idx")).unwrap(),
+        std::fs::read(fixture().with_extension("bin")).unwrap(),
+    );
+    edit(&mut idx, &mut bin);
+    std::fs::write(p.with_extension("idx"), &idx).unwrap();
+    std::fs::write(p.with_extension("bin"), &bin).unwrap();
+    match IndexedDataset::open(&p) {
+        Ok(_) => panic!("{name}: a corrupt dataset opened"),
+        Err(e) => {
+            assert!(matches!(e, DataError::BadIndex { .. }), "{name}: {e}");
+            e.to_string()
+        }
+    }
+}
+
+#[test]
+fn a_corrupt_index_or_data_file_is_refused_with_the_file_named() {
+    let s = 12; // sequences in the fixture
+    let ptr = move |k: usize| 34 + 4 * s + 8 * k;
+    let doc = move |k: usize| 34 + 12 * s + 8 * k;
+    let cases: Vec<(&str, Edit, &str)> = vec![
+        ("magic", Box::new(|i, _| i[0] = b'X'), "MMIDIDX"),
+        ("version", Box::new(|i, _| i[9] = 2), "version 2"),
+        ("float", Box::new(|i, _| i[17] = 7), "dtype code 7"),
+        ("short", Box::new(|i, _| i.truncate(i.len() - 3)), "truncated"),
+        ("bin-short", Box::new(|_, b| b.truncate(b.len() - 2)), "not one pair"),
+        ("pointer", Box::new(move |i, _| i[ptr(5)] ^= 2), "sequence 5 starts at byte"),
+        ("length", Box::new(|i, _| i[34 + 4 * 3 + 3] = 0x80), "negative length"),
+        ("docs-end", Box::new(move |i, _| i[doc(s)] = 11), "document index"),
+        ("docs-order", Box::new(move |i, _| i[doc(4)] = 9), "ends before it starts"),
+    ];
+    for (name, edit, says) in cases {
+        let msg = corrupt(name, edit);
+        assert!(msg.contains(says), "{name}: {msg}");
+        assert!(
+            msg.contains(&format!("ferrotron-indexed-{}-{name}", std::process::id())),
+            "{name}: names the file: {msg}"
+        );
+    }
+    let missing = IndexedDataset::open(scratch("none").with_file_name("absent")).err().unwrap();
+    assert!(matches!(missing, DataError::Io { .. }) && missing.to_string().contains("absent.idx"), "{missing}");
+}
+
+#[test]
+fn split_follows_megatrons_rounding() {
+    let docs = |n: usize| -> Arc<IndexedDataset> {
+        let p = scratch(&format!("split{n}"));
+        write_indexed(&p, &(0..n as u32).map(|d| vec![d]).collect::<Vec<_>>(), TokenDtype::U16).unwrap();
+        Arc::new(IndexedDataset::open(&p).unwrap())
+    };
+    let tokens = |sp: &TokenSplit| sp.num_tokens();
+    for (n, split, want) in [
+        (1000, "969, 30, 1", [969, 30, 1]),
+        (10, "969,30,1", [10, 0, 0]),
+        // 7/3 rounds to 2 three times, 6 in all: the missing document shifts every boundary.
+        (7, "1,1,1", [3, 2, 2]),
+        // 2.5 rounds half to even, to 2: boundaries 2, 4 (then 4), shifted by one.
+        (5, "1/1", [3, 2, 0]),
+        (8, "98,2", [8, 0, 0]),
+    ] {
+        let ds = docs(n);
+        let got = split_indexed(&ds, parse_split(split).unwrap()).map(|sp| tokens(&sp));
+        assert_eq!(got, want.map(|x| x as u64), "{n} documents, --split {split}");
+    }
+    for bad in ["", "1,x", "1,1,1,1", "0,0", "-1,2"] {
+        assert!(matches!(parse_split(bad), Err(DataError::BadSplit(_))), "{bad:?}");
+    }
+}
+
+#[test]
+fn blend_keeps_each_parts_share_and_its_samples() {
+    let a = TokenSplit::from_tokens("a", (0..25).collect()); // 6 samples of 4 + 1
+    let b = TokenSplit::from_tokens("b", (100..109).collect()); // 2 samples
+    let want_a: Vec<Vec<u32>> = (0..6).map(|i| a.sample(i, 4).unwrap().to_vec()).collect();
+    let want_b: Vec<Vec<u32>> = (0..2).map(|i| b.sample(i, 4).unwrap().to_vec()).collect();
+    let empty = TokenSplit::from_tokens("c", vec![1, 2]);
+    let m = blend("train", vec![(1.0, a), (3.0, b), (5.0, empty)], 4);
+    assert_eq!(m.num_samples(4), 8, "one epoch: the parts' samples together");
+    let got: Vec<Vec<u32>> = (0..8).map(|i| m.sample(i, 4).unwrap().to_vec()).collect();
+    // Weights 1 : 3 (the empty part drops out): b first, then within every prefix of k samples
+    // each part is within one sample of its share.
+    assert_eq!(got[0], want_b[0]);
+    let from_b = |k: usize| got[..k].iter().filter(|s| s[0] >= 100).count() as f64;
+    for k in 1..=8 {
+        assert!((from_b(k) - 0.75 * k as f64).abs() <= 1.0, "after {k}: {} from b", from_b(k));
+    }
+    // b's samples come round again in order once used; a's in order.
+    let bs: Vec<&Vec<u32>> = got.iter().filter(|s| s[0] >= 100).collect();
+    assert_eq!(bs, [&want_b[0], &want_b[1], &want_b[0], &want_b[1], &want_b[0], &want_b[1]]);
+    let as_: Vec<&Vec<u32>> = got.iter().filter(|s| s[0] < 100).collect();
+    assert_eq!(as_, [&want_a[0], &want_a[1]]);
+    assert!(matches!(m.sample(0, 8), Err(DataError::BlendSeq { built: 4, asked: 8, .. })));
+}

@@ -1,0 +1,100 @@
+//! `--data-path`: training on Megatron indexed datasets. The oracle is the built-in corpus: its
+//! documents written as PREFIX.bin/.idx and cut by the `--split` that matches the corpus's own
+//! split must train to the same losses, bit for bit, as the corpus held in memory.
+
+use ferrotron_data::{TokenDtype, Tokenizer, TokenizerKind, corpus, write_indexed};
+use ferrotron_trainer::settings::{Paths, Settings, TrainArgs};
+use ferrotron_trainer::train::{Summary, train};
+use std::path::PathBuf;
+
+const DOCS: usize = 2000;
+
+fn args() -> TrainArgs {
+    TrainArgs {
+        preset: Some("tiny".into()),
+        train_iters: Some(6),
+        eval_interval: Some(3),
+        eval_iters: Some(2),
+        corpus_docs: Some(DOCS),
+        no_progress: true,
+        ..TrainArgs::default()
+    }
+}
+
+fn run(a: TrainArgs) -> anyhow::Result<Summary> {
+    let (s, _): (Settings, Paths) = Settings::resolve(&a)?;
+    s.validate()?;
+    train(&s, &Paths::default())
+}
+
+/// The tiny preset's corpus (byte tokenizer, its seed) as an indexed dataset, with `edit` applied
+/// to its documents' tokens first.
+fn corpus_dataset(name: &str, edit: impl FnOnce(&mut Vec<Vec<u32>>)) -> PathBuf {
+    let (s, _) = Settings::resolve(&args()).unwrap();
+    let tok = Tokenizer::new(TokenizerKind::parse("byte").unwrap()).unwrap();
+    let mut docs: Vec<Vec<u32>> = corpus::documents(s.seed, DOCS)
+        .iter()
+        .map(|d| {
+            let mut t = tok.encode(d);
+            t.push(tok.eod());
+            t
+        })
+        .collect();
+    edit(&mut docs);
+    let dir = std::env::temp_dir().join(format!("ferrotron-indexed-train-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let prefix = dir.join("corpus_text_document");
+    write_indexed(&prefix, &docs, TokenDtype::U16).unwrap();
+    prefix
+}
+
+#[test]
+fn an_indexed_dataset_trains_as_the_same_tokens_in_memory() {
+    let prefix = corpus_dataset("same", |_| {});
+    let want = run(args()).unwrap();
+    // The corpus keeps its last 5% of documents (100 of 2000) for validation.
+    let got =
+        run(TrainArgs { data_path: vec![prefix.to_str().unwrap().into()], split: Some("1900,100,0".into()), ..args() })
+            .unwrap();
+    assert_eq!(got.losses, want.losses);
+    assert_eq!(got.evals, want.evals);
+    assert_eq!(got.losses.len(), 6);
+
+    // Blended with a second copy at 3 : 1, the run trains (finite, falling loss) on samples of
+    // both; the default --split leaves validation documents too.
+    let other = corpus_dataset("other", |d| d.reverse());
+    let blended = run(TrainArgs {
+        data_path: vec!["3".into(), prefix.to_str().unwrap().into(), "1".into(), other.to_str().unwrap().into()],
+        train_iters: Some(12),
+        ..args()
+    })
+    .unwrap();
+    let l = &blended.losses;
+    assert!(l.iter().all(|x| x.1.is_finite()) && l[l.len() - 1].1 < l[0].1, "{l:?}");
+}
+
+#[test]
+fn bad_indexed_data_is_named() {
+    // A token id past the byte tokenizer's vocabulary, in every document.
+    let prefix = corpus_dataset("bad-token", |d| d.iter_mut().for_each(|t| t[0] = 300));
+    let e = run(TrainArgs { data_path: vec![prefix.to_str().unwrap().into()], split: Some("1,0,0".into()), ..args() })
+        .err()
+        .map(|e| format!("{e:#}"))
+        .unwrap_or_default();
+    // With split 1,0,0 the valid split is empty: that is refused first, by name.
+    assert!(e.contains("valid split has 0 tokens"), "{e}");
+    let e = run(TrainArgs { data_path: vec![prefix.to_str().unwrap().into()], ..args() })
+        .err()
+        .map(|e| format!("{e:#}"))
+        .unwrap_or_default();
+    assert!(e.contains("token id 300") && e.contains("another tokenizer"), "{e}");
+
+    let e = run(TrainArgs { data_path: vec!["/nonexistent/ferrotron/data".into()], ..args() }).err().unwrap();
+    assert!(format!("{e:#}").contains("/nonexistent/ferrotron/data.idx"), "{e:#}");
+    let e = run(TrainArgs { data_path: vec!["0.5".into(), "a".into(), "b".into()], ..args() }).err().unwrap();
+    assert!(format!("{e:#}").contains("`0.5` reads as a weight"), "{e:#}");
+    let e = run(TrainArgs { data_path: vec![prefix.to_str().unwrap().into()], split: Some("9,x".into()), ..args() })
+        .err()
+        .unwrap();
+    assert!(format!("{e:#}").contains("--split 9,x"), "{e:#}");
+}
