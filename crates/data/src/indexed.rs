@@ -137,12 +137,7 @@ impl IndexedDataset {
     /// an extension) and checks the index against the data.
     pub fn open(prefix: impl AsRef<Path>) -> Result<Self, DataError> {
         let prefix = prefix.as_ref().to_path_buf();
-        let with = |ext: &str| {
-            let mut p = prefix.clone().into_os_string();
-            p.push(ext);
-            PathBuf::from(p)
-        };
-        let (idx_path, bin_path) = (with(".idx"), with(".bin"));
+        let (idx_path, bin_path) = (with_ext(&prefix, ".idx"), with_ext(&prefix, ".bin"));
         let idx = map(&idx_path)?;
         let bin = map(&bin_path)?;
         let bad = |what: String| DataError::BadIndex { path: idx_path.clone(), what };
@@ -267,38 +262,89 @@ impl IndexedDataset {
     }
 }
 
-/// Writes PREFIX.bin and PREFIX.idx from documents of tokens (one sequence each), as Megatron's
-/// preprocessing does with `--append-eod` when each document already ends with its end token.
-pub fn write_indexed(prefix: impl AsRef<Path>, docs: &[Vec<u32>], dtype: TokenDtype) -> Result<(), DataError> {
-    let prefix = prefix.as_ref();
-    let with = |ext: &str| {
-        let mut p = prefix.to_path_buf().into_os_string();
-        p.push(ext);
-        PathBuf::from(p)
-    };
-    let mut bin = Vec::new();
-    let mut idx = Vec::with_capacity(HEADER + docs.len() * 20 + 8);
-    idx.extend_from_slice(MAGIC);
-    idx.extend(1u64.to_le_bytes());
-    idx.push(dtype.code());
-    idx.extend((docs.len() as u64).to_le_bytes());
-    idx.extend((docs.len() as u64 + 1).to_le_bytes());
-    for d in docs {
-        let len = i32::try_from(d.len()).map_err(|_| DataError::TooLong { tokens: d.len() })?;
-        idx.extend(len.to_le_bytes());
+/// PREFIX + ext as a path (the prefix may contain dots of its own).
+fn with_ext(prefix: &Path, ext: &str) -> PathBuf {
+    let mut p = prefix.to_path_buf().into_os_string();
+    p.push(ext);
+    PathBuf::from(p)
+}
+
+/// Writes an indexed dataset one document at a time (one sequence each, as Megatron's GPT
+/// preprocessing does): the tokens stream into PREFIX.bin.tmp, the lengths stay in memory (4
+/// bytes a document), and `finish` writes the index and only then renames both into place, so a
+/// failed or interrupted run leaves no pair that looks complete.
+pub struct IndexedBuilder {
+    prefix: PathBuf,
+    dtype: TokenDtype,
+    bin: std::io::BufWriter<File>,
+    lengths: Vec<i32>,
+    buf: Vec<u8>,
+}
+
+impl IndexedBuilder {
+    pub fn create(prefix: impl AsRef<Path>, dtype: TokenDtype) -> Result<Self, DataError> {
+        let prefix = prefix.as_ref().to_path_buf();
+        let tmp = with_ext(&prefix, ".bin.tmp");
+        let f = File::create(&tmp).map_err(|e| DataError::Io { path: tmp, source: e })?;
+        Ok(IndexedBuilder { prefix, dtype, bin: std::io::BufWriter::new(f), lengths: Vec::new(), buf: Vec::new() })
     }
-    for d in docs {
-        idx.extend((bin.len() as i64).to_le_bytes());
-        for &t in d {
-            dtype.write(t, &mut bin).ok_or(DataError::TokenDoesNotFit { id: t, dtype })?;
+
+    pub fn add_document(&mut self, tokens: &[u32]) -> Result<(), DataError> {
+        let len = i32::try_from(tokens.len()).map_err(|_| DataError::TooLong { tokens: tokens.len() })?;
+        self.buf.clear();
+        for &t in tokens {
+            self.dtype.write(t, &mut self.buf).ok_or(DataError::TokenDoesNotFit { id: t, dtype: self.dtype })?;
         }
+        let tmp = with_ext(&self.prefix, ".bin.tmp");
+        self.bin.write_all(&self.buf).map_err(|e| DataError::Io { path: tmp, source: e })?;
+        self.lengths.push(len);
+        Ok(())
     }
-    for k in 0..=docs.len() as i64 {
-        idx.extend(k.to_le_bytes());
+
+    pub fn num_documents(&self) -> usize {
+        self.lengths.len()
     }
-    for (path, bytes) in [(with(".bin"), &bin), (with(".idx"), &idx)] {
-        let io = |e: std::io::Error| DataError::Io { path: path.clone(), source: e };
-        File::create(&path).and_then(|mut f| f.write_all(bytes)).map_err(io)?;
+
+    /// Writes PREFIX.idx and moves PREFIX.bin into place.
+    pub fn finish(mut self) -> Result<(), DataError> {
+        let (tmp, bin, idx_tmp, idx_path) = (
+            with_ext(&self.prefix, ".bin.tmp"),
+            with_ext(&self.prefix, ".bin"),
+            with_ext(&self.prefix, ".idx.tmp"),
+            with_ext(&self.prefix, ".idx"),
+        );
+        self.bin.flush().map_err(|e| DataError::Io { path: tmp.clone(), source: e })?;
+        let n = self.lengths.len();
+        let mut idx = Vec::with_capacity(HEADER + n * 20 + 8);
+        idx.extend_from_slice(MAGIC);
+        idx.extend(1u64.to_le_bytes());
+        idx.push(self.dtype.code());
+        idx.extend((n as u64).to_le_bytes());
+        idx.extend((n as u64 + 1).to_le_bytes());
+        for l in &self.lengths {
+            idx.extend(l.to_le_bytes());
+        }
+        let mut at = 0i64;
+        for l in &self.lengths {
+            idx.extend(at.to_le_bytes());
+            at += *l as i64 * self.dtype.size() as i64;
+        }
+        for k in 0..=n as i64 {
+            idx.extend(k.to_le_bytes());
+        }
+        File::create(&idx_tmp)
+            .and_then(|mut f| f.write_all(&idx))
+            .map_err(|e| DataError::Io { path: idx_tmp.clone(), source: e })?;
+        std::fs::rename(&tmp, &bin).map_err(|e| DataError::Io { path: bin, source: e })?;
+        std::fs::rename(&idx_tmp, &idx_path).map_err(|e| DataError::Io { path: idx_path, source: e })
     }
-    Ok(())
+}
+
+/// Writes PREFIX.bin and PREFIX.idx from documents of tokens (`IndexedBuilder` over them).
+pub fn write_indexed(prefix: impl AsRef<Path>, docs: &[Vec<u32>], dtype: TokenDtype) -> Result<(), DataError> {
+    let mut b = IndexedBuilder::create(prefix, dtype)?;
+    for d in docs {
+        b.add_document(d)?;
+    }
+    b.finish()
 }

@@ -13,7 +13,7 @@ mod indexed;
 mod tokenizer;
 
 pub use dataset::{Sampler, TokenSplit, blend, parse_split, split_documents, split_indexed};
-pub use indexed::{IndexedDataset, TokenDtype, write_indexed};
+pub use indexed::{IndexedBuilder, IndexedDataset, TokenDtype, write_indexed};
 pub use tokenizer::{Tokenizer, TokenizerKind};
 
 #[derive(Debug, thiserror::Error)]

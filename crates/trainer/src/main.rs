@@ -60,6 +60,8 @@ enum Cmd {
         #[arg(long, default_value_t = 1)]
         virtual_stages: usize,
     },
+    /// JSON lines into a Megatron indexed dataset (tools/preprocess_data.py's flags) for --data-path.
+    Preprocess(ferrotron_trainer::preprocess::PreprocessArgs),
     /// Sample text from a checkpoint.
     Generate {
         #[arg(long)]
@@ -99,6 +101,12 @@ fn run() -> anyhow::Result<()> {
             }
             let kind = ferrotron_optim::schedule_kind(pp, v);
             print!("{}", ferrotron_parallel::pipeline::render(kind, pp, m)?);
+            Ok(())
+        }
+        Cmd::Preprocess(a) => {
+            for w in ferrotron_trainer::preprocess::preprocess(&a)? {
+                eprintln!("{}.bin/.idx: {} documents, {} tokens", w.prefix.display(), w.documents, w.tokens);
+            }
             Ok(())
         }
         Cmd::Generate { load, prompt, max_new_tokens, temperature, top_k, seed } => {

@@ -390,3 +390,53 @@ fn corrupt_checkpoint_is_an_error_and_failed_save_loses_nothing() {
     fails_naming(&["--load", d], "corrupt tracker");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[test]
+fn preprocess_writes_what_train_data_path_reads() {
+    use ferrotron_data::{IndexedDataset, Tokenizer, TokenizerKind, corpus};
+    let dir = tmp("cli-preprocess");
+    std::fs::create_dir_all(&dir).unwrap();
+    let input = dir.join("docs.jsonl");
+    let docs = corpus::documents(7, 300);
+    let mut lines: Vec<String> = docs.iter().map(|d| serde_json::json!({ "text": d, "id": 1 }).to_string()).collect();
+    lines.insert(1, String::new()); // blank lines are skipped
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    let prefix = dir.join("corpus");
+    let o = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args(["preprocess", "--input", input.to_str().unwrap(), "--output-prefix", prefix.to_str().unwrap()])
+        .args(["--tokenizer-type", "byte", "--append-eod", "--workers", "4"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let written = dir.join("corpus_text_document");
+    assert!(stderr(&o).contains("300 documents"), "{}", stderr(&o));
+    let ds = IndexedDataset::open(&written).unwrap();
+    let tok = Tokenizer::new(TokenizerKind::Byte).unwrap();
+    let want: Vec<u32> = docs
+        .iter()
+        .flat_map(|d| {
+            let mut t = tok.encode(d);
+            t.push(tok.eod());
+            t
+        })
+        .collect();
+    let mut got = vec![0; want.len()];
+    ds.read(0, &mut got).unwrap();
+    assert_eq!((ds.num_documents(), ds.num_tokens()), (300, want.len() as u64));
+    assert_eq!(got, want);
+    // train takes it.
+    let o = run(&["--train-iters", "2", "--data-path", written.to_str().unwrap(), "--split", "9,1"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+
+    // A line that is not JSON is named, and no dataset appears.
+    std::fs::write(&input, "{\"text\": \"a\"}\n{text: b}\n").unwrap();
+    let bad = dir.join("bad");
+    let o = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args(["preprocess", "--input", input.to_str().unwrap(), "--output-prefix", bad.to_str().unwrap()])
+        .args(["--tokenizer-type", "byte"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success() && stderr(&o).contains("line 2 is not a JSON object"), "{}", stderr(&o));
+    assert!(!dir.join("bad_text_document.idx").exists() && !dir.join("bad_text_document.bin").exists());
+    let _ = std::fs::remove_dir_all(dir);
+}
