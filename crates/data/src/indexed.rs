@@ -176,9 +176,9 @@ impl IndexedDataset {
             }
             let ptr = i64_at(&self.idx, HEADER + 4 * self.sequences + 8 * i);
             if ptr as u64 != at {
+                let want = if i == 0 { "0".to_string() } else { format!("{at}, where sequence {} ends", i - 1) };
                 return Err(bad(format!(
-                    "sequence {i} starts at byte {ptr} of the .bin, not where sequence {} ends ({at}): the index is corrupt or the sequences are not back to back; preprocess the data again",
-                    i.wrapping_sub(1) as isize
+                    "sequence {i} starts at byte {ptr} of the .bin, not {want}: the index is corrupt or the sequences are not back to back; preprocess the data again"
                 )));
             }
             at += len as u64 * size;

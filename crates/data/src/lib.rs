@@ -25,7 +25,7 @@ pub enum DataError {
     #[error("token id {id} is outside the tokenizer's vocabulary of {vocab}")]
     TokenOutOfRange { id: u32, vocab: usize },
     #[error(
-        "the {split} split has {tokens} tokens, fewer than one sample of --seq-length {seq} + 1: use more data or a shorter --seq-length"
+        "the {split} split has {tokens} tokens, fewer than one sample of --seq-length {seq} + 1: use more data, a shorter --seq-length or (with --data-path) a larger share of --split"
     )]
     TooSmall { split: &'static str, tokens: usize, seq: usize },
     #[error("{}: {source}", path.display())]
