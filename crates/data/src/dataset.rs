@@ -155,18 +155,22 @@ pub fn blend(name: &'static str, parts: Vec<(f64, TokenSplit)>, seq: usize) -> T
 }
 
 /// Tokenizes documents and splits them: the last `valid_fraction` of documents is validation.
-pub fn split_documents(docs: &[String], tok: &Tokenizer, valid_fraction: f64) -> (TokenSplit, TokenSplit) {
+pub fn split_documents(
+    docs: &[String],
+    tok: &Tokenizer,
+    valid_fraction: f64,
+) -> Result<(TokenSplit, TokenSplit), DataError> {
     let n_valid = ((docs.len() as f64 * valid_fraction).ceil() as usize).clamp(1, docs.len().saturating_sub(1).max(1));
     let cut = docs.len() - n_valid;
-    let join = |ds: &[String]| {
+    let join = |ds: &[String]| -> Result<Vec<u32>, DataError> {
         let mut out = Vec::new();
         for d in ds {
-            out.extend(tok.encode(d));
+            out.extend(tok.encode(d)?);
             out.push(tok.eod());
         }
-        out
+        Ok(out)
     };
-    (TokenSplit::from_tokens("train", join(&docs[..cut])), TokenSplit::from_tokens("valid", join(&docs[cut..])))
+    Ok((TokenSplit::from_tokens("train", join(&docs[..cut])?), TokenSplit::from_tokens("valid", join(&docs[cut..])?)))
 }
 
 /// Deterministic sample order: epoch e is a Fisher–Yates shuffle driven by Philox(seed, stream e).

@@ -18,8 +18,14 @@ pub use tokenizer::{Tokenizer, TokenizerKind};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
-    #[error("unknown tokenizer `{0}`: use `byte` or `gpt2`")]
+    #[error("unknown tokenizer `{0}`: use `byte`, `gpt2` (GPT2BPETokenizer) or `NullTokenizer` with --vocab-size")]
     UnknownTokenizer(String),
+    #[error("NullTokenizer needs --vocab-size N (ids 0..N, end-of-document N), 1 ≤ N < 2^32 - 1")]
+    NullVocab,
+    #[error("--vocab-size {given} applies to NullTokenizer only: the {tokenizer} tokenizer's vocabulary is fixed")]
+    FixedVocab { tokenizer: &'static str, given: usize },
+    #[error("`{0}` is not a token id: NullTokenizer reads text as ids separated by white space")]
+    NotAnId(String),
     #[error("tokenizer: {0}")]
     Tokenizer(String),
     #[error("token id {id} is outside the tokenizer's vocabulary of {vocab}")]

@@ -1,5 +1,7 @@
-//! Tokenizers: byte-level (vocab 256, end-of-document = byte 0, which text never contains) and
-//! GPT-2 BPE through tiktoken-rs (r50k_base, end-of-document = `<|endoftext|>` 50256).
+//! Tokenizers: byte-level (vocab 256, end-of-document = byte 0, which text never contains),
+//! GPT-2 BPE through tiktoken-rs (r50k_base, end-of-document = `<|endoftext|>` 50256), and
+//! Megatron's NullTokenizer for data tokenized elsewhere (`--vocab-size N`: text is the ids written
+//! out, the vocabulary N + 1 with end-of-document N).
 
 use crate::DataError;
 use std::sync::Arc;
@@ -8,20 +10,42 @@ use std::sync::Arc;
 pub enum TokenizerKind {
     Byte,
     Gpt2,
+    /// Ids below this, plus end-of-document = this.
+    Null(u32),
 }
 
 impl TokenizerKind {
     pub fn parse(s: &str) -> Result<Self, DataError> {
-        match s {
-            "byte" => Ok(TokenizerKind::Byte),
-            "gpt2" | "GPT2BPETokenizer" => Ok(TokenizerKind::Gpt2),
-            _ => Err(DataError::UnknownTokenizer(s.into())),
+        Self::parse_with_vocab(s, None)
+    }
+
+    /// `--tokenizer-type` with `--vocab-size`, which NullTokenizer needs and the others refuse
+    /// (their vocabularies are fixed).
+    pub fn parse_with_vocab(s: &str, vocab_size: Option<usize>) -> Result<Self, DataError> {
+        let kind = match s {
+            "byte" => TokenizerKind::Byte,
+            "gpt2" | "GPT2BPETokenizer" => TokenizerKind::Gpt2,
+            "NullTokenizer" => {
+                let n = vocab_size.ok_or(DataError::NullVocab)?;
+                return u32::try_from(n)
+                    .ok()
+                    .filter(|&n| n > 0 && n < u32::MAX)
+                    .map(TokenizerKind::Null)
+                    .ok_or(DataError::NullVocab);
+            }
+            _ => return Err(DataError::UnknownTokenizer(s.into())),
+        };
+        match vocab_size {
+            Some(n) => Err(DataError::FixedVocab { tokenizer: kind.as_str(), given: n }),
+            None => Ok(kind),
         }
     }
+
     pub fn as_str(self) -> &'static str {
         match self {
             TokenizerKind::Byte => "byte",
             TokenizerKind::Gpt2 => "gpt2",
+            TokenizerKind::Null(_) => "NullTokenizer",
         }
     }
 }
@@ -30,6 +54,7 @@ impl TokenizerKind {
 pub enum Tokenizer {
     Byte,
     Gpt2(Arc<tiktoken_rs::CoreBPE>),
+    Null(u32),
 }
 
 impl Tokenizer {
@@ -39,6 +64,7 @@ impl Tokenizer {
             TokenizerKind::Gpt2 => {
                 Tokenizer::Gpt2(Arc::new(tiktoken_rs::r50k_base().map_err(|e| DataError::Tokenizer(e.to_string()))?))
             }
+            TokenizerKind::Null(n) => Tokenizer::Null(n),
         })
     }
 
@@ -46,6 +72,7 @@ impl Tokenizer {
         match self {
             Tokenizer::Byte => TokenizerKind::Byte,
             Tokenizer::Gpt2(_) => TokenizerKind::Gpt2,
+            Tokenizer::Null(n) => TokenizerKind::Null(*n),
         }
     }
 
@@ -54,6 +81,7 @@ impl Tokenizer {
         match self {
             Tokenizer::Byte => 256,
             Tokenizer::Gpt2(_) => 50257,
+            Tokenizer::Null(n) => *n as usize + 1,
         }
     }
 
@@ -61,14 +89,27 @@ impl Tokenizer {
         match self {
             Tokenizer::Byte => 0,
             Tokenizer::Gpt2(_) => 50256,
+            Tokenizer::Null(n) => *n,
         }
     }
 
-    pub fn encode(&self, text: &str) -> Vec<u32> {
-        match self {
+    /// The ids of `text`. NullTokenizer reads them written out, separated by white space; a word
+    /// that is not an id below the vocabulary is an error.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, DataError> {
+        Ok(match self {
             Tokenizer::Byte => text.bytes().map(u32::from).collect(),
             Tokenizer::Gpt2(b) => b.encode_ordinary(text).into_iter().collect(),
-        }
+            Tokenizer::Null(_) => {
+                let vocab = self.vocab_size();
+                text.split_whitespace()
+                    .map(|w| match w.parse::<u32>() {
+                        Ok(id) if (id as usize) < vocab => Ok(id),
+                        Ok(id) => Err(DataError::TokenOutOfRange { id, vocab }),
+                        Err(_) => Err(DataError::NotAnId(w.chars().take(40).collect())),
+                    })
+                    .collect::<Result<_, _>>()?
+            }
+        })
     }
 
     /// Text of `ids`; ids past the vocabulary (padding rows of the output layer) are an error.
@@ -82,6 +123,7 @@ impl Tokenizer {
                 Ok(String::from_utf8_lossy(&ids.iter().map(|&i| i as u8).collect::<Vec<_>>()).into_owned())
             }
             Tokenizer::Gpt2(b) => b.decode(ids).map_err(|e| DataError::Tokenizer(e.to_string())),
+            Tokenizer::Null(_) => Ok(ids.iter().map(u32::to_string).collect::<Vec<_>>().join(" ")),
         }
     }
 }
@@ -95,13 +137,29 @@ mod tests {
         let text = "Once upon a time, Mia the owl found 12 + 7 = 19.";
         for kind in [TokenizerKind::Byte, TokenizerKind::Gpt2] {
             let t = Tokenizer::new(kind).unwrap();
-            let ids = t.encode(text);
+            let ids = t.encode(text).unwrap();
             assert_eq!(t.decode(&ids).unwrap(), text, "{kind:?}");
             assert!(ids.iter().all(|&i| (i as usize) < t.vocab_size()));
         }
         let g = Tokenizer::new(TokenizerKind::Gpt2).unwrap();
         // "Hello world" is two GPT-2 tokens: 15496, 995.
-        assert_eq!(g.encode("Hello world"), vec![15496, 995]);
+        assert_eq!(g.encode("Hello world").unwrap(), vec![15496, 995]);
         assert!(matches!(g.decode(&[50300]), Err(DataError::TokenOutOfRange { id: 50300, .. })));
+    }
+
+    #[test]
+    fn null_tokenizer_reads_ids_and_needs_its_vocabulary() {
+        let k = TokenizerKind::parse_with_vocab("NullTokenizer", Some(1000)).unwrap();
+        let t = Tokenizer::new(k).unwrap();
+        assert_eq!((t.vocab_size(), t.eod(), t.kind().as_str()), (1001, 1000, "NullTokenizer"));
+        assert_eq!(t.encode(" 5 999\n1000 0 ").unwrap(), vec![5, 999, 1000, 0]);
+        assert_eq!(t.decode(&[5, 999, 1000]).unwrap(), "5 999 1000");
+        assert!(matches!(t.encode("5 1001"), Err(DataError::TokenOutOfRange { id: 1001, vocab: 1001 })));
+        assert!(matches!(t.encode("5 cat"), Err(DataError::NotAnId(w)) if w == "cat"));
+        assert!(matches!(TokenizerKind::parse("NullTokenizer"), Err(DataError::NullVocab)));
+        assert!(matches!(
+            TokenizerKind::parse_with_vocab("gpt2", Some(1000)),
+            Err(DataError::FixedVocab { tokenizer: "gpt2", given: 1000 })
+        ));
     }
 }

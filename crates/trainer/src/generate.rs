@@ -28,7 +28,7 @@ pub fn generate(a: &GenerateArgs) -> anyhow::Result<String> {
     let (model, table) = GptModel::build(s.model_config()?, &Device::Cpu, dtype, s.seed)?;
     checkpoint::restore_params(&ck, &table)?;
     let tok = Tokenizer::new(s.tokenizer()?)?;
-    let mut ids = tok.encode(a.prompt);
+    let mut ids = tok.encode(a.prompt)?;
     if ids.is_empty() {
         ids.push(tok.eod());
     }

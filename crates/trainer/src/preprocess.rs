@@ -18,9 +18,13 @@ pub struct PreprocessArgs {
     /// Outputs go to OUTPUT_PREFIX_KEY_document.bin and .idx, one pair per --json-keys key.
     #[arg(long)]
     pub output_prefix: String,
-    /// byte or gpt2 (Megatron's GPT2BPETokenizer): the tokenizer the model will train with.
+    /// byte, gpt2 (Megatron's GPT2BPETokenizer) or NullTokenizer (text already ids, with
+    /// --vocab-size): the tokenizer the model will train with.
     #[arg(long)]
     pub tokenizer_type: String,
+    /// NullTokenizer's vocabulary: ids below N, end-of-document N.
+    #[arg(long)]
+    pub vocab_size: Option<usize>,
     #[arg(long, num_args = 1.., default_values_t = ["text".to_string()])]
     pub json_keys: Vec<String>,
     /// End every document with the tokenizer's end-of-document token.
@@ -70,7 +74,9 @@ pub fn preprocess(a: &PreprocessArgs) -> anyhow::Result<Vec<Written>> {
                         let Some(text) = v.get(k).and_then(|t| t.as_str()) else {
                             bail!("{}: line {n} has no string field `{k}` (--json-keys)", a.input.display());
                         };
-                        let mut ids = tok.encode(text);
+                        let mut ids = tok
+                            .encode(text)
+                            .with_context(|| format!("{}: line {n}, field `{k}`", a.input.display()))?;
                         if a.append_eod {
                             ids.push(tok.eod());
                         }

@@ -81,9 +81,12 @@ pub struct TrainArgs {
     /// Accepted for Megatron's scripts: flash attention runs wherever its kernels apply.
     #[arg(long)]
     pub use_flash_attn: bool,
-    /// byte or gpt2.
+    /// byte, gpt2 (GPT2BPETokenizer) or NullTokenizer (data tokenized elsewhere: --vocab-size).
     #[arg(long)]
     pub tokenizer_type: Option<String>,
+    /// NullTokenizer's vocabulary: ids below N, end-of-document N (Megatron's flag).
+    #[arg(long)]
+    pub vocab_size: Option<usize>,
     #[arg(long)]
     pub init_method_std: Option<f32>,
     #[arg(long)]
@@ -279,7 +282,7 @@ impl TrainArgs {
     /// Overlays `o` on `self` (set values in `o` win; switches are or-ed).
     fn overlay(&mut self, o: &TrainArgs) {
         merge_opts!(self, o; preset, num_layers, hidden_size, num_attention_heads, num_query_groups, kv_channels, ffn_hidden_size, seq_length,
-            max_position_embeddings, position_embedding_type, rotary_base, normalization, tokenizer_type, init_method_std,
+            max_position_embeddings, position_embedding_type, rotary_base, normalization, tokenizer_type, vocab_size, init_method_std,
             micro_batch_size, global_batch_size, train_iters, lr, min_lr, lr_decay_style, lr_warmup_iters, lr_warmup_fraction,
             lr_decay_iters, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad, norm_epsilon, make_vocab_size_divisible_by,
             hidden_dropout, attention_dropout, window_size, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, corpus_docs, split,
@@ -390,6 +393,9 @@ pub struct Settings {
     /// `--data-path` as given; empty: the built-in corpus.
     #[serde(default)]
     pub data_path: Vec<String>,
+    /// NullTokenizer's `--vocab-size`.
+    #[serde(default)]
+    pub vocab_size: Option<usize>,
     #[serde(default = "default_split")]
     pub split: String,
 }
@@ -703,6 +709,7 @@ impl Settings {
             bf16: a.bf16,
             corpus_docs: need(&a.corpus_docs, "--corpus-docs")?,
             data_path: a.data_path.clone(),
+            vocab_size: a.vocab_size,
             split: a.split.clone().unwrap_or_else(default_split),
             tensor_model_parallel_size: a.tensor_model_parallel_size.unwrap_or(1),
             sequence_parallel: a.sequence_parallel,
@@ -918,7 +925,14 @@ impl Settings {
     }
 
     pub fn tokenizer(&self) -> anyhow::Result<TokenizerKind> {
-        TokenizerKind::parse(&self.tokenizer_type).map_err(|e| anyhow::anyhow!("--tokenizer-type: {e}"))
+        let kind = TokenizerKind::parse_with_vocab(&self.tokenizer_type, self.vocab_size)
+            .map_err(|e| anyhow::anyhow!("--tokenizer-type {}: {e}", self.tokenizer_type))?;
+        if matches!(kind, TokenizerKind::Null(_)) && self.data_path.is_empty() {
+            bail!(
+                "--tokenizer-type NullTokenizer reads data tokenized elsewhere: give it with --data-path (the built-in corpus is text)"
+            );
+        }
+        Ok(kind)
     }
 
     /// `--data-path` as (weight, prefix) pairs, Megatron's two spellings: prefixes alone (weight

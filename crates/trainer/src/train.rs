@@ -75,7 +75,7 @@ impl Data {
         let tokenizer = Tokenizer::new(s.tokenizer()?)?;
         let (train, valid) = if s.data_path.is_empty() {
             let docs = corpus::documents(s.seed, s.corpus_docs);
-            split_documents(&docs, &tokenizer, 0.05)
+            split_documents(&docs, &tokenizer, 0.05)?
         } else {
             indexed_splits(s)?
         };

@@ -415,7 +415,7 @@ fn preprocess_writes_what_train_data_path_reads() {
     let want: Vec<u32> = docs
         .iter()
         .flat_map(|d| {
-            let mut t = tok.encode(d);
+            let mut t = tok.encode(d).unwrap();
             t.push(tok.eod());
             t
         })

@@ -35,7 +35,7 @@ fn corpus_dataset(name: &str, edit: impl FnOnce(&mut Vec<Vec<u32>>)) -> PathBuf 
     let mut docs: Vec<Vec<u32>> = corpus::documents(s.seed, DOCS)
         .iter()
         .map(|d| {
-            let mut t = tok.encode(d);
+            let mut t = tok.encode(d).unwrap();
             t.push(tok.eod());
             t
         })
@@ -59,6 +59,24 @@ fn an_indexed_dataset_trains_as_the_same_tokens_in_memory() {
     assert_eq!(got.losses, want.losses);
     assert_eq!(got.evals, want.evals);
     assert_eq!(got.losses.len(), 6);
+
+    // Megatron's NullTokenizer takes the ids as they are: with --vocab-size 255 (256 with its
+    // end-of-document id, the byte tokenizer's vocabulary) the same model trains on the same
+    // tokens to the same losses.
+    let null = run(TrainArgs {
+        data_path: vec![prefix.to_str().unwrap().into()],
+        split: Some("1900,100,0".into()),
+        tokenizer_type: Some("NullTokenizer".into()),
+        vocab_size: Some(255),
+        ..args()
+    })
+    .unwrap();
+    assert_eq!(null.losses, want.losses);
+    let e =
+        run(TrainArgs { tokenizer_type: Some("NullTokenizer".into()), vocab_size: Some(256), ..args() }).err().unwrap();
+    assert!(format!("{e:#}").contains("give it with --data-path"), "{e:#}");
+    let e = run(TrainArgs { vocab_size: Some(256), ..args() }).err().unwrap();
+    assert!(format!("{e:#}").contains("applies to NullTokenizer only"), "{e:#}");
 
     // Blended with a second copy at 3 : 1, the run trains (finite, falling loss) on samples of
     // both; the default --split leaves validation documents too.
