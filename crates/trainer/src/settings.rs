@@ -163,6 +163,12 @@ pub struct TrainArgs {
     /// pairs ("0.7 web 0.3 code"). The tokens must come from --tokenizer-type's tokenizer.
     #[arg(long, num_args = 1..)]
     pub data_path: Vec<String>,
+    /// Instead of --data-path and --split: the datasets training reads, whole (same spellings).
+    #[arg(long, num_args = 1..)]
+    pub train_data_path: Vec<String>,
+    /// With --train-data-path: the datasets validation reads, whole.
+    #[arg(long, num_args = 1..)]
+    pub valid_data_path: Vec<String>,
     /// The indexed datasets' documents cut into train, valid and test by these weights, as
     /// Megatron's --split (default "969, 30, 1").
     #[arg(long)]
@@ -298,8 +304,14 @@ impl TrainArgs {
         if !o.cuda_graph_scope.is_empty() {
             self.cuda_graph_scope = o.cuda_graph_scope.clone();
         }
-        if !o.data_path.is_empty() {
-            self.data_path = o.data_path.clone();
+        for (dst, src) in [
+            (&mut self.data_path, &o.data_path),
+            (&mut self.train_data_path, &o.train_data_path),
+            (&mut self.valid_data_path, &o.valid_data_path),
+        ] {
+            if !src.is_empty() {
+                *dst = src.clone();
+            }
         }
     }
 }
@@ -390,9 +402,13 @@ pub struct Settings {
     /// Tokens before itself that each token's attention sees (`--window-size`'s left); None: all.
     #[serde(default)]
     pub window_size: Option<usize>,
-    /// `--data-path` as given; empty: the built-in corpus.
+    /// `--data-path` as given; empty (and no --train-data-path): the built-in corpus.
     #[serde(default)]
     pub data_path: Vec<String>,
+    #[serde(default)]
+    pub train_data_path: Vec<String>,
+    #[serde(default)]
+    pub valid_data_path: Vec<String>,
     /// NullTokenizer's `--vocab-size`.
     #[serde(default)]
     pub vocab_size: Option<usize>,
@@ -709,6 +725,8 @@ impl Settings {
             bf16: a.bf16,
             corpus_docs: need(&a.corpus_docs, "--corpus-docs")?,
             data_path: a.data_path.clone(),
+            train_data_path: a.train_data_path.clone(),
+            valid_data_path: a.valid_data_path.clone(),
             vocab_size: a.vocab_size,
             split: a.split.clone().unwrap_or_else(default_split),
             tensor_model_parallel_size: a.tensor_model_parallel_size.unwrap_or(1),
@@ -805,7 +823,17 @@ impl Settings {
     /// Checks the non-model settings; the model's own checks run in `model_config`.
     pub fn validate(&self) -> anyhow::Result<()> {
         self.tokenizer()?;
-        self.data_blend()?;
+        self.data_blend(&self.data_path, "--data-path")?;
+        self.data_blend(&self.train_data_path, "--train-data-path")?;
+        self.data_blend(&self.valid_data_path, "--valid-data-path")?;
+        match (self.data_path.is_empty(), self.train_data_path.is_empty(), self.valid_data_path.is_empty()) {
+            (_, true, true) => {}
+            (true, false, false) => {}
+            (false, _, _) => {
+                bail!("--data-path and --train-data-path / --valid-data-path are two ways to name the data: give one")
+            }
+            _ => bail!("--train-data-path and --valid-data-path go together (validation runs every --eval-interval)"),
+        }
         ferrotron_data::parse_split(&self.split)?;
         self.decay_style()?;
         self.model_config()?.validate()?;
@@ -927,7 +955,7 @@ impl Settings {
     pub fn tokenizer(&self) -> anyhow::Result<TokenizerKind> {
         let kind = TokenizerKind::parse_with_vocab(&self.tokenizer_type, self.vocab_size)
             .map_err(|e| anyhow::anyhow!("--tokenizer-type {}: {e}", self.tokenizer_type))?;
-        if matches!(kind, TokenizerKind::Null(_)) && self.data_path.is_empty() {
+        if matches!(kind, TokenizerKind::Null(_)) && self.data_path.is_empty() && self.train_data_path.is_empty() {
             bail!(
                 "--tokenizer-type NullTokenizer reads data tokenized elsewhere: give it with --data-path (the built-in corpus is text)"
             );
@@ -935,15 +963,14 @@ impl Settings {
         Ok(kind)
     }
 
-    /// `--data-path` as (weight, prefix) pairs, Megatron's two spellings: prefixes alone (weight
-    /// None: each by its size) or weight-prefix pairs.
-    pub fn data_blend(&self) -> anyhow::Result<Vec<(Option<f64>, PathBuf)>> {
-        let d = &self.data_path;
+    /// A data-path flag's values as (weight, prefix) pairs, Megatron's two spellings: prefixes
+    /// alone (weight None: each by its size) or weight-prefix pairs.
+    pub fn data_blend(&self, d: &[String], flag: &str) -> anyhow::Result<Vec<(Option<f64>, PathBuf)>> {
         let weighted = d.len() % 2 == 0 && d.iter().step_by(2).all(|w| w.parse::<f64>().is_ok());
         if !weighted {
             if let Some(w) = d.iter().find(|x| x.parse::<f64>().is_ok()) {
                 bail!(
-                    "--data-path {}: `{w}` reads as a weight, but not every prefix has one: write `W1 PREFIX1 W2 PREFIX2 …` or prefixes alone",
+                    "{flag} {}: `{w}` reads as a weight, but not every prefix has one: write `W1 PREFIX1 W2 PREFIX2 …` or prefixes alone",
                     d.join(" ")
                 );
             }
@@ -953,7 +980,7 @@ impl Settings {
             .map(|c| {
                 let w: f64 = c[0].parse()?;
                 if !w.is_finite() || w < 0.0 {
-                    bail!("--data-path: weight {w} of {} must be a non-negative number", c[1]);
+                    bail!("{flag}: weight {w} of {} must be a non-negative number", c[1]);
                 }
                 Ok((Some(w), PathBuf::from(&c[1])))
             })

@@ -60,6 +60,30 @@ fn an_indexed_dataset_trains_as_the_same_tokens_in_memory() {
     assert_eq!(got.evals, want.evals);
     assert_eq!(got.losses.len(), 6);
 
+    // The same split as two datasets, each read whole.
+    let head = corpus_dataset("head", |d| d.truncate(1900));
+    let tail = corpus_dataset("tail", |d| {
+        d.drain(..1900);
+    });
+    let whole = run(TrainArgs {
+        train_data_path: vec![head.to_str().unwrap().into()],
+        valid_data_path: vec![tail.to_str().unwrap().into()],
+        ..args()
+    })
+    .unwrap();
+    assert_eq!((whole.losses, whole.evals), (want.losses.clone(), want.evals.clone()));
+    let e = run(TrainArgs { train_data_path: vec![head.to_str().unwrap().into()], ..args() }).err().unwrap();
+    assert!(format!("{e:#}").contains("go together"), "{e:#}");
+    let e = run(TrainArgs {
+        data_path: vec![head.to_str().unwrap().into()],
+        train_data_path: vec![head.to_str().unwrap().into()],
+        valid_data_path: vec![tail.to_str().unwrap().into()],
+        ..args()
+    })
+    .err()
+    .unwrap();
+    assert!(format!("{e:#}").contains("give one"), "{e:#}");
+
     // Megatron's NullTokenizer takes the ids as they are: with --vocab-size 255 (256 with its
     // end-of-document id, the byte tokenizer's vocabulary) the same model trains on the same
     // tokens to the same losses.
