@@ -9,6 +9,7 @@
 
 pub mod corpus;
 mod dataset;
+mod gpt2_files;
 mod indexed;
 mod tokenizer;
 
@@ -26,6 +27,8 @@ pub enum DataError {
     FixedVocab { tokenizer: &'static str, given: usize },
     #[error("`{0}` is not a token id: NullTokenizer reads text as ids separated by white space")]
     NotAnId(String),
+    #[error("--vocab-file and --merge-file belong to GPT2BPETokenizer, not the {0} tokenizer")]
+    Gpt2FilesOnly(&'static str),
     #[error("tokenizer: {0}")]
     Tokenizer(String),
     #[error("token id {id} is outside the tokenizer's vocabulary of {vocab}")]

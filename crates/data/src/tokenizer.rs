@@ -112,6 +112,28 @@ impl Tokenizer {
         })
     }
 
+    /// Megatron's `--vocab-file` / `--merge-file` for GPT2BPETokenizer, checked to be GPT-2's (the
+    /// built-in tokenizer's); with any other tokenizer they are refused.
+    pub fn check_gpt2_files(
+        &self,
+        vocab: Option<&std::path::Path>,
+        merges: Option<&std::path::Path>,
+    ) -> Result<(), DataError> {
+        match self {
+            Tokenizer::Gpt2(bpe) => {
+                if let Some(v) = vocab {
+                    crate::gpt2_files::check_vocab_file(v, bpe)?;
+                }
+                if let Some(m) = merges {
+                    crate::gpt2_files::check_merge_file(m)?;
+                }
+                Ok(())
+            }
+            _ if vocab.is_none() && merges.is_none() => Ok(()),
+            _ => Err(DataError::Gpt2FilesOnly(self.kind().as_str())),
+        }
+    }
+
     /// Text of `ids`; ids past the vocabulary (padding rows of the output layer) are an error.
     pub fn decode(&self, ids: &[u32]) -> Result<String, DataError> {
         let vocab = self.vocab_size();

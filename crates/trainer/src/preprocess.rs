@@ -25,6 +25,12 @@ pub struct PreprocessArgs {
     /// NullTokenizer's vocabulary: ids below N, end-of-document N.
     #[arg(long)]
     pub vocab_size: Option<usize>,
+    /// GPT2BPETokenizer's vocab.json and merges.txt, as Megatron's scripts pass them: checked to
+    /// be GPT-2's (the tokenizer is built in).
+    #[arg(long)]
+    pub vocab_file: Option<PathBuf>,
+    #[arg(long)]
+    pub merge_file: Option<PathBuf>,
     #[arg(long, num_args = 1.., default_values_t = ["text".to_string()])]
     pub json_keys: Vec<String>,
     /// End every document with the tokenizer's end-of-document token.

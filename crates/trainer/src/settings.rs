@@ -87,6 +87,13 @@ pub struct TrainArgs {
     /// NullTokenizer's vocabulary: ids below N, end-of-document N (Megatron's flag).
     #[arg(long)]
     pub vocab_size: Option<usize>,
+    /// GPT2BPETokenizer's vocab.json, as Megatron's scripts pass it: checked to be GPT-2's (the
+    /// tokenizer is built in).
+    #[arg(long)]
+    pub vocab_file: Option<PathBuf>,
+    /// GPT2BPETokenizer's merges.txt: checked to be GPT-2's.
+    #[arg(long)]
+    pub merge_file: Option<PathBuf>,
     #[arg(long)]
     pub init_method_std: Option<f32>,
     #[arg(long)]
@@ -288,7 +295,7 @@ impl TrainArgs {
     /// Overlays `o` on `self` (set values in `o` win; switches are or-ed).
     fn overlay(&mut self, o: &TrainArgs) {
         merge_opts!(self, o; preset, num_layers, hidden_size, num_attention_heads, num_query_groups, kv_channels, ffn_hidden_size, seq_length,
-            max_position_embeddings, position_embedding_type, rotary_base, normalization, tokenizer_type, vocab_size, init_method_std,
+            max_position_embeddings, position_embedding_type, rotary_base, normalization, tokenizer_type, vocab_size, vocab_file, merge_file, init_method_std,
             micro_batch_size, global_batch_size, train_iters, lr, min_lr, lr_decay_style, lr_warmup_iters, lr_warmup_fraction,
             lr_decay_iters, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad, norm_epsilon, make_vocab_size_divisible_by,
             hidden_dropout, attention_dropout, window_size, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, corpus_docs, split,
@@ -793,6 +800,10 @@ impl Settings {
             _ => Launch::Processes(dist.clone()),
         };
         s.validate_layout(launch.world_size())?;
+        if a.vocab_file.is_some() || a.merge_file.is_some() {
+            ferrotron_data::Tokenizer::new(s.tokenizer()?)?
+                .check_gpt2_files(a.vocab_file.as_deref(), a.merge_file.as_deref())?;
+        }
         let device = match a.device.as_deref() {
             // Under a launcher, plain `cuda` means this process's local GPU.
             Some("cuda") => ferrotron_core::Device::cuda(dist.local_rank).context("--device cuda")?,

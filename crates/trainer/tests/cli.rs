@@ -141,6 +141,11 @@ fn bad_flags_fail_with_one_line_naming_the_flag() {
     fails_naming(&["--profile-trace", "steps.json"], "take effect with --profile");
     fails_naming(&["--data-path", "/nonexistent/ferrotron/data"], "/nonexistent/ferrotron/data.idx: No such file");
     fails_naming(&["--data-path", "/nonexistent/a", "--split", "98,x"], "--split 98,x: give up to three");
+    fails_naming(&["--vocab-file", "vocab.json"], "belong to GPT2BPETokenizer, not the byte tokenizer");
+    fails_naming(
+        &["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "/nonexistent/vocab.json"],
+        "/nonexistent/vocab.json: No such file",
+    );
     #[cfg(not(feature = "cuda"))]
     fails_naming(&["--device", "cuda:1"], "rebuild with `--features cuda`");
 }
