@@ -272,13 +272,23 @@ fn with_ext(prefix: &Path, ext: &str) -> PathBuf {
 /// Writes an indexed dataset one document at a time (one sequence each, as Megatron's GPT
 /// preprocessing does): the tokens stream into PREFIX.bin.tmp, the lengths stay in memory (4
 /// bytes a document), and `finish` writes the index and only then renames both into place, so a
-/// failed or interrupted run leaves no pair that looks complete.
+/// failed or interrupted run leaves no pair that looks complete (a builder dropped unfinished
+/// removes its temporary file).
 pub struct IndexedBuilder {
     prefix: PathBuf,
     dtype: TokenDtype,
     bin: std::io::BufWriter<File>,
     lengths: Vec<i32>,
     buf: Vec<u8>,
+    done: bool,
+}
+
+impl Drop for IndexedBuilder {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = std::fs::remove_file(with_ext(&self.prefix, ".bin.tmp"));
+        }
+    }
 }
 
 impl IndexedBuilder {
@@ -286,7 +296,14 @@ impl IndexedBuilder {
         let prefix = prefix.as_ref().to_path_buf();
         let tmp = with_ext(&prefix, ".bin.tmp");
         let f = File::create(&tmp).map_err(|e| DataError::Io { path: tmp, source: e })?;
-        Ok(IndexedBuilder { prefix, dtype, bin: std::io::BufWriter::new(f), lengths: Vec::new(), buf: Vec::new() })
+        Ok(IndexedBuilder {
+            prefix,
+            dtype,
+            bin: std::io::BufWriter::new(f),
+            lengths: Vec::new(),
+            buf: Vec::new(),
+            done: false,
+        })
     }
 
     pub fn add_document(&mut self, tokens: &[u32]) -> Result<(), DataError> {
@@ -336,6 +353,7 @@ impl IndexedBuilder {
             .and_then(|mut f| f.write_all(&idx))
             .map_err(|e| DataError::Io { path: idx_tmp.clone(), source: e })?;
         std::fs::rename(&tmp, &bin).map_err(|e| DataError::Io { path: bin, source: e })?;
+        self.done = true;
         std::fs::rename(&idx_tmp, &idx_path).map_err(|e| DataError::Io { path: idx_path, source: e })
     }
 }
