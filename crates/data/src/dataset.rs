@@ -131,9 +131,19 @@ pub fn split_indexed(data: &Arc<IndexedDataset>, weights: [f64; 3]) -> [TokenSpl
 /// samples as its parts together, and sample i comes from the part furthest behind its share
 /// (weight · (i + 1) − samples taken so far, the lowest index on a tie: Megatron's blending
 /// rule), taking that part's samples in order and from its start again once they run out.
-/// Parts with no sample drop out; their weight goes to the rest.
-pub fn blend(name: &'static str, parts: Vec<(f64, TokenSplit)>, seq: usize) -> TokenSplit {
-    let parts: Vec<(f64, TokenSplit)> = parts.into_iter().filter(|(w, p)| *w > 0.0 && p.num_samples(seq) > 0).collect();
+/// A weight of None is the part's number of samples (Megatron's prefixes without weights); parts
+/// with no sample drop out, their weight going to the rest. One part is returned as it is.
+pub fn blend(name: &'static str, mut parts: Vec<(Option<f64>, TokenSplit)>, seq: usize) -> TokenSplit {
+    if parts.len() == 1 {
+        if let Some((_, p)) = parts.pop() {
+            return p;
+        }
+    }
+    let parts: Vec<(f64, TokenSplit)> = parts
+        .into_iter()
+        .map(|(w, p)| (w.unwrap_or_else(|| p.num_samples(seq) as f64), p))
+        .filter(|(w, p)| *w > 0.0 && p.num_samples(seq) > 0)
+        .collect();
     let total: f64 = parts.iter().map(|(w, _)| w).sum();
     let sizes: Vec<u64> = parts.iter().map(|(_, p)| p.num_samples(seq) as u64).collect();
     let n: u64 = sizes.iter().sum();

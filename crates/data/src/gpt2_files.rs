@@ -26,7 +26,7 @@ fn char_to_byte() -> std::collections::HashMap<char, u8> {
 }
 
 pub(crate) fn check_vocab_file(path: &Path, bpe: &tiktoken_rs::CoreBPE) -> Result<(), DataError> {
-    let bad = |what: String| DataError::BadIndex { path: path.to_path_buf(), what };
+    let bad = |what: String| DataError::BadFile { path: path.to_path_buf(), what };
     let text = std::fs::read_to_string(path).map_err(|e| DataError::Io { path: path.to_path_buf(), source: e })?;
     let vocab: std::collections::BTreeMap<String, u32> =
         serde_json::from_str(&text).map_err(|e| bad(format!("not a vocab.json (a JSON object of token → id): {e}")))?;
@@ -56,7 +56,7 @@ pub(crate) fn check_merge_file(path: &Path) -> Result<(), DataError> {
     let text = std::fs::read_to_string(path).map_err(|e| DataError::Io { path: path.to_path_buf(), source: e })?;
     let merges = text.lines().filter(|l| !l.starts_with("#version") && !l.trim().is_empty()).count();
     if merges != 50000 {
-        return Err(DataError::BadIndex {
+        return Err(DataError::BadFile {
             path: path.to_path_buf(),
             what: format!("{merges} merges, GPT-2's merges.txt has 50,000: this is another tokenizer's"),
         });

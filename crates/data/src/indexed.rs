@@ -140,7 +140,7 @@ impl IndexedDataset {
         let (idx_path, bin_path) = (with_ext(&prefix, ".idx"), with_ext(&prefix, ".bin"));
         let idx = map(&idx_path)?;
         let bin = map(&bin_path)?;
-        let bad = |what: String| DataError::BadIndex { path: idx_path.clone(), what };
+        let bad = |what: String| DataError::BadFile { path: idx_path.clone(), what };
         if idx.len() < HEADER || &idx[..9] != MAGIC {
             return Err(bad("it does not start with Megatron's MMIDIDX header".into()));
         }
@@ -166,7 +166,7 @@ impl IndexedDataset {
     }
 
     fn check(&self, idx_path: &Path, bin_path: &Path) -> Result<(), DataError> {
-        let bad = |what: String| DataError::BadIndex { path: idx_path.to_path_buf(), what };
+        let bad = |what: String| DataError::BadFile { path: idx_path.to_path_buf(), what };
         let size = self.dtype.size() as u64;
         let mut at = 0u64;
         for i in 0..self.sequences {
@@ -184,7 +184,7 @@ impl IndexedDataset {
             at += len as u64 * size;
         }
         if at != self.bin.len() as u64 {
-            return Err(DataError::BadIndex {
+            return Err(DataError::BadFile {
                 path: bin_path.to_path_buf(),
                 what: format!(
                     "the index's sequences end at byte {at}, the file has {} bytes: the .bin and .idx are not one pair (or one was cut short); preprocess the data again",
@@ -248,12 +248,12 @@ impl IndexedDataset {
     pub fn read(&self, at: u64, out: &mut [u32]) -> Result<(), DataError> {
         let size = self.dtype.size();
         let start = at as usize * size;
-        let bytes = self.bin.get(start..start + out.len() * size).ok_or_else(|| DataError::BadIndex {
+        let bytes = self.bin.get(start..start + out.len() * size).ok_or_else(|| DataError::BadFile {
             path: self.prefix.clone(),
             what: format!("tokens {at}..{} are past the data's {} tokens", at as usize + out.len(), self.num_tokens()),
         })?;
         for (k, (o, b)) in out.iter_mut().zip(bytes.chunks_exact(size)).enumerate() {
-            *o = self.dtype.read(b).ok_or_else(|| DataError::BadIndex {
+            *o = self.dtype.read(b).ok_or_else(|| DataError::BadFile {
                 path: self.prefix.clone(),
                 what: format!("token {} of the .bin is negative or past u32", at as usize + k),
             })?;

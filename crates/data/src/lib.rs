@@ -40,7 +40,7 @@ pub enum DataError {
     #[error("{}: {source}", path.display())]
     Io { path: std::path::PathBuf, source: std::io::Error },
     #[error("{}: {what}", path.display())]
-    BadIndex { path: std::path::PathBuf, what: String },
+    BadFile { path: std::path::PathBuf, what: String },
     #[error("a document of {tokens} tokens is longer than an indexed dataset's sequence can be (2^31 - 1)")]
     TooLong { tokens: usize },
     #[error("token id {id} does not fit the indexed dataset's {dtype:?} tokens: write it as I32")]

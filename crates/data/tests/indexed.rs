@@ -95,7 +95,7 @@ fn corrupt(name: &str, edit: impl FnOnce(&mut Vec<u8>, &mut Vec<u8>)) -> String 
     match IndexedDataset::open(&p) {
         Ok(_) => panic!("{name}: a corrupt dataset opened"),
         Err(e) => {
-            assert!(matches!(e, DataError::BadIndex { .. }), "{name}: {e}");
+            assert!(matches!(e, DataError::BadFile { .. }), "{name}: {e}");
             e.to_string()
         }
     }
@@ -162,7 +162,9 @@ fn blend_keeps_each_parts_share_and_its_samples() {
     let want_a: Vec<Vec<u32>> = (0..6).map(|i| a.sample(i, 4).unwrap().to_vec()).collect();
     let want_b: Vec<Vec<u32>> = (0..2).map(|i| b.sample(i, 4).unwrap().to_vec()).collect();
     let empty = TokenSplit::from_tokens("c", vec![1, 2]);
-    let m = blend("train", vec![(1.0, a), (3.0, b), (5.0, empty)], 4);
+    let alone = blend("train", vec![(None, TokenSplit::from_tokens("x", (0..9).collect()))], 4);
+    assert_eq!((alone.name, alone.num_samples(4)), ("x", 2), "one part is used as it is");
+    let m = blend("train", vec![(Some(1.0), a), (Some(3.0), b), (Some(5.0), empty)], 4);
     assert_eq!(m.num_samples(4), 8, "one epoch: the parts' samples together");
     let got: Vec<Vec<u32>> = (0..8).map(|i| m.sample(i, 4).unwrap().to_vec()).collect();
     // Weights 1 : 3 (the empty part drops out): b first, then within every prefix of k samples

@@ -76,20 +76,9 @@ impl Data {
         let (train, valid) = if !s.data_path.is_empty() {
             indexed_splits(s)?
         } else if !s.train_data_path.is_empty() {
-            let whole = |flag_values: &[String], flag: &str, name: &'static str| -> anyhow::Result<TokenSplit> {
-                let parts = s.data_blend(flag_values, flag)?;
-                let mut splits = Vec::new();
-                for (w, prefix) in parts {
-                    let ds = Arc::new(IndexedDataset::open(&prefix)?);
-                    let n = ds.num_documents();
-                    let sp = TokenSplit::indexed(name, ds, 0..n);
-                    splits.push((w.unwrap_or_else(|| sp.num_samples(s.seq_length) as f64), sp));
-                }
-                Ok(one_or_blend(name, splits, s.seq_length))
-            };
             (
-                whole(&s.train_data_path, "--train-data-path", "train")?,
-                whole(&s.valid_data_path, "--valid-data-path", "valid")?,
+                whole_datasets(s, &s.train_data_path, "--train-data-path", "train")?,
+                whole_datasets(s, &s.valid_data_path, "--valid-data-path", "valid")?,
             )
         } else {
             let docs = corpus::documents(s.seed, s.corpus_docs);
@@ -105,26 +94,24 @@ impl Data {
 /// weights given (or by their sizes); one dataset is used as it is.
 fn indexed_splits(s: &Settings) -> anyhow::Result<(TokenSplit, TokenSplit)> {
     let weights = parse_split(&s.split)?;
-    let mut train = Vec::new();
-    let mut valid = Vec::new();
+    let (mut train, mut valid) = (Vec::new(), Vec::new());
     for (w, prefix) in s.data_blend(&s.data_path, "--data-path")? {
-        let ds = Arc::new(IndexedDataset::open(&prefix)?);
-        let [t, v, _] = split_indexed(&ds, weights);
-        let by_size = |x: &TokenSplit| x.num_samples(s.seq_length) as f64;
-        train.push((w.unwrap_or_else(|| by_size(&t)), t));
-        valid.push((w.unwrap_or_else(|| by_size(&v)), v));
+        let [t, v, _] = split_indexed(&Arc::new(IndexedDataset::open(&prefix)?), weights);
+        train.push((w, t));
+        valid.push((w, v));
     }
-    Ok((one_or_blend("train", train, s.seq_length), one_or_blend("valid", valid, s.seq_length)))
+    Ok((blend("train", train, s.seq_length), blend("valid", valid, s.seq_length)))
 }
 
-/// One split as it is, several blended.
-fn one_or_blend(name: &'static str, mut parts: Vec<(f64, TokenSplit)>, seq: usize) -> TokenSplit {
-    if parts.len() == 1 {
-        if let Some((_, p)) = parts.pop() {
-            return p;
-        }
+/// `--train-data-path` or `--valid-data-path`: every document of each dataset, blended.
+fn whole_datasets(s: &Settings, values: &[String], flag: &str, name: &'static str) -> anyhow::Result<TokenSplit> {
+    let mut parts = Vec::new();
+    for (w, prefix) in s.data_blend(values, flag)? {
+        let ds = Arc::new(IndexedDataset::open(&prefix)?);
+        let n = ds.num_documents();
+        parts.push((w, TokenSplit::indexed(name, ds, 0..n)));
     }
-    blend(name, parts, seq)
+    Ok(blend(name, parts, s.seq_length))
 }
 
 fn batch(split: &TokenSplit, indices: &[usize], seq: usize, vocab: usize, dev: &Device) -> anyhow::Result<Batch> {
