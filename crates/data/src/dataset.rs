@@ -1,16 +1,24 @@
-//! Token splits and the sampler.
+//! A split's samples, and which sequences and how many samples each dataset gives it.
 //!
-//! A split is one token stream (documents joined by the end-of-document token): generated text
-//! held in memory, or a range of an indexed dataset's documents read from its memory map, or a
-//! blend of splits by weight. Sample i of a stream is the seq_length + 1 tokens starting at
-//! i·seq_length: inputs are the first seq_length, labels the last. The sampler visits samples in
-//! a fresh Philox-driven permutation per epoch.
+//! A split is one GPT dataset (gpt.rs) or a blend of several. The arithmetic around them is
+//! Megatron-Core's BlendedMegatronDatasetBuilder's: `--split` cuts every dataset's sequences at
+//! rounded cumulative fractions; a blend with weights builds each part for its share of the
+//! split's samples plus 0.5% (the mid-level surplus) and picks parts greedily by weight; a blend
+//! without weights weighs each part by one epoch of its samples. So `--data-path`, `--split`,
+//! `--seed` and the batch sizes give the samples a Megatron run with the same flags reads, in the
+//! same order.
 
-use crate::{DataError, IndexedDataset, Tokenizer};
-use ferrotron_core::rng::Philox;
-use std::borrow::Cow;
+use crate::DataError;
+use crate::gpt::{GptDataset, Sequences};
 use std::ops::Range;
 use std::sync::Arc;
+
+/// The names Megatron gives its three splits, in order.
+pub const SPLIT_NAMES: [&str; 3] = ["train", "valid", "test"];
+
+/// Megatron-Core's `mid_level_dataset_surplus`: a blend's parts build this share more samples
+/// than their weight asks for.
+pub const MID_LEVEL_SURPLUS: f64 = 0.005;
 
 pub struct TokenSplit {
     pub name: &'static str,
@@ -18,70 +26,42 @@ pub struct TokenSplit {
 }
 
 enum Source {
-    Memory(Vec<u32>),
-    /// Tokens `tokens` of the dataset's .bin (a range of whole documents).
-    Indexed {
-        data: Arc<IndexedDataset>,
-        tokens: Range<u64>,
-    },
-    /// Sample i is sample `picks[i].1` of part `picks[i].0`, for samples of `seq` + 1 tokens.
+    Gpt(GptDataset),
+    /// Sample i is sample `picks[i].1` of part `picks[i].0`.
     Blend {
-        seq: usize,
-        parts: Vec<TokenSplit>,
-        picks: Vec<(u32, u64)>,
+        parts: Vec<GptDataset>,
+        picks: Vec<(u16, u64)>,
     },
 }
 
 impl TokenSplit {
-    pub fn from_tokens(name: &'static str, tokens: Vec<u32>) -> Self {
-        TokenSplit { name, source: Source::Memory(tokens) }
+    pub fn gpt(name: &'static str, ds: GptDataset) -> Self {
+        TokenSplit { name, source: Source::Gpt(ds) }
     }
 
-    /// Documents `docs` of an indexed dataset.
-    pub fn indexed(name: &'static str, data: Arc<IndexedDataset>, docs: Range<usize>) -> Self {
-        let tokens = data.document_tokens(docs);
-        TokenSplit { name, source: Source::Indexed { data, tokens } }
-    }
-
-    pub fn num_tokens(&self) -> u64 {
+    pub fn num_samples(&self) -> usize {
         match &self.source {
-            Source::Memory(t) => t.len() as u64,
-            Source::Indexed { tokens, .. } => tokens.end - tokens.start,
-            Source::Blend { parts, .. } => parts.iter().map(|p| p.num_tokens()).sum(),
-        }
-    }
-
-    pub fn num_samples(&self, seq: usize) -> usize {
-        match &self.source {
+            Source::Gpt(d) => d.num_samples(),
             Source::Blend { picks, .. } => picks.len(),
-            _ => (self.num_tokens().saturating_sub(1) / seq as u64) as usize,
         }
     }
 
-    /// The seq + 1 tokens of sample `i` (below `num_samples(seq)`).
-    pub fn sample(&self, i: usize, seq: usize) -> Result<Cow<'_, [u32]>, DataError> {
+    pub fn seq_length(&self) -> usize {
         match &self.source {
-            Source::Memory(t) => Ok(Cow::Borrowed(&t[i * seq..i * seq + seq + 1])),
-            Source::Indexed { data, tokens } => {
-                let mut out = vec![0u32; seq + 1];
-                data.read(tokens.start + (i * seq) as u64, &mut out)?;
-                Ok(Cow::Owned(out))
-            }
-            Source::Blend { seq: built, parts, picks } => {
-                if *built != seq {
-                    return Err(DataError::BlendSeq { split: self.name, built: *built, asked: seq });
-                }
-                let (p, j) = picks[i];
-                parts[p as usize].sample(j as usize, seq)
-            }
+            Source::Gpt(d) => d.seq_length(),
+            Source::Blend { parts, .. } => parts[0].seq_length(),
         }
     }
 
-    pub fn check(&self, seq: usize) -> Result<(), DataError> {
-        if self.num_samples(seq) == 0 {
-            return Err(DataError::TooSmall { split: self.name, tokens: self.num_tokens() as usize, seq });
+    /// The seq_length + 1 tokens of sample `i` (below `num_samples`).
+    pub fn sample(&self, i: usize) -> Result<Vec<u32>, DataError> {
+        match &self.source {
+            Source::Gpt(d) => d.sample(i),
+            Source::Blend { parts, picks } => {
+                let &(p, j) = picks.get(i).ok_or(DataError::SampleOutOfRange { index: i, samples: picks.len() })?;
+                parts[p as usize].sample(j as usize)
+            }
         }
-        Ok(())
     }
 }
 
@@ -105,134 +85,204 @@ pub fn parse_split(s: &str) -> Result<[f64; 3], DataError> {
     Ok(w)
 }
 
-/// An indexed dataset's documents cut into train, valid and test by `weights` (`parse_split`),
-/// with Megatron's arithmetic: each boundary rounded (half to even) from the running sum, the
-/// rounding's overshoot taken back from every boundary after the first, so the same `--split`
-/// gives the same documents in each split as Megatron's.
-pub fn split_indexed(data: &Arc<IndexedDataset>, weights: [f64; 3]) -> [TokenSplit; 3] {
-    let n = data.num_documents() as i64;
-    let mut b = [0i64; 4];
-    for k in 0..3 {
-        b[k + 1] = b[k] + (weights[k] * n as f64).round_ties_even() as i64;
+/// The sequences of a dataset of `n` that each split takes for `weights` (`parse_split`), as
+/// Megatron-Core cuts them: the split's bounds are the running sums of the weights, each times
+/// n rounded half to even. A split of weight 0 is None (Megatron builds no dataset for it).
+pub fn split_ranges(n: usize, weights: [f64; 3]) -> [Option<Range<usize>>; 3] {
+    let mut out = [None, None, None];
+    let mut begin = 0.0;
+    for (k, w) in weights.iter().enumerate() {
+        let end = begin + w;
+        if end > begin {
+            let at = |x: f64| (x * n as f64).round_ties_even() as usize;
+            out[k] = Some(at(begin)..at(end));
+        }
+        begin = end;
     }
-    let over = b[3] - n;
-    for x in &mut b[1..] {
-        *x -= over;
-    }
-    let r = |k: usize| b[k].clamp(0, n) as usize..b[k + 1].clamp(0, n) as usize;
-    [
-        TokenSplit::indexed("train", data.clone(), r(0)),
-        TokenSplit::indexed("valid", data.clone(), r(1)),
-        TokenSplit::indexed("test", data.clone(), r(2)),
-    ]
+    out
 }
 
-/// Splits blended by weight for samples of `seq` + 1 tokens: one epoch of the blend has as many
-/// samples as its parts together, and sample i comes from the part furthest behind its share
-/// (weight · (i + 1) − samples taken so far, the lowest index on a tie: Megatron's blending
-/// rule), taking that part's samples in order and from its start again once they run out.
-/// A weight of None is the part's number of samples (Megatron's prefixes without weights); parts
-/// with no sample drop out, their weight going to the rest. One part is returned as it is.
-pub fn blend(name: &'static str, mut parts: Vec<(Option<f64>, TokenSplit)>, seq: usize) -> TokenSplit {
-    if parts.len() == 1 {
-        if let Some((_, p)) = parts.pop() {
-            return p;
+/// One dataset of a blend: its weight (None for Megatron's prefixes given without weights) and
+/// its sequences.
+pub type Part = (Option<f64>, Arc<Sequences>);
+
+/// A part and the range of its sequences a split takes.
+pub type PartRange = (Option<f64>, Arc<Sequences>, Range<usize>);
+
+/// Split `k` of datasets `parts`, each cut by `split` (`--data-path` with `--split`), built for
+/// `size` samples; None where the split's weight is 0.
+pub fn split_of(
+    parts: &[Part],
+    split: [f64; 3],
+    k: usize,
+    size: u64,
+    seq_length: usize,
+    seed: u32,
+) -> Result<Option<TokenSplit>, DataError> {
+    let mut cut = Vec::with_capacity(parts.len());
+    for (w, seqs) in parts {
+        match split_ranges(seqs.len(), split)[k].clone() {
+            Some(r) => cut.push((*w, seqs.clone(), r)),
+            None => return Ok(None),
         }
     }
-    let parts: Vec<(f64, TokenSplit)> = parts
-        .into_iter()
-        .map(|(w, p)| (w.unwrap_or_else(|| p.num_samples(seq) as f64), p))
-        .filter(|(w, p)| *w > 0.0 && p.num_samples(seq) > 0)
-        .collect();
-    let total: f64 = parts.iter().map(|(w, _)| w).sum();
-    let sizes: Vec<u64> = parts.iter().map(|(_, p)| p.num_samples(seq) as u64).collect();
-    let n: u64 = sizes.iter().sum();
-    let mut taken = vec![0u64; parts.len()];
-    let mut picks = Vec::with_capacity(n as usize);
-    for i in 0..n {
+    blend_split(SPLIT_NAMES[k], cut, size, seq_length, seed).map(Some)
+}
+
+/// Split `k` made of every sequence of `parts` (`--train-data-path`, `--valid-data-path`).
+pub fn whole_split(parts: &[Part], k: usize, size: u64, seq_length: usize, seed: u32) -> Result<TokenSplit, DataError> {
+    let all = parts.iter().map(|(w, s)| (*w, s.clone(), 0..s.len())).collect();
+    blend_split(SPLIT_NAMES[k], all, size, seq_length, seed)
+}
+
+/// One split from its parts' sequence ranges: a lone part without a weight is a GPT dataset of
+/// `size` samples; otherwise a blend, its parts built and weighed as Megatron's builder does.
+pub fn blend_split(
+    name: &'static str,
+    parts: Vec<PartRange>,
+    size: u64,
+    seq_length: usize,
+    seed: u32,
+) -> Result<TokenSplit, DataError> {
+    if parts.len() >= i16::MAX as usize {
+        return Err(DataError::BadDataPath(format!(
+            "{} datasets in one blend: Megatron's limit is 32766",
+            parts.len()
+        )));
+    }
+    if let [(None, seqs, ids)] = &parts[..] {
+        return Ok(TokenSplit::gpt(
+            name,
+            GptDataset::build(name, seqs.clone(), ids.clone(), Some(size), seq_length, seed)?,
+        ));
+    }
+    let weights: Option<Vec<f64>> = parts.iter().map(|p| p.0).collect();
+    let (built, weights, size) = match weights {
+        Some(w) => {
+            if w.iter().any(|x| !(x.is_finite() && *x > 0.0)) {
+                return Err(DataError::BadDataPath(format!("blend weights must be positive numbers, got {w:?}")));
+            }
+            let w = normalize(&w);
+            let target = blend_sizes(&w, size, 0.0);
+            let buffer = blend_sizes(&w, size, MID_LEVEL_SURPLUS);
+            let built = parts
+                .into_iter()
+                .zip(buffer)
+                .map(|((_, seqs, ids), n)| GptDataset::build(name, seqs, ids, Some(n), seq_length, seed))
+                .collect::<Result<Vec<_>, _>>()?;
+            (built, w, target.iter().sum())
+        }
+        None if parts.iter().any(|p| p.0.is_some()) => {
+            return Err(DataError::BadDataPath("give a weight to every dataset of a blend, or to none".into()));
+        }
+        None => {
+            // One epoch of each part, weighed by its samples; the blend as long as asked for or
+            // as all of them together, whichever is fewer.
+            let built = parts
+                .into_iter()
+                .map(|(_, seqs, ids)| GptDataset::build(name, seqs, ids, None, seq_length, seed))
+                .collect::<Result<Vec<_>, _>>()?;
+            let lens: Vec<f64> = built.iter().map(|d| d.num_samples() as f64).collect();
+            if let Some(d) = built.iter().find(|d| d.num_samples() == 0) {
+                return Err(DataError::TooSmall {
+                    split: name,
+                    tokens: d.tokens_per_epoch() as usize,
+                    seq: seq_length,
+                });
+            }
+            let total = lens.iter().sum::<f64>() as u64;
+            (built, normalize(&lens), size.min(total))
+        }
+    };
+    Ok(TokenSplit { name, source: Source::Blend { picks: blending_indices(&weights, size), parts: built } })
+}
+
+/// Megatron's `normalize`: each weight over their sum.
+fn normalize(w: &[f64]) -> Vec<f64> {
+    let sum: f64 = w.iter().sum();
+    w.iter().map(|x| x / sum).collect()
+}
+
+/// The samples each part of a blend builds for a split of `target` samples: ⌈⌈target · w⌉ ·
+/// (1 + surplus)⌉ (Megatron's `_get_size_per_split_per_dataset`).
+pub fn blend_sizes(weights: &[f64], target: u64, surplus: f64) -> Vec<u64> {
+    weights.iter().map(|w| ((target as f64 * w).ceil() * (1.0 + surplus)).ceil() as u64).collect()
+}
+
+/// Megatron's `build_blending_indices`: sample i comes from the part furthest behind its share,
+/// weight · max(i, 1) − samples taken so far (the first part on a tie), taking that part's
+/// samples in order.
+fn blending_indices(weights: &[f64], size: u64) -> Vec<(u16, u64)> {
+    let mut taken = vec![0u64; weights.len()];
+    let mut picks = Vec::with_capacity(size as usize);
+    for i in 0..size {
+        let x = (i as f64).max(1.0);
         let mut best = 0;
-        let mut best_err = f64::NEG_INFINITY;
-        for (k, (w, _)) in parts.iter().enumerate() {
-            let err = w / total * (i + 1) as f64 - taken[k] as f64;
+        let mut best_err = weights[0] * x - taken[0] as f64;
+        for (k, w) in weights.iter().enumerate().skip(1) {
+            let err = w * x - taken[k] as f64;
             if err > best_err {
                 (best, best_err) = (k, err);
             }
         }
-        picks.push((best as u32, taken[best] % sizes[best]));
+        picks.push((best as u16, taken[best]));
         taken[best] += 1;
     }
-    TokenSplit { name, source: Source::Blend { seq, parts: parts.into_iter().map(|(_, p)| p).collect(), picks } }
+    picks
 }
 
-/// Tokenizes documents and splits them: the last `valid_fraction` of documents is validation.
-pub fn split_documents(
+/// Tokenized documents, each followed by the end-of-document token, as in-memory sequences;
+/// the last `valid_fraction` of them (at least one, and one fewer than all) are for validation.
+/// Returns the train and valid parts, ready for `blend_split`.
+pub fn documents_in_memory(
     docs: &[String],
-    tok: &Tokenizer,
+    tok: &crate::Tokenizer,
     valid_fraction: f64,
-) -> Result<(TokenSplit, TokenSplit), DataError> {
+) -> Result<[PartRange; 2], DataError> {
     let n_valid = ((docs.len() as f64 * valid_fraction).ceil() as usize).clamp(1, docs.len().saturating_sub(1).max(1));
     let cut = docs.len() - n_valid;
-    let join = |ds: &[String]| -> Result<Vec<u32>, DataError> {
-        let mut out = Vec::new();
-        for d in ds {
-            out.extend(tok.encode(d)?);
-            out.push(tok.eod());
-        }
-        Ok(out)
-    };
-    Ok((TokenSplit::from_tokens("train", join(&docs[..cut])?), TokenSplit::from_tokens("valid", join(&docs[cut..])?)))
-}
-
-/// Deterministic sample order: epoch e is a Fisher–Yates shuffle driven by Philox(seed, stream e).
-pub struct Sampler {
-    n: usize,
-    seed: u64,
-    epoch: Option<(u64, Vec<u32>)>,
-}
-
-impl Sampler {
-    pub fn new(num_samples: usize, seed: u64) -> Self {
-        Sampler { n: num_samples, seed, epoch: None }
+    let mut seqs = Vec::with_capacity(docs.len());
+    for d in docs {
+        let mut t = tok.encode(d)?;
+        t.push(tok.eod());
+        seqs.push(t);
     }
-
-    /// The sample index visited `consumed` samples into training.
-    pub fn index(&mut self, consumed: u64) -> usize {
-        let (epoch, pos) = (consumed / self.n as u64, (consumed % self.n as u64) as usize);
-        if self.epoch.as_ref().map(|e| e.0) != Some(epoch) {
-            let rng = Philox::new(self.seed).with_stream(epoch);
-            let mut perm: Vec<u32> = (0..self.n as u32).collect();
-            for i in (1..self.n).rev() {
-                let j = rng.u32_at(i as u64) as usize % (i + 1);
-                perm.swap(i, j);
-            }
-            self.epoch = Some((epoch, perm));
-        }
-        self.epoch.as_ref().map_or(pos, |e| e.1[pos] as usize)
-    }
+    let seqs = Arc::new(Sequences::from_documents(&seqs));
+    Ok([(None, seqs.clone(), 0..cut), (None, seqs, cut..docs.len())])
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn sampler_is_a_permutation_per_epoch_and_resumable() {
-        let mut s = Sampler::new(10, 3);
-        let e0: Vec<usize> = (0..10).map(|c| s.index(c)).collect();
-        let mut sorted = e0.clone();
-        sorted.sort();
-        assert_eq!(sorted, (0..10).collect::<Vec<_>>());
-        let e1: Vec<usize> = (10..20).map(|c| s.index(c)).collect();
-        assert_ne!(e0, e1);
-        // A fresh sampler jumping straight to consumed = 13 agrees.
-        assert_eq!(Sampler::new(10, 3).index(13), e1[3]);
+    fn memory(docs: &[Vec<u32>]) -> Arc<Sequences> {
+        Arc::new(Sequences::from_documents(docs))
     }
 
     #[test]
-    fn samples_overlap_by_one_token() {
-        let s = TokenSplit::from_tokens("train", (0..21).collect());
-        assert_eq!(s.num_samples(4), 5);
-        assert_eq!(&*s.sample(1, 4).unwrap(), &[4, 5, 6, 7, 8]);
-        assert!(TokenSplit::from_tokens("valid", vec![1, 2]).check(4).is_err());
+    fn samples_overlap_by_one_token_and_cover_the_stream() {
+        // One document of 0..21 and one epoch's worth of samples of 4 + 1: five of them, which
+        // together (less the shared tokens) are the stream's first 21 tokens.
+        let d = GptDataset::build("train", memory(&[(0..21).collect()]), 0..1, Some(5), 4, 7).unwrap();
+        assert_eq!(d.num_samples(), 5);
+        let mut seen: Vec<Vec<u32>> = (0..5).map(|i| d.sample(i).unwrap()).collect();
+        seen.sort();
+        assert_eq!(seen, (0..5).map(|k| (4 * k..4 * k + 5).collect::<Vec<u32>>()).collect::<Vec<_>>());
+        assert!(matches!(d.sample(5), Err(DataError::SampleOutOfRange { index: 5, samples: 5 })));
+        let tiny = GptDataset::build("valid", memory(&[vec![1]]), 0..1, Some(1), 4, 7);
+        assert!(matches!(tiny, Err(DataError::TooSmall { split: "valid", .. })));
+    }
+
+    #[test]
+    fn blending_keeps_every_prefix_within_a_sample_of_its_share() {
+        let picks = blending_indices(&[0.25, 0.75], 40);
+        assert_eq!(picks[0].0, 1);
+        for k in 1..=40 {
+            let from_b = picks[..k].iter().filter(|p| p.0 == 1).count() as f64;
+            assert!((from_b - 0.75 * k as f64).abs() <= 1.0, "after {k}: {from_b} from the second");
+        }
+        // Each part's samples are taken in order.
+        let b: Vec<u64> = picks.iter().filter(|p| p.0 == 1).map(|p| p.1).collect();
+        assert_eq!(b, (0..b.len() as u64).collect::<Vec<_>>());
     }
 }

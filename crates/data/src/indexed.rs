@@ -231,6 +231,16 @@ impl IndexedDataset {
         self.bin.len() as u64 / self.dtype.size() as u64
     }
 
+    /// Tokens in sequence `i` (below `num_sequences`; `open` checked every length).
+    pub fn sequence_length(&self, i: usize) -> u64 {
+        self.len_raw(i).max(0) as u64
+    }
+
+    /// Where sequence `i` starts, as a token position in the .bin.
+    pub fn sequence_start(&self, i: usize) -> u64 {
+        i64_at(&self.idx, HEADER + 4 * self.sequences + 8 * i).max(0) as u64 / self.dtype.size() as u64
+    }
+
     /// The tokens (as positions in the .bin) of documents `docs`.
     pub fn document_tokens(&self, docs: Range<usize>) -> Range<u64> {
         let tok = |s: usize| -> u64 {

@@ -1,19 +1,24 @@
 //! ferrotron-data: what the trainer feeds the model.
 //!
-//! For now: the built-in corpus (made by the project's own seeded generator, so no download is ever
-//! needed), byte-level and GPT-2 BPE tokenizers, a train/valid split by document, fixed-length
-//! samples of seq_length + 1 tokens, and a sampler whose order is a pure function of (seed, epoch),
-//! so a run resumed from `consumed_samples` sees exactly the batches it would have seen.
-//! Megatron's indexed datasets (`--data-path PREFIX`: PREFIX.bin + PREFIX.idx, memory-mapped),
-//! split by documents as `--split` says and blended by weight, feed the same samples and sampler.
+//! The built-in corpus (made by the project's own seeded generator, so no download is ever
+//! needed), byte-level, GPT-2 BPE and Megatron's Null tokenizers, and Megatron's indexed datasets
+//! (`--data-path PREFIX`: PREFIX.bin + PREFIX.idx, memory-mapped). Either kind of data becomes
+//! samples of seq_length + 1 tokens in Megatron-Core's GPTDataset order (gpt.rs), split and
+//! blended as its dataset builder does (dataset.rs), so a run reads the samples a Megatron run
+//! with the same flags reads, and a resumed run the ones it would have read.
 
 pub mod corpus;
 mod dataset;
+mod gpt;
 mod gpt2_files;
 mod indexed;
 mod tokenizer;
 
-pub use dataset::{Sampler, TokenSplit, blend, parse_split, split_documents, split_indexed};
+pub use dataset::{
+    MID_LEVEL_SURPLUS, Part, PartRange, SPLIT_NAMES, TokenSplit, blend_sizes, blend_split, documents_in_memory,
+    parse_split, split_of, split_ranges, whole_split,
+};
+pub use gpt::{GptDataset, NumpyRandomState, Sequences};
 pub use indexed::{IndexedBuilder, IndexedDataset, TokenDtype, write_indexed};
 pub use tokenizer::{Tokenizer, TokenizerKind};
 
@@ -49,6 +54,12 @@ pub enum DataError {
     BadSplit(String),
     #[error("--data-path: {0}")]
     BadDataPath(String),
-    #[error("the blended {split} split was built for --seq-length {built}, asked for samples of {asked}")]
-    BlendSeq { split: &'static str, built: usize, asked: usize },
+    #[error("sample {index} asked of a split of {samples} samples")]
+    SampleOutOfRange { index: usize, samples: usize },
+    #[error(
+        "the {split} split would need 2^32 or more sequences or samples: use fewer --train-iters or a larger --seq-length"
+    )]
+    TooManySamples { split: &'static str },
+    #[error("--seed {0}: Megatron's datasets shuffle with numpy's RandomState, whose seed must be below 2^32")]
+    BadSeed(u64),
 }

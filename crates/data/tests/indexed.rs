@@ -1,10 +1,8 @@
 //! Megatron indexed datasets: a file written by an independent script (tests/fixtures), our own
-//! writer's round trip, every corrupt-index case refused with the file named, `--split`'s
-//! arithmetic and the blend.
+//! writer's round trip, every corrupt-index case refused with the file named, and `--split`'s
+//! bad spellings. (Sample order and the split and blend arithmetic: gpt_order.rs.)
 
-use ferrotron_data::{
-    DataError, IndexedDataset, TokenDtype, TokenSplit, blend, parse_split, split_indexed, write_indexed,
-};
+use ferrotron_data::{DataError, GptDataset, IndexedDataset, Sequences, TokenDtype, parse_split, write_indexed};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -42,13 +40,17 @@ fn reads_a_dataset_written_as_megatron_writes_it() {
     let start: usize = docs[..3].iter().map(Vec::len).sum();
     let len: usize = docs[3..7].iter().map(Vec::len).sum();
     assert_eq!(ds.document_tokens(3..7), start as u64..(start + len) as u64);
-    // Samples of a split cross document boundaries as the joined stream does.
+    for (i, d) in docs.iter().enumerate() {
+        assert_eq!((ds.sequence_length(i), ds.sequence_start(i)), (d.len() as u64, docs[..i].concat().len() as u64));
+    }
+    // Its samples, which cross sequence boundaries, are those of the same documents in memory.
     let ds = Arc::new(ds);
-    let split = TokenSplit::indexed("train", ds.clone(), 0..docs.len());
-    let joined = TokenSplit::from_tokens("train", all);
-    assert_eq!(split.num_samples(16), joined.num_samples(16));
-    for i in 0..split.num_samples(16) {
-        assert_eq!(split.sample(i, 16).unwrap(), joined.sample(i, 16).unwrap(), "sample {i}");
+    let build = |s: Sequences| GptDataset::build("train", Arc::new(s), 2..docs.len(), Some(40), 16, 1234).unwrap();
+    let (mapped, held) = (build(Sequences::Indexed(ds.clone())), build(Sequences::from_documents(&docs)));
+    assert!(mapped.num_samples() >= 40);
+    assert_eq!(mapped.num_samples(), held.num_samples());
+    for i in 0..mapped.num_samples() {
+        assert_eq!(mapped.sample(i).unwrap(), held.sample(i).unwrap(), "sample {i}");
     }
     assert!(ds.read(ds.num_tokens() - 2, &mut [0; 3]).is_err(), "a read past the end is refused");
 }
@@ -130,54 +132,8 @@ fn a_corrupt_index_or_data_file_is_refused_with_the_file_named() {
 }
 
 #[test]
-fn split_follows_megatrons_rounding() {
-    let docs = |n: usize| -> Arc<IndexedDataset> {
-        let p = scratch(&format!("split{n}"));
-        write_indexed(&p, &(0..n as u32).map(|d| vec![d]).collect::<Vec<_>>(), TokenDtype::U16).unwrap();
-        Arc::new(IndexedDataset::open(&p).unwrap())
-    };
-    let tokens = |sp: &TokenSplit| sp.num_tokens();
-    for (n, split, want) in [
-        (1000, "969, 30, 1", [969, 30, 1]),
-        (10, "969,30,1", [10, 0, 0]),
-        // 7/3 rounds to 2 three times, 6 in all: the missing document shifts every boundary.
-        (7, "1,1,1", [3, 2, 2]),
-        // 2.5 rounds half to even, to 2: boundaries 2, 4 (then 4), shifted by one.
-        (5, "1/1", [3, 2, 0]),
-        (8, "98,2", [8, 0, 0]),
-    ] {
-        let ds = docs(n);
-        let got = split_indexed(&ds, parse_split(split).unwrap()).map(|sp| tokens(&sp));
-        assert_eq!(got, want.map(|x| x as u64), "{n} documents, --split {split}");
-    }
+fn a_bad_split_is_refused() {
     for bad in ["", "1,x", "1,1,1,1", "0,0", "-1,2"] {
         assert!(matches!(parse_split(bad), Err(DataError::BadSplit(_))), "{bad:?}");
     }
-}
-
-#[test]
-fn blend_keeps_each_parts_share_and_its_samples() {
-    let a = TokenSplit::from_tokens("a", (0..25).collect()); // 6 samples of 4 + 1
-    let b = TokenSplit::from_tokens("b", (100..109).collect()); // 2 samples
-    let want_a: Vec<Vec<u32>> = (0..6).map(|i| a.sample(i, 4).unwrap().to_vec()).collect();
-    let want_b: Vec<Vec<u32>> = (0..2).map(|i| b.sample(i, 4).unwrap().to_vec()).collect();
-    let empty = TokenSplit::from_tokens("c", vec![1, 2]);
-    let alone = blend("train", vec![(None, TokenSplit::from_tokens("x", (0..9).collect()))], 4);
-    assert_eq!((alone.name, alone.num_samples(4)), ("x", 2), "one part is used as it is");
-    let m = blend("train", vec![(Some(1.0), a), (Some(3.0), b), (Some(5.0), empty)], 4);
-    assert_eq!(m.num_samples(4), 8, "one epoch: the parts' samples together");
-    let got: Vec<Vec<u32>> = (0..8).map(|i| m.sample(i, 4).unwrap().to_vec()).collect();
-    // Weights 1 : 3 (the empty part drops out): b first, then within every prefix of k samples
-    // each part is within one sample of its share.
-    assert_eq!(got[0], want_b[0]);
-    let from_b = |k: usize| got[..k].iter().filter(|s| s[0] >= 100).count() as f64;
-    for k in 1..=8 {
-        assert!((from_b(k) - 0.75 * k as f64).abs() <= 1.0, "after {k}: {} from b", from_b(k));
-    }
-    // b's samples come round again in order once used; a's in order.
-    let bs: Vec<&Vec<u32>> = got.iter().filter(|s| s[0] >= 100).collect();
-    assert_eq!(bs, [&want_b[0], &want_b[1], &want_b[0], &want_b[1], &want_b[0], &want_b[1]]);
-    let as_: Vec<&Vec<u32>> = got.iter().filter(|s| s[0] < 100).collect();
-    assert_eq!(as_, [&want_a[0], &want_a[1]]);
-    assert!(matches!(m.sample(0, 8), Err(DataError::BlendSeq { built: 4, asked: 8, .. })));
 }

@@ -846,6 +846,9 @@ impl Settings {
             _ => bail!("--train-data-path and --valid-data-path go together (validation runs every --eval-interval)"),
         }
         ferrotron_data::parse_split(&self.split)?;
+        if u32::try_from(self.seed).is_err() {
+            return Err(ferrotron_data::DataError::BadSeed(self.seed).into());
+        }
         self.decay_style()?;
         self.model_config()?.validate()?;
         for (v, flag) in [
@@ -990,8 +993,8 @@ impl Settings {
         d.chunks(2)
             .map(|c| {
                 let w: f64 = c[0].parse()?;
-                if !w.is_finite() || w < 0.0 {
-                    bail!("{flag}: weight {w} of {} must be a non-negative number", c[1]);
+                if !w.is_finite() || w <= 0.0 {
+                    bail!("{flag}: weight {w} of {} must be a positive number (leave out a dataset not to use)", c[1]);
                 }
                 Ok((Some(w), PathBuf::from(&c[1])))
             })
@@ -1001,6 +1004,14 @@ impl Settings {
     pub fn decay_style(&self) -> anyhow::Result<DecayStyle> {
         DecayStyle::parse(&self.lr_decay_style)
             .with_context(|| format!("--lr-decay-style {}: use constant, linear or cosine", self.lr_decay_style))
+    }
+
+    /// The samples a Megatron run of these settings asks of its train and valid splits:
+    /// train_iters · global batch, and eval_iters global batches per evaluation, one evaluation
+    /// every eval_interval iterations and one more.
+    pub fn split_samples(&self) -> [u64; 2] {
+        let gbs = self.global_batch_size as u64;
+        [self.train_iters * gbs, (self.train_iters / self.eval_interval.max(1) + 1) * self.eval_iters * gbs]
     }
 
     pub fn num_micro_batches(&self) -> usize {

@@ -8,7 +8,8 @@ use anyhow::{Context, bail};
 use ferrotron_comm::{run_ranks, thread_world};
 use ferrotron_core::{Cx, DType, Device, Draw, ParamTable, Tensor};
 use ferrotron_data::{
-    IndexedDataset, Sampler, TokenSplit, Tokenizer, blend, corpus, parse_split, split_documents, split_indexed,
+    DataError, IndexedDataset, Part, Sequences, TokenSplit, Tokenizer, blend_split, corpus, documents_in_memory,
+    parse_split, split_of, whole_split,
 };
 use ferrotron_optim::{
     AdamConfig, GradSync, LrSchedule, Optimizer, QueuedStep, StepGraph, default_bucket_size, eval_pipelined,
@@ -67,57 +68,54 @@ pub struct Summary {
 pub struct Data {
     pub tokenizer: Tokenizer,
     pub train: TokenSplit,
-    pub valid: TokenSplit,
+    /// None where `--split` gives validation no share: no evaluation runs (as in Megatron).
+    pub valid: Option<TokenSplit>,
 }
 
 impl Data {
+    /// The splits in Megatron's sample order (ferrotron-data's gpt.rs), each built for the
+    /// samples a Megatron run of these settings would ask of it.
     pub fn build(s: &Settings) -> anyhow::Result<Data> {
         let tokenizer = Tokenizer::new(s.tokenizer()?)?;
+        let seed = u32::try_from(s.seed).map_err(|_| DataError::BadSeed(s.seed))?;
+        let [n_train, n_valid] = s.split_samples();
         let (train, valid) = if !s.data_path.is_empty() {
-            indexed_splits(s)?
+            let parts = open_parts(s, &s.data_path, "--data-path")?;
+            let split = parse_split(&s.split)?;
+            let train = split_of(&parts, split, 0, n_train, s.seq_length, seed)?
+                .with_context(|| format!("--split {}: the train split has no share: give it one", s.split))?;
+            (train, split_of(&parts, split, 1, n_valid, s.seq_length, seed)?)
         } else if !s.train_data_path.is_empty() {
+            let train = open_parts(s, &s.train_data_path, "--train-data-path")?;
+            let valid = open_parts(s, &s.valid_data_path, "--valid-data-path")?;
             (
-                whole_datasets(s, &s.train_data_path, "--train-data-path", "train")?,
-                whole_datasets(s, &s.valid_data_path, "--valid-data-path", "valid")?,
+                whole_split(&train, 0, n_train, s.seq_length, seed)?,
+                Some(whole_split(&valid, 1, n_valid, s.seq_length, seed)?),
             )
         } else {
             let docs = corpus::documents(s.seed, s.corpus_docs);
-            split_documents(&docs, &tokenizer, 0.05)?
+            let [train, valid] = documents_in_memory(&docs, &tokenizer, 0.05)?;
+            (
+                blend_split("train", vec![train], n_train, s.seq_length, seed)?,
+                Some(blend_split("valid", vec![valid], n_valid, s.seq_length, seed)?),
+            )
         };
-        train.check(s.seq_length)?;
-        valid.check(s.seq_length)?;
         Ok(Data { tokenizer, train, valid })
     }
 }
 
-/// `--data-path`'s datasets, each cut by `--split`, their train and valid splits blended by the
-/// weights given (or by their sizes); one dataset is used as it is.
-fn indexed_splits(s: &Settings) -> anyhow::Result<(TokenSplit, TokenSplit)> {
-    let weights = parse_split(&s.split)?;
-    let (mut train, mut valid) = (Vec::new(), Vec::new());
-    for (w, prefix) in s.data_blend(&s.data_path, "--data-path")? {
-        let [t, v, _] = split_indexed(&Arc::new(IndexedDataset::open(&prefix)?), weights);
-        train.push((w, t));
-        valid.push((w, v));
-    }
-    Ok((blend("train", train, s.seq_length), blend("valid", valid, s.seq_length)))
-}
-
-/// `--train-data-path` or `--valid-data-path`: every document of each dataset, blended.
-fn whole_datasets(s: &Settings, values: &[String], flag: &str, name: &'static str) -> anyhow::Result<TokenSplit> {
-    let mut parts = Vec::new();
-    for (w, prefix) in s.data_blend(values, flag)? {
-        let ds = Arc::new(IndexedDataset::open(&prefix)?);
-        let n = ds.num_documents();
-        parts.push((w, TokenSplit::indexed(name, ds, 0..n)));
-    }
-    Ok(blend(name, parts, s.seq_length))
+/// A data-path flag's datasets, opened, with their weights.
+fn open_parts(s: &Settings, values: &[String], flag: &str) -> anyhow::Result<Vec<Part>> {
+    s.data_blend(values, flag)?
+        .into_iter()
+        .map(|(w, prefix)| Ok((w, Arc::new(Sequences::Indexed(Arc::new(IndexedDataset::open(&prefix)?))))))
+        .collect()
 }
 
 fn batch(split: &TokenSplit, indices: &[usize], seq: usize, vocab: usize, dev: &Device) -> anyhow::Result<Batch> {
     let (mut tokens, mut labels) = (Vec::with_capacity(indices.len() * seq), Vec::with_capacity(indices.len() * seq));
     for &i in indices {
-        let s = split.sample(i, seq)?;
+        let s = split.sample(i)?;
         // Checked here, on the host, so that the kernels need not read the ids back from a GPU
         // (`set_device_ids_prechecked`): a read there would wait for all the work queued before.
         if let Some(&bad) = s.iter().find(|&&t| t as usize >= vocab) {
@@ -132,15 +130,22 @@ fn batch(split: &TokenSplit, indices: &[usize], seq: usize, vocab: usize, dev: &
     Ok(Batch::unmasked(Tensor::from_vec(tokens, [b, seq], dev)?, Tensor::from_vec(labels, [b, seq], dev)?)?)
 }
 
-/// Mean validation loss over `eval_iters` micro-batches taken in order from the start of the split.
-pub fn evaluate(model: &GptModel, table: &ParamTable, data: &Data, s: &Settings) -> anyhow::Result<f64> {
+/// The samples of evaluation micro-batch `it`: `eval_iters` micro-batches are taken in order
+/// from the start of the split (its first samples in Megatron's order), the same at every
+/// evaluation.
+fn eval_micro_batch(valid: &TokenSplit, it: usize, s: &Settings, vocab: usize, dev: &Device) -> anyhow::Result<Batch> {
+    let n = valid.num_samples();
+    let idx: Vec<usize> = (0..s.micro_batch_size).map(|j| (it * s.micro_batch_size + j) % n).collect();
+    batch(valid, &idx, s.seq_length, vocab, dev)
+}
+
+/// Mean validation loss over `eval_iters` micro-batches (`eval_micro_batch`).
+pub fn evaluate(model: &GptModel, table: &ParamTable, valid: &TokenSplit, s: &Settings) -> anyhow::Result<f64> {
     let dev = table.flat_params().device().clone();
-    let n = data.valid.num_samples(s.seq_length);
     let cx = Cx::new(table, false);
     let mut total = 0.0;
     for it in 0..s.eval_iters as usize {
-        let idx: Vec<usize> = (0..s.micro_batch_size).map(|j| (it * s.micro_batch_size + j) % n).collect();
-        total += model.forward(&cx, &batch(&data.valid, &idx, s.seq_length, model.config.vocab_size, &dev)?)?.0;
+        total += model.forward(&cx, &eval_micro_batch(valid, it, s, model.config.vocab_size, &dev)?)?.0;
     }
     Ok(total / s.eval_iters as f64)
 }
@@ -282,16 +287,12 @@ fn evaluate_pipelined(
     model: &GptModel,
     table: &ParamTable,
     g: &ProcessGroups,
-    data: &Data,
+    valid: &TokenSplit,
     s: &Settings,
 ) -> anyhow::Result<f64> {
     let dev = table.flat_params().device().clone();
-    let n = data.valid.num_samples(s.seq_length);
     let micros = (0..s.eval_iters as usize)
-        .map(|it| {
-            let idx: Vec<usize> = (0..s.micro_batch_size).map(|j| (it * s.micro_batch_size + j) % n).collect();
-            batch(&data.valid, &idx, s.seq_length, model.config.vocab_size, &dev)
-        })
+        .map(|it| eval_micro_batch(valid, it, s, model.config.vocab_size, &dev))
         .collect::<anyhow::Result<Vec<_>>>()?;
     Ok(eval_pipelined(model, table, &g.pipeline, &g.pp, &micros)?)
 }
@@ -403,14 +404,14 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     let table_text = layout_table(&g, &table, &opt, s.sequence_parallel)?;
     if rank0 {
         eprintln!(
-            "{dev}: {} parameters ({:.2} MFLOP/token), {} layers, hidden {}, {} heads; data: {} train / {} valid tokens; {} micro-batches of {} per step on each of {dp} data-parallel rank(s)",
+            "{dev}: {} parameters ({:.2} MFLOP/token), {} layers, hidden {}, {} heads; data: {} train / {} valid samples; {} micro-batches of {} per step on each of {dp} data-parallel rank(s)",
             model.config.num_params(),
             model.config.flops_per_token() / 1e6,
             s.num_layers,
             s.hidden_size,
             s.num_attention_heads,
-            data.train.num_tokens(),
-            data.valid.num_tokens(),
+            data.train.num_samples(),
+            data.valid.as_ref().map_or(0, |v| v.num_samples()),
             micro_per_rank,
             s.micro_batch_size
         );
@@ -418,18 +419,24 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             eprint!("{}", table_text.unwrap_or_default());
         }
     }
-    let eval = |model: &GptModel, table: &ParamTable| -> anyhow::Result<f64> {
-        if pipelined { evaluate_pipelined(model, table, &g, &data, s) } else { evaluate(model, table, &data, s) }
+    // No validation split (`--split` gave it no share): no evaluation, as in Megatron.
+    let eval = |model: &GptModel, table: &ParamTable| -> anyhow::Result<Option<f64>> {
+        let Some(valid) = &data.valid else { return Ok(None) };
+        Ok(Some(if pipelined {
+            evaluate_pipelined(model, table, &g, valid, s)?
+        } else {
+            evaluate(model, table, valid, s)?
+        }))
     };
     if iteration == 0 {
-        let l = eval(&model, &table)?;
-        if rank0 {
-            eprintln!("iteration 0: validation loss {l:.4}");
+        if let Some(l) = eval(&model, &table)? {
+            if rank0 {
+                eprintln!("iteration 0: validation loss {l:.4}");
+            }
+            metrics.write(&Metric::Eval { iteration: 0, loss: l })?;
+            summary.evals.push((0, l));
         }
-        metrics.write(&Metric::Eval { iteration: 0, loss: l })?;
-        summary.evals.push((0, l));
     }
-    let mut sampler = Sampler::new(data.train.num_samples(s.seq_length), s.seed);
     let pb = progress(s.train_iters, iteration, paths.progress && rank0);
     let start = Instant::now();
     let tokens_per_step = (s.global_batch_size * s.seq_length) as f64;
@@ -453,13 +460,14 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         }
         iteration += 1;
         let host_start = Instant::now();
-        // Micro-batch j of the global batch goes to data-parallel rank j % dp, as Megatron's sampler.
+        // Micro-batch j of the global batch goes to data-parallel rank j % dp, as Megatron's sampler;
+        // the split's own order is Megatron's shuffled one, so its samples are taken in turn.
         // Its random draws (dropout) start at its first sample's place in the run, whatever rank
         // or micro-batch holds it.
         let micros = (0..micro_per_rank)
             .map(|m| {
                 let j = (m * dp + dp_rank) as u64;
-                let idx: Vec<usize> = (0..mb).map(|i| sampler.index(consumed + j * mb + i)).collect();
+                let idx: Vec<usize> = (0..mb).map(|i| (consumed + j * mb + i) as usize).collect();
                 let draw = Draw { seed: s.seed, first_sample: consumed + j * mb };
                 Ok(batch(&data.train, &idx, s.seq_length, model.config.vocab_size, &dev)?.with_draw(draw))
             })
@@ -528,12 +536,13 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         }
         pb.set_position(iteration);
         if iteration % s.eval_interval == 0 || iteration == s.train_iters {
-            let l = eval(&model, &table)?;
-            if rank0 {
-                pb.suspend(|| eprintln!("iteration {iteration}: validation loss {l:.4}"));
+            if let Some(l) = eval(&model, &table)? {
+                if rank0 {
+                    pb.suspend(|| eprintln!("iteration {iteration}: validation loss {l:.4}"));
+                }
+                metrics.write(&Metric::Eval { iteration, loss: l })?;
+                summary.evals.push((iteration, l));
             }
-            metrics.write(&Metric::Eval { iteration, loss: l })?;
-            summary.evals.push((iteration, l));
         }
         let exit = paths.exit_interval.is_some_and(|e| iteration % e == 0);
         if let Some(dir) = &paths.save {
@@ -617,11 +626,17 @@ mod tests {
 
     #[test]
     fn a_batch_with_an_id_past_the_vocabulary_is_refused_before_upload() {
-        let split = TokenSplit::from_tokens("train", vec![1, 2, 3, 4, 9, 5, 6, 7, 8]);
-        // Sample 0 (tokens 0..=4) holds 9; sample 1 (4..=8) does too, as its first token.
+        let seqs = Arc::new(Sequences::from_documents(&[vec![1, 2, 3, 4, 9, 5, 6, 7, 8]]));
+        let split = blend_split("train", vec![(None, seqs, 0..1)], 2, 4, 1234).unwrap();
+        // Both samples (tokens 0..=4 and 4..=8, in some order) hold 9.
         let ok = batch(&split, &[0, 1], 4, 10, &Device::Cpu).unwrap();
-        assert_eq!(ok.tokens.to_vec::<u32>().unwrap(), [1, 2, 3, 4, 9, 5, 6, 7]);
-        assert_eq!(ok.labels.to_vec::<u32>().unwrap(), [2, 3, 4, 9, 5, 6, 7, 8]);
+        let (mut t, mut l) = (ok.tokens.to_vec::<u32>().unwrap(), ok.labels.to_vec::<u32>().unwrap());
+        if t[0] != 1 {
+            t.rotate_left(4);
+            l.rotate_left(4);
+        }
+        assert_eq!(t, [1, 2, 3, 4, 9, 5, 6, 7]);
+        assert_eq!(l, [2, 3, 4, 9, 5, 6, 7, 8]);
         let e = batch(&split, &[1], 4, 9, &Device::Cpu).unwrap_err().to_string();
         assert!(e.contains("token id 9 in sample 1") && e.contains("vocabulary size 9"), "{e}");
     }

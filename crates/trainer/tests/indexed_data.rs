@@ -102,6 +102,13 @@ fn an_indexed_dataset_trains_as_the_same_tokens_in_memory() {
     let e = run(TrainArgs { vocab_size: Some(256), ..args() }).err().unwrap();
     assert!(format!("{e:#}").contains("applies to NullTokenizer only"), "{e:#}");
 
+    // --split 1,0,0 gives validation no share: the run trains the same steps and evaluates
+    // nothing, as Megatron's does.
+    let no_valid =
+        run(TrainArgs { data_path: vec![prefix.to_str().unwrap().into()], split: Some("1,0,0".into()), ..args() })
+            .unwrap();
+    assert!(no_valid.evals.is_empty() && no_valid.losses.len() == 6, "{:?}", no_valid.evals);
+
     // Blended with a second copy at 3 : 1, the run trains (finite, falling loss) on samples of
     // both; the default --split leaves validation documents too.
     let other = corpus_dataset("other", |d| d.reverse());
@@ -119,18 +126,21 @@ fn an_indexed_dataset_trains_as_the_same_tokens_in_memory() {
 fn bad_indexed_data_is_named() {
     // A token id past the byte tokenizer's vocabulary, in every document.
     let prefix = corpus_dataset("bad-token", |d| d.iter_mut().for_each(|t| t[0] = 300));
-    let e = run(TrainArgs { data_path: vec![prefix.to_str().unwrap().into()], split: Some("1,0,0".into()), ..args() })
-        .err()
-        .map(|e| format!("{e:#}"))
-        .unwrap_or_default();
-    // With split 1,0,0 the valid split is empty: that is refused first, by name.
-    assert!(e.contains("valid split has 0 tokens"), "{e}");
     let e = run(TrainArgs { data_path: vec![prefix.to_str().unwrap().into()], ..args() })
         .err()
         .map(|e| format!("{e:#}"))
         .unwrap_or_default();
     assert!(e.contains("token id 300") && e.contains("another tokenizer"), "{e}");
 
+    // A validation share too small to hold a document (0.01% of 2000) is refused by name.
+    let good = corpus_dataset("good", |_| {});
+    let e = run(TrainArgs { data_path: vec![good.to_str().unwrap().into()], split: Some("9999,1".into()), ..args() })
+        .err()
+        .map(|e| format!("{e:#}"))
+        .unwrap_or_default();
+    assert!(e.contains("valid split has 0 tokens"), "{e}");
+    let e = run(TrainArgs { seed: Some(1 << 32), ..args() }).err().unwrap();
+    assert!(format!("{e:#}").contains("below 2^32"), "{e:#}");
     let e = run(TrainArgs { data_path: vec!["/nonexistent/ferrotron/data".into()], ..args() }).err().unwrap();
     assert!(format!("{e:#}").contains("/nonexistent/ferrotron/data.idx"), "{e:#}");
     let e = run(TrainArgs { data_path: vec!["0.5".into(), "a".into(), "b".into()], ..args() }).err().unwrap();

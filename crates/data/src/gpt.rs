@@ -1,0 +1,252 @@
+//! Megatron-Core's GPTDataset sample order, index for index.
+//!
+//! A dataset is a range of sequence ids (a split of an indexed dataset, or the built-in corpus
+//! held in memory) and a number of samples of `seq_length` + 1 tokens. Megatron builds three
+//! indices from them, and so does this file, with the same arithmetic and the same random draws:
+//!
+//! - document index: the ids repeated once per epoch (as many epochs as the samples need),
+//!   shuffled by numpy's `RandomState(seed)`; when the last epoch would be used for less than 80%
+//!   of its samples it is shuffled on its own after the others;
+//! - sample index: where each sample starts, as (position in the document index, token offset);
+//!   consecutive samples overlap by one token, the label of the last input;
+//! - shuffle index: a permutation of the samples, the same random state drawing it (again the
+//!   final epoch apart when the first index was split).
+//!
+//! Sample i is then the tokens from start `shuffle[i]` to start `shuffle[i] + 1`, plus one. The
+//! last partial sample is dropped (Megatron's default for every split), so none is padded.
+//! The oracle is Megatron-Core's own code (tests/fixtures/make_megatron_gpt_order.py).
+
+use crate::{DataError, IndexedDataset};
+use std::ops::Range;
+use std::sync::Arc;
+
+/// numpy's legacy `RandomState(seed)` as far as Megatron's datasets use it: MT19937 seeded by
+/// `init_genrand`, and `shuffle` of a 1-D array.
+pub struct NumpyRandomState(rand_mt::Mt);
+
+impl NumpyRandomState {
+    pub fn new(seed: u32) -> Self {
+        NumpyRandomState(rand_mt::Mt::new(seed))
+    }
+
+    /// A uniform integer in 0..=max, drawn as numpy's `random_interval`: the draw masked to the
+    /// smallest all-ones number covering `max`, redrawn while above it.
+    pub fn interval(&mut self, max: u64) -> u64 {
+        if max == 0 {
+            return 0;
+        }
+        let mask = u64::MAX >> max.leading_zeros();
+        loop {
+            let v = if max <= u32::MAX as u64 {
+                self.0.next_u32() as u64
+            } else {
+                // Two draws, the first the high half (numpy's `mt19937_next64`); no shuffle here
+                // reaches 2^32 elements.
+                (self.0.next_u32() as u64) << 32 | self.0.next_u32() as u64
+            } & mask;
+            if v <= max {
+                return v;
+            }
+        }
+    }
+
+    /// numpy's `shuffle` of a 1-D array: Fisher–Yates from the last element down.
+    pub fn shuffle<T>(&mut self, xs: &mut [T]) {
+        for i in (1..xs.len()).rev() {
+            let j = self.interval(i as u64) as usize;
+            xs.swap(i, j);
+        }
+    }
+}
+
+/// Where a dataset's sequences live: the built-in corpus in memory or an indexed dataset.
+pub enum Sequences {
+    Memory { tokens: Vec<u32>, starts: Vec<u64> },
+    Indexed(Arc<IndexedDataset>),
+}
+
+impl Sequences {
+    /// Documents as sequences, in memory.
+    pub fn from_documents(docs: &[Vec<u32>]) -> Self {
+        let mut starts = Vec::with_capacity(docs.len() + 1);
+        let mut tokens = Vec::with_capacity(docs.iter().map(Vec::len).sum());
+        starts.push(0);
+        for d in docs {
+            tokens.extend_from_slice(d);
+            starts.push(tokens.len() as u64);
+        }
+        Sequences::Memory { tokens, starts }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Sequences::Memory { starts, .. } => starts.len() - 1,
+            Sequences::Indexed(d) => d.num_sequences(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Tokens in sequence `i` (below `len`).
+    pub fn length(&self, i: usize) -> u64 {
+        match self {
+            Sequences::Memory { starts, .. } => starts[i + 1] - starts[i],
+            Sequences::Indexed(d) => d.sequence_length(i),
+        }
+    }
+
+    /// Tokens `offset .. offset + n` of sequence `i`, appended to `out`.
+    fn read(&self, i: usize, offset: u64, n: u64, out: &mut Vec<u32>) -> Result<(), DataError> {
+        match self {
+            Sequences::Memory { tokens, starts } => {
+                let a = (starts[i] + offset) as usize;
+                out.extend_from_slice(&tokens[a..a + n as usize]);
+            }
+            Sequences::Indexed(d) => {
+                let at = out.len();
+                out.resize(at + n as usize, 0);
+                d.read(d.sequence_start(i) + offset, &mut out[at..])?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One split's samples in Megatron's order (see the file's header).
+pub struct GptDataset {
+    seqs: Arc<Sequences>,
+    seq_length: usize,
+    tokens_per_epoch: u64,
+    /// Sequence ids, epoch after epoch, shuffled.
+    documents: Vec<u32>,
+    /// Sample k starts at token `starts[k].1` of sequence `documents[starts[k].0]`; one more
+    /// entry than samples.
+    starts: Vec<(u32, u32)>,
+    shuffle: Vec<u32>,
+}
+
+/// Megatron's `add_extra_token_to_sequence`: a sample holds its last input's label too.
+const EXTRA: u64 = 1;
+
+impl GptDataset {
+    /// Samples of `seq_length` + 1 tokens over sequences `ids` of `seqs`: at least `num_samples`
+    /// of them (whole epochs), or one epoch's worth when None (Megatron's blends by size).
+    pub fn build(
+        name: &'static str,
+        seqs: Arc<Sequences>,
+        ids: Range<usize>,
+        num_samples: Option<u64>,
+        seq_length: usize,
+        seed: u32,
+    ) -> Result<Self, DataError> {
+        let seq = seq_length as u64;
+        let tokens_per_epoch: u64 = ids.clone().map(|i| seqs.length(i)).sum();
+        if tokens_per_epoch <= EXTRA || seq < 2 {
+            return Err(DataError::TooSmall { split: name, tokens: tokens_per_epoch as usize, seq: seq_length });
+        }
+        let epochs = match num_samples {
+            None => 1,
+            Some(n) => (n * seq + EXTRA).div_ceil(tokens_per_epoch).max(1),
+        };
+        // Megatron shuffles a final epoch that is used for less than 80% of its samples apart
+        // from the others, so the extra epoch's documents are not spread over the whole run.
+        let sans_final = epochs.saturating_sub(1) * tokens_per_epoch;
+        let sans_final = sans_final.saturating_sub(EXTRA) / seq;
+        let separate = match num_samples {
+            Some(n) if epochs > 1 => {
+                let per_epoch = (tokens_per_epoch - EXTRA) / seq;
+                n - sans_final < (0.80 * per_epoch as f64) as u64
+            }
+            _ => false,
+        };
+        let too_many = || DataError::TooManySamples { split: name };
+        if epochs * ids.len() as u64 > u32::MAX as u64 || ids.end > u32::MAX as usize {
+            return Err(too_many());
+        }
+        let mut rng = NumpyRandomState::new(seed);
+        let epoch_ids = |k: u64| -> Vec<u32> { (0..k).flat_map(|_| ids.clone()).map(|i| i as u32).collect() };
+        let documents = if separate {
+            let mut first = epoch_ids(epochs - 1);
+            rng.shuffle(&mut first);
+            let mut last = epoch_ids(1);
+            rng.shuffle(&mut last);
+            first.extend(last);
+            first
+        } else {
+            let mut all = epoch_ids(epochs);
+            rng.shuffle(&mut all);
+            all
+        };
+        let samples = (epochs * tokens_per_epoch - EXTRA) / seq;
+        if samples >= u32::MAX as u64 {
+            return Err(too_many());
+        }
+        let starts = sample_starts(&seqs, &documents, seq, samples);
+        let first = if separate { sans_final } else { samples } as u32;
+        let mut shuffle: Vec<u32> = (0..first).collect();
+        rng.shuffle(&mut shuffle);
+        if (first as u64) < samples {
+            let mut last: Vec<u32> = (first..samples as u32).collect();
+            rng.shuffle(&mut last);
+            shuffle.extend(last);
+        }
+        Ok(GptDataset { seqs, seq_length, tokens_per_epoch, documents, starts, shuffle })
+    }
+
+    pub fn num_samples(&self) -> usize {
+        self.shuffle.len()
+    }
+
+    pub fn seq_length(&self) -> usize {
+        self.seq_length
+    }
+
+    /// Tokens in the dataset's sequences, once each.
+    pub fn tokens_per_epoch(&self) -> u64 {
+        self.tokens_per_epoch
+    }
+
+    /// The seq_length + 1 tokens of sample `i` (below `num_samples`).
+    pub fn sample(&self, i: usize) -> Result<Vec<u32>, DataError> {
+        let k = *self.shuffle.get(i).ok_or(DataError::SampleOutOfRange { index: i, samples: self.shuffle.len() })?;
+        let ((d0, o0), (d1, o1)) = (self.starts[k as usize], self.starts[k as usize + 1]);
+        let mut out = Vec::with_capacity(self.seq_length + 1);
+        for d in d0..=d1 {
+            let id = self.documents[d as usize] as usize;
+            let from = if d == d0 { o0 as u64 } else { 0 };
+            let to = if d == d1 { o1 as u64 + EXTRA } else { self.seqs.length(id) };
+            self.seqs.read(id, from, to - from, &mut out)?;
+        }
+        Ok(out)
+    }
+}
+
+/// Megatron's `build_sample_idx` (drop the last partial sample, one extra token a sample): each
+/// sample takes seq + 1 tokens from where the last one ended, less the one they share.
+fn sample_starts(seqs: &Sequences, documents: &[u32], seq: u64, samples: u64) -> Vec<(u32, u32)> {
+    let mut starts = Vec::with_capacity(samples as usize + 1);
+    let (mut d, mut offset) = (0usize, 0i64);
+    starts.push((0, 0));
+    for _ in 0..samples {
+        let mut remaining = (seq + EXTRA) as i64;
+        while remaining != 0 {
+            let len = seqs.length(documents[d] as usize) as i64 - offset;
+            remaining -= len;
+            if remaining <= 0 {
+                offset += remaining + len - EXTRA as i64;
+                remaining = 0;
+            } else if d == documents.len() - 1 {
+                // The end of the last epoch: only the last sample can get here.
+                offset = seqs.length(documents[d] as usize) as i64 - EXTRA as i64;
+                break;
+            } else {
+                d += 1;
+                offset = 0;
+            }
+        }
+        starts.push((d as u32, offset as u32));
+    }
+    starts
+}
