@@ -43,6 +43,10 @@ pub struct State {
     pub format_version: u32,
     pub iteration: u64,
     pub consumed_samples: u64,
+    /// Validation samples read by the evaluations so far (each reads on from the last, as
+    /// Megatron's); absent in checkpoints from before it was kept.
+    #[serde(default)]
+    pub consumed_valid_samples: u64,
     pub optimizer_step: u64,
     pub params_dtype: String,
     /// Tensor files, one per pipeline stage, with their SHA-256.
@@ -74,6 +78,7 @@ fn vocab_padded(name: &str) -> bool {
 pub struct SaveInfo<'a> {
     pub iteration: u64,
     pub consumed_samples: u64,
+    pub consumed_valid_samples: u64,
     pub settings: &'a Settings,
     /// Real vocabulary: rows past it (padding) are not written.
     pub vocab_size: usize,
@@ -244,6 +249,7 @@ fn finish(
         format_version: FORMAT_VERSION,
         iteration,
         consumed_samples: info.consumed_samples,
+        consumed_valid_samples: info.consumed_valid_samples,
         optimizer_step: step,
         params_dtype: table.flat_params().dtype().to_string(),
         tensor_files,

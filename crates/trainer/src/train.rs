@@ -130,24 +130,37 @@ fn batch(split: &TokenSplit, indices: &[usize], seq: usize, vocab: usize, dev: &
     Ok(Batch::unmasked(Tensor::from_vec(tokens, [b, seq], dev)?, Tensor::from_vec(labels, [b, seq], dev)?)?)
 }
 
-/// The samples of evaluation micro-batch `it`: `eval_iters` micro-batches are taken in order
-/// from the start of the split (its first samples in Megatron's order), the same at every
-/// evaluation.
-fn eval_micro_batch(valid: &TokenSplit, it: usize, s: &Settings, vocab: usize, dev: &Device) -> anyhow::Result<Batch> {
-    let n = valid.num_samples();
-    let idx: Vec<usize> = (0..s.micro_batch_size).map(|j| (it * s.micro_batch_size + j) % n).collect();
-    batch(valid, &idx, s.seq_length, vocab, dev)
+/// This rank's micro-batches of one evaluation, Megatron's: `eval_iters` global batches from
+/// sample `start` of the split on (wrapping at its end), each split over data-parallel ranks and
+/// micro-batches as a training step's is.
+fn eval_micro_batches(
+    valid: &TokenSplit,
+    s: &Settings,
+    start: u64,
+    (dp, dp_rank): (usize, usize),
+    vocab: usize,
+    dev: &Device,
+) -> anyhow::Result<Vec<Batch>> {
+    let (n, mb, gbs) = (valid.num_samples() as u64, s.micro_batch_size as u64, s.global_batch_size as u64);
+    let mut out = Vec::new();
+    for it in 0..s.eval_iters {
+        for m in 0..s.num_micro_batches() / dp {
+            let first = start + it * gbs + (m * dp + dp_rank) as u64 * mb;
+            let idx: Vec<usize> = (0..mb).map(|i| ((first + i) % n) as usize).collect();
+            out.push(batch(valid, &idx, s.seq_length, vocab, dev)?);
+        }
+    }
+    Ok(out)
 }
 
-/// Mean validation loss over `eval_iters` micro-batches (`eval_micro_batch`).
-pub fn evaluate(model: &GptModel, table: &ParamTable, valid: &TokenSplit, s: &Settings) -> anyhow::Result<f64> {
-    let dev = table.flat_params().device().clone();
-    let cx = Cx::new(table, false);
-    let mut total = 0.0;
-    for it in 0..s.eval_iters as usize {
-        total += model.forward(&cx, &eval_micro_batch(valid, it, s, model.config.vocab_size, &dev)?)?.0;
+/// The mean of `loss` over the data-parallel ranks (each evaluated its share of the batches).
+fn dp_mean(dp: &Comm, loss: f64) -> anyhow::Result<f64> {
+    if dp.size() == 1 {
+        return Ok(loss);
     }
-    Ok(total / s.eval_iters as f64)
+    let t = Tensor::from_vec(vec![loss as f32], [1], &Device::Cpu)?;
+    dp.all_reduce(&t, ferrotron_comm::ReduceOp::Avg)?;
+    Ok(t.to_vec_f32()?[0] as f64)
 }
 
 struct Metrics(Option<std::fs::File>);
@@ -282,21 +295,6 @@ fn saved_bytes_table(g: &ProcessGroups, peak: usize) -> anyhow::Result<String> {
     Ok(format!("saved activations at peak (per rank): {}\n", cells.join(", ")))
 }
 
-/// Mean validation loss through the pipeline (every rank gets it).
-fn evaluate_pipelined(
-    model: &GptModel,
-    table: &ParamTable,
-    g: &ProcessGroups,
-    valid: &TokenSplit,
-    s: &Settings,
-) -> anyhow::Result<f64> {
-    let dev = table.flat_params().device().clone();
-    let micros = (0..s.eval_iters as usize)
-        .map(|it| eval_micro_batch(valid, it, s, model.config.vocab_size, &dev))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    Ok(eval_pipelined(model, table, &g.pipeline, &g.pp, &micros)?)
-}
-
 /// The kernels' per-thread switches for a rank's run, back to their defaults when it ends (under
 /// `Launch::Single` the rank runs on the caller's thread, which may call kernels afterwards).
 struct RankThreadFlags;
@@ -366,7 +364,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         decay_iters: s.decay_iters(),
         style: s.decay_style()?,
     };
-    let (mut iteration, mut consumed) = (0u64, 0u64);
+    let (mut iteration, mut consumed, mut consumed_valid) = (0u64, 0u64, 0u64);
     if let Some(dir) = &paths.load {
         let ck = checkpoint::load(dir)?;
         if paths.load_mode == LoadMode::Resume {
@@ -377,7 +375,8 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             opt = Optimizer::new_parallel(&table, adam, &sync, g.mp.clone(), g.tp.rank())?;
         }
         if paths.load_mode != LoadMode::Finetune {
-            (iteration, consumed) = (ck.state.iteration, ck.state.consumed_samples);
+            (iteration, consumed, consumed_valid) =
+                (ck.state.iteration, ck.state.consumed_samples, ck.state.consumed_valid_samples);
         }
         if rank0 {
             let what = match paths.load_mode {
@@ -419,17 +418,27 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             eprint!("{}", table_text.unwrap_or_default());
         }
     }
-    // No validation split (`--split` gave it no share): no evaluation, as in Megatron.
-    let eval = |model: &GptModel, table: &ParamTable| -> anyhow::Result<Option<f64>> {
+    // The mean validation loss over one evaluation's batches (`eval_micro_batches`) from sample
+    // `start` on; None without a validation split (`--split` gave it no share), as in Megatron.
+    let eval = |model: &GptModel, table: &ParamTable, start: u64| -> anyhow::Result<Option<f64>> {
         let Some(valid) = &data.valid else { return Ok(None) };
-        Ok(Some(if pipelined {
-            evaluate_pipelined(model, table, &g, valid, s)?
+        let micros = eval_micro_batches(valid, s, start, (dp, dp_rank), model.config.vocab_size, &dev)?;
+        let loss = if pipelined {
+            eval_pipelined(model, table, &g.pipeline, &g.pp, &micros)?
         } else {
-            evaluate(model, table, valid, s)?
-        }))
+            let cx = Cx::new(table, false);
+            let mut total = 0.0;
+            for b in &micros {
+                total += model.forward(&cx, b)?.0;
+            }
+            total / micros.len() as f64
+        };
+        Ok(Some(dp_mean(&g.dp, loss)?))
     };
+    // Iteration 0's evaluation (which Megatron does not run) reads the samples the first one at
+    // --eval-interval reads; each later one moves on by its eval_iters global batches.
     if iteration == 0 {
-        if let Some(l) = eval(&model, &table)? {
+        if let Some(l) = eval(&model, &table, consumed_valid)? {
             if rank0 {
                 eprintln!("iteration 0: validation loss {l:.4}");
             }
@@ -536,7 +545,9 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         }
         pb.set_position(iteration);
         if iteration % s.eval_interval == 0 || iteration == s.train_iters {
-            if let Some(l) = eval(&model, &table)? {
+            let l = eval(&model, &table, consumed_valid)?;
+            consumed_valid += s.eval_iters * s.global_batch_size as u64;
+            if let Some(l) = l {
                 if rank0 {
                     pb.suspend(|| eprintln!("iteration {iteration}: validation loss {l:.4}"));
                 }
@@ -550,6 +561,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
                 let info = SaveInfo {
                     iteration,
                     consumed_samples: consumed,
+                    consumed_valid_samples: consumed_valid,
                     settings: s,
                     vocab_size: model.config.vocab_size,
                 };

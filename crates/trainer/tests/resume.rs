@@ -35,10 +35,15 @@ fn check(llama: bool, bf16: bool) {
     let head: Vec<u64> = straight.losses[..4].iter().map(|(_, l)| l.to_bits()).collect();
     assert_eq!(head, first.losses.iter().map(|(_, l)| l.to_bits()).collect::<Vec<_>>());
     assert_eq!(tail, resumed, "losses differ after resume: {:?} vs {:?}", &straight.losses[4..], second.losses);
+    // Evaluations at 0, 4 and 8; the resumed one reads on through the validation split from where
+    // the one at 4 stopped (the checkpoint keeps the count), as the straight run's does.
+    let evals = |e: &[(u64, f64)]| e.iter().map(|(i, l)| (*i, l.to_bits())).collect::<Vec<_>>();
+    assert_eq!(evals(&straight.evals).iter().map(|e| e.0).collect::<Vec<_>>(), [0, 4, 8]);
+    assert_eq!(evals(&straight.evals), [evals(&first.evals), evals(&second.evals)].concat());
     let a = checkpoint::load(&straight_dir).unwrap();
     let b = checkpoint::load(&resume_dir).unwrap();
-    assert_eq!(a.state.iteration, 8);
-    assert_eq!(b.state.iteration, 8);
+    assert_eq!((a.state.iteration, a.state.consumed_valid_samples), (8, 2 * 2 * 8), "two evaluations of 2 × 8");
+    assert_eq!((b.state.iteration, b.state.consumed_valid_samples), (8, 2 * 2 * 8));
     assert_eq!(a.tensors.len(), b.tensors.len());
     for (name, (shape, x)) in &a.tensors {
         let (shape_b, y) = &b.tensors[name];
@@ -113,6 +118,12 @@ fn relayout(s1: &ferrotron_trainer::settings::Settings, s4: &ferrotron_trainer::
     }
     for ((i, a), (_, b)) in third.losses.iter().zip(&straight.losses[4..]) {
         assert!((a - b).abs() <= 1e-4 * b.abs(), "{tag} iteration {i}: {a} (1 rank, then 4) vs {b} (1 rank)");
+    }
+    // Evaluations too: the data-parallel ranks each evaluate their share of the batches.
+    let evals: Vec<(u64, f64)> = first.evals.iter().chain(&second.evals).cloned().collect();
+    assert_eq!(evals.iter().map(|e| e.0).collect::<Vec<_>>(), straight.evals.iter().map(|e| e.0).collect::<Vec<_>>());
+    for ((i, a), (_, b)) in evals.iter().chain(&third.evals).zip(straight.evals.iter().chain(&straight.evals[2..])) {
+        assert!((a - b).abs() <= 1e-4 * b.abs(), "{tag} validation at {i}: {a} vs {b} (1 rank)");
     }
     for d in [dir_a, dir_b] {
         let _ = std::fs::remove_dir_all(d);
