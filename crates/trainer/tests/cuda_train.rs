@@ -1,6 +1,7 @@
-//! The tiny presets' first 20 training steps on CUDA against the CPU run of the same recipe (feature
-//! `cuda`; runs on the GPU machine): fp32 within 1e-4 relative loss, bf16 within 2e-2. GPT-2 style
-//! (`tiny`) and Llama style (`llama-tiny`: RoPE in place on the fused QKV, GQA, SwiGLU, RMSNorm).
+//! The tiny presets' first 20 training steps (at lr 1e-3: see `losses_of`) on CUDA against the
+//! CPU run of the same recipe (feature `cuda`; runs on the GPU machine): fp32 within 1e-4
+//! relative loss, bf16 within 2e-2. GPT-2 style (`tiny`) and Llama style (`llama-tiny`: RoPE in
+//! place on the fused QKV, GQA, SwiGLU, RMSNorm).
 #![cfg(feature = "cuda")]
 
 use ferrotron_core::Device;
@@ -15,10 +16,20 @@ fn losses_with(preset: &str, bf16: bool, device: Device, hidden_dropout: Option<
     losses_of(TrainArgs { preset: Some(preset.into()), bf16, hidden_dropout, ..TrainArgs::default() }, device)
 }
 
-/// 20 steps of `args` (one evaluation at the end) on `device`: the training losses.
+/// 20 steps of `args` (one evaluation at the end) on `device`: the training losses. At lr 1e-3
+/// rather than the presets' 3e-3: at 3e-3 the tiny run spikes at step 10 (loss 4.1 → 5.7, on
+/// the CPU and the GPU alike, in Megatron's sample order), after which two runs that differ in
+/// bf16 rounding drift apart by more than the rounding (the CPU's bf16 and fp32-grad runs by
+/// 0.3%, the GPU's by 4% at step 20). What is compared here is the kernels, not that chaos.
 fn losses_of(args: TrainArgs, device: Device) -> Vec<f64> {
-    let args =
-        TrainArgs { train_iters: Some(20), eval_interval: Some(20), eval_iters: Some(1), no_progress: true, ..args };
+    let args = TrainArgs {
+        train_iters: Some(20),
+        eval_interval: Some(20),
+        eval_iters: Some(1),
+        lr: Some(1e-3),
+        no_progress: true,
+        ..args
+    };
     let (s, _): (Settings, Paths) = Settings::resolve(&args).unwrap();
     let summary = train(&s, &Paths { device, ..Paths::default() }).unwrap();
     summary.losses.into_iter().map(|(_, l)| l).collect()
