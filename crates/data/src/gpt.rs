@@ -1,8 +1,9 @@
 //! Megatron-Core's GPTDataset sample order, index for index.
 //!
-//! A dataset is a range of sequence ids (a split of an indexed dataset, or the built-in corpus
-//! held in memory) and a number of samples of `seq_length` + 1 tokens. Megatron builds three
-//! indices from them, and so does this file, with the same arithmetic and the same random draws:
+//! A dataset is a range of sequence ids (a split of an indexed dataset, of Megatron's mock data
+//! or of the built-in corpus held in memory) and a number of samples of `seq_length` + 1 tokens.
+//! Megatron builds three indices from them, and so does this file, with the same arithmetic and
+//! the same random draws:
 //!
 //! - document index: the ids repeated once per epoch (as many epochs as the samples need),
 //!   shuffled by numpy's `RandomState(seed)`; when the last epoch would be used for less than 80%
@@ -16,56 +17,39 @@
 //! last partial sample is dropped (Megatron's default for every split), so none is padded.
 //! The oracle is Megatron-Core's own code (tests/fixtures/make_megatron_gpt_order.py).
 
+use crate::numpy_rng::NumpyRandomState;
 use crate::{DataError, IndexedDataset};
 use std::ops::Range;
 use std::sync::Arc;
 
-/// numpy's legacy `RandomState(seed)` as far as Megatron's datasets use it: MT19937 seeded by
-/// `init_genrand`, and `shuffle` of a 1-D array.
-pub struct NumpyRandomState(rand_mt::Mt);
-
-impl NumpyRandomState {
-    pub fn new(seed: u32) -> Self {
-        NumpyRandomState(rand_mt::Mt::new(seed))
-    }
-
-    /// A uniform integer in 0..=max, drawn as numpy's `random_interval`: the draw masked to the
-    /// smallest all-ones number covering `max`, redrawn while above it.
-    pub fn interval(&mut self, max: u64) -> u64 {
-        if max == 0 {
-            return 0;
-        }
-        let mask = u64::MAX >> max.leading_zeros();
-        loop {
-            let v = if max <= u32::MAX as u64 {
-                self.0.next_u32() as u64
-            } else {
-                // Two draws, the first the high half (numpy's `mt19937_next64`); no shuffle here
-                // reaches 2^32 elements.
-                (self.0.next_u32() as u64) << 32 | self.0.next_u32() as u64
-            } & mask;
-            if v <= max {
-                return v;
-            }
-        }
-    }
-
-    /// numpy's `shuffle` of a 1-D array: Fisher–Yates from the last element down.
-    pub fn shuffle<T>(&mut self, xs: &mut [T]) {
-        for i in (1..xs.len()).rev() {
-            let j = self.interval(i as u64) as usize;
-            xs.swap(i, j);
-        }
-    }
-}
-
-/// Where a dataset's sequences live: the built-in corpus in memory or an indexed dataset.
+/// Where a dataset's sequences live: the built-in corpus in memory, an indexed dataset, or
+/// Megatron's mock dataset (`--mock-data`).
 pub enum Sequences {
-    Memory { tokens: Vec<u32>, starts: Vec<u64> },
+    Memory {
+        tokens: Vec<u32>,
+        starts: Vec<u64>,
+    },
     Indexed(Arc<IndexedDataset>),
+    /// Sequence i is 1, 2, … (modulo `vocab`) for `lengths[i]` − 1 tokens, then `eod`.
+    Mock {
+        lengths: Vec<u32>,
+        vocab: u32,
+        eod: u32,
+    },
 }
+
+/// Megatron's MockGPTLowLevelDataset: 100,000 sequences, lengths drawn by numpy's
+/// `default_rng(0).integers(1, 4096)`.
+const MOCK_SEQUENCES: usize = 100_000;
+const MOCK_MAX_LENGTH: u32 = 4096;
 
 impl Sequences {
+    /// Megatron's mock sequences for a tokenizer of `vocab` ids whose end of document is `eod`.
+    pub fn mock(vocab: u32, eod: u32) -> Self {
+        let lengths = crate::NumpyGenerator::new(0).integers_u32(1, MOCK_MAX_LENGTH, MOCK_SEQUENCES);
+        Sequences::Mock { lengths, vocab, eod }
+    }
+
     /// Documents as sequences, in memory.
     pub fn from_documents(docs: &[Vec<u32>]) -> Self {
         let mut starts = Vec::with_capacity(docs.len() + 1);
@@ -82,6 +66,7 @@ impl Sequences {
         match self {
             Sequences::Memory { starts, .. } => starts.len() - 1,
             Sequences::Indexed(d) => d.num_sequences(),
+            Sequences::Mock { lengths, .. } => lengths.len(),
         }
     }
 
@@ -94,6 +79,7 @@ impl Sequences {
         match self {
             Sequences::Memory { starts, .. } => starts[i + 1] - starts[i],
             Sequences::Indexed(d) => d.sequence_length(i),
+            Sequences::Mock { lengths, .. } => lengths[i] as u64,
         }
     }
 
@@ -108,6 +94,12 @@ impl Sequences {
                 let at = out.len();
                 out.resize(at + n as usize, 0);
                 d.read(d.sequence_start(i) + offset, &mut out[at..])?;
+            }
+            Sequences::Mock { lengths, vocab, eod } => {
+                let last = lengths[i] as u64 - 1;
+                out.extend(
+                    (offset..offset + n).map(|p| if p < last { ((p + 1) % *vocab as u64) as u32 } else { *eod }),
+                );
             }
         }
         Ok(())

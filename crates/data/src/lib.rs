@@ -1,8 +1,9 @@
 //! ferrotron-data: what the trainer feeds the model.
 //!
 //! The built-in corpus (made by the project's own seeded generator, so no download is ever
-//! needed), byte-level, GPT-2 BPE and Megatron's Null tokenizers, and Megatron's indexed datasets
-//! (`--data-path PREFIX`: PREFIX.bin + PREFIX.idx, memory-mapped). Either kind of data becomes
+//! needed), byte-level, GPT-2 BPE and Megatron's Null tokenizers, Megatron's indexed datasets
+//! (`--data-path PREFIX`: PREFIX.bin + PREFIX.idx, memory-mapped) and Megatron's mock data
+//! (`--mock-data`, drawn with numpy's generators: numpy_rng.rs). Every kind of data becomes
 //! samples of seq_length + 1 tokens in Megatron-Core's GPTDataset order (gpt.rs), split and
 //! blended as its dataset builder does (dataset.rs), so a run reads the samples a Megatron run
 //! with the same flags reads, and a resumed run the ones it would have read.
@@ -12,14 +13,16 @@ mod dataset;
 mod gpt;
 mod gpt2_files;
 mod indexed;
+mod numpy_rng;
 mod tokenizer;
 
 pub use dataset::{
     MID_LEVEL_SURPLUS, Part, PartRange, SPLIT_NAMES, TokenSplit, blend_sizes, blend_split, documents_in_memory,
     parse_split, split_of, split_ranges, whole_split,
 };
-pub use gpt::{GptDataset, NumpyRandomState, Sequences};
+pub use gpt::{GptDataset, Sequences};
 pub use indexed::{IndexedBuilder, IndexedDataset, TokenDtype, write_indexed};
+pub use numpy_rng::{NumpyGenerator, NumpyRandomState};
 pub use tokenizer::{Tokenizer, TokenizerKind};
 
 #[derive(Debug, thiserror::Error)]

@@ -4,7 +4,8 @@
 //! order, as must numpy's RandomState shuffles and the split boundaries.
 
 use ferrotron_data::{
-    IndexedDataset, NumpyRandomState, Part, Sequences, TokenSplit, parse_split, split_of, split_ranges, whole_split,
+    IndexedDataset, NumpyGenerator, NumpyRandomState, Part, Sequences, TokenSplit, parse_split, split_of, split_ranges,
+    whole_split,
 };
 use serde_json::Value;
 use std::path::PathBuf;
@@ -50,6 +51,17 @@ fn numpy_random_state_shuffles_as_numpy() {
 }
 
 #[test]
+fn numpy_default_rng_draws_the_mock_lengths_as_numpy() {
+    let o = oracle();
+    let m = &o["mock_lengths"];
+    let got = NumpyGenerator::new(0).integers_u32(1, 4096, m["count"].as_u64().unwrap() as usize);
+    let want = |k: &str| m[k].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect::<Vec<_>>();
+    assert_eq!(got[..64], want("first")[..]);
+    assert_eq!(got[got.len() - 8..], want("last")[..]);
+    assert_eq!(got.iter().map(|&x| x as u64).sum::<u64>(), m["sum"].as_u64().unwrap());
+}
+
+#[test]
 fn split_ranges_are_megatron_cores() {
     for c in oracle()["splits"].as_array().unwrap() {
         let (split, n) = (c["split"].as_str().unwrap(), c["n"].as_u64().unwrap() as usize);
@@ -69,14 +81,18 @@ fn split_ranges_are_megatron_cores() {
 fn every_sample_is_megatrons_in_megatrons_order() {
     let o = oracle();
     let cases = o["cases"].as_array().unwrap();
-    assert_eq!(cases.len(), 8);
+    assert_eq!(cases.len(), 10);
     for c in cases {
         let name = c["name"].as_str().unwrap();
         let seq = c["seq_length"].as_u64().unwrap() as usize;
         let seed = c["seed"].as_u64().unwrap() as u32;
         let size = |k: usize| c["sizes"][k].as_u64().unwrap();
         for (k, key) in [(0, "train"), (1, "valid")] {
-            let got = if c["data"].is_array() {
+            let got = if let Some(m) = c.get("mock") {
+                let seqs = Sequences::mock(m["vocab_size"].as_u64().unwrap() as u32, m["eod"].as_u64().unwrap() as u32);
+                let split = parse_split("1,1,1").unwrap();
+                split_of(&[(None, Arc::new(seqs))], split, k, size(k), seq, seed).unwrap()
+            } else if c["data"].is_array() {
                 let split = parse_split(c["split"].as_str().unwrap()).unwrap();
                 split_of(&parts(&c["data"]), split, k, size(k), seq, seed).unwrap()
             } else {
@@ -84,6 +100,16 @@ fn every_sample_is_megatrons_in_megatrons_order() {
                 Some(whole_split(&parts(data), k, size(k), seq, seed).unwrap())
             };
             let want = want_samples(&c[key]);
+            // The mock cases keep the first samples and the count.
+            if let Some(n) = c.get("num_samples") {
+                let g = got.as_ref().unwrap();
+                assert_eq!(g.num_samples() as u64, n[k].as_u64().unwrap(), "{name}: {key} samples");
+                let first: Vec<Vec<u64>> = (0..want.as_ref().unwrap().len())
+                    .map(|i| g.sample(i).unwrap().into_iter().map(u64::from).collect())
+                    .collect();
+                assert_eq!(Some(first), want, "{name}: {key}");
+                continue;
+            }
             let got = got.as_ref().map(all_samples);
             assert_eq!(got.as_ref().map(Vec::len), want.as_ref().map(Vec::len), "{name}: {key} samples");
             assert_eq!(got, want, "{name}: {key}");

@@ -176,6 +176,11 @@ pub struct TrainArgs {
     /// With --train-data-path: the datasets validation reads, whole.
     #[arg(long, num_args = 1..)]
     pub valid_data_path: Vec<String>,
+    /// Megatron's mock data instead of a dataset: 100,000 sequences 1, 2, 3, … of lengths
+    /// below 4096 drawn by numpy's default_rng(0), each ending in the end-of-document id, split
+    /// 1,1,1 (as Megatron forces it). Samples equal a Megatron run's with --mock-data.
+    #[arg(long)]
+    pub mock_data: bool,
     /// The indexed datasets' documents cut into train, valid and test by these weights, as
     /// Megatron's --split (default "969, 30, 1").
     #[arg(long)]
@@ -304,7 +309,7 @@ impl TrainArgs {
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers);
         merge_flags!(self, o; swiglu, untie_embeddings_and_output_weights, disable_bias_linear, qk_layernorm, bf16, fp16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
-            use_flash_attn, finetune, no_load_optim);
+            use_flash_attn, finetune, no_load_optim, mock_data);
         if !o.profile_ranks.is_empty() {
             self.profile_ranks = o.profile_ranks.clone();
         }
@@ -416,6 +421,9 @@ pub struct Settings {
     pub train_data_path: Vec<String>,
     #[serde(default)]
     pub valid_data_path: Vec<String>,
+    /// `--mock-data`: Megatron's mock sequences instead of a dataset.
+    #[serde(default)]
+    pub mock_data: bool,
     /// NullTokenizer's `--vocab-size`.
     #[serde(default)]
     pub vocab_size: Option<usize>,
@@ -734,6 +742,7 @@ impl Settings {
             data_path: a.data_path.clone(),
             train_data_path: a.train_data_path.clone(),
             valid_data_path: a.valid_data_path.clone(),
+            mock_data: a.mock_data,
             vocab_size: a.vocab_size,
             split: a.split.clone().unwrap_or_else(default_split),
             tensor_model_parallel_size: a.tensor_model_parallel_size.unwrap_or(1),
@@ -844,6 +853,9 @@ impl Settings {
                 bail!("--data-path and --train-data-path / --valid-data-path are two ways to name the data: give one")
             }
             _ => bail!("--train-data-path and --valid-data-path go together (validation runs every --eval-interval)"),
+        }
+        if self.mock_data && !(self.data_path.is_empty() && self.train_data_path.is_empty()) {
+            bail!("--mock-data stands in for a dataset: leave out --data-path / --train-data-path, or --mock-data");
         }
         ferrotron_data::parse_split(&self.split)?;
         if u32::try_from(self.seed).is_err() {

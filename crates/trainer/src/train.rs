@@ -79,7 +79,13 @@ impl Data {
         let tokenizer = Tokenizer::new(s.tokenizer()?)?;
         let seed = u32::try_from(s.seed).map_err(|_| DataError::BadSeed(s.seed))?;
         let [n_train, n_valid] = s.split_samples();
-        let (train, valid) = if !s.data_path.is_empty() {
+        let (train, valid) = if s.mock_data {
+            // Megatron builds its mock dataset with the tokenizer's vocabulary and split 1,1,1.
+            let mock = Sequences::mock(tokenizer.vocab_size() as u32, tokenizer.eod());
+            let (parts, split) = ([(None, Arc::new(mock))], parse_split("1,1,1")?);
+            let train = split_of(&parts, split, 0, n_train, s.seq_length, seed)?.context("mock train split")?;
+            (train, split_of(&parts, split, 1, n_valid, s.seq_length, seed)?)
+        } else if !s.data_path.is_empty() {
             let parts = open_parts(s, &s.data_path, "--data-path")?;
             let split = parse_split(&s.split)?;
             let train = split_of(&parts, split, 0, n_train, s.seq_length, seed)?

@@ -150,3 +150,31 @@ fn bad_indexed_data_is_named() {
         .unwrap();
     assert!(format!("{e:#}").contains("--split 9,x"), "{e:#}");
 }
+
+/// `--mock-data`: the trainer's samples are those Megatron-Core's MockGPTDataset gives (the
+/// oracle file ferrotron-data's tests use: its first 24 train and 8 valid samples for the byte
+/// tokenizer at --seq-length 300; one epoch of mock data is far more than either split asks, so
+/// the order does not depend on the sample counts).
+#[test]
+fn mock_data_is_megatrons() {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../data/tests/fixtures/megatron_gpt_order.json");
+    let oracle: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let case = oracle["cases"].as_array().unwrap().iter().find(|c| c["name"] == "mock, byte tokenizer").unwrap();
+    let a = TrainArgs { mock_data: true, seq_length: Some(300), max_position_embeddings: Some(300), ..args() };
+    let (s, _) = Settings::resolve(&a).unwrap();
+    s.validate().unwrap();
+    let data = ferrotron_trainer::train::Data::build(&s).unwrap();
+    for (split, key) in [(&data.train, "train"), (data.valid.as_ref().unwrap(), "valid")] {
+        let want = case[key].as_array().unwrap();
+        assert!(want.len() >= 8);
+        for (i, w) in want.iter().enumerate() {
+            let w: Vec<u32> = w.as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
+            assert_eq!(split.sample(i).unwrap(), w, "{key} sample {i}");
+        }
+    }
+    // It trains, and it stands in for a dataset, so it does not go with one.
+    let l = run(TrainArgs { mock_data: true, ..args() }).unwrap().losses;
+    assert!(l.iter().all(|x| x.1.is_finite()) && l[l.len() - 1].1 < l[0].1, "{l:?}");
+    let e = run(TrainArgs { mock_data: true, data_path: vec!["x".into()], ..args() }).err().unwrap();
+    assert!(format!("{e:#}").contains("--mock-data stands in for a dataset"), "{e:#}");
+}
