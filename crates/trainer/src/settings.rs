@@ -176,6 +176,10 @@ pub struct TrainArgs {
     /// With --train-data-path: the datasets validation reads, whole.
     #[arg(long, num_args = 1..)]
     pub valid_data_path: Vec<String>,
+    /// Leave out of the loss the positions whose input is the end-of-document id (Megatron's
+    /// --eod-mask-loss), in training and validation.
+    #[arg(long)]
+    pub eod_mask_loss: bool,
     /// Megatron's mock data instead of a dataset: 100,000 sequences 1, 2, 3, … of lengths
     /// below 4096 drawn by numpy's default_rng(0), each ending in the end-of-document id, split
     /// 1,1,1 (as Megatron forces it). Samples equal a Megatron run's with --mock-data.
@@ -309,7 +313,7 @@ impl TrainArgs {
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers);
         merge_flags!(self, o; swiglu, untie_embeddings_and_output_weights, disable_bias_linear, qk_layernorm, bf16, fp16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
-            use_flash_attn, finetune, no_load_optim, mock_data);
+            use_flash_attn, finetune, no_load_optim, mock_data, eod_mask_loss);
         if !o.profile_ranks.is_empty() {
             self.profile_ranks = o.profile_ranks.clone();
         }
@@ -424,6 +428,9 @@ pub struct Settings {
     /// `--mock-data`: Megatron's mock sequences instead of a dataset.
     #[serde(default)]
     pub mock_data: bool,
+    /// `--eod-mask-loss`.
+    #[serde(default)]
+    pub eod_mask_loss: bool,
     /// NullTokenizer's `--vocab-size`.
     #[serde(default)]
     pub vocab_size: Option<usize>,
@@ -743,6 +750,7 @@ impl Settings {
             train_data_path: a.train_data_path.clone(),
             valid_data_path: a.valid_data_path.clone(),
             mock_data: a.mock_data,
+            eod_mask_loss: a.eod_mask_loss,
             vocab_size: a.vocab_size,
             split: a.split.clone().unwrap_or_else(default_split),
             tensor_model_parallel_size: a.tensor_model_parallel_size.unwrap_or(1),

@@ -118,7 +118,17 @@ fn open_parts(s: &Settings, values: &[String], flag: &str) -> anyhow::Result<Vec
         .collect()
 }
 
-fn batch(split: &TokenSplit, indices: &[usize], seq: usize, vocab: usize, dev: &Device) -> anyhow::Result<Batch> {
+/// How samples become a micro-batch: the model's sequence length and vocabulary, and with
+/// `--eod-mask-loss` the end-of-document id whose positions do not count in the loss.
+#[derive(Clone, Copy)]
+struct BatchSpec {
+    seq: usize,
+    vocab: usize,
+    eod_mask: Option<u32>,
+}
+
+fn batch(split: &TokenSplit, indices: &[usize], spec: BatchSpec, dev: &Device) -> anyhow::Result<Batch> {
+    let BatchSpec { seq, vocab, eod_mask } = spec;
     let (mut tokens, mut labels) = (Vec::with_capacity(indices.len() * seq), Vec::with_capacity(indices.len() * seq));
     for &i in indices {
         let s = split.sample(i)?;
@@ -133,7 +143,14 @@ fn batch(split: &TokenSplit, indices: &[usize], seq: usize, vocab: usize, dev: &
         labels.extend_from_slice(&s[1..]);
     }
     let b = indices.len();
-    Ok(Batch::unmasked(Tensor::from_vec(tokens, [b, seq], dev)?, Tensor::from_vec(labels, [b, seq], dev)?)?)
+    // Megatron's --eod-mask-loss: a position whose input is the end of a document (so its label
+    // starts the next one) does not count.
+    let mask = eod_mask.map(|eod| tokens.iter().map(|&t| if t == eod { 0.0 } else { 1.0 }).collect::<Vec<f32>>());
+    let (tokens, labels) = (Tensor::from_vec(tokens, [b, seq], dev)?, Tensor::from_vec(labels, [b, seq], dev)?);
+    Ok(match mask {
+        Some(m) => Batch::masked(tokens, labels, m)?,
+        None => Batch::unmasked(tokens, labels)?,
+    })
 }
 
 /// This rank's micro-batches of one evaluation, Megatron's: `eval_iters` global batches from
@@ -144,7 +161,7 @@ fn eval_micro_batches(
     s: &Settings,
     start: u64,
     (dp, dp_rank): (usize, usize),
-    vocab: usize,
+    spec: BatchSpec,
     dev: &Device,
 ) -> anyhow::Result<Vec<Batch>> {
     let (n, mb, gbs) = (valid.num_samples() as u64, s.micro_batch_size as u64, s.global_batch_size as u64);
@@ -153,7 +170,7 @@ fn eval_micro_batches(
         for m in 0..s.num_micro_batches() / dp {
             let first = start + it * gbs + (m * dp + dp_rank) as u64 * mb;
             let idx: Vec<usize> = (0..mb).map(|i| ((first + i) % n) as usize).collect();
-            out.push(batch(valid, &idx, s.seq_length, vocab, dev)?);
+            out.push(batch(valid, &idx, spec, dev)?);
         }
     }
     Ok(out)
@@ -424,11 +441,16 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             eprint!("{}", table_text.unwrap_or_default());
         }
     }
+    let spec = BatchSpec {
+        seq: s.seq_length,
+        vocab: model.config.vocab_size,
+        eod_mask: s.eod_mask_loss.then(|| data.tokenizer.eod()),
+    };
     // The mean validation loss over one evaluation's batches (`eval_micro_batches`) from sample
     // `start` on; None without a validation split (`--split` gave it no share), as in Megatron.
     let eval = |model: &GptModel, table: &ParamTable, start: u64| -> anyhow::Result<Option<f64>> {
         let Some(valid) = &data.valid else { return Ok(None) };
-        let micros = eval_micro_batches(valid, s, start, (dp, dp_rank), model.config.vocab_size, &dev)?;
+        let micros = eval_micro_batches(valid, s, start, (dp, dp_rank), spec, &dev)?;
         let loss = if pipelined {
             eval_pipelined(model, table, &g.pipeline, &g.pp, &micros)?
         } else {
@@ -484,7 +506,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
                 let j = (m * dp + dp_rank) as u64;
                 let idx: Vec<usize> = (0..mb).map(|i| (consumed + j * mb + i) as usize).collect();
                 let draw = Draw { seed: s.seed, first_sample: consumed + j * mb };
-                Ok(batch(&data.train, &idx, s.seq_length, model.config.vocab_size, &dev)?.with_draw(draw))
+                Ok(batch(&data.train, &idx, spec, &dev)?.with_draw(draw))
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
         consumed += s.global_batch_size as u64;
@@ -647,7 +669,8 @@ mod tests {
         let seqs = Arc::new(Sequences::from_documents(&[vec![1, 2, 3, 4, 9, 5, 6, 7, 8]]));
         let split = blend_split("train", vec![(None, seqs, 0..1)], 2, 4, 1234).unwrap();
         // Both samples (tokens 0..=4 and 4..=8, in some order) hold 9.
-        let ok = batch(&split, &[0, 1], 4, 10, &Device::Cpu).unwrap();
+        let spec = |vocab| BatchSpec { seq: 4, vocab, eod_mask: None };
+        let ok = batch(&split, &[0, 1], spec(10), &Device::Cpu).unwrap();
         let (mut t, mut l) = (ok.tokens.to_vec::<u32>().unwrap(), ok.labels.to_vec::<u32>().unwrap());
         if t[0] != 1 {
             t.rotate_left(4);
@@ -655,7 +678,23 @@ mod tests {
         }
         assert_eq!(t, [1, 2, 3, 4, 9, 5, 6, 7]);
         assert_eq!(l, [2, 3, 4, 9, 5, 6, 7, 8]);
-        let e = batch(&split, &[1], 4, 9, &Device::Cpu).unwrap_err().to_string();
+        let e = batch(&split, &[1], spec(9), &Device::Cpu).unwrap_err().to_string();
         assert!(e.contains("token id 9 in sample 1") && e.contains("vocabulary size 9"), "{e}");
+        assert_eq!(ok.num_tokens(), 8.0, "no --eod-mask-loss: every position counts");
+    }
+
+    #[test]
+    fn eod_mask_loss_drops_the_positions_whose_input_ends_a_document() {
+        // Documents 1 2 0 | 3 0 | 4 5 6 0 (0: the end of document); one sample of all 10 tokens.
+        let docs = [vec![1, 2, 0], vec![3, 0], vec![4, 5, 6, 0]];
+        let seqs = Arc::new(Sequences::from_documents(&docs));
+        let split = blend_split("train", vec![(None, seqs, 0..3)], 1, 8, 1234).unwrap();
+        let spec = BatchSpec { seq: 8, vocab: 10, eod_mask: Some(0) };
+        let b = batch(&split, &[0], spec, &Device::Cpu).unwrap();
+        let tokens = b.tokens.to_vec::<u32>().unwrap();
+        let want: Vec<f32> = tokens.iter().map(|&t| if t == 0 { 0.0 } else { 1.0 }).collect();
+        assert!(want.contains(&0.0), "the sample holds an end of document: {tokens:?}");
+        assert_eq!(b.loss_mask.to_vec_f32().unwrap(), want);
+        assert_eq!(b.num_tokens(), want.iter().sum::<f32>() as f64);
     }
 }

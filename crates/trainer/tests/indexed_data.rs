@@ -172,6 +172,13 @@ fn mock_data_is_megatrons() {
             assert_eq!(split.sample(i).unwrap(), w, "{key} sample {i}");
         }
     }
+    // --eod-mask-loss: each sample's end-of-document positions (one in every sequence) leave the
+    // loss, so the same untrained model's first validation loss differs; training still learns.
+    let masked = run(TrainArgs { mock_data: true, eod_mask_loss: true, ..args() }).unwrap();
+    let plain = run(TrainArgs { mock_data: true, ..args() }).unwrap();
+    assert_ne!(masked.evals[0].1, plain.evals[0].1);
+    let l = &masked.losses;
+    assert!(l.iter().all(|x| x.1.is_finite()) && l[l.len() - 1].1 < l[0].1, "{l:?}");
     // It trains, and it stands in for a dataset, so it does not go with one.
     let l = run(TrainArgs { mock_data: true, ..args() }).unwrap().losses;
     assert!(l.iter().all(|x| x.1.is_finite()) && l[l.len() - 1].1 < l[0].1, "{l:?}");

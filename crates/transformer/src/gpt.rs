@@ -69,6 +69,15 @@ impl Batch {
         Ok(Batch { tokens, labels, loss_mask, num_tokens: n as f64, inv_tokens, draw: None })
     }
 
+    /// A batch with a loss mask made on the host (`mask` as long as the tokens): counted there and
+    /// uploaded to the tokens' device, with no read back.
+    pub fn masked(tokens: Tensor, labels: Tensor, mask: Vec<f32>) -> Result<Batch> {
+        let num_tokens = mask.iter().map(|&m| m as f64).sum();
+        let loss_mask = Tensor::from_vec(mask, tokens.dims().to_vec(), tokens.device())?;
+        let inv_tokens = inverse_count(num_tokens, tokens.device())?;
+        Ok(Batch { tokens, labels, loss_mask, num_tokens, inv_tokens, draw: None })
+    }
+
     /// Σ loss_mask.
     pub fn num_tokens(&self) -> f64 {
         self.num_tokens
@@ -547,6 +556,10 @@ mod tests {
         let ids = || Tensor::from_vec(vec![1u32, 2, 3, 4, 5, 6], [2, 3], &dev).unwrap();
         let mask = Tensor::from_vec(vec![1f32, 0.0, 1.0, 1.0, 0.0, 0.5], [2, 3], &dev).unwrap();
         assert_eq!(Batch::new(ids(), ids(), mask).unwrap().num_tokens(), 3.5);
+        let m = Batch::masked(ids(), ids(), vec![1.0, 0.0, 1.0, 1.0, 0.0, 0.5]).unwrap();
+        assert_eq!((m.num_tokens(), m.inv_tokens().to_vec_f32().unwrap()[0]), (3.5, (1.0 / 3.5) as f32));
+        assert_eq!(m.loss_mask.to_vec_f32().unwrap(), [1.0, 0.0, 1.0, 1.0, 0.0, 0.5]);
+        assert_eq!(m.loss_mask.dims(), [2, 3]);
         let all = Batch::unmasked(ids(), ids()).unwrap();
         assert_eq!(all.num_tokens(), 6.0);
         assert_eq!(all.loss_mask.to_vec_f32().unwrap(), vec![1.0; 6]);
