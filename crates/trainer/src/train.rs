@@ -447,9 +447,10 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         eod_mask: s.eod_mask_loss.then(|| data.tokenizer.eod()),
     };
     // The mean validation loss over one evaluation's batches (`eval_micro_batches`) from sample
-    // `start` on; None without a validation split (`--split` gave it no share), as in Megatron.
+    // `start` on; None without a validation split (`--split` gave it no share) or with
+    // `--eval-iters 0`, as in Megatron.
     let eval = |model: &GptModel, table: &ParamTable, start: u64| -> anyhow::Result<Option<f64>> {
-        let Some(valid) = &data.valid else { return Ok(None) };
+        let Some(valid) = data.valid.as_ref().filter(|_| s.eval_iters > 0) else { return Ok(None) };
         let micros = eval_micro_batches(valid, s, start, (dp, dp_rank), spec, &dev)?;
         let loss = if pipelined {
             eval_pipelined(model, table, &g.pipeline, &g.pp, &micros)?

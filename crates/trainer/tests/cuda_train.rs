@@ -143,6 +143,35 @@ fn sliding_window_cuda_matches_cpu() {
     }
 }
 
+/// `--eod-mask-loss` (a loss mask made on the host from each batch's end-of-document ids, a
+/// different count every micro-batch) and `--mock-data` on both tiny presets, fp32: CUDA within
+/// 1e-4 of the CPU, and the mask changes the run.
+#[test]
+fn eod_mask_loss_and_mock_data_cuda_match_cpu() {
+    let gpu = Device::cuda(0).expect("a CUDA device");
+    for preset in ["tiny", "llama-tiny"] {
+        for mock_data in [false, true] {
+            let args = |eod_mask_loss| TrainArgs {
+                preset: Some(preset.into()),
+                eod_mask_loss,
+                mock_data,
+                ..TrainArgs::default()
+            };
+            let cpu = losses_of(args(true), Device::Cpu);
+            let cuda = losses_of(args(true), gpu.clone());
+            assert_eq!(cpu.len(), 20);
+            for (i, (c, g)) in cpu.iter().zip(&cuda).enumerate() {
+                assert!(
+                    (c - g).abs() <= 1e-4 * c.abs(),
+                    "{preset} mock {mock_data} step {}: cpu {c} vs cuda {g}",
+                    i + 1
+                );
+            }
+            assert_ne!(cpu, losses_of(args(false), Device::Cpu), "{preset}: --eod-mask-loss changed nothing");
+        }
+    }
+}
+
 /// The tiny preset for 4 steps, one evaluation at the end: the profiling tests' run.
 fn tiny_four_steps() -> Settings {
     let args = TrainArgs {

@@ -108,6 +108,8 @@ fn an_indexed_dataset_trains_as_the_same_tokens_in_memory() {
         run(TrainArgs { data_path: vec![prefix.to_str().unwrap().into()], split: Some("1,0,0".into()), ..args() })
             .unwrap();
     assert!(no_valid.evals.is_empty() && no_valid.losses.len() == 6, "{:?}", no_valid.evals);
+    let no_evals = run(TrainArgs { eval_iters: Some(0), ..args() }).unwrap();
+    assert!(no_evals.evals.is_empty() && no_evals.losses == want.losses, "--eval-iters 0: {:?}", no_evals.evals);
 
     // Blended with a second copy at 3 : 1, the run trains (finite, falling loss) on samples of
     // both; the default --split leaves validation documents too.
