@@ -106,6 +106,9 @@ pub struct TrainArgs {
     pub lr: Option<f64>,
     #[arg(long)]
     pub min_lr: Option<f64>,
+    /// The warmup's starting learning rate (default 0: the first update, as Megatron's, at 0).
+    #[arg(long)]
+    pub lr_warmup_init: Option<f64>,
     /// constant, linear or cosine.
     #[arg(long)]
     pub lr_decay_style: Option<String>,
@@ -305,7 +308,7 @@ impl TrainArgs {
     fn overlay(&mut self, o: &TrainArgs) {
         merge_opts!(self, o; preset, num_layers, hidden_size, num_attention_heads, num_query_groups, kv_channels, ffn_hidden_size, seq_length,
             max_position_embeddings, position_embedding_type, rotary_base, normalization, tokenizer_type, vocab_size, vocab_file, merge_file, init_method_std,
-            micro_batch_size, global_batch_size, train_iters, lr, min_lr, lr_decay_style, lr_warmup_iters, lr_warmup_fraction,
+            micro_batch_size, global_batch_size, train_iters, lr, min_lr, lr_warmup_init, lr_decay_style, lr_warmup_iters, lr_warmup_fraction,
             lr_decay_iters, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad, norm_epsilon, make_vocab_size_divisible_by,
             hidden_dropout, attention_dropout, window_size, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, corpus_docs, split,
             exit_interval, device, cuda_graph_impl, cuda_graph_warmup_steps, profile_step_start, profile_step_end, profile_trace, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s,
@@ -360,6 +363,9 @@ pub struct Settings {
     pub train_iters: u64,
     pub lr: f64,
     pub min_lr: f64,
+    /// `--lr-warmup-init` (absent from older checkpoints' settings: 0).
+    #[serde(default)]
+    pub lr_warmup_init: f64,
     pub lr_decay_style: String,
     pub lr_warmup_iters: u64,
     pub weight_decay: f32,
@@ -733,6 +739,7 @@ impl Settings {
             train_iters: need(&a.train_iters, "--train-iters")?,
             lr: need(&a.lr, "--lr")?,
             min_lr: need(&a.min_lr, "--min-lr")?,
+            lr_warmup_init: a.lr_warmup_init.unwrap_or(0.0),
             lr_decay_style: need(&a.lr_decay_style, "--lr-decay-style")?,
             lr_warmup_iters: need(&a.lr_warmup_iters, "--lr-warmup-iters")?,
             weight_decay: need(&a.weight_decay, "--weight-decay")?,
@@ -891,6 +898,9 @@ impl Settings {
         }
         if self.lr.is_nan() || self.lr <= 0.0 || self.min_lr < 0.0 || self.min_lr > self.lr {
             bail!("--lr {} and --min-lr {} must satisfy 0 <= min-lr <= lr and lr > 0", self.lr, self.min_lr);
+        }
+        if !(self.lr_warmup_init >= 0.0 && self.lr_warmup_init <= self.lr) {
+            bail!("--lr-warmup-init {} must satisfy 0 <= lr-warmup-init <= lr ({})", self.lr_warmup_init, self.lr);
         }
         if !(0.0..1.0).contains(&self.adam_beta1) || !(0.0..1.0).contains(&self.adam_beta2) {
             bail!("--adam-beta1 and --adam-beta2 must lie in [0, 1)");

@@ -383,6 +383,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     let sched = LrSchedule {
         lr: s.lr,
         min_lr: s.min_lr,
+        init_lr: s.lr_warmup_init,
         warmup_iters: s.lr_warmup_iters,
         decay_iters: s.decay_iters(),
         style: s.decay_style()?,
@@ -511,7 +512,8 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
         consumed += s.global_batch_size as u64;
-        let lr = sched.lr_at(iteration);
+        // Megatron's scheduler steps after each update: iteration k at k − 1 completed.
+        let lr = sched.lr_at(iteration - 1);
         let step = if pipelined {
             queue_train_step_pipelined(&model, &table, &mut sync, &mut opt, &g.pipeline, &g.pp, &micros, lr as f32)?
         } else if let Some(gr) = graph.as_mut() {

@@ -110,6 +110,40 @@ fn metrics_file_without_save_writes_no_checkpoint() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// The rate each iteration trains at, as Megatron's scheduler gives it (it steps after each
+/// update): iteration k at k − 1 completed iterations, so under a warmup the first update runs at
+/// --lr-warmup-init (default 0).
+#[test]
+fn iteration_k_trains_at_the_rate_of_k_minus_one_completed_iterations() {
+    let dir = tmp("cli-lr");
+    let f = dir.join("m.jsonl");
+    let lrs = |extra: &[&str]| -> Vec<f64> {
+        let mut a = vec!["--train-iters", "5", "--log-interval", "1", "--lr", "1e-3", "--min-lr", "1e-4"];
+        a.extend_from_slice(&["--lr-warmup-iters", "3", "--lr-decay-style", "linear", "--eval-interval", "5"]);
+        a.extend_from_slice(&["--metrics-file", f.to_str().unwrap()]);
+        a.extend_from_slice(extra);
+        let _ = std::fs::remove_file(&f); // a run appends to the file
+        let o = run(&a);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let text = std::fs::read_to_string(&f).unwrap();
+        text.lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter(|v| v["kind"] == "train")
+            .map(|v| v["lr"].as_f64().unwrap())
+            .collect()
+    };
+    // Warmup over 3 of 5 iterations, then linear decay to --min-lr at iteration 5 (4 completed).
+    let want = [0.0, 1e-3 / 3.0, 2e-3 / 3.0, 1e-3, 1e-4 + 0.5 * 9e-4];
+    let got = lrs(&[]);
+    assert_eq!(got.len(), 5);
+    for (k, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((g - w).abs() < 1e-12, "iteration {}: lr {g}, want {w}", k + 1);
+    }
+    let init = lrs(&["--lr-warmup-init", "1e-4"]);
+    assert!((init[0] - 1e-4).abs() < 1e-15 && (init[1] - 4e-4).abs() < 1e-12, "{init:?}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 #[track_caller]
 fn fails_naming(extra: &[&str], needle: &str) {
     let o = run(extra);
