@@ -27,16 +27,20 @@ pub struct LrSchedule {
     pub min_lr: f64,
     /// The warmup's starting rate (Megatron's --lr-warmup-init).
     pub init_lr: f64,
-    pub warmup_iters: u64,
-    pub decay_iters: u64,
+    /// Warmup and decay lengths in iterations: fractional where Megatron's are in samples
+    /// (`--lr-warmup-samples`, `--lr-decay-samples`, a warmup fraction) that a global batch does
+    /// not divide.
+    pub warmup_iters: f64,
+    pub decay_iters: f64,
     pub style: DecayStyle,
 }
 
 impl LrSchedule {
     /// The rate of the update after `done` completed iterations (iteration `done` + 1's).
     pub fn lr_at(&self, done: u64) -> f64 {
-        if self.warmup_iters > 0 && done <= self.warmup_iters {
-            return self.init_lr + (self.lr - self.init_lr) * done as f64 / self.warmup_iters as f64;
+        let done = done as f64;
+        if self.warmup_iters > 0.0 && done <= self.warmup_iters {
+            return self.init_lr + (self.lr - self.init_lr) * done / self.warmup_iters;
         }
         if self.style == DecayStyle::Constant {
             return self.lr;
@@ -44,8 +48,8 @@ impl LrSchedule {
         if done > self.decay_iters {
             return self.min_lr;
         }
-        let span = self.decay_iters.saturating_sub(self.warmup_iters).max(1) as f64;
-        let ratio = (done - self.warmup_iters) as f64 / span;
+        // Here warmup < done <= decay, so the span is positive.
+        let ratio = (done - self.warmup_iters) / (self.decay_iters - self.warmup_iters);
         let coeff = match self.style {
             DecayStyle::Linear => 1.0 - ratio,
             _ => 0.5 * ((std::f64::consts::PI * ratio).cos() + 1.0),
@@ -64,8 +68,8 @@ mod tests {
             lr: 1e-3,
             min_lr: 1e-4,
             init_lr: 0.0,
-            warmup_iters: 10,
-            decay_iters: 110,
+            warmup_iters: 10.0,
+            decay_iters: 110.0,
             style: DecayStyle::Cosine,
         };
         assert_eq!(s.lr_at(0), 0.0, "the first update, as Megatron's, at the warmup's start");
@@ -80,7 +84,10 @@ mod tests {
         assert_eq!(c.lr_at(1000), 1e-3);
         let w = LrSchedule { init_lr: 2e-4, ..s };
         assert!((w.lr_at(0) - 2e-4).abs() < 1e-15 && (w.lr_at(5) - 6e-4).abs() < 1e-12);
-        let none = LrSchedule { warmup_iters: 0, ..s };
+        let none = LrSchedule { warmup_iters: 0.0, ..s };
         assert_eq!(none.lr_at(0), 1e-3, "no warmup: the first update at the full rate");
+        // A warmup of 2.5 iterations (e.g. 80 samples at a global batch of 32).
+        let half = LrSchedule { warmup_iters: 2.5, ..s };
+        assert!((half.lr_at(2) - 0.8e-3).abs() < 1e-15 && half.lr_at(3) < 1e-3 && half.lr_at(3) > 0.99e-3);
     }
 }

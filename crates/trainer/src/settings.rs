@@ -102,6 +102,16 @@ pub struct TrainArgs {
     pub global_batch_size: Option<usize>,
     #[arg(long)]
     pub train_iters: Option<u64>,
+    /// The run's length in samples instead of --train-iters (iterations: this over the global
+    /// batch); its schedule then in samples too: --lr-warmup-samples, --lr-decay-samples.
+    #[arg(long)]
+    pub train_samples: Option<u64>,
+    /// With --train-samples: the warm-up in samples.
+    #[arg(long)]
+    pub lr_warmup_samples: Option<u64>,
+    /// With --train-samples: samples the learning rate decays over (default --train-samples).
+    #[arg(long)]
+    pub lr_decay_samples: Option<u64>,
     #[arg(long)]
     pub lr: Option<f64>,
     #[arg(long)]
@@ -308,7 +318,7 @@ impl TrainArgs {
     fn overlay(&mut self, o: &TrainArgs) {
         merge_opts!(self, o; preset, num_layers, hidden_size, num_attention_heads, num_query_groups, kv_channels, ffn_hidden_size, seq_length,
             max_position_embeddings, position_embedding_type, rotary_base, normalization, tokenizer_type, vocab_size, vocab_file, merge_file, init_method_std,
-            micro_batch_size, global_batch_size, train_iters, lr, min_lr, lr_warmup_init, lr_decay_style, lr_warmup_iters, lr_warmup_fraction,
+            micro_batch_size, global_batch_size, train_iters, train_samples, lr_warmup_samples, lr_decay_samples, lr, min_lr, lr_warmup_init, lr_decay_style, lr_warmup_iters, lr_warmup_fraction,
             lr_decay_iters, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad, norm_epsilon, make_vocab_size_divisible_by,
             hidden_dropout, attention_dropout, window_size, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, corpus_docs, split,
             exit_interval, device, cuda_graph_impl, cuda_graph_warmup_steps, profile_step_start, profile_step_end, profile_trace, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s,
@@ -361,6 +371,17 @@ pub struct Settings {
     pub micro_batch_size: usize,
     pub global_batch_size: usize,
     pub train_iters: u64,
+    /// `--train-samples` (train_iters is then this over the global batch), and the schedule in
+    /// samples; absent from older checkpoints' settings.
+    #[serde(default)]
+    pub train_samples: Option<u64>,
+    #[serde(default)]
+    pub lr_warmup_samples: Option<u64>,
+    #[serde(default)]
+    pub lr_decay_samples: Option<u64>,
+    /// `--lr-warmup-fraction` as given (lr_warmup_iters holds it rounded down).
+    #[serde(default)]
+    pub lr_warmup_fraction: Option<f64>,
     pub lr: f64,
     pub min_lr: f64,
     /// `--lr-warmup-init` (absent from older checkpoints' settings: 0).
@@ -775,6 +796,10 @@ impl Settings {
             recompute_method: a.recompute_method.clone(),
             recompute_num_layers: a.recompute_num_layers,
             lr_decay_iters: a.lr_decay_iters,
+            train_samples: a.train_samples,
+            lr_warmup_samples: a.lr_warmup_samples,
+            lr_decay_samples: a.lr_decay_samples,
+            lr_warmup_fraction: a.lr_warmup_fraction,
             adam_eps: a.adam_eps.unwrap_or_else(adam_eps),
             norm_epsilon: a.norm_epsilon.unwrap_or_else(norm_epsilon),
             make_vocab_size_divisible_by: a.make_vocab_size_divisible_by.unwrap_or_else(vocab_divisible_by),
@@ -782,9 +807,33 @@ impl Settings {
             attention_dropout: a.attention_dropout.unwrap_or(0.0) as f32,
             window_size: a.window_size.as_deref().map(parse_window).transpose()?.flatten(),
         };
+        // Megatron's two ways to measure a run, not to be mixed: iterations, or samples (the
+        // schedule then in samples as well).
+        let warmup_iters_given = file.lr_warmup_iters.or(flags.lr_warmup_iters).is_some();
+        if let Some(n) = a.train_samples {
+            if file.train_iters.or(flags.train_iters).is_some() {
+                bail!("--train-samples and --train-iters both set the run's length: keep one");
+            }
+            if a.lr_decay_iters.is_some() || warmup_iters_given {
+                bail!(
+                    "with --train-samples the schedule is in samples too: use --lr-warmup-samples and --lr-decay-samples (or --lr-warmup-fraction), not --lr-warmup-iters / --lr-decay-iters"
+                );
+            }
+            s.train_iters = n / s.global_batch_size as u64;
+            if s.train_iters == 0 {
+                bail!("--train-samples {n} is less than one global batch of {}", s.global_batch_size);
+            }
+            s.lr_warmup_iters = a.lr_warmup_samples.unwrap_or(0) / s.global_batch_size as u64;
+        } else if a.lr_warmup_samples.is_some() || a.lr_decay_samples.is_some() {
+            bail!(
+                "--lr-warmup-samples and --lr-decay-samples go with --train-samples (with --train-iters: --lr-warmup-iters and --lr-decay-iters)"
+            );
+        }
         if let Some(f) = a.lr_warmup_fraction {
-            if file.lr_warmup_iters.or(flags.lr_warmup_iters).is_some() {
-                bail!("--lr-warmup-fraction and --lr-warmup-iters both set the warm-up: keep one");
+            if warmup_iters_given || a.lr_warmup_samples.is_some() {
+                bail!(
+                    "--lr-warmup-fraction and --lr-warmup-iters / --lr-warmup-samples both set the warm-up: keep one"
+                );
             }
             if !(0.0..=1.0).contains(&f) {
                 bail!("--lr-warmup-fraction {f} must lie in [0, 1]");
@@ -930,6 +979,24 @@ impl Settings {
         self.lr_decay_iters.unwrap_or(self.train_iters)
     }
 
+    /// The schedule's (warmup, decay) in iterations, as Megatron's scheduler measures them in
+    /// samples: --lr-decay-samples, else --train-samples, else decay_iters (times the global
+    /// batch); the warmup as a fraction of that, or --lr-warmup-samples, or --lr-warmup-iters.
+    /// Fractional where a global batch does not divide the samples.
+    pub fn schedule_span(&self) -> (f64, f64) {
+        let gbs = self.global_batch_size as f64;
+        let decay = match (self.lr_decay_samples, self.train_samples) {
+            (Some(d), _) | (None, Some(d)) => d as f64 / gbs,
+            (None, None) => self.decay_iters() as f64,
+        };
+        let warmup = match (self.lr_warmup_fraction, self.lr_warmup_samples) {
+            (Some(f), _) => f * decay,
+            (None, Some(w)) => w as f64 / gbs,
+            (None, None) => self.lr_warmup_iters as f64,
+        };
+        (warmup, decay)
+    }
+
     /// Model chunks per pipeline rank (interleaving), from --num-layers-per-virtual-pipeline-stage.
     pub fn virtual_stages(&self) -> anyhow::Result<usize> {
         let pp = self.pipeline_model_parallel_size;
@@ -1037,11 +1104,12 @@ impl Settings {
     }
 
     /// The samples a Megatron run of these settings asks of its train and valid splits:
-    /// train_iters · global batch, and eval_iters global batches per evaluation, one evaluation
+    /// --train-samples or train_iters · global batch, and eval_iters global batches per evaluation, one evaluation
     /// every eval_interval iterations and one more.
     pub fn split_samples(&self) -> [u64; 2] {
         let gbs = self.global_batch_size as u64;
-        [self.train_iters * gbs, (self.train_iters / self.eval_interval.max(1) + 1) * self.eval_iters * gbs]
+        let train = self.train_samples.unwrap_or(self.train_iters * gbs);
+        [train, (self.train_iters / self.eval_interval.max(1) + 1) * self.eval_iters * gbs]
     }
 
     pub fn num_micro_batches(&self) -> usize {
@@ -1174,6 +1242,32 @@ mod tests {
         assert!(parse("--kv-channels 0").unwrap_err().to_string().contains("--kv-channels"));
         let e = parse("--make-vocab-size-divisible-by 0").unwrap_err().to_string();
         assert!(e.contains("--make-vocab-size-divisible-by"), "{e}");
+    }
+
+    /// Megatron's sample-based runs: --train-samples sets the iterations (over the global
+    /// batch) and the train split's size; the schedule is in samples, so its lengths may be
+    /// fractional iterations; the two ways are not mixed.
+    #[test]
+    fn runs_measured_in_samples() {
+        let s = parse("--global-batch-size 32 --train-samples 100 --lr-warmup-samples 48").unwrap();
+        assert_eq!((s.train_iters, s.split_samples()[0]), (3, 100));
+        assert_eq!(s.schedule_span(), (1.5, 3.125));
+        let s =
+            parse("--global-batch-size 32 --train-samples 100 --lr-decay-samples 80 --lr-warmup-fraction 0.5").unwrap();
+        assert_eq!(s.schedule_span(), (1.25, 2.5));
+        let s = parse("--train-iters 10 --lr-warmup-fraction 0.25").unwrap();
+        assert_eq!((s.lr_warmup_iters, s.schedule_span()), (2, (2.5, 10.0)), "the fraction kept whole");
+        for (line, needle) in [
+            ("--train-samples 100 --train-iters 3", "keep one"),
+            ("--train-samples 100 --lr-warmup-iters 2", "--lr-warmup-samples"),
+            ("--train-samples 100 --lr-decay-iters 2", "--lr-decay-samples"),
+            ("--lr-warmup-samples 64", "go with --train-samples"),
+            ("--global-batch-size 32 --train-samples 31", "less than one global batch"),
+            ("--train-samples 640 --lr-warmup-samples 64 --lr-warmup-fraction 0.1", "keep one"),
+        ] {
+            let e = parse(line).unwrap_err().to_string();
+            assert!(e.contains(needle), "{line}: {e}");
+        }
     }
 
     #[test]

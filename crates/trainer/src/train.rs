@@ -384,8 +384,8 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         lr: s.lr,
         min_lr: s.min_lr,
         init_lr: s.lr_warmup_init,
-        warmup_iters: s.lr_warmup_iters,
-        decay_iters: s.decay_iters(),
+        warmup_iters: s.schedule_span().0,
+        decay_iters: s.schedule_span().1,
         style: s.decay_style()?,
     };
     let (mut iteration, mut consumed, mut consumed_valid) = (0u64, 0u64, 0u64);
