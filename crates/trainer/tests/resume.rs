@@ -1,6 +1,7 @@
 //! N steps straight equals N/2 steps, save, load, N/2 steps: the same losses, parameters and
 //! optimizer state, bit for bit (f32 with hidden dropout, and bf16 with fp32 master weights). And a checkpoint saved
-//! under one parallel layout resumes under another.
+//! under one parallel layout resumes under another. And a run measured in samples is the same run
+//! measured in iterations.
 
 mod common;
 
@@ -183,4 +184,22 @@ fn losses_read_at_log_intervals_equal_per_step_reads() {
     // those reads and the evaluations, in the same order on every rank: the same bits.
     s3.overlap_param_gather = true;
     assert_eq!(bits(&train(&s3, &threads).unwrap().losses), bits(&a.losses));
+}
+
+/// The same run measured two ways: --train-samples with its schedule in samples, where the global
+/// batch divides them, is --train-iters with the schedule in iterations, bit for bit.
+#[test]
+fn a_run_in_samples_equals_the_run_in_iterations() {
+    let mut iters = tiny_args(false);
+    (iters.lr_warmup_iters, iters.lr_decay_iters) = (Some(2), Some(6));
+    let straight = train(&settings(&iters), &Paths::default()).unwrap();
+    let mut samples = tiny_args(false);
+    (samples.train_iters, samples.lr_warmup_iters) = (None, None);
+    (samples.train_samples, samples.lr_warmup_samples, samples.lr_decay_samples) = (Some(64), Some(16), Some(48));
+    let s = settings(&samples);
+    assert_eq!(s.train_iters, 8);
+    let other = train(&s, &Paths::default()).unwrap();
+    let bits = |l: &[(u64, f64)]| l.iter().map(|(i, x)| (*i, x.to_bits())).collect::<Vec<_>>();
+    assert_eq!(bits(&other.losses), bits(&straight.losses));
+    assert_eq!(bits(&other.evals), bits(&straight.evals));
 }
