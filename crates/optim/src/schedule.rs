@@ -1,21 +1,44 @@
-//! Learning-rate schedule: linear warmup from `init_lr` to `lr`, then constant, linear or cosine
-//! decay to `min_lr` at `decay_iters`, then `min_lr` (Megatron's OptimizerParamScheduler).
-//! Megatron steps its scheduler after each update, so iteration k trains at the rate of k − 1
-//! completed iterations: the first at `init_lr` under a warmup (`--lr-warmup-init`, default 0).
+//! Learning-rate schedule, Megatron's OptimizerParamScheduler: linear warmup from `init_lr` to
+//! `lr`, then constant, linear, cosine, inverse-square-root or WSD (warmup-stable-decay) decay to
+//! `min_lr`, then `min_lr`. Lengths are in samples, as Megatron counts them (`--lr-*-iters` are
+//! that many global batches), and the scheduler steps after each update: an iteration trains at
+//! the rate of the samples consumed before it, the first at `init_lr` under a warmup
+//! (`--lr-warmup-init`, default 0).
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DecayStyle {
     Constant,
     Linear,
     Cosine,
+    InverseSquareRoot,
+    /// Stable at `lr` until the last `wsd_decay` samples of the decay, then down to `min_lr`.
+    Wsd(WsdStyle),
+}
+
+/// How WSD's final stretch falls (Megatron's --lr-wsd-decay-style).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WsdStyle {
+    Exponential,
+    Linear,
+    Cosine,
+    MinusSqrt,
 }
 
 impl DecayStyle {
-    pub fn parse(s: &str) -> Option<Self> {
-        Some(match s {
+    /// `--lr-decay-style` (and for WSD `--lr-wsd-decay-style`, Megatron's default exponential).
+    pub fn parse(style: &str, wsd: &str) -> Option<Self> {
+        Some(match style {
             "constant" => DecayStyle::Constant,
             "linear" => DecayStyle::Linear,
             "cosine" => DecayStyle::Cosine,
+            "inverse-square-root" => DecayStyle::InverseSquareRoot,
+            "WSD" => DecayStyle::Wsd(match wsd {
+                "exponential" => WsdStyle::Exponential,
+                "linear" => WsdStyle::Linear,
+                "cosine" => WsdStyle::Cosine,
+                "minus_sqrt" => WsdStyle::MinusSqrt,
+                _ => return None,
+            }),
             _ => return None,
         })
     }
@@ -27,32 +50,49 @@ pub struct LrSchedule {
     pub min_lr: f64,
     /// The warmup's starting rate (Megatron's --lr-warmup-init).
     pub init_lr: f64,
-    /// Warmup and decay lengths in iterations: fractional where Megatron's are in samples
-    /// (`--lr-warmup-samples`, `--lr-decay-samples`, a warmup fraction) that a global batch does
-    /// not divide.
-    pub warmup_iters: f64,
-    pub decay_iters: f64,
+    /// Samples of warmup, of decay (the warmup's included), and of WSD's final fall.
+    pub warmup: f64,
+    pub decay: f64,
+    pub wsd_decay: f64,
     pub style: DecayStyle,
 }
 
 impl LrSchedule {
-    /// The rate of the update after `done` completed iterations (iteration `done` + 1's).
-    pub fn lr_at(&self, done: u64) -> f64 {
-        let done = done as f64;
-        if self.warmup_iters > 0.0 && done <= self.warmup_iters {
-            return self.init_lr + (self.lr - self.init_lr) * done / self.warmup_iters;
+    /// The rate of the update made after `consumed` samples (Megatron's `get_lr` at `num_steps`).
+    pub fn lr_at(&self, consumed: u64) -> f64 {
+        let n = consumed as f64;
+        if self.warmup > 0.0 && n <= self.warmup {
+            return self.init_lr + (self.lr - self.init_lr) * n / self.warmup;
         }
         if self.style == DecayStyle::Constant {
             return self.lr;
         }
-        if done > self.decay_iters {
+        if n > self.decay {
             return self.min_lr;
         }
-        // Here warmup < done <= decay, so the span is positive.
-        let ratio = (done - self.warmup_iters) / (self.decay_iters - self.warmup_iters);
+        if self.style == DecayStyle::InverseSquareRoot {
+            return self.min_lr.max(self.lr * (self.warmup.max(1.0) / n.max(1.0)).sqrt());
+        }
+        // Here warmup < n <= decay, so the span is positive.
+        let ratio = (n - self.warmup) / (self.decay - self.warmup);
+        let cosine = |r: f64| 0.5 * ((std::f64::consts::PI * r).cos() + 1.0);
         let coeff = match self.style {
             DecayStyle::Linear => 1.0 - ratio,
-            _ => 0.5 * ((std::f64::consts::PI * ratio).cos() + 1.0),
+            DecayStyle::Wsd(w) => {
+                let start = self.decay - self.wsd_decay;
+                if n <= start {
+                    1.0
+                } else {
+                    let r = (n - start) / self.wsd_decay;
+                    match w {
+                        WsdStyle::Linear => 1.0 - r,
+                        WsdStyle::Cosine => cosine(r),
+                        WsdStyle::Exponential => 2.0 * 0.5f64.powf(r) - 1.0,
+                        WsdStyle::MinusSqrt => 1.0 - r.sqrt(),
+                    }
+                }
+            }
+            _ => cosine(ratio),
         };
         self.min_lr + coeff * (self.lr - self.min_lr)
     }
@@ -63,13 +103,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn warmup_then_cosine_to_min() {
+    fn warmup_then_each_decay_to_min() {
+        // In samples: 10 of warmup, 110 of decay (a global batch of 1, so samples are iterations).
         let s = LrSchedule {
             lr: 1e-3,
             min_lr: 1e-4,
             init_lr: 0.0,
-            warmup_iters: 10.0,
-            decay_iters: 110.0,
+            warmup: 10.0,
+            decay: 110.0,
+            wsd_decay: 20.0,
             style: DecayStyle::Cosine,
         };
         assert_eq!(s.lr_at(0), 0.0, "the first update, as Megatron's, at the warmup's start");
@@ -84,10 +126,31 @@ mod tests {
         assert_eq!(c.lr_at(1000), 1e-3);
         let w = LrSchedule { init_lr: 2e-4, ..s };
         assert!((w.lr_at(0) - 2e-4).abs() < 1e-15 && (w.lr_at(5) - 6e-4).abs() < 1e-12);
-        let none = LrSchedule { warmup_iters: 0.0, ..s };
+        let none = LrSchedule { warmup: 0.0, ..s };
         assert_eq!(none.lr_at(0), 1e-3, "no warmup: the first update at the full rate");
-        // A warmup of 2.5 iterations (e.g. 80 samples at a global batch of 32).
-        let half = LrSchedule { warmup_iters: 2.5, ..s };
+        // A warmup of 2.5 global batches (e.g. 80 samples at 32, counted here in batches).
+        let half = LrSchedule { warmup: 2.5, ..s };
         assert!((half.lr_at(2) - 0.8e-3).abs() < 1e-15 && half.lr_at(3) < 1e-3 && half.lr_at(3) > 0.99e-3);
+        // Inverse square root: lr·√(warmup / n) after the warmup, never below min_lr.
+        let isr = LrSchedule { style: DecayStyle::InverseSquareRoot, ..s };
+        assert!((isr.lr_at(40) - 0.5e-3).abs() < 1e-15);
+        assert_eq!(isr.lr_at(109), 1e-4_f64.max(1e-3 * (10.0f64 / 109.0).sqrt()));
+        let isr0 = LrSchedule { warmup: 0.0, ..isr };
+        assert_eq!((isr0.lr_at(0), isr0.lr_at(4)), (1e-3, 0.5e-3), "the warmup and the count clamped at 1");
+        // WSD: stable to sample 90, then the last 20 fall.
+        for (w, mid) in [
+            (WsdStyle::Linear, 0.5),
+            (WsdStyle::Cosine, 0.5),
+            (WsdStyle::Exponential, 2.0 * 0.5f64.sqrt() - 1.0),
+            (WsdStyle::MinusSqrt, 1.0 - 0.5f64.sqrt()),
+        ] {
+            let d = LrSchedule { style: DecayStyle::Wsd(w), ..s };
+            assert_eq!((d.lr_at(11), d.lr_at(90)), (1e-3, 1e-3), "{w:?}: stable");
+            assert!((d.lr_at(100) - (1e-4 + mid * 9e-4)).abs() < 1e-12, "{w:?} halfway");
+            assert!((d.lr_at(110) - 1e-4).abs() < 1e-12, "{w:?} ends at min_lr");
+        }
+        assert_eq!(DecayStyle::parse("WSD", "exponential"), Some(DecayStyle::Wsd(WsdStyle::Exponential)));
+        assert_eq!(DecayStyle::parse("WSD", "bogus"), None);
+        assert_eq!(DecayStyle::parse("inverse-square-root", ""), Some(DecayStyle::InverseSquareRoot));
     }
 }

@@ -119,9 +119,18 @@ pub struct TrainArgs {
     /// The warmup's starting learning rate (default 0: the first update, as Megatron's, at 0).
     #[arg(long)]
     pub lr_warmup_init: Option<f64>,
-    /// constant, linear or cosine.
+    /// constant, linear, cosine, inverse-square-root or WSD.
     #[arg(long)]
     pub lr_decay_style: Option<String>,
+    /// WSD's final fall: exponential (default), linear, cosine or minus_sqrt.
+    #[arg(long)]
+    pub lr_wsd_decay_style: Option<String>,
+    /// WSD: iterations of the final fall (the end of the decay).
+    #[arg(long)]
+    pub lr_wsd_decay_iters: Option<u64>,
+    /// WSD with --train-samples: samples of the final fall.
+    #[arg(long)]
+    pub lr_wsd_decay_samples: Option<u64>,
     #[arg(long)]
     pub lr_warmup_iters: Option<u64>,
     /// Warm-up as a fraction of the decay iterations (instead of --lr-warmup-iters).
@@ -318,7 +327,7 @@ impl TrainArgs {
     fn overlay(&mut self, o: &TrainArgs) {
         merge_opts!(self, o; preset, num_layers, hidden_size, num_attention_heads, num_query_groups, kv_channels, ffn_hidden_size, seq_length,
             max_position_embeddings, position_embedding_type, rotary_base, normalization, tokenizer_type, vocab_size, vocab_file, merge_file, init_method_std,
-            micro_batch_size, global_batch_size, train_iters, train_samples, lr_warmup_samples, lr_decay_samples, lr, min_lr, lr_warmup_init, lr_decay_style, lr_warmup_iters, lr_warmup_fraction,
+            micro_batch_size, global_batch_size, train_iters, train_samples, lr_warmup_samples, lr_decay_samples, lr, min_lr, lr_warmup_init, lr_decay_style, lr_wsd_decay_style, lr_wsd_decay_iters, lr_wsd_decay_samples, lr_warmup_iters, lr_warmup_fraction,
             lr_decay_iters, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad, norm_epsilon, make_vocab_size_divisible_by,
             hidden_dropout, attention_dropout, window_size, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, corpus_docs, split,
             exit_interval, device, cuda_graph_impl, cuda_graph_warmup_steps, profile_step_start, profile_step_end, profile_trace, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s,
@@ -388,6 +397,12 @@ pub struct Settings {
     #[serde(default)]
     pub lr_warmup_init: f64,
     pub lr_decay_style: String,
+    #[serde(default)]
+    pub lr_wsd_decay_style: Option<String>,
+    #[serde(default)]
+    pub lr_wsd_decay_iters: Option<u64>,
+    #[serde(default)]
+    pub lr_wsd_decay_samples: Option<u64>,
     pub lr_warmup_iters: u64,
     pub weight_decay: f32,
     pub adam_beta1: f32,
@@ -762,6 +777,9 @@ impl Settings {
             min_lr: need(&a.min_lr, "--min-lr")?,
             lr_warmup_init: a.lr_warmup_init.unwrap_or(0.0),
             lr_decay_style: need(&a.lr_decay_style, "--lr-decay-style")?,
+            lr_wsd_decay_style: a.lr_wsd_decay_style.clone(),
+            lr_wsd_decay_iters: a.lr_wsd_decay_iters,
+            lr_wsd_decay_samples: a.lr_wsd_decay_samples,
             lr_warmup_iters: need(&a.lr_warmup_iters, "--lr-warmup-iters")?,
             weight_decay: need(&a.weight_decay, "--weight-decay")?,
             adam_beta1: need(&a.adam_beta1, "--adam-beta1")?,
@@ -814,9 +832,9 @@ impl Settings {
             if file.train_iters.or(flags.train_iters).is_some() {
                 bail!("--train-samples and --train-iters both set the run's length: keep one");
             }
-            if a.lr_decay_iters.is_some() || warmup_iters_given {
+            if a.lr_decay_iters.is_some() || warmup_iters_given || a.lr_wsd_decay_iters.is_some() {
                 bail!(
-                    "with --train-samples the schedule is in samples too: use --lr-warmup-samples and --lr-decay-samples (or --lr-warmup-fraction), not --lr-warmup-iters / --lr-decay-iters"
+                    "with --train-samples the schedule is in samples too: use --lr-warmup-samples, --lr-decay-samples and --lr-wsd-decay-samples (or --lr-warmup-fraction), not their -iters forms"
                 );
             }
             s.train_iters = n / s.global_batch_size as u64;
@@ -824,9 +842,9 @@ impl Settings {
                 bail!("--train-samples {n} is less than one global batch of {}", s.global_batch_size);
             }
             s.lr_warmup_iters = a.lr_warmup_samples.unwrap_or(0) / s.global_batch_size as u64;
-        } else if a.lr_warmup_samples.is_some() || a.lr_decay_samples.is_some() {
+        } else if a.lr_warmup_samples.is_some() || a.lr_decay_samples.is_some() || a.lr_wsd_decay_samples.is_some() {
             bail!(
-                "--lr-warmup-samples and --lr-decay-samples go with --train-samples (with --train-iters: --lr-warmup-iters and --lr-decay-iters)"
+                "--lr-warmup-samples, --lr-decay-samples and --lr-wsd-decay-samples go with --train-samples (with --train-iters: their -iters forms)"
             );
         }
         if let Some(f) = a.lr_warmup_fraction {
@@ -979,22 +997,27 @@ impl Settings {
         self.lr_decay_iters.unwrap_or(self.train_iters)
     }
 
-    /// The schedule's (warmup, decay) in iterations, as Megatron's scheduler measures them in
-    /// samples: --lr-decay-samples, else --train-samples, else decay_iters (times the global
-    /// batch); the warmup as a fraction of that, or --lr-warmup-samples, or --lr-warmup-iters.
-    /// Fractional where a global batch does not divide the samples.
-    pub fn schedule_span(&self) -> (f64, f64) {
+    /// The schedule's (warmup, decay, WSD fall) in samples, as Megatron's scheduler counts them:
+    /// the decay --lr-decay-samples, else --train-samples, else decay_iters global batches; the
+    /// warmup a fraction of that, or --lr-warmup-samples, or --lr-warmup-iters global batches;
+    /// WSD's fall --lr-wsd-decay-samples or --lr-wsd-decay-iters global batches.
+    pub fn schedule_samples(&self) -> (f64, f64, f64) {
         let gbs = self.global_batch_size as f64;
         let decay = match (self.lr_decay_samples, self.train_samples) {
-            (Some(d), _) | (None, Some(d)) => d as f64 / gbs,
-            (None, None) => self.decay_iters() as f64,
+            (Some(d), _) | (None, Some(d)) => d as f64,
+            (None, None) => self.decay_iters() as f64 * gbs,
         };
         let warmup = match (self.lr_warmup_fraction, self.lr_warmup_samples) {
             (Some(f), _) => f * decay,
-            (None, Some(w)) => w as f64 / gbs,
-            (None, None) => self.lr_warmup_iters as f64,
+            (None, Some(w)) => w as f64,
+            (None, None) => self.lr_warmup_iters as f64 * gbs,
         };
-        (warmup, decay)
+        let wsd = match (self.lr_wsd_decay_samples, self.lr_wsd_decay_iters) {
+            (Some(w), _) => w as f64,
+            (None, Some(w)) => w as f64 * gbs,
+            (None, None) => 0.0,
+        };
+        (warmup, decay, wsd)
     }
 
     /// Model chunks per pipeline rank (interleaving), from --num-layers-per-virtual-pipeline-stage.
@@ -1099,8 +1122,17 @@ impl Settings {
     }
 
     pub fn decay_style(&self) -> anyhow::Result<DecayStyle> {
-        DecayStyle::parse(&self.lr_decay_style)
-            .with_context(|| format!("--lr-decay-style {}: use constant, linear or cosine", self.lr_decay_style))
+        let wsd = self.lr_wsd_decay_style.as_deref().unwrap_or("exponential");
+        let style = DecayStyle::parse(&self.lr_decay_style, wsd).with_context(|| {
+            format!(
+                "--lr-decay-style {} (--lr-wsd-decay-style {wsd}): use constant, linear, cosine, inverse-square-root or WSD; WSD's fall exponential, linear, cosine or minus_sqrt",
+                self.lr_decay_style
+            )
+        })?;
+        if matches!(style, DecayStyle::Wsd(_)) && self.lr_wsd_decay_iters.or(self.lr_wsd_decay_samples).is_none() {
+            bail!("--lr-decay-style WSD needs the length of its final fall: --lr-wsd-decay-iters (or -samples)");
+        }
+        Ok(style)
     }
 
     /// The samples a Megatron run of these settings asks of its train and valid splits:
@@ -1251,12 +1283,21 @@ mod tests {
     fn runs_measured_in_samples() {
         let s = parse("--global-batch-size 32 --train-samples 100 --lr-warmup-samples 48").unwrap();
         assert_eq!((s.train_iters, s.split_samples()[0]), (3, 100));
-        assert_eq!(s.schedule_span(), (1.5, 3.125));
+        assert_eq!(s.schedule_samples(), (48.0, 100.0, 0.0));
         let s =
             parse("--global-batch-size 32 --train-samples 100 --lr-decay-samples 80 --lr-warmup-fraction 0.5").unwrap();
-        assert_eq!(s.schedule_span(), (1.25, 2.5));
+        assert_eq!(s.schedule_samples(), (40.0, 80.0, 0.0));
         let s = parse("--train-iters 10 --lr-warmup-fraction 0.25").unwrap();
-        assert_eq!((s.lr_warmup_iters, s.schedule_span()), (2, (2.5, 10.0)), "the fraction kept whole");
+        assert_eq!((s.lr_warmup_iters, s.schedule_samples()), (2, (80.0, 320.0, 0.0)), "the fraction kept whole");
+        let s =
+            parse("--train-iters 10 --lr-decay-style WSD --lr-wsd-decay-iters 3 --lr-wsd-decay-style cosine").unwrap();
+        let wsd = (s.schedule_samples().2, s.decay_style().unwrap());
+        assert_eq!(wsd, (96.0, DecayStyle::Wsd(ferrotron_optim::WsdStyle::Cosine)));
+        assert!(parse("--lr-decay-style WSD").unwrap_err().to_string().contains("--lr-wsd-decay-iters"));
+        assert!(parse("--lr-decay-style inverse-square-root").is_ok());
+        let e =
+            parse("--lr-decay-style WSD --lr-wsd-decay-iters 2 --lr-wsd-decay-style steep").unwrap_err().to_string();
+        assert!(e.contains("minus_sqrt"), "{e}");
         for (line, needle) in [
             ("--train-samples 100 --train-iters 3", "keep one"),
             ("--train-samples 100 --lr-warmup-iters 2", "--lr-warmup-samples"),

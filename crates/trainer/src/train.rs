@@ -384,8 +384,9 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         lr: s.lr,
         min_lr: s.min_lr,
         init_lr: s.lr_warmup_init,
-        warmup_iters: s.schedule_span().0,
-        decay_iters: s.schedule_span().1,
+        warmup: s.schedule_samples().0,
+        decay: s.schedule_samples().1,
+        wsd_decay: s.schedule_samples().2,
         style: s.decay_style()?,
     };
     let (mut iteration, mut consumed, mut consumed_valid) = (0u64, 0u64, 0u64);
@@ -511,9 +512,10 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
                 Ok(batch(&data.train, &idx, spec, &dev)?.with_draw(draw))
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
+        // Megatron's scheduler steps after each update: an iteration trains at the rate of the
+        // samples consumed before it.
+        let lr = sched.lr_at(consumed);
         consumed += s.global_batch_size as u64;
-        // Megatron's scheduler steps after each update: iteration k at k − 1 completed.
-        let lr = sched.lr_at(iteration - 1);
         let step = if pipelined {
             queue_train_step_pipelined(&model, &table, &mut sync, &mut opt, &g.pipeline, &g.pp, &micros, lr as f32)?
         } else if let Some(gr) = graph.as_mut() {
