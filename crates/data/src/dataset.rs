@@ -46,13 +46,6 @@ impl TokenSplit {
         }
     }
 
-    pub fn seq_length(&self) -> usize {
-        match &self.source {
-            Source::Gpt(d) => d.seq_length(),
-            Source::Blend { parts, .. } => parts[0].seq_length(),
-        }
-    }
-
     /// The seq_length + 1 tokens of sample `i` (below `num_samples`).
     pub fn sample(&self, i: usize) -> Result<Vec<u32>, DataError> {
         match &self.source {

@@ -191,10 +191,6 @@ impl GptDataset {
         self.shuffle.len()
     }
 
-    pub fn seq_length(&self) -> usize {
-        self.seq_length
-    }
-
     /// Tokens in the dataset's sequences, once each.
     pub fn tokens_per_epoch(&self) -> u64 {
         self.tokens_per_epoch

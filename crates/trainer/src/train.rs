@@ -168,12 +168,19 @@ fn eval_micro_batches(
     let mut out = Vec::new();
     for it in 0..s.eval_iters {
         for m in 0..s.num_micro_batches() / dp {
-            let first = start + it * gbs + (m * dp + dp_rank) as u64 * mb;
+            let first = micro_first_sample(start + it * gbs, m, (dp, dp_rank), mb);
             let idx: Vec<usize> = (0..mb).map(|i| ((first + i) % n) as usize).collect();
             out.push(batch(valid, &idx, spec, dev)?);
         }
     }
     Ok(out)
+}
+
+/// The first sample of this rank's micro-batch `m` of the global batch starting at sample
+/// `batch_start`: micro-batch j = m · dp + rank of the global batch, as Megatron's sampler deals
+/// them out.
+fn micro_first_sample(batch_start: u64, m: usize, (dp, dp_rank): (usize, usize), mb: u64) -> u64 {
+    batch_start + (m * dp + dp_rank) as u64 * mb
 }
 
 /// The mean of `loss` over the data-parallel ranks (each evaluated its share of the batches).
@@ -380,13 +387,14 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         clip_grad: s.clip_grad,
     };
     let mut opt = Optimizer::new_parallel(&table, adam, &sync, g.mp.clone(), g.tp.rank())?;
+    let (warmup, decay, wsd_decay) = s.schedule_samples();
     let sched = LrSchedule {
         lr: s.lr,
         min_lr: s.min_lr,
         init_lr: s.lr_warmup_init,
-        warmup: s.schedule_samples().0,
-        decay: s.schedule_samples().1,
-        wsd_decay: s.schedule_samples().2,
+        warmup,
+        decay,
+        wsd_decay,
         style: s.decay_style()?,
     };
     let (mut iteration, mut consumed, mut consumed_valid) = (0u64, 0u64, 0u64);
@@ -500,15 +508,14 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         }
         iteration += 1;
         let host_start = Instant::now();
-        // Micro-batch j of the global batch goes to data-parallel rank j % dp, as Megatron's sampler;
-        // the split's own order is Megatron's shuffled one, so its samples are taken in turn.
-        // Its random draws (dropout) start at its first sample's place in the run, whatever rank
-        // or micro-batch holds it.
+        // The split's own order is Megatron's shuffled one, so its samples are taken in turn. A
+        // micro-batch's random draws (dropout) start at its first sample's place in the run,
+        // whatever rank or micro-batch holds it.
         let micros = (0..micro_per_rank)
             .map(|m| {
-                let j = (m * dp + dp_rank) as u64;
-                let idx: Vec<usize> = (0..mb).map(|i| (consumed + j * mb + i) as usize).collect();
-                let draw = Draw { seed: s.seed, first_sample: consumed + j * mb };
+                let first = micro_first_sample(consumed, m, (dp, dp_rank), mb);
+                let idx: Vec<usize> = (first..first + mb).map(|i| i as usize).collect();
+                let draw = Draw { seed: s.seed, first_sample: first };
                 Ok(batch(&data.train, &idx, spec, &dev)?.with_draw(draw))
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
