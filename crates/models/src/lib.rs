@@ -4,6 +4,11 @@
 //!
 //! FLOP and parameter counts come with the config (`num_params`, `flops_per_token`) so that MFU can
 //! be reported for any preset.
+//!
+//! `hf` maps these models to and from Hugging Face transformers' GPT-2 and Llama checkpoints
+//! (config.json and parameter names and layouts), for `ferrotron convert`.
+
+pub mod hf;
 
 use ferrotron_transformer::TransformerConfig;
 use ferrotron_transformer::spec::{Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, PositionEmbedding};

@@ -48,10 +48,18 @@ pub struct State {
     #[serde(default)]
     pub consumed_valid_samples: u64,
     pub optimizer_step: u64,
+    /// False for parameters alone (`ferrotron convert` from Hugging Face): such a checkpoint
+    /// loads with --finetune or --no-load-optim.
+    #[serde(default = "yes")]
+    pub optimizer_state: bool,
     pub params_dtype: String,
     /// Tensor files, one per pipeline stage, with their SHA-256.
     pub tensor_files: Vec<TensorFile>,
     pub settings: Settings,
+}
+
+fn yes() -> bool {
+    true
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -153,10 +161,30 @@ pub fn save(
         }
     }
     let files: Vec<TensorFile> = files.into_iter().collect::<Option<_>>().context("a pipeline stage wrote no file")?;
-    let done = if g.world.rank() == 0 { finish(save_dir, &tmp, table, files, step, info) } else { Ok(()) };
+    let dtype = table.flat_params().dtype().to_string();
+    let done = if g.world.rank() == 0 { finish(save_dir, &tmp, &dtype, files, Some(step), info) } else { Ok(()) };
     agree(g, done.is_ok(), info.iteration)?;
     done?;
     Ok(iter_dir(save_dir, info.iteration))
+}
+
+/// Writes a checkpoint of parameters alone (no optimizer state; `ferrotron convert`) whose
+/// parameters are `dtype`: `tensors` whole, by Megatron name (with the dtype each is stored in), vocabulary rows unpadded;
+/// iteration 0. Written as `save` writes (a temporary folder renamed into place, then the
+/// tracker).
+pub fn save_params(
+    save_dir: &Path,
+    tensors: &[(String, DType, Vec<usize>, Vec<f32>)],
+    dtype: DType,
+    settings: &Settings,
+) -> anyhow::Result<PathBuf> {
+    let tmp = save_dir.join(".tmp-iter_0000000");
+    prepare(save_dir, &tmp)?;
+    let file = tensor_file(0, 1);
+    let sha256 = write_stage(&tmp, &file, tensors)?;
+    let info = SaveInfo { iteration: 0, consumed_samples: 0, consumed_valid_samples: 0, settings, vocab_size: 0 };
+    finish(save_dir, &tmp, &dtype.to_string(), vec![TensorFile { file, sha256 }], None, &info)?;
+    Ok(iter_dir(save_dir, 0))
 }
 
 /// Fails every rank when one rank's part failed (after all of them took part).
@@ -208,7 +236,7 @@ fn write_stage(tmp: &Path, file: &str, tensors: &[(String, DType, Vec<usize>, Ve
     sha256_file(&mut f)
 }
 
-fn tensor_bytes(dtype: DType, v: &[f32]) -> anyhow::Result<(Cow<'_, [u8]>, Dtype)> {
+pub(crate) fn tensor_bytes(dtype: DType, v: &[f32]) -> anyhow::Result<(Cow<'_, [u8]>, Dtype)> {
     Ok(match dtype {
         // safetensors is little-endian, like every target Ferrotron builds for today.
         DType::F32 if cfg!(target_endian = "little") => (Cow::Borrowed(bytemuck::cast_slice(v)), Dtype::F32),
@@ -235,13 +263,14 @@ fn sha256_file(f: &mut std::fs::File) -> anyhow::Result<String> {
     Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
 
-/// World rank 0: state.toml, then the folder renamed into place, then the tracker.
+/// World rank 0: state.toml, then the folder renamed into place, then the tracker. `step`: the
+/// optimizer's step, None where no optimizer state is saved.
 fn finish(
     save_dir: &Path,
     tmp: &Path,
-    table: &ParamTable,
+    params_dtype: &str,
     tensor_files: Vec<TensorFile>,
-    step: u64,
+    step: Option<u64>,
     info: &SaveInfo,
 ) -> anyhow::Result<()> {
     let iteration = info.iteration;
@@ -250,8 +279,9 @@ fn finish(
         iteration,
         consumed_samples: info.consumed_samples,
         consumed_valid_samples: info.consumed_valid_samples,
-        optimizer_step: step,
-        params_dtype: table.flat_params().dtype().to_string(),
+        optimizer_step: step.unwrap_or(0),
+        optimizer_state: step.is_some(),
+        params_dtype: params_dtype.to_string(),
         tensor_files,
         settings: info.settings.clone(),
     };
@@ -302,7 +332,8 @@ pub fn resolve(dir: &Path) -> anyhow::Result<PathBuf> {
     Ok(d)
 }
 
-fn f32_values(st: &SafeTensors, name: &str, file: &Path) -> anyhow::Result<(Vec<usize>, Vec<f32>)> {
+/// A tensor of a safetensors file as f32 values (stored as f32, bf16 or f16).
+pub(crate) fn f32_values(st: &SafeTensors, name: &str, file: &Path) -> anyhow::Result<(Vec<usize>, Vec<f32>)> {
     let t = st.tensor(name).with_context(|| format!("{}: corrupt checkpoint: no tensor `{name}`", file.display()))?;
     let data = t.data();
     let v: Vec<f32> = match t.dtype() {
@@ -310,7 +341,10 @@ fn f32_values(st: &SafeTensors, name: &str, file: &Path) -> anyhow::Result<(Vec<
         Dtype::BF16 => {
             data.chunks_exact(2).map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32()).collect()
         }
-        d => bail!("{}: corrupt checkpoint: tensor `{name}` has dtype {d:?}", file.display()),
+        Dtype::F16 => {
+            data.chunks_exact(2).map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32()).collect()
+        }
+        d => bail!("{}: tensor `{name}` has dtype {d:?} (f32, bf16 and f16 are read)", file.display()),
     };
     if v.len() != t.shape().iter().product::<usize>() {
         bail!("{}: corrupt checkpoint: `{name}` has {} values for shape {:?}", file.display(), v.len(), t.shape());
@@ -318,10 +352,9 @@ fn f32_values(st: &SafeTensors, name: &str, file: &Path) -> anyhow::Result<(Vec<
     Ok((t.shape().to_vec(), v))
 }
 
-/// Loads and verifies a checkpoint folder (see `resolve`).
-pub fn load(dir: &Path) -> anyhow::Result<Loaded> {
-    let dir = resolve(dir)?;
-    let state_path = dir.join(STATE);
+/// The state.toml of the checkpoint folder `dir` names (see `resolve`), checked for its format.
+pub fn read_state(dir: &Path) -> anyhow::Result<State> {
+    let state_path = resolve(dir)?.join(STATE);
     let text = std::fs::read_to_string(&state_path).with_context(|| format!("cannot read {}", state_path.display()))?;
     let state: State =
         toml::from_str(&text).with_context(|| format!("{}: corrupt checkpoint state", state_path.display()))?;
@@ -332,6 +365,13 @@ pub fn load(dir: &Path) -> anyhow::Result<Loaded> {
             state.format_version
         );
     }
+    Ok(state)
+}
+
+/// Loads and verifies a checkpoint folder (see `resolve`).
+pub fn load(dir: &Path) -> anyhow::Result<Loaded> {
+    let state = read_state(dir)?;
+    let dir = resolve(dir)?;
     let mut tensors = HashMap::new();
     for tf in &state.tensor_files {
         let file = dir.join(&tf.file);
@@ -376,6 +416,11 @@ fn local_part(m: &ParamMeta, saved_shape: &[usize], whole: &[f32]) -> anyhow::Re
 
 /// Puts a loaded checkpoint into this rank's parameters and optimizer (any layout).
 pub fn restore(ck: &Loaded, table: &ParamTable, opt: &mut Optimizer) -> anyhow::Result<()> {
+    if !ck.state.optimizer_state {
+        bail!(
+            "the checkpoint holds parameters only (no optimizer state, e.g. one converted from Hugging Face): load it with --finetune (or --no-load-optim)"
+        );
+    }
     table.settle_params()?; // no gather still pending may overwrite what is restored
     if let Some(m) = table.metas().iter().find(|m| !ck.tensors.contains_key(&m.name)) {
         bail!("the checkpoint has no `{}`: the model flags differ from the saved run", m.name);

@@ -1,5 +1,6 @@
 //! `ferrotron`: train (`ferrotron train --preset tiny`), start ranks (`ferrotron launch
-//! --nproc-per-node N -- train …`) and sample (`ferrotron generate --load DIR`).
+//! --nproc-per-node N -- train …`), sample (`ferrotron generate --load DIR`) and convert Hugging
+//! Face checkpoints (`ferrotron convert`).
 
 use clap::{Parser, Subcommand};
 use ferrotron_trainer::generate::{GenerateArgs, generate};
@@ -62,6 +63,9 @@ enum Cmd {
     },
     /// JSON lines into a Megatron indexed dataset (tools/preprocess_data.py's flags) for --data-path.
     Preprocess(ferrotron_trainer::preprocess::PreprocessArgs),
+    /// Hugging Face checkpoints (GPT-2, Llama) to Ferrotron's and back (convert.py's flags):
+    /// `convert --loader hf --saver ferrotron --load-dir HF --save-dir CKPT`.
+    Convert(ferrotron_trainer::convert::ConvertArgs),
     /// Sample text from a checkpoint.
     Generate {
         #[arg(long)]
@@ -106,6 +110,17 @@ fn run() -> anyhow::Result<()> {
         Cmd::Preprocess(a) => {
             for w in ferrotron_trainer::preprocess::preprocess(&a)? {
                 eprintln!("{}.bin/.idx: {} documents, {} tokens", w.prefix.display(), w.documents, w.tokens);
+            }
+            Ok(())
+        }
+        Cmd::Convert(a) => {
+            let done = ferrotron_trainer::convert::convert(&a)?;
+            eprintln!("{}: {} tensors of a {} written", done.dir.display(), done.tensors, done.arch.class());
+            if a.saver == "ferrotron" {
+                eprintln!(
+                    "train on it: ferrotron train --load {} --finetune --use-checkpoint-args [data and training flags]",
+                    a.save_dir.display()
+                );
             }
             Ok(())
         }

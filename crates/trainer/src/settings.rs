@@ -171,6 +171,10 @@ pub struct TrainArgs {
     /// With --load: take the parameters and the iteration, with a fresh optimizer.
     #[arg(long)]
     pub no_load_optim: bool,
+    /// With --load: the model's flags and tokenizer from the checkpoint, where not given here
+    /// (Megatron's flag), e.g. for a checkpoint `ferrotron convert` made from Hugging Face.
+    #[arg(long)]
+    pub use_checkpoint_args: bool,
     /// Where the JSONL metrics go (default: metrics.jsonl in the --save folder); benchmarks use
     /// it to measure without writing checkpoints.
     #[arg(long)]
@@ -335,7 +339,7 @@ impl TrainArgs {
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers);
         merge_flags!(self, o; swiglu, untie_embeddings_and_output_weights, disable_bias_linear, qk_layernorm, bf16, fp16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
-            use_flash_attn, finetune, no_load_optim, mock_data, eod_mask_loss);
+            use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss);
         if !o.profile_ranks.is_empty() {
             self.profile_ranks = o.profile_ranks.clone();
         }
@@ -677,11 +681,8 @@ fn cuda_graph(a: &TrainArgs, device: &ferrotron_core::Device, world: usize) -> a
     Ok(Some(a.cuda_graph_warmup_steps.unwrap_or(3)))
 }
 
-fn preset_defaults(name: &str) -> anyhow::Result<TrainArgs> {
-    let Some(c) = preset(name) else {
-        bail!("--preset {name}: unknown preset; choose one of {}", ferrotron_models::PRESETS.join(", "));
-    };
-    let tiny = c.vocab_size <= 256;
+/// The model flags that build `c` (all but the tokenizer's).
+pub fn model_args(c: &TransformerConfig) -> TrainArgs {
     let (pe, base) = match c.position_embedding {
         PositionEmbedding::LearnedAbsolute => ("learned_absolute", 10000.0),
         PositionEmbedding::Rope { base } => ("rope", base),
@@ -691,8 +692,7 @@ fn preset_defaults(name: &str) -> anyhow::Result<TrainArgs> {
         MlpSpec::Dense { activation, bias } => (activation == Activation::SwiGlu, bias),
         MlpSpec::Custom(_) => (false, true),
     };
-    Ok(TrainArgs {
-        preset: Some(name.into()),
+    TrainArgs {
         num_layers: Some(c.num_layers),
         hidden_size: Some(c.hidden_size),
         num_attention_heads: Some(c.num_attention_heads),
@@ -708,8 +708,71 @@ fn preset_defaults(name: &str) -> anyhow::Result<TrainArgs> {
         untie_embeddings_and_output_weights: c.untie_embeddings_and_output_weights,
         disable_bias_linear: !bias,
         qk_layernorm: c.layer.attention.qk_layernorm,
-        tokenizer_type: Some(if tiny { "byte" } else { "gpt2" }.into()),
+        norm_epsilon: Some(c.norm_epsilon),
+        make_vocab_size_divisible_by: Some(c.make_vocab_size_divisible_by),
+        // The config's window keeps the token and left before it: left = window − 1.
+        window_size: c.layer.attention.window.map(|w| format!("({},0)", w - 1)),
         init_method_std: Some(c.init_method_std),
+        hidden_dropout: Some(c.hidden_dropout as f64),
+        attention_dropout: Some(c.attention_dropout as f64),
+        ..TrainArgs::default()
+    }
+}
+
+impl TrainArgs {
+    /// Takes the model's flags and tokenizer from `m` (whose model flags are all set, as
+    /// `model_args` sets them), replacing this one's (--use-checkpoint-args).
+    fn set_model(&mut self, m: &TrainArgs) {
+        macro_rules! take {
+            ($($f:ident),*) => { $(self.$f = m.$f.clone();)* };
+        }
+        take!(
+            num_layers,
+            hidden_size,
+            num_attention_heads,
+            num_query_groups,
+            kv_channels,
+            ffn_hidden_size,
+            seq_length,
+            max_position_embeddings,
+            position_embedding_type,
+            rotary_base,
+            normalization,
+            swiglu,
+            untie_embeddings_and_output_weights,
+            disable_bias_linear,
+            qk_layernorm,
+            norm_epsilon,
+            make_vocab_size_divisible_by,
+            window_size,
+            init_method_std,
+            hidden_dropout,
+            attention_dropout,
+            tokenizer_type,
+            vocab_size
+        );
+    }
+}
+
+/// The model and tokenizer flags of the run saved in `load` (--use-checkpoint-args).
+fn checkpoint_args(load: &Path) -> anyhow::Result<TrainArgs> {
+    let s = crate::checkpoint::read_state(load)
+        .with_context(|| format!("--use-checkpoint-args reads the model from --load {}", load.display()))?
+        .settings;
+    let mut m = model_args(&s.model_config()?);
+    m.tokenizer_type = Some(s.tokenizer_type.clone());
+    m.vocab_size = s.vocab_size;
+    Ok(m)
+}
+
+fn preset_defaults(name: &str) -> anyhow::Result<TrainArgs> {
+    let Some(c) = preset(name) else {
+        bail!("--preset {name}: unknown preset; choose one of {}", ferrotron_models::PRESETS.join(", "));
+    };
+    let tiny = c.vocab_size <= 256;
+    Ok(TrainArgs {
+        preset: Some(name.into()),
+        tokenizer_type: Some(if tiny { "byte" } else { "gpt2" }.into()),
         micro_batch_size: Some(if tiny { 16 } else { 8 }),
         global_batch_size: Some(if tiny { 32 } else { 64 }),
         train_iters: Some(if tiny { 240 } else { 2000 }),
@@ -727,7 +790,7 @@ fn preset_defaults(name: &str) -> anyhow::Result<TrainArgs> {
         eval_iters: Some(8),
         save_interval: Some(if tiny { 120 } else { 500 }),
         corpus_docs: Some(if tiny { 6000 } else { 20000 }),
-        ..TrainArgs::default()
+        ..model_args(&c)
     })
 }
 
@@ -749,6 +812,13 @@ impl Settings {
         };
         let name = flags.preset.clone().or(file.preset.clone()).unwrap_or_else(|| "tiny".into());
         let mut a = preset_defaults(&name)?;
+        if flags.use_checkpoint_args || file.use_checkpoint_args {
+            let Some(load) = flags.load.as_ref().or(file.load.as_ref()) else {
+                bail!("--use-checkpoint-args takes the model from the checkpoint: add --load FOLDER");
+            };
+            check_dir(load, "--load")?;
+            a.set_model(&checkpoint_args(load)?);
+        }
         a.overlay(&file);
         a.overlay(flags);
         let mut s = Settings {

@@ -1,0 +1,759 @@
+//! Hugging Face checkpoints: which transformers class a config is (`GPT2LMHeadModel`,
+//! `LlamaForCausalLM`), its config.json in Megatron's terms and back, and every parameter's HF
+//! name and layout next to the Megatron name Ferrotron uses. Pure: tensors come and go as host
+//! f32 values; reading and writing files is the trainer's (`ferrotron convert`).
+//!
+//! Layouts that differ (facts of the two formats):
+//! - GPT-2's projections are `Conv1D`s, weight [in, out]; Megatron's linears are [out, in].
+//! - GPT-2's `c_attn` rows are [all q heads | all k heads | all v heads]; Llama's q/k/v are three
+//!   tensors. Megatron's `linear_qkv` is grouped: for each query group its q heads, then its k
+//!   head, then its v head (HF's GQA gives query head h the group h / (heads / groups) as well).
+//! - Llama's `gate_proj` and `up_proj` are Megatron's `linear_fc1` [gate; up] (silu on the first).
+//! - HF keeps the real vocabulary; Megatron pads it (the checkpoint drops the padding rows).
+//! - RoPE is rotate-half in both (HF's Llama weights are already permuted for it).
+
+use ferrotron_transformer::TransformerConfig;
+use ferrotron_transformer::spec::{Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, PositionEmbedding};
+use serde_json::{Value, json};
+
+/// A whole tensor on the host.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostTensor {
+    pub shape: Vec<usize>,
+    pub data: Vec<f32>,
+}
+
+impl HostTensor {
+    pub fn new(shape: Vec<usize>, data: Vec<f32>) -> Self {
+        HostTensor { shape, data }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum HfError {
+    #[error("config.json: {0}")]
+    Config(String),
+    #[error("HF tensor `{0}` is missing from the checkpoint's safetensors files")]
+    Missing(String),
+    #[error("HF tensor `{name}` is {got:?} but the config makes it {want:?}")]
+    Shape { name: String, got: Vec<usize>, want: Vec<usize> },
+    #[error("the model has no Hugging Face equivalent: {0}")]
+    NoEquivalent(String),
+    #[error("Ferrotron tensor `{0}` is missing from the checkpoint")]
+    MissingOwn(String),
+    #[error("tie_word_embeddings is true but `{0}` differs from the input embedding")]
+    UntiedHead(String),
+}
+
+pub type Result<T> = std::result::Result<T, HfError>;
+
+/// The transformers classes Ferrotron converts to and from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HfArch {
+    /// `GPT2LMHeadModel` (model_type gpt2).
+    Gpt2,
+    /// `LlamaForCausalLM` (model_type llama).
+    Llama,
+}
+
+impl HfArch {
+    pub fn class(self) -> &'static str {
+        match self {
+            HfArch::Gpt2 => "GPT2LMHeadModel",
+            HfArch::Llama => "LlamaForCausalLM",
+        }
+    }
+
+    /// Which class can hold `c` exactly, or what stops it.
+    pub fn of(c: &TransformerConfig) -> Result<HfArch> {
+        let MlpSpec::Dense { activation, bias: mlp_bias } = c.layer.mlp else {
+            return Err(HfError::NoEquivalent("a custom MLP module".into()));
+        };
+        let a = c.layer.attention;
+        if a.qk_layernorm {
+            return Err(HfError::NoEquivalent("QK-LayerNorm (--qk-layernorm) is in neither GPT-2 nor Llama".into()));
+        }
+        if a.window.is_some() {
+            return Err(HfError::NoEquivalent("sliding-window attention (--window-size)".into()));
+        }
+        let gpt2 = (NormKind::LayerNorm, Activation::Gelu, true, true);
+        let llama = (NormKind::RmsNorm, Activation::SwiGlu, false, false);
+        let got = (c.layer.norm, activation, a.bias, mlp_bias);
+        match (got, c.position_embedding) {
+            (g, PositionEmbedding::LearnedAbsolute) if g == gpt2 => {
+                if c.num_query_groups != c.num_attention_heads {
+                    return Err(HfError::NoEquivalent("GPT-2 has no grouped-query attention".into()));
+                }
+                if c.head_dim() * c.num_attention_heads != c.hidden_size {
+                    return Err(HfError::NoEquivalent("GPT-2's heads are hidden / heads wide (--kv-channels)".into()));
+                }
+                Ok(HfArch::Gpt2)
+            }
+            (g, PositionEmbedding::Rope { .. }) if g == llama => Ok(HfArch::Llama),
+            _ => Err(HfError::NoEquivalent(format!(
+                "{:?} + {activation:?} + {:?} with linear biases {}/{}: GPT-2 is LayerNorm + GeLU + learned positions with biases, Llama RMSNorm + SwiGLU + RoPE without",
+                c.layer.norm, c.position_embedding, a.bias, mlp_bias
+            ))),
+        }
+    }
+}
+
+/// A config.json read: the class, the model in Megatron's terms, and the weights' dtype name.
+#[derive(Clone, Debug)]
+pub struct HfModel {
+    pub arch: HfArch,
+    pub config: TransformerConfig,
+    /// `torch_dtype` (or transformers 5's `dtype`): float32, bfloat16, float16; None if absent.
+    pub dtype: Option<String>,
+}
+
+fn field<'a>(v: &'a Value, key: &str) -> Result<&'a Value> {
+    v.get(key).filter(|x| !x.is_null()).ok_or_else(|| HfError::Config(format!("no `{key}`")))
+}
+
+fn usize_of(v: &Value, key: &str) -> Result<usize> {
+    field(v, key)?.as_u64().map(|x| x as usize).ok_or_else(|| HfError::Config(format!("`{key}` is not a count")))
+}
+
+fn f64_of(v: &Value, key: &str) -> Result<f64> {
+    field(v, key)?.as_f64().ok_or_else(|| HfError::Config(format!("`{key}` is not a number")))
+}
+
+fn opt<T>(v: &Value, key: &str, read: impl Fn(&Value, &str) -> Result<T>) -> Result<Option<T>> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(_) => read(v, key).map(Some),
+    }
+}
+
+fn bool_or(v: &Value, key: &str, default: bool) -> Result<bool> {
+    opt(v, key, |v, k| field(v, k)?.as_bool().ok_or_else(|| HfError::Config(format!("`{k}` is not true/false"))))
+        .map(|b| b.unwrap_or(default))
+}
+
+fn str_or<'a>(v: &'a Value, key: &str, default: &'a str) -> &'a str {
+    v.get(key).and_then(Value::as_str).unwrap_or(default)
+}
+
+/// Reads a config.json (transformers 4's or 5's keys) into a Megatron-style config. Everything the
+/// config says that Ferrotron's model cannot do is refused by name rather than dropped.
+pub fn from_hf_config(v: &Value) -> Result<HfModel> {
+    let model_type = field(v, "model_type")?.as_str().unwrap_or("");
+    let dtype = v.get("torch_dtype").or_else(|| v.get("dtype")).and_then(Value::as_str).map(str::to_string);
+    let (arch, config) = match model_type {
+        "gpt2" => (HfArch::Gpt2, gpt2_config(v)?),
+        "llama" => (HfArch::Llama, llama_config(v)?),
+        o => {
+            return Err(HfError::Config(format!(
+                "model_type `{o}`: Ferrotron converts gpt2 (GPT2LMHeadModel) and llama (LlamaForCausalLM)"
+            )));
+        }
+    };
+    config.validate().map_err(|e| HfError::Config(e.to_string()))?;
+    Ok(HfModel { arch, config, dtype })
+}
+
+fn gpt2_config(v: &Value) -> Result<TransformerConfig> {
+    let act = str_or(v, "activation_function", "gelu_new");
+    // All three are 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), the GeLU Ferrotron computes.
+    if !matches!(act, "gelu_new" | "gelu_pytorch_tanh" | "gelu_fast") {
+        return Err(HfError::Config(format!(
+            "activation_function `{act}`: Ferrotron's GeLU is the tanh approximation (gelu_new)"
+        )));
+    }
+    if !bool_or(v, "scale_attn_weights", true)? || bool_or(v, "scale_attn_by_inverse_layer_idx", false)? {
+        return Err(HfError::Config(
+            "attention scaled other than by 1/√head_dim (scale_attn_weights / scale_attn_by_inverse_layer_idx)".into(),
+        ));
+    }
+    if bool_or(v, "add_cross_attention", false)? {
+        return Err(HfError::Config("add_cross_attention: a GPT is decoder-only".into()));
+    }
+    let hidden = usize_of(v, "n_embd")?;
+    let positions = usize_of(v, "n_positions")?;
+    let dropout = |k: &str| opt(v, k, f64_of).map(|p| p.unwrap_or(0.1) as f32);
+    Ok(TransformerConfig {
+        num_layers: usize_of(v, "n_layer")?,
+        hidden_size: hidden,
+        num_attention_heads: usize_of(v, "n_head")?,
+        num_query_groups: usize_of(v, "n_head")?,
+        kv_channels: None,
+        ffn_hidden_size: opt(v, "n_inner", usize_of)?.unwrap_or(4 * hidden),
+        seq_length: positions,
+        max_position_embeddings: positions,
+        vocab_size: usize_of(v, "vocab_size")?,
+        make_vocab_size_divisible_by: crate::VOCAB_DIVISIBLE_BY,
+        position_embedding: PositionEmbedding::LearnedAbsolute,
+        untie_embeddings_and_output_weights: !bool_or(v, "tie_word_embeddings", true)?,
+        layer: LayerSpec {
+            norm: NormKind::LayerNorm,
+            attention: AttentionSpec { bias: true, qk_layernorm: false, window: None },
+            mlp: MlpSpec::Dense { activation: Activation::Gelu, bias: true },
+        },
+        norm_epsilon: opt(v, "layer_norm_epsilon", f64_of)?.unwrap_or(1e-5),
+        init_method_std: opt(v, "initializer_range", f64_of)?.unwrap_or(0.02) as f32,
+        // One rate for the embedding's and the branches' outputs in Ferrotron (and Megatron).
+        hidden_dropout: dropout("resid_pdrop")?,
+        attention_dropout: dropout("attn_pdrop")?,
+    })
+}
+
+/// RoPE's base from transformers 4's `rope_theta` / `rope_scaling` or 5's `rope_parameters`;
+/// scaled variants (llama3, yarn, linear, dynamic) are refused.
+fn rope_base(v: &Value) -> Result<f64> {
+    let params = v.get("rope_parameters").filter(|x| !x.is_null());
+    for p in [params, v.get("rope_scaling").filter(|x| !x.is_null())].into_iter().flatten() {
+        let kind = p.get("rope_type").or_else(|| p.get("type")).and_then(Value::as_str).unwrap_or("default");
+        if kind != "default" {
+            return Err(HfError::Config(format!(
+                "rope_type `{kind}`: scaled RoPE is not implemented in Ferrotron (plain RoPE only)"
+            )));
+        }
+        if p.get("partial_rotary_factor").and_then(Value::as_f64).is_some_and(|f| f != 1.0) {
+            return Err(HfError::Config("partial_rotary_factor: Ferrotron rotates whole heads".into()));
+        }
+    }
+    match params.and_then(|p| p.get("rope_theta")) {
+        Some(t) => t.as_f64().ok_or_else(|| HfError::Config("`rope_parameters.rope_theta` is not a number".into())),
+        None => Ok(opt(v, "rope_theta", f64_of)?.unwrap_or(10000.0)),
+    }
+}
+
+fn llama_config(v: &Value) -> Result<TransformerConfig> {
+    let act = str_or(v, "hidden_act", "silu");
+    if act != "silu" {
+        return Err(HfError::Config(format!("hidden_act `{act}`: Ferrotron's gated MLP is SwiGLU (silu)")));
+    }
+    for key in ["attention_bias", "mlp_bias"] {
+        if bool_or(v, key, false)? {
+            return Err(HfError::Config(format!("{key} true: Ferrotron's Llama has no linear biases")));
+        }
+    }
+    let hidden = usize_of(v, "hidden_size")?;
+    let heads = usize_of(v, "num_attention_heads")?;
+    let head_dim = opt(v, "head_dim", usize_of)?.unwrap_or(hidden / heads.max(1));
+    let positions = usize_of(v, "max_position_embeddings")?;
+    Ok(TransformerConfig {
+        num_layers: usize_of(v, "num_hidden_layers")?,
+        hidden_size: hidden,
+        num_attention_heads: heads,
+        num_query_groups: opt(v, "num_key_value_heads", usize_of)?.unwrap_or(heads),
+        kv_channels: (head_dim * heads != hidden).then_some(head_dim),
+        ffn_hidden_size: usize_of(v, "intermediate_size")?,
+        seq_length: positions,
+        max_position_embeddings: positions,
+        vocab_size: usize_of(v, "vocab_size")?,
+        make_vocab_size_divisible_by: crate::VOCAB_DIVISIBLE_BY,
+        position_embedding: PositionEmbedding::Rope { base: rope_base(v)? },
+        untie_embeddings_and_output_weights: !bool_or(v, "tie_word_embeddings", false)?,
+        layer: LayerSpec {
+            norm: NormKind::RmsNorm,
+            attention: AttentionSpec { bias: false, qk_layernorm: false, window: None },
+            mlp: MlpSpec::Dense { activation: Activation::SwiGlu, bias: false },
+        },
+        norm_epsilon: opt(v, "rms_norm_eps", f64_of)?.unwrap_or(1e-6),
+        init_method_std: opt(v, "initializer_range", f64_of)?.unwrap_or(0.02) as f32,
+        hidden_dropout: 0.0,
+        attention_dropout: opt(v, "attention_dropout", f64_of)?.unwrap_or(0.0) as f32,
+    })
+}
+
+/// An f32 setting as the decimal it was written as (0.02, not 0.019999999552965164).
+fn decimal(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(x as f64)
+}
+
+/// config.json for `c` as `arch` (see `HfArch::of`), weights in `dtype` (float32 or bfloat16).
+pub fn to_hf_config(arch: HfArch, c: &TransformerConfig, dtype: &str) -> Value {
+    let tied = !c.untie_embeddings_and_output_weights;
+    match arch {
+        HfArch::Gpt2 => json!({
+            "architectures": [arch.class()],
+            "model_type": "gpt2",
+            "vocab_size": c.vocab_size,
+            "n_positions": c.max_position_embeddings,
+            "n_embd": c.hidden_size,
+            "n_layer": c.num_layers,
+            "n_head": c.num_attention_heads,
+            "n_inner": c.ffn_hidden_size,
+            "activation_function": "gelu_new",
+            "layer_norm_epsilon": c.norm_epsilon,
+            "initializer_range": decimal(c.init_method_std),
+            "resid_pdrop": decimal(c.hidden_dropout),
+            "embd_pdrop": decimal(c.hidden_dropout),
+            "attn_pdrop": decimal(c.attention_dropout),
+            "scale_attn_weights": true,
+            "tie_word_embeddings": tied,
+            "torch_dtype": dtype,
+        }),
+        HfArch::Llama => {
+            let PositionEmbedding::Rope { base } = c.position_embedding else { unreachable!("HfArch::of checked") };
+            json!({
+                "architectures": [arch.class()],
+                "model_type": "llama",
+                "vocab_size": c.vocab_size,
+                "hidden_size": c.hidden_size,
+                "intermediate_size": c.ffn_hidden_size,
+                "num_hidden_layers": c.num_layers,
+                "num_attention_heads": c.num_attention_heads,
+                "num_key_value_heads": c.num_query_groups,
+                "head_dim": c.head_dim(),
+                "max_position_embeddings": c.max_position_embeddings,
+                "rms_norm_eps": c.norm_epsilon,
+                "rope_theta": base,
+                "hidden_act": "silu",
+                "attention_bias": false,
+                "mlp_bias": false,
+                "attention_dropout": decimal(c.attention_dropout),
+                "initializer_range": decimal(c.init_method_std),
+                "tie_word_embeddings": tied,
+                "torch_dtype": dtype,
+            })
+        }
+    }
+}
+
+/// HF names that hold buffers, not parameters (old GPT-2 files' causal masks, RoPE's
+/// frequencies): read past on import.
+pub fn is_buffer(hf_name: &str) -> bool {
+    hf_name.ends_with(".attn.bias") && !hf_name.contains("c_attn")
+        || hf_name.ends_with(".attn.masked_bias")
+        || hf_name.ends_with("rotary_emb.inv_freq")
+}
+
+/// GPT-2 files are written with and without the `transformer.` prefix; names here are without.
+pub fn strip_prefix(arch: HfArch, hf_name: &str) -> &str {
+    match arch {
+        HfArch::Gpt2 => hf_name.strip_prefix("transformer.").unwrap_or(hf_name),
+        HfArch::Llama => hf_name,
+    }
+}
+
+fn transpose(t: &HostTensor) -> HostTensor {
+    let (r, c) = (t.shape[0], t.shape[1]);
+    let mut out = vec![0f32; r * c];
+    for i in 0..r {
+        for j in 0..c {
+            out[j * r + i] = t.data[i * c + j];
+        }
+    }
+    HostTensor::new(vec![c, r], out)
+}
+
+/// The row blocks of `parts`, one after the other.
+fn concat_rows(parts: &[&HostTensor]) -> HostTensor {
+    let mut shape = parts[0].shape.clone();
+    shape[0] = parts.iter().map(|p| p.shape[0]).sum();
+    HostTensor::new(shape, parts.iter().flat_map(|p| p.data.iter().copied()).collect())
+}
+
+fn row_block(t: &HostTensor, start: usize, rows: usize) -> HostTensor {
+    let width: usize = t.shape[1..].iter().product();
+    let mut shape = t.shape.clone();
+    shape[0] = rows;
+    HostTensor::new(shape, t.data[start * width..(start + rows) * width].to_vec())
+}
+
+/// Megatron's grouped QKV rows from separate q [H·D, ..], k [G·D, ..], v [G·D, ..].
+fn group_qkv(q: &HostTensor, k: &HostTensor, v: &HostTensor, heads: usize, groups: usize, d: usize) -> HostTensor {
+    let per = heads / groups;
+    let mut blocks = vec![];
+    for g in 0..groups {
+        blocks.push(row_block(q, g * per * d, per * d));
+        blocks.push(row_block(k, g * d, d));
+        blocks.push(row_block(v, g * d, d));
+    }
+    concat_rows(&blocks.iter().collect::<Vec<_>>())
+}
+
+/// The inverse of `group_qkv`: (q, k, v).
+fn ungroup_qkv(qkv: &HostTensor, heads: usize, groups: usize, d: usize) -> [HostTensor; 3] {
+    let per = heads / groups;
+    let stride = (per + 2) * d;
+    let pick = |offset: usize, rows: usize| {
+        let blocks: Vec<HostTensor> = (0..groups).map(|g| row_block(qkv, g * stride + offset, rows)).collect();
+        concat_rows(&blocks.iter().collect::<Vec<_>>())
+    };
+    [pick(0, per * d), pick(per * d, d), pick((per + 1) * d, d)]
+}
+
+/// Where a Megatron parameter lives in the HF files, and how its layout changes there.
+enum Map {
+    /// The same tensor under another name.
+    Same(String),
+    /// A GPT-2 Conv1D weight: [in, out] in HF.
+    Transposed(String),
+    /// Megatron's grouped linear_qkv from HF's parts: GPT-2's c_attn (weight transposed first)
+    /// or Llama's q/k/v projections.
+    Qkv(QkvSource),
+    /// Llama's fc1 [gate; up].
+    GateUp(String, String),
+}
+
+enum QkvSource {
+    Gpt2 { name: String, weight: bool },
+    Llama { q: String, k: String, v: String },
+}
+
+/// Every Megatron parameter of `c` with its HF counterpart, in the model's order.
+fn maps(arch: HfArch, c: &TransformerConfig) -> Vec<(String, Map)> {
+    use Map::*;
+    let mut m = vec![];
+    let tied = !c.untie_embeddings_and_output_weights;
+    match arch {
+        HfArch::Gpt2 => {
+            m.push(("embedding.word_embeddings.weight".into(), Same("wte.weight".into())));
+            m.push(("embedding.position_embeddings.weight".into(), Same("wpe.weight".into())));
+            for i in 0..c.num_layers {
+                let (o, h) = (format!("decoder.layers.{i}."), format!("h.{i}."));
+                for (own, hf) in [("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2")] {
+                    for p in ["weight", "bias"] {
+                        m.push((format!("{o}{own}.{p}"), Same(format!("{h}{hf}.{p}"))));
+                    }
+                }
+                for weight in [true, false] {
+                    let p = if weight { "weight" } else { "bias" };
+                    let name = format!("{h}attn.c_attn.{p}");
+                    m.push((format!("{o}self_attention.linear_qkv.{p}"), Qkv(QkvSource::Gpt2 { name, weight })));
+                }
+                for (own, hf) in [
+                    ("self_attention.linear_proj", "attn.c_proj"),
+                    ("mlp.linear_fc1", "mlp.c_fc"),
+                    ("mlp.linear_fc2", "mlp.c_proj"),
+                ] {
+                    m.push((format!("{o}{own}.weight"), Transposed(format!("{h}{hf}.weight"))));
+                    m.push((format!("{o}{own}.bias"), Same(format!("{h}{hf}.bias"))));
+                }
+            }
+            for p in ["weight", "bias"] {
+                m.push((format!("decoder.final_layernorm.{p}"), Same(format!("ln_f.{p}"))));
+            }
+        }
+        HfArch::Llama => {
+            m.push(("embedding.word_embeddings.weight".into(), Same("model.embed_tokens.weight".into())));
+            for i in 0..c.num_layers {
+                let (o, h) = (format!("decoder.layers.{i}."), format!("model.layers.{i}."));
+                m.push((format!("{o}input_layernorm.weight"), Same(format!("{h}input_layernorm.weight"))));
+                let proj = |x: &str| format!("{h}self_attn.{x}_proj.weight");
+                let qkv = QkvSource::Llama { q: proj("q"), k: proj("k"), v: proj("v") };
+                m.push((format!("{o}self_attention.linear_qkv.weight"), Qkv(qkv)));
+                m.push((format!("{o}self_attention.linear_proj.weight"), Same(proj("o"))));
+                m.push((format!("{o}pre_mlp_layernorm.weight"), Same(format!("{h}post_attention_layernorm.weight"))));
+                let mlp = |x: &str| format!("{h}mlp.{x}_proj.weight");
+                m.push((format!("{o}mlp.linear_fc1.weight"), GateUp(mlp("gate"), mlp("up"))));
+                m.push((format!("{o}mlp.linear_fc2.weight"), Same(mlp("down"))));
+            }
+            m.push(("decoder.final_layernorm.weight".into(), Same("model.norm.weight".into())));
+        }
+    }
+    if !tied {
+        m.push(("output_layer.weight".into(), Same(LM_HEAD.into())));
+    }
+    m
+}
+
+/// The output layer's HF name (both classes).
+const LM_HEAD: &str = "lm_head.weight";
+
+/// Every HF tensor's shape for `c` (vocabulary rows unpadded), by HF name without prefix.
+fn hf_shape(arch: HfArch, c: &TransformerConfig, hf: &str) -> Vec<usize> {
+    let (h, v, f) = (c.hidden_size, c.vocab_size, c.ffn_hidden_size);
+    let (q, kv) = (c.num_attention_heads * c.head_dim(), c.num_query_groups * c.head_dim());
+    let last = hf.rsplit('.').nth(1).unwrap_or("");
+    let is_bias = hf.ends_with(".bias");
+    let dims: Vec<usize> = match (arch, last) {
+        (_, "wte" | "embed_tokens" | "lm_head") => vec![v, h],
+        (_, "wpe") => vec![c.max_position_embeddings, h],
+        (HfArch::Gpt2, "c_attn") => vec![h, 3 * h],
+        (HfArch::Gpt2, "c_fc") => vec![h, f],
+        (HfArch::Gpt2, "c_proj") if hf.contains("mlp.") => vec![f, h],
+        (HfArch::Gpt2, "c_proj") => vec![h, h],
+        (HfArch::Llama, "q_proj") => vec![q, h],
+        (HfArch::Llama, "k_proj" | "v_proj") => vec![kv, h],
+        (HfArch::Llama, "o_proj") => vec![h, q],
+        (HfArch::Llama, "gate_proj" | "up_proj") => vec![f, h],
+        (HfArch::Llama, "down_proj") => vec![h, f],
+        _ => vec![h], // norms
+    };
+    if is_bias { vec![*dims.last().unwrap_or(&h)] } else { dims }
+}
+
+/// Megatron-named tensors from an HF checkpoint. `take` hands out an HF tensor by name (without
+/// GPT-2's `transformer.` prefix) or None; the caller then checks that nothing was left over.
+/// A tied model's `lm_head.weight`, where a file has it, must equal the embedding.
+pub fn import(
+    arch: HfArch,
+    c: &TransformerConfig,
+    take: &mut dyn FnMut(&str) -> Option<HostTensor>,
+) -> Result<Vec<(String, HostTensor)>> {
+    let mut get = |name: &str| -> Result<HostTensor> {
+        let t = take(name).ok_or_else(|| HfError::Missing(name.into()))?;
+        let want = hf_shape(arch, c, name);
+        if t.shape != want {
+            return Err(HfError::Shape { name: name.into(), got: t.shape, want });
+        }
+        Ok(t)
+    };
+    let (heads, groups, d) = (c.num_attention_heads, c.num_query_groups, c.head_dim());
+    let mut out = vec![];
+    for (own, map) in maps(arch, c) {
+        let t = match map {
+            Map::Same(n) => get(&n)?,
+            Map::Transposed(n) => transpose(&get(&n)?),
+            Map::Qkv(QkvSource::Gpt2 { name, weight }) => {
+                let t = get(&name)?;
+                let t = if weight { transpose(&t) } else { t };
+                let h = c.hidden_size;
+                let [q, k, v] = [0, 1, 2].map(|i| row_block(&t, i * h, h));
+                group_qkv(&q, &k, &v, heads, groups, d)
+            }
+            Map::Qkv(QkvSource::Llama { q, k, v }) => group_qkv(&get(&q)?, &get(&k)?, &get(&v)?, heads, groups, d),
+            Map::GateUp(gate, up) => concat_rows(&[&get(&gate)?, &get(&up)?]),
+        };
+        out.push((own, t));
+    }
+    if !c.untie_embeddings_and_output_weights
+        && let Some(head) = take(LM_HEAD)
+        && out.first().is_none_or(|(_, emb)| *emb != head)
+    {
+        return Err(HfError::UntiedHead(LM_HEAD.into()));
+    }
+    Ok(out)
+}
+
+/// A whole tensor by name: its shape and values.
+pub type TensorLookup<'a> = dyn Fn(&str) -> Option<(&'a [usize], &'a [f32])> + 'a;
+
+/// HF-named tensors (GPT-2's with the `transformer.` prefix that save_pretrained writes) from
+/// Megatron-named ones: `get` gives a tensor by Megatron name, its vocabulary rows unpadded.
+pub fn export<'a>(arch: HfArch, c: &TransformerConfig, get: &TensorLookup<'a>) -> Result<Vec<(String, HostTensor)>> {
+    let (heads, groups, d) = (c.num_attention_heads, c.num_query_groups, c.head_dim());
+    let own = |name: &str| -> Result<HostTensor> {
+        let (shape, data) = get(name).ok_or_else(|| HfError::MissingOwn(name.into()))?;
+        let mut t = HostTensor::new(shape.to_vec(), data.to_vec());
+        // Vocabulary padding rows, if any were kept, are not HF's.
+        if (name.ends_with("word_embeddings.weight") || name == "output_layer.weight") && t.shape[0] > c.vocab_size {
+            t = row_block(&t, 0, c.vocab_size);
+        }
+        Ok(t)
+    };
+    let prefix = match arch {
+        HfArch::Gpt2 => "transformer.",
+        HfArch::Llama => "",
+    };
+    let named = |n: &str| if n == LM_HEAD { n.to_string() } else { format!("{prefix}{n}") };
+    let mut out = vec![];
+    for (name, map) in maps(arch, c) {
+        let t = own(&name)?;
+        match map {
+            Map::Same(n) => out.push((named(&n), t)),
+            Map::Transposed(n) => out.push((named(&n), transpose(&t))),
+            Map::Qkv(QkvSource::Gpt2 { name, weight }) => {
+                let [q, k, v] = ungroup_qkv(&t, heads, groups, d);
+                let joined = concat_rows(&[&q, &k, &v]);
+                out.push((named(&name), if weight { transpose(&joined) } else { joined }));
+            }
+            Map::Qkv(QkvSource::Llama { q, k, v }) => {
+                for (n, part) in [q, k, v].iter().zip(ungroup_qkv(&t, heads, groups, d)) {
+                    out.push((named(n), part));
+                }
+            }
+            Map::GateUp(gate, up) => {
+                let f = t.shape[0] / 2;
+                out.push((named(&gate), row_block(&t, 0, f)));
+                out.push((named(&up), row_block(&t, f, f)));
+            }
+        }
+    }
+    for (n, t) in &out {
+        let want = hf_shape(arch, c, strip_prefix(arch, n));
+        if t.shape != want {
+            return Err(HfError::Shape { name: n.clone(), got: t.shape.clone(), want });
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn tiny(arch: HfArch) -> TransformerConfig {
+        let v = match arch {
+            HfArch::Gpt2 => json!({"model_type": "gpt2", "vocab_size": 11, "n_positions": 6, "n_embd": 8,
+                "n_layer": 2, "n_head": 2, "n_inner": 12}),
+            HfArch::Llama => json!({"model_type": "llama", "vocab_size": 11, "hidden_size": 8,
+                "intermediate_size": 6, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 6, "max_position_embeddings": 16,
+                "tie_word_embeddings": false}),
+        };
+        from_hf_config(&v).unwrap().config
+    }
+
+    /// Distinct values everywhere, so any misplaced element shows.
+    fn numbered(shape: &[usize], seed: usize) -> HostTensor {
+        let n: usize = shape.iter().product();
+        HostTensor::new(shape.to_vec(), (0..n).map(|i| (seed * 1000 + i) as f32).collect())
+    }
+
+    #[test]
+    fn grouped_qkv_puts_each_groups_heads_then_its_key_and_value() {
+        // 4 query heads in 2 groups, head width 1: q0 q1 k0 v0 | q2 q3 k1 v1.
+        let col = |v: Vec<f32>| HostTensor::new(vec![v.len(), 1], v);
+        let g = group_qkv(&col(vec![0., 1., 2., 3.]), &col(vec![10., 11.]), &col(vec![20., 21.]), 4, 2, 1);
+        assert_eq!(g.data, [0., 1., 10., 20., 2., 3., 11., 21.]);
+        let [q, k, v] = ungroup_qkv(&g, 4, 2, 1);
+        assert_eq!((q.data, k.data, v.data), (vec![0., 1., 2., 3.], vec![10., 11.], vec![20., 21.]));
+    }
+
+    #[test]
+    fn export_then_import_gives_every_tensor_back() {
+        for arch in [HfArch::Gpt2, HfArch::Llama] {
+            let c = tiny(arch);
+            assert_eq!(HfArch::of(&c).unwrap(), arch);
+            let own: Vec<(String, HostTensor)> = maps(arch, &c)
+                .iter()
+                .enumerate()
+                // Shapes as a checkpoint holds them: Megatron's, vocabulary unpadded.
+                .map(|(i, (name, _))| (name.clone(), numbered(&own_shape(&c, name), i)))
+                .collect();
+            let by_name: HashMap<&str, &HostTensor> = own.iter().map(|(n, t)| (n.as_str(), t)).collect();
+            let hf = export(arch, &c, &|n| by_name.get(n).map(|t| (t.shape.as_slice(), t.data.as_slice()))).unwrap();
+            let mut files: HashMap<String, HostTensor> =
+                hf.into_iter().map(|(n, t)| (strip_prefix(arch, &n).to_string(), t)).collect();
+            let back = import(arch, &c, &mut |n| files.remove(n)).unwrap();
+            assert!(files.is_empty(), "{arch:?}: left over {:?}", files.keys());
+            assert_eq!(back, own, "{arch:?}");
+        }
+    }
+
+    fn own_shape(c: &TransformerConfig, name: &str) -> Vec<usize> {
+        let (h, d) = (c.hidden_size, c.head_dim());
+        let qkv = (c.num_attention_heads + 2 * c.num_query_groups) * d;
+        let blocks = if c.layer.norm == NormKind::RmsNorm { 2 } else { 1 };
+        let bias = name.ends_with(".bias");
+        let w = |rows: usize, cols: usize| if bias { vec![rows] } else { vec![rows, cols] };
+        match name.rsplit('.').nth(1).unwrap() {
+            "word_embeddings" | "output_layer" => vec![c.vocab_size, h],
+            "position_embeddings" => vec![c.max_position_embeddings, h],
+            "linear_qkv" => w(qkv, h),
+            "linear_proj" => w(h, c.num_attention_heads * d),
+            "linear_fc1" => w(blocks * c.ffn_hidden_size, h),
+            "linear_fc2" => w(h, c.ffn_hidden_size),
+            _ => vec![h],
+        }
+    }
+
+    #[test]
+    fn gpt2_conv1d_weights_are_transposed_and_c_attn_regrouped() {
+        let c = tiny(HfArch::Gpt2);
+        let h = c.hidden_size;
+        let mut files: HashMap<String, HostTensor> = HashMap::new();
+        for (i, n) in gpt2_names(&c).iter().enumerate() {
+            files.insert(n.clone(), numbered(&hf_shape(HfArch::Gpt2, &c, n), i));
+        }
+        let c_attn = files["h.0.attn.c_attn.weight"].clone(); // [in h, out 3h]
+        let c_fc = files["h.1.mlp.c_fc.weight"].clone();
+        let own: HashMap<String, HostTensor> =
+            import(HfArch::Gpt2, &c, &mut |n| files.remove(n)).unwrap().into_iter().collect();
+        let fc1 = &own["decoder.layers.1.mlp.linear_fc1.weight"]; // [out f, in h]
+        assert_eq!(fc1.shape, [c.ffn_hidden_size, h]);
+        assert_eq!(fc1.data[3 * h + 5], c_fc.data[5 * c.ffn_hidden_size + 3]);
+        // Head 1's key (HF output column h + d + j) is grouped row 1·3d + d + j.
+        let qkv = &own["decoder.layers.0.self_attention.linear_qkv.weight"];
+        let d = c.head_dim();
+        for j in 0..d {
+            for input in 0..h {
+                assert_eq!(qkv.data[(3 * d + d + j) * h + input], c_attn.data[input * 3 * h + h + d + j]);
+            }
+        }
+    }
+
+    fn gpt2_names(c: &TransformerConfig) -> Vec<String> {
+        let mut v = vec!["wte.weight".to_string(), "wpe.weight".into(), "ln_f.weight".into(), "ln_f.bias".into()];
+        for i in 0..c.num_layers {
+            for n in ["ln_1", "ln_2", "attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"] {
+                v.push(format!("h.{i}.{n}.weight"));
+                v.push(format!("h.{i}.{n}.bias"));
+            }
+        }
+        v
+    }
+
+    #[test]
+    fn missing_and_misshapen_tensors_are_named() {
+        let c = tiny(HfArch::Llama);
+        let e = import(HfArch::Llama, &c, &mut |_| None).unwrap_err().to_string();
+        assert!(e.contains("model.embed_tokens.weight") && e.contains("missing"), "{e}");
+        let e = import(HfArch::Llama, &c, &mut |n| Some(numbered(&[3, 3], n.len()))).unwrap_err().to_string();
+        assert!(e.contains("model.embed_tokens.weight") && e.contains("[3, 3]") && e.contains("[11, 8]"), "{e}");
+    }
+
+    #[test]
+    fn a_tied_head_that_differs_from_the_embedding_is_refused() {
+        let mut c = tiny(HfArch::Llama);
+        c.untie_embeddings_and_output_weights = false;
+        let mut take = |n: &str| Some(numbered(&hf_shape(HfArch::Llama, &c, n), if n == LM_HEAD { 1 } else { 0 }));
+        let e = import(HfArch::Llama, &c, &mut take).unwrap_err();
+        assert!(matches!(e, HfError::UntiedHead(_)), "{e}");
+        let mut same = |n: &str| Some(numbered(&hf_shape(HfArch::Llama, &c, n), 0));
+        assert!(import(HfArch::Llama, &c, &mut same).is_ok());
+    }
+
+    #[test]
+    fn config_json_round_trips() {
+        for arch in [HfArch::Gpt2, HfArch::Llama] {
+            let c = tiny(arch);
+            let back = from_hf_config(&to_hf_config(arch, &c, "bfloat16")).unwrap();
+            assert_eq!(back.arch, arch);
+            assert_eq!(back.dtype.as_deref(), Some("bfloat16"));
+            let b = back.config;
+            assert_eq!(
+                (b.num_layers, b.hidden_size, b.num_attention_heads, b.num_query_groups, b.head_dim()),
+                (c.num_layers, c.hidden_size, c.num_attention_heads, c.num_query_groups, c.head_dim())
+            );
+            assert_eq!(
+                (b.ffn_hidden_size, b.vocab_size, b.max_position_embeddings),
+                (c.ffn_hidden_size, 11, c.max_position_embeddings)
+            );
+            assert_eq!(b.position_embedding, c.position_embedding);
+            assert_eq!(b.untie_embeddings_and_output_weights, c.untie_embeddings_and_output_weights);
+            assert_eq!(b.layer.attention, c.layer.attention);
+            assert_eq!(b.norm_epsilon, c.norm_epsilon);
+        }
+    }
+
+    #[test]
+    fn transformers_5_rope_parameters_are_read_and_scaled_rope_refused() {
+        let mut v = to_hf_config(HfArch::Llama, &tiny(HfArch::Llama), "float32");
+        let o = v.as_object_mut().unwrap();
+        o.remove("rope_theta");
+        o.insert("rope_parameters".into(), json!({"rope_type": "default", "rope_theta": 500000.0}));
+        assert_eq!(from_hf_config(&v).unwrap().config.position_embedding, PositionEmbedding::Rope { base: 500000.0 });
+        v["rope_parameters"]["rope_type"] = json!("llama3");
+        let e = from_hf_config(&v).unwrap_err().to_string();
+        assert!(e.contains("llama3") && e.contains("scaled RoPE"), "{e}");
+        let mut v = to_hf_config(HfArch::Llama, &tiny(HfArch::Llama), "float32");
+        v["rope_scaling"] = json!({"type": "linear", "factor": 2.0});
+        assert!(from_hf_config(&v).unwrap_err().to_string().contains("linear"));
+    }
+
+    #[test]
+    fn what_ferrotron_cannot_compute_is_refused_by_name() {
+        let mut v = to_hf_config(HfArch::Gpt2, &tiny(HfArch::Gpt2), "float32");
+        v["activation_function"] = json!("gelu");
+        assert!(from_hf_config(&v).unwrap_err().to_string().contains("tanh approximation"));
+        let mut v = to_hf_config(HfArch::Llama, &tiny(HfArch::Llama), "float32");
+        v["attention_bias"] = json!(true);
+        assert!(from_hf_config(&v).unwrap_err().to_string().contains("attention_bias"));
+        v["model_type"] = json!("mixtral");
+        assert!(from_hf_config(&v).unwrap_err().to_string().contains("mixtral"));
+        let mut c = tiny(HfArch::Llama);
+        c.layer.attention.qk_layernorm = true;
+        assert!(HfArch::of(&c).unwrap_err().to_string().contains("QK-LayerNorm"));
+        let mut c = tiny(HfArch::Gpt2);
+        c.num_query_groups = 1;
+        assert!(HfArch::of(&c).unwrap_err().to_string().contains("grouped-query"));
+    }
+}

@@ -1,0 +1,243 @@
+//! `ferrotron convert`: Hugging Face transformers checkpoints (`GPT2LMHeadModel`,
+//! `LlamaForCausalLM`: config.json and safetensors, one file or shards with
+//! model.safetensors.index.json) into a Ferrotron checkpoint and back, with the flag names of
+//! Megatron's tools/checkpoint/convert.py (`--loader`, `--saver`, `--load-dir`, `--save-dir`).
+//!
+//! The names and layouts are `ferrotron_models::hf`'s; this file reads and writes the files. An
+//! import holds parameters only (as Megatron's converted checkpoints do): train on it with
+//! `--finetune` (or `--no-load-optim`) and `--use-checkpoint-args`.
+
+use crate::checkpoint;
+use crate::settings::{Settings, model_args};
+use anyhow::{Context, bail};
+use ferrotron_core::DType;
+use ferrotron_models::hf::{self, HfArch, HostTensor};
+use safetensors::SafeTensors;
+use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct ConvertArgs {
+    /// The format read: hf (a transformers folder) or ferrotron (a --save folder or iter_* folder).
+    #[arg(long)]
+    pub loader: String,
+    /// The format written: ferrotron or hf.
+    #[arg(long)]
+    pub saver: String,
+    #[arg(long)]
+    pub load_dir: PathBuf,
+    #[arg(long)]
+    pub save_dir: PathBuf,
+    /// hf → ferrotron: the tokenizer of the model's token ids, whose vocabulary must be
+    /// config.json's vocab_size (default: gpt2 for 50257, byte for 256).
+    #[arg(long)]
+    pub tokenizer_type: Option<String>,
+    /// With --tokenizer-type NullTokenizer: ids below N and end-of-document N, i.e. config.json's
+    /// vocab_size − 1.
+    #[arg(long)]
+    pub vocab_size: Option<usize>,
+    /// hf → ferrotron: the sequence length recorded for training (default
+    /// max_position_embeddings).
+    #[arg(long)]
+    pub seq_length: Option<usize>,
+}
+
+/// What a conversion wrote.
+#[derive(Debug)]
+pub struct Converted {
+    pub dir: PathBuf,
+    pub arch: HfArch,
+    pub tensors: usize,
+}
+
+pub fn convert(a: &ConvertArgs) -> anyhow::Result<Converted> {
+    match (a.loader.as_str(), a.saver.as_str()) {
+        ("hf", "ferrotron") => import(a),
+        ("ferrotron", "hf") => {
+            if a.tokenizer_type.is_some() || a.vocab_size.is_some() || a.seq_length.is_some() {
+                bail!("--tokenizer-type, --vocab-size and --seq-length describe an import (--loader hf): drop them");
+            }
+            export(&a.load_dir, &a.save_dir)
+        }
+        (l, s) => bail!("--loader {l} --saver {s}: convert hf → ferrotron or ferrotron → hf"),
+    }
+}
+
+fn read_config(dir: &Path) -> anyhow::Result<hf::HfModel> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("--load-dir {}: no config.json (not a transformers model folder)", dir.display()))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", path.display()))?;
+    hf::from_hf_config(&v).with_context(|| path.display().to_string())
+}
+
+/// The default tokenizer for a vocabulary, or the flags that name one.
+fn tokenizer_for(vocab: usize, a: &ConvertArgs) -> anyhow::Result<(String, Option<usize>)> {
+    Ok(match (&a.tokenizer_type, vocab) {
+        (Some(t), _) => (t.clone(), a.vocab_size),
+        (None, ferrotron_models::GPT2_VOCAB) => ("gpt2".into(), None),
+        (None, ferrotron_models::BYTE_VOCAB) => ("byte".into(), None),
+        (None, v) => bail!(
+            "config.json's vocab_size is {v}: name the tokenizer of the model's ids, e.g. --tokenizer-type NullTokenizer --vocab-size {} (data tokenized elsewhere: ids below it, end-of-document {0})",
+            v.saturating_sub(1)
+        ),
+    })
+}
+
+/// The safetensors files of a transformers folder, memory-mapped, and which holds each tensor
+/// (by name without GPT-2's `transformer.` prefix).
+struct HfFiles {
+    maps: Vec<(PathBuf, memmap2::Mmap)>,
+    index: HashMap<String, (usize, String)>,
+}
+
+impl HfFiles {
+    fn open(dir: &Path, arch: HfArch) -> anyhow::Result<HfFiles> {
+        let index_path = dir.join("model.safetensors.index.json");
+        let files: Vec<String> = if index_path.is_file() {
+            let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&index_path)?)
+                .with_context(|| format!("{}: not valid JSON", index_path.display()))?;
+            let map =
+                v["weight_map"].as_object().with_context(|| format!("{}: no weight_map", index_path.display()))?;
+            let set: BTreeSet<String> = map.values().filter_map(|f| f.as_str().map(str::to_string)).collect();
+            set.into_iter().collect()
+        } else if dir.join("model.safetensors").is_file() {
+            vec!["model.safetensors".into()]
+        } else {
+            bail!(
+                "--load-dir {}: no model.safetensors or model.safetensors.index.json (pytorch_model.bin is not read: save the model with transformers' save_pretrained, which writes safetensors)",
+                dir.display()
+            );
+        };
+        let mut maps = vec![];
+        let mut index = HashMap::new();
+        for name in files {
+            if name.contains('/') || name.contains('\\') {
+                bail!("{}: shard name {name:?} is not a file in the folder", index_path.display());
+            }
+            let path = dir.join(&name);
+            let f = std::fs::File::open(&path).with_context(|| format!("cannot open {}", path.display()))?;
+            // SAFETY: read-only map; a file changed underneath the conversion is outside what any
+            // reader can guard against.
+            let map = unsafe { memmap2::Mmap::map(&f) }.with_context(|| format!("cannot map {}", path.display()))?;
+            let st = SafeTensors::deserialize(&map)
+                .with_context(|| format!("{}: not a safetensors file", path.display()))?;
+            for t in st.names() {
+                let key = hf::strip_prefix(arch, t).to_string();
+                if index.insert(key.clone(), (maps.len(), t.to_string())).is_some() {
+                    bail!("{}: tensor `{t}` is in more than one file", dir.display());
+                }
+            }
+            maps.push((path, map));
+        }
+        Ok(HfFiles { maps, index })
+    }
+
+    fn read(&self, key: &str) -> anyhow::Result<Option<HostTensor>> {
+        let Some((i, name)) = self.index.get(key) else { return Ok(None) };
+        let (path, map) = &self.maps[*i];
+        let st = SafeTensors::deserialize(map)?;
+        let (shape, data) = checkpoint::f32_values(&st, name, path)?;
+        Ok(Some(HostTensor::new(shape, data)))
+    }
+}
+
+fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
+    let model = read_config(&a.load_dir)?;
+    let (arch, c) = (model.arch, &model.config);
+    let (tokenizer, null_vocab) = tokenizer_for(c.vocab_size, a)?;
+    let mut args = model_args(c);
+    args.tokenizer_type = Some(tokenizer.clone());
+    args.vocab_size = null_vocab;
+    args.seq_length = Some(a.seq_length.unwrap_or(c.seq_length));
+    // Megatron's mixed precision for bf16 weights; float32 and float16 weights are kept in fp32.
+    args.bf16 = model.dtype.as_deref() == Some("bfloat16");
+    let (mut settings, _) = Settings::resolve(&args).context("the model config.json describes")?;
+    settings.preset = format!("hf:{}", arch.class());
+    let own = settings.model_config()?;
+    if own.vocab_size != c.vocab_size {
+        bail!(
+            "--tokenizer-type {tokenizer} has {} ids but config.json's vocab_size is {}: name the tokenizer of the model's ids (NullTokenizer with --vocab-size {} for data tokenized elsewhere)",
+            own.vocab_size,
+            c.vocab_size,
+            c.vocab_size.saturating_sub(1)
+        );
+    }
+    // The settings must build the very model config.json describes.
+    if hf::to_hf_config(arch, &own, "") != hf::to_hf_config(arch, c, "") {
+        bail!("internal: the settings made from config.json describe another model");
+    }
+    let files = HfFiles::open(&a.load_dir, arch)?;
+    let mut taken = BTreeSet::new();
+    let mut failed = None;
+    let mut take = |key: &str| match files.read(key) {
+        Ok(t) => {
+            taken.insert(key.to_string());
+            t
+        }
+        Err(e) => {
+            failed.get_or_insert(e);
+            None
+        }
+    };
+    let tensors = hf::import(arch, c, &mut take);
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    let tensors = tensors.with_context(|| format!("--load-dir {}", a.load_dir.display()))?;
+    let left: Vec<&String> = files.index.keys().filter(|k| !taken.contains(*k) && !hf::is_buffer(k)).collect();
+    if !left.is_empty() {
+        let mut left: Vec<&str> = left.iter().map(|s| s.as_str()).collect();
+        left.sort();
+        bail!(
+            "--load-dir {}: {} tensor(s) that a {} does not have, e.g. {:?}: not converted (is config.json the one of these weights?)",
+            a.load_dir.display(),
+            left.len(),
+            arch.class(),
+            &left[..left.len().min(5)]
+        );
+    }
+    let dtype = if settings.bf16 { DType::BF16 } else { DType::F32 };
+    let n = tensors.len();
+    let typed: Vec<_> = tensors.into_iter().map(|(name, t)| (name, dtype, t.shape, t.data)).collect();
+    let dir = checkpoint::save_params(&a.save_dir, &typed, dtype, &settings)?;
+    Ok(Converted { dir, arch, tensors: n })
+}
+
+fn export(load: &Path, save_dir: &Path) -> anyhow::Result<Converted> {
+    crate::settings::check_dir(load, "--load-dir")?;
+    let ck = checkpoint::load(load)?;
+    let c = ck.state.settings.model_config()?;
+    let arch = HfArch::of(&c).context("--saver hf")?;
+    let get = |n: &str| ck.tensors.get(n).map(|(s, v)| (s.as_slice(), v.as_slice()));
+    let tensors = hf::export(arch, &c, &get)?;
+    let (dtype, dtype_name) = match ck.state.params_dtype.as_str() {
+        "bf16" => (DType::BF16, "bfloat16"),
+        _ => (DType::F32, "float32"),
+    };
+    if save_dir.join("config.json").exists() || save_dir.join("model.safetensors.index.json").exists() {
+        bail!("--save-dir {}: holds a model already; pick a new folder (nothing was written)", save_dir.display());
+    }
+    std::fs::create_dir_all(save_dir)
+        .with_context(|| format!("--save-dir {}: cannot create the folder", save_dir.display()))?;
+    let encoded: Vec<_> =
+        tensors.iter().map(|(_, t)| checkpoint::tensor_bytes(dtype, &t.data)).collect::<anyhow::Result<_>>()?;
+    let views = tensors
+        .iter()
+        .zip(&encoded)
+        .map(|((name, t), (b, d))| Ok((name.as_str(), safetensors::tensor::TensorView::new(*d, t.shape.clone(), b)?)))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    // transformers reads only files that say which framework wrote them.
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let weights = save_dir.join("model.safetensors");
+    let tmp = save_dir.join(".model.safetensors.tmp");
+    safetensors::serialize_to_file(views, Some(meta), &tmp)
+        .with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, &weights)?;
+    let config = serde_json::to_string_pretty(&hf::to_hf_config(arch, &c, dtype_name))?;
+    let tmp = save_dir.join(".config.json.tmp");
+    std::fs::write(&tmp, config + "\n").with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, save_dir.join("config.json"))?;
+    Ok(Converted { dir: save_dir.to_path_buf(), arch, tensors: tensors.len() })
+}

@@ -1,0 +1,264 @@
+//! `ferrotron convert` against Hugging Face transformers: the three small models of
+//! tests/fixtures/hf (written by transformers' own classes, see make_hf_fixtures.py) are imported,
+//! and Ferrotron's logits for the fixture's tokens must be transformers' (computed there in
+//! float64); exporting the import back must give transformers' files again, tensor for tensor.
+
+mod common;
+
+use common::tmp;
+use ferrotron_core::{Cx, DType, Device, Tensor};
+use ferrotron_models::hf;
+use ferrotron_trainer::checkpoint;
+use ferrotron_trainer::convert::{ConvertArgs, convert};
+use ferrotron_transformer::GptModel;
+use safetensors::SafeTensors;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+const FIXTURES: [&str; 3] = ["gpt2", "llama", "llama_tied"];
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf").join(name)
+}
+
+fn args(loader: &str, saver: &str, load: &Path, save: &Path) -> ConvertArgs {
+    ConvertArgs {
+        loader: loader.into(),
+        saver: saver.into(),
+        load_dir: load.into(),
+        save_dir: save.into(),
+        tokenizer_type: None,
+        vocab_size: None,
+        seq_length: None,
+    }
+}
+
+struct Reference {
+    input_ids: Vec<Vec<u32>>,
+    logits: Vec<f64>,
+}
+
+fn reference(name: &str) -> Reference {
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture(name).join("reference.json")).unwrap()).unwrap();
+    let input_ids = v["input_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|row| row.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect())
+        .collect();
+    let logits = v["logits"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+    Reference { input_ids, logits }
+}
+
+/// Every tensor of a transformers folder, by name without GPT-2's `transformer.` prefix.
+fn hf_tensors(dir: &Path) -> HashMap<String, (Vec<usize>, Vec<u8>)> {
+    let mut out = HashMap::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "safetensors") {
+            let bytes = std::fs::read(&p).unwrap();
+            let st = SafeTensors::deserialize(&bytes).unwrap();
+            for (n, t) in st.tensors() {
+                let key = n.strip_prefix("transformer.").unwrap_or(&n).to_string();
+                out.insert(key, (t.shape().to_vec(), t.data().to_vec()));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn imported_models_give_transformers_logits() {
+    for name in FIXTURES {
+        let out = tmp(&format!("hf-import-{name}"));
+        let done = convert(&args("hf", "ferrotron", &fixture(name), &out)).unwrap();
+        assert_eq!(done.arch, if name == "gpt2" { hf::HfArch::Gpt2 } else { hf::HfArch::Llama });
+        let ck = checkpoint::load(&out).unwrap();
+        assert!(!ck.state.optimizer_state, "an import holds parameters only");
+        let s = &ck.state.settings;
+        let (model, table) = GptModel::build(s.model_config().unwrap(), &Device::Cpu, DType::F32, 1).unwrap();
+        checkpoint::restore_params(&ck, &table).unwrap();
+        let r = reference(name);
+        let (b, t) = (r.input_ids.len(), r.input_ids[0].len());
+        let ids: Vec<u32> = r.input_ids.concat();
+        let cx = Cx::new(&table, false);
+        let logits = model.logits(&cx, &Tensor::from_vec(ids, [b, t], &Device::Cpu).unwrap()).unwrap();
+        let logits = logits.to_vec_f32().unwrap();
+        let vocab = 256;
+        let padded = model.config.padded_vocab_size(1);
+        assert_eq!(logits.len(), b * t * padded);
+        let (mut worst, mut scale) = (0f64, 0f64);
+        for row in 0..b * t {
+            for v in 0..vocab {
+                let want = r.logits[row * vocab + v];
+                worst = worst.max((logits[row * padded + v] as f64 - want).abs());
+                scale = scale.max(want.abs());
+            }
+        }
+        // fp32 against float64: rounding only. A wrong head order, transpose or gate/up order
+        // moves logits of this size (scale ≈ 10) by whole units.
+        assert!(scale > 2.0, "{name}: the fixture's logits are too flat to test anything ({scale})");
+        assert!(worst < 1e-4, "{name}: max |logit − transformers'| = {worst:e} (largest logit {scale})");
+        eprintln!("{name}: max |logit − transformers'| {worst:.2e}, largest logit {scale:.2}");
+        let _ = std::fs::remove_dir_all(&out);
+    }
+}
+
+#[test]
+fn an_import_exported_again_is_transformers_files_tensor_for_tensor() {
+    for name in FIXTURES {
+        let (ck, back) = (tmp(&format!("hf-rt-{name}")), tmp(&format!("hf-rt-{name}-out")));
+        convert(&args("hf", "ferrotron", &fixture(name), &ck)).unwrap();
+        convert(&args("ferrotron", "hf", &ck, &back)).unwrap();
+        let (want, got) = (hf_tensors(&fixture(name)), hf_tensors(&back));
+        let mut names: Vec<&String> = want.keys().collect();
+        names.sort();
+        assert_eq!(got.len(), want.len(), "{name}: {:?}", got.keys().collect::<Vec<_>>());
+        for n in names {
+            assert!(got[n] == want[n], "{name}: `{n}` differs after import and export");
+        }
+        let read = |d: &Path| {
+            let v: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(d.join("config.json")).unwrap()).unwrap();
+            let m = hf::from_hf_config(&v).unwrap();
+            hf::to_hf_config(m.arch, &m.config, "")
+        };
+        assert_eq!(read(&back), read(&fixture(name)), "{name}: config.json");
+        // A folder that holds a model already is not written over.
+        let e = convert(&args("ferrotron", "hf", &ck, &back)).unwrap_err().to_string();
+        assert!(e.contains("holds a model already"), "{e}");
+        let _ = std::fs::remove_dir_all(&ck);
+        let _ = std::fs::remove_dir_all(&back);
+    }
+}
+
+fn ferrotron(a: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_ferrotron")).args(a).output().expect("run ferrotron")
+}
+
+fn ok(o: &std::process::Output) -> String {
+    let e = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(o.status.success(), "{e}");
+    e
+}
+
+fn fails(o: &std::process::Output, needle: &str) {
+    let e = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(!o.status.success() && e.contains(needle), "expected an error naming {needle:?}, got: {e}");
+}
+
+#[test]
+fn an_import_fine_tunes_with_the_checkpoints_model_flags_and_samples() {
+    let (ck, run) = (tmp("hf-cli-ck"), tmp("hf-cli-run"));
+    let (c, r) = (ck.to_str().unwrap(), run.to_str().unwrap());
+    let src = fixture("llama");
+    let e = ok(&ferrotron(&[
+        "convert",
+        "--loader",
+        "hf",
+        "--saver",
+        "ferrotron",
+        "--load-dir",
+        src.to_str().unwrap(),
+        "--save-dir",
+        c,
+    ]));
+    assert!(e.contains("LlamaForCausalLM") && e.contains("--use-checkpoint-args"), "{e}");
+    // Resuming needs optimizer state, which an import does not have.
+    fails(&ferrotron(&["train", "--load", c, "--use-checkpoint-args", "--train-iters", "2"]), "--finetune");
+    // The tiny GPT preset's model flags give way to the checkpoint's (a Llama, hidden 64).
+    let train = [
+        "train",
+        "--load",
+        c,
+        "--finetune",
+        "--use-checkpoint-args",
+        "--seq-length",
+        "16",
+        "--micro-batch-size",
+        "4",
+        "--global-batch-size",
+        "4",
+        "--train-iters",
+        "3",
+        "--eval-interval",
+        "3",
+        "--eval-iters",
+        "1",
+        "--lr",
+        "1e-4",
+        "--min-lr",
+        "1e-5",
+        "--corpus-docs",
+        "200",
+        "--no-progress",
+        "--save",
+        r,
+    ];
+    ok(&ferrotron(&train));
+    let s = checkpoint::read_state(&run).unwrap().settings;
+    assert_eq!((s.hidden_size, s.num_query_groups, s.ffn_hidden_size, s.seq_length), (64, 2, 96, 16));
+    assert!(s.swiglu && s.untie_embeddings_and_output_weights && s.normalization == "RMSNorm", "{s:?}");
+    assert_eq!(s.norm_epsilon, 1e-6);
+    let o = ferrotron(&["generate", "--load", c, "--prompt", "ab", "--max-new-tokens", "4", "--temperature", "0"]);
+    ok(&o);
+    assert!(String::from_utf8_lossy(&o.stdout).starts_with("ab"));
+    fails(&ferrotron(&["train", "--use-checkpoint-args"]), "--load");
+    let _ = std::fs::remove_dir_all(&ck);
+    let _ = std::fs::remove_dir_all(&run);
+}
+
+/// A copy of the llama fixture whose weights `edit` changed.
+fn edited_llama(name: &str, edit: impl FnOnce(&mut Vec<(String, Vec<usize>, Vec<u8>)>)) -> PathBuf {
+    let dir = tmp(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(fixture("llama").join("config.json"), dir.join("config.json")).unwrap();
+    let mut t: Vec<(String, Vec<usize>, Vec<u8>)> =
+        hf_tensors(&fixture("llama")).into_iter().map(|(n, (s, b))| (n, s, b)).collect();
+    t.sort_by(|a, b| a.0.cmp(&b.0));
+    edit(&mut t);
+    let views: Vec<_> = t
+        .iter()
+        .map(|(n, s, b)| {
+            (n.as_str(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap())
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    dir
+}
+
+#[test]
+fn hf_folders_that_do_not_fit_are_refused_by_name() {
+    let out = tmp("hf-bad-out");
+    let import = |d: &Path| convert(&args("hf", "ferrotron", d, &out)).unwrap_err();
+    let missing = edited_llama("hf-missing", |t| t.retain(|(n, _, _)| n != "model.layers.1.mlp.up_proj.weight"));
+    let e = format!("{:#}", import(&missing));
+    assert!(e.contains("model.layers.1.mlp.up_proj.weight") && e.contains("missing"), "{e}");
+    let extra = edited_llama("hf-extra", |t| {
+        let first = t[0].clone();
+        t.push(("model.layers.0.self_attn.q_norm.weight".into(), first.1, first.2));
+    });
+    let e = format!("{:#}", import(&extra));
+    assert!(e.contains("q_norm") && e.contains("not converted"), "{e}");
+    let shapes = edited_llama("hf-shape", |t| {
+        let i = t.iter().position(|(n, _, _)| n == "model.norm.weight").unwrap();
+        t[i].1 = vec![32];
+        t[i].2.truncate(32 * 4);
+    });
+    let e = format!("{:#}", import(&shapes));
+    assert!(e.contains("model.norm.weight") && e.contains("[32]") && e.contains("[64]"), "{e}");
+    // The tokenizer must have the model's vocabulary.
+    let mut a = args("hf", "ferrotron", &fixture("llama"), &out);
+    a.tokenizer_type = Some("gpt2".into());
+    let e = format!("{:#}", convert(&a).unwrap_err());
+    assert!(e.contains("50257") && e.contains("vocab_size is 256"), "{e}");
+    let e = format!("{:#}", convert(&args("hf", "ferrotron", &out, &out)).unwrap_err());
+    assert!(e.contains("config.json"), "{e}");
+    let e = format!("{:#}", convert(&args("hf", "hf", &fixture("llama"), &out)).unwrap_err());
+    assert!(e.contains("--loader hf --saver hf"), "{e}");
+    assert!(!out.exists(), "a refused conversion writes nothing");
+    for d in [missing, extra, shapes] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
