@@ -12,6 +12,7 @@ pub mod corpus;
 mod dataset;
 mod gpt;
 mod gpt2_files;
+mod hf_tokenizer;
 mod indexed;
 mod numpy_rng;
 mod tokenizer;
@@ -27,10 +28,18 @@ pub use tokenizer::{Tokenizer, TokenizerKind};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
-    #[error("unknown tokenizer `{0}`: use `byte`, `gpt2` (GPT2BPETokenizer) or `NullTokenizer` with --vocab-size")]
+    #[error(
+        "unknown tokenizer `{0}`: use `byte`, `gpt2` (GPT2BPETokenizer), `NullTokenizer` with --vocab-size or `HuggingFaceTokenizer` with --tokenizer-model"
+    )]
     UnknownTokenizer(String),
     #[error("NullTokenizer needs --vocab-size N (ids 0..N, end-of-document N), 1 ≤ N < 2^32 - 1")]
     NullVocab,
+    #[error(
+        "HuggingFaceTokenizer needs --tokenizer-model FOLDER (a transformers tokenizer folder with tokenizer.json)"
+    )]
+    HfModel,
+    #[error("--tokenizer-model {} belongs to HuggingFaceTokenizer, not the {tokenizer} tokenizer", model.display())]
+    ModelFileOnly { tokenizer: String, model: std::path::PathBuf },
     #[error("--vocab-size {given} applies to NullTokenizer only: the {tokenizer} tokenizer's vocabulary is fixed")]
     FixedVocab { tokenizer: &'static str, given: usize },
     #[error("`{0}` is not a token id: NullTokenizer reads text as ids separated by white space")]

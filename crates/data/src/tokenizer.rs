@@ -1,30 +1,39 @@
 //! Tokenizers: byte-level (vocab 256, end-of-document = byte 0, which text never contains),
 //! GPT-2 BPE through tiktoken-rs (r50k_base, end-of-document = `<|endoftext|>` 50256), and
 //! Megatron's NullTokenizer for data tokenized elsewhere (`--vocab-size N`: text is the ids written
-//! out, the vocabulary N + 1 with end-of-document N).
+//! out, the vocabulary N + 1 with end-of-document N), and Megatron's HuggingFaceTokenizer
+//! (`--tokenizer-model FOLDER`: a transformers tokenizer.json, `hf_tokenizer.rs`).
 
 use crate::DataError;
+use crate::hf_tokenizer::HfTokenizer;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum TokenizerKind {
     Byte,
     Gpt2,
     /// Ids below this, plus end-of-document = this.
     Null(u32),
+    /// A transformers tokenizer folder (or its tokenizer.json).
+    HuggingFace(PathBuf),
 }
 
 impl TokenizerKind {
     pub fn parse(s: &str) -> Result<Self, DataError> {
-        Self::parse_with_vocab(s, None)
+        Self::parse_with(s, None, None)
     }
 
     /// `--tokenizer-type` with `--vocab-size`, which NullTokenizer needs and the others refuse
-    /// (their vocabularies are fixed).
-    pub fn parse_with_vocab(s: &str, vocab_size: Option<usize>) -> Result<Self, DataError> {
+    /// (their vocabularies are fixed), and `--tokenizer-model`, which HuggingFaceTokenizer needs.
+    pub fn parse_with(s: &str, vocab_size: Option<usize>, model: Option<&Path>) -> Result<Self, DataError> {
+        if let (Some(m), false) = (model, s == "HuggingFaceTokenizer") {
+            return Err(DataError::ModelFileOnly { tokenizer: s.into(), model: m.to_path_buf() });
+        }
         let kind = match s {
             "byte" => TokenizerKind::Byte,
             "gpt2" | "GPT2BPETokenizer" => TokenizerKind::Gpt2,
+            "HuggingFaceTokenizer" => TokenizerKind::HuggingFace(model.ok_or(DataError::HfModel)?.to_path_buf()),
             "NullTokenizer" => {
                 let n = vocab_size.ok_or(DataError::NullVocab)?;
                 return u32::try_from(n)
@@ -41,11 +50,12 @@ impl TokenizerKind {
         }
     }
 
-    pub fn as_str(self) -> &'static str {
+    pub fn as_str(&self) -> &'static str {
         match self {
             TokenizerKind::Byte => "byte",
             TokenizerKind::Gpt2 => "gpt2",
             TokenizerKind::Null(_) => "NullTokenizer",
+            TokenizerKind::HuggingFace(_) => "HuggingFaceTokenizer",
         }
     }
 }
@@ -55,6 +65,7 @@ pub enum Tokenizer {
     Byte,
     Gpt2(Arc<tiktoken_rs::CoreBPE>),
     Null(u32),
+    HuggingFace(Arc<HfTokenizer>, PathBuf),
 }
 
 impl Tokenizer {
@@ -65,6 +76,7 @@ impl Tokenizer {
                 Tokenizer::Gpt2(Arc::new(tiktoken_rs::r50k_base().map_err(|e| DataError::Tokenizer(e.to_string()))?))
             }
             TokenizerKind::Null(n) => Tokenizer::Null(n),
+            TokenizerKind::HuggingFace(p) => Tokenizer::HuggingFace(Arc::new(HfTokenizer::open(&p)?), p),
         })
     }
 
@@ -73,6 +85,7 @@ impl Tokenizer {
             Tokenizer::Byte => TokenizerKind::Byte,
             Tokenizer::Gpt2(_) => TokenizerKind::Gpt2,
             Tokenizer::Null(n) => TokenizerKind::Null(*n),
+            Tokenizer::HuggingFace(_, p) => TokenizerKind::HuggingFace(p.clone()),
         }
     }
 
@@ -82,6 +95,7 @@ impl Tokenizer {
             Tokenizer::Byte => 256,
             Tokenizer::Gpt2(_) => 50257,
             Tokenizer::Null(n) => *n as usize + 1,
+            Tokenizer::HuggingFace(t, _) => t.vocab_size(),
         }
     }
 
@@ -90,6 +104,7 @@ impl Tokenizer {
             Tokenizer::Byte => 0,
             Tokenizer::Gpt2(_) => 50256,
             Tokenizer::Null(n) => *n,
+            Tokenizer::HuggingFace(t, _) => t.eod(),
         }
     }
 
@@ -109,6 +124,7 @@ impl Tokenizer {
                     })
                     .collect::<Result<_, _>>()?
             }
+            Tokenizer::HuggingFace(t, _) => t.encode(text)?,
         })
     }
 
@@ -146,6 +162,7 @@ impl Tokenizer {
             }
             Tokenizer::Gpt2(b) => b.decode(ids).map_err(|e| DataError::Tokenizer(e.to_string())),
             Tokenizer::Null(_) => Ok(ids.iter().map(u32::to_string).collect::<Vec<_>>().join(" ")),
+            Tokenizer::HuggingFace(t, _) => t.decode(ids),
         }
     }
 }
@@ -158,7 +175,7 @@ mod tests {
     fn byte_and_gpt2_round_trip() {
         let text = "Once upon a time, Mia the owl found 12 + 7 = 19.";
         for kind in [TokenizerKind::Byte, TokenizerKind::Gpt2] {
-            let t = Tokenizer::new(kind).unwrap();
+            let t = Tokenizer::new(kind.clone()).unwrap();
             let ids = t.encode(text).unwrap();
             assert_eq!(t.decode(&ids).unwrap(), text, "{kind:?}");
             assert!(ids.iter().all(|&i| (i as usize) < t.vocab_size()));
@@ -171,7 +188,7 @@ mod tests {
 
     #[test]
     fn null_tokenizer_reads_ids_and_needs_its_vocabulary() {
-        let k = TokenizerKind::parse_with_vocab("NullTokenizer", Some(1000)).unwrap();
+        let k = TokenizerKind::parse_with("NullTokenizer", Some(1000), None).unwrap();
         let t = Tokenizer::new(k).unwrap();
         assert_eq!((t.vocab_size(), t.eod(), t.kind().as_str()), (1001, 1000, "NullTokenizer"));
         assert_eq!(t.encode(" 5 999\n1000 0 ").unwrap(), vec![5, 999, 1000, 0]);
@@ -180,7 +197,7 @@ mod tests {
         assert!(matches!(t.encode("5 cat"), Err(DataError::NotAnId(w)) if w == "cat"));
         assert!(matches!(TokenizerKind::parse("NullTokenizer"), Err(DataError::NullVocab)));
         assert!(matches!(
-            TokenizerKind::parse_with_vocab("gpt2", Some(1000)),
+            TokenizerKind::parse_with("gpt2", Some(1000), None),
             Err(DataError::FixedVocab { tokenizer: "gpt2", given: 1000 })
         ));
     }

@@ -29,9 +29,13 @@ pub struct ConvertArgs {
     #[arg(long)]
     pub save_dir: PathBuf,
     /// hf → ferrotron: the tokenizer of the model's token ids, whose vocabulary must be
-    /// config.json's vocab_size (default: gpt2 for 50257, byte for 256).
+    /// config.json's vocab_size (default: the folder's own tokenizer.json as
+    /// HuggingFaceTokenizer; without one gpt2 for 50257 ids, byte for 256).
     #[arg(long)]
     pub tokenizer_type: Option<String>,
+    /// With --tokenizer-type HuggingFaceTokenizer: a transformers tokenizer folder.
+    #[arg(long)]
+    pub tokenizer_model: Option<PathBuf>,
     /// With --tokenizer-type NullTokenizer: ids below N and end-of-document N, i.e. config.json's
     /// vocab_size − 1.
     #[arg(long)]
@@ -54,8 +58,14 @@ pub fn convert(a: &ConvertArgs) -> anyhow::Result<Converted> {
     match (a.loader.as_str(), a.saver.as_str()) {
         ("hf", "ferrotron") => import(a),
         ("ferrotron", "hf") => {
-            if a.tokenizer_type.is_some() || a.vocab_size.is_some() || a.seq_length.is_some() {
-                bail!("--tokenizer-type, --vocab-size and --seq-length describe an import (--loader hf): drop them");
+            if a.tokenizer_type.is_some()
+                || a.vocab_size.is_some()
+                || a.tokenizer_model.is_some()
+                || a.seq_length.is_some()
+            {
+                bail!(
+                    "--tokenizer-type, --vocab-size, --tokenizer-model and --seq-length describe an import (--loader hf): drop them"
+                );
             }
             export(&a.load_dir, &a.save_dir)
         }
@@ -72,14 +82,22 @@ fn read_config(dir: &Path) -> anyhow::Result<hf::HfModel> {
     hf::from_hf_config(&v).with_context(|| path.display().to_string())
 }
 
-/// The default tokenizer for a vocabulary, or the flags that name one.
-fn tokenizer_for(vocab: usize, a: &ConvertArgs) -> anyhow::Result<(String, Option<usize>)> {
-    Ok(match (&a.tokenizer_type, vocab) {
-        (Some(t), _) => (t.clone(), a.vocab_size),
-        (None, ferrotron_models::GPT2_VOCAB) => ("gpt2".into(), None),
-        (None, ferrotron_models::BYTE_VOCAB) => ("byte".into(), None),
-        (None, v) => bail!(
-            "config.json's vocab_size is {v}: name the tokenizer of the model's ids, e.g. --tokenizer-type NullTokenizer --vocab-size {} (data tokenized elsewhere: ids below it, end-of-document {0})",
+/// The tokenizer flags (type, NullTokenizer's vocabulary, HF folder) that the flags given name,
+/// else the folder's own tokenizer, else the one a vocabulary size implies.
+fn tokenizer_for(vocab: usize, a: &ConvertArgs) -> anyhow::Result<(String, Option<usize>, Option<PathBuf>)> {
+    if let Some(t) = &a.tokenizer_type {
+        return Ok((t.clone(), a.vocab_size, a.tokenizer_model.clone()));
+    }
+    if a.load_dir.join("tokenizer.json").is_file() {
+        // Absolute: the checkpoint's settings are read later from anywhere (generate, training).
+        let dir = a.load_dir.canonicalize().with_context(|| format!("--load-dir {}", a.load_dir.display()))?;
+        return Ok(("HuggingFaceTokenizer".into(), None, Some(dir)));
+    }
+    Ok(match vocab {
+        ferrotron_models::GPT2_VOCAB => ("gpt2".into(), None, None),
+        ferrotron_models::BYTE_VOCAB => ("byte".into(), None, None),
+        v => bail!(
+            "config.json's vocab_size is {v} and the folder has no tokenizer.json: name the tokenizer of the model's ids, --tokenizer-type HuggingFaceTokenizer --tokenizer-model FOLDER, or NullTokenizer --vocab-size {} for data tokenized elsewhere (ids below it, end-of-document {0})",
             v.saturating_sub(1)
         ),
     })
@@ -146,10 +164,11 @@ impl HfFiles {
 fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
     let model = read_config(&a.load_dir)?;
     let (arch, c) = (model.arch, &model.config);
-    let (tokenizer, null_vocab) = tokenizer_for(c.vocab_size, a)?;
+    let (tokenizer, null_vocab, tokenizer_model) = tokenizer_for(c.vocab_size, a)?;
     let mut args = model_args(c);
     args.tokenizer_type = Some(tokenizer.clone());
     args.vocab_size = null_vocab;
+    args.tokenizer_model = tokenizer_model;
     args.seq_length = Some(a.seq_length.unwrap_or(c.seq_length));
     // Megatron's mixed precision for bf16 weights; float32 and float16 weights are kept in fp32.
     args.bf16 = model.dtype.as_deref() == Some("bfloat16");
@@ -158,7 +177,7 @@ fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
     let own = settings.model_config()?;
     if own.vocab_size != c.vocab_size {
         bail!(
-            "--tokenizer-type {tokenizer} has {} ids but config.json's vocab_size is {}: name the tokenizer of the model's ids (NullTokenizer with --vocab-size {} for data tokenized elsewhere)",
+            "--tokenizer-type {tokenizer} has {} ids but config.json's vocab_size is {}: name the tokenizer of the model's ids (HuggingFaceTokenizer with --tokenizer-model FOLDER, or NullTokenizer with --vocab-size {} for data tokenized elsewhere)",
             own.vocab_size,
             c.vocab_size,
             c.vocab_size.saturating_sub(1)

@@ -18,13 +18,17 @@ pub struct PreprocessArgs {
     /// Outputs go to OUTPUT_PREFIX_KEY_document.bin and .idx, one pair per --json-keys key.
     #[arg(long)]
     pub output_prefix: String,
-    /// byte, gpt2 (Megatron's GPT2BPETokenizer) or NullTokenizer (text already ids, with
-    /// --vocab-size): the tokenizer the model will train with.
+    /// byte, gpt2 (Megatron's GPT2BPETokenizer), NullTokenizer (text already ids, with
+    /// --vocab-size) or HuggingFaceTokenizer (--tokenizer-model): the tokenizer the model will
+    /// train with.
     #[arg(long)]
     pub tokenizer_type: String,
     /// NullTokenizer's vocabulary: ids below N, end-of-document N.
     #[arg(long)]
     pub vocab_size: Option<usize>,
+    /// HuggingFaceTokenizer's transformers tokenizer folder (tokenizer.json).
+    #[arg(long)]
+    pub tokenizer_model: Option<PathBuf>,
     /// GPT2BPETokenizer's vocab.json and merges.txt, as Megatron's scripts pass them: checked to
     /// be GPT-2's (the tokenizer is built in).
     #[arg(long)]
@@ -50,8 +54,9 @@ pub struct Written {
 }
 
 pub fn preprocess(a: &PreprocessArgs) -> anyhow::Result<Vec<Written>> {
-    let tok =
-        Tokenizer::new(TokenizerKind::parse(&a.tokenizer_type).map_err(|e| anyhow::anyhow!("--tokenizer-type: {e}"))?)?;
+    let kind = TokenizerKind::parse_with(&a.tokenizer_type, a.vocab_size, a.tokenizer_model.as_deref())
+        .map_err(|e| anyhow::anyhow!("--tokenizer-type {}: {e}", a.tokenizer_type))?;
+    let tok = Tokenizer::new(kind)?;
     let dtype = TokenDtype::for_vocab(tok.vocab_size());
     let input = std::fs::File::open(&a.input).with_context(|| format!("--input {}", a.input.display()))?;
     let prefixes: Vec<PathBuf> =

@@ -81,12 +81,17 @@ pub struct TrainArgs {
     /// Accepted for Megatron's scripts: flash attention runs wherever its kernels apply.
     #[arg(long)]
     pub use_flash_attn: bool,
-    /// byte, gpt2 (GPT2BPETokenizer) or NullTokenizer (data tokenized elsewhere: --vocab-size).
+    /// byte, gpt2 (GPT2BPETokenizer), NullTokenizer (data tokenized elsewhere: --vocab-size) or
+    /// HuggingFaceTokenizer (--tokenizer-model).
     #[arg(long)]
     pub tokenizer_type: Option<String>,
     /// NullTokenizer's vocabulary: ids below N, end-of-document N (Megatron's flag).
     #[arg(long)]
     pub vocab_size: Option<usize>,
+    /// HuggingFaceTokenizer's transformers tokenizer folder (tokenizer.json and
+    /// tokenizer_config.json, whose eos_token ends each document).
+    #[arg(long)]
+    pub tokenizer_model: Option<PathBuf>,
     /// GPT2BPETokenizer's vocab.json, as Megatron's scripts pass it: checked to be GPT-2's (the
     /// tokenizer is built in).
     #[arg(long)]
@@ -330,7 +335,7 @@ impl TrainArgs {
     /// Overlays `o` on `self` (set values in `o` win; switches are or-ed).
     fn overlay(&mut self, o: &TrainArgs) {
         merge_opts!(self, o; preset, num_layers, hidden_size, num_attention_heads, num_query_groups, kv_channels, ffn_hidden_size, seq_length,
-            max_position_embeddings, position_embedding_type, rotary_base, normalization, tokenizer_type, vocab_size, vocab_file, merge_file, init_method_std,
+            max_position_embeddings, position_embedding_type, rotary_base, normalization, tokenizer_type, vocab_size, tokenizer_model, vocab_file, merge_file, init_method_std,
             micro_batch_size, global_batch_size, train_iters, train_samples, lr_warmup_samples, lr_decay_samples, lr, min_lr, lr_warmup_init, lr_decay_style, lr_wsd_decay_style, lr_wsd_decay_iters, lr_wsd_decay_samples, lr_warmup_iters, lr_warmup_fraction,
             lr_decay_iters, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad, norm_epsilon, make_vocab_size_divisible_by,
             hidden_dropout, attention_dropout, window_size, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, corpus_docs, split,
@@ -480,6 +485,9 @@ pub struct Settings {
     /// NullTokenizer's `--vocab-size`.
     #[serde(default)]
     pub vocab_size: Option<usize>,
+    /// HuggingFaceTokenizer's `--tokenizer-model` folder.
+    #[serde(default)]
+    pub tokenizer_model: Option<PathBuf>,
     #[serde(default = "default_split")]
     pub split: String,
 }
@@ -749,7 +757,8 @@ impl TrainArgs {
             hidden_dropout,
             attention_dropout,
             tokenizer_type,
-            vocab_size
+            vocab_size,
+            tokenizer_model
         );
     }
 }
@@ -762,6 +771,7 @@ fn checkpoint_args(load: &Path) -> anyhow::Result<TrainArgs> {
     let mut m = model_args(&s.model_config()?);
     m.tokenizer_type = Some(s.tokenizer_type.clone());
     m.vocab_size = s.vocab_size;
+    m.tokenizer_model = s.tokenizer_model.clone();
     Ok(m)
 }
 
@@ -868,6 +878,7 @@ impl Settings {
             mock_data: a.mock_data,
             eod_mask_loss: a.eod_mask_loss,
             vocab_size: a.vocab_size,
+            tokenizer_model: a.tokenizer_model.clone(),
             split: a.split.clone().unwrap_or_else(default_split),
             tensor_model_parallel_size: a.tensor_model_parallel_size.unwrap_or(1),
             sequence_parallel: a.sequence_parallel,
@@ -1157,7 +1168,7 @@ impl Settings {
     }
 
     pub fn tokenizer(&self) -> anyhow::Result<TokenizerKind> {
-        let kind = TokenizerKind::parse_with_vocab(&self.tokenizer_type, self.vocab_size)
+        let kind = TokenizerKind::parse_with(&self.tokenizer_type, self.vocab_size, self.tokenizer_model.as_deref())
             .map_err(|e| anyhow::anyhow!("--tokenizer-type {}: {e}", self.tokenizer_type))?;
         if matches!(kind, TokenizerKind::Null(_)) && self.data_path.is_empty() && self.train_data_path.is_empty() {
             bail!(

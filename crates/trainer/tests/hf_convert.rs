@@ -7,6 +7,7 @@ mod common;
 
 use common::tmp;
 use ferrotron_core::{Cx, DType, Device, Tensor};
+use ferrotron_data::{Tokenizer, TokenizerKind};
 use ferrotron_models::hf;
 use ferrotron_trainer::checkpoint;
 use ferrotron_trainer::convert::{ConvertArgs, convert};
@@ -29,6 +30,7 @@ fn args(loader: &str, saver: &str, load: &Path, save: &Path) -> ConvertArgs {
         save_dir: save.into(),
         tokenizer_type: None,
         vocab_size: None,
+        tokenizer_model: None,
         seq_length: None,
     }
 }
@@ -149,31 +151,82 @@ fn fails(o: &std::process::Output, needle: &str) {
 }
 
 #[test]
-fn an_import_fine_tunes_with_the_checkpoints_model_flags_and_samples() {
-    let (ck, run) = (tmp("hf-cli-ck"), tmp("hf-cli-run"));
+fn the_hf_tokenizer_encodes_and_decodes_as_transformers() {
+    let dir = fixture("llama");
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer_reference.json")).unwrap()).unwrap();
+    let tok = Tokenizer::new(TokenizerKind::HuggingFace(dir.clone())).unwrap();
+    assert_eq!(tok.vocab_size(), r["len"].as_u64().unwrap() as usize);
+    assert_eq!(tok.eod(), r["eos_token_id"].as_u64().unwrap() as u32);
+    let texts = r["texts"].as_array().unwrap();
+    for (i, text) in texts.iter().enumerate() {
+        let want: Vec<u32> = r["input_ids"][i].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+        let ids = tok.encode(text.as_str().unwrap()).unwrap();
+        assert_eq!(ids, want, "{text}");
+        assert_eq!(tok.decode(&ids).unwrap(), r["decoded"][i].as_str().unwrap(), "{text}");
+    }
+    // Megatron's flags: the folder is HuggingFaceTokenizer's and only its.
+    let e = TokenizerKind::parse("HuggingFaceTokenizer").unwrap_err().to_string();
+    assert!(e.contains("--tokenizer-model"), "{e}");
+    let e = TokenizerKind::parse_with("gpt2", None, Some(&dir)).unwrap_err().to_string();
+    assert!(e.contains("--tokenizer-model") && e.contains("gpt2"), "{e}");
+    let e = Tokenizer::new(TokenizerKind::HuggingFace(fixture("gpt2"))).err().unwrap().to_string();
+    assert!(e.contains("no tokenizer.json"), "{e}");
+}
+
+#[test]
+fn an_import_fine_tunes_on_its_own_tokenizers_data_and_samples() {
+    let (ck, run, data) = (tmp("hf-cli-ck"), tmp("hf-cli-run"), tmp("hf-cli-data"));
     let (c, r) = (ck.to_str().unwrap(), run.to_str().unwrap());
     let src = fixture("llama");
-    let e = ok(&ferrotron(&[
-        "convert",
-        "--loader",
-        "hf",
-        "--saver",
-        "ferrotron",
-        "--load-dir",
-        src.to_str().unwrap(),
-        "--save-dir",
-        c,
-    ]));
+    let s = src.to_str().unwrap();
+    let e = ok(&ferrotron(&["convert", "--loader", "hf", "--saver", "ferrotron", "--load-dir", s, "--save-dir", c]));
     assert!(e.contains("LlamaForCausalLM") && e.contains("--use-checkpoint-args"), "{e}");
+    let st = checkpoint::read_state(&ck).unwrap().settings;
+    assert_eq!(st.tokenizer_type, "HuggingFaceTokenizer", "the folder's own tokenizer.json");
+    assert_eq!(st.tokenizer_model.as_deref(), Some(src.canonicalize().unwrap().as_path()));
+    // Data in the model's tokenizer, as Megatron's preprocess_data.py makes it.
+    std::fs::create_dir_all(&data).unwrap();
+    let jsonl = data.join("docs.jsonl");
+    let docs: Vec<String> = (0..60)
+        .map(|i| format!("{{\"text\": \"the quick brown fox {i} jumps over the lazy dog near the river stone\"}}"))
+        .collect();
+    std::fs::write(&jsonl, docs.join("\n")).unwrap();
+    let prefix = data.join("my");
+    let (j, p) = (jsonl.to_str().unwrap(), prefix.to_str().unwrap());
+    ok(&ferrotron(&[
+        "preprocess",
+        "--input",
+        j,
+        "--output-prefix",
+        p,
+        "--tokenizer-type",
+        "HuggingFaceTokenizer",
+        "--tokenizer-model",
+        s,
+        "--append-eod",
+    ]));
+    let tokens = ferrotron_data::IndexedDataset::open(data.join("my_text_document")).unwrap();
+    let want = Tokenizer::new(TokenizerKind::HuggingFace(src.clone())).unwrap();
+    let mut first = want.encode("the quick brown fox 0 jumps over the lazy dog near the river stone").unwrap();
+    first.push(want.eod());
+    let mut read = vec![0u32; tokens.sequence_length(0) as usize];
+    tokens.read(tokens.sequence_start(0), &mut read).unwrap();
+    assert_eq!(read, first);
     // Resuming needs optimizer state, which an import does not have.
     fails(&ferrotron(&["train", "--load", c, "--use-checkpoint-args", "--train-iters", "2"]), "--finetune");
     // The tiny GPT preset's model flags give way to the checkpoint's (a Llama, hidden 64).
+    let d = data.join("my_text_document");
     let train = [
         "train",
         "--load",
         c,
         "--finetune",
         "--use-checkpoint-args",
+        "--data-path",
+        d.to_str().unwrap(),
+        "--split",
+        "90,10,0",
         "--seq-length",
         "16",
         "--micro-batch-size",
@@ -190,8 +243,6 @@ fn an_import_fine_tunes_with_the_checkpoints_model_flags_and_samples() {
         "1e-4",
         "--min-lr",
         "1e-5",
-        "--corpus-docs",
-        "200",
         "--no-progress",
         "--save",
         r,
@@ -200,13 +251,14 @@ fn an_import_fine_tunes_with_the_checkpoints_model_flags_and_samples() {
     let s = checkpoint::read_state(&run).unwrap().settings;
     assert_eq!((s.hidden_size, s.num_query_groups, s.ffn_hidden_size, s.seq_length), (64, 2, 96, 16));
     assert!(s.swiglu && s.untie_embeddings_and_output_weights && s.normalization == "RMSNorm", "{s:?}");
-    assert_eq!(s.norm_epsilon, 1e-6);
-    let o = ferrotron(&["generate", "--load", c, "--prompt", "ab", "--max-new-tokens", "4", "--temperature", "0"]);
+    assert_eq!((s.norm_epsilon, s.tokenizer_type.as_str()), (1e-6, "HuggingFaceTokenizer"));
+    let o = ferrotron(&["generate", "--load", c, "--prompt", "the fox", "--max-new-tokens", "4", "--temperature", "0"]);
     ok(&o);
-    assert!(String::from_utf8_lossy(&o.stdout).starts_with("ab"));
+    assert!(String::from_utf8_lossy(&o.stdout).starts_with("<s> the fox"), "{}", String::from_utf8_lossy(&o.stdout));
     fails(&ferrotron(&["train", "--use-checkpoint-args"]), "--load");
-    let _ = std::fs::remove_dir_all(&ck);
-    let _ = std::fs::remove_dir_all(&run);
+    for dir in [ck, run, data] {
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }
 
 /// A copy of the llama fixture whose weights `edit` changed.
