@@ -9,21 +9,38 @@
 // Whether head `hh` of a row is a value head to leave alone (only in place: see above).
 __device__ __forceinline__ bool rope_skip(long hh, long period) { return period > 0 && hh % period == period - 1; }
 
+// Pair k's frequency, base^(−2k/rot), with Llama 3.1's scaling when `factor` > 0 (cpu/rope.rs's
+// RopeScaling: wavelengths past orig / low divided by factor, below orig / high kept, between
+// blended).
+__device__ __forceinline__ double rope_freq(long k, long rot, double base, double factor, double low, double high, double orig) {
+    double f = pow(base, -2.0 * (double)k / (double)rot);
+    if (factor <= 0.0) return f;
+    double wavelen = 2.0 * 3.141592653589793 / f;
+    if (wavelen < orig / high) return f;
+    if (wavelen > orig / low) return f / factor;
+    double smooth = (orig / wavelen - low) / (high - low);
+    return (1.0 - smooth) * f / factor + smooth * f;
+}
+
+// The scaling's four numbers as kernel parameters (factor 0: none).
+#define ROPE_SCALE_PARAMS double factor, double low, double high, double orig
+#define ROPE_SCALE factor, low, high, orig
+
 // (cos, sin) of the angle of position `pos` and pair k, computed in f64, rounded to f32.
-__device__ __forceinline__ float2 rope_cs(long pos, long k, long rot, double base) {
-    double ang = (double)pos * pow(base, -2.0 * (double)k / (double)rot);
+__device__ __forceinline__ float2 rope_cs(long pos, long k, long rot, double base, ROPE_SCALE_PARAMS) {
+    double ang = (double)pos * rope_freq(k, rot, base, ROPE_SCALE);
     return make_float2((float)cos(ang), (float)sin(ang));
 }
 
 #define ROPE(s, T) \
-extern "C" __global__ void rope_##s(const T* x, T* y, long rows, long t, long h, long d, long rot, long pos0, double base, float sign, long period) { \
+extern "C" __global__ void rope_##s(const T* x, T* y, long rows, long t, long h, long d, long rot, long pos0, double base, ROPE_SCALE_PARAMS, float sign, long period) { \
     long half = rot / 2, pass = d - rot; \
     GRID_STRIDE(idx, rows * h * (half + pass)) { \
         long k = idx % (half + pass), hr = idx / (half + pass), row = hr / h; \
         long base_i = hr * d; \
         if (rope_skip(hr % h, period)) continue; \
         if (k < half) { \
-            float2 cs = rope_cs(pos0 + row % t, k, rot, base); \
+            float2 cs = rope_cs(pos0 + row % t, k, rot, base, ROPE_SCALE); \
             float c = cs.x, sn = sign * cs.y; \
             float a = ld(x, base_i + k), b = ld(x, base_i + k + half); \
             st(y, base_i + k, a * c - b * sn); st(y, base_i + k + half, b * c + a * sn); \
@@ -31,9 +48,9 @@ extern "C" __global__ void rope_##s(const T* x, T* y, long rows, long t, long h,
 FOR_TYPES(ROPE)
 
 // cs[p · half + k] = rope_cs of position pos0 + p and pair k (the one-element kernel's values).
-extern "C" __global__ void rope_table(float2* cs, long t, long rot, long pos0, double base) {
+extern "C" __global__ void rope_table(float2* cs, long t, long rot, long pos0, double base, ROPE_SCALE_PARAMS) {
     long half = rot / 2;
-    GRID_STRIDE(i, t * half) cs[i] = rope_cs(pos0 + i / half, i % half, rot, base);
+    GRID_STRIDE(i, t * half) cs[i] = rope_cs(pos0 + i / half, i % half, rot, base, ROPE_SCALE);
 }
 
 // Per (token, head): half / 8 groups of eight pairs, then (d − rot) / 8 groups copied through.

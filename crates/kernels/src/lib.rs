@@ -56,4 +56,4 @@ pub use optim::{
     sum_sq_all, sum_sq_dev,
 };
 pub use qkv::{qkv_merge, qkv_split};
-pub use rope::{RopeCfg, rope_bwd, rope_fwd, rope_qkv_bwd_, rope_qkv_fwd_};
+pub use rope::{RopeCfg, RopeScaling, rope_bwd, rope_fwd, rope_qkv_bwd_, rope_qkv_fwd_};

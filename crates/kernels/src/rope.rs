@@ -4,7 +4,7 @@
 use crate::{buf, check, cpu};
 use ferrotron_core::{Result, Tensor, invalid, shape_mismatch};
 
-pub use crate::cpu::rope::RopeCfg;
+pub use crate::cpu::rope::{RopeCfg, RopeScaling};
 
 fn validate(op: &'static str, x: &Tensor, cfg: &RopeCfg) -> Result<(usize, usize, usize)> {
     check::float(op, x)?;
@@ -23,6 +23,9 @@ fn validate_cfg(op: &'static str, cfg: &RopeCfg, head_dim: usize) -> Result<()> 
     }
     if cfg.base <= 0.0 || !cfg.base.is_finite() {
         return Err(invalid(op, format!("rotary base {} must be positive", cfg.base)));
+    }
+    if let Some(problem) = cfg.scaling.and_then(|s| s.problem()) {
+        return Err(invalid(op, problem));
     }
     Ok(())
 }

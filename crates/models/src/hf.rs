@@ -13,7 +13,9 @@
 //! - RoPE is rotate-half in both (HF's Llama weights are already permuted for it).
 
 use ferrotron_transformer::TransformerConfig;
-use ferrotron_transformer::spec::{Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, PositionEmbedding};
+use ferrotron_transformer::spec::{
+    Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, PositionEmbedding, RopeScaling,
+};
 use serde_json::{Value, json};
 
 /// A whole tensor on the host.
@@ -198,25 +200,54 @@ fn gpt2_config(v: &Value) -> Result<TransformerConfig> {
     })
 }
 
-/// RoPE's base from transformers 4's `rope_theta` / `rope_scaling` or 5's `rope_parameters`;
-/// scaled variants (llama3, yarn, linear, dynamic) are refused.
-fn rope_base(v: &Value) -> Result<f64> {
+/// RoPE from transformers 4's `rope_theta` / `rope_scaling` or 5's `rope_parameters`: the base,
+/// and Llama 3.1's scaling (rope_type `llama3`) with the constants Megatron's `--use-rope-scaling`
+/// fixes; other scaled variants (yarn, linear, dynamic, longrope) are refused.
+fn rope(v: &Value) -> Result<PositionEmbedding> {
     let params = v.get("rope_parameters").filter(|x| !x.is_null());
+    let mut scaling = None;
     for p in [params, v.get("rope_scaling").filter(|x| !x.is_null())].into_iter().flatten() {
         let kind = p.get("rope_type").or_else(|| p.get("type")).and_then(Value::as_str).unwrap_or("default");
-        if kind != "default" {
-            return Err(HfError::Config(format!(
-                "rope_type `{kind}`: scaled RoPE is not implemented in Ferrotron (plain RoPE only)"
-            )));
+        match kind {
+            "default" => {}
+            "llama3" => {
+                let num =
+                    |k: &str| f64_of(p, k).map_err(|_| HfError::Config(format!("rope_type llama3 without `{k}`")));
+                let s = RopeScaling {
+                    factor: num("factor")?,
+                    low_freq_factor: num("low_freq_factor")?,
+                    high_freq_factor: num("high_freq_factor")?,
+                    original_max_position_embeddings: num("original_max_position_embeddings")?,
+                };
+                let fixed = RopeScaling::llama3(s.factor);
+                if s != fixed {
+                    return Err(HfError::Config(format!(
+                        "rope_type llama3 with low_freq_factor {}, high_freq_factor {}, original_max_position_embeddings {}: Megatron's --use-rope-scaling (and Ferrotron's) fixes them at {}, {}, {}",
+                        s.low_freq_factor,
+                        s.high_freq_factor,
+                        s.original_max_position_embeddings,
+                        fixed.low_freq_factor,
+                        fixed.high_freq_factor,
+                        fixed.original_max_position_embeddings
+                    )));
+                }
+                scaling = Some(s);
+            }
+            _ => {
+                return Err(HfError::Config(format!(
+                    "rope_type `{kind}`: this scaled RoPE is not implemented in Ferrotron (plain RoPE and llama3's are)"
+                )));
+            }
         }
         if p.get("partial_rotary_factor").and_then(Value::as_f64).is_some_and(|f| f != 1.0) {
             return Err(HfError::Config("partial_rotary_factor: Ferrotron rotates whole heads".into()));
         }
     }
-    match params.and_then(|p| p.get("rope_theta")) {
-        Some(t) => t.as_f64().ok_or_else(|| HfError::Config("`rope_parameters.rope_theta` is not a number".into())),
-        None => Ok(opt(v, "rope_theta", f64_of)?.unwrap_or(10000.0)),
-    }
+    let base = match params.and_then(|p| p.get("rope_theta")) {
+        Some(t) => t.as_f64().ok_or_else(|| HfError::Config("`rope_parameters.rope_theta` is not a number".into()))?,
+        None => opt(v, "rope_theta", f64_of)?.unwrap_or(10000.0),
+    };
+    Ok(PositionEmbedding::Rope { base, scaling })
 }
 
 fn llama_config(v: &Value) -> Result<TransformerConfig> {
@@ -244,7 +275,7 @@ fn llama_config(v: &Value) -> Result<TransformerConfig> {
         max_position_embeddings: positions,
         vocab_size: usize_of(v, "vocab_size")?,
         make_vocab_size_divisible_by: crate::VOCAB_DIVISIBLE_BY,
-        position_embedding: PositionEmbedding::Rope { base: rope_base(v)? },
+        position_embedding: rope(v)?,
         untie_embeddings_and_output_weights: !bool_or(v, "tie_word_embeddings", false)?,
         layer: LayerSpec {
             norm: NormKind::RmsNorm,
@@ -287,7 +318,18 @@ pub fn to_hf_config(arch: HfArch, c: &TransformerConfig, dtype: &str) -> Value {
             "torch_dtype": dtype,
         }),
         HfArch::Llama => {
-            let PositionEmbedding::Rope { base } = c.position_embedding else { unreachable!("HfArch::of checked") };
+            let PositionEmbedding::Rope { base, scaling } = c.position_embedding else {
+                unreachable!("HfArch::of checked")
+            };
+            let rope_scaling = scaling.map(|s| {
+                json!({
+                    "rope_type": "llama3",
+                    "factor": s.factor,
+                    "low_freq_factor": s.low_freq_factor,
+                    "high_freq_factor": s.high_freq_factor,
+                    "original_max_position_embeddings": s.original_max_position_embeddings,
+                })
+            });
             json!({
                 "architectures": [arch.class()],
                 "model_type": "llama",
@@ -301,6 +343,7 @@ pub fn to_hf_config(arch: HfArch, c: &TransformerConfig, dtype: &str) -> Value {
                 "max_position_embeddings": c.max_position_embeddings,
                 "rms_norm_eps": c.norm_epsilon,
                 "rope_theta": base,
+                "rope_scaling": rope_scaling,
                 "hidden_act": "silu",
                 "attention_bias": false,
                 "mlp_bias": false,
@@ -730,10 +773,25 @@ mod tests {
         let o = v.as_object_mut().unwrap();
         o.remove("rope_theta");
         o.insert("rope_parameters".into(), json!({"rope_type": "default", "rope_theta": 500000.0}));
-        assert_eq!(from_hf_config(&v).unwrap().config.position_embedding, PositionEmbedding::Rope { base: 500000.0 });
-        v["rope_parameters"]["rope_type"] = json!("llama3");
+        let rope = |v: &Value| from_hf_config(v).unwrap().config.position_embedding;
+        assert_eq!(rope(&v), PositionEmbedding::Rope { base: 500000.0, scaling: None });
+        // Llama 3.2's scaling, as transformers 5 writes it; then with a constant Megatron fixes changed.
+        v["rope_parameters"] = json!({"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
+        let llama32 = PositionEmbedding::Rope { base: 500000.0, scaling: Some(RopeScaling::llama3(32.0)) };
+        assert_eq!(rope(&v), llama32);
+        let c = from_hf_config(&v).unwrap().config;
+        assert_eq!(
+            rope(&to_hf_config(HfArch::Llama, &c, "float32")),
+            llama32,
+            "exported as transformers 4's rope_scaling"
+        );
+        v["rope_parameters"]["original_max_position_embeddings"] = json!(4096);
         let e = from_hf_config(&v).unwrap_err().to_string();
-        assert!(e.contains("llama3") && e.contains("scaled RoPE"), "{e}");
+        assert!(e.contains("original_max_position_embeddings 4096") && e.contains("--use-rope-scaling"), "{e}");
+        v["rope_parameters"]["rope_type"] = json!("yarn");
+        let e = from_hf_config(&v).unwrap_err().to_string();
+        assert!(e.contains("yarn") && e.contains("not implemented"), "{e}");
         let mut v = to_hf_config(HfArch::Llama, &tiny(HfArch::Llama), "float32");
         v["rope_scaling"] = json!({"type": "linear", "factor": 2.0});
         assert!(from_hf_config(&v).unwrap_err().to_string().contains("linear"));

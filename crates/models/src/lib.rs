@@ -95,7 +95,7 @@ pub fn llama(size: LlamaSize) -> TransformerConfig {
         max_position_embeddings: seq,
         vocab_size: vocab,
         make_vocab_size_divisible_by: VOCAB_DIVISIBLE_BY,
-        position_embedding: PositionEmbedding::Rope { base: 500000.0 },
+        position_embedding: PositionEmbedding::Rope { base: 500000.0, scaling: None },
         untie_embeddings_and_output_weights: true,
         layer: LayerSpec {
             norm: NormKind::RmsNorm,

@@ -6,7 +6,9 @@ use ferrotron_data::TokenizerKind;
 use ferrotron_models::{VOCAB_DIVISIBLE_BY, preset};
 use ferrotron_optim::DecayStyle;
 use ferrotron_transformer::TransformerConfig;
-use ferrotron_transformer::spec::{Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, PositionEmbedding};
+use ferrotron_transformer::spec::{
+    Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, PositionEmbedding, RopeScaling,
+};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -44,6 +46,13 @@ pub struct TrainArgs {
     pub position_embedding_type: Option<String>,
     #[arg(long)]
     pub rotary_base: Option<f64>,
+    /// Llama 3.x's RoPE frequency scaling (low 1, high 4, original context 8192), by
+    /// --rope-scaling-factor.
+    #[arg(long)]
+    pub use_rope_scaling: bool,
+    /// With --use-rope-scaling: the factor low frequencies are divided by (default 8; Llama 3.2: 32).
+    #[arg(long)]
+    pub rope_scaling_factor: Option<f64>,
     /// LayerNorm or RMSNorm.
     #[arg(long)]
     pub normalization: Option<String>,
@@ -335,14 +344,14 @@ impl TrainArgs {
     /// Overlays `o` on `self` (set values in `o` win; switches are or-ed).
     fn overlay(&mut self, o: &TrainArgs) {
         merge_opts!(self, o; preset, num_layers, hidden_size, num_attention_heads, num_query_groups, kv_channels, ffn_hidden_size, seq_length,
-            max_position_embeddings, position_embedding_type, rotary_base, normalization, tokenizer_type, vocab_size, tokenizer_model, vocab_file, merge_file, init_method_std,
+            max_position_embeddings, position_embedding_type, rotary_base, rope_scaling_factor, normalization, tokenizer_type, vocab_size, tokenizer_model, vocab_file, merge_file, init_method_std,
             micro_batch_size, global_batch_size, train_iters, train_samples, lr_warmup_samples, lr_decay_samples, lr, min_lr, lr_warmup_init, lr_decay_style, lr_wsd_decay_style, lr_wsd_decay_iters, lr_wsd_decay_samples, lr_warmup_iters, lr_warmup_fraction,
             lr_decay_iters, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad, norm_epsilon, make_vocab_size_divisible_by,
             hidden_dropout, attention_dropout, window_size, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, corpus_docs, split,
             exit_interval, device, cuda_graph_impl, cuda_graph_warmup_steps, profile_step_start, profile_step_end, profile_trace, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s,
             pipeline_model_parallel_size, num_layers_per_virtual_pipeline_stage, decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers);
-        merge_flags!(self, o; swiglu, untie_embeddings_and_output_weights, disable_bias_linear, qk_layernorm, bf16, fp16, no_progress, deterministic_mode,
+        merge_flags!(self, o; use_rope_scaling, swiglu, untie_embeddings_and_output_weights, disable_bias_linear, qk_layernorm, bf16, fp16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
             use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss);
         if !o.profile_ranks.is_empty() {
@@ -379,6 +388,11 @@ pub struct Settings {
     pub max_position_embeddings: usize,
     pub position_embedding_type: String,
     pub rotary_base: f64,
+    /// `--use-rope-scaling` with `--rope-scaling-factor` (absent from older checkpoints: off).
+    #[serde(default)]
+    pub use_rope_scaling: bool,
+    #[serde(default = "rope_scaling_factor")]
+    pub rope_scaling_factor: f64,
     pub normalization: String,
     pub swiglu: bool,
     pub untie_embeddings_and_output_weights: bool,
@@ -522,6 +536,11 @@ fn default_split() -> String {
 // Defaults of the settings added after checkpoints recorded them (older ones lack the keys).
 fn adam_eps() -> f32 {
     1e-8
+}
+
+/// Megatron's --rope-scaling-factor default.
+fn rope_scaling_factor() -> f64 {
+    8.0
 }
 
 fn norm_epsilon() -> f64 {
@@ -693,12 +712,16 @@ fn cuda_graph(a: &TrainArgs, device: &ferrotron_core::Device, world: usize) -> a
 pub fn model_args(c: &TransformerConfig) -> TrainArgs {
     let (pe, base) = match c.position_embedding {
         PositionEmbedding::LearnedAbsolute => ("learned_absolute", 10000.0),
-        PositionEmbedding::Rope { base } => ("rope", base),
+        PositionEmbedding::Rope { base, .. } => ("rope", base),
         PositionEmbedding::None => ("none", 10000.0),
     };
     let (swiglu, bias) = match c.layer.mlp {
         MlpSpec::Dense { activation, bias } => (activation == Activation::SwiGlu, bias),
         MlpSpec::Custom(_) => (false, true),
+    };
+    let scaling = match c.position_embedding {
+        PositionEmbedding::Rope { scaling, .. } => scaling,
+        _ => None,
     };
     TrainArgs {
         num_layers: Some(c.num_layers),
@@ -711,6 +734,8 @@ pub fn model_args(c: &TransformerConfig) -> TrainArgs {
         max_position_embeddings: Some(c.max_position_embeddings),
         position_embedding_type: Some(pe.into()),
         rotary_base: Some(base),
+        use_rope_scaling: scaling.is_some(),
+        rope_scaling_factor: scaling.map(|s| s.factor),
         normalization: Some(if c.layer.norm == NormKind::LayerNorm { "LayerNorm" } else { "RMSNorm" }.into()),
         swiglu,
         untie_embeddings_and_output_weights: c.untie_embeddings_and_output_weights,
@@ -745,6 +770,8 @@ impl TrainArgs {
             max_position_embeddings,
             position_embedding_type,
             rotary_base,
+            use_rope_scaling,
+            rope_scaling_factor,
             normalization,
             swiglu,
             untie_embeddings_and_output_weights,
@@ -843,6 +870,8 @@ impl Settings {
             max_position_embeddings: need(&a.max_position_embeddings, "--max-position-embeddings")?,
             position_embedding_type: need(&a.position_embedding_type, "--position-embedding-type")?,
             rotary_base: need(&a.rotary_base, "--rotary-base")?,
+            use_rope_scaling: a.use_rope_scaling,
+            rope_scaling_factor: a.rope_scaling_factor.unwrap_or_else(rope_scaling_factor),
             normalization: need(&a.normalization, "--normalization")?,
             swiglu: a.swiglu,
             untie_embeddings_and_output_weights: a.untie_embeddings_and_output_weights,
@@ -938,6 +967,15 @@ impl Settings {
                 bail!("--lr-warmup-fraction {f} must lie in [0, 1]");
             }
             s.lr_warmup_iters = (f * s.decay_iters() as f64) as u64;
+        }
+        if a.rope_scaling_factor.is_some() && !a.use_rope_scaling {
+            bail!("--rope-scaling-factor takes effect with --use-rope-scaling: add it");
+        }
+        if a.use_rope_scaling && s.position_embedding_type != "rope" {
+            bail!(
+                "--use-rope-scaling scales rotary embeddings, but --position-embedding-type is {}: use rope",
+                s.position_embedding_type
+            );
         }
         if a.fp16 {
             bail!(
@@ -1232,7 +1270,10 @@ impl Settings {
     pub fn model_config(&self) -> anyhow::Result<TransformerConfig> {
         let position_embedding = match self.position_embedding_type.as_str() {
             "learned_absolute" => PositionEmbedding::LearnedAbsolute,
-            "rope" => PositionEmbedding::Rope { base: self.rotary_base },
+            "rope" => PositionEmbedding::Rope {
+                base: self.rotary_base,
+                scaling: self.use_rope_scaling.then(|| RopeScaling::llama3(self.rope_scaling_factor)),
+            },
             "none" => PositionEmbedding::None,
             o => bail!("--position-embedding-type {o}: use learned_absolute, rope or none"),
         };
@@ -1360,6 +1401,25 @@ mod tests {
     /// Megatron's sample-based runs: --train-samples sets the iterations (over the global
     /// batch) and the train split's size; the schedule is in samples, so its lengths may be
     /// fractional iterations; the two ways are not mixed.
+    #[test]
+    fn llama3_rope_scaling_flags() {
+        let s = parse("--preset llama-tiny --use-rope-scaling --rope-scaling-factor 32").unwrap();
+        let want = PositionEmbedding::Rope { base: 500000.0, scaling: Some(RopeScaling::llama3(32.0)) };
+        assert_eq!(s.model_config().unwrap().position_embedding, want);
+        let s = parse("--preset llama-tiny --use-rope-scaling").unwrap();
+        let eight = PositionEmbedding::Rope { base: 500000.0, scaling: Some(RopeScaling::llama3(8.0)) };
+        assert_eq!(s.model_config().unwrap().position_embedding, eight, "Megatron's default factor");
+        // The flags a config gives back build the same config (--use-checkpoint-args, imports).
+        let a = model_args(&s.model_config().unwrap());
+        assert!(a.use_rope_scaling && a.rope_scaling_factor == Some(8.0));
+        let e = parse("--preset llama-tiny --rope-scaling-factor 32").unwrap_err().to_string();
+        assert!(e.contains("--use-rope-scaling"), "{e}");
+        let e = parse("--preset tiny --use-rope-scaling").unwrap_err().to_string();
+        assert!(e.contains("learned_absolute") && e.contains("rope"), "{e}");
+        let e = parse("--preset llama-tiny --use-rope-scaling --rope-scaling-factor 0").unwrap_err().to_string();
+        assert!(e.contains("--rope-scaling-factor"), "{e}");
+    }
+
     #[test]
     fn runs_measured_in_samples() {
         let s = parse("--global-batch-size 32 --train-samples 100 --lr-warmup-samples 48").unwrap();

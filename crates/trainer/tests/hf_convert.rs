@@ -106,6 +106,12 @@ fn imported_models_give_transformers_logits() {
         assert_eq!(done.arch, if name == "gpt2" { hf::HfArch::Gpt2 } else { hf::HfArch::Llama });
         let ck = checkpoint::load(&out).unwrap();
         assert!(!ck.state.optimizer_state, "an import holds parameters only");
+        let s = &ck.state.settings;
+        // llama_tied has Llama 3.2's RoPE scaling: Megatron's flags for it.
+        assert_eq!(
+            (s.use_rope_scaling, s.rope_scaling_factor),
+            (name == "llama_tied", if name == "llama_tied" { 32.0 } else { 8.0 })
+        );
         let mut config = ck.state.settings.model_config().unwrap();
         // HF's 256 rows padded to 288 here: the padding rows (zeros) must not matter.
         for divisible_by in [128, 96] {

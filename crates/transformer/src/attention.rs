@@ -58,7 +58,8 @@ pub struct AttentionDims {
     pub std: f32,
     /// Output projection init std (Megatron scales it by 1/√(2·layers)).
     pub out_std: f32,
-    pub rope_base: Option<f64>,
+    /// RoPE's base and scaling, or None without RoPE.
+    pub rope: Option<(f64, Option<k::RopeScaling>)>,
     /// --attention-dropout (0: none).
     pub attention_dropout: f32,
 }
@@ -99,7 +100,7 @@ impl SelfAttention {
             linear_proj,
             q_layernorm,
             k_layernorm,
-            rope: d.rope_base.map(|base| RopeCfg { rot: head_dim, base, pos0: 0 }),
+            rope: d.rope.map(|(base, scaling)| RopeCfg { rot: head_dim, base, pos0: 0, scaling }),
             heads: d.heads / tp.size(),
             groups: d.groups / tp.size(),
             head_dim,

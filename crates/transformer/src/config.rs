@@ -108,7 +108,7 @@ impl TransformerConfig {
                 c.seq_length, c.max_position_embeddings
             )));
         }
-        if let PositionEmbedding::Rope { base } = c.position_embedding {
+        if let PositionEmbedding::Rope { base, scaling } = c.position_embedding {
             if c.head_dim() % 2 != 0 {
                 return Err(bad(format!(
                     "rotary embeddings need an even head dim, but it is {} (--kv-channels, else --hidden-size {} / --num-attention-heads {}): change them, or use --position-embedding-type learned_absolute",
@@ -119,6 +119,9 @@ impl TransformerConfig {
             }
             if base.is_nan() || base <= 0.0 || base.is_infinite() {
                 return Err(bad(format!("--rotary-base {base} must be positive")));
+            }
+            if let Some(problem) = scaling.and_then(|s| s.problem()) {
+                return Err(bad(format!("{problem} (--rope-scaling-factor)")));
             }
         }
         if c.layer.attention.window == Some(0) {

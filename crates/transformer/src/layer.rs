@@ -43,8 +43,8 @@ impl TransformerLayer {
             eps,
             std,
             out_std,
-            rope_base: match c.position_embedding {
-                PositionEmbedding::Rope { base } => Some(base),
+            rope: match c.position_embedding {
+                PositionEmbedding::Rope { base, scaling } => Some((base, scaling)),
                 _ => None,
             },
             attention_dropout: c.attention_dropout,

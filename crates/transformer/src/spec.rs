@@ -5,6 +5,7 @@
 //! escape hatch is `MlpSpec::Custom`: any `ModuleFactory` the user writes (see examples/).
 
 use ferrotron_core::{Module, ParamTableBuilder, Result};
+pub use ferrotron_kernels::RopeScaling;
 use std::sync::Arc;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -17,8 +18,9 @@ pub enum NormKind {
 pub enum PositionEmbedding {
     /// Learned absolute positions added to the token embedding (GPT-2).
     LearnedAbsolute,
-    /// Rotary embedding on q and k, with this base (Llama: 10000 or 500000).
-    Rope { base: f64 },
+    /// Rotary embedding on q and k, with this base (Llama: 10000 or 500000) and, for Llama 3.1
+    /// and later, its frequency scaling.
+    Rope { base: f64, scaling: Option<RopeScaling> },
     /// No position information (NoPE).
     None,
 }

@@ -1,7 +1,8 @@
 //! Rotary position embedding, rotate-half convention (GPT-NeoX, Llama, Megatron's default).
 //!
 //! Shapes: x, y [B, T, H, D]; the first `rot` (even, ≤ D) features of each head rotate, the rest pass.
-//! Pair i (< rot/2) is (x[i], x[i + rot/2]) at angle θ = (pos0 + t) · base^(−2i/rot):
+//! Pair i (< rot/2) is (x[i], x[i + rot/2]) at angle θ = (pos0 + t) · f_i, f_i = base^(−2i/rot)
+//! (with `RopeScaling`, Llama 3.1's frequency-dependent rescaling of f_i):
 //!   y[i] = x[i]·cos θ − x[i+rot/2]·sin θ,  y[i+rot/2] = x[i+rot/2]·cos θ + x[i]·sin θ.
 //! Backward is the rotation by −θ. `rope_qkv_` applies the same to the query and key heads of a
 //! fused QKV row in place, leaving its value heads.
@@ -15,6 +16,60 @@ pub struct RopeCfg {
     pub base: f64,
     /// Position of the first token (non-zero for continued generation).
     pub pos0: usize,
+    /// Llama 3.x's scaled frequencies (Megatron's --use-rope-scaling), or None.
+    pub scaling: Option<RopeScaling>,
+}
+
+/// Llama 3.1's RoPE scaling (HF's rope_type `llama3`): a frequency whose wavelength 2π/f exceeds
+/// `original_max_position_embeddings / low_freq_factor` is divided by `factor`, one shorter than
+/// `original_max_position_embeddings / high_freq_factor` is kept, and one between is blended
+/// linearly in `original / wavelength`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RopeScaling {
+    pub factor: f64,
+    pub low_freq_factor: f64,
+    pub high_freq_factor: f64,
+    pub original_max_position_embeddings: f64,
+}
+
+impl RopeScaling {
+    /// Megatron's `--use-rope-scaling --rope-scaling-factor F` (its other constants fixed: low 1,
+    /// high 4, original context 8192, as in every Llama 3.1 to 3.3 release).
+    pub fn llama3(factor: f64) -> Self {
+        RopeScaling { factor, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 8192.0 }
+    }
+
+    /// Why these numbers cannot scale anything, if they cannot: every one positive and finite,
+    /// the high-frequency factor above the low.
+    pub fn problem(&self) -> Option<String> {
+        let ok = |v: f64| v.is_finite() && v > 0.0;
+        let all = [self.factor, self.low_freq_factor, self.high_freq_factor, self.original_max_position_embeddings];
+        (!all.into_iter().all(ok) || self.high_freq_factor <= self.low_freq_factor).then(|| {
+            format!("RoPE scaling {self:?}: the factors and context must be positive, high_freq_factor above low_freq_factor")
+        })
+    }
+
+    /// The scaled frequency of unscaled frequency `f`.
+    pub fn apply(&self, f: f64) -> f64 {
+        let wavelen = 2.0 * std::f64::consts::PI / f;
+        let orig = self.original_max_position_embeddings;
+        if wavelen < orig / self.high_freq_factor {
+            f
+        } else if wavelen > orig / self.low_freq_factor {
+            f / self.factor
+        } else {
+            let smooth = (orig / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor);
+            (1.0 - smooth) * f / self.factor + smooth * f
+        }
+    }
+}
+
+impl RopeCfg {
+    /// Pair i's frequency (radians per position), in f64. rope.cu's `rope_freq` is the same.
+    pub fn freq(&self, i: usize) -> f64 {
+        let f = self.base.powf(-(2.0 * i as f64) / self.rot as f64);
+        self.scaling.map_or(f, |s| s.apply(f))
+    }
 }
 
 /// cos/sin tables [T, rot/2], computed in f64.
@@ -24,8 +79,7 @@ fn tables<T: Real>(t: usize, cfg: &RopeCfg) -> (Vec<T>, Vec<T>) {
     let mut sin = Vec::with_capacity(t * half);
     for p in 0..t {
         for i in 0..half {
-            let inv_freq = cfg.base.powf(-(2.0 * i as f64) / cfg.rot as f64);
-            let a = (cfg.pos0 + p) as f64 * inv_freq;
+            let a = (cfg.pos0 + p) as f64 * cfg.freq(i);
             cos.push(T::c(a.cos()));
             sin.push(T::c(a.sin()));
         }

@@ -5,7 +5,7 @@
 
 use crate::util::*;
 use ferrotron_core::{DType, Device, Tensor};
-use ferrotron_kernels::{self as k, AdamW, AttnCfg, CrossEntropyCfg, RopeCfg};
+use ferrotron_kernels::{self as k, AdamW, AttnCfg, CrossEntropyCfg, RopeCfg, RopeScaling};
 
 fn gpu() -> Device {
     ferrotron_kernels::cuda::set_poisoning(true);
@@ -147,9 +147,12 @@ fn every_op_matches_cpu() {
         let heads = rnd(&[2, 6, 4, 16], 9, dt);
         let heads64 = rnd(&[2, 9, 3, 64], 31, dt);
         for (x, rope) in [
-            (&heads, RopeCfg { rot: 12, base: 10000.0, pos0: 3 }),
-            (&heads64, RopeCfg { rot: 64, base: 500000.0, pos0: 4000 }),
-            (&heads64, RopeCfg { rot: 48, base: 10000.0, pos0: 7 }),
+            (&heads, RopeCfg { rot: 12, base: 10000.0, pos0: 3, scaling: None }),
+            (&heads64, RopeCfg { rot: 64, base: 500000.0, pos0: 4000, scaling: None }),
+            (&heads64, RopeCfg { rot: 48, base: 10000.0, pos0: 7, scaling: None }),
+            // Llama 3.x's scaled frequencies (every band) on both kernels.
+            (&heads, RopeCfg { rot: 12, base: 10000.0, pos0: 3, scaling: Some(RopeScaling::llama3(32.0)) }),
+            (&heads64, RopeCfg { rot: 64, base: 500000.0, pos0: 4000, scaling: Some(RopeScaling::llama3(8.0)) }),
         ] {
             check(&format!("rope {rope:?}"), dt, std::slice::from_ref(x), |t| {
                 vec![k::rope_fwd(&t[0], &rope).unwrap(), k::rope_bwd(&t[0], &rope).unwrap()]
@@ -158,7 +161,10 @@ fn every_op_matches_cpu() {
         // RoPE in place on fused QKV (3 groups of 2 query heads at head dim 64): query and key
         // heads rotate, value heads stay; eight-wide and, with a rotary dim of 36, one pair a thread.
         let qkv = rnd(&[2, 9, 3 * 4 * 64], 32, dt);
-        for rope in [RopeCfg { rot: 64, base: 500000.0, pos0: 0 }, RopeCfg { rot: 36, base: 10000.0, pos0: 5 }] {
+        for rope in [
+            RopeCfg { rot: 64, base: 500000.0, pos0: 0, scaling: Some(RopeScaling::llama3(8.0)) },
+            RopeCfg { rot: 36, base: 10000.0, pos0: 5, scaling: None },
+        ] {
             check(&format!("rope_qkv {rope:?}"), dt, std::slice::from_ref(&qkv), |t| {
                 let (f, b) = (t[0].deep_copy().unwrap(), t[0].deep_copy().unwrap());
                 k::rope_qkv_fwd_(&f, 3, 2, 64, &rope).unwrap();

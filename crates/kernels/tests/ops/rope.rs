@@ -1,8 +1,27 @@
 use crate::device_test;
 use crate::util::*;
 use ferrotron_core::Device;
-use ferrotron_kernels::{self as k, RopeCfg, cpu::rope};
+use ferrotron_kernels::{self as k, RopeCfg, RopeScaling, cpu::rope};
 use proptest::prelude::*;
+
+/// Pair i's frequency written as transformers' `_compute_llama3_parameters` computes it (whole
+/// vectors there): low frequencies divided by the factor, then the medium band replaced by the
+/// blend.
+fn hf_freq(cfg: &RopeCfg, i: usize) -> f64 {
+    let f = 1.0 / cfg.base.powf(2.0 * i as f64 / cfg.rot as f64);
+    let Some(s) = cfg.scaling else { return f };
+    let (low_wavelen, high_wavelen) = (
+        s.original_max_position_embeddings / s.low_freq_factor,
+        s.original_max_position_embeddings / s.high_freq_factor,
+    );
+    let wavelen = 2.0 * std::f64::consts::PI / f;
+    let llama = if wavelen > low_wavelen { f / s.factor } else { f };
+    let smooth =
+        (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+    let smoothed = (1.0 - smooth) * llama / s.factor + smooth * llama;
+    let medium = wavelen >= high_wavelen && wavelen <= low_wavelen; // ~(w < high) & ~(w > low)
+    if medium { smoothed } else { llama }
+}
 
 /// Naive rotate-half RoPE written from the formula, angle per (position, pair).
 fn reference(x: &[f64], b: usize, t: usize, h: usize, d: usize, cfg: &RopeCfg) -> Vec<f64> {
@@ -13,7 +32,7 @@ fn reference(x: &[f64], b: usize, t: usize, h: usize, d: usize, cfg: &RopeCfg) -
             for hh in 0..h {
                 let base = ((bb * t + p) * h + hh) * d;
                 for i in 0..half {
-                    let theta = (cfg.pos0 + p) as f64 / cfg.base.powf(2.0 * i as f64 / cfg.rot as f64);
+                    let theta = (cfg.pos0 + p) as f64 * hf_freq(cfg, i);
                     let (x1, x2) = (x[base + i], x[base + i + half]);
                     y[base + i] = x1 * theta.cos() - x2 * theta.sin();
                     y[base + i + half] = x2 * theta.cos() + x1 * theta.sin();
@@ -28,9 +47,11 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(24))]
 
     #[test]
-    fn fwd_matches_formula_and_bwd_matches_fd(b in 1usize..3, t in 1usize..5, h in 1usize..3, pairs in 1usize..4, extra in 0usize..3, pos0 in 0usize..50, seed: u64) {
+    fn fwd_matches_formula_and_bwd_matches_fd(b in 1usize..3, t in 1usize..5, h in 1usize..3, pairs in 1usize..4, extra in 0usize..3, pos0 in 0usize..50, scaled: bool, seed: u64) {
         let d = 2 * pairs + extra;
-        let cfg = RopeCfg { rot: 2 * pairs, base: 10000.0, pos0 };
+        // Scaled at a base where three pairs fall in the kept, blended and divided bands.
+        let (base, scaling) = if scaled { (1e8, Some(RopeScaling::llama3(8.0))) } else { (10000.0, None) };
+        let cfg = RopeCfg { rot: 2 * pairs, base, pos0, scaling };
         let (x, r) = (randv(b * t * h * d, seed), randv(b * t * h * d, seed ^ 1));
         let dev = Device::Cpu;
         let y = k::rope_fwd(&t32(&dev, &x, &[b, t, h, d]), &cfg).unwrap();
@@ -42,7 +63,7 @@ proptest! {
 }
 
 device_test!(backward_inverts_forward, |dev: &Device| {
-    let cfg = RopeCfg { rot: 8, base: 500000.0, pos0: 3 };
+    let cfg = RopeCfg { rot: 8, base: 500000.0, pos0: 3, scaling: None };
     let x = randv(2 * 6 * 3 * 8, 5);
     let xt = t32(dev, &x, &[2, 6, 3, 8]);
     let back = k::rope_bwd(&k::rope_fwd(&xt, &cfg).unwrap(), &cfg).unwrap();
@@ -50,9 +71,25 @@ device_test!(backward_inverts_forward, |dev: &Device| {
 });
 
 #[test]
+fn llama3_scaling_keeps_divides_and_blends_by_wavelength() {
+    let cfg = RopeCfg { rot: 6, base: 1e8, pos0: 0, scaling: Some(RopeScaling::llama3(8.0)) };
+    let plain = RopeCfg { scaling: None, ..cfg };
+    // Wavelengths 2π, ≈ 2917 and ≈ 1.35e6 against the bands' edges 8192 / 4 and 8192 / 1.
+    assert_eq!(cfg.freq(0), plain.freq(0));
+    assert!(cfg.freq(1) < plain.freq(1) && cfg.freq(1) > plain.freq(1) / 8.0);
+    assert_eq!(cfg.freq(2), plain.freq(2) / 8.0);
+    for i in 0..3 {
+        assert!((cfg.freq(i) - hf_freq(&cfg, i)).abs() <= 1e-15 * hf_freq(&cfg, i));
+    }
+    let bad = RopeCfg { scaling: Some(RopeScaling { high_freq_factor: 0.5, ..RopeScaling::llama3(8.0) }), ..cfg };
+    let x = t32(&Device::Cpu, &randv(12, 0), &[1, 2, 1, 6]);
+    assert!(k::rope_fwd(&x, &bad).unwrap_err().to_string().contains("high_freq_factor"));
+}
+
+#[test]
 fn odd_rotary_dim_is_an_error() {
     let x = t32(&Device::Cpu, &randv(2 * 5, 0), &[1, 1, 2, 5]);
-    let e = k::rope_fwd(&x, &RopeCfg { rot: 5, base: 10000.0, pos0: 0 }).unwrap_err();
+    let e = k::rope_fwd(&x, &RopeCfg { rot: 5, base: 10000.0, pos0: 0, scaling: None }).unwrap_err();
     assert!(e.to_string().contains("must be even"), "{e}");
 }
 
@@ -64,8 +101,8 @@ device_test!(rope_on_fused_qkv_equals_split_rope_merge, |dev: &Device| {
     let (b, t, hkv, g, d) = (2, 5, 3, 2, 16);
     let w = hkv * (g + 2) * d;
     for (dt, cfg) in [
-        (DType::F32, RopeCfg { rot: 12, base: 10000.0, pos0: 7 }),
-        (DType::BF16, RopeCfg { rot: 16, base: 500000.0, pos0: 0 }),
+        (DType::F32, RopeCfg { rot: 12, base: 10000.0, pos0: 7, scaling: None }),
+        (DType::BF16, RopeCfg { rot: 16, base: 500000.0, pos0: 0, scaling: None }),
     ] {
         let x = tensor(dev, &randv(b * t * w, 41), &[b, t, w], dt);
         for (sign, name) in [(1.0, "fwd"), (-1.0, "bwd")] {
@@ -87,7 +124,7 @@ device_test!(rope_on_fused_qkv_equals_split_rope_merge, |dev: &Device| {
 #[test]
 fn fused_qkv_rope_names_a_width_that_does_not_fit_its_groups() {
     let x = t32(&Device::Cpu, &randv(2 * 3 * 40, 0), &[2, 3, 40]);
-    let cfg = RopeCfg { rot: 8, base: 10000.0, pos0: 0 };
+    let cfg = RopeCfg { rot: 8, base: 10000.0, pos0: 0, scaling: None };
     let e = k::rope_qkv_fwd_(&x, 2, 2, 8, &cfg).unwrap_err().to_string();
     assert!(e.contains("rope_qkv_fwd_") && e.contains("2·(2+2)·8 = 64"), "{e}");
     let e =

@@ -19,7 +19,7 @@ pub fn config(llama: bool) -> TransformerConfig {
 
 pub fn config_layers(llama: bool, layers: usize) -> TransformerConfig {
     let (norm, act, bias, pos) = if llama {
-        (NormKind::RmsNorm, Activation::SwiGlu, false, PositionEmbedding::Rope { base: 10000.0 })
+        (NormKind::RmsNorm, Activation::SwiGlu, false, PositionEmbedding::Rope { base: 10000.0, scaling: None })
     } else {
         (NormKind::LayerNorm, Activation::Gelu, true, PositionEmbedding::LearnedAbsolute)
     };

@@ -35,10 +35,20 @@ fn rope_heads(
 ) -> Result<()> {
     let sfx = sfx("rope", x.dtype())?;
     let half = cfg.rot / 2;
+    // rope.cu's four scaling parameters; factor 0 is none.
+    let s = cfg.scaling.unwrap_or(crate::RopeScaling {
+        factor: 0.0,
+        low_freq_factor: 0.0,
+        high_freq_factor: 0.0,
+        original_max_position_embeddings: 0.0,
+    });
+    let scale = [s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position_embeddings].map(Arg::F64);
     if half % 8 == 0 && (hd - cfg.rot) % 8 == 0 && aligned16(&[x, y])? {
         // Eight pairs per thread, the angles from a table filled once per call (rope.cu).
         let cs = new(be, [t, half, 2], DType::F32)?;
-        ew(be, "rope_table", t * half, &[ptr("rope", &cs)?, n(t), n(cfg.rot), n(cfg.pos0), Arg::F64(cfg.base)])?;
+        let mut args = vec![ptr("rope", &cs)?, n(t), n(cfg.rot), n(cfg.pos0), Arg::F64(cfg.base)];
+        args.extend(scale);
+        ew(be, "rope_table", t * half, &args)?;
         let args = [
             ptr("rope", x)?,
             ptr("rope", y)?,
@@ -54,19 +64,10 @@ fn rope_heads(
         return ew(be, &format!("rope_{sfx}_v8"), rows * h * (half / 8 + (hd - cfg.rot) / 8), &args);
     }
     let work = rows * h * (half + (hd - cfg.rot));
-    let args = [
-        ptr("rope", x)?,
-        ptr("rope", y)?,
-        n(rows),
-        n(t),
-        n(h),
-        n(hd),
-        n(cfg.rot),
-        n(cfg.pos0),
-        Arg::F64(cfg.base),
-        Arg::F32(sign),
-        n(period),
-    ];
+    let mut args =
+        vec![ptr("rope", x)?, ptr("rope", y)?, n(rows), n(t), n(h), n(hd), n(cfg.rot), n(cfg.pos0), Arg::F64(cfg.base)];
+    args.extend(scale);
+    args.extend([Arg::F32(sign), n(period)]);
     ew(be, &format!("rope_{sfx}"), work, &args)
 }
 
