@@ -1,5 +1,5 @@
 //! Hugging Face checkpoints: which transformers class a config is (`GPT2LMHeadModel`,
-//! `LlamaForCausalLM`), its config.json in Megatron's terms and back, and every parameter's HF
+//! `LlamaForCausalLM`, `MistralForCausalLM`), its config.json in Megatron's terms and back, and every parameter's HF
 //! name and layout next to the Megatron name Ferrotron uses. Pure: tensors come and go as host
 //! f32 values; reading and writing files is the trainer's (`ferrotron convert`).
 //!
@@ -56,6 +56,9 @@ pub enum HfArch {
     Gpt2,
     /// `LlamaForCausalLM` (model_type llama).
     Llama,
+    /// `MistralForCausalLM` (model_type mistral): Llama's layers and names with an optional
+    /// sliding window.
+    Mistral,
 }
 
 impl HfArch {
@@ -63,6 +66,7 @@ impl HfArch {
         match self {
             HfArch::Gpt2 => "GPT2LMHeadModel",
             HfArch::Llama => "LlamaForCausalLM",
+            HfArch::Mistral => "MistralForCausalLM",
         }
     }
 
@@ -73,16 +77,18 @@ impl HfArch {
         };
         let a = c.layer.attention;
         if a.qk_layernorm {
-            return Err(HfError::NoEquivalent("QK-LayerNorm (--qk-layernorm) is in neither GPT-2 nor Llama".into()));
-        }
-        if a.window.is_some() {
-            return Err(HfError::NoEquivalent("sliding-window attention (--window-size)".into()));
+            return Err(HfError::NoEquivalent(
+                "QK-LayerNorm (--qk-layernorm) is in none of GPT-2, Llama and Mistral".into(),
+            ));
         }
         let gpt2 = (NormKind::LayerNorm, Activation::Gelu, true, true);
         let llama = (NormKind::RmsNorm, Activation::SwiGlu, false, false);
         let got = (c.layer.norm, activation, a.bias, mlp_bias);
         match (got, c.position_embedding) {
             (g, PositionEmbedding::LearnedAbsolute) if g == gpt2 => {
+                if a.window.is_some() {
+                    return Err(HfError::NoEquivalent("GPT-2 has no sliding-window attention (--window-size)".into()));
+                }
                 if c.num_query_groups != c.num_attention_heads {
                     return Err(HfError::NoEquivalent("GPT-2 has no grouped-query attention".into()));
                 }
@@ -91,7 +97,10 @@ impl HfArch {
                 }
                 Ok(HfArch::Gpt2)
             }
-            (g, PositionEmbedding::Rope { .. }) if g == llama => Ok(HfArch::Llama),
+            // A window makes it a Mistral (the same layers and names).
+            (g, PositionEmbedding::Rope { .. }) if g == llama => {
+                Ok(if a.window.is_some() { HfArch::Mistral } else { HfArch::Llama })
+            }
             _ => Err(HfError::NoEquivalent(format!(
                 "{:?} + {activation:?} + {:?} with linear biases {}/{}: GPT-2 is LayerNorm + GeLU + learned positions with biases, Llama RMSNorm + SwiGLU + RoPE without",
                 c.layer.norm, c.position_embedding, a.bias, mlp_bias
@@ -145,9 +154,16 @@ pub fn from_hf_config(v: &Value) -> Result<HfModel> {
     let (arch, config) = match model_type {
         "gpt2" => (HfArch::Gpt2, gpt2_config(v)?),
         "llama" => (HfArch::Llama, llama_config(v)?),
+        "mistral" => {
+            let mut c = llama_config(v)?;
+            // transformers' window: each query sees the `sliding_window` keys up to and including
+            // itself, as Ferrotron's (Megatron's --window-size (W − 1, 0)).
+            c.layer.attention.window = opt(v, "sliding_window", usize_of)?;
+            (HfArch::Mistral, c)
+        }
         o => {
             return Err(HfError::Config(format!(
-                "model_type `{o}`: Ferrotron converts gpt2 (GPT2LMHeadModel) and llama (LlamaForCausalLM)"
+                "model_type `{o}`: Ferrotron converts gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM) and mistral (MistralForCausalLM)"
             )));
         }
     };
@@ -317,7 +333,7 @@ pub fn to_hf_config(arch: HfArch, c: &TransformerConfig, dtype: &str) -> Value {
             "tie_word_embeddings": tied,
             "torch_dtype": dtype,
         }),
-        HfArch::Llama => {
+        HfArch::Llama | HfArch::Mistral => {
             let PositionEmbedding::Rope { base, scaling } = c.position_embedding else {
                 unreachable!("HfArch::of checked")
             };
@@ -330,9 +346,9 @@ pub fn to_hf_config(arch: HfArch, c: &TransformerConfig, dtype: &str) -> Value {
                     "original_max_position_embeddings": s.original_max_position_embeddings,
                 })
             });
-            json!({
+            let mut v = json!({
                 "architectures": [arch.class()],
-                "model_type": "llama",
+                "model_type": if arch == HfArch::Mistral { "mistral" } else { "llama" },
                 "vocab_size": c.vocab_size,
                 "hidden_size": c.hidden_size,
                 "intermediate_size": c.ffn_hidden_size,
@@ -351,7 +367,11 @@ pub fn to_hf_config(arch: HfArch, c: &TransformerConfig, dtype: &str) -> Value {
                 "initializer_range": decimal(c.init_method_std),
                 "tie_word_embeddings": tied,
                 "torch_dtype": dtype,
-            })
+            });
+            if arch == HfArch::Mistral {
+                v["sliding_window"] = json!(c.layer.attention.window);
+            }
+            v
         }
     }
 }
@@ -368,7 +388,7 @@ pub fn is_buffer(hf_name: &str) -> bool {
 pub fn strip_prefix(arch: HfArch, hf_name: &str) -> &str {
     match arch {
         HfArch::Gpt2 => hf_name.strip_prefix("transformer.").unwrap_or(hf_name),
-        HfArch::Llama => hf_name,
+        HfArch::Llama | HfArch::Mistral => hf_name,
     }
 }
 
@@ -472,7 +492,7 @@ fn maps(arch: HfArch, c: &TransformerConfig) -> Vec<(String, Map)> {
                 m.push((format!("decoder.final_layernorm.{p}"), Same(format!("ln_f.{p}"))));
             }
         }
-        HfArch::Llama => {
+        HfArch::Llama | HfArch::Mistral => {
             m.push(("embedding.word_embeddings.weight".into(), Same("model.embed_tokens.weight".into())));
             for i in 0..c.num_layers {
                 let (o, h) = (format!("decoder.layers.{i}."), format!("model.layers.{i}."));
@@ -511,11 +531,11 @@ fn hf_shape(arch: HfArch, c: &TransformerConfig, hf: &str) -> Vec<usize> {
         (HfArch::Gpt2, "c_fc") => vec![h, f],
         (HfArch::Gpt2, "c_proj") if hf.contains("mlp.") => vec![f, h],
         (HfArch::Gpt2, "c_proj") => vec![h, h],
-        (HfArch::Llama, "q_proj") => vec![q, h],
-        (HfArch::Llama, "k_proj" | "v_proj") => vec![kv, h],
-        (HfArch::Llama, "o_proj") => vec![h, q],
-        (HfArch::Llama, "gate_proj" | "up_proj") => vec![f, h],
-        (HfArch::Llama, "down_proj") => vec![h, f],
+        (HfArch::Llama | HfArch::Mistral, "q_proj") => vec![q, h],
+        (HfArch::Llama | HfArch::Mistral, "k_proj" | "v_proj") => vec![kv, h],
+        (HfArch::Llama | HfArch::Mistral, "o_proj") => vec![h, q],
+        (HfArch::Llama | HfArch::Mistral, "gate_proj" | "up_proj") => vec![f, h],
+        (HfArch::Llama | HfArch::Mistral, "down_proj") => vec![h, f],
         _ => vec![h], // norms
     };
     if is_bias { vec![*dims.last().unwrap_or(&h)] } else { dims }
@@ -582,7 +602,7 @@ pub fn export<'a>(arch: HfArch, c: &TransformerConfig, get: &TensorLookup<'a>) -
     };
     let prefix = match arch {
         HfArch::Gpt2 => "transformer.",
-        HfArch::Llama => "",
+        HfArch::Llama | HfArch::Mistral => "",
     };
     let named = |n: &str| if n == LM_HEAD { n.to_string() } else { format!("{prefix}{n}") };
     let mut out = vec![];
@@ -626,10 +646,13 @@ mod tests {
         let v = match arch {
             HfArch::Gpt2 => json!({"model_type": "gpt2", "vocab_size": 11, "n_positions": 6, "n_embd": 8,
                 "n_layer": 2, "n_head": 2, "n_inner": 12}),
-            HfArch::Llama => json!({"model_type": "llama", "vocab_size": 11, "hidden_size": 8,
+            HfArch::Llama | HfArch::Mistral => {
+                json!({"model_type": if arch == HfArch::Llama { "llama" } else { "mistral" },
+                "sliding_window": 5, "vocab_size": 11, "hidden_size": 8,
                 "intermediate_size": 6, "num_hidden_layers": 2, "num_attention_heads": 4,
                 "num_key_value_heads": 2, "head_dim": 6, "max_position_embeddings": 16,
-                "tie_word_embeddings": false}),
+                "tie_word_embeddings": false})
+            }
         };
         from_hf_config(&v).unwrap().config
     }
@@ -652,7 +675,7 @@ mod tests {
 
     #[test]
     fn export_then_import_gives_every_tensor_back() {
-        for arch in [HfArch::Gpt2, HfArch::Llama] {
+        for arch in [HfArch::Gpt2, HfArch::Llama, HfArch::Mistral] {
             let c = tiny(arch);
             assert_eq!(HfArch::of(&c).unwrap(), arch);
             let own: Vec<(String, HostTensor)> = maps(arch, &c)
@@ -746,7 +769,7 @@ mod tests {
 
     #[test]
     fn config_json_round_trips() {
-        for arch in [HfArch::Gpt2, HfArch::Llama] {
+        for arch in [HfArch::Gpt2, HfArch::Llama, HfArch::Mistral] {
             let c = tiny(arch);
             let back = from_hf_config(&to_hf_config(arch, &c, "bfloat16")).unwrap();
             assert_eq!(back.arch, arch);

@@ -5,7 +5,7 @@
 //! FLOP and parameter counts come with the config (`num_params`, `flops_per_token`) so that MFU can
 //! be reported for any preset.
 //!
-//! `hf` maps these models to and from Hugging Face transformers' GPT-2 and Llama checkpoints
+//! `hf` maps these models to and from Hugging Face transformers' GPT-2, Llama and Mistral checkpoints
 //! (config.json and parameter names and layouts), for `ferrotron convert`.
 
 pub mod hf;

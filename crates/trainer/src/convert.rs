@@ -1,5 +1,5 @@
 //! `ferrotron convert`: Hugging Face transformers checkpoints (`GPT2LMHeadModel`,
-//! `LlamaForCausalLM`: config.json and safetensors, one file or shards with
+//! `LlamaForCausalLM`, `MistralForCausalLM`: config.json and safetensors, one file or shards with
 //! model.safetensors.index.json) into a Ferrotron checkpoint and back, with the flag names of
 //! Megatron's tools/checkpoint/convert.py (`--loader`, `--saver`, `--load-dir`, `--save-dir`).
 //!

@@ -63,7 +63,7 @@ enum Cmd {
     },
     /// JSON lines into a Megatron indexed dataset (tools/preprocess_data.py's flags) for --data-path.
     Preprocess(ferrotron_trainer::preprocess::PreprocessArgs),
-    /// Hugging Face checkpoints (GPT-2, Llama) to Ferrotron's and back (convert.py's flags):
+    /// Hugging Face checkpoints (GPT-2, Llama, Mistral) to Ferrotron's and back (convert.py's flags):
     /// `convert --loader hf --saver ferrotron --load-dir HF --save-dir CKPT`.
     Convert(ferrotron_trainer::convert::ConvertArgs),
     /// Sample text from a checkpoint.

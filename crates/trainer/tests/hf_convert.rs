@@ -1,4 +1,4 @@
-//! `ferrotron convert` against Hugging Face transformers: the three small models of
+//! `ferrotron convert` against Hugging Face transformers: the four small models of
 //! tests/fixtures/hf (written by transformers' own classes, see make_hf_fixtures.py) are imported,
 //! and Ferrotron's logits for the fixture's tokens must be transformers' (computed there in
 //! float64); exporting the import back must give transformers' files again, tensor for tensor.
@@ -16,7 +16,7 @@ use safetensors::SafeTensors;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-const FIXTURES: [&str; 3] = ["gpt2", "llama", "llama_tied"];
+const FIXTURES: [&str; 4] = ["gpt2", "llama", "llama_tied", "mistral"];
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf").join(name)
@@ -103,7 +103,12 @@ fn imported_models_give_transformers_logits() {
     for name in FIXTURES {
         let out = tmp(&format!("hf-import-{name}"));
         let done = convert(&args("hf", "ferrotron", &fixture(name), &out)).unwrap();
-        assert_eq!(done.arch, if name == "gpt2" { hf::HfArch::Gpt2 } else { hf::HfArch::Llama });
+        let arch = match name {
+            "gpt2" => hf::HfArch::Gpt2,
+            "mistral" => hf::HfArch::Mistral,
+            _ => hf::HfArch::Llama,
+        };
+        assert_eq!(done.arch, arch);
         let ck = checkpoint::load(&out).unwrap();
         assert!(!ck.state.optimizer_state, "an import holds parameters only");
         let s = &ck.state.settings;
