@@ -379,7 +379,7 @@ pub fn to_hf_config(arch: HfArch, c: &TransformerConfig, dtype: &str) -> Value {
 /// HF names that hold buffers, not parameters (old GPT-2 files' causal masks, RoPE's
 /// frequencies): read past on import.
 pub fn is_buffer(hf_name: &str) -> bool {
-    hf_name.ends_with(".attn.bias") && !hf_name.contains("c_attn")
+    hf_name.ends_with(".attn.bias") // not `.c_attn.bias`, a parameter
         || hf_name.ends_with(".attn.masked_bias")
         || hf_name.ends_with("rotary_emb.inv_freq")
 }

@@ -226,7 +226,7 @@ fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
 
 fn export(load: &Path, save_dir: &Path) -> anyhow::Result<Converted> {
     crate::settings::check_dir(load, "--load-dir")?;
-    let ck = checkpoint::load(load)?;
+    let ck = checkpoint::load_params(load)?;
     let c = ck.state.settings.model_config()?;
     let arch = HfArch::of(&c).context("--saver hf")?;
     let get = |n: &str| ck.tensors.get(n).map(|(s, v)| (s.as_slice(), v.as_slice()));

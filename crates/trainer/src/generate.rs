@@ -22,7 +22,7 @@ pub fn generate(a: &GenerateArgs) -> anyhow::Result<String> {
         bail!("--temperature {} must be >= 0", a.temperature);
     }
     crate::settings::check_dir(a.load, "--load")?;
-    let ck = checkpoint::load(a.load)?;
+    let ck = checkpoint::load_params(a.load)?;
     let s = &ck.state.settings;
     let dtype = if s.bf16 { DType::BF16 } else { DType::F32 };
     let (model, table) = GptModel::build(s.model_config()?, &Device::Cpu, dtype, s.seed)?;

@@ -399,7 +399,8 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     };
     let (mut iteration, mut consumed, mut consumed_valid) = (0u64, 0u64, 0u64);
     if let Some(dir) = &paths.load {
-        let ck = checkpoint::load(dir)?;
+        let ck =
+            if paths.load_mode == LoadMode::Resume { checkpoint::load(dir)? } else { checkpoint::load_params(dir)? };
         if paths.load_mode == LoadMode::Resume {
             checkpoint::restore(&ck, &table, &mut opt)?;
         } else {

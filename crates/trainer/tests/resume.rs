@@ -42,6 +42,12 @@ fn check(llama: bool, bf16: bool) {
     assert_eq!(evals(&straight.evals).iter().map(|e| e.0).collect::<Vec<_>>(), [0, 4, 8]);
     assert_eq!(evals(&straight.evals), [evals(&first.evals), evals(&second.evals)].concat());
     let a = checkpoint::load(&straight_dir).unwrap();
+    // Parameters alone: no optimizer state, the parameters the same.
+    let p = checkpoint::load_params(&straight_dir).unwrap();
+    assert!(
+        p.tensors.keys().all(|n| !n.starts_with("optimizer.")) && a.tensors.keys().any(|n| n.starts_with("optimizer."))
+    );
+    assert!(p.tensors.iter().all(|(n, t)| a.tensors[n] == *t) && p.tensors.len() * 4 == a.tensors.len());
     let b = checkpoint::load(&resume_dir).unwrap();
     assert_eq!((a.state.iteration, a.state.consumed_valid_samples), (8, 2 * 2 * 8), "two evaluations of 2 × 8");
     assert_eq!((b.state.iteration, b.state.consumed_valid_samples), (8, 2 * 2 * 8));
