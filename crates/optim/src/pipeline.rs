@@ -70,19 +70,17 @@ pub fn schedule_kind(pp: usize, chunks: usize) -> ScheduleKind {
     }
 }
 
-/// Mean of the last stage's micro-batch losses, given to every pipeline rank.
-pub(crate) fn stage_loss(losses: &[MicroLoss], pp: &Comm) -> Result<f64, StepError> {
-    let mut sum = 0.0;
-    for l in losses {
-        sum += l.mean()?;
-    }
-    let mean = if losses.is_empty() { 0.0 } else { sum / losses.len() as f64 };
+/// The last stage's (loss sum, token count) over its micro-batches (`crate::step::loss_sums`),
+/// given to every pipeline rank.
+pub(crate) fn stage_loss(losses: &[MicroLoss], pp: &Comm) -> Result<(f64, f64), StepError> {
+    let (sum, count) = crate::step::loss_sums(losses)?;
     if pp.size() == 1 {
-        return Ok(mean);
+        return Ok((sum, count));
     }
-    let t = Tensor::from_vec(vec![mean as f32], [1], &Device::Cpu).map_err(OptimError::from)?;
+    let t = Tensor::from_vec(vec![sum as f32, count as f32], [2], &Device::Cpu).map_err(OptimError::from)?;
     pp.broadcast(&t, pp.size() - 1).map_err(OptimError::from)?;
-    Ok(t.to_vec_f32().map_err(OptimError::from)?[0] as f64)
+    let v = t.to_vec_f32().map_err(OptimError::from)?;
+    Ok((v[0] as f64, v[1] as f64))
 }
 
 /// A pipelined training step over this rank's micro-batches (all of the data-parallel rank's):
@@ -144,14 +142,15 @@ pub fn queue_train_step_pipelined(
     })
 }
 
-/// Mean loss of `micro_batches` through the pipeline without gradients (every rank gets it).
+/// (loss sum, token count) of `micro_batches` through the pipeline without gradients (every rank
+/// gets it).
 pub fn eval_pipelined(
     model: &GptModel,
     table: &ParamTable,
     comms: &PipelineComms,
     pp: &Comm,
     micro_batches: &[Batch],
-) -> Result<f64, StepError> {
+) -> Result<(f64, f64), StepError> {
     let v = model.chunks.len();
     let actions: Vec<Action> =
         (0..micro_batches.len()).flat_map(|m| (0..v).map(move |c| Action::Forward { chunk: c, micro: m })).collect();

@@ -71,24 +71,14 @@ impl QueuedStep {
         self.saved_peak_bytes
     }
 
-    /// Waits for the step and reads its loss (averaged over data-parallel ranks) and stats.
+    /// Waits for the step and reads its loss (token-weighted over the global batch, as
+    /// Megatron reports it) and stats.
     pub fn read(self) -> Result<StepOutput, StepError> {
-        let mut loss = match &self.pp {
+        let (sum, count) = match &self.pp {
             Some(pp) => crate::pipeline::stage_loss(&self.losses, pp)?,
-            None => {
-                let m = self.losses.len();
-                let mut loss = 0.0;
-                for l in &self.losses {
-                    loss += l.mean()? / m as f64;
-                }
-                loss
-            }
+            None => loss_sums(&self.losses)?,
         };
-        if self.dp.size() > 1 {
-            let t = Tensor::from_vec(vec![loss as f32], [1], &ferrotron_core::Device::Cpu).map_err(OptimError::from)?;
-            self.dp.all_reduce(&t, ReduceOp::Avg).map_err(OptimError::from)?;
-            loss = t.to_vec_f32().map_err(OptimError::from)?[0] as f64;
-        }
+        let loss = token_weighted(&self.dp, sum, count)?;
         let stats = StepStats::read(&self.stats)?;
         Ok(StepOutput {
             loss,
@@ -97,6 +87,33 @@ impl QueuedStep {
             saved_peak_bytes: self.saved_peak_bytes,
         })
     }
+}
+
+/// (loss sum, token count) over micro-batches.
+pub(crate) fn loss_sums(losses: &[MicroLoss]) -> Result<(f64, f64), StepError> {
+    let (mut sum, mut count) = (0.0, 0.0);
+    for l in losses {
+        let (s, n) = l.sum()?;
+        (sum, count) = (sum + s, count + n);
+    }
+    Ok((sum, count))
+}
+
+/// Loss sum over token count across the ranks of `dp` (each giving its own): Megatron's reported
+/// loss, the mean over every unmasked token of the global batch (0 when none is). Without masks
+/// (every micro-batch the same count) it is the mean of the micro-batches' means that the
+/// gradient follows; with `--eod-mask-loss` the two differ as they do in Megatron.
+pub fn token_weighted(dp: &Comm, sum: f64, count: f64) -> Result<f64, StepError> {
+    let (sum, count) = if dp.size() > 1 {
+        let t = Tensor::from_vec(vec![sum as f32, count as f32], [2], &ferrotron_core::Device::Cpu)
+            .map_err(OptimError::from)?;
+        dp.all_reduce(&t, ReduceOp::Sum).map_err(OptimError::from)?;
+        let v = t.to_vec_f32().map_err(OptimError::from)?;
+        (v[0] as f64, v[1] as f64)
+    } else {
+        (sum, count)
+    };
+    Ok(if count > 0.0 { sum / count } else { 0.0 })
 }
 
 /// [`queue_train_step`], then [`QueuedStep::read`].

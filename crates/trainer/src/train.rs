@@ -13,7 +13,7 @@ use ferrotron_data::{
 };
 use ferrotron_optim::{
     AdamConfig, GradSync, LrSchedule, Optimizer, QueuedStep, StepGraph, default_bucket_size, eval_pipelined,
-    queue_train_step, queue_train_step_pipelined,
+    queue_train_step, queue_train_step_pipelined, token_weighted,
 };
 use ferrotron_parallel::{ProcessGroups, TensorParallel};
 use ferrotron_transformer::{Batch, GptModel};
@@ -181,16 +181,6 @@ fn eval_micro_batches(
 /// them out.
 fn micro_first_sample(batch_start: u64, m: usize, (dp, dp_rank): (usize, usize), mb: u64) -> u64 {
     batch_start + (m * dp + dp_rank) as u64 * mb
-}
-
-/// The mean of `loss` over the data-parallel ranks (each evaluated its share of the batches).
-fn dp_mean(dp: &Comm, loss: f64) -> anyhow::Result<f64> {
-    if dp.size() == 1 {
-        return Ok(loss);
-    }
-    let t = Tensor::from_vec(vec![loss as f32], [1], &Device::Cpu)?;
-    dp.all_reduce(&t, ferrotron_comm::ReduceOp::Avg)?;
-    Ok(t.to_vec_f32()?[0] as f64)
 }
 
 struct Metrics(Option<std::fs::File>);
@@ -457,23 +447,25 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         vocab: model.config.vocab_size,
         eod_mask: s.eod_mask_loss.then(|| data.tokenizer.eod()),
     };
-    // The mean validation loss over one evaluation's batches (`eval_micro_batches`) from sample
+    // The validation loss over one evaluation's batches (`eval_micro_batches`) from sample
     // `start` on; None without a validation split (`--split` gave it no share) or with
     // `--eval-iters 0`, as in Megatron.
     let eval = |model: &GptModel, table: &ParamTable, start: u64| -> anyhow::Result<Option<f64>> {
         let Some(valid) = data.valid.as_ref().filter(|_| s.eval_iters > 0) else { return Ok(None) };
         let micros = eval_micro_batches(valid, s, start, (dp, dp_rank), spec, &dev)?;
-        let loss = if pipelined {
+        // Token-weighted over all of them, across data-parallel ranks too, as Megatron's.
+        let (sum, count) = if pipelined {
             eval_pipelined(model, table, &g.pipeline, &g.pp, &micros)?
         } else {
             let cx = Cx::new(table, false);
-            let mut total = 0.0;
+            let (mut sum, mut count) = (0.0, 0.0);
             for b in &micros {
-                total += model.forward(&cx, b)?.0;
+                let (s, n) = model.forward_deferred(&cx, b)?.0.sum()?;
+                (sum, count) = (sum + s, count + n);
             }
-            total / micros.len() as f64
+            (sum, count)
         };
-        Ok(Some(dp_mean(&g.dp, loss)?))
+        Ok(Some(token_weighted(&g.dp, sum, count)?))
     };
     // Iteration 0's evaluation (which Megatron does not run) reads the samples the first one at
     // --eval-interval reads; each later one moves on by its eval_iters global batches.

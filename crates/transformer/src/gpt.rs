@@ -106,11 +106,15 @@ pub struct MicroLoss {
 impl MicroLoss {
     /// Mean over the unmasked tokens (0 when there are none), summed in f64.
     pub fn mean(&self) -> Result<f64> {
-        if self.num_tokens <= 0.0 {
-            return Ok(0.0);
-        }
+        let (total, n) = self.sum()?;
+        Ok(if n <= 0.0 { 0.0 } else { total / n })
+    }
+
+    /// (the unmasked tokens' losses summed in f64, their count): Megatron reports a batch's loss
+    /// as the one over the other across all its micro-batches and data-parallel ranks.
+    pub fn sum(&self) -> Result<(f64, f64)> {
         let total: f64 = self.per_token.to_vec_f32()?.iter().map(|&l| l as f64).sum();
-        Ok(total / self.num_tokens)
+        Ok((total, self.num_tokens))
     }
 }
 
