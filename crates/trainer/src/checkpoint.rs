@@ -8,7 +8,8 @@
 //! data-parallel or distributed-optimizer layout: each stage gathers its shards to its first rank,
 //! which writes the stage's file; loading reads every file and lets each rank take its part.
 //! `state.toml` holds the iteration, data position, optimizer step, settings and each file's
-//! SHA-256. Vocabulary padding may differ between layouts: rows past the real vocabulary are not
+//! SHA-256. A checkpoint converted from Hugging Face (`save_params`) holds the parameters alone
+//! and says so (`optimizer_state = false`): it loads with --finetune or --no-load-optim. Vocabulary padding may differ between layouts: rows past the real vocabulary are not
 //! kept. A tied embedding held by the first and last stage is in both files (same values).
 //!
 //! Writes go to a temporary folder that is renamed into place, and the tracker is replaced
@@ -168,10 +169,10 @@ pub fn save(
     Ok(iter_dir(save_dir, info.iteration))
 }
 
-/// Writes a checkpoint of parameters alone (no optimizer state; `ferrotron convert`) whose
-/// parameters are `dtype`: `tensors` whole, by Megatron name (with the dtype each is stored in), vocabulary rows unpadded;
-/// iteration 0. Written as `save` writes (a temporary folder renamed into place, then the
-/// tracker).
+/// Writes a checkpoint of parameters alone at iteration 0 (`ferrotron convert`): `tensors` whole,
+/// by Megatron name, each with the dtype it is stored in, vocabulary rows unpadded; `dtype` is
+/// the run's parameter dtype. Written as `save` writes (a temporary folder renamed into place,
+/// then the tracker); state.toml says `optimizer_state = false`.
 pub fn save_params(
     save_dir: &Path,
     tensors: &[(String, DType, Vec<usize>, Vec<f32>)],
@@ -182,6 +183,7 @@ pub fn save_params(
     prepare(save_dir, &tmp)?;
     let file = tensor_file(0, 1);
     let sha256 = write_stage(&tmp, &file, tensors)?;
+    // (vocab_size only trims gathered tensors in `save`; these come trimmed.)
     let info = SaveInfo { iteration: 0, consumed_samples: 0, consumed_valid_samples: 0, settings, vocab_size: 0 };
     finish(save_dir, &tmp, &dtype.to_string(), vec![TensorFile { file, sha256 }], None, &info)?;
     Ok(iter_dir(save_dir, 0))
