@@ -541,6 +541,18 @@ fn hf_shape(arch: HfArch, c: &TransformerConfig, hf: &str) -> Vec<usize> {
     if is_bias { vec![*dims.last().unwrap_or(&h)] } else { dims }
 }
 
+/// The shape of the Megatron tensor that `map` makes (vocabulary rows unpadded).
+fn own_shape(arch: HfArch, c: &TransformerConfig, map: &Map) -> Vec<usize> {
+    let qkv_rows = (c.num_attention_heads + 2 * c.num_query_groups) * c.head_dim();
+    match map {
+        Map::Same(n) => hf_shape(arch, c, n),
+        Map::Transposed(n) => hf_shape(arch, c, n).into_iter().rev().collect(),
+        Map::Qkv(QkvSource::Gpt2 { weight: false, .. }) => vec![qkv_rows],
+        Map::Qkv(_) => vec![qkv_rows, c.hidden_size],
+        Map::GateUp(..) => vec![2 * c.ffn_hidden_size, c.hidden_size],
+    }
+}
+
 /// Megatron-named tensors from an HF checkpoint. `take` hands out an HF tensor by name (without
 /// GPT-2's `transformer.` prefix) or None; the caller then checks that nothing was left over.
 /// A tied model's `lm_head.weight`, where a file has it, must equal the embedding.
@@ -591,14 +603,18 @@ pub type TensorLookup<'a> = dyn Fn(&str) -> Option<(&'a [usize], &'a [f32])> + '
 /// Megatron-named ones: `get` gives a tensor by Megatron name, its vocabulary rows unpadded.
 pub fn export<'a>(arch: HfArch, c: &TransformerConfig, get: &TensorLookup<'a>) -> Result<Vec<(String, HostTensor)>> {
     let (heads, groups, d) = (c.num_attention_heads, c.num_query_groups, c.head_dim());
-    let own = |name: &str| -> Result<HostTensor> {
+    // Each tensor checked against its shape before any layout change reads it.
+    let own = |name: &str, map: &Map| -> Result<HostTensor> {
         let (shape, data) = get(name).ok_or_else(|| HfError::MissingOwn(name.into()))?;
-        let mut t = HostTensor::new(shape.to_vec(), data.to_vec());
+        let want = own_shape(arch, c, map);
+        let vocab = name.ends_with("word_embeddings.weight") || name == "output_layer.weight";
         // Vocabulary padding rows, if any were kept, are not HF's.
-        if (name.ends_with("word_embeddings.weight") || name == "output_layer.weight") && t.shape[0] > c.vocab_size {
-            t = row_block(&t, 0, c.vocab_size);
+        let padded = vocab && shape.len() == 2 && shape[1] == want[1] && shape[0] > want[0];
+        if shape != want.as_slice() && !padded {
+            return Err(HfError::Shape { name: name.into(), got: shape.to_vec(), want });
         }
-        Ok(t)
+        let t = HostTensor::new(shape.to_vec(), data.to_vec());
+        Ok(if padded { row_block(&t, 0, c.vocab_size) } else { t })
     };
     let prefix = match arch {
         HfArch::Gpt2 => "transformer.",
@@ -607,7 +623,7 @@ pub fn export<'a>(arch: HfArch, c: &TransformerConfig, get: &TensorLookup<'a>) -
     let named = |n: &str| if n == LM_HEAD { n.to_string() } else { format!("{prefix}{n}") };
     let mut out = vec![];
     for (name, map) in maps(arch, c) {
-        let t = own(&name)?;
+        let t = own(&name, &map)?;
         match map {
             Map::Same(n) => out.push((named(&n), t)),
             Map::Transposed(n) => out.push((named(&n), transpose(&t))),
@@ -754,6 +770,28 @@ mod tests {
         assert!(e.contains("model.embed_tokens.weight") && e.contains("missing"), "{e}");
         let e = import(HfArch::Llama, &c, &mut |n| Some(numbered(&[3, 3], n.len()))).unwrap_err().to_string();
         assert!(e.contains("model.embed_tokens.weight") && e.contains("[3, 3]") && e.contains("[11, 8]"), "{e}");
+    }
+
+    #[test]
+    fn an_export_names_a_tensor_of_the_wrong_shape_instead_of_reading_past_it() {
+        let c = tiny(HfArch::Llama);
+        // Every tensor right (the embedding with 5 padding rows) but layer 1's QKV, 4 rows short.
+        let tensors: HashMap<String, HostTensor> = maps(HfArch::Llama, &c)
+            .iter()
+            .map(|(name, map)| {
+                let mut shape = super::own_shape(HfArch::Llama, &c, map);
+                if name.ends_with("word_embeddings.weight") {
+                    shape[0] += 5;
+                }
+                if name == "decoder.layers.1.self_attention.linear_qkv.weight" {
+                    shape[0] -= 4;
+                }
+                (name.clone(), numbered(&shape, 1))
+            })
+            .collect();
+        let get = |n: &str| tensors.get(n).map(|t| (t.shape.as_slice(), t.data.as_slice()));
+        let e = export(HfArch::Llama, &c, &get).unwrap_err().to_string();
+        assert!(e.contains("decoder.layers.1.self_attention.linear_qkv.weight") && e.contains("[44, 8]"), "{e}");
     }
 
     #[test]
