@@ -5,7 +5,7 @@
 //! added tokens, as `len(tokenizer)` does.
 
 use crate::DataError;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 pub struct HfTokenizer {
     tok: tokenizers::Tokenizer,
@@ -17,15 +17,14 @@ fn bad(path: &Path, msg: impl std::fmt::Display) -> DataError {
     DataError::Tokenizer(format!("--tokenizer-model {}: {msg}", path.display()))
 }
 
-/// The folder of `--tokenizer-model`: the path itself, or the folder of a tokenizer.json named.
-fn folder_of(path: &Path) -> PathBuf {
-    if path.is_file() { path.parent().map(Path::to_path_buf).unwrap_or_default() } else { path.to_path_buf() }
-}
-
 impl HfTokenizer {
+    /// `path`: a tokenizer folder, or the tokenizer.json in one.
     pub fn open(path: &Path) -> Result<HfTokenizer, DataError> {
-        let dir = folder_of(path);
-        let file = if path.is_file() { path.to_path_buf() } else { dir.join("tokenizer.json") };
+        let (dir, file) = if path.is_file() {
+            (path.parent().map(Path::to_path_buf).unwrap_or_default(), path.to_path_buf())
+        } else {
+            (path.to_path_buf(), path.join("tokenizer.json"))
+        };
         if !file.is_file() {
             return Err(bad(
                 path,

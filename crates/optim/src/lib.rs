@@ -25,4 +25,4 @@ pub use ddp::{BucketPlan, GradSync, default_bucket_size};
 pub use graph::StepGraph;
 pub use pipeline::{eval_pipelined, queue_train_step_pipelined, schedule_kind, train_step_pipelined};
 pub use schedule::{DecayStyle, LrSchedule, WsdStyle};
-pub use step::{QueuedStep, StepError, StepOutput, queue_train_step, token_weighted, train_step};
+pub use step::{QueuedStep, StepError, StepOutput, loss_sums, queue_train_step, token_weighted, train_step};

@@ -90,7 +90,7 @@ impl QueuedStep {
 }
 
 /// (loss sum, token count) over micro-batches.
-pub(crate) fn loss_sums(losses: &[MicroLoss]) -> Result<(f64, f64), StepError> {
+pub fn loss_sums(losses: &[MicroLoss]) -> Result<(f64, f64), StepError> {
     let (mut sum, mut count) = (0.0, 0.0);
     for l in losses {
         let (s, n) = l.sum()?;

@@ -12,7 +12,7 @@ use ferrotron_data::{
     parse_split, split_of, whole_split,
 };
 use ferrotron_optim::{
-    AdamConfig, GradSync, LrSchedule, Optimizer, QueuedStep, StepGraph, default_bucket_size, eval_pipelined,
+    AdamConfig, GradSync, LrSchedule, Optimizer, QueuedStep, StepGraph, default_bucket_size, eval_pipelined, loss_sums,
     queue_train_step, queue_train_step_pipelined, token_weighted,
 };
 use ferrotron_parallel::{ProcessGroups, TensorParallel};
@@ -458,12 +458,9 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             eval_pipelined(model, table, &g.pipeline, &g.pp, &micros)?
         } else {
             let cx = Cx::new(table, false);
-            let (mut sum, mut count) = (0.0, 0.0);
-            for b in &micros {
-                let (s, n) = model.forward_deferred(&cx, b)?.0.sum()?;
-                (sum, count) = (sum + s, count + n);
-            }
-            (sum, count)
+            let losses =
+                micros.iter().map(|b| Ok(model.forward_deferred(&cx, b)?.0)).collect::<anyhow::Result<Vec<_>>>()?;
+            loss_sums(&losses)?
         };
         Ok(Some(token_weighted(&g.dp, sum, count)?))
     };
