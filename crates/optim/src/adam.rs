@@ -174,6 +174,17 @@ impl Optimizer {
         &self.owned
     }
 
+    /// Whether each data-parallel rank holds only its share of the state.
+    pub fn distributed(&self) -> bool {
+        self.dp.is_some()
+    }
+
+    /// What this rank updates, parameter by parameter: (parameter, flat range of the whole
+    /// buffer, offset of that range in the state buffers), in state order.
+    pub fn owned_pieces(&self, table: &ParamTable) -> Vec<(ParamId, Range<usize>, usize)> {
+        pieces(table, &self.owned)
+    }
+
     /// L2 norm of the (synchronised) gradients over the whole model, identical on every rank (a
     /// read back).
     pub fn grad_norm(&self, table: &ParamTable) -> Result<f64, OptimError> {
@@ -275,21 +286,23 @@ impl Optimizer {
         Ok((out, self.steps()?))
     }
 
-    /// Restores state given whole-buffer vectors (as `full_state` returns); each rank keeps the
-    /// ranges it owns.
-    pub fn load_full_state(&mut self, state: &[Vec<f32>; 3], step: u64) -> Result<(), OptimError> {
+    /// This rank's (master, exp_avg, exp_avg_sq) for its `owned` ranges back to back, and the
+    /// step; no collective (a sharded checkpoint stores each rank's own).
+    pub fn owned_state(&self) -> Result<([Vec<f32>; 3], u64), OptimError> {
+        let [m, a, b] = [&self.master, &self.exp_avg, &self.exp_avg_sq].map(|t| t.to_vec_f32());
+        Ok(([m?, a?, b?], self.steps()?))
+    }
+
+    /// Restores what `owned_state` returns (the `owned` ranges back to back) and the step.
+    pub fn load_owned_state(&mut self, state: &[Vec<f32>; 3], step: u64) -> Result<(), OptimError> {
+        let n = self.master.elem_count();
         for (name, v) in ["master weights", "exp_avg", "exp_avg_sq"].iter().zip(state) {
-            if let Some(o) = self.owned.iter().find(|o| o.end > v.len()) {
-                return Err(OptimError::StateMismatch(format!(
-                    "{name} has {} elements, this rank needs {}",
-                    v.len(),
-                    o.end
-                )));
+            if v.len() != n {
+                return Err(OptimError::StateMismatch(format!("{name} has {} elements, this rank owns {n}", v.len())));
             }
         }
         for (t, v) in [&self.master, &self.exp_avg, &self.exp_avg_sq].into_iter().zip(state) {
-            let mine: Vec<f32> = self.owned.iter().flat_map(|o| v[o.clone()].iter().copied()).collect();
-            t.copy_from_f32(&mine)?;
+            t.copy_from_f32(v)?;
         }
         let mut st = vec![0f32; adam_state::LEN];
         st[adam_state::STEPS] = step as f32;

@@ -1,40 +1,49 @@
-//! Checkpoints: `{save}/iter_0000120/` holds one `model_optim.safetensors` per pipeline stage
-//! (`model_optim_pp001.safetensors` for stage 1 when there are several) and `state.toml`;
+//! Checkpoints: `{save}/iter_0000120/` holds `state.toml` and one
+//! `model_optim_rank00003.safetensors` per rank that holds something to save;
 //! `{save}/latest_checkpointed_iteration.txt` (Megatron's tracker name) names the newest.
 //!
-//! Format 2 stores every parameter whole, by its Megatron name (`{name}` in the model dtype) with
-//! its fp32 optimizer state (`optimizer.master.{name}`, `optimizer.exp_avg.{name}`,
-//! `optimizer.exp_avg_sq.{name}`), so a run can resume under another tensor-parallel, pipeline,
-//! data-parallel or distributed-optimizer layout: each stage gathers its shards to its first rank,
-//! which writes the stage's file; loading reads every file and lets each rank take its part.
+//! Format 3 is sharded (ferrotron-checkpoint): each rank writes what it holds and no other rank
+//! does — its tensor-parallel part of each parameter (data-parallel rank 0; a parameter whole on
+//! every tensor-parallel rank from tensor-parallel rank 0; the tied output weight's copy on the
+//! last stage not at all) in the model dtype, by its Megatron name, and its share of the fp32
+//! optimizer state (`optimizer.master.{name}`, `optimizer.exp_avg.{name}`,
+//! `optimizer.exp_avg_sq.{name}`: every data-parallel rank's own under the distributed
+//! optimizer, else data-parallel rank 0's). Nothing is gathered, so no rank holds more than its
+//! own part. A load lets each rank read its own parts under its own layout from whichever files
+//! hold them, so a run resumes under another tensor-parallel, pipeline, data-parallel or
+//! distributed-optimizer layout. Vocabulary padding may differ between layouts: rows past the
+//! real vocabulary (`vocab_size` in state.toml) read as 0.
 //! `state.toml` holds the iteration, data position, optimizer step, settings and each file's
 //! SHA-256. A checkpoint converted from Hugging Face (`save_params`) holds the parameters alone
-//! and says so (`optimizer_state = false`): it loads with --finetune or --no-load-optim. Vocabulary padding may differ between layouts: rows past the real vocabulary are not
-//! kept. A tied embedding held by the first and last stage is in both files (same values).
+//! and says so (`optimizer_state = false`): it loads with --finetune or --no-load-optim.
+//! Format 2 (every tensor whole, one file per pipeline stage, written by earlier builds) is
+//! still read.
 //!
 //! Writes go to a temporary folder that is renamed into place, and the tracker is replaced
 //! atomically after that, so a save that fails midway leaves the previous checkpoint and tracker as
-//! they were. (Gathering to one rank bounds the model size; the sharded format of
-//! ferrotron-checkpoint will replace this module.)
+//! they were.
 
 use crate::settings::Settings;
 use anyhow::{Context, bail};
+use ferrotron_checkpoint::{Piece, ShardEntry, ShardReader};
 use ferrotron_comm::ReduceOp;
-use ferrotron_core::{DType, Device, ParamMeta, ParamTable, Tensor, bf16};
+use ferrotron_core::{DType, Device, ParamMeta, ParamTable, Tensor};
 use ferrotron_optim::Optimizer;
-use ferrotron_parallel::{ProcessGroups, gather_param, global_flat_index};
-use safetensors::{Dtype, SafeTensors, tensor::TensorView};
+use ferrotron_parallel::{ProcessGroups, global_flat_index};
+use safetensors::SafeTensors;
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 use std::borrow::Cow;
 use std::collections::HashMap;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
+/// Format 2: whole tensors, one file per pipeline stage (read, no longer written).
+const WHOLE_FORMAT: u32 = 2;
 pub const TRACKER: &str = "latest_checkpointed_iteration.txt";
-/// The tensor file of pipeline stage `stage` (of `stages`).
-fn tensor_file(stage: usize, stages: usize) -> String {
-    if stages == 1 { "model_optim.safetensors".into() } else { format!("model_optim_pp{stage:03}.safetensors") }
+/// The shard file of world rank `rank`.
+fn shard_file(rank: usize) -> String {
+    format!("model_optim_rank{rank:05}.safetensors")
 }
 const STATE: &str = "state.toml";
 const OPT: [&str; 3] = ["optimizer.master", "optimizer.exp_avg", "optimizer.exp_avg_sq"];
@@ -54,7 +63,11 @@ pub struct State {
     #[serde(default = "yes")]
     pub optimizer_state: bool,
     pub params_dtype: String,
-    /// Tensor files, one per pipeline stage, with their SHA-256.
+    /// The real vocabulary: embedding and output rows from here on are padding (format 3; format
+    /// 2 did not store them).
+    #[serde(default)]
+    pub vocab_size: usize,
+    /// Tensor files with their SHA-256: one per writing rank (format 2: one per pipeline stage).
     pub tensor_files: Vec<TensorFile>,
     pub settings: Settings,
 }
@@ -69,7 +82,8 @@ pub struct TensorFile {
     pub sha256: String,
 }
 
-/// A checkpoint in host memory: every tensor whole, by name, as f32.
+/// Tensors whole in host memory, by name, as f32 (a format 2 checkpoint, or any checkpoint read
+/// whole: `load`, `load_params`).
 pub struct Loaded {
     pub state: State,
     pub tensors: HashMap<String, (Vec<usize>, Vec<f32>)>,
@@ -89,12 +103,52 @@ pub struct SaveInfo<'a> {
     pub consumed_samples: u64,
     pub consumed_valid_samples: u64,
     pub settings: &'a Settings,
-    /// Real vocabulary: rows past it (padding) are not written.
+    /// Real vocabulary: rows past it are padding.
     pub vocab_size: usize,
 }
 
-/// Collective over the world: gathers params and optimizer state, world rank 0 writes atomically.
-/// Returns the checkpoint folder on every rank (or every rank's error if the write failed).
+/// What this rank writes: its parameters' parts and its optimizer state's share (see the
+/// module header for who writes what).
+fn my_entries<'a>(
+    g: &ProcessGroups,
+    table: &ParamTable,
+    opt: &Optimizer,
+    state: &'a [Vec<f32>; 3],
+) -> anyhow::Result<Vec<ShardEntry<'a>>> {
+    let mine = |m: &ParamMeta| !m.pipeline_copy && (m.split_dim.is_some() || g.tp.rank() == 0);
+    let dtype = table.flat_params().dtype();
+    let mut out = vec![];
+    if g.dp.rank() == 0 {
+        for id in table.ids().filter(|&id| mine(table.meta(id))) {
+            let m = table.meta(id);
+            let values = table.param(id)?.to_vec_f32()?;
+            let piece = Piece::of(m, 0..values.len());
+            out.push(ShardEntry { key: m.name.clone(), piece, dtype, values: Cow::Owned(values) });
+        }
+    }
+    if opt.distributed() || g.dp.rank() == 0 {
+        for (id, flat, at) in opt.owned_pieces(table) {
+            let m = table.meta(id);
+            if !mine(m) {
+                continue;
+            }
+            let start = flat.start - table.range(id).start;
+            for (prefix, buf) in OPT.iter().zip(state) {
+                out.push(ShardEntry {
+                    key: format!("{prefix}.{}", m.name),
+                    piece: Piece::of(m, start..start + flat.len()),
+                    dtype: DType::F32,
+                    values: Cow::Borrowed(&buf[at..at + flat.len()]),
+                });
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Collective over the world: every rank writes its own shard file (see the module header),
+/// world rank 0 the state, atomically. Returns the checkpoint folder on every rank (or every
+/// rank's error if a write failed).
 pub fn save(
     save_dir: &Path,
     g: &ProcessGroups,
@@ -103,67 +157,40 @@ pub fn save(
     info: &SaveInfo,
 ) -> anyhow::Result<PathBuf> {
     table.settle_params()?; // pending gathers (--overlap-param-gather) before anything reads
-    let (state, step) = opt.full_state(table.flat_len())?;
-    let writer = g.tp.rank() == 0 && g.dp.rank() == 0; // one per pipeline stage
-    let mut tensors: Vec<(String, DType, Vec<usize>, Vec<f32>)> = vec![];
-    for id in table.ids() {
-        let m = table.meta(id);
-        let r = table.range(id);
-        let mut shape = m.global_shape.dims().to_vec();
-        if vocab_padded(&m.name) && shape[0] > info.vocab_size {
-            shape[0] = info.vocab_size; // padding rows are not kept
-        }
-        let n: usize = shape.iter().product();
-        let trim = |mut v: Vec<f32>| {
-            v.truncate(n);
-            v
-        };
-        let p = trim(gather_param(&g.tp, m, &table.param(id)?)?);
-        let mut states = vec![];
-        for buf in &state {
-            let local = Tensor::from_f32(&buf[r.clone()], m.local_shape.clone(), DType::F32, &Device::Cpu)?;
-            states.push(trim(gather_param(&g.tp, m, &local)?));
-        }
-        if writer {
-            tensors.push((m.name.clone(), table.flat_params().dtype(), shape.clone(), p));
-            for (prefix, v) in OPT.iter().zip(states) {
-                tensors.push((format!("{prefix}.{}", m.name), DType::F32, shape.clone(), v));
-            }
-        }
-    }
-    drop(state); // the per-tensor copies above are what gets written
-    let (stage, stages) = (g.pp.rank(), g.pp.size());
+    let (state, step) = opt.owned_state()?;
+    let entries = my_entries(g, table, opt, &state)?;
     let tmp = save_dir.join(format!(".tmp-iter_{:07}", info.iteration));
-    // World rank 0 prepares the folder; every stage's writer then adds its file.
+    // World rank 0 prepares the folder; every rank then adds its file.
     let prepared = if g.world.rank() == 0 { prepare(save_dir, &tmp) } else { Ok(()) };
     agree(g, prepared.is_ok(), info.iteration)?;
     prepared?;
-    let written = if writer { write_stage(&tmp, &tensor_file(stage, stages), &tensors) } else { Ok(String::new()) };
-    // Every rank learns every stage's checksum (and whether its write worked).
-    let mut mine = vec![writer as u32, stage as u32, written.is_ok() as u32];
+    let rank = g.world.rank();
+    let writes = !entries.is_empty();
+    let written = if writes {
+        ferrotron_checkpoint::write_shard(&tmp.join(shard_file(rank)), &entries).map_err(anyhow::Error::from)
+    } else {
+        Ok(String::new())
+    };
+    drop(entries);
+    // Every rank learns every file's checksum (and whether its write worked).
+    let mut mine = vec![writes as u32, written.is_ok() as u32];
     mine.extend(hex_words(written.as_deref().unwrap_or("")));
     let n = g.world.size();
     let all = Tensor::zeros([n * mine.len()], DType::U32, &Device::Cpu)?;
     g.world.all_gather(&Tensor::from_vec(mine.clone(), [mine.len()], &Device::Cpu)?, &all)?;
     let all = all.to_vec::<u32>()?;
     written?;
-    let mut files: Vec<Option<TensorFile>> = vec![None; stages];
-    for x in all.chunks(mine.len()) {
+    let mut files = vec![];
+    for (r, x) in all.chunks(mine.len()).enumerate() {
         if x[0] == 1 {
-            if x[2] != 1 {
-                bail!(
-                    "saving iteration {}: the writer of pipeline stage {} failed (see its error)",
-                    info.iteration,
-                    x[1]
-                );
+            if x[1] != 1 {
+                bail!("saving iteration {}: rank {r} failed to write its shard (see its error)", info.iteration);
             }
-            files[x[1] as usize] =
-                Some(TensorFile { file: tensor_file(x[1] as usize, stages), sha256: words_hex(&x[3..]) });
+            files.push(TensorFile { file: shard_file(r), sha256: words_hex(&x[2..]) });
         }
     }
-    let files: Vec<TensorFile> = files.into_iter().collect::<Option<_>>().context("a pipeline stage wrote no file")?;
     let dtype = table.flat_params().dtype().to_string();
-    let done = if g.world.rank() == 0 { finish(save_dir, &tmp, &dtype, files, Some(step), info) } else { Ok(()) };
+    let done = if rank == 0 { finish(save_dir, &tmp, &dtype, files, Some(step), info) } else { Ok(()) };
     agree(g, done.is_ok(), info.iteration)?;
     done?;
     Ok(iter_dir(save_dir, info.iteration))
@@ -181,10 +208,19 @@ pub fn save_params(
 ) -> anyhow::Result<PathBuf> {
     let tmp = save_dir.join(".tmp-iter_0000000");
     prepare(save_dir, &tmp)?;
-    let file = tensor_file(0, 1);
-    let sha256 = write_stage(&tmp, &file, tensors)?;
-    // (vocab_size only trims gathered tensors in `save`; these come trimmed.)
-    let info = SaveInfo { iteration: 0, consumed_samples: 0, consumed_valid_samples: 0, settings, vocab_size: 0 };
+    let file = shard_file(0);
+    let entries: Vec<ShardEntry> = tensors
+        .iter()
+        .map(|(name, d, shape, v)| ShardEntry {
+            key: name.clone(),
+            piece: Piece::whole(shape),
+            dtype: *d,
+            values: Cow::Borrowed(v),
+        })
+        .collect();
+    let sha256 = ferrotron_checkpoint::write_shard(&tmp.join(&file), &entries)?;
+    let vocab_size = settings.model_config()?.vocab_size;
+    let info = SaveInfo { iteration: 0, consumed_samples: 0, consumed_valid_samples: 0, settings, vocab_size };
     finish(save_dir, &tmp, &dtype.to_string(), vec![TensorFile { file, sha256 }], None, &info)?;
     Ok(iter_dir(save_dir, 0))
 }
@@ -221,50 +257,6 @@ fn prepare(save_dir: &Path, tmp: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Writes one stage's tensors, streamed to the file (f32 data straight from the gathered vectors:
-/// no whole-file buffer), synced; returns the SHA-256 of the file as it lies on disk.
-fn write_stage(tmp: &Path, file: &str, tensors: &[(String, DType, Vec<usize>, Vec<f32>)]) -> anyhow::Result<String> {
-    let encoded: Vec<(Cow<[u8]>, Dtype)> =
-        tensors.iter().map(|(_, d, _, v)| tensor_bytes(*d, v)).collect::<anyhow::Result<_>>()?;
-    let views = tensors
-        .iter()
-        .zip(&encoded)
-        .map(|((name, _, shape, _), (b, d))| Ok((name.as_str(), TensorView::new(*d, shape.clone(), b)?)))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let path = tmp.join(file);
-    safetensors::serialize_to_file(views, None, &path).with_context(|| format!("cannot write {}", path.display()))?;
-    let mut f = std::fs::File::open(&path)?;
-    f.sync_all()?;
-    sha256_file(&mut f)
-}
-
-pub(crate) fn tensor_bytes(dtype: DType, v: &[f32]) -> anyhow::Result<(Cow<'_, [u8]>, Dtype)> {
-    Ok(match dtype {
-        // safetensors is little-endian, like every target Ferrotron builds for today.
-        DType::F32 if cfg!(target_endian = "little") => (Cow::Borrowed(bytemuck::cast_slice(v)), Dtype::F32),
-        DType::F32 => (Cow::Owned(v.iter().flat_map(|x| x.to_le_bytes()).collect()), Dtype::F32),
-        DType::BF16 => {
-            (Cow::Owned(v.iter().flat_map(|&x| bf16::from_f32(x).to_bits().to_le_bytes()).collect()), Dtype::BF16)
-        }
-        d => bail!("saving {d} parameters is not supported"),
-    })
-}
-
-/// SHA-256 of a file, read in chunks.
-fn sha256_file(f: &mut std::fs::File) -> anyhow::Result<String> {
-    use std::io::Read;
-    let mut h = Sha256::new();
-    let mut buf = vec![0u8; 8 << 20];
-    loop {
-        let n = f.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-    }
-    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
-}
-
 /// World rank 0: state.toml, then the folder renamed into place, then the tracker. `step`: the
 /// optimizer's step, None where no optimizer state is saved.
 fn finish(
@@ -278,6 +270,7 @@ fn finish(
     let iteration = info.iteration;
     let state = State {
         format_version: FORMAT_VERSION,
+        vocab_size: info.vocab_size,
         iteration,
         consumed_samples: info.consumed_samples,
         consumed_valid_samples: info.consumed_valid_samples,
@@ -302,10 +295,6 @@ fn finish(
     write_synced(&tracker_tmp, format!("{iteration}\n").as_bytes())?;
     std::fs::rename(&tracker_tmp, save_dir.join(TRACKER))?;
     Ok(())
-}
-
-fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn write_synced(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
@@ -337,17 +326,10 @@ pub fn resolve(dir: &Path) -> anyhow::Result<PathBuf> {
 /// A tensor of a safetensors file as f32 values (stored as f32, bf16 or f16).
 pub(crate) fn f32_values(st: &SafeTensors, name: &str, file: &Path) -> anyhow::Result<(Vec<usize>, Vec<f32>)> {
     let t = st.tensor(name).with_context(|| format!("{}: corrupt checkpoint: no tensor `{name}`", file.display()))?;
-    let data = t.data();
-    let v: Vec<f32> = match t.dtype() {
-        Dtype::F32 => data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-        Dtype::BF16 => {
-            data.chunks_exact(2).map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32()).collect()
-        }
-        Dtype::F16 => {
-            data.chunks_exact(2).map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32()).collect()
-        }
-        d => bail!("{}: tensor `{name}` has dtype {d:?} (f32, bf16 and f16 are read)", file.display()),
-    };
+    let mut v = Vec::with_capacity(t.shape().iter().product());
+    if ferrotron_checkpoint::decode(t.dtype(), t.data(), &mut v).is_none() {
+        bail!("{}: tensor `{name}` has dtype {:?} (f32, bf16 and f16 are read)", file.display(), t.dtype());
+    }
     if v.len() != t.shape().iter().product::<usize>() {
         bail!("{}: corrupt checkpoint: `{name}` has {} values for shape {:?}", file.display(), v.len(), t.shape());
     }
@@ -360,9 +342,9 @@ pub fn read_state(dir: &Path) -> anyhow::Result<State> {
     let text = std::fs::read_to_string(&state_path).with_context(|| format!("cannot read {}", state_path.display()))?;
     let state: State =
         toml::from_str(&text).with_context(|| format!("{}: corrupt checkpoint state", state_path.display()))?;
-    if state.format_version != FORMAT_VERSION {
+    if state.format_version != FORMAT_VERSION && state.format_version != WHOLE_FORMAT {
         bail!(
-            "{}: checkpoint format {} but this build reads format {FORMAT_VERSION}",
+            "{}: checkpoint format {} but this build reads formats {WHOLE_FORMAT} and {FORMAT_VERSION}",
             state_path.display(),
             state.format_version
         );
@@ -370,26 +352,94 @@ pub fn read_state(dir: &Path) -> anyhow::Result<State> {
     Ok(state)
 }
 
-/// Loads and verifies a checkpoint folder (see `resolve`).
+/// A checkpoint as each rank reads it: its own parts of the tensors, under its own layout.
+pub trait Parts {
+    fn state(&self) -> &State;
+    /// Flat `range` of this rank's part of tensor `key`, which has parameter `m`'s layout.
+    fn part(&self, m: &ParamMeta, key: &str, range: Range<usize>) -> anyhow::Result<Vec<f32>>;
+}
+
+/// A format 3 checkpoint, its shard files memory-mapped (each checked against its SHA-256 when
+/// first read from).
+pub struct Sharded {
+    pub state: State,
+    reader: ShardReader,
+}
+
+impl Parts for Sharded {
+    fn state(&self) -> &State {
+        &self.state
+    }
+
+    fn part(&self, m: &ParamMeta, key: &str, range: Range<usize>) -> anyhow::Result<Vec<f32>> {
+        let rows = vocab_padded(&m.name).then_some(self.state.vocab_size);
+        Ok(self.reader.read(key, &Piece::of(m, range), rows)?)
+    }
+}
+
+impl Parts for Loaded {
+    fn state(&self) -> &State {
+        &self.state
+    }
+
+    fn part(&self, m: &ParamMeta, key: &str, range: Range<usize>) -> anyhow::Result<Vec<f32>> {
+        let (shape, whole) = self
+            .tensors
+            .get(key)
+            .with_context(|| format!("the checkpoint has no `{key}`: the model flags differ from the saved run"))?;
+        local_part(m, shape, whole, range)
+    }
+}
+
+/// Opens the checkpoint folder `dir` names (see `resolve`) for `restore` (`optimizer`) or
+/// `restore_params`. Format 3 is mapped, not read; format 2 is read whole (its optimizer state
+/// only with `optimizer`).
+pub fn open(dir: &Path, optimizer: bool) -> anyhow::Result<Box<dyn Parts>> {
+    let state = read_state(dir)?;
+    if state.format_version == WHOLE_FORMAT {
+        return Ok(Box::new(if optimizer { load(dir)? } else { load_params(dir)? }));
+    }
+    let dir = resolve(dir)?;
+    let files: Vec<_> = state.tensor_files.iter().map(|f| (dir.join(&f.file), Some(f.sha256.clone()))).collect();
+    let reader = ShardReader::open(&files)?;
+    Ok(Box::new(Sharded { state, reader }))
+}
+
+/// The parameter an optimizer tensor's name is of (None for a parameter's own name).
+fn optimizer_of(name: &str) -> Option<&str> {
+    OPT.iter().find_map(|p| name.strip_prefix(p).and_then(|r| r.strip_prefix('.')))
+}
+
+/// Every tensor whole, in host memory (tests, inspection).
 pub fn load(dir: &Path) -> anyhow::Result<Loaded> {
     load_where(dir, |_| true)
 }
 
 /// `load` without the optimizer state (a quarter of the memory of a trained checkpoint):
-/// generation, export, `--finetune`.
+/// export, format 2's `--finetune`.
 pub fn load_params(dir: &Path) -> anyhow::Result<Loaded> {
-    load_where(dir, |name| !OPT.iter().any(|p| name.strip_prefix(p).is_some_and(|r| r.starts_with('.'))))
+    load_where(dir, |name| optimizer_of(name).is_none())
 }
 
-/// `load` of the tensors whose names `keep` takes (every file is still verified whole).
+/// `load` of the tensors whose names `keep` takes, vocabulary rows unpadded (every file read is
+/// verified whole).
 fn load_where(dir: &Path, keep: impl Fn(&str) -> bool) -> anyhow::Result<Loaded> {
     let state = read_state(dir)?;
     let dir = resolve(dir)?;
     let mut tensors = HashMap::new();
+    if state.format_version != WHOLE_FORMAT {
+        let files: Vec<_> = state.tensor_files.iter().map(|f| (dir.join(&f.file), Some(f.sha256.clone()))).collect();
+        let reader = ShardReader::open(&files)?;
+        for key in reader.keys().filter(|k| keep(k)) {
+            let rows = vocab_padded(optimizer_of(key).unwrap_or(key)).then_some(state.vocab_size);
+            tensors.insert(key.to_string(), reader.read_whole(key, rows)?);
+        }
+        return Ok(Loaded { state, tensors });
+    }
     for tf in &state.tensor_files {
         let file = dir.join(&tf.file);
         let bytes = std::fs::read(&file).with_context(|| format!("cannot read {}", file.display()))?;
-        let sha = sha256_hex(&bytes);
+        let sha = ferrotron_checkpoint::sha256_hex(&bytes);
         if sha != tf.sha256 {
             bail!(
                 "{}: corrupt checkpoint: SHA-256 {sha} does not match {} recorded in {STATE}",
@@ -407,9 +457,9 @@ fn load_where(dir: &Path, keep: impl Fn(&str) -> bool) -> anyhow::Result<Loaded>
     Ok(Loaded { state, tensors })
 }
 
-/// This rank's part of a whole tensor saved as `saved_shape`, for parameter `m`. Vocabulary rows
-/// missing from the file (padding) read as 0.
-fn local_part(m: &ParamMeta, saved_shape: &[usize], whole: &[f32]) -> anyhow::Result<Vec<f32>> {
+/// Flat `range` of this rank's part of a whole tensor saved as `saved_shape`, for parameter `m`.
+/// Vocabulary rows missing from the file (padding) read as 0.
+fn local_part(m: &ParamMeta, saved_shape: &[usize], whole: &[f32], range: Range<usize>) -> anyhow::Result<Vec<f32>> {
     let g = m.global_shape.dims();
     let rows_differ = vocab_padded(&m.name) && saved_shape.len() == g.len() && saved_shape[1..] == g[1..];
     if saved_shape != g && !rows_differ {
@@ -419,7 +469,7 @@ fn local_part(m: &ParamMeta, saved_shape: &[usize], whole: &[f32]) -> anyhow::Re
         );
     }
     let have = whole.len();
-    Ok((0..m.local_shape.elem_count())
+    Ok(range
         .map(|i| {
             let gi = global_flat_index(m, m.shard, i);
             if gi < have { whole[gi] } else { 0.0 }
@@ -427,42 +477,35 @@ fn local_part(m: &ParamMeta, saved_shape: &[usize], whole: &[f32]) -> anyhow::Re
         .collect())
 }
 
-/// Puts a loaded checkpoint into this rank's parameters and optimizer (any layout).
-pub fn restore(ck: &Loaded, table: &ParamTable, opt: &mut Optimizer) -> anyhow::Result<()> {
-    if !ck.state.optimizer_state {
+/// Puts a checkpoint into this rank's parameters and optimizer (any layout).
+pub fn restore(ck: &dyn Parts, table: &ParamTable, opt: &mut Optimizer) -> anyhow::Result<()> {
+    let st = ck.state();
+    if !st.optimizer_state {
         bail!(
             "the checkpoint holds parameters only (no optimizer state, e.g. one converted from Hugging Face): load it with --finetune (or --no-load-optim)"
         );
     }
-    table.settle_params()?; // no gather still pending may overwrite what is restored
-    if let Some(m) = table.metas().iter().find(|m| !ck.tensors.contains_key(&m.name)) {
-        bail!("the checkpoint has no `{}`: the model flags differ from the saved run", m.name);
-    }
-    let n = table.flat_len();
+    restore_params(ck, table)?;
+    let n: usize = opt.owned().iter().map(|r| r.len()).sum();
     let mut state = [vec![0f32; n], vec![0f32; n], vec![0f32; n]];
-    for id in table.ids() {
+    for (id, flat, at) in opt.owned_pieces(table) {
         let m = table.meta(id);
-        let (shape, whole) = &ck.tensors[&m.name];
-        table.param(id)?.copy_from_f32(&local_part(m, shape, whole)?)?;
-        let r = table.range(id);
+        let start = flat.start - table.range(id).start;
         for (buf, p) in state.iter_mut().zip(OPT) {
-            let (shape, whole) = &ck.tensors[&format!("{p}.{}", m.name)];
-            buf[r.clone()].copy_from_slice(&local_part(m, shape, whole)?);
+            let v = ck.part(m, &format!("{p}.{}", m.name), start..start + flat.len())?;
+            buf[at..at + flat.len()].copy_from_slice(&v);
         }
     }
-    opt.load_full_state(&state, ck.state.optimizer_step)?;
+    opt.load_owned_state(&state, st.optimizer_step)?;
     Ok(())
 }
 
 /// Just the parameters (generation, `--finetune`, `--no-load-optim`).
-pub fn restore_params(ck: &Loaded, table: &ParamTable) -> anyhow::Result<()> {
-    table.settle_params()?;
+pub fn restore_params(ck: &dyn Parts, table: &ParamTable) -> anyhow::Result<()> {
+    table.settle_params()?; // no gather still pending may overwrite what is restored
     for id in table.ids() {
         let m = table.meta(id);
-        let (shape, whole) = ck.tensors.get(&m.name).with_context(|| {
-            format!("the checkpoint has no `{}`: the model flags differ from the saved run", m.name)
-        })?;
-        table.param(id)?.copy_from_f32(&local_part(m, shape, whole)?)?;
+        table.param(id)?.copy_from_f32(&ck.part(m, &m.name, 0..m.local_shape.elem_count())?)?;
     }
     Ok(())
 }

@@ -241,7 +241,7 @@ fn export(load: &Path, save_dir: &Path) -> anyhow::Result<Converted> {
     std::fs::create_dir_all(save_dir)
         .with_context(|| format!("--save-dir {}: cannot create the folder", save_dir.display()))?;
     let encoded: Vec<_> =
-        tensors.iter().map(|(_, t)| checkpoint::tensor_bytes(dtype, &t.data)).collect::<anyhow::Result<_>>()?;
+        tensors.iter().map(|(name, t)| ferrotron_checkpoint::encode(name, dtype, &t.data)).collect::<Result<_, _>>()?;
     let views = tensors
         .iter()
         .zip(&encoded)

@@ -22,11 +22,11 @@ pub fn generate(a: &GenerateArgs) -> anyhow::Result<String> {
         bail!("--temperature {} must be >= 0", a.temperature);
     }
     crate::settings::check_dir(a.load, "--load")?;
-    let ck = checkpoint::load_params(a.load)?;
-    let s = &ck.state.settings;
+    let ck = checkpoint::open(a.load, false)?;
+    let s = &ck.state().settings;
     let dtype = if s.bf16 { DType::BF16 } else { DType::F32 };
     let (model, table) = GptModel::build(s.model_config()?, &Device::Cpu, dtype, s.seed)?;
-    checkpoint::restore_params(&ck, &table)?;
+    checkpoint::restore_params(ck.as_ref(), &table)?;
     let tok = Tokenizer::new(s.tokenizer()?)?;
     let mut ids = tok.encode(a.prompt)?;
     if ids.is_empty() {

@@ -389,18 +389,17 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     };
     let (mut iteration, mut consumed, mut consumed_valid) = (0u64, 0u64, 0u64);
     if let Some(dir) = &paths.load {
-        let ck =
-            if paths.load_mode == LoadMode::Resume { checkpoint::load(dir)? } else { checkpoint::load_params(dir)? };
+        let ck = checkpoint::open(dir, paths.load_mode == LoadMode::Resume)?;
         if paths.load_mode == LoadMode::Resume {
-            checkpoint::restore(&ck, &table, &mut opt)?;
+            checkpoint::restore(ck.as_ref(), &table, &mut opt)?;
         } else {
-            checkpoint::restore_params(&ck, &table)?;
+            checkpoint::restore_params(ck.as_ref(), &table)?;
             // A fresh optimizer: fp32 master weights from the loaded parameters, no moments.
             opt = Optimizer::new_parallel(&table, adam, &sync, g.mp.clone(), g.tp.rank())?;
         }
         if paths.load_mode != LoadMode::Finetune {
-            (iteration, consumed, consumed_valid) =
-                (ck.state.iteration, ck.state.consumed_samples, ck.state.consumed_valid_samples);
+            let st = ck.state();
+            (iteration, consumed, consumed_valid) = (st.iteration, st.consumed_samples, st.consumed_valid_samples);
         }
         if rank0 {
             let what = match paths.load_mode {

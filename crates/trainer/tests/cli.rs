@@ -86,7 +86,7 @@ fn short_run_learns_and_writes_parseable_files() {
     assert_eq!(std::fs::read_to_string(dir.join("latest_checkpointed_iteration.txt")).unwrap().trim(), "30");
     let state: toml::Table = std::fs::read_to_string(dir.join("iter_0000030/state.toml")).unwrap().parse().unwrap();
     assert_eq!(state["iteration"].as_integer(), Some(30));
-    assert!(dir.join("iter_0000015/model_optim.safetensors").is_file());
+    assert!(dir.join("iter_0000015/model_optim_rank00000.safetensors").is_file());
     // generate reads it back.
     let g = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
         .args(["generate", "--load", d, "--prompt", "Once", "--max-new-tokens", "20"])
@@ -420,7 +420,7 @@ fn corrupt_checkpoint_is_an_error_and_failed_save_loses_nothing() {
     std::fs::remove_dir_all(dir.join(".latest_checkpointed_iteration.txt.tmp")).unwrap();
 
     // Flipped bytes in the tensor file: caught by the checksum, named as corrupt.
-    corrupt_first_byte(&dir.join("iter_0000002/model_optim.safetensors"));
+    corrupt_first_byte(&dir.join("iter_0000002/model_optim_rank00000.safetensors"));
     let o = Command::new(env!("CARGO_BIN_EXE_ferrotron")).args(["generate", "--load", d]).output().unwrap();
     assert!(!o.status.success());
     assert!(stderr(&o).contains("corrupt checkpoint"), "{}", stderr(&o));
