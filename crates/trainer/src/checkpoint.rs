@@ -107,14 +107,24 @@ pub struct SaveInfo<'a> {
     pub vocab_size: usize,
 }
 
+/// One tensor this rank stores: its values copied to the host, or a range of the optimizer
+/// state it took (moved to the writer with it, so an asynchronous write holds no second copy).
+struct Planned {
+    key: String,
+    piece: Piece,
+    dtype: DType,
+    values: Values,
+}
+
+enum Values {
+    Own(Vec<f32>),
+    /// (which of master, exp_avg, exp_avg_sq; range in the owned state)
+    State(usize, Range<usize>),
+}
+
 /// What this rank writes: its parameters' parts and its optimizer state's share (see the
-/// module header for who writes what).
-fn my_entries<'a>(
-    g: &ProcessGroups,
-    table: &ParamTable,
-    opt: &Optimizer,
-    state: &'a [Vec<f32>; 3],
-) -> anyhow::Result<Vec<ShardEntry<'a>>> {
+/// module header for who writes what). Parameters are read from their device here.
+fn my_entries(g: &ProcessGroups, table: &ParamTable, opt: &Optimizer) -> anyhow::Result<Vec<Planned>> {
     let mine = |m: &ParamMeta| !m.pipeline_copy && (m.split_dim.is_some() || g.tp.rank() == 0);
     let dtype = table.flat_params().dtype();
     let mut out = vec![];
@@ -123,7 +133,7 @@ fn my_entries<'a>(
             let m = table.meta(id);
             let values = table.param(id)?.to_vec_f32()?;
             let piece = Piece::of(m, 0..values.len());
-            out.push(ShardEntry { key: m.name.clone(), piece, dtype, values: Cow::Owned(values) });
+            out.push(Planned { key: m.name.clone(), piece, dtype, values: Values::Own(values) });
         }
     }
     if opt.distributed() || g.dp.rank() == 0 {
@@ -133,12 +143,12 @@ fn my_entries<'a>(
                 continue;
             }
             let start = flat.start - table.range(id).start;
-            for (prefix, buf) in OPT.iter().zip(state) {
-                out.push(ShardEntry {
+            for (k, prefix) in OPT.iter().enumerate() {
+                out.push(Planned {
                     key: format!("{prefix}.{}", m.name),
                     piece: Piece::of(m, start..start + flat.len()),
                     dtype: DType::F32,
-                    values: Cow::Borrowed(&buf[at..at + flat.len()]),
+                    values: Values::State(k, at..at + flat.len()),
                 });
             }
         }
@@ -146,9 +156,141 @@ fn my_entries<'a>(
     Ok(out)
 }
 
-/// Collective over the world: every rank writes its own shard file (see the module header),
-/// world rank 0 the state, atomically. Returns the checkpoint folder on every rank (or every
-/// rank's error if a write failed).
+/// Writes the planned tensors to `path`; returns the file's SHA-256.
+fn write_planned(path: &Path, planned: &[Planned], state: &[Vec<f32>; 3]) -> anyhow::Result<String> {
+    let entries: Vec<ShardEntry> = planned
+        .iter()
+        .map(|p| ShardEntry {
+            key: p.key.clone(),
+            piece: p.piece.clone(),
+            dtype: p.dtype,
+            values: match &p.values {
+                Values::Own(v) => Cow::Borrowed(v.as_slice()),
+                Values::State(k, r) => Cow::Borrowed(&state[*k][r.clone()]),
+            },
+        })
+        .collect();
+    Ok(ferrotron_checkpoint::write_shard(path, &entries)?)
+}
+
+/// A save begun by `start_save`: this rank's shard written (or being written, --async-save);
+/// `finish_save` makes it the checkpoint.
+pub struct PendingSave {
+    save_dir: PathBuf,
+    tmp: PathBuf,
+    iteration: u64,
+    consumed_samples: u64,
+    consumed_valid_samples: u64,
+    settings: Settings,
+    vocab_size: usize,
+    step: u64,
+    params_dtype: String,
+    /// None where this rank stores nothing.
+    writer: Option<Writer>,
+}
+
+enum Writer {
+    Done(anyhow::Result<String>),
+    Running(std::thread::JoinHandle<anyhow::Result<String>>),
+}
+
+/// Collective over the world: copies this rank's parts to the host and writes them to its shard
+/// file in the checkpoint's temporary folder: in the background with `background`
+/// (`--async-save`: training goes on meanwhile), else before returning. Nothing becomes the
+/// checkpoint until `finish_save`.
+pub fn start_save(
+    save_dir: &Path,
+    g: &ProcessGroups,
+    table: &ParamTable,
+    opt: &Optimizer,
+    info: &SaveInfo,
+    background: bool,
+) -> anyhow::Result<PendingSave> {
+    table.settle_params()?; // pending gathers (--overlap-param-gather) before anything reads
+    let (state, step) = opt.owned_state()?;
+    let planned = my_entries(g, table, opt)?;
+    let tmp = save_dir.join(format!(".tmp-iter_{:07}", info.iteration));
+    // World rank 0 prepares the folder; every rank then adds its file.
+    let prepared = if g.world.rank() == 0 { prepare(save_dir, &tmp) } else { Ok(()) };
+    agree(g, prepared.is_ok(), info.iteration)?;
+    prepared?;
+    let path = tmp.join(shard_file(g.world.rank()));
+    let writer = (!planned.is_empty()).then(|| {
+        if background {
+            Writer::Running(std::thread::spawn(move || write_planned(&path, &planned, &state)))
+        } else {
+            Writer::Done(write_planned(&path, &planned, &state))
+        }
+    });
+    Ok(PendingSave {
+        save_dir: save_dir.to_path_buf(),
+        tmp,
+        iteration: info.iteration,
+        consumed_samples: info.consumed_samples,
+        consumed_valid_samples: info.consumed_valid_samples,
+        settings: info.settings.clone(),
+        vocab_size: info.vocab_size,
+        step,
+        params_dtype: table.flat_params().dtype().to_string(),
+        writer,
+    })
+}
+
+/// Collective over the world: whether every rank's shard of `p` is written (--async-save's
+/// check at log intervals; a save finished then waits for no one).
+pub fn all_written(g: &ProcessGroups, p: &PendingSave) -> anyhow::Result<bool> {
+    let mine = !matches!(&p.writer, Some(Writer::Running(h)) if !h.is_finished());
+    let t = Tensor::from_vec(vec![if mine { 1f32 } else { 0.0 }], [1], &Device::Cpu)?;
+    g.world.all_reduce(&t, ReduceOp::Min)?;
+    Ok(t.to_vec_f32()?[0] == 1.0)
+}
+
+/// Collective over the world: waits for every rank's shard, then world rank 0 writes the state
+/// and renames the folder into place, then the tracker. Returns the checkpoint folder on every
+/// rank (or every rank's error if a write failed: the previous checkpoint stays the latest).
+pub fn finish_save(g: &ProcessGroups, p: PendingSave) -> anyhow::Result<PathBuf> {
+    let written = match p.writer {
+        None => None,
+        Some(Writer::Done(r)) => Some(r),
+        Some(Writer::Running(h)) => {
+            Some(h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("the checkpoint writer thread panicked"))))
+        }
+    };
+    // Every rank learns every file's checksum (and whether its write worked).
+    let ok = written.as_ref().is_none_or(|r| r.is_ok());
+    let mut mine = vec![written.is_some() as u32, ok as u32];
+    mine.extend(hex_words(written.as_ref().and_then(|r| r.as_ref().ok()).map_or("", |s| s.as_str())));
+    let n = g.world.size();
+    let all = Tensor::zeros([n * mine.len()], DType::U32, &Device::Cpu)?;
+    g.world.all_gather(&Tensor::from_vec(mine.clone(), [mine.len()], &Device::Cpu)?, &all)?;
+    let all = all.to_vec::<u32>()?;
+    if let Some(Err(e)) = written {
+        return Err(e.context(format!("saving iteration {}", p.iteration)));
+    }
+    let mut files = vec![];
+    for (r, x) in all.chunks(mine.len()).enumerate() {
+        if x[0] == 1 {
+            if x[1] != 1 {
+                bail!("saving iteration {}: rank {r} failed to write its shard (see its error)", p.iteration);
+            }
+            files.push(TensorFile { file: shard_file(r), sha256: words_hex(&x[2..]) });
+        }
+    }
+    let info = SaveInfo {
+        iteration: p.iteration,
+        consumed_samples: p.consumed_samples,
+        consumed_valid_samples: p.consumed_valid_samples,
+        settings: &p.settings,
+        vocab_size: p.vocab_size,
+    };
+    let rank0 = g.world.rank() == 0;
+    let done = if rank0 { finish(&p.save_dir, &p.tmp, &p.params_dtype, files, Some(p.step), &info) } else { Ok(()) };
+    agree(g, done.is_ok(), p.iteration)?;
+    done?;
+    Ok(iter_dir(&p.save_dir, p.iteration))
+}
+
+/// `start_save` and `finish_save` in one (collective over the world).
 pub fn save(
     save_dir: &Path,
     g: &ProcessGroups,
@@ -156,44 +298,7 @@ pub fn save(
     opt: &Optimizer,
     info: &SaveInfo,
 ) -> anyhow::Result<PathBuf> {
-    table.settle_params()?; // pending gathers (--overlap-param-gather) before anything reads
-    let (state, step) = opt.owned_state()?;
-    let entries = my_entries(g, table, opt, &state)?;
-    let tmp = save_dir.join(format!(".tmp-iter_{:07}", info.iteration));
-    // World rank 0 prepares the folder; every rank then adds its file.
-    let prepared = if g.world.rank() == 0 { prepare(save_dir, &tmp) } else { Ok(()) };
-    agree(g, prepared.is_ok(), info.iteration)?;
-    prepared?;
-    let rank = g.world.rank();
-    let writes = !entries.is_empty();
-    let written = if writes {
-        ferrotron_checkpoint::write_shard(&tmp.join(shard_file(rank)), &entries).map_err(anyhow::Error::from)
-    } else {
-        Ok(String::new())
-    };
-    drop(entries);
-    // Every rank learns every file's checksum (and whether its write worked).
-    let mut mine = vec![writes as u32, written.is_ok() as u32];
-    mine.extend(hex_words(written.as_deref().unwrap_or("")));
-    let n = g.world.size();
-    let all = Tensor::zeros([n * mine.len()], DType::U32, &Device::Cpu)?;
-    g.world.all_gather(&Tensor::from_vec(mine.clone(), [mine.len()], &Device::Cpu)?, &all)?;
-    let all = all.to_vec::<u32>()?;
-    written?;
-    let mut files = vec![];
-    for (r, x) in all.chunks(mine.len()).enumerate() {
-        if x[0] == 1 {
-            if x[1] != 1 {
-                bail!("saving iteration {}: rank {r} failed to write its shard (see its error)", info.iteration);
-            }
-            files.push(TensorFile { file: shard_file(r), sha256: words_hex(&x[2..]) });
-        }
-    }
-    let dtype = table.flat_params().dtype().to_string();
-    let done = if rank == 0 { finish(save_dir, &tmp, &dtype, files, Some(step), info) } else { Ok(()) };
-    agree(g, done.is_ok(), info.iteration)?;
-    done?;
-    Ok(iter_dir(save_dir, info.iteration))
+    finish_save(g, start_save(save_dir, g, table, opt, info, false)?)
 }
 
 /// Writes a checkpoint of parameters alone at iteration 0 (`ferrotron convert`): `tensors` whole,

@@ -195,6 +195,13 @@ pub struct TrainArgs {
     pub metrics_file: Option<PathBuf>,
     #[arg(long)]
     pub save_interval: Option<u64>,
+    /// Write checkpoints in the background (Megatron's --async-save): a save copies this rank's
+    /// parts to the host and training goes on while a thread writes them; the checkpoint becomes
+    /// the latest once every rank's file is written (checked at log intervals, and before the
+    /// next save and the end of the run).
+    #[arg(long)]
+    #[serde(skip)]
+    pub async_save: bool,
     /// bf16 parameters and activations with fp32 master weights and grads.
     #[arg(long)]
     pub bf16: bool,
@@ -353,7 +360,7 @@ impl TrainArgs {
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers);
         merge_flags!(self, o; use_rope_scaling, swiglu, untie_embeddings_and_output_weights, disable_bias_linear, qk_layernorm, bf16, fp16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
-            use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss);
+            use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, async_save);
         if !o.profile_ranks.is_empty() {
             self.profile_ranks = o.profile_ranks.clone();
         }
@@ -584,6 +591,8 @@ pub struct Paths {
     pub progress: bool,
     /// Megatron's --exit-interval: stop after an iteration that is a multiple of it.
     pub exit_interval: Option<u64>,
+    /// Megatron's --async-save: shards written by a background thread.
+    pub async_save: bool,
     pub device: ferrotron_core::Device,
     pub launch: Launch,
     /// How long a collective waits for the other ranks.
@@ -629,6 +638,7 @@ impl Default for Paths {
             metrics: None,
             progress: false,
             exit_interval: None,
+            async_save: false,
             device: ferrotron_core::Device::Cpu,
             launch: Launch::Single,
             timeout: std::time::Duration::from_secs(600),
@@ -1031,6 +1041,7 @@ impl Settings {
             metrics,
             progress: !a.no_progress,
             exit_interval: a.exit_interval,
+            async_save: a.async_save,
             device,
             launch,
             timeout,

@@ -483,6 +483,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     // Steps queued since the last log line: their losses are read back together at the next log
     // interval (or the end of training), not after every step.
     let mut queued: Vec<(u64, QueuedStep)> = Vec::new();
+    let mut pending: Option<checkpoint::PendingSave> = None;
     let first_iteration = iteration + 1;
     // --cuda-graph-impl local: the step graphed after its warm-up steps (one GPU, checked).
     let mut graph = paths.cuda_graph_warmup.map(StepGraph::new);
@@ -585,8 +586,17 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             }
         }
         let exit = paths.exit_interval.is_some_and(|e| iteration % e == 0);
+        // An asynchronous save completes at a log interval once every rank's file is written.
+        let written = match &pending {
+            Some(p) if iteration % s.log_interval == 0 => checkpoint::all_written(&g, p)?,
+            _ => false,
+        };
+        if written {
+            finish_pending(&g, &mut pending, &mut summary, &pb, rank0)?;
+        }
         if let Some(dir) = &paths.save {
             if iteration % s.save_interval == 0 || iteration == s.train_iters || exit {
+                finish_pending(&g, &mut pending, &mut summary, &pb, rank0)?;
                 let info = SaveInfo {
                     iteration,
                     consumed_samples: consumed,
@@ -594,14 +604,14 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
                     settings: s,
                     vocab_size: model.config.vocab_size,
                 };
-                let d = checkpoint::save(dir, &g, &table, &opt, &info)?;
-                if rank0 {
-                    pb.suspend(|| eprintln!("saved {}", d.display()));
+                pending = Some(checkpoint::start_save(dir, &g, &table, &opt, &info, paths.async_save)?);
+                if !paths.async_save {
+                    finish_pending(&g, &mut pending, &mut summary, &pb, rank0)?;
                 }
-                summary.checkpoints.push(d);
             }
         }
         if exit {
+            finish_pending(&g, &mut pending, &mut summary, &pb, rank0)?;
             read_queued(&mut queued, &mut summary)?;
             if rank0 {
                 pb.suspend(|| eprintln!("exiting at iteration {iteration} (--exit-interval)"));
@@ -613,10 +623,28 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             window.0 = Instant::now();
         }
     }
+    finish_pending(&g, &mut pending, &mut summary, &pb, rank0)?;
     read_queued(&mut queued, &mut summary)?;
     pb.finish_and_clear();
     summary.graphed_steps = graph.map_or(0, |g| g.launches());
     Ok(summary)
+}
+
+/// Completes the save in `pending`, if any (collective: every rank has the same one pending).
+fn finish_pending(
+    g: &ProcessGroups,
+    pending: &mut Option<checkpoint::PendingSave>,
+    summary: &mut Summary,
+    pb: &ProgressBar,
+    rank0: bool,
+) -> anyhow::Result<()> {
+    let Some(p) = pending.take() else { return Ok(()) };
+    let d = checkpoint::finish_save(g, p)?;
+    if rank0 {
+        pb.suspend(|| eprintln!("saved {}", d.display()));
+    }
+    summary.checkpoints.push(d);
+    Ok(())
 }
 
 /// Reads the queued steps back in order (collective: every rank reads the same steps), records

@@ -415,6 +415,11 @@ fn corrupt_checkpoint_is_an_error_and_failed_save_loses_nothing() {
     let o = run(&["--train-iters", "4", "--eval-interval", "2", "--save", d, "--load", d]);
     assert!(!o.status.success());
     assert_eq!(std::fs::read_to_string(dir.join("latest_checkpointed_iteration.txt")).unwrap().trim(), "2");
+    // The same when the shards are written in the background: the run fails when the save
+    // completes, not later, and iteration 2 stays the latest.
+    let o = run(&["--train-iters", "4", "--eval-interval", "2", "--save", d, "--load", d, "--async-save"]);
+    assert!(!o.status.success() && stderr(&o).contains("latest_checkpointed_iteration.txt.tmp"), "{}", stderr(&o));
+    assert_eq!(std::fs::read_to_string(dir.join("latest_checkpointed_iteration.txt")).unwrap().trim(), "2");
     let resumed = run(&["--train-iters", "3", "--eval-interval", "3", "--load", d]);
     assert!(resumed.status.success(), "iteration 2 no longer loads: {}", stderr(&resumed));
     std::fs::remove_dir_all(dir.join(".latest_checkpointed_iteration.txt.tmp")).unwrap();

@@ -140,3 +140,48 @@ fn a_format_2_checkpoint_still_resumes() {
         let _ = std::fs::remove_dir_all(d);
     }
 }
+
+/// --async-save: the same checkpoints as saving in place, bit for bit, every one completed
+/// (none left in its temporary folder), and training unaffected; four thread ranks, TP 2 × DP 2
+/// with the distributed optimizer, a save every 2 iterations.
+#[test]
+fn an_asynchronous_save_writes_the_synchronous_checkpoints() {
+    let mut args = tiny_args(true);
+    args.global_batch_size = Some(4);
+    args.micro_batch_size = Some(1);
+    args.save_interval = Some(2);
+    let mut s = settings(&args);
+    s.tensor_model_parallel_size = 2;
+    s.use_distributed_optimizer = true;
+    let (dir_sync, dir_async) = (tmp("save-sync"), tmp("save-async"));
+    let run = |dir: &std::path::PathBuf, async_save| {
+        let p = Paths { save: Some(dir.clone()), async_save, launch: Launch::Threads(4), ..Paths::default() };
+        train(&s, &p).unwrap()
+    };
+    let (a, b) = (run(&dir_sync, false), run(&dir_async, true));
+    let bits = |l: &[(u64, f64)]| l.iter().map(|(i, x)| (*i, x.to_bits())).collect::<Vec<_>>();
+    assert_eq!(bits(&a.losses), bits(&b.losses));
+    let names = |v: &[std::path::PathBuf]| v.iter().map(|d| d.file_name().unwrap().to_owned()).collect::<Vec<_>>();
+    assert_eq!(names(&b.checkpoints), names(&a.checkpoints));
+    assert_eq!(a.checkpoints.len(), 4);
+    for (x, y) in a.checkpoints.iter().zip(&b.checkpoints) {
+        let (x, y) = (checkpoint::load(x).unwrap(), checkpoint::load(y).unwrap());
+        assert_eq!(x.state.iteration, y.state.iteration);
+        assert_eq!(x.tensors.len(), y.tensors.len());
+        for (name, (shape, v)) in &x.tensors {
+            let (shape_y, w) = &y.tensors[name];
+            assert_eq!(shape, shape_y);
+            assert!(v.iter().zip(w).all(|(p, q)| p.to_bits() == q.to_bits()), "{name} at {}", x.state.iteration);
+        }
+    }
+    let left: Vec<_> = std::fs::read_dir(&dir_async)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.starts_with(".tmp"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+    assert_eq!(checkpoint::read_state(&dir_async).unwrap().iteration, 8);
+    for d in [dir_sync, dir_async] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
