@@ -46,10 +46,15 @@ fn main() -> anyhow::Result<()> {
         }
         Some("gpu-parity") => multi::parity(&args[1..], root().join("target/release/ferrotron")),
         Some("bench") => {
+            // `--checkpoint`: the shard files' write and read paths instead of the CPU kernels.
+            let (krate, bench, rest) = match args.get(1).map(String::as_str) {
+                Some("--checkpoint") => ("ferrotron-checkpoint", "shards", &args[2..]),
+                _ => ("ferrotron-kernels", "cpu_kernels", &args[1..]),
+            };
             let status = Command::new(env!("CARGO"))
                 .current_dir(root())
-                .args(["bench", "-p", "ferrotron-kernels", "--bench", "cpu_kernels", "--"])
-                .args(&args[1..])
+                .args(["bench", "-p", krate, "--bench", bench, "--"])
+                .args(rest)
                 .status()
                 .context("running cargo bench")?;
             if !status.success() {

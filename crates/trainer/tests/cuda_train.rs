@@ -226,3 +226,39 @@ fn a_traced_range_writes_the_gpu_timeline_of_its_steps() {
     assert!(ev.iter().all(|e| e["dur"].as_f64().is_some_and(|d| d >= 0.0)));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A GPU run's sharded checkpoint (written in the background, `--async-save`) resumes on the
+/// GPU bit for bit under `--deterministic-mode` (the straight run's last four losses), and on the
+/// CPU within bf16's 2e-2 of them: the parameters and the optimizer state went through the
+/// files whole.
+#[test]
+fn a_gpu_checkpoint_resumes_on_the_gpu_bit_for_bit_and_on_the_cpu() {
+    let gpu = Device::cuda(0).expect("a CUDA device");
+    let args = TrainArgs {
+        preset: Some("llama-tiny".into()),
+        bf16: true,
+        train_iters: Some(8),
+        eval_interval: Some(8),
+        eval_iters: Some(1),
+        lr: Some(1e-3),
+        no_progress: true,
+        ..TrainArgs::default()
+    };
+    let (s, _): (Settings, Paths) = Settings::resolve(&args).unwrap();
+    let dir = std::env::temp_dir().join(format!("ferrotron-cuda-resume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let on = |device: &Device| Paths { device: device.clone(), deterministic: true, ..Paths::default() };
+    let straight = train(&s, &on(&gpu)).unwrap();
+    let half = Paths { save: Some(dir.clone()), exit_interval: Some(4), async_save: true, ..on(&gpu) };
+    train(&s, &half).unwrap();
+    let resumed = train(&s, &Paths { load: Some(dir.clone()), ..on(&gpu) }).unwrap();
+    let on_cpu = train(&s, &Paths { load: Some(dir.clone()), ..on(&Device::Cpu) }).unwrap();
+    let bits = |l: &[(u64, f64)]| l.iter().map(|(i, x)| (*i, x.to_bits())).collect::<Vec<_>>();
+    eprintln!("straight {:?}\nresumed {:?}\non the cpu {:?}", straight.losses, resumed.losses, on_cpu.losses);
+    assert_eq!(bits(&resumed.losses), bits(&straight.losses[4..]));
+    assert_eq!(on_cpu.losses.len(), 4);
+    for ((i, c), (_, g)) in on_cpu.losses.iter().zip(&resumed.losses) {
+        assert!((c - g).abs() <= 2e-2 * g.abs(), "iteration {i}: cpu {c} vs cuda {g}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
