@@ -202,6 +202,10 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip)]
     pub async_save: bool,
+    /// Megatron's checkpoint format flag: `torch_dist` (its sharded format, whose part Ferrotron's
+    /// sharded checkpoints play) is accepted; the others are refused by name.
+    #[arg(long)]
+    pub ckpt_format: Option<String>,
     /// bf16 parameters and activations with fp32 master weights and grads.
     #[arg(long)]
     pub bf16: bool,
@@ -354,7 +358,7 @@ impl TrainArgs {
             max_position_embeddings, position_embedding_type, rotary_base, rope_scaling_factor, normalization, tokenizer_type, vocab_size, tokenizer_model, vocab_file, merge_file, init_method_std,
             micro_batch_size, global_batch_size, train_iters, train_samples, lr_warmup_samples, lr_decay_samples, lr, min_lr, lr_warmup_init, lr_decay_style, lr_wsd_decay_style, lr_wsd_decay_iters, lr_wsd_decay_samples, lr_warmup_iters, lr_warmup_fraction,
             lr_decay_iters, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad, norm_epsilon, make_vocab_size_divisible_by,
-            hidden_dropout, attention_dropout, window_size, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, corpus_docs, split,
+            hidden_dropout, attention_dropout, window_size, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, ckpt_format, corpus_docs, split,
             exit_interval, device, cuda_graph_impl, cuda_graph_warmup_steps, profile_step_start, profile_step_end, profile_trace, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s,
             pipeline_model_parallel_size, num_layers_per_virtual_pipeline_stage, decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers);
@@ -1004,6 +1008,12 @@ impl Settings {
             (false, true) => LoadMode::NoOptim,
             (false, false) => LoadMode::Resume,
         };
+        match a.ckpt_format.as_deref() {
+            None | Some("torch_dist") => {}
+            Some(f) => bail!(
+                "--ckpt-format {f}: Ferrotron writes one checkpoint format, sharded like Megatron's torch_dist (any parallel layout loads it; `ferrotron convert` makes Hugging Face files): drop the flag or pass torch_dist"
+            ),
+        }
         if a.exit_interval == Some(0) {
             bail!("--exit-interval must be at least 1");
         }

@@ -165,6 +165,7 @@ fn bad_flags_fail_with_one_line_naming_the_flag() {
     fails_naming(&["--hidden-dropout", "1"], "--hidden-dropout 1 must be in [0, 1)");
     fails_naming(&["--window-size", "(4,2)"], "--window-size (4,2): write (left,right)");
     fails_naming(&["--device", "tpu"], "use cpu, cuda or cuda:N");
+    fails_naming(&["--ckpt-format", "torch"], "--ckpt-format torch: Ferrotron writes one checkpoint format");
     fails_naming(&["--profile"], "--profile opens a CUDA profiler range: run with --device cuda");
     fails_naming(
         &["--profile", "--profile-step-start", "5", "--profile-step-end", "5"],
