@@ -4,6 +4,7 @@
 //! Hugging Face checkpoints to and from its own (`convert`). The only crate
 //! that parses flags or prints progress.
 
+pub mod batch_schedule;
 pub mod checkpoint;
 pub mod convert;
 pub mod generate;

@@ -1,6 +1,7 @@
 //! Training settings: Megatron's flag names, a TOML file with the same keys, and a preset, merged as
 //! preset < file < flags, then checked. Errors name the flag and the fix.
 
+use crate::batch_schedule::BatchSchedule;
 use anyhow::{Context, bail};
 use ferrotron_data::TokenizerKind;
 use ferrotron_models::{VOCAB_DIVISIBLE_BY, preset};
@@ -202,6 +203,18 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip)]
     pub async_save: bool,
+    /// Megatron's batch-size ramp (its older flag): START INCREMENT SAMPLES — the global batch
+    /// starts at START and grows by INCREMENT in equal shares of SAMPLES to
+    /// --global-batch-size. Needs --train-samples.
+    #[arg(long, num_args = 3, value_names = ["START", "INCREMENT", "SAMPLES"])]
+    #[serde(default)]
+    pub rampup_batch_size: Vec<u64>,
+    /// Megatron's step-wise global batch (its newer flag): "THRESHOLD:SIZE …", thresholds in
+    /// tokens consumed (K, M, B, T suffixes), the first 0, e.g. "0:256 10B:512". Instead of
+    /// --global-batch-size (which evaluation then takes as micro-batch × data-parallel size, as
+    /// Megatron's does); needs --train-samples.
+    #[arg(long)]
+    pub step_batch_size_schedule: Option<String>,
     /// Megatron's checkpoint format flag: `torch_dist` (its sharded format, whose part Ferrotron's
     /// sharded checkpoints play) is accepted; the others are refused by name.
     #[arg(long)]
@@ -358,7 +371,7 @@ impl TrainArgs {
             max_position_embeddings, position_embedding_type, rotary_base, rope_scaling_factor, normalization, tokenizer_type, vocab_size, tokenizer_model, vocab_file, merge_file, init_method_std,
             micro_batch_size, global_batch_size, train_iters, train_samples, lr_warmup_samples, lr_decay_samples, lr, min_lr, lr_warmup_init, lr_decay_style, lr_wsd_decay_style, lr_wsd_decay_iters, lr_wsd_decay_samples, lr_warmup_iters, lr_warmup_fraction,
             lr_decay_iters, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad, norm_epsilon, make_vocab_size_divisible_by,
-            hidden_dropout, attention_dropout, window_size, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, ckpt_format, corpus_docs, split,
+            hidden_dropout, attention_dropout, window_size, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, ckpt_format, step_batch_size_schedule, corpus_docs, split,
             exit_interval, device, cuda_graph_impl, cuda_graph_warmup_steps, profile_step_start, profile_step_end, profile_trace, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s,
             pipeline_model_parallel_size, num_layers_per_virtual_pipeline_stage, decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers);
@@ -367,6 +380,9 @@ impl TrainArgs {
             use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, async_save);
         if !o.profile_ranks.is_empty() {
             self.profile_ranks = o.profile_ranks.clone();
+        }
+        if !o.rampup_batch_size.is_empty() {
+            self.rampup_batch_size = o.rampup_batch_size.clone();
         }
         if !o.cuda_graph_scope.is_empty() {
             self.cuda_graph_scope = o.cuda_graph_scope.clone();
@@ -418,6 +434,11 @@ pub struct Settings {
     /// samples; absent from older checkpoints' settings.
     #[serde(default)]
     pub train_samples: Option<u64>,
+    /// `--rampup-batch-size` (empty: none) and `--step-batch-size-schedule`: see `batch_schedule`.
+    #[serde(default)]
+    pub rampup_batch_size: Vec<u64>,
+    #[serde(default)]
+    pub step_batch_size_schedule: Option<String>,
     #[serde(default)]
     pub lr_warmup_samples: Option<u64>,
     #[serde(default)]
@@ -895,6 +916,8 @@ impl Settings {
             init_method_std: need(&a.init_method_std, "--init-method-std")?,
             micro_batch_size: need(&a.micro_batch_size, "--micro-batch-size")?,
             global_batch_size: need(&a.global_batch_size, "--global-batch-size")?,
+            rampup_batch_size: a.rampup_batch_size.clone(),
+            step_batch_size_schedule: a.step_batch_size_schedule.clone(),
             train_iters: need(&a.train_iters, "--train-iters")?,
             lr: need(&a.lr, "--lr")?,
             min_lr: need(&a.min_lr, "--min-lr")?,
@@ -952,6 +975,17 @@ impl Settings {
         // Megatron's two ways to measure a run, not to be mixed: iterations, or samples (the
         // schedule then in samples as well).
         let warmup_iters_given = file.lr_warmup_iters.or(flags.lr_warmup_iters).is_some();
+        if a.step_batch_size_schedule.is_some() {
+            if file.global_batch_size.or(flags.global_batch_size).is_some() {
+                bail!("--step-batch-size-schedule sets the global batch: drop --global-batch-size");
+            }
+            if !a.rampup_batch_size.is_empty() {
+                bail!("--rampup-batch-size and --step-batch-size-schedule both set the global batch: keep one");
+            }
+            // Megatron's global batch under a schedule: one micro-batch per data-parallel rank
+            // (what evaluation uses); `resolve` sets it once the data-parallel size is known.
+            s.global_batch_size = s.micro_batch_size;
+        }
         if let Some(n) = a.train_samples {
             if file.train_iters.or(flags.train_iters).is_some() {
                 bail!("--train-samples and --train-iters both set the run's length: keep one");
@@ -961,11 +995,15 @@ impl Settings {
                     "with --train-samples the schedule is in samples too: use --lr-warmup-samples, --lr-decay-samples and --lr-wsd-decay-samples (or --lr-warmup-fraction), not their -iters forms"
                 );
             }
-            s.train_iters = n / s.global_batch_size as u64;
+            s.train_iters = s.batch_schedule()?.train_iters(n);
             if s.train_iters == 0 {
                 bail!("--train-samples {n} is less than one global batch of {}", s.global_batch_size);
             }
             s.lr_warmup_iters = a.lr_warmup_samples.unwrap_or(0) / s.global_batch_size as u64;
+        } else if !a.rampup_batch_size.is_empty() || a.step_batch_size_schedule.is_some() {
+            bail!(
+                "--rampup-batch-size and --step-batch-size-schedule go with --train-samples (a run and its schedule measured in samples, as Megatron's ramp requires)"
+            );
         } else if a.lr_warmup_samples.is_some() || a.lr_decay_samples.is_some() || a.lr_wsd_decay_samples.is_some() {
             bail!(
                 "--lr-warmup-samples, --lr-decay-samples and --lr-wsd-decay-samples go with --train-samples (with --train-iters: their -iters forms)"
@@ -1029,6 +1067,10 @@ impl Settings {
             (_, 1) => Launch::Single,
             _ => Launch::Processes(dist.clone()),
         };
+        if s.step_batch_size_schedule.is_some() {
+            let mp = s.tensor_model_parallel_size * s.pipeline_model_parallel_size;
+            s.global_batch_size = s.micro_batch_size * (launch.world_size() / mp.max(1)).max(1);
+        }
         s.validate_layout(launch.world_size())?;
         if a.vocab_file.is_some() || a.merge_file.is_some() {
             ferrotron_data::Tokenizer::new(s.tokenizer()?)?
@@ -1202,20 +1244,30 @@ impl Settings {
         self.recompute()?;
         self.stage_plan(0)?;
         let v = self.virtual_stages()?;
-        let micro = self.global_batch_size / (self.micro_batch_size * layout.dp).max(1);
-        if v > 1 {
-            let kind = ferrotron_parallel::pipeline::ScheduleKind::Interleaved { chunks: v };
-            ferrotron_parallel::pipeline::schedule(kind, pp, 0, micro.max(1))?;
-        }
         self.model_config()?.validate_tp(tp)?;
         let per_step = self.micro_batch_size * layout.dp;
-        if self.global_batch_size % per_step != 0 {
-            bail!(
-                "--global-batch-size {} is not a multiple of --micro-batch-size {} × data-parallel size {}: make it a multiple of {per_step}",
-                self.global_batch_size,
-                self.micro_batch_size,
-                layout.dp
-            );
+        let schedule = self.batch_schedule()?;
+        // Every global batch the run will take (the ramp's or the steps' too), checked now
+        // rather than when training reaches it.
+        for size in std::iter::once(self.global_batch_size as u64).chain(schedule.sizes()) {
+            let flag = match schedule {
+                BatchSchedule::Constant(_) => "--global-batch-size",
+                _ if size == self.global_batch_size as u64 => "--global-batch-size",
+                BatchSchedule::Rampup { .. } => "a global batch of --rampup-batch-size",
+                BatchSchedule::Steps(_) => "a global batch of --step-batch-size-schedule",
+            };
+            if size % per_step as u64 != 0 {
+                bail!(
+                    "{flag} {size} is not a multiple of --micro-batch-size {} × data-parallel size {}: make it a multiple of {per_step}",
+                    self.micro_batch_size,
+                    layout.dp
+                );
+            }
+            if v > 1 {
+                let kind = ferrotron_parallel::pipeline::ScheduleKind::Interleaved { chunks: v };
+                ferrotron_parallel::pipeline::schedule(kind, pp, 0, (size as usize / per_step).max(1))
+                    .with_context(|| format!("{flag} {size}"))?;
+            }
         }
         if self.sequence_parallel && tp > 1 && self.seq_length % tp != 0 {
             bail!(
@@ -1286,6 +1338,17 @@ impl Settings {
 
     pub fn num_micro_batches(&self) -> usize {
         self.global_batch_size / self.micro_batch_size
+    }
+
+    /// The global batch as training goes on (constant, ramped or stepped).
+    pub fn batch_schedule(&self) -> anyhow::Result<BatchSchedule> {
+        if let Some(t) = &self.step_batch_size_schedule {
+            return BatchSchedule::steps(t, self.seq_length as u64);
+        }
+        if !self.rampup_batch_size.is_empty() {
+            return BatchSchedule::rampup(&self.rampup_batch_size, self.global_batch_size as u64);
+        }
+        Ok(BatchSchedule::Constant(self.global_batch_size as u64))
     }
 
     pub fn model_config(&self) -> anyhow::Result<TransformerConfig> {

@@ -42,6 +42,8 @@ pub enum Metric {
         host_ms_min: f64,
         elapsed_s: f64,
         consumed_samples: u64,
+        /// The global batch of the log line's iteration (it changes under a batch-size schedule).
+        global_batch_size: u64,
     },
     Eval {
         iteration: u64,
@@ -422,7 +424,9 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     });
     let mut summary = Summary { losses: vec![], evals: vec![], checkpoints: vec![], logs: rank0, graphed_steps: 0 };
     let (dp, dp_rank) = (layout.dp, g.dp.rank());
-    let micro_per_rank = s.num_micro_batches() / dp;
+    let schedule = s.batch_schedule()?;
+    let micros_at = |consumed: u64| (schedule.at(consumed) / s.micro_batch_size as u64) as usize / dp;
+    let micro_per_rank = micros_at(consumed);
     let table_text = layout_table(&g, &table, &opt, s.sequence_parallel)?;
     if rank0 {
         eprintln!(
@@ -476,7 +480,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     }
     let pb = progress(s.train_iters, iteration, paths.progress && rank0);
     let start = Instant::now();
-    let tokens_per_step = (s.global_batch_size * s.seq_length) as f64;
+    // The window's start and the samples trained in it.
     let mut window = (Instant::now(), 0u64);
     let mut host_min = f64::INFINITY;
     let mb = s.micro_batch_size as u64;
@@ -485,6 +489,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     let mut queued: Vec<(u64, QueuedStep)> = Vec::new();
     let mut pending: Option<checkpoint::PendingSave> = None;
     let first_iteration = iteration + 1;
+    let mut last_gbs = 0u64;
     // --cuda-graph-impl local: the step graphed after its warm-up steps (one GPU, checked).
     let mut graph = paths.cuda_graph_warmup.map(StepGraph::new);
     // Megatron's --profile: a CUDA profiler range over steps start + 1 ..= end on the ranks listed.
@@ -501,7 +506,15 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         // The split's own order is Megatron's shuffled one, so its samples are taken in turn. A
         // micro-batch's random draws (dropout) start at its first sample's place in the run,
         // whatever rank or micro-batch holds it.
-        let micros = (0..micro_per_rank)
+        let gbs = schedule.at(consumed);
+        if rank0 && last_gbs != 0 && gbs != last_gbs {
+            let n = micros_at(consumed);
+            pb.suspend(|| {
+                eprintln!("iteration {iteration}: global batch size {gbs} ({n} micro-batches per data-parallel rank)")
+            });
+        }
+        last_gbs = gbs;
+        let micros = (0..micros_at(consumed))
             .map(|m| {
                 let first = micro_first_sample(consumed, m, (dp, dp_rank), mb);
                 let idx: Vec<usize> = (first..first + mb).map(|i| i as usize).collect();
@@ -512,7 +525,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         // Megatron's scheduler steps after each update: an iteration trains at the rate of the
         // samples consumed before it.
         let lr = sched.lr_at(consumed);
-        consumed += s.global_batch_size as u64;
+        consumed += gbs;
         let step = if pipelined {
             queue_train_step_pipelined(&model, &table, &mut sync, &mut opt, &g.pipeline, &g.pp, &micros, lr as f32)?
         } else if let Some(gr) = graph.as_mut() {
@@ -541,7 +554,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             }
         }
         queued.push((iteration, step));
-        window.1 += 1;
+        window.1 += gbs;
         if let Some(p) = profile.filter(|p| p.end == iteration) {
             dev.profiler_range(false).context("--profile: closing the CUDA profiler range")?;
             if let Some(path) = &p.trace {
@@ -552,7 +565,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             let out = read_queued(&mut queued, &mut summary)?.context("no step queued at a log interval")?;
             let loss = out.loss;
             let secs = window.0.elapsed().as_secs_f64();
-            let tps = tokens_per_step * window.1 as f64 / secs.max(1e-9);
+            let tps = (window.1 * s.seq_length as u64) as f64 / secs.max(1e-9);
             window.1 = 0;
             let m = Metric::Train {
                 iteration,
@@ -563,6 +576,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
                 host_ms_min: std::mem::replace(&mut host_min, f64::INFINITY),
                 elapsed_s: start.elapsed().as_secs_f64(),
                 consumed_samples: consumed,
+                global_batch_size: gbs,
             };
             metrics.write(&m)?;
             pb.set_message(format!("loss {loss:.4} | lr {lr:.2e} | {tps:.0} tok/s"));
