@@ -124,7 +124,7 @@ enum Values {
 
 /// What this rank writes: its parameters' parts and its optimizer state's share (see the
 /// module header for who writes what). Parameters are read from their device here.
-fn my_entries(g: &ProcessGroups, table: &ParamTable, opt: &Optimizer) -> anyhow::Result<Vec<Planned>> {
+fn my_entries(g: &ProcessGroups, table: &ParamTable, opt: &Optimizer, optimizer: bool) -> anyhow::Result<Vec<Planned>> {
     let mine = |m: &ParamMeta| !m.pipeline_copy && (m.split_dim.is_some() || g.tp.rank() == 0);
     let dtype = table.flat_params().dtype();
     let mut out = vec![];
@@ -136,7 +136,7 @@ fn my_entries(g: &ProcessGroups, table: &ParamTable, opt: &Optimizer) -> anyhow:
             out.push(Planned { key: m.name.clone(), piece, dtype, values: Values::Own(values) });
         }
     }
-    if opt.distributed() || g.dp.rank() == 0 {
+    if optimizer && (opt.distributed() || g.dp.rank() == 0) {
         for (id, flat, at) in opt.owned_pieces(table) {
             let m = table.meta(id);
             if !mine(m) {
@@ -183,7 +183,8 @@ pub struct PendingSave {
     consumed_valid_samples: u64,
     settings: Settings,
     vocab_size: usize,
-    step: u64,
+    /// The optimizer's step; None when its state is not saved (--no-save-optim).
+    step: Option<u64>,
     params_dtype: String,
     /// None where this rank stores nothing.
     writer: Option<Writer>,
@@ -194,21 +195,30 @@ enum Writer {
     Running(std::thread::JoinHandle<anyhow::Result<String>>),
 }
 
+/// How a save runs.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SaveMode {
+    /// `--async-save`: the shard written by a thread while training goes on.
+    pub background: bool,
+    /// `--no-save-optim`: the parameters alone (the checkpoint says `optimizer_state = false`).
+    pub params_only: bool,
+}
+
 /// Collective over the world: copies this rank's parts to the host and writes them to its shard
-/// file in the checkpoint's temporary folder: in the background with `background`
-/// (`--async-save`: training goes on meanwhile), else before returning. Nothing becomes the
-/// checkpoint until `finish_save`.
+/// file in the checkpoint's temporary folder: in the background with `mode.background`, else
+/// before returning. Nothing becomes the checkpoint until `finish_save`.
 pub fn start_save(
     save_dir: &Path,
     g: &ProcessGroups,
     table: &ParamTable,
     opt: &Optimizer,
     info: &SaveInfo,
-    background: bool,
+    mode: SaveMode,
 ) -> anyhow::Result<PendingSave> {
     table.settle_params()?; // pending gathers (--overlap-param-gather) before anything reads
-    let (state, step) = opt.owned_state()?;
-    let planned = my_entries(g, table, opt)?;
+    let (state, step) =
+        if mode.params_only { (Default::default(), None) } else { opt.owned_state().map(|(s, n)| (s, Some(n)))? };
+    let planned = my_entries(g, table, opt, !mode.params_only)?;
     let tmp = save_dir.join(format!(".tmp-iter_{:07}", info.iteration));
     // World rank 0 prepares the folder; every rank then adds its file.
     let prepared = if g.world.rank() == 0 { prepare(save_dir, &tmp) } else { Ok(()) };
@@ -216,7 +226,7 @@ pub fn start_save(
     prepared?;
     let path = tmp.join(shard_file(g.world.rank()));
     let writer = (!planned.is_empty()).then(|| {
-        if background {
+        if mode.background {
             Writer::Running(std::thread::spawn(move || write_planned(&path, &planned, &state)))
         } else {
             Writer::Done(write_planned(&path, &planned, &state))
@@ -284,7 +294,7 @@ pub fn finish_save(g: &ProcessGroups, p: PendingSave) -> anyhow::Result<PathBuf>
         vocab_size: p.vocab_size,
     };
     let rank0 = g.world.rank() == 0;
-    let done = if rank0 { finish(&p.save_dir, &p.tmp, &p.params_dtype, files, Some(p.step), &info) } else { Ok(()) };
+    let done = if rank0 { finish(&p.save_dir, &p.tmp, &p.params_dtype, files, p.step, &info) } else { Ok(()) };
     agree(g, done.is_ok(), p.iteration)?;
     done?;
     Ok(iter_dir(&p.save_dir, p.iteration))
@@ -298,7 +308,7 @@ pub fn save(
     opt: &Optimizer,
     info: &SaveInfo,
 ) -> anyhow::Result<PathBuf> {
-    finish_save(g, start_save(save_dir, g, table, opt, info, false)?)
+    finish_save(g, start_save(save_dir, g, table, opt, info, SaveMode::default())?)
 }
 
 /// Writes a checkpoint of parameters alone at iteration 0 (`ferrotron convert`): `tensors` whole,

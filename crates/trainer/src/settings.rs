@@ -203,6 +203,11 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip)]
     pub async_save: bool,
+    /// Save the parameters without the optimizer state (Megatron's --no-save-optim): a quarter
+    /// of the size; such a checkpoint loads with --finetune or --no-load-optim.
+    #[arg(long)]
+    #[serde(skip)]
+    pub no_save_optim: bool,
     /// Megatron's batch-size ramp (its older flag): START INCREMENT SAMPLES — the global batch
     /// starts at START and grows by INCREMENT in equal shares of SAMPLES to
     /// --global-batch-size. Needs --train-samples.
@@ -377,7 +382,7 @@ impl TrainArgs {
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers);
         merge_flags!(self, o; use_rope_scaling, swiglu, untie_embeddings_and_output_weights, disable_bias_linear, qk_layernorm, bf16, fp16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
-            use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, async_save);
+            use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, async_save, no_save_optim);
         if !o.profile_ranks.is_empty() {
             self.profile_ranks = o.profile_ranks.clone();
         }
@@ -618,6 +623,8 @@ pub struct Paths {
     pub exit_interval: Option<u64>,
     /// Megatron's --async-save: shards written by a background thread.
     pub async_save: bool,
+    /// Megatron's --no-save-optim: checkpoints of the parameters alone.
+    pub no_save_optim: bool,
     pub device: ferrotron_core::Device,
     pub launch: Launch,
     /// How long a collective waits for the other ranks.
@@ -664,6 +671,7 @@ impl Default for Paths {
             progress: false,
             exit_interval: None,
             async_save: false,
+            no_save_optim: false,
             device: ferrotron_core::Device::Cpu,
             launch: Launch::Single,
             timeout: std::time::Duration::from_secs(600),
@@ -1094,6 +1102,7 @@ impl Settings {
             progress: !a.no_progress,
             exit_interval: a.exit_interval,
             async_save: a.async_save,
+            no_save_optim: a.no_save_optim,
             device,
             launch,
             timeout,

@@ -618,7 +618,8 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
                     settings: s,
                     vocab_size: model.config.vocab_size,
                 };
-                pending = Some(checkpoint::start_save(dir, &g, &table, &opt, &info, paths.async_save)?);
+                let mode = checkpoint::SaveMode { background: paths.async_save, params_only: paths.no_save_optim };
+                pending = Some(checkpoint::start_save(dir, &g, &table, &opt, &info, mode)?);
                 if !paths.async_save {
                     finish_pending(&g, &mut pending, &mut summary, &pb, rank0)?;
                 }

@@ -185,3 +185,37 @@ fn an_asynchronous_save_writes_the_synchronous_checkpoints() {
         let _ = std::fs::remove_dir_all(d);
     }
 }
+
+/// --no-save-optim: the parameters alone, those of a full save bit for bit, marked as such;
+/// resuming from it is refused with the way to load it, and --no-load-optim takes it (its first
+/// loss is the full checkpoint's resumed one).
+#[test]
+fn a_save_without_the_optimizer_holds_the_parameters_alone() {
+    use ferrotron_trainer::settings::LoadMode;
+    let s = settings(&tiny_args(true));
+    let (full, lean) = (tmp("save-full"), tmp("save-lean"));
+    let save = |dir: &std::path::PathBuf, no_save_optim| {
+        let p = Paths { save: Some(dir.clone()), exit_interval: Some(4), no_save_optim, ..Paths::default() };
+        train(&s, &p).unwrap()
+    };
+    save(&full, false);
+    save(&lean, true);
+    let (a, b) = (checkpoint::load(&full).unwrap(), checkpoint::load(&lean).unwrap());
+    assert!(a.state.optimizer_state && !b.state.optimizer_state);
+    assert!(b.tensors.keys().all(|k| !k.starts_with("optimizer.")), "{:?}", b.tensors.keys());
+    assert_eq!(b.tensors.len() * 4, a.tensors.len());
+    for (name, t) in &b.tensors {
+        assert!(a.tensors[name] == *t, "{name} differs from the full save's");
+    }
+    let e = train(&s, &Paths { load: Some(lean.clone()), ..Paths::default() }).err().unwrap().to_string();
+    assert!(e.contains("--finetune") && e.contains("--no-load-optim"), "{e}");
+    let load = |dir: &std::path::PathBuf, load_mode| {
+        train(&s, &Paths { load: Some(dir.clone()), load_mode, ..Paths::default() }).unwrap()
+    };
+    let (resumed, fresh) = (load(&full, LoadMode::Resume), load(&lean, LoadMode::NoOptim));
+    assert_eq!((resumed.losses[0].0, fresh.losses[0].0), (5, 5));
+    assert_eq!(resumed.losses[0].1.to_bits(), fresh.losses[0].1.to_bits());
+    for d in [full, lean] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
