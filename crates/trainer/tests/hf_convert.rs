@@ -175,19 +175,25 @@ fn fails(o: &std::process::Output, needle: &str) {
 
 #[test]
 fn the_hf_tokenizer_encodes_and_decodes_as_transformers() {
-    let dir = fixture("llama");
-    let r: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer_reference.json")).unwrap()).unwrap();
-    let tok = Tokenizer::new(TokenizerKind::HuggingFace(dir.clone())).unwrap();
-    assert_eq!(tok.vocab_size(), r["len"].as_u64().unwrap() as usize);
-    assert_eq!(tok.eod(), r["eos_token_id"].as_u64().unwrap() as u32);
-    let texts = r["texts"].as_array().unwrap();
-    for (i, text) in texts.iter().enumerate() {
-        let want: Vec<u32> = r["input_ids"][i].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
-        let ids = tok.encode(text.as_str().unwrap()).unwrap();
-        assert_eq!(ids, want, "{text}");
-        assert_eq!(tok.decode(&ids).unwrap(), r["decoded"][i].as_str().unwrap(), "{text}");
+    // llama: a Metaspace BPE with Llama 2's template; tokenizer_llama3: a byte-level BPE behind
+    // Llama 3's regex split (its lookahead runs through fancy-regex).
+    for name in ["llama", "tokenizer_llama3"] {
+        let dir = fixture(name);
+        let r: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer_reference.json")).unwrap()).unwrap();
+        let tok = Tokenizer::new(TokenizerKind::HuggingFace(dir.clone())).unwrap();
+        assert_eq!(tok.vocab_size(), r["len"].as_u64().unwrap() as usize, "{name}");
+        assert_eq!(tok.eod(), r["eos_token_id"].as_u64().unwrap() as u32, "{name}");
+        let texts = r["texts"].as_array().unwrap();
+        for (i, text) in texts.iter().enumerate() {
+            let want: Vec<u32> =
+                r["input_ids"][i].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+            let ids = tok.encode(text.as_str().unwrap()).unwrap();
+            assert_eq!(ids, want, "{name}: {text}");
+            assert_eq!(tok.decode(&ids).unwrap(), r["decoded"][i].as_str().unwrap(), "{name}: {text}");
+        }
     }
+    let dir = fixture("llama");
     // Megatron's flags: the folder is HuggingFaceTokenizer's and only its.
     let e = TokenizerKind::parse("HuggingFaceTokenizer").unwrap_err().to_string();
     assert!(e.contains("--tokenizer-model"), "{e}");
