@@ -62,7 +62,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         untie_embeddings_and_output_weights: false,
         layer: LayerSpec {
             norm: NormKind::RmsNorm,
-            attention: AttentionSpec { bias: false, qk_layernorm: false, window: None },
+            attention: AttentionSpec { bias: false, qkv_bias: false, qk_layernorm: false, window: None },
             mlp: MlpSpec::Custom(Arc::new(SiluMlpFactory { width: 96 })),
         },
         norm_epsilon: 1e-5,

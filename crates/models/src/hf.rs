@@ -1,5 +1,6 @@
 //! Hugging Face checkpoints: which transformers class a config is (`GPT2LMHeadModel`,
-//! `LlamaForCausalLM`, `MistralForCausalLM`), its config.json in Megatron's terms and back, and every parameter's HF
+//! `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`), its config.json in Megatron's
+//! terms and back, and every parameter's HF
 //! name and layout next to the Megatron name Ferrotron uses. Pure: tensors come and go as host
 //! f32 values; reading and writing files is the trainer's (`ferrotron convert`).
 //!
@@ -8,6 +9,7 @@
 //! - GPT-2's `c_attn` rows are [all q heads | all k heads | all v heads]; Llama's q/k/v are three
 //!   tensors. Megatron's `linear_qkv` is grouped: for each query group its q heads, then its k
 //!   head, then its v head (HF's GQA gives query head h the group h / (heads / groups) as well).
+//!   Qwen2's q/k/v biases are grouped the same way into `linear_qkv.bias`.
 //! - Llama's `gate_proj` and `up_proj` are Megatron's `linear_fc1` [gate; up] (silu on the first).
 //! - HF keeps the real vocabulary; Megatron pads it (the checkpoint drops the padding rows).
 //! - RoPE is rotate-half in both (HF's Llama weights are already permuted for it).
@@ -59,6 +61,9 @@ pub enum HfArch {
     /// `MistralForCausalLM` (model_type mistral): Llama's layers and names with an optional
     /// sliding window.
     Mistral,
+    /// `Qwen2ForCausalLM` (model_type qwen2, Qwen2 and Qwen2.5): Llama's layers and names with
+    /// biases on q, k and v (Megatron's --add-qkv-bias).
+    Qwen2,
 }
 
 impl HfArch {
@@ -67,6 +72,7 @@ impl HfArch {
             HfArch::Gpt2 => "GPT2LMHeadModel",
             HfArch::Llama => "LlamaForCausalLM",
             HfArch::Mistral => "MistralForCausalLM",
+            HfArch::Qwen2 => "Qwen2ForCausalLM",
         }
     }
 
@@ -97,10 +103,15 @@ impl HfArch {
                 }
                 Ok(HfArch::Gpt2)
             }
-            // A window makes it a Mistral (the same layers and names).
-            (g, PositionEmbedding::Rope { .. }) if g == llama => {
-                Ok(if a.window.is_some() { HfArch::Mistral } else { HfArch::Llama })
-            }
+            // A window makes it a Mistral (the same layers and names), a QKV bias a Qwen2.
+            (g, PositionEmbedding::Rope { .. }) if g == llama => match (a.qkv_bias, a.window) {
+                (false, None) => Ok(HfArch::Llama),
+                (false, Some(_)) => Ok(HfArch::Mistral),
+                (true, None) => Ok(HfArch::Qwen2),
+                (true, Some(_)) => Err(HfError::NoEquivalent(
+                    "a QKV bias with a sliding window: Qwen2's window covers only its upper layers".into(),
+                )),
+            },
             _ => Err(HfError::NoEquivalent(format!(
                 "{:?} + {activation:?} + {:?} with linear biases {}/{}: GPT-2 is LayerNorm + GeLU + learned positions with biases, Llama RMSNorm + SwiGLU + RoPE without",
                 c.layer.norm, c.position_embedding, a.bias, mlp_bias
@@ -154,6 +165,23 @@ pub fn from_hf_config(v: &Value) -> Result<HfModel> {
     let (arch, config) = match model_type {
         "gpt2" => (HfArch::Gpt2, gpt2_config(v)?),
         "llama" => (HfArch::Llama, llama_config(v)?),
+        "qwen2" => {
+            if bool_or(v, "use_sliding_window", false)? {
+                return Err(HfError::Config(
+                    "use_sliding_window true: Qwen2's window covers only the layers from max_window_layers on, which Ferrotron's attention does not".into(),
+                ));
+            }
+            // transformers 5 also lists each layer's kind.
+            let types = v.get("layer_types").and_then(Value::as_array).into_iter().flatten();
+            if let Some(t) = types.filter_map(Value::as_str).find(|t| *t != "full_attention") {
+                return Err(HfError::Config(format!(
+                    "layer_types has `{t}`: Ferrotron converts Qwen2 with full attention in every layer"
+                )));
+            }
+            let mut c = llama_config(v)?;
+            c.layer.attention.qkv_bias = true;
+            (HfArch::Qwen2, c)
+        }
         "mistral" => {
             let mut c = llama_config(v)?;
             // transformers' window: each query sees the `sliding_window` keys up to and including
@@ -163,7 +191,7 @@ pub fn from_hf_config(v: &Value) -> Result<HfModel> {
         }
         o => {
             return Err(HfError::Config(format!(
-                "model_type `{o}`: Ferrotron converts gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM) and mistral (MistralForCausalLM)"
+                "model_type `{o}`: Ferrotron converts gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM), mistral (MistralForCausalLM) and qwen2 (Qwen2ForCausalLM)"
             )));
         }
     };
@@ -205,7 +233,7 @@ fn gpt2_config(v: &Value) -> Result<TransformerConfig> {
         untie_embeddings_and_output_weights: !bool_or(v, "tie_word_embeddings", true)?,
         layer: LayerSpec {
             norm: NormKind::LayerNorm,
-            attention: AttentionSpec { bias: true, qk_layernorm: false, window: None },
+            attention: AttentionSpec { bias: true, qkv_bias: false, qk_layernorm: false, window: None },
             mlp: MlpSpec::Dense { activation: Activation::Gelu, bias: true },
         },
         norm_epsilon: opt(v, "layer_norm_epsilon", f64_of)?.unwrap_or(1e-5),
@@ -295,7 +323,7 @@ fn llama_config(v: &Value) -> Result<TransformerConfig> {
         untie_embeddings_and_output_weights: !bool_or(v, "tie_word_embeddings", false)?,
         layer: LayerSpec {
             norm: NormKind::RmsNorm,
-            attention: AttentionSpec { bias: false, qk_layernorm: false, window: None },
+            attention: AttentionSpec { bias: false, qkv_bias: false, qk_layernorm: false, window: None },
             mlp: MlpSpec::Dense { activation: Activation::SwiGlu, bias: false },
         },
         norm_epsilon: opt(v, "rms_norm_eps", f64_of)?.unwrap_or(1e-6),
@@ -333,7 +361,7 @@ pub fn to_hf_config(arch: HfArch, c: &TransformerConfig, dtype: &str) -> Value {
             "tie_word_embeddings": tied,
             "torch_dtype": dtype,
         }),
-        HfArch::Llama | HfArch::Mistral => {
+        HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 => {
             let PositionEmbedding::Rope { base, scaling } = c.position_embedding else {
                 unreachable!("HfArch::of checked")
             };
@@ -348,7 +376,11 @@ pub fn to_hf_config(arch: HfArch, c: &TransformerConfig, dtype: &str) -> Value {
             });
             let mut v = json!({
                 "architectures": [arch.class()],
-                "model_type": if arch == HfArch::Mistral { "mistral" } else { "llama" },
+                "model_type": match arch {
+                    HfArch::Mistral => "mistral",
+                    HfArch::Qwen2 => "qwen2",
+                    _ => "llama",
+                },
                 "vocab_size": c.vocab_size,
                 "hidden_size": c.hidden_size,
                 "intermediate_size": c.ffn_hidden_size,
@@ -371,6 +403,15 @@ pub fn to_hf_config(arch: HfArch, c: &TransformerConfig, dtype: &str) -> Value {
             if arch == HfArch::Mistral {
                 v["sliding_window"] = json!(c.layer.attention.window);
             }
+            if arch == HfArch::Qwen2 {
+                // Qwen2's own keys: its biases are on q, k and v by construction.
+                if let Some(o) = v.as_object_mut() {
+                    o.remove("attention_bias");
+                    o.remove("mlp_bias");
+                }
+                v["use_sliding_window"] = json!(false);
+                v["max_window_layers"] = json!(c.num_layers);
+            }
             v
         }
     }
@@ -388,7 +429,7 @@ pub fn is_buffer(hf_name: &str) -> bool {
 pub fn strip_prefix(arch: HfArch, hf_name: &str) -> &str {
     match arch {
         HfArch::Gpt2 => hf_name.strip_prefix("transformer.").unwrap_or(hf_name),
-        HfArch::Llama | HfArch::Mistral => hf_name,
+        HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 => hf_name,
     }
 }
 
@@ -454,8 +495,17 @@ enum Map {
 }
 
 enum QkvSource {
-    Gpt2 { name: String, weight: bool },
-    Llama { q: String, k: String, v: String },
+    Gpt2 {
+        name: String,
+        weight: bool,
+    },
+    /// Llama's q/k/v projections' weights or (Qwen2) biases.
+    Llama {
+        q: String,
+        k: String,
+        v: String,
+        weight: bool,
+    },
 }
 
 /// Every Megatron parameter of `c` with its HF counterpart, in the model's order.
@@ -492,14 +542,19 @@ fn maps(arch: HfArch, c: &TransformerConfig) -> Vec<(String, Map)> {
                 m.push((format!("decoder.final_layernorm.{p}"), Same(format!("ln_f.{p}"))));
             }
         }
-        HfArch::Llama | HfArch::Mistral => {
+        HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 => {
             m.push(("embedding.word_embeddings.weight".into(), Same("model.embed_tokens.weight".into())));
             for i in 0..c.num_layers {
                 let (o, h) = (format!("decoder.layers.{i}."), format!("model.layers.{i}."));
                 m.push((format!("{o}input_layernorm.weight"), Same(format!("{h}input_layernorm.weight"))));
                 let proj = |x: &str| format!("{h}self_attn.{x}_proj.weight");
-                let qkv = QkvSource::Llama { q: proj("q"), k: proj("k"), v: proj("v") };
+                let qkv = QkvSource::Llama { q: proj("q"), k: proj("k"), v: proj("v"), weight: true };
                 m.push((format!("{o}self_attention.linear_qkv.weight"), Qkv(qkv)));
+                if arch == HfArch::Qwen2 {
+                    let b = |x: &str| format!("{h}self_attn.{x}_proj.bias");
+                    let qkv = QkvSource::Llama { q: b("q"), k: b("k"), v: b("v"), weight: false };
+                    m.push((format!("{o}self_attention.linear_qkv.bias"), Qkv(qkv)));
+                }
                 m.push((format!("{o}self_attention.linear_proj.weight"), Same(proj("o"))));
                 m.push((format!("{o}pre_mlp_layernorm.weight"), Same(format!("{h}post_attention_layernorm.weight"))));
                 let mlp = |x: &str| format!("{h}mlp.{x}_proj.weight");
@@ -531,14 +586,16 @@ fn hf_shape(arch: HfArch, c: &TransformerConfig, hf: &str) -> Vec<usize> {
         (HfArch::Gpt2, "c_fc") => vec![h, f],
         (HfArch::Gpt2, "c_proj") if hf.contains("mlp.") => vec![f, h],
         (HfArch::Gpt2, "c_proj") => vec![h, h],
-        (HfArch::Llama | HfArch::Mistral, "q_proj") => vec![q, h],
-        (HfArch::Llama | HfArch::Mistral, "k_proj" | "v_proj") => vec![kv, h],
-        (HfArch::Llama | HfArch::Mistral, "o_proj") => vec![h, q],
-        (HfArch::Llama | HfArch::Mistral, "gate_proj" | "up_proj") => vec![f, h],
-        (HfArch::Llama | HfArch::Mistral, "down_proj") => vec![h, f],
+        (_, "q_proj") => vec![q, h],
+        (_, "k_proj" | "v_proj") => vec![kv, h],
+        (_, "o_proj") => vec![h, q],
+        (_, "gate_proj" | "up_proj") => vec![f, h],
+        (_, "down_proj") => vec![h, f],
         _ => vec![h], // norms
     };
-    if is_bias { vec![*dims.last().unwrap_or(&h)] } else { dims }
+    // A bias has the output's length: GPT-2's Conv1D weights are [in, out], the others [out, in].
+    let out = if arch == HfArch::Gpt2 { dims.last() } else { dims.first() };
+    if is_bias { vec![*out.unwrap_or(&h)] } else { dims }
 }
 
 /// The shape of the Megatron tensor that `map` makes (vocabulary rows unpadded).
@@ -547,7 +604,7 @@ fn own_shape(arch: HfArch, c: &TransformerConfig, map: &Map) -> Vec<usize> {
     match map {
         Map::Same(n) => hf_shape(arch, c, n),
         Map::Transposed(n) => hf_shape(arch, c, n).into_iter().rev().collect(),
-        Map::Qkv(QkvSource::Gpt2 { weight: false, .. }) => vec![qkv_rows],
+        Map::Qkv(QkvSource::Gpt2 { weight: false, .. } | QkvSource::Llama { weight: false, .. }) => vec![qkv_rows],
         Map::Qkv(_) => vec![qkv_rows, c.hidden_size],
         Map::GateUp(..) => vec![2 * c.ffn_hidden_size, c.hidden_size],
     }
@@ -582,7 +639,7 @@ pub fn import(
                 let [q, k, v] = [0, 1, 2].map(|i| row_block(&t, i * h, h));
                 group_qkv(&q, &k, &v, heads, groups, d)
             }
-            Map::Qkv(QkvSource::Llama { q, k, v }) => group_qkv(&get(&q)?, &get(&k)?, &get(&v)?, heads, groups, d),
+            Map::Qkv(QkvSource::Llama { q, k, v, .. }) => group_qkv(&get(&q)?, &get(&k)?, &get(&v)?, heads, groups, d),
             Map::GateUp(gate, up) => concat_rows(&[&get(&gate)?, &get(&up)?]),
         };
         out.push((own, t));
@@ -618,7 +675,7 @@ pub fn export<'a>(arch: HfArch, c: &TransformerConfig, get: &TensorLookup<'a>) -
     };
     let prefix = match arch {
         HfArch::Gpt2 => "transformer.",
-        HfArch::Llama | HfArch::Mistral => "",
+        HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 => "",
     };
     let named = |n: &str| if n == LM_HEAD { n.to_string() } else { format!("{prefix}{n}") };
     let mut out = vec![];
@@ -632,7 +689,7 @@ pub fn export<'a>(arch: HfArch, c: &TransformerConfig, get: &TensorLookup<'a>) -
                 let joined = concat_rows(&[&q, &k, &v]);
                 out.push((named(&name), if weight { transpose(&joined) } else { joined }));
             }
-            Map::Qkv(QkvSource::Llama { q, k, v }) => {
+            Map::Qkv(QkvSource::Llama { q, k, v, .. }) => {
                 for (n, part) in [q, k, v].iter().zip(ungroup_qkv(&t, heads, groups, d)) {
                     out.push((named(n), part));
                 }
@@ -662,8 +719,8 @@ mod tests {
         let v = match arch {
             HfArch::Gpt2 => json!({"model_type": "gpt2", "vocab_size": 11, "n_positions": 6, "n_embd": 8,
                 "n_layer": 2, "n_head": 2, "n_inner": 12}),
-            HfArch::Llama | HfArch::Mistral => {
-                json!({"model_type": if arch == HfArch::Llama { "llama" } else { "mistral" },
+            HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 => {
+                json!({"model_type": match arch { HfArch::Llama => "llama", HfArch::Qwen2 => "qwen2", _ => "mistral" },
                 "sliding_window": 5, "vocab_size": 11, "hidden_size": 8,
                 "intermediate_size": 6, "num_hidden_layers": 2, "num_attention_heads": 4,
                 "num_key_value_heads": 2, "head_dim": 6, "max_position_embeddings": 16,
@@ -691,7 +748,7 @@ mod tests {
 
     #[test]
     fn export_then_import_gives_every_tensor_back() {
-        for arch in [HfArch::Gpt2, HfArch::Llama, HfArch::Mistral] {
+        for arch in [HfArch::Gpt2, HfArch::Llama, HfArch::Mistral, HfArch::Qwen2] {
             let c = tiny(arch);
             assert_eq!(HfArch::of(&c).unwrap(), arch);
             let own: Vec<(String, HostTensor)> = maps(arch, &c)

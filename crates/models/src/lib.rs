@@ -68,7 +68,7 @@ pub fn gpt2(size: GptSize) -> TransformerConfig {
         untie_embeddings_and_output_weights: false,
         layer: LayerSpec {
             norm: NormKind::LayerNorm,
-            attention: AttentionSpec { bias: true, qk_layernorm: false, window: None },
+            attention: AttentionSpec { bias: true, qkv_bias: false, qk_layernorm: false, window: None },
             mlp: MlpSpec::Dense { activation: Activation::Gelu, bias: true },
         },
         norm_epsilon: 1e-5,
@@ -99,7 +99,7 @@ pub fn llama(size: LlamaSize) -> TransformerConfig {
         untie_embeddings_and_output_weights: true,
         layer: LayerSpec {
             norm: NormKind::RmsNorm,
-            attention: AttentionSpec { bias: false, qk_layernorm: false, window: None },
+            attention: AttentionSpec { bias: false, qkv_bias: false, qk_layernorm: false, window: None },
             mlp: MlpSpec::Dense { activation: Activation::SwiGlu, bias: false },
         },
         norm_epsilon: 1e-5,

@@ -63,6 +63,9 @@ pub struct TrainArgs {
     pub untie_embeddings_and_output_weights: bool,
     #[arg(long)]
     pub disable_bias_linear: bool,
+    /// A bias on the QKV projection even with --disable-bias-linear (Qwen2's attention).
+    #[arg(long)]
+    pub add_qkv_bias: bool,
     #[arg(long)]
     pub qk_layernorm: bool,
     /// The norms' ε (default 1e-5).
@@ -380,7 +383,7 @@ impl TrainArgs {
             exit_interval, device, cuda_graph_impl, cuda_graph_warmup_steps, profile_step_start, profile_step_end, profile_trace, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s,
             pipeline_model_parallel_size, num_layers_per_virtual_pipeline_stage, decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers);
-        merge_flags!(self, o; use_rope_scaling, swiglu, untie_embeddings_and_output_weights, disable_bias_linear, qk_layernorm, bf16, fp16, no_progress, deterministic_mode,
+        merge_flags!(self, o; use_rope_scaling, swiglu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, bf16, fp16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
             use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, async_save, no_save_optim);
         if !o.profile_ranks.is_empty() {
@@ -429,6 +432,9 @@ pub struct Settings {
     pub swiglu: bool,
     pub untie_embeddings_and_output_weights: bool,
     pub disable_bias_linear: bool,
+    /// Absent from older checkpoints' settings.
+    #[serde(default)]
+    pub add_qkv_bias: bool,
     pub qk_layernorm: bool,
     pub tokenizer_type: String,
     pub init_method_std: f32,
@@ -783,6 +789,7 @@ pub fn model_args(c: &TransformerConfig) -> TrainArgs {
         swiglu,
         untie_embeddings_and_output_weights: c.untie_embeddings_and_output_weights,
         disable_bias_linear: !bias,
+        add_qkv_bias: c.layer.attention.qkv_bias && !c.layer.attention.bias,
         qk_layernorm: c.layer.attention.qk_layernorm,
         norm_epsilon: Some(c.norm_epsilon),
         make_vocab_size_divisible_by: Some(c.make_vocab_size_divisible_by),
@@ -819,6 +826,7 @@ impl TrainArgs {
             swiglu,
             untie_embeddings_and_output_weights,
             disable_bias_linear,
+            add_qkv_bias,
             qk_layernorm,
             norm_epsilon,
             make_vocab_size_divisible_by,
@@ -919,6 +927,7 @@ impl Settings {
             swiglu: a.swiglu,
             untie_embeddings_and_output_weights: a.untie_embeddings_and_output_weights,
             disable_bias_linear: a.disable_bias_linear,
+            add_qkv_bias: a.add_qkv_bias,
             qk_layernorm: a.qk_layernorm,
             tokenizer_type: need(&a.tokenizer_type, "--tokenizer-type")?,
             init_method_std: need(&a.init_method_std, "--init-method-std")?,
@@ -1393,6 +1402,7 @@ impl Settings {
                 norm,
                 attention: AttentionSpec {
                     bias: !self.disable_bias_linear,
+                    qkv_bias: self.add_qkv_bias,
                     qk_layernorm: self.qk_layernorm,
                     // The mask keeps |i − j| < w: the token itself and the `left` before it.
                     window: self.window_size.map(|left| left + 1),

@@ -62,6 +62,21 @@ fn matches_cpu(preset: &str) {
     }
 }
 
+/// Qwen2's attention (`--add-qkv-bias` on the Llama-style preset: the QKV product's bias
+/// before RoPE, no other linear bias): CUDA against the CPU, fp32 within 1e-4.
+#[test]
+fn qkv_bias_cuda_matches_cpu() {
+    let gpu = Device::cuda(0).expect("a CUDA device");
+    let args = TrainArgs { preset: Some("llama-tiny".into()), add_qkv_bias: true, ..TrainArgs::default() };
+    let cpu = losses_of(args.clone(), Device::Cpu);
+    let cuda = losses_of(args, gpu);
+    eprintln!("qkv bias\ncpu {cpu:?}\ncuda {cuda:?}");
+    assert_eq!(cuda.len(), 20);
+    for (i, (c, g)) in cpu.iter().zip(&cuda).enumerate() {
+        assert!((c - g).abs() <= 1e-4 * c.abs(), "step {}: cpu {c} vs cuda {g}", i + 1);
+    }
+}
+
 /// `--grad-reduce-in-bf16` (bf16 main_grad: weight gradients out of bf16 GEMMs, column sums and
 /// the embedding's scatter-add rounded once, AdamW reading bf16): CUDA against the CPU run with
 /// the same flag, and against CUDA's fp32 main_grad, both within bf16's 2e-2.

@@ -16,7 +16,7 @@ use safetensors::SafeTensors;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-const FIXTURES: [&str; 4] = ["gpt2", "llama", "llama_tied", "mistral"];
+const FIXTURES: [&str; 5] = ["gpt2", "llama", "llama_tied", "mistral", "qwen2"];
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf").join(name)
@@ -106,6 +106,7 @@ fn imported_models_give_transformers_logits() {
         let arch = match name {
             "gpt2" => hf::HfArch::Gpt2,
             "mistral" => hf::HfArch::Mistral,
+            "qwen2" => hf::HfArch::Qwen2,
             _ => hf::HfArch::Llama,
         };
         assert_eq!(done.arch, arch);

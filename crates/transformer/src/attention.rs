@@ -74,8 +74,16 @@ impl SelfAttention {
     ) -> Result<Self> {
         let head_dim = d.head_dim;
         let qkv_out = (d.heads + 2 * d.groups) * head_dim;
-        let linear_qkv =
-            ColumnParallelLinear::new(p, &format!("{prefix}.linear_qkv"), d.hidden, qkv_out, spec.bias, d.std, tp, 1)?;
+        let linear_qkv = ColumnParallelLinear::new(
+            p,
+            &format!("{prefix}.linear_qkv"),
+            d.hidden,
+            qkv_out,
+            spec.bias || spec.qkv_bias,
+            d.std,
+            tp,
+            1,
+        )?;
         let linear_proj = RowParallelLinear::new(
             p,
             &format!("{prefix}.linear_proj"),

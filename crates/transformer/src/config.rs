@@ -158,7 +158,8 @@ impl TransformerConfig {
         };
         let q = self.num_attention_heads * d;
         let qkv_out = q + 2 * kv;
-        let attn = h * qkv_out + q * h + if bias_attn { qkv_out + h } else { 0 };
+        let qkv_bias = bias_attn || self.layer.attention.qkv_bias;
+        let attn = h * qkv_out + q * h + if qkv_bias { qkv_out } else { 0 } + if bias_attn { h } else { 0 };
         let qk_ln = if self.layer.attention.qk_layernorm { 2 * norm(d) } else { 0 };
         let fc1_out = match self.layer.mlp {
             MlpSpec::Dense { activation: Activation::SwiGlu, .. } => 2 * f,

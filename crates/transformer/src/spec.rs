@@ -36,7 +36,10 @@ pub enum Activation {
 /// Self-attention choices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttentionSpec {
+    /// Biases on the QKV and output projections.
     pub bias: bool,
+    /// A bias on the QKV projection even without `bias` (Megatron's --add-qkv-bias; Qwen2).
+    pub qkv_bias: bool,
     pub qk_layernorm: bool,
     /// Sliding window in tokens (Mistral style); None = full causal.
     pub window: Option<usize>,

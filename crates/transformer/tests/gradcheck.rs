@@ -71,6 +71,18 @@ fn llama_style_without_qk_norm_gradients_match_finite_differences() {
     check(cfg);
 }
 
+/// Qwen2's attention: a bias on the QKV projection alone (--add-qkv-bias), with RoPE applied
+/// after it, in the fused path and the QK-norm one.
+#[test]
+fn qkv_bias_without_other_biases_gradients_match_finite_differences() {
+    for qk_layernorm in [false, true] {
+        let mut cfg = config(true);
+        cfg.layer.attention.qkv_bias = true;
+        cfg.layer.attention.qk_layernorm = qk_layernorm;
+        check(cfg);
+    }
+}
+
 /// Hidden dropout and attention dropout, each alone (a fixed draw: the same masks in every
 /// forward): the backward applies the forward's masks, so the finite differences still match; and
 /// the masks do act (the loss differs from the model's without dropout, and from another draw's).

@@ -20,7 +20,7 @@ fn base() -> TransformerConfig {
         untie_embeddings_and_output_weights: false,
         layer: LayerSpec {
             norm: NormKind::LayerNorm,
-            attention: AttentionSpec { bias: true, qk_layernorm: false, window: None },
+            attention: AttentionSpec { bias: true, qkv_bias: false, qk_layernorm: false, window: None },
             mlp: MlpSpec::Dense { activation: Activation::Gelu, bias: true },
         },
         norm_epsilon: 1e-5,
@@ -86,13 +86,20 @@ fn param_count_matches_table_for_llama_style() {
         untie_embeddings_and_output_weights: true,
         layer: LayerSpec {
             norm: NormKind::RmsNorm,
-            attention: AttentionSpec { bias: false, qk_layernorm: true, window: Some(4) },
+            attention: AttentionSpec { bias: false, qkv_bias: false, qk_layernorm: true, window: Some(4) },
             mlp: MlpSpec::Dense { activation: Activation::SwiGlu, bias: false },
         },
         ..base()
     };
     let (_, table) = GptModel::build(c.clone(), &Device::Cpu, DType::F32, 0).unwrap();
     assert_eq!(table.numel(), c.num_params());
+    // With a bias on the QKV projection alone (Qwen2): one more vector a layer.
+    let mut q = c.clone();
+    q.layer.attention.qkv_bias = true;
+    let (_, qt) = GptModel::build(q.clone(), &Device::Cpu, DType::F32, 0).unwrap();
+    assert_eq!(qt.numel(), q.num_params());
+    assert!(qt.metas().iter().any(|m| m.name == "decoder.layers.0.self_attention.linear_qkv.bias"));
+    assert!(!qt.metas().iter().any(|m| m.name == "decoder.layers.0.self_attention.linear_proj.bias"));
     // Heads of width 6 (--kv-channels) against hidden 16 / 4 heads; and no hidden size
     // divisible by the heads needed then.
     for (hidden, heads) in [(16, 4), (18, 4)] {
