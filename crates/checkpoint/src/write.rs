@@ -5,10 +5,11 @@
 //! like any safetensors file: under the key's own name, `@tp{rank}` added for a part of a split
 //! tensor; a partial range (a distributed optimizer's share) is stored flat, `+{start}` added.
 
-use crate::codec::encode;
+use crate::codec::{encode_as, stored_dtype, width};
 use crate::{CheckpointError, Piece, Result, SHARD_FORMAT, io};
 use ferrotron_core::DType;
-use safetensors::tensor::TensorView;
+use safetensors::Dtype;
+use safetensors::tensor::View;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::borrow::Cow;
@@ -46,6 +47,29 @@ impl ShardEntry<'_> {
     }
 }
 
+/// One tensor as the writer takes it: encoded only when the writer reaches it, so a file's
+/// tensors are never all held as bytes at once.
+struct Lazy<'a> {
+    st: Dtype,
+    shape: Vec<usize>,
+    values: &'a [f32],
+}
+
+impl View for &Lazy<'_> {
+    fn dtype(&self) -> Dtype {
+        self.st
+    }
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        encode_as(self.st, self.values)
+    }
+    fn data_len(&self) -> usize {
+        self.values.len() * width(self.st).unwrap_or(4)
+    }
+}
+
 /// Writes `entries` to `path` (created or replaced), synced to disk; returns the file's SHA-256.
 pub fn write_shard(path: &Path, entries: &[ShardEntry]) -> Result<String> {
     let mut meta = HashMap::from([("format".to_string(), SHARD_FORMAT.to_string())]);
@@ -64,16 +88,9 @@ pub fn write_shard(path: &Path, entries: &[ShardEntry]) -> Result<String> {
         if name == "format" || meta.insert(name.clone(), stored).is_some() {
             return Err(CheckpointError::BadPiece { key: e.key.clone(), why: format!("stored twice as `{name}`") });
         }
-        named.push((name, shape, encode(&e.key, e.dtype, &e.values)?));
+        named.push((name, Lazy { st: stored_dtype(&e.key, e.dtype)?, shape, values: &e.values }));
     }
-    let views = named
-        .iter()
-        .map(|(name, shape, (bytes, dtype))| {
-            TensorView::new(*dtype, shape.clone(), bytes)
-                .map(|v| (name.as_str(), v))
-                .map_err(|x| CheckpointError::BadPiece { key: name.clone(), why: x.to_string() })
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let views = named.iter().map(|(name, lazy)| (name.as_str(), lazy));
     safetensors::serialize_to_file(views, Some(meta), path)
         .map_err(|x| CheckpointError::Io { path: path.to_path_buf(), source: std::io::Error::other(x.to_string()) })?;
     let mut f = std::fs::File::open(path).map_err(io(path))?;

@@ -487,7 +487,7 @@ impl Parts for Sharded {
     }
 
     fn part(&self, m: &ParamMeta, key: &str, range: Range<usize>) -> anyhow::Result<Vec<f32>> {
-        let rows = vocab_padded(&m.name).then_some(self.state.vocab_size);
+        let rows = (vocab_padded(&m.name) && self.state.vocab_size > 0).then_some(self.state.vocab_size);
         Ok(self.reader.read(key, &Piece::of(m, range), rows)?)
     }
 }
@@ -546,7 +546,8 @@ fn load_where(dir: &Path, keep: impl Fn(&str) -> bool) -> anyhow::Result<Loaded>
         let files: Vec<_> = state.tensor_files.iter().map(|f| (dir.join(&f.file), Some(f.sha256.clone()))).collect();
         let reader = ShardReader::open(&files)?;
         for key in reader.keys().filter(|k| keep(k)) {
-            let rows = vocab_padded(optimizer_of(key).unwrap_or(key)).then_some(state.vocab_size);
+            let padded = vocab_padded(optimizer_of(key).unwrap_or(key)) && state.vocab_size > 0;
+            let rows = padded.then_some(state.vocab_size);
             tensors.insert(key.to_string(), reader.read_whole(key, rows)?);
         }
         return Ok(Loaded { state, tensors });

@@ -52,7 +52,20 @@ pub struct Converted {
     pub dir: PathBuf,
     pub arch: HfArch,
     pub tensors: usize,
+    /// Export: the tokenizer files copied beside the weights (from the run's
+    /// `--tokenizer-model` folder), or why none were.
+    pub tokenizer: Result<Vec<&'static str>, String>,
 }
+
+/// The files of a transformers tokenizer folder that an export copies where they exist.
+const TOKENIZER_FILES: [&str; 6] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+];
 
 pub fn convert(a: &ConvertArgs) -> anyhow::Result<Converted> {
     match (a.loader.as_str(), a.saver.as_str()) {
@@ -221,7 +234,7 @@ fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
     let n = tensors.len();
     let typed: Vec<_> = tensors.into_iter().map(|(name, t)| (name, dtype, t.shape, t.data)).collect();
     let dir = checkpoint::save_params(&a.save_dir, &typed, dtype, &settings)?;
-    Ok(Converted { dir, arch, tensors: n })
+    Ok(Converted { dir, arch, tensors: n, tokenizer: Ok(vec![]) })
 }
 
 fn export(load: &Path, save_dir: &Path) -> anyhow::Result<Converted> {
@@ -258,5 +271,24 @@ fn export(load: &Path, save_dir: &Path) -> anyhow::Result<Converted> {
     let tmp = save_dir.join(".config.json.tmp");
     std::fs::write(&tmp, config + "\n").with_context(|| format!("cannot write {}", tmp.display()))?;
     std::fs::rename(&tmp, save_dir.join("config.json"))?;
-    Ok(Converted { dir: save_dir.to_path_buf(), arch, tensors: tensors.len() })
+    let tokenizer = copy_tokenizer(&ck.state.settings, save_dir)?;
+    Ok(Converted { dir: save_dir.to_path_buf(), arch, tensors: tensors.len(), tokenizer })
+}
+
+/// The run's transformers tokenizer files into `save_dir`, so the export loads with
+/// `AutoTokenizer` too; Err says why nothing was copied (another tokenizer, a folder gone).
+fn copy_tokenizer(s: &Settings, save_dir: &Path) -> anyhow::Result<Result<Vec<&'static str>, String>> {
+    let Some(src) = s.tokenizer_model.as_ref().filter(|_| s.tokenizer_type == "HuggingFaceTokenizer") else {
+        return Ok(Err(format!("the run's tokenizer is {}, not a transformers folder", s.tokenizer_type)));
+    };
+    if !src.is_dir() {
+        return Ok(Err(format!("its folder {} is gone", src.display())));
+    }
+    let mut copied = vec![];
+    for f in TOKENIZER_FILES.into_iter().filter(|f| src.join(f).is_file()) {
+        std::fs::copy(src.join(f), save_dir.join(f))
+            .with_context(|| format!("copying the tokenizer's {} into {}", f, save_dir.display()))?;
+        copied.push(f);
+    }
+    Ok(Ok(copied))
 }

@@ -121,6 +121,11 @@ fn run() -> anyhow::Result<()> {
                     "train on it: ferrotron train --load {} --finetune --use-checkpoint-args [data and training flags]",
                     a.save_dir.display()
                 );
+            } else {
+                match &done.tokenizer {
+                    Ok(files) => eprintln!("tokenizer files copied: {}", files.join(", ")),
+                    Err(why) => eprintln!("no tokenizer files written: {why}"),
+                }
             }
             Ok(())
         }
