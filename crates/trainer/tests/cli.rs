@@ -222,19 +222,30 @@ fn two_processes_train_over_tcp() {
 }
 
 /// `ferrotron launch` starts the ranks with torchrun's variables (DP 2 here) and passes NCCL_*
-/// through; a failing rank stops the launch with an error.
+/// through; a failing rank stops the launch with an error. The two processes save a sharded
+/// checkpoint in the background (each its share of the distributed optimizer), which one process
+/// resumes.
 #[test]
 fn launch_starts_every_rank() {
     let port = free_port();
+    let dir = tmp("cli-launch-save");
+    let d = dir.to_str().unwrap();
     let mut args = vec!["launch", "--nproc-per-node", "2", "--master-port", &port, "--"];
     args.extend_from_slice(TINY);
     args.extend_from_slice(&["--train-iters", "2", "--eval-interval", "2", "--distributed-timeout-s", "20"]);
+    args.extend_from_slice(&["--save", d, "--async-save", "--use-distributed-optimizer"]);
     let o = Command::new(env!("CARGO_BIN_EXE_ferrotron")).args(&args).env("NCCL_NVLS_ENABLE", "0").output().unwrap();
     let e = stderr(&o);
     assert!(o.status.success(), "{e}");
     assert!(e.contains("layout: tp 1 × dp 2") && e.contains("iteration 2/2"), "{e}");
     // Rank 0 alone prints the summary: another rank's line once cut into its "iteration 2/2".
     assert_eq!(e.matches("done: validation loss").count(), 1, "{e}");
+    let state = ferrotron_trainer::checkpoint::read_state(&dir).unwrap();
+    let files: Vec<&str> = state.tensor_files.iter().map(|f| f.file.as_str()).collect();
+    assert_eq!(files, ["model_optim_rank00000.safetensors", "model_optim_rank00001.safetensors"]);
+    let resumed = run(&["--train-iters", "3", "--eval-interval", "3", "--load", d]);
+    assert!(resumed.status.success() && stderr(&resumed).contains("iteration 3/3"), "{}", stderr(&resumed));
+    let _ = std::fs::remove_dir_all(dir);
     let port = free_port();
     let mut args = vec!["launch", "--nproc-per-node", "2", "--master-port", &port, "--"];
     args.extend_from_slice(TINY);
