@@ -265,6 +265,16 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip)]
     pub exit_interval: Option<u64>,
+    /// Stop (saving first when --save is set) after the iteration that ends past this many
+    /// minutes of training (Megatron's --exit-duration-in-mins).
+    #[arg(long)]
+    #[serde(skip)]
+    pub exit_duration_in_mins: Option<u64>,
+    /// On SIGTERM (a scheduler's preemption), save at the end of the iteration and stop
+    /// (Megatron's --exit-signal-handler).
+    #[arg(long)]
+    #[serde(skip)]
+    pub exit_signal_handler: bool,
     /// Hide the progress bar (log lines still go to stderr).
     #[arg(long)]
     #[serde(skip)]
@@ -380,12 +390,12 @@ impl TrainArgs {
             micro_batch_size, global_batch_size, train_iters, train_samples, lr_warmup_samples, lr_decay_samples, lr, min_lr, lr_warmup_init, lr_decay_style, lr_wsd_decay_style, lr_wsd_decay_iters, lr_wsd_decay_samples, lr_warmup_iters, lr_warmup_fraction,
             lr_decay_iters, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad, norm_epsilon, make_vocab_size_divisible_by,
             hidden_dropout, attention_dropout, window_size, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, ckpt_format, step_batch_size_schedule, corpus_docs, split,
-            exit_interval, device, cuda_graph_impl, cuda_graph_warmup_steps, profile_step_start, profile_step_end, profile_trace, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s,
+            exit_interval, exit_duration_in_mins, device, cuda_graph_impl, cuda_graph_warmup_steps, profile_step_start, profile_step_end, profile_trace, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s,
             pipeline_model_parallel_size, num_layers_per_virtual_pipeline_stage, decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers);
         merge_flags!(self, o; use_rope_scaling, swiglu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, bf16, fp16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
-            use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, async_save, no_save_optim);
+            use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, async_save, no_save_optim, exit_signal_handler);
         if !o.profile_ranks.is_empty() {
             self.profile_ranks = o.profile_ranks.clone();
         }
@@ -627,6 +637,10 @@ pub struct Paths {
     pub progress: bool,
     /// Megatron's --exit-interval: stop after an iteration that is a multiple of it.
     pub exit_interval: Option<u64>,
+    /// Megatron's --exit-duration-in-mins: stop once training has run this long.
+    pub exit_duration: Option<std::time::Duration>,
+    /// Megatron's --exit-signal-handler: stop (saving) on SIGTERM.
+    pub exit_signal: bool,
     /// Megatron's --async-save: shards written by a background thread.
     pub async_save: bool,
     /// Megatron's --no-save-optim: checkpoints of the parameters alone.
@@ -676,6 +690,8 @@ impl Default for Paths {
             metrics: None,
             progress: false,
             exit_interval: None,
+            exit_duration: None,
+            exit_signal: false,
             async_save: false,
             no_save_optim: false,
             device: ferrotron_core::Device::Cpu,
@@ -1110,6 +1126,8 @@ impl Settings {
             metrics,
             progress: !a.no_progress,
             exit_interval: a.exit_interval,
+            exit_duration: a.exit_duration_in_mins.map(|m| std::time::Duration::from_secs(60 * m)),
+            exit_signal: a.exit_signal_handler,
             async_save: a.async_save,
             no_save_optim: a.no_save_optim,
             device,

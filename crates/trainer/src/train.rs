@@ -5,7 +5,7 @@
 use crate::checkpoint::{self, SaveInfo};
 use crate::settings::{Launch, LoadMode, Paths, Settings};
 use anyhow::{Context, bail};
-use ferrotron_comm::{run_ranks, thread_world};
+use ferrotron_comm::{ReduceOp, run_ranks, thread_world};
 use ferrotron_core::{Cx, DType, Device, Draw, ParamTable, Tensor};
 use ferrotron_data::{
     DataError, IndexedDataset, Part, Sequences, TokenSplit, Tokenizer, blend_split, corpus, documents_in_memory,
@@ -488,6 +488,15 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     // interval (or the end of training), not after every step.
     let mut queued: Vec<(u64, QueuedStep)> = Vec::new();
     let mut pending: Option<checkpoint::PendingSave> = None;
+    // --exit-signal-handler: SIGTERM sets the flag; the loop saves and stops after the iteration.
+    let signal = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let _sigterm = match paths.exit_signal {
+        true => Some(SigTerm(
+            signal_hook::flag::register(signal_hook::consts::SIGTERM, signal.clone())
+                .context("--exit-signal-handler: installing the SIGTERM handler")?,
+        )),
+        false => None,
+    };
     let first_iteration = iteration + 1;
     let mut last_gbs = 0u64;
     // --cuda-graph-impl local: the step graphed after its warm-up steps (one GPU, checked).
@@ -599,7 +608,22 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
                 summary.evals.push((iteration, l));
             }
         }
-        let exit = paths.exit_interval.is_some_and(|e| iteration % e == 0);
+        let mut exit = paths.exit_interval.is_some_and(|e| iteration % e == 0).then_some("--exit-interval");
+        if exit.is_none() && (paths.exit_signal || paths.exit_duration.is_some()) {
+            // Every rank stops at the same iteration: the reasons are agreed over the world.
+            let mine = [
+                signal.load(std::sync::atomic::Ordering::Relaxed) as u8 as f32,
+                paths.exit_duration.is_some_and(|d| start.elapsed() > d) as u8 as f32,
+            ];
+            let t = Tensor::from_vec(mine.to_vec(), [2], &Device::Cpu)?;
+            g.world.all_reduce(&t, ReduceOp::Max)?;
+            let any = t.to_vec_f32()?;
+            exit = if any[0] > 0.0 {
+                Some("SIGTERM, --exit-signal-handler")
+            } else {
+                (any[1] > 0.0).then_some("--exit-duration-in-mins")
+            };
+        }
         // An asynchronous save completes at a log interval once every rank's file is written.
         let written = match &pending {
             Some(p) if iteration % s.log_interval == 0 => checkpoint::all_written(&g, p)?,
@@ -609,7 +633,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             finish_pending(&g, &mut pending, &mut summary, &pb, rank0)?;
         }
         if let Some(dir) = &paths.save {
-            if iteration % s.save_interval == 0 || iteration == s.train_iters || exit {
+            if iteration % s.save_interval == 0 || iteration == s.train_iters || exit.is_some() {
                 finish_pending(&g, &mut pending, &mut summary, &pb, rank0)?;
                 let info = SaveInfo {
                     iteration,
@@ -625,11 +649,11 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
                 }
             }
         }
-        if exit {
+        if let Some(why) = exit {
             finish_pending(&g, &mut pending, &mut summary, &pb, rank0)?;
             read_queued(&mut queued, &mut summary)?;
             if rank0 {
-                pb.suspend(|| eprintln!("exiting at iteration {iteration} (--exit-interval)"));
+                pb.suspend(|| eprintln!("exiting at iteration {iteration} ({why})"));
             }
             break;
         }
@@ -643,6 +667,15 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     pb.finish_and_clear();
     summary.graphed_steps = graph.map_or(0, |g| g.launches());
     Ok(summary)
+}
+
+/// A SIGTERM handler, removed when the run ends (however it ends).
+struct SigTerm(signal_hook::SigId);
+
+impl Drop for SigTerm {
+    fn drop(&mut self) {
+        signal_hook::low_level::unregister(self.0);
+    }
 }
 
 /// Completes the save in `pending`, if any (collective: every rank has the same one pending).

@@ -497,3 +497,49 @@ fn preprocess_writes_what_train_data_path_reads() {
     assert!(left.iter().all(|n| !n.to_string_lossy().starts_with("bad")), "left behind: {left:?}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Megatron's --exit-duration-in-mins and --exit-signal-handler: the run saves and stops after
+/// the iteration in which its time ran out, or in which it got SIGTERM (as a scheduler sends
+/// before preempting a job); the checkpoint is that iteration's.
+#[test]
+fn a_run_stops_and_saves_when_its_time_is_up_or_on_sigterm() {
+    use std::io::BufRead;
+    let dir = tmp("cli-exit-duration");
+    let d = dir.to_str().unwrap();
+    let o = run(&["--train-iters", "50", "--save", d, "--exit-duration-in-mins", "0"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("exiting at iteration 1 (--exit-duration-in-mins)"), "{}", stderr(&o));
+    assert_eq!(std::fs::read_to_string(dir.join("latest_checkpointed_iteration.txt")).unwrap().trim(), "1");
+    let _ = std::fs::remove_dir_all(&dir);
+
+    let dir = tmp("cli-exit-signal");
+    let d = dir.to_str().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args(TINY)
+        .args(["--train-iters", "100000", "--log-interval", "1", "--save", d, "--exit-signal-handler"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut seen = String::new();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        seen += &line;
+        seen.push('\n');
+        if line.starts_with("iteration 2/") {
+            break;
+        }
+    }
+    let killed = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
+    assert!(killed.success());
+    seen.extend(lines.map(|l| l.unwrap() + "\n"));
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{seen}");
+    let at = seen.lines().find_map(|l| l.strip_prefix("exiting at iteration ")).unwrap_or_else(|| panic!("{seen}"));
+    assert!(at.ends_with("(SIGTERM, --exit-signal-handler)"), "{at}");
+    let iteration: u64 = at.split(' ').next().unwrap().parse().unwrap();
+    assert!(iteration >= 2, "{at}");
+    let saved = std::fs::read_to_string(dir.join("latest_checkpointed_iteration.txt")).unwrap();
+    assert_eq!(saved.trim().parse::<u64>().unwrap(), iteration);
+    let _ = std::fs::remove_dir_all(dir);
+}
