@@ -420,6 +420,25 @@ fn write_synced(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The folder of iteration `step`'s checkpoint in the --save folder `dir` (--ckpt-step).
+pub fn at_step(dir: &Path, step: u64) -> anyhow::Result<PathBuf> {
+    if dir.join(STATE).is_file() {
+        bail!(
+            "--ckpt-step {step}: --load {} is one checkpoint already; give the --save folder that holds it",
+            dir.display()
+        );
+    }
+    let d = iter_dir(dir, step);
+    if !d.join(STATE).is_file() {
+        let mut have: Vec<u64> = std::fs::read_dir(dir)
+            .map(|r| r.filter_map(|e| e.ok()?.file_name().to_str()?.strip_prefix("iter_")?.parse().ok()).collect())
+            .unwrap_or_default();
+        have.sort();
+        bail!("--ckpt-step {step}: {} holds no checkpoint of iteration {step} (it has {have:?})", dir.display());
+    }
+    Ok(d)
+}
+
 /// The checkpoint folder `dir` names: a --save folder (follow its tracker) or an iter_* folder.
 pub fn resolve(dir: &Path) -> anyhow::Result<PathBuf> {
     if dir.join(STATE).is_file() {

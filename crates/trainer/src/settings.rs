@@ -182,6 +182,11 @@ pub struct TrainArgs {
     /// Folder to resume from (a --save folder).
     #[arg(long)]
     pub load: Option<PathBuf>,
+    /// With --load: the checkpoint of this iteration instead of the latest one (Megatron's
+    /// --ckpt-step).
+    #[arg(long)]
+    #[serde(skip)]
+    pub ckpt_step: Option<u64>,
     /// With --load: take the parameters only, and start at iteration 0 with a fresh optimizer
     /// and the data from its start.
     #[arg(long)]
@@ -916,8 +921,17 @@ impl Settings {
         };
         let name = flags.preset.clone().or(file.preset.clone()).unwrap_or_else(|| "tiny".into());
         let mut a = preset_defaults(&name)?;
+        // --ckpt-step: the load is that iteration's folder from here on.
+        let load = match (flags.load.as_ref().or(file.load.as_ref()), flags.ckpt_step) {
+            (Some(l), Some(n)) => {
+                check_dir(l, "--load")?;
+                Some(crate::checkpoint::at_step(l, n)?)
+            }
+            (l, None) => l.cloned(),
+            (None, Some(n)) => bail!("--ckpt-step {n} picks an iteration of --load: add --load FOLDER"),
+        };
         if flags.use_checkpoint_args || file.use_checkpoint_args {
-            let Some(load) = flags.load.as_ref().or(file.load.as_ref()) else {
+            let Some(load) = load.as_ref() else {
                 bail!("--use-checkpoint-args takes the model from the checkpoint: add --load FOLDER");
             };
             check_dir(load, "--load")?;
@@ -925,6 +939,7 @@ impl Settings {
         }
         a.overlay(&file);
         a.overlay(flags);
+        a.load = load;
         let mut s = Settings {
             preset: name,
             num_layers: need(&a.num_layers, "--num-layers")?,

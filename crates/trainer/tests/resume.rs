@@ -209,3 +209,25 @@ fn a_run_in_samples_equals_the_run_in_iterations() {
     assert_eq!(bits(&other.losses), bits(&straight.losses));
     assert_eq!(bits(&other.evals), bits(&straight.evals));
 }
+
+/// Megatron's --ckpt-step: the checkpoint of an earlier iteration rather than the tracker's,
+/// resumed bit for bit as the straight run went on from there; one that is not there is named.
+#[test]
+fn ckpt_step_resumes_an_earlier_checkpoint() {
+    let mut args = tiny_args(false);
+    args.save_interval = Some(2);
+    let s = settings(&args);
+    let dir = tmp("ckpt-step");
+    let straight = train(&s, &Paths { save: Some(dir.clone()), ..Paths::default() }).unwrap();
+    assert_eq!(checkpoint::read_state(&dir).unwrap().iteration, 8, "the tracker names the last");
+    let mut from = args.clone();
+    (from.load, from.ckpt_step) = (Some(dir.clone()), Some(2));
+    let (s2, paths) = ferrotron_trainer::settings::Settings::resolve(&from).unwrap();
+    let resumed = train(&s2, &paths).unwrap();
+    let bits = |l: &[(u64, f64)]| l.iter().map(|(i, x)| (*i, x.to_bits())).collect::<Vec<_>>();
+    assert_eq!(bits(&resumed.losses), bits(&straight.losses[2..]));
+    from.ckpt_step = Some(3);
+    let e = ferrotron_trainer::settings::Settings::resolve(&from).err().unwrap().to_string();
+    assert!(e.contains("no checkpoint of iteration 3") && e.contains("[2, 4, 6, 8]"), "{e}");
+    let _ = std::fs::remove_dir_all(dir);
+}
