@@ -44,6 +44,11 @@ pub struct ConvertArgs {
     /// max_position_embeddings).
     #[arg(long)]
     pub seq_length: Option<usize>,
+    /// ferrotron → hf: the largest weights file, as transformers' save_pretrained takes it
+    /// ("5GB", "500MB", or bytes; default 5GB): above it the weights go into
+    /// model-0000i-of-0000n.safetensors files with model.safetensors.index.json.
+    #[arg(long)]
+    pub max_shard_size: Option<String>,
 }
 
 /// What a conversion wrote.
@@ -69,8 +74,12 @@ const TOKENIZER_FILES: [&str; 6] = [
 
 pub fn convert(a: &ConvertArgs) -> anyhow::Result<Converted> {
     match (a.loader.as_str(), a.saver.as_str()) {
+        ("hf", "ferrotron") if a.max_shard_size.is_some() => {
+            bail!("--max-shard-size sizes the files of an export (--saver hf): drop it")
+        }
         ("hf", "ferrotron") => import(a),
         ("ferrotron", "hf") => {
+            let shard = shard_bytes(a.max_shard_size.as_deref().unwrap_or("5GB"))?;
             if a.tokenizer_type.is_some()
                 || a.vocab_size.is_some()
                 || a.tokenizer_model.is_some()
@@ -80,7 +89,7 @@ pub fn convert(a: &ConvertArgs) -> anyhow::Result<Converted> {
                     "--tokenizer-type, --vocab-size, --tokenizer-model and --seq-length describe an import (--loader hf): drop them"
                 );
             }
-            export(&a.load_dir, &a.save_dir)
+            export(&a.load_dir, &a.save_dir, shard)
         }
         (l, s) => bail!("--loader {l} --saver {s}: convert hf → ferrotron or ferrotron → hf"),
     }
@@ -237,7 +246,34 @@ fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
     Ok(Converted { dir, arch, tensors: n, tokenizer: Ok(vec![]) })
 }
 
-fn export(load: &Path, save_dir: &Path) -> anyhow::Result<Converted> {
+/// "5GB", "500MB", "200KB" (powers of 1000, as transformers reads them) or bytes.
+fn shard_bytes(s: &str) -> anyhow::Result<u64> {
+    let t = s.trim().to_ascii_uppercase();
+    let (digits, scale) = [("GB", 1_000_000_000u64), ("MB", 1_000_000), ("KB", 1_000), ("B", 1)]
+        .iter()
+        .find_map(|(u, k)| t.strip_suffix(u).map(|d| (d.trim(), *k)))
+        .unwrap_or((t.as_str(), 1));
+    match digits.parse::<u64>() {
+        Ok(n) if n > 0 => Ok(n * scale),
+        _ => bail!("--max-shard-size {s}: give a size such as 5GB, 500MB or a number of bytes"),
+    }
+}
+
+/// Tensors in order into files of at most `max` bytes each (a larger tensor alone), as
+/// transformers shards: returns the index of the file each tensor goes to, and the count.
+fn shard_plan(bytes: &[u64], max: u64) -> (Vec<usize>, usize) {
+    let (mut file, mut used, mut plan) = (0usize, 0u64, vec![]);
+    for &b in bytes {
+        if used > 0 && used + b > max {
+            (file, used) = (file + 1, 0);
+        }
+        used += b;
+        plan.push(file);
+    }
+    (plan, file + 1)
+}
+
+fn export(load: &Path, save_dir: &Path, max_shard: u64) -> anyhow::Result<Converted> {
     crate::settings::check_dir(load, "--load-dir")?;
     let ck = checkpoint::load_params(load)?;
     let c = ck.state.settings.model_config()?;
@@ -253,20 +289,49 @@ fn export(load: &Path, save_dir: &Path) -> anyhow::Result<Converted> {
     }
     std::fs::create_dir_all(save_dir)
         .with_context(|| format!("--save-dir {}: cannot create the folder", save_dir.display()))?;
-    let encoded: Vec<_> =
-        tensors.iter().map(|(name, t)| ferrotron_checkpoint::encode(name, dtype, &t.data)).collect::<Result<_, _>>()?;
-    let views = tensors
-        .iter()
-        .zip(&encoded)
-        .map(|((name, t), (b, d))| Ok((name.as_str(), safetensors::tensor::TensorView::new(*d, t.shape.clone(), b)?)))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    // transformers reads only files that say which framework wrote them.
-    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    let weights = save_dir.join("model.safetensors");
-    let tmp = save_dir.join(".model.safetensors.tmp");
-    safetensors::serialize_to_file(views, Some(meta), &tmp)
-        .with_context(|| format!("cannot write {}", tmp.display()))?;
-    std::fs::rename(&tmp, &weights)?;
+    let width = if dtype == DType::BF16 { 2 } else { 4 };
+    let sizes: Vec<u64> = tensors.iter().map(|(_, t)| (t.data.len() * width) as u64).collect();
+    let (plan, files) = shard_plan(&sizes, max_shard);
+    let file_name = |i: usize| {
+        if files == 1 {
+            "model.safetensors".to_string()
+        } else {
+            format!("model-{:05}-of-{files:05}.safetensors", i + 1)
+        }
+    };
+    for f in 0..files {
+        let mine: Vec<&(String, HostTensor)> =
+            tensors.iter().zip(&plan).filter(|(_, p)| **p == f).map(|(t, _)| t).collect();
+        let encoded: Vec<_> = mine
+            .iter()
+            .map(|(name, t)| ferrotron_checkpoint::encode(name, dtype, &t.data))
+            .collect::<Result<_, _>>()?;
+        let views = mine
+            .iter()
+            .zip(&encoded)
+            .map(|((name, t), (b, d))| {
+                Ok((name.as_str(), safetensors::tensor::TensorView::new(*d, t.shape.clone(), b)?))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        // transformers reads only files that say which framework wrote them.
+        let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+        let tmp = save_dir.join(format!(".{}.tmp", file_name(f)));
+        safetensors::serialize_to_file(views, Some(meta), &tmp)
+            .with_context(|| format!("cannot write {}", tmp.display()))?;
+        std::fs::rename(&tmp, save_dir.join(file_name(f)))?;
+    }
+    if files > 1 {
+        let weight_map: serde_json::Map<String, serde_json::Value> =
+            tensors.iter().zip(&plan).map(|((n, _), &f)| (n.clone(), file_name(f).into())).collect();
+        let index = serde_json::json!({
+            "metadata": { "total_size": sizes.iter().sum::<u64>() },
+            "weight_map": weight_map,
+        });
+        let tmp = save_dir.join(".model.safetensors.index.json.tmp");
+        std::fs::write(&tmp, serde_json::to_string_pretty(&index)? + "\n")
+            .with_context(|| format!("cannot write {}", tmp.display()))?;
+        std::fs::rename(&tmp, save_dir.join("model.safetensors.index.json"))?;
+    }
     let config = serde_json::to_string_pretty(&hf::to_hf_config(arch, &c, dtype_name))?;
     let tmp = save_dir.join(".config.json.tmp");
     std::fs::write(&tmp, config + "\n").with_context(|| format!("cannot write {}", tmp.display()))?;
@@ -291,4 +356,21 @@ fn copy_tokenizer(s: &Settings, save_dir: &Path) -> anyhow::Result<Result<Vec<&'
         copied.push(f);
     }
     Ok(Ok(copied))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_fill_in_order_up_to_the_size() {
+        assert_eq!(shard_plan(&[6, 6, 2, 6, 2, 2], 10), (vec![0, 1, 1, 2, 2, 2], 3));
+        assert_eq!(shard_plan(&[12, 1], 10), (vec![0, 1], 2), "a tensor above the size goes alone");
+        assert_eq!(shard_plan(&[3, 3], 10), (vec![0, 0], 1));
+        assert_eq!(shard_bytes("5GB").unwrap(), 5_000_000_000);
+        assert_eq!((shard_bytes("200kb").unwrap(), shard_bytes("1234").unwrap()), (200_000, 1234));
+        for bad in ["", "GB", "0", "-1MB", "5 TB"] {
+            assert!(shard_bytes(bad).is_err(), "{bad}");
+        }
+    }
 }

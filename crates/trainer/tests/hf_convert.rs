@@ -32,6 +32,7 @@ fn args(loader: &str, saver: &str, load: &Path, save: &Path) -> ConvertArgs {
         vocab_size: None,
         tokenizer_model: None,
         seq_length: None,
+        max_shard_size: None,
     }
 }
 
@@ -147,6 +148,22 @@ fn an_import_exported_again_is_transformers_files_tensor_for_tensor() {
             assert!(done.tokenizer.as_ref().is_err_and(|e| e.contains("not a transformers folder")), "{name}");
         }
         let (want, got) = (hf_tensors(&fixture(name)), hf_tensors(&back));
+        // The same in files of at most 100 kB, with transformers' index; read back by the import.
+        let (small, again) = (tmp(&format!("hf-rt-{name}-small")), tmp(&format!("hf-rt-{name}-again")));
+        convert(&ConvertArgs { max_shard_size: Some("100KB".into()), ..args("ferrotron", "hf", &ck, &small) }).unwrap();
+        let index: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(small.join("model.safetensors.index.json")).unwrap())
+                .unwrap();
+        let files: std::collections::BTreeSet<&str> =
+            index["weight_map"].as_object().unwrap().values().map(|v| v.as_str().unwrap()).collect();
+        assert!(files.len() > 1 && files.iter().all(|f| small.join(f).is_file()), "{name}: {files:?}");
+        assert!(hf_tensors(&small) == got, "{name}: the sharded export holds other tensors");
+        convert(&args("hf", "ferrotron", &small, &again)).unwrap();
+        let (x, y) = (checkpoint::load(&ck).unwrap(), checkpoint::load(&again).unwrap());
+        assert!(x.tensors == y.tensors, "{name}: the sharded export imports to other tensors");
+        for d in [small, again] {
+            let _ = std::fs::remove_dir_all(d);
+        }
         let mut names: Vec<&String> = want.keys().collect();
         names.sort();
         assert_eq!(got.len(), want.len(), "{name}: {:?}", got.keys().collect::<Vec<_>>());
