@@ -32,10 +32,6 @@ fn batches(metrics: &std::path::Path) -> Vec<(u64, u64)> {
         .collect()
 }
 
-fn bits(l: &[(u64, f64)]) -> Vec<(u64, u64)> {
-    l.iter().map(|(i, x)| (*i, x.to_bits())).collect()
-}
-
 #[test]
 fn a_ramped_run_takes_megatrons_sizes() {
     let s = settings(&ramp_args());

@@ -38,9 +38,8 @@ fn check(llama: bool, bf16: bool) {
     assert_eq!(tail, resumed, "losses differ after resume: {:?} vs {:?}", &straight.losses[4..], second.losses);
     // Evaluations at 0, 4 and 8; the resumed one reads on through the validation split from where
     // the one at 4 stopped (the checkpoint keeps the count), as the straight run's does.
-    let evals = |e: &[(u64, f64)]| e.iter().map(|(i, l)| (*i, l.to_bits())).collect::<Vec<_>>();
-    assert_eq!(evals(&straight.evals).iter().map(|e| e.0).collect::<Vec<_>>(), [0, 4, 8]);
-    assert_eq!(evals(&straight.evals), [evals(&first.evals), evals(&second.evals)].concat());
+    assert_eq!(straight.evals.iter().map(|e| e.0).collect::<Vec<_>>(), [0, 4, 8]);
+    assert_eq!(bits(&straight.evals), [bits(&first.evals), bits(&second.evals)].concat());
     let a = checkpoint::load(&straight_dir).unwrap();
     // Parameters alone: no optimizer state, the parameters the same.
     let p = checkpoint::load_params(&straight_dir).unwrap();
@@ -167,7 +166,6 @@ fn losses_read_at_log_intervals_equal_per_step_reads() {
     args.log_interval = Some(3);
     let s = settings(&args);
     let deferred = train(&s, &Paths::default()).unwrap();
-    let bits = |l: &[(u64, f64)]| l.iter().map(|(i, x)| (*i, x.to_bits())).collect::<Vec<_>>();
     assert_eq!(every.losses.len(), 8);
     assert_eq!(bits(&deferred.losses), bits(&every.losses));
     let stopped = train(&s, &Paths { exit_interval: Some(4), ..Paths::default() }).unwrap();
@@ -205,7 +203,6 @@ fn a_run_in_samples_equals_the_run_in_iterations() {
     let s = settings(&samples);
     assert_eq!(s.train_iters, 8);
     let other = train(&s, &Paths::default()).unwrap();
-    let bits = |l: &[(u64, f64)]| l.iter().map(|(i, x)| (*i, x.to_bits())).collect::<Vec<_>>();
     assert_eq!(bits(&other.losses), bits(&straight.losses));
     assert_eq!(bits(&other.evals), bits(&straight.evals));
 }
@@ -224,7 +221,6 @@ fn ckpt_step_resumes_an_earlier_checkpoint() {
     (from.load, from.ckpt_step) = (Some(dir.clone()), Some(2));
     let (s2, paths) = ferrotron_trainer::settings::Settings::resolve(&from).unwrap();
     let resumed = train(&s2, &paths).unwrap();
-    let bits = |l: &[(u64, f64)]| l.iter().map(|(i, x)| (*i, x.to_bits())).collect::<Vec<_>>();
     assert_eq!(bits(&resumed.losses), bits(&straight.losses[2..]));
     from.ckpt_step = Some(3);
     let e = ferrotron_trainer::settings::Settings::resolve(&from).err().unwrap().to_string();

@@ -133,7 +133,6 @@ fn a_format_2_checkpoint_still_resumes() {
     std::fs::write(dir2.join(checkpoint::TRACKER), "4\n").unwrap();
     let from = |d: &std::path::PathBuf| train(&s, &Paths { load: Some(d.clone()), ..Paths::default() }).unwrap();
     let (a, b) = (from(&dir3), from(&dir2));
-    let bits = |l: &[(u64, f64)]| l.iter().map(|(i, x)| (*i, x.to_bits())).collect::<Vec<_>>();
     assert_eq!(a.losses.len(), 4);
     assert_eq!(bits(&a.losses), bits(&b.losses));
     for d in [dir3, dir2] {
@@ -159,7 +158,6 @@ fn an_asynchronous_save_writes_the_synchronous_checkpoints() {
         train(&s, &p).unwrap()
     };
     let (a, b) = (run(&dir_sync, false), run(&dir_async, true));
-    let bits = |l: &[(u64, f64)]| l.iter().map(|(i, x)| (*i, x.to_bits())).collect::<Vec<_>>();
     assert_eq!(bits(&a.losses), bits(&b.losses));
     let names = |v: &[std::path::PathBuf]| v.iter().map(|d| d.file_name().unwrap().to_owned()).collect::<Vec<_>>();
     assert_eq!(names(&b.checkpoints), names(&a.checkpoints));

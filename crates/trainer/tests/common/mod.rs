@@ -37,3 +37,8 @@ pub fn tmp(name: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&d);
     d
 }
+
+/// Losses by iteration as their bits, for comparisons that must be exact.
+pub fn bits(l: &[(u64, f64)]) -> Vec<(u64, u64)> {
+    l.iter().map(|(i, x)| (*i, x.to_bits())).collect()
+}
