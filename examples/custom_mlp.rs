@@ -6,7 +6,9 @@
 use ferrotron_core::{Cx, DType, Device, Module, ParamTableBuilder, Result, Saved, Tensor};
 use ferrotron_kernels as k;
 use ferrotron_transformer::linear::Linear;
-use ferrotron_transformer::spec::{AttentionSpec, LayerSpec, MlpSpec, ModuleFactory, NormKind, PositionEmbedding};
+use ferrotron_transformer::spec::{
+    AttentionSpec, FactoryCx, LayerSpec, MlpSpec, ModuleFactory, NormKind, ParamCount, PositionEmbedding,
+};
 use ferrotron_transformer::{Batch, GptModel, TransformerConfig};
 use std::sync::Arc;
 
@@ -38,11 +40,17 @@ struct SiluMlpFactory {
 }
 
 impl ModuleFactory for SiluMlpFactory {
-    fn build(&self, prefix: &str, hidden: usize, params: &mut ParamTableBuilder) -> Result<Box<dyn Module>> {
+    fn build(&self, cx: &FactoryCx, params: &mut ParamTableBuilder) -> Result<Box<dyn Module>> {
+        let (prefix, hidden) = (cx.prefix, cx.hidden);
         Ok(Box::new(SiluMlp {
-            up: Linear::new(params, &format!("{prefix}.up_proj"), hidden, self.width, false, 0.02)?,
-            down: Linear::new(params, &format!("{prefix}.down_proj"), self.width, hidden, false, 0.02)?,
+            up: Linear::new(params, &format!("{prefix}.up_proj"), hidden, self.width, false, cx.std)?,
+            down: Linear::new(params, &format!("{prefix}.down_proj"), self.width, hidden, false, cx.out_std)?,
         }))
+    }
+
+    fn param_count(&self, hidden: usize) -> Option<ParamCount> {
+        let n = 2 * hidden * self.width;
+        Some(ParamCount { total: n, active: n })
     }
 }
 

@@ -38,16 +38,24 @@ pub struct Cx<'a> {
     pub training: bool,
     /// The random draws of the micro-batch being run (dropout), when it has any.
     pub draw: Option<Draw>,
+    /// What the backward multiplies the micro-batch's loss by (1 / its rank's micro-batches): a
+    /// module that adds a loss of its own (an MoE router's load-balancing loss) scales that
+    /// loss's gradient by it, as the language-model loss's is.
+    pub grad_scale: f32,
 }
 
 impl<'a> Cx<'a> {
     /// A context with no random draws.
     pub fn new(params: &'a ParamTable, training: bool) -> Self {
-        Cx { params, training, draw: None }
+        Cx { params, training, draw: None, grad_scale: 1.0 }
     }
     /// The same context for a micro-batch with `draw`.
     pub fn with_draw(&self, draw: Option<Draw>) -> Cx<'a> {
-        Cx { params: self.params, training: self.training, draw }
+        Cx { params: self.params, training: self.training, draw, grad_scale: self.grad_scale }
+    }
+    /// The same context for a backward at `grad_scale`.
+    pub fn with_grad_scale(&self, grad_scale: f32) -> Cx<'a> {
+        Cx { params: self.params, training: self.training, draw: self.draw, grad_scale }
     }
 }
 

@@ -7,7 +7,7 @@
 //! signatures.
 //!
 //! Families: `matmul`, `norm`, `activation` (incl. softmax), `attention`, `rope`, `embedding`, `loss`,
-//! `optim`, `elementwise`, `qkv`. Accumulation rule: activation gradients are returned (`=`); parameter
+//! `optim`, `elementwise`, `qkv`, `moe` (routing). Accumulation rule: activation gradients are returned (`=`); parameter
 //! gradients are either returned as f32 for the caller to add, or added in place (`matmul_into` with
 //! `accumulate`, `embedding_bwd`, the `_into` bias and norm backwards) into main_grad buffers (fp32,
 //! or bf16 with the sums formed in fp32 and rounded once).
@@ -27,6 +27,7 @@ mod embedding;
 mod lab_env;
 mod loss;
 mod matmul;
+mod moe;
 mod norm;
 mod optim;
 mod qkv;
@@ -47,6 +48,9 @@ pub use loss::{
     CrossEntropyCfg, RowScale, ce_combine_shards, cross_entropy_bwd, cross_entropy_fwd, cross_entropy_fwd_bwd_,
 };
 pub use matmul::{linear_gelu, matmul, matmul_bias, matmul_bwd, matmul_dgelu, matmul_into};
+pub use moe::{
+    ExpertSort, RouterLoss, TopK, moe_route, moe_route_bwd, moe_router_loss, moe_sort, moe_unpermute, moe_unpermute_bwd,
+};
 pub use norm::{
     add_layernorm_fwd, add_rmsnorm_fwd, layernorm_bwd, layernorm_bwd_add, layernorm_bwd_into, layernorm_bwd_into_bias,
     layernorm_fwd, rmsnorm_bwd, rmsnorm_bwd_add, rmsnorm_bwd_into, rmsnorm_bwd_into_bias, rmsnorm_fwd,

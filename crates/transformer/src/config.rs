@@ -58,10 +58,8 @@ impl TransformerConfig {
                 )));
             }
         }
-        if matches!(self.layer.mlp, MlpSpec::Custom(_)) && tp > 1 {
-            return Err(bad(format!(
-                "a custom MLP module is not tensor-parallel: use --tensor-model-parallel-size 1 (got {tp})"
-            )));
+        if let MlpSpec::Custom(f) = &self.layer.mlp {
+            f.validate_tp(tp).map_err(bad)?;
         }
         Ok(())
     }
@@ -142,9 +140,20 @@ impl TransformerConfig {
         Ok(())
     }
 
-    /// Parameter count (untied output layer counted when untied). A custom MLP's parameters are not
-    /// known here and count as a dense MLP's; the built `ParamTable::numel` is exact.
+    /// Parameter count (untied output layer counted when untied). A custom MLP's parameters are
+    /// its factory's `param_count`, else counted as a dense MLP's; the built `ParamTable::numel`
+    /// is exact.
     pub fn num_params(&self) -> usize {
+        self.count_params(false)
+    }
+
+    /// The parameters one token runs through: `num_params` with a mixture-of-experts layer's
+    /// experts counted as the top-k it uses (what the model FLOPs count).
+    pub fn active_params(&self) -> usize {
+        self.count_params(true)
+    }
+
+    fn count_params(&self, active: bool) -> usize {
         let (h, f, v) = (self.hidden_size, self.ffn_hidden_size, self.padded_vocab_size(1));
         let d = self.head_dim();
         let kv = self.num_query_groups * d;
@@ -165,7 +174,11 @@ impl TransformerConfig {
             MlpSpec::Dense { activation: Activation::SwiGlu, .. } => 2 * f,
             _ => f,
         };
-        let mlp = h * fc1_out + f * h + if bias_mlp { fc1_out + h } else { 0 };
+        let dense = h * fc1_out + f * h + if bias_mlp { fc1_out + h } else { 0 };
+        let mlp = match &self.layer.mlp {
+            MlpSpec::Custom(m) => m.param_count(h).map_or(dense, |c| if active { c.active } else { c.total }),
+            MlpSpec::Dense { .. } => dense,
+        };
         let layer = attn + qk_ln + mlp + 2 * norm(h);
         let emb = v * h
             + if self.position_embedding == PositionEmbedding::LearnedAbsolute {
@@ -177,15 +190,15 @@ impl TransformerConfig {
         self.num_layers * layer + norm(h) + emb + out
     }
 
-    /// Model FLOPs per token for one forward + backward: 6·N + 12·L·H·T (N without position
-    /// embeddings, as in the MFU convention of PaLM / Megatron reports).
+    /// Model FLOPs per token for one forward + backward: 6·N + 12·L·H·T (N the active parameters
+    /// without position embeddings, as in the MFU convention of PaLM / Megatron reports).
     pub fn flops_per_token(&self) -> f64 {
         let pos = if self.position_embedding == PositionEmbedding::LearnedAbsolute {
             self.max_position_embeddings * self.hidden_size
         } else {
             0
         };
-        let n = (self.num_params() - pos) as f64;
+        let n = (self.active_params() - pos) as f64;
         let width = self.num_attention_heads * self.head_dim(); // the hidden size unless --kv-channels
         6.0 * n + 12.0 * (self.num_layers * width * self.seq_length) as f64
     }

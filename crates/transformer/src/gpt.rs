@@ -427,7 +427,7 @@ impl GptModel {
         done: &mut dyn FnMut(usize) -> ferrotron_core::Result<()>,
     ) -> Result<Option<Tensor>> {
         let block = self.chunks.get(c).ok_or_else(|| ModelError::Config(format!("no model chunk {c}")))?;
-        let cx = &cx.with_draw(saved.draw);
+        let cx = &cx.with_draw(saved.draw).with_grad_scale(grad_scale);
         let dh = match (saved.post, dy) {
             (Some(p), _) => {
                 let n = p.labels.elem_count();

@@ -64,7 +64,10 @@ impl TransformerLayer {
                 out_std,
                 tp,
             )?),
-            MlpSpec::Custom(f) => f.build(&format!("{prefix}.mlp"), h, p)?,
+            MlpSpec::Custom(f) => {
+                let prefix = format!("{prefix}.mlp");
+                f.build(&crate::spec::FactoryCx { prefix: &prefix, hidden: h, std, out_std, tp }, p)?
+            }
         };
         let drop = |site: &str| HiddenDropout::new(c.hidden_dropout, &format!("{prefix}.{site}"), h, tp);
         Ok(TransformerLayer {

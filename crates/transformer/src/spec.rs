@@ -6,6 +6,7 @@
 
 use ferrotron_core::{Module, ParamTableBuilder, Result};
 pub use ferrotron_kernels::RopeScaling;
+use ferrotron_parallel::TensorParallel;
 use std::sync::Arc;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -45,11 +46,54 @@ pub struct AttentionSpec {
     pub window: Option<usize>,
 }
 
-/// Builds a user-defined module in place of a built-in one.
+/// What a `ModuleFactory` builds one module from.
+pub struct FactoryCx<'a> {
+    /// The module's parameter-name prefix (e.g. `decoder.layers.3.mlp`).
+    pub prefix: &'a str,
+    /// The layer's width: the module maps [B, T, hidden] to [B, T, hidden].
+    pub hidden: usize,
+    /// Init std of input-side weights, and of output-side ones (scaled by the depth, Megatron's
+    /// output_layer_init_method).
+    pub std: f32,
+    pub out_std: f32,
+    /// The tensor-parallel group the layer runs on (size 1 unless `validate_tp` accepts more).
+    pub tp: &'a TensorParallel,
+}
+
+/// Parameter counts of one module built by a factory, for `TransformerConfig::num_params` and
+/// the model FLOPs: all of them, and those one token runs through (fewer for mixture-of-experts).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ParamCount {
+    pub total: usize,
+    pub active: usize,
+}
+
+/// Builds a module in place of a built-in one: a user's module (see examples/), or one from a
+/// crate above this one (ferrotron-moe's MoE layer).
 pub trait ModuleFactory: Send + Sync + std::fmt::Debug {
-    /// `prefix` is the module's parameter-name prefix (e.g. `decoder.layers.3.mlp`); the module maps
-    /// [B, T, hidden] to [B, T, hidden].
-    fn build(&self, prefix: &str, hidden: usize, params: &mut ParamTableBuilder) -> Result<Box<dyn Module>>;
+    fn build(&self, cx: &FactoryCx, params: &mut ParamTableBuilder) -> Result<Box<dyn Module>>;
+
+    /// The parameters one module has, or None when unknown (then counted as a dense MLP's).
+    fn param_count(&self, hidden: usize) -> Option<ParamCount> {
+        let _ = hidden;
+        None
+    }
+
+    /// Whether the module can run at tensor-parallel size `tp`; the error names the fix.
+    fn validate_tp(&self, tp: usize) -> std::result::Result<(), String> {
+        if tp > 1 {
+            return Err(format!(
+                "a custom MLP module is not tensor-parallel: use --tensor-model-parallel-size 1 (got {tp})"
+            ));
+        }
+        Ok(())
+    }
+
+    /// The factory as `Any`, for code that recognises a factory type of its own (the trainer
+    /// mapping an MoE spec back to its flags).
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
+    }
 }
 
 #[derive(Clone, Debug)]

@@ -6,6 +6,7 @@ pub mod attention;
 pub mod embedding;
 pub mod loss;
 pub mod matmul;
+pub mod moe;
 pub mod norm;
 pub mod optim;
 pub mod qkv;

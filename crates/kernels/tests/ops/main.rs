@@ -10,6 +10,7 @@ mod elementwise;
 mod embedding;
 mod loss;
 mod matmul;
+mod moe;
 mod norm;
 mod optim;
 mod qkv;

@@ -1,0 +1,190 @@
+//! Mixture-of-experts routing family (`cpu/moe.rs` has the math and the shapes): top-k routing
+//! and its backward, the router's auxiliary losses, the sort of token copies by expert, and the
+//! probability-weighted combine of the experts' outputs. The permutation itself is a row gather
+//! (`embedding_fwd` with the sort's `perm` as ids) and its backward a scatter-add
+//! (`embedding_bwd`).
+//!
+//! CPU only so far: a CUDA tensor gets `NotImplemented` naming the op.
+
+use crate::{buf, check, cpu};
+use ferrotron_core::{DType, Result, Tensor, invalid};
+
+/// How `moe_route` turns a token's logits into its experts' weights.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TopK {
+    /// Experts per token (Megatron's --moe-router-topk).
+    pub k: usize,
+    /// Softmax over all experts before taking the top k (--moe-router-pre-softmax); otherwise the
+    /// softmax runs over the k chosen logits.
+    pub pre_softmax: bool,
+    /// Multiplies the weights (--moe-router-topk-scaling-factor; 1 without it).
+    pub scale: f32,
+}
+
+fn dims2(op: &'static str, t: &Tensor) -> Result<(usize, usize)> {
+    check::rank(op, t, 2)?;
+    Ok((t.dims()[0], t.dims()[1]))
+}
+
+fn route_shape(op: &'static str, logits: &Tensor, r: &TopK) -> Result<(usize, usize)> {
+    check::float(op, logits)?;
+    let (n, e) = dims2(op, logits)?;
+    if r.k == 0 || r.k > e {
+        return Err(invalid(op, format!("top-k {} must be between 1 and the {e} experts", r.k)));
+    }
+    Ok((n, e))
+}
+
+/// logits [N, E] → (probs [N, k] f32, experts [N, k] u32), best expert first.
+pub fn moe_route(logits: &Tensor, r: &TopK) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "moe_route";
+    let (n, e) = route_shape(OP, logits, r)?;
+    check::on_cpu(OP, &[logits])?;
+    let lv = logits.read_f32()?;
+    // SAFETY: topk_route writes every weight and index.
+    let mut probs = unsafe { buf::uninit::<f32>(n * r.k) };
+    let mut experts = vec![0u32; n * r.k];
+    cpu::moe::topk_route(&lv, e, r.k, r.pre_softmax, r.scale, &mut probs, &mut experts);
+    Ok((Tensor::from_vec(probs, [n, r.k], logits.device())?, Tensor::from_vec(experts, [n, r.k], logits.device())?))
+}
+
+/// dlogits [N, E] (logits' dtype) from dprobs [N, k]; logits and experts as `moe_route` had them.
+pub fn moe_route_bwd(logits: &Tensor, experts: &Tensor, dprobs: &Tensor, r: &TopK) -> Result<Tensor> {
+    const OP: &str = "moe_route_bwd";
+    let (n, e) = route_shape(OP, logits, r)?;
+    check::dtype(OP, experts, DType::U32)?;
+    check::shape(OP, experts, &[n, r.k])?;
+    check::float(OP, dprobs)?;
+    check::shape(OP, dprobs, &[n, r.k])?;
+    check::on_cpu(OP, &[logits, experts, dprobs])?;
+    let (lv, dp, ix) = (logits.read_f32()?, dprobs.read_f32()?, experts.to_vec::<u32>()?);
+    if let Some(&bad) = ix.iter().find(|&&x| x as usize >= e) {
+        return Err(invalid(OP, format!("expert index {bad} is not below the {e} experts")));
+    }
+    // SAFETY: topk_route_bwd writes every row in full.
+    let mut dl = unsafe { buf::uninit::<f32>(n * e) };
+    cpu::moe::topk_route_bwd(&lv, &ix, &dp, e, r.k, r.pre_softmax, r.scale, &mut dl);
+    check::out(dl, [n, e], logits.dtype(), logits.device())
+}
+
+/// The router's auxiliary losses (`cpu::moe::router_loss`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RouterLoss {
+    pub topk: usize,
+    /// Tokens `tokens_per_expert` was counted over (more than the logits' rows when the counts
+    /// were summed over a group).
+    pub total_tokens: usize,
+    /// Load-balancing coefficient (--moe-aux-loss-coeff); 0: none.
+    pub aux_coeff: f32,
+    /// z-loss coefficient (--moe-z-loss-coeff); 0: none.
+    pub z_coeff: f32,
+    /// The micro-batch's loss scale (what the language-model loss's gradient is multiplied by).
+    pub grad_scale: f32,
+}
+
+/// logits [N, E] and tokens_per_expert [E] → (values [2] f32: load-balancing loss and z-loss,
+/// without their coefficients; dlogits [N, E] f32 of grad_scale · (aux_coeff · aux + z_coeff · z)).
+pub fn moe_router_loss(logits: &Tensor, tokens_per_expert: &Tensor, l: &RouterLoss) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "moe_router_loss";
+    check::float(OP, logits)?;
+    let (n, e) = dims2(OP, logits)?;
+    check::float(OP, tokens_per_expert)?;
+    check::shape(OP, tokens_per_expert, &[e])?;
+    if l.topk == 0 || l.total_tokens == 0 {
+        return Err(invalid(OP, format!("top-k {} and total tokens {} must be positive", l.topk, l.total_tokens)));
+    }
+    check::on_cpu(OP, &[logits, tokens_per_expert])?;
+    let (lv, cv) = (logits.read_f32()?, tokens_per_expert.read_f32()?);
+    // SAFETY: router_loss writes every row in full.
+    let mut dl = unsafe { buf::uninit::<f32>(n * e) };
+    let c = cpu::moe::RouterLossCoeffs {
+        topk: l.topk,
+        total_tokens: l.total_tokens as f32,
+        aux: l.aux_coeff,
+        z: l.z_coeff,
+        grad_scale: l.grad_scale,
+    };
+    let (aux, z) = cpu::moe::router_loss(&lv, e, &cv, c, &mut dl);
+    Ok((Tensor::from_vec(vec![aux, z], [2], logits.device())?, Tensor::from_vec(dl, [n, e], logits.device())?))
+}
+
+/// The token copies sorted by expert (`cpu::moe::sort_by_expert`). `perm` [N·k] and `slot` [N, k]
+/// are u32 tensors on the experts' device; the counts are on the host (they size each expert's
+/// products).
+#[derive(Clone, Debug)]
+pub struct ExpertSort {
+    pub perm: Tensor,
+    pub slot: Tensor,
+    pub tokens_per_expert: Vec<usize>,
+}
+
+/// experts [N, k] u32 → the sort; indices ≥ `num_experts` are an error naming the index.
+pub fn moe_sort(experts: &Tensor, num_experts: usize) -> Result<ExpertSort> {
+    const OP: &str = "moe_sort";
+    check::dtype(OP, experts, DType::U32)?;
+    let (n, k) = dims2(OP, experts)?;
+    let ix = experts.to_vec::<u32>()?;
+    if let Some(&bad) = ix.iter().find(|&&x| x as usize >= num_experts) {
+        return Err(invalid(OP, format!("expert index {bad} is not below the {num_experts} experts")));
+    }
+    let (perm, slot, counts) = cpu::moe::sort_by_expert(&ix, k, num_experts);
+    Ok(ExpertSort {
+        perm: Tensor::from_vec(perm, [n * k], experts.device())?,
+        slot: Tensor::from_vec(slot, [n, k], experts.device())?,
+        tokens_per_expert: counts,
+    })
+}
+
+fn combine_shapes(op: &'static str, yp: &Tensor, slot: &Tensor, probs: &Tensor) -> Result<(usize, usize, usize)> {
+    check::float(op, yp)?;
+    let (rows, c) = dims2(op, yp)?;
+    check::dtype(op, slot, DType::U32)?;
+    let (n, k) = dims2(op, slot)?;
+    if rows != n * k {
+        return Err(invalid(op, format!("{rows} expert rows for {n} tokens × top-{k}")));
+    }
+    check::float(op, probs)?;
+    check::shape(op, probs, &[n, k])?;
+    Ok((n, k, c))
+}
+
+fn slots(op: &'static str, slot: &Tensor, rows: usize) -> Result<Vec<u32>> {
+    let s = slot.to_vec::<u32>()?;
+    if let Some(&bad) = s.iter().find(|&&r| r as usize >= rows) {
+        return Err(invalid(op, format!("slot {bad} is not below the {rows} expert rows")));
+    }
+    Ok(s)
+}
+
+/// y [N, C] = Σ_j probs[n, j] · yp[slot[n, j]], in yp's dtype.
+pub fn moe_unpermute(yp: &Tensor, slot: &Tensor, probs: &Tensor) -> Result<Tensor> {
+    const OP: &str = "moe_unpermute";
+    let (n, k, c) = combine_shapes(OP, yp, slot, probs)?;
+    check::on_cpu(OP, &[yp, slot, probs])?;
+    let s = slots(OP, slot, n * k)?;
+    let (yv, pv) = (yp.read_f32()?, probs.read_f32()?);
+    // SAFETY: unpermute writes every row.
+    let mut y = unsafe { buf::uninit::<f32>(n * c) };
+    cpu::moe::unpermute(&yv, &s, &pv, c, k, &mut y);
+    check::out(y, [n, c], yp.dtype(), yp.device())
+}
+
+/// (dyp [N·k, C] in dy's dtype, dprobs [N, k] f32) from dy [N, C].
+pub fn moe_unpermute_bwd(yp: &Tensor, slot: &Tensor, probs: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "moe_unpermute_bwd";
+    let (n, k, c) = combine_shapes(OP, yp, slot, probs)?;
+    check::float(OP, dy)?;
+    check::shape(OP, dy, &[n, c])?;
+    check::on_cpu(OP, &[yp, slot, probs, dy])?;
+    let s = slots(OP, slot, n * k)?;
+    let mut seen = vec![false; n * k];
+    if s.iter().any(|&r| std::mem::replace(&mut seen[r as usize], true)) {
+        return Err(invalid(OP, "two token copies name the same expert row: slot is not a permutation"));
+    }
+    let (yv, pv, gv) = (yp.read_f32()?, probs.read_f32()?, dy.read_f32()?);
+    // SAFETY: every row of dyp has exactly one slot (checked above); dprobs is written in full.
+    let mut dyp = unsafe { buf::uninit::<f32>(n * k * c) };
+    let mut dp = unsafe { buf::uninit::<f32>(n * k) };
+    cpu::moe::unpermute_bwd(&yv, &s, &pv, &gv, c, k, &mut dyp, &mut dp);
+    Ok((check::out(dyp, [n * k, c], dy.dtype(), dy.device())?, Tensor::from_vec(dp, [n, k], dy.device())?))
+}

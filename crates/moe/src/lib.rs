@@ -1,0 +1,25 @@
+//! ferrotron-moe: mixture-of-experts layers (Megatron-Core's MoELayer with its top-k router and
+//! SequentialMLP experts), in place of a transformer layer's dense MLP.
+//!
+//! Why a crate of its own: the MoE layer is built from the transformer crate's pieces (the plain
+//! linear as the router's gate, the dense `Mlp` as each expert) and plugs back into a layer through
+//! the spec's factory hook (`MlpSpec::Custom` with a [`MoeSpec`]), so the transformer crate knows
+//! nothing of experts and a model without them pays nothing.
+//!
+//! What runs (`layer.rs`): router logits → top-k experts and weights → token copies sorted by
+//! expert → each expert's MLP on its rows → copies combined, weighted, per token. The router's
+//! load-balancing and z-losses add their gradients in the backward at the micro-batch's loss scale
+//! (`Cx::grad_scale`), as Megatron's MoEAuxLossAutoScaler does; their values are kept in
+//! [`MoeMetrics`] for the log.
+//!
+//! Not yet: expert parallelism (the all-to-all dispatch over `--expert-model-parallel-size`),
+//! expert tensor parallelism, shared experts, token dropping, and CUDA kernels for the routing
+//! ops; the spec refuses what is not built, naming it.
+
+pub mod layer;
+pub mod metrics;
+pub mod spec;
+
+pub use layer::MoeLayer;
+pub use metrics::{MoeMetrics, RouterLossValues};
+pub use spec::{LoadBalancing, MoeSpec, RouterSpec};

@@ -1,0 +1,143 @@
+//! The typed MoE spec (Megatron's --num-experts, --moe-* flags) and its factory: a layer whose
+//! `LayerSpec::mlp` is `MlpSpec::Custom(Arc::new(moe_spec))` gets a [`MoeLayer`] in place of
+//! its dense MLP.
+
+use crate::layer::MoeLayer;
+use crate::metrics::MoeMetrics;
+use ferrotron_core::{Module, ParamTableBuilder, Result, invalid};
+use ferrotron_transformer::spec::{Activation, FactoryCx, ModuleFactory, ParamCount};
+
+/// How the router balances the experts' load (--moe-router-load-balancing-type).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LoadBalancing {
+    /// GShard / Switch Transformer's loss over the micro-batch (`aux_loss`, Megatron's default),
+    /// weighted by --moe-aux-loss-coeff.
+    AuxLoss,
+    /// None (`none`).
+    None,
+}
+
+/// The top-k router's choices.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RouterSpec {
+    /// Experts per token (--moe-router-topk, default 2).
+    pub topk: usize,
+    /// Softmax over all experts before the top-k (--moe-router-pre-softmax); by default the
+    /// softmax runs over the chosen k (Mixtral's renormalised weights).
+    pub pre_softmax: bool,
+    /// --moe-router-topk-scaling-factor.
+    pub topk_scaling_factor: Option<f32>,
+    pub load_balancing: LoadBalancing,
+    /// --moe-aux-loss-coeff (default 0).
+    pub aux_loss_coeff: f32,
+    /// --moe-z-loss-coeff (default none).
+    pub z_loss_coeff: Option<f32>,
+}
+
+impl Default for RouterSpec {
+    fn default() -> Self {
+        RouterSpec {
+            topk: 2,
+            pre_softmax: false,
+            topk_scaling_factor: None,
+            load_balancing: LoadBalancing::AuxLoss,
+            aux_loss_coeff: 0.0,
+            z_loss_coeff: None,
+        }
+    }
+}
+
+/// A mixture-of-experts MLP: `num_experts` experts of `ffn_hidden_size`, `router.topk` per token.
+#[derive(Clone, Debug)]
+pub struct MoeSpec {
+    /// --num-experts.
+    pub num_experts: usize,
+    /// Each expert's hidden width (--moe-ffn-hidden-size; Megatron defaults it to --ffn-hidden-size).
+    pub ffn_hidden_size: usize,
+    pub activation: Activation,
+    /// Biases on the experts' linear layers (--add-bias-linear).
+    pub bias: bool,
+    pub router: RouterSpec,
+    /// --expert-model-parallel-size (1 until the all-to-all dispatch lands).
+    pub expert_parallel_size: usize,
+    /// Where the layers record their routers' loss values.
+    pub metrics: MoeMetrics,
+}
+
+impl MoeSpec {
+    /// Checks every value, naming the flag and the fix.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        let r = &self.router;
+        if self.num_experts == 0 {
+            return Err("--num-experts must be at least 1".into());
+        }
+        if self.ffn_hidden_size == 0 {
+            return Err("--moe-ffn-hidden-size must be at least 1".into());
+        }
+        if r.topk == 0 || r.topk > self.num_experts {
+            return Err(format!(
+                "--moe-router-topk {} must be between 1 and --num-experts {}",
+                r.topk, self.num_experts
+            ));
+        }
+        if !(r.aux_loss_coeff.is_finite() && r.aux_loss_coeff >= 0.0) {
+            return Err(format!(
+                "--moe-aux-loss-coeff {} must be a finite value ≥ 0 (1e-2 is usual)",
+                r.aux_loss_coeff
+            ));
+        }
+        if let Some(z) = r.z_loss_coeff.filter(|z| !(z.is_finite() && *z >= 0.0)) {
+            return Err(format!("--moe-z-loss-coeff {z} must be a finite value ≥ 0 (1e-3 is usual)"));
+        }
+        if let Some(s) = r.topk_scaling_factor.filter(|s| !(s.is_finite() && *s > 0.0)) {
+            return Err(format!("--moe-router-topk-scaling-factor {s} must be positive"));
+        }
+        if self.expert_parallel_size != 1 {
+            return Err(format!(
+                "--expert-model-parallel-size {} is not supported yet (the all-to-all token dispatch is not built): use 1",
+                self.expert_parallel_size
+            ));
+        }
+        Ok(())
+    }
+
+    /// fc1's output width per expert: F, or 2F gate|value for SwiGLU.
+    fn fc1_out(&self) -> usize {
+        match self.activation {
+            Activation::Gelu => self.ffn_hidden_size,
+            Activation::SwiGlu => 2 * self.ffn_hidden_size,
+        }
+    }
+
+    /// Parameters of one expert at width `hidden`.
+    pub fn expert_params(&self, hidden: usize) -> usize {
+        let (f, f1) = (self.ffn_hidden_size, self.fc1_out());
+        hidden * f1 + f * hidden + if self.bias { f1 + hidden } else { 0 }
+    }
+}
+
+impl ModuleFactory for MoeSpec {
+    fn build(&self, cx: &FactoryCx, params: &mut ParamTableBuilder) -> Result<Box<dyn Module>> {
+        self.validate().map_err(|m| invalid("MoeSpec", m))?;
+        self.validate_tp(cx.tp.size()).map_err(|m| invalid("MoeSpec", m))?;
+        Ok(Box::new(MoeLayer::new(params, cx, self)?))
+    }
+
+    fn param_count(&self, hidden: usize) -> Option<ParamCount> {
+        let (router, expert) = (self.num_experts * hidden, self.expert_params(hidden));
+        Some(ParamCount { total: router + self.num_experts * expert, active: router + self.router.topk * expert })
+    }
+
+    fn validate_tp(&self, tp: usize) -> std::result::Result<(), String> {
+        if tp > 1 {
+            return Err(format!(
+                "MoE layers (--num-experts) run at --tensor-model-parallel-size 1 so far (got {tp}): expert tensor parallelism is not built yet"
+            ));
+        }
+        Ok(())
+    }
+
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
+}

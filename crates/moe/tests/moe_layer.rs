@@ -1,0 +1,319 @@
+//! The MoE layer against a naive per-token reference, its gradients against finite differences
+//! (the router's losses included, at a loss scale), and a GPT with MoE layers end to end.
+
+use ferrotron_core::{Cx, DType, Device, Module, ParamTable, ParamTableBuilder, Saved, Tensor, rng::Philox};
+use ferrotron_kernels as k;
+use ferrotron_moe::{LoadBalancing, MoeMetrics, MoeSpec, RouterSpec};
+use ferrotron_parallel::{ProcessGroups, TensorParallel};
+use ferrotron_transformer::spec::{
+    Activation, AttentionSpec, FactoryCx, LayerSpec, MlpSpec, ModuleFactory, NormKind, PositionEmbedding,
+};
+use ferrotron_transformer::{Batch, GptModel, TransformerConfig};
+use std::sync::Arc;
+
+const C: usize = 8;
+
+fn spec(activation: Activation, bias: bool, pre_softmax: bool) -> MoeSpec {
+    MoeSpec {
+        num_experts: 4,
+        ffn_hidden_size: 6,
+        activation,
+        bias,
+        router: RouterSpec {
+            topk: 2,
+            pre_softmax,
+            topk_scaling_factor: if pre_softmax { Some(1.5) } else { None },
+            load_balancing: LoadBalancing::AuxLoss,
+            aux_loss_coeff: 0.3,
+            z_loss_coeff: Some(0.05),
+        },
+        expert_parallel_size: 1,
+        metrics: MoeMetrics::default(),
+    }
+}
+
+fn layer(s: &MoeSpec, seed: u64) -> (Box<dyn Module>, ParamTable) {
+    let tp = TensorParallel::new(ProcessGroups::single().tp, false);
+    let mut p = ParamTableBuilder::default();
+    let cx = FactoryCx { prefix: "decoder.layers.0.mlp", hidden: C, std: 0.5, out_std: 0.3, tp: &tp };
+    let m = s.build(&cx, &mut p).unwrap();
+    let table = p.build(&Device::Cpu, DType::F32, seed).unwrap();
+    if s.bias {
+        // Non-zero biases, so that the reference checks where they enter.
+        for id in table.ids().filter(|&id| table.meta(id).name.ends_with(".bias")) {
+            let b = table.param(id).unwrap();
+            let n = b.elem_count();
+            b.copy_from_f32(&(0..n).map(|i| 0.1 * (i as f32 - 2.0)).collect::<Vec<_>>()).unwrap();
+        }
+    }
+    (m, table)
+}
+
+fn randn(n: usize, seed: u64, std: f32) -> Vec<f32> {
+    let mut v = vec![0f32; n];
+    Philox::new(seed).fill_normal(0, 0.0, std, &mut v);
+    v
+}
+
+fn get(t: &ParamTable, name: &str) -> Vec<f64> {
+    let id = t.ids().find(|&id| t.meta(id).name == name).unwrap_or_else(|| panic!("no parameter {name}"));
+    t.param(id).unwrap().to_vec_f32().unwrap().into_iter().map(f64::from).collect()
+}
+
+/// y = W x (+ b) for W [out, in].
+fn lin(w: &[f64], b: Option<&[f64]>, x: &[f64]) -> Vec<f64> {
+    let n = x.len();
+    w.chunks(n)
+        .enumerate()
+        .map(|(o, row)| row.iter().zip(x).map(|(a, b)| a * b).sum::<f64>() + b.map_or(0.0, |b| b[o]))
+        .collect()
+}
+
+/// The layer's output for one token, computed the plain way.
+fn reference(t: &ParamTable, s: &MoeSpec, x: &[f64]) -> Vec<f64> {
+    let pre = "decoder.layers.0.mlp";
+    let logits = lin(&get(t, &format!("{pre}.router.weight")), None, x);
+    let mut order: Vec<usize> = (0..s.num_experts).collect();
+    order.sort_by(|&a, &b| logits[b].partial_cmp(&logits[a]).unwrap().then(a.cmp(&b)));
+    let top = &order[..s.router.topk];
+    let soft = |v: &[f64]| {
+        let m = v.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let z: f64 = v.iter().map(|a| (a - m).exp()).sum();
+        v.iter().map(|a| (a - m).exp() / z).collect::<Vec<_>>()
+    };
+    let scale = s.router.topk_scaling_factor.unwrap_or(1.0) as f64;
+    let w: Vec<f64> = if s.router.pre_softmax {
+        let p = soft(&logits);
+        top.iter().map(|&e| scale * p[e]).collect()
+    } else {
+        soft(&top.iter().map(|&e| logits[e]).collect::<Vec<_>>()).into_iter().map(|p| scale * p).collect()
+    };
+    let mut y = vec![0.0; x.len()];
+    for (&e, &p) in top.iter().zip(&w) {
+        let ex = format!("{pre}.experts.local_experts.{e}");
+        let bias = |n: &str| s.bias.then(|| get(t, &format!("{ex}.{n}.bias")));
+        let h = lin(&get(t, &format!("{ex}.linear_fc1.weight")), bias("linear_fc1").as_deref(), x);
+        let f = s.ffn_hidden_size;
+        let a: Vec<f64> = match s.activation {
+            Activation::Gelu => h
+                .iter()
+                .map(|&v| 0.5 * v * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (v + 0.044715 * v.powi(3))).tanh()))
+                .collect(),
+            Activation::SwiGlu => (0..f).map(|i| h[i] / (1.0 + (-h[i]).exp()) * h[f + i]).collect(),
+        };
+        let o = lin(&get(t, &format!("{ex}.linear_fc2.weight")), bias("linear_fc2").as_deref(), &a);
+        y.iter_mut().zip(&o).for_each(|(y, o)| *y += p * o);
+    }
+    y
+}
+
+#[test]
+fn forward_matches_the_per_token_reference() {
+    for (act, bias, pre) in [(Activation::SwiGlu, false, false), (Activation::Gelu, true, true)] {
+        let s = spec(act, bias, pre);
+        let (m, table) = layer(&s, 7);
+        let (b, t) = (3, 5);
+        let x = randn(b * t * C, 11, 1.0);
+        let (y, saved) =
+            m.forward(&Cx::new(&table, true), &Tensor::from_vec(x.clone(), [b, t, C], &Device::Cpu).unwrap()).unwrap();
+        assert_eq!(y.dims(), &[b, t, C]);
+        let y = y.to_vec_f32().unwrap();
+        // Every expert is used by some token (so the test sees all of them).
+        let experts = saved.tensors[2].to_vec::<u32>().unwrap();
+        assert!((0..4).all(|e| experts.contains(&e)), "{experts:?}");
+        for n in 0..b * t {
+            let xr: Vec<f64> = x[n * C..(n + 1) * C].iter().map(|&v| v as f64).collect();
+            let want = reference(&table, &s, &xr);
+            for (i, (&g, w)) in y[n * C..(n + 1) * C].iter().zip(&want).enumerate() {
+                assert!((g as f64 - w).abs() < 1e-5 + 1e-5 * w.abs(), "{act:?} token {n}[{i}]: {g} vs {w}");
+            }
+        }
+    }
+}
+
+/// The router-loss values at this forward, from its logits and routing.
+fn router_values(s: &MoeSpec, saved: &Saved) -> (f64, f64) {
+    let (logits, experts) = (&saved.tensors[0], &saved.tensors[2]);
+    let sort = k::moe_sort(experts, s.num_experts).unwrap();
+    let counts: Vec<f32> = sort.tokens_per_expert.iter().map(|&c| c as f32).collect();
+    let l = k::RouterLoss {
+        topk: s.router.topk,
+        total_tokens: logits.dims()[0],
+        aux_coeff: 0.0,
+        z_coeff: 0.0,
+        grad_scale: 0.0,
+    };
+    let (v, _) =
+        k::moe_router_loss(logits, &Tensor::from_vec(counts, [s.num_experts], &Device::Cpu).unwrap(), &l).unwrap();
+    let v = v.to_vec_f32().unwrap();
+    (v[0] as f64, v[1] as f64)
+}
+
+/// Directional finite differences of ⟨y, r⟩ + g·(a·aux + z·zloss) for every parameter and the
+/// input, against the backward run at loss scale g with dy = r; once more with r = 0, where the
+/// router's losses are all there is.
+#[test]
+fn gradients_match_finite_differences_with_the_router_losses() {
+    let cases = [
+        (Activation::SwiGlu, false, false, 1.0),
+        (Activation::Gelu, true, true, 1.0),
+        (Activation::SwiGlu, false, true, 0.0),
+    ];
+    for (act, bias, pre, r_std) in cases {
+        let s = spec(act, bias, pre);
+        let (m, table) = layer(&s, 3);
+        let (n, g) = (12, 0.7f32);
+        let x = Tensor::from_vec(randn(n * C, 5, 1.0), [n, C], &Device::Cpu).unwrap();
+        let r = randn(n * C, 6, r_std);
+        let (a, z) = (s.router.aux_loss_coeff as f64, s.router.z_loss_coeff.unwrap() as f64);
+        let objective = |x: &Tensor| {
+            let (y, saved) = m.forward(&Cx::new(&table, true), x).unwrap();
+            let dot: f64 = y.to_vec_f32().unwrap().iter().zip(&r).map(|(a, b)| *a as f64 * *b as f64).sum();
+            let (aux, zl) = router_values(&s, &saved);
+            (dot + g as f64 * (a * aux + z * zl), saved.tensors[2].to_vec::<u32>().unwrap())
+        };
+        let cx = Cx::new(&table, true).with_grad_scale(g);
+        let (_, saved) = m.forward(&cx, &x).unwrap();
+        let routed = saved.tensors[2].to_vec::<u32>().unwrap();
+        let dx = m.backward(&cx, saved, &Tensor::from_vec(r.clone(), [n, C], &Device::Cpu).unwrap()).unwrap();
+        let values = s.metrics.take().unwrap();
+        assert_eq!(values.layers, 1, "one layer recorded its router losses");
+        assert!(values.load_balancing_sum > 0.0 && values.z_sum > 0.0, "{values:?}");
+
+        let h = 1e-3f32;
+        let check = |name: &str, base: &Tensor, analytic: &[f32], eval: &dyn Fn(&Tensor) -> (f64, Vec<u32>)| {
+            let u = randn(base.elem_count(), name.len() as u64 + 99, 1.0);
+            let shift =
+                |sgn: f32| base.update_f32("t", |v| v.iter_mut().zip(&u).for_each(|(x, d)| *x += sgn * d)).unwrap();
+            shift(h);
+            let (lp, rp) = eval(&x);
+            shift(-2.0 * h);
+            let (lm, rm) = eval(&x);
+            shift(h);
+            assert!(rp == routed && rm == routed, "{name}: the step changed the routing; pick another seed");
+            let numeric = (lp - lm) / (2.0 * h as f64);
+            let want: f64 = analytic.iter().zip(&u).map(|(a, b)| *a as f64 * *b as f64).sum();
+            assert!(
+                (numeric - want).abs() <= 1e-2 * want.abs() + 1e-3,
+                "{act:?} {name}: finite difference {numeric} vs backward {want}"
+            );
+        };
+        for id in table.ids() {
+            let grad = table.grad(id).unwrap().to_vec_f32().unwrap();
+            check(&table.meta(id).name, &table.param(id).unwrap(), &grad, &|x| objective(x));
+        }
+        let xc = x.clone();
+        check("input", &xc, &dx.to_vec_f32().unwrap(), &|x| objective(x));
+    }
+}
+
+#[test]
+fn param_count_is_the_built_tables() {
+    for (act, bias) in [(Activation::SwiGlu, false), (Activation::Gelu, true)] {
+        let s = spec(act, bias, false);
+        let (_, table) = layer(&s, 1);
+        let c = s.param_count(C).unwrap();
+        assert_eq!(c.total, table.numel());
+        assert_eq!(c.active, C * 4 + 2 * s.expert_params(C));
+    }
+}
+
+#[test]
+fn bad_specs_are_named() {
+    let mut s = spec(Activation::SwiGlu, false, false);
+    s.router.topk = 5;
+    assert!(s.validate().unwrap_err().contains("--moe-router-topk 5"));
+    let mut s = spec(Activation::SwiGlu, false, false);
+    s.expert_parallel_size = 2;
+    assert!(s.validate().unwrap_err().contains("--expert-model-parallel-size 2"));
+    let s = spec(Activation::SwiGlu, false, false);
+    assert!(s.validate_tp(2).unwrap_err().contains("--tensor-model-parallel-size 1"));
+    let mut s = spec(Activation::SwiGlu, false, false);
+    s.router.aux_loss_coeff = f32::NAN;
+    assert!(s.validate().unwrap_err().contains("--moe-aux-loss-coeff"));
+}
+
+fn gpt(s: &MoeSpec) -> TransformerConfig {
+    TransformerConfig {
+        num_layers: 2,
+        hidden_size: C,
+        num_attention_heads: 2,
+        num_query_groups: 2,
+        kv_channels: None,
+        ffn_hidden_size: 12,
+        seq_length: 6,
+        max_position_embeddings: 6,
+        vocab_size: 11,
+        make_vocab_size_divisible_by: 1,
+        position_embedding: PositionEmbedding::Rope { base: 10000.0, scaling: None },
+        untie_embeddings_and_output_weights: true,
+        layer: LayerSpec {
+            norm: NormKind::RmsNorm,
+            attention: AttentionSpec { bias: false, qkv_bias: false, qk_layernorm: false, window: None },
+            mlp: MlpSpec::Custom(Arc::new(s.clone())),
+        },
+        norm_epsilon: 1e-5,
+        init_method_std: 0.3,
+        hidden_dropout: 0.0,
+        attention_dropout: 0.0,
+    }
+}
+
+fn batch() -> Batch {
+    let dev = Device::Cpu;
+    let ids = |s: u64| (0..12).map(|i| Philox::new(s).u32_at(i) % 11).collect::<Vec<_>>();
+    Batch::unmasked(Tensor::from_vec(ids(1), [2, 6], &dev).unwrap(), Tensor::from_vec(ids(2), [2, 6], &dev).unwrap())
+        .unwrap()
+}
+
+/// A GPT whose layers are MoE: the config counts its parameters as the table does, both layers
+/// record their router losses, and the whole model's gradient (language-model loss + both
+/// layers' router losses) matches finite differences along a random direction.
+#[test]
+fn gpt_with_moe_layers_counts_and_differentiates() {
+    let s = spec(Activation::SwiGlu, false, false);
+    let cfg = gpt(&s);
+    let (model, table) = GptModel::build(cfg.clone(), &Device::Cpu, DType::F32, 4).unwrap();
+    assert_eq!(cfg.num_params(), table.numel());
+    assert!(cfg.active_params() < cfg.num_params());
+    assert!(table.metas().iter().any(|m| m.name == "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight"));
+    let b = batch();
+    let (a, z) = (s.router.aux_loss_coeff as f64, s.router.z_loss_coeff.unwrap() as f64);
+    let total = |table: &ParamTable| {
+        let cx = Cx::new(table, true);
+        let (loss, saved) = model.forward(&cx, &b).unwrap();
+        // The layers' router losses come out of a backward; run one at scale 0 (adds nothing
+        // that matters here: main_grad is rebuilt below) to read them.
+        model.backward(&cx, saved, 0.0).unwrap();
+        let v = s.metrics.take().unwrap();
+        assert_eq!(v.layers, 2);
+        loss + a * v.load_balancing_sum + z * v.z_sum
+    };
+    let f0 = total(&table);
+    table.defer_zero_grads();
+    let cx = Cx::new(&table, true);
+    let (_, saved) = model.forward(&cx, &b).unwrap();
+    model.backward(&cx, saved, 1.0).unwrap();
+    assert!(s.metrics.take().unwrap().layers == 2 && f0.is_finite());
+    let grads: Vec<Vec<f32>> = table.ids().map(|id| table.grad(id).unwrap().to_vec_f32().unwrap()).collect();
+    let u: Vec<Vec<f32>> =
+        table.ids().map(|id| randn(table.param(id).unwrap().elem_count(), id.0 as u64 + 7, 1.0)).collect();
+    let shift = |sgn: f32| {
+        for (id, d) in table.ids().zip(&u) {
+            table.param(id).unwrap().update_f32("t", |v| v.iter_mut().zip(d).for_each(|(x, d)| *x += sgn * d)).unwrap();
+        }
+    };
+    let h = 1e-3f32;
+    shift(h);
+    let fp = total(&table);
+    shift(-2.0 * h);
+    let fm = total(&table);
+    shift(h);
+    let numeric = (fp - fm) / (2.0 * h as f64);
+    let analytic: f64 =
+        grads.iter().zip(&u).flat_map(|(g, d)| g.iter().zip(d)).map(|(a, b)| *a as f64 * *b as f64).sum();
+    assert!(
+        (numeric - analytic).abs() <= 1e-2 * analytic.abs() + 1e-3,
+        "finite difference {numeric} vs backward {analytic}"
+    );
+}
