@@ -1,6 +1,7 @@
 //! ferrotron-models: presets. A preset is a function from a size to a `TransformerConfig`, not a
-//! factory with a dozen flags: `gpt2(GptSize::Gpt124m)` or `llama(LlamaSize::Llama1b)`. Trainer
-//! flags then override single fields.
+//! factory with a dozen flags: `gpt2(GptSize::Gpt124m)`, `llama(LlamaSize::Llama1b)` or
+//! `mixtral(MixtralSize::Tiny)` (its MLP a ferrotron-moe spec). Trainer flags then override single
+//! fields.
 //!
 //! FLOP and parameter counts come with the config (`num_params`, `flops_per_token`) so that MFU can
 //! be reported for any preset.
@@ -10,8 +11,10 @@
 
 pub mod hf;
 
+use ferrotron_moe::{MoeSpec, RouterSpec};
 use ferrotron_transformer::TransformerConfig;
 use ferrotron_transformer::spec::{Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, PositionEmbedding};
+use std::sync::Arc;
 
 /// Megatron pads the vocabulary to a multiple of this (times the tensor-parallel size).
 pub const VOCAB_DIVISIBLE_BY: usize = 128;
@@ -109,8 +112,45 @@ pub fn llama(size: LlamaSize) -> TransformerConfig {
     }
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MixtralSize {
+    /// llama-tiny's attention with 8 experts of width 176 in every layer, 2 per token: the same
+    /// products per token as llama-tiny's MLP (2 × 176 = 352), four times its MLP parameters.
+    Tiny,
+}
+
+/// Mixtral style: Llama's layers with a mixture-of-experts MLP (SwiGLU experts, top-2 with the
+/// top-k softmax renormalised, the load-balancing loss at 1e-2 and the z-loss at 1e-3).
+pub fn mixtral(size: MixtralSize) -> TransformerConfig {
+    let (base, experts, ffn) = match size {
+        MixtralSize::Tiny => (llama(LlamaSize::Tiny), 8, 176),
+    };
+    let moe = MoeSpec {
+        num_experts: experts,
+        ffn_hidden_size: ffn,
+        activation: Activation::SwiGlu,
+        bias: false,
+        router: RouterSpec { aux_loss_coeff: 1e-2, z_loss_coeff: Some(1e-3), ..RouterSpec::default() },
+        expert_parallel_size: 1,
+        metrics: Default::default(),
+    };
+    TransformerConfig {
+        ffn_hidden_size: ffn,
+        layer: LayerSpec { mlp: MlpSpec::Custom(Arc::new(moe)), ..base.layer },
+        ..base
+    }
+}
+
+/// The MoE spec of a config's layers, if they are mixture-of-experts.
+pub fn moe_spec(c: &TransformerConfig) -> Option<&MoeSpec> {
+    match &c.layer.mlp {
+        MlpSpec::Custom(f) => f.as_any()?.downcast_ref::<MoeSpec>(),
+        MlpSpec::Dense { .. } => None,
+    }
+}
+
 /// Preset names the trainer accepts for `--preset`.
-pub const PRESETS: &[&str] = &["tiny", "small", "124m", "1.3b", "6.7b", "llama-tiny", "llama-1b"];
+pub const PRESETS: &[&str] = &["tiny", "small", "124m", "1.3b", "6.7b", "llama-tiny", "llama-1b", "mixtral-tiny"];
 
 /// Looks a preset up by name (see `PRESETS`); also accepts `gpt2-124m` and `gpt-1.3b`.
 pub fn preset(name: &str) -> Option<TransformerConfig> {
@@ -122,6 +162,7 @@ pub fn preset(name: &str) -> Option<TransformerConfig> {
         "6.7b" | "gpt-6.7b" => gpt2(GptSize::Gpt6_7b),
         "llama-tiny" => llama(LlamaSize::Tiny),
         "llama-1b" => llama(LlamaSize::Llama1b),
+        "mixtral-tiny" => mixtral(MixtralSize::Tiny),
         _ => return None,
     })
 }
@@ -162,6 +203,19 @@ mod tests {
         let n = c.num_params() as f64;
         assert!((6.5e9..6.9e9).contains(&n), "{n}");
         c.validate_tp(8).unwrap();
+    }
+
+    #[test]
+    fn mixtral_tiny_counts_its_experts() {
+        let (c, dense) = (mixtral(MixtralSize::Tiny), llama(LlamaSize::Tiny));
+        let spec = moe_spec(&c).unwrap();
+        assert_eq!((spec.num_experts, spec.router.topk), (8, 2));
+        assert!(moe_spec(&dense).is_none());
+        // Per layer: the router (8 × 128) and 8 experts of 3 × 128 × 176, of which 2 are active.
+        let expert = 3 * 128 * 176;
+        let mlp_dense = 3 * 128 * 352;
+        assert_eq!(c.num_params(), dense.num_params() + 4 * (8 * 128 + 8 * expert - mlp_dense));
+        assert_eq!(c.active_params(), dense.num_params() + 4 * 8 * 128);
     }
 
     #[test]

@@ -5,6 +5,7 @@ use crate::batch_schedule::BatchSchedule;
 use anyhow::{Context, bail};
 use ferrotron_data::TokenizerKind;
 use ferrotron_models::{VOCAB_DIVISIBLE_BY, preset};
+use ferrotron_moe::{LoadBalancing, MoeSpec, RouterSpec};
 use ferrotron_optim::DecayStyle;
 use ferrotron_transformer::TransformerConfig;
 use ferrotron_transformer::spec::{
@@ -12,6 +13,7 @@ use ferrotron_transformer::spec::{
 };
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// Every setting, optional so that layers can be merged. Field names are Megatron's flags with
 /// underscores; the TOML file uses the flag spelling (dashes).
@@ -378,6 +380,43 @@ pub struct TrainArgs {
     pub recompute_method: Option<String>,
     #[arg(long)]
     pub recompute_num_layers: Option<usize>,
+    /// Mixture of experts: every layer's MLP is this many experts behind a top-k router
+    /// (Megatron's --num-experts; none: dense).
+    #[arg(long)]
+    pub num_experts: Option<usize>,
+    /// Each expert's hidden width (default --ffn-hidden-size).
+    #[arg(long)]
+    pub moe_ffn_hidden_size: Option<usize>,
+    /// Experts per token (default 2).
+    #[arg(long)]
+    pub moe_router_topk: Option<usize>,
+    /// aux_loss (default: GShard's load-balancing loss, weighted by --moe-aux-loss-coeff) or none.
+    #[arg(long)]
+    pub moe_router_load_balancing_type: Option<String>,
+    /// The load-balancing loss's weight (default 0; 1e-2 is usual).
+    #[arg(long)]
+    pub moe_aux_loss_coeff: Option<f64>,
+    /// The router z-loss's weight (default none; 1e-3 is usual).
+    #[arg(long)]
+    pub moe_z_loss_coeff: Option<f64>,
+    /// Softmax over all experts before the top-k (the weights then not renormalised).
+    #[arg(long)]
+    pub moe_router_pre_softmax: bool,
+    /// Multiplies the router's top-k weights.
+    #[arg(long)]
+    pub moe_router_topk_scaling_factor: Option<f64>,
+    /// Expert-parallel size: 1 so far (the all-to-all dispatch is not built).
+    #[arg(long)]
+    pub expert_model_parallel_size: Option<usize>,
+    /// allgather (default) or alltoall: the same result on one expert-parallel rank.
+    #[arg(long)]
+    pub moe_token_dispatcher_type: Option<String>,
+    /// Accepted for Megatron's scripts: the experts' products run one per expert.
+    #[arg(long)]
+    pub moe_grouped_gemm: bool,
+    /// MoE layers among the dense ones: 1 (every layer; the only value so far).
+    #[arg(long)]
+    pub moe_layer_freq: Option<String>,
 }
 
 macro_rules! merge_opts {
@@ -397,10 +436,14 @@ impl TrainArgs {
             hidden_dropout, attention_dropout, window_size, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, ckpt_format, step_batch_size_schedule, corpus_docs, split,
             exit_interval, exit_duration_in_mins, device, cuda_graph_impl, cuda_graph_warmup_steps, profile_step_start, profile_step_end, profile_trace, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s,
             pipeline_model_parallel_size, num_layers_per_virtual_pipeline_stage, decoder_first_pipeline_num_layers,
-            decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers);
+            decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers,
+            num_experts, moe_ffn_hidden_size, moe_router_topk, moe_router_load_balancing_type, moe_aux_loss_coeff,
+            moe_z_loss_coeff, moe_router_topk_scaling_factor, expert_model_parallel_size, moe_token_dispatcher_type,
+            moe_layer_freq);
         merge_flags!(self, o; use_rope_scaling, swiglu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, bf16, fp16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
-            use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, async_save, no_save_optim, exit_signal_handler);
+            use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, async_save, no_save_optim, exit_signal_handler,
+            moe_router_pre_softmax, moe_grouped_gemm);
         if !o.profile_ranks.is_empty() {
             self.profile_ranks = o.profile_ranks.clone();
         }
@@ -562,6 +605,105 @@ pub struct Settings {
     pub tokenizer_model: Option<PathBuf>,
     #[serde(default = "default_split")]
     pub split: String,
+    /// Mixture of experts (`--num-experts` and the `--moe-*` flags); None: dense MLPs.
+    #[serde(default)]
+    pub moe: Option<MoeSettings>,
+}
+
+/// The MoE flags of a run, as Megatron names them.
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct MoeSettings {
+    pub num_experts: usize,
+    pub moe_ffn_hidden_size: usize,
+    pub moe_router_topk: usize,
+    pub moe_router_load_balancing_type: String,
+    pub moe_aux_loss_coeff: f32,
+    pub moe_z_loss_coeff: Option<f32>,
+    pub moe_router_pre_softmax: bool,
+    pub moe_router_topk_scaling_factor: Option<f32>,
+    pub expert_model_parallel_size: usize,
+    pub moe_token_dispatcher_type: String,
+}
+
+impl MoeSettings {
+    /// The flags gathered, defaults filled in as Megatron's; None without --num-experts (any
+    /// other MoE flag is then an error naming it).
+    fn from_args(a: &TrainArgs, ffn_hidden_size: usize) -> anyhow::Result<Option<MoeSettings>> {
+        let Some(num_experts) = a.num_experts else {
+            let given = [
+                ("--moe-ffn-hidden-size", a.moe_ffn_hidden_size.is_some()),
+                ("--moe-router-topk", a.moe_router_topk.is_some()),
+                ("--moe-router-load-balancing-type", a.moe_router_load_balancing_type.is_some()),
+                ("--moe-aux-loss-coeff", a.moe_aux_loss_coeff.is_some()),
+                ("--moe-z-loss-coeff", a.moe_z_loss_coeff.is_some()),
+                ("--moe-router-pre-softmax", a.moe_router_pre_softmax),
+                ("--moe-router-topk-scaling-factor", a.moe_router_topk_scaling_factor.is_some()),
+                ("--expert-model-parallel-size", a.expert_model_parallel_size.is_some_and(|e| e != 1)),
+                ("--moe-token-dispatcher-type", a.moe_token_dispatcher_type.is_some()),
+                ("--moe-grouped-gemm", a.moe_grouped_gemm),
+                ("--moe-layer-freq", a.moe_layer_freq.is_some()),
+            ];
+            if let Some((flag, _)) = given.iter().find(|(_, g)| *g) {
+                bail!("{flag} configures mixture-of-experts layers: add --num-experts N (or drop it)");
+            }
+            return Ok(None);
+        };
+        if let Some(f) = a.moe_layer_freq.as_deref().filter(|f| f.trim() != "1") {
+            bail!(
+                "--moe-layer-freq {f}: every layer is an MoE layer so far (1); mixing dense and MoE layers is not built yet"
+            );
+        }
+        Ok(Some(MoeSettings {
+            num_experts,
+            moe_ffn_hidden_size: a.moe_ffn_hidden_size.unwrap_or(ffn_hidden_size),
+            moe_router_topk: a.moe_router_topk.unwrap_or(2),
+            moe_router_load_balancing_type: a
+                .moe_router_load_balancing_type
+                .clone()
+                .unwrap_or_else(|| "aux_loss".into()),
+            moe_aux_loss_coeff: a.moe_aux_loss_coeff.unwrap_or(0.0) as f32,
+            moe_z_loss_coeff: a.moe_z_loss_coeff.map(|z| z as f32),
+            moe_router_pre_softmax: a.moe_router_pre_softmax,
+            moe_router_topk_scaling_factor: a.moe_router_topk_scaling_factor.map(|s| s as f32),
+            expert_model_parallel_size: a.expert_model_parallel_size.unwrap_or(1),
+            moe_token_dispatcher_type: a.moe_token_dispatcher_type.clone().unwrap_or_else(|| "allgather".into()),
+        }))
+    }
+
+    /// The spec the layers are built from (checked, errors naming the flag).
+    fn spec(&self, activation: Activation, bias: bool) -> anyhow::Result<MoeSpec> {
+        let load_balancing = match self.moe_router_load_balancing_type.as_str() {
+            "aux_loss" => LoadBalancing::AuxLoss,
+            "none" => LoadBalancing::None,
+            o @ ("seq_aux_loss" | "global_aux_loss" | "sinkhorn" | "quantile_balancing") => {
+                bail!("--moe-router-load-balancing-type {o} is not built yet: use aux_loss or none")
+            }
+            o => bail!("--moe-router-load-balancing-type {o}: use aux_loss or none"),
+        };
+        match self.moe_token_dispatcher_type.as_str() {
+            "allgather" | "alltoall" => {}
+            o => bail!("--moe-token-dispatcher-type {o}: use allgather or alltoall"),
+        }
+        let spec = MoeSpec {
+            num_experts: self.num_experts,
+            ffn_hidden_size: self.moe_ffn_hidden_size,
+            activation,
+            bias,
+            router: RouterSpec {
+                topk: self.moe_router_topk,
+                pre_softmax: self.moe_router_pre_softmax,
+                topk_scaling_factor: self.moe_router_topk_scaling_factor,
+                load_balancing,
+                aux_loss_coeff: self.moe_aux_loss_coeff,
+                z_loss_coeff: self.moe_z_loss_coeff,
+            },
+            expert_parallel_size: self.expert_model_parallel_size,
+            metrics: Default::default(),
+        };
+        spec.validate().map_err(anyhow::Error::msg)?;
+        Ok(spec)
+    }
 }
 
 /// `--window-size` as Megatron writes it, "(left,right)" (brackets and spaces optional): the
@@ -785,9 +927,11 @@ pub fn model_args(c: &TransformerConfig) -> TrainArgs {
         PositionEmbedding::Rope { base, .. } => ("rope", base),
         PositionEmbedding::None => ("none", 10000.0),
     };
-    let (swiglu, bias) = match c.layer.mlp {
-        MlpSpec::Dense { activation, bias } => (activation == Activation::SwiGlu, bias),
-        MlpSpec::Custom(_) => (false, true),
+    let moe = ferrotron_models::moe_spec(c);
+    let (swiglu, bias) = match (&c.layer.mlp, moe) {
+        (MlpSpec::Dense { activation, bias }, _) => (*activation == Activation::SwiGlu, *bias),
+        (MlpSpec::Custom(_), Some(m)) => (m.activation == Activation::SwiGlu, m.bias),
+        (MlpSpec::Custom(_), None) => (false, true),
     };
     let scaling = match c.position_embedding {
         PositionEmbedding::Rope { scaling, .. } => scaling,
@@ -819,6 +963,21 @@ pub fn model_args(c: &TransformerConfig) -> TrainArgs {
         init_method_std: Some(c.init_method_std),
         hidden_dropout: Some(c.hidden_dropout as f64),
         attention_dropout: Some(c.attention_dropout as f64),
+        num_experts: moe.map(|m| m.num_experts),
+        moe_ffn_hidden_size: moe.map(|m| m.ffn_hidden_size),
+        moe_router_topk: moe.map(|m| m.router.topk),
+        moe_router_load_balancing_type: moe.map(|m| {
+            match m.router.load_balancing {
+                LoadBalancing::AuxLoss => "aux_loss",
+                LoadBalancing::None => "none",
+            }
+            .into()
+        }),
+        moe_aux_loss_coeff: moe.map(|m| m.router.aux_loss_coeff as f64),
+        moe_z_loss_coeff: moe.and_then(|m| m.router.z_loss_coeff).map(f64::from),
+        moe_router_pre_softmax: moe.is_some_and(|m| m.router.pre_softmax),
+        moe_router_topk_scaling_factor: moe.and_then(|m| m.router.topk_scaling_factor).map(f64::from),
+        expert_model_parallel_size: moe.map(|m| m.expert_parallel_size),
         ..TrainArgs::default()
     }
 }
@@ -857,7 +1016,16 @@ impl TrainArgs {
             attention_dropout,
             tokenizer_type,
             vocab_size,
-            tokenizer_model
+            tokenizer_model,
+            num_experts,
+            moe_ffn_hidden_size,
+            moe_router_topk,
+            moe_router_load_balancing_type,
+            moe_aux_loss_coeff,
+            moe_z_loss_coeff,
+            moe_router_pre_softmax,
+            moe_router_topk_scaling_factor,
+            expert_model_parallel_size
         );
     }
 }
@@ -1019,7 +1187,9 @@ impl Settings {
             hidden_dropout: a.hidden_dropout.unwrap_or(0.0) as f32,
             attention_dropout: a.attention_dropout.unwrap_or(0.0) as f32,
             window_size: a.window_size.as_deref().map(parse_window).transpose()?.flatten(),
+            moe: None,
         };
+        s.moe = MoeSettings::from_args(&a, s.ffn_hidden_size)?;
         // Megatron's two ways to measure a run, not to be mixed: iterations, or samples (the
         // schedule then in samples as well).
         let warmup_iters_given = file.lr_warmup_iters.or(flags.lr_warmup_iters).is_some();
@@ -1130,6 +1300,11 @@ impl Settings {
             Some(d) => ferrotron_core::Device::parse(d).with_context(|| format!("--device {d}"))?,
             None => ferrotron_core::Device::Cpu,
         };
+        if s.moe.is_some() && !device.is_cpu() {
+            bail!(
+                "--num-experts: the MoE routing kernels run on the CPU so far (no CUDA versions yet): use --device cpu"
+            );
+        }
         let timeout = std::time::Duration::from_secs(a.distributed_timeout_s.unwrap_or(600).max(1));
         let profile = profile_range(&a, &device)?;
         let cuda_graph_warmup = cuda_graph(&a, &device, launch.world_size())?;
@@ -1418,6 +1593,12 @@ impl Settings {
             o => bail!("--normalization {o}: use LayerNorm or RMSNorm"),
         };
         let vocab = ferrotron_data::Tokenizer::new(self.tokenizer()?)?.vocab_size();
+        let (activation, bias) =
+            (if self.swiglu { Activation::SwiGlu } else { Activation::Gelu }, !self.disable_bias_linear);
+        let mlp = match &self.moe {
+            Some(m) => MlpSpec::Custom(Arc::new(m.spec(activation, bias)?)),
+            None => MlpSpec::Dense { activation, bias },
+        };
         Ok(TransformerConfig {
             num_layers: self.num_layers,
             hidden_size: self.hidden_size,
@@ -1440,10 +1621,7 @@ impl Settings {
                     // The mask keeps |i − j| < w: the token itself and the `left` before it.
                     window: self.window_size.map(|left| left + 1),
                 },
-                mlp: MlpSpec::Dense {
-                    activation: if self.swiglu { Activation::SwiGlu } else { Activation::Gelu },
-                    bias: !self.disable_bias_linear,
-                },
+                mlp,
             },
             norm_epsilon: self.norm_epsilon,
             init_method_std: self.init_method_std,

@@ -44,6 +44,11 @@ pub enum Metric {
         consumed_samples: u64,
         /// The global batch of the log line's iteration (it changes under a batch-size schedule).
         global_batch_size: u64,
+        /// MoE runs: the routers' load-balancing loss and z-loss (see `Summary::router_losses`).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        load_balancing_loss: Option<f64>,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        z_loss: Option<f64>,
     },
     Eval {
         iteration: u64,
@@ -64,6 +69,10 @@ pub struct Summary {
     pub logs: bool,
     /// Steps run by replaying the step's CUDA graph (`--cuda-graph-impl local`).
     pub graphed_steps: u64,
+    /// (iteration, load-balancing loss, z-loss) at each log line of an MoE run: Megatron's
+    /// logged values (without their coefficients), averaged over the MoE layers and the window's
+    /// micro-batches.
+    pub router_losses: Vec<(u64, f64, f64)>,
 }
 
 /// The data the run trains and evaluates on.
@@ -341,6 +350,16 @@ impl Drop for RankThreadFlags {
     }
 }
 
+/// The routers' loss values recorded since the last log line, averaged over every rank's MoE
+/// layers (a collective over the world); None where no layer recorded any (both losses off).
+fn router_losses(g: &ProcessGroups, m: &ferrotron_moe::MoeMetrics) -> anyhow::Result<Option<(f64, f64)>> {
+    let v = m.take()?;
+    let t = Tensor::from_vec(vec![v.load_balancing_sum as f32, v.z_sum as f32, v.layers as f32], [3], &Device::Cpu)?;
+    g.world.all_reduce(&t, ReduceOp::Sum)?;
+    let t = t.to_vec_f32()?;
+    Ok((t[2] > 0.0).then(|| (t[0] as f64 / t[2] as f64, t[1] as f64 / t[2] as f64)))
+}
+
 /// One rank's training run.
 fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summary> {
     let _flags = RankThreadFlags::set(paths.deterministic);
@@ -352,8 +371,9 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     let dtype = if s.bf16 { DType::BF16 } else { DType::F32 };
     let dev = paths.device.clone();
     let plan = s.stage_plan(g.pp.rank())?;
-    let (model, mut table) =
-        GptModel::build_stage(s.model_config()?, &tp, &plan, s.recompute()?, &dev, dtype, s.seed, layout.dp)?;
+    let config = s.model_config()?;
+    let moe_metrics = ferrotron_models::moe_spec(&config).map(|m| m.metrics.clone());
+    let (model, mut table) = GptModel::build_stage(config, &tp, &plan, s.recompute()?, &dev, dtype, s.seed, layout.dp)?;
     if s.grad_reduce_in_bf16 {
         table.set_grad_dtype(DType::BF16)?;
     }
@@ -422,7 +442,14 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         }
         _ => None,
     });
-    let mut summary = Summary { losses: vec![], evals: vec![], checkpoints: vec![], logs: rank0, graphed_steps: 0 };
+    let mut summary = Summary {
+        losses: vec![],
+        evals: vec![],
+        checkpoints: vec![],
+        logs: rank0,
+        graphed_steps: 0,
+        router_losses: vec![],
+    };
     let (dp, dp_rank) = (layout.dp, g.dp.rank());
     let schedule = s.batch_schedule()?;
     let micros_at = |consumed: u64| (schedule.at(consumed) / s.micro_batch_size as u64) as usize / dp;
@@ -576,6 +603,13 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             let secs = window.0.elapsed().as_secs_f64();
             let tps = (window.1 * s.seq_length as u64) as f64 / secs.max(1e-9);
             window.1 = 0;
+            let router = match &moe_metrics {
+                Some(m) => router_losses(&g, m)?,
+                None => None,
+            };
+            if let Some((lb, z)) = router {
+                summary.router_losses.push((iteration, lb, z));
+            }
             let m = Metric::Train {
                 iteration,
                 loss,
@@ -586,12 +620,15 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
                 elapsed_s: start.elapsed().as_secs_f64(),
                 consumed_samples: consumed,
                 global_batch_size: gbs,
+                load_balancing_loss: router.map(|r| r.0),
+                z_loss: router.map(|r| r.1),
             };
             metrics.write(&m)?;
             pb.set_message(format!("loss {loss:.4} | lr {lr:.2e} | {tps:.0} tok/s"));
             if pb.is_hidden() && rank0 {
+                let moe = router.map_or(String::new(), |(lb, z)| format!(" load-balancing {lb:.4} z-loss {z:.4}"));
                 eprintln!(
-                    "iteration {iteration}/{}: loss {loss:.4} lr {lr:.3e} grad-norm {:.3} {tps:.0} tokens/s",
+                    "iteration {iteration}/{}: loss {loss:.4} lr {lr:.3e} grad-norm {:.3}{moe} {tps:.0} tokens/s",
                     s.train_iters, out.grad_norm
                 );
             }

@@ -1,0 +1,123 @@
+//! Mixture-of-experts runs through the trainer: Megatron's --num-experts / --moe-* flags, the
+//! layouts against one rank, resume bit for bit, the routers' losses in the log, bad flags named.
+
+mod common;
+
+use common::*;
+use ferrotron_trainer::checkpoint;
+use ferrotron_trainer::settings::{Launch, Paths, Settings, TrainArgs};
+use ferrotron_trainer::train::train;
+
+fn moe_args() -> TrainArgs {
+    TrainArgs {
+        num_experts: Some(4),
+        moe_ffn_hidden_size: Some(24),
+        moe_router_topk: Some(2),
+        moe_aux_loss_coeff: Some(1e-2),
+        moe_z_loss_coeff: Some(1e-3),
+        global_batch_size: Some(4),
+        micro_batch_size: Some(1),
+        ..tiny_args(true)
+    }
+}
+
+fn close(tag: &str, got: &[(u64, f64)], want: &[(u64, f64)]) {
+    assert_eq!(got.len(), want.len(), "{tag}");
+    for ((i, a), (_, b)) in got.iter().zip(want) {
+        assert!((a - b).abs() <= 1e-4 * b.abs(), "{tag} iteration {i}: {a} vs {b} (1 rank)");
+    }
+}
+
+/// Data parallel (distributed optimizer, overlapped reduce and gather) and pipeline parallel
+/// (× data parallel, full recompute) train the MoE model as one rank does: the same losses and
+/// the same routers' loss values (each micro-batch's router losses scaled as its language-model
+/// loss is, then averaged over the data-parallel ranks).
+#[test]
+fn moe_layouts_follow_one_rank() {
+    let s1 = settings(&moe_args());
+    let one = train(&s1, &Paths::default()).unwrap();
+    assert_eq!(one.router_losses.len(), 8, "a router-loss value at each log line");
+    assert!(one.router_losses.iter().all(|&(_, lb, z)| lb >= 1.0 - 1e-6 && z > 0.0), "{:?}", one.router_losses);
+    let mut dp = s1.clone();
+    dp.use_distributed_optimizer = true;
+    dp.overlap_grad_reduce = true;
+    dp.overlap_param_gather = true;
+    let mut pp = s1.clone();
+    pp.pipeline_model_parallel_size = 2;
+    pp.recompute_granularity = Some("full".into());
+    for (tag, s, n) in [("dp2", &dp, 2), ("pp2 × dp2", &pp, 4)] {
+        let run = train(s, &Paths { launch: Launch::Threads(n), ..Paths::default() }).unwrap();
+        close(tag, &run.losses, &one.losses);
+        let rl = |r: &ferrotron_trainer::train::Summary| -> Vec<(u64, f64)> {
+            r.router_losses.iter().flat_map(|&(i, lb, z)| [(i, lb), (i, z)]).collect()
+        };
+        close(&format!("{tag} router losses"), &rl(&run), &rl(&one));
+    }
+}
+
+/// Stopped halfway and resumed from its checkpoint, the MoE run's losses are the straight run's
+/// bit for bit; the checkpoint holds every expert under Megatron's SequentialMLP names and records
+/// the MoE flags (--use-checkpoint-args rebuilds the same model).
+#[test]
+fn moe_resume_is_bit_exact_and_the_checkpoint_names_the_experts() {
+    let s = settings(&moe_args());
+    let (a, b, c) = (tmp("moe-a"), tmp("moe-b"), tmp("moe-c"));
+    let straight = train(&s, &Paths { save: Some(a.clone()), ..Paths::default() }).unwrap();
+    train(&s, &Paths { save: Some(b.clone()), exit_interval: Some(4), ..Paths::default() }).unwrap();
+    let second = train(&s, &Paths { save: Some(c.clone()), load: Some(b.clone()), ..Paths::default() }).unwrap();
+    assert_eq!(bits(&straight.losses[4..]), bits(&second.losses));
+    let ck = checkpoint::load_params(&a).unwrap();
+    for name in [
+        "decoder.layers.1.mlp.router.weight",
+        "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight",
+        "decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight",
+    ] {
+        assert!(ck.tensors.contains_key(name), "{name} missing from {:?}", ck.tensors.keys().collect::<Vec<_>>());
+    }
+    assert_eq!(ck.tensors["decoder.layers.1.mlp.router.weight"].0, vec![4, 32]);
+    assert_eq!(ck.tensors["decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight"].0, vec![48, 32]);
+    // --use-checkpoint-args takes the MoE flags from the checkpoint.
+    let from_ck =
+        Settings::resolve(&TrainArgs { load: Some(a.clone()), use_checkpoint_args: true, ..tiny_args(false) })
+            .unwrap()
+            .0;
+    assert_eq!(from_ck.moe, s.moe);
+    for d in [a, b, c] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
+/// The load-balancing loss does its job: with a large coefficient the routers' loss at the end is
+/// lower than the same run's without it (both log it through the z-loss's records).
+#[test]
+fn the_load_balancing_loss_balances() {
+    let run = |coeff: f64| {
+        let mut a = moe_args();
+        a.moe_aux_loss_coeff = Some(coeff);
+        a.train_iters = Some(16);
+        a.lr = Some(1e-2);
+        let r = train(&settings(&a), &Paths::default()).unwrap();
+        r.router_losses.last().unwrap().1
+    };
+    let (off, on) = (run(0.0), run(1.0));
+    assert!(on < off, "load-balancing loss with the coefficient {on}, without {off}");
+}
+
+#[test]
+fn bad_moe_flags_are_named() {
+    let err = |a: TrainArgs| Settings::resolve(&a).map(|_| ()).unwrap_err().to_string();
+    let e = err(TrainArgs { moe_router_topk: Some(2), ..tiny_args(true) });
+    assert!(e.contains("--moe-router-topk") && e.contains("--num-experts"), "{e}");
+    let e = err(TrainArgs { moe_router_topk: Some(5), ..moe_args() });
+    assert!(e.contains("--moe-router-topk 5") && e.contains("--num-experts 4"), "{e}");
+    let e = err(TrainArgs { expert_model_parallel_size: Some(2), ..moe_args() });
+    assert!(e.contains("--expert-model-parallel-size 2"), "{e}");
+    let e = err(TrainArgs { moe_layer_freq: Some("2".into()), ..moe_args() });
+    assert!(e.contains("--moe-layer-freq 2"), "{e}");
+    let e = err(TrainArgs { moe_router_load_balancing_type: Some("sinkhorn".into()), ..moe_args() });
+    assert!(e.contains("sinkhorn") && e.contains("not built yet"), "{e}");
+    let e = err(TrainArgs { moe_token_dispatcher_type: Some("flex".into()), ..moe_args() });
+    assert!(e.contains("--moe-token-dispatcher-type flex"), "{e}");
+    let e = err(TrainArgs { tensor_model_parallel_size: Some(2), nproc: Some(2), ..moe_args() });
+    assert!(e.contains("MoE layers") && e.contains("--tensor-model-parallel-size 1"), "{e}");
+}
