@@ -4,7 +4,9 @@
 //! (`embedding_fwd` with the sort's `perm` as ids) and its backward a scatter-add
 //! (`embedding_bwd`).
 //!
-//! CPU only so far: a CUDA tensor gets `NotImplemented` naming the op.
+//! On a GPU (kernels/moe.cu) the indices a combine reads are not read back to be checked: an
+//! out-of-range one is skipped by the kernel. `moe_sort` reads the experts back (the counts size
+//! each expert's products on the host), so a forward waits for its router there.
 
 use crate::{buf, check, cpu};
 use ferrotron_core::{DType, Result, Tensor, invalid};
@@ -39,6 +41,10 @@ fn route_shape(op: &'static str, logits: &Tensor, r: &TopK) -> Result<(usize, us
 pub fn moe_route(logits: &Tensor, r: &TopK) -> Result<(Tensor, Tensor)> {
     const OP: &str = "moe_route";
     let (n, e) = route_shape(OP, logits, r)?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[logits])? {
+        return crate::cuda::ops::moe_route(&g, logits, r);
+    }
     check::on_cpu(OP, &[logits])?;
     let lv = logits.read_f32()?;
     // SAFETY: topk_route writes every weight and index.
@@ -56,6 +62,10 @@ pub fn moe_route_bwd(logits: &Tensor, experts: &Tensor, dprobs: &Tensor, r: &Top
     check::shape(OP, experts, &[n, r.k])?;
     check::float(OP, dprobs)?;
     check::shape(OP, dprobs, &[n, r.k])?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[logits, experts, dprobs])? {
+        return crate::cuda::ops::moe_route_bwd(&g, logits, experts, dprobs, r);
+    }
     check::on_cpu(OP, &[logits, experts, dprobs])?;
     let (lv, dp, ix) = (logits.read_f32()?, dprobs.read_f32()?, experts.to_vec::<u32>()?);
     if let Some(&bad) = ix.iter().find(|&&x| x as usize >= e) {
@@ -92,6 +102,10 @@ pub fn moe_router_loss(logits: &Tensor, tokens_per_expert: &Tensor, l: &RouterLo
     check::shape(OP, tokens_per_expert, &[e])?;
     if l.topk == 0 || l.total_tokens == 0 {
         return Err(invalid(OP, format!("top-k {} and total tokens {} must be positive", l.topk, l.total_tokens)));
+    }
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[logits, tokens_per_expert])? {
+        return crate::cuda::ops::moe_router_loss(&g, logits, tokens_per_expert, l);
     }
     check::on_cpu(OP, &[logits, tokens_per_expert])?;
     let (lv, cv) = (logits.read_f32()?, tokens_per_expert.read_f32()?);
@@ -160,6 +174,10 @@ fn slots(op: &'static str, slot: &Tensor, rows: usize) -> Result<Vec<u32>> {
 pub fn moe_unpermute(yp: &Tensor, slot: &Tensor, probs: &Tensor) -> Result<Tensor> {
     const OP: &str = "moe_unpermute";
     let (n, k, c) = combine_shapes(OP, yp, slot, probs)?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[yp, slot, probs])? {
+        return crate::cuda::ops::moe_unpermute(&g, yp, slot, probs);
+    }
     check::on_cpu(OP, &[yp, slot, probs])?;
     let s = slots(OP, slot, n * k)?;
     let (yv, pv) = (yp.read_f32()?, probs.read_f32()?);
@@ -175,6 +193,10 @@ pub fn moe_unpermute_bwd(yp: &Tensor, slot: &Tensor, probs: &Tensor, dy: &Tensor
     let (n, k, c) = combine_shapes(OP, yp, slot, probs)?;
     check::float(OP, dy)?;
     check::shape(OP, dy, &[n, c])?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[yp, slot, probs, dy])? {
+        return crate::cuda::ops::moe_unpermute_bwd(&g, yp, slot, probs, dy);
+    }
     check::on_cpu(OP, &[yp, slot, probs, dy])?;
     let s = slots(OP, slot, n * k)?;
     let mut seen = vec![false; n * k];

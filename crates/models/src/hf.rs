@@ -1,6 +1,6 @@
 //! Hugging Face checkpoints: which transformers class a config is (`GPT2LMHeadModel`,
-//! `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`), its config.json in Megatron's
-//! terms and back, and every parameter's HF
+//! `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`, `MixtralForCausalLM`), its
+//! config.json in Megatron's terms and back, and every parameter's HF
 //! name and layout next to the Megatron name Ferrotron uses. Pure: tensors come and go as host
 //! f32 values; reading and writing files is the trainer's (`ferrotron convert`).
 //!
@@ -10,15 +10,20 @@
 //!   tensors. Megatron's `linear_qkv` is grouped: for each query group its q heads, then its k
 //!   head, then its v head (HF's GQA gives query head h the group h / (heads / groups) as well).
 //!   Qwen2's q/k/v biases are grouped the same way into `linear_qkv.bias`.
-//! - Llama's `gate_proj` and `up_proj` are Megatron's `linear_fc1` [gate; up] (silu on the first).
+//! - Llama's `gate_proj` and `up_proj` are Megatron's `linear_fc1` [gate; up] (silu on the first);
+//!   so are each Mixtral expert's `w1` and `w3` (`w2` its `linear_fc2`), and Mixtral's
+//!   `block_sparse_moe.gate` is Megatron's `mlp.router`. Mixtral's routing (softmax over all
+//!   experts, top-k, renormalised) is Megatron's top-k softmax without --moe-router-pre-softmax.
 //! - HF keeps the real vocabulary; Megatron pads it (the checkpoint drops the padding rows).
 //! - RoPE is rotate-half in both (HF's Llama weights are already permuted for it).
 
+use ferrotron_moe::{LoadBalancing, MoeSpec, RouterSpec};
 use ferrotron_transformer::TransformerConfig;
 use ferrotron_transformer::spec::{
     Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, PositionEmbedding, RopeScaling,
 };
 use serde_json::{Value, json};
+use std::sync::Arc;
 
 /// A whole tensor on the host.
 #[derive(Clone, Debug, PartialEq)]
@@ -64,6 +69,9 @@ pub enum HfArch {
     /// `Qwen2ForCausalLM` (model_type qwen2, Qwen2 and Qwen2.5): Llama's layers and names with
     /// biases on q, k and v (Megatron's --add-qkv-bias).
     Qwen2,
+    /// `MixtralForCausalLM` (model_type mixtral): Mistral's attention with a mixture-of-experts
+    /// MLP (ferrotron-moe's layer).
+    Mixtral,
 }
 
 impl HfArch {
@@ -73,11 +81,15 @@ impl HfArch {
             HfArch::Llama => "LlamaForCausalLM",
             HfArch::Mistral => "MistralForCausalLM",
             HfArch::Qwen2 => "Qwen2ForCausalLM",
+            HfArch::Mixtral => "MixtralForCausalLM",
         }
     }
 
     /// Which class can hold `c` exactly, or what stops it.
     pub fn of(c: &TransformerConfig) -> Result<HfArch> {
+        if let Some(m) = crate::moe_spec(c) {
+            return mixtral_of(c, m);
+        }
         let MlpSpec::Dense { activation, bias: mlp_bias } = c.layer.mlp else {
             return Err(HfError::NoEquivalent("a custom MLP module".into()));
         };
@@ -117,6 +129,28 @@ impl HfArch {
                 c.layer.norm, c.position_embedding, a.bias, mlp_bias
             ))),
         }
+    }
+}
+
+/// An MoE model as a Mixtral, or what stops it.
+fn mixtral_of(c: &TransformerConfig, m: &MoeSpec) -> Result<HfArch> {
+    let a = c.layer.attention;
+    let r = &m.router;
+    let problem =
+        if c.layer.norm != NormKind::RmsNorm || !matches!(c.position_embedding, PositionEmbedding::Rope { .. }) {
+            Some("Mixtral's layers are RMSNorm with RoPE")
+        } else if m.activation != Activation::SwiGlu || m.bias {
+            Some("Mixtral's experts are SwiGLU without biases")
+        } else if a.bias || a.qkv_bias || a.qk_layernorm {
+            Some("Mixtral's attention has no biases and no QK-LayerNorm")
+        } else if r.pre_softmax || r.topk_scaling_factor.is_some() {
+            Some("Mixtral renormalises the top-k weights (no --moe-router-pre-softmax, no scaling factor)")
+        } else {
+            None
+        };
+    match problem {
+        Some(p) => Err(HfError::NoEquivalent(format!("an MoE model as MixtralForCausalLM: {p}"))),
+        None => Ok(HfArch::Mixtral),
     }
 }
 
@@ -182,6 +216,33 @@ pub fn from_hf_config(v: &Value) -> Result<HfModel> {
             c.layer.attention.qkv_bias = true;
             (HfArch::Qwen2, c)
         }
+        "mixtral" => {
+            let mut c = llama_config(v)?;
+            c.layer.attention.window = opt(v, "sliding_window", usize_of)?;
+            if opt(v, "router_jitter_noise", f64_of)?.is_some_and(|j| j != 0.0) {
+                return Err(HfError::Config("router_jitter_noise: Ferrotron's router adds no noise".into()));
+            }
+            let moe = MoeSpec {
+                num_experts: usize_of(v, "num_local_experts")?,
+                ffn_hidden_size: c.ffn_hidden_size,
+                activation: Activation::SwiGlu,
+                bias: false,
+                router: RouterSpec {
+                    topk: usize_of(v, "num_experts_per_tok")?,
+                    load_balancing: LoadBalancing::AuxLoss,
+                    // transformers' coefficient as Megatron's: per layer, where transformers
+                    // weighs one loss over all layers' routing (k times Megatron's for the same
+                    // routing).
+                    aux_loss_coeff: opt(v, "router_aux_loss_coef", f64_of)?.unwrap_or(0.0) as f32,
+                    ..RouterSpec::default()
+                },
+                expert_parallel_size: 1,
+                metrics: Default::default(),
+            };
+            moe.validate().map_err(HfError::Config)?;
+            c.layer.mlp = MlpSpec::Custom(Arc::new(moe));
+            (HfArch::Mixtral, c)
+        }
         "mistral" => {
             let mut c = llama_config(v)?;
             // transformers' window: each query sees the `sliding_window` keys up to and including
@@ -191,7 +252,7 @@ pub fn from_hf_config(v: &Value) -> Result<HfModel> {
         }
         o => {
             return Err(HfError::Config(format!(
-                "model_type `{o}`: Ferrotron converts gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM), mistral (MistralForCausalLM) and qwen2 (Qwen2ForCausalLM)"
+                "model_type `{o}`: Ferrotron converts gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM), mistral (MistralForCausalLM), qwen2 (Qwen2ForCausalLM) and mixtral (MixtralForCausalLM)"
             )));
         }
     };
@@ -361,7 +422,7 @@ pub fn to_hf_config(arch: HfArch, c: &TransformerConfig, dtype: &str) -> Value {
             "tie_word_embeddings": tied,
             "torch_dtype": dtype,
         }),
-        HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 => {
+        HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 | HfArch::Mixtral => {
             let PositionEmbedding::Rope { base, scaling } = c.position_embedding else {
                 unreachable!("HfArch::of checked")
             };
@@ -379,6 +440,7 @@ pub fn to_hf_config(arch: HfArch, c: &TransformerConfig, dtype: &str) -> Value {
                 "model_type": match arch {
                     HfArch::Mistral => "mistral",
                     HfArch::Qwen2 => "qwen2",
+                    HfArch::Mixtral => "mixtral",
                     _ => "llama",
                 },
                 "vocab_size": c.vocab_size,
@@ -400,8 +462,20 @@ pub fn to_hf_config(arch: HfArch, c: &TransformerConfig, dtype: &str) -> Value {
                 "tie_word_embeddings": tied,
                 "torch_dtype": dtype,
             });
-            if arch == HfArch::Mistral {
+            if matches!(arch, HfArch::Mistral | HfArch::Mixtral) {
                 v["sliding_window"] = json!(c.layer.attention.window);
+            }
+            if let (HfArch::Mixtral, Some(m)) = (arch, crate::moe_spec(c)) {
+                if let Some(o) = v.as_object_mut() {
+                    o.remove("attention_bias");
+                    o.remove("mlp_bias");
+                }
+                v["intermediate_size"] = json!(m.ffn_hidden_size);
+                v["num_local_experts"] = json!(m.num_experts);
+                v["num_experts_per_tok"] = json!(m.router.topk);
+                v["router_aux_loss_coef"] = json!(decimal(m.router.aux_loss_coeff));
+                v["router_jitter_noise"] = json!(0.0);
+                v["output_router_logits"] = json!(false);
             }
             if arch == HfArch::Qwen2 {
                 // Qwen2's own keys: its biases are on q, k and v by construction.
@@ -429,7 +503,7 @@ pub fn is_buffer(hf_name: &str) -> bool {
 pub fn strip_prefix(arch: HfArch, hf_name: &str) -> &str {
     match arch {
         HfArch::Gpt2 => hf_name.strip_prefix("transformer.").unwrap_or(hf_name),
-        HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 => hf_name,
+        HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 | HfArch::Mixtral => hf_name,
     }
 }
 
@@ -542,7 +616,7 @@ fn maps(arch: HfArch, c: &TransformerConfig) -> Vec<(String, Map)> {
                 m.push((format!("decoder.final_layernorm.{p}"), Same(format!("ln_f.{p}"))));
             }
         }
-        HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 => {
+        HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 | HfArch::Mixtral => {
             m.push(("embedding.word_embeddings.weight".into(), Same("model.embed_tokens.weight".into())));
             for i in 0..c.num_layers {
                 let (o, h) = (format!("decoder.layers.{i}."), format!("model.layers.{i}."));
@@ -557,9 +631,20 @@ fn maps(arch: HfArch, c: &TransformerConfig) -> Vec<(String, Map)> {
                 }
                 m.push((format!("{o}self_attention.linear_proj.weight"), Same(proj("o"))));
                 m.push((format!("{o}pre_mlp_layernorm.weight"), Same(format!("{h}post_attention_layernorm.weight"))));
-                let mlp = |x: &str| format!("{h}mlp.{x}_proj.weight");
-                m.push((format!("{o}mlp.linear_fc1.weight"), GateUp(mlp("gate"), mlp("up"))));
-                m.push((format!("{o}mlp.linear_fc2.weight"), Same(mlp("down"))));
+                if let (HfArch::Mixtral, Some(moe)) = (arch, crate::moe_spec(c)) {
+                    let b = format!("{h}block_sparse_moe.");
+                    m.push((format!("{o}mlp.router.weight"), Same(format!("{b}gate.weight"))));
+                    for e in 0..moe.num_experts {
+                        let (own, w) =
+                            (format!("{o}mlp.experts.local_experts.{e}."), |x| format!("{b}experts.{e}.{x}.weight"));
+                        m.push((format!("{own}linear_fc1.weight"), GateUp(w("w1"), w("w3"))));
+                        m.push((format!("{own}linear_fc2.weight"), Same(w("w2"))));
+                    }
+                } else {
+                    let mlp = |x: &str| format!("{h}mlp.{x}_proj.weight");
+                    m.push((format!("{o}mlp.linear_fc1.weight"), GateUp(mlp("gate"), mlp("up"))));
+                    m.push((format!("{o}mlp.linear_fc2.weight"), Same(mlp("down"))));
+                }
             }
             m.push(("decoder.final_layernorm.weight".into(), Same("model.norm.weight".into())));
         }
@@ -589,8 +674,9 @@ fn hf_shape(arch: HfArch, c: &TransformerConfig, hf: &str) -> Vec<usize> {
         (_, "q_proj") => vec![q, h],
         (_, "k_proj" | "v_proj") => vec![kv, h],
         (_, "o_proj") => vec![h, q],
-        (_, "gate_proj" | "up_proj") => vec![f, h],
-        (_, "down_proj") => vec![h, f],
+        (_, "gate_proj" | "up_proj" | "w1" | "w3") => vec![f, h],
+        (_, "down_proj" | "w2") => vec![h, f],
+        (HfArch::Mixtral, "gate") => vec![crate::moe_spec(c).map_or(0, |m| m.num_experts), h],
         _ => vec![h], // norms
     };
     // A bias has the output's length: GPT-2's Conv1D weights are [in, out], the others [out, in].
@@ -675,7 +761,7 @@ pub fn export<'a>(arch: HfArch, c: &TransformerConfig, get: &TensorLookup<'a>) -
     };
     let prefix = match arch {
         HfArch::Gpt2 => "transformer.",
-        HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 => "",
+        HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 | HfArch::Mixtral => "",
     };
     let named = |n: &str| if n == LM_HEAD { n.to_string() } else { format!("{prefix}{n}") };
     let mut out = vec![];
@@ -719,6 +805,11 @@ mod tests {
         let v = match arch {
             HfArch::Gpt2 => json!({"model_type": "gpt2", "vocab_size": 11, "n_positions": 6, "n_embd": 8,
                 "n_layer": 2, "n_head": 2, "n_inner": 12}),
+            HfArch::Mixtral => json!({"model_type": "mixtral", "sliding_window": 5, "vocab_size": 11,
+                "hidden_size": 8, "intermediate_size": 6, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 6, "max_position_embeddings": 16,
+                "tie_word_embeddings": false, "num_local_experts": 3, "num_experts_per_tok": 2,
+                "router_aux_loss_coef": 0.02}),
             HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 => {
                 json!({"model_type": match arch { HfArch::Llama => "llama", HfArch::Qwen2 => "qwen2", _ => "mistral" },
                 "sliding_window": 5, "vocab_size": 11, "hidden_size": 8,
@@ -748,7 +839,7 @@ mod tests {
 
     #[test]
     fn export_then_import_gives_every_tensor_back() {
-        for arch in [HfArch::Gpt2, HfArch::Llama, HfArch::Mistral, HfArch::Qwen2] {
+        for arch in [HfArch::Gpt2, HfArch::Llama, HfArch::Mistral, HfArch::Qwen2, HfArch::Mixtral] {
             let c = tiny(arch);
             assert_eq!(HfArch::of(&c).unwrap(), arch);
             let own: Vec<(String, HostTensor)> = maps(arch, &c)
@@ -775,6 +866,7 @@ mod tests {
         let w = |rows: usize, cols: usize| if bias { vec![rows] } else { vec![rows, cols] };
         match name.rsplit('.').nth(1).unwrap() {
             "word_embeddings" | "output_layer" => vec![c.vocab_size, h],
+            "router" => vec![crate::moe_spec(c).unwrap().num_experts, h],
             "position_embeddings" => vec![c.max_position_embeddings, h],
             "linear_qkv" => w(qkv, h),
             "linear_proj" => w(h, c.num_attention_heads * d),
@@ -924,7 +1016,18 @@ mod tests {
         v["attention_bias"] = json!(true);
         assert!(from_hf_config(&v).unwrap_err().to_string().contains("attention_bias"));
         v["model_type"] = json!("mixtral");
-        assert!(from_hf_config(&v).unwrap_err().to_string().contains("mixtral"));
+        assert!(from_hf_config(&v).unwrap_err().to_string().contains("attention_bias"));
+        let mut v = to_hf_config(HfArch::Mixtral, &tiny(HfArch::Mixtral), "float32");
+        assert_eq!((v["num_local_experts"].clone(), v["num_experts_per_tok"].clone()), (json!(3), json!(2)));
+        v["router_jitter_noise"] = json!(0.1);
+        assert!(from_hf_config(&v).unwrap_err().to_string().contains("router_jitter_noise"));
+        v["model_type"] = json!("deepseek_v3");
+        assert!(from_hf_config(&v).unwrap_err().to_string().contains("deepseek_v3"));
+        let mut c = tiny(HfArch::Mixtral);
+        let mut m = crate::moe_spec(&c).unwrap().clone();
+        m.router.pre_softmax = true;
+        c.layer.mlp = MlpSpec::Custom(Arc::new(m));
+        assert!(HfArch::of(&c).unwrap_err().to_string().contains("renormalises"));
         let mut c = tiny(HfArch::Llama);
         c.layer.attention.qk_layernorm = true;
         assert!(HfArch::of(&c).unwrap_err().to_string().contains("QK-LayerNorm"));

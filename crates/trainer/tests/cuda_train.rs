@@ -45,6 +45,13 @@ fn llama_tiny_preset_cuda_matches_cpu() {
     matches_cpu("llama-tiny");
 }
 
+/// Mixture of experts (8 SwiGLU experts, top-2, load-balancing and z-losses): the routing
+/// kernels, the sort's read-back and each expert's products on the GPU.
+#[test]
+fn mixtral_tiny_preset_cuda_matches_cpu() {
+    matches_cpu("mixtral-tiny");
+}
+
 fn matches_cpu(preset: &str) {
     let gpu = Device::cuda(0).expect("a CUDA device");
     let cpu = losses(preset, false, Device::Cpu);

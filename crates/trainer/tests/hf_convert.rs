@@ -1,4 +1,4 @@
-//! `ferrotron convert` against Hugging Face transformers: the four small models of
+//! `ferrotron convert` against Hugging Face transformers: the small models of
 //! tests/fixtures/hf (written by transformers' own classes, see make_hf_fixtures.py) are imported,
 //! and Ferrotron's logits for the fixture's tokens must be transformers' (computed there in
 //! float64); exporting the import back must give transformers' files again, tensor for tensor.
@@ -16,7 +16,7 @@ use safetensors::SafeTensors;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-const FIXTURES: [&str; 5] = ["gpt2", "llama", "llama_tied", "mistral", "qwen2"];
+const FIXTURES: [&str; 6] = ["gpt2", "llama", "llama_tied", "mistral", "qwen2", "mixtral"];
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf").join(name)
@@ -108,6 +108,7 @@ fn imported_models_give_transformers_logits() {
             "gpt2" => hf::HfArch::Gpt2,
             "mistral" => hf::HfArch::Mistral,
             "qwen2" => hf::HfArch::Qwen2,
+            "mixtral" => hf::HfArch::Mixtral,
             _ => hf::HfArch::Llama,
         };
         assert_eq!(done.arch, arch);

@@ -963,3 +963,52 @@ fn staged_uploads_behind_queued_work_arrive_whole() {
         assert_eq!(back, want);
     }
 }
+
+/// The MoE routing family: the same experts chosen (ties to the lower index on both), weights,
+/// gradients, the router's losses and the weighted combine within the dtype's tolerance.
+#[test]
+fn moe_routing_matches_cpu() {
+    let g = gpu();
+    let (n, e, c) = (37, 8, 24);
+    for dt in [DType::F32, DType::BF16] {
+        for (kk, pre, scale) in [(2, false, 1.0f32), (3, true, 2.5)] {
+            let r = k::TopK { k: kk, pre_softmax: pre, scale };
+            let logits = rnd(&[n, e], 1, dt);
+            let (p_c, ix_c) = k::moe_route(&logits, &r).unwrap();
+            let (p_g, ix_g) = k::moe_route(&on(&logits, &g), &r).unwrap();
+            assert!(matches!(ix_g.device(), Device::Cuda(_)));
+            assert_eq!(ix_g.to_vec::<u32>().unwrap(), ix_c.to_vec::<u32>().unwrap(), "experts [{dt}] k {kk}");
+            same(&p_c, &p_g, DType::F32, &format!("probs [{dt}] k {kk}"));
+            let dp = rnd(&[n, kk], 2, DType::F32);
+            let dl_c = k::moe_route_bwd(&logits, &ix_c, &dp, &r).unwrap();
+            let dl_g = k::moe_route_bwd(&on(&logits, &g), &ix_g, &on(&dp, &g), &r).unwrap();
+            same(&dl_c, &dl_g, dt, &format!("moe_route_bwd [{dt}] k {kk}"));
+
+            let sort_c = k::moe_sort(&ix_c, e).unwrap();
+            let sort_g = k::moe_sort(&ix_g, e).unwrap();
+            assert_eq!(sort_g.tokens_per_expert, sort_c.tokens_per_expert);
+            assert_eq!(sort_g.slot.to_vec::<u32>().unwrap(), sort_c.slot.to_vec::<u32>().unwrap());
+            let counts = Tensor::from_vec(
+                sort_c.tokens_per_expert.iter().map(|&x| x as f32).collect::<Vec<_>>(),
+                [e],
+                &Device::Cpu,
+            )
+            .unwrap();
+            let l = k::RouterLoss { topk: kk, total_tokens: n, aux_coeff: 0.3, z_coeff: 0.05, grad_scale: 0.5 };
+            let (v_c, d_c) = k::moe_router_loss(&logits, &counts, &l).unwrap();
+            let (v_g, d_g) = k::moe_router_loss(&on(&logits, &g), &on(&counts, &g), &l).unwrap();
+            same(&v_c, &v_g, DType::F32, &format!("router loss values [{dt}]"));
+            same(&d_c, &d_g, DType::F32, &format!("router loss dlogits [{dt}]"));
+
+            let yp = rnd(&[n * kk, c], 3, dt);
+            let dy = rnd(&[n, c], 4, dt);
+            let y_c = k::moe_unpermute(&yp, &sort_c.slot, &p_c).unwrap();
+            let y_g = k::moe_unpermute(&on(&yp, &g), &sort_g.slot, &p_g).unwrap();
+            same(&y_c, &y_g, dt, &format!("moe_unpermute [{dt}]"));
+            let (dyp_c, dp_c) = k::moe_unpermute_bwd(&yp, &sort_c.slot, &p_c, &dy).unwrap();
+            let (dyp_g, dp_g) = k::moe_unpermute_bwd(&on(&yp, &g), &sort_g.slot, &p_g, &on(&dy, &g)).unwrap();
+            same(&dyp_c, &dyp_g, dt, &format!("moe_unpermute_bwd dyp [{dt}]"));
+            same(&dp_c, &dp_g, dt, &format!("moe_unpermute_bwd dprobs [{dt}]"));
+        }
+    }
+}

@@ -8,6 +8,7 @@ mod embedding;
 mod gemm;
 pub(crate) mod gemm_ws;
 mod loss;
+mod moe;
 mod norm;
 mod optim;
 
@@ -16,6 +17,7 @@ pub use elementwise::*;
 pub use embedding::*;
 pub use gemm::*;
 pub use loss::*;
+pub use moe::*;
 pub use norm::*;
 pub use optim::*;
 

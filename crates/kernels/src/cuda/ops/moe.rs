@@ -1,0 +1,106 @@
+//! Mixture-of-experts routing on the GPU (kernels/moe.cu): the router's kernels one warp per
+//! token row, the combine grid-stride. Same results as `cpu::moe` within float rounding.
+
+use super::*;
+use crate::{RouterLoss, TopK};
+
+/// One warp (a 32-thread block) per row.
+fn per_row(be: &B, name: &str, rows: usize, args: &[Arg]) -> Result<()> {
+    be.launch(name, rows as u32, 32, 0, args)
+}
+
+pub fn moe_route(be: &B, logits: &Tensor, r: &TopK) -> Result<(Tensor, Tensor)> {
+    let (rows, e) = (logits.dims()[0], logits.dims()[1]);
+    let probs = new(be, [rows, r.k], DType::F32)?;
+    let experts = new(be, [rows, r.k], DType::U32)?;
+    let name = format!("moe_route_{}", sfx("moe_route", logits.dtype())?);
+    let args = [
+        ptr("moe_route", logits)?,
+        ptr("moe_route", &probs)?,
+        ptr("moe_route", &experts)?,
+        n(e),
+        n(r.k),
+        Arg::I64(i64::from(r.pre_softmax)),
+        Arg::F32(r.scale),
+    ];
+    per_row(be, &name, rows, &args)?;
+    Ok((probs, experts))
+}
+
+pub fn moe_route_bwd(be: &B, logits: &Tensor, experts: &Tensor, dprobs: &Tensor, r: &TopK) -> Result<Tensor> {
+    let (rows, e) = (logits.dims()[0], logits.dims()[1]);
+    let dprobs = if dprobs.dtype() == DType::F32 { dprobs.clone() } else { crate::cast(dprobs, DType::F32)? };
+    let dl = new(be, [rows, e], logits.dtype())?;
+    let name = format!("moe_route_bwd_{}", sfx("moe_route_bwd", logits.dtype())?);
+    let args = [
+        ptr("moe_route_bwd", logits)?,
+        ptr("moe_route_bwd", experts)?,
+        ptr("moe_route_bwd", &dprobs)?,
+        ptr("moe_route_bwd", &dl)?,
+        n(e),
+        n(r.k),
+        Arg::I64(i64::from(r.pre_softmax)),
+        Arg::F32(r.scale),
+    ];
+    per_row(be, &name, rows, &args)?;
+    Ok(dl)
+}
+
+pub fn moe_router_loss(be: &B, logits: &Tensor, counts: &Tensor, l: &RouterLoss) -> Result<(Tensor, Tensor)> {
+    let (rows, e) = (logits.dims()[0], logits.dims()[1]);
+    let counts = if counts.dtype() == DType::F32 { counts.clone() } else { crate::cast(counts, DType::F32)? };
+    let dl = new(be, [rows, e], DType::F32)?;
+    // Summed by atomics: starts at zero.
+    let values = Tensor::zeros([2], DType::F32, logits.device())?;
+    let w = e as f32 / (l.topk as f32 * l.total_tokens as f32 * l.total_tokens as f32);
+    let name = format!("moe_router_loss_{}", sfx("moe_router_loss", logits.dtype())?);
+    let args = [
+        ptr("moe_router_loss", logits)?,
+        ptr("moe_router_loss", &counts)?,
+        ptr("moe_router_loss", &dl)?,
+        ptr("moe_router_loss", &values)?,
+        n(e),
+        n(rows),
+        Arg::F32(w),
+        Arg::F32(l.aux_coeff),
+        Arg::F32(l.z_coeff),
+        Arg::F32(l.grad_scale),
+    ];
+    per_row(be, &name, rows, &args)?;
+    Ok((values, dl))
+}
+
+pub fn moe_unpermute(be: &B, yp: &Tensor, slot: &Tensor, probs: &Tensor) -> Result<Tensor> {
+    let (rows, k) = (slot.dims()[0], slot.dims()[1]);
+    let c = yp.dims()[1];
+    let probs = if probs.dtype() == DType::F32 { probs.clone() } else { crate::cast(probs, DType::F32)? };
+    let y = new(be, [rows, c], yp.dtype())?;
+    let name = format!("moe_unpermute_{}", sfx("moe_unpermute", yp.dtype())?);
+    let args = [
+        ptr("moe_unpermute", yp)?,
+        ptr("moe_unpermute", slot)?,
+        ptr("moe_unpermute", &probs)?,
+        ptr("moe_unpermute", &y)?,
+        n(rows),
+        n(k),
+        n(c),
+    ];
+    ew(be, &name, rows * c, &args)?;
+    Ok(y)
+}
+
+pub fn moe_unpermute_bwd(be: &B, yp: &Tensor, slot: &Tensor, probs: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (rows, k) = (slot.dims()[0], slot.dims()[1]);
+    let c = yp.dims()[1];
+    let probs = if probs.dtype() == DType::F32 { probs.clone() } else { crate::cast(probs, DType::F32)? };
+    let dy = if dy.dtype() == yp.dtype() { dy.clone() } else { crate::cast(dy, yp.dtype())? };
+    let dyp = new(be, [rows * k, c], yp.dtype())?;
+    let dp = new(be, [rows, k], DType::F32)?;
+    let s = sfx("moe_unpermute_bwd", yp.dtype())?;
+    let op = "moe_unpermute_bwd";
+    let args = [ptr(op, &dy)?, ptr(op, slot)?, ptr(op, &probs)?, ptr(op, &dyp)?, n(rows), n(k), n(c)];
+    ew(be, &format!("moe_unpermute_bwd_dyp_{s}"), rows * k * c, &args)?;
+    let args = [ptr(op, yp)?, ptr(op, slot)?, ptr(op, &dy)?, ptr(op, &dp)?, n(rows), n(k), n(c)];
+    per_row(be, &format!("moe_unpermute_bwd_dp_{s}"), rows * k, &args)?;
+    Ok((dyp, dp))
+}
