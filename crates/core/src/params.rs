@@ -61,6 +61,10 @@ pub struct ParamMeta {
     pub init: Init,
     /// Megatron applies no weight decay to biases and norm weights.
     pub weight_decay: bool,
+    /// An expert's parameter (Megatron's `allreduce = False`): held by one expert-parallel rank,
+    /// its gradient averaged over the expert-data-parallel group instead of the data-parallel
+    /// one. Expert parameters lie first in the flat buffers (`ParamTable::expert_range`).
+    pub expert: bool,
 }
 
 impl ParamMeta {
@@ -78,6 +82,7 @@ impl ParamMeta {
             pipeline_copy: false,
             init,
             weight_decay,
+            expert: false,
         }
     }
 
@@ -117,6 +122,7 @@ impl ParamMeta {
             pipeline_copy: false,
             init,
             weight_decay,
+            expert: false,
         })
     }
 
@@ -138,6 +144,18 @@ pub struct ParamTableBuilder {
 }
 
 impl ParamTableBuilder {
+    /// Parameters added so far.
+    pub fn len(&self) -> usize {
+        self.metas.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.metas.is_empty()
+    }
+    /// Marks every parameter added since the first `start` as an expert's (`ParamMeta::expert`).
+    pub fn mark_expert_since(&mut self, start: usize) {
+        self.metas.iter_mut().skip(start).for_each(|m| m.expert = true);
+    }
+
     pub fn add(&mut self, meta: ParamMeta) -> Result<ParamId> {
         if self.metas.iter().any(|m| m.name == meta.name) {
             return Err(Error::InvalidArgument {
@@ -154,29 +172,56 @@ impl ParamTableBuilder {
         self.build_padded(device, dtype, seed, 1)
     }
 
-    /// As `build`, with the flat buffers padded (with zeros after the last parameter) to a multiple
-    /// of `multiple` elements, so that data-parallel buckets split evenly.
+    /// As `build`, with the flat buffers padded (with zeros) to a multiple of `multiple` elements,
+    /// so that data-parallel buckets split evenly. Expert parameters come first, in their own
+    /// region padded to a multiple of `multiple` too (the expert-data-parallel size divides the
+    /// data-parallel one), then the rest; each region in the order the parameters were added.
     pub fn build_padded(self, device: &Device, dtype: DType, seed: u64, multiple: usize) -> Result<ParamTable> {
-        let mut offsets = Vec::with_capacity(self.metas.len());
-        let mut total = 0;
-        for m in &self.metas {
-            offsets.push(total);
-            total += m.local_shape.elem_count();
+        let m = multiple.max(1);
+        let mut offsets = vec![0; self.metas.len()];
+        let mut at = 0;
+        for expert in [true, false] {
+            for (i, meta) in self.metas.iter().enumerate().filter(|(_, meta)| meta.expert == expert) {
+                offsets[i] = at;
+                at += meta.local_shape.elem_count();
+            }
+            at = at.div_ceil(m) * m;
         }
-        let flat = total.div_ceil(multiple.max(1)) * multiple.max(1);
-        let mut host = vec![0f32; flat];
+        let expert_len = if self.metas.iter().any(|x| x.expert) {
+            self.metas.iter().filter(|x| x.expert).map(|x| x.local_shape.elem_count()).sum::<usize>().div_ceil(m) * m
+        } else {
+            0
+        };
+        let total = self.metas.iter().map(|x| x.local_shape.elem_count()).sum();
+        let mut host = vec![0f32; at];
         let mut draws = Vec::new();
-        let mut rest = &mut host[..total];
-        for m in &self.metas {
-            let (mine, tail) = std::mem::take(&mut rest).split_at_mut(m.local_shape.elem_count());
+        // Each parameter's own slice of the buffer, in flat order (init_values borrows them all).
+        let mut order: Vec<usize> = (0..self.metas.len()).collect();
+        order.sort_by_key(|&i| offsets[i]);
+        let mut rest = &mut host[..];
+        let mut pos = 0;
+        for i in order {
+            let meta = &self.metas[i];
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(offsets[i] - pos);
+            let (mine, tail) = tail.split_at_mut(meta.local_shape.elem_count());
             rest = tail;
-            init_values(m, seed, mine, &mut draws);
+            pos = offsets[i] + mine.len();
+            init_values(meta, seed, mine, &mut draws);
         }
         fill_all(draws);
-        let params = Tensor::from_f32(&host, [flat], dtype, device)?;
-        let grads = Tensor::zeros([flat], DType::F32, device)?;
+        let params = Tensor::from_f32(&host, [at], dtype, device)?;
+        let grads = Tensor::zeros([at], DType::F32, device)?;
         let written = std::sync::Mutex::new(vec![true; self.metas.len()]);
-        Ok(ParamTable { metas: self.metas, offsets, total, params, grads, written, pending: Default::default() })
+        Ok(ParamTable {
+            metas: self.metas,
+            offsets,
+            total,
+            expert_len,
+            params,
+            grads,
+            written,
+            pending: Default::default(),
+        })
     }
 }
 
@@ -283,6 +328,8 @@ pub struct ParamTable {
     metas: Vec<ParamMeta>,
     offsets: Vec<usize>,
     total: usize,
+    /// The expert parameters' region, `0..expert_len` (0: none).
+    expert_len: usize,
     params: Tensor,
     grads: Tensor,
     /// Per parameter: its main_grad view holds a value (zero or sums) rather than a stale one.
@@ -311,6 +358,11 @@ impl ParamTable {
     /// Length of the flat buffers (`numel` plus padding).
     pub fn flat_len(&self) -> usize {
         self.params.elem_count()
+    }
+    /// The flat range holding the expert parameters (`ParamMeta::expert`), padding included;
+    /// empty without any. The other parameters lie above it.
+    pub fn expert_range(&self) -> std::ops::Range<usize> {
+        0..self.expert_len
     }
     /// Flat element range of parameter `id` in both buffers.
     pub fn range(&self, id: ParamId) -> std::ops::Range<usize> {
@@ -473,8 +525,12 @@ impl ParamTable {
             }
             w[i] = true;
             span = match span {
-                // Parameters lie back to back in id order: one memset for neighbours.
-                Some(s) => Some(s.start..r.end),
+                // Parameters lie back to back within a region: one memset for neighbours.
+                Some(s) if s.end == r.start => Some(s.start..r.end),
+                Some(s) => {
+                    clear(&mut Some(s))?;
+                    Some(r)
+                }
                 None => Some(r),
             };
         }

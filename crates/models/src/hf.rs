@@ -237,6 +237,7 @@ pub fn from_hf_config(v: &Value) -> Result<HfModel> {
                     ..RouterSpec::default()
                 },
                 expert_parallel_size: 1,
+                ep_group: None,
                 metrics: Default::default(),
             };
             moe.validate().map_err(HfError::Config)?;

@@ -132,6 +132,7 @@ pub fn mixtral(size: MixtralSize) -> TransformerConfig {
         bias: false,
         router: RouterSpec { aux_loss_coeff: 1e-2, z_loss_coeff: Some(1e-3), ..RouterSpec::default() },
         expert_parallel_size: 1,
+        ep_group: None,
         metrics: Default::default(),
     };
     TransformerConfig {

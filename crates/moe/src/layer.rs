@@ -13,9 +13,10 @@
 //! constants). Parameter gradients add into main_grad (`+=`); an expert that no token chose this
 //! micro-batch adds nothing.
 
+use crate::dispatch::Dispatch;
 use crate::metrics::MoeMetrics;
-use crate::spec::{LoadBalancing, MoeSpec};
-use ferrotron_core::{Cx, Module, ParamTableBuilder, Result, Saved, Tensor, invalid};
+use crate::spec::{ExpertGroup, LoadBalancing, MoeSpec};
+use ferrotron_core::{Cx, Device, Module, ParamTableBuilder, Result, Saved, Tensor, invalid};
 use ferrotron_kernels as k;
 use ferrotron_transformer::linear::Linear;
 use ferrotron_transformer::mlp::Mlp;
@@ -24,8 +25,13 @@ use ferrotron_transformer::spec::FactoryCx;
 pub struct MoeLayer {
     /// `{prefix}.router.weight` [E, C].
     pub router: Linear,
-    /// `{prefix}.experts.local_experts.{e}`: expert e's dense MLP.
+    /// This rank's experts (all of them on one expert-parallel rank):
+    /// `{prefix}.experts.local_experts.{e}` with e the global index, `first_expert` onwards.
     pub experts: Vec<Mlp>,
+    pub first_expert: usize,
+    num_experts: usize,
+    /// The expert-parallel group the tokens are dispatched over (None: one rank).
+    ep: Option<ExpertGroup>,
     topk: k::TopK,
     aux_coeff: f32,
     z_coeff: f32,
@@ -39,7 +45,23 @@ impl MoeLayer {
     pub fn new(p: &mut ParamTableBuilder, cx: &FactoryCx, spec: &MoeSpec) -> Result<Self> {
         let prefix = cx.prefix;
         let router = Linear::new(p, &format!("{prefix}.router"), cx.hidden, spec.num_experts, false, cx.std)?;
-        let experts = (0..spec.num_experts)
+        let ep = match (&spec.ep_group, spec.expert_parallel_size) {
+            (_, 1) => None,
+            (Some(g), n) if g.0.size() == n => Some(g.clone()),
+            (g, n) => {
+                return Err(invalid(
+                    "MoeLayer",
+                    format!(
+                        "--expert-model-parallel-size {n} needs the expert-parallel group of {n} ranks (MoeSpec::with_group); got {}",
+                        g.as_ref().map_or("none".into(), |g| format!("{} ranks", g.0.size()))
+                    ),
+                ));
+            }
+        };
+        let local = spec.num_experts / spec.expert_parallel_size.max(1);
+        let first_expert = ep.as_ref().map_or(0, |g| g.0.rank() * local);
+        let start = p.len();
+        let experts = (first_expert..first_expert + local)
             .map(|e| {
                 Mlp::new(
                     p,
@@ -54,10 +76,14 @@ impl MoeLayer {
                 )
             })
             .collect::<Result<Vec<_>>>()?;
+        p.mark_expert_since(start);
         let r = &spec.router;
         Ok(MoeLayer {
             router,
             experts,
+            first_expert,
+            num_experts: spec.num_experts,
+            ep,
             topk: k::TopK { k: r.topk, pre_softmax: r.pre_softmax, scale: r.topk_scaling_factor.unwrap_or(1.0) },
             aux_coeff: if r.load_balancing == LoadBalancing::AuxLoss { r.aux_loss_coeff } else { 0.0 },
             z_coeff: r.z_loss_coeff.unwrap_or(0.0),
@@ -65,6 +91,22 @@ impl MoeLayer {
             name: prefix.to_string(),
             metrics: spec.metrics.clone(),
         })
+    }
+
+    /// Runs `f` (an expert's forward or backward) on each local expert's rows of `rows`, writing
+    /// its result into the same rows of a new tensor of `dtype`.
+    fn per_expert(
+        &self,
+        rows: &Tensor,
+        counts: &[usize],
+        mut f: impl FnMut(usize, &Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let out = Tensor::empty([rows.dims()[0], self.hidden], rows.dtype(), rows.device())?;
+        for (e, r) in Self::runs(counts).filter(|(_, r)| !r.is_empty()) {
+            let y = f(e, &rows.narrow0(r.clone())?)?;
+            k::copy_(&out.narrow0(r)?, &y)?;
+        }
+        Ok(out)
     }
 
     /// Row ranges of the sorted copies, one per expert that has any.
@@ -92,36 +134,73 @@ impl Module for MoeLayer {
         let x2 = x.reshape([n, c])?;
         let (logits, s_router) = self.router.forward(cx, &x2)?;
         let (probs, experts) = k::moe_route(&logits, &self.topk)?;
-        let sort = k::moe_sort(&experts, self.experts.len())?;
+        let sort = k::moe_sort(&experts, self.num_experts)?;
         let xp = k::embedding_fwd(&sort.perm, &x2)?;
-        let yp = Tensor::empty([n * self.topk.k, c], x.dtype(), x.device())?;
+        let plan = match &self.ep {
+            Some(g) => Some(Dispatch::plan(&*g.0, &sort.tokens_per_expert, x.device())?),
+            None => None,
+        };
+        let xl = match (&self.ep, &plan) {
+            (Some(g), Some(d)) => d.out(&*g.0, &xp)?,
+            _ => xp,
+        };
+        let local_counts = plan.as_ref().map_or(&sort.tokens_per_expert, |d| &d.local_counts).clone();
         let mut children = vec![s_router];
-        for (e, rows) in Self::runs(&sort.tokens_per_expert).filter(|(_, r)| !r.is_empty()) {
-            let (ye, se) = self.experts[e].forward(cx, &xp.narrow0(rows.clone())?)?;
-            k::copy_(&yp.narrow0(rows)?, &ye)?;
-            children.push(se);
-        }
+        let yl = self.per_expert(&xl, &local_counts, |e, rows| {
+            let (y, s) = self.experts[e].forward(cx, rows)?;
+            children.push(s);
+            Ok(y)
+        })?;
+        let yp = match (&self.ep, &plan) {
+            (Some(g), Some(d)) => d.back(&*g.0, &yl)?,
+            _ => yl,
+        };
         let y = k::moe_unpermute(&yp, &sort.slot, &probs)?.reshape(x.dims().to_vec())?;
         let counts: Vec<u32> = sort.tokens_per_expert.iter().map(|&c| c as u32).collect();
-        let counts = Tensor::from_vec(counts, [self.experts.len()], &ferrotron_core::Device::Cpu)?;
-        Ok((y, Saved::new(vec![logits, probs, experts, sort.perm, sort.slot, yp, counts], children)))
+        let counts = Tensor::from_vec(counts, [self.num_experts], &Device::Cpu)?;
+        let mut saved = vec![logits, probs, experts, sort.perm, sort.slot, yp, counts];
+        match plan {
+            Some(d) => saved.extend(d.into_tensors()?),
+            None => saved.push(Tensor::from_vec(
+                local_counts.iter().map(|&c| c as u32).collect::<Vec<_>>(),
+                [local_counts.len()],
+                &Device::Cpu,
+            )?),
+        }
+        Ok((y, Saved::new(saved, children)))
     }
 
     fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
         let Saved { tensors, children } = saved;
-        let [logits, probs, experts, perm, slot, yp, counts]: [Tensor; 7] =
-            tensors.try_into().map_err(|_| invalid(BWD, "saved values do not match forward"))?;
-        let counts: Vec<usize> = counts.to_vec::<u32>()?.into_iter().map(|c| c as usize).collect();
+        let mut t = tensors.into_iter();
+        let mut next = |what: &str| t.next().ok_or_else(|| invalid(BWD, format!("saved {what} missing")));
+        let (logits, probs, experts, perm, slot, yp) =
+            (next("logits")?, next("probs")?, next("experts")?, next("perm")?, next("slot")?, next("yp")?);
+        let counts: Vec<usize> = next("counts")?.to_vec::<u32>()?.into_iter().map(|c| c as usize).collect();
+        let plan = match &self.ep {
+            Some(g) => Some(Dispatch::from_tensors(g.0.size(), [next("splits")?, next("order")?, next("inverse")?])?),
+            None => None,
+        };
+        let local_counts: Vec<usize> = match &plan {
+            Some(d) => d.local_counts.clone(),
+            None => next("local counts")?.to_vec::<u32>()?.into_iter().map(|c| c as usize).collect(),
+        };
         let (n, c) = (logits.dims()[0], self.hidden);
         let (dyp, dprobs) = k::moe_unpermute_bwd(&yp, &slot, &probs, &dy.reshape([n, c])?)?;
+        let dyl = match (&self.ep, &plan) {
+            (Some(g), Some(d)) => d.out(&*g.0, &dyp)?,
+            _ => dyp,
+        };
         let mut children = children.into_iter();
         let s_router = children.next().ok_or_else(|| invalid(BWD, "router's saved values missing"))?;
-        let dxp = Tensor::empty([n * self.topk.k, c], dy.dtype(), dy.device())?;
-        for (e, rows) in Self::runs(&counts).filter(|(_, r)| !r.is_empty()) {
+        let dxl = self.per_expert(&dyl, &local_counts, |e, rows| {
             let s = children.next().ok_or_else(|| invalid(BWD, format!("expert {e}'s saved values missing")))?;
-            let dxe = self.experts[e].backward(cx, s, &dyp.narrow0(rows.clone())?)?;
-            k::copy_(&dxp.narrow0(rows)?, &dxe)?;
-        }
+            self.experts[e].backward(cx, s, rows)
+        })?;
+        let dxp = match (&self.ep, &plan) {
+            (Some(g), Some(d)) => d.back(&*g.0, &dxl)?,
+            _ => dxl,
+        };
         let dx = Tensor::zeros([n, c], dy.dtype(), dy.device())?;
         k::embedding_bwd(&perm, &dxp, &dx)?;
         let dlogits = k::moe_route_bwd(&logits, &experts, &dprobs, &self.topk)?;

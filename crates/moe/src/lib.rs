@@ -16,10 +16,11 @@
 //! expert tensor parallelism, shared experts, token dropping, and CUDA kernels for the routing
 //! ops; the spec refuses what is not built, naming it.
 
+pub mod dispatch;
 pub mod layer;
 pub mod metrics;
 pub mod spec;
 
 pub use layer::MoeLayer;
 pub use metrics::{MoeMetrics, RouterLossValues};
-pub use spec::{LoadBalancing, MoeSpec, RouterSpec};
+pub use spec::{ExpertGroup, LoadBalancing, MoeSpec, RouterSpec};

@@ -4,8 +4,10 @@
 
 use crate::layer::MoeLayer;
 use crate::metrics::MoeMetrics;
+use ferrotron_comm::Communicator;
 use ferrotron_core::{Module, ParamTableBuilder, Result, invalid};
 use ferrotron_transformer::spec::{Activation, FactoryCx, ModuleFactory, ParamCount};
+use std::sync::Arc;
 
 /// How the router balances the experts' load (--moe-router-load-balancing-type).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,10 +60,24 @@ pub struct MoeSpec {
     /// Biases on the experts' linear layers (--add-bias-linear).
     pub bias: bool,
     pub router: RouterSpec,
-    /// --expert-model-parallel-size (1 until the all-to-all dispatch lands).
+    /// --expert-model-parallel-size: the experts are split over this many ranks, each holding
+    /// num_experts / size of them, tokens dispatched to them by all-to-all.
     pub expert_parallel_size: usize,
+    /// The expert-parallel group the layers dispatch over: set, on each rank, by whoever built
+    /// the process groups (`with_group`); needed when `expert_parallel_size` is above 1.
+    pub ep_group: Option<ExpertGroup>,
     /// Where the layers record their routers' loss values.
     pub metrics: MoeMetrics,
+}
+
+/// A rank's expert-parallel communicator (the `ep` group of `ProcessGroups`).
+#[derive(Clone)]
+pub struct ExpertGroup(pub Arc<dyn Communicator>);
+
+impl std::fmt::Debug for ExpertGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ExpertGroup({})", self.0.name())
+    }
 }
 
 impl MoeSpec {
@@ -92,13 +108,20 @@ impl MoeSpec {
         if let Some(s) = r.topk_scaling_factor.filter(|s| !(s.is_finite() && *s > 0.0)) {
             return Err(format!("--moe-router-topk-scaling-factor {s} must be positive"));
         }
-        if self.expert_parallel_size != 1 {
+        let ep = self.expert_parallel_size;
+        if ep == 0 || self.num_experts % ep != 0 {
             return Err(format!(
-                "--expert-model-parallel-size {} is not supported yet (the all-to-all token dispatch is not built): use 1",
-                self.expert_parallel_size
+                "--num-experts {} is not divisible by --expert-model-parallel-size {ep}: each expert-parallel rank holds an equal share",
+                self.num_experts
             ));
         }
         Ok(())
+    }
+
+    /// This spec for a rank of expert-parallel group `ep` (its size must be
+    /// `expert_parallel_size`).
+    pub fn with_group(&self, ep: Arc<dyn Communicator>) -> MoeSpec {
+        MoeSpec { ep_group: Some(ExpertGroup(ep)), ..self.clone() }
     }
 
     /// fc1's output width per expert: F, or 2F gate|value for SwiGLU.
@@ -123,6 +146,7 @@ impl ModuleFactory for MoeSpec {
         Ok(Box::new(MoeLayer::new(params, cx, self)?))
     }
 
+    /// The whole model's count (every rank's experts), as Megatron reports it.
     fn param_count(&self, hidden: usize) -> Option<ParamCount> {
         let (router, expert) = (self.num_experts * hidden, self.expert_params(hidden));
         Some(ParamCount { total: router + self.num_experts * expert, active: router + self.router.topk * expert })

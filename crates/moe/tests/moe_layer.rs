@@ -28,6 +28,7 @@ fn spec(activation: Activation, bias: bool, pre_softmax: bool) -> MoeSpec {
             z_loss_coeff: Some(0.05),
         },
         expert_parallel_size: 1,
+        ep_group: None,
         metrics: MoeMetrics::default(),
     }
 }
@@ -224,8 +225,14 @@ fn bad_specs_are_named() {
     s.router.topk = 5;
     assert!(s.validate().unwrap_err().contains("--moe-router-topk 5"));
     let mut s = spec(Activation::SwiGlu, false, false);
+    s.expert_parallel_size = 3;
+    assert!(s.validate().unwrap_err().contains("not divisible by --expert-model-parallel-size 3"));
+    // A size above 1 needs the group to dispatch over.
     s.expert_parallel_size = 2;
-    assert!(s.validate().unwrap_err().contains("--expert-model-parallel-size 2"));
+    let tp = TensorParallel::new(ProcessGroups::single().tp, false);
+    let cx = FactoryCx { prefix: "m", hidden: C, std: 0.1, out_std: 0.1, tp: &tp };
+    let e = s.build(&cx, &mut ParamTableBuilder::default()).err().unwrap().to_string();
+    assert!(e.contains("expert-parallel group of 2 ranks"), "{e}");
     let s = spec(Activation::SwiGlu, false, false);
     assert!(s.validate_tp(2).unwrap_err().contains("--tensor-model-parallel-size 1"));
     let mut s = spec(Activation::SwiGlu, false, false);
@@ -316,4 +323,77 @@ fn gpt_with_moe_layers_counts_and_differentiates() {
         (numeric - analytic).abs() <= 1e-2 * analytic.abs() + 1e-3,
         "finite difference {numeric} vs backward {analytic}"
     );
+}
+
+/// Expert parallelism over two thread ranks: each rank routes its own tokens, the all-to-all
+/// sends them to the rank holding their experts and back. Against one rank that runs both ranks'
+/// tokens through all the experts: the same outputs and input gradients per rank, each expert's
+/// gradient (both ranks' tokens) on the rank that holds it, and the router's gradient summed
+/// over the ranks.
+#[test]
+fn expert_parallel_dispatch_matches_one_rank() {
+    let s = spec(Activation::SwiGlu, false, false);
+    let (n, g) = (9, 0.5f32);
+    let xs: Vec<Vec<f32>> = (0..2).map(|r| randn(n * C, 40 + r, 1.0)).collect();
+    let dys: Vec<Vec<f32>> = (0..2).map(|r| randn(n * C, 50 + r, 1.0)).collect();
+    let t = |v: &[f32]| Tensor::from_vec(v.to_vec(), [n, C], &Device::Cpu).unwrap();
+    // One rank: both token sets through every expert, gradients accumulated.
+    let (m, table) = layer(&s, 8);
+    let cx = Cx::new(&table, true).with_grad_scale(g);
+    let mut want = vec![];
+    for r in 0..2 {
+        let (y, saved) = m.forward(&cx, &t(&xs[r])).unwrap();
+        let dx = m.backward(&cx, saved, &t(&dys[r])).unwrap();
+        want.push((y.to_vec_f32().unwrap(), dx.to_vec_f32().unwrap()));
+    }
+    let grad = |table: &ParamTable, name: &str| {
+        let id = table.id(name).unwrap_or_else(|| panic!("no {name}"));
+        table.grad(id).unwrap().to_vec_f32().unwrap()
+    };
+    let names: Vec<String> = table.metas().iter().map(|m| m.name.clone()).collect();
+    let close = |what: &str, a: &[f32], b: &[f32]| {
+        assert_eq!(a.len(), b.len(), "{what}");
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            assert!((x - y).abs() <= 1e-5 + 1e-5 * y.abs(), "{what}[{i}]: {x} (2 ranks) vs {y} (1 rank)");
+        }
+    };
+    let results = ferrotron_comm::run_ranks(2, std::time::Duration::from_secs(30), |rank, comm| {
+        let mut s2 = s.clone();
+        s2.expert_parallel_size = 2;
+        let s2 = s2.with_group(comm);
+        let (m2, table2) = layer(&s2, 8);
+        let cx = Cx::new(&table2, true).with_grad_scale(g);
+        let (y, saved) = m2.forward(&cx, &t(&xs[rank])).unwrap();
+        let dx = m2.backward(&cx, saved, &t(&dys[rank])).unwrap();
+        let grads: Vec<(String, Vec<f32>)> =
+            table2.metas().iter().map(|m| (m.name.clone(), grad(&table2, &m.name))).collect();
+        let experts: Vec<bool> = table2.metas().iter().map(|m| m.expert).collect();
+        (y.to_vec_f32().unwrap(), dx.to_vec_f32().unwrap(), grads, experts, table2.expert_range())
+    });
+    let mut router = vec![0f32; 4 * C];
+    let mut seen = std::collections::BTreeSet::new();
+    for (rank, r) in results.into_iter().enumerate() {
+        let (y, dx, grads, experts, expert_range) = r.unwrap();
+        close(&format!("rank {rank} output"), &y, &want[rank].0);
+        close(&format!("rank {rank} input gradient"), &dx, &want[rank].1);
+        // Two of the four experts each, named by their global index; the router on both.
+        assert_eq!(grads.len(), 1 + 2 * 2, "{:?}", grads.iter().map(|g| &g.0).collect::<Vec<_>>());
+        // The experts' fc1 [2·6, C] and fc2 [C, 6], first in the flat buffer.
+        assert_eq!((expert_range.len(), experts.iter().filter(|&&e| e).count()), (2 * (2 * 6 * C + C * 6), 4));
+        for (name, g) in grads {
+            if name.ends_with("router.weight") {
+                router.iter_mut().zip(&g).for_each(|(a, b)| *a += b);
+                continue;
+            }
+            assert!(
+                name.contains(&format!("local_experts.{}", 2 * rank))
+                    || name.contains(&format!("local_experts.{}", 2 * rank + 1)),
+                "{name} on rank {rank}"
+            );
+            close(&name, &g, &grad(&table, &name));
+            seen.insert(name);
+        }
+    }
+    assert_eq!(seen.len(), names.iter().filter(|n| n.contains("local_experts")).count(), "every expert held once");
+    close("router gradient summed over the ranks", &router, &grad(&table, "decoder.layers.0.mlp.router.weight"));
 }

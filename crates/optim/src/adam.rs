@@ -85,6 +85,16 @@ pub struct Optimizer {
     mp: Option<Comm>,
     dp: Option<Comm>,
     tp_rank: usize,
+    /// Expert parallelism: the experts' region ends here, and its squares are summed over the
+    /// expert-parallel group (each rank holds other experts) and, sharded, over the
+    /// expert-data-parallel group instead of the data-parallel one.
+    experts: Option<ExpertNorm>,
+}
+
+struct ExpertNorm {
+    end: usize,
+    ep: Comm,
+    edp: Option<Comm>,
 }
 
 impl Optimizer {
@@ -104,9 +114,14 @@ impl Optimizer {
         mp: Comm,
         tp_rank: usize,
     ) -> CoreResult<Self> {
-        let owned = sync.plan.owned(sync.distributed);
+        let owned = sync.owned();
         let dp = sync.distributed.then(|| sync.dp.clone());
-        Self::build(table, config, owned, Some(mp), dp, tp_rank)
+        let mut opt = Self::build(table, config, owned, Some(mp), dp, tp_rank)?;
+        opt.experts = sync.expert.as_ref().and_then(|e| {
+            let ep = e.ep.clone().filter(|ep| ep.size() > 1)?;
+            Some(ExpertNorm { end: e.region.end, ep, edp: sync.distributed.then(|| e.edp.clone()) })
+        });
+        Ok(opt)
     }
 
     fn build(
@@ -143,6 +158,7 @@ impl Optimizer {
             mp,
             dp,
             tp_rank,
+            experts: None,
         })
     }
 
@@ -206,18 +222,47 @@ impl Optimizer {
             if (m.replicated && self.tp_rank != 0) || m.pipeline_copy {
                 continue;
             }
+            let boundary = self.experts.as_ref().map_or(0, |e| e.end);
             match ranges.last_mut() {
-                Some(last) if last.end == r.start => last.end = r.end,
+                Some(last) if last.end == r.start && r.start != boundary => last.end = r.end,
                 _ => ranges.push(r),
             }
         }
-        let views = ranges.iter().map(|r| g.view(r.start, [r.len()])).collect::<Result<Vec<_>, _>>()?;
-        let sq = k::sum_sq_dev(&views.iter().collect::<Vec<_>>(), g.device())?;
-        for c in [&self.mp, &self.dp].into_iter().flatten() {
+        let sum = |rs: &[Range<usize>]| -> Result<Tensor, OptimError> {
+            let views = rs.iter().map(|r| g.view(r.start, [r.len()])).collect::<Result<Vec<_>, _>>()?;
+            Ok(k::sum_sq_dev(&views.iter().collect::<Vec<_>>(), g.device())?)
+        };
+        // Summed in f32 across ranks: every rank gets the same bits.
+        let reduce = |t: &Tensor, c: &Comm| -> Result<(), OptimError> {
             if c.size() > 1 {
-                // Summed in f32 across ranks: every rank gets the same bits.
-                c.all_reduce(&sq, ReduceOp::Sum)?;
+                c.all_reduce(t, ReduceOp::Sum)?;
             }
+            Ok(())
+        };
+        let sq = match &self.experts {
+            None => {
+                let sq = sum(&ranges)?;
+                for c in [&self.mp, &self.dp].into_iter().flatten() {
+                    reduce(&sq, c)?;
+                }
+                return Ok(sq);
+            }
+            Some(e) => {
+                let (ex, dense): (Vec<_>, Vec<_>) = ranges.into_iter().partition(|r| r.start < e.end);
+                let (sq, sq_e) = (sum(&dense)?, sum(&ex)?);
+                if let Some(dp) = &self.dp {
+                    reduce(&sq, dp)?;
+                }
+                if let Some(edp) = &e.edp {
+                    reduce(&sq_e, edp)?;
+                }
+                reduce(&sq_e, &e.ep)?;
+                k::add_(&sq, &sq_e)?;
+                sq
+            }
+        };
+        if let Some(mp) = &self.mp {
+            reduce(&sq, mp)?;
         }
         Ok(sq)
     }

@@ -49,11 +49,16 @@ impl BucketPlan {
     /// Buckets of about `bucket_size` elements over a flat buffer of `flat_len` (a multiple of
     /// `dp`: build the table with `build_padded(.., dp)`).
     pub fn new(flat_len: usize, bucket_size: usize, dp: usize, dp_rank: usize) -> BucketPlan {
+        Self::over(0..flat_len, bucket_size, dp, dp_rank)
+    }
+
+    /// Buckets over the flat range `region` (its length a multiple of `dp`).
+    pub fn over(region: Range<usize>, bucket_size: usize, dp: usize, dp_rank: usize) -> BucketPlan {
         let size = bucket_size.max(1).div_ceil(dp) * dp;
         let mut buckets = vec![];
-        let mut end = flat_len;
-        while end > 0 {
-            let start = end.saturating_sub(size);
+        let mut end = region.end;
+        while end > region.start {
+            let start = end.saturating_sub(size).max(region.start);
             buckets.push(start..end);
             end = start;
         }
@@ -100,8 +105,26 @@ impl Worker {
     }
 }
 
-pub struct GradSync {
+/// The expert parameters' region (`ParamTable::expert_range`, below the rest): its buckets are
+/// reduced over the expert-data-parallel group, after the others. Each expert's gradient holds
+/// the contributions of every token its expert-parallel group sent it, each already scaled as
+/// its own rank's loss; the data-parallel average of the whole model is then the sum over the
+/// expert-data-parallel group divided by the data-parallel size: the average over the group
+/// times 1 / ep.
+pub struct ExpertSync {
+    pub region: Range<usize>,
     pub plan: BucketPlan,
+    pub edp: Comm,
+    /// None: one expert-parallel rank.
+    pub ep: Option<Comm>,
+    bucket_size: usize,
+}
+
+pub struct GradSync {
+    /// The buckets of the parameters other than the experts'.
+    pub plan: BucketPlan,
+    /// The experts' buckets; None without expert parameters.
+    pub expert: Option<ExpertSync>,
     pub dp: Comm,
     pub tp: Comm,
     pub distributed: bool,
@@ -129,8 +152,21 @@ impl GradSync {
         distributed: bool,
         overlap: bool,
     ) -> GradSync {
-        let plan = BucketPlan::new(table.flat_len(), bucket_size, dp.size(), dp.rank());
-        let owned = plan.owned(distributed);
+        let experts = table.expert_range();
+        let plan = BucketPlan::over(experts.end..table.flat_len(), bucket_size, dp.size(), dp.rank());
+        // Without an expert-parallel group the experts' region is reduced as the rest is (over
+        // the data-parallel group, one expert-parallel rank); `with_experts` sets the groups.
+        let expert = (!experts.is_empty()).then(|| ExpertSync {
+            region: experts.clone(),
+            plan: BucketPlan::over(experts.clone(), bucket_size, dp.size(), dp.rank()),
+            edp: dp.clone(),
+            ep: None,
+            bucket_size,
+        });
+        let mut owned = plan.owned(distributed);
+        if let Some(e) = &expert {
+            owned.extend(e.plan.owned(distributed));
+        }
         let mut sp_ranges = vec![];
         if tp.size() > 1 {
             for id in table.ids().filter(|&id| table.meta(id).sequence_parallel) {
@@ -151,6 +187,7 @@ impl GradSync {
         let detached = overlap && dp.size() > 1 && !on_host;
         GradSync {
             plan,
+            expert,
             dp,
             tp,
             distributed,
@@ -162,6 +199,52 @@ impl GradSync {
             tied: None,
             overlap_gather: false,
         }
+    }
+
+    /// Expert parallelism: the experts' region is reduced over `edp` (the expert-data-parallel
+    /// group) and scaled by 1 / `ep`'s size (see `ExpertSync`). `edp`'s size must divide the
+    /// data-parallel size (the region is padded to a multiple of it).
+    pub fn with_experts(mut self, edp: Comm, ep: Comm) -> Self {
+        if let Some(e) = self.expert.as_mut() {
+            e.plan = BucketPlan::over(e.region.clone(), e.bucket_size, edp.size(), edp.rank());
+            e.edp = edp;
+            e.ep = Some(ep);
+        }
+        self
+    }
+
+    /// Every flat range this rank's optimizer updates: the others' and the experts', in flat
+    /// order.
+    pub fn owned(&self) -> Vec<Range<usize>> {
+        let mut v = self.plan.owned(self.distributed);
+        if let Some(e) = &self.expert {
+            v.extend(e.plan.owned(self.distributed));
+        }
+        v.sort_by_key(|r| r.start);
+        v
+    }
+
+    /// The experts' buckets: scaled by 1 / ep, then averaged over the expert-data-parallel
+    /// group (reduce-scattered under the distributed optimizer). Synchronous, after the rest.
+    fn reduce_experts(&self, table: &ParamTable) -> Result<(), CommError> {
+        let Some(e) = &self.expert else { return Ok(()) };
+        let grads = table.flat_grads();
+        for (b, r) in e.plan.buckets.iter().enumerate() {
+            let bucket = grads.view(r.start, [r.len()])?;
+            if let Some(ep) = e.ep.as_ref().filter(|ep| ep.size() > 1) {
+                k::scale_(&bucket, 1.0 / ep.size() as f32)?;
+            }
+            if e.edp.size() == 1 {
+                continue;
+            }
+            let shard = e.plan.shard(b);
+            if self.distributed {
+                e.edp.reduce_scatter(&bucket, &grads.view(shard.start, [shard.len()])?, ReduceOp::Avg)?;
+            } else {
+                e.edp.all_reduce(&bucket, ReduceOp::Avg)?;
+            }
+        }
+        Ok(())
     }
 
     /// Megatron's `--overlap-param-gather` (distributed optimizer only; see the module's doc).
@@ -256,6 +339,7 @@ impl GradSync {
         if let Some(e) = first_err {
             return Err(e);
         }
+        self.reduce_experts(table)?;
         self.reduce_sequence_parallel(table)
     }
 
@@ -284,11 +368,21 @@ impl GradSync {
     /// them (distributed optimizer only), now or, with `with_overlap_param_gather`, as the next
     /// forward reaches each bucket (`ParamTable::set_pending`).
     pub fn gather_params(&self, table: &ParamTable) -> Result<(), CommError> {
-        if !self.distributed || self.dp.size() == 1 {
+        if !self.distributed {
             return Ok(());
         }
         table.settle_params()?;
         let p = table.flat_params();
+        // The experts' shards first, at once: the pending gathers below cover the rest only.
+        if let Some(e) = self.expert.as_ref().filter(|e| e.edp.size() > 1) {
+            for (b, r) in e.plan.buckets.iter().enumerate().rev() {
+                let s = e.plan.shard(b);
+                e.edp.all_gather(&p.view(s.start, [s.len()])?, &p.view(r.start, [r.len()])?)?;
+            }
+        }
+        if self.dp.size() == 1 {
+            return Ok(());
+        }
         // Ascending flat order: the forward's.
         let buckets: Vec<_> =
             (0..self.plan.buckets.len()).rev().map(|b| (self.plan.buckets[b].clone(), self.plan.shard(b))).collect();

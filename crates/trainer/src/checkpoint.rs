@@ -126,20 +126,23 @@ enum Values {
 /// module header for who writes what). Parameters are read from their device here.
 fn my_entries(g: &ProcessGroups, table: &ParamTable, opt: &Optimizer, optimizer: bool) -> anyhow::Result<Vec<Planned>> {
     let mine = |m: &ParamMeta| !m.pipeline_copy && (m.split_dim.is_some() || g.tp.rank() == 0);
+    // An expert's parameters are replicated over the expert-data-parallel group, the others over
+    // the data-parallel one: the first rank of each writes them.
+    let first = |m: &ParamMeta| if m.expert { g.edp.rank() == 0 } else { g.dp.rank() == 0 };
     let dtype = table.flat_params().dtype();
     let mut out = vec![];
-    if g.dp.rank() == 0 {
-        for id in table.ids().filter(|&id| mine(table.meta(id))) {
+    {
+        for id in table.ids().filter(|&id| mine(table.meta(id)) && first(table.meta(id))) {
             let m = table.meta(id);
             let values = table.param(id)?.to_vec_f32()?;
             let piece = Piece::of(m, 0..values.len());
             out.push(Planned { key: m.name.clone(), piece, dtype, values: Values::Own(values) });
         }
     }
-    if optimizer && (opt.distributed() || g.dp.rank() == 0) {
+    if optimizer {
         for (id, flat, at) in opt.owned_pieces(table) {
             let m = table.meta(id);
-            if !mine(m) {
+            if !mine(m) || !(opt.distributed() || first(m)) {
                 continue;
             }
             let start = flat.start - table.range(id).start;

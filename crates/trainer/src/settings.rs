@@ -699,6 +699,7 @@ impl MoeSettings {
                 z_loss_coeff: self.moe_z_loss_coeff,
             },
             expert_parallel_size: self.expert_model_parallel_size,
+            ep_group: None,
             metrics: Default::default(),
         };
         spec.validate().map_err(anyhow::Error::msg)?;
@@ -1466,7 +1467,8 @@ impl Settings {
     pub fn validate_layout(&self, world: usize) -> anyhow::Result<ferrotron_parallel::Layout> {
         let tp = self.tensor_model_parallel_size;
         let pp = self.pipeline_model_parallel_size;
-        let layout = ferrotron_parallel::Layout::new(world, tp, pp, 1, 1)?;
+        let ep = self.moe.as_ref().map_or(1, |m| m.expert_model_parallel_size);
+        let layout = ferrotron_parallel::Layout::new(world, tp, pp, 1, ep)?;
         self.recompute()?;
         self.stage_plan(0)?;
         let v = self.virtual_stages()?;

@@ -61,6 +61,8 @@ pub enum Metric {
 pub struct Summary {
     /// (iteration, training loss) for every iteration run.
     pub losses: Vec<(u64, f64)>,
+    /// (iteration, gradient norm before clipping) for every iteration run.
+    pub grad_norms: Vec<(u64, f64)>,
     /// (iteration, validation loss), including iteration 0 for a fresh run.
     pub evals: Vec<(u64, f64)>,
     pub checkpoints: Vec<std::path::PathBuf>,
@@ -371,7 +373,11 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     let dtype = if s.bf16 { DType::BF16 } else { DType::F32 };
     let dev = paths.device.clone();
     let plan = s.stage_plan(g.pp.rank())?;
-    let config = s.model_config()?;
+    let mut config = s.model_config()?;
+    if let Some(m) = ferrotron_models::moe_spec(&config).filter(|m| m.expert_parallel_size > 1) {
+        // This rank's layers dispatch their tokens over its expert-parallel group.
+        config.layer.mlp = ferrotron_transformer::spec::MlpSpec::Custom(Arc::new(m.with_group(g.ep.clone())));
+    }
     let moe_metrics = ferrotron_models::moe_spec(&config).map(|m| m.metrics.clone());
     let (model, mut table) = GptModel::build_stage(config, &tp, &plan, s.recompute()?, &dev, dtype, s.seed, layout.dp)?;
     if s.grad_reduce_in_bf16 {
@@ -388,6 +394,9 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         s.overlap_grad_reduce,
     )
     .with_overlap_param_gather(s.overlap_param_gather);
+    if layout.ep > 1 {
+        sync = sync.with_experts(g.edp.clone(), g.ep.clone());
+    }
     if let (Some(id), Some(embd)) = (model.tied_weight(), &g.embd) {
         sync = sync.with_tied(table.range(id), embd.clone());
     }
@@ -444,6 +453,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     });
     let mut summary = Summary {
         losses: vec![],
+        grad_norms: vec![],
         evals: vec![],
         checkpoints: vec![],
         logs: rank0,
@@ -769,6 +779,7 @@ fn read_queued(
     for (iteration, step) in queued.drain(..) {
         let out = step.read()?;
         summary.losses.push((iteration, out.loss));
+        summary.grad_norms.push((iteration, out.grad_norm));
         last = Some(out);
     }
     Ok(last)

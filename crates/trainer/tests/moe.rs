@@ -28,10 +28,11 @@ fn close(tag: &str, got: &[(u64, f64)], want: &[(u64, f64)]) {
     }
 }
 
-/// Data parallel (distributed optimizer, overlapped reduce and gather) and pipeline parallel
-/// (× data parallel, full recompute) train the MoE model as one rank does: the same losses and
-/// the same routers' loss values (each micro-batch's router losses scaled as its language-model
-/// loss is, then averaged over the data-parallel ranks).
+/// Data parallel (distributed optimizer, overlapped reduce and gather), pipeline parallel
+/// (× data parallel, full recompute) and expert parallel (alone, × expert data parallel, under a
+/// pipeline) train the MoE model as one rank does: the same losses and the same routers' loss
+/// values (each micro-batch's router losses scaled as its language-model loss is, then averaged
+/// over the data-parallel ranks; each expert's gradient summed over the tokens sent to it).
 #[test]
 fn moe_layouts_follow_one_rank() {
     let s1 = settings(&moe_args());
@@ -45,9 +46,22 @@ fn moe_layouts_follow_one_rank() {
     let mut pp = s1.clone();
     pp.pipeline_model_parallel_size = 2;
     pp.recompute_granularity = Some("full".into());
-    for (tag, s, n) in [("dp2", &dp, 2), ("pp2 × dp2", &pp, 4)] {
+    // Expert parallel: 2 × expert-data-parallel 2 (distributed optimizer, overlap), 4 (every
+    // expert on one rank), and 2 under a pipeline of 2.
+    let ep = |n: usize, base: &Settings| {
+        let mut e = base.clone();
+        e.moe.as_mut().unwrap().expert_model_parallel_size = n;
+        e
+    };
+    let (ep2, ep4, ep2pp) = (ep(2, &dp), ep(4, &s1), ep(2, &pp));
+    for (tag, s, n) in
+        [("dp2", &dp, 2), ("pp2 × dp2", &pp, 4), ("ep2 × edp2", &ep2, 4), ("ep4", &ep4, 4), ("pp2 × ep2", &ep2pp, 4)]
+    {
         let run = train(s, &Paths { launch: Launch::Threads(n), ..Paths::default() }).unwrap();
         close(tag, &run.losses, &one.losses);
+        // The norm sees every gradient at its one-rank scale: each expert's counted once, on the
+        // rank that holds it.
+        close(&format!("{tag} gradient norms"), &run.grad_norms, &one.grad_norms);
         let rl = |r: &ferrotron_trainer::train::Summary| -> Vec<(u64, f64)> {
             r.router_losses.iter().flat_map(|&(i, lb, z)| [(i, lb), (i, z)]).collect()
         };
@@ -103,6 +117,31 @@ fn the_load_balancing_loss_balances() {
     assert!(on < off, "load-balancing loss with the coefficient {on}, without {off}");
 }
 
+/// Saved by four expert-parallel ranks (2 × expert-data-parallel 2, distributed optimizer: each
+/// rank writes its own experts' shares), resumed on one rank, and the other way round: the losses
+/// follow the one-rank run.
+#[test]
+fn an_expert_parallel_checkpoint_resumes_on_one_rank_and_back() {
+    let s1 = settings(&moe_args());
+    let mut s4 = s1.clone();
+    s4.use_distributed_optimizer = true;
+    s4.moe.as_mut().unwrap().expert_model_parallel_size = 2;
+    let straight = train(&s1, &Paths::default()).unwrap();
+    let (a, b) = (tmp("moe-ep-a"), tmp("moe-ep-b"));
+    let four = Launch::Threads(4);
+    let half = Paths { save: Some(a.clone()), exit_interval: Some(4), launch: four.clone(), ..Paths::default() };
+    let first = train(&s4, &half).unwrap();
+    let second = train(&s1, &Paths { load: Some(a.clone()), ..Paths::default() }).unwrap();
+    train(&s1, &Paths { save: Some(b.clone()), exit_interval: Some(4), ..Paths::default() }).unwrap();
+    let third = train(&s4, &Paths { load: Some(b.clone()), launch: four, ..Paths::default() }).unwrap();
+    let all: Vec<(u64, f64)> = first.losses.iter().chain(&second.losses).cloned().collect();
+    close("ep 4 ranks, then 1", &all, &straight.losses);
+    close("1 rank, then ep 4 ranks", &third.losses, &straight.losses[4..]);
+    for d in [a, b] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
 #[test]
 fn bad_moe_flags_are_named() {
     let err = |a: TrainArgs| Settings::resolve(&a).map(|_| ()).unwrap_err().to_string();
@@ -110,8 +149,10 @@ fn bad_moe_flags_are_named() {
     assert!(e.contains("--moe-router-topk") && e.contains("--num-experts"), "{e}");
     let e = err(TrainArgs { moe_router_topk: Some(5), ..moe_args() });
     assert!(e.contains("--moe-router-topk 5") && e.contains("--num-experts 4"), "{e}");
-    let e = err(TrainArgs { expert_model_parallel_size: Some(2), ..moe_args() });
-    assert!(e.contains("--expert-model-parallel-size 2"), "{e}");
+    let e = err(TrainArgs { expert_model_parallel_size: Some(3), ..moe_args() });
+    assert!(e.contains("--num-experts 4 is not divisible by --expert-model-parallel-size 3"), "{e}");
+    let e = err(TrainArgs { expert_model_parallel_size: Some(2), nproc: Some(3), ..moe_args() });
+    assert!(e.contains("not divisible by --expert-model-parallel-size 2"), "{e}");
     let e = err(TrainArgs { moe_layer_freq: Some("2".into()), ..moe_args() });
     assert!(e.contains("--moe-layer-freq 2"), "{e}");
     let e = err(TrainArgs { moe_router_load_balancing_type: Some("sinkhorn".into()), ..moe_args() });
