@@ -1509,9 +1509,11 @@ impl Settings {
     pub fn tokenizer(&self) -> anyhow::Result<TokenizerKind> {
         let kind = TokenizerKind::parse_with(&self.tokenizer_type, self.vocab_size, self.tokenizer_model.as_deref())
             .map_err(|e| anyhow::anyhow!("--tokenizer-type {}: {e}", self.tokenizer_type))?;
-        if matches!(kind, TokenizerKind::Null(_)) && self.data_path.is_empty() && self.train_data_path.is_empty() {
+        // Megatron's mock sequences are ids already: they go with any tokenizer.
+        let tokenized = !self.data_path.is_empty() || !self.train_data_path.is_empty() || self.mock_data;
+        if matches!(kind, TokenizerKind::Null(_)) && !tokenized {
             bail!(
-                "--tokenizer-type NullTokenizer reads data tokenized elsewhere: give it with --data-path (the built-in corpus is text)"
+                "--tokenizer-type NullTokenizer reads data tokenized elsewhere: give it with --data-path or --mock-data (the built-in corpus is text)"
             );
         }
         Ok(kind)

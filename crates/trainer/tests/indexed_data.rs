@@ -101,6 +101,16 @@ fn an_indexed_dataset_trains_as_the_same_tokens_in_memory() {
     assert!(format!("{e:#}").contains("give it with --data-path"), "{e:#}");
     let e = run(TrainArgs { vocab_size: Some(256), ..args() }).err().unwrap();
     assert!(format!("{e:#}").contains("applies to NullTokenizer only"), "{e:#}");
+    // Megatron's mock data with NullTokenizer (its benchmark scripts' pairing): the mock
+    // sequences are ids, so the run trains on them (ending each in the vocabulary's id as EOD).
+    let mock = run(TrainArgs {
+        tokenizer_type: Some("NullTokenizer".into()),
+        vocab_size: Some(4000),
+        mock_data: true,
+        ..args()
+    })
+    .unwrap();
+    assert!(mock.losses.len() == 6 && mock.losses.iter().all(|l| l.1.is_finite()), "{:?}", mock.losses);
 
     // --split 1,0,0 gives validation no share: the run trains the same steps and evaluates
     // nothing, as Megatron's does.
