@@ -16,6 +16,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ffn_hidden_size: 96,
         activation: Activation::SwiGlu,
         bias: false,
+        shared_expert_ffn: None,
         router: RouterSpec { topk: 2, aux_loss_coeff: 1e-2, z_loss_coeff: Some(1e-3), ..RouterSpec::default() },
         expert_parallel_size: 1,
         ep_group: None,

@@ -141,6 +141,8 @@ fn mixtral_of(c: &TransformerConfig, m: &MoeSpec) -> Result<HfArch> {
             Some("Mixtral's layers are RMSNorm with RoPE")
         } else if m.activation != Activation::SwiGlu || m.bias {
             Some("Mixtral's experts are SwiGLU without biases")
+        } else if m.shared_expert_ffn.is_some() {
+            Some("Mixtral has no shared experts")
         } else if a.bias || a.qkv_bias || a.qk_layernorm {
             Some("Mixtral's attention has no biases and no QK-LayerNorm")
         } else if r.pre_softmax || r.topk_scaling_factor.is_some() {
@@ -227,6 +229,7 @@ pub fn from_hf_config(v: &Value) -> Result<HfModel> {
                 ffn_hidden_size: c.ffn_hidden_size,
                 activation: Activation::SwiGlu,
                 bias: false,
+                shared_expert_ffn: None,
                 router: RouterSpec {
                     topk: usize_of(v, "num_experts_per_tok")?,
                     load_balancing: LoadBalancing::AuxLoss,

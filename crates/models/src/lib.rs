@@ -130,6 +130,7 @@ pub fn mixtral(size: MixtralSize) -> TransformerConfig {
         ffn_hidden_size: ffn,
         activation: Activation::SwiGlu,
         bias: false,
+        shared_expert_ffn: None,
         router: RouterSpec { aux_loss_coeff: 1e-2, z_loss_coeff: Some(1e-3), ..RouterSpec::default() },
         expert_parallel_size: 1,
         ep_group: None,

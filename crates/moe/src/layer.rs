@@ -29,6 +29,9 @@ pub struct MoeLayer {
     /// `{prefix}.experts.local_experts.{e}` with e the global index, `first_expert` onwards.
     pub experts: Vec<Mlp>,
     pub first_expert: usize,
+    /// `{prefix}.shared_experts`: every token's dense MLP beside the routed experts (a parameter
+    /// of every rank, not an expert's).
+    pub shared: Option<Mlp>,
     num_experts: usize,
     /// The expert-parallel group the tokens are dispatched over (None: one rank).
     ep: Option<ExpertGroup>,
@@ -77,11 +80,26 @@ impl MoeLayer {
             })
             .collect::<Result<Vec<_>>>()?;
         p.mark_expert_since(start);
+        let shared = match spec.shared_expert_ffn {
+            Some(f) => Some(Mlp::new(
+                p,
+                &format!("{prefix}.shared_experts"),
+                cx.hidden,
+                f,
+                spec.activation,
+                spec.bias,
+                cx.std,
+                cx.out_std,
+                cx.tp,
+            )?),
+            None => None,
+        };
         let r = &spec.router;
         Ok(MoeLayer {
             router,
             experts,
             first_expert,
+            shared,
             num_experts: spec.num_experts,
             ep,
             topk: k::TopK { k: r.topk, pre_softmax: r.pre_softmax, scale: r.topk_scaling_factor.unwrap_or(1.0) },
@@ -155,7 +173,13 @@ impl Module for MoeLayer {
             (Some(g), Some(d)) => d.back(&*g.0, &yl)?,
             _ => yl,
         };
-        let y = k::moe_unpermute(&yp, &sort.slot, &probs)?.reshape(x.dims().to_vec())?;
+        let y = k::moe_unpermute(&yp, &sort.slot, &probs)?;
+        if let Some(sh) = &self.shared {
+            let (ys, s) = sh.forward(cx, &x2)?;
+            k::add_(&y, &ys)?;
+            children.push(s);
+        }
+        let y = y.reshape(x.dims().to_vec())?;
         let counts: Vec<u32> = sort.tokens_per_expert.iter().map(|&c| c as u32).collect();
         let counts = Tensor::from_vec(counts, [self.num_experts], &Device::Cpu)?;
         let mut saved = vec![logits, probs, experts, sort.perm, sort.slot, yp, counts];
@@ -186,7 +210,17 @@ impl Module for MoeLayer {
             None => next("local counts")?.to_vec::<u32>()?.into_iter().map(|c| c as usize).collect(),
         };
         let (n, c) = (logits.dims()[0], self.hidden);
-        let (dyp, dprobs) = k::moe_unpermute_bwd(&yp, &slot, &probs, &dy.reshape([n, c])?)?;
+        let dy2 = dy.reshape([n, c])?;
+        let (dyp, dprobs) = k::moe_unpermute_bwd(&yp, &slot, &probs, &dy2)?;
+        let mut children = children;
+        // The shared experts' saved values come last (their input gradient added below).
+        let dx_shared = match &self.shared {
+            Some(sh) => {
+                let s = children.pop().ok_or_else(|| invalid(BWD, "shared experts' saved values missing"))?;
+                Some(sh.backward(cx, s, &dy2)?)
+            }
+            None => None,
+        };
         let dyl = match (&self.ep, &plan) {
             (Some(g), Some(d)) => d.out(&*g.0, &dyp)?,
             _ => dyp,
@@ -201,7 +235,11 @@ impl Module for MoeLayer {
             (Some(g), Some(d)) => d.back(&*g.0, &dxl)?,
             _ => dxl,
         };
-        let dx = Tensor::zeros([n, c], dy.dtype(), dy.device())?;
+        let dx = match dx_shared {
+            Some(d) if d.dtype() == dy.dtype() => d,
+            Some(d) => k::cast(&d, dy.dtype())?,
+            None => Tensor::zeros([n, c], dy.dtype(), dy.device())?,
+        };
         k::embedding_bwd(&perm, &dxp, &dx)?;
         let dlogits = k::moe_route_bwd(&logits, &experts, &dprobs, &self.topk)?;
         if self.aux_coeff > 0.0 || self.z_coeff > 0.0 {

@@ -59,6 +59,10 @@ pub struct MoeSpec {
     pub activation: Activation,
     /// Biases on the experts' linear layers (--add-bias-linear).
     pub bias: bool,
+    /// Shared experts: a dense MLP of this width that every token also runs through, its output
+    /// added to the routed experts' (--moe-shared-expert-intermediate-size; DeepSeek's and
+    /// Qwen-MoE's shared experts, ungated).
+    pub shared_expert_ffn: Option<usize>,
     pub router: RouterSpec,
     /// --expert-model-parallel-size: the experts are split over this many ranks, each holding
     /// num_experts / size of them, tokens dispatched to them by all-to-all.
@@ -89,6 +93,9 @@ impl MoeSpec {
         }
         if self.ffn_hidden_size == 0 {
             return Err("--moe-ffn-hidden-size must be at least 1".into());
+        }
+        if self.shared_expert_ffn == Some(0) {
+            return Err("--moe-shared-expert-intermediate-size must be at least 1 (or leave it out)".into());
         }
         if r.topk == 0 || r.topk > self.num_experts {
             return Err(format!(
@@ -134,7 +141,17 @@ impl MoeSpec {
 
     /// Parameters of one expert at width `hidden`.
     pub fn expert_params(&self, hidden: usize) -> usize {
-        let (f, f1) = (self.ffn_hidden_size, self.fc1_out());
+        self.mlp_params(hidden, self.ffn_hidden_size)
+    }
+
+    /// Parameters of the shared experts (0 without).
+    pub fn shared_params(&self, hidden: usize) -> usize {
+        self.shared_expert_ffn.map_or(0, |f| self.mlp_params(hidden, f))
+    }
+
+    /// A dense MLP of width `f` with the experts' activation and biases.
+    fn mlp_params(&self, hidden: usize, f: usize) -> usize {
+        let f1 = self.fc1_out() / self.ffn_hidden_size.max(1) * f;
         hidden * f1 + f * hidden + if self.bias { f1 + hidden } else { 0 }
     }
 }
@@ -148,7 +165,7 @@ impl ModuleFactory for MoeSpec {
 
     /// The whole model's count (every rank's experts), as Megatron reports it.
     fn param_count(&self, hidden: usize) -> Option<ParamCount> {
-        let (router, expert) = (self.num_experts * hidden, self.expert_params(hidden));
+        let (router, expert) = (self.num_experts * hidden + self.shared_params(hidden), self.expert_params(hidden));
         Some(ParamCount { total: router + self.num_experts * expert, active: router + self.router.topk * expert })
     }
 

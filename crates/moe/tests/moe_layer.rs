@@ -19,6 +19,8 @@ fn spec(activation: Activation, bias: bool, pre_softmax: bool) -> MoeSpec {
         ffn_hidden_size: 6,
         activation,
         bias,
+        // Shared experts in the GeLU cases (with biases), none in the SwiGLU ones.
+        shared_expert_ffn: (activation == Activation::Gelu).then_some(5),
         router: RouterSpec {
             topk: 2,
             pre_softmax,
@@ -105,7 +107,23 @@ fn reference(t: &ParamTable, s: &MoeSpec, x: &[f64]) -> Vec<f64> {
         let o = lin(&get(t, &format!("{ex}.linear_fc2.weight")), bias("linear_fc2").as_deref(), &a);
         y.iter_mut().zip(&o).for_each(|(y, o)| *y += p * o);
     }
+    if s.shared_expert_ffn.is_some() {
+        let o = dense(t, &format!("{pre}.shared_experts"), s, x);
+        y.iter_mut().zip(&o).for_each(|(y, o)| *y += o);
+    }
     y
+}
+
+/// A dense MLP the plain way (GeLU here: the shared-expert cases).
+fn dense(t: &ParamTable, prefix: &str, s: &MoeSpec, x: &[f64]) -> Vec<f64> {
+    assert_eq!(s.activation, Activation::Gelu);
+    let bias = |n: &str| s.bias.then(|| get(t, &format!("{prefix}.{n}.bias")));
+    let h = lin(&get(t, &format!("{prefix}.linear_fc1.weight")), bias("linear_fc1").as_deref(), x);
+    let a: Vec<f64> = h
+        .iter()
+        .map(|&v| 0.5 * v * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (v + 0.044715 * v.powi(3))).tanh()))
+        .collect();
+    lin(&get(t, &format!("{prefix}.linear_fc2.weight")), bias("linear_fc2").as_deref(), &a)
 }
 
 #[test]
@@ -215,7 +233,8 @@ fn param_count_is_the_built_tables() {
         let (_, table) = layer(&s, 1);
         let c = s.param_count(C).unwrap();
         assert_eq!(c.total, table.numel());
-        assert_eq!(c.active, C * 4 + 2 * s.expert_params(C));
+        assert_eq!(c.active, C * 4 + s.shared_params(C) + 2 * s.expert_params(C));
+        assert_eq!(s.shared_params(C) > 0, bias, "shared experts in the GeLU case");
     }
 }
 

@@ -417,6 +417,15 @@ pub struct TrainArgs {
     /// MoE layers among the dense ones: 1 (every layer; the only value so far).
     #[arg(long)]
     pub moe_layer_freq: Option<String>,
+    /// Shared experts: a dense MLP of this width beside the routed ones, run by every token.
+    #[arg(long)]
+    pub moe_shared_expert_intermediate_size: Option<usize>,
+    /// Accepted for Megatron's scripts: the shared experts run in the same stream.
+    #[arg(long)]
+    pub moe_shared_expert_overlap: bool,
+    /// A sigmoid gate on the shared experts' output (not built yet: refused).
+    #[arg(long)]
+    pub moe_shared_expert_gate: bool,
 }
 
 macro_rules! merge_opts {
@@ -439,11 +448,11 @@ impl TrainArgs {
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers,
             num_experts, moe_ffn_hidden_size, moe_router_topk, moe_router_load_balancing_type, moe_aux_loss_coeff,
             moe_z_loss_coeff, moe_router_topk_scaling_factor, expert_model_parallel_size, moe_token_dispatcher_type,
-            moe_layer_freq);
+            moe_layer_freq, moe_shared_expert_intermediate_size);
         merge_flags!(self, o; use_rope_scaling, swiglu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, bf16, fp16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
             use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, async_save, no_save_optim, exit_signal_handler,
-            moe_router_pre_softmax, moe_grouped_gemm);
+            moe_router_pre_softmax, moe_grouped_gemm, moe_shared_expert_overlap, moe_shared_expert_gate);
         if !o.profile_ranks.is_empty() {
             self.profile_ranks = o.profile_ranks.clone();
         }
@@ -624,6 +633,9 @@ pub struct MoeSettings {
     pub moe_router_topk_scaling_factor: Option<f32>,
     pub expert_model_parallel_size: usize,
     pub moe_token_dispatcher_type: String,
+    /// Absent from checkpoints of earlier builds: none.
+    #[serde(default)]
+    pub moe_shared_expert_intermediate_size: Option<usize>,
 }
 
 impl MoeSettings {
@@ -643,12 +655,17 @@ impl MoeSettings {
                 ("--moe-token-dispatcher-type", a.moe_token_dispatcher_type.is_some()),
                 ("--moe-grouped-gemm", a.moe_grouped_gemm),
                 ("--moe-layer-freq", a.moe_layer_freq.is_some()),
+                ("--moe-shared-expert-intermediate-size", a.moe_shared_expert_intermediate_size.is_some()),
+                ("--moe-shared-expert-overlap", a.moe_shared_expert_overlap),
             ];
             if let Some((flag, _)) = given.iter().find(|(_, g)| *g) {
                 bail!("{flag} configures mixture-of-experts layers: add --num-experts N (or drop it)");
             }
             return Ok(None);
         };
+        if a.moe_shared_expert_gate {
+            bail!("--moe-shared-expert-gate (Qwen-MoE's sigmoid gate on the shared experts) is not built yet: drop it");
+        }
         if let Some(f) = a.moe_layer_freq.as_deref().filter(|f| f.trim() != "1") {
             bail!(
                 "--moe-layer-freq {f}: every layer is an MoE layer so far (1); mixing dense and MoE layers is not built yet"
@@ -668,6 +685,7 @@ impl MoeSettings {
             moe_router_topk_scaling_factor: a.moe_router_topk_scaling_factor.map(|s| s as f32),
             expert_model_parallel_size: a.expert_model_parallel_size.unwrap_or(1),
             moe_token_dispatcher_type: a.moe_token_dispatcher_type.clone().unwrap_or_else(|| "allgather".into()),
+            moe_shared_expert_intermediate_size: a.moe_shared_expert_intermediate_size,
         }))
     }
 
@@ -690,6 +708,7 @@ impl MoeSettings {
             ffn_hidden_size: self.moe_ffn_hidden_size,
             activation,
             bias,
+            shared_expert_ffn: self.moe_shared_expert_intermediate_size,
             router: RouterSpec {
                 topk: self.moe_router_topk,
                 pre_softmax: self.moe_router_pre_softmax,
@@ -979,6 +998,7 @@ pub fn model_args(c: &TransformerConfig) -> TrainArgs {
         moe_router_pre_softmax: moe.is_some_and(|m| m.router.pre_softmax),
         moe_router_topk_scaling_factor: moe.and_then(|m| m.router.topk_scaling_factor).map(f64::from),
         expert_model_parallel_size: moe.map(|m| m.expert_parallel_size),
+        moe_shared_expert_intermediate_size: moe.and_then(|m| m.shared_expert_ffn),
         ..TrainArgs::default()
     }
 }
@@ -1026,7 +1046,8 @@ impl TrainArgs {
             moe_z_loss_coeff,
             moe_router_pre_softmax,
             moe_router_topk_scaling_factor,
-            expert_model_parallel_size
+            expert_model_parallel_size,
+            moe_shared_expert_intermediate_size
         );
     }
 }

@@ -15,6 +15,9 @@ fn moe_args() -> TrainArgs {
         moe_router_topk: Some(2),
         moe_aux_loss_coeff: Some(1e-2),
         moe_z_loss_coeff: Some(1e-3),
+        // Shared experts too: a dense MLP beside the routed ones, replicated over the
+        // expert-parallel ranks.
+        moe_shared_expert_intermediate_size: Some(16),
         global_batch_size: Some(4),
         micro_batch_size: Some(1),
         ..tiny_args(true)
@@ -85,6 +88,7 @@ fn moe_resume_is_bit_exact_and_the_checkpoint_names_the_experts() {
         "decoder.layers.1.mlp.router.weight",
         "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight",
         "decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight",
+        "decoder.layers.1.mlp.shared_experts.linear_fc1.weight",
     ] {
         assert!(ck.tensors.contains_key(name), "{name} missing from {:?}", ck.tensors.keys().collect::<Vec<_>>());
     }
@@ -159,6 +163,8 @@ fn bad_moe_flags_are_named() {
     assert!(e.contains("sinkhorn") && e.contains("not built yet"), "{e}");
     let e = err(TrainArgs { moe_token_dispatcher_type: Some("flex".into()), ..moe_args() });
     assert!(e.contains("--moe-token-dispatcher-type flex"), "{e}");
+    let e = err(TrainArgs { moe_shared_expert_gate: true, ..moe_args() });
+    assert!(e.contains("--moe-shared-expert-gate"), "{e}");
     let e = err(TrainArgs { tensor_model_parallel_size: Some(2), nproc: Some(2), ..moe_args() });
     assert!(e.contains("MoE layers") && e.contains("--tensor-model-parallel-size 1"), "{e}");
 }
