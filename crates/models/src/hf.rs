@@ -143,6 +143,8 @@ fn mixtral_of(c: &TransformerConfig, m: &MoeSpec) -> Result<HfArch> {
             Some("Mixtral's experts are SwiGLU without biases")
         } else if m.shared_expert_ffn.is_some() {
             Some("Mixtral has no shared experts")
+        } else if c.layer.other_mlp.is_some() {
+            Some("every Mixtral layer is an MoE layer (no --moe-layer-freq)")
         } else if a.bias || a.qkv_bias || a.qk_layernorm {
             Some("Mixtral's attention has no biases and no QK-LayerNorm")
         } else if r.pre_softmax || r.topk_scaling_factor.is_some() {
@@ -300,6 +302,7 @@ fn gpt2_config(v: &Value) -> Result<TransformerConfig> {
             norm: NormKind::LayerNorm,
             attention: AttentionSpec { bias: true, qkv_bias: false, qk_layernorm: false, window: None },
             mlp: MlpSpec::Dense { activation: Activation::Gelu, bias: true },
+            other_mlp: None,
         },
         norm_epsilon: opt(v, "layer_norm_epsilon", f64_of)?.unwrap_or(1e-5),
         init_method_std: opt(v, "initializer_range", f64_of)?.unwrap_or(0.02) as f32,
@@ -390,6 +393,7 @@ fn llama_config(v: &Value) -> Result<TransformerConfig> {
             norm: NormKind::RmsNorm,
             attention: AttentionSpec { bias: false, qkv_bias: false, qk_layernorm: false, window: None },
             mlp: MlpSpec::Dense { activation: Activation::SwiGlu, bias: false },
+            other_mlp: None,
         },
         norm_epsilon: opt(v, "rms_norm_eps", f64_of)?.unwrap_or(1e-6),
         init_method_std: opt(v, "initializer_range", f64_of)?.unwrap_or(0.02) as f32,

@@ -9,6 +9,7 @@ pub mod checkpoint;
 pub mod convert;
 pub mod generate;
 pub mod launch;
+pub mod layer_freq;
 pub mod preprocess;
 pub mod settings;
 pub mod trace;

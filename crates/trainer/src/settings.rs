@@ -9,7 +9,7 @@ use ferrotron_moe::{LoadBalancing, MoeSpec, RouterSpec};
 use ferrotron_optim::DecayStyle;
 use ferrotron_transformer::TransformerConfig;
 use ferrotron_transformer::spec::{
-    Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, PositionEmbedding, RopeScaling,
+    Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, OtherMlp, PositionEmbedding, RopeScaling,
 };
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -414,7 +414,8 @@ pub struct TrainArgs {
     /// Accepted for Megatron's scripts: the experts' products run one per expert.
     #[arg(long)]
     pub moe_grouped_gemm: bool,
-    /// MoE layers among the dense ones: 1 (every layer; the only value so far).
+    /// Which layers are MoE layers, the others dense (--ffn-hidden-size): N (one in N, from
+    /// layer 0) or a list such as "([0]+[1]*23)" (default 1: all).
     #[arg(long)]
     pub moe_layer_freq: Option<String>,
     /// Shared experts: a dense MLP of this width beside the routed ones, run by every token.
@@ -636,6 +637,9 @@ pub struct MoeSettings {
     /// Absent from checkpoints of earlier builds: none.
     #[serde(default)]
     pub moe_shared_expert_intermediate_size: Option<usize>,
+    /// `--moe-layer-freq` as given; None: every layer (1).
+    #[serde(default)]
+    pub moe_layer_freq: Option<String>,
 }
 
 impl MoeSettings {
@@ -666,11 +670,6 @@ impl MoeSettings {
         if a.moe_shared_expert_gate {
             bail!("--moe-shared-expert-gate (Qwen-MoE's sigmoid gate on the shared experts) is not built yet: drop it");
         }
-        if let Some(f) = a.moe_layer_freq.as_deref().filter(|f| f.trim() != "1") {
-            bail!(
-                "--moe-layer-freq {f}: every layer is an MoE layer so far (1); mixing dense and MoE layers is not built yet"
-            );
-        }
         Ok(Some(MoeSettings {
             num_experts,
             moe_ffn_hidden_size: a.moe_ffn_hidden_size.unwrap_or(ffn_hidden_size),
@@ -686,6 +685,7 @@ impl MoeSettings {
             expert_model_parallel_size: a.expert_model_parallel_size.unwrap_or(1),
             moe_token_dispatcher_type: a.moe_token_dispatcher_type.clone().unwrap_or_else(|| "allgather".into()),
             moe_shared_expert_intermediate_size: a.moe_shared_expert_intermediate_size,
+            moe_layer_freq: a.moe_layer_freq.clone().filter(|f| f.trim() != "1"),
         }))
     }
 
@@ -999,6 +999,12 @@ pub fn model_args(c: &TransformerConfig) -> TrainArgs {
         moe_router_topk_scaling_factor: moe.and_then(|m| m.router.topk_scaling_factor).map(f64::from),
         expert_model_parallel_size: moe.map(|m| m.expert_parallel_size),
         moe_shared_expert_intermediate_size: moe.and_then(|m| m.shared_expert_ffn),
+        moe_layer_freq: c
+            .layer
+            .other_mlp
+            .as_ref()
+            .filter(|_| moe.is_some())
+            .map(|o| crate::layer_freq::render(&o.layers.iter().map(|&dense| !dense).collect::<Vec<_>>())),
         ..TrainArgs::default()
     }
 }
@@ -1047,7 +1053,8 @@ impl TrainArgs {
             moe_router_pre_softmax,
             moe_router_topk_scaling_factor,
             expert_model_parallel_size,
-            moe_shared_expert_intermediate_size
+            moe_shared_expert_intermediate_size,
+            moe_layer_freq
         );
     }
 }
@@ -1620,9 +1627,19 @@ impl Settings {
         let vocab = ferrotron_data::Tokenizer::new(self.tokenizer()?)?.vocab_size();
         let (activation, bias) =
             (if self.swiglu { Activation::SwiGlu } else { Activation::Gelu }, !self.disable_bias_linear);
-        let mlp = match &self.moe {
-            Some(m) => MlpSpec::Custom(Arc::new(m.spec(activation, bias)?)),
-            None => MlpSpec::Dense { activation, bias },
+        let dense = MlpSpec::Dense { activation, bias };
+        let (mlp, other_mlp) = match &self.moe {
+            Some(m) => {
+                let other = match &m.moe_layer_freq {
+                    Some(f) => {
+                        let moe = crate::layer_freq::parse(f, self.num_layers)?;
+                        Some(OtherMlp { mlp: dense, layers: moe.iter().map(|&m| !m).collect() })
+                    }
+                    None => None,
+                };
+                (MlpSpec::Custom(Arc::new(m.spec(activation, bias)?)), other)
+            }
+            None => (dense, None),
         };
         Ok(TransformerConfig {
             num_layers: self.num_layers,
@@ -1647,6 +1664,7 @@ impl Settings {
                     window: self.window_size.map(|left| left + 1),
                 },
                 mlp,
+                other_mlp,
             },
             norm_epsilon: self.norm_epsilon,
             init_method_std: self.init_method_std,

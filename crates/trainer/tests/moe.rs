@@ -146,6 +146,42 @@ fn an_expert_parallel_checkpoint_resumes_on_one_rank_and_back() {
     }
 }
 
+/// --moe-layer-freq: layer 0 dense (--ffn-hidden-size), layer 1 an MoE layer. One rank against a
+/// pipeline of two × expert parallel 2, where the first stage holds no expert at all; the
+/// checkpoint records the pattern.
+#[test]
+fn dense_and_moe_layers_mixed() {
+    use ferrotron_transformer::spec::MlpSpec;
+    let s1 = settings(&TrainArgs { moe_layer_freq: Some("([0]+[1]*1)".into()), ..moe_args() });
+    let c = s1.model_config().unwrap();
+    assert!(matches!(c.layer.mlp_of(0), MlpSpec::Dense { .. }) && matches!(c.layer.mlp_of(1), MlpSpec::Custom(_)));
+    let one = train(&s1, &Paths::default()).unwrap();
+    let mut pp = s1.clone();
+    pp.pipeline_model_parallel_size = 2;
+    pp.moe.as_mut().unwrap().expert_model_parallel_size = 2;
+    let run = train(&pp, &Paths { launch: Launch::Threads(4), ..Paths::default() }).unwrap();
+    close("pp2 × ep2, dense layer 0", &run.losses, &one.losses);
+    close("pp2 × ep2 gradient norms", &run.grad_norms, &one.grad_norms);
+    let d = tmp("moe-freq");
+    train(&s1, &Paths { save: Some(d.clone()), exit_interval: Some(2), ..Paths::default() }).unwrap();
+    let ck = checkpoint::load_params(&d).unwrap();
+    assert!(ck.tensors.contains_key("decoder.layers.0.mlp.linear_fc1.weight"));
+    assert!(ck.tensors.contains_key("decoder.layers.1.mlp.router.weight"));
+    assert!(!ck.tensors.contains_key("decoder.layers.0.mlp.router.weight"));
+    let from_ck =
+        Settings::resolve(&TrainArgs { load: Some(d.clone()), use_checkpoint_args: true, ..TrainArgs::default() })
+            .unwrap()
+            .0;
+    assert_eq!(from_ck.model_config().unwrap().num_params(), c.num_params());
+    assert_eq!(
+        from_ck.moe,
+        s1.moe
+            .as_ref()
+            .map(|m| ferrotron_trainer::settings::MoeSettings { moe_layer_freq: Some("[0,1]".into()), ..m.clone() })
+    );
+    let _ = std::fs::remove_dir_all(d);
+}
+
 #[test]
 fn bad_moe_flags_are_named() {
     let err = |a: TrainArgs| Settings::resolve(&a).map(|_| ()).unwrap_err().to_string();
@@ -157,8 +193,8 @@ fn bad_moe_flags_are_named() {
     assert!(e.contains("--num-experts 4 is not divisible by --expert-model-parallel-size 3"), "{e}");
     let e = err(TrainArgs { expert_model_parallel_size: Some(2), nproc: Some(3), ..moe_args() });
     assert!(e.contains("not divisible by --expert-model-parallel-size 2"), "{e}");
-    let e = err(TrainArgs { moe_layer_freq: Some("2".into()), ..moe_args() });
-    assert!(e.contains("--moe-layer-freq 2"), "{e}");
+    let e = err(TrainArgs { moe_layer_freq: Some("[1,0,1]".into()), ..moe_args() });
+    assert!(e.contains("--moe-layer-freq [1,0,1] gives 3 layers but --num-layers is 2"), "{e}");
     let e = err(TrainArgs { moe_router_load_balancing_type: Some("sinkhorn".into()), ..moe_args() });
     assert!(e.contains("sinkhorn") && e.contains("not built yet"), "{e}");
     let e = err(TrainArgs { moe_token_dispatcher_type: Some("flex".into()), ..moe_args() });

@@ -58,8 +58,10 @@ impl TransformerConfig {
                 )));
             }
         }
-        if let MlpSpec::Custom(f) = &self.layer.mlp {
-            f.validate_tp(tp).map_err(bad)?;
+        for mlp in std::iter::once(&self.layer.mlp).chain(self.layer.other_mlp.as_ref().map(|o| &o.mlp)) {
+            if let MlpSpec::Custom(f) = mlp {
+                f.validate_tp(tp).map_err(bad)?;
+            }
         }
         Ok(())
     }
@@ -122,6 +124,13 @@ impl TransformerConfig {
                 return Err(bad(format!("{problem} (--rope-scaling-factor)")));
             }
         }
+        if let Some(o) = c.layer.other_mlp.as_ref().filter(|o| o.layers.len() != c.num_layers) {
+            return Err(bad(format!(
+                "the layer pattern (--moe-layer-freq) lists {} layers but --num-layers is {}: give one entry per layer",
+                o.layers.len(),
+                c.num_layers
+            )));
+        }
         if c.layer.attention.window == Some(0) {
             return Err(bad("--window-size must be at least 1".into()));
         }
@@ -157,10 +166,7 @@ impl TransformerConfig {
         let (h, f, v) = (self.hidden_size, self.ffn_hidden_size, self.padded_vocab_size(1));
         let d = self.head_dim();
         let kv = self.num_query_groups * d;
-        let (bias_attn, bias_mlp) = match &self.layer.mlp {
-            MlpSpec::Dense { bias, .. } => (self.layer.attention.bias, *bias),
-            MlpSpec::Custom(_) => (self.layer.attention.bias, false),
-        };
+        let bias_attn = self.layer.attention.bias;
         let norm = |n: usize| match self.layer.norm {
             crate::spec::NormKind::LayerNorm => 2 * n,
             crate::spec::NormKind::RmsNorm => n,
@@ -170,16 +176,19 @@ impl TransformerConfig {
         let qkv_bias = bias_attn || self.layer.attention.qkv_bias;
         let attn = h * qkv_out + q * h + if qkv_bias { qkv_out } else { 0 } + if bias_attn { h } else { 0 };
         let qk_ln = if self.layer.attention.qk_layernorm { 2 * norm(d) } else { 0 };
-        let fc1_out = match self.layer.mlp {
-            MlpSpec::Dense { activation: Activation::SwiGlu, .. } => 2 * f,
-            _ => f,
+        let mlp = |spec: &MlpSpec| {
+            let (fc1_out, bias_mlp) = match spec {
+                MlpSpec::Dense { activation: Activation::SwiGlu, bias } => (2 * f, *bias),
+                MlpSpec::Dense { bias, .. } => (f, *bias),
+                MlpSpec::Custom(_) => (f, false),
+            };
+            let dense = h * fc1_out + f * h + if bias_mlp { fc1_out + h } else { 0 };
+            match spec {
+                MlpSpec::Custom(m) => m.param_count(h).map_or(dense, |c| if active { c.active } else { c.total }),
+                MlpSpec::Dense { .. } => dense,
+            }
         };
-        let dense = h * fc1_out + f * h + if bias_mlp { fc1_out + h } else { 0 };
-        let mlp = match &self.layer.mlp {
-            MlpSpec::Custom(m) => m.param_count(h).map_or(dense, |c| if active { c.active } else { c.total }),
-            MlpSpec::Dense { .. } => dense,
-        };
-        let layer = attn + qk_ln + mlp + 2 * norm(h);
+        let layers: usize = (0..self.num_layers).map(|i| attn + qk_ln + mlp(self.layer.mlp_of(i)) + 2 * norm(h)).sum();
         let emb = v * h
             + if self.position_embedding == PositionEmbedding::LearnedAbsolute {
                 self.max_position_embeddings * h
@@ -187,7 +196,7 @@ impl TransformerConfig {
                 0
             };
         let out = if self.untie_embeddings_and_output_weights { v * h } else { 0 };
-        self.num_layers * layer + norm(h) + emb + out
+        layers + norm(h) + emb + out
     }
 
     /// Model FLOPs per token for one forward + backward: 6·N + 12·L·H·T (N the active parameters

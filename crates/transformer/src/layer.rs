@@ -30,7 +30,14 @@ pub struct TransformerLayer {
 }
 
 impl TransformerLayer {
-    pub fn new(p: &mut ParamTableBuilder, prefix: &str, c: &TransformerConfig, tp: &TensorParallel) -> Result<Self> {
+    /// Layer `index` of the model (0-based; it picks the layer's MLP, `LayerSpec::mlp_of`).
+    pub fn new(
+        p: &mut ParamTableBuilder,
+        prefix: &str,
+        c: &TransformerConfig,
+        tp: &TensorParallel,
+        index: usize,
+    ) -> Result<Self> {
         let (h, eps, norm, sp) = (c.hidden_size, c.norm_epsilon, c.layer.norm, tp.sp());
         let std = c.init_method_std;
         let out_std = std / (2.0 * c.num_layers as f32).sqrt();
@@ -52,7 +59,7 @@ impl TransformerLayer {
         let input_layernorm = Norm::new(p, &format!("{prefix}.input_layernorm"), norm, h, eps, sp)?;
         let self_attention = SelfAttention::new(p, &format!("{prefix}.self_attention"), &dims, &c.layer.attention, tp)?;
         let pre_mlp_layernorm = Norm::new(p, &format!("{prefix}.pre_mlp_layernorm"), norm, h, eps, sp)?;
-        let mlp: Box<dyn Module> = match &c.layer.mlp {
+        let mlp: Box<dyn Module> = match c.layer.mlp_of(index) {
             MlpSpec::Dense { activation, bias } => Box::new(Mlp::new(
                 p,
                 &format!("{prefix}.mlp"),
@@ -196,8 +203,9 @@ impl TransformerBlock {
         recompute: Recompute,
     ) -> Result<Self> {
         let first_layer = layers.start;
-        let mut built: Vec<TransformerLayer> =
-            layers.map(|i| TransformerLayer::new(p, &format!("{prefix}.layers.{i}"), c, tp)).collect::<Result<_>>()?;
+        let mut built: Vec<TransformerLayer> = layers
+            .map(|i| TransformerLayer::new(p, &format!("{prefix}.layers.{i}"), c, tp, i))
+            .collect::<Result<_>>()?;
         for l in &mut built {
             l.self_attention.recompute_core = recompute.selective();
         }

@@ -108,4 +108,24 @@ pub struct LayerSpec {
     pub norm: NormKind,
     pub attention: AttentionSpec,
     pub mlp: MlpSpec,
+    /// Layers that take another MLP than `mlp` (None: every layer takes `mlp`). Megatron's
+    /// --moe-layer-freq: dense layers among mixture-of-experts ones.
+    pub other_mlp: Option<OtherMlp>,
+}
+
+/// `LayerSpec::other_mlp`: the MLP, and per layer whether it takes it.
+#[derive(Clone, Debug)]
+pub struct OtherMlp {
+    pub mlp: MlpSpec,
+    pub layers: Vec<bool>,
+}
+
+impl LayerSpec {
+    /// The MLP of layer `i` (0-based, over the whole model).
+    pub fn mlp_of(&self, i: usize) -> &MlpSpec {
+        match &self.other_mlp {
+            Some(o) if o.layers.get(i).copied().unwrap_or(false) => &o.mlp,
+            _ => &self.mlp,
+        }
+    }
 }

@@ -41,6 +41,7 @@ pub fn config_layers(llama: bool, layers: usize) -> TransformerConfig {
             norm,
             attention: AttentionSpec { bias, qkv_bias: false, qk_layernorm: llama, window: None },
             mlp: MlpSpec::Dense { activation: act, bias },
+            other_mlp: None,
         },
         norm_epsilon: 1e-5,
         init_method_std: 0.05,
