@@ -20,6 +20,9 @@ p.add_argument("--style", choices=["gpt2", "llama"], default="gpt2")
 p.add_argument("--groups", type=int, default=0)  # llama: query groups (GQA)
 p.add_argument("--ffn", type=int, default=0)  # llama: SwiGLU width
 p.add_argument("--attn-dropout", type=float, default=0.0)  # SDPA's dropout_p (Ferrotron's --attention-dropout)
+p.add_argument("--experts", type=int, default=0)  # llama: MoE layers of this many SwiGLU experts of --ffn
+p.add_argument("--topk", type=int, default=2)  # with --experts: experts per token
+p.add_argument("--aux", type=float, default=0.0)  # with --experts: load-balancing loss coefficient
 p.add_argument("--profile", type=int, default=0)  # N > 0: a CUDA profiler range over N steps, no timing
 p.add_argument("--trace", default="")  # FILE: torch.profiler's GPU timeline of --iters steps, no timing
 a = p.parse_args()
@@ -28,7 +31,8 @@ torch.backends.cuda.matmul.allow_tf32 = True
 
 
 if a.style == "llama":
-    m = Llama(a.layers, a.hidden, a.heads, a.groups, a.ffn, a.vocab, attn_dropout=a.attn_dropout).to(dev)
+    moe = (a.experts, a.topk, a.aux) if a.experts else None
+    m = Llama(a.layers, a.hidden, a.heads, a.groups, a.ffn, a.vocab, attn_dropout=a.attn_dropout, moe=moe).to(dev)
 else:
     m = GPT(a.layers, a.hidden, a.heads, a.seq, a.vocab, attn_dropout=a.attn_dropout).to(dev)
 opt = torch.optim.AdamW(m.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
