@@ -16,7 +16,9 @@ fn tmp(tag: &str) -> PathBuf {
     d
 }
 
-/// The pieces of every rank of a `size`-way split (each part cut into `cuts` ranges) of `shape`.
+/// The pieces of every rank of a `size`-way split (each part cut into `cuts` ranges) of `shape`;
+/// a cut that holds nothing (more cuts than values) is no piece, as a rank that owns nothing of a
+/// tensor writes nothing of it.
 fn pieces(shape: &[usize], split: Option<(usize, usize, usize)>, cuts: usize) -> Vec<Piece> {
     let mut out = vec![];
     let ranks = split.map_or(1, |s| s.1);
@@ -26,7 +28,9 @@ fn pieces(shape: &[usize], split: Option<(usize, usize, usize)>, cuts: usize) ->
         let n: usize = part.part_shape().iter().product();
         for c in 0..cuts {
             let (a, b) = (n * c / cuts, n * (c + 1) / cuts);
-            out.push(Piece { start: a, len: b - a, ..part.clone() });
+            if b > a {
+                out.push(Piece { start: a, len: b - a, ..part.clone() });
+            }
         }
     }
     out
