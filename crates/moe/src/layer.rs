@@ -1,12 +1,14 @@
-//! The MoE layer (Megatron-Core's MoELayer: TopKRouter, dropless dispatch on one rank,
-//! SequentialMLP experts).
+//! The MoE layer (Megatron-Core's MoELayer: TopKRouter, dropless dispatch, SequentialMLP
+//! experts, optional shared experts).
 //!
 //! Forward, x [B, T, C] as N = B·T tokens:
 //!   logits [N, E] = x · routerᵀ                      (router.weight [E, C])
 //!   probs, experts [N, K] = top-k of logits           (`k::moe_route`)
 //!   xp [N·K, C] = x[perm]                             (copies sorted by expert, tokens ascending)
 //!   yp[rows of e] = expert_e(xp[rows of e])           (experts.local_experts.e: the dense MLP)
-//!   y[n] = Σ_j probs[n, j] · yp[slot[n, j]]
+//!   y[n] = Σ_j probs[n, j] · yp[slot[n, j]]  (+ shared_experts(x)[n] with shared experts)
+//! Under expert parallelism `xp` goes to the ranks holding its experts and `yp` comes back by
+//! all-to-all (`Dispatch`); each rank runs only its own experts.
 //! Backward: dyp and dprobs from the combine; each expert's backward on its rows; dx = the
 //! scatter-add of dxp by perm + dlogits · router, where dlogits is the top-k's backward plus, in
 //! training, grad_scale · ∂(aux_coeff · load_balancing + z_coeff · z)/∂logits (the counts are
@@ -112,7 +114,7 @@ impl MoeLayer {
     }
 
     /// Runs `f` (an expert's forward or backward) on each local expert's rows of `rows`, writing
-    /// its result into the same rows of a new tensor of `dtype`.
+    /// its result into the same rows of a new tensor (`rows`' dtype, [rows, hidden]).
     fn per_expert(
         &self,
         rows: &Tensor,

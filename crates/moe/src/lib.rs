@@ -12,9 +12,14 @@
 //! (`Cx::grad_scale`), as Megatron's MoEAuxLossAutoScaler does; their values are kept in
 //! [`MoeMetrics`] for the log.
 //!
-//! Not yet: expert parallelism (the all-to-all dispatch over `--expert-model-parallel-size`),
-//! expert tensor parallelism, shared experts, token dropping, and CUDA kernels for the routing
-//! ops; the spec refuses what is not built, naming it.
+//! Expert parallelism (`dispatch.rs`): with an expert-parallel group each rank holds its share of
+//! the experts (parameters marked `ParamMeta::expert`, reduced over the expert-data-parallel
+//! group by the optimizer crate's `GradSync::with_experts`) and tokens travel by all-to-all.
+//! Shared experts: a dense MLP beside the routed ones.
+//!
+//! Not yet: tensor parallelism inside the layer (expert TP, sequence-parallel token gathering),
+//! the shared experts' gate, token dropping, other score functions and balancing types; the spec
+//! and the trainer refuse what is not built, naming it.
 
 pub mod dispatch;
 pub mod layer;
