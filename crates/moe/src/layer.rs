@@ -185,13 +185,9 @@ impl Module for MoeLayer {
         let counts: Vec<u32> = sort.tokens_per_expert.iter().map(|&c| c as u32).collect();
         let counts = Tensor::from_vec(counts, [self.num_experts], &Device::Cpu)?;
         let mut saved = vec![logits, probs, experts, sort.perm, sort.slot, yp, counts];
-        match plan {
-            Some(d) => saved.extend(d.into_tensors()?),
-            None => saved.push(Tensor::from_vec(
-                local_counts.iter().map(|&c| c as u32).collect::<Vec<_>>(),
-                [local_counts.len()],
-                &Device::Cpu,
-            )?),
+        // On one expert-parallel rank the local experts are all of them: `counts` serves both.
+        if let Some(d) = plan {
+            saved.extend(d.into_tensors()?);
         }
         Ok((y, Saved::new(saved, children)))
     }
@@ -207,10 +203,7 @@ impl Module for MoeLayer {
             Some(g) => Some(Dispatch::from_tensors(g.0.size(), [next("splits")?, next("order")?, next("inverse")?])?),
             None => None,
         };
-        let local_counts: Vec<usize> = match &plan {
-            Some(d) => d.local_counts.clone(),
-            None => next("local counts")?.to_vec::<u32>()?.into_iter().map(|c| c as usize).collect(),
-        };
+        let local_counts = plan.as_ref().map_or(&counts, |d| &d.local_counts).clone();
         let (n, c) = (logits.dims()[0], self.hidden);
         let dy2 = dy.reshape([n, c])?;
         let (dyp, dprobs) = k::moe_unpermute_bwd(&yp, &slot, &probs, &dy2)?;
@@ -255,7 +248,8 @@ impl Module for MoeLayer {
                 grad_scale: cx.grad_scale,
             };
             let (values, dl) = k::moe_router_loss(&logits, &per_expert, &loss)?;
-            k::add_(&dlogits, &k::cast(&dl, dlogits.dtype())?)?;
+            let dl = if dl.dtype() == dlogits.dtype() { dl } else { k::cast(&dl, dlogits.dtype())? };
+            k::add_(&dlogits, &dl)?;
             self.metrics.record(&self.name, values);
         }
         let dxr = self.router.backward(cx, s_router, &dlogits)?;

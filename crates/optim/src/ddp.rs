@@ -163,10 +163,8 @@ impl GradSync {
             ep: None,
             bucket_size,
         });
-        let mut owned = plan.owned(distributed);
-        if let Some(e) = &expert {
-            owned.extend(e.plan.owned(distributed));
-        }
+        // Sequence-parallel parameters (norms, biases) are never an expert's: the other region.
+        let owned = plan.owned(distributed);
         let mut sp_ranges = vec![];
         if tp.size() > 1 {
             for id in table.ids().filter(|&id| table.meta(id).sequence_parallel) {

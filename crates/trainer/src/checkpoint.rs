@@ -131,13 +131,11 @@ fn my_entries(g: &ProcessGroups, table: &ParamTable, opt: &Optimizer, optimizer:
     let first = |m: &ParamMeta| if m.expert { g.edp.rank() == 0 } else { g.dp.rank() == 0 };
     let dtype = table.flat_params().dtype();
     let mut out = vec![];
-    {
-        for id in table.ids().filter(|&id| mine(table.meta(id)) && first(table.meta(id))) {
-            let m = table.meta(id);
-            let values = table.param(id)?.to_vec_f32()?;
-            let piece = Piece::of(m, 0..values.len());
-            out.push(Planned { key: m.name.clone(), piece, dtype, values: Values::Own(values) });
-        }
+    for id in table.ids().filter(|&id| mine(table.meta(id)) && first(table.meta(id))) {
+        let m = table.meta(id);
+        let values = table.param(id)?.to_vec_f32()?;
+        let piece = Piece::of(m, 0..values.len());
+        out.push(Planned { key: m.name.clone(), piece, dtype, values: Values::Own(values) });
     }
     if optimizer {
         for (id, flat, at) in opt.owned_pieces(table) {

@@ -4,6 +4,11 @@
 use super::*;
 use crate::{RouterLoss, TopK};
 
+/// `t` as `dt`: itself when it is already, else a cast copy.
+fn in_dtype(t: &Tensor, dt: DType) -> Result<Tensor> {
+    if t.dtype() == dt { Ok(t.clone()) } else { crate::cast(t, dt) }
+}
+
 /// One warp (a 32-thread block) per row.
 fn per_row(be: &B, name: &str, rows: usize, args: &[Arg]) -> Result<()> {
     be.launch(name, rows as u32, 32, 0, args)
@@ -29,7 +34,7 @@ pub fn moe_route(be: &B, logits: &Tensor, r: &TopK) -> Result<(Tensor, Tensor)> 
 
 pub fn moe_route_bwd(be: &B, logits: &Tensor, experts: &Tensor, dprobs: &Tensor, r: &TopK) -> Result<Tensor> {
     let (rows, e) = (logits.dims()[0], logits.dims()[1]);
-    let dprobs = if dprobs.dtype() == DType::F32 { dprobs.clone() } else { crate::cast(dprobs, DType::F32)? };
+    let dprobs = in_dtype(dprobs, DType::F32)?;
     let dl = new(be, [rows, e], logits.dtype())?;
     let name = format!("moe_route_bwd_{}", sfx("moe_route_bwd", logits.dtype())?);
     let args = [
@@ -48,7 +53,7 @@ pub fn moe_route_bwd(be: &B, logits: &Tensor, experts: &Tensor, dprobs: &Tensor,
 
 pub fn moe_router_loss(be: &B, logits: &Tensor, counts: &Tensor, l: &RouterLoss) -> Result<(Tensor, Tensor)> {
     let (rows, e) = (logits.dims()[0], logits.dims()[1]);
-    let counts = if counts.dtype() == DType::F32 { counts.clone() } else { crate::cast(counts, DType::F32)? };
+    let counts = in_dtype(counts, DType::F32)?;
     let dl = new(be, [rows, e], DType::F32)?;
     // Summed by atomics: starts at zero.
     let values = Tensor::zeros([2], DType::F32, logits.device())?;
@@ -73,7 +78,7 @@ pub fn moe_router_loss(be: &B, logits: &Tensor, counts: &Tensor, l: &RouterLoss)
 pub fn moe_unpermute(be: &B, yp: &Tensor, slot: &Tensor, probs: &Tensor) -> Result<Tensor> {
     let (rows, k) = (slot.dims()[0], slot.dims()[1]);
     let c = yp.dims()[1];
-    let probs = if probs.dtype() == DType::F32 { probs.clone() } else { crate::cast(probs, DType::F32)? };
+    let probs = in_dtype(probs, DType::F32)?;
     let y = new(be, [rows, c], yp.dtype())?;
     let name = format!("moe_unpermute_{}", sfx("moe_unpermute", yp.dtype())?);
     let args = [
@@ -92,8 +97,8 @@ pub fn moe_unpermute(be: &B, yp: &Tensor, slot: &Tensor, probs: &Tensor) -> Resu
 pub fn moe_unpermute_bwd(be: &B, yp: &Tensor, slot: &Tensor, probs: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
     let (rows, k) = (slot.dims()[0], slot.dims()[1]);
     let c = yp.dims()[1];
-    let probs = if probs.dtype() == DType::F32 { probs.clone() } else { crate::cast(probs, DType::F32)? };
-    let dy = if dy.dtype() == yp.dtype() { dy.clone() } else { crate::cast(dy, yp.dtype())? };
+    let probs = in_dtype(probs, DType::F32)?;
+    let dy = in_dtype(dy, yp.dtype())?;
     let dyp = new(be, [rows * k, c], yp.dtype())?;
     let dp = new(be, [rows, k], DType::F32)?;
     let s = sfx("moe_unpermute_bwd", yp.dtype())?;
