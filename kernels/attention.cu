@@ -167,3 +167,21 @@ extern "C" __global__ void attn_bwd_kv_##s(const T* q, const T* k, const T* v, c
                 av[e] = sv; ak[e] = sk; } } \
     for (long e = threadIdx.x; e < d; e += n) { dk[ko + e] = ak[e]; dv[ko + e] = av[e]; } }
 FOR_TYPES(ATTN)
+
+// Context parallelism's combine (cpu/attn_merge.rs): (o, lse), f32, over some keys merged in
+// place with (op, lsep) over disjoint ones. One block per (batch, query row, head), its threads
+// along the head dim; o/op [B,T,H,D], lse/lsep [B,H,T]. Every thread reads the row's old lse
+// before the barrier; thread 0 writes the new one after it.
+#define ATTN_MERGE(s, T) \
+extern "C" __global__ void attn_merge_##s(float* o, float* lse, const T* op, const float* lsep, long t, long h, long d) { \
+    long row = blockIdx.x, hh = row % h, tt = (row / h) % t, bb = row / (h * t); \
+    long li = (bb * h + hh) * t + tt; \
+    float la = lse[li], lp = lsep[li], m = fmaxf(la, lp); \
+    __syncthreads(); \
+    if (m == -INFINITY) return; \
+    float wa = __expf(la - m), wb = __expf(lp - m), s = wa + wb; \
+    for (long i = threadIdx.x; i < d; i += blockDim.x) { \
+        long j = row * d + i; \
+        o[j] = (wa * o[j] + wb * ld(op, j)) / s; } \
+    if (threadIdx.x == 0) lse[li] = m + logf(s); }
+FOR_TYPES(ATTN_MERGE)

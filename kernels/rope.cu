@@ -26,6 +26,10 @@ __device__ __forceinline__ double rope_freq(long k, long rot, double base, doubl
 #define ROPE_SCALE_PARAMS double factor, double low, double high, double orig
 #define ROPE_SCALE factor, low, high, orig
 
+// Position of row p (cpu/rope.rs `RopeCfg::position`): from row `at` on (context parallelism's
+// second chunk) the positions restart at `spos`; at ≥ t leaves every row at pos0 + p.
+__device__ __forceinline__ long rope_pos(long p, long pos0, long at, long spos) { return p < at ? pos0 + p : spos + (p - at); }
+
 // (cos, sin) of the angle of position `pos` and pair k, computed in f64, rounded to f32.
 __device__ __forceinline__ float2 rope_cs(long pos, long k, long rot, double base, ROPE_SCALE_PARAMS) {
     double ang = (double)pos * rope_freq(k, rot, base, ROPE_SCALE);
@@ -33,24 +37,24 @@ __device__ __forceinline__ float2 rope_cs(long pos, long k, long rot, double bas
 }
 
 #define ROPE(s, T) \
-extern "C" __global__ void rope_##s(const T* x, T* y, long rows, long t, long h, long d, long rot, long pos0, double base, ROPE_SCALE_PARAMS, float sign, long period) { \
+extern "C" __global__ void rope_##s(const T* x, T* y, long rows, long t, long h, long d, long rot, long pos0, long at, long spos, double base, ROPE_SCALE_PARAMS, float sign, long period) { \
     long half = rot / 2, pass = d - rot; \
     GRID_STRIDE(idx, rows * h * (half + pass)) { \
         long k = idx % (half + pass), hr = idx / (half + pass), row = hr / h; \
         long base_i = hr * d; \
         if (rope_skip(hr % h, period)) continue; \
         if (k < half) { \
-            float2 cs = rope_cs(pos0 + row % t, k, rot, base, ROPE_SCALE); \
+            float2 cs = rope_cs(rope_pos(row % t, pos0, at, spos), k, rot, base, ROPE_SCALE); \
             float c = cs.x, sn = sign * cs.y; \
             float a = ld(x, base_i + k), b = ld(x, base_i + k + half); \
             st(y, base_i + k, a * c - b * sn); st(y, base_i + k + half, b * c + a * sn); \
         } else if (x != y) { long j = rot + (k - half); st(y, base_i + j, ld(x, base_i + j)); } } }
 FOR_TYPES(ROPE)
 
-// cs[p · half + k] = rope_cs of position pos0 + p and pair k (the one-element kernel's values).
-extern "C" __global__ void rope_table(float2* cs, long t, long rot, long pos0, double base, ROPE_SCALE_PARAMS) {
+// cs[p · half + k] = rope_cs of row p's position and pair k (the one-element kernel's values).
+extern "C" __global__ void rope_table(float2* cs, long t, long rot, long pos0, long at, long spos, double base, ROPE_SCALE_PARAMS) {
     long half = rot / 2;
-    GRID_STRIDE(i, t * half) cs[i] = rope_cs(pos0 + i / half, i % half, rot, base, ROPE_SCALE);
+    GRID_STRIDE(i, t * half) cs[i] = rope_cs(rope_pos(i / half, pos0, at, spos), i % half, rot, base, ROPE_SCALE);
 }
 
 // Per (token, head): half / 8 groups of eight pairs, then (d − rot) / 8 groups copied through.

@@ -268,3 +268,33 @@ fn fused_dims(qkv: &Tensor, heads: QkvHeads, cfg: &AttnCfg) -> Result<AttnDims> 
     check_cfg(OP, cfg)?;
     Ok(AttnDims { b, t, s: t, hq: hkv * group, hkv, d })
 }
+
+/// Context parallelism's combine: `o` [B, T, H, D] and `lse` [B, H, T] (both f32), the attention
+/// of some keys, become in place the attention of those keys and the disjoint ones that gave
+/// `o_part` (any float dtype) and `lse_part` (f32), as one softmax over both would (math in
+/// `cpu::attn_merge`).
+pub fn attention_merge_(o: &Tensor, lse: &Tensor, o_part: &Tensor, lse_part: &Tensor) -> Result<()> {
+    const OP: &str = "attention_merge_";
+    check::rank(OP, o, 4)?;
+    check::float(OP, o_part)?;
+    for t in [o, lse, lse_part] {
+        if t.dtype() != DType::F32 {
+            return Err(invalid(OP, format!("o, lse and lse_part must be f32 (the running sums), got {}", t.dtype())));
+        }
+    }
+    let od = o.dims();
+    let (b, t, h, d) = (od[0], od[1], od[2], od[3]);
+    check::shape(OP, o_part, od)?;
+    check::shape(OP, lse, &[b, h, t])?;
+    check::shape(OP, lse_part, &[b, h, t])?;
+    if [o_part, lse_part].iter().any(|x| x.shares_storage(o) || x.shares_storage(lse)) || o.shares_storage(lse) {
+        return Err(invalid(OP, "the running (o, lse) must not share storage with each other or the part"));
+    }
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[o, lse, o_part, lse_part])? {
+        return crate::cuda::ops::attention_merge_(&g, o, lse, o_part, lse_part);
+    }
+    check::on_cpu(OP, &[o, lse, o_part, lse_part])?;
+    let (op, lp) = (o_part.read_f32()?, lse_part.read_f32()?);
+    o.update_f32(OP, |ov| lse.update_f32(OP, |lv| cpu::attn_merge::attention_merge(ov, lv, &op, &lp, (b, t, h, d))))?
+}

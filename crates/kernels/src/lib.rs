@@ -37,7 +37,7 @@ mod rope;
 pub use activation::{gelu, gelu_bwd, silu, silu_bwd, softmax, softmax_bwd, swiglu, swiglu_bwd};
 pub use attention::{
     AttnCfg, AttnDropout, QkvHeads, attention_bwd, attention_bwd_qkv, attention_bwd_qkv_into, attention_fwd,
-    attention_fwd_qkv,
+    attention_fwd_qkv, attention_merge_,
 };
 pub use check::set_device_ids_prechecked;
 pub use dropout::{DropoutKey, dropout, set_draw_shift};
@@ -60,4 +60,4 @@ pub use optim::{
     sum_sq_all, sum_sq_dev,
 };
 pub use qkv::{qkv_merge, qkv_split};
-pub use rope::{RopeCfg, RopeScaling, rope_bwd, rope_fwd, rope_qkv_bwd_, rope_qkv_fwd_};
+pub use rope::{RopeCfg, RopeScaling, RopeSplit, rope_bwd, rope_fwd, rope_qkv_bwd_, rope_qkv_fwd_};

@@ -4,7 +4,7 @@
 use crate::{buf, check, cpu};
 use ferrotron_core::{Result, Tensor, invalid, shape_mismatch};
 
-pub use crate::cpu::rope::{RopeCfg, RopeScaling};
+pub use crate::cpu::rope::{RopeCfg, RopeScaling, RopeSplit};
 
 fn validate(op: &'static str, x: &Tensor, cfg: &RopeCfg) -> Result<(usize, usize, usize)> {
     check::float(op, x)?;

@@ -108,7 +108,7 @@ impl SelfAttention {
             linear_proj,
             q_layernorm,
             k_layernorm,
-            rope: d.rope.map(|(base, scaling)| RopeCfg { rot: head_dim, base, pos0: 0, scaling }),
+            rope: d.rope.map(|(base, scaling)| RopeCfg { rot: head_dim, base, pos0: 0, scaling, split: None }),
             heads: d.heads / tp.size(),
             groups: d.groups / tp.size(),
             head_dim,

@@ -3,6 +3,7 @@
 
 pub mod activation;
 pub mod attention;
+pub mod attn_merge;
 pub mod embedding;
 pub mod loss;
 pub mod matmul;

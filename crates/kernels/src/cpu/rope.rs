@@ -1,7 +1,9 @@
 //! Rotary position embedding, rotate-half convention (GPT-NeoX, Llama, Megatron's default).
 //!
 //! Shapes: x, y [B, T, H, D]; the first `rot` (even, ≤ D) features of each head rotate, the rest pass.
-//! Pair i (< rot/2) is (x[i], x[i + rot/2]) at angle θ = (pos0 + t) · f_i, f_i = base^(−2i/rot)
+//! Pair i (< rot/2) is (x[i], x[i + rot/2]) at angle θ = pos(t) · f_i, f_i = base^(−2i/rot), where
+//! pos(t) = pos0 + t, or with a `RopeSplit` (context parallelism: a rank's rows are two chunks of
+//! the sequence far apart) split.pos + t − split.at from row split.at on
 //! (with `RopeScaling`, Llama 3.1's frequency-dependent rescaling of f_i):
 //!   y[i] = x[i]·cos θ − x[i+rot/2]·sin θ,  y[i+rot/2] = x[i+rot/2]·cos θ + x[i]·sin θ.
 //! Backward is the rotation by −θ. `rope_qkv_` applies the same to the query and key heads of a
@@ -18,6 +20,16 @@ pub struct RopeCfg {
     pub pos0: usize,
     /// Llama 3.x's scaled frequencies (Megatron's --use-rope-scaling), or None.
     pub scaling: Option<RopeScaling>,
+    /// Where the rows jump to other positions, or None (every row at pos0 + row).
+    pub split: Option<RopeSplit>,
+}
+
+/// Rows from `at` on sit at positions `pos`, `pos` + 1, … (the rows before at pos0, pos0 + 1, …).
+/// Context parallelism's rank holds sequence chunks r and 2·cp − 1 − r: `at` is the chunk length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RopeSplit {
+    pub at: usize,
+    pub pos: usize,
 }
 
 /// Llama 3.1's RoPE scaling (HF's rope_type `llama3`): a frequency whose wavelength 2π/f exceeds
@@ -65,6 +77,14 @@ impl RopeScaling {
 }
 
 impl RopeCfg {
+    /// The position of row `p` of a sequence.
+    pub fn position(&self, p: usize) -> usize {
+        match self.split {
+            Some(s) if p >= s.at => s.pos + (p - s.at),
+            _ => self.pos0 + p,
+        }
+    }
+
     /// Pair i's frequency (radians per position), in f64. rope.cu's `rope_freq` is the same.
     pub fn freq(&self, i: usize) -> f64 {
         let f = self.base.powf(-(2.0 * i as f64) / self.rot as f64);
@@ -79,7 +99,7 @@ fn tables<T: Real>(t: usize, cfg: &RopeCfg) -> (Vec<T>, Vec<T>) {
     let mut sin = Vec::with_capacity(t * half);
     for p in 0..t {
         for i in 0..half {
-            let a = (cfg.pos0 + p) as f64 * cfg.freq(i);
+            let a = cfg.position(p) as f64 * cfg.freq(i);
             cos.push(T::c(a.cos()));
             sin.push(T::c(a.sin()));
         }

@@ -318,3 +318,66 @@ device_test!(attention_dropout_through_the_ops, |dev: &Device| {
         assert_close(&host(&dqkv), &split, 1e-5, 1e-6, "fused against split, backward");
     }
 });
+
+/// [B, T, H, D] chunks a and b (host) as one [B, 2T, H, D] sequence: a's rows first in each batch row.
+fn cat_seq(a: &[f64], b: &[f64], batch: usize) -> Vec<f64> {
+    let (ra, rb) = (a.len() / batch, b.len() / batch);
+    (0..batch).flat_map(|i| a[i * ra..][..ra].iter().chain(&b[i * rb..][..rb]).copied()).collect()
+}
+
+device_test!(merged_key_blocks_equal_one_causal_sequence, |dev: &Device| {
+    // Context parallelism's decomposition on two chunks A (positions 0..T) and B (T..2T) of a
+    // causal sequence: A's rows are A×A causal; B's rows merge B×A (every key) with B×B causal.
+    // Backward: each block's gradients from the merged (o, lse) sum to the whole sequence's.
+    for (b, t, hq, hkv, d) in [(2usize, 5usize, 4usize, 2usize, 16usize), (1, 9, 2, 1, 64)] {
+        let (nq, nk) = (b * t * hq * d, b * t * hkv * d);
+        let sizes = [nq, nq, nk, nk, nk, nk, nq, nq];
+        let [qa, qb, ka, kb, va, vb, ga, gb]: [Vec<f64>; 8] =
+            std::array::from_fn(|i| randv(sizes[i], 100 * t as u64 + i as u64));
+        let causal = AttnCfg::default();
+        let full = AttnCfg { causal: false, ..causal };
+        // The oracle: one causal sequence of 2T on the CPU.
+        let cpu = Device::Cpu;
+        let seq = |a: &[f64], bb: &[f64], h: usize| t32(&cpu, &cat_seq(a, bb, b), &[b, 2 * t, h, d]);
+        let (q2, k2, v2, g2) = (seq(&qa, &qb, hq), seq(&ka, &kb, hkv), seq(&va, &vb, hkv), seq(&ga, &gb, hq));
+        let (o2, l2) = k::attention_fwd(&q2, &k2, &v2, &causal).unwrap();
+        let (dq2, dk2, dv2) = k::attention_bwd(&q2, &k2, &v2, &o2, &l2, &g2, &causal).unwrap();
+        // The blocks on `dev`.
+        let on = |x: &[f64], h: usize| t32(dev, x, &[b, t, h, d]);
+        let (qa_, qb_, ka_, kb_, va_, vb_, ga_, gb_) = (
+            on(&qa, hq),
+            on(&qb, hq),
+            on(&ka, hkv),
+            on(&kb, hkv),
+            on(&va, hkv),
+            on(&vb, hkv),
+            on(&ga, hq),
+            on(&gb, hq),
+        );
+        let (oa, la) = k::attention_fwd(&qa_, &ka_, &va_, &causal).unwrap();
+        let (ob, lb) = k::attention_fwd(&qb_, &kb_, &vb_, &causal).unwrap();
+        let (ox, lx) = k::attention_fwd(&qb_, &ka_, &va_, &full).unwrap();
+        k::attention_merge_(&ob, &lb, &ox, &lx).unwrap();
+        assert_close(&cat_seq(&host(&oa), &host(&ob), b), &host(&o2), 1e-5, 1e-6, "merged o");
+        let lse2 = host(&l2);
+        let lse_b: Vec<f64> = (0..b * hq).flat_map(|r| lse2[r * 2 * t + t..][..t].to_vec()).collect();
+        assert_close(&host(&lb), &lse_b, 1e-5, 1e-6, "merged lse");
+        let (dqa, dka, dva) = k::attention_bwd(&qa_, &ka_, &va_, &oa, &la, &ga_, &causal).unwrap();
+        let (dqb, dkb, dvb) = k::attention_bwd(&qb_, &kb_, &vb_, &ob, &lb, &gb_, &causal).unwrap();
+        let (dqx, dkx, dvx) = k::attention_bwd(&qb_, &ka_, &va_, &ob, &lb, &gb_, &full).unwrap();
+        let sum = |a: &Tensor, c: &Tensor| host(a).iter().zip(host(c)).map(|(x, y)| x + y).collect::<Vec<_>>();
+        assert_close(&cat_seq(&host(&dqa), &sum(&dqb, &dqx), b), &host(&dq2), 1e-4, 1e-5, "dq");
+        assert_close(&cat_seq(&sum(&dka, &dkx), &host(&dkb), b), &host(&dk2), 1e-4, 1e-5, "dk");
+        assert_close(&cat_seq(&sum(&dva, &dvx), &host(&dvb), b), &host(&dv2), 1e-4, 1e-5, "dv");
+    }
+});
+
+#[test]
+fn merge_refuses_a_running_sum_in_bf16() {
+    let dev = Device::Cpu;
+    let o = Tensor::zeros([1, 2, 1, 4], DType::BF16, &dev).unwrap();
+    let l = Tensor::zeros([1, 1, 2], DType::F32, &dev).unwrap();
+    let (op, lp) = (o.deep_copy().unwrap(), l.deep_copy().unwrap());
+    let e = k::attention_merge_(&o, &l, &op, &lp).unwrap_err().to_string();
+    assert!(e.contains("attention_merge_") && e.contains("f32"), "{e}");
+}

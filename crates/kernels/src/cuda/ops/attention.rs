@@ -751,3 +751,19 @@ pub fn attention_bwd(
     }
     Ok((cast(be, &dq, dt)?, cast(be, &dk, dt)?, cast(be, &dv, dt)?))
 }
+
+/// kernels/attention.cu `attn_merge_*`: one 64-thread block per (batch, row, head).
+pub fn attention_merge_(be: &B, o: &Tensor, lse: &Tensor, o_part: &Tensor, lse_part: &Tensor) -> Result<()> {
+    let d = o.dims();
+    let name = format!("attn_merge_{}", sfx("attention_merge_", o_part.dtype())?);
+    let args = [
+        ptr("attention_merge_", o)?,
+        ptr("attention_merge_", lse)?,
+        ptr("attention_merge_", o_part)?,
+        ptr("attention_merge_", lse_part)?,
+        n(d[1]),
+        n(d[2]),
+        n(d[3]),
+    ];
+    be.launch(&name, (d[0] * d[1] * d[2]) as u32, 64, 0, &args)
+}

@@ -43,10 +43,12 @@ fn rope_heads(
         original_max_position_embeddings: 0.0,
     });
     let scale = [s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position_embeddings].map(Arg::F64);
+    // rope.cu's `rope_pos`: a split at row t or later is none.
+    let (at, spos) = cfg.split.map_or((t, 0), |s| (s.at, s.pos));
     if half % 8 == 0 && (hd - cfg.rot) % 8 == 0 && aligned16(&[x, y])? {
         // Eight pairs per thread, the angles from a table filled once per call (rope.cu).
         let cs = new(be, [t, half, 2], DType::F32)?;
-        let mut args = vec![ptr("rope", &cs)?, n(t), n(cfg.rot), n(cfg.pos0), Arg::F64(cfg.base)];
+        let mut args = vec![ptr("rope", &cs)?, n(t), n(cfg.rot), n(cfg.pos0), n(at), n(spos), Arg::F64(cfg.base)];
         args.extend(scale);
         ew(be, "rope_table", t * half, &args)?;
         let args = [
@@ -64,8 +66,19 @@ fn rope_heads(
         return ew(be, &format!("rope_{sfx}_v8"), rows * h * (half / 8 + (hd - cfg.rot) / 8), &args);
     }
     let work = rows * h * (half + (hd - cfg.rot));
-    let mut args =
-        vec![ptr("rope", x)?, ptr("rope", y)?, n(rows), n(t), n(h), n(hd), n(cfg.rot), n(cfg.pos0), Arg::F64(cfg.base)];
+    let mut args = vec![
+        ptr("rope", x)?,
+        ptr("rope", y)?,
+        n(rows),
+        n(t),
+        n(h),
+        n(hd),
+        n(cfg.rot),
+        n(cfg.pos0),
+        n(at),
+        n(spos),
+        Arg::F64(cfg.base),
+    ];
     args.extend(scale);
     args.extend([Arg::F32(sign), n(period)]);
     ew(be, &format!("rope_{sfx}"), work, &args)
