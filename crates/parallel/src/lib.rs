@@ -9,12 +9,15 @@
 //! - `linear`, `embedding`, `cross_entropy`: ColumnParallelLinear, RowParallelLinear,
 //!   VocabParallelEmbedding and the vocabulary-parallel cross-entropy, as `Module`s or named
 //!   forward/backward pairs over the parameter table.
+//! - `context`: context parallelism (the load-balanced sequence split, positions, the core
+//!   attention over the whole sequence from K/V gathered over the group).
 //! - `rng`: the RNG tracker (streams shared across tensor-parallel ranks or distinct per rank).
 //!
 //! Architecture Invariant: parallel knows ranks and groups but not models; the transformer
 //! crate above composes these layers. With every group of size 1 the layers do no communication
 //! and compute exactly what the unsplit layers compute.
 
+pub mod context;
 pub mod cross_entropy;
 pub mod embedding;
 pub mod gather;
@@ -25,6 +28,7 @@ pub mod pipeline;
 pub mod rng;
 pub mod tp;
 
+pub use context::ContextParallel;
 pub use cross_entropy::{VocabParallelCe, vocab_parallel_ce_bwd, vocab_parallel_ce_fwd, vocab_parallel_ce_fwd_bwd_};
 pub use embedding::VocabParallelEmbedding;
 pub use gather::{gather_param, global_flat_index};

@@ -1,0 +1,92 @@
+//! Context-parallel core attention on thread ranks against causal attention over the whole
+//! sequence on one rank: each rank's output rows, and its rows of dq, dk and dv, agree.
+
+use ferrotron_comm::{all_ok, run_ranks};
+use ferrotron_core::{DType, Device, Tensor, rng::Philox};
+use ferrotron_kernels::{self as k, AttnCfg, RopeCfg};
+use ferrotron_parallel::ContextParallel;
+use std::time::Duration;
+
+fn normal(n: usize, seed: u64) -> Vec<f32> {
+    let mut v = vec![0f32; n];
+    Philox::new(seed).fill_normal(0, 0.0, 1.0, &mut v);
+    v
+}
+
+/// Rows `pos(i)` of each batch row of a host [B, T, W] array, for i in 0..rows.
+fn rows_of(x: &[f32], b: usize, t: usize, w: usize, rows: usize, pos: impl Fn(usize) -> usize) -> Vec<f32> {
+    let mut out = Vec::new();
+    for bb in 0..b {
+        for i in 0..rows {
+            out.extend_from_slice(&x[(bb * t + pos(i)) * w..][..w]);
+        }
+    }
+    out
+}
+
+fn close(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((g - w).abs() <= 2e-5 + 2e-5 * w.abs(), "{what}[{i}]: {g} against {w}");
+    }
+}
+
+#[test]
+fn every_rank_gets_its_rows_of_whole_sequence_attention() {
+    let cpu = Device::Cpu;
+    let cfg = AttnCfg::default();
+    for (cp, b, t, hq, hkv, d) in
+        [(2usize, 2usize, 8usize, 4usize, 2usize, 8usize), (4, 1, 16, 2, 1, 4), (3, 2, 12, 2, 2, 4)]
+    {
+        let (nq, nk) = (b * t * hq * d, b * t * hkv * d);
+        let (q, kk, v, dout) = (normal(nq, 1), normal(nk, 2), normal(nk, 3), normal(nq, 4));
+        // One rank: the whole sequence, with RoPE at positions 0..t.
+        let rope = RopeCfg { rot: d, base: 10000.0, pos0: 0, scaling: None, split: None };
+        let whole = |x: &[f32], h: usize| Tensor::from_vec(x.to_vec(), [b, t, h, d], &cpu).unwrap();
+        let (qr, kr) = (k::rope_fwd(&whole(&q, hq), &rope).unwrap(), k::rope_fwd(&whole(&kk, hkv), &rope).unwrap());
+        let (o, lse) = k::attention_fwd(&qr, &kr, &whole(&v, hkv), &cfg).unwrap();
+        let (dq, dk, dv) = k::attention_bwd(&qr, &kr, &whole(&v, hkv), &o, &lse, &whole(&dout, hq), &cfg).unwrap();
+        let (dq, dk) = (k::rope_bwd(&dq, &rope).unwrap(), k::rope_bwd(&dk, &rope).unwrap());
+        let (o, dq, dk, dv) =
+            (o.to_vec_f32().unwrap(), dq.to_vec_f32().unwrap(), dk.to_vec_f32().unwrap(), dv.to_vec_f32().unwrap());
+        let ranks = all_ok(run_ranks(cp, Duration::from_secs(30), |_, comm| {
+            let ctx = ContextParallel::new(comm);
+            let c = ctx.chunk_len(t)?;
+            let local = |x: &[f32], h: usize| {
+                let rows = rows_of(x, b, t, h * d, 2 * c, |i| ctx.position(c, i));
+                Tensor::from_vec(rows, [b, 2 * c, h, d], &cpu)
+            };
+            let rope = ctx.rope(&rope, 2 * c);
+            let (ql, kl, vl) =
+                (k::rope_fwd(&local(&q, hq)?, &rope)?, k::rope_fwd(&local(&kk, hkv)?, &rope)?, local(&v, hkv)?);
+            let (ol, lsel) = ctx.attention_fwd(&ql, &kl, &vl, &cfg)?;
+            let (dql, dkl, dvl) = ctx.attention_bwd(&ql, &kl, &vl, &ol, &lsel, &local(&dout, hq)?, &cfg)?;
+            let (dql, dkl) = (k::rope_bwd(&dql, &rope)?, k::rope_bwd(&dkl, &rope)?);
+            let want = |x: &[f32], h: usize| rows_of(x, b, t, h * d, 2 * c, |i| ctx.position(c, i));
+            Ok::<_, ferrotron_core::Error>([
+                (ol.to_vec_f32()?, want(&o, hq)),
+                (dql.to_vec_f32()?, want(&dq, hq)),
+                (dkl.to_vec_f32()?, want(&dk, hkv)),
+                (dvl.to_vec_f32()?, want(&dv, hkv)),
+            ])
+        }))
+        .unwrap();
+        for (r, parts) in ranks.iter().enumerate() {
+            for ((got, want), what) in parts.iter().zip(["o", "dq", "dk", "dv"]) {
+                close(got, want, &format!("cp {cp} rank {r} {what}"));
+            }
+        }
+    }
+}
+
+#[test]
+fn a_window_or_a_full_mask_is_refused_by_name() {
+    let r = all_ok(run_ranks(2, Duration::from_secs(5), |_, comm| {
+        let ctx = ContextParallel::new(comm);
+        let x = Tensor::zeros([1, 4, 1, 4], DType::F32, &Device::Cpu)?;
+        let cfg = AttnCfg { window: Some(2), ..AttnCfg::default() };
+        Ok::<_, ferrotron_core::Error>(ctx.attention_fwd(&x, &x, &x, &cfg).unwrap_err().to_string())
+    }))
+    .unwrap();
+    assert!(r[0].contains("sliding window") && r[0].contains("--context-parallel-size"), "{}", r[0]);
+}
