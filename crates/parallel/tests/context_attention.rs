@@ -1,5 +1,7 @@
 //! Context-parallel core attention on thread ranks against causal attention over the whole
-//! sequence on one rank: each rank's output rows, and its rows of dq, dk and dv, agree.
+//! sequence on one CPU rank: each rank's output rows, and its rows of dq, dk and dv, agree. The
+//! ranks run on the CPU, and with the `cuda` feature also on one GPU (thread ranks sharing it,
+//! in f32 and bf16: the flash kernels on the chunk blocks and the merge kernel).
 
 use ferrotron_comm::{all_ok, run_ranks};
 use ferrotron_core::{DType, Device, Tensor, rng::Philox};
@@ -24,20 +26,41 @@ fn rows_of(x: &[f32], b: usize, t: usize, w: usize, rows: usize, pos: impl Fn(us
     out
 }
 
-fn close(got: &[f32], want: &[f32], what: &str) {
+/// Elementwise within `tol` (relative, with as much absolute) in f32; in bf16 within `tol` of
+/// the largest magnitude (each value rounded to 8 bits of mantissa).
+fn close(got: &[f32], want: &[f32], tol: f32, elementwise: bool, what: &str) {
     assert_eq!(got.len(), want.len(), "{what}");
+    let scale = want.iter().fold(0f32, |m, w| m.max(w.abs()));
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!((g - w).abs() <= 2e-5 + 2e-5 * w.abs(), "{what}[{i}]: {g} against {w}");
+        let bound = if elementwise { tol + tol * w.abs() } else { tol * scale };
+        assert!((g - w).abs() <= bound, "{what}[{i}]: {g} against {w}");
     }
 }
 
 #[test]
 fn every_rank_gets_its_rows_of_whole_sequence_attention() {
+    rows_of_whole_sequence_attention(&Device::Cpu, DType::F32, 2e-5);
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn every_rank_gets_its_rows_of_whole_sequence_attention_on_a_gpu() {
+    let dev = Device::cuda(0).expect("a CUDA device for the cuda tests");
+    rows_of_whole_sequence_attention(&dev, DType::F32, 1e-4);
+    rows_of_whole_sequence_attention(&dev, DType::BF16, 3e-2);
+}
+
+fn rows_of_whole_sequence_attention(dev: &Device, dtype: DType, tol: f32) {
     let cpu = Device::Cpu;
     let cfg = AttnCfg::default();
-    for (cp, b, t, hq, hkv, d) in
-        [(2usize, 2usize, 8usize, 4usize, 2usize, 8usize), (4, 1, 16, 2, 1, 4), (3, 2, 12, 2, 2, 4)]
-    {
+    let shapes = [
+        (2usize, 2usize, 8usize, 4usize, 2usize, 8usize),
+        (4, 1, 16, 2, 1, 4),
+        (3, 2, 12, 2, 2, 4),
+        // Head dim 64: the GPU's flash kernels on 64-row chunks.
+        (2, 1, 256, 4, 2, 64),
+    ];
+    for (cp, b, t, hq, hkv, d) in shapes {
         let (nq, nk) = (b * t * hq * d, b * t * hkv * d);
         let (q, kk, v, dout) = (normal(nq, 1), normal(nk, 2), normal(nk, 3), normal(nq, 4));
         // One rank: the whole sequence, with RoPE at positions 0..t.
@@ -54,7 +77,7 @@ fn every_rank_gets_its_rows_of_whole_sequence_attention() {
             let c = ctx.chunk_len(t)?;
             let local = |x: &[f32], h: usize| {
                 let rows = rows_of(x, b, t, h * d, 2 * c, |i| ctx.position(c, i));
-                Tensor::from_vec(rows, [b, 2 * c, h, d], &cpu)
+                Tensor::from_f32(&rows, [b, 2 * c, h, d], dtype, dev)
             };
             let rope = ctx.rope(&rope, 2 * c);
             let (ql, kl, vl) =
@@ -73,7 +96,7 @@ fn every_rank_gets_its_rows_of_whole_sequence_attention() {
         .unwrap();
         for (r, parts) in ranks.iter().enumerate() {
             for ((got, want), what) in parts.iter().zip(["o", "dq", "dk", "dv"]) {
-                close(got, want, &format!("cp {cp} rank {r} {what}"));
+                close(got, want, tol, dtype == DType::F32, &format!("{dev} {dtype} cp {cp} rank {r} {what}"));
             }
         }
     }

@@ -127,8 +127,8 @@ enum Values {
 fn my_entries(g: &ProcessGroups, table: &ParamTable, opt: &Optimizer, optimizer: bool) -> anyhow::Result<Vec<Planned>> {
     let mine = |m: &ParamMeta| !m.pipeline_copy && (m.split_dim.is_some() || g.tp.rank() == 0);
     // An expert's parameters are replicated over the expert-data-parallel group, the others over
-    // the data-parallel one: the first rank of each writes them.
-    let first = |m: &ParamMeta| if m.expert { g.edp.rank() == 0 } else { g.dp.rank() == 0 };
+    // the data × context-parallel one: the first rank of each writes them.
+    let first = |m: &ParamMeta| if m.expert { g.edp.rank() == 0 } else { g.dp_cp.rank() == 0 };
     let dtype = table.flat_params().dtype();
     let mut out = vec![];
     for id in table.ids().filter(|&id| mine(table.meta(id)) && first(table.meta(id))) {

@@ -365,6 +365,14 @@ pub struct TrainArgs {
     pub distributed_timeout_s: Option<u64>,
     #[arg(long)]
     pub pipeline_model_parallel_size: Option<usize>,
+    /// Context parallelism: every sequence split over this many ranks (Megatron's load-balanced
+    /// chunks; the attention all-gathers keys and values over them).
+    #[arg(long)]
+    pub context_parallel_size: Option<usize>,
+    /// How context-parallel attention communicates: allgather (the one built; Megatron's
+    /// default p2p, a2a and a2a+p2p are refused by name).
+    #[arg(long)]
+    pub cp_comm_type: Option<String>,
     /// Layers per virtual stage: interleaved 1F1B with num-layers / (pp × this) chunks per rank.
     #[arg(long)]
     pub num_layers_per_virtual_pipeline_stage: Option<usize>,
@@ -445,7 +453,7 @@ impl TrainArgs {
             lr_decay_iters, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad, norm_epsilon, make_vocab_size_divisible_by,
             hidden_dropout, attention_dropout, window_size, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, ckpt_format, step_batch_size_schedule, corpus_docs, split,
             exit_interval, exit_duration_in_mins, device, cuda_graph_impl, cuda_graph_warmup_steps, profile_step_start, profile_step_end, profile_trace, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s,
-            pipeline_model_parallel_size, num_layers_per_virtual_pipeline_stage, decoder_first_pipeline_num_layers,
+            pipeline_model_parallel_size, context_parallel_size, cp_comm_type, num_layers_per_virtual_pipeline_stage, decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers,
             num_experts, moe_ffn_hidden_size, moe_router_topk, moe_router_load_balancing_type, moe_aux_loss_coeff,
             moe_z_loss_coeff, moe_router_topk_scaling_factor, expert_model_parallel_size, moe_token_dispatcher_type,
@@ -565,6 +573,8 @@ pub struct Settings {
     pub ddp_bucket_size: Option<usize>,
     #[serde(default = "one")]
     pub pipeline_model_parallel_size: usize,
+    #[serde(default = "one")]
+    pub context_parallel_size: usize,
     #[serde(default)]
     pub num_layers_per_virtual_pipeline_stage: Option<usize>,
     #[serde(default)]
@@ -1199,6 +1209,7 @@ impl Settings {
             overlap_param_gather: a.overlap_param_gather,
             ddp_bucket_size: a.ddp_bucket_size,
             pipeline_model_parallel_size: a.pipeline_model_parallel_size.unwrap_or(1),
+            context_parallel_size: a.context_parallel_size.unwrap_or(1),
             num_layers_per_virtual_pipeline_stage: a.num_layers_per_virtual_pipeline_stage,
             decoder_first_pipeline_num_layers: a.decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers: a.decoder_last_pipeline_num_layers,
@@ -1219,6 +1230,13 @@ impl Settings {
             moe: None,
         };
         s.moe = MoeSettings::from_args(&a, s.ffn_hidden_size)?;
+        match a.cp_comm_type.as_deref() {
+            None | Some("allgather") => {}
+            Some(t @ ("p2p" | "a2a" | "a2a+p2p")) => bail!(
+                "--cp-comm-type {t} is not built: allgather gathers every rank's keys and values and gives the same attention; use --cp-comm-type allgather (or drop the flag)"
+            ),
+            Some(t) => bail!("--cp-comm-type {t}: use allgather"),
+        }
         // Megatron's two ways to measure a run, not to be mixed: iterations, or samples (the
         // schedule then in samples as well).
         let warmup_iters_given = file.lr_warmup_iters.or(flags.lr_warmup_iters).is_some();
@@ -1315,7 +1333,7 @@ impl Settings {
             _ => Launch::Processes(dist.clone()),
         };
         if s.step_batch_size_schedule.is_some() {
-            let mp = s.tensor_model_parallel_size * s.pipeline_model_parallel_size;
+            let mp = s.tensor_model_parallel_size * s.pipeline_model_parallel_size * s.context_parallel_size;
             s.global_batch_size = s.micro_batch_size * (launch.world_size() / mp.max(1)).max(1);
         }
         s.validate_layout(launch.world_size())?;
@@ -1496,7 +1514,11 @@ impl Settings {
         let tp = self.tensor_model_parallel_size;
         let pp = self.pipeline_model_parallel_size;
         let ep = self.moe.as_ref().map_or(1, |m| m.expert_model_parallel_size);
-        let layout = ferrotron_parallel::Layout::new(world, tp, pp, 1, ep)?;
+        let cp = self.context_parallel_size;
+        let layout = ferrotron_parallel::Layout::new(world, tp, pp, cp, ep)?;
+        if cp > 1 {
+            self.validate_cp(cp)?;
+        }
         self.recompute()?;
         self.stage_plan(0)?;
         let v = self.virtual_stages()?;
@@ -1525,13 +1547,41 @@ impl Settings {
                     .with_context(|| format!("{flag} {size}"))?;
             }
         }
-        if self.sequence_parallel && tp > 1 && self.seq_length % tp != 0 {
+        if self.sequence_parallel && tp > 1 && (self.seq_length / cp) % tp != 0 {
             bail!(
-                "--sequence-parallel splits --seq-length {} over --tensor-model-parallel-size {tp}: make the length a multiple of {tp}",
-                self.seq_length
+                "--sequence-parallel splits --seq-length {} (over --context-parallel-size {cp}) over --tensor-model-parallel-size {tp}: make the length a multiple of {}",
+                self.seq_length,
+                cp * tp
             );
         }
         Ok(layout)
+    }
+
+    /// What context parallelism over `cp` > 1 ranks needs of the run (errors name the flags).
+    fn validate_cp(&self, cp: usize) -> anyhow::Result<()> {
+        if self.seq_length % (2 * cp) != 0 {
+            bail!(
+                "--context-parallel-size {cp} cuts each sequence into 2 × {cp} chunks: --seq-length {} is not a multiple of {}",
+                self.seq_length,
+                2 * cp
+            );
+        }
+        if self.window_size.is_some() {
+            bail!(
+                "--context-parallel-size {cp} with --window-size: sliding-window attention is not split over context-parallel ranks; drop one"
+            );
+        }
+        if self.hidden_dropout > 0.0 || self.attention_dropout > 0.0 {
+            bail!(
+                "--context-parallel-size {cp} with dropout: the masks are drawn along whole sequences, which this split does not reproduce yet; set --hidden-dropout 0 and --attention-dropout 0"
+            );
+        }
+        if self.moe.is_some() {
+            bail!(
+                "--context-parallel-size {cp} with --num-experts: mixture-of-experts layers under context parallelism are not built yet; drop one"
+            );
+        }
+        Ok(())
     }
 
     pub fn tokenizer(&self) -> anyhow::Result<TokenizerKind> {

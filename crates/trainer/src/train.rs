@@ -15,7 +15,7 @@ use ferrotron_optim::{
     AdamConfig, GradSync, LrSchedule, Optimizer, QueuedStep, StepGraph, default_bucket_size, eval_pipelined, loss_sums,
     queue_train_step, queue_train_step_pipelined, token_weighted,
 };
-use ferrotron_parallel::{ProcessGroups, TensorParallel};
+use ferrotron_parallel::{ContextParallel, ProcessGroups, TensorParallel};
 use ferrotron_transformer::{Batch, GptModel};
 
 type Comm = std::sync::Arc<dyn ferrotron_comm::Communicator>;
@@ -131,17 +131,19 @@ fn open_parts(s: &Settings, values: &[String], flag: &str) -> anyhow::Result<Vec
         .collect()
 }
 
-/// How samples become a micro-batch: the model's sequence length and vocabulary, and with
-/// `--eod-mask-loss` the end-of-document id whose positions do not count in the loss.
-#[derive(Clone, Copy)]
+/// How samples become a micro-batch: the model's sequence length and vocabulary, with
+/// `--eod-mask-loss` the end-of-document id whose positions do not count in the loss, and under
+/// context parallelism which chunks of each sequence this rank holds.
+#[derive(Clone)]
 struct BatchSpec {
     seq: usize,
     vocab: usize,
     eod_mask: Option<u32>,
+    cp: Option<ContextParallel>,
 }
 
-fn batch(split: &TokenSplit, indices: &[usize], spec: BatchSpec, dev: &Device) -> anyhow::Result<Batch> {
-    let BatchSpec { seq, vocab, eod_mask } = spec;
+fn batch(split: &TokenSplit, indices: &[usize], spec: &BatchSpec, dev: &Device) -> anyhow::Result<Batch> {
+    let BatchSpec { seq, vocab, eod_mask, ref cp } = *spec;
     let (mut tokens, mut labels) = (Vec::with_capacity(indices.len() * seq), Vec::with_capacity(indices.len() * seq));
     for &i in indices {
         let s = split.sample(i)?;
@@ -159,6 +161,20 @@ fn batch(split: &TokenSplit, indices: &[usize], spec: BatchSpec, dev: &Device) -
     // Megatron's --eod-mask-loss: a position whose input is the end of a document (so its label
     // starts the next one) does not count.
     let mask = eod_mask.map(|eod| tokens.iter().map(|&t| if t == eod { 0.0 } else { 1.0 }).collect::<Vec<f32>>());
+    if let Some(cp) = cp {
+        // This rank's chunks; the loss's denominator is the whole sequences' count over the cp
+        // size, so that the mean over data × context-parallel ranks is the whole batch's.
+        let whole = mask.as_ref().map_or((b * seq) as f64, |m| m.iter().map(|&x| x as f64).sum());
+        let local = cp.chunk_len(seq)? * 2;
+        let shard =
+            |x: &[u32]| -> anyhow::Result<Tensor> { Ok(Tensor::from_vec(cp.shard_host(x, b, seq)?, [b, local], dev)?) };
+        let (t, l) = (shard(&tokens)?, shard(&labels)?);
+        let m = match &mask {
+            Some(m) => cp.shard_host(m, b, seq)?,
+            None => vec![1.0; b * local],
+        };
+        return Ok(Batch::masked(t, l, m)?.with_num_tokens(whole / cp.size() as f64)?);
+    }
     let (tokens, labels) = (Tensor::from_vec(tokens, [b, seq], dev)?, Tensor::from_vec(labels, [b, seq], dev)?);
     Ok(match mask {
         Some(m) => Batch::masked(tokens, labels, m)?,
@@ -174,7 +190,7 @@ fn eval_micro_batches(
     s: &Settings,
     start: u64,
     (dp, dp_rank): (usize, usize),
-    spec: BatchSpec,
+    spec: &BatchSpec,
     dev: &Device,
 ) -> anyhow::Result<Vec<Batch>> {
     let (n, mb, gbs) = (valid.num_samples() as u64, s.micro_batch_size as u64, s.global_batch_size as u64);
@@ -297,8 +313,9 @@ fn layout_table(g: &ProcessGroups, table: &ParamTable, opt: &Optimizer, sp: bool
     }
     let v = all.to_vec_f32()?;
     let mut out = format!(
-        "layout: tp {} × dp {} × pp {}{}\n rank  tp  dp  pp  params(local)  params MiB  grads MiB  optimizer MiB\n",
+        "layout: tp {}{} × dp {} × pp {}{}\n rank  tp  dp  pp  params(local)  params MiB  grads MiB  optimizer MiB\n",
         g.layout.tp,
+        if g.layout.cp > 1 { format!(" × cp {}", g.layout.cp) } else { String::new() },
         g.layout.dp,
         g.layout.pp,
         if sp && g.tp.size() > 1 { ", sequence parallel" } else { "" }
@@ -379,7 +396,13 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         config.layer.mlp = ferrotron_transformer::spec::MlpSpec::Custom(Arc::new(m.with_group(g.ep.clone())));
     }
     let moe_metrics = ferrotron_models::moe_spec(&config).map(|m| m.metrics.clone());
-    let (model, mut table) = GptModel::build_stage(config, &tp, &plan, s.recompute()?, &dev, dtype, s.seed, layout.dp)?;
+    let (mut model, mut table) =
+        GptModel::build_stage(config, &tp, &plan, s.recompute()?, &dev, dtype, s.seed, layout.dp)?;
+    let cp = (layout.cp > 1).then(|| ContextParallel::new(g.cp.clone()));
+    if let Some(cp) = &cp {
+        model.set_context_parallel(cp.clone())?;
+    }
+    let model = model;
     if s.grad_reduce_in_bf16 {
         table.set_grad_dtype(DType::BF16)?;
     }
@@ -486,13 +509,14 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         seq: s.seq_length,
         vocab: model.config.vocab_size,
         eod_mask: s.eod_mask_loss.then(|| data.tokenizer.eod()),
+        cp,
     };
     // The validation loss over one evaluation's batches (`eval_micro_batches`) from sample
     // `start` on; None without a validation split (`--split` gave it no share) or with
     // `--eval-iters 0`, as in Megatron.
     let eval = |model: &GptModel, table: &ParamTable, start: u64| -> anyhow::Result<Option<f64>> {
         let Some(valid) = data.valid.as_ref().filter(|_| s.eval_iters > 0) else { return Ok(None) };
-        let micros = eval_micro_batches(valid, s, start, (dp, dp_rank), spec, &dev)?;
+        let micros = eval_micro_batches(valid, s, start, (dp, dp_rank), &spec, &dev)?;
         // Token-weighted over all of them, across data-parallel ranks too, as Megatron's.
         let (sum, count) = if pipelined {
             eval_pipelined(model, table, &g.pipeline, &g.pp, &micros)?
@@ -502,7 +526,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
                 micros.iter().map(|b| Ok(model.forward_deferred(&cx, b)?.0)).collect::<anyhow::Result<Vec<_>>>()?;
             loss_sums(&losses)?
         };
-        Ok(Some(token_weighted(&g.dp, sum, count)?))
+        Ok(Some(token_weighted(&g.dp_cp, sum, count)?))
     };
     // Iteration 0's evaluation (which Megatron does not run) reads the samples the first one at
     // --eval-interval reads; each later one moves on by its eval_iters global batches.
@@ -565,7 +589,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
                 let first = micro_first_sample(consumed, m, (dp, dp_rank), mb);
                 let idx: Vec<usize> = (first..first + mb).map(|i| i as usize).collect();
                 let draw = Draw { seed: s.seed, first_sample: first };
-                Ok(batch(&data.train, &idx, spec, &dev)?.with_draw(draw))
+                Ok(batch(&data.train, &idx, &spec, &dev)?.with_draw(draw))
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
         // Megatron's scheduler steps after each update: an iteration trains at the rate of the
@@ -794,8 +818,8 @@ mod tests {
         let seqs = Arc::new(Sequences::from_documents(&[vec![1, 2, 3, 4, 9, 5, 6, 7, 8]]));
         let split = blend_split("train", vec![(None, seqs, 0..1)], 2, 4, 1234).unwrap();
         // Both samples (tokens 0..=4 and 4..=8, in some order) hold 9.
-        let spec = |vocab| BatchSpec { seq: 4, vocab, eod_mask: None };
-        let ok = batch(&split, &[0, 1], spec(10), &Device::Cpu).unwrap();
+        let spec = |vocab| BatchSpec { seq: 4, vocab, eod_mask: None, cp: None };
+        let ok = batch(&split, &[0, 1], &spec(10), &Device::Cpu).unwrap();
         let (mut t, mut l) = (ok.tokens.to_vec::<u32>().unwrap(), ok.labels.to_vec::<u32>().unwrap());
         if t[0] != 1 {
             t.rotate_left(4);
@@ -803,7 +827,7 @@ mod tests {
         }
         assert_eq!(t, [1, 2, 3, 4, 9, 5, 6, 7]);
         assert_eq!(l, [2, 3, 4, 9, 5, 6, 7, 8]);
-        let e = batch(&split, &[1], spec(9), &Device::Cpu).unwrap_err().to_string();
+        let e = batch(&split, &[1], &spec(9), &Device::Cpu).unwrap_err().to_string();
         assert!(e.contains("token id 9 in sample 1") && e.contains("vocabulary size 9"), "{e}");
         assert_eq!(ok.num_tokens(), 8.0, "no --eod-mask-loss: every position counts");
     }
@@ -814,12 +838,20 @@ mod tests {
         let docs = [vec![1, 2, 0], vec![3, 0], vec![4, 5, 6, 0]];
         let seqs = Arc::new(Sequences::from_documents(&docs));
         let split = blend_split("train", vec![(None, seqs, 0..3)], 1, 8, 1234).unwrap();
-        let spec = BatchSpec { seq: 8, vocab: 10, eod_mask: Some(0) };
-        let b = batch(&split, &[0], spec, &Device::Cpu).unwrap();
+        let spec = BatchSpec { seq: 8, vocab: 10, eod_mask: Some(0), cp: None };
+        let b = batch(&split, &[0], &spec, &Device::Cpu).unwrap();
         let tokens = b.tokens.to_vec::<u32>().unwrap();
         let want: Vec<f32> = tokens.iter().map(|&t| if t == 0 { 0.0 } else { 1.0 }).collect();
         assert!(want.contains(&0.0), "the sample holds an end of document: {tokens:?}");
         assert_eq!(b.loss_mask.to_vec_f32().unwrap(), want);
         assert_eq!(b.num_tokens(), want.iter().sum::<f32>() as f64);
+        // Context parallel rank 1 of 2: chunks 1 and 2 of four (positions 2..6), its mask's part,
+        // and half the whole sample's count as the mean's denominator.
+        let world = thread_world(2, std::time::Duration::from_secs(5));
+        let cp = BatchSpec { cp: Some(ContextParallel::new(world[1].clone())), ..spec };
+        let part = batch(&split, &[0], &cp, &Device::Cpu).unwrap();
+        assert_eq!(part.tokens.to_vec::<u32>().unwrap(), tokens[2..6]);
+        assert_eq!(part.loss_mask.to_vec_f32().unwrap(), want[2..6]);
+        assert_eq!(part.num_tokens(), want.iter().sum::<f32>() as f64 / 2.0);
     }
 }

@@ -9,13 +9,17 @@
 //! from qkv and writes their gradients into dqkv (`k::attention_fwd_qkv`: no split or merge copy),
 //! RoPE rotating qkv's query and key heads in place first (`k::rope_qkv_fwd_`; its backward, on
 //! dqkv, `k::rope_qkv_bwd_`).
+//!
+//! Under context parallelism (`cp`) the rows are this rank's two chunks of each sequence: RoPE
+//! rotates them at their global positions and the core attention is `ContextParallel`'s (K and V
+//! gathered over the cp group), on the split Q, K, V.
 
 use crate::norm::Norm;
 use crate::spec::{AttentionSpec, NormKind};
 use ferrotron_core::rng::fnv1a64;
 use ferrotron_core::{Cx, Module, ParamId, ParamTableBuilder, Result, Saved, Tensor, invalid};
 use ferrotron_kernels::{self as k, AttnCfg, AttnDropout, RopeCfg};
-use ferrotron_parallel::{ColumnParallelLinear, RowParallelLinear, TensorParallel};
+use ferrotron_parallel::{ColumnParallelLinear, ContextParallel, RowParallelLinear, TensorParallel};
 
 #[derive(Debug, Clone)]
 pub struct SelfAttention {
@@ -33,6 +37,8 @@ pub struct SelfAttention {
     pub recompute_core: bool,
     /// Dropout of the attention probabilities in training (--attention-dropout), None at rate 0.
     pub dropout: Option<ProbDropout>,
+    /// Context parallelism over more than one rank (`GptModel::set_context_parallel`), or None.
+    pub cp: Option<ContextParallel>,
 }
 
 /// One layer's attention dropout: the rate, its Philox stream (a hash of the site's name, the
@@ -120,6 +126,7 @@ impl SelfAttention {
                 heads_total: d.heads,
                 head_offset: tp.rank() * (d.heads / tp.size()),
             }),
+            cp: None,
         })
     }
 }
@@ -129,7 +136,43 @@ impl SelfAttention {
     /// (no QK-norm to apply to them first; RoPE runs in place on it): `k::attention_fwd_qkv`, no
     /// split or merge copy.
     fn reads_fused(&self) -> bool {
-        self.q_layernorm.is_none()
+        self.q_layernorm.is_none() && self.cp.is_none()
+    }
+
+    /// RoPE for a local sequence of `t` rows (their global positions under context parallelism).
+    fn rope_for(&self, t: usize) -> Option<RopeCfg> {
+        let r = self.rope.as_ref()?;
+        Some(match &self.cp {
+            Some(cp) => cp.rope(r, t),
+            None => *r,
+        })
+    }
+
+    /// The core attention on split Q, K, V: (o, lse), over the whole sequence under context
+    /// parallelism.
+    fn core_fwd(&self, q: &Tensor, kk: &Tensor, v: &Tensor, cfg: &AttnCfg) -> Result<(Tensor, Tensor)> {
+        match &self.cp {
+            Some(cp) => cp.attention_fwd(q, kk, v, cfg),
+            None => k::attention_fwd(q, kk, v, cfg),
+        }
+    }
+
+    /// `core_fwd`'s backward: (dq, dk, dv).
+    #[allow(clippy::too_many_arguments)]
+    fn core_bwd(
+        &self,
+        q: &Tensor,
+        kk: &Tensor,
+        v: &Tensor,
+        o: &Tensor,
+        lse: &Tensor,
+        d_o: &Tensor,
+        cfg: &AttnCfg,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        match &self.cp {
+            Some(cp) => cp.attention_bwd(q, kk, v, o, lse, d_o, cfg),
+            None => k::attention_bwd(q, kk, v, o, lse, d_o, cfg),
+        }
     }
 
     /// Where the heads sit in the fused projection output.
@@ -232,11 +275,11 @@ impl Module for SelfAttention {
             (q, kk) = (qq, kq);
             children.extend([sq, sk]);
         }
-        if let Some(r) = &self.rope {
+        if let Some(r) = &self.rope_for(t) {
             q = k::rope_fwd(&q, r)?;
             kk = k::rope_fwd(&kk, r)?;
         }
-        let (o, lse) = k::attention_fwd(&q, &kk, &v, &self.cfg(cx, t)?)?;
+        let (o, lse) = self.core_fwd(&q, &kk, &v, &self.cfg(cx, t)?)?;
         let (y, mut s_proj) = self.linear_proj.forward(cx, &o.reshape([b, t, self.heads * self.head_dim])?)?;
         if self.recompute_core {
             s_proj.tensors.clear(); // the projection's input is `o`, recomputed in the backward
@@ -270,7 +313,7 @@ impl SelfAttention {
         let mut s_proj = children.pop().unwrap_or_default();
         if self.recompute_core && tensors.len() == 3 {
             let cfg = self.cfg(cx, tensors[0].dims()[1])?;
-            let (o, lse) = k::attention_fwd(&tensors[0], &tensors[1], &tensors[2], &cfg)?;
+            let (o, lse) = self.core_fwd(&tensors[0], &tensors[1], &tensors[2], &cfg)?;
             let (b, t) = (o.dims()[0], o.dims()[1]);
             s_proj.tensors = vec![o.reshape([b, t, self.heads * self.head_dim])?];
             tensors.extend([o, lse]);
@@ -279,8 +322,8 @@ impl SelfAttention {
             .try_into()
             .map_err(|_| ferrotron_core::invalid("SelfAttention::backward", "saved tensors do not match forward"))?;
         let d_o = self.proj_backward(cx, s_proj, dy, proj_bias)?.reshape(o.dims().to_vec())?;
-        let (mut dq, mut dk, dv) = k::attention_bwd(&q, &kk, &v, &o, &lse, &d_o, &self.cfg(cx, q.dims()[1])?)?;
-        if let Some(r) = &self.rope {
+        let (mut dq, mut dk, dv) = self.core_bwd(&q, &kk, &v, &o, &lse, &d_o, &self.cfg(cx, q.dims()[1])?)?;
+        if let Some(r) = &self.rope_for(q.dims()[1]) {
             dq = k::rope_bwd(&dq, r)?;
             dk = k::rope_bwd(&dk, r)?;
         }

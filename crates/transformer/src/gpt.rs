@@ -12,6 +12,11 @@
 //! A pipeline rank holds one model chunk per virtual stage (`StagePlan::chunks`); chunk `c` runs
 //! with `forward_chunk`/`backward_chunk`. The first stage's first chunk embeds tokens, the last
 //! stage's last chunk computes the loss; other chunks map hidden states to hidden states.
+//!
+//! Under context parallelism (`set_context_parallel`) a micro-batch's tokens are this rank's two
+//! chunks of each sequence ([`ContextParallel::shard_host`]), T above is their count, and the
+//! batch's token count is the whole sequences' over the cp size (so the loss's gradient, averaged
+//! over data × context parallel ranks, is the whole batch's mean's).
 
 use crate::config::TransformerConfig;
 use crate::dropout::{HiddenDropout, maybe};
@@ -25,7 +30,7 @@ use ferrotron_core::{
 use ferrotron_kernels as k;
 use ferrotron_parallel::pipeline::StagePlan;
 use ferrotron_parallel::{
-    ProcessGroups, TensorParallel, VocabParallelCe, VocabParallelEmbedding, vocab_parallel_ce_bwd,
+    ContextParallel, ProcessGroups, TensorParallel, VocabParallelCe, VocabParallelEmbedding, vocab_parallel_ce_bwd,
     vocab_parallel_ce_fwd, vocab_parallel_ce_fwd_bwd_,
 };
 
@@ -67,6 +72,13 @@ impl Batch {
         let loss_mask = Tensor::from_vec(vec![1f32; n], tokens.dims().to_vec(), tokens.device())?;
         let inv_tokens = inverse_count(n as f64, tokens.device())?;
         Ok(Batch { tokens, labels, loss_mask, num_tokens: n as f64, inv_tokens, draw: None })
+    }
+
+    /// The batch with `num_tokens` as its token count (the mean's denominator) instead of its
+    /// mask's: a context-parallel rank's share of the whole sequences' count.
+    pub fn with_num_tokens(self, num_tokens: f64) -> Result<Batch> {
+        let inv_tokens = inverse_count(num_tokens, self.tokens.device())?;
+        Ok(Batch { num_tokens, inv_tokens, ..self })
     }
 
     /// A batch with a loss mask made on the host (`mask` as long as the tokens): counted there and
@@ -135,6 +147,8 @@ pub struct GptModel {
     /// a run asks for the same ones, and a step captured as a CUDA graph may copy nothing from the
     /// host, also when it follows a step of another shape (a shorter last batch, an evaluation).
     positions: std::sync::Mutex<Vec<Tensor>>,
+    /// Context parallelism over more than one rank, or None.
+    cp: Option<ContextParallel>,
 }
 
 /// What the loss end of a forward keeps.
@@ -279,8 +293,39 @@ impl GptModel {
             tp: tp.clone(),
             embedding_dropout,
             positions: std::sync::Mutex::new(Vec::new()),
+            cp: None,
         };
         Ok((model, table))
+    }
+
+    /// Splits every sequence over `cp`'s ranks (nothing changes at size 1). Refused where the
+    /// split would change the result: a sliding window, hidden or attention dropout (their masks
+    /// are drawn by position along the whole sequence).
+    pub fn set_context_parallel(&mut self, cp: ContextParallel) -> Result<()> {
+        if cp.size() == 1 {
+            return Ok(());
+        }
+        let c = &self.config;
+        let why = if c.layer.attention.window.is_some() {
+            Some("a sliding window (--window-size)")
+        } else if c.hidden_dropout > 0.0 || c.attention_dropout > 0.0 {
+            Some("dropout (--hidden-dropout, --attention-dropout): set both to 0")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            return Err(ModelError::Config(format!("--context-parallel-size {} is not built with {why}", cp.size())));
+        }
+        for l in self.chunks.iter_mut().flat_map(|b| b.layers.iter_mut()) {
+            l.self_attention.cp = Some(cp.clone());
+        }
+        self.cp = Some(cp);
+        Ok(())
+    }
+
+    /// The context-parallel size (1 without).
+    pub fn cp_size(&self) -> usize {
+        self.cp.as_ref().map_or(1, |c| c.size())
     }
 
     fn ce(&self) -> VocabParallelCe {
@@ -290,19 +335,22 @@ impl GptModel {
         }
     }
 
-    /// Shape of the hidden state one micro-batch passes between pipeline stages.
+    /// Shape of the hidden state one micro-batch of `seq` tokens a row (as this rank holds them:
+    /// its context-parallel chunks) passes between pipeline stages.
     pub fn activation_shape(&self, micro_batch: usize, seq: usize) -> Vec<usize> {
         let t = if self.tp.sp() { seq / self.tp.size() } else { seq };
         vec![micro_batch, t, self.config.hidden_size]
     }
 
-    /// Position ids of this rank's tokens: [B, T], or its [B, T/tp] slice under SP.
+    /// Position ids of this rank's tokens: [B, T], or its [B, T/tp] slice under SP; under context
+    /// parallelism the global positions of its two chunks' rows.
     fn positions(&self, tokens: &Tensor) -> Result<Option<Tensor>> {
         let Some(_) = self.position_embeddings else { return Ok(None) };
         let (b, t) = (tokens.dims()[0], tokens.dims()[1]);
-        if t > self.config.max_position_embeddings {
+        let whole = t * self.cp_size();
+        if whole > self.config.max_position_embeddings {
             return Err(ModelError::Config(format!(
-                "sequence of {t} tokens exceeds --max-position-embeddings {}",
+                "sequence of {whole} tokens exceeds --max-position-embeddings {}",
                 self.config.max_position_embeddings
             )));
         }
@@ -313,11 +361,16 @@ impl GptModel {
             (0, t)
         };
         let mut cached = self.positions.lock().unwrap_or_else(|e| e.into_inner());
-        // The start is rank × len under SP and 0 otherwise, so (b, len) decide the ids.
+        // The start is rank × len under SP and 0 otherwise, and the cp rank is the model's, so
+        // (b, len) decide the ids.
         if let Some(p) = cached.iter().find(|p| p.dims() == [b, len] && p.device().same(tokens.device())) {
             return Ok(Some(p.clone()));
         }
-        let ids: Vec<u32> = (0..b).flat_map(|_| (start..start + len).map(|i| i as u32)).collect();
+        let pos = |i: usize| match &self.cp {
+            Some(cp) => cp.position(t / 2, i),
+            None => i,
+        };
+        let ids: Vec<u32> = (0..b).flat_map(|_| (start..start + len).map(|i| pos(i) as u32)).collect();
         let p = Tensor::from_vec(ids, [b, len], tokens.device())?;
         // A few shapes (b · len · 4 bytes each), the oldest dropped first.
         if cached.len() == 4 {
@@ -475,7 +528,14 @@ impl GptModel {
         if let Some(e) = &self.embedding {
             e.backward(cx, tokens, &dx)?;
         }
-        if let (Some(pos), Some(pe)) = (&saved.positions, self.position_embeddings) {
+        if let (Some(pos), Some(pe), Some(_)) = (&saved.positions, self.position_embeddings, &self.cp) {
+            // Two runs of positions per row: the general scatter-add by id.
+            k::embedding_bwd(
+                pos,
+                &dx.reshape([pos.dims()[0], pos.dims()[1], dx.shape().last()])?,
+                &cx.params.grad(pe)?,
+            )?;
+        } else if let (Some(pos), Some(pe)) = (&saved.positions, self.position_embeddings) {
             // `positions`' ids: start..start + len in every batch row.
             let (t, len) = (tokens.dims()[1], pos.dims()[1]);
             let start = if self.tp.sp() { self.tp.rank() * self.tp.shard_len(t)? } else { 0 };

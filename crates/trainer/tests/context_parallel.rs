@@ -1,0 +1,119 @@
+//! Context parallelism through the trainer (Megatron's --context-parallel-size): every layout
+//! that splits sequences trains as one rank does (losses, gradient norms, validation losses),
+//! its checkpoint resumes on one rank, and the runs it cannot split are refused by name.
+
+mod common;
+
+use common::*;
+use ferrotron_trainer::settings::{Launch, Paths, Settings, TrainArgs};
+use ferrotron_trainer::train::{Summary, train};
+
+fn close(tag: &str, got: &[(u64, f64)], want: &[(u64, f64)]) {
+    assert_eq!(got.len(), want.len(), "{tag}");
+    for ((i, a), (_, b)) in got.iter().zip(want) {
+        assert!((a - b).abs() <= 1e-4 * b.abs(), "{tag} iteration {i}: {a} vs {b} (1 rank)");
+    }
+}
+
+fn run(s: &Settings, ranks: usize) -> Summary {
+    let launch = if ranks == 1 { Launch::Single } else { Launch::Threads(ranks) };
+    train(s, &Paths { launch, ..Paths::default() }).unwrap()
+}
+
+fn follows(tag: &str, got: &Summary, one: &Summary) {
+    close(tag, &got.losses, &one.losses);
+    close(&format!("{tag} gradient norms"), &got.grad_norms, &one.grad_norms);
+    close(&format!("{tag} validation"), &got.evals, &one.evals);
+}
+
+/// The Llama-style model (RoPE at the chunks' global positions, GQA, SwiGLU) and the GPT-2-style
+/// one (learned absolute positions, --eod-mask-loss so that the chunks hold different numbers of
+/// counted tokens) under cp 2 and 4, cp × sequence-parallel tp, cp × data parallel (distributed
+/// optimizer, overlapped reduce and gather), cp × pipeline (with selective recompute): the same
+/// losses, gradient norms and validation losses as one rank.
+#[test]
+fn context_parallel_layouts_follow_one_rank() {
+    for llama in [true, false] {
+        let args = TrainArgs { eod_mask_loss: !llama, ..tiny_args(llama) };
+        let s1 = settings(&args);
+        let one = run(&s1, 1);
+        let with = |f: &dyn Fn(&mut Settings)| {
+            let mut s = s1.clone();
+            s.context_parallel_size = 2;
+            f(&mut s);
+            s
+        };
+        let cp2 = with(&|_| {});
+        let cp4 = with(&|s| s.context_parallel_size = 4);
+        let cp_tp = with(&|s| {
+            s.tensor_model_parallel_size = 2;
+            s.sequence_parallel = true;
+        });
+        let cp_dp = with(&|s| {
+            s.use_distributed_optimizer = true;
+            s.overlap_grad_reduce = true;
+            s.overlap_param_gather = true;
+        });
+        let cp_pp = with(&|s| {
+            s.pipeline_model_parallel_size = 2;
+            s.recompute_granularity = Some("selective".into());
+        });
+        for (tag, s, n) in [
+            ("cp2", &cp2, 2),
+            ("cp4", &cp4, 4),
+            ("cp2 × tp2 sp", &cp_tp, 4),
+            ("cp2 × dp2", &cp_dp, 4),
+            ("cp2 × pp2", &cp_pp, 4),
+        ] {
+            follows(&format!("{} {tag}", if llama { "llama" } else { "gpt" }), &run(s, n), &one);
+        }
+    }
+}
+
+/// A run saved under cp 2 × dp 2 (each parameter written once, by the first data × context rank)
+/// resumes on one rank where the one-rank run stood.
+#[test]
+fn a_context_parallel_checkpoint_resumes_on_one_rank() {
+    let dir = tmp("cp-resume");
+    let s1 = settings(&tiny_args(true));
+    let one = run(&s1, 1);
+    let mut cp = s1.clone();
+    cp.context_parallel_size = 2;
+    let paths =
+        Paths { launch: Launch::Threads(4), save: Some(dir.clone()), exit_interval: Some(4), ..Paths::default() };
+    let first = train(&cp, &paths).unwrap();
+    close("cp2 × dp2 first half", &first.losses, &one.losses[..4]);
+    let rest = train(&s1, &Paths { load: Some(dir.clone()), ..Paths::default() }).unwrap();
+    close("resumed on one rank", &rest.losses, &one.losses[4..]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn what_context_parallelism_cannot_split_is_refused_by_name() {
+    let cases: [(TrainArgs, &[&str]); 5] = [
+        (TrainArgs { context_parallel_size: Some(3), ..tiny_args(true) }, &["--seq-length 32", "multiple of 6"]),
+        (
+            TrainArgs { context_parallel_size: Some(2), hidden_dropout: Some(0.1), ..tiny_args(true) },
+            &["--hidden-dropout 0"],
+        ),
+        (
+            TrainArgs { context_parallel_size: Some(2), window_size: Some("(8,0)".into()), ..tiny_args(true) },
+            &["--window-size"],
+        ),
+        (
+            TrainArgs { context_parallel_size: Some(2), num_experts: Some(4), ..tiny_args(true) },
+            &["--num-experts", "context parallelism"],
+        ),
+        (
+            TrainArgs { context_parallel_size: Some(2), cp_comm_type: Some("p2p".into()), ..tiny_args(true) },
+            &["--cp-comm-type p2p", "allgather"],
+        ),
+    ];
+    for (args, want) in cases {
+        let args = TrainArgs { nproc: args.context_parallel_size, ..args };
+        let e = format!("{:#}", ferrotron_trainer::settings::Settings::resolve(&args).unwrap_err());
+        for w in want {
+            assert!(e.contains(w), "{e}: should name {w}");
+        }
+    }
+}
