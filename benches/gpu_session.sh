@@ -10,7 +10,8 @@
 #       kernels compiled for sm_90a in .gpu/fc (examples/kernel_cache.rs, NVRTC 13.0 from PyPI).
 #
 #   there (repo root, no cargo):  benches/gpu_session.sh STEP...
-#       verify                 the op tests, the CUDA training tests and NCCL at world size 1
+#       verify                 the op tests, the CUDA training tests, NCCL at world size 1 and
+#                              context-parallel attention on thread ranks sharing the GPU
 #                              (stops at a failure: nothing is measured on a build that computes
 #                              wrongly)
 #       attn[:VAR=V,...]       `xtask bench --attention`: our kernels beside SDPA, with VARs set
@@ -38,7 +39,7 @@ if [ "${1:-}" = stage ]; then
     cargo build --release --features cuda -p ferrotron-trainer -p xtask -p ferrotron-examples --examples --bins
     rm -rf .gpu/v && mkdir -p .gpu/v .gpu/benches
     cargo run -q --release -p xtask -- gpu-test .gpu/v/tests
-    find .gpu/v/tests -type f ! -name ops ! -name cuda_train ! -name nccl ! -name cuda_graph -delete
+    find .gpu/v/tests -type f ! -name ops ! -name cuda_train ! -name nccl ! -name cuda_graph ! -name context_attention -delete
     cp target/release/ferrotron target/release/examples/{attention,loss,gemm}_bench .gpu/v/
     cp target/release/xtask .gpu/
     cp benches/*.py .gpu/benches/
@@ -78,7 +79,7 @@ for step in "$@"; do
     echo "== $step ($(date +%T))" | tee -a "$log"
     case $kind in
         verify)
-            (cd .gpu/v/tests && ./ops && ./cuda_train && ./cuda_graph && ./nccl) 2>&1 | tee -a "$log" | tail -n 40
+            (cd .gpu/v/tests && ./ops && ./cuda_train && ./cuda_graph && ./nccl && ./context_attention) 2>&1 | tee -a "$log" | tail -n 40
             rc=${PIPESTATUS[0]}
             if [ "$rc" -ne 0 ]; then
                 echo "verify FAILED: the remaining steps are skipped" | tee -a "$log"

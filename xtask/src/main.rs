@@ -254,6 +254,8 @@ fn gpu_test(stage: Option<PathBuf>) -> anyhow::Result<()> {
             "-p",
             "ferrotron-comm",
             "-p",
+            "ferrotron-parallel",
+            "-p",
             "ferrotron-trainer",
         ])
         .output()

@@ -170,9 +170,12 @@ fn parity_layouts(n: usize) -> Vec<(String, Vec<String>)> {
             v.push(("pp2 interleaved v2".into(), vec![pp, "2", "--num-layers-per-virtual-pipeline-stage", "1"]));
         }
     }
+    // Context parallel: each sequence (128 tokens) in 2n chunks.
+    v.push((format!("cp{n}"), vec!["--context-parallel-size", &nn]));
     let dp = (n / 4).to_string();
     if n.is_multiple_of(4) {
         v.push((format!("tp2 pp2 dp{dp} sp distopt"), vec![tp, "2", pp, "2", "--sequence-parallel", distopt]));
+        v.push((format!("cp2 tp2 dp{dp} sp"), vec!["--context-parallel-size", "2", tp, "2", "--sequence-parallel"]));
     }
     v.into_iter().map(|(k, f)| (k, owned(&f))).collect()
 }
@@ -466,9 +469,13 @@ mod tests {
         for n in [2, 4, 8] {
             for (name, flags) in parity_layouts(n) {
                 let arg = |k: &str| flags.iter().position(|f| f == k).map_or(1, |i| flags[i + 1].parse().unwrap());
-                let (tp, pp): (usize, usize) =
-                    (arg("--tensor-model-parallel-size"), arg("--pipeline-model-parallel-size"));
-                assert_eq!(n % (tp * pp), 0, "{name}");
+                let (tp, pp, cp): (usize, usize, usize) = (
+                    arg("--tensor-model-parallel-size"),
+                    arg("--pipeline-model-parallel-size"),
+                    arg("--context-parallel-size"),
+                );
+                assert_eq!(n % (tp * pp * cp), 0, "{name}");
+                assert_eq!(128 % (2 * cp), 0, "{name}: the tiny model's sequence splits into 2 × cp chunks");
                 assert!(4 % tp == 0 && 4 % pp == 0, "{name}: the tiny model has 4 heads and 4 layers");
             }
         }
