@@ -20,6 +20,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         router: RouterSpec { topk: 2, aux_loss_coeff: 1e-2, z_loss_coeff: Some(1e-3), ..RouterSpec::default() },
         expert_parallel_size: 1,
         ep_group: None,
+        cp_group: None,
         metrics: Default::default(),
     };
     let tp = TensorParallel::new(ProcessGroups::single().tp, false);

@@ -150,6 +150,29 @@ impl Layout {
         Ok(Layout { shape: Shape(dims), strides, offset: self.offset })
     }
 
+    /// The elements as equal runs that are each contiguous in storage: (run length, each run's
+    /// first storage index in row-major order). The run is the longest trailing block of
+    /// dimensions laid out densely, so a transposed outer dimension gives few, long runs (a copy
+    /// of them is a handful of device-to-device copies) and a transposed last dimension gives
+    /// runs of one.
+    pub fn runs(&self) -> (usize, Vec<usize>) {
+        let dims = self.shape.dims();
+        let (mut run, mut split) = (1usize, dims.len());
+        for (i, (&d, &s)) in dims.iter().zip(&self.strides).enumerate().rev() {
+            if d != 1 && s != run {
+                break;
+            }
+            run *= d;
+            split = i;
+        }
+        let outer = Layout {
+            shape: Shape(dims[..split].to_vec()),
+            strides: self.strides[..split].to_vec(),
+            offset: self.offset,
+        };
+        (run, outer.storage_indices().collect())
+    }
+
     /// Storage index of each element in row-major logical order.
     pub fn storage_indices(&self) -> impl Iterator<Item = usize> + '_ {
         let n = self.shape.elem_count();
@@ -197,6 +220,19 @@ mod tests {
         assert_eq!(t.shape().dims(), &[3, 2]);
         let idx: Vec<usize> = t.storage_indices().collect();
         assert_eq!(idx, vec![0, 3, 1, 4, 2, 5]);
+    }
+
+    #[test]
+    fn runs_are_the_dense_trailing_blocks() {
+        // [2, 3, 4] with its first two dims swapped: 6 runs of 4.
+        let l = Layout::contiguous(Shape::new([2, 3, 4])).transpose(0, 1).unwrap();
+        assert_eq!(l.runs(), (4, vec![0, 12, 4, 16, 8, 20]));
+        // Contiguous: one run of everything (at the offset).
+        assert_eq!(Layout::contiguous_at(Shape::new([2, 3]), 5).runs(), (6, vec![5]));
+        // The last two dims swapped: runs of one element, in row-major order of the view.
+        let t = Layout::contiguous(Shape::new([2, 3])).transpose(0, 1).unwrap();
+        let (run, starts) = t.runs();
+        assert_eq!((run, starts), (1, t.storage_indices().collect::<Vec<_>>()));
     }
 
     #[test]

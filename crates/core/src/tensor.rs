@@ -363,8 +363,26 @@ impl Tensor {
         self.deep_copy()
     }
 
-    /// A contiguous copy in fresh storage on the same device.
+    /// A contiguous copy in fresh storage on the same device. On a GPU a layout whose elements
+    /// fall into at most `DEVICE_RUNS` contiguous runs (a transposed outer dimension: the
+    /// sequence-parallel and context-parallel reorders) is copied run by run on the device's
+    /// stream, with no host round trip; others go through the host.
     pub fn deep_copy(&self) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(d) = &self.device {
+            const DEVICE_RUNS: usize = 4096;
+            let (run, starts) = self.layout.runs();
+            if starts.len() <= DEVICE_RUNS {
+                let g = self.storage();
+                if let Storage::Cuda(src) = &*g {
+                    let mut dst = crate::cuda::CudaStorage::empty(d, self.dtype, self.elem_count())?;
+                    for (i, &s) in starts.iter().enumerate() {
+                        dst.copy_range_from(d, i * run, src, s..s + run)?;
+                    }
+                    return Ok(Self::from_storage(Storage::Cuda(dst), self.shape().clone(), self.device.clone()));
+                }
+            }
+        }
         let data = gather(&self.host_view()?)?;
         Self::place(data, self.shape().clone(), &self.device)
     }

@@ -81,8 +81,9 @@ pub fn moe_route_bwd(logits: &Tensor, experts: &Tensor, dprobs: &Tensor, r: &Top
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RouterLoss {
     pub topk: usize,
-    /// Tokens `tokens_per_expert` was counted over (more than the logits' rows when the counts
-    /// were summed over a group).
+    /// Tokens `tokens_per_expert` was counted over, and over which the z-loss is a mean: the
+    /// micro-batch's (more than the logits' rows when its tokens lie on several context-parallel
+    /// ranks, whose counts were summed).
     pub total_tokens: usize,
     /// Load-balancing coefficient (--moe-aux-loss-coeff); 0: none.
     pub aux_coeff: f32,

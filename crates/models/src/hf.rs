@@ -243,6 +243,7 @@ pub fn from_hf_config(v: &Value) -> Result<HfModel> {
                 },
                 expert_parallel_size: 1,
                 ep_group: None,
+                cp_group: None,
                 metrics: Default::default(),
             };
             moe.validate().map_err(HfError::Config)?;

@@ -136,6 +136,7 @@ pub fn mixtral(size: MixtralSize) -> TransformerConfig {
         router: RouterSpec { aux_loss_coeff: 1e-2, z_loss_coeff: Some(1e-3), ..RouterSpec::default() },
         expert_parallel_size: 1,
         ep_group: None,
+        cp_group: None,
         metrics: Default::default(),
     };
     TransformerConfig {

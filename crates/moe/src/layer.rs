@@ -18,6 +18,7 @@
 use crate::dispatch::Dispatch;
 use crate::metrics::MoeMetrics;
 use crate::spec::{ExpertGroup, LoadBalancing, MoeSpec};
+use ferrotron_comm::ReduceOp;
 use ferrotron_core::{Cx, Device, Module, ParamTableBuilder, Result, Saved, Tensor, invalid};
 use ferrotron_kernels as k;
 use ferrotron_transformer::linear::Linear;
@@ -37,6 +38,8 @@ pub struct MoeLayer {
     num_experts: usize,
     /// The expert-parallel group the tokens are dispatched over (None: one rank).
     ep: Option<ExpertGroup>,
+    /// Context parallelism over more than one rank: the micro-batch's other tokens' ranks.
+    cp: Option<ExpertGroup>,
     topk: k::TopK,
     aux_coeff: f32,
     z_coeff: f32,
@@ -104,6 +107,7 @@ impl MoeLayer {
             shared,
             num_experts: spec.num_experts,
             ep,
+            cp: spec.cp_group.clone().filter(|g| g.0.size() > 1),
             topk: k::TopK { k: r.topk, pre_softmax: r.pre_softmax, scale: r.topk_scaling_factor.unwrap_or(1.0) },
             aux_coeff: if r.load_balancing == LoadBalancing::AuxLoss { r.aux_loss_coeff } else { 0.0 },
             z_coeff: r.z_loss_coeff.unwrap_or(0.0),
@@ -239,17 +243,33 @@ impl Module for MoeLayer {
         let dlogits = k::moe_route_bwd(&logits, &experts, &dprobs, &self.topk)?;
         if self.aux_coeff > 0.0 || self.z_coeff > 0.0 {
             let per_expert: Vec<f32> = counts.iter().map(|&c| c as f32).collect();
-            let per_expert = Tensor::from_vec(per_expert, [counts.len()], logits.device())?;
+            let mut per_expert = Tensor::from_vec(per_expert, [counts.len()], &Device::Cpu)?;
+            // Under context parallelism the losses are the whole micro-batch's: counts and token
+            // total over every cp rank (Megatron sums them over its tp × cp group). This rank's
+            // share of their gradient is scaled by cp as its language-model loss is (the
+            // gradients are averaged over data × context ranks), and so are the values recorded
+            // (averaged over the ranks for the log, their shares sum to the whole).
+            let cp = match &self.cp {
+                Some(g) => {
+                    g.0.all_reduce(&per_expert, ReduceOp::Sum).map_err(|e| invalid(BWD, e.to_string()))?;
+                    g.0.size()
+                }
+                None => 1,
+            };
+            per_expert = per_expert.to_device(logits.device())?;
             let loss = k::RouterLoss {
                 topk: self.topk.k,
-                total_tokens: n,
+                total_tokens: n * cp,
                 aux_coeff: self.aux_coeff,
                 z_coeff: self.z_coeff,
-                grad_scale: cx.grad_scale,
+                grad_scale: cx.grad_scale * cp as f32,
             };
             let (values, dl) = k::moe_router_loss(&logits, &per_expert, &loss)?;
             let dl = if dl.dtype() == dlogits.dtype() { dl } else { k::cast(&dl, dlogits.dtype())? };
             k::add_(&dlogits, &dl)?;
+            if cp > 1 {
+                k::scale_(&values, cp as f32)?;
+            }
             self.metrics.record(&self.name, values);
         }
         let dxr = self.router.backward(cx, s_router, &dlogits)?;

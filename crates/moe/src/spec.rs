@@ -70,6 +70,9 @@ pub struct MoeSpec {
     /// The expert-parallel group the layers dispatch over: set, on each rank, by whoever built
     /// the process groups (`with_group`); needed when `expert_parallel_size` is above 1.
     pub ep_group: Option<ExpertGroup>,
+    /// The context-parallel group (`with_context_parallel`), or None: under context parallelism a
+    /// micro-batch's tokens lie on several ranks, and the load-balancing loss counts them all.
+    pub cp_group: Option<ExpertGroup>,
     /// Where the layers record their routers' loss values.
     pub metrics: MoeMetrics,
 }
@@ -129,6 +132,12 @@ impl MoeSpec {
     /// `expert_parallel_size`).
     pub fn with_group(&self, ep: Arc<dyn Communicator>) -> MoeSpec {
         MoeSpec { ep_group: Some(ExpertGroup(ep)), ..self.clone() }
+    }
+
+    /// This spec for a rank of context-parallel group `cp` (more than one rank): the routers'
+    /// losses count every rank's tokens of the micro-batch.
+    pub fn with_context_parallel(&self, cp: Arc<dyn Communicator>) -> MoeSpec {
+        MoeSpec { cp_group: Some(ExpertGroup(cp)), ..self.clone() }
     }
 
     /// fc1's output width per expert: F, or 2F gate|value for SwiGLU.

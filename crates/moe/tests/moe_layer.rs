@@ -31,6 +31,7 @@ fn spec(activation: Activation, bias: bool, pre_softmax: bool) -> MoeSpec {
         },
         expert_parallel_size: 1,
         ep_group: None,
+        cp_group: None,
         metrics: MoeMetrics::default(),
     }
 }
@@ -416,4 +417,62 @@ fn expert_parallel_dispatch_matches_one_rank() {
     }
     assert_eq!(seen.len(), names.iter().filter(|n| n.contains("local_experts")).count(), "every expert held once");
     close("router gradient summed over the ranks", &router, &grad(&table, "decoder.layers.0.mlp.router.weight"));
+}
+
+/// Context parallelism over two thread ranks: one micro-batch's tokens split between them, each
+/// rank's output gradient doubled (its language-model loss is the micro-batch's mean × cp: the
+/// trainer's token count over cp) at the same `grad_scale`, the layer doubling the router losses'
+/// share itself. Against one rank holding
+/// all the tokens at the plain scale: the same outputs and input gradients per rank (the
+/// router's losses count every rank's tokens: summed counts, the micro-batch's total), and every
+/// parameter's gradient, averaged over the two ranks as data × context-parallel averaging does,
+/// equal to the one rank's. Top-2 routing on exactly the same inputs, so the expert choices match.
+#[test]
+fn context_parallel_router_losses_count_the_whole_micro_batch() {
+    let s = spec(Activation::SwiGlu, false, false);
+    let (n, g) = (9, 0.5f32);
+    let x = randn(2 * n * C, 60, 1.0);
+    let dy = randn(2 * n * C, 61, 1.0);
+    let t = |v: &[f32], rows: usize| Tensor::from_vec(v.to_vec(), [rows, C], &Device::Cpu).unwrap();
+    let (m, table) = layer(&s, 8);
+    let cx = Cx::new(&table, true).with_grad_scale(g);
+    let (y, saved) = m.forward(&cx, &t(&x, 2 * n)).unwrap();
+    let dx = m.backward(&cx, saved, &t(&dy, 2 * n)).unwrap();
+    let (y, dx) = (y.to_vec_f32().unwrap(), dx.to_vec_f32().unwrap());
+    let values = s.metrics.take().unwrap();
+    let names: Vec<String> = table.metas().iter().map(|m| m.name.clone()).collect();
+    let grad = |table: &ParamTable, name: &str| table.grad(table.id(name).unwrap()).unwrap().to_vec_f32().unwrap();
+    let close = |what: &str, a: &[f32], b: &[f32]| {
+        assert_eq!(a.len(), b.len(), "{what}");
+        for (i, (p, q)) in a.iter().zip(b).enumerate() {
+            assert!((p - q).abs() <= 1e-5 + 1e-5 * q.abs(), "{what}[{i}]: {p} (2 ranks) vs {q} (1 rank)");
+        }
+    };
+    let results = ferrotron_comm::run_ranks(2, std::time::Duration::from_secs(30), |rank, comm| {
+        let s2 = MoeSpec { metrics: MoeMetrics::default(), ..s.clone() }.with_context_parallel(comm);
+        let (m2, table2) = layer(&s2, 8);
+        let cx = Cx::new(&table2, true).with_grad_scale(g);
+        let rows = rank * n * C..(rank + 1) * n * C;
+        let (y2, saved) = m2.forward(&cx, &t(&x[rows.clone()], n)).unwrap();
+        // The output's gradient at the rank's loss scale: its language-model share is doubled too.
+        let dy2: Vec<f32> = dy[rows].iter().map(|v| 2.0 * v).collect();
+        let dx2 = m2.backward(&cx, saved, &t(&dy2, n)).unwrap();
+        let grads: Vec<Vec<f32>> = names.iter().map(|name| grad(&table2, name)).collect();
+        (y2.to_vec_f32().unwrap(), dx2.to_vec_f32().unwrap(), grads, s2.metrics.take().unwrap())
+    });
+    let results: Vec<_> = results.into_iter().map(|r| r.unwrap()).collect();
+    for (rank, (y2, dx2, _, _)) in results.iter().enumerate() {
+        let rows = rank * n * C..(rank + 1) * n * C;
+        close(&format!("rank {rank} output"), y2, &y[rows.clone()]);
+        let want: Vec<f32> = dx[rows].iter().map(|v| 2.0 * v).collect();
+        close(&format!("rank {rank} input gradient (×2)"), dx2, &want);
+    }
+    for (i, name) in names.iter().enumerate() {
+        let mean: Vec<f32> = results[0].2[i].iter().zip(&results[1].2[i]).map(|(a, b)| (a + b) / 2.0).collect();
+        close(&format!("{name}, averaged over the ranks"), &mean, &grad(&table, name));
+    }
+    // The recorded values: each rank's share ×2, so their mean is the whole micro-batch's.
+    let lb = (results[0].3.load_balancing_sum + results[1].3.load_balancing_sum) / 2.0;
+    let z = (results[0].3.z_sum + results[1].3.z_sum) / 2.0;
+    assert!((lb - values.load_balancing_sum).abs() < 1e-5 && (z - values.z_sum).abs() < 1e-5, "{lb} {z} vs {values:?}");
 }

@@ -369,8 +369,8 @@ pub struct TrainArgs {
     /// chunks; the attention all-gathers keys and values over them).
     #[arg(long)]
     pub context_parallel_size: Option<usize>,
-    /// How context-parallel attention communicates: allgather (the one built; Megatron's
-    /// default p2p, a2a and a2a+p2p are refused by name).
+    /// How context-parallel attention communicates: allgather, or p2p (Megatron's default; run
+    /// as allgather, the same attention); a2a and a2a+p2p are refused by name.
     #[arg(long)]
     pub cp_comm_type: Option<String>,
     /// Layers per virtual stage: interleaved 1F1B with num-layers / (pp × this) chunks per rank.
@@ -729,6 +729,7 @@ impl MoeSettings {
             },
             expert_parallel_size: self.expert_model_parallel_size,
             ep_group: None,
+            cp_group: None,
             metrics: Default::default(),
         };
         spec.validate().map_err(anyhow::Error::msg)?;
@@ -1231,11 +1232,13 @@ impl Settings {
         };
         s.moe = MoeSettings::from_args(&a, s.ffn_hidden_size)?;
         match a.cp_comm_type.as_deref() {
-            None | Some("allgather") => {}
-            Some(t @ ("p2p" | "a2a" | "a2a+p2p")) => bail!(
-                "--cp-comm-type {t} is not built: allgather gathers every rank's keys and values and gives the same attention; use --cp-comm-type allgather (or drop the flag)"
+            // Megatron's default p2p passes key/value blocks round a ring; the all-gather here
+            // gives the same attention (it overlaps nothing), so scripts that name p2p run.
+            None | Some("allgather" | "p2p") => {}
+            Some(t @ ("a2a" | "a2a+p2p")) => bail!(
+                "--cp-comm-type {t} (all-to-all over heads) is not built: use allgather or p2p (both run the all-gather exchange, with the same result)"
             ),
-            Some(t) => bail!("--cp-comm-type {t}: use allgather"),
+            Some(t) => bail!("--cp-comm-type {t}: use allgather or p2p"),
         }
         // Megatron's two ways to measure a run, not to be mixed: iterations, or samples (the
         // schedule then in samples as well).
@@ -1574,11 +1577,6 @@ impl Settings {
         if self.hidden_dropout > 0.0 || self.attention_dropout > 0.0 {
             bail!(
                 "--context-parallel-size {cp} with dropout: the masks are drawn along whole sequences, which this split does not reproduce yet; set --hidden-dropout 0 and --attention-dropout 0"
-            );
-        }
-        if self.moe.is_some() {
-            bail!(
-                "--context-parallel-size {cp} with --num-experts: mixture-of-experts layers under context parallelism are not built yet; drop one"
             );
         }
         Ok(())

@@ -391,9 +391,17 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     let dev = paths.device.clone();
     let plan = s.stage_plan(g.pp.rank())?;
     let mut config = s.model_config()?;
-    if let Some(m) = ferrotron_models::moe_spec(&config).filter(|m| m.expert_parallel_size > 1) {
-        // This rank's layers dispatch their tokens over its expert-parallel group.
-        config.layer.mlp = ferrotron_transformer::spec::MlpSpec::Custom(Arc::new(m.with_group(g.ep.clone())));
+    if let Some(m) = ferrotron_models::moe_spec(&config).filter(|m| m.expert_parallel_size > 1 || layout.cp > 1) {
+        // This rank's layers dispatch their tokens over its expert-parallel group, and count a
+        // micro-batch's tokens for the routers' losses over its context-parallel group.
+        let mut m = m.clone();
+        if m.expert_parallel_size > 1 {
+            m = m.with_group(g.ep.clone());
+        }
+        if layout.cp > 1 {
+            m = m.with_context_parallel(g.cp.clone());
+        }
+        config.layer.mlp = ferrotron_transformer::spec::MlpSpec::Custom(Arc::new(m));
     }
     let moe_metrics = ferrotron_models::moe_spec(&config).map(|m| m.metrics.clone());
     let (mut model, mut table) =

@@ -70,6 +70,40 @@ fn context_parallel_layouts_follow_one_rank() {
     }
 }
 
+/// Mixture of experts under context parallelism, alone and with expert parallelism (cp 2 × ep 2:
+/// the expert grid folds cp into expert data parallelism): the same losses, gradient norms and
+/// routers' loss values as one rank (the load-balancing loss counts the micro-batch's tokens over
+/// every cp rank: with the local counts and total its gradient would be twice as large). Every
+/// token takes all four experts (top-4): context parallelism's attention rounds differently from
+/// one rank's, and at top-2 a token whose second and third experts' scores nearly tie can switch
+/// experts (seen: a gradient norm off by 4e-4 at the second step, the losses within 1e-4).
+#[test]
+fn moe_under_context_parallelism_follows_one_rank() {
+    let args = TrainArgs {
+        num_experts: Some(4),
+        moe_router_topk: Some(4),
+        moe_ffn_hidden_size: Some(24),
+        moe_aux_loss_coeff: Some(1e-2),
+        moe_z_loss_coeff: Some(1e-3),
+        global_batch_size: Some(4),
+        micro_batch_size: Some(1),
+        ..tiny_args(true)
+    };
+    let s1 = settings(&args);
+    let one = run(&s1, 1);
+    let mut cp = s1.clone();
+    cp.context_parallel_size = 2;
+    let mut cp_ep = cp.clone();
+    cp_ep.moe.as_mut().unwrap().expert_model_parallel_size = 2;
+    let rl =
+        |r: &Summary| -> Vec<(u64, f64)> { r.router_losses.iter().flat_map(|&(i, lb, z)| [(i, lb), (i, z)]).collect() };
+    for (tag, s, n) in [("moe cp2", &cp, 2), ("moe cp2 × ep2", &cp_ep, 4)] {
+        let r = run(s, n);
+        follows(tag, &r, &one);
+        close(&format!("{tag} router losses"), &rl(&r), &rl(&one));
+    }
+}
+
 /// A run saved under cp 2 × dp 2 (each parameter written once, by the first data × context rank)
 /// resumes on one rank where the one-rank run stood.
 #[test]
@@ -90,7 +124,7 @@ fn a_context_parallel_checkpoint_resumes_on_one_rank() {
 
 #[test]
 fn what_context_parallelism_cannot_split_is_refused_by_name() {
-    let cases: [(TrainArgs, &[&str]); 5] = [
+    let cases: [(TrainArgs, &[&str]); 4] = [
         (TrainArgs { context_parallel_size: Some(3), ..tiny_args(true) }, &["--seq-length 32", "multiple of 6"]),
         (
             TrainArgs { context_parallel_size: Some(2), hidden_dropout: Some(0.1), ..tiny_args(true) },
@@ -101,12 +135,8 @@ fn what_context_parallelism_cannot_split_is_refused_by_name() {
             &["--window-size"],
         ),
         (
-            TrainArgs { context_parallel_size: Some(2), num_experts: Some(4), ..tiny_args(true) },
-            &["--num-experts", "context parallelism"],
-        ),
-        (
-            TrainArgs { context_parallel_size: Some(2), cp_comm_type: Some("p2p".into()), ..tiny_args(true) },
-            &["--cp-comm-type p2p", "allgather"],
+            TrainArgs { context_parallel_size: Some(2), cp_comm_type: Some("a2a".into()), ..tiny_args(true) },
+            &["--cp-comm-type a2a", "allgather"],
         ),
     ];
     for (args, want) in cases {

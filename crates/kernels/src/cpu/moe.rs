@@ -9,7 +9,7 @@
 //!   softmax over all E read at the K places; both times `scale`.
 //! - `router_loss`: the load-balancing loss E / (K·T²) · Σ_e (Σ_n S[n, e]) · c_e (S the softmax over
 //!   all experts, c_e the copies routed to e, T the tokens the counts were taken over) and the
-//!   z-loss mean_n logsumexp(logits_n)²; the gradient `dlogits` of grad_scale · (a·aux + z·zloss)
+//!   z-loss Σ_n logsumexp(logits_n)² / total_tokens (the mean over the micro-batch); the gradient `dlogits` of grad_scale · (a·aux + z·zloss)
 //!   is written (`=`); the counts are constants, as in Megatron.
 //! - `unpermute`: y[n] = Σ_j probs[n, j] · yp[slot[n, j]], summed in j order; its backward writes
 //!   dyp (each row of yp has one reader) and dprobs[n, j] = ⟨yp[slot[n, j]], dy[n]⟩.
@@ -105,7 +105,8 @@ pub fn topk_route_bwd<T: Real>(
 #[derive(Clone, Copy, Debug)]
 pub struct RouterLossCoeffs<T> {
     pub topk: usize,
-    /// Tokens the expert counts were taken over.
+    /// Tokens the expert counts were taken over, and the z-loss's mean's count: the micro-batch's
+    /// (more than these rows when its tokens lie on several context-parallel ranks).
     pub total_tokens: T,
     pub aux: T,
     pub z: T,
@@ -114,7 +115,6 @@ pub struct RouterLossCoeffs<T> {
 
 /// Returns (load-balancing loss, z-loss), both without their coefficients.
 pub fn router_loss<T: Real>(logits: &[T], e: usize, counts: &[T], c: RouterLossCoeffs<T>, dlogits: &mut [T]) -> (T, T) {
-    let n = logits.len() / e.max(1);
     let w = T::c(e as f64) / (T::c(c.topk as f64) * c.total_tokens * c.total_tokens);
     // Per row: (Σ_e S[n, e] c_e, lse_n²), written into dlogits' row as S first.
     let rows: Vec<(T, T)> = dlogits
@@ -123,7 +123,7 @@ pub fn router_loss<T: Real>(logits: &[T], e: usize, counts: &[T], c: RouterLossC
         .map(|(dl, row)| {
             let lse = softmax_row(row, dl);
             let sc: T = dl.iter().zip(counts).map(|(&s, &cnt)| s * cnt).sum();
-            let dz = c.z * T::c(2.0) * lse / T::c(n as f64);
+            let dz = c.z * T::c(2.0) * lse / c.total_tokens;
             // d aux / d logits = S ⊙ (w·c − Σ S w c); d z / d logits = 2·lse·S / N.
             for (o, &cnt) in dl.iter_mut().zip(counts) {
                 let s = *o;
@@ -133,7 +133,7 @@ pub fn router_loss<T: Real>(logits: &[T], e: usize, counts: &[T], c: RouterLossC
         })
         .collect();
     let (sc, z2) = rows.iter().fold((T::zero(), T::zero()), |(a, b), &(x, y)| (a + x, b + y));
-    (w * sc, z2 / T::c(n.max(1) as f64))
+    (w * sc, z2 / c.total_tokens)
 }
 
 pub fn unpermute<T: Real>(yp: &[T], slot: &[u32], probs: &[T], c: usize, k: usize, y: &mut [T]) {

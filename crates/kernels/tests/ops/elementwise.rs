@@ -55,3 +55,27 @@ device_test!(cast_round_trips_through_bf16_and_f16, |dev: &Device| {
     let ids = Tensor::from_vec(vec![1u32, 2], [2], dev).unwrap();
     assert!(k::cast(&ids, DType::F32).is_err());
 });
+
+device_test!(a_reordered_tensor_copies_on_its_own_device, |dev: &Device| {
+    // Outer dimensions swapped (the sequence- and context-parallel reorders: a few long runs,
+    // copied on the device), the last two swapped (runs of one element), in f32, bf16 and u32.
+    let v: Vec<f64> = (0..3 * 4 * 5).map(|i| i as f64).collect();
+    for dt in [DType::F32, DType::BF16] {
+        let x = tensor(dev, &v, &[3, 4, 5], dt);
+        let c = tensor(&Device::Cpu, &v, &[3, 4, 5], dt);
+        for (a, b) in [(0, 1), (1, 2), (0, 2)] {
+            let got = x.transpose(a, b).unwrap().contiguous().unwrap();
+            let want = c.transpose(a, b).unwrap().contiguous().unwrap();
+            assert!(got.device().same(dev), "{dt} transpose({a}, {b}) left its device");
+            assert_eq!(got.dims(), want.dims());
+            assert_eq!(host(&got), host(&want), "{dt} transpose({a}, {b})");
+        }
+        // A view at an offset, reordered: rows 1..3 of the outer dimension.
+        let got = x.narrow0(1..3).unwrap().transpose(0, 1).unwrap().contiguous().unwrap();
+        let want = c.narrow0(1..3).unwrap().transpose(0, 1).unwrap().contiguous().unwrap();
+        assert_eq!(host(&got), host(&want), "{dt} narrowed then transposed");
+    }
+    let ids = ferrotron_core::Tensor::from_vec((0u32..24).collect(), [2, 3, 4], dev).unwrap();
+    let got = ids.transpose(0, 1).unwrap().contiguous().unwrap().to_vec::<u32>().unwrap();
+    assert_eq!(&got[..8], [0, 1, 2, 3, 12, 13, 14, 15]);
+});

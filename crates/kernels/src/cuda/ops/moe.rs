@@ -65,7 +65,8 @@ pub fn moe_router_loss(be: &B, logits: &Tensor, counts: &Tensor, l: &RouterLoss)
         ptr("moe_router_loss", &dl)?,
         ptr("moe_router_loss", &values)?,
         n(e),
-        n(rows),
+        // moe.cu's `n`: the z-loss's mean's count.
+        n(l.total_tokens),
         Arg::F32(w),
         Arg::F32(l.aux_coeff),
         Arg::F32(l.z_coeff),
