@@ -41,6 +41,16 @@ fn a_sharded_save_stores_every_value_once() {
     s4.tensor_model_parallel_size = 2;
     s4.pipeline_model_parallel_size = 2;
     stored_once(&s1, &s4, "tp-pp", 4, 0);
+    // Context parallel 2 × data parallel 2, distributed optimizer: the parameters are replicated
+    // over all four ranks (data × context), so one writes them; the moments are sharded over all.
+    let mut args = tiny_args(true);
+    args.global_batch_size = Some(4);
+    args.micro_batch_size = Some(1);
+    let s1 = settings(&args);
+    let mut s4 = s1.clone();
+    s4.context_parallel_size = 2;
+    s4.use_distributed_optimizer = true;
+    stored_once(&s1, &s4, "cp-dp", 4, 3);
 }
 
 /// Saves `s1` on one rank and `s4` on four, at iteration 4; checks the four-rank checkpoint's
