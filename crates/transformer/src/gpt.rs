@@ -528,22 +528,28 @@ impl GptModel {
         if let Some(e) = &self.embedding {
             e.backward(cx, tokens, &dx)?;
         }
-        if let (Some(pos), Some(pe), Some(_)) = (&saved.positions, self.position_embeddings, &self.cp) {
-            // Two runs of positions per row: the general scatter-add by id.
-            k::embedding_bwd(
-                pos,
-                &dx.reshape([pos.dims()[0], pos.dims()[1], dx.shape().last()])?,
-                &cx.params.grad(pe)?,
-            )?;
-        } else if let (Some(pos), Some(pe)) = (&saved.positions, self.position_embeddings) {
-            // `positions`' ids: start..start + len in every batch row.
+        if let (Some(pos), Some(pe)) = (&saved.positions, self.position_embeddings) {
+            // `positions`' ids: start..start + len of the local rows in every batch row (their
+            // global positions: under context parallelism two runs, split where chunk 2·cp − 1 − r
+            // begins, each summed in position order by the same kernel).
             let (t, len) = (tokens.dims()[1], pos.dims()[1]);
             let start = if self.tp.sp() { self.tp.rank() * self.tp.shard_len(t)? } else { 0 };
-            k::position_embedding_bwd(
-                &dx.reshape([pos.dims()[0], len, dx.shape().last()])?,
-                &cx.params.grad(pe)?,
-                start,
-            )?;
+            let (b, c) = (pos.dims()[0], dx.shape().last());
+            let dx = dx.reshape([b, len, c])?;
+            let grad = cx.params.grad(pe)?;
+            match &self.cp {
+                None => k::position_embedding_bwd(&dx, &grad, start)?,
+                Some(cp) => {
+                    let half = t / 2;
+                    let by_row = dx.transpose(0, 1)?.contiguous()?;
+                    for (lo, hi) in [(start, (start + len).min(half)), (start.max(half), start + len)] {
+                        if lo < hi {
+                            let part = by_row.narrow0(lo - start..hi - start)?.transpose(0, 1)?.contiguous()?;
+                            k::position_embedding_bwd(&part, &grad, cp.position(half, lo))?;
+                        }
+                    }
+                }
+            }
         }
         done(0)?;
         Ok(None)
