@@ -28,7 +28,7 @@ pub use mesh::MeshComm;
 pub use nccl::NcclComm;
 pub use store::{rendezvous, rendezvous_all};
 pub use tcp::tcp_world;
-pub use threads::{all_ok, run_ranks, thread_world};
+pub use threads::{PEER_LEFT, all_ok, run_ranks, thread_world};
 pub use watchdog::Watchdog;
 
 use ferrotron_core::Tensor;

@@ -158,7 +158,9 @@ fn a_rank_that_skips_a_collective_fails_every_rank_by_name() {
 fn a_rank_that_never_comes_times_out_naming_it() {
     let res = run_ranks(3, Duration::from_millis(300), |r, c| -> Result<(), CommError> {
         if r == 1 {
-            return Ok(()); // rank 1 leaves early
+            // Rank 1 is stuck elsewhere (alive, past the others' timeout), then leaves.
+            std::thread::sleep(Duration::from_millis(1500));
+            return Ok(());
         }
         c.all_reduce(&t(&[1.0], DType::F32), ReduceOp::Sum)
     });
@@ -166,4 +168,27 @@ fn a_rank_that_never_comes_times_out_naming_it() {
         let e = res[r].as_ref().unwrap().as_ref().unwrap_err();
         assert!(matches!(e, CommError::Timeout { op: "all_reduce", missing, .. } if missing == &vec![1]), "{e}");
     }
+}
+
+/// A thread rank whose work ends (here with an error, before a collective the others are in)
+/// makes their waits for it fail at once, naming it, rather than after the timeout (an hour
+/// here: were the notice missing, the test would hang); `all_ok` reports the rank's own error
+/// over the others' "it left".
+#[test]
+fn a_rank_that_fails_releases_the_others_at_once() {
+    let res = run_ranks(3, Duration::from_secs(3600), |r, c| -> Result<(), CommError> {
+        let x = t(&[1.0], DType::F32);
+        c.all_reduce(&x, ReduceOp::Sum)?;
+        if r == 2 {
+            return Err(CommError::Env("rank 2's own failure".into()));
+        }
+        c.all_reduce(&x, ReduceOp::Sum)
+    });
+    for r in [0, 1] {
+        let e = res[r].as_ref().unwrap().as_ref().unwrap_err();
+        assert!(matches!(e, CommError::Link { op: "all_reduce", peer: 2, .. }), "rank {r}: {e}");
+        assert!(e.to_string().contains(ferrotron_comm::PEER_LEFT), "rank {r}: {e}");
+    }
+    let e = all_ok(res).unwrap_err();
+    assert!(e.starts_with("rank 2:") && e.contains("own failure"), "{e}");
 }

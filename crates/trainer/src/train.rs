@@ -257,14 +257,19 @@ fn train_ranks(s: &Settings, paths: &Paths) -> anyhow::Result<Summary> {
         Launch::Threads(n) => {
             let results =
                 run_ranks(*n, paths.timeout, |_, world| train_rank(s, paths, world).map_err(|e| format!("{e:#}")));
+            // The first error a rank had of its own: the others' then only say that it left.
             let mut summary = None;
+            let mut failures = vec![];
             for (r, res) in results.into_iter().enumerate() {
                 match res {
                     Ok(Ok(sm)) if r == 0 => summary = Some(sm),
                     Ok(Ok(_)) => {}
-                    Ok(Err(e)) => bail!("rank {r}: {e}"),
-                    Err(p) => bail!("rank {r} panicked: {p}"),
+                    Ok(Err(e)) => failures.push(format!("rank {r}: {e}")),
+                    Err(p) => failures.push(format!("rank {r} panicked: {p}")),
                 }
+            }
+            if let Some(first) = failures.iter().find(|e| !e.contains(ferrotron_comm::PEER_LEFT)).or(failures.first()) {
+                bail!("{first}");
             }
             summary.context("rank 0 returned nothing")
         }
