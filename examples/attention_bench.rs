@@ -59,6 +59,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 base: 0,
                 batch_stride: k::AttnDropout::blocks_per_sample(h, t, t),
                 head_offset: 0,
+                tiles: None,
             });
             let cfg = AttnCfg { causal: true, window: None, scale: None, dropout };
             let mk = |salt: usize| {

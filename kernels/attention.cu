@@ -25,7 +25,14 @@ struct AttnDrop {
     u32 thr;
     float scale;
     const unsigned long long* shift;
+    // The whole mask's query and key tile counts when the call is one block of it (context
+    // parallelism; cpu/attention.rs `AttnDropout::tiles`), else 0: the call's ⌈t/16⌉, ⌈sl/16⌉.
+    unsigned long long tiles_t, tiles_s;
 };
+// Key tiles a row of the mask spans (the stride from one query tile row to the next).
+__device__ __forceinline__ unsigned long long drop_key_tiles(const AttnDrop& d, long sl) {
+    return d.tiles_s ? d.tiles_s : (unsigned long long)(sl + 15) / 16;
+}
 __device__ __forceinline__ AttnDrop drop_shifted(AttnDrop d) {
     if (d.shift) d.base += *d.shift * d.bstride;
     return d;
@@ -33,7 +40,7 @@ __device__ __forceinline__ AttnDrop drop_shifted(AttnDrop d) {
 // Block of the first probabilities of the 16 × 16 tile (ti, tj) of local head h of batch row b.
 __device__ __forceinline__ unsigned long long drop_tile(const AttnDrop& d, long b, long h, long ti, long tj, long t,
                                                         long sl) {
-    const unsigned long long tt = (t + 15) / 16, st = (sl + 15) / 16;
+    const unsigned long long tt = d.tiles_t ? d.tiles_t : (t + 15) / 16, st = drop_key_tiles(d, sl);
     return d.base + (unsigned long long)b * d.bstride + ((d.hoff + h) * tt + ti) * st * 32 + (unsigned long long)tj * 32;
 }
 // The multiplier of half `hi` (0 or 1) of word w.

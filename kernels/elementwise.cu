@@ -88,7 +88,8 @@ extern "C" __global__ void __launch_bounds__(256) bias_grad_##s##_v8(const T* dy
 FOR_TYPES(ELEMENTWISE_V8)
 
 // Dropout (the host's dropout.rs has the rule): element j of batch row b keeps v / (1 − p) unless
-// the top 24 bits of Philox-4x32-10 word base + b · bstride + off + j of (seed, stream) are below
+// the top 24 bits of Philox-4x32-10 word base + b · bstride + off + j (from j = at on: off2 + j −
+// at, a context-parallel rank's second chunk) of (seed, stream) are below
 // `thr` (⌈p · 2²⁴⌉); `shift` (or null) as attention.cu `AttnDrop`'s: samples added to the first. The same rounds and word order as ferrotron_core::rng::Philox, so the mask is
 // the CPU's, bit for bit.
 __device__ __forceinline__ u32 philox_word(unsigned long long seed, unsigned long long stream, unsigned long long w) {
@@ -97,9 +98,10 @@ __device__ __forceinline__ u32 philox_word(unsigned long long seed, unsigned lon
 #define DROPOUT(s, T) \
 extern "C" __global__ void dropout_##s(const T* x, T* y, long n, long row, unsigned long long seed, \
         unsigned long long stream, unsigned long long base, unsigned long long bstride, unsigned long long off, \
-        long thr, float scale, const unsigned long long* shift) { \
+        long thr, float scale, const unsigned long long* shift, long at, unsigned long long off2) { \
     if (shift) base += *shift * bstride; \
     GRID_STRIDE(i, n) { const long b = i / row, j = i - b * row; \
-        const u32 u = philox_word(seed, stream, base + (unsigned long long)b * bstride + off + (unsigned long long)j); \
+        const unsigned long long within = j < at ? off + (unsigned long long)j : off2 + (unsigned long long)(j - at); \
+        const u32 u = philox_word(seed, stream, base + (unsigned long long)b * bstride + within); \
         st(y, i, (long)(u >> 8) >= thr ? ld(x, i) * scale : 0.f); } }
 FOR_TYPES(DROPOUT)

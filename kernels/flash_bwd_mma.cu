@@ -250,7 +250,7 @@ __device__ __forceinline__ void p_ds_t(float (*st)[4], float (*dpt)[4], const fl
 __device__ __forceinline__ u32 drop_dpt(const AttnDrop& dr, float (*dpt)[4], unsigned long long tile, long sl, int g,
                                         int tg) {
     u32 keep = 0;
-    drop_frag<true, 8>(dr, tile, (sl + 15) / 16 * 32, g, tg, [&](int nb, int e, float mul) {
+    drop_frag<true, 8>(dr, tile, drop_key_tiles(dr, sl) * 32, g, tg, [&](int nb, int e, float mul) {
         dpt[nb][e] *= mul;
         keep |= (mul != 0.f ? 1u : 0u) << (nb * 4 + e);
     });

@@ -1,5 +1,6 @@
 //! Dropout by a counter-based mask: element j of batch row b keeps its value, scaled by
-//! 1 / (1 − p), unless Philox word `base + b · batch_stride + offset + j` of the key's (seed,
+//! 1 / (1 − p), unless Philox word `base + b · batch_stride + offset + j` (past a `DropSplit`,
+//! `split.offset + j − split.at`) of the key's (seed,
 //! stream), as a uniform in [0, 1) with 24 bits, is below p. The mask is a pure function of the
 //! key and the element's place, so the backward (the same op on dy), a recomputed forward and a
 //! run on another layout (the key's words indexed by global sample, position and column) all
@@ -22,6 +23,28 @@ pub struct DropoutKey {
     pub batch_stride: u64,
     /// Word of this tensor's first element within its row (the shard's start).
     pub offset: u64,
+    /// Where this tensor's row jumps to another place in the whole row, or None (a context-
+    /// parallel rank's rows are two chunks of each sequence, far apart).
+    pub split: Option<DropSplit>,
+}
+
+/// Elements from `at` on (within this tensor's row) take words from `offset` on in the whole row;
+/// the ones before, from `DropoutKey::offset` on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DropSplit {
+    pub at: u64,
+    pub offset: u64,
+}
+
+impl DropoutKey {
+    /// The word of element j of batch row b.
+    pub fn word(&self, b: u64, j: u64) -> u64 {
+        let within = match self.split {
+            Some(s) if j >= s.at => s.offset.wrapping_add(j - s.at),
+            _ => self.offset.wrapping_add(j),
+        };
+        self.base.wrapping_add(b.wrapping_mul(self.batch_stride)).wrapping_add(within)
+    }
 }
 
 /// The samples by which a replayed CUDA graph's step is ahead of the step it captured: the dropout
@@ -89,9 +112,8 @@ pub fn dropout(x: &Tensor, p: f32, key: &DropoutKey) -> Result<Tensor> {
     let mut y = x.read_f32()?.to_vec();
     y.par_chunks_mut(row.max(1)).enumerate().for_each(|(b, r)| {
         // Wrapping, as the CUDA kernel's 64-bit arithmetic does.
-        let start = key.base.wrapping_add((b as u64).wrapping_mul(key.batch_stride)).wrapping_add(key.offset);
         for (j, v) in r.iter_mut().enumerate() {
-            *v = if keep(rng.u32_at(start.wrapping_add(j as u64)), t) { *v * scale } else { 0.0 };
+            *v = if keep(rng.u32_at(key.word(b as u64, j as u64)), t) { *v * scale } else { 0.0 };
         }
     });
     check::out(y, x.shape().clone(), x.dtype(), x.device())
@@ -109,7 +131,7 @@ mod tests {
 
     #[test]
     fn drops_about_p_scales_the_rest_and_the_backward_draws_the_same_mask() {
-        let key = DropoutKey { seed: 5, stream: 9, base: 1000, batch_stride: 4096, offset: 0 };
+        let key = DropoutKey { seed: 5, stream: 9, base: 1000, batch_stride: 4096, offset: 0, split: None };
         let x = ones(&[4, 4096]);
         let y = dropout(&x, 0.25, &key).unwrap().to_vec_f32().unwrap();
         let dropped = y.iter().filter(|&&v| v == 0.0).count() as f64 / y.len() as f64;
@@ -123,10 +145,33 @@ mod tests {
     }
 
     #[test]
+    fn a_split_row_draws_the_whole_rows_words_of_both_chunks() {
+        // A [2, 8, 3] tensor as 4 chunks of 2 positions; a context-parallel rank holding chunks
+        // 1 and 2 ([2, 4, 3]: positions 2, 3 then 4, 5) draws the whole tensor's mask there, as
+        // does the rank holding chunks 0 and 3 (positions 0, 1 then 6, 7).
+        let key = DropoutKey { seed: 3, stream: 4, base: 9, batch_stride: 24, offset: 0, split: None };
+        let whole = dropout(&ones(&[2, 8, 3]), 0.5, &key).unwrap().to_vec_f32().unwrap();
+        for (first, second) in [(1usize, 2usize), (0, 3)] {
+            let k = DropoutKey {
+                offset: (first * 6) as u64,
+                split: Some(DropSplit { at: 6, offset: (second * 6) as u64 }),
+                ..key
+            };
+            let part = dropout(&ones(&[2, 4, 3]), 0.5, &k).unwrap().to_vec_f32().unwrap();
+            for b in 0..2 {
+                let row = &whole[b * 24..(b + 1) * 24];
+                let want: Vec<f32> =
+                    row[first * 6..first * 6 + 6].iter().chain(&row[second * 6..second * 6 + 6]).copied().collect();
+                assert_eq!(part[b * 12..(b + 1) * 12], want, "chunks {first} and {second}");
+            }
+        }
+    }
+
+    #[test]
     fn a_shard_draws_its_part_of_the_whole_mask() {
         // A [2, 8, 3] tensor split along its second dim in two (sequence parallel): each half,
         // keyed by its offset in the row, holds the whole tensor's mask for its rows.
-        let key = DropoutKey { seed: 1, stream: 2, base: 77, batch_stride: 24, offset: 0 };
+        let key = DropoutKey { seed: 1, stream: 2, base: 77, batch_stride: 24, offset: 0, split: None };
         let whole = dropout(&ones(&[2, 8, 3]), 0.5, &key).unwrap().to_vec_f32().unwrap();
         for half in 0..2 {
             let k = DropoutKey { offset: (half * 12) as u64, ..key };
@@ -143,7 +188,7 @@ mod tests {
 
     #[test]
     fn a_rate_outside_zero_to_one_is_an_error_naming_it() {
-        let key = DropoutKey { seed: 0, stream: 0, base: 0, batch_stride: 1, offset: 0 };
+        let key = DropoutKey { seed: 0, stream: 0, base: 0, batch_stride: 1, offset: 0, split: None };
         for p in [1.0, -0.1, f32::NAN] {
             let e = dropout(&ones(&[1, 4]), p, &key).unwrap_err().to_string();
             assert!(e.contains("outside [0, 1)"), "{e}");

@@ -14,7 +14,9 @@
 //! The chunk results merge by their log-sum-exps (`k::attention_merge_`). The backward gathers
 //! K and V again (nothing gathered is kept), runs each block's backward from the merged output
 //! and log-sum-exp (exact: a block's probabilities are the whole softmax's on its keys), and
-//! reduce-scatters the key and value gradients back to the ranks that own those rows.
+//! reduce-scatters the key and value gradients back to the ranks that own those rows. Attention
+//! dropout draws the whole sequence's mask: each block's key points at its tiles of it
+//! (`AttnDropout::tiles`; chunks of a multiple of 16 tokens).
 //!
 //! Shapes: q, o, dq [B, 2c, Hq, D]; k, v, dk, dv [B, 2c, Hkv, D]; the lse this forward returns
 //! is [2, B, Hq, c] (chunk-major, for its backward; not `k::attention_fwd`'s layout). Inside,
@@ -25,7 +27,7 @@ use crate::comm_err;
 use crate::groups::Comm;
 use ferrotron_comm::ReduceOp;
 use ferrotron_core::{DType, Result, Tensor, invalid, shape_mismatch};
-use ferrotron_kernels::{self as k, AttnCfg, RopeCfg, RopeSplit};
+use ferrotron_kernels::{self as k, AttnCfg, AttnDropout, RopeCfg, RopeSplit};
 
 #[derive(Clone)]
 pub struct ContextParallel {
@@ -99,15 +101,39 @@ impl ContextParallel {
         RopeCfg { pos0: cfg.pos0 + a * c, split: Some(RopeSplit { at: c, pos: cfg.pos0 + b * c }), ..*cfg }
     }
 
-    /// What the core attention accepts under context parallelism: causal, no window, no dropout.
-    fn check_cfg(&self, op: &'static str, cfg: &AttnCfg) -> Result<()> {
-        if !cfg.causal || cfg.window.is_some() || cfg.dropout.is_some_and(|d| d.p > 0.0) {
+    /// What the core attention accepts under context parallelism: causal, no window; with
+    /// dropout, chunks of c a multiple of 16 tokens (a block then covers whole tiles of the
+    /// sequence's mask).
+    fn check_cfg(&self, op: &'static str, cfg: &AttnCfg, c: usize) -> Result<()> {
+        if !cfg.causal || cfg.window.is_some() {
             return Err(invalid(
                 op,
-                "context parallelism splits causal attention without a sliding window or attention dropout: turn those off or set --context-parallel-size 1",
+                "context parallelism splits causal attention without a sliding window: drop the window or set --context-parallel-size 1",
+            ));
+        }
+        if cfg.dropout.is_some() && c % 16 != 0 {
+            return Err(invalid(
+                op,
+                format!(
+                    "attention dropout under --context-parallel-size {} needs chunks of a multiple of 16 tokens (they are {c}): make --seq-length a multiple of {}",
+                    self.size(),
+                    32 * self.size()
+                ),
             ));
         }
         Ok(())
+    }
+
+    /// The settings of the block of query chunk `p` against key chunk `pk` (global indices, c
+    /// tokens each): causal on the diagonal, whole below it; dropout drawn from the whole
+    /// sequence's mask, at the block's tiles.
+    fn block_cfg(&self, cfg: &AttnCfg, p: usize, pk: usize, c: usize) -> AttnCfg {
+        let dropout = cfg.dropout.map(|d| {
+            let tiles = (2 * self.size() * c).div_ceil(16) as u64;
+            let first = ((p * c / 16) as u64).wrapping_mul(tiles).wrapping_add((pk * c / 16) as u64);
+            AttnDropout { base: d.base.wrapping_add(first.wrapping_mul(32)), tiles: Some((tiles, tiles)), ..d }
+        });
+        AttnCfg { causal: p == pk, dropout, ..*cfg }
     }
 
     /// K or V of every rank, chunk-major: [2·cp, B, c, H, D] (rank j's chunk g at 2j + g).
@@ -120,15 +146,15 @@ impl ContextParallel {
         Ok(all)
     }
 
-    /// The (key rank, key chunk, causal) blocks that query chunk `h` of this rank sees, the
-    /// diagonal (its own chunk, causal) first.
-    fn blocks(&self, h: usize) -> Vec<(usize, usize, bool)> {
+    /// The (key rank, key chunk) blocks that query chunk `h` of this rank sees, the diagonal (its
+    /// own chunk, causal) first, then every chunk before it (whole).
+    fn blocks(&self, h: usize) -> Vec<(usize, usize)> {
         let p = self.chunks()[h];
-        let mut out = vec![(self.rank(), h, true)];
+        let mut out = vec![(self.rank(), h)];
         for j in 0..self.size() {
             for (g, pj) in chunks_of(j, self.size()).into_iter().enumerate() {
                 if pj < p {
-                    out.push((j, g, false));
+                    out.push((j, g));
                 }
             }
         }
@@ -139,19 +165,20 @@ impl ContextParallel {
     /// [2, B, Hq, c]).
     pub fn attention_fwd(&self, q: &Tensor, kk: &Tensor, v: &Tensor, cfg: &AttnCfg) -> Result<(Tensor, Tensor)> {
         const OP: &str = "context-parallel attention_fwd";
-        self.check_cfg(OP, cfg)?;
         let [b, t, hq, d] = dims4(OP, q)?;
+        self.check_cfg(OP, cfg, t / 2)?;
         let (q_cm, k_cm, v_cm) = (chunk_major(q)?, chunk_major(kk)?, chunk_major(v)?);
         let (k_all, v_all) = (self.gather(&k_cm)?, self.gather(&v_cm)?);
         let c = t / 2;
         let o_cm = Tensor::empty([2, b, c, hq, d], DType::F32, q.device())?;
         let lse_cm = Tensor::empty([2, b, hq, c], DType::F32, q.device())?;
-        let full = AttnCfg { causal: false, ..*cfg };
+        let n = self.size();
         for h in 0..2 {
             let (qh, oh, lh) = (chunk(&q_cm, h)?, chunk(&o_cm, h)?, chunk(&lse_cm, h)?);
-            for (i, (j, g, causal)) in self.blocks(h).into_iter().enumerate() {
+            for (i, (j, g)) in self.blocks(h).into_iter().enumerate() {
                 let (kb, vb) = (chunk(&k_all, 2 * j + g)?, chunk(&v_all, 2 * j + g)?);
-                let (o, lse) = k::attention_fwd(&qh, &kb, &vb, if causal { cfg } else { &full })?;
+                let bc = self.block_cfg(cfg, self.chunks()[h], chunks_of(j, n)[g], c);
+                let (o, lse) = k::attention_fwd(&qh, &kb, &vb, &bc)?;
                 if i == 0 {
                     k::copy_(&oh, &o)?;
                     k::copy_(&lh, &lse)?;
@@ -177,10 +204,10 @@ impl ContextParallel {
         cfg: &AttnCfg,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         const OP: &str = "context-parallel attention_bwd";
-        self.check_cfg(OP, cfg)?;
         let [b, t, hq, d] = dims4(OP, q)?;
         let [_, _, hkv, _] = dims4(OP, kk)?;
         let c = t / 2;
+        self.check_cfg(OP, cfg, c)?;
         if lse.dims() != [2, b, hq, c] {
             return Err(shape_mismatch(OP, format!("lse [2, {b}, {hq}, {c}] (the forward's)"), lse.dims()));
         }
@@ -192,14 +219,14 @@ impl ContextParallel {
         let dq_cm = Tensor::zeros([2, b, c, hq, d], DType::F32, dev)?;
         let dk_all = Tensor::zeros([2 * n, b, c, hkv, d], DType::F32, dev)?;
         let dv_all = Tensor::zeros([2 * n, b, c, hkv, d], DType::F32, dev)?;
-        let full = AttnCfg { causal: false, ..*cfg };
         for h in 0..2 {
             let (qh, oh, lh, doh, dqh) =
                 (chunk(&q_cm, h)?, chunk(&o_cm, h)?, chunk(lse, h)?, chunk(&do_cm, h)?, chunk(&dq_cm, h)?);
-            for (j, g, causal) in self.blocks(h) {
+            for (j, g) in self.blocks(h) {
                 let kv = 2 * j + g;
                 let (kb, vb) = (chunk(&k_all, kv)?, chunk(&v_all, kv)?);
-                let (dq, dk, dv) = k::attention_bwd(&qh, &kb, &vb, &oh, &lh, &doh, if causal { cfg } else { &full })?;
+                let bc = self.block_cfg(cfg, self.chunks()[h], chunks_of(j, n)[g], c);
+                let (dq, dk, dv) = k::attention_bwd(&qh, &kb, &vb, &oh, &lh, &doh, &bc)?;
                 k::add_(&dqh, &dq)?;
                 k::add_(&chunk(&dk_all, kv)?, &dk)?;
                 k::add_(&chunk(&dv_all, kv)?, &dv)?;

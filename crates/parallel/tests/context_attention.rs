@@ -5,7 +5,7 @@
 
 use ferrotron_comm::{all_ok, run_ranks};
 use ferrotron_core::{DType, Device, Tensor, rng::Philox};
-use ferrotron_kernels::{self as k, AttnCfg, RopeCfg};
+use ferrotron_kernels::{self as k, AttnCfg, AttnDropout, RopeCfg};
 use ferrotron_parallel::ContextParallel;
 use std::time::Duration;
 
@@ -52,15 +52,29 @@ fn every_rank_gets_its_rows_of_whole_sequence_attention_on_a_gpu() {
 
 fn rows_of_whole_sequence_attention(dev: &Device, dtype: DType, tol: f32) {
     let cpu = Device::Cpu;
-    let cfg = AttnCfg::default();
     let shapes = [
-        (2usize, 2usize, 8usize, 4usize, 2usize, 8usize),
-        (4, 1, 16, 2, 1, 4),
-        (3, 2, 12, 2, 2, 4),
-        // Head dim 64: the GPU's flash kernels on 64-row chunks.
-        (2, 1, 256, 4, 2, 64),
+        (2usize, 2usize, 8usize, 4usize, 2usize, 8usize, false),
+        (4, 1, 16, 2, 1, 4, false),
+        (3, 2, 12, 2, 2, 4, false),
+        // Attention dropout (chunks of 16: each block whole tiles of the sequence's mask).
+        (2, 2, 64, 4, 2, 8, true),
+        // Head dim 64: the GPU's flash kernels on 64-row chunks, without and with dropout.
+        (2, 1, 256, 4, 2, 64, false),
+        (2, 1, 256, 4, 2, 64, true),
     ];
-    for (cp, b, t, hq, hkv, d) in shapes {
+    for (cp, b, t, hq, hkv, d, drop) in shapes {
+        // The whole sequence's mask: the same key on one rank and on every cp rank.
+        let batch_stride = AttnDropout::blocks_per_sample(hq, t, t);
+        let dropout = AttnDropout {
+            p: 0.2,
+            seed: 5,
+            stream: 6,
+            base: 3 * batch_stride,
+            batch_stride,
+            head_offset: 0,
+            tiles: None,
+        };
+        let cfg = AttnCfg { dropout: drop.then_some(dropout), ..AttnCfg::default() };
         let (nq, nk) = (b * t * hq * d, b * t * hkv * d);
         let (q, kk, v, dout) = (normal(nq, 1), normal(nk, 2), normal(nk, 3), normal(nq, 4));
         // One rank: the whole sequence, with RoPE at positions 0..t.
@@ -96,7 +110,13 @@ fn rows_of_whole_sequence_attention(dev: &Device, dtype: DType, tol: f32) {
         .unwrap();
         for (r, parts) in ranks.iter().enumerate() {
             for ((got, want), what) in parts.iter().zip(["o", "dq", "dk", "dv"]) {
-                close(got, want, tol, dtype == DType::F32, &format!("{dev} {dtype} cp {cp} rank {r} {what}"));
+                close(
+                    got,
+                    want,
+                    tol,
+                    dtype == DType::F32,
+                    &format!("{dev} {dtype} cp {cp} dropout {drop} rank {r} {what}"),
+                );
             }
         }
     }

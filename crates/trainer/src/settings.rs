@@ -1574,9 +1574,11 @@ impl Settings {
                 "--context-parallel-size {cp} with --window-size: sliding-window attention is not split over context-parallel ranks; drop one"
             );
         }
-        if self.hidden_dropout > 0.0 || self.attention_dropout > 0.0 {
+        if self.attention_dropout > 0.0 && (self.seq_length / (2 * cp)) % 16 != 0 {
             bail!(
-                "--context-parallel-size {cp} with dropout: the masks are drawn along whole sequences, which this split does not reproduce yet; set --hidden-dropout 0 and --attention-dropout 0"
+                "--attention-dropout with --context-parallel-size {cp}: each rank's chunks must be a multiple of 16 tokens to draw the whole sequence's mask (they are {}): make --seq-length a multiple of {}",
+                self.seq_length / (2 * cp),
+                32 * cp
             );
         }
         Ok(())

@@ -70,6 +70,30 @@ fn context_parallel_layouts_follow_one_rank() {
     }
 }
 
+/// Hidden and attention dropout under context parallelism (GPT-2's 0.1 each): each rank draws the
+/// whole sequence's masks at its chunks' places (hidden: by position; attention: the mask's tiles
+/// of each chunk block), so cp 2 and cp 2 × sequence-parallel tp 2 train as one rank does.
+#[test]
+fn dropout_under_context_parallelism_follows_one_rank() {
+    let args = TrainArgs {
+        seq_length: Some(64),
+        max_position_embeddings: Some(64),
+        hidden_dropout: Some(0.1),
+        attention_dropout: Some(0.1),
+        ..tiny_args(false)
+    };
+    let s1 = settings(&args);
+    let one = run(&s1, 1);
+    let mut cp = s1.clone();
+    cp.context_parallel_size = 2;
+    let mut cp_tp = cp.clone();
+    cp_tp.tensor_model_parallel_size = 2;
+    cp_tp.sequence_parallel = true;
+    for (tag, s, n) in [("dropout cp2", &cp, 2), ("dropout cp2 × tp2 sp", &cp_tp, 4)] {
+        follows(tag, &run(s, n), &one);
+    }
+}
+
 /// Mixture of experts under context parallelism, alone and with expert parallelism (cp 2 × ep 2:
 /// the expert grid folds cp into expert data parallelism): the same losses, gradient norms and
 /// routers' loss values as one rank (the load-balancing loss counts the micro-batch's tokens over
@@ -127,8 +151,8 @@ fn what_context_parallelism_cannot_split_is_refused_by_name() {
     let cases: [(TrainArgs, &[&str]); 4] = [
         (TrainArgs { context_parallel_size: Some(3), ..tiny_args(true) }, &["--seq-length 32", "multiple of 6"]),
         (
-            TrainArgs { context_parallel_size: Some(2), hidden_dropout: Some(0.1), ..tiny_args(true) },
-            &["--hidden-dropout 0"],
+            TrainArgs { context_parallel_size: Some(2), attention_dropout: Some(0.1), ..tiny_args(true) },
+            &["--attention-dropout", "multiple of 64"],
         ),
         (
             TrainArgs { context_parallel_size: Some(2), window_size: Some("(8,0)".into()), ..tiny_args(true) },

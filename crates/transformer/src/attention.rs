@@ -191,7 +191,10 @@ impl SelfAttention {
                 "a training micro-batch without its sample index: build it with Batch::with_draw (or set --attention-dropout 0)",
             ));
         };
-        let batch_stride = AttnDropout::blocks_per_sample(dr.heads_total, t, t);
+        // The whole sequence's mask (under context parallelism `ContextParallel` picks each
+        // chunk block's tiles of it).
+        let whole = t * self.cp.as_ref().map_or(1, |c| c.size());
+        let batch_stride = AttnDropout::blocks_per_sample(dr.heads_total, whole, whole);
         let dropout = AttnDropout {
             p: dr.p,
             seed: draw.seed,
@@ -199,6 +202,7 @@ impl SelfAttention {
             base: draw.first_sample.wrapping_mul(batch_stride),
             batch_stride,
             head_offset: dr.head_offset as u64,
+            tiles: None,
         };
         Ok(AttnCfg { dropout: Some(dropout), ..self.attn })
     }

@@ -2,13 +2,13 @@
 //! and on the embedding's output, in training only. The mask's random words are indexed by global
 //! sample, position and column from the micro-batch's `Draw`, with one Philox stream per site (a
 //! hash of its name, the layer's global index in it), so one rank and any layout (data-parallel
-//! ranks, micro-batches, pipeline stages, sequence-parallel shards) draw the same mask for the same
+//! ranks, micro-batches, pipeline stages, sequence-parallel shards, context-parallel chunks) draw the same mask for the same
 //! sample, the backward and a recomputed forward draw it again, and nothing is saved for it.
 
 use ferrotron_core::rng::fnv1a64;
 use ferrotron_core::{Cx, Result, Tensor, invalid};
 use ferrotron_kernels as k;
-use ferrotron_parallel::TensorParallel;
+use ferrotron_parallel::{ContextParallel, TensorParallel};
 
 /// One site's dropout: the rate, its stream, the hidden size, and (sequence parallel) which
 /// part of each sequence this rank holds: (tensor-parallel rank, size).
@@ -18,6 +18,9 @@ pub struct HiddenDropout {
     stream: u64,
     hidden: usize,
     shard: Option<(usize, usize)>,
+    /// Context parallelism: the rows are two chunks of each sequence (their words are the whole
+    /// sequence's).
+    cp: Option<ContextParallel>,
 }
 
 impl HiddenDropout {
@@ -28,7 +31,13 @@ impl HiddenDropout {
             stream: fnv1a64(site),
             hidden,
             shard: tp.sp().then(|| (tp.rank(), tp.size())),
+            cp: None,
         })
+    }
+
+    /// Draws the masks of this rank's chunks of each sequence (more than one cp rank).
+    pub fn set_context_parallel(&mut self, cp: &ContextParallel) {
+        self.cp = (cp.size() > 1).then(|| cp.clone());
     }
 
     /// x [B, T (or this rank's T / tp under sequence parallelism), hidden] with the mask applied
@@ -51,14 +60,26 @@ impl HiddenDropout {
             ));
         }
         let (rank, size) = self.shard.unwrap_or((0, 1));
-        let local = (dims[1] * self.hidden) as u64;
-        let row = local * size as u64;
+        let (rows, h) = (dims[1], self.hidden as u64);
+        // This tensor's first row in the rank's sequence, and that sequence's length.
+        let (first, held) = (rank * rows, rows * size);
+        let (row, offset, split) = match &self.cp {
+            None => ((held as u64) * h, first as u64 * h, None),
+            Some(cp) => {
+                // Rows first.. of the rank's two chunks of c; rows from c on are the second.
+                let c = held / 2;
+                let at = (first < c && first + rows > c)
+                    .then(|| k::DropSplit { at: ((c - first) as u64) * h, offset: cp.position(c, c) as u64 * h });
+                ((held * cp.size()) as u64 * h, cp.position(c, first) as u64 * h, at)
+            }
+        };
         let key = k::DropoutKey {
             seed: draw.seed,
             stream: self.stream,
             base: draw.first_sample.wrapping_mul(row),
             batch_stride: row,
-            offset: rank as u64 * local,
+            offset,
+            split,
         };
         k::dropout(x, self.p, &key)
     }

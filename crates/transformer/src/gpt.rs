@@ -298,26 +298,24 @@ impl GptModel {
         Ok((model, table))
     }
 
-    /// Splits every sequence over `cp`'s ranks (nothing changes at size 1). Refused where the
-    /// split would change the result: a sliding window, hidden or attention dropout (their masks
-    /// are drawn by position along the whole sequence).
+    /// Splits every sequence over `cp`'s ranks (nothing changes at size 1). Dropout masks stay
+    /// the whole sequence's (hidden: by position; attention: the whole mask's tiles, which needs
+    /// chunks of a multiple of 16 tokens). Refused with a sliding window.
     pub fn set_context_parallel(&mut self, cp: ContextParallel) -> Result<()> {
         if cp.size() == 1 {
             return Ok(());
         }
-        let c = &self.config;
-        let why = if c.layer.attention.window.is_some() {
-            Some("a sliding window (--window-size)")
-        } else if c.hidden_dropout > 0.0 || c.attention_dropout > 0.0 {
-            Some("dropout (--hidden-dropout, --attention-dropout): set both to 0")
-        } else {
-            None
-        };
-        if let Some(why) = why {
-            return Err(ModelError::Config(format!("--context-parallel-size {} is not built with {why}", cp.size())));
+        if self.config.layer.attention.window.is_some() {
+            return Err(ModelError::Config(format!(
+                "--context-parallel-size {} is not built with a sliding window (--window-size)",
+                cp.size()
+            )));
         }
         for l in self.chunks.iter_mut().flat_map(|b| b.layers.iter_mut()) {
-            l.self_attention.cp = Some(cp.clone());
+            l.set_context_parallel(&cp);
+        }
+        if let Some(d) = self.embedding_dropout.as_mut() {
+            d.set_context_parallel(&cp);
         }
         self.cp = Some(cp);
         Ok(())

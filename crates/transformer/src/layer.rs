@@ -88,6 +88,17 @@ impl TransformerLayer {
     }
 }
 
+impl TransformerLayer {
+    /// Under context parallelism (more than one rank): the attention over the whole sequence and
+    /// the hidden dropouts' masks of this rank's chunks.
+    pub fn set_context_parallel(&mut self, cp: &ferrotron_parallel::ContextParallel) {
+        self.self_attention.cp = (cp.size() > 1).then(|| cp.clone());
+        for d in [&mut self.attention_dropout_out, &mut self.mlp_dropout_out].into_iter().flatten() {
+            d.set_context_parallel(cp);
+        }
+    }
+}
+
 /// The residual stream between layers: a tensor, or a layer's output x1 + m not yet summed (the
 /// next norm adds it in its own kernel: one pass over the activations fewer per layer).
 pub enum Residual {

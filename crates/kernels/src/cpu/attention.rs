@@ -43,6 +43,8 @@ pub struct AttnMask {
 ///
 /// `base + b · batch_stride + ((H · ⌈T/16⌉ + ⌊i/16⌋) · ⌈S/16⌉ + ⌊j/16⌋) · 32 + (i mod 8) · 4 + (j mod 8) div 2`
 ///
+/// (with `tiles`, its two counts in place of ⌈T/16⌉ and ⌈S/16⌉)
+///
 /// (H = head_offset + h), a block of Philox-4x32-7 ([`AttnDropout::PHILOX_ROUNDS`]): probability
 /// (i, j) is half `j mod 2` (low 16 bits first) of word `((i mod 16) div 8) · 2 + (j mod 16) div 8`.
 /// Why this grouping: a tensor core's accumulator fragment gives each thread rows {r, r + 8} and
@@ -63,6 +65,10 @@ pub struct AttnDropout {
     pub batch_stride: u64,
     /// The global index of this tensor's head 0 (tensor parallelism splits the heads).
     pub head_offset: u64,
+    /// The (query, key) tile counts of the whole mask this call's probabilities lie in, when the
+    /// call is one block of it (context parallelism: a query chunk against a key chunk, `base`
+    /// then pointing at the block's first tile); None: ⌈T/16⌉ and ⌈S/16⌉ of the call itself.
+    pub tiles: Option<(u64, u64)>,
 }
 
 impl AttnDropout {
@@ -85,12 +91,12 @@ impl AttnDropout {
         let m = |w: u32, half: usize| if crate::dropout::keep16(w, half, thr) { scale } else { T::zero() };
         // In wrapping 64-bit arithmetic, as the kernels (a long run's sample index times the
         // blocks per sample may pass 2⁶⁴).
-        let tile_row =
-            self.head_offset.wrapping_add(h as u64).wrapping_mul(t.div_ceil(16) as u64).wrapping_add((i0 / 16) as u64);
+        let (tt, st) = self.tiles.unwrap_or((t.div_ceil(16) as u64, s.div_ceil(16) as u64));
+        let tile_row = self.head_offset.wrapping_add(h as u64).wrapping_mul(tt).wrapping_add((i0 / 16) as u64);
         let first = self
             .base
             .wrapping_add((b as u64).wrapping_mul(self.batch_stride))
-            .wrapping_add(tile_row.wrapping_mul(s.div_ceil(16) as u64 * 32));
+            .wrapping_add(tile_row.wrapping_mul(st * 32));
         for r in 0..8.min(t - i0) {
             let lower = i0 + r + 8 < t; // row r + 8 of the tile exists
             for j0 in (0..s).step_by(16) {

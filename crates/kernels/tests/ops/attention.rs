@@ -11,7 +11,7 @@ use proptest::prelude::*;
 /// 16-bit value is at least ⌈p · 2¹⁶⌉, else 0; 1 without dropout.
 fn drop_factor(dr: Option<AttnDropout>, d: AttnDims, b: usize, h: usize, i: usize, j: usize) -> f64 {
     let Some(dr) = dr else { return 1.0 };
-    let (tiles_t, tiles_s) = (d.t.div_ceil(16) as u64, d.s.div_ceil(16) as u64);
+    let (tiles_t, tiles_s) = dr.tiles.unwrap_or((d.t.div_ceil(16) as u64, d.s.div_ceil(16) as u64));
     let tile = ((dr.head_offset + h as u64) * tiles_t + (i / 16) as u64) * tiles_s + (j / 16) as u64;
     let block = dr.base + b as u64 * dr.batch_stride + tile * 32 + (i % 8 * 4 + j % 8 / 2) as u64;
     let word = Philox::new(dr.seed).with_stream(dr.stream).block_rounds(block, 7)[i % 16 / 8 * 2 + j % 16 / 8];
@@ -100,6 +100,7 @@ fn dropout_strategy() -> impl Strategy<Value = (AttnDims, AttnMask)> {
             base: sample * batch_stride,
             batch_stride,
             head_offset,
+            tiles: None,
         });
         (d, AttnMask { dropout, ..mask })
     })
@@ -272,8 +273,15 @@ fn fused_qkv_backward_into_adds_the_bias_gradient() {
 device_test!(attention_dropout_through_the_ops, |dev: &Device| {
     let (b, t, h, dd) = (2usize, 48usize, 4usize, 48usize);
     let batch_stride = AttnDropout::blocks_per_sample(h, t, t);
-    let dropout =
-        Some(AttnDropout { p: 0.25, seed: 11, stream: 3, base: 7 * batch_stride, batch_stride, head_offset: 0 });
+    let dropout = Some(AttnDropout {
+        p: 0.25,
+        seed: 11,
+        stream: 3,
+        base: 7 * batch_stride,
+        batch_stride,
+        head_offset: 0,
+        tiles: None,
+    });
     let cfg = AttnCfg { causal: false, window: None, scale: None, dropout };
     let q = t32(dev, &randv(b * t * h * dd, 1), &[b, t, h, dd]);
     let kk = t32(dev, &randv(b * t * h * dd, 2), &[b, t, h, dd]);

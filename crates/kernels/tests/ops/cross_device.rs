@@ -102,8 +102,12 @@ fn every_op_matches_cpu() {
         });
         // The same Philox words on both devices: the same mask (a shard's offset and a batch
         // stride larger than the rows held, as under sequence parallelism).
-        let key = k::DropoutKey { seed: 11, stream: 0xfeed, base: (1 << 33) + 5, batch_stride: 1000, offset: 7 };
+        let key =
+            k::DropoutKey { seed: 11, stream: 0xfeed, base: (1 << 33) + 5, batch_stride: 1000, offset: 7, split: None };
         check("dropout", dt, std::slice::from_ref(&x), |t| vec![k::dropout(&t[0], 0.3, &key).unwrap()]);
+        // Context parallelism's two chunks: from element 5 of each row on, words far along.
+        let split = k::DropoutKey { split: Some(k::DropSplit { at: 5, offset: 600 }), ..key };
+        check("dropout split", dt, std::slice::from_ref(&x), |t| vec![k::dropout(&t[0], 0.3, &split).unwrap()]);
         check("softmax", dt, &[x.clone(), y.clone()], |t| {
             let s = k::softmax(&t[0]).unwrap();
             vec![k::softmax_bwd(&s, &t[1]).unwrap(), s]
@@ -539,7 +543,15 @@ fn attention_qkv_fwd_bwd(t: &[Tensor], heads: k::QkvHeads, cfg: &AttnCfg) -> Vec
 fn attention_dropout_matches_cpu() {
     let key = |hq: usize, t: usize| {
         let batch_stride = k::AttnDropout::blocks_per_sample(hq + 1, t, t);
-        Some(k::AttnDropout { p: 0.2, seed: 77, stream: 5, base: 3 * batch_stride, batch_stride, head_offset: 1 })
+        Some(k::AttnDropout {
+            p: 0.2,
+            seed: 77,
+            stream: 5,
+            base: 3 * batch_stride,
+            batch_stride,
+            head_offset: 1,
+            tiles: None,
+        })
     };
     let shapes = [
         (7usize, 4usize, 2usize, 16usize),

@@ -25,10 +25,13 @@ pub(crate) struct AttnDropArgs {
     scale: f32,
     /// The device's draw shift (`Backend::draw_shift`), or 0 without dropout.
     shift: u64,
+    /// `AttnDropout::tiles`, or zeros.
+    tiles_t: u64,
+    tiles_s: u64,
 }
 
-// SAFETY: plain data, laid out as the kernels' `AttnDrop` (five u64, a u32, an f32, a pointer:
-// 56 bytes).
+// SAFETY: plain data, laid out as the kernels' `AttnDrop` (five u64, a u32, an f32, a pointer,
+// two u64: 72 bytes).
 unsafe impl cudarc::driver::DeviceRepr for AttnDropArgs {}
 
 /// The call's dropout key as a kernel argument (zeros without dropout).
@@ -42,6 +45,8 @@ fn drop_arg(be: &B, a: &AttnShape) -> Arg {
         threshold: crate::dropout::threshold16(d.p),
         scale: (1.0 / (1.0 - d.p as f64)) as f32,
         shift: be.draw_shift_ptr(),
+        tiles_t: d.tiles.map_or(0, |t| t.0),
+        tiles_s: d.tiles.map_or(0, |t| t.1),
     }))
 }
 

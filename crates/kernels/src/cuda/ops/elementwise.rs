@@ -41,6 +41,9 @@ pub fn dropout(be: &B, x: &Tensor, row: usize, key: &crate::DropoutKey, thr: u32
         Arg::I64(thr as i64),
         Arg::F32(scale),
         Arg::Ptr(be.draw_shift_ptr()),
+        // elementwise.cu's split: at the row's end when there is none.
+        n(key.split.map_or(row.max(1), |s| s.at as usize)),
+        w(key.split.map_or(0, |s| s.offset)),
     ];
     ew(be, &name, x.elem_count(), &args)?;
     Ok(y)
