@@ -40,8 +40,9 @@ impl HiddenDropout {
         self.cp = (cp.size() > 1).then(|| cp.clone());
     }
 
-    /// x [B, T (or this rank's T / tp under sequence parallelism), hidden] with the mask applied
-    /// (the forward, and the backward on dy); x itself outside training.
+    /// x [B, T (or this rank's T / tp under sequence parallelism; T this rank's two chunks under
+    /// context parallelism), hidden] with the mask applied (the forward, and the backward on dy);
+    /// x itself outside training.
     pub fn apply(&self, cx: &Cx, x: &Tensor) -> Result<Tensor> {
         if !cx.training {
             return Ok(x.clone());

@@ -317,6 +317,8 @@ impl GptModel {
         if let Some(d) = self.embedding_dropout.as_mut() {
             d.set_context_parallel(&cp);
         }
+        // Position ids made before are the unsplit sequence's.
+        self.positions.lock().unwrap_or_else(|e| e.into_inner()).clear();
         self.cp = Some(cp);
         Ok(())
     }
