@@ -410,7 +410,9 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     }
     let moe_metrics = ferrotron_models::moe_spec(&config).map(|m| m.metrics.clone());
     let (mut model, mut table) =
-        GptModel::build_stage(config, &tp, &plan, s.recompute()?, &dev, dtype, s.seed, layout.dp)?;
+        // Padded for the gradient reduction and the distributed optimizer's shards: over data ×
+        // context-parallel ranks.
+        GptModel::build_stage(config, &tp, &plan, s.recompute()?, &dev, dtype, s.seed, layout.dp * layout.cp)?;
     let cp = (layout.cp > 1).then(|| ContextParallel::new(g.cp.clone()));
     if let Some(cp) = &cp {
         model.set_context_parallel(cp.clone())?;
@@ -420,7 +422,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         table.set_grad_dtype(DType::BF16)?;
     }
     let pipelined = layout.pp > 1 || plan.chunks.len() > 1;
-    let bucket = s.ddp_bucket_size.unwrap_or_else(|| default_bucket_size(layout.dp));
+    let bucket = s.ddp_bucket_size.unwrap_or_else(|| default_bucket_size(layout.dp * layout.cp));
     let mut sync = GradSync::new(
         &table,
         g.dp_cp.clone(),

@@ -128,6 +128,20 @@ fn moe_under_context_parallelism_follows_one_rank() {
     }
 }
 
+/// The distributed optimizer shards over data × context ranks: with cp 2 × dp 2 the flat
+/// buffers must be padded to a multiple of 4, not of dp 2 (a GPT with an odd MLP width has
+/// 26,498 parameters, 2 mod 4: padded to 2 only, the last bucket's two trailing elements would be
+/// nobody's shard and never updated).
+#[test]
+fn the_distributed_optimizer_shards_over_data_and_context_ranks() {
+    let s1 = settings(&TrainArgs { ffn_hidden_size: Some(65), ..tiny_args(false) });
+    let one = run(&s1, 1);
+    let mut s = s1.clone();
+    s.context_parallel_size = 2;
+    s.use_distributed_optimizer = true;
+    follows("cp2 × dp2 distributed optimizer, odd parameter count", &run(&s, 4), &one);
+}
+
 /// A run saved under cp 2 × dp 2 (each parameter written once, by the first data × context rank)
 /// resumes on one rank where the one-rank run stood.
 #[test]
