@@ -303,6 +303,7 @@ fn layout_table(g: &ProcessGroups, table: &ParamTable, opt: &Optimizer, sp: bool
     let (pb, gb) = (table.flat_len() * table.flat_params().dtype().size_in_bytes(), table.flat_len() * 4);
     let mine = [
         g.tp.rank() as f32,
+        g.cp.rank() as f32,
         g.dp.rank() as f32,
         g.pp.rank() as f32,
         table.numel() as f32,
@@ -318,7 +319,7 @@ fn layout_table(g: &ProcessGroups, table: &ParamTable, opt: &Optimizer, sp: bool
     }
     let v = all.to_vec_f32()?;
     let mut out = format!(
-        "layout: tp {}{} × dp {} × pp {}{}\n rank  tp  dp  pp  params(local)  params MiB  grads MiB  optimizer MiB\n",
+        "layout: tp {}{} × dp {} × pp {}{}\n rank  tp  cp  dp  pp  params(local)  params MiB  grads MiB  optimizer MiB\n",
         g.layout.tp,
         if g.layout.cp > 1 { format!(" × cp {}", g.layout.cp) } else { String::new() },
         g.layout.dp,
@@ -327,8 +328,8 @@ fn layout_table(g: &ProcessGroups, table: &ParamTable, opt: &Optimizer, sp: bool
     );
     for (r, x) in v.chunks(mine.len()).enumerate() {
         out += &format!(
-            "{r:>5} {:>3} {:>3} {:>3} {:>14} {:>11.2} {:>10.2} {:>14.2}\n",
-            x[0] as usize, x[1] as usize, x[2] as usize, x[3] as usize, x[4], x[5], x[6]
+            "{r:>5} {:>3} {:>3} {:>3} {:>3} {:>14} {:>11.2} {:>10.2} {:>14.2}\n",
+            x[0] as usize, x[1] as usize, x[2] as usize, x[3] as usize, x[4] as usize, x[5], x[6], x[7]
         );
     }
     Ok(Some(out))
