@@ -69,9 +69,9 @@ impl HiddenDropout {
             Some(cp) => {
                 // Rows first.. of the rank's two chunks of c; rows from c on are the second.
                 let c = held / 2;
-                let at = (first < c && first + rows > c)
+                let split = (first < c && first + rows > c)
                     .then(|| k::DropSplit { at: ((c - first) as u64) * h, offset: cp.position(c, c) as u64 * h });
-                ((held * cp.size()) as u64 * h, cp.position(c, first) as u64 * h, at)
+                ((held * cp.size()) as u64 * h, cp.position(c, first) as u64 * h, split)
             }
         };
         let key = k::DropoutKey {
