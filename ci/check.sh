@@ -4,11 +4,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never
+# One build per step, nothing to reuse: incremental caches only cost disk (2 GiB once, on a machine that ran out).
+export CARGO_INCREMENTAL=0
 command -v cargo >/dev/null || { echo "cargo not found: install the Rust toolchain (rustup)"; exit 1; }
 rustup component add clippy rustfmt >/dev/null 2>&1 || true
 
 start=$(date +%s)
-step() { echo "== $* ($(( $(date +%s) - start ))s)"; }
+step() { echo "== $* ($(( $(date +%s) - start ))s; $(df -h --output=avail . | tail -1 | tr -d ' ') free here)"; }
 
 step "cargo test --workspace"
 cargo test --workspace
