@@ -73,6 +73,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             attention: AttentionSpec { bias: false, qkv_bias: false, qk_layernorm: false, window: None },
             mlp: MlpSpec::Custom(Arc::new(SiluMlpFactory { width: 96 })),
             other_mlp: None,
+            hybrid: None,
         },
         norm_epsilon: 1e-5,
         init_method_std: 0.02,

@@ -14,7 +14,49 @@ use crate::{DType, Device, Error, Result, Shape, Tensor};
 pub enum Init {
     Zeros,
     Ones,
-    Normal { std: f32 },
+    Normal {
+        std: f32,
+    },
+    /// Uniform on [lo, hi) (PyTorch's Conv1d default is ±1/√fan_in).
+    Uniform {
+        lo: f32,
+        hi: f32,
+    },
+    /// ln u for u uniform on [lo, hi): Mamba's A_log (A from 1 to 16).
+    LogUniform {
+        lo: f32,
+        hi: f32,
+    },
+    /// Mamba's dt bias: softplus⁻¹(dt) for dt = exp(u), u uniform on [ln min, ln max), dt at
+    /// least `floor`; softplus of it starts each head's step size between min and max.
+    DtBias {
+        min: f32,
+        max: f32,
+        floor: f32,
+    },
+}
+
+impl Init {
+    /// Random values from element `offset` of `rng`'s stream into `out` (constants ignore it).
+    fn fill(self, rng: &Philox, offset: u64, out: &mut [f32]) {
+        let uniform = |out: &mut [f32], f: &dyn Fn(f64) -> f64| {
+            rng.fill_uniform(offset, out);
+            out.iter_mut().for_each(|v| *v = f(*v as f64) as f32);
+        };
+        match self {
+            Init::Zeros => out.fill(0.0),
+            Init::Ones => out.fill(1.0),
+            Init::Normal { std } => rng.fill_normal(offset, 0.0, std, out),
+            Init::Uniform { lo, hi } => uniform(out, &|u| lo as f64 + u * (hi - lo) as f64),
+            Init::LogUniform { lo, hi } => uniform(out, &|u| (lo as f64 + u * (hi - lo) as f64).ln()),
+            Init::DtBias { min, max, floor } => uniform(out, &|u| {
+                let (a, b) = ((min as f64).ln(), (max as f64).ln());
+                let dt = (a + u * (b - a)).exp().max(floor as f64);
+                // softplus⁻¹(dt) = dt + ln(1 − e^(−dt))
+                dt + (-(-dt).exp_m1()).ln()
+            }),
+        }
+    }
 }
 
 /// Which part of a parameter a tensor-parallel rank holds along `ParamMeta::split_dim`: the dim is
@@ -225,20 +267,19 @@ impl ParamTableBuilder {
     }
 }
 
-/// Normal draws still to make: the generator, the counter of the first element, the std, where.
-type Draw<'a> = (Philox, u64, f32, &'a mut [f32]);
+/// Random draws still to make: the generator, the counter of the first element, the init, where.
+type Draw<'a> = (Philox, u64, Init, &'a mut [f32]);
 
 /// Element i of the whole parameter draws Philox counter i of the parameter's stream, so a shard
 /// holds exactly the values of its part of the unsplit parameter. Constant inits are written
-/// here; normal ones are queued in `draws` (see `fill_all`).
+/// here; random ones are queued in `draws` (see `fill_all`).
 fn init_values<'a>(m: &ParamMeta, seed: u64, out: &'a mut [f32], draws: &mut Vec<Draw<'a>>) {
-    let std = match m.init {
-        Init::Zeros => return out.fill(0.0),
-        Init::Ones => return out.fill(1.0),
-        Init::Normal { std } => std,
-    };
+    let init = m.init;
+    if let Init::Zeros | Init::Ones = init {
+        return init.fill(&Philox::new(seed), 0, out);
+    }
     let rng = Philox::new(seed).with_stream(crate::rng::fnv1a64(&m.name));
-    let Some(d) = m.split_dim else { return draws.push((rng, 0, std, out)) };
+    let Some(d) = m.split_dim else { return draws.push((rng, 0, init, out)) };
     let (local, global) = (m.local_shape.dims(), m.global_shape.dims());
     let inner: usize = local[d + 1..].iter().product();
     let outer: usize = local[..d].iter().product();
@@ -249,7 +290,7 @@ fn init_values<'a>(m: &ParamMeta, seed: u64, out: &'a mut [f32], draws: &mut Vec
             let start = (o * global[d] + g0) * inner;
             let (run, tail) = std::mem::take(&mut rest).split_at_mut(n * inner);
             rest = tail;
-            draws.push((rng, start as u64, std, run));
+            draws.push((rng, start as u64, init, run));
         }
     }
 }
@@ -271,7 +312,7 @@ fn split_runs(shard: Shard, local: usize, global: usize) -> Vec<(usize, usize)> 
     runs
 }
 
-/// Makes the normal draws on every core. Each element depends on its counter alone (Philox is
+/// Makes the random draws on every core. Each element depends on its counter alone (Philox is
 /// counter-based), so how the work is cut changes no value; a 1.3B model's 1.3e9 draws took most
 /// of a minute on one thread.
 fn fill_all(draws: Vec<Draw<'_>>) {
@@ -281,15 +322,15 @@ fn fill_all(draws: Vec<Draw<'_>>) {
     let threads = if total <= 2 * PIECE { 1 } else { threads };
     let mut groups: Vec<Vec<Draw<'_>>> = (0..threads).map(|_| Vec::new()).collect();
     let mut next = 0;
-    for (rng, start, std, out) in draws {
+    for (rng, start, init, out) in draws {
         for (k, piece) in out.chunks_mut(PIECE).enumerate() {
-            groups[next % threads].push((rng, start + (k * PIECE) as u64, std, piece));
+            groups[next % threads].push((rng, start + (k * PIECE) as u64, init, piece));
             next += 1;
         }
     }
     let run = |group: Vec<Draw<'_>>| {
-        for (rng, start, std, out) in group {
-            rng.fill_normal(start, 0.0, std, out);
+        for (rng, start, init, out) in group {
+            init.fill(&rng, start, out);
         }
     };
     if threads == 1 {

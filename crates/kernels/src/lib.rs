@@ -7,7 +7,7 @@
 //! signatures.
 //!
 //! Families: `matmul`, `norm`, `activation` (incl. softmax), `attention`, `rope`, `embedding`, `loss`,
-//! `optim`, `elementwise`, `qkv`, `moe` (routing). Accumulation rule: activation gradients are returned (`=`); parameter
+//! `optim`, `elementwise`, `qkv`, `moe` (routing), `ssm` (Mamba-2's mixer). Accumulation rule: activation gradients are returned (`=`); parameter
 //! gradients are either returned as f32 for the caller to add, or added in place (`matmul_into` with
 //! `accumulate`, `embedding_bwd`, the `_into` bias and norm backwards) into main_grad buffers (fp32,
 //! or bf16 with the sums formed in fp32 and rounded once).
@@ -33,6 +33,7 @@ mod optim;
 mod qkv;
 pub mod real;
 mod rope;
+mod ssm;
 
 pub use activation::{gelu, gelu_bwd, silu, silu_bwd, softmax, softmax_bwd, swiglu, swiglu_bwd};
 pub use attention::{
@@ -61,3 +62,7 @@ pub use optim::{
 };
 pub use qkv::{qkv_merge, qkv_split};
 pub use rope::{RopeCfg, RopeScaling, RopeSplit, rope_bwd, rope_fwd, rope_qkv_bwd_, rope_qkv_fwd_};
+pub use ssm::{
+    SCAN_CHUNK, ScanDims, ScanGrads, ScanParams, conv1d_silu, conv1d_silu_bwd, gated_rmsnorm, gated_rmsnorm_bwd,
+    ssd_scan, ssd_scan_bwd,
+};

@@ -87,6 +87,12 @@ impl HfArch {
 
     /// Which class can hold `c` exactly, or what stops it.
     pub fn of(c: &TransformerConfig) -> Result<HfArch> {
+        if c.layer.hybrid.is_some() {
+            return Err(HfError::NoEquivalent(
+                "a Mamba hybrid (--hybrid-override-pattern): its mapping to transformers' hybrids is not written yet"
+                    .into(),
+            ));
+        }
         if let Some(m) = crate::moe_spec(c) {
             return mixtral_of(c, m);
         }
@@ -304,6 +310,7 @@ fn gpt2_config(v: &Value) -> Result<TransformerConfig> {
             attention: AttentionSpec { bias: true, qkv_bias: false, qk_layernorm: false, window: None },
             mlp: MlpSpec::Dense { activation: Activation::Gelu, bias: true },
             other_mlp: None,
+            hybrid: None,
         },
         norm_epsilon: opt(v, "layer_norm_epsilon", f64_of)?.unwrap_or(1e-5),
         init_method_std: opt(v, "initializer_range", f64_of)?.unwrap_or(0.02) as f32,
@@ -395,6 +402,7 @@ fn llama_config(v: &Value) -> Result<TransformerConfig> {
             attention: AttentionSpec { bias: false, qkv_bias: false, qk_layernorm: false, window: None },
             mlp: MlpSpec::Dense { activation: Activation::SwiGlu, bias: false },
             other_mlp: None,
+            hybrid: None,
         },
         norm_epsilon: opt(v, "rms_norm_eps", f64_of)?.unwrap_or(1e-6),
         init_method_std: opt(v, "initializer_range", f64_of)?.unwrap_or(0.02) as f32,

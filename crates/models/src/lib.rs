@@ -1,6 +1,7 @@
 //! ferrotron-models: presets. A preset is a function from a size to a `TransformerConfig`, not a
 //! factory with a dozen flags: `gpt2(GptSize::Gpt124m)`, `llama(LlamaSize::Llama1b)` or
-//! `mixtral(MixtralSize::Tiny)` (its MLP a ferrotron-moe spec). Trainer flags then override single
+//! `mixtral(MixtralSize::Tiny)` (its MLP a ferrotron-moe spec), `mamba_hybrid(MambaSize::Tiny)`
+//! (Mamba-2 mixers from ferrotron-ssm among attention and MLP layers, `hybrid`). Trainer flags then override single
 //! fields.
 //!
 //! FLOP and parameter counts come with the config (`num_params`, `flops_per_token`) so that MFU can
@@ -10,6 +11,7 @@
 //! (config.json and parameter names and layouts), for `ferrotron convert`.
 
 pub mod hf;
+pub mod hybrid;
 
 use ferrotron_moe::{MoeSpec, RouterSpec};
 use ferrotron_transformer::TransformerConfig;
@@ -74,6 +76,7 @@ pub fn gpt2(size: GptSize) -> TransformerConfig {
             attention: AttentionSpec { bias: true, qkv_bias: false, qk_layernorm: false, window: None },
             mlp: MlpSpec::Dense { activation: Activation::Gelu, bias: true },
             other_mlp: None,
+            hybrid: None,
         },
         norm_epsilon: 1e-5,
         init_method_std: 0.02,
@@ -106,6 +109,7 @@ pub fn llama(size: LlamaSize) -> TransformerConfig {
             attention: AttentionSpec { bias: false, qkv_bias: false, qk_layernorm: false, window: None },
             mlp: MlpSpec::Dense { activation: Activation::SwiGlu, bias: false },
             other_mlp: None,
+            hybrid: None,
         },
         norm_epsilon: 1e-5,
         init_method_std: 0.02,
@@ -146,6 +150,28 @@ pub fn mixtral(size: MixtralSize) -> TransformerConfig {
     }
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MambaSize {
+    /// 6 layers `M-M*M-` at hidden 128 (Mamba-2 mixers of 8 heads × 32 channels, 2 groups of 16
+    /// state channels; one attention layer of 4 heads; two SwiGLU MLPs), byte-level.
+    Tiny,
+}
+
+/// A Mamba-2 hybrid as Megatron's MambaModel builds them: RMSNorm, no position embedding (the
+/// scans carry order), SwiGLU MLPs, no biases, untied output, layers per the pattern.
+pub fn mamba_hybrid(size: MambaSize) -> TransformerConfig {
+    let (pattern, mamba) = match size {
+        MambaSize::Tiny => {
+            ("M-M*M-", ferrotron_ssm::MambaSpec { state_dim: 16, head_dim: 32, groups: 2, ..Default::default() })
+        }
+    };
+    let base = llama(LlamaSize::Tiny);
+    let mut c = TransformerConfig { num_layers: pattern.len(), position_embedding: PositionEmbedding::None, ..base };
+    let dense = c.layer.mlp.clone();
+    hybrid::make_hybrid(&mut c, pattern, mamba, dense).expect("the preset's pattern is valid");
+    c
+}
+
 /// The MoE spec of a config's layers, if they are mixture-of-experts.
 pub fn moe_spec(c: &TransformerConfig) -> Option<&MoeSpec> {
     match &c.layer.mlp {
@@ -155,7 +181,8 @@ pub fn moe_spec(c: &TransformerConfig) -> Option<&MoeSpec> {
 }
 
 /// Preset names the trainer accepts for `--preset`.
-pub const PRESETS: &[&str] = &["tiny", "small", "124m", "1.3b", "6.7b", "llama-tiny", "llama-1b", "mixtral-tiny"];
+pub const PRESETS: &[&str] =
+    &["tiny", "small", "124m", "1.3b", "6.7b", "llama-tiny", "llama-1b", "mixtral-tiny", "mamba-tiny"];
 
 /// Looks a preset up by name (see `PRESETS`); also accepts `gpt2-124m` and `gpt-1.3b`.
 pub fn preset(name: &str) -> Option<TransformerConfig> {
@@ -168,6 +195,7 @@ pub fn preset(name: &str) -> Option<TransformerConfig> {
         "llama-tiny" => llama(LlamaSize::Tiny),
         "llama-1b" => llama(LlamaSize::Llama1b),
         "mixtral-tiny" => mixtral(MixtralSize::Tiny),
+        "mamba-tiny" => mamba_hybrid(MambaSize::Tiny),
         _ => return None,
     })
 }

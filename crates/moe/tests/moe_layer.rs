@@ -279,6 +279,7 @@ fn gpt(s: &MoeSpec) -> TransformerConfig {
             attention: AttentionSpec { bias: false, qkv_bias: false, qk_layernorm: false, window: None },
             mlp: MlpSpec::Custom(Arc::new(s.clone())),
             other_mlp: None,
+            hybrid: None,
         },
         norm_epsilon: 1e-5,
         init_method_std: 0.3,

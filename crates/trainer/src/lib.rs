@@ -8,6 +8,7 @@ pub mod batch_schedule;
 pub mod checkpoint;
 pub mod convert;
 pub mod generate;
+pub mod hybrid;
 pub mod launch;
 pub mod layer_freq;
 pub mod preprocess;

@@ -435,6 +435,30 @@ pub struct TrainArgs {
     /// A sigmoid gate on the shared experts' output (not built yet: refused).
     #[arg(long)]
     pub moe_shared_expert_gate: bool,
+    /// A Mamba hybrid: one character per layer, M (Mamba-2 mixer), * (attention), - (MLP), E
+    /// (mixture-of-experts MLP), e.g. M-M*-.
+    #[arg(long)]
+    pub hybrid_override_pattern: Option<String>,
+    /// State channels per group (default 128).
+    #[arg(long)]
+    pub mamba_state_dim: Option<usize>,
+    /// Channels per Mamba head (default 64).
+    #[arg(long)]
+    pub mamba_head_dim: Option<usize>,
+    /// Groups of heads sharing B and C (default 8).
+    #[arg(long)]
+    pub mamba_num_groups: Option<usize>,
+    /// Mamba heads (default 2 · hidden / head dim).
+    #[arg(long)]
+    pub mamba_num_heads: Option<usize>,
+    /// Accepted for Megatron's scripts: --hybrid-override-pattern makes the hybrid.
+    #[arg(long)]
+    pub is_hybrid_model: bool,
+    /// Not read (refused): spell the layers out with --hybrid-override-pattern.
+    #[arg(long)]
+    pub hybrid_attention_ratio: Option<f64>,
+    #[arg(long)]
+    pub hybrid_mlp_ratio: Option<f64>,
 }
 
 macro_rules! merge_opts {
@@ -457,11 +481,12 @@ impl TrainArgs {
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers,
             num_experts, moe_ffn_hidden_size, moe_router_topk, moe_router_load_balancing_type, moe_aux_loss_coeff,
             moe_z_loss_coeff, moe_router_topk_scaling_factor, expert_model_parallel_size, moe_token_dispatcher_type,
-            moe_layer_freq, moe_shared_expert_intermediate_size);
+            moe_layer_freq, moe_shared_expert_intermediate_size, hybrid_override_pattern, mamba_state_dim, mamba_head_dim,
+            mamba_num_groups, mamba_num_heads, hybrid_attention_ratio, hybrid_mlp_ratio);
         merge_flags!(self, o; use_rope_scaling, swiglu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, bf16, fp16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
             use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, async_save, no_save_optim, exit_signal_handler,
-            moe_router_pre_softmax, moe_grouped_gemm, moe_shared_expert_overlap, moe_shared_expert_gate);
+            moe_router_pre_softmax, moe_grouped_gemm, moe_shared_expert_overlap, moe_shared_expert_gate, is_hybrid_model);
         if !o.profile_ranks.is_empty() {
             self.profile_ranks = o.profile_ranks.clone();
         }
@@ -628,6 +653,10 @@ pub struct Settings {
     /// Mixture of experts (`--num-experts` and the `--moe-*` flags); None: dense MLPs.
     #[serde(default)]
     pub moe: Option<MoeSettings>,
+    /// A Mamba hybrid (`--hybrid-override-pattern` and the `--mamba-*` flags); None: every layer
+    /// attention then MLP.
+    #[serde(default)]
+    pub mamba: Option<crate::hybrid::MambaSettings>,
 }
 
 /// The MoE flags of a run, as Megatron names them.
@@ -953,6 +982,13 @@ fn cuda_graph(a: &TrainArgs, device: &ferrotron_core::Device, world: usize) -> a
 
 /// The model flags that build `c` (all but the tokenizer's).
 pub fn model_args(c: &TransformerConfig) -> TrainArgs {
+    let mut a = transformer_args(c);
+    crate::hybrid::model_args(c, &mut a);
+    a
+}
+
+/// `model_args` but a hybrid's pattern and Mamba sizes.
+fn transformer_args(c: &TransformerConfig) -> TrainArgs {
     let (pe, base) = match c.position_embedding {
         PositionEmbedding::LearnedAbsolute => ("learned_absolute", 10000.0),
         PositionEmbedding::Rope { base, .. } => ("rope", base),
@@ -1065,7 +1101,12 @@ impl TrainArgs {
             moe_router_topk_scaling_factor,
             expert_model_parallel_size,
             moe_shared_expert_intermediate_size,
-            moe_layer_freq
+            moe_layer_freq,
+            hybrid_override_pattern,
+            mamba_state_dim,
+            mamba_head_dim,
+            mamba_num_groups,
+            mamba_num_heads
         );
     }
 }
@@ -1229,8 +1270,10 @@ impl Settings {
             attention_dropout: a.attention_dropout.unwrap_or(0.0) as f32,
             window_size: a.window_size.as_deref().map(parse_window).transpose()?.flatten(),
             moe: None,
+            mamba: None,
         };
         s.moe = MoeSettings::from_args(&a, s.ffn_hidden_size)?;
+        s.mamba = crate::hybrid::MambaSettings::from_args(&a)?;
         match a.cp_comm_type.as_deref() {
             // Megatron's default p2p passes key/value blocks round a ring; the all-gather here
             // gives the same attention (it overlaps nothing), so scripts that name p2p run.
@@ -1569,6 +1612,12 @@ impl Settings {
                 2 * cp
             );
         }
+        if let Some(m) = &self.mamba {
+            bail!(
+                "--context-parallel-size {cp} with Mamba layers (--hybrid-override-pattern {}): a scan carries its state along the whole sequence and is not split over context-parallel ranks yet; drop one",
+                m.hybrid_override_pattern
+            );
+        }
         if self.window_size.is_some() {
             bail!(
                 "--context-parallel-size {cp} with --window-size: sliding-window attention is not split over context-parallel ranks; drop one"
@@ -1677,7 +1726,7 @@ impl Settings {
         let vocab = ferrotron_data::Tokenizer::new(self.tokenizer()?)?.vocab_size();
         let (activation, bias) =
             (if self.swiglu { Activation::SwiGlu } else { Activation::Gelu }, !self.disable_bias_linear);
-        let dense = MlpSpec::Dense { activation, bias };
+        let dense = dense_of(activation, bias);
         let (mlp, other_mlp) = match &self.moe {
             Some(m) => {
                 let other = match &m.moe_layer_freq {
@@ -1691,7 +1740,7 @@ impl Settings {
             }
             None => (dense, None),
         };
-        Ok(TransformerConfig {
+        let mut c = TransformerConfig {
             num_layers: self.num_layers,
             hidden_size: self.hidden_size,
             num_attention_heads: self.num_attention_heads,
@@ -1715,13 +1764,28 @@ impl Settings {
                 },
                 mlp,
                 other_mlp,
+                hybrid: None,
             },
             norm_epsilon: self.norm_epsilon,
             init_method_std: self.init_method_std,
             hidden_dropout: self.hidden_dropout,
             attention_dropout: self.attention_dropout,
-        })
+        };
+        if let Some(m) = &self.mamba {
+            ferrotron_models::hybrid::make_hybrid(
+                &mut c,
+                &m.hybrid_override_pattern,
+                m.spec(),
+                dense_of(activation, bias),
+            )
+            .map_err(anyhow::Error::msg)?;
+        }
+        Ok(c)
     }
+}
+
+fn dense_of(activation: Activation, bias: bool) -> MlpSpec {
+    MlpSpec::Dense { activation, bias }
 }
 
 pub fn check_dir(p: &Path, flag: &str) -> anyhow::Result<()> {

@@ -1,6 +1,6 @@
 //! Model hyper-parameters (Megatron's names) and their validation.
 
-use crate::spec::{Activation, LayerSpec, MlpSpec, PositionEmbedding};
+use crate::spec::{Activation, LayerKind, LayerSpec, MlpSpec, PositionEmbedding};
 use crate::{ModelError, Result};
 
 #[derive(Clone, Debug)]
@@ -62,6 +62,9 @@ impl TransformerConfig {
             if let MlpSpec::Custom(f) = mlp {
                 f.validate_tp(tp).map_err(bad)?;
             }
+        }
+        if let Some(f) = self.layer.hybrid.as_ref().and_then(|h| h.mixer.as_ref()) {
+            f.validate_tp(tp).map_err(bad)?;
         }
         Ok(())
     }
@@ -131,6 +134,18 @@ impl TransformerConfig {
                 c.num_layers
             )));
         }
+        if let Some(h) = &c.layer.hybrid {
+            if h.kinds.len() != c.num_layers {
+                return Err(bad(format!(
+                    "the hybrid layer pattern (--hybrid-override-pattern) has {} layers but --num-layers is {}: give one character per layer",
+                    h.kinds.len(),
+                    c.num_layers
+                )));
+            }
+            if h.mixer.is_none() && h.kinds.contains(&LayerKind::Mixer) {
+                return Err(bad("the hybrid layer pattern has mixer (M) layers but no mixer spec".into()));
+            }
+        }
         if c.layer.attention.window == Some(0) {
             return Err(bad("--window-size must be at least 1".into()));
         }
@@ -188,7 +203,18 @@ impl TransformerConfig {
                 MlpSpec::Dense { .. } => dense,
             }
         };
-        let layers: usize = (0..self.num_layers).map(|i| attn + qk_ln + mlp(self.layer.mlp_of(i)) + 2 * norm(h)).sum();
+        let mixer = || {
+            let f = self.layer.hybrid.as_ref().and_then(|hy| hy.mixer.as_ref());
+            f.and_then(|f| f.param_count(h)).map_or(0, |c| if active { c.active } else { c.total })
+        };
+        let layers: usize = (0..self.num_layers)
+            .map(|i| match self.layer.kind_of(i) {
+                LayerKind::Transformer => attn + qk_ln + mlp(self.layer.mlp_of(i)) + 2 * norm(h),
+                LayerKind::Attention => attn + qk_ln + norm(h),
+                LayerKind::Mlp => mlp(self.layer.mlp_of(i)) + norm(h),
+                LayerKind::Mixer => mixer() + norm(h),
+            })
+            .sum();
         let emb = v * h
             + if self.position_embedding == PositionEmbedding::LearnedAbsolute {
                 self.max_position_embeddings * h
@@ -200,8 +226,19 @@ impl TransformerConfig {
     }
 
     /// Model FLOPs per token for one forward + backward: 6·N + 12·L·H·T (N the active parameters
-    /// without position embeddings, as in the MFU convention of PaLM / Megatron reports).
+    /// without position embeddings, L the layers with attention, as in the MFU convention of PaLM /
+    /// Megatron reports), plus a mixer's own (`ModuleFactory::flops_per_token`) per mixer layer.
     pub fn flops_per_token(&self) -> f64 {
+        let kinds = (0..self.num_layers).map(|i| self.layer.kind_of(i));
+        let attention_layers =
+            kinds.clone().filter(|k| matches!(k, LayerKind::Transformer | LayerKind::Attention)).count();
+        let mixers = kinds.filter(|k| *k == LayerKind::Mixer).count() as f64;
+        let mixer_flops = self
+            .layer
+            .hybrid
+            .as_ref()
+            .and_then(|hy| hy.mixer.as_ref())
+            .map_or(0.0, |f| f.flops_per_token(self.hidden_size, self.seq_length));
         let pos = if self.position_embedding == PositionEmbedding::LearnedAbsolute {
             self.max_position_embeddings * self.hidden_size
         } else {
@@ -209,6 +246,6 @@ impl TransformerConfig {
         };
         let n = (self.active_params() - pos) as f64;
         let width = self.num_attention_heads * self.head_dim(); // the hidden size unless --kv-channels
-        6.0 * n + 12.0 * (self.num_layers * width * self.seq_length) as f64
+        6.0 * n + 12.0 * (attention_layers * width * self.seq_length) as f64 + mixers * mixer_flops
     }
 }

@@ -311,6 +311,12 @@ impl GptModel {
                 cp.size()
             )));
         }
+        if (0..self.config.num_layers).any(|i| self.config.layer.kind_of(i) == crate::spec::LayerKind::Mixer) {
+            return Err(ModelError::Config(format!(
+                "--context-parallel-size {} is not built with sequence mixers (Mamba layers): their scans run along the whole sequence",
+                cp.size()
+            )));
+        }
         for l in self.chunks.iter_mut().flat_map(|b| b.layers.iter_mut()) {
             l.set_context_parallel(&cp);
         }

@@ -1,7 +1,8 @@
 //! Pre-norm transformer layer and the block of layers.
 //!
 //! layer: x1 = x + attn(input_layernorm(x)); y = x1 + mlp(pre_mlp_layernorm(x1)), each branch's
-//! output through hidden dropout (in training, at a rate above 0) before its add.
+//! output through hidden dropout (in training, at a rate above 0) before its add. A hybrid
+//! model's layer has one branch: attention, MLP, or a sequence mixer after its `norm`.
 //! Backward: the residual stream adds: dx1 = dy + ln2ᵀ(mlpᵀ(dy)); dx = dx1 + ln1ᵀ(attnᵀ(dx1)).
 //! The adds next to a norm run inside its kernel (`Norm::forward_add`, `Norm::backward_add`):
 //! in a block the layer's own output add x1 + mlp(…) too, in the next layer's input norm or the
@@ -14,23 +15,44 @@ use crate::dropout::{HiddenDropout, maybe};
 use crate::mlp::Mlp;
 use crate::norm::Norm;
 use crate::recompute::Recompute;
-use crate::spec::{MlpSpec, PositionEmbedding};
+use crate::spec::{FactoryCx, LayerKind, MlpSpec, PositionEmbedding};
 use ferrotron_core::{Cx, Module, ParamTableBuilder, Result, Saved, Tensor, invalid};
 use ferrotron_kernels as k;
 use ferrotron_parallel::TensorParallel;
 
+/// What a branch computes between its norm and its residual add.
+pub enum Sublayer {
+    Attention(Box<SelfAttention>),
+    /// An MLP (dense, or a factory's: MoE) or a sequence mixer (ferrotron-ssm's Mamba-2).
+    Module(Box<dyn Module>),
+}
+
+impl Sublayer {
+    fn module(&self) -> &dyn Module {
+        match self {
+            Sublayer::Attention(a) => a.as_ref(),
+            Sublayer::Module(m) => m.as_ref(),
+        }
+    }
+}
+
+/// One pre-norm residual branch: x + dropout(f(norm(x))).
+pub struct Branch {
+    pub norm: Norm,
+    pub f: Sublayer,
+    /// Hidden dropout on f's output (None at rate 0).
+    dropout: Option<HiddenDropout>,
+}
+
+/// A decoder layer: its branches in order. A transformer layer has two (attention, then MLP);
+/// a hybrid model's layers one each (`LayerKind`).
 pub struct TransformerLayer {
-    pub input_layernorm: Norm,
-    pub self_attention: SelfAttention,
-    pub pre_mlp_layernorm: Norm,
-    pub mlp: Box<dyn Module>,
-    /// Hidden dropout on the attention's and the MLP's outputs (None at rate 0).
-    attention_dropout_out: Option<HiddenDropout>,
-    mlp_dropout_out: Option<HiddenDropout>,
+    pub branches: Vec<Branch>,
 }
 
 impl TransformerLayer {
-    /// Layer `index` of the model (0-based; it picks the layer's MLP, `LayerSpec::mlp_of`).
+    /// Layer `index` of the model (0-based; it picks the layer's kind, `LayerSpec::kind_of`, and its
+    /// MLP, `LayerSpec::mlp_of`).
     pub fn new(
         p: &mut ParamTableBuilder,
         prefix: &str,
@@ -41,59 +63,110 @@ impl TransformerLayer {
         let (h, eps, norm, sp) = (c.hidden_size, c.norm_epsilon, c.layer.norm, tp.sp());
         let std = c.init_method_std;
         let out_std = std / (2.0 * c.num_layers as f32).sqrt();
-        let dims = AttentionDims {
-            hidden: h,
-            head_dim: c.head_dim(),
-            heads: c.num_attention_heads,
-            groups: c.num_query_groups,
-            norm,
-            eps,
-            std,
-            out_std,
-            rope: match c.position_embedding {
-                PositionEmbedding::Rope { base, scaling } => Some((base, scaling)),
-                _ => None,
-            },
-            attention_dropout: c.attention_dropout,
-        };
-        let input_layernorm = Norm::new(p, &format!("{prefix}.input_layernorm"), norm, h, eps, sp)?;
-        let self_attention = SelfAttention::new(p, &format!("{prefix}.self_attention"), &dims, &c.layer.attention, tp)?;
-        let pre_mlp_layernorm = Norm::new(p, &format!("{prefix}.pre_mlp_layernorm"), norm, h, eps, sp)?;
-        let mlp: Box<dyn Module> = match c.layer.mlp_of(index) {
-            MlpSpec::Dense { activation, bias } => Box::new(Mlp::new(
-                p,
-                &format!("{prefix}.mlp"),
-                h,
-                c.ffn_hidden_size,
-                *activation,
-                *bias,
+        // Each branch registers its norm, then its f: a layer's first parameter is its first norm's
+        // weight (`first_norm`, the offsets the data-parallel overlap reports).
+        let attention = |p: &mut ParamTableBuilder| -> Result<Branch> {
+            let pre = Norm::new(p, &format!("{prefix}.input_layernorm"), norm, h, eps, sp)?;
+            let dims = AttentionDims {
+                hidden: h,
+                head_dim: c.head_dim(),
+                heads: c.num_attention_heads,
+                groups: c.num_query_groups,
+                norm,
+                eps,
                 std,
                 out_std,
-                tp,
-            )?),
-            MlpSpec::Custom(f) => {
-                let prefix = format!("{prefix}.mlp");
-                f.build(&crate::spec::FactoryCx { prefix: &prefix, hidden: h, std, out_std, tp }, p)?
+                rope: match c.position_embedding {
+                    PositionEmbedding::Rope { base, scaling } => Some((base, scaling)),
+                    _ => None,
+                },
+                attention_dropout: c.attention_dropout,
+            };
+            let a = SelfAttention::new(p, &format!("{prefix}.self_attention"), &dims, &c.layer.attention, tp)?;
+            let site = format!("{prefix}.self_attention.dropout");
+            Ok(Branch {
+                norm: pre,
+                f: Sublayer::Attention(Box::new(a)),
+                dropout: HiddenDropout::new(c.hidden_dropout, &site, h, tp),
+            })
+        };
+        let mlp = |p: &mut ParamTableBuilder| -> Result<Branch> {
+            let pre = Norm::new(p, &format!("{prefix}.pre_mlp_layernorm"), norm, h, eps, sp)?;
+            let m: Box<dyn Module> = match c.layer.mlp_of(index) {
+                MlpSpec::Dense { activation, bias } => Box::new(Mlp::new(
+                    p,
+                    &format!("{prefix}.mlp"),
+                    h,
+                    c.ffn_hidden_size,
+                    *activation,
+                    *bias,
+                    std,
+                    out_std,
+                    tp,
+                )?),
+                MlpSpec::Custom(f) => {
+                    let prefix = format!("{prefix}.mlp");
+                    f.build(&FactoryCx { prefix: &prefix, hidden: h, std, out_std, tp }, p)?
+                }
+            };
+            let site = format!("{prefix}.mlp.dropout");
+            Ok(Branch {
+                norm: pre,
+                f: Sublayer::Module(m),
+                dropout: HiddenDropout::new(c.hidden_dropout, &site, h, tp),
+            })
+        };
+        let branches = match c.layer.kind_of(index) {
+            LayerKind::Transformer => vec![attention(p)?, mlp(p)?],
+            LayerKind::Attention => vec![attention(p)?],
+            LayerKind::Mlp => vec![mlp(p)?],
+            LayerKind::Mixer => {
+                let f = c.layer.hybrid.as_ref().and_then(|hy| hy.mixer.clone()).ok_or_else(|| {
+                    invalid(
+                        "TransformerLayer::new",
+                        format!("layer {index} is a mixer layer but the spec has no mixer"),
+                    )
+                })?;
+                let pre = Norm::new(p, &format!("{prefix}.norm"), norm, h, eps, sp)?;
+                let prefix_m = format!("{prefix}.mixer");
+                let m = f.build(&FactoryCx { prefix: &prefix_m, hidden: h, std, out_std, tp }, p)?;
+                vec![Branch {
+                    norm: pre,
+                    f: Sublayer::Module(m),
+                    dropout: HiddenDropout::new(c.hidden_dropout, &format!("{prefix}.mixer.dropout"), h, tp),
+                }]
             }
         };
-        let drop = |site: &str| HiddenDropout::new(c.hidden_dropout, &format!("{prefix}.{site}"), h, tp);
-        Ok(TransformerLayer {
-            input_layernorm,
-            self_attention,
-            pre_mlp_layernorm,
-            mlp,
-            attention_dropout_out: drop("self_attention.dropout"),
-            mlp_dropout_out: drop("mlp.dropout"),
+        Ok(TransformerLayer { branches })
+    }
+
+    /// The layer's attention, if it has one.
+    pub fn attention(&self) -> Option<&SelfAttention> {
+        self.branches.iter().find_map(|b| match &b.f {
+            Sublayer::Attention(a) => Some(a.as_ref()),
+            _ => None,
         })
     }
-}
 
-impl TransformerLayer {
+    pub fn attention_mut(&mut self) -> Option<&mut SelfAttention> {
+        self.branches.iter_mut().find_map(|b| match &mut b.f {
+            Sublayer::Attention(a) => Some(a.as_mut()),
+            _ => None,
+        })
+    }
+
+    /// The first branch's norm: its weight is the layer's first parameter (lowest flat offset).
+    pub fn first_norm(&self) -> &Norm {
+        &self.branches[0].norm
+    }
+
     /// Under context parallelism (more than one rank): the attention over the whole sequence and
     /// the hidden dropouts' masks of this rank's chunks.
     pub fn set_context_parallel(&mut self, cp: &ferrotron_parallel::ContextParallel) {
-        self.self_attention.cp = (cp.size() > 1).then(|| cp.clone());
-        for d in [&mut self.attention_dropout_out, &mut self.mlp_dropout_out].into_iter().flatten() {
+        if let Some(a) = self.attention_mut() {
+            a.cp = (cp.size() > 1).then(|| cp.clone());
+        }
+        for d in self.branches.iter_mut().filter_map(|b| b.dropout.as_mut()) {
             d.set_context_parallel(cp);
         }
     }
@@ -127,21 +200,19 @@ impl Residual {
     }
 }
 
-fn four(op: &'static str, s: Saved) -> Result<[Saved; 4]> {
-    s.children.try_into().map_err(|_| invalid(op, "saved values do not match forward"))
-}
-
 impl TransformerLayer {
-    /// Forward from the residual stream `x` (a pending add is summed by the input norm's kernel),
-    /// leaving the output's add pending. The saved values are `forward`'s: the backward is the same.
+    /// Forward from the residual stream `x` (a pending add is summed by the first norm's kernel),
+    /// leaving the output's add pending. Saved: each branch's norm, then its f.
     pub fn forward_parts(&self, cx: &Cx, x: Residual) -> Result<(Residual, Saved)> {
-        let (x, h1, s1) = x.norm(cx, &self.input_layernorm)?;
-        let (a, s2) = self.self_attention.forward(cx, &h1)?;
-        let a = maybe(&self.attention_dropout_out, cx, a)?;
-        let (x1, h2, s3) = self.pre_mlp_layernorm.forward_add(cx, &x, &a)?;
-        let (m, s4) = self.mlp.forward(cx, &h2)?;
-        let m = maybe(&self.mlp_dropout_out, cx, m)?;
-        Ok((Residual::Pending(x1, m), Saved::new(vec![], vec![s1, s2, s3, s4])))
+        let mut r = x;
+        let mut saved = Vec::with_capacity(2 * self.branches.len());
+        for b in &self.branches {
+            let (x, h, s_norm) = r.norm(cx, &b.norm)?;
+            let (o, s_f) = b.f.module().forward(cx, &h)?;
+            saved.extend([s_norm, s_f]);
+            r = Residual::Pending(x, maybe(&b.dropout, cx, o)?);
+        }
+        Ok((r, Saved::new(vec![], saved)))
     }
 }
 
@@ -155,28 +226,29 @@ impl Module for TransformerLayer {
     /// gradient; with no dropout between, that is the residual gradient the norm's backward reads
     /// next, so the norm sums it there (`Norm::backward_add_bias`) and the branch skips its pass.
     fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
-        let [s1, s2, s3, s4] = four("TransformerLayer::backward", saved)?;
-        let dx1 = match self.mlp.out_bias().filter(|_| self.mlp_dropout_out.is_none()) {
-            Some(b) => {
-                let dh2 = self.mlp.backward_without_out_bias(cx, s4, dy)?;
-                self.pre_mlp_layernorm.backward_add_bias(cx, s3, &dh2, dy, b)?
-            }
-            None => {
-                let dh2 = self.mlp.backward(cx, s4, &maybe(&self.mlp_dropout_out, cx, dy.clone())?)?;
-                self.pre_mlp_layernorm.backward_add(cx, s3, &dh2, dy)?
-            }
-        };
-        match self.self_attention.out_bias().filter(|_| self.attention_dropout_out.is_none()) {
-            Some(b) => {
-                let dh1 = self.self_attention.backward_without_out_bias(cx, s2, &dx1)?;
-                self.input_layernorm.backward_add_bias(cx, s1, &dh1, &dx1, b)
-            }
-            None => {
-                let dh1 =
-                    self.self_attention.backward(cx, s2, &maybe(&self.attention_dropout_out, cx, dx1.clone())?)?;
-                self.input_layernorm.backward_add(cx, s1, &dh1, &dx1)
-            }
+        let mut children = saved.children;
+        if children.len() != 2 * self.branches.len() {
+            return Err(invalid("TransformerLayer::backward", "saved values do not match forward"));
         }
+        let mut d = dy.clone();
+        for b in self.branches.iter().rev() {
+            let (s_f, s_norm) = match (children.pop(), children.pop()) {
+                (Some(f), Some(n)) => (f, n),
+                _ => return Err(invalid("TransformerLayer::backward", "saved values do not match forward")),
+            };
+            let f = b.f.module();
+            d = match f.out_bias().filter(|_| b.dropout.is_none()) {
+                Some(bias) => {
+                    let dh = f.backward_without_out_bias(cx, s_f, &d)?;
+                    b.norm.backward_add_bias(cx, s_norm, &dh, &d, bias)?
+                }
+                None => {
+                    let dh = f.backward(cx, s_f, &maybe(&b.dropout, cx, d.clone())?)?;
+                    b.norm.backward_add(cx, s_norm, &dh, &d)?
+                }
+            };
+        }
+        Ok(d)
     }
 }
 
@@ -217,13 +289,14 @@ impl TransformerBlock {
         let mut built: Vec<TransformerLayer> = layers
             .map(|i| TransformerLayer::new(p, &format!("{prefix}.layers.{i}"), c, tp, i))
             .collect::<Result<_>>()?;
-        for l in &mut built {
-            l.self_attention.recompute_core = recompute.selective();
+        for a in built.iter_mut().filter_map(TransformerLayer::attention_mut) {
+            a.recompute_core = recompute.selective();
         }
         let final_layernorm = if final_norm {
             Some(Norm::new(
                 p,
-                &format!("{prefix}.final_layernorm"),
+                // Megatron's MambaStack names it final_norm, its TransformerBlock final_layernorm.
+                &format!("{prefix}.{}", if c.layer.hybrid.is_some() { "final_norm" } else { "final_layernorm" }),
                 c.layer.norm,
                 c.hidden_size,
                 c.norm_epsilon,
@@ -272,7 +345,7 @@ impl TransformerBlock {
             };
             for (l, sl) in self.layers[range.clone()].iter().zip(per_layer).rev() {
                 d = l.backward(cx, sl, &d)?;
-                done(offset(cx, l.input_layernorm.weight))?;
+                done(offset(cx, l.first_norm().weight))?;
             }
         }
         Ok(d)

@@ -2,7 +2,8 @@
 //!
 //! Megatron's ModuleSpec with Rust enums instead of import strings: every built-in choice is a
 //! variant, checked when the model is built (`crate::config::TransformerConfig::validate`). The
-//! escape hatch is `MlpSpec::Custom`: any `ModuleFactory` the user writes (see examples/).
+//! escape hatch is `MlpSpec::Custom`: any `ModuleFactory` the user writes (see examples/). A hybrid
+//! model (`Hybrid`) gives each layer a `LayerKind`, and its mixer layers a factory's module.
 
 use ferrotron_core::{Module, ParamTableBuilder, Result};
 pub use ferrotron_kernels::RopeScaling;
@@ -79,6 +80,13 @@ pub trait ModuleFactory: Send + Sync + std::fmt::Debug {
         None
     }
 
+    /// FLOPs per token of one forward + backward beyond 6 × its parameters (a sequence mixer's
+    /// scan), at sequence length `seq`; counted in the model FLOPs (MFU).
+    fn flops_per_token(&self, hidden: usize, seq: usize) -> f64 {
+        let _ = (hidden, seq);
+        0.0
+    }
+
     /// Whether the module can run at tensor-parallel size `tp`; the error names the fix.
     fn validate_tp(&self, tp: usize) -> std::result::Result<(), String> {
         if tp > 1 {
@@ -111,6 +119,30 @@ pub struct LayerSpec {
     /// Layers that take another MLP than `mlp` (None: every layer takes `mlp`). Megatron's
     /// --moe-layer-freq: dense layers among mixture-of-experts ones.
     pub other_mlp: Option<OtherMlp>,
+    /// A hybrid model's layers (None: every layer attention then MLP).
+    pub hybrid: Option<Hybrid>,
+}
+
+/// What one layer holds: a character of Megatron's hybrid layer pattern
+/// (`--hybrid-override-pattern`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerKind {
+    /// Attention, then the MLP: every layer of a plain transformer.
+    Transformer,
+    /// `*`: attention alone.
+    Attention,
+    /// `-` and `E`: the MLP alone (`E` where `LayerSpec::mlp_of` gives the mixture of experts).
+    Mlp,
+    /// `M`: the sequence mixer alone (`Hybrid::mixer`, ferrotron-ssm's Mamba-2), after a norm
+    /// named `norm`.
+    Mixer,
+}
+
+/// `LayerSpec::hybrid`: each layer's kind, and the module a `Mixer` layer holds.
+#[derive(Clone, Debug)]
+pub struct Hybrid {
+    pub kinds: Vec<LayerKind>,
+    pub mixer: Option<Arc<dyn ModuleFactory>>,
 }
 
 /// `LayerSpec::other_mlp`: the MLP, and per layer whether it takes it.
@@ -121,6 +153,11 @@ pub struct OtherMlp {
 }
 
 impl LayerSpec {
+    /// What layer `i` (0-based, over the whole model) holds.
+    pub fn kind_of(&self, i: usize) -> LayerKind {
+        self.hybrid.as_ref().and_then(|h| h.kinds.get(i).copied()).unwrap_or(LayerKind::Transformer)
+    }
+
     /// The MLP of layer `i` (0-based, over the whole model).
     pub fn mlp_of(&self, i: usize) -> &MlpSpec {
         match &self.other_mlp {

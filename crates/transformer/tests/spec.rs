@@ -23,6 +23,7 @@ fn base() -> TransformerConfig {
             attention: AttentionSpec { bias: true, qkv_bias: false, qk_layernorm: false, window: None },
             mlp: MlpSpec::Dense { activation: Activation::Gelu, bias: true },
             other_mlp: None,
+            hybrid: None,
         },
         norm_epsilon: 1e-5,
         init_method_std: 0.02,
@@ -90,6 +91,7 @@ fn param_count_matches_table_for_llama_style() {
             attention: AttentionSpec { bias: false, qkv_bias: false, qk_layernorm: true, window: Some(4) },
             mlp: MlpSpec::Dense { activation: Activation::SwiGlu, bias: false },
             other_mlp: None,
+            hybrid: None,
         },
         ..base()
     };

@@ -13,4 +13,5 @@ pub mod optim;
 pub mod qkv;
 pub mod rope;
 pub mod softmax;
+pub mod ssm;
 pub mod vexp;

@@ -34,6 +34,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("rope.cu", include_str!("../../../../kernels/rope.cu")),
     ("embedding.cu", include_str!("../../../../kernels/embedding.cu")),
     ("moe.cu", include_str!("../../../../kernels/moe.cu")),
+    ("ssm.cu", include_str!("../../../../kernels/ssm.cu")),
     ("attention.cu", include_str!("../../../../kernels/attention.cu")),
     ("flash.cu", include_str!("../../../../kernels/flash.cu")),
     ("wgmma.cuh", include_str!("../../../../kernels/wgmma.cuh")),

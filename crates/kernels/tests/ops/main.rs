@@ -15,3 +15,4 @@ mod norm;
 mod optim;
 mod qkv;
 mod rope;
+mod ssm;

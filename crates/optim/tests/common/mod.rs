@@ -42,6 +42,7 @@ pub fn config_layers(llama: bool, layers: usize) -> TransformerConfig {
             attention: AttentionSpec { bias, qkv_bias: false, qk_layernorm: llama, window: None },
             mlp: MlpSpec::Dense { activation: act, bias },
             other_mlp: None,
+            hybrid: None,
         },
         norm_epsilon: 1e-5,
         init_method_std: 0.05,

@@ -29,6 +29,7 @@ pub fn config(llama: bool) -> TransformerConfig {
             attention: AttentionSpec { bias: !llama, qkv_bias: false, qk_layernorm: llama, window: None },
             mlp: MlpSpec::Dense { activation: if llama { Activation::SwiGlu } else { Activation::Gelu }, bias: !llama },
             other_mlp: None,
+            hybrid: None,
         },
         norm_epsilon: 1e-5,
         // Large enough that every layer's gradient stands far above f32 round-off.

@@ -11,6 +11,7 @@ mod loss;
 mod moe;
 mod norm;
 mod optim;
+mod ssm;
 
 pub use attention::*;
 pub use elementwise::*;
@@ -20,6 +21,7 @@ pub use loss::*;
 pub use moe::*;
 pub use norm::*;
 pub use optim::*;
+pub use ssm::*;
 
 use super::{Arg, Backend, ptr};
 use ferrotron_core::{DType, Device, Error, Result, Shape, Storage, Tensor};

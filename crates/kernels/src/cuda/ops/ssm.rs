@@ -1,0 +1,180 @@
+//! Mamba-2's mixer ops on the GPU (kernels/ssm.cu): the convolution grid-stride, the scan one block
+//! per (sequence, head) and one thread per head channel, the gated norm one block per (row,
+//! group). Same results as `cpu::ssm` within float rounding; parameter gradients are summed in a
+//! fixed order (no atomics).
+
+use super::*;
+use crate::{ScanDims, ScanGrads, ScanParams};
+
+/// `t` as f32 (the small parameters the kernels read as float).
+fn f32_of(t: &Tensor) -> Result<Tensor> {
+    if t.dtype() == DType::F32 { Ok(t.clone()) } else { crate::cast(t, DType::F32) }
+}
+
+/// `t` as `dt`: itself when it is already, else a cast copy.
+fn as_dtype(t: &Tensor, dt: DType) -> Result<Tensor> {
+    if t.dtype() == dt { Ok(t.clone()) } else { crate::cast(t, dt) }
+}
+
+/// Rows of 128 threads for the gated norm; `block_sum` wants a multiple of 32.
+const NORM_THREADS: u32 = 128;
+/// kernels/ssm.cu's limits.
+const MAX_STATE: usize = 256;
+const MAX_TAPS: usize = 8;
+const CONV_ROW_BLOCKS: usize = 64;
+
+fn conv_dims(x: &Tensor, w: &Tensor) -> (usize, usize, usize, usize) {
+    let (b, t, c) = (x.dims()[0], x.dims()[1], x.dims()[2]);
+    (b * t, t, c, w.elem_count() / c.max(1))
+}
+
+pub fn conv1d_silu(be: &B, x: &Tensor, w: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    let op = "conv1d_silu";
+    let (rows, seq, c, k) = conv_dims(x, w);
+    let (w, bias) = (f32_of(w)?, f32_of(bias)?);
+    let y = new(be, x.shape().clone(), x.dtype())?;
+    let name = format!("conv1d_silu_{}", sfx(op, x.dtype())?);
+    let args = [ptr(op, x)?, ptr(op, &w)?, ptr(op, &bias)?, ptr(op, &y)?, n(rows), n(seq), n(c), n(k)];
+    ew(be, &name, rows * c, &args)?;
+    Ok(y)
+}
+
+pub fn conv1d_silu_bwd(be: &B, x: &Tensor, w: &Tensor, bias: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    let op = "conv1d_silu_bwd";
+    let (rows, seq, c, k) = conv_dims(x, w);
+    if k > MAX_TAPS {
+        return Err(Error::NotImplemented { op, device: format!("cuda for more than {MAX_TAPS} taps (got {k})") });
+    }
+    let s = sfx(op, x.dtype())?;
+    let (w, bias, dy) = (f32_of(w)?, f32_of(bias)?, as_dtype(dy, x.dtype())?);
+    let dpre = new(be, [rows, c], DType::F32)?;
+    let args =
+        [ptr(op, x)?, ptr(op, &w)?, ptr(op, &bias)?, ptr(op, &dy)?, ptr(op, &dpre)?, n(rows), n(seq), n(c), n(k)];
+    ew(be, &format!("conv1d_silu_dpre_{s}"), rows * c, &args)?;
+    let dx = new(be, x.shape().clone(), x.dtype())?;
+    let args = [ptr(op, &dpre)?, ptr(op, &w)?, ptr(op, &dx)?, n(rows), n(seq), n(c), n(k)];
+    ew(be, &format!("conv1d_dx_{s}"), rows * c, &args)?;
+    let part = new(be, [CONV_ROW_BLOCKS, c, k + 1], DType::F32)?;
+    let args = [ptr(op, x)?, ptr(op, &dpre)?, ptr(op, &part)?, n(rows), n(seq), n(c), n(k)];
+    be.launch(&format!("conv1d_dw_part_{s}"), (CONV_ROW_BLOCKS * c.div_ceil(32)) as u32, 256, 0, &args)?;
+    let (dw, db) = (new(be, [c, k], DType::F32)?, new(be, [c], DType::F32)?);
+    ew(be, "conv1d_dw_sum", c * (k + 1), &[ptr(op, &part)?, ptr(op, &dw)?, ptr(op, &db)?, n(c), n(k)])?;
+    Ok((dx, dw, db))
+}
+
+fn scan_limits(op: &'static str, dm: &ScanDims) -> Result<()> {
+    if dm.state > MAX_STATE || dm.head_dim > 1024 {
+        return Err(Error::NotImplemented {
+            op,
+            device: format!("cuda for state {} > {MAX_STATE} or head dim {} > 1024", dm.state, dm.head_dim),
+        });
+    }
+    Ok(())
+}
+
+fn scan_sizes(dm: &ScanDims) -> [Arg; 5] {
+    [n(dm.seq), n(dm.heads), n(dm.head_dim), n(dm.groups), n(dm.state)]
+}
+
+pub fn ssd_scan(be: &B, xbc: &Tensor, dt_raw: &Tensor, p: &ScanParams, dm: &ScanDims) -> Result<(Tensor, Tensor)> {
+    let op = "ssd_scan";
+    scan_limits(op, dm)?;
+    let dtr = as_dtype(dt_raw, xbc.dtype())?;
+    let (bias, a_log, d) = (f32_of(p.dt_bias)?, f32_of(p.a_log)?, f32_of(p.d)?);
+    let y = new(be, [dm.batch, dm.seq, dm.heads * dm.head_dim], xbc.dtype())?;
+    let states = new(be, [dm.batch, dm.heads, dm.chunks(), dm.state, dm.head_dim], DType::F32)?;
+    let mut args = vec![ptr(op, xbc)?, ptr(op, &dtr)?, ptr(op, &bias)?, ptr(op, &a_log)?, ptr(op, &d)?, ptr(op, &y)?];
+    args.push(ptr(op, &states)?);
+    args.extend(scan_sizes(dm));
+    let name = format!("ssd_scan_fwd_{}", sfx(op, xbc.dtype())?);
+    be.launch(&name, (dm.batch * dm.heads) as u32, dm.head_dim as u32, 0, &args)?;
+    Ok((y, states))
+}
+
+pub fn ssd_scan_bwd(
+    be: &B,
+    xbc: &Tensor,
+    dt_raw: &Tensor,
+    p: &ScanParams,
+    dm: &ScanDims,
+    states: &Tensor,
+    dy: &Tensor,
+) -> Result<ScanGrads> {
+    let op = "ssd_scan_bwd";
+    scan_limits(op, dm)?;
+    let dt = xbc.dtype();
+    let s = sfx(op, dt)?;
+    let (dtr, dy) = (as_dtype(dt_raw, dt)?, as_dtype(dy, dt)?);
+    let (bias, a_log, d) = (f32_of(p.dt_bias)?, f32_of(p.a_log)?, f32_of(p.d)?);
+    let (bh, rows) = (dm.batch * dm.heads, dm.batch * dm.seq);
+    let dxbc = new(be, xbc.shape().clone(), dt)?;
+    let ddt = new(be, dt_raw.shape().clone(), dt)?;
+    let dbh = new(be, [rows, dm.heads, dm.state], DType::F32)?;
+    let dch = new(be, [rows, dm.heads, dm.state], DType::F32)?;
+    let prm = new(be, [bh, 3], DType::F32)?;
+    let scratch = new(be, [bh, crate::SCAN_CHUNK + 1, dm.state, dm.head_dim], DType::F32)?;
+    let mut args =
+        vec![ptr(op, xbc)?, ptr(op, &dtr)?, ptr(op, &bias)?, ptr(op, &a_log)?, ptr(op, &d)?, ptr(op, states)?];
+    for t in [&dy, &dxbc, &ddt, &dbh, &dch, &prm, &scratch] {
+        args.push(ptr(op, t)?);
+    }
+    args.extend(scan_sizes(dm));
+    let shared = 4 * (2 * dm.state * dm.head_dim + dm.head_dim + dm.state);
+    be.launch(&format!("ssd_scan_bwd_{s}"), bh as u32, dm.head_dim as u32, shared as u32, &args)?;
+    let args = [
+        ptr(op, &dbh)?,
+        ptr(op, &dch)?,
+        ptr(op, &dxbc)?,
+        n(rows),
+        n(dm.heads),
+        n(dm.head_dim),
+        n(dm.groups),
+        n(dm.state),
+    ];
+    ew(be, &format!("ssd_bc_sum_{s}"), rows * dm.groups * dm.state, &args)?;
+    let (gb, ga, gd) =
+        (new(be, [dm.heads], DType::F32)?, new(be, [dm.heads], DType::F32)?, new(be, [dm.heads], DType::F32)?);
+    let args = [ptr(op, &prm)?, ptr(op, &gb)?, ptr(op, &ga)?, ptr(op, &gd)?, n(dm.batch), n(dm.heads)];
+    ew(be, "ssd_prm_sum", dm.heads, &args)?;
+    Ok(ScanGrads { dxbc, ddt_raw: ddt, dt_bias: gb, a_log: ga, d: gd })
+}
+
+pub fn gated_rmsnorm(be: &B, y: &Tensor, z: &Tensor, w: &Tensor, groups: usize, eps: f64) -> Result<(Tensor, Tensor)> {
+    let op = "gated_rmsnorm";
+    let (rows, c) = (y.shape().rows(), y.shape().last());
+    let (z, w) = (as_dtype(z, y.dtype())?, f32_of(w)?);
+    let out = new(be, y.shape().clone(), y.dtype())?;
+    let rstd = new(be, [rows, groups], DType::F32)?;
+    let args = [
+        ptr(op, y)?,
+        ptr(op, &z)?,
+        ptr(op, &w)?,
+        ptr(op, &out)?,
+        ptr(op, &rstd)?,
+        n(c),
+        n(groups),
+        Arg::F32(eps as f32),
+    ];
+    be.launch(&format!("gated_rmsnorm_fwd_{}", sfx(op, y.dtype())?), (rows * groups) as u32, NORM_THREADS, 0, &args)?;
+    Ok((out, rstd))
+}
+
+pub fn gated_rmsnorm_bwd(
+    be: &B,
+    dout: &Tensor,
+    y: &Tensor,
+    z: &Tensor,
+    w: &Tensor,
+    rstd: &Tensor,
+    groups: usize,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let op = "gated_rmsnorm_bwd";
+    let (rows, c) = (y.shape().rows(), y.shape().last());
+    let (dout, z, w) = (as_dtype(dout, y.dtype())?, as_dtype(z, y.dtype())?, f32_of(w)?);
+    let (dy, dz) = (new(be, y.shape().clone(), y.dtype())?, new(be, y.shape().clone(), y.dtype())?);
+    let wterm = new(be, [rows, c], DType::F32)?;
+    let mut args = vec![ptr(op, &dout)?, ptr(op, y)?, ptr(op, &z)?, ptr(op, &w)?, ptr(op, rstd)?];
+    args.extend([ptr(op, &dy)?, ptr(op, &dz)?, ptr(op, &wterm)?, n(c), n(groups)]);
+    be.launch(&format!("gated_rmsnorm_bwd_{}", sfx(op, y.dtype())?), (rows * groups) as u32, NORM_THREADS, 0, &args)?;
+    Ok((dy, dz, crate::bias_grad(&wterm)?))
+}

@@ -1,0 +1,165 @@
+//! Mamba-2's mixer (Megatron-Core's MambaMixer; parameter names as Megatron's and Hugging Face's
+//! Mamba2).
+//!
+//! Shapes: h [B, T, C] (C the hidden size); d_inner = H·P; Cd = d_inner + 2·G·N.
+//!   z   = h · W_zᵀ                     [B, T, d_inner]   (in_proj rows 0 .. d_inner)
+//!   xbc = h · W_xbcᵀ                   [B, T, Cd]        (in_proj rows d_inner .. d_inner + Cd)
+//!   dt  = h · W_dtᵀ                    [B, T, H]         (in_proj's last H rows)
+//!   u   = silu(conv1d(xbc) + b)        [B, T, Cd]        (causal, depthwise, K taps)
+//!   y   = scan(u, dt)                  [B, T, d_inner]   (x | B | C of u; D's skip inside)
+//!   g   = rmsnorm_G(y · silu(z)) · w   [B, T, d_inner]
+//!   out = g · W_outᵀ                   [B, T, C]
+//! in_proj's three products read row ranges of one weight (views), so the stored parameter is
+//! Megatron's single `in_proj.weight` [d_inner + Cd + H, C].
+//!
+//! Backward: the chain in reverse; dh = dz·W_z + dxbc·W_xbc + ddt·W_dt (the last two added
+//! in place). Weight gradients go into main_grad (`=` on a parameter's first write in a step,
+//! `+=` after: `ParamTable::grad_acc`); the conv, scan and norm parameters' small f32 gradients
+//! are added there.
+
+use crate::spec::{MambaDims, MambaSpec};
+use ferrotron_core::{Cx, Init, Module, ParamId, ParamMeta, ParamTableBuilder, Result, Saved, Tensor, invalid};
+use ferrotron_kernels as k;
+
+pub struct MambaMixer {
+    pub dims: MambaDims,
+    pub in_proj: ParamId,
+    pub conv_weight: ParamId,
+    pub conv_bias: ParamId,
+    pub dt_bias: ParamId,
+    pub a_log: ParamId,
+    pub d: ParamId,
+    pub norm: ParamId,
+    pub out_proj: ParamId,
+    eps: f64,
+}
+
+impl MambaMixer {
+    /// Registers the parameters under `prefix` (e.g. `decoder.layers.0.mixer`). Init as Megatron's:
+    /// in_proj normal(std), out_proj normal(out_std), the convolution PyTorch's default uniform
+    /// (±1/√K), dt_bias softplus⁻¹ of a log-uniform step, A_log ln U(1, 16), D and the norm ones.
+    pub fn new(
+        p: &mut ParamTableBuilder,
+        prefix: &str,
+        spec: &MambaSpec,
+        dims: MambaDims,
+        std: f32,
+        out_std: f32,
+    ) -> Result<Self> {
+        let (c, h, cd, kk) = (dims.hidden, dims.heads, dims.conv_dim(), dims.conv_kernel);
+        let add = |p: &mut ParamTableBuilder, name: &str, shape: Vec<usize>, init: Init, decay: bool| {
+            p.add(ParamMeta::replicated(format!("{prefix}.{name}"), shape, init, decay))
+        };
+        let bound = 1.0 / (kk as f32).sqrt();
+        let conv_init = Init::Uniform { lo: -bound, hi: bound };
+        Ok(MambaMixer {
+            in_proj: add(p, "in_proj.weight", vec![dims.in_proj_out(), c], Init::Normal { std }, true)?,
+            conv_weight: add(p, "conv1d.weight", vec![cd, 1, kk], conv_init, true)?,
+            conv_bias: add(p, "conv1d.bias", vec![cd], conv_init, false)?,
+            dt_bias: add(
+                p,
+                "dt_bias",
+                vec![h],
+                Init::DtBias { min: spec.dt_min, max: spec.dt_max, floor: spec.dt_floor },
+                false,
+            )?,
+            a_log: add(p, "A_log", vec![h], Init::LogUniform { lo: spec.a_init.0, hi: spec.a_init.1 }, false)?,
+            d: add(p, "D", vec![h], Init::Ones, false)?,
+            norm: add(p, "norm.weight", vec![dims.d_inner], Init::Ones, false)?,
+            out_proj: add(p, "out_proj.weight", vec![c, dims.d_inner], Init::Normal { std: out_std }, true)?,
+            dims,
+            eps: spec.norm_eps,
+        })
+    }
+
+    fn scan_dims(&self, b: usize, t: usize) -> k::ScanDims {
+        let d = &self.dims;
+        k::ScanDims { batch: b, seq: t, heads: d.heads, head_dim: d.head_dim, groups: d.groups, state: d.state }
+    }
+
+    /// in_proj's row ranges: z, xbc, dt.
+    fn in_parts(&self, w: &Tensor) -> Result<[Tensor; 3]> {
+        let (di, cd) = (self.dims.d_inner, self.dims.conv_dim());
+        Ok([w.narrow0(0..di)?, w.narrow0(di..di + cd)?, w.narrow0(di + cd..di + cd + self.dims.heads)?])
+    }
+
+    /// main_grad of `id` += g (or = g on its first write this step); g f32, same element count.
+    fn add_grad(cx: &Cx, id: ParamId, g: &Tensor) -> Result<()> {
+        let (dst, acc) = cx.params.grad_acc(id)?;
+        let g = g.reshape(dst.dims().to_vec())?;
+        if acc { k::add_(&dst, &g) } else { k::copy_(&dst, &g) }
+    }
+}
+
+impl Module for MambaMixer {
+    fn forward(&self, cx: &Cx, h: &Tensor) -> Result<(Tensor, Saved)> {
+        if h.dims().len() != 3 || h.dims()[2] != self.dims.hidden {
+            return Err(invalid(
+                "MambaMixer::forward",
+                format!("input {:?} is not [B, T, {}]", h.dims(), self.dims.hidden),
+            ));
+        }
+        let (b, t) = (h.dims()[0], h.dims()[1]);
+        let rows = b * t;
+        let [wz, wx, wdt] = self.in_parts(&cx.params.param(self.in_proj)?)?;
+        let z = k::matmul(h, &wz, false, true)?;
+        let xbc = k::matmul(h, &wx, false, true)?;
+        let dt = k::matmul(h, &wdt, false, true)?;
+        let u = k::conv1d_silu(&xbc, &cx.params.param(self.conv_weight)?, &cx.params.param(self.conv_bias)?)?;
+        let (dt_bias, a_log, d) =
+            (cx.params.param(self.dt_bias)?, cx.params.param(self.a_log)?, cx.params.param(self.d)?);
+        let prm = k::ScanParams { dt_bias: &dt_bias, a_log: &a_log, d: &d };
+        let (y, states) = k::ssd_scan(&u, &dt, &prm, &self.scan_dims(b, t))?;
+        let di = self.dims.d_inner;
+        let (y2, z2) = (y.reshape([rows, di])?, z.reshape([rows, di])?);
+        let (g, rstd) = k::gated_rmsnorm(&y2, &z2, &cx.params.param(self.norm)?, self.dims.groups, self.eps)?;
+        let out = k::matmul(&g.reshape([b, t, di])?, &cx.params.param(self.out_proj)?, false, true)?;
+        Ok((out, Saved::new(vec![h.clone(), z2, xbc, u, dt, states, y2, rstd, g], vec![])))
+    }
+
+    fn backward(&self, cx: &Cx, saved: Saved, dout: &Tensor) -> Result<Tensor> {
+        let [h, z2, xbc, u, dt, states, y2, rstd, g]: [Tensor; 9] = saved
+            .tensors
+            .try_into()
+            .map_err(|_| invalid("MambaMixer::backward", "saved tensors do not match forward"))?;
+        let (b, t) = (h.dims()[0], h.dims()[1]);
+        let (rows, c, di) = (b * t, self.dims.hidden, self.dims.d_inner);
+        let dout2 = dout.reshape([rows, c])?;
+        let w_out = cx.params.param(self.out_proj)?;
+        let dg = k::matmul(&dout2, &w_out, false, false)?;
+        let (dw, acc) = cx.params.grad_acc(self.out_proj)?;
+        k::matmul_into(&dw, &dout2, &g, true, false, acc)?;
+
+        let nw = cx.params.param(self.norm)?;
+        let (dy, dz, dnw) = k::gated_rmsnorm_bwd(&dg, &y2, &z2, &nw, &rstd, self.dims.groups)?;
+        Self::add_grad(cx, self.norm, &dnw)?;
+
+        let (dt_bias, a_log, d) =
+            (cx.params.param(self.dt_bias)?, cx.params.param(self.a_log)?, cx.params.param(self.d)?);
+        let prm = k::ScanParams { dt_bias: &dt_bias, a_log: &a_log, d: &d };
+        let sg = k::ssd_scan_bwd(&u, &dt, &prm, &self.scan_dims(b, t), &states, &dy.reshape([b, t, di])?)?;
+        Self::add_grad(cx, self.dt_bias, &sg.dt_bias)?;
+        Self::add_grad(cx, self.a_log, &sg.a_log)?;
+        Self::add_grad(cx, self.d, &sg.d)?;
+
+        let (cw, cb) = (cx.params.param(self.conv_weight)?, cx.params.param(self.conv_bias)?);
+        let (dxbc, dcw, dcb) = k::conv1d_silu_bwd(&xbc, &cw, &cb, &sg.dxbc)?;
+        Self::add_grad(cx, self.conv_weight, &dcw)?;
+        Self::add_grad(cx, self.conv_bias, &dcb)?;
+
+        // dh = dz·W_z + dxbc·W_xbc + ddt·W_dt; each part's weight gradient into its rows.
+        let h2 = h.reshape([rows, c])?;
+        let [wz, wx, wdt] = self.in_parts(&cx.params.param(self.in_proj)?)?;
+        let (dw_in, acc) = cx.params.grad_acc(self.in_proj)?;
+        let [gz, gx, gdt] = self.in_parts(&dw_in)?;
+        let dxbc2 = dxbc.reshape([rows, self.dims.conv_dim()])?;
+        let ddt2 = sg.ddt_raw.reshape([rows, self.dims.heads])?;
+        let dh = k::matmul(&dz, &wz, false, false)?;
+        k::matmul_into(&dh, &dxbc2, &wx, false, false, true)?;
+        k::matmul_into(&dh, &ddt2, &wdt, false, false, true)?;
+        for (gw, dpart) in [(&gz, &dz), (&gx, &dxbc2), (&gdt, &ddt2)] {
+            k::matmul_into(gw, dpart, &h2, true, false, acc)?;
+        }
+        dh.reshape([b, t, c])
+    }
+}

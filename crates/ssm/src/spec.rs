@@ -1,0 +1,153 @@
+//! `MambaSpec`: Megatron's --mamba-* flags as a typed spec, and the factory a hybrid model's `M`
+//! layers are built from (`ferrotron_transformer::spec::Hybrid::mixer`).
+
+use crate::mixer::MambaMixer;
+use ferrotron_core::{Module, ParamTableBuilder, Result};
+use ferrotron_transformer::spec::{FactoryCx, ModuleFactory, ParamCount};
+
+/// A Mamba-2 mixer's sizes. Defaults are Megatron-Core's MambaMixer's.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MambaSpec {
+    /// State channels per group, N (--mamba-state-dim; 128).
+    pub state_dim: usize,
+    /// Channels per head, P (--mamba-head-dim; 64).
+    pub head_dim: usize,
+    /// Groups sharing B and C, G (--mamba-num-groups; 8).
+    pub groups: usize,
+    /// Heads (--mamba-num-heads); None: expand · hidden / head_dim.
+    pub heads: Option<usize>,
+    /// d_inner = expand · hidden when `heads` is None (2).
+    pub expand: usize,
+    /// Causal convolution width (4).
+    pub conv_kernel: usize,
+    /// The gated norm's epsilon (1e-5).
+    pub norm_eps: f64,
+    /// dt's initial range and floor (0.001, 0.1, 1e-4) and A's initial range (1, 16).
+    pub dt_min: f32,
+    pub dt_max: f32,
+    pub dt_floor: f32,
+    pub a_init: (f32, f32),
+}
+
+impl Default for MambaSpec {
+    fn default() -> Self {
+        MambaSpec {
+            state_dim: 128,
+            head_dim: 64,
+            groups: 8,
+            heads: None,
+            expand: 2,
+            conv_kernel: 4,
+            norm_eps: 1e-5,
+            dt_min: 0.001,
+            dt_max: 0.1,
+            dt_floor: 1e-4,
+            a_init: (1.0, 16.0),
+        }
+    }
+}
+
+/// The mixer's derived sizes for one hidden width.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MambaDims {
+    pub hidden: usize,
+    pub d_inner: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    pub groups: usize,
+    pub state: usize,
+    pub conv_kernel: usize,
+}
+
+impl MambaDims {
+    /// Columns of the convolution's input and output: x | B | C.
+    pub fn conv_dim(&self) -> usize {
+        self.d_inner + 2 * self.groups * self.state
+    }
+    /// Rows of in_proj's weight: z | x | B | C | dt.
+    pub fn in_proj_out(&self) -> usize {
+        self.d_inner + self.conv_dim() + self.heads
+    }
+}
+
+impl MambaSpec {
+    /// The sizes at `hidden`, checked; errors name the flag and the fix.
+    pub fn dims(&self, hidden: usize) -> std::result::Result<MambaDims, String> {
+        if self.head_dim == 0 || self.state_dim == 0 || self.groups == 0 || self.expand == 0 || self.conv_kernel == 0 {
+            return Err(format!(
+                "{self:?}: --mamba-head-dim, --mamba-state-dim and --mamba-num-groups must be positive"
+            ));
+        }
+        let (heads, d_inner) = match self.heads {
+            Some(h) => (h, h * self.head_dim),
+            None => {
+                let d = self.expand * hidden;
+                if d % self.head_dim != 0 {
+                    return Err(format!(
+                        "--mamba-head-dim {} does not divide the mixer's width {d} ({} × --hidden-size {hidden}): pick a divisor or set --mamba-num-heads",
+                        self.head_dim, self.expand
+                    ));
+                }
+                (d / self.head_dim, d)
+            }
+        };
+        if heads == 0 || heads % self.groups != 0 {
+            return Err(format!(
+                "--mamba-num-groups {} does not divide the {heads} Mamba heads: pick a divisor",
+                self.groups
+            ));
+        }
+        Ok(MambaDims {
+            hidden,
+            d_inner,
+            heads,
+            head_dim: self.head_dim,
+            groups: self.groups,
+            state: self.state_dim,
+            conv_kernel: self.conv_kernel,
+        })
+    }
+}
+
+fn config_error(msg: String) -> ferrotron_core::Error {
+    ferrotron_core::invalid("MambaSpec", msg)
+}
+
+impl ModuleFactory for MambaSpec {
+    fn build(&self, cx: &FactoryCx, params: &mut ParamTableBuilder) -> Result<Box<dyn Module>> {
+        if let Err(e) = self.validate_tp(cx.tp.size()) {
+            return Err(config_error(e));
+        }
+        let dims = self.dims(cx.hidden).map_err(config_error)?;
+        Ok(Box::new(MambaMixer::new(params, cx.prefix, self, dims, cx.std, cx.out_std)?))
+    }
+
+    fn param_count(&self, hidden: usize) -> Option<ParamCount> {
+        let d = self.dims(hidden).ok()?;
+        let n = d.in_proj_out() * hidden
+            + d.conv_dim() * (d.conv_kernel + 1)
+            + 3 * d.heads
+            + d.d_inner
+            + hidden * d.d_inner;
+        Some(ParamCount { total: n, active: n })
+    }
+
+    /// The scan's own work, linear in the sequence: per token and head, the state update
+    /// (4·N·P: decay, B·x product, add) and the read-out (2·N·P) forward, twice that backward.
+    fn flops_per_token(&self, hidden: usize, _seq: usize) -> f64 {
+        self.dims(hidden).map_or(0.0, |d| 18.0 * (d.d_inner * d.state) as f64)
+    }
+
+    fn validate_tp(&self, tp: usize) -> std::result::Result<(), String> {
+        if tp > 1 {
+            return Err(format!(
+                "Mamba layers are not tensor-parallel yet: use --tensor-model-parallel-size 1 (got {tp})"
+            ));
+        }
+        Ok(())
+    }
+
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
+}

@@ -1,0 +1,158 @@
+//! Mamba hybrids through the trainer (--hybrid-override-pattern, --mamba-*): the layouts that
+//! split them train as one rank does, a run resumes bit for bit, the flags round-trip through a
+//! checkpoint's settings, and what is not built is refused by name.
+
+mod common;
+
+use common::*;
+use ferrotron_trainer::checkpoint;
+use ferrotron_trainer::settings::{Launch, Paths, Settings, TrainArgs};
+use ferrotron_trainer::train::{Summary, train};
+
+/// `M*-M` at hidden 32: Mamba mixers of 8 heads × 8 channels, 2 groups of 4 state channels.
+fn hybrid_args() -> TrainArgs {
+    TrainArgs {
+        preset: Some("mamba-tiny".into()),
+        num_layers: Some(4),
+        hybrid_override_pattern: Some("M*-M".into()),
+        mamba_head_dim: Some(8),
+        mamba_state_dim: Some(4),
+        mamba_num_groups: Some(2),
+        ..tiny_args(true)
+    }
+}
+
+fn run(s: &Settings, ranks: usize) -> Summary {
+    let launch = if ranks == 1 { Launch::Single } else { Launch::Threads(ranks) };
+    train(s, &Paths { launch, ..Paths::default() }).unwrap()
+}
+
+fn close(tag: &str, got: &[(u64, f64)], want: &[(u64, f64)]) {
+    assert_eq!(got.len(), want.len(), "{tag}");
+    for ((i, a), (_, b)) in got.iter().zip(want) {
+        assert!((a - b).abs() <= 1e-4 * b.abs(), "{tag} iteration {i}: {a} vs {b} (1 rank)");
+    }
+}
+
+/// Data parallel (distributed optimizer, overlapped reduce and gather), pipeline (1F1B, and with
+/// full recompute), and both: the same losses, gradient norms and validation losses as one rank.
+#[test]
+fn hybrid_layouts_follow_one_rank() {
+    let s1 = settings(&hybrid_args());
+    let one = run(&s1, 1);
+    assert!(one.losses.last().unwrap().1 < one.losses[0].1, "it learns: {:?}", one.losses);
+    let with = |f: &dyn Fn(&mut Settings)| {
+        let mut s = s1.clone();
+        f(&mut s);
+        s
+    };
+    let dp = with(&|s| {
+        s.use_distributed_optimizer = true;
+        s.overlap_grad_reduce = true;
+        s.overlap_param_gather = true;
+    });
+    let pp = with(&|s| s.pipeline_model_parallel_size = 2);
+    let pp_recompute = with(&|s| {
+        s.pipeline_model_parallel_size = 2;
+        s.recompute_granularity = Some("full".into());
+        s.recompute_method = Some("uniform".into());
+        s.recompute_num_layers = Some(1);
+    });
+    let dp_pp = with(&|s| {
+        s.pipeline_model_parallel_size = 2;
+        s.use_distributed_optimizer = true;
+    });
+    for (tag, s, n) in [("dp2", &dp, 2), ("pp2", &pp, 2), ("pp2 recompute", &pp_recompute, 2), ("dp2 × pp2", &dp_pp, 4)]
+    {
+        let got = run(s, n);
+        close(tag, &got.losses, &one.losses);
+        close(&format!("{tag} gradient norms"), &got.grad_norms, &one.grad_norms);
+        close(&format!("{tag} validation"), &got.evals, &one.evals);
+    }
+}
+
+/// Four steps, save, load, four steps: the straight run's losses and parameters, bit for bit;
+/// the checkpoint holds Megatron's names and records the hybrid flags.
+#[test]
+fn hybrid_resume_is_bit_exact() {
+    let s = settings(&hybrid_args());
+    let (a, b, c) = (tmp("mamba-a"), tmp("mamba-b"), tmp("mamba-c"));
+    let straight = train(&s, &Paths { save: Some(a.clone()), ..Paths::default() }).unwrap();
+    train(&s, &Paths { save: Some(b.clone()), exit_interval: Some(4), ..Paths::default() }).unwrap();
+    let second = train(&s, &Paths { save: Some(c.clone()), load: Some(b.clone()), ..Paths::default() }).unwrap();
+    assert_eq!(bits(&straight.losses[4..]), bits(&second.losses));
+    let (ka, kc) = (checkpoint::load(&a).unwrap(), checkpoint::load(&c).unwrap());
+    for name in [
+        "decoder.layers.0.mixer.in_proj.weight",
+        "decoder.layers.0.mixer.conv1d.weight",
+        "decoder.layers.0.mixer.A_log",
+        "decoder.layers.0.norm.weight",
+        "decoder.layers.1.self_attention.linear_qkv.weight",
+        "decoder.layers.2.mlp.linear_fc1.weight",
+        "decoder.layers.3.mixer.dt_bias",
+        "decoder.final_norm.weight",
+    ] {
+        assert!(ka.tensors.contains_key(name), "{name} missing");
+    }
+    assert_eq!(ka.tensors["decoder.layers.0.mixer.conv1d.weight"].0, vec![64 + 2 * 2 * 4, 1, 4]);
+    for (name, (_, x)) in &ka.tensors {
+        assert!(x.iter().zip(&kc.tensors[name].1).all(|(x, y)| x.to_bits() == y.to_bits()), "{name} differs");
+    }
+    let m = ka.state.settings.mamba.as_ref().expect("the hybrid flags are recorded");
+    assert_eq!((m.hybrid_override_pattern.as_str(), m.mamba_head_dim, m.mamba_state_dim), ("M*-M", 8, 4));
+    for d in [a, b, c] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
+/// The preset's flags come back from its config (what --use-checkpoint-args and a preset's
+/// defaults go through), and an `E` layer takes the mixture of experts.
+#[test]
+fn hybrid_flags_round_trip() {
+    let s = settings(&TrainArgs { preset: Some("mamba-tiny".into()), ..TrainArgs::default() });
+    let m = s.mamba.as_ref().expect("mamba-tiny is a hybrid");
+    assert_eq!(
+        (m.hybrid_override_pattern.as_str(), m.mamba_head_dim, m.mamba_state_dim, m.mamba_num_groups),
+        ("M-M*M-", 32, 16, 2)
+    );
+    let c = s.model_config().unwrap();
+    assert_eq!(ferrotron_models::hybrid::pattern_of(&c).as_deref(), Some("M-M*M-"));
+    let moe = settings(&TrainArgs {
+        hybrid_override_pattern: Some("ME*-".into()),
+        num_experts: Some(4),
+        moe_router_topk: Some(2),
+        ..hybrid_args()
+    });
+    let c = moe.model_config().unwrap();
+    assert_eq!(ferrotron_models::hybrid::pattern_of(&c).as_deref(), Some("ME*-"));
+    let r = run(&moe, 1);
+    assert!(r.losses.iter().all(|(_, l)| l.is_finite()));
+}
+
+#[test]
+fn what_is_not_built_is_refused_by_name() {
+    let err = |a: TrainArgs| -> String {
+        match Settings::resolve(&a) {
+            Err(e) => format!("{e:#}"),
+            Ok((s, _)) => format!("{:#}", train(&s, &Paths::default()).unwrap_err()),
+        }
+    };
+    let e = err(TrainArgs { tensor_model_parallel_size: Some(2), nproc: Some(2), ..hybrid_args() });
+    assert!(e.contains("Mamba layers are not tensor-parallel"), "{e}");
+    let e = err(TrainArgs { context_parallel_size: Some(2), nproc: Some(2), ..hybrid_args() });
+    assert!(e.contains("--context-parallel-size 2 with Mamba layers"), "{e}");
+    let e = err(TrainArgs { hybrid_override_pattern: Some("M*-".into()), ..hybrid_args() });
+    assert!(e.contains("has 3 layers but --num-layers is 4"), "{e}");
+    let e = err(TrainArgs { hybrid_override_pattern: Some("ME*-".into()), ..hybrid_args() });
+    assert!(e.contains("add --num-experts"), "{e}");
+    let e = err(TrainArgs { hybrid_override_pattern: Some("M*|-M".into()), num_layers: Some(5), ..hybrid_args() });
+    assert!(e.contains("'|'"), "{e}");
+    let e = err(TrainArgs { hybrid_override_pattern: Some("M*x-".into()), ..hybrid_args() });
+    assert!(e.contains("'x' at 2"), "{e}");
+    let e = err(TrainArgs { mamba_head_dim: Some(24), ..hybrid_args() });
+    assert!(e.contains("--mamba-head-dim 24"), "{e}");
+    let e = err(TrainArgs { hybrid_attention_ratio: Some(0.1), ..hybrid_args() });
+    assert!(e.contains("--hybrid-override-pattern"), "{e}");
+    let e = err(TrainArgs { mamba_state_dim: Some(8), ..tiny_args(true) });
+    assert!(e.contains("--mamba-state-dim configures Mamba layers"), "{e}");
+}
