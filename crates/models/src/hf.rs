@@ -25,6 +25,8 @@ use ferrotron_transformer::spec::{
 use serde_json::{Value, json};
 use std::sync::Arc;
 
+mod mamba2;
+
 /// A whole tensor on the host.
 #[derive(Clone, Debug, PartialEq)]
 pub struct HostTensor {
@@ -69,6 +71,8 @@ pub enum HfArch {
     /// `Qwen2ForCausalLM` (model_type qwen2, Qwen2 and Qwen2.5): Llama's layers and names with
     /// biases on q, k and v (Megatron's --add-qkv-bias).
     Qwen2,
+    /// `Mamba2ForCausalLM` (model_type mamba2): Mamba-2 layers alone (`hf/mamba2.rs`).
+    Mamba2,
     /// `MixtralForCausalLM` (model_type mixtral): Mistral's attention with a mixture-of-experts
     /// MLP (ferrotron-moe's layer).
     Mixtral,
@@ -82,16 +86,14 @@ impl HfArch {
             HfArch::Mistral => "MistralForCausalLM",
             HfArch::Qwen2 => "Qwen2ForCausalLM",
             HfArch::Mixtral => "MixtralForCausalLM",
+            HfArch::Mamba2 => "Mamba2ForCausalLM",
         }
     }
 
     /// Which class can hold `c` exactly, or what stops it.
     pub fn of(c: &TransformerConfig) -> Result<HfArch> {
         if c.layer.hybrid.is_some() {
-            return Err(HfError::NoEquivalent(
-                "a Mamba hybrid (--hybrid-override-pattern): its mapping to transformers' hybrids is not written yet"
-                    .into(),
-            ));
+            return mamba2::of(c);
         }
         if let Some(m) = crate::moe_spec(c) {
             return mixtral_of(c, m);
@@ -201,6 +203,35 @@ fn str_or<'a>(v: &'a Value, key: &str, default: &'a str) -> &'a str {
     v.get(key).and_then(Value::as_str).unwrap_or(default)
 }
 
+/// Parses config.json text as Python's json module writes it: a bare `Infinity`, `-Infinity` or
+/// `NaN` outside strings (Mamba2's `time_step_limit`), which JSON has no number for, is read as a
+/// string of that name.
+pub fn parse_config(text: &str) -> serde_json::Result<Value> {
+    let mut out = String::with_capacity(text.len() + 16);
+    let (mut in_str, mut escaped) = (false, false);
+    let mut rest = text;
+    while let Some(c) = rest.chars().next() {
+        if !in_str {
+            if let Some(w) = ["-Infinity", "Infinity", "NaN"].into_iter().find(|w| rest.starts_with(w)) {
+                out.push('"');
+                out.push_str(w);
+                out.push('"');
+                rest = &rest[w.len()..];
+                continue;
+            }
+        }
+        if in_str {
+            in_str = escaped || c != '"';
+            escaped = !escaped && c == '\\';
+        } else {
+            in_str = c == '"';
+        }
+        out.push(c);
+        rest = &rest[c.len_utf8()..];
+    }
+    serde_json::from_str(&out)
+}
+
 /// Reads a config.json (transformers 4's or 5's keys) into a Megatron-style config. Everything the
 /// config says that Ferrotron's model cannot do is refused by name rather than dropped.
 pub fn from_hf_config(v: &Value) -> Result<HfModel> {
@@ -256,6 +287,7 @@ pub fn from_hf_config(v: &Value) -> Result<HfModel> {
             c.layer.mlp = MlpSpec::Custom(Arc::new(moe));
             (HfArch::Mixtral, c)
         }
+        "mamba2" => (HfArch::Mamba2, mamba2::config(v)?),
         "mistral" => {
             let mut c = llama_config(v)?;
             // transformers' window: each query sees the `sliding_window` keys up to and including
@@ -265,7 +297,7 @@ pub fn from_hf_config(v: &Value) -> Result<HfModel> {
         }
         o => {
             return Err(HfError::Config(format!(
-                "model_type `{o}`: Ferrotron converts gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM), mistral (MistralForCausalLM), qwen2 (Qwen2ForCausalLM) and mixtral (MixtralForCausalLM)"
+                "model_type `{o}`: Ferrotron converts gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM), mistral (MistralForCausalLM), qwen2 (Qwen2ForCausalLM) and mixtral (MixtralForCausalLM) and mamba2 (Mamba2ForCausalLM)"
             )));
         }
     };
@@ -420,6 +452,7 @@ fn decimal(x: f32) -> f64 {
 pub fn to_hf_config(arch: HfArch, c: &TransformerConfig, dtype: &str) -> Value {
     let tied = !c.untie_embeddings_and_output_weights;
     match arch {
+        HfArch::Mamba2 => mamba2::to_config(c, dtype),
         HfArch::Gpt2 => json!({
             "architectures": [arch.class()],
             "model_type": "gpt2",
@@ -520,7 +553,7 @@ pub fn is_buffer(hf_name: &str) -> bool {
 pub fn strip_prefix(arch: HfArch, hf_name: &str) -> &str {
     match arch {
         HfArch::Gpt2 => hf_name.strip_prefix("transformer.").unwrap_or(hf_name),
-        HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 | HfArch::Mixtral => hf_name,
+        HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 | HfArch::Mixtral | HfArch::Mamba2 => hf_name,
     }
 }
 
@@ -605,6 +638,7 @@ fn maps(arch: HfArch, c: &TransformerConfig) -> Vec<(String, Map)> {
     let mut m = vec![];
     let tied = !c.untie_embeddings_and_output_weights;
     match arch {
+        HfArch::Mamba2 => m = mamba2::maps(c),
         HfArch::Gpt2 => {
             m.push(("embedding.word_embeddings.weight".into(), Same("wte.weight".into())));
             m.push(("embedding.position_embeddings.weight".into(), Same("wpe.weight".into())));
@@ -677,6 +711,9 @@ const LM_HEAD: &str = "lm_head.weight";
 
 /// Every HF tensor's shape for `c` (vocabulary rows unpadded), by HF name without prefix.
 fn hf_shape(arch: HfArch, c: &TransformerConfig, hf: &str) -> Vec<usize> {
+    if arch == HfArch::Mamba2 {
+        return mamba2::shape(c, hf);
+    }
     let (h, v, f) = (c.hidden_size, c.vocab_size, c.ffn_hidden_size);
     let (q, kv) = (c.num_attention_heads * c.head_dim(), c.num_query_groups * c.head_dim());
     let last = hf.rsplit('.').nth(1).unwrap_or("");
@@ -778,7 +815,7 @@ pub fn export<'a>(arch: HfArch, c: &TransformerConfig, get: &TensorLookup<'a>) -
     };
     let prefix = match arch {
         HfArch::Gpt2 => "transformer.",
-        HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 | HfArch::Mixtral => "",
+        HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 | HfArch::Mixtral | HfArch::Mamba2 => "",
     };
     let named = |n: &str| if n == LM_HEAD { n.to_string() } else { format!("{prefix}{n}") };
     let mut out = vec![];
@@ -827,6 +864,9 @@ mod tests {
                 "num_key_value_heads": 2, "head_dim": 6, "max_position_embeddings": 16,
                 "tie_word_embeddings": false, "num_local_experts": 3, "num_experts_per_tok": 2,
                 "router_aux_loss_coef": 0.02}),
+            HfArch::Mamba2 => json!({"model_type": "mamba2", "vocab_size": 11, "hidden_size": 8,
+                "num_hidden_layers": 2, "state_size": 3, "head_dim": 4, "num_heads": 4, "expand": 2, "n_groups": 2,
+                "conv_kernel": 4, "tie_word_embeddings": false}),
             HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 => {
                 json!({"model_type": match arch { HfArch::Llama => "llama", HfArch::Qwen2 => "qwen2", _ => "mistral" },
                 "sliding_window": 5, "vocab_size": 11, "hidden_size": 8,
@@ -856,7 +896,7 @@ mod tests {
 
     #[test]
     fn export_then_import_gives_every_tensor_back() {
-        for arch in [HfArch::Gpt2, HfArch::Llama, HfArch::Mistral, HfArch::Qwen2, HfArch::Mixtral] {
+        for arch in [HfArch::Gpt2, HfArch::Llama, HfArch::Mistral, HfArch::Qwen2, HfArch::Mixtral, HfArch::Mamba2] {
             let c = tiny(arch);
             assert_eq!(HfArch::of(&c).unwrap(), arch);
             let own: Vec<(String, HostTensor)> = maps(arch, &c)
@@ -876,6 +916,17 @@ mod tests {
     }
 
     fn own_shape(c: &TransformerConfig, name: &str) -> Vec<usize> {
+        if c.layer.hybrid.is_some() {
+            // A Mamba model's shapes as the built model registers them (vocabulary unpadded).
+            let (_, table) = ferrotron_transformer::GptModel::build(
+                TransformerConfig { make_vocab_size_divisible_by: 1, ..c.clone() },
+                &ferrotron_core::Device::Cpu,
+                ferrotron_core::DType::F32,
+                1,
+            )
+            .unwrap();
+            return table.metas().iter().find(|m| m.name == name).unwrap().global_shape.dims().to_vec();
+        }
         let (h, d) = (c.hidden_size, c.head_dim());
         let qkv = (c.num_attention_heads + 2 * c.num_query_groups) * d;
         let blocks = if c.layer.norm == NormKind::RmsNorm { 2 } else { 1 };

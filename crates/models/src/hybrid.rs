@@ -1,16 +1,27 @@
 //! Mamba hybrids: Megatron's hybrid layer pattern (`--hybrid-override-pattern`, one character a
-//! layer: `M` Mamba, `*` attention, `-` MLP, `E` mixture-of-experts MLP) both ways, and the spec
-//! that a pattern and a Mamba spec make.
+//! layer: `M` Mamba, `*` attention, `-` MLP, `E` mixture-of-experts MLP; `|` between pipeline
+//! stages) both ways, and the spec that a pattern and a Mamba spec make.
 
 use ferrotron_ssm::MambaSpec;
 use ferrotron_transformer::TransformerConfig;
 use ferrotron_transformer::spec::{Hybrid, LayerKind, MlpSpec, OtherMlp};
 use std::sync::Arc;
 
-/// A pattern's layers: each one's kind, and whether it is an `E` (mixture-of-experts) layer.
-pub fn parse_pattern(pattern: &str) -> Result<(Vec<LayerKind>, Vec<bool>), String> {
+/// A parsed pattern.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Pattern {
+    pub kinds: Vec<LayerKind>,
+    /// Per layer: an `E` (mixture-of-experts) layer.
+    pub moe: Vec<bool>,
+    /// Layers per pipeline stage, in model order, when the pattern marks stages with `|`.
+    pub stages: Option<Vec<usize>>,
+}
+
+/// A pattern's layers and stages.
+pub fn parse_pattern(pattern: &str) -> Result<Pattern, String> {
     let mut kinds = Vec::new();
     let mut moe = Vec::new();
+    let mut stages = vec![0usize];
     for (i, ch) in pattern.chars().enumerate() {
         let (k, e) = match ch {
             'M' => (LayerKind::Mixer, false),
@@ -18,9 +29,8 @@ pub fn parse_pattern(pattern: &str) -> Result<(Vec<LayerKind>, Vec<bool>), Strin
             '-' => (LayerKind::Mlp, false),
             'E' => (LayerKind::Mlp, true),
             '|' => {
-                return Err(format!(
-                    "--hybrid-override-pattern {pattern:?}: pipeline stage boundaries ('|') are not read yet; drop them and set --pipeline-model-parallel-size (with --decoder-first/last-pipeline-num-layers for uneven stages)"
-                ));
+                stages.push(0);
+                continue;
             }
             c => {
                 return Err(format!(
@@ -30,11 +40,15 @@ pub fn parse_pattern(pattern: &str) -> Result<(Vec<LayerKind>, Vec<bool>), Strin
         };
         kinds.push(k);
         moe.push(e);
+        *stages.last_mut().expect("one stage at least") += 1;
     }
     if kinds.is_empty() {
         return Err("--hybrid-override-pattern is empty: give one character per layer, e.g. M-M*-".into());
     }
-    Ok((kinds, moe))
+    if stages.contains(&0) {
+        return Err(format!("--hybrid-override-pattern {pattern:?}: a pipeline stage between '|' marks has no layers"));
+    }
+    Ok(Pattern { kinds, moe, stages: (stages.len() > 1).then_some(stages) })
 }
 
 /// The pattern of a config's layers (None when it is not a hybrid).
@@ -66,10 +80,10 @@ pub fn mamba_spec(c: &TransformerConfig) -> Option<&MambaSpec> {
 /// layers take when it is a mixture of experts, else what `-` layers take; with a mixture of
 /// experts, `-` layers take `dense`. Errors name the flag and the fix.
 pub fn make_hybrid(c: &mut TransformerConfig, pattern: &str, mamba: MambaSpec, dense: MlpSpec) -> Result<(), String> {
-    let (kinds, moe_layers) = parse_pattern(pattern)?;
+    let Pattern { kinds, moe: moe_layers, .. } = parse_pattern(pattern)?;
     if kinds.len() != c.num_layers {
         return Err(format!(
-            "--hybrid-override-pattern {pattern:?} has {} layers but --num-layers is {}: give one character per layer",
+            "--hybrid-override-pattern {pattern:?} has {} layers but --num-layers is {}: give one character per layer ('|' marks not counted)",
             kinds.len(),
             c.num_layers
         ));
@@ -89,4 +103,25 @@ pub fn make_hybrid(c: &mut TransformerConfig, pattern: &str, mamba: MambaSpec, d
     mamba.dims(c.hidden_size)?;
     c.layer.hybrid = Some(Hybrid { kinds, mixer: Some(Arc::new(mamba)) });
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn patterns_parse_and_render() {
+        let p = parse_pattern("M-|M*E").unwrap();
+        use LayerKind::*;
+        assert_eq!(p.kinds, vec![Mixer, Mlp, Mixer, Attention, Mlp]);
+        assert_eq!(p.moe, vec![false, false, false, false, true]);
+        assert_eq!(p.stages, Some(vec![2, 3]));
+        assert_eq!(parse_pattern("M*").unwrap().stages, None);
+        assert!(parse_pattern("").unwrap_err().contains("empty"));
+        assert!(parse_pattern("M|").unwrap_err().contains("no layers"));
+        let c = crate::mamba_hybrid(crate::MambaSize::Tiny);
+        assert_eq!(pattern_of(&c).as_deref(), Some("M-M*M-"));
+        assert_eq!(mamba_spec(&c).map(|m| m.head_dim), Some(32));
+        assert_eq!(pattern_of(&crate::llama(crate::LlamaSize::Tiny)), None);
+    }
 }

@@ -7,7 +7,7 @@
 //!   dt  = h · W_dtᵀ                    [B, T, H]         (in_proj's last H rows)
 //!   u   = silu(conv1d(xbc) + b)        [B, T, Cd]        (causal, depthwise, K taps)
 //!   y   = scan(u, dt)                  [B, T, d_inner]   (x | B | C of u; D's skip inside)
-//!   g   = rmsnorm_G(y · silu(z)) · w   [B, T, d_inner]
+//!   g   = rmsnorm_G(y · silu(z)) · w   [B, T, d_inner]   (per group of heads, or over all)
 //!   out = g · W_outᵀ                   [B, T, C]
 //! in_proj's three products read row ranges of one weight (views), so the stored parameter is
 //! Megatron's single `in_proj.weight` [d_inner + Cd + H, C].
@@ -32,6 +32,8 @@ pub struct MambaMixer {
     pub norm: ParamId,
     pub out_proj: ParamId,
     eps: f64,
+    /// Column groups of the gated norm: the head groups', or 1 (the whole width).
+    norm_groups: usize,
 }
 
 impl MambaMixer {
@@ -69,6 +71,7 @@ impl MambaMixer {
             out_proj: add(p, "out_proj.weight", vec![c, dims.d_inner], Init::Normal { std: out_std }, true)?,
             dims,
             eps: spec.norm_eps,
+            norm_groups: if spec.norm_per_group { dims.groups } else { 1 },
         })
     }
 
@@ -112,7 +115,7 @@ impl Module for MambaMixer {
         let (y, states) = k::ssd_scan(&u, &dt, &prm, &self.scan_dims(b, t))?;
         let di = self.dims.d_inner;
         let (y2, z2) = (y.reshape([rows, di])?, z.reshape([rows, di])?);
-        let (g, rstd) = k::gated_rmsnorm(&y2, &z2, &cx.params.param(self.norm)?, self.dims.groups, self.eps)?;
+        let (g, rstd) = k::gated_rmsnorm(&y2, &z2, &cx.params.param(self.norm)?, self.norm_groups, self.eps)?;
         let out = k::matmul(&g.reshape([b, t, di])?, &cx.params.param(self.out_proj)?, false, true)?;
         Ok((out, Saved::new(vec![h.clone(), z2, xbc, u, dt, states, y2, rstd, g], vec![])))
     }
@@ -131,7 +134,7 @@ impl Module for MambaMixer {
         k::matmul_into(&dw, &dout2, &g, true, false, acc)?;
 
         let nw = cx.params.param(self.norm)?;
-        let (dy, dz, dnw) = k::gated_rmsnorm_bwd(&dg, &y2, &z2, &nw, &rstd, self.dims.groups)?;
+        let (dy, dz, dnw) = k::gated_rmsnorm_bwd(&dg, &y2, &z2, &nw, &rstd, self.norm_groups)?;
         Self::add_grad(cx, self.norm, &dnw)?;
 
         let (dt_bias, a_log, d) =

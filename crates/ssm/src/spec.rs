@@ -22,6 +22,9 @@ pub struct MambaSpec {
     pub conv_kernel: usize,
     /// The gated norm's epsilon (1e-5).
     pub norm_eps: f64,
+    /// The gated norm per group of heads (Megatron's and mamba_ssm's, true) or over the whole
+    /// width (transformers' Mamba2, false; `--mamba-norm-ungrouped`).
+    pub norm_per_group: bool,
     /// dt's initial range and floor (0.001, 0.1, 1e-4) and A's initial range (1, 16).
     pub dt_min: f32,
     pub dt_max: f32,
@@ -39,6 +42,7 @@ impl Default for MambaSpec {
             expand: 2,
             conv_kernel: 4,
             norm_eps: 1e-5,
+            norm_per_group: true,
             dt_min: 0.001,
             dt_max: 0.1,
             dt_floor: 1e-4,

@@ -99,8 +99,7 @@ fn read_config(dir: &Path) -> anyhow::Result<hf::HfModel> {
     let path = dir.join("config.json");
     let text = std::fs::read_to_string(&path)
         .with_context(|| format!("--load-dir {}: no config.json (not a transformers model folder)", dir.display()))?;
-    let v: serde_json::Value =
-        serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", path.display()))?;
+    let v = hf::parse_config(&text).with_context(|| format!("{}: not valid JSON", path.display()))?;
     hf::from_hf_config(&v).with_context(|| path.display().to_string())
 }
 

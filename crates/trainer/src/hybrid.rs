@@ -16,6 +16,9 @@ pub struct MambaSettings {
     pub mamba_num_groups: usize,
     #[serde(default)]
     pub mamba_num_heads: Option<usize>,
+    /// The gated norm over the whole width (transformers' Mamba2).
+    #[serde(default)]
+    pub mamba_norm_ungrouped: bool,
 }
 
 impl MambaSettings {
@@ -34,6 +37,7 @@ impl MambaSettings {
                 ("--mamba-num-groups", a.mamba_num_groups.is_some()),
                 ("--mamba-num-heads", a.mamba_num_heads.is_some()),
                 ("--is-hybrid-model", a.is_hybrid_model),
+                ("--mamba-norm-ungrouped", a.mamba_norm_ungrouped),
             ] {
                 if given {
                     bail!("{flag} configures Mamba layers: add --hybrid-override-pattern (e.g. M-M*-), or drop it");
@@ -48,15 +52,20 @@ impl MambaSettings {
             mamba_head_dim: a.mamba_head_dim.unwrap_or(d.head_dim),
             mamba_num_groups: a.mamba_num_groups.unwrap_or(d.groups),
             mamba_num_heads: a.mamba_num_heads,
+            mamba_norm_ungrouped: a.mamba_norm_ungrouped,
         }))
     }
 
-    pub fn spec(&self) -> MambaSpec {
+    /// The spec; the gated norm's epsilon is the layers' (`--norm-epsilon`; Megatron's mixer fixes
+    /// it at 1e-5, its default norm epsilon).
+    pub fn spec(&self, norm_eps: f64) -> MambaSpec {
         MambaSpec {
+            norm_eps,
             state_dim: self.mamba_state_dim,
             head_dim: self.mamba_head_dim,
             groups: self.mamba_num_groups,
             heads: self.mamba_num_heads,
+            norm_per_group: !self.mamba_norm_ungrouped,
             ..MambaSpec::default()
         }
     }
@@ -73,6 +82,7 @@ pub fn model_args(c: &ferrotron_transformer::TransformerConfig, a: &mut TrainArg
     a.mamba_head_dim = Some(m.head_dim);
     a.mamba_num_groups = Some(m.groups);
     a.mamba_num_heads = m.heads;
+    a.mamba_norm_ungrouped = !m.norm_per_group;
     // A hybrid's MoE layers come from the pattern, not from --moe-layer-freq.
     a.moe_layer_freq = None;
 }

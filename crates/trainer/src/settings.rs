@@ -20,7 +20,7 @@ use std::sync::Arc;
 #[derive(clap::Args, Clone, Debug, Default, Deserialize, Serialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields, default)]
 pub struct TrainArgs {
-    /// Model preset: tiny, small, 124m, 1.3b, 6.7b, llama-tiny, llama-1b.
+    /// Model preset: tiny, small, 124m, 1.3b, 6.7b, llama-tiny, llama-1b, mixtral-tiny, mamba-tiny.
     #[arg(long)]
     pub preset: Option<String>,
     /// TOML file with the same keys as these flags; flags override it.
@@ -454,6 +454,11 @@ pub struct TrainArgs {
     /// Accepted for Megatron's scripts: --hybrid-override-pattern makes the hybrid.
     #[arg(long)]
     pub is_hybrid_model: bool,
+    /// The Mamba mixer's gated RMSNorm over its whole width, as transformers' Mamba2 computes it,
+    /// instead of per group of heads (Megatron's and mamba_ssm's); set by `convert` from
+    /// transformers.
+    #[arg(long)]
+    pub mamba_norm_ungrouped: bool,
     /// Not read (refused): spell the layers out with --hybrid-override-pattern.
     #[arg(long)]
     pub hybrid_attention_ratio: Option<f64>,
@@ -486,7 +491,8 @@ impl TrainArgs {
         merge_flags!(self, o; use_rope_scaling, swiglu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, bf16, fp16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
             use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, async_save, no_save_optim, exit_signal_handler,
-            moe_router_pre_softmax, moe_grouped_gemm, moe_shared_expert_overlap, moe_shared_expert_gate, is_hybrid_model);
+            moe_router_pre_softmax, moe_grouped_gemm, moe_shared_expert_overlap, moe_shared_expert_gate, is_hybrid_model,
+            mamba_norm_ungrouped);
         if !o.profile_ranks.is_empty() {
             self.profile_ranks = o.profile_ranks.clone();
         }
@@ -1106,7 +1112,8 @@ impl TrainArgs {
             mamba_state_dim,
             mamba_head_dim,
             mamba_num_groups,
-            mamba_num_heads
+            mamba_num_heads,
+            mamba_norm_ungrouped
         );
     }
 }
@@ -1543,8 +1550,24 @@ impl Settings {
         .map_err(|e| anyhow::anyhow!(e))
     }
 
+    /// Layers per pipeline stage when the hybrid pattern marks them with '|'.
+    fn pattern_stages(&self) -> anyhow::Result<Option<Vec<usize>>> {
+        let Some(m) = &self.mamba else { return Ok(None) };
+        let p = ferrotron_models::hybrid::parse_pattern(&m.hybrid_override_pattern).map_err(anyhow::Error::msg)?;
+        Ok(p.stages)
+    }
+
     /// The layers of every pipeline rank, checked (errors name the flags).
     pub fn stage_plan(&self, pp_rank: usize) -> anyhow::Result<ferrotron_parallel::pipeline::StagePlan> {
+        let (pp, vpp) = (self.pipeline_model_parallel_size, self.virtual_stages()?);
+        if let Some(stages) = self.pattern_stages()? {
+            if self.decoder_first_pipeline_num_layers.is_some() || self.decoder_last_pipeline_num_layers.is_some() {
+                bail!(
+                    "--hybrid-override-pattern marks the pipeline stages with '|': drop --decoder-first/last-pipeline-num-layers"
+                );
+            }
+            return Ok(ferrotron_parallel::pipeline::stage_layers_sized(&stages, pp, vpp, pp_rank)?);
+        }
         Ok(ferrotron_parallel::pipeline::stage_layers(
             self.num_layers,
             self.pipeline_model_parallel_size,
@@ -1775,7 +1798,7 @@ impl Settings {
             ferrotron_models::hybrid::make_hybrid(
                 &mut c,
                 &m.hybrid_override_pattern,
-                m.spec(),
+                m.spec(self.norm_epsilon),
                 dense_of(activation, bias),
             )
             .map_err(anyhow::Error::msg)?;

@@ -34,8 +34,9 @@ fn close(tag: &str, got: &[(u64, f64)], want: &[(u64, f64)]) {
     }
 }
 
-/// Data parallel (distributed optimizer, overlapped reduce and gather), pipeline (1F1B, and with
-/// full recompute), and both: the same losses, gradient norms and validation losses as one rank.
+/// Data parallel (distributed optimizer, overlapped reduce and gather), pipeline (1F1B, with full
+/// recompute, and in the stages a pattern's '|' marks), and both: the same losses, gradient norms
+/// and validation losses as one rank.
 #[test]
 fn hybrid_layouts_follow_one_rank() {
     let s1 = settings(&hybrid_args());
@@ -145,8 +146,15 @@ fn what_is_not_built_is_refused_by_name() {
     assert!(e.contains("has 3 layers but --num-layers is 4"), "{e}");
     let e = err(TrainArgs { hybrid_override_pattern: Some("ME*-".into()), ..hybrid_args() });
     assert!(e.contains("add --num-experts"), "{e}");
-    let e = err(TrainArgs { hybrid_override_pattern: Some("M*|-M".into()), num_layers: Some(5), ..hybrid_args() });
-    assert!(e.contains("'|'"), "{e}");
+    let e = err(TrainArgs {
+        hybrid_override_pattern: Some("M|*|-M".into()),
+        pipeline_model_parallel_size: Some(2),
+        nproc: Some(2),
+        ..hybrid_args()
+    });
+    assert!(e.contains("3 pipeline stages") && e.contains("--pipeline-model-parallel-size 2"), "{e}");
+    let e = err(TrainArgs { hybrid_override_pattern: Some("M||*-M".into()), ..hybrid_args() });
+    assert!(e.contains("has no layers"), "{e}");
     let e = err(TrainArgs { hybrid_override_pattern: Some("M*x-".into()), ..hybrid_args() });
     assert!(e.contains("'x' at 2"), "{e}");
     let e = err(TrainArgs { mamba_head_dim: Some(24), ..hybrid_args() });

@@ -9,4 +9,4 @@ pub mod stages;
 
 pub use exec::{Dir, Exchange, PipelineComms, StageRunner, Step, plan_steps, run_schedule};
 pub use schedule::{Action, ScheduleKind, render, schedule};
-pub use stages::{StagePlan, stage_layers};
+pub use stages::{StagePlan, stage_layers, stage_layers_sized};

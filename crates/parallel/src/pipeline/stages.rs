@@ -99,9 +99,42 @@ pub fn stage_layers(
     })
 }
 
+/// The plan of pipeline rank `rank` when every stage's layer count is given, in model order
+/// (a hybrid pattern's `|` marks): stage k is chunk k / pp of rank k mod pp.
+pub fn stage_layers_sized(sizes: &[usize], pp: usize, vpp: usize, rank: usize) -> Result<StagePlan> {
+    if sizes.len() != pp * vpp || sizes.contains(&0) {
+        return Err(err(format!(
+            "the pattern's {} pipeline stages ({sizes:?} layers) do not match --pipeline-model-parallel-size {pp} × {vpp} virtual stages, or one is empty: give one non-empty stage per pipeline (and virtual) stage",
+            sizes.len()
+        )));
+    }
+    let mut all = Vec::with_capacity(sizes.len());
+    let mut at = 0;
+    for &n in sizes {
+        all.push(at..at + n);
+        at += n;
+    }
+    Ok(StagePlan {
+        chunks: (0..vpp).map(|c| all[c * pp + rank].clone()).collect(),
+        pre_process: rank == 0,
+        post_process: rank == pp - 1,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stages_of_given_sizes() {
+        let p = stage_layers_sized(&[1, 3], 2, 1, 1).unwrap();
+        assert_eq!((p.chunks.len(), p.chunks[0].clone(), p.pre_process, p.post_process), (1, 1..4, false, true));
+        let p = stage_layers_sized(&[1, 2, 2, 1], 2, 2, 0).unwrap();
+        assert_eq!(p.chunks, vec![0..1, 3..5]);
+        let e = stage_layers_sized(&[2, 2], 4, 1, 0).unwrap_err().to_string();
+        assert!(e.contains("2 pipeline stages") && e.contains("--pipeline-model-parallel-size 4"), "{e}");
+        assert!(stage_layers_sized(&[0, 4], 2, 1, 0).is_err());
+    }
 
     #[test]
     fn even_uneven_and_interleaved() {
