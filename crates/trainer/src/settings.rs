@@ -237,6 +237,13 @@ pub struct TrainArgs {
     /// bf16 parameters and activations with fp32 master weights and grads.
     #[arg(long)]
     pub bf16: bool,
+    /// Stop at a step whose loss or gradient norm is not finite (Megatron's default; the update of
+    /// such a step is skipped either way, so the parameters stay the last finite step's).
+    #[arg(long)]
+    pub check_for_nan_in_loss_and_grad: bool,
+    /// Skip such steps' updates and go on, counting them in the log.
+    #[arg(long)]
+    pub no_check_for_nan_in_loss_and_grad: bool,
     /// fp16 with loss scaling is not implemented: refused with a pointer to --bf16 (accepted as a
     /// flag so Megatron's scripts get that answer rather than an unknown-argument one).
     #[arg(long)]
@@ -488,7 +495,7 @@ impl TrainArgs {
             moe_z_loss_coeff, moe_router_topk_scaling_factor, expert_model_parallel_size, moe_token_dispatcher_type,
             moe_layer_freq, moe_shared_expert_intermediate_size, hybrid_override_pattern, mamba_state_dim, mamba_head_dim,
             mamba_num_groups, mamba_num_heads, hybrid_attention_ratio, hybrid_mlp_ratio);
-        merge_flags!(self, o; use_rope_scaling, swiglu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, bf16, fp16, no_progress, deterministic_mode,
+        merge_flags!(self, o; check_for_nan_in_loss_and_grad, no_check_for_nan_in_loss_and_grad, use_rope_scaling, swiglu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, bf16, fp16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
             use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, async_save, no_save_optim, exit_signal_handler,
             moe_router_pre_softmax, moe_grouped_gemm, moe_shared_expert_overlap, moe_shared_expert_gate, is_hybrid_model,
@@ -663,6 +670,13 @@ pub struct Settings {
     /// attention then MLP.
     #[serde(default)]
     pub mamba: Option<crate::hybrid::MambaSettings>,
+    /// Stop at a step whose gradient norm is not finite (else skip its update and go on).
+    #[serde(default = "yes")]
+    pub check_for_nan_in_loss_and_grad: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// The MoE flags of a run, as Megatron names them.
@@ -1278,7 +1292,11 @@ impl Settings {
             window_size: a.window_size.as_deref().map(parse_window).transpose()?.flatten(),
             moe: None,
             mamba: None,
+            check_for_nan_in_loss_and_grad: !a.no_check_for_nan_in_loss_and_grad,
         };
+        if a.check_for_nan_in_loss_and_grad && a.no_check_for_nan_in_loss_and_grad {
+            bail!("--check-for-nan-in-loss-and-grad and --no-check-for-nan-in-loss-and-grad: keep one");
+        }
         s.moe = MoeSettings::from_args(&a, s.ffn_hidden_size)?;
         s.mamba = crate::hybrid::MambaSettings::from_args(&a)?;
         match a.cp_comm_type.as_deref() {

@@ -75,6 +75,9 @@ pub struct Summary {
     /// logged values (without their coefficients), averaged over the MoE layers and the window's
     /// micro-batches.
     pub router_losses: Vec<(u64, f64, f64)>,
+    /// Iterations whose update was skipped: their gradient norm was not finite
+    /// (`--no-check-for-nan-in-loss-and-grad`; with the check the run stops at the first).
+    pub skipped: Vec<u64>,
 }
 
 /// The data the run trains and evaluates on.
@@ -498,6 +501,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         logs: rank0,
         graphed_steps: 0,
         router_losses: vec![],
+        skipped: vec![],
     };
     let (dp, dp_rank) = (layout.dp, g.dp.rank());
     let schedule = s.batch_schedule()?;
@@ -648,7 +652,29 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             }
         }
         if iteration % s.log_interval == 0 || iteration == s.train_iters {
+            let skipped_before = summary.skipped.len();
             let out = read_queued(&mut queued, &mut summary)?.context("no step queued at a log interval")?;
+            if let Some(&first) = summary.skipped.get(skipped_before) {
+                // Every rank reads the same norms (summed over the world), so all stop here together.
+                let at = |l: &[(u64, f64)]| l.iter().find(|x| x.0 == first).map_or(f64::NAN, |x| x.1);
+                let (loss, norm) = (at(&summary.losses), at(&summary.grad_norms));
+                if s.check_for_nan_in_loss_and_grad {
+                    finish_pending(&g, &mut pending, &mut summary, &pb, rank0)?;
+                    bail!(
+                        "iteration {first}: the loss is {loss} and the gradient norm {norm}, not finite; its update was skipped, so the parameters and optimizer state are iteration {}'s. Stopped (--check-for-nan-in-loss-and-grad, Megatron's default): resume from the last checkpoint with a lower --lr or a --clip-grad, or pass --no-check-for-nan-in-loss-and-grad to skip such steps and go on",
+                        first - 1
+                    );
+                }
+                if rank0 {
+                    let n = summary.skipped.len() - skipped_before;
+                    pb.suspend(|| {
+                        eprintln!(
+                            "iteration {iteration}: {n} update(s) skipped since the last log line (gradient norm not finite, first at iteration {first}); {} in the run",
+                            summary.skipped.len()
+                        )
+                    });
+                }
+            }
             let loss = out.loss;
             let secs = window.0.elapsed().as_secs_f64();
             let tps = (window.1 * s.seq_length as u64) as f64 / secs.max(1e-9);
@@ -820,6 +846,9 @@ fn read_queued(
         let out = step.read()?;
         summary.losses.push((iteration, out.loss));
         summary.grad_norms.push((iteration, out.grad_norm));
+        if !out.applied {
+            summary.skipped.push(iteration);
+        }
         last = Some(out);
     }
     Ok(last)
