@@ -1,8 +1,8 @@
-//! Mamba hybrids' flags (`--hybrid-override-pattern`, `--mamba-*`) as a run records them, and the
-//! spec they make.
+//! Mamba hybrids' flags (`--hybrid-layer-pattern`, its deprecated `--hybrid-override-pattern`,
+//! Megatron's ratios, `--mamba-*`) as a run records them, and the spec they make.
 
 use crate::settings::TrainArgs;
-use anyhow::bail;
+use anyhow::{Context, bail};
 use ferrotron_ssm::MambaSpec;
 use serde::{Deserialize, Serialize};
 
@@ -10,7 +10,9 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub struct MambaSettings {
-    pub hybrid_override_pattern: String,
+    /// Megatron's --hybrid-layer-pattern (recorded by earlier builds as hybrid-override-pattern).
+    #[serde(alias = "hybrid-override-pattern")]
+    pub hybrid_layer_pattern: String,
     pub mamba_state_dim: usize,
     pub mamba_head_dim: usize,
     pub mamba_num_groups: usize,
@@ -25,12 +27,23 @@ impl MambaSettings {
     /// The flags gathered, Megatron's defaults filled in; None without a pattern (a Mamba flag is
     /// then an error naming it).
     pub fn from_args(a: &TrainArgs) -> anyhow::Result<Option<MambaSettings>> {
-        if a.hybrid_attention_ratio.is_some() || a.hybrid_mlp_ratio.is_some() {
-            bail!(
-                "--hybrid-attention-ratio / --hybrid-mlp-ratio (a pattern allocated from ratios) are not read: spell the layers out with --hybrid-override-pattern, e.g. M-M*-"
-            );
-        }
-        let Some(pattern) = a.hybrid_override_pattern.clone() else {
+        let ratios = a.hybrid_attention_ratio.is_some() || a.hybrid_mlp_ratio.is_some();
+        let pattern = match (&a.hybrid_layer_pattern, &a.hybrid_override_pattern) {
+            (Some(_), Some(_)) => bail!(
+                "--hybrid-layer-pattern and --hybrid-override-pattern (its deprecated name) both given: keep --hybrid-layer-pattern"
+            ),
+            (Some(p), None) | (None, Some(p)) if ratios => bail!(
+                "--hybrid-layer-pattern {p} and --hybrid-attention-ratio / --hybrid-mlp-ratio both place the layers: keep the pattern"
+            ),
+            (Some(p), None) | (None, Some(p)) => Some(p.clone()),
+            (None, None) if ratios => {
+                let n = a.num_layers.context("--hybrid-attention-ratio / --hybrid-mlp-ratio need --num-layers")?;
+                let (att, mlp) = (a.hybrid_attention_ratio.unwrap_or(0.0), a.hybrid_mlp_ratio.unwrap_or(0.0));
+                Some(ferrotron_models::hybrid::pattern_from_ratios(n, att, mlp).map_err(anyhow::Error::msg)?)
+            }
+            (None, None) => None,
+        };
+        let Some(pattern) = pattern else {
             for (flag, given) in [
                 ("--mamba-state-dim", a.mamba_state_dim.is_some()),
                 ("--mamba-head-dim", a.mamba_head_dim.is_some()),
@@ -40,14 +53,14 @@ impl MambaSettings {
                 ("--mamba-norm-ungrouped", a.mamba_norm_ungrouped),
             ] {
                 if given {
-                    bail!("{flag} configures Mamba layers: add --hybrid-override-pattern (e.g. M-M*-), or drop it");
+                    bail!("{flag} configures Mamba layers: add --hybrid-layer-pattern (e.g. M-M*-), or drop it");
                 }
             }
             return Ok(None);
         };
         let d = MambaSpec::default();
         Ok(Some(MambaSettings {
-            hybrid_override_pattern: pattern,
+            hybrid_layer_pattern: pattern,
             mamba_state_dim: a.mamba_state_dim.unwrap_or(d.state_dim),
             mamba_head_dim: a.mamba_head_dim.unwrap_or(d.head_dim),
             mamba_num_groups: a.mamba_num_groups.unwrap_or(d.groups),
@@ -77,7 +90,9 @@ pub fn model_args(c: &ferrotron_transformer::TransformerConfig, a: &mut TrainArg
     else {
         return;
     };
-    a.hybrid_override_pattern = Some(pattern);
+    a.hybrid_layer_pattern = Some(pattern);
+    a.hybrid_override_pattern = None;
+    (a.hybrid_attention_ratio, a.hybrid_mlp_ratio) = (None, None);
     a.mamba_state_dim = Some(m.state_dim);
     a.mamba_head_dim = Some(m.head_dim);
     a.mamba_num_groups = Some(m.groups);

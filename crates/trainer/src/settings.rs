@@ -443,7 +443,10 @@ pub struct TrainArgs {
     #[arg(long)]
     pub moe_shared_expert_gate: bool,
     /// A Mamba hybrid: one character per layer, M (Mamba-2 mixer), * (attention), - (MLP), E
-    /// (mixture-of-experts MLP), e.g. M-M*-.
+    /// (mixture-of-experts MLP), | between pipeline stages, e.g. M-M*-; it sets --num-layers.
+    #[arg(long)]
+    pub hybrid_layer_pattern: Option<String>,
+    /// The same, by its earlier (deprecated) name.
     #[arg(long)]
     pub hybrid_override_pattern: Option<String>,
     /// State channels per group (default 128).
@@ -458,7 +461,7 @@ pub struct TrainArgs {
     /// Mamba heads (default 2 · hidden / head dim).
     #[arg(long)]
     pub mamba_num_heads: Option<usize>,
-    /// Accepted for Megatron's scripts: --hybrid-override-pattern makes the hybrid.
+    /// Accepted for Megatron's scripts: --hybrid-layer-pattern makes the hybrid.
     #[arg(long)]
     pub is_hybrid_model: bool,
     /// The Mamba mixer's gated RMSNorm over its whole width, as transformers' Mamba2 computes it,
@@ -466,7 +469,8 @@ pub struct TrainArgs {
     /// transformers.
     #[arg(long)]
     pub mamba_norm_ungrouped: bool,
-    /// Not read (refused): spell the layers out with --hybrid-override-pattern.
+    /// Megatron's deprecated allocation: this share of --num-layers attention layers spread evenly
+    /// among Mamba ones (--hybrid-mlp-ratio: then that share MLP layers among the Mamba ones).
     #[arg(long)]
     pub hybrid_attention_ratio: Option<f64>,
     #[arg(long)]
@@ -483,6 +487,16 @@ macro_rules! merge_flags {
 impl TrainArgs {
     /// Overlays `o` on `self` (set values in `o` win; switches are or-ed).
     fn overlay(&mut self, o: &TrainArgs) {
+        // A later layer's way of placing hybrid layers replaces an earlier one's (a preset's
+        // pattern gives way to a flag's, or to its ratios).
+        if o.hybrid_layer_pattern.is_some()
+            || o.hybrid_override_pattern.is_some()
+            || o.hybrid_attention_ratio.is_some()
+            || o.hybrid_mlp_ratio.is_some()
+        {
+            (self.hybrid_layer_pattern, self.hybrid_override_pattern) = (None, None);
+            (self.hybrid_attention_ratio, self.hybrid_mlp_ratio) = (None, None);
+        }
         merge_opts!(self, o; preset, num_layers, hidden_size, num_attention_heads, num_query_groups, kv_channels, ffn_hidden_size, seq_length,
             max_position_embeddings, position_embedding_type, rotary_base, rope_scaling_factor, normalization, tokenizer_type, vocab_size, tokenizer_model, vocab_file, merge_file, init_method_std,
             micro_batch_size, global_batch_size, train_iters, train_samples, lr_warmup_samples, lr_decay_samples, lr, min_lr, lr_warmup_init, lr_decay_style, lr_wsd_decay_style, lr_wsd_decay_iters, lr_wsd_decay_samples, lr_warmup_iters, lr_warmup_fraction,
@@ -493,7 +507,7 @@ impl TrainArgs {
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers,
             num_experts, moe_ffn_hidden_size, moe_router_topk, moe_router_load_balancing_type, moe_aux_loss_coeff,
             moe_z_loss_coeff, moe_router_topk_scaling_factor, expert_model_parallel_size, moe_token_dispatcher_type,
-            moe_layer_freq, moe_shared_expert_intermediate_size, hybrid_override_pattern, mamba_state_dim, mamba_head_dim,
+            moe_layer_freq, moe_shared_expert_intermediate_size, hybrid_layer_pattern, hybrid_override_pattern, mamba_state_dim, mamba_head_dim,
             mamba_num_groups, mamba_num_heads, hybrid_attention_ratio, hybrid_mlp_ratio);
         merge_flags!(self, o; check_for_nan_in_loss_and_grad, no_check_for_nan_in_loss_and_grad, use_rope_scaling, swiglu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, bf16, fp16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
@@ -1122,6 +1136,7 @@ impl TrainArgs {
             expert_model_parallel_size,
             moe_shared_expert_intermediate_size,
             moe_layer_freq,
+            hybrid_layer_pattern,
             hybrid_override_pattern,
             mamba_state_dim,
             mamba_head_dim,
@@ -1299,6 +1314,21 @@ impl Settings {
         }
         s.moe = MoeSettings::from_args(&a, s.ffn_hidden_size)?;
         s.mamba = crate::hybrid::MambaSettings::from_args(&a)?;
+        if let Some(m) = &s.mamba {
+            // Megatron's: the pattern sets the layer count, over a --num-layers that differs.
+            let n = ferrotron_models::hybrid::parse_pattern(&m.hybrid_layer_pattern)
+                .map_err(anyhow::Error::msg)?
+                .kinds
+                .len();
+            let given = flags.num_layers.or(file.num_layers);
+            if given.is_some_and(|g| g != n) {
+                eprintln!(
+                    "warning: --hybrid-layer-pattern {} has {n} layers: --num-layers {} is ignored",
+                    m.hybrid_layer_pattern, s.num_layers
+                );
+            }
+            s.num_layers = n;
+        }
         match a.cp_comm_type.as_deref() {
             // Megatron's default p2p passes key/value blocks round a ring; the all-gather here
             // gives the same attention (it overlaps nothing), so scripts that name p2p run.
@@ -1549,6 +1579,21 @@ impl Settings {
     /// Model chunks per pipeline rank (interleaving), from --num-layers-per-virtual-pipeline-stage.
     pub fn virtual_stages(&self) -> anyhow::Result<usize> {
         let pp = self.pipeline_model_parallel_size;
+        if let Some(stages) = self.pattern_stages()? {
+            // Megatron's: the pattern's segments are the stages, pp × (virtual stages) of them.
+            if self.num_layers_per_virtual_pipeline_stage.is_some() {
+                bail!(
+                    "--hybrid-layer-pattern marks the pipeline stages with '|': drop --num-layers-per-virtual-pipeline-stage (the segments give the virtual stages)"
+                );
+            }
+            if stages.len() % pp != 0 {
+                bail!(
+                    "--hybrid-layer-pattern has {} pipeline segments, not a multiple of --pipeline-model-parallel-size {pp}: mark pp × (virtual stages) segments with '|'",
+                    stages.len()
+                );
+            }
+            return Ok(stages.len() / pp);
+        }
         let Some(n) = self.num_layers_per_virtual_pipeline_stage else { return Ok(1) };
         if n == 0 || self.num_layers % (pp * n) != 0 {
             bail!(
@@ -1571,7 +1616,7 @@ impl Settings {
     /// Layers per pipeline stage when the hybrid pattern marks them with '|'.
     fn pattern_stages(&self) -> anyhow::Result<Option<Vec<usize>>> {
         let Some(m) = &self.mamba else { return Ok(None) };
-        let p = ferrotron_models::hybrid::parse_pattern(&m.hybrid_override_pattern).map_err(anyhow::Error::msg)?;
+        let p = ferrotron_models::hybrid::parse_pattern(&m.hybrid_layer_pattern).map_err(anyhow::Error::msg)?;
         Ok(p.stages)
     }
 
@@ -1581,7 +1626,7 @@ impl Settings {
         if let Some(stages) = self.pattern_stages()? {
             if self.decoder_first_pipeline_num_layers.is_some() || self.decoder_last_pipeline_num_layers.is_some() {
                 bail!(
-                    "--hybrid-override-pattern marks the pipeline stages with '|': drop --decoder-first/last-pipeline-num-layers"
+                    "--hybrid-layer-pattern marks the pipeline stages with '|': drop --decoder-first/last-pipeline-num-layers"
                 );
             }
             return Ok(ferrotron_parallel::pipeline::stage_layers_sized(&stages, pp, vpp, pp_rank)?);
@@ -1655,8 +1700,8 @@ impl Settings {
         }
         if let Some(m) = &self.mamba {
             bail!(
-                "--context-parallel-size {cp} with Mamba layers (--hybrid-override-pattern {}): a scan carries its state along the whole sequence and is not split over context-parallel ranks yet; drop one",
-                m.hybrid_override_pattern
+                "--context-parallel-size {cp} with Mamba layers (--hybrid-layer-pattern {}): a scan carries its state along the whole sequence and is not split over context-parallel ranks yet; drop one",
+                m.hybrid_layer_pattern
             );
         }
         if self.window_size.is_some() {
@@ -1815,7 +1860,7 @@ impl Settings {
         if let Some(m) = &self.mamba {
             ferrotron_models::hybrid::make_hybrid(
                 &mut c,
-                &m.hybrid_override_pattern,
+                &m.hybrid_layer_pattern,
                 m.spec(self.norm_epsilon),
                 dense_of(activation, bias),
             )

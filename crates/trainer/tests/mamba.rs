@@ -14,7 +14,7 @@ fn hybrid_args() -> TrainArgs {
     TrainArgs {
         preset: Some("mamba-tiny".into()),
         num_layers: Some(4),
-        hybrid_override_pattern: Some("M*-M".into()),
+        hybrid_layer_pattern: Some("M*-M".into()),
         mamba_head_dim: Some(8),
         mamba_state_dim: Some(4),
         mamba_num_groups: Some(2),
@@ -100,7 +100,7 @@ fn hybrid_resume_is_bit_exact() {
         assert!(x.iter().zip(&kc.tensors[name].1).all(|(x, y)| x.to_bits() == y.to_bits()), "{name} differs");
     }
     let m = ka.state.settings.mamba.as_ref().expect("the hybrid flags are recorded");
-    assert_eq!((m.hybrid_override_pattern.as_str(), m.mamba_head_dim, m.mamba_state_dim), ("M*-M", 8, 4));
+    assert_eq!((m.hybrid_layer_pattern.as_str(), m.mamba_head_dim, m.mamba_state_dim), ("M*-M", 8, 4));
     for d in [a, b, c] {
         let _ = std::fs::remove_dir_all(d);
     }
@@ -113,13 +113,13 @@ fn hybrid_flags_round_trip() {
     let s = settings(&TrainArgs { preset: Some("mamba-tiny".into()), ..TrainArgs::default() });
     let m = s.mamba.as_ref().expect("mamba-tiny is a hybrid");
     assert_eq!(
-        (m.hybrid_override_pattern.as_str(), m.mamba_head_dim, m.mamba_state_dim, m.mamba_num_groups),
+        (m.hybrid_layer_pattern.as_str(), m.mamba_head_dim, m.mamba_state_dim, m.mamba_num_groups),
         ("M-M*M-", 32, 16, 2)
     );
     let c = s.model_config().unwrap();
     assert_eq!(ferrotron_models::hybrid::pattern_of(&c).as_deref(), Some("M-M*M-"));
     let moe = settings(&TrainArgs {
-        hybrid_override_pattern: Some("ME*-".into()),
+        hybrid_layer_pattern: Some("ME*-".into()),
         num_experts: Some(4),
         moe_router_topk: Some(2),
         ..hybrid_args()
@@ -128,6 +128,49 @@ fn hybrid_flags_round_trip() {
     assert_eq!(ferrotron_models::hybrid::pattern_of(&c).as_deref(), Some("ME*-"));
     let r = run(&moe, 1);
     assert!(r.losses.iter().all(|(_, l)| l.is_finite()));
+}
+
+/// Megatron's current rules: the pattern sets the layer count over --num-layers, the deprecated
+/// --hybrid-override-pattern still reads, the ratio flags allocate Megatron's pattern, and a
+/// pattern of 2 × pp segments interleaves two virtual stages per pipeline rank.
+#[test]
+fn patterns_set_the_layers_and_the_stages() {
+    let s = settings(&TrainArgs { num_layers: Some(7), hybrid_layer_pattern: Some("M*-".into()), ..hybrid_args() });
+    assert_eq!(s.num_layers, 3);
+    let old = settings(&TrainArgs {
+        hybrid_layer_pattern: None,
+        hybrid_override_pattern: Some("MM*".into()),
+        ..hybrid_args()
+    });
+    assert_eq!((old.num_layers, old.mamba.as_ref().unwrap().hybrid_layer_pattern.as_str()), (3, "MM*"));
+    let r = settings(&TrainArgs {
+        preset: Some("llama-tiny".into()),
+        hybrid_layer_pattern: None,
+        num_layers: Some(10),
+        hybrid_attention_ratio: Some(0.2),
+        hybrid_mlp_ratio: Some(0.2),
+        ..hybrid_args()
+    });
+    assert_eq!(r.mamba.as_ref().unwrap().hybrid_layer_pattern, "MMM*-M*MM-");
+    // A preset's pattern gives way to ratios on the command line.
+    let r = settings(&TrainArgs {
+        hybrid_layer_pattern: None,
+        num_layers: Some(4),
+        hybrid_attention_ratio: Some(0.25),
+        ..hybrid_args()
+    });
+    assert_eq!(r.mamba.as_ref().unwrap().hybrid_layer_pattern, "MM*M");
+
+    let s1 = settings(&hybrid_args());
+    let one = run(&s1, 1);
+    let mut vpp = s1.clone();
+    vpp.pipeline_model_parallel_size = 2;
+    vpp.mamba.as_mut().unwrap().hybrid_layer_pattern = "M|*|-|M".into();
+    assert_eq!(vpp.virtual_stages().unwrap(), 2);
+    assert_eq!(vpp.stage_plan(0).unwrap().chunks, vec![0..1, 2..3]);
+    let got = run(&vpp, 2);
+    close("pp2 × 2 virtual stages from the pattern", &got.losses, &one.losses);
+    close("its gradient norms", &got.grad_norms, &one.grad_norms);
 }
 
 #[test]
@@ -142,25 +185,37 @@ fn what_is_not_built_is_refused_by_name() {
     assert!(e.contains("Mamba layers are not tensor-parallel"), "{e}");
     let e = err(TrainArgs { context_parallel_size: Some(2), nproc: Some(2), ..hybrid_args() });
     assert!(e.contains("--context-parallel-size 2 with Mamba layers"), "{e}");
-    let e = err(TrainArgs { hybrid_override_pattern: Some("M*-".into()), ..hybrid_args() });
-    assert!(e.contains("has 3 layers but --num-layers is 4"), "{e}");
-    let e = err(TrainArgs { hybrid_override_pattern: Some("ME*-".into()), ..hybrid_args() });
+    let e = err(TrainArgs {
+        hybrid_layer_pattern: Some("M*-M".into()),
+        hybrid_override_pattern: Some("M*-M".into()),
+        ..hybrid_args()
+    });
+    assert!(e.contains("keep --hybrid-layer-pattern"), "{e}");
+    let e = err(TrainArgs { hybrid_attention_ratio: Some(0.25), ..hybrid_args() });
+    assert!(e.contains("both place the layers"), "{e}");
+    let e = err(TrainArgs { hybrid_layer_pattern: Some("ME*-".into()), ..hybrid_args() });
     assert!(e.contains("add --num-experts"), "{e}");
     let e = err(TrainArgs {
-        hybrid_override_pattern: Some("M|*|-M".into()),
+        hybrid_layer_pattern: Some("M|*|-M".into()),
         pipeline_model_parallel_size: Some(2),
         nproc: Some(2),
         ..hybrid_args()
     });
-    assert!(e.contains("3 pipeline stages") && e.contains("--pipeline-model-parallel-size 2"), "{e}");
-    let e = err(TrainArgs { hybrid_override_pattern: Some("M||*-M".into()), ..hybrid_args() });
+    assert!(e.contains("has 3 pipeline segments") && e.contains("--pipeline-model-parallel-size 2"), "{e}");
+    let e = err(TrainArgs { hybrid_layer_pattern: Some("M||*-M".into()), ..hybrid_args() });
     assert!(e.contains("has no layers"), "{e}");
-    let e = err(TrainArgs { hybrid_override_pattern: Some("M*x-".into()), ..hybrid_args() });
+    let e = err(TrainArgs { hybrid_layer_pattern: Some("M*x-".into()), ..hybrid_args() });
     assert!(e.contains("'x' at 2"), "{e}");
     let e = err(TrainArgs { mamba_head_dim: Some(24), ..hybrid_args() });
     assert!(e.contains("--mamba-head-dim 24"), "{e}");
-    let e = err(TrainArgs { hybrid_attention_ratio: Some(0.1), ..hybrid_args() });
-    assert!(e.contains("--hybrid-override-pattern"), "{e}");
-    let e = err(TrainArgs { mamba_state_dim: Some(8), ..tiny_args(true) });
+    let e = err(TrainArgs {
+        hybrid_layer_pattern: Some("M|*|-|M".into()),
+        pipeline_model_parallel_size: Some(2),
+        num_layers_per_virtual_pipeline_stage: Some(1),
+        nproc: Some(2),
+        ..hybrid_args()
+    });
+    assert!(e.contains("drop --num-layers-per-virtual-pipeline-stage"), "{e}");
+    let e = err(TrainArgs { mamba_state_dim: Some(8), preset: Some("llama-tiny".into()), ..tiny_args(true) });
     assert!(e.contains("--mamba-state-dim configures Mamba layers"), "{e}");
 }
