@@ -107,7 +107,8 @@ fn hybrid_resume_is_bit_exact() {
 }
 
 /// The preset's flags come back from its config (what --use-checkpoint-args and a preset's
-/// defaults go through), and an `E` layer takes the mixture of experts.
+/// defaults go through), and an `E` layer takes the mixture of experts (also under expert
+/// parallelism, against one rank).
 #[test]
 fn hybrid_flags_round_trip() {
     let s = settings(&TrainArgs { preset: Some("mamba-tiny".into()), ..TrainArgs::default() });
@@ -126,8 +127,14 @@ fn hybrid_flags_round_trip() {
     });
     let c = moe.model_config().unwrap();
     assert_eq!(ferrotron_models::hybrid::pattern_of(&c).as_deref(), Some("ME*-"));
-    let r = run(&moe, 1);
-    assert!(r.losses.iter().all(|(_, l)| l.is_finite()));
+    let one = run(&moe, 1);
+    assert!(one.losses.iter().all(|(_, l)| l.is_finite()));
+    // The E layer's experts over two expert-parallel ranks train as one rank does.
+    let mut ep = moe.clone();
+    ep.moe.as_mut().unwrap().expert_model_parallel_size = 2;
+    let got = run(&ep, 2);
+    close("E layers under ep2", &got.losses, &one.losses);
+    close("E layers under ep2: gradient norms", &got.grad_norms, &one.grad_norms);
 }
 
 /// Megatron's current rules: the pattern sets the layer count over --num-layers, the deprecated
