@@ -1,4 +1,4 @@
-//! CPU kernel benchmarks: matmul, LayerNorm and attention at training-like shapes.
+//! CPU kernel benchmarks: matmul, LayerNorm, attention and Mamba-2's scan at training-like shapes.
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use ferrotron_core::{DType, Device, Tensor, rng::Philox};
@@ -52,5 +52,24 @@ fn attention(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, matmul, layernorm, attention);
+fn ssd_scan(c: &mut Criterion) {
+    let mut g = c.benchmark_group("ssd_scan");
+    g.sample_size(10);
+    // mamba-tiny's mixer: 8 heads of 32 channels, 2 groups of 16 state channels, 2 × 128 steps.
+    let dm = k::ScanDims { batch: 2, seq: 128, heads: 8, head_dim: 32, groups: 2, state: 16 };
+    let xbc = randn(&[dm.batch, dm.seq, dm.xbc_width()], 9);
+    let dt = randn(&[dm.batch, dm.seq, dm.heads], 10);
+    let (bias, a_log, d) = (randn(&[dm.heads], 11), randn(&[dm.heads], 12), randn(&[dm.heads], 13));
+    let p = k::ScanParams { dt_bias: &bias, a_log: &a_log, d: &d };
+    // The state update and read-out: 3 multiply-adds per state element and step.
+    g.throughput(Throughput::Elements((3 * dm.batch * dm.seq * dm.heads * dm.head_dim * dm.state) as u64));
+    g.bench_function("fwd b2 t128 h8 p32 n16", |bch| bch.iter(|| k::ssd_scan(&xbc, &dt, &p, &dm).expect("scan")));
+    let (y, states) = k::ssd_scan(&xbc, &dt, &p, &dm).expect("scan");
+    g.bench_function("bwd b2 t128 h8 p32 n16", |bch| {
+        bch.iter(|| k::ssd_scan_bwd(&xbc, &dt, &p, &dm, &states, &y).expect("scan bwd"))
+    });
+    g.finish();
+}
+
+criterion_group!(benches, matmul, layernorm, attention, ssd_scan);
 criterion_main!(benches);
