@@ -226,3 +226,21 @@ fn what_is_not_built_is_refused_by_name() {
     let e = err(TrainArgs { mamba_state_dim: Some(8), preset: Some("llama-tiny".into()), ..tiny_args(true) });
     assert!(e.contains("--mamba-state-dim configures Mamba layers"), "{e}");
 }
+
+/// Saved under pp2 in the stages a pattern's '|' marks, resumed on one rank without the marks:
+/// the straight run's losses (the checkpoint holds whole tensors by name, whatever the layout).
+#[test]
+fn a_hybrid_checkpoint_resumes_under_another_layout() {
+    let s1 = settings(&hybrid_args());
+    let straight = run(&s1, 1);
+    let mut s2 = s1.clone();
+    s2.pipeline_model_parallel_size = 2;
+    s2.mamba.as_mut().unwrap().hybrid_layer_pattern = "M|*-M".into();
+    let dir = tmp("mamba-relayout");
+    let half =
+        Paths { save: Some(dir.clone()), exit_interval: Some(4), launch: Launch::Threads(2), ..Paths::default() };
+    train(&s2, &half).unwrap();
+    let second = train(&s1, &Paths { load: Some(dir.clone()), ..Paths::default() }).unwrap();
+    close("resumed on one rank", &second.losses, &straight.losses[4..]);
+    let _ = std::fs::remove_dir_all(dir);
+}
