@@ -1,4 +1,4 @@
-//! GeLU (tanh), SiLU, SwiGLU and softmax, forward and backward, in the input's dtype.
+//! GeLU (tanh), SiLU, squared ReLU, SwiGLU and softmax, forward and backward, in the input's dtype.
 
 use crate::{buf, check, cpu};
 use ferrotron_core::{Result, Tensor, shape_mismatch};
@@ -37,6 +37,13 @@ pub fn gelu(x: &Tensor) -> Result<Tensor> {
 }
 pub fn gelu_bwd(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
     unary_bwd("gelu_bwd", x, dy, cpu::activation::gelu_bwd)
+}
+/// max(x, 0)².
+pub fn relu2(x: &Tensor) -> Result<Tensor> {
+    unary("relu2", x, cpu::activation::relu2_fwd)
+}
+pub fn relu2_bwd(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    unary_bwd("relu2_bwd", x, dy, cpu::activation::relu2_bwd)
 }
 pub fn silu(x: &Tensor) -> Result<Tensor> {
     unary("silu", x, cpu::activation::silu_fwd)

@@ -143,7 +143,7 @@ impl MoeSpec {
     /// fc1's output width per expert: F, or 2F gate|value for SwiGLU.
     fn fc1_out(&self) -> usize {
         match self.activation {
-            Activation::Gelu => self.ffn_hidden_size,
+            Activation::Gelu | Activation::SquaredRelu => self.ffn_hidden_size,
             Activation::SwiGlu => 2 * self.ffn_hidden_size,
         }
     }

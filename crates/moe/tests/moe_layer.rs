@@ -104,6 +104,7 @@ fn reference(t: &ParamTable, s: &MoeSpec, x: &[f64]) -> Vec<f64> {
                 .map(|&v| 0.5 * v * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (v + 0.044715 * v.powi(3))).tanh()))
                 .collect(),
             Activation::SwiGlu => (0..f).map(|i| h[i] / (1.0 + (-h[i]).exp()) * h[f + i]).collect(),
+            Activation::SquaredRelu => h.iter().map(|v| v.max(0.0).powi(2)).collect(),
         };
         let o = lin(&get(t, &format!("{ex}.linear_fc2.weight")), bias("linear_fc2").as_deref(), &a);
         y.iter_mut().zip(&o).for_each(|(y, o)| *y += p * o);
@@ -129,7 +130,9 @@ fn dense(t: &ParamTable, prefix: &str, s: &MoeSpec, x: &[f64]) -> Vec<f64> {
 
 #[test]
 fn forward_matches_the_per_token_reference() {
-    for (act, bias, pre) in [(Activation::SwiGlu, false, false), (Activation::Gelu, true, true)] {
+    for (act, bias, pre) in
+        [(Activation::SwiGlu, false, false), (Activation::Gelu, true, true), (Activation::SquaredRelu, true, false)]
+    {
         let s = spec(act, bias, pre);
         let (m, table) = layer(&s, 7);
         let (b, t) = (3, 5);

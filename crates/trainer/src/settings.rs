@@ -61,6 +61,9 @@ pub struct TrainArgs {
     pub normalization: Option<String>,
     #[arg(long)]
     pub swiglu: bool,
+    /// Squared ReLU, max(x, 0)², in the MLPs (Nemotron-H's); GeLU without it or --swiglu.
+    #[arg(long)]
+    pub squared_relu: bool,
     #[arg(long)]
     pub untie_embeddings_and_output_weights: bool,
     #[arg(long)]
@@ -487,6 +490,11 @@ macro_rules! merge_flags {
 impl TrainArgs {
     /// Overlays `o` on `self` (set values in `o` win; switches are or-ed).
     fn overlay(&mut self, o: &TrainArgs) {
+        // A later layer's activation replaces an earlier one's (a preset's SwiGLU gives way to
+        // --squared-relu on the command line); within one layer both is an error.
+        if o.swiglu != o.squared_relu {
+            (self.swiglu, self.squared_relu) = (false, false);
+        }
         // A later layer's way of placing hybrid layers replaces an earlier one's (a preset's
         // pattern gives way to a flag's, or to its ratios).
         if o.hybrid_layer_pattern.is_some()
@@ -509,7 +517,7 @@ impl TrainArgs {
             moe_z_loss_coeff, moe_router_topk_scaling_factor, expert_model_parallel_size, moe_token_dispatcher_type,
             moe_layer_freq, moe_shared_expert_intermediate_size, hybrid_layer_pattern, hybrid_override_pattern, mamba_state_dim, mamba_head_dim,
             mamba_num_groups, mamba_num_heads, hybrid_attention_ratio, hybrid_mlp_ratio);
-        merge_flags!(self, o; check_for_nan_in_loss_and_grad, no_check_for_nan_in_loss_and_grad, use_rope_scaling, swiglu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, bf16, fp16, no_progress, deterministic_mode,
+        merge_flags!(self, o; check_for_nan_in_loss_and_grad, no_check_for_nan_in_loss_and_grad, use_rope_scaling, swiglu, squared_relu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, bf16, fp16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
             use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, async_save, no_save_optim, exit_signal_handler,
             moe_router_pre_softmax, moe_grouped_gemm, moe_shared_expert_overlap, moe_shared_expert_gate, is_hybrid_model,
@@ -558,6 +566,8 @@ pub struct Settings {
     pub rope_scaling_factor: f64,
     pub normalization: String,
     pub swiglu: bool,
+    #[serde(default)]
+    pub squared_relu: bool,
     pub untie_embeddings_and_output_weights: bool,
     pub disable_bias_linear: bool,
     /// Absent from older checkpoints' settings.
@@ -1029,11 +1039,12 @@ fn transformer_args(c: &TransformerConfig) -> TrainArgs {
         PositionEmbedding::None => ("none", 10000.0),
     };
     let moe = ferrotron_models::moe_spec(c);
-    let (swiglu, bias) = match (&c.layer.mlp, moe) {
-        (MlpSpec::Dense { activation, bias }, _) => (*activation == Activation::SwiGlu, *bias),
-        (MlpSpec::Custom(_), Some(m)) => (m.activation == Activation::SwiGlu, m.bias),
-        (MlpSpec::Custom(_), None) => (false, true),
+    let (activation, bias) = match (&c.layer.mlp, moe) {
+        (MlpSpec::Dense { activation, bias }, _) => (*activation, *bias),
+        (MlpSpec::Custom(_), Some(m)) => (m.activation, m.bias),
+        (MlpSpec::Custom(_), None) => (Activation::Gelu, true),
     };
+    let (swiglu, squared_relu) = (activation == Activation::SwiGlu, activation == Activation::SquaredRelu);
     let scaling = match c.position_embedding {
         PositionEmbedding::Rope { scaling, .. } => scaling,
         _ => None,
@@ -1053,6 +1064,7 @@ fn transformer_args(c: &TransformerConfig) -> TrainArgs {
         rope_scaling_factor: scaling.map(|s| s.factor),
         normalization: Some(if c.layer.norm == NormKind::LayerNorm { "LayerNorm" } else { "RMSNorm" }.into()),
         swiglu,
+        squared_relu,
         untie_embeddings_and_output_weights: c.untie_embeddings_and_output_weights,
         disable_bias_linear: !bias,
         add_qkv_bias: c.layer.attention.qkv_bias && !c.layer.attention.bias,
@@ -1112,6 +1124,7 @@ impl TrainArgs {
             rope_scaling_factor,
             normalization,
             swiglu,
+            squared_relu,
             untie_embeddings_and_output_weights,
             disable_bias_linear,
             add_qkv_bias,
@@ -1241,6 +1254,7 @@ impl Settings {
             rope_scaling_factor: a.rope_scaling_factor.unwrap_or_else(rope_scaling_factor),
             normalization: need(&a.normalization, "--normalization")?,
             swiglu: a.swiglu,
+            squared_relu: a.squared_relu,
             untie_embeddings_and_output_weights: a.untie_embeddings_and_output_weights,
             disable_bias_linear: a.disable_bias_linear,
             add_qkv_bias: a.add_qkv_bias,
@@ -1810,8 +1824,13 @@ impl Settings {
             o => bail!("--normalization {o}: use LayerNorm or RMSNorm"),
         };
         let vocab = ferrotron_data::Tokenizer::new(self.tokenizer()?)?.vocab_size();
-        let (activation, bias) =
-            (if self.swiglu { Activation::SwiGlu } else { Activation::Gelu }, !self.disable_bias_linear);
+        let activation = match (self.swiglu, self.squared_relu) {
+            (true, true) => bail!("--swiglu and --squared-relu both pick the MLP's activation: keep one"),
+            (true, false) => Activation::SwiGlu,
+            (false, true) => Activation::SquaredRelu,
+            (false, false) => Activation::Gelu,
+        };
+        let bias = !self.disable_bias_linear;
         let dense = dense_of(activation, bias);
         let (mlp, other_mlp) = match &self.moe {
             Some(m) => {

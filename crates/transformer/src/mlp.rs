@@ -28,7 +28,7 @@ impl Mlp {
         tp: &TensorParallel,
     ) -> Result<Self> {
         let blocks = match activation {
-            Activation::Gelu => 1,
+            Activation::Gelu | Activation::SquaredRelu => 1,
             Activation::SwiGlu => 2,
         };
         Ok(Mlp {
@@ -56,6 +56,10 @@ impl Module for Mlp {
             Activation::SwiGlu => {
                 let (h, s1) = self.linear_fc1.forward(cx, x)?;
                 (k::swiglu(&h)?, h, s1)
+            }
+            Activation::SquaredRelu => {
+                let (h, s1) = self.linear_fc1.forward(cx, x)?;
+                (k::relu2(&h)?, h, s1)
             }
         };
         let (y, s2) = self.linear_fc2.forward(cx, &a)?;
@@ -86,6 +90,7 @@ impl Mlp {
         let dh = match self.activation {
             Activation::Gelu => self.linear_fc2.backward_parts(cx, s2, dy, Some(h), fc2_bias)?,
             Activation::SwiGlu => k::swiglu_bwd(h, &self.linear_fc2.backward_parts(cx, s2, dy, None, fc2_bias)?)?,
+            Activation::SquaredRelu => k::relu2_bwd(h, &self.linear_fc2.backward_parts(cx, s2, dy, None, fc2_bias)?)?,
         };
         self.linear_fc1.backward(cx, s1, &dh)
     }

@@ -33,6 +33,9 @@ pub enum Activation {
     Gelu,
     /// SiLU-gated linear unit on a [C → 2F] projection.
     SwiGlu,
+    /// Squared ReLU, max(x, 0)², on a [C → F] projection (Primer's; Megatron's --squared-relu,
+    /// Nemotron-H's MLPs).
+    SquaredRelu,
 }
 
 /// Self-attention choices.

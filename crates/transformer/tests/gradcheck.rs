@@ -71,6 +71,19 @@ fn llama_style_without_qk_norm_gradients_match_finite_differences() {
     check(cfg);
 }
 
+/// Squared-ReLU MLPs (Nemotron-H's), with biases and without.
+#[test]
+fn squared_relu_gradients_match_finite_differences() {
+    for bias in [true, false] {
+        let mut cfg = config(bias);
+        cfg.layer.mlp = ferrotron_transformer::spec::MlpSpec::Dense {
+            activation: ferrotron_transformer::spec::Activation::SquaredRelu,
+            bias: !bias,
+        };
+        check(cfg);
+    }
+}
+
 /// Qwen2's attention: a bias on the QKV projection alone (--add-qkv-bias), with RoPE applied
 /// after it, in the fused path and the QK-norm one.
 #[test]

@@ -67,6 +67,16 @@ pub fn gelu_fwd<T: Real>(x: &[T], y: &mut [T]) {
 pub fn gelu_bwd<T: Real>(x: &[T], dy: &[T], dx: &mut [T]) {
     par_map2(x, dy, dx, |v, g| g * gelu_grad(v));
 }
+/// Squared ReLU: max(x, 0)² (Primer's; Megatron's --squared-relu), gradient 2·max(x, 0).
+pub fn relu2_fwd<T: Real>(x: &[T], y: &mut [T]) {
+    par_map1(x, y, |v| {
+        let r = v.max(T::zero());
+        r * r
+    });
+}
+pub fn relu2_bwd<T: Real>(x: &[T], dy: &[T], dx: &mut [T]) {
+    par_map2(x, dy, dx, |v, g| g * T::c(2.0) * v.max(T::zero()));
+}
 pub fn silu_fwd<T: Real>(x: &[T], y: &mut [T]) {
     par_map1(x, y, silu);
 }

@@ -96,6 +96,9 @@ fn every_op_matches_cpu() {
         check("silu", dt, &[x.clone(), y.clone()], |t| {
             vec![k::silu(&t[0]).unwrap(), k::silu_bwd(&t[0], &t[1]).unwrap()]
         });
+        check("relu2", dt, &[x.clone(), y.clone()], |t| {
+            vec![k::relu2(&t[0]).unwrap(), k::relu2_bwd(&t[0], &t[1]).unwrap()]
+        });
         let half = rnd(&[3, 5, 32], 5, dt);
         check("swiglu", dt, &[x.clone(), half], |t| {
             vec![k::swiglu(&t[0]).unwrap(), k::swiglu_bwd(&t[0], &t[1]).unwrap()]
@@ -614,6 +617,8 @@ fn elementwise_ops(x: &Tensor, y: &Tensor, b: &Tensor) -> Vec<Tensor> {
         k::gelu_bwd(x, y).unwrap(),
         k::silu(x).unwrap(),
         k::silu_bwd(x, y).unwrap(),
+        k::relu2(x).unwrap(),
+        k::relu2_bwd(x, y).unwrap(),
         k::swiglu(&gate).unwrap(),
         k::swiglu_bwd(&gate, &half.reshape([x.elem_count() / 2, 1]).unwrap()).unwrap(),
     ]
