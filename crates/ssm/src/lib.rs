@@ -1,5 +1,5 @@
 //! ferrotron-ssm: Mamba-2 mixer layers for hybrid models (Megatron-Core's MambaMixer in a
-//! MambaStack whose layers follow `--hybrid-override-pattern`).
+//! MambaStack whose layers follow `--hybrid-layer-pattern`).
 //!
 //! Why a crate of its own: the mixer plugs into the transformer crate's layers through the spec's
 //! factory hook (`spec::Hybrid::mixer` with a [`MambaSpec`]), as the MoE layer plugs into the MLP

@@ -137,7 +137,7 @@ impl TransformerConfig {
         if let Some(h) = &c.layer.hybrid {
             if h.kinds.len() != c.num_layers {
                 return Err(bad(format!(
-                    "the hybrid layer pattern (--hybrid-override-pattern) has {} layers but --num-layers is {}: give one character per layer",
+                    "the hybrid layer pattern (--hybrid-layer-pattern) has {} layers but --num-layers is {}: give one character per layer",
                     h.kinds.len(),
                     c.num_layers
                 )));

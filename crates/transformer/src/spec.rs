@@ -127,7 +127,7 @@ pub struct LayerSpec {
 }
 
 /// What one layer holds: a character of Megatron's hybrid layer pattern
-/// (`--hybrid-override-pattern`).
+/// (`--hybrid-layer-pattern`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LayerKind {
     /// Attention, then the MLP: every layer of a plain transformer.
