@@ -8,16 +8,13 @@
 // p through shared memory (per head; the heads of a group are summed after, in order). Parameter
 // gradients are per-(sequence, head) partials summed over sequences in order: no atomics, the same
 // bits every run. Small parameters (conv weight and bias, dt_bias, A_log, D, the norm weight)
-// arrive as f32.
+// arrive as f32. SiLU and its gradient are elementwise.cu's (`silu_f`, `silu_g`: one module).
 
-#define SSM_CHUNK 64
 #define SSM_MAX_STATE 256
 // Rows per partial sum of the convolution's weight gradient, and the most taps it takes.
 #define CONV_ROW_BLOCKS 64
 #define CONV_MAX_TAPS 8
 
-__device__ __forceinline__ float ssm_silu(float x) { return x / (1.f + expf(-x)); }
-__device__ __forceinline__ float ssm_silu_grad(float x) { float s = 1.f / (1.f + expf(-x)); return s * (1.f + x * (1.f - s)); }
 __device__ __forceinline__ float ssm_softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 __device__ __forceinline__ float ssm_softplus_grad(float x) { return x > 20.f ? 1.f : 1.f / (1.f + expf(-x)); }
 
@@ -31,9 +28,9 @@ __device__ __forceinline__ float conv_pre(const T* x, const float* w, const floa
 
 #define SSM(s, T) \
 extern "C" __global__ void conv1d_silu_##s(const T* x, const float* w, const float* bias, T* y, long rows, long seq, long c, long k) { \
-    GRID_STRIDE(i, rows * c) st(y, i, ssm_silu(conv_pre(x, w, bias, i / c, i % c, seq, c, k))); } \
+    GRID_STRIDE(i, rows * c) st(y, i, silu_f(conv_pre(x, w, bias, i / c, i % c, seq, c, k))); } \
 extern "C" __global__ void conv1d_silu_dpre_##s(const T* x, const float* w, const float* bias, const T* dy, float* dpre, long rows, long seq, long c, long k) { \
-    GRID_STRIDE(i, rows * c) dpre[i] = ld(dy, i) * ssm_silu_grad(conv_pre(x, w, bias, i / c, i % c, seq, c, k)); } \
+    GRID_STRIDE(i, rows * c) dpre[i] = ld(dy, i) * silu_g(conv_pre(x, w, bias, i / c, i % c, seq, c, k)); } \
 extern "C" __global__ void conv1d_dx_##s(const float* dpre, const float* w, T* dx, long rows, long seq, long c, long k) { \
     GRID_STRIDE(i, rows * c) { long r = i / c, ch = i % c, t = r % seq; float v = 0.f; \
         for (long j = 0; j < k; j++) { long t2 = t + (k - 1) - j; if (t2 < seq) v += dpre[(r + (k - 1) - j) * c + ch] * w[ch * k + j]; } \
@@ -49,28 +46,28 @@ extern "C" __global__ void conv1d_dw_part_##s(const T* x, const float* dpre, flo
     __syncthreads(); \
     if (ly == 0 && ch < c) for (int j = 0; j <= k; j++) { float v = 0.f; for (int q = 0; q < 8; q++) v += sh[q][threadIdx.x][j]; \
         part[(yb * c + ch) * (k + 1) + j] = v; } } \
-extern "C" __global__ void ssd_scan_fwd_##s(const T* xbc, const T* dt_raw, const float* dt_bias, const float* a_log, const float* dd, T* y, float* states, long seq, long hh, long p, long g, long n) { \
-    long bh = blockIdx.x, b = bh / hh, h = bh % hh, q = threadIdx.x, gi = h / (hh / g), cd = hh * p + 2 * g * n, nch = (seq + SSM_CHUNK - 1) / SSM_CHUNK; \
+extern "C" __global__ void ssd_scan_fwd_##s(const T* xbc, const T* dt_raw, const float* dt_bias, const float* a_log, const float* dd, T* y, float* states, long seq, long hh, long p, long g, long n, long chunk) { \
+    long bh = blockIdx.x, b = bh / hh, h = bh % hh, q = threadIdx.x, gi = h / (hh / g), cd = hh * p + 2 * g * n, nch = (seq + chunk - 1) / chunk; \
     float sv[SSM_MAX_STATE]; for (long j = 0; j < n; j++) sv[j] = 0.f; \
     float a_h = -expf(a_log[h]); \
     for (long t = 0; t < seq; t++) { \
-        if (t % SSM_CHUNK == 0) for (long j = 0; j < n; j++) states[((bh * nch + t / SSM_CHUNK) * n + j) * p + q] = sv[j]; \
+        if (t % chunk == 0) for (long j = 0; j < n; j++) states[((bh * nch + t / chunk) * n + j) * p + q] = sv[j]; \
         long row = (b * seq + t) * cd; float xp = ld(xbc, row + h * p + q); \
         float dt = ssm_softplus(ld(dt_raw, (b * seq + t) * hh + h) + dt_bias[h]), decay = expf(dt * a_h); \
         float acc = dd[h] * xp; \
         for (long j = 0; j < n; j++) { float bj = ld(xbc, row + hh * p + gi * n + j), cj = ld(xbc, row + hh * p + g * n + gi * n + j); \
             sv[j] = decay * sv[j] + dt * bj * xp; acc += cj * sv[j]; } \
         st(y, (b * seq + t) * hh * p + h * p + q, acc); } } \
-/* shared: shC, shU [n][p], shDa [p], shBu [n]. scratch [B·H, CHUNK + 1, n, p]. */ \
+/* shared: shC, shU [n][p], shDa [p], shBu [n]. scratch [B·H, chunk + 1, n, p]; chunk: the host's SCAN_CHUNK. */ \
 extern "C" __global__ void ssd_scan_bwd_##s(const T* xbc, const T* dt_raw, const float* dt_bias, const float* a_log, const float* dd, const float* states, const T* dy, \
-        T* dxbc, T* ddt, float* dbh, float* dch, float* prm, float* scratch, long seq, long hh, long p, long g, long n) { \
+        T* dxbc, T* ddt, float* dbh, float* dch, float* prm, float* scratch, long seq, long hh, long p, long g, long n, long chunk) { \
     extern __shared__ float smem[]; float* shC = smem; float* shU = shC + n * p; float* shDa = shU + n * p; float* shBu = shDa + p; \
-    long bh = blockIdx.x, b = bh / hh, h = bh % hh, q = threadIdx.x, gi = h / (hh / g), cd = hh * p + 2 * g * n, nch = (seq + SSM_CHUNK - 1) / SSM_CHUNK; \
-    float* sc = scratch + bh * (SSM_CHUNK + 1) * n * p; \
+    long bh = blockIdx.x, b = bh / hh, h = bh % hh, q = threadIdx.x, gi = h / (hh / g), cd = hh * p + 2 * g * n, nch = (seq + chunk - 1) / chunk; \
+    float* sc = scratch + bh * (chunk + 1) * n * p; \
     float gs[SSM_MAX_STATE]; for (long j = 0; j < n; j++) gs[j] = 0.f; \
     float a_h = -expf(a_log[h]), d_bias = 0.f, d_a = 0.f, d_d = 0.f; \
     for (long ck = nch - 1; ck >= 0; ck--) { \
-        long t0 = ck * SSM_CHUNK, t1 = min(t0 + SSM_CHUNK, seq); \
+        long t0 = ck * chunk, t1 = min(t0 + chunk, seq); \
         for (long j = 0; j < n; j++) sc[j * p + q] = states[((bh * nch + ck) * n + j) * p + q]; \
         for (long t = t0; t < t1; t++) { long row = (b * seq + t) * cd, i = t - t0; float xp = ld(xbc, row + h * p + q); \
             float dt = ssm_softplus(ld(dt_raw, (b * seq + t) * hh + h) + dt_bias[h]), decay = expf(dt * a_h); \
@@ -107,19 +104,19 @@ extern "C" __global__ void ssd_bc_sum_##s(const float* dbh, const float* dch, T*
 /* one block of 128 threads per (row, group) */ \
 extern "C" __global__ void gated_rmsnorm_fwd_##s(const T* y, const T* z, const float* w, T* out, float* rstd, long c, long groups, float eps) { \
     long blk = blockIdx.x, r = blk / groups, gi = blk % groups, gsz = c / groups, base = r * c + gi * gsz; float ss = 0.f; \
-    for (long i = threadIdx.x; i < gsz; i += blockDim.x) { float v = ld(y, base + i) * ssm_silu(ld(z, base + i)); ss += v * v; } \
+    for (long i = threadIdx.x; i < gsz; i += blockDim.x) { float v = ld(y, base + i) * silu_f(ld(z, base + i)); ss += v * v; } \
     float rs = rsqrtf(block_sum(ss) / (float)gsz + eps); \
-    for (long i = threadIdx.x; i < gsz; i += blockDim.x) st(out, base + i, ld(y, base + i) * ssm_silu(ld(z, base + i)) * rs * w[gi * gsz + i]); \
+    for (long i = threadIdx.x; i < gsz; i += blockDim.x) st(out, base + i, ld(y, base + i) * silu_f(ld(z, base + i)) * rs * w[gi * gsz + i]); \
     if (threadIdx.x == 0) rstd[blk] = rs; } \
 /* also writes wterm[r, c] = dout · v · rstd, whose column sums are dw */ \
 extern "C" __global__ void gated_rmsnorm_bwd_##s(const T* dout, const T* y, const T* z, const float* w, const float* rstd, T* dy, T* dz, float* wterm, long c, long groups) { \
     long blk = blockIdx.x, gi = blk % groups, gsz = c / groups, base = (blk / groups) * c + gi * gsz; float rs = rstd[blk], m = 0.f; \
-    for (long i = threadIdx.x; i < gsz; i += blockDim.x) { float vh = ld(y, base + i) * ssm_silu(ld(z, base + i)) * rs, gr = ld(dout, base + i); \
+    for (long i = threadIdx.x; i < gsz; i += blockDim.x) { float vh = ld(y, base + i) * silu_f(ld(z, base + i)) * rs, gr = ld(dout, base + i); \
         m += gr * w[gi * gsz + i] * vh; wterm[base + i] = gr * vh; } \
     m = block_sum(m) / (float)gsz; \
-    for (long i = threadIdx.x; i < gsz; i += blockDim.x) { float yv = ld(y, base + i), zv = ld(z, base + i), sz = ssm_silu(zv); \
+    for (long i = threadIdx.x; i < gsz; i += blockDim.x) { float yv = ld(y, base + i), zv = ld(z, base + i), sz = silu_f(zv); \
         float dv = rs * (ld(dout, base + i) * w[gi * gsz + i] - yv * sz * rs * m); \
-        st(dy, base + i, dv * sz); st(dz, base + i, dv * yv * ssm_silu_grad(zv)); } }
+        st(dy, base + i, dv * sz); st(dz, base + i, dv * yv * silu_g(zv)); } }
 FOR_TYPES(SSM)
 
 // The weight gradient's partials summed over row blocks, in order: dw [c, k], dbias [c].

@@ -1831,19 +1831,19 @@ impl Settings {
             (false, false) => Activation::Gelu,
         };
         let bias = !self.disable_bias_linear;
-        let dense = dense_of(activation, bias);
+        let dense = MlpSpec::Dense { activation, bias };
         let (mlp, other_mlp) = match &self.moe {
             Some(m) => {
                 let other = match &m.moe_layer_freq {
                     Some(f) => {
                         let moe = crate::layer_freq::parse(f, self.num_layers)?;
-                        Some(OtherMlp { mlp: dense, layers: moe.iter().map(|&m| !m).collect() })
+                        Some(OtherMlp { mlp: dense.clone(), layers: moe.iter().map(|&m| !m).collect() })
                     }
                     None => None,
                 };
                 (MlpSpec::Custom(Arc::new(m.spec(activation, bias)?)), other)
             }
-            None => (dense, None),
+            None => (dense.clone(), None),
         };
         let mut c = TransformerConfig {
             num_layers: self.num_layers,
@@ -1877,20 +1877,11 @@ impl Settings {
             attention_dropout: self.attention_dropout,
         };
         if let Some(m) = &self.mamba {
-            ferrotron_models::hybrid::make_hybrid(
-                &mut c,
-                &m.hybrid_layer_pattern,
-                m.spec(self.norm_epsilon),
-                dense_of(activation, bias),
-            )
-            .map_err(anyhow::Error::msg)?;
+            ferrotron_models::hybrid::make_hybrid(&mut c, &m.hybrid_layer_pattern, m.spec(self.norm_epsilon), dense)
+                .map_err(anyhow::Error::msg)?;
         }
         Ok(c)
     }
-}
-
-fn dense_of(activation: Activation, bias: bool) -> MlpSpec {
-    MlpSpec::Dense { activation, bias }
 }
 
 pub fn check_dir(p: &Path, flag: &str) -> anyhow::Result<()> {

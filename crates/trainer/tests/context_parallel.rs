@@ -8,24 +8,6 @@ use common::*;
 use ferrotron_trainer::settings::{Launch, Paths, Settings, TrainArgs};
 use ferrotron_trainer::train::{Summary, train};
 
-fn close(tag: &str, got: &[(u64, f64)], want: &[(u64, f64)]) {
-    assert_eq!(got.len(), want.len(), "{tag}");
-    for ((i, a), (_, b)) in got.iter().zip(want) {
-        assert!((a - b).abs() <= 1e-4 * b.abs(), "{tag} iteration {i}: {a} vs {b} (1 rank)");
-    }
-}
-
-fn run(s: &Settings, ranks: usize) -> Summary {
-    let launch = if ranks == 1 { Launch::Single } else { Launch::Threads(ranks) };
-    train(s, &Paths { launch, ..Paths::default() }).unwrap()
-}
-
-fn follows(tag: &str, got: &Summary, one: &Summary) {
-    close(tag, &got.losses, &one.losses);
-    close(&format!("{tag} gradient norms"), &got.grad_norms, &one.grad_norms);
-    close(&format!("{tag} validation"), &got.evals, &one.evals);
-}
-
 /// The Llama-style model (RoPE at the chunks' global positions, GQA, SwiGLU) and the GPT-2-style
 /// one (learned absolute positions, --eod-mask-loss so that the chunks hold different numbers of
 /// counted tokens) under cp 2 and 4, cp × sequence-parallel tp, cp × data parallel (distributed

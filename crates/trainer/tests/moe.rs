@@ -24,13 +24,6 @@ fn moe_args() -> TrainArgs {
     }
 }
 
-fn close(tag: &str, got: &[(u64, f64)], want: &[(u64, f64)]) {
-    assert_eq!(got.len(), want.len(), "{tag}");
-    for ((i, a), (_, b)) in got.iter().zip(want) {
-        assert!((a - b).abs() <= 1e-4 * b.abs(), "{tag} iteration {i}: {a} vs {b} (1 rank)");
-    }
-}
-
 /// Data parallel (distributed optimizer, overlapped reduce and gather), pipeline parallel
 /// (× data parallel, full recompute) and expert parallel (alone, × expert data parallel, under a
 /// pipeline) train the MoE model as one rank does: the same losses and the same routers' loss

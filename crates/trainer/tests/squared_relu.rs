@@ -5,8 +5,7 @@
 mod common;
 
 use common::*;
-use ferrotron_trainer::settings::{Launch, Paths, Settings, TrainArgs};
-use ferrotron_trainer::train::train;
+use ferrotron_trainer::settings::{Settings, TrainArgs};
 
 #[test]
 fn squared_relu_trains_as_one_rank_under_tensor_parallelism() {
@@ -22,15 +21,12 @@ fn squared_relu_trains_as_one_rank_under_tensor_parallelism() {
     ));
     let back = ferrotron_trainer::settings::model_args(&c);
     assert!(back.squared_relu && !back.swiglu);
-    let one = train(&s, &Paths::default()).unwrap();
+    let one = run(&s, 1);
     assert!(one.losses.last().unwrap().1 < one.losses[0].1);
     let mut tp = s.clone();
     tp.tensor_model_parallel_size = 2;
     tp.sequence_parallel = true;
-    let got = train(&tp, &Paths { launch: Launch::Threads(2), ..Paths::default() }).unwrap();
-    for ((i, a), (_, b)) in got.losses.iter().zip(&one.losses) {
-        assert!((a - b).abs() <= 1e-4 * b.abs(), "iteration {i}: {a} vs {b}");
-    }
+    follows("tp2 with SP", &run(&tp, 2), &one);
     let e = Settings::resolve(&TrainArgs { squared_relu: true, swiglu: true, ..tiny_args(true) }).unwrap_err();
     assert!(format!("{e:#}").contains("keep one"), "{e:#}");
 }

@@ -141,13 +141,6 @@ impl TransformerLayer {
     }
 
     /// The layer's attention, if it has one.
-    pub fn attention(&self) -> Option<&SelfAttention> {
-        self.branches.iter().find_map(|b| match &b.f {
-            Sublayer::Attention(a) => Some(a.as_ref()),
-            _ => None,
-        })
-    }
-
     pub fn attention_mut(&mut self) -> Option<&mut SelfAttention> {
         self.branches.iter_mut().find_map(|b| match &mut b.f {
             Sublayer::Attention(a) => Some(a.as_mut()),

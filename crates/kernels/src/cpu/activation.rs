@@ -51,12 +51,12 @@ fn sigmoid<T: Real>(x: T) -> T {
 }
 
 #[inline]
-fn silu<T: Real>(x: T) -> T {
+pub(crate) fn silu<T: Real>(x: T) -> T {
     x * sigmoid(x)
 }
 
 #[inline]
-fn silu_grad<T: Real>(x: T) -> T {
+pub(crate) fn silu_grad<T: Real>(x: T) -> T {
     let s = sigmoid(x);
     s * (T::one() + x * (T::one() - s))
 }

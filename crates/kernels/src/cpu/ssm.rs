@@ -19,6 +19,7 @@
 //! - `gated_norm`: v = y · silu(z); per row and group of d_inner/G channels
 //!   rstd = 1/√(mean(v²) + eps); out = v · rstd · w (Mamba-2's RMSNormGated, norm after the gate).
 
+use super::activation::{silu, silu_grad};
 use crate::real::Real;
 use rayon::prelude::*;
 
@@ -50,18 +51,8 @@ impl ScanDims {
     }
 }
 
-fn silu<T: Real>(x: T) -> T {
-    x / (T::one() + (-x).fexp())
-}
-
-/// d silu / dx.
-fn silu_grad<T: Real>(x: T) -> T {
-    let s = T::one() / (T::one() + (-x).fexp());
-    s * (T::one() + x * (T::one() - s))
-}
-
 /// softplus(x), Mamba's: x itself above 20.
-pub fn softplus<T: Real>(x: T) -> T {
+fn softplus<T: Real>(x: T) -> T {
     if x > T::c(20.0) { x } else { (T::one() + x.fexp()).ln() }
 }
 

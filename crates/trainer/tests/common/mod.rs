@@ -1,7 +1,8 @@
 //! Tiny settings shared by the trainer tests: small enough to train in seconds.
 #![allow(dead_code)] // each test binary uses part of it
 
-use ferrotron_trainer::settings::{Settings, TrainArgs};
+use ferrotron_trainer::settings::{Launch, Paths, Settings, TrainArgs};
+use ferrotron_trainer::train::{Summary, train};
 use std::path::PathBuf;
 
 pub fn tiny_args(llama: bool) -> TrainArgs {
@@ -41,4 +42,25 @@ pub fn tmp(name: &str) -> PathBuf {
 /// Losses by iteration as their bits, for comparisons that must be exact.
 pub fn bits(l: &[(u64, f64)]) -> Vec<(u64, u64)> {
     l.iter().map(|(i, x)| (*i, x.to_bits())).collect()
+}
+
+/// `s` trained on one rank, or on `ranks` thread ranks.
+pub fn run(s: &Settings, ranks: usize) -> Summary {
+    let launch = if ranks == 1 { Launch::Single } else { Launch::Threads(ranks) };
+    train(s, &Paths { launch, ..Paths::default() }).unwrap()
+}
+
+/// The same iterations' values within 1e-4 relative of one rank's.
+pub fn close(tag: &str, got: &[(u64, f64)], want: &[(u64, f64)]) {
+    assert_eq!(got.len(), want.len(), "{tag}");
+    for ((i, a), (_, b)) in got.iter().zip(want) {
+        assert!((a - b).abs() <= 1e-4 * b.abs(), "{tag} iteration {i}: {a} vs {b} (1 rank)");
+    }
+}
+
+/// A layout's losses, gradient norms and validation losses `close` to one rank's.
+pub fn follows(tag: &str, got: &Summary, one: &Summary) {
+    close(tag, &got.losses, &one.losses);
+    close(&format!("{tag} gradient norms"), &got.grad_norms, &one.grad_norms);
+    close(&format!("{tag} validation"), &got.evals, &one.evals);
 }

@@ -56,6 +56,11 @@ pub(crate) fn new(be: &B, shape: impl Into<Shape>, dt: DType) -> Result<Tensor> 
     Ok(t)
 }
 
+/// `t` as `dt`: itself when it is already, else a cast copy.
+fn in_dtype(t: &Tensor, dt: DType) -> Result<Tensor> {
+    if t.dtype() == dt { Ok(t.clone()) } else { crate::cast(t, dt) }
+}
+
 fn n(x: usize) -> Arg {
     Arg::I64(x as i64)
 }

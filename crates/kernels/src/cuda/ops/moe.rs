@@ -4,11 +4,6 @@
 use super::*;
 use crate::{RouterLoss, TopK};
 
-/// `t` as `dt`: itself when it is already, else a cast copy.
-fn in_dtype(t: &Tensor, dt: DType) -> Result<Tensor> {
-    if t.dtype() == dt { Ok(t.clone()) } else { crate::cast(t, dt) }
-}
-
 /// One warp (a 32-thread block) per row.
 fn per_row(be: &B, name: &str, rows: usize, args: &[Arg]) -> Result<()> {
     be.launch(name, rows as u32, 32, 0, args)

@@ -6,16 +6,6 @@
 use super::*;
 use crate::{ScanDims, ScanGrads, ScanParams};
 
-/// `t` as f32 (the small parameters the kernels read as float).
-fn f32_of(t: &Tensor) -> Result<Tensor> {
-    if t.dtype() == DType::F32 { Ok(t.clone()) } else { crate::cast(t, DType::F32) }
-}
-
-/// `t` as `dt`: itself when it is already, else a cast copy.
-fn as_dtype(t: &Tensor, dt: DType) -> Result<Tensor> {
-    if t.dtype() == dt { Ok(t.clone()) } else { crate::cast(t, dt) }
-}
-
 /// Rows of 128 threads for the gated norm; `block_sum` wants a multiple of 32.
 const NORM_THREADS: u32 = 128;
 /// kernels/ssm.cu's limits.
@@ -31,7 +21,7 @@ fn conv_dims(x: &Tensor, w: &Tensor) -> (usize, usize, usize, usize) {
 pub fn conv1d_silu(be: &B, x: &Tensor, w: &Tensor, bias: &Tensor) -> Result<Tensor> {
     let op = "conv1d_silu";
     let (rows, seq, c, k) = conv_dims(x, w);
-    let (w, bias) = (f32_of(w)?, f32_of(bias)?);
+    let (w, bias) = (in_dtype(w, DType::F32)?, in_dtype(bias, DType::F32)?);
     let y = new(be, x.shape().clone(), x.dtype())?;
     let name = format!("conv1d_silu_{}", sfx(op, x.dtype())?);
     let args = [ptr(op, x)?, ptr(op, &w)?, ptr(op, &bias)?, ptr(op, &y)?, n(rows), n(seq), n(c), n(k)];
@@ -46,7 +36,7 @@ pub fn conv1d_silu_bwd(be: &B, x: &Tensor, w: &Tensor, bias: &Tensor, dy: &Tenso
         return Err(Error::NotImplemented { op, device: format!("cuda for more than {MAX_TAPS} taps (got {k})") });
     }
     let s = sfx(op, x.dtype())?;
-    let (w, bias, dy) = (f32_of(w)?, f32_of(bias)?, as_dtype(dy, x.dtype())?);
+    let (w, bias, dy) = (in_dtype(w, DType::F32)?, in_dtype(bias, DType::F32)?, in_dtype(dy, x.dtype())?);
     let dpre = new(be, [rows, c], DType::F32)?;
     let args =
         [ptr(op, x)?, ptr(op, &w)?, ptr(op, &bias)?, ptr(op, &dy)?, ptr(op, &dpre)?, n(rows), n(seq), n(c), n(k)];
@@ -72,15 +62,17 @@ fn scan_limits(op: &'static str, dm: &ScanDims) -> Result<()> {
     Ok(())
 }
 
-fn scan_sizes(dm: &ScanDims) -> [Arg; 5] {
-    [n(dm.seq), n(dm.heads), n(dm.head_dim), n(dm.groups), n(dm.state)]
+/// The scan kernels' trailing sizes, the steps between saved states last.
+fn scan_sizes(dm: &ScanDims) -> [Arg; 6] {
+    [n(dm.seq), n(dm.heads), n(dm.head_dim), n(dm.groups), n(dm.state), n(crate::SCAN_CHUNK)]
 }
 
 pub fn ssd_scan(be: &B, xbc: &Tensor, dt_raw: &Tensor, p: &ScanParams, dm: &ScanDims) -> Result<(Tensor, Tensor)> {
     let op = "ssd_scan";
     scan_limits(op, dm)?;
-    let dtr = as_dtype(dt_raw, xbc.dtype())?;
-    let (bias, a_log, d) = (f32_of(p.dt_bias)?, f32_of(p.a_log)?, f32_of(p.d)?);
+    let dtr = in_dtype(dt_raw, xbc.dtype())?;
+    let (bias, a_log, d) =
+        (in_dtype(p.dt_bias, DType::F32)?, in_dtype(p.a_log, DType::F32)?, in_dtype(p.d, DType::F32)?);
     let y = new(be, [dm.batch, dm.seq, dm.heads * dm.head_dim], xbc.dtype())?;
     let states = new(be, [dm.batch, dm.heads, dm.chunks(), dm.state, dm.head_dim], DType::F32)?;
     let mut args = vec![ptr(op, xbc)?, ptr(op, &dtr)?, ptr(op, &bias)?, ptr(op, &a_log)?, ptr(op, &d)?, ptr(op, &y)?];
@@ -104,8 +96,9 @@ pub fn ssd_scan_bwd(
     scan_limits(op, dm)?;
     let dt = xbc.dtype();
     let s = sfx(op, dt)?;
-    let (dtr, dy) = (as_dtype(dt_raw, dt)?, as_dtype(dy, dt)?);
-    let (bias, a_log, d) = (f32_of(p.dt_bias)?, f32_of(p.a_log)?, f32_of(p.d)?);
+    let (dtr, dy) = (in_dtype(dt_raw, dt)?, in_dtype(dy, dt)?);
+    let (bias, a_log, d) =
+        (in_dtype(p.dt_bias, DType::F32)?, in_dtype(p.a_log, DType::F32)?, in_dtype(p.d, DType::F32)?);
     let (bh, rows) = (dm.batch * dm.heads, dm.batch * dm.seq);
     let dxbc = new(be, xbc.shape().clone(), dt)?;
     let ddt = new(be, dt_raw.shape().clone(), dt)?;
@@ -142,7 +135,7 @@ pub fn ssd_scan_bwd(
 pub fn gated_rmsnorm(be: &B, y: &Tensor, z: &Tensor, w: &Tensor, groups: usize, eps: f64) -> Result<(Tensor, Tensor)> {
     let op = "gated_rmsnorm";
     let (rows, c) = (y.shape().rows(), y.shape().last());
-    let (z, w) = (as_dtype(z, y.dtype())?, f32_of(w)?);
+    let (z, w) = (in_dtype(z, y.dtype())?, in_dtype(w, DType::F32)?);
     let out = new(be, y.shape().clone(), y.dtype())?;
     let rstd = new(be, [rows, groups], DType::F32)?;
     let args = [
@@ -170,7 +163,7 @@ pub fn gated_rmsnorm_bwd(
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let op = "gated_rmsnorm_bwd";
     let (rows, c) = (y.shape().rows(), y.shape().last());
-    let (dout, z, w) = (as_dtype(dout, y.dtype())?, as_dtype(z, y.dtype())?, f32_of(w)?);
+    let (dout, z, w) = (in_dtype(dout, y.dtype())?, in_dtype(z, y.dtype())?, in_dtype(w, DType::F32)?);
     let (dy, dz) = (new(be, y.shape().clone(), y.dtype())?, new(be, y.shape().clone(), y.dtype())?);
     let wterm = new(be, [rows, c], DType::F32)?;
     let mut args = vec![ptr(op, &dout)?, ptr(op, y)?, ptr(op, &z)?, ptr(op, &w)?, ptr(op, rstd)?];
