@@ -16,6 +16,9 @@ __device__ __forceinline__ float silu_f(float x) { return x * sigm(x); }
 // Squared ReLU (Primer's, Megatron's --squared-relu): max(x, 0)², gradient 2·max(x, 0).
 __device__ __forceinline__ float relu2_f(float x) { float r = fmaxf(x, 0.f); return r * r; }
 __device__ __forceinline__ float relu2_g(float x) { return 2.f * fmaxf(x, 0.f); }
+// CLIP's quick GeLU: x·σ(1.702·x), gradient s + 1.702·x·s·(1 − s) with s = σ(1.702·x).
+__device__ __forceinline__ float qgelu_f(float x) { return x * sigm(1.702f * x); }
+__device__ __forceinline__ float qgelu_g(float x) { float s = sigm(1.702f * x); return s + 1.702f * x * s * (1.f - s); }
 __device__ __forceinline__ float silu_g(float x) { float s = sigm(x); return s * (1.f + x * (1.f - s)); }
 
 // y[i..i+8] = f(x[i..i+8]) and y = f(a, b) over groups of eight.
@@ -56,6 +59,8 @@ extern "C" __global__ void silu_fwd_##s(const T* x, T* y, long n) { GRID_STRIDE(
 extern "C" __global__ void silu_bwd_##s(const T* x, const T* dy, T* dx, long n) { GRID_STRIDE(i, n) st(dx, i, ld(dy, i) * silu_g(ld(x, i))); } \
 extern "C" __global__ void relu2_fwd_##s(const T* x, T* y, long n) { GRID_STRIDE(i, n) st(y, i, relu2_f(ld(x, i))); } \
 extern "C" __global__ void relu2_bwd_##s(const T* x, const T* dy, T* dx, long n) { GRID_STRIDE(i, n) st(dx, i, ld(dy, i) * relu2_g(ld(x, i))); } \
+extern "C" __global__ void quick_gelu_fwd_##s(const T* x, T* y, long n) { GRID_STRIDE(i, n) st(y, i, qgelu_f(ld(x, i))); } \
+extern "C" __global__ void quick_gelu_bwd_##s(const T* x, const T* dy, T* dx, long n) { GRID_STRIDE(i, n) st(dx, i, ld(dy, i) * qgelu_g(ld(x, i))); } \
 extern "C" __global__ void swiglu_fwd_##s(const T* x, T* y, long n, long f) { \
     GRID_STRIDE(i, n) { long r = i / f, j = i % f; st(y, i, silu_f(ld(x, r * 2 * f + j)) * ld(x, r * 2 * f + f + j)); } } \
 extern "C" __global__ void swiglu_bwd_##s(const T* x, const T* dy, T* dx, long n, long f) { \
@@ -75,6 +80,9 @@ extern "C" __global__ void silu_bwd_##s##_v8(const T* x, const T* dy, T* dx, lon
 extern "C" __global__ void relu2_fwd_##s##_v8(const T* x, T* y, long n) { map8(x, y, n, relu2_f); } \
 extern "C" __global__ void relu2_bwd_##s##_v8(const T* x, const T* dy, T* dx, long n) { \
     zip8(x, dy, dx, n, [](float x, float d) { return d * relu2_g(x); }); } \
+extern "C" __global__ void quick_gelu_fwd_##s##_v8(const T* x, T* y, long n) { map8(x, y, n, qgelu_f); } \
+extern "C" __global__ void quick_gelu_bwd_##s##_v8(const T* x, const T* dy, T* dx, long n) { \
+    zip8(x, dy, dx, n, [](float x, float d) { return d * qgelu_g(x); }); } \
 /* c % 8 == 0: a group never crosses a row, so its bias is the group at i % c. */ \
 extern "C" __global__ void bias_add_##s##_v8(const T* x, const T* b, T* y, long n, long c) { \
     GRID_STRIDE8(i, n) { float u[8], v[8]; ld8(x, i, u); ld8(b, i % c, v); \

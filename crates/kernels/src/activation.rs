@@ -1,4 +1,4 @@
-//! GeLU (tanh), SiLU, squared ReLU, SwiGLU and softmax, forward and backward, in the input's dtype.
+//! GeLU (tanh), quick GeLU (CLIP's), SiLU, squared ReLU, SwiGLU and softmax, forward and backward, in the input's dtype.
 
 use crate::{buf, check, cpu};
 use ferrotron_core::{Result, Tensor, shape_mismatch};
@@ -44,6 +44,13 @@ pub fn relu2(x: &Tensor) -> Result<Tensor> {
 }
 pub fn relu2_bwd(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
     unary_bwd("relu2_bwd", x, dy, cpu::activation::relu2_bwd)
+}
+/// x·σ(1.702·x): CLIP's vision MLPs.
+pub fn quick_gelu(x: &Tensor) -> Result<Tensor> {
+    unary("quick_gelu", x, cpu::activation::quick_gelu_fwd)
+}
+pub fn quick_gelu_bwd(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    unary_bwd("quick_gelu_bwd", x, dy, cpu::activation::quick_gelu_bwd)
 }
 pub fn silu(x: &Tensor) -> Result<Tensor> {
     unary("silu", x, cpu::activation::silu_fwd)

@@ -142,10 +142,7 @@ impl MoeSpec {
 
     /// fc1's output width per expert: F, or 2F gate|value for SwiGLU.
     fn fc1_out(&self) -> usize {
-        match self.activation {
-            Activation::Gelu | Activation::SquaredRelu => self.ffn_hidden_size,
-            Activation::SwiGlu => 2 * self.ffn_hidden_size,
-        }
+        self.activation.fc1_blocks() * self.ffn_hidden_size
     }
 
     /// Parameters of one expert at width `hidden`.

@@ -105,6 +105,7 @@ fn reference(t: &ParamTable, s: &MoeSpec, x: &[f64]) -> Vec<f64> {
                 .collect(),
             Activation::SwiGlu => (0..f).map(|i| h[i] / (1.0 + (-h[i]).exp()) * h[f + i]).collect(),
             Activation::SquaredRelu => h.iter().map(|v| v.max(0.0).powi(2)).collect(),
+            Activation::QuickGelu => h.iter().map(|&v| v / (1.0 + (-1.702 * v).exp())).collect(),
         };
         let o = lin(&get(t, &format!("{ex}.linear_fc2.weight")), bias("linear_fc2").as_deref(), &a);
         y.iter_mut().zip(&o).for_each(|(y, o)| *y += p * o);
@@ -130,9 +131,12 @@ fn dense(t: &ParamTable, prefix: &str, s: &MoeSpec, x: &[f64]) -> Vec<f64> {
 
 #[test]
 fn forward_matches_the_per_token_reference() {
-    for (act, bias, pre) in
-        [(Activation::SwiGlu, false, false), (Activation::Gelu, true, true), (Activation::SquaredRelu, true, false)]
-    {
+    for (act, bias, pre) in [
+        (Activation::SwiGlu, false, false),
+        (Activation::Gelu, true, true),
+        (Activation::SquaredRelu, true, false),
+        (Activation::QuickGelu, false, true),
+    ] {
         let s = spec(act, bias, pre);
         let (m, table) = layer(&s, 7);
         let (b, t) = (3, 5);
@@ -279,7 +283,7 @@ fn gpt(s: &MoeSpec) -> TransformerConfig {
         untie_embeddings_and_output_weights: true,
         layer: LayerSpec {
             norm: NormKind::RmsNorm,
-            attention: AttentionSpec { bias: false, qkv_bias: false, qk_layernorm: false, window: None },
+            attention: AttentionSpec { bias: false, qkv_bias: false, qk_layernorm: false, window: None, causal: true },
             mlp: MlpSpec::Custom(Arc::new(s.clone())),
             other_mlp: None,
             hybrid: None,

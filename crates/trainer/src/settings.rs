@@ -1866,6 +1866,7 @@ impl Settings {
                     qk_layernorm: self.qk_layernorm,
                     // The mask keeps |i − j| < w: the token itself and the `left` before it.
                     window: self.window_size.map(|left| left + 1),
+                    causal: true,
                 },
                 mlp,
                 other_mlp,

@@ -118,7 +118,7 @@ impl SelfAttention {
             heads: d.heads / tp.size(),
             groups: d.groups / tp.size(),
             head_dim,
-            attn: AttnCfg { causal: true, window: spec.window, scale: None, dropout: None },
+            attn: AttnCfg { causal: spec.causal, window: spec.window, scale: None, dropout: None },
             recompute_core: false,
             dropout: (d.attention_dropout > 0.0).then(|| ProbDropout {
                 p: d.attention_dropout,

@@ -1,6 +1,6 @@
 //! Model hyper-parameters (Megatron's names) and their validation.
 
-use crate::spec::{Activation, LayerKind, LayerSpec, MlpSpec, PositionEmbedding};
+use crate::spec::{LayerKind, LayerSpec, MlpSpec, PositionEmbedding};
 use crate::{ModelError, Result};
 
 #[derive(Clone, Debug)]
@@ -178,14 +178,33 @@ impl TransformerConfig {
     }
 
     fn count_params(&self, active: bool) -> usize {
-        let (h, f, v) = (self.hidden_size, self.ffn_hidden_size, self.padded_vocab_size(1));
+        let (h, v) = (self.hidden_size, self.padded_vocab_size(1));
+        let emb = v * h
+            + if self.position_embedding == PositionEmbedding::LearnedAbsolute {
+                self.max_position_embeddings * h
+            } else {
+                0
+            };
+        let out = if self.untie_embeddings_and_output_weights { v * h } else { 0 };
+        self.layer_params(active) + self.norm_params(h) + emb + out
+    }
+
+    /// A norm's parameters over width `n`.
+    fn norm_params(&self, n: usize) -> usize {
+        match self.layer.norm {
+            crate::spec::NormKind::LayerNorm => 2 * n,
+            crate::spec::NormKind::RmsNorm => n,
+        }
+    }
+
+    /// The layers' parameters alone (no embeddings, final norm or output layer): what a vision
+    /// encoder built from this config holds in its layers. `active`: as `active_params`.
+    pub fn layer_params(&self, active: bool) -> usize {
+        let (h, f) = (self.hidden_size, self.ffn_hidden_size);
         let d = self.head_dim();
         let kv = self.num_query_groups * d;
         let bias_attn = self.layer.attention.bias;
-        let norm = |n: usize| match self.layer.norm {
-            crate::spec::NormKind::LayerNorm => 2 * n,
-            crate::spec::NormKind::RmsNorm => n,
-        };
+        let norm = |n: usize| self.norm_params(n);
         let q = self.num_attention_heads * d;
         let qkv_out = q + 2 * kv;
         let qkv_bias = bias_attn || self.layer.attention.qkv_bias;
@@ -193,8 +212,7 @@ impl TransformerConfig {
         let qk_ln = if self.layer.attention.qk_layernorm { 2 * norm(d) } else { 0 };
         let mlp = |spec: &MlpSpec| {
             let (fc1_out, bias_mlp) = match spec {
-                MlpSpec::Dense { activation: Activation::SwiGlu, bias } => (2 * f, *bias),
-                MlpSpec::Dense { bias, .. } => (f, *bias),
+                MlpSpec::Dense { activation, bias } => (activation.fc1_blocks() * f, *bias),
                 MlpSpec::Custom(_) => (f, false),
             };
             let dense = h * fc1_out + f * h + if bias_mlp { fc1_out + h } else { 0 };
@@ -207,22 +225,14 @@ impl TransformerConfig {
             let f = self.layer.hybrid.as_ref().and_then(|hy| hy.mixer.as_ref());
             f.and_then(|f| f.param_count(h)).map_or(0, |c| if active { c.active } else { c.total })
         };
-        let layers: usize = (0..self.num_layers)
+        (0..self.num_layers)
             .map(|i| match self.layer.kind_of(i) {
                 LayerKind::Transformer => attn + qk_ln + mlp(self.layer.mlp_of(i)) + 2 * norm(h),
                 LayerKind::Attention => attn + qk_ln + norm(h),
                 LayerKind::Mlp => mlp(self.layer.mlp_of(i)) + norm(h),
                 LayerKind::Mixer => mixer() + norm(h),
             })
-            .sum();
-        let emb = v * h
-            + if self.position_embedding == PositionEmbedding::LearnedAbsolute {
-                self.max_position_embeddings * h
-            } else {
-                0
-            };
-        let out = if self.untie_embeddings_and_output_weights { v * h } else { 0 };
-        layers + norm(h) + emb + out
+            .sum()
     }
 
     /// Model FLOPs per token for one forward + backward: 6·N + 12·L·H·T (N the active parameters

@@ -23,6 +23,7 @@ use crate::dropout::{HiddenDropout, maybe};
 use crate::layer::TransformerBlock;
 use crate::recompute::Recompute;
 use crate::spec::PositionEmbedding;
+use crate::vision::{Images, VisionModel, VisionSaved, VisionSpec};
 use crate::{ModelError, Result};
 use ferrotron_core::{
     Cx, DType, Device, Draw, Init, Module, ParamId, ParamMeta, ParamTable, ParamTableBuilder, Saved, Shard, Tensor,
@@ -51,6 +52,8 @@ pub struct Batch {
     /// Where its random draws (hidden dropout) come from: the trainer gives each training
     /// micro-batch the global index of its first sample.
     pub draw: Option<Draw>,
+    /// A multimodal model's images, whose features replace the placeholder tokens' embeddings.
+    pub images: Option<Images>,
 }
 
 impl Batch {
@@ -58,7 +61,7 @@ impl Batch {
     pub fn new(tokens: Tensor, labels: Tensor, loss_mask: Tensor) -> Result<Batch> {
         let num_tokens = loss_mask.to_vec_f32()?.iter().map(|&m| m as f64).sum();
         let inv_tokens = inverse_count(num_tokens, loss_mask.device())?;
-        Ok(Batch { tokens, labels, loss_mask, num_tokens, inv_tokens, draw: None })
+        Ok(Batch { tokens, labels, loss_mask, num_tokens, inv_tokens, draw: None, images: None })
     }
 
     /// The batch with its random draws' origin (see `Draw`).
@@ -66,12 +69,17 @@ impl Batch {
         Batch { draw: Some(draw), ..self }
     }
 
+    /// The batch with images (a multimodal model's micro-batch).
+    pub fn with_images(self, images: Images) -> Batch {
+        Batch { images: Some(images), ..self }
+    }
+
     /// A batch whose every label counts: an all-ones mask on the tokens' device, no read back.
     pub fn unmasked(tokens: Tensor, labels: Tensor) -> Result<Batch> {
         let n = tokens.elem_count();
         let loss_mask = Tensor::from_vec(vec![1f32; n], tokens.dims().to_vec(), tokens.device())?;
         let inv_tokens = inverse_count(n as f64, tokens.device())?;
-        Ok(Batch { tokens, labels, loss_mask, num_tokens: n as f64, inv_tokens, draw: None })
+        Ok(Batch { tokens, labels, loss_mask, num_tokens: n as f64, inv_tokens, draw: None, images: None })
     }
 
     /// The batch with `num_tokens` as its token count (the mean's denominator) instead of its
@@ -87,7 +95,7 @@ impl Batch {
         let num_tokens = mask.iter().map(|&m| m as f64).sum();
         let loss_mask = Tensor::from_vec(mask, tokens.dims().to_vec(), tokens.device())?;
         let inv_tokens = inverse_count(num_tokens, tokens.device())?;
-        Ok(Batch { tokens, labels, loss_mask, num_tokens, inv_tokens, draw: None })
+        Ok(Batch { tokens, labels, loss_mask, num_tokens, inv_tokens, draw: None, images: None })
     }
 
     /// Σ loss_mask.
@@ -149,6 +157,8 @@ pub struct GptModel {
     positions: std::sync::Mutex<Vec<Tensor>>,
     /// Context parallelism over more than one rank, or None.
     cp: Option<ContextParallel>,
+    /// A multimodal (LLaVA) model's vision encoder and projection (first stage only).
+    pub vision: Option<VisionModel>,
 }
 
 /// What the loss end of a forward keeps.
@@ -171,6 +181,7 @@ pub struct GptSaved {
     post: Option<PostSaved>,
     /// The micro-batch's draws, for the backward's dropout masks.
     draw: Option<Draw>,
+    vision: Option<VisionSaved>,
 }
 
 impl GptSaved {
@@ -201,6 +212,23 @@ impl GptModel {
         Self::build_stage(config, &tp, &plan, Recompute::default(), device, dtype, seed, 1)
     }
 
+    /// `build_stage` for a multimodal (LLaVA) model: the first stage also holds `vision`'s
+    /// encoder and projection, whose parameters come first in its table.
+    #[allow(clippy::too_many_arguments)]
+    pub fn build_multimodal(
+        config: TransformerConfig,
+        vision: &VisionSpec,
+        tp: &TensorParallel,
+        plan: &StagePlan,
+        recompute: Recompute,
+        device: &Device,
+        dtype: DType,
+        seed: u64,
+        pad_to: usize,
+    ) -> Result<(GptModel, ParamTable)> {
+        Self::build_inner(config, Some(vision), tp, plan, recompute, device, dtype, seed, pad_to)
+    }
+
     /// This rank's part under tensor (and sequence) parallelism `tp`, all layers (no pipeline).
     pub fn build_parallel(
         config: TransformerConfig,
@@ -228,10 +256,29 @@ impl GptModel {
         seed: u64,
         pad_to: usize,
     ) -> Result<(GptModel, ParamTable)> {
+        Self::build_inner(config, None, tp, plan, recompute, device, dtype, seed, pad_to)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn build_inner(
+        config: TransformerConfig,
+        vision: Option<&VisionSpec>,
+        tp: &TensorParallel,
+        plan: &StagePlan,
+        recompute: Recompute,
+        device: &Device,
+        dtype: DType,
+        seed: u64,
+        pad_to: usize,
+    ) -> Result<(GptModel, ParamTable)> {
         config.validate()?;
         config.validate_tp(tp.size())?;
         let mut p = ParamTableBuilder::default();
         let (h, v) = (config.hidden_size, config.padded_vocab_size(tp.size()));
+        let vision = match (vision, plan.pre_process) {
+            (Some(spec), true) => Some(VisionModel::build(&mut p, spec, config.vocab_size, h, tp)?),
+            _ => None,
+        };
         let std = config.init_method_std;
         let word = "embedding.word_embeddings.weight";
         let embedding = if plan.pre_process {
@@ -294,6 +341,7 @@ impl GptModel {
             embedding_dropout,
             positions: std::sync::Mutex::new(Vec::new()),
             cp: None,
+            vision,
         };
         Ok((model, table))
     }
@@ -308,6 +356,12 @@ impl GptModel {
         if self.config.layer.attention.window.is_some() {
             return Err(ModelError::Config(format!(
                 "--context-parallel-size {} is not built with a sliding window (--window-size)",
+                cp.size()
+            )));
+        }
+        if self.vision.is_some() {
+            return Err(ModelError::Config(format!(
+                "--context-parallel-size {} is not built for multimodal models: run the vision encoder's model without context parallelism",
                 cp.size()
             )));
         }
@@ -434,9 +488,23 @@ impl GptModel {
         let cx = &cx.with_draw(draw);
         let pre = self.plan.pre_process && c == 0;
         let post = self.plan.post_process && c + 1 == self.chunks.len();
+        let mut vision = None;
         let (x, tokens, positions) = match (pre, input) {
             (true, _) => {
-                let (x, pos) = self.embed(cx, &batch.tokens)?;
+                let (mut x, pos) = self.embed(cx, &batch.tokens)?;
+                match (&self.vision, &batch.images) {
+                    (Some(v), Some(images)) => {
+                        let (y, s) = v.forward(cx, &x, images)?;
+                        (x, vision) = (y, Some(s));
+                    }
+                    (None, Some(_)) => {
+                        return Err(ModelError::Config(
+                            "the micro-batch has images but the model has no vision encoder: build it multimodal (a LLaVA preset, or --img-h/--img-w/--patch-dim)".into(),
+                        ));
+                    }
+                    // A multimodal model also trains on text alone.
+                    (_, None) => {}
+                }
                 (x, Some(batch.tokens.clone()), pos)
             }
             (false, Some(x)) => (x, None, None),
@@ -444,7 +512,7 @@ impl GptModel {
         };
         let (h, decoder) = block.forward(cx, &x)?;
         if !post {
-            return Ok((ChunkOut::Hidden(h), GptSaved { tokens, positions, decoder, post: None, draw }));
+            return Ok((ChunkOut::Hidden(h), GptSaved { tokens, positions, decoder, post: None, draw, vision }));
         }
         let h = self.tp.enter(&h)?;
         let logits = k::matmul(&h, &cx.params.param(self.output()?)?, false, true)?;
@@ -469,7 +537,7 @@ impl GptModel {
         };
         let post = PostSaved { hidden: h, logits: flat, grad_done, labels, loss_mask: mask, lse, num_tokens };
         let out = ChunkOut::Loss(MicroLoss { per_token: loss, num_tokens });
-        Ok((out, GptSaved { tokens, positions, decoder, post: Some(post), draw }))
+        Ok((out, GptSaved { tokens, positions, decoder, post: Some(post), draw, vision }))
     }
 
     /// Backward of chunk `c`: from the loss (`grad_scale · loss`) or from `dy`; adds parameter
@@ -530,6 +598,10 @@ impl GptModel {
         };
         let dx = block.backward_with(cx, saved.decoder, &dh, done)?;
         let Some(tokens) = &saved.tokens else { return Ok(Some(dx)) };
+        let dx = match (saved.vision, &self.vision) {
+            (Some(s), Some(v)) => v.backward(cx, s, &dx)?,
+            _ => dx,
+        };
         let dx = maybe(&self.embedding_dropout, cx, dx)?;
         if let Some(e) = &self.embedding {
             e.backward(cx, tokens, &dx)?;

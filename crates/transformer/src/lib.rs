@@ -17,10 +17,12 @@ pub mod mlp;
 pub mod norm;
 pub mod recompute;
 pub mod spec;
+pub mod vision;
 
 pub use config::TransformerConfig;
 pub use gpt::{Batch, ChunkOut, GptModel, GptSaved, MicroLoss};
 pub use recompute::Recompute;
+pub use vision::{Images, VisionModel, VisionSpec};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {

@@ -27,22 +27,33 @@ impl Mlp {
         out_std: f32,
         tp: &TensorParallel,
     ) -> Result<Self> {
-        let blocks = match activation {
-            Activation::Gelu | Activation::SquaredRelu => 1,
-            Activation::SwiGlu => 2,
-        };
+        Self::projection(p, prefix, [hidden, ffn, hidden], activation, bias, [std, out_std], tp)
+    }
+
+    /// An MLP from width `input` through `ffn` to `output` (LLaVA's vision projection: the vision
+    /// encoder's width into the language model's), fc1's init std then fc2's.
+    pub fn projection(
+        p: &mut ParamTableBuilder,
+        prefix: &str,
+        [input, ffn, output]: [usize; 3],
+        activation: Activation,
+        bias: bool,
+        [std, out_std]: [f32; 2],
+        tp: &TensorParallel,
+    ) -> Result<Self> {
+        let blocks = activation.fc1_blocks();
         Ok(Mlp {
             linear_fc1: ColumnParallelLinear::new(
                 p,
                 &format!("{prefix}.linear_fc1"),
-                hidden,
+                input,
                 blocks * ffn,
                 bias,
                 std,
                 tp,
                 blocks,
             )?,
-            linear_fc2: RowParallelLinear::new(p, &format!("{prefix}.linear_fc2"), ffn, hidden, bias, out_std, tp)?,
+            linear_fc2: RowParallelLinear::new(p, &format!("{prefix}.linear_fc2"), ffn, output, bias, out_std, tp)?,
             activation,
         })
     }
@@ -60,6 +71,10 @@ impl Module for Mlp {
             Activation::SquaredRelu => {
                 let (h, s1) = self.linear_fc1.forward(cx, x)?;
                 (k::relu2(&h)?, h, s1)
+            }
+            Activation::QuickGelu => {
+                let (h, s1) = self.linear_fc1.forward(cx, x)?;
+                (k::quick_gelu(&h)?, h, s1)
             }
         };
         let (y, s2) = self.linear_fc2.forward(cx, &a)?;
@@ -91,6 +106,9 @@ impl Mlp {
             Activation::Gelu => self.linear_fc2.backward_parts(cx, s2, dy, Some(h), fc2_bias)?,
             Activation::SwiGlu => k::swiglu_bwd(h, &self.linear_fc2.backward_parts(cx, s2, dy, None, fc2_bias)?)?,
             Activation::SquaredRelu => k::relu2_bwd(h, &self.linear_fc2.backward_parts(cx, s2, dy, None, fc2_bias)?)?,
+            Activation::QuickGelu => {
+                k::quick_gelu_bwd(h, &self.linear_fc2.backward_parts(cx, s2, dy, None, fc2_bias)?)?
+            }
         };
         self.linear_fc1.backward(cx, s1, &dh)
     }

@@ -36,6 +36,18 @@ pub enum Activation {
     /// Squared ReLU, max(x, 0)², on a [C → F] projection (Primer's; Megatron's --squared-relu,
     /// Nemotron-H's MLPs).
     SquaredRelu,
+    /// x·σ(1.702·x) on a [C → F] projection: CLIP's vision MLPs (Megatron's quick_gelu).
+    QuickGelu,
+}
+
+impl Activation {
+    /// Blocks in fc1's output: 2 (gate | value) for SwiGLU, 1 for the others.
+    pub fn fc1_blocks(self) -> usize {
+        match self {
+            Activation::SwiGlu => 2,
+            Activation::Gelu | Activation::SquaredRelu | Activation::QuickGelu => 1,
+        }
+    }
 }
 
 /// Self-attention choices.
@@ -46,8 +58,11 @@ pub struct AttentionSpec {
     /// A bias on the QKV projection even without `bias` (Megatron's --add-qkv-bias; Qwen2).
     pub qkv_bias: bool,
     pub qk_layernorm: bool,
-    /// Sliding window in tokens (Mistral style); None = full causal.
+    /// Sliding window in tokens (Mistral style); None = the whole (causal) context.
     pub window: Option<usize>,
+    /// Causal (a language model's); false lets every position see every other (a vision
+    /// encoder's: Megatron's AttnMaskType.no_mask).
+    pub causal: bool,
 }
 
 /// What a `ModuleFactory` builds one module from.

@@ -20,7 +20,7 @@ fn base() -> TransformerConfig {
         untie_embeddings_and_output_weights: false,
         layer: LayerSpec {
             norm: NormKind::LayerNorm,
-            attention: AttentionSpec { bias: true, qkv_bias: false, qk_layernorm: false, window: None },
+            attention: AttentionSpec { bias: true, qkv_bias: false, qk_layernorm: false, window: None, causal: true },
             mlp: MlpSpec::Dense { activation: Activation::Gelu, bias: true },
             other_mlp: None,
             hybrid: None,
@@ -88,7 +88,13 @@ fn param_count_matches_table_for_llama_style() {
         untie_embeddings_and_output_weights: true,
         layer: LayerSpec {
             norm: NormKind::RmsNorm,
-            attention: AttentionSpec { bias: false, qkv_bias: false, qk_layernorm: true, window: Some(4) },
+            attention: AttentionSpec {
+                bias: false,
+                qkv_bias: false,
+                qk_layernorm: true,
+                window: Some(4),
+                causal: true,
+            },
             mlp: MlpSpec::Dense { activation: Activation::SwiGlu, bias: false },
             other_mlp: None,
             hybrid: None,

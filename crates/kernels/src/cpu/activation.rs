@@ -77,6 +77,19 @@ pub fn relu2_fwd<T: Real>(x: &[T], y: &mut [T]) {
 pub fn relu2_bwd<T: Real>(x: &[T], dy: &[T], dx: &mut [T]) {
     par_map2(x, dy, dx, |v, g| g * T::c(2.0) * v.max(T::zero()));
 }
+/// CLIP's quick GeLU: x·σ(1.702·x) (Megatron's quick_gelu, transformers' `quick_gelu`).
+pub fn quick_gelu_fwd<T: Real>(x: &[T], y: &mut [T]) {
+    par_map1(x, y, |v| v * sigmoid(T::c(QUICK_GELU) * v));
+}
+/// d/dx x·σ(a·x) = s + a·x·s·(1 − s), s = σ(a·x).
+pub fn quick_gelu_bwd<T: Real>(x: &[T], dy: &[T], dx: &mut [T]) {
+    par_map2(x, dy, dx, |v, g| {
+        let s = sigmoid(T::c(QUICK_GELU) * v);
+        g * (s + T::c(QUICK_GELU) * v * s * (T::one() - s))
+    });
+}
+/// quick GeLU's slope inside the sigmoid.
+const QUICK_GELU: f64 = 1.702;
 pub fn silu_fwd<T: Real>(x: &[T], y: &mut [T]) {
     par_map1(x, y, silu);
 }

@@ -99,6 +99,9 @@ fn every_op_matches_cpu() {
         check("relu2", dt, &[x.clone(), y.clone()], |t| {
             vec![k::relu2(&t[0]).unwrap(), k::relu2_bwd(&t[0], &t[1]).unwrap()]
         });
+        check("quick_gelu", dt, &[x.clone(), y.clone()], |t| {
+            vec![k::quick_gelu(&t[0]).unwrap(), k::quick_gelu_bwd(&t[0], &t[1]).unwrap()]
+        });
         let half = rnd(&[3, 5, 32], 5, dt);
         check("swiglu", dt, &[x.clone(), half], |t| {
             vec![k::swiglu(&t[0]).unwrap(), k::swiglu_bwd(&t[0], &t[1]).unwrap()]
@@ -276,6 +279,8 @@ fn every_op_matches_cpu() {
                 AttnCfg { causal: true, window: None, scale: None, dropout: None },
                 AttnCfg { causal: true, window: Some(9), scale: None, dropout: None },
                 AttnCfg { causal: false, window: Some(40), scale: Some(0.3), dropout: None },
+                // A vision encoder's: every query sees every key.
+                AttnCfg { causal: false, window: None, scale: None, dropout: None },
             ] {
                 check_norm(
                     &format!("flash attention t{t} d{d} wgmma {wg} deterministic {det} ws {ws} tma {tma} {cfg:?}"),
@@ -619,6 +624,8 @@ fn elementwise_ops(x: &Tensor, y: &Tensor, b: &Tensor) -> Vec<Tensor> {
         k::silu_bwd(x, y).unwrap(),
         k::relu2(x).unwrap(),
         k::relu2_bwd(x, y).unwrap(),
+        k::quick_gelu(x).unwrap(),
+        k::quick_gelu_bwd(x, y).unwrap(),
         k::swiglu(&gate).unwrap(),
         k::swiglu_bwd(&gate, &half.reshape([x.elem_count() / 2, 1]).unwrap()).unwrap(),
     ]
