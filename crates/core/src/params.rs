@@ -107,6 +107,9 @@ pub struct ParamMeta {
     /// its gradient averaged over the expert-data-parallel group instead of the data-parallel
     /// one. Expert parameters lie first in the flat buffers (`ParamTable::expert_range`).
     pub expert: bool,
+    /// Not trained (Megatron's --freeze-LM / --freeze-ViT): the optimizer leaves it as it is and
+    /// its gradient counts in no norm.
+    pub frozen: bool,
 }
 
 impl ParamMeta {
@@ -125,6 +128,7 @@ impl ParamMeta {
             init,
             weight_decay,
             expert: false,
+            frozen: false,
         }
     }
 
@@ -165,6 +169,7 @@ impl ParamMeta {
             init,
             weight_decay,
             expert: false,
+            frozen: false,
         })
     }
 
@@ -385,6 +390,16 @@ impl ParamTable {
     }
     pub fn meta(&self, id: ParamId) -> &ParamMeta {
         &self.metas[id.0]
+    }
+    /// Marks the parameters `which` picks as frozen (`ParamMeta::frozen`); returns how many.
+    /// Set before the optimizer is built, which reads it.
+    pub fn freeze(&mut self, which: impl Fn(&ParamMeta) -> bool) -> usize {
+        let mut n = 0;
+        for m in self.metas.iter_mut().filter(|m| which(m)) {
+            m.frozen = true;
+            n += 1;
+        }
+        n
     }
     pub fn len(&self) -> usize {
         self.metas.len()

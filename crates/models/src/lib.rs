@@ -182,7 +182,7 @@ pub fn moe_spec(c: &TransformerConfig) -> Option<&MoeSpec> {
 
 /// Preset names the trainer accepts for `--preset`.
 pub const PRESETS: &[&str] =
-    &["tiny", "small", "124m", "1.3b", "6.7b", "llama-tiny", "llama-1b", "mixtral-tiny", "mamba-tiny"];
+    &["tiny", "small", "124m", "1.3b", "6.7b", "llama-tiny", "llama-1b", "mixtral-tiny", "mamba-tiny", "llava-tiny"];
 
 /// Looks a preset up by name (see `PRESETS`); also accepts `gpt2-124m` and `gpt-1.3b`.
 pub fn preset(name: &str) -> Option<TransformerConfig> {
@@ -196,7 +196,34 @@ pub fn preset(name: &str) -> Option<TransformerConfig> {
         "llama-1b" => llama(LlamaSize::Llama1b),
         "mixtral-tiny" => mixtral(MixtralSize::Tiny),
         "mamba-tiny" => mamba_hybrid(MambaSize::Tiny),
+        // LLaVA's language model; `llava_vision` gives its image path.
+        "llava-tiny" => llama(LlamaSize::Tiny),
         _ => return None,
+    })
+}
+
+/// A LLaVA preset's vision encoder and projection (None for text presets): llava-tiny's is a
+/// 2-layer CLIP encoder of width 64 over 16 × 16 images in 4 × 4 patches, whose 16 patch rows
+/// (class token dropped, as LLaVA-1.5 does) take the first 16 of llama-tiny's 128 positions.
+/// The placeholder is one id past the language model's vocabulary.
+pub fn llava_vision(name: &str) -> Option<ferrotron_transformer::VisionSpec> {
+    let lm = preset(name)?;
+    let (img, patch, layers, hidden, heads, ffn) = match name {
+        "llava-tiny" => (16, 4, 2, 64, 4, 256),
+        _ => return None,
+    };
+    Some(ferrotron_transformer::VisionSpec {
+        img_h: img,
+        img_w: img,
+        patch_dim: patch,
+        channels: 3,
+        class_token: true,
+        drop_class_token: true,
+        encoder: ferrotron_transformer::vision::clip_encoder(layers, hidden, heads, ffn, lm.init_method_std),
+        projector_ffn: lm.hidden_size,
+        projector_activation: Activation::Gelu,
+        projector_bias: true,
+        image_token: lm.vocab_size as u32,
     })
 }
 
@@ -209,6 +236,10 @@ mod tests {
         for name in PRESETS {
             let c = preset(name).unwrap();
             c.validate().unwrap_or_else(|e| panic!("{name}: {e}"));
+            if let Some(v) = llava_vision(name) {
+                v.validate(c.vocab_size + 1).unwrap_or_else(|e| panic!("{name}: {e}"));
+                assert!(v.image_tokens() < c.seq_length, "{name}: text after the image");
+            }
         }
         assert!(preset("gpt5").is_none());
     }

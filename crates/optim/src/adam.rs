@@ -219,7 +219,7 @@ impl Optimizer {
             // Replicated across tensor-parallel ranks: counted on one of them; a pipeline stage's
             // copy of the tied embedding: counted on the stage that owns it.
             let m = table.meta(id);
-            if (m.replicated && self.tp_rank != 0) || m.pipeline_copy {
+            if (m.replicated && self.tp_rank != 0) || m.pipeline_copy || m.frozen {
                 continue;
             }
             let boundary = self.experts.as_ref().map_or(0, |e| e.end);
@@ -380,6 +380,9 @@ fn pieces(table: &ParamTable, owned: &[Range<usize>]) -> Vec<(ParamId, Range<usi
 fn runs(table: &ParamTable, owned: &[Range<usize>]) -> Vec<(bool, Range<usize>, usize)> {
     let mut out: Vec<(bool, Range<usize>, usize)> = Vec::new();
     for (id, r, at) in pieces(table, owned) {
+        if table.meta(id).frozen {
+            continue;
+        }
         let decay = table.meta(id).weight_decay;
         match out.last_mut() {
             Some(last) if last.0 == decay && last.1.end == r.start && last.2 + last.1.len() == at => {

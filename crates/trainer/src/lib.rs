@@ -11,6 +11,7 @@ pub mod generate;
 pub mod hybrid;
 pub mod launch;
 pub mod layer_freq;
+pub mod multimodal;
 pub mod preprocess;
 pub mod settings;
 pub mod trace;

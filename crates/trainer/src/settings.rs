@@ -20,7 +20,8 @@ use std::sync::Arc;
 #[derive(clap::Args, Clone, Debug, Default, Deserialize, Serialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields, default)]
 pub struct TrainArgs {
-    /// Model preset: tiny, small, 124m, 1.3b, 6.7b, llama-tiny, llama-1b, mixtral-tiny, mamba-tiny.
+    /// Model preset: tiny, small, 124m, 1.3b, 6.7b, llama-tiny, llama-1b, mixtral-tiny, mamba-tiny,
+    /// llava-tiny.
     #[arg(long)]
     pub preset: Option<String>,
     /// TOML file with the same keys as these flags; flags override it.
@@ -478,6 +479,36 @@ pub struct TrainArgs {
     pub hybrid_attention_ratio: Option<f64>,
     #[arg(long)]
     pub hybrid_mlp_ratio: Option<f64>,
+    /// A LLaVA-style model: images of this height and width (pixels) through a CLIP vision
+    /// encoder into the language model (with --img-w and --patch-dim).
+    #[arg(long)]
+    pub img_h: Option<usize>,
+    #[arg(long)]
+    pub img_w: Option<usize>,
+    /// The vision encoder's square patch side in pixels.
+    #[arg(long)]
+    pub patch_dim: Option<usize>,
+    /// The vision encoder's layers, width, heads and MLP width (default: the language model's).
+    #[arg(long)]
+    pub encoder_num_layers: Option<usize>,
+    #[arg(long)]
+    pub encoder_hidden_size: Option<usize>,
+    #[arg(long)]
+    pub encoder_num_attention_heads: Option<usize>,
+    #[arg(long)]
+    pub encoder_ffn_hidden_size: Option<usize>,
+    /// Drop the vision encoder's class token from the image features.
+    #[arg(long)]
+    pub disable_vision_class_token: bool,
+    /// The image placeholder token (default: one id past the tokenizer's vocabulary).
+    #[arg(long)]
+    pub image_token_id: Option<u32>,
+    /// Train the vision encoder and projection only (Megatron's --freeze-LM).
+    #[arg(long = "freeze-LM")]
+    pub freeze_lm: bool,
+    /// Leave the vision encoder as it is (Megatron's --freeze-ViT).
+    #[arg(long = "freeze-ViT")]
+    pub freeze_vit: bool,
 }
 
 macro_rules! merge_opts {
@@ -516,12 +547,13 @@ impl TrainArgs {
             num_experts, moe_ffn_hidden_size, moe_router_topk, moe_router_load_balancing_type, moe_aux_loss_coeff,
             moe_z_loss_coeff, moe_router_topk_scaling_factor, expert_model_parallel_size, moe_token_dispatcher_type,
             moe_layer_freq, moe_shared_expert_intermediate_size, hybrid_layer_pattern, hybrid_override_pattern, mamba_state_dim, mamba_head_dim,
-            mamba_num_groups, mamba_num_heads, hybrid_attention_ratio, hybrid_mlp_ratio);
+            mamba_num_groups, mamba_num_heads, hybrid_attention_ratio, hybrid_mlp_ratio, img_h, img_w, patch_dim,
+            encoder_num_layers, encoder_hidden_size, encoder_num_attention_heads, encoder_ffn_hidden_size, image_token_id);
         merge_flags!(self, o; check_for_nan_in_loss_and_grad, no_check_for_nan_in_loss_and_grad, use_rope_scaling, swiglu, squared_relu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, bf16, fp16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
             use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, async_save, no_save_optim, exit_signal_handler,
             moe_router_pre_softmax, moe_grouped_gemm, moe_shared_expert_overlap, moe_shared_expert_gate, is_hybrid_model,
-            mamba_norm_ungrouped);
+            mamba_norm_ungrouped, disable_vision_class_token, freeze_lm, freeze_vit);
         if !o.profile_ranks.is_empty() {
             self.profile_ranks = o.profile_ranks.clone();
         }
@@ -694,6 +726,10 @@ pub struct Settings {
     /// attention then MLP.
     #[serde(default)]
     pub mamba: Option<crate::hybrid::MambaSettings>,
+    /// A LLaVA-style model's vision encoder (`--img-h`, `--img-w`, `--patch-dim` and the
+    /// `--encoder-*` flags); None: text only.
+    #[serde(default)]
+    pub vision: Option<crate::multimodal::VisionSettings>,
     /// Stop at a step whose gradient norm is not finite (else skip its update and go on).
     #[serde(default = "yes")]
     pub check_for_nan_in_loss_and_grad: bool,
@@ -1155,7 +1191,16 @@ impl TrainArgs {
             mamba_head_dim,
             mamba_num_groups,
             mamba_num_heads,
-            mamba_norm_ungrouped
+            mamba_norm_ungrouped,
+            img_h,
+            img_w,
+            patch_dim,
+            encoder_num_layers,
+            encoder_hidden_size,
+            encoder_num_attention_heads,
+            encoder_ffn_hidden_size,
+            disable_vision_class_token,
+            image_token_id
         );
     }
 }
@@ -1169,6 +1214,9 @@ fn checkpoint_args(load: &Path) -> anyhow::Result<TrainArgs> {
     m.tokenizer_type = Some(s.tokenizer_type.clone());
     m.vocab_size = s.vocab_size;
     m.tokenizer_model = s.tokenizer_model.clone();
+    if let Some(v) = &s.vision {
+        v.to_args(&mut m);
+    }
     Ok(m)
 }
 
@@ -1197,8 +1245,22 @@ fn preset_defaults(name: &str) -> anyhow::Result<TrainArgs> {
         eval_iters: Some(8),
         save_interval: Some(if tiny { 120 } else { 500 }),
         corpus_docs: Some(if tiny { 6000 } else { 20000 }),
-        ..model_args(&c)
+        ..preset_model_args(name, &c)
     })
+}
+
+/// A preset's model flags: its language model's, and a LLaVA preset's vision flags.
+fn preset_model_args(name: &str, c: &TransformerConfig) -> TrainArgs {
+    let mut a = model_args(c);
+    if let Some(v) = ferrotron_models::llava_vision(name) {
+        (a.img_h, a.img_w, a.patch_dim) = (Some(v.img_h), Some(v.img_w), Some(v.patch_dim));
+        a.encoder_num_layers = Some(v.encoder.num_layers);
+        a.encoder_hidden_size = Some(v.encoder.hidden_size);
+        a.encoder_num_attention_heads = Some(v.encoder.num_attention_heads);
+        a.encoder_ffn_hidden_size = Some(v.encoder.ffn_hidden_size);
+        a.disable_vision_class_token = v.drop_class_token;
+    }
+    a
 }
 
 fn need<T: Clone>(v: &Option<T>, flag: &str) -> anyhow::Result<T> {
@@ -1321,6 +1383,7 @@ impl Settings {
             window_size: a.window_size.as_deref().map(parse_window).transpose()?.flatten(),
             moe: None,
             mamba: None,
+            vision: None,
             check_for_nan_in_loss_and_grad: !a.no_check_for_nan_in_loss_and_grad,
         };
         if a.check_for_nan_in_loss_and_grad && a.no_check_for_nan_in_loss_and_grad {
@@ -1328,6 +1391,10 @@ impl Settings {
         }
         s.moe = MoeSettings::from_args(&a, s.ffn_hidden_size)?;
         s.mamba = crate::hybrid::MambaSettings::from_args(&a)?;
+        s.vision = crate::multimodal::VisionSettings::from_args(
+            &a,
+            [s.num_layers, s.hidden_size, s.num_attention_heads, s.ffn_hidden_size],
+        )?;
         if let Some(m) = &s.mamba {
             // Megatron's: the pattern sets the layer count, over a --num-layers that differs.
             let n = ferrotron_models::hybrid::parse_pattern(&m.hybrid_layer_pattern)
@@ -1465,6 +1532,11 @@ impl Settings {
         let timeout = std::time::Duration::from_secs(a.distributed_timeout_s.unwrap_or(600).max(1));
         let profile = profile_range(&a, &device)?;
         let cuda_graph_warmup = cuda_graph(&a, &device, launch.world_size())?;
+        if s.vision.is_some() && cuda_graph_warmup.is_some() {
+            bail!(
+                "--cuda-graph-impl local with a vision encoder (--img-h): each micro-batch's image placements are uploaded from the host, which a captured graph cannot do: drop --cuda-graph-impl"
+            );
+        }
         if s.moe.is_some() && cuda_graph_warmup.is_some() {
             bail!(
                 "--cuda-graph-impl local with --num-experts: an MoE layer reads its tokens per expert back to the host to size each expert's products, which a captured graph cannot do: drop --cuda-graph-impl"
@@ -1514,7 +1586,12 @@ impl Settings {
             return Err(ferrotron_data::DataError::BadSeed(self.seed).into());
         }
         self.decay_style()?;
-        self.model_config()?.validate()?;
+        let model = self.model_config()?;
+        model.validate()?;
+        if let Some(v) = self.vision_spec()? {
+            v.validate(model.vocab_size)?;
+            self.text_seq_length()?;
+        }
         for (v, flag) in [
             (self.micro_batch_size as u64, "--micro-batch-size"),
             (self.train_iters, "--train-iters"),
@@ -1712,6 +1789,11 @@ impl Settings {
                 2 * cp
             );
         }
+        if self.vision.is_some() {
+            bail!(
+                "--context-parallel-size {cp} with a vision encoder (--img-h): multimodal sequences are not split over context-parallel ranks yet; drop one"
+            );
+        }
         if let Some(m) = &self.mamba {
             bail!(
                 "--context-parallel-size {cp} with Mamba layers (--hybrid-layer-pattern {}): a scan carries its state along the whole sequence and is not split over context-parallel ranks yet; drop one",
@@ -1808,6 +1890,26 @@ impl Settings {
         Ok(BatchSchedule::Constant(self.global_batch_size as u64))
     }
 
+    /// A multimodal run's vision encoder and projection (None: text only).
+    pub fn vision_spec(&self) -> anyhow::Result<Option<ferrotron_transformer::VisionSpec>> {
+        let Some(v) = &self.vision else { return Ok(None) };
+        let vocab = ferrotron_data::Tokenizer::new(self.tokenizer()?)?.vocab_size();
+        Ok(Some(v.spec(self.hidden_size, vocab, self.init_method_std)))
+    }
+
+    /// Text tokens a sample: --seq-length, less a multimodal sample's image placeholders.
+    pub fn text_seq_length(&self) -> anyhow::Result<usize> {
+        let Some(v) = self.vision_spec()? else { return Ok(self.seq_length) };
+        let n = v.image_tokens();
+        if self.seq_length <= n {
+            bail!(
+                "--seq-length {} leaves no text after an image's {n} placeholder tokens: raise --seq-length past {n} (or use smaller images / larger patches)",
+                self.seq_length
+            );
+        }
+        Ok(self.seq_length - n)
+    }
+
     pub fn model_config(&self) -> anyhow::Result<TransformerConfig> {
         let position_embedding = match self.position_embedding_type.as_str() {
             "learned_absolute" => PositionEmbedding::LearnedAbsolute,
@@ -1823,7 +1925,10 @@ impl Settings {
             "RMSNorm" => NormKind::RmsNorm,
             o => bail!("--normalization {o}: use LayerNorm or RMSNorm"),
         };
-        let vocab = ferrotron_data::Tokenizer::new(self.tokenizer()?)?.vocab_size();
+        let mut vocab = ferrotron_data::Tokenizer::new(self.tokenizer()?)?.vocab_size();
+        if let Some(v) = &self.vision {
+            vocab = v.model_vocab(vocab);
+        }
         let activation = match (self.swiglu, self.squared_relu) {
             (true, true) => bail!("--swiglu and --squared-relu both pick the MLP's activation: keep one"),
             (true, false) => Activation::SwiGlu,

@@ -95,31 +95,30 @@ impl Data {
         let tokenizer = Tokenizer::new(s.tokenizer()?)?;
         let seed = u32::try_from(s.seed).map_err(|_| DataError::BadSeed(s.seed))?;
         let [n_train, n_valid] = s.split_samples();
+        // A multimodal sample's text: the sequence less its image's placeholders.
+        let seq = s.text_seq_length()?;
         let (train, valid) = if s.mock_data {
             // Megatron builds its mock dataset with the tokenizer's vocabulary and split 1,1,1.
             let mock = Sequences::mock(tokenizer.vocab_size() as u32, tokenizer.eod());
             let (parts, split) = ([(None, Arc::new(mock))], parse_split("1,1,1")?);
-            let train = split_of(&parts, split, 0, n_train, s.seq_length, seed)?.context("mock train split")?;
-            (train, split_of(&parts, split, 1, n_valid, s.seq_length, seed)?)
+            let train = split_of(&parts, split, 0, n_train, seq, seed)?.context("mock train split")?;
+            (train, split_of(&parts, split, 1, n_valid, seq, seed)?)
         } else if !s.data_path.is_empty() {
             let parts = open_parts(s, &s.data_path, "--data-path")?;
             let split = parse_split(&s.split)?;
-            let train = split_of(&parts, split, 0, n_train, s.seq_length, seed)?
+            let train = split_of(&parts, split, 0, n_train, seq, seed)?
                 .with_context(|| format!("--split {}: the train split has no share: give it one", s.split))?;
-            (train, split_of(&parts, split, 1, n_valid, s.seq_length, seed)?)
+            (train, split_of(&parts, split, 1, n_valid, seq, seed)?)
         } else if !s.train_data_path.is_empty() {
             let train = open_parts(s, &s.train_data_path, "--train-data-path")?;
             let valid = open_parts(s, &s.valid_data_path, "--valid-data-path")?;
-            (
-                whole_split(&train, 0, n_train, s.seq_length, seed)?,
-                Some(whole_split(&valid, 1, n_valid, s.seq_length, seed)?),
-            )
+            (whole_split(&train, 0, n_train, seq, seed)?, Some(whole_split(&valid, 1, n_valid, seq, seed)?))
         } else {
             let docs = corpus::documents(s.seed, s.corpus_docs);
             let [train, valid] = documents_in_memory(&docs, &tokenizer, 0.05)?;
             (
-                blend_split("train", vec![train], n_train, s.seq_length, seed)?,
-                Some(blend_split("valid", vec![valid], n_valid, s.seq_length, seed)?),
+                blend_split("train", vec![train], n_train, seq, seed)?,
+                Some(blend_split("valid", vec![valid], n_valid, seq, seed)?),
             )
         };
         Ok(Data { tokenizer, train, valid })
@@ -143,10 +142,16 @@ struct BatchSpec {
     vocab: usize,
     eod_mask: Option<u32>,
     cp: Option<ContextParallel>,
+    /// A multimodal run's images: the spec, mock images (`--mock-data`), the seed, the model's
+    /// dtype.
+    vision: Option<(ferrotron_transformer::VisionSpec, bool, u64, DType)>,
 }
 
 fn batch(split: &TokenSplit, indices: &[usize], spec: &BatchSpec, dev: &Device) -> anyhow::Result<Batch> {
-    let BatchSpec { seq, vocab, eod_mask, ref cp } = *spec;
+    if let Some(v) = &spec.vision {
+        return multimodal_batch(split, indices, spec, v, dev);
+    }
+    let BatchSpec { seq, vocab, eod_mask, ref cp, .. } = *spec;
     let (mut tokens, mut labels) = (Vec::with_capacity(indices.len() * seq), Vec::with_capacity(indices.len() * seq));
     for &i in indices {
         let s = split.sample(i)?;
@@ -183,6 +188,42 @@ fn batch(split: &TokenSplit, indices: &[usize], spec: &BatchSpec, dev: &Device) 
         Some(m) => Batch::masked(tokens, labels, m)?,
         None => Batch::unmasked(tokens, labels)?,
     })
+}
+
+/// A multimodal micro-batch: each sample's image placeholders, then its text (the placeholders'
+/// labels masked), and the images (`crate::multimodal::image`).
+fn multimodal_batch(
+    split: &TokenSplit,
+    indices: &[usize],
+    spec: &BatchSpec,
+    (vision, mock, seed, dtype): &(ferrotron_transformer::VisionSpec, bool, u64, DType),
+    dev: &Device,
+) -> anyhow::Result<Batch> {
+    let (seq, n) = (spec.seq, vision.image_tokens());
+    let (b, text) = (indices.len(), seq - n);
+    let (mut tokens, mut labels, mut mask) = (Vec::with_capacity(b * seq), Vec::with_capacity(b * seq), vec![]);
+    let mut pixels = Vec::new();
+    for &i in indices {
+        let s = split.sample(i)?;
+        if let Some(&bad) = s.iter().find(|&&t| t as usize >= spec.vocab || t == vision.image_token) {
+            bail!(
+                "token id {bad} in sample {i} is the image placeholder or not below the model's vocabulary size {}: the data was tokenized with another tokenizer than the one the model is built for",
+                spec.vocab
+            );
+        }
+        tokens.extend(std::iter::repeat_n(vision.image_token, n));
+        tokens.extend_from_slice(&s[..text]);
+        labels.extend(std::iter::repeat_n(s[0], n));
+        labels.extend_from_slice(&s[1..]);
+        mask.extend(std::iter::repeat_n(0.0, n));
+        mask.extend(s[..text].iter().map(|&t| if spec.eod_mask == Some(t) { 0.0 } else { 1.0 }));
+        pixels.extend(crate::multimodal::image(vision, &s[..text], i as u64, *mock, *seed));
+    }
+    let patches =
+        Tensor::from_f32(&vision.patchify(&pixels, b)?, [b, vision.seq_len(), vision.patch_len()], *dtype, dev)?;
+    let images = ferrotron_transformer::Images::new(patches, &tokens, vision.image_token);
+    let (tokens, labels) = (Tensor::from_vec(tokens, [b, seq], dev)?, Tensor::from_vec(labels, [b, seq], dev)?);
+    Ok(Batch::masked(tokens, labels, mask)?.with_images(images))
 }
 
 /// This rank's micro-batches of one evaluation, Megatron's: `eval_iters` global batches from
@@ -416,7 +457,17 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     let (mut model, mut table) =
         // Padded for the gradient reduction and the distributed optimizer's shards: over data ×
         // context-parallel ranks.
-        GptModel::build_stage(config, &tp, &plan, s.recompute()?, &dev, dtype, s.seed, layout.dp * layout.cp)?;
+        match s.vision_spec()? {
+            Some(v) => GptModel::build_multimodal(config, &v, &tp, &plan, s.recompute()?, &dev, dtype, s.seed, layout.dp * layout.cp)?,
+            None => GptModel::build_stage(config, &tp, &plan, s.recompute()?, &dev, dtype, s.seed, layout.dp * layout.cp)?,
+        };
+    if let Some(v) = &s.vision {
+        // Megatron's --freeze-LM / --freeze-ViT: the vision projection always trains.
+        table.freeze(|m| {
+            let vit = m.name.starts_with("vision_model.");
+            (v.freeze_vit && vit) || (v.freeze_lm && !vit && !m.name.starts_with("vision_projection."))
+        });
+    }
     let cp = (layout.cp > 1).then(|| ContextParallel::new(g.cp.clone()));
     if let Some(cp) = &cp {
         model.set_context_parallel(cp.clone())?;
@@ -511,7 +562,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     if rank0 {
         eprintln!(
             "{dev}: {} parameters ({:.2} MFLOP/token), {} layers, hidden {}, {} heads; data: {} train / {} valid samples; {} micro-batches of {} per step on each of {dp} data-parallel rank(s)",
-            model.config.num_params(),
+            model.config.num_params() + s.vision_spec()?.map_or(0, |v| v.num_params(s.hidden_size)),
             model.config.flops_per_token() / 1e6,
             s.num_layers,
             s.hidden_size,
@@ -530,6 +581,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         vocab: model.config.vocab_size,
         eod_mask: s.eod_mask_loss.then(|| data.tokenizer.eod()),
         cp,
+        vision: s.vision_spec()?.map(|v| (v, s.mock_data, s.seed, dtype)),
     };
     // The validation loss over one evaluation's batches (`eval_micro_batches`) from sample
     // `start` on; None without a validation split (`--split` gave it no share) or with
@@ -863,7 +915,7 @@ mod tests {
         let seqs = Arc::new(Sequences::from_documents(&[vec![1, 2, 3, 4, 9, 5, 6, 7, 8]]));
         let split = blend_split("train", vec![(None, seqs, 0..1)], 2, 4, 1234).unwrap();
         // Both samples (tokens 0..=4 and 4..=8, in some order) hold 9.
-        let spec = |vocab| BatchSpec { seq: 4, vocab, eod_mask: None, cp: None };
+        let spec = |vocab| BatchSpec { seq: 4, vocab, eod_mask: None, cp: None, vision: None };
         let ok = batch(&split, &[0, 1], &spec(10), &Device::Cpu).unwrap();
         let (mut t, mut l) = (ok.tokens.to_vec::<u32>().unwrap(), ok.labels.to_vec::<u32>().unwrap());
         if t[0] != 1 {
@@ -883,7 +935,7 @@ mod tests {
         let docs = [vec![1, 2, 0], vec![3, 0], vec![4, 5, 6, 0]];
         let seqs = Arc::new(Sequences::from_documents(&docs));
         let split = blend_split("train", vec![(None, seqs, 0..3)], 1, 8, 1234).unwrap();
-        let spec = BatchSpec { seq: 8, vocab: 10, eod_mask: Some(0), cp: None };
+        let spec = BatchSpec { seq: 8, vocab: 10, eod_mask: Some(0), cp: None, vision: None };
         let b = batch(&split, &[0], &spec, &Device::Cpu).unwrap();
         let tokens = b.tokens.to_vec::<u32>().unwrap();
         let want: Vec<f32> = tokens.iter().map(|&t| if t == 0 { 0.0 } else { 1.0 }).collect();

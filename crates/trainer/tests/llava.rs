@@ -1,0 +1,160 @@
+//! LLaVA-style runs through the trainer (--img-h, --img-w, --patch-dim, --encoder-*): the layouts
+//! that split them train as one rank does, a run resumes bit for bit with Megatron's names,
+//! --freeze-LM and --freeze-ViT leave exactly their parameters alone, and bad flags are refused
+//! by name.
+
+mod common;
+
+use common::*;
+use ferrotron_trainer::checkpoint;
+use ferrotron_trainer::settings::{Paths, Settings, TrainArgs};
+use ferrotron_trainer::train::train;
+
+/// llava-tiny's shape at test size: 8 × 8 images in 4 × 4 patches (4 placeholders after the
+/// class token is dropped) before 28 text tokens; a 2-layer encoder of width 16.
+fn llava_args() -> TrainArgs {
+    TrainArgs {
+        preset: Some("llava-tiny".into()),
+        img_h: Some(8),
+        img_w: Some(8),
+        patch_dim: Some(4),
+        encoder_num_layers: Some(2),
+        encoder_hidden_size: Some(16),
+        encoder_num_attention_heads: Some(2),
+        encoder_ffn_hidden_size: Some(32),
+        ..tiny_args(true)
+    }
+}
+
+/// Data parallel (distributed optimizer, overlap), tensor parallel with sequence parallelism
+/// (the encoder's heads split, each rank placing the image rows of its sequence slice), and the
+/// pipeline (the encoder on the first stage): one rank's losses, gradient norms and validation
+/// losses.
+#[test]
+fn llava_layouts_follow_one_rank() {
+    let s1 = settings(&llava_args());
+    let one = run(&s1, 1);
+    assert!(one.losses.last().unwrap().1 < one.losses[0].1, "it learns: {:?}", one.losses);
+    let with = |f: &dyn Fn(&mut Settings)| {
+        let mut s = s1.clone();
+        f(&mut s);
+        s
+    };
+    let dp = with(&|s| {
+        s.use_distributed_optimizer = true;
+        s.overlap_grad_reduce = true;
+    });
+    let tp = with(&|s| {
+        s.tensor_model_parallel_size = 2;
+        s.sequence_parallel = true;
+    });
+    let pp = with(&|s| s.pipeline_model_parallel_size = 2);
+    for (tag, s) in [("dp2", &dp), ("tp2 sp", &tp), ("pp2", &pp)] {
+        follows(tag, &run(s, 2), &one);
+    }
+}
+
+/// Four steps, save, load, four steps: the straight run's losses and parameters, bit for bit;
+/// the checkpoint holds Megatron's names and records the vision flags, which
+/// --use-checkpoint-args takes back.
+#[test]
+fn llava_resume_is_bit_exact() {
+    let s = settings(&llava_args());
+    let (a, b, c) = (tmp("llava-a"), tmp("llava-b"), tmp("llava-c"));
+    let straight = train(&s, &Paths { save: Some(a.clone()), ..Paths::default() }).unwrap();
+    train(&s, &Paths { save: Some(b.clone()), exit_interval: Some(4), ..Paths::default() }).unwrap();
+    let second = train(&s, &Paths { save: Some(c.clone()), load: Some(b.clone()), ..Paths::default() }).unwrap();
+    assert_eq!(bits(&straight.losses[4..]), bits(&second.losses));
+    let (ka, kc) = (checkpoint::load(&a).unwrap(), checkpoint::load(&c).unwrap());
+    let shape = |n: &str| ka.tensors.get(n).unwrap_or_else(|| panic!("{n} missing")).0.clone();
+    assert_eq!(shape("vision_model.conv1.weight"), vec![16, 3, 4, 4]);
+    assert_eq!(shape("vision_model.class_token"), vec![1, 1, 16]);
+    assert_eq!(shape("vision_model.position_embeddings.weight"), vec![5, 16]);
+    assert_eq!(shape("vision_model.decoder.layers.1.mlp.linear_fc2.weight"), vec![16, 32]);
+    assert_eq!(shape("vision_projection.encoder.linear_fc1.weight"), vec![32, 16]);
+    assert_eq!(shape("vision_projection.encoder.linear_fc2.weight"), vec![32, 32]);
+    assert!(ka.tensors.contains_key("vision_model.ln_pre.weight"));
+    for (name, (_, x)) in &ka.tensors {
+        assert!(x.iter().zip(&kc.tensors[name].1).all(|(x, y)| x.to_bits() == y.to_bits()), "{name} differs");
+    }
+    let v = ka.state.settings.vision.as_ref().expect("the vision flags are recorded");
+    assert_eq!((v.img_h, v.patch_dim, v.encoder_hidden_size, v.disable_vision_class_token), (8, 4, 16, true));
+    // --use-checkpoint-args rebuilds the multimodal model under another preset's name.
+    let back = settings(&TrainArgs {
+        preset: Some("tiny".into()),
+        load: Some(a.clone()),
+        use_checkpoint_args: true,
+        ..TrainArgs::default()
+    });
+    assert_eq!(back.vision, ka.state.settings.vision);
+    assert_eq!(back.model_config().unwrap().vocab_size, s.model_config().unwrap().vocab_size);
+    for d in [a, b, c] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
+/// Megatron's freezing: with --freeze-LM only the vision encoder and projection move; with
+/// --freeze-ViT everything but the encoder. Compared with the parameters the run started from
+/// (the model built from the same settings and seed), bit for bit.
+#[test]
+fn freezing_leaves_exactly_its_parameters() {
+    use ferrotron_core::{DType, Device};
+    use ferrotron_parallel::{ProcessGroups, TensorParallel, pipeline::StagePlan};
+    let s = settings(&llava_args());
+    let (c, v) = (s.model_config().unwrap(), s.vision_spec().unwrap().unwrap());
+    let tp = TensorParallel::new(ProcessGroups::single().tp, false);
+    let plan = StagePlan::whole(c.num_layers);
+    let recompute = ferrotron_transformer::Recompute::default();
+    let (_, init) = ferrotron_transformer::GptModel::build_multimodal(
+        c,
+        &v,
+        &tp,
+        &plan,
+        recompute,
+        &Device::Cpu,
+        DType::F32,
+        s.seed,
+        1,
+    )
+    .unwrap();
+    let start: std::collections::HashMap<String, Vec<f32>> =
+        init.ids().map(|id| (init.meta(id).name.clone(), init.param(id).unwrap().to_vec_f32().unwrap())).collect();
+    let saved = |name: &str, f: &dyn Fn(&mut TrainArgs)| {
+        let mut a = llava_args();
+        f(&mut a);
+        let dir = tmp(name);
+        train(&settings(&a), &Paths { save: Some(dir.clone()), ..Paths::default() }).unwrap();
+        let k = checkpoint::load(&dir).unwrap().tensors;
+        let _ = std::fs::remove_dir_all(dir);
+        k
+    };
+    let lm = saved("llava-freeze-lm", &|a| a.freeze_lm = true);
+    let vit = saved("llava-freeze-vit", &|a| a.freeze_vit = true);
+    let same = |k: &std::collections::HashMap<String, (Vec<usize>, Vec<f32>)>, n: &str| {
+        // The checkpoint's vocabulary rows are unpadded: the table's first rows.
+        k[n].1.iter().zip(&start[n]).all(|(x, y)| x.to_bits() == y.to_bits())
+    };
+    for name in start.keys() {
+        let vision_model = name.starts_with("vision_model.");
+        let projection = name.starts_with("vision_projection.");
+        assert_eq!(same(&lm, name), !vision_model && !projection, "--freeze-LM: {name}");
+        assert_eq!(same(&vit, name), vision_model, "--freeze-ViT: {name}");
+    }
+    assert!(start.len() > 30, "{} parameters compared", start.len());
+}
+
+/// What cannot work is refused by name.
+#[test]
+fn llava_flags_are_checked() {
+    let err = |a: TrainArgs| Settings::resolve(&a).map(|_| ()).expect_err("refused").to_string();
+    let e = err(TrainArgs { freeze_lm: true, ..tiny_args(true) });
+    assert!(e.contains("--freeze-LM") && e.contains("--img-h"), "{e}");
+    let e = err(TrainArgs { patch_dim: Some(3), ..llava_args() });
+    assert!(e.contains("--patch-dim"), "{e}");
+    let e = err(TrainArgs { seq_length: Some(4), max_position_embeddings: Some(4), ..llava_args() });
+    assert!(e.contains("--seq-length 4 leaves no text"), "{e}");
+    let e = err(TrainArgs { context_parallel_size: Some(2), nproc: Some(2), ..llava_args() });
+    assert!(e.contains("vision encoder"), "{e}");
+    let e = err(TrainArgs { image_token_id: Some(100_000), ..llava_args() });
+    assert!(e.contains("image token id 100000"), "{e}");
+}
