@@ -32,7 +32,7 @@ else
 fi
 
 step "the CUDA backend's host-side unit tests (no GPU needed)"
-cargo test -q -p ferrotron-kernels --features cuda --lib -- cuda::choices cuda::tests::own_matmul
+cargo test -q -p ferrotron-kernels --features cuda --lib -- cuda::choices cuda::tests::own_matmul cuda::tests::empty_tensor_lists
 
 step "kernels/ compiled by NVRTC 13.0, the GPU machine's version (from PyPI; no GPU needed)"
 # NVRTC is what the backend runs, and it refuses some code nvcc takes (generic lambdas).

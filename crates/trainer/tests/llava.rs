@@ -52,6 +52,14 @@ fn llava_layouts_follow_one_rank() {
     for (tag, s) in [("dp2", &dp), ("tp2 sp", &tp), ("pp2", &pp)] {
         follows(tag, &run(s, 2), &one);
     }
+    // --freeze-LM under pp2: the last stage holds only frozen parameters (nothing to update or
+    // count in the norm there).
+    let frozen = with(&|s| s.vision.as_mut().unwrap().freeze_lm = true);
+    let frozen_pp = with(&|s| {
+        s.vision.as_mut().unwrap().freeze_lm = true;
+        s.pipeline_model_parallel_size = 2;
+    });
+    follows("pp2 --freeze-LM", &run(&frozen_pp, 2), &run(&frozen, 1));
 }
 
 /// Four steps, save, load, four steps: the straight run's losses and parameters, bit for bit;

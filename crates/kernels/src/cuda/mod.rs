@@ -817,9 +817,10 @@ fn cluster_attr(n: u32) -> cudarc::driver::sys::CUlaunchAttribute {
     a
 }
 
-/// The CUDA device all of `ts` live on, or None when they are CPU tensors.
+/// The CUDA device all of `ts` live on, or None when they are CPU tensors (or there are none: a
+/// pipeline rank whose parameters are all frozen sums no gradients).
 pub(crate) fn device_of(op: &'static str, ts: &[&Tensor]) -> Result<Option<CudaDevice>> {
-    let Device::Cuda(d) = ts[0].device() else { return Ok(None) };
+    let Some(Device::Cuda(d)) = ts.first().map(|t| t.device()) else { return Ok(None) };
     for t in ts {
         if !t.device().same(ts[0].device()) {
             return Err(Error::DeviceMismatch { op, a: ts[0].device().name(), b: t.device().name() });
@@ -893,6 +894,14 @@ pub fn own_matmul(a: &Tensor, b: &Tensor, b_kmajor: bool) -> Result<Option<Tenso
 
 #[cfg(test)]
 mod tests {
+    /// An op over no tensors (a pipeline rank whose parameters are all frozen sums no gradients)
+    /// is CPU work, not a GPU lookup of a first tensor that is not there. No GPU needed.
+    #[test]
+    fn empty_tensor_lists_need_no_device() {
+        assert!(super::device_of("sum_sq_all", &[]).unwrap().is_none());
+        assert_eq!(crate::sum_sq_all(&[]).unwrap(), 0.0);
+    }
+
     /// `own_matmul` names shapes that do not multiply (and dtypes it does not take) before it
     /// looks for a GPU, and leaves CPU tensors to the caller (None). No GPU needed.
     #[test]
