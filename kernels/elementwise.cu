@@ -16,6 +16,10 @@ __device__ __forceinline__ float silu_f(float x) { return x * sigm(x); }
 // Squared ReLU (Primer's, Megatron's --squared-relu): max(x, 0)², gradient 2·max(x, 0).
 __device__ __forceinline__ float relu2_f(float x) { float r = fmaxf(x, 0.f); return r * r; }
 __device__ __forceinline__ float relu2_g(float x) { return 2.f * fmaxf(x, 0.f); }
+// Exact GeLU: x·Φ(x), gradient Φ(x) + x·φ(x).
+__device__ __forceinline__ float gelux_f(float x) { return 0.5f * x * (1.f + erff(x * 0.70710678f)); }
+__device__ __forceinline__ float gelux_g(float x) {
+    return 0.5f * (1.f + erff(x * 0.70710678f)) + x * 0.39894228f * expf(-0.5f * x * x); }
 // CLIP's quick GeLU: x·σ(1.702·x), gradient s + 1.702·x·s·(1 − s) with s = σ(1.702·x).
 __device__ __forceinline__ float qgelu_f(float x) { return x * sigm(1.702f * x); }
 __device__ __forceinline__ float qgelu_g(float x) { float s = sigm(1.702f * x); return s + 1.702f * x * s * (1.f - s); }
@@ -59,6 +63,8 @@ extern "C" __global__ void silu_fwd_##s(const T* x, T* y, long n) { GRID_STRIDE(
 extern "C" __global__ void silu_bwd_##s(const T* x, const T* dy, T* dx, long n) { GRID_STRIDE(i, n) st(dx, i, ld(dy, i) * silu_g(ld(x, i))); } \
 extern "C" __global__ void relu2_fwd_##s(const T* x, T* y, long n) { GRID_STRIDE(i, n) st(y, i, relu2_f(ld(x, i))); } \
 extern "C" __global__ void relu2_bwd_##s(const T* x, const T* dy, T* dx, long n) { GRID_STRIDE(i, n) st(dx, i, ld(dy, i) * relu2_g(ld(x, i))); } \
+extern "C" __global__ void gelu_exact_fwd_##s(const T* x, T* y, long n) { GRID_STRIDE(i, n) st(y, i, gelux_f(ld(x, i))); } \
+extern "C" __global__ void gelu_exact_bwd_##s(const T* x, const T* dy, T* dx, long n) { GRID_STRIDE(i, n) st(dx, i, ld(dy, i) * gelux_g(ld(x, i))); } \
 extern "C" __global__ void quick_gelu_fwd_##s(const T* x, T* y, long n) { GRID_STRIDE(i, n) st(y, i, qgelu_f(ld(x, i))); } \
 extern "C" __global__ void quick_gelu_bwd_##s(const T* x, const T* dy, T* dx, long n) { GRID_STRIDE(i, n) st(dx, i, ld(dy, i) * qgelu_g(ld(x, i))); } \
 extern "C" __global__ void swiglu_fwd_##s(const T* x, T* y, long n, long f) { \
@@ -80,6 +86,9 @@ extern "C" __global__ void silu_bwd_##s##_v8(const T* x, const T* dy, T* dx, lon
 extern "C" __global__ void relu2_fwd_##s##_v8(const T* x, T* y, long n) { map8(x, y, n, relu2_f); } \
 extern "C" __global__ void relu2_bwd_##s##_v8(const T* x, const T* dy, T* dx, long n) { \
     zip8(x, dy, dx, n, [](float x, float d) { return d * relu2_g(x); }); } \
+extern "C" __global__ void gelu_exact_fwd_##s##_v8(const T* x, T* y, long n) { map8(x, y, n, gelux_f); } \
+extern "C" __global__ void gelu_exact_bwd_##s##_v8(const T* x, const T* dy, T* dx, long n) { \
+    zip8(x, dy, dx, n, [](float x, float d) { return d * gelux_g(x); }); } \
 extern "C" __global__ void quick_gelu_fwd_##s##_v8(const T* x, T* y, long n) { map8(x, y, n, qgelu_f); } \
 extern "C" __global__ void quick_gelu_bwd_##s##_v8(const T* x, const T* dy, T* dx, long n) { \
     zip8(x, dy, dx, n, [](float x, float d) { return d * qgelu_g(x); }); } \

@@ -1,4 +1,4 @@
-//! GeLU (tanh), quick GeLU (CLIP's), SiLU, squared ReLU, SwiGLU and softmax, forward and backward, in the input's dtype.
+//! GeLU (tanh, and exact by erf), quick GeLU (CLIP's), SiLU, squared ReLU, SwiGLU and softmax, forward and backward, in the input's dtype.
 
 use crate::{buf, check, cpu};
 use ferrotron_core::{Result, Tensor, shape_mismatch};
@@ -44,6 +44,13 @@ pub fn relu2(x: &Tensor) -> Result<Tensor> {
 }
 pub fn relu2_bwd(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
     unary_bwd("relu2_bwd", x, dy, cpu::activation::relu2_bwd)
+}
+/// Exact (erf) GeLU, x·Φ(x): PyTorch's `F.gelu`, LLaVA's projection.
+pub fn gelu_exact(x: &Tensor) -> Result<Tensor> {
+    unary("gelu_exact", x, cpu::activation::gelu_exact_fwd)
+}
+pub fn gelu_exact_bwd(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+    unary_bwd("gelu_exact_bwd", x, dy, cpu::activation::gelu_exact_bwd)
 }
 /// x·σ(1.702·x): CLIP's vision MLPs.
 pub fn quick_gelu(x: &Tensor) -> Result<Tensor> {

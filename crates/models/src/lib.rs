@@ -221,7 +221,7 @@ pub fn llava_vision(name: &str) -> Option<ferrotron_transformer::VisionSpec> {
         drop_class_token: true,
         encoder: ferrotron_transformer::vision::clip_encoder(layers, hidden, heads, ffn, lm.init_method_std),
         projector_ffn: lm.hidden_size,
-        projector_activation: Activation::Gelu,
+        projector_activation: Activation::GeluExact,
         projector_bias: true,
         image_token: lm.vocab_size as u32,
     })

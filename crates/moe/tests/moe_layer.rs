@@ -106,6 +106,9 @@ fn reference(t: &ParamTable, s: &MoeSpec, x: &[f64]) -> Vec<f64> {
             Activation::SwiGlu => (0..f).map(|i| h[i] / (1.0 + (-h[i]).exp()) * h[f + i]).collect(),
             Activation::SquaredRelu => h.iter().map(|v| v.max(0.0).powi(2)).collect(),
             Activation::QuickGelu => h.iter().map(|&v| v / (1.0 + (-1.702 * v).exp())).collect(),
+            Activation::GeluExact => {
+                h.iter().map(|&v| 0.5 * v * (1.0 + libm::erf(v / std::f64::consts::SQRT_2))).collect()
+            }
         };
         let o = lin(&get(t, &format!("{ex}.linear_fc2.weight")), bias("linear_fc2").as_deref(), &a);
         y.iter_mut().zip(&o).for_each(|(y, o)| *y += p * o);

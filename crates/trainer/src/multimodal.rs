@@ -102,7 +102,7 @@ impl VisionSettings {
                 std,
             ),
             projector_ffn: hidden,
-            projector_activation: Activation::Gelu,
+            projector_activation: Activation::GeluExact,
             projector_bias: true,
             image_token: self.image_token_id.unwrap_or(vocab as u32),
         }

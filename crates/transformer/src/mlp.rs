@@ -76,6 +76,10 @@ impl Module for Mlp {
                 let (h, s1) = self.linear_fc1.forward(cx, x)?;
                 (k::quick_gelu(&h)?, h, s1)
             }
+            Activation::GeluExact => {
+                let (h, s1) = self.linear_fc1.forward(cx, x)?;
+                (k::gelu_exact(&h)?, h, s1)
+            }
         };
         let (y, s2) = self.linear_fc2.forward(cx, &a)?;
         Ok((y, Saved::new(vec![h], vec![s1, s2])))
@@ -108,6 +112,9 @@ impl Mlp {
             Activation::SquaredRelu => k::relu2_bwd(h, &self.linear_fc2.backward_parts(cx, s2, dy, None, fc2_bias)?)?,
             Activation::QuickGelu => {
                 k::quick_gelu_bwd(h, &self.linear_fc2.backward_parts(cx, s2, dy, None, fc2_bias)?)?
+            }
+            Activation::GeluExact => {
+                k::gelu_exact_bwd(h, &self.linear_fc2.backward_parts(cx, s2, dy, None, fc2_bias)?)?
             }
         };
         self.linear_fc1.backward(cx, s1, &dh)

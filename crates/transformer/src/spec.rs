@@ -38,6 +38,9 @@ pub enum Activation {
     SquaredRelu,
     /// x·σ(1.702·x) on a [C → F] projection: CLIP's vision MLPs (Megatron's quick_gelu).
     QuickGelu,
+    /// Exact GeLU, x·Φ(x) (erf), on a [C → F] projection: PyTorch's `F.gelu`, LLaVA's vision
+    /// projection (`Gelu` is the tanh approximation).
+    GeluExact,
 }
 
 impl Activation {
@@ -45,7 +48,7 @@ impl Activation {
     pub fn fc1_blocks(self) -> usize {
         match self {
             Activation::SwiGlu => 2,
-            Activation::Gelu | Activation::SquaredRelu | Activation::QuickGelu => 1,
+            Activation::Gelu | Activation::SquaredRelu | Activation::QuickGelu | Activation::GeluExact => 1,
         }
     }
 }

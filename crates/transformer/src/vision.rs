@@ -481,7 +481,7 @@ mod tests {
             drop_class_token: drop,
             encoder,
             projector_ffn: 8,
-            projector_activation: Activation::Gelu,
+            projector_activation: Activation::GeluExact,
             projector_bias: true,
             image_token: 3,
         }

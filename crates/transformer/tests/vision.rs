@@ -26,7 +26,7 @@ fn spec(drop_class_token: bool) -> VisionSpec {
         drop_class_token,
         encoder: clip_encoder(2, 8, 2, 12, 0.3),
         projector_ffn: 10,
-        projector_activation: Activation::Gelu,
+        projector_activation: Activation::GeluExact,
         projector_bias: true,
         image_token: IMAGE_TOKEN,
     }

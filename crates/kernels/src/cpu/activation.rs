@@ -77,6 +77,25 @@ pub fn relu2_fwd<T: Real>(x: &[T], y: &mut [T]) {
 pub fn relu2_bwd<T: Real>(x: &[T], dy: &[T], dx: &mut [T]) {
     par_map2(x, dy, dx, |v, g| g * T::c(2.0) * v.max(T::zero()));
 }
+/// Exact GeLU: x·Φ(x) = ½·x·(1 + erf(x/√2)) (PyTorch's default `F.gelu`; LLaVA's projection).
+pub fn gelu_exact_fwd<T: Real>(x: &[T], y: &mut [T]) {
+    par_map1(x, y, |v| T::c(0.5) * v * (T::one() + erf(v * T::c(FRAC_1_SQRT_2))));
+}
+/// d/dx x·Φ(x) = Φ(x) + x·φ(x).
+pub fn gelu_exact_bwd<T: Real>(x: &[T], dy: &[T], dx: &mut [T]) {
+    par_map2(x, dy, dx, |v, g| {
+        let cdf = T::c(0.5) * (T::one() + erf(v * T::c(FRAC_1_SQRT_2)));
+        let pdf = T::c(FRAC_1_SQRT_2PI) * (T::c(-0.5) * v * v).fexp();
+        g * (cdf + v * pdf)
+    });
+}
+const FRAC_1_SQRT_2: f64 = std::f64::consts::FRAC_1_SQRT_2;
+/// 1/√(2π).
+const FRAC_1_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
+/// erf in f64 (libm's), for either precision: the reference, not a hot loop on a GPU run.
+fn erf<T: Real>(x: T) -> T {
+    T::c(libm::erf(x.f64()))
+}
 /// CLIP's quick GeLU: x·σ(1.702·x) (Megatron's quick_gelu, transformers' `quick_gelu`).
 pub fn quick_gelu_fwd<T: Real>(x: &[T], y: &mut [T]) {
     par_map1(x, y, |v| v * sigmoid(T::c(QUICK_GELU) * v));

@@ -22,10 +22,12 @@ proptest! {
         assert_close(&host(&k::gelu(&xt).unwrap()), &x.iter().map(|&v| gelu_ref(v)).collect::<Vec<_>>(), 1e-5, 1e-6, "gelu");
         assert_close(&host(&k::silu(&xt).unwrap()), &x.iter().map(|&v| silu_ref(v)).collect::<Vec<_>>(), 1e-5, 1e-6, "silu");
         assert_close(&host(&k::relu2(&xt).unwrap()), &x.iter().map(|&v| v.max(0.0).powi(2)).collect::<Vec<_>>(), 1e-5, 1e-6, "relu2");
+        let phi = |v: f64| 0.5 * (1.0 + libm::erf(v / std::f64::consts::SQRT_2));
+        assert_close(&host(&k::gelu_exact(&xt).unwrap()), &x.iter().map(|&v| v * phi(v)).collect::<Vec<_>>(), 1e-5, 1e-6, "gelu_exact");
         assert_close(&host(&k::quick_gelu(&xt).unwrap()), &x.iter().map(|&v| v / (1.0 + (-1.702 * v).exp())).collect::<Vec<_>>(), 1e-5, 1e-6, "quick_gelu");
         type F = fn(&[f64], &mut [f64]);
         type B = fn(&[f64], &[f64], &mut [f64]);
-        for (name, f, b) in [("gelu", act::gelu_fwd::<f64> as F, act::gelu_bwd::<f64> as B), ("silu", act::silu_fwd::<f64>, act::silu_bwd::<f64>), ("relu2", act::relu2_fwd::<f64>, act::relu2_bwd::<f64>), ("quick_gelu", act::quick_gelu_fwd::<f64>, act::quick_gelu_bwd::<f64>)] {
+        for (name, f, b) in [("gelu", act::gelu_fwd::<f64> as F, act::gelu_bwd::<f64> as B), ("silu", act::silu_fwd::<f64>, act::silu_bwd::<f64>), ("relu2", act::relu2_fwd::<f64>, act::relu2_bwd::<f64>), ("quick_gelu", act::quick_gelu_fwd::<f64>, act::quick_gelu_bwd::<f64>), ("gelu_exact", act::gelu_exact_fwd::<f64>, act::gelu_exact_bwd::<f64>)] {
             // relu2's kink at 0 is out of reach of the differences' steps (1e-5) for these draws.
             if name == "relu2" && x.iter().any(|v| v.abs() < 1e-4) { continue; }
             let mut dx = vec![0.0; n];
@@ -74,6 +76,8 @@ device_test!(tensor_backwards_agree_with_f64, |dev: &Device| {
     assert_close(&host(&k::silu_bwd(&xt, &rt).unwrap()), &want, 1e-5, 1e-6, "silu_bwd");
     act::relu2_bwd(&x, &r, &mut want);
     assert_close(&host(&k::relu2_bwd(&xt, &rt).unwrap()), &want, 1e-5, 1e-6, "relu2_bwd");
+    act::gelu_exact_bwd(&x, &r, &mut want);
+    assert_close(&host(&k::gelu_exact_bwd(&xt, &rt).unwrap()), &want, 1e-5, 1e-6, "gelu_exact_bwd");
     act::quick_gelu_bwd(&x, &r, &mut want);
     assert_close(&host(&k::quick_gelu_bwd(&xt, &rt).unwrap()), &want, 1e-5, 1e-6, "quick_gelu_bwd");
     let r4 = t32(dev, &r[..12], &[3, 4]);

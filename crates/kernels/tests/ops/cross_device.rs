@@ -99,6 +99,9 @@ fn every_op_matches_cpu() {
         check("relu2", dt, &[x.clone(), y.clone()], |t| {
             vec![k::relu2(&t[0]).unwrap(), k::relu2_bwd(&t[0], &t[1]).unwrap()]
         });
+        check("gelu_exact", dt, &[x.clone(), y.clone()], |t| {
+            vec![k::gelu_exact(&t[0]).unwrap(), k::gelu_exact_bwd(&t[0], &t[1]).unwrap()]
+        });
         check("quick_gelu", dt, &[x.clone(), y.clone()], |t| {
             vec![k::quick_gelu(&t[0]).unwrap(), k::quick_gelu_bwd(&t[0], &t[1]).unwrap()]
         });
@@ -624,6 +627,8 @@ fn elementwise_ops(x: &Tensor, y: &Tensor, b: &Tensor) -> Vec<Tensor> {
         k::silu_bwd(x, y).unwrap(),
         k::relu2(x).unwrap(),
         k::relu2_bwd(x, y).unwrap(),
+        k::gelu_exact(x).unwrap(),
+        k::gelu_exact_bwd(x, y).unwrap(),
         k::quick_gelu(x).unwrap(),
         k::quick_gelu_bwd(x, y).unwrap(),
         k::swiglu(&gate).unwrap(),
