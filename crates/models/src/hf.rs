@@ -25,6 +25,7 @@ use ferrotron_transformer::spec::{
 use serde_json::{Value, json};
 use std::sync::Arc;
 
+pub mod llava;
 mod mamba2;
 
 /// A whole tensor on the host.
@@ -76,6 +77,9 @@ pub enum HfArch {
     /// `MixtralForCausalLM` (model_type mixtral): Mistral's attention with a mixture-of-experts
     /// MLP (ferrotron-moe's layer).
     Mixtral,
+    /// `LlavaForConditionalGeneration` (model_type llava): a CLIP vision tower and projector
+    /// before a Llama (`hf/llava.rs`); the text functions here treat it as its Llama.
+    Llava,
 }
 
 impl HfArch {
@@ -87,6 +91,7 @@ impl HfArch {
             HfArch::Qwen2 => "Qwen2ForCausalLM",
             HfArch::Mixtral => "MixtralForCausalLM",
             HfArch::Mamba2 => "Mamba2ForCausalLM",
+            HfArch::Llava => "LlavaForConditionalGeneration",
         }
     }
 
@@ -173,6 +178,8 @@ pub struct HfModel {
     pub config: TransformerConfig,
     /// `torch_dtype` (or transformers 5's `dtype`): float32, bfloat16, float16; None if absent.
     pub dtype: Option<String>,
+    /// A LLaVA model's vision tower and projector (`config` is then its language model's).
+    pub vision: Option<llava::LlavaVision>,
 }
 
 fn field<'a>(v: &'a Value, key: &str) -> Result<&'a Value> {
@@ -288,6 +295,18 @@ pub fn from_hf_config(v: &Value) -> Result<HfModel> {
             (HfArch::Mixtral, c)
         }
         "mamba2" => (HfArch::Mamba2, mamba2::config(v)?),
+        "llava" => {
+            let (config, vision) = llava::config(v)?;
+            // The text model's dtype where the top level has none.
+            let text = v.get("text_config");
+            let dtype = dtype.or_else(|| {
+                text.and_then(|t| t.get("torch_dtype").or_else(|| t.get("dtype")))
+                    .and_then(Value::as_str)
+                    .map(str::to_string)
+            });
+            config.validate().map_err(|e| HfError::Config(e.to_string()))?;
+            return Ok(HfModel { arch: HfArch::Llava, config, dtype, vision: Some(vision) });
+        }
         "mistral" => {
             let mut c = llama_config(v)?;
             // transformers' window: each query sees the `sliding_window` keys up to and including
@@ -297,12 +316,12 @@ pub fn from_hf_config(v: &Value) -> Result<HfModel> {
         }
         o => {
             return Err(HfError::Config(format!(
-                "model_type `{o}`: Ferrotron converts gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM), mistral (MistralForCausalLM), qwen2 (Qwen2ForCausalLM) and mixtral (MixtralForCausalLM) and mamba2 (Mamba2ForCausalLM)"
+                "model_type `{o}`: Ferrotron converts gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM), mistral (MistralForCausalLM), qwen2 (Qwen2ForCausalLM) mixtral (MixtralForCausalLM), mamba2 (Mamba2ForCausalLM) and llava (LlavaForConditionalGeneration)"
             )));
         }
     };
     config.validate().map_err(|e| HfError::Config(e.to_string()))?;
-    Ok(HfModel { arch, config, dtype })
+    Ok(HfModel { arch, config, dtype, vision: None })
 }
 
 fn gpt2_config(v: &Value) -> Result<TransformerConfig> {
@@ -472,7 +491,7 @@ pub fn to_hf_config(arch: HfArch, c: &TransformerConfig, dtype: &str) -> Value {
             "tie_word_embeddings": tied,
             "torch_dtype": dtype,
         }),
-        HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 | HfArch::Mixtral => {
+        HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 | HfArch::Mixtral | HfArch::Llava => {
             let PositionEmbedding::Rope { base, scaling } = c.position_embedding else {
                 unreachable!("HfArch::of checked")
             };
@@ -553,7 +572,7 @@ pub fn is_buffer(hf_name: &str) -> bool {
 pub fn strip_prefix(arch: HfArch, hf_name: &str) -> &str {
     match arch {
         HfArch::Gpt2 => hf_name.strip_prefix("transformer.").unwrap_or(hf_name),
-        HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 | HfArch::Mixtral | HfArch::Mamba2 => hf_name,
+        HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 | HfArch::Mixtral | HfArch::Mamba2 | HfArch::Llava => hf_name,
     }
 }
 
@@ -667,7 +686,7 @@ fn maps(arch: HfArch, c: &TransformerConfig) -> Vec<(String, Map)> {
                 m.push((format!("decoder.final_layernorm.{p}"), Same(format!("ln_f.{p}"))));
             }
         }
-        HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 | HfArch::Mixtral => {
+        HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 | HfArch::Mixtral | HfArch::Llava => {
             m.push(("embedding.word_embeddings.weight".into(), Same("model.embed_tokens.weight".into())));
             for i in 0..c.num_layers {
                 let (o, h) = (format!("decoder.layers.{i}."), format!("model.layers.{i}."));
@@ -815,7 +834,7 @@ pub fn export<'a>(arch: HfArch, c: &TransformerConfig, get: &TensorLookup<'a>) -
     };
     let prefix = match arch {
         HfArch::Gpt2 => "transformer.",
-        HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 | HfArch::Mixtral | HfArch::Mamba2 => "",
+        HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 | HfArch::Mixtral | HfArch::Mamba2 | HfArch::Llava => "",
     };
     let named = |n: &str| if n == LM_HEAD { n.to_string() } else { format!("{prefix}{n}") };
     let mut out = vec![];
@@ -867,8 +886,9 @@ mod tests {
             HfArch::Mamba2 => json!({"model_type": "mamba2", "vocab_size": 11, "hidden_size": 8,
                 "num_hidden_layers": 2, "state_size": 3, "head_dim": 4, "num_heads": 4, "expand": 2, "n_groups": 2,
                 "conv_kernel": 4, "tie_word_embeddings": false}),
-            HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 => {
-                json!({"model_type": match arch { HfArch::Llama => "llama", HfArch::Qwen2 => "qwen2", _ => "mistral" },
+            // LLaVA's own tests are hf/llava.rs's; its language model is a Llama.
+            HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 | HfArch::Llava => {
+                json!({"model_type": match arch { HfArch::Llama | HfArch::Llava => "llama", HfArch::Qwen2 => "qwen2", _ => "mistral" },
                 "sliding_window": 5, "vocab_size": 11, "hidden_size": 8,
                 "intermediate_size": 6, "num_hidden_layers": 2, "num_attention_heads": 4,
                 "num_key_value_heads": 2, "head_dim": 6, "max_position_embeddings": 16,

@@ -193,6 +193,17 @@ fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
     args.seq_length = Some(a.seq_length.unwrap_or(c.seq_length));
     // Megatron's mixed precision for bf16 weights; float32 and float16 weights are kept in fp32.
     args.bf16 = model.dtype.as_deref() == Some("bfloat16");
+    if let Some(v) = &model.vision {
+        // LLaVA: the vision flags that build its tower (the layers it reads) and projector.
+        let s = &v.spec;
+        (args.img_h, args.img_w, args.patch_dim) = (Some(s.img_h), Some(s.img_w), Some(s.patch_dim));
+        args.encoder_num_layers = Some(s.encoder.num_layers);
+        args.encoder_hidden_size = Some(s.encoder.hidden_size);
+        args.encoder_num_attention_heads = Some(s.encoder.num_attention_heads);
+        args.encoder_ffn_hidden_size = Some(s.encoder.ffn_hidden_size);
+        args.disable_vision_class_token = s.drop_class_token;
+        args.image_token_id = Some(s.image_token);
+    }
     let (mut settings, _) = Settings::resolve(&args).context("the model config.json describes")?;
     settings.preset = format!("hf:{}", arch.class());
     let own = settings.model_config()?;
@@ -208,6 +219,12 @@ fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
     if hf::to_hf_config(arch, &own, "") != hf::to_hf_config(arch, c, "") {
         bail!("internal: the settings made from config.json describe another model");
     }
+    if let Some(v) = &model.vision {
+        let mine = settings.vision_spec()?.context("internal: the settings lost the vision flags")?;
+        if hf::llava::to_config(&own, &mine, "") != hf::llava::to_config(c, &v.spec, "") {
+            bail!("internal: the settings made from config.json describe another vision tower");
+        }
+    }
     let files = HfFiles::open(&a.load_dir, arch)?;
     let mut taken = BTreeSet::new();
     let mut failed = None;
@@ -221,7 +238,10 @@ fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
             None
         }
     };
-    let tensors = hf::import(arch, c, &mut take);
+    let tensors = match &model.vision {
+        Some(v) => hf::llava::import(c, v, &mut take),
+        None => hf::import(arch, c, &mut take),
+    };
     if let Some(e) = failed {
         return Err(e);
     }
@@ -276,9 +296,16 @@ fn export(load: &Path, save_dir: &Path, max_shard: u64) -> anyhow::Result<Conver
     crate::settings::check_dir(load, "--load-dir")?;
     let ck = checkpoint::load_params(load)?;
     let c = ck.state.settings.model_config()?;
+    let vision = ck.state.settings.vision_spec()?;
     let arch = HfArch::of(&c).context("--saver hf")?;
     let get = |n: &str| ck.tensors.get(n).map(|(s, v)| (s.as_slice(), v.as_slice()));
-    let tensors = hf::export(arch, &c, &get)?;
+    let (arch, tensors) = match &vision {
+        Some(_) if arch != HfArch::Llama => {
+            bail!("--saver hf: a LLaVA model converts with a Llama language model, not a {}", arch.class())
+        }
+        Some(v) => (HfArch::Llava, hf::llava::export(&c, v, &get)?),
+        None => (arch, hf::export(arch, &c, &get)?),
+    };
     let (dtype, dtype_name) = match ck.state.params_dtype.as_str() {
         "bf16" => (DType::BF16, "bfloat16"),
         _ => (DType::F32, "float32"),
@@ -331,7 +358,11 @@ fn export(load: &Path, save_dir: &Path, max_shard: u64) -> anyhow::Result<Conver
             .with_context(|| format!("cannot write {}", tmp.display()))?;
         std::fs::rename(&tmp, save_dir.join("model.safetensors.index.json"))?;
     }
-    let config = serde_json::to_string_pretty(&hf::to_hf_config(arch, &c, dtype_name))?;
+    let config = match &vision {
+        Some(v) => hf::llava::to_config(&c, v, dtype_name),
+        None => hf::to_hf_config(arch, &c, dtype_name),
+    };
+    let config = serde_json::to_string_pretty(&config)?;
     let tmp = save_dir.join(".config.json.tmp");
     std::fs::write(&tmp, config + "\n").with_context(|| format!("cannot write {}", tmp.display()))?;
     std::fs::rename(&tmp, save_dir.join("config.json"))?;

@@ -374,3 +374,81 @@ fn hf_folders_that_do_not_fit_are_refused_by_name() {
         let _ = std::fs::remove_dir_all(d);
     }
 }
+
+/// transformers' `LlavaForConditionalGeneration` (tests/fixtures/hf/llava: a CLIP tower of 3
+/// layers read after the second, a GeLU projector, a Llama): the import's logits for the fixture's
+/// tokens and images are transformers'; the export writes transformers' tensors again (the third
+/// tower layer, which LLaVA never reads, left out, and `vision_feature_layer` −1 in its place),
+/// and imports back to the same checkpoint.
+#[test]
+fn llava_converts_both_ways_with_transformers_logits() {
+    use ferrotron_parallel::{ProcessGroups, TensorParallel, pipeline::StagePlan};
+    use ferrotron_transformer::{Images, Recompute};
+    let out = tmp("hf-import-llava");
+    let done = convert(&args("hf", "ferrotron", &fixture("llava"), &out)).unwrap();
+    assert_eq!(done.arch, hf::HfArch::Llava);
+    let ck = checkpoint::load(&out).unwrap();
+    let s = &ck.state.settings;
+    let v = s.vision_spec().unwrap().expect("the vision flags are recorded");
+    assert_eq!((v.encoder.num_layers, v.image_tokens(), v.image_token, v.drop_class_token), (2, 4, 255, true));
+    let config = s.model_config().unwrap();
+    assert_eq!(config.vocab_size, 256, "the image token is one of config.json's ids");
+    let tp = TensorParallel::new(ProcessGroups::single().tp, false);
+    let plan = StagePlan::whole(config.num_layers);
+    let (model, table) =
+        GptModel::build_multimodal(config, &v, &tp, &plan, Recompute::default(), &Device::Cpu, DType::F32, 1, 1)
+            .unwrap();
+    checkpoint::restore_params(&ck, &table).unwrap();
+    let r = reference("llava");
+    let raw: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("llava").join("reference.json")).unwrap()).unwrap();
+    let pixels: Vec<f32> = raw["pixel_values"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
+    let (b, t) = (r.input_ids.len(), r.input_ids[0].len());
+    let ids: Vec<u32> = r.input_ids.concat();
+    let dev = Device::Cpu;
+    let patches = Tensor::from_vec(v.patchify(&pixels, b).unwrap(), [b, v.seq_len(), v.patch_len()], &dev).unwrap();
+    let images = Images::new(patches, &ids, v.image_token);
+    let tokens = Tensor::from_vec(ids, [b, t], &dev).unwrap();
+    let cx = Cx::new(&table, false);
+    let logits = model.logits_with(&cx, &tokens, Some(&images)).unwrap().to_vec_f32().unwrap();
+    let (mut worst, mut scale) = (0f64, 0f64);
+    for (got, want) in logits.iter().zip(&r.logits) {
+        worst = worst.max((*got as f64 - want).abs());
+        scale = scale.max(want.abs());
+    }
+    assert_eq!(logits.len(), r.logits.len());
+    assert!(scale > 2.0, "the fixture's logits are too flat to test anything ({scale})");
+    assert!(worst < 1e-4, "llava: max |logit − transformers'| = {worst:e} (largest {scale})");
+    eprintln!("llava: max |logit − transformers'| {worst:.2e}");
+    // Without the images the placeholders' own embeddings are read: other logits, far apart.
+    let text = model.logits(&cx, &tokens).unwrap().to_vec_f32().unwrap();
+    let moved = text.iter().zip(&r.logits).map(|(a, b)| (*a as f64 - b).abs()).fold(0f64, f64::max);
+    assert!(moved > 1e-2, "the images change the logits ({moved})");
+
+    let back = tmp("hf-export-llava");
+    let done = convert(&args("ferrotron", "hf", &out, &back)).unwrap();
+    assert_eq!(done.arch, hf::HfArch::Llava);
+    let (want, got) = (hf_tensors(&fixture("llava")), hf_tensors(&back));
+    for (n, t) in &got {
+        if n.starts_with("vision_tower.post_layernorm.") {
+            continue; // LLaVA never reads it: written as ones and zeros
+        }
+        assert!(want.get(n) == Some(t), "`{n}` differs from transformers' file after import and export");
+    }
+    let unused: Vec<&String> = want.keys().filter(|n| !got.contains_key(*n)).collect();
+    assert!(unused.iter().all(|n| n.starts_with("vision_tower.encoder.layers.2.")), "{unused:?}");
+    assert_eq!(unused.len(), 16);
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(back.join("config.json")).unwrap()).unwrap();
+    assert_eq!(
+        (config["vision_feature_layer"].as_i64(), config["vision_config"]["num_hidden_layers"].as_u64()),
+        (Some(-1), Some(2))
+    );
+    let again = tmp("hf-reimport-llava");
+    convert(&args("hf", "ferrotron", &back, &again)).unwrap();
+    let (x, y) = (checkpoint::load(&out).unwrap(), checkpoint::load(&again).unwrap());
+    assert!(x.tensors == y.tensors, "the export imports to other tensors");
+    for d in [out, back, again] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}

@@ -464,7 +464,19 @@ impl GptModel {
 
     /// Logits [B, T, V] over the whole padded vocabulary (one stage holding the whole model).
     pub fn logits(&self, cx: &Cx, tokens: &Tensor) -> Result<Tensor> {
-        let (x, _) = self.embed(cx, tokens)?;
+        self.logits_with(cx, tokens, None)
+    }
+
+    /// `logits` of a multimodal model, the images' features at their placeholders.
+    pub fn logits_with(&self, cx: &Cx, tokens: &Tensor, images: Option<&Images>) -> Result<Tensor> {
+        let (mut x, _) = self.embed(cx, tokens)?;
+        match (&self.vision, images) {
+            (Some(v), Some(images)) => x = v.forward(cx, &x, images)?.0,
+            (None, Some(_)) => {
+                return Err(ModelError::Config("images given to a model without a vision encoder".into()));
+            }
+            (_, None) => {}
+        }
         let mut h = x;
         for c in &self.chunks {
             h = c.forward(cx, &h)?.0;
