@@ -32,6 +32,14 @@ enum Source {
         parts: Vec<GptDataset>,
         picks: Vec<(u16, u64)>,
     },
+    /// Sample i is record `picks[i]`'s tokens, whole (image-text pairs:
+    /// `image_text::record_split`), padded to `seq` + 1 with `eod`.
+    Records {
+        records: Arc<Vec<Vec<u32>>>,
+        picks: Vec<u32>,
+        seq: usize,
+        eod: u32,
+    },
 }
 
 impl TokenSplit {
@@ -39,10 +47,25 @@ impl TokenSplit {
         TokenSplit { name, source: Source::Gpt(ds) }
     }
 
+    /// Samples that are records given whole (`picks[i]` the record of sample i), each its tokens
+    /// then `eod`, padded or cut to `seq` + 1 (`image_text::record_tokens`).
+    pub fn records(name: &'static str, records: Arc<Vec<Vec<u32>>>, picks: Vec<u32>, seq: usize, eod: u32) -> Self {
+        TokenSplit { name, source: Source::Records { records, picks, seq, eod } }
+    }
+
+    /// The record sample `i` is, for splits of records (None for token streams).
+    pub fn record(&self, i: usize) -> Option<usize> {
+        match &self.source {
+            Source::Records { picks, .. } => picks.get(i).map(|&r| r as usize),
+            _ => None,
+        }
+    }
+
     pub fn num_samples(&self) -> usize {
         match &self.source {
             Source::Gpt(d) => d.num_samples(),
             Source::Blend { picks, .. } => picks.len(),
+            Source::Records { picks, .. } => picks.len(),
         }
     }
 
@@ -53,6 +76,10 @@ impl TokenSplit {
             Source::Blend { parts, picks } => {
                 let &(p, j) = picks.get(i).ok_or(DataError::SampleOutOfRange { index: i, samples: picks.len() })?;
                 parts[p as usize].sample(j as usize)
+            }
+            Source::Records { records, picks, seq, eod } => {
+                let &r = picks.get(i).ok_or(DataError::SampleOutOfRange { index: i, samples: picks.len() })?;
+                Ok(crate::image_text::record_tokens(&records[r as usize], *eod, *seq).0)
             }
         }
     }

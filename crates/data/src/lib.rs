@@ -13,6 +13,7 @@ mod dataset;
 mod gpt;
 mod gpt2_files;
 mod hf_tokenizer;
+pub mod image_text;
 mod indexed;
 mod numpy_rng;
 mod tokenizer;

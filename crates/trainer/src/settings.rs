@@ -275,6 +275,14 @@ pub struct TrainArgs {
     /// 1,1,1 (as Megatron forces it). Samples equal a Megatron run's with --mock-data.
     #[arg(long)]
     pub mock_data: bool,
+    /// A LLaVA run's image-text pairs: LLaVA-Pretrain's JSON (image paths and conversations, the
+    /// `gpt` turns the text) or JSON lines of {"image", "text"}; images (JPEG, PNG) under
+    /// --image-folder.
+    #[arg(long)]
+    pub image_text_data: Option<PathBuf>,
+    /// The folder --image-text-data's image paths are relative to (default: the file's folder).
+    #[arg(long)]
+    pub image_folder: Option<PathBuf>,
     /// The indexed datasets' documents cut into train, valid and test by these weights, as
     /// Megatron's --split (default "969, 30, 1").
     #[arg(long)]
@@ -548,7 +556,8 @@ impl TrainArgs {
             moe_z_loss_coeff, moe_router_topk_scaling_factor, expert_model_parallel_size, moe_token_dispatcher_type,
             moe_layer_freq, moe_shared_expert_intermediate_size, hybrid_layer_pattern, hybrid_override_pattern, mamba_state_dim, mamba_head_dim,
             mamba_num_groups, mamba_num_heads, hybrid_attention_ratio, hybrid_mlp_ratio, img_h, img_w, patch_dim,
-            encoder_num_layers, encoder_hidden_size, encoder_num_attention_heads, encoder_ffn_hidden_size, image_token_id);
+            encoder_num_layers, encoder_hidden_size, encoder_num_attention_heads, encoder_ffn_hidden_size, image_token_id,
+            image_text_data, image_folder);
         merge_flags!(self, o; check_for_nan_in_loss_and_grad, no_check_for_nan_in_loss_and_grad, use_rope_scaling, swiglu, squared_relu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, bf16, fp16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
             use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, async_save, no_save_optim, exit_signal_handler,
@@ -708,6 +717,11 @@ pub struct Settings {
     /// `--mock-data`: Megatron's mock sequences instead of a dataset.
     #[serde(default)]
     pub mock_data: bool,
+    /// `--image-text-data` and `--image-folder` (a LLaVA run's image-text pairs).
+    #[serde(default)]
+    pub image_text_data: Option<PathBuf>,
+    #[serde(default)]
+    pub image_folder: Option<PathBuf>,
     /// `--eod-mask-loss`.
     #[serde(default)]
     pub eod_mask_loss: bool,
@@ -1351,6 +1365,8 @@ impl Settings {
             train_data_path: a.train_data_path.clone(),
             valid_data_path: a.valid_data_path.clone(),
             mock_data: a.mock_data,
+            image_text_data: a.image_text_data.clone(),
+            image_folder: a.image_folder.clone(),
             eod_mask_loss: a.eod_mask_loss,
             vocab_size: a.vocab_size,
             tokenizer_model: a.tokenizer_model.clone(),
@@ -1577,6 +1593,22 @@ impl Settings {
                 bail!("--data-path and --train-data-path / --valid-data-path are two ways to name the data: give one")
             }
             _ => bail!("--train-data-path and --valid-data-path go together (validation runs every --eval-interval)"),
+        }
+        if let Some(f) = &self.image_text_data {
+            if self.vision.is_none() {
+                bail!(
+                    "--image-text-data {} trains a vision encoder: add --img-h, --img-w and --patch-dim (or a LLaVA preset)",
+                    f.display()
+                );
+            }
+            if self.mock_data || !self.data_path.is_empty() || !self.train_data_path.is_empty() {
+                bail!(
+                    "--image-text-data {} is the run's data: leave out --mock-data / --data-path / --train-data-path",
+                    f.display()
+                );
+            }
+        } else if self.image_folder.is_some() {
+            bail!("--image-folder goes with --image-text-data (the folder its image paths are relative to)");
         }
         if self.mock_data && !(self.data_path.is_empty() && self.train_data_path.is_empty()) {
             bail!("--mock-data stands in for a dataset: leave out --data-path / --train-data-path, or --mock-data");

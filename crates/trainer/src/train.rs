@@ -86,6 +86,8 @@ pub struct Data {
     pub train: TokenSplit,
     /// None where `--split` gives validation no share: no evaluation runs (as in Megatron).
     pub valid: Option<TokenSplit>,
+    /// `--image-text-data`'s image files, by record (the splits' `TokenSplit::record`).
+    pub images: Option<Arc<Vec<std::path::PathBuf>>>,
 }
 
 impl Data {
@@ -97,7 +99,28 @@ impl Data {
         let [n_train, n_valid] = s.split_samples();
         // A multimodal sample's text: the sequence less its image's placeholders.
         let seq = s.text_seq_length()?;
-        let (train, valid) = if s.mock_data {
+        let mut images = None;
+        let (train, valid) = if let Some(file) = &s.image_text_data {
+            let folder = match &s.image_folder {
+                Some(f) => f.clone(),
+                None => file.parent().map(std::path::Path::to_path_buf).unwrap_or_default(),
+            };
+            let records = ferrotron_data::image_text::read_image_text(file, &folder)?;
+            let tokens = records.iter().map(|r| tokenizer.encode(&r.text)).collect::<Result<Vec<_>, _>>()?;
+            let tokens = Arc::new(tokens);
+            let ranges = ferrotron_data::split_ranges(records.len(), parse_split(&s.split)?);
+            let part = |k: usize, name, n| {
+                ranges[k].clone().map(|r| {
+                    let how = (seq, tokenizer.eod(), s.seed);
+                    ferrotron_data::image_text::record_split(name, tokens.clone(), r, n as usize, how)
+                })
+            };
+            let train = part(0, "train", n_train).with_context(|| {
+                format!("--split {}: the train split has no share of the records: give it one", s.split)
+            })?;
+            images = Some(Arc::new(records.into_iter().map(|r| r.image).collect()));
+            (train, part(1, "valid", n_valid))
+        } else if s.mock_data {
             // Megatron builds its mock dataset with the tokenizer's vocabulary and split 1,1,1.
             let mock = Sequences::mock(tokenizer.vocab_size() as u32, tokenizer.eod());
             let (parts, split) = ([(None, Arc::new(mock))], parse_split("1,1,1")?);
@@ -121,7 +144,7 @@ impl Data {
                 Some(blend_split("valid", vec![valid], n_valid, seq, seed)?),
             )
         };
-        Ok(Data { tokenizer, train, valid })
+        Ok(Data { tokenizer, train, valid, images })
     }
 }
 
@@ -141,10 +164,11 @@ struct BatchSpec {
     seq: usize,
     vocab: usize,
     eod_mask: Option<u32>,
+    /// The end-of-document id (a record's text ends with it, then padding).
+    eod: u32,
     cp: Option<ContextParallel>,
-    /// A multimodal run's images: the spec, mock images (`--mock-data`), the seed, the model's
-    /// dtype.
-    vision: Option<(ferrotron_transformer::VisionSpec, bool, u64, DType)>,
+    /// A multimodal run's images: the spec, where they come from, the seed, the model's dtype.
+    vision: Option<(ferrotron_transformer::VisionSpec, ImageSource, u64, DType)>,
 }
 
 fn batch(split: &TokenSplit, indices: &[usize], spec: &BatchSpec, dev: &Device) -> anyhow::Result<Batch> {
@@ -190,13 +214,24 @@ fn batch(split: &TokenSplit, indices: &[usize], spec: &BatchSpec, dev: &Device) 
     })
 }
 
+/// Where a multimodal run's images come from.
+#[derive(Clone)]
+enum ImageSource {
+    /// `--image-text-data`: each record's image file.
+    Files(Arc<Vec<std::path::PathBuf>>),
+    /// `--mock-data`: seeded noise.
+    Mock,
+    /// The synthetic caption images of the text (`crate::multimodal::image`).
+    Captions,
+}
+
 /// A multimodal micro-batch: each sample's image placeholders, then its text (the placeholders'
 /// labels masked), and the images (`crate::multimodal::image`).
 fn multimodal_batch(
     split: &TokenSplit,
     indices: &[usize],
     spec: &BatchSpec,
-    (vision, mock, seed, dtype): &(ferrotron_transformer::VisionSpec, bool, u64, DType),
+    (vision, source, seed, dtype): &(ferrotron_transformer::VisionSpec, ImageSource, u64, DType),
     dev: &Device,
 ) -> anyhow::Result<Batch> {
     let (seq, n) = (spec.seq, vision.image_tokens());
@@ -216,8 +251,20 @@ fn multimodal_batch(
         labels.extend(std::iter::repeat_n(s[0], n));
         labels.extend_from_slice(&s[1..]);
         mask.extend(std::iter::repeat_n(0.0, n));
-        mask.extend(s[..text].iter().map(|&t| if spec.eod_mask == Some(t) { 0.0 } else { 1.0 }));
-        pixels.extend(crate::multimodal::image(vision, &s[..text], i as u64, *mock, *seed));
+        match (source, split.record(i)) {
+            (ImageSource::Files(files), Some(r)) => {
+                // A record's text, its end-of-document, then padding that does not count.
+                let counted = s[1..].iter().position(|&t| t == spec.eod).map_or(text, |p| (p + 1).min(text));
+                mask.extend((0..text).map(|j| if j < counted { 1.0 } else { 0.0 }));
+                pixels.extend(ferrotron_data::image_text::load_image(&files[r], vision.img_h, vision.img_w)?);
+            }
+            (ImageSource::Files(_), None) => bail!("internal: image files without records"),
+            (source, _) => {
+                mask.extend(s[..text].iter().map(|&t| if spec.eod_mask == Some(t) { 0.0 } else { 1.0 }));
+                let mock = matches!(source, ImageSource::Mock);
+                pixels.extend(crate::multimodal::image(vision, &s[..text], i as u64, mock, *seed));
+            }
+        }
     }
     let patches =
         Tensor::from_f32(&vision.patchify(&pixels, b)?, [b, vision.seq_len(), vision.patch_len()], *dtype, dev)?;
@@ -580,8 +627,16 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         seq: s.seq_length,
         vocab: model.config.vocab_size,
         eod_mask: s.eod_mask_loss.then(|| data.tokenizer.eod()),
+        eod: data.tokenizer.eod(),
         cp,
-        vision: s.vision_spec()?.map(|v| (v, s.mock_data, s.seed, dtype)),
+        vision: s.vision_spec()?.map(|v| {
+            let source = match (&data.images, s.mock_data) {
+                (Some(files), _) => ImageSource::Files(files.clone()),
+                (None, true) => ImageSource::Mock,
+                (None, false) => ImageSource::Captions,
+            };
+            (v, source, s.seed, dtype)
+        }),
     };
     // The validation loss over one evaluation's batches (`eval_micro_batches`) from sample
     // `start` on; None without a validation split (`--split` gave it no share) or with
@@ -915,7 +970,7 @@ mod tests {
         let seqs = Arc::new(Sequences::from_documents(&[vec![1, 2, 3, 4, 9, 5, 6, 7, 8]]));
         let split = blend_split("train", vec![(None, seqs, 0..1)], 2, 4, 1234).unwrap();
         // Both samples (tokens 0..=4 and 4..=8, in some order) hold 9.
-        let spec = |vocab| BatchSpec { seq: 4, vocab, eod_mask: None, cp: None, vision: None };
+        let spec = |vocab| BatchSpec { seq: 4, vocab, eod_mask: None, eod: 0, cp: None, vision: None };
         let ok = batch(&split, &[0, 1], &spec(10), &Device::Cpu).unwrap();
         let (mut t, mut l) = (ok.tokens.to_vec::<u32>().unwrap(), ok.labels.to_vec::<u32>().unwrap());
         if t[0] != 1 {
@@ -935,7 +990,7 @@ mod tests {
         let docs = [vec![1, 2, 0], vec![3, 0], vec![4, 5, 6, 0]];
         let seqs = Arc::new(Sequences::from_documents(&docs));
         let split = blend_split("train", vec![(None, seqs, 0..3)], 1, 8, 1234).unwrap();
-        let spec = BatchSpec { seq: 8, vocab: 10, eod_mask: Some(0), cp: None, vision: None };
+        let spec = BatchSpec { seq: 8, vocab: 10, eod_mask: Some(0), eod: 0, cp: None, vision: None };
         let b = batch(&split, &[0], &spec, &Device::Cpu).unwrap();
         let tokens = b.tokens.to_vec::<u32>().unwrap();
         let want: Vec<f32> = tokens.iter().map(|&t| if t == 0 { 0.0 } else { 1.0 }).collect();
