@@ -6,10 +6,11 @@
 //! (`--seq-length`) is the image's placeholder tokens, then `--seq-length` − placeholders text
 //! tokens. The placeholders' labels do not count in the loss (Megatron masks the image
 //! positions). Images come from:
+//! - `--image-text-data`: each record's image file (ferrotron-data's `image_text`; train.rs's
+//!   `multimodal_batch` reads them);
 //! - `--mock-data`: seeded noise per sample (Megatron's mock multimodal data);
-//! - otherwise a synthetic captioning task over the text data: the image shows the sample's first
-//!   text tokens, patch q a fixed random pattern of token q, so a model that reads the image
-//!   predicts them better than one that reads the text alone.
+//! - otherwise a synthetic captioning task over the text data (`image`): the image shows the
+//!   sample's first text tokens, patch q a fixed random pattern of token q.
 
 use crate::settings::TrainArgs;
 use anyhow::bail;
