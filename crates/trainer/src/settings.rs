@@ -276,8 +276,9 @@ pub struct TrainArgs {
     #[arg(long)]
     pub mock_data: bool,
     /// A LLaVA run's image-text pairs: LLaVA-Pretrain's JSON (image paths and conversations, the
-    /// `gpt` turns the text) or JSON lines of {"image", "text"}; images (JPEG, PNG) under
-    /// --image-folder.
+    /// `gpt` turns the text) or JSON lines of {"image", "text"}, images (JPEG, PNG) under
+    /// --image-folder; or a webdataset tar shard, or a folder of them (KEY.jpg/.png with
+    /// KEY.txt/.json, as Energon's captioning datasets hold them).
     #[arg(long)]
     pub image_text_data: Option<PathBuf>,
     /// The folder --image-text-data's image paths are relative to (default: the file's folder).

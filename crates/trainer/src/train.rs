@@ -87,7 +87,7 @@ pub struct Data {
     /// None where `--split` gives validation no share: no evaluation runs (as in Megatron).
     pub valid: Option<TokenSplit>,
     /// `--image-text-data`'s image files, by record (the splits' `TokenSplit::record`).
-    pub images: Option<Arc<Vec<std::path::PathBuf>>>,
+    pub images: Option<Arc<Vec<ferrotron_data::image_text::ImageRef>>>,
 }
 
 impl Data {
@@ -218,7 +218,7 @@ fn batch(split: &TokenSplit, indices: &[usize], spec: &BatchSpec, dev: &Device) 
 #[derive(Clone)]
 enum ImageSource {
     /// `--image-text-data`: each record's image file.
-    Files(Arc<Vec<std::path::PathBuf>>),
+    Files(Arc<Vec<ferrotron_data::image_text::ImageRef>>),
     /// `--mock-data`: seeded noise.
     Mock,
     /// The synthetic caption images of the text (`crate::multimodal::image`).

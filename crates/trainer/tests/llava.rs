@@ -196,7 +196,8 @@ fn pairs(name: &str, informative: bool) -> std::path::PathBuf {
     d
 }
 
-/// --image-text-data: records read, images decoded and normalised, captions padded per record
+/// --image-text-data: records read (LLaVA's JSON, or a webdataset shard of the same pairs, which
+/// trains the same bit for bit), images decoded and normalised, captions padded per record
 /// (the padding out of the loss). A model that sees the images learns the captions that depend on
 /// them below what the text alone allows (the same run with captions that do not match the
 /// images); tensor parallelism with SP follows one rank on them; a missing image is named.
@@ -218,6 +219,22 @@ fn image_text_pairs_train_and_the_images_inform_the_captions() {
     let (a, b) = (informed.evals.last().unwrap().1, uninformed.evals.last().unwrap().1);
     eprintln!("validation loss with matching images {a}, with unrelated ones {b}");
     assert!(a < b - 0.05, "with matching images {a}, with unrelated ones {b}");
+    // The same pairs as a webdataset shard (KEY.png, KEY.txt), in the same order: the same run.
+    let shard = good.join("pairs-000.tar");
+    let mut t = tar::Builder::new(std::fs::File::create(&shard).unwrap());
+    for i in 0..64 {
+        t.append_path_with_name(good.join(format!("img/{i}.png")), format!("{i:03}.png")).unwrap();
+        let caption = if i % 2 == 0 { "colour red" } else { "colour blue" };
+        let mut h = tar::Header::new_gnu();
+        h.set_size(caption.len() as u64);
+        h.set_mode(0o644);
+        h.set_cksum();
+        t.append_data(&mut h, format!("{i:03}.txt"), caption.as_bytes()).unwrap();
+    }
+    t.finish().unwrap();
+    drop(t);
+    let from_shard = run(&settings(&TrainArgs { image_text_data: Some(shard), ..args(&good) }), 1);
+    assert_eq!(bits(&from_shard.losses), bits(&informed.losses), "the shard trains as the JSON does");
     let mut tp = settings(&args(&good));
     tp.train_iters = 6;
     let mut one = tp.clone();
