@@ -610,7 +610,10 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         eprintln!(
             "{dev}: {} parameters ({:.2} MFLOP/token), {} layers, hidden {}, {} heads; data: {} train / {} valid samples; {} micro-batches of {} per step on each of {dp} data-parallel rank(s)",
             model.config.num_params() + s.vision_spec()?.map_or(0, |v| v.num_params(s.hidden_size)),
-            model.config.flops_per_token() / 1e6,
+            // A LLaVA run's encoder and projection: one image per sample of --seq-length tokens.
+            (model.config.flops_per_token()
+                + s.vision_spec()?.map_or(0.0, |v| v.flops_per_image(s.hidden_size) / s.seq_length as f64))
+                / 1e6,
             s.num_layers,
             s.hidden_size,
             s.num_attention_heads,

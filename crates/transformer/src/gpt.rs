@@ -361,7 +361,7 @@ impl GptModel {
         }
         if self.vision.is_some() {
             return Err(ModelError::Config(format!(
-                "--context-parallel-size {} is not built for multimodal models: run the vision encoder's model without context parallelism",
+                "--context-parallel-size {} is not built for multimodal (LLaVA-style) models yet: drop it",
                 cp.size()
             )));
         }
