@@ -188,7 +188,9 @@ impl GptSaved {
     /// Activation bytes held (tensors counted as they are referenced).
     pub fn bytes(&self) -> usize {
         let b = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
-        self.decoder.bytes() + self.post.as_ref().map_or(0, |p| b(&p.hidden) + b(&p.logits) + b(&p.lse))
+        self.decoder.bytes()
+            + self.post.as_ref().map_or(0, |p| b(&p.hidden) + b(&p.logits) + b(&p.lse))
+            + self.vision.as_ref().map_or(0, VisionSaved::bytes)
     }
 }
 

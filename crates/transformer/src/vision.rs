@@ -245,6 +245,20 @@ pub struct VisionSaved {
     placement: Placement,
 }
 
+impl VisionSaved {
+    /// Activation bytes held (tensors counted as they are referenced).
+    pub fn bytes(&self) -> usize {
+        let b = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        let p = &self.placement;
+        b(&self.patches)
+            + self.ln_pre.bytes()
+            + self.encoder.bytes()
+            + self.projection.bytes()
+            + b(&p.gather)
+            + b(&p.scatter)
+    }
+}
+
 impl VisionModel {
     /// Registers the encoder's and projection's parameters (Megatron's names: `vision_model.*`,
     /// `vision_projection.encoder.*`) for a language model of width `hidden` on `tp`.

@@ -154,6 +154,12 @@ fn image_features_go_to_their_placeholders() {
     .unwrap();
     let text_only = per_row(&text);
     assert!(text_only.iter().zip(&base).any(|(a, b)| (a - b).abs() > 1e-4));
+    // What the images' forward keeps counts in the activations held: at least the encoder's
+    // input and the rows each of its layers saves.
+    let held = |b: &Batch| model.forward_deferred(&Cx::new(&table, true), b).unwrap().1.bytes();
+    let (with, without) = (held(&batch(&vision, T, &pix, 7)), held(&text));
+    let (s, cv) = (vision.seq_len(), vision.encoder.hidden_size);
+    assert!(with >= without + 4 * 2 * s * (vision.patch_len() + 2 * cv), "{with} vs {without}");
 }
 
 /// The placeholders' rows were replaced, so the image token's word embedding gets no gradient
