@@ -38,15 +38,6 @@ pub enum ImageRef {
     },
 }
 
-impl std::fmt::Display for ImageRef {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            ImageRef::File(p) => write!(f, "{}", p.display()),
-            ImageRef::Tar { shard, name, .. } => write!(f, "{} in {}", name, shard.display()),
-        }
-    }
-}
-
 #[derive(Clone, Debug, PartialEq)]
 pub struct ImageTextRecord {
     pub image: ImageRef,
@@ -199,11 +190,12 @@ pub fn load_image(image: &ImageRef, h: usize, w: usize) -> Result<Vec<f32>, Data
             image::load_from_memory(&bytes)
         }
     };
-    let path = match image {
-        ImageRef::File(p) => p.clone(),
-        ImageRef::Tar { shard, .. } => shard.clone(),
-    };
-    let img = decoded.map_err(|e| bad(&path, format!("{image}: not a readable image: {e}")))?.to_rgb8();
+    let img = decoded
+        .map_err(|e| match image {
+            ImageRef::File(p) => bad(p, format!("not a readable image: {e}")),
+            ImageRef::Tar { shard, name, .. } => bad(shard, format!("{name}: not a readable image: {e}")),
+        })?
+        .to_rgb8();
     let (iw, ih) = (img.width() as f64, img.height() as f64);
     // The shorter side to the target's, the other in proportion, then the centre crop.
     let scale = (w as f64 / iw).max(h as f64 / ih);

@@ -212,19 +212,9 @@ pub fn llava_vision(name: &str) -> Option<ferrotron_transformer::VisionSpec> {
         "llava-tiny" => (16, 4, 2, 64, 4, 256),
         _ => return None,
     };
-    Some(ferrotron_transformer::VisionSpec {
-        img_h: img,
-        img_w: img,
-        patch_dim: patch,
-        channels: 3,
-        class_token: true,
-        drop_class_token: true,
-        encoder: ferrotron_transformer::vision::clip_encoder(layers, hidden, heads, ffn, lm.init_method_std),
-        projector_ffn: lm.hidden_size,
-        projector_activation: Activation::GeluExact,
-        projector_bias: true,
-        image_token: lm.vocab_size as u32,
-    })
+    let encoder = ferrotron_transformer::vision::clip_encoder(layers, hidden, heads, ffn, lm.init_method_std);
+    let token = lm.vocab_size as u32;
+    Some(ferrotron_transformer::VisionSpec::llava((img, img, patch), encoder, true, lm.hidden_size, token))
 }
 
 #[cfg(test)]

@@ -195,14 +195,8 @@ fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
     args.bf16 = model.dtype.as_deref() == Some("bfloat16");
     if let Some(v) = &model.vision {
         // LLaVA: the vision flags that build its tower (the layers it reads) and projector.
-        let s = &v.spec;
-        (args.img_h, args.img_w, args.patch_dim) = (Some(s.img_h), Some(s.img_w), Some(s.patch_dim));
-        args.encoder_num_layers = Some(s.encoder.num_layers);
-        args.encoder_hidden_size = Some(s.encoder.hidden_size);
-        args.encoder_num_attention_heads = Some(s.encoder.num_attention_heads);
-        args.encoder_ffn_hidden_size = Some(s.encoder.ffn_hidden_size);
-        args.disable_vision_class_token = s.drop_class_token;
-        args.image_token_id = Some(s.image_token);
+        crate::multimodal::spec_args(&v.spec, &mut args);
+        args.image_token_id = Some(v.spec.image_token);
     }
     let (mut settings, _) = Settings::resolve(&args).context("the model config.json describes")?;
     settings.preset = format!("hf:{}", arch.class());

@@ -16,7 +16,6 @@ use crate::settings::TrainArgs;
 use anyhow::bail;
 use ferrotron_core::rng::Philox;
 use ferrotron_transformer::VisionSpec;
-use ferrotron_transformer::spec::Activation;
 use ferrotron_transformer::vision::clip_encoder;
 use serde::{Deserialize, Serialize};
 
@@ -88,25 +87,21 @@ impl VisionSettings {
     /// The spec for a language model of width `hidden` over a tokenizer of `vocab` ids: a CLIP
     /// encoder, a GeLU projection through the language model's width (LLaVA-1.5's).
     pub fn spec(&self, hidden: usize, vocab: usize, std: f32) -> VisionSpec {
-        VisionSpec {
-            img_h: self.img_h,
-            img_w: self.img_w,
-            patch_dim: self.patch_dim,
-            channels: 3,
-            class_token: true,
-            drop_class_token: self.disable_vision_class_token,
-            encoder: clip_encoder(
-                self.encoder_num_layers,
-                self.encoder_hidden_size,
-                self.encoder_num_attention_heads,
-                self.encoder_ffn_hidden_size,
-                std,
-            ),
-            projector_ffn: hidden,
-            projector_activation: Activation::GeluExact,
-            projector_bias: true,
-            image_token: self.image_token_id.unwrap_or(vocab as u32),
-        }
+        let encoder = clip_encoder(
+            self.encoder_num_layers,
+            self.encoder_hidden_size,
+            self.encoder_num_attention_heads,
+            self.encoder_ffn_hidden_size,
+            std,
+        );
+        let token = self.image_token_id.unwrap_or(vocab as u32);
+        VisionSpec::llava(
+            (self.img_h, self.img_w, self.patch_dim),
+            encoder,
+            self.disable_vision_class_token,
+            hidden,
+            token,
+        )
     }
 
     /// The language model's vocabulary: the tokenizer's, plus the placeholder when it is new.
@@ -116,14 +111,21 @@ impl VisionSettings {
 
     /// Sets the flags that rebuild these settings (--use-checkpoint-args).
     pub fn to_args(&self, a: &mut TrainArgs) {
-        (a.img_h, a.img_w, a.patch_dim) = (Some(self.img_h), Some(self.img_w), Some(self.patch_dim));
-        a.encoder_num_layers = Some(self.encoder_num_layers);
-        a.encoder_hidden_size = Some(self.encoder_hidden_size);
-        a.encoder_num_attention_heads = Some(self.encoder_num_attention_heads);
-        a.encoder_ffn_hidden_size = Some(self.encoder_ffn_hidden_size);
-        a.disable_vision_class_token = self.disable_vision_class_token;
+        // The spec's sizes are these flags' (the vocabulary only decides a default token id).
+        spec_args(&self.spec(1, 0, 0.02), a);
         a.image_token_id = self.image_token_id;
     }
+}
+
+/// The flags that build `v`'s image and encoder sizes and class token (a LLaVA preset's, an
+/// import's, a run's); the placeholder id is the caller's to set.
+pub fn spec_args(v: &VisionSpec, a: &mut TrainArgs) {
+    (a.img_h, a.img_w, a.patch_dim) = (Some(v.img_h), Some(v.img_w), Some(v.patch_dim));
+    a.encoder_num_layers = Some(v.encoder.num_layers);
+    a.encoder_hidden_size = Some(v.encoder.hidden_size);
+    a.encoder_num_attention_heads = Some(v.encoder.num_attention_heads);
+    a.encoder_ffn_hidden_size = Some(v.encoder.ffn_hidden_size);
+    a.disable_vision_class_token = v.drop_class_token;
 }
 
 /// One sample's image, [3, H, W] pixel values: noise seeded by the sample (`mock`), or the

@@ -1268,12 +1268,7 @@ fn preset_defaults(name: &str) -> anyhow::Result<TrainArgs> {
 fn preset_model_args(name: &str, c: &TransformerConfig) -> TrainArgs {
     let mut a = model_args(c);
     if let Some(v) = ferrotron_models::llava_vision(name) {
-        (a.img_h, a.img_w, a.patch_dim) = (Some(v.img_h), Some(v.img_w), Some(v.patch_dim));
-        a.encoder_num_layers = Some(v.encoder.num_layers);
-        a.encoder_hidden_size = Some(v.encoder.hidden_size);
-        a.encoder_num_attention_heads = Some(v.encoder.num_attention_heads);
-        a.encoder_ffn_hidden_size = Some(v.encoder.ffn_hidden_size);
-        a.disable_vision_class_token = v.drop_class_token;
+        crate::multimodal::spec_args(&v, &mut a);
     }
     a
 }

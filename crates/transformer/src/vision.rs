@@ -63,6 +63,32 @@ fn bad(msg: String) -> ModelError {
 }
 
 impl VisionSpec {
+    /// LLaVA-1.5's image path: `img_h` × `img_w` RGB images in `patch` × `patch` patches
+    /// through a CLIP `encoder` (`clip_encoder`) with a class token (its row dropped from the
+    /// features with `drop_class_token`), and a GeLU (erf) projection with biases through the
+    /// language model's width `hidden`; `image_token` the placeholder id.
+    pub fn llava(
+        (img_h, img_w, patch_dim): (usize, usize, usize),
+        encoder: TransformerConfig,
+        drop_class_token: bool,
+        hidden: usize,
+        image_token: u32,
+    ) -> VisionSpec {
+        VisionSpec {
+            img_h,
+            img_w,
+            patch_dim,
+            channels: 3,
+            class_token: true,
+            drop_class_token,
+            encoder,
+            projector_ffn: hidden,
+            projector_activation: Activation::GeluExact,
+            projector_bias: true,
+            image_token,
+        }
+    }
+
     /// Patches an image.
     pub fn patches(&self) -> usize {
         (self.img_h / self.patch_dim.max(1)) * (self.img_w / self.patch_dim.max(1))

@@ -14,7 +14,6 @@
 //! export writes the layers it has and `vision_feature_layer` −1.
 
 use super::{HfArch, HfError, HostTensor, Result, TensorLookup, f64_of, group_qkv, opt, str_or, ungroup_qkv, usize_of};
-use ferrotron_transformer::spec::Activation;
 use ferrotron_transformer::vision::clip_encoder;
 use ferrotron_transformer::{TransformerConfig, VisionSpec};
 use serde_json::{Value, json};
@@ -107,25 +106,15 @@ pub(super) fn config(v: &Value) -> Result<(TransformerConfig, LlavaVision)> {
         .or_else(|| v.get("image_token_id"))
         .and_then(Value::as_u64)
         .ok_or_else(|| refuse("no `image_token_index`".into()))?;
-    let spec = VisionSpec {
-        img_h: size,
-        img_w: size,
-        patch_dim: usize_of(vc, "patch_size")?,
-        channels,
-        class_token: true,
-        drop_class_token,
-        encoder: clip_encoder(
-            used as usize,
-            usize_of(vc, "hidden_size")?,
-            usize_of(vc, "num_attention_heads")?,
-            usize_of(vc, "intermediate_size")?,
-            std,
-        ),
-        projector_ffn: c.hidden_size,
-        projector_activation: Activation::GeluExact,
-        projector_bias: true,
-        image_token: image_token as u32,
-    };
+    let encoder = clip_encoder(
+        used as usize,
+        usize_of(vc, "hidden_size")?,
+        usize_of(vc, "num_attention_heads")?,
+        usize_of(vc, "intermediate_size")?,
+        std,
+    );
+    let patch = usize_of(vc, "patch_size")?;
+    let spec = VisionSpec::llava((size, size, patch), encoder, drop_class_token, c.hidden_size, image_token as u32);
     spec.validate(c.vocab_size).map_err(|e| refuse(e.to_string()))?;
     Ok((c, LlavaVision { spec, hf_layers }))
 }
@@ -266,12 +255,6 @@ pub fn import(
         }
     }
     // What LLaVA never reads: the tower's later layers and its pooled output's norm.
-    let unused = |n: &str| {
-        n.strip_prefix(&format!("{TOWER}encoder.layers."))
-            .and_then(|r| r.split('.').next())
-            .and_then(|i| i.parse::<usize>().ok())
-            .is_some_and(|i| i >= v.spec.encoder.num_layers && i < v.hf_layers)
-    };
     let e = &v.spec.encoder;
     for i in e.num_layers..v.hf_layers {
         for n in [
@@ -286,7 +269,6 @@ pub fn import(
         ] {
             for x in ["weight", "bias"] {
                 let name = format!("{TOWER}encoder.layers.{i}.{n}.{x}");
-                debug_assert!(unused(&name));
                 take(&name).ok_or_else(|| HfError::Missing(name.clone()))?;
             }
         }
