@@ -1,14 +1,16 @@
 // Mamba-2's mixer ops (crates/kernels/src/cpu/ssm.rs has the math and the shapes): the causal
 // depthwise convolution with SiLU, the selective scan and the gated grouped RMSNorm.
 //
-// The scan walks the steps in order: one block per (sequence, head), one thread per head channel
-// p holding its column S[:, p] of the state (N ≤ SSM_MAX_STATE floats), so the forward needs no
-// exchange between threads. The backward runs each chunk's steps again from the saved state into
-// a scratch buffer only its own thread reads, walks back with G = ∂L/∂S, and sums dB and dC over
-// p through shared memory (per head; the heads of a group are summed after, in order). Parameter
-// gradients are per-(sequence, head) partials summed over sequences in order: no atomics, the same
-// bits every run. Small parameters (conv weight and bias, dt_bias, A_log, D, the norm weight)
-// arrive as f32. SiLU and its gradient are elementwise.cu's (`silu_f`, `silu_g`: one module).
+// The step-by-step scan (where ssd_chunk.cu's chunked form does not fit in shared memory, or
+// with FERROTRON_SSD_SCAN=steps) walks the steps in order: one block per (sequence, head), one
+// thread per head channel p holding its column S[:, p] of the state (N ≤ SSM_MAX_STATE floats),
+// so the forward needs no exchange between threads. The backward runs each chunk's steps again
+// from the saved state into a scratch buffer only its own thread reads, walks back with
+// G = ∂L/∂S, and sums dB and dC over p through shared memory (per head; the heads of a group are
+// summed after, in order). Parameter gradients are per-(sequence, head) partials summed over
+// sequences in order: no atomics, the same bits every run. Small parameters (conv weight and
+// bias, dt_bias, A_log, D, the norm weight) arrive as f32. SiLU and its gradient are
+// elementwise.cu's (`silu_f`, `silu_g`: one module).
 
 #define SSM_MAX_STATE 256
 // Rows per partial sum of the convolution's weight gradient, and the most taps it takes.
@@ -125,8 +127,10 @@ extern "C" __global__ void conv1d_dw_sum(const float* part, float* dw, float* db
         for (long yb = 0; yb < CONV_ROW_BLOCKS; yb++) v += part[(yb * c + ch) * (k + 1) + j];
         if (j < k) dw[ch * k + j] = v; else dbias[ch] = v; } }
 
-// The scan's parameter partials [B, H, 3] summed over sequences in order.
-extern "C" __global__ void ssd_prm_sum(const float* prm, float* d_bias, float* d_alog, float* d_d, long batch, long hh) {
+// The scan's parameter partials [B, H, per, 3] (per: 1 step by step, the chunks chunked) summed
+// over sequences and chunks in order.
+extern "C" __global__ void ssd_prm_sum(const float* prm, float* d_bias, float* d_alog, float* d_d, long batch, long hh, long per) {
     GRID_STRIDE(h, hh) { float a = 0.f, b = 0.f, c = 0.f;
-        for (long s = 0; s < batch; s++) { a += prm[(s * hh + h) * 3]; b += prm[(s * hh + h) * 3 + 1]; c += prm[(s * hh + h) * 3 + 2]; }
+        for (long s = 0; s < batch; s++) for (long k = 0; k < per; k++) { long o = ((s * hh + h) * per + k) * 3;
+            a += prm[o]; b += prm[o + 1]; c += prm[o + 2]; }
         d_bias[h] = a; d_alog[h] = b; d_d[h] = c; } }

@@ -35,6 +35,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("embedding.cu", include_str!("../../../../kernels/embedding.cu")),
     ("moe.cu", include_str!("../../../../kernels/moe.cu")),
     ("ssm.cu", include_str!("../../../../kernels/ssm.cu")),
+    ("ssd_chunk.cu", include_str!("../../../../kernels/ssd_chunk.cu")),
     ("attention.cu", include_str!("../../../../kernels/attention.cu")),
     ("flash.cu", include_str!("../../../../kernels/flash.cu")),
     ("wgmma.cuh", include_str!("../../../../kernels/wgmma.cuh")),

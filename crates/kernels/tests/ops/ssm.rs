@@ -191,25 +191,14 @@ fn scan_backward_across_chunks() {
     scan_fd(&c, 5);
 }
 
-/// The tensor ops on `dev` against the f64 CPU functions, f32 and bf16 (poisoned outputs).
-fn ssm_ops_on(dev: &Device) {
-    #[cfg(feature = "cuda")]
-    k::cuda::set_poisoning(true);
-    let c = scan_case(2, 37, 2, 2, 4, 3, 21);
+/// `ssd_scan` and its backward on `dev` against the f64 CPU functions, f32 and bf16 (poisoned
+/// outputs on CUDA).
+fn scan_on(dev: &Device, c: &ScanCase) {
     let dm = c.dm;
     let hp = dm.heads * dm.head_dim;
     let dy = randv(dm.batch * dm.seq * hp, 8);
-    let prm_t = |dt| {
-        (
-            tensor(dev, &c.bias, &[dm.heads], dt),
-            tensor(dev, &c.a_log, &[dm.heads], dt),
-            tensor(dev, &c.d, &[dm.heads], dt),
-        )
-    };
-    // f64 reference of every output.
-    let y_want = run_scan(&c, &c.xbc, &c.dt, &c.bias, &c.a_log, &c.d);
     let mut st = vec![0.0; dm.batch * dm.heads * dm.states_per_head()];
-    let mut y = vec![0.0; y_want.len()];
+    let mut y = vec![0.0; dm.batch * dm.seq * hp];
     let prm = s::ScanParams { dt_bias: &c.bias, a_log: &c.a_log, d: &c.d };
     s::scan(&c.xbc, &c.dt, &prm, &dm, &mut y, &mut st);
     let (mut dx, mut ddt) = (vec![0.0; c.xbc.len()], vec![0.0; c.dt.len()]);
@@ -227,24 +216,29 @@ fn ssm_ops_on(dev: &Device) {
     );
     for (dt, tol) in [(DType::F32, 2e-4), (DType::BF16, 6e-2)] {
         // bf16 inputs are rounded: the reference takes the rounded values.
-        let round = |v: &[f64], shape: &[usize]| host(&tensor(&Device::Cpu, v, shape, dt));
-        let (xr, dr) = (round(&c.xbc, &[c.xbc.len()]), round(&c.dt, &[c.dt.len()]));
-        let (br, ar, d_r) = (round(&c.bias, &[dm.heads]), round(&c.a_log, &[dm.heads]), round(&c.d, &[dm.heads]));
-        let want = run_scan(&c, &xr, &dr, &br, &ar, &d_r);
+        let round = |v: &[f64]| host(&tensor(&Device::Cpu, v, &[v.len()], dt));
+        let want = run_scan(c, &round(&c.xbc), &round(&c.dt), &round(&c.bias), &round(&c.a_log), &round(&c.d));
         let xbc = tensor(dev, &c.xbc, &[dm.batch, dm.seq, dm.xbc_width()], dt);
         let dtr = tensor(dev, &c.dt, &[dm.batch, dm.seq, dm.heads], dt);
-        let (b, a, d) = prm_t(dt);
+        let (b, a, d) = (
+            tensor(dev, &c.bias, &[dm.heads], dt),
+            tensor(dev, &c.a_log, &[dm.heads], dt),
+            tensor(dev, &c.d, &[dm.heads], dt),
+        );
         let p = k::ScanParams { dt_bias: &b, a_log: &a, d: &d };
         let (yt, states) = k::ssd_scan(&xbc, &dtr, &p, &dm).unwrap();
         assert_eq!(yt.dtype(), dt);
-        assert_close(&host(&yt), &want, tol, tol, &format!("ssd_scan {dt:?} on {dev:?}"));
+        let what = format!("ssd_scan {dm:?} {dt:?} on {dev:?}");
+        assert_close(&host(&yt), &want, tol, tol, &what);
         let g = k::ssd_scan_bwd(&xbc, &dtr, &p, &dm, &states, &tensor(dev, &dy, &[dm.batch, dm.seq, hp], dt)).unwrap();
         if dt == DType::F32 {
-            assert_close(&host(&g.dxbc), &dx, tol, tol, "dxbc");
-            assert_close(&host(&g.ddt_raw), &ddt, tol, tol, "ddt_raw");
-            assert_close(&host(&g.dt_bias), &gb, tol, tol, "ddt_bias");
-            assert_close(&host(&g.a_log), &ga, tol, tol, "da_log");
-            assert_close(&host(&g.d), &gd, tol, tol, "dD");
+            // The saved states too: the chunked kernels form them by another route.
+            assert_close(&host(&states), &st, tol, tol, &format!("states of {what}"));
+            assert_close(&host(&g.dxbc), &dx, tol, tol, &format!("dxbc of {what}"));
+            assert_close(&host(&g.ddt_raw), &ddt, tol, tol, &format!("ddt_raw of {what}"));
+            assert_close(&host(&g.dt_bias), &gb, tol, tol, &format!("ddt_bias of {what}"));
+            assert_close(&host(&g.a_log), &ga, tol, tol, &format!("da_log of {what}"));
+            assert_close(&host(&g.d), &gd, tol, tol, &format!("dD of {what}"));
         } else {
             // bf16: the gradients agree with f32's to bf16's precision on the whole.
             let rel = |got: &Tensor, want: &[f64]| {
@@ -252,9 +246,29 @@ fn ssm_ops_on(dev: &Device) {
                 let num: f64 = g.iter().zip(want).map(|(a, b)| (a - b).powi(2)).sum();
                 (num / want.iter().map(|b| b * b).sum::<f64>()).sqrt()
             };
-            assert!(rel(&g.dxbc, &dx) < 3e-2 && rel(&g.ddt_raw, &ddt) < 3e-2, "bf16 scan gradients");
+            assert!(rel(&g.dxbc, &dx) < 3e-2 && rel(&g.ddt_raw, &ddt) < 3e-2, "bf16 scan gradients of {what}");
         }
+    }
+}
 
+/// The tensor ops on `dev` against the f64 CPU functions, f32 and bf16 (poisoned outputs). The
+/// scan at three shapes: tiny and ragged (one part-filled chunk); Mamba-2's head dim 64 and 128
+/// state channels over three chunks, the last part-filled (on CUDA the chunked kernels); head dim
+/// 96 with 256 state channels, whose chunk does not fit a block's shared memory on an H200 (on
+/// CUDA the step-by-step kernels).
+fn ssm_ops_on(dev: &Device) {
+    #[cfg(feature = "cuda")]
+    k::cuda::set_poisoning(true);
+    let c = scan_case(2, 37, 2, 2, 4, 3, 21);
+    scan_on(dev, &c);
+    scan_on(dev, &scan_case(2, 2 * k::SCAN_CHUNK + 22, 2, 2, 64, 128, 22));
+    scan_on(dev, &scan_case(1, k::SCAN_CHUNK + 6, 1, 2, 96, 256, 23));
+    let dm = c.dm;
+    let hp = dm.heads * dm.head_dim;
+    let y_want = run_scan(&c, &c.xbc, &c.dt, &c.bias, &c.a_log, &c.d);
+    for (dt, tol) in [(DType::F32, 2e-4), (DType::BF16, 6e-2)] {
+        let round = |v: &[f64], shape: &[usize]| host(&tensor(&Device::Cpu, v, shape, dt));
+        let xr = round(&c.xbc, &[c.xbc.len()]);
         // The convolution (PyTorch's [C, 1, K] weight) and the gated norm, same way.
         let (cc, kk) = (dm.xbc_width(), 4);
         let (w, bias) = (randv(cc * kk, 3), randv(cc, 4));

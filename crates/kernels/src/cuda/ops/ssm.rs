@@ -1,7 +1,9 @@
-//! Mamba-2's mixer ops on the GPU (kernels/ssm.cu): the convolution grid-stride, the scan one block
-//! per (sequence, head) and one thread per head channel, the gated norm one block per (row,
-//! group). Same results as `cpu::ssm` within float rounding; parameter gradients are summed in a
-//! fixed order (no atomics).
+//! Mamba-2's mixer ops on the GPU (kernels/ssm.cu, ssd_chunk.cu): the convolution grid-stride, the
+//! scan in its chunked form (one block per (sequence, head, chunk of `SCAN_CHUNK` steps), the steps
+//! of a chunk as products in shared memory) or, where a chunk's operands do not fit in shared
+//! memory, step by step (one block per (sequence, head), one thread per head channel), the gated
+//! norm one block per (row, group). Same results as `cpu::ssm` within float rounding; parameter
+//! gradients are summed in a fixed order (no atomics).
 
 use super::*;
 use crate::{ScanDims, ScanGrads, ScanParams};
@@ -12,6 +14,28 @@ const NORM_THREADS: u32 = 128;
 const MAX_STATE: usize = 256;
 const MAX_TAPS: usize = 8;
 const CONV_ROW_BLOCKS: usize = 64;
+// kernels/ssd_chunk.cu's SSD_Q: the chunks of the saved states are the chunked kernels' chunks.
+const _: () = assert!(crate::SCAN_CHUNK == 64);
+/// Threads of a chunked scan block (kernels/ssd_chunk.cu: 4 × 4 output patches each).
+const CHUNK_THREADS: u32 = 256;
+
+/// Shared memory (bytes) of the chunked scan's kernels: (chunk state, chunk output, backward).
+fn chunk_smem(dm: &ScanDims) -> (usize, usize, usize) {
+    let q = crate::SCAN_CHUNK;
+    let (n4, p4) = (dm.state.next_multiple_of(4), dm.head_dim.next_multiple_of(4));
+    let state = 4 * q + q * (n4 + p4);
+    let out = 3 * q + q * (2 * n4 + p4) + q * q;
+    let bwd = 7 * q + 2 * q * (n4 + p4) + 3 * q * q + q * n4 / 4;
+    (4 * state, 4 * out, 4 * bwd)
+}
+
+/// The chunked scan runs where its backward's operands fit in a block's shared memory (beside
+/// `block_sum`'s), unless `FERROTRON_SSD_SCAN=steps` asks for the step-by-step kernels (A/B runs).
+fn chunked(be: &B, dm: &ScanDims) -> bool {
+    static STEPS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let steps = *STEPS.get_or_init(|| std::env::var("FERROTRON_SSD_SCAN").as_deref() == Ok("steps"));
+    !steps && chunk_smem(dm).2 + 1024 <= be.smem_optin
+}
 
 fn conv_dims(x: &Tensor, w: &Tensor) -> (usize, usize, usize, usize) {
     let (b, t, c) = (x.dims()[0], x.dims()[1], x.dims()[2]);
@@ -52,14 +76,28 @@ pub fn conv1d_silu_bwd(be: &B, x: &Tensor, w: &Tensor, bias: &Tensor, dy: &Tenso
     Ok((dx, dw, db))
 }
 
-fn scan_limits(op: &'static str, dm: &ScanDims) -> Result<()> {
-    if dm.state > MAX_STATE || dm.head_dim > 1024 {
+fn scan_limits(be: &B, op: &'static str, dm: &ScanDims) -> Result<()> {
+    if dm.state > MAX_STATE || dm.head_dim > 1024 || step_bwd_smem(dm) > be.smem_optin {
         return Err(Error::NotImplemented {
             op,
-            device: format!("cuda for state {} > {MAX_STATE} or head dim {} > 1024", dm.state, dm.head_dim),
+            device: format!(
+                "cuda for state {} and head dim {}: a block's shared memory on this card ({} bytes) holds \
+                 neither the chunked scan's backward ({} bytes) nor the step-by-step one's ({} bytes; state \
+                 ≤ {MAX_STATE}); use fewer state channels or a smaller --mamba-head-dim",
+                dm.state,
+                dm.head_dim,
+                be.smem_optin,
+                chunk_smem(dm).2 + 1024,
+                step_bwd_smem(dm),
+            ),
         });
     }
     Ok(())
+}
+
+/// Shared memory (bytes) of the step-by-step backward.
+fn step_bwd_smem(dm: &ScanDims) -> usize {
+    4 * (2 * dm.state * dm.head_dim + dm.head_dim + dm.state)
 }
 
 /// The scan kernels' trailing sizes, the steps between saved states last.
@@ -69,18 +107,45 @@ fn scan_sizes(dm: &ScanDims) -> [Arg; 6] {
 
 pub fn ssd_scan(be: &B, xbc: &Tensor, dt_raw: &Tensor, p: &ScanParams, dm: &ScanDims) -> Result<(Tensor, Tensor)> {
     let op = "ssd_scan";
-    scan_limits(op, dm)?;
     let dtr = in_dtype(dt_raw, xbc.dtype())?;
     let (bias, a_log, d) =
         (in_dtype(p.dt_bias, DType::F32)?, in_dtype(p.a_log, DType::F32)?, in_dtype(p.d, DType::F32)?);
     let y = new(be, [dm.batch, dm.seq, dm.heads * dm.head_dim], xbc.dtype())?;
     let states = new(be, [dm.batch, dm.heads, dm.chunks(), dm.state, dm.head_dim], DType::F32)?;
+    let s = sfx(op, xbc.dtype())?;
+    if chunked(be, dm) {
+        let (sm_state, sm_out, _) = chunk_smem(dm);
+        let blocks = (dm.batch * dm.heads * dm.chunks()) as u32;
+        let decay = new(be, [dm.batch * dm.heads * dm.chunks()], DType::F32)?;
+        let mut args = vec![ptr(op, xbc)?, ptr(op, xbc)?, ptr(op, &dtr)?, ptr(op, &bias)?, ptr(op, &a_log)?];
+        args.extend([ptr(op, &states)?, ptr(op, &decay)?]);
+        args.extend(chunk_sizes(dm, 0));
+        be.launch(&format!("ssd_chunk_state_{s}"), blocks, CHUNK_THREADS, sm_state as u32, &args)?;
+        state_pass(be, op, &states, &decay, dm, false)?;
+        let mut args = vec![ptr(op, xbc)?, ptr(op, &dtr)?, ptr(op, &bias)?, ptr(op, &a_log)?, ptr(op, &d)?];
+        args.extend([ptr(op, &states)?, ptr(op, &y)?]);
+        args.extend(chunk_sizes(dm, 0).into_iter().take(5));
+        be.launch(&format!("ssd_chunk_out_{s}"), blocks, CHUNK_THREADS, sm_out as u32, &args)?;
+        return Ok((y, states));
+    }
+    scan_limits(be, op, dm)?;
     let mut args = vec![ptr(op, xbc)?, ptr(op, &dtr)?, ptr(op, &bias)?, ptr(op, &a_log)?, ptr(op, &d)?, ptr(op, &y)?];
     args.push(ptr(op, &states)?);
     args.extend(scan_sizes(dm));
-    let name = format!("ssd_scan_fwd_{}", sfx(op, xbc.dtype())?);
-    be.launch(&name, (dm.batch * dm.heads) as u32, dm.head_dim as u32, 0, &args)?;
+    be.launch(&format!("ssd_scan_fwd_{s}"), (dm.batch * dm.heads) as u32, dm.head_dim as u32, 0, &args)?;
     Ok((y, states))
+}
+
+/// The chunked kernels' trailing sizes: seq, heads, head dim, groups, state, then the mode.
+fn chunk_sizes(dm: &ScanDims, mode: usize) -> [Arg; 6] {
+    [n(dm.seq), n(dm.heads), n(dm.head_dim), n(dm.groups), n(dm.state), n(mode)]
+}
+
+/// `ssd_state_pass` over every (sequence, head) and state element, in place.
+fn state_pass(be: &B, op: &'static str, st: &Tensor, decay: &Tensor, dm: &ScanDims, reverse: bool) -> Result<()> {
+    let (bhs, np) = (dm.batch * dm.heads, dm.state * dm.head_dim);
+    let args = [ptr(op, st)?, ptr(op, decay)?, n(bhs), n(dm.chunks()), n(np), n(reverse as usize)];
+    ew(be, "ssd_state_pass", bhs * np, &args)
 }
 
 pub fn ssd_scan_bwd(
@@ -93,7 +158,6 @@ pub fn ssd_scan_bwd(
     dy: &Tensor,
 ) -> Result<ScanGrads> {
     let op = "ssd_scan_bwd";
-    scan_limits(op, dm)?;
     let dt = xbc.dtype();
     let s = sfx(op, dt)?;
     let (dtr, dy) = (in_dtype(dt_raw, dt)?, in_dtype(dy, dt)?);
@@ -104,16 +168,37 @@ pub fn ssd_scan_bwd(
     let ddt = new(be, dt_raw.shape().clone(), dt)?;
     let dbh = new(be, [rows, dm.heads, dm.state], DType::F32)?;
     let dch = new(be, [rows, dm.heads, dm.state], DType::F32)?;
-    let prm = new(be, [bh, 3], DType::F32)?;
-    let scratch = new(be, [bh, crate::SCAN_CHUNK + 1, dm.state, dm.head_dim], DType::F32)?;
-    let mut args =
-        vec![ptr(op, xbc)?, ptr(op, &dtr)?, ptr(op, &bias)?, ptr(op, &a_log)?, ptr(op, &d)?, ptr(op, states)?];
-    for t in [&dy, &dxbc, &ddt, &dbh, &dch, &prm, &scratch] {
-        args.push(ptr(op, t)?);
+    // Parameter partials per (sequence, head) and, chunked, per chunk.
+    let chunk = chunked(be, dm);
+    let per = if chunk { dm.chunks() } else { 1 };
+    let prm = new(be, [bh * per, 3], DType::F32)?;
+    if chunk {
+        let (sm_state, _, sm_bwd) = chunk_smem(dm);
+        let blocks = (bh * dm.chunks()) as u32;
+        let gstates = new(be, states.shape().clone(), DType::F32)?;
+        let decay = new(be, [bh * dm.chunks()], DType::F32)?;
+        let mut args = vec![ptr(op, xbc)?, ptr(op, &dy)?, ptr(op, &dtr)?, ptr(op, &bias)?, ptr(op, &a_log)?];
+        args.extend([ptr(op, &gstates)?, ptr(op, &decay)?]);
+        args.extend(chunk_sizes(dm, 1));
+        be.launch(&format!("ssd_chunk_state_{s}"), blocks, CHUNK_THREADS, sm_state as u32, &args)?;
+        state_pass(be, op, &gstates, &decay, dm, true)?;
+        let mut args = vec![ptr(op, xbc)?, ptr(op, &dtr)?, ptr(op, &bias)?, ptr(op, &a_log)?, ptr(op, &d)?];
+        for t in [states, &gstates, &dy, &dxbc, &ddt, &dbh, &dch, &prm] {
+            args.push(ptr(op, t)?);
+        }
+        args.extend(chunk_sizes(dm, 0).into_iter().take(5));
+        be.launch(&format!("ssd_chunk_bwd_{s}"), blocks, CHUNK_THREADS, sm_bwd as u32, &args)?;
+    } else {
+        scan_limits(be, op, dm)?;
+        let scratch = new(be, [bh, crate::SCAN_CHUNK + 1, dm.state, dm.head_dim], DType::F32)?;
+        let mut args =
+            vec![ptr(op, xbc)?, ptr(op, &dtr)?, ptr(op, &bias)?, ptr(op, &a_log)?, ptr(op, &d)?, ptr(op, states)?];
+        for t in [&dy, &dxbc, &ddt, &dbh, &dch, &prm, &scratch] {
+            args.push(ptr(op, t)?);
+        }
+        args.extend(scan_sizes(dm));
+        be.launch(&format!("ssd_scan_bwd_{s}"), bh as u32, dm.head_dim as u32, step_bwd_smem(dm) as u32, &args)?;
     }
-    args.extend(scan_sizes(dm));
-    let shared = 4 * (2 * dm.state * dm.head_dim + dm.head_dim + dm.state);
-    be.launch(&format!("ssd_scan_bwd_{s}"), bh as u32, dm.head_dim as u32, shared as u32, &args)?;
     let args = [
         ptr(op, &dbh)?,
         ptr(op, &dch)?,
@@ -127,7 +212,7 @@ pub fn ssd_scan_bwd(
     ew(be, &format!("ssd_bc_sum_{s}"), rows * dm.groups * dm.state, &args)?;
     let (gb, ga, gd) =
         (new(be, [dm.heads], DType::F32)?, new(be, [dm.heads], DType::F32)?, new(be, [dm.heads], DType::F32)?);
-    let args = [ptr(op, &prm)?, ptr(op, &gb)?, ptr(op, &ga)?, ptr(op, &gd)?, n(dm.batch), n(dm.heads)];
+    let args = [ptr(op, &prm)?, ptr(op, &gb)?, ptr(op, &ga)?, ptr(op, &gd)?, n(dm.batch), n(dm.heads), n(per)];
     ew(be, "ssd_prm_sum", dm.heads, &args)?;
     Ok(ScanGrads { dxbc, ddt_raw: ddt, dt_bias: gb, a_log: ga, d: gd })
 }
