@@ -24,6 +24,8 @@
 #                              TRACE_GAPS=N: the N kernel pairs with the most idle time between)
 #       matched[:PRESET,...[:VAR=V,...]]   the matched bench, Ferrotron and PyTorch (`xtask bench
 #                              --gpu`), with VARs set for both (e.g. matched:124m,1.3b:FERROTRON_FLASH_DYN=0)
+#       mamba[:VAR=V,...]      eight Mamba-2 layers (hidden 1024, seq 2048, bf16): Ferrotron and
+#                              the PyTorch twin (benches/torch_mamba.py), with VARs set for ours
 #       ncu-bwd:DxT[:VAR=V,...]    Nsight Compute on one flash backward of attention_bench's shape
 #                              DxT (e.g. 64x1024): time, instructions, L2 bytes and reductions
 #       ncu:REGEX:DxT[:VAR=V,...]  Nsight Compute on the first kernel matching REGEX in one
@@ -145,8 +147,26 @@ for step in "$@"; do
             (cd .gpu && env "${vars[@]}" ./xtask bench --gpu v/ferrotron "${presets[@]}") 2>&1 | tee -a "$log"
             rc=${PIPESTATUS[0]}
             ;;
+        mamba)
+            # Eight Mamba-2 layers (hidden 1024, 32 heads of 64, 8 groups of 128 state channels),
+            # seq 2048, micro-batch 4, bf16: Ferrotron (30 steps; the last 10's tokens/s) and the
+            # PyTorch twin (benches/torch_mamba.py) at the FLOPs per token Ferrotron prints.
+            [ -n "$rest" ] && IFS=, read -ra vars <<< "$rest"
+            m=(--preset mamba-tiny --device cuda --bf16 --hybrid-layer-pattern MMMMMMMM --hidden-size 1024
+               --mamba-head-dim 64 --mamba-state-dim 128 --mamba-num-groups 8 --seq-length 2048
+               --max-position-embeddings 2048 --micro-batch-size 4 --global-batch-size 4 --train-iters 30
+               --log-interval 10 --eval-iters 0)
+            env "${vars[@]}" .gpu/v/ferrotron train "${m[@]}" > "$log.mamba" 2>&1
+            rc=$?
+            grep -E "parameters|iteration" "$log.mamba" | tee -a "$log"
+            f=$(grep -o "[0-9.]* MFLOP/token" "$log.mamba" | head -1 | cut -d' ' -f1)
+            if [ "$rc" -eq 0 ] && [ -n "$f" ]; then
+                python3 .gpu/benches/torch_mamba.py --flops-per-token "${f}e6" 2>&1 | tail -1 | tee -a "$log"
+                rc=${PIPESTATUS[0]}
+            fi
+            ;;
         *)
-            echo "unknown step '$step' (verify, attn[:VARS], trace:PRESET[:VARS], matched[:PRESETS[:VARS]], ncu-bwd:DxT[:VARS], ncu:REGEX:DxT[:VARS])" | tee -a "$log"
+            echo "unknown step '$step' (verify, attn[:VARS], trace:PRESET[:VARS], matched[:PRESETS[:VARS]], mamba[:VARS], ncu-bwd:DxT[:VARS], ncu:REGEX:DxT[:VARS])" | tee -a "$log"
             rc=2
             ;;
     esac

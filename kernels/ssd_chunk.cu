@@ -23,16 +23,22 @@
 
 #define SSD_Q 64
 
-// acc[u][v] += Σ_{k0 ≤ k < k1} A(r0 + u, k) · B(k, c0 + v), A(r, k) = a[r·ars + k·acs],
-// B(k, c) = b[k·brs + min(c, cmax)·bcs]: A's rows are padded (shared memory), B may be a global
-// [N, P] state whose columns the clamp keeps in bounds (the extra columns are not stored).
+// acc[u][v] += Σ_{k0 ≤ k < k1} A(r0 + u, k) · B(k, c0 + v), A(r, k) = a[min(r, rmax)·ars + k·acs],
+// B(k, c) = b[k·brs + min(c, cmax)·bcs]. AV: A's four rows side by side (ars = 1), read as one
+// float4; BV: B's four columns side by side (bcs = 1), one float4 (16-byte aligned and padded:
+// shared memory, or a global [N, P] state with P a multiple of 4). Otherwise four loads, clamped:
+// the global states have no padding (what clamped rows and columns produce is not stored).
+template <bool AV, bool BV>
 __device__ __forceinline__ void ssd_mm(float acc[4][4], const float* a, int ars, int acs, const float* b, int brs, int bcs,
-                                       int k0, int k1, int r0, int c0, int cmax) {
+                                       int k0, int k1, int r0, int c0, int rmax, int cmax) {
     int ro[4], co[4];
-    for (int u = 0; u < 4; u++) { ro[u] = (r0 + u) * ars; co[u] = min(c0 + u, cmax) * bcs; }
+    for (int u = 0; u < 4; u++) { ro[u] = min(r0 + u, rmax) * ars; co[u] = min(c0 + u, cmax) * bcs; }
     for (int k = k0; k < k1; k++) {
         float av[4], bv[4];
-        for (int u = 0; u < 4; u++) { av[u] = a[ro[u] + k * acs]; bv[u] = b[k * brs + co[u]]; }
+        if (AV) { float4 t = *(const float4*)(a + r0 + k * acs); av[0] = t.x; av[1] = t.y; av[2] = t.z; av[3] = t.w; }
+        else for (int u = 0; u < 4; u++) av[u] = a[ro[u] + k * acs];
+        if (BV) { float4 t = *(const float4*)(b + k * brs + c0); bv[0] = t.x; bv[1] = t.y; bv[2] = t.z; bv[3] = t.w; }
+        else for (int v = 0; v < 4; v++) bv[v] = b[k * brs + co[v]];
         for (int u = 0; u < 4; u++)
             for (int v = 0; v < 4; v++) acc[u][v] = fmaf(av[u], bv[v], acc[u][v]);
     }
@@ -43,17 +49,70 @@ __device__ __forceinline__ void ssd_zero(float acc[4][4]) {
         for (int v = 0; v < 4; v++) acc[u][v] = 0.f;
 }
 
+// Loads in batches of SSD_AHEAD a thread, every load of a batch issued before its first use: a
+// block of these kernels is alone or nearly so on its SM (their shared memory), so without that
+// each thread would wait out one memory latency per element.
+#define SSD_AHEAD 8
+
 // Rows t0 … t0 + Q − 1 of `width` columns from col0 of a row-major source into dst [Q, wpad]
 // (zero past the sequence's end and past `width`), each row times w[i] when w is given.
 template <typename T>
 __device__ void ssd_load(float* dst, int wpad, const T* src, long row_stride, long col0, int width, long b, long seq,
                          long t0, const float* w) {
-    for (int e = threadIdx.x; e < SSD_Q * wpad; e += blockDim.x) {
-        int i = e / wpad, j = e % wpad;
-        long t = t0 + i;
-        float v = (t < seq && j < width) ? ld(src, (b * seq + t) * row_stride + col0 + j) : 0.f;
-        dst[e] = w ? v * w[i] : v;
+    const int total = SSD_Q * wpad;
+    for (int e0 = threadIdx.x; e0 < total; e0 += SSD_AHEAD * blockDim.x) {
+        float v[SSD_AHEAD];
+#pragma unroll
+        for (int u = 0; u < SSD_AHEAD; u++) {
+            int e = e0 + u * blockDim.x, i = e / wpad, j = e % wpad;
+            long t = t0 + i;
+            v[u] = (e < total && t < seq && j < width) ? ld(src, (b * seq + t) * row_stride + col0 + j) : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < SSD_AHEAD; u++) {
+            int e = e0 + u * blockDim.x;
+            if (e < total) dst[e] = w ? v[u] * w[e / wpad] : v[u];
+        }
     }
+}
+
+// The same rows transposed: dst [wpad, Q], dst[j·Q + i] = row i's column j (consecutive threads
+// take consecutive rows, so the stores meet no bank twice; the rows' reads after the first hit L1).
+template <typename T>
+__device__ void ssd_load_t(float* dst, int wpad, const T* src, long row_stride, long col0, int width, long b, long seq,
+                           long t0) {
+    const int total = SSD_Q * wpad;
+    for (int e0 = threadIdx.x; e0 < total; e0 += SSD_AHEAD * blockDim.x) {
+        float v[SSD_AHEAD];
+#pragma unroll
+        for (int u = 0; u < SSD_AHEAD; u++) {
+            int e = e0 + u * blockDim.x, i = e % SSD_Q, j = e / SSD_Q;
+            long t = t0 + i;
+            v[u] = (e < total && t < seq && j < width) ? ld(src, (b * seq + t) * row_stride + col0 + j) : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < SSD_AHEAD; u++) {
+            int e = e0 + u * blockDim.x;
+            if (e < total) dst[e] = v[u];
+        }
+    }
+}
+
+// Σ a[e] · b[e] over e < len (global), SSD_AHEAD pairs in flight a thread; the block's total.
+__device__ float ssd_dot(const float* a, const float* b, long len) {
+    float part = 0.f;
+    for (long e0 = threadIdx.x; e0 < len; e0 += SSD_AHEAD * blockDim.x) {
+        float x[SSD_AHEAD], y[SSD_AHEAD];
+#pragma unroll
+        for (int u = 0; u < SSD_AHEAD; u++) {
+            long e = e0 + u * blockDim.x;
+            x[u] = e < len ? a[e] : 0.f;
+            y[u] = e < len ? b[e] : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < SSD_AHEAD; u++) part += x[u] * y[u];
+    }
+    return block_sum(part);
 }
 
 // dt (0 past the end), dt_raw + dt_bias, and cum of a chunk; every thread sees them on return.
@@ -107,7 +166,7 @@ __device__ void ssd_chunk_state(const T* xbc, const T* dy, const T* dt_raw, cons
         int r0 = (e / pc) * 4, c0 = (e % pc) * 4;
         float acc[4][4];
         ssd_zero(acc);
-        ssd_mm(acc, su, 1, np4, sv, pp4, 1, 0, SSD_Q, r0, c0, pp4 - 1);
+        ssd_mm<true, true>(acc, su, 1, np4, sv, pp4, 1, 0, SSD_Q, r0, c0, np4 - 1, pp4 - 1);
         for (int u = 0; u < 4; u++)
             for (int v = 0; v < 4; v++)
                 if (r0 + u < n && c0 + v < p) o[(r0 + u) * p + c0 + v] = acc[u][v];
@@ -123,12 +182,12 @@ __device__ void ssd_chunk_out(const T* xbc, const T* dt_raw, const float* dt_bia
     long nch = (seq + SSD_Q - 1) / SSD_Q, blk = blockIdx.x, c = blk % nch, bh = blk / nch, b = bh / hh, h = bh % hh;
     long gi = h / (hh / g), cd = hh * p + 2 * g * n, t0 = c * SSD_Q;
     int np4 = (int)((n + 3) & ~3L), pp4 = (int)((p + 3) & ~3L);
-    float *sdt = smem, *scum = sdt + SSD_Q, *sraw = scum + SSD_Q, *sC = sraw + SSD_Q, *sB = sC + SSD_Q * np4;
-    float *sx = sB + SSD_Q * np4, *sM = sx + SSD_Q * pp4;
+    float *sdt = smem, *scum = sdt + SSD_Q, *sraw = scum + SSD_Q, *sC = sraw + SSD_Q, *sBt = sC + SSD_Q * np4;
+    float *sx = sBt + SSD_Q * np4, *sM = sx + SSD_Q * pp4;
     float a_h = -expf(a_log[h]);
     ssd_dt_cum(dt_raw, dt_bias, a_h, b, h, hh, seq, t0, sdt, scum, sraw);
     ssd_load(sC, np4, xbc, cd, hh * p + g * n + gi * n, (int)n, b, seq, t0, (const float*)0);
-    ssd_load(sB, np4, xbc, cd, hh * p + gi * n, (int)n, b, seq, t0, (const float*)0);
+    ssd_load_t(sBt, np4, xbc, cd, hh * p + gi * n, (int)n, b, seq, t0);
     ssd_load(sx, pp4, xbc, cd, h * p, (int)p, b, seq, t0, (const float*)0);
     __syncthreads();
     const int qc = SSD_Q / 4;
@@ -136,7 +195,7 @@ __device__ void ssd_chunk_out(const T* xbc, const T* dt_raw, const float* dt_bia
         int r0 = (e / qc) * 4, c0 = (e % qc) * 4;
         float acc[4][4];
         ssd_zero(acc);
-        if (c0 <= r0) ssd_mm(acc, sC, np4, 1, sB, 1, np4, 0, np4, r0, c0, SSD_Q - 1);
+        if (c0 <= r0) ssd_mm<false, true>(acc, sC, np4, 1, sBt, SSD_Q, 1, 0, np4, r0, c0, SSD_Q - 1, SSD_Q - 1);
         for (int u = 0; u < 4; u++)
             for (int v = 0; v < 4; v++) {
                 int i = r0 + u, j = c0 + v;
@@ -152,8 +211,9 @@ __device__ void ssd_chunk_out(const T* xbc, const T* dt_raw, const float* dt_bia
         float acc[4][4], off[4][4];
         ssd_zero(acc);
         ssd_zero(off);
-        ssd_mm(acc, sM, SSD_Q, 1, sx, pp4, 1, 0, r0 + 4, r0, c0, pp4 - 1);
-        ssd_mm(off, sC, np4, 1, s0, (int)p, 1, 0, (int)n, r0, c0, (int)p - 1);
+        ssd_mm<false, true>(acc, sM, SSD_Q, 1, sx, pp4, 1, 0, r0 + 4, r0, c0, SSD_Q - 1, pp4 - 1);
+        if (p % 4 == 0) ssd_mm<false, true>(off, sC, np4, 1, s0, (int)p, 1, 0, (int)n, r0, c0, SSD_Q - 1, (int)p - 1);
+        else ssd_mm<false, false>(off, sC, np4, 1, s0, (int)p, 1, 0, (int)n, r0, c0, SSD_Q - 1, (int)p - 1);
         for (int u = 0; u < 4; u++) {
             int i = r0 + u;
             long t = t0 + i;
@@ -167,7 +227,9 @@ __device__ void ssd_chunk_out(const T* xbc, const T* dt_raw, const float* dt_bia
 
 // Block (bh·chunks + c): the chunk's gradients from its S0 (states) and G (gstates). Writes dxbc's
 // x columns, ddt_raw, dB and dC per head (dbh, dch [B·T, H, N]) and the parameters' partials
-// prm[blk] = (dt_bias, a_log, D). Shared: 7·Q + Q·(2P + 2N) + 3·Q² + Q·N/4 floats.
+// prm[blk] = (dt_bias, a_log, D). x, dy and B sit transposed in shared memory and dx, dB, dC
+// are formed transposed, so every product reads its B operand as rows of four (float4) and its A
+// operand at no more than two addresses a warp. Shared: 7·Q + Q·(2P + 2N) + 4·Q² + Q·N/4 floats.
 template <typename T>
 __device__ void ssd_chunk_bwd(const T* xbc, const T* dt_raw, const float* dt_bias, const float* a_log, const float* dd,
                               const float* states, const float* gstates, const T* dy, T* dxbc, T* ddt, float* dbh, float* dch,
@@ -176,124 +238,131 @@ __device__ void ssd_chunk_bwd(const T* xbc, const T* dt_raw, const float* dt_bia
     long nch = (seq + SSD_Q - 1) / SSD_Q, blk = blockIdx.x, c = blk % nch, bh = blk / nch, b = bh / hh, h = bh % hh;
     long gi = h / (hh / g), cd = hh * p + 2 * g * n, t0 = c * SSD_Q;
     int np4 = (int)((n + 3) & ~3L), pp4 = (int)((p + 3) & ~3L), nred = np4 / 4;
-    float *sdt = smem, *scum = sdt + SSD_Q, *sraw = scum + SSD_Q;
-    float *rowR = sraw + SSD_Q, *colZ = rowR + SSD_Q, *sO = colZ + SSD_Q, *sE = sO + SSD_Q;
-    float *sx = sE + SSD_Q, *sdy = sx + SSD_Q * pp4, *sB = sdy + SSD_Q * pp4, *sC = sB + SSD_Q * np4;
-    float *sM = sC + SSD_Q * np4, *sP = sM + SSD_Q * SSD_Q, *sZ = sP + SSD_Q * SSD_Q, *sred = sZ + SSD_Q * SSD_Q;
+    const int Q = SSD_Q;
+    float *sdt = smem, *scum = sdt + Q, *sraw = scum + Q;
+    float *rowR = sraw + Q, *colZ = rowR + Q, *sO = colZ + Q, *sE = sO + Q;
+    float *sxt = sE + Q, *sdyt = sxt + Q * pp4, *sBt = sdyt + Q * pp4, *sC = sBt + Q * np4;
+    float *sM = sC + Q * np4, *sP = sM + Q * Q, *sPt = sP + Q * Q, *sZ = sPt + Q * Q, *sred = sZ + Q * Q;
     float a_h = -expf(a_log[h]), dh = dd[h];
     const float* s0 = states + blk * n * p;
     const float* gs = gstates + blk * n * p;
     ssd_dt_cum(dt_raw, dt_bias, a_h, b, h, hh, seq, t0, sdt, scum, sraw);
-    ssd_load(sx, pp4, xbc, cd, h * p, (int)p, b, seq, t0, (const float*)0);
-    ssd_load(sdy, pp4, dy, hh * p, h * p, (int)p, b, seq, t0, (const float*)0);
-    ssd_load(sB, np4, xbc, cd, hh * p + gi * n, (int)n, b, seq, t0, (const float*)0);
+    ssd_load_t(sxt, pp4, xbc, cd, h * p, (int)p, b, seq, t0);
+    ssd_load_t(sdyt, pp4, dy, hh * p, h * p, (int)p, b, seq, t0);
+    ssd_load_t(sBt, np4, xbc, cd, hh * p + gi * n, (int)n, b, seq, t0);
     ssd_load(sC, np4, xbc, cd, hh * p + g * n + gi * n, (int)n, b, seq, t0, (const float*)0);
     __syncthreads();
     float part = 0.f;
-    for (int e = threadIdx.x; e < SSD_Q * pp4; e += blockDim.x) part += sx[e] * sdy[e];
+    for (int e = threadIdx.x; e < Q * pp4; e += blockDim.x) part += sxt[e] * sdyt[e];
     float d_d = block_sum(part);
-    part = 0.f;
-    for (long e = threadIdx.x; e < n * p; e += blockDim.x) part += gs[e] * s0[e];
-    float clast = scum[SSD_Q - 1], e0 = block_sum(part) * expf(clast);
+    float clast = scum[Q - 1], e0 = ssd_dot(gs, s0, n * p) * expf(clast);
 
-    // M, P and Z_ij = e^{cum_i − cum_j} ⟨C_i, B_j⟩ ⟨dy_i, x_j⟩ (j ≤ i; R = Z · dt_j is the pair's term of the loss).
-    const int qc = SSD_Q / 4;
+    // M, P (and Pᵀ) and Z_ij = e^{cum_i − cum_j} ⟨C_i, B_j⟩ ⟨dy_i, x_j⟩ (j ≤ i; R = Z · dt_j is the
+    // pair's term of the loss).
+    const int qc = Q / 4;
     for (int e = threadIdx.x; e < qc * qc; e += blockDim.x) {
         int r0 = (e / qc) * 4, c0 = (e % qc) * 4;
         float cb[4][4], dx[4][4];
         ssd_zero(cb);
         ssd_zero(dx);
         if (c0 <= r0) {
-            ssd_mm(cb, sC, np4, 1, sB, 1, np4, 0, np4, r0, c0, SSD_Q - 1);
-            ssd_mm(dx, sdy, pp4, 1, sx, 1, pp4, 0, pp4, r0, c0, SSD_Q - 1);
+            ssd_mm<false, true>(cb, sC, np4, 1, sBt, Q, 1, 0, np4, r0, c0, Q - 1, Q - 1);
+            ssd_mm<true, true>(dx, sdyt, 1, Q, sxt, Q, 1, 0, pp4, r0, c0, Q - 1, Q - 1);
         }
         for (int u = 0; u < 4; u++)
             for (int v = 0; v < 4; v++) {
-                int i = r0 + u, j = c0 + v, o = i * SSD_Q + j;
+                int i = r0 + u, j = c0 + v, o = i * Q + j;
                 float dec = j <= i ? expf(scum[i] - scum[j]) : 0.f;
                 sM[o] = dec * sdt[j] * cb[u][v];
                 sP[o] = dec * sdt[j] * dx[u][v];
+                sPt[j * Q + i] = sP[o];
                 sZ[o] = dec * cb[u][v] * dx[u][v];
             }
     }
     __syncthreads();
-    if (threadIdx.x < SSD_Q) {
-        int k = threadIdx.x;
-        float r = 0.f, z = 0.f;
-        for (int j = 0; j < SSD_Q; j++) r += sdt[j] * sZ[k * SSD_Q + j];
-        for (int i = 0; i < SSD_Q; i++) z += sZ[i * SSD_Q + k];
-        rowR[k] = r;
-        colZ[k] = z;
+    if (threadIdx.x < 2 * Q) {  // row sums of R in the first Q threads, column sums of Z in the next
+        int k = threadIdx.x % Q;
+        float r = 0.f;
+        if (threadIdx.x < Q) {
+            for (int j = 0; j < Q; j++) r += sdt[j] * sZ[k * Q + j];
+            rowR[k] = r;
+        } else {
+            for (int i = 0; i < Q; i++) r += sZ[i * Q + k];
+            colZ[k] = r;
+        }
     }
 
-    // dx = Mᵀ dy + diag(w) B G + D·dy
+    // dxᵀ = dyᵀ M + (B G)ᵀ diag(w) + D·dyᵀ: rows q, columns i.
     int pc = pp4 / 4, nc = np4 / 4;
-    for (int e = threadIdx.x; e < qc * pc; e += blockDim.x) {
-        int r0 = (e / pc) * 4, c0 = (e % pc) * 4;
+    for (int e = threadIdx.x; e < pc * qc; e += blockDim.x) {
+        int r0 = (e / qc) * 4, c0 = (e % qc) * 4;
         float acc[4][4], bg[4][4];
         ssd_zero(acc);
         ssd_zero(bg);
-        ssd_mm(acc, sM, 1, SSD_Q, sdy, pp4, 1, r0, SSD_Q, r0, c0, pp4 - 1);
-        ssd_mm(bg, sB, np4, 1, gs, (int)p, 1, 0, (int)n, r0, c0, (int)p - 1);
-        for (int u = 0; u < 4; u++) {
-            int i = r0 + u;
+        ssd_mm<false, true>(acc, sdyt, Q, 1, sM, Q, 1, c0, Q, r0, c0, pp4 - 1, Q - 1);
+        if (p % 4 == 0) ssd_mm<true, true>(bg, gs, 1, (int)p, sBt, Q, 1, 0, (int)n, r0, c0, (int)p - 1, Q - 1);
+        else ssd_mm<false, true>(bg, gs, 1, (int)p, sBt, Q, 1, 0, (int)n, r0, c0, (int)p - 1, Q - 1);
+        for (int v = 0; v < 4; v++) {
+            int i = c0 + v;
             long t = t0 + i;
             if (t >= seq) continue;
             float w = expf(clast - scum[i]) * sdt[i];
-            for (int v = 0; v < 4; v++)
-                if (c0 + v < p) st(dxbc, (b * seq + t) * cd + h * p + c0 + v, acc[u][v] + w * bg[u][v] + dh * sdy[i * pp4 + c0 + v]);
+            for (int u = 0; u < 4; u++)
+                if (r0 + u < p) st(dxbc, (b * seq + t) * cd + h * p + r0 + u, acc[u][v] + w * bg[u][v] + dh * sdyt[(r0 + u) * Q + i]);
         }
     }
-    // dB = Pᵀ C + diag(w) U, U = x Gᵀ; sred holds each row's Σ_k B ∘ U by column patch.
-    for (int e = threadIdx.x; e < qc * nc; e += blockDim.x) {
-        int r0 = (e / nc) * 4, c0 = (e % nc) * 4;
+    // dBᵀ = Cᵀ P + Uᵀ diag(w), Uᵀ = G xᵀ: rows of state channels, columns j; sred holds each
+    // column's Σ over the patch's rows of Bᵀ ∘ Uᵀ.
+    for (int e = threadIdx.x; e < nc * qc; e += blockDim.x) {
+        int r0 = (e / qc) * 4, c0 = (e % qc) * 4;
         float acc[4][4], uu[4][4];
         ssd_zero(acc);
         ssd_zero(uu);
-        ssd_mm(acc, sP, 1, SSD_Q, sC, np4, 1, r0, SSD_Q, r0, c0, np4 - 1);
-        ssd_mm(uu, sx, pp4, 1, gs, 1, (int)p, 0, (int)p, r0, c0, (int)n - 1);
-        for (int u = 0; u < 4; u++) {
-            int j = r0 + u;
+        ssd_mm<true, true>(acc, sC, 1, np4, sP, Q, 1, c0, Q, r0, c0, np4 - 1, Q - 1);
+        ssd_mm<false, true>(uu, gs, (int)p, 1, sxt, Q, 1, 0, (int)p, r0, c0, (int)n - 1, Q - 1);
+        for (int v = 0; v < 4; v++) {
+            int j = c0 + v;
             float w = expf(clast - scum[j]) * sdt[j], bu = 0.f;
-            for (int v = 0; v < 4; v++)
-                if (c0 + v < n) bu += sB[j * np4 + c0 + v] * uu[u][v];
-            sred[j * nred + c0 / 4] = bu;
+            for (int u = 0; u < 4; u++)
+                if (r0 + u < n) bu += sBt[(r0 + u) * Q + j] * uu[u][v];
+            sred[j * nred + r0 / 4] = bu;
             long t = t0 + j;
             if (t >= seq) continue;
-            for (int v = 0; v < 4; v++)
-                if (c0 + v < n) dbh[((b * seq + t) * hh + h) * n + c0 + v] = acc[u][v] + w * uu[u][v];
+            for (int u = 0; u < 4; u++)
+                if (r0 + u < n) dbh[((b * seq + t) * hh + h) * n + r0 + u] = acc[u][v] + w * uu[u][v];
         }
     }
     __syncthreads();
-    if (threadIdx.x < SSD_Q) {
+    if (threadIdx.x < Q) {
         int j = threadIdx.x;
         float s = 0.f;
         for (int q = 0; q < nred; q++) s += sred[j * nred + q];
         sE[j] = expf(clast - scum[j]) * s;  // E'_j: the S_end term's ∂/∂dt_j
     }
     __syncthreads();
-    // dC = P B + diag(e^{cum}) V, V = dy S0ᵀ; sred holds each row's Σ_k C ∘ V by column patch.
-    for (int e = threadIdx.x; e < qc * nc; e += blockDim.x) {
-        int r0 = (e / nc) * 4, c0 = (e % nc) * 4;
+    // dCᵀ = Bᵀ Pᵀ + Vᵀ diag(e^{cum}), Vᵀ = S0 dyᵀ: rows of state channels, columns i; sred holds
+    // each column's Σ over the patch's rows of Cᵀ ∘ Vᵀ.
+    for (int e = threadIdx.x; e < nc * qc; e += blockDim.x) {
+        int r0 = (e / qc) * 4, c0 = (e % qc) * 4;
         float acc[4][4], vv[4][4];
         ssd_zero(acc);
         ssd_zero(vv);
-        ssd_mm(acc, sP, SSD_Q, 1, sB, np4, 1, 0, r0 + 4, r0, c0, np4 - 1);
-        ssd_mm(vv, sdy, pp4, 1, s0, 1, (int)p, 0, (int)p, r0, c0, (int)n - 1);
-        for (int u = 0; u < 4; u++) {
-            int i = r0 + u;
+        ssd_mm<false, true>(acc, sBt, Q, 1, sPt, Q, 1, 0, c0 + 4, r0, c0, np4 - 1, Q - 1);
+        ssd_mm<false, true>(vv, s0, (int)p, 1, sdyt, Q, 1, 0, (int)p, r0, c0, (int)n - 1, Q - 1);
+        for (int v = 0; v < 4; v++) {
+            int i = c0 + v;
             float ec = expf(scum[i]), cv = 0.f;
-            for (int v = 0; v < 4; v++)
-                if (c0 + v < n) cv += sC[i * np4 + c0 + v] * vv[u][v];
-            sred[i * nred + c0 / 4] = cv;
+            for (int u = 0; u < 4; u++)
+                if (r0 + u < n) cv += sC[i * np4 + r0 + u] * vv[u][v];
+            sred[i * nred + r0 / 4] = cv;
             long t = t0 + i;
             if (t >= seq) continue;
-            for (int v = 0; v < 4; v++)
-                if (c0 + v < n) dch[((b * seq + t) * hh + h) * n + c0 + v] = acc[u][v] + ec * vv[u][v];
+            for (int u = 0; u < 4; u++)
+                if (r0 + u < n) dch[((b * seq + t) * hh + h) * n + r0 + u] = acc[u][v] + ec * vv[u][v];
         }
     }
     __syncthreads();
-    if (threadIdx.x < SSD_Q) {
+    if (threadIdx.x < Q) {
         int i = threadIdx.x;
         float s = 0.f;
         for (int q = 0; q < nred; q++) s += sred[i * nred + q];
@@ -304,10 +373,10 @@ __device__ void ssd_chunk_bwd(const T* xbc, const T* dt_raw, const float* dt_bia
     // ∂a_j = Σ_{k ≥ j} ∂cum_k; ddt_j = Σ_i Z_ij + E'_j + ∂a_j · A.
     if (threadIdx.x == 0) {
         float etot = 0.f;
-        for (int j = 0; j < SSD_Q; j++) etot += sdt[j] * sE[j];
+        for (int j = 0; j < Q; j++) etot += sdt[j] * sE[j];
         float da = 0.f, d_a = 0.f, d_bias = 0.f;
-        for (int j = SSD_Q - 1; j >= 0; j--) {
-            da += rowR[j] - sdt[j] * colZ[j] + sO[j] - sdt[j] * sE[j] + (j == SSD_Q - 1 ? e0 + etot : 0.f);
+        for (int j = Q - 1; j >= 0; j--) {
+            da += rowR[j] - sdt[j] * colZ[j] + sO[j] - sdt[j] * sE[j] + (j == Q - 1 ? e0 + etot : 0.f);
             long t = t0 + j;
             if (t >= seq) continue;
             float d_raw = (colZ[j] + sE[j] + da * a_h) * ssm_softplus_grad(sraw[j]);
@@ -336,16 +405,26 @@ FOR_TYPES(SSD_CHUNK)
 
 // The chunks' states in order, in place, one thread per (sequence·head, state element):
 // forward, st[c] = own_c becomes S0_c (S0_0 = 0, S0_{c+1} = decay_c · S0_c + own_c); reverse,
-// st[c] = own_c becomes G_c (G_last = 0, G_{c−1} = decay_c · G_c + own_c).
+// st[c] = own_c becomes G_c (G_last = 0, G_{c−1} = decay_c · G_c + own_c). Eight chunks' values are
+// read before any is written, so eight loads are in flight instead of one.
+#define SSD_PASS_AHEAD 8
 extern "C" __global__ void ssd_state_pass(float* st, const float* decay, long bhs, long nch, long np_, long reverse) {
     GRID_STRIDE(e, bhs * np_) {
         long bh = e / np_, k = e % np_;
         float s = 0.f;
-        for (long i = 0; i < nch; i++) {
-            long c = reverse ? nch - 1 - i : i, o = (bh * nch + c) * np_ + k;
-            float own = st[o];
-            st[o] = s;
-            s = decay[bh * nch + c] * s + own;
+        for (long i0 = 0; i0 < nch; i0 += SSD_PASS_AHEAD) {
+            float own[SSD_PASS_AHEAD], dec[SSD_PASS_AHEAD];
+            for (int j = 0; j < SSD_PASS_AHEAD; j++) {
+                long i = i0 + j, c = reverse ? nch - 1 - i : i;
+                own[j] = i < nch ? st[(bh * nch + c) * np_ + k] : 0.f;
+                dec[j] = i < nch ? decay[bh * nch + c] : 0.f;
+            }
+            for (int j = 0; j < SSD_PASS_AHEAD; j++) {
+                long i = i0 + j, c = reverse ? nch - 1 - i : i;
+                if (i >= nch) break;
+                st[(bh * nch + c) * np_ + k] = s;
+                s = dec[j] * s + own[j];
+            }
         }
     }
 }

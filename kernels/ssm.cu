@@ -22,21 +22,26 @@ __device__ __forceinline__ float ssm_softplus_grad(float x) { return x > 20.f ? 
 
 // conv(x)[r, ch] + bias: row r = b·seq + t reads rows r − k + 1 + j of the same sequence.
 template <typename T>
-__device__ __forceinline__ float conv_pre(const T* x, const float* w, const float* bias, long r, long ch, long seq, long c, long k) {
-    long t = r % seq; float v = bias[ch];
+__device__ __forceinline__ float conv_pre(const T* x, const float* w, const float* bias, long r, long t, long ch, long c, long k) {
+    float v = bias[ch];
     for (long j = 0; j < k; j++) { long s = t + j - (k - 1); if (s >= 0) v += w[ch * k + j] * ld(x, (r - t + s) * c + ch); }
     return v;
 }
 
+// The convolution's elementwise kernels: blocks take rows (grid-stride), threads a row's channels,
+// so no index is divided per element.
+#define CONV_ROWS(r, t, rows, seq) for (long r = blockIdx.x, t = r % seq; r < rows; r += gridDim.x, t = r % seq)
+#define CONV_CHANNELS(ch, c) for (long ch = threadIdx.x; ch < c; ch += blockDim.x)
+
 #define SSM(s, T) \
 extern "C" __global__ void conv1d_silu_##s(const T* x, const float* w, const float* bias, T* y, long rows, long seq, long c, long k) { \
-    GRID_STRIDE(i, rows * c) st(y, i, silu_f(conv_pre(x, w, bias, i / c, i % c, seq, c, k))); } \
+    CONV_ROWS(r, t, rows, seq) CONV_CHANNELS(ch, c) st(y, r * c + ch, silu_f(conv_pre(x, w, bias, r, t, ch, c, k))); } \
 extern "C" __global__ void conv1d_silu_dpre_##s(const T* x, const float* w, const float* bias, const T* dy, float* dpre, long rows, long seq, long c, long k) { \
-    GRID_STRIDE(i, rows * c) dpre[i] = ld(dy, i) * silu_g(conv_pre(x, w, bias, i / c, i % c, seq, c, k)); } \
+    CONV_ROWS(r, t, rows, seq) CONV_CHANNELS(ch, c) dpre[r * c + ch] = ld(dy, r * c + ch) * silu_g(conv_pre(x, w, bias, r, t, ch, c, k)); } \
 extern "C" __global__ void conv1d_dx_##s(const float* dpre, const float* w, T* dx, long rows, long seq, long c, long k) { \
-    GRID_STRIDE(i, rows * c) { long r = i / c, ch = i % c, t = r % seq; float v = 0.f; \
+    CONV_ROWS(r, t, rows, seq) CONV_CHANNELS(ch, c) { float v = 0.f; \
         for (long j = 0; j < k; j++) { long t2 = t + (k - 1) - j; if (t2 < seq) v += dpre[(r + (k - 1) - j) * c + ch] * w[ch * k + j]; } \
-        st(dx, i, v); } } \
+        st(dx, r * c + ch, v); } } \
 /* block (32 channels × 8 row lanes) of row block yb: part[yb, ch, j] = Σ its rows' dpre · x shifted by j (j = k: dbias). */ \
 extern "C" __global__ void conv1d_dw_part_##s(const T* x, const float* dpre, float* part, long rows, long seq, long c, long k) { \
     __shared__ float sh[8][32][CONV_MAX_TAPS + 1]; \

@@ -47,6 +47,7 @@ const SWITCHES: &[(&str, Accepts)] = &[
     ("FERROTRON_GEMM_CANDIDATES", Accepts::Whole(1, 64)),
     ("FERROTRON_GEMM_WORKSPACE_MB", Accepts::Whole(0, u64::MAX)),
     ("FERROTRON_SSD_SCAN", Accepts::Words(&["chunked", "steps"])),
+    ("FERROTRON_SSD_TC", OFF_ON),
 ];
 
 /// Checks every switch set in this process's environment.

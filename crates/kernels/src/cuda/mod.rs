@@ -36,6 +36,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("moe.cu", include_str!("../../../../kernels/moe.cu")),
     ("ssm.cu", include_str!("../../../../kernels/ssm.cu")),
     ("ssd_chunk.cu", include_str!("../../../../kernels/ssd_chunk.cu")),
+    ("ssd_chunk_tc.cu", include_str!("../../../../kernels/ssd_chunk_tc.cu")),
     ("attention.cu", include_str!("../../../../kernels/attention.cu")),
     ("flash.cu", include_str!("../../../../kernels/flash.cu")),
     ("wgmma.cuh", include_str!("../../../../kernels/wgmma.cuh")),

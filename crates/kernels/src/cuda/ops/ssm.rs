@@ -25,8 +25,24 @@ fn chunk_smem(dm: &ScanDims) -> (usize, usize, usize) {
     let (n4, p4) = (dm.state.next_multiple_of(4), dm.head_dim.next_multiple_of(4));
     let state = 4 * q + q * (n4 + p4);
     let out = 3 * q + q * (2 * n4 + p4) + q * q;
-    let bwd = 7 * q + 2 * q * (n4 + p4) + 3 * q * q + q * n4 / 4;
+    let bwd = 7 * q + 2 * q * (n4 + p4) + 4 * q * q + q * n4 / 4;
     (4 * state, 4 * out, 4 * bwd)
+}
+
+/// Shared memory (bytes) of the tensor-core output and backward (kernels/ssd_chunk_tc.cu).
+fn tc_smem(dm: &ScanDims) -> (usize, usize) {
+    let (q, l, n, p) = (crate::SCAN_CHUNK, crate::SCAN_CHUNK + 4, dm.state, dm.head_dim);
+    let out = 3 * q + q * (n + 4) + n * l + q * (p + 4) + q * l;
+    let bwd = 7 * q + 2 * p * l + n * l + q * (n + 4) + 4 * q * l + q * n / 32;
+    (4 * out, 4 * bwd)
+}
+
+/// bf16 scans whose head dim and state are multiples of 32 multiply on tensor cores (TF32) where
+/// the backward fits, unless `FERROTRON_SSD_TC=0` keeps the f32 FMAs (A/B runs).
+fn tensor_cores(be: &B, dm: &ScanDims, dt: DType) -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var("FERROTRON_SSD_TC").as_deref() == Ok("0"));
+    !off && dt == DType::BF16 && dm.head_dim % 32 == 0 && dm.state % 32 == 0 && tc_smem(dm).1 + 1024 <= be.smem_optin
 }
 
 /// The chunked scan runs where its backward's operands fit in a block's shared memory (beside
@@ -42,6 +58,12 @@ fn conv_dims(x: &Tensor, w: &Tensor) -> (usize, usize, usize, usize) {
     (b * t, t, c, w.elem_count() / c.max(1))
 }
 
+/// The convolution's elementwise kernels: a block per row (at most 2^20 blocks, grid-stride past
+/// that), 256 threads over the row's channels.
+fn conv_rows(be: &B, name: &str, rows: usize, args: &[Arg]) -> Result<()> {
+    be.launch(name, rows.min(1 << 20) as u32, 256, 0, args)
+}
+
 pub fn conv1d_silu(be: &B, x: &Tensor, w: &Tensor, bias: &Tensor) -> Result<Tensor> {
     let op = "conv1d_silu";
     let (rows, seq, c, k) = conv_dims(x, w);
@@ -49,7 +71,7 @@ pub fn conv1d_silu(be: &B, x: &Tensor, w: &Tensor, bias: &Tensor) -> Result<Tens
     let y = new(be, x.shape().clone(), x.dtype())?;
     let name = format!("conv1d_silu_{}", sfx(op, x.dtype())?);
     let args = [ptr(op, x)?, ptr(op, &w)?, ptr(op, &bias)?, ptr(op, &y)?, n(rows), n(seq), n(c), n(k)];
-    ew(be, &name, rows * c, &args)?;
+    conv_rows(be, &name, rows, &args)?;
     Ok(y)
 }
 
@@ -64,10 +86,10 @@ pub fn conv1d_silu_bwd(be: &B, x: &Tensor, w: &Tensor, bias: &Tensor, dy: &Tenso
     let dpre = new(be, [rows, c], DType::F32)?;
     let args =
         [ptr(op, x)?, ptr(op, &w)?, ptr(op, &bias)?, ptr(op, &dy)?, ptr(op, &dpre)?, n(rows), n(seq), n(c), n(k)];
-    ew(be, &format!("conv1d_silu_dpre_{s}"), rows * c, &args)?;
+    conv_rows(be, &format!("conv1d_silu_dpre_{s}"), rows, &args)?;
     let dx = new(be, x.shape().clone(), x.dtype())?;
     let args = [ptr(op, &dpre)?, ptr(op, &w)?, ptr(op, &dx)?, n(rows), n(seq), n(c), n(k)];
-    ew(be, &format!("conv1d_dx_{s}"), rows * c, &args)?;
+    conv_rows(be, &format!("conv1d_dx_{s}"), rows, &args)?;
     let part = new(be, [CONV_ROW_BLOCKS, c, k + 1], DType::F32)?;
     let args = [ptr(op, x)?, ptr(op, &dpre)?, ptr(op, &part)?, n(rows), n(seq), n(c), n(k)];
     be.launch(&format!("conv1d_dw_part_{s}"), (CONV_ROW_BLOCKS * c.div_ceil(32)) as u32, 256, 0, &args)?;
@@ -125,7 +147,11 @@ pub fn ssd_scan(be: &B, xbc: &Tensor, dt_raw: &Tensor, p: &ScanParams, dm: &Scan
         let mut args = vec![ptr(op, xbc)?, ptr(op, &dtr)?, ptr(op, &bias)?, ptr(op, &a_log)?, ptr(op, &d)?];
         args.extend([ptr(op, &states)?, ptr(op, &y)?]);
         args.extend(chunk_sizes(dm, 0).into_iter().take(5));
-        be.launch(&format!("ssd_chunk_out_{s}"), blocks, CHUNK_THREADS, sm_out as u32, &args)?;
+        if tensor_cores(be, dm, xbc.dtype()) {
+            be.launch("ssd_chunk_out_tc_bf16", blocks, CHUNK_THREADS, tc_smem(dm).0 as u32, &args)?;
+        } else {
+            be.launch(&format!("ssd_chunk_out_{s}"), blocks, CHUNK_THREADS, sm_out as u32, &args)?;
+        }
         return Ok((y, states));
     }
     scan_limits(be, op, dm)?;
@@ -187,7 +213,11 @@ pub fn ssd_scan_bwd(
             args.push(ptr(op, t)?);
         }
         args.extend(chunk_sizes(dm, 0).into_iter().take(5));
-        be.launch(&format!("ssd_chunk_bwd_{s}"), blocks, CHUNK_THREADS, sm_bwd as u32, &args)?;
+        if tensor_cores(be, dm, dt) {
+            be.launch("ssd_chunk_bwd_tc_bf16", blocks, CHUNK_THREADS, tc_smem(dm).1 as u32, &args)?;
+        } else {
+            be.launch(&format!("ssd_chunk_bwd_{s}"), blocks, CHUNK_THREADS, sm_bwd as u32, &args)?;
+        }
     } else {
         scan_limits(be, op, dm)?;
         let scratch = new(be, [bh, crate::SCAN_CHUNK + 1, dm.state, dm.head_dim], DType::F32)?;
