@@ -18,8 +18,9 @@
 // and dt through both its direct uses and cum (∂cum_k summed from step k on). dB and dC are per
 // head, summed over a group's heads after (ssm.cu's `ssd_bc_sum`); the parameters' partials are
 // per (sequence, head, chunk), summed in order after (`ssd_prm_sum`). No atomics: the same bits
-// every run. Every product accumulates in f32 from f32 copies in shared memory; 256 threads each
-// own 4 × 4 patches of an output.
+// every run. Every product accumulates in f32 from f32 copies in shared memory (the states S0 and
+// G read from global memory); 256 threads each own 4 × 4 patches of an output. bf16 runs of
+// Mamba-2's usual sizes take ssd_chunk_tc.cu's output and backward instead (tensor cores).
 
 #define SSD_Q 64
 

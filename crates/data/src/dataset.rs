@@ -11,6 +11,7 @@
 use crate::DataError;
 use crate::gpt::{GptDataset, Sequences};
 use std::ops::Range;
+use std::path::Path;
 use std::sync::Arc;
 
 /// The names Megatron gives its three splits, in order.
@@ -130,7 +131,8 @@ pub type Part = (Option<f64>, Arc<Sequences>);
 pub type PartRange = (Option<f64>, Arc<Sequences>, Range<usize>);
 
 /// Split `k` of datasets `parts`, each cut by `split` (`--data-path` with `--split`), built for
-/// `size` samples; None where the split's weight is 0.
+/// `size` samples; None where the split's weight is 0. `cache`: --data-cache-path (indexed
+/// datasets' indices kept there between runs).
 pub fn split_of(
     parts: &[Part],
     split: [f64; 3],
@@ -138,6 +140,7 @@ pub fn split_of(
     size: u64,
     seq_length: usize,
     seed: u32,
+    cache: Option<&Path>,
 ) -> Result<Option<TokenSplit>, DataError> {
     let mut cut = Vec::with_capacity(parts.len());
     for (w, seqs) in parts {
@@ -146,13 +149,20 @@ pub fn split_of(
             None => return Ok(None),
         }
     }
-    blend_split(SPLIT_NAMES[k], cut, size, seq_length, seed).map(Some)
+    blend_split(SPLIT_NAMES[k], cut, size, seq_length, seed, cache).map(Some)
 }
 
 /// Split `k` made of every sequence of `parts` (`--train-data-path`, `--valid-data-path`).
-pub fn whole_split(parts: &[Part], k: usize, size: u64, seq_length: usize, seed: u32) -> Result<TokenSplit, DataError> {
+pub fn whole_split(
+    parts: &[Part],
+    k: usize,
+    size: u64,
+    seq_length: usize,
+    seed: u32,
+    cache: Option<&Path>,
+) -> Result<TokenSplit, DataError> {
     let all = parts.iter().map(|(w, s)| (*w, s.clone(), 0..s.len())).collect();
-    blend_split(SPLIT_NAMES[k], all, size, seq_length, seed)
+    blend_split(SPLIT_NAMES[k], all, size, seq_length, seed, cache)
 }
 
 /// One split from its parts' sequence ranges: a lone part without a weight is a GPT dataset of
@@ -163,6 +173,7 @@ pub fn blend_split(
     size: u64,
     seq_length: usize,
     seed: u32,
+    cache: Option<&Path>,
 ) -> Result<TokenSplit, DataError> {
     if parts.len() >= i16::MAX as usize {
         return Err(DataError::BadDataPath(format!(
@@ -173,7 +184,7 @@ pub fn blend_split(
     if let [(None, seqs, ids)] = &parts[..] {
         return Ok(TokenSplit::gpt(
             name,
-            GptDataset::build(name, seqs.clone(), ids.clone(), Some(size), seq_length, seed)?,
+            GptDataset::build(name, seqs.clone(), ids.clone(), Some(size), seq_length, seed, cache)?,
         ));
     }
     let weights: Option<Vec<f64>> = parts.iter().map(|p| p.0).collect();
@@ -188,7 +199,7 @@ pub fn blend_split(
             let built = parts
                 .into_iter()
                 .zip(buffer)
-                .map(|((_, seqs, ids), n)| GptDataset::build(name, seqs, ids, Some(n), seq_length, seed))
+                .map(|((_, seqs, ids), n)| GptDataset::build(name, seqs, ids, Some(n), seq_length, seed, cache))
                 .collect::<Result<Vec<_>, _>>()?;
             (built, w, target.iter().sum())
         }
@@ -200,7 +211,7 @@ pub fn blend_split(
             // as all of them together, whichever is fewer.
             let built = parts
                 .into_iter()
-                .map(|(_, seqs, ids)| GptDataset::build(name, seqs, ids, None, seq_length, seed))
+                .map(|(_, seqs, ids)| GptDataset::build(name, seqs, ids, None, seq_length, seed, cache))
                 .collect::<Result<Vec<_>, _>>()?;
             let lens: Vec<f64> = built.iter().map(|d| d.num_samples() as f64).collect();
             if let Some(d) = built.iter().find(|d| d.num_samples() == 0) {
@@ -283,13 +294,13 @@ mod tests {
     fn samples_overlap_by_one_token_and_cover_the_stream() {
         // One document of 0..21 and one epoch's worth of samples of 4 + 1: five of them, which
         // together (less the shared tokens) are the stream's first 21 tokens.
-        let d = GptDataset::build("train", memory(&[(0..21).collect()]), 0..1, Some(5), 4, 7).unwrap();
+        let d = GptDataset::build("train", memory(&[(0..21).collect()]), 0..1, Some(5), 4, 7, None).unwrap();
         assert_eq!(d.num_samples(), 5);
         let mut seen: Vec<Vec<u32>> = (0..5).map(|i| d.sample(i).unwrap()).collect();
         seen.sort();
         assert_eq!(seen, (0..5).map(|k| (4 * k..4 * k + 5).collect::<Vec<u32>>()).collect::<Vec<_>>());
         assert!(matches!(d.sample(5), Err(DataError::SampleOutOfRange { index: 5, samples: 5 })));
-        let tiny = GptDataset::build("valid", memory(&[vec![1]]), 0..1, Some(1), 4, 7);
+        let tiny = GptDataset::build("valid", memory(&[vec![1]]), 0..1, Some(1), 4, 7, None);
         assert!(matches!(tiny, Err(DataError::TooSmall { split: "valid", .. })));
     }
 

@@ -17,9 +17,11 @@
 //! last partial sample is dropped (Megatron's default for every split), so none is padded.
 //! The oracle is Megatron-Core's own code (tests/fixtures/make_megatron_gpt_order.py).
 
+use crate::index_cache::{CacheEntry, Indices, IndicesRef};
 use crate::numpy_rng::NumpyRandomState;
 use crate::{DataError, IndexedDataset};
 use std::ops::Range;
+use std::path::Path;
 use std::sync::Arc;
 
 /// Where a dataset's sequences live: the built-in corpus in memory, an indexed dataset, or
@@ -122,21 +124,27 @@ pub struct GptDataset {
 /// Megatron's `add_extra_token_to_sequence`: a sample holds its last input's label too.
 const EXTRA: u64 = 1;
 
-impl GptDataset {
-    /// Samples of `seq_length` + 1 tokens over sequences `ids` of `seqs`: at least `num_samples`
-    /// of them (whole epochs), or one epoch's worth when None (Megatron's blends by size).
-    pub fn build(
+/// What a dataset's indices come to before they are drawn: tokens per epoch, epochs, whether the
+/// final epoch is shuffled apart, and the samples (Megatron's arithmetic).
+struct Plan {
+    tokens_per_epoch: u64,
+    epochs: u64,
+    separate: bool,
+    sans_final: u64,
+    samples: u64,
+}
+
+impl Plan {
+    fn new(
         name: &'static str,
-        seqs: Arc<Sequences>,
-        ids: Range<usize>,
+        seqs: &Sequences,
+        ids: &Range<usize>,
         num_samples: Option<u64>,
-        seq_length: usize,
-        seed: u32,
+        seq: u64,
     ) -> Result<Self, DataError> {
-        let seq = seq_length as u64;
         let tokens_per_epoch: u64 = ids.clone().map(|i| seqs.length(i)).sum();
         if tokens_per_epoch <= EXTRA || seq < 2 {
-            return Err(DataError::TooSmall { split: name, tokens: tokens_per_epoch as usize, seq: seq_length });
+            return Err(DataError::TooSmall { split: name, tokens: tokens_per_epoch as usize, seq: seq as usize });
         }
         let epochs = match num_samples {
             None => 1,
@@ -153,30 +161,91 @@ impl GptDataset {
             }
             _ => false,
         };
-        let too_many = || DataError::TooManySamples { split: name };
-        if epochs * ids.len() as u64 > u32::MAX as u64 || ids.end > u32::MAX as usize {
-            return Err(too_many());
+        let samples = (epochs * tokens_per_epoch - EXTRA) / seq;
+        if epochs * ids.len() as u64 > u32::MAX as u64 || ids.end > u32::MAX as usize || samples >= u32::MAX as u64 {
+            return Err(DataError::TooManySamples { split: name });
         }
+        Ok(Plan { tokens_per_epoch, epochs, separate, sans_final, samples })
+    }
+}
+
+impl GptDataset {
+    /// Samples of `seq_length` + 1 tokens over sequences `ids` of `seqs`: at least `num_samples`
+    /// of them (whole epochs), or one epoch's worth when None (Megatron's blends by size). With
+    /// `cache` (Megatron's --data-cache-path; index_cache.rs) an indexed dataset's indices are
+    /// read from there when a run of the same data and settings wrote them, else built and
+    /// written there; mock and in-memory sequences, cheap to index, are built each time.
+    pub fn build(
+        name: &'static str,
+        seqs: Arc<Sequences>,
+        ids: Range<usize>,
+        num_samples: Option<u64>,
+        seq_length: usize,
+        seed: u32,
+        cache: Option<&Path>,
+    ) -> Result<Self, DataError> {
+        let plan = Plan::new(name, &seqs, &ids, num_samples, seq_length as u64)?;
+        let entry = match (cache, &*seqs) {
+            (Some(dir), Sequences::Indexed(ds)) => {
+                // The sequences' lengths, position-weighted: a dataset rewritten with other
+                // documents of the same total gets other files too.
+                let lengths =
+                    ids.clone().map(|i| seqs.length(i).wrapping_mul(i as u64 + 1)).fold(0u64, u64::wrapping_add);
+                let description = format!(
+                    "ferrotron GPTDataset indices\ndataset: {}\nsequences: {}..{} of {}\ntokens per epoch: {}\n\
+                     length checksum: {lengths}\nsamples asked: {num_samples:?}\nsequence length: {seq_length}\n\
+                     seed: {seed}\nsplit: {name}\n",
+                    ds.prefix().display(),
+                    ids.start,
+                    ids.end,
+                    seqs.len(),
+                    plan.tokens_per_epoch,
+                );
+                Some(CacheEntry::new(dir, name, description))
+            }
+            _ => None,
+        };
+        if let Some(entry) = &entry
+            && let Some(ix) = entry.load()?
+        {
+            check_cached(entry, &ix, &plan, &ids)?;
+            let Indices { documents, starts, shuffle } = ix;
+            return Ok(GptDataset {
+                seqs,
+                seq_length,
+                tokens_per_epoch: plan.tokens_per_epoch,
+                documents,
+                starts,
+                shuffle,
+            });
+        }
+        let d = Self::draw(seqs, ids, &plan, seq_length, seed);
+        if let Some(entry) = &entry {
+            entry.save(IndicesRef { documents: &d.documents, starts: &d.starts, shuffle: &d.shuffle })?;
+        }
+        Ok(d)
+    }
+
+    /// The three indices drawn as Megatron draws them.
+    fn draw(seqs: Arc<Sequences>, ids: Range<usize>, plan: &Plan, seq_length: usize, seed: u32) -> Self {
+        let seq = seq_length as u64;
         let mut rng = NumpyRandomState::new(seed);
         let epoch_ids = |k: u64| -> Vec<u32> { (0..k).flat_map(|_| ids.clone()).map(|i| i as u32).collect() };
-        let documents = if separate {
-            let mut first = epoch_ids(epochs - 1);
+        let documents = if plan.separate {
+            let mut first = epoch_ids(plan.epochs - 1);
             rng.shuffle(&mut first);
             let mut last = epoch_ids(1);
             rng.shuffle(&mut last);
             first.extend(last);
             first
         } else {
-            let mut all = epoch_ids(epochs);
+            let mut all = epoch_ids(plan.epochs);
             rng.shuffle(&mut all);
             all
         };
-        let samples = (epochs * tokens_per_epoch - EXTRA) / seq;
-        if samples >= u32::MAX as u64 {
-            return Err(too_many());
-        }
+        let samples = plan.samples;
         let starts = sample_starts(&seqs, &documents, seq, samples);
-        let first = if separate { sans_final } else { samples } as u32;
+        let first = if plan.separate { plan.sans_final } else { samples } as u32;
         let mut shuffle: Vec<u32> = (0..first).collect();
         rng.shuffle(&mut shuffle);
         if (first as u64) < samples {
@@ -184,7 +253,7 @@ impl GptDataset {
             rng.shuffle(&mut last);
             shuffle.extend(last);
         }
-        Ok(GptDataset { seqs, seq_length, tokens_per_epoch, documents, starts, shuffle })
+        GptDataset { seqs, seq_length, tokens_per_epoch: plan.tokens_per_epoch, documents, starts, shuffle }
     }
 
     pub fn num_samples(&self) -> usize {
@@ -209,6 +278,25 @@ impl GptDataset {
         }
         Ok(out)
     }
+}
+
+/// Cached indices that do not fit the dataset they were read for (another run's files put in
+/// their place) are refused, naming the file.
+fn check_cached(entry: &CacheEntry, ix: &Indices, plan: &Plan, ids: &Range<usize>) -> Result<(), DataError> {
+    let bad = |what: &str, why: String| Err(DataError::BadCache { path: entry.path_of(what), why });
+    let docs = (plan.epochs * ids.len() as u64) as usize;
+    if ix.documents.len() != docs || ix.documents.iter().any(|&d| !ids.contains(&(d as usize))) {
+        let n = ix.documents.len();
+        return bad("document_index.npy", format!("{n} entries, or ids outside {ids:?}, where {docs} were built"));
+    }
+    let n = plan.samples as usize;
+    if ix.starts.len() != n + 1 || ix.starts.iter().any(|&(d, _)| d as usize >= docs) {
+        return bad("sample_index.npy", format!("{} starts where {} were built", ix.starts.len(), n + 1));
+    }
+    if ix.shuffle.len() != n || ix.shuffle.iter().any(|&k| k as usize >= n) {
+        return bad("shuffle_index.npy", format!("{} entries where a permutation of {n} was built", ix.shuffle.len()));
+    }
+    Ok(())
 }
 
 /// Megatron's `build_sample_idx` (drop the last partial sample, one extra token a sample): each

@@ -14,6 +14,7 @@ mod gpt;
 mod gpt2_files;
 mod hf_tokenizer;
 pub mod image_text;
+mod index_cache;
 mod indexed;
 mod numpy_rng;
 mod tokenizer;
@@ -57,6 +58,8 @@ pub enum DataError {
     TooSmall { split: &'static str, tokens: usize, seq: usize },
     #[error("{}: {source}", path.display())]
     Io { path: std::path::PathBuf, source: std::io::Error },
+    #[error("{}: {why}; it is not an index this tool wrote for these settings: delete it and the run rebuilds it (--data-cache-path)", path.display())]
+    BadCache { path: std::path::PathBuf, why: String },
     #[error("{}: {what}", path.display())]
     BadFile { path: std::path::PathBuf, what: String },
     #[error("a document of {tokens} tokens is longer than an indexed dataset's sequence can be (2^31 - 1)")]

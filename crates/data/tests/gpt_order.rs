@@ -91,13 +91,13 @@ fn every_sample_is_megatrons_in_megatrons_order() {
             let got = if let Some(m) = c.get("mock") {
                 let seqs = Sequences::mock(m["vocab_size"].as_u64().unwrap() as u32, m["eod"].as_u64().unwrap() as u32);
                 let split = parse_split("1,1,1").unwrap();
-                split_of(&[(None, Arc::new(seqs))], split, k, size(k), seq, seed).unwrap()
+                split_of(&[(None, Arc::new(seqs))], split, k, size(k), seq, seed, None).unwrap()
             } else if c["data"].is_array() {
                 let split = parse_split(c["split"].as_str().unwrap()).unwrap();
-                split_of(&parts(&c["data"]), split, k, size(k), seq, seed).unwrap()
+                split_of(&parts(&c["data"]), split, k, size(k), seq, seed, None).unwrap()
             } else {
                 let data = &c[if k == 0 { "train_data" } else { "valid_data" }];
-                Some(whole_split(&parts(data), k, size(k), seq, seed).unwrap())
+                Some(whole_split(&parts(data), k, size(k), seq, seed, None).unwrap())
             };
             let want = want_samples(&c[key]);
             // The mock cases keep the first samples and the count.

@@ -45,7 +45,8 @@ fn reads_a_dataset_written_as_megatron_writes_it() {
     }
     // Its samples, which cross sequence boundaries, are those of the same documents in memory.
     let ds = Arc::new(ds);
-    let build = |s: Sequences| GptDataset::build("train", Arc::new(s), 2..docs.len(), Some(40), 16, 1234).unwrap();
+    let build =
+        |s: Sequences| GptDataset::build("train", Arc::new(s), 2..docs.len(), Some(40), 16, 1234, None).unwrap();
     let (mapped, held) = (build(Sequences::Indexed(ds.clone())), build(Sequences::from_documents(&docs)));
     assert!(mapped.num_samples() >= 40);
     assert_eq!(mapped.num_samples(), held.num_samples());
@@ -136,4 +137,67 @@ fn a_bad_split_is_refused() {
     for bad in ["", "1,x", "1,1,1,1", "0,0", "-1,2"] {
         assert!(matches!(parse_split(bad), Err(DataError::BadSplit(_))), "{bad:?}");
     }
+}
+
+/// `--data-cache-path`: the first build writes the indices, the second reads them and gives the
+/// same samples; other settings get files of their own; indices that do not fit the dataset (a
+/// file swapped in from another run) are refused with the file named.
+#[test]
+fn cached_indices_give_the_built_samples() {
+    let docs = fixture_docs();
+    let ds = Arc::new(IndexedDataset::open(fixture()).unwrap());
+    let cache = scratch("cache").with_file_name("cache");
+    let _ = std::fs::remove_dir_all(&cache);
+    let build = |n: u64, seed: u32| {
+        let seqs = Arc::new(Sequences::Indexed(ds.clone()));
+        GptDataset::build("train", seqs, 1..docs.len(), Some(n), 16, seed, Some(&cache)).unwrap()
+    };
+    let npy = |dir: &Path| -> Vec<PathBuf> {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == "npy"))
+            .collect();
+        v.sort();
+        v
+    };
+    let fresh =
+        GptDataset::build("train", Arc::new(Sequences::Indexed(ds.clone())), 1..docs.len(), Some(30), 16, 7, None)
+            .unwrap();
+    let first = build(30, 7);
+    let files = npy(&cache);
+    assert_eq!(files.len(), 3, "document, sample and shuffle index: {files:?}");
+    assert!(files.iter().all(|f| f.file_name().unwrap().to_str().unwrap().contains("-GPTDataset-train-")));
+    let stamp = |f: &PathBuf| std::fs::metadata(f).unwrap().modified().unwrap();
+    let written: Vec<_> = files.iter().map(stamp).collect();
+    let second = build(30, 7);
+    assert_eq!(files.iter().map(stamp).collect::<Vec<_>>(), written, "the second run reads, not rewrites");
+    assert_eq!(second.num_samples(), fresh.num_samples());
+    for i in 0..fresh.num_samples() {
+        let want = fresh.sample(i).unwrap();
+        assert_eq!(first.sample(i).unwrap(), want, "sample {i}");
+        assert_eq!(second.sample(i).unwrap(), want, "sample {i} from the cache");
+    }
+    // Another seed: three files more, the first three untouched.
+    build(30, 8);
+    assert_eq!(npy(&cache).len(), 6);
+    // The seed-7 shuffle index replaced by the seed-8 one with more samples: refused, named.
+    let (f7, f8) = {
+        let all = npy(&cache);
+        let shuffles: Vec<_> = all.into_iter().filter(|f| f.to_str().unwrap().ends_with("shuffle_index.npy")).collect();
+        let seven = shuffles.iter().find(|f| files.contains(f)).unwrap().clone();
+        let eight = shuffles.iter().find(|f| !files.contains(f)).unwrap().clone();
+        (seven, eight)
+    };
+    build(60, 8);
+    let more = npy(&cache)
+        .into_iter()
+        .find(|f| !files.contains(f) && f.to_str().unwrap().ends_with("shuffle_index.npy") && *f != f8);
+    std::fs::copy(more.unwrap(), &f7).unwrap();
+    let seqs = Arc::new(Sequences::Indexed(ds.clone()));
+    let e = GptDataset::build("train", seqs, 1..docs.len(), Some(30), 16, 7, Some(&cache)).err().unwrap();
+    assert!(matches!(e, DataError::BadCache { .. }), "{e}");
+    let msg = e.to_string();
+    assert!(msg.contains("shuffle_index.npy") && msg.contains("delete it"), "{msg}");
+    std::fs::remove_dir_all(&cache).unwrap();
 }

@@ -288,6 +288,12 @@ pub struct TrainArgs {
     /// Megatron's --split (default "969, 30, 1").
     #[arg(long)]
     pub split: Option<String>,
+    /// A folder for the indexed datasets' sample indices (document, sample and shuffle index,
+    /// as .npy files under Megatron's names): read from there when a run with the same data and
+    /// settings wrote them, built and written there otherwise. Without it they are built in memory
+    /// each run (Megatron then caches beside the dataset; Ferrotron writes nothing unasked)
+    #[arg(long)]
+    pub data_cache_path: Option<PathBuf>,
     /// Stop (saving first when --save is set) once the iteration is a multiple of this.
     #[arg(long)]
     #[serde(skip)]
@@ -558,7 +564,7 @@ impl TrainArgs {
             moe_layer_freq, moe_shared_expert_intermediate_size, hybrid_layer_pattern, hybrid_override_pattern, mamba_state_dim, mamba_head_dim,
             mamba_num_groups, mamba_num_heads, hybrid_attention_ratio, hybrid_mlp_ratio, img_h, img_w, patch_dim,
             encoder_num_layers, encoder_hidden_size, encoder_num_attention_heads, encoder_ffn_hidden_size, image_token_id,
-            image_text_data, image_folder);
+            image_text_data, image_folder, data_cache_path);
         merge_flags!(self, o; check_for_nan_in_loss_and_grad, no_check_for_nan_in_loss_and_grad, use_rope_scaling, swiglu, squared_relu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, bf16, fp16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
             use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, async_save, no_save_optim, exit_signal_handler,
@@ -734,6 +740,9 @@ pub struct Settings {
     pub tokenizer_model: Option<PathBuf>,
     #[serde(default = "default_split")]
     pub split: String,
+    /// --data-cache-path.
+    #[serde(default)]
+    pub data_cache_path: Option<PathBuf>,
     /// Mixture of experts (`--num-experts` and the `--moe-*` flags); None: dense MLPs.
     #[serde(default)]
     pub moe: Option<MoeSettings>,
@@ -1367,6 +1376,7 @@ impl Settings {
             vocab_size: a.vocab_size,
             tokenizer_model: a.tokenizer_model.clone(),
             split: a.split.clone().unwrap_or_else(default_split),
+            data_cache_path: a.data_cache_path.clone(),
             tensor_model_parallel_size: a.tensor_model_parallel_size.unwrap_or(1),
             sequence_parallel: a.sequence_parallel,
             use_distributed_optimizer: a.use_distributed_optimizer,

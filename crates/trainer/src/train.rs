@@ -97,6 +97,7 @@ impl Data {
         let tokenizer = Tokenizer::new(s.tokenizer()?)?;
         let seed = u32::try_from(s.seed).map_err(|_| DataError::BadSeed(s.seed))?;
         let [n_train, n_valid] = s.split_samples();
+        let cache = s.data_cache_path.as_deref();
         // A multimodal sample's text: the sequence less its image's placeholders.
         let seq = s.text_seq_length()?;
         let mut images = None;
@@ -124,24 +125,27 @@ impl Data {
             // Megatron builds its mock dataset with the tokenizer's vocabulary and split 1,1,1.
             let mock = Sequences::mock(tokenizer.vocab_size() as u32, tokenizer.eod());
             let (parts, split) = ([(None, Arc::new(mock))], parse_split("1,1,1")?);
-            let train = split_of(&parts, split, 0, n_train, seq, seed)?.context("mock train split")?;
-            (train, split_of(&parts, split, 1, n_valid, seq, seed)?)
+            let train = split_of(&parts, split, 0, n_train, seq, seed, cache)?.context("mock train split")?;
+            (train, split_of(&parts, split, 1, n_valid, seq, seed, cache)?)
         } else if !s.data_path.is_empty() {
             let parts = open_parts(s, &s.data_path, "--data-path")?;
             let split = parse_split(&s.split)?;
-            let train = split_of(&parts, split, 0, n_train, seq, seed)?
+            let train = split_of(&parts, split, 0, n_train, seq, seed, cache)?
                 .with_context(|| format!("--split {}: the train split has no share: give it one", s.split))?;
-            (train, split_of(&parts, split, 1, n_valid, seq, seed)?)
+            (train, split_of(&parts, split, 1, n_valid, seq, seed, cache)?)
         } else if !s.train_data_path.is_empty() {
             let train = open_parts(s, &s.train_data_path, "--train-data-path")?;
             let valid = open_parts(s, &s.valid_data_path, "--valid-data-path")?;
-            (whole_split(&train, 0, n_train, seq, seed)?, Some(whole_split(&valid, 1, n_valid, seq, seed)?))
+            (
+                whole_split(&train, 0, n_train, seq, seed, cache)?,
+                Some(whole_split(&valid, 1, n_valid, seq, seed, cache)?),
+            )
         } else {
             let docs = corpus::documents(s.seed, s.corpus_docs);
             let [train, valid] = documents_in_memory(&docs, &tokenizer, 0.05)?;
             (
-                blend_split("train", vec![train], n_train, seq, seed)?,
-                Some(blend_split("valid", vec![valid], n_valid, seq, seed)?),
+                blend_split("train", vec![train], n_train, seq, seed, None)?,
+                Some(blend_split("valid", vec![valid], n_valid, seq, seed, None)?),
             )
         };
         Ok(Data { tokenizer, train, valid, images })
@@ -971,7 +975,7 @@ mod tests {
     #[test]
     fn a_batch_with_an_id_past_the_vocabulary_is_refused_before_upload() {
         let seqs = Arc::new(Sequences::from_documents(&[vec![1, 2, 3, 4, 9, 5, 6, 7, 8]]));
-        let split = blend_split("train", vec![(None, seqs, 0..1)], 2, 4, 1234).unwrap();
+        let split = blend_split("train", vec![(None, seqs, 0..1)], 2, 4, 1234, None).unwrap();
         // Both samples (tokens 0..=4 and 4..=8, in some order) hold 9.
         let spec = |vocab| BatchSpec { seq: 4, vocab, eod_mask: None, eod: 0, cp: None, vision: None };
         let ok = batch(&split, &[0, 1], &spec(10), &Device::Cpu).unwrap();
@@ -992,7 +996,7 @@ mod tests {
         // Documents 1 2 0 | 3 0 | 4 5 6 0 (0: the end of document); one sample of all 10 tokens.
         let docs = [vec![1, 2, 0], vec![3, 0], vec![4, 5, 6, 0]];
         let seqs = Arc::new(Sequences::from_documents(&docs));
-        let split = blend_split("train", vec![(None, seqs, 0..3)], 1, 8, 1234).unwrap();
+        let split = blend_split("train", vec![(None, seqs, 0..3)], 1, 8, 1234, None).unwrap();
         let spec = BatchSpec { seq: 8, vocab: 10, eod_mask: Some(0), eod: 0, cp: None, vision: None };
         let b = batch(&split, &[0], &spec, &Device::Cpu).unwrap();
         let tokens = b.tokens.to_vec::<u32>().unwrap();

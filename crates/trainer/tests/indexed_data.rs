@@ -59,6 +59,25 @@ fn an_indexed_dataset_trains_as_the_same_tokens_in_memory() {
     assert_eq!(got.losses, want.losses);
     assert_eq!(got.evals, want.evals);
     assert_eq!(got.losses.len(), 6);
+    // --data-cache-path: the first run writes the train and valid splits' indices, the second
+    // reads them; both train as without.
+    let cache = prefix.with_file_name("index-cache");
+    let cached = || TrainArgs {
+        data_path: vec![prefix.to_str().unwrap().into()],
+        split: Some("1900,100,0".into()),
+        data_cache_path: Some(cache.clone()),
+        ..args()
+    };
+    for _ in 0..2 {
+        let c = run(cached()).unwrap();
+        assert_eq!((c.losses, c.evals), (want.losses.clone(), want.evals.clone()));
+    }
+    let names: Vec<String> =
+        std::fs::read_dir(&cache).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    for split in ["train", "valid"] {
+        let n = names.iter().filter(|f| f.contains(&format!("-GPTDataset-{split}-"))).count();
+        assert_eq!(n, 4, "{split}: description and three indices in {names:?}");
+    }
 
     // The same split as two datasets, each read whole.
     let head = corpus_dataset("head", |d| d.truncate(1900));

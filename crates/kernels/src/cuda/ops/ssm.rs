@@ -46,11 +46,12 @@ fn tensor_cores(be: &B, dm: &ScanDims, dt: DType) -> bool {
 }
 
 /// The chunked scan runs where its backward's operands fit in a block's shared memory (beside
-/// `block_sum`'s), unless `FERROTRON_SSD_SCAN=steps` asks for the step-by-step kernels (A/B runs).
-fn chunked(be: &B, dm: &ScanDims) -> bool {
+/// `block_sum`'s), in the tensor-core form or the f32 one, unless `FERROTRON_SSD_SCAN=steps` asks
+/// for the step-by-step kernels (A/B runs).
+fn chunked(be: &B, dm: &ScanDims, dt: DType) -> bool {
     static STEPS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let steps = *STEPS.get_or_init(|| std::env::var("FERROTRON_SSD_SCAN").as_deref() == Ok("steps"));
-    !steps && chunk_smem(dm).2 + 1024 <= be.smem_optin
+    !steps && (tensor_cores(be, dm, dt) || chunk_smem(dm).2 + 1024 <= be.smem_optin)
 }
 
 fn conv_dims(x: &Tensor, w: &Tensor) -> (usize, usize, usize, usize) {
@@ -135,7 +136,7 @@ pub fn ssd_scan(be: &B, xbc: &Tensor, dt_raw: &Tensor, p: &ScanParams, dm: &Scan
     let y = new(be, [dm.batch, dm.seq, dm.heads * dm.head_dim], xbc.dtype())?;
     let states = new(be, [dm.batch, dm.heads, dm.chunks(), dm.state, dm.head_dim], DType::F32)?;
     let s = sfx(op, xbc.dtype())?;
-    if chunked(be, dm) {
+    if chunked(be, dm, xbc.dtype()) {
         let (sm_state, sm_out, _) = chunk_smem(dm);
         let blocks = (dm.batch * dm.heads * dm.chunks()) as u32;
         let decay = new(be, [dm.batch * dm.heads * dm.chunks()], DType::F32)?;
@@ -195,7 +196,7 @@ pub fn ssd_scan_bwd(
     let dbh = new(be, [rows, dm.heads, dm.state], DType::F32)?;
     let dch = new(be, [rows, dm.heads, dm.state], DType::F32)?;
     // Parameter partials per (sequence, head) and, chunked, per chunk.
-    let chunk = chunked(be, dm);
+    let chunk = chunked(be, dm, dt);
     let per = if chunk { dm.chunks() } else { 1 };
     let prm = new(be, [bh * per, 3], DType::F32)?;
     if chunk {
