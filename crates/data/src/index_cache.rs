@@ -5,9 +5,10 @@
 //! for, the sequence length and the seed). Our hash is SHA-256 where Megatron's is MD5 of its own
 //! description, so the two tools do not read each other's files; each finds its own.
 //!
-//! Files are written to a temporary name and renamed, so ranks that build the same indices at
-//! once leave whole files; a file that does not read back as the indices it should hold is an
-//! error naming it (delete it and the run rebuilds it), never a silent rebuild over it.
+//! Files are written to a temporary name of their own and renamed, so ranks (processes or
+//! threads) that build the same indices at once leave whole files; a file that does not read back
+//! as the indices it should hold is an error naming it (delete it and the run rebuilds it), never
+//! a silent rebuild over it.
 
 use crate::DataError;
 use sha2::{Digest, Sha256};
@@ -79,10 +80,14 @@ impl CacheEntry {
     }
 }
 
+/// `bytes` into `path` by way of a name no other writer uses (ranks are processes or threads of
+/// one), renamed into place: a reader sees the old file or the whole new one.
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), DataError> {
+    static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let io = |e| DataError::Io { path: path.to_path_buf(), source: e };
     let mut tmp = path.as_os_str().to_owned();
-    tmp.push(format!(".tmp{}", std::process::id()));
+    let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    tmp.push(format!(".tmp{}-{n}", std::process::id()));
     let tmp = PathBuf::from(tmp);
     fs::write(&tmp, bytes).map_err(io)?;
     fs::rename(&tmp, path).map_err(io)

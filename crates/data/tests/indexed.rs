@@ -200,4 +200,23 @@ fn cached_indices_give_the_built_samples() {
     let msg = e.to_string();
     assert!(msg.contains("shuffle_index.npy") && msg.contains("delete it"), "{msg}");
     std::fs::remove_dir_all(&cache).unwrap();
+
+    // Thread ranks of one process building the same indices at once into an empty folder: each
+    // gets the built samples and the files left read back whole.
+    let fresh = &fresh;
+    let start = std::sync::Barrier::new(16);
+    std::thread::scope(|sc| {
+        for _ in 0..16 {
+            sc.spawn(|| {
+                start.wait();
+                let d = build(30, 7);
+                assert!((0..fresh.num_samples()).all(|i| d.sample(i).unwrap() == fresh.sample(i).unwrap()));
+            });
+        }
+    });
+    let d = build(30, 7);
+    assert!((0..fresh.num_samples()).all(|i| d.sample(i).unwrap() == fresh.sample(i).unwrap()));
+    let left: Vec<_> = std::fs::read_dir(&cache).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(left.len(), 4, "three indices and the description, no temporary file: {left:?}");
+    std::fs::remove_dir_all(&cache).unwrap();
 }
