@@ -226,6 +226,54 @@ __device__ void ssd_chunk_out(const T* xbc, const T* dt_raw, const float* dt_bia
     }
 }
 
+// Row sums of R (R_kj = dt_j · Z_kj) into rowR and column sums of Z into colZ, for Z [Q, ld] in
+// shared memory: the first Q threads take the rows, the next Q the columns.
+__device__ __forceinline__ void ssd_rz_sums(const float* sZ, int ld, const float* sdt, float* rowR, float* colZ) {
+    if (threadIdx.x < 2 * SSD_Q) {
+        int k = threadIdx.x % SSD_Q;
+        float r = 0.f;
+        if (threadIdx.x < SSD_Q) {
+            for (int j = 0; j < SSD_Q; j++) r += sdt[j] * sZ[k * ld + j];
+            rowR[k] = r;
+        } else {
+            for (int i = 0; i < SSD_Q; i++) r += sZ[i * ld + k];
+            colZ[k] = r;
+        }
+    }
+}
+
+// Σ of row i's partials red[i·nred …], in order.
+__device__ __forceinline__ float ssd_red_row(const float* red, int nred, int i) {
+    float s = 0.f;
+    for (int q = 0; q < nred; q++) s += red[i * nred + q];
+    return s;
+}
+
+// The chunk's dt walk, by thread 0: ∂cum_k = Σ_j R_kj − Σ_i R_ik + O_k − dt_k E'_k (+ e0 +
+// Σ_j dt_j E'_j at the last step); ∂a_j = Σ_{k ≥ j} ∂cum_k; ddt_j = Σ_i Z_ij + E'_j + ∂a_j · A,
+// through softplus into ddt; the parameters' partials (dt_bias, a_log, D) into prm[blk].
+template <typename T>
+__device__ void ssd_dt_walk(const float* sdt, const float* sraw, const float* rowR, const float* colZ, const float* sO,
+                            const float* sE, float e0, float a_h, float d_d, long b, long h, long hh, long seq, long t0,
+                            long blk, T* ddt, float* prm) {
+    if (threadIdx.x != 0) return;
+    float etot = 0.f;
+    for (int j = 0; j < SSD_Q; j++) etot += sdt[j] * sE[j];
+    float da = 0.f, d_a = 0.f, d_bias = 0.f;
+    for (int j = SSD_Q - 1; j >= 0; j--) {
+        da += rowR[j] - sdt[j] * colZ[j] + sO[j] - sdt[j] * sE[j] + (j == SSD_Q - 1 ? e0 + etot : 0.f);
+        long t = t0 + j;
+        if (t >= seq) continue;
+        float d_raw = (colZ[j] + sE[j] + da * a_h) * ssm_softplus_grad(sraw[j]);
+        d_a += da * sdt[j];
+        st(ddt, (b * seq + t) * hh + h, d_raw);
+        d_bias += d_raw;
+    }
+    prm[blk * 3] = d_bias;
+    prm[blk * 3 + 1] = d_a * a_h;
+    prm[blk * 3 + 2] = d_d;
+}
+
 // Block (bh·chunks + c): the chunk's gradients from its S0 (states) and G (gstates). Writes dxbc's
 // x columns, ddt_raw, dB and dC per head (dbh, dch [B·T, H, N]) and the parameters' partials
 // prm[blk] = (dt_bias, a_log, D). x, dy and B sit transposed in shared memory and dx, dB, dC
@@ -281,17 +329,7 @@ __device__ void ssd_chunk_bwd(const T* xbc, const T* dt_raw, const float* dt_bia
             }
     }
     __syncthreads();
-    if (threadIdx.x < 2 * Q) {  // row sums of R in the first Q threads, column sums of Z in the next
-        int k = threadIdx.x % Q;
-        float r = 0.f;
-        if (threadIdx.x < Q) {
-            for (int j = 0; j < Q; j++) r += sdt[j] * sZ[k * Q + j];
-            rowR[k] = r;
-        } else {
-            for (int i = 0; i < Q; i++) r += sZ[i * Q + k];
-            colZ[k] = r;
-        }
-    }
+    ssd_rz_sums(sZ, Q, sdt, rowR, colZ);
 
     // dxᵀ = dyᵀ M + (B G)ᵀ diag(w) + D·dyᵀ: rows q, columns i.
     int pc = pp4 / 4, nc = np4 / 4;
@@ -334,12 +372,8 @@ __device__ void ssd_chunk_bwd(const T* xbc, const T* dt_raw, const float* dt_bia
         }
     }
     __syncthreads();
-    if (threadIdx.x < Q) {
-        int j = threadIdx.x;
-        float s = 0.f;
-        for (int q = 0; q < nred; q++) s += sred[j * nred + q];
-        sE[j] = expf(clast - scum[j]) * s;  // E'_j: the S_end term's ∂/∂dt_j
-    }
+    if (threadIdx.x < Q)  // E'_j: the S_end term's ∂/∂dt_j
+        sE[threadIdx.x] = expf(clast - scum[threadIdx.x]) * ssd_red_row(sred, nred, threadIdx.x);
     __syncthreads();
     // dCᵀ = Bᵀ Pᵀ + Vᵀ diag(e^{cum}), Vᵀ = S0 dyᵀ: rows of state channels, columns i; sred holds
     // each column's Σ over the patch's rows of Cᵀ ∘ Vᵀ.
@@ -363,32 +397,9 @@ __device__ void ssd_chunk_bwd(const T* xbc, const T* dt_raw, const float* dt_bia
         }
     }
     __syncthreads();
-    if (threadIdx.x < Q) {
-        int i = threadIdx.x;
-        float s = 0.f;
-        for (int q = 0; q < nred; q++) s += sred[i * nred + q];
-        sO[i] = expf(scum[i]) * s;
-    }
+    if (threadIdx.x < Q) sO[threadIdx.x] = expf(scum[threadIdx.x]) * ssd_red_row(sred, nred, threadIdx.x);
     __syncthreads();
-    // ∂cum_k = Σ_j R_kj − Σ_i R_ik + O_k − dt_k E'_k (+ e0 + Σ_j dt_j E'_j at the last step);
-    // ∂a_j = Σ_{k ≥ j} ∂cum_k; ddt_j = Σ_i Z_ij + E'_j + ∂a_j · A.
-    if (threadIdx.x == 0) {
-        float etot = 0.f;
-        for (int j = 0; j < Q; j++) etot += sdt[j] * sE[j];
-        float da = 0.f, d_a = 0.f, d_bias = 0.f;
-        for (int j = Q - 1; j >= 0; j--) {
-            da += rowR[j] - sdt[j] * colZ[j] + sO[j] - sdt[j] * sE[j] + (j == Q - 1 ? e0 + etot : 0.f);
-            long t = t0 + j;
-            if (t >= seq) continue;
-            float d_raw = (colZ[j] + sE[j] + da * a_h) * ssm_softplus_grad(sraw[j]);
-            d_a += da * sdt[j];
-            st(ddt, (b * seq + t) * hh + h, d_raw);
-            d_bias += d_raw;
-        }
-        prm[blk * 3] = d_bias;
-        prm[blk * 3 + 1] = d_a * a_h;
-        prm[blk * 3 + 2] = d_d;
-    }
+    ssd_dt_walk(sdt, sraw, rowR, colZ, sO, sE, e0, a_h, d_d, b, h, hh, seq, t0, blk, ddt, prm);
 }
 
 #define SSD_CHUNK(s, T) \

@@ -194,17 +194,7 @@ __device__ void ssd_chunk_bwd_tc(const T* xbc, const T* dt_raw, const float* dt_
                 }
     }
     __syncthreads();
-    if (threadIdx.x < 2 * Q) {  // row sums of R in the first Q threads, column sums of Z in the next
-        int k = threadIdx.x % Q;
-        float r = 0.f;
-        if (threadIdx.x < Q) {
-            for (int j = 0; j < Q; j++) r += sdt[j] * sZ[k * L + j];
-            rowR[k] = r;
-        } else {
-            for (int i = 0; i < Q; i++) r += sZ[i * L + k];
-            colZ[k] = r;
-        }
-    }
+    ssd_rz_sums(sZ, L, sdt, rowR, colZ);
     // dxᵀ = dyᵀ M + (B G)ᵀ diag(w) + D·dyᵀ
     for (int w = warp; w < (P / 32) * (Q / 16); w += nw) {
         int wr0 = (w / (Q / 16)) * 32, wc0 = (w % (Q / 16)) * 16;
@@ -242,12 +232,8 @@ __device__ void ssd_chunk_bwd_tc(const T* xbc, const T* dt_raw, const float* dt_
         ssd_tc_colsum(bu, wc0, sred, nred, wr0 / 32);
     }
     __syncthreads();
-    if (threadIdx.x < Q) {
-        int j = threadIdx.x;
-        float s = 0.f;
-        for (int q = 0; q < nred; q++) s += sred[j * nred + q];
-        sE[j] = expf(clast - scum[j]) * s;
-    }
+    if (threadIdx.x < Q)  // E'_j: the S_end term's ∂/∂dt_j
+        sE[threadIdx.x] = expf(clast - scum[threadIdx.x]) * ssd_red_row(sred, nred, threadIdx.x);
     __syncthreads();
     // dCᵀ = Bᵀ Pᵀ + Vᵀ diag(e^{cum}), Vᵀ = S0 dyᵀ; red: each column's Σ of Cᵀ ∘ Vᵀ.
     for (int w = warp; w < (N / 32) * (Q / 16); w += nw) {
@@ -268,30 +254,9 @@ __device__ void ssd_chunk_bwd_tc(const T* xbc, const T* dt_raw, const float* dt_
         ssd_tc_colsum(cv, wc0, sred, nred, wr0 / 32);
     }
     __syncthreads();
-    if (threadIdx.x < Q) {
-        int i = threadIdx.x;
-        float s = 0.f;
-        for (int q = 0; q < nred; q++) s += sred[i * nred + q];
-        sO[i] = expf(scum[i]) * s;
-    }
+    if (threadIdx.x < Q) sO[threadIdx.x] = expf(scum[threadIdx.x]) * ssd_red_row(sred, nred, threadIdx.x);
     __syncthreads();
-    if (threadIdx.x == 0) {
-        float etot = 0.f;
-        for (int j = 0; j < Q; j++) etot += sdt[j] * sE[j];
-        float da = 0.f, d_a = 0.f, d_bias = 0.f;
-        for (int j = Q - 1; j >= 0; j--) {
-            da += rowR[j] - sdt[j] * colZ[j] + sO[j] - sdt[j] * sE[j] + (j == Q - 1 ? e0 + etot : 0.f);
-            long t = t0 + j;
-            if (t >= seq) continue;
-            float d_raw = (colZ[j] + sE[j] + da * a_h) * ssm_softplus_grad(sraw[j]);
-            d_a += da * sdt[j];
-            st(ddt, (b * seq + t) * hh + h, d_raw);
-            d_bias += d_raw;
-        }
-        prm[blk * 3] = d_bias;
-        prm[blk * 3 + 1] = d_a * a_h;
-        prm[blk * 3 + 2] = d_d;
-    }
+    ssd_dt_walk(sdt, sraw, rowR, colZ, sO, sE, e0, a_h, d_d, b, h, hh, seq, t0, blk, ddt, prm);
 }
 
 extern "C" __global__ void ssd_chunk_out_tc_bf16(const bf16_t* xbc, const bf16_t* dt_raw, const float* dt_bias, const float* a_log,

@@ -142,12 +142,13 @@ pub fn ssd_scan(be: &B, xbc: &Tensor, dt_raw: &Tensor, p: &ScanParams, dm: &Scan
         let decay = new(be, [dm.batch * dm.heads * dm.chunks()], DType::F32)?;
         let mut args = vec![ptr(op, xbc)?, ptr(op, xbc)?, ptr(op, &dtr)?, ptr(op, &bias)?, ptr(op, &a_log)?];
         args.extend([ptr(op, &states)?, ptr(op, &decay)?]);
-        args.extend(chunk_sizes(dm, 0));
+        args.extend(chunk_sizes(dm));
+        args.push(n(0)); // mode 0: B ⊗ x
         be.launch(&format!("ssd_chunk_state_{s}"), blocks, CHUNK_THREADS, sm_state as u32, &args)?;
         state_pass(be, op, &states, &decay, dm, false)?;
         let mut args = vec![ptr(op, xbc)?, ptr(op, &dtr)?, ptr(op, &bias)?, ptr(op, &a_log)?, ptr(op, &d)?];
         args.extend([ptr(op, &states)?, ptr(op, &y)?]);
-        args.extend(chunk_sizes(dm, 0).into_iter().take(5));
+        args.extend(chunk_sizes(dm));
         if tensor_cores(be, dm, xbc.dtype()) {
             be.launch("ssd_chunk_out_tc_bf16", blocks, CHUNK_THREADS, tc_smem(dm).0 as u32, &args)?;
         } else {
@@ -163,9 +164,10 @@ pub fn ssd_scan(be: &B, xbc: &Tensor, dt_raw: &Tensor, p: &ScanParams, dm: &Scan
     Ok((y, states))
 }
 
-/// The chunked kernels' trailing sizes: seq, heads, head dim, groups, state, then the mode.
-fn chunk_sizes(dm: &ScanDims, mode: usize) -> [Arg; 6] {
-    [n(dm.seq), n(dm.heads), n(dm.head_dim), n(dm.groups), n(dm.state), n(mode)]
+/// The chunked kernels' trailing sizes: seq, heads, head dim, groups, state (`ssd_chunk_state`
+/// takes its mode after them).
+fn chunk_sizes(dm: &ScanDims) -> [Arg; 5] {
+    [n(dm.seq), n(dm.heads), n(dm.head_dim), n(dm.groups), n(dm.state)]
 }
 
 /// `ssd_state_pass` over every (sequence, head) and state element, in place.
@@ -206,14 +208,15 @@ pub fn ssd_scan_bwd(
         let decay = new(be, [bh * dm.chunks()], DType::F32)?;
         let mut args = vec![ptr(op, xbc)?, ptr(op, &dy)?, ptr(op, &dtr)?, ptr(op, &bias)?, ptr(op, &a_log)?];
         args.extend([ptr(op, &gstates)?, ptr(op, &decay)?]);
-        args.extend(chunk_sizes(dm, 1));
+        args.extend(chunk_sizes(dm));
+        args.push(n(1)); // mode 1: C ⊗ dy
         be.launch(&format!("ssd_chunk_state_{s}"), blocks, CHUNK_THREADS, sm_state as u32, &args)?;
         state_pass(be, op, &gstates, &decay, dm, true)?;
         let mut args = vec![ptr(op, xbc)?, ptr(op, &dtr)?, ptr(op, &bias)?, ptr(op, &a_log)?, ptr(op, &d)?];
         for t in [states, &gstates, &dy, &dxbc, &ddt, &dbh, &dch, &prm] {
             args.push(ptr(op, t)?);
         }
-        args.extend(chunk_sizes(dm, 0).into_iter().take(5));
+        args.extend(chunk_sizes(dm));
         if tensor_cores(be, dm, dt) {
             be.launch("ssd_chunk_bwd_tc_bf16", blocks, CHUNK_THREADS, tc_smem(dm).1 as u32, &args)?;
         } else {
