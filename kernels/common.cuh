@@ -107,18 +107,23 @@ __device__ __forceinline__ float ex2(float x) {
 // The same over groups of eight: i is the first element of the group.
 #define GRID_STRIDE8(i, n) for (long i = ((long)blockIdx.x * blockDim.x + threadIdx.x) * 8; i < (long)(n); i += (long)gridDim.x * blockDim.x * 8)
 
+// Sum over a warp (butterfly: every lane gets the result).
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
 // Sum over a block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
 __device__ float block_sum(float v) {
     __shared__ float warp_sums[32];
     __shared__ float total;
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    v = warp_sum(v);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     __syncthreads();
     if (lane == 0) warp_sums[warp] = v;
     __syncthreads();
     if (warp == 0) {
-        float s = lane < (int)(blockDim.x >> 5) ? warp_sums[lane] : 0.f;
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        float s = warp_sum(lane < (int)(blockDim.x >> 5) ? warp_sums[lane] : 0.f);
         if (lane == 0) total = s;
     }
     __syncthreads();

@@ -3,11 +3,6 @@
 // combine. Indices (experts, slot) are u32; an out-of-range slot or expert index is skipped, not
 // followed (the host does not read them back to check them on a GPU).
 
-__device__ __forceinline__ float moe_warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
 __device__ __forceinline__ float moe_warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
@@ -37,7 +32,7 @@ extern "C" __global__ void moe_route_##s(const T* logits, float* probs, u32* exp
         __syncwarp(); } \
     if (pre) { \
         float m = -INFINITY; for (long c = lane; c < e; c += 32) m = fmaxf(m, ld(x, c)); m = moe_warp_max(m); \
-        float z = 0.f; for (long c = lane; c < e; c += 32) z += expf(ld(x, c) - m); z = moe_warp_sum(z); \
+        float z = 0.f; for (long c = lane; c < e; c += 32) z += expf(ld(x, c) - m); z = warp_sum(z); \
         for (long j = lane; j < k; j += 32) probs[r * k + j] = scale * expf(ld(x, ix[j]) - m) / z; \
     } else { \
         float m = ld(x, ix[0]), z = 0.f; for (long j = 0; j < k; j++) z += expf(ld(x, ix[j]) - m); \
@@ -46,7 +41,7 @@ extern "C" __global__ void moe_route_bwd_##s(const T* logits, const u32* experts
     long r = blockIdx.x; const T* x = logits + r * e; const u32* ix = experts + r * k; const float* dp = dprobs + r * k; int lane = threadIdx.x; \
     if (pre) { \
         float m = -INFINITY; for (long c = lane; c < e; c += 32) m = fmaxf(m, ld(x, c)); m = moe_warp_max(m); \
-        float z = 0.f; for (long c = lane; c < e; c += 32) z += expf(ld(x, c) - m); z = moe_warp_sum(z); \
+        float z = 0.f; for (long c = lane; c < e; c += 32) z += expf(ld(x, c) - m); z = warp_sum(z); \
         float dot = 0.f; for (long j = 0; j < k; j++) if (ix[j] < (u32)e) dot += expf(ld(x, ix[j]) - m) / z * scale * dp[j]; \
         for (long c = lane; c < e; c += 32) { float g = 0.f; for (long j = 0; j < k; j++) if (ix[j] == (u32)c) g += scale * dp[j]; \
             st(dlogits, r * e + c, expf(ld(x, c) - m) / z * (g - dot)); } \
@@ -60,8 +55,8 @@ extern "C" __global__ void moe_route_bwd_##s(const T* logits, const u32* experts
 extern "C" __global__ void moe_router_loss_##s(const T* logits, const float* counts, float* dlogits, float* values, long e, long n, float w, float aux, float zc, float gs) { \
     long r = blockIdx.x; const T* x = logits + r * e; int lane = threadIdx.x; \
     float m = -INFINITY; for (long c = lane; c < e; c += 32) m = fmaxf(m, ld(x, c)); m = moe_warp_max(m); \
-    float z = 0.f; for (long c = lane; c < e; c += 32) z += expf(ld(x, c) - m); z = moe_warp_sum(z); \
-    float sc = 0.f; for (long c = lane; c < e; c += 32) sc += expf(ld(x, c) - m) / z * counts[c]; sc = moe_warp_sum(sc); \
+    float z = 0.f; for (long c = lane; c < e; c += 32) z += expf(ld(x, c) - m); z = warp_sum(z); \
+    float sc = 0.f; for (long c = lane; c < e; c += 32) sc += expf(ld(x, c) - m) / z * counts[c]; sc = warp_sum(sc); \
     float lse = m + logf(z), dz = zc * 2.f * lse / (float)n; \
     for (long c = lane; c < e; c += 32) { float sm = expf(ld(x, c) - m) / z; \
         dlogits[r * e + c] = gs * (aux * sm * (w * counts[c] - w * sc) + dz * sm); } \
@@ -76,5 +71,5 @@ extern "C" __global__ void moe_unpermute_bwd_dyp_##s(const T* dy, const u32* slo
 extern "C" __global__ void moe_unpermute_bwd_dp_##s(const T* yp, const u32* slot, const T* dy, float* dprobs, long n, long k, long c) { \
     long tj = blockIdx.x, t = tj / k; u32 row = slot[tj]; int lane = threadIdx.x; float a = 0.f; \
     if (row < (u32)(n * k)) for (long col = lane; col < c; col += 32) a += ld(yp, (long)row * c + col) * ld(dy, t * c + col); \
-    a = moe_warp_sum(a); if (lane == 0) dprobs[tj] = a; }
+    a = warp_sum(a); if (lane == 0) dprobs[tj] = a; }
 FOR_TYPES(MOE)

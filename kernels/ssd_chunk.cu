@@ -19,8 +19,9 @@
 // head, summed over a group's heads after (ssm.cu's `ssd_bc_sum`); the parameters' partials are
 // per (sequence, head, chunk), summed in order after (`ssd_prm_sum`). No atomics: the same bits
 // every run. Every product accumulates in f32 from f32 copies in shared memory (the states S0 and
-// G read from global memory); 256 threads each own 4 × 4 patches of an output. bf16 runs of
-// Mamba-2's usual sizes take ssd_chunk_tc.cu's output and backward instead (tensor cores).
+// G read from global memory); the block's threads (any multiple of 32 from 128) own 4 × 4 patches
+// of an output. bf16 runs of Mamba-2's usual sizes take ssd_chunk_tc.cu's chunk state, output and
+// backward instead (tensor cores).
 
 #define SSD_Q 64
 
@@ -137,32 +138,44 @@ __device__ void ssd_dt_cum(const T* dt_raw, const float* dt_bias, float a_h, lon
 
 // Block (bh·chunks + c): out[bh, c] [N, P] = Σ_i U_i ⊗ (w_i V_i). Mode 0: U = B, V = x,
 // w = e^{cum_last − cum_i} dt_i; mode 1: U = C, V = dy, w = e^{cum_i}. decay[bh, c] = e^{cum_last}.
-// Shared: 4·Q + Q·(N + P) floats, N and P rounded up to 4.
+// This part: U into su [Q, ldu] and w·V into sv [Q, ldv] (zero past the data), after dt, cum, raw
+// and w in smem's first 4·Q floats; every thread sees them on return. ssd_chunk_state multiplies
+// them on f32 FMAs, ssd_chunk_state_tc (ssd_chunk_tc.cu) on tensor cores.
 template <typename T>
-__device__ void ssd_chunk_state(const T* xbc, const T* dy, const T* dt_raw, const float* dt_bias, const float* a_log,
-                                float* out, float* decay, long seq, long hh, long p, long g, long n, int mode) {
-    extern __shared__ float smem[];
+__device__ void ssd_state_operands(const T* xbc, const T* dy, const T* dt_raw, const float* dt_bias, const float* a_log,
+                                   float* decay, long seq, long hh, long p, long g, long n, int mode, float* smem, float* su,
+                                   int ldu, float* sv, int ldv) {
     long nch = (seq + SSD_Q - 1) / SSD_Q, blk = blockIdx.x, c = blk % nch, bh = blk / nch, b = bh / hh, h = bh % hh;
     long gi = h / (hh / g), cd = hh * p + 2 * g * n, t0 = c * SSD_Q;
-    int np4 = (int)((n + 3) & ~3L), pp4 = (int)((p + 3) & ~3L);
-    float *sdt = smem, *scum = sdt + SSD_Q, *sraw = scum + SSD_Q, *sw = sraw + SSD_Q, *su = sw + SSD_Q, *sv = su + SSD_Q * np4;
+    float *sdt = smem, *scum = sdt + SSD_Q, *sraw = scum + SSD_Q, *sw = sraw + SSD_Q;
     float a_h = -expf(a_log[h]);
     ssd_dt_cum(dt_raw, dt_bias, a_h, b, h, hh, seq, t0, sdt, scum, sraw);
     if (threadIdx.x < SSD_Q) {
         int i = threadIdx.x;
         sw[i] = mode == 0 ? expf(scum[SSD_Q - 1] - scum[i]) * sdt[i] : expf(scum[i]);
     }
+    if (threadIdx.x == 0) decay[blk] = expf(scum[SSD_Q - 1]);
     __syncthreads();
     if (mode == 0) {
-        ssd_load(su, np4, xbc, cd, hh * p + gi * n, (int)n, b, seq, t0, (const float*)0);
-        ssd_load(sv, pp4, xbc, cd, h * p, (int)p, b, seq, t0, sw);
+        ssd_load(su, ldu, xbc, cd, hh * p + gi * n, (int)n, b, seq, t0, (const float*)0);
+        ssd_load(sv, ldv, xbc, cd, h * p, (int)p, b, seq, t0, sw);
     } else {
-        ssd_load(su, np4, xbc, cd, hh * p + g * n + gi * n, (int)n, b, seq, t0, (const float*)0);
-        ssd_load(sv, pp4, dy, hh * p, h * p, (int)p, b, seq, t0, sw);
+        ssd_load(su, ldu, xbc, cd, hh * p + g * n + gi * n, (int)n, b, seq, t0, (const float*)0);
+        ssd_load(sv, ldv, dy, hh * p, h * p, (int)p, b, seq, t0, sw);
     }
     __syncthreads();
+}
+
+// Shared: 4·Q + Q·(N + P) floats, N and P rounded up to 4.
+template <typename T>
+__device__ void ssd_chunk_state(const T* xbc, const T* dy, const T* dt_raw, const float* dt_bias, const float* a_log,
+                                float* out, float* decay, long seq, long hh, long p, long g, long n, int mode) {
+    extern __shared__ float smem[];
+    int np4 = (int)((n + 3) & ~3L), pp4 = (int)((p + 3) & ~3L);
+    float *su = smem + 4 * SSD_Q, *sv = su + SSD_Q * np4;
+    ssd_state_operands(xbc, dy, dt_raw, dt_bias, a_log, decay, seq, hh, p, g, n, mode, smem, su, np4, sv, pp4);
     int pc = pp4 / 4;
-    float* o = out + blk * n * p;
+    float* o = out + blockIdx.x * n * p;
     for (int e = threadIdx.x; e < (np4 / 4) * pc; e += blockDim.x) {
         int r0 = (e / pc) * 4, c0 = (e % pc) * 4;
         float acc[4][4];
@@ -172,7 +185,6 @@ __device__ void ssd_chunk_state(const T* xbc, const T* dy, const T* dt_raw, cons
             for (int v = 0; v < 4; v++)
                 if (r0 + u < n && c0 + v < p) o[(r0 + u) * p + c0 + v] = acc[u][v];
     }
-    if (threadIdx.x == 0) decay[blk] = expf(scum[SSD_Q - 1]);
 }
 
 // Block (bh·chunks + c): y of the chunk from its S0 (states[bh, c]). Shared: 3·Q + Q·(2N + P) + Q² floats.
@@ -417,20 +429,23 @@ FOR_TYPES(SSD_CHUNK)
 
 // The chunks' states in order, in place, one thread per (sequence·head, state element):
 // forward, st[c] = own_c becomes S0_c (S0_0 = 0, S0_{c+1} = decay_c · S0_c + own_c); reverse,
-// st[c] = own_c becomes G_c (G_last = 0, G_{c−1} = decay_c · G_c + own_c). Eight chunks' values are
-// read before any is written, so eight loads are in flight instead of one.
-#define SSD_PASS_AHEAD 8
+// st[c] = own_c becomes G_c (G_last = 0, G_{c−1} = decay_c · G_c + own_c). 32 chunks' values
+// are read before any is written, so 32 loads are in flight instead of one (8: 200 µs a call in
+// the 68M model, 16: 112 µs).
+#define SSD_PASS_AHEAD 32
 extern "C" __global__ void ssd_state_pass(float* st, const float* decay, long bhs, long nch, long np_, long reverse) {
     GRID_STRIDE(e, bhs * np_) {
         long bh = e / np_, k = e % np_;
         float s = 0.f;
         for (long i0 = 0; i0 < nch; i0 += SSD_PASS_AHEAD) {
             float own[SSD_PASS_AHEAD], dec[SSD_PASS_AHEAD];
+#pragma unroll
             for (int j = 0; j < SSD_PASS_AHEAD; j++) {
                 long i = i0 + j, c = reverse ? nch - 1 - i : i;
                 own[j] = i < nch ? st[(bh * nch + c) * np_ + k] : 0.f;
                 dec[j] = i < nch ? decay[bh * nch + c] : 0.f;
             }
+#pragma unroll
             for (int j = 0; j < SSD_PASS_AHEAD; j++) {
                 long i = i0 + j, c = reverse ? nch - 1 - i : i;
                 if (i >= nch) break;

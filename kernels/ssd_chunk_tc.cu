@@ -92,6 +92,29 @@ __device__ __forceinline__ void ssd_tc_colsum(float v[2][2][4], int wc0, float* 
         }
 }
 
+// ssd_chunk_state on tensor cores: out [N, P] = Uᵀ · (w·V), U [Q, N + 4] and w·V [Q, P + 4] in
+// shared memory (ssd_state_operands), K = the chunk's Q steps. Shared: 4·Q + Q·(N + 4) + Q·(P + 4)
+// floats.
+template <typename T>
+__device__ void ssd_chunk_state_tc(const T* xbc, const T* dy, const T* dt_raw, const float* dt_bias, const float* a_log,
+                                   float* out, float* decay, long seq, long hh, long p, long g, long n, int mode) {
+    extern __shared__ float smem[];
+    const int N = (int)n, P = (int)p, ldn = N + 4, ldp = P + 4, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    float *su = smem + 4 * SSD_Q, *sv = su + SSD_Q * ldn;
+    ssd_state_operands(xbc, dy, dt_raw, dt_bias, a_log, decay, seq, hh, p, g, n, mode, smem, su, ldn, sv, ldp);
+    float* o = out + blockIdx.x * n * p;
+    const int tc = P / 16;
+    for (int tile = warp; tile < (N / 32) * tc; tile += nw) {
+        int wr0 = (tile / tc) * 32, wc0 = (tile % tc) * 16;
+        float acc[2][2][4];
+        ssd_tc_zero(acc);
+        ssd_mma_tile(acc, su, 1, ldn, sv, ldp, 1, 0, SSD_Q, wr0, wc0);
+        for (int mi = 0; mi < 2; mi++)
+            for (int ni = 0; ni < 2; ni++)
+                for (int e = 0; e < 4; e++) o[ssd_tc_row(wr0, mi, e) * P + ssd_tc_col(wc0, ni, e)] = acc[mi][ni][e];
+    }
+}
+
 // ssd_chunk_out on tensor cores. Shared: 3·Q + Q·(N + 4) + N·(Q + 4) + Q·(P + 4) + Q·(Q + 4) floats.
 template <typename T>
 __device__ void ssd_chunk_out_tc(const T* xbc, const T* dt_raw, const float* dt_bias, const float* a_log, const float* dd,
@@ -259,6 +282,10 @@ __device__ void ssd_chunk_bwd_tc(const T* xbc, const T* dt_raw, const float* dt_
     ssd_dt_walk(sdt, sraw, rowR, colZ, sO, sE, e0, a_h, d_d, b, h, hh, seq, t0, blk, ddt, prm);
 }
 
+extern "C" __global__ void ssd_chunk_state_tc_bf16(const bf16_t* xbc, const bf16_t* dy, const bf16_t* dt_raw, const float* dt_bias,
+        const float* a_log, float* out, float* decay, long seq, long hh, long p, long g, long n, long mode) {
+    ssd_chunk_state_tc(xbc, dy, dt_raw, dt_bias, a_log, out, decay, seq, hh, p, g, n, (int)mode);
+}
 extern "C" __global__ void ssd_chunk_out_tc_bf16(const bf16_t* xbc, const bf16_t* dt_raw, const float* dt_bias, const float* a_log,
         const float* dd, const float* states, bf16_t* y, long seq, long hh, long p, long g, long n) {
     ssd_chunk_out_tc(xbc, dt_raw, dt_bias, a_log, dd, states, y, seq, hh, p, g, n);

@@ -48,6 +48,7 @@ const SWITCHES: &[(&str, Accepts)] = &[
     ("FERROTRON_GEMM_WORKSPACE_MB", Accepts::Whole(0, u64::MAX)),
     ("FERROTRON_SSD_SCAN", Accepts::Words(&["chunked", "steps"])),
     ("FERROTRON_SSD_TC", OFF_ON),
+    ("FERROTRON_SSD_THREADS", Accepts::Words(&["128", "256", "384", "512", "640", "768", "896", "1024"])),
 ];
 
 /// Checks every switch set in this process's environment.

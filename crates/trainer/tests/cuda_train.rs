@@ -1,7 +1,8 @@
 //! The tiny presets' first 20 training steps (at lr 1e-3: see `losses_of`) on CUDA against the
 //! CPU run of the same recipe (feature `cuda`; runs on the GPU machine): fp32 within 1e-4
-//! relative loss, bf16 within 2e-2. GPT-2 style (`tiny`) and Llama style (`llama-tiny`: RoPE in
-//! place on the fused QKV, GQA, SwiGLU, RMSNorm).
+//! relative loss, bf16 within 2e-2. GPT-2 style (`tiny`), Llama style (`llama-tiny`: RoPE in
+//! place on the fused QKV, GQA, SwiGLU, RMSNorm), mixture of experts (`mixtral-tiny`) and a
+//! Mamba-2 hybrid (`mamba-tiny`).
 #![cfg(feature = "cuda")]
 
 use ferrotron_core::Device;
@@ -50,6 +51,12 @@ fn llama_tiny_preset_cuda_matches_cpu() {
 #[test]
 fn mixtral_tiny_preset_cuda_matches_cpu() {
     matches_cpu("mixtral-tiny");
+}
+
+/// Mamba-2 hybrid (the convolution, the chunked scan, the gated norm beside attention layers).
+#[test]
+fn mamba_tiny_preset_cuda_matches_cpu() {
+    matches_cpu("mamba-tiny");
 }
 
 fn matches_cpu(preset: &str) {

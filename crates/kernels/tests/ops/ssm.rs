@@ -265,6 +265,54 @@ fn scan_on(dev: &Device, c: &ScanCase) {
     }
 }
 
+/// The convolution with SiLU (PyTorch's [C, 1, K] weight) on `dev` against the f64 CPU functions on
+/// the same rounded inputs, f32 and bf16, forward and backward.
+fn conv_on(dev: &Device, batch: usize, seq: usize, cc: usize, kk: usize) {
+    let len = batch * seq * cc;
+    let (xv, w, bias, dyc) = (randv(len, 2), randv(cc * kk, 3), randv(cc, 4), randv(len, 5));
+    for (dt, tol) in [(DType::F32, 2e-4), (DType::BF16, 6e-2)] {
+        let round = |v: &[f64]| host(&tensor(&Device::Cpu, v, &[v.len()], dt));
+        let what = format!("conv {batch}×{seq}×{cc}, {kk} taps, {dt:?}");
+        let (xt, wt, bt) =
+            (tensor(dev, &xv, &[batch, seq, cc], dt), tensor(dev, &w, &[cc, 1, kk], dt), tensor(dev, &bias, &[cc], dt));
+        let yt = k::conv1d_silu(&xt, &wt, &bt).unwrap();
+        let (xr, wr, bb) = (round(&xv), round(&w), round(&bias));
+        let mut want = vec![0.0; len];
+        s::conv_silu(&xr, &wr, &bb, seq, kk, &mut want);
+        assert_close(&host(&yt), &want, tol, tol, &format!("{what}: y"));
+        let (gx, gw, gbias) = k::conv1d_silu_bwd(&xt, &wt, &bt, &tensor(dev, &dyc, &[batch, seq, cc], dt)).unwrap();
+        let (mut wdx, mut wdw, mut wdb) = (vec![0.0; len], vec![0.0; w.len()], vec![0.0; cc]);
+        s::conv_silu_bwd(&xr, &wr, &bb, &round(&dyc), seq, kk, &mut wdx, &mut wdw, &mut wdb);
+        assert_close(&host(&gx), &wdx, tol, tol, &format!("{what}: dx"));
+        assert_close(&host(&gw), &wdw, tol, tol * 10.0, &format!("{what}: dw"));
+        assert_close(&host(&gbias), &wdb, tol, tol * 10.0, &format!("{what}: dbias"));
+    }
+}
+
+/// The gated grouped RMSNorm on `dev` against the f64 CPU functions on the same rounded inputs.
+fn gated_on(dev: &Device, rows: usize, hp: usize, groups: usize) {
+    let (yv, zv, nw, dout) = (randv(rows * hp, 6), randv(rows * hp, 7), randv(hp, 8), randv(rows * hp, 9));
+    for (dt, tol) in [(DType::F32, 2e-4), (DType::BF16, 6e-2)] {
+        let round = |v: &[f64]| host(&tensor(&Device::Cpu, v, &[v.len()], dt));
+        let what = format!("gated norm {rows}×{hp}, {groups} groups, {dt:?}");
+        let (yt, zt, wt) =
+            (tensor(dev, &yv, &[rows, hp], dt), tensor(dev, &zv, &[rows, hp], dt), tensor(dev, &nw, &[hp], dt));
+        let (out, rstd) = k::gated_rmsnorm(&yt, &zt, &wt, groups, 1e-5).unwrap();
+        let (yr, zr, nr) = (round(&yv), round(&zv), round(&nw));
+        let (mut wo, mut wr2) = (vec![0.0; rows * hp], vec![0.0; rows * groups]);
+        s::gated_norm(&yr, &zr, &nr, groups, 1e-5, &mut wo, &mut wr2);
+        assert_close(&host(&out), &wo, tol, tol, &format!("{what}: out"));
+        assert_close(&host(&rstd), &wr2, 1e-3, 1e-4, &format!("{what}: rstd"));
+        let (gy, gz, gw) =
+            k::gated_rmsnorm_bwd(&tensor(dev, &dout, &[rows, hp], dt), &yt, &zt, &wt, &rstd, groups).unwrap();
+        let (mut wy, mut wz, mut ww) = (vec![0.0; rows * hp], vec![0.0; rows * hp], vec![0.0; hp]);
+        s::gated_norm_bwd(&round(&dout), &yr, &zr, &nr, &wr2, groups, &mut wy, &mut wz, &mut ww);
+        assert_close(&host(&gy), &wy, tol, tol, &format!("{what}: dy"));
+        assert_close(&host(&gz), &wz, tol, tol, &format!("{what}: dz"));
+        assert_close(&host(&gw), &ww, tol, tol * 10.0, &format!("{what}: dw"));
+    }
+}
+
 /// The tensor ops on `dev` against the f64 CPU functions, f32 and bf16 (poisoned outputs). The
 /// scan at four shapes: tiny and ragged (one part-filled chunk); two chunks of head dim 6 and 5
 /// state channels (neither a multiple of the kernels' 4 × 4 patches); Mamba-2's head dim 64 and 128
@@ -279,53 +327,18 @@ fn ssm_ops_on(dev: &Device) {
     scan_on(dev, &scan_case(1, k::SCAN_CHUNK + 6, 1, 3, 6, 5, 24));
     scan_on(dev, &scan_case(2, 2 * k::SCAN_CHUNK + 22, 2, 2, 64, 128, 22));
     scan_on(dev, &scan_case(1, k::SCAN_CHUNK + 6, 1, 2, 96, 256, 23));
-    let dm = c.dm;
-    let hp = dm.heads * dm.head_dim;
-    let y_want = run_scan(&c, &c.xbc, &c.dt, &c.bias, &c.a_log, &c.d);
-    for (dt, tol) in [(DType::F32, 2e-4), (DType::BF16, 6e-2)] {
-        let round = |v: &[f64], shape: &[usize]| host(&tensor(&Device::Cpu, v, shape, dt));
-        let xr = round(&c.xbc, &[c.xbc.len()]);
-        // The convolution (PyTorch's [C, 1, K] weight) and the gated norm, same way.
-        let (cc, kk) = (dm.xbc_width(), 4);
-        let (w, bias) = (randv(cc * kk, 3), randv(cc, 4));
-        let xt = tensor(dev, &c.xbc, &[dm.batch, dm.seq, cc], dt);
-        let yt = k::conv1d_silu(&xt, &tensor(dev, &w, &[cc, 1, kk], dt), &tensor(dev, &bias, &[cc], dt)).unwrap();
-        let (wr, bb) = (round(&w, &[w.len()]), round(&bias, &[cc]));
-        let mut want = vec![0.0; xr.len()];
-        s::conv_silu(&xr, &wr, &bb, dm.seq, kk, &mut want);
-        assert_close(&host(&yt), &want, tol, tol, &format!("conv1d_silu {dt:?}"));
-        let dyc = randv(xr.len(), 5);
-        let (gx, gw, gbias) = k::conv1d_silu_bwd(
-            &xt,
-            &tensor(dev, &w, &[cc, 1, kk], dt),
-            &tensor(dev, &bias, &[cc], dt),
-            &tensor(dev, &dyc, &[dm.batch, dm.seq, cc], dt),
-        )
-        .unwrap();
-        let (mut wdx, mut wdw, mut wdb) = (vec![0.0; xr.len()], vec![0.0; w.len()], vec![0.0; cc]);
-        s::conv_silu_bwd(&xr, &wr, &bb, &round(&dyc, &[dyc.len()]), dm.seq, kk, &mut wdx, &mut wdw, &mut wdb);
-        assert_close(&host(&gx), &wdx, tol, tol, "conv dx");
-        assert_close(&host(&gw), &wdw, tol, tol * 10.0, "conv dw");
-        assert_close(&host(&gbias), &wdb, tol, tol * 10.0, "conv dbias");
-
-        let (rows, groups) = (dm.batch * dm.seq, 2);
-        let (zv, nw) = (randv(rows * hp, 6), randv(hp, 7));
-        let (yt, zt, wt) =
-            (tensor(dev, &y_want, &[rows, hp], dt), tensor(dev, &zv, &[rows, hp], dt), tensor(dev, &nw, &[hp], dt));
-        let (out, rstd) = k::gated_rmsnorm(&yt, &zt, &wt, groups, 1e-5).unwrap();
-        let (yr, zr, nr) = (round(&y_want, &[rows * hp]), round(&zv, &[rows * hp]), round(&nw, &[hp]));
-        let (mut wo, mut wr2) = (vec![0.0; rows * hp], vec![0.0; rows * groups]);
-        s::gated_norm(&yr, &zr, &nr, groups, 1e-5, &mut wo, &mut wr2);
-        assert_close(&host(&out), &wo, tol, tol, &format!("gated_rmsnorm {dt:?}"));
-        assert_close(&host(&rstd), &wr2, 1e-3, 1e-4, "gated rstd");
-        let dout = randv(rows * hp, 9);
-        let (gy, gz, gw) =
-            k::gated_rmsnorm_bwd(&tensor(dev, &dout, &[rows, hp], dt), &yt, &zt, &wt, &rstd, groups).unwrap();
-        let (mut wy, mut wz, mut ww) = (vec![0.0; rows * hp], vec![0.0; rows * hp], vec![0.0; hp]);
-        s::gated_norm_bwd(&round(&dout, &[dout.len()]), &yr, &zr, &nr, &wr2, groups, &mut wy, &mut wz, &mut ww);
-        assert_close(&host(&gy), &wy, tol, tol, "gated dy");
-        assert_close(&host(&gz), &wz, tol, tol, "gated dz");
-        assert_close(&host(&gw), &ww, tol, tol * 10.0, "gated dw");
+    // The convolution: ragged runs of 64 steps, two blocks of channels (the second part-filled; on
+    // CUDA four channels a thread, then one), one tap, six (on CUDA the 8-tap build), five in four
+    // channels a thread.
+    for (batch, seq, cc, kk) in
+        [(2, 37, 20, 4), (2, 150, 1100, 4), (1, 70, 301, 3), (1, 130, 5, 6), (2, 9, 3, 1), (1, 100, 12, 5)]
+    {
+        conv_on(dev, batch, seq, cc, kk);
+    }
+    // The gated norm: groups of 8 and 1,024 channels (on CUDA the eight-channel kernels, the
+    // backward's row blocks part-filled), of 6 and 1,280 (the per-row kernels), of 256 in three groups.
+    for (rows, cc, groups) in [(74, 16, 2), (37, 12, 2), (150, 2048, 2), (70, 2560, 2), (65, 768, 3)] {
+        gated_on(dev, rows, cc, groups);
     }
 }
 

@@ -1,9 +1,9 @@
-//! Mamba-2's mixer ops on the GPU (kernels/ssm.cu, ssd_chunk.cu): the convolution grid-stride, the
-//! scan in its chunked form (one block per (sequence, head, chunk of `SCAN_CHUNK` steps), the steps
-//! of a chunk as products in shared memory) or, where a chunk's operands do not fit in shared
-//! memory, step by step (one block per (sequence, head), one thread per head channel), the gated
-//! norm one block per (row, group). Same results as `cpu::ssm` within float rounding; parameter
-//! gradients are summed in a fixed order (no atomics).
+//! Mamba-2's mixer ops on the GPU (kernels/ssm.cu, ssd_chunk.cu): the convolution a thread per
+//! channel walking runs of `CONV_RUN` steps, the scan in its chunked form (one block per (sequence,
+//! head, chunk of `SCAN_CHUNK` steps), the steps of a chunk as products in shared memory) or, where
+//! a chunk's operands do not fit in shared memory, step by step (one block per (sequence, head), one
+//! thread per head channel), the gated norm one block per (row, group). Same results as `cpu::ssm`
+//! within float rounding; parameter gradients are summed in a fixed order (no atomics).
 
 use super::*;
 use crate::{ScanDims, ScanGrads, ScanParams};
@@ -13,11 +13,31 @@ const NORM_THREADS: u32 = 128;
 /// kernels/ssm.cu's limits.
 const MAX_STATE: usize = 256;
 const MAX_TAPS: usize = 8;
-const CONV_ROW_BLOCKS: usize = 64;
+/// Steps a convolution thread walks (CONV_RUN) and its threads a block.
+const CONV_RUN: usize = 64;
+const CONV_THREADS: usize = 256;
 // kernels/ssd_chunk.cu's SSD_Q: the chunks of the saved states are the chunked kernels' chunks.
 const _: () = assert!(crate::SCAN_CHUNK == 64);
 /// Threads of a chunked scan block (kernels/ssd_chunk.cu: 4 × 4 output patches each).
 const CHUNK_THREADS: u32 = 256;
+
+/// Threads of the chunked output and backward blocks: 512, twice `CHUNK_THREADS`, as their shared
+/// memory leaves one or two blocks an SM (the backward 9% faster than at 256 on an H200, session 44).
+const BIG_THREADS: u32 = 512;
+
+/// Threads of the chunked kernels' blocks (chunk state, output, backward): `FERROTRON_SSD_THREADS`
+/// (a multiple of 128 up to 1024; the kernels loop over whatever they get) sets all three for A/B
+/// runs.
+fn chunk_threads() -> [u32; 3] {
+    static T: std::sync::OnceLock<[u32; 3]> = std::sync::OnceLock::new();
+    *T.get_or_init(|| {
+        let t = std::env::var("FERROTRON_SSD_THREADS").ok().and_then(|v| v.parse::<u32>().ok());
+        match t.filter(|t| t % 128 == 0 && (128..=1024).contains(t)) {
+            Some(t) => [t; 3],
+            None => [CHUNK_THREADS, BIG_THREADS, BIG_THREADS],
+        }
+    })
+}
 
 /// Shared memory (bytes) of the chunked scan's kernels: (chunk state, chunk output, backward).
 fn chunk_smem(dm: &ScanDims) -> (usize, usize, usize) {
@@ -29,12 +49,13 @@ fn chunk_smem(dm: &ScanDims) -> (usize, usize, usize) {
     (4 * state, 4 * out, 4 * bwd)
 }
 
-/// Shared memory (bytes) of the tensor-core output and backward (kernels/ssd_chunk_tc.cu).
-fn tc_smem(dm: &ScanDims) -> (usize, usize) {
+/// Shared memory (bytes) of the tensor-core chunk state, output and backward (kernels/ssd_chunk_tc.cu).
+fn tc_smem(dm: &ScanDims) -> (usize, usize, usize) {
     let (q, l, n, p) = (crate::SCAN_CHUNK, crate::SCAN_CHUNK + 4, dm.state, dm.head_dim);
+    let state = 4 * q + q * (n + 4) + q * (p + 4);
     let out = 3 * q + q * (n + 4) + n * l + q * (p + 4) + q * l;
     let bwd = 7 * q + 2 * p * l + n * l + q * (n + 4) + 4 * q * l + q * n / 32;
-    (4 * out, 4 * bwd)
+    (4 * state, 4 * out, 4 * bwd)
 }
 
 /// bf16 scans whose head dim and state are multiples of 32 multiply on tensor cores (TF32) where
@@ -42,7 +63,7 @@ fn tc_smem(dm: &ScanDims) -> (usize, usize) {
 fn tensor_cores(be: &B, dm: &ScanDims, dt: DType) -> bool {
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let off = *OFF.get_or_init(|| std::env::var("FERROTRON_SSD_TC").as_deref() == Ok("0"));
-    !off && dt == DType::BF16 && dm.head_dim % 32 == 0 && dm.state % 32 == 0 && tc_smem(dm).1 + 1024 <= be.smem_optin
+    !off && dt == DType::BF16 && dm.head_dim % 32 == 0 && dm.state % 32 == 0 && tc_smem(dm).2 + 1024 <= be.smem_optin
 }
 
 /// The chunked scan runs where its backward's operands fit in a block's shared memory (beside
@@ -59,10 +80,24 @@ fn conv_dims(x: &Tensor, w: &Tensor) -> (usize, usize, usize, usize) {
     (b * t, t, c, w.elem_count() / c.max(1))
 }
 
-/// The convolution's elementwise kernels: a block per row (at most 2^20 blocks, grid-stride past
-/// that), 256 threads over the row's channels.
-fn conv_rows(be: &B, name: &str, rows: usize, args: &[Arg]) -> Result<()> {
-    be.launch(name, rows.min(1 << 20) as u32, 256, 0, args)
+/// The convolution's kernels for `k` taps: the 4-tap build up to 4 (Mamba's d_conv), the 8-tap one
+/// past that, four channels a thread where the channels divide by 4 and the pointers are aligned;
+/// one block per (run of `CONV_RUN` steps of a sequence, 256 threads' channels). Returns the kernel
+/// name's suffix and the grid.
+fn conv_grid(op: &'static str, rows: usize, seq: usize, c: usize, k: usize, args: &[Arg]) -> Result<(String, u32)> {
+    if k == 0 || k > MAX_TAPS {
+        return Err(Error::NotImplemented { op, device: format!("cuda for {k} taps (1 to {MAX_TAPS})") });
+    }
+    let v = if c % 4 == 0 && args_aligned16(args) { 4 } else { 1 };
+    let blocks = u32::try_from(conv_runs(rows, seq) * (c / v).div_ceil(CONV_THREADS)).map_err(|_| {
+        Error::NotImplemented { op, device: format!("cuda for {rows} rows of {c} channels in one call") }
+    })?;
+    Ok((format!("k{}v{v}", if k <= 4 { 4 } else { 8 }), blocks))
+}
+
+/// Runs of `CONV_RUN` steps in `rows` rows of sequences of `seq`.
+fn conv_runs(rows: usize, seq: usize) -> usize {
+    (rows / seq.max(1)) * seq.div_ceil(CONV_RUN)
 }
 
 pub fn conv1d_silu(be: &B, x: &Tensor, w: &Tensor, bias: &Tensor) -> Result<Tensor> {
@@ -70,32 +105,30 @@ pub fn conv1d_silu(be: &B, x: &Tensor, w: &Tensor, bias: &Tensor) -> Result<Tens
     let (rows, seq, c, k) = conv_dims(x, w);
     let (w, bias) = (in_dtype(w, DType::F32)?, in_dtype(bias, DType::F32)?);
     let y = new(be, x.shape().clone(), x.dtype())?;
-    let name = format!("conv1d_silu_{}", sfx(op, x.dtype())?);
-    let args = [ptr(op, x)?, ptr(op, &w)?, ptr(op, &bias)?, ptr(op, &y)?, n(rows), n(seq), n(c), n(k)];
-    conv_rows(be, &name, rows, &args)?;
+    let args = [ptr(op, x)?, ptr(op, &w)?, ptr(op, &bias)?, ptr(op, &y)?, n(seq), n(c), n(k)];
+    let (taps, blocks) = conv_grid(op, rows, seq, c, k, &args)?;
+    if blocks > 0 {
+        be.launch(&format!("conv1d_silu_{taps}_{}", sfx(op, x.dtype())?), blocks, CONV_THREADS as u32, 0, &args)?;
+    }
     Ok(y)
 }
 
 pub fn conv1d_silu_bwd(be: &B, x: &Tensor, w: &Tensor, bias: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
     let op = "conv1d_silu_bwd";
     let (rows, seq, c, k) = conv_dims(x, w);
-    if k > MAX_TAPS {
-        return Err(Error::NotImplemented { op, device: format!("cuda for more than {MAX_TAPS} taps (got {k})") });
-    }
     let s = sfx(op, x.dtype())?;
     let (w, bias, dy) = (in_dtype(w, DType::F32)?, in_dtype(bias, DType::F32)?, in_dtype(dy, x.dtype())?);
-    let dpre = new(be, [rows, c], DType::F32)?;
-    let args =
-        [ptr(op, x)?, ptr(op, &w)?, ptr(op, &bias)?, ptr(op, &dy)?, ptr(op, &dpre)?, n(rows), n(seq), n(c), n(k)];
-    conv_rows(be, &format!("conv1d_silu_dpre_{s}"), rows, &args)?;
     let dx = new(be, x.shape().clone(), x.dtype())?;
-    let args = [ptr(op, &dpre)?, ptr(op, &w)?, ptr(op, &dx)?, n(rows), n(seq), n(c), n(k)];
-    conv_rows(be, &format!("conv1d_dx_{s}"), rows, &args)?;
-    let part = new(be, [CONV_ROW_BLOCKS, c, k + 1], DType::F32)?;
-    let args = [ptr(op, x)?, ptr(op, &dpre)?, ptr(op, &part)?, n(rows), n(seq), n(c), n(k)];
-    be.launch(&format!("conv1d_dw_part_{s}"), (CONV_ROW_BLOCKS * c.div_ceil(32)) as u32, 256, 0, &args)?;
+    let runs = conv_runs(rows, seq);
+    let part = new(be, [runs, k + 1, c], DType::F32)?;
+    let args =
+        [ptr(op, x)?, ptr(op, &w)?, ptr(op, &bias)?, ptr(op, &dy)?, ptr(op, &dx)?, ptr(op, &part)?, n(seq), n(c), n(k)];
+    let (taps, blocks) = conv_grid(op, rows, seq, c, k, &args)?;
+    if blocks > 0 {
+        be.launch(&format!("conv1d_silu_bwd_{taps}_{s}"), blocks, CONV_THREADS as u32, 0, &args)?;
+    }
     let (dw, db) = (new(be, [c, k], DType::F32)?, new(be, [c], DType::F32)?);
-    ew(be, "conv1d_dw_sum", c * (k + 1), &[ptr(op, &part)?, ptr(op, &dw)?, ptr(op, &db)?, n(c), n(k)])?;
+    ew(be, "conv1d_dw_sum", c * (k + 1), &[ptr(op, &part)?, ptr(op, &dw)?, ptr(op, &db)?, n(c), n(k), n(runs)])?;
     Ok((dx, dw, db))
 }
 
@@ -137,22 +170,22 @@ pub fn ssd_scan(be: &B, xbc: &Tensor, dt_raw: &Tensor, p: &ScanParams, dm: &Scan
     let states = new(be, [dm.batch, dm.heads, dm.chunks(), dm.state, dm.head_dim], DType::F32)?;
     let s = sfx(op, xbc.dtype())?;
     if chunked(be, dm, xbc.dtype()) {
-        let (sm_state, sm_out, _) = chunk_smem(dm);
+        let (_, sm_out, _) = chunk_smem(dm);
         let blocks = (dm.batch * dm.heads * dm.chunks()) as u32;
         let decay = new(be, [dm.batch * dm.heads * dm.chunks()], DType::F32)?;
         let mut args = vec![ptr(op, xbc)?, ptr(op, xbc)?, ptr(op, &dtr)?, ptr(op, &bias)?, ptr(op, &a_log)?];
         args.extend([ptr(op, &states)?, ptr(op, &decay)?]);
         args.extend(chunk_sizes(dm));
         args.push(n(0)); // mode 0: B ⊗ x
-        be.launch(&format!("ssd_chunk_state_{s}"), blocks, CHUNK_THREADS, sm_state as u32, &args)?;
+        chunk_state(be, dm, xbc.dtype(), blocks, &args)?;
         state_pass(be, op, &states, &decay, dm, false)?;
         let mut args = vec![ptr(op, xbc)?, ptr(op, &dtr)?, ptr(op, &bias)?, ptr(op, &a_log)?, ptr(op, &d)?];
         args.extend([ptr(op, &states)?, ptr(op, &y)?]);
         args.extend(chunk_sizes(dm));
         if tensor_cores(be, dm, xbc.dtype()) {
-            be.launch("ssd_chunk_out_tc_bf16", blocks, CHUNK_THREADS, tc_smem(dm).0 as u32, &args)?;
+            be.launch("ssd_chunk_out_tc_bf16", blocks, chunk_threads()[1], tc_smem(dm).1 as u32, &args)?;
         } else {
-            be.launch(&format!("ssd_chunk_out_{s}"), blocks, CHUNK_THREADS, sm_out as u32, &args)?;
+            be.launch(&format!("ssd_chunk_out_{s}"), blocks, chunk_threads()[1], sm_out as u32, &args)?;
         }
         return Ok((y, states));
     }
@@ -162,6 +195,22 @@ pub fn ssd_scan(be: &B, xbc: &Tensor, dt_raw: &Tensor, p: &ScanParams, dm: &Scan
     args.extend(scan_sizes(dm));
     be.launch(&format!("ssd_scan_fwd_{s}"), (dm.batch * dm.heads) as u32, dm.head_dim as u32, 0, &args)?;
     Ok((y, states))
+}
+
+/// Each chunk's own state (`ssd_chunk_state`, its mode the last of `args`): on tensor cores where
+/// the scan's products are.
+fn chunk_state(be: &B, dm: &ScanDims, dt: DType, blocks: u32, args: &[Arg]) -> Result<()> {
+    if tensor_cores(be, dm, dt) {
+        be.launch("ssd_chunk_state_tc_bf16", blocks, chunk_threads()[0], tc_smem(dm).0 as u32, args)
+    } else {
+        be.launch(
+            &format!("ssd_chunk_state_{}", sfx("ssd_scan", dt)?),
+            blocks,
+            chunk_threads()[0],
+            chunk_smem(dm).0 as u32,
+            args,
+        )
+    }
 }
 
 /// The chunked kernels' trailing sizes: seq, heads, head dim, groups, state (`ssd_chunk_state`
@@ -202,7 +251,7 @@ pub fn ssd_scan_bwd(
     let per = if chunk { dm.chunks() } else { 1 };
     let prm = new(be, [bh * per, 3], DType::F32)?;
     if chunk {
-        let (sm_state, _, sm_bwd) = chunk_smem(dm);
+        let (_, _, sm_bwd) = chunk_smem(dm);
         let blocks = (bh * dm.chunks()) as u32;
         let gstates = new(be, states.shape().clone(), DType::F32)?;
         let decay = new(be, [bh * dm.chunks()], DType::F32)?;
@@ -210,7 +259,7 @@ pub fn ssd_scan_bwd(
         args.extend([ptr(op, &gstates)?, ptr(op, &decay)?]);
         args.extend(chunk_sizes(dm));
         args.push(n(1)); // mode 1: C ⊗ dy
-        be.launch(&format!("ssd_chunk_state_{s}"), blocks, CHUNK_THREADS, sm_state as u32, &args)?;
+        chunk_state(be, dm, xbc.dtype(), blocks, &args)?;
         state_pass(be, op, &gstates, &decay, dm, true)?;
         let mut args = vec![ptr(op, xbc)?, ptr(op, &dtr)?, ptr(op, &bias)?, ptr(op, &a_log)?, ptr(op, &d)?];
         for t in [states, &gstates, &dy, &dxbc, &ddt, &dbh, &dch, &prm] {
@@ -218,9 +267,9 @@ pub fn ssd_scan_bwd(
         }
         args.extend(chunk_sizes(dm));
         if tensor_cores(be, dm, dt) {
-            be.launch("ssd_chunk_bwd_tc_bf16", blocks, CHUNK_THREADS, tc_smem(dm).1 as u32, &args)?;
+            be.launch("ssd_chunk_bwd_tc_bf16", blocks, chunk_threads()[2], tc_smem(dm).2 as u32, &args)?;
         } else {
-            be.launch(&format!("ssd_chunk_bwd_{s}"), blocks, CHUNK_THREADS, sm_bwd as u32, &args)?;
+            be.launch(&format!("ssd_chunk_bwd_{s}"), blocks, chunk_threads()[2], sm_bwd as u32, &args)?;
         }
     } else {
         scan_limits(be, op, dm)?;
@@ -243,12 +292,25 @@ pub fn ssd_scan_bwd(
         n(dm.groups),
         n(dm.state),
     ];
-    ew(be, &format!("ssd_bc_sum_{s}"), rows * dm.groups * dm.state, &args)?;
+    // Eight state channels a thread where the B and C columns start at multiples of 8.
+    let unit = if (dm.heads * dm.head_dim) % 8 == 0 { dm.state } else { 1 };
+    ew8(be, &format!("ssd_bc_sum_{s}"), rows * dm.groups * dm.state, unit, &args)?;
     let (gb, ga, gd) =
         (new(be, [dm.heads], DType::F32)?, new(be, [dm.heads], DType::F32)?, new(be, [dm.heads], DType::F32)?);
     let args = [ptr(op, &prm)?, ptr(op, &gb)?, ptr(op, &ga)?, ptr(op, &gd)?, n(dm.batch), n(dm.heads), n(per)];
     ew(be, "ssd_prm_sum", dm.heads, &args)?;
     Ok(ScanGrads { dxbc, ddt_raw: ddt, dt_bias: gb, a_log: ga, d: gd })
+}
+
+/// The gated norm's eight-channel kernels take groups of up to this many channels (GN_CHUNKS × 256)
+/// that divide by 8; a backward block sums the weight gradient over `GN_ROWS` rows.
+const GN_MAX_GROUP: usize = 1024;
+const GN_ROWS: usize = 64;
+
+/// Whether the eight-channel kernels fit this group size and these pointers.
+fn gated_v8(c: usize, groups: usize, args: &[Arg]) -> bool {
+    let gsz = c / groups.max(1);
+    gsz % 8 == 0 && gsz <= GN_MAX_GROUP && args_aligned16(args)
 }
 
 pub fn gated_rmsnorm(be: &B, y: &Tensor, z: &Tensor, w: &Tensor, groups: usize, eps: f64) -> Result<(Tensor, Tensor)> {
@@ -257,17 +319,16 @@ pub fn gated_rmsnorm(be: &B, y: &Tensor, z: &Tensor, w: &Tensor, groups: usize, 
     let (z, w) = (in_dtype(z, y.dtype())?, in_dtype(w, DType::F32)?);
     let out = new(be, y.shape().clone(), y.dtype())?;
     let rstd = new(be, [rows, groups], DType::F32)?;
-    let args = [
-        ptr(op, y)?,
-        ptr(op, &z)?,
-        ptr(op, &w)?,
-        ptr(op, &out)?,
-        ptr(op, &rstd)?,
-        n(c),
-        n(groups),
-        Arg::F32(eps as f32),
-    ];
-    be.launch(&format!("gated_rmsnorm_fwd_{}", sfx(op, y.dtype())?), (rows * groups) as u32, NORM_THREADS, 0, &args)?;
+    let s = sfx(op, y.dtype())?;
+    let mut args = vec![ptr(op, y)?, ptr(op, &z)?, ptr(op, &w)?, ptr(op, &out)?, ptr(op, &rstd)?];
+    if gated_v8(c, groups, &args) {
+        // One warp per (row, group), eight a block.
+        args.extend([n(rows), n(c), n(groups), Arg::F32(eps as f32)]);
+        be.launch(&format!("gated_rmsnorm_fwd_v8_{s}"), (rows * groups).div_ceil(8) as u32, 256, 0, &args)?;
+    } else {
+        args.extend([n(c), n(groups), Arg::F32(eps as f32)]);
+        be.launch(&format!("gated_rmsnorm_fwd_{s}"), (rows * groups) as u32, NORM_THREADS, 0, &args)?;
+    }
     Ok((out, rstd))
 }
 
@@ -284,9 +345,21 @@ pub fn gated_rmsnorm_bwd(
     let (rows, c) = (y.shape().rows(), y.shape().last());
     let (dout, z, w) = (in_dtype(dout, y.dtype())?, in_dtype(z, y.dtype())?, in_dtype(w, DType::F32)?);
     let (dy, dz) = (new(be, y.shape().clone(), y.dtype())?, new(be, y.shape().clone(), y.dtype())?);
-    let wterm = new(be, [rows, c], DType::F32)?;
+    let s = sfx(op, y.dtype())?;
     let mut args = vec![ptr(op, &dout)?, ptr(op, y)?, ptr(op, &z)?, ptr(op, &w)?, ptr(op, rstd)?];
-    args.extend([ptr(op, &dy)?, ptr(op, &dz)?, ptr(op, &wterm)?, n(c), n(groups)]);
-    be.launch(&format!("gated_rmsnorm_bwd_{}", sfx(op, y.dtype())?), (rows * groups) as u32, NORM_THREADS, 0, &args)?;
-    Ok((dy, dz, crate::bias_grad(&wterm)?))
+    args.extend([ptr(op, &dy)?, ptr(op, &dz)?]);
+    // The weight gradient's terms: summed over row blocks (eight-channel kernel) or per element.
+    let blocks = rows.div_ceil(GN_ROWS);
+    let terms = if gated_v8(c, groups, &args) {
+        let part = new(be, [blocks, c], DType::F32)?;
+        args.extend([ptr(op, &part)?, n(rows), n(c), n(groups)]);
+        be.launch(&format!("gated_rmsnorm_bwd_v8_{s}"), (blocks * groups) as u32, 256, 0, &args)?;
+        part
+    } else {
+        let wterm = new(be, [rows, c], DType::F32)?;
+        args.extend([ptr(op, &wterm)?, n(c), n(groups)]);
+        be.launch(&format!("gated_rmsnorm_bwd_{s}"), (rows * groups) as u32, NORM_THREADS, 0, &args)?;
+        wterm
+    };
+    Ok((dy, dz, crate::bias_grad(&terms)?))
 }
