@@ -56,11 +56,59 @@ __device__ __forceinline__ void ssd_zero(float acc[4][4]) {
 // each thread would wait out one memory latency per element.
 #define SSD_AHEAD 8
 
+// Eight columns a load (16 bytes of bf16, 32 of f32) where the columns, their start and the row
+// stride divide by 8 and the source is 16-byte aligned; returns false otherwise (the callers then
+// load element by element). put(i, j, v) stores row i's columns j … j + 7 (zero past the
+// sequence). rows_fast: consecutive threads take consecutive rows (for transposed stores, which
+// then meet no bank twice), else consecutive column groups of a row (coalesced reads).
+#define SSD_AHEAD8 4
+template <typename T, typename Put>
+__device__ __forceinline__ bool ssd_load8(const T* src, long row_stride, long col0, int width, long b, long seq, long t0,
+                                          bool rows_fast, Put put) {
+    if ((width | col0 | row_stride) % 8 != 0 || ((unsigned long long)src & 15) != 0) return false;
+    const int w8 = width / 8, total = SSD_Q * w8;
+    for (int e0 = threadIdx.x; e0 < total; e0 += SSD_AHEAD8 * blockDim.x) {
+        float v[SSD_AHEAD8][8];
+#pragma unroll
+        for (int u = 0; u < SSD_AHEAD8; u++) {
+            int e = e0 + u * blockDim.x, i = rows_fast ? e % SSD_Q : e / w8, j = (rows_fast ? e / SSD_Q : e % w8) * 8;
+            long t = t0 + i;
+            if (e < total && t < seq) ld8(src, (b * seq + t) * row_stride + col0 + j, v[u]);
+            else
+#pragma unroll
+                for (int k = 0; k < 8; k++) v[u][k] = 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < SSD_AHEAD8; u++) {
+            int e = e0 + u * blockDim.x, i = rows_fast ? e % SSD_Q : e / w8, j = (rows_fast ? e / SSD_Q : e % w8) * 8;
+            if (e < total) put(i, j, v[u]);
+        }
+    }
+    return true;
+}
+
+// Eight floats into row-major shared memory at p (two 16-byte stores where p is aligned).
+__device__ __forceinline__ void ssd_put_row(float* p, const float* v, float s) {
+    if (((unsigned long long)p & 15) == 0) {
+        *(float4*)p = make_float4(v[0] * s, v[1] * s, v[2] * s, v[3] * s);
+        *(float4*)(p + 4) = make_float4(v[4] * s, v[5] * s, v[6] * s, v[7] * s);
+    } else {
+#pragma unroll
+        for (int k = 0; k < 8; k++) p[k] = v[k] * s;
+    }
+}
+
 // Rows t0 … t0 + Q − 1 of `width` columns from col0 of a row-major source into dst [Q, wpad]
 // (zero past the sequence's end and past `width`), each row times w[i] when w is given.
 template <typename T>
 __device__ void ssd_load(float* dst, int wpad, const T* src, long row_stride, long col0, int width, long b, long seq,
                          long t0, const float* w) {
+    auto put = [&](int i, int j, const float* v) { ssd_put_row(dst + i * wpad + j, v, w ? w[i] : 1.f); };
+    if (ssd_load8(src, row_stride, col0, width, b, seq, t0, false, put)) {
+        for (int e = threadIdx.x; e < SSD_Q * (wpad - width); e += blockDim.x)
+            dst[(e / (wpad - width)) * wpad + width + e % (wpad - width)] = 0.f;
+        return;
+    }
     const int total = SSD_Q * wpad;
     for (int e0 = threadIdx.x; e0 < total; e0 += SSD_AHEAD * blockDim.x) {
         float v[SSD_AHEAD];
@@ -83,6 +131,14 @@ __device__ void ssd_load(float* dst, int wpad, const T* src, long row_stride, lo
 template <typename T>
 __device__ void ssd_load_t(float* dst, int wpad, const T* src, long row_stride, long col0, int width, long b, long seq,
                            long t0) {
+    auto put = [&](int i, int j, const float* v) {
+#pragma unroll
+        for (int k = 0; k < 8; k++) dst[(j + k) * SSD_Q + i] = v[k];
+    };
+    if (ssd_load8(src, row_stride, col0, width, b, seq, t0, true, put)) {
+        for (int e = threadIdx.x; e < SSD_Q * (wpad - width); e += blockDim.x) dst[width * SSD_Q + e] = 0.f;
+        return;
+    }
     const int total = SSD_Q * wpad;
     for (int e0 = threadIdx.x; e0 < total; e0 += SSD_AHEAD * blockDim.x) {
         float v[SSD_AHEAD];

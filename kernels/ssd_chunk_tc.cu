@@ -63,6 +63,15 @@ __device__ __forceinline__ int ssd_tc_col(int wc0, int ni, int e) { return wc0 +
 template <typename T>
 __device__ void ssd_tc_load(float* dst, int lds, bool transpose, const T* src, long row_stride, long col0, int width, long b,
                             long seq, long t0) {
+    auto put = [&](int i, int j, const float* v) {
+        if (transpose) {
+#pragma unroll
+            for (int k = 0; k < 8; k++) dst[(j + k) * lds + i] = v[k];
+        } else {
+            ssd_put_row(dst + i * lds + j, v, 1.f);
+        }
+    };
+    if (ssd_load8(src, row_stride, col0, width, b, seq, t0, transpose, put)) return;
     const int total = SSD_Q * width;
     for (int e0 = threadIdx.x; e0 < total; e0 += SSD_AHEAD * blockDim.x) {
         float v[SSD_AHEAD];

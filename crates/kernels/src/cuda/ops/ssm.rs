@@ -298,7 +298,7 @@ pub fn ssd_scan_bwd(
     let (gb, ga, gd) =
         (new(be, [dm.heads], DType::F32)?, new(be, [dm.heads], DType::F32)?, new(be, [dm.heads], DType::F32)?);
     let args = [ptr(op, &prm)?, ptr(op, &gb)?, ptr(op, &ga)?, ptr(op, &gd)?, n(dm.batch), n(dm.heads), n(per)];
-    ew(be, "ssd_prm_sum", dm.heads, &args)?;
+    be.launch("ssd_prm_sum", dm.heads as u32, 32, 0, &args)?; // a warp per head
     Ok(ScanGrads { dxbc, ddt_raw: ddt, dt_bias: gb, a_log: ga, d: gd })
 }
 
