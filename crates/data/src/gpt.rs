@@ -17,7 +17,7 @@
 //! last partial sample is dropped (Megatron's default for every split), so none is padded.
 //! The oracle is Megatron-Core's own code (tests/fixtures/make_megatron_gpt_order.py).
 
-use crate::index_cache::{CacheEntry, Indices, IndicesRef};
+use crate::index_cache::{CacheEntry, Indices, IndicesRef, U32s};
 use crate::numpy_rng::NumpyRandomState;
 use crate::{DataError, IndexedDataset};
 use std::ops::Range;
@@ -114,11 +114,11 @@ pub struct GptDataset {
     seq_length: usize,
     tokens_per_epoch: u64,
     /// Sequence ids, epoch after epoch, shuffled.
-    documents: Vec<u32>,
-    /// Sample k starts at token `starts[k].1` of sequence `documents[starts[k].0]`; one more
-    /// entry than samples.
-    starts: Vec<(u32, u32)>,
-    shuffle: Vec<u32>,
+    documents: U32s,
+    /// Sample k starts at token `starts[2k + 1]` of sequence `documents[starts[2k]]` (Megatron's
+    /// [samples + 1, 2] sample index, flat); one more pair than samples.
+    starts: U32s,
+    shuffle: U32s,
 }
 
 /// Megatron's `add_extra_token_to_sequence`: a sample holds its last input's label too.
@@ -221,6 +221,7 @@ impl GptDataset {
         }
         let d = Self::draw(seqs, ids, &plan, seq_length, seed);
         if let Some(entry) = &entry {
+            // Written, then used from memory: the next run maps them.
             entry.save(IndicesRef { documents: &d.documents, starts: &d.starts, shuffle: &d.shuffle })?;
         }
         Ok(d)
@@ -253,11 +254,24 @@ impl GptDataset {
             rng.shuffle(&mut last);
             shuffle.extend(last);
         }
-        GptDataset { seqs, seq_length, tokens_per_epoch: plan.tokens_per_epoch, documents, starts, shuffle }
+        GptDataset {
+            seqs,
+            seq_length,
+            tokens_per_epoch: plan.tokens_per_epoch,
+            documents: documents.into(),
+            starts: starts.into(),
+            shuffle: shuffle.into(),
+        }
     }
 
     pub fn num_samples(&self) -> usize {
         self.shuffle.len()
+    }
+
+    /// Whether the indices are a cache's files mapped read-only (a run that found them under
+    /// --data-cache-path) rather than built into memory.
+    pub fn indices_mapped(&self) -> bool {
+        self.documents.is_mapped() && self.starts.is_mapped() && self.shuffle.is_mapped()
     }
 
     /// Tokens in the dataset's sequences, once each.
@@ -268,7 +282,8 @@ impl GptDataset {
     /// The seq_length + 1 tokens of sample `i` (below `num_samples`).
     pub fn sample(&self, i: usize) -> Result<Vec<u32>, DataError> {
         let k = *self.shuffle.get(i).ok_or(DataError::SampleOutOfRange { index: i, samples: self.shuffle.len() })?;
-        let ((d0, o0), (d1, o1)) = (self.starts[k as usize], self.starts[k as usize + 1]);
+        let k = 2 * k as usize;
+        let ((d0, o0), (d1, o1)) = ((self.starts[k], self.starts[k + 1]), (self.starts[k + 2], self.starts[k + 3]));
         let mut out = Vec::with_capacity(self.seq_length + 1);
         for d in d0..=d1 {
             let id = self.documents[d as usize] as usize;
@@ -290,8 +305,8 @@ fn check_cached(entry: &CacheEntry, ix: &Indices, plan: &Plan, ids: &Range<usize
         return bad("document_index.npy", format!("{n} entries, or ids outside {ids:?}, where {docs} were built"));
     }
     let n = plan.samples as usize;
-    if ix.starts.len() != n + 1 || ix.starts.iter().any(|&(d, _)| d as usize >= docs) {
-        return bad("sample_index.npy", format!("{} starts where {} were built", ix.starts.len(), n + 1));
+    if ix.starts.len() != 2 * (n + 1) || ix.starts.iter().step_by(2).any(|&d| d as usize >= docs) {
+        return bad("sample_index.npy", format!("{} starts where {} were built", ix.starts.len() / 2, n + 1));
     }
     if ix.shuffle.len() != n || ix.shuffle.iter().any(|&k| k as usize >= n) {
         return bad("shuffle_index.npy", format!("{} entries where a permutation of {n} was built", ix.shuffle.len()));
@@ -301,10 +316,10 @@ fn check_cached(entry: &CacheEntry, ix: &Indices, plan: &Plan, ids: &Range<usize
 
 /// Megatron's `build_sample_idx` (drop the last partial sample, one extra token a sample): each
 /// sample takes seq + 1 tokens from where the last one ended, less the one they share.
-fn sample_starts(seqs: &Sequences, documents: &[u32], seq: u64, samples: u64) -> Vec<(u32, u32)> {
-    let mut starts = Vec::with_capacity(samples as usize + 1);
+fn sample_starts(seqs: &Sequences, documents: &[u32], seq: u64, samples: u64) -> Vec<u32> {
+    let mut starts = Vec::with_capacity(2 * (samples as usize + 1));
     let (mut d, mut offset) = (0usize, 0i64);
-    starts.push((0, 0));
+    starts.extend([0, 0]);
     for _ in 0..samples {
         let mut remaining = (seq + EXTRA) as i64;
         while remaining != 0 {
@@ -322,7 +337,7 @@ fn sample_starts(seqs: &Sequences, documents: &[u32], seq: u64, samples: u64) ->
                 offset = 0;
             }
         }
-        starts.push((d as u32, offset as u32));
+        starts.extend([d as u32, offset as u32]);
     }
     starts
 }

@@ -8,27 +8,68 @@
 //! Files are written to a temporary name of their own and renamed, so ranks (processes or
 //! threads) that build the same indices at once leave whole files; a file that does not read back
 //! as the indices it should hold is an error naming it (delete it and the run rebuilds it), never
-//! a silent rebuild over it.
+//! a silent rebuild over it. Read back, the indices are memory-mapped as Megatron's are (numpy's
+//! `mmap_mode='r'`): a run of a billion samples holds no 12 GB of them in each rank's memory, and a
+//! rename by another rank leaves the mapped file as it was.
 
 use crate::DataError;
+use memmap2::Mmap;
 use sha2::{Digest, Sha256};
 use std::fs;
+use std::ops::Deref;
 use std::path::{Path, PathBuf};
 
-/// The cached indices of one dataset: document ids, sample starts (document position, offset)
-/// and the sample permutation.
+/// The cached indices of one dataset: document ids, sample starts (document position, offset
+/// pairs, flat) and the sample permutation.
 pub struct Indices {
-    pub documents: Vec<u32>,
-    pub starts: Vec<(u32, u32)>,
-    pub shuffle: Vec<u32>,
+    pub documents: U32s,
+    pub starts: U32s,
+    pub shuffle: U32s,
 }
 
 /// The same, borrowed (what a freshly built dataset writes).
 #[derive(Clone, Copy)]
 pub struct IndicesRef<'a> {
     pub documents: &'a [u32],
-    pub starts: &'a [(u32, u32)],
+    pub starts: &'a [u32],
     pub shuffle: &'a [u32],
+}
+
+/// An index array: built in memory, or the data of a cached .npy file mapped read-only.
+pub struct U32s(Repr);
+
+enum Repr {
+    Owned(Vec<u32>),
+    /// `len` values from byte `start` of the map (4-byte aligned: checked when mapped).
+    Mapped {
+        map: Mmap,
+        start: usize,
+        len: usize,
+    },
+}
+
+impl U32s {
+    /// Whether the values are a mapped file's (not copied into memory).
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.0, Repr::Mapped { .. })
+    }
+}
+
+impl From<Vec<u32>> for U32s {
+    fn from(v: Vec<u32>) -> Self {
+        U32s(Repr::Owned(v))
+    }
+}
+
+impl Deref for U32s {
+    type Target = [u32];
+    fn deref(&self) -> &[u32] {
+        match &self.0 {
+            Repr::Owned(v) => v,
+            // Alignment and length were checked when the file was mapped, so this cannot fail.
+            Repr::Mapped { map, start, len } => bytemuck::try_cast_slice(&map[*start..*start + 4 * len]).unwrap_or(&[]),
+        }
+    }
 }
 
 /// Where a dataset's files go: `dir/<hash>-GPTDataset-<split>-`.
@@ -56,9 +97,8 @@ impl CacheEntry {
             return Ok(None);
         }
         let documents = read_npy(&files[0], 1)?;
-        let flat = read_npy(&files[1], 2)?;
+        let starts = read_npy(&files[1], 2)?;
         let shuffle = read_npy(&files[2], 1)?;
-        let starts = flat.chunks_exact(2).map(|p| (p[0], p[1])).collect();
         Ok(Some(Indices { documents, starts, shuffle }))
     }
 
@@ -69,8 +109,7 @@ impl CacheEntry {
         }
         write_atomic(&self.file("description.txt"), self.description.as_bytes())?;
         write_atomic(&self.file("document_index.npy"), &npy(ix.documents, &[ix.documents.len()]))?;
-        let flat: Vec<u32> = ix.starts.iter().flat_map(|&(d, o)| [d, o]).collect();
-        write_atomic(&self.file("sample_index.npy"), &npy(&flat, &[ix.starts.len(), 2]))?;
+        write_atomic(&self.file("sample_index.npy"), &npy(ix.starts, &[ix.starts.len() / 2, 2]))?;
         write_atomic(&self.file("shuffle_index.npy"), &npy(ix.shuffle, &[ix.shuffle.len()]))
     }
 
@@ -111,11 +150,16 @@ fn npy(values: &[u32], shape: &[usize]) -> Vec<u8> {
     out
 }
 
-/// A .npy file this module wrote: little-endian u32, C order, `ndim` dimensions (the second, if
-/// any, 2), its element count matching its shape.
-fn read_npy(path: &Path, ndim: usize) -> Result<Vec<u32>, DataError> {
+/// A .npy file this module wrote, mapped: little-endian u32, C order, `ndim` dimensions (the
+/// second, if any, 2), its element count matching its shape (read flat).
+fn read_npy(path: &Path, ndim: usize) -> Result<U32s, DataError> {
     let bad = |why: &str| DataError::BadCache { path: path.to_path_buf(), why: why.to_string() };
-    let bytes = fs::read(path).map_err(|e| DataError::Io { path: path.to_path_buf(), source: e })?;
+    let io = |e| DataError::Io { path: path.to_path_buf(), source: e };
+    let file = fs::File::open(path).map_err(io)?;
+    // SAFETY: the map is read-only and writers replace cache files by renaming a new file over
+    // them (`write_atomic`), so the mapped file itself never changes underneath.
+    let map = unsafe { Mmap::map(&file) }.map_err(io)?;
+    let bytes = &map[..];
     if bytes.len() < 10 || &bytes[..8] != b"\x93NUMPY\x01\x00" {
         return Err(bad("not a .npy file of format 1.0"));
     }
@@ -138,12 +182,21 @@ fn read_npy(path: &Path, ndim: usize) -> Result<Vec<u32>, DataError> {
     if shape.len() != ndim || (ndim == 2 && shape[1] != 2) {
         return Err(bad(&format!("shape {shape:?} where {ndim} dimension(s) were written")));
     }
-    let data = &bytes[10 + hlen..];
+    let start = 10 + hlen;
+    let data = &bytes[start..];
     let count: usize = shape.iter().product();
     if data.len() != 4 * count {
         return Err(bad(&format!("{} bytes of data for {count} values", data.len())));
     }
-    Ok(data.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    if cfg!(target_endian = "big") || bytemuck::try_cast_slice::<u8, u32>(data).is_err() {
+        // Values to decode, or data not 4-byte aligned in the map: copied into memory.
+        return Ok(data
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect::<Vec<_>>()
+            .into());
+    }
+    Ok(U32s(Repr::Mapped { map, start, len: count }))
 }
 
 #[cfg(test)]
@@ -155,10 +208,16 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("ferrotron-index-cache-{}", std::process::id()));
         let entry = CacheEntry::new(&dir, "train", "a description".into());
         assert!(entry.load().unwrap().is_none(), "nothing cached yet");
-        let ix = Indices { documents: vec![3, 1, 2], starts: vec![(0, 0), (1, 5), (2, 9)], shuffle: vec![1, 0] };
-        entry.save(IndicesRef { documents: &ix.documents, starts: &ix.starts, shuffle: &ix.shuffle }).unwrap();
+        let (documents, starts, shuffle) = (vec![3, 1, 2], vec![0, 0, 1, 5, 2, 9], vec![1, 0]);
+        entry.save(IndicesRef { documents: &documents, starts: &starts, shuffle: &shuffle }).unwrap();
         let back = entry.load().unwrap().unwrap();
-        assert_eq!((back.documents, back.starts, back.shuffle), (ix.documents, ix.starts, ix.shuffle));
+        assert_eq!(
+            (&back.documents[..], &back.starts[..], &back.shuffle[..]),
+            (&documents[..], &starts[..], &shuffle[..])
+        );
+        // Read back mapped (the .npy header pads the data to 64 bytes), not copied.
+        assert!(back.documents.is_mapped() && back.starts.is_mapped() && back.shuffle.is_mapped());
+        drop(back);
         // Another description, another file name.
         assert_ne!(CacheEntry::new(&dir, "train", "other".into()).base, entry.base);
         // A truncated index is an error that names the file, not a silent rebuild.

@@ -139,7 +139,7 @@ fn a_bad_split_is_refused() {
     }
 }
 
-/// `--data-cache-path`: the first build writes the indices, the second reads them and gives the
+/// `--data-cache-path`: the first build writes the indices, the second maps them and gives the
 /// same samples; other settings get files of their own; indices that do not fit the dataset (a
 /// file swapped in from another run) are refused with the file named.
 #[test]
@@ -173,6 +173,7 @@ fn cached_indices_give_the_built_samples() {
     let second = build(30, 7);
     assert_eq!(files.iter().map(stamp).collect::<Vec<_>>(), written, "the second run reads, not rewrites");
     assert_eq!(second.num_samples(), fresh.num_samples());
+    assert!(second.indices_mapped() && !first.indices_mapped(), "read back mapped, built in memory");
     for i in 0..fresh.num_samples() {
         let want = fresh.sample(i).unwrap();
         assert_eq!(first.sample(i).unwrap(), want, "sample {i}");
