@@ -28,10 +28,11 @@ pub struct TokenSplit {
 
 enum Source {
     Gpt(GptDataset),
-    /// Sample i is sample `picks[i].1` of part `picks[i].0`.
+    /// Sample i is sample `picks[i].1` of part `picks[i].0` (8 bytes a sample: a part's samples
+    /// are fewer than 2³², `GptDataset`'s limit).
     Blend {
         parts: Vec<GptDataset>,
-        picks: Vec<(u16, u64)>,
+        picks: Vec<(u16, u32)>,
     },
     /// Sample i is record `picks[i]`'s tokens, whole (image-text pairs:
     /// `image_text::record_split`), padded to `seq` + 1 with `eod`.
@@ -243,7 +244,7 @@ pub fn blend_sizes(weights: &[f64], target: u64, surplus: f64) -> Vec<u64> {
 /// Megatron's `build_blending_indices`: sample i comes from the part furthest behind its share,
 /// weight · max(i, 1) − samples taken so far (the first part on a tie), taking that part's
 /// samples in order.
-fn blending_indices(weights: &[f64], size: u64) -> Vec<(u16, u64)> {
+fn blending_indices(weights: &[f64], size: u64) -> Vec<(u16, u32)> {
     let mut taken = vec![0u64; weights.len()];
     let mut picks = Vec::with_capacity(size as usize);
     for i in 0..size {
@@ -256,7 +257,9 @@ fn blending_indices(weights: &[f64], size: u64) -> Vec<(u16, u64)> {
                 (best, best_err) = (k, err);
             }
         }
-        picks.push((best as u16, taken[best]));
+        // Past u32 a pick is past its part's samples (fewer than 2³²): kept out of range, so
+        // reading it is the part's out-of-range error.
+        picks.push((best as u16, u32::try_from(taken[best]).unwrap_or(u32::MAX)));
         taken[best] += 1;
     }
     picks
@@ -313,7 +316,7 @@ mod tests {
             assert!((from_b - 0.75 * k as f64).abs() <= 1.0, "after {k}: {from_b} from the second");
         }
         // Each part's samples are taken in order.
-        let b: Vec<u64> = picks.iter().filter(|p| p.0 == 1).map(|p| p.1).collect();
-        assert_eq!(b, (0..b.len() as u64).collect::<Vec<_>>());
+        let b: Vec<u32> = picks.iter().filter(|p| p.0 == 1).map(|p| p.1).collect();
+        assert_eq!(b, (0..b.len() as u32).collect::<Vec<_>>());
     }
 }
