@@ -59,6 +59,27 @@ fn mamba_tiny_preset_cuda_matches_cpu() {
     matches_cpu("mamba-tiny");
 }
 
+/// The scan on tensor cores (bf16 with head dim and state multiples of 32; mamba-tiny's 16 state
+/// channels take the f32-FMA kernels): mamba-tiny with heads of 32 and 32 state channels, bf16 on
+/// CUDA against bf16 on the CPU.
+#[test]
+fn mamba_tensor_core_scan_cuda_matches_cpu() {
+    let gpu = Device::cuda(0).expect("a CUDA device");
+    let args = || TrainArgs {
+        preset: Some("mamba-tiny".into()),
+        bf16: true,
+        mamba_state_dim: Some(32),
+        mamba_head_dim: Some(32),
+        ..TrainArgs::default()
+    };
+    let (cpu, cuda) = (losses_of(args(), Device::Cpu), losses_of(args(), gpu));
+    eprintln!("mamba tensor cores\ncpu bf16 {cpu:?}\ncuda bf16 {cuda:?}");
+    assert_eq!(cuda.len(), 20);
+    for (i, (c, g)) in cpu.iter().zip(&cuda).enumerate() {
+        assert!((c - g).abs() <= 2e-2 * c.abs(), "step {}: cpu bf16 {c} vs cuda bf16 {g}", i + 1);
+    }
+}
+
 fn matches_cpu(preset: &str) {
     let gpu = Device::cuda(0).expect("a CUDA device");
     let cpu = losses(preset, false, Device::Cpu);
