@@ -174,13 +174,7 @@ pub fn ssd_scan(be: &B, xbc: &Tensor, dt_raw: &Tensor, p: &ScanParams, dm: &Scan
     if chunked(be, dm, xbc.dtype()) {
         let (_, sm_out, _) = chunk_smem(dm);
         let blocks = (dm.batch * dm.heads * dm.chunks()) as u32;
-        let decay = new(be, [dm.batch * dm.heads * dm.chunks()], DType::F32)?;
-        let mut args = vec![ptr(op, xbc)?, ptr(op, xbc)?, ptr(op, &dtr)?, ptr(op, &bias)?, ptr(op, &a_log)?];
-        args.extend([ptr(op, &states)?, ptr(op, &decay)?]);
-        args.extend(chunk_sizes(dm));
-        args.push(n(0)); // mode 0: B ⊗ x
-        chunk_state(be, dm, xbc.dtype(), blocks, &args)?;
-        state_pass(be, op, &states, &decay, dm, false)?;
+        passed_states(be, op, [xbc, xbc, &dtr, &bias, &a_log], &states, dm, Pass::Forward)?;
         let mut args = vec![ptr(op, xbc)?, ptr(op, &dtr)?, ptr(op, &bias)?, ptr(op, &a_log)?, ptr(op, &d)?];
         args.extend([ptr(op, &states)?, ptr(op, &y)?]);
         args.extend(chunk_sizes(dm));
@@ -199,20 +193,33 @@ pub fn ssd_scan(be: &B, xbc: &Tensor, dt_raw: &Tensor, p: &ScanParams, dm: &Scan
     Ok((y, states))
 }
 
-/// Each chunk's own state (`ssd_chunk_state`, its mode the last of `args`): on tensor cores where
-/// the scan's products are.
-fn chunk_state(be: &B, dm: &ScanDims, dt: DType, blocks: u32, args: &[Arg]) -> Result<()> {
+/// Which way `passed_states` carries the chunks' states.
+enum Pass {
+    /// Mode 0: each chunk's B ⊗ x, passed forward: every chunk's start state.
+    Forward,
+    /// Mode 1: each chunk's C ⊗ dy, passed in reverse: the gradient of every chunk's end state.
+    Reverse,
+}
+
+/// Each chunk's own state (`ssd_chunk_state`: on tensor cores where the scan's products are), then
+/// `ssd_state_pass` over them in place, into `out` [batch, heads, chunks, state, head dim] (f32).
+/// `ins`: xbc, the source of the outer products (xbc again forward, dy in reverse), dt_raw, dt_bias
+/// and A_log.
+fn passed_states(be: &B, op: &'static str, ins: [&Tensor; 5], out: &Tensor, dm: &ScanDims, pass: Pass) -> Result<()> {
+    let chunks = dm.batch * dm.heads * dm.chunks();
+    let decay = new(be, [chunks], DType::F32)?;
+    let mut args = ins.iter().map(|t| ptr(op, t)).collect::<Result<Vec<_>>>()?;
+    args.extend([ptr(op, out)?, ptr(op, &decay)?]);
+    args.extend(chunk_sizes(dm));
+    args.push(n(matches!(pass, Pass::Reverse) as usize));
+    let dt = ins[0].dtype();
     if tensor_cores(be, dm, dt) {
-        be.launch("ssd_chunk_state_tc_bf16", blocks, chunk_threads()[0], tc_smem(dm).0 as u32, args)
+        be.launch("ssd_chunk_state_tc_bf16", chunks as u32, chunk_threads()[0], tc_smem(dm).0 as u32, &args)?;
     } else {
-        be.launch(
-            &format!("ssd_chunk_state_{}", sfx("ssd_scan", dt)?),
-            blocks,
-            chunk_threads()[0],
-            chunk_smem(dm).0 as u32,
-            args,
-        )
+        let name = format!("ssd_chunk_state_{}", sfx("ssd_scan", dt)?);
+        be.launch(&name, chunks as u32, chunk_threads()[0], chunk_smem(dm).0 as u32, &args)?;
     }
+    state_pass(be, op, out, &decay, dm, matches!(pass, Pass::Reverse))
 }
 
 /// The chunked kernels' trailing sizes: seq, heads, head dim, groups, state (`ssd_chunk_state`
@@ -256,13 +263,7 @@ pub fn ssd_scan_bwd(
         let (_, _, sm_bwd) = chunk_smem(dm);
         let blocks = (bh * dm.chunks()) as u32;
         let gstates = new(be, states.shape().clone(), DType::F32)?;
-        let decay = new(be, [bh * dm.chunks()], DType::F32)?;
-        let mut args = vec![ptr(op, xbc)?, ptr(op, &dy)?, ptr(op, &dtr)?, ptr(op, &bias)?, ptr(op, &a_log)?];
-        args.extend([ptr(op, &gstates)?, ptr(op, &decay)?]);
-        args.extend(chunk_sizes(dm));
-        args.push(n(1)); // mode 1: C ⊗ dy
-        chunk_state(be, dm, xbc.dtype(), blocks, &args)?;
-        state_pass(be, op, &gstates, &decay, dm, true)?;
+        passed_states(be, op, [xbc, &dy, &dtr, &bias, &a_log], &gstates, dm, Pass::Reverse)?;
         let mut args = vec![ptr(op, xbc)?, ptr(op, &dtr)?, ptr(op, &bias)?, ptr(op, &a_log)?, ptr(op, &d)?];
         for t in [states, &gstates, &dy, &dxbc, &ddt, &dbh, &dch, &prm] {
             args.push(ptr(op, t)?);
