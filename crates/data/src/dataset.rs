@@ -10,6 +10,7 @@
 
 use crate::DataError;
 use crate::gpt::{GptDataset, Sequences};
+use crate::index_cache::{BlendPicks, CacheEntry};
 use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
@@ -28,11 +29,12 @@ pub struct TokenSplit {
 
 enum Source {
     Gpt(GptDataset),
-    /// Sample i is sample `picks[i].1` of part `picks[i].0` (8 bytes a sample: a part's samples
-    /// are fewer than 2³², `GptDataset`'s limit).
+    /// Sample i is sample `picks.sample[i]` of part `picks.part[i]` (6 bytes a sample: a part's
+    /// samples are fewer than 2³², `GptDataset`'s limit; mapped from --data-cache-path's files
+    /// where they are cached).
     Blend {
         parts: Vec<GptDataset>,
-        picks: Vec<(u16, u32)>,
+        picks: BlendPicks,
     },
     /// Sample i is record `picks[i]`'s tokens, whole (image-text pairs:
     /// `image_text::record_split`), padded to `seq` + 1 with `eod`.
@@ -66,8 +68,19 @@ impl TokenSplit {
     pub fn num_samples(&self) -> usize {
         match &self.source {
             Source::Gpt(d) => d.num_samples(),
-            Source::Blend { picks, .. } => picks.len(),
+            Source::Blend { picks, .. } => picks.part.len(),
             Source::Records { picks, .. } => picks.len(),
+        }
+    }
+
+    /// Whether every index behind the samples is a --data-cache-path file mapped read-only.
+    pub fn indices_mapped(&self) -> bool {
+        match &self.source {
+            Source::Gpt(d) => d.indices_mapped(),
+            Source::Blend { parts, picks } => {
+                picks.part.is_mapped() && picks.sample.is_mapped() && parts.iter().all(GptDataset::indices_mapped)
+            }
+            Source::Records { .. } => false,
         }
     }
 
@@ -76,7 +89,8 @@ impl TokenSplit {
         match &self.source {
             Source::Gpt(d) => d.sample(i),
             Source::Blend { parts, picks } => {
-                let &(p, j) = picks.get(i).ok_or(DataError::SampleOutOfRange { index: i, samples: picks.len() })?;
+                let out = DataError::SampleOutOfRange { index: i, samples: picks.part.len() };
+                let (&p, &j) = picks.part.get(i).zip(picks.sample.get(i)).ok_or(out)?;
                 parts[p as usize].sample(j as usize)
             }
             Source::Records { records, picks, seq, eod } => {
@@ -226,7 +240,57 @@ pub fn blend_split(
             (built, normalize(&lens), size.min(total))
         }
     };
-    Ok(TokenSplit { name, source: Source::Blend { picks: blending_indices(&weights, size), parts: built } })
+    let picks = blend_picks(name, &built, &weights, size, cache)?;
+    Ok(TokenSplit { name, source: Source::Blend { picks, parts: built } })
+}
+
+/// The blend's picks: read from --data-cache-path where a run of the same parts, weights and size
+/// wrote them (every part cached too: mock and in-memory parts are cheap to pick again), else
+/// picked and written there.
+fn blend_picks(
+    name: &'static str,
+    parts: &[GptDataset],
+    weights: &[f64],
+    size: u64,
+    cache: Option<&Path>,
+) -> Result<BlendPicks, DataError> {
+    let described: Option<Vec<&str>> = parts.iter().map(GptDataset::cached_as).collect();
+    let (Some(dir), Some(described)) = (cache, described) else { return Ok(blending_indices(weights, size)) };
+    // Weights by their bits: the picks follow them exactly.
+    let mut description = format!(
+        "ferrotron BlendedDataset indices\nsplit: {name}\nsize: {size}\nweights: {:?}\n",
+        weights.iter().map(|w| format!("{:016x}", w.to_bits())).collect::<Vec<_>>()
+    );
+    for (k, d) in described.iter().enumerate() {
+        description.push_str(&format!("part {k}:\n{d}"));
+    }
+    let entry = CacheEntry::new(dir, "BlendedDataset", name, description);
+    if let Some(picks) = entry.load_blend()? {
+        check_picks(&entry, &picks, parts, size)?;
+        return Ok(picks);
+    }
+    let picks = blending_indices(weights, size);
+    entry.save_blend(&picks)?;
+    Ok(picks)
+}
+
+/// Cached picks that do not fit the blend they were read for are refused, naming the file.
+fn check_picks(entry: &CacheEntry, picks: &BlendPicks, parts: &[GptDataset], size: u64) -> Result<(), DataError> {
+    let bad = |what: &str, why: String| Err(DataError::BadCache { path: entry.path_of(what), why });
+    if picks.part.len() as u64 != size {
+        return bad("dataset_index.npy", format!("{} entries where {size} were picked", picks.part.len()));
+    }
+    if let Some(p) = picks.part.iter().find(|&&p| p as usize >= parts.len()) {
+        return bad("dataset_index.npy", format!("part {p} in a blend of {}", parts.len()));
+    }
+    if let Some(i) =
+        (0..picks.part.len()).find(|&i| picks.sample[i] as usize >= parts[picks.part[i] as usize].num_samples())
+    {
+        let (p, j) = (picks.part[i], picks.sample[i]);
+        let n = parts[p as usize].num_samples();
+        return bad("dataset_sample_index.npy", format!("entry {i} is sample {j} of part {p}, which has {n}"));
+    }
+    Ok(())
 }
 
 /// Megatron's `normalize`: each weight over their sum.
@@ -244,9 +308,9 @@ pub fn blend_sizes(weights: &[f64], target: u64, surplus: f64) -> Vec<u64> {
 /// Megatron's `build_blending_indices`: sample i comes from the part furthest behind its share,
 /// weight · max(i, 1) − samples taken so far (the first part on a tie), taking that part's
 /// samples in order.
-fn blending_indices(weights: &[f64], size: u64) -> Vec<(u16, u32)> {
+fn blending_indices(weights: &[f64], size: u64) -> BlendPicks {
     let mut taken = vec![0u64; weights.len()];
-    let mut picks = Vec::with_capacity(size as usize);
+    let (mut part, mut sample) = (Vec::with_capacity(size as usize), Vec::with_capacity(size as usize));
     for i in 0..size {
         let x = (i as f64).max(1.0);
         let mut best = 0;
@@ -259,10 +323,11 @@ fn blending_indices(weights: &[f64], size: u64) -> Vec<(u16, u32)> {
         }
         // Past u32 a pick is past its part's samples (fewer than 2³²): kept out of range, so
         // reading it is the part's out-of-range error.
-        picks.push((best as u16, u32::try_from(taken[best]).unwrap_or(u32::MAX)));
+        part.push(best as u16);
+        sample.push(u32::try_from(taken[best]).unwrap_or(u32::MAX));
         taken[best] += 1;
     }
-    picks
+    BlendPicks { part: part.into(), sample: sample.into() }
 }
 
 /// Tokenized documents, each followed by the end-of-document token, as in-memory sequences;
@@ -310,13 +375,13 @@ mod tests {
     #[test]
     fn blending_keeps_every_prefix_within_a_sample_of_its_share() {
         let picks = blending_indices(&[0.25, 0.75], 40);
-        assert_eq!(picks[0].0, 1);
+        assert_eq!(picks.part[0], 1);
         for k in 1..=40 {
-            let from_b = picks[..k].iter().filter(|p| p.0 == 1).count() as f64;
+            let from_b = picks.part[..k].iter().filter(|&&p| p == 1).count() as f64;
             assert!((from_b - 0.75 * k as f64).abs() <= 1.0, "after {k}: {from_b} from the second");
         }
         // Each part's samples are taken in order.
-        let b: Vec<u32> = picks.iter().filter(|p| p.0 == 1).map(|p| p.1).collect();
+        let b: Vec<u32> = (0..40).filter(|&i| picks.part[i] == 1).map(|i| picks.sample[i]).collect();
         assert_eq!(b, (0..b.len() as u32).collect::<Vec<_>>());
     }
 }

@@ -119,6 +119,8 @@ pub struct GptDataset {
     /// [samples + 1, 2] sample index, flat); one more pair than samples.
     starts: U32s,
     shuffle: U32s,
+    /// What its cache files' names hash (built with --data-cache-path), for a blend's own.
+    cached_as: Option<String>,
 }
 
 /// Megatron's `add_extra_token_to_sequence`: a sample holds its last input's label too.
@@ -201,7 +203,7 @@ impl GptDataset {
                     seqs.len(),
                     plan.tokens_per_epoch,
                 );
-                Some(CacheEntry::new(dir, name, description))
+                Some(CacheEntry::new(dir, "GPTDataset", name, description))
             }
             _ => None,
         };
@@ -217,12 +219,14 @@ impl GptDataset {
                 documents,
                 starts,
                 shuffle,
+                cached_as: Some(entry.description().to_string()),
             });
         }
-        let d = Self::draw(seqs, ids, &plan, seq_length, seed);
+        let mut d = Self::draw(seqs, ids, &plan, seq_length, seed);
         if let Some(entry) = &entry {
             // Written, then used from memory: the next run maps them.
             entry.save(IndicesRef { documents: &d.documents, starts: &d.starts, shuffle: &d.shuffle })?;
+            d.cached_as = Some(entry.description().to_string());
         }
         Ok(d)
     }
@@ -261,6 +265,7 @@ impl GptDataset {
             documents: documents.into(),
             starts: starts.into(),
             shuffle: shuffle.into(),
+            cached_as: None,
         }
     }
 
@@ -272,6 +277,12 @@ impl GptDataset {
     /// --data-cache-path) rather than built into memory.
     pub fn indices_mapped(&self) -> bool {
         self.documents.is_mapped() && self.starts.is_mapped() && self.shuffle.is_mapped()
+    }
+
+    /// The description its --data-cache-path files are named by (None when not cached: mock and
+    /// in-memory sequences, or no cache path).
+    pub fn cached_as(&self) -> Option<&str> {
+        self.cached_as.as_deref()
     }
 
     /// Tokens in the dataset's sequences, once each.

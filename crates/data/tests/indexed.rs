@@ -2,7 +2,9 @@
 //! writer's round trip, every corrupt-index case refused with the file named, and `--split`'s
 //! bad spellings. (Sample order and the split and blend arithmetic: gpt_order.rs.)
 
-use ferrotron_data::{DataError, GptDataset, IndexedDataset, Sequences, TokenDtype, parse_split, write_indexed};
+use ferrotron_data::{
+    DataError, GptDataset, IndexedDataset, Sequences, TokenDtype, blend_split, parse_split, write_indexed,
+};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -219,5 +221,71 @@ fn cached_indices_give_the_built_samples() {
     assert!((0..fresh.num_samples()).all(|i| d.sample(i).unwrap() == fresh.sample(i).unwrap()));
     let left: Vec<_> = std::fs::read_dir(&cache).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(left.len(), 4, "three indices and the description, no temporary file: {left:?}");
+    std::fs::remove_dir_all(&cache).unwrap();
+}
+
+/// `--data-cache-path` with a blend: its picks (dataset_index, dataset_sample_index) are written
+/// beside its parts' indices, read back mapped by the next run with the same samples; other weights
+/// get files of their own; picks that do not fit the blend are refused with the file named.
+#[test]
+fn cached_blend_picks_give_the_built_samples() {
+    let docs = fixture_docs();
+    let ds = Arc::new(IndexedDataset::open(fixture()).unwrap());
+    let cache = scratch("blend-cache").with_file_name("blend-cache");
+    let _ = std::fs::remove_dir_all(&cache);
+    let seqs = || Arc::new(Sequences::Indexed(ds.clone()));
+    let half = docs.len() / 2;
+    let build = |w: f64, cache: Option<&Path>| {
+        let parts = vec![(Some(w), seqs(), 0..half), (Some(1.0), seqs(), half..docs.len())];
+        blend_split("train", parts, 40, 16, 7, cache).unwrap()
+    };
+    let blend_files = |dir: &Path| -> Vec<PathBuf> {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.to_str().unwrap().contains("-BlendedDataset-train-"))
+            .collect();
+        v.sort();
+        v
+    };
+    let fresh = build(0.5, None);
+    let first = build(0.5, Some(&cache));
+    let files = blend_files(&cache);
+    let names: Vec<String> = files.iter().map(|f| f.file_name().unwrap().to_str().unwrap().to_string()).collect();
+    assert_eq!(names.len(), 3, "{names:?}");
+    for end in ["description.txt", "dataset_index.npy", "dataset_sample_index.npy"] {
+        assert!(names.iter().any(|n| n.ends_with(end)), "{end} in {names:?}");
+    }
+    let second = build(0.5, Some(&cache));
+    assert!(second.indices_mapped() && !first.indices_mapped(), "picks read back mapped, built in memory");
+    assert_eq!(second.num_samples(), fresh.num_samples());
+    for i in 0..fresh.num_samples() {
+        let want = fresh.sample(i).unwrap();
+        assert_eq!(first.sample(i).unwrap(), want, "sample {i}");
+        assert_eq!(second.sample(i).unwrap(), want, "sample {i} from the cache");
+    }
+    // Other weights: a blend of its own (and parts of other sizes).
+    build(2.0, Some(&cache));
+    let both = blend_files(&cache);
+    assert_eq!(both.len(), 6, "{both:?}");
+    // The 0.5 blend's last pick pointed past its part's samples: refused, the file named.
+    let ours = files.iter().find(|f| f.to_str().unwrap().ends_with("-dataset_sample_index.npy")).unwrap();
+    let mut bytes = std::fs::read(ours).unwrap();
+    let n = bytes.len();
+    bytes[n - 4..].copy_from_slice(&u32::MAX.to_le_bytes());
+    std::fs::write(ours, &bytes).unwrap();
+    let again = || {
+        let parts = vec![(Some(0.5), seqs(), 0..half), (Some(1.0), seqs(), half..docs.len())];
+        blend_split("train", parts, 40, 16, 7, Some(&cache)).err().expect("bad picks are refused")
+    };
+    let e = again();
+    assert!(matches!(e, DataError::BadCache { .. }), "{e}");
+    let msg = e.to_string();
+    let last = format!("entry {} is sample {}", fresh.num_samples() - 1, u32::MAX);
+    assert!(msg.contains("dataset_sample_index.npy") && msg.contains(&last) && msg.contains("delete it"), "{msg}");
+    // Cut short: refused too.
+    std::fs::write(ours, &bytes[..n - 2]).unwrap();
+    let msg = again().to_string();
+    assert!(msg.contains("dataset_sample_index.npy") && msg.contains("bytes of data"), "{msg}");
     std::fs::remove_dir_all(&cache).unwrap();
 }
