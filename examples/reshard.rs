@@ -16,7 +16,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // split of dim 0 would.
     let mut files = vec![];
     for rank in 0..2 {
-        let split = Some(Split { dim: 0, rank, size: 2, chunks: 1 });
+        let split = Some(Split { dim: 0, rank, size: 2, chunks: 1, sizes: None });
         let piece = Piece { split, len: 24, ..Piece::whole(&shape) };
         let values = Cow::Borrowed(&whole[rank * 24..(rank + 1) * 24]);
         let path = dir.join(format!("rank{rank}.safetensors"));
@@ -27,7 +27,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Loading under another layout: three ranks, each two of the six columns.
     let reader = ShardReader::open(&files)?;
     for rank in 0..3 {
-        let split = Some(Split { dim: 1, rank, size: 3, chunks: 1 });
+        let split = Some(Split { dim: 1, rank, size: 3, chunks: 1, sizes: None });
         let want = Piece { split, len: 16, ..Piece::whole(&shape) };
         let got = reader.read("linear.weight", &want, None)?;
         let expected: Vec<f32> = (0..8).flat_map(|r| (0..2).map(move |c| (r * 6 + 2 * rank + c) as f32)).collect();

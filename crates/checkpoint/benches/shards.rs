@@ -13,7 +13,7 @@ const N: usize = 4096;
 
 fn part(dim: usize, rank: usize, size: usize) -> Piece {
     let whole = Piece::whole(&[N, N]);
-    let split = Some(Split { dim, rank, size, chunks: 1 });
+    let split = Some(Split { dim, rank, size, chunks: 1, sizes: None });
     Piece { split, len: N * N / size, ..whole }
 }
 

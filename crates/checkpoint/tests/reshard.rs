@@ -23,7 +23,7 @@ fn pieces(shape: &[usize], split: Option<(usize, usize, usize)>, cuts: usize) ->
     let mut out = vec![];
     let ranks = split.map_or(1, |s| s.1);
     for rank in 0..ranks {
-        let sp = split.map(|(dim, size, chunks)| Split { dim, rank, size, chunks });
+        let sp = split.map(|(dim, size, chunks)| Split { dim, rank, size, chunks, sizes: None });
         let part = Piece { global_shape: shape.to_vec(), split: sp, start: 0, len: 0 };
         let n: usize = part.part_shape().iter().product();
         for c in 0..cuts {
@@ -149,7 +149,7 @@ fn damaged_or_mismatched_checkpoints_are_named() {
     // Values only rank 0's file holds still read: a rank hashes only the files it reads.
     let top = Piece {
         global_shape: vec![4, 6],
-        split: Some(Split { dim: 0, rank: 0, size: 2, chunks: 1 }),
+        split: Some(Split { dim: 0, rank: 0, size: 2, chunks: 1, sizes: None }),
         start: 0,
         len: 12,
     };

@@ -31,7 +31,7 @@ pub use error::{Error, Result, invalid, shape_mismatch};
 pub use float8::{F8E4M3, F8E5M2};
 pub use half::{bf16, f16};
 pub use module::{Cx, Draw, Module, Saved};
-pub use params::{Init, ParamId, ParamMeta, ParamTable, ParamTableBuilder, PendingParams, Shard};
+pub use params::{Blocks, Init, ParamId, ParamMeta, ParamTable, ParamTableBuilder, PendingParams, Shard};
 pub use shape::{Layout, Shape};
 pub use storage::{CpuStorage, Storage};
 pub use tensor::{F32Read, Tensor};

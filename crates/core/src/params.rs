@@ -59,23 +59,101 @@ impl Init {
     }
 }
 
-/// Which part of a parameter a tensor-parallel rank holds along `ParamMeta::split_dim`: the dim is
-/// seen as `chunks` equal blocks (2 for SwiGLU's gate|value fc1), each cut into `size` parts, and
-/// this rank holds part `rank` of every block, in block order.
+/// How the split dim of a tensor-parallel parameter divides into blocks, each cut across the
+/// ranks on its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Blocks {
+    /// `n` equal blocks (1: the dim as one block; 2: SwiGLU's gate|value fc1).
+    Equal(usize),
+    /// Blocks of these lengths along the dim, in order, zeros past the last: Mamba's in_proj
+    /// (z | x | B | C | dt) and its convolution (x | B | C), whose blocks differ in length.
+    Sizes([usize; 5]),
+}
+
+impl Blocks {
+    /// How many blocks.
+    pub fn count(&self) -> usize {
+        match self {
+            Blocks::Equal(n) => *n,
+            Blocks::Sizes(s) => s.iter().take_while(|&&x| x > 0).count(),
+        }
+    }
+
+    /// Block `k`'s (start, length) along a dim of length `g`.
+    pub fn span(&self, k: usize, g: usize) -> (usize, usize) {
+        match self {
+            Blocks::Equal(n) => (k * (g / n), g / n),
+            Blocks::Sizes(s) => (s[..k].iter().sum(), s[k]),
+        }
+    }
+}
+
+/// Which part of a parameter a tensor-parallel rank holds along `ParamMeta::split_dim`: the dim
+/// is seen as `blocks`, each cut into `size` equal parts, and this rank holds part `rank` of
+/// every block, in block order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Shard {
     pub rank: usize,
     pub size: usize,
-    pub chunks: usize,
+    pub blocks: Blocks,
 }
 
 impl Shard {
-    pub const WHOLE: Shard = Shard { rank: 0, size: 1, chunks: 1 };
+    pub const WHOLE: Shard = Shard { rank: 0, size: 1, blocks: Blocks::Equal(1) };
+
+    /// A rank's part of a dim cut as one block.
+    pub fn of(rank: usize, size: usize) -> Shard {
+        Shard { rank, size, blocks: Blocks::Equal(1) }
+    }
+
+    /// Whether the blocks make up a dim of length `g` and each divides into `size` parts.
+    pub fn divides(&self, g: usize) -> bool {
+        let n = self.blocks.count();
+        let fits = match self.blocks {
+            Blocks::Equal(n) => n > 0 && g % n == 0,
+            Blocks::Sizes(s) => s[n..].iter().all(|&x| x == 0) && s.iter().sum::<usize>() == g,
+        };
+        self.size > 0
+            && self.rank < self.size
+            && n > 0
+            && fits
+            && (0..n).all(|k| self.blocks.span(k, g).1 % self.size == 0)
+    }
 
     /// Global index along the split dim of local index `l`, for a global length `g`.
     pub fn global_index(&self, l: usize, g: usize) -> usize {
-        let part = g / (self.chunks * self.size);
-        (l / part) * (g / self.chunks) + self.rank * part + l % part
+        self.locate(l, g).0
+    }
+
+    /// Local index `l` along the split dim (global length `g`): its global index and how many
+    /// local indices from `l` on stay contiguous in both (the rest of its block's part).
+    pub fn locate(&self, l: usize, g: usize) -> (usize, usize) {
+        let mut first = 0;
+        for k in 0..self.blocks.count() {
+            let (start, len) = self.blocks.span(k, g);
+            let part = len / self.size;
+            if l < first + part {
+                return (start + self.rank * part + (l - first), first + part - l);
+            }
+            first += part;
+        }
+        (g, 1) // past the part: out of range for any caller that checked its bounds
+    }
+
+    /// Global index `x` along the split dim (length `g`): this rank's local index of it and the
+    /// run from there, or None where another rank holds it.
+    pub fn local_of(&self, x: usize, g: usize) -> Option<(usize, usize)> {
+        let mut first = 0;
+        for k in 0..self.blocks.count() {
+            let (start, len) = self.blocks.span(k, g);
+            let part = len / self.size;
+            if x < start + len {
+                let w = x - start;
+                return (w / part == self.rank).then(|| (first + w % part, part - w % part));
+            }
+            first += part;
+        }
+        None
     }
 }
 
@@ -132,8 +210,8 @@ impl ParamMeta {
         }
     }
 
-    /// A parameter split along `dim` across tensor-parallel ranks; `global_shape[dim]` must be a
-    /// multiple of `shard.chunks × shard.size`.
+    /// A parameter split along `dim` across tensor-parallel ranks; `shard`'s blocks must make up
+    /// `global_shape[dim]`, each a multiple of `shard.size`.
     pub fn split(
         name: impl Into<String>,
         global_shape: impl Into<Shape>,
@@ -144,14 +222,14 @@ impl ParamMeta {
     ) -> Result<Self> {
         let (name, global_shape) = (name.into(), global_shape.into());
         let g = global_shape.dims().get(dim).copied().unwrap_or(0);
-        if shard.size == 0 || shard.chunks == 0 || g % (shard.size * shard.chunks) != 0 || shard.rank >= shard.size {
+        if !shard.divides(g) {
             return Err(Error::InvalidArgument {
                 op: "ParamMeta::split",
                 msg: format!(
-                    "`{name}`: dimension {dim} of {:?} cannot be split into {} parts ({} block(s))",
+                    "`{name}`: dimension {dim} of {:?} cannot be split into {} parts ({:?})",
                     global_shape.dims(),
                     shard.size,
-                    shard.chunks
+                    shard.blocks
                 ),
             });
         }
@@ -707,7 +785,7 @@ mod tests {
     #[test]
     fn shards_hold_their_part_of_the_whole() {
         // [6, 4] split along dim 0 into 3 parts of 2 blocks (SwiGLU-style), and along dim 1.
-        for (dim, chunks) in [(0, 2), (0, 1), (1, 1)] {
+        for (dim, blocks) in [(0, Blocks::Equal(2)), (0, Blocks::Equal(1)), (1, Blocks::Equal(1))] {
             let whole = {
                 let mut b = ParamTableBuilder::default();
                 b.add(ParamMeta::replicated("w", [6, 4], Init::Normal { std: 1.0 }, true)).unwrap();
@@ -716,7 +794,7 @@ mod tests {
             let size = if dim == 0 { 3 } else { 2 };
             let mut got = vec![f32::NAN; 24];
             for rank in 0..size {
-                let shard = Shard { rank, size, chunks };
+                let shard = Shard { rank, size, blocks };
                 let mut b = ParamTableBuilder::default();
                 b.add(ParamMeta::split("w", [6, 4], dim, shard, Init::Normal { std: 1.0 }, true).unwrap()).unwrap();
                 let local = b.build(&Device::Cpu, DType::F32, 3).unwrap().flat_params().to_vec_f32().unwrap();
@@ -727,28 +805,32 @@ mod tests {
                     got[gr * 4 + gc] = *v;
                 }
             }
-            assert_eq!(got, whole, "dim {dim}, {chunks} block(s)");
+            assert_eq!(got, whole, "dim {dim}, {blocks:?}");
         }
-        let e = ParamMeta::split("w", [6, 4], 0, Shard { rank: 0, size: 4, chunks: 1 }, Init::Zeros, true);
+        let e = ParamMeta::split("w", [6, 4], 0, Shard::of(0, 4), Init::Zeros, true);
         assert!(e.unwrap_err().to_string().contains("`w`"));
+        // Unequal blocks: each must divide by the ranks and together make up the dim.
+        let bad = |sizes| !Shard { rank: 0, size: 2, blocks: Blocks::Sizes(sizes) }.divides(10);
+        assert!(bad([4, 3, 3, 0, 0]) && bad([4, 4, 0, 0, 0]) && bad([4, 0, 6, 0, 0]));
+        assert!(!bad([4, 2, 4, 0, 0]));
     }
 
     #[test]
     fn split_parameters_draw_in_runs() {
         // Contiguous shards are one run; SwiGLU-style shards (2 blocks) one run per block.
-        assert_eq!(split_runs(Shard { rank: 1, size: 2, chunks: 1 }, 4, 8), [(4, 4)]);
-        assert_eq!(split_runs(Shard { rank: 1, size: 2, chunks: 2 }, 4, 8), [(2, 2), (2, 6)]);
+        assert_eq!(split_runs(Shard::of(1, 2), 4, 8), [(4, 4)]);
+        assert_eq!(split_runs(Shard { rank: 1, size: 2, blocks: Blocks::Equal(2) }, 4, 8), [(2, 2), (2, 6)]);
+        // Unequal blocks (4 | 2 | 4 of 10): rank 1 holds 2..4, 5..6 and 8..10.
+        let mamba_like = Shard { rank: 1, size: 2, blocks: Blocks::Sizes([4, 2, 4, 0, 0]) };
+        assert_eq!(split_runs(mamba_like, 5, 10), [(2, 2), (1, 5), (2, 8)]);
+        for l in 0..5 {
+            let (x, _) = mamba_like.locate(l, 10);
+            assert_eq!(mamba_like.local_of(x, 10).map(|p| p.0), Some(l), "local {l} ↔ global {x}");
+        }
+        assert_eq!((mamba_like.local_of(0, 10), mamba_like.local_of(4, 10)), (None, None));
         assert_eq!(split_runs(Shard::WHOLE, 5, 5), [(5, 0)]);
         // A row-parallel weight ([out, in] split along in): one draw per row, not per element.
-        let m = ParamMeta::split(
-            "w",
-            [64, 1024],
-            1,
-            Shard { rank: 1, size: 2, chunks: 1 },
-            Init::Normal { std: 1.0 },
-            true,
-        )
-        .unwrap();
+        let m = ParamMeta::split("w", [64, 1024], 1, Shard::of(1, 2), Init::Normal { std: 1.0 }, true).unwrap();
         let mut out = vec![0f32; 64 * 512];
         let mut draws = Vec::new();
         init_values(&m, 3, &mut out, &mut draws);

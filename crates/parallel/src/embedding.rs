@@ -26,7 +26,7 @@ impl VocabParallelEmbedding {
         std: f32,
         tp: &TensorParallel,
     ) -> Result<Self> {
-        let shard = Shard { rank: tp.rank(), size: tp.size(), chunks: 1 };
+        let shard = Shard::of(tp.rank(), tp.size());
         let weight =
             p.add(ParamMeta::split(name, [padded_vocab_size, hidden], 0, shard, Init::Normal { std }, true)?)?;
         Ok(VocabParallelEmbedding { weight, vocab_size, padded_vocab_size, tp: tp.clone() })

@@ -10,7 +10,9 @@
 //! grads are added (`+=`) into main_grad from the whole (gathered) activations.
 
 use crate::tp::TensorParallel;
-use ferrotron_core::{Cx, Init, Module, ParamId, ParamMeta, ParamTableBuilder, Result, Saved, Shard, Tensor, invalid};
+use ferrotron_core::{
+    Blocks, Cx, Init, Module, ParamId, ParamMeta, ParamTableBuilder, Result, Saved, Shard, Tensor, invalid,
+};
 use ferrotron_kernels as k;
 
 fn saved_one<'a>(op: &'static str, s: &'a Saved) -> Result<&'a Tensor> {
@@ -55,7 +57,7 @@ impl ColumnParallelLinear {
         tp: &TensorParallel,
         blocks: usize,
     ) -> Result<Self> {
-        let shard = Shard { rank: tp.rank(), size: tp.size(), chunks: blocks };
+        let shard = Shard { rank: tp.rank(), size: tp.size(), blocks: Blocks::Equal(blocks) };
         let weight = p.add(ParamMeta::split(
             format!("{prefix}.weight"),
             [out_features, in_features],
@@ -150,7 +152,7 @@ impl RowParallelLinear {
         std: f32,
         tp: &TensorParallel,
     ) -> Result<Self> {
-        let shard = Shard { rank: tp.rank(), size: tp.size(), chunks: 1 };
+        let shard = Shard::of(tp.rank(), tp.size());
         let weight = p.add(ParamMeta::split(
             format!("{prefix}.weight"),
             [out_features, in_features],

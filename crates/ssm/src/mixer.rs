@@ -16,12 +16,26 @@
 //! in place). Weight gradients go into main_grad (`=` on a parameter's first write in a step,
 //! `+=` after: `ParamTable::grad_acc`); the conv, scan and norm parameters' small f32 gradients
 //! are added there.
+//!
+//! Tensor parallelism (Megatron's layout): each of t ranks holds H/t heads and G/t groups, so
+//! in_proj is column-parallel with each of its blocks z | x | B | C | dt cut across the ranks
+//! (unequal blocks: `Blocks::Sizes`), the convolution's channels x | B | C likewise, dt_bias, A_log,
+//! D and the norm weight by heads, out_proj row-parallel. Everything between the two products
+//! is per head or per group, so it runs on the rank's own; the input enters the group as a
+//! column-parallel linear's does (gathered over the sequence with sequence parallelism) and the
+//! output leaves it as a row-parallel one's (summed, or reduce-scattered). The gated norm must
+//! then be per group (each rank normalises whole groups).
 
 use crate::spec::{MambaDims, MambaSpec};
-use ferrotron_core::{Cx, Init, Module, ParamId, ParamMeta, ParamTableBuilder, Result, Saved, Tensor, invalid};
+use ferrotron_core::{
+    Blocks, Cx, Init, Module, ParamId, ParamMeta, ParamTableBuilder, Result, Saved, Shard, Tensor, invalid,
+};
 use ferrotron_kernels as k;
+use ferrotron_parallel::TensorParallel;
 
 pub struct MambaMixer {
+    /// This rank's sizes (the whole mixer's heads, groups and width over the tensor-parallel
+    /// size); the hidden size whole.
     pub dims: MambaDims,
     pub in_proj: ParamId,
     pub conv_weight: ParamId,
@@ -32,14 +46,17 @@ pub struct MambaMixer {
     pub norm: ParamId,
     pub out_proj: ParamId,
     eps: f64,
-    /// Column groups of the gated norm: the head groups', or 1 (the whole width).
+    /// Column groups of the gated norm on this rank: the head groups', or 1 (the whole width).
     norm_groups: usize,
+    tp: TensorParallel,
 }
 
 impl MambaMixer {
-    /// Registers the parameters under `prefix` (e.g. `decoder.layers.0.mixer`). Init as Megatron's:
-    /// in_proj normal(std), out_proj normal(out_std), the convolution PyTorch's default uniform
-    /// (±1/√K), dt_bias softplus⁻¹ of a log-uniform step, A_log ln U(1, 16), D and the norm ones.
+    /// Registers the parameters under `prefix` (e.g. `decoder.layers.0.mixer`), this rank's part
+    /// of each under `tp`. Init as Megatron's: in_proj normal(std), out_proj normal(out_std), the
+    /// convolution PyTorch's default uniform (±1/√K), dt_bias softplus⁻¹ of a log-uniform step,
+    /// A_log ln U(1, 16), D and the norm ones; every value drawn at its index in the whole tensor,
+    /// so any layout starts from the same model.
     pub fn new(
         p: &mut ParamTableBuilder,
         prefix: &str,
@@ -47,31 +64,46 @@ impl MambaMixer {
         dims: MambaDims,
         std: f32,
         out_std: f32,
+        tp: &TensorParallel,
     ) -> Result<Self> {
-        let (c, h, cd, kk) = (dims.hidden, dims.heads, dims.conv_dim(), dims.conv_kernel);
-        let add = |p: &mut ParamTableBuilder, name: &str, shape: Vec<usize>, init: Init, decay: bool| {
-            p.add(ParamMeta::replicated(format!("{prefix}.{name}"), shape, init, decay))
+        let t = tp.size();
+        if dims.heads % t != 0 || dims.groups % t != 0 || (!spec.norm_per_group && t > 1) {
+            return Err(invalid(
+                "MambaMixer::new",
+                format!(
+                    "--tensor-model-parallel-size {t} must divide the Mamba heads ({}) and groups ({}), with the \
+                     gated norm per group (drop --mamba-norm-ungrouped): pick a size that divides both",
+                    dims.heads, dims.groups
+                ),
+            ));
+        }
+        let (c, h, cd, kk, di, gn) =
+            (dims.hidden, dims.heads, dims.conv_dim(), dims.conv_kernel, dims.d_inner, dims.groups * dims.state);
+        let part = |blocks| Shard { rank: tp.rank(), size: t, blocks };
+        let heads = Shard::of(tp.rank(), t);
+        let split = |p: &mut ParamTableBuilder, name: &str, shape: Vec<usize>, dim, sh, init, decay| {
+            p.add(ParamMeta::split(format!("{prefix}.{name}"), shape, dim, sh, init, decay)?)
         };
         let bound = 1.0 / (kk as f32).sqrt();
         let conv_init = Init::Uniform { lo: -bound, hi: bound };
+        let in_blocks = part(Blocks::Sizes([di, di, gn, gn, h]));
+        let conv_blocks = part(Blocks::Sizes([di, gn, gn, 0, 0]));
+        let dt_init = Init::DtBias { min: spec.dt_min, max: spec.dt_max, floor: spec.dt_floor };
+        let a_init = Init::LogUniform { lo: spec.a_init.0, hi: spec.a_init.1 };
+        let local = MambaDims { d_inner: di / t, heads: h / t, groups: dims.groups / t, ..dims };
         Ok(MambaMixer {
-            in_proj: add(p, "in_proj.weight", vec![dims.in_proj_out(), c], Init::Normal { std }, true)?,
-            conv_weight: add(p, "conv1d.weight", vec![cd, 1, kk], conv_init, true)?,
-            conv_bias: add(p, "conv1d.bias", vec![cd], conv_init, false)?,
-            dt_bias: add(
-                p,
-                "dt_bias",
-                vec![h],
-                Init::DtBias { min: spec.dt_min, max: spec.dt_max, floor: spec.dt_floor },
-                false,
-            )?,
-            a_log: add(p, "A_log", vec![h], Init::LogUniform { lo: spec.a_init.0, hi: spec.a_init.1 }, false)?,
-            d: add(p, "D", vec![h], Init::Ones, false)?,
-            norm: add(p, "norm.weight", vec![dims.d_inner], Init::Ones, false)?,
-            out_proj: add(p, "out_proj.weight", vec![c, dims.d_inner], Init::Normal { std: out_std }, true)?,
-            dims,
+            in_proj: split(p, "in_proj.weight", vec![dims.in_proj_out(), c], 0, in_blocks, Init::Normal { std }, true)?,
+            conv_weight: split(p, "conv1d.weight", vec![cd, 1, kk], 0, conv_blocks, conv_init, true)?,
+            conv_bias: split(p, "conv1d.bias", vec![cd], 0, conv_blocks, conv_init, false)?,
+            dt_bias: split(p, "dt_bias", vec![h], 0, heads, dt_init, false)?,
+            a_log: split(p, "A_log", vec![h], 0, heads, a_init, false)?,
+            d: split(p, "D", vec![h], 0, heads, Init::Ones, false)?,
+            norm: split(p, "norm.weight", vec![di], 0, heads, Init::Ones, false)?,
+            out_proj: split(p, "out_proj.weight", vec![c, di], 1, heads, Init::Normal { std: out_std }, true)?,
+            dims: local,
             eps: spec.norm_eps,
-            norm_groups: if spec.norm_per_group { dims.groups } else { 1 },
+            norm_groups: if spec.norm_per_group { local.groups } else { 1 },
+            tp: tp.clone(),
         })
     }
 
@@ -102,6 +134,8 @@ impl Module for MambaMixer {
                 format!("input {:?} is not [B, T, {}]", h.dims(), self.dims.hidden),
             ));
         }
+        // With sequence parallelism h holds this rank's positions: the products take them all.
+        let h = &self.tp.enter(h)?;
         let (b, t) = (h.dims()[0], h.dims()[1]);
         let rows = b * t;
         let [wz, wx, wdt] = self.in_parts(&cx.params.param(self.in_proj)?)?;
@@ -117,6 +151,7 @@ impl Module for MambaMixer {
         let (y2, z2) = (y.reshape([rows, di])?, z.reshape([rows, di])?);
         let (g, rstd) = k::gated_rmsnorm(&y2, &z2, &cx.params.param(self.norm)?, self.norm_groups, self.eps)?;
         let out = k::matmul(&g.reshape([b, t, di])?, &cx.params.param(self.out_proj)?, false, true)?;
+        let out = self.tp.exit(&out)?; // this rank's heads' share, summed over the group
         Ok((out, Saved::new(vec![h.clone(), z2, xbc, u, dt, states, y2, rstd, g], vec![])))
     }
 
@@ -127,6 +162,7 @@ impl Module for MambaMixer {
             .map_err(|_| invalid("MambaMixer::backward", "saved tensors do not match forward"))?;
         let (b, t) = (h.dims()[0], h.dims()[1]);
         let (rows, c, di) = (b * t, self.dims.hidden, self.dims.d_inner);
+        let dout = self.tp.exit_bwd(dout)?;
         let dout2 = dout.reshape([rows, c])?;
         let w_out = cx.params.param(self.out_proj)?;
         let dg = k::matmul(&dout2, &w_out, false, false)?;
@@ -163,6 +199,6 @@ impl Module for MambaMixer {
         for (gw, dpart) in [(&gz, &dz), (&gx, &dxbc2), (&gdt, &ddt2)] {
             k::matmul_into(gw, dpart, &h2, true, false, acc)?;
         }
-        dh.reshape([b, t, c])
+        self.tp.enter_bwd(&dh.reshape([b, t, c])?)
     }
 }

@@ -123,7 +123,7 @@ impl ModuleFactory for MambaSpec {
             return Err(config_error(e));
         }
         let dims = self.dims(cx.hidden).map_err(config_error)?;
-        Ok(Box::new(MambaMixer::new(params, cx.prefix, self, dims, cx.std, cx.out_std)?))
+        Ok(Box::new(MambaMixer::new(params, cx.prefix, self, dims, cx.std, cx.out_std, cx.tp)?))
     }
 
     fn param_count(&self, hidden: usize) -> Option<ParamCount> {
@@ -142,10 +142,18 @@ impl ModuleFactory for MambaSpec {
         self.dims(hidden).map_or(0.0, |d| 18.0 * (d.d_inner * d.state) as f64)
     }
 
+    /// Each rank takes whole groups (and so whole heads) and normalises them on its own (the
+    /// heads' count, which depends on the hidden size, is checked when the mixer is built).
     fn validate_tp(&self, tp: usize) -> std::result::Result<(), String> {
-        if tp > 1 {
+        if tp > 1 && self.groups % tp != 0 {
             return Err(format!(
-                "Mamba layers are not tensor-parallel yet: use --tensor-model-parallel-size 1 (got {tp})"
+                "--tensor-model-parallel-size {tp} does not divide --mamba-num-groups {}: each rank takes whole groups; pick a divisor",
+                self.groups
+            ));
+        }
+        if tp > 1 && !self.norm_per_group {
+            return Err(format!(
+                "--mamba-norm-ungrouped normalises across every rank's heads: drop it for --tensor-model-parallel-size {tp}"
             ));
         }
         Ok(())

@@ -193,8 +193,12 @@ fn bad_sizes_are_named() {
     assert!(e.contains("--mamba-head-dim 3") && e.contains("16"), "{e}");
     let e = MambaSpec { groups: 3, ..spec() }.dims(C).unwrap_err();
     assert!(e.contains("--mamba-num-groups 3") && e.contains("4 Mamba heads"), "{e}");
-    let e = spec().validate_tp(2).unwrap_err();
-    assert!(e.contains("--tensor-model-parallel-size 1"), "{e}");
+    // Tensor parallelism gives each rank whole groups, normalised on their own.
+    let e = MambaSpec { groups: 2, ..spec() }.validate_tp(4).unwrap_err();
+    assert!(e.contains("--tensor-model-parallel-size 4") && e.contains("--mamba-num-groups 2"), "{e}");
+    let e = MambaSpec { groups: 2, norm_per_group: false, ..spec() }.validate_tp(2).unwrap_err();
+    assert!(e.contains("--mamba-norm-ungrouped"), "{e}");
+    assert!(MambaSpec { groups: 2, ..spec() }.validate_tp(2).is_ok());
 }
 
 /// `M*-M-`: Mamba, attention alone, MLP alone, Mamba, MLP.

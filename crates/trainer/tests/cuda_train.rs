@@ -2,7 +2,7 @@
 //! CPU run of the same recipe (feature `cuda`; runs on the GPU machine): fp32 within 1e-4
 //! relative loss, bf16 within 2e-2. GPT-2 style (`tiny`), Llama style (`llama-tiny`: RoPE in
 //! place on the fused QKV, GQA, SwiGLU, RMSNorm), mixture of experts (`mixtral-tiny`) and a
-//! Mamba-2 hybrid (`mamba-tiny`).
+//! Mamba-2 hybrid (`mamba-tiny`, also tensor-parallel on two thread ranks).
 #![cfg(feature = "cuda")]
 
 use ferrotron_core::Device;
@@ -31,8 +31,9 @@ fn losses_of(args: TrainArgs, device: Device) -> Vec<f64> {
         no_progress: true,
         ..args
     };
-    let (s, _): (Settings, Paths) = Settings::resolve(&args).unwrap();
-    let summary = train(&s, &Paths { device, ..Paths::default() }).unwrap();
+    let (s, paths): (Settings, Paths) = Settings::resolve(&args).unwrap();
+    // The resolved launch kept: --nproc N runs N thread ranks (sharing the one GPU).
+    let summary = train(&s, &Paths { device, launch: paths.launch, ..Paths::default() }).unwrap();
     summary.losses.into_iter().map(|(_, l)| l).collect()
 }
 
@@ -77,6 +78,27 @@ fn mamba_tensor_core_scan_cuda_matches_cpu() {
     assert_eq!(cuda.len(), 20);
     for (i, (c, g)) in cpu.iter().zip(&cuda).enumerate() {
         assert!((c - g).abs() <= 2e-2 * c.abs(), "step {}: cpu bf16 {c} vs cuda bf16 {g}", i + 1);
+    }
+}
+
+/// Mamba tensor parallelism on the GPU: two thread ranks sharing it, each with half the heads and
+/// groups (its parts of in_proj's z | x | B | C | dt blocks and of the convolution's channels, the
+/// scan and the gated norm on its own heads, out_proj's partial sums added over the ranks),
+/// against one CPU rank, fp32 within 1e-4.
+#[test]
+fn mamba_tensor_parallel_cuda_matches_cpu() {
+    let gpu = Device::cuda(0).expect("a CUDA device");
+    let args = |tp: Option<usize>| TrainArgs {
+        preset: Some("mamba-tiny".into()),
+        tensor_model_parallel_size: tp,
+        nproc: tp,
+        ..TrainArgs::default()
+    };
+    let (cpu, cuda) = (losses_of(args(None), Device::Cpu), losses_of(args(Some(2)), gpu));
+    eprintln!("mamba tp2\ncpu fp32 {cpu:?}\ncuda tp2 fp32 {cuda:?}");
+    assert_eq!(cuda.len(), 20);
+    for (i, (c, g)) in cpu.iter().zip(&cuda).enumerate() {
+        assert!((c - g).abs() <= 1e-4 * c.abs(), "step {}: cpu {c} vs cuda tp2 {g}", i + 1);
     }
 }
 

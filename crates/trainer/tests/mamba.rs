@@ -23,8 +23,9 @@ fn hybrid_args() -> TrainArgs {
 }
 
 /// Data parallel (distributed optimizer, overlapped reduce and gather), pipeline (1F1B, with full
-/// recompute, and in the stages a pattern's '|' marks), and both: the same losses, gradient norms
-/// and validation losses as one rank.
+/// recompute, and in the stages a pattern's '|' marks), tensor parallel (each rank a group of
+/// heads; with sequence parallelism too), and combinations: the same losses, gradient norms and
+/// validation losses as one rank.
 #[test]
 fn hybrid_layouts_follow_one_rank() {
     let s1 = settings(&hybrid_args());
@@ -51,8 +52,24 @@ fn hybrid_layouts_follow_one_rank() {
         s.pipeline_model_parallel_size = 2;
         s.use_distributed_optimizer = true;
     });
-    for (tag, s, n) in [("dp2", &dp, 2), ("pp2", &pp, 2), ("pp2 recompute", &pp_recompute, 2), ("dp2 × pp2", &dp_pp, 4)]
-    {
+    let tp = with(&|s| s.tensor_model_parallel_size = 2);
+    let tp_sp = with(&|s| {
+        s.tensor_model_parallel_size = 2;
+        s.sequence_parallel = true;
+    });
+    let tp_pp = with(&|s| {
+        s.tensor_model_parallel_size = 2;
+        s.pipeline_model_parallel_size = 2;
+    });
+    for (tag, s, n) in [
+        ("dp2", &dp, 2),
+        ("pp2", &pp, 2),
+        ("pp2 recompute", &pp_recompute, 2),
+        ("dp2 × pp2", &dp_pp, 4),
+        ("tp2", &tp, 2),
+        ("tp2 sp", &tp_sp, 2),
+        ("tp2 × pp2", &tp_pp, 4),
+    ] {
         let got = run(s, n);
         follows(tag, &got, &one);
     }
@@ -172,8 +189,13 @@ fn what_is_not_built_is_refused_by_name() {
             Ok((s, _)) => format!("{:#}", train(&s, &Paths::default()).unwrap_err()),
         }
     };
-    let e = err(TrainArgs { tensor_model_parallel_size: Some(2), nproc: Some(2), ..hybrid_args() });
-    assert!(e.contains("Mamba layers are not tensor-parallel"), "{e}");
+    let e = err(TrainArgs {
+        tensor_model_parallel_size: Some(2),
+        nproc: Some(2),
+        mamba_num_groups: Some(1),
+        ..hybrid_args()
+    });
+    assert!(e.contains("--tensor-model-parallel-size 2 does not divide --mamba-num-groups 1"), "{e}");
     let e = err(TrainArgs { context_parallel_size: Some(2), nproc: Some(2), ..hybrid_args() });
     assert!(e.contains("--context-parallel-size 2 with Mamba layers"), "{e}");
     let e = err(TrainArgs {
@@ -211,8 +233,9 @@ fn what_is_not_built_is_refused_by_name() {
     assert!(e.contains("--mamba-state-dim configures Mamba layers"), "{e}");
 }
 
-/// Saved under pp2 in the stages a pattern's '|' marks, resumed on one rank without the marks:
-/// the straight run's losses (the checkpoint holds whole tensors by name, whatever the layout).
+/// Saved under pp2 in the stages a pattern's '|' marks, resumed on one rank without the marks, and
+/// saved under tp2 resumed on one rank and back: the straight run's losses (the checkpoint holds
+/// whole tensors by name, whatever the layout).
 #[test]
 fn a_hybrid_checkpoint_resumes_under_another_layout() {
     let s1 = settings(&hybrid_args());
@@ -227,4 +250,19 @@ fn a_hybrid_checkpoint_resumes_under_another_layout() {
     let second = train(&s1, &Paths { load: Some(dir.clone()), ..Paths::default() }).unwrap();
     close("resumed on one rank", &second.losses, &straight.losses[4..]);
     let _ = std::fs::remove_dir_all(dir);
+
+    // Tensor-parallel parts (in_proj's z | x | B | C | dt blocks each cut in two) stored whole
+    // by name: saved under tp2 and resumed on one rank, and the other way round.
+    let mut tp2 = s1.clone();
+    tp2.tensor_model_parallel_size = 2;
+    for (tag, save, load, ranks) in [("tp2 → 1", &tp2, &s1, (2, 1)), ("1 → tp2", &s1, &tp2, (1, 2))] {
+        let dir = tmp("mamba-tp-relayout");
+        let launch = |n| if n == 1 { Launch::default() } else { Launch::Threads(n) };
+        let half =
+            Paths { save: Some(dir.clone()), exit_interval: Some(4), launch: launch(ranks.0), ..Paths::default() };
+        train(save, &half).unwrap();
+        let resumed = train(load, &Paths { load: Some(dir.clone()), launch: launch(ranks.1), ..Paths::default() });
+        close(tag, &resumed.unwrap().losses, &straight.losses[4..]);
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }

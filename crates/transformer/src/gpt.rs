@@ -312,7 +312,7 @@ impl GptModel {
                 TransformerBlock::stage(&mut p, "decoder", &config, tp, layers.clone(), ends, recompute)
             })
             .collect::<ferrotron_core::Result<Vec<_>>>()?;
-        let shard = Shard { rank: tp.rank(), size: tp.size(), chunks: 1 };
+        let shard = Shard::of(tp.rank(), tp.size());
         let output_layer = match (plan.post_process, config.untie_embeddings_and_output_weights, &embedding) {
             (false, ..) => None,
             (true, true, _) => {
