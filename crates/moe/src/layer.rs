@@ -14,6 +14,13 @@
 //! training, grad_scale · ∂(aux_coeff · load_balancing + z_coeff · z)/∂logits (the counts are
 //! constants). Parameter gradients add into main_grad (`+=`); an expert that no token chose this
 //! micro-batch adds nothing.
+//!
+//! Tensor parallelism (Megatron's expert tensor parallelism at the tensor-parallel size): every
+//! expert's fc1 is column- and fc2 row-parallel over the tensor-parallel group, the router and
+//! the routing replicated, so each tensor-parallel rank routes the same tokens the same way and
+//! the experts' outputs come back summed. With sequence parallelism the layer gathers the
+//! micro-batch's sequence first and keeps its own slice of the output (the gradient likewise:
+//! gathered in, sliced out, everything between already summed over the group).
 
 use crate::dispatch::Dispatch;
 use crate::metrics::MoeMetrics;
@@ -21,6 +28,7 @@ use crate::spec::{ExpertGroup, LoadBalancing, MoeSpec};
 use ferrotron_comm::ReduceOp;
 use ferrotron_core::{Cx, Device, Module, ParamTableBuilder, Result, Saved, Tensor, invalid};
 use ferrotron_kernels as k;
+use ferrotron_parallel::TensorParallel;
 use ferrotron_transformer::linear::Linear;
 use ferrotron_transformer::mlp::Mlp;
 use ferrotron_transformer::spec::FactoryCx;
@@ -47,6 +55,8 @@ pub struct MoeLayer {
     /// The parameter prefix, the layer's name in the metrics.
     name: String,
     metrics: MoeMetrics,
+    /// The layer's tensor-parallel group (its sequence parallelism undone around the layer).
+    tp: TensorParallel,
 }
 
 impl MoeLayer {
@@ -68,6 +78,9 @@ impl MoeLayer {
         };
         let local = spec.num_experts / spec.expert_parallel_size.max(1);
         let first_expert = ep.as_ref().map_or(0, |g| g.0.rank() * local);
+        // The experts see whole token lists, not sequence slices: their linears' own regions
+        // without sequence parallelism (the layer gathers and slices around them).
+        let etp = TensorParallel::new(cx.tp.comm.clone(), false);
         let start = p.len();
         let experts = (first_expert..first_expert + local)
             .map(|e| {
@@ -80,7 +93,7 @@ impl MoeLayer {
                     spec.bias,
                     cx.std,
                     cx.out_std,
-                    cx.tp,
+                    &etp,
                 )
             })
             .collect::<Result<Vec<_>>>()?;
@@ -95,7 +108,7 @@ impl MoeLayer {
                 spec.bias,
                 cx.std,
                 cx.out_std,
-                cx.tp,
+                &etp,
             )?),
             None => None,
         };
@@ -114,6 +127,7 @@ impl MoeLayer {
             hidden: cx.hidden,
             name: prefix.to_string(),
             metrics: spec.metrics.clone(),
+            tp: cx.tp.clone(),
         })
     }
 
@@ -154,6 +168,8 @@ impl Module for MoeLayer {
                 format!("input width {} is not the hidden size {c}", x.shape().last()),
             ));
         }
+        // Sequence parallel: the micro-batch's whole sequence on every tensor-parallel rank.
+        let x = &if self.tp.sp() { self.tp.gather_seq(x)? } else { x.clone() };
         let n = x.elem_count() / c;
         let x2 = x.reshape([n, c])?;
         let (logits, s_router) = self.router.forward(cx, &x2)?;
@@ -186,6 +202,7 @@ impl Module for MoeLayer {
             children.push(s);
         }
         let y = y.reshape(x.dims().to_vec())?;
+        let y = if self.tp.sp() { self.tp.split_seq(&y)? } else { y };
         let counts: Vec<u32> = sort.tokens_per_expert.iter().map(|&c| c as u32).collect();
         let counts = Tensor::from_vec(counts, [self.num_experts], &Device::Cpu)?;
         let mut saved = vec![logits, probs, experts, sort.perm, sort.slot, yp, counts];
@@ -209,6 +226,8 @@ impl Module for MoeLayer {
         };
         let local_counts = plan.as_ref().map_or(&counts, |d| &d.local_counts).clone();
         let (n, c) = (logits.dims()[0], self.hidden);
+        // Sequence parallel: the whole sequence's output gradient (each rank's slice, gathered).
+        let dy = &if self.tp.sp() { self.tp.gather_seq(dy)? } else { dy.clone() };
         let dy2 = dy.reshape([n, c])?;
         let (dyp, dprobs) = k::moe_unpermute_bwd(&yp, &slot, &probs, &dy2)?;
         let mut children = children;
@@ -274,6 +293,10 @@ impl Module for MoeLayer {
         }
         let dxr = self.router.backward(cx, s_router, &dlogits)?;
         k::add_(&dx, &dxr)?;
-        dx.reshape(dy.dims().to_vec())
+        // Every part of dx is already the whole gradient on each rank (the experts' column
+        // linears sum theirs over the group; the router's and the routing's are the same on
+        // all): under sequence parallelism this rank's slice of it.
+        let dx = dx.reshape(dy.dims().to_vec())?;
+        if self.tp.sp() { self.tp.split_seq(&dx) } else { Ok(dx) }
     }
 }

@@ -175,11 +175,18 @@ impl ModuleFactory for MoeSpec {
         Some(ParamCount { total: router + self.num_experts * expert, active: router + self.router.topk * expert })
     }
 
+    /// Each expert (and the shared experts) split as a dense MLP is: their widths must divide.
     fn validate_tp(&self, tp: usize) -> std::result::Result<(), String> {
-        if tp > 1 {
-            return Err(format!(
-                "MoE layers (--num-experts) run at --tensor-model-parallel-size 1 so far (got {tp}): expert tensor parallelism is not built yet"
-            ));
+        let widths = [
+            ("--moe-ffn-hidden-size", Some(self.ffn_hidden_size)),
+            ("--moe-shared-expert-intermediate-size", self.shared_expert_ffn),
+        ];
+        for (flag, w) in widths {
+            if let Some(w) = w.filter(|w| w % tp != 0) {
+                return Err(format!(
+                    "{flag} {w} is not divisible by --tensor-model-parallel-size {tp}: each rank holds an equal part of every expert"
+                ));
+            }
         }
         Ok(())
     }

@@ -263,8 +263,16 @@ fn bad_specs_are_named() {
     let cx = FactoryCx { prefix: "m", hidden: C, std: 0.1, out_std: 0.1, tp: &tp };
     let e = s.build(&cx, &mut ParamTableBuilder::default()).err().unwrap().to_string();
     assert!(e.contains("expert-parallel group of 2 ranks"), "{e}");
-    let s = spec(Activation::SwiGlu, false, false);
-    assert!(s.validate_tp(2).unwrap_err().contains("--tensor-model-parallel-size 1"));
+    // Tensor parallelism splits every expert: its width must divide.
+    let mut s = spec(Activation::SwiGlu, false, false);
+    s.ffn_hidden_size = 9;
+    assert!(
+        s.validate_tp(2)
+            .unwrap_err()
+            .contains("--moe-ffn-hidden-size 9 is not divisible by --tensor-model-parallel-size 2")
+    );
+    s.ffn_hidden_size = 10;
+    assert!(s.validate_tp(2).is_ok());
     let mut s = spec(Activation::SwiGlu, false, false);
     s.router.aux_loss_coeff = f32::NAN;
     assert!(s.validate().unwrap_err().contains("--moe-aux-loss-coeff"));

@@ -439,9 +439,14 @@ pub struct TrainArgs {
     /// Multiplies the router's top-k weights.
     #[arg(long)]
     pub moe_router_topk_scaling_factor: Option<f64>,
-    /// Expert-parallel size: 1 so far (the all-to-all dispatch is not built).
+    /// Expert-parallel size: the experts split over this many data-parallel ranks (all-to-all
+    /// dispatch).
     #[arg(long)]
     pub expert_model_parallel_size: Option<usize>,
+    /// Megatron's expert tensor-parallel size: accepted where it equals
+    /// --tensor-model-parallel-size (every expert split as a dense MLP is: its default).
+    #[arg(long)]
+    pub expert_tensor_parallel_size: Option<usize>,
     /// allgather (default) or alltoall: the same result on one expert-parallel rank.
     #[arg(long)]
     pub moe_token_dispatcher_type: Option<String>,
@@ -560,7 +565,7 @@ impl TrainArgs {
             pipeline_model_parallel_size, context_parallel_size, cp_comm_type, num_layers_per_virtual_pipeline_stage, decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers,
             num_experts, moe_ffn_hidden_size, moe_router_topk, moe_router_load_balancing_type, moe_aux_loss_coeff,
-            moe_z_loss_coeff, moe_router_topk_scaling_factor, expert_model_parallel_size, moe_token_dispatcher_type,
+            moe_z_loss_coeff, moe_router_topk_scaling_factor, expert_model_parallel_size, expert_tensor_parallel_size, moe_token_dispatcher_type,
             moe_layer_freq, moe_shared_expert_intermediate_size, hybrid_layer_pattern, hybrid_override_pattern, mamba_state_dim, mamba_head_dim,
             mamba_num_groups, mamba_num_heads, hybrid_attention_ratio, hybrid_mlp_ratio, img_h, img_w, patch_dim,
             encoder_num_layers, encoder_hidden_size, encoder_num_attention_heads, encoder_ffn_hidden_size, image_token_id,
@@ -812,6 +817,12 @@ impl MoeSettings {
         };
         if a.moe_shared_expert_gate {
             bail!("--moe-shared-expert-gate (Qwen-MoE's sigmoid gate on the shared experts) is not built yet: drop it");
+        }
+        let tp = a.tensor_model_parallel_size.unwrap_or(1);
+        if let Some(etp) = a.expert_tensor_parallel_size.filter(|&e| e != tp) {
+            bail!(
+                "--expert-tensor-parallel-size {etp} differs from --tensor-model-parallel-size {tp}: the experts are split over the tensor-parallel group (Megatron's default); drop it or make the two equal"
+            );
         }
         Ok(Some(MoeSettings {
             num_experts,

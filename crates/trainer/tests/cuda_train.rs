@@ -2,7 +2,7 @@
 //! CPU run of the same recipe (feature `cuda`; runs on the GPU machine): fp32 within 1e-4
 //! relative loss, bf16 within 2e-2. GPT-2 style (`tiny`), Llama style (`llama-tiny`: RoPE in
 //! place on the fused QKV, GQA, SwiGLU, RMSNorm), mixture of experts (`mixtral-tiny`) and a
-//! Mamba-2 hybrid (`mamba-tiny`, also tensor-parallel on two thread ranks).
+//! Mamba-2 hybrid (`mamba-tiny`); the last two also tensor-parallel on two thread ranks.
 #![cfg(feature = "cuda")]
 
 use ferrotron_core::Device;
@@ -87,18 +87,33 @@ fn mamba_tensor_core_scan_cuda_matches_cpu() {
 /// against one CPU rank, fp32 within 1e-4.
 #[test]
 fn mamba_tensor_parallel_cuda_matches_cpu() {
+    tp2_matches_cpu("mamba-tiny", false);
+}
+
+/// Mixture of experts under tensor and sequence parallelism on the GPU: every SwiGLU expert split
+/// over two thread ranks sharing it, the sequence gathered around the layer, against one CPU
+/// rank, fp32 within 1e-4.
+#[test]
+fn mixtral_tensor_parallel_cuda_matches_cpu() {
+    tp2_matches_cpu("mixtral-tiny", true);
+}
+
+/// `preset` under tp2 (with sequence parallelism where `sp`) on two thread ranks sharing the GPU
+/// against one CPU rank: fp32 within 1e-4 at each of 20 steps.
+fn tp2_matches_cpu(preset: &str, sp: bool) {
     let gpu = Device::cuda(0).expect("a CUDA device");
     let args = |tp: Option<usize>| TrainArgs {
-        preset: Some("mamba-tiny".into()),
+        preset: Some(preset.into()),
         tensor_model_parallel_size: tp,
+        sequence_parallel: sp && tp.is_some(),
         nproc: tp,
         ..TrainArgs::default()
     };
     let (cpu, cuda) = (losses_of(args(None), Device::Cpu), losses_of(args(Some(2)), gpu));
-    eprintln!("mamba tp2\ncpu fp32 {cpu:?}\ncuda tp2 fp32 {cuda:?}");
+    eprintln!("{preset} tp2\ncpu fp32 {cpu:?}\ncuda tp2 fp32 {cuda:?}");
     assert_eq!(cuda.len(), 20);
     for (i, (c, g)) in cpu.iter().zip(&cuda).enumerate() {
-        assert!((c - g).abs() <= 1e-4 * c.abs(), "step {}: cpu {c} vs cuda tp2 {g}", i + 1);
+        assert!((c - g).abs() <= 1e-4 * c.abs(), "{preset} step {}: cpu {c} vs cuda tp2 {g}", i + 1);
     }
 }
 

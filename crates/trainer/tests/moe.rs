@@ -25,8 +25,9 @@ fn moe_args() -> TrainArgs {
 }
 
 /// Data parallel (distributed optimizer, overlapped reduce and gather), pipeline parallel
-/// (× data parallel, full recompute) and expert parallel (alone, × expert data parallel, under a
-/// pipeline) train the MoE model as one rank does: the same losses and the same routers' loss
+/// (× data parallel, full recompute), expert parallel (alone, × expert data parallel, under a
+/// pipeline) and tensor parallel (each expert split; with sequence parallelism; × expert
+/// parallel) train the MoE model as one rank does: the same losses and the same routers' loss
 /// values (each micro-batch's router losses scaled as its language-model loss is, then averaged
 /// over the data-parallel ranks; each expert's gradient summed over the tokens sent to it).
 #[test]
@@ -50,9 +51,21 @@ fn moe_layouts_follow_one_rank() {
         e
     };
     let (ep2, ep4, ep2pp) = (ep(2, &dp), ep(4, &s1), ep(2, &pp));
-    for (tag, s, n) in
-        [("dp2", &dp, 2), ("pp2 × dp2", &pp, 4), ("ep2 × edp2", &ep2, 4), ("ep4", &ep4, 4), ("pp2 × ep2", &ep2pp, 4)]
-    {
+    let mut tp = s1.clone();
+    tp.tensor_model_parallel_size = 2;
+    let mut tp_sp = tp.clone();
+    tp_sp.sequence_parallel = true;
+    let tp_ep = ep(2, &tp_sp);
+    for (tag, s, n) in [
+        ("dp2", &dp, 2),
+        ("pp2 × dp2", &pp, 4),
+        ("ep2 × edp2", &ep2, 4),
+        ("ep4", &ep4, 4),
+        ("pp2 × ep2", &ep2pp, 4),
+        ("tp2", &tp, 2),
+        ("tp2 sp", &tp_sp, 2),
+        ("tp2 sp × ep2", &tp_ep, 4),
+    ] {
         let run = train(s, &Paths { launch: Launch::Threads(n), ..Paths::default() }).unwrap();
         close(tag, &run.losses, &one.losses);
         // The norm sees every gradient at its one-rank scale: each expert's counted once, on the
@@ -115,27 +128,33 @@ fn the_load_balancing_loss_balances() {
 }
 
 /// Saved by four expert-parallel ranks (2 × expert-data-parallel 2, distributed optimizer: each
-/// rank writes its own experts' shares), resumed on one rank, and the other way round: the losses
-/// follow the one-rank run.
+/// rank writes its own experts' shares; then tensor parallel 2 with sequence parallelism × expert
+/// parallel 2: each rank half of each of its experts), resumed on one rank, and the other way
+/// round: the losses follow the one-rank run.
 #[test]
 fn an_expert_parallel_checkpoint_resumes_on_one_rank_and_back() {
     let s1 = settings(&moe_args());
-    let mut s4 = s1.clone();
-    s4.use_distributed_optimizer = true;
-    s4.moe.as_mut().unwrap().expert_model_parallel_size = 2;
     let straight = train(&s1, &Paths::default()).unwrap();
-    let (a, b) = (tmp("moe-ep-a"), tmp("moe-ep-b"));
-    let four = Launch::Threads(4);
-    let half = Paths { save: Some(a.clone()), exit_interval: Some(4), launch: four.clone(), ..Paths::default() };
-    let first = train(&s4, &half).unwrap();
-    let second = train(&s1, &Paths { load: Some(a.clone()), ..Paths::default() }).unwrap();
-    train(&s1, &Paths { save: Some(b.clone()), exit_interval: Some(4), ..Paths::default() }).unwrap();
-    let third = train(&s4, &Paths { load: Some(b.clone()), launch: four, ..Paths::default() }).unwrap();
-    let all: Vec<(u64, f64)> = first.losses.iter().chain(&second.losses).cloned().collect();
-    close("ep 4 ranks, then 1", &all, &straight.losses);
-    close("1 rank, then ep 4 ranks", &third.losses, &straight.losses[4..]);
-    for d in [a, b] {
-        let _ = std::fs::remove_dir_all(d);
+    let mut ep_edp = s1.clone();
+    ep_edp.use_distributed_optimizer = true;
+    ep_edp.moe.as_mut().unwrap().expert_model_parallel_size = 2;
+    let mut tp_ep = ep_edp.clone();
+    tp_ep.tensor_model_parallel_size = 2;
+    tp_ep.sequence_parallel = true;
+    for (tag, s4) in [("ep 4 ranks", &ep_edp), ("tp2 sp × ep2", &tp_ep)] {
+        let (a, b) = (tmp("moe-ep-a"), tmp("moe-ep-b"));
+        let four = Launch::Threads(4);
+        let half = Paths { save: Some(a.clone()), exit_interval: Some(4), launch: four.clone(), ..Paths::default() };
+        let first = train(s4, &half).unwrap();
+        let second = train(&s1, &Paths { load: Some(a.clone()), ..Paths::default() }).unwrap();
+        train(&s1, &Paths { save: Some(b.clone()), exit_interval: Some(4), ..Paths::default() }).unwrap();
+        let third = train(s4, &Paths { load: Some(b.clone()), launch: four, ..Paths::default() }).unwrap();
+        let all: Vec<(u64, f64)> = first.losses.iter().chain(&second.losses).cloned().collect();
+        close(&format!("{tag}, then 1"), &all, &straight.losses);
+        close(&format!("1 rank, then {tag}"), &third.losses, &straight.losses[4..]);
+        for d in [a, b] {
+            let _ = std::fs::remove_dir_all(d);
+        }
     }
 }
 
@@ -194,6 +213,27 @@ fn bad_moe_flags_are_named() {
     assert!(e.contains("--moe-token-dispatcher-type flex"), "{e}");
     let e = err(TrainArgs { moe_shared_expert_gate: true, ..moe_args() });
     assert!(e.contains("--moe-shared-expert-gate"), "{e}");
-    let e = err(TrainArgs { tensor_model_parallel_size: Some(2), nproc: Some(2), ..moe_args() });
-    assert!(e.contains("MoE layers") && e.contains("--tensor-model-parallel-size 1"), "{e}");
+    let e = err(TrainArgs {
+        tensor_model_parallel_size: Some(2),
+        nproc: Some(2),
+        moe_ffn_hidden_size: Some(25),
+        ..moe_args()
+    });
+    assert!(e.contains("--moe-ffn-hidden-size 25 is not divisible by --tensor-model-parallel-size 2"), "{e}");
+    let e = err(TrainArgs {
+        tensor_model_parallel_size: Some(2),
+        nproc: Some(2),
+        expert_tensor_parallel_size: Some(1),
+        ..moe_args()
+    });
+    assert!(e.contains("--expert-tensor-parallel-size 1 differs from --tensor-model-parallel-size 2"), "{e}");
+    assert!(
+        Settings::resolve(&TrainArgs {
+            tensor_model_parallel_size: Some(2),
+            nproc: Some(2),
+            expert_tensor_parallel_size: Some(2),
+            ..moe_args()
+        })
+        .is_ok()
+    );
 }
