@@ -75,6 +75,26 @@ fn hybrid_layouts_follow_one_rank() {
     }
 }
 
+/// Mamba, attention and mixture-of-experts layers together (`M*EM`) under tensor and sequence
+/// parallelism: each kind splits its own way (heads and groups, heads, every expert) and the run
+/// follows one rank.
+#[test]
+fn a_hybrid_with_experts_follows_one_rank_under_tp() {
+    let args = TrainArgs {
+        hybrid_layer_pattern: Some("M*EM".into()),
+        num_experts: Some(4),
+        moe_ffn_hidden_size: Some(24),
+        moe_aux_loss_coeff: Some(1e-2),
+        ..hybrid_args()
+    };
+    let s1 = settings(&args);
+    let one = run(&s1, 1);
+    let mut tp = s1.clone();
+    tp.tensor_model_parallel_size = 2;
+    tp.sequence_parallel = true;
+    follows("tp2 sp", &run(&tp, 2), &one);
+}
+
 /// Four steps, save, load, four steps: the straight run's losses and parameters, bit for bit;
 /// the checkpoint holds Megatron's names and records the hybrid flags.
 #[test]
