@@ -154,7 +154,10 @@ __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefe
 __device__ __forceinline__ void team_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
-template <bool LN, typename T>
+// V (lab builds, `FERROTRON_NORM_BWD`): 0 the v5 kernel; 1 LayerNorm's bias sums in shared memory
+// as the residual's (eight registers fewer across the row loop: v5 spilled); 2 that without the
+// next row's L2 prefetch (Nsight Compute had v5's L2 at 81% busy, each line requested twice).
+template <bool LN, int V, typename T>
 __device__ __forceinline__ void norm_bwd_cols(const T* dy, const T* x, const T* w, const float* mean,
                                               const float* rstd, const T* res, T* dx, float* pw, float* pb,
                                               float* pr, long rows, long c) {
@@ -162,7 +165,13 @@ __device__ __forceinline__ void norm_bwd_cols(const T* dy, const T* x, const T* 
     const int tthreads = (int)(c / 8), teams = blockDim.x / tthreads, wpt = tthreads / 32;
     const int team = threadIdx.x / tthreads, tt = threadIdx.x % tthreads, lane = threadIdx.x & 31, wit = tt >> 5;
     const long j = (long)tt * 8, r0 = (long)blockIdx.x * COL_CHUNK, r1 = r0 + COL_CHUNK < rows ? r0 + COL_CHUNK : rows;
+    constexpr bool SB = LN && V > 0;  // the bias sums in shared memory (sb's region, as sr's layout)
     float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, b[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    float4* bmine = reinterpret_cast<float4*>(nb_smem + (long)teams * c) + (long)team * 2 * tthreads + tt;
+    if (SB) {
+        bmine[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+        bmine[tthreads] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
     // The residual's sums run in shared memory (in registers they spilled under 64): this
     // thread's eight columns as two float4s, at (team · 2 + half) · tthreads + tt, so a warp's
     // accesses are consecutive 16-byte pieces (no bank conflicts; eight floats a thread apart
@@ -183,7 +192,7 @@ __device__ __forceinline__ void norm_bwd_cols(const T* dy, const T* x, const T* 
         // issued here and held over the barrier spilled under 64 registers).
         if (res) prefetch_l1(res + r * c + j);
         // One thread per 128-byte line of the next row.
-        if (const long nr = r + teams; nr < r1 && tt % (128 / (8 * (int)sizeof(T))) == 0) {
+        if (const long nr = r + teams; V < 2 && nr < r1 && tt % (128 / (8 * (int)sizeof(T))) == 0) {
             prefetch_l2(dy + nr * c + j);
             prefetch_l2(x + nr * c + j);
             if (res) prefetch_l2(res + nr * c + j);
@@ -192,11 +201,21 @@ __device__ __forceinline__ void norm_bwd_cols(const T* dy, const T* x, const T* 
         ld8(dy, r * c + j, gw);
         ld8(x, r * c + j, xh);
         const float mu = LN ? mean[r] : 0.f, rs = rstd[r];
+        if (SB) {
+            const unsigned at = (unsigned)__cvta_generic_to_shared(bmine), step = 16u * tthreads;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                float4 v;
+                asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(at + h * step) : "memory");
+                v.x += gw[4 * h]; v.y += gw[4 * h + 1]; v.z += gw[4 * h + 2]; v.w += gw[4 * h + 3];
+                asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" :: "r"(at + h * step), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
+            }
+        }
 #pragma unroll
         for (int e = 0; e < 8; e++) {
             xh[e] = (xh[e] - mu) * rs;
             a[e] += gw[e] * xh[e];
-            if (LN) b[e] += gw[e];
+            if (LN && !SB) b[e] += gw[e];
             gw[e] *= g[e];
             sg += gw[e];
             sgx += gw[e] * xh[e];
@@ -229,6 +248,12 @@ __device__ __forceinline__ void norm_bwd_cols(const T* dy, const T* x, const T* 
         st8(dx, r * c + j, gw);
     }
     const long out = (long)blockIdx.x * c + j;
+    if (SB) {
+        // Each thread's own sums: read back in the order they were added, as v5's registers.
+        const float4 lo = bmine[0], hi = bmine[tthreads];
+        b[0] = lo.x; b[1] = lo.y; b[2] = lo.z; b[3] = lo.w;
+        b[4] = hi.x; b[5] = hi.y; b[6] = hi.z; b[7] = hi.w;
+    }
     if (teams == 1) {
         st8(pw, out, a);
         if (LN) st8(pb, out, b);
@@ -239,7 +264,7 @@ __device__ __forceinline__ void norm_bwd_cols(const T* dy, const T* x, const T* 
         }
         return;
     }
-    __syncthreads();  // every team past its last row: the slots' memory takes the sums
+    __syncthreads();  // every team past its last row (and its bias sums read): the slots' memory takes the sums
     float* sa = nb_smem;
     float* sb = nb_smem + (long)teams * c;
 #pragma unroll
@@ -271,9 +296,10 @@ __device__ __forceinline__ void norm_bwd_cols(const T* dy, const T* x, const T* 
         st8(pr, out, a);
     }
 }
-#define NORM_BWD_COLS(s, T) \
-extern "C" __global__ void __launch_bounds__(512, 2) layernorm_bwd_cols_##s(const T* dy, const T* x, const T* w, const float* mean, const float* rstd, const T* res, T* dx, float* pw, float* pb, float* pr, long rows, long c) { \
-    pdl_wait(); norm_bwd_cols<true>(dy, x, w, mean, rstd, res, dx, pw, pb, pr, rows, c); } \
-extern "C" __global__ void __launch_bounds__(512, 2) rmsnorm_bwd_cols_##s(const T* dy, const T* x, const T* w, const float* rstd, const T* res, T* dx, float* pw, float* pr, long rows, long c) { \
-    pdl_wait(); norm_bwd_cols<false>(dy, x, w, nullptr, rstd, res, dx, pw, nullptr, pr, rows, c); }
-FOR_TYPES(NORM_BWD_COLS)
+#define NORM_BWD_COLS(s, T, V, SUF) \
+extern "C" __global__ void __launch_bounds__(512, 2) layernorm_bwd_cols##SUF##_##s(const T* dy, const T* x, const T* w, const float* mean, const float* rstd, const T* res, T* dx, float* pw, float* pb, float* pr, long rows, long c) { \
+    pdl_wait(); norm_bwd_cols<true, V>(dy, x, w, mean, rstd, res, dx, pw, pb, pr, rows, c); } \
+extern "C" __global__ void __launch_bounds__(512, 2) rmsnorm_bwd_cols##SUF##_##s(const T* dy, const T* x, const T* w, const float* rstd, const T* res, T* dx, float* pw, float* pr, long rows, long c) { \
+    pdl_wait(); norm_bwd_cols<false, V>(dy, x, w, nullptr, rstd, res, dx, pw, nullptr, pr, rows, c); }
+#define NORM_BWD_COLS_ALL(s, T) NORM_BWD_COLS(s, T, 0, ) NORM_BWD_COLS(s, T, 1, _v6) NORM_BWD_COLS(s, T, 2, _v6np)
+FOR_TYPES(NORM_BWD_COLS_ALL)

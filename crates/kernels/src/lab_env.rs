@@ -36,6 +36,7 @@ const SWITCHES: &[(&str, Accepts)] = &[
     ("FERROTRON_FLASH_GROUP_MB", Accepts::Whole(1, u64::MAX)),
     ("FERROTRON_FLASH_WG", Accepts::Whole(1, u64::MAX)),
     ("FERROTRON_NORM_FUSED", OFF_ON),
+    ("FERROTRON_NORM_BWD", Accepts::Words(&["v5", "v6", "v6np"])),
     ("FERROTRON_CE_KEEP", OFF_ON),
     ("FERROTRON_PDL", OFF_ON),
     ("FERROTRON_OWN_GEMM", OFF_ON),

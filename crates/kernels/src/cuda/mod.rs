@@ -291,6 +291,18 @@ pub(crate) fn norm_fused() -> bool {
     opt_out(&NORM_FUSED, "FERROTRON_NORM_FUSED", &ENV)
 }
 
+/// The fused norm backward's build (kernels/norm.cu `norm_bwd_cols`'s V) as its kernel-name
+/// suffix: `FERROTRON_NORM_BWD` = v5 (the default), v6 (a LayerNorm's bias sums in shared
+/// memory) or v6np (that without the next row's L2 prefetch). A lab switch for A/B runs.
+pub(crate) fn norm_bwd_build() -> &'static str {
+    static ENV: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
+    ENV.get_or_init(|| match std::env::var("FERROTRON_NORM_BWD").as_deref() {
+        Ok("v6") => "_v6",
+        Ok("v6np") => "_v6np",
+        _ => "",
+    })
+}
+
 /// Whether the MLP's products with a GeLU epilogue run on our own GEMM kernels (kernels/gemm.cu)
 /// where they fit, instead of cuBLASLt's epilogues: this thread's `set_own_gemm`, else off unless
 /// `FERROTRON_OWN_GEMM=1` (off by default while they are slower than cuBLASLt: kernels/README.md).

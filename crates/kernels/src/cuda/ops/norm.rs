@@ -38,7 +38,9 @@ fn bwd_cols_block(c: usize, ln: bool, res_sum: bool, args: &[Arg]) -> Option<(u3
     let team = c / 8;
     let teams = (512 / team).min(8);
     let sums = 1 + usize::from(ln) + usize::from(res_sum);
-    let floats = (2 * teams * (team / 32) * 2).max(if teams > 1 || res_sum { teams * c * sums } else { 0 });
+    // The v6 builds keep a LayerNorm's bias sums in the bias region during the rows, so it is
+    // there with one team too.
+    let floats = (2 * teams * (team / 32) * 2).max(if teams > 1 || res_sum || ln { teams * c * sums } else { 0 });
     Some(((teams * team) as u32, (floats * 4) as u32))
 }
 
@@ -129,7 +131,8 @@ pub fn layernorm_bwd(
     let (prp, pr, res_sum) = res_partials(be, plan.is_some(), res, &res_to, chunks, c)?;
     if let Some((threads, shared)) = plan {
         let args = [dyp, xp, wp, mp, rp, resp, dxp, pwp, pbp, prp, n(rows), n(c)];
-        be.launch(&format!("layernorm_bwd_cols_{s}"), chunks as u32, threads, shared, &args)?;
+        let build = crate::cuda::norm_bwd_build();
+        be.launch(&format!("layernorm_bwd_cols{build}_{s}"), chunks as u32, threads, shared, &args)?;
     } else {
         rows_launch8(be, &format!("layernorm_bwd_{s}"), rows, c, &[dyp, xp, wp, mp, rp, resp, dxp, n(c)])?;
         let args = [dyp, xp, mp, rp, pwp, pbp, n(rows), n(c)];
@@ -194,7 +197,8 @@ pub fn rmsnorm_bwd(
     let (prp, pr, res_sum) = res_partials(be, plan.is_some(), res, &res_to, chunks, c)?;
     if let Some((threads, shared)) = plan {
         let args = [dyp, xp, wp, rp, resp, dxp, pwp, prp, n(rows), n(c)];
-        be.launch(&format!("rmsnorm_bwd_cols_{s}"), chunks as u32, threads, shared, &args)?;
+        let build = crate::cuda::norm_bwd_build();
+        be.launch(&format!("rmsnorm_bwd_cols{build}_{s}"), chunks as u32, threads, shared, &args)?;
     } else {
         rows_launch8(be, &format!("rmsnorm_bwd_{s}"), rows, c, &[dyp, xp, wp, rp, resp, dxp, n(c)])?;
         let args = [dyp, xp, NULL, rp, pwp, NULL, n(rows), n(c)];
