@@ -116,6 +116,7 @@ thread_local! {
     static FLASH_BIAS_GRAD: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static FLASH_BIAS_GRAD_RUNS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     static NORM_FUSED: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+    static NORM_BWD: std::cell::Cell<Option<&'static str>> = const { std::cell::Cell::new(None) };
     static OWN_GEMM: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static OWN_GEMM_RUNS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     static OWN_GEMM_PLAIN: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
@@ -291,15 +292,27 @@ pub(crate) fn norm_fused() -> bool {
     opt_out(&NORM_FUSED, "FERROTRON_NORM_FUSED", &ENV)
 }
 
-/// The fused norm backward's build (kernels/norm.cu `norm_bwd_cols`'s V) as its kernel-name
-/// suffix: `FERROTRON_NORM_BWD` = v5 (the default), v6 (a LayerNorm's bias sums in shared
-/// memory) or v6np (that without the next row's L2 prefetch). A lab switch for A/B runs.
+/// The fused norm backward's build (kernels/norm.cu `norm_bwd_cols`'s V): this thread's
+/// `set_norm_bwd_build`, else `FERROTRON_NORM_BWD` = v5 (the default), v6 (a LayerNorm's bias
+/// sums in shared memory) or v6np (that without the next row's L2 prefetch). A lab switch for A/B
+/// runs; tests set it to run every build.
+pub fn set_norm_bwd_build(build: &str) {
+    NORM_BWD.with(|w| w.set(Some(norm_bwd_suffix(build))));
+}
+
+fn norm_bwd_suffix(build: &str) -> &'static str {
+    match build {
+        "v6" => "_v6",
+        "v6np" => "_v6np",
+        _ => "",
+    }
+}
+
+/// The build's kernel-name suffix.
 pub(crate) fn norm_bwd_build() -> &'static str {
     static ENV: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
-    ENV.get_or_init(|| match std::env::var("FERROTRON_NORM_BWD").as_deref() {
-        Ok("v6") => "_v6",
-        Ok("v6np") => "_v6np",
-        _ => "",
+    NORM_BWD.with(|w| w.get()).unwrap_or_else(|| {
+        ENV.get_or_init(|| norm_bwd_suffix(std::env::var("FERROTRON_NORM_BWD").as_deref().unwrap_or("v5")))
     })
 }
 

@@ -790,16 +790,21 @@ fn norm_kernels_take_both_paths() {
     // differences from the CPU (mean and rstd over 8200 values) pass 1e-5 on the result only
     // when few rows cancel. Widths 256, 768 and 2048 take the backward with the parameter
     // gradients fused (`norm_bwd_cols`: 8, 5 and 2 teams of rows; at 256 the short last chunk
-    // leaves two teams without a row), and run again with it off.
+    // leaves two teams without a row) in each of its builds (v5; v6: a LayerNorm's bias sums in
+    // shared memory; v6np: that without the L2 prefetch), and run again with it off.
     for dt in [DType::F32, DType::BF16] {
         for (c, fused) in [(20, false), (776, false), (8200, false), (256, true), (768, true), (2048, true)] {
-            for on in if fused { vec![true, false] } else { vec![true] } {
+            let modes: &[(bool, &str)] =
+                if fused { &[(true, "v5"), (true, "v6"), (true, "v6np"), (false, "v5")] } else { &[(true, "v5")] };
+            for &(on, build) in modes {
                 ferrotron_kernels::cuda::set_norm_fused(on);
-                norm_cases(dt, c, &format!("c{c} fused {}", fused && on));
+                ferrotron_kernels::cuda::set_norm_bwd_build(build);
+                norm_cases(dt, c, &format!("c{c} fused {} {build}", fused && on));
             }
         }
     }
     ferrotron_kernels::cuda::set_norm_fused(true);
+    ferrotron_kernels::cuda::set_norm_bwd_build("v5");
 }
 
 fn norm_cases(dt: DType, c: usize, what: &str) {
