@@ -151,6 +151,19 @@ __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefe
 // pass reads anyway instead of a bias_grad pass over them, kept in shared memory past the other
 // sums' region. Dynamic shared memory: max(2 · teams · warps a team · 2, teams · c · (1 + LN +
 // (pr != null))) floats, the last term also with one team when pr is given.
+// Adds v[0..8] into a thread's two float4 column sums at p[0] and p[stride] in shared memory
+// (the residual's and, in the v6 builds, a LayerNorm's bias sums): a 32-bit shared address and one
+// half at a time, so fewer registers are live.
+__device__ __forceinline__ void smem_add8(float4* p, int stride, const float* v) {
+    const unsigned at = (unsigned)__cvta_generic_to_shared(p), step = 16u * stride;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        float4 s;
+        asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(s.x), "=f"(s.y), "=f"(s.z), "=f"(s.w) : "r"(at + h * step) : "memory");
+        s.x += v[4 * h]; s.y += v[4 * h + 1]; s.z += v[4 * h + 2]; s.w += v[4 * h + 3];
+        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" :: "r"(at + h * step), "f"(s.x), "f"(s.y), "f"(s.z), "f"(s.w) : "memory");
+    }
+}
 __device__ __forceinline__ void team_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
@@ -201,16 +214,7 @@ __device__ __forceinline__ void norm_bwd_cols(const T* dy, const T* x, const T* 
         ld8(dy, r * c + j, gw);
         ld8(x, r * c + j, xh);
         const float mu = LN ? mean[r] : 0.f, rs = rstd[r];
-        if (SB) {
-            const unsigned at = (unsigned)__cvta_generic_to_shared(bmine), step = 16u * tthreads;
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                float4 v;
-                asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(at + h * step) : "memory");
-                v.x += gw[4 * h]; v.y += gw[4 * h + 1]; v.z += gw[4 * h + 2]; v.w += gw[4 * h + 3];
-                asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" :: "r"(at + h * step), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
-            }
-        }
+        if (SB) smem_add8(bmine, tthreads, gw);
 #pragma unroll
         for (int e = 0; e < 8; e++) {
             xh[e] = (xh[e] - mu) * rs;
@@ -234,17 +238,7 @@ __device__ __forceinline__ void norm_bwd_cols(const T* dy, const T* x, const T* 
         add_res8(res, r * c + j, rr);
 #pragma unroll
         for (int e = 0; e < 8; e++) gw[e] = rs * (gw[e] - (LN ? sg : 0.f) - xh[e] * sgx) + rr[e];
-        if (rs_on) {
-            // A 32-bit shared address and one half at a time: fewer registers live.
-            const unsigned at = (unsigned)__cvta_generic_to_shared(mine), step = 16u * tthreads;
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                float4 v;
-                asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(at + h * step) : "memory");
-                v.x += rr[4 * h]; v.y += rr[4 * h + 1]; v.z += rr[4 * h + 2]; v.w += rr[4 * h + 3];
-                asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" :: "r"(at + h * step), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
-            }
-        }
+        if (rs_on) smem_add8(mine, tthreads, rr);
         st8(dx, r * c + j, gw);
     }
     const long out = (long)blockIdx.x * c + j;

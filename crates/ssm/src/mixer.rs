@@ -32,6 +32,7 @@ use ferrotron_core::{
 };
 use ferrotron_kernels as k;
 use ferrotron_parallel::TensorParallel;
+use ferrotron_transformer::spec::ModuleFactory;
 
 pub struct MambaMixer {
     /// This rank's sizes (the whole mixer's heads, groups and width over the tensor-parallel
@@ -67,16 +68,8 @@ impl MambaMixer {
         tp: &TensorParallel,
     ) -> Result<Self> {
         let t = tp.size();
-        if dims.heads % t != 0 || dims.groups % t != 0 || (!spec.norm_per_group && t > 1) {
-            return Err(invalid(
-                "MambaMixer::new",
-                format!(
-                    "--tensor-model-parallel-size {t} must divide the Mamba heads ({}) and groups ({}), with the \
-                     gated norm per group (drop --mamba-norm-ungrouped): pick a size that divides both",
-                    dims.heads, dims.groups
-                ),
-            ));
-        }
+        // Whole groups a rank (and so whole heads: the groups divide them), normalised on their own.
+        spec.validate_tp(t).map_err(|m| invalid("MambaMixer::new", m))?;
         let (c, h, cd, kk, di, gn) =
             (dims.hidden, dims.heads, dims.conv_dim(), dims.conv_kernel, dims.d_inner, dims.groups * dims.state);
         let part = |blocks| Shard { rank: tp.rank(), size: t, blocks };
