@@ -298,6 +298,22 @@ impl CudaStorage {
         }
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Elements in the buffer.
+    pub fn len(&self) -> usize {
+        match self {
+            CudaStorage::F32(v) => v.len(),
+            CudaStorage::BF16(v) => v.len(),
+            CudaStorage::F16(v) => v.len(),
+            CudaStorage::F8E4M3(v) => v.len(),
+            CudaStorage::F8E5M2(v) => v.len(),
+            CudaStorage::U32(v) => v.len(),
+        }
+    }
+
     /// Raw device address of element 0, for kernel arguments. Every kernel of a rank runs on its one
     /// compute stream, so stream order alone keeps reads after writes.
     pub fn raw_ptr(&self, dev: &CudaDevice) -> u64 {
@@ -310,6 +326,58 @@ impl CudaStorage {
             CudaStorage::F8E5M2(v) => v.device_ptr(s).0,
             CudaStorage::U32(v) => v.device_ptr(s).0,
         }
+    }
+
+    /// Copies `src`'s elements to this storage's as `rects` say (`copy_plan`: offsets and pitches
+    /// in elements), one `cuMemcpy2DAsync` each on the compute stream. Same dtype; every
+    /// rectangle inside both buffers (checked).
+    pub fn copy_rects_from(
+        &mut self,
+        dev: &CudaDevice,
+        rects: &[crate::shape::Copy2d],
+        src: &CudaStorage,
+    ) -> Result<()> {
+        use cudarc::driver::sys;
+        const OP: &str = "copy_rects_from";
+        if self.dtype() != src.dtype() {
+            return Err(Error::DTypeMismatch { op: OP, expected: self.dtype().to_string(), got: src.dtype() });
+        }
+        let e = self.dtype().size_in_bytes();
+        let (dlen, slen) = (self.len(), src.len());
+        let end = |at: usize, r: &crate::shape::Copy2d, pitch: usize| at + (r.rows - 1) * pitch + r.width;
+        if let Some(r) = rects
+            .iter()
+            .find(|r| r.rows > 0 && (end(r.dst, r, r.dst_pitch) > dlen || end(r.src, r, r.src_pitch) > slen))
+        {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                msg: format!("{r:?} reaches past a buffer ({dlen} elements written, {slen} read)"),
+            });
+        }
+        let (dbase, sbase) = (self.raw_ptr(dev), src.raw_ptr(dev));
+        let stream = dev.stream().cu_stream();
+        for r in rects.iter().filter(|r| r.rows > 0 && r.width > 0) {
+            let p = sys::CUDA_MEMCPY2D {
+                srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                srcDevice: sbase + (r.src * e) as u64,
+                srcPitch: r.src_pitch * e,
+                dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                dstDevice: dbase + (r.dst * e) as u64,
+                dstPitch: r.dst_pitch * e,
+                WidthInBytes: r.width * e,
+                Height: r.rows,
+                // SAFETY: the remaining fields (host and array addresses, x/y offsets) are unused
+                // for device-to-device copies and zero is their null value.
+                ..unsafe { std::mem::zeroed() }
+            };
+            // SAFETY: both rectangles lie inside their buffers (checked above), which live on
+            // this stream until the copy is done.
+            let res = unsafe { sys::cuMemcpy2DAsync_v2(&p, stream) };
+            if res != sys::CUresult::CUDA_SUCCESS {
+                return Err(Error::Cuda(format!("{OP}: cuMemcpy2DAsync of {r:?} failed: {res:?}")));
+            }
+        }
+        Ok(())
     }
 
     /// Zeroes elements `r` on the compute stream.

@@ -150,6 +150,26 @@ impl Layout {
         Ok(Layout { shape: Shape(dims), strides, offset: self.offset })
     }
 
+    /// Dimension `dim` cut to `range`, no data moved: a strided view (a matrix's columns).
+    pub fn narrow(&self, dim: usize, range: std::ops::Range<usize>) -> Result<Layout> {
+        let dims = self.shape.dims();
+        if dim >= dims.len() {
+            return Err(Error::DimOutOfRange { dim: dim as isize, shape: self.shape.clone() });
+        }
+        if range.start > range.end || range.end > dims[dim] {
+            return Err(Error::IndexOutOfRange {
+                op: "narrow",
+                what: "the dimension's indices",
+                index: range.end as u64,
+                bound: dims[dim] as u64,
+            });
+        }
+        let mut d = dims.to_vec();
+        d[dim] = range.len();
+        let offset = self.offset + range.start * self.strides[dim];
+        Ok(Layout { shape: Shape(d), strides: self.strides.clone(), offset })
+    }
+
     /// The elements as equal runs that are each contiguous in storage: (run length, each run's
     /// first storage index in row-major order). The run is the longest trailing block of
     /// dimensions laid out densely, so a transposed outer dimension gives few, long runs (a copy
@@ -196,6 +216,70 @@ impl Layout {
     }
 }
 
+/// One rectangle of a strided copy (`copy_plan`), in elements: `rows` rows of `width`
+/// consecutive elements, row i at `src + i·src_pitch` to `dst + i·dst_pitch` (a pitch is the
+/// row's width where there is one row). On a GPU it is one `cuMemcpy2DAsync`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Copy2d {
+    pub dst: usize,
+    pub src: usize,
+    pub rows: usize,
+    pub width: usize,
+    pub dst_pitch: usize,
+    pub src_pitch: usize,
+}
+
+/// The rectangles that copy every element of `src` to the same index of `dst` (same shape, any
+/// strides). Dimensions that are dense together in both layouts merge first, so a block of
+/// columns, or a chunk of the sequence of every sample, is one rectangle (or one a sample).
+pub fn copy_plan(dst: &Layout, src: &Layout) -> Result<Vec<Copy2d>> {
+    if dst.shape != src.shape {
+        return Err(crate::shape_mismatch("copy_plan", &dst.shape, &src.shape));
+    }
+    // (size, dst stride, src stride), size-1 dimensions dropped, mergeable neighbours merged.
+    let mut dims: Vec<(usize, usize, usize)> = Vec::new();
+    for ((&n, &a), &b) in dst.shape.dims().iter().zip(&dst.strides).zip(&src.strides) {
+        if n == 1 {
+            continue;
+        }
+        match dims.last_mut() {
+            Some(last) if last.1 == a * n && last.2 == b * n => *last = (last.0 * n, a, b),
+            _ => dims.push((n, a, b)),
+        }
+    }
+    if dst.shape.elem_count() == 0 {
+        return Ok(Vec::new());
+    }
+    let width = match dims.last() {
+        Some(&(n, 1, 1)) => {
+            dims.pop();
+            n
+        }
+        _ => 1,
+    };
+    let (rows, dp, sp) = dims.pop().unwrap_or((1, width, width));
+    let (dp, sp) = if rows == 1 { (width, width) } else { (dp, sp) };
+    let outer: usize = dims.iter().map(|d| d.0).product();
+    let mut out = Vec::with_capacity(outer);
+    let mut idx = vec![0usize; dims.len()];
+    for _ in 0..outer {
+        let (mut d, mut s) = (dst.offset, src.offset);
+        for (i, &(_, a, b)) in idx.iter().zip(&dims) {
+            d += i * a;
+            s += i * b;
+        }
+        out.push(Copy2d { dst: d, src: s, rows, width, dst_pitch: dp, src_pitch: sp });
+        for k in (0..dims.len()).rev() {
+            idx[k] += 1;
+            if idx[k] < dims[k].0 {
+                break;
+            }
+            idx[k] = 0;
+        }
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -220,6 +304,37 @@ mod tests {
         assert_eq!(t.shape().dims(), &[3, 2]);
         let idx: Vec<usize> = t.storage_indices().collect();
         assert_eq!(idx, vec![0, 3, 1, 4, 2, 5]);
+    }
+
+    #[test]
+    fn copy_plans_merge_what_is_dense_in_both() {
+        let c = |d: Vec<usize>| Layout::contiguous(Shape::new(d));
+        // Columns 2..5 of a [4, 8] matrix into a dense [4, 3]: one rectangle of 4 rows.
+        let src = c(vec![4, 8]).narrow(1, 2..5).unwrap();
+        let p = copy_plan(&c(vec![4, 3]), &src).unwrap();
+        assert_eq!(p, vec![Copy2d { dst: 0, src: 2, rows: 4, width: 3, dst_pitch: 3, src_pitch: 8 }]);
+        // A chunk of the sequence of every sample ([2, 6, 5] rows 3..6 into a dense [2, 3, 5]):
+        // the chunk's rows and columns merge, one row a sample.
+        let src = c(vec![2, 6, 5]).narrow(1, 3..6).unwrap();
+        let p = copy_plan(&c(vec![2, 3, 5]), &src).unwrap();
+        assert_eq!(p, vec![Copy2d { dst: 0, src: 15, rows: 2, width: 15, dst_pitch: 15, src_pitch: 30 }]);
+        // Both strided, three dimensions left: one rectangle per outer index.
+        let dst = c(vec![3, 4, 6]).narrow(2, 1..3).unwrap();
+        let src = c(vec![3, 5, 2]).narrow(1, 1..5).unwrap();
+        let p = copy_plan(&dst, &src).unwrap();
+        assert_eq!(p.len(), 3);
+        assert_eq!(p[2], Copy2d { dst: 49, src: 22, rows: 4, width: 2, dst_pitch: 6, src_pitch: 2 });
+        // Dense both ways: one row of everything; a transposed last dimension: width 1.
+        assert_eq!(copy_plan(&c(vec![2, 3]), &c(vec![2, 3])).unwrap().len(), 1);
+        let t = c(vec![2, 3]).transpose(0, 1).unwrap();
+        let p = copy_plan(&c(vec![3, 2]), &t).unwrap();
+        let covered: Vec<(usize, usize)> = p
+            .iter()
+            .flat_map(|r| (0..r.rows).map(move |i| (r.dst + i * r.dst_pitch, r.src + i * r.src_pitch)))
+            .collect();
+        let want: Vec<(usize, usize)> = (0..6).zip(t.storage_indices()).collect();
+        assert_eq!(covered, want);
+        assert!(copy_plan(&c(vec![2, 3]), &c(vec![3, 2])).is_err());
     }
 
     #[test]

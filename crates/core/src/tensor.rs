@@ -214,9 +214,11 @@ impl Tensor {
         self.update_f32(OP, |v| v.copy_from_slice(src))
     }
 
-    /// Overwrites the elements with `src`'s, bit for bit: same dtype and element count, both
-    /// contiguous, on the same device, in different storage. On a GPU a device-to-device copy
-    /// queued on the compute stream (token ids too, which the float kernels do not take).
+    /// Overwrites the elements with `src`'s, bit for bit: same dtype and element count, on the
+    /// same device, in different storage. On a GPU a device-to-device copy queued on the compute
+    /// stream (token ids too, which the float kernels do not take). Strided views (`narrow`,
+    /// `transpose`) of the same shape copy as rectangles (`copy_plan`): on a GPU one
+    /// `cuMemcpy2DAsync` each, at most `MAX_RECTS` of them.
     pub fn copy_from(&self, src: &Tensor) -> Result<()> {
         const OP: &str = "copy_from";
         if src.dtype != self.dtype || src.elem_count() != self.elem_count() {
@@ -230,7 +232,7 @@ impl Tensor {
             });
         }
         let (Some(d), Some(r)) = (self.layout.contiguous_range(), src.layout.contiguous_range()) else {
-            return Err(Error::NotContiguous { op: OP });
+            return self.copy_strided_from(src);
         };
         let from = src.storage();
         let mut to = self.storage_mut();
@@ -244,6 +246,45 @@ impl Tensor {
             (Storage::Cuda(t), Storage::Cuda(f)) => {
                 let Device::Cuda(dev) = &self.device else { unreachable!("CUDA storage on a CUDA device") };
                 t.copy_range_from(dev, d.start, f, r)
+            }
+            #[cfg(feature = "cuda")]
+            _ => unreachable!("storage on the same device is of the same kind"),
+        }
+    }
+
+    /// `copy_from` between layouts of the same shape that are not both contiguous.
+    fn copy_strided_from(&self, src: &Tensor) -> Result<()> {
+        let plan = crate::shape::copy_plan(&self.layout, &src.layout)?;
+        let from = src.storage();
+        let mut to = self.storage_mut();
+        match (&mut *to, &*from) {
+            (Storage::Cpu(t), Storage::Cpu(f)) => {
+                let n = self.dtype.size_in_bytes();
+                let (dst, all) = (crate::storage::bytes_mut(t), f.bytes(0..f.len()));
+                for r in &plan {
+                    for i in 0..r.rows {
+                        let (d, s) = ((r.dst + i * r.dst_pitch) * n, (r.src + i * r.src_pitch) * n);
+                        dst[d..d + r.width * n].copy_from_slice(&all[s..s + r.width * n]);
+                    }
+                }
+                Ok(())
+            }
+            #[cfg(feature = "cuda")]
+            (Storage::Cuda(t), Storage::Cuda(f)) => {
+                // Rectangles one copy may take on a GPU (each a driver call).
+                const MAX_RECTS: usize = 4096;
+                if plan.len() > MAX_RECTS {
+                    return Err(Error::InvalidArgument {
+                        op: "copy_from",
+                        msg: format!(
+                            "a strided copy of {:?} as {} rectangles (at most {MAX_RECTS}): make one side contiguous first",
+                            self.dims(),
+                            plan.len()
+                        ),
+                    });
+                }
+                let Device::Cuda(dev) = &self.device else { unreachable!("CUDA storage on a CUDA device") };
+                t.copy_rects_from(dev, &plan, f)
             }
             #[cfg(feature = "cuda")]
             _ => unreachable!("storage on the same device is of the same kind"),
@@ -350,6 +391,12 @@ impl Tensor {
         self.view(range.start * row, shape)
     }
 
+    /// Indices `range` of dimension `dim`, sharing storage (a strided view unless `dim` is the
+    /// outermost: a matrix's columns; `copy_from` and `contiguous` copy it out).
+    pub fn narrow(&self, dim: usize, range: Range<usize>) -> Result<Tensor> {
+        Ok(Tensor { layout: self.layout.narrow(dim, range)?, ..self.clone() })
+    }
+
     /// Swaps two dimensions without copying (the result is strided).
     pub fn transpose(&self, a: usize, b: usize) -> Result<Tensor> {
         Ok(Tensor { layout: self.layout.transpose(a, b)?, ..self.clone() })
@@ -436,6 +483,25 @@ fn gather(t: &Tensor) -> Result<CpuStorage> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn strided_copies_move_exactly_the_view() {
+        // Columns 1..3 of rows 1..3 of a [2, 4, 5] into columns 2..4 of a [2, 2, 6] of -1s.
+        let src = Tensor::from_vec((0..40).map(|i| i as f32).collect(), [2, 4, 5], &Device::Cpu).unwrap();
+        let dst = Tensor::from_vec(vec![-1f32; 24], [2, 2, 6], &Device::Cpu).unwrap();
+        let s = src.narrow(1, 1..3).unwrap().narrow(2, 1..3).unwrap();
+        dst.narrow(2, 2..4).unwrap().copy_from(&s).unwrap();
+        let got = dst.to_vec_f32().unwrap();
+        let mut want = vec![-1f32; 24];
+        for (b, r, c) in (0..2).flat_map(|b| (0..2).flat_map(move |r| (0..2).map(move |c| (b, r, c)))) {
+            want[b * 12 + r * 6 + 2 + c] = (b * 20 + (r + 1) * 5 + 1 + c) as f32;
+        }
+        assert_eq!(got, want);
+        // The view's own elements, as `contiguous` gives them.
+        assert_eq!(s.contiguous().unwrap().to_vec_f32().unwrap(), [6., 7., 11., 12., 26., 27., 31., 32.]);
+        assert!(dst.narrow(2, 2..5).unwrap().copy_from(&s).is_err(), "shapes differ");
+        assert!(src.narrow(1, 2..5).is_err(), "past the dimension");
+    }
 
     #[test]
     fn from_vec_checks_length() {

@@ -249,7 +249,7 @@ impl ContextParallel {
 }
 
 /// Rank r's global chunk indices among 2·n: r and 2n − 1 − r.
-fn chunks_of(r: usize, n: usize) -> [usize; 2] {
+pub(crate) fn chunks_of(r: usize, n: usize) -> [usize; 2] {
     [r, 2 * n - 1 - r]
 }
 

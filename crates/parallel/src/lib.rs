@@ -10,7 +10,9 @@
 //!   VocabParallelEmbedding and the vocabulary-parallel cross-entropy, as `Module`s or named
 //!   forward/backward pairs over the parameter table.
 //! - `context`: context parallelism (the load-balanced sequence split, positions, the core
-//!   attention over the whole sequence from K/V gathered over the group).
+//!   attention over the whole sequence from K/V gathered over the group); `context_channels`:
+//!   the all-to-all between a sequence split and a channel split, for layers that run along the
+//!   whole sequence (Mamba's scan).
 //! - `rng`: the RNG tracker (streams shared across tensor-parallel ranks or distinct per rank).
 //!
 //! Architecture Invariant: parallel knows ranks and groups but not models; the transformer
@@ -18,6 +20,7 @@
 //! and compute exactly what the unsplit layers compute.
 
 pub mod context;
+mod context_channels;
 pub mod cross_entropy;
 pub mod embedding;
 pub mod gather;

@@ -11,9 +11,10 @@
 //! output gated by SiLU(z) → out_proj. The numeric ops are ferrotron-kernels' `conv1d_silu`,
 //! `ssd_scan` and `gated_rmsnorm` (CPU reference and CUDA).
 //!
-//! Not yet: tensor parallelism inside the mixer, context parallelism across it (the scan carries
-//! state along the whole sequence), the chunked SSD algorithm on tensor cores (the scan walks the
-//! steps in order), inference caches; the spec and the trainer refuse what is not built, naming it.
+//! Tensor parallelism splits the mixer by groups of heads; context parallelism trades rows for
+//! heads around the convolution and scan (mixer.rs's header). Not yet: inference caches, and
+//! groups replicated over context-parallel ranks (Megatron's, for fewer groups than ranks); the
+//! spec and the trainer refuse what is not built, naming it.
 
 pub mod mixer;
 pub mod spec;

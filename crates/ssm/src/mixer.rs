@@ -25,13 +25,22 @@
 //! column-parallel linear's does (gathered over the sequence with sequence parallelism) and the
 //! output leaves it as a row-parallel one's (summed, or reduce-scattered). The gated norm must
 //! then be per group (each rank normalises whole groups).
+//!
+//! Context parallelism (Megatron's MambaContextParallel): a rank holds two chunks of each
+//! sequence (`ContextParallel`), and the convolution and scan need every row. Around them an
+//! all-to-all trades the rank's rows of its heads for every row of 1/cp of them
+//! (`ContextParallel::to_channels`: xbc by its x | B | C blocks, dt by heads; y back with
+//! `to_sequence`), so each runs on [B, T, …] of its share; the products and the gated norm stay
+//! on the rank's rows. The convolution's channels, dt_bias, A_log and D are whole on every
+//! context-parallel rank and each uses its share: its gradients fill that share, zeros the rest,
+//! and the data × context-parallel gradient reduction sums the shares.
 
 use crate::spec::{MambaDims, MambaSpec};
 use ferrotron_core::{
     Blocks, Cx, Init, Module, ParamId, ParamMeta, ParamTableBuilder, Result, Saved, Shard, Tensor, invalid,
 };
 use ferrotron_kernels as k;
-use ferrotron_parallel::TensorParallel;
+use ferrotron_parallel::{ContextParallel, TensorParallel};
 use ferrotron_transformer::spec::ModuleFactory;
 
 pub struct MambaMixer {
@@ -50,7 +59,16 @@ pub struct MambaMixer {
     /// Column groups of the gated norm on this rank: the head groups', or 1 (the whole width).
     norm_groups: usize,
     tp: TensorParallel,
+    /// Context parallelism over more than one rank, or None.
+    cp: Option<ContextParallel>,
+    /// The sizes the convolution and scan run at: `dims` with the heads, groups and width over
+    /// the context-parallel size.
+    seq_dims: MambaDims,
 }
+
+/// Rows of a parameter (or of its gradient) that a context-parallel rank's share takes: (first
+/// row in the parameter, first row in the share, count).
+type Rows = Vec<(usize, usize, usize)>;
 
 impl MambaMixer {
     /// Registers the parameters under `prefix` (e.g. `decoder.layers.0.mixer`), this rank's part
@@ -84,6 +102,20 @@ impl MambaMixer {
         let dt_init = Init::DtBias { min: spec.dt_min, max: spec.dt_max, floor: spec.dt_floor };
         let a_init = Init::LogUniform { lo: spec.a_init.0, hi: spec.a_init.1 };
         let local = MambaDims { d_inner: di / t, heads: h / t, groups: dims.groups / t, ..dims };
+        let cp = spec.context_parallel.clone().filter(|c| c.size() > 1);
+        let n = cp.as_ref().map_or(1, |c| c.size());
+        if local.groups % n != 0 {
+            return Err(invalid(
+                "MambaMixer::new",
+                format!(
+                    "--context-parallel-size {n} does not divide a tensor-parallel rank's {} Mamba groups: pick --mamba-num-groups a multiple of {}",
+                    local.groups,
+                    t * n
+                ),
+            ));
+        }
+        let seq_dims =
+            MambaDims { d_inner: local.d_inner / n, heads: local.heads / n, groups: local.groups / n, ..dims };
         Ok(MambaMixer {
             in_proj: split(p, "in_proj.weight", vec![dims.in_proj_out(), c], 0, in_blocks, Init::Normal { std }, true)?,
             conv_weight: split(p, "conv1d.weight", vec![cd, 1, kk], 0, conv_blocks, conv_init, true)?,
@@ -97,12 +129,61 @@ impl MambaMixer {
             eps: spec.norm_eps,
             norm_groups: if spec.norm_per_group { local.groups } else { 1 },
             tp: tp.clone(),
+            cp,
+            seq_dims,
         })
     }
 
+    /// The scan's sizes for b sequences of t rows (the whole sequence under context parallelism).
     fn scan_dims(&self, b: usize, t: usize) -> k::ScanDims {
-        let d = &self.dims;
+        let d = &self.seq_dims;
         k::ScanDims { batch: b, seq: t, heads: d.heads, head_dim: d.head_dim, groups: d.groups, state: d.state }
+    }
+
+    /// The convolution's channel rows (x | B | C) and the heads' rows this rank's share takes.
+    fn share_rows(&self, cp: &ContextParallel) -> (Rows, Rows) {
+        let (d, s, r) = (&self.dims, &self.seq_dims, cp.rank());
+        let (gn, sgn) = (d.groups * d.state, s.groups * s.state);
+        let conv = vec![
+            (r * s.d_inner, 0, s.d_inner),
+            (d.d_inner + r * sgn, s.d_inner, sgn),
+            (d.d_inner + gn + r * sgn, s.d_inner + sgn, sgn),
+        ];
+        (conv, vec![(r * s.heads, 0, s.heads)])
+    }
+
+    /// Parameter `id`'s rows of this rank's share, contiguous (the parameter itself without
+    /// context parallelism).
+    fn param_share(cx: &Cx, id: ParamId, rows: Option<&Rows>) -> Result<Tensor> {
+        let p = cx.params.param(id)?;
+        let Some(rows) = rows else { return Ok(p) };
+        if let [(at, 0, len)] = rows[..] {
+            return p.narrow0(at..at + len);
+        }
+        let mut dims = p.dims().to_vec();
+        dims[0] = rows.iter().map(|r| r.2).sum();
+        let out = Tensor::empty(dims, p.dtype(), p.device())?;
+        for &(at, to, len) in rows {
+            out.narrow0(to..to + len)?.copy_from(&p.narrow0(at..at + len)?)?;
+        }
+        Ok(out)
+    }
+
+    /// main_grad of `id` += g for a share's rows (g holds the share's rows only; the rest of
+    /// main_grad is zeroed on its first write this step), or for every row without one.
+    fn add_grad_share(cx: &Cx, id: ParamId, g: &Tensor, rows: Option<&Rows>) -> Result<()> {
+        let Some(rows) = rows else { return Self::add_grad(cx, id, g) };
+        let (dst, acc) = cx.params.grad_acc(id)?;
+        if !acc {
+            dst.zero_()?;
+        }
+        let mut dims = dst.dims().to_vec();
+        dims[0] = rows.iter().map(|r| r.2).sum();
+        let g = g.reshape(dims)?;
+        for &(at, from, len) in rows {
+            k::add_(&dst.narrow0(at..at + len)?, &g.narrow0(from..from + len)?)?;
+        }
+        Ok(())
     }
 
     /// in_proj's row ranges: z, xbc, dt.
@@ -135,12 +216,30 @@ impl Module for MambaMixer {
         let z = k::matmul(h, &wz, false, true)?;
         let xbc = k::matmul(h, &wx, false, true)?;
         let dt = k::matmul(h, &wdt, false, true)?;
-        let u = k::conv1d_silu(&xbc, &cx.params.param(self.conv_weight)?, &cx.params.param(self.conv_bias)?)?;
-        let (dt_bias, a_log, d) =
-            (cx.params.param(self.dt_bias)?, cx.params.param(self.a_log)?, cx.params.param(self.d)?);
+        // Under context parallelism the convolution and scan take every row of this rank's share.
+        let (di, gn, nh) = (self.dims.d_inner, self.dims.groups * self.dims.state, self.dims.heads);
+        let (xbc, dt) = match &self.cp {
+            Some(cp) => (cp.to_channels(&xbc, &[di, gn, gn])?, cp.to_channels(&dt, &[nh])?),
+            None => (xbc, dt),
+        };
+        let shares = self.cp.as_ref().map(|cp| self.share_rows(cp));
+        let (conv_rows, head_rows) = (shares.as_ref().map(|s| &s.0), shares.as_ref().map(|s| &s.1));
+        let u = k::conv1d_silu(
+            &xbc,
+            &Self::param_share(cx, self.conv_weight, conv_rows)?,
+            &Self::param_share(cx, self.conv_bias, conv_rows)?,
+        )?;
+        let (dt_bias, a_log, d) = (
+            Self::param_share(cx, self.dt_bias, head_rows)?,
+            Self::param_share(cx, self.a_log, head_rows)?,
+            Self::param_share(cx, self.d, head_rows)?,
+        );
         let prm = k::ScanParams { dt_bias: &dt_bias, a_log: &a_log, d: &d };
-        let (y, states) = k::ssd_scan(&u, &dt, &prm, &self.scan_dims(b, t))?;
-        let di = self.dims.d_inner;
+        let (y, states) = k::ssd_scan(&u, &dt, &prm, &self.scan_dims(b, xbc.dims()[1]))?;
+        let y = match &self.cp {
+            Some(cp) => cp.to_sequence(&y, &[di])?,
+            None => y,
+        };
         let (y2, z2) = (y.reshape([rows, di])?, z.reshape([rows, di])?);
         let (g, rstd) = k::gated_rmsnorm(&y2, &z2, &cx.params.param(self.norm)?, self.norm_groups, self.eps)?;
         let out = k::matmul(&g.reshape([b, t, di])?, &cx.params.param(self.out_proj)?, false, true)?;
@@ -166,18 +265,34 @@ impl Module for MambaMixer {
         let (dy, dz, dnw) = k::gated_rmsnorm_bwd(&dg, &y2, &z2, &nw, &rstd, self.norm_groups)?;
         Self::add_grad(cx, self.norm, &dnw)?;
 
-        let (dt_bias, a_log, d) =
-            (cx.params.param(self.dt_bias)?, cx.params.param(self.a_log)?, cx.params.param(self.d)?);
+        let shares = self.cp.as_ref().map(|cp| self.share_rows(cp));
+        let (conv_rows, head_rows) = (shares.as_ref().map(|s| &s.0), shares.as_ref().map(|s| &s.1));
+        let (dt_bias, a_log, d) = (
+            Self::param_share(cx, self.dt_bias, head_rows)?,
+            Self::param_share(cx, self.a_log, head_rows)?,
+            Self::param_share(cx, self.d, head_rows)?,
+        );
         let prm = k::ScanParams { dt_bias: &dt_bias, a_log: &a_log, d: &d };
-        let sg = k::ssd_scan_bwd(&u, &dt, &prm, &self.scan_dims(b, t), &states, &dy.reshape([b, t, di])?)?;
-        Self::add_grad(cx, self.dt_bias, &sg.dt_bias)?;
-        Self::add_grad(cx, self.a_log, &sg.a_log)?;
-        Self::add_grad(cx, self.d, &sg.d)?;
+        let dy = dy.reshape([b, t, di])?;
+        let dy = match &self.cp {
+            Some(cp) => cp.to_channels(&dy, &[di])?,
+            None => dy,
+        };
+        let sg = k::ssd_scan_bwd(&u, &dt, &prm, &self.scan_dims(b, u.dims()[1]), &states, &dy)?;
+        Self::add_grad_share(cx, self.dt_bias, &sg.dt_bias, head_rows)?;
+        Self::add_grad_share(cx, self.a_log, &sg.a_log, head_rows)?;
+        Self::add_grad_share(cx, self.d, &sg.d, head_rows)?;
 
-        let (cw, cb) = (cx.params.param(self.conv_weight)?, cx.params.param(self.conv_bias)?);
+        let cw = Self::param_share(cx, self.conv_weight, conv_rows)?;
+        let cb = Self::param_share(cx, self.conv_bias, conv_rows)?;
         let (dxbc, dcw, dcb) = k::conv1d_silu_bwd(&xbc, &cw, &cb, &sg.dxbc)?;
-        Self::add_grad(cx, self.conv_weight, &dcw)?;
-        Self::add_grad(cx, self.conv_bias, &dcb)?;
+        Self::add_grad_share(cx, self.conv_weight, &dcw, conv_rows)?;
+        Self::add_grad_share(cx, self.conv_bias, &dcb, conv_rows)?;
+        let (gn, nh) = (self.dims.groups * self.dims.state, self.dims.heads);
+        let (dxbc, ddt) = match &self.cp {
+            Some(cp) => (cp.to_sequence(&dxbc, &[di, gn, gn])?, cp.to_sequence(&sg.ddt_raw, &[nh])?),
+            None => (dxbc, sg.ddt_raw),
+        };
 
         // dh = dz·W_z + dxbc·W_xbc + ddt·W_dt; each part's weight gradient into its rows.
         let h2 = h.reshape([rows, c])?;
@@ -185,7 +300,7 @@ impl Module for MambaMixer {
         let (dw_in, acc) = cx.params.grad_acc(self.in_proj)?;
         let [gz, gx, gdt] = self.in_parts(&dw_in)?;
         let dxbc2 = dxbc.reshape([rows, self.dims.conv_dim()])?;
-        let ddt2 = sg.ddt_raw.reshape([rows, self.dims.heads])?;
+        let ddt2 = ddt.reshape([rows, self.dims.heads])?;
         let dh = k::matmul(&dz, &wz, false, false)?;
         k::matmul_into(&dh, &dxbc2, &wx, false, false, true)?;
         k::matmul_into(&dh, &ddt2, &wdt, false, false, true)?;

@@ -3,10 +3,11 @@
 
 use crate::mixer::MambaMixer;
 use ferrotron_core::{Module, ParamTableBuilder, Result};
+use ferrotron_parallel::ContextParallel;
 use ferrotron_transformer::spec::{FactoryCx, ModuleFactory, ParamCount};
 
 /// A Mamba-2 mixer's sizes. Defaults are Megatron-Core's MambaMixer's.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub struct MambaSpec {
     /// State channels per group, N (--mamba-state-dim; 128).
     pub state_dim: usize,
@@ -30,6 +31,21 @@ pub struct MambaSpec {
     pub dt_max: f32,
     pub dt_floor: f32,
     pub a_init: (f32, f32),
+    /// The context-parallel group (`with_context_parallel`, more than one rank), or None: each
+    /// mixer then trades its rows of every head for every row of its share of the heads around
+    /// the convolution and scan.
+    pub context_parallel: Option<ContextParallel>,
+}
+
+/// Equal sizes (the context-parallel group is where a spec runs, not what it is).
+impl PartialEq for MambaSpec {
+    fn eq(&self, o: &Self) -> bool {
+        let key = |s: &Self| (s.state_dim, s.head_dim, s.groups, s.heads, s.expand, s.conv_kernel, s.norm_per_group);
+        let floats = |s: &Self| {
+            [s.norm_eps, s.dt_min as f64, s.dt_max as f64, s.dt_floor as f64, s.a_init.0 as f64, s.a_init.1 as f64]
+        };
+        key(self) == key(o) && floats(self) == floats(o)
+    }
 }
 
 impl Default for MambaSpec {
@@ -47,6 +63,7 @@ impl Default for MambaSpec {
             dt_max: 0.1,
             dt_floor: 1e-4,
             a_init: (1.0, 16.0),
+            context_parallel: None,
         }
     }
 }
@@ -75,6 +92,25 @@ impl MambaDims {
 }
 
 impl MambaSpec {
+    /// This spec for a rank of context-parallel group `cp` (more than one rank; at one, the spec
+    /// as it is).
+    pub fn with_context_parallel(&self, cp: ContextParallel) -> MambaSpec {
+        MambaSpec { context_parallel: (cp.size() > 1).then_some(cp), ..self.clone() }
+    }
+
+    /// Whether each of `tp` × `cp` ranks gets whole groups of heads between the all-to-alls
+    /// (Megatron splits the heads of a tensor-parallel rank over its context-parallel ranks);
+    /// the error names the fix.
+    pub fn validate_cp(&self, tp: usize, cp: usize) -> std::result::Result<(), String> {
+        if cp > 1 && self.groups % (tp * cp) != 0 {
+            return Err(format!(
+                "--context-parallel-size {cp} splits each tensor-parallel rank's Mamba groups over its context-parallel ranks: --mamba-num-groups {} is not a multiple of {tp} × {cp}; pick a multiple",
+                self.groups
+            ));
+        }
+        Ok(())
+    }
+
     /// The sizes at `hidden`, checked; errors name the flag and the fix.
     pub fn dims(&self, hidden: usize) -> std::result::Result<MambaDims, String> {
         if self.head_dim == 0 || self.state_dim == 0 || self.groups == 0 || self.expand == 0 || self.conv_kernel == 0 {
@@ -123,6 +159,8 @@ impl ModuleFactory for MambaSpec {
             return Err(config_error(e));
         }
         let dims = self.dims(cx.hidden).map_err(config_error)?;
+        let cp = self.context_parallel.as_ref().map_or(1, |c| c.size());
+        self.validate_cp(cx.tp.size(), cp).map_err(config_error)?;
         Ok(Box::new(MambaMixer::new(params, cx.prefix, self, dims, cx.std, cx.out_std, cx.tp)?))
     }
 
@@ -154,6 +192,18 @@ impl ModuleFactory for MambaSpec {
         if tp > 1 && !self.norm_per_group {
             return Err(format!(
                 "--mamba-norm-ungrouped normalises across every rank's heads: drop it for --tensor-model-parallel-size {tp}"
+            ));
+        }
+        Ok(())
+    }
+
+    /// Under context parallelism the mixers must have been built with the group (the trainer
+    /// gives the spec its group before building the model).
+    fn validate_cp(&self, cp: usize) -> std::result::Result<(), String> {
+        let built = self.context_parallel.as_ref().map_or(1, |c| c.size());
+        if built != cp {
+            return Err(format!(
+                "the Mamba layers were built for {built} context-parallel rank(s), the model runs on {cp}: build the spec with MambaSpec::with_context_parallel"
             ));
         }
         Ok(())

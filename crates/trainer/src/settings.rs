@@ -1843,11 +1843,8 @@ impl Settings {
                 "--context-parallel-size {cp} with a vision encoder (--img-h): multimodal sequences are not split over context-parallel ranks yet; drop one"
             );
         }
-        if let Some(m) = &self.mamba {
-            bail!(
-                "--context-parallel-size {cp} with Mamba layers (--hybrid-layer-pattern {}): a scan carries its state along the whole sequence and is not split over context-parallel ranks yet; drop one",
-                m.hybrid_layer_pattern
-            );
+        if let Some(m) = ferrotron_models::hybrid::mamba_spec(&self.model_config()?) {
+            m.validate_cp(self.tensor_model_parallel_size, cp).map_err(anyhow::Error::msg)?;
         }
         if self.window_size.is_some() {
             bail!(

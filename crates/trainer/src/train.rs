@@ -504,6 +504,13 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         }
         config.layer.mlp = ferrotron_transformer::spec::MlpSpec::Custom(Arc::new(m));
     }
+    if let (true, Some(m)) = (layout.cp > 1, ferrotron_models::hybrid::mamba_spec(&config)) {
+        // This rank's Mamba mixers trade rows for heads over its context-parallel group.
+        let m = m.with_context_parallel(ContextParallel::new(g.cp.clone()));
+        if let Some(h) = config.layer.hybrid.as_mut() {
+            h.mixer = Some(Arc::new(m));
+        }
+    }
     let moe_metrics = ferrotron_models::moe_spec(&config).map(|m| m.metrics.clone());
     let (mut model, mut table) =
         // Padded for the gradient reduction and the distributed optimizer's shards: over data ×

@@ -2,7 +2,8 @@
 //! CPU run of the same recipe (feature `cuda`; runs on the GPU machine): fp32 within 1e-4
 //! relative loss, bf16 within 2e-2. GPT-2 style (`tiny`), Llama style (`llama-tiny`: RoPE in
 //! place on the fused QKV, GQA, SwiGLU, RMSNorm), mixture of experts (`mixtral-tiny`) and a
-//! Mamba-2 hybrid (`mamba-tiny`); the last two also tensor-parallel on two thread ranks.
+//! Mamba-2 hybrid (`mamba-tiny`); the last two also tensor-parallel on two thread ranks, the
+//! hybrid context-parallel too.
 #![cfg(feature = "cuda")]
 
 use ferrotron_core::Device;
@@ -90,6 +91,15 @@ fn mamba_tensor_parallel_cuda_matches_cpu() {
     tp2_matches_cpu("mamba-tiny", false);
 }
 
+/// Mamba context parallelism on the GPU: two thread ranks sharing it, each two chunks of every
+/// sequence; the mixers trade rows for heads (strided rectangle copies around an all-to-all),
+/// each rank scanning the whole sequence for half the heads, the attention layer gathering K and
+/// V; against one CPU rank, fp32 within 1e-4.
+#[test]
+fn mamba_context_parallel_cuda_matches_cpu() {
+    split_matches_cpu("mamba-tiny", "cp2", |a| TrainArgs { context_parallel_size: Some(2), nproc: Some(2), ..a });
+}
+
 /// Mixture of experts under tensor and sequence parallelism on the GPU: every SwiGLU expert split
 /// over two thread ranks sharing it, the sequence gathered around the layer, against one CPU
 /// rank, fp32 within 1e-4.
@@ -101,19 +111,24 @@ fn mixtral_tensor_parallel_cuda_matches_cpu() {
 /// `preset` under tp2 (with sequence parallelism where `sp`) on two thread ranks sharing the GPU
 /// against one CPU rank: fp32 within 1e-4 at each of 20 steps.
 fn tp2_matches_cpu(preset: &str, sp: bool) {
+    split_matches_cpu(preset, "tp2", |a| TrainArgs {
+        tensor_model_parallel_size: Some(2),
+        sequence_parallel: sp,
+        nproc: Some(2),
+        ..a
+    });
+}
+
+/// `preset` in the layout `split` gives its flags (thread ranks sharing the GPU) against one CPU
+/// rank: fp32 within 1e-4 at each of 20 steps.
+fn split_matches_cpu(preset: &str, tag: &str, split: impl Fn(TrainArgs) -> TrainArgs) {
     let gpu = Device::cuda(0).expect("a CUDA device");
-    let args = |tp: Option<usize>| TrainArgs {
-        preset: Some(preset.into()),
-        tensor_model_parallel_size: tp,
-        sequence_parallel: sp && tp.is_some(),
-        nproc: tp,
-        ..TrainArgs::default()
-    };
-    let (cpu, cuda) = (losses_of(args(None), Device::Cpu), losses_of(args(Some(2)), gpu));
-    eprintln!("{preset} tp2\ncpu fp32 {cpu:?}\ncuda tp2 fp32 {cuda:?}");
+    let args = || TrainArgs { preset: Some(preset.into()), ..TrainArgs::default() };
+    let (cpu, cuda) = (losses_of(args(), Device::Cpu), losses_of(split(args()), gpu));
+    eprintln!("{preset} {tag}\ncpu fp32 {cpu:?}\ncuda {tag} fp32 {cuda:?}");
     assert_eq!(cuda.len(), 20);
     for (i, (c, g)) in cpu.iter().zip(&cuda).enumerate() {
-        assert!((c - g).abs() <= 1e-4 * c.abs(), "{preset} step {}: cpu {c} vs cuda tp2 {g}", i + 1);
+        assert!((c - g).abs() <= 1e-4 * c.abs(), "{preset} step {}: cpu {c} vs cuda {tag} {g}", i + 1);
     }
 }
 

@@ -368,10 +368,12 @@ impl GptModel {
             )));
         }
         if (0..self.config.num_layers).any(|i| self.config.layer.kind_of(i) == crate::spec::LayerKind::Mixer) {
-            return Err(ModelError::Config(format!(
-                "--context-parallel-size {} is not built with sequence mixers (Mamba layers): their scans run along the whole sequence",
-                cp.size()
-            )));
+            // A mixer runs along the whole sequence: its factory must have built it for the group.
+            let mixer = self.config.layer.hybrid.as_ref().and_then(|h| h.mixer.as_ref());
+            let verdict = mixer.map_or(Err("the spec has no mixer".to_string()), |m| m.validate_cp(cp.size()));
+            if let Err(e) = verdict {
+                return Err(ModelError::Config(format!("--context-parallel-size {}: {e}", cp.size())));
+            }
         }
         for l in self.chunks.iter_mut().flat_map(|b| b.layers.iter_mut()) {
             l.set_context_parallel(&cp);

@@ -118,6 +118,14 @@ pub trait ModuleFactory: Send + Sync + std::fmt::Debug {
         Ok(())
     }
 
+    /// Whether the module runs under context parallelism over `cp` ranks (its input a rank's two
+    /// chunks of each sequence, `ContextParallel`); the error names the fix. A module that works
+    /// token by token (an MLP, MoE) runs under any; one that mixes positions must say.
+    fn validate_cp(&self, cp: usize) -> std::result::Result<(), String> {
+        let _ = cp;
+        Ok(())
+    }
+
     /// The factory as `Any`, for code that recognises a factory type of its own (the trainer
     /// mapping an MoE spec back to its flags).
     fn as_any(&self) -> Option<&dyn std::any::Any> {

@@ -1075,3 +1075,36 @@ fn moe_routing_matches_cpu() {
         }
     }
 }
+
+/// Strided copies (`Tensor::narrow` views into and out of dense and strided tensors: the column
+/// blocks and sequence chunks context parallelism moves) as rectangles on the GPU, bit for bit
+/// the CPU's, the elements outside the destination's view left as they were.
+#[test]
+fn strided_copies_match_cpu() {
+    let g = gpu();
+    for dt in [DType::F32, DType::BF16] {
+        let src = rnd(&[3, 10, 12], 901, dt);
+        let dst = rnd(&[3, 8, 7], 902, dt);
+        let copies = |src: &Tensor, dst: &Tensor| {
+            // Columns 4..9 of every row: one rectangle of 30 rows.
+            let a = Tensor::zeros([3, 10, 5], dt, src.device()).unwrap();
+            a.copy_from(&src.narrow(2, 4..9).unwrap()).unwrap();
+            // Rows 2..6 and columns 1..4 of every sample into rows 4..8, columns 3..6 of another
+            // strided tensor: one rectangle a sample.
+            let d = dst.deep_copy().unwrap();
+            let view = d.narrow(1, 4..8).unwrap().narrow(2, 3..6).unwrap();
+            view.copy_from(&src.narrow(1, 2..6).unwrap().narrow(2, 1..4).unwrap()).unwrap();
+            // A transposed view into a dense one: width-1 rectangles.
+            let t = Tensor::zeros([12, 10], dt, src.device()).unwrap();
+            t.copy_from(&src.narrow(0, 1..2).unwrap().reshape([10, 12]).unwrap().transpose(0, 1).unwrap()).unwrap();
+            [a, d, t]
+        };
+        let want = copies(&src, &dst);
+        let got = copies(&on(&src, &g), &on(&dst, &g));
+        for (i, (w, x)) in want.iter().zip(&got).enumerate() {
+            assert_eq!(w.dims(), x.dims());
+            let bits = |t: &Tensor| host(t).iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(w), bits(x), "strided copy {i} [{dt}]");
+        }
+    }
+}

@@ -114,7 +114,7 @@ pub(super) fn of(c: &TransformerConfig) -> Result<HfArch> {
 }
 
 pub(super) fn to_config(c: &TransformerConfig, dtype: &str) -> Value {
-    let m = mamba_spec(c).copied().unwrap_or_default();
+    let m = mamba_spec(c).cloned().unwrap_or_default();
     let d = m.dims(c.hidden_size).ok();
     json!({
         "architectures": [HfArch::Mamba2.class()],
@@ -209,7 +209,7 @@ mod tests {
         assert!(e.contains("attention or MLP layers"), "{e}");
         // Megatron's per-group norm with two groups: transformers would compute another model.
         let mut c = from_hf_config(&parse_config(CONFIG).unwrap()).unwrap().config;
-        let mut spec = *crate::hybrid::mamba_spec(&c).unwrap();
+        let mut spec = crate::hybrid::mamba_spec(&c).unwrap().clone();
         spec.norm_per_group = true;
         let dense = c.layer.mlp.clone();
         crate::hybrid::make_hybrid(&mut c, "MM", spec, dense).unwrap();
