@@ -17,10 +17,16 @@
 //!
 //! Tensor parallelism (Megatron's expert tensor parallelism at the tensor-parallel size): every
 //! expert's fc1 is column- and fc2 row-parallel over the tensor-parallel group, the router and
-//! the routing replicated, so each tensor-parallel rank routes the same tokens the same way and
-//! the experts' outputs come back summed. With sequence parallelism the layer gathers the
-//! micro-batch's sequence first and keeps its own slice of the output (the gradient likewise:
-//! gathered in, sliced out, everything between already summed over the group).
+//! the routing replicated, so each tensor-parallel rank routes the same tokens the same way. The
+//! experts (and shared experts) run on `TensorParallel::partial`: no collective of their own,
+//! their outputs this rank's partial sums (fc2's bias on rank 0 only), which the combine keeps
+//! partial, and the layer reduces once: summed over the group, or reduce-scattered to the
+//! rank's slice of the sequence under sequence parallelism (gathered first), as Megatron's
+//! token dispatcher does after its unpermute. Backward: the output gradient whole on every rank
+//! (gathered under sequence parallelism); dprobs = dy · yp are partial and summed over the
+//! group ([N, K], small) before the router's backward, which then runs alike on every rank; the
+//! input gradient's partial sums (the router's part added on rank 0) reduced once, as the
+//! forward's input was entered.
 
 use crate::dispatch::Dispatch;
 use crate::metrics::MoeMetrics;
@@ -78,9 +84,9 @@ impl MoeLayer {
         };
         let local = spec.num_experts / spec.expert_parallel_size.max(1);
         let first_expert = ep.as_ref().map_or(0, |g| g.0.rank() * local);
-        // The experts see whole token lists, not sequence slices: their linears' own regions
-        // without sequence parallelism (the layer gathers and slices around them).
-        let etp = TensorParallel::new(cx.tp.comm.clone(), false);
+        // The experts see whole token lists, not sequence slices, and leave their partial sums to
+        // the layer: one reduction after the combine (the layer gathers and reduces around them).
+        let etp = TensorParallel::partial(cx.tp.comm.clone());
         let start = p.len();
         let experts = (first_expert..first_expert + local)
             .map(|e| {
@@ -169,7 +175,7 @@ impl Module for MoeLayer {
             ));
         }
         // Sequence parallel: the micro-batch's whole sequence on every tensor-parallel rank.
-        let x = &if self.tp.sp() { self.tp.gather_seq(x)? } else { x.clone() };
+        let x = &self.tp.enter(x)?;
         let n = x.elem_count() / c;
         let x2 = x.reshape([n, c])?;
         let (logits, s_router) = self.router.forward(cx, &x2)?;
@@ -201,8 +207,8 @@ impl Module for MoeLayer {
             k::add_(&y, &ys)?;
             children.push(s);
         }
-        let y = y.reshape(x.dims().to_vec())?;
-        let y = if self.tp.sp() { self.tp.split_seq(&y)? } else { y };
+        // This rank's partial sums of every token's output, reduced once (or reduce-scattered).
+        let y = self.tp.exit(&y.reshape(x.dims().to_vec())?)?;
         let counts: Vec<u32> = sort.tokens_per_expert.iter().map(|&c| c as u32).collect();
         let counts = Tensor::from_vec(counts, [self.num_experts], &Device::Cpu)?;
         let mut saved = vec![logits, probs, experts, sort.perm, sort.slot, yp, counts];
@@ -227,9 +233,11 @@ impl Module for MoeLayer {
         let local_counts = plan.as_ref().map_or(&counts, |d| &d.local_counts).clone();
         let (n, c) = (logits.dims()[0], self.hidden);
         // Sequence parallel: the whole sequence's output gradient (each rank's slice, gathered).
-        let dy = &if self.tp.sp() { self.tp.gather_seq(dy)? } else { dy.clone() };
+        let dy = &self.tp.exit_bwd(dy)?;
         let dy2 = dy.reshape([n, c])?;
         let (dyp, dprobs) = k::moe_unpermute_bwd(&yp, &slot, &probs, &dy2)?;
+        // yp holds this rank's partial sums: so does dprobs, summed before the router's backward.
+        self.tp.all_reduce(&dprobs)?;
         let mut children = children;
         // The shared experts' saved values come last (their input gradient added below).
         let dx_shared = match &self.shared {
@@ -292,11 +300,12 @@ impl Module for MoeLayer {
             self.metrics.record(&self.name, values);
         }
         let dxr = self.router.backward(cx, s_router, &dlogits)?;
-        k::add_(&dx, &dxr)?;
-        // Every part of dx is already the whole gradient on each rank (the experts' column
-        // linears sum theirs over the group; the router's and the routing's are the same on
-        // all): under sequence parallelism this rank's slice of it.
-        let dx = dx.reshape(dy.dims().to_vec())?;
-        if self.tp.sp() { self.tp.split_seq(&dx) } else { Ok(dx) }
+        // The experts' parts of dx are this rank's partial sums; the router's is the same on
+        // every rank, so one rank adds it before the sum (under sequence parallelism the
+        // reduce-scatter to this rank's slice).
+        if self.tp.rank() == 0 {
+            k::add_(&dx, &dxr)?;
+        }
+        self.tp.enter_bwd(&dx.reshape(dy.dims().to_vec())?)
     }
 }

@@ -185,7 +185,7 @@ impl Module for RowParallelLinear {
             (1, Some(b)) => k::matmul_bias(&x, &w, &cx.params.param(b)?, false, true)?,
             (_, b) => {
                 let y = self.tp.exit(&k::matmul(&x, &w, false, true)?)?;
-                match b {
+                match b.filter(|_| self.tp.adds_bias()) {
                     Some(b) => k::bias_add(&y, &cx.params.param(b)?)?,
                     None => y,
                 }

@@ -13,6 +13,11 @@
 //! | region exit (row linear)      |                      |                        |
 //! | no SP: reduce_from_tp         | all-reduce           | identity               |
 //! | SP: reduce_scatter_to_sp      | reduce-scatter on T  | all-gather along T     |
+//!
+//! `partial` (`TensorParallel::partial`): the same split with every entry and exit the identity,
+//! for layers whose caller combines their partial sums itself, once for many of them (Megatron's
+//! MoE experts: one reduction after the combine, not one per expert). A row-parallel linear's
+//! bias is then added on rank 0 only, so that the caller's sum holds it once.
 
 use crate::comm_err;
 use crate::groups::Comm;
@@ -23,17 +28,30 @@ use ferrotron_core::{Result, Tensor, invalid, shape_mismatch};
 pub struct TensorParallel {
     pub comm: Comm,
     pub sequence_parallel: bool,
+    /// Entries and exits left to the caller (no sequence parallelism then).
+    partial: bool,
 }
 
 impl std::fmt::Debug for TensorParallel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "TensorParallel({}, sp={})", self.comm.name(), self.sequence_parallel)
+        let partial = if self.partial { ", partial sums" } else { "" };
+        write!(f, "TensorParallel({}, sp={}{partial})", self.comm.name(), self.sequence_parallel)
     }
 }
 
 impl TensorParallel {
     pub fn new(comm: Comm, sequence_parallel: bool) -> Self {
-        TensorParallel { comm, sequence_parallel }
+        TensorParallel { comm, sequence_parallel, partial: false }
+    }
+    /// The group's split with the region mappings left to the caller: a column linear's input
+    /// gradient and a row linear's output stay this rank's partial sums.
+    pub fn partial(comm: Comm) -> Self {
+        TensorParallel { comm, sequence_parallel: false, partial: true }
+    }
+    /// Whether a row-parallel linear adds its bias here: on every rank after the reduction, or
+    /// with partial sums on rank 0 only.
+    pub fn adds_bias(&self) -> bool {
+        !self.partial || self.rank() == 0
     }
     pub fn rank(&self) -> usize {
         self.comm.rank()
@@ -161,7 +179,9 @@ impl TensorParallel {
     }
     /// Backward of `enter`: gradients of the replicated input are summed over the group.
     pub fn enter_bwd(&self, dx: &Tensor) -> Result<Tensor> {
-        if self.sp() {
+        if self.partial {
+            Ok(dx.clone())
+        } else if self.sp() {
             self.reduce_scatter_seq(dx)
         } else {
             self.all_reduce(dx)?;
@@ -170,7 +190,9 @@ impl TensorParallel {
     }
     /// Leaving a tensor-parallel region (row linear output): partial sums combined.
     pub fn exit(&self, y: &Tensor) -> Result<Tensor> {
-        if self.sp() {
+        if self.partial {
+            Ok(y.clone())
+        } else if self.sp() {
             self.reduce_scatter_seq(y)
         } else {
             self.all_reduce(y)?;

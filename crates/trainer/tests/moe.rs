@@ -9,6 +9,11 @@ use ferrotron_trainer::settings::{Launch, Paths, Settings, TrainArgs};
 use ferrotron_trainer::train::train;
 
 fn moe_args() -> TrainArgs {
+    moe_args_on(tiny_args(true))
+}
+
+/// `base` with four experts of 24 (top 2, both router losses) and a shared expert of 16.
+fn moe_args_on(base: TrainArgs) -> TrainArgs {
     TrainArgs {
         num_experts: Some(4),
         moe_ffn_hidden_size: Some(24),
@@ -20,7 +25,25 @@ fn moe_args() -> TrainArgs {
         moe_shared_expert_intermediate_size: Some(16),
         global_batch_size: Some(4),
         micro_batch_size: Some(1),
-        ..tiny_args(true)
+        ..base
+    }
+}
+
+/// GPT-style experts (GeLU, biases on every linear) under tensor parallelism, with and without
+/// sequence parallelism: the experts' partial sums are reduced once after the combine, each fc2
+/// bias counted once (rank 0's), the probabilities' gradient summed over the group; the same
+/// losses and gradient norms as one rank.
+#[test]
+fn moe_with_biases_follows_one_rank_under_tp() {
+    let s1 = settings(&moe_args_on(tiny_args(false)));
+    let one = train(&s1, &Paths::default()).unwrap();
+    for sp in [false, true] {
+        let mut tp = s1.clone();
+        tp.tensor_model_parallel_size = 2;
+        tp.sequence_parallel = sp;
+        let run = train(&tp, &Paths { launch: Launch::Threads(2), ..Paths::default() }).unwrap();
+        close(&format!("tp2 sp {sp}"), &run.losses, &one.losses);
+        close(&format!("tp2 sp {sp} gradient norms"), &run.grad_norms, &one.grad_norms);
     }
 }
 
