@@ -286,6 +286,7 @@ pub fn from_hf_config(v: &Value) -> Result<HfModel> {
                     ..RouterSpec::default()
                 },
                 expert_parallel_size: 1,
+                expert_tensor_parallel_size: None,
                 ep_group: None,
                 cp_group: None,
                 metrics: Default::default(),

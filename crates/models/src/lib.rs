@@ -139,6 +139,7 @@ pub fn mixtral(size: MixtralSize) -> TransformerConfig {
         shared_expert_ffn: None,
         router: RouterSpec { aux_loss_coeff: 1e-2, z_loss_coeff: Some(1e-3), ..RouterSpec::default() },
         expert_parallel_size: 1,
+        expert_tensor_parallel_size: None,
         ep_group: None,
         cp_group: None,
         metrics: Default::default(),

@@ -27,6 +27,15 @@
 //! group ([N, K], small) before the router's backward, which then runs alike on every rank; the
 //! input gradient's partial sums (the router's part added on rank 0) reduced once, as the
 //! forward's input was entered.
+//!
+//! Whole experts under tensor parallelism (--expert-tensor-parallel-size 1, which needs
+//! sequence parallelism, as Megatron's MoE does): each tensor-parallel rank routes and
+//! dispatches its own slice of the sequence, the expert-parallel group spanning tensor-parallel
+//! ranks, and no tensor-parallel collective runs around the experts. The router's weight then
+//! sees only the rank's tokens (its gradient summed over the group with the other
+//! sequence-parallel ones), the routers' losses count the tokens of every rank of the group (as
+//! under context parallelism), and the shared experts are a dense MLP of the tensor-parallel
+//! group (gathered in, reduce-scattered out).
 
 use crate::dispatch::Dispatch;
 use crate::metrics::MoeMetrics;
@@ -63,12 +72,35 @@ pub struct MoeLayer {
     metrics: MoeMetrics,
     /// The layer's tensor-parallel group (its sequence parallelism undone around the layer).
     tp: TensorParallel,
+    /// Whole experts under tensor parallelism: each tensor-parallel rank routes its own slice of
+    /// the sequence (the layer's input as it comes).
+    own_slice: bool,
 }
 
 impl MoeLayer {
     pub fn new(p: &mut ParamTableBuilder, cx: &FactoryCx, spec: &MoeSpec) -> Result<Self> {
         let prefix = cx.prefix;
-        let router = Linear::new(p, &format!("{prefix}.router"), cx.hidden, spec.num_experts, false, cx.std)?;
+        let tp = cx.tp.size();
+        let own_slice = tp > 1 && spec.expert_tensor_parallel_size == Some(1);
+        if let Err(e) = ferrotron_transformer::spec::ModuleFactory::validate_tp(spec, tp) {
+            return Err(invalid("MoeLayer", e));
+        }
+        if own_slice && !cx.tp.sp() {
+            return Err(invalid(
+                "MoeLayer",
+                format!(
+                    "--expert-tensor-parallel-size 1 under --tensor-model-parallel-size {tp} routes each rank's slice of the sequence: add --sequence-parallel (Megatron requires it with experts)"
+                ),
+            ));
+        }
+        let router = Linear::on_sequence_shards(
+            p,
+            &format!("{prefix}.router"),
+            [cx.hidden, spec.num_experts],
+            false,
+            cx.std,
+            own_slice,
+        )?;
         let ep = match (&spec.ep_group, spec.expert_parallel_size) {
             (_, 1) => None,
             (Some(g), n) if g.0.size() == n => Some(g.clone()),
@@ -86,7 +118,12 @@ impl MoeLayer {
         let first_expert = ep.as_ref().map_or(0, |g| g.0.rank() * local);
         // The experts see whole token lists, not sequence slices, and leave their partial sums to
         // the layer: one reduction after the combine (the layer gathers and reduces around them).
-        let etp = TensorParallel::partial(cx.tp.comm.clone());
+        // Whole experts: a group of one.
+        let etp = if own_slice {
+            TensorParallel::new(ferrotron_comm::thread_world(1, std::time::Duration::from_secs(60)).remove(0), false)
+        } else {
+            TensorParallel::partial(cx.tp.comm.clone())
+        };
         let start = p.len();
         let experts = (first_expert..first_expert + local)
             .map(|e| {
@@ -104,6 +141,8 @@ impl MoeLayer {
             })
             .collect::<Result<Vec<_>>>()?;
         p.mark_expert_since(start);
+        // With whole experts the shared experts are the tensor-parallel group's dense MLP.
+        let shared_tp = if own_slice { cx.tp } else { &etp };
         let shared = match spec.shared_expert_ffn {
             Some(f) => Some(Mlp::new(
                 p,
@@ -114,7 +153,7 @@ impl MoeLayer {
                 spec.bias,
                 cx.std,
                 cx.out_std,
-                &etp,
+                shared_tp,
             )?),
             None => None,
         };
@@ -134,6 +173,7 @@ impl MoeLayer {
             name: prefix.to_string(),
             metrics: spec.metrics.clone(),
             tp: cx.tp.clone(),
+            own_slice,
         })
     }
 
@@ -174,8 +214,9 @@ impl Module for MoeLayer {
                 format!("input width {} is not the hidden size {c}", x.shape().last()),
             ));
         }
-        // Sequence parallel: the micro-batch's whole sequence on every tensor-parallel rank.
-        let x = &self.tp.enter(x)?;
+        // Sequence parallel: the micro-batch's whole sequence on every tensor-parallel rank (or,
+        // with whole experts, this rank's slice).
+        let x = &if self.own_slice { x.clone() } else { self.tp.enter(x)? };
         let n = x.elem_count() / c;
         let x2 = x.reshape([n, c])?;
         let (logits, s_router) = self.router.forward(cx, &x2)?;
@@ -203,12 +244,15 @@ impl Module for MoeLayer {
         };
         let y = k::moe_unpermute(&yp, &sort.slot, &probs)?;
         if let Some(sh) = &self.shared {
-            let (ys, s) = sh.forward(cx, &x2)?;
-            k::add_(&y, &ys)?;
+            // With whole experts a sequence-parallel MLP: [B, T/tp, C] in and out.
+            let (ys, s) = if self.own_slice { sh.forward(cx, x)? } else { sh.forward(cx, &x2)? };
+            k::add_(&y, &ys.reshape([n, c])?)?;
             children.push(s);
         }
-        // This rank's partial sums of every token's output, reduced once (or reduce-scattered).
-        let y = self.tp.exit(&y.reshape(x.dims().to_vec())?)?;
+        // This rank's partial sums of every token's output, reduced once (or reduce-scattered);
+        // with whole experts its own tokens' outputs.
+        let y = y.reshape(x.dims().to_vec())?;
+        let y = if self.own_slice { y } else { self.tp.exit(&y)? };
         let counts: Vec<u32> = sort.tokens_per_expert.iter().map(|&c| c as u32).collect();
         let counts = Tensor::from_vec(counts, [self.num_experts], &Device::Cpu)?;
         let mut saved = vec![logits, probs, experts, sort.perm, sort.slot, yp, counts];
@@ -233,17 +277,20 @@ impl Module for MoeLayer {
         let local_counts = plan.as_ref().map_or(&counts, |d| &d.local_counts).clone();
         let (n, c) = (logits.dims()[0], self.hidden);
         // Sequence parallel: the whole sequence's output gradient (each rank's slice, gathered).
-        let dy = &self.tp.exit_bwd(dy)?;
+        let dy = &if self.own_slice { dy.clone() } else { self.tp.exit_bwd(dy)? };
         let dy2 = dy.reshape([n, c])?;
         let (dyp, dprobs) = k::moe_unpermute_bwd(&yp, &slot, &probs, &dy2)?;
         // yp holds this rank's partial sums: so does dprobs, summed before the router's backward.
-        self.tp.all_reduce(&dprobs)?;
+        if !self.own_slice {
+            self.tp.all_reduce(&dprobs)?;
+        }
         let mut children = children;
         // The shared experts' saved values come last (their input gradient added below).
         let dx_shared = match &self.shared {
             Some(sh) => {
                 let s = children.pop().ok_or_else(|| invalid(BWD, "shared experts' saved values missing"))?;
-                Some(sh.backward(cx, s, &dy2)?)
+                let d = if self.own_slice { sh.backward(cx, s, dy)? } else { sh.backward(cx, s, &dy2)? };
+                Some(d.reshape([n, c])?)
             }
             None => None,
         };
@@ -270,12 +317,15 @@ impl Module for MoeLayer {
         let dlogits = k::moe_route_bwd(&logits, &experts, &dprobs, &self.topk)?;
         if self.aux_coeff > 0.0 || self.z_coeff > 0.0 {
             let per_expert: Vec<f32> = counts.iter().map(|&c| c as f32).collect();
-            let mut per_expert = Tensor::from_vec(per_expert, [counts.len()], &Device::Cpu)?;
+            let per_expert = Tensor::from_vec(per_expert, [counts.len()], &Device::Cpu)?.to_device(logits.device())?;
             // Under context parallelism the losses are the whole micro-batch's: counts and token
             // total over every cp rank (Megatron sums them over its tp × cp group). This rank's
             // share of their gradient is scaled by cp as its language-model loss is (the
             // gradients are averaged over data × context ranks), and so are the values recorded
-            // (averaged over the ranks for the log, their shares sum to the whole).
+            // (averaged over the ranks for the log, their shares sum to the whole). With whole
+            // experts the tensor-parallel ranks' slices are counted likewise, their gradients at
+            // scale 1 (each rank's tokens' own: the sequence-parallel regions are summed, not
+            // averaged).
             let cp = match &self.cp {
                 Some(g) => {
                     g.0.all_reduce(&per_expert, ReduceOp::Sum).map_err(|e| invalid(BWD, e.to_string()))?;
@@ -283,10 +333,15 @@ impl Module for MoeLayer {
                 }
                 None => 1,
             };
-            per_expert = per_expert.to_device(logits.device())?;
+            let tp = if self.own_slice {
+                self.tp.all_reduce(&per_expert)?;
+                self.tp.size()
+            } else {
+                1
+            };
             let loss = k::RouterLoss {
                 topk: self.topk.k,
-                total_tokens: n * cp,
+                total_tokens: n * cp * tp,
                 aux_coeff: self.aux_coeff,
                 z_coeff: self.z_coeff,
                 grad_scale: cx.grad_scale * cp as f32,
@@ -294,8 +349,8 @@ impl Module for MoeLayer {
             let (values, dl) = k::moe_router_loss(&logits, &per_expert, &loss)?;
             let dl = if dl.dtype() == dlogits.dtype() { dl } else { k::cast(&dl, dlogits.dtype())? };
             k::add_(&dlogits, &dl)?;
-            if cp > 1 {
-                k::scale_(&values, cp as f32)?;
+            if cp * tp > 1 {
+                k::scale_(&values, (cp * tp) as f32)?;
             }
             self.metrics.record(&self.name, values);
         }
@@ -303,9 +358,10 @@ impl Module for MoeLayer {
         // The experts' parts of dx are this rank's partial sums; the router's is the same on
         // every rank, so one rank adds it before the sum (under sequence parallelism the
         // reduce-scatter to this rank's slice).
-        if self.tp.rank() == 0 {
+        if self.own_slice || self.tp.rank() == 0 {
             k::add_(&dx, &dxr)?;
         }
-        self.tp.enter_bwd(&dx.reshape(dy.dims().to_vec())?)
+        let dx = dx.reshape(dy.dims().to_vec())?;
+        if self.own_slice { Ok(dx) } else { self.tp.enter_bwd(&dx) }
     }
 }

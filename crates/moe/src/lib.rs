@@ -17,9 +17,13 @@
 //! group by the optimizer crate's `GradSync::with_experts`) and tokens travel by all-to-all.
 //! Shared experts: a dense MLP beside the routed ones.
 //!
-//! Not yet: tensor parallelism inside the layer (expert TP, sequence-parallel token gathering),
-//! the shared experts' gate, token dropping, other score functions and balancing types; the spec
-//! and the trainer refuse what is not built, naming it.
+//! Tensor parallelism (`layer.rs`'s header): every expert split over the tensor-parallel group,
+//! its partial sums reduced once per layer; or, with an expert tensor-parallel size of 1, every
+//! expert whole and each tensor-parallel rank routing its own slice of the sequence.
+//!
+//! Not yet: expert tensor-parallel sizes other than 1 and the tensor-parallel size, the shared
+//! experts' gate, token dropping, other score functions and balancing types; the spec and the
+//! trainer refuse what is not built, naming it.
 
 pub mod dispatch;
 pub mod layer;

@@ -67,6 +67,11 @@ pub struct MoeSpec {
     /// --expert-model-parallel-size: the experts are split over this many ranks, each holding
     /// num_experts / size of them, tokens dispatched to them by all-to-all.
     pub expert_parallel_size: usize,
+    /// --expert-tensor-parallel-size: None (or the tensor-parallel size), every expert split over
+    /// the tensor-parallel group; 1, every expert whole under tensor (and sequence) parallelism,
+    /// each tensor-parallel rank routing its own slice of the sequence (Megatron's etp 1, where
+    /// the expert-parallel group spans tensor-parallel ranks: `Layout::with_expert_tp`).
+    pub expert_tensor_parallel_size: Option<usize>,
     /// The expert-parallel group the layers dispatch over: set, on each rank, by whoever built
     /// the process groups (`with_group`); needed when `expert_parallel_size` is above 1.
     pub ep_group: Option<ExpertGroup>,
@@ -177,10 +182,17 @@ impl ModuleFactory for MoeSpec {
 
     /// Each expert (and the shared experts) split as a dense MLP is: their widths must divide.
     fn validate_tp(&self, tp: usize) -> std::result::Result<(), String> {
-        let widths = [
-            ("--moe-ffn-hidden-size", Some(self.ffn_hidden_size)),
-            ("--moe-shared-expert-intermediate-size", self.shared_expert_ffn),
-        ];
+        let etp = self.expert_tensor_parallel_size.unwrap_or(tp);
+        if etp != tp && etp != 1 {
+            return Err(format!(
+                "--expert-tensor-parallel-size {etp} is neither 1 nor --tensor-model-parallel-size {tp}: only those two are built; pick one"
+            ));
+        }
+        // Whole experts under tensor parallelism: only the shared experts (the dense tensor-
+        // parallel MLP's layout) split.
+        let routed = (etp == tp).then_some(self.ffn_hidden_size);
+        let widths =
+            [("--moe-ffn-hidden-size", routed), ("--moe-shared-expert-intermediate-size", self.shared_expert_ffn)];
         for (flag, w) in widths {
             if let Some(w) = w.filter(|w| w % tp != 0) {
                 return Err(format!(

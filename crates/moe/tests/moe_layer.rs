@@ -30,6 +30,7 @@ fn spec(activation: Activation, bias: bool, pre_softmax: bool) -> MoeSpec {
             z_loss_coeff: Some(0.05),
         },
         expert_parallel_size: 1,
+        expert_tensor_parallel_size: None,
         ep_group: None,
         cp_group: None,
         metrics: MoeMetrics::default(),

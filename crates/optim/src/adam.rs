@@ -93,8 +93,12 @@ pub struct Optimizer {
 
 struct ExpertNorm {
     end: usize,
-    ep: Comm,
+    ep: Option<Comm>,
     edp: Option<Comm>,
+    /// Whole experts under tensor parallelism: tp / etp ranks of the model-parallel group hold
+    /// the same sum after the expert groups' reductions, so it is divided by that before the
+    /// model-parallel sum.
+    tp_copies: usize,
 }
 
 impl Optimizer {
@@ -118,8 +122,13 @@ impl Optimizer {
         let dp = sync.distributed.then(|| sync.dp.clone());
         let mut opt = Self::build(table, config, owned, Some(mp), dp, tp_rank)?;
         opt.experts = sync.expert.as_ref().and_then(|e| {
-            let ep = e.ep.clone().filter(|ep| ep.size() > 1)?;
-            Some(ExpertNorm { end: e.region.end, ep, edp: sync.distributed.then(|| e.edp.clone()) })
+            let ep = e.ep.clone().filter(|ep| ep.size() > 1);
+            (ep.is_some() || e.tp_copies > 1).then(|| ExpertNorm {
+                end: e.region.end,
+                ep,
+                edp: sync.distributed.then(|| e.edp.clone()),
+                tp_copies: e.tp_copies,
+            })
         });
         Ok(opt)
     }
@@ -256,7 +265,12 @@ impl Optimizer {
                 if let Some(edp) = &e.edp {
                     reduce(&sq_e, edp)?;
                 }
-                reduce(&sq_e, &e.ep)?;
+                if let Some(ep) = &e.ep {
+                    reduce(&sq_e, ep)?;
+                }
+                if e.tp_copies > 1 {
+                    k::scale_(&sq_e, 1.0 / e.tp_copies as f32)?;
+                }
                 k::add_(&sq, &sq_e)?;
                 sq
             }

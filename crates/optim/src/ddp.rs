@@ -110,13 +110,17 @@ impl Worker {
 /// the contributions of every token its expert-parallel group sent it, each already scaled as
 /// its own rank's loss; the data-parallel average of the whole model is then the sum over the
 /// expert-data-parallel group divided by the data-parallel size: the average over the group
-/// times 1 / ep.
+/// times 1 / ep. With whole experts under tensor parallelism (an expert tensor-parallel size of
+/// one) the tensor-parallel ranks hold different tokens of one micro-batch (sequence parallel),
+/// whose contributions add: times tp / ep (`tp_copies` = tp / etp).
 pub struct ExpertSync {
     pub region: Range<usize>,
     pub plan: BucketPlan,
     pub edp: Comm,
     /// None: one expert-parallel rank.
     pub ep: Option<Comm>,
+    /// The tensor-parallel size over the experts' (1 when the experts split as the rest).
+    pub tp_copies: usize,
     bucket_size: usize,
 }
 
@@ -161,6 +165,7 @@ impl GradSync {
             plan: BucketPlan::over(experts.clone(), bucket_size, dp.size(), dp.rank()),
             edp: dp.clone(),
             ep: None,
+            tp_copies: 1,
             bucket_size,
         });
         // Sequence-parallel parameters (norms, biases) are never an expert's: the other region.
@@ -200,13 +205,15 @@ impl GradSync {
     }
 
     /// Expert parallelism: the experts' region is reduced over `edp` (the expert-data-parallel
-    /// group) and scaled by 1 / `ep`'s size (see `ExpertSync`). `edp`'s size must divide the
-    /// data-parallel size (the region is padded to a multiple of it).
-    pub fn with_experts(mut self, edp: Comm, ep: Comm) -> Self {
+    /// group) and scaled by `tp_copies` / `ep`'s size (see `ExpertSync`; `tp_copies` the
+    /// tensor-parallel size over the experts'). The region is padded to a multiple of `edp`'s
+    /// size.
+    pub fn with_experts(mut self, edp: Comm, ep: Comm, tp_copies: usize) -> Self {
         if let Some(e) = self.expert.as_mut() {
             e.plan = BucketPlan::over(e.region.clone(), e.bucket_size, edp.size(), edp.rank());
             e.edp = edp;
             e.ep = Some(ep);
+            e.tp_copies = tp_copies.max(1);
         }
         self
     }
@@ -222,15 +229,16 @@ impl GradSync {
         v
     }
 
-    /// The experts' buckets: scaled by 1 / ep, then averaged over the expert-data-parallel
+    /// The experts' buckets: scaled by tp_copies / ep, then averaged over the expert-data-parallel
     /// group (reduce-scattered under the distributed optimizer). Synchronous, after the rest.
     fn reduce_experts(&self, table: &ParamTable) -> Result<(), CommError> {
         let Some(e) = &self.expert else { return Ok(()) };
         let grads = table.flat_grads();
+        let ep = e.ep.as_ref().map_or(1, |ep| ep.size());
         for (b, r) in e.plan.buckets.iter().enumerate() {
             let bucket = grads.view(r.start, [r.len()])?;
-            if let Some(ep) = e.ep.as_ref().filter(|ep| ep.size() > 1) {
-                k::scale_(&bucket, 1.0 / ep.size() as f32)?;
+            if e.tp_copies != ep {
+                k::scale_(&bucket, e.tp_copies as f32 / ep as f32)?;
             }
             if e.edp.size() == 1 {
                 continue;

@@ -71,7 +71,7 @@ impl ProcessGroups {
     /// One rank alone: every group has size 1 (no communication happens).
     pub fn single() -> ProcessGroups {
         let world = thread_world(1, Duration::from_secs(60)).remove(0);
-        let layout = Layout { tp: 1, cp: 1, ep: 1, dp: 1, pp: 1 };
+        let layout = Layout { tp: 1, cp: 1, ep: 1, dp: 1, pp: 1, etp: 1 };
         ProcessGroups::new(world, layout).expect("a world of one fits the layout of one")
     }
 

@@ -85,6 +85,9 @@ pub struct Layout {
     pub ep: usize,
     pub dp: usize,
     pub pp: usize,
+    /// The experts' tensor-parallel size (--expert-tensor-parallel-size): tp (Megatron's
+    /// default) or 1 (`with_expert_tp`).
+    pub etp: usize,
 }
 
 impl Layout {
@@ -113,7 +116,23 @@ impl Layout {
                 dp * cp
             )));
         }
-        Ok(Layout { tp, cp, ep, dp, pp })
+        Ok(Layout { tp, cp, ep, dp, pp, etp: tp })
+    }
+
+    /// `new` with the experts split over `etp` ranks (--expert-tensor-parallel-size) instead of
+    /// tp: the expert grid's etp × ep must divide a pipeline stage's tp × cp × dp ranks.
+    pub fn with_expert_tp(world: usize, tp: usize, pp: usize, cp: usize, ep: usize, etp: usize) -> Result<Layout> {
+        if etp == tp {
+            return Self::new(world, tp, pp, cp, ep);
+        }
+        let dense = Self::new(world, tp, pp, cp, 1)?;
+        let stage = tp * cp * dense.dp;
+        if etp == 0 || ep == 0 || stage % (etp * ep) != 0 {
+            return Err(ParallelError::Layout(format!(
+                "--expert-tensor-parallel-size {etp} × --expert-model-parallel-size {ep} does not divide the {stage} ranks of a pipeline stage (tensor × context × data parallel)"
+            )));
+        }
+        Ok(Layout { ep, etp, ..dense })
     }
 
     pub fn world(&self) -> usize {
@@ -127,11 +146,11 @@ impl Layout {
         }
     }
 
-    /// The expert grid `tp-ep-edp-pp` (expert tp = tp, cp folded into data parallel); `Dim::Dp`
-    /// stands for the expert data-parallel dimension.
+    /// The expert grid `etp-ep-edp-pp` (cp folded into data parallel); `Dim::Tp` stands for the
+    /// expert tensor-parallel dimension, `Dim::Dp` for the expert data-parallel one.
     pub fn expert(&self) -> Grid {
-        let edp = self.dp * self.cp / self.ep;
-        Grid { dims: vec![(Dim::Tp, self.tp), (Dim::Ep, self.ep), (Dim::Dp, edp), (Dim::Pp, self.pp)] }
+        let edp = self.tp * self.dp * self.cp / (self.etp * self.ep);
+        Grid { dims: vec![(Dim::Tp, self.etp), (Dim::Ep, self.ep), (Dim::Dp, edp), (Dim::Pp, self.pp)] }
     }
 }
 
@@ -176,6 +195,26 @@ mod tests {
             all.sort();
             assert_eq!(all, (0..16).collect::<Vec<_>>());
         }
+    }
+
+    #[test]
+    fn experts_unsplit_under_tensor_parallelism() {
+        // 8 ranks, tp 2, ep 4, etp 1 (Megatron's expert grid etp-ep-edp-pp): each expert-parallel
+        // group spans tensor-parallel ranks, the experts' data parallelism what is left.
+        let l = Layout::with_expert_tp(8, 2, 1, 1, 4, 1).unwrap();
+        let e = l.expert();
+        assert_eq!(e.groups(&[Dim::Ep]), vec![vec![0, 1, 2, 3], vec![4, 5, 6, 7]]);
+        assert_eq!(e.groups(&[Dim::Dp]), vec![vec![0, 4], vec![1, 5], vec![2, 6], vec![3, 7]]);
+        let e = Layout::with_expert_tp(8, 2, 1, 1, 2, 1).unwrap().expert();
+        assert_eq!(e.groups(&[Dim::Ep])[..2], [vec![0, 1], vec![2, 3]]);
+        let err = Layout::with_expert_tp(6, 2, 1, 1, 3, 4).unwrap_err().to_string();
+        assert!(err.contains("--expert-tensor-parallel-size 4"), "{err}");
+        // ep 4 over tp 2 × dp 2, which the experts split over tp could not take (dp 2 < 4).
+        assert!(Layout::new(4, 2, 1, 1, 4).is_err());
+        assert_eq!(
+            Layout::with_expert_tp(4, 2, 1, 1, 4, 1).unwrap().expert().groups(&[Dim::Ep]),
+            vec![vec![0, 1, 2, 3]]
+        );
     }
 
     #[test]

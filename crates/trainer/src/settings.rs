@@ -788,6 +788,10 @@ pub struct MoeSettings {
     /// `--moe-layer-freq` as given; None: every layer (1).
     #[serde(default)]
     pub moe_layer_freq: Option<String>,
+    /// --expert-tensor-parallel-size where it differs from the tensor-parallel size (1: whole
+    /// experts); None: the tensor-parallel size.
+    #[serde(default)]
+    pub expert_tensor_parallel_size: Option<usize>,
 }
 
 impl MoeSettings {
@@ -819,10 +823,16 @@ impl MoeSettings {
             bail!("--moe-shared-expert-gate (Qwen-MoE's sigmoid gate on the shared experts) is not built yet: drop it");
         }
         let tp = a.tensor_model_parallel_size.unwrap_or(1);
-        if let Some(etp) = a.expert_tensor_parallel_size.filter(|&e| e != tp) {
-            bail!(
-                "--expert-tensor-parallel-size {etp} differs from --tensor-model-parallel-size {tp}: the experts are split over the tensor-parallel group (Megatron's default); drop it or make the two equal"
-            );
+        let etp = a.expert_tensor_parallel_size.filter(|&e| e != tp);
+        match etp {
+            None => {}
+            Some(1) if a.sequence_parallel => {}
+            Some(1) => bail!(
+                "--expert-tensor-parallel-size 1 under --tensor-model-parallel-size {tp}: each rank routes its own slice of the sequence, so add --sequence-parallel (Megatron requires it with experts)"
+            ),
+            Some(e) => bail!(
+                "--expert-tensor-parallel-size {e} differs from --tensor-model-parallel-size {tp} and from 1: the experts split over the tensor-parallel group (Megatron's default) or not at all; pick one of those"
+            ),
         }
         Ok(Some(MoeSettings {
             num_experts,
@@ -837,6 +847,7 @@ impl MoeSettings {
             moe_router_pre_softmax: a.moe_router_pre_softmax,
             moe_router_topk_scaling_factor: a.moe_router_topk_scaling_factor.map(|s| s as f32),
             expert_model_parallel_size: a.expert_model_parallel_size.unwrap_or(1),
+            expert_tensor_parallel_size: etp,
             moe_token_dispatcher_type: a.moe_token_dispatcher_type.clone().unwrap_or_else(|| "allgather".into()),
             moe_shared_expert_intermediate_size: a.moe_shared_expert_intermediate_size,
             moe_layer_freq: a.moe_layer_freq.clone().filter(|f| f.trim() != "1"),
@@ -872,6 +883,7 @@ impl MoeSettings {
                 z_loss_coeff: self.moe_z_loss_coeff,
             },
             expert_parallel_size: self.expert_model_parallel_size,
+            expert_tensor_parallel_size: self.expert_tensor_parallel_size,
             ep_group: None,
             cp_group: None,
             metrics: Default::default(),
@@ -1786,8 +1798,9 @@ impl Settings {
         let tp = self.tensor_model_parallel_size;
         let pp = self.pipeline_model_parallel_size;
         let ep = self.moe.as_ref().map_or(1, |m| m.expert_model_parallel_size);
+        let etp = self.moe.as_ref().and_then(|m| m.expert_tensor_parallel_size).unwrap_or(tp);
         let cp = self.context_parallel_size;
-        let layout = ferrotron_parallel::Layout::new(world, tp, pp, cp, ep)?;
+        let layout = ferrotron_parallel::Layout::with_expert_tp(world, tp, pp, cp, ep, etp)?;
         if cp > 1 {
             self.validate_cp(cp)?;
         }

@@ -480,6 +480,17 @@ fn router_losses(g: &ProcessGroups, m: &ferrotron_moe::MoeMetrics) -> anyhow::Re
     Ok((t[2] > 0.0).then(|| (t[0] as f64 / t[2] as f64, t[1] as f64 / t[2] as f64)))
 }
 
+/// The least common multiple of two sizes.
+fn lcm(a: usize, b: usize) -> usize {
+    let gcd = |mut a: usize, mut b: usize| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    a / gcd(a, b) * b
+}
+
 /// One rank's training run.
 fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summary> {
     let _flags = RankThreadFlags::set(paths.deterministic);
@@ -512,13 +523,14 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         }
     }
     let moe_metrics = ferrotron_models::moe_spec(&config).map(|m| m.metrics.clone());
-    let (mut model, mut table) =
-        // Padded for the gradient reduction and the distributed optimizer's shards: over data ×
-        // context-parallel ranks.
-        match s.vision_spec()? {
-            Some(v) => GptModel::build_multimodal(config, &v, &tp, &plan, s.recompute()?, &dev, dtype, s.seed, layout.dp * layout.cp)?,
-            None => GptModel::build_stage(config, &tp, &plan, s.recompute()?, &dev, dtype, s.seed, layout.dp * layout.cp)?,
-        };
+    // Padded for the gradient reduction and the distributed optimizer's shards: over data ×
+    // context-parallel ranks, and over the experts' data-parallel ranks (more than those with
+    // whole experts under tensor parallelism).
+    let pad = lcm(layout.dp * layout.cp, g.edp.size());
+    let (mut model, mut table) = match s.vision_spec()? {
+        Some(v) => GptModel::build_multimodal(config, &v, &tp, &plan, s.recompute()?, &dev, dtype, s.seed, pad)?,
+        None => GptModel::build_stage(config, &tp, &plan, s.recompute()?, &dev, dtype, s.seed, pad)?,
+    };
     if let Some(v) = &s.vision {
         // Megatron's --freeze-LM / --freeze-ViT: the vision projection always trains.
         table.freeze(|m| {
@@ -545,8 +557,9 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         s.overlap_grad_reduce,
     )
     .with_overlap_param_gather(s.overlap_param_gather);
-    if layout.ep > 1 {
-        sync = sync.with_experts(g.edp.clone(), g.ep.clone());
+    if layout.ep > 1 || layout.etp != layout.tp {
+        // Whole experts under tensor parallelism: tp ranks' tokens add into each expert.
+        sync = sync.with_experts(g.edp.clone(), g.ep.clone(), layout.tp / layout.etp);
     }
     if let (Some(id), Some(embd)) = (model.tied_weight(), &g.embd) {
         sync = sync.with_tied(table.range(id), embd.clone());

@@ -108,6 +108,22 @@ fn mixtral_tensor_parallel_cuda_matches_cpu() {
     tp2_matches_cpu("mixtral-tiny", true);
 }
 
+/// Whole experts under tensor and sequence parallelism on the GPU (--expert-tensor-parallel-size
+/// 1, expert parallel 2 over the tensor-parallel pair): each thread rank routes its own slice of
+/// the sequence and dispatches it to the other's experts by all-to-all; against one CPU rank,
+/// fp32 within 1e-4.
+#[test]
+fn mixtral_whole_experts_cuda_matches_cpu() {
+    split_matches_cpu("mixtral-tiny", "tp2 sp etp1 ep2", |a| TrainArgs {
+        tensor_model_parallel_size: Some(2),
+        sequence_parallel: true,
+        expert_tensor_parallel_size: Some(1),
+        expert_model_parallel_size: Some(2),
+        nproc: Some(2),
+        ..a
+    });
+}
+
 /// `preset` under tp2 (with sequence parallelism where `sp`) on two thread ranks sharing the GPU
 /// against one CPU rank: fp32 within 1e-4 at each of 20 steps.
 fn tp2_matches_cpu(preset: &str, sp: bool) {

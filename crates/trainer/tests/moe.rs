@@ -79,6 +79,18 @@ fn moe_layouts_follow_one_rank() {
     let mut tp_sp = tp.clone();
     tp_sp.sequence_parallel = true;
     let tp_ep = ep(2, &tp_sp);
+    // Whole experts under tp2 with sp (--expert-tensor-parallel-size 1): each tensor-parallel
+    // rank routes its own slice; experts replicated over the two (ep 1), split between them
+    // (ep 2: the expert-parallel group is the tensor-parallel pair), and ep 4 across tp2 × dp2
+    // with the distributed optimizer.
+    let etp1 = |n: usize, base: &Settings| {
+        let mut e = ep(n, base);
+        e.moe.as_mut().unwrap().expert_tensor_parallel_size = Some(1);
+        e
+    };
+    let mut tp_sp_dist = tp_sp.clone();
+    tp_sp_dist.use_distributed_optimizer = true;
+    let (etp1_ep1, etp1_ep2, etp1_ep4) = (etp1(1, &tp_sp), etp1(2, &tp_sp), etp1(4, &tp_sp_dist));
     for (tag, s, n) in [
         ("dp2", &dp, 2),
         ("pp2 × dp2", &pp, 4),
@@ -88,6 +100,9 @@ fn moe_layouts_follow_one_rank() {
         ("tp2", &tp, 2),
         ("tp2 sp", &tp_sp, 2),
         ("tp2 sp × ep2", &tp_ep, 4),
+        ("tp2 sp, whole experts", &etp1_ep1, 2),
+        ("tp2 sp, whole experts × ep2", &etp1_ep2, 2),
+        ("tp2 sp × dp2, whole experts × ep4, distributed", &etp1_ep4, 4),
     ] {
         let run = train(s, &Paths { launch: Launch::Threads(n), ..Paths::default() }).unwrap();
         close(tag, &run.losses, &one.losses);
@@ -164,7 +179,10 @@ fn an_expert_parallel_checkpoint_resumes_on_one_rank_and_back() {
     let mut tp_ep = ep_edp.clone();
     tp_ep.tensor_model_parallel_size = 2;
     tp_ep.sequence_parallel = true;
-    for (tag, s4) in [("ep 4 ranks", &ep_edp), ("tp2 sp × ep2", &tp_ep)] {
+    let mut tp_etp1 = tp_ep.clone();
+    tp_etp1.moe.as_mut().unwrap().expert_model_parallel_size = 4;
+    tp_etp1.moe.as_mut().unwrap().expert_tensor_parallel_size = Some(1);
+    for (tag, s4) in [("ep 4 ranks", &ep_edp), ("tp2 sp × ep2", &tp_ep), ("tp2 sp × whole experts ep4", &tp_etp1)] {
         let (a, b) = (tmp("moe-ep-a"), tmp("moe-ep-b"));
         let four = Launch::Threads(4);
         let half = Paths { save: Some(a.clone()), exit_interval: Some(4), launch: four.clone(), ..Paths::default() };
@@ -249,7 +267,18 @@ fn bad_moe_flags_are_named() {
         expert_tensor_parallel_size: Some(1),
         ..moe_args()
     });
-    assert!(e.contains("--expert-tensor-parallel-size 1 differs from --tensor-model-parallel-size 2"), "{e}");
+    assert!(e.contains("--expert-tensor-parallel-size 1") && e.contains("add --sequence-parallel"), "{e}");
+    let e = err(TrainArgs {
+        tensor_model_parallel_size: Some(4),
+        sequence_parallel: true,
+        nproc: Some(4),
+        expert_tensor_parallel_size: Some(2),
+        ..moe_args()
+    });
+    assert!(
+        e.contains("--expert-tensor-parallel-size 2 differs from --tensor-model-parallel-size 4 and from 1"),
+        "{e}"
+    );
     assert!(
         Settings::resolve(&TrainArgs {
             tensor_model_parallel_size: Some(2),

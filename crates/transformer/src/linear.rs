@@ -23,14 +23,27 @@ impl Linear {
         bias: bool,
         std: f32,
     ) -> Result<Self> {
-        let weight = p.add(ParamMeta::replicated(
-            format!("{prefix}.weight"),
-            [out_features, in_features],
-            Init::Normal { std },
-            true,
-        ))?;
+        Self::on_sequence_shards(p, prefix, [in_features, out_features], bias, std, false)
+    }
+
+    /// `new`, its parameters marked as seeing only this rank's slice of the sequence where
+    /// `sequence_shards` (a replicated layer under sequence parallelism: the gradients are
+    /// summed over the tensor-parallel group before the step).
+    pub fn on_sequence_shards(
+        p: &mut ParamTableBuilder,
+        prefix: &str,
+        [in_features, out_features]: [usize; 2],
+        bias: bool,
+        std: f32,
+        sequence_shards: bool,
+    ) -> Result<Self> {
+        let weight = p.add(
+            ParamMeta::replicated(format!("{prefix}.weight"), [out_features, in_features], Init::Normal { std }, true)
+                .on_sequence_shards(sequence_shards),
+        )?;
         let bias = if bias {
-            Some(p.add(ParamMeta::replicated(format!("{prefix}.bias"), [out_features], Init::Zeros, false))?)
+            let m = ParamMeta::replicated(format!("{prefix}.bias"), [out_features], Init::Zeros, false);
+            Some(p.add(m.on_sequence_shards(sequence_shards))?)
         } else {
             None
         };
