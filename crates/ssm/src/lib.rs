@@ -12,10 +12,10 @@
 //! `ssd_scan` and `gated_rmsnorm` (CPU reference and CUDA).
 //!
 //! Tensor parallelism splits the mixer by groups of heads; context parallelism trades rows for
-//! heads around the convolution and scan (mixer.rs's header). Not yet: inference caches, and
-//! groups replicated over context-parallel ranks (Megatron's, for fewer groups than ranks); the
-//! spec and the trainer refuse what is not built, naming it.
+//! heads around the convolution and scan (mixer.rs's header, context.rs). Not yet: inference
+//! caches; the spec and the trainer refuse what is not built, naming it.
 
+mod context;
 pub mod mixer;
 pub mod spec;
 

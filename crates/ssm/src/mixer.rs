@@ -35,12 +35,13 @@
 //! context-parallel rank and each uses its share: its gradients fill that share, zeros the rest,
 //! and the data × context-parallel gradient reduction sums the shares.
 
+use crate::context::{MixerCp, Rows};
 use crate::spec::{MambaDims, MambaSpec};
 use ferrotron_core::{
     Blocks, Cx, Init, Module, ParamId, ParamMeta, ParamTableBuilder, Result, Saved, Shard, Tensor, invalid,
 };
 use ferrotron_kernels as k;
-use ferrotron_parallel::{ContextParallel, TensorParallel};
+use ferrotron_parallel::TensorParallel;
 use ferrotron_transformer::spec::ModuleFactory;
 
 pub struct MambaMixer {
@@ -60,15 +61,11 @@ pub struct MambaMixer {
     norm_groups: usize,
     tp: TensorParallel,
     /// Context parallelism over more than one rank, or None.
-    cp: Option<ContextParallel>,
+    cp: Option<MixerCp>,
     /// The sizes the convolution and scan run at: `dims` with the heads, groups and width over
     /// the context-parallel size.
     seq_dims: MambaDims,
 }
-
-/// Rows of a parameter (or of its gradient) that a context-parallel rank's share takes: (first
-/// row in the parameter, first row in the share, count).
-type Rows = Vec<(usize, usize, usize)>;
 
 impl MambaMixer {
     /// Registers the parameters under `prefix` (e.g. `decoder.layers.0.mixer`), this rank's part
@@ -102,20 +99,11 @@ impl MambaMixer {
         let dt_init = Init::DtBias { min: spec.dt_min, max: spec.dt_max, floor: spec.dt_floor };
         let a_init = Init::LogUniform { lo: spec.a_init.0, hi: spec.a_init.1 };
         let local = MambaDims { d_inner: di / t, heads: h / t, groups: dims.groups / t, ..dims };
-        let cp = spec.context_parallel.clone().filter(|c| c.size() > 1);
-        let n = cp.as_ref().map_or(1, |c| c.size());
-        if local.groups % n != 0 {
-            return Err(invalid(
-                "MambaMixer::new",
-                format!(
-                    "--context-parallel-size {n} does not divide a tensor-parallel rank's {} Mamba groups: pick --mamba-num-groups a multiple of {}",
-                    local.groups,
-                    t * n
-                ),
-            ));
-        }
-        let seq_dims =
-            MambaDims { d_inner: local.d_inner / n, heads: local.heads / n, groups: local.groups / n, ..dims };
+        let cp = match spec.context_parallel.clone().filter(|c| c.size() > 1) {
+            Some(c) => Some(MixerCp::new(c, local, t)?),
+            None => None,
+        };
+        let seq_dims = cp.as_ref().map_or(local, |c| c.seq);
         Ok(MambaMixer {
             in_proj: split(p, "in_proj.weight", vec![dims.in_proj_out(), c], 0, in_blocks, Init::Normal { std }, true)?,
             conv_weight: split(p, "conv1d.weight", vec![cd, 1, kk], 0, conv_blocks, conv_init, true)?,
@@ -138,18 +126,6 @@ impl MambaMixer {
     fn scan_dims(&self, b: usize, t: usize) -> k::ScanDims {
         let d = &self.seq_dims;
         k::ScanDims { batch: b, seq: t, heads: d.heads, head_dim: d.head_dim, groups: d.groups, state: d.state }
-    }
-
-    /// The convolution's channel rows (x | B | C) and the heads' rows this rank's share takes.
-    fn share_rows(&self, cp: &ContextParallel) -> (Rows, Rows) {
-        let (d, s, r) = (&self.dims, &self.seq_dims, cp.rank());
-        let (gn, sgn) = (d.groups * d.state, s.groups * s.state);
-        let conv = vec![
-            (r * s.d_inner, 0, s.d_inner),
-            (d.d_inner + r * sgn, s.d_inner, sgn),
-            (d.d_inner + gn + r * sgn, s.d_inner + sgn, sgn),
-        ];
-        (conv, vec![(r * s.heads, 0, s.heads)])
     }
 
     /// Parameter `id`'s rows of this rank's share, contiguous (the parameter itself without
@@ -217,12 +193,12 @@ impl Module for MambaMixer {
         let xbc = k::matmul(h, &wx, false, true)?;
         let dt = k::matmul(h, &wdt, false, true)?;
         // Under context parallelism the convolution and scan take every row of this rank's share.
-        let (di, gn, nh) = (self.dims.d_inner, self.dims.groups * self.dims.state, self.dims.heads);
+        let (di, nh) = (self.dims.d_inner, self.dims.heads);
         let (xbc, dt) = match &self.cp {
-            Some(cp) => (cp.to_channels(&xbc, &[di, gn, gn])?, cp.to_channels(&dt, &[nh])?),
+            Some(c) => (c.xbc_to_heads(&xbc)?, c.cp.to_channels(&dt, &[nh])?),
             None => (xbc, dt),
         };
-        let shares = self.cp.as_ref().map(|cp| self.share_rows(cp));
+        let shares = self.cp.as_ref().map(|c| c.share_rows());
         let (conv_rows, head_rows) = (shares.as_ref().map(|s| &s.0), shares.as_ref().map(|s| &s.1));
         let u = k::conv1d_silu(
             &xbc,
@@ -237,7 +213,7 @@ impl Module for MambaMixer {
         let prm = k::ScanParams { dt_bias: &dt_bias, a_log: &a_log, d: &d };
         let (y, states) = k::ssd_scan(&u, &dt, &prm, &self.scan_dims(b, xbc.dims()[1]))?;
         let y = match &self.cp {
-            Some(cp) => cp.to_sequence(&y, &[di])?,
+            Some(c) => c.cp.to_sequence(&y, &[di])?,
             None => y,
         };
         let (y2, z2) = (y.reshape([rows, di])?, z.reshape([rows, di])?);
@@ -265,7 +241,7 @@ impl Module for MambaMixer {
         let (dy, dz, dnw) = k::gated_rmsnorm_bwd(&dg, &y2, &z2, &nw, &rstd, self.norm_groups)?;
         Self::add_grad(cx, self.norm, &dnw)?;
 
-        let shares = self.cp.as_ref().map(|cp| self.share_rows(cp));
+        let shares = self.cp.as_ref().map(|c| c.share_rows());
         let (conv_rows, head_rows) = (shares.as_ref().map(|s| &s.0), shares.as_ref().map(|s| &s.1));
         let (dt_bias, a_log, d) = (
             Self::param_share(cx, self.dt_bias, head_rows)?,
@@ -275,7 +251,7 @@ impl Module for MambaMixer {
         let prm = k::ScanParams { dt_bias: &dt_bias, a_log: &a_log, d: &d };
         let dy = dy.reshape([b, t, di])?;
         let dy = match &self.cp {
-            Some(cp) => cp.to_channels(&dy, &[di])?,
+            Some(c) => c.cp.to_channels(&dy, &[di])?,
             None => dy,
         };
         let sg = k::ssd_scan_bwd(&u, &dt, &prm, &self.scan_dims(b, u.dims()[1]), &states, &dy)?;
@@ -288,9 +264,9 @@ impl Module for MambaMixer {
         let (dxbc, dcw, dcb) = k::conv1d_silu_bwd(&xbc, &cw, &cb, &sg.dxbc)?;
         Self::add_grad_share(cx, self.conv_weight, &dcw, conv_rows)?;
         Self::add_grad_share(cx, self.conv_bias, &dcb, conv_rows)?;
-        let (gn, nh) = (self.dims.groups * self.dims.state, self.dims.heads);
+        let nh = self.dims.heads;
         let (dxbc, ddt) = match &self.cp {
-            Some(cp) => (cp.to_sequence(&dxbc, &[di, gn, gn])?, cp.to_sequence(&sg.ddt_raw, &[nh])?),
+            Some(c) => (c.dxbc_to_sequence(&dxbc)?, c.cp.to_sequence(&sg.ddt_raw, &[nh])?),
             None => (dxbc, sg.ddt_raw),
         };
 

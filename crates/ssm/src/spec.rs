@@ -98,13 +98,15 @@ impl MambaSpec {
         MambaSpec { context_parallel: (cp.size() > 1).then_some(cp), ..self.clone() }
     }
 
-    /// Whether each of `tp` × `cp` ranks gets whole groups of heads between the all-to-alls
-    /// (Megatron splits the heads of a tensor-parallel rank over its context-parallel ranks);
-    /// the error names the fix.
+    /// Whether a tensor-parallel rank's groups split over `cp` context-parallel ranks, or repeat
+    /// over them (Megatron splits the heads of a tensor-parallel rank over its context-parallel
+    /// ranks, each with the groups its heads read); the error names the fix. The heads' split is
+    /// checked when the mixer is built (their count depends on the hidden size).
     pub fn validate_cp(&self, tp: usize, cp: usize) -> std::result::Result<(), String> {
-        if cp > 1 && self.groups % (tp * cp) != 0 {
+        let g = self.groups / tp.max(1);
+        if cp > 1 && g > 0 && g % cp != 0 && cp % g != 0 {
             return Err(format!(
-                "--context-parallel-size {cp} splits each tensor-parallel rank's Mamba groups over its context-parallel ranks: --mamba-num-groups {} is not a multiple of {tp} × {cp}; pick a multiple",
+                "--context-parallel-size {cp} splits each tensor-parallel rank's {g} Mamba groups (--mamba-num-groups {} over --tensor-model-parallel-size {tp}) over its context-parallel ranks: the two must divide one another",
                 self.groups
             ));
         }

@@ -77,28 +77,36 @@ fn hybrid_layouts_follow_one_rank() {
 
 /// Context parallelism: each rank two chunks of every sequence, the mixers trading rows for
 /// heads around their scans and the attention gathering K and V; alone, with sequence and
-/// tensor parallelism (then each of 2 × 2 ranks takes one of 4 groups), and with data
-/// parallelism and the distributed optimizer. The same losses, gradient norms and validation
-/// losses as one rank.
+/// tensor parallelism, and with data parallelism and the distributed optimizer. With 4 groups
+/// each rank takes its own; with 2, under cp4 or cp2 × tp2, ranks share a group (B and C
+/// repeated to them, their gradients summed back). The same losses, gradient norms and
+/// validation losses as one rank.
 #[test]
 fn hybrid_context_parallel_follows_one_rank() {
-    let args = TrainArgs { mamba_num_groups: Some(4), ..hybrid_args() };
-    let s1 = settings(&args);
-    let one = run(&s1, 1);
-    let with = |f: &dyn Fn(&mut Settings)| {
-        let mut s = s1.clone();
-        s.context_parallel_size = 2;
-        f(&mut s);
-        s
-    };
-    let cp = with(&|_| {});
-    let cp_tp = with(&|s| {
-        s.tensor_model_parallel_size = 2;
-        s.sequence_parallel = true;
-    });
-    let cp_dp = with(&|s| s.use_distributed_optimizer = true);
-    for (tag, s, n) in [("cp2", &cp, 2), ("cp2 × tp2 sp", &cp_tp, 4), ("cp2 × dp2", &cp_dp, 4)] {
-        follows(tag, &run(s, n), &one);
+    for groups in [4, 2] {
+        let s1 = settings(&TrainArgs { mamba_num_groups: Some(groups), ..hybrid_args() });
+        let one = run(&s1, 1);
+        let with = |cp: usize, f: &dyn Fn(&mut Settings)| {
+            let mut s = s1.clone();
+            s.context_parallel_size = cp;
+            f(&mut s);
+            s
+        };
+        let tp_sp = |s: &mut Settings| {
+            s.tensor_model_parallel_size = 2;
+            s.sequence_parallel = true;
+        };
+        let cases = match groups {
+            4 => vec![
+                ("cp2", with(2, &|_| {}), 2),
+                ("cp2 × tp2 sp", with(2, &tp_sp), 4),
+                ("cp2 × dp2", with(2, &|s| s.use_distributed_optimizer = true), 4),
+            ],
+            _ => vec![("cp4, groups shared", with(4, &|_| {}), 4), ("cp2 × tp2 sp, groups shared", with(2, &tp_sp), 4)],
+        };
+        for (tag, s, n) in cases {
+            follows(&format!("{groups} groups {tag}"), &run(&s, n), &one);
+        }
     }
 }
 
@@ -244,12 +252,13 @@ fn what_is_not_built_is_refused_by_name() {
     });
     assert!(e.contains("--tensor-model-parallel-size 2 does not divide --mamba-num-groups 1"), "{e}");
     let e = err(TrainArgs {
-        context_parallel_size: Some(2),
-        tensor_model_parallel_size: Some(2),
+        context_parallel_size: Some(4),
         nproc: Some(4),
+        mamba_num_groups: Some(6),
+        mamba_num_heads: Some(12),
         ..hybrid_args()
     });
-    assert!(e.contains("--mamba-num-groups 2 is not a multiple of 2 × 2"), "{e}");
+    assert!(e.contains("6 Mamba groups") && e.contains("must divide one another"), "{e}");
     let e = err(TrainArgs {
         hybrid_layer_pattern: Some("M*-M".into()),
         hybrid_override_pattern: Some("M*-M".into()),
