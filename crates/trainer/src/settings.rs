@@ -266,6 +266,15 @@ pub struct TrainArgs {
     /// With --train-data-path: the datasets validation reads, whole.
     #[arg(long, num_args = 1..)]
     pub valid_data_path: Vec<String>,
+    /// A text file holding what --data-path would (prefixes, or weight-prefix pairs, separated
+    /// by whitespace): for blends too long for a command line (Megatron's).
+    #[arg(long)]
+    pub data_args_path: Option<PathBuf>,
+    /// A JSON file {"train": [...], "valid": [...], "test": [...]} holding what
+    /// --train-data-path / --valid-data-path would (Megatron's; "test" is read and not used:
+    /// no test evaluation runs).
+    #[arg(long)]
+    pub per_split_data_args_path: Option<PathBuf>,
     /// Leave out of the loss the positions whose input is the end-of-document id (Megatron's
     /// --eod-mask-loss), in training and validation.
     #[arg(long)]
@@ -569,7 +578,7 @@ impl TrainArgs {
             moe_layer_freq, moe_shared_expert_intermediate_size, hybrid_layer_pattern, hybrid_override_pattern, mamba_state_dim, mamba_head_dim,
             mamba_num_groups, mamba_num_heads, hybrid_attention_ratio, hybrid_mlp_ratio, img_h, img_w, patch_dim,
             encoder_num_layers, encoder_hidden_size, encoder_num_attention_heads, encoder_ffn_hidden_size, image_token_id,
-            image_text_data, image_folder, data_cache_path);
+            image_text_data, image_folder, data_cache_path, data_args_path, per_split_data_args_path);
         merge_flags!(self, o; check_for_nan_in_loss_and_grad, no_check_for_nan_in_loss_and_grad, use_rope_scaling, swiglu, squared_relu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, bf16, fp16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
             use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, async_save, no_save_optim, exit_signal_handler,
@@ -594,6 +603,62 @@ impl TrainArgs {
             }
         }
     }
+}
+
+/// --data-path, --train-data-path and --valid-data-path as given, or as the files of
+/// --data-args-path / --per-split-data-args-path hold them (Megatron's, for blends too long for
+/// a command line). Errors name the flag, the file and the fix.
+fn data_paths(a: &TrainArgs) -> anyhow::Result<[Vec<String>; 3]> {
+    let mut out = [a.data_path.clone(), a.train_data_path.clone(), a.valid_data_path.clone()];
+    if let Some(f) = &a.data_args_path {
+        if !a.data_path.is_empty() {
+            bail!("--data-args-path {} and --data-path both name the data: give one", f.display());
+        }
+        let text =
+            std::fs::read_to_string(f).with_context(|| format!("--data-args-path {}: cannot read it", f.display()))?;
+        out[0] = text.split_whitespace().map(String::from).collect();
+        if out[0].is_empty() {
+            bail!(
+                "--data-args-path {} is empty: it holds what --data-path would (prefixes, or weight-prefix pairs)",
+                f.display()
+            );
+        }
+    }
+    if let Some(f) = &a.per_split_data_args_path {
+        if a.data_args_path.is_some() || out.iter().any(|v| !v.is_empty()) {
+            bail!(
+                "--per-split-data-args-path {} names the data per split: leave out --data-path / --data-args-path / --train-data-path / --valid-data-path",
+                f.display()
+            );
+        }
+        let text = std::fs::read_to_string(f)
+            .with_context(|| format!("--per-split-data-args-path {}: cannot read it", f.display()))?;
+        let bad = |why: String| {
+            anyhow::anyhow!(
+                "--per-split-data-args-path {}: {why}; it holds {{\"train\": [...], \"valid\": [...], \"test\": [...]}}, each a list of what --train-data-path would take",
+                f.display()
+            )
+        };
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(format!("not JSON ({e})")))?;
+        let obj = v.as_object().ok_or_else(|| bad("not a JSON object".into()))?;
+        if let Some(k) = obj.keys().find(|k| !["train", "valid", "test"].contains(&k.as_str())) {
+            return Err(bad(format!("unknown key \"{k}\"")));
+        }
+        // "test" is checked and not used (no test evaluation runs).
+        for (slot, key) in [(Some(1), "train"), (Some(2), "valid"), (None, "test")] {
+            let Some(list) = obj.get(key).filter(|l| !l.is_null()) else { continue };
+            let items = list.as_array().ok_or_else(|| bad(format!("\"{key}\" is not a list")))?;
+            let mut words = Vec::new();
+            for x in items {
+                let s = x.as_str().ok_or_else(|| bad(format!("\"{key}\" holds {x}, not a string")))?;
+                words.extend(s.split_whitespace().map(String::from));
+            }
+            if let Some(i) = slot {
+                out[i] = words;
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// Fully resolved settings; this is what a checkpoint records.
@@ -1342,6 +1407,7 @@ impl Settings {
         a.overlay(&file);
         a.overlay(flags);
         a.load = load;
+        let [data_path, train_data_path, valid_data_path] = data_paths(&a)?;
         let mut s = Settings {
             preset: name,
             num_layers: need(&a.num_layers, "--num-layers")?,
@@ -1389,9 +1455,9 @@ impl Settings {
             save_interval: need(&a.save_interval, "--save-interval")?,
             bf16: a.bf16,
             corpus_docs: need(&a.corpus_docs, "--corpus-docs")?,
-            data_path: a.data_path.clone(),
-            train_data_path: a.train_data_path.clone(),
-            valid_data_path: a.valid_data_path.clone(),
+            data_path,
+            train_data_path,
+            valid_data_path,
             mock_data: a.mock_data,
             image_text_data: a.image_text_data.clone(),
             image_folder: a.image_folder.clone(),

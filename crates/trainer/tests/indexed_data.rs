@@ -153,6 +153,59 @@ fn an_indexed_dataset_trains_as_the_same_tokens_in_memory() {
     assert!(l.iter().all(|x| x.1.is_finite()) && l[l.len() - 1].1 < l[0].1, "{l:?}");
 }
 
+/// Megatron's --data-args-path (a text file holding --data-path's words) and
+/// --per-split-data-args-path (a JSON file of per-split lists): the same settings as the flags
+/// written out, a run on them the same losses; bad files named.
+#[test]
+fn data_args_files_stand_for_the_flags() {
+    let prefix = corpus_dataset("args", |_| {});
+    let other = corpus_dataset("args-other", |d| d.reverse());
+    let (p, o) = (prefix.to_str().unwrap().to_string(), other.to_str().unwrap().to_string());
+    let dir = std::env::temp_dir().join(format!("ferrotron-data-args-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = |name: &str, text: &str| {
+        let f = dir.join(name);
+        std::fs::write(&f, text).unwrap();
+        f
+    };
+    let resolve = |a: TrainArgs| Settings::resolve(&a).map(|(s, _)| s);
+    let blend = vec!["3".to_string(), p.clone(), "1".into(), o.clone()];
+    let flags = resolve(TrainArgs { data_path: blend.clone(), ..args() }).unwrap();
+    let from_file =
+        resolve(TrainArgs { data_args_path: Some(file("blend.txt", &format!("3 {p}\n1\t{o}\n"))), ..args() }).unwrap();
+    assert_eq!(from_file.data_path, blend);
+    assert_eq!(from_file, flags);
+    let a = TrainArgs { data_args_path: Some(dir.join("blend.txt")), ..args() };
+    assert_eq!(run(a).unwrap().losses, run(TrainArgs { data_path: blend, ..args() }).unwrap().losses);
+    let json = format!(r#"{{"train": ["{p}"], "valid": ["1 {o}"], "test": null}}"#);
+    let per_split =
+        resolve(TrainArgs { per_split_data_args_path: Some(file("splits.json", &json)), ..args() }).unwrap();
+    let written =
+        resolve(TrainArgs { train_data_path: vec![p.clone()], valid_data_path: vec!["1".into(), o], ..args() });
+    assert_eq!(per_split, written.unwrap());
+
+    let err = |a: TrainArgs| format!("{:#}", resolve(a).unwrap_err());
+    let e = err(TrainArgs { data_args_path: Some(dir.join("blend.txt")), data_path: vec![p.clone()], ..args() });
+    assert!(e.contains("--data-args-path") && e.contains("give one"), "{e}");
+    let e = err(TrainArgs { data_args_path: Some(file("empty.txt", " \n")), ..args() });
+    assert!(e.contains("is empty"), "{e}");
+    let e = err(TrainArgs { data_args_path: Some(dir.join("missing.txt")), ..args() });
+    assert!(e.contains("missing.txt") && e.contains("cannot read"), "{e}");
+    for (text, want) in [
+        ("[1, 2]", "not a JSON object"),
+        ("{\"train\": [\"a\"], \"extra\": []}", "unknown key \"extra\""),
+        ("{\"train\": [3]}", "holds 3, not a string"),
+        ("{\"train\": ", "not JSON"),
+    ] {
+        let e = err(TrainArgs { per_split_data_args_path: Some(file("bad.json", text)), ..args() });
+        assert!(e.contains("--per-split-data-args-path") && e.contains(want), "{text}: {e}");
+    }
+    let e =
+        err(TrainArgs { per_split_data_args_path: Some(dir.join("splits.json")), train_data_path: vec![p], ..args() });
+    assert!(e.contains("names the data per split"), "{e}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 #[test]
 fn bad_indexed_data_is_named() {
     // A token id past the byte tokenizer's vocabulary, in every document.
