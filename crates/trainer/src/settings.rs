@@ -279,6 +279,11 @@ pub struct TrainArgs {
     /// --eod-mask-loss), in training and validation.
     #[arg(long)]
     pub eod_mask_loss: bool,
+    /// The gradient of the mean over every loss token of the global batch, rather than the mean
+    /// of the micro-batches' means (Megatron's --calculate-per-token-loss; they differ where the
+    /// micro-batches count different tokens: --eod-mask-loss).
+    #[arg(long)]
+    pub calculate_per_token_loss: bool,
     /// Megatron's mock data instead of a dataset: 100,000 sequences 1, 2, 3, … of lengths
     /// below 4096 drawn by numpy's default_rng(0), each ending in the end-of-document id, split
     /// 1,1,1 (as Megatron forces it). Samples equal a Megatron run's with --mock-data.
@@ -581,7 +586,7 @@ impl TrainArgs {
             image_text_data, image_folder, data_cache_path, data_args_path, per_split_data_args_path);
         merge_flags!(self, o; check_for_nan_in_loss_and_grad, no_check_for_nan_in_loss_and_grad, use_rope_scaling, swiglu, squared_relu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, bf16, fp16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
-            use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, async_save, no_save_optim, exit_signal_handler,
+            use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, calculate_per_token_loss, async_save, no_save_optim, exit_signal_handler,
             moe_router_pre_softmax, moe_grouped_gemm, moe_shared_expert_overlap, moe_shared_expert_gate, is_hybrid_model,
             mamba_norm_ungrouped, disable_vision_class_token, freeze_lm, freeze_vit);
         if !o.profile_ranks.is_empty() {
@@ -802,6 +807,9 @@ pub struct Settings {
     /// `--eod-mask-loss`.
     #[serde(default)]
     pub eod_mask_loss: bool,
+    /// `--calculate-per-token-loss`.
+    #[serde(default)]
+    pub calculate_per_token_loss: bool,
     /// NullTokenizer's `--vocab-size`.
     #[serde(default)]
     pub vocab_size: Option<usize>,
@@ -1462,6 +1470,7 @@ impl Settings {
             image_text_data: a.image_text_data.clone(),
             image_folder: a.image_folder.clone(),
             eod_mask_loss: a.eod_mask_loss,
+            calculate_per_token_loss: a.calculate_per_token_loss,
             vocab_size: a.vocab_size,
             tokenizer_model: a.tokenizer_model.clone(),
             split: a.split.clone().unwrap_or_else(default_split),
@@ -1646,6 +1655,13 @@ impl Settings {
         if s.vision.is_some() && cuda_graph_warmup.is_some() {
             bail!(
                 "--cuda-graph-impl local with a vision encoder (--img-h): each micro-batch's image placements are uploaded from the host, which a captured graph cannot do: drop --cuda-graph-impl"
+            );
+        }
+        let router_losses =
+            s.moe.as_ref().is_some_and(|m| m.moe_aux_loss_coeff > 0.0 || m.moe_z_loss_coeff.is_some_and(|z| z > 0.0));
+        if s.calculate_per_token_loss && router_losses {
+            bail!(
+                "--calculate-per-token-loss with the routers' losses (--moe-aux-loss-coeff / --moe-z-loss-coeff): their gradients would keep the per-micro-batch scale while the language-model loss takes the global batch's token count (Megatron divides both by it), which is not built; drop one"
             );
         }
         if s.moe.is_some() && cuda_graph_warmup.is_some() {

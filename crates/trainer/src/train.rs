@@ -480,6 +480,20 @@ fn router_losses(g: &ProcessGroups, m: &ferrotron_moe::MoeMetrics) -> anyhow::Re
     Ok((t[2] > 0.0).then(|| (t[0] as f64 / t[2] as f64, t[1] as f64 / t[2] as f64)))
 }
 
+/// `--calculate-per-token-loss`: every micro-batch's loss divided by the global batch's loss
+/// tokens over (micro-batches × data × context-parallel ranks) instead of by its own count, so
+/// that the gradient (the mean over micro-batches, averaged over data × context-parallel ranks)
+/// is that of the mean over every loss token of the global batch. The count is summed over the
+/// data-parallel group (a context-parallel rank's batch holds its sequences' whole count over cp).
+fn per_token(micros: Vec<Batch>, g: &ProcessGroups, cp: usize) -> anyhow::Result<Vec<Batch>> {
+    let whole: f64 = micros.iter().map(|b| (b.num_tokens() * cp as f64).round()).sum();
+    let t = Tensor::from_vec(vec![u32::try_from(whole as u64)?], [1], &Device::Cpu)?;
+    g.dp.all_reduce(&t, ReduceOp::Sum)?;
+    let total = t.to_vec::<u32>()?[0] as f64;
+    let share = total / (micros.len() * g.dp.size() * cp) as f64;
+    Ok(micros.into_iter().map(|b| b.with_num_tokens(share)).collect::<Result<_, _>>()?)
+}
+
 /// The least common multiple of two sizes.
 fn lcm(a: usize, b: usize) -> usize {
     let gcd = |mut a: usize, mut b: usize| {
@@ -746,6 +760,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
                 Ok(batch(&data.train, &idx, &spec, &dev)?.with_draw(draw))
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
+        let micros = if s.calculate_per_token_loss { per_token(micros, &g, layout.cp)? } else { micros };
         // Megatron's scheduler steps after each update: an iteration trains at the rate of the
         // samples consumed before it.
         let lr = sched.lr_at(consumed);
