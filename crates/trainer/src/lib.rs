@@ -14,5 +14,6 @@ pub mod layer_freq;
 pub mod multimodal;
 pub mod preprocess;
 pub mod settings;
+pub mod tensorboard;
 pub mod trace;
 pub mod train;

@@ -208,6 +208,23 @@ pub struct TrainArgs {
     /// it to measure without writing checkpoints.
     #[arg(long)]
     pub metrics_file: Option<PathBuf>,
+    /// Megatron's --tensorboard-dir: TensorBoard event files of the logged scalars under
+    /// Megatron's tags (lm loss, learning-rate, grad-norm, batch-size and their "vs samples"
+    /// twins, lm loss validation, the MoE routers' losses), at each --log-interval iteration.
+    #[arg(long)]
+    pub tensorboard_dir: Option<PathBuf>,
+    /// Of the logged iterations, those that are multiples of N go to TensorBoard (default 1).
+    #[arg(long)]
+    pub tensorboard_log_interval: Option<u64>,
+    /// Accepted for Megatron's scripts: events are written as they come, flushed at each log line.
+    #[arg(long)]
+    pub tensorboard_queue_size: Option<usize>,
+    /// Also "lm loss validation ppl" (exp of the loss, capped at e^20 as Megatron's).
+    #[arg(long)]
+    pub log_validation_ppl_to_tensorboard: bool,
+    /// Also "iteration-time": seconds an iteration over the log window.
+    #[arg(long)]
+    pub log_timers_to_tensorboard: bool,
     #[arg(long)]
     pub save_interval: Option<u64>,
     /// Write checkpoints in the background (Megatron's --async-save): a save copies this rank's
@@ -575,7 +592,7 @@ impl TrainArgs {
             micro_batch_size, global_batch_size, train_iters, train_samples, lr_warmup_samples, lr_decay_samples, lr, min_lr, lr_warmup_init, lr_decay_style, lr_wsd_decay_style, lr_wsd_decay_iters, lr_wsd_decay_samples, lr_warmup_iters, lr_warmup_fraction,
             lr_decay_iters, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad, norm_epsilon, make_vocab_size_divisible_by,
             hidden_dropout, attention_dropout, window_size, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, ckpt_format, step_batch_size_schedule, corpus_docs, split,
-            exit_interval, exit_duration_in_mins, device, cuda_graph_impl, cuda_graph_warmup_steps, profile_step_start, profile_step_end, profile_trace, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s,
+            tensorboard_dir, tensorboard_log_interval, tensorboard_queue_size, exit_interval, exit_duration_in_mins, device, cuda_graph_impl, cuda_graph_warmup_steps, profile_step_start, profile_step_end, profile_trace, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s,
             pipeline_model_parallel_size, context_parallel_size, cp_comm_type, num_layers_per_virtual_pipeline_stage, decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers,
             num_experts, moe_ffn_hidden_size, moe_router_topk, moe_router_load_balancing_type, moe_aux_loss_coeff,
@@ -586,7 +603,7 @@ impl TrainArgs {
             image_text_data, image_folder, data_cache_path, data_args_path, per_split_data_args_path);
         merge_flags!(self, o; check_for_nan_in_loss_and_grad, no_check_for_nan_in_loss_and_grad, use_rope_scaling, swiglu, squared_relu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, bf16, fp16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
-            use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, calculate_per_token_loss, async_save, no_save_optim, exit_signal_handler,
+            use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, calculate_per_token_loss, log_validation_ppl_to_tensorboard, log_timers_to_tensorboard, async_save, no_save_optim, exit_signal_handler,
             moe_router_pre_softmax, moe_grouped_gemm, moe_shared_expert_overlap, moe_shared_expert_gate, is_hybrid_model,
             mamba_norm_ungrouped, disable_vision_class_token, freeze_lm, freeze_vit);
         if !o.profile_ranks.is_empty() {
@@ -664,6 +681,10 @@ fn data_paths(a: &TrainArgs) -> anyhow::Result<[Vec<String>; 3]> {
         }
     }
     Ok(out)
+}
+
+fn one_u64() -> u64 {
+    1
 }
 
 /// Fully resolved settings; this is what a checkpoint records.
@@ -810,6 +831,16 @@ pub struct Settings {
     /// `--calculate-per-token-loss`.
     #[serde(default)]
     pub calculate_per_token_loss: bool,
+    /// `--tensorboard-dir` and what goes there (`--tensorboard-log-interval`,
+    /// `--log-validation-ppl-to-tensorboard`, `--log-timers-to-tensorboard`).
+    #[serde(default)]
+    pub tensorboard_dir: Option<PathBuf>,
+    #[serde(default = "one_u64")]
+    pub tensorboard_log_interval: u64,
+    #[serde(default)]
+    pub log_validation_ppl_to_tensorboard: bool,
+    #[serde(default)]
+    pub log_timers_to_tensorboard: bool,
     /// NullTokenizer's `--vocab-size`.
     #[serde(default)]
     pub vocab_size: Option<usize>,
@@ -1471,6 +1502,13 @@ impl Settings {
             image_folder: a.image_folder.clone(),
             eod_mask_loss: a.eod_mask_loss,
             calculate_per_token_loss: a.calculate_per_token_loss,
+            tensorboard_dir: a.tensorboard_dir.clone(),
+            tensorboard_log_interval: match a.tensorboard_log_interval {
+                Some(0) => bail!("--tensorboard-log-interval must be at least 1"),
+                i => i.unwrap_or(1),
+            },
+            log_validation_ppl_to_tensorboard: a.log_validation_ppl_to_tensorboard,
+            log_timers_to_tensorboard: a.log_timers_to_tensorboard,
             vocab_size: a.vocab_size,
             tokenizer_model: a.tokenizer_model.clone(),
             split: a.split.clone().unwrap_or_else(default_split),

@@ -53,6 +53,8 @@ pub enum Metric {
     Eval {
         iteration: u64,
         loss: f64,
+        /// Training samples consumed when it ran.
+        consumed_samples: u64,
     },
 }
 
@@ -307,12 +309,16 @@ fn micro_first_sample(batch_start: u64, m: usize, (dp, dp_rank): (usize, usize),
     batch_start + (m * dp + dp_rank) as u64 * mb
 }
 
-struct Metrics(Option<std::fs::File>);
+/// Where world rank 0's metrics go: the JSONL file, and TensorBoard (`--tensorboard-dir`).
+struct Metrics(Option<std::fs::File>, Option<crate::tensorboard::RunEvents>);
 
 impl Metrics {
     fn write(&mut self, m: &Metric) -> anyhow::Result<()> {
         if let Some(f) = &mut self.0 {
             writeln!(f, "{}", serde_json::to_string(m)?)?;
+        }
+        if let Some(tb) = &mut self.1 {
+            tb.write(m)?;
         }
         Ok(())
     }
@@ -619,16 +625,22 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             eprintln!("{what} from {} at iteration {iteration}", dir.display());
         }
     }
-    let mut metrics = Metrics(match (&paths.metrics, rank0) {
-        (Some(f), true) => {
-            if let Some(d) = f.parent().filter(|d| !d.as_os_str().is_empty()) {
-                std::fs::create_dir_all(d).with_context(|| format!("{}: cannot create the folder", d.display()))?;
+    let mut metrics = Metrics(
+        match (&paths.metrics, rank0) {
+            (Some(f), true) => {
+                if let Some(d) = f.parent().filter(|d| !d.as_os_str().is_empty()) {
+                    std::fs::create_dir_all(d).with_context(|| format!("{}: cannot create the folder", d.display()))?;
+                }
+                let file = std::fs::OpenOptions::new().create(true).append(true).open(f);
+                Some(file.with_context(|| format!("metrics file {}", f.display()))?)
             }
-            let file = std::fs::OpenOptions::new().create(true).append(true).open(f);
-            Some(file.with_context(|| format!("metrics file {}", f.display()))?)
-        }
-        _ => None,
-    });
+            _ => None,
+        },
+        match (&s.tensorboard_dir, rank0) {
+            (Some(d), true) => Some(crate::tensorboard::RunEvents::create(d, s)?),
+            _ => None,
+        },
+    );
     let mut summary = Summary {
         losses: vec![],
         grad_norms: vec![],
@@ -703,7 +715,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             if rank0 {
                 eprintln!("iteration 0: validation loss {l:.4}");
             }
-            metrics.write(&Metric::Eval { iteration: 0, loss: l })?;
+            metrics.write(&Metric::Eval { iteration: 0, loss: l, consumed_samples: consumed })?;
             summary.evals.push((0, l));
         }
     }
@@ -866,7 +878,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
                 if rank0 {
                     pb.suspend(|| eprintln!("iteration {iteration}: validation loss {l:.4}"));
                 }
-                metrics.write(&Metric::Eval { iteration, loss: l })?;
+                metrics.write(&Metric::Eval { iteration, loss: l, consumed_samples: consumed })?;
                 summary.evals.push((iteration, l));
             }
         }

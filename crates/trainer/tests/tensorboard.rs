@@ -1,0 +1,133 @@
+//! `--tensorboard-dir`: the event writer's bytes against TensorBoard's own writer
+//! (fixtures/tensorboard/make_tb_fixture.py wrote events.bin), and a run's scalars read back
+//! from its event file under Megatron's tags.
+
+mod common;
+
+use common::*;
+use ferrotron_trainer::settings::{Paths, TrainArgs};
+use ferrotron_trainer::tensorboard::EventWriter;
+use ferrotron_trainer::train::train;
+use std::collections::BTreeMap;
+
+/// The fixture's scalars (make_tb_fixture.py's SCALARS).
+const SCALARS: [(f64, i64, &str, f32); 7] = [
+    (1733270400.25, 1, "lm loss", 5.5456),
+    (1733270400.5, 1, "learning-rate", 0.0),
+    (1733270401.75, 2, "lm loss", 5.5491),
+    (1733270401.75, 2, "grad-norm", 2.025),
+    (1733270402.0, 128, "lm loss vs samples", 4.25),
+    (1733270402.0, 0, "batch-size", 8.0),
+    (1733270403.125, 300000, "lm loss validation ppl", 1.0e30),
+];
+
+#[test]
+fn events_are_tensorboards_own_bytes() {
+    let dir = tmp("tb-bytes");
+    let mut w = EventWriter::create(&dir, 1733270400.0).unwrap();
+    for (wall, step, tag, value) in SCALARS {
+        w.scalar(tag, value, step, wall).unwrap();
+    }
+    w.flush().unwrap();
+    let name = w.path().file_name().unwrap().to_str().unwrap().to_string();
+    assert!(name.starts_with("events.out.tfevents.1733270400."), "{name}");
+    let got = std::fs::read(w.path()).unwrap();
+    let want = std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tensorboard/events.bin")).unwrap();
+    assert_eq!(got, want);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The scalars of an event file by tag: (step, value) in order. Checks each record's framing
+/// (lengths and CRCs are TensorBoard's; the bytes test above pins them) and decodes the protos.
+fn read_events(bytes: &[u8]) -> BTreeMap<String, Vec<(i64, f32)>> {
+    fn varint(b: &[u8], at: &mut usize) -> u64 {
+        let (mut v, mut shift) = (0u64, 0);
+        loop {
+            let x = b[*at];
+            *at += 1;
+            v |= ((x & 0x7f) as u64) << shift;
+            if x < 0x80 {
+                return v;
+            }
+            shift += 7;
+        }
+    }
+    // (field, wire type, payload range or value) of one message.
+    fn fields(b: &[u8]) -> Vec<(u64, std::ops::Range<usize>)> {
+        let (mut at, mut out) = (0, vec![]);
+        while at < b.len() {
+            let key = varint(b, &mut at);
+            let len = match key & 7 {
+                0 => {
+                    let s = at;
+                    varint(b, &mut at);
+                    out.push((key >> 3, s..at));
+                    continue;
+                }
+                1 => 8,
+                5 => 4,
+                2 => varint(b, &mut at) as usize,
+                w => panic!("wire type {w}"),
+            };
+            out.push((key >> 3, at..at + len));
+            at += len;
+        }
+        out
+    }
+    let mut out: BTreeMap<String, Vec<(i64, f32)>> = BTreeMap::new();
+    let mut at = 0;
+    let mut first = true;
+    while at < bytes.len() {
+        let len = u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap()) as usize;
+        let data = &bytes[at + 12..at + 12 + len];
+        at += 16 + len;
+        let f = fields(data);
+        if first {
+            assert!(f.iter().any(|(n, r)| *n == 3 && &data[r.clone()] == b"brain.Event:2"), "the version record first");
+            first = false;
+            continue;
+        }
+        let step = f.iter().find(|(n, _)| *n == 2).map_or(0, |(_, r)| varint(&data[r.clone()], &mut 0) as i64);
+        let (_, summary) = f.iter().find(|(n, _)| *n == 5).expect("a summary");
+        for (_, value) in fields(&data[summary.clone()]) {
+            let v = &data[summary.start + value.start..summary.start + value.end];
+            let vf = fields(v);
+            let tag = vf.iter().find(|(n, _)| *n == 1).map(|(_, r)| String::from_utf8(v[r.clone()].to_vec()).unwrap());
+            let x = vf.iter().find(|(n, _)| *n == 2).map(|(_, r)| f32::from_le_bytes(v[r.clone()].try_into().unwrap()));
+            out.entry(tag.unwrap()).or_default().push((step, x.unwrap()));
+        }
+    }
+    out
+}
+
+#[test]
+fn a_runs_scalars_are_megatrons_tags() {
+    let dir = tmp("tb-run");
+    let args = TrainArgs {
+        tensorboard_dir: Some(dir.clone()),
+        log_interval: Some(2),
+        log_validation_ppl_to_tensorboard: true,
+        ..tiny_args(false)
+    };
+    let s = settings(&args);
+    let sum = train(&s, &Paths::default()).unwrap();
+    let files: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    let ev = read_events(&std::fs::read(&files[0]).unwrap());
+    let as_f32 = |l: &[(u64, f64)]| l.iter().map(|&(i, x)| (i as i64, x as f32)).collect::<Vec<_>>();
+    let logged: Vec<(u64, f64)> = sum.losses.iter().filter(|(i, _)| i % 2 == 0).cloned().collect();
+    assert_eq!(ev["lm loss"], as_f32(&logged));
+    let norms: Vec<(u64, f64)> = sum.grad_norms.iter().filter(|(i, _)| i % 2 == 0).cloned().collect();
+    assert_eq!(ev["grad-norm"], as_f32(&norms));
+    assert_eq!(ev["lm loss validation"], as_f32(&sum.evals));
+    let ppl: Vec<(i64, f32)> = sum.evals.iter().map(|&(i, l)| (i as i64, l.exp() as f32)).collect();
+    assert_eq!(ev["lm loss validation ppl"], ppl);
+    // "vs samples": the same values at the samples consumed (8 a step).
+    let by_samples: Vec<(i64, f32)> = as_f32(&logged).into_iter().map(|(i, x)| (8 * i, x)).collect();
+    assert_eq!(ev["lm loss vs samples"], by_samples);
+    for tag in ["learning-rate", "learning-rate vs samples", "batch-size", "batch-size vs samples"] {
+        assert_eq!(ev[tag].len(), logged.len(), "{tag}");
+    }
+    assert!(ev["batch-size"].iter().all(|&(_, b)| b == 8.0));
+    let _ = std::fs::remove_dir_all(dir);
+}
