@@ -6,6 +6,7 @@
 
 pub mod batch_schedule;
 pub mod checkpoint;
+mod compat;
 pub mod convert;
 pub mod generate;
 pub mod hybrid;

@@ -560,6 +560,115 @@ pub struct TrainArgs {
     /// Leave the vision encoder as it is (Megatron's --freeze-ViT).
     #[arg(long = "freeze-ViT")]
     pub freeze_vit: bool,
+
+    // Megatron's switches between implementations of the same computation (fusions, backends,
+    // loaders): accepted where the run computes the same thing either way, a value that would
+    // change it refused by name (`compat::check`).
+    /// Also the throughput per GPU (model TFLOP/s) on each log line and in TensorBoard.
+    #[arg(long)]
+    pub log_throughput: bool,
+    /// Megatron's shorthand for --recompute-granularity selective.
+    #[arg(long)]
+    pub recompute_activations: bool,
+    /// Megatron's switch off of learned positions: with rope nothing changes, otherwise the model
+    /// has none (--position-embedding-type none).
+    #[arg(long)]
+    pub no_position_embedding: bool,
+    /// nccl or gloo: accepted (ranks on a GPU talk NCCL, on the CPU their own transport).
+    #[arg(long)]
+    pub distributed_backend: Option<String>,
+    /// transformer_engine or local: accepted (Ferrotron's kernels either way).
+    #[arg(long)]
+    pub transformer_impl: Option<String>,
+    /// flash, fused, unfused, local or auto: accepted (the flash kernels where they apply).
+    #[arg(long)]
+    pub attention_backend: Option<String>,
+    /// single (Megatron's pretraining sampler, the order Ferrotron reads); cyclic and external
+    /// are refused.
+    #[arg(long)]
+    pub dataloader_type: Option<String>,
+    /// Only 1.0 (rotary embeddings over the whole head) is built.
+    #[arg(long)]
+    pub rotary_percent: Option<f64>,
+    /// Only disabled is built.
+    #[arg(long)]
+    pub rerun_mode: Option<String>,
+    /// Optimizer state dtypes (--use-precision-aware-optimizer): only fp32 is built.
+    #[arg(long)]
+    pub main_grads_dtype: Option<String>,
+    #[arg(long)]
+    pub main_params_dtype: Option<String>,
+    #[arg(long)]
+    pub exp_avg_dtype: Option<String>,
+    #[arg(long)]
+    pub exp_avg_sq_dtype: Option<String>,
+    /// Accepted, no effect: data loading needs no worker processes here.
+    #[arg(long)]
+    pub num_workers: Option<usize>,
+    /// Accepted, no effect (Python's garbage collector).
+    #[arg(long)]
+    pub manual_gc_interval: Option<usize>,
+    /// Accepted, no effect: the log line carries the step's timing.
+    #[arg(long)]
+    pub timing_log_level: Option<usize>,
+    /// Accepted, no effect: memory is pooled and reused, never emptied between steps.
+    #[arg(long)]
+    pub empty_unused_memory_level: Option<usize>,
+    /// Accepted switches that change no result here: softmax is always fp32; fusions are
+    /// where the kernels have them; gradients accumulate and reduce in fp32 (unless
+    /// --grad-reduce-in-bf16); no attention mask is built; datasets are always memory-mapped;
+    /// every rank saves and loads its own shard.
+    #[arg(long)]
+    pub use_mcore_models: bool,
+    #[arg(long)]
+    pub attention_softmax_in_fp32: bool,
+    #[arg(long)]
+    pub no_masked_softmax_fusion: bool,
+    #[arg(long)]
+    pub no_bias_gelu_fusion: bool,
+    #[arg(long)]
+    pub no_bias_swiglu_fusion: bool,
+    #[arg(long)]
+    pub no_bias_dropout_fusion: bool,
+    #[arg(long)]
+    pub no_rope_fusion: bool,
+    #[arg(long)]
+    pub no_gradient_accumulation_fusion: bool,
+    #[arg(long)]
+    pub cross_entropy_loss_fusion: bool,
+    #[arg(long)]
+    pub moe_permute_fusion: bool,
+    #[arg(long)]
+    pub no_async_tensor_model_parallel_allreduce: bool,
+    #[arg(long)]
+    pub accumulate_allreduce_grads_in_fp32: bool,
+    #[arg(long)]
+    pub manual_gc: bool,
+    #[arg(long)]
+    pub tp_comm_overlap: bool,
+    #[arg(long)]
+    pub overlap_p2p_communication: bool,
+    #[arg(long)]
+    pub no_create_attention_mask_in_dataloader: bool,
+    #[arg(long)]
+    pub mmap_bin_files: bool,
+    #[arg(long)]
+    pub no_mmap_bin_files: bool,
+    #[arg(long)]
+    pub ckpt_fully_parallel_save: bool,
+    #[arg(long)]
+    pub ckpt_fully_parallel_load: bool,
+    #[arg(long)]
+    pub use_precision_aware_optimizer: bool,
+    /// Refused by name: Weights & Biases logging is not built (--tensorboard-dir is).
+    #[arg(long)]
+    pub wandb_project: Option<String>,
+    /// Refused by name: FSDP is not built (--use-distributed-optimizer shards the optimizer).
+    #[arg(long)]
+    pub use_torch_fsdp2: bool,
+    /// Refused by name: zero-centred LayerNorm weights are not built.
+    #[arg(long)]
+    pub apply_layernorm_1p: bool,
 }
 
 macro_rules! merge_opts {
@@ -600,12 +709,22 @@ impl TrainArgs {
             moe_layer_freq, moe_shared_expert_intermediate_size, hybrid_layer_pattern, hybrid_override_pattern, mamba_state_dim, mamba_head_dim,
             mamba_num_groups, mamba_num_heads, hybrid_attention_ratio, hybrid_mlp_ratio, img_h, img_w, patch_dim,
             encoder_num_layers, encoder_hidden_size, encoder_num_attention_heads, encoder_ffn_hidden_size, image_token_id,
-            image_text_data, image_folder, data_cache_path, data_args_path, per_split_data_args_path);
+            image_text_data, image_folder, data_cache_path, data_args_path, per_split_data_args_path,
+            distributed_backend, transformer_impl, attention_backend, dataloader_type, rotary_percent, rerun_mode,
+            main_grads_dtype, main_params_dtype, exp_avg_dtype, exp_avg_sq_dtype, num_workers, manual_gc_interval,
+            timing_log_level, empty_unused_memory_level, wandb_project);
         merge_flags!(self, o; check_for_nan_in_loss_and_grad, no_check_for_nan_in_loss_and_grad, use_rope_scaling, swiglu, squared_relu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, bf16, fp16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
             use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, calculate_per_token_loss, log_validation_ppl_to_tensorboard, log_timers_to_tensorboard, async_save, no_save_optim, exit_signal_handler,
             moe_router_pre_softmax, moe_grouped_gemm, moe_shared_expert_overlap, moe_shared_expert_gate, is_hybrid_model,
-            mamba_norm_ungrouped, disable_vision_class_token, freeze_lm, freeze_vit);
+            mamba_norm_ungrouped, disable_vision_class_token, freeze_lm, freeze_vit,
+            log_throughput, recompute_activations, no_position_embedding, use_mcore_models, attention_softmax_in_fp32,
+            no_masked_softmax_fusion, no_bias_gelu_fusion, no_bias_swiglu_fusion, no_bias_dropout_fusion, no_rope_fusion,
+            no_gradient_accumulation_fusion, cross_entropy_loss_fusion, moe_permute_fusion,
+            no_async_tensor_model_parallel_allreduce, accumulate_allreduce_grads_in_fp32, manual_gc, tp_comm_overlap,
+            overlap_p2p_communication, no_create_attention_mask_in_dataloader, mmap_bin_files, no_mmap_bin_files,
+            ckpt_fully_parallel_save, ckpt_fully_parallel_load, use_precision_aware_optimizer, use_torch_fsdp2,
+            apply_layernorm_1p);
         if !o.profile_ranks.is_empty() {
             self.profile_ranks = o.profile_ranks.clone();
         }
@@ -841,6 +960,9 @@ pub struct Settings {
     pub log_validation_ppl_to_tensorboard: bool,
     #[serde(default)]
     pub log_timers_to_tensorboard: bool,
+    /// `--log-throughput`.
+    #[serde(default)]
+    pub log_throughput: bool,
     /// NullTokenizer's `--vocab-size`.
     #[serde(default)]
     pub vocab_size: Option<usize>,
@@ -1446,6 +1568,7 @@ impl Settings {
         a.overlay(&file);
         a.overlay(flags);
         a.load = load;
+        crate::compat::apply(&mut a)?;
         let [data_path, train_data_path, valid_data_path] = data_paths(&a)?;
         let mut s = Settings {
             preset: name,
@@ -1509,6 +1632,7 @@ impl Settings {
             },
             log_validation_ppl_to_tensorboard: a.log_validation_ppl_to_tensorboard,
             log_timers_to_tensorboard: a.log_timers_to_tensorboard,
+            log_throughput: a.log_throughput,
             vocab_size: a.vocab_size,
             tokenizer_model: a.tokenizer_model.clone(),
             split: a.split.clone().unwrap_or_else(default_split),

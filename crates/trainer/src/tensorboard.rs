@@ -152,6 +152,7 @@ impl RunEvents {
                 global_batch_size,
                 load_balancing_loss,
                 z_loss,
+                tflops_per_gpu,
                 ..
             } => {
                 if iteration % self.interval != 0 {
@@ -167,7 +168,9 @@ impl RunEvents {
                     self.w.scalar(tag, v as f32, it, t)?;
                     self.w.scalar(&format!("{tag} vs samples"), v as f32, samples, t)?;
                 }
-                for (tag, v) in [("load_balancing_loss", load_balancing_loss), ("z_loss", z_loss)] {
+                for (tag, v) in
+                    [("load_balancing_loss", load_balancing_loss), ("z_loss", z_loss), ("throughput", tflops_per_gpu)]
+                {
                     if let Some(v) = v {
                         self.w.scalar(tag, v as f32, it, t)?;
                     }

@@ -49,6 +49,9 @@ pub enum Metric {
         load_balancing_loss: Option<f64>,
         #[serde(skip_serializing_if = "Option::is_none")]
         z_loss: Option<f64>,
+        /// `--log-throughput`: model TFLOP/s per GPU (rank) over the log window.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        tflops_per_gpu: Option<f64>,
     },
     Eval {
         iteration: u64,
@@ -656,14 +659,14 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     let micros_at = |consumed: u64| (schedule.at(consumed) / s.micro_batch_size as u64) as usize / dp;
     let micro_per_rank = micros_at(consumed);
     let table_text = layout_table(&g, &table, &opt, s.sequence_parallel)?;
+    // A LLaVA run's encoder and projection: one image per sample of --seq-length tokens.
+    let flops_per_token = model.config.flops_per_token()
+        + s.vision_spec()?.map_or(0.0, |v| v.flops_per_image(s.hidden_size) / s.seq_length as f64);
     if rank0 {
         eprintln!(
             "{dev}: {} parameters ({:.2} MFLOP/token), {} layers, hidden {}, {} heads; data: {} train / {} valid samples; {} micro-batches of {} per step on each of {dp} data-parallel rank(s)",
             model.config.num_params() + s.vision_spec()?.map_or(0, |v| v.num_params(s.hidden_size)),
-            // A LLaVA run's encoder and projection: one image per sample of --seq-length tokens.
-            (model.config.flops_per_token()
-                + s.vision_spec()?.map_or(0.0, |v| v.flops_per_image(s.hidden_size) / s.seq_length as f64))
-                / 1e6,
+            flops_per_token / 1e6,
             s.num_layers,
             s.hidden_size,
             s.num_attention_heads,
@@ -859,13 +862,18 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
                 global_batch_size: gbs,
                 load_balancing_loss: router.map(|r| r.0),
                 z_loss: router.map(|r| r.1),
+                tflops_per_gpu: s.log_throughput.then(|| tps * flops_per_token / g.world.size() as f64 / 1e12),
             };
             metrics.write(&m)?;
             pb.set_message(format!("loss {loss:.4} | lr {lr:.2e} | {tps:.0} tok/s"));
             if pb.is_hidden() && rank0 {
                 let moe = router.map_or(String::new(), |(lb, z)| format!(" load-balancing {lb:.4} z-loss {z:.4}"));
+                let tflops = match &m {
+                    Metric::Train { tflops_per_gpu: Some(t), .. } => format!(" {t:.3} TFLOP/s/GPU"),
+                    _ => String::new(),
+                };
                 eprintln!(
-                    "iteration {iteration}/{}: loss {loss:.4} lr {lr:.3e} grad-norm {:.3}{moe} {tps:.0} tokens/s",
+                    "iteration {iteration}/{}: loss {loss:.4} lr {lr:.3e} grad-norm {:.3}{moe} {tps:.0} tokens/s{tflops}",
                     s.train_iters, out.grad_norm
                 );
             }

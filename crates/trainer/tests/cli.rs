@@ -185,6 +185,93 @@ fn bad_flags_fail_with_one_line_naming_the_flag() {
     fails_naming(&["--device", "cuda:1"], "rebuild with `--features cuda`");
 }
 
+/// The implementation switches Megatron's scripts pass run unchanged: the same losses as
+/// without them (printed to every digit); a shorthand takes the flag it stands for; values that
+/// would change the run are refused by name; --log-throughput adds TFLOP/s per GPU to each line.
+#[test]
+fn megatrons_script_switches_run_as_the_plain_flags() {
+    let losses = |o: &Output| -> Vec<String> {
+        // Training lines ("iteration 2/4: loss 5.5335 lr …") and validation losses alike.
+        stderr(o).lines().filter_map(|l| l.split(" loss ").nth(1).map(|x| x[..6].to_string())).collect()
+    };
+    let plain = run(&["--train-iters", "4"]);
+    assert!(plain.status.success(), "{}", stderr(&plain));
+    let switches = [
+        "--train-iters",
+        "4",
+        "--distributed-backend",
+        "nccl",
+        "--use-mcore-models",
+        "--transformer-impl",
+        "transformer_engine",
+        "--attention-backend",
+        "flash",
+        "--attention-softmax-in-fp32",
+        "--no-masked-softmax-fusion",
+        "--no-bias-gelu-fusion",
+        "--no-bias-swiglu-fusion",
+        "--no-bias-dropout-fusion",
+        "--no-rope-fusion",
+        "--no-gradient-accumulation-fusion",
+        "--cross-entropy-loss-fusion",
+        "--moe-permute-fusion",
+        "--no-async-tensor-model-parallel-allreduce",
+        "--accumulate-allreduce-grads-in-fp32",
+        "--manual-gc",
+        "--manual-gc-interval",
+        "100",
+        "--tp-comm-overlap",
+        "--overlap-p2p-communication",
+        "--no-create-attention-mask-in-dataloader",
+        "--mmap-bin-files",
+        "--ckpt-fully-parallel-save",
+        "--ckpt-fully-parallel-load",
+        "--num-workers",
+        "2",
+        "--dataloader-type",
+        "single",
+        "--timing-log-level",
+        "2",
+        "--empty-unused-memory-level",
+        "0",
+        "--rotary-percent",
+        "1.0",
+        "--rerun-mode",
+        "disabled",
+        "--use-precision-aware-optimizer",
+        "--main-grads-dtype",
+        "fp32",
+        "--exp-avg-dtype",
+        "fp32",
+        "--log-throughput",
+    ];
+    let with = run(&switches);
+    assert!(with.status.success(), "{}", stderr(&with));
+    assert_eq!(losses(&with), losses(&plain));
+    assert_eq!(losses(&plain).len(), 5, "two training lines, three validation losses: {}", stderr(&plain));
+    assert!(stderr(&with).lines().filter(|l| l.contains("TFLOP/s/GPU")).count() == 2, "{}", stderr(&with));
+    // --recompute-activations is selective recompute: the same losses as its long form.
+    let sel = run(&["--train-iters", "4", "--recompute-granularity", "selective"]);
+    assert_eq!(losses(&run(&["--train-iters", "4", "--recompute-activations"])), losses(&sel));
+    fails_naming(&["--recompute-activations", "--recompute-granularity", "full"], "contradicts");
+    // --no-position-embedding: no learned positions (their parameters gone), and beside rope
+    // nothing changes.
+    use ferrotron_trainer::settings::{Settings, TrainArgs};
+    let pe = |t: &str| {
+        let a =
+            TrainArgs { position_embedding_type: Some(t.into()), no_position_embedding: true, ..Default::default() };
+        Settings::resolve(&a).unwrap().0.position_embedding_type
+    };
+    assert_eq!((pe("learned_absolute").as_str(), pe("rope").as_str()), ("none", "rope"));
+    fails_naming(&["--dataloader-type", "cyclic"], "--dataloader-type cyclic");
+    fails_naming(&["--transformer-impl", "inference"], "--transformer-impl inference");
+    fails_naming(&["--rotary-percent", "0.5"], "--rotary-percent 0.5");
+    fails_naming(&["--main-grads-dtype", "bf16"], "--main-grads-dtype bf16");
+    fails_naming(&["--wandb-project", "x"], "--tensorboard-dir writes the same scalars");
+    fails_naming(&["--use-torch-fsdp2"], "FSDP is not built");
+    fails_naming(&["--apply-layernorm-1p"], "--apply-layernorm-1p");
+}
+
 fn free_port() -> String {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string()
 }

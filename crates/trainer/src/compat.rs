@@ -1,0 +1,75 @@
+//! Megatron's flags that choose among implementations of one computation (fusions, backends,
+//! loaders, optimizer-state dtypes) or spell another flag: what Megatron's scripts pass, so that
+//! they run unchanged. A switch whose every value computes the same run here is accepted; a
+//! value that would change the run is refused by name, the fix in the message; a shorthand is
+//! turned into the flag it stands for.
+
+use crate::settings::TrainArgs;
+use anyhow::bail;
+
+/// Checks the switches and expands the shorthands, on the merged flags.
+pub(crate) fn apply(a: &mut TrainArgs) -> anyhow::Result<()> {
+    if a.recompute_activations {
+        match a.recompute_granularity.as_deref() {
+            None | Some("selective") => a.recompute_granularity = Some("selective".into()),
+            Some(g) => bail!(
+                "--recompute-activations is --recompute-granularity selective, which --recompute-granularity {g} contradicts: drop one"
+            ),
+        }
+    }
+    if a.no_position_embedding && a.position_embedding_type.as_deref() != Some("rope") {
+        a.position_embedding_type = Some("none".into());
+    }
+    let one_of = |flag: &str, v: &Option<String>, ok: &[&str], why: &str| -> anyhow::Result<()> {
+        match v {
+            Some(x) if !ok.contains(&x.as_str()) => bail!("{flag} {x}: {why} (accepted: {})", ok.join(", ")),
+            _ => Ok(()),
+        }
+    };
+    one_of(
+        "--distributed-backend",
+        &a.distributed_backend,
+        &["nccl", "gloo"],
+        "ranks on a GPU talk NCCL, on the CPU their own transport",
+    )?;
+    one_of(
+        "--transformer-impl",
+        &a.transformer_impl,
+        &["transformer_engine", "local"],
+        "the layers are Ferrotron's own either way",
+    )?;
+    one_of(
+        "--attention-backend",
+        &a.attention_backend,
+        &["auto", "flash", "fused", "unfused", "local"],
+        "attention is Ferrotron's flash kernels wherever they apply",
+    )?;
+    one_of(
+        "--dataloader-type",
+        &a.dataloader_type,
+        &["single"],
+        "samples are read in Megatron's pretraining-sampler order (single); cyclic and external are not built",
+    )?;
+    one_of("--rerun-mode", &a.rerun_mode, &["disabled"], "the rerun state machine is not built")?;
+    for (flag, v) in [
+        ("--main-grads-dtype", &a.main_grads_dtype),
+        ("--main-params-dtype", &a.main_params_dtype),
+        ("--exp-avg-dtype", &a.exp_avg_dtype),
+        ("--exp-avg-sq-dtype", &a.exp_avg_sq_dtype),
+    ] {
+        one_of(flag, v, &["fp32"], "the optimizer keeps fp32 state (--grad-reduce-in-bf16 narrows main_grad)")?;
+    }
+    if let Some(p) = a.rotary_percent.filter(|&p| p != 1.0) {
+        bail!("--rotary-percent {p}: rotary embeddings over part of each head are not built; drop it (1.0)");
+    }
+    if let Some(p) = &a.wandb_project {
+        bail!("--wandb-project {p}: Weights & Biases logging is not built; --tensorboard-dir writes the same scalars");
+    }
+    if a.use_torch_fsdp2 {
+        bail!("--use-torch-fsdp2: FSDP is not built; --use-distributed-optimizer shards the optimizer state");
+    }
+    if a.apply_layernorm_1p {
+        bail!("--apply-layernorm-1p: zero-centred LayerNorm weights are not built; drop it");
+    }
+    Ok(())
+}
