@@ -216,15 +216,28 @@ impl Optimizer {
         Ok((self.sum_sq(table)?.to_vec_f32()?[0] as f64).sqrt())
     }
 
+    /// L2 norm of the fp32 master weights over the whole model (Megatron's --log-params-norm),
+    /// each parameter counted once as `grad_norm` counts gradients; identical on every rank (a
+    /// read back).
+    pub fn params_norm(&self, table: &ParamTable) -> Result<f64, OptimError> {
+        Ok((self.sum_sq_of(table, true)?.to_vec_f32()?[0] as f64).sqrt())
+    }
+
     /// Σ g² over the whole model as one f32 on the parameters' device, summed across the ranks
     /// that share the norm (nothing read back).
     fn sum_sq(&self, table: &ParamTable) -> Result<Tensor, OptimError> {
         // Gradients no backward op reached this step are zero (a no-op when the sync settled them).
         table.settle_grads(0..table.flat_len())?;
+        self.sum_sq_of(table, false)
+    }
+
+    /// Σ x² of the gradients, or of the master weights (`master`), as `sum_sq` says.
+    fn sum_sq_of(&self, table: &ParamTable, master: bool) -> Result<Tensor, OptimError> {
         let g = table.flat_grads();
-        // Ranges of the flat buffer counted here, neighbours merged (one kernel each on a GPU).
-        let mut ranges: Vec<Range<usize>> = Vec::new();
-        for (id, r, _) in pieces(table, &self.owned) {
+        // Ranges of the flat buffer counted here with their offsets in the state buffers,
+        // neighbours merged (one kernel each on a GPU).
+        let mut ranges: Vec<(Range<usize>, usize)> = Vec::new();
+        for (id, r, at) in pieces(table, &self.owned) {
             // Replicated across tensor-parallel ranks: counted on one of them; a pipeline stage's
             // copy of the tied embedding: counted on the stage that owns it.
             let m = table.meta(id);
@@ -233,12 +246,17 @@ impl Optimizer {
             }
             let boundary = self.experts.as_ref().map_or(0, |e| e.end);
             match ranges.last_mut() {
-                Some(last) if last.end == r.start && r.start != boundary => last.end = r.end,
-                _ => ranges.push(r),
+                Some((last, o)) if last.end == r.start && *o + last.len() == at && r.start != boundary => {
+                    last.end = r.end
+                }
+                _ => ranges.push((r, at)),
             }
         }
-        let sum = |rs: &[Range<usize>]| -> Result<Tensor, OptimError> {
-            let views = rs.iter().map(|r| g.view(r.start, [r.len()])).collect::<Result<Vec<_>, _>>()?;
+        let sum = |rs: &[(Range<usize>, usize)]| -> Result<Tensor, OptimError> {
+            let views = rs
+                .iter()
+                .map(|(r, at)| if master { self.master.view(*at, [r.len()]) } else { g.view(r.start, [r.len()]) })
+                .collect::<Result<Vec<_>, _>>()?;
             Ok(k::sum_sq_dev(&views.iter().collect::<Vec<_>>(), g.device())?)
         };
         // Summed in f32 across ranks: every rank gets the same bits.
@@ -257,7 +275,7 @@ impl Optimizer {
                 return Ok(sq);
             }
             Some(e) => {
-                let (ex, dense): (Vec<_>, Vec<_>) = ranges.into_iter().partition(|r| r.start < e.end);
+                let (ex, dense): (Vec<_>, Vec<_>) = ranges.into_iter().partition(|(r, _)| r.start < e.end);
                 let (sq, sq_e) = (sum(&dense)?, sum(&ex)?);
                 if let Some(dp) = &self.dp {
                     reduce(&sq, dp)?;

@@ -567,6 +567,9 @@ pub struct TrainArgs {
     /// Also the throughput per GPU (model TFLOP/s) on each log line and in TensorBoard.
     #[arg(long)]
     pub log_throughput: bool,
+    /// Also the L2 norm of the (fp32 master) parameters on each log line and in TensorBoard.
+    #[arg(long)]
+    pub log_params_norm: bool,
     /// Megatron's shorthand for --recompute-granularity selective.
     #[arg(long)]
     pub recompute_activations: bool,
@@ -718,7 +721,7 @@ impl TrainArgs {
             use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, calculate_per_token_loss, log_validation_ppl_to_tensorboard, log_timers_to_tensorboard, async_save, no_save_optim, exit_signal_handler,
             moe_router_pre_softmax, moe_grouped_gemm, moe_shared_expert_overlap, moe_shared_expert_gate, is_hybrid_model,
             mamba_norm_ungrouped, disable_vision_class_token, freeze_lm, freeze_vit,
-            log_throughput, recompute_activations, no_position_embedding, use_mcore_models, attention_softmax_in_fp32,
+            log_throughput, log_params_norm, recompute_activations, no_position_embedding, use_mcore_models, attention_softmax_in_fp32,
             no_masked_softmax_fusion, no_bias_gelu_fusion, no_bias_swiglu_fusion, no_bias_dropout_fusion, no_rope_fusion,
             no_gradient_accumulation_fusion, cross_entropy_loss_fusion, moe_permute_fusion,
             no_async_tensor_model_parallel_allreduce, accumulate_allreduce_grads_in_fp32, manual_gc, tp_comm_overlap,
@@ -960,9 +963,11 @@ pub struct Settings {
     pub log_validation_ppl_to_tensorboard: bool,
     #[serde(default)]
     pub log_timers_to_tensorboard: bool,
-    /// `--log-throughput`.
+    /// `--log-throughput`, `--log-params-norm`.
     #[serde(default)]
     pub log_throughput: bool,
+    #[serde(default)]
+    pub log_params_norm: bool,
     /// NullTokenizer's `--vocab-size`.
     #[serde(default)]
     pub vocab_size: Option<usize>,
@@ -1633,6 +1638,7 @@ impl Settings {
             log_validation_ppl_to_tensorboard: a.log_validation_ppl_to_tensorboard,
             log_timers_to_tensorboard: a.log_timers_to_tensorboard,
             log_throughput: a.log_throughput,
+            log_params_norm: a.log_params_norm,
             vocab_size: a.vocab_size,
             tokenizer_model: a.tokenizer_model.clone(),
             split: a.split.clone().unwrap_or_else(default_split),

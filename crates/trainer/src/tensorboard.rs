@@ -153,6 +153,7 @@ impl RunEvents {
                 load_balancing_loss,
                 z_loss,
                 tflops_per_gpu,
+                params_norm,
                 ..
             } => {
                 if iteration % self.interval != 0 {
@@ -167,6 +168,10 @@ impl RunEvents {
                 ] {
                     self.w.scalar(tag, v as f32, it, t)?;
                     self.w.scalar(&format!("{tag} vs samples"), v as f32, samples, t)?;
+                }
+                if let Some(p) = params_norm {
+                    self.w.scalar("params-norm", p as f32, it, t)?;
+                    self.w.scalar("params-norm vs samples", p as f32, samples, t)?;
                 }
                 for (tag, v) in
                     [("load_balancing_loss", load_balancing_loss), ("z_loss", z_loss), ("throughput", tflops_per_gpu)]

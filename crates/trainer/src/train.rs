@@ -52,6 +52,9 @@ pub enum Metric {
         /// `--log-throughput`: model TFLOP/s per GPU (rank) over the log window.
         #[serde(skip_serializing_if = "Option::is_none")]
         tflops_per_gpu: Option<f64>,
+        /// `--log-params-norm`: the L2 norm of the fp32 master weights after the update.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        params_norm: Option<f64>,
     },
     Eval {
         iteration: u64,
@@ -850,6 +853,8 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             if let Some((lb, z)) = router {
                 summary.router_losses.push((iteration, lb, z));
             }
+            // A collective over the model- and data-parallel groups: every rank, after the update.
+            let params_norm = if s.log_params_norm { Some(opt.params_norm(&table)?) } else { None };
             let m = Metric::Train {
                 iteration,
                 loss,
@@ -863,6 +868,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
                 load_balancing_loss: router.map(|r| r.0),
                 z_loss: router.map(|r| r.1),
                 tflops_per_gpu: s.log_throughput.then(|| tps * flops_per_token / g.world.size() as f64 / 1e12),
+                params_norm,
             };
             metrics.write(&m)?;
             pb.set_message(format!("loss {loss:.4} | lr {lr:.2e} | {tps:.0} tok/s"));
@@ -872,8 +878,9 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
                     Metric::Train { tflops_per_gpu: Some(t), .. } => format!(" {t:.3} TFLOP/s/GPU"),
                     _ => String::new(),
                 };
+                let pn = params_norm.map_or(String::new(), |p| format!(" params-norm {p:.3}"));
                 eprintln!(
-                    "iteration {iteration}/{}: loss {loss:.4} lr {lr:.3e} grad-norm {:.3}{moe} {tps:.0} tokens/s{tflops}",
+                    "iteration {iteration}/{}: loss {loss:.4} lr {lr:.3e} grad-norm {:.3}{pn}{moe} {tps:.0} tokens/s{tflops}",
                     s.train_iters, out.grad_norm
                 );
             }

@@ -1,0 +1,55 @@
+//! `--log-params-norm`: the logged norm is that of the saved parameters (the oracle: the
+//! checkpoint's whole tensors, summed here in f64), and the same under layouts that split,
+//! replicate or shard them (tensor × pipeline parallel, data parallel with the distributed
+//! optimizer).
+
+mod common;
+
+use common::*;
+use ferrotron_trainer::checkpoint;
+use ferrotron_trainer::settings::{Launch, Paths, Settings, TrainArgs};
+use ferrotron_trainer::train::train;
+
+/// The params_norm of each training line of a metrics file, by iteration.
+fn norms(file: &std::path::Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(file)
+        .unwrap()
+        .lines()
+        .filter_map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            Some((v["iteration"].as_u64()?, v.get("params_norm")?.as_f64()?))
+        })
+        .collect()
+}
+
+#[test]
+fn params_norm_is_the_saved_parameters_norm_in_any_layout() {
+    let s1 = settings(&TrainArgs { log_params_norm: true, num_layers: Some(4), ..tiny_args(false) });
+    let dir = tmp("params-norm");
+    let metrics = dir.join("one.jsonl");
+    train(&s1, &Paths { save: Some(dir.join("ck")), metrics: Some(metrics.clone()), ..Paths::default() }).unwrap();
+    let one = norms(&metrics);
+    assert_eq!(one.len(), 8, "a norm at each log line: {one:?}");
+    let ck = checkpoint::load_params(&dir.join("ck")).unwrap();
+    let want = ck.tensors.values().flat_map(|(_, v)| v.iter()).map(|&x| x as f64 * x as f64).sum::<f64>().sqrt();
+    let last = one.last().unwrap().1;
+    assert!((last - want).abs() <= 1e-5 * want, "logged {last}, the checkpoint's {want}");
+    assert!(one.windows(2).any(|w| w[0].1 != w[1].1), "the norm moves as the model trains: {one:?}");
+
+    let with = |f: &dyn Fn(&mut Settings)| {
+        let mut s = s1.clone();
+        f(&mut s);
+        s
+    };
+    let tp_pp = with(&|s| {
+        s.tensor_model_parallel_size = 2;
+        s.pipeline_model_parallel_size = 2;
+    });
+    let dp = with(&|s| s.use_distributed_optimizer = true);
+    for (tag, s, n) in [("tp2 × pp2", &tp_pp, 4), ("dp2 distributed", &dp, 2)] {
+        let file = dir.join(format!("{n}.jsonl"));
+        train(s, &Paths { launch: Launch::Threads(n), metrics: Some(file.clone()), ..Paths::default() }).unwrap();
+        close(tag, &norms(&file), &one);
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
