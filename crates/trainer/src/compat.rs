@@ -17,6 +17,31 @@ pub(crate) fn apply(a: &mut TrainArgs) -> anyhow::Result<()> {
             ),
         }
     }
+    if a.use_rotary_position_embeddings {
+        a.position_embedding_type = Some("rope".into());
+    }
+    if let Some(n) = a.num_virtual_stages_per_pipeline_rank.filter(|&n| n > 1) {
+        if a.num_layers_per_virtual_pipeline_stage.is_some() {
+            bail!(
+                "--num-virtual-stages-per-pipeline-rank and --num-layers-per-virtual-pipeline-stage both set the virtual stages: give one"
+            );
+        }
+        let (layers, pp) = (a.num_layers.unwrap_or(0), a.pipeline_model_parallel_size.unwrap_or(1));
+        if layers == 0 || layers % (pp * n) != 0 {
+            bail!(
+                "--num-virtual-stages-per-pipeline-rank {n}: --num-layers {layers} is not divisible by --pipeline-model-parallel-size {pp} × {n}"
+            );
+        }
+        a.num_layers_per_virtual_pipeline_stage = Some(layers / (pp * n));
+    }
+    if let Some(g) = a.microbatch_group_size_per_virtual_pipeline_stage {
+        let pp = a.pipeline_model_parallel_size.unwrap_or(1);
+        if g != pp {
+            bail!(
+                "--microbatch-group-size-per-virtual-pipeline-stage {g}: only the pipeline size ({pp}, Megatron's default) is built; drop it"
+            );
+        }
+    }
     if a.no_position_embedding && a.position_embedding_type.as_deref() != Some("rope") {
         a.position_embedding_type = Some("none".into());
     }
@@ -58,6 +83,24 @@ pub(crate) fn apply(a: &mut TrainArgs) -> anyhow::Result<()> {
         ("--exp-avg-sq-dtype", &a.exp_avg_sq_dtype),
     ] {
         one_of(flag, v, &["fp32"], "the optimizer keeps fp32 state (--grad-reduce-in-bf16 narrows main_grad)")?;
+    }
+    one_of("--optimizer", &a.optimizer, &["adam"], "the optimizer is AdamW (Megatron's adam); SGD is not built")?;
+    if let Some(f) = a.rotary_seq_len_interpolation_factor.filter(|&f| f != 1.0) {
+        bail!(
+            "--rotary-seq-len-interpolation-factor {f}: linear position interpolation is not built (--use-rope-scaling is Llama 3's); drop it"
+        );
+    }
+    if let Some(f) = &a.fp8_format {
+        bail!("--fp8-format {f}: FP8 training is not built; use --bf16");
+    }
+    for (flag, on) in
+        [("--reset-position-ids", a.reset_position_ids), ("--reset-attention-mask", a.reset_attention_mask)]
+    {
+        if on {
+            bail!(
+                "{flag}: document-wise position ids and attention masks are not built yet; drop it (documents then see the earlier ones in their sample, as without it in Megatron)"
+            );
+        }
     }
     if let Some(p) = a.rotary_percent.filter(|&p| p != 1.0) {
         bail!("--rotary-percent {p}: rotary embeddings over part of each head are not built; drop it (1.0)");

@@ -663,6 +663,70 @@ pub struct TrainArgs {
     pub ckpt_fully_parallel_load: bool,
     #[arg(long)]
     pub use_precision_aware_optimizer: bool,
+    /// adam (AdamW, as Megatron's adam with decoupled weight decay); sgd is refused.
+    #[arg(long)]
+    pub optimizer: Option<String>,
+    /// Megatron's older spelling of --position-embedding-type rope.
+    #[arg(long)]
+    pub use_rotary_position_embeddings: bool,
+    /// Only 1 (no interpolation) is built.
+    #[arg(long)]
+    pub rotary_seq_len_interpolation_factor: Option<f64>,
+    /// num_layers / (pipeline size × N) layers a virtual stage: --num-layers-per-virtual-pipeline-stage's
+    /// other spelling.
+    #[arg(long)]
+    pub num_virtual_stages_per_pipeline_rank: Option<usize>,
+    /// Only the pipeline size (Megatron's default) is built.
+    #[arg(long)]
+    pub microbatch_group_size_per_virtual_pipeline_stage: Option<usize>,
+    /// The learning-rate schedule (and weight decay) of --load's checkpoint instead of the
+    /// flags'. Without it the flags' schedule runs (Megatron's --override-opt_param-scheduler,
+    /// accepted).
+    #[arg(long = "use-checkpoint-opt_param-scheduler")]
+    pub use_checkpoint_opt_param_scheduler: bool,
+    #[arg(long = "override-opt_param-scheduler")]
+    pub override_opt_param_scheduler: bool,
+    /// Accepted, no effect: dropout masks are drawn from counters of the sample and position,
+    /// so there is no random state to save or load.
+    #[arg(long)]
+    pub no_load_rng: bool,
+    #[arg(long)]
+    pub no_save_rng: bool,
+    /// Accepted, no effect: fp16 loss scaling (--fp16 itself is refused).
+    #[arg(long)]
+    pub loss_scale: Option<f64>,
+    #[arg(long)]
+    pub initial_loss_scale: Option<f64>,
+    #[arg(long)]
+    pub min_loss_scale: Option<f64>,
+    #[arg(long)]
+    pub loss_scale_window: Option<f64>,
+    #[arg(long)]
+    pub hysteresis: Option<usize>,
+    /// Accepted, no effect: every rank reads its own shard and the loader checks every piece.
+    #[arg(long)]
+    pub dist_ckpt_strictness: Option<String>,
+    #[arg(long)]
+    pub ckpt_assume_constant_structure: bool,
+    #[arg(long)]
+    pub auto_detect_ckpt_format: bool,
+    #[arg(long)]
+    pub bias_swiglu_fusion: bool,
+    #[arg(long)]
+    pub no_persist_layer_norm: bool,
+    #[arg(long)]
+    pub defer_embedding_wgrad_compute: bool,
+    /// Accepted and not read: no test evaluation runs.
+    #[arg(long, num_args = 1..)]
+    pub test_data_path: Vec<String>,
+    /// Refused by name: FP8 training is not built.
+    #[arg(long)]
+    pub fp8_format: Option<String>,
+    /// Refused by name: document-wise position ids and attention masks are not built yet.
+    #[arg(long)]
+    pub reset_position_ids: bool,
+    #[arg(long)]
+    pub reset_attention_mask: bool,
     /// Refused by name: Weights & Biases logging is not built (--tensorboard-dir is).
     #[arg(long)]
     pub wandb_project: Option<String>,
@@ -715,7 +779,9 @@ impl TrainArgs {
             image_text_data, image_folder, data_cache_path, data_args_path, per_split_data_args_path,
             distributed_backend, transformer_impl, attention_backend, dataloader_type, rotary_percent, rerun_mode,
             main_grads_dtype, main_params_dtype, exp_avg_dtype, exp_avg_sq_dtype, num_workers, manual_gc_interval,
-            timing_log_level, empty_unused_memory_level, wandb_project);
+            timing_log_level, empty_unused_memory_level, wandb_project, optimizer, rotary_seq_len_interpolation_factor,
+            num_virtual_stages_per_pipeline_rank, microbatch_group_size_per_virtual_pipeline_stage, loss_scale,
+            initial_loss_scale, min_loss_scale, loss_scale_window, hysteresis, dist_ckpt_strictness, fp8_format);
         merge_flags!(self, o; check_for_nan_in_loss_and_grad, no_check_for_nan_in_loss_and_grad, use_rope_scaling, swiglu, squared_relu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, bf16, fp16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
             use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, calculate_per_token_loss, log_validation_ppl_to_tensorboard, log_timers_to_tensorboard, async_save, no_save_optim, exit_signal_handler,
@@ -727,7 +793,12 @@ impl TrainArgs {
             no_async_tensor_model_parallel_allreduce, accumulate_allreduce_grads_in_fp32, manual_gc, tp_comm_overlap,
             overlap_p2p_communication, no_create_attention_mask_in_dataloader, mmap_bin_files, no_mmap_bin_files,
             ckpt_fully_parallel_save, ckpt_fully_parallel_load, use_precision_aware_optimizer, use_torch_fsdp2,
-            apply_layernorm_1p);
+            apply_layernorm_1p, use_rotary_position_embeddings, use_checkpoint_opt_param_scheduler,
+            override_opt_param_scheduler, no_load_rng, no_save_rng, ckpt_assume_constant_structure, auto_detect_ckpt_format,
+            bias_swiglu_fusion, no_persist_layer_norm, defer_embedding_wgrad_compute, reset_position_ids, reset_attention_mask);
+        if !o.test_data_path.is_empty() {
+            self.test_data_path = o.test_data_path.clone();
+        }
         if !o.profile_ranks.is_empty() {
             self.profile_ranks = o.profile_ranks.clone();
         }
@@ -1856,10 +1927,36 @@ impl Settings {
             profile,
             cuda_graph_warmup,
         };
+        if a.use_checkpoint_opt_param_scheduler {
+            let Some(load) = &paths.load else {
+                bail!("--use-checkpoint-opt_param-scheduler takes the schedule from the checkpoint: add --load FOLDER");
+            };
+            let ck = crate::checkpoint::read_state(load)
+                .with_context(|| format!("--use-checkpoint-opt_param-scheduler reads --load {}", load.display()))?
+                .settings;
+            s.take_scheduler(&ck);
+        }
         Ok((s, paths))
     }
 
     /// Checks the non-model settings; the model's own checks run in `model_config`.
+    /// The learning-rate schedule and weight decay of `ck` (--use-checkpoint-opt_param-scheduler).
+    fn take_scheduler(&mut self, ck: &Settings) {
+        self.lr = ck.lr;
+        self.min_lr = ck.min_lr;
+        self.lr_warmup_init = ck.lr_warmup_init;
+        self.lr_decay_style = ck.lr_decay_style.clone();
+        self.lr_wsd_decay_style = ck.lr_wsd_decay_style.clone();
+        self.lr_wsd_decay_iters = ck.lr_wsd_decay_iters;
+        self.lr_wsd_decay_samples = ck.lr_wsd_decay_samples;
+        self.lr_warmup_iters = ck.lr_warmup_iters;
+        self.lr_warmup_fraction = ck.lr_warmup_fraction;
+        self.lr_warmup_samples = ck.lr_warmup_samples;
+        self.lr_decay_iters = ck.lr_decay_iters;
+        self.lr_decay_samples = ck.lr_decay_samples;
+        self.weight_decay = ck.weight_decay;
+    }
+
     pub fn validate(&self) -> anyhow::Result<()> {
         self.tokenizer()?;
         self.data_blend(&self.data_path, "--data-path")?;

@@ -244,6 +244,30 @@ fn megatrons_script_switches_run_as_the_plain_flags() {
         "--exp-avg-dtype",
         "fp32",
         "--log-throughput",
+        "--optimizer",
+        "adam",
+        "--no-load-rng",
+        "--no-save-rng",
+        "--override-opt_param-scheduler",
+        "--initial-loss-scale",
+        "65536",
+        "--loss-scale-window",
+        "1000",
+        "--hysteresis",
+        "2",
+        "--min-loss-scale",
+        "1",
+        "--dist-ckpt-strictness",
+        "log_all",
+        "--ckpt-assume-constant-structure",
+        "--auto-detect-ckpt-format",
+        "--bias-swiglu-fusion",
+        "--no-persist-layer-norm",
+        "--defer-embedding-wgrad-compute",
+        "--rotary-seq-len-interpolation-factor",
+        "1",
+        "--test-data-path",
+        "unread",
     ];
     let with = run(&switches);
     assert!(with.status.success(), "{}", stderr(&with));
@@ -270,6 +294,42 @@ fn megatrons_script_switches_run_as_the_plain_flags() {
     fails_naming(&["--wandb-project", "x"], "--tensorboard-dir writes the same scalars");
     fails_naming(&["--use-torch-fsdp2"], "FSDP is not built");
     fails_naming(&["--apply-layernorm-1p"], "--apply-layernorm-1p");
+    fails_naming(&["--optimizer", "sgd"], "--optimizer sgd");
+    fails_naming(&["--fp8-format", "hybrid"], "FP8 training is not built");
+    fails_naming(&["--reset-position-ids"], "--reset-position-ids: document-wise");
+    fails_naming(&["--reset-attention-mask"], "--reset-attention-mask: document-wise");
+    fails_naming(&["--rotary-seq-len-interpolation-factor", "2"], "--rotary-seq-len-interpolation-factor 2");
+    fails_naming(&["--microbatch-group-size-per-virtual-pipeline-stage", "3"], "only the pipeline size");
+    let resolved = |a: TrainArgs| Settings::resolve(&a).unwrap().0;
+    let rope = resolved(TrainArgs { use_rotary_position_embeddings: true, ..Default::default() });
+    assert_eq!(rope.position_embedding_type, "rope");
+    let vpp = resolved(TrainArgs {
+        num_layers: Some(8),
+        pipeline_model_parallel_size: Some(2),
+        num_virtual_stages_per_pipeline_rank: Some(2),
+        nproc: Some(2),
+        ..Default::default()
+    });
+    assert_eq!(vpp.num_layers_per_virtual_pipeline_stage, Some(2));
+    // --use-checkpoint-opt_param-scheduler: the saved run's schedule wins over the flags'.
+    let dir = tmp("ck-scheduler");
+    let save = dir.to_str().unwrap();
+    let o = run(&["--train-iters", "2", "--lr", "1e-3", "--min-lr", "1e-5", "--save", save]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let again = |take: bool| TrainArgs {
+        load: Some(dir.clone()),
+        lr: Some(5e-3),
+        use_checkpoint_opt_param_scheduler: take,
+        ..Default::default()
+    };
+    assert_eq!(resolved(again(true)).lr, 1e-3);
+    assert_eq!((resolved(again(true)).min_lr, resolved(again(false)).lr), (1e-5, 5e-3));
+    let e = format!(
+        "{:#}",
+        Settings::resolve(&TrainArgs { use_checkpoint_opt_param_scheduler: true, ..Default::default() }).unwrap_err()
+    );
+    assert!(e.contains("add --load"), "{e}");
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 fn free_port() -> String {
