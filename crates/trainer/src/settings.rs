@@ -719,6 +719,9 @@ pub struct TrainArgs {
     /// Accepted and not read: no test evaluation runs.
     #[arg(long, num_args = 1..)]
     pub test_data_path: Vec<String>,
+    /// Megatron's --skip-train: no training step; one evaluation at the loaded iteration, then exit.
+    #[arg(long)]
+    pub skip_train: bool,
     /// Refused by name: FP8 training is not built.
     #[arg(long)]
     pub fp8_format: Option<String>,
@@ -795,7 +798,8 @@ impl TrainArgs {
             ckpt_fully_parallel_save, ckpt_fully_parallel_load, use_precision_aware_optimizer, use_torch_fsdp2,
             apply_layernorm_1p, use_rotary_position_embeddings, use_checkpoint_opt_param_scheduler,
             override_opt_param_scheduler, no_load_rng, no_save_rng, ckpt_assume_constant_structure, auto_detect_ckpt_format,
-            bias_swiglu_fusion, no_persist_layer_norm, defer_embedding_wgrad_compute, reset_position_ids, reset_attention_mask);
+            bias_swiglu_fusion, no_persist_layer_norm, defer_embedding_wgrad_compute, reset_position_ids, reset_attention_mask,
+            skip_train);
         if !o.test_data_path.is_empty() {
             self.test_data_path = o.test_data_path.clone();
         }
@@ -1034,6 +1038,9 @@ pub struct Settings {
     pub log_validation_ppl_to_tensorboard: bool,
     #[serde(default)]
     pub log_timers_to_tensorboard: bool,
+    /// `--skip-train`.
+    #[serde(default)]
+    pub skip_train: bool,
     /// `--log-throughput`, `--log-params-norm`.
     #[serde(default)]
     pub log_throughput: bool,
@@ -1710,6 +1717,7 @@ impl Settings {
             log_timers_to_tensorboard: a.log_timers_to_tensorboard,
             log_throughput: a.log_throughput,
             log_params_norm: a.log_params_norm,
+            skip_train: a.skip_train,
             vocab_size: a.vocab_size,
             tokenizer_model: a.tokenizer_model.clone(),
             split: a.split.clone().unwrap_or_else(default_split),

@@ -715,14 +715,18 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         Ok(Some(token_weighted(&g.dp_cp, sum, count)?))
     };
     // Iteration 0's evaluation (which Megatron does not run) reads the samples the first one at
-    // --eval-interval reads; each later one moves on by its eval_iters global batches.
-    if iteration == 0 {
+    // --eval-interval reads; each later one moves on by its eval_iters global batches. With
+    // --skip-train (Megatron's) that evaluation, at the loaded iteration, is the whole run.
+    if iteration == 0 || s.skip_train {
         if let Some(l) = eval(&model, &table, consumed_valid)? {
             if rank0 {
-                eprintln!("iteration 0: validation loss {l:.4}");
+                eprintln!("iteration {iteration}: validation loss {l:.4}");
             }
-            metrics.write(&Metric::Eval { iteration: 0, loss: l, consumed_samples: consumed })?;
-            summary.evals.push((0, l));
+            metrics.write(&Metric::Eval { iteration, loss: l, consumed_samples: consumed })?;
+            summary.evals.push((iteration, l));
+        }
+        if s.skip_train {
+            return Ok(summary);
         }
     }
     let pb = progress(s.train_iters, iteration, paths.progress && rank0);

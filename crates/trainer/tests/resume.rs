@@ -7,7 +7,7 @@ mod common;
 
 use common::*;
 use ferrotron_trainer::checkpoint;
-use ferrotron_trainer::settings::Paths;
+use ferrotron_trainer::settings::{Paths, Settings};
 use ferrotron_trainer::train::train;
 
 fn check(llama: bool, bf16: bool) {
@@ -225,5 +225,31 @@ fn ckpt_step_resumes_an_earlier_checkpoint() {
     from.ckpt_step = Some(3);
     let e = ferrotron_trainer::settings::Settings::resolve(&from).err().unwrap().to_string();
     assert!(e.contains("no checkpoint of iteration 3") && e.contains("[2, 4, 6, 8]"), "{e}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// --skip-train: no step, one evaluation at the loaded iteration. From scratch it is the normal
+/// run's iteration-0 evaluation to the bit; from a checkpoint it evaluates the saved model at
+/// that iteration.
+#[test]
+fn skip_train_evaluates_once_and_exits() {
+    let s = settings(&tiny_args(false));
+    let straight = train(&s, &Paths::default()).unwrap();
+    let only = train(&Settings { skip_train: true, ..s.clone() }, &Paths::default()).unwrap();
+    assert!(only.losses.is_empty(), "no training step: {:?}", only.losses);
+    assert_eq!(bits(&only.evals), bits(&straight.evals[..1]));
+    let dir = tmp("skip-train");
+    train(&s, &Paths { save: Some(dir.clone()), exit_interval: Some(4), ..Paths::default() }).unwrap();
+    let loaded =
+        train(&Settings { skip_train: true, ..s }, &Paths { load: Some(dir.clone()), ..Paths::default() }).unwrap();
+    assert!(loaded.losses.is_empty());
+    assert_eq!(loaded.evals.len(), 1);
+    let (it, l) = loaded.evals[0];
+    assert!(
+        it == 4 && l.is_finite() && l < straight.evals[0].1,
+        "{:?} against iteration 0's {:?}",
+        loaded.evals,
+        straight.evals[0]
+    );
     let _ = std::fs::remove_dir_all(dir);
 }
