@@ -225,6 +225,15 @@ pub struct TrainArgs {
     /// Also "iteration-time": seconds an iteration over the log window.
     #[arg(long)]
     pub log_timers_to_tensorboard: bool,
+    /// Also "world-size" (the number of ranks).
+    #[arg(long)]
+    pub log_world_size_to_tensorboard: bool,
+    /// Refused by name: the GPU memory statistics and the zero count of the gradients are not
+    /// logged yet.
+    #[arg(long)]
+    pub log_memory_to_tensorboard: bool,
+    #[arg(long)]
+    pub log_num_zeros_in_grad: bool,
     #[arg(long)]
     pub save_interval: Option<u64>,
     /// Write checkpoints in the background (Megatron's --async-save): a save copies this rank's
@@ -787,7 +796,8 @@ impl TrainArgs {
             initial_loss_scale, min_loss_scale, loss_scale_window, hysteresis, dist_ckpt_strictness, fp8_format);
         merge_flags!(self, o; check_for_nan_in_loss_and_grad, no_check_for_nan_in_loss_and_grad, use_rope_scaling, swiglu, squared_relu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, bf16, fp16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
-            use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, calculate_per_token_loss, log_validation_ppl_to_tensorboard, log_timers_to_tensorboard, async_save, no_save_optim, exit_signal_handler,
+            use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, calculate_per_token_loss, log_validation_ppl_to_tensorboard, log_timers_to_tensorboard,
+            log_world_size_to_tensorboard, log_memory_to_tensorboard, log_num_zeros_in_grad, async_save, no_save_optim, exit_signal_handler,
             moe_router_pre_softmax, moe_grouped_gemm, moe_shared_expert_overlap, moe_shared_expert_gate, is_hybrid_model,
             mamba_norm_ungrouped, disable_vision_class_token, freeze_lm, freeze_vit,
             log_throughput, log_params_norm, recompute_activations, no_position_embedding, use_mcore_models, attention_softmax_in_fp32,
@@ -1038,6 +1048,8 @@ pub struct Settings {
     pub log_validation_ppl_to_tensorboard: bool,
     #[serde(default)]
     pub log_timers_to_tensorboard: bool,
+    #[serde(default)]
+    pub log_world_size_to_tensorboard: bool,
     /// `--skip-train`.
     #[serde(default)]
     pub skip_train: bool,
@@ -1715,6 +1727,7 @@ impl Settings {
             },
             log_validation_ppl_to_tensorboard: a.log_validation_ppl_to_tensorboard,
             log_timers_to_tensorboard: a.log_timers_to_tensorboard,
+            log_world_size_to_tensorboard: a.log_world_size_to_tensorboard,
             log_throughput: a.log_throughput,
             log_params_norm: a.log_params_norm,
             skip_train: a.skip_train,

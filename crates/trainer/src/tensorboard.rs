@@ -119,6 +119,8 @@ pub struct RunEvents {
     ppl: bool,
     timers: bool,
     seq_length: u64,
+    /// `--log-world-size-to-tensorboard`: the number of ranks.
+    world_size: Option<usize>,
 }
 
 fn now() -> f64 {
@@ -126,13 +128,14 @@ fn now() -> f64 {
 }
 
 impl RunEvents {
-    pub fn create(dir: &Path, s: &crate::settings::Settings) -> anyhow::Result<RunEvents> {
+    pub fn create(dir: &Path, s: &crate::settings::Settings, world: usize) -> anyhow::Result<RunEvents> {
         Ok(RunEvents {
             w: EventWriter::create(dir, now())?,
             interval: s.tensorboard_log_interval,
             ppl: s.log_validation_ppl_to_tensorboard,
             timers: s.log_timers_to_tensorboard,
             seq_length: s.seq_length as u64,
+            world_size: s.log_world_size_to_tensorboard.then_some(world),
         })
     }
 
@@ -179,6 +182,9 @@ impl RunEvents {
                     if let Some(v) = v {
                         self.w.scalar(tag, v as f32, it, t)?;
                     }
+                }
+                if let Some(w) = self.world_size {
+                    self.w.scalar("world-size", w as f32, it, t)?;
                 }
                 if self.timers && tokens_per_s > 0.0 {
                     let secs = (global_batch_size * self.seq_length) as f64 / tokens_per_s;

@@ -643,7 +643,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             _ => None,
         },
         match (&s.tensorboard_dir, rank0) {
-            (Some(d), true) => Some(crate::tensorboard::RunEvents::create(d, s)?),
+            (Some(d), true) => Some(crate::tensorboard::RunEvents::create(d, s, g.world.size())?),
             _ => None,
         },
     );

@@ -107,6 +107,7 @@ fn a_runs_scalars_are_megatrons_tags() {
         tensorboard_dir: Some(dir.clone()),
         log_interval: Some(2),
         log_validation_ppl_to_tensorboard: true,
+        log_world_size_to_tensorboard: true,
         ..tiny_args(false)
     };
     let s = settings(&args);
@@ -129,5 +130,6 @@ fn a_runs_scalars_are_megatrons_tags() {
         assert_eq!(ev[tag].len(), logged.len(), "{tag}");
     }
     assert!(ev["batch-size"].iter().all(|&(_, b)| b == 8.0));
+    assert!(ev["world-size"].len() == logged.len() && ev["world-size"].iter().all(|&(_, w)| w == 1.0));
     let _ = std::fs::remove_dir_all(dir);
 }
