@@ -26,8 +26,13 @@ pub(crate) fn apply(a: &mut TrainArgs) -> anyhow::Result<()> {
                 "--num-virtual-stages-per-pipeline-rank and --num-layers-per-virtual-pipeline-stage both set the virtual stages: give one"
             );
         }
-        let (layers, pp) = (a.num_layers.unwrap_or(0), a.pipeline_model_parallel_size.unwrap_or(1));
-        if layers == 0 || layers % (pp * n) != 0 {
+        let pp = a.pipeline_model_parallel_size.unwrap_or(1);
+        let Some(layers) = a.num_layers else {
+            bail!(
+                "--num-virtual-stages-per-pipeline-rank {n} divides --num-layers, which is not given: add it (or mark a hybrid pattern's stages with '|')"
+            );
+        };
+        if layers % (pp * n) != 0 {
             bail!(
                 "--num-virtual-stages-per-pipeline-rank {n}: --num-layers {layers} is not divisible by --pipeline-model-parallel-size {pp} × {n}"
             );
