@@ -62,7 +62,7 @@ impl MixerCp {
         let rep = Tensor::empty([b, t, di + 2 * gn * r], xbc.dtype(), xbc.device())?;
         rep.narrow(2, 0..di)?.copy_from(&xbc.narrow(2, 0..di)?)?;
         let ns = self.dims.state;
-        for (from, to, _) in self.group_copies() {
+        for (from, to) in self.group_copies() {
             rep.narrow(2, to..to + ns)?.copy_from(&xbc.narrow(2, from..from + ns)?)?;
         }
         self.cp.to_channels(&rep, &[di, gn * r, gn * r])
@@ -80,30 +80,32 @@ impl MixerCp {
         let out = Tensor::empty([b, t, di + 2 * gn], rep.dtype(), rep.device())?;
         out.narrow(2, 0..di)?.copy_from(&rep.narrow(2, 0..di)?)?;
         let ns = self.dims.state;
-        let mut acc: Option<(usize, Tensor)> = None;
-        for (from, to, copy) in self.group_copies() {
-            let piece = rep.narrow(2, to..to + ns)?.contiguous()?;
-            match (&acc, copy) {
-                (Some((_, sum)), c) if c > 0 => k::add_(sum, &piece)?,
-                _ => acc = Some((from, piece)),
+        // Each group's copies lie together: their gradients summed into the group's columns.
+        for copies in self.group_copies().chunks(r) {
+            // Dense copies as rectangles (`contiguous` would take the host for many rows).
+            let piece = |to: usize| -> Result<Tensor> {
+                let p = Tensor::empty([b, t, ns], rep.dtype(), rep.device())?;
+                p.copy_from(&rep.narrow(2, to..to + ns)?)?;
+                Ok(p)
+            };
+            let sum = piece(copies[0].1)?;
+            for &(_, to) in &copies[1..] {
+                k::add_(&sum, &piece(to)?)?;
             }
-            if copy + 1 == r {
-                let (at, sum) = acc.take().expect("the first copy started the sum");
-                out.narrow(2, at..at + ns)?.copy_from(&sum)?;
-            }
+            out.narrow(2, copies[0].0..copies[0].0 + ns)?.copy_from(&sum)?;
         }
         Ok(out)
     }
 
-    /// (column in xbc, column in the repeated xbc, copy) of every copy of every group's B, then
-    /// C, in the repeated order (each group's copies together).
-    fn group_copies(&self) -> Vec<(usize, usize, usize)> {
+    /// (column in xbc, column in the repeated xbc) of every copy of every group's B, then C, in
+    /// the repeated order (each group's copies together).
+    fn group_copies(&self) -> Vec<(usize, usize)> {
         let (di, gn, r, ns) = (self.dims.d_inner, self.gn(), self.repeat, self.dims.state);
         let mut out = Vec::with_capacity(2 * self.dims.groups * r);
         for part in 0..2 {
             for g in 0..self.dims.groups {
                 for copy in 0..r {
-                    out.push((di + part * gn + g * ns, di + part * gn * r + (g * r + copy) * ns, copy));
+                    out.push((di + part * gn + g * ns, di + part * gn * r + (g * r + copy) * ns));
                 }
             }
         }

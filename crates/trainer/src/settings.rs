@@ -215,7 +215,7 @@ pub struct TrainArgs {
     pub tensorboard_dir: Option<PathBuf>,
     /// Of the logged iterations, those that are multiples of N go to TensorBoard (default 1).
     #[arg(long)]
-    pub tensorboard_log_interval: Option<u64>,
+    pub tensorboard_log_interval: Option<usize>,
     /// Accepted for Megatron's scripts: events are written as they come, flushed at each log line.
     #[arg(long)]
     pub tensorboard_queue_size: Option<usize>,
@@ -572,7 +572,7 @@ pub struct TrainArgs {
 
     // Megatron's switches between implementations of the same computation (fusions, backends,
     // loaders): accepted where the run computes the same thing either way, a value that would
-    // change it refused by name (`compat::check`).
+    // change it refused by name (`compat::apply`).
     /// Also the throughput per GPU (model TFLOP/s) on each log line and in TensorBoard.
     #[arg(long)]
     pub log_throughput: bool,
@@ -890,10 +890,6 @@ fn data_paths(a: &TrainArgs) -> anyhow::Result<[Vec<String>; 3]> {
     Ok(out)
 }
 
-fn one_u64() -> u64 {
-    1
-}
-
 /// Fully resolved settings; this is what a checkpoint records.
 #[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
 #[serde(rename_all = "kebab-case")]
@@ -1042,8 +1038,8 @@ pub struct Settings {
     /// `--log-validation-ppl-to-tensorboard`, `--log-timers-to-tensorboard`).
     #[serde(default)]
     pub tensorboard_dir: Option<PathBuf>,
-    #[serde(default = "one_u64")]
-    pub tensorboard_log_interval: u64,
+    #[serde(default = "one")]
+    pub tensorboard_log_interval: usize,
     #[serde(default)]
     pub log_validation_ppl_to_tensorboard: bool,
     #[serde(default)]

@@ -7,6 +7,7 @@
 //! hand (three messages, five fields), proto3's way: fields in number order, zero values left
 //! out (a oneof's value kept). Checked byte for byte against TensorBoard's own writer (tests/fixtures/tensorboard).
 
+use anyhow::Context;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -74,7 +75,6 @@ pub struct EventWriter {
 impl EventWriter {
     /// A new event file in `dir` (made if absent), its version record written with `wall_time`.
     pub fn create(dir: &Path, wall_time: f64) -> anyhow::Result<EventWriter> {
-        use anyhow::Context;
         std::fs::create_dir_all(dir)
             .with_context(|| format!("--tensorboard-dir {}: cannot create it", dir.display()))?;
         let host = std::env::var("HOSTNAME").ok().filter(|h| !h.is_empty()).unwrap_or_else(|| "localhost".into());
@@ -96,12 +96,10 @@ impl EventWriter {
     }
 
     pub fn flush(&mut self) -> anyhow::Result<()> {
-        use anyhow::Context;
         self.file.flush().with_context(|| format!("writing {}", self.path.display()))
     }
 
     fn record(&mut self, data: &[u8]) -> anyhow::Result<()> {
-        use anyhow::Context;
         let len = (data.len() as u64).to_le_bytes();
         let mut r = Vec::with_capacity(data.len() + 16);
         r.extend_from_slice(&len);
@@ -131,7 +129,7 @@ impl RunEvents {
     pub fn create(dir: &Path, s: &crate::settings::Settings, world: usize) -> anyhow::Result<RunEvents> {
         Ok(RunEvents {
             w: EventWriter::create(dir, now())?,
-            interval: s.tensorboard_log_interval,
+            interval: s.tensorboard_log_interval as u64,
             ppl: s.log_validation_ppl_to_tensorboard,
             timers: s.log_timers_to_tensorboard,
             seq_length: s.seq_length as u64,

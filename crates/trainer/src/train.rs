@@ -859,6 +859,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             }
             // A collective over the model- and data-parallel groups: every rank, after the update.
             let params_norm = if s.log_params_norm { Some(opt.params_norm(&table)?) } else { None };
+            let tflops_per_gpu = s.log_throughput.then(|| tps * flops_per_token / g.world.size() as f64 / 1e12);
             let m = Metric::Train {
                 iteration,
                 loss,
@@ -871,17 +872,14 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
                 global_batch_size: gbs,
                 load_balancing_loss: router.map(|r| r.0),
                 z_loss: router.map(|r| r.1),
-                tflops_per_gpu: s.log_throughput.then(|| tps * flops_per_token / g.world.size() as f64 / 1e12),
+                tflops_per_gpu,
                 params_norm,
             };
             metrics.write(&m)?;
             pb.set_message(format!("loss {loss:.4} | lr {lr:.2e} | {tps:.0} tok/s"));
             if pb.is_hidden() && rank0 {
                 let moe = router.map_or(String::new(), |(lb, z)| format!(" load-balancing {lb:.4} z-loss {z:.4}"));
-                let tflops = match &m {
-                    Metric::Train { tflops_per_gpu: Some(t), .. } => format!(" {t:.3} TFLOP/s/GPU"),
-                    _ => String::new(),
-                };
+                let tflops = tflops_per_gpu.map_or(String::new(), |t| format!(" {t:.3} TFLOP/s/GPU"));
                 let pn = params_norm.map_or(String::new(), |p| format!(" params-norm {p:.3}"));
                 eprintln!(
                     "iteration {iteration}/{}: loss {loss:.4} lr {lr:.3e} grad-norm {:.3}{pn}{moe} {tps:.0} tokens/s{tflops}",
