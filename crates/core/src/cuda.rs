@@ -357,18 +357,25 @@ impl CudaStorage {
         let (dbase, sbase) = (self.raw_ptr(dev), src.raw_ptr(dev));
         let stream = dev.stream().cu_stream();
         for r in rects.iter().filter(|r| r.rows > 0 && r.width > 0) {
+            // Every field named: a zeroed struct is not a valid value (its memory-type enums have
+            // no zero variant), and the host and array fields are unused for device copies.
             let p = sys::CUDA_MEMCPY2D {
+                srcXInBytes: 0,
+                srcY: 0,
                 srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                srcHost: std::ptr::null(),
                 srcDevice: sbase + (r.src * e) as u64,
+                srcArray: std::ptr::null_mut(),
                 srcPitch: r.src_pitch * e,
+                dstXInBytes: 0,
+                dstY: 0,
                 dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                dstHost: std::ptr::null_mut(),
                 dstDevice: dbase + (r.dst * e) as u64,
+                dstArray: std::ptr::null_mut(),
                 dstPitch: r.dst_pitch * e,
                 WidthInBytes: r.width * e,
                 Height: r.rows,
-                // SAFETY: the remaining fields (host and array addresses, x/y offsets) are unused
-                // for device-to-device copies and zero is their null value.
-                ..unsafe { std::mem::zeroed() }
             };
             // SAFETY: both rectangles lie inside their buffers (checked above), which live on
             // this stream until the copy is done.
