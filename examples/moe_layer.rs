@@ -23,6 +23,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         ep_group: None,
         cp_group: None,
         metrics: Default::default(),
+        biases: Default::default(),
     };
     let tp = TensorParallel::new(ProcessGroups::single().tp, false);
     let mut builder = ParamTableBuilder::default();

@@ -176,3 +176,13 @@ pub fn exchange(ops: &[P2p<'_>]) -> Result<()> {
 pub(crate) fn find_group(groups: &[Vec<usize>], rank: usize) -> Option<(usize, usize)> {
     groups.iter().enumerate().find_map(|(g, m)| m.iter().position(|&r| r == rank).map(|i| (g, i)))
 }
+
+/// (rows, elements per row) of a tensor sent by rows (`all_to_all_v`): its first dimension and
+/// the product of the rest, so a tensor of no rows still knows its row size (a rank with nothing
+/// to send may have rows to receive); a scalar is one row of one.
+pub(crate) fn rows_of(t: &Tensor) -> (usize, usize) {
+    match t.dims() {
+        [] => (1, 1),
+        [rows, rest @ ..] => (*rows, rest.iter().product()),
+    }
+}

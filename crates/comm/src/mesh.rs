@@ -155,11 +155,6 @@ fn reduce(op: ReduceOp, dtype: DType, parts: &[Vec<u8>]) -> Result<Vec<f64>> {
     Ok(acc)
 }
 
-fn rows_of(t: &Tensor) -> (usize, usize) {
-    let rows = t.dims().first().copied().unwrap_or(1);
-    (rows, t.elem_count() / rows.max(1))
-}
-
 impl Communicator for MeshComm {
     fn rank(&self) -> usize {
         self.me
@@ -212,7 +207,7 @@ impl Communicator for MeshComm {
 
     fn all_gather_v(&self, input: &Tensor, counts: &[usize]) -> Result<Tensor> {
         const OP: &str = "all_gather_v";
-        let (rows, row) = rows_of(input);
+        let (rows, row) = crate::rows_of(input);
         if counts.len() != self.size() || counts[self.me] != rows {
             return Err(self.invalid(OP, format!("counts {counts:?} do not match {rows} rows on rank {}", self.me)));
         }
@@ -297,7 +292,7 @@ impl Communicator for MeshComm {
     fn all_to_all_v(&self, input: &Tensor, send_counts: &[usize], recv_counts: &[usize]) -> Result<Tensor> {
         const OP: &str = "all_to_all_v";
         let n = self.size();
-        let (rows, row) = rows_of(input);
+        let (rows, row) = crate::rows_of(input);
         if send_counts.len() != n || recv_counts.len() != n || send_counts.iter().sum::<usize>() != rows {
             return Err(self.invalid(
                 OP,

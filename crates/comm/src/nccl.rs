@@ -414,13 +414,15 @@ impl Communicator for NcclComm {
 
     fn all_to_all_v(&self, input: &Tensor, send_counts: &[usize], recv_counts: &[usize]) -> Result<Tensor> {
         const OP: &str = "all_to_all_v";
-        let rows = input.dims().first().copied().unwrap_or(1);
+        let (rows, row) = crate::rows_of(input);
         if send_counts.len() != self.size || recv_counts.len() != self.size || send_counts.iter().sum::<usize>() != rows
         {
             return Err(self.invalid(OP, format!("send {send_counts:?} / recv {recv_counts:?} for {rows} rows")));
         }
-        let row = input.elem_count() / rows.max(1);
         let mut dims = input.dims().to_vec();
+        if dims.is_empty() {
+            dims.push(1);
+        }
         dims[0] = recv_counts.iter().sum();
         let out = Tensor::zeros(dims, input.dtype(), input.device())?;
         let (pi, _, ty) = buf(OP, input, false)?;

@@ -92,6 +92,16 @@ fn exercise(c: &dyn Communicator) -> Result<Vec<u32>, CommError> {
         want.extend((start * 2..(start + qsend[r]) * 2).map(|i| (q * 100 + i) as f32));
     }
     assert_eq!(y.to_vec_f32()?, want);
+    // all_to_all_v from no rows: rank 0 sends nothing (a [0, 3] tensor) and receives two rows
+    // of 3 from every other rank (an expert-parallel rank whose tokens all went elsewhere).
+    let send: Vec<usize> = (0..n).map(|q| if r != 0 && q == 0 { 2 } else { 0 }).collect();
+    let recv: Vec<usize> = (0..n).map(|q| if r == 0 && q != 0 { 2 } else { 0 }).collect();
+    let rows: usize = send.iter().sum();
+    let x = Tensor::from_f32(&vals(r, rows * 3), [rows, 3], DType::F32, &Device::Cpu)?;
+    let y = c.all_to_all_v(&x, &send, &recv)?;
+    assert_eq!(y.dims(), &[recv.iter().sum::<usize>(), 3]);
+    let want: Vec<f32> = if r == 0 { (1..n).flat_map(|q| vals(q, 6)).collect() } else { vec![] };
+    assert_eq!(y.to_vec_f32()?, want);
     c.barrier()?;
     // sub-groups: evens and odds
     let groups: Vec<Vec<usize>> = vec![(0..n).step_by(2).collect(), (1..n).step_by(2).collect()];

@@ -11,16 +11,65 @@
 use crate::{buf, check, cpu};
 use ferrotron_core::{DType, Result, Tensor, invalid};
 
+pub use cpu::moe::{Groups, Score};
+
 /// How `moe_route` turns a token's logits into its experts' weights.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct TopK {
     /// Experts per token (Megatron's --moe-router-topk).
     pub k: usize,
     /// Softmax over all experts before taking the top k (--moe-router-pre-softmax); otherwise the
-    /// softmax runs over the k chosen logits.
+    /// softmax runs over the k chosen logits. Softmax scores only.
     pub pre_softmax: bool,
     /// Multiplies the weights (--moe-router-topk-scaling-factor; 1 without it).
     pub scale: f32,
+    /// --moe-router-score-function.
+    pub score: Score,
+    /// --moe-router-num-groups / --moe-router-group-topk.
+    pub groups: Option<Groups>,
+}
+
+impl TopK {
+    /// Softmax top-`k` routing with no group limit.
+    pub fn new(k: usize, pre_softmax: bool, scale: f32) -> Self {
+        TopK { k, pre_softmax, scale, score: Score::Softmax, groups: None }
+    }
+
+    fn routing<'a>(&self, bias: Option<&'a [f32]>) -> cpu::moe::Routing<'a, f32> {
+        cpu::moe::Routing {
+            k: self.k,
+            pre_softmax: self.pre_softmax,
+            scale: self.scale,
+            score: self.score,
+            groups: self.groups,
+            bias,
+        }
+    }
+
+    /// The choices checked against `e` experts.
+    pub fn check(&self, e: usize) -> std::result::Result<(), String> {
+        if self.k == 0 || self.k > e {
+            return Err(format!("top-k {} must be between 1 and the {e} experts", self.k));
+        }
+        if let Some(g) = self.groups {
+            if g.num == 0 || e % g.num != 0 {
+                return Err(format!("{e} experts cannot be split into {} equal groups", g.num));
+            }
+            if g.num > 256 {
+                return Err(format!("{} expert groups: at most 256 are built", g.num));
+            }
+            if g.topk == 0 || g.topk > g.num || self.k < g.topk || self.k > g.topk * (e / g.num) {
+                return Err(format!(
+                    "group top-k {} of {} groups of {} experts cannot hold top-k {}: it must be between 1 and the groups, at most top-k, and its groups must hold k experts",
+                    g.topk,
+                    g.num,
+                    e / g.num,
+                    self.k
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 fn dims2(op: &'static str, t: &Tensor) -> Result<(usize, usize)> {
@@ -31,30 +80,41 @@ fn dims2(op: &'static str, t: &Tensor) -> Result<(usize, usize)> {
 fn route_shape(op: &'static str, logits: &Tensor, r: &TopK) -> Result<(usize, usize)> {
     check::float(op, logits)?;
     let (n, e) = dims2(op, logits)?;
-    if r.k == 0 || r.k > e {
-        return Err(invalid(op, format!("top-k {} must be between 1 and the {e} experts", r.k)));
-    }
+    r.check(e).map_err(|m| invalid(op, m))?;
     Ok((n, e))
 }
 
-/// logits [N, E] → (probs [N, k] f32, experts [N, k] u32), best expert first.
-pub fn moe_route(logits: &Tensor, r: &TopK) -> Result<(Tensor, Tensor)> {
+/// logits [N, E] → (probs [N, k] f32, experts [N, k] u32), best expert first. `bias` [E] f32
+/// (DeepSeek-V3's expert bias, a per-expert score function only) is added to the scores the
+/// experts are chosen by, not to their weights.
+pub fn moe_route(logits: &Tensor, r: &TopK, bias: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
     const OP: &str = "moe_route";
     let (n, e) = route_shape(OP, logits, r)?;
-    #[cfg(feature = "cuda")]
-    if let Some(g) = crate::cuda::gpu(OP, &[logits])? {
-        return crate::cuda::ops::moe_route(&g, logits, r);
+    if let Some(b) = bias {
+        if r.score == Score::Softmax {
+            return Err(invalid(OP, "an expert bias needs a per-expert score function (sigmoid), not softmax"));
+        }
+        check::dtype(OP, b, DType::F32)?;
+        check::shape(OP, b, &[e])?;
     }
-    check::on_cpu(OP, &[logits])?;
+    let mut on = vec![logits];
+    on.extend(bias);
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &on)? {
+        return crate::cuda::ops::moe_route(&g, logits, r, bias);
+    }
+    check::on_cpu(OP, &on)?;
     let lv = logits.read_f32()?;
+    let bv = bias.map(|b| b.read_f32()).transpose()?;
     // SAFETY: topk_route writes every weight and index.
     let mut probs = unsafe { buf::uninit::<f32>(n * r.k) };
     let mut experts = vec![0u32; n * r.k];
-    cpu::moe::topk_route(&lv, e, r.k, r.pre_softmax, r.scale, &mut probs, &mut experts);
+    cpu::moe::topk_route(&lv, e, &r.routing(bv.as_deref()), &mut probs, &mut experts);
     Ok((Tensor::from_vec(probs, [n, r.k], logits.device())?, Tensor::from_vec(experts, [n, r.k], logits.device())?))
 }
 
-/// dlogits [N, E] (logits' dtype) from dprobs [N, k]; logits and experts as `moe_route` had them.
+/// dlogits [N, E] (logits' dtype) from dprobs [N, k]; logits and experts as `moe_route` had them
+/// (the bias and the group limit change only the choice, so the backward needs neither).
 pub fn moe_route_bwd(logits: &Tensor, experts: &Tensor, dprobs: &Tensor, r: &TopK) -> Result<Tensor> {
     const OP: &str = "moe_route_bwd";
     let (n, e) = route_shape(OP, logits, r)?;
@@ -73,7 +133,7 @@ pub fn moe_route_bwd(logits: &Tensor, experts: &Tensor, dprobs: &Tensor, r: &Top
     }
     // SAFETY: topk_route_bwd writes every row in full.
     let mut dl = unsafe { buf::uninit::<f32>(n * e) };
-    cpu::moe::topk_route_bwd(&lv, &ix, &dp, e, r.k, r.pre_softmax, r.scale, &mut dl);
+    cpu::moe::topk_route_bwd(&lv, &ix, &dp, e, &r.routing(None), &mut dl);
     check::out(dl, [n, e], logits.dtype(), logits.device())
 }
 
@@ -91,6 +151,9 @@ pub struct RouterLoss {
     pub z_coeff: f32,
     /// The micro-batch's loss scale (what the language-model loss's gradient is multiplied by).
     pub grad_scale: f32,
+    /// The router's score function: the load-balancing loss's probabilities are its values
+    /// normalised over the row.
+    pub score: Score,
 }
 
 /// logits [N, E] and tokens_per_expert [E] → (values [2] f32: load-balancing loss and z-loss,
@@ -118,6 +181,7 @@ pub fn moe_router_loss(logits: &Tensor, tokens_per_expert: &Tensor, l: &RouterLo
         aux: l.aux_coeff,
         z: l.z_coeff,
         grad_scale: l.grad_scale,
+        score: l.score,
     };
     let (aux, z) = cpu::moe::router_loss(&lv, e, &cv, c, &mut dl);
     Ok((Tensor::from_vec(vec![aux, z], [2], logits.device())?, Tensor::from_vec(dl, [n, e], logits.device())?))

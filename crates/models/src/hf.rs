@@ -290,6 +290,7 @@ pub fn from_hf_config(v: &Value) -> Result<HfModel> {
                 ep_group: None,
                 cp_group: None,
                 metrics: Default::default(),
+                biases: Default::default(),
             };
             moe.validate().map_err(HfError::Config)?;
             c.layer.mlp = MlpSpec::Custom(Arc::new(moe));

@@ -143,6 +143,7 @@ pub fn mixtral(size: MixtralSize) -> TransformerConfig {
         ep_group: None,
         cp_group: None,
         metrics: Default::default(),
+        biases: Default::default(),
     };
     TransformerConfig {
         ffn_hidden_size: ffn,

@@ -3,7 +3,8 @@
 //!
 //! Forward, x [B, T, C] as N = B·T tokens:
 //!   logits [N, E] = x · routerᵀ                      (router.weight [E, C])
-//!   probs, experts [N, K] = top-k of logits           (`k::moe_route`)
+//!   probs, experts [N, K] = top-k of logits           (`k::moe_route`; the expert bias, when
+//!                                                      kept, steers the choice)
 //!   xp [N·K, C] = x[perm]                             (copies sorted by expert, tokens ascending)
 //!   yp[rows of e] = expert_e(xp[rows of e])           (experts.local_experts.e: the dense MLP)
 //!   y[n] = Σ_j probs[n, j] · yp[slot[n, j]]  (+ shared_experts(x)[n] with shared experts)
@@ -37,6 +38,7 @@
 //! under context parallelism), and the shared experts are a dense MLP of the tensor-parallel
 //! group (gathered in, reduce-scattered out).
 
+use crate::bias::ExpertBias;
 use crate::dispatch::Dispatch;
 use crate::metrics::MoeMetrics;
 use crate::spec::{ExpertGroup, LoadBalancing, MoeSpec};
@@ -47,6 +49,18 @@ use ferrotron_parallel::TensorParallel;
 use ferrotron_transformer::linear::Linear;
 use ferrotron_transformer::mlp::Mlp;
 use ferrotron_transformer::spec::FactoryCx;
+use std::sync::Arc;
+
+/// Token copies per expert of a choice `experts` [N, k] (read back to the host).
+fn per_expert_counts(experts: &Tensor, num_experts: usize) -> Result<Vec<usize>> {
+    let mut c = vec![0usize; num_experts];
+    for e in experts.to_vec::<u32>()? {
+        if let Some(x) = c.get_mut(e as usize) {
+            *x += 1;
+        }
+    }
+    Ok(c)
+}
 
 pub struct MoeLayer {
     /// `{prefix}.router.weight` [E, C].
@@ -64,6 +78,8 @@ pub struct MoeLayer {
     /// Context parallelism over more than one rank: the micro-batch's other tokens' ranks.
     cp: Option<ExpertGroup>,
     topk: k::TopK,
+    /// DeepSeek-V3's expert bias (`bias.rs`): steers the choice, counted in the backward.
+    bias: Option<Arc<ExpertBias>>,
     aux_coeff: f32,
     z_coeff: f32,
     hidden: usize,
@@ -166,7 +182,14 @@ impl MoeLayer {
             num_experts: spec.num_experts,
             ep,
             cp: spec.cp_group.clone().filter(|g| g.0.size() > 1),
-            topk: k::TopK { k: r.topk, pre_softmax: r.pre_softmax, scale: r.topk_scaling_factor.unwrap_or(1.0) },
+            topk: k::TopK {
+                score: r.score,
+                groups: r.groups,
+                ..k::TopK::new(r.topk, r.pre_softmax, r.topk_scaling_factor.unwrap_or(1.0))
+            },
+            bias: r
+                .expert_bias_update_rate
+                .map(|_| spec.biases.register(format!("{prefix}.router.expert_bias"), spec.num_experts)),
             aux_coeff: if r.load_balancing == LoadBalancing::AuxLoss { r.aux_loss_coeff } else { 0.0 },
             z_coeff: r.z_loss_coeff.unwrap_or(0.0),
             hidden: cx.hidden,
@@ -220,8 +243,19 @@ impl Module for MoeLayer {
         let n = x.elem_count() / c;
         let x2 = x.reshape([n, c])?;
         let (logits, s_router) = self.router.forward(cx, &x2)?;
-        let (probs, experts) = k::moe_route(&logits, &self.topk)?;
+        let bias = self.bias.as_ref().map(|b| b.tensor(logits.device())).transpose()?;
+        let (probs, experts) = k::moe_route(&logits, &self.topk, bias.as_ref())?;
         let sort = k::moe_sort(&experts, self.num_experts)?;
+        // The load-balancing loss counts a plain top-k of the scores (Megatron's scores for the
+        // auxiliary loss), which the bias and the group limit may have moved the choice from.
+        let aux_counts = match (self.aux_coeff > 0.0 && cx.training, self.bias.is_some() || self.topk.groups.is_some())
+        {
+            (true, true) => {
+                let plain = k::TopK { groups: None, ..self.topk };
+                per_expert_counts(&k::moe_route(&logits, &plain, None)?.1, self.num_experts)?
+            }
+            _ => sort.tokens_per_expert.clone(),
+        };
         let xp = k::embedding_fwd(&sort.perm, &x2)?;
         let plan = match &self.ep {
             Some(g) => Some(Dispatch::plan(&*g.0, &sort.tokens_per_expert, x.device())?),
@@ -253,9 +287,9 @@ impl Module for MoeLayer {
         // with whole experts its own tokens' outputs.
         let y = y.reshape(x.dims().to_vec())?;
         let y = if self.own_slice { y } else { self.tp.exit(&y)? };
-        let counts: Vec<u32> = sort.tokens_per_expert.iter().map(|&c| c as u32).collect();
-        let counts = Tensor::from_vec(counts, [self.num_experts], &Device::Cpu)?;
-        let mut saved = vec![logits, probs, experts, sort.perm, sort.slot, yp, counts];
+        let host = |c: &[usize]| Tensor::from_vec(c.iter().map(|&c| c as u32).collect(), [c.len()], &Device::Cpu);
+        let counts = host(&sort.tokens_per_expert)?;
+        let mut saved = vec![logits, probs, experts, sort.perm, sort.slot, yp, counts, host(&aux_counts)?];
         // On one expert-parallel rank the local experts are all of them: `counts` serves both.
         if let Some(d) = plan {
             saved.extend(d.into_tensors()?);
@@ -270,6 +304,10 @@ impl Module for MoeLayer {
         let (logits, probs, experts, perm, slot, yp) =
             (next("logits")?, next("probs")?, next("experts")?, next("perm")?, next("slot")?, next("yp")?);
         let counts: Vec<usize> = next("counts")?.to_vec::<u32>()?.into_iter().map(|c| c as usize).collect();
+        let aux_counts = next("aux_counts")?.to_vec::<u32>()?;
+        if let Some(b) = &self.bias {
+            b.count(&counts);
+        }
         let plan = match &self.ep {
             Some(g) => Some(Dispatch::from_tensors(g.0.size(), [next("splits")?, next("order")?, next("inverse")?])?),
             None => None,
@@ -316,8 +354,9 @@ impl Module for MoeLayer {
         k::embedding_bwd(&perm, &dxp, &dx)?;
         let dlogits = k::moe_route_bwd(&logits, &experts, &dprobs, &self.topk)?;
         if self.aux_coeff > 0.0 || self.z_coeff > 0.0 {
-            let per_expert: Vec<f32> = counts.iter().map(|&c| c as f32).collect();
-            let per_expert = Tensor::from_vec(per_expert, [counts.len()], &Device::Cpu)?.to_device(logits.device())?;
+            let per_expert: Vec<f32> = aux_counts.iter().map(|&c| c as f32).collect();
+            let per_expert =
+                Tensor::from_vec(per_expert, [aux_counts.len()], &Device::Cpu)?.to_device(logits.device())?;
             // Under context parallelism the losses are the whole micro-batch's: counts and token
             // total over every cp rank (Megatron sums them over its tp × cp group). This rank's
             // share of their gradient is scaled by cp as its language-model loss is (the
@@ -345,6 +384,7 @@ impl Module for MoeLayer {
                 aux_coeff: self.aux_coeff,
                 z_coeff: self.z_coeff,
                 grad_scale: cx.grad_scale * cp as f32,
+                score: self.topk.score,
             };
             let (values, dl) = k::moe_router_loss(&logits, &per_expert, &loss)?;
             let dl = if dl.dtype() == dlogits.dtype() { dl } else { k::cast(&dl, dlogits.dtype())? };

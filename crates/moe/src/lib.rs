@@ -21,15 +21,23 @@
 //! its partial sums reduced once per layer; or, with an expert tensor-parallel size of 1, every
 //! expert whole and each tensor-parallel rank routing its own slice of the sequence.
 //!
+//! Routing (`ferrotron_kernels::TopK`): softmax after or before the top-k, or a per-expert score
+//! (sigmoid, √softplus) renormalised over the chosen experts; group-limited routing; and
+//! DeepSeek-V3's aux-loss-free balancing by a per-expert bias the trainer moves after each step
+//! (`bias.rs`, [`ExpertBiases`]).
+//!
 //! Not yet: expert tensor-parallel sizes other than 1 and the tensor-parallel size, the shared
-//! experts' gate, token dropping, other score functions and balancing types; the spec and the
-//! trainer refuse what is not built, naming it.
+//! experts' gate, token dropping, the sequence-level and global balancing losses; the spec and
+//! the trainer refuse what is not built, naming it.
 
+pub mod bias;
 pub mod dispatch;
 pub mod layer;
 pub mod metrics;
 pub mod spec;
 
+pub use bias::{ExpertBias, ExpertBiases};
+pub use ferrotron_kernels::{Groups, Score};
 pub use layer::MoeLayer;
 pub use metrics::{MoeMetrics, RouterLossValues};
 pub use spec::{ExpertGroup, LoadBalancing, MoeSpec, RouterSpec};

@@ -2,10 +2,12 @@
 //! `LayerSpec::mlp` is `MlpSpec::Custom(Arc::new(moe_spec))` gets a [`MoeLayer`] in place of
 //! its dense MLP.
 
+use crate::bias::ExpertBiases;
 use crate::layer::MoeLayer;
 use crate::metrics::MoeMetrics;
 use ferrotron_comm::Communicator;
 use ferrotron_core::{Module, ParamTableBuilder, Result, invalid};
+use ferrotron_kernels::{Groups, Score};
 use ferrotron_transformer::spec::{Activation, FactoryCx, ModuleFactory, ParamCount};
 use std::sync::Arc;
 
@@ -34,6 +36,13 @@ pub struct RouterSpec {
     pub aux_loss_coeff: f32,
     /// --moe-z-loss-coeff (default none).
     pub z_loss_coeff: Option<f32>,
+    /// --moe-router-score-function (softmax, sigmoid, sqrtsoftplus).
+    pub score: Score,
+    /// --moe-router-num-groups with --moe-router-group-topk: group-limited routing.
+    pub groups: Option<Groups>,
+    /// --moe-router-enable-expert-bias at --moe-router-bias-update-rate: aux-loss-free balancing
+    /// (`bias.rs`), a per-expert score function only.
+    pub expert_bias_update_rate: Option<f32>,
 }
 
 impl Default for RouterSpec {
@@ -45,6 +54,9 @@ impl Default for RouterSpec {
             load_balancing: LoadBalancing::AuxLoss,
             aux_loss_coeff: 0.0,
             z_loss_coeff: None,
+            score: Score::Softmax,
+            groups: None,
+            expert_bias_update_rate: None,
         }
     }
 }
@@ -80,6 +92,9 @@ pub struct MoeSpec {
     pub cp_group: Option<ExpertGroup>,
     /// Where the layers record their routers' loss values.
     pub metrics: MoeMetrics,
+    /// The layers' expert biases (with `router.expert_bias_update_rate`), for the trainer's
+    /// update and checkpoints.
+    pub biases: ExpertBiases,
 }
 
 /// A rank's expert-parallel communicator (the `ep` group of `ProcessGroups`).
@@ -122,6 +137,25 @@ impl MoeSpec {
         }
         if let Some(s) = r.topk_scaling_factor.filter(|s| !(s.is_finite() && *s > 0.0)) {
             return Err(format!("--moe-router-topk-scaling-factor {s} must be positive"));
+        }
+        let topk = ferrotron_kernels::TopK {
+            score: r.score,
+            groups: r.groups,
+            ..ferrotron_kernels::TopK::new(r.topk, false, 1.0)
+        };
+        if let Err(m) = topk.check(self.num_experts) {
+            return Err(format!("--moe-router-num-groups / --moe-router-group-topk: {m}"));
+        }
+        if let Some(rate) = r.expert_bias_update_rate {
+            if r.score == Score::Softmax {
+                return Err(
+                    "--moe-router-enable-expert-bias needs a per-expert score: add --moe-router-score-function sigmoid"
+                        .into(),
+                );
+            }
+            if !(rate.is_finite() && rate >= 0.0) {
+                return Err(format!("--moe-router-bias-update-rate {rate} must be a finite value ≥ 0 (1e-3 is usual)"));
+            }
         }
         let ep = self.expert_parallel_size;
         if ep == 0 || self.num_experts % ep != 0 {

@@ -3,7 +3,7 @@
 
 use ferrotron_core::{Cx, DType, Device, Module, ParamTable, ParamTableBuilder, Saved, Tensor, rng::Philox};
 use ferrotron_kernels as k;
-use ferrotron_moe::{LoadBalancing, MoeMetrics, MoeSpec, RouterSpec};
+use ferrotron_moe::{Groups, LoadBalancing, MoeMetrics, MoeSpec, RouterSpec, Score};
 use ferrotron_parallel::{ProcessGroups, TensorParallel};
 use ferrotron_transformer::spec::{
     Activation, AttentionSpec, FactoryCx, LayerSpec, MlpSpec, ModuleFactory, NormKind, PositionEmbedding,
@@ -28,14 +28,31 @@ fn spec(activation: Activation, bias: bool, pre_softmax: bool) -> MoeSpec {
             load_balancing: LoadBalancing::AuxLoss,
             aux_loss_coeff: 0.3,
             z_loss_coeff: Some(0.05),
+            ..RouterSpec::default()
         },
         expert_parallel_size: 1,
         expert_tensor_parallel_size: None,
         ep_group: None,
         cp_group: None,
         metrics: MoeMetrics::default(),
+        biases: Default::default(),
     }
 }
+
+/// DeepSeek-V3's routing in small: sigmoid scores, 3 groups of 2 experts of which the best
+/// group (by the sum of its two) holds a token's 2, an expert bias, weights scaled by 2.5.
+fn deepseek_spec() -> MoeSpec {
+    let mut s = spec(Activation::SwiGlu, false, false);
+    s.num_experts = 6;
+    s.router.score = Score::Sigmoid;
+    s.router.groups = Some(Groups { num: 3, topk: 1 });
+    s.router.expert_bias_update_rate = Some(1e-3);
+    s.router.topk_scaling_factor = Some(2.5);
+    s
+}
+
+/// Bias values that move some tokens' choices.
+const BIAS: [f32; 6] = [0.3, -0.2, 0.1, 0.0, -0.4, 0.25];
 
 fn layer(s: &MoeSpec, seed: u64) -> (Box<dyn Module>, ParamTable) {
     let tp = TensorParallel::new(ProcessGroups::single().tp, false);
@@ -74,20 +91,48 @@ fn lin(w: &[f64], b: Option<&[f64]>, x: &[f64]) -> Vec<f64> {
         .collect()
 }
 
-/// The layer's output for one token, computed the plain way.
-fn reference(t: &ParamTable, s: &MoeSpec, x: &[f64]) -> Vec<f64> {
+/// Indices sorted by (−value, index).
+fn order(v: &[f64]) -> Vec<usize> {
+    let mut o: Vec<usize> = (0..v.len()).collect();
+    o.sort_by(|&a, &b| v[b].partial_cmp(&v[a]).unwrap().then(a.cmp(&b)));
+    o
+}
+
+/// The layer's output for one token, computed the plain way (`bias`: the expert bias's values).
+fn reference(t: &ParamTable, s: &MoeSpec, x: &[f64], bias: Option<&[f64]>) -> Vec<f64> {
     let pre = "decoder.layers.0.mlp";
     let logits = lin(&get(t, &format!("{pre}.router.weight")), None, x);
-    let mut order: Vec<usize> = (0..s.num_experts).collect();
-    order.sort_by(|&a, &b| logits[b].partial_cmp(&logits[a]).unwrap().then(a.cmp(&b)));
-    let top = &order[..s.router.topk];
     let soft = |v: &[f64]| {
         let m = v.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
         let z: f64 = v.iter().map(|a| (a - m).exp()).sum();
         v.iter().map(|a| (a - m).exp() / z).collect::<Vec<_>>()
     };
+    let sigmoid = |v: f64| 1.0 / (1.0 + (-v).exp());
+    let softmax = s.router.score == Score::Softmax;
+    // The scores the experts are chosen by: the logits, or σ(logits) plus the bias, within the
+    // best groups (each scored by its k / group-top-k best).
+    let mut sel: Vec<f64> = if softmax { logits.clone() } else { logits.iter().map(|&v| sigmoid(v)).collect() };
+    if let Some(b) = bias {
+        sel.iter_mut().zip(b).for_each(|(o, b)| *o += b);
+    }
+    if let Some(g) = s.router.groups {
+        let size = s.num_experts / g.num;
+        let per = s.router.topk / g.topk;
+        let scores: Vec<f64> = sel.chunks(size).map(|grp| order(grp)[..per].iter().map(|&i| grp[i]).sum()).collect();
+        let keep = order(&scores)[..g.topk].to_vec();
+        for (j, grp) in sel.chunks_mut(size).enumerate() {
+            if !keep.contains(&j) {
+                grp.fill(f64::NEG_INFINITY);
+            }
+        }
+    }
+    let top = &order(&sel)[..s.router.topk];
     let scale = s.router.topk_scaling_factor.unwrap_or(1.0) as f64;
-    let w: Vec<f64> = if s.router.pre_softmax {
+    let w: Vec<f64> = if !softmax {
+        let f: Vec<f64> = top.iter().map(|&e| sigmoid(logits[e])).collect();
+        let d: f64 = f.iter().sum();
+        f.iter().map(|v| scale * v / d).collect()
+    } else if s.router.pre_softmax {
         let p = soft(&logits);
         top.iter().map(|&e| scale * p[e]).collect()
     } else {
@@ -154,7 +199,7 @@ fn forward_matches_the_per_token_reference() {
         assert!((0..4).all(|e| experts.contains(&e)), "{experts:?}");
         for n in 0..b * t {
             let xr: Vec<f64> = x[n * C..(n + 1) * C].iter().map(|&v| v as f64).collect();
-            let want = reference(&table, &s, &xr);
+            let want = reference(&table, &s, &xr, None);
             for (i, (&g, w)) in y[n * C..(n + 1) * C].iter().zip(&want).enumerate() {
                 assert!((g as f64 - w).abs() < 1e-5 + 1e-5 * w.abs(), "{act:?} token {n}[{i}]: {g} vs {w}");
             }
@@ -162,10 +207,12 @@ fn forward_matches_the_per_token_reference() {
     }
 }
 
-/// The router-loss values at this forward, from its logits and routing.
+/// The router-loss values at this forward, from its logits and the counts its load-balancing
+/// loss takes (a plain top-k of the scores).
 fn router_values(s: &MoeSpec, saved: &Saved) -> (f64, f64) {
-    let (logits, experts) = (&saved.tensors[0], &saved.tensors[2]);
-    let sort = k::moe_sort(experts, s.num_experts).unwrap();
+    let logits = &saved.tensors[0];
+    let plain = k::TopK { score: s.router.score, ..k::TopK::new(s.router.topk, s.router.pre_softmax, 1.0) };
+    let sort = k::moe_sort(&k::moe_route(logits, &plain, None).unwrap().1, s.num_experts).unwrap();
     let counts: Vec<f32> = sort.tokens_per_expert.iter().map(|&c| c as f32).collect();
     let l = k::RouterLoss {
         topk: s.router.topk,
@@ -173,6 +220,7 @@ fn router_values(s: &MoeSpec, saved: &Saved) -> (f64, f64) {
         aux_coeff: 0.0,
         z_coeff: 0.0,
         grad_scale: 0.0,
+        score: s.router.score,
     };
     let (v, _) =
         k::moe_router_loss(logits, &Tensor::from_vec(counts, [s.num_experts], &Device::Cpu).unwrap(), &l).unwrap();
@@ -186,13 +234,18 @@ fn router_values(s: &MoeSpec, saved: &Saved) -> (f64, f64) {
 #[test]
 fn gradients_match_finite_differences_with_the_router_losses() {
     let cases = [
-        (Activation::SwiGlu, false, false, 1.0),
-        (Activation::Gelu, true, true, 1.0),
-        (Activation::SwiGlu, false, true, 0.0),
+        (spec(Activation::SwiGlu, false, false), 1.0),
+        (spec(Activation::Gelu, true, true), 1.0),
+        (spec(Activation::SwiGlu, false, true), 0.0),
+        (deepseek_spec(), 1.0),
+        (deepseek_spec(), 0.0),
     ];
-    for (act, bias, pre, r_std) in cases {
-        let s = spec(act, bias, pre);
+    for (s, r_std) in cases {
+        let act = s.activation;
         let (m, table) = layer(&s, 3);
+        if let Some(b) = s.biases.layers().first() {
+            b.set_values(&BIAS).unwrap();
+        }
         let (n, g) = (12, 0.7f32);
         let x = Tensor::from_vec(randn(n * C, 5, 1.0), [n, C], &Device::Cpu).unwrap();
         let r = randn(n * C, 6, r_std);
@@ -201,11 +254,15 @@ fn gradients_match_finite_differences_with_the_router_losses() {
             let (y, saved) = m.forward(&Cx::new(&table, true), x).unwrap();
             let dot: f64 = y.to_vec_f32().unwrap().iter().zip(&r).map(|(a, b)| *a as f64 * *b as f64).sum();
             let (aux, zl) = router_values(&s, &saved);
-            (dot + g as f64 * (a * aux + z * zl), saved.tensors[2].to_vec::<u32>().unwrap())
+            (dot + g as f64 * (a * aux + z * zl), routing(&saved))
         };
+        // The choice and the load-balancing loss's counts, which a step must not move.
+        fn routing(saved: &Saved) -> Vec<u32> {
+            [&saved.tensors[2], &saved.tensors[7]].iter().flat_map(|t| t.to_vec::<u32>().unwrap()).collect()
+        }
         let cx = Cx::new(&table, true).with_grad_scale(g);
         let (_, saved) = m.forward(&cx, &x).unwrap();
-        let routed = saved.tensors[2].to_vec::<u32>().unwrap();
+        let routed = routing(&saved);
         let dx = m.backward(&cx, saved, &Tensor::from_vec(r.clone(), [n, C], &Device::Cpu).unwrap()).unwrap();
         let values = s.metrics.take().unwrap();
         assert_eq!(values.layers, 1, "one layer recorded its router losses");
@@ -236,6 +293,76 @@ fn gradients_match_finite_differences_with_the_router_losses() {
         let xc = x.clone();
         check("input", &xc, &dx.to_vec_f32().unwrap(), &|x| objective(x));
     }
+}
+
+/// Sigmoid scores, group-limited choice and the expert bias against the naive router; the bias
+/// moves some tokens' experts (the same tokens route otherwise without it).
+#[test]
+fn deepseek_routing_matches_the_reference() {
+    let s = deepseek_spec();
+    let (m, table) = layer(&s, 7);
+    let (b, t) = (4, 6);
+    let x = randn(b * t * C, 11, 1.0);
+    let xt = Tensor::from_vec(x.clone(), [b, t, C], &Device::Cpu).unwrap();
+    let (_, unbiased) = m.forward(&Cx::new(&table, false), &xt).unwrap();
+    let bias = &s.biases.layers()[0];
+    assert_eq!(bias.name, "decoder.layers.0.mlp.router.expert_bias");
+    bias.set_values(&BIAS).unwrap();
+    let (y, saved) = m.forward(&Cx::new(&table, false), &xt).unwrap();
+    let y = y.to_vec_f32().unwrap();
+    let (e0, e1) = (unbiased.tensors[2].to_vec::<u32>().unwrap(), saved.tensors[2].to_vec::<u32>().unwrap());
+    assert_ne!(e0, e1, "the bias changed no token's experts");
+    let b64: Vec<f64> = BIAS.iter().map(|&v| v as f64).collect();
+    for n in 0..b * t {
+        let xr: Vec<f64> = x[n * C..(n + 1) * C].iter().map(|&v| v as f64).collect();
+        let want = reference(&table, &s, &xr, Some(&b64));
+        for (i, (&g, w)) in y[n * C..(n + 1) * C].iter().zip(&want).enumerate() {
+            assert!((g as f64 - w).abs() < 1e-5 + 1e-5 * w.abs(), "token {n}[{i}]: {g} vs {w}");
+        }
+    }
+}
+
+/// The bias moves by the rate against each expert's load over the backwards since the last
+/// update (a forward alone counts nothing), summed by the caller's collective.
+#[test]
+fn expert_bias_moves_against_the_load() {
+    let s = deepseek_spec();
+    let (m, table) = layer(&s, 7);
+    let n = 30;
+    let x = Tensor::from_vec(randn(n * C, 4, 1.0), [n, C], &Device::Cpu).unwrap();
+    let cx = Cx::new(&table, true);
+    let mut want = vec![0usize; 6];
+    for _ in 0..2 {
+        let (_, saved) = m.forward(&cx, &x).unwrap();
+        let counts = saved.tensors[6].to_vec::<u32>().unwrap();
+        want.iter_mut().zip(&counts).for_each(|(w, &c)| *w += c as usize);
+        m.backward(&cx, saved, &Tensor::zeros([n, C], DType::F32, &Device::Cpu).unwrap()).unwrap();
+    }
+    m.forward(&cx, &x).unwrap(); // not counted: no backward
+    let rate = 0.01;
+    // Two "ranks" with the same counts: the sum doubles every count, the signs stay.
+    s.biases
+        .update(rate, |v| {
+            v.iter_mut().for_each(|c| *c *= 2.0);
+            Ok(())
+        })
+        .unwrap();
+    let mean = want.iter().sum::<usize>() as f64 / 6.0;
+    let got = s.biases.layers()[0].values();
+    for (e, (&g, &c)) in got.iter().zip(&want).enumerate() {
+        let step = if (c as f64) < mean {
+            rate
+        } else if (c as f64) > mean {
+            -rate
+        } else {
+            0.0
+        };
+        assert_eq!(g, step, "expert {e}: {c} copies against a mean of {mean}");
+    }
+    assert!(got.iter().any(|&v| v != 0.0), "{want:?}");
+    // Nothing counted since: the bias stays.
+    s.biases.update(rate, |_| Ok(())).unwrap();
+    assert_eq!(s.biases.layers()[0].values(), got);
 }
 
 #[test]
@@ -277,6 +404,13 @@ fn bad_specs_are_named() {
     let mut s = spec(Activation::SwiGlu, false, false);
     s.router.aux_loss_coeff = f32::NAN;
     assert!(s.validate().unwrap_err().contains("--moe-aux-loss-coeff"));
+    let mut s = deepseek_spec();
+    s.router.score = Score::Softmax;
+    assert!(s.validate().unwrap_err().contains("--moe-router-enable-expert-bias needs a per-expert score"));
+    let mut s = deepseek_spec();
+    s.router.groups = Some(Groups { num: 4, topk: 2 });
+    let e = s.validate().unwrap_err();
+    assert!(e.contains("--moe-router-num-groups") && e.contains("6 experts cannot be split into 4"), "{e}");
 }
 
 fn gpt(s: &MoeSpec) -> TransformerConfig {

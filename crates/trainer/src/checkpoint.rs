@@ -8,7 +8,9 @@
 //! last stage not at all) in the model dtype, by its Megatron name, and its share of the fp32
 //! optimizer state (`optimizer.master.{name}`, `optimizer.exp_avg.{name}`,
 //! `optimizer.exp_avg_sq.{name}`: every data-parallel rank's own under the distributed
-//! optimizer, else data-parallel rank 0's). Nothing is gathered, so no rank holds more than its
+//! optimizer, else data-parallel rank 0's), and the model's buffers (state that is not a
+//! parameter, the MoE layers' expert biases) in fp32 from each stage's first tensor- and
+//! data-parallel rank. Nothing is gathered, so no rank holds more than its
 //! own part. A load lets each rank read its own parts under its own layout from whichever files
 //! hold them, so a run resumes under another tensor-parallel, pipeline, data-parallel or
 //! distributed-optimizer layout. Vocabulary padding may differ between layouts: rows past the
@@ -105,6 +107,15 @@ pub struct SaveInfo<'a> {
     pub settings: &'a Settings,
     /// Real vocabulary: rows past it are padding.
     pub vocab_size: usize,
+    /// The model's non-parameter state, whole and alike on every rank of a pipeline stage, by
+    /// name (the MoE layers' expert biases): written in fp32 by the stage's first tensor- and
+    /// data-parallel rank.
+    pub buffers: Vec<(String, Vec<f32>)>,
+}
+
+/// A buffer's layout for the checkpoint's pieces: whole on every rank.
+fn buffer_meta(name: &str, len: usize) -> ParamMeta {
+    ParamMeta::replicated(name, [len], ferrotron_core::Init::Zeros, false)
 }
 
 /// One tensor this rank stores: its values copied to the host, or a range of the optimizer
@@ -219,7 +230,13 @@ pub fn start_save(
     table.settle_params()?; // pending gathers (--overlap-param-gather) before anything reads
     let (state, step) =
         if mode.params_only { (Default::default(), None) } else { opt.owned_state().map(|(s, n)| (s, Some(n)))? };
-    let planned = my_entries(g, table, opt, !mode.params_only)?;
+    let mut planned = my_entries(g, table, opt, !mode.params_only)?;
+    if g.tp.rank() == 0 && g.dp_cp.rank() == 0 {
+        for (name, v) in &info.buffers {
+            let piece = Piece::of(&buffer_meta(name, v.len()), 0..v.len());
+            planned.push(Planned { key: name.clone(), piece, dtype: DType::F32, values: Values::Own(v.clone()) });
+        }
+    }
     let tmp = save_dir.join(format!(".tmp-iter_{:07}", info.iteration));
     // World rank 0 prepares the folder; every rank then adds its file.
     let prepared = if g.world.rank() == 0 { prepare(save_dir, &tmp) } else { Ok(()) };
@@ -293,6 +310,7 @@ pub fn finish_save(g: &ProcessGroups, p: PendingSave) -> anyhow::Result<PathBuf>
         consumed_valid_samples: p.consumed_valid_samples,
         settings: &p.settings,
         vocab_size: p.vocab_size,
+        buffers: vec![],
     };
     let rank0 = g.world.rank() == 0;
     let done = if rank0 { finish(&p.save_dir, &p.tmp, &p.params_dtype, files, p.step, &info) } else { Ok(()) };
@@ -336,7 +354,14 @@ pub fn save_params(
         .collect();
     let sha256 = ferrotron_checkpoint::write_shard(&tmp.join(&file), &entries)?;
     let vocab_size = settings.model_config()?.vocab_size;
-    let info = SaveInfo { iteration: 0, consumed_samples: 0, consumed_valid_samples: 0, settings, vocab_size };
+    let info = SaveInfo {
+        iteration: 0,
+        consumed_samples: 0,
+        consumed_valid_samples: 0,
+        settings,
+        vocab_size,
+        buffers: vec![],
+    };
     finish(save_dir, &tmp, &dtype.to_string(), vec![TensorFile { file, sha256 }], None, &info)?;
     Ok(iter_dir(save_dir, 0))
 }
@@ -633,6 +658,22 @@ pub fn restore(ck: &dyn Parts, table: &ParamTable, opt: &mut Optimizer) -> anyho
         }
     }
     opt.load_owned_state(&state, st.optimizer_step)?;
+    Ok(())
+}
+
+/// The MoE layers' expert biases from the checkpoint (each rank its own layers'; every way of
+/// loading a model that keeps them).
+pub fn restore_biases(ck: &dyn Parts, biases: &[std::sync::Arc<ferrotron_moe::ExpertBias>]) -> anyhow::Result<()> {
+    for b in biases {
+        let n = b.values().len();
+        let v = ck.part(&buffer_meta(&b.name, n), &b.name, 0..n).with_context(|| {
+            format!(
+                "the checkpoint has no expert bias `{}`: it was saved without --moe-router-enable-expert-bias",
+                b.name
+            )
+        })?;
+        b.set_values(&v).map_err(anyhow::Error::msg)?;
+    }
     Ok(())
 }
 

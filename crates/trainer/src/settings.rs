@@ -5,7 +5,7 @@ use crate::batch_schedule::BatchSchedule;
 use anyhow::{Context, bail};
 use ferrotron_data::TokenizerKind;
 use ferrotron_models::{VOCAB_DIVISIBLE_BY, preset};
-use ferrotron_moe::{LoadBalancing, MoeSpec, RouterSpec};
+use ferrotron_moe::{Groups, LoadBalancing, MoeSpec, RouterSpec, Score};
 use ferrotron_optim::DecayStyle;
 use ferrotron_transformer::TransformerConfig;
 use ferrotron_transformer::spec::{
@@ -479,6 +479,23 @@ pub struct TrainArgs {
     /// Multiplies the router's top-k weights.
     #[arg(long)]
     pub moe_router_topk_scaling_factor: Option<f64>,
+    /// softmax (default), sigmoid (DeepSeek-V3: σ per expert, the chosen k renormalised) or
+    /// sqrtsoftplus.
+    #[arg(long)]
+    pub moe_router_score_function: Option<String>,
+    /// Group-limited routing: the experts in this many equal groups, a token's experts taken
+    /// from its --moe-router-group-topk best groups (each scored by its top-k / group-top-k best).
+    #[arg(long)]
+    pub moe_router_num_groups: Option<usize>,
+    #[arg(long)]
+    pub moe_router_group_topk: Option<usize>,
+    /// Aux-loss-free balancing (DeepSeek-V3): a per-expert bias on the choice, moved by
+    /// --moe-router-bias-update-rate (default 1e-3) against each expert's load after every step.
+    /// Needs --moe-router-score-function sigmoid.
+    #[arg(long)]
+    pub moe_router_enable_expert_bias: bool,
+    #[arg(long)]
+    pub moe_router_bias_update_rate: Option<f64>,
     /// Expert-parallel size: the experts split over this many data-parallel ranks (all-to-all
     /// dispatch).
     #[arg(long)]
@@ -784,7 +801,8 @@ impl TrainArgs {
             pipeline_model_parallel_size, context_parallel_size, cp_comm_type, num_layers_per_virtual_pipeline_stage, decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers,
             num_experts, moe_ffn_hidden_size, moe_router_topk, moe_router_load_balancing_type, moe_aux_loss_coeff,
-            moe_z_loss_coeff, moe_router_topk_scaling_factor, expert_model_parallel_size, expert_tensor_parallel_size, moe_token_dispatcher_type,
+            moe_z_loss_coeff, moe_router_topk_scaling_factor, moe_router_score_function, moe_router_num_groups, moe_router_group_topk,
+            moe_router_bias_update_rate, expert_model_parallel_size, expert_tensor_parallel_size, moe_token_dispatcher_type,
             moe_layer_freq, moe_shared_expert_intermediate_size, hybrid_layer_pattern, hybrid_override_pattern, mamba_state_dim, mamba_head_dim,
             mamba_num_groups, mamba_num_heads, hybrid_attention_ratio, hybrid_mlp_ratio, img_h, img_w, patch_dim,
             encoder_num_layers, encoder_hidden_size, encoder_num_attention_heads, encoder_ffn_hidden_size, image_token_id,
@@ -798,7 +816,7 @@ impl TrainArgs {
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
             use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, calculate_per_token_loss, log_validation_ppl_to_tensorboard, log_timers_to_tensorboard,
             log_world_size_to_tensorboard, log_memory_to_tensorboard, log_num_zeros_in_grad, async_save, no_save_optim, exit_signal_handler,
-            moe_router_pre_softmax, moe_grouped_gemm, moe_shared_expert_overlap, moe_shared_expert_gate, is_hybrid_model,
+            moe_router_pre_softmax, moe_router_enable_expert_bias, moe_grouped_gemm, moe_shared_expert_overlap, moe_shared_expert_gate, is_hybrid_model,
             mamba_norm_ungrouped, disable_vision_class_token, freeze_lm, freeze_vit,
             log_throughput, log_params_norm, recompute_activations, no_position_embedding, use_mcore_models, attention_softmax_in_fp32,
             no_masked_softmax_fusion, no_bias_gelu_fusion, no_bias_swiglu_fusion, no_bias_dropout_fusion, no_rope_fusion,
@@ -1109,6 +1127,20 @@ pub struct MoeSettings {
     /// experts); None: the tensor-parallel size.
     #[serde(default)]
     pub expert_tensor_parallel_size: Option<usize>,
+    /// Absent from checkpoints of earlier builds: softmax.
+    #[serde(default = "softmax")]
+    pub moe_router_score_function: String,
+    #[serde(default)]
+    pub moe_router_num_groups: Option<usize>,
+    #[serde(default)]
+    pub moe_router_group_topk: Option<usize>,
+    /// --moe-router-bias-update-rate with --moe-router-enable-expert-bias; None without it.
+    #[serde(default)]
+    pub moe_router_bias_update_rate: Option<f32>,
+}
+
+fn softmax() -> String {
+    "softmax".into()
 }
 
 impl MoeSettings {
@@ -1124,6 +1156,11 @@ impl MoeSettings {
                 ("--moe-z-loss-coeff", a.moe_z_loss_coeff.is_some()),
                 ("--moe-router-pre-softmax", a.moe_router_pre_softmax),
                 ("--moe-router-topk-scaling-factor", a.moe_router_topk_scaling_factor.is_some()),
+                ("--moe-router-score-function", a.moe_router_score_function.is_some()),
+                ("--moe-router-num-groups", a.moe_router_num_groups.is_some()),
+                ("--moe-router-group-topk", a.moe_router_group_topk.is_some()),
+                ("--moe-router-enable-expert-bias", a.moe_router_enable_expert_bias),
+                ("--moe-router-bias-update-rate", a.moe_router_bias_update_rate.is_some()),
                 ("--expert-model-parallel-size", a.expert_model_parallel_size.is_some_and(|e| e != 1)),
                 ("--moe-token-dispatcher-type", a.moe_token_dispatcher_type.is_some()),
                 ("--moe-grouped-gemm", a.moe_grouped_gemm),
@@ -1168,6 +1205,16 @@ impl MoeSettings {
             moe_token_dispatcher_type: a.moe_token_dispatcher_type.clone().unwrap_or_else(|| "allgather".into()),
             moe_shared_expert_intermediate_size: a.moe_shared_expert_intermediate_size,
             moe_layer_freq: a.moe_layer_freq.clone().filter(|f| f.trim() != "1"),
+            moe_router_score_function: a.moe_router_score_function.clone().unwrap_or_else(softmax),
+            moe_router_num_groups: a.moe_router_num_groups,
+            moe_router_group_topk: a.moe_router_group_topk,
+            moe_router_bias_update_rate: match (a.moe_router_enable_expert_bias, a.moe_router_bias_update_rate) {
+                (true, r) => Some(r.unwrap_or(1e-3) as f32),
+                (false, Some(_)) => bail!(
+                    "--moe-router-bias-update-rate moves the expert bias: add --moe-router-enable-expert-bias (or drop the rate)"
+                ),
+                (false, None) => None,
+            },
         }))
     }
 
@@ -1185,6 +1232,22 @@ impl MoeSettings {
             "allgather" | "alltoall" => {}
             o => bail!("--moe-token-dispatcher-type {o}: use allgather or alltoall"),
         }
+        let score = match self.moe_router_score_function.as_str() {
+            "softmax" => Score::Softmax,
+            "sigmoid" => Score::Sigmoid,
+            "sqrtsoftplus" => Score::SqrtSoftplus,
+            o => bail!("--moe-router-score-function {o}: use softmax, sigmoid or sqrtsoftplus"),
+        };
+        let groups = match (self.moe_router_num_groups, self.moe_router_group_topk) {
+            (Some(num), Some(topk)) => Some(Groups { num, topk }),
+            (None, None) => None,
+            (Some(n), None) => bail!(
+                "--moe-router-num-groups {n} limits each token to its best groups: add --moe-router-group-topk (how many)"
+            ),
+            (None, Some(k)) => {
+                bail!("--moe-router-group-topk {k} picks among expert groups: add --moe-router-num-groups (how many)")
+            }
+        };
         let spec = MoeSpec {
             num_experts: self.num_experts,
             ffn_hidden_size: self.moe_ffn_hidden_size,
@@ -1198,12 +1261,16 @@ impl MoeSettings {
                 load_balancing,
                 aux_loss_coeff: self.moe_aux_loss_coeff,
                 z_loss_coeff: self.moe_z_loss_coeff,
+                score,
+                groups,
+                expert_bias_update_rate: self.moe_router_bias_update_rate,
             },
             expert_parallel_size: self.expert_model_parallel_size,
             expert_tensor_parallel_size: self.expert_tensor_parallel_size,
             ep_group: None,
             cp_group: None,
             metrics: Default::default(),
+            biases: Default::default(),
         };
         spec.validate().map_err(anyhow::Error::msg)?;
         Ok(spec)
@@ -1490,6 +1557,18 @@ fn transformer_args(c: &TransformerConfig) -> TrainArgs {
         moe_z_loss_coeff: moe.and_then(|m| m.router.z_loss_coeff).map(f64::from),
         moe_router_pre_softmax: moe.is_some_and(|m| m.router.pre_softmax),
         moe_router_topk_scaling_factor: moe.and_then(|m| m.router.topk_scaling_factor).map(f64::from),
+        moe_router_score_function: moe.map(|m| {
+            match m.router.score {
+                Score::Softmax => "softmax",
+                Score::Sigmoid => "sigmoid",
+                Score::SqrtSoftplus => "sqrtsoftplus",
+            }
+            .into()
+        }),
+        moe_router_num_groups: moe.and_then(|m| m.router.groups).map(|g| g.num),
+        moe_router_group_topk: moe.and_then(|m| m.router.groups).map(|g| g.topk),
+        moe_router_enable_expert_bias: moe.is_some_and(|m| m.router.expert_bias_update_rate.is_some()),
+        moe_router_bias_update_rate: moe.and_then(|m| m.router.expert_bias_update_rate).map(f64::from),
         expert_model_parallel_size: moe.map(|m| m.expert_parallel_size),
         moe_shared_expert_intermediate_size: moe.and_then(|m| m.shared_expert_ffn),
         moe_layer_freq: c
@@ -1546,6 +1625,11 @@ impl TrainArgs {
             moe_z_loss_coeff,
             moe_router_pre_softmax,
             moe_router_topk_scaling_factor,
+            moe_router_score_function,
+            moe_router_num_groups,
+            moe_router_group_topk,
+            moe_router_enable_expert_bias,
+            moe_router_bias_update_rate,
             expert_model_parallel_size,
             moe_shared_expert_intermediate_size,
             moe_layer_freq,

@@ -549,6 +549,10 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         }
     }
     let moe_metrics = ferrotron_models::moe_spec(&config).map(|m| m.metrics.clone());
+    // DeepSeek-V3's expert biases: registered by the layers as they are built, moved after every
+    // step at this rate.
+    let expert_bias = ferrotron_models::moe_spec(&config)
+        .and_then(|m| m.router.expert_bias_update_rate.map(|rate| (m.biases.clone(), rate)));
     // Padded for the gradient reduction and the distributed optimizer's shards: over data ×
     // context-parallel ranks, and over the experts' data-parallel ranks (more than those with
     // whole experts under tensor parallelism).
@@ -611,6 +615,9 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     let (mut iteration, mut consumed, mut consumed_valid) = (0u64, 0u64, 0u64);
     if let Some(dir) = &paths.load {
         let ck = checkpoint::open(dir, paths.load_mode == LoadMode::Resume)?;
+        if let Some((biases, _)) = &expert_bias {
+            checkpoint::restore_biases(ck.as_ref(), &biases.layers())?;
+        }
         if paths.load_mode == LoadMode::Resume {
             checkpoint::restore(ck.as_ref(), &table, &mut opt)?;
         } else {
@@ -807,6 +814,22 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         } else {
             queue_train_step(&model, &table, &mut sync, &mut opt, &micros, lr as f32)?
         };
+        if let Some((biases, rate)) = &expert_bias {
+            // Each expert's copies over the step's micro-batches, summed over the stage's ranks
+            // (tensor-parallel ranks routing the same tokens count them alike: the signs stay).
+            biases.update(*rate, |v| {
+                let n = v.len();
+                let t = Tensor::from_vec(std::mem::take(v), [n], &Device::Cpu)?;
+                let sum = |c: &Comm| {
+                    c.all_reduce(&t, ReduceOp::Sum)
+                        .map_err(|e| ferrotron_core::invalid("expert bias counts", e.to_string()))
+                };
+                sum(&g.dp_cp)?;
+                sum(&g.tp)?;
+                *v = t.to_vec_f32()?;
+                Ok(())
+            })?;
+        }
         host_min = host_min.min(1e3 * host_start.elapsed().as_secs_f64());
         if iteration == first_iteration {
             let text = saved_bytes_table(&g, step.saved_peak_bytes())?;
@@ -932,6 +955,11 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
                     consumed_valid_samples: consumed_valid,
                     settings: s,
                     vocab_size: model.config.vocab_size,
+                    buffers: expert_bias
+                        .iter()
+                        .flat_map(|(b, _)| b.layers())
+                        .map(|b| (b.name.clone(), b.values()))
+                        .collect(),
                 };
                 let mode = checkpoint::SaveMode { background: paths.async_save, params_only: paths.no_save_optim };
                 pending = Some(checkpoint::start_save(dir, &g, &table, &opt, &info, mode)?);

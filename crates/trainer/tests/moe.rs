@@ -199,6 +199,88 @@ fn an_expert_parallel_checkpoint_resumes_on_one_rank_and_back() {
     }
 }
 
+/// DeepSeek-V3's routing through the trainer: sigmoid scores, group-limited choice (2 groups of
+/// 2, a token's experts from its best group), the expert bias moved after every step by the load
+/// summed over the ranks. Data parallel (distributed optimizer), expert parallel × expert data
+/// parallel, tensor parallel with sequence parallelism (experts split, and whole experts under
+/// expert parallelism) and a pipeline follow one rank; a resumed run is the straight run bit for
+/// bit, the checkpoint holding each layer's bias, moved by whole steps of the rate; a checkpoint
+/// without biases is refused by a run that keeps them.
+#[test]
+fn deepseek_routing_follows_one_rank_and_resumes() {
+    let rate = 1e-2;
+    let a = TrainArgs {
+        moe_router_score_function: Some("sigmoid".into()),
+        moe_router_num_groups: Some(2),
+        moe_router_group_topk: Some(1),
+        moe_router_enable_expert_bias: true,
+        moe_router_bias_update_rate: Some(rate),
+        moe_router_topk_scaling_factor: Some(2.5),
+        ..moe_args()
+    };
+    let s1 = settings(&a);
+    let one = train(&s1, &Paths::default()).unwrap();
+    let mut dp = s1.clone();
+    dp.use_distributed_optimizer = true;
+    let mut ep = dp.clone();
+    ep.moe.as_mut().unwrap().expert_model_parallel_size = 2;
+    let mut tp = s1.clone();
+    tp.tensor_model_parallel_size = 2;
+    tp.sequence_parallel = true;
+    let mut etp1 = tp.clone();
+    etp1.moe.as_mut().unwrap().expert_model_parallel_size = 2;
+    etp1.moe.as_mut().unwrap().expert_tensor_parallel_size = Some(1);
+    let mut pp = s1.clone();
+    pp.pipeline_model_parallel_size = 2;
+    for (tag, s, n) in [
+        ("dp2", &dp, 2),
+        ("ep2 × edp2", &ep, 4),
+        ("tp2 sp", &tp, 2),
+        ("tp2 sp, whole experts × ep2", &etp1, 2),
+        ("pp2", &pp, 2),
+    ] {
+        let run = train(s, &Paths { launch: Launch::Threads(n), ..Paths::default() })
+            .unwrap_or_else(|e| panic!("{tag}: {e:#}"));
+        close(tag, &run.losses, &one.losses);
+        close(&format!("{tag} gradient norms"), &run.grad_norms, &one.grad_norms);
+    }
+    // The bias steers: without it the same run trains differently.
+    let unbiased = train(
+        &settings(&TrainArgs { moe_router_enable_expert_bias: false, moe_router_bias_update_rate: None, ..a.clone() }),
+        &Paths::default(),
+    )
+    .unwrap();
+    assert_ne!(bits(&unbiased.losses), bits(&one.losses));
+    // Stopped after 3 steps (an odd count: with tokens this alike the bias flips the group choice
+    // back and forth, so it is 0 after an even count) and resumed: the straight run bit for bit.
+    let b_dir = tmp("moe-ds-b");
+    train(&s1, &Paths { save: Some(b_dir.clone()), exit_interval: Some(3), ..Paths::default() }).unwrap();
+    let second = train(&s1, &Paths { load: Some(b_dir.clone()), ..Paths::default() }).unwrap();
+    assert_eq!(bits(&one.losses[3..]), bits(&second.losses));
+    let ck = checkpoint::load_params(&b_dir).unwrap();
+    for layer in 0..2 {
+        let (shape, v) = &ck.tensors[&format!("decoder.layers.{layer}.mlp.router.expert_bias")];
+        assert_eq!(shape, &vec![4]);
+        // Three steps of ±rate (or 0) each: whole multiples of the rate, at most 3.
+        assert!(v.iter().any(|&b| b != 0.0), "layer {layer}: {v:?}");
+        for &b in v {
+            let steps = b as f64 / rate;
+            assert!((steps - steps.round()).abs() < 1e-3 && steps.abs() <= 3.0 + 1e-3, "layer {layer}: {v:?}");
+        }
+    }
+    // A checkpoint saved without the bias does not load into a run that keeps one: refused, naming
+    // the missing bias and the flag.
+    let plain = settings(&moe_args());
+    let p_dir = tmp("moe-ds-plain");
+    train(&plain, &Paths { save: Some(p_dir.clone()), exit_interval: Some(2), ..Paths::default() }).unwrap();
+    let e = train(&s1, &Paths { load: Some(p_dir.clone()), ..Paths::default() }).map(|_| ()).unwrap_err();
+    let e = format!("{e:#}");
+    assert!(e.contains("expert bias `decoder.layers.0.mlp.router.expert_bias`"), "{e}");
+    for d in [b_dir, p_dir] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
 /// --moe-layer-freq: layer 0 dense (--ffn-hidden-size), layer 1 an MoE layer. One rank against a
 /// pipeline of two × expert parallel 2, where the first stage holds no expert at all; the
 /// checkpoint records the pattern.
@@ -254,6 +336,16 @@ fn bad_moe_flags_are_named() {
     assert!(e.contains("--moe-token-dispatcher-type flex"), "{e}");
     let e = err(TrainArgs { moe_shared_expert_gate: true, ..moe_args() });
     assert!(e.contains("--moe-shared-expert-gate"), "{e}");
+    let e = err(TrainArgs { moe_router_score_function: Some("tanh".into()), ..moe_args() });
+    assert!(e.contains("--moe-router-score-function tanh: use softmax, sigmoid or sqrtsoftplus"), "{e}");
+    let e = err(TrainArgs { moe_router_group_topk: Some(1), ..moe_args() });
+    assert!(e.contains("--moe-router-group-topk 1") && e.contains("add --moe-router-num-groups"), "{e}");
+    let e = err(TrainArgs { moe_router_num_groups: Some(3), moe_router_group_topk: Some(1), ..moe_args() });
+    assert!(e.contains("4 experts cannot be split into 3 equal groups"), "{e}");
+    let e = err(TrainArgs { moe_router_bias_update_rate: Some(1e-3), ..moe_args() });
+    assert!(e.contains("add --moe-router-enable-expert-bias"), "{e}");
+    let e = err(TrainArgs { moe_router_enable_expert_bias: true, ..moe_args() });
+    assert!(e.contains("--moe-router-score-function sigmoid"), "{e}");
     let e = err(TrainArgs {
         tensor_model_parallel_size: Some(2),
         nproc: Some(2),

@@ -1,16 +1,22 @@
-//! Mixture-of-experts routing and combining, Megatron-Core's top-k router (softmax score).
+//! Mixture-of-experts routing and combining, Megatron-Core's top-k router.
 //!
 //! Shapes: logits, dlogits [N, E] (N tokens, E experts); probs, dprobs and experts [N, K] (the K
 //! experts a token goes to, best first); yp, dyp [N·K, C] (the tokens' copies sorted by expert);
 //! slot [N, K] (the row of yp holding token n's j-th copy); y, dy [N, C].
 //!
-//! - `topk_route`: the K largest logits of a row (ties to the lower expert), then either softmax
-//!   over those K (Megatron's default, Mixtral's renormalised top-k) or, with `pre_softmax`, the
-//!   softmax over all E read at the K places; both times `scale`.
-//! - `router_loss`: the load-balancing loss E / (K·T²) · Σ_e (Σ_n S[n, e]) · c_e (S the softmax over
-//!   all experts, c_e the copies routed to e, T the tokens the counts were taken over) and the
-//!   z-loss Σ_n logsumexp(logits_n)² / total_tokens (the mean over the micro-batch); the gradient `dlogits` of grad_scale · (a·aux + z·zloss)
-//!   is written (`=`); the counts are constants, as in Megatron.
+//! - `topk_route`: the K largest selection scores of a row (ties to the lower expert), then either
+//!   softmax over those K logits (Megatron's default, Mixtral's renormalised top-k) or, with
+//!   `pre_softmax`, the softmax over all E read at the K places; with a per-expert score function
+//!   (`Score::Sigmoid`, DeepSeek-V3's) f(x) at the K places renormalised to sum to 1 (K > 1); all
+//!   times `scale`. The selection scores are the logits (softmax), the softmax (`pre_softmax`) or
+//!   f(x) plus an optional per-expert bias that steers the choice but not the weights, limited to
+//!   a row's best expert groups when `Groups` is set.
+//! - `router_loss`: the load-balancing loss E / (K·T²) · Σ_e (Σ_n S[n, e]) · c_e (S the softmax
+//!   over all experts, or f(x) normalised over the row for a per-expert score; c_e the copies
+//!   routed to e; T the tokens the counts were taken over) and the z-loss
+//!   Σ_n logsumexp(logits_n)² / total_tokens (the mean over the micro-batch); the gradient
+//!   `dlogits` of grad_scale · (a·aux + z·zloss) is written (`=`); the counts are constants, as in
+//!   Megatron.
 //! - `unpermute`: y[n] = Σ_j probs[n, j] · yp[slot[n, j]], summed in j order; its backward writes
 //!   dyp (each row of yp has one reader) and dprobs[n, j] = ⟨yp[slot[n, j]], dy[n]⟩.
 
@@ -29,7 +35,8 @@ fn softmax_row<T: Real>(x: &[T], s: &mut [T]) -> T {
     m + sum.ln()
 }
 
-/// The `k` largest entries of `row`, best first; ties go to the lower index.
+/// The `k` largest entries of `row`, best first; ties go to the lower index. Entries at −∞ (the
+/// experts a group limit left out) are taken only when nothing else is left.
 fn topk<T: Real>(row: &[T], out: &mut [u32]) {
     for j in 0..out.len() {
         let mut best: Option<usize> = None;
@@ -45,57 +52,183 @@ fn topk<T: Real>(row: &[T], out: &mut [u32]) {
     }
 }
 
-pub fn topk_route<T: Real>(
-    logits: &[T],
-    e: usize,
-    k: usize,
-    pre_softmax: bool,
-    scale: T,
-    probs: &mut [T],
-    experts: &mut [u32],
-) {
-    probs.par_chunks_mut(k).zip(experts.par_chunks_mut(k)).zip(logits.par_chunks(e)).for_each(|((p, ix), row)| {
-        topk(row, ix);
-        if pre_softmax {
-            let mut s = vec![T::zero(); e];
-            softmax_row(row, &mut s);
-            p.iter_mut().zip(ix.iter()).for_each(|(o, &i)| *o = scale * s[i as usize]);
-        } else {
-            let sel: Vec<T> = ix.iter().map(|&i| row[i as usize]).collect();
-            softmax_row(&sel, p);
-            p.iter_mut().for_each(|o| *o = scale * *o);
+/// What a token's logit becomes before the top-k (Megatron's --moe-router-score-function).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Score {
+    /// Softmax over the experts (before the top-k with `pre_softmax`, else over the chosen k).
+    #[default]
+    Softmax,
+    /// σ(x) per expert (DeepSeek-V3), the chosen k's scores renormalised to sum to 1 when k > 1.
+    Sigmoid,
+    /// √softplus(x) per expert, renormalised as `Sigmoid`.
+    SqrtSoftplus,
+}
+
+impl Score {
+    /// f(x) for the per-expert scores (Sigmoid, SqrtSoftplus).
+    fn f<T: Real>(self, x: T) -> T {
+        match self {
+            Score::Softmax | Score::Sigmoid => T::one() / (T::one() + (-x).exp()),
+            Score::SqrtSoftplus => softplus(x).sqrt(),
         }
+    }
+    /// f'(x) from x and f(x).
+    fn df<T: Real>(self, x: T, f: T) -> T {
+        match self {
+            Score::Softmax | Score::Sigmoid => f * (T::one() - f),
+            // d√sp/dx = σ(x) / (2√sp); √sp underflows to 0 only where σ does too.
+            Score::SqrtSoftplus if f > T::zero() => T::one() / (T::one() + (-x).exp()) / (T::c(2.0) * f),
+            Score::SqrtSoftplus => T::zero(),
+        }
+    }
+}
+
+fn softplus<T: Real>(x: T) -> T {
+    if x > T::c(20.0) { x } else { x.exp().ln_1p() }
+}
+
+/// The renormalisation's guard against a zero sum (Megatron's 1e-20).
+const NORM_EPS: f64 = 1e-20;
+
+/// Group-limited routing (DeepSeek's, Megatron's --moe-router-num-groups / --moe-router-group-topk):
+/// the experts in `num` equal groups of consecutive indices, each group scored by the sum of its
+/// k / `topk` best selection scores, and a token's k experts taken from its `topk` best groups.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Groups {
+    pub num: usize,
+    pub topk: usize,
+}
+
+/// A router's choices, as `topk_route` and its backward take them.
+#[derive(Clone, Copy, Debug)]
+pub struct Routing<'a, T> {
+    pub k: usize,
+    pub pre_softmax: bool,
+    pub scale: T,
+    pub score: Score,
+    pub groups: Option<Groups>,
+    /// Added to the scores for the choice alone, not the weights (DeepSeek-V3's expert bias; a
+    /// per-expert score function only).
+    pub bias: Option<&'a [T]>,
+}
+
+impl<T: Real> Routing<'_, T> {
+    /// Plain top-k routing of `k` with softmax over the chosen k, times `scale`.
+    pub fn top(k: usize, pre_softmax: bool, scale: T) -> Routing<'static, T> {
+        Routing { k, pre_softmax, scale, score: Score::Softmax, groups: None, bias: None }
+    }
+
+    /// The row's scores the choice is made on, into `sel`.
+    fn selection(&self, row: &[T], sel: &mut [T]) {
+        match self.score {
+            Score::Softmax if self.pre_softmax => {
+                softmax_row(row, sel);
+            }
+            Score::Softmax => sel.copy_from_slice(row),
+            s => sel.iter_mut().zip(row).for_each(|(o, &x)| *o = s.f(x)),
+        }
+        if let Some(b) = self.bias {
+            sel.iter_mut().zip(b).for_each(|(o, &b)| *o += b);
+        }
+        if let Some(g) = self.groups {
+            limit_to_groups(sel, g, self.k);
+        }
+    }
+}
+
+/// Sets the selection scores outside the row's best `g.topk` groups to −∞.
+fn limit_to_groups<T: Real>(sel: &mut [T], g: Groups, k: usize) {
+    let size = sel.len() / g.num;
+    let per = (k / g.topk).max(1).min(size);
+    let mut best = vec![0u32; per];
+    let scores: Vec<T> = sel
+        .chunks(size)
+        .map(|grp| {
+            topk(grp, &mut best);
+            best.iter().map(|&i| grp[i as usize]).sum()
+        })
+        .collect();
+    let mut chosen = vec![0u32; g.topk];
+    topk(&scores, &mut chosen);
+    for (j, grp) in sel.chunks_mut(size).enumerate() {
+        if !chosen.contains(&(j as u32)) {
+            grp.fill(T::neg_infinity());
+        }
+    }
+}
+
+pub fn topk_route<T: Real>(logits: &[T], e: usize, r: &Routing<T>, probs: &mut [T], experts: &mut [u32]) {
+    let k = r.k;
+    probs.par_chunks_mut(k).zip(experts.par_chunks_mut(k)).zip(logits.par_chunks(e)).for_each(|((p, ix), row)| {
+        let mut sel = vec![T::zero(); e];
+        r.selection(row, &mut sel);
+        topk(&sel, ix);
+        match r.score {
+            Score::Softmax if r.pre_softmax => {
+                softmax_row(row, &mut sel);
+                p.iter_mut().zip(ix.iter()).for_each(|(o, &i)| *o = sel[i as usize]);
+            }
+            Score::Softmax => {
+                let chosen: Vec<T> = ix.iter().map(|&i| row[i as usize]).collect();
+                softmax_row(&chosen, p);
+            }
+            s => {
+                p.iter_mut().zip(ix.iter()).for_each(|(o, &i)| *o = s.f(row[i as usize]));
+                if k > 1 {
+                    let d = p.iter().copied().sum::<T>() + T::c(NORM_EPS);
+                    p.iter_mut().for_each(|o| *o = *o / d);
+                }
+            }
+        }
+        p.iter_mut().for_each(|o| *o = r.scale * *o);
     });
 }
 
-#[allow(clippy::too_many_arguments)]
+/// dlogits (`=`) of Σ dprobs · probs with the choice `experts` held fixed (the bias and the
+/// group limit change only the choice).
 pub fn topk_route_bwd<T: Real>(
     logits: &[T],
     experts: &[u32],
     dprobs: &[T],
     e: usize,
-    k: usize,
-    pre_softmax: bool,
-    scale: T,
+    r: &Routing<T>,
     dlogits: &mut [T],
 ) {
+    let (k, scale) = (r.k, r.scale);
     dlogits.par_chunks_mut(e).zip(logits.par_chunks(e)).enumerate().for_each(|(n, (dl, row))| {
         let (ix, dp) = (&experts[n * k..(n + 1) * k], &dprobs[n * k..(n + 1) * k]);
         dl.fill(T::zero());
-        if pre_softmax {
-            let mut s = vec![T::zero(); e];
-            softmax_row(row, &mut s);
-            let mut g = vec![T::zero(); e];
-            ix.iter().zip(dp).for_each(|(&i, &d)| g[i as usize] += scale * d);
-            let dot: T = s.iter().zip(&g).map(|(&a, &b)| a * b).sum();
-            dl.iter_mut().zip(s.iter().zip(&g)).for_each(|(o, (&si, &gi))| *o = si * (gi - dot));
-        } else {
-            let sel: Vec<T> = ix.iter().map(|&i| row[i as usize]).collect();
-            let mut q = vec![T::zero(); k];
-            softmax_row(&sel, &mut q);
-            let dot: T = q.iter().zip(dp).map(|(&a, &d)| a * scale * d).sum();
-            for ((&i, &qi), &d) in ix.iter().zip(&q).zip(dp) {
-                dl[i as usize] = qi * (scale * d - dot);
+        match r.score {
+            Score::Softmax if r.pre_softmax => {
+                let mut s = vec![T::zero(); e];
+                softmax_row(row, &mut s);
+                let mut g = vec![T::zero(); e];
+                ix.iter().zip(dp).for_each(|(&i, &d)| g[i as usize] += scale * d);
+                let dot: T = s.iter().zip(&g).map(|(&a, &b)| a * b).sum();
+                dl.iter_mut().zip(s.iter().zip(&g)).for_each(|(o, (&si, &gi))| *o = si * (gi - dot));
+            }
+            Score::Softmax => {
+                let sel: Vec<T> = ix.iter().map(|&i| row[i as usize]).collect();
+                let mut q = vec![T::zero(); k];
+                softmax_row(&sel, &mut q);
+                let dot: T = q.iter().zip(dp).map(|(&a, &d)| a * scale * d).sum();
+                for ((&i, &qi), &d) in ix.iter().zip(&q).zip(dp) {
+                    dl[i as usize] = qi * (scale * d - dot);
+                }
+            }
+            s => {
+                let f: Vec<T> = ix.iter().map(|&i| s.f(row[i as usize])).collect();
+                // p_j = scale · f_j / D (D = Σ f + ε) when k > 1, else scale · f_j.
+                let ds: Vec<T> = if k > 1 {
+                    let d = f.iter().copied().sum::<T>() + T::c(NORM_EPS);
+                    let dot: T = f.iter().zip(dp).map(|(&a, &b)| a * b).sum();
+                    dp.iter().map(|&g| scale * (g / d - dot / (d * d))).collect()
+                } else {
+                    dp.iter().map(|&g| scale * g).collect()
+                };
+                for ((&i, &fi), &g) in ix.iter().zip(&f).zip(&ds) {
+                    dl[i as usize] += g * s.df(row[i as usize], fi);
+                }
             }
         }
     });
@@ -111,24 +244,44 @@ pub struct RouterLossCoeffs<T> {
     pub aux: T,
     pub z: T,
     pub grad_scale: T,
+    /// The load-balancing loss's probabilities: the softmax, or a per-expert score function's
+    /// values normalised over the row (Megatron's scores for the auxiliary loss).
+    pub score: Score,
 }
 
 /// Returns (load-balancing loss, z-loss), both without their coefficients.
 pub fn router_loss<T: Real>(logits: &[T], e: usize, counts: &[T], c: RouterLossCoeffs<T>, dlogits: &mut [T]) -> (T, T) {
     let w = T::c(e as f64) / (T::c(c.topk as f64) * c.total_tokens * c.total_tokens);
-    // Per row: (Σ_e S[n, e] c_e, lse_n²), written into dlogits' row as S first.
+    // Per row: (Σ_e S[n, e] c_e, lse_n²), the softmax written into dlogits' row first.
     let rows: Vec<(T, T)> = dlogits
         .par_chunks_mut(e)
         .zip(logits.par_chunks(e))
         .map(|(dl, row)| {
             let lse = softmax_row(row, dl);
-            let sc: T = dl.iter().zip(counts).map(|(&s, &cnt)| s * cnt).sum();
             let dz = c.z * T::c(2.0) * lse / c.total_tokens;
-            // d aux / d logits = S ⊙ (w·c − Σ S w c); d z / d logits = 2·lse·S / N.
-            for (o, &cnt) in dl.iter_mut().zip(counts) {
-                let s = *o;
-                *o = c.grad_scale * (c.aux * s * (w * cnt - w * sc) + dz * s);
-            }
+            let sc = match c.score {
+                Score::Softmax => {
+                    let sc: T = dl.iter().zip(counts).map(|(&s, &cnt)| s * cnt).sum();
+                    // d aux / d logits = S ⊙ (w·c − Σ S w c); d z / d logits = 2·lse·S / N.
+                    for (o, &cnt) in dl.iter_mut().zip(counts) {
+                        let s = *o;
+                        *o = c.grad_scale * (c.aux * s * (w * cnt - w * sc) + dz * s);
+                    }
+                    sc
+                }
+                score => {
+                    // S = f / D (D = Σ f + ε): d aux / d x_e = f'_e · (w·c_e − Σ S w c) / D.
+                    let f: Vec<T> = row.iter().map(|&x| score.f(x)).collect();
+                    let d = f.iter().copied().sum::<T>() + T::c(NORM_EPS);
+                    let sc: T = f.iter().zip(counts).map(|(&v, &cnt)| v / d * cnt).sum();
+                    for (((o, &cnt), &x), &fv) in dl.iter_mut().zip(counts).zip(row).zip(&f) {
+                        let soft = *o;
+                        let daux = score.df(x, fv) * (w * cnt - w * sc) / d;
+                        *o = c.grad_scale * (c.aux * daux + dz * soft);
+                    }
+                    sc
+                }
+            };
             (sc, lse * lse)
         })
         .collect();

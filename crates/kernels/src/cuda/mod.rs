@@ -293,9 +293,10 @@ pub(crate) fn norm_fused() -> bool {
 }
 
 /// The fused norm backward's build (kernels/norm.cu `norm_bwd_cols`'s V): this thread's
-/// `set_norm_bwd_build`, else `FERROTRON_NORM_BWD` = v5 (the default), v6 (a LayerNorm's bias
-/// sums in shared memory) or v6np (that without the next row's L2 prefetch). A lab switch for A/B
-/// runs; tests set it to run every build.
+/// `set_norm_bwd_build`, else `FERROTRON_NORM_BWD` = v6np (the default since session 47: a
+/// LayerNorm's bias sums in shared memory, no L2 prefetch of the next row; 4–5% faster than v5
+/// on the H200 at 124M), v6 (with the prefetch) or v5 (registers for the bias sums, the
+/// prefetch). A lab switch for A/B runs; tests set it to run every build.
 pub fn set_norm_bwd_build(build: &str) {
     NORM_BWD.with(|w| w.set(Some(norm_bwd_suffix(build))));
 }
@@ -312,7 +313,7 @@ fn norm_bwd_suffix(build: &str) -> &'static str {
 pub(crate) fn norm_bwd_build() -> &'static str {
     static ENV: std::sync::OnceLock<&'static str> = std::sync::OnceLock::new();
     NORM_BWD.with(|w| w.get()).unwrap_or_else(|| {
-        ENV.get_or_init(|| norm_bwd_suffix(std::env::var("FERROTRON_NORM_BWD").as_deref().unwrap_or("v5")))
+        ENV.get_or_init(|| norm_bwd_suffix(std::env::var("FERROTRON_NORM_BWD").as_deref().unwrap_or("v6np")))
     })
 }
 

@@ -1032,12 +1032,23 @@ fn staged_uploads_behind_queued_work_arrive_whole() {
 fn moe_routing_matches_cpu() {
     let g = gpu();
     let (n, e, c) = (37, 8, 24);
+    let bias = rnd(&[e], 7, DType::F32);
+    // Softmax after and before the top-k, then the per-expert scores with DeepSeek-V3's group
+    // limit (4 groups of 2, the best 2 groups) and expert bias.
+    let grouped = Some(k::Groups { num: 4, topk: 2 });
+    let cases = [
+        (k::TopK::new(2, false, 1.0), false),
+        (k::TopK::new(3, true, 2.5), false),
+        (k::TopK { groups: grouped, ..k::TopK::new(3, false, 1.0) }, false),
+        (k::TopK { score: k::Score::Sigmoid, groups: grouped, ..k::TopK::new(4, false, 2.5) }, true),
+        (k::TopK { score: k::Score::SqrtSoftplus, ..k::TopK::new(1, false, 1.0) }, true),
+    ];
     for dt in [DType::F32, DType::BF16] {
-        for (kk, pre, scale) in [(2, false, 1.0f32), (3, true, 2.5)] {
-            let r = k::TopK { k: kk, pre_softmax: pre, scale };
+        for (r, biased) in cases {
+            let (kk, b) = (r.k, biased.then_some(&bias));
             let logits = rnd(&[n, e], 1, dt);
-            let (p_c, ix_c) = k::moe_route(&logits, &r).unwrap();
-            let (p_g, ix_g) = k::moe_route(&on(&logits, &g), &r).unwrap();
+            let (p_c, ix_c) = k::moe_route(&logits, &r, b).unwrap();
+            let (p_g, ix_g) = k::moe_route(&on(&logits, &g), &r, b.map(|b| on(b, &g)).as_ref()).unwrap();
             assert!(matches!(ix_g.device(), Device::Cuda(_)));
             assert_eq!(ix_g.to_vec::<u32>().unwrap(), ix_c.to_vec::<u32>().unwrap(), "experts [{dt}] k {kk}");
             same(&p_c, &p_g, DType::F32, &format!("probs [{dt}] k {kk}"));
@@ -1057,7 +1068,14 @@ fn moe_routing_matches_cpu() {
             )
             .unwrap();
             // More tokens than rows (context parallelism's micro-batch): the z-loss's mean too.
-            let l = k::RouterLoss { topk: kk, total_tokens: n + 3, aux_coeff: 0.3, z_coeff: 0.05, grad_scale: 0.5 };
+            let l = k::RouterLoss {
+                topk: kk,
+                total_tokens: n + 3,
+                aux_coeff: 0.3,
+                z_coeff: 0.05,
+                grad_scale: 0.5,
+                score: r.score,
+            };
             let (v_c, d_c) = k::moe_router_loss(&logits, &counts, &l).unwrap();
             let (v_g, d_g) = k::moe_router_loss(&on(&logits, &g), &on(&counts, &g), &l).unwrap();
             same(&v_c, &v_g, DType::F32, &format!("router loss values [{dt}]"));

@@ -9,18 +9,56 @@ fn softmax(x: &[f64]) -> Vec<f64> {
     x.iter().map(|v| (v - mx).exp() / z).collect()
 }
 
-/// The naive router: indices sorted by (−logit, index), then the weights.
-fn route_ref(logits: &[f64], e: usize, r: &k::TopK) -> (Vec<f64>, Vec<u32>) {
+fn f_score(s: k::Score, x: f64) -> f64 {
+    match s {
+        k::Score::SqrtSoftplus => x.exp().ln_1p().sqrt(),
+        _ => 1.0 / (1.0 + (-x).exp()),
+    }
+}
+
+/// Indices of `v` sorted by (−value, index).
+fn order(v: &[f64]) -> Vec<usize> {
+    let mut o: Vec<usize> = (0..v.len()).collect();
+    o.sort_by(|&a, &b| v[b].partial_cmp(&v[a]).unwrap().then(a.cmp(&b)));
+    o
+}
+
+/// The naive router: the selection scores (logits, softmax, or f(x) + bias), the group limit by
+/// sorting each group, the experts sorted by (−score, index), then the weights.
+fn route_ref(logits: &[f64], e: usize, r: &k::TopK, bias: Option<&[f64]>) -> (Vec<f64>, Vec<u32>) {
     let (mut probs, mut experts) = (vec![], vec![]);
     for row in logits.chunks(e) {
-        let mut order: Vec<usize> = (0..e).collect();
-        order.sort_by(|&a, &b| row[b].partial_cmp(&row[a]).unwrap().then(a.cmp(&b)));
-        let top = &order[..r.k];
-        let w = if r.pre_softmax {
-            let s = softmax(row);
-            top.iter().map(|&i| s[i]).collect()
-        } else {
-            softmax(&top.iter().map(|&i| row[i]).collect::<Vec<_>>())
+        let mut sel: Vec<f64> = match r.score {
+            k::Score::Softmax if r.pre_softmax => softmax(row),
+            k::Score::Softmax => row.to_vec(),
+            s => row.iter().map(|&x| f_score(s, x)).collect(),
+        };
+        if let Some(b) = bias {
+            sel.iter_mut().zip(b).for_each(|(o, b)| *o += b);
+        }
+        if let Some(g) = r.groups {
+            let size = e / g.num;
+            let per = r.k / g.topk;
+            let gs: Vec<f64> = sel.chunks(size).map(|grp| order(grp)[..per].iter().map(|&i| grp[i]).sum()).collect();
+            let keep = &order(&gs)[..g.topk];
+            for (j, grp) in sel.chunks_mut(size).enumerate() {
+                if !keep.contains(&j) {
+                    grp.fill(f64::NEG_INFINITY);
+                }
+            }
+        }
+        let top = &order(&sel)[..r.k];
+        let w: Vec<f64> = match r.score {
+            k::Score::Softmax if r.pre_softmax => {
+                let s = softmax(row);
+                top.iter().map(|&i| s[i]).collect()
+            }
+            k::Score::Softmax => softmax(&top.iter().map(|&i| row[i]).collect::<Vec<_>>()),
+            s => {
+                let f: Vec<f64> = top.iter().map(|&i| f_score(s, row[i])).collect();
+                let d: f64 = if r.k > 1 { f.iter().sum::<f64>() + 1e-20 } else { 1.0 };
+                f.iter().map(|v| v / d).collect()
+            }
         };
         probs.extend(w.iter().map(|p| p * r.scale as f64));
         experts.extend(top.iter().map(|&i| i as u32));
@@ -28,25 +66,31 @@ fn route_ref(logits: &[f64], e: usize, r: &k::TopK) -> (Vec<f64>, Vec<u32>) {
     (probs, experts)
 }
 
+fn score_of(i: u8) -> k::Score {
+    [k::Score::Softmax, k::Score::Sigmoid, k::Score::SqrtSoftplus][i as usize % 3]
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(32))]
+    #![proptest_config(ProptestConfig::with_cases(48))]
 
     #[test]
-    fn route_fwd_and_fd(n in 1usize..6, e in 1usize..8, kk in 1usize..4, pre_softmax: bool, scaled: bool, seed: u64) {
+    fn route_fwd_and_fd(n in 1usize..6, e in 1usize..8, kk in 1usize..4, pre_softmax: bool, scaled: bool, score in 0u8..3, seed: u64) {
         let kk = kk.min(e);
-        let r = k::TopK { k: kk, pre_softmax, scale: if scaled { 2.5 } else { 1.0 } };
+        let score = score_of(score);
+        let r = k::TopK { score, ..k::TopK::new(kk, pre_softmax, if scaled { 2.5 } else { 1.0 }) };
         let x: Vec<f64> = randv(n * e, seed).iter().map(|v| v * 2.0).collect();
-        let (p, ix) = k::moe_route(&t32(&Device::Cpu, &x, &[n, e]), &r).unwrap();
-        let (want_p, want_ix) = route_ref(&x, e, &r);
+        let (p, ix) = k::moe_route(&t32(&Device::Cpu, &x, &[n, e]), &r, None).unwrap();
+        let (want_p, want_ix) = route_ref(&x, e, &r, None);
         prop_assert_eq!(ix.to_vec::<u32>().unwrap(), want_ix.clone());
         assert_close(&host(&p), &want_p, 1e-5, 1e-6, "probs");
 
         let dp = randv(n * kk, seed ^ 5);
         let mut dl = vec![f64::NAN; n * e];
-        m::topk_route_bwd(&x, &want_ix, &dp, e, kk, pre_softmax, r.scale as f64, &mut dl);
+        let r64 = m::Routing { k: kk, pre_softmax, scale: r.scale as f64, score, groups: None, bias: None };
+        m::topk_route_bwd(&x, &want_ix, &dp, e, &r64, &mut dl);
         fd_check(&x, &dl, |x| {
             let (mut p, mut ix) = (vec![0.0; n * kk], vec![0u32; n * kk]);
-            m::topk_route(x, e, kk, pre_softmax, r.scale as f64, &mut p, &mut ix);
+            m::topk_route(x, e, &r64, &mut p, &mut ix);
             dot(&p, &dp)
         }, "route dlogits");
         // The tensor op gives the same gradient.
@@ -54,15 +98,63 @@ proptest! {
         assert_close(&host(&got), &dl, 1e-4, 1e-5, "moe_route_bwd");
     }
 
+    /// Group-limited routing and the expert bias: the choice as the naive router makes it; the
+    /// weights' gradient with the choice fixed (the bias and groups move only the choice).
     #[test]
-    fn router_loss_values_and_fd(n in 1usize..6, e in 1usize..8, kk in 1usize..3, extra in 0usize..5, seed: u64) {
+    fn grouped_and_biased_routes_match_naive(
+        n in 1usize..6, groups in 1usize..5, size in 1usize..5, gk in 1usize..5, per in 1usize..3,
+        score in 0u8..3, biased: bool, pre_softmax: bool, seed: u64,
+    ) {
+        let (e, gk) = (groups * size, gk.min(groups));
+        let kk = (gk * per).min(gk * size);
+        let score = score_of(score);
+        let biased = biased && score != k::Score::Softmax;
+        let r = k::TopK { score, groups: Some(k::Groups { num: groups, topk: gk }), ..k::TopK::new(kk, pre_softmax, 1.5) };
+        let x: Vec<f64> = randv(n * e, seed).iter().map(|v| v * 3.0).collect();
+        let b: Vec<f64> = randv(e, seed ^ 9).iter().map(|v| v * 0.5).collect();
+        let bias = biased.then(|| t32(&Device::Cpu, &b, &[e]));
+        let (p, ix) = k::moe_route(&t32(&Device::Cpu, &x, &[n, e]), &r, bias.as_ref()).unwrap();
+        let (want_p, want_ix) = route_ref(&x, e, &r, biased.then_some(&b[..]));
+        prop_assert_eq!(ix.to_vec::<u32>().unwrap(), want_ix.clone());
+        assert_close(&host(&p), &want_p, 1e-5, 1e-6, "probs");
+        // The weights as a function of the logits at the chosen experts.
+        let dp = randv(n * kk, seed ^ 5);
+        let r64 = m::Routing { k: kk, pre_softmax, scale: 1.5, score, groups: None, bias: None };
+        let mut dl = vec![f64::NAN; n * e];
+        m::topk_route_bwd(&x, &want_ix, &dp, e, &r64, &mut dl);
+        let weights = |x: &[f64]| -> f64 {
+            let mut total = 0.0;
+            for (t, row) in x.chunks(e).enumerate() {
+                let chosen = &want_ix[t * kk..(t + 1) * kk];
+                let w: Vec<f64> = match score {
+                    k::Score::Softmax if pre_softmax => { let s = softmax(row); chosen.iter().map(|&i| s[i as usize]).collect() }
+                    k::Score::Softmax => softmax(&chosen.iter().map(|&i| row[i as usize]).collect::<Vec<_>>()),
+                    s => {
+                        let f: Vec<f64> = chosen.iter().map(|&i| f_score(s, row[i as usize])).collect();
+                        let d: f64 = if kk > 1 { f.iter().sum::<f64>() + 1e-20 } else { 1.0 };
+                        f.iter().map(|v| v / d).collect()
+                    }
+                };
+                total += w.iter().zip(&dp[t * kk..]).map(|(w, d)| 1.5 * w * d).sum::<f64>();
+            }
+            total
+        };
+        fd_check(&x, &dl, weights, "grouped route dlogits");
+    }
+
+    #[test]
+    fn router_loss_values_and_fd(n in 1usize..6, e in 1usize..8, kk in 1usize..3, extra in 0usize..5, score in 0u8..3, seed: u64) {
         let kk = kk.min(e);
         let x = randv(n * e, seed);
         let counts: Vec<f64> = (0..e).map(|i| ((i * 7 + seed as usize % 5) % (n + 2)) as f64).collect();
         let total = n + extra;
-        let c = m::RouterLossCoeffs { topk: kk, total_tokens: total as f64, aux: 0.3, z: 0.05, grad_scale: 0.5 };
-        // Naive values.
-        let s: Vec<Vec<f64>> = x.chunks(e).map(softmax).collect();
+        let score = score_of(score);
+        let c = m::RouterLossCoeffs { topk: kk, total_tokens: total as f64, aux: 0.3, z: 0.05, grad_scale: 0.5, score };
+        // Naive values: the softmax, or f(x) normalised over the row.
+        let s: Vec<Vec<f64>> = x.chunks(e).map(|r| match score {
+            k::Score::Softmax => softmax(r),
+            s => { let f: Vec<f64> = r.iter().map(|&v| f_score(s, v)).collect(); let d: f64 = f.iter().sum::<f64>() + 1e-20; f.iter().map(|v| v / d).collect() }
+        }).collect();
         let aux_ref: f64 = (0..e).map(|j| s.iter().map(|r| r[j]).sum::<f64>() * counts[j]).sum::<f64>()
             * e as f64 / (kk as f64 * (total * total) as f64);
         let z_ref: f64 = x.chunks(e).map(|r| {
@@ -79,7 +171,7 @@ proptest! {
             c.grad_scale * (c.aux * a + c.z * z)
         }, "router loss dlogits");
         // The tensor op in f32.
-        let rl = k::RouterLoss { topk: kk, total_tokens: total, aux_coeff: 0.3, z_coeff: 0.05, grad_scale: 0.5 };
+        let rl = k::RouterLoss { topk: kk, total_tokens: total, aux_coeff: 0.3, z_coeff: 0.05, grad_scale: 0.5, score };
         let (v, d) = k::moe_router_loss(&t32(&Device::Cpu, &x, &[n, e]), &t32(&Device::Cpu, &counts, &[e]), &rl).unwrap();
         assert_close(&host(&v), &[aux_ref, z_ref], 1e-5, 1e-6, "moe_router_loss values");
         assert_close(&host(&d), &dl, 1e-4, 1e-6, "moe_router_loss dlogits");
@@ -90,7 +182,7 @@ proptest! {
         let kk = kk.min(e);
         let dev = Device::Cpu;
         let x: Vec<f64> = randv(n * e, seed);
-        let (probs, experts) = k::moe_route(&t32(&dev, &x, &[n, e]), &k::TopK { k: kk, pre_softmax: false, scale: 1.0 }).unwrap();
+        let (probs, experts) = k::moe_route(&t32(&dev, &x, &[n, e]), &k::TopK::new(kk, false, 1.0), None).unwrap();
         let sort = k::moe_sort(&experts, e).unwrap();
         let (ix, perm, slot) = (experts.to_vec::<u32>().unwrap(), sort.perm.to_vec::<u32>().unwrap(), sort.slot.to_vec::<u32>().unwrap());
         // Rows grouped by expert in order, tokens ascending within each; slot inverts perm.
@@ -134,8 +226,19 @@ proptest! {
 fn bad_routing_input_is_named() {
     let dev = Device::Cpu;
     let logits = t32(&dev, &randv(6, 1), &[2, 3]);
-    let e = k::moe_route(&logits, &k::TopK { k: 4, pre_softmax: false, scale: 1.0 }).unwrap_err().to_string();
+    let e = k::moe_route(&logits, &k::TopK::new(4, false, 1.0), None).unwrap_err().to_string();
     assert!(e.contains("top-k 4") && e.contains("3 experts"), "{e}");
+    let bias = t32(&dev, &[0.0; 3], &[3]);
+    let e = k::moe_route(&logits, &k::TopK::new(1, false, 1.0), Some(&bias)).unwrap_err().to_string();
+    assert!(e.contains("expert bias") && e.contains("sigmoid"), "{e}");
+    let sig = k::TopK { score: k::Score::Sigmoid, ..k::TopK::new(1, false, 1.0) };
+    let e = k::moe_route(&logits, &sig, Some(&t32(&dev, &[0.0; 2], &[2]))).unwrap_err().to_string();
+    assert!(e.contains("shape"), "{e}");
+    let grouped = |num, topk, kk| k::TopK { groups: Some(k::Groups { num, topk }), ..k::TopK::new(kk, false, 1.0) };
+    let e = k::moe_route(&logits, &grouped(2, 1, 1), None).unwrap_err().to_string();
+    assert!(e.contains("3 experts cannot be split into 2 equal groups"), "{e}");
+    let e = k::moe_route(&logits, &grouped(3, 1, 2), None).unwrap_err().to_string();
+    assert!(e.contains("group top-k 1 of 3 groups of 1 experts cannot hold top-k 2"), "{e}");
     let experts = Tensor::from_vec(vec![0u32, 5], [2, 1], &dev).unwrap();
     let e = k::moe_sort(&experts, 3).unwrap_err().to_string();
     assert!(e.contains("expert index 5"), "{e}");
@@ -148,10 +251,6 @@ fn bad_routing_input_is_named() {
         k::moe_unpermute(&yp, &Tensor::from_vec(vec![0u32, 2], [2, 1], &dev).unwrap(), &probs).unwrap_err().to_string();
     assert!(e.contains("slot 2"), "{e}");
     assert!(
-        k::moe_route(
-            &Tensor::zeros([2, 3], DType::U32, &dev).unwrap(),
-            &k::TopK { k: 1, pre_softmax: false, scale: 1.0 }
-        )
-        .is_err()
+        k::moe_route(&Tensor::zeros([2, 3], DType::U32, &dev).unwrap(), &k::TopK::new(1, false, 1.0), None).is_err()
     );
 }

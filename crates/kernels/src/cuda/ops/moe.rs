@@ -2,28 +2,49 @@
 //! token row, the combine grid-stride. Same results as `cpu::moe` within float rounding.
 
 use super::*;
-use crate::{RouterLoss, TopK};
+use crate::{RouterLoss, Score, TopK};
 
 /// One warp (a 32-thread block) per row.
 fn per_row(be: &B, name: &str, rows: usize, args: &[Arg]) -> Result<()> {
     be.launch(name, rows as u32, 32, 0, args)
 }
 
-pub fn moe_route(be: &B, logits: &Tensor, r: &TopK) -> Result<(Tensor, Tensor)> {
+fn score_arg(s: Score) -> Arg {
+    Arg::I64(match s {
+        Score::Softmax => 0,
+        Score::Sigmoid => 1,
+        Score::SqrtSoftplus => 2,
+    })
+}
+
+pub fn moe_route(be: &B, logits: &Tensor, r: &TopK, bias: Option<&Tensor>) -> Result<(Tensor, Tensor)> {
     let (rows, e) = (logits.dims()[0], logits.dims()[1]);
     let probs = new(be, [rows, r.k], DType::F32)?;
     let experts = new(be, [rows, r.k], DType::U32)?;
     let name = format!("moe_route_{}", sfx("moe_route", logits.dtype())?);
+    let (groups, gtopk) = r.groups.map_or((0, 0), |g| (g.num, g.topk));
+    // The row's selection scores and the groups' scores in shared memory.
+    let shared = 4 * (e + groups);
+    if shared > 200 * 1024 {
+        return Err(ferrotron_core::invalid(
+            "moe_route",
+            format!("{e} experts' scores do not fit a GPU block's shared memory"),
+        ));
+    }
     let args = [
         ptr("moe_route", logits)?,
+        opt_ptr("moe_route", bias)?,
         ptr("moe_route", &probs)?,
         ptr("moe_route", &experts)?,
         n(e),
         n(r.k),
         Arg::I64(i64::from(r.pre_softmax)),
         Arg::F32(r.scale),
+        score_arg(r.score),
+        n(groups),
+        n(gtopk),
     ];
-    per_row(be, &name, rows, &args)?;
+    be.launch(&name, rows as u32, 32, shared as u32, &args)?;
     Ok((probs, experts))
 }
 
@@ -41,6 +62,7 @@ pub fn moe_route_bwd(be: &B, logits: &Tensor, experts: &Tensor, dprobs: &Tensor,
         n(r.k),
         Arg::I64(i64::from(r.pre_softmax)),
         Arg::F32(r.scale),
+        score_arg(r.score),
     ];
     per_row(be, &name, rows, &args)?;
     Ok(dl)
@@ -66,6 +88,7 @@ pub fn moe_router_loss(be: &B, logits: &Tensor, counts: &Tensor, l: &RouterLoss)
         Arg::F32(l.aux_coeff),
         Arg::F32(l.z_coeff),
         Arg::F32(l.grad_scale),
+        score_arg(l.score),
     ];
     per_row(be, &name, rows, &args)?;
     Ok((values, dl))
