@@ -121,8 +121,9 @@ extern "C" __global__ void moe_route_bwd_##s(const T* logits, const u32* experts
         for (long c = lane; c < e; c += 32) { float v = 0.f; \
             for (long j = 0; j < k; j++) if (ix[j] == (u32)c) v = expf(ld(x, c) - m) / z * (scale * dp[j] - dot); \
             st(dlogits, r * e + c, v); } } } \
-extern "C" __global__ void moe_router_loss_##s(const T* logits, const float* counts, float* dlogits, float* values, long e, long n, float w, float aux, float zc, float gs, long score) { \
+extern "C" __global__ void moe_router_loss_##s(const T* logits, const float* counts, float* dlogits, float* values, long e, long n, float w, float aux, float zc, float gs, long score, long rows_per_seq) { \
     long r = blockIdx.x; const T* x = logits + r * e; int lane = threadIdx.x; \
+    counts += (r / rows_per_seq) * e; /* the row's sequence's counts (one sequence: all rows) */ \
     float m = -INFINITY; for (long c = lane; c < e; c += 32) m = fmaxf(m, ld(x, c)); m = moe_warp_max(m); \
     float z = 0.f; for (long c = lane; c < e; c += 32) z += expf(ld(x, c) - m); z = warp_sum(z); \
     /* The load-balancing probabilities: the softmax, or f(x) / D (D = Σ f + ε). */ \

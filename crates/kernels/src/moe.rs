@@ -154,18 +154,33 @@ pub struct RouterLoss {
     /// The router's score function: the load-balancing loss's probabilities are its values
     /// normalised over the row.
     pub score: Score,
+    /// Sequences the logits' rows (consecutive equal runs) and the counts ([seqs, E]) split into:
+    /// 1, the micro-batch's loss (Megatron's aux_loss); the batch size, DeepSeek's
+    /// sequence-level loss (seq_aux_loss). `total_tokens` counts every sequence's tokens.
+    pub seqs: usize,
 }
 
-/// logits [N, E] and tokens_per_expert [E] → (values [2] f32: load-balancing loss and z-loss,
-/// without their coefficients; dlogits [N, E] f32 of grad_scale · (aux_coeff · aux + z_coeff · z)).
+/// logits [N, E] and tokens_per_expert [E] ([seqs, E] per sequence) → (values [2] f32:
+/// load-balancing loss and z-loss, without their coefficients; dlogits [N, E] f32 of
+/// grad_scale · (aux_coeff · aux + z_coeff · z)).
 pub fn moe_router_loss(logits: &Tensor, tokens_per_expert: &Tensor, l: &RouterLoss) -> Result<(Tensor, Tensor)> {
     const OP: &str = "moe_router_loss";
     check::float(OP, logits)?;
     let (n, e) = dims2(OP, logits)?;
     check::float(OP, tokens_per_expert)?;
-    check::shape(OP, tokens_per_expert, &[e])?;
+    if l.seqs <= 1 {
+        check::shape(OP, tokens_per_expert, &[e])?;
+    } else {
+        check::shape(OP, tokens_per_expert, &[l.seqs, e])?;
+    }
     if l.topk == 0 || l.total_tokens == 0 {
         return Err(invalid(OP, format!("top-k {} and total tokens {} must be positive", l.topk, l.total_tokens)));
+    }
+    if l.seqs == 0 || n % l.seqs != 0 || l.total_tokens % l.seqs != 0 {
+        return Err(invalid(
+            OP,
+            format!("{n} rows ({} tokens in all) do not split into {} sequences", l.total_tokens, l.seqs),
+        ));
     }
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[logits, tokens_per_expert])? {
@@ -182,6 +197,7 @@ pub fn moe_router_loss(logits: &Tensor, tokens_per_expert: &Tensor, l: &RouterLo
         z: l.z_coeff,
         grad_scale: l.grad_scale,
         score: l.score,
+        seqs: l.seqs,
     };
     let (aux, z) = cpu::moe::router_loss(&lv, e, &cv, c, &mut dl);
     Ok((Tensor::from_vec(vec![aux, z], [2], logits.device())?, Tensor::from_vec(dl, [n, e], logits.device())?))

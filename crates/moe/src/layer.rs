@@ -51,13 +51,14 @@ use ferrotron_transformer::mlp::Mlp;
 use ferrotron_transformer::spec::FactoryCx;
 use std::sync::Arc;
 
-/// Token copies per expert of a choice `experts` [N, k] (read back to the host).
-fn per_expert_counts(experts: &Tensor, num_experts: usize) -> Result<Vec<usize>> {
-    let mut c = vec![0usize; num_experts];
-    for e in experts.to_vec::<u32>()? {
-        if let Some(x) = c.get_mut(e as usize) {
-            *x += 1;
-        }
+/// Token copies per expert of a choice `experts` [N, k] (read back to the host), per each of
+/// `seqs` equal runs of rows: [seqs · E].
+fn per_expert_counts(experts: &Tensor, num_experts: usize, seqs: usize) -> Result<Vec<usize>> {
+    let mut c = vec![0usize; seqs * num_experts];
+    let ix = experts.to_vec::<u32>()?;
+    let per_seq = (ix.len() / seqs.max(1)).max(1);
+    for (i, e) in ix.into_iter().enumerate().filter(|&(_, e)| (e as usize) < num_experts) {
+        c[(i / per_seq).min(seqs - 1) * num_experts + e as usize] += 1;
     }
     Ok(c)
 }
@@ -81,6 +82,8 @@ pub struct MoeLayer {
     /// DeepSeek-V3's expert bias (`bias.rs`): steers the choice, counted in the backward.
     bias: Option<Arc<ExpertBias>>,
     aux_coeff: f32,
+    /// The load-balancing loss per sequence (DeepSeek's seq_aux_loss), else per micro-batch.
+    per_sequence: bool,
     z_coeff: f32,
     hidden: usize,
     /// The parameter prefix, the layer's name in the metrics.
@@ -190,7 +193,8 @@ impl MoeLayer {
             bias: r
                 .expert_bias_update_rate
                 .map(|_| spec.biases.register(format!("{prefix}.router.expert_bias"), spec.num_experts)),
-            aux_coeff: if r.load_balancing == LoadBalancing::AuxLoss { r.aux_loss_coeff } else { 0.0 },
+            aux_coeff: if r.load_balancing == LoadBalancing::None { 0.0 } else { r.aux_loss_coeff },
+            per_sequence: r.load_balancing == LoadBalancing::SeqAuxLoss,
             z_coeff: r.z_loss_coeff.unwrap_or(0.0),
             hidden: cx.hidden,
             name: prefix.to_string(),
@@ -214,6 +218,15 @@ impl MoeLayer {
             k::copy_(&out.narrow0(r)?, &y)?;
         }
         Ok(out)
+    }
+
+    /// Sequences the load-balancing loss is taken over: the batch's (x is [B, T, C]) for the
+    /// sequence-level loss, else one.
+    fn seqs(&self, x: &Tensor) -> usize {
+        match x.dims() {
+            [b, _, _] if self.per_sequence => *b,
+            _ => 1,
+        }
     }
 
     /// Row ranges of the sorted copies, one per expert that has any.
@@ -247,13 +260,16 @@ impl Module for MoeLayer {
         let (probs, experts) = k::moe_route(&logits, &self.topk, bias.as_ref())?;
         let sort = k::moe_sort(&experts, self.num_experts)?;
         // The load-balancing loss counts a plain top-k of the scores (Megatron's scores for the
-        // auxiliary loss), which the bias and the group limit may have moved the choice from.
-        let aux_counts = match (self.aux_coeff > 0.0 && cx.training, self.bias.is_some() || self.topk.groups.is_some())
-        {
-            (true, true) => {
+        // auxiliary loss), which the bias and the group limit may have moved the choice from;
+        // per sequence for the sequence-level loss.
+        let seqs = self.seqs(x);
+        let moved = self.bias.is_some() || self.topk.groups.is_some();
+        let aux_counts = match (self.aux_coeff > 0.0 && cx.training, moved, self.per_sequence) {
+            (true, true, _) => {
                 let plain = k::TopK { groups: None, ..self.topk };
-                per_expert_counts(&k::moe_route(&logits, &plain, None)?.1, self.num_experts)?
+                per_expert_counts(&k::moe_route(&logits, &plain, None)?.1, self.num_experts, seqs)?
             }
+            (true, false, true) => per_expert_counts(&experts, self.num_experts, seqs)?,
             _ => sort.tokens_per_expert.clone(),
         };
         let xp = k::embedding_fwd(&sort.perm, &x2)?;
@@ -354,9 +370,11 @@ impl Module for MoeLayer {
         k::embedding_bwd(&perm, &dxp, &dx)?;
         let dlogits = k::moe_route_bwd(&logits, &experts, &dprobs, &self.topk)?;
         if self.aux_coeff > 0.0 || self.z_coeff > 0.0 {
+            // [E], or [B, E] per sequence.
+            let seqs = aux_counts.len() / self.num_experts;
             let per_expert: Vec<f32> = aux_counts.iter().map(|&c| c as f32).collect();
-            let per_expert =
-                Tensor::from_vec(per_expert, [aux_counts.len()], &Device::Cpu)?.to_device(logits.device())?;
+            let shape = if seqs > 1 { vec![seqs, self.num_experts] } else { vec![self.num_experts] };
+            let per_expert = Tensor::from_vec(per_expert, shape, &Device::Cpu)?.to_device(logits.device())?;
             // Under context parallelism the losses are the whole micro-batch's: counts and token
             // total over every cp rank (Megatron sums them over its tp × cp group). This rank's
             // share of their gradient is scaled by cp as its language-model loss is (the
@@ -385,6 +403,7 @@ impl Module for MoeLayer {
                 z_coeff: self.z_coeff,
                 grad_scale: cx.grad_scale * cp as f32,
                 score: self.topk.score,
+                seqs,
             };
             let (values, dl) = k::moe_router_loss(&logits, &per_expert, &loss)?;
             let dl = if dl.dtype() == dlogits.dtype() { dl } else { k::cast(&dl, dlogits.dtype())? };

@@ -17,6 +17,9 @@ pub enum LoadBalancing {
     /// GShard / Switch Transformer's loss over the micro-batch (`aux_loss`, Megatron's default),
     /// weighted by --moe-aux-loss-coeff.
     AuxLoss,
+    /// DeepSeek's sequence-level loss (`seq_aux_loss`): the same loss taken over each sequence
+    /// of the micro-batch and averaged over them, weighted by --moe-aux-loss-coeff.
+    SeqAuxLoss,
     /// None (`none`).
     None,
 }

@@ -221,6 +221,7 @@ fn router_values(s: &MoeSpec, saved: &Saved) -> (f64, f64) {
         z_coeff: 0.0,
         grad_scale: 0.0,
         score: s.router.score,
+        seqs: 1,
     };
     let (v, _) =
         k::moe_router_loss(logits, &Tensor::from_vec(counts, [s.num_experts], &Device::Cpu).unwrap(), &l).unwrap();
@@ -363,6 +364,70 @@ fn expert_bias_moves_against_the_load() {
     // Nothing counted since: the bias stays.
     s.biases.update(rate, |_| Ok(())).unwrap();
     assert_eq!(s.biases.layers()[0].values(), got);
+}
+
+/// DeepSeek's sequence-level load-balancing loss: its recorded value is the mean over the
+/// batch's sequences of each one's loss (from the forward's logits and choice, the plain way),
+/// and the input gradient at dy = 0 (that loss and the z-loss alone) matches finite differences.
+#[test]
+fn sequence_level_balancing_loss_matches_the_reference() {
+    let mut s = spec(Activation::SwiGlu, false, false);
+    s.router.load_balancing = LoadBalancing::SeqAuxLoss;
+    s.router.z_loss_coeff = None;
+    let (m, table) = layer(&s, 5);
+    let (b, t, g) = (3, 5, 0.7f32);
+    let x = Tensor::from_vec(randn(b * t * C, 8, 1.0), [b, t, C], &Device::Cpu).unwrap();
+    // The loss the plain way: per sequence, E / (K·T²) Σ_e c[e] Σ_t softmax(logits)[t, e].
+    let seq_loss = |saved: &Saved| -> f64 {
+        let (logits, experts) = (saved.tensors[0].to_vec_f32().unwrap(), saved.tensors[2].to_vec::<u32>().unwrap());
+        let (e, kk) = (s.num_experts, s.router.topk);
+        let mut total = 0.0;
+        for q in 0..b {
+            let mut counts = vec![0.0f64; e];
+            experts[q * t * kk..(q + 1) * t * kk].iter().for_each(|&x| counts[x as usize] += 1.0);
+            let mut probs = vec![0.0f64; e];
+            for row in logits[q * t * e..(q + 1) * t * e].chunks(e) {
+                let mx = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+                let z: f64 = row.iter().map(|&v| (v as f64 - mx).exp()).sum();
+                probs.iter_mut().zip(row).for_each(|(p, &v)| *p += (v as f64 - mx).exp() / z);
+            }
+            total += probs.iter().zip(&counts).map(|(p, c)| p * c).sum::<f64>() * e as f64 / (kk * t * t) as f64;
+        }
+        total / b as f64
+    };
+    let cx = Cx::new(&table, true).with_grad_scale(g);
+    let (_, saved) = m.forward(&cx, &x).unwrap();
+    let (want, routed) = (seq_loss(&saved), saved.tensors[2].to_vec::<u32>().unwrap());
+    let dx = m.backward(&cx, saved, &Tensor::zeros([b, t, C], DType::F32, &Device::Cpu).unwrap()).unwrap();
+    let got = s.metrics.take().unwrap().load_balancing_sum;
+    assert!((got - want).abs() < 1e-5 * want.abs(), "recorded {got} vs {want}");
+    // Against the micro-batch's loss: a different value for these counts.
+    assert!(seq_loss_differs_from_batch(&s, m.as_ref(), &table, &x, want));
+    let a = s.router.aux_loss_coeff as f64;
+    let u = randn(b * t * C, 77, 1.0);
+    let h = 1e-3f32;
+    let eval = |sgn: f32| {
+        let xs = x.to_vec_f32().unwrap().iter().zip(&u).map(|(v, d)| v + sgn * h * d).collect::<Vec<_>>();
+        let (_, sv) =
+            m.forward(&Cx::new(&table, true), &Tensor::from_vec(xs, [b, t, C], &Device::Cpu).unwrap()).unwrap();
+        assert_eq!(sv.tensors[2].to_vec::<u32>().unwrap(), routed, "the step changed the routing");
+        g as f64 * a * seq_loss(&sv)
+    };
+    let numeric = (eval(1.0) - eval(-1.0)) / (2.0 * h as f64);
+    let analytic: f64 = dx.to_vec_f32().unwrap().iter().zip(&u).map(|(a, b)| *a as f64 * *b as f64).sum();
+    assert!(
+        (numeric - analytic).abs() <= 1e-2 * analytic.abs() + 1e-4,
+        "finite difference {numeric} vs backward {analytic}"
+    );
+}
+
+/// The micro-batch's loss (aux_loss) of the same forward differs from the sequences' mean.
+fn seq_loss_differs_from_batch(s: &MoeSpec, m: &dyn Module, table: &ParamTable, x: &Tensor, seq: f64) -> bool {
+    let (_, saved) = m.forward(&Cx::new(table, true), x).unwrap();
+    let mut plain = s.clone();
+    plain.router.load_balancing = LoadBalancing::AuxLoss;
+    let (batch, _) = router_values(&plain, &saved);
+    (batch - seq).abs() > 1e-4 * seq.abs()
 }
 
 #[test]

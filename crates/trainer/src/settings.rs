@@ -464,7 +464,8 @@ pub struct TrainArgs {
     /// Experts per token (default 2).
     #[arg(long)]
     pub moe_router_topk: Option<usize>,
-    /// aux_loss (default: GShard's load-balancing loss, weighted by --moe-aux-loss-coeff) or none.
+    /// aux_loss (default: GShard's load-balancing loss over the micro-batch, weighted by
+    /// --moe-aux-loss-coeff), seq_aux_loss (DeepSeek's: the same per sequence, averaged) or none.
     #[arg(long)]
     pub moe_router_load_balancing_type: Option<String>,
     /// The load-balancing loss's weight (default 0; 1e-2 is usual).
@@ -1222,11 +1223,12 @@ impl MoeSettings {
     fn spec(&self, activation: Activation, bias: bool) -> anyhow::Result<MoeSpec> {
         let load_balancing = match self.moe_router_load_balancing_type.as_str() {
             "aux_loss" => LoadBalancing::AuxLoss,
+            "seq_aux_loss" => LoadBalancing::SeqAuxLoss,
             "none" => LoadBalancing::None,
-            o @ ("seq_aux_loss" | "global_aux_loss" | "sinkhorn" | "quantile_balancing") => {
-                bail!("--moe-router-load-balancing-type {o} is not built yet: use aux_loss or none")
+            o @ ("global_aux_loss" | "sinkhorn" | "quantile_balancing") => {
+                bail!("--moe-router-load-balancing-type {o} is not built yet: use aux_loss, seq_aux_loss or none")
             }
-            o => bail!("--moe-router-load-balancing-type {o}: use aux_loss or none"),
+            o => bail!("--moe-router-load-balancing-type {o}: use aux_loss, seq_aux_loss or none"),
         };
         match self.moe_token_dispatcher_type.as_str() {
             "allgather" | "alltoall" => {}
@@ -1549,6 +1551,7 @@ fn transformer_args(c: &TransformerConfig) -> TrainArgs {
         moe_router_load_balancing_type: moe.map(|m| {
             match m.router.load_balancing {
                 LoadBalancing::AuxLoss => "aux_loss",
+                LoadBalancing::SeqAuxLoss => "seq_aux_loss",
                 LoadBalancing::None => "none",
             }
             .into()

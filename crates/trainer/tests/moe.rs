@@ -281,6 +281,54 @@ fn deepseek_routing_follows_one_rank_and_resumes() {
     }
 }
 
+/// DeepSeek's sequence-level load-balancing loss (--moe-router-load-balancing-type seq_aux_loss,
+/// two sequences a micro-batch): each sequence's counts are summed over the ranks that hold its
+/// pieces (context parallel, whole experts under tensor parallelism), its tokens counted whole.
+/// Context parallel (× expert parallel), tensor parallel with sequence parallelism (experts split,
+/// and whole experts × ep2) and data parallel follow one rank, the routers' loss values too; and
+/// the value is not the micro-batch's loss.
+#[test]
+fn sequence_level_balancing_loss_follows_one_rank() {
+    let a = TrainArgs {
+        moe_router_load_balancing_type: Some("seq_aux_loss".into()),
+        micro_batch_size: Some(2),
+        global_batch_size: Some(4),
+        ..moe_args()
+    };
+    let s1 = settings(&a);
+    let one = train(&s1, &Paths::default()).unwrap();
+    let batch =
+        train(&settings(&TrainArgs { moe_router_load_balancing_type: None, ..a.clone() }), &Paths::default()).unwrap();
+    assert_ne!(one.router_losses[0].1, batch.router_losses[0].1, "the sequences' loss is the micro-batch's");
+    let mut cp = s1.clone();
+    cp.context_parallel_size = 2;
+    let mut cp_ep = cp.clone();
+    cp_ep.moe.as_mut().unwrap().expert_model_parallel_size = 2;
+    let mut tp = s1.clone();
+    tp.tensor_model_parallel_size = 2;
+    tp.sequence_parallel = true;
+    let mut etp1 = tp.clone();
+    etp1.moe.as_mut().unwrap().expert_model_parallel_size = 2;
+    etp1.moe.as_mut().unwrap().expert_tensor_parallel_size = Some(1);
+    let mut dp = s1.clone();
+    dp.use_distributed_optimizer = true;
+    let rl = |r: &ferrotron_trainer::train::Summary| -> Vec<(u64, f64)> {
+        r.router_losses.iter().flat_map(|&(i, lb, z)| [(i, lb), (i, z)]).collect()
+    };
+    for (tag, s, n) in [
+        ("cp2", &cp, 2),
+        ("cp2 × ep2", &cp_ep, 4),
+        ("tp2 sp", &tp, 2),
+        ("tp2 sp, whole experts × ep2", &etp1, 2),
+        ("dp2", &dp, 2),
+    ] {
+        let run = train(s, &Paths { launch: Launch::Threads(n), ..Paths::default() })
+            .unwrap_or_else(|e| panic!("{tag}: {e:#}"));
+        close(tag, &run.losses, &one.losses);
+        close(&format!("{tag} router losses"), &rl(&run), &rl(&one));
+    }
+}
+
 /// --moe-layer-freq: layer 0 dense (--ffn-hidden-size), layer 1 an MoE layer. One rank against a
 /// pipeline of two × expert parallel 2, where the first stage holds no expert at all; the
 /// checkpoint records the pattern.
@@ -331,7 +379,7 @@ fn bad_moe_flags_are_named() {
     let e = err(TrainArgs { moe_layer_freq: Some("[1,0,1]".into()), ..moe_args() });
     assert!(e.contains("--moe-layer-freq [1,0,1] gives 3 layers but --num-layers is 2"), "{e}");
     let e = err(TrainArgs { moe_router_load_balancing_type: Some("sinkhorn".into()), ..moe_args() });
-    assert!(e.contains("sinkhorn") && e.contains("not built yet"), "{e}");
+    assert!(e.contains("sinkhorn") && e.contains("not built yet") && e.contains("seq_aux_loss"), "{e}");
     let e = err(TrainArgs { moe_token_dispatcher_type: Some("flex".into()), ..moe_args() });
     assert!(e.contains("--moe-token-dispatcher-type flex"), "{e}");
     let e = err(TrainArgs { moe_shared_expert_gate: true, ..moe_args() });

@@ -247,16 +247,28 @@ pub struct RouterLossCoeffs<T> {
     /// The load-balancing loss's probabilities: the softmax, or a per-expert score function's
     /// values normalised over the row (Megatron's scores for the auxiliary loss).
     pub score: Score,
+    /// Sequences the rows (consecutive, equal runs) and `counts` ([seqs, E]) are split into:
+    /// 1 for the micro-batch's loss, the batch size for DeepSeek's sequence-level loss (the mean
+    /// over sequences of each sequence's own loss).
+    pub seqs: usize,
 }
 
-/// Returns (load-balancing loss, z-loss), both without their coefficients.
+/// Returns (load-balancing loss, z-loss), both without their coefficients. With `c.seqs` > 1 the
+/// load-balancing loss is the mean over sequences of E / (K·T_s²) · Σ_e (Σ_{n in s} S[n, e]) ·
+/// c[s, e] (T_s = total_tokens / seqs, a whole sequence's tokens).
 pub fn router_loss<T: Real>(logits: &[T], e: usize, counts: &[T], c: RouterLossCoeffs<T>, dlogits: &mut [T]) -> (T, T) {
-    let w = T::c(e as f64) / (T::c(c.topk as f64) * c.total_tokens * c.total_tokens);
+    let seqs = c.seqs.max(1);
+    let per_seq = c.total_tokens / T::c(seqs as f64);
+    let w = T::c(e as f64) / (T::c((c.topk * seqs) as f64) * per_seq * per_seq);
+    let rows_per_seq = (logits.len() / e.max(1) / seqs).max(1);
     // Per row: (Σ_e S[n, e] c_e, lse_n²), the softmax written into dlogits' row first.
     let rows: Vec<(T, T)> = dlogits
         .par_chunks_mut(e)
         .zip(logits.par_chunks(e))
-        .map(|(dl, row)| {
+        .enumerate()
+        .map(|(n, (dl, row))| {
+            let s = (n / rows_per_seq).min(seqs - 1);
+            let counts = &counts[s * e..(s + 1) * e];
             let lse = softmax_row(row, dl);
             let dz = c.z * T::c(2.0) * lse / c.total_tokens;
             let sc = match c.score {

@@ -1075,11 +1075,20 @@ fn moe_routing_matches_cpu() {
                 z_coeff: 0.05,
                 grad_scale: 0.5,
                 score: r.score,
+                seqs: 1,
             };
             let (v_c, d_c) = k::moe_router_loss(&logits, &counts, &l).unwrap();
             let (v_g, d_g) = k::moe_router_loss(&on(&logits, &g), &on(&counts, &g), &l).unwrap();
             same(&v_c, &v_g, DType::F32, &format!("router loss values [{dt}]"));
             same(&d_c, &d_g, DType::F32, &format!("router loss dlogits [{dt}]"));
+            // Per sequence (seq_aux_loss): 36 of the rows as 4 sequences of 9, each its counts.
+            let rows = logits.narrow0(0..36).unwrap().contiguous().unwrap();
+            let per_seq = rnd(&[4, e], 8, DType::F32);
+            let l = k::RouterLoss { seqs: 4, total_tokens: 40, ..l };
+            let (v_c, d_c) = k::moe_router_loss(&rows, &per_seq, &l).unwrap();
+            let (v_g, d_g) = k::moe_router_loss(&on(&rows, &g), &on(&per_seq, &g), &l).unwrap();
+            same(&v_c, &v_g, DType::F32, &format!("sequence router loss values [{dt}]"));
+            same(&d_c, &d_g, DType::F32, &format!("sequence router loss dlogits [{dt}]"));
 
             let yp = rnd(&[n * kk, c], 3, dt);
             let dy = rnd(&[n, c], 4, dt);

@@ -143,20 +143,28 @@ proptest! {
     }
 
     #[test]
-    fn router_loss_values_and_fd(n in 1usize..6, e in 1usize..8, kk in 1usize..3, extra in 0usize..5, score in 0u8..3, seed: u64) {
-        let kk = kk.min(e);
+    fn router_loss_values_and_fd(
+        n_per in 1usize..5, seqs in 1usize..4, e in 1usize..8, kk in 1usize..3, extra in 0usize..3, score in 0u8..3, seed: u64,
+    ) {
+        // `seqs` sequences of n_per rows here (of n_per + extra tokens each in the whole
+        // micro-batch): 1 is the micro-batch's loss, more DeepSeek's sequence-level one.
+        let (kk, n) = (kk.min(e), n_per * seqs);
         let x = randv(n * e, seed);
-        let counts: Vec<f64> = (0..e).map(|i| ((i * 7 + seed as usize % 5) % (n + 2)) as f64).collect();
-        let total = n + extra;
+        let counts: Vec<f64> = (0..seqs * e).map(|i| ((i * 7 + seed as usize % 5) % (n_per + 2)) as f64).collect();
+        let (per_seq, total) = (n_per + extra, (n_per + extra) * seqs);
         let score = score_of(score);
-        let c = m::RouterLossCoeffs { topk: kk, total_tokens: total as f64, aux: 0.3, z: 0.05, grad_scale: 0.5, score };
+        let c = m::RouterLossCoeffs { topk: kk, total_tokens: total as f64, aux: 0.3, z: 0.05, grad_scale: 0.5, score, seqs };
         // Naive values: the softmax, or f(x) normalised over the row.
         let s: Vec<Vec<f64>> = x.chunks(e).map(|r| match score {
             k::Score::Softmax => softmax(r),
             s => { let f: Vec<f64> = r.iter().map(|&v| f_score(s, v)).collect(); let d: f64 = f.iter().sum::<f64>() + 1e-20; f.iter().map(|v| v / d).collect() }
         }).collect();
-        let aux_ref: f64 = (0..e).map(|j| s.iter().map(|r| r[j]).sum::<f64>() * counts[j]).sum::<f64>()
-            * e as f64 / (kk as f64 * (total * total) as f64);
+        // The mean over sequences of each one's loss, E / (K·T_s²) Σ_e c[s, e] Σ_{rows of s} S.
+        let aux_ref: f64 = (0..seqs).map(|q| {
+            let rows = &s[q * n_per..(q + 1) * n_per];
+            (0..e).map(|j| rows.iter().map(|r| r[j]).sum::<f64>() * counts[q * e + j]).sum::<f64>()
+                * e as f64 / (kk as f64 * (per_seq * per_seq) as f64)
+        }).sum::<f64>() / seqs as f64;
         let z_ref: f64 = x.chunks(e).map(|r| {
             let mx = r.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let lse = mx + r.iter().map(|v| (v - mx).exp()).sum::<f64>().ln();
@@ -171,8 +179,9 @@ proptest! {
             c.grad_scale * (c.aux * a + c.z * z)
         }, "router loss dlogits");
         // The tensor op in f32.
-        let rl = k::RouterLoss { topk: kk, total_tokens: total, aux_coeff: 0.3, z_coeff: 0.05, grad_scale: 0.5, score };
-        let (v, d) = k::moe_router_loss(&t32(&Device::Cpu, &x, &[n, e]), &t32(&Device::Cpu, &counts, &[e]), &rl).unwrap();
+        let rl = k::RouterLoss { topk: kk, total_tokens: total, aux_coeff: 0.3, z_coeff: 0.05, grad_scale: 0.5, score, seqs };
+        let shape = if seqs > 1 { vec![seqs, e] } else { vec![e] };
+        let (v, d) = k::moe_router_loss(&t32(&Device::Cpu, &x, &[n, e]), &t32(&Device::Cpu, &counts, &shape), &rl).unwrap();
         assert_close(&host(&v), &[aux_ref, z_ref], 1e-5, 1e-6, "moe_router_loss values");
         assert_close(&host(&d), &dl, 1e-4, 1e-6, "moe_router_loss dlogits");
     }
@@ -239,6 +248,19 @@ fn bad_routing_input_is_named() {
     assert!(e.contains("3 experts cannot be split into 2 equal groups"), "{e}");
     let e = k::moe_route(&logits, &grouped(3, 1, 2), None).unwrap_err().to_string();
     assert!(e.contains("group top-k 1 of 3 groups of 1 experts cannot hold top-k 2"), "{e}");
+    let rl = |seqs, total_tokens| k::RouterLoss {
+        topk: 1,
+        total_tokens,
+        aux_coeff: 1.0,
+        z_coeff: 0.0,
+        grad_scale: 1.0,
+        score: k::Score::Softmax,
+        seqs,
+    };
+    let e = k::moe_router_loss(&logits, &t32(&dev, &[1.0; 6], &[2, 3]), &rl(3, 6)).unwrap_err().to_string();
+    assert!(e.contains("shape"), "{e}");
+    let e = k::moe_router_loss(&logits, &t32(&dev, &[1.0; 9], &[3, 3]), &rl(3, 6)).unwrap_err().to_string();
+    assert!(e.contains("2 rows (6 tokens in all) do not split into 3 sequences"), "{e}");
     let experts = Tensor::from_vec(vec![0u32, 5], [2, 1], &dev).unwrap();
     let e = k::moe_sort(&experts, 3).unwrap_err().to_string();
     assert!(e.contains("expert index 5"), "{e}");

@@ -74,7 +74,9 @@ pub fn moe_router_loss(be: &B, logits: &Tensor, counts: &Tensor, l: &RouterLoss)
     let dl = new(be, [rows, e], DType::F32)?;
     // Summed by atomics: starts at zero.
     let values = Tensor::zeros([2], DType::F32, logits.device())?;
-    let w = e as f32 / (l.topk as f32 * l.total_tokens as f32 * l.total_tokens as f32);
+    let seqs = l.seqs.max(1);
+    let per_seq = l.total_tokens as f32 / seqs as f32;
+    let w = e as f32 / ((l.topk * seqs) as f32 * per_seq * per_seq);
     let name = format!("moe_router_loss_{}", sfx("moe_router_loss", logits.dtype())?);
     let args = [
         ptr("moe_router_loss", logits)?,
@@ -89,6 +91,8 @@ pub fn moe_router_loss(be: &B, logits: &Tensor, counts: &Tensor, l: &RouterLoss)
         Arg::F32(l.z_coeff),
         Arg::F32(l.grad_scale),
         score_arg(l.score),
+        // Rows of one sequence: the counts' row.
+        n(rows / seqs),
     ];
     per_row(be, &name, rows, &args)?;
     Ok((values, dl))
