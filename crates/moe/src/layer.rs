@@ -120,6 +120,7 @@ impl MoeLayer {
             cx.std,
             own_slice,
         )?;
+        let router = if spec.router.fp32 { router.in_fp32() } else { router };
         let ep = match (&spec.ep_group, spec.expert_parallel_size) {
             (_, 1) => None,
             (Some(g), n) if g.0.size() == n => Some(g.clone()),

@@ -46,6 +46,9 @@ pub struct RouterSpec {
     /// --moe-router-enable-expert-bias at --moe-router-bias-update-rate: aux-loss-free balancing
     /// (`bias.rs`), a per-expert score function only.
     pub expert_bias_update_rate: Option<f32>,
+    /// --moe-router-dtype fp32: the router's product (and so its logits) in fp32 whatever the
+    /// model's dtype.
+    pub fp32: bool,
 }
 
 impl Default for RouterSpec {
@@ -60,6 +63,7 @@ impl Default for RouterSpec {
             score: Score::Softmax,
             groups: None,
             expert_bias_update_rate: None,
+            fp32: false,
         }
     }
 }

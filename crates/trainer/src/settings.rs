@@ -497,6 +497,9 @@ pub struct TrainArgs {
     pub moe_router_enable_expert_bias: bool,
     #[arg(long)]
     pub moe_router_bias_update_rate: Option<f64>,
+    /// fp32: the router's product and logits in fp32 under --bf16 (DeepSeek-V3's recipes).
+    #[arg(long)]
+    pub moe_router_dtype: Option<String>,
     /// Expert-parallel size: the experts split over this many data-parallel ranks (all-to-all
     /// dispatch).
     #[arg(long)]
@@ -803,7 +806,7 @@ impl TrainArgs {
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers,
             num_experts, moe_ffn_hidden_size, moe_router_topk, moe_router_load_balancing_type, moe_aux_loss_coeff,
             moe_z_loss_coeff, moe_router_topk_scaling_factor, moe_router_score_function, moe_router_num_groups, moe_router_group_topk,
-            moe_router_bias_update_rate, expert_model_parallel_size, expert_tensor_parallel_size, moe_token_dispatcher_type,
+            moe_router_bias_update_rate, moe_router_dtype, expert_model_parallel_size, expert_tensor_parallel_size, moe_token_dispatcher_type,
             moe_layer_freq, moe_shared_expert_intermediate_size, hybrid_layer_pattern, hybrid_override_pattern, mamba_state_dim, mamba_head_dim,
             mamba_num_groups, mamba_num_heads, hybrid_attention_ratio, hybrid_mlp_ratio, img_h, img_w, patch_dim,
             encoder_num_layers, encoder_hidden_size, encoder_num_attention_heads, encoder_ffn_hidden_size, image_token_id,
@@ -1138,6 +1141,9 @@ pub struct MoeSettings {
     /// --moe-router-bias-update-rate with --moe-router-enable-expert-bias; None without it.
     #[serde(default)]
     pub moe_router_bias_update_rate: Option<f32>,
+    /// --moe-router-dtype fp32.
+    #[serde(default)]
+    pub moe_router_fp32: bool,
 }
 
 fn softmax() -> String {
@@ -1162,6 +1168,7 @@ impl MoeSettings {
                 ("--moe-router-group-topk", a.moe_router_group_topk.is_some()),
                 ("--moe-router-enable-expert-bias", a.moe_router_enable_expert_bias),
                 ("--moe-router-bias-update-rate", a.moe_router_bias_update_rate.is_some()),
+                ("--moe-router-dtype", a.moe_router_dtype.is_some()),
                 ("--expert-model-parallel-size", a.expert_model_parallel_size.is_some_and(|e| e != 1)),
                 ("--moe-token-dispatcher-type", a.moe_token_dispatcher_type.is_some()),
                 ("--moe-grouped-gemm", a.moe_grouped_gemm),
@@ -1216,6 +1223,12 @@ impl MoeSettings {
                 ),
                 (false, None) => None,
             },
+            moe_router_fp32: match a.moe_router_dtype.as_deref() {
+                None => false,
+                Some("fp32") => true,
+                Some("fp64") => bail!("--moe-router-dtype fp64 is not built: use fp32 (or leave it out)"),
+                Some(o) => bail!("--moe-router-dtype {o}: use fp32 (or leave it out: the model's dtype)"),
+            },
         }))
     }
 
@@ -1266,6 +1279,7 @@ impl MoeSettings {
                 score,
                 groups,
                 expert_bias_update_rate: self.moe_router_bias_update_rate,
+                fp32: self.moe_router_fp32,
             },
             expert_parallel_size: self.expert_model_parallel_size,
             expert_tensor_parallel_size: self.expert_tensor_parallel_size,
@@ -1572,6 +1586,7 @@ fn transformer_args(c: &TransformerConfig) -> TrainArgs {
         moe_router_group_topk: moe.and_then(|m| m.router.groups).map(|g| g.topk),
         moe_router_enable_expert_bias: moe.is_some_and(|m| m.router.expert_bias_update_rate.is_some()),
         moe_router_bias_update_rate: moe.and_then(|m| m.router.expert_bias_update_rate).map(f64::from),
+        moe_router_dtype: moe.filter(|m| m.router.fp32).map(|_| "fp32".into()),
         expert_model_parallel_size: moe.map(|m| m.expert_parallel_size),
         moe_shared_expert_intermediate_size: moe.and_then(|m| m.shared_expert_ffn),
         moe_layer_freq: c
@@ -1633,6 +1648,7 @@ impl TrainArgs {
             moe_router_group_topk,
             moe_router_enable_expert_bias,
             moe_router_bias_update_rate,
+            moe_router_dtype,
             expert_model_parallel_size,
             moe_shared_expert_intermediate_size,
             moe_layer_freq,

@@ -55,6 +55,31 @@ fn mixtral_tiny_preset_cuda_matches_cpu() {
     matches_cpu("mixtral-tiny");
 }
 
+/// DeepSeek-V3's routing on the GPU: sigmoid scores, 4 groups of 2 experts (a token's 2 from its
+/// 2 best groups), the expert bias moved each step, the sequence-level balancing loss and fp32
+/// routers, bf16 on CUDA against bf16 on the CPU.
+#[test]
+fn deepseek_routing_cuda_matches_cpu() {
+    let gpu = Device::cuda(0).expect("a CUDA device");
+    let args = || TrainArgs {
+        preset: Some("mixtral-tiny".into()),
+        bf16: true,
+        moe_router_score_function: Some("sigmoid".into()),
+        moe_router_num_groups: Some(4),
+        moe_router_group_topk: Some(2),
+        moe_router_enable_expert_bias: true,
+        moe_router_load_balancing_type: Some("seq_aux_loss".into()),
+        moe_router_dtype: Some("fp32".into()),
+        ..TrainArgs::default()
+    };
+    let (cpu, cuda) = (losses_of(args(), Device::Cpu), losses_of(args(), gpu));
+    eprintln!("deepseek routing\ncpu bf16 {cpu:?}\ncuda bf16 {cuda:?}");
+    assert_eq!(cuda.len(), 20);
+    for (i, (c, g)) in cpu.iter().zip(&cuda).enumerate() {
+        assert!((c - g).abs() <= 2e-2 * c.abs(), "step {}: cpu bf16 {c} vs cuda bf16 {g}", i + 1);
+    }
+}
+
 /// Mamba-2 hybrid (the convolution, the chunked scan, the gated norm beside attention layers).
 #[test]
 fn mamba_tiny_preset_cuda_matches_cpu() {

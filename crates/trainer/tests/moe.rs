@@ -329,6 +329,34 @@ fn sequence_level_balancing_loss_follows_one_rank() {
     }
 }
 
+/// --moe-router-dtype fp32: under --bf16 the routers compute in fp32 (a different run from the
+/// bf16 routers', within bf16's reach of it); in an fp32 run it changes nothing, bit for bit; the
+/// checkpoint records it.
+#[test]
+fn fp32_routers() {
+    let bf16 = TrainArgs { bf16: true, ..moe_args() };
+    let fp32_router = TrainArgs { moe_router_dtype: Some("fp32".into()), ..bf16.clone() };
+    let (a, b) = (
+        train(&settings(&bf16), &Paths::default()).unwrap(),
+        train(&settings(&fp32_router), &Paths::default()).unwrap(),
+    );
+    assert_ne!(bits(&a.losses), bits(&b.losses), "the fp32 routers changed nothing under --bf16");
+    for ((i, x), (_, y)) in a.losses.iter().zip(&b.losses) {
+        assert!((x - y).abs() < 2e-2 * y.abs(), "iteration {i}: {x} vs {y}");
+    }
+    let plain = train(&settings(&moe_args()), &Paths::default()).unwrap();
+    let s32 = settings(&TrainArgs { moe_router_dtype: Some("fp32".into()), ..moe_args() });
+    let d = tmp("moe-fp32-router");
+    let run = train(&s32, &Paths { save: Some(d.clone()), ..Paths::default() }).unwrap();
+    assert_eq!(bits(&run.losses), bits(&plain.losses));
+    let from_ck =
+        Settings::resolve(&TrainArgs { load: Some(d.clone()), use_checkpoint_args: true, ..tiny_args(false) })
+            .unwrap()
+            .0;
+    assert!(from_ck.moe.as_ref().unwrap().moe_router_fp32);
+    let _ = std::fs::remove_dir_all(d);
+}
+
 /// --moe-layer-freq: layer 0 dense (--ffn-hidden-size), layer 1 an MoE layer. One rank against a
 /// pipeline of two × expert parallel 2, where the first stage holds no expert at all; the
 /// checkpoint records the pattern.
@@ -392,6 +420,10 @@ fn bad_moe_flags_are_named() {
     assert!(e.contains("4 experts cannot be split into 3 equal groups"), "{e}");
     let e = err(TrainArgs { moe_router_bias_update_rate: Some(1e-3), ..moe_args() });
     assert!(e.contains("add --moe-router-enable-expert-bias"), "{e}");
+    let e = err(TrainArgs { moe_router_dtype: Some("fp64".into()), ..moe_args() });
+    assert!(e.contains("--moe-router-dtype fp64 is not built: use fp32"), "{e}");
+    let e = err(TrainArgs { moe_router_dtype: Some("bf16".into()), ..moe_args() });
+    assert!(e.contains("--moe-router-dtype bf16: use fp32"), "{e}");
     let e = err(TrainArgs { moe_router_enable_expert_bias: true, ..moe_args() });
     assert!(e.contains("--moe-router-score-function sigmoid"), "{e}");
     let e = err(TrainArgs {

@@ -2,8 +2,13 @@
 //!
 //! Shapes: x [..., in] → y [..., out]. Backward: dx = dy·W (`=`); dW += dyᵀ·x and db += Σ dy into
 //! main_grad.
+//!
+//! With a compute dtype (`in_fp32`: Megatron's --moe-router-dtype fp32 for the MoE router) the
+//! product runs on x and W cast to it, y comes out in it, and the backward takes dy in it: dx is
+//! cast back to x's dtype, dW computed in it and added into main_grad (rounded to main_grad's
+//! dtype when that is narrower). Only x is saved (cast again in the backward).
 
-use ferrotron_core::{Cx, Init, Module, ParamId, ParamMeta, ParamTableBuilder, Result, Saved, Tensor, invalid};
+use ferrotron_core::{Cx, DType, Init, Module, ParamId, ParamMeta, ParamTableBuilder, Result, Saved, Tensor, invalid};
 use ferrotron_kernels as k;
 
 #[derive(Debug, Clone)]
@@ -12,6 +17,8 @@ pub struct Linear {
     pub bias: Option<ParamId>,
     pub in_features: usize,
     pub out_features: usize,
+    /// The dtype the product runs in, when not the input's (None: the input's).
+    pub compute: Option<DType>,
 }
 
 impl Linear {
@@ -47,29 +54,52 @@ impl Linear {
         } else {
             None
         };
-        Ok(Linear { weight, bias, in_features, out_features })
+        Ok(Linear { weight, bias, in_features, out_features, compute: None })
+    }
+
+    /// This layer computing in fp32 whatever its input's and parameters' dtype.
+    pub fn in_fp32(self) -> Self {
+        Linear { compute: Some(DType::F32), ..self }
+    }
+
+    /// `t` in the compute dtype.
+    fn widen(&self, t: &Tensor) -> Result<Tensor> {
+        match self.compute {
+            Some(d) if d != t.dtype() => k::cast(t, d),
+            _ => Ok(t.clone()),
+        }
     }
 }
 
 impl Module for Linear {
     fn forward(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Saved)> {
-        let w = cx.params.param(self.weight)?;
+        let (xc, w) = (self.widen(x)?, self.widen(&cx.params.param(self.weight)?)?);
         let y = match self.bias {
-            Some(b) => k::matmul_bias(x, &w, &cx.params.param(b)?, false, true)?,
-            None => k::matmul(x, &w, false, true)?,
+            Some(b) => k::matmul_bias(&xc, &w, &self.widen(&cx.params.param(b)?)?, false, true)?,
+            None => k::matmul(&xc, &w, false, true)?,
         };
         Ok((y, Saved::new(vec![x.clone()], vec![])))
     }
 
     fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
         let x = saved.tensors.first().ok_or_else(|| invalid("Linear::backward", "nothing saved by forward"))?;
-        let w = cx.params.param(self.weight)?;
+        let (xc, dy) = (self.widen(x)?, &self.widen(dy)?);
+        let w = self.widen(&cx.params.param(self.weight)?)?;
         let dx = k::matmul(dy, &w, false, false)?;
+        let dx = if dx.dtype() == x.dtype() { dx } else { k::cast(&dx, x.dtype())? };
         let rows = dy.shape().rows();
         let dy2 = dy.reshape([rows, self.out_features])?;
-        let x2 = x.reshape([rows, self.in_features])?;
+        let x2 = xc.reshape([rows, self.in_features])?;
         let (dw, acc) = cx.params.grad_acc(self.weight)?;
-        k::matmul_into(&dw, &dy2, &x2, true, false, acc)?;
+        if self.compute.is_some_and(|d| d != dw.dtype()) {
+            // main_grad narrower than the compute dtype (--grad-reduce-in-bf16): the product in
+            // the compute dtype, rounded once as it is added.
+            let g = k::matmul(&dy2, &x2, true, false)?;
+            let g = k::cast(&g, dw.dtype())?;
+            if acc { k::add_(&dw, &g)? } else { k::copy_(&dw, &g)? }
+        } else {
+            k::matmul_into(&dw, &dy2, &x2, true, false, acc)?;
+        }
         if let Some(b) = self.bias {
             let (db, acc) = cx.params.grad_acc(b)?;
             k::bias_grad_into(&db, dy, acc)?;
