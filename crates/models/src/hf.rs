@@ -149,22 +149,25 @@ impl HfArch {
 fn mixtral_of(c: &TransformerConfig, m: &MoeSpec) -> Result<HfArch> {
     let a = c.layer.attention;
     let r = &m.router;
-    let problem =
-        if c.layer.norm != NormKind::RmsNorm || !matches!(c.position_embedding, PositionEmbedding::Rope { .. }) {
-            Some("Mixtral's layers are RMSNorm with RoPE")
-        } else if m.activation != Activation::SwiGlu || m.bias {
-            Some("Mixtral's experts are SwiGLU without biases")
-        } else if m.shared_expert_ffn.is_some() {
-            Some("Mixtral has no shared experts")
-        } else if c.layer.other_mlp.is_some() {
-            Some("every Mixtral layer is an MoE layer (no --moe-layer-freq)")
-        } else if a.bias || a.qkv_bias || a.qk_layernorm {
-            Some("Mixtral's attention has no biases and no QK-LayerNorm")
-        } else if r.pre_softmax || r.topk_scaling_factor.is_some() {
-            Some("Mixtral renormalises the top-k weights (no --moe-router-pre-softmax, no scaling factor)")
-        } else {
-            None
-        };
+    let problem = if c.layer.norm != NormKind::RmsNorm
+        || !matches!(c.position_embedding, PositionEmbedding::Rope { .. })
+    {
+        Some("Mixtral's layers are RMSNorm with RoPE")
+    } else if m.activation != Activation::SwiGlu || m.bias {
+        Some("Mixtral's experts are SwiGLU without biases")
+    } else if m.shared_expert_ffn.is_some() {
+        Some("Mixtral has no shared experts")
+    } else if c.layer.other_mlp.is_some() {
+        Some("every Mixtral layer is an MoE layer (no --moe-layer-freq)")
+    } else if a.bias || a.qkv_bias || a.qk_layernorm {
+        Some("Mixtral's attention has no biases and no QK-LayerNorm")
+    } else if r.pre_softmax || r.topk_scaling_factor.is_some() {
+        Some("Mixtral renormalises the top-k weights (no --moe-router-pre-softmax, no scaling factor)")
+    } else if r.score != ferrotron_moe::Score::Softmax || r.groups.is_some() || r.expert_bias_update_rate.is_some() {
+        Some("Mixtral's router is a softmax top-k (no sigmoid scores, expert groups or expert bias)")
+    } else {
+        None
+    };
     match problem {
         Some(p) => Err(HfError::NoEquivalent(format!("an MoE model as MixtralForCausalLM: {p}"))),
         None => Ok(HfArch::Mixtral),
@@ -1118,6 +1121,11 @@ mod tests {
         m.router.pre_softmax = true;
         c.layer.mlp = MlpSpec::Custom(Arc::new(m));
         assert!(HfArch::of(&c).unwrap_err().to_string().contains("renormalises"));
+        let mut c = tiny(HfArch::Mixtral);
+        let mut m = crate::moe_spec(&c).unwrap().clone();
+        m.router.score = ferrotron_moe::Score::Sigmoid;
+        c.layer.mlp = MlpSpec::Custom(Arc::new(m));
+        assert!(HfArch::of(&c).unwrap_err().to_string().contains("softmax top-k"));
         let mut c = tiny(HfArch::Llama);
         c.layer.attention.qk_layernorm = true;
         assert!(HfArch::of(&c).unwrap_err().to_string().contains("QK-LayerNorm"));

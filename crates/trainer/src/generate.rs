@@ -25,8 +25,16 @@ pub fn generate(a: &GenerateArgs) -> anyhow::Result<String> {
     let ck = checkpoint::open(a.load, false)?;
     let s = &ck.state().settings;
     let dtype = if s.bf16 { DType::BF16 } else { DType::F32 };
-    let (model, table) = GptModel::build(s.model_config()?, &Device::Cpu, dtype, s.seed)?;
+    let config = s.model_config()?;
+    // The MoE layers' expert biases steer their routing: the checkpoint's, not zeros.
+    let biases = ferrotron_models::moe_spec(&config)
+        .filter(|m| m.router.expert_bias_update_rate.is_some())
+        .map(|m| m.biases.clone());
+    let (model, table) = GptModel::build(config, &Device::Cpu, dtype, s.seed)?;
     checkpoint::restore_params(ck.as_ref(), &table)?;
+    if let Some(b) = biases {
+        checkpoint::restore_biases(ck.as_ref(), &b.layers())?;
+    }
     let tok = Tokenizer::new(s.tokenizer()?)?;
     let mut ids = tok.encode(a.prompt)?;
     if ids.is_empty() {

@@ -268,6 +268,18 @@ fn deepseek_routing_follows_one_rank_and_resumes() {
             assert!((steps - steps.round()).abs() < 1e-3 && steps.abs() <= 3.0 + 1e-3, "layer {layer}: {v:?}");
         }
     }
+    // Generation reads the biases back with the parameters (it refuses a checkpoint without them,
+    // below's error).
+    let g = ferrotron_trainer::generate::generate(&ferrotron_trainer::generate::GenerateArgs {
+        load: &b_dir,
+        prompt: "a",
+        max_new_tokens: 4,
+        temperature: 0.0,
+        top_k: 0,
+        seed: 1,
+    })
+    .unwrap();
+    assert!(g.len() > 1, "{g:?}");
     // A checkpoint saved without the bias does not load into a run that keeps one: refused, naming
     // the missing bias and the flag.
     let plain = settings(&moe_args());
