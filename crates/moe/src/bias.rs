@@ -107,6 +107,11 @@ impl ExpertBiases {
     /// mean and the counts cleared. Experts at the mean (or a layer with no tokens) stay.
     pub fn update(&self, rate: f32, sum: impl FnOnce(&mut Vec<f32>) -> Result<()>) -> Result<()> {
         let layers = self.layers();
+        if layers.is_empty() {
+            // A pipeline stage without MoE layers (--moe-layer-freq): every rank of its groups
+            // alike, so none of them joins the collective.
+            return Ok(());
+        }
         let mut all: Vec<f32> = vec![];
         for b in &layers {
             all.extend(b.lock().counts.iter().map(|&c| c as f32));
