@@ -33,7 +33,7 @@ pub fn generate(a: &GenerateArgs) -> anyhow::Result<String> {
     let (model, table) = GptModel::build(config, &Device::Cpu, dtype, s.seed)?;
     checkpoint::restore_params(ck.as_ref(), &table)?;
     if let Some(b) = biases {
-        checkpoint::restore_biases(ck.as_ref(), &b.layers())?;
+        checkpoint::restore_biases(ck.as_ref(), &b.layers(), false)?;
     }
     let tok = Tokenizer::new(s.tokenizer()?)?;
     let mut ids = tok.encode(a.prompt)?;

@@ -616,7 +616,10 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     if let Some(dir) = &paths.load {
         let ck = checkpoint::open(dir, paths.load_mode == LoadMode::Resume)?;
         if let Some((biases, _)) = &expert_bias {
-            checkpoint::restore_biases(ck.as_ref(), &biases.layers())?;
+            let finetune = paths.load_mode == LoadMode::Finetune;
+            if checkpoint::restore_biases(ck.as_ref(), &biases.layers(), finetune)? && rank0 {
+                eprintln!("the checkpoint has no expert biases: they start from zero (--finetune)");
+            }
         }
         if paths.load_mode == LoadMode::Resume {
             checkpoint::restore(ck.as_ref(), &table, &mut opt)?;

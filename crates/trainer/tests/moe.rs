@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use ferrotron_trainer::checkpoint;
-use ferrotron_trainer::settings::{Launch, Paths, Settings, TrainArgs};
+use ferrotron_trainer::settings::{Launch, LoadMode, Paths, Settings, TrainArgs};
 use ferrotron_trainer::train::train;
 
 fn moe_args() -> TrainArgs {
@@ -288,6 +288,15 @@ fn deepseek_routing_follows_one_rank_and_resumes() {
     let e = train(&s1, &Paths { load: Some(p_dir.clone()), ..Paths::default() }).map(|_| ()).unwrap_err();
     let e = format!("{e:#}");
     assert!(e.contains("expert bias `decoder.layers.0.mlp.router.expert_bias`"), "{e}");
+    // --finetune from it starts the biases from zero: the first step routes as without a bias.
+    let nobias =
+        settings(&TrainArgs { moe_router_enable_expert_bias: false, moe_router_bias_update_rate: None, ..a.clone() });
+    let tune = |s: &Settings| {
+        train(s, &Paths { load: Some(p_dir.clone()), load_mode: LoadMode::Finetune, ..Paths::default() }).unwrap()
+    };
+    let (tuned, without) = (tune(&s1), tune(&nobias));
+    assert_eq!(tuned.losses[0].1.to_bits(), without.losses[0].1.to_bits(), "zero biases route as none at step 1");
+    assert_ne!(bits(&tuned.losses), bits(&without.losses), "the biases moved after step 1");
     for d in [b_dir, p_dir] {
         let _ = std::fs::remove_dir_all(d);
     }
