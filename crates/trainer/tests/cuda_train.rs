@@ -60,7 +60,6 @@ fn mixtral_tiny_preset_cuda_matches_cpu() {
 /// routers, bf16 on CUDA against bf16 on the CPU.
 #[test]
 fn deepseek_routing_cuda_matches_cpu() {
-    let gpu = Device::cuda(0).expect("a CUDA device");
     let args = || TrainArgs {
         preset: Some("mixtral-tiny".into()),
         bf16: true,
@@ -72,12 +71,7 @@ fn deepseek_routing_cuda_matches_cpu() {
         moe_router_dtype: Some("fp32".into()),
         ..TrainArgs::default()
     };
-    let (cpu, cuda) = (losses_of(args(), Device::Cpu), losses_of(args(), gpu));
-    eprintln!("deepseek routing\ncpu bf16 {cpu:?}\ncuda bf16 {cuda:?}");
-    assert_eq!(cuda.len(), 20);
-    for (i, (c, g)) in cpu.iter().zip(&cuda).enumerate() {
-        assert!((c - g).abs() <= 2e-2 * c.abs(), "step {}: cpu bf16 {c} vs cuda bf16 {g}", i + 1);
-    }
+    bf16_cuda_matches_cpu("deepseek routing", args);
 }
 
 /// Mamba-2 hybrid (the convolution, the chunked scan, the gated norm beside attention layers).
@@ -91,7 +85,6 @@ fn mamba_tiny_preset_cuda_matches_cpu() {
 /// CUDA against bf16 on the CPU.
 #[test]
 fn mamba_tensor_core_scan_cuda_matches_cpu() {
-    let gpu = Device::cuda(0).expect("a CUDA device");
     let args = || TrainArgs {
         preset: Some("mamba-tiny".into()),
         bf16: true,
@@ -99,11 +92,17 @@ fn mamba_tensor_core_scan_cuda_matches_cpu() {
         mamba_head_dim: Some(32),
         ..TrainArgs::default()
     };
+    bf16_cuda_matches_cpu("mamba tensor cores", args);
+}
+
+/// `args` (a bf16 run) for 20 steps on the GPU and on the CPU: every loss within 2e-2.
+fn bf16_cuda_matches_cpu(tag: &str, args: impl Fn() -> TrainArgs) {
+    let gpu = Device::cuda(0).expect("a CUDA device");
     let (cpu, cuda) = (losses_of(args(), Device::Cpu), losses_of(args(), gpu));
-    eprintln!("mamba tensor cores\ncpu bf16 {cpu:?}\ncuda bf16 {cuda:?}");
+    eprintln!("{tag}\ncpu bf16 {cpu:?}\ncuda bf16 {cuda:?}");
     assert_eq!(cuda.len(), 20);
     for (i, (c, g)) in cpu.iter().zip(&cuda).enumerate() {
-        assert!((c - g).abs() <= 2e-2 * c.abs(), "step {}: cpu bf16 {c} vs cuda bf16 {g}", i + 1);
+        assert!((c - g).abs() <= 2e-2 * c.abs(), "{tag} step {}: cpu bf16 {c} vs cuda bf16 {g}", i + 1);
     }
 }
 

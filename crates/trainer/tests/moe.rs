@@ -29,6 +29,23 @@ fn moe_args_on(base: TrainArgs) -> TrainArgs {
     }
 }
 
+/// Tensor parallel 2 with sequence parallelism over `s`: experts split (Megatron's default), and
+/// whole experts (--expert-tensor-parallel-size 1) over an expert-parallel group of 2.
+fn tp2_sp_layouts(s: &Settings) -> (Settings, Settings) {
+    let mut tp = s.clone();
+    tp.tensor_model_parallel_size = 2;
+    tp.sequence_parallel = true;
+    let mut etp1 = tp.clone();
+    etp1.moe.as_mut().unwrap().expert_model_parallel_size = 2;
+    etp1.moe.as_mut().unwrap().expert_tensor_parallel_size = Some(1);
+    (tp, etp1)
+}
+
+/// The routers' loss values of a run, load-balancing and z-loss at each log line.
+fn router_values(r: &ferrotron_trainer::train::Summary) -> Vec<(u64, f64)> {
+    r.router_losses.iter().flat_map(|&(i, lb, z)| [(i, lb), (i, z)]).collect()
+}
+
 /// GPT-style experts (GeLU, biases on every linear) under tensor parallelism, with and without
 /// sequence parallelism: the experts' partial sums are reduced once after the combine, each fc2
 /// bias counted once (rank 0's), the probabilities' gradient summed over the group; the same
@@ -109,10 +126,7 @@ fn moe_layouts_follow_one_rank() {
         // The norm sees every gradient at its one-rank scale: each expert's counted once, on the
         // rank that holds it.
         close(&format!("{tag} gradient norms"), &run.grad_norms, &one.grad_norms);
-        let rl = |r: &ferrotron_trainer::train::Summary| -> Vec<(u64, f64)> {
-            r.router_losses.iter().flat_map(|&(i, lb, z)| [(i, lb), (i, z)]).collect()
-        };
-        close(&format!("{tag} router losses"), &rl(&run), &rl(&one));
+        close(&format!("{tag} router losses"), &router_values(&run), &router_values(&one));
     }
 }
 
@@ -224,12 +238,7 @@ fn deepseek_routing_follows_one_rank_and_resumes() {
     dp.use_distributed_optimizer = true;
     let mut ep = dp.clone();
     ep.moe.as_mut().unwrap().expert_model_parallel_size = 2;
-    let mut tp = s1.clone();
-    tp.tensor_model_parallel_size = 2;
-    tp.sequence_parallel = true;
-    let mut etp1 = tp.clone();
-    etp1.moe.as_mut().unwrap().expert_model_parallel_size = 2;
-    etp1.moe.as_mut().unwrap().expert_tensor_parallel_size = Some(1);
+    let (tp, etp1) = tp2_sp_layouts(&s1);
     let mut pp = s1.clone();
     pp.pipeline_model_parallel_size = 2;
     for (tag, s, n) in [
@@ -325,17 +334,9 @@ fn sequence_level_balancing_loss_follows_one_rank() {
     cp.context_parallel_size = 2;
     let mut cp_ep = cp.clone();
     cp_ep.moe.as_mut().unwrap().expert_model_parallel_size = 2;
-    let mut tp = s1.clone();
-    tp.tensor_model_parallel_size = 2;
-    tp.sequence_parallel = true;
-    let mut etp1 = tp.clone();
-    etp1.moe.as_mut().unwrap().expert_model_parallel_size = 2;
-    etp1.moe.as_mut().unwrap().expert_tensor_parallel_size = Some(1);
+    let (tp, etp1) = tp2_sp_layouts(&s1);
     let mut dp = s1.clone();
     dp.use_distributed_optimizer = true;
-    let rl = |r: &ferrotron_trainer::train::Summary| -> Vec<(u64, f64)> {
-        r.router_losses.iter().flat_map(|&(i, lb, z)| [(i, lb), (i, z)]).collect()
-    };
     for (tag, s, n) in [
         ("cp2", &cp, 2),
         ("cp2 × ep2", &cp_ep, 4),
@@ -346,7 +347,7 @@ fn sequence_level_balancing_loss_follows_one_rank() {
         let run = train(s, &Paths { launch: Launch::Threads(n), ..Paths::default() })
             .unwrap_or_else(|e| panic!("{tag}: {e:#}"));
         close(tag, &run.losses, &one.losses);
-        close(&format!("{tag} router losses"), &rl(&run), &rl(&one));
+        close(&format!("{tag} router losses"), &router_values(&run), &router_values(&one));
     }
 }
 
