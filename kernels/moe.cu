@@ -136,15 +136,17 @@ extern "C" __global__ void moe_router_loss_##s(const T* logits, const float* cou
         float daux = score == 0 ? sm * (w * counts[c] - w * sc) : moe_dscore(score, xv, moe_score(score, xv)) * (w * counts[c] - w * sc) / d; \
         dlogits[r * e + c] = gs * (aux * daux + dz * sm); } \
     if (lane == 0) { atomicAdd(values, w * sc); atomicAdd(values + 1, lse * lse / (float)n); } } \
-extern "C" __global__ void moe_unpermute_##s(const T* yp, const u32* slot, const float* probs, T* y, long n, long k, long c) { \
+/* rows: yp's (fewer than n·k when a capacity dropped copies); a slot at or past it (DROPPED) is a \
+   dropped copy: it adds nothing, has no dyp row and a zero dprobs. */ \
+extern "C" __global__ void moe_unpermute_##s(const T* yp, const u32* slot, const float* probs, T* y, long n, long k, long c, long rows) { \
     GRID_STRIDE(i, n * c) { long t = i / c, col = i % c; float a = 0.f; \
-        for (long j = 0; j < k; j++) { u32 row = slot[t * k + j]; if (row < (u32)(n * k)) a += probs[t * k + j] * ld(yp, (long)row * c + col); } \
+        for (long j = 0; j < k; j++) { long row = slot[t * k + j]; if (row < rows) a += probs[t * k + j] * ld(yp, row * c + col); } \
         st(y, i, a); } } \
-extern "C" __global__ void moe_unpermute_bwd_dyp_##s(const T* dy, const u32* slot, const float* probs, T* dyp, long n, long k, long c) { \
-    GRID_STRIDE(i, n * k * c) { long tj = i / c, col = i % c, t = tj / k; u32 row = slot[tj]; \
-        if (row < (u32)(n * k)) st(dyp, (long)row * c + col, probs[tj] * ld(dy, t * c + col)); } } \
-extern "C" __global__ void moe_unpermute_bwd_dp_##s(const T* yp, const u32* slot, const T* dy, float* dprobs, long n, long k, long c) { \
-    long tj = blockIdx.x, t = tj / k; u32 row = slot[tj]; int lane = threadIdx.x; float a = 0.f; \
-    if (row < (u32)(n * k)) for (long col = lane; col < c; col += 32) a += ld(yp, (long)row * c + col) * ld(dy, t * c + col); \
+extern "C" __global__ void moe_unpermute_bwd_dyp_##s(const T* dy, const u32* slot, const float* probs, T* dyp, long n, long k, long c, long rows) { \
+    GRID_STRIDE(i, n * k * c) { long tj = i / c, col = i % c, t = tj / k; long row = slot[tj]; \
+        if (row < rows) st(dyp, row * c + col, probs[tj] * ld(dy, t * c + col)); } } \
+extern "C" __global__ void moe_unpermute_bwd_dp_##s(const T* yp, const u32* slot, const T* dy, float* dprobs, long n, long k, long c, long rows) { \
+    long tj = blockIdx.x, t = tj / k; long row = slot[tj]; int lane = threadIdx.x; float a = 0.f; \
+    if (row < rows) for (long col = lane; col < c; col += 32) a += ld(yp, row * c + col) * ld(dy, t * c + col); \
     a = warp_sum(a); if (lane == 0) dprobs[tj] = a; }
 FOR_TYPES(MOE)

@@ -11,7 +11,7 @@
 use crate::{buf, check, cpu};
 use ferrotron_core::{DType, Result, Tensor, invalid};
 
-pub use cpu::moe::{Groups, Score};
+pub use cpu::moe::{DROPPED, DropPolicy, Groups, Score};
 
 /// How `moe_route` turns a token's logits into its experts' weights.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -213,21 +213,62 @@ pub struct ExpertSort {
     pub tokens_per_expert: Vec<usize>,
 }
 
-/// experts [N, k] u32 → the sort; indices ≥ `num_experts` are an error naming the index.
+/// Token dropping (Megatron's --moe-expert-capacity-factor and --moe-token-drop-policy): each
+/// expert takes at most its capacity of a micro-batch's token copies, the rest skip it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Capacity {
+    /// The capacity in units of an even share: an expert takes ⌈copies / E · factor⌉.
+    pub factor: f64,
+    pub policy: DropPolicy,
+}
+
+impl Capacity {
+    /// An expert's capacity for `tokens` tokens routed top-`k` over `experts` experts (Megatron's
+    /// `get_capacity`, in f64 as Python computes it).
+    pub fn per_expert(&self, tokens: usize, k: usize, experts: usize) -> usize {
+        ((tokens * k) as f64 / experts.max(1) as f64 * self.factor).ceil().max(0.0) as usize
+    }
+}
+
+/// experts [N, k] u32 → the sort; indices ≥ `num_experts` are an error naming the index, except
+/// `DROPPED`, whose copies get no row (their slot is `DROPPED`).
 pub fn moe_sort(experts: &Tensor, num_experts: usize) -> Result<ExpertSort> {
     const OP: &str = "moe_sort";
     check::dtype(OP, experts, DType::U32)?;
     let (n, k) = dims2(OP, experts)?;
     let ix = experts.to_vec::<u32>()?;
-    if let Some(&bad) = ix.iter().find(|&&x| x as usize >= num_experts) {
+    if let Some(&bad) = ix.iter().find(|&&x| x as usize >= num_experts && x != DROPPED) {
         return Err(invalid(OP, format!("expert index {bad} is not below the {num_experts} experts")));
     }
     let (perm, slot, counts) = cpu::moe::sort_by_expert(&ix, k, num_experts);
+    let rows = perm.len();
     Ok(ExpertSort {
-        perm: Tensor::from_vec(perm, [n * k], experts.device())?,
+        perm: Tensor::from_vec(perm, [rows], experts.device())?,
         slot: Tensor::from_vec(slot, [n, k], experts.device())?,
         tokens_per_expert: counts,
     })
+}
+
+/// experts [N, k] u32 and their weights probs [N, k] → the same experts with each copy beyond its
+/// expert's capacity (`cap` for the N tokens) replaced by `DROPPED`. Read back to the host, as
+/// `moe_sort` reads the experts.
+pub fn moe_drop(experts: &Tensor, probs: &Tensor, num_experts: usize, cap: &Capacity) -> Result<Tensor> {
+    const OP: &str = "moe_drop";
+    check::dtype(OP, experts, DType::U32)?;
+    let (n, k) = dims2(OP, experts)?;
+    check::float(OP, probs)?;
+    check::shape(OP, probs, &[n, k])?;
+    if !(cap.factor.is_finite() && cap.factor > 0.0) {
+        return Err(invalid(OP, format!("capacity factor {} must be a finite value above 0", cap.factor)));
+    }
+    let ix = experts.to_vec::<u32>()?;
+    // Only the probs policy reads the weights.
+    let pv = match cap.policy {
+        DropPolicy::Probs => probs.read_f32()?.to_vec(),
+        DropPolicy::Position => vec![0.0; n * k],
+    };
+    let kept = cpu::moe::drop_over_capacity(&ix, &pv, num_experts, cap.per_expert(n, k, num_experts), cap.policy);
+    Tensor::from_vec(kept, [n, k], experts.device())
 }
 
 fn combine_shapes(op: &'static str, yp: &Tensor, slot: &Tensor, probs: &Tensor) -> Result<(usize, usize, usize)> {
@@ -235,7 +276,8 @@ fn combine_shapes(op: &'static str, yp: &Tensor, slot: &Tensor, probs: &Tensor) 
     let (rows, c) = dims2(op, yp)?;
     check::dtype(op, slot, DType::U32)?;
     let (n, k) = dims2(op, slot)?;
-    if rows != n * k {
+    // Fewer rows than copies when a capacity dropped some.
+    if rows > n * k {
         return Err(invalid(op, format!("{rows} expert rows for {n} tokens × top-{k}")));
     }
     check::float(op, probs)?;
@@ -245,7 +287,7 @@ fn combine_shapes(op: &'static str, yp: &Tensor, slot: &Tensor, probs: &Tensor) 
 
 fn slots(op: &'static str, slot: &Tensor, rows: usize) -> Result<Vec<u32>> {
     let s = slot.to_vec::<u32>()?;
-    if let Some(&bad) = s.iter().find(|&&r| r as usize >= rows) {
+    if let Some(&bad) = s.iter().find(|&&r| r as usize >= rows && r != DROPPED) {
         return Err(invalid(op, format!("slot {bad} is not below the {rows} expert rows")));
     }
     Ok(s)
@@ -260,7 +302,7 @@ pub fn moe_unpermute(yp: &Tensor, slot: &Tensor, probs: &Tensor) -> Result<Tenso
         return crate::cuda::ops::moe_unpermute(&g, yp, slot, probs);
     }
     check::on_cpu(OP, &[yp, slot, probs])?;
-    let s = slots(OP, slot, n * k)?;
+    let s = slots(OP, slot, yp.dims()[0])?;
     let (yv, pv) = (yp.read_f32()?, probs.read_f32()?);
     // SAFETY: unpermute writes every row.
     let mut y = unsafe { buf::uninit::<f32>(n * c) };
@@ -268,7 +310,7 @@ pub fn moe_unpermute(yp: &Tensor, slot: &Tensor, probs: &Tensor) -> Result<Tenso
     check::out(y, [n, c], yp.dtype(), yp.device())
 }
 
-/// (dyp [N·k, C] in dy's dtype, dprobs [N, k] f32) from dy [N, C].
+/// (dyp [rows, C] in dy's dtype, rows yp's, dprobs [N, k] f32) from dy [N, C].
 pub fn moe_unpermute_bwd(yp: &Tensor, slot: &Tensor, probs: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
     const OP: &str = "moe_unpermute_bwd";
     let (n, k, c) = combine_shapes(OP, yp, slot, probs)?;
@@ -279,15 +321,17 @@ pub fn moe_unpermute_bwd(yp: &Tensor, slot: &Tensor, probs: &Tensor, dy: &Tensor
         return crate::cuda::ops::moe_unpermute_bwd(&g, yp, slot, probs, dy);
     }
     check::on_cpu(OP, &[yp, slot, probs, dy])?;
-    let s = slots(OP, slot, n * k)?;
-    let mut seen = vec![false; n * k];
-    if s.iter().any(|&r| std::mem::replace(&mut seen[r as usize], true)) {
-        return Err(invalid(OP, "two token copies name the same expert row: slot is not a permutation"));
+    let rows = yp.dims()[0];
+    let s = slots(OP, slot, rows)?;
+    let mut seen = vec![false; rows];
+    let kept = s.iter().filter(|&&r| r != DROPPED);
+    if kept.clone().any(|&r| std::mem::replace(&mut seen[r as usize], true)) || kept.count() != rows {
+        return Err(invalid(OP, "the kept token copies do not name every expert row once: slot is not a permutation"));
     }
     let (yv, pv, gv) = (yp.read_f32()?, probs.read_f32()?, dy.read_f32()?);
     // SAFETY: every row of dyp has exactly one slot (checked above); dprobs is written in full.
-    let mut dyp = unsafe { buf::uninit::<f32>(n * k * c) };
+    let mut dyp = unsafe { buf::uninit::<f32>(rows * c) };
     let mut dp = unsafe { buf::uninit::<f32>(n * k) };
     cpu::moe::unpermute_bwd(&yv, &s, &pv, &gv, c, k, &mut dyp, &mut dp);
-    Ok((check::out(dyp, [n * k, c], dy.dtype(), dy.device())?, Tensor::from_vec(dp, [n, k], dy.device())?))
+    Ok((check::out(dyp, [rows, c], dy.dtype(), dy.device())?, Tensor::from_vec(dp, [n, k], dy.device())?))
 }

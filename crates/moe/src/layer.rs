@@ -5,9 +5,12 @@
 //!   logits [N, E] = x · routerᵀ                      (router.weight [E, C])
 //!   probs, experts [N, K] = top-k of logits           (`k::moe_route`; the expert bias, when
 //!                                                      kept, steers the choice)
-//!   xp [N·K, C] = x[perm]                             (copies sorted by expert, tokens ascending)
+//!   kept = experts past capacity dropped              (`k::moe_drop`, with a capacity only)
+//!   xp [R, C] = x[perm]                               (R = N·K kept copies sorted by expert,
+//!                                                      tokens ascending)
 //!   yp[rows of e] = expert_e(xp[rows of e])           (experts.local_experts.e: the dense MLP)
-//!   y[n] = Σ_j probs[n, j] · yp[slot[n, j]]  (+ shared_experts(x)[n] with shared experts)
+//!   y[n] = Σ_j probs[n, j] · yp[slot[n, j]]  (+ shared_experts(x)[n] with shared experts;
+//!                                              a dropped copy adds nothing)
 //! Under expert parallelism `xp` goes to the ranks holding its experts and `yp` comes back by
 //! all-to-all (`Dispatch`); each rank runs only its own experts.
 //! Backward: dyp and dprobs from the combine; each expert's backward on its rows; dx = the
@@ -79,6 +82,8 @@ pub struct MoeLayer {
     /// Context parallelism over more than one rank: the micro-batch's other tokens' ranks.
     cp: Option<ExpertGroup>,
     topk: k::TopK,
+    /// Token dropping: each expert's capacity of this rank's copies.
+    capacity: Option<k::Capacity>,
     /// DeepSeek-V3's expert bias (`bias.rs`): steers the choice, counted in the backward.
     bias: Option<Arc<ExpertBias>>,
     aux_coeff: f32,
@@ -191,6 +196,7 @@ impl MoeLayer {
                 groups: r.groups,
                 ..k::TopK::new(r.topk, r.pre_softmax, r.topk_scaling_factor.unwrap_or(1.0))
             },
+            capacity: r.capacity,
             bias: r
                 .expert_bias_update_rate
                 .map(|_| spec.biases.register(format!("{prefix}.router.expert_bias"), spec.num_experts)),
@@ -259,18 +265,25 @@ impl Module for MoeLayer {
         let (logits, s_router) = self.router.forward(cx, &x2)?;
         let bias = self.bias.as_ref().map(|b| b.tensor(logits.device())).transpose()?;
         let (probs, experts) = k::moe_route(&logits, &self.topk, bias.as_ref())?;
-        let sort = k::moe_sort(&experts, self.num_experts)?;
+        // With a capacity the copies past it get no row (`experts` stays whole for the router's
+        // backward; the dropped copies' dprobs come back 0).
+        let sort = match &self.capacity {
+            Some(cap) => k::moe_sort(&k::moe_drop(&experts, &probs, self.num_experts, cap)?, self.num_experts)?,
+            None => k::moe_sort(&experts, self.num_experts)?,
+        };
         // The load-balancing loss counts a plain top-k of the scores (Megatron's scores for the
-        // auxiliary loss), which the bias and the group limit may have moved the choice from;
-        // per sequence for the sequence-level loss.
+        // auxiliary loss), which the bias and the group limit may have moved the choice from,
+        // before any copy is dropped; per sequence for the sequence-level loss.
         let seqs = self.seqs(x);
         let moved = self.bias.is_some() || self.topk.groups.is_some();
-        let aux_counts = match (self.aux_coeff > 0.0 && cx.training, moved, self.per_sequence) {
-            (true, true, _) => {
+        let aux_counts = match (self.aux_coeff > 0.0 && cx.training, moved) {
+            (true, true) => {
                 let plain = k::TopK { groups: None, ..self.topk };
                 per_expert_counts(&k::moe_route(&logits, &plain, None)?.1, self.num_experts, seqs)?
             }
-            (true, false, true) => per_expert_counts(&experts, self.num_experts, seqs)?,
+            (true, false) if self.per_sequence || self.capacity.is_some() => {
+                per_expert_counts(&experts, self.num_experts, seqs)?
+            }
             _ => sort.tokens_per_expert.clone(),
         };
         let xp = k::embedding_fwd(&sort.perm, &x2)?;

@@ -26,9 +26,12 @@
 //! DeepSeek-V3's aux-loss-free balancing by a per-expert bias the trainer moves after each step
 //! (`bias.rs`, [`ExpertBiases`]).
 //!
+//! Token dropping (`RouterSpec::capacity`): each expert takes at most its capacity of the rank's
+//! token copies, the rest skip it, as Megatron's capacity factor does.
+//!
 //! Not yet: expert tensor-parallel sizes other than 1 and the tensor-parallel size, the shared
-//! experts' gate, token dropping, the sequence-level and global balancing losses; the spec and
-//! the trainer refuse what is not built, naming it.
+//! experts' gate, padding experts' inputs to their capacity, the global balancing loss; the spec
+//! and the trainer refuse what is not built, naming it.
 
 pub mod bias;
 pub mod dispatch;
@@ -37,7 +40,7 @@ pub mod metrics;
 pub mod spec;
 
 pub use bias::{ExpertBias, ExpertBiases};
-pub use ferrotron_kernels::{Groups, Score};
+pub use ferrotron_kernels::{Capacity, DropPolicy, Groups, Score};
 pub use layer::MoeLayer;
 pub use metrics::{MoeMetrics, RouterLossValues};
 pub use spec::{ExpertGroup, LoadBalancing, MoeSpec, RouterSpec};

@@ -7,7 +7,7 @@ use crate::layer::MoeLayer;
 use crate::metrics::MoeMetrics;
 use ferrotron_comm::Communicator;
 use ferrotron_core::{Module, ParamTableBuilder, Result, invalid};
-use ferrotron_kernels::{Groups, Score};
+use ferrotron_kernels::{Capacity, Groups, Score};
 use ferrotron_transformer::spec::{Activation, FactoryCx, ModuleFactory, ParamCount};
 use std::sync::Arc;
 
@@ -49,6 +49,10 @@ pub struct RouterSpec {
     /// --moe-router-dtype fp32: the router's product (and so its logits) in fp32 whatever the
     /// model's dtype.
     pub fp32: bool,
+    /// --moe-expert-capacity-factor with --moe-token-drop-policy: each expert takes at most its
+    /// capacity of a micro-batch's token copies on this rank (`Capacity::per_expert`), the others
+    /// skip it (no weight, no gradient). None: dropless.
+    pub capacity: Option<Capacity>,
 }
 
 impl Default for RouterSpec {
@@ -64,6 +68,7 @@ impl Default for RouterSpec {
             groups: None,
             expert_bias_update_rate: None,
             fp32: false,
+            capacity: None,
         }
     }
 }
@@ -163,6 +168,11 @@ impl MoeSpec {
             if !(rate.is_finite() && rate >= 0.0) {
                 return Err(format!("--moe-router-bias-update-rate {rate} must be a finite value ≥ 0 (1e-3 is usual)"));
             }
+        }
+        if let Some(f) = r.capacity.map(|c| c.factor).filter(|f| !(f.is_finite() && *f > 0.0)) {
+            return Err(format!(
+                "--moe-expert-capacity-factor {f} must be a finite value above 0 (1.0 is an even share; leave it out for no dropping)"
+            ));
         }
         let ep = self.expert_parallel_size;
         if ep == 0 || self.num_experts % ep != 0 {

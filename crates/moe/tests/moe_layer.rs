@@ -51,6 +51,14 @@ fn deepseek_spec() -> MoeSpec {
     s
 }
 
+/// Token dropping at 0.6 of an even share (the router's losses on, counted before the drop); by
+/// position, so that a finite-difference step cannot move which copies are dropped.
+fn capped() -> MoeSpec {
+    let mut s = spec(Activation::Gelu, true, false);
+    s.router.capacity = Some(k::Capacity { factor: 0.6, policy: k::DropPolicy::Position });
+    s
+}
+
 /// Bias values that move some tokens' choices.
 const BIAS: [f32; 6] = [0.3, -0.2, 0.1, 0.0, -0.4, 0.25];
 
@@ -100,6 +108,12 @@ fn order(v: &[f64]) -> Vec<usize> {
 
 /// The layer's output for one token, computed the plain way (`bias`: the expert bias's values).
 fn reference(t: &ParamTable, s: &MoeSpec, x: &[f64], bias: Option<&[f64]>) -> Vec<f64> {
+    let (top, w) = route_reference(t, s, x, bias);
+    combine_reference(t, s, x, &top, &w)
+}
+
+/// One token's experts and weights, computed the plain way.
+fn route_reference(t: &ParamTable, s: &MoeSpec, x: &[f64], bias: Option<&[f64]>) -> (Vec<usize>, Vec<f64>) {
     let pre = "decoder.layers.0.mlp";
     let logits = lin(&get(t, &format!("{pre}.router.weight")), None, x);
     let soft = |v: &[f64]| {
@@ -126,7 +140,7 @@ fn reference(t: &ParamTable, s: &MoeSpec, x: &[f64], bias: Option<&[f64]>) -> Ve
             }
         }
     }
-    let top = &order(&sel)[..s.router.topk];
+    let top = order(&sel)[..s.router.topk].to_vec();
     let scale = s.router.topk_scaling_factor.unwrap_or(1.0) as f64;
     let w: Vec<f64> = if !softmax {
         let f: Vec<f64> = top.iter().map(|&e| sigmoid(logits[e])).collect();
@@ -138,8 +152,14 @@ fn reference(t: &ParamTable, s: &MoeSpec, x: &[f64], bias: Option<&[f64]>) -> Ve
     } else {
         soft(&top.iter().map(|&e| logits[e]).collect::<Vec<_>>()).into_iter().map(|p| scale * p).collect()
     };
+    (top, w)
+}
+
+/// One token's output from its experts `top` at weights `w` (a dropped copy left out of both).
+fn combine_reference(t: &ParamTable, s: &MoeSpec, x: &[f64], top: &[usize], w: &[f64]) -> Vec<f64> {
+    let pre = "decoder.layers.0.mlp";
     let mut y = vec![0.0; x.len()];
-    for (&e, &p) in top.iter().zip(&w) {
+    for (&e, &p) in top.iter().zip(w) {
         let ex = format!("{pre}.experts.local_experts.{e}");
         let bias = |n: &str| s.bias.then(|| get(t, &format!("{ex}.{n}.bias")));
         let h = lin(&get(t, &format!("{ex}.linear_fc1.weight")), bias("linear_fc1").as_deref(), x);
@@ -207,6 +227,49 @@ fn forward_matches_the_per_token_reference() {
     }
 }
 
+/// Token dropping against the naive capacity: each expert keeps ⌈N·k / E · factor⌉ of the copies
+/// routed to it (the largest weights, or the earliest tokens), the others leave their token's
+/// output; the weights of the kept ones are not renormalised.
+#[test]
+fn capacity_drops_the_reference_copies() {
+    for (policy, factor) in [(k::DropPolicy::Probs, 0.6), (k::DropPolicy::Position, 0.75), (k::DropPolicy::Probs, 4.0)]
+    {
+        let mut s = spec(Activation::SwiGlu, false, false);
+        s.router.capacity = Some(k::Capacity { factor, policy });
+        let (m, table) = layer(&s, 7);
+        let (b, t) = (3, 5);
+        let x = randn(b * t * C, 11, 1.0);
+        let (y, saved) =
+            m.forward(&Cx::new(&table, true), &Tensor::from_vec(x.clone(), [b, t, C], &Device::Cpu).unwrap()).unwrap();
+        let y = y.to_vec_f32().unwrap();
+        let rows: Vec<Vec<f64>> = x.chunks(C).map(|r| r.iter().map(|&v| v as f64).collect()).collect();
+        let routes: Vec<(Vec<usize>, Vec<f64>)> = rows.iter().map(|xr| route_reference(&table, &s, xr, None)).collect();
+        let (kk, n) = (s.router.topk, b * t);
+        let capacity = ((n * kk) as f64 / s.num_experts as f64 * factor).ceil() as usize;
+        let mut kept = vec![vec![true; kk]; n];
+        for e in 0..s.num_experts {
+            let mut copies: Vec<(usize, usize)> =
+                (0..n).flat_map(|i| (0..kk).map(move |j| (i, j))).filter(|&(i, j)| routes[i].0[j] == e).collect();
+            if policy == k::DropPolicy::Probs {
+                copies.sort_by(|a, b| routes[b.0].1[b.1].partial_cmp(&routes[a.0].1[a.1]).unwrap());
+            }
+            copies.iter().skip(capacity).for_each(|&(i, j)| kept[i][j] = false);
+        }
+        let dropped = kept.iter().flatten().filter(|k| !**k).count();
+        assert_eq!(dropped > 0, factor < 1.0, "{policy:?} {factor}: {dropped} dropped");
+        // The saved sort has a row for each kept copy only.
+        assert_eq!(saved.tensors[3].elem_count(), n * kk - dropped);
+        for i in 0..n {
+            let (top, w): (Vec<usize>, Vec<f64>) =
+                (0..kk).filter(|&j| kept[i][j]).map(|j| (routes[i].0[j], routes[i].1[j])).unzip();
+            let want = combine_reference(&table, &s, &rows[i], &top, &w);
+            for (c, (&g, w)) in y[i * C..(i + 1) * C].iter().zip(&want).enumerate() {
+                assert!((g as f64 - w).abs() < 1e-5 + 1e-5 * w.abs(), "{policy:?} token {i}[{c}]: {g} vs {w}");
+            }
+        }
+    }
+}
+
 /// The router-loss values at this forward, from its logits and the counts its load-balancing
 /// loss takes (a plain top-k of the scores).
 fn router_values(s: &MoeSpec, saved: &Saved) -> (f64, f64) {
@@ -240,6 +303,8 @@ fn gradients_match_finite_differences_with_the_router_losses() {
         (spec(Activation::SwiGlu, false, true), 0.0),
         (deepseek_spec(), 1.0),
         (deepseek_spec(), 0.0),
+        (capped(), 1.0),
+        (capped(), 0.0),
     ];
     for (s, r_std) in cases {
         let act = s.activation;
@@ -257,9 +322,13 @@ fn gradients_match_finite_differences_with_the_router_losses() {
             let (aux, zl) = router_values(&s, &saved);
             (dot + g as f64 * (a * aux + z * zl), routing(&saved))
         };
-        // The choice and the load-balancing loss's counts, which a step must not move.
+        // The choice, the copies a capacity kept (their slots) and the load-balancing loss's
+        // counts, which a step must not move.
         fn routing(saved: &Saved) -> Vec<u32> {
-            [&saved.tensors[2], &saved.tensors[7]].iter().flat_map(|t| t.to_vec::<u32>().unwrap()).collect()
+            [&saved.tensors[2], &saved.tensors[4], &saved.tensors[7]]
+                .iter()
+                .flat_map(|t| t.to_vec::<u32>().unwrap())
+                .collect()
         }
         let cx = Cx::new(&table, true).with_grad_scale(g);
         let (_, saved) = m.forward(&cx, &x).unwrap();
@@ -476,6 +545,9 @@ fn bad_specs_are_named() {
     s.router.groups = Some(Groups { num: 4, topk: 2 });
     let e = s.validate().unwrap_err();
     assert!(e.contains("--moe-router-num-groups") && e.contains("6 experts cannot be split into 4"), "{e}");
+    let mut s = capped();
+    s.router.capacity = Some(k::Capacity { factor: 0.0, policy: k::DropPolicy::Probs });
+    assert!(s.validate().unwrap_err().contains("--moe-expert-capacity-factor 0 must be a finite value above 0"));
 }
 
 fn gpt(s: &MoeSpec) -> TransformerConfig {
@@ -572,70 +644,74 @@ fn gpt_with_moe_layers_counts_and_differentiates() {
 /// over the ranks.
 #[test]
 fn expert_parallel_dispatch_matches_one_rank() {
-    let s = spec(Activation::SwiGlu, false, false);
-    let (n, g) = (9, 0.5f32);
-    let xs: Vec<Vec<f32>> = (0..2).map(|r| randn(n * C, 40 + r, 1.0)).collect();
-    let dys: Vec<Vec<f32>> = (0..2).map(|r| randn(n * C, 50 + r, 1.0)).collect();
-    let t = |v: &[f32]| Tensor::from_vec(v.to_vec(), [n, C], &Device::Cpu).unwrap();
-    // One rank: both token sets through every expert, gradients accumulated.
-    let (m, table) = layer(&s, 8);
-    let cx = Cx::new(&table, true).with_grad_scale(g);
-    let mut want = vec![];
-    for r in 0..2 {
-        let (y, saved) = m.forward(&cx, &t(&xs[r])).unwrap();
-        let dx = m.backward(&cx, saved, &t(&dys[r])).unwrap();
-        want.push((y.to_vec_f32().unwrap(), dx.to_vec_f32().unwrap()));
-    }
-    let grad = |table: &ParamTable, name: &str| {
-        let id = table.id(name).unwrap_or_else(|| panic!("no {name}"));
-        table.grad(id).unwrap().to_vec_f32().unwrap()
-    };
-    let names: Vec<String> = table.metas().iter().map(|m| m.name.clone()).collect();
-    let close = |what: &str, a: &[f32], b: &[f32]| {
-        assert_eq!(a.len(), b.len(), "{what}");
-        for (i, (x, y)) in a.iter().zip(b).enumerate() {
-            assert!((x - y).abs() <= 1e-5 + 1e-5 * y.abs(), "{what}[{i}]: {x} (2 ranks) vs {y} (1 rank)");
+    // Dropless, then with a capacity (each rank's own tokens, as one rank running that batch).
+    for capacity in [None, Some(k::Capacity { factor: 0.6, policy: k::DropPolicy::Probs })] {
+        let mut s = spec(Activation::SwiGlu, false, false);
+        s.router.capacity = capacity;
+        let (n, g) = (9, 0.5f32);
+        let xs: Vec<Vec<f32>> = (0..2).map(|r| randn(n * C, 40 + r, 1.0)).collect();
+        let dys: Vec<Vec<f32>> = (0..2).map(|r| randn(n * C, 50 + r, 1.0)).collect();
+        let t = |v: &[f32]| Tensor::from_vec(v.to_vec(), [n, C], &Device::Cpu).unwrap();
+        // One rank: both token sets through every expert, gradients accumulated.
+        let (m, table) = layer(&s, 8);
+        let cx = Cx::new(&table, true).with_grad_scale(g);
+        let mut want = vec![];
+        for r in 0..2 {
+            let (y, saved) = m.forward(&cx, &t(&xs[r])).unwrap();
+            let dx = m.backward(&cx, saved, &t(&dys[r])).unwrap();
+            want.push((y.to_vec_f32().unwrap(), dx.to_vec_f32().unwrap()));
         }
-    };
-    let results = ferrotron_comm::run_ranks(2, std::time::Duration::from_secs(30), |rank, comm| {
-        let mut s2 = s.clone();
-        s2.expert_parallel_size = 2;
-        let s2 = s2.with_group(comm);
-        let (m2, table2) = layer(&s2, 8);
-        let cx = Cx::new(&table2, true).with_grad_scale(g);
-        let (y, saved) = m2.forward(&cx, &t(&xs[rank])).unwrap();
-        let dx = m2.backward(&cx, saved, &t(&dys[rank])).unwrap();
-        let grads: Vec<(String, Vec<f32>)> =
-            table2.metas().iter().map(|m| (m.name.clone(), grad(&table2, &m.name))).collect();
-        let experts: Vec<bool> = table2.metas().iter().map(|m| m.expert).collect();
-        (y.to_vec_f32().unwrap(), dx.to_vec_f32().unwrap(), grads, experts, table2.expert_range())
-    });
-    let mut router = vec![0f32; 4 * C];
-    let mut seen = std::collections::BTreeSet::new();
-    for (rank, r) in results.into_iter().enumerate() {
-        let (y, dx, grads, experts, expert_range) = r.unwrap();
-        close(&format!("rank {rank} output"), &y, &want[rank].0);
-        close(&format!("rank {rank} input gradient"), &dx, &want[rank].1);
-        // Two of the four experts each, named by their global index; the router on both.
-        assert_eq!(grads.len(), 1 + 2 * 2, "{:?}", grads.iter().map(|g| &g.0).collect::<Vec<_>>());
-        // The experts' fc1 [2·6, C] and fc2 [C, 6], first in the flat buffer.
-        assert_eq!((expert_range.len(), experts.iter().filter(|&&e| e).count()), (2 * (2 * 6 * C + C * 6), 4));
-        for (name, g) in grads {
-            if name.ends_with("router.weight") {
-                router.iter_mut().zip(&g).for_each(|(a, b)| *a += b);
-                continue;
+        let grad = |table: &ParamTable, name: &str| {
+            let id = table.id(name).unwrap_or_else(|| panic!("no {name}"));
+            table.grad(id).unwrap().to_vec_f32().unwrap()
+        };
+        let names: Vec<String> = table.metas().iter().map(|m| m.name.clone()).collect();
+        let close = |what: &str, a: &[f32], b: &[f32]| {
+            assert_eq!(a.len(), b.len(), "{what}");
+            for (i, (x, y)) in a.iter().zip(b).enumerate() {
+                assert!((x - y).abs() <= 1e-5 + 1e-5 * y.abs(), "{what}[{i}]: {x} (2 ranks) vs {y} (1 rank)");
             }
-            assert!(
-                name.contains(&format!("local_experts.{}", 2 * rank))
-                    || name.contains(&format!("local_experts.{}", 2 * rank + 1)),
-                "{name} on rank {rank}"
-            );
-            close(&name, &g, &grad(&table, &name));
-            seen.insert(name);
+        };
+        let results = ferrotron_comm::run_ranks(2, std::time::Duration::from_secs(30), |rank, comm| {
+            let mut s2 = s.clone();
+            s2.expert_parallel_size = 2;
+            let s2 = s2.with_group(comm);
+            let (m2, table2) = layer(&s2, 8);
+            let cx = Cx::new(&table2, true).with_grad_scale(g);
+            let (y, saved) = m2.forward(&cx, &t(&xs[rank])).unwrap();
+            let dx = m2.backward(&cx, saved, &t(&dys[rank])).unwrap();
+            let grads: Vec<(String, Vec<f32>)> =
+                table2.metas().iter().map(|m| (m.name.clone(), grad(&table2, &m.name))).collect();
+            let experts: Vec<bool> = table2.metas().iter().map(|m| m.expert).collect();
+            (y.to_vec_f32().unwrap(), dx.to_vec_f32().unwrap(), grads, experts, table2.expert_range())
+        });
+        let mut router = vec![0f32; 4 * C];
+        let mut seen = std::collections::BTreeSet::new();
+        for (rank, r) in results.into_iter().enumerate() {
+            let (y, dx, grads, experts, expert_range) = r.unwrap();
+            close(&format!("rank {rank} output"), &y, &want[rank].0);
+            close(&format!("rank {rank} input gradient"), &dx, &want[rank].1);
+            // Two of the four experts each, named by their global index; the router on both.
+            assert_eq!(grads.len(), 1 + 2 * 2, "{:?}", grads.iter().map(|g| &g.0).collect::<Vec<_>>());
+            // The experts' fc1 [2·6, C] and fc2 [C, 6], first in the flat buffer.
+            assert_eq!((expert_range.len(), experts.iter().filter(|&&e| e).count()), (2 * (2 * 6 * C + C * 6), 4));
+            for (name, g) in grads {
+                if name.ends_with("router.weight") {
+                    router.iter_mut().zip(&g).for_each(|(a, b)| *a += b);
+                    continue;
+                }
+                assert!(
+                    name.contains(&format!("local_experts.{}", 2 * rank))
+                        || name.contains(&format!("local_experts.{}", 2 * rank + 1)),
+                    "{name} on rank {rank}"
+                );
+                close(&name, &g, &grad(&table, &name));
+                seen.insert(name);
+            }
         }
+        assert_eq!(seen.len(), names.iter().filter(|n| n.contains("local_experts")).count(), "every expert held once");
+        close("router gradient summed over the ranks", &router, &grad(&table, "decoder.layers.0.mlp.router.weight"));
     }
-    assert_eq!(seen.len(), names.iter().filter(|n| n.contains("local_experts")).count(), "every expert held once");
-    close("router gradient summed over the ranks", &router, &grad(&table, "decoder.layers.0.mlp.router.weight"));
 }
 
 /// Context parallelism over two thread ranks: one micro-batch's tokens split between them, each

@@ -5,7 +5,7 @@ use crate::batch_schedule::BatchSchedule;
 use anyhow::{Context, bail};
 use ferrotron_data::TokenizerKind;
 use ferrotron_models::{VOCAB_DIVISIBLE_BY, preset};
-use ferrotron_moe::{Groups, LoadBalancing, MoeSpec, RouterSpec, Score};
+use ferrotron_moe::{Capacity, DropPolicy, Groups, LoadBalancing, MoeSpec, RouterSpec, Score};
 use ferrotron_optim::DecayStyle;
 use ferrotron_transformer::TransformerConfig;
 use ferrotron_transformer::spec::{
@@ -527,6 +527,19 @@ pub struct TrainArgs {
     /// A sigmoid gate on the shared experts' output (not built yet: refused).
     #[arg(long)]
     pub moe_shared_expert_gate: bool,
+    /// Token dropping: each expert takes at most ⌈copies / experts · factor⌉ of a micro-batch's
+    /// token copies on its rank, the rest skip it (default: none, dropless; a negative factor is
+    /// none too, as in Megatron). Needs --moe-token-dispatcher-type alltoall.
+    #[arg(long, allow_hyphen_values = true)]
+    pub moe_expert_capacity_factor: Option<f64>,
+    /// Which copies an expert over capacity keeps: probs (the largest weights, default) or
+    /// position (the earliest tokens).
+    #[arg(long)]
+    pub moe_token_drop_policy: Option<String>,
+    /// Pads each expert's input to its capacity (not built: refused; padded rows carry no weight,
+    /// so it would change no value here).
+    #[arg(long)]
+    pub moe_pad_expert_input_to_capacity: bool,
     /// A Mamba hybrid: one character per layer, M (Mamba-2 mixer), * (attention), - (MLP), E
     /// (mixture-of-experts MLP), | between pipeline stages, e.g. M-M*-; it sets --num-layers.
     #[arg(long)]
@@ -807,6 +820,7 @@ impl TrainArgs {
             num_experts, moe_ffn_hidden_size, moe_router_topk, moe_router_load_balancing_type, moe_aux_loss_coeff,
             moe_z_loss_coeff, moe_router_topk_scaling_factor, moe_router_score_function, moe_router_num_groups, moe_router_group_topk,
             moe_router_bias_update_rate, moe_router_dtype, expert_model_parallel_size, expert_tensor_parallel_size, moe_token_dispatcher_type,
+            moe_expert_capacity_factor, moe_token_drop_policy,
             moe_layer_freq, moe_shared_expert_intermediate_size, hybrid_layer_pattern, hybrid_override_pattern, mamba_state_dim, mamba_head_dim,
             mamba_num_groups, mamba_num_heads, hybrid_attention_ratio, hybrid_mlp_ratio, img_h, img_w, patch_dim,
             encoder_num_layers, encoder_hidden_size, encoder_num_attention_heads, encoder_ffn_hidden_size, image_token_id,
@@ -820,7 +834,7 @@ impl TrainArgs {
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
             use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, calculate_per_token_loss, log_validation_ppl_to_tensorboard, log_timers_to_tensorboard,
             log_world_size_to_tensorboard, log_memory_to_tensorboard, log_num_zeros_in_grad, async_save, no_save_optim, exit_signal_handler,
-            moe_router_pre_softmax, moe_router_enable_expert_bias, moe_grouped_gemm, moe_shared_expert_overlap, moe_shared_expert_gate, is_hybrid_model,
+            moe_router_pre_softmax, moe_router_enable_expert_bias, moe_grouped_gemm, moe_shared_expert_overlap, moe_shared_expert_gate, moe_pad_expert_input_to_capacity, is_hybrid_model,
             mamba_norm_ungrouped, disable_vision_class_token, freeze_lm, freeze_vit,
             log_throughput, log_params_norm, recompute_activations, no_position_embedding, use_mcore_models, attention_softmax_in_fp32,
             no_masked_softmax_fusion, no_bias_gelu_fusion, no_bias_swiglu_fusion, no_bias_dropout_fusion, no_rope_fusion,
@@ -1144,6 +1158,16 @@ pub struct MoeSettings {
     /// --moe-router-dtype fp32.
     #[serde(default)]
     pub moe_router_fp32: bool,
+    /// --moe-expert-capacity-factor (None: dropless).
+    #[serde(default)]
+    pub moe_expert_capacity_factor: Option<f64>,
+    /// --moe-token-drop-policy (probs or position).
+    #[serde(default = "probs")]
+    pub moe_token_drop_policy: String,
+}
+
+fn probs() -> String {
+    "probs".into()
 }
 
 fn softmax() -> String {
@@ -1175,6 +1199,9 @@ impl MoeSettings {
                 ("--moe-layer-freq", a.moe_layer_freq.is_some()),
                 ("--moe-shared-expert-intermediate-size", a.moe_shared_expert_intermediate_size.is_some()),
                 ("--moe-shared-expert-overlap", a.moe_shared_expert_overlap),
+                ("--moe-expert-capacity-factor", a.moe_expert_capacity_factor.is_some()),
+                ("--moe-token-drop-policy", a.moe_token_drop_policy.is_some()),
+                ("--moe-pad-expert-input-to-capacity", a.moe_pad_expert_input_to_capacity),
             ];
             if let Some((flag, _)) = given.iter().find(|(_, g)| *g) {
                 bail!("{flag} configures mixture-of-experts layers: add --num-experts N (or drop it)");
@@ -1183,6 +1210,23 @@ impl MoeSettings {
         };
         if a.moe_shared_expert_gate {
             bail!("--moe-shared-expert-gate (Qwen-MoE's sigmoid gate on the shared experts) is not built yet: drop it");
+        }
+        // Megatron: a negative factor means no dropping.
+        let capacity_factor = a.moe_expert_capacity_factor.filter(|&f| f >= 0.0);
+        if a.moe_pad_expert_input_to_capacity {
+            bail!(
+                "--moe-pad-expert-input-to-capacity is not built: the experts' inputs are sized from the routed counts on the host, and padded rows carry no weight, so padding would change no value here; drop it"
+            );
+        }
+        if capacity_factor.is_none() && a.moe_token_drop_policy.is_some() {
+            bail!(
+                "--moe-token-drop-policy chooses which tokens an expert over capacity drops: add --moe-expert-capacity-factor"
+            );
+        }
+        if capacity_factor.is_some() && a.moe_token_dispatcher_type.as_deref() != Some("alltoall") {
+            bail!(
+                "--moe-expert-capacity-factor drops tokens in the all-to-all dispatcher: add --moe-token-dispatcher-type alltoall (Megatron's rule)"
+            );
         }
         let tp = a.tensor_model_parallel_size.unwrap_or(1);
         let etp = a.expert_tensor_parallel_size.filter(|&e| e != tp);
@@ -1229,6 +1273,8 @@ impl MoeSettings {
                 Some("fp64") => bail!("--moe-router-dtype fp64 is not built: use fp32 (or leave it out)"),
                 Some(o) => bail!("--moe-router-dtype {o}: use fp32 (or leave it out: the model's dtype)"),
             },
+            moe_expert_capacity_factor: capacity_factor,
+            moe_token_drop_policy: a.moe_token_drop_policy.clone().unwrap_or_else(probs),
         }))
     }
 
@@ -1252,6 +1298,12 @@ impl MoeSettings {
             "sigmoid" => Score::Sigmoid,
             "sqrtsoftplus" => Score::SqrtSoftplus,
             o => bail!("--moe-router-score-function {o}: use softmax, sigmoid or sqrtsoftplus"),
+        };
+        let capacity = match (self.moe_expert_capacity_factor, self.moe_token_drop_policy.as_str()) {
+            (None, _) => None,
+            (Some(factor), "probs") => Some(Capacity { factor, policy: DropPolicy::Probs }),
+            (Some(factor), "position") => Some(Capacity { factor, policy: DropPolicy::Position }),
+            (_, o) => bail!("--moe-token-drop-policy {o}: use probs or position"),
         };
         let groups = match (self.moe_router_num_groups, self.moe_router_group_topk) {
             (Some(num), Some(topk)) => Some(Groups { num, topk }),
@@ -1280,6 +1332,7 @@ impl MoeSettings {
                 groups,
                 expert_bias_update_rate: self.moe_router_bias_update_rate,
                 fp32: self.moe_router_fp32,
+                capacity,
             },
             expert_parallel_size: self.expert_model_parallel_size,
             expert_tensor_parallel_size: self.expert_tensor_parallel_size,
@@ -1587,6 +1640,16 @@ fn transformer_args(c: &TransformerConfig) -> TrainArgs {
         moe_router_enable_expert_bias: moe.is_some_and(|m| m.router.expert_bias_update_rate.is_some()),
         moe_router_bias_update_rate: moe.and_then(|m| m.router.expert_bias_update_rate).map(f64::from),
         moe_router_dtype: moe.filter(|m| m.router.fp32).map(|_| "fp32".into()),
+        moe_expert_capacity_factor: moe.and_then(|m| m.router.capacity).map(|c| c.factor),
+        moe_token_drop_policy: moe.and_then(|m| m.router.capacity).map(|c| {
+            match c.policy {
+                DropPolicy::Probs => "probs",
+                DropPolicy::Position => "position",
+            }
+            .into()
+        }),
+        // The dispatcher a capacity needs (the same one runs either way).
+        moe_token_dispatcher_type: moe.and_then(|m| m.router.capacity).map(|_| "alltoall".into()),
         expert_model_parallel_size: moe.map(|m| m.expert_parallel_size),
         moe_shared_expert_intermediate_size: moe.and_then(|m| m.shared_expert_ffn),
         moe_layer_freq: c
@@ -1649,6 +1712,9 @@ impl TrainArgs {
             moe_router_enable_expert_bias,
             moe_router_bias_update_rate,
             moe_router_dtype,
+            moe_expert_capacity_factor,
+            moe_token_drop_policy,
+            moe_token_dispatcher_type,
             expert_model_parallel_size,
             moe_shared_expert_intermediate_size,
             moe_layer_freq,

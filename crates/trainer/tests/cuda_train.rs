@@ -74,6 +74,25 @@ fn deepseek_routing_cuda_matches_cpu() {
     bf16_cuda_matches_cpu("deepseek routing", args);
 }
 
+/// Token dropping on the GPU: mixtral-tiny at capacity factor 0.5 (by the routing weights, read
+/// back from the device; the combine and its backward skip the dropped copies), the same split
+/// onto expert parallelism (two thread ranks sharing the GPU, each dropping among its own
+/// micro-batch), against one CPU rank, fp32 within 1e-4.
+#[test]
+fn mixtral_capacity_cuda_matches_cpu() {
+    let capped = |a: TrainArgs| TrainArgs {
+        moe_expert_capacity_factor: Some(0.5),
+        moe_token_dispatcher_type: Some("alltoall".into()),
+        ..a
+    };
+    split_matches_cpu("mixtral-tiny", "capacity 0.5", capped, capped);
+    split_matches_cpu("mixtral-tiny", "capacity 0.5 dp2 ep2", capped, |a| TrainArgs {
+        expert_model_parallel_size: Some(2),
+        nproc: Some(2),
+        ..capped(a)
+    });
+}
+
 /// Mamba-2 hybrid (the convolution, the chunked scan, the gated norm beside attention layers).
 #[test]
 fn mamba_tiny_preset_cuda_matches_cpu() {
@@ -121,7 +140,12 @@ fn mamba_tensor_parallel_cuda_matches_cpu() {
 /// V; against one CPU rank, fp32 within 1e-4.
 #[test]
 fn mamba_context_parallel_cuda_matches_cpu() {
-    split_matches_cpu("mamba-tiny", "cp2", |a| TrainArgs { context_parallel_size: Some(2), nproc: Some(2), ..a });
+    split_matches_cpu(
+        "mamba-tiny",
+        "cp2",
+        |a| a,
+        |a| TrainArgs { context_parallel_size: Some(2), nproc: Some(2), ..a },
+    );
 }
 
 /// Mixture of experts under tensor and sequence parallelism on the GPU: every SwiGLU expert split
@@ -138,33 +162,43 @@ fn mixtral_tensor_parallel_cuda_matches_cpu() {
 /// fp32 within 1e-4.
 #[test]
 fn mixtral_whole_experts_cuda_matches_cpu() {
-    split_matches_cpu("mixtral-tiny", "tp2 sp etp1 ep2", |a| TrainArgs {
-        tensor_model_parallel_size: Some(2),
-        sequence_parallel: true,
-        expert_tensor_parallel_size: Some(1),
-        expert_model_parallel_size: Some(2),
-        nproc: Some(2),
-        ..a
-    });
+    split_matches_cpu(
+        "mixtral-tiny",
+        "tp2 sp etp1 ep2",
+        |a| a,
+        |a| TrainArgs {
+            tensor_model_parallel_size: Some(2),
+            sequence_parallel: true,
+            expert_tensor_parallel_size: Some(1),
+            expert_model_parallel_size: Some(2),
+            nproc: Some(2),
+            ..a
+        },
+    );
 }
 
 /// `preset` under tp2 (with sequence parallelism where `sp`) on two thread ranks sharing the GPU
 /// against one CPU rank: fp32 within 1e-4 at each of 20 steps.
 fn tp2_matches_cpu(preset: &str, sp: bool) {
-    split_matches_cpu(preset, "tp2", |a| TrainArgs {
-        tensor_model_parallel_size: Some(2),
-        sequence_parallel: sp,
-        nproc: Some(2),
-        ..a
-    });
+    split_matches_cpu(
+        preset,
+        "tp2",
+        |a| a,
+        |a| TrainArgs { tensor_model_parallel_size: Some(2), sequence_parallel: sp, nproc: Some(2), ..a },
+    );
 }
 
 /// `preset` in the layout `split` gives its flags (thread ranks sharing the GPU) against one CPU
 /// rank: fp32 within 1e-4 at each of 20 steps.
-fn split_matches_cpu(preset: &str, tag: &str, split: impl Fn(TrainArgs) -> TrainArgs) {
+fn split_matches_cpu(
+    preset: &str,
+    tag: &str,
+    on_cpu: impl Fn(TrainArgs) -> TrainArgs,
+    split: impl Fn(TrainArgs) -> TrainArgs,
+) {
     let gpu = Device::cuda(0).expect("a CUDA device");
     let args = || TrainArgs { preset: Some(preset.into()), ..TrainArgs::default() };
-    let (cpu, cuda) = (losses_of(args(), Device::Cpu), losses_of(split(args()), gpu));
+    let (cpu, cuda) = (losses_of(on_cpu(args()), Device::Cpu), losses_of(split(args()), gpu));
     eprintln!("{preset} {tag}\ncpu fp32 {cpu:?}\ncuda {tag} fp32 {cuda:?}");
     assert_eq!(cuda.len(), 20);
     for (i, (c, g)) in cpu.iter().zip(&cuda).enumerate() {

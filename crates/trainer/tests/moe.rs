@@ -351,6 +351,44 @@ fn sequence_level_balancing_loss_follows_one_rank() {
     }
 }
 
+/// Token dropping (--moe-expert-capacity-factor): below an even share it drops copies and the
+/// run parts from the dropless one; far above it drops none and is the dropless run bit for bit.
+/// Each rank drops among its own micro-batch's copies, so the layouts that route whole
+/// micro-batches (data, expert, tensor with sequence, and pipeline parallel) follow one rank.
+#[test]
+fn capacity_factor_drops_tokens_and_follows_one_rank() {
+    let capped = |factor: f64, policy: Option<&str>| TrainArgs {
+        moe_expert_capacity_factor: Some(factor),
+        moe_token_drop_policy: policy.map(Into::into),
+        moe_token_dispatcher_type: Some("alltoall".into()),
+        ..moe_args()
+    };
+    let dropless = train(&settings(&moe_args()), &Paths::default()).unwrap();
+    let roomy = train(&settings(&capped(8.0, None)), &Paths::default()).unwrap();
+    assert_eq!(roomy.losses, dropless.losses, "a capacity no expert reaches drops nothing");
+    let by_position = train(&settings(&capped(0.5, Some("position"))), &Paths::default()).unwrap();
+    let s1 = settings(&capped(0.5, None));
+    let one = train(&s1, &Paths::default()).unwrap();
+    for (tag, run) in [("probs", &one), ("position", &by_position)] {
+        assert_ne!(run.losses, dropless.losses, "{tag}: capacity 0.5 dropped nothing");
+        assert!(run.losses.last().unwrap().1 < run.losses[0].1, "{tag}: {:?}", run.losses);
+    }
+    assert_ne!(one.losses, by_position.losses, "the policies keep different copies");
+    let mut dp = s1.clone();
+    dp.use_distributed_optimizer = true;
+    let mut ep2 = dp.clone();
+    ep2.moe.as_mut().unwrap().expert_model_parallel_size = 2;
+    let (tp_sp, _) = tp2_sp_layouts(&s1);
+    let mut pp = s1.clone();
+    pp.pipeline_model_parallel_size = 2;
+    for (tag, s, n) in [("dp2", &dp, 2), ("ep2 × edp2", &ep2, 4), ("tp2 sp", &tp_sp, 2), ("pp2", &pp, 2)] {
+        let run = train(s, &Paths { launch: Launch::Threads(n), ..Paths::default() })
+            .unwrap_or_else(|e| panic!("{tag}: {e:#}"));
+        close(tag, &run.losses, &one.losses);
+        close(&format!("{tag} router losses"), &router_values(&run), &router_values(&one));
+    }
+}
+
 /// --moe-router-dtype fp32: under --bf16 the routers compute in fp32 (a different run from the
 /// bf16 routers', within bf16's reach of it); in an fp32 run it changes nothing, bit for bit; the
 /// checkpoint records it.
@@ -448,6 +486,25 @@ fn bad_moe_flags_are_named() {
     assert!(e.contains("--moe-router-dtype bf16: use fp32"), "{e}");
     let e = err(TrainArgs { moe_router_enable_expert_bias: true, ..moe_args() });
     assert!(e.contains("--moe-router-score-function sigmoid"), "{e}");
+    let alltoall = || TrainArgs { moe_token_dispatcher_type: Some("alltoall".into()), ..moe_args() };
+    let e = err(TrainArgs { moe_expert_capacity_factor: Some(1.0), ..moe_args() });
+    assert!(e.contains("--moe-expert-capacity-factor") && e.contains("--moe-token-dispatcher-type alltoall"), "{e}");
+    let e = err(TrainArgs { moe_token_drop_policy: Some("probs".into()), ..alltoall() });
+    assert!(e.contains("--moe-token-drop-policy") && e.contains("add --moe-expert-capacity-factor"), "{e}");
+    let e = err(TrainArgs {
+        moe_expert_capacity_factor: Some(1.0),
+        moe_token_drop_policy: Some("random".into()),
+        ..alltoall()
+    });
+    assert!(e.contains("--moe-token-drop-policy random: use probs or position"), "{e}");
+    let e = err(TrainArgs { moe_expert_capacity_factor: Some(0.0), ..alltoall() });
+    assert!(e.contains("--moe-expert-capacity-factor 0 must be a finite value above 0"), "{e}");
+    let e =
+        err(TrainArgs { moe_expert_capacity_factor: Some(1.0), moe_pad_expert_input_to_capacity: true, ..alltoall() });
+    assert!(e.contains("--moe-pad-expert-input-to-capacity is not built"), "{e}");
+    // Megatron's negative factor: dropless.
+    let s = settings(&TrainArgs { moe_expert_capacity_factor: Some(-1.0), ..alltoall() });
+    assert_eq!(s.moe.unwrap().moe_expert_capacity_factor, None);
     let e = err(TrainArgs {
         tensor_model_parallel_size: Some(2),
         nproc: Some(2),

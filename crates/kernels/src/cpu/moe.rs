@@ -18,7 +18,10 @@
 //!   `dlogits` of grad_scale · (a·aux + z·zloss) is written (`=`); the counts are constants, as in
 //!   Megatron.
 //! - `unpermute`: y[n] = Σ_j probs[n, j] · yp[slot[n, j]], summed in j order; its backward writes
-//!   dyp (each row of yp has one reader) and dprobs[n, j] = ⟨yp[slot[n, j]], dy[n]⟩.
+//!   dyp (each row of yp has one reader) and dprobs[n, j] = ⟨yp[slot[n, j]], dy[n]⟩. A copy an
+//!   expert's capacity left out (`drop_over_capacity`, slot `DROPPED`) adds nothing and its
+//!   dprobs is 0: Megatron multiplies the weights by the kept-copies mask, so no gradient reaches
+//!   a dropped weight, while the kept ones keep the weights the top-k gave them.
 
 use crate::real::Real;
 use rayon::prelude::*;
@@ -304,7 +307,7 @@ pub fn router_loss<T: Real>(logits: &[T], e: usize, counts: &[T], c: RouterLossC
 pub fn unpermute<T: Real>(yp: &[T], slot: &[u32], probs: &[T], c: usize, k: usize, y: &mut [T]) {
     y.par_chunks_mut(c).enumerate().for_each(|(n, o)| {
         o.fill(T::zero());
-        for j in 0..k {
+        for j in (0..k).filter(|&j| slot[n * k + j] != DROPPED) {
             let (r, p) = (slot[n * k + j] as usize, probs[n * k + j]);
             o.iter_mut().zip(&yp[r * c..(r + 1) * c]).for_each(|(a, &b)| *a += p * b);
         }
@@ -325,26 +328,70 @@ pub fn unpermute_bwd<T: Real>(
     dprobs.par_chunks_mut(k).enumerate().for_each(|(n, dp)| {
         let g = &dy[n * c..(n + 1) * c];
         for (j, d) in dp.iter_mut().enumerate() {
-            let r = slot[n * k + j] as usize;
-            *d = yp[r * c..(r + 1) * c].iter().zip(g).map(|(&a, &b)| a * b).sum();
+            *d = match slot[n * k + j] {
+                DROPPED => T::zero(),
+                r => yp[r as usize * c..(r as usize + 1) * c].iter().zip(g).map(|(&a, &b)| a * b).sum(),
+            };
         }
     });
     // Rows of dyp in token order: each is written once.
     for n in 0..slot.len() / k.max(1) {
         let g = &dy[n * c..(n + 1) * c];
-        for j in 0..k {
+        for j in (0..k).filter(|&j| slot[n * k + j] != DROPPED) {
             let (r, p) = (slot[n * k + j] as usize, probs[n * k + j]);
             dyp[r * c..(r + 1) * c].iter_mut().zip(g).for_each(|(o, &b)| *o = p * b);
         }
     }
 }
 
+/// The expert of a token copy that an expert's capacity left out: it has no row and no weight.
+pub const DROPPED: u32 = u32::MAX;
+
+/// Which copies an expert keeps when more than its capacity chose it (Megatron's
+/// --moe-token-drop-policy).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DropPolicy {
+    /// The copies with the largest routing weights (`probs`, Megatron's default); equal weights
+    /// keep the earlier token.
+    #[default]
+    Probs,
+    /// The earliest tokens (`position`).
+    Position,
+}
+
+/// Token dropping: `experts` and `probs` are [N, K] row-major; each expert keeps at most
+/// `capacity` of the copies routed to it, chosen by `policy`, and every other copy's expert
+/// becomes `DROPPED`.
+pub fn drop_over_capacity<T: Real>(
+    experts: &[u32],
+    probs: &[T],
+    num_experts: usize,
+    capacity: usize,
+    policy: DropPolicy,
+) -> Vec<u32> {
+    let mut by_expert: Vec<Vec<usize>> = vec![vec![]; num_experts];
+    for (i, &e) in experts.iter().enumerate() {
+        if let Some(b) = by_expert.get_mut(e as usize) {
+            b.push(i);
+        }
+    }
+    let mut out = experts.to_vec();
+    for copies in by_expert.iter_mut().filter(|c| c.len() > capacity) {
+        if policy == DropPolicy::Probs {
+            // Stable: equal weights keep token order.
+            copies.sort_by(|&a, &b| probs[b].partial_cmp(&probs[a]).unwrap_or(std::cmp::Ordering::Equal));
+        }
+        copies[capacity..].iter().for_each(|&i| out[i] = DROPPED);
+    }
+    out
+}
+
 /// Sorts the tokens' copies by expert: `perm[row]` is the token of each row (experts in order,
 /// tokens ascending within one, as Megatron's permute), `slot[n·K + j]` the row of token n's j-th
-/// copy, `counts[e]` the rows of expert e.
+/// copy (`DROPPED` for a dropped copy, which gets no row), `counts[e]` the rows of expert e.
 pub fn sort_by_expert(experts: &[u32], k: usize, num_experts: usize) -> (Vec<u32>, Vec<u32>, Vec<usize>) {
     let mut counts = vec![0usize; num_experts];
-    experts.iter().for_each(|&x| counts[x as usize] += 1);
+    experts.iter().filter(|&&x| x != DROPPED).for_each(|&x| counts[x as usize] += 1);
     let mut next: Vec<usize> = counts
         .iter()
         .scan(0, |acc, &c| {
@@ -353,9 +400,9 @@ pub fn sort_by_expert(experts: &[u32], k: usize, num_experts: usize) -> (Vec<u32
             Some(start)
         })
         .collect();
-    let mut perm = vec![0u32; experts.len()];
-    let mut slot = vec![0u32; experts.len()];
-    for (i, &x) in experts.iter().enumerate() {
+    let mut perm = vec![0u32; counts.iter().sum()];
+    let mut slot = vec![DROPPED; experts.len()];
+    for (i, &x) in experts.iter().enumerate().filter(|&(_, &x)| x != DROPPED) {
         let row = next[x as usize];
         next[x as usize] += 1;
         perm[row] = (i / k.max(1)) as u32;

@@ -1099,6 +1099,30 @@ fn moe_routing_matches_cpu() {
             let (dyp_g, dp_g) = k::moe_unpermute_bwd(&on(&yp, &g), &sort_g.slot, &p_g, &on(&dy, &g)).unwrap();
             same(&dyp_c, &dyp_g, dt, &format!("moe_unpermute_bwd dyp [{dt}]"));
             same(&dp_c, &dp_g, dt, &format!("moe_unpermute_bwd dprobs [{dt}]"));
+
+            // Token dropping at half an even share: fewer expert rows than copies, the dropped
+            // copies' slots past them (the kernels must skip them, and give them no dprobs).
+            for policy in [k::DropPolicy::Probs, k::DropPolicy::Position] {
+                let cap = k::Capacity { factor: 0.5, policy };
+                let kept_c = k::moe_drop(&ix_c, &p_c, e, &cap).unwrap();
+                let kept_g = k::moe_drop(&ix_g, &p_g, e, &cap).unwrap();
+                let kept = kept_c.to_vec::<u32>().unwrap();
+                assert_eq!(kept_g.to_vec::<u32>().unwrap(), kept, "moe_drop [{dt}] {policy:?}");
+                assert!(kept.contains(&k::DROPPED), "capacity 0.5 dropped nothing");
+                let (sort_c, sort_g) = (k::moe_sort(&kept_c, e).unwrap(), k::moe_sort(&kept_g, e).unwrap());
+                let rows = sort_c.perm.dims()[0];
+                let yp = rnd(&[rows, c], 5, dt);
+                let y_c = k::moe_unpermute(&yp, &sort_c.slot, &p_c).unwrap();
+                let y_g = k::moe_unpermute(&on(&yp, &g), &sort_g.slot, &p_g).unwrap();
+                same(&y_c, &y_g, dt, &format!("dropped moe_unpermute [{dt}]"));
+                let (dyp_c, dp_c) = k::moe_unpermute_bwd(&yp, &sort_c.slot, &p_c, &dy).unwrap();
+                let (dyp_g, dp_g) = k::moe_unpermute_bwd(&on(&yp, &g), &sort_g.slot, &p_g, &on(&dy, &g)).unwrap();
+                assert_eq!(dyp_g.dims(), &[rows, c]);
+                same(&dyp_c, &dyp_g, dt, &format!("dropped moe_unpermute_bwd dyp [{dt}]"));
+                same(&dp_c, &dp_g, dt, &format!("dropped moe_unpermute_bwd dprobs [{dt}]"));
+                let dp = dp_g.to_vec_f32().unwrap();
+                assert!(kept.iter().zip(&dp).all(|(&x, &d)| x != k::DROPPED || d == 0.0), "a dropped copy's dprobs");
+            }
         }
     }
 }

@@ -231,6 +231,54 @@ proptest! {
     }
 }
 
+proptest! {
+    /// Token dropping against a naive capacity: each expert keeps ⌈N·k / E · factor⌉ of its
+    /// copies (the largest weights, ties to the earlier copy, or the earliest); the sort gives
+    /// dropped copies no row, and the combine and its backward skip them (finite differences).
+    #[test]
+    fn drop_and_combine(n in 1usize..9, e in 1usize..6, kk in 1usize..3, c in 1usize..4, factor in 0.1f64..1.5, by_position: bool, seed: u64) {
+        let kk = kk.min(e);
+        let dev = Device::Cpu;
+        let (probs, experts) = k::moe_route(&t32(&dev, &randv(n * e, seed), &[n, e]), &k::TopK::new(kk, false, 1.0), None).unwrap();
+        let policy = if by_position { k::DropPolicy::Position } else { k::DropPolicy::Probs };
+        let cap = k::Capacity { factor, policy };
+        let kept = k::moe_drop(&experts, &probs, e, &cap).unwrap();
+        let (ix, kx, pv) = (experts.to_vec::<u32>().unwrap(), kept.to_vec::<u32>().unwrap(), host(&probs));
+        let capacity = ((n * kk) as f64 / e as f64 * factor).ceil() as usize;
+        prop_assert_eq!(cap.per_expert(n, kk, e), capacity);
+        for ex in 0..e as u32 {
+            let mut copies: Vec<usize> = (0..n * kk).filter(|&i| ix[i] == ex).collect();
+            if !by_position {
+                copies.sort_by(|&a, &b| pv[b].partial_cmp(&pv[a]).unwrap().then(a.cmp(&b)));
+            }
+            for (r, &i) in copies.iter().enumerate() {
+                prop_assert_eq!(kx[i], if r < capacity { ex } else { k::DROPPED }, "copy {} of expert {}", i, ex);
+            }
+        }
+        let sort = k::moe_sort(&kept, e).unwrap();
+        let slot = sort.slot.to_vec::<u32>().unwrap();
+        let rows = kx.iter().filter(|&&x| x != k::DROPPED).count();
+        prop_assert_eq!(sort.perm.dims(), &[rows]);
+        prop_assert_eq!(sort.tokens_per_expert.iter().sum::<usize>(), rows);
+        for (i, &x) in kx.iter().enumerate() {
+            prop_assert_eq!(slot[i] == k::DROPPED, x == k::DROPPED);
+        }
+        let yp = randv(rows * c, seed ^ 3);
+        let y = k::moe_unpermute(&t32(&dev, &yp, &[rows, c]), &sort.slot, &probs).unwrap();
+        let want: Vec<f64> = (0..n).flat_map(|t| {
+            let (yp, pv, slot) = (&yp, &pv, &slot);
+            (0..c).map(move |i| (0..kk).filter(|&j| slot[t * kk + j] != k::DROPPED).map(|j| pv[t * kk + j] * yp[slot[t * kk + j] as usize * c + i]).sum())
+        }).collect();
+        assert_close(&host(&y), &want, 1e-5, 1e-6, "dropped moe_unpermute");
+        let dy = randv(n * c, seed ^ 4);
+        let (dyp, dp) = k::moe_unpermute_bwd(&t32(&dev, &yp, &[rows, c]), &sort.slot, &probs, &t32(&dev, &dy, &[n, c])).unwrap();
+        prop_assert_eq!(dyp.dims(), &[rows, c]);
+        let f = |yp: &[f64], pv: &[f64]| { let mut y = vec![0.0; n * c]; m::unpermute(yp, &slot, pv, c, kk, &mut y); dot(&y, &dy) };
+        fd_check(&yp, &host(&dyp), |v| f(v, &pv), "dropped unpermute dyp");
+        fd_check(&pv, &host(&dp), |v| f(&yp, v), "dropped unpermute dprobs");
+    }
+}
+
 #[test]
 fn bad_routing_input_is_named() {
     let dev = Device::Cpu;
@@ -264,10 +312,17 @@ fn bad_routing_input_is_named() {
     let experts = Tensor::from_vec(vec![0u32, 5], [2, 1], &dev).unwrap();
     let e = k::moe_sort(&experts, 3).unwrap_err().to_string();
     assert!(e.contains("expert index 5"), "{e}");
+    let cap = k::Capacity { factor: 0.0, policy: k::DropPolicy::Probs };
+    let e = k::moe_drop(&experts, &t32(&dev, &[1.0, 1.0], &[2, 1]), 6, &cap).unwrap_err().to_string();
+    assert!(e.contains("capacity factor 0"), "{e}");
     let probs = t32(&dev, &[1.0, 1.0], &[2, 1]);
     let dup = Tensor::from_vec(vec![0u32, 0], [2, 1], &dev).unwrap();
     let yp = t32(&dev, &randv(4, 2), &[2, 2]);
     let e = k::moe_unpermute_bwd(&yp, &dup, &probs, &t32(&dev, &randv(4, 3), &[2, 2])).unwrap_err().to_string();
+    assert!(e.contains("not a permutation"), "{e}");
+    // A row no kept copy names (one dropped, two rows).
+    let one = Tensor::from_vec(vec![1u32, k::DROPPED], [2, 1], &dev).unwrap();
+    let e = k::moe_unpermute_bwd(&yp, &one, &probs, &t32(&dev, &randv(4, 3), &[2, 2])).unwrap_err().to_string();
     assert!(e.contains("not a permutation"), "{e}");
     let e =
         k::moe_unpermute(&yp, &Tensor::from_vec(vec![0u32, 2], [2, 1], &dev).unwrap(), &probs).unwrap_err().to_string();

@@ -112,6 +112,7 @@ pub fn moe_unpermute(be: &B, yp: &Tensor, slot: &Tensor, probs: &Tensor) -> Resu
         n(rows),
         n(k),
         n(c),
+        n(yp.dims()[0]),
     ];
     ew(be, &name, rows * c, &args)?;
     Ok(y)
@@ -122,13 +123,15 @@ pub fn moe_unpermute_bwd(be: &B, yp: &Tensor, slot: &Tensor, probs: &Tensor, dy:
     let c = yp.dims()[1];
     let probs = in_dtype(probs, DType::F32)?;
     let dy = in_dtype(dy, yp.dtype())?;
-    let dyp = new(be, [rows * k, c], yp.dtype())?;
+    // Every kept copy writes its row of dyp; a dropped one (slot DROPPED) has none.
+    let yp_rows = yp.dims()[0];
+    let dyp = new(be, [yp_rows, c], yp.dtype())?;
     let dp = new(be, [rows, k], DType::F32)?;
     let s = sfx("moe_unpermute_bwd", yp.dtype())?;
     let op = "moe_unpermute_bwd";
-    let args = [ptr(op, &dy)?, ptr(op, slot)?, ptr(op, &probs)?, ptr(op, &dyp)?, n(rows), n(k), n(c)];
+    let args = [ptr(op, &dy)?, ptr(op, slot)?, ptr(op, &probs)?, ptr(op, &dyp)?, n(rows), n(k), n(c), n(yp_rows)];
     ew(be, &format!("moe_unpermute_bwd_dyp_{s}"), rows * k * c, &args)?;
-    let args = [ptr(op, yp)?, ptr(op, slot)?, ptr(op, &dy)?, ptr(op, &dp)?, n(rows), n(k), n(c)];
+    let args = [ptr(op, yp)?, ptr(op, slot)?, ptr(op, &dy)?, ptr(op, &dp)?, n(rows), n(k), n(c), n(yp_rows)];
     per_row(be, &format!("moe_unpermute_bwd_dp_{s}"), rows * k, &args)?;
     Ok((dyp, dp))
 }
