@@ -264,7 +264,7 @@ pub fn moe_drop(experts: &Tensor, probs: &Tensor, num_experts: usize, cap: &Capa
     let ix = experts.to_vec::<u32>()?;
     // Only the probs policy reads the weights.
     let pv = match cap.policy {
-        DropPolicy::Probs => probs.read_f32()?.to_vec(),
+        DropPolicy::Probs => probs.to_vec_f32()?,
         DropPolicy::Position => vec![0.0; n * k],
     };
     let kept = cpu::moe::drop_over_capacity(&ix, &pv, num_experts, cap.per_expert(n, k, num_experts), cap.policy);
