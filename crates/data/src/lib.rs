@@ -1,8 +1,9 @@
 //! ferrotron-data: what the trainer feeds the model.
 //!
 //! The built-in corpus (made by the project's own seeded generator, so no download is ever
-//! needed), byte-level, GPT-2 BPE and Megatron's Null tokenizers, Megatron's indexed datasets
-//! (`--data-path PREFIX`: PREFIX.bin + PREFIX.idx, memory-mapped) and Megatron's mock data
+//! needed), byte-level, GPT-2 BPE and Megatron's Null, HuggingFace and TikToken tokenizers,
+//! Megatron's indexed datasets (`--data-path PREFIX`: PREFIX.bin + PREFIX.idx, memory-mapped)
+//! and Megatron's mock data
 //! (`--mock-data`, drawn with numpy's generators: numpy_rng.rs). Every kind of data becomes
 //! samples of seq_length + 1 tokens in Megatron-Core's GPTDataset order (gpt.rs), split and
 //! blended as its dataset builder does (dataset.rs), so a run reads the samples a Megatron run
@@ -17,6 +18,7 @@ pub mod image_text;
 mod index_cache;
 mod indexed;
 mod numpy_rng;
+mod tiktoken;
 mod tokenizer;
 
 pub use dataset::{
@@ -26,12 +28,13 @@ pub use dataset::{
 pub use gpt::{GptDataset, Sequences};
 pub use indexed::{IndexedBuilder, IndexedDataset, TokenDtype, write_indexed};
 pub use numpy_rng::{NumpyGenerator, NumpyRandomState};
-pub use tokenizer::{Tokenizer, TokenizerKind};
+pub use tiktoken::{TikPattern, TikTokenSpec};
+pub use tokenizer::{Tokenizer, TokenizerFlags, TokenizerKind};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
     #[error(
-        "unknown tokenizer `{0}`: use `byte`, `gpt2` (GPT2BPETokenizer), `NullTokenizer` with --vocab-size or `HuggingFaceTokenizer` with --tokenizer-model"
+        "unknown tokenizer `{0}`: use `byte`, `gpt2` (GPT2BPETokenizer), `NullTokenizer` with --vocab-size, `HuggingFaceTokenizer` with --tokenizer-model or `TikTokenizer` with --tokenizer-model and --tiktoken-pattern"
     )]
     UnknownTokenizer(String),
     #[error("NullTokenizer needs --vocab-size N (ids 0..N, end-of-document N), 1 ≤ N < 2^32 - 1")]
@@ -40,9 +43,11 @@ pub enum DataError {
         "HuggingFaceTokenizer needs --tokenizer-model FOLDER (a transformers tokenizer folder with tokenizer.json)"
     )]
     HfModel,
-    #[error("--tokenizer-model {} belongs to HuggingFaceTokenizer, not the {tokenizer} tokenizer", model.display())]
+    #[error("--tokenizer-model {} belongs to HuggingFaceTokenizer and TikTokenizer, not the {tokenizer} tokenizer", model.display())]
     ModelFileOnly { tokenizer: String, model: std::path::PathBuf },
-    #[error("--vocab-size {given} applies to NullTokenizer only: the {tokenizer} tokenizer's vocabulary is fixed")]
+    #[error(
+        "--vocab-size {given} applies to NullTokenizer and TikTokenizer only: the {tokenizer} tokenizer's vocabulary is fixed"
+    )]
     FixedVocab { tokenizer: &'static str, given: usize },
     #[error("`{0}` is not a token id: NullTokenizer reads text as ids separated by white space")]
     NotAnId(String),

@@ -1,11 +1,13 @@
 //! Tokenizers: byte-level (vocab 256, end-of-document = byte 0, which text never contains),
 //! GPT-2 BPE through tiktoken-rs (r50k_base, end-of-document = `<|endoftext|>` 50256), and
 //! Megatron's NullTokenizer for data tokenized elsewhere (`--vocab-size N`: text is the ids written
-//! out, the vocabulary N + 1 with end-of-document N), and Megatron's HuggingFaceTokenizer
-//! (`--tokenizer-model FOLDER`: a transformers tokenizer.json, `hf_tokenizer.rs`).
+//! out, the vocabulary N + 1 with end-of-document N), Megatron's HuggingFaceTokenizer
+//! (`--tokenizer-model FOLDER`: a transformers tokenizer.json, `hf_tokenizer.rs`) and its
+//! TikTokenizer (`--tokenizer-model FILE.json` with `--tiktoken-pattern`, `tiktoken.rs`).
 
 use crate::DataError;
 use crate::hf_tokenizer::HfTokenizer;
+use crate::tiktoken::{TIKTOKEN_REQUIRED, TikPattern, TikTokenSpec, TikTokenizer};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -17,6 +19,20 @@ pub enum TokenizerKind {
     Null(u32),
     /// A transformers tokenizer folder (or its tokenizer.json).
     HuggingFace(PathBuf),
+    /// NeMo's tokenizer file through tiktoken (Megatron's TikTokenizer).
+    TikToken(TikTokenSpec),
+}
+
+/// The tokenizer flags besides `--tokenizer-type`, as Megatron names them.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TokenizerFlags<'a> {
+    /// `--vocab-size`: NullTokenizer's ids, TikTokenizer's whole vocabulary.
+    pub vocab_size: Option<usize>,
+    /// `--tokenizer-model`: HuggingFaceTokenizer's folder, TikTokenizer's JSON file.
+    pub model: Option<&'a Path>,
+    pub tiktoken_pattern: Option<&'a str>,
+    pub tiktoken_num_special_tokens: Option<usize>,
+    pub tiktoken_special_tokens: Option<&'a [String]>,
 }
 
 impl TokenizerKind {
@@ -27,9 +43,44 @@ impl TokenizerKind {
     /// `--tokenizer-type` with `--vocab-size`, which NullTokenizer needs and the others refuse
     /// (their vocabularies are fixed), and `--tokenizer-model`, which HuggingFaceTokenizer needs.
     pub fn parse_with(s: &str, vocab_size: Option<usize>, model: Option<&Path>) -> Result<Self, DataError> {
-        if let (Some(m), false) = (model, s == "HuggingFaceTokenizer") {
+        Self::from_flags(s, &TokenizerFlags { vocab_size, model, ..TokenizerFlags::default() })
+    }
+
+    /// `--tokenizer-type` with the other tokenizer flags: each belongs to the tokenizers that read
+    /// it, and is refused with any other.
+    pub fn from_flags(s: &str, f: &TokenizerFlags) -> Result<Self, DataError> {
+        let tik = s == "TikTokenizer";
+        if let (Some(m), false) = (f.model, s == "HuggingFaceTokenizer" || tik) {
             return Err(DataError::ModelFileOnly { tokenizer: s.into(), model: m.to_path_buf() });
         }
+        let tik_flags = [
+            ("--tiktoken-pattern", f.tiktoken_pattern.is_some()),
+            ("--tiktoken-num-special-tokens", f.tiktoken_num_special_tokens.is_some()),
+            ("--tiktoken-special-tokens", f.tiktoken_special_tokens.is_some()),
+        ];
+        if let (Some((flag, _)), false) = (tik_flags.iter().find(|(_, given)| *given), tik) {
+            return Err(DataError::Tokenizer(format!("{flag} belongs to TikTokenizer, not the {s} tokenizer")));
+        }
+        if tik {
+            let path = f.model.ok_or_else(|| {
+                DataError::Tokenizer("TikTokenizer needs --tokenizer-model FILE.json (NeMo's tokenizer file)".into())
+            })?;
+            let pattern = f.tiktoken_pattern.ok_or_else(|| {
+                DataError::Tokenizer(
+                    "TikTokenizer needs --tiktoken-pattern v1 or v2 (the one the file was made with)".into(),
+                )
+            })?;
+            return Ok(TokenizerKind::TikToken(TikTokenSpec {
+                path: path.to_path_buf(),
+                pattern: TikPattern::parse(pattern)?,
+                vocab_size: f.vocab_size.unwrap_or(TikTokenSpec::DEFAULT_VOCAB),
+                num_special_tokens: f.tiktoken_num_special_tokens.unwrap_or(TikTokenSpec::DEFAULT_SPECIAL),
+                special_tokens: f
+                    .tiktoken_special_tokens
+                    .map_or_else(|| TIKTOKEN_REQUIRED.iter().map(|t| t.to_string()).collect(), <[String]>::to_vec),
+            }));
+        }
+        let (vocab_size, model) = (f.vocab_size, f.model);
         let kind = match s {
             "byte" => TokenizerKind::Byte,
             "gpt2" | "GPT2BPETokenizer" => TokenizerKind::Gpt2,
@@ -56,6 +107,7 @@ impl TokenizerKind {
             TokenizerKind::Gpt2 => "gpt2",
             TokenizerKind::Null(_) => "NullTokenizer",
             TokenizerKind::HuggingFace(_) => "HuggingFaceTokenizer",
+            TokenizerKind::TikToken(_) => "TikTokenizer",
         }
     }
 }
@@ -66,6 +118,7 @@ pub enum Tokenizer {
     Gpt2(Arc<tiktoken_rs::CoreBPE>),
     Null(u32),
     HuggingFace(Arc<HfTokenizer>, PathBuf),
+    TikToken(Arc<TikTokenizer>),
 }
 
 impl Tokenizer {
@@ -77,6 +130,7 @@ impl Tokenizer {
             }
             TokenizerKind::Null(n) => Tokenizer::Null(n),
             TokenizerKind::HuggingFace(p) => Tokenizer::HuggingFace(Arc::new(HfTokenizer::open(&p)?), p),
+            TokenizerKind::TikToken(spec) => Tokenizer::TikToken(Arc::new(TikTokenizer::open(&spec)?)),
         })
     }
 
@@ -86,6 +140,7 @@ impl Tokenizer {
             Tokenizer::Gpt2(_) => TokenizerKind::Gpt2,
             Tokenizer::Null(n) => TokenizerKind::Null(*n),
             Tokenizer::HuggingFace(_, p) => TokenizerKind::HuggingFace(p.clone()),
+            Tokenizer::TikToken(t) => TokenizerKind::TikToken(t.spec().clone()),
         }
     }
 
@@ -96,6 +151,7 @@ impl Tokenizer {
             Tokenizer::Gpt2(_) => 50257,
             Tokenizer::Null(n) => *n as usize + 1,
             Tokenizer::HuggingFace(t, _) => t.vocab_size(),
+            Tokenizer::TikToken(t) => t.vocab_size(),
         }
     }
 
@@ -105,6 +161,7 @@ impl Tokenizer {
             Tokenizer::Gpt2(_) => 50256,
             Tokenizer::Null(n) => *n,
             Tokenizer::HuggingFace(t, _) => t.eod(),
+            Tokenizer::TikToken(t) => t.eod(),
         }
     }
 
@@ -125,6 +182,7 @@ impl Tokenizer {
                     .collect::<Result<_, _>>()?
             }
             Tokenizer::HuggingFace(t, _) => t.encode(text)?,
+            Tokenizer::TikToken(t) => t.encode(text),
         })
     }
 
@@ -163,6 +221,7 @@ impl Tokenizer {
             Tokenizer::Gpt2(b) => b.decode(ids).map_err(|e| DataError::Tokenizer(e.to_string())),
             Tokenizer::Null(_) => Ok(ids.iter().map(u32::to_string).collect::<Vec<_>>().join(" ")),
             Tokenizer::HuggingFace(t, _) => t.decode(ids),
+            Tokenizer::TikToken(t) => t.decode(ids),
         }
     }
 }

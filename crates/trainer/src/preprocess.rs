@@ -5,7 +5,7 @@
 //! on all cores in batches, in order.
 
 use anyhow::{Context, bail};
-use ferrotron_data::{IndexedBuilder, TokenDtype, Tokenizer, TokenizerKind};
+use ferrotron_data::{IndexedBuilder, TokenDtype, Tokenizer, TokenizerFlags, TokenizerKind};
 use rayon::prelude::*;
 use std::io::BufRead;
 use std::path::PathBuf;
@@ -19,16 +19,26 @@ pub struct PreprocessArgs {
     #[arg(long)]
     pub output_prefix: String,
     /// byte, gpt2 (Megatron's GPT2BPETokenizer), NullTokenizer (text already ids, with
-    /// --vocab-size) or HuggingFaceTokenizer (--tokenizer-model): the tokenizer the model will
-    /// train with.
+    /// --vocab-size), HuggingFaceTokenizer (--tokenizer-model) or TikTokenizer
+    /// (--tokenizer-model FILE.json, --tiktoken-pattern): the tokenizer the model will train with.
     #[arg(long)]
     pub tokenizer_type: String,
-    /// NullTokenizer's vocabulary: ids below N, end-of-document N.
+    /// NullTokenizer's vocabulary: ids below N, end-of-document N; TikTokenizer's whole
+    /// vocabulary (default 131072).
     #[arg(long)]
     pub vocab_size: Option<usize>,
-    /// HuggingFaceTokenizer's transformers tokenizer folder (tokenizer.json).
+    /// HuggingFaceTokenizer's transformers tokenizer folder (tokenizer.json); TikTokenizer's
+    /// JSON file.
     #[arg(long)]
     pub tokenizer_model: Option<PathBuf>,
+    /// TikTokenizer's pattern (v1 or v2), special-token count (default 1000) and named special
+    /// tokens (default <unk> <s> </s>), as `train` takes them.
+    #[arg(long)]
+    pub tiktoken_pattern: Option<String>,
+    #[arg(long)]
+    pub tiktoken_num_special_tokens: Option<usize>,
+    #[arg(long, num_args = 1..)]
+    pub tiktoken_special_tokens: Option<Vec<String>>,
     /// GPT2BPETokenizer's vocab.json and merges.txt, as Megatron's scripts pass them: checked to
     /// be GPT-2's (the tokenizer is built in).
     #[arg(long)]
@@ -54,7 +64,14 @@ pub struct Written {
 }
 
 pub fn preprocess(a: &PreprocessArgs) -> anyhow::Result<Vec<Written>> {
-    let kind = TokenizerKind::parse_with(&a.tokenizer_type, a.vocab_size, a.tokenizer_model.as_deref())
+    let flags = TokenizerFlags {
+        vocab_size: a.vocab_size,
+        model: a.tokenizer_model.as_deref(),
+        tiktoken_pattern: a.tiktoken_pattern.as_deref(),
+        tiktoken_num_special_tokens: a.tiktoken_num_special_tokens,
+        tiktoken_special_tokens: a.tiktoken_special_tokens.as_deref(),
+    };
+    let kind = TokenizerKind::from_flags(&a.tokenizer_type, &flags)
         .map_err(|e| anyhow::anyhow!("--tokenizer-type {}: {e}", a.tokenizer_type))?;
     let tok = Tokenizer::new(kind)?;
     let dtype = TokenDtype::for_vocab(tok.vocab_size());

@@ -3,7 +3,7 @@
 
 use crate::batch_schedule::BatchSchedule;
 use anyhow::{Context, bail};
-use ferrotron_data::TokenizerKind;
+use ferrotron_data::{TokenizerFlags, TokenizerKind};
 use ferrotron_models::{VOCAB_DIVISIBLE_BY, preset};
 use ferrotron_moe::{Capacity, DropPolicy, Groups, LoadBalancing, MoeSpec, RouterSpec, Score};
 use ferrotron_optim::DecayStyle;
@@ -100,17 +100,29 @@ pub struct TrainArgs {
     /// Accepted for Megatron's scripts: flash attention runs wherever its kernels apply.
     #[arg(long)]
     pub use_flash_attn: bool,
-    /// byte, gpt2 (GPT2BPETokenizer), NullTokenizer (data tokenized elsewhere: --vocab-size) or
-    /// HuggingFaceTokenizer (--tokenizer-model).
+    /// byte, gpt2 (GPT2BPETokenizer), NullTokenizer (data tokenized elsewhere: --vocab-size),
+    /// HuggingFaceTokenizer (--tokenizer-model) or TikTokenizer (--tokenizer-model FILE.json,
+    /// --tiktoken-pattern).
     #[arg(long)]
     pub tokenizer_type: Option<String>,
-    /// NullTokenizer's vocabulary: ids below N, end-of-document N (Megatron's flag).
+    /// NullTokenizer's vocabulary: ids below N, end-of-document N (Megatron's flag); TikTokenizer's
+    /// whole vocabulary, special tokens included (default 131072).
     #[arg(long)]
     pub vocab_size: Option<usize>,
     /// HuggingFaceTokenizer's transformers tokenizer folder (tokenizer.json and
-    /// tokenizer_config.json, whose eos_token ends each document).
+    /// tokenizer_config.json, whose eos_token ends each document); TikTokenizer's JSON file.
     #[arg(long)]
     pub tokenizer_model: Option<PathBuf>,
+    /// TikTokenizer's split pattern: v1 or v2, Megatron's two (no default).
+    #[arg(long)]
+    pub tiktoken_pattern: Option<String>,
+    /// TikTokenizer's special tokens before the file's ranks (default 1000).
+    #[arg(long)]
+    pub tiktoken_num_special_tokens: Option<usize>,
+    /// TikTokenizer's named special tokens in id order (default <unk> <s> </s>; those three
+    /// must be among them; </s> ends each document).
+    #[arg(long, num_args = 1..)]
+    pub tiktoken_special_tokens: Option<Vec<String>>,
     /// GPT2BPETokenizer's vocab.json, as Megatron's scripts pass it: checked to be GPT-2's (the
     /// tokenizer is built in).
     #[arg(long)]
@@ -810,7 +822,7 @@ impl TrainArgs {
             (self.hybrid_attention_ratio, self.hybrid_mlp_ratio) = (None, None);
         }
         merge_opts!(self, o; preset, num_layers, hidden_size, num_attention_heads, num_query_groups, kv_channels, ffn_hidden_size, seq_length,
-            max_position_embeddings, position_embedding_type, rotary_base, rope_scaling_factor, normalization, tokenizer_type, vocab_size, tokenizer_model, vocab_file, merge_file, init_method_std,
+            max_position_embeddings, position_embedding_type, rotary_base, rope_scaling_factor, normalization, tokenizer_type, vocab_size, tokenizer_model, tiktoken_pattern, tiktoken_num_special_tokens, tiktoken_special_tokens, vocab_file, merge_file, init_method_std,
             micro_batch_size, global_batch_size, train_iters, train_samples, lr_warmup_samples, lr_decay_samples, lr, min_lr, lr_warmup_init, lr_decay_style, lr_wsd_decay_style, lr_wsd_decay_iters, lr_wsd_decay_samples, lr_warmup_iters, lr_warmup_fraction,
             lr_decay_iters, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad, norm_epsilon, make_vocab_size_divisible_by,
             hidden_dropout, attention_dropout, window_size, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, ckpt_format, step_batch_size_schedule, corpus_docs, split,
@@ -1093,9 +1105,17 @@ pub struct Settings {
     /// NullTokenizer's `--vocab-size`.
     #[serde(default)]
     pub vocab_size: Option<usize>,
-    /// HuggingFaceTokenizer's `--tokenizer-model` folder.
+    /// HuggingFaceTokenizer's `--tokenizer-model` folder, TikTokenizer's file.
     #[serde(default)]
     pub tokenizer_model: Option<PathBuf>,
+    /// TikTokenizer's `--tiktoken-pattern`, `--tiktoken-num-special-tokens` and
+    /// `--tiktoken-special-tokens`.
+    #[serde(default)]
+    pub tiktoken_pattern: Option<String>,
+    #[serde(default)]
+    pub tiktoken_num_special_tokens: Option<usize>,
+    #[serde(default)]
+    pub tiktoken_special_tokens: Option<Vec<String>>,
     #[serde(default = "default_split")]
     pub split: String,
     /// --data-cache-path.
@@ -1698,6 +1718,9 @@ impl TrainArgs {
             tokenizer_type,
             vocab_size,
             tokenizer_model,
+            tiktoken_pattern,
+            tiktoken_num_special_tokens,
+            tiktoken_special_tokens,
             num_experts,
             moe_ffn_hidden_size,
             moe_router_topk,
@@ -1747,6 +1770,8 @@ fn checkpoint_args(load: &Path) -> anyhow::Result<TrainArgs> {
     m.tokenizer_type = Some(s.tokenizer_type.clone());
     m.vocab_size = s.vocab_size;
     m.tokenizer_model = s.tokenizer_model.clone();
+    (m.tiktoken_pattern, m.tiktoken_num_special_tokens) = (s.tiktoken_pattern.clone(), s.tiktoken_num_special_tokens);
+    m.tiktoken_special_tokens = s.tiktoken_special_tokens.clone();
     if let Some(v) = &s.vision {
         v.to_args(&mut m);
     }
@@ -1898,6 +1923,9 @@ impl Settings {
             skip_train: a.skip_train,
             vocab_size: a.vocab_size,
             tokenizer_model: a.tokenizer_model.clone(),
+            tiktoken_pattern: a.tiktoken_pattern.clone(),
+            tiktoken_num_special_tokens: a.tiktoken_num_special_tokens,
+            tiktoken_special_tokens: a.tiktoken_special_tokens.clone(),
             split: a.split.clone().unwrap_or_else(default_split),
             data_cache_path: a.data_cache_path.clone(),
             tensor_model_parallel_size: a.tensor_model_parallel_size.unwrap_or(1),
@@ -2408,7 +2436,14 @@ impl Settings {
     }
 
     pub fn tokenizer(&self) -> anyhow::Result<TokenizerKind> {
-        let kind = TokenizerKind::parse_with(&self.tokenizer_type, self.vocab_size, self.tokenizer_model.as_deref())
+        let flags = TokenizerFlags {
+            vocab_size: self.vocab_size,
+            model: self.tokenizer_model.as_deref(),
+            tiktoken_pattern: self.tiktoken_pattern.as_deref(),
+            tiktoken_num_special_tokens: self.tiktoken_num_special_tokens,
+            tiktoken_special_tokens: self.tiktoken_special_tokens.as_deref(),
+        };
+        let kind = TokenizerKind::from_flags(&self.tokenizer_type, &flags)
             .map_err(|e| anyhow::anyhow!("--tokenizer-type {}: {e}", self.tokenizer_type))?;
         // Megatron's mock sequences are ids already: they go with any tokenizer.
         let tokenized = !self.data_path.is_empty() || !self.train_data_path.is_empty() || self.mock_data;

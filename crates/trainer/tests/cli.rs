@@ -647,6 +647,61 @@ fn preprocess_writes_what_train_data_path_reads() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// Megatron's TikTokenizer through the command line: preprocess writes the fixture vocabulary's
+/// ids (each document ended by `</s>`, id 2), train reads them with the same flags, the
+/// checkpoint keeps the tokenizer's flags (--use-checkpoint-args and resume rebuild it), and a
+/// flag that belongs to it is refused with another tokenizer.
+#[test]
+fn tiktokenizer_preprocesses_trains_and_resumes() {
+    use ferrotron_data::{IndexedDataset, Tokenizer, TokenizerFlags, TokenizerKind, corpus};
+    let vocab = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/tests/fixtures/tiktoken/vocab.json");
+    let entries = serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(&vocab).unwrap()).unwrap();
+    let size = (10 + entries.as_array().unwrap().len()).to_string();
+    let v = vocab.to_str().unwrap();
+    let tik = ["--tokenizer-type", "TikTokenizer", "--tokenizer-model", v, "--tiktoken-pattern", "v2"];
+    let tik = [&tik[..], &["--tiktoken-num-special-tokens", "10", "--vocab-size", &size]].concat();
+    let dir = tmp("cli-tiktoken");
+    std::fs::create_dir_all(&dir).unwrap();
+    let input = dir.join("docs.jsonl");
+    let docs = corpus::documents(3, 200);
+    let lines: Vec<String> = docs.iter().map(|d| serde_json::json!({ "text": d }).to_string()).collect();
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    let prefix = dir.join("tik");
+    let o = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args(["preprocess", "--input", input.to_str().unwrap(), "--output-prefix", prefix.to_str().unwrap()])
+        .args(&tik)
+        .arg("--append-eod")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let flags = TokenizerFlags {
+        vocab_size: Some(size.parse().unwrap()),
+        model: Some(&vocab),
+        tiktoken_pattern: Some("v2"),
+        tiktoken_num_special_tokens: Some(10),
+        tiktoken_special_tokens: None,
+    };
+    let tok = Tokenizer::new(TokenizerKind::from_flags("TikTokenizer", &flags).unwrap()).unwrap();
+    let mut want = tok.encode(&docs[0]).unwrap();
+    want.push(2);
+    let ds = IndexedDataset::open(dir.join("tik_text_document")).unwrap();
+    let mut got = vec![0u32; ds.sequence_length(0) as usize];
+    ds.read(ds.sequence_start(0), &mut got).unwrap();
+    assert_eq!(got, want);
+    let data = dir.join("tik_text_document");
+    let save = dir.join("ckpt");
+    let (d, s) = (data.to_str().unwrap(), save.to_str().unwrap());
+    let o = run(&[&tik[..], &["--train-iters", "2", "--data-path", d, "--split", "9,1", "--save", s]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    // Resumed without the tokenizer flags: the checkpoint's are taken with the model's.
+    let o = run(&["--train-iters", "3", "--data-path", d, "--split", "9,1", "--load", s, "--use-checkpoint-args"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("iteration 3/"), "{}", stderr(&o));
+    fails_naming(&["--tiktoken-pattern", "v2"], "--tiktoken-pattern belongs to TikTokenizer, not the byte tokenizer");
+    fails_naming(&["--tokenizer-type", "TikTokenizer", "--tokenizer-model", v], "--tiktoken-pattern v1 or v2");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// Megatron's --exit-duration-in-mins and --exit-signal-handler: the run saves and stops after
 /// the iteration in which its time ran out, or in which it got SIGTERM (as a scheduler sends
 /// before preempting a job); the checkpoint is that iteration's.

@@ -119,7 +119,7 @@ fn an_indexed_dataset_trains_as_the_same_tokens_in_memory() {
         run(TrainArgs { tokenizer_type: Some("NullTokenizer".into()), vocab_size: Some(256), ..args() }).err().unwrap();
     assert!(format!("{e:#}").contains("give it with --data-path"), "{e:#}");
     let e = run(TrainArgs { vocab_size: Some(256), ..args() }).err().unwrap();
-    assert!(format!("{e:#}").contains("applies to NullTokenizer only"), "{e:#}");
+    assert!(format!("{e:#}").contains("applies to NullTokenizer and TikTokenizer only"), "{e:#}");
     // Megatron's mock data with NullTokenizer (its benchmark scripts' pairing): the mock
     // sequences are ids, so the run trains on them (ending each in the vocabulary's id as EOD).
     let mock = run(TrainArgs {
