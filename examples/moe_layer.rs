@@ -17,6 +17,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         activation: Activation::SwiGlu,
         bias: false,
         shared_expert_ffn: None,
+        shared_expert_gate: false,
         router: RouterSpec { topk: 2, aux_loss_coeff: 1e-2, z_loss_coeff: Some(1e-3), ..RouterSpec::default() },
         expert_parallel_size: 1,
         expert_tensor_parallel_size: None,

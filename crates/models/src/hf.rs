@@ -279,6 +279,7 @@ pub fn from_hf_config(v: &Value) -> Result<HfModel> {
                 activation: Activation::SwiGlu,
                 bias: false,
                 shared_expert_ffn: None,
+                shared_expert_gate: false,
                 router: RouterSpec {
                     topk: usize_of(v, "num_experts_per_tok")?,
                     load_balancing: LoadBalancing::AuxLoss,

@@ -9,8 +9,9 @@
 //!   xp [R, C] = x[perm]                               (R = N·K kept copies sorted by expert,
 //!                                                      tokens ascending)
 //!   yp[rows of e] = expert_e(xp[rows of e])           (experts.local_experts.e: the dense MLP)
-//!   y[n] = Σ_j probs[n, j] · yp[slot[n, j]]  (+ shared_experts(x)[n] with shared experts;
-//!                                              a dropped copy adds nothing)
+//!   y[n] = Σ_j probs[n, j] · yp[slot[n, j]]  (+ shared_experts(x)[n] with shared experts,
+//!                                              times σ(x · gate_weightᵀ) with their gate,
+//!                                              `gate.rs`; a dropped copy adds nothing)
 //! Under expert parallelism `xp` goes to the ranks holding its experts and `yp` comes back by
 //! all-to-all (`Dispatch`); each rank runs only its own experts.
 //! Backward: dyp and dprobs from the combine; each expert's backward on its rows; dx = the
@@ -43,6 +44,7 @@
 
 use crate::bias::ExpertBias;
 use crate::dispatch::Dispatch;
+use crate::gate::SharedGate;
 use crate::metrics::MoeMetrics;
 use crate::spec::{ExpertGroup, LoadBalancing, MoeSpec};
 use ferrotron_comm::ReduceOp;
@@ -76,6 +78,8 @@ pub struct MoeLayer {
     /// `{prefix}.shared_experts`: every token's dense MLP beside the routed experts (a parameter
     /// of every rank, not an expert's).
     pub shared: Option<Mlp>,
+    /// `{prefix}.shared_experts.gate_weight`: the shared experts' sigmoid gate.
+    pub gate: Option<SharedGate>,
     num_experts: usize,
     /// The expert-parallel group the tokens are dispatched over (None: one rank).
     ep: Option<ExpertGroup>,
@@ -182,12 +186,23 @@ impl MoeLayer {
             )?),
             None => None,
         };
+        let gate = match (spec.shared_expert_gate, &shared) {
+            (true, Some(_)) => Some(SharedGate::new(p, prefix, cx.hidden, cx.std, own_slice)?),
+            (true, None) => {
+                return Err(invalid(
+                    "MoeLayer",
+                    "--moe-shared-expert-gate gates the shared experts: add --moe-shared-expert-intermediate-size",
+                ));
+            }
+            (false, _) => None,
+        };
         let r = &spec.router;
         Ok(MoeLayer {
             router,
             experts,
             first_expert,
             shared,
+            gate,
             num_experts: spec.num_experts,
             ep,
             cp: spec.cp_group.clone().filter(|g| g.0.size() > 1),
@@ -310,7 +325,15 @@ impl Module for MoeLayer {
         if let Some(sh) = &self.shared {
             // With whole experts a sequence-parallel MLP: [B, T/tp, C] in and out.
             let (ys, s) = if self.own_slice { sh.forward(cx, x)? } else { sh.forward(cx, &x2)? };
-            k::add_(&y, &ys.reshape([n, c])?)?;
+            let ys = ys.reshape([n, c])?;
+            let (ys, s) = match &self.gate {
+                Some(g) => {
+                    let (gated, sg) = g.forward(cx, &x2, &ys)?;
+                    (gated, Saved::new(vec![], vec![s, sg]))
+                }
+                None => (ys, s),
+            };
+            k::add_(&y, &ys)?;
             children.push(s);
         }
         // This rank's partial sums of every token's output, reduced once (or reduce-scattered);
@@ -353,11 +376,29 @@ impl Module for MoeLayer {
             self.tp.all_reduce(&dprobs)?;
         }
         let mut children = children;
-        // The shared experts' saved values come last (their input gradient added below).
+        // The shared experts' saved values come last (their input gradient added below; the
+        // gate's, like the router's, added once).
+        let mut dx_gate = None;
         let dx_shared = match &self.shared {
             Some(sh) => {
                 let s = children.pop().ok_or_else(|| invalid(BWD, "shared experts' saved values missing"))?;
-                let d = if self.own_slice { sh.backward(cx, s, dy)? } else { sh.backward(cx, s, &dy2)? };
+                let (s, dys) = match &self.gate {
+                    Some(g) => {
+                        let mut both = s.children;
+                        let (sg, s) =
+                            both.pop().zip(both.pop()).ok_or_else(|| invalid(BWD, "gate's saved values missing"))?;
+                        let partial = (!self.own_slice).then_some(&self.tp);
+                        let (dys, dxg) = g.backward(cx, sg, &dy2, partial)?;
+                        dx_gate = Some(dxg);
+                        (s, dys)
+                    }
+                    None => (s, dy2.clone()),
+                };
+                let d = if self.own_slice {
+                    sh.backward(cx, s, &dys.reshape(dy.dims().to_vec())?)?
+                } else {
+                    sh.backward(cx, s, &dys)?
+                };
                 Some(d.reshape([n, c])?)
             }
             None => None,
@@ -433,6 +474,9 @@ impl Module for MoeLayer {
         // reduce-scatter to this rank's slice).
         if self.own_slice || self.tp.rank() == 0 {
             k::add_(&dx, &dxr)?;
+            if let Some(d) = &dx_gate {
+                k::add_(&dx, &d.reshape([n, c])?)?;
+            }
         }
         let dx = dx.reshape(dy.dims().to_vec())?;
         if self.own_slice { Ok(dx) } else { self.tp.enter_bwd(&dx) }

@@ -29,12 +29,15 @@
 //! Token dropping (`RouterSpec::capacity`): each expert takes at most its capacity of the rank's
 //! token copies, the rest skip it, as Megatron's capacity factor does.
 //!
-//! Not yet: expert tensor-parallel sizes other than 1 and the tensor-parallel size, the shared
-//! experts' gate, padding experts' inputs to their capacity, the global balancing loss; the spec
-//! and the trainer refuse what is not built, naming it.
+//! Shared experts' gate (`gate.rs`): their output scaled per token by a sigmoid, Qwen-MoE's.
+//!
+//! Not yet: expert tensor-parallel sizes other than 1 and the tensor-parallel size, padding
+//! experts' inputs to their capacity, the global balancing loss; the spec and the trainer refuse
+//! what is not built, naming it.
 
 pub mod bias;
 pub mod dispatch;
+pub mod gate;
 pub mod layer;
 pub mod metrics;
 pub mod spec;

@@ -87,6 +87,9 @@ pub struct MoeSpec {
     /// added to the routed experts' (--moe-shared-expert-intermediate-size; DeepSeek's and
     /// Qwen-MoE's shared experts, ungated).
     pub shared_expert_ffn: Option<usize>,
+    /// The shared experts' output scaled per token by σ(x · gate_weightᵀ)
+    /// (--moe-shared-expert-gate, Qwen-MoE's `shared_expert_gate`).
+    pub shared_expert_gate: bool,
     pub router: RouterSpec,
     /// --expert-model-parallel-size: the experts are split over this many ranks, each holding
     /// num_experts / size of them, tokens dispatched to them by all-to-all.
@@ -131,6 +134,11 @@ impl MoeSpec {
         }
         if self.shared_expert_ffn == Some(0) {
             return Err("--moe-shared-expert-intermediate-size must be at least 1 (or leave it out)".into());
+        }
+        if self.shared_expert_gate && self.shared_expert_ffn.is_none() {
+            return Err(
+                "--moe-shared-expert-gate gates the shared experts: add --moe-shared-expert-intermediate-size".into()
+            );
         }
         if r.topk == 0 || r.topk > self.num_experts {
             return Err(format!(
@@ -206,9 +214,10 @@ impl MoeSpec {
         self.mlp_params(hidden, self.ffn_hidden_size)
     }
 
-    /// Parameters of the shared experts (0 without).
+    /// Parameters of the shared experts and their gate (0 without).
     pub fn shared_params(&self, hidden: usize) -> usize {
-        self.shared_expert_ffn.map_or(0, |f| self.mlp_params(hidden, f))
+        self.shared_expert_ffn
+            .map_or(0, |f| self.mlp_params(hidden, f) + if self.shared_expert_gate { hidden } else { 0 })
     }
 
     /// A dense MLP of width `f` with the experts' activation and biases.

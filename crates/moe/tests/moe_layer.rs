@@ -21,6 +21,7 @@ fn spec(activation: Activation, bias: bool, pre_softmax: bool) -> MoeSpec {
         bias,
         // Shared experts in the GeLU cases (with biases), none in the SwiGLU ones.
         shared_expert_ffn: (activation == Activation::Gelu).then_some(5),
+        shared_expert_gate: false,
         router: RouterSpec {
             topk: 2,
             pre_softmax,
@@ -181,7 +182,12 @@ fn combine_reference(t: &ParamTable, s: &MoeSpec, x: &[f64], top: &[usize], w: &
     }
     if s.shared_expert_ffn.is_some() {
         let o = dense(t, &format!("{pre}.shared_experts"), s, x);
-        y.iter_mut().zip(&o).for_each(|(y, o)| *y += o);
+        // The gate: σ(x · gate_weightᵀ) on the shared experts' output.
+        let gate = match s.shared_expert_gate {
+            true => 1.0 / (1.0 + (-lin(&get(t, &format!("{pre}.shared_experts.gate_weight")), None, x)[0]).exp()),
+            false => 1.0,
+        };
+        y.iter_mut().zip(&o).for_each(|(y, o)| *y += gate * o);
     }
     y
 }
@@ -200,13 +206,14 @@ fn dense(t: &ParamTable, prefix: &str, s: &MoeSpec, x: &[f64]) -> Vec<f64> {
 
 #[test]
 fn forward_matches_the_per_token_reference() {
-    for (act, bias, pre) in [
-        (Activation::SwiGlu, false, false),
-        (Activation::Gelu, true, true),
-        (Activation::SquaredRelu, true, false),
-        (Activation::QuickGelu, false, true),
+    for (act, bias, pre, gated) in [
+        (Activation::SwiGlu, false, false, false),
+        (Activation::Gelu, true, true, false),
+        (Activation::Gelu, false, false, true),
+        (Activation::SquaredRelu, true, false, false),
+        (Activation::QuickGelu, false, true, false),
     ] {
-        let s = spec(act, bias, pre);
+        let s = MoeSpec { shared_expert_gate: gated, ..spec(act, bias, pre) };
         let (m, table) = layer(&s, 7);
         let (b, t) = (3, 5);
         let x = randn(b * t * C, 11, 1.0);
@@ -305,6 +312,7 @@ fn gradients_match_finite_differences_with_the_router_losses() {
         (deepseek_spec(), 0.0),
         (capped(), 1.0),
         (capped(), 0.0),
+        (MoeSpec { shared_expert_gate: true, ..spec(Activation::Gelu, true, false) }, 1.0),
     ];
     for (s, r_std) in cases {
         let act = s.activation;
@@ -501,9 +509,12 @@ fn seq_loss_differs_from_batch(s: &MoeSpec, m: &dyn Module, table: &ParamTable, 
 
 #[test]
 fn param_count_is_the_built_tables() {
-    for (act, bias) in [(Activation::SwiGlu, false), (Activation::Gelu, true)] {
-        let s = spec(act, bias, false);
+    for (act, bias, gated) in
+        [(Activation::SwiGlu, false, false), (Activation::Gelu, true, false), (Activation::Gelu, true, true)]
+    {
+        let s = MoeSpec { shared_expert_gate: gated, ..spec(act, bias, false) };
         let (_, table) = layer(&s, 1);
+        assert_eq!(table.id("decoder.layers.0.mlp.shared_experts.gate_weight").is_some(), gated);
         let c = s.param_count(C).unwrap();
         assert_eq!(c.total, table.numel());
         assert_eq!(c.active, C * 4 + s.shared_params(C) + 2 * s.expert_params(C));
@@ -545,6 +556,8 @@ fn bad_specs_are_named() {
     s.router.groups = Some(Groups { num: 4, topk: 2 });
     let e = s.validate().unwrap_err();
     assert!(e.contains("--moe-router-num-groups") && e.contains("6 experts cannot be split into 4"), "{e}");
+    let s = MoeSpec { shared_expert_gate: true, ..spec(Activation::SwiGlu, false, false) };
+    assert!(s.validate().unwrap_err().contains("--moe-shared-expert-gate gates the shared experts"));
     let mut s = capped();
     s.router.capacity = Some(k::Capacity { factor: 0.0, policy: k::DropPolicy::Probs });
     assert!(s.validate().unwrap_err().contains("--moe-expert-capacity-factor 0 must be a finite value above 0"));

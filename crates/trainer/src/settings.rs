@@ -536,7 +536,7 @@ pub struct TrainArgs {
     /// Accepted for Megatron's scripts: the shared experts run in the same stream.
     #[arg(long)]
     pub moe_shared_expert_overlap: bool,
-    /// A sigmoid gate on the shared experts' output (not built yet: refused).
+    /// A sigmoid gate on the shared experts' output, σ(x · gate_weightᵀ) per token (Qwen-MoE's).
     #[arg(long)]
     pub moe_shared_expert_gate: bool,
     /// Token dropping: each expert takes at most ⌈copies / experts · factor⌉ of a micro-batch's
@@ -1184,6 +1184,9 @@ pub struct MoeSettings {
     /// --moe-token-drop-policy (probs or position).
     #[serde(default = "probs")]
     pub moe_token_drop_policy: String,
+    /// --moe-shared-expert-gate.
+    #[serde(default)]
+    pub moe_shared_expert_gate: bool,
 }
 
 fn probs() -> String {
@@ -1219,6 +1222,7 @@ impl MoeSettings {
                 ("--moe-layer-freq", a.moe_layer_freq.is_some()),
                 ("--moe-shared-expert-intermediate-size", a.moe_shared_expert_intermediate_size.is_some()),
                 ("--moe-shared-expert-overlap", a.moe_shared_expert_overlap),
+                ("--moe-shared-expert-gate", a.moe_shared_expert_gate),
                 ("--moe-expert-capacity-factor", a.moe_expert_capacity_factor.is_some()),
                 ("--moe-token-drop-policy", a.moe_token_drop_policy.is_some()),
                 ("--moe-pad-expert-input-to-capacity", a.moe_pad_expert_input_to_capacity),
@@ -1228,9 +1232,6 @@ impl MoeSettings {
             }
             return Ok(None);
         };
-        if a.moe_shared_expert_gate {
-            bail!("--moe-shared-expert-gate (Qwen-MoE's sigmoid gate on the shared experts) is not built yet: drop it");
-        }
         // Megatron: a negative factor means no dropping.
         let capacity_factor = a.moe_expert_capacity_factor.filter(|&f| f >= 0.0);
         if a.moe_pad_expert_input_to_capacity {
@@ -1295,6 +1296,7 @@ impl MoeSettings {
             },
             moe_expert_capacity_factor: capacity_factor,
             moe_token_drop_policy: a.moe_token_drop_policy.clone().unwrap_or_else(probs),
+            moe_shared_expert_gate: a.moe_shared_expert_gate,
         }))
     }
 
@@ -1341,6 +1343,7 @@ impl MoeSettings {
             activation,
             bias,
             shared_expert_ffn: self.moe_shared_expert_intermediate_size,
+            shared_expert_gate: self.moe_shared_expert_gate,
             router: RouterSpec {
                 topk: self.moe_router_topk,
                 pre_softmax: self.moe_router_pre_softmax,
@@ -1672,6 +1675,7 @@ fn transformer_args(c: &TransformerConfig) -> TrainArgs {
         moe_token_dispatcher_type: moe.and_then(|m| m.router.capacity).map(|_| "alltoall".into()),
         expert_model_parallel_size: moe.map(|m| m.expert_parallel_size),
         moe_shared_expert_intermediate_size: moe.and_then(|m| m.shared_expert_ffn),
+        moe_shared_expert_gate: moe.is_some_and(|m| m.shared_expert_gate),
         moe_layer_freq: c
             .layer
             .other_mlp
@@ -1740,6 +1744,7 @@ impl TrainArgs {
             moe_token_dispatcher_type,
             expert_model_parallel_size,
             moe_shared_expert_intermediate_size,
+            moe_shared_expert_gate,
             moe_layer_freq,
             hybrid_layer_pattern,
             hybrid_override_pattern,

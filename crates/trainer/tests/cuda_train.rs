@@ -93,6 +93,20 @@ fn mixtral_capacity_cuda_matches_cpu() {
     });
 }
 
+/// Shared experts with their sigmoid gate (Qwen-MoE's) on the GPU, under tensor parallelism
+/// (two thread ranks sharing it: the gate's score gradient summed over them), against one CPU
+/// rank, fp32 within 1e-4.
+#[test]
+fn shared_expert_gate_cuda_matches_cpu() {
+    let gated =
+        |a: TrainArgs| TrainArgs { moe_shared_expert_intermediate_size: Some(64), moe_shared_expert_gate: true, ..a };
+    split_matches_cpu("mixtral-tiny", "gated shared experts tp2", gated, |a| TrainArgs {
+        tensor_model_parallel_size: Some(2),
+        nproc: Some(2),
+        ..gated(a)
+    });
+}
+
 /// Mamba-2 hybrid (the convolution, the chunked scan, the gated norm beside attention layers).
 #[test]
 fn mamba_tiny_preset_cuda_matches_cpu() {

@@ -389,6 +389,32 @@ fn capacity_factor_drops_tokens_and_follows_one_rank() {
     }
 }
 
+/// The shared experts' gate (--moe-shared-expert-gate, Qwen-MoE's): a run of its own, and under
+/// tensor parallelism (the shared experts' partial sums: the gate's score gradient summed over
+/// the group), with sequence parallelism, with whole experts (each rank gating its own slice)
+/// and under expert × expert-data parallelism it follows one rank.
+#[test]
+fn shared_expert_gate_follows_one_rank() {
+    let s1 = settings(&TrainArgs { moe_shared_expert_gate: true, ..moe_args() });
+    let one = train(&s1, &Paths::default()).unwrap();
+    let ungated = train(&settings(&moe_args()), &Paths::default()).unwrap();
+    assert_ne!(one.losses, ungated.losses, "the gate changed nothing");
+    let mut tp = s1.clone();
+    tp.tensor_model_parallel_size = 2;
+    let (tp_sp, etp1) = tp2_sp_layouts(&s1);
+    let mut ep2 = s1.clone();
+    ep2.use_distributed_optimizer = true;
+    ep2.moe.as_mut().unwrap().expert_model_parallel_size = 2;
+    for (tag, s, n) in
+        [("tp2", &tp, 2), ("tp2 sp", &tp_sp, 2), ("tp2 sp, whole experts × ep2", &etp1, 2), ("ep2 × edp2", &ep2, 4)]
+    {
+        let run = train(s, &Paths { launch: Launch::Threads(n), ..Paths::default() })
+            .unwrap_or_else(|e| panic!("{tag}: {e:#}"));
+        close(tag, &run.losses, &one.losses);
+        close(&format!("{tag} gradient norms"), &run.grad_norms, &one.grad_norms);
+    }
+}
+
 /// --moe-router-dtype fp32: under --bf16 the routers compute in fp32 (a different run from the
 /// bf16 routers', within bf16's reach of it); in an fp32 run it changes nothing, bit for bit; the
 /// checkpoint records it.
@@ -470,8 +496,11 @@ fn bad_moe_flags_are_named() {
     assert!(e.contains("sinkhorn") && e.contains("not built yet") && e.contains("seq_aux_loss"), "{e}");
     let e = err(TrainArgs { moe_token_dispatcher_type: Some("flex".into()), ..moe_args() });
     assert!(e.contains("--moe-token-dispatcher-type flex"), "{e}");
-    let e = err(TrainArgs { moe_shared_expert_gate: true, ..moe_args() });
-    assert!(e.contains("--moe-shared-expert-gate"), "{e}");
+    let e = err(TrainArgs { moe_shared_expert_gate: true, moe_shared_expert_intermediate_size: None, ..moe_args() });
+    assert!(
+        e.contains("--moe-shared-expert-gate gates the shared experts: add --moe-shared-expert-intermediate-size"),
+        "{e}"
+    );
     let e = err(TrainArgs { moe_router_score_function: Some("tanh".into()), ..moe_args() });
     assert!(e.contains("--moe-router-score-function tanh: use softmax, sigmoid or sqrtsoftplus"), "{e}");
     let e = err(TrainArgs { moe_router_group_topk: Some(1), ..moe_args() });

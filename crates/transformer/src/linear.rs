@@ -57,6 +57,20 @@ impl Linear {
         Ok(Linear { weight, bias, in_features, out_features, compute: None })
     }
 
+    /// A bias-free layer whose weight has its own full name (Megatron's
+    /// `shared_experts.gate_weight`), marked as `on_sequence_shards` marks it.
+    pub fn named_weight(
+        p: &mut ParamTableBuilder,
+        weight: &str,
+        [in_features, out_features]: [usize; 2],
+        std: f32,
+        sequence_shards: bool,
+    ) -> Result<Self> {
+        let meta = ParamMeta::replicated(weight, [out_features, in_features], Init::Normal { std }, true);
+        let weight = p.add(meta.on_sequence_shards(sequence_shards))?;
+        Ok(Linear { weight, bias: None, in_features, out_features, compute: None })
+    }
+
     /// This layer computing in fp32 whatever its input's and parameters' dtype.
     pub fn in_fp32(self) -> Self {
         Linear { compute: Some(DType::F32), ..self }
