@@ -11,21 +11,8 @@ use ferrotron_transformer::spec::{Activation, FactoryCx, ModuleFactory};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (hidden, tokens) = (64, 512);
-    let spec = MoeSpec {
-        num_experts: 8,
-        ffn_hidden_size: 96,
-        activation: Activation::SwiGlu,
-        bias: false,
-        shared_expert_ffn: None,
-        shared_expert_gate: false,
-        router: RouterSpec { topk: 2, aux_loss_coeff: 1e-2, z_loss_coeff: Some(1e-3), ..RouterSpec::default() },
-        expert_parallel_size: 1,
-        expert_tensor_parallel_size: None,
-        ep_group: None,
-        cp_group: None,
-        metrics: Default::default(),
-        biases: Default::default(),
-    };
+    let router = RouterSpec { topk: 2, aux_loss_coeff: 1e-2, z_loss_coeff: Some(1e-3), ..RouterSpec::default() };
+    let spec = MoeSpec::new(8, 96, Activation::SwiGlu, router);
     let tp = TensorParallel::new(ProcessGroups::single().tp, false);
     let mut builder = ParamTableBuilder::default();
     let cx = FactoryCx { prefix: "decoder.layers.0.mlp", hidden, std: 0.02, out_std: 0.01, tp: &tp };

@@ -1,5 +1,6 @@
 //! Hugging Face checkpoints: which transformers class a config is (`GPT2LMHeadModel`,
-//! `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`, `MixtralForCausalLM`), its
+//! `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`, `MixtralForCausalLM`,
+//! `Qwen2MoeForCausalLM`), its
 //! config.json in Megatron's terms and back, and every parameter's HF
 //! name and layout next to the Megatron name Ferrotron uses. Pure: tensors come and go as host
 //! f32 values; reading and writing files is the trainer's (`ferrotron convert`).
@@ -14,6 +15,11 @@
 //!   so are each Mixtral expert's `w1` and `w3` (`w2` its `linear_fc2`), and Mixtral's
 //!   `block_sparse_moe.gate` is Megatron's `mlp.router`. Mixtral's routing (softmax over all
 //!   experts, top-k, renormalised) is Megatron's top-k softmax without --moe-router-pre-softmax.
+//! - Qwen2-MoE's `mlp.gate` is the router, its experts' and `shared_expert`'s gate/up/down
+//!   projections the experts' and `shared_experts`' fc1 [gate; up] and fc2, `shared_expert_gate`
+//!   the shared experts' `gate_weight`. Its routing is the softmax over all experts read at the
+//!   top k, renormalised only with `norm_topk_prob` (without it Megatron's
+//!   --moe-router-pre-softmax).
 //! - HF keeps the real vocabulary; Megatron pads it (the checkpoint drops the padding rows).
 //! - RoPE is rotate-half in both (HF's Llama weights are already permuted for it).
 
@@ -77,6 +83,9 @@ pub enum HfArch {
     /// `MixtralForCausalLM` (model_type mixtral): Mistral's attention with a mixture-of-experts
     /// MLP (ferrotron-moe's layer).
     Mixtral,
+    /// `Qwen2MoeForCausalLM` (model_type qwen2_moe, Qwen1.5-MoE and Qwen2-MoE): Qwen2's attention
+    /// with a mixture-of-experts MLP whose shared experts are gated.
+    Qwen2Moe,
     /// `LlavaForConditionalGeneration` (model_type llava): a CLIP vision tower and projector
     /// before a Llama (`hf/llava.rs`); the text functions here treat it as its Llama.
     Llava,
@@ -90,6 +99,7 @@ impl HfArch {
             HfArch::Mistral => "MistralForCausalLM",
             HfArch::Qwen2 => "Qwen2ForCausalLM",
             HfArch::Mixtral => "MixtralForCausalLM",
+            HfArch::Qwen2Moe => "Qwen2MoeForCausalLM",
             HfArch::Mamba2 => "Mamba2ForCausalLM",
             HfArch::Llava => "LlavaForConditionalGeneration",
         }
@@ -101,7 +111,7 @@ impl HfArch {
             return mamba2::of(c);
         }
         if let Some(m) = crate::moe_spec(c) {
-            return mixtral_of(c, m);
+            return if m.shared_expert_ffn.is_some() { qwen2_moe_of(c, m) } else { mixtral_of(c, m) };
         }
         let MlpSpec::Dense { activation, bias: mlp_bias } = c.layer.mlp else {
             return Err(HfError::NoEquivalent("a custom MLP module".into()));
@@ -171,6 +181,35 @@ fn mixtral_of(c: &TransformerConfig, m: &MoeSpec) -> Result<HfArch> {
     match problem {
         Some(p) => Err(HfError::NoEquivalent(format!("an MoE model as MixtralForCausalLM: {p}"))),
         None => Ok(HfArch::Mixtral),
+    }
+}
+
+/// An MoE model with shared experts as a Qwen2-MoE, or what stops it.
+fn qwen2_moe_of(c: &TransformerConfig, m: &MoeSpec) -> Result<HfArch> {
+    let a = c.layer.attention;
+    let r = &m.router;
+    let problem = if c.layer.norm != NormKind::RmsNorm
+        || !matches!(c.position_embedding, PositionEmbedding::Rope { .. })
+    {
+        Some("Qwen2-MoE's layers are RMSNorm with RoPE")
+    } else if m.activation != Activation::SwiGlu || m.bias {
+        Some("Qwen2-MoE's experts are SwiGLU without biases")
+    } else if !m.shared_expert_gate {
+        Some("Qwen2-MoE gates its shared experts (--moe-shared-expert-gate)")
+    } else if c.layer.other_mlp.is_some() {
+        Some("every layer is an MoE layer here (no --moe-layer-freq; Qwen2-MoE's mlp_only_layers are not converted)")
+    } else if a.bias || !a.qkv_bias || a.qk_layernorm || a.window.is_some() {
+        Some("Qwen2-MoE's attention has biases on q, k and v alone (--add-qkv-bias), no QK-LayerNorm and no window")
+    } else if r.topk_scaling_factor.is_some() {
+        Some("Qwen2-MoE does not scale the top-k weights")
+    } else if r.score != ferrotron_moe::Score::Softmax || r.groups.is_some() || r.expert_bias_update_rate.is_some() {
+        Some("Qwen2-MoE's router is a softmax top-k (no sigmoid scores, expert groups or expert bias)")
+    } else {
+        None
+    };
+    match problem {
+        Some(p) => Err(HfError::NoEquivalent(format!("an MoE model with shared experts as Qwen2MoeForCausalLM: {p}"))),
+        None => Ok(HfArch::Qwen2Moe),
     }
 }
 
@@ -250,52 +289,23 @@ pub fn from_hf_config(v: &Value) -> Result<HfModel> {
     let (arch, config) = match model_type {
         "gpt2" => (HfArch::Gpt2, gpt2_config(v)?),
         "llama" => (HfArch::Llama, llama_config(v)?),
-        "qwen2" => {
-            if bool_or(v, "use_sliding_window", false)? {
-                return Err(HfError::Config(
-                    "use_sliding_window true: Qwen2's window covers only the layers from max_window_layers on, which Ferrotron's attention does not".into(),
-                ));
-            }
-            // transformers 5 also lists each layer's kind.
-            let types = v.get("layer_types").and_then(Value::as_array).into_iter().flatten();
-            if let Some(t) = types.filter_map(Value::as_str).find(|t| *t != "full_attention") {
-                return Err(HfError::Config(format!(
-                    "layer_types has `{t}`: Ferrotron converts Qwen2 with full attention in every layer"
-                )));
-            }
-            let mut c = llama_config(v)?;
-            c.layer.attention.qkv_bias = true;
-            (HfArch::Qwen2, c)
-        }
+        "qwen2" => (HfArch::Qwen2, qwen2_config(v)?),
+        "qwen2_moe" => (HfArch::Qwen2Moe, qwen2_moe_config(v)?),
         "mixtral" => {
             let mut c = llama_config(v)?;
             c.layer.attention.window = opt(v, "sliding_window", usize_of)?;
             if opt(v, "router_jitter_noise", f64_of)?.is_some_and(|j| j != 0.0) {
                 return Err(HfError::Config("router_jitter_noise: Ferrotron's router adds no noise".into()));
             }
-            let moe = MoeSpec {
-                num_experts: usize_of(v, "num_local_experts")?,
-                ffn_hidden_size: c.ffn_hidden_size,
-                activation: Activation::SwiGlu,
-                bias: false,
-                shared_expert_ffn: None,
-                shared_expert_gate: false,
-                router: RouterSpec {
-                    topk: usize_of(v, "num_experts_per_tok")?,
-                    load_balancing: LoadBalancing::AuxLoss,
-                    // transformers' coefficient as Megatron's: per layer, where transformers
-                    // weighs one loss over all layers' routing (k times Megatron's for the same
-                    // routing).
-                    aux_loss_coeff: opt(v, "router_aux_loss_coef", f64_of)?.unwrap_or(0.0) as f32,
-                    ..RouterSpec::default()
-                },
-                expert_parallel_size: 1,
-                expert_tensor_parallel_size: None,
-                ep_group: None,
-                cp_group: None,
-                metrics: Default::default(),
-                biases: Default::default(),
+            let router = RouterSpec {
+                topk: usize_of(v, "num_experts_per_tok")?,
+                load_balancing: LoadBalancing::AuxLoss,
+                // transformers' coefficient as Megatron's: per layer, where transformers weighs
+                // one loss over all layers' routing (k times Megatron's for the same routing).
+                aux_loss_coeff: opt(v, "router_aux_loss_coef", f64_of)?.unwrap_or(0.0) as f32,
+                ..RouterSpec::default()
             };
+            let moe = MoeSpec::new(usize_of(v, "num_local_experts")?, c.ffn_hidden_size, Activation::SwiGlu, router);
             moe.validate().map_err(HfError::Config)?;
             c.layer.mlp = MlpSpec::Custom(Arc::new(moe));
             (HfArch::Mixtral, c)
@@ -322,7 +332,7 @@ pub fn from_hf_config(v: &Value) -> Result<HfModel> {
         }
         o => {
             return Err(HfError::Config(format!(
-                "model_type `{o}`: Ferrotron converts gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM), mistral (MistralForCausalLM), qwen2 (Qwen2ForCausalLM) mixtral (MixtralForCausalLM), mamba2 (Mamba2ForCausalLM) and llava (LlavaForConditionalGeneration)"
+                "model_type `{o}`: Ferrotron converts gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM), mistral (MistralForCausalLM), qwen2 (Qwen2ForCausalLM), mixtral (MixtralForCausalLM), qwen2_moe (Qwen2MoeForCausalLM), mamba2 (Mamba2ForCausalLM) and llava (LlavaForConditionalGeneration)"
             )));
         }
     };
@@ -427,6 +437,62 @@ fn rope(v: &Value) -> Result<PositionEmbedding> {
     Ok(PositionEmbedding::Rope { base, scaling })
 }
 
+/// Qwen2's layers: Llama's with biases on q, k and v, full attention in every layer.
+fn qwen2_config(v: &Value) -> Result<TransformerConfig> {
+    if bool_or(v, "use_sliding_window", false)? {
+        return Err(HfError::Config(
+            "use_sliding_window true: Qwen2's window covers only the layers from max_window_layers on, which Ferrotron's attention does not".into(),
+        ));
+    }
+    // transformers 5 also lists each layer's kind.
+    let types = v.get("layer_types").and_then(Value::as_array).into_iter().flatten();
+    if let Some(t) = types.filter_map(Value::as_str).find(|t| *t != "full_attention") {
+        return Err(HfError::Config(format!(
+            "layer_types has `{t}`: Ferrotron converts Qwen2 with full attention in every layer"
+        )));
+    }
+    let mut c = llama_config(v)?;
+    c.layer.attention.qkv_bias = bool_or(v, "qkv_bias", true)?;
+    Ok(c)
+}
+
+/// Qwen2-MoE: Qwen2's layers with a mixture of experts in every layer, gated shared experts.
+fn qwen2_moe_config(v: &Value) -> Result<TransformerConfig> {
+    let mut c = qwen2_config(v)?;
+    if opt(v, "decoder_sparse_step", usize_of)?.is_some_and(|s| s != 1) {
+        return Err(HfError::Config(
+            "decoder_sparse_step other than 1: Ferrotron converts Qwen2-MoE with experts in every layer".into(),
+        ));
+    }
+    if v.get("mlp_only_layers").and_then(Value::as_array).is_some_and(|l| !l.is_empty()) {
+        return Err(HfError::Config(
+            "mlp_only_layers: Ferrotron converts Qwen2-MoE with experts in every layer".into(),
+        ));
+    }
+    let shared = usize_of(v, "shared_expert_intermediate_size")?;
+    if shared == 0 {
+        return Err(HfError::Config("shared_expert_intermediate_size 0: Qwen2-MoE's shared experts are needed".into()));
+    }
+    let router = RouterSpec {
+        topk: usize_of(v, "num_experts_per_tok")?,
+        // Softmax over all experts read at the top k: renormalised only with norm_topk_prob.
+        pre_softmax: !bool_or(v, "norm_topk_prob", false)?,
+        load_balancing: LoadBalancing::AuxLoss,
+        // Per layer, as Megatron's (see Mixtral's).
+        aux_loss_coeff: opt(v, "router_aux_loss_coef", f64_of)?.unwrap_or(0.0) as f32,
+        ..RouterSpec::default()
+    };
+    let (experts, width) = (usize_of(v, "num_experts")?, usize_of(v, "moe_intermediate_size")?);
+    let moe = MoeSpec {
+        shared_expert_ffn: Some(shared),
+        shared_expert_gate: true,
+        ..MoeSpec::new(experts, width, Activation::SwiGlu, router)
+    };
+    moe.validate().map_err(HfError::Config)?;
+    c.layer.mlp = MlpSpec::Custom(Arc::new(moe));
+    Ok(c)
+}
+
 fn llama_config(v: &Value) -> Result<TransformerConfig> {
     let act = str_or(v, "hidden_act", "silu");
     if act != "silu" {
@@ -497,7 +563,7 @@ pub fn to_hf_config(arch: HfArch, c: &TransformerConfig, dtype: &str) -> Value {
             "tie_word_embeddings": tied,
             "torch_dtype": dtype,
         }),
-        HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 | HfArch::Mixtral | HfArch::Llava => {
+        HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 | HfArch::Mixtral | HfArch::Qwen2Moe | HfArch::Llava => {
             let PositionEmbedding::Rope { base, scaling } = c.position_embedding else {
                 unreachable!("HfArch::of checked")
             };
@@ -516,6 +582,7 @@ pub fn to_hf_config(arch: HfArch, c: &TransformerConfig, dtype: &str) -> Value {
                     HfArch::Mistral => "mistral",
                     HfArch::Qwen2 => "qwen2",
                     HfArch::Mixtral => "mixtral",
+                    HfArch::Qwen2Moe => "qwen2_moe",
                     _ => "llama",
                 },
                 "vocab_size": c.vocab_size,
@@ -552,7 +619,7 @@ pub fn to_hf_config(arch: HfArch, c: &TransformerConfig, dtype: &str) -> Value {
                 v["router_jitter_noise"] = json!(0.0);
                 v["output_router_logits"] = json!(false);
             }
-            if arch == HfArch::Qwen2 {
+            if matches!(arch, HfArch::Qwen2 | HfArch::Qwen2Moe) {
                 // Qwen2's own keys: its biases are on q, k and v by construction.
                 if let Some(o) = v.as_object_mut() {
                     o.remove("attention_bias");
@@ -560,6 +627,17 @@ pub fn to_hf_config(arch: HfArch, c: &TransformerConfig, dtype: &str) -> Value {
                 }
                 v["use_sliding_window"] = json!(false);
                 v["max_window_layers"] = json!(c.num_layers);
+            }
+            if let (HfArch::Qwen2Moe, Some(m)) = (arch, crate::moe_spec(c)) {
+                v["moe_intermediate_size"] = json!(m.ffn_hidden_size);
+                v["shared_expert_intermediate_size"] = json!(m.shared_expert_ffn);
+                v["num_experts"] = json!(m.num_experts);
+                v["num_experts_per_tok"] = json!(m.router.topk);
+                v["norm_topk_prob"] = json!(!m.router.pre_softmax);
+                v["decoder_sparse_step"] = json!(1);
+                v["mlp_only_layers"] = json!([]);
+                v["router_aux_loss_coef"] = json!(decimal(m.router.aux_loss_coeff));
+                v["output_router_logits"] = json!(false);
             }
             v
         }
@@ -578,7 +656,7 @@ pub fn is_buffer(hf_name: &str) -> bool {
 pub fn strip_prefix(arch: HfArch, hf_name: &str) -> &str {
     match arch {
         HfArch::Gpt2 => hf_name.strip_prefix("transformer.").unwrap_or(hf_name),
-        HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 | HfArch::Mixtral | HfArch::Mamba2 | HfArch::Llava => hf_name,
+        _ => hf_name,
     }
 }
 
@@ -692,7 +770,7 @@ fn maps(arch: HfArch, c: &TransformerConfig) -> Vec<(String, Map)> {
                 m.push((format!("decoder.final_layernorm.{p}"), Same(format!("ln_f.{p}"))));
             }
         }
-        HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 | HfArch::Mixtral | HfArch::Llava => {
+        HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 | HfArch::Mixtral | HfArch::Qwen2Moe | HfArch::Llava => {
             m.push(("embedding.word_embeddings.weight".into(), Same("model.embed_tokens.weight".into())));
             for i in 0..c.num_layers {
                 let (o, h) = (format!("decoder.layers.{i}."), format!("model.layers.{i}."));
@@ -700,7 +778,7 @@ fn maps(arch: HfArch, c: &TransformerConfig) -> Vec<(String, Map)> {
                 let proj = |x: &str| format!("{h}self_attn.{x}_proj.weight");
                 let qkv = QkvSource::Llama { q: proj("q"), k: proj("k"), v: proj("v"), weight: true };
                 m.push((format!("{o}self_attention.linear_qkv.weight"), Qkv(qkv)));
-                if arch == HfArch::Qwen2 {
+                if matches!(arch, HfArch::Qwen2 | HfArch::Qwen2Moe) {
                     let b = |x: &str| format!("{h}self_attn.{x}_proj.bias");
                     let qkv = QkvSource::Llama { q: b("q"), k: b("k"), v: b("v"), weight: false };
                     m.push((format!("{o}self_attention.linear_qkv.bias"), Qkv(qkv)));
@@ -716,6 +794,21 @@ fn maps(arch: HfArch, c: &TransformerConfig) -> Vec<(String, Map)> {
                         m.push((format!("{own}linear_fc1.weight"), GateUp(w("w1"), w("w3"))));
                         m.push((format!("{own}linear_fc2.weight"), Same(w("w2"))));
                     }
+                } else if let (HfArch::Qwen2Moe, Some(moe)) = (arch, crate::moe_spec(c)) {
+                    let b = format!("{h}mlp.");
+                    m.push((format!("{o}mlp.router.weight"), Same(format!("{b}gate.weight"))));
+                    let experts = (0..moe.num_experts)
+                        .map(|e| (format!("{o}mlp.experts.local_experts.{e}."), format!("{b}experts.{e}.")));
+                    for (own, hf) in experts.chain([(format!("{o}mlp.shared_experts."), format!("{b}shared_expert."))])
+                    {
+                        let w = |x: &str| format!("{hf}{x}_proj.weight");
+                        m.push((format!("{own}linear_fc1.weight"), GateUp(w("gate"), w("up"))));
+                        m.push((format!("{own}linear_fc2.weight"), Same(w("down"))));
+                    }
+                    m.push((
+                        format!("{o}mlp.shared_experts.gate_weight"),
+                        Same(format!("{b}shared_expert_gate.weight")),
+                    ));
                 } else {
                     let mlp = |x: &str| format!("{h}mlp.{x}_proj.weight");
                     m.push((format!("{o}mlp.linear_fc1.weight"), GateUp(mlp("gate"), mlp("up"))));
@@ -739,7 +832,14 @@ fn hf_shape(arch: HfArch, c: &TransformerConfig, hf: &str) -> Vec<usize> {
     if arch == HfArch::Mamba2 {
         return mamba2::shape(c, hf);
     }
-    let (h, v, f) = (c.hidden_size, c.vocab_size, c.ffn_hidden_size);
+    let (h, v) = (c.hidden_size, c.vocab_size);
+    // The MLP's width: Qwen2-MoE's experts and shared experts have their own.
+    let moe = crate::moe_spec(c);
+    let f = match moe {
+        Some(m) if hf.contains(".experts.") => m.ffn_hidden_size,
+        Some(m) if hf.contains(".shared_expert.") => m.shared_expert_ffn.unwrap_or(0),
+        _ => c.ffn_hidden_size,
+    };
     let (q, kv) = (c.num_attention_heads * c.head_dim(), c.num_query_groups * c.head_dim());
     let last = hf.rsplit('.').nth(1).unwrap_or("");
     let is_bias = hf.ends_with(".bias");
@@ -755,7 +855,8 @@ fn hf_shape(arch: HfArch, c: &TransformerConfig, hf: &str) -> Vec<usize> {
         (_, "o_proj") => vec![h, q],
         (_, "gate_proj" | "up_proj" | "w1" | "w3") => vec![f, h],
         (_, "down_proj" | "w2") => vec![h, f],
-        (HfArch::Mixtral, "gate") => vec![crate::moe_spec(c).map_or(0, |m| m.num_experts), h],
+        (HfArch::Mixtral | HfArch::Qwen2Moe, "gate") => vec![moe.map_or(0, |m| m.num_experts), h],
+        (HfArch::Qwen2Moe, "shared_expert_gate") => vec![1, h],
         _ => vec![h], // norms
     };
     // A bias has the output's length: GPT-2's Conv1D weights are [in, out], the others [out, in].
@@ -771,7 +872,10 @@ fn own_shape(arch: HfArch, c: &TransformerConfig, map: &Map) -> Vec<usize> {
         Map::Transposed(n) => hf_shape(arch, c, n).into_iter().rev().collect(),
         Map::Qkv(QkvSource::Gpt2 { weight: false, .. } | QkvSource::Llama { weight: false, .. }) => vec![qkv_rows],
         Map::Qkv(_) => vec![qkv_rows, c.hidden_size],
-        Map::GateUp(..) => vec![2 * c.ffn_hidden_size, c.hidden_size],
+        Map::GateUp(gate, _) => {
+            let s = hf_shape(arch, c, gate);
+            vec![2 * s[0], s[1]]
+        }
     }
 }
 
@@ -838,10 +942,7 @@ pub fn export<'a>(arch: HfArch, c: &TransformerConfig, get: &TensorLookup<'a>) -
         let t = HostTensor::new(shape.to_vec(), data.to_vec());
         Ok(if padded { row_block(&t, 0, c.vocab_size) } else { t })
     };
-    let prefix = match arch {
-        HfArch::Gpt2 => "transformer.",
-        HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 | HfArch::Mixtral | HfArch::Mamba2 | HfArch::Llava => "",
-    };
+    let prefix = if arch == HfArch::Gpt2 { "transformer." } else { "" };
     let named = |n: &str| if n == LM_HEAD { n.to_string() } else { format!("{prefix}{n}") };
     let mut out = vec![];
     for (name, map) in maps(arch, c) {
@@ -889,6 +990,12 @@ mod tests {
                 "num_key_value_heads": 2, "head_dim": 6, "max_position_embeddings": 16,
                 "tie_word_embeddings": false, "num_local_experts": 3, "num_experts_per_tok": 2,
                 "router_aux_loss_coef": 0.02}),
+            // Every width its own: dense 6, experts 5, shared experts 7.
+            HfArch::Qwen2Moe => json!({"model_type": "qwen2_moe", "vocab_size": 11, "hidden_size": 8,
+                "intermediate_size": 6, "moe_intermediate_size": 5, "shared_expert_intermediate_size": 7,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 6,
+                "max_position_embeddings": 16, "tie_word_embeddings": false, "num_experts": 3,
+                "num_experts_per_tok": 2, "norm_topk_prob": false, "router_aux_loss_coef": 0.001}),
             HfArch::Mamba2 => json!({"model_type": "mamba2", "vocab_size": 11, "hidden_size": 8,
                 "num_hidden_layers": 2, "state_size": 3, "head_dim": 4, "num_heads": 4, "expand": 2, "n_groups": 2,
                 "conv_kernel": 4, "tie_word_embeddings": false}),
@@ -922,7 +1029,15 @@ mod tests {
 
     #[test]
     fn export_then_import_gives_every_tensor_back() {
-        for arch in [HfArch::Gpt2, HfArch::Llama, HfArch::Mistral, HfArch::Qwen2, HfArch::Mixtral, HfArch::Mamba2] {
+        for arch in [
+            HfArch::Gpt2,
+            HfArch::Llama,
+            HfArch::Mistral,
+            HfArch::Qwen2,
+            HfArch::Mixtral,
+            HfArch::Qwen2Moe,
+            HfArch::Mamba2,
+        ] {
             let c = tiny(arch);
             assert_eq!(HfArch::of(&c).unwrap(), arch);
             let own: Vec<(String, HostTensor)> = maps(arch, &c)
@@ -942,8 +1057,9 @@ mod tests {
     }
 
     fn own_shape(c: &TransformerConfig, name: &str) -> Vec<usize> {
-        if c.layer.hybrid.is_some() {
-            // A Mamba model's shapes as the built model registers them (vocabulary unpadded).
+        if c.layer.hybrid.is_some() || crate::moe_spec(c).is_some() {
+            // A Mamba or MoE model's shapes as the built model registers them (vocabulary
+            // unpadded): the experts' and shared experts' widths are their own.
             let (_, table) = ferrotron_transformer::GptModel::build(
                 TransformerConfig { make_vocab_size_divisible_by: 1, ..c.clone() },
                 &ferrotron_core::Device::Cpu,
@@ -1050,7 +1166,7 @@ mod tests {
 
     #[test]
     fn config_json_round_trips() {
-        for arch in [HfArch::Gpt2, HfArch::Llama, HfArch::Mistral] {
+        for arch in [HfArch::Gpt2, HfArch::Llama, HfArch::Mistral, HfArch::Qwen2Moe] {
             let c = tiny(arch);
             let back = from_hf_config(&to_hf_config(arch, &c, "bfloat16")).unwrap();
             assert_eq!(back.arch, arch);
@@ -1115,6 +1231,33 @@ mod tests {
         assert_eq!((v["num_local_experts"].clone(), v["num_experts_per_tok"].clone()), (json!(3), json!(2)));
         v["router_jitter_noise"] = json!(0.1);
         assert!(from_hf_config(&v).unwrap_err().to_string().contains("router_jitter_noise"));
+        // Qwen2-MoE: its widths and routing read back; what it has that Ferrotron does not, named.
+        let q = tiny(HfArch::Qwen2Moe);
+        let qv = to_hf_config(HfArch::Qwen2Moe, &q, "float32");
+        let m = crate::moe_spec(&q).unwrap();
+        assert_eq!((m.ffn_hidden_size, m.shared_expert_ffn, q.ffn_hidden_size), (5, Some(7), 6));
+        assert!(m.shared_expert_gate && m.router.pre_softmax && q.layer.attention.qkv_bias);
+        assert_eq!(from_hf_config(&qv).unwrap().arch, HfArch::Qwen2Moe);
+        for (key, val, want) in [
+            ("decoder_sparse_step", json!(2), "decoder_sparse_step"),
+            ("mlp_only_layers", json!([1]), "mlp_only_layers"),
+            ("shared_expert_intermediate_size", json!(0), "shared_expert_intermediate_size 0"),
+            ("use_sliding_window", json!(true), "use_sliding_window"),
+        ] {
+            let mut w = qv.clone();
+            w[key] = val;
+            let e = from_hf_config(&w).unwrap_err().to_string();
+            assert!(e.contains(want), "{key}: {e}");
+        }
+        let ungated = TransformerConfig {
+            layer: LayerSpec {
+                mlp: MlpSpec::Custom(Arc::new(MoeSpec { shared_expert_gate: false, ..m.clone() })),
+                ..q.layer.clone()
+            },
+            ..q.clone()
+        };
+        let e = HfArch::of(&ungated).unwrap_err().to_string();
+        assert!(e.contains("Qwen2MoeForCausalLM") && e.contains("--moe-shared-expert-gate"), "{e}");
         v["model_type"] = json!("deepseek_v3");
         assert!(from_hf_config(&v).unwrap_err().to_string().contains("deepseek_v3"));
         let mut c = tiny(HfArch::Mixtral);

@@ -131,21 +131,8 @@ pub fn mixtral(size: MixtralSize) -> TransformerConfig {
     let (base, experts, ffn) = match size {
         MixtralSize::Tiny => (llama(LlamaSize::Tiny), 8, 176),
     };
-    let moe = MoeSpec {
-        num_experts: experts,
-        ffn_hidden_size: ffn,
-        activation: Activation::SwiGlu,
-        bias: false,
-        shared_expert_ffn: None,
-        shared_expert_gate: false,
-        router: RouterSpec { aux_loss_coeff: 1e-2, z_loss_coeff: Some(1e-3), ..RouterSpec::default() },
-        expert_parallel_size: 1,
-        expert_tensor_parallel_size: None,
-        ep_group: None,
-        cp_group: None,
-        metrics: Default::default(),
-        biases: Default::default(),
-    };
+    let router = RouterSpec { aux_loss_coeff: 1e-2, z_loss_coeff: Some(1e-3), ..RouterSpec::default() };
+    let moe = MoeSpec::new(experts, ffn, Activation::SwiGlu, router);
     TransformerConfig {
         ffn_hidden_size: ffn,
         layer: LayerSpec { mlp: MlpSpec::Custom(Arc::new(moe)), ..base.layer },

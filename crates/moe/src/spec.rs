@@ -123,6 +123,27 @@ impl std::fmt::Debug for ExpertGroup {
 }
 
 impl MoeSpec {
+    /// `num_experts` experts of width `ffn_hidden_size` without biases, routed by `router`, no
+    /// shared experts, one expert-parallel rank (the groups set later by `with_group` and
+    /// `with_context_parallel`).
+    pub fn new(num_experts: usize, ffn_hidden_size: usize, activation: Activation, router: RouterSpec) -> MoeSpec {
+        MoeSpec {
+            num_experts,
+            ffn_hidden_size,
+            activation,
+            bias: false,
+            shared_expert_ffn: None,
+            shared_expert_gate: false,
+            router,
+            expert_parallel_size: 1,
+            expert_tensor_parallel_size: None,
+            ep_group: None,
+            cp_group: None,
+            metrics: MoeMetrics::default(),
+            biases: ExpertBiases::default(),
+        }
+    }
+
     /// Checks every value, naming the flag and the fix.
     pub fn validate(&self) -> std::result::Result<(), String> {
         let r = &self.router;

@@ -16,7 +16,7 @@ use safetensors::SafeTensors;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-const FIXTURES: [&str; 7] = ["gpt2", "llama", "llama_tied", "mistral", "qwen2", "mixtral", "mamba2"];
+const FIXTURES: [&str; 8] = ["gpt2", "llama", "llama_tied", "mistral", "qwen2", "mixtral", "qwen2_moe", "mamba2"];
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf").join(name)
@@ -109,6 +109,7 @@ fn imported_models_give_transformers_logits() {
             "mistral" => hf::HfArch::Mistral,
             "qwen2" => hf::HfArch::Qwen2,
             "mixtral" => hf::HfArch::Mixtral,
+            "qwen2_moe" => hf::HfArch::Qwen2Moe,
             "mamba2" => hf::HfArch::Mamba2,
             _ => hf::HfArch::Llama,
         };
