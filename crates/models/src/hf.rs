@@ -1,6 +1,6 @@
 //! Hugging Face checkpoints: which transformers class a config is (`GPT2LMHeadModel`,
 //! `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`, `MixtralForCausalLM`,
-//! `Qwen2MoeForCausalLM`), its
+//! `Qwen2MoeForCausalLM`, `Qwen3ForCausalLM`, `Qwen3MoeForCausalLM`), its
 //! config.json in Megatron's terms and back, and every parameter's HF
 //! name and layout next to the Megatron name Ferrotron uses. Pure: tensors come and go as host
 //! f32 values; reading and writing files is the trainer's (`ferrotron convert`).
@@ -19,7 +19,10 @@
 //!   projections the experts' and `shared_experts`' fc1 [gate; up] and fc2, `shared_expert_gate`
 //!   the shared experts' `gate_weight`. Its routing is the softmax over all experts read at the
 //!   top k, renormalised only with `norm_topk_prob` (without it Megatron's
-//!   --moe-router-pre-softmax).
+//!   --moe-router-pre-softmax). Qwen3-MoE's experts and router are named as Qwen2-MoE's, with no
+//!   shared experts.
+//! - Qwen3's `q_norm` / `k_norm` (RMSNorm over each head's width, before RoPE) are Megatron's
+//!   `q_layernorm` / `k_layernorm` (--qk-layernorm).
 //! - HF keeps the real vocabulary; Megatron pads it (the checkpoint drops the padding rows).
 //! - RoPE is rotate-half in both (HF's Llama weights are already permuted for it).
 
@@ -86,6 +89,12 @@ pub enum HfArch {
     /// `Qwen2MoeForCausalLM` (model_type qwen2_moe, Qwen1.5-MoE and Qwen2-MoE): Qwen2's attention
     /// with a mixture-of-experts MLP whose shared experts are gated.
     Qwen2Moe,
+    /// `Qwen3ForCausalLM` (model_type qwen3): Llama's layers with QK-norm (--qk-layernorm), no
+    /// q/k/v biases.
+    Qwen3,
+    /// `Qwen3MoeForCausalLM` (model_type qwen3_moe): Qwen3's attention with a mixture of experts
+    /// (no shared experts).
+    Qwen3Moe,
     /// `LlavaForConditionalGeneration` (model_type llava): a CLIP vision tower and projector
     /// before a Llama (`hf/llava.rs`); the text functions here treat it as its Llama.
     Llava,
@@ -100,6 +109,8 @@ impl HfArch {
             HfArch::Qwen2 => "Qwen2ForCausalLM",
             HfArch::Mixtral => "MixtralForCausalLM",
             HfArch::Qwen2Moe => "Qwen2MoeForCausalLM",
+            HfArch::Qwen3 => "Qwen3ForCausalLM",
+            HfArch::Qwen3Moe => "Qwen3MoeForCausalLM",
             HfArch::Mamba2 => "Mamba2ForCausalLM",
             HfArch::Llava => "LlavaForConditionalGeneration",
         }
@@ -111,16 +122,28 @@ impl HfArch {
             return mamba2::of(c);
         }
         if let Some(m) = crate::moe_spec(c) {
-            return if m.shared_expert_ffn.is_some() { qwen2_moe_of(c, m) } else { mixtral_of(c, m) };
+            return match (c.layer.attention.qk_layernorm, m.shared_expert_ffn.is_some()) {
+                (true, _) => qwen_moe_of(c, m, HfArch::Qwen3Moe),
+                (false, true) => qwen_moe_of(c, m, HfArch::Qwen2Moe),
+                (false, false) => mixtral_of(c, m),
+            };
         }
         let MlpSpec::Dense { activation, bias: mlp_bias } = c.layer.mlp else {
             return Err(HfError::NoEquivalent("a custom MLP module".into()));
         };
         let a = c.layer.attention;
+        let llama_like = c.layer.norm == NormKind::RmsNorm
+            && activation == Activation::SwiGlu
+            && !a.bias
+            && !mlp_bias
+            && matches!(c.position_embedding, PositionEmbedding::Rope { .. });
         if a.qk_layernorm {
-            return Err(HfError::NoEquivalent(
-                "QK-LayerNorm (--qk-layernorm) is in none of GPT-2, Llama and Mistral".into(),
-            ));
+            return match (llama_like, a.qkv_bias, a.window) {
+                (true, false, None) => Ok(HfArch::Qwen3),
+                _ => Err(HfError::NoEquivalent(
+                    "QK-LayerNorm (--qk-layernorm) is Qwen3's alone here: RMSNorm, SwiGLU and RoPE without linear biases or a window".into(),
+                )),
+            };
         }
         let gpt2 = (NormKind::LayerNorm, Activation::Gelu, true, true);
         let llama = (NormKind::RmsNorm, Activation::SwiGlu, false, false);
@@ -184,32 +207,38 @@ fn mixtral_of(c: &TransformerConfig, m: &MoeSpec) -> Result<HfArch> {
     }
 }
 
-/// An MoE model with shared experts as a Qwen2-MoE, or what stops it.
-fn qwen2_moe_of(c: &TransformerConfig, m: &MoeSpec) -> Result<HfArch> {
+/// An MoE model as a Qwen2-MoE (gated shared experts, q/k/v biases) or a Qwen3-MoE (QK-norm, no
+/// shared experts), or what stops it.
+fn qwen_moe_of(c: &TransformerConfig, m: &MoeSpec, arch: HfArch) -> Result<HfArch> {
     let a = c.layer.attention;
     let r = &m.router;
+    let qwen3 = arch == HfArch::Qwen3Moe;
     let problem = if c.layer.norm != NormKind::RmsNorm
         || !matches!(c.position_embedding, PositionEmbedding::Rope { .. })
     {
-        Some("Qwen2-MoE's layers are RMSNorm with RoPE")
+        Some("its layers are RMSNorm with RoPE")
     } else if m.activation != Activation::SwiGlu || m.bias {
-        Some("Qwen2-MoE's experts are SwiGLU without biases")
-    } else if !m.shared_expert_gate {
+        Some("its experts are SwiGLU without biases")
+    } else if qwen3 && m.shared_expert_ffn.is_some() {
+        Some("Qwen3-MoE has no shared experts")
+    } else if !qwen3 && !m.shared_expert_gate {
         Some("Qwen2-MoE gates its shared experts (--moe-shared-expert-gate)")
     } else if c.layer.other_mlp.is_some() {
-        Some("every layer is an MoE layer here (no --moe-layer-freq; Qwen2-MoE's mlp_only_layers are not converted)")
-    } else if a.bias || !a.qkv_bias || a.qk_layernorm || a.window.is_some() {
-        Some("Qwen2-MoE's attention has biases on q, k and v alone (--add-qkv-bias), no QK-LayerNorm and no window")
+        Some("every layer is an MoE layer here (no --moe-layer-freq; mlp_only_layers are not converted)")
+    } else if a.bias || a.window.is_some() || a.qkv_bias == qwen3 || a.qk_layernorm != qwen3 {
+        Some(
+            "Qwen2-MoE's attention has q/k/v biases (--add-qkv-bias), Qwen3-MoE's QK-norm (--qk-layernorm), neither both, no other bias and no window",
+        )
     } else if r.topk_scaling_factor.is_some() {
-        Some("Qwen2-MoE does not scale the top-k weights")
+        Some("it does not scale the top-k weights")
     } else if r.score != ferrotron_moe::Score::Softmax || r.groups.is_some() || r.expert_bias_update_rate.is_some() {
-        Some("Qwen2-MoE's router is a softmax top-k (no sigmoid scores, expert groups or expert bias)")
+        Some("its router is a softmax top-k (no sigmoid scores, expert groups or expert bias)")
     } else {
         None
     };
     match problem {
-        Some(p) => Err(HfError::NoEquivalent(format!("an MoE model with shared experts as Qwen2MoeForCausalLM: {p}"))),
-        None => Ok(HfArch::Qwen2Moe),
+        Some(p) => Err(HfError::NoEquivalent(format!("an MoE model as {}: {p}", arch.class()))),
+        None => Ok(arch),
     }
 }
 
@@ -290,7 +319,9 @@ pub fn from_hf_config(v: &Value) -> Result<HfModel> {
         "gpt2" => (HfArch::Gpt2, gpt2_config(v)?),
         "llama" => (HfArch::Llama, llama_config(v)?),
         "qwen2" => (HfArch::Qwen2, qwen2_config(v)?),
-        "qwen2_moe" => (HfArch::Qwen2Moe, qwen2_moe_config(v)?),
+        "qwen2_moe" => (HfArch::Qwen2Moe, qwen_moe_config(v, qwen2_config(v)?, true)?),
+        "qwen3" => (HfArch::Qwen3, qwen3_config(v)?),
+        "qwen3_moe" => (HfArch::Qwen3Moe, qwen_moe_config(v, qwen3_config(v)?, false)?),
         "mixtral" => {
             let mut c = llama_config(v)?;
             c.layer.attention.window = opt(v, "sliding_window", usize_of)?;
@@ -332,7 +363,7 @@ pub fn from_hf_config(v: &Value) -> Result<HfModel> {
         }
         o => {
             return Err(HfError::Config(format!(
-                "model_type `{o}`: Ferrotron converts gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM), mistral (MistralForCausalLM), qwen2 (Qwen2ForCausalLM), mixtral (MixtralForCausalLM), qwen2_moe (Qwen2MoeForCausalLM), mamba2 (Mamba2ForCausalLM) and llava (LlavaForConditionalGeneration)"
+                "model_type `{o}`: Ferrotron converts gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM), mistral (MistralForCausalLM), qwen2 (Qwen2ForCausalLM), mixtral (MixtralForCausalLM), qwen2_moe (Qwen2MoeForCausalLM), qwen3 (Qwen3ForCausalLM), qwen3_moe (Qwen3MoeForCausalLM), mamba2 (Mamba2ForCausalLM) and llava (LlavaForConditionalGeneration)"
             )));
         }
     };
@@ -439,6 +470,20 @@ fn rope(v: &Value) -> Result<PositionEmbedding> {
 
 /// Qwen2's layers: Llama's with biases on q, k and v, full attention in every layer.
 fn qwen2_config(v: &Value) -> Result<TransformerConfig> {
+    let mut c = qwen_layers(v)?;
+    c.layer.attention.qkv_bias = bool_or(v, "qkv_bias", true)?;
+    Ok(c)
+}
+
+/// Qwen3's layers: Llama's with QK-norm, full attention in every layer.
+fn qwen3_config(v: &Value) -> Result<TransformerConfig> {
+    let mut c = qwen_layers(v)?;
+    c.layer.attention.qk_layernorm = true;
+    Ok(c)
+}
+
+/// Llama's layers as the Qwen configs give them: their sliding window (upper layers only) refused.
+fn qwen_layers(v: &Value) -> Result<TransformerConfig> {
     if bool_or(v, "use_sliding_window", false)? {
         return Err(HfError::Config(
             "use_sliding_window true: Qwen2's window covers only the layers from max_window_layers on, which Ferrotron's attention does not".into(),
@@ -451,28 +496,33 @@ fn qwen2_config(v: &Value) -> Result<TransformerConfig> {
             "layer_types has `{t}`: Ferrotron converts Qwen2 with full attention in every layer"
         )));
     }
-    let mut c = llama_config(v)?;
-    c.layer.attention.qkv_bias = bool_or(v, "qkv_bias", true)?;
-    Ok(c)
+    llama_config(v)
 }
 
-/// Qwen2-MoE: Qwen2's layers with a mixture of experts in every layer, gated shared experts.
-fn qwen2_moe_config(v: &Value) -> Result<TransformerConfig> {
-    let mut c = qwen2_config(v)?;
+/// Qwen2-MoE (`shared`: gated shared experts) and Qwen3-MoE: `c`'s layers with a mixture of
+/// experts in every layer.
+fn qwen_moe_config(v: &Value, mut c: TransformerConfig, shared: bool) -> Result<TransformerConfig> {
     if opt(v, "decoder_sparse_step", usize_of)?.is_some_and(|s| s != 1) {
         return Err(HfError::Config(
-            "decoder_sparse_step other than 1: Ferrotron converts Qwen2-MoE with experts in every layer".into(),
+            "decoder_sparse_step other than 1: Ferrotron converts Qwen's MoE models with experts in every layer".into(),
         ));
     }
     if v.get("mlp_only_layers").and_then(Value::as_array).is_some_and(|l| !l.is_empty()) {
         return Err(HfError::Config(
-            "mlp_only_layers: Ferrotron converts Qwen2-MoE with experts in every layer".into(),
+            "mlp_only_layers: Ferrotron converts Qwen's MoE models with experts in every layer".into(),
         ));
     }
-    let shared = usize_of(v, "shared_expert_intermediate_size")?;
-    if shared == 0 {
-        return Err(HfError::Config("shared_expert_intermediate_size 0: Qwen2-MoE's shared experts are needed".into()));
-    }
+    let shared = match shared {
+        true => match usize_of(v, "shared_expert_intermediate_size")? {
+            0 => {
+                return Err(HfError::Config(
+                    "shared_expert_intermediate_size 0: Qwen2-MoE's shared experts are needed".into(),
+                ));
+            }
+            f => Some(f),
+        },
+        false => None,
+    };
     let router = RouterSpec {
         topk: usize_of(v, "num_experts_per_tok")?,
         // Softmax over all experts read at the top k: renormalised only with norm_topk_prob.
@@ -482,10 +532,16 @@ fn qwen2_moe_config(v: &Value) -> Result<TransformerConfig> {
         aux_loss_coeff: opt(v, "router_aux_loss_coef", f64_of)?.unwrap_or(0.0) as f32,
         ..RouterSpec::default()
     };
-    let (experts, width) = (usize_of(v, "num_experts")?, usize_of(v, "moe_intermediate_size")?);
+    // transformers 5 writes Qwen3-MoE's count as num_local_experts; the published configs (and
+    // Qwen2-MoE's) as num_experts.
+    let experts = match opt(v, "num_local_experts", usize_of)? {
+        Some(n) => n,
+        None => usize_of(v, "num_experts")?,
+    };
+    let width = usize_of(v, "moe_intermediate_size")?;
     let moe = MoeSpec {
-        shared_expert_ffn: Some(shared),
-        shared_expert_gate: true,
+        shared_expert_ffn: shared,
+        shared_expert_gate: shared.is_some(),
         ..MoeSpec::new(experts, width, Activation::SwiGlu, router)
     };
     moe.validate().map_err(HfError::Config)?;
@@ -563,7 +619,14 @@ pub fn to_hf_config(arch: HfArch, c: &TransformerConfig, dtype: &str) -> Value {
             "tie_word_embeddings": tied,
             "torch_dtype": dtype,
         }),
-        HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 | HfArch::Mixtral | HfArch::Qwen2Moe | HfArch::Llava => {
+        HfArch::Llama
+        | HfArch::Mistral
+        | HfArch::Qwen2
+        | HfArch::Mixtral
+        | HfArch::Qwen2Moe
+        | HfArch::Qwen3
+        | HfArch::Qwen3Moe
+        | HfArch::Llava => {
             let PositionEmbedding::Rope { base, scaling } = c.position_embedding else {
                 unreachable!("HfArch::of checked")
             };
@@ -583,6 +646,8 @@ pub fn to_hf_config(arch: HfArch, c: &TransformerConfig, dtype: &str) -> Value {
                     HfArch::Qwen2 => "qwen2",
                     HfArch::Mixtral => "mixtral",
                     HfArch::Qwen2Moe => "qwen2_moe",
+                    HfArch::Qwen3 => "qwen3",
+                    HfArch::Qwen3Moe => "qwen3_moe",
                     _ => "llama",
                 },
                 "vocab_size": c.vocab_size,
@@ -619,18 +684,23 @@ pub fn to_hf_config(arch: HfArch, c: &TransformerConfig, dtype: &str) -> Value {
                 v["router_jitter_noise"] = json!(0.0);
                 v["output_router_logits"] = json!(false);
             }
-            if matches!(arch, HfArch::Qwen2 | HfArch::Qwen2Moe) {
-                // Qwen2's own keys: its biases are on q, k and v by construction.
+            if matches!(arch, HfArch::Qwen2 | HfArch::Qwen2Moe | HfArch::Qwen3 | HfArch::Qwen3Moe) {
+                // The Qwen configs' own keys: Qwen2's biases are on q, k and v by construction,
+                // Qwen3 has attention_bias (false) and no mlp_bias.
                 if let Some(o) = v.as_object_mut() {
-                    o.remove("attention_bias");
+                    if matches!(arch, HfArch::Qwen2 | HfArch::Qwen2Moe) {
+                        o.remove("attention_bias");
+                    }
                     o.remove("mlp_bias");
                 }
                 v["use_sliding_window"] = json!(false);
                 v["max_window_layers"] = json!(c.num_layers);
             }
-            if let (HfArch::Qwen2Moe, Some(m)) = (arch, crate::moe_spec(c)) {
+            if let (HfArch::Qwen2Moe | HfArch::Qwen3Moe, Some(m)) = (arch, crate::moe_spec(c)) {
                 v["moe_intermediate_size"] = json!(m.ffn_hidden_size);
-                v["shared_expert_intermediate_size"] = json!(m.shared_expert_ffn);
+                if arch == HfArch::Qwen2Moe {
+                    v["shared_expert_intermediate_size"] = json!(m.shared_expert_ffn);
+                }
                 v["num_experts"] = json!(m.num_experts);
                 v["num_experts_per_tok"] = json!(m.router.topk);
                 v["norm_topk_prob"] = json!(!m.router.pre_softmax);
@@ -770,7 +840,14 @@ fn maps(arch: HfArch, c: &TransformerConfig) -> Vec<(String, Map)> {
                 m.push((format!("decoder.final_layernorm.{p}"), Same(format!("ln_f.{p}"))));
             }
         }
-        HfArch::Llama | HfArch::Mistral | HfArch::Qwen2 | HfArch::Mixtral | HfArch::Qwen2Moe | HfArch::Llava => {
+        HfArch::Llama
+        | HfArch::Mistral
+        | HfArch::Qwen2
+        | HfArch::Mixtral
+        | HfArch::Qwen2Moe
+        | HfArch::Qwen3
+        | HfArch::Qwen3Moe
+        | HfArch::Llava => {
             m.push(("embedding.word_embeddings.weight".into(), Same("model.embed_tokens.weight".into())));
             for i in 0..c.num_layers {
                 let (o, h) = (format!("decoder.layers.{i}."), format!("model.layers.{i}."));
@@ -783,6 +860,12 @@ fn maps(arch: HfArch, c: &TransformerConfig) -> Vec<(String, Map)> {
                     let qkv = QkvSource::Llama { q: b("q"), k: b("k"), v: b("v"), weight: false };
                     m.push((format!("{o}self_attention.linear_qkv.bias"), Qkv(qkv)));
                 }
+                if c.layer.attention.qk_layernorm {
+                    for x in ["q", "k"] {
+                        let hf = format!("{h}self_attn.{x}_norm.weight");
+                        m.push((format!("{o}self_attention.{x}_layernorm.weight"), Same(hf)));
+                    }
+                }
                 m.push((format!("{o}self_attention.linear_proj.weight"), Same(proj("o"))));
                 m.push((format!("{o}pre_mlp_layernorm.weight"), Same(format!("{h}post_attention_layernorm.weight"))));
                 if let (HfArch::Mixtral, Some(moe)) = (arch, crate::moe_spec(c)) {
@@ -794,21 +877,23 @@ fn maps(arch: HfArch, c: &TransformerConfig) -> Vec<(String, Map)> {
                         m.push((format!("{own}linear_fc1.weight"), GateUp(w("w1"), w("w3"))));
                         m.push((format!("{own}linear_fc2.weight"), Same(w("w2"))));
                     }
-                } else if let (HfArch::Qwen2Moe, Some(moe)) = (arch, crate::moe_spec(c)) {
+                } else if let (HfArch::Qwen2Moe | HfArch::Qwen3Moe, Some(moe)) = (arch, crate::moe_spec(c)) {
                     let b = format!("{h}mlp.");
                     m.push((format!("{o}mlp.router.weight"), Same(format!("{b}gate.weight"))));
                     let experts = (0..moe.num_experts)
                         .map(|e| (format!("{o}mlp.experts.local_experts.{e}."), format!("{b}experts.{e}.")));
-                    for (own, hf) in experts.chain([(format!("{o}mlp.shared_experts."), format!("{b}shared_expert."))])
-                    {
+                    let shared = moe
+                        .shared_expert_ffn
+                        .map(|_| (format!("{o}mlp.shared_experts."), format!("{b}shared_expert.")));
+                    for (own, hf) in experts.chain(shared) {
                         let w = |x: &str| format!("{hf}{x}_proj.weight");
                         m.push((format!("{own}linear_fc1.weight"), GateUp(w("gate"), w("up"))));
                         m.push((format!("{own}linear_fc2.weight"), Same(w("down"))));
                     }
-                    m.push((
-                        format!("{o}mlp.shared_experts.gate_weight"),
-                        Same(format!("{b}shared_expert_gate.weight")),
-                    ));
+                    if moe.shared_expert_gate {
+                        let gate = Same(format!("{b}shared_expert_gate.weight"));
+                        m.push((format!("{o}mlp.shared_experts.gate_weight"), gate));
+                    }
                 } else {
                     let mlp = |x: &str| format!("{h}mlp.{x}_proj.weight");
                     m.push((format!("{o}mlp.linear_fc1.weight"), GateUp(mlp("gate"), mlp("up"))));
@@ -855,7 +940,8 @@ fn hf_shape(arch: HfArch, c: &TransformerConfig, hf: &str) -> Vec<usize> {
         (_, "o_proj") => vec![h, q],
         (_, "gate_proj" | "up_proj" | "w1" | "w3") => vec![f, h],
         (_, "down_proj" | "w2") => vec![h, f],
-        (HfArch::Mixtral | HfArch::Qwen2Moe, "gate") => vec![moe.map_or(0, |m| m.num_experts), h],
+        (HfArch::Mixtral | HfArch::Qwen2Moe | HfArch::Qwen3Moe, "gate") => vec![moe.map_or(0, |m| m.num_experts), h],
+        (_, "q_norm" | "k_norm") => vec![c.head_dim()],
         (HfArch::Qwen2Moe, "shared_expert_gate") => vec![1, h],
         _ => vec![h], // norms
     };
@@ -996,6 +1082,13 @@ mod tests {
                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 6,
                 "max_position_embeddings": 16, "tie_word_embeddings": false, "num_experts": 3,
                 "num_experts_per_tok": 2, "norm_topk_prob": false, "router_aux_loss_coef": 0.001}),
+            HfArch::Qwen3 => json!({"model_type": "qwen3", "vocab_size": 11, "hidden_size": 8,
+                "intermediate_size": 6, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 6, "max_position_embeddings": 16, "tie_word_embeddings": true}),
+            HfArch::Qwen3Moe => json!({"model_type": "qwen3_moe", "vocab_size": 11, "hidden_size": 8,
+                "intermediate_size": 6, "moe_intermediate_size": 5, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "head_dim": 6, "max_position_embeddings": 16, "tie_word_embeddings": false,
+                "num_experts": 3, "num_experts_per_tok": 2, "norm_topk_prob": true}),
             HfArch::Mamba2 => json!({"model_type": "mamba2", "vocab_size": 11, "hidden_size": 8,
                 "num_hidden_layers": 2, "state_size": 3, "head_dim": 4, "num_heads": 4, "expand": 2, "n_groups": 2,
                 "conv_kernel": 4, "tie_word_embeddings": false}),
@@ -1036,6 +1129,8 @@ mod tests {
             HfArch::Qwen2,
             HfArch::Mixtral,
             HfArch::Qwen2Moe,
+            HfArch::Qwen3,
+            HfArch::Qwen3Moe,
             HfArch::Mamba2,
         ] {
             let c = tiny(arch);
@@ -1057,9 +1152,10 @@ mod tests {
     }
 
     fn own_shape(c: &TransformerConfig, name: &str) -> Vec<usize> {
-        if c.layer.hybrid.is_some() || crate::moe_spec(c).is_some() {
-            // A Mamba or MoE model's shapes as the built model registers them (vocabulary
-            // unpadded): the experts' and shared experts' widths are their own.
+        if c.layer.hybrid.is_some() || crate::moe_spec(c).is_some() || c.layer.attention.qk_layernorm {
+            // A Mamba, MoE or QK-norm model's shapes as the built model registers them
+            // (vocabulary unpadded): the experts' and shared experts' widths are their own, the
+            // QK-norms a head's.
             let (_, table) = ferrotron_transformer::GptModel::build(
                 TransformerConfig { make_vocab_size_divisible_by: 1, ..c.clone() },
                 &ferrotron_core::Device::Cpu,
@@ -1166,7 +1262,7 @@ mod tests {
 
     #[test]
     fn config_json_round_trips() {
-        for arch in [HfArch::Gpt2, HfArch::Llama, HfArch::Mistral, HfArch::Qwen2Moe] {
+        for arch in [HfArch::Gpt2, HfArch::Llama, HfArch::Mistral, HfArch::Qwen2Moe, HfArch::Qwen3, HfArch::Qwen3Moe] {
             let c = tiny(arch);
             let back = from_hf_config(&to_hf_config(arch, &c, "bfloat16")).unwrap();
             assert_eq!(back.arch, arch);
@@ -1270,8 +1366,11 @@ mod tests {
         m.router.score = ferrotron_moe::Score::Sigmoid;
         c.layer.mlp = MlpSpec::Custom(Arc::new(m));
         assert!(HfArch::of(&c).unwrap_err().to_string().contains("softmax top-k"));
+        // QK-norm makes a Llama a Qwen3; with q/k/v biases it is neither.
         let mut c = tiny(HfArch::Llama);
         c.layer.attention.qk_layernorm = true;
+        assert_eq!(HfArch::of(&c).unwrap(), HfArch::Qwen3);
+        c.layer.attention.qkv_bias = true;
         assert!(HfArch::of(&c).unwrap_err().to_string().contains("QK-LayerNorm"));
         let mut c = tiny(HfArch::Gpt2);
         c.num_query_groups = 1;

@@ -16,7 +16,8 @@ use safetensors::SafeTensors;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-const FIXTURES: [&str; 8] = ["gpt2", "llama", "llama_tied", "mistral", "qwen2", "mixtral", "qwen2_moe", "mamba2"];
+const FIXTURES: [&str; 10] =
+    ["gpt2", "llama", "llama_tied", "mistral", "qwen2", "mixtral", "qwen2_moe", "qwen3", "qwen3_moe", "mamba2"];
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf").join(name)
@@ -110,6 +111,8 @@ fn imported_models_give_transformers_logits() {
             "qwen2" => hf::HfArch::Qwen2,
             "mixtral" => hf::HfArch::Mixtral,
             "qwen2_moe" => hf::HfArch::Qwen2Moe,
+            "qwen3" => hf::HfArch::Qwen3,
+            "qwen3_moe" => hf::HfArch::Qwen3Moe,
             "mamba2" => hf::HfArch::Mamba2,
             _ => hf::HfArch::Llama,
         };
