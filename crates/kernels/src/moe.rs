@@ -1,6 +1,7 @@
 //! Mixture-of-experts routing family (`cpu/moe.rs` has the math and the shapes): top-k routing
-//! and its backward, the router's auxiliary losses, the sort of token copies by expert, and the
-//! probability-weighted combine of the experts' outputs. The permutation itself is a row gather
+//! and its backward, the router's auxiliary losses, token dropping past an expert's capacity
+//! (`moe_drop`, on the host), the sort of token copies by expert, and the probability-weighted
+//! combine of the experts' outputs. The permutation itself is a row gather
 //! (`embedding_fwd` with the sort's `perm` as ids) and its backward a scatter-add
 //! (`embedding_bwd`).
 //!
