@@ -54,7 +54,7 @@ pub use loss::{
 pub use matmul::{linear_gelu, matmul, matmul_bias, matmul_bwd, matmul_dgelu, matmul_into};
 pub use moe::{
     Capacity, DROPPED, DropPolicy, ExpertSort, Groups, RouterLoss, Score, TopK, moe_drop, moe_route, moe_route_bwd,
-    moe_router_loss, moe_sort, moe_unpermute, moe_unpermute_bwd,
+    moe_router_loss, moe_sort, moe_sort_capped, moe_unpermute, moe_unpermute_bwd,
 };
 pub use norm::{
     add_layernorm_fwd, add_rmsnorm_fwd, layernorm_bwd, layernorm_bwd_add, layernorm_bwd_into, layernorm_bwd_into_bias,

@@ -1,6 +1,6 @@
 //! Mixture-of-experts routing family (`cpu/moe.rs` has the math and the shapes): top-k routing
 //! and its backward, the router's auxiliary losses, token dropping past an expert's capacity
-//! (`moe_drop`, on the host), the sort of token copies by expert, and the probability-weighted
+//! (`moe_drop`, `moe_sort_capped`, on the host), the sort of token copies by expert, and the probability-weighted
 //! combine of the experts' outputs. The permutation itself is a row gather
 //! (`embedding_fwd` with the sort's `perm` as ids) and its backward a scatter-add
 //! (`embedding_bwd`).
@@ -212,6 +212,9 @@ pub struct ExpertSort {
     pub perm: Tensor,
     pub slot: Tensor,
     pub tokens_per_expert: Vec<usize>,
+    /// The copies routed to each expert before a capacity dropped any (`tokens_per_expert`
+    /// without one): what the load-balancing loss counts.
+    pub routed_per_expert: Vec<usize>,
 }
 
 /// Token dropping (Megatron's --moe-expert-capacity-factor and --moe-token-drop-policy): each
@@ -238,15 +241,44 @@ pub fn moe_sort(experts: &Tensor, num_experts: usize) -> Result<ExpertSort> {
     check::dtype(OP, experts, DType::U32)?;
     let (n, k) = dims2(OP, experts)?;
     let ix = experts.to_vec::<u32>()?;
+    sort_read(OP, &ix, [n, k], num_experts, experts.device(), None)
+}
+
+/// `moe_sort` of the experts with `moe_drop`'s capacity applied, the experts read back once.
+pub fn moe_sort_capped(experts: &Tensor, probs: &Tensor, num_experts: usize, cap: &Capacity) -> Result<ExpertSort> {
+    const OP: &str = "moe_sort_capped";
+    let (ix, kept, n, k) = drop_read(OP, experts, probs, num_experts, cap)?;
+    sort_read(OP, &kept, [n, k], num_experts, experts.device(), Some(&ix))
+}
+
+/// The sort of the read-back experts `ix` ([n, k], `DROPPED` allowed), on `device`; `routed`: the
+/// experts before a capacity (None: `ix` itself).
+fn sort_read(
+    op: &'static str,
+    ix: &[u32],
+    [n, k]: [usize; 2],
+    num_experts: usize,
+    device: &ferrotron_core::Device,
+    routed: Option<&[u32]>,
+) -> Result<ExpertSort> {
     if let Some(&bad) = ix.iter().find(|&&x| x as usize >= num_experts && x != DROPPED) {
-        return Err(invalid(OP, format!("expert index {bad} is not below the {num_experts} experts")));
+        return Err(invalid(op, format!("expert index {bad} is not below the {num_experts} experts")));
     }
-    let (perm, slot, counts) = cpu::moe::sort_by_expert(&ix, k, num_experts);
+    let (perm, slot, counts) = cpu::moe::sort_by_expert(ix, k, num_experts);
+    let routed_per_expert = match routed {
+        Some(r) => {
+            let mut c = vec![0usize; num_experts];
+            r.iter().filter(|&&e| (e as usize) < num_experts).for_each(|&e| c[e as usize] += 1);
+            c
+        }
+        None => counts.clone(),
+    };
     let rows = perm.len();
     Ok(ExpertSort {
-        perm: Tensor::from_vec(perm, [rows], experts.device())?,
-        slot: Tensor::from_vec(slot, [n, k], experts.device())?,
+        perm: Tensor::from_vec(perm, [rows], device)?,
+        slot: Tensor::from_vec(slot, [n, k], device)?,
         tokens_per_expert: counts,
+        routed_per_expert,
     })
 }
 
@@ -254,13 +286,24 @@ pub fn moe_sort(experts: &Tensor, num_experts: usize) -> Result<ExpertSort> {
 /// expert's capacity (`cap` for the N tokens) replaced by `DROPPED`. Read back to the host, as
 /// `moe_sort` reads the experts.
 pub fn moe_drop(experts: &Tensor, probs: &Tensor, num_experts: usize, cap: &Capacity) -> Result<Tensor> {
-    const OP: &str = "moe_drop";
-    check::dtype(OP, experts, DType::U32)?;
-    let (n, k) = dims2(OP, experts)?;
-    check::float(OP, probs)?;
-    check::shape(OP, probs, &[n, k])?;
+    let (_, kept, n, k) = drop_read("moe_drop", experts, probs, num_experts, cap)?;
+    Tensor::from_vec(kept, [n, k], experts.device())
+}
+
+/// The experts read back, and with the capacity applied: (routed, kept, n, k).
+fn drop_read(
+    op: &'static str,
+    experts: &Tensor,
+    probs: &Tensor,
+    num_experts: usize,
+    cap: &Capacity,
+) -> Result<(Vec<u32>, Vec<u32>, usize, usize)> {
+    check::dtype(op, experts, DType::U32)?;
+    let (n, k) = dims2(op, experts)?;
+    check::float(op, probs)?;
+    check::shape(op, probs, &[n, k])?;
     if !(cap.factor.is_finite() && cap.factor > 0.0) {
-        return Err(invalid(OP, format!("capacity factor {} must be a finite value above 0", cap.factor)));
+        return Err(invalid(op, format!("capacity factor {} must be a finite value above 0", cap.factor)));
     }
     let ix = experts.to_vec::<u32>()?;
     // Only the probs policy reads the weights.
@@ -269,7 +312,7 @@ pub fn moe_drop(experts: &Tensor, probs: &Tensor, num_experts: usize, cap: &Capa
         DropPolicy::Position => vec![0.0; n * k],
     };
     let kept = cpu::moe::drop_over_capacity(&ix, &pv, num_experts, cap.per_expert(n, k, num_experts), cap.policy);
-    Tensor::from_vec(kept, [n, k], experts.device())
+    Ok((ix, kept, n, k))
 }
 
 fn combine_shapes(op: &'static str, yp: &Tensor, slot: &Tensor, probs: &Tensor) -> Result<(usize, usize, usize)> {

@@ -5,7 +5,7 @@
 //!   logits [N, E] = x · routerᵀ                      (router.weight [E, C])
 //!   probs, experts [N, K] = top-k of logits           (`k::moe_route`; the expert bias, when
 //!                                                      kept, steers the choice)
-//!   kept = experts past capacity dropped              (`k::moe_drop`, with a capacity only)
+//!   kept = experts past capacity dropped              (`k::moe_sort_capped`, with a capacity)
 //!   xp [R, C] = x[perm]                               (R = N·K kept copies sorted by expert,
 //!                                                      tokens ascending)
 //!   yp[rows of e] = expert_e(xp[rows of e])           (experts.local_experts.e: the dense MLP)
@@ -283,7 +283,7 @@ impl Module for MoeLayer {
         // With a capacity the copies past it get no row (`experts` stays whole for the router's
         // backward; the dropped copies' dprobs come back 0).
         let sort = match &self.capacity {
-            Some(cap) => k::moe_sort(&k::moe_drop(&experts, &probs, self.num_experts, cap)?, self.num_experts)?,
+            Some(cap) => k::moe_sort_capped(&experts, &probs, self.num_experts, cap)?,
             None => k::moe_sort(&experts, self.num_experts)?,
         };
         // The load-balancing loss counts a plain top-k of the scores (Megatron's scores for the
@@ -296,10 +296,8 @@ impl Module for MoeLayer {
                 let plain = k::TopK { groups: None, ..self.topk };
                 per_expert_counts(&k::moe_route(&logits, &plain, None)?.1, self.num_experts, seqs)?
             }
-            (true, false) if self.per_sequence || self.capacity.is_some() => {
-                per_expert_counts(&experts, self.num_experts, seqs)?
-            }
-            _ => sort.tokens_per_expert.clone(),
+            (true, false) if self.per_sequence => per_expert_counts(&experts, self.num_experts, seqs)?,
+            _ => sort.routed_per_expert.clone(),
         };
         let xp = k::embedding_fwd(&sort.perm, &x2)?;
         let plan = match &self.ep {

@@ -46,6 +46,18 @@ fn router_values(r: &ferrotron_trainer::train::Summary) -> Vec<(u64, f64)> {
     r.router_losses.iter().flat_map(|&(i, lb, z)| [(i, lb), (i, z)]).collect()
 }
 
+/// Each layout (settings, thread ranks) trains as `one` did: the same losses, gradient norms (each
+/// expert's gradient counted once, on the rank that holds it) and routers' loss values.
+fn follows_one_rank(one: &ferrotron_trainer::train::Summary, layouts: &[(&str, &Settings, usize)]) {
+    for &(tag, s, n) in layouts {
+        let run = train(s, &Paths { launch: Launch::Threads(n), ..Paths::default() })
+            .unwrap_or_else(|e| panic!("{tag}: {e:#}"));
+        close(tag, &run.losses, &one.losses);
+        close(&format!("{tag} gradient norms"), &run.grad_norms, &one.grad_norms);
+        close(&format!("{tag} router losses"), &router_values(&run), &router_values(one));
+    }
+}
+
 /// GPT-style experts (GeLU, biases on every linear) under tensor parallelism, with and without
 /// sequence parallelism: the experts' partial sums are reduced once after the combine, each fc2
 /// bias counted once (rank 0's), the probabilities' gradient summed over the group; the same
@@ -108,26 +120,22 @@ fn moe_layouts_follow_one_rank() {
     let mut tp_sp_dist = tp_sp.clone();
     tp_sp_dist.use_distributed_optimizer = true;
     let (etp1_ep1, etp1_ep2, etp1_ep4) = (etp1(1, &tp_sp), etp1(2, &tp_sp), etp1(4, &tp_sp_dist));
-    for (tag, s, n) in [
-        ("dp2", &dp, 2),
-        ("pp2 × dp2", &pp, 4),
-        ("ep2 × edp2", &ep2, 4),
-        ("ep4", &ep4, 4),
-        ("pp2 × ep2", &ep2pp, 4),
-        ("tp2", &tp, 2),
-        ("tp2 sp", &tp_sp, 2),
-        ("tp2 sp × ep2", &tp_ep, 4),
-        ("tp2 sp, whole experts", &etp1_ep1, 2),
-        ("tp2 sp, whole experts × ep2", &etp1_ep2, 2),
-        ("tp2 sp × dp2, whole experts × ep4, distributed", &etp1_ep4, 4),
-    ] {
-        let run = train(s, &Paths { launch: Launch::Threads(n), ..Paths::default() }).unwrap();
-        close(tag, &run.losses, &one.losses);
-        // The norm sees every gradient at its one-rank scale: each expert's counted once, on the
-        // rank that holds it.
-        close(&format!("{tag} gradient norms"), &run.grad_norms, &one.grad_norms);
-        close(&format!("{tag} router losses"), &router_values(&run), &router_values(&one));
-    }
+    follows_one_rank(
+        &one,
+        &[
+            ("dp2", &dp, 2),
+            ("pp2 × dp2", &pp, 4),
+            ("ep2 × edp2", &ep2, 4),
+            ("ep4", &ep4, 4),
+            ("pp2 × ep2", &ep2pp, 4),
+            ("tp2", &tp, 2),
+            ("tp2 sp", &tp_sp, 2),
+            ("tp2 sp × ep2", &tp_ep, 4),
+            ("tp2 sp, whole experts", &etp1_ep1, 2),
+            ("tp2 sp, whole experts × ep2", &etp1_ep2, 2),
+            ("tp2 sp × dp2, whole experts × ep4, distributed", &etp1_ep4, 4),
+        ],
+    );
 }
 
 /// Stopped halfway and resumed from its checkpoint, the MoE run's losses are the straight run's
@@ -241,18 +249,16 @@ fn deepseek_routing_follows_one_rank_and_resumes() {
     let (tp, etp1) = tp2_sp_layouts(&s1);
     let mut pp = s1.clone();
     pp.pipeline_model_parallel_size = 2;
-    for (tag, s, n) in [
-        ("dp2", &dp, 2),
-        ("ep2 × edp2", &ep, 4),
-        ("tp2 sp", &tp, 2),
-        ("tp2 sp, whole experts × ep2", &etp1, 2),
-        ("pp2", &pp, 2),
-    ] {
-        let run = train(s, &Paths { launch: Launch::Threads(n), ..Paths::default() })
-            .unwrap_or_else(|e| panic!("{tag}: {e:#}"));
-        close(tag, &run.losses, &one.losses);
-        close(&format!("{tag} gradient norms"), &run.grad_norms, &one.grad_norms);
-    }
+    follows_one_rank(
+        &one,
+        &[
+            ("dp2", &dp, 2),
+            ("ep2 × edp2", &ep, 4),
+            ("tp2 sp", &tp, 2),
+            ("tp2 sp, whole experts × ep2", &etp1, 2),
+            ("pp2", &pp, 2),
+        ],
+    );
     // The bias steers: without it the same run trains differently.
     let unbiased = train(
         &settings(&TrainArgs { moe_router_enable_expert_bias: false, moe_router_bias_update_rate: None, ..a.clone() }),
@@ -337,18 +343,16 @@ fn sequence_level_balancing_loss_follows_one_rank() {
     let (tp, etp1) = tp2_sp_layouts(&s1);
     let mut dp = s1.clone();
     dp.use_distributed_optimizer = true;
-    for (tag, s, n) in [
-        ("cp2", &cp, 2),
-        ("cp2 × ep2", &cp_ep, 4),
-        ("tp2 sp", &tp, 2),
-        ("tp2 sp, whole experts × ep2", &etp1, 2),
-        ("dp2", &dp, 2),
-    ] {
-        let run = train(s, &Paths { launch: Launch::Threads(n), ..Paths::default() })
-            .unwrap_or_else(|e| panic!("{tag}: {e:#}"));
-        close(tag, &run.losses, &one.losses);
-        close(&format!("{tag} router losses"), &router_values(&run), &router_values(&one));
-    }
+    follows_one_rank(
+        &one,
+        &[
+            ("cp2", &cp, 2),
+            ("cp2 × ep2", &cp_ep, 4),
+            ("tp2 sp", &tp, 2),
+            ("tp2 sp, whole experts × ep2", &etp1, 2),
+            ("dp2", &dp, 2),
+        ],
+    );
 }
 
 /// Token dropping (--moe-expert-capacity-factor): below an even share it drops copies and the
@@ -381,12 +385,7 @@ fn capacity_factor_drops_tokens_and_follows_one_rank() {
     let (tp_sp, _) = tp2_sp_layouts(&s1);
     let mut pp = s1.clone();
     pp.pipeline_model_parallel_size = 2;
-    for (tag, s, n) in [("dp2", &dp, 2), ("ep2 × edp2", &ep2, 4), ("tp2 sp", &tp_sp, 2), ("pp2", &pp, 2)] {
-        let run = train(s, &Paths { launch: Launch::Threads(n), ..Paths::default() })
-            .unwrap_or_else(|e| panic!("{tag}: {e:#}"));
-        close(tag, &run.losses, &one.losses);
-        close(&format!("{tag} router losses"), &router_values(&run), &router_values(&one));
-    }
+    follows_one_rank(&one, &[("dp2", &dp, 2), ("ep2 × edp2", &ep2, 4), ("tp2 sp", &tp_sp, 2), ("pp2", &pp, 2)]);
 }
 
 /// The shared experts' gate (--moe-shared-expert-gate, Qwen-MoE's): a run of its own, and under
@@ -405,14 +404,10 @@ fn shared_expert_gate_follows_one_rank() {
     let mut ep2 = s1.clone();
     ep2.use_distributed_optimizer = true;
     ep2.moe.as_mut().unwrap().expert_model_parallel_size = 2;
-    for (tag, s, n) in
-        [("tp2", &tp, 2), ("tp2 sp", &tp_sp, 2), ("tp2 sp, whole experts × ep2", &etp1, 2), ("ep2 × edp2", &ep2, 4)]
-    {
-        let run = train(s, &Paths { launch: Launch::Threads(n), ..Paths::default() })
-            .unwrap_or_else(|e| panic!("{tag}: {e:#}"));
-        close(tag, &run.losses, &one.losses);
-        close(&format!("{tag} gradient norms"), &run.grad_norms, &one.grad_norms);
-    }
+    follows_one_rank(
+        &one,
+        &[("tp2", &tp, 2), ("tp2 sp", &tp_sp, 2), ("tp2 sp, whole experts × ep2", &etp1, 2), ("ep2 × edp2", &ep2, 4)],
+    );
 }
 
 /// --moe-router-dtype fp32: under --bf16 the routers compute in fp32 (a different run from the

@@ -257,6 +257,13 @@ proptest! {
         }
         let sort = k::moe_sort(&kept, e).unwrap();
         let slot = sort.slot.to_vec::<u32>().unwrap();
+        // The same sort in one read, with the counts before the drop beside it.
+        let capped = k::moe_sort_capped(&experts, &probs, e, &cap).unwrap();
+        prop_assert_eq!(capped.slot.to_vec::<u32>().unwrap(), slot.clone());
+        prop_assert_eq!(capped.perm.to_vec::<u32>().unwrap(), sort.perm.to_vec::<u32>().unwrap());
+        prop_assert_eq!(&capped.tokens_per_expert, &sort.tokens_per_expert);
+        let routed: Vec<usize> = (0..e as u32).map(|x| ix.iter().filter(|&&y| y == x).count()).collect();
+        prop_assert_eq!(&capped.routed_per_expert, &routed);
         let rows = kx.iter().filter(|&&x| x != k::DROPPED).count();
         prop_assert_eq!(sort.perm.dims(), &[rows]);
         prop_assert_eq!(sort.tokens_per_expert.iter().sum::<usize>(), rows);
