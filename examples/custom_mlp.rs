@@ -79,6 +79,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         init_method_std: 0.02,
         hidden_dropout: 0.0,
         attention_dropout: 0.0,
+        mtp: None,
     };
     let (model, table) = GptModel::build(config, &Device::Cpu, DType::F32, 0)?;
     for m in table.metas().iter().filter(|m| m.name.contains("layers.0.mlp")) {

@@ -415,6 +415,7 @@ fn gpt2_config(v: &Value) -> Result<TransformerConfig> {
         // One rate for the embedding's and the branches' outputs in Ferrotron (and Megatron).
         hidden_dropout: dropout("resid_pdrop")?,
         attention_dropout: dropout("attn_pdrop")?,
+        mtp: None,
     })
 }
 
@@ -587,6 +588,7 @@ fn llama_config(v: &Value) -> Result<TransformerConfig> {
         init_method_std: opt(v, "initializer_range", f64_of)?.unwrap_or(0.02) as f32,
         hidden_dropout: 0.0,
         attention_dropout: opt(v, "attention_dropout", f64_of)?.unwrap_or(0.0) as f32,
+        mtp: None,
     })
 }
 

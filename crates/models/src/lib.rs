@@ -82,6 +82,7 @@ pub fn gpt2(size: GptSize) -> TransformerConfig {
         init_method_std: 0.02,
         hidden_dropout: 0.0,
         attention_dropout: 0.0,
+        mtp: None,
     }
 }
 
@@ -115,6 +116,7 @@ pub fn llama(size: LlamaSize) -> TransformerConfig {
         init_method_std: 0.02,
         hidden_dropout: 0.0,
         attention_dropout: 0.0,
+        mtp: None,
     }
 }
 

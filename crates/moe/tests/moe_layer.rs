@@ -588,6 +588,7 @@ fn gpt(s: &MoeSpec) -> TransformerConfig {
         init_method_std: 0.3,
         hidden_dropout: 0.0,
         attention_dropout: 0.0,
+        mtp: None,
     }
 }
 

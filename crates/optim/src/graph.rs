@@ -87,6 +87,13 @@ impl StepGraph {
             Some(b) => b.tokens.device().clone(),
             None => return Err(StepError::Graph("a step of no micro-batches has nothing to run".into())),
         };
+        if model.mtp.is_some() {
+            // Its depths' loss counts are the batch's, baked into the kernels' launches.
+            return Err(StepError::Graph(
+                "multi-token prediction (--mtp-num-layers) is not captured as a CUDA graph: drop --cuda-graph-impl"
+                    .into(),
+            ));
+        }
         let drops = model.config.hidden_dropout > 0.0 || model.config.attention_dropout > 0.0;
         // With dropout, the masks' shift: the batches' lead on the captured ones (None: unequal
         // leads, which a replay cannot follow).
@@ -225,7 +232,7 @@ impl Captured {
         for (l, b) in self.losses.iter().zip(micro_batches) {
             let per_token = Tensor::empty(l.shape().clone(), DType::F32, l.device())?;
             per_token.copy_from(l)?;
-            losses.push(MicroLoss { per_token, num_tokens: b.num_tokens() });
+            losses.push(MicroLoss::new(per_token, b.num_tokens()));
         }
         QueuedStep::unpipelined(losses, sync, opt, self.saved_peak_bytes)
     }

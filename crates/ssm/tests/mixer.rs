@@ -228,6 +228,7 @@ pub fn hybrid_config() -> TransformerConfig {
         init_method_std: 0.3,
         hidden_dropout: 0.0,
         attention_dropout: 0.0,
+        mtp: None,
     }
 }
 

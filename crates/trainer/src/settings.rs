@@ -2613,6 +2613,7 @@ impl Settings {
             init_method_std: self.init_method_std,
             hidden_dropout: self.hidden_dropout,
             attention_dropout: self.attention_dropout,
+            mtp: None,
         };
         if let Some(m) = &self.mamba {
             ferrotron_models::hybrid::make_hybrid(&mut c, &m.hybrid_layer_pattern, m.spec(self.norm_epsilon), dense)

@@ -1,5 +1,6 @@
 //! Model hyper-parameters (Megatron's names) and their validation.
 
+use crate::mtp::MtpSpec;
 use crate::spec::{LayerKind, LayerSpec, MlpSpec, PositionEmbedding};
 use crate::{ModelError, Result};
 
@@ -32,6 +33,8 @@ pub struct TransformerConfig {
     /// Dropout rate on the attention probabilities after the softmax (Megatron's
     /// --attention-dropout), in training; 0: none.
     pub attention_dropout: f32,
+    /// Multi-token prediction depths after the decoder (Megatron's --mtp-num-layers), or None.
+    pub mtp: Option<MtpSpec>,
 }
 
 fn bad(msg: String) -> ModelError {
@@ -161,6 +164,24 @@ impl TransformerConfig {
         if c.norm_epsilon.is_nan() || c.norm_epsilon <= 0.0 {
             return Err(bad("--norm-epsilon must be positive".into()));
         }
+        if let Some(m) = &c.mtp {
+            if m.num_layers == 0 {
+                return Err(bad(
+                    "--mtp-num-layers must be at least 1 (or leave it out: no multi-token prediction)".into()
+                ));
+            }
+            if !m.loss_scaling_factor.is_finite() || m.loss_scaling_factor < 0.0 {
+                return Err(bad(format!(
+                    "--mtp-loss-scaling-factor {} must be a finite weight of at least 0 (Megatron's default 0.1)",
+                    m.loss_scaling_factor
+                )));
+            }
+            if c.layer.hybrid.is_some() {
+                return Err(bad(
+                    "--mtp-num-layers is not built for hybrid (Mamba) layer patterns: drop it or use a transformer model".into(),
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -186,7 +207,16 @@ impl TransformerConfig {
                 0
             };
         let out = if self.untie_embeddings_and_output_weights { v * h } else { 0 };
-        self.layer_params(active) + self.norm_params(h) + emb + out
+        self.layer_params(active) + self.norm_params(h) + emb + out + self.mtp_params(active)
+    }
+
+    /// The multi-token prediction depths' parameters: per depth three norms, the [H, 2H]
+    /// projection and a layer of the decoder's last layer's kind (0 without MTP).
+    fn mtp_params(&self, active: bool) -> usize {
+        let Some(m) = &self.mtp else { return 0 };
+        let h = self.hidden_size;
+        let last = self.num_layers.saturating_sub(1);
+        m.num_layers * (3 * self.norm_params(h) + 2 * h * h + self.one_layer_params(last, active))
     }
 
     /// A norm's parameters over width `n`.
@@ -200,6 +230,11 @@ impl TransformerConfig {
     /// The layers' parameters alone (no embeddings, final norm or output layer): what a vision
     /// encoder built from this config holds in its layers. `active`: as `active_params`.
     pub fn layer_params(&self, active: bool) -> usize {
+        (0..self.num_layers).map(|i| self.one_layer_params(i, active)).sum()
+    }
+
+    /// Layer `i`'s parameters (its kind and MLP from the spec).
+    fn one_layer_params(&self, i: usize, active: bool) -> usize {
         let (h, f) = (self.hidden_size, self.ffn_hidden_size);
         let d = self.head_dim();
         let kv = self.num_query_groups * d;
@@ -225,19 +260,18 @@ impl TransformerConfig {
             let f = self.layer.hybrid.as_ref().and_then(|hy| hy.mixer.as_ref());
             f.and_then(|f| f.param_count(h)).map_or(0, |c| if active { c.active } else { c.total })
         };
-        (0..self.num_layers)
-            .map(|i| match self.layer.kind_of(i) {
-                LayerKind::Transformer => attn + qk_ln + mlp(self.layer.mlp_of(i)) + 2 * norm(h),
-                LayerKind::Attention => attn + qk_ln + norm(h),
-                LayerKind::Mlp => mlp(self.layer.mlp_of(i)) + norm(h),
-                LayerKind::Mixer => mixer() + norm(h),
-            })
-            .sum()
+        match self.layer.kind_of(i) {
+            LayerKind::Transformer => attn + qk_ln + mlp(self.layer.mlp_of(i)) + 2 * norm(h),
+            LayerKind::Attention => attn + qk_ln + norm(h),
+            LayerKind::Mlp => mlp(self.layer.mlp_of(i)) + norm(h),
+            LayerKind::Mixer => mixer() + norm(h),
+        }
     }
 
     /// Model FLOPs per token for one forward + backward: 6·N + 12·L·H·T (N the active parameters
     /// without position embeddings, L the layers with attention, as in the MFU convention of PaLM /
-    /// Megatron reports), plus a mixer's own (`ModuleFactory::flops_per_token`) per mixer layer.
+    /// Megatron reports), plus a mixer's own (`ModuleFactory::flops_per_token`) per mixer layer and
+    /// each multi-token prediction depth's layer and output-layer product.
     pub fn flops_per_token(&self) -> f64 {
         let kinds = (0..self.num_layers).map(|i| self.layer.kind_of(i));
         let attention_layers =
@@ -254,8 +288,13 @@ impl TransformerConfig {
         } else {
             0
         };
-        let n = (self.active_params() - pos) as f64;
+        // Each MTP depth: its parameters (in `active_params`), one more product with the output
+        // layer, and its layer's attention.
+        let mtp = self.mtp.map_or(0, |m| m.num_layers);
+        let mtp_logits = mtp * self.padded_vocab_size(1) * self.hidden_size;
+        let n = (self.active_params() - pos + mtp_logits) as f64;
         let width = self.num_attention_heads * self.head_dim(); // the hidden size unless --kv-channels
+        let attention_layers = attention_layers + mtp;
         6.0 * n + 12.0 * (attention_layers * width * self.seq_length) as f64 + mixers * mixer_flops
     }
 }

@@ -21,6 +21,7 @@
 use crate::config::TransformerConfig;
 use crate::dropout::{HiddenDropout, maybe};
 use crate::layer::TransformerBlock;
+use crate::mtp::{Mtp, MtpLayer, MtpLayerSaved, roll_left};
 use crate::recompute::Recompute;
 use crate::spec::PositionEmbedding;
 use crate::vision::{Images, VisionModel, VisionSaved, VisionSpec};
@@ -45,6 +46,9 @@ pub struct Batch {
     /// Σ loss_mask, counted once when the batch is made (so a step never reads it back from the
     /// device).
     num_tokens: f64,
+    /// Σ over the batch's rows of the mask at each position [T]: the multi-token prediction
+    /// depths' counts (a depth k counts the positions from k on), known without a read back.
+    mask_by_position: Vec<f64>,
     /// 1 / num_tokens (0 for none) as one f32 on the batch's device: the fused cross-entropy reads
     /// its gradient scale from here when it runs, so a CUDA graph captured on one batch replays
     /// the right mean for a batch with another loss-token count (copied into this tensor).
@@ -59,9 +63,11 @@ pub struct Batch {
 impl Batch {
     /// A batch; counts the mask's tokens (one read of `loss_mask`, before any compute is queued).
     pub fn new(tokens: Tensor, labels: Tensor, loss_mask: Tensor) -> Result<Batch> {
-        let num_tokens = loss_mask.to_vec_f32()?.iter().map(|&m| m as f64).sum();
+        let mask = loss_mask.to_vec_f32()?;
+        let num_tokens = mask.iter().map(|&m| m as f64).sum();
+        let mask_by_position = by_position(&mask, tokens.dims());
         let inv_tokens = inverse_count(num_tokens, loss_mask.device())?;
-        Ok(Batch { tokens, labels, loss_mask, num_tokens, inv_tokens, draw: None, images: None })
+        Ok(Batch { tokens, labels, loss_mask, num_tokens, mask_by_position, inv_tokens, draw: None, images: None })
     }
 
     /// The batch with its random draws' origin (see `Draw`).
@@ -79,7 +85,18 @@ impl Batch {
         let n = tokens.elem_count();
         let loss_mask = Tensor::from_vec(vec![1f32; n], tokens.dims().to_vec(), tokens.device())?;
         let inv_tokens = inverse_count(n as f64, tokens.device())?;
-        Ok(Batch { tokens, labels, loss_mask, num_tokens: n as f64, inv_tokens, draw: None, images: None })
+        let rows = tokens.dims().first().copied().unwrap_or(1) as f64;
+        let mask_by_position = vec![rows; tokens.dims().get(1).copied().unwrap_or(n)];
+        Ok(Batch {
+            tokens,
+            labels,
+            loss_mask,
+            num_tokens: n as f64,
+            mask_by_position,
+            inv_tokens,
+            draw: None,
+            images: None,
+        })
     }
 
     /// The batch with `num_tokens` as its token count (the mean's denominator) instead of its
@@ -93,9 +110,10 @@ impl Batch {
     /// uploaded to the tokens' device, with no read back.
     pub fn masked(tokens: Tensor, labels: Tensor, mask: Vec<f32>) -> Result<Batch> {
         let num_tokens = mask.iter().map(|&m| m as f64).sum();
+        let mask_by_position = by_position(&mask, tokens.dims());
         let loss_mask = Tensor::from_vec(mask, tokens.dims().to_vec(), tokens.device())?;
         let inv_tokens = inverse_count(num_tokens, tokens.device())?;
-        Ok(Batch { tokens, labels, loss_mask, num_tokens, inv_tokens, draw: None, images: None })
+        Ok(Batch { tokens, labels, loss_mask, num_tokens, mask_by_position, inv_tokens, draw: None, images: None })
     }
 
     /// Σ loss_mask.
@@ -107,6 +125,32 @@ impl Batch {
     pub fn inv_tokens(&self) -> &Tensor {
         &self.inv_tokens
     }
+
+    /// Loss tokens at positions k.. of the rows: what multi-token prediction depth k counts.
+    pub fn mask_count_from(&self, k: usize) -> f64 {
+        self.mask_by_position.iter().skip(k).sum()
+    }
+
+    /// Depth k's denominator: its own count, scaled as `num_tokens` is scaled from the mask's
+    /// (under `--calculate-per-token-loss` a share of the global batch: Megatron weighs an MTP
+    /// depth's per-token losses by the main loss's count over the depth's, before that share).
+    fn depth_denominator(&self, k: usize) -> f64 {
+        let (all, from) = (self.mask_count_from(0), self.mask_count_from(k));
+        if all > 0.0 { self.num_tokens * from / all } else { 0.0 }
+    }
+}
+
+/// Σ over the rows of a [B, T] mask, per position (a mask of another shape: one entry).
+fn by_position(mask: &[f32], dims: &[usize]) -> Vec<f64> {
+    let t = match dims {
+        [_, t] if *t > 0 => *t,
+        _ => return vec![mask.iter().map(|&m| m as f64).sum()],
+    };
+    let mut out = vec![0.0; t];
+    for row in mask.chunks(t) {
+        out.iter_mut().zip(row).for_each(|(o, &m)| *o += m as f64);
+    }
+    out
 }
 
 /// The mean's scale, 1 / count (0 for an empty count), as a one-element f32 tensor on `dev`.
@@ -121,9 +165,17 @@ pub struct MicroLoss {
     /// Masked per-token losses [N].
     pub per_token: Tensor,
     pub num_tokens: f64,
+    /// The multi-token prediction depths' losses (1..D; each over its own loss tokens), not in
+    /// `mean` (Megatron logs them apart, as `mtp_k loss`).
+    pub mtp: Vec<MicroLoss>,
 }
 
 impl MicroLoss {
+    /// Losses without multi-token prediction depths.
+    pub fn new(per_token: Tensor, num_tokens: f64) -> MicroLoss {
+        MicroLoss { per_token, num_tokens, mtp: vec![] }
+    }
+
     /// Mean over the unmasked tokens (0 when there are none), summed in f64.
     pub fn mean(&self) -> Result<f64> {
         let (total, n) = self.sum()?;
@@ -159,6 +211,8 @@ pub struct GptModel {
     cp: Option<ContextParallel>,
     /// A multimodal (LLaVA) model's vision encoder and projection (first stage only).
     pub vision: Option<VisionModel>,
+    /// Multi-token prediction depths (last stage, with the last chunk).
+    pub mtp: Option<Mtp>,
 }
 
 /// What the loss end of a forward keeps.
@@ -171,6 +225,17 @@ struct PostSaved {
     loss_mask: Tensor,
     lse: Tensor,
     num_tokens: f64,
+    /// The loss's weight in the objective (1 for the next token's; an MTP depth's share).
+    weight: f64,
+}
+
+/// What an MTP depth's forward keeps.
+struct MtpSaved {
+    /// The depth's (rolled) tokens and learned positions, for the embedding's backward.
+    tokens: Tensor,
+    positions: Option<Tensor>,
+    layer: MtpLayerSaved,
+    post: PostSaved,
 }
 
 /// What a forward keeps for its backward.
@@ -182,15 +247,19 @@ pub struct GptSaved {
     /// The micro-batch's draws, for the backward's dropout masks.
     draw: Option<Draw>,
     vision: Option<VisionSaved>,
+    /// The MTP depths', in order (last stage).
+    mtp: Vec<MtpSaved>,
 }
 
 impl GptSaved {
     /// Activation bytes held (tensors counted as they are referenced).
     pub fn bytes(&self) -> usize {
         let b = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        let post = |p: &PostSaved| b(&p.hidden) + b(&p.logits) + b(&p.lse);
         self.decoder.bytes()
-            + self.post.as_ref().map_or(0, |p| b(&p.hidden) + b(&p.logits) + b(&p.lse))
+            + self.post.as_ref().map_or(0, post)
             + self.vision.as_ref().map_or(0, VisionSaved::bytes)
+            + self.mtp.iter().map(|m| m.layer.bytes() + post(&m.post)).sum::<usize>()
     }
 }
 
@@ -275,6 +344,11 @@ impl GptModel {
     ) -> Result<(GptModel, ParamTable)> {
         config.validate()?;
         config.validate_tp(tp.size())?;
+        if config.mtp.is_some() && vision.is_some() {
+            return Err(ModelError::Config(
+                "--mtp-num-layers is not built for multimodal (LLaVA-style) models: drop it".into(),
+            ));
+        }
         let mut p = ParamTableBuilder::default();
         let (h, v) = (config.hidden_size, config.padded_vocab_size(tp.size()));
         let vision = match (vision, plan.pre_process) {
@@ -326,6 +400,42 @@ impl GptModel {
                 Some(p.add(m)?)
             }
         };
+        let mtp = match (config.mtp, plan.post_process) {
+            (Some(spec), true) => {
+                // The depths embed their tokens: with the model's own table on a stage that has
+                // it, else with the last stage's copy (the tied output layer, or one of its own).
+                let embedding = match (&embedding, output_layer, config.untie_embeddings_and_output_weights) {
+                    (Some(e), ..) => e.clone(),
+                    (None, Some(out), false) => VocabParallelEmbedding {
+                        weight: out,
+                        vocab_size: config.vocab_size,
+                        padded_vocab_size: v,
+                        tp: tp.clone(),
+                    },
+                    (None, ..) => {
+                        let mut m = ParamMeta::split(word, [v, h], 0, shard, Init::Normal { std }, true)?;
+                        m.pipeline_copy = true;
+                        let weight = p.add(m)?;
+                        VocabParallelEmbedding {
+                            weight,
+                            vocab_size: config.vocab_size,
+                            padded_vocab_size: v,
+                            tp: tp.clone(),
+                        }
+                    }
+                };
+                if config.position_embedding == PositionEmbedding::LearnedAbsolute && position_embeddings.is_none() {
+                    return Err(ModelError::Config(
+                        "--mtp-num-layers with learned absolute position embeddings needs the whole model on one pipeline stage (the depths look up positions): use --position-embedding-type rope, or --pipeline-model-parallel-size 1".into(),
+                    ));
+                }
+                let layers = (0..spec.num_layers)
+                    .map(|k| MtpLayer::new(&mut p, k, &config, tp))
+                    .collect::<ferrotron_core::Result<Vec<_>>>()?;
+                Some(Mtp { spec, layers, embedding, position_embeddings })
+            }
+            _ => None,
+        };
         let table = p.build_padded(device, dtype, seed, pad_to)?;
         let embedding_dropout = if embedding.is_some() {
             HiddenDropout::new(config.hidden_dropout, "embedding.dropout", config.hidden_size, tp)
@@ -344,6 +454,7 @@ impl GptModel {
             positions: std::sync::Mutex::new(Vec::new()),
             cp: None,
             vision,
+            mtp,
         };
         Ok((model, table))
     }
@@ -358,6 +469,12 @@ impl GptModel {
         if self.config.layer.attention.window.is_some() {
             return Err(ModelError::Config(format!(
                 "--context-parallel-size {} is not built with a sliding window (--window-size)",
+                cp.size()
+            )));
+        }
+        if self.config.mtp.is_some() {
+            return Err(ModelError::Config(format!(
+                "--context-parallel-size {} is not built with multi-token prediction (--mtp-num-layers) yet: drop one of them",
                 cp.size()
             )));
         }
@@ -418,12 +535,7 @@ impl GptModel {
                 self.config.max_position_embeddings
             )));
         }
-        let (start, len) = if self.tp.sp() {
-            let tl = self.tp.shard_len(t)?;
-            (self.tp.rank() * tl, tl)
-        } else {
-            (0, t)
-        };
+        let (start, len) = self.seq_part(t)?;
         let mut cached = self.positions.lock().unwrap_or_else(|e| e.into_inner());
         // The start is rank × len under SP and 0 otherwise, and the cp rank is the model's, so
         // (b, len) decide the ids.
@@ -442,6 +554,34 @@ impl GptModel {
         }
         cached.push(p.clone());
         Ok(Some(p))
+    }
+
+    /// The rows of each sequence of `t` tokens this rank holds: (first, count); a part under
+    /// sequence parallelism.
+    fn seq_part(&self, t: usize) -> Result<(usize, usize)> {
+        Ok(if self.tp.sp() {
+            let tl = self.tp.shard_len(t)?;
+            (self.tp.rank() * tl, tl)
+        } else {
+            (0, t)
+        })
+    }
+
+    /// MTP depth `k`'s (1-based) input embedding of its rolled `tokens` [B, T]: word + learned
+    /// position (ids i + k, uploaded: returned for the backward) + the depth's dropout.
+    fn mtp_embed(&self, cx: &Cx, m: &Mtp, k: usize, tokens: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
+        let mut x = m.embedding.forward(cx, tokens)?;
+        let positions = match m.position_embeddings {
+            Some(pe) => {
+                let (b, t) = (tokens.dims()[0], tokens.dims()[1]);
+                let (start, len) = self.seq_part(t)?;
+                let ids = Tensor::from_vec(Mtp::positions(b, t, start, len, k), [b, len], tokens.device())?;
+                x = k::add(&x, &k::embedding_fwd(&ids, &cx.params.param(pe)?)?)?;
+                Some(ids)
+            }
+            None => None,
+        };
+        Ok((maybe(&m.layers[k - 1].dropout, cx, x)?, positions))
     }
 
     fn embed(&self, cx: &Cx, tokens: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
@@ -528,19 +668,50 @@ impl GptModel {
         };
         let (h, decoder) = block.forward(cx, &x)?;
         if !post {
-            return Ok((ChunkOut::Hidden(h), GptSaved { tokens, positions, decoder, post: None, draw, vision }));
+            let saved = GptSaved { tokens, positions, decoder, post: None, draw, vision, mtp: vec![] };
+            return Ok((ChunkOut::Hidden(h), saved));
         }
-        let h = self.tp.enter(&h)?;
+        // The mean's 1 / num_tokens read from the batch's tensor when the kernel runs.
+        let main = (&batch.labels, &batch.loss_mask, batch.num_tokens, 1.0, k::RowScale::Read(&batch.inv_tokens));
+        let (mut loss, post) = self.head_forward(cx, &h, main)?;
+        let mut mtp = vec![];
+        if let Some(m) = &self.mtp {
+            let mut prev = h;
+            for (i, layer) in m.layers.iter().enumerate() {
+                let k = i + 1;
+                let tokens = roll_left(&batch.tokens, k)?;
+                let (e, positions) = self.mtp_embed(cx, m, k, &tokens)?;
+                let (out, saved) = layer.forward(cx, &e, &prev)?;
+                let (labels, mask) = (roll_left(&batch.labels, k)?, roll_left(&batch.loss_mask, k)?);
+                let (count, weight) = (batch.depth_denominator(k), m.spec.depth_weight());
+                let dscale = k::RowScale::Value(if count > 0.0 { (weight / count) as f32 } else { 0.0 });
+                let (l, post) = self.head_forward(cx, &out, (&labels, &mask, count, weight, dscale))?;
+                loss.mtp.push(MicroLoss::new(l.per_token, batch.mask_count_from(k)));
+                mtp.push(MtpSaved { tokens, positions, layer: saved, post });
+                prev = out;
+            }
+        }
+        Ok((ChunkOut::Loss(loss), GptSaved { tokens, positions, decoder, post: Some(post), draw, vision, mtp }))
+    }
+
+    /// The output layer and cross-entropy of one prediction (the next token's, or an MTP
+    /// depth's): h [B, T(/tp), H] → logits [N, V/tp] → the masked per-token losses of `labels`.
+    /// `head` = (labels, mask, the mean's denominator, the loss's weight in the objective, dloss
+    /// of each row (weight / denominator) for a fused forward-backward).
+    fn head_forward(
+        &self,
+        cx: &Cx,
+        h: &Tensor,
+        (labels, mask, num_tokens, weight, dscale): (&Tensor, &Tensor, f64, f64, k::RowScale),
+    ) -> Result<(MicroLoss, PostSaved)> {
+        let h = self.tp.enter(h)?;
         let logits = k::matmul(&h, &cx.params.param(self.output()?)?, false, true)?;
-        let n = batch.labels.elem_count();
+        let n = labels.elem_count();
         let flat = logits.reshape([n, logits.shape().last()])?;
-        let labels = batch.labels.reshape([n])?;
-        let mask = batch.loss_mask.reshape([n])?;
-        let num_tokens = batch.num_tokens;
+        let labels = labels.reshape([n])?;
+        let mask = mask.reshape([n])?;
         // Training on one tensor-parallel rank: the backward's dlogits (for grad_scale 1) are
-        // written over the logits in the same pass, one read of [N, V] instead of two; the mean's
-        // 1 / num_tokens read from the batch's tensor when the kernel runs.
-        let dscale = k::RowScale::Read(&batch.inv_tokens);
+        // written over the logits in the same pass, one read of [N, V] instead of two.
         let fused = if cx.training {
             vocab_parallel_ce_fwd_bwd_(self.ce(), &self.tp, &flat, &labels, Some(&mask), dscale)?
         } else {
@@ -551,9 +722,37 @@ impl GptModel {
             Some(r) => r,
             None => vocab_parallel_ce_fwd(self.ce(), &self.tp, &flat, &labels, Some(&mask))?,
         };
-        let post = PostSaved { hidden: h, logits: flat, grad_done, labels, loss_mask: mask, lse, num_tokens };
-        let out = ChunkOut::Loss(MicroLoss { per_token: loss, num_tokens });
-        Ok((out, GptSaved { tokens, positions, decoder, post: Some(post), draw, vision }))
+        let post = PostSaved { hidden: h, logits: flat, grad_done, labels, loss_mask: mask, lse, num_tokens, weight };
+        Ok((MicroLoss::new(loss, num_tokens), post))
+    }
+
+    /// Backward of `head_forward` for `grad_scale` × weight × loss: adds the output layer's
+    /// gradient and returns the gradient of h (this rank's part under sequence parallelism).
+    fn head_backward(&self, cx: &Cx, p: PostSaved, grad_scale: f32) -> Result<Tensor> {
+        let n = p.labels.elem_count();
+        let (h, hid) = (&p.hidden, self.config.hidden_size);
+        let mut h2 = h.reshape([n, hid])?;
+        // Fused in the forward for grad_scale 1: any other scale goes on the two products'
+        // small operands (h, dh: hidden / vocab of dlogits' size) rather than on dlogits.
+        let rescale = p.grad_done && grad_scale != 1.0;
+        let dlogits = if p.grad_done {
+            p.logits
+        } else {
+            let g = if p.num_tokens > 0.0 { (grad_scale as f64 * p.weight / p.num_tokens) as f32 } else { 0.0 };
+            let dloss = Tensor::from_vec(vec![g; n], [n], p.logits.device())?;
+            vocab_parallel_ce_bwd(self.ce(), &self.tp, &p.logits, &p.labels, Some(&p.loss_mask), &p.lse, &dloss)?
+        };
+        if rescale {
+            h2 = k::scale(&h2, grad_scale)?;
+        }
+        let out = self.output()?;
+        let dh = k::matmul(&dlogits, &cx.params.param(out)?, false, false)?.reshape(h.dims().to_vec())?;
+        if rescale {
+            k::scale_(&dh, grad_scale)?;
+        }
+        let (dw, acc) = cx.params.grad_acc(out)?;
+        k::matmul_into(&dw, &dlogits, &h2, true, false, acc)?;
+        Ok(self.tp.enter_bwd(&dh)?)
     }
 
     /// Backward of chunk `c`: from the loss (`grad_scale · loss`) or from `dy`; adds parameter
@@ -573,41 +772,33 @@ impl GptModel {
         let cx = &cx.with_draw(saved.draw).with_grad_scale(grad_scale);
         let dh = match (saved.post, dy) {
             (Some(p), _) => {
-                let n = p.labels.elem_count();
-                let (h, hid) = (&p.hidden, self.config.hidden_size);
-                let mut h2 = h.reshape([n, hid])?;
-                // Fused in the forward for grad_scale 1: any other scale goes on the two products'
-                // small operands (h, dh: hidden / vocab of dlogits' size) rather than on dlogits.
-                let rescale = p.grad_done && grad_scale != 1.0;
-                let dlogits = if p.grad_done {
-                    p.logits
-                } else {
-                    let g = if p.num_tokens > 0.0 { (grad_scale as f64 / p.num_tokens) as f32 } else { 0.0 };
-                    let dloss = Tensor::from_vec(vec![g; n], [n], p.logits.device())?;
-                    vocab_parallel_ce_bwd(
-                        self.ce(),
-                        &self.tp,
-                        &p.logits,
-                        &p.labels,
-                        Some(&p.loss_mask),
-                        &p.lse,
-                        &dloss,
-                    )?
-                };
-                if rescale {
-                    h2 = k::scale(&h2, grad_scale)?;
+                // The MTP depths first, last to first: each one's output gradient is its head's
+                // plus the next depth's through its hnorm; the first's reaches the decoder's.
+                let mut from_mtp: Option<Tensor> = None;
+                if let Some(m) = &self.mtp {
+                    for (i, s) in saved.mtp.into_iter().enumerate().rev() {
+                        let dout = self.head_backward(cx, s.post, grad_scale)?;
+                        if let Some(d) = &from_mtp {
+                            k::add_(&dout, d)?;
+                        }
+                        let (de, dh) = m.layers[i].backward(cx, s.layer, &dout)?;
+                        let de = maybe(&m.layers[i].dropout, cx, de)?;
+                        m.embedding.backward(cx, &s.tokens, &de)?;
+                        if let (Some(ids), Some(pe)) = (&s.positions, m.position_embeddings) {
+                            k::embedding_bwd(ids, &de, &cx.params.grad(pe)?)?;
+                        }
+                        from_mtp = Some(dh);
+                    }
                 }
-                let out = self.output()?;
-                let dh = k::matmul(&dlogits, &cx.params.param(out)?, false, false)?.reshape(h.dims().to_vec())?;
-                if rescale {
-                    k::scale_(&dh, grad_scale)?;
+                let dh = self.head_backward(cx, p, grad_scale)?;
+                if let Some(d) = &from_mtp {
+                    k::add_(&dh, d)?;
                 }
-                let (dw, acc) = cx.params.grad_acc(out)?;
-                k::matmul_into(&dw, &dlogits, &h2, true, false, acc)?;
                 if self.config.untie_embeddings_and_output_weights {
-                    done(cx.params.range(out).start)?;
+                    // Every head has added its part (the MTP depths' parameters lie above).
+                    done(cx.params.range(self.output()?).start)?;
                 }
-                self.tp.enter_bwd(&dh)?
+                dh
             }
             (None, Some(dy)) => dy.clone(),
             (None, None) => return Err(ModelError::Config(format!("chunk {c} needs the next stage's gradient"))),
@@ -695,11 +886,18 @@ impl GptModel {
 
     /// With tied weights split over pipeline stages: this stage's side of the tie (the embedding
     /// on the first stage, its copy on the last), whose grads are summed across the two.
+    /// Untied, the same holds with multi-token prediction: its depths look words up on the
+    /// last stage in a copy of the embedding of their own.
     pub fn tied_weight(&self) -> Option<ParamId> {
-        if self.config.untie_embeddings_and_output_weights || (self.plan.pre_process && self.plan.post_process) {
+        let shared = !self.config.untie_embeddings_and_output_weights || self.config.mtp.is_some();
+        if !shared || (self.plan.pre_process && self.plan.post_process) {
             return None;
         }
-        if self.plan.pre_process { self.word_embeddings() } else { self.output_layer }
+        match &self.mtp {
+            _ if self.plan.pre_process => self.word_embeddings(),
+            Some(m) => Some(m.embedding.weight),
+            None => self.output_layer,
+        }
     }
 }
 

@@ -182,7 +182,7 @@ impl Residual {
     }
 
     /// `norm` of the stream: (the stream summed, norm(stream), what `norm.backward` takes).
-    fn norm(self, cx: &Cx, norm: &Norm) -> Result<(Tensor, Tensor, Saved)> {
+    pub(crate) fn norm(self, cx: &Cx, norm: &Norm) -> Result<(Tensor, Tensor, Saved)> {
         match self {
             Residual::Sum(x) => {
                 let (y, s) = norm.forward(cx, &x)?;

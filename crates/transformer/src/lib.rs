@@ -14,6 +14,7 @@ pub mod gpt;
 pub mod layer;
 pub mod linear;
 pub mod mlp;
+pub mod mtp;
 pub mod norm;
 pub mod recompute;
 pub mod spec;
@@ -21,6 +22,7 @@ pub mod vision;
 
 pub use config::TransformerConfig;
 pub use gpt::{Batch, ChunkOut, GptModel, GptSaved, MicroLoss};
+pub use mtp::MtpSpec;
 pub use recompute::Recompute;
 pub use vision::{Images, VisionModel, VisionSpec};
 

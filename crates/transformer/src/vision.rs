@@ -229,6 +229,7 @@ pub fn clip_encoder(layers: usize, hidden: usize, heads: usize, ffn: usize, std:
         init_method_std: std,
         hidden_dropout: 0.0,
         attention_dropout: 0.0,
+        mtp: None,
     }
 }
 

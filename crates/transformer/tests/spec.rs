@@ -29,6 +29,7 @@ fn base() -> TransformerConfig {
         init_method_std: 0.02,
         hidden_dropout: 0.0,
         attention_dropout: 0.0,
+        mtp: None,
     }
 }
 

@@ -74,6 +74,7 @@ pub(super) fn config(v: &Value) -> Result<TransformerConfig> {
         init_method_std: opt(v, "initializer_range", f64_of)?.unwrap_or(0.02) as f32,
         hidden_dropout: 0.0,
         attention_dropout: 0.0,
+        mtp: None,
     };
     let spec = MambaSpec {
         state_dim: usize_of(v, "state_size")?,

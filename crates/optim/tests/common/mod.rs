@@ -48,6 +48,7 @@ pub fn config_layers(llama: bool, layers: usize) -> TransformerConfig {
         init_method_std: 0.05,
         hidden_dropout: 0.0,
         attention_dropout: 0.0,
+        mtp: None,
     }
 }
 

@@ -36,6 +36,7 @@ pub fn config(llama: bool) -> TransformerConfig {
         init_method_std: 0.3,
         hidden_dropout: 0.0,
         attention_dropout: 0.0,
+        mtp: None,
     }
 }
 
