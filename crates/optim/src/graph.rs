@@ -234,6 +234,6 @@ impl Captured {
             per_token.copy_from(l)?;
             losses.push(MicroLoss::new(per_token, b.num_tokens()));
         }
-        QueuedStep::unpipelined(losses, sync, opt, self.saved_peak_bytes)
+        QueuedStep::unpipelined(losses, sync, opt, self.saved_peak_bytes, 0)
     }
 }

@@ -70,17 +70,17 @@ pub fn schedule_kind(pp: usize, chunks: usize) -> ScheduleKind {
     }
 }
 
-/// The last stage's (loss sum, token count) over its micro-batches (`crate::step::loss_sums`),
-/// given to every pipeline rank.
-pub(crate) fn stage_loss(losses: &[MicroLoss], pp: &Comm) -> Result<(f64, f64), StepError> {
-    let (sum, count) = crate::step::loss_sums(losses)?;
+/// The last stage's [loss sum, token count, MTP depths' means] over its micro-batches
+/// (`crate::step::loss_values`), given to every pipeline rank.
+pub(crate) fn stage_loss(losses: &[MicroLoss], pp: &Comm, mtp_depths: usize) -> Result<Vec<f64>, StepError> {
+    let v = crate::step::loss_values(losses, mtp_depths)?;
     if pp.size() == 1 {
-        return Ok((sum, count));
+        return Ok(v);
     }
-    let t = Tensor::from_vec(vec![sum as f32, count as f32], [2], &Device::Cpu).map_err(OptimError::from)?;
+    let t =
+        Tensor::from_vec(v.iter().map(|&x| x as f32).collect(), [v.len()], &Device::Cpu).map_err(OptimError::from)?;
     pp.broadcast(&t, pp.size() - 1).map_err(OptimError::from)?;
-    let v = t.to_vec_f32().map_err(OptimError::from)?;
-    Ok((v[0] as f64, v[1] as f64))
+    Ok(t.to_vec_f32().map_err(OptimError::from)?.iter().map(|&x| x as f64).collect())
 }
 
 /// A pipelined training step over this rank's micro-batches (all of the data-parallel rank's):
@@ -139,6 +139,7 @@ pub fn queue_train_step_pipelined(
         dp: sync.dp.clone(),
         pp: Some(pp.clone()),
         saved_peak_bytes: runner.peak,
+        mtp_depths: model.config.mtp.map_or(0, |m| m.num_layers),
     })
 }
 
@@ -166,5 +167,6 @@ pub fn eval_pipelined(
         peak: 0,
     };
     run_schedule(&actions, comms, v, &mut runner).map_err(OptimError::from)?;
-    stage_loss(&runner.losses, pp)
+    let v = stage_loss(&runner.losses, pp, 0)?;
+    Ok((v[0], v[1]))
 }

@@ -28,10 +28,13 @@ impl From<ferrotron_core::Error> for StepError {
     }
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct StepOutput {
     /// Mean loss over the global batch (identical on every rank).
     pub loss: f64,
+    /// Each multi-token prediction depth's loss (Megatron's `mtp_k loss`): the mean over the
+    /// micro-batches of each one's mean, averaged over the data-parallel ranks; empty without MTP.
+    pub mtp_losses: Vec<f64>,
     pub grad_norm: f64,
     pub applied: bool,
     /// Peak bytes of saved activations held at once on this rank during the step.
@@ -51,6 +54,8 @@ pub struct QueuedStep {
     /// Pipelined: the pipeline group, whose last stage holds the losses.
     pub(crate) pp: Option<Comm>,
     pub(crate) saved_peak_bytes: usize,
+    /// The model's multi-token prediction depths (every stage knows them; the last has the losses).
+    pub(crate) mtp_depths: usize,
 }
 
 impl QueuedStep {
@@ -61,8 +66,10 @@ impl QueuedStep {
         sync: &GradSync,
         opt: &Optimizer,
         saved_peak_bytes: usize,
+        mtp_depths: usize,
     ) -> Result<QueuedStep, StepError> {
-        Ok(QueuedStep { losses, stats: opt.stats_snapshot()?, dp: sync.dp.clone(), pp: None, saved_peak_bytes })
+        let (stats, dp) = (opt.stats_snapshot()?, sync.dp.clone());
+        Ok(QueuedStep { losses, stats, dp, pp: None, saved_peak_bytes, mtp_depths })
     }
 
     /// Peak bytes of saved activations held at once on this rank during the step (known on the
@@ -74,14 +81,16 @@ impl QueuedStep {
     /// Waits for the step and reads its loss (token-weighted over the global batch, as
     /// Megatron reports it) and stats.
     pub fn read(self) -> Result<StepOutput, StepError> {
-        let (sum, count) = match &self.pp {
-            Some(pp) => crate::pipeline::stage_loss(&self.losses, pp)?,
-            None => loss_sums(&self.losses)?,
+        let values = match &self.pp {
+            Some(pp) => crate::pipeline::stage_loss(&self.losses, pp, self.mtp_depths)?,
+            None => loss_values(&self.losses, self.mtp_depths)?,
         };
-        let loss = token_weighted(&self.dp, sum, count)?;
+        let loss = token_weighted(&self.dp, values[0], values[1])?;
+        let mtp_losses = dp_mean(&self.dp, &values[2..])?;
         let stats = StepStats::read(&self.stats)?;
         Ok(StepOutput {
             loss,
+            mtp_losses,
             grad_norm: stats.grad_norm,
             applied: stats.applied,
             saved_peak_bytes: self.saved_peak_bytes,
@@ -97,6 +106,33 @@ pub fn loss_sums(losses: &[MicroLoss]) -> Result<(f64, f64), StepError> {
         (sum, count) = (sum + s, count + n);
     }
     Ok((sum, count))
+}
+
+/// [loss sum, token count, then each of `depths` MTP depths' mean over the micro-batches of each
+/// one's mean] on this rank.
+pub(crate) fn loss_values(losses: &[MicroLoss], depths: usize) -> Result<Vec<f64>, StepError> {
+    let (sum, count) = loss_sums(losses)?;
+    let mut v = vec![sum, count];
+    for d in 0..depths {
+        let mut total = 0.0;
+        for l in losses {
+            total += l.mtp.get(d).map(|m| m.mean()).transpose()?.unwrap_or(0.0);
+        }
+        v.push(if losses.is_empty() { 0.0 } else { total / losses.len() as f64 });
+    }
+    Ok(v)
+}
+
+/// The mean of each value over the ranks of `dp` (nothing to send for none).
+fn dp_mean(dp: &Comm, values: &[f64]) -> Result<Vec<f64>, StepError> {
+    if dp.size() == 1 || values.is_empty() {
+        return Ok(values.to_vec());
+    }
+    let t = Tensor::from_vec(values.iter().map(|&v| v as f32).collect(), [values.len()], &ferrotron_core::Device::Cpu)
+        .map_err(OptimError::from)?;
+    dp.all_reduce(&t, ReduceOp::Sum).map_err(OptimError::from)?;
+    let v = t.to_vec_f32().map_err(OptimError::from)?;
+    Ok(v.iter().map(|&x| x as f64 / dp.size() as f64).collect())
 }
 
 /// Loss sum over token count across the ranks of `dp` (each giving its own): Megatron's reported
@@ -139,7 +175,7 @@ pub fn queue_train_step(
 ) -> Result<QueuedStep, StepError> {
     opt.set_lr(lr)?;
     let (losses, peak) = queue_step_work(model, table, sync, opt, micro_batches)?;
-    QueuedStep::unpipelined(losses, sync, opt, peak)
+    QueuedStep::unpipelined(losses, sync, opt, peak, model.config.mtp.map_or(0, |m| m.num_layers))
 }
 
 /// The device work of a step at the learning rate already in the optimizer's state: every

@@ -60,6 +60,9 @@ pub struct Converted {
     /// Export: the tokenizer files copied beside the weights (from the run's
     /// `--tokenizer-model` folder), or why none were.
     pub tokenizer: Result<Vec<&'static str>, String>,
+    /// Export: the checkpoint's multi-token prediction tensors (`mtp.*`), which the transformers
+    /// class has no place for and the export leaves out.
+    pub left_out: usize,
 }
 
 /// The files of a transformers tokenizer folder that an export copies where they exist.
@@ -256,7 +259,7 @@ fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
     let n = tensors.len();
     let typed: Vec<_> = tensors.into_iter().map(|(name, t)| (name, dtype, t.shape, t.data)).collect();
     let dir = checkpoint::save_params(&a.save_dir, &typed, dtype, &settings)?;
-    Ok(Converted { dir, arch, tensors: n, tokenizer: Ok(vec![]) })
+    Ok(Converted { dir, arch, tensors: n, tokenizer: Ok(vec![]), left_out: 0 })
 }
 
 /// "5GB", "500MB", "200KB" (powers of 1000, as transformers reads them) or bytes.
@@ -361,7 +364,8 @@ fn export(load: &Path, save_dir: &Path, max_shard: u64) -> anyhow::Result<Conver
     std::fs::write(&tmp, config + "\n").with_context(|| format!("cannot write {}", tmp.display()))?;
     std::fs::rename(&tmp, save_dir.join("config.json"))?;
     let tokenizer = copy_tokenizer(&ck.state.settings, save_dir)?;
-    Ok(Converted { dir: save_dir.to_path_buf(), arch, tensors: tensors.len(), tokenizer })
+    let left_out = ck.tensors.keys().filter(|n| n.starts_with("mtp.")).count();
+    Ok(Converted { dir: save_dir.to_path_buf(), arch, tensors: tensors.len(), tokenizer, left_out })
 }
 
 /// The run's transformers tokenizer files into `save_dir`, so the export loads with

@@ -116,6 +116,13 @@ fn run() -> anyhow::Result<()> {
         Cmd::Convert(a) => {
             let done = ferrotron_trainer::convert::convert(&a)?;
             eprintln!("{}: {} tensors of a {} written", done.dir.display(), done.tensors, done.arch.class());
+            if done.left_out > 0 {
+                eprintln!(
+                    "left out {} multi-token prediction tensors (mtp.*): a {} has no place for them",
+                    done.left_out,
+                    done.arch.class()
+                );
+            }
             if a.saver == "ferrotron" {
                 eprintln!(
                     "train on it: ferrotron train --load {} --finetune --use-checkpoint-args [data and training flags]",

@@ -7,10 +7,10 @@ use ferrotron_data::{TokenizerFlags, TokenizerKind};
 use ferrotron_models::{VOCAB_DIVISIBLE_BY, preset};
 use ferrotron_moe::{Capacity, DropPolicy, Groups, LoadBalancing, MoeSpec, RouterSpec, Score};
 use ferrotron_optim::DecayStyle;
-use ferrotron_transformer::TransformerConfig;
 use ferrotron_transformer::spec::{
     Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, OtherMlp, PositionEmbedding, RopeScaling,
 };
+use ferrotron_transformer::{MtpSpec, TransformerConfig};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -552,6 +552,14 @@ pub struct TrainArgs {
     /// so it would change no value here).
     #[arg(long)]
     pub moe_pad_expert_input_to_capacity: bool,
+    /// Multi-token prediction (DeepSeek-V3's MTP): this many depths after the decoder, depth k
+    /// predicting the token k + 1 places ahead (default: none; 0 is none too).
+    #[arg(long)]
+    pub mtp_num_layers: Option<usize>,
+    /// The MTP losses' weight against the language-model loss, shared by the depths (default
+    /// 0.1, Megatron's).
+    #[arg(long)]
+    pub mtp_loss_scaling_factor: Option<f64>,
     /// A Mamba hybrid: one character per layer, M (Mamba-2 mixer), * (attention), - (MLP), E
     /// (mixture-of-experts MLP), | between pipeline stages, e.g. M-M*-; it sets --num-layers.
     #[arg(long)]
@@ -832,7 +840,7 @@ impl TrainArgs {
             num_experts, moe_ffn_hidden_size, moe_router_topk, moe_router_load_balancing_type, moe_aux_loss_coeff,
             moe_z_loss_coeff, moe_router_topk_scaling_factor, moe_router_score_function, moe_router_num_groups, moe_router_group_topk,
             moe_router_bias_update_rate, moe_router_dtype, expert_model_parallel_size, expert_tensor_parallel_size, moe_token_dispatcher_type,
-            moe_expert_capacity_factor, moe_token_drop_policy,
+            moe_expert_capacity_factor, moe_token_drop_policy, mtp_num_layers, mtp_loss_scaling_factor,
             moe_layer_freq, moe_shared_expert_intermediate_size, hybrid_layer_pattern, hybrid_override_pattern, mamba_state_dim, mamba_head_dim,
             mamba_num_groups, mamba_num_heads, hybrid_attention_ratio, hybrid_mlp_ratio, img_h, img_w, patch_dim,
             encoder_num_layers, encoder_hidden_size, encoder_num_attention_heads, encoder_ffn_hidden_size, image_token_id,
@@ -1121,6 +1129,11 @@ pub struct Settings {
     /// --data-cache-path.
     #[serde(default)]
     pub data_cache_path: Option<PathBuf>,
+    /// Multi-token prediction depths (`--mtp-num-layers`); None: none.
+    #[serde(default)]
+    pub mtp_num_layers: Option<usize>,
+    #[serde(default = "mtp_loss_scaling_factor")]
+    pub mtp_loss_scaling_factor: f32,
     /// Mixture of experts (`--num-experts` and the `--moe-*` flags); None: dense MLPs.
     #[serde(default)]
     pub moe: Option<MoeSettings>,
@@ -1410,6 +1423,11 @@ fn norm_epsilon() -> f64 {
     1e-5
 }
 
+/// Megatron's --mtp-loss-scaling-factor default.
+fn mtp_loss_scaling_factor() -> f32 {
+    0.1
+}
+
 fn vocab_divisible_by() -> usize {
     VOCAB_DIVISIBLE_BY
 }
@@ -1556,6 +1574,9 @@ fn cuda_graph(a: &TrainArgs, device: &ferrotron_core::Device, world: usize) -> a
             }
             return Ok(None);
         }
+        Some("local") if a.mtp_num_layers.is_some_and(|n| n > 0) => bail!(
+            "--cuda-graph-impl local with --mtp-num-layers: the multi-token prediction depths' loss counts change the launches from batch to batch; drop one"
+        ),
         Some("local") => {}
         Some("transformer_engine") => bail!(
             "--cuda-graph-impl transformer_engine: Ferrotron has no Transformer Engine; use --cuda-graph-impl local"
@@ -1676,6 +1697,8 @@ fn transformer_args(c: &TransformerConfig) -> TrainArgs {
         expert_model_parallel_size: moe.map(|m| m.expert_parallel_size),
         moe_shared_expert_intermediate_size: moe.and_then(|m| m.shared_expert_ffn),
         moe_shared_expert_gate: moe.is_some_and(|m| m.shared_expert_gate),
+        mtp_num_layers: c.mtp.map(|m| m.num_layers),
+        mtp_loss_scaling_factor: c.mtp.map(|m| m.loss_scaling_factor as f64),
         moe_layer_freq: c
             .layer
             .other_mlp
@@ -1745,6 +1768,8 @@ impl TrainArgs {
             expert_model_parallel_size,
             moe_shared_expert_intermediate_size,
             moe_shared_expert_gate,
+            mtp_num_layers,
+            mtp_loss_scaling_factor,
             moe_layer_freq,
             hybrid_layer_pattern,
             hybrid_override_pattern,
@@ -1959,6 +1984,9 @@ impl Settings {
             hidden_dropout: a.hidden_dropout.unwrap_or(0.0) as f32,
             attention_dropout: a.attention_dropout.unwrap_or(0.0) as f32,
             window_size: a.window_size.as_deref().map(parse_window).transpose()?.flatten(),
+            // Megatron takes 0 as none.
+            mtp_num_layers: a.mtp_num_layers.filter(|&n| n > 0),
+            mtp_loss_scaling_factor: a.mtp_loss_scaling_factor.map_or_else(mtp_loss_scaling_factor, |f| f as f32),
             moe: None,
             mamba: None,
             vision: None,
@@ -2373,7 +2401,14 @@ impl Settings {
         self.recompute()?;
         self.stage_plan(0)?;
         let v = self.virtual_stages()?;
-        self.model_config()?.validate_tp(tp)?;
+        let config = self.model_config()?;
+        config.validate_tp(tp)?;
+        config.validate()?;
+        if pp > 1 && self.mtp_num_layers.is_some() && config.position_embedding == PositionEmbedding::LearnedAbsolute {
+            bail!(
+                "--mtp-num-layers with learned absolute position embeddings needs the whole model on one pipeline stage (the depths look up positions on the last): use --position-embedding-type rope, or --pipeline-model-parallel-size 1"
+            );
+        }
         let per_step = self.micro_batch_size * layout.dp;
         let schedule = self.batch_schedule()?;
         // Every global batch the run will take (the ramp's or the steps' too), checked now
@@ -2424,6 +2459,11 @@ impl Settings {
         }
         if let Some(m) = ferrotron_models::hybrid::mamba_spec(&self.model_config()?) {
             m.validate_cp(self.tensor_model_parallel_size, cp).map_err(anyhow::Error::msg)?;
+        }
+        if self.mtp_num_layers.is_some() {
+            bail!(
+                "--context-parallel-size {cp} with --mtp-num-layers: the multi-token prediction depths' rolled tokens do not cross context-parallel chunks yet; drop one"
+            );
         }
         if self.window_size.is_some() {
             bail!(
@@ -2613,7 +2653,9 @@ impl Settings {
             init_method_std: self.init_method_std,
             hidden_dropout: self.hidden_dropout,
             attention_dropout: self.attention_dropout,
-            mtp: None,
+            mtp: self
+                .mtp_num_layers
+                .map(|num_layers| MtpSpec { num_layers, loss_scaling_factor: self.mtp_loss_scaling_factor }),
         };
         if let Some(m) = &self.mamba {
             ferrotron_models::hybrid::make_hybrid(&mut c, &m.hybrid_layer_pattern, m.spec(self.norm_epsilon), dense)

@@ -153,6 +153,7 @@ impl RunEvents {
                 global_batch_size,
                 load_balancing_loss,
                 z_loss,
+                ref mtp_losses,
                 tflops_per_gpu,
                 params_norm,
                 ..
@@ -180,6 +181,10 @@ impl RunEvents {
                     if let Some(v) = v {
                         self.w.scalar(tag, v as f32, it, t)?;
                     }
+                }
+                for (k, &l) in mtp_losses.iter().enumerate() {
+                    // Megatron's tag.
+                    self.w.scalar(&format!("mtp_{} loss", k + 1), l as f32, it, t)?;
                 }
                 if let Some(w) = self.world_size {
                     self.w.scalar("world-size", w as f32, it, t)?;

@@ -49,6 +49,9 @@ pub enum Metric {
         load_balancing_loss: Option<f64>,
         #[serde(skip_serializing_if = "Option::is_none")]
         z_loss: Option<f64>,
+        /// Multi-token prediction runs: each depth's loss (Megatron's `mtp_k loss`, k from 1).
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        mtp_losses: Vec<f64>,
         /// `--log-throughput`: model TFLOP/s per GPU (rank) over the log window.
         #[serde(skip_serializing_if = "Option::is_none")]
         tflops_per_gpu: Option<f64>,
@@ -83,6 +86,8 @@ pub struct Summary {
     /// logged values (without their coefficients), averaged over the MoE layers and the window's
     /// micro-batches.
     pub router_losses: Vec<(u64, f64, f64)>,
+    /// (iteration, each depth's loss) for every iteration of a multi-token prediction run.
+    pub mtp_losses: Vec<(u64, Vec<f64>)>,
     /// Iterations whose update was skipped: their gradient norm was not finite
     /// (`--no-check-for-nan-in-loss-and-grad`; with the check the run stops at the first).
     pub skipped: Vec<u64>,
@@ -665,6 +670,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         logs: rank0,
         graphed_steps: 0,
         router_losses: vec![],
+        mtp_losses: vec![],
         skipped: vec![],
     };
     let (dp, dp_rank) = (layout.dp, g.dp.rank());
@@ -898,6 +904,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
                 global_batch_size: gbs,
                 load_balancing_loss: router.map(|r| r.0),
                 z_loss: router.map(|r| r.1),
+                mtp_losses: out.mtp_losses.clone(),
                 tflops_per_gpu,
                 params_norm,
             };
@@ -907,8 +914,10 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
                 let moe = router.map_or(String::new(), |(lb, z)| format!(" load-balancing {lb:.4} z-loss {z:.4}"));
                 let tflops = tflops_per_gpu.map_or(String::new(), |t| format!(" {t:.3} TFLOP/s/GPU"));
                 let pn = params_norm.map_or(String::new(), |p| format!(" params-norm {p:.3}"));
+                let mtp: String =
+                    out.mtp_losses.iter().enumerate().map(|(k, l)| format!(" mtp_{} loss {l:.4}", k + 1)).collect();
                 eprintln!(
-                    "iteration {iteration}/{}: loss {loss:.4} lr {lr:.3e} grad-norm {:.3}{pn}{moe} {tps:.0} tokens/s{tflops}",
+                    "iteration {iteration}/{}: loss {loss:.4}{mtp} lr {lr:.3e} grad-norm {:.3}{pn}{moe} {tps:.0} tokens/s{tflops}",
                     s.train_iters, out.grad_norm
                 );
             }
@@ -1055,6 +1064,9 @@ fn read_queued(
         let out = step.read()?;
         summary.losses.push((iteration, out.loss));
         summary.grad_norms.push((iteration, out.grad_norm));
+        if !out.mtp_losses.is_empty() {
+            summary.mtp_losses.push((iteration, out.mtp_losses.clone()));
+        }
         if !out.applied {
             summary.skipped.push(iteration);
         }

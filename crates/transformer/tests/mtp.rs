@@ -51,6 +51,7 @@ fn check(cfg: TransformerConfig, b: Batch) {
         );
     }
     assert!(mtp_params >= 2 * 5, "every depth's parameters are in the table ({mtp_params})");
+    assert_eq!(model.config.num_params(), table.numel(), "the count the FLOPs and the log take");
 }
 
 #[test]
