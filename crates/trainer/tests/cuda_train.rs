@@ -107,6 +107,23 @@ fn shared_expert_gate_cuda_matches_cpu() {
     });
 }
 
+/// Multi-token prediction (two depths at weight 0.5: the rolled tokens' and the concatenation's
+/// strided copies, each depth's head with its own loss scale), GPT-2 style (tied, learned
+/// positions) and Llama style, the latter also under tensor parallelism with sequence
+/// parallelism (two thread ranks sharing the GPU), against one CPU rank, fp32 within 1e-4.
+#[test]
+fn mtp_cuda_matches_cpu() {
+    let mtp = |a: TrainArgs| TrainArgs { mtp_num_layers: Some(2), mtp_loss_scaling_factor: Some(0.5), ..a };
+    split_matches_cpu("tiny", "mtp", mtp, mtp);
+    split_matches_cpu("llama-tiny", "mtp", mtp, mtp);
+    split_matches_cpu("llama-tiny", "mtp tp2 sp", mtp, |a| TrainArgs {
+        tensor_model_parallel_size: Some(2),
+        sequence_parallel: true,
+        nproc: Some(2),
+        ..mtp(a)
+    });
+}
+
 /// Mamba-2 hybrid (the convolution, the chunked scan, the gated norm beside attention layers).
 #[test]
 fn mamba_tiny_preset_cuda_matches_cpu() {

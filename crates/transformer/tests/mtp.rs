@@ -158,6 +158,30 @@ fn depth_counts_follow_the_rolled_mask() {
     assert_eq!(l.mtp.iter().map(|d| d.num_tokens).collect::<Vec<_>>(), [8.0, 6.0]);
 }
 
+/// Under --calculate-per-token-loss a batch's denominator is its share of the global batch's
+/// tokens; each depth's is scaled as the batch's is (Megatron: the depth's per-token losses
+/// weighed by the main count over the depth's, then divided by the global count). Doubling the
+/// batch's denominator halves every depth's parameter gradient exactly.
+#[test]
+fn depth_denominators_scale_with_the_batchs() {
+    let (model, table) = GptModel::build(with_mtp(true, 2, 0.3), &Device::Cpu, DType::F32, 3).unwrap();
+    let grads = |b: Batch| {
+        let cx = Cx::new(&table, true);
+        table.zero_grads().unwrap();
+        let (_, saved) = model.forward(&cx, &b).unwrap();
+        model.backward(&cx, saved, 1.0).unwrap();
+        let mtp = table.ids().filter(|&id| table.meta(id).name.starts_with("mtp."));
+        mtp.flat_map(|id| table.grad(id).unwrap().to_vec_f32().unwrap()).collect::<Vec<_>>()
+    };
+    let b = batch(2, 6, 11);
+    let n = b.num_tokens();
+    let (own, doubled) = (grads(b.clone()), grads(b.with_num_tokens(2.0 * n).unwrap()));
+    assert!(own.iter().any(|&g| g != 0.0));
+    for (a, d) in own.iter().zip(&doubled) {
+        assert!((a - 2.0 * d).abs() <= 1e-6 * a.abs().max(1e-3), "{a} vs 2 × {d}");
+    }
+}
+
 /// Bad settings are refused by name.
 #[test]
 fn mtp_settings_are_checked() {
