@@ -70,7 +70,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         untie_embeddings_and_output_weights: false,
         layer: LayerSpec {
             norm: NormKind::RmsNorm,
-            attention: AttentionSpec { bias: false, qkv_bias: false, qk_layernorm: false, window: None, causal: true },
+            attention: AttentionSpec {
+                bias: false,
+                qkv_bias: false,
+                qk_layernorm: false,
+                window: None,
+                causal: true,
+                mla: None,
+            },
             mlp: MlpSpec::Custom(Arc::new(SiluMlpFactory { width: 96 })),
             other_mlp: None,
             hybrid: None,

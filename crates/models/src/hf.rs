@@ -405,7 +405,14 @@ fn gpt2_config(v: &Value) -> Result<TransformerConfig> {
         untie_embeddings_and_output_weights: !bool_or(v, "tie_word_embeddings", true)?,
         layer: LayerSpec {
             norm: NormKind::LayerNorm,
-            attention: AttentionSpec { bias: true, qkv_bias: false, qk_layernorm: false, window: None, causal: true },
+            attention: AttentionSpec {
+                bias: true,
+                qkv_bias: false,
+                qk_layernorm: false,
+                window: None,
+                causal: true,
+                mla: None,
+            },
             mlp: MlpSpec::Dense { activation: Activation::Gelu, bias: true },
             other_mlp: None,
             hybrid: None,
@@ -579,7 +586,14 @@ fn llama_config(v: &Value) -> Result<TransformerConfig> {
         untie_embeddings_and_output_weights: !bool_or(v, "tie_word_embeddings", false)?,
         layer: LayerSpec {
             norm: NormKind::RmsNorm,
-            attention: AttentionSpec { bias: false, qkv_bias: false, qk_layernorm: false, window: None, causal: true },
+            attention: AttentionSpec {
+                bias: false,
+                qkv_bias: false,
+                qk_layernorm: false,
+                window: None,
+                causal: true,
+                mla: None,
+            },
             mlp: MlpSpec::Dense { activation: Activation::SwiGlu, bias: false },
             other_mlp: None,
             hybrid: None,

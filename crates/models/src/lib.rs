@@ -73,7 +73,14 @@ pub fn gpt2(size: GptSize) -> TransformerConfig {
         untie_embeddings_and_output_weights: false,
         layer: LayerSpec {
             norm: NormKind::LayerNorm,
-            attention: AttentionSpec { bias: true, qkv_bias: false, qk_layernorm: false, window: None, causal: true },
+            attention: AttentionSpec {
+                bias: true,
+                qkv_bias: false,
+                qk_layernorm: false,
+                window: None,
+                causal: true,
+                mla: None,
+            },
             mlp: MlpSpec::Dense { activation: Activation::Gelu, bias: true },
             other_mlp: None,
             hybrid: None,
@@ -107,7 +114,14 @@ pub fn llama(size: LlamaSize) -> TransformerConfig {
         untie_embeddings_and_output_weights: true,
         layer: LayerSpec {
             norm: NormKind::RmsNorm,
-            attention: AttentionSpec { bias: false, qkv_bias: false, qk_layernorm: false, window: None, causal: true },
+            attention: AttentionSpec {
+                bias: false,
+                qkv_bias: false,
+                qk_layernorm: false,
+                window: None,
+                causal: true,
+                mla: None,
+            },
             mlp: MlpSpec::Dense { activation: Activation::SwiGlu, bias: false },
             other_mlp: None,
             hybrid: None,

@@ -579,7 +579,14 @@ fn gpt(s: &MoeSpec) -> TransformerConfig {
         untie_embeddings_and_output_weights: true,
         layer: LayerSpec {
             norm: NormKind::RmsNorm,
-            attention: AttentionSpec { bias: false, qkv_bias: false, qk_layernorm: false, window: None, causal: true },
+            attention: AttentionSpec {
+                bias: false,
+                qkv_bias: false,
+                qk_layernorm: false,
+                window: None,
+                causal: true,
+                mla: None,
+            },
             mlp: MlpSpec::Custom(Arc::new(s.clone())),
             other_mlp: None,
             hybrid: None,

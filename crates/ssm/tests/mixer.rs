@@ -219,7 +219,14 @@ pub fn hybrid_config() -> TransformerConfig {
         untie_embeddings_and_output_weights: true,
         layer: LayerSpec {
             norm: NormKind::RmsNorm,
-            attention: AttentionSpec { bias: false, qkv_bias: false, qk_layernorm: false, window: None, causal: true },
+            attention: AttentionSpec {
+                bias: false,
+                qkv_bias: false,
+                qk_layernorm: false,
+                window: None,
+                causal: true,
+                mla: None,
+            },
             mlp: MlpSpec::Dense { activation: Activation::SwiGlu, bias: false },
             other_mlp: None,
             hybrid: Some(Hybrid { kinds: vec![Mixer, Attention, Mlp, Mixer, Mlp], mixer: Some(Arc::new(spec())) }),

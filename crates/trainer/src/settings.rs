@@ -2644,6 +2644,7 @@ impl Settings {
                     // The mask keeps |i − j| < w: the token itself and the `left` before it.
                     window: self.window_size.map(|left| left + 1),
                     causal: true,
+                    mla: None,
                 },
                 mlp,
                 other_mlp,

@@ -164,6 +164,25 @@ impl TransformerConfig {
         if c.norm_epsilon.is_nan() || c.norm_epsilon <= 0.0 {
             return Err(bad("--norm-epsilon must be positive".into()));
         }
+        if let Some(m) = &c.layer.attention.mla {
+            if let Some(problem) = m.problem() {
+                return Err(bad(problem));
+            }
+            let refused = [
+                (
+                    !matches!(c.position_embedding, PositionEmbedding::Rope { .. }),
+                    "learned or no position embeddings (it needs --position-embedding-type rope)",
+                ),
+                (c.layer.attention.qk_layernorm, "--qk-layernorm (its latents have norms of their own)"),
+                (c.layer.attention.qkv_bias, "--add-qkv-bias"),
+                (c.layer.attention.window.is_some(), "--window-size"),
+                (c.attention_dropout > 0.0, "--attention-dropout"),
+                (c.kv_channels.is_some(), "--kv-channels (--qk-head-dim and --v-head-dim size its heads)"),
+            ];
+            if let Some((_, what)) = refused.iter().find(|(on, _)| *on) {
+                return Err(bad(format!("--multi-latent-attention is not built with {what}: drop one")));
+            }
+        }
         if let Some(m) = &c.mtp {
             if m.num_layers == 0 {
                 return Err(bad(
@@ -243,7 +262,10 @@ impl TransformerConfig {
         let q = self.num_attention_heads * d;
         let qkv_out = q + 2 * kv;
         let qkv_bias = bias_attn || self.layer.attention.qkv_bias;
-        let attn = h * qkv_out + q * h + if qkv_bias { qkv_out } else { 0 } + if bias_attn { h } else { 0 };
+        let attn = match &self.layer.attention.mla {
+            Some(m) => m.param_count(h, self.num_attention_heads, self.layer.norm, bias_attn),
+            None => h * qkv_out + q * h + if qkv_bias { qkv_out } else { 0 } + if bias_attn { h } else { 0 },
+        };
         let qk_ln = if self.layer.attention.qk_layernorm { 2 * norm(d) } else { 0 };
         let mlp = |spec: &MlpSpec| {
             let (fc1_out, bias_mlp) = match spec {
@@ -293,7 +315,12 @@ impl TransformerConfig {
         let mtp = self.mtp.map_or(0, |m| m.num_layers);
         let mtp_logits = mtp * self.padded_vocab_size(1) * self.hidden_size;
         let n = (self.active_params() - pos + mtp_logits) as f64;
-        let width = self.num_attention_heads * self.head_dim(); // the hidden size unless --kv-channels
+        // The hidden size unless --kv-channels; with MLA the mean of the score and value widths
+        // (12·width·T = 6·T·heads·(score width + value width)).
+        let width = match &self.layer.attention.mla {
+            Some(m) => self.num_attention_heads * (m.qk_head_dim + m.qk_pos_emb_head_dim + m.v_head_dim) / 2,
+            None => self.num_attention_heads * self.head_dim(),
+        };
         let attention_layers = attention_layers + mtp;
         6.0 * n + 12.0 * (attention_layers * width * self.seq_length) as f64 + mixers * mixer_flops
     }

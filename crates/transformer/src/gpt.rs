@@ -472,6 +472,12 @@ impl GptModel {
                 cp.size()
             )));
         }
+        if self.config.layer.attention.mla.is_some() {
+            return Err(ModelError::Config(format!(
+                "--context-parallel-size {} is not built with --multi-latent-attention yet: drop one of them",
+                cp.size()
+            )));
+        }
         if self.config.mtp.is_some() {
             return Err(ModelError::Config(format!(
                 "--context-parallel-size {} is not built with multi-token prediction (--mtp-num-layers) yet: drop one of them",

@@ -12,6 +12,7 @@
 use crate::attention::{AttentionDims, SelfAttention};
 use crate::config::TransformerConfig;
 use crate::dropout::{HiddenDropout, maybe};
+use crate::mla::{MlaAttention, MlaDims};
 use crate::mlp::Mlp;
 use crate::norm::Norm;
 use crate::recompute::Recompute;
@@ -67,6 +68,25 @@ impl TransformerLayer {
         // weight (`first_norm`, the offsets the data-parallel overlap reports).
         let attention = |p: &mut ParamTableBuilder| -> Result<Branch> {
             let pre = Norm::new(p, &format!("{prefix}.input_layernorm"), norm, h, eps, sp)?;
+            let site = format!("{prefix}.self_attention.dropout");
+            let dropout = HiddenDropout::new(c.hidden_dropout, &site, h, tp);
+            if let Some(spec) = c.layer.attention.mla {
+                let PositionEmbedding::Rope { base, scaling } = c.position_embedding else {
+                    return Err(invalid("TransformerLayer::new", "multi-latent attention needs rotary embeddings"));
+                };
+                let dims = MlaDims {
+                    hidden: h,
+                    heads: c.num_attention_heads,
+                    norm,
+                    eps,
+                    std,
+                    out_std,
+                    bias: c.layer.attention.bias,
+                    rope: (base, scaling),
+                };
+                let a = MlaAttention::new(p, &format!("{prefix}.self_attention"), spec, &dims, tp)?;
+                return Ok(Branch { norm: pre, f: Sublayer::Module(Box::new(a)), dropout });
+            }
             let dims = AttentionDims {
                 hidden: h,
                 head_dim: c.head_dim(),
@@ -83,12 +103,7 @@ impl TransformerLayer {
                 attention_dropout: c.attention_dropout,
             };
             let a = SelfAttention::new(p, &format!("{prefix}.self_attention"), &dims, &c.layer.attention, tp)?;
-            let site = format!("{prefix}.self_attention.dropout");
-            Ok(Branch {
-                norm: pre,
-                f: Sublayer::Attention(Box::new(a)),
-                dropout: HiddenDropout::new(c.hidden_dropout, &site, h, tp),
-            })
+            Ok(Branch { norm: pre, f: Sublayer::Attention(Box::new(a)), dropout })
         };
         let mlp = |p: &mut ParamTableBuilder| -> Result<Branch> {
             let pre = Norm::new(p, &format!("{prefix}.pre_mlp_layernorm"), norm, h, eps, sp)?;

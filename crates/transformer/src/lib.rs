@@ -8,11 +8,13 @@
 //! code runs on every device.
 
 pub mod attention;
+pub mod concat;
 pub mod config;
 pub mod dropout;
 pub mod gpt;
 pub mod layer;
 pub mod linear;
+pub mod mla;
 pub mod mlp;
 pub mod mtp;
 pub mod norm;

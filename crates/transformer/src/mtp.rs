@@ -18,6 +18,7 @@
 //! Parameter names are Megatron's: `mtp.layers.{k}.{enorm,hnorm,eh_proj,final_layernorm}.weight`
 //! and `mtp.layers.{k}.transformer_layer.…` (k from 0).
 
+use crate::concat::{cat_last, split_last};
 use crate::config::TransformerConfig;
 use crate::dropout::HiddenDropout;
 use crate::layer::{Residual, TransformerLayer};
@@ -103,7 +104,7 @@ impl MtpLayer {
     pub fn forward(&self, cx: &Cx, e: &Tensor, h: &Tensor) -> Result<(Tensor, MtpLayerSaved)> {
         let (en, s_e) = self.enorm.forward(cx, e)?;
         let (hn, s_h) = self.hnorm.forward(cx, h)?;
-        let (x, s_p) = self.eh_proj.forward(cx, &cat_last(&en, &hn)?)?;
+        let (x, s_p) = self.eh_proj.forward(cx, &cat_last(&[&en, &hn])?)?;
         // The projection's output is whole (gathered); the layer takes this rank's sequence part.
         let x = if self.tp.sp() { self.tp.split_seq(&x)? } else { x };
         let (r, s_l) = self.layer.forward_parts(cx, Residual::Sum(x))?;
@@ -117,40 +118,13 @@ impl MtpLayer {
         let d = self.layer.backward(cx, s.layer, &d)?;
         let d = if self.tp.sp() { self.tp.gather_seq(&d)? } else { d };
         let dcat = self.eh_proj.backward(cx, s.proj, &d)?;
-        let (den, dhn) = split_last(&dcat)?;
+        let [den, dhn]: [Tensor; 2] = split_last(&dcat, &[dcat.shape().last() / 2; 2])?
+            .try_into()
+            .map_err(|_| invalid("mtp split", "two halves"))?;
         let de = self.enorm.backward(cx, s.enorm, &den)?;
         let dh = self.hnorm.backward(cx, s.hnorm, &dhn)?;
         Ok((de, dh))
     }
-}
-
-/// [a | b] along the last dim (same shapes otherwise): two rectangle copies into one buffer.
-fn cat_last(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    if a.dims() != b.dims() || a.dtype() != b.dtype() {
-        return Err(invalid("mtp concat", format!("{:?} and {:?} differ", a.dims(), b.dims())));
-    }
-    let last = a.shape().rank() - 1;
-    let w = a.shape().last();
-    let mut dims = a.dims().to_vec();
-    dims[last] = 2 * w;
-    let out = Tensor::empty(dims, a.dtype(), a.device())?;
-    out.narrow(last, 0..w)?.copy_from(a)?;
-    out.narrow(last, w..2 * w)?.copy_from(b)?;
-    Ok(out)
-}
-
-/// The two halves of the last dim, each contiguous.
-fn split_last(x: &Tensor) -> Result<(Tensor, Tensor)> {
-    let last = x.shape().rank() - 1;
-    let w = x.shape().last() / 2;
-    let mut dims = x.dims().to_vec();
-    dims[last] = w;
-    let half = |r: std::ops::Range<usize>| -> Result<Tensor> {
-        let t = Tensor::empty(dims.clone(), x.dtype(), x.device())?;
-        t.copy_from(&x.narrow(last, r)?)?;
-        Ok(t)
-    };
-    Ok((half(0..w)?, half(w..2 * w)?))
 }
 
 /// x [B, T] (token ids, labels or the loss mask) moved `k` places left along T, the last k
@@ -190,20 +164,6 @@ mod tests {
         assert_eq!(roll_left(&x, 3).unwrap().to_vec::<u32>().unwrap(), [4, 0, 0, 0, 8, 0, 0, 0]);
         assert_eq!(roll_left(&x, 4).unwrap().to_vec::<u32>().unwrap(), [0; 8]);
         assert!(roll_left(&x.reshape([8]).unwrap(), 1).is_err());
-    }
-
-    #[test]
-    fn concatenation_and_split_are_inverse() {
-        let a = Tensor::from_vec((0..12).map(|v| v as f32).collect(), [2, 3, 2], &Device::Cpu).unwrap();
-        let b = Tensor::from_vec((100..112).map(|v| v as f32).collect(), [2, 3, 2], &Device::Cpu).unwrap();
-        let c = cat_last(&a, &b).unwrap();
-        assert_eq!(c.dims(), [2, 3, 4]);
-        assert_eq!(&c.to_vec_f32().unwrap()[..8], [0.0, 1.0, 100.0, 101.0, 2.0, 3.0, 102.0, 103.0]);
-        let (x, y) = split_last(&c).unwrap();
-        assert_eq!(
-            (x.to_vec_f32().unwrap(), y.to_vec_f32().unwrap()),
-            (a.to_vec_f32().unwrap(), b.to_vec_f32().unwrap())
-        );
     }
 
     #[test]

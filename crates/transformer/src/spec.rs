@@ -66,6 +66,9 @@ pub struct AttentionSpec {
     /// Causal (a language model's); false lets every position see every other (a vision
     /// encoder's: Megatron's AttnMaskType.no_mask).
     pub causal: bool,
+    /// Multi-latent attention's sizes (Megatron's --multi-latent-attention), or None: the
+    /// grouped-query attention of the fields above.
+    pub mla: Option<crate::mla::MlaSpec>,
 }
 
 /// What a `ModuleFactory` builds one module from.

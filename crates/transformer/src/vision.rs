@@ -220,7 +220,14 @@ pub fn clip_encoder(layers: usize, hidden: usize, heads: usize, ffn: usize, std:
         untie_embeddings_and_output_weights: true,
         layer: LayerSpec {
             norm: NormKind::LayerNorm,
-            attention: AttentionSpec { bias: true, qkv_bias: false, qk_layernorm: false, window: None, causal: false },
+            attention: AttentionSpec {
+                bias: true,
+                qkv_bias: false,
+                qk_layernorm: false,
+                window: None,
+                causal: false,
+                mla: None,
+            },
             mlp: MlpSpec::Dense { activation: Activation::QuickGelu, bias: true },
             other_mlp: None,
             hybrid: None,

@@ -20,7 +20,14 @@ fn base() -> TransformerConfig {
         untie_embeddings_and_output_weights: false,
         layer: LayerSpec {
             norm: NormKind::LayerNorm,
-            attention: AttentionSpec { bias: true, qkv_bias: false, qk_layernorm: false, window: None, causal: true },
+            attention: AttentionSpec {
+                bias: true,
+                qkv_bias: false,
+                qk_layernorm: false,
+                window: None,
+                causal: true,
+                mla: None,
+            },
             mlp: MlpSpec::Dense { activation: Activation::Gelu, bias: true },
             other_mlp: None,
             hybrid: None,
@@ -95,6 +102,7 @@ fn param_count_matches_table_for_llama_style() {
                 qk_layernorm: true,
                 window: Some(4),
                 causal: true,
+                mla: None,
             },
             mlp: MlpSpec::Dense { activation: Activation::SwiGlu, bias: false },
             other_mlp: None,

@@ -65,7 +65,14 @@ pub(super) fn config(v: &Value) -> Result<TransformerConfig> {
         untie_embeddings_and_output_weights: !bool_or(v, "tie_word_embeddings", false)?,
         layer: LayerSpec {
             norm: NormKind::RmsNorm,
-            attention: AttentionSpec { bias: false, qkv_bias: false, qk_layernorm: false, window: None, causal: true },
+            attention: AttentionSpec {
+                bias: false,
+                qkv_bias: false,
+                qk_layernorm: false,
+                window: None,
+                causal: true,
+                mla: None,
+            },
             mlp: MlpSpec::Dense { activation: Activation::SwiGlu, bias: false },
             other_mlp: None,
             hybrid: None,

@@ -39,7 +39,14 @@ pub fn config_layers(llama: bool, layers: usize) -> TransformerConfig {
         untie_embeddings_and_output_weights: llama,
         layer: LayerSpec {
             norm,
-            attention: AttentionSpec { bias, qkv_bias: false, qk_layernorm: llama, window: None, causal: true },
+            attention: AttentionSpec {
+                bias,
+                qkv_bias: false,
+                qk_layernorm: llama,
+                window: None,
+                causal: true,
+                mla: None,
+            },
             mlp: MlpSpec::Dense { activation: act, bias },
             other_mlp: None,
             hybrid: None,

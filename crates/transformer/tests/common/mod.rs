@@ -26,7 +26,14 @@ pub fn config(llama: bool) -> TransformerConfig {
         untie_embeddings_and_output_weights: llama,
         layer: LayerSpec {
             norm: if llama { NormKind::RmsNorm } else { NormKind::LayerNorm },
-            attention: AttentionSpec { bias: !llama, qkv_bias: false, qk_layernorm: llama, window: None, causal: true },
+            attention: AttentionSpec {
+                bias: !llama,
+                qkv_bias: false,
+                qk_layernorm: llama,
+                window: None,
+                causal: true,
+                mla: None,
+            },
             mlp: MlpSpec::Dense { activation: if llama { Activation::SwiGlu } else { Activation::Gelu }, bias: !llama },
             other_mlp: None,
             hybrid: None,
