@@ -10,7 +10,8 @@ use ferrotron_comm::{Communicator, all_ok, run_ranks};
 use ferrotron_core::{DType, Device, Draw};
 use ferrotron_optim::{AdamConfig, GradSync, Optimizer, train_step};
 use ferrotron_parallel::{Layout, ProcessGroups, TensorParallel};
-use ferrotron_transformer::{Batch, GptModel, TransformerConfig};
+use ferrotron_transformer::mla::MlaSpec;
+use ferrotron_transformer::{Batch, GptModel, MtpSpec, TransformerConfig};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,6 +28,8 @@ struct Run {
     /// Hidden dropout 0.2 and attention dropout 0.1, each micro-batch drawing from its first
     /// sample's place in the run.
     dropout: bool,
+    /// Llama style with multi-latent attention and one multi-token prediction depth.
+    latent: bool,
 }
 
 struct Outcome {
@@ -41,7 +44,15 @@ fn train(run: Run, llama: bool, world: Arc<dyn Communicator>) -> Result<Outcome,
     let g = ProcessGroups::new(world, layout).map_err(|e| e.to_string())?;
     let tp = TensorParallel::new(g.tp.clone(), run.sp);
     let (hidden_dropout, attention_dropout) = if run.dropout { (0.2, 0.1) } else { (0.0, 0.0) };
-    let cfg = TransformerConfig { hidden_dropout, attention_dropout, ..config(llama) };
+    let mut cfg = TransformerConfig { hidden_dropout, attention_dropout, ..config(llama) };
+    if run.latent {
+        cfg.kv_channels = None;
+        cfg.layer.attention.qk_layernorm = false;
+        let mla =
+            MlaSpec { q_lora_rank: Some(12), kv_lora_rank: 10, qk_head_dim: 6, qk_pos_emb_head_dim: 4, v_head_dim: 5 };
+        cfg.layer.attention.mla = Some(mla);
+        cfg.mtp = Some(MtpSpec { num_layers: 1, loss_scaling_factor: 0.5 });
+    }
     let (model, table) =
         GptModel::build_parallel(cfg, &tp, &Device::Cpu, DType::F32, 1234, run.dp).map_err(|e| e.to_string())?;
     // Adam divides by √v + eps. Where a gradient is rounding noise around zero (the key bias: a
@@ -71,7 +82,11 @@ fn train(run: Run, llama: bool, world: Arc<dyn Communicator>) -> Result<Outcome,
 }
 
 fn reference(llama: bool, dropout: bool) -> Outcome {
-    let run = Run { tp: 1, sp: false, dp: 1, distributed: false, overlap: false, gather: false, dropout };
+    reference_run(llama, dropout, false)
+}
+
+fn reference_run(llama: bool, dropout: bool, latent: bool) -> Outcome {
+    let run = Run { tp: 1, sp: false, dp: 1, distributed: false, overlap: false, gather: false, dropout, latent };
     all_ok(run_ranks(1, Duration::from_secs(60), |_, w| train(run, llama, w))).unwrap().remove(0)
 }
 
@@ -108,7 +123,7 @@ fn all_layouts(llama: bool) {
                 for distributed in [false, true] {
                     let overlap = dp > 1 && (sp ^ distributed);
                     let gather = distributed && dp > 1 && sp;
-                    check(Run { tp, sp, dp, distributed, overlap, gather, dropout: false }, llama, &one);
+                    check(Run { tp, sp, dp, distributed, overlap, gather, dropout: false, latent: false }, llama, &one);
                 }
             }
         }
@@ -116,11 +131,13 @@ fn all_layouts(llama: bool) {
     // Pure data parallelism, with and without overlap.
     for overlap in [false, true] {
         check(
-            Run { tp: 1, sp: false, dp: 2, distributed: true, overlap, gather: overlap, dropout: false },
+            Run { tp: 1, sp: false, dp: 2, distributed: true, overlap, gather: overlap, dropout: false, latent: false },
             llama,
             &one,
         );
-        check(Run { tp: 1, sp: false, dp: 2, distributed: false, overlap, gather: false, dropout: false }, llama, &one);
+        let run =
+            Run { tp: 1, sp: false, dp: 2, distributed: false, overlap, gather: false, dropout: false, latent: false };
+        check(run, llama, &one);
     }
 }
 
@@ -135,8 +152,16 @@ fn dropout_layouts_match_one_rank() {
         let plain = reference(llama, false);
         assert!(one.losses[STEPS - 1] < one.losses[0], "the run with dropout learns: {:?}", one.losses);
         assert_ne!(one.losses[0], plain.losses[0], "dropout 0.2 left the first loss unchanged");
-        let run =
-            |tp, sp, dp, distributed| Run { tp, sp, dp, distributed, overlap: false, gather: false, dropout: true };
+        let run = |tp, sp, dp, distributed| Run {
+            tp,
+            sp,
+            dp,
+            distributed,
+            overlap: false,
+            gather: false,
+            dropout: true,
+            latent: false,
+        };
         check(run(2, false, 1, false), llama, &one);
         check(run(2, true, 2, true), llama, &one);
         check(run(4, true, 1, false), llama, &one);
@@ -182,6 +207,26 @@ fn overlapped_param_gathers_wait_for_the_forward() {
         assert_ne!(settled[other.clone()], before[other], "rank {r}: and then arrives");
         let low = plan.buckets.last().unwrap().clone();
         assert_eq!(raw[low.clone()], settled[low], "rank {r}: the lowest bucket went out at once");
+    }
+}
+
+/// Multi-latent attention (its replicated down projections, the shared rotary key's gradient
+/// summed over each rank's heads) and a multi-token prediction depth, together: tensor parallel
+/// 2 and 4, with and without sequence parallelism, × data parallel with the distributed
+/// optimizer, as one rank, parameter for parameter.
+#[test]
+fn mla_and_mtp_layouts_match_one_rank() {
+    let one = reference_run(true, false, true);
+    assert!(
+        one.params.keys().any(|n| n.contains("linear_kv_down_proj"))
+            && one.params.keys().any(|n| n.starts_with("mtp."))
+    );
+    assert!(one.losses[STEPS - 1] < one.losses[0], "the reference run learns: {:?}", one.losses);
+    for (tp, sp, dp, distributed) in
+        [(2, false, 1, false), (2, true, 1, false), (2, true, 2, true), (4, true, 1, false), (1, false, 2, true)]
+    {
+        let overlap = dp > 1;
+        check(Run { tp, sp, dp, distributed, overlap, gather: false, dropout: false, latent: true }, true, &one);
     }
 }
 

@@ -7,6 +7,7 @@ use ferrotron_data::{TokenizerFlags, TokenizerKind};
 use ferrotron_models::{VOCAB_DIVISIBLE_BY, preset};
 use ferrotron_moe::{Capacity, DropPolicy, Groups, LoadBalancing, MoeSpec, RouterSpec, Score};
 use ferrotron_optim::DecayStyle;
+use ferrotron_transformer::mla::MlaSpec;
 use ferrotron_transformer::spec::{
     Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, OtherMlp, PositionEmbedding, RopeScaling,
 };
@@ -74,6 +75,32 @@ pub struct TrainArgs {
     pub add_qkv_bias: bool,
     #[arg(long)]
     pub qk_layernorm: bool,
+    /// Multi-latent attention (DeepSeek-V2/V3's): queries and keys/values through low-rank
+    /// latents, a rotary part whose key all heads share. Sized by the five flags below.
+    #[arg(long)]
+    pub multi_latent_attention: bool,
+    /// MLA: the query's latent width (default: none, queries straight from the hidden state).
+    #[arg(long)]
+    pub q_lora_rank: Option<usize>,
+    /// MLA: the keys' and values' latent width (default 32).
+    #[arg(long)]
+    pub kv_lora_rank: Option<usize>,
+    /// MLA: a head's width without position (default 128).
+    #[arg(long)]
+    pub qk_head_dim: Option<usize>,
+    /// MLA: a head's rotary width, its key shared by the heads (default 64).
+    #[arg(long)]
+    pub qk_pos_emb_head_dim: Option<usize>,
+    /// MLA: a value head's width (default 128).
+    #[arg(long)]
+    pub v_head_dim: Option<usize>,
+    /// rope or yarn (Megatron: MLA's default is yarn). YaRN is built at --rotary-scaling-factor 1
+    /// only, where it is plain RoPE; other factors are refused.
+    #[arg(long)]
+    pub rope_type: Option<String>,
+    /// YaRN's scaling factor (default 1: none).
+    #[arg(long)]
+    pub rotary_scaling_factor: Option<f64>,
     /// The norms' ε (default 1e-5).
     #[arg(long)]
     pub norm_epsilon: Option<f64>,
@@ -830,7 +857,7 @@ impl TrainArgs {
             (self.hybrid_attention_ratio, self.hybrid_mlp_ratio) = (None, None);
         }
         merge_opts!(self, o; preset, num_layers, hidden_size, num_attention_heads, num_query_groups, kv_channels, ffn_hidden_size, seq_length,
-            max_position_embeddings, position_embedding_type, rotary_base, rope_scaling_factor, normalization, tokenizer_type, vocab_size, tokenizer_model, tiktoken_pattern, tiktoken_num_special_tokens, tiktoken_special_tokens, vocab_file, merge_file, init_method_std,
+            max_position_embeddings, position_embedding_type, rotary_base, rope_scaling_factor, q_lora_rank, kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim, v_head_dim, rope_type, rotary_scaling_factor, normalization, tokenizer_type, vocab_size, tokenizer_model, tiktoken_pattern, tiktoken_num_special_tokens, tiktoken_special_tokens, vocab_file, merge_file, init_method_std,
             micro_batch_size, global_batch_size, train_iters, train_samples, lr_warmup_samples, lr_decay_samples, lr, min_lr, lr_warmup_init, lr_decay_style, lr_wsd_decay_style, lr_wsd_decay_iters, lr_wsd_decay_samples, lr_warmup_iters, lr_warmup_fraction,
             lr_decay_iters, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad, norm_epsilon, make_vocab_size_divisible_by,
             hidden_dropout, attention_dropout, window_size, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, ckpt_format, step_batch_size_schedule, corpus_docs, split,
@@ -850,7 +877,7 @@ impl TrainArgs {
             timing_log_level, empty_unused_memory_level, wandb_project, optimizer, rotary_seq_len_interpolation_factor,
             num_virtual_stages_per_pipeline_rank, microbatch_group_size_per_virtual_pipeline_stage, loss_scale,
             initial_loss_scale, min_loss_scale, loss_scale_window, hysteresis, dist_ckpt_strictness, fp8_format);
-        merge_flags!(self, o; check_for_nan_in_loss_and_grad, no_check_for_nan_in_loss_and_grad, use_rope_scaling, swiglu, squared_relu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, bf16, fp16, no_progress, deterministic_mode,
+        merge_flags!(self, o; check_for_nan_in_loss_and_grad, no_check_for_nan_in_loss_and_grad, use_rope_scaling, swiglu, squared_relu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, multi_latent_attention, bf16, fp16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
             use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, calculate_per_token_loss, log_validation_ppl_to_tensorboard, log_timers_to_tensorboard,
             log_world_size_to_tensorboard, log_memory_to_tensorboard, log_num_zeros_in_grad, async_save, no_save_optim, exit_signal_handler,
@@ -977,6 +1004,9 @@ pub struct Settings {
     #[serde(default)]
     pub add_qkv_bias: bool,
     pub qk_layernorm: bool,
+    /// Multi-latent attention's sizes (`--multi-latent-attention`); None: grouped-query attention.
+    #[serde(default)]
+    pub mla: Option<MlaSettings>,
     pub tokenizer_type: String,
     pub init_method_std: f32,
     pub micro_batch_size: usize,
@@ -1423,6 +1453,55 @@ fn norm_epsilon() -> f64 {
     1e-5
 }
 
+/// Multi-latent attention's sizes, as the checkpoint's settings keep them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MlaSettings {
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: usize,
+    pub qk_head_dim: usize,
+    pub qk_pos_emb_head_dim: usize,
+    pub v_head_dim: usize,
+}
+
+impl MlaSettings {
+    /// `--multi-latent-attention` and its sizes (Megatron's defaults), or None without it; the
+    /// sizes without it, and YaRN at a factor other than 1, refused by name.
+    fn from_args(a: &TrainArgs) -> anyhow::Result<Option<MlaSettings>> {
+        let sizes = [
+            ("--q-lora-rank", a.q_lora_rank),
+            ("--kv-lora-rank", a.kv_lora_rank),
+            ("--qk-head-dim", a.qk_head_dim),
+            ("--qk-pos-emb-head-dim", a.qk_pos_emb_head_dim),
+            ("--v-head-dim", a.v_head_dim),
+        ];
+        match a.rope_type.as_deref() {
+            None | Some("rope") => {}
+            Some("yarn") if a.rotary_scaling_factor.is_none_or(|f| f == 1.0) => {}
+            Some("yarn") => bail!(
+                "--rope-type yarn with --rotary-scaling-factor {}: YaRN's scaled frequencies are not built yet (at factor 1 it is plain RoPE)",
+                a.rotary_scaling_factor.unwrap_or(1.0)
+            ),
+            Some(other) => bail!("--rope-type {other}: pick rope or yarn"),
+        }
+        if a.rotary_scaling_factor.is_some_and(|f| f != 1.0) && a.rope_type.as_deref() != Some("yarn") {
+            bail!("--rotary-scaling-factor is YaRN's (--rope-type yarn); for Llama 3's scaling use --use-rope-scaling");
+        }
+        if !a.multi_latent_attention {
+            if let Some((flag, _)) = sizes.iter().find(|(_, v)| v.is_some()) {
+                bail!("{flag} sizes multi-latent attention: add --multi-latent-attention (or drop it)");
+            }
+            return Ok(None);
+        }
+        Ok(Some(MlaSettings {
+            q_lora_rank: a.q_lora_rank,
+            kv_lora_rank: a.kv_lora_rank.unwrap_or(32),
+            qk_head_dim: a.qk_head_dim.unwrap_or(128),
+            qk_pos_emb_head_dim: a.qk_pos_emb_head_dim.unwrap_or(64),
+            v_head_dim: a.v_head_dim.unwrap_or(128),
+        }))
+    }
+}
+
 /// Megatron's --mtp-loss-scaling-factor default.
 fn mtp_loss_scaling_factor() -> f32 {
     0.1
@@ -1649,6 +1728,12 @@ fn transformer_args(c: &TransformerConfig) -> TrainArgs {
         disable_bias_linear: !bias,
         add_qkv_bias: c.layer.attention.qkv_bias && !c.layer.attention.bias,
         qk_layernorm: c.layer.attention.qk_layernorm,
+        multi_latent_attention: c.layer.attention.mla.is_some(),
+        q_lora_rank: c.layer.attention.mla.and_then(|m| m.q_lora_rank),
+        kv_lora_rank: c.layer.attention.mla.map(|m| m.kv_lora_rank),
+        qk_head_dim: c.layer.attention.mla.map(|m| m.qk_head_dim),
+        qk_pos_emb_head_dim: c.layer.attention.mla.map(|m| m.qk_pos_emb_head_dim),
+        v_head_dim: c.layer.attention.mla.map(|m| m.v_head_dim),
         norm_epsilon: Some(c.norm_epsilon),
         make_vocab_size_divisible_by: Some(c.make_vocab_size_divisible_by),
         // The config's window keeps the token and left before it: left = window − 1.
@@ -1736,6 +1821,12 @@ impl TrainArgs {
             disable_bias_linear,
             add_qkv_bias,
             qk_layernorm,
+            multi_latent_attention,
+            q_lora_rank,
+            kv_lora_rank,
+            qk_head_dim,
+            qk_pos_emb_head_dim,
+            v_head_dim,
             norm_epsilon,
             make_vocab_size_divisible_by,
             window_size,
@@ -1906,6 +1997,7 @@ impl Settings {
             disable_bias_linear: a.disable_bias_linear,
             add_qkv_bias: a.add_qkv_bias,
             qk_layernorm: a.qk_layernorm,
+            mla: MlaSettings::from_args(&a)?,
             tokenizer_type: need(&a.tokenizer_type, "--tokenizer-type")?,
             init_method_std: need(&a.init_method_std, "--init-method-std")?,
             micro_batch_size: need(&a.micro_batch_size, "--micro-batch-size")?,
@@ -2460,6 +2552,11 @@ impl Settings {
         if let Some(m) = ferrotron_models::hybrid::mamba_spec(&self.model_config()?) {
             m.validate_cp(self.tensor_model_parallel_size, cp).map_err(anyhow::Error::msg)?;
         }
+        if self.mla.is_some() {
+            bail!(
+                "--context-parallel-size {cp} with --multi-latent-attention: its attention is not split over context-parallel ranks yet; drop one"
+            );
+        }
         if self.mtp_num_layers.is_some() {
             bail!(
                 "--context-parallel-size {cp} with --mtp-num-layers: the multi-token prediction depths' rolled tokens do not cross context-parallel chunks yet; drop one"
@@ -2644,7 +2741,13 @@ impl Settings {
                     // The mask keeps |i − j| < w: the token itself and the `left` before it.
                     window: self.window_size.map(|left| left + 1),
                     causal: true,
-                    mla: None,
+                    mla: self.mla.map(|m| MlaSpec {
+                        q_lora_rank: m.q_lora_rank,
+                        kv_lora_rank: m.kv_lora_rank,
+                        qk_head_dim: m.qk_head_dim,
+                        qk_pos_emb_head_dim: m.qk_pos_emb_head_dim,
+                        v_head_dim: m.v_head_dim,
+                    }),
                 },
                 mlp,
                 other_mlp,

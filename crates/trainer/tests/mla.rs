@@ -1,0 +1,104 @@
+//! Multi-latent attention through the trainer (Megatron's --multi-latent-attention and its size
+//! flags): data, tensor (with and without sequence parallelism) and pipeline parallel runs follow
+//! one rank (the per-parameter comparison, tighter, is ferrotron-optim's
+//! `mla_and_mtp_layouts_match_one_rank`); the checkpoint keeps Megatron's names and the sizes (--use-checkpoint-args); what is
+//! not built is refused by name.
+
+mod common;
+
+use common::*;
+use ferrotron_trainer::checkpoint;
+use ferrotron_trainer::settings::{Launch, Paths, Settings, TrainArgs};
+use ferrotron_trainer::train::train;
+
+fn mla_args() -> TrainArgs {
+    TrainArgs {
+        multi_latent_attention: true,
+        q_lora_rank: Some(16),
+        kv_lora_rank: Some(12),
+        qk_head_dim: Some(8),
+        qk_pos_emb_head_dim: Some(4),
+        v_head_dim: Some(6),
+        ..tiny_args(true)
+    }
+}
+
+#[test]
+fn mla_layouts_follow_one_rank() {
+    let s1 = settings(&mla_args());
+    let one = train(&s1, &Paths::default()).unwrap();
+    let mut dp = s1.clone();
+    dp.use_distributed_optimizer = true;
+    dp.overlap_grad_reduce = true;
+    let mut tp = s1.clone();
+    tp.tensor_model_parallel_size = 2;
+    let mut tp_sp = tp.clone();
+    tp_sp.sequence_parallel = true;
+    let mut pp = s1.clone();
+    pp.pipeline_model_parallel_size = 2;
+    // Without a query latent, under tensor and sequence parallelism.
+    let direct = settings(&TrainArgs { q_lora_rank: None, ..mla_args() });
+    let direct_one = train(&direct, &Paths::default()).unwrap();
+    let mut direct_tp = direct.clone();
+    direct_tp.tensor_model_parallel_size = 2;
+    direct_tp.sequence_parallel = true;
+    for (tag, s, n, base) in [
+        ("dp2", &dp, 2, &one),
+        ("tp2", &tp, 2, &one),
+        ("tp2 sp", &tp_sp, 2, &one),
+        ("pp2", &pp, 2, &one),
+        ("no query latent, tp2 sp", &direct_tp, 2, &direct_one),
+    ] {
+        let run = train(s, &Paths { launch: Launch::Threads(n), ..Paths::default() })
+            .unwrap_or_else(|e| panic!("{tag}: {e:#}"));
+        follows(tag, &run, base);
+    }
+    assert!(one.losses.last().unwrap().1 < one.losses[0].1, "it learns: {:?}", one.losses);
+}
+
+#[test]
+fn an_mla_checkpoint_keeps_megatrons_names_and_the_sizes() {
+    let s = settings(&mla_args());
+    let dir = tmp("mla-ck");
+    train(&s, &Paths { save: Some(dir.clone()), ..Paths::default() }).unwrap();
+    let ck = checkpoint::load_params(&dir).unwrap();
+    for (name, shape) in [
+        ("decoder.layers.0.self_attention.linear_q_down_proj.weight", vec![16, 32]),
+        ("decoder.layers.0.self_attention.q_layernorm.weight", vec![16]),
+        ("decoder.layers.0.self_attention.linear_q_up_proj.weight", vec![4 * 12, 16]),
+        ("decoder.layers.1.self_attention.linear_kv_down_proj.weight", vec![12 + 4, 32]),
+        ("decoder.layers.1.self_attention.kv_layernorm.weight", vec![12]),
+        ("decoder.layers.1.self_attention.linear_kv_up_proj.weight", vec![4 * (8 + 6), 12]),
+        ("decoder.layers.1.self_attention.linear_proj.weight", vec![32, 4 * 6]),
+    ] {
+        let t = ck.tensors.get(name).unwrap_or_else(|| panic!("{name} missing"));
+        assert_eq!(t.0, shape, "{name}");
+    }
+    let from_ck =
+        Settings::resolve(&TrainArgs { load: Some(dir.clone()), use_checkpoint_args: true, ..tiny_args(true) })
+            .unwrap()
+            .0;
+    assert_eq!(from_ck.mla, s.mla);
+    assert_eq!(from_ck.model_config().unwrap().num_params(), s.model_config().unwrap().num_params());
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn mla_flags_not_built_are_refused() {
+    let refused = |args: TrainArgs, ranks: usize, needle: &str| {
+        let e = match Settings::resolve(&TrainArgs { nproc: Some(ranks), ..args }) {
+            Err(e) => e,
+            Ok((s, _)) => match s.validate_layout(ranks) {
+                Err(e) => e,
+                Ok(_) => panic!("{needle}: accepted"),
+            },
+        };
+        assert!(format!("{e:#}").contains(needle), "{needle}: {e:#}");
+    };
+    refused(TrainArgs { context_parallel_size: Some(2), ..mla_args() }, 2, "--multi-latent-attention");
+    refused(TrainArgs { rope_type: Some("yarn".into()), rotary_scaling_factor: Some(40.0), ..mla_args() }, 1, "YaRN");
+    refused(TrainArgs { multi_latent_attention: false, ..mla_args() }, 1, "add --multi-latent-attention");
+    refused(TrainArgs { qk_layernorm: true, ..mla_args() }, 1, "--qk-layernorm");
+    // YaRN at factor 1 is plain RoPE (Megatron's MLA default): accepted.
+    settings(&TrainArgs { rope_type: Some("yarn".into()), ..mla_args() });
+}
