@@ -1,6 +1,6 @@
 //! Hugging Face checkpoints: which transformers class a config is (`GPT2LMHeadModel`,
 //! `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`, `MixtralForCausalLM`,
-//! `Qwen2MoeForCausalLM`, `Qwen3ForCausalLM`, `Qwen3MoeForCausalLM`), its
+//! `Qwen2MoeForCausalLM`, `Qwen3ForCausalLM`, `Qwen3MoeForCausalLM`, `DeepseekV3ForCausalLM`), its
 //! config.json in Megatron's terms and back, and every parameter's HF
 //! name and layout next to the Megatron name Ferrotron uses. Pure: tensors come and go as host
 //! f32 values; reading and writing files is the trainer's (`ferrotron convert`).
@@ -34,6 +34,7 @@ use ferrotron_transformer::spec::{
 use serde_json::{Value, json};
 use std::sync::Arc;
 
+mod deepseek;
 pub mod llava;
 mod mamba2;
 
@@ -98,6 +99,9 @@ pub enum HfArch {
     /// `LlavaForConditionalGeneration` (model_type llava): a CLIP vision tower and projector
     /// before a Llama (`hf/llava.rs`); the text functions here treat it as its Llama.
     Llava,
+    /// `DeepseekV3ForCausalLM` (model_type deepseek_v3): multi-latent attention, dense layers
+    /// first, then sigmoid-routed grouped experts with the bias correction (`hf/deepseek.rs`).
+    DeepseekV3,
 }
 
 impl HfArch {
@@ -113,6 +117,7 @@ impl HfArch {
             HfArch::Qwen3Moe => "Qwen3MoeForCausalLM",
             HfArch::Mamba2 => "Mamba2ForCausalLM",
             HfArch::Llava => "LlavaForConditionalGeneration",
+            HfArch::DeepseekV3 => "DeepseekV3ForCausalLM",
         }
     }
 
@@ -120,6 +125,9 @@ impl HfArch {
     pub fn of(c: &TransformerConfig) -> Result<HfArch> {
         if c.layer.hybrid.is_some() {
             return mamba2::of(c);
+        }
+        if c.layer.attention.mla.is_some() {
+            return deepseek::check(c).map(|_| HfArch::DeepseekV3);
         }
         if let Some(m) = crate::moe_spec(c) {
             return match (c.layer.attention.qk_layernorm, m.shared_expert_ffn.is_some()) {
@@ -342,6 +350,7 @@ pub fn from_hf_config(v: &Value) -> Result<HfModel> {
             (HfArch::Mixtral, c)
         }
         "mamba2" => (HfArch::Mamba2, mamba2::config(v)?),
+        "deepseek_v3" => (HfArch::DeepseekV3, deepseek::config(v)?),
         "llava" => {
             let (config, vision) = llava::config(v)?;
             // The text model's dtype where the top level has none.
@@ -363,7 +372,7 @@ pub fn from_hf_config(v: &Value) -> Result<HfModel> {
         }
         o => {
             return Err(HfError::Config(format!(
-                "model_type `{o}`: Ferrotron converts gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM), mistral (MistralForCausalLM), qwen2 (Qwen2ForCausalLM), mixtral (MixtralForCausalLM), qwen2_moe (Qwen2MoeForCausalLM), qwen3 (Qwen3ForCausalLM), qwen3_moe (Qwen3MoeForCausalLM), mamba2 (Mamba2ForCausalLM) and llava (LlavaForConditionalGeneration)"
+                "model_type `{o}`: Ferrotron converts gpt2 (GPT2LMHeadModel), llama (LlamaForCausalLM), mistral (MistralForCausalLM), qwen2 (Qwen2ForCausalLM), mixtral (MixtralForCausalLM), qwen2_moe (Qwen2MoeForCausalLM), qwen3 (Qwen3ForCausalLM), qwen3_moe (Qwen3MoeForCausalLM), mamba2 (Mamba2ForCausalLM), deepseek_v3 (DeepseekV3ForCausalLM) and llava (LlavaForConditionalGeneration)"
             )));
         }
     };
@@ -616,6 +625,7 @@ pub fn to_hf_config(arch: HfArch, c: &TransformerConfig, dtype: &str) -> Value {
     let tied = !c.untie_embeddings_and_output_weights;
     match arch {
         HfArch::Mamba2 => mamba2::to_config(c, dtype),
+        HfArch::DeepseekV3 => deepseek::to_config(c, dtype),
         HfArch::Gpt2 => json!({
             "architectures": [arch.class()],
             "model_type": "gpt2",
@@ -828,6 +838,7 @@ fn maps(arch: HfArch, c: &TransformerConfig) -> Vec<(String, Map)> {
     let tied = !c.untie_embeddings_and_output_weights;
     match arch {
         HfArch::Mamba2 => m = mamba2::maps(c),
+        HfArch::DeepseekV3 => m = deepseek::maps(c),
         HfArch::Gpt2 => {
             m.push(("embedding.word_embeddings.weight".into(), Same("wte.weight".into())));
             m.push(("embedding.position_embeddings.weight".into(), Same("wpe.weight".into())));
@@ -932,6 +943,9 @@ const LM_HEAD: &str = "lm_head.weight";
 fn hf_shape(arch: HfArch, c: &TransformerConfig, hf: &str) -> Vec<usize> {
     if arch == HfArch::Mamba2 {
         return mamba2::shape(c, hf);
+    }
+    if arch == HfArch::DeepseekV3 {
+        return deepseek::shape(c, hf);
     }
     let (h, v) = (c.hidden_size, c.vocab_size);
     // The MLP's width: Qwen2-MoE's experts and shared experts have their own.
@@ -1105,6 +1119,14 @@ mod tests {
                 "intermediate_size": 6, "moe_intermediate_size": 5, "num_hidden_layers": 2, "num_attention_heads": 4,
                 "num_key_value_heads": 2, "head_dim": 6, "max_position_embeddings": 16, "tie_word_embeddings": false,
                 "num_experts": 3, "num_experts_per_tok": 2, "norm_topk_prob": true}),
+            // A dense first layer, then 4 experts of 5 in 2 groups (top 2 from the best group) and
+            // a shared expert; a query latent of 4, a key/value latent of 3.
+            HfArch::DeepseekV3 => json!({"model_type": "deepseek_v3", "vocab_size": 11, "hidden_size": 8,
+                "intermediate_size": 6, "moe_intermediate_size": 5, "num_hidden_layers": 2, "num_attention_heads": 2,
+                "num_key_value_heads": 2, "q_lora_rank": 4, "kv_lora_rank": 3, "qk_nope_head_dim": 2,
+                "qk_rope_head_dim": 2, "v_head_dim": 3, "n_routed_experts": 4, "n_shared_experts": 1,
+                "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5,
+                "first_k_dense_replace": 1, "max_position_embeddings": 16, "tie_word_embeddings": false}),
             HfArch::Mamba2 => json!({"model_type": "mamba2", "vocab_size": 11, "hidden_size": 8,
                 "num_hidden_layers": 2, "state_size": 3, "head_dim": 4, "num_heads": 4, "expand": 2, "n_groups": 2,
                 "conv_kernel": 4, "tie_word_embeddings": false}),
@@ -1148,6 +1170,7 @@ mod tests {
             HfArch::Qwen3,
             HfArch::Qwen3Moe,
             HfArch::Mamba2,
+            HfArch::DeepseekV3,
         ] {
             let c = tiny(arch);
             assert_eq!(HfArch::of(&c).unwrap(), arch);
@@ -1168,6 +1191,10 @@ mod tests {
     }
 
     fn own_shape(c: &TransformerConfig, name: &str) -> Vec<usize> {
+        if name.ends_with(".router.expert_bias") {
+            // A buffer of the router's, one value per expert.
+            return vec![crate::moe_spec(c).map_or(0, |m| m.num_experts)];
+        }
         if c.layer.hybrid.is_some() || crate::moe_spec(c).is_some() || c.layer.attention.qk_layernorm {
             // A Mamba, MoE or QK-norm model's shapes as the built model registers them
             // (vocabulary unpadded): the experts' and shared experts' widths are their own, the
@@ -1370,8 +1397,29 @@ mod tests {
         };
         let e = HfArch::of(&ungated).unwrap_err().to_string();
         assert!(e.contains("Qwen2MoeForCausalLM") && e.contains("--moe-shared-expert-gate"), "{e}");
-        v["model_type"] = json!("deepseek_v3");
-        assert!(from_hf_config(&v).unwrap_err().to_string().contains("deepseek_v3"));
+        v["model_type"] = json!("gemma2");
+        assert!(from_hf_config(&v).unwrap_err().to_string().contains("gemma2"));
+        // DeepSeek-V3's: what Megatron's router (or Ferrotron's RoPE) would compute otherwise.
+        let ds = || {
+            json!({"model_type": "deepseek_v3", "vocab_size": 11, "hidden_size": 8, "intermediate_size": 6,
+                "moe_intermediate_size": 5, "num_hidden_layers": 2, "num_attention_heads": 2, "q_lora_rank": 4,
+                "kv_lora_rank": 3, "qk_nope_head_dim": 2, "qk_rope_head_dim": 2, "v_head_dim": 3,
+                "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 2,
+                "topk_group": 1, "first_k_dense_replace": 1, "max_position_embeddings": 16})
+        };
+        assert!(from_hf_config(&ds()).is_ok());
+        for (key, value, needle) in [
+            ("topk_group", json!(2), "best 2"),
+            ("scoring_func", json!("softmax"), "noaux_tc"),
+            ("norm_topk_prob", json!(false), "norm_topk_prob"),
+            ("rope_interleave", json!(false), "interleaved"),
+            ("rope_scaling", json!({"type": "yarn", "factor": 40.0}), "yarn"),
+        ] {
+            let mut v = ds();
+            v[key] = value;
+            let e = from_hf_config(&v).unwrap_err().to_string();
+            assert!(e.contains(needle), "{key}: {e}");
+        }
         let mut c = tiny(HfArch::Mixtral);
         let mut m = crate::moe_spec(&c).unwrap().clone();
         m.router.pre_softmax = true;

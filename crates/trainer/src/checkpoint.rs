@@ -664,18 +664,23 @@ pub fn restore(ck: &dyn Parts, table: &ParamTable, opt: &mut Optimizer) -> anyho
 /// The MoE layers' expert biases from the checkpoint (each rank its own layers'; every way of
 /// loading a model that keeps them). A checkpoint saved without them (from a run without
 /// --moe-router-enable-expert-bias, or converted from Hugging Face) is refused unless
-/// `zero_if_absent` (--finetune: a new run from those weights, its biases from zero), which
-/// returns whether they were absent.
+/// `zero_if_absent` (--finetune: a new run from those weights, the absent biases from zero), which
+/// returns whether any was absent.
 pub fn restore_biases(
     ck: &dyn Parts,
     biases: &[std::sync::Arc<ferrotron_moe::ExpertBias>],
     zero_if_absent: bool,
 ) -> anyhow::Result<bool> {
+    let mut absent = false;
     for b in biases {
         let n = b.values().len();
         let v = match ck.part(&buffer_meta(&b.name, n), &b.name, 0..n) {
             Ok(v) => v,
-            Err(_) if zero_if_absent => return Ok(true),
+            // This one from zero; the others as saved (a model with layers the checkpoint lacks).
+            Err(_) if zero_if_absent => {
+                absent = true;
+                continue;
+            }
             Err(e) => {
                 return Err(e.context(format!(
                     "the checkpoint has no expert bias `{}`: it was saved without --moe-router-enable-expert-bias (--finetune starts the biases from zero)",
@@ -685,7 +690,7 @@ pub fn restore_biases(
         };
         b.set_values(&v).map_err(anyhow::Error::msg)?;
     }
-    Ok(false)
+    Ok(absent)
 }
 
 /// Just the parameters (generation, `--finetune`, `--no-load-optim`).

@@ -257,7 +257,14 @@ fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
     }
     let dtype = if settings.bf16 { DType::BF16 } else { DType::F32 };
     let n = tensors.len();
-    let typed: Vec<_> = tensors.into_iter().map(|(name, t)| (name, dtype, t.shape, t.data)).collect();
+    // The routers' expert biases (DeepSeek-V3's correction) are buffers, kept in fp32.
+    let typed: Vec<_> = tensors
+        .into_iter()
+        .map(|(name, t)| {
+            let d = if name.ends_with(".router.expert_bias") { DType::F32 } else { dtype };
+            (name, d, t.shape, t.data)
+        })
+        .collect();
     let dir = checkpoint::save_params(&a.save_dir, &typed, dtype, &settings)?;
     Ok(Converted { dir, arch, tensors: n, tokenizer: Ok(vec![]), left_out: 0 })
 }

@@ -623,7 +623,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         if let Some((biases, _)) = &expert_bias {
             let finetune = paths.load_mode == LoadMode::Finetune;
             if checkpoint::restore_biases(ck.as_ref(), &biases.layers(), finetune)? && rank0 {
-                eprintln!("the checkpoint has no expert biases: they start from zero (--finetune)");
+                eprintln!("the checkpoint lacks expert biases: those start from zero (--finetune)");
             }
         }
         if paths.load_mode == LoadMode::Resume {

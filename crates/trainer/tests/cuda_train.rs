@@ -124,6 +124,33 @@ fn mtp_cuda_matches_cpu() {
     });
 }
 
+/// Multi-latent attention (the latent projections, the shared rotary key gathered per head by a
+/// row gather and its gradient scattered back, the de-interleaving product, the core attention at
+/// an odd head width on the general kernels), with a query latent and without, alone and under
+/// tensor parallelism with sequence parallelism (two thread ranks sharing the GPU), against one
+/// CPU rank, fp32 within 1e-4.
+#[test]
+fn mla_cuda_matches_cpu() {
+    let mla = |a: TrainArgs| TrainArgs {
+        multi_latent_attention: true,
+        q_lora_rank: Some(32),
+        kv_lora_rank: Some(24),
+        qk_head_dim: Some(16),
+        qk_pos_emb_head_dim: Some(8),
+        v_head_dim: Some(12),
+        ..a
+    };
+    let direct = |a: TrainArgs| TrainArgs { q_lora_rank: None, ..mla(a) };
+    split_matches_cpu("llama-tiny", "mla", mla, mla);
+    split_matches_cpu("llama-tiny", "mla tp2 sp", mla, |a| TrainArgs {
+        tensor_model_parallel_size: Some(2),
+        sequence_parallel: true,
+        nproc: Some(2),
+        ..mla(a)
+    });
+    split_matches_cpu("llama-tiny", "mla without a query latent", direct, direct);
+}
+
 /// Mamba-2 hybrid (the convolution, the chunked scan, the gated norm beside attention layers).
 #[test]
 fn mamba_tiny_preset_cuda_matches_cpu() {

@@ -16,8 +16,19 @@ use safetensors::SafeTensors;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-const FIXTURES: [&str; 10] =
-    ["gpt2", "llama", "llama_tied", "mistral", "qwen2", "mixtral", "qwen2_moe", "qwen3", "qwen3_moe", "mamba2"];
+const FIXTURES: [&str; 11] = [
+    "gpt2",
+    "llama",
+    "llama_tied",
+    "mistral",
+    "qwen2",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3",
+    "qwen3_moe",
+    "mamba2",
+    "deepseek_v3",
+];
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf").join(name)
@@ -76,6 +87,10 @@ fn hf_tensors(dir: &Path) -> HashMap<String, (Vec<usize>, Vec<u8>)> {
 fn max_logit_error(name: &str, config: ferrotron_transformer::TransformerConfig, ck: &checkpoint::Loaded) -> f64 {
     let (model, table) = GptModel::build(config, &Device::Cpu, DType::F32, 1).unwrap();
     checkpoint::restore_params(ck, &table).unwrap();
+    // DeepSeek-V3's expert-bias corrections (the routers' buffers) as the import wrote them.
+    if let Some(m) = ferrotron_models::moe_spec(&model.config) {
+        checkpoint::restore_biases(ck, &m.biases.layers(), false).unwrap();
+    }
     let r = reference(name);
     let (b, t) = (r.input_ids.len(), r.input_ids[0].len());
     let ids: Vec<u32> = r.input_ids.concat();
@@ -114,6 +129,7 @@ fn imported_models_give_transformers_logits() {
             "qwen3" => hf::HfArch::Qwen3,
             "qwen3_moe" => hf::HfArch::Qwen3Moe,
             "mamba2" => hf::HfArch::Mamba2,
+            "deepseek_v3" => hf::HfArch::DeepseekV3,
             _ => hf::HfArch::Llama,
         };
         assert_eq!(done.arch, arch);
