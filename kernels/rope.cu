@@ -11,9 +11,15 @@ __device__ __forceinline__ bool rope_skip(long hh, long period) { return period 
 
 // Pair k's frequency, base^(−2k/rot), with Llama 3.1's scaling when `factor` > 0 (cpu/rope.rs's
 // RopeScaling: wavelengths past orig / low divided by factor, below orig / high kept, between
-// blended).
-__device__ __forceinline__ double rope_freq(long k, long rot, double base, double factor, double low, double high, double orig) {
+// blended), or YaRN's when `yf` > 0 (cpu/rope.rs's Yarn: f / yf · ramp + f · (1 − ramp), the ramp
+// rising from pair ylow to pair yhigh, both computed on the host).
+__device__ __forceinline__ double rope_freq(long k, long rot, double base, double factor, double low, double high, double orig,
+                                            double yf, double ylow, double yhigh, double ym) {
     double f = pow(base, -2.0 * (double)k / (double)rot);
+    if (yf > 0.0) {
+        double ramp = fmin(fmax(((double)k - ylow) / (yhigh - ylow), 0.0), 1.0);
+        return f / yf * ramp + f * (1.0 - ramp);
+    }
     if (factor <= 0.0) return f;
     double wavelen = 2.0 * 3.141592653589793 / f;
     if (wavelen < orig / high) return f;
@@ -22,9 +28,10 @@ __device__ __forceinline__ double rope_freq(long k, long rot, double base, doubl
     return (1.0 - smooth) * f / factor + smooth * f;
 }
 
-// The scaling's four numbers as kernel parameters (factor 0: none).
-#define ROPE_SCALE_PARAMS double factor, double low, double high, double orig
-#define ROPE_SCALE factor, low, high, orig
+// The scalings' numbers as kernel parameters: Llama 3.1's four (factor 0: none), YaRN's factor
+// (0: none), ramp ends and the factor `ym` on cos and sin (1 without YaRN).
+#define ROPE_SCALE_PARAMS double factor, double low, double high, double orig, double yf, double ylow, double yhigh, double ym
+#define ROPE_SCALE factor, low, high, orig, yf, ylow, yhigh, ym
 
 // Position of row p (cpu/rope.rs `RopeCfg::position`): from row `at` on (context parallelism's
 // second chunk) the positions restart at `spos`; at ≥ t leaves every row at pos0 + p.
@@ -33,7 +40,7 @@ __device__ __forceinline__ long rope_pos(long p, long pos0, long at, long spos) 
 // (cos, sin) of the angle of position `pos` and pair k, computed in f64, rounded to f32.
 __device__ __forceinline__ float2 rope_cs(long pos, long k, long rot, double base, ROPE_SCALE_PARAMS) {
     double ang = (double)pos * rope_freq(k, rot, base, ROPE_SCALE);
-    return make_float2((float)cos(ang), (float)sin(ang));
+    return make_float2((float)(ym * cos(ang)), (float)(ym * sin(ang)));
 }
 
 #define ROPE(s, T) \

@@ -65,7 +65,7 @@ pub use optim::{
     sum_sq_all, sum_sq_dev,
 };
 pub use qkv::{qkv_merge, qkv_split};
-pub use rope::{RopeCfg, RopeScaling, RopeSplit, rope_bwd, rope_fwd, rope_qkv_bwd_, rope_qkv_fwd_};
+pub use rope::{RopeCfg, RopeScaling, RopeSplit, Yarn, rope_bwd, rope_fwd, rope_qkv_bwd_, rope_qkv_fwd_};
 pub use ssm::{
     SCAN_CHUNK, ScanDims, ScanGrads, ScanParams, conv1d_silu, conv1d_silu_bwd, gated_rmsnorm, gated_rmsnorm_bwd,
     ssd_scan, ssd_scan_bwd,

@@ -4,7 +4,7 @@
 use crate::{buf, check, cpu};
 use ferrotron_core::{Result, Tensor, invalid, shape_mismatch};
 
-pub use crate::cpu::rope::{RopeCfg, RopeScaling, RopeSplit};
+pub use crate::cpu::rope::{RopeCfg, RopeScaling, RopeSplit, Yarn};
 
 fn validate(op: &'static str, x: &Tensor, cfg: &RopeCfg) -> Result<(usize, usize, usize)> {
     check::float(op, x)?;
@@ -24,8 +24,11 @@ fn validate_cfg(op: &'static str, cfg: &RopeCfg, head_dim: usize) -> Result<()> 
     if cfg.base <= 0.0 || !cfg.base.is_finite() {
         return Err(invalid(op, format!("rotary base {} must be positive", cfg.base)));
     }
-    if let Some(problem) = cfg.scaling.and_then(|s| s.problem()) {
+    if let Some(problem) = cfg.scaling.and_then(|s| s.problem()).or_else(|| cfg.yarn.and_then(|y| y.problem())) {
         return Err(invalid(op, problem));
+    }
+    if cfg.scaling.is_some() && cfg.yarn.is_some() {
+        return Err(invalid(op, "Llama 3's scaling and YaRN both rescale the frequencies: keep one"));
     }
     Ok(())
 }

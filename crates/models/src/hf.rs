@@ -1408,12 +1408,37 @@ mod tests {
                 "topk_group": 1, "first_k_dense_replace": 1, "max_position_embeddings": 16})
         };
         assert!(from_hf_config(&ds()).is_ok());
+        // DeepSeek-V3's YaRN (transformers 5's rope_parameters): Megatron's at factor 40 with both
+        // mscales, written back as rope_scaling, read again the same.
+        let mut y = ds();
+        y["rope_parameters"] = json!({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+            "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0});
+        let c = from_hf_config(&y).unwrap().config;
+        let yarn = c.layer.attention.mla.and_then(|m| m.yarn).unwrap();
+        assert_eq!((yarn.factor, yarn.mscale, yarn.mscale_all_dim), (40.0, 1.0, 1.0));
+        assert_eq!(c.position_embedding, PositionEmbedding::Rope { base: 10000.0, scaling: None });
+        let back = to_hf_config(HfArch::DeepseekV3, &c, "float32");
+        assert_eq!(from_hf_config(&back).unwrap().config.layer.attention.mla, c.layer.attention.mla);
         for (key, value, needle) in [
             ("topk_group", json!(2), "best 2"),
             ("scoring_func", json!("softmax"), "noaux_tc"),
             ("norm_topk_prob", json!(false), "norm_topk_prob"),
             ("rope_interleave", json!(false), "interleaved"),
-            ("rope_scaling", json!({"type": "yarn", "factor": 40.0}), "yarn"),
+            (
+                "rope_scaling",
+                json!({"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0}),
+                "fixes them",
+            ),
+            (
+                "rope_scaling",
+                json!({"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale_all_dim": 1.0}),
+                "no mscale",
+            ),
+            (
+                "rope_scaling",
+                json!({"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "attention_factor": 1.0}),
+                "attention_factor",
+            ),
         ] {
             let mut v = ds();
             v[key] = value;

@@ -48,8 +48,14 @@ fn train(run: Run, llama: bool, world: Arc<dyn Communicator>) -> Result<Outcome,
     if run.latent {
         cfg.kv_channels = None;
         cfg.layer.attention.qk_layernorm = false;
-        let mla =
-            MlaSpec { q_lora_rank: Some(12), kv_lora_rank: 10, qk_head_dim: 6, qk_pos_emb_head_dim: 4, v_head_dim: 5 };
+        let mla = MlaSpec {
+            q_lora_rank: Some(12),
+            kv_lora_rank: 10,
+            qk_head_dim: 6,
+            qk_pos_emb_head_dim: 4,
+            v_head_dim: 5,
+            yarn: None,
+        };
         cfg.layer.attention.mla = Some(mla);
         cfg.mtp = Some(MtpSpec { num_layers: 1, loss_scaling_factor: 0.5 });
     }

@@ -94,13 +94,21 @@ pub struct TrainArgs {
     /// MLA: a value head's width (default 128).
     #[arg(long)]
     pub v_head_dim: Option<usize>,
-    /// rope or yarn (Megatron: MLA's default is yarn). YaRN is built at --rotary-scaling-factor 1
-    /// only, where it is plain RoPE; other factors are refused.
+    /// rope or yarn (Megatron's: multi-latent attention's default is yarn, other attention's
+    /// rope). YaRN is built for multi-latent attention's rotary part.
     #[arg(long)]
     pub rope_type: Option<String>,
-    /// YaRN's scaling factor (default 1: none).
+    /// YaRN's scaling factor (default 1: plain RoPE), at Megatron's original context 4096 and
+    /// betas 32 and 1.
     #[arg(long)]
     pub rotary_scaling_factor: Option<f64>,
+    /// YaRN's mscale: cos and sin scaled by 0.1·mscale·ln(factor) + 1 over the same with
+    /// --mscale-all-dim (default 1).
+    #[arg(long)]
+    pub mscale: Option<f64>,
+    /// YaRN's mscale_all_dim (default 0): the softmax scaled by (0.1·mscale_all_dim·ln(factor) + 1)².
+    #[arg(long)]
+    pub mscale_all_dim: Option<f64>,
     /// The norms' ε (default 1e-5).
     #[arg(long)]
     pub norm_epsilon: Option<f64>,
@@ -857,7 +865,7 @@ impl TrainArgs {
             (self.hybrid_attention_ratio, self.hybrid_mlp_ratio) = (None, None);
         }
         merge_opts!(self, o; preset, num_layers, hidden_size, num_attention_heads, num_query_groups, kv_channels, ffn_hidden_size, seq_length,
-            max_position_embeddings, position_embedding_type, rotary_base, rope_scaling_factor, q_lora_rank, kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim, v_head_dim, rope_type, rotary_scaling_factor, normalization, tokenizer_type, vocab_size, tokenizer_model, tiktoken_pattern, tiktoken_num_special_tokens, tiktoken_special_tokens, vocab_file, merge_file, init_method_std,
+            max_position_embeddings, position_embedding_type, rotary_base, rope_scaling_factor, q_lora_rank, kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim, v_head_dim, rope_type, rotary_scaling_factor, mscale, mscale_all_dim, normalization, tokenizer_type, vocab_size, tokenizer_model, tiktoken_pattern, tiktoken_num_special_tokens, tiktoken_special_tokens, vocab_file, merge_file, init_method_std,
             micro_batch_size, global_batch_size, train_iters, train_samples, lr_warmup_samples, lr_decay_samples, lr, min_lr, lr_warmup_init, lr_decay_style, lr_wsd_decay_style, lr_wsd_decay_iters, lr_wsd_decay_samples, lr_warmup_iters, lr_warmup_fraction,
             lr_decay_iters, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad, norm_epsilon, make_vocab_size_divisible_by,
             hidden_dropout, attention_dropout, window_size, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, ckpt_format, step_batch_size_schedule, corpus_docs, split,
@@ -1454,18 +1462,41 @@ fn norm_epsilon() -> f64 {
 }
 
 /// Multi-latent attention's sizes, as the checkpoint's settings keep them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct MlaSettings {
     pub q_lora_rank: Option<usize>,
     pub kv_lora_rank: usize,
     pub qk_head_dim: usize,
     pub qk_pos_emb_head_dim: usize,
     pub v_head_dim: usize,
+    /// YaRN on the rotary part, None: plain RoPE.
+    #[serde(default)]
+    pub yarn: Option<YarnSettings>,
+}
+
+/// `--rotary-scaling-factor`, `--mscale`, `--mscale-all-dim` (Megatron's original context and
+/// betas for the rest).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct YarnSettings {
+    pub factor: f64,
+    pub mscale: f64,
+    pub mscale_all_dim: f64,
+}
+
+impl YarnSettings {
+    pub fn yarn(&self) -> ferrotron_kernels::Yarn {
+        ferrotron_kernels::Yarn {
+            mscale: self.mscale,
+            mscale_all_dim: self.mscale_all_dim,
+            ..ferrotron_kernels::Yarn::megatron(self.factor)
+        }
+    }
 }
 
 impl MlaSettings {
-    /// `--multi-latent-attention` and its sizes (Megatron's defaults), or None without it; the
-    /// sizes without it, and YaRN at a factor other than 1, refused by name.
+    /// `--multi-latent-attention` and its sizes (Megatron's defaults) and rotary type (yarn unless
+    /// --rope-type rope; at factor 1 plain RoPE), or None without it; the sizes without it, and
+    /// YaRN's flags without YaRN, refused by name.
     fn from_args(a: &TrainArgs) -> anyhow::Result<Option<MlaSettings>> {
         let sizes = [
             ("--q-lora-rank", a.q_lora_rank),
@@ -1474,23 +1505,38 @@ impl MlaSettings {
             ("--qk-pos-emb-head-dim", a.qk_pos_emb_head_dim),
             ("--v-head-dim", a.v_head_dim),
         ];
-        match a.rope_type.as_deref() {
-            None | Some("rope") => {}
-            Some("yarn") if a.rotary_scaling_factor.is_none_or(|f| f == 1.0) => {}
-            Some("yarn") => bail!(
-                "--rope-type yarn with --rotary-scaling-factor {}: YaRN's scaled frequencies are not built yet (at factor 1 it is plain RoPE)",
-                a.rotary_scaling_factor.unwrap_or(1.0)
-            ),
+        // Megatron's: multi-latent attention takes yarn unless told rope, other attention rope.
+        let yarn = match a.rope_type.as_deref() {
+            None => a.multi_latent_attention,
+            Some("yarn") => true,
+            Some("rope") => false,
             Some(other) => bail!("--rope-type {other}: pick rope or yarn"),
-        }
-        if a.rotary_scaling_factor.is_some_and(|f| f != 1.0) && a.rope_type.as_deref() != Some("yarn") {
-            bail!("--rotary-scaling-factor is YaRN's (--rope-type yarn); for Llama 3's scaling use --use-rope-scaling");
+        };
+        let factor = a.rotary_scaling_factor.unwrap_or(1.0);
+        if !yarn && (factor != 1.0 || a.mscale.is_some() || a.mscale_all_dim.is_some()) {
+            bail!(
+                "--rotary-scaling-factor, --mscale and --mscale-all-dim are YaRN's (--rope-type yarn); for Llama 3's scaling use --use-rope-scaling"
+            );
         }
         if !a.multi_latent_attention {
+            if yarn && factor != 1.0 {
+                bail!(
+                    "--rope-type yarn with --rotary-scaling-factor {factor}: YaRN is built for multi-latent attention's rotary part (--multi-latent-attention)"
+                );
+            }
             if let Some((flag, _)) = sizes.iter().find(|(_, v)| v.is_some()) {
                 bail!("{flag} sizes multi-latent attention: add --multi-latent-attention (or drop it)");
             }
             return Ok(None);
+        }
+        // At factor 1 YaRN changes no frequency and no scale: plain RoPE.
+        let yarn = (yarn && factor != 1.0).then(|| YarnSettings {
+            factor,
+            mscale: a.mscale.unwrap_or(1.0),
+            mscale_all_dim: a.mscale_all_dim.unwrap_or(0.0),
+        });
+        if let Some(problem) = yarn.and_then(|y| y.yarn().problem()) {
+            bail!("{problem}: --rotary-scaling-factor must be positive, --mscale and --mscale-all-dim finite");
         }
         Ok(Some(MlaSettings {
             q_lora_rank: a.q_lora_rank,
@@ -1498,6 +1544,7 @@ impl MlaSettings {
             qk_head_dim: a.qk_head_dim.unwrap_or(128),
             qk_pos_emb_head_dim: a.qk_pos_emb_head_dim.unwrap_or(64),
             v_head_dim: a.v_head_dim.unwrap_or(128),
+            yarn,
         }))
     }
 }
@@ -1734,6 +1781,10 @@ fn transformer_args(c: &TransformerConfig) -> TrainArgs {
         qk_head_dim: c.layer.attention.mla.map(|m| m.qk_head_dim),
         qk_pos_emb_head_dim: c.layer.attention.mla.map(|m| m.qk_pos_emb_head_dim),
         v_head_dim: c.layer.attention.mla.map(|m| m.v_head_dim),
+        rope_type: c.layer.attention.mla.map(|m| if m.yarn.is_some() { "yarn" } else { "rope" }.into()),
+        rotary_scaling_factor: c.layer.attention.mla.and_then(|m| m.yarn).map(|y| y.factor),
+        mscale: c.layer.attention.mla.and_then(|m| m.yarn).map(|y| y.mscale),
+        mscale_all_dim: c.layer.attention.mla.and_then(|m| m.yarn).map(|y| y.mscale_all_dim),
         norm_epsilon: Some(c.norm_epsilon),
         make_vocab_size_divisible_by: Some(c.make_vocab_size_divisible_by),
         // The config's window keeps the token and left before it: left = window − 1.
@@ -1827,6 +1878,10 @@ impl TrainArgs {
             qk_head_dim,
             qk_pos_emb_head_dim,
             v_head_dim,
+            rope_type,
+            rotary_scaling_factor,
+            mscale,
+            mscale_all_dim,
             norm_epsilon,
             make_vocab_size_divisible_by,
             window_size,
@@ -2747,6 +2802,7 @@ impl Settings {
                         qk_head_dim: m.qk_head_dim,
                         qk_pos_emb_head_dim: m.qk_pos_emb_head_dim,
                         v_head_dim: m.v_head_dim,
+                        yarn: m.yarn.map(|y| y.yarn()),
                     }),
                 },
                 mlp,

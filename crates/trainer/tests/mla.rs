@@ -96,9 +96,41 @@ fn mla_flags_not_built_are_refused() {
         assert!(format!("{e:#}").contains(needle), "{needle}: {e:#}");
     };
     refused(TrainArgs { context_parallel_size: Some(2), ..mla_args() }, 2, "--multi-latent-attention");
-    refused(TrainArgs { rope_type: Some("yarn".into()), rotary_scaling_factor: Some(40.0), ..mla_args() }, 1, "YaRN");
+    refused(
+        TrainArgs { rope_type: Some("yarn".into()), rotary_scaling_factor: Some(40.0), ..tiny_args(true) },
+        1,
+        "built for multi-latent attention",
+    );
+    refused(TrainArgs { rope_type: Some("rope".into()), rotary_scaling_factor: Some(40.0), ..mla_args() }, 1, "YaRN's");
+    refused(TrainArgs { rotary_scaling_factor: Some(-2.0), ..mla_args() }, 1, "must be positive");
     refused(TrainArgs { multi_latent_attention: false, ..mla_args() }, 1, "add --multi-latent-attention");
     refused(TrainArgs { qk_layernorm: true, ..mla_args() }, 1, "--qk-layernorm");
-    // YaRN at factor 1 is plain RoPE (Megatron's MLA default): accepted.
-    settings(&TrainArgs { rope_type: Some("yarn".into()), ..mla_args() });
+    // YaRN at factor 1 is plain RoPE (Megatron's MLA default).
+    assert_eq!(settings(&TrainArgs { rope_type: Some("yarn".into()), ..mla_args() }).mla.unwrap().yarn, None);
+}
+
+/// YaRN on the rotary part (Megatron's MLA default type, here at factor 40 with
+/// --mscale-all-dim 1 as DeepSeek-V3): tensor × sequence parallel follows one rank, it changes
+/// the run, and the checkpoint keeps it (--use-checkpoint-args).
+#[test]
+fn mla_with_yarn_follows_one_rank_and_is_kept() {
+    let args = TrainArgs { rotary_scaling_factor: Some(40.0), mscale_all_dim: Some(1.0), ..mla_args() };
+    let s1 = settings(&args);
+    let y = s1.mla.unwrap().yarn.unwrap();
+    assert_eq!((y.factor, y.mscale, y.mscale_all_dim), (40.0, 1.0, 1.0));
+    let dir = tmp("mla-yarn");
+    let one = train(&s1, &Paths { save: Some(dir.clone()), ..Paths::default() }).unwrap();
+    let plain = train(&settings(&mla_args()), &Paths::default()).unwrap();
+    assert_ne!(one.losses[0].1, plain.losses[0].1, "YaRN left the first loss unchanged");
+    let mut tp = s1.clone();
+    tp.tensor_model_parallel_size = 2;
+    tp.sequence_parallel = true;
+    let run = train(&tp, &Paths { launch: Launch::Threads(2), ..Paths::default() }).unwrap();
+    follows("yarn tp2 sp", &run, &one);
+    let from_ck =
+        Settings::resolve(&TrainArgs { load: Some(dir.clone()), use_checkpoint_args: true, ..tiny_args(true) })
+            .unwrap()
+            .0;
+    assert_eq!(from_ck.mla, s1.mla);
+    let _ = std::fs::remove_dir_all(dir);
 }

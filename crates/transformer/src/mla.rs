@@ -34,7 +34,7 @@ use std::sync::Mutex;
 
 /// MLA's sizes (Megatron's --q-lora-rank, --kv-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim,
 /// --v-head-dim).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct MlaSpec {
     /// The query's latent width; None: queries straight from the hidden state (`linear_q_proj`).
     pub q_lora_rank: Option<usize>,
@@ -44,7 +44,14 @@ pub struct MlaSpec {
     /// A head's rotary width (r), shared by the heads' keys.
     pub qk_pos_emb_head_dim: usize,
     pub v_head_dim: usize,
+    /// YaRN on the rotary part (Megatron's --rope-type yarn at a --rotary-scaling-factor above
+    /// 1), which also scales the softmax by its `softmax_factor`; None: plain RoPE.
+    pub yarn: Option<k::Yarn>,
 }
+
+/// Layer specs compare whole (`AttentionSpec: Eq`); YaRN's numbers are checked finite
+/// (`problem`) before a model is built from them.
+impl Eq for MlaSpec {}
 
 impl MlaSpec {
     /// What the sizes cannot be, naming the flag.
@@ -59,8 +66,12 @@ impl MlaSpec {
             return Some(format!("{flag} must be at least 1"));
         }
         let r = self.qk_pos_emb_head_dim;
-        (r == 0 || r % 2 != 0)
-            .then(|| format!("--qk-pos-emb-head-dim {r} must be even and at least 2 (the rotary part)"))
+        if r == 0 || r % 2 != 0 {
+            return Some(format!("--qk-pos-emb-head-dim {r} must be even and at least 2 (the rotary part)"));
+        }
+        self.yarn
+            .and_then(|y| y.problem())
+            .map(|p| format!("{p} (--rotary-scaling-factor, --mscale, --mscale-all-dim)"))
     }
 
     /// The core attention's head width: queries' and keys' dn + r, or values' dv if wider.
@@ -160,7 +171,13 @@ impl MlaAttention {
         let kv_up = col(p, "linear_kv_up_proj", kvl, d.heads * (dn + dv))?;
         let linear_proj =
             RowParallelLinear::new(p, &format!("{prefix}.linear_proj"), d.heads * dv, h, d.bias, d.out_std, tp)?;
-        let rope = RopeCfg { rot: r, base: d.rope.0, pos0: 0, scaling: d.rope.1, split: None };
+        if spec.yarn.is_some() && d.rope.1.is_some() {
+            return Err(invalid(
+                "MlaAttention",
+                "YaRN and Llama 3's RoPE scaling (--use-rope-scaling) both rescale: keep one",
+            ));
+        }
+        let rope = RopeCfg { rot: r, base: d.rope.0, pos0: 0, scaling: d.rope.1, split: None, yarn: spec.yarn };
         Ok(MlaAttention {
             q,
             kv_down,
@@ -177,7 +194,8 @@ impl MlaAttention {
 
     fn cfg(&self) -> AttnCfg {
         let width = self.spec.qk_head_dim + self.spec.qk_pos_emb_head_dim;
-        AttnCfg { scale: Some(1.0 / (width as f64).sqrt()), ..AttnCfg::default() }
+        let yarn = self.spec.yarn.map_or(1.0, |y| y.softmax_factor());
+        AttnCfg { scale: Some(yarn / (width as f64).sqrt()), ..AttnCfg::default() }
     }
 
     /// The de-interleaving permutation P [r, r] (x · Pᵀ puts the even entries first, then the odd).
@@ -323,8 +341,14 @@ mod tests {
 
     #[test]
     fn sizes_are_checked_by_flag() {
-        let ok =
-            MlaSpec { q_lora_rank: Some(8), kv_lora_rank: 8, qk_head_dim: 4, qk_pos_emb_head_dim: 2, v_head_dim: 3 };
+        let ok = MlaSpec {
+            q_lora_rank: Some(8),
+            kv_lora_rank: 8,
+            qk_head_dim: 4,
+            qk_pos_emb_head_dim: 2,
+            v_head_dim: 3,
+            yarn: None,
+        };
         assert_eq!(ok.problem(), None);
         assert_eq!(ok.core_width(), 6);
         assert!(MlaSpec { qk_pos_emb_head_dim: 3, ..ok }.problem().unwrap().contains("--qk-pos-emb-head-dim"));

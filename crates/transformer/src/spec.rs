@@ -6,7 +6,7 @@
 //! model (`Hybrid`) gives each layer a `LayerKind`, and its mixer layers a factory's module.
 
 use ferrotron_core::{Module, ParamTableBuilder, Result};
-pub use ferrotron_kernels::RopeScaling;
+pub use ferrotron_kernels::{RopeScaling, Yarn};
 use ferrotron_parallel::TensorParallel;
 use std::sync::Arc;
 

@@ -13,7 +13,7 @@ fn mla(q_lora_rank: Option<usize>, v_head_dim: usize) -> TransformerConfig {
     let mut c = config(true);
     c.layer.attention.qk_layernorm = false;
     c.layer.attention.mla =
-        Some(MlaSpec { q_lora_rank, kv_lora_rank: 6, qk_head_dim: 4, qk_pos_emb_head_dim: 4, v_head_dim });
+        Some(MlaSpec { q_lora_rank, kv_lora_rank: 6, qk_head_dim: 4, qk_pos_emb_head_dim: 4, v_head_dim, yarn: None });
     c
 }
 
@@ -96,7 +96,9 @@ fn mla_parameters_have_megatrons_names() {
 /// transformers' DeepseekV3Attention (5.25, `fixtures/mla/make_mla_fixture.py`) on a fixed input:
 /// its weights loaded under Megatron's names (q_a_proj → linear_q_down_proj, kv_a_proj_with_mqa →
 /// linear_kv_down_proj, kv_b_proj → linear_kv_up_proj, …, the layouts the same), the layer's output
-/// within 2e-5 × its largest value of transformers' (f32 rounding), with a query latent and without.
+/// within 2e-5 × its largest value of transformers' (f32 rounding), with a query latent and
+/// without, and with YaRN (factor 40, mscale_all_dim 0.8: blended frequencies, cos and sin and the
+/// softmax scaled).
 #[test]
 fn mla_matches_transformers_deepseek_v3_attention() {
     use ferrotron_core::{Module, ParamTableBuilder, Tensor};
@@ -109,8 +111,12 @@ fn mla_matches_transformers_deepseek_v3_attention() {
         let t = st.tensor(n).unwrap_or_else(|e| panic!("{n}: {e}"));
         t.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
     };
-    for (prefix, q_lora_rank) in [("lora.", Some(5)), ("direct.", None)] {
-        let spec = MlaSpec { q_lora_rank, kv_lora_rank: 6, qk_head_dim: 4, qk_pos_emb_head_dim: 4, v_head_dim: 3 };
+    let yarn = ferrotron_kernels::Yarn { mscale: 1.0, mscale_all_dim: 0.8, ..ferrotron_kernels::Yarn::megatron(40.0) };
+    for (prefix, q_lora_rank, yarn) in
+        [("lora.", Some(5), None), ("direct.", None, None), ("yarn.", Some(5), Some(yarn))]
+    {
+        let spec =
+            MlaSpec { q_lora_rank, kv_lora_rank: 6, qk_head_dim: 4, qk_pos_emb_head_dim: 4, v_head_dim: 3, yarn };
         let dims = MlaDims {
             hidden: 16,
             heads: 4,

@@ -4,8 +4,9 @@
 //! Pair i (< rot/2) is (x[i], x[i + rot/2]) at angle θ = pos(t) · f_i, f_i = base^(−2i/rot), where
 //! pos(t) = pos0 + t, or with a `RopeSplit` (context parallelism: a rank's rows are two chunks of
 //! the sequence far apart) split.pos + t − split.at from row split.at on
-//! (with `RopeScaling`, Llama 3.1's frequency-dependent rescaling of f_i):
-//!   y[i] = x[i]·cos θ − x[i+rot/2]·sin θ,  y[i+rot/2] = x[i+rot/2]·cos θ + x[i]·sin θ.
+//! (with `RopeScaling`, Llama 3.1's frequency-dependent rescaling of f_i; with `Yarn`, YaRN's
+//! blend of f_i / factor and f_i along the pairs, and cos θ, sin θ times its attention factor m):
+//!   y[i] = m·(x[i]·cos θ − x[i+rot/2]·sin θ),  y[i+rot/2] = m·(x[i+rot/2]·cos θ + x[i]·sin θ).
 //! Backward is the rotation by −θ. `rope_qkv_` applies the same to the query and key heads of a
 //! fused QKV row in place, leaving its value heads.
 
@@ -22,6 +23,83 @@ pub struct RopeCfg {
     pub scaling: Option<RopeScaling>,
     /// Where the rows jump to other positions, or None (every row at pos0 + row).
     pub split: Option<RopeSplit>,
+    /// YaRN's scaled frequencies and attention factor (Megatron's --rope-type yarn), or None.
+    pub yarn: Option<Yarn>,
+}
+
+/// YaRN (Megatron's YarnRotaryEmbedding, transformers' rope_type `yarn`): pair i's frequency
+/// f_i / factor · ramp_i + f_i · (1 − ramp_i), the ramp rising linearly from 0 at pair `low` to 1
+/// at pair `high` (the pairs that turn `beta_fast` and `beta_slow` times over the original
+/// context, floored and ceiled), and cos / sin scaled by mscale(factor, mscale) /
+/// mscale(factor, mscale_all_dim), mscale(s, m) = 0.1·m·ln s + 1 (1 for s ≤ 1).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Yarn {
+    pub factor: f64,
+    pub original_max_position_embeddings: f64,
+    pub beta_fast: f64,
+    pub beta_slow: f64,
+    pub mscale: f64,
+    pub mscale_all_dim: f64,
+}
+
+impl Yarn {
+    /// Megatron's MLA defaults at scaling `factor`: original context 4096, β 32 and 1, mscale 1,
+    /// mscale_all_dim 0.
+    pub fn megatron(factor: f64) -> Yarn {
+        Yarn {
+            factor,
+            original_max_position_embeddings: 4096.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            mscale: 1.0,
+            mscale_all_dim: 0.0,
+        }
+    }
+
+    /// Why these numbers cannot scale anything, if they cannot.
+    pub fn problem(&self) -> Option<String> {
+        let pos = |v: f64| v.is_finite() && v > 0.0;
+        let ok = pos(self.factor)
+            && pos(self.original_max_position_embeddings)
+            && pos(self.beta_fast)
+            && pos(self.beta_slow)
+            && self.mscale.is_finite()
+            && self.mscale_all_dim.is_finite();
+        (!ok).then(|| format!("YaRN {self:?}: the factor, context and betas must be positive and finite"))
+    }
+
+    /// 0.1·m·ln s + 1, or 1 for s ≤ 1.
+    pub fn mscale_of(s: f64, m: f64) -> f64 {
+        if s <= 1.0 { 1.0 } else { 0.1 * m * s.ln() + 1.0 }
+    }
+
+    /// The factor on cos and sin.
+    pub fn attention_factor(&self) -> f64 {
+        Self::mscale_of(self.factor, self.mscale) / Self::mscale_of(self.factor, self.mscale_all_dim)
+    }
+
+    /// The factor on the softmax scale of an attention whose rotary part this is (MLA's):
+    /// mscale(factor, mscale_all_dim)².
+    pub fn softmax_factor(&self) -> f64 {
+        Self::mscale_of(self.factor, self.mscale_all_dim).powi(2)
+    }
+
+    /// The ramp's ends (low, high) over the pairs of a `rot`-wide rotation at `base`.
+    pub fn range(&self, rot: usize, base: f64) -> (f64, f64) {
+        let dim = |turns: f64| {
+            rot as f64 * (self.original_max_position_embeddings / (turns * 2.0 * std::f64::consts::PI)).ln()
+                / (2.0 * base.ln())
+        };
+        let low = dim(self.beta_fast).floor().max(0.0);
+        let high = dim(self.beta_slow).ceil().min(rot as f64 - 1.0);
+        (low, if low == high { high + 0.001 } else { high })
+    }
+
+    /// Pair i's frequency from its unscaled `f`.
+    pub fn apply(&self, i: usize, f: f64, (low, high): (f64, f64)) -> f64 {
+        let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+        f / self.factor * ramp + f * (1.0 - ramp)
+    }
 }
 
 /// Rows from `at` on sit at positions `pos`, `pos` + 1, … (the rows before at pos0, pos0 + 1, …).
@@ -88,7 +166,8 @@ impl RopeCfg {
     /// Pair i's frequency (radians per position), in f64. rope.cu's `rope_freq` is the same.
     pub fn freq(&self, i: usize) -> f64 {
         let f = self.base.powf(-(2.0 * i as f64) / self.rot as f64);
-        self.scaling.map_or(f, |s| s.apply(f))
+        let f = self.scaling.map_or(f, |s| s.apply(f));
+        self.yarn.map_or(f, |y| y.apply(i, f, y.range(self.rot, self.base)))
     }
 }
 
@@ -97,11 +176,12 @@ fn tables<T: Real>(t: usize, cfg: &RopeCfg) -> (Vec<T>, Vec<T>) {
     let half = cfg.rot / 2;
     let mut cos = Vec::with_capacity(t * half);
     let mut sin = Vec::with_capacity(t * half);
+    let m = cfg.yarn.map_or(1.0, |y| y.attention_factor());
     for p in 0..t {
         for i in 0..half {
             let a = cfg.position(p) as f64 * cfg.freq(i);
-            cos.push(T::c(a.cos()));
-            sin.push(T::c(a.sin()));
+            cos.push(T::c(m * a.cos()));
+            sin.push(T::c(m * a.sin()));
         }
     }
     (cos, sin)

@@ -160,17 +160,55 @@ fn every_op_matches_cpu() {
         let heads = rnd(&[2, 6, 4, 16], 9, dt);
         let heads64 = rnd(&[2, 9, 3, 64], 31, dt);
         for (x, rope) in [
-            (&heads, RopeCfg { rot: 12, base: 10000.0, pos0: 3, scaling: None, split: None }),
-            (&heads64, RopeCfg { rot: 64, base: 500000.0, pos0: 4000, scaling: None, split: None }),
-            (&heads64, RopeCfg { rot: 48, base: 10000.0, pos0: 7, scaling: None, split: None }),
+            (&heads, RopeCfg { rot: 12, base: 10000.0, pos0: 3, scaling: None, split: None, yarn: None }),
+            (&heads64, RopeCfg { rot: 64, base: 500000.0, pos0: 4000, scaling: None, split: None, yarn: None }),
+            (&heads64, RopeCfg { rot: 48, base: 10000.0, pos0: 7, scaling: None, split: None, yarn: None }),
             // Llama 3.x's scaled frequencies (every band) on both kernels.
             (
                 &heads,
-                RopeCfg { rot: 12, base: 10000.0, pos0: 3, scaling: Some(RopeScaling::llama3(32.0)), split: None },
+                RopeCfg {
+                    rot: 12,
+                    base: 10000.0,
+                    pos0: 3,
+                    scaling: Some(RopeScaling::llama3(32.0)),
+                    split: None,
+                    yarn: None,
+                },
             ),
             (
                 &heads64,
-                RopeCfg { rot: 64, base: 500000.0, pos0: 4000, scaling: Some(RopeScaling::llama3(8.0)), split: None },
+                RopeCfg {
+                    rot: 64,
+                    base: 500000.0,
+                    pos0: 4000,
+                    scaling: Some(RopeScaling::llama3(8.0)),
+                    split: None,
+                    yarn: None,
+                },
+            ),
+            // YaRN (DeepSeek-V3's numbers; Megatron's defaults, whose factor scales cos and sin)
+            // on both kernels.
+            (
+                &heads64,
+                RopeCfg {
+                    rot: 64,
+                    base: 10000.0,
+                    pos0: 4000,
+                    scaling: None,
+                    split: None,
+                    yarn: Some(k::Yarn { mscale_all_dim: 1.0, ..k::Yarn::megatron(40.0) }),
+                },
+            ),
+            (
+                &heads,
+                RopeCfg {
+                    rot: 12,
+                    base: 10000.0,
+                    pos0: 3,
+                    scaling: None,
+                    split: None,
+                    yarn: Some(k::Yarn::megatron(40.0)),
+                },
             ),
             // Context parallelism's two chunks: rows from 3 (or 4) on restart far along.
             (
@@ -181,6 +219,7 @@ fn every_op_matches_cpu() {
                     pos0: 3,
                     scaling: None,
                     split: Some(k::RopeSplit { at: 3, pos: 40 }),
+                    yarn: None,
                 },
             ),
             (
@@ -191,6 +230,7 @@ fn every_op_matches_cpu() {
                     pos0: 8,
                     scaling: None,
                     split: Some(k::RopeSplit { at: 4, pos: 9000 }),
+                    yarn: None,
                 },
             ),
         ] {
@@ -202,9 +242,23 @@ fn every_op_matches_cpu() {
         // heads rotate, value heads stay; eight-wide and, with a rotary dim of 36, one pair a thread.
         let qkv = rnd(&[2, 9, 3 * 4 * 64], 32, dt);
         for rope in [
-            RopeCfg { rot: 64, base: 500000.0, pos0: 0, scaling: Some(RopeScaling::llama3(8.0)), split: None },
-            RopeCfg { rot: 36, base: 10000.0, pos0: 5, scaling: None, split: None },
-            RopeCfg { rot: 64, base: 10000.0, pos0: 5, scaling: None, split: Some(k::RopeSplit { at: 5, pos: 700 }) },
+            RopeCfg {
+                rot: 64,
+                base: 500000.0,
+                pos0: 0,
+                scaling: Some(RopeScaling::llama3(8.0)),
+                split: None,
+                yarn: None,
+            },
+            RopeCfg { rot: 36, base: 10000.0, pos0: 5, scaling: None, split: None, yarn: None },
+            RopeCfg {
+                rot: 64,
+                base: 10000.0,
+                pos0: 5,
+                scaling: None,
+                split: Some(k::RopeSplit { at: 5, pos: 700 }),
+                yarn: None,
+            },
         ] {
             check(&format!("rope_qkv {rope:?}"), dt, std::slice::from_ref(&qkv), |t| {
                 let (f, b) = (t[0].deep_copy().unwrap(), t[0].deep_copy().unwrap());

@@ -9,6 +9,9 @@ use proptest::prelude::*;
 /// blend.
 fn hf_freq(cfg: &RopeCfg, i: usize) -> f64 {
     let f = 1.0 / cfg.base.powf(2.0 * i as f64 / cfg.rot as f64);
+    if let Some(y) = cfg.yarn {
+        return hf_yarn_freq(cfg.rot, cfg.base, &y, i);
+    }
     let Some(s) = cfg.scaling else { return f };
     let (low_wavelen, high_wavelen) = (
         s.original_max_position_embeddings / s.low_freq_factor,
@@ -21,6 +24,32 @@ fn hf_freq(cfg: &RopeCfg, i: usize) -> f64 {
     let smoothed = (1.0 - smooth) * llama / s.factor + smooth * llama;
     let medium = wavelen >= high_wavelen && wavelen <= low_wavelen; // ~(w < high) & ~(w > low)
     if medium { smoothed } else { llama }
+}
+
+/// Pair i's frequency as transformers' `_compute_yarn_parameters` computes it (whole vectors
+/// there): the correction range from the betas (floored, ceiled, clamped to [0, dim − 1]), the
+/// linear ramp mask over dim / 2 pairs, and the blend of the interpolated (÷ factor) and
+/// extrapolated frequencies by 1 − mask.
+fn hf_yarn_freq(dim: usize, base: f64, y: &k::Yarn, i: usize) -> f64 {
+    let correction = |turns: f64| {
+        (dim as f64 * (y.original_max_position_embeddings / (turns * 2.0 * std::f64::consts::PI)).ln())
+            / (2.0 * base.ln())
+    };
+    let low = correction(y.beta_fast).floor().max(0.0);
+    let mut high = correction(y.beta_slow).ceil().min(dim as f64 - 1.0);
+    if low == high {
+        high += 0.001;
+    }
+    let pos_freq = base.powf(2.0 * i as f64 / dim as f64);
+    let (extrapolation, interpolation) = (1.0 / pos_freq, 1.0 / (y.factor * pos_freq));
+    let extrapolation_factor = 1.0 - ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+    interpolation * (1.0 - extrapolation_factor) + extrapolation * extrapolation_factor
+}
+
+/// transformers' attention factor: mscale(factor, mscale) / mscale(factor, mscale_all_dim).
+fn hf_attention_factor(y: &k::Yarn) -> f64 {
+    let get = |s: f64, m: f64| if s <= 1.0 { 1.0 } else { 0.1 * m * s.ln() + 1.0 };
+    get(y.factor, y.mscale) / get(y.factor, y.mscale_all_dim)
 }
 
 /// Naive rotate-half RoPE written from the formula, angle per (position, pair).
@@ -38,9 +67,10 @@ fn reference(x: &[f64], b: usize, t: usize, h: usize, d: usize, cfg: &RopeCfg) -
                         _ => cfg.pos0 + p,
                     };
                     let theta = pos as f64 * hf_freq(cfg, i);
+                    let m = cfg.yarn.map_or(1.0, |y| hf_attention_factor(&y));
                     let (x1, x2) = (x[base + i], x[base + i + half]);
-                    y[base + i] = x1 * theta.cos() - x2 * theta.sin();
-                    y[base + i + half] = x2 * theta.cos() + x1 * theta.sin();
+                    y[base + i] = m * (x1 * theta.cos() - x2 * theta.sin());
+                    y[base + i + half] = m * (x2 * theta.cos() + x1 * theta.sin());
                 }
             }
         }
@@ -57,7 +87,7 @@ proptest! {
         // Scaled at a base where three pairs fall in the kept, blended and divided bands.
         let (base, scaling) = if scaled { (1e8, Some(RopeScaling::llama3(8.0))) } else { (10000.0, None) };
         let split = split.map(|(at, pos)| k::RopeSplit { at, pos });
-        let cfg = RopeCfg { rot: 2 * pairs, base, pos0, scaling, split };
+        let cfg = RopeCfg { rot: 2 * pairs, base, pos0, scaling, split, yarn: None, };
         let (x, r) = (randv(b * t * h * d, seed), randv(b * t * h * d, seed ^ 1));
         let dev = Device::Cpu;
         let y = k::rope_fwd(&t32(&dev, &x, &[b, t, h, d]), &cfg).unwrap();
@@ -69,7 +99,7 @@ proptest! {
 }
 
 device_test!(backward_inverts_forward, |dev: &Device| {
-    let cfg = RopeCfg { rot: 8, base: 500000.0, pos0: 3, scaling: None, split: None };
+    let cfg = RopeCfg { rot: 8, base: 500000.0, pos0: 3, scaling: None, split: None, yarn: None };
     let x = randv(2 * 6 * 3 * 8, 5);
     let xt = t32(dev, &x, &[2, 6, 3, 8]);
     let back = k::rope_bwd(&k::rope_fwd(&xt, &cfg).unwrap(), &cfg).unwrap();
@@ -78,7 +108,7 @@ device_test!(backward_inverts_forward, |dev: &Device| {
 
 #[test]
 fn llama3_scaling_keeps_divides_and_blends_by_wavelength() {
-    let cfg = RopeCfg { rot: 6, base: 1e8, pos0: 0, scaling: Some(RopeScaling::llama3(8.0)), split: None };
+    let cfg = RopeCfg { rot: 6, base: 1e8, pos0: 0, scaling: Some(RopeScaling::llama3(8.0)), split: None, yarn: None };
     let plain = RopeCfg { scaling: None, ..cfg };
     // Wavelengths 2π, ≈ 2917 and ≈ 1.35e6 against the bands' edges 8192 / 4 and 8192 / 1.
     assert_eq!(cfg.freq(0), plain.freq(0));
@@ -92,10 +122,61 @@ fn llama3_scaling_keeps_divides_and_blends_by_wavelength() {
     assert!(k::rope_fwd(&x, &bad).unwrap_err().to_string().contains("high_freq_factor"));
 }
 
+/// YaRN against transformers' formula (DeepSeek-V3's numbers: factor 40, original context 4096,
+/// mscale 1 and mscale_all_dim 1, so cos and sin unscaled; and Megatron's defaults, mscale_all_dim
+/// 0, whose factor 0.1·ln 40 + 1 scales them), with a ramp whose ends fall inside the 32 pairs of
+/// a 64-wide rotation; the backward against finite differences.
+#[test]
+fn yarn_matches_transformers_formula() {
+    let deepseek = k::Yarn { mscale_all_dim: 1.0, ..k::Yarn::megatron(40.0) };
+    let (lo, hi) = deepseek.range(64, 10000.0);
+    assert!(lo > 0.0 && hi < 31.0 && lo < hi, "the ramp lies inside the pairs: {lo}..{hi}");
+    assert_eq!(deepseek.attention_factor(), 1.0);
+    assert!((k::Yarn::megatron(40.0).attention_factor() - (0.1 * 40f64.ln() + 1.0)).abs() < 1e-15);
+    assert!((deepseek.softmax_factor() - (0.1 * 40f64.ln() + 1.0).powi(2)).abs() < 1e-12);
+    for yarn in [deepseek, k::Yarn::megatron(40.0)] {
+        let cfg = RopeCfg { rot: 64, base: 10000.0, pos0: 0, scaling: None, split: None, yarn: Some(yarn) };
+        for i in 0..32 {
+            assert!((cfg.freq(i) - hf_freq(&cfg, i)).abs() <= 1e-14 * hf_freq(&cfg, i), "pair {i}");
+        }
+        // Pairs below the ramp keep their frequency, those past it are divided by the factor.
+        let plain = RopeCfg { yarn: None, ..cfg };
+        assert_eq!(cfg.freq(0), plain.freq(0));
+        assert!((cfg.freq(31) - plain.freq(31) / 40.0).abs() < 1e-18);
+        let (b, t, h, d) = (1, 5, 2, 68);
+        let (x, r) = (randv(b * t * h * d, 3), randv(b * t * h * d, 4));
+        let y = k::rope_fwd(&t32(&Device::Cpu, &x, &[b, t, h, d]), &cfg).unwrap();
+        assert_close(&host(&y), &reference(&x, b, t, h, d, &cfg), 1e-5, 1e-5, "yarn rope");
+        let mut dx = vec![0.0; x.len()];
+        rope::rope_bwd(&r, t, h, d, &cfg, &mut dx);
+        fd_check(
+            &x,
+            &dx,
+            |x| {
+                let mut y = vec![0.0; x.len()];
+                rope::rope_fwd(x, t, h, d, &cfg, &mut y);
+                dot(&y, &r)
+            },
+            "yarn rope dx",
+        );
+    }
+    let both = RopeCfg {
+        rot: 64,
+        base: 10000.0,
+        pos0: 0,
+        scaling: Some(RopeScaling::llama3(8.0)),
+        split: None,
+        yarn: Some(deepseek),
+    };
+    let x = t32(&Device::Cpu, &randv(64, 0), &[1, 1, 1, 64]);
+    assert!(k::rope_fwd(&x, &both).unwrap_err().to_string().contains("keep one"));
+}
+
 #[test]
 fn odd_rotary_dim_is_an_error() {
     let x = t32(&Device::Cpu, &randv(2 * 5, 0), &[1, 1, 2, 5]);
-    let e = k::rope_fwd(&x, &RopeCfg { rot: 5, base: 10000.0, pos0: 0, scaling: None, split: None }).unwrap_err();
+    let e = k::rope_fwd(&x, &RopeCfg { rot: 5, base: 10000.0, pos0: 0, scaling: None, split: None, yarn: None })
+        .unwrap_err();
     assert!(e.to_string().contains("must be even"), "{e}");
 }
 
@@ -107,8 +188,8 @@ device_test!(rope_on_fused_qkv_equals_split_rope_merge, |dev: &Device| {
     let (b, t, hkv, g, d) = (2, 5, 3, 2, 16);
     let w = hkv * (g + 2) * d;
     for (dt, cfg) in [
-        (DType::F32, RopeCfg { rot: 12, base: 10000.0, pos0: 7, scaling: None, split: None }),
-        (DType::BF16, RopeCfg { rot: 16, base: 500000.0, pos0: 0, scaling: None, split: None }),
+        (DType::F32, RopeCfg { rot: 12, base: 10000.0, pos0: 7, scaling: None, split: None, yarn: None }),
+        (DType::BF16, RopeCfg { rot: 16, base: 500000.0, pos0: 0, scaling: None, split: None, yarn: None }),
     ] {
         let x = tensor(dev, &randv(b * t * w, 41), &[b, t, w], dt);
         for (sign, name) in [(1.0, "fwd"), (-1.0, "bwd")] {
@@ -130,7 +211,7 @@ device_test!(rope_on_fused_qkv_equals_split_rope_merge, |dev: &Device| {
 #[test]
 fn fused_qkv_rope_names_a_width_that_does_not_fit_its_groups() {
     let x = t32(&Device::Cpu, &randv(2 * 3 * 40, 0), &[2, 3, 40]);
-    let cfg = RopeCfg { rot: 8, base: 10000.0, pos0: 0, scaling: None, split: None };
+    let cfg = RopeCfg { rot: 8, base: 10000.0, pos0: 0, scaling: None, split: None, yarn: None };
     let e = k::rope_qkv_fwd_(&x, 2, 2, 8, &cfg).unwrap_err().to_string();
     assert!(e.contains("rope_qkv_fwd_") && e.contains("2·(2+2)·8 = 64"), "{e}");
     let e =

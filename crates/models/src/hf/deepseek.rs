@@ -22,6 +22,7 @@ use super::{HfError, Map, Result, bool_or, f64_of, opt, str_or, usize_of};
 use ferrotron_moe::{Groups, LoadBalancing, MoeSpec, RouterSpec, Score};
 use ferrotron_transformer::TransformerConfig;
 use ferrotron_transformer::mla::MlaSpec;
+use ferrotron_transformer::spec::Yarn;
 use ferrotron_transformer::spec::{Activation, MlpSpec, OtherMlp, PositionEmbedding};
 use serde_json::{Value, json};
 use std::sync::Arc;
@@ -30,7 +31,65 @@ use std::sync::Arc;
 /// keeps moving at when it trains on (transformers' config has no such setting).
 const BIAS_UPDATE_RATE: f32 = 1e-3;
 
+/// The rotary settings (transformers 5's `rope_parameters`, 4's `rope_scaling`) when they are
+/// YaRN: Megatron's (`Yarn`), or what it would compute otherwise. None for other kinds (plain
+/// RoPE; the rest `llama_config` refuses).
+fn yarn_of(v: &Value) -> Result<Option<Yarn>> {
+    let params = v.get("rope_parameters").filter(|x| !x.is_null());
+    let Some(p) = params.or_else(|| v.get("rope_scaling").filter(|x| !x.is_null())) else { return Ok(None) };
+    if p.get("rope_type").or_else(|| p.get("type")).and_then(Value::as_str) != Some("yarn") {
+        return Ok(None);
+    }
+    let original = f64_of(p, "original_max_position_embeddings")?;
+    // transformers takes the context ratio where no factor is written.
+    let factor = match opt(p, "factor", f64_of)? {
+        Some(f) => f,
+        None => usize_of(v, "max_position_embeddings")? as f64 / original,
+    };
+    let (beta_fast, beta_slow) =
+        (opt(p, "beta_fast", f64_of)?.unwrap_or(32.0), opt(p, "beta_slow", f64_of)?.unwrap_or(1.0));
+    let megatron = Yarn::megatron(factor);
+    if (original, beta_fast, beta_slow)
+        != (megatron.original_max_position_embeddings, megatron.beta_fast, megatron.beta_slow)
+    {
+        return Err(HfError::Config(format!(
+            "YaRN over original_max_position_embeddings {original} with beta_fast {beta_fast}, beta_slow {beta_slow}: Megatron's (and Ferrotron's) YaRN fixes them at {}, {}, {}",
+            megatron.original_max_position_embeddings, megatron.beta_fast, megatron.beta_slow
+        )));
+    }
+    if !bool_or(p, "truncate", true)? || opt(p, "attention_factor", f64_of)?.is_some() {
+        return Err(HfError::Config(
+            "YaRN with `truncate` false or an explicit `attention_factor`: Megatron's YaRN computes neither so".into(),
+        ));
+    }
+    // transformers: cos and sin scaled by mscale(mscale) / mscale(mscale_all_dim) when both are
+    // set, by mscale(1) otherwise; the softmax by mscale(mscale_all_dim)² when that is set.
+    let (m, all) = (opt(p, "mscale", f64_of)?.unwrap_or(0.0), opt(p, "mscale_all_dim", f64_of)?.unwrap_or(0.0));
+    let (mscale, mscale_all_dim) = match (m != 0.0, all != 0.0) {
+        (true, true) => (m, all),
+        (_, false) => (1.0, 0.0),
+        (false, true) => {
+            return Err(HfError::Config(
+                "YaRN with mscale_all_dim but no mscale: transformers then scales cos and sin by mscale(1) and the softmax by mscale(mscale_all_dim)², which Megatron's two numbers cannot both give".into(),
+            ));
+        }
+    };
+    Ok(Some(Yarn { mscale, mscale_all_dim, ..megatron }))
+}
+
 pub(super) fn config(v: &Value) -> Result<TransformerConfig> {
+    let yarn = yarn_of(v)?;
+    // The YaRN settings are the attention's own (below): the rest reads as plain RoPE.
+    let mut plain = v.clone();
+    if yarn.is_some() {
+        let theta = match v.get("rope_parameters").and_then(|p| p.get("rope_theta")) {
+            Some(t) => t.clone(),
+            None => json!(opt(v, "rope_theta", f64_of)?.unwrap_or(10000.0)),
+        };
+        plain["rope_parameters"] = json!({"rope_type": "default", "rope_theta": theta});
+        plain["rope_scaling"] = Value::Null;
+    }
+    let v = &plain;
     let mut c = super::llama_config(v)?;
     if !bool_or(v, "rope_interleave", true)? {
         return Err(HfError::Config(
@@ -59,6 +118,7 @@ pub(super) fn config(v: &Value) -> Result<TransformerConfig> {
         qk_head_dim: usize_of(v, "qk_nope_head_dim")?,
         qk_pos_emb_head_dim: usize_of(v, "qk_rope_head_dim")?,
         v_head_dim: usize_of(v, "v_head_dim")?,
+        yarn,
     };
     c.layer.attention.mla = Some(mla);
     let experts = match opt(v, "n_routed_experts", usize_of)? {
@@ -116,10 +176,13 @@ pub(super) fn check(c: &TransformerConfig) -> Result<()> {
                 && matches!(o.mlp, MlpSpec::Dense { activation: Activation::SwiGlu, bias: false })
         }
     };
+    let yarn = a.mla.and_then(|m| m.yarn);
     if c.layer.norm != ferrotron_transformer::spec::NormKind::RmsNorm
         || !matches!(c.position_embedding, PositionEmbedding::Rope { scaling: None, .. })
     {
-        problem("its layers are RMSNorm with plain RoPE")
+        problem("its layers are RMSNorm with RoPE (plain or YaRN)")
+    } else if yarn.is_some_and(|y| y.mscale_all_dim == 0.0 && y.mscale != 1.0) {
+        problem("YaRN with --mscale but no --mscale-all-dim: transformers would scale cos and sin by mscale(1)")
     } else if a.bias || a.window.is_some() {
         problem("its attention has no bias and no window")
     } else if !dense_first {
@@ -175,7 +238,7 @@ pub(super) fn to_config(c: &TransformerConfig, dtype: &str) -> Value {
         "max_position_embeddings": c.max_position_embeddings,
         "rms_norm_eps": c.norm_epsilon,
         "rope_theta": base,
-        "rope_scaling": null,
+        "rope_scaling": a_yarn(mla.yarn),
         "rope_interleave": true,
         "hidden_act": "silu",
         "attention_bias": false,
@@ -185,6 +248,22 @@ pub(super) fn to_config(c: &TransformerConfig, dtype: &str) -> Value {
         "num_nextn_predict_layers": 0,
         "torch_dtype": dtype,
     })
+}
+
+/// config.json's `rope_scaling` for `yarn` (null for plain RoPE).
+fn a_yarn(yarn: Option<Yarn>) -> Value {
+    match yarn {
+        None => Value::Null,
+        Some(y) => json!({
+            "type": "yarn",
+            "factor": y.factor,
+            "original_max_position_embeddings": y.original_max_position_embeddings,
+            "beta_fast": y.beta_fast,
+            "beta_slow": y.beta_slow,
+            "mscale": y.mscale,
+            "mscale_all_dim": y.mscale_all_dim,
+        }),
+    }
 }
 
 /// (Megatron name, where its values come from) for every parameter and expert bias.

@@ -42,7 +42,14 @@ fn rope_heads(
         high_freq_factor: 0.0,
         original_max_position_embeddings: 0.0,
     });
-    let scale = [s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position_embeddings].map(Arg::F64);
+    // YaRN's factor (0: none), ramp ends and factor on cos and sin (1 without).
+    let (yf, (ylow, yhigh), ym) = match cfg.yarn {
+        Some(y) => (y.factor, y.range(cfg.rot, cfg.base), y.attention_factor()),
+        None => (0.0, (0.0, 1.0), 1.0),
+    };
+    let scale =
+        [s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position_embeddings, yf, ylow, yhigh, ym]
+            .map(Arg::F64);
     // rope.cu's `rope_pos`: a split at row t or later is none.
     let (at, spos) = cfg.split.map_or((t, 0), |s| (s.at, s.pos));
     if half % 8 == 0 && (hd - cfg.rot) % 8 == 0 && aligned16(&[x, y])? {
