@@ -1408,6 +1408,12 @@ mod tests {
                 "topk_group": 1, "first_k_dense_replace": 1, "max_position_embeddings": 16})
         };
         assert!(from_hf_config(&ds()).is_ok());
+        // One group: no group limit, whatever the top-k (and written back so).
+        let mut one = ds();
+        (one["n_group"], one["topk_group"], one["num_experts_per_tok"]) = (json!(1), json!(1), json!(3));
+        let c = from_hf_config(&one).unwrap().config;
+        assert_eq!(crate::moe_spec(&c).map(|m| (m.router.topk, m.router.groups)), Some((3, None)));
+        assert!(from_hf_config(&to_hf_config(HfArch::DeepseekV3, &c, "float32")).is_ok());
         // DeepSeek-V3's YaRN (transformers 5's rope_parameters): Megatron's at factor 40 with both
         // mscales, written back as rope_scaling, read again the same.
         let mut y = ds();

@@ -112,6 +112,9 @@ pub struct MlaAttention {
     /// The rotary part's de-interleaving permutation [r, r] in the activations' dtype and device,
     /// made at the first forward.
     perm: Mutex<Option<Tensor>>,
+    /// The shared key's row ids per head (`head_ids`), the last few shapes: uploaded once, so a
+    /// step replayed as a CUDA graph copies nothing from the host.
+    ids: Mutex<Vec<Tensor>>,
 }
 
 /// What `MlaAttention::new` takes beyond the spec.
@@ -189,6 +192,7 @@ impl MlaAttention {
             rope,
             tp: tp.clone(),
             perm: Mutex::new(None),
+            ids: Mutex::new(Vec::new()),
         })
     }
 
@@ -229,9 +233,19 @@ impl MlaAttention {
 
     /// Row ids that repeat each of `rows` rows `heads` times (k_pe's broadcast over the heads as a
     /// row gather; its gradient the matching scatter-add).
-    fn head_ids(rows: usize, heads: usize, like: &Tensor) -> Result<Tensor> {
+    fn head_ids(&self, rows: usize, like: &Tensor) -> Result<Tensor> {
+        let heads = self.heads;
+        let mut cached = self.ids.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(t) = cached.iter().find(|t| t.elem_count() == rows * heads && t.device().same(like.device())) {
+            return Ok(t.clone());
+        }
         let ids: Vec<u32> = (0..rows as u32).flat_map(|i| std::iter::repeat_n(i, heads)).collect();
-        Tensor::from_vec(ids, [rows * heads], like.device())
+        let t = Tensor::from_vec(ids, [rows * heads], like.device())?;
+        if cached.len() == 4 {
+            cached.remove(0);
+        }
+        cached.push(t.clone());
+        Ok(t)
     }
 }
 
@@ -271,7 +285,7 @@ impl Module for MlaAttention {
             .map_err(|_| invalid("mla", "kv split"))?;
         let q_pe = self.rotate(&q_pe)?;
         let k_pe = self.rotate(&k_pe.reshape([b, t, 1, r])?)?;
-        let ids = Self::head_ids(b * t, hl, &k_pe)?;
+        let ids = self.head_ids(b * t, &k_pe)?;
         let k_pe = k::embedding_fwd(&ids, &k_pe.reshape([b * t, r])?)?.reshape([b, t, hl, r])?;
         let width = self.spec.core_width();
         let qk = cat_last(&[&q_nope, &q_pe])?;

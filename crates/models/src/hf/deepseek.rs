@@ -127,7 +127,8 @@ pub(super) fn config(v: &Value) -> Result<TransformerConfig> {
     };
     let (topk, groups, group_topk) =
         (usize_of(v, "num_experts_per_tok")?, usize_of(v, "n_group")?, usize_of(v, "topk_group")?);
-    if group_topk == 0 || topk != 2 * group_topk {
+    // One group: every expert eligible, whichever way a group is scored.
+    if groups > 1 && (group_topk == 0 || topk != 2 * group_topk) {
         return Err(HfError::Config(format!(
             "num_experts_per_tok {topk} with topk_group {group_topk}: transformers scores a group by its best 2 experts, Megatron by its best num_experts_per_tok / topk_group; Ferrotron converts configs where both are 2"
         )));
