@@ -16,7 +16,7 @@ pub fn cat_last(parts: &[&Tensor]) -> Result<Tensor> {
     dims.push(parts.iter().map(|p| p.shape().last()).sum());
     let out = Tensor::empty(dims, first.dtype(), first.device())?;
     let mut at = 0;
-    for p in parts {
+    for p in parts.iter().filter(|p| p.elem_count() > 0) {
         let w = p.shape().last();
         out.narrow(last, at..at + w)?.copy_from(p)?;
         at += w;

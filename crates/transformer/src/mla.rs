@@ -309,10 +309,12 @@ impl Module for MlaAttention {
         let (b, t, width) = (qq.dims()[0], qq.dims()[1], self.spec.core_width());
         let d_o = pad_last(&dov.reshape([b, t, hl, dv])?, width - dv)?;
         let (dq, dk, dvv) = k::attention_bwd(&qq, &kk, &vv, &o, &lse, &d_o, &self.cfg())?;
+        // The parts that matter, without the padding (no zero-width part: nothing to copy).
         let pad = width - dn - r;
-        let mut dq_parts = split_last(&dq, &[dn, r, pad])?;
-        let mut dk_parts = split_last(&dk, &[dn, r, pad])?;
-        let dv_part = split_last(&dvv, &[dv, width - dv])?.swap_remove(0);
+        let widths: &[usize] = if pad == 0 { &[dn, r] } else { &[dn, r, pad] };
+        let mut dq_parts = split_last(&dq, widths)?;
+        let mut dk_parts = split_last(&dk, widths)?;
+        let dv_part = if width == dv { dvv } else { split_last(&dvv, &[dv, width - dv])?.swap_remove(0) };
         let dq_pe = self.rotate_bwd(&dq_parts.swap_remove(1))?;
         let dq = cat_last(&[&dq_parts[0], &dq_pe])?.reshape([b, t, hl * (dn + r)])?;
         // k_pe's gradient: summed over the heads, then through the rotation.
