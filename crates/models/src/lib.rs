@@ -156,6 +156,55 @@ pub fn mixtral(size: MixtralSize) -> TransformerConfig {
     }
 }
 
+/// DeepSeek-V3's architecture in miniature (Megatron's DeepSeek-V3 recipe's flags at llama-tiny's
+/// width): multi-latent attention (a query latent of 64, a key/value latent of 32, heads of 32 + a
+/// rotary 16, values of 32) with YaRN at factor 40 (mscale and mscale_all_dim 1); the first layer
+/// dense, then 8 SwiGLU experts of 88 in 4 groups, 4 per token from the best 2 groups, sigmoid
+/// scores renormalised and scaled by 2.5, the expert bias moved at 1e-3, the sequence-level
+/// balancing loss at 1e-4, fp32 routers, one shared expert of 88; one multi-token prediction depth
+/// weighted 0.1.
+pub fn deepseek_v3_tiny() -> TransformerConfig {
+    use ferrotron_moe::{Groups, LoadBalancing, Score};
+    use ferrotron_transformer::mla::MlaSpec;
+    use ferrotron_transformer::spec::{OtherMlp, Yarn};
+    let base = llama(LlamaSize::Tiny);
+    let router = RouterSpec {
+        topk: 4,
+        topk_scaling_factor: Some(2.5),
+        load_balancing: LoadBalancing::SeqAuxLoss,
+        aux_loss_coeff: 1e-4,
+        score: Score::Sigmoid,
+        groups: Some(Groups { num: 4, topk: 2 }),
+        expert_bias_update_rate: Some(1e-3),
+        fp32: true,
+        ..RouterSpec::default()
+    };
+    let moe = MoeSpec { shared_expert_ffn: Some(88), ..MoeSpec::new(8, 88, Activation::SwiGlu, router) };
+    let yarn = Yarn { mscale: 1.0, mscale_all_dim: 1.0, ..Yarn::megatron(40.0) };
+    let mla = MlaSpec {
+        q_lora_rank: Some(64),
+        kv_lora_rank: 32,
+        qk_head_dim: 32,
+        qk_pos_emb_head_dim: 16,
+        v_head_dim: 32,
+        yarn: Some(yarn),
+    };
+    let dense = base.layer.mlp.clone();
+    let layers = (0..base.num_layers).map(|i| i == 0).collect();
+    TransformerConfig {
+        num_query_groups: base.num_attention_heads,
+        position_embedding: PositionEmbedding::Rope { base: 10000.0, scaling: None },
+        layer: LayerSpec {
+            attention: AttentionSpec { mla: Some(mla), ..base.layer.attention },
+            mlp: MlpSpec::Custom(Arc::new(moe)),
+            other_mlp: Some(OtherMlp { mlp: dense, layers }),
+            ..base.layer
+        },
+        mtp: Some(ferrotron_transformer::MtpSpec { num_layers: 1, loss_scaling_factor: 0.1 }),
+        ..base
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MambaSize {
     /// 6 layers `M-M*M-` at hidden 128 (Mamba-2 mixers of 8 heads × 32 channels, 2 groups of 16
@@ -187,8 +236,19 @@ pub fn moe_spec(c: &TransformerConfig) -> Option<&MoeSpec> {
 }
 
 /// Preset names the trainer accepts for `--preset`.
-pub const PRESETS: &[&str] =
-    &["tiny", "small", "124m", "1.3b", "6.7b", "llama-tiny", "llama-1b", "mixtral-tiny", "mamba-tiny", "llava-tiny"];
+pub const PRESETS: &[&str] = &[
+    "tiny",
+    "small",
+    "124m",
+    "1.3b",
+    "6.7b",
+    "llama-tiny",
+    "llama-1b",
+    "mixtral-tiny",
+    "deepseek-v3-tiny",
+    "mamba-tiny",
+    "llava-tiny",
+];
 
 /// Looks a preset up by name (see `PRESETS`); also accepts `gpt2-124m` and `gpt-1.3b`.
 pub fn preset(name: &str) -> Option<TransformerConfig> {
@@ -201,6 +261,7 @@ pub fn preset(name: &str) -> Option<TransformerConfig> {
         "llama-tiny" => llama(LlamaSize::Tiny),
         "llama-1b" => llama(LlamaSize::Llama1b),
         "mixtral-tiny" => mixtral(MixtralSize::Tiny),
+        "deepseek-v3-tiny" => deepseek_v3_tiny(),
         "mamba-tiny" => mamba_hybrid(MambaSize::Tiny),
         // LLaVA's language model; `llava_vision` gives its image path.
         "llava-tiny" => llama(LlamaSize::Tiny),

@@ -21,7 +21,7 @@ use std::sync::Arc;
 #[derive(clap::Args, Clone, Debug, Default, Deserialize, Serialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields, default)]
 pub struct TrainArgs {
-    /// Model preset: tiny, small, 124m, 1.3b, 6.7b, llama-tiny, llama-1b, mixtral-tiny, mamba-tiny,
+    /// Model preset: tiny, small, 124m, 1.3b, 6.7b, llama-tiny, llama-1b, mixtral-tiny, deepseek-v3-tiny, mamba-tiny,
     /// llava-tiny.
     #[arg(long)]
     pub preset: Option<String>,

@@ -134,3 +134,49 @@ fn mla_with_yarn_follows_one_rank_and_is_kept() {
     assert_eq!(from_ck.mla, s1.mla);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// The `deepseek-v3-tiny` preset (MLA with YaRN, a dense first layer, grouped sigmoid experts
+/// with the expert bias and a shared expert, one MTP depth) as Megatron's DeepSeek-V3 recipe runs
+/// it: tensor × sequence parallel, expert parallel over the data-parallel ranks, and a pipeline
+/// (the MTP depth on the last stage with its own copy of the untied embedding), each as one rank:
+/// losses, gradient norms, the MTP loss and the routers' balancing loss.
+#[test]
+fn the_deepseek_v3_tiny_preset_follows_one_rank() {
+    let args = TrainArgs {
+        preset: Some("deepseek-v3-tiny".into()),
+        seq_length: Some(32),
+        micro_batch_size: Some(2),
+        global_batch_size: Some(4),
+        train_iters: Some(4),
+        lr_warmup_iters: Some(1),
+        eval_interval: Some(4),
+        eval_iters: Some(1),
+        log_interval: Some(1),
+        corpus_docs: Some(200),
+        no_progress: true,
+        ..TrainArgs::default()
+    };
+    let s1 = settings(&args);
+    assert!(s1.mla.and_then(|m| m.yarn).is_some() && s1.mtp_num_layers == Some(1));
+    let one = train(&s1, &Paths::default()).unwrap();
+    assert_eq!(one.mtp_losses.len(), 4);
+    let mut tp = s1.clone();
+    tp.tensor_model_parallel_size = 2;
+    tp.sequence_parallel = true;
+    let mut ep = s1.clone();
+    ep.moe.as_mut().unwrap().expert_model_parallel_size = 2;
+    let mut pp = s1.clone();
+    pp.pipeline_model_parallel_size = 2;
+    for (tag, s) in [("tp2 sp", &tp), ("dp2 × ep2", &ep), ("pp2", &pp)] {
+        let run = train(s, &Paths { launch: Launch::Threads(2), ..Paths::default() })
+            .unwrap_or_else(|e| panic!("{tag}: {e:#}"));
+        follows(tag, &run, &one);
+        let mtp =
+            |r: &ferrotron_trainer::train::Summary| r.mtp_losses.iter().map(|(i, l)| (*i, l[0])).collect::<Vec<_>>();
+        close(&format!("{tag} MTP"), &mtp(&run), &mtp(&one));
+        let lb = |r: &ferrotron_trainer::train::Summary| {
+            r.router_losses.iter().map(|&(i, lb, _)| (i, lb)).collect::<Vec<_>>()
+        };
+        close(&format!("{tag} balancing"), &lb(&run), &lb(&one));
+    }
+}
