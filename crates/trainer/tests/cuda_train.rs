@@ -154,6 +154,13 @@ fn mla_cuda_matches_cpu() {
     split_matches_cpu("llama-tiny", "mla yarn", yarn, yarn);
 }
 
+/// The deepseek-v3-tiny preset (MLA with YaRN, grouped sigmoid experts with the expert bias, a
+/// dense first layer, one MTP depth) on the GPU against one CPU rank, fp32 within 1e-4.
+#[test]
+fn deepseek_v3_tiny_preset_cuda_matches_cpu() {
+    split_matches_cpu("deepseek-v3-tiny", "fp32", |a| a, |a| a);
+}
+
 /// Mamba-2 hybrid (the convolution, the chunked scan, the gated norm beside attention layers).
 #[test]
 fn mamba_tiny_preset_cuda_matches_cpu() {
