@@ -746,6 +746,14 @@ pub fn is_buffer(hf_name: &str) -> bool {
     hf_name.ends_with(".attn.bias") // not `.c_attn.bias`, a parameter
         || hf_name.ends_with(".attn.masked_bias")
         || hf_name.ends_with("rotary_emb.inv_freq")
+        || deepseek::is_shared_copy(hf_name)
+}
+
+/// A tensor that a folder of `c` as `arch` holds only when it keeps the multi-token prediction
+/// depths its config.json counts (DeepSeek-V3's `num_nextn_predict_layers`: transformers' model
+/// saves none, though its config keeps the count); None where `c` has no depths.
+pub fn mtp_probe(arch: HfArch, c: &TransformerConfig) -> Option<String> {
+    (arch == HfArch::DeepseekV3 && c.mtp.is_some()).then(|| deepseek::mtp_probe(c))
 }
 
 /// GPT-2 files are written with and without the `transformer.` prefix; names here are without.
@@ -1083,6 +1091,10 @@ pub fn export<'a>(arch: HfArch, c: &TransformerConfig, get: &TensorLookup<'a>) -
             }
         }
     }
+    if arch == HfArch::DeepseekV3 {
+        let copies = deepseek::shared_copies(c, &out);
+        out.extend(copies);
+    }
     for (n, t) in &out {
         let want = hf_shape(arch, c, strip_prefix(arch, n));
         if t.shape != want {
@@ -1126,7 +1138,8 @@ mod tests {
                 "num_key_value_heads": 2, "q_lora_rank": 4, "kv_lora_rank": 3, "qk_nope_head_dim": 2,
                 "qk_rope_head_dim": 2, "v_head_dim": 3, "n_routed_experts": 4, "n_shared_experts": 1,
                 "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5,
-                "first_k_dense_replace": 1, "max_position_embeddings": 16, "tie_word_embeddings": false}),
+                "first_k_dense_replace": 1, "max_position_embeddings": 16, "tie_word_embeddings": false,
+                "num_nextn_predict_layers": 1}),
             HfArch::Mamba2 => json!({"model_type": "mamba2", "vocab_size": 11, "hidden_size": 8,
                 "num_hidden_layers": 2, "state_size": 3, "head_dim": 4, "num_heads": 4, "expand": 2, "n_groups": 2,
                 "conv_kernel": 4, "tie_word_embeddings": false}),
@@ -1185,9 +1198,42 @@ mod tests {
             let mut files: HashMap<String, HostTensor> =
                 hf.into_iter().map(|(n, t)| (strip_prefix(arch, &n).to_string(), t)).collect();
             let back = import(arch, &c, &mut |n| files.remove(n)).unwrap();
+            // What the import reads past: DeepSeek's per-depth copies of the shared layers.
+            files.retain(|n, _| !is_buffer(n));
             assert!(files.is_empty(), "{arch:?}: left over {:?}", files.keys());
             assert_eq!(back, own, "{arch:?}");
         }
+    }
+
+    /// DeepSeek-V3's MTP depth is the layer after the decoder's (here layer 2): its projection,
+    /// norms and the shared head's norm as Megatron's `mtp.layers.0`, its layer's MoE router as
+    /// the depth's `transformer_layer`'s, and the export writes the per-depth copies of the
+    /// embedding and output layer.
+    #[test]
+    fn deepseek_v3_mtp_depths_are_the_layers_after_the_decoders() {
+        let c = tiny(HfArch::DeepseekV3);
+        assert_eq!(c.mtp.map(|m| m.num_layers), Some(1));
+        let m = maps(HfArch::DeepseekV3, &c);
+        let hf_of = |own: &str| match m.iter().find(|(o, _)| o == own).map(|(_, map)| map) {
+            Some(Map::Same(n)) => n.clone(),
+            _ => panic!("{own}: not mapped as the same tensor"),
+        };
+        assert_eq!(hf_of("mtp.layers.0.eh_proj.weight"), "model.layers.2.eh_proj.weight");
+        assert_eq!(hf_of("mtp.layers.0.final_layernorm.weight"), "model.layers.2.shared_head.norm.weight");
+        assert_eq!(hf_of("mtp.layers.0.transformer_layer.mlp.router.weight"), "model.layers.2.mlp.gate.weight");
+        assert_eq!(
+            hf_of("mtp.layers.0.transformer_layer.self_attention.linear_kv_down_proj.weight"),
+            "model.layers.2.self_attn.kv_a_proj_with_mqa.weight"
+        );
+        assert_eq!(mtp_probe(HfArch::DeepseekV3, &c).as_deref(), Some("model.layers.2.eh_proj.weight"));
+        let own: Vec<(String, HostTensor)> =
+            m.iter().enumerate().map(|(i, (name, _))| (name.clone(), numbered(&own_shape(&c, name), i))).collect();
+        let by_name: HashMap<&str, &HostTensor> = own.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        let hf = export(HfArch::DeepseekV3, &c, &|n| by_name.get(n).map(|t| (t.shape.as_slice(), t.data.as_slice())))
+            .unwrap();
+        let get = |n: &str| hf.iter().find(|(name, _)| name == n).map(|(_, t)| t.clone()).unwrap();
+        assert_eq!(get("model.layers.2.shared_head.head.weight"), get("lm_head.weight"));
+        assert_eq!(get("model.layers.2.embed_tokens.weight"), get("model.embed_tokens.weight"));
     }
 
     fn own_shape(c: &TransformerConfig, name: &str) -> Vec<usize> {

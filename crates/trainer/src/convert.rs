@@ -60,8 +60,8 @@ pub struct Converted {
     /// Export: the tokenizer files copied beside the weights (from the run's
     /// `--tokenizer-model` folder), or why none were.
     pub tokenizer: Result<Vec<&'static str>, String>,
-    /// Export: the checkpoint's multi-token prediction tensors (`mtp.*`), which the transformers
-    /// class has no place for and the export leaves out.
+    /// Export: the checkpoint's multi-token prediction tensors (`mtp.*`) where the transformers
+    /// class has no place for them (all but DeepSeek-V3's) and the export leaves them out.
     pub left_out: usize,
 }
 
@@ -186,7 +186,14 @@ impl HfFiles {
 }
 
 fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
-    let model = read_config(&a.load_dir)?;
+    let mut model = read_config(&a.load_dir)?;
+    let files = HfFiles::open(&a.load_dir, model.arch)?;
+    // A DeepSeek-V3 saved by transformers counts MTP depths in config.json but keeps none.
+    if let Some(probe) = hf::mtp_probe(model.arch, &model.config)
+        && !files.index.contains_key(&probe)
+    {
+        model.config.mtp = None;
+    }
     let (arch, c) = (model.arch, &model.config);
     let (tokenizer, null_vocab, tokenizer_model) = tokenizer_for(c.vocab_size, a)?;
     let mut args = model_args(c);
@@ -222,7 +229,6 @@ fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
             bail!("internal: the settings made from config.json describe another vision tower");
         }
     }
-    let files = HfFiles::open(&a.load_dir, arch)?;
     let mut taken = BTreeSet::new();
     let mut failed = None;
     let mut take = |key: &str| match files.read(key) {
@@ -371,7 +377,11 @@ fn export(load: &Path, save_dir: &Path, max_shard: u64) -> anyhow::Result<Conver
     std::fs::write(&tmp, config + "\n").with_context(|| format!("cannot write {}", tmp.display()))?;
     std::fs::rename(&tmp, save_dir.join("config.json"))?;
     let tokenizer = copy_tokenizer(&ck.state.settings, save_dir)?;
-    let left_out = ck.tensors.keys().filter(|n| n.starts_with("mtp.")).count();
+    // DeepSeek-V3's folders keep the depths as the layers after the decoder's; others have none.
+    let left_out = match hf::mtp_probe(arch, &c) {
+        Some(_) => 0,
+        None => ck.tensors.keys().filter(|n| n.starts_with("mtp.")).count(),
+    };
     Ok(Converted { dir: save_dir.to_path_buf(), arch, tensors: tensors.len(), tokenizer, left_out })
 }
 

@@ -20,10 +20,10 @@
 
 use super::{HfError, Map, Result, bool_or, f64_of, opt, str_or, usize_of};
 use ferrotron_moe::{Groups, LoadBalancing, MoeSpec, RouterSpec, Score};
-use ferrotron_transformer::TransformerConfig;
 use ferrotron_transformer::mla::MlaSpec;
 use ferrotron_transformer::spec::Yarn;
 use ferrotron_transformer::spec::{Activation, MlpSpec, OtherMlp, PositionEmbedding};
+use ferrotron_transformer::{MtpSpec, TransformerConfig};
 use serde_json::{Value, json};
 use std::sync::Arc;
 
@@ -158,7 +158,44 @@ pub(super) fn config(v: &Value) -> Result<TransformerConfig> {
         let layers = (0..c.num_layers).map(|i| i < dense_layers).collect();
         c.layer.other_mlp = Some(OtherMlp { mlp: dense, layers });
     }
+    // The multi-token prediction layers DeepSeek's checkpoints keep after the decoder's
+    // (`model.layers.L…`; transformers' model has none and saves none: see `hf::mtp_probe`).
+    let mtp = opt(v, "num_nextn_predict_layers", usize_of)?.unwrap_or(0);
+    c.mtp = (mtp > 0).then_some(MtpSpec { num_layers: mtp, loss_scaling_factor: MTP_LOSS_SCALING });
     Ok(c)
+}
+
+/// Megatron's --mtp-loss-scaling-factor default: the weight an imported model's depths train at
+/// (not in transformers' config).
+const MTP_LOSS_SCALING: f32 = 0.1;
+
+/// The HF name of MTP depth 0's projection: present in a folder that keeps the depths.
+pub(super) fn mtp_probe(c: &TransformerConfig) -> String {
+    format!("model.layers.{}.eh_proj.weight", c.num_layers)
+}
+
+/// Per-depth copies DeepSeek's format keeps of the shared embedding and output layer
+/// (`model.layers.L+k.embed_tokens`, `….shared_head.head`): read past on import, written on
+/// export from the model's own.
+pub(super) fn is_shared_copy(hf_name: &str) -> bool {
+    hf_name.starts_with("model.layers.")
+        && (hf_name.ends_with(".shared_head.head.weight") || hf_name.ends_with(".embed_tokens.weight"))
+}
+
+/// The export's copies of `out`'s embedding and output layer for each MTP depth.
+pub(super) fn shared_copies(
+    c: &TransformerConfig,
+    out: &[(String, super::HostTensor)],
+) -> Vec<(String, super::HostTensor)> {
+    let find = |n: &str| out.iter().find(|(name, _)| name == n).map(|(_, t)| t.clone());
+    let (Some(emb), Some(m)) = (find("model.embed_tokens.weight"), c.mtp) else { return vec![] };
+    let head = find(super::LM_HEAD).unwrap_or_else(|| emb.clone());
+    (0..m.num_layers)
+        .flat_map(|k| {
+            let p = format!("model.layers.{}.", c.num_layers + k);
+            [(format!("{p}embed_tokens.weight"), emb.clone()), (format!("{p}shared_head.head.weight"), head.clone())]
+        })
+        .collect()
 }
 
 /// Whether `c` is a DeepSeek-V3 exactly (called for a model with multi-latent attention).
@@ -246,7 +283,7 @@ pub(super) fn to_config(c: &TransformerConfig, dtype: &str) -> Value {
         "attention_dropout": super::decimal(c.attention_dropout),
         "initializer_range": super::decimal(c.init_method_std),
         "tie_word_embeddings": !c.untie_embeddings_and_output_weights,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": c.mtp.map_or(0, |m| m.num_layers),
         "torch_dtype": dtype,
     })
 }
@@ -273,8 +310,25 @@ pub(super) fn maps(c: &TransformerConfig) -> Vec<(String, Map)> {
     let mut m = vec![("embedding.word_embeddings.weight".to_string(), Same("model.embed_tokens.weight".into()))];
     let moe = crate::moe_spec(c);
     let q_lora = c.layer.attention.mla.is_some_and(|a| a.q_lora_rank.is_some());
-    for i in 0..c.num_layers {
-        let (o, h) = (format!("decoder.layers.{i}."), format!("model.layers.{i}."));
+    let depths = c.mtp.map_or(0, |m| m.num_layers);
+    // The decoder's layers, then each MTP depth's (HF: the layers after the decoder's; its
+    // transformer layer is of the decoder's last layer's kind).
+    for i in 0..c.num_layers + depths {
+        let (o, h) = if i < c.num_layers {
+            (format!("decoder.layers.{i}."), format!("model.layers.{i}."))
+        } else {
+            let (d, hf) = (format!("mtp.layers.{}.", i - c.num_layers), format!("model.layers.{i}."));
+            for (own, name) in [
+                ("enorm", "enorm"),
+                ("hnorm", "hnorm"),
+                ("eh_proj", "eh_proj"),
+                ("final_layernorm", "shared_head.norm"),
+            ] {
+                m.push((format!("{d}{own}.weight"), Same(format!("{hf}{name}.weight"))));
+            }
+            (format!("{d}transformer_layer."), hf)
+        };
+        let kind = i.min(c.num_layers - 1);
         m.push((format!("{o}input_layernorm.weight"), Same(format!("{h}input_layernorm.weight"))));
         let mut attn = vec![
             ("linear_kv_down_proj", "kv_a_proj_with_mqa"),
@@ -295,7 +349,7 @@ pub(super) fn maps(c: &TransformerConfig) -> Vec<(String, Map)> {
             m.push((format!("{o}self_attention.{own}.weight"), Same(format!("{h}self_attn.{hf}.weight"))));
         }
         m.push((format!("{o}pre_mlp_layernorm.weight"), Same(format!("{h}post_attention_layernorm.weight"))));
-        let dense = c.layer.other_mlp.as_ref().is_some_and(|d| d.layers[i]);
+        let dense = c.layer.other_mlp.as_ref().is_some_and(|d| d.layers[kind]);
         let w = |p: &str, x: &str| format!("{h}mlp.{p}{x}_proj.weight");
         match moe {
             Some(spec) if !dense => {
@@ -340,6 +394,7 @@ pub(super) fn shape(c: &TransformerConfig, hf: &str) -> Vec<usize> {
     }
     match last {
         "embed_tokens" | "lm_head" => vec![v, h],
+        "head" if hf.contains(".shared_head.") => vec![v, h],
         "q_a_proj" => vec![ql, h],
         "q_a_layernorm" => vec![ql],
         "q_b_proj" => vec![heads * (dn + r), ql],
@@ -348,6 +403,7 @@ pub(super) fn shape(c: &TransformerConfig, hf: &str) -> Vec<usize> {
         "kv_a_layernorm" => vec![kvl],
         "kv_b_proj" => vec![heads * (dn + dv), kvl],
         "o_proj" => vec![h, heads * dv],
+        "eh_proj" => vec![h, 2 * h],
         "gate_proj" | "up_proj" => vec![f, h],
         "down_proj" => vec![h, f],
         "gate" => vec![e, h],
