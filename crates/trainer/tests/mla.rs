@@ -85,16 +85,6 @@ fn an_mla_checkpoint_keeps_megatrons_names_and_the_sizes() {
 
 #[test]
 fn mla_flags_not_built_are_refused() {
-    let refused = |args: TrainArgs, ranks: usize, needle: &str| {
-        let e = match Settings::resolve(&TrainArgs { nproc: Some(ranks), ..args }) {
-            Err(e) => e,
-            Ok((s, _)) => match s.validate_layout(ranks) {
-                Err(e) => e,
-                Ok(_) => panic!("{needle}: accepted"),
-            },
-        };
-        assert!(format!("{e:#}").contains(needle), "{needle}: {e:#}");
-    };
     refused(TrainArgs { context_parallel_size: Some(2), ..mla_args() }, 2, "--multi-latent-attention");
     refused(
         TrainArgs { rope_type: Some("yarn".into()), rotary_scaling_factor: Some(40.0), ..tiny_args(true) },

@@ -3,8 +3,8 @@
 
 mod common;
 
-use common::{batch, config};
-use ferrotron_core::{Cx, DType, Device, ParamTable, rng::Philox};
+use common::{batch, config, directional_derivatives};
+use ferrotron_core::{Cx, DType, Device, ParamTable};
 use ferrotron_transformer::{Batch, GptModel};
 
 fn loss(model: &GptModel, table: &ParamTable, b: &Batch) -> f64 {
@@ -20,26 +20,8 @@ fn check_batch(cfg: ferrotron_transformer::TransformerConfig, b: Batch) {
     let cx = Cx::new(&table, true);
     let (_, saved) = model.forward(&cx, &b).unwrap();
     model.backward(&cx, saved, 1.0).unwrap();
-    let h = 1e-3f32;
-    for id in table.ids() {
-        let p = table.param(id).unwrap();
-        let n = p.elem_count();
-        let mut u = vec![0f32; n];
-        Philox::new(99).with_stream(id.0 as u64).fill_normal(0, 0.0, 1.0, &mut u);
-        let g = table.grad(id).unwrap().to_vec_f32().unwrap();
-        let analytic: f64 = g.iter().zip(&u).map(|(a, b)| *a as f64 * *b as f64).sum();
-        let shift = |s: f32| p.update_f32("t", |v| v.iter_mut().zip(&u).for_each(|(x, d)| *x += s * d)).unwrap();
-        shift(h);
-        let lp = loss(&model, &table, &b);
-        shift(-2.0 * h);
-        let lm = loss(&model, &table, &b);
-        shift(h);
-        let numeric = (lp - lm) / (2.0 * h as f64);
-        let name = &table.meta(id).name;
-        assert!(
-            (numeric - analytic).abs() <= 2e-2 * analytic.abs() + 2e-3,
-            "{name}: finite difference {numeric} vs backward {analytic}"
-        );
+    for d in directional_derivatives(&table, || loss(&model, &table, &b)) {
+        d.assert_close("");
     }
 }
 

@@ -4,8 +4,8 @@
 
 mod common;
 
-use common::{batch, config};
-use ferrotron_core::{Cx, DType, Device, ParamTable, rng::Philox};
+use common::{batch, config, directional_derivatives};
+use ferrotron_core::{Cx, DType, Device, ParamTable};
 use ferrotron_transformer::mla::MlaSpec;
 use ferrotron_transformer::{Batch, GptModel, TransformerConfig};
 
@@ -28,29 +28,13 @@ fn check(cfg: TransformerConfig) {
     let cx = Cx::new(&table, true);
     let (_, saved) = model.forward(&cx, &b).unwrap();
     model.backward(&cx, saved, 1.0).unwrap();
-    let h = 1e-3f32;
     let mut latent = 0;
-    for id in table.ids() {
-        let p = table.param(id).unwrap();
-        let mut u = vec![0f32; p.elem_count()];
-        Philox::new(99).with_stream(id.0 as u64).fill_normal(0, 0.0, 1.0, &mut u);
-        let g = table.grad(id).unwrap().to_vec_f32().unwrap();
-        let analytic: f64 = g.iter().zip(&u).map(|(a, b)| *a as f64 * *b as f64).sum();
-        let shift = |s: f32| p.update_f32("t", |v| v.iter_mut().zip(&u).for_each(|(x, d)| *x += s * d)).unwrap();
-        shift(h);
-        let lp = loss(&model, &table, &b);
-        shift(-2.0 * h);
-        let lm = loss(&model, &table, &b);
-        shift(h);
-        let numeric = (lp - lm) / (2.0 * h as f64);
-        let name = &table.meta(id).name;
+    for d in directional_derivatives(&table, || loss(&model, &table, &b)) {
+        let name = &d.name;
         if name.contains("_proj") || name.contains("kv_layernorm") || name.contains("q_layernorm") {
             latent += 1;
         }
-        assert!(
-            (numeric - analytic).abs() <= 2e-2 * analytic.abs() + 2e-3,
-            "{name}: finite difference {numeric} vs backward {analytic}"
-        );
+        d.assert_close("");
     }
     assert!(latent >= 2 * 5, "the latent projections are in the table ({latent})");
 }

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::config;
+use common::{config, directional_derivatives};
 use ferrotron_core::{Cx, DType, Device, ParamTable, Tensor, rng::Philox};
 use ferrotron_parallel::pipeline::StagePlan;
 use ferrotron_parallel::{ProcessGroups, TensorParallel};
@@ -84,30 +84,13 @@ fn every_parameter_gradient_matches_finite_differences() {
         let cx = Cx::new(&table, true);
         let (_, saved) = model.forward(&cx, &b).unwrap();
         model.backward(&cx, saved, 1.0).unwrap();
-        let h = 1e-3f32;
         let mut seen_vision = 0;
-        for id in table.ids() {
-            let p = table.param(id).unwrap();
-            let mut u = vec![0f32; p.elem_count()];
-            Philox::new(99).with_stream(id.0 as u64).fill_normal(0, 0.0, 1.0, &mut u);
-            let g = table.grad(id).unwrap().to_vec_f32().unwrap();
-            let analytic: f64 = g.iter().zip(&u).map(|(a, b)| *a as f64 * *b as f64).sum();
-            let shift = |s: f32| p.update_f32("t", |v| v.iter_mut().zip(&u).for_each(|(x, d)| *x += s * d)).unwrap();
-            shift(h);
-            let lp = loss(&model, &table, &b);
-            shift(-2.0 * h);
-            let lm = loss(&model, &table, &b);
-            shift(h);
-            let numeric = (lp - lm) / (2.0 * h as f64);
-            let name = &table.meta(id).name;
-            if name.starts_with("vision_") {
+        for d in directional_derivatives(&table, || loss(&model, &table, &b)) {
+            if d.name.starts_with("vision_") {
                 seen_vision += 1;
-                assert!(g.iter().any(|&v| v.abs() > 1e-6), "{name}: no gradient reached it");
+                assert!(d.grad.iter().any(|&v| v.abs() > 1e-6), "{}: no gradient reached it", d.name);
             }
-            assert!(
-                (numeric - analytic).abs() <= 2e-2 * analytic.abs() + 2e-3,
-                "llama {llama}, drop {drop}: {name}: finite difference {numeric} vs backward {analytic}"
-            );
+            d.assert_close(&format!("llama {llama}, drop {drop}: "));
         }
         // conv1, class token, positions, ln_pre (2), 2 layers × 12, projection (4).
         assert_eq!(seen_vision, 5 + 2 * 12 + 4, "llama {llama}");

@@ -177,9 +177,11 @@ fn tables<T: Real>(t: usize, cfg: &RopeCfg) -> (Vec<T>, Vec<T>) {
     let mut cos = Vec::with_capacity(t * half);
     let mut sin = Vec::with_capacity(t * half);
     let m = cfg.yarn.map_or(1.0, |y| y.attention_factor());
+    // Each pair's frequency once (YaRN's ramp takes logarithms), not once per position.
+    let freqs: Vec<f64> = (0..half).map(|i| cfg.freq(i)).collect();
     for p in 0..t {
-        for i in 0..half {
-            let a = cfg.position(p) as f64 * cfg.freq(i);
+        for f in &freqs {
+            let a = cfg.position(p) as f64 * f;
             cos.push(T::c(m * a.cos()));
             sin.push(T::c(m * a.sin()));
         }

@@ -64,3 +64,16 @@ pub fn follows(tag: &str, got: &Summary, one: &Summary) {
     close(&format!("{tag} gradient norms"), &got.grad_norms, &one.grad_norms);
     close(&format!("{tag} validation"), &got.evals, &one.evals);
 }
+
+/// `args` on `ranks` ranks is refused (by `Settings::resolve` or `validate_layout`, before
+/// anything runs) with an error that contains `needle`.
+pub fn refused(args: TrainArgs, ranks: usize, needle: &str) {
+    let e = match Settings::resolve(&TrainArgs { nproc: Some(ranks), ..args }) {
+        Err(e) => e,
+        Ok((s, _)) => match s.validate_layout(ranks) {
+            Err(e) => e,
+            Ok(_) => panic!("{needle}: accepted"),
+        },
+    };
+    assert!(format!("{e:#}").contains(needle), "{needle}: {e:#}");
+}

@@ -1,6 +1,6 @@
 //! The tiny model of both preset styles that the transformer tests share.
 
-use ferrotron_core::{Device, Tensor, rng::Philox};
+use ferrotron_core::{Device, ParamTable, Tensor, rng::Philox};
 use ferrotron_transformer::spec::{Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, PositionEmbedding};
 use ferrotron_transformer::{Batch, TransformerConfig};
 
@@ -59,4 +59,49 @@ pub fn batch(b: usize, t: usize, v: u32) -> Batch {
         Tensor::from_vec(mask, [b, t], &dev).unwrap(),
     )
     .unwrap()
+}
+
+/// One parameter's gradient check: the derivative of an objective along a fixed random direction
+/// u, by central differences (±1e-3·u) and as main_grad · u.
+#[allow(dead_code)] // not every test binary that shares this module uses it
+pub struct Directional {
+    pub name: String,
+    pub numeric: f64,
+    pub analytic: f64,
+    /// The parameter's gradient as main_grad holds it.
+    pub grad: Vec<f32>,
+}
+
+#[allow(dead_code)]
+impl Directional {
+    /// Within 2e-2 relative + 2e-3 absolute (f32 forward passes), `what` naming the case.
+    pub fn assert_close(&self, what: &str) {
+        let (n, a) = (self.numeric, self.analytic);
+        assert!((n - a).abs() <= 2e-2 * a.abs() + 2e-3, "{what}{}: finite difference {n} vs backward {a}", self.name);
+    }
+}
+
+/// Every parameter's `Directional`, main_grad already holding the gradient of `objective` (which
+/// runs a forward on the table's current values; each parameter is shifted and put back).
+#[allow(dead_code)]
+pub fn directional_derivatives(table: &ParamTable, objective: impl Fn() -> f64) -> Vec<Directional> {
+    let h = 1e-3f32;
+    table
+        .ids()
+        .map(|id| {
+            let p = table.param(id).unwrap();
+            let mut u = vec![0f32; p.elem_count()];
+            Philox::new(99).with_stream(id.0 as u64).fill_normal(0, 0.0, 1.0, &mut u);
+            let grad = table.grad(id).unwrap().to_vec_f32().unwrap();
+            let analytic: f64 = grad.iter().zip(&u).map(|(a, b)| *a as f64 * *b as f64).sum();
+            let shift = |s: f32| p.update_f32("t", |v| v.iter_mut().zip(&u).for_each(|(x, d)| *x += s * d)).unwrap();
+            shift(h);
+            let lp = objective();
+            shift(-2.0 * h);
+            let lm = objective();
+            shift(h);
+            let numeric = (lp - lm) / (2.0 * h as f64);
+            Directional { name: table.meta(id).name.clone(), numeric, analytic, grad }
+        })
+        .collect()
 }
