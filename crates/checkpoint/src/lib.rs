@@ -11,6 +11,7 @@
 //! layout, state.toml and the collectives that agree on a save are the trainer's.
 
 mod codec;
+pub mod fp8;
 mod piece;
 mod read;
 mod write;

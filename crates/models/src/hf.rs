@@ -259,6 +259,37 @@ pub struct HfModel {
     pub dtype: Option<String>,
     /// A LLaVA model's vision tower and projector (`config` is then its language model's).
     pub vision: Option<llava::LlavaVision>,
+    /// `quantization_config`'s `weight_block_size` where the weights are block-scaled FP8
+    /// (DeepSeek-V3's, Kimi-K2's, Qwen3-FP8's): [rows, columns] a scale covers.
+    pub fp8_block: Option<[usize; 2]>,
+}
+
+/// `quantization_config`: None for unquantized weights, the FP8 block size for transformers'
+/// `quant_method: "fp8"` with `weight_block_size`; any other scheme is refused by name.
+fn fp8_block(v: &Value) -> Result<Option<[usize; 2]>> {
+    let Some(q) = v.get("quantization_config") else { return Ok(None) };
+    let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("(none)");
+    if method != "fp8" {
+        return Err(HfError::Config(format!(
+            "quantization_config.quant_method `{method}`: Ferrotron reads unquantized weights and block-scaled FP8 (quant_method fp8 with weight_block_size, as DeepSeek-V3 publishes); dequantize these to bfloat16 first"
+        )));
+    }
+    if let Some(fmt) = q.get("fmt").and_then(Value::as_str)
+        && fmt != "e4m3"
+    {
+        return Err(HfError::Config(format!("quantization_config.fmt `{fmt}`: FP8 weights are read as e4m3")));
+    }
+    let block: Option<Vec<usize>> = q
+        .get("weight_block_size")
+        .and_then(Value::as_array)
+        .and_then(|a| a.iter().map(|x| x.as_u64().map(|x| x as usize)).collect());
+    match block.as_deref() {
+        Some(&[r, c]) if r > 0 && c > 0 => Ok(Some([r, c])),
+        _ => Err(HfError::Config(format!(
+            "quantization_config.weight_block_size {}: FP8 weights are read with one scale per block of [rows, columns] (per-tensor or per-channel scales are not)",
+            q.get("weight_block_size").map_or("(absent)".into(), |b| b.to_string())
+        ))),
+    }
 }
 
 fn field<'a>(v: &'a Value, key: &str) -> Result<&'a Value> {
@@ -323,6 +354,7 @@ pub fn parse_config(text: &str) -> serde_json::Result<Value> {
 pub fn from_hf_config(v: &Value) -> Result<HfModel> {
     let model_type = field(v, "model_type")?.as_str().unwrap_or("");
     let dtype = v.get("torch_dtype").or_else(|| v.get("dtype")).and_then(Value::as_str).map(str::to_string);
+    let fp8_block = fp8_block(v)?;
     let (arch, config) = match model_type {
         "gpt2" => (HfArch::Gpt2, gpt2_config(v)?),
         "llama" => (HfArch::Llama, llama_config(v)?),
@@ -361,7 +393,7 @@ pub fn from_hf_config(v: &Value) -> Result<HfModel> {
                     .map(str::to_string)
             });
             config.validate().map_err(|e| HfError::Config(e.to_string()))?;
-            return Ok(HfModel { arch: HfArch::Llava, config, dtype, vision: Some(vision) });
+            return Ok(HfModel { arch: HfArch::Llava, config, dtype, vision: Some(vision), fp8_block });
         }
         "mistral" => {
             let mut c = llama_config(v)?;
@@ -377,7 +409,7 @@ pub fn from_hf_config(v: &Value) -> Result<HfModel> {
         }
     };
     config.validate().map_err(|e| HfError::Config(e.to_string()))?;
-    Ok(HfModel { arch, config, dtype, vision: None })
+    Ok(HfModel { arch, config, dtype, vision: None, fp8_block })
 }
 
 fn gpt2_config(v: &Value) -> Result<TransformerConfig> {
@@ -1369,6 +1401,28 @@ mod tests {
             assert_eq!(b.untie_embeddings_and_output_weights, c.untie_embeddings_and_output_weights);
             assert_eq!(b.layer.attention, c.layer.attention);
             assert_eq!(b.norm_epsilon, c.norm_epsilon);
+        }
+    }
+
+    #[test]
+    fn block_scaled_fp8_is_read_and_other_quantization_refused() {
+        let mut v = to_hf_config(HfArch::Llama, &tiny(HfArch::Llama), "bfloat16");
+        assert_eq!(from_hf_config(&v).unwrap().fp8_block, None);
+        let q = |v: &mut Value, q: Value| v.as_object_mut().unwrap().insert("quantization_config".into(), q);
+        q(
+            &mut v,
+            json!({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 64]}),
+        );
+        assert_eq!(from_hf_config(&v).unwrap().fp8_block, Some([128, 64]));
+        for (bad, needle) in [
+            (json!({"quant_method": "gptq", "bits": 4}), "quant_method `gptq`"),
+            (json!({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}), "fmt `e5m2`"),
+            (json!({"quant_method": "fp8", "activation_scheme": "static"}), "weight_block_size (absent)"),
+            (json!({"quant_method": "fp8", "weight_block_size": [0, 128]}), "weight_block_size [0,128]"),
+        ] {
+            q(&mut v, bad);
+            let e = from_hf_config(&v).unwrap_err().to_string();
+            assert!(e.contains(needle), "{e}");
         }
     }
 

@@ -10,9 +10,11 @@
 use crate::checkpoint;
 use crate::settings::{Settings, model_args};
 use anyhow::{Context, bail};
+use ferrotron_checkpoint::fp8;
 use ferrotron_core::DType;
 use ferrotron_models::hf::{self, HfArch, HostTensor};
 use safetensors::SafeTensors;
+use safetensors::tensor::TensorView;
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -132,10 +134,12 @@ fn tokenizer_for(vocab: usize, a: &ConvertArgs) -> anyhow::Result<(String, Optio
 struct HfFiles {
     maps: Vec<(PathBuf, memmap2::Mmap)>,
     index: HashMap<String, (usize, String)>,
+    /// config.json's FP8 block size: F8_E4M3 weights are multiplied by their `_scale_inv`.
+    fp8_block: Option<[usize; 2]>,
 }
 
 impl HfFiles {
-    fn open(dir: &Path, arch: HfArch) -> anyhow::Result<HfFiles> {
+    fn open(dir: &Path, arch: HfArch, fp8_block: Option<[usize; 2]>) -> anyhow::Result<HfFiles> {
         let index_path = dir.join("model.safetensors.index.json");
         let files: Vec<String> = if index_path.is_file() {
             let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&index_path)?)
@@ -173,21 +177,47 @@ impl HfFiles {
             }
             maps.push((path, map));
         }
-        Ok(HfFiles { maps, index })
+        Ok(HfFiles { maps, index, fp8_block })
     }
 
     fn read(&self, key: &str) -> anyhow::Result<Option<HostTensor>> {
         let Some((i, name)) = self.index.get(key) else { return Ok(None) };
         let (path, map) = &self.maps[*i];
         let st = SafeTensors::deserialize(map)?;
+        let t = st.tensor(name).with_context(|| format!("{}: no tensor `{name}`", path.display()))?;
+        if t.dtype() == safetensors::Dtype::F8_E4M3 {
+            return self.dequantized(key, name, path, &t).map(Some);
+        }
         let (shape, data) = checkpoint::f32_values(&st, name, path)?;
         Ok(Some(HostTensor::new(shape, data)))
+    }
+
+    /// A block-scaled FP8 weight times its scales (`name_scale_inv`, in whichever file holds it).
+    fn dequantized(&self, key: &str, name: &str, path: &Path, t: &TensorView) -> anyhow::Result<HostTensor> {
+        let Some(block) = self.fp8_block else {
+            bail!(
+                "{}: tensor `{name}` is F8_E4M3 but config.json has no quantization_config (quant_method fp8 with weight_block_size) to say how its scales apply",
+                path.display()
+            );
+        };
+        let Some((j, scale_name)) = self.index.get(&format!("{key}_scale_inv")) else {
+            bail!(
+                "{}: FP8 tensor `{name}` has no `{name}_scale_inv` in the folder: its scales are missing",
+                path.display()
+            );
+        };
+        let (scale_path, scale_map) = &self.maps[*j];
+        let (scale_shape, scales) =
+            checkpoint::f32_values(&SafeTensors::deserialize(scale_map)?, scale_name, scale_path)?;
+        let v = fp8::dequantize_blocks(name, t.data(), t.shape(), &scales, &scale_shape, block)
+            .with_context(|| format!("{}", path.display()))?;
+        Ok(HostTensor::new(t.shape().to_vec(), v))
     }
 }
 
 fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
     let mut model = read_config(&a.load_dir)?;
-    let files = HfFiles::open(&a.load_dir, model.arch)?;
+    let files = HfFiles::open(&a.load_dir, model.arch, model.fp8_block)?;
     // A DeepSeek-V3 saved by transformers counts MTP depths in config.json but keeps none.
     if let Some(probe) = hf::mtp_probe(model.arch, &model.config)
         && !files.index.contains_key(&probe)
@@ -249,7 +279,10 @@ fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
         return Err(e);
     }
     let tensors = tensors.with_context(|| format!("--load-dir {}", a.load_dir.display()))?;
-    let left: Vec<&String> = files.index.keys().filter(|k| !taken.contains(*k) && !hf::is_buffer(k)).collect();
+    // A taken FP8 weight's scales were read with it.
+    let scales_of_taken = |k: &str| k.strip_suffix("_scale_inv").is_some_and(|w| taken.contains(w));
+    let left: Vec<&String> =
+        files.index.keys().filter(|k| !taken.contains(*k) && !hf::is_buffer(k) && !scales_of_taken(k)).collect();
     if !left.is_empty() {
         let mut left: Vec<&str> = left.iter().map(|s| s.as_str()).collect();
         left.sort();

@@ -528,3 +528,74 @@ fn a_deepseek_v3_with_an_mtp_depth_converts_both_ways() {
         let _ = std::fs::remove_dir_all(d);
     }
 }
+
+/// A copy of deepseek_v3_fp8 with `config` edited, the tensors `drop` names left out and
+/// `copy`'s (new name, of tensor) added.
+fn edited_fp8(
+    name: &str,
+    config: impl FnOnce(&mut serde_json::Value),
+    drop: &[&str],
+    copy: &[(&str, &str)],
+) -> PathBuf {
+    let (src, dir) = (fixture("deepseek_v3_fp8"), tmp(name));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    config(&mut v);
+    std::fs::write(dir.join("config.json"), v.to_string()).unwrap();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut kept: Vec<_> = st.tensors().into_iter().filter(|(n, _)| !drop.contains(&n.as_str())).collect();
+    assert_eq!(kept.len() + drop.len(), st.len(), "{drop:?} are not all in the fixture");
+    for (new, of) in copy {
+        kept.push((new.to_string(), st.tensor(of).unwrap()));
+    }
+    safetensors::serialize_to_file(kept, None, &dir.join("model.safetensors")).unwrap();
+    dir
+}
+
+/// DeepSeek's FP8 release format (tests/fixtures/hf/deepseek_v3_fp8: every linear weight of the
+/// decoder layers in F8_E4M3 with a float32 scale per 16 × 16 tile, some tiles partial): the
+/// import decodes each weight with its own tiles' scales, so its logits are transformers' for the
+/// weights the files decode to (which differ from the unquantized model's by far more than the
+/// tolerance); scales that are missing, misshapen or unexplained by config.json are refused.
+#[test]
+fn block_scaled_fp8_weights_import_to_transformers_logits() {
+    let name = "deepseek_v3_fp8";
+    let out = tmp("hf-fp8");
+    let done = convert(&args("hf", "ferrotron", &fixture(name), &out)).unwrap();
+    assert_eq!(done.arch, hf::HfArch::DeepseekV3);
+    let ck = checkpoint::load(&out).unwrap();
+    assert!(ck.state.settings.bf16, "DeepSeek's FP8 folders say bfloat16: trained in Megatron's bf16");
+    let config = ck.state.settings.model_config().unwrap();
+    let worst = max_logit_error(name, config, &ck);
+    eprintln!("{name}: max |logit − transformers'| {worst:.2e}");
+    let _ = std::fs::remove_dir_all(&out);
+
+    let import = |d: &Path| format!("{:#}", convert(&args("hf", "ferrotron", d, &out)).unwrap_err());
+    let scale = "model.layers.1.self_attn.q_b_proj.weight_scale_inv";
+    let missing = edited_fp8("hf-fp8-missing", |_| {}, &[scale], &[]);
+    let e = import(&missing);
+    assert!(e.contains(scale) && e.contains("missing"), "{e}");
+    let no_config =
+        edited_fp8("hf-fp8-noq", |v| drop(v.as_object_mut().unwrap().remove("quantization_config")), &[], &[]);
+    let e = import(&no_config);
+    assert!(e.contains("F8_E4M3") && e.contains("quantization_config"), "{e}");
+    let block = edited_fp8(
+        "hf-fp8-block",
+        |v| v["quantization_config"]["weight_block_size"] = serde_json::json!([128, 128]),
+        &[],
+        &[],
+    );
+    let e = import(&block);
+    assert!(e.contains("weight_block_size") && e.contains("[128, 128]"), "{e}");
+    // A scale whose weight the model does not have is not silently dropped.
+    let stray = "model.layers.0.self_attn.k_proj.weight_scale_inv";
+    let orphan = edited_fp8("hf-fp8-orphan", |_| {}, &[], &[(stray, scale)]);
+    let e = import(&orphan);
+    assert!(e.contains(stray) && e.contains("not converted"), "{e}");
+    assert!(!out.exists(), "a refused conversion writes nothing");
+    for d in [missing, no_config, block, orphan] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
