@@ -29,7 +29,7 @@
 use ferrotron_moe::{LoadBalancing, MoeSpec, RouterSpec};
 use ferrotron_transformer::TransformerConfig;
 use ferrotron_transformer::spec::{
-    Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, PositionEmbedding, RopeScaling,
+    Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, OtherMlp, PositionEmbedding, RopeScaling,
 };
 use serde_json::{Value, json};
 use std::sync::Arc;
@@ -231,8 +231,13 @@ fn qwen_moe_of(c: &TransformerConfig, m: &MoeSpec, arch: HfArch) -> Result<HfArc
         Some("Qwen3-MoE has no shared experts")
     } else if !qwen3 && !m.shared_expert_gate {
         Some("Qwen2-MoE gates its shared experts (--moe-shared-expert-gate)")
-    } else if c.layer.other_mlp.is_some() {
-        Some("every layer is an MoE layer here (no --moe-layer-freq; mlp_only_layers are not converted)")
+    } else if c
+        .layer
+        .other_mlp
+        .as_ref()
+        .is_some_and(|o| !matches!(o.mlp, MlpSpec::Dense { activation: Activation::SwiGlu, bias: false }))
+    {
+        Some("its dense layers (--moe-layer-freq) are SwiGLU without biases")
     } else if a.bias || a.window.is_some() || a.qkv_bias == qwen3 || a.qk_layernorm != qwen3 {
         Some(
             "Qwen2-MoE's attention has q/k/v biases (--add-qkv-bias), Qwen3-MoE's QK-norm (--qk-layernorm), neither both, no other bias and no window",
@@ -549,16 +554,30 @@ fn qwen_layers(v: &Value) -> Result<TransformerConfig> {
 }
 
 /// Qwen2-MoE (`shared`: gated shared experts) and Qwen3-MoE: `c`'s layers with a mixture of
-/// experts in every layer.
+/// experts, except where `mlp_only_layers` or `decoder_sparse_step` leave the dense MLP of
+/// `intermediate_size` (Megatron's `--moe-layer-freq` pattern).
 fn qwen_moe_config(v: &Value, mut c: TransformerConfig, shared: bool) -> Result<TransformerConfig> {
-    if opt(v, "decoder_sparse_step", usize_of)?.is_some_and(|s| s != 1) {
-        return Err(HfError::Config(
-            "decoder_sparse_step other than 1: Ferrotron converts Qwen's MoE models with experts in every layer".into(),
-        ));
+    let step = opt(v, "decoder_sparse_step", usize_of)?.unwrap_or(1);
+    if step == 0 {
+        return Err(HfError::Config("decoder_sparse_step 0: transformers puts experts in layers i with (i + 1) % step == 0, so it must be at least 1".into()));
     }
-    if v.get("mlp_only_layers").and_then(Value::as_array).is_some_and(|l| !l.is_empty()) {
+    let mut dense: Vec<bool> = (0..c.num_layers).map(|i| (i + 1) % step != 0).collect();
+    if let Some(only) = v.get("mlp_only_layers").and_then(Value::as_array) {
+        for l in only {
+            match l.as_u64().map(|l| l as usize) {
+                Some(i) if i < c.num_layers => dense[i] = true,
+                _ => {
+                    return Err(HfError::Config(format!(
+                        "mlp_only_layers has {l}: not a layer of the {} (0-based)",
+                        c.num_layers
+                    )));
+                }
+            }
+        }
+    }
+    if dense.iter().all(|&d| d) {
         return Err(HfError::Config(
-            "mlp_only_layers: Ferrotron converts Qwen's MoE models with experts in every layer".into(),
+            "no layer has experts (mlp_only_layers and decoder_sparse_step leave every layer dense): convert it as the dense model it is".into(),
         ));
     }
     let shared = match shared {
@@ -594,6 +613,10 @@ fn qwen_moe_config(v: &Value, mut c: TransformerConfig, shared: bool) -> Result<
         ..MoeSpec::new(experts, width, Activation::SwiGlu, router)
     };
     moe.validate().map_err(HfError::Config)?;
+    // The dense layers keep the Llama MLP `c` was built with (intermediate_size wide).
+    if dense.iter().any(|&d| d) {
+        c.layer.other_mlp = Some(OtherMlp { mlp: c.layer.mlp.clone(), layers: dense });
+    }
     c.layer.mlp = MlpSpec::Custom(Arc::new(moe));
     Ok(c)
 }
@@ -763,7 +786,9 @@ pub fn to_hf_config(arch: HfArch, c: &TransformerConfig, dtype: &str) -> Value {
                 v["num_experts_per_tok"] = json!(m.router.topk);
                 v["norm_topk_prob"] = json!(!m.router.pre_softmax);
                 v["decoder_sparse_step"] = json!(1);
-                v["mlp_only_layers"] = json!([]);
+                let dense = c.layer.other_mlp.as_ref().map(|o| o.layers.as_slice()).unwrap_or_default();
+                let only: Vec<usize> = (0..dense.len()).filter(|&i| dense[i]).collect();
+                v["mlp_only_layers"] = json!(only);
                 v["router_aux_loss_coef"] = json!(decimal(m.router.aux_loss_coeff));
                 v["output_router_logits"] = json!(false);
             }
@@ -944,7 +969,9 @@ fn maps(arch: HfArch, c: &TransformerConfig) -> Vec<(String, Map)> {
                         m.push((format!("{own}linear_fc1.weight"), GateUp(w("w1"), w("w3"))));
                         m.push((format!("{own}linear_fc2.weight"), Same(w("w2"))));
                     }
-                } else if let (HfArch::Qwen2Moe | HfArch::Qwen3Moe, Some(moe)) = (arch, crate::moe_spec(c)) {
+                } else if let (HfArch::Qwen2Moe | HfArch::Qwen3Moe, Some(moe), false) =
+                    (arch, crate::moe_spec(c), c.layer.other_mlp.as_ref().is_some_and(|o| o.layers[i]))
+                {
                     let b = format!("{h}mlp.");
                     m.push((format!("{o}mlp.router.weight"), Same(format!("{b}gate.weight"))));
                     let experts = (0..moe.num_experts)
@@ -1477,9 +1504,29 @@ mod tests {
         assert_eq!((m.ffn_hidden_size, m.shared_expert_ffn, q.ffn_hidden_size), (5, Some(7), 6));
         assert!(m.shared_expert_gate && m.router.pre_softmax && q.layer.attention.qkv_bias);
         assert_eq!(from_hf_config(&qv).unwrap().arch, HfArch::Qwen2Moe);
+        // Dense layers among the experts' (transformers: experts where i ∉ mlp_only_layers and
+        // (i + 1) % decoder_sparse_step == 0) as --moe-layer-freq, written back as mlp_only_layers.
+        let layers = q.num_layers;
+        assert!(layers >= 2, "the test needs two layers");
+        for (step, only, dense) in
+            [(1, json!([0]), vec![0]), (2, json!([]), (0..layers).step_by(2).collect::<Vec<_>>())]
+        {
+            let mut w = qv.clone();
+            (w["decoder_sparse_step"], w["mlp_only_layers"]) = (json!(step), only);
+            let c = from_hf_config(&w).unwrap().config;
+            let o = c.layer.other_mlp.as_ref().unwrap();
+            assert_eq!((0..layers).filter(|&i| o.layers[i]).collect::<Vec<_>>(), dense, "step {step}");
+            assert!(matches!(o.mlp, MlpSpec::Dense { activation: Activation::SwiGlu, bias: false }));
+            let back = to_hf_config(HfArch::of(&c).unwrap(), &c, "float32");
+            assert_eq!(
+                (back["decoder_sparse_step"].clone(), back["mlp_only_layers"].clone()),
+                (json!(1), json!(dense))
+            );
+        }
         for (key, val, want) in [
-            ("decoder_sparse_step", json!(2), "decoder_sparse_step"),
-            ("mlp_only_layers", json!([1]), "mlp_only_layers"),
+            ("decoder_sparse_step", json!(0), "decoder_sparse_step 0"),
+            ("decoder_sparse_step", json!(layers + 1), "no layer has experts"),
+            ("mlp_only_layers", json!([layers]), "mlp_only_layers has"),
             ("shared_expert_intermediate_size", json!(0), "shared_expert_intermediate_size 0"),
             ("use_sliding_window", json!(true), "use_sliding_window"),
         ] {
