@@ -42,20 +42,29 @@ pub struct Cx<'a> {
     /// module that adds a loss of its own (an MoE router's load-balancing loss) scales that
     /// loss's gradient by it, as the language-model loss's is.
     pub grad_scale: f32,
+    /// Under --calculate-per-token-loss, what such a module's own loss gradient takes instead of
+    /// the language-model loss's per-micro-batch scale: 1 / the tokens a micro-batch's share of
+    /// the global count (Megatron sums those gradients and divides by the global token count, as
+    /// it does the language-model loss's). None: the default, scaled as the LM loss's mean.
+    pub own_loss_scale: Option<f32>,
 }
 
 impl<'a> Cx<'a> {
     /// A context with no random draws.
     pub fn new(params: &'a ParamTable, training: bool) -> Self {
-        Cx { params, training, draw: None, grad_scale: 1.0 }
+        Cx { params, training, draw: None, grad_scale: 1.0, own_loss_scale: None }
     }
     /// The same context for a micro-batch with `draw`.
     pub fn with_draw(&self, draw: Option<Draw>) -> Cx<'a> {
-        Cx { params: self.params, training: self.training, draw, grad_scale: self.grad_scale }
+        Cx { draw, ..*self }
     }
     /// The same context for a backward at `grad_scale`.
     pub fn with_grad_scale(&self, grad_scale: f32) -> Cx<'a> {
-        Cx { params: self.params, training: self.training, draw: self.draw, grad_scale }
+        Cx { grad_scale, ..*self }
+    }
+    /// The same context for a backward whose modules' own losses take `own_loss_scale`.
+    pub fn with_own_loss_scale(&self, own_loss_scale: Option<f32>) -> Cx<'a> {
+        Cx { own_loss_scale, ..*self }
     }
 }
 

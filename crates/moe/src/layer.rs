@@ -454,7 +454,9 @@ impl Module for MoeLayer {
                 total_tokens: n * cp * tp,
                 aux_coeff: self.aux_coeff,
                 z_coeff: self.z_coeff,
-                grad_scale: cx.grad_scale * cp as f32,
+                // Megatron's: × cp (each context-parallel rank's loss is over its share of the
+                // sequence), or under --calculate-per-token-loss the batch's own scale.
+                grad_scale: cx.grad_scale * cx.own_loss_scale.unwrap_or(cp as f32),
                 score: self.topk.score,
                 seqs,
             };

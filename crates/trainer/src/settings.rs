@@ -2290,13 +2290,6 @@ impl Settings {
                 "--cuda-graph-impl local with a vision encoder (--img-h): each micro-batch's image placements are uploaded from the host, which a captured graph cannot do: drop --cuda-graph-impl"
             );
         }
-        let router_losses =
-            s.moe.as_ref().is_some_and(|m| m.moe_aux_loss_coeff > 0.0 || m.moe_z_loss_coeff.is_some_and(|z| z > 0.0));
-        if s.calculate_per_token_loss && router_losses {
-            bail!(
-                "--calculate-per-token-loss with the routers' losses (--moe-aux-loss-coeff / --moe-z-loss-coeff): their gradients would keep the per-micro-batch scale while the language-model loss takes the global batch's token count (Megatron divides both by it), which is not built; drop one"
-            );
-        }
         if s.moe.is_some() && cuda_graph_warmup.is_some() {
             bail!(
                 "--cuda-graph-impl local with --num-experts: an MoE layer reads its tokens per expert back to the host to size each expert's products, which a captured graph cannot do: drop --cuda-graph-impl"

@@ -508,7 +508,7 @@ fn per_token(micros: Vec<Batch>, g: &ProcessGroups, cp: usize) -> anyhow::Result
     g.dp.all_reduce(&t, ReduceOp::Sum)?;
     let total = t.to_vec::<u32>()?[0] as f64;
     let share = total / (micros.len() * g.dp.size() * cp) as f64;
-    Ok(micros.into_iter().map(|b| b.with_num_tokens(share)).collect::<Result<_, _>>()?)
+    Ok(micros.into_iter().map(|b| b.per_token(share)).collect::<Result<_, _>>()?)
 }
 
 /// The least common multiple of two sizes.

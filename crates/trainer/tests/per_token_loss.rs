@@ -56,13 +56,50 @@ fn per_token_loss_is_the_global_batchs_token_mean() {
     };
     let apart = rel(&means.grad_norms, &whole.grad_norms);
     assert!(apart > 1e-4, "the micro-batches count the same tokens: gradient norms within {apart:e}");
+}
 
-    let e = Settings::resolve(&TrainArgs {
-        calculate_per_token_loss: true,
-        num_experts: Some(4),
-        moe_aux_loss_coeff: Some(1e-2),
-        ..tiny_args(true)
-    })
-    .unwrap_err();
-    assert!(format!("{e:#}").contains("--calculate-per-token-loss with the routers' losses"), "{e:#}");
+/// The routers' losses under --calculate-per-token-loss, as Megatron scales them: each
+/// micro-batch's gradient at scale 1, then every gradient divided by the global batch's token
+/// count. With every position counted, N tokens a micro-batch and M micro-batches, that is the
+/// default run's (each micro-batch's at 1 / M) with the coefficients divided by N — the oracle
+/// here, on one rank and under dp2 × ep2 and tp2 + sp.
+#[test]
+fn per_token_loss_scales_the_routers_losses_by_the_token_count() {
+    let (aux, z) = (0.5, 0.05); // large enough to move the gradient norms well past 1e-4
+    let moe = |per_token: bool, div: f64| {
+        settings(&TrainArgs {
+            num_experts: Some(4),
+            moe_ffn_hidden_size: Some(24),
+            moe_router_topk: Some(2),
+            moe_aux_loss_coeff: Some(aux / div),
+            moe_z_loss_coeff: Some(z / div),
+            micro_batch_size: Some(2),
+            calculate_per_token_loss: per_token,
+            ..tiny_args(true)
+        })
+    };
+    let s = moe(true, 1.0);
+    let n = (s.micro_batch_size * s.seq_length) as f64; // no --eod-mask-loss: every position counts
+    let oracle = run(&moe(false, n), 1);
+    let one = run(&s, 1);
+    close("losses", &one.losses, &oracle.losses);
+    close("gradient norms", &one.grad_norms, &oracle.grad_norms);
+    // The values logged are the losses before their coefficients: the same routing, the same values.
+    assert_eq!(one.router_losses.len(), oracle.router_losses.len());
+    for (&(i, lb, zl), &(_, lb0, z0)) in one.router_losses.iter().zip(&oracle.router_losses) {
+        assert!(
+            (lb - lb0).abs() <= 1e-4 * lb && (zl - z0).abs() <= 1e-4 * zl,
+            "iteration {i}: {lb} {zl} vs {lb0} {z0}"
+        );
+    }
+    // Without the division the routers' gradients are N times larger: the norms part.
+    let plain = run(&moe(false, 1.0), 1);
+    let apart = plain.grad_norms.iter().zip(&one.grad_norms).any(|(a, b)| (a.1 - b.1).abs() > 1e-3 * b.1);
+    assert!(apart, "the routers' losses do not move the gradient: the test checks nothing");
+    let mut dp_ep = s.clone();
+    dp_ep.moe.as_mut().unwrap().expert_model_parallel_size = 2;
+    follows("per token, dp2 × ep2", &run(&dp_ep, 2), &one);
+    let mut tp = s.clone();
+    (tp.tensor_model_parallel_size, tp.sequence_parallel) = (2, true);
+    follows("per token, tp2 + sp", &run(&tp, 2), &one);
 }

@@ -58,6 +58,9 @@ pub struct Batch {
     pub draw: Option<Draw>,
     /// A multimodal model's images, whose features replace the placeholder tokens' embeddings.
     pub images: Option<Images>,
+    /// Under --calculate-per-token-loss, the scale of its modules' own losses' gradients
+    /// (`Cx::own_loss_scale`); set with the token count by `per_token`.
+    own_loss_scale: Option<f32>,
 }
 
 impl Batch {
@@ -67,7 +70,17 @@ impl Batch {
         let num_tokens = mask.iter().map(|&m| m as f64).sum();
         let mask_by_position = by_position(&mask, tokens.dims());
         let inv_tokens = inverse_count(num_tokens, loss_mask.device())?;
-        Ok(Batch { tokens, labels, loss_mask, num_tokens, mask_by_position, inv_tokens, draw: None, images: None })
+        Ok(Batch {
+            tokens,
+            labels,
+            loss_mask,
+            num_tokens,
+            mask_by_position,
+            inv_tokens,
+            draw: None,
+            images: None,
+            own_loss_scale: None,
+        })
     }
 
     /// The batch with its random draws' origin (see `Draw`).
@@ -96,6 +109,7 @@ impl Batch {
             inv_tokens,
             draw: None,
             images: None,
+            own_loss_scale: None,
         })
     }
 
@@ -106,6 +120,15 @@ impl Batch {
         Ok(Batch { num_tokens, inv_tokens, ..self })
     }
 
+    /// --calculate-per-token-loss: `share` (the global batch's loss tokens over its micro-batches
+    /// on all data × context-parallel ranks) as the count, and the routers' losses' gradients at
+    /// 1 / share of their default per-micro-batch scale, so that every gradient is the sum over
+    /// the global batch divided by its token count, as Megatron's are.
+    pub fn per_token(self, share: f64) -> Result<Batch> {
+        let own = if share > 0.0 { (1.0 / share) as f32 } else { 0.0 };
+        Ok(Batch { own_loss_scale: Some(own), ..self.with_num_tokens(share)? })
+    }
+
     /// A batch with a loss mask made on the host (`mask` as long as the tokens): counted there and
     /// uploaded to the tokens' device, with no read back.
     pub fn masked(tokens: Tensor, labels: Tensor, mask: Vec<f32>) -> Result<Batch> {
@@ -113,7 +136,17 @@ impl Batch {
         let mask_by_position = by_position(&mask, tokens.dims());
         let loss_mask = Tensor::from_vec(mask, tokens.dims().to_vec(), tokens.device())?;
         let inv_tokens = inverse_count(num_tokens, tokens.device())?;
-        Ok(Batch { tokens, labels, loss_mask, num_tokens, mask_by_position, inv_tokens, draw: None, images: None })
+        Ok(Batch {
+            tokens,
+            labels,
+            loss_mask,
+            num_tokens,
+            mask_by_position,
+            inv_tokens,
+            draw: None,
+            images: None,
+            own_loss_scale: None,
+        })
     }
 
     /// Σ loss_mask.
@@ -246,6 +279,8 @@ pub struct GptSaved {
     post: Option<PostSaved>,
     /// The micro-batch's draws, for the backward's dropout masks.
     draw: Option<Draw>,
+    /// The micro-batch's `Batch::own_loss_scale`, for the routers' backward.
+    own_loss_scale: Option<f32>,
     vision: Option<VisionSaved>,
     /// The MTP depths', in order (last stage).
     mtp: Vec<MtpSaved>,
@@ -674,7 +709,8 @@ impl GptModel {
         };
         let (h, decoder) = block.forward(cx, &x)?;
         if !post {
-            let saved = GptSaved { tokens, positions, decoder, post: None, draw, vision, mtp: vec![] };
+            let own_loss_scale = batch.own_loss_scale;
+            let saved = GptSaved { tokens, positions, decoder, post: None, draw, own_loss_scale, vision, mtp: vec![] };
             return Ok((ChunkOut::Hidden(h), saved));
         }
         // The mean's 1 / num_tokens read from the batch's tensor when the kernel runs.
@@ -697,7 +733,9 @@ impl GptModel {
                 prev = out;
             }
         }
-        Ok((ChunkOut::Loss(loss), GptSaved { tokens, positions, decoder, post: Some(post), draw, vision, mtp }))
+        let own_loss_scale = batch.own_loss_scale;
+        let saved = GptSaved { tokens, positions, decoder, post: Some(post), draw, own_loss_scale, vision, mtp };
+        Ok((ChunkOut::Loss(loss), saved))
     }
 
     /// The output layer and cross-entropy of one prediction (the next token's, or an MTP
@@ -775,7 +813,7 @@ impl GptModel {
         done: &mut dyn FnMut(usize) -> ferrotron_core::Result<()>,
     ) -> Result<Option<Tensor>> {
         let block = self.chunks.get(c).ok_or_else(|| ModelError::Config(format!("no model chunk {c}")))?;
-        let cx = &cx.with_draw(saved.draw).with_grad_scale(grad_scale);
+        let cx = &cx.with_draw(saved.draw).with_grad_scale(grad_scale).with_own_loss_scale(saved.own_loss_scale);
         let dh = match (saved.post, dy) {
             (Some(p), _) => {
                 // The MTP depths first, last to first: each one's output gradient is its head's
