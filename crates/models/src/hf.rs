@@ -1064,12 +1064,15 @@ fn own_shape(arch: HfArch, c: &TransformerConfig, map: &Map) -> Vec<usize> {
 
 /// Megatron-named tensors from an HF checkpoint. `take` hands out an HF tensor by name (without
 /// GPT-2's `transformer.` prefix) or None; the caller then checks that nothing was left over.
-/// A tied model's `lm_head.weight`, where a file has it, must equal the embedding.
+/// Each Megatron tensor goes to `emit` as soon as it is made, so a caller that writes them out
+/// as they come holds one tensor at a time, not the model. A tied model's `lm_head.weight`,
+/// where a file has it, must equal the embedding.
 pub fn import(
     arch: HfArch,
     c: &TransformerConfig,
     take: &mut dyn FnMut(&str) -> Option<HostTensor>,
-) -> Result<Vec<(String, HostTensor)>> {
+    emit: &mut dyn FnMut(String, HostTensor),
+) -> Result<()> {
     let mut get = |name: &str| -> Result<HostTensor> {
         let t = take(name).ok_or_else(|| HfError::Missing(name.into()))?;
         let want = hf_shape(arch, c, name);
@@ -1079,8 +1082,8 @@ pub fn import(
         Ok(t)
     };
     let (heads, groups, d) = (c.num_attention_heads, c.num_query_groups, c.head_dim());
-    let mut out = vec![];
-    for (own, map) in maps(arch, c) {
+    let tied = !c.untie_embeddings_and_output_weights;
+    for (i, (own, map)) in maps(arch, c).into_iter().enumerate() {
         let t = match map {
             Map::Same(n) => get(&n)?,
             Map::Transposed(n) => transpose(&get(&n)?),
@@ -1094,14 +1097,28 @@ pub fn import(
             Map::Qkv(QkvSource::Llama { q, k, v, .. }) => group_qkv(&get(&q)?, &get(&k)?, &get(&v)?, heads, groups, d),
             Map::GateUp(gate, up) => concat_rows(&[&get(&gate)?, &get(&up)?]),
         };
-        out.push((own, t));
+        // The first map is the embedding: a tied head is compared with it here, so that it
+        // need not be kept to the end.
+        if tied && i == 0 {
+            match get(LM_HEAD) {
+                Ok(head) if head != t => return Err(HfError::UntiedHead(LM_HEAD.into())),
+                Ok(_) | Err(HfError::Missing(_)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        emit(own, t);
     }
-    if !c.untie_embeddings_and_output_weights
-        && let Some(head) = take(LM_HEAD)
-        && out.first().is_none_or(|(_, emb)| *emb != head)
-    {
-        return Err(HfError::UntiedHead(LM_HEAD.into()));
-    }
+    Ok(())
+}
+
+/// `import` into one list: for models that fit in memory (tests, small checkpoints).
+pub fn import_all(
+    arch: HfArch,
+    c: &TransformerConfig,
+    take: &mut dyn FnMut(&str) -> Option<HostTensor>,
+) -> Result<Vec<(String, HostTensor)>> {
+    let mut out = vec![];
+    import(arch, c, take, &mut |name, t| out.push((name, t)))?;
     Ok(out)
 }
 
@@ -1256,7 +1273,7 @@ mod tests {
             let hf = export(arch, &c, &|n| by_name.get(n).map(|t| (t.shape.as_slice(), t.data.as_slice()))).unwrap();
             let mut files: HashMap<String, HostTensor> =
                 hf.into_iter().map(|(n, t)| (strip_prefix(arch, &n).to_string(), t)).collect();
-            let back = import(arch, &c, &mut |n| files.remove(n)).unwrap();
+            let back = import_all(arch, &c, &mut |n| files.remove(n)).unwrap();
             // What the import reads past: DeepSeek's per-depth copies of the shared layers.
             files.retain(|n, _| !is_buffer(n));
             assert!(files.is_empty(), "{arch:?}: left over {:?}", files.keys());
@@ -1341,7 +1358,7 @@ mod tests {
         let c_attn = files["h.0.attn.c_attn.weight"].clone(); // [in h, out 3h]
         let c_fc = files["h.1.mlp.c_fc.weight"].clone();
         let own: HashMap<String, HostTensor> =
-            import(HfArch::Gpt2, &c, &mut |n| files.remove(n)).unwrap().into_iter().collect();
+            import_all(HfArch::Gpt2, &c, &mut |n| files.remove(n)).unwrap().into_iter().collect();
         let fc1 = &own["decoder.layers.1.mlp.linear_fc1.weight"]; // [out f, in h]
         assert_eq!(fc1.shape, [c.ffn_hidden_size, h]);
         assert_eq!(fc1.data[3 * h + 5], c_fc.data[5 * c.ffn_hidden_size + 3]);
@@ -1369,9 +1386,9 @@ mod tests {
     #[test]
     fn missing_and_misshapen_tensors_are_named() {
         let c = tiny(HfArch::Llama);
-        let e = import(HfArch::Llama, &c, &mut |_| None).unwrap_err().to_string();
+        let e = import_all(HfArch::Llama, &c, &mut |_| None).unwrap_err().to_string();
         assert!(e.contains("model.embed_tokens.weight") && e.contains("missing"), "{e}");
-        let e = import(HfArch::Llama, &c, &mut |n| Some(numbered(&[3, 3], n.len()))).unwrap_err().to_string();
+        let e = import_all(HfArch::Llama, &c, &mut |n| Some(numbered(&[3, 3], n.len()))).unwrap_err().to_string();
         assert!(e.contains("model.embed_tokens.weight") && e.contains("[3, 3]") && e.contains("[11, 8]"), "{e}");
     }
 
@@ -1402,10 +1419,10 @@ mod tests {
         let mut c = tiny(HfArch::Llama);
         c.untie_embeddings_and_output_weights = false;
         let mut take = |n: &str| Some(numbered(&hf_shape(HfArch::Llama, &c, n), if n == LM_HEAD { 1 } else { 0 }));
-        let e = import(HfArch::Llama, &c, &mut take).unwrap_err();
+        let e = import_all(HfArch::Llama, &c, &mut take).unwrap_err();
         assert!(matches!(e, HfError::UntiedHead(_)), "{e}");
         let mut same = |n: &str| Some(numbered(&hf_shape(HfArch::Llama, &c, n), 0));
-        assert!(import(HfArch::Llama, &c, &mut same).is_ok());
+        assert!(import_all(HfArch::Llama, &c, &mut same).is_ok());
     }
 
     #[test]

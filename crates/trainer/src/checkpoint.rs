@@ -16,7 +16,7 @@
 //! distributed-optimizer layout. Vocabulary padding may differ between layouts: rows past the
 //! real vocabulary (`vocab_size` in state.toml) read as 0.
 //! `state.toml` holds the iteration, data position, optimizer step, settings and each file's
-//! SHA-256. A checkpoint converted from Hugging Face (`save_params`) holds the parameters alone
+//! SHA-256. A checkpoint converted from Hugging Face (`ParamsWriter`) holds the parameters alone
 //! and says so (`optimizer_state = false`): it loads with --finetune or --no-load-optim.
 //! Format 2 (every tensor whole, one file per pipeline stage, written by earlier builds) is
 //! still read.
@@ -330,40 +330,112 @@ pub fn save(
     finish_save(g, start_save(save_dir, g, table, opt, info, SaveMode::default())?)
 }
 
-/// Writes a checkpoint of parameters alone at iteration 0 (`ferrotron convert`): `tensors` whole,
-/// by Megatron name, each with the dtype it is stored in, vocabulary rows unpadded; `dtype` is
-/// the run's parameter dtype. Written as `save` writes (a temporary folder renamed into place,
-/// then the tracker); state.toml says `optimizer_state = false`.
-pub fn save_params(
-    save_dir: &Path,
-    tensors: &[(String, DType, Vec<usize>, Vec<f32>)],
-    dtype: DType,
-    settings: &Settings,
-) -> anyhow::Result<PathBuf> {
-    let tmp = save_dir.join(".tmp-iter_0000000");
-    prepare(save_dir, &tmp)?;
-    let file = shard_file(0);
-    let entries: Vec<ShardEntry> = tensors
-        .iter()
-        .map(|(name, d, shape, v)| ShardEntry {
-            key: name.clone(),
-            piece: Piece::whole(shape),
-            dtype: *d,
-            values: Cow::Borrowed(v),
-        })
-        .collect();
-    let sha256 = ferrotron_checkpoint::write_shard(&tmp.join(&file), &entries)?;
-    let vocab_size = settings.model_config()?.vocab_size;
-    let info = SaveInfo {
-        iteration: 0,
-        consumed_samples: 0,
-        consumed_valid_samples: 0,
-        settings,
-        vocab_size,
-        buffers: vec![],
-    };
-    finish(save_dir, &tmp, &dtype.to_string(), vec![TensorFile { file, sha256 }], None, &info)?;
-    Ok(iter_dir(save_dir, 0))
+/// A checkpoint of parameters alone at iteration 0 (`ferrotron convert`), written as its tensors
+/// come: each whole, by Megatron name, with the dtype it is stored in, vocabulary rows unpadded,
+/// in shard files of about `max_bytes` each (as stored; the f32 values held meanwhile are up to
+/// twice that for bf16), so that an import holds one file's worth and never the model. Finished as `save` finishes (a temporary folder renamed into place,
+/// then the tracker); state.toml says `optimizer_state = false`. `abort` (or a drop without
+/// `finish`) removes what was written.
+pub struct ParamsWriter {
+    save_dir: PathBuf,
+    tmp: PathBuf,
+    /// Whether `save_dir` was made here (then removed again by `abort` if left empty).
+    made_dir: bool,
+    max_bytes: usize,
+    pending: Vec<(String, DType, Vec<usize>, Vec<f32>)>,
+    pending_bytes: usize,
+    files: Vec<TensorFile>,
+    done: bool,
+}
+
+impl ParamsWriter {
+    pub fn new(save_dir: &Path, max_bytes: usize) -> anyhow::Result<ParamsWriter> {
+        let made_dir = !save_dir.exists();
+        let tmp = save_dir.join(".tmp-iter_0000000");
+        let w = ParamsWriter {
+            save_dir: save_dir.to_path_buf(),
+            tmp,
+            made_dir,
+            max_bytes: max_bytes.max(1),
+            pending: vec![],
+            pending_bytes: 0,
+            files: vec![],
+            done: false,
+        };
+        prepare(save_dir, &w.tmp)?;
+        Ok(w)
+    }
+
+    /// One tensor; a shard file is written once the values held reach `max_bytes`.
+    pub fn add(&mut self, name: String, dtype: DType, shape: Vec<usize>, values: Vec<f32>) -> anyhow::Result<()> {
+        self.pending_bytes += values.len() * dtype.size_in_bytes();
+        self.pending.push((name, dtype, shape, values));
+        if self.pending_bytes >= self.max_bytes { self.flush() } else { Ok(()) }
+    }
+
+    /// The tensors held so far into the next shard file.
+    fn flush(&mut self) -> anyhow::Result<()> {
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        let file = shard_file(self.files.len());
+        let entries: Vec<ShardEntry> = self
+            .pending
+            .iter()
+            .map(|(name, d, shape, v)| ShardEntry {
+                key: name.clone(),
+                piece: Piece::whole(shape),
+                dtype: *d,
+                values: Cow::Borrowed(v),
+            })
+            .collect();
+        let sha256 = ferrotron_checkpoint::write_shard(&self.tmp.join(&file), &entries)?;
+        self.files.push(TensorFile { file, sha256 });
+        self.pending.clear();
+        self.pending_bytes = 0;
+        Ok(())
+    }
+
+    /// The last file, state.toml (`dtype`: the run's parameter dtype) and the rename into place.
+    pub fn finish(mut self, dtype: DType, settings: &Settings) -> anyhow::Result<PathBuf> {
+        self.flush()?;
+        let vocab_size = settings.model_config()?.vocab_size;
+        let info = SaveInfo {
+            iteration: 0,
+            consumed_samples: 0,
+            consumed_valid_samples: 0,
+            settings,
+            vocab_size,
+            buffers: vec![],
+        };
+        let files = std::mem::take(&mut self.files);
+        finish(&self.save_dir, &self.tmp, &dtype.to_string(), files, None, &info)?;
+        self.done = true;
+        Ok(iter_dir(&self.save_dir, 0))
+    }
+
+    /// Removes what was written: the temporary folder, and `save_dir` if it was made here and
+    /// holds nothing else.
+    pub fn abort(mut self) {
+        self.clean();
+    }
+
+    fn clean(&mut self) {
+        if self.done {
+            return;
+        }
+        self.done = true;
+        let _ = std::fs::remove_dir_all(&self.tmp);
+        if self.made_dir {
+            let _ = std::fs::remove_dir(&self.save_dir); // only if empty
+        }
+    }
+}
+
+impl Drop for ParamsWriter {
+    fn drop(&mut self) {
+        self.clean();
+    }
 }
 
 /// Fails every rank when one rank's part failed (after all of them took part).

@@ -46,12 +46,17 @@ pub struct ConvertArgs {
     /// max_position_embeddings).
     #[arg(long)]
     pub seq_length: Option<usize>,
-    /// ferrotron → hf: the largest weights file, as transformers' save_pretrained takes it
-    /// ("5GB", "500MB", or bytes; default 5GB): above it the weights go into
-    /// model-0000i-of-0000n.safetensors files with model.safetensors.index.json.
+    /// The largest weights file ("5GB", "500MB", or bytes; default 5GB). ferrotron → hf: as
+    /// transformers' save_pretrained takes it: above it the weights go into
+    /// model-0000i-of-0000n.safetensors files with model.safetensors.index.json. hf → ferrotron:
+    /// the checkpoint's shard files, written as the tensors are converted, so the import holds
+    /// about one file's worth of weights (twice that for bf16: values are held as f32).
     #[arg(long)]
     pub max_shard_size: Option<String>,
 }
+
+/// --max-shard-size's default, as transformers': 5GB.
+const DEFAULT_SHARD: u64 = 5_000_000_000;
 
 /// What a conversion wrote.
 #[derive(Debug)]
@@ -79,12 +84,9 @@ const TOKENIZER_FILES: [&str; 6] = [
 
 pub fn convert(a: &ConvertArgs) -> anyhow::Result<Converted> {
     match (a.loader.as_str(), a.saver.as_str()) {
-        ("hf", "ferrotron") if a.max_shard_size.is_some() => {
-            bail!("--max-shard-size sizes the files of an export (--saver hf): drop it")
-        }
         ("hf", "ferrotron") => import(a),
         ("ferrotron", "hf") => {
-            let shard = shard_bytes(a.max_shard_size.as_deref().unwrap_or("5GB"))?;
+            let shard = a.max_shard_size.as_deref().map(shard_bytes).transpose()?.unwrap_or(DEFAULT_SHARD);
             if a.tokenizer_type.is_some()
                 || a.vocab_size.is_some()
                 || a.tokenizer_model.is_some()
@@ -259,6 +261,11 @@ fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
             bail!("internal: the settings made from config.json describe another vision tower");
         }
     }
+    let dtype = if settings.bf16 { DType::BF16 } else { DType::F32 };
+    let max_bytes = a.max_shard_size.as_deref().map(shard_bytes).transpose()?.unwrap_or(DEFAULT_SHARD);
+    // Written as the tensors come (shard files of about --max-shard-size); dropped unfinished on
+    // any error below, which removes what was written.
+    let mut writer = checkpoint::ParamsWriter::new(&a.save_dir, usize::try_from(max_bytes).unwrap_or(usize::MAX))?;
     let mut taken = BTreeSet::new();
     let mut failed = None;
     let mut take = |key: &str| match files.read(key) {
@@ -271,14 +278,26 @@ fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
             None
         }
     };
-    let tensors = match &model.vision {
-        Some(v) => hf::llava::import(c, v, &mut take),
-        None => hf::import(arch, c, &mut take),
+    let (mut n, mut write_failed) = (0, None);
+    let mut emit = |name: String, t: HostTensor| {
+        if write_failed.is_some() {
+            return;
+        }
+        // The routers' expert biases (DeepSeek-V3's correction) are buffers, kept in fp32.
+        let d = if name.ends_with(".router.expert_bias") { DType::F32 } else { dtype };
+        n += 1;
+        if let Err(e) = writer.add(name, d, t.shape, t.data) {
+            write_failed = Some(e);
+        }
     };
-    if let Some(e) = failed {
+    let imported = match &model.vision {
+        Some(v) => hf::llava::import(c, v, &mut take, &mut emit),
+        None => hf::import(arch, c, &mut take, &mut emit),
+    };
+    if let Some(e) = failed.or(write_failed) {
         return Err(e);
     }
-    let tensors = tensors.with_context(|| format!("--load-dir {}", a.load_dir.display()))?;
+    imported.with_context(|| format!("--load-dir {}", a.load_dir.display()))?;
     // A taken FP8 weight's scales were read with it.
     let scales_of_taken = |k: &str| k.strip_suffix("_scale_inv").is_some_and(|w| taken.contains(w));
     let left: Vec<&String> =
@@ -294,17 +313,7 @@ fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
             &left[..left.len().min(5)]
         );
     }
-    let dtype = if settings.bf16 { DType::BF16 } else { DType::F32 };
-    let n = tensors.len();
-    // The routers' expert biases (DeepSeek-V3's correction) are buffers, kept in fp32.
-    let typed: Vec<_> = tensors
-        .into_iter()
-        .map(|(name, t)| {
-            let d = if name.ends_with(".router.expert_bias") { DType::F32 } else { dtype };
-            (name, d, t.shape, t.data)
-        })
-        .collect();
-    let dir = checkpoint::save_params(&a.save_dir, &typed, dtype, &settings)?;
+    let dir = writer.finish(dtype, &settings)?;
     Ok(Converted { dir, arch, tensors: n, tokenizer: Ok(vec![]), left_out: 0 })
 }
 

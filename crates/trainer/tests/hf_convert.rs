@@ -599,3 +599,29 @@ fn block_scaled_fp8_weights_import_to_transformers_logits() {
         let _ = std::fs::remove_dir_all(d);
     }
 }
+
+/// An import writes the checkpoint as the tensors are converted, in shard files of about
+/// --max-shard-size (so a large model is never held whole): several small files load to the
+/// same tensors as one file, and a refused import removes what it had written.
+#[test]
+fn an_import_streams_into_shard_files() {
+    let (one, many) = (tmp("hf-stream-one"), tmp("hf-stream-many"));
+    convert(&args("hf", "ferrotron", &fixture("mixtral"), &one)).unwrap();
+    let a = ConvertArgs { max_shard_size: Some("20KB".into()), ..args("hf", "ferrotron", &fixture("mixtral"), &many) };
+    convert(&a).unwrap();
+    let files = checkpoint::read_state(&many).unwrap().tensor_files.len();
+    assert_eq!(checkpoint::read_state(&one).unwrap().tensor_files.len(), 1);
+    assert!(files > 3, "20KB files of a ~190KB model: {files}");
+    let (x, y) = (checkpoint::load(&one).unwrap(), checkpoint::load(&many).unwrap());
+    assert!(x.tensors == y.tensors, "the sharded import holds other tensors");
+    // Refused after some files were written: a tensor late in the order is missing.
+    let late = edited_fp8("hf-stream-late", |_| {}, &["model.layers.2.mlp.experts.7.down_proj.weight"], &[]);
+    let out = tmp("hf-stream-refused");
+    let a = ConvertArgs { max_shard_size: Some("1KB".into()), ..args("hf", "ferrotron", &late, &out) };
+    let e = format!("{:#}", convert(&a).unwrap_err());
+    assert!(e.contains("model.layers.2.mlp.experts.7.down_proj.weight"), "{e}");
+    assert!(!out.exists(), "a refused import leaves nothing behind");
+    for d in [one, many, late] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}

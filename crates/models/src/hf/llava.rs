@@ -230,9 +230,10 @@ pub fn import(
     c: &TransformerConfig,
     v: &LlavaVision,
     take: &mut dyn FnMut(&str) -> Option<HostTensor>,
-) -> Result<Vec<(String, HostTensor)>> {
+    emit: &mut dyn FnMut(String, HostTensor),
+) -> Result<()> {
     let mut take = |n: &str| candidates(n).iter().find_map(|c| take(c));
-    let mut out = super::import(HfArch::Llama, c, &mut |n: &str| take(&text_name(n)))?;
+    super::import(HfArch::Llama, c, &mut |n: &str| take(&text_name(n)), emit)?;
     let mut get = |name: &str, want: &[usize]| -> Result<HostTensor> {
         let t = take(name).ok_or_else(|| HfError::Missing(name.into()))?;
         if t.shape != want {
@@ -246,11 +247,11 @@ pub fn import(
         match m {
             VisionMap::Same { own, hf, shape } => {
                 let t = get(&hf, &shape)?;
-                out.push((own.clone(), HostTensor::new(own_shape(&own, &shape), t.data)));
+                emit(own.clone(), HostTensor::new(own_shape(&own, &shape), t.data));
             }
             VisionMap::Qkv { own, hf, shape } => {
                 let [q, k, vv] = [&hf[0], &hf[1], &hf[2]].map(|n| get(n, &shape));
-                out.push((own, group_qkv(&q?, &k?, &vv?, heads, heads, d)));
+                emit(own, group_qkv(&q?, &k?, &vv?, heads, heads, d));
             }
         }
     }
@@ -277,7 +278,7 @@ pub fn import(
         let name = format!("{TOWER}post_layernorm.{x}");
         take(&name).ok_or(HfError::Missing(name))?;
     }
-    Ok(out)
+    Ok(())
 }
 
 /// HF-named tensors of a LLaVA model from Megatron-named ones (`get` as `super::export`'s); the
