@@ -1122,61 +1122,82 @@ pub fn import_all(
     Ok(out)
 }
 
-/// A whole tensor by name: its shape and values.
-pub type TensorLookup<'a> = dyn Fn(&str) -> Option<(&'a [usize], &'a [f32])> + 'a;
+/// A whole tensor by Megatron name (read when asked for: a checkpoint need not be in memory).
+pub type TensorLookup<'a> = dyn Fn(&str) -> Option<HostTensor> + 'a;
 
 /// HF-named tensors (GPT-2's with the `transformer.` prefix that save_pretrained writes) from
-/// Megatron-named ones: `get` gives a tensor by Megatron name, its vocabulary rows unpadded.
-pub fn export<'a>(arch: HfArch, c: &TransformerConfig, get: &TensorLookup<'a>) -> Result<Vec<(String, HostTensor)>> {
+/// Megatron-named ones: `get` gives a tensor by Megatron name, its vocabulary rows unpadded. Each
+/// goes to `emit` as soon as it is made, in a fixed order, so a caller that writes them as they
+/// come holds a file's worth, not the model.
+pub fn export(
+    arch: HfArch,
+    c: &TransformerConfig,
+    get: &TensorLookup,
+    emit: &mut dyn FnMut(String, HostTensor),
+) -> Result<()> {
     let (heads, groups, d) = (c.num_attention_heads, c.num_query_groups, c.head_dim());
     // Each tensor checked against its shape before any layout change reads it.
     let own = |name: &str, map: &Map| -> Result<HostTensor> {
-        let (shape, data) = get(name).ok_or_else(|| HfError::MissingOwn(name.into()))?;
+        let t = get(name).ok_or_else(|| HfError::MissingOwn(name.into()))?;
         let want = own_shape(arch, c, map);
         let vocab = name.ends_with("word_embeddings.weight") || name == "output_layer.weight";
         // Vocabulary padding rows, if any were kept, are not HF's.
-        let padded = vocab && shape.len() == 2 && shape[1] == want[1] && shape[0] > want[0];
-        if shape != want.as_slice() && !padded {
-            return Err(HfError::Shape { name: name.into(), got: shape.to_vec(), want });
+        let padded = vocab && t.shape.len() == 2 && t.shape[1] == want[1] && t.shape[0] > want[0];
+        if t.shape != want && !padded {
+            return Err(HfError::Shape { name: name.into(), got: t.shape, want });
         }
-        let t = HostTensor::new(shape.to_vec(), data.to_vec());
         Ok(if padded { row_block(&t, 0, c.vocab_size) } else { t })
     };
     let prefix = if arch == HfArch::Gpt2 { "transformer." } else { "" };
     let named = |n: &str| if n == LM_HEAD { n.to_string() } else { format!("{prefix}{n}") };
-    let mut out = vec![];
+    let mut put = |n: String, t: HostTensor| -> Result<()> {
+        let want = hf_shape(arch, c, strip_prefix(arch, &n));
+        if t.shape != want {
+            return Err(HfError::Shape { name: n, got: t.shape, want });
+        }
+        emit(n, t);
+        Ok(())
+    };
     for (name, map) in maps(arch, c) {
         let t = own(&name, &map)?;
         match map {
-            Map::Same(n) => out.push((named(&n), t)),
-            Map::Transposed(n) => out.push((named(&n), transpose(&t))),
+            Map::Same(n) => put(named(&n), t)?,
+            Map::Transposed(n) => put(named(&n), transpose(&t))?,
             Map::Qkv(QkvSource::Gpt2 { name, weight }) => {
                 let [q, k, v] = ungroup_qkv(&t, heads, groups, d);
                 let joined = concat_rows(&[&q, &k, &v]);
-                out.push((named(&name), if weight { transpose(&joined) } else { joined }));
+                put(named(&name), if weight { transpose(&joined) } else { joined })?;
             }
             Map::Qkv(QkvSource::Llama { q, k, v, .. }) => {
                 for (n, part) in [q, k, v].iter().zip(ungroup_qkv(&t, heads, groups, d)) {
-                    out.push((named(n), part));
+                    put(named(n), part)?;
                 }
             }
             Map::GateUp(gate, up) => {
                 let f = t.shape[0] / 2;
-                out.push((named(&gate), row_block(&t, 0, f)));
-                out.push((named(&up), row_block(&t, f, f)));
+                put(named(&gate), row_block(&t, 0, f))?;
+                put(named(&up), row_block(&t, f, f))?;
             }
         }
     }
-    if arch == HfArch::DeepseekV3 {
-        let copies = deepseek::shared_copies(c, &out);
-        out.extend(copies);
-    }
-    for (n, t) in &out {
-        let want = hf_shape(arch, c, strip_prefix(arch, n));
-        if t.shape != want {
-            return Err(HfError::Shape { name: n.clone(), got: t.shape.clone(), want });
+    // DeepSeek-V3's MTP depths carry their own copies of the embedding and the head.
+    if arch == HfArch::DeepseekV3 && c.mtp.is_some() {
+        let emb = own("embedding.word_embeddings.weight", &Map::Same("model.embed_tokens.weight".into()))?;
+        let head = match c.untie_embeddings_and_output_weights {
+            true => own("output_layer.weight", &Map::Same(LM_HEAD.into()))?,
+            false => emb.clone(),
+        };
+        for (n, t) in deepseek::shared_copies(c, &emb, &head) {
+            put(n, t)?;
         }
     }
+    Ok(())
+}
+
+/// `export` into one list: for models that fit in memory (tests, small checkpoints).
+pub fn export_all(arch: HfArch, c: &TransformerConfig, get: &TensorLookup) -> Result<Vec<(String, HostTensor)>> {
+    let mut out = vec![];
+    export(arch, c, get, &mut |n, t| out.push((n, t)))?;
     Ok(out)
 }
 
@@ -1270,7 +1291,7 @@ mod tests {
                 .map(|(i, (name, _))| (name.clone(), numbered(&own_shape(&c, name), i)))
                 .collect();
             let by_name: HashMap<&str, &HostTensor> = own.iter().map(|(n, t)| (n.as_str(), t)).collect();
-            let hf = export(arch, &c, &|n| by_name.get(n).map(|t| (t.shape.as_slice(), t.data.as_slice()))).unwrap();
+            let hf = export_all(arch, &c, &|n| by_name.get(n).map(|&t| t.clone())).unwrap();
             let mut files: HashMap<String, HostTensor> =
                 hf.into_iter().map(|(n, t)| (strip_prefix(arch, &n).to_string(), t)).collect();
             let back = import_all(arch, &c, &mut |n| files.remove(n)).unwrap();
@@ -1305,8 +1326,7 @@ mod tests {
         let own: Vec<(String, HostTensor)> =
             m.iter().enumerate().map(|(i, (name, _))| (name.clone(), numbered(&own_shape(&c, name), i))).collect();
         let by_name: HashMap<&str, &HostTensor> = own.iter().map(|(n, t)| (n.as_str(), t)).collect();
-        let hf = export(HfArch::DeepseekV3, &c, &|n| by_name.get(n).map(|t| (t.shape.as_slice(), t.data.as_slice())))
-            .unwrap();
+        let hf = export_all(HfArch::DeepseekV3, &c, &|n| by_name.get(n).map(|&t| t.clone())).unwrap();
         let get = |n: &str| hf.iter().find(|(name, _)| name == n).map(|(_, t)| t.clone()).unwrap();
         assert_eq!(get("model.layers.2.shared_head.head.weight"), get("lm_head.weight"));
         assert_eq!(get("model.layers.2.embed_tokens.weight"), get("model.embed_tokens.weight"));
@@ -1409,8 +1429,8 @@ mod tests {
                 (name.clone(), numbered(&shape, 1))
             })
             .collect();
-        let get = |n: &str| tensors.get(n).map(|t| (t.shape.as_slice(), t.data.as_slice()));
-        let e = export(HfArch::Llama, &c, &get).unwrap_err().to_string();
+        let get = |n: &str| tensors.get(n).cloned();
+        let e = export_all(HfArch::Llama, &c, &get).unwrap_err().to_string();
         assert!(e.contains("decoder.layers.1.self_attention.linear_qkv.weight") && e.contains("[44, 8]"), "{e}");
     }
 

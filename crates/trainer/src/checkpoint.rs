@@ -653,6 +653,57 @@ pub fn load_params(dir: &Path) -> anyhow::Result<Loaded> {
     load_where(dir, |name| optimizer_of(name).is_none())
 }
 
+/// A checkpoint's parameters read one whole tensor at a time, when asked for (an export: the
+/// files are memory-mapped, each verified at its first read), vocabulary rows unpadded. Format
+/// 2 checkpoints (whole tensors, earlier builds) are read whole at the start.
+pub struct ParamsSource {
+    pub state: State,
+    source: Source,
+}
+
+enum Source {
+    Shards(ShardReader),
+    Loaded(HashMap<String, (Vec<usize>, Vec<f32>)>),
+}
+
+impl ParamsSource {
+    pub fn open(dir: &Path) -> anyhow::Result<ParamsSource> {
+        let state = read_state(dir)?;
+        if state.format_version == WHOLE_FORMAT {
+            let Loaded { state, tensors } = load_params(dir)?;
+            return Ok(ParamsSource { state, source: Source::Loaded(tensors) });
+        }
+        let dir = resolve(dir)?;
+        let files: Vec<_> = state.tensor_files.iter().map(|f| (dir.join(&f.file), Some(f.sha256.clone()))).collect();
+        Ok(ParamsSource { source: Source::Shards(ShardReader::open(&files)?), state })
+    }
+
+    /// The parameters' names (optimizer state left out), sorted.
+    pub fn names(&self) -> Vec<String> {
+        let mut n: Vec<String> = match &self.source {
+            Source::Shards(r) => r.keys().map(str::to_string).collect(),
+            Source::Loaded(t) => t.keys().cloned().collect(),
+        };
+        n.retain(|k| optimizer_of(k).is_none());
+        n.sort();
+        n
+    }
+
+    /// Parameter `name` whole (None if the checkpoint has none).
+    pub fn read(&self, name: &str) -> anyhow::Result<Option<(Vec<usize>, Vec<f32>)>> {
+        match &self.source {
+            Source::Loaded(t) => Ok(t.get(name).cloned()),
+            Source::Shards(r) => {
+                if optimizer_of(name).is_some() || !r.keys().any(|k| k == name) {
+                    return Ok(None);
+                }
+                let rows = (vocab_padded(name) && self.state.vocab_size > 0).then_some(self.state.vocab_size);
+                Ok(Some(r.read_whole(name, rows)?))
+            }
+        }
+    }
+}
+
 /// `load` of the tensors whose names `keep` takes, vocabulary rows unpadded (every file read is
 /// verified whole).
 fn load_where(dir: &Path, keep: impl Fn(&str) -> bool) -> anyhow::Result<Loaded> {

@@ -332,31 +332,18 @@ fn shard_bytes(s: &str) -> anyhow::Result<u64> {
 
 /// Tensors in order into files of at most `max` bytes each (a larger tensor alone), as
 /// transformers shards: returns the index of the file each tensor goes to, and the count.
-fn shard_plan(bytes: &[u64], max: u64) -> (Vec<usize>, usize) {
-    let (mut file, mut used, mut plan) = (0usize, 0u64, vec![]);
-    for &b in bytes {
-        if used > 0 && used + b > max {
-            (file, used) = (file + 1, 0);
-        }
-        used += b;
-        plan.push(file);
-    }
-    (plan, file + 1)
-}
-
 fn export(load: &Path, save_dir: &Path, max_shard: u64) -> anyhow::Result<Converted> {
     crate::settings::check_dir(load, "--load-dir")?;
-    let ck = checkpoint::load_params(load)?;
+    let ck = checkpoint::ParamsSource::open(load)?;
     let c = ck.state.settings.model_config()?;
     let vision = ck.state.settings.vision_spec()?;
     let arch = HfArch::of(&c).context("--saver hf")?;
-    let get = |n: &str| ck.tensors.get(n).map(|(s, v)| (s.as_slice(), v.as_slice()));
-    let (arch, tensors) = match &vision {
+    let arch = match &vision {
         Some(_) if arch != HfArch::Llama => {
             bail!("--saver hf: a LLaVA model converts with a Llama language model, not a {}", arch.class())
         }
-        Some(v) => (HfArch::Llava, hf::llava::export(&c, v, &get)?),
-        None => (arch, hf::export(arch, &c, &get)?),
+        Some(_) => HfArch::Llava,
+        None => arch,
     };
     let (dtype, dtype_name) = match ck.state.params_dtype.as_str() {
         "bf16" => (DType::BF16, "bfloat16"),
@@ -365,51 +352,39 @@ fn export(load: &Path, save_dir: &Path, max_shard: u64) -> anyhow::Result<Conver
     if save_dir.join("config.json").exists() || save_dir.join("model.safetensors.index.json").exists() {
         bail!("--save-dir {}: holds a model already; pick a new folder (nothing was written)", save_dir.display());
     }
+    let made_dir = !save_dir.exists();
     std::fs::create_dir_all(save_dir)
         .with_context(|| format!("--save-dir {}: cannot create the folder", save_dir.display()))?;
-    let width = if dtype == DType::BF16 { 2 } else { 4 };
-    let sizes: Vec<u64> = tensors.iter().map(|(_, t)| (t.data.len() * width) as u64).collect();
-    let (plan, files) = shard_plan(&sizes, max_shard);
-    let file_name = |i: usize| {
-        if files == 1 {
-            "model.safetensors".to_string()
-        } else {
-            format!("model-{:05}-of-{files:05}.safetensors", i + 1)
+    let mut files = WeightFiles::new(save_dir, dtype, max_shard);
+    // Read one tensor at a time from the checkpoint's files, written as the export makes them.
+    let read_failed = std::cell::RefCell::new(None);
+    let get = |n: &str| match ck.read(n) {
+        Ok(t) => t.map(|(shape, data)| HostTensor::new(shape, data)),
+        Err(e) => {
+            read_failed.borrow_mut().get_or_insert(e);
+            None
         }
     };
-    for f in 0..files {
-        let mine: Vec<&(String, HostTensor)> =
-            tensors.iter().zip(&plan).filter(|(_, p)| **p == f).map(|(t, _)| t).collect();
-        let encoded: Vec<_> = mine
-            .iter()
-            .map(|(name, t)| ferrotron_checkpoint::encode(name, dtype, &t.data))
-            .collect::<Result<_, _>>()?;
-        let views = mine
-            .iter()
-            .zip(&encoded)
-            .map(|((name, t), (b, d))| {
-                Ok((name.as_str(), safetensors::tensor::TensorView::new(*d, t.shape.clone(), b)?))
-            })
-            .collect::<anyhow::Result<Vec<_>>>()?;
-        // transformers reads only files that say which framework wrote them.
-        let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-        let tmp = save_dir.join(format!(".{}.tmp", file_name(f)));
-        safetensors::serialize_to_file(views, Some(meta), &tmp)
-            .with_context(|| format!("cannot write {}", tmp.display()))?;
-        std::fs::rename(&tmp, save_dir.join(file_name(f)))?;
-    }
-    if files > 1 {
-        let weight_map: serde_json::Map<String, serde_json::Value> =
-            tensors.iter().zip(&plan).map(|((n, _), &f)| (n.clone(), file_name(f).into())).collect();
-        let index = serde_json::json!({
-            "metadata": { "total_size": sizes.iter().sum::<u64>() },
-            "weight_map": weight_map,
-        });
-        let tmp = save_dir.join(".model.safetensors.index.json.tmp");
-        std::fs::write(&tmp, serde_json::to_string_pretty(&index)? + "\n")
-            .with_context(|| format!("cannot write {}", tmp.display()))?;
-        std::fs::rename(&tmp, save_dir.join("model.safetensors.index.json"))?;
-    }
+    let mut emit = |name: String, t: HostTensor| files.add(name, t);
+    let exported = match &vision {
+        Some(v) => hf::llava::export(&c, v, &get, &mut emit),
+        None => hf::export(arch, &c, &get, &mut emit),
+    };
+    let written = match (read_failed.into_inner(), exported) {
+        (Some(e), _) => Err(e),
+        (None, Err(e)) => Err(e.into()),
+        (None, Ok(())) => files.finish(),
+    };
+    let tensors = match written {
+        Ok(w) => w,
+        Err(e) => {
+            files.abort();
+            if made_dir {
+                let _ = std::fs::remove_dir(save_dir); // only if empty
+            }
+            return Err(e);
+        }
+    };
     let config = match &vision {
         Some(v) => hf::llava::to_config(&c, v, dtype_name),
         None => hf::to_hf_config(arch, &c, dtype_name),
@@ -422,9 +397,114 @@ fn export(load: &Path, save_dir: &Path, max_shard: u64) -> anyhow::Result<Conver
     // DeepSeek-V3's folders keep the depths as the layers after the decoder's; others have none.
     let left_out = match hf::mtp_probe(arch, &c) {
         Some(_) => 0,
-        None => ck.tensors.keys().filter(|n| n.starts_with("mtp.")).count(),
+        None => ck.names().iter().filter(|n| n.starts_with("mtp.")).count(),
     };
-    Ok(Converted { dir: save_dir.to_path_buf(), arch, tensors: tensors.len(), tokenizer, left_out })
+    Ok(Converted { dir: save_dir.to_path_buf(), arch, tensors, tokenizer, left_out })
+}
+
+/// An export's weights files, filled in order as the tensors come: a file is closed when the
+/// next tensor would take it past `max` bytes (one tensor alone may exceed it), as
+/// transformers' save_pretrained splits; the files get their final names, and the index its
+/// weight map, once their number is known.
+struct WeightFiles {
+    dir: PathBuf,
+    dtype: DType,
+    max: u64,
+    /// The open file's tensors, encoded.
+    open: Vec<(String, Vec<usize>, Vec<u8>, safetensors::Dtype)>,
+    used: u64,
+    /// Each closed file's temporary name, and each tensor's file and size.
+    closed: Vec<PathBuf>,
+    placed: Vec<(String, usize, u64)>,
+    failed: Option<anyhow::Error>,
+}
+
+impl WeightFiles {
+    fn new(dir: &Path, dtype: DType, max: u64) -> WeightFiles {
+        let dir = dir.to_path_buf();
+        WeightFiles { dir, dtype, max, open: vec![], used: 0, closed: vec![], placed: vec![], failed: None }
+    }
+
+    fn add(&mut self, name: String, t: HostTensor) {
+        if self.failed.is_some() {
+            return;
+        }
+        if let Err(e) = self.try_add(name, t) {
+            self.failed = Some(e);
+        }
+    }
+
+    fn try_add(&mut self, name: String, t: HostTensor) -> anyhow::Result<()> {
+        let (bytes, st) = ferrotron_checkpoint::encode(&name, self.dtype, &t.data)?;
+        let b = bytes.len() as u64;
+        if self.used > 0 && self.used + b > self.max {
+            self.close()?;
+        }
+        self.used += b;
+        self.placed.push((name.clone(), self.closed.len(), b));
+        self.open.push((name, t.shape, bytes.into_owned(), st));
+        Ok(())
+    }
+
+    /// Writes the open file under a temporary name.
+    fn close(&mut self) -> anyhow::Result<()> {
+        let views = self
+            .open
+            .iter()
+            .map(|(name, shape, b, d)| Ok((name.as_str(), safetensors::tensor::TensorView::new(*d, shape.clone(), b)?)))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        // transformers reads only files that say which framework wrote them.
+        let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+        let tmp = self.dir.join(format!(".model-part-{:05}.tmp", self.closed.len()));
+        safetensors::serialize_to_file(views, Some(meta), &tmp)
+            .with_context(|| format!("cannot write {}", tmp.display()))?;
+        self.closed.push(tmp);
+        self.open.clear();
+        self.used = 0;
+        Ok(())
+    }
+
+    /// The last file written, every file renamed into place, the index where there are several:
+    /// the tensors' count.
+    fn finish(&mut self) -> anyhow::Result<usize> {
+        if let Some(e) = self.failed.take() {
+            return Err(e);
+        }
+        if !self.open.is_empty() || self.closed.is_empty() {
+            self.close()?;
+        }
+        let files = self.closed.len();
+        let file_name = |i: usize| {
+            if files == 1 {
+                "model.safetensors".to_string()
+            } else {
+                format!("model-{:05}-of-{files:05}.safetensors", i + 1)
+            }
+        };
+        for (i, tmp) in std::mem::take(&mut self.closed).into_iter().enumerate() {
+            std::fs::rename(&tmp, self.dir.join(file_name(i)))?;
+        }
+        if files > 1 {
+            let weight_map: serde_json::Map<String, serde_json::Value> =
+                self.placed.iter().map(|(n, f, _)| (n.clone(), file_name(*f).into())).collect();
+            let index = serde_json::json!({
+                "metadata": { "total_size": self.placed.iter().map(|p| p.2).sum::<u64>() },
+                "weight_map": weight_map,
+            });
+            let tmp = self.dir.join(".model.safetensors.index.json.tmp");
+            std::fs::write(&tmp, serde_json::to_string_pretty(&index)? + "\n")
+                .with_context(|| format!("cannot write {}", tmp.display()))?;
+            std::fs::rename(&tmp, self.dir.join("model.safetensors.index.json"))?;
+        }
+        Ok(self.placed.len())
+    }
+
+    /// Removes the files written so far (an export that failed part-way).
+    fn abort(&mut self) {
+        for tmp in self.closed.drain(..) {
+            let _ = std::fs::remove_file(tmp);
+        }
+    }
 }
 
 /// The run's transformers tokenizer files into `save_dir`, so the export loads with
@@ -449,11 +529,28 @@ fn copy_tokenizer(s: &Settings, save_dir: &Path) -> anyhow::Result<Result<Vec<&'
 mod tests {
     use super::*;
 
+    /// The files each tensor went to, for f32 tensors of `elems` values under `max` bytes.
+    fn placed(elems: &[usize], max: u64) -> (Vec<usize>, usize) {
+        let dir = std::env::temp_dir().join(format!("ferrotron-weightfiles-{}-{}", std::process::id(), elems.len()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut w = WeightFiles::new(&dir, DType::F32, max);
+        for (i, &n) in elems.iter().enumerate() {
+            w.add(format!("t{i}"), HostTensor::new(vec![n], vec![i as f32; n]));
+        }
+        let files = w.placed.iter().map(|p| p.1 + 1).max().unwrap_or(1);
+        let plan = w.placed.iter().map(|p| p.1).collect();
+        assert_eq!(w.finish().unwrap(), elems.len());
+        let _ = std::fs::remove_dir_all(&dir);
+        (plan, files)
+    }
+
     #[test]
     fn shards_fill_in_order_up_to_the_size() {
-        assert_eq!(shard_plan(&[6, 6, 2, 6, 2, 2], 10), (vec![0, 1, 1, 2, 2, 2], 3));
-        assert_eq!(shard_plan(&[12, 1], 10), (vec![0, 1], 2), "a tensor above the size goes alone");
-        assert_eq!(shard_plan(&[3, 3], 10), (vec![0, 0], 1));
+        // Bytes = 4 × elements: a file closes when the next tensor would take it past the size.
+        assert_eq!(placed(&[6, 6, 2, 6, 2, 2], 40), (vec![0, 1, 1, 2, 2, 2], 3));
+        assert_eq!(placed(&[12, 1], 40), (vec![0, 1], 2), "a tensor above the size goes alone");
+        assert_eq!(placed(&[3, 3], 40), (vec![0, 0], 1));
         assert_eq!(shard_bytes("5GB").unwrap(), 5_000_000_000);
         assert_eq!((shard_bytes("200kb").unwrap(), shard_bytes("1234").unwrap()), (200_000, 1234));
         for bad in ["", "GB", "0", "-1MB", "5 TB"] {

@@ -600,11 +600,12 @@ fn block_scaled_fp8_weights_import_to_transformers_logits() {
     }
 }
 
-/// An import writes the checkpoint as the tensors are converted, in shard files of about
-/// --max-shard-size (so a large model is never held whole): several small files load to the
-/// same tensors as one file, and a refused import removes what it had written.
+/// Both directions write as the tensors are converted (so a large model is never held whole):
+/// an import in checkpoint shard files of about --max-shard-size, several of which load to the
+/// same tensors as one file; an export reading the checkpoint a tensor at a time. A conversion
+/// that fails part-way (a missing tensor, a corrupt checkpoint file) removes what it wrote.
 #[test]
-fn an_import_streams_into_shard_files() {
+fn conversions_stream_and_clean_up_after_a_failure() {
     let (one, many) = (tmp("hf-stream-one"), tmp("hf-stream-many"));
     convert(&args("hf", "ferrotron", &fixture("mixtral"), &one)).unwrap();
     let a = ConvertArgs { max_shard_size: Some("20KB".into()), ..args("hf", "ferrotron", &fixture("mixtral"), &many) };
@@ -621,7 +622,26 @@ fn an_import_streams_into_shard_files() {
     let e = format!("{:#}", convert(&a).unwrap_err());
     assert!(e.contains("model.layers.2.mlp.experts.7.down_proj.weight"), "{e}");
     assert!(!out.exists(), "a refused import leaves nothing behind");
-    for d in [one, many, late] {
+    // An export from the many small files gives the one-file import's export.
+    let (back_one, back_many) = (tmp("hf-stream-back-one"), tmp("hf-stream-back-many"));
+    convert(&args("ferrotron", "hf", &one, &back_one)).unwrap();
+    convert(&ConvertArgs { max_shard_size: Some("30KB".into()), ..args("ferrotron", "hf", &many, &back_many) })
+        .unwrap();
+    assert!(hf_tensors(&back_one) == hf_tensors(&back_many), "the exports differ");
+    assert!(back_many.join("model.safetensors.index.json").is_file());
+    // A checkpoint file corrupted on disk: the export stops at its first read and removes its files.
+    let state = checkpoint::read_state(&many).unwrap();
+    let last = checkpoint::resolve(&many).unwrap().join(&state.tensor_files.last().unwrap().file);
+    let mut bytes = std::fs::read(&last).unwrap();
+    let end = bytes.len() - 1;
+    bytes[end] ^= 0x55;
+    std::fs::write(&last, bytes).unwrap();
+    let out = tmp("hf-stream-export-refused");
+    let a = ConvertArgs { max_shard_size: Some("1KB".into()), ..args("ferrotron", "hf", &many, &out) };
+    let e = format!("{:#}", convert(&a).unwrap_err());
+    assert!(e.contains("corrupt") && e.contains(&state.tensor_files.last().unwrap().file), "{e}");
+    assert!(!out.exists(), "a failed export leaves nothing behind");
+    for d in [one, many, late, back_one, back_many] {
         let _ = std::fs::remove_dir_all(d);
     }
 }

@@ -182,14 +182,13 @@ pub(super) fn is_shared_copy(hf_name: &str) -> bool {
         && (hf_name.ends_with(".shared_head.head.weight") || hf_name.ends_with(".embed_tokens.weight"))
 }
 
-/// The export's copies of `out`'s embedding and output layer for each MTP depth.
+/// The export's copies of the embedding and output layer for each MTP depth.
 pub(super) fn shared_copies(
     c: &TransformerConfig,
-    out: &[(String, super::HostTensor)],
+    emb: &super::HostTensor,
+    head: &super::HostTensor,
 ) -> Vec<(String, super::HostTensor)> {
-    let find = |n: &str| out.iter().find(|(name, _)| name == n).map(|(_, t)| t.clone());
-    let (Some(emb), Some(m)) = (find("model.embed_tokens.weight"), c.mtp) else { return vec![] };
-    let head = find(super::LM_HEAD).unwrap_or_else(|| emb.clone());
+    let Some(m) = c.mtp else { return vec![] };
     (0..m.num_layers)
         .flat_map(|k| {
             let p = format!("model.layers.{}.", c.num_layers + k);

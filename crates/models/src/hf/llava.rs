@@ -283,37 +283,41 @@ pub fn import(
 
 /// HF-named tensors of a LLaVA model from Megatron-named ones (`get` as `super::export`'s); the
 /// tower's `post_layernorm`, which LLaVA never reads, as ones and zeros.
-pub fn export<'a>(c: &TransformerConfig, v: &VisionSpec, get: &TensorLookup<'a>) -> Result<Vec<(String, HostTensor)>> {
-    let mut out: Vec<(String, HostTensor)> =
-        super::export(HfArch::Llama, c, get)?.into_iter().map(|(n, t)| (text_name(&n), t)).collect();
+pub fn export(
+    c: &TransformerConfig,
+    v: &VisionSpec,
+    get: &TensorLookup,
+    emit: &mut dyn FnMut(String, HostTensor),
+) -> Result<()> {
+    super::export(HfArch::Llama, c, get, &mut |n, t| emit(text_name(&n), t))?;
     let (heads, d) = (v.encoder.num_attention_heads, v.encoder.head_dim());
     let own = |name: &str, want: &[usize]| -> Result<HostTensor> {
-        let (shape, data) = get(name).ok_or_else(|| HfError::MissingOwn(name.into()))?;
-        if shape != want {
-            return Err(HfError::Shape { name: name.into(), got: shape.to_vec(), want: want.to_vec() });
+        let t = get(name).ok_or_else(|| HfError::MissingOwn(name.into()))?;
+        if t.shape != want {
+            return Err(HfError::Shape { name: name.into(), got: t.shape, want: want.to_vec() });
         }
-        Ok(HostTensor::new(shape.to_vec(), data.to_vec()))
+        Ok(t)
     };
     for m in vision_maps(v) {
         match m {
             VisionMap::Same { own: name, hf, shape } => {
                 let t = own(&name, &own_shape(&name, &shape))?;
-                out.push((hf, HostTensor::new(shape, t.data)));
+                emit(hf, HostTensor::new(shape, t.data));
             }
             VisionMap::Qkv { own: name, hf, shape } => {
                 let rows = 3 * shape[0];
                 let want = if shape.len() == 2 { vec![rows, shape[1]] } else { vec![rows] };
                 let parts = ungroup_qkv(&own(&name, &want)?, heads, heads, d);
                 for (n, t) in hf.into_iter().zip(parts) {
-                    out.push((n, t));
+                    emit(n, t);
                 }
             }
         }
     }
     let width = v.encoder.hidden_size;
-    out.push((format!("{TOWER}post_layernorm.weight"), HostTensor::new(vec![width], vec![1.0; width])));
-    out.push((format!("{TOWER}post_layernorm.bias"), HostTensor::new(vec![width], vec![0.0; width])));
-    Ok(out)
+    emit(format!("{TOWER}post_layernorm.weight"), HostTensor::new(vec![width], vec![1.0; width]));
+    emit(format!("{TOWER}post_layernorm.bias"), HostTensor::new(vec![width], vec![0.0; width]));
+    Ok(())
 }
 
 #[cfg(test)]
