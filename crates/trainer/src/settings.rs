@@ -2600,14 +2600,16 @@ impl Settings {
         if let Some(m) = ferrotron_models::hybrid::mamba_spec(&self.model_config()?) {
             m.validate_cp(self.tensor_model_parallel_size, cp).map_err(anyhow::Error::msg)?;
         }
+        if self.mtp_num_layers.is_some()
+            && self.model_config()?.position_embedding == PositionEmbedding::LearnedAbsolute
+        {
+            bail!(
+                "--context-parallel-size {cp} with --mtp-num-layers and learned absolute position embeddings: the depths' positions are not split over context-parallel ranks; use --position-embedding-type rope, or drop one"
+            );
+        }
         if self.mla.is_some() {
             bail!(
                 "--context-parallel-size {cp} with --multi-latent-attention: its attention is not split over context-parallel ranks yet; drop one"
-            );
-        }
-        if self.mtp_num_layers.is_some() {
-            bail!(
-                "--context-parallel-size {cp} with --mtp-num-layers: the multi-token prediction depths' rolled tokens do not cross context-parallel chunks yet; drop one"
             );
         }
         if self.window_size.is_some() {

@@ -16,6 +16,7 @@ use ferrotron_optim::{
     queue_train_step, queue_train_step_pipelined, token_weighted,
 };
 use ferrotron_parallel::{ContextParallel, ProcessGroups, TensorParallel};
+use ferrotron_transformer::gpt::MtpRolled;
 use ferrotron_transformer::{Batch, GptModel};
 
 type Comm = std::sync::Arc<dyn ferrotron_comm::Communicator>;
@@ -184,6 +185,9 @@ struct BatchSpec {
     /// The end-of-document id (a record's text ends with it, then padding).
     eod: u32,
     cp: Option<ContextParallel>,
+    /// Multi-token prediction depths: under context parallelism their inputs are rolled here,
+    /// along the whole sequences, before the split.
+    mtp_depths: usize,
     /// A multimodal run's images: the spec, where they come from, the seed, the model's dtype.
     vision: Option<(ferrotron_transformer::VisionSpec, ImageSource, u64, DType)>,
 }
@@ -192,7 +196,7 @@ fn batch(split: &TokenSplit, indices: &[usize], spec: &BatchSpec, dev: &Device) 
     if let Some(v) = &spec.vision {
         return multimodal_batch(split, indices, spec, v, dev);
     }
-    let BatchSpec { seq, vocab, eod_mask, ref cp, .. } = *spec;
+    let BatchSpec { seq, vocab, eod_mask, ref cp, mtp_depths, .. } = *spec;
     let (mut tokens, mut labels) = (Vec::with_capacity(indices.len() * seq), Vec::with_capacity(indices.len() * seq));
     for &i in indices {
         let s = split.sample(i)?;
@@ -222,13 +226,41 @@ fn batch(split: &TokenSplit, indices: &[usize], spec: &BatchSpec, dev: &Device) 
             Some(m) => cp.shard_host(m, b, seq)?,
             None => vec![1.0; b * local],
         };
-        return Ok(Batch::masked(t, l, m)?.with_num_tokens(whole / cp.size() as f64)?);
+        let batch = Batch::masked(t, l, m)?.with_num_tokens(whole / cp.size() as f64)?;
+        if mtp_depths == 0 {
+            return Ok(batch);
+        }
+        // Depth k's inputs: the whole rows moved k places left (zeros at the end, out of the
+        // loss), then this rank's chunks of them.
+        let ones;
+        let mask = match &mask {
+            Some(m) => m,
+            None => {
+                ones = vec![1f32; b * seq];
+                &ones
+            }
+        };
+        let mut depths = Vec::with_capacity(mtp_depths);
+        for k in 1..=mtp_depths {
+            let (tk, lk, mk) = (roll_rows(&tokens, seq, k), roll_rows(&labels, seq, k), roll_rows(mask, seq, k));
+            let count = mk.iter().map(|&x| x as f64).sum::<f64>() / cp.size() as f64;
+            let mk = Tensor::from_vec(cp.shard_host(&mk, b, seq)?, [b, local], dev)?;
+            depths.push((shard(&tk)?, shard(&lk)?, mk, count));
+        }
+        let all = whole / cp.size() as f64;
+        return Ok(batch.with_mtp_rolled(MtpRolled { depths, all }));
     }
     let (tokens, labels) = (Tensor::from_vec(tokens, [b, seq], dev)?, Tensor::from_vec(labels, [b, seq], dev)?);
     Ok(match mask {
         Some(m) => Batch::masked(tokens, labels, m)?,
         None => Batch::unmasked(tokens, labels)?,
     })
+}
+
+/// Rows of `x` [rows, seq] moved `k` places left, zeros in the last k: `mtp::roll_left` on the
+/// host, over whole sequences.
+fn roll_rows<T: Copy + Default>(x: &[T], seq: usize, k: usize) -> Vec<T> {
+    x.chunks(seq).flat_map(|r| (0..seq).map(move |t| if t + k < seq { r[t + k] } else { T::default() })).collect()
 }
 
 /// Where a multimodal run's images come from.
@@ -704,6 +736,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         eod_mask: s.eod_mask_loss.then(|| data.tokenizer.eod()),
         eod: data.tokenizer.eod(),
         cp,
+        mtp_depths: model.config.mtp.map_or(0, |m| m.num_layers),
         vision: s.vision_spec()?.map(|v| {
             let source = match (&data.images, s.mock_data) {
                 (Some(files), _) => ImageSource::Files(files.clone()),
@@ -1084,7 +1117,7 @@ mod tests {
         let seqs = Arc::new(Sequences::from_documents(&[vec![1, 2, 3, 4, 9, 5, 6, 7, 8]]));
         let split = blend_split("train", vec![(None, seqs, 0..1)], 2, 4, 1234, None).unwrap();
         // Both samples (tokens 0..=4 and 4..=8, in some order) hold 9.
-        let spec = |vocab| BatchSpec { seq: 4, vocab, eod_mask: None, eod: 0, cp: None, vision: None };
+        let spec = |vocab| BatchSpec { seq: 4, vocab, eod_mask: None, eod: 0, cp: None, mtp_depths: 0, vision: None };
         let ok = batch(&split, &[0, 1], &spec(10), &Device::Cpu).unwrap();
         let (mut t, mut l) = (ok.tokens.to_vec::<u32>().unwrap(), ok.labels.to_vec::<u32>().unwrap());
         if t[0] != 1 {
@@ -1104,7 +1137,7 @@ mod tests {
         let docs = [vec![1, 2, 0], vec![3, 0], vec![4, 5, 6, 0]];
         let seqs = Arc::new(Sequences::from_documents(&docs));
         let split = blend_split("train", vec![(None, seqs, 0..3)], 1, 8, 1234, None).unwrap();
-        let spec = BatchSpec { seq: 8, vocab: 10, eod_mask: Some(0), eod: 0, cp: None, vision: None };
+        let spec = BatchSpec { seq: 8, vocab: 10, eod_mask: Some(0), eod: 0, cp: None, mtp_depths: 0, vision: None };
         let b = batch(&split, &[0], &spec, &Device::Cpu).unwrap();
         let tokens = b.tokens.to_vec::<u32>().unwrap();
         let want: Vec<f32> = tokens.iter().map(|&t| if t == 0 { 0.0 } else { 1.0 }).collect();

@@ -33,7 +33,9 @@ fn follows_one_rank(one: &Summary, layouts: &[(&str, &Settings, usize)]) {
 /// Llama style (RoPE, untied: under a pipeline the last stage keeps its own copy of the word
 /// embedding for the depths, summed with the first stage's) and GPT-2 style (tied, learned
 /// positions): data parallel (distributed optimizer, overlapped), tensor parallel with and
-/// without sequence parallelism, pipeline parallel (× data parallel, full recompute).
+/// without sequence parallelism, pipeline parallel (× data parallel, full recompute), context
+/// parallel (the depths' inputs rolled along the whole sequences before the split; × tensor
+/// parallel with sequence parallelism).
 #[test]
 fn mtp_layouts_follow_one_rank() {
     let s1 = settings(&mtp_args(true));
@@ -55,6 +57,10 @@ fn mtp_layouts_follow_one_rank() {
     pp.pipeline_model_parallel_size = 2;
     let mut pp_dp = pp.clone();
     pp_dp.recompute_granularity = Some("full".into());
+    let mut cp = s1.clone();
+    cp.context_parallel_size = 2;
+    let mut cp_tp = tp_sp.clone();
+    cp_tp.context_parallel_size = 2;
     follows_one_rank(
         &one,
         &[
@@ -63,6 +69,8 @@ fn mtp_layouts_follow_one_rank() {
             ("tp2 sp", &tp_sp, 2),
             ("pp2", &pp, 2),
             ("pp2 × dp2, full recompute", &pp_dp, 4),
+            ("cp2", &cp, 2),
+            ("cp2 × tp2 sp", &cp_tp, 4),
         ],
     );
     let g1 = settings(&mtp_args(false));
@@ -167,7 +175,11 @@ fn mtp_resume_is_bit_exact_and_the_checkpoint_names_the_depths() {
 /// What is not built is refused by name before anything runs.
 #[test]
 fn mtp_combinations_not_built_are_refused() {
-    refused(TrainArgs { context_parallel_size: Some(2), ..mtp_args(true) }, 2, "--context-parallel-size");
+    refused(
+        TrainArgs { context_parallel_size: Some(2), ..mtp_args(false) },
+        2,
+        "--context-parallel-size 2 with --mtp-num-layers and learned absolute",
+    );
     refused(TrainArgs { pipeline_model_parallel_size: Some(2), ..mtp_args(false) }, 2, "learned absolute");
     refused(TrainArgs { mtp_loss_scaling_factor: Some(-1.0), ..mtp_args(true) }, 1, "--mtp-loss-scaling-factor");
     // Megatron takes 0 depths as none.

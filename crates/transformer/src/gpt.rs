@@ -61,6 +61,20 @@ pub struct Batch {
     /// Under --calculate-per-token-loss, the scale of its modules' own losses' gradients
     /// (`Cx::own_loss_scale`); set with the token count by `per_token`.
     own_loss_scale: Option<f32>,
+    /// Under context parallelism, the multi-token prediction depths' inputs, rolled along the
+    /// whole sequences before they were split (`with_mtp_rolled`); None: rolled here.
+    mtp_rolled: Option<MtpRolled>,
+}
+
+/// The MTP depths' tokens, labels and loss masks for one context-parallel rank: each depth k's
+/// moved k places left along the whole sequences (`mtp::roll_left`), then cut to the rank's
+/// chunks, with the counts as the main loss takes them (the whole sequences' over the cp size).
+#[derive(Clone, Debug)]
+pub struct MtpRolled {
+    /// Depth k at index k − 1: (tokens, labels, mask) [B, local T] and the depth's count.
+    pub depths: Vec<(Tensor, Tensor, Tensor, f64)>,
+    /// The main loss's count (depth 0's), on the same scale.
+    pub all: f64,
 }
 
 impl Batch {
@@ -80,6 +94,7 @@ impl Batch {
             draw: None,
             images: None,
             own_loss_scale: None,
+            mtp_rolled: None,
         })
     }
 
@@ -110,6 +125,7 @@ impl Batch {
             draw: None,
             images: None,
             own_loss_scale: None,
+            mtp_rolled: None,
         })
     }
 
@@ -146,6 +162,7 @@ impl Batch {
             draw: None,
             images: None,
             own_loss_scale: None,
+            mtp_rolled: None,
         })
     }
 
@@ -161,7 +178,29 @@ impl Batch {
 
     /// Loss tokens at positions k.. of the rows: what multi-token prediction depth k counts.
     pub fn mask_count_from(&self, k: usize) -> f64 {
-        self.mask_by_position.iter().skip(k).sum()
+        match &self.mtp_rolled {
+            Some(r) if k == 0 => r.all,
+            Some(r) => r.depths.get(k - 1).map_or(0.0, |d| d.3),
+            None => self.mask_by_position.iter().skip(k).sum(),
+        }
+    }
+
+    /// The batch with its MTP depths' inputs rolled along the whole sequences (context
+    /// parallelism: a rank's chunks do not hold the tokens that roll into them).
+    pub fn with_mtp_rolled(self, rolled: MtpRolled) -> Batch {
+        Batch { mtp_rolled: Some(rolled), ..self }
+    }
+
+    /// MTP depth k's (tokens, labels, mask): rolled here, or as `with_mtp_rolled` gave them.
+    fn mtp_inputs(&self, k: usize) -> Result<(Tensor, Tensor, Tensor)> {
+        match &self.mtp_rolled {
+            Some(r) => {
+                let d =
+                    r.depths.get(k - 1).ok_or_else(|| ModelError::Config(format!("the batch has no MTP depth {k}")))?;
+                Ok((d.0.clone(), d.1.clone(), d.2.clone()))
+            }
+            None => Ok((roll_left(&self.tokens, k)?, roll_left(&self.labels, k)?, roll_left(&self.loss_mask, k)?)),
+        }
     }
 
     /// Depth k's denominator: its own count, scaled as `num_tokens` is scaled from the mask's
@@ -513,9 +552,11 @@ impl GptModel {
                 cp.size()
             )));
         }
-        if self.config.mtp.is_some() {
+        if let Some(m) = &self.mtp
+            && m.position_embeddings.is_some()
+        {
             return Err(ModelError::Config(format!(
-                "--context-parallel-size {} is not built with multi-token prediction (--mtp-num-layers) yet: drop one of them",
+                "--context-parallel-size {} with multi-token prediction (--mtp-num-layers) and learned absolute positions: the depths' positions are not split over context-parallel ranks; use --position-embedding-type rope or drop one",
                 cp.size()
             )));
         }
@@ -535,6 +576,14 @@ impl GptModel {
         }
         for l in self.chunks.iter_mut().flat_map(|b| b.layers.iter_mut()) {
             l.set_context_parallel(&cp);
+        }
+        // The MTP depths' layers attend over the whole sequence as the decoder's do; their inputs
+        // come rolled along the whole sequences (`Batch::with_mtp_rolled`).
+        for d in self.mtp.iter_mut().flat_map(|m| m.layers.iter_mut()) {
+            d.layer.set_context_parallel(&cp);
+            if let Some(drop) = d.dropout.as_mut() {
+                drop.set_context_parallel(&cp);
+            }
         }
         if let Some(d) = self.embedding_dropout.as_mut() {
             d.set_context_parallel(&cp);
@@ -718,13 +767,17 @@ impl GptModel {
         let (mut loss, post) = self.head_forward(cx, &h, main)?;
         let mut mtp = vec![];
         if let Some(m) = &self.mtp {
+            if self.cp.is_some() && batch.mtp_rolled.is_none() {
+                return Err(ModelError::Config(
+                    "under context parallelism the MTP depths' inputs must be rolled along the whole sequences before the split (Batch::with_mtp_rolled)".into(),
+                ));
+            }
             let mut prev = h;
             for (i, layer) in m.layers.iter().enumerate() {
                 let k = i + 1;
-                let tokens = roll_left(&batch.tokens, k)?;
+                let (tokens, labels, mask) = batch.mtp_inputs(k)?;
                 let (e, positions) = self.mtp_embed(cx, m, k, &tokens)?;
                 let (out, saved) = layer.forward(cx, &e, &prev)?;
-                let (labels, mask) = (roll_left(&batch.labels, k)?, roll_left(&batch.loss_mask, k)?);
                 let (count, weight) = (batch.depth_denominator(k), m.spec.depth_weight());
                 let dscale = k::RowScale::Value(if count > 0.0 { (weight / count) as f32 } else { 0.0 });
                 let (l, post) = self.head_forward(cx, &out, (&labels, &mask, count, weight, dscale))?;
