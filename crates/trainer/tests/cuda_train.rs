@@ -110,7 +110,9 @@ fn shared_expert_gate_cuda_matches_cpu() {
 /// Multi-token prediction (two depths at weight 0.5: the rolled tokens' and the concatenation's
 /// strided copies, each depth's head with its own loss scale), GPT-2 style (tied, learned
 /// positions) and Llama style, the latter also under tensor parallelism with sequence
-/// parallelism (two thread ranks sharing the GPU), against one CPU rank, fp32 within 1e-4.
+/// parallelism and under context parallelism (the depths' inputs rolled along the whole
+/// sequences before the split; two thread ranks sharing the GPU each time), against one CPU rank,
+/// fp32 within 1e-4.
 #[test]
 fn mtp_cuda_matches_cpu() {
     let mtp = |a: TrainArgs| TrainArgs { mtp_num_layers: Some(2), mtp_loss_scaling_factor: Some(0.5), ..a };
@@ -119,6 +121,11 @@ fn mtp_cuda_matches_cpu() {
     split_matches_cpu("llama-tiny", "mtp tp2 sp", mtp, |a| TrainArgs {
         tensor_model_parallel_size: Some(2),
         sequence_parallel: true,
+        nproc: Some(2),
+        ..mtp(a)
+    });
+    split_matches_cpu("llama-tiny", "mtp cp2", mtp, |a| TrainArgs {
+        context_parallel_size: Some(2),
         nproc: Some(2),
         ..mtp(a)
     });
@@ -214,6 +221,20 @@ fn mamba_context_parallel_cuda_matches_cpu() {
         |a| a,
         |a| TrainArgs { context_parallel_size: Some(2), nproc: Some(2), ..a },
     );
+}
+
+/// --calculate-per-token-loss with the routers' losses on the GPU (their gradients at 1 / the
+/// micro-batch's token share, a host-side scale into the router-loss kernel), alone and under
+/// dp2 × ep2 on two thread ranks sharing it, against one CPU rank, fp32 within 1e-4.
+#[test]
+fn per_token_router_losses_cuda_match_cpu() {
+    let per_token = |a: TrainArgs| TrainArgs { calculate_per_token_loss: true, moe_z_loss_coeff: Some(1e-2), ..a };
+    split_matches_cpu("mixtral-tiny", "per token", per_token, per_token);
+    split_matches_cpu("mixtral-tiny", "per token dp2 ep2", per_token, |a| TrainArgs {
+        expert_model_parallel_size: Some(2),
+        nproc: Some(2),
+        ..per_token(a)
+    });
 }
 
 /// Mixture of experts under tensor and sequence parallelism on the GPU: every SwiGLU expert split
