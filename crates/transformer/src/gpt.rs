@@ -83,6 +83,17 @@ impl Batch {
         let mask = loss_mask.to_vec_f32()?;
         let num_tokens = mask.iter().map(|&m| m as f64).sum();
         let mask_by_position = by_position(&mask, tokens.dims());
+        Batch::from_counts(tokens, labels, loss_mask, num_tokens, mask_by_position)
+    }
+
+    /// A batch whose mask's count (and per-position counts) are known.
+    fn from_counts(
+        tokens: Tensor,
+        labels: Tensor,
+        loss_mask: Tensor,
+        num_tokens: f64,
+        mask_by_position: Vec<f64>,
+    ) -> Result<Batch> {
         let inv_tokens = inverse_count(num_tokens, loss_mask.device())?;
         Ok(Batch {
             tokens,
@@ -112,21 +123,9 @@ impl Batch {
     pub fn unmasked(tokens: Tensor, labels: Tensor) -> Result<Batch> {
         let n = tokens.elem_count();
         let loss_mask = Tensor::from_vec(vec![1f32; n], tokens.dims().to_vec(), tokens.device())?;
-        let inv_tokens = inverse_count(n as f64, tokens.device())?;
         let rows = tokens.dims().first().copied().unwrap_or(1) as f64;
         let mask_by_position = vec![rows; tokens.dims().get(1).copied().unwrap_or(n)];
-        Ok(Batch {
-            tokens,
-            labels,
-            loss_mask,
-            num_tokens: n as f64,
-            mask_by_position,
-            inv_tokens,
-            draw: None,
-            images: None,
-            own_loss_scale: None,
-            mtp_rolled: None,
-        })
+        Batch::from_counts(tokens, labels, loss_mask, n as f64, mask_by_position)
     }
 
     /// The batch with `num_tokens` as its token count (the mean's denominator) instead of its
@@ -151,19 +150,7 @@ impl Batch {
         let num_tokens = mask.iter().map(|&m| m as f64).sum();
         let mask_by_position = by_position(&mask, tokens.dims());
         let loss_mask = Tensor::from_vec(mask, tokens.dims().to_vec(), tokens.device())?;
-        let inv_tokens = inverse_count(num_tokens, tokens.device())?;
-        Ok(Batch {
-            tokens,
-            labels,
-            loss_mask,
-            num_tokens,
-            mask_by_position,
-            inv_tokens,
-            draw: None,
-            images: None,
-            own_loss_scale: None,
-            mtp_rolled: None,
-        })
+        Batch::from_counts(tokens, labels, loss_mask, num_tokens, mask_by_position)
     }
 
     /// Σ loss_mask.
