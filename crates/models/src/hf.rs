@@ -1111,6 +1111,22 @@ pub fn import(
     Ok(())
 }
 
+/// The HF tensors `import` reads for `c` (names without GPT-2's prefix): the ones it needs, and
+/// the ones it takes where present (a tied model's `lm_head.weight`), so that a converter can
+/// check a folder against config.json before converting anything.
+pub fn import_names(arch: HfArch, c: &TransformerConfig) -> (Vec<String>, Vec<String>) {
+    let needed = maps(arch, c)
+        .into_iter()
+        .flat_map(|(_, m)| match m {
+            Map::Same(n) | Map::Transposed(n) | Map::Qkv(QkvSource::Gpt2 { name: n, .. }) => vec![n],
+            Map::Qkv(QkvSource::Llama { q, k, v, .. }) => vec![q, k, v],
+            Map::GateUp(gate, up) => vec![gate, up],
+        })
+        .collect();
+    let optional = if c.untie_embeddings_and_output_weights { vec![] } else { vec![LM_HEAD.to_string()] };
+    (needed, optional)
+}
+
 /// `import` into one list: for models that fit in memory (tests, small checkpoints).
 pub fn import_all(
     arch: HfArch,

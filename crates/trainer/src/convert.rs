@@ -261,6 +261,17 @@ fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
             bail!("internal: the settings made from config.json describe another vision tower");
         }
     }
+    // The folder against config.json before anything is written (LLaVA's names have variants:
+    // checked after its import).
+    if model.vision.is_none() {
+        let (needed, optional) = hf::import_names(arch, c);
+        if let Some(n) = needed.iter().find(|n| !files.index.contains_key(*n)) {
+            return Err(hf::HfError::Missing(n.clone()))
+                .with_context(|| format!("--load-dir {}", a.load_dir.display()));
+        }
+        let known: BTreeSet<&str> = needed.iter().chain(&optional).map(String::as_str).collect();
+        leftover(&files, a, arch, &|k| known.contains(k))?;
+    }
     let dtype = if settings.bf16 { DType::BF16 } else { DType::F32 };
     let max_bytes = a.max_shard_size.as_deref().map(shard_bytes).transpose()?.unwrap_or(DEFAULT_SHARD);
     // Written as the tensors come (shard files of about --max-shard-size); dropped unfinished on
@@ -298,23 +309,32 @@ fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
         return Err(e);
     }
     imported.with_context(|| format!("--load-dir {}", a.load_dir.display()))?;
-    // A taken FP8 weight's scales were read with it.
-    let scales_of_taken = |k: &str| k.strip_suffix("_scale_inv").is_some_and(|w| taken.contains(w));
-    let left: Vec<&String> =
-        files.index.keys().filter(|k| !taken.contains(*k) && !hf::is_buffer(k) && !scales_of_taken(k)).collect();
-    if !left.is_empty() {
-        let mut left: Vec<&str> = left.iter().map(|s| s.as_str()).collect();
-        left.sort();
-        bail!(
-            "--load-dir {}: {} tensor(s) that a {} does not have, e.g. {:?}: not converted (is config.json the one of these weights?)",
-            a.load_dir.display(),
-            left.len(),
-            arch.class(),
-            &left[..left.len().min(5)]
-        );
-    }
+    leftover(&files, a, arch, &|k| taken.contains(k))?;
     let dir = writer.finish(dtype, &settings)?;
     Ok(Converted { dir, arch, tensors: n, tokenizer: Ok(vec![]), left_out: 0 })
+}
+
+/// Refuses a folder with tensors the model does not have: any but those `known` takes, buffers
+/// and the FP8 scales of known weights.
+fn leftover(files: &HfFiles, a: &ConvertArgs, arch: HfArch, known: &dyn Fn(&str) -> bool) -> anyhow::Result<()> {
+    let scales_of_known = |k: &str| k.strip_suffix("_scale_inv").is_some_and(known);
+    let mut left: Vec<&str> = files
+        .index
+        .keys()
+        .map(String::as_str)
+        .filter(|k| !known(k) && !hf::is_buffer(k) && !scales_of_known(k))
+        .collect();
+    if left.is_empty() {
+        return Ok(());
+    }
+    left.sort();
+    bail!(
+        "--load-dir {}: {} tensor(s) that a {} does not have, e.g. {:?}: not converted (is config.json the one of these weights?)",
+        a.load_dir.display(),
+        left.len(),
+        arch.class(),
+        &left[..left.len().min(5)]
+    )
 }
 
 /// "5GB", "500MB", "200KB" (powers of 1000, as transformers reads them) or bytes.

@@ -615,12 +615,20 @@ fn conversions_stream_and_clean_up_after_a_failure() {
     assert!(files > 3, "20KB files of a ~190KB model: {files}");
     let (x, y) = (checkpoint::load(&one).unwrap(), checkpoint::load(&many).unwrap());
     assert!(x.tensors == y.tensors, "the sharded import holds other tensors");
-    // Refused after some files were written: a tensor late in the order is missing.
-    let late = edited_fp8("hf-stream-late", |_| {}, &["model.layers.2.mlp.experts.7.down_proj.weight"], &[]);
+    // A missing tensor is found before anything is written (the folder against config.json).
+    let late = "model.layers.2.mlp.experts.7.down_proj.weight";
+    let missing = edited_fp8("hf-stream-missing", |_| {}, &[late], &[]);
     let out = tmp("hf-stream-refused");
-    let a = ConvertArgs { max_shard_size: Some("1KB".into()), ..args("hf", "ferrotron", &late, &out) };
+    let a = ConvertArgs { max_shard_size: Some("1KB".into()), ..args("hf", "ferrotron", &missing, &out) };
     let e = format!("{:#}", convert(&a).unwrap_err());
-    assert!(e.contains("model.layers.2.mlp.experts.7.down_proj.weight"), "{e}");
+    assert!(e.contains(late) && e.contains("missing"), "{e}");
+    assert!(!out.exists(), "a refused import writes nothing");
+    // Refused after some files were written: a late weight's scales have another weight's shape.
+    let (scale, other) = (format!("{late}_scale_inv"), "model.layers.2.mlp.experts.7.up_proj.weight_scale_inv");
+    let bad = edited_fp8("hf-stream-late", |_| {}, &[scale.as_str()], &[(scale.as_str(), other)]);
+    let a = ConvertArgs { max_shard_size: Some("1KB".into()), ..args("hf", "ferrotron", &bad, &out) };
+    let e = format!("{:#}", convert(&a).unwrap_err());
+    assert!(e.contains(late) && e.contains("weight_block_size"), "{e}");
     assert!(!out.exists(), "a refused import leaves nothing behind");
     // An export from the many small files gives the one-file import's export.
     let (back_one, back_many) = (tmp("hf-stream-back-one"), tmp("hf-stream-back-many"));
@@ -641,7 +649,7 @@ fn conversions_stream_and_clean_up_after_a_failure() {
     let e = format!("{:#}", convert(&a).unwrap_err());
     assert!(e.contains("corrupt") && e.contains(&state.tensor_files.last().unwrap().file), "{e}");
     assert!(!out.exists(), "a failed export leaves nothing behind");
-    for d in [one, many, late, back_one, back_many] {
+    for d in [one, many, missing, bad, back_one, back_many] {
         let _ = std::fs::remove_dir_all(d);
     }
 }
