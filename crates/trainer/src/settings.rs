@@ -2607,11 +2607,6 @@ impl Settings {
                 "--context-parallel-size {cp} with --mtp-num-layers and learned absolute position embeddings: the depths' positions are not split over context-parallel ranks; use --position-embedding-type rope, or drop one"
             );
         }
-        if self.mla.is_some() {
-            bail!(
-                "--context-parallel-size {cp} with --multi-latent-attention: its attention is not split over context-parallel ranks yet; drop one"
-            );
-        }
         if self.window_size.is_some() {
             bail!(
                 "--context-parallel-size {cp} with --window-size: sliding-window attention is not split over context-parallel ranks; drop one"

@@ -134,8 +134,8 @@ fn mtp_cuda_matches_cpu() {
 /// Multi-latent attention (the latent projections, the shared rotary key gathered per head by a
 /// row gather and its gradient scattered back, the de-interleaving product, the core attention at
 /// an odd head width on the general kernels), with a query latent and without, with YaRN, alone and under
-/// tensor parallelism with sequence parallelism (two thread ranks sharing the GPU), against one
-/// CPU rank, fp32 within 1e-4.
+/// tensor parallelism with sequence parallelism or context parallelism (two thread ranks sharing
+/// the GPU), against one CPU rank, fp32 within 1e-4.
 #[test]
 fn mla_cuda_matches_cpu() {
     let mla = |a: TrainArgs| TrainArgs {
@@ -156,6 +156,11 @@ fn mla_cuda_matches_cpu() {
         ..mla(a)
     });
     split_matches_cpu("llama-tiny", "mla without a query latent", direct, direct);
+    split_matches_cpu("llama-tiny", "mla cp2", mla, |a| TrainArgs {
+        context_parallel_size: Some(2),
+        nproc: Some(2),
+        ..mla(a)
+    });
     // YaRN at factor 40 (the rotary kernel's blended frequencies and scaled cos / sin).
     let yarn = |a: TrainArgs| TrainArgs { rotary_scaling_factor: Some(40.0), mscale_all_dim: Some(1.0), ..mla(a) };
     split_matches_cpu("llama-tiny", "mla yarn", yarn, yarn);

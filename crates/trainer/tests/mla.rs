@@ -1,6 +1,6 @@
 //! Multi-latent attention through the trainer (Megatron's --multi-latent-attention and its size
-//! flags): data, tensor (with and without sequence parallelism) and pipeline parallel runs follow
-//! one rank (the per-parameter comparison, tighter, is ferrotron-optim's
+//! flags): data, tensor (with and without sequence parallelism), pipeline and context parallel
+//! runs follow one rank (the per-parameter comparison, tighter, is ferrotron-optim's
 //! `mla_and_mtp_layouts_match_one_rank`); the checkpoint keeps Megatron's names and the sizes (--use-checkpoint-args); what is
 //! not built is refused by name.
 
@@ -36,6 +36,15 @@ fn mla_layouts_follow_one_rank() {
     tp_sp.sequence_parallel = true;
     let mut pp = s1.clone();
     pp.pipeline_model_parallel_size = 2;
+    // Context parallel: the rotary part at its chunks' global positions, the core attention over
+    // the whole sequence. Weights drawn wider (std 0.2) so that the scores, and so the positions,
+    // move the losses by more than `follows` allows (near-uniform attention at init hides them).
+    let wide = settings(&TrainArgs { init_method_std: Some(0.2), ..mla_args() });
+    let wide_one = train(&wide, &Paths::default()).unwrap();
+    let mut cp = wide.clone();
+    cp.context_parallel_size = 2;
+    let mut cp_tp = cp.clone();
+    (cp_tp.tensor_model_parallel_size, cp_tp.sequence_parallel) = (2, true);
     // Without a query latent, under tensor and sequence parallelism.
     let direct = settings(&TrainArgs { q_lora_rank: None, ..mla_args() });
     let direct_one = train(&direct, &Paths::default()).unwrap();
@@ -47,6 +56,8 @@ fn mla_layouts_follow_one_rank() {
         ("tp2", &tp, 2, &one),
         ("tp2 sp", &tp_sp, 2, &one),
         ("pp2", &pp, 2, &one),
+        ("cp2", &cp, 2, &wide_one),
+        ("cp2 × tp2 sp", &cp_tp, 4, &wide_one),
         ("no query latent, tp2 sp", &direct_tp, 2, &direct_one),
     ] {
         let run = train(s, &Paths { launch: Launch::Threads(n), ..Paths::default() })
@@ -85,7 +96,6 @@ fn an_mla_checkpoint_keeps_megatrons_names_and_the_sizes() {
 
 #[test]
 fn mla_flags_not_built_are_refused() {
-    refused(TrainArgs { context_parallel_size: Some(2), ..mla_args() }, 2, "--multi-latent-attention");
     refused(
         TrainArgs { rope_type: Some("yarn".into()), rotary_scaling_factor: Some(40.0), ..tiny_args(true) },
         1,
@@ -117,6 +127,10 @@ fn mla_with_yarn_follows_one_rank_and_is_kept() {
     tp.sequence_parallel = true;
     let run = train(&tp, &Paths { launch: Launch::Threads(2), ..Paths::default() }).unwrap();
     follows("yarn tp2 sp", &run, &one);
+    let mut cp = s1.clone();
+    cp.context_parallel_size = 2;
+    let run = train(&cp, &Paths { launch: Launch::Threads(2), ..Paths::default() }).unwrap();
+    follows("yarn cp2", &run, &one);
     let from_ck =
         Settings::resolve(&TrainArgs { load: Some(dir.clone()), use_checkpoint_args: true, ..tiny_args(true) })
             .unwrap()
@@ -127,9 +141,9 @@ fn mla_with_yarn_follows_one_rank_and_is_kept() {
 
 /// The `deepseek-v3-tiny` preset (MLA with YaRN, a dense first layer, grouped sigmoid experts
 /// with the expert bias and a shared expert, one MTP depth) as Megatron's DeepSeek-V3 recipe runs
-/// it: tensor × sequence parallel, expert parallel over the data-parallel ranks, and a pipeline
-/// (the MTP depth on the last stage with its own copy of the untied embedding), each as one rank:
-/// losses, gradient norms, the MTP loss and the routers' balancing loss.
+/// it: tensor × sequence parallel, expert parallel over the data-parallel ranks, a pipeline (the
+/// MTP depth on the last stage with its own copy of the untied embedding) and context parallel,
+/// each as one rank: losses, gradient norms, the MTP loss and the routers' balancing loss.
 #[test]
 fn the_deepseek_v3_tiny_preset_follows_one_rank() {
     let args = TrainArgs {
@@ -157,7 +171,9 @@ fn the_deepseek_v3_tiny_preset_follows_one_rank() {
     ep.moe.as_mut().unwrap().expert_model_parallel_size = 2;
     let mut pp = s1.clone();
     pp.pipeline_model_parallel_size = 2;
-    for (tag, s) in [("tp2 sp", &tp), ("dp2 × ep2", &ep), ("pp2", &pp)] {
+    let mut cp = s1.clone();
+    cp.context_parallel_size = 2;
+    for (tag, s) in [("tp2 sp", &tp), ("dp2 × ep2", &ep), ("pp2", &pp), ("cp2", &cp)] {
         let run = train(s, &Paths { launch: Launch::Threads(2), ..Paths::default() })
             .unwrap_or_else(|e| panic!("{tag}: {e:#}"));
         follows(tag, &run, &one);

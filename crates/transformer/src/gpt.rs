@@ -533,12 +533,6 @@ impl GptModel {
                 cp.size()
             )));
         }
-        if self.config.layer.attention.mla.is_some() {
-            return Err(ModelError::Config(format!(
-                "--context-parallel-size {} is not built with --multi-latent-attention yet: drop one of them",
-                cp.size()
-            )));
-        }
         if let Some(m) = &self.mtp
             && m.position_embeddings.is_some()
         {

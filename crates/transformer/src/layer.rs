@@ -24,6 +24,8 @@ use ferrotron_parallel::TensorParallel;
 /// What a branch computes between its norm and its residual add.
 pub enum Sublayer {
     Attention(Box<SelfAttention>),
+    /// Multi-latent attention (its own module: latent projections, a rotary part of its own).
+    Mla(Box<MlaAttention>),
     /// An MLP (dense, or a factory's: MoE) or a sequence mixer (ferrotron-ssm's Mamba-2).
     Module(Box<dyn Module>),
 }
@@ -32,6 +34,7 @@ impl Sublayer {
     fn module(&self) -> &dyn Module {
         match self {
             Sublayer::Attention(a) => a.as_ref(),
+            Sublayer::Mla(a) => a.as_ref(),
             Sublayer::Module(m) => m.as_ref(),
         }
     }
@@ -85,7 +88,7 @@ impl TransformerLayer {
                     rope: (base, scaling),
                 };
                 let a = MlaAttention::new(p, &format!("{prefix}.self_attention"), spec, &dims, tp)?;
-                return Ok(Branch { norm: pre, f: Sublayer::Module(Box::new(a)), dropout });
+                return Ok(Branch { norm: pre, f: Sublayer::Mla(Box::new(a)), dropout });
             }
             let dims = AttentionDims {
                 hidden: h,
@@ -173,6 +176,11 @@ impl TransformerLayer {
     pub fn set_context_parallel(&mut self, cp: &ferrotron_parallel::ContextParallel) {
         if let Some(a) = self.attention_mut() {
             a.cp = (cp.size() > 1).then(|| cp.clone());
+        }
+        for b in &mut self.branches {
+            if let Sublayer::Mla(a) = &mut b.f {
+                a.set_context_parallel(cp);
+            }
         }
         for d in self.branches.iter_mut().filter_map(|b| b.dropout.as_mut()) {
             d.set_context_parallel(cp);

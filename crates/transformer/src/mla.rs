@@ -29,7 +29,7 @@ use crate::norm::Norm;
 use crate::spec::NormKind;
 use ferrotron_core::{Cx, Module, ParamTableBuilder, Result, Saved, Tensor, invalid};
 use ferrotron_kernels::{self as k, AttnCfg, RopeCfg};
-use ferrotron_parallel::{ColumnParallelLinear, RowParallelLinear, TensorParallel};
+use ferrotron_parallel::{ColumnParallelLinear, ContextParallel, RowParallelLinear, TensorParallel};
 use std::sync::Mutex;
 
 /// MLA's sizes (Megatron's --q-lora-rank, --kv-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim,
@@ -109,6 +109,9 @@ pub struct MlaAttention {
     heads: usize,
     rope: RopeCfg,
     tp: TensorParallel,
+    /// Context parallelism over more than one rank (`set_context_parallel`): the rows are this
+    /// rank's chunks (their global positions for RoPE), the core attention over the whole sequence.
+    cp: Option<ContextParallel>,
     /// The rotary part's de-interleaving permutation [r, r] in the activations' dtype and device,
     /// made at the first forward.
     perm: Mutex<Option<Tensor>>,
@@ -191,6 +194,7 @@ impl MlaAttention {
             heads: d.heads / tp.size(),
             rope,
             tp: tp.clone(),
+            cp: None,
             perm: Mutex::new(None),
             ids: Mutex::new(Vec::new()),
         })
@@ -219,15 +223,29 @@ impl MlaAttention {
         Ok(p)
     }
 
+    /// Under context parallelism (more than one rank): this rank's chunks, attending over the
+    /// whole sequence.
+    pub fn set_context_parallel(&mut self, cp: &ContextParallel) {
+        self.cp = (cp.size() > 1).then(|| cp.clone());
+    }
+
+    /// RoPE for x [B, T, H, r] (global positions under context parallelism).
+    fn rope_for(&self, x: &Tensor) -> RopeCfg {
+        match &self.cp {
+            Some(cp) => cp.rope(&self.rope, x.dims()[1]),
+            None => self.rope,
+        }
+    }
+
     /// rope(x de-interleaved), x [B, T, H, r].
     fn rotate(&self, x: &Tensor) -> Result<Tensor> {
         let y = k::matmul(x, &self.perm(x)?, false, true)?;
-        k::rope_fwd(&y, &self.rope)
+        k::rope_fwd(&y, &self.rope_for(x))
     }
 
     /// The gradient of `rotate`'s input.
     fn rotate_bwd(&self, dy: &Tensor) -> Result<Tensor> {
-        let d = k::rope_bwd(dy, &self.rope)?;
+        let d = k::rope_bwd(dy, &self.rope_for(dy))?;
         k::matmul(&d, &self.perm(dy)?, false, false)
     }
 
@@ -291,7 +309,10 @@ impl Module for MlaAttention {
         let qk = cat_last(&[&q_nope, &q_pe])?;
         let (qq, kk) = (pad_last(&qk, width - dn - r)?, pad_last(&cat_last(&[&k_nope, &k_pe])?, width - dn - r)?);
         let vv = pad_last(&v, width - dv)?;
-        let (o, lse) = k::attention_fwd(&qq, &kk, &vv, &self.cfg())?;
+        let (o, lse) = match &self.cp {
+            Some(cp) => cp.attention_fwd(&qq, &kk, &vv, &self.cfg())?,
+            None => k::attention_fwd(&qq, &kk, &vv, &self.cfg())?,
+        };
         let ov = if width == dv { o.clone() } else { split_last(&o, &[dv, width - dv])?.swap_remove(0) };
         let (y, s_p) = self.linear_proj.forward(cx, &ov.reshape([b, t, hl * dv])?)?;
         children.push(s_p);
@@ -308,7 +329,10 @@ impl Module for MlaAttention {
         let dov = self.linear_proj.backward(cx, s_p, dy)?;
         let (b, t, width) = (qq.dims()[0], qq.dims()[1], self.spec.core_width());
         let d_o = pad_last(&dov.reshape([b, t, hl, dv])?, width - dv)?;
-        let (dq, dk, dvv) = k::attention_bwd(&qq, &kk, &vv, &o, &lse, &d_o, &self.cfg())?;
+        let (dq, dk, dvv) = match &self.cp {
+            Some(cp) => cp.attention_bwd(&qq, &kk, &vv, &o, &lse, &d_o, &self.cfg())?,
+            None => k::attention_bwd(&qq, &kk, &vv, &o, &lse, &d_o, &self.cfg())?,
+        };
         // The parts that matter, without the padding (no zero-width part: nothing to copy).
         let pad = width - dn - r;
         let widths: &[usize] = if pad == 0 { &[dn, r] } else { &[dn, r, pad] };
