@@ -12,11 +12,12 @@ use ferrotron_trainer::train::{Summary, train};
 /// one (learned absolute positions, --eod-mask-loss so that the chunks hold different numbers of
 /// counted tokens) under cp 2 and 4, cp × sequence-parallel tp, cp × data parallel (distributed
 /// optimizer, overlapped reduce and gather), cp × pipeline (with selective recompute): the same
-/// losses, gradient norms and validation losses as one rank.
+/// losses, gradient norms and validation losses as one rank. Weights drawn at std 0.2: near-uniform
+/// attention at the default init would hide wrong positions below the comparison's tolerance.
 #[test]
 fn context_parallel_layouts_follow_one_rank() {
     for llama in [true, false] {
-        let args = TrainArgs { eod_mask_loss: !llama, ..tiny_args(llama) };
+        let args = TrainArgs { eod_mask_loss: !llama, init_method_std: Some(0.2), ..tiny_args(llama) };
         let s1 = settings(&args);
         let one = run(&s1, 1);
         let with = |f: &dyn Fn(&mut Settings)| {
