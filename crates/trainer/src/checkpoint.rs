@@ -694,7 +694,7 @@ impl ParamsSource {
         match &self.source {
             Source::Loaded(t) => Ok(t.get(name).cloned()),
             Source::Shards(r) => {
-                if optimizer_of(name).is_some() || !r.keys().any(|k| k == name) {
+                if optimizer_of(name).is_some() || r.global_shape(name).is_none() {
                     return Ok(None);
                 }
                 let rows = (vocab_padded(name) && self.state.vocab_size > 0).then_some(self.state.vocab_size);
