@@ -13,8 +13,9 @@ use anyhow::{Context, bail};
 use ferrotron_checkpoint::fp8;
 use ferrotron_core::DType;
 use ferrotron_models::hf::{self, HfArch, HostTensor};
+use safetensors::Dtype;
 use safetensors::SafeTensors;
-use safetensors::tensor::TensorView;
+use safetensors::tensor::Metadata;
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -134,7 +135,8 @@ fn tokenizer_for(vocab: usize, a: &ConvertArgs) -> anyhow::Result<(String, Optio
 /// The safetensors files of a transformers folder, memory-mapped, and which holds each tensor
 /// (by name without GPT-2's `transformer.` prefix).
 struct HfFiles {
-    maps: Vec<(PathBuf, memmap2::Mmap)>,
+    /// Each file mapped, where its data starts and its header, parsed once.
+    maps: Vec<(PathBuf, memmap2::Mmap, usize, Metadata)>,
     index: HashMap<String, (usize, String)>,
     /// config.json's FP8 block size: F8_E4M3 weights are multiplied by their `_scale_inv`.
     fp8_block: Option<[usize; 2]>,
@@ -169,33 +171,59 @@ impl HfFiles {
             // SAFETY: read-only map; a file changed underneath the conversion is outside what any
             // reader can guard against.
             let map = unsafe { memmap2::Mmap::map(&f) }.with_context(|| format!("cannot map {}", path.display()))?;
-            let st = SafeTensors::deserialize(&map)
+            let (n, meta) = SafeTensors::read_metadata(&map)
                 .with_context(|| format!("{}: not a safetensors file", path.display()))?;
-            for t in st.names() {
-                let key = hf::strip_prefix(arch, t).to_string();
-                if index.insert(key.clone(), (maps.len(), t.to_string())).is_some() {
+            for t in meta.tensors().into_keys() {
+                let key = hf::strip_prefix(arch, &t).to_string();
+                if index.insert(key, (maps.len(), t.clone())).is_some() {
                     bail!("{}: tensor `{t}` is in more than one file", dir.display());
                 }
             }
-            maps.push((path, map));
+            maps.push((path, map, 8 + n, meta));
         }
         Ok(HfFiles { maps, index, fp8_block })
     }
 
+    /// Tensor `name` of file `i`: its dtype, shape and bytes (the header checked them at open).
+    fn raw(&self, i: usize, name: &str) -> anyhow::Result<(Dtype, &[usize], &[u8])> {
+        let (path, map, start, meta) = &self.maps[i];
+        let t = meta.info(name).with_context(|| format!("{}: no tensor `{name}`", path.display()))?;
+        let (a, b) = t.data_offsets;
+        let bytes = map
+            .get(start + a..start + b)
+            .with_context(|| format!("{}: corrupt file: `{name}` lies past its end", path.display()))?;
+        Ok((t.dtype, &t.shape, bytes))
+    }
+
+    /// Tensor `name` of file `i` as f32 values (stored as f32, bf16 or f16).
+    fn values(&self, i: usize, name: &str) -> anyhow::Result<(Vec<usize>, Vec<f32>)> {
+        let (dtype, shape, bytes) = self.raw(i, name)?;
+        let path = &self.maps[i].0;
+        let mut v = Vec::with_capacity(shape.iter().product());
+        if ferrotron_checkpoint::decode(dtype, bytes, &mut v).is_none() {
+            bail!(
+                "{}: tensor `{name}` has dtype {dtype:?} (f32, bf16, f16 and block-scaled F8_E4M3 are read)",
+                path.display()
+            );
+        }
+        if v.len() != shape.iter().product::<usize>() {
+            bail!("{}: corrupt file: `{name}` has {} values for shape {shape:?}", path.display(), v.len());
+        }
+        Ok((shape.to_vec(), v))
+    }
+
     fn read(&self, key: &str) -> anyhow::Result<Option<HostTensor>> {
         let Some((i, name)) = self.index.get(key) else { return Ok(None) };
-        let (path, map) = &self.maps[*i];
-        let st = SafeTensors::deserialize(map)?;
-        let t = st.tensor(name).with_context(|| format!("{}: no tensor `{name}`", path.display()))?;
-        if t.dtype() == safetensors::Dtype::F8_E4M3 {
-            return self.dequantized(key, name, path, &t).map(Some);
+        if self.raw(*i, name)?.0 == Dtype::F8_E4M3 {
+            return self.dequantized(key, *i, name).map(Some);
         }
-        let (shape, data) = checkpoint::f32_values(&st, name, path)?;
+        let (shape, data) = self.values(*i, name)?;
         Ok(Some(HostTensor::new(shape, data)))
     }
 
     /// A block-scaled FP8 weight times its scales (`name_scale_inv`, in whichever file holds it).
-    fn dequantized(&self, key: &str, name: &str, path: &Path, t: &TensorView) -> anyhow::Result<HostTensor> {
+    fn dequantized(&self, key: &str, i: usize, name: &str) -> anyhow::Result<HostTensor> {
+        let path = &self.maps[i].0;
         let Some(block) = self.fp8_block else {
             bail!(
                 "{}: tensor `{name}` is F8_E4M3 but config.json has no quantization_config (quant_method fp8 with weight_block_size) to say how its scales apply",
@@ -208,12 +236,11 @@ impl HfFiles {
                 path.display()
             );
         };
-        let (scale_path, scale_map) = &self.maps[*j];
-        let (scale_shape, scales) =
-            checkpoint::f32_values(&SafeTensors::deserialize(scale_map)?, scale_name, scale_path)?;
-        let v = fp8::dequantize_blocks(name, t.data(), t.shape(), &scales, &scale_shape, block)
+        let (scale_shape, scales) = self.values(*j, scale_name)?;
+        let (_, shape, bytes) = self.raw(i, name)?;
+        let v = fp8::dequantize_blocks(name, bytes, shape, &scales, &scale_shape, block)
             .with_context(|| format!("{}", path.display()))?;
-        Ok(HostTensor::new(t.shape().to_vec(), v))
+        Ok(HostTensor::new(shape.to_vec(), v))
     }
 }
 
