@@ -8,7 +8,8 @@
 //! run saved under one tensor/pipeline/data-parallel layout resumes under another.
 //!
 //! The crate knows files and index arithmetic only: which tensors a rank writes, the folder
-//! layout, state.toml and the collectives that agree on a save are the trainer's.
+//! layout, state.toml and the collectives that agree on a save are the trainer's. It also decodes
+//! the block-scaled FP8 weights some published models ship (`fp8`), for the trainer's import.
 
 mod codec;
 pub mod fp8;
