@@ -42,10 +42,10 @@ pub struct Cx<'a> {
     /// module that adds a loss of its own (an MoE router's load-balancing loss) scales that
     /// loss's gradient by it, as the language-model loss's is.
     pub grad_scale: f32,
-    /// Under --calculate-per-token-loss, what such a module's own loss gradient takes instead of
-    /// the language-model loss's per-micro-batch scale: 1 / the tokens a micro-batch's share of
-    /// the global count (Megatron sums those gradients and divides by the global token count, as
-    /// it does the language-model loss's). None: the default, scaled as the LM loss's mean.
+    /// Under --calculate-per-token-loss, the factor such a module's own loss gradient takes in
+    /// place of the default (× cp for an MoE router): 1 / a micro-batch's share of the global
+    /// batch's loss tokens, so that, as in Megatron, those gradients are summed and divided by the
+    /// global count like the language-model loss's. None: the default.
     pub own_loss_scale: Option<f32>,
 }
 

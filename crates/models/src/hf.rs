@@ -186,6 +186,11 @@ impl HfArch {
     }
 }
 
+/// Whether `m` is the dense MLP the HF MoE classes keep in their dense layers: SwiGLU, no biases.
+fn plain_swiglu(m: &MlpSpec) -> bool {
+    matches!(m, MlpSpec::Dense { activation: Activation::SwiGlu, bias: false })
+}
+
 /// An MoE model as a Mixtral, or what stops it.
 fn mixtral_of(c: &TransformerConfig, m: &MoeSpec) -> Result<HfArch> {
     let a = c.layer.attention;
@@ -231,12 +236,7 @@ fn qwen_moe_of(c: &TransformerConfig, m: &MoeSpec, arch: HfArch) -> Result<HfArc
         Some("Qwen3-MoE has no shared experts")
     } else if !qwen3 && !m.shared_expert_gate {
         Some("Qwen2-MoE gates its shared experts (--moe-shared-expert-gate)")
-    } else if c
-        .layer
-        .other_mlp
-        .as_ref()
-        .is_some_and(|o| !matches!(o.mlp, MlpSpec::Dense { activation: Activation::SwiGlu, bias: false }))
-    {
+    } else if c.layer.other_mlp.as_ref().is_some_and(|o| !plain_swiglu(&o.mlp)) {
         Some("its dense layers (--moe-layer-freq) are SwiGLU without biases")
     } else if a.bias || a.window.is_some() || a.qkv_bias == qwen3 || a.qk_layernorm != qwen3 {
         Some(

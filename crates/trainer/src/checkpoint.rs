@@ -333,13 +333,13 @@ pub fn save(
 /// A checkpoint of parameters alone at iteration 0 (`ferrotron convert`), written as its tensors
 /// come: each whole, by Megatron name, with the dtype it is stored in, vocabulary rows unpadded,
 /// in shard files of about `max_bytes` each (as stored; the f32 values held meanwhile are up to
-/// twice that for bf16), so that an import holds one file's worth and never the model. Finished as `save` finishes (a temporary folder renamed into place,
-/// then the tracker); state.toml says `optimizer_state = false`. `abort` (or a drop without
-/// `finish`) removes what was written.
+/// twice that for bf16), so that an import holds one file's worth and never the model. Finished
+/// as `save` finishes (a temporary folder renamed into place, then the tracker); state.toml says
+/// `optimizer_state = false`. Dropped without `finish`, it removes what it wrote.
 pub struct ParamsWriter {
     save_dir: PathBuf,
     tmp: PathBuf,
-    /// Whether `save_dir` was made here (then removed again by `abort` if left empty).
+    /// Whether `save_dir` was made here (then removed again on a drop if left empty).
     made_dir: bool,
     max_bytes: usize,
     pending: Vec<(String, DType, Vec<usize>, Vec<f32>)>,
@@ -413,28 +413,19 @@ impl ParamsWriter {
         self.done = true;
         Ok(iter_dir(&self.save_dir, 0))
     }
+}
 
-    /// Removes what was written: the temporary folder, and `save_dir` if it was made here and
-    /// holds nothing else.
-    pub fn abort(mut self) {
-        self.clean();
-    }
-
-    fn clean(&mut self) {
+impl Drop for ParamsWriter {
+    /// Unfinished: removes the temporary folder, and `save_dir` if it was made here and holds
+    /// nothing else.
+    fn drop(&mut self) {
         if self.done {
             return;
         }
-        self.done = true;
         let _ = std::fs::remove_dir_all(&self.tmp);
         if self.made_dir {
             let _ = std::fs::remove_dir(&self.save_dir); // only if empty
         }
-    }
-}
-
-impl Drop for ParamsWriter {
-    fn drop(&mut self) {
-        self.clean();
     }
 }
 

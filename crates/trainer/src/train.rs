@@ -226,7 +226,8 @@ fn batch(split: &TokenSplit, indices: &[usize], spec: &BatchSpec, dev: &Device) 
             Some(m) => cp.shard_host(m, b, seq)?,
             None => vec![1.0; b * local],
         };
-        let batch = Batch::masked(t, l, m)?.with_num_tokens(whole / cp.size() as f64)?;
+        let all = whole / cp.size() as f64;
+        let batch = Batch::masked(t, l, m)?.with_num_tokens(all)?;
         if mtp_depths == 0 {
             return Ok(batch);
         }
@@ -247,7 +248,6 @@ fn batch(split: &TokenSplit, indices: &[usize], spec: &BatchSpec, dev: &Device) 
             let mk = Tensor::from_vec(cp.shard_host(&mk, b, seq)?, [b, local], dev)?;
             depths.push((shard(&tk)?, shard(&lk)?, mk, count));
         }
-        let all = whole / cp.size() as f64;
         return Ok(batch.with_mtp_rolled(MtpRolled { depths, all }));
     }
     let (tokens, labels) = (Tensor::from_vec(tokens, [b, seq], dev)?, Tensor::from_vec(labels, [b, seq], dev)?);

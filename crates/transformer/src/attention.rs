@@ -138,6 +138,48 @@ impl SelfAttention {
     }
 }
 
+/// RoPE `r` for a local sequence of `t` rows: their global positions under context parallelism
+/// (shared by the attention modules).
+pub(crate) fn rope_at(cp: Option<&ContextParallel>, r: &RopeCfg, t: usize) -> RopeCfg {
+    match cp {
+        Some(cp) => cp.rope(r, t),
+        None => *r,
+    }
+}
+
+/// The core attention on split Q, K, V: (o, lse), over the whole sequence under context
+/// parallelism.
+pub(crate) fn core_fwd(
+    cp: Option<&ContextParallel>,
+    q: &Tensor,
+    kk: &Tensor,
+    v: &Tensor,
+    cfg: &AttnCfg,
+) -> Result<(Tensor, Tensor)> {
+    match cp {
+        Some(cp) => cp.attention_fwd(q, kk, v, cfg),
+        None => k::attention_fwd(q, kk, v, cfg),
+    }
+}
+
+/// `core_fwd`'s backward: (dq, dk, dv).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn core_bwd(
+    cp: Option<&ContextParallel>,
+    q: &Tensor,
+    kk: &Tensor,
+    v: &Tensor,
+    o: &Tensor,
+    lse: &Tensor,
+    d_o: &Tensor,
+    cfg: &AttnCfg,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    match cp {
+        Some(cp) => cp.attention_bwd(q, kk, v, o, lse, d_o, cfg),
+        None => k::attention_bwd(q, kk, v, o, lse, d_o, cfg),
+    }
+}
+
 impl SelfAttention {
     /// Whether the core attention reads Q, K and V straight from the fused projection output
     /// (no QK-norm to apply to them first; RoPE runs in place on it): `k::attention_fwd_qkv`, no
@@ -148,23 +190,13 @@ impl SelfAttention {
 
     /// RoPE for a local sequence of `t` rows (their global positions under context parallelism).
     fn rope_for(&self, t: usize) -> Option<RopeCfg> {
-        let r = self.rope.as_ref()?;
-        Some(match &self.cp {
-            Some(cp) => cp.rope(r, t),
-            None => *r,
-        })
+        Some(rope_at(self.cp.as_ref(), self.rope.as_ref()?, t))
     }
 
-    /// The core attention on split Q, K, V: (o, lse), over the whole sequence under context
-    /// parallelism.
     fn core_fwd(&self, q: &Tensor, kk: &Tensor, v: &Tensor, cfg: &AttnCfg) -> Result<(Tensor, Tensor)> {
-        match &self.cp {
-            Some(cp) => cp.attention_fwd(q, kk, v, cfg),
-            None => k::attention_fwd(q, kk, v, cfg),
-        }
+        core_fwd(self.cp.as_ref(), q, kk, v, cfg)
     }
 
-    /// `core_fwd`'s backward: (dq, dk, dv).
     #[allow(clippy::too_many_arguments)]
     fn core_bwd(
         &self,
@@ -176,10 +208,7 @@ impl SelfAttention {
         d_o: &Tensor,
         cfg: &AttnCfg,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        match &self.cp {
-            Some(cp) => cp.attention_bwd(q, kk, v, o, lse, d_o, cfg),
-            None => k::attention_bwd(q, kk, v, o, lse, d_o, cfg),
-        }
+        core_bwd(self.cp.as_ref(), q, kk, v, o, lse, d_o, cfg)
     }
 
     /// Where the heads sit in the fused projection output.

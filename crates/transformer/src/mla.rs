@@ -23,6 +23,7 @@
 //! Shapes per rank (h = n/tp heads): x [B, T(/tp), C]; q [B, T, h, dn + r]; kv [B, T, h, dn + dv];
 //! k_pe [B, T, 1, r]; Q, K, V [B, T, h, D]; o [B, T, h, D] → [B, T, h·dv] → y [B, T(/tp), C].
 
+use crate::attention::{core_bwd, core_fwd, rope_at};
 use crate::concat::{cat_last, pad_last, split_last};
 use crate::linear::Linear;
 use crate::norm::Norm;
@@ -231,10 +232,7 @@ impl MlaAttention {
 
     /// RoPE for x [B, T, H, r] (global positions under context parallelism).
     fn rope_for(&self, x: &Tensor) -> RopeCfg {
-        match &self.cp {
-            Some(cp) => cp.rope(&self.rope, x.dims()[1]),
-            None => self.rope,
-        }
+        rope_at(self.cp.as_ref(), &self.rope, x.dims()[1])
     }
 
     /// rope(x de-interleaved), x [B, T, H, r].
@@ -309,10 +307,7 @@ impl Module for MlaAttention {
         let qk = cat_last(&[&q_nope, &q_pe])?;
         let (qq, kk) = (pad_last(&qk, width - dn - r)?, pad_last(&cat_last(&[&k_nope, &k_pe])?, width - dn - r)?);
         let vv = pad_last(&v, width - dv)?;
-        let (o, lse) = match &self.cp {
-            Some(cp) => cp.attention_fwd(&qq, &kk, &vv, &self.cfg())?,
-            None => k::attention_fwd(&qq, &kk, &vv, &self.cfg())?,
-        };
+        let (o, lse) = core_fwd(self.cp.as_ref(), &qq, &kk, &vv, &self.cfg())?;
         let ov = if width == dv { o.clone() } else { split_last(&o, &[dv, width - dv])?.swap_remove(0) };
         let (y, s_p) = self.linear_proj.forward(cx, &ov.reshape([b, t, hl * dv])?)?;
         children.push(s_p);
@@ -329,10 +324,7 @@ impl Module for MlaAttention {
         let dov = self.linear_proj.backward(cx, s_p, dy)?;
         let (b, t, width) = (qq.dims()[0], qq.dims()[1], self.spec.core_width());
         let d_o = pad_last(&dov.reshape([b, t, hl, dv])?, width - dv)?;
-        let (dq, dk, dvv) = match &self.cp {
-            Some(cp) => cp.attention_bwd(&qq, &kk, &vv, &o, &lse, &d_o, &self.cfg())?,
-            None => k::attention_bwd(&qq, &kk, &vv, &o, &lse, &d_o, &self.cfg())?,
-        };
+        let (dq, dk, dvv) = core_bwd(self.cp.as_ref(), &qq, &kk, &vv, &o, &lse, &d_o, &self.cfg())?;
         // The parts that matter, without the padding (no zero-width part: nothing to copy).
         let pad = width - dn - r;
         let widths: &[usize] = if pad == 0 { &[dn, r] } else { &[dn, r, pad] };

@@ -209,8 +209,7 @@ pub(super) fn check(c: &TransformerConfig) -> Result<()> {
         None => true,
         Some(o) => {
             let k = o.layers.iter().take_while(|&&d| d).count();
-            o.layers[k..].iter().all(|&d| !d)
-                && matches!(o.mlp, MlpSpec::Dense { activation: Activation::SwiGlu, bias: false })
+            o.layers[k..].iter().all(|&d| !d) && super::plain_swiglu(&o.mlp)
         }
     };
     let yarn = a.mla.and_then(|m| m.yarn);
