@@ -193,24 +193,6 @@ impl SelfAttention {
         Some(rope_at(self.cp.as_ref(), self.rope.as_ref()?, t))
     }
 
-    fn core_fwd(&self, q: &Tensor, kk: &Tensor, v: &Tensor, cfg: &AttnCfg) -> Result<(Tensor, Tensor)> {
-        core_fwd(self.cp.as_ref(), q, kk, v, cfg)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn core_bwd(
-        &self,
-        q: &Tensor,
-        kk: &Tensor,
-        v: &Tensor,
-        o: &Tensor,
-        lse: &Tensor,
-        d_o: &Tensor,
-        cfg: &AttnCfg,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
-        core_bwd(self.cp.as_ref(), q, kk, v, o, lse, d_o, cfg)
-    }
-
     /// Where the heads sit in the fused projection output.
     fn qkv_heads(&self) -> k::QkvHeads {
         k::QkvHeads::new(self.groups, self.heads / self.groups, self.head_dim)
@@ -319,7 +301,7 @@ impl Module for SelfAttention {
             q = k::rope_fwd(&q, r)?;
             kk = k::rope_fwd(&kk, r)?;
         }
-        let (o, lse) = self.core_fwd(&q, &kk, &v, &self.cfg(cx, t)?)?;
+        let (o, lse) = core_fwd(self.cp.as_ref(), &q, &kk, &v, &self.cfg(cx, t)?)?;
         let (y, mut s_proj) = self.linear_proj.forward(cx, &o.reshape([b, t, self.heads * self.head_dim])?)?;
         if self.recompute_core {
             s_proj.tensors.clear(); // the projection's input is `o`, recomputed in the backward
@@ -353,7 +335,7 @@ impl SelfAttention {
         let mut s_proj = children.pop().unwrap_or_default();
         if self.recompute_core && tensors.len() == 3 {
             let cfg = self.cfg(cx, tensors[0].dims()[1])?;
-            let (o, lse) = self.core_fwd(&tensors[0], &tensors[1], &tensors[2], &cfg)?;
+            let (o, lse) = core_fwd(self.cp.as_ref(), &tensors[0], &tensors[1], &tensors[2], &cfg)?;
             let (b, t) = (o.dims()[0], o.dims()[1]);
             s_proj.tensors = vec![o.reshape([b, t, self.heads * self.head_dim])?];
             tensors.extend([o, lse]);
@@ -362,7 +344,8 @@ impl SelfAttention {
             .try_into()
             .map_err(|_| ferrotron_core::invalid("SelfAttention::backward", "saved tensors do not match forward"))?;
         let d_o = self.proj_backward(cx, s_proj, dy, proj_bias)?.reshape(o.dims().to_vec())?;
-        let (mut dq, mut dk, dv) = self.core_bwd(&q, &kk, &v, &o, &lse, &d_o, &self.cfg(cx, q.dims()[1])?)?;
+        let (mut dq, mut dk, dv) =
+            core_bwd(self.cp.as_ref(), &q, &kk, &v, &o, &lse, &d_o, &self.cfg(cx, q.dims()[1])?)?;
         if let Some(r) = &self.rope_for(q.dims()[1]) {
             dq = k::rope_bwd(&dq, r)?;
             dk = k::rope_bwd(&dk, r)?;
