@@ -10,10 +10,12 @@ import torch.nn.functional as F
 fused = "--fused" in sys.argv
 # --dropout P: attention dropout at rate P (dropout_p), as ATTN_BENCH_DROPOUT=P for ours.
 dropout = float(sys.argv[sys.argv.index("--dropout") + 1]) if "--dropout" in sys.argv else 0.0
+# --dims 64,128,192: the head dims, as ATTN_BENCH_DIMS for ours.
+dims = [int(d) for d in sys.argv[sys.argv.index("--dims") + 1].split(",")] if "--dims" in sys.argv else [64, 128]
 
 print("| head dim | seq | batch × heads | SDPA fwd TFLOP/s | SDPA bwd TFLOP/s |")
 print("|---|---|---|---|---|")
-for d in (64, 128):
+for d in dims:
     for t in (1024, 2048, 4096, 8192, 16384):
         b, h = max(1, 16384 // t), 2048 // d
         if fused:

@@ -23,11 +23,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // pattern of the tables before 2026-12-01 instead of pseudo-random values: on a power-capped
     // card the data moves the clock (fewer bits flipping, less power). ATTN_BENCH_FWD_ONLY=1
     // times the forward alone (and `benches/torch_sdpa.py --dropout P` is SDPA's side of it).
+    // ATTN_BENCH_DIMS=64,128,192 picks the head dims (default 64,128; 192 is multi-latent
+    // attention's, on the mma.sync kernels alone; `benches/torch_sdpa.py --dims` for SDPA).
     let only = std::env::var("ATTN_BENCH_ONLY").ok();
     let reps: usize = std::env::var("ATTN_BENCH_REPS").ok().and_then(|r| r.parse().ok()).unwrap_or(5);
     let fused = std::env::var("ATTN_BENCH_FUSED").is_ok_and(|v| v == "1");
     let pattern = std::env::var("ATTN_BENCH_DATA").is_ok_and(|v| v == "pattern");
     let fwd_only = std::env::var("ATTN_BENCH_FWD_ONLY").is_ok_and(|v| v == "1");
+    let dims: Vec<usize> = match std::env::var("ATTN_BENCH_DIMS") {
+        Ok(v) => v.split(',').map(|d| d.trim().parse()).collect::<Result<_, _>>()?,
+        Err(_) => vec![64, 128],
+    };
     // Uniform in [-1, 1) from a splitmix64 hash of the index (the same values on every run).
     let value = |i: usize| -> f32 {
         if pattern {
@@ -44,12 +50,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "| head dim | seq | batch × heads | fwd TFLOP/s | bwd TFLOP/s | bwd deterministic | fwd mma.sync | bwd mma.sync |"
     );
     println!("|---|---|---|---|---|---|---|---|");
-    for d in [64usize, 128] {
+    for d in dims {
         for t in [1024usize, 2048, 4096, 8192, 16384] {
             if only.as_ref().is_some_and(|o| *o != format!("{d}x{t}")) {
                 continue;
             }
-            // 16k tokens per call, 2048 hidden (heads = 2048 / d).
+            // 16k tokens per call, 2048 hidden (heads = 2048 / d, rounded down).
             let (b, h) = ((16384 / t).max(1), 2048 / d);
             let n = b * t * h * d;
             let dropout = dropout.map(|p| k::AttnDropout {

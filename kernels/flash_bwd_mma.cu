@@ -1,7 +1,7 @@
 // Flash attention backward on tensor cores (bf16 in, fp32 accumulate): mma.sync m16n8k16 as in
 // flash_mma.cu, FlashAttention-2's tiling, no atomics (same bits every run; the wgmma default
 // below, flash_bwd_dkvq, is the exception). Three kernels:
-//   flash_bwd_delta_bf16      delta = rowsum(dO ∘ O), d / 8 lanes per (token, head) row.
+//   flash_bwd_delta_bf16      delta = rowsum(dO ∘ O), d / 8 lanes (a power of two) per (token, head) row.
 //   flash_bwd_dq_mma_bf16_D   4 warps × 16 query rows of one (batch, head), over key tiles:
 //                             S = Q Kᵀ, P = exp(S·scale − lse), dP = dO Vᵀ, dS = P ∘ (dP − delta),
 //                             dQ += dS K.
@@ -26,13 +26,13 @@
 #define FB_KEYS 64  // keys per tile
 
 // delta = rowsum(dO ∘ O) for rows of [B, T, Hq] (delta is [B, Hq, T]): eight elements per thread
-// (16-byte loads, o and dout 16-byte aligned), d / 8 lanes per row, a power of two up to 32 (head
-// dims 64 and 128: 8 and 16), so a row's lanes sit in one warp. With `zero` (the fused backward's
-// fp32 dQ tiles, `zero_n` floats, 16-byte aligned) thread x also clears floats 8x to 8x + 7 of it,
-// so the tiles need no memset launch of their own: the grid covers max(rows · d, zero_n) / 8.
+// (16-byte loads, o and dout 16-byte aligned), `lanes` per row: d / 8 rounded up to a power of two
+// (at most 32: head dims 64, 128, 192 take 8, 16, 32; lanes past d / 8 add nothing), so a row's
+// lanes sit in one warp. With `zero` (the fused backward's fp32 dQ tiles, `zero_n` floats, 16-byte
+// aligned) thread x also clears floats 8x to 8x + 7 of it, so the tiles need no memset launch of
+// their own: the grid covers max(rows · lanes, zero_n / 8) threads.
 extern "C" __global__ void flash_bwd_delta_bf16(const bf16_t* o, const bf16_t* dout, float* delta, long rows,
-                                                long t, long hq, long d, float* zero, long zero_n) {
-    int lanes = d / 8;
+                                                long t, long hq, long d, long lanes, float* zero, long zero_n) {
     long x = (long)blockIdx.x * blockDim.x + threadIdx.x, w = x / lanes;
     if (zero && x * 8 < zero_n) {
         const float z[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -40,7 +40,7 @@ extern "C" __global__ void flash_bwd_delta_bf16(const bf16_t* o, const bf16_t* d
     }
     int c = x % lanes;
     float s = 0.f;
-    if (w < rows) {
+    if (w < rows && c * 8 < d) {
         float a[8], g[8];
         ld8(o, w * d + c * 8, a);
         ld8(dout, w * d + c * 8, g);
@@ -55,13 +55,18 @@ extern "C" __global__ void flash_bwd_delta_bf16(const bf16_t* o, const bf16_t* d
 }
 
 // DROP: attention dropout (`dr`; attention.cu `AttnDrop`): dS = P ∘ (dP̃ ∘ M / (1 − p) − delta).
+// QS (head dim 192, mma.sync): Q and dO stay in two shared-memory tiles after the K/V stages
+// (2·FB_ROWS·P·2 more bytes) and their A fragments come by ldmatrix each step: held in registers
+// (96) beside dQ (96) and S, dP (64) they spilled.
 template <int D, bool WG = false, int NW = 1, bool DROP = false>
 __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse,
                                  const float* delta, const bf16_t* dout, bf16_t* dq, long t, long sl, long hq, long hkv,
                                  float scale, long causal, long window, long fused, const AttnDrop& dr) {
     using Stages = KvStages<D, FB_KEYS, WG>;
     constexpr int KS = D / 16, NO = D / 8, P = Stages::TP, ROWS = FB_ROWS * NW;  // query rows per block
-    // Two stages of (K tile, V tile): 4·FB_KEYS·P·2 bytes of dynamic shared memory.
+    constexpr bool QS = !WG && D > 128;
+    // Two stages of (K tile, V tile): 4·FB_KEYS·P·2 bytes of dynamic shared memory (with QS the
+    // Q and dO tiles after them).
     extern __shared__ __align__(1024) unsigned char fb_smem[];  // swizzled tiles: 1024-byte aligned
     bf16_t* stage = reinterpret_cast<bf16_t*>(fb_smem);
     long tiles = (t + ROWS - 1) / ROWS;
@@ -72,13 +77,19 @@ __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t*
     const Place qp = q_place(h, hq, hkv, fused), kp = kv_place(kvh, hq, hkv, fused), op = {hq, h};
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
     long r0 = qt * ROWS + warp * 16 + g, r1 = r0 + 8;  // this thread's two rows
-    // A fragments of Q and dO for every k-step (registers for the whole kernel).
-    u32 qa[KS][4], da[KS][4];
+    // A fragments of Q and dO for every k-step (registers for the whole kernel), or with QS their
+    // tiles (waited for with the first K/V stage).
+    u32 qa[QS ? 1 : KS][4], da[QS ? 1 : KS][4];
+    bf16_t* qd = stage + 4 * FB_KEYS * P;
+    if constexpr (QS) {
+        tile_in<D, FB_ROWS>(qd, q, qt * ROWS, t, b, qp.heads, qp.head);
+        tile_in<D, FB_ROWS>(qd + FB_ROWS * P, dout, qt * ROWS, t, b, op.heads, op.head);
+    }
     auto frag = [&](const bf16_t* x, Place at, long row, int col) -> u32 {
         return row < t ? word(x + ((b * t + row) * at.heads + at.head) * D + col) : 0u;
     };
     #pragma unroll
-    for (int kk = 0; kk < KS; kk++) {
+    for (int kk = 0; kk < (QS ? 0 : KS); kk++) {
         int c = kk * 16 + tg * 2;
         qa[kk][0] = frag(q, qp, r0, c); qa[kk][1] = frag(q, qp, r1, c);
         qa[kk][2] = frag(q, qp, r0, c + 8); qa[kk][3] = frag(q, qp, r1, c + 8);
@@ -115,6 +126,9 @@ __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t*
             wg_qk<D>(dp, da, vs);
             wg_finish<32>(&s[0][0]);
             wg_pin<32>(&dp[0][0]);
+        } else if constexpr (QS) {
+            mma_cols_smem<D>(s, qd + warp * 16 * P, ks);
+            mma_cols_smem<D>(dp, qd + (FB_ROWS + warp * 16) * P, vs);
         } else {
             mma_cols<D>(s, qa, ks);
             mma_cols<D>(dp, da, vs);
@@ -299,7 +313,11 @@ __device__ __forceinline__ void stage_dq(float* buf, const float (*dqc)[4], int 
 // 0–14% slower.)
 // DROP: attention dropout (`dr`; attention.cu `AttnDrop`): dSᵀ from dPᵀ ∘ M / (1 − p), dV from
 // P̃ᵀ; the step's 32 keep bits of this thread's scores carry the mask from one to the other.
-template <int D, bool WG = false, int NW = 1, bool DQ = false, bool DROP = false>
+// ROLE (mma.sync): 0 computes dK and dV; 1 dV alone, 2 dK alone; 3 is both in one block of 256
+// threads, warps 0–3 role 1 and warps 4–7 role 2 for the same 64 keys (head dim 192: the two
+// accumulators (192 registers) beside Sᵀ and dPᵀ spilled; split, role 1 skips dPᵀ and the block
+// computes Sᵀ twice).
+template <int D, bool WG = false, int NW = 1, bool DQ = false, bool DROP = false, int ROLE = 0>
 __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse,
                                   const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, float* dqa, long t,
                                   long sl, long hq, long hkv, float scale, long causal, long window, long fused,
@@ -307,6 +325,17 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
     constexpr int NO = D / 8, P = WG ? D : D + 8;  // tile row (padded for ldmatrix; swizzled for wgmma)
     constexpr int KEYS = FB_KEYS * NW;              // keys per block
     static_assert(!DQ || (WG && D / NW == 64), "fused dQ: wgmma, 64 dQ columns per warpgroup");
+    static_assert(ROLE == 0 || (!WG && NW == 1), "roles: mma.sync, 64 keys a block");
+    if constexpr (ROLE == 3) {  // both roles, 256 threads
+        if (threadIdx.x < 128)
+            flash_bwd_dkv_mma<D, false, 1, false, DROP, 1>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale,
+                                                           causal, window, fused, dr);
+        else
+            flash_bwd_dkv_mma<D, false, 1, false, DROP, 2>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale,
+                                                           causal, window, fused, dr);
+        return;
+    }
+    constexpr bool DKA = ROLE != 1, DVA = ROLE != 2;  // which accumulators this thread holds
     extern __shared__ __align__(1024) unsigned char fb_smem[];  // swizzled tiles: 1024-byte aligned
     bf16_t* ks = reinterpret_cast<bf16_t*>(fb_smem);
     bf16_t* vs = ks + KEYS * P;
@@ -319,7 +348,7 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
     long tiles = (sl + KEYS - 1) / KEYS;
     long kt = blockIdx.x % tiles, kvh = (blockIdx.x / tiles) % hkv, b = blockIdx.x / (tiles * hkv);
     const Place kp = kv_place(kvh, hq, hkv, fused);  // K, V, dK, dV (dO stays [B, T, hq, D])
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
+    int warp = ROLE ? (threadIdx.x >> 5) & 3 : threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tg = lane & 3;
     long j0 = kt * KEYS, jr0 = j0 + warp * 16 + g, jr1 = jr0 + 8;  // this thread's two keys
     if constexpr (WG) {
         // Waited for with the first (Q, dO) stage.
@@ -330,9 +359,12 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
         tile_in<D, KEYS>(ks, k, j0, sl, b, kp.heads, kp.head);
         tile_in<D, KEYS>(vs, v, j0, sl, b, kp.heads, kp.head);
     }
-    float dka[NO][4], dva[NO][4];
+    float dka[DKA ? NO : 1][4], dva[DVA ? NO : 1][4];
     #pragma unroll
-    for (int n = 0; n < NO; n++) for (int e = 0; e < 4; e++) { dka[n][e] = 0.f; dva[n][e] = 0.f; }
+    for (int n = 0; n < NO; n++) for (int e = 0; e < 4; e++) {
+        if constexpr (DKA) dka[n][e] = 0.f;
+        if constexpr (DVA) dva[n][e] = 0.f;
+    }
     // Query rows that can see keys [j0, j1].
     long j1 = lmin(sl, j0 + KEYS) - 1, ib, ie;
     row_range(j0, j1, t, causal, window, FB_ROWS, &ib, &ie);
@@ -362,7 +394,9 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
             // with step n − 1, whose stage the next copy refills.
             cp_wait<0>();
             if constexpr (WG) fence_async_smem();
-            __syncthreads();
+            // The roles run this loop from two copies of the code: a barrier that need not be
+            // the same instruction in every warp.
+            if constexpr (ROLE) barrier_any(); else __syncthreads();
             if (n + 1 < steps) fetch(n + 1);
             const bf16_t* qs = qstage + (n & 1) * 2 * FB_ROWS * P;
             const bf16_t* dos = qs + FB_ROWS * P;
@@ -380,7 +414,7 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
                 wg_scores_t<D>(st, dpt, kb, vb, smem_addr(qs), smem_addr(dos), KEYS);
             } else {
                 mma_cols_smem<D>(st, ks + warp * 16 * P, qs);
-                mma_cols_smem<D>(dpt, vs + warp * 16 * P, dos);
+                if constexpr (DKA) mma_cols_smem<D>(dpt, vs + warp * 16 * P, dos);
             }
             // Pᵀ into st, dSᵀ into dpt (no mask for a tile inside the sequence below the diagonal).
             if (!tile_full(i0, FB_ROWS, j0, KEYS, t, sl, causal, window))
@@ -440,10 +474,14 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
                 #pragma unroll
                 for (int kstep = 0; kstep < FB_ROWS / 16; kstep++) {
                     u32 a[4];
-                    c_to_a(a, st, kstep);
-                    mma_rows_t<D>(dva, a, dos + kstep * 16 * P);
-                    c_to_a(a, dpt, kstep);
-                    mma_rows_t<D>(dka, a, qs + kstep * 16 * P);
+                    if constexpr (DVA) {
+                        c_to_a(a, st, kstep);
+                        mma_rows_t<D>(dva, a, dos + kstep * 16 * P);
+                    }
+                    if constexpr (DKA) {
+                        c_to_a(a, dpt, kstep);
+                        mma_rows_t<D>(dka, a, qs + kstep * 16 * P);
+                    }
                 }
             }
         }
@@ -459,8 +497,9 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
         long off = ((b * sl + j) * kp.heads + kp.head) * D;
         #pragma unroll
         for (int n = 0; n < NO; n++) {
-            *reinterpret_cast<u32*>(dk + off + n * 8 + tg * 2) = pack_bf16(dka[n][2 * rr] * scale, dka[n][2 * rr + 1] * scale);
-            *reinterpret_cast<u32*>(dv + off + n * 8 + tg * 2) = pack_bf16(dva[n][2 * rr], dva[n][2 * rr + 1]);
+            if constexpr (DKA)
+                *reinterpret_cast<u32*>(dk + off + n * 8 + tg * 2) = pack_bf16(dka[n][2 * rr] * scale, dka[n][2 * rr + 1] * scale);
+            if constexpr (DVA) *reinterpret_cast<u32*>(dv + off + n * 8 + tg * 2) = pack_bf16(dva[n][2 * rr], dva[n][2 * rr + 1]);
         }
     }
 }
@@ -468,23 +507,27 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
 // flash_bwd_{dq,dkv}_mma_bf16_D (mma.sync, 4 warps) and flash_bwd_{dq,dkv}_wgNW_bf16_D (wgmma,
 // sm_90a; NW warpgroups, each 64 query rows (dq) or keys (dkv), sharing the streamed tiles). The
 // one-warpgroup dK/dV kernel is held to 168 registers: three blocks per SM (175 would allow two).
-#define FLASH_BWD_MMA(D, SFX, WG, NW) \
+// R = 2: the dK/dV kernel's two roles (ROLE 3, 256 threads), else R = 1.
+#define FLASH_BWD_MMA(D, SFX, WG, NW, R) \
 extern "C" __global__ void __launch_bounds__(128 * NW) flash_bwd_dq_##SFX##_bf16_##D(const bf16_t* q, const bf16_t* k, \
         const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dq, long t, long sl, long hq, \
         long hkv, long d, float scale, long causal, long window, long fused) { \
     flash_bwd_dq_mma<D, WG, NW>(q, k, v, lse, delta, dout, dq, t, sl, hq, hkv, scale, causal, window, fused, \
                                 AttnDrop{}); } \
-extern "C" __global__ void __launch_bounds__(128 * NW, WG ? 3 / NW : 1) flash_bwd_dkv_##SFX##_bf16_##D(const bf16_t* q, const bf16_t* k, \
-        const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, long t, \
-        long sl, long hq, long hkv, long d, float scale, long causal, long window, long fused) { \
-    flash_bwd_dkv_mma<D, WG, NW>(q, k, v, lse, delta, dout, dk, dv, nullptr, t, sl, hq, hkv, scale, causal, window, \
-                                 fused, AttnDrop{}); }
-FLASH_BWD_MMA(64, mma, false, 1)
-FLASH_BWD_MMA(128, mma, false, 1)
+extern "C" __global__ void __launch_bounds__(128 * NW * R, WG ? 3 / NW : 1) flash_bwd_dkv_##SFX##_bf16_##D(const bf16_t* q, \
+        const bf16_t* k, const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, \
+        bf16_t* dv, long t, long sl, long hq, long hkv, long d, float scale, long causal, long window, long fused) { \
+    flash_bwd_dkv_mma<D, WG, NW, false, false, R == 2 ? 3 : 0>(q, k, v, lse, delta, dout, dk, dv, nullptr, t, sl, hq, \
+                                                                hkv, scale, causal, window, fused, AttnDrop{}); }
+FLASH_BWD_MMA(64, mma, false, 1, 1)
+FLASH_BWD_MMA(128, mma, false, 1, 1)
+// Head dim 192 (multi-latent attention) on mma.sync only (the wgmma builds' register budget and
+// 64-column dQ pieces do not take it): dQ with Q and dO in shared memory (QS), dK/dV in two roles.
+FLASH_BWD_MMA(192, mma, false, 1, 2)
 // Measured on the H200 (lab notes in README.md): D 64 NW 1 (NW 2: 4–13% slower), D 128 NW 2
 // (8–26% faster than 1).
-FLASH_BWD_MMA(64, wg1, true, 1)
-FLASH_BWD_MMA(128, wg2, true, 2)
+FLASH_BWD_MMA(64, wg1, true, 1, 1)
+FLASH_BWD_MMA(128, wg2, true, 2, 1)
 // dK, dV and dQ in one pass (flash_bwd_dkvq_wgNW_bf16_D; fp32 dQ tiles by bulk reductions, see
 // DQ above). D 64: two blocks per SM (at three it spilled).
 #define FLASH_BWD_DKVQ(D, NW, MINB) \
@@ -496,8 +539,20 @@ extern "C" __global__ void __launch_bounds__(128 * NW, MINB) flash_bwd_dkvq_wg##
                                          fused, AttnDrop{}); }
 FLASH_BWD_DKVQ(64, 1, 2)
 FLASH_BWD_DKVQ(128, 2, 1)
-// With attention dropout (`_drop`, the key last): the fused kernel on wgmma, the two mma.sync
-// kernels elsewhere and in deterministic mode.
+// With attention dropout (`_drop`, the key last): the two mma.sync kernels (wgmma off, deterministic
+// mode, head dim 192) and the fused kernel on wgmma.
+#define FLASH_BWD_DROP_MMA(D, R) \
+extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_mma_drop_bf16_##D(const bf16_t* q, const bf16_t* k, \
+        const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dq, long t, long sl, long hq, \
+        long hkv, long d, float scale, long causal, long window, long fused, AttnDrop dr0) { \
+    const AttnDrop dr = drop_shifted(dr0); \
+    flash_bwd_dq_mma<D, false, 1, true>(q, k, v, lse, delta, dout, dq, t, sl, hq, hkv, scale, causal, window, fused, dr); } \
+extern "C" __global__ void __launch_bounds__(128 * R) flash_bwd_dkv_mma_drop_bf16_##D(const bf16_t* q, const bf16_t* k, \
+        const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, long t, \
+        long sl, long hq, long hkv, long d, float scale, long causal, long window, long fused, AttnDrop dr0) { \
+    const AttnDrop dr = drop_shifted(dr0); \
+    flash_bwd_dkv_mma<D, false, 1, false, true, R == 2 ? 3 : 0>(q, k, v, lse, delta, dout, dk, dv, nullptr, t, sl, hq, \
+                                                                hkv, scale, causal, window, fused, dr); }
 #define FLASH_BWD_DROP(D, NW, MINB) \
 extern "C" __global__ void __launch_bounds__(128 * NW, MINB) flash_bwd_dkvq_wg##NW##_drop_bf16_##D(const bf16_t* q, \
         const bf16_t* k, const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, \
@@ -506,19 +561,10 @@ extern "C" __global__ void __launch_bounds__(128 * NW, MINB) flash_bwd_dkvq_wg##
     const AttnDrop dr = drop_shifted(dr0); \
     flash_bwd_dkv_mma<D, true, NW, true, true>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale, causal, \
                                                window, fused, dr); } \
-extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_mma_drop_bf16_##D(const bf16_t* q, const bf16_t* k, \
-        const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dq, long t, long sl, long hq, \
-        long hkv, long d, float scale, long causal, long window, long fused, AttnDrop dr0) { \
-    const AttnDrop dr = drop_shifted(dr0); \
-    flash_bwd_dq_mma<D, false, 1, true>(q, k, v, lse, delta, dout, dq, t, sl, hq, hkv, scale, causal, window, fused, dr); } \
-extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkv_mma_drop_bf16_##D(const bf16_t* q, const bf16_t* k, \
-        const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, long t, \
-        long sl, long hq, long hkv, long d, float scale, long causal, long window, long fused, AttnDrop dr0) { \
-    const AttnDrop dr = drop_shifted(dr0); \
-    flash_bwd_dkv_mma<D, false, 1, false, true>(q, k, v, lse, delta, dout, dk, dv, nullptr, t, sl, hq, hkv, scale, \
-                                                causal, window, fused, dr); }
+FLASH_BWD_DROP_MMA(D, 1)
 FLASH_BWD_DROP(64, 1, 2)
 FLASH_BWD_DROP(128, 2, 1)
+FLASH_BWD_DROP_MMA(192, 2)
 
 // A consumer's 64 keys of dK or dV (accumulator fragments times `mul`, bf16) into [B, sl, heads,
 // D] by their `Place`, through shared memory as the forward's O (fwd_store_staged): the fragments

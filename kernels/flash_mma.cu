@@ -890,11 +890,16 @@ extern "C" __global__ void __launch_bounds__(128 * NW) NAME(const bf16_t* q, con
     flash_fwd_mma<D, 1, WG, NW, true>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window, fused, dr); }
 FLASH_MMA_DROP(flash_fwd_mma_drop_bf16_64, 64, false, 1)
 FLASH_MMA_DROP(flash_fwd_mma_drop_bf16_128, 128, false, 1)
+FLASH_MMA_DROP(flash_fwd_mma_drop_bf16_192, 192, false, 1)
 FLASH_MMA_DROP(flash_fwd_wg2_drop_bf16_64, 64, true, 2)
 FLASH_MMA_DROP(flash_fwd_wg2_drop_bf16_128, 128, true, 2)
 FLASH_MMA(flash_fwd_mma_bf16_64, 64, 1, false, 1)
 FLASH_MMA(flash_fwd_mma_bf16_64x2, 64, 2, false, 1)
 FLASH_MMA(flash_fwd_mma_bf16_128, 128, 1, false, 1)
+// Head dim 192 (multi-latent attention: DeepSeek-V2/V3's 128 + 64 rotary columns, V padded to
+// them) on mma.sync only, one m-tile per warp: Q's fragments (48 registers) and O (96) leave no
+// room for a second m-tile or for the wgmma kernels' register budget.
+FLASH_MMA(flash_fwd_mma_bf16_192, 192, 1, false, 1)
 // Measured on the H200 (16k tokens per call, causal; lab notes in README.md): NW = 1 was L2-bound;
 // D 64: NW 2 > 4 > 1; D 128: NW 3 from 2k rows on, NW 2 at 1k.
 FLASH_MMA(flash_fwd_wg2_bf16_64, 64, 1, true, 2)

@@ -339,6 +339,9 @@ __device__ __forceinline__ void wg_reg_alloc() { WG_ASM_ARGS("setmaxnreg.inc.syn
 __device__ __forceinline__ void named_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
+// Barrier 0 for the whole block where warps reach it from different code (`barrier.sync` without
+// `.aligned`; __syncthreads' `bar.sync` requires every thread at the same instruction).
+__device__ __forceinline__ void barrier_any() { asm volatile("barrier.sync 0;" ::: "memory"); }
 __device__ __forceinline__ void named_arrive(int id, int count) {
     asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
 }

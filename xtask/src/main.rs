@@ -497,7 +497,8 @@ fn bench_bin_and_presets(args: &[String]) -> (PathBuf, Vec<String>) {
 /// default target/release/examples/attention_bench) and PyTorch SDPA on the same shapes
 /// (benches/torch_sdpa.py; BENCH_TORCH=0 skips it) in one command: both tables as they ran, then
 /// one table side by side with the ratios. attention_bench's own variables (ATTN_BENCH_*) pass on;
-/// ATTN_BENCH_DROPOUT=P (attention dropout at rate P) reaches SDPA too (`--dropout P`).
+/// ATTN_BENCH_DROPOUT=P (attention dropout at rate P) and ATTN_BENCH_DIMS (head dims) reach SDPA
+/// too (`--dropout P`, `--dims`).
 fn attention_bench(args: &[String]) -> anyhow::Result<()> {
     let bin = args.first().map(PathBuf::from).unwrap_or_else(|| root().join("target/release/examples/attention_bench"));
     let out = Command::new(&bin).output().with_context(|| {
@@ -518,6 +519,9 @@ fn attention_bench(args: &[String]) -> anyhow::Result<()> {
         py.arg(root().join("benches/torch_sdpa.py"));
         if let Ok(p) = std::env::var("ATTN_BENCH_DROPOUT") {
             py.args(["--dropout", &p]);
+        }
+        if let Ok(d) = std::env::var("ATTN_BENCH_DIMS") {
+            py.args(["--dims", &d]);
         }
         let py = py.output().context("running python3 benches/torch_sdpa.py")?;
         if !py.status.success() {

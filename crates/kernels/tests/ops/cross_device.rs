@@ -291,7 +291,9 @@ fn every_op_matches_cpu() {
         // ragged ends, GQA, causal, windowed and full (bf16 at 64/128 runs the tensor-core kernels).
         // 2100 rows at head dim 64: the forward with two m-tiles per warp (from 2048 rows on),
         // 128-row blocks with a ragged last one; 2060 at 128: several key tiles per block and a
-        // ragged last block in the warp-specialised forward (128-row blocks) on sm_90.
+        // ragged last block in the warp-specialised forward (128-row blocks) on sm_90. Head dim 192
+        // (multi-latent attention; bf16 on the mma.sync kernels in every mode, f32 on the
+        // reference kernels): one ragged block, and GQA over several key tiles.
         let shapes = [
             (45usize, 4usize, 2usize, 32usize),
             (70, 2, 2, 64),
@@ -300,6 +302,8 @@ fn every_op_matches_cpu() {
             (150, 2, 1, 128),
             (2100, 2, 1, 64),
             (2060, 2, 1, 128),
+            (70, 2, 1, 192),
+            (150, 4, 2, 192),
         ];
         // bf16 on an sm_90 GPU: the wgmma kernels with warpgroups in lockstep (the backward's dQ
         // by bulk reductions, then, deterministic, by its own kernel), the warp-specialised
@@ -430,10 +434,10 @@ fn every_op_matches_cpu() {
         }
         if dt == DType::BF16 {
             // Deterministic mode: the backward twice on the GPU gives the same bits, at head dim
-            // 128 (flash) and 48 (the reference kernels; GQA, many query rows per key row).
+            // 128 and 192 (flash) and 48 (the reference kernels; GQA, many query rows per key row).
             ferrotron_kernels::cuda::set_deterministic(true);
             let g = gpu();
-            for (hq, hkv, d) in [(2, 2, 128), (4, 2, 48)] {
+            for (hq, hkv, d) in [(2, 2, 128), (4, 2, 192), (4, 2, 48)] {
                 let shape = |h: usize| [2, 300, h, d];
                 let x: Vec<Tensor> =
                     [hq, hkv, hkv, hq].iter().zip(30..).map(|(&h, seed)| on(&rnd(&shape(h), seed, dt), &g)).collect();
@@ -600,7 +604,7 @@ fn attention_qkv_fwd_bwd(t: &[Tensor], heads: k::QkvHeads, cfg: &AttnCfg) -> Vec
 /// 16 and 48, atomics and deterministic), the SIMT flash kernels (f32, and head dim 32), and the
 /// tensor-core `_drop` builds at head dims 64 and 128 (bf16): the warp-specialised forward and
 /// backward, wgmma in lockstep with the fused dK/dV/dQ, the mma.sync pair in deterministic mode,
-/// mma.sync alone with wgmma off; ragged ends, GQA, causal,
+/// mma.sync alone with wgmma off; at head dim 192 the mma.sync builds in every mode; ragged ends, GQA, causal,
 /// windowed and full masks, a nonzero micro-batch base and head offset (a tensor-parallel rank),
 /// and the fused-QKV entry points. The CPU kernel is checked against a naive reference with the
 /// documented mask (tests/ops/attention.rs).
@@ -626,6 +630,7 @@ fn attention_dropout_matches_cpu() {
         (130, 4, 2, 64),
         (33, 4, 1, 128),
         (150, 2, 1, 128),
+        (150, 4, 2, 192),
     ];
     // (wgmma, deterministic, warp-specialised)
     let modes = [(true, false, true), (true, false, false), (true, true, true), (false, false, false)];

@@ -92,6 +92,10 @@ fn flash(a: &AttnShape) -> bool {
     FLASH_DIMS.contains(&a.dims.d)
 }
 
+/// The head dim of multi-latent attention (DeepSeek-V2/V3, Kimi-K2: 128 + 64 rotary columns for Q
+/// and K, V padded to them): bf16 only, on the mma.sync kernels alone (kernels/flash_mma.cu).
+const WIDE: usize = 192;
+
 /// Dynamic shared memory of the tensor-core kernels that stream K/V: two stages of a 64-key K
 /// tile and V tile of `row` bf16 per key (head dim + 8 padded for ldmatrix; the head dim itself in
 /// wgmma's 128-byte swizzled layout).
@@ -151,8 +155,13 @@ enum FwdGrid {
 /// 141–176 TFLOP/s from 2k to 16k, but slower at 1k than one m-tile); one otherwise (at 128 two
 /// do not fit the registers). With attention dropout (`drop`): the `_drop` builds, the
 /// warp-specialised one (two consumers, TMA, the dynamic walk) where those are on, else two
-/// warpgroups in lockstep on sm_90, else mma.sync with one m-tile.
+/// warpgroups in lockstep on sm_90, else mma.sync with one m-tile. Head dim 192 (`WIDE`): mma.sync
+/// with one m-tile everywhere.
 fn fwd_kernel(be: &B, d: usize, t: usize, drop: bool) -> (TcLaunch, FwdGrid) {
+    if d == WIDE {
+        let name = if drop { "flash_fwd_mma_drop_bf16_192" } else { "flash_fwd_mma_bf16_192" };
+        return (TcLaunch { name: name.into(), rows: 64, threads: 128, shared: kv_stages(d + 8) }, FwdGrid::Tiles);
+    }
     if drop && ws_drop(be) {
         let grid = FwdGrid::WsDynamicTma;
         let shared = ws_fwd_shared(d, 128, 2, q_by_tma(grid, d));
@@ -281,8 +290,12 @@ struct WsBwd {
 }
 
 /// With attention dropout (`drop`): the `_drop` builds, the fused one on wgmma unless
-/// deterministic, else the two mma.sync ones.
+/// deterministic, else the two mma.sync ones. Head dim 192 (`WIDE`): the two mma.sync ones.
 fn bwd_plan(be: &B, d: usize, t: usize, drop: bool) -> BwdKernels {
+    if d == WIDE {
+        let (dq, dkv) = bwd_kernels(d, false, if drop { "_drop" } else { "" });
+        return BwdKernels::Split(dq, dkv);
+    }
     let wgmma = be.use_wgmma() && !crate::cuda::deterministic();
     if drop
         && wgmma
@@ -362,18 +375,32 @@ fn bwd_kernels(d: usize, wg: bool, sfx: &str) -> (TcLaunch, TcLaunch) {
         ("mma".to_string(), 1, d + 8)
     };
     let threads = 128 * nw as u32;
-    let dq =
-        TcLaunch { name: format!("flash_bwd_dq_{kind}{sfx}_bf16_{d}"), rows: 64 * nw, threads, shared: kv_stages(row) };
+    // At head dim 192 (`WIDE`) the dQ kernel keeps the Q and dO tiles in shared memory after the
+    // K/V stages, and the dK/dV kernel runs as two roles of 128 threads (kernels/flash_bwd_mma.cu
+    // `QS`, `ROLE`).
+    let wide = d == WIDE;
+    let q_tiles = if wide { 2 * 64 * row * 2 } else { 0 } as u32;
+    let dq = TcLaunch {
+        name: format!("flash_bwd_dq_{kind}{sfx}_bf16_{d}"),
+        rows: 64 * nw,
+        threads,
+        shared: kv_stages(row) + q_tiles,
+    };
     // K and V tiles, two stages of 64-row (Q, dO) tiles and of the rows' (lse, delta).
     let shared = ((2 * 64 * nw + 4 * 64) * row * 2 + 4 * 64 * 4) as u32;
+    let threads = if wide { 2 * threads } else { threads };
     let dkv = TcLaunch { name: format!("flash_bwd_dkv_{kind}{sfx}_bf16_{d}"), rows: 64 * nw, threads, shared };
     (dq, dkv)
 }
 
-/// Whether the tensor-core kernels take these tensors: bf16, head dim 64 or 128, and every tile
-/// source 16-byte aligned (their loads move 16 bytes at a time; a view at an odd offset is not).
+/// Whether the tensor-core kernels take these tensors: bf16, head dim 64, 128 or 192 (`WIDE`), and
+/// every tile source 16-byte aligned (their loads move 16 bytes at a time; a view at an odd offset
+/// is not).
 fn mma_ok(q: &Tensor, tiles: &[&Tensor], a: &AttnShape) -> Result<bool> {
-    if q.dtype() != DType::BF16 || !matches!(a.dims.d, 64 | 128) || tiles.iter().any(|t| t.dtype() != DType::BF16) {
+    if q.dtype() != DType::BF16
+        || !matches!(a.dims.d, 64 | 128 | WIDE)
+        || tiles.iter().any(|t| t.dtype() != DType::BF16)
+    {
         return Ok(false);
     }
     aligned16(tiles)
@@ -503,17 +530,28 @@ fn tc_bwd(
 ) -> Result<()> {
     let d = a.dims;
     let delta = new(be, [d.b, d.hq, d.t], DType::F32)?;
-    // delta = rowsum(dO∘O): d / 8 threads per row, 16-byte loads (head dims 64 and 128, every
-    // tile aligned here); `zero`: fp32 tiles it clears on the way.
+    // delta = rowsum(dO∘O): d / 8 threads per row rounded up to a power of two (8, 16, 32 at head
+    // dims 64, 128, 192), 16-byte loads (every tile aligned here); `zero`: fp32 tiles it clears
+    // on the way.
     let launch_delta = |zero: Option<&Tensor>| -> Result<()> {
-        let rows = d.b * d.t * d.hq;
+        let (rows, lanes) = (d.b * d.t * d.hq, (d.d / 8).next_power_of_two());
         let (z, zn) = match zero {
             Some(t) => (ptr("attn", t)?, t.elem_count()),
             None => (Arg::Ptr(0), 0),
         };
-        let args =
-            [ptr("attn", o)?, ptr("attn", dout)?, ptr("attn", &delta)?, n(rows), n(d.t), n(d.hq), n(d.d), z, n(zn)];
-        let threads = (rows * d.d).max(zn) / 8;
+        let args = [
+            ptr("attn", o)?,
+            ptr("attn", dout)?,
+            ptr("attn", &delta)?,
+            n(rows),
+            n(d.t),
+            n(d.hq),
+            n(d.d),
+            n(lanes),
+            z,
+            n(zn),
+        ];
+        let threads = (rows * lanes).max(zn / 8);
         be.launch("flash_bwd_delta_bf16", threads.div_ceil(256) as u32, 256, 0, &args)
     };
     let [dq, dk, dv] = x.grads;
@@ -622,7 +660,7 @@ pub fn attention_bwd_qkv(
     a: &AttnShape,
     db: Option<(&Tensor, bool)>,
 ) -> Result<Option<(Tensor, bool)>> {
-    if !mma_ok(qkv, &[qkv, dout, o], a)? || !flash(a) {
+    if !mma_ok(qkv, &[qkv, dout, o], a)? {
         return Ok(None);
     }
     let dqkv = new(be, qkv.shape().clone(), DType::BF16)?;
@@ -712,7 +750,7 @@ pub fn attention_bwd(
     dout: &Tensor,
     a: &AttnShape,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    if flash(a) {
+    if flash(a) || mma_ok(q, &[q, k, v, dout, o], a)? {
         let (dq, dk, dv) = flash_bwd(be, q, k, v, o, lse, dout, a)?;
         let dt = dout.dtype();
         if dq.dtype() == dt {
