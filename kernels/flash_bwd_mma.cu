@@ -55,16 +55,16 @@ extern "C" __global__ void flash_bwd_delta_bf16(const bf16_t* o, const bf16_t* d
 }
 
 // DROP: attention dropout (`dr`; attention.cu `AttnDrop`): dS = P ∘ (dP̃ ∘ M / (1 − p) − delta).
-// QS (head dim 192, mma.sync): Q and dO stay in two shared-memory tiles after the K/V stages
-// (2·FB_ROWS·P·2 more bytes) and their A fragments come by ldmatrix each step: held in registers
-// (96) beside dQ (96) and S, dP (64) they spilled.
+// QS (head dim 192): Q and dO stay in two shared-memory tiles of the block's rows after the K/V
+// stages (2·ROWS·P·2 more bytes), read each step as A operands (ldmatrix fragments, or wgmma from
+// shared memory): held in registers (96) beside dQ (96) and S, dP (64) they spilled.
 template <int D, bool WG = false, int NW = 1, bool DROP = false>
 __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse,
                                  const float* delta, const bf16_t* dout, bf16_t* dq, long t, long sl, long hq, long hkv,
                                  float scale, long causal, long window, long fused, const AttnDrop& dr) {
     using Stages = KvStages<D, FB_KEYS, WG>;
     constexpr int KS = D / 16, NO = D / 8, P = Stages::TP, ROWS = FB_ROWS * NW;  // query rows per block
-    constexpr bool QS = !WG && D > 128;
+    constexpr bool QS = D > 128;
     // Two stages of (K tile, V tile): 4·FB_KEYS·P·2 bytes of dynamic shared memory (with QS the
     // Q and dO tiles after them).
     extern __shared__ __align__(1024) unsigned char fb_smem[];  // swizzled tiles: 1024-byte aligned
@@ -81,9 +81,13 @@ __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t*
     // tiles (waited for with the first K/V stage).
     u32 qa[QS ? 1 : KS][4], da[QS ? 1 : KS][4];
     bf16_t* qd = stage + 4 * FB_KEYS * P;
-    if constexpr (QS) {
-        tile_in<D, FB_ROWS>(qd, q, qt * ROWS, t, b, qp.heads, qp.head);
-        tile_in<D, FB_ROWS>(qd + FB_ROWS * P, dout, qt * ROWS, t, b, op.heads, op.head);
+    if constexpr (QS && WG) {
+        tile_async<D, ROWS, true>(qd, q, qt * ROWS, t, b, qp.heads, qp.head);
+        tile_async<D, ROWS, true>(qd + ROWS * P, dout, qt * ROWS, t, b, op.heads, op.head);
+        cp_commit();
+    } else if constexpr (QS) {
+        tile_in<D, ROWS>(qd, q, qt * ROWS, t, b, qp.heads, qp.head);
+        tile_in<D, ROWS>(qd + ROWS * P, dout, qt * ROWS, t, b, op.heads, op.head);
     }
     auto frag = [&](const bf16_t* x, Place at, long row, int col) -> u32 {
         return row < t ? word(x + ((b * t + row) * at.heads + at.head) * D + col) : 0u;
@@ -119,7 +123,20 @@ __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t*
         float s[8][4], dp[8][4];
         #pragma unroll
         for (int nb = 0; nb < 8; nb++) for (int e = 0; e < 4; e++) { s[nb][e] = 0.f; dp[nb][e] = 0.f; }
-        if constexpr (WG) {
+        if constexpr (WG && QS) {
+            // A = this warpgroup's 64 rows of the Q and dO tiles, B = the K and V tiles (K-major).
+            const u32 qb = smem_addr(qd) + (warp >> 2) * 64 * 128, ob = qb + ROWS * P * 2;
+            const u32 kb = smem_addr(ks), vb = smem_addr(vs);
+            wg_pin<32>(&dp[0][0]);
+            wg_start<32>(&s[0][0]);
+            #pragma unroll
+            for (int kk = 0; kk < KS; kk++) {
+                wgmma_m64n64k16_ss(&s[0][0], sw_kmajor(qb, ROWS, kk), sw_kmajor(kb, FB_KEYS, kk));
+                wgmma_m64n64k16_ss(&dp[0][0], sw_kmajor(ob, ROWS, kk), sw_kmajor(vb, FB_KEYS, kk));
+            }
+            wg_finish<32>(&s[0][0]);
+            wg_pin<32>(&dp[0][0]);
+        } else if constexpr (WG) {
             wg_pin<32>(&dp[0][0]);
             wg_start<32>(&s[0][0]);
             wg_qk<D>(s, qa, ks);
@@ -128,7 +145,7 @@ __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t*
             wg_pin<32>(&dp[0][0]);
         } else if constexpr (QS) {
             mma_cols_smem<D>(s, qd + warp * 16 * P, ks);
-            mma_cols_smem<D>(dp, qd + (FB_ROWS + warp * 16) * P, vs);
+            mma_cols_smem<D>(dp, qd + (ROWS + warp * 16) * P, vs);
         } else {
             mma_cols<D>(s, qa, ks);
             mma_cols<D>(dp, da, vs);
@@ -191,17 +208,18 @@ __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t*
 // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ by wgmma for one warpgroup's 64 keys: its K and V rows at kb, vb in
 // swizzled tiles of `keys` rows, the Q and dO tiles at qb, ob; waited for. The first k-step
 // overwrites st and dpt (no zeroing before: 64 moves a step).
-template <int D>
+// DP = false: Sᵀ alone (dpt left as it was).
+template <int D, bool DP = true>
 __device__ __forceinline__ void wg_scores_t(float (*st)[4], float (*dpt)[4], u32 kb, u32 vb, u32 qb, u32 ob,
                                             int keys) {
     wg_pin<32>(&dpt[0][0]);
     wg_start<32>(&st[0][0]);
     wgmma_m64n64k16_ss<0, 0, 0>(&st[0][0], sw_kmajor(kb, keys, 0), sw_kmajor(qb, FB_ROWS, 0));
-    wgmma_m64n64k16_ss<0, 0, 0>(&dpt[0][0], sw_kmajor(vb, keys, 0), sw_kmajor(ob, FB_ROWS, 0));
+    if constexpr (DP) wgmma_m64n64k16_ss<0, 0, 0>(&dpt[0][0], sw_kmajor(vb, keys, 0), sw_kmajor(ob, FB_ROWS, 0));
     #pragma unroll
     for (int kk = 1; kk < D / 16; kk++) {
         wgmma_m64n64k16_ss(&st[0][0], sw_kmajor(kb, keys, kk), sw_kmajor(qb, FB_ROWS, kk));
-        wgmma_m64n64k16_ss(&dpt[0][0], sw_kmajor(vb, keys, kk), sw_kmajor(ob, FB_ROWS, kk));
+        if constexpr (DP) wgmma_m64n64k16_ss(&dpt[0][0], sw_kmajor(vb, keys, kk), sw_kmajor(ob, FB_ROWS, kk));
     }
     wg_finish<32>(&st[0][0]);
     wg_pin<32>(&dpt[0][0]);
@@ -325,14 +343,14 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
     constexpr int NO = D / 8, P = WG ? D : D + 8;  // tile row (padded for ldmatrix; swizzled for wgmma)
     constexpr int KEYS = FB_KEYS * NW;              // keys per block
     static_assert(!DQ || (WG && D / NW == 64), "fused dQ: wgmma, 64 dQ columns per warpgroup");
-    static_assert(ROLE == 0 || (!WG && NW == 1), "roles: mma.sync, 64 keys a block");
+    static_assert(ROLE == 0 || (!DQ && NW == 1), "roles: 64 keys a block, no fused dQ");
     if constexpr (ROLE == 3) {  // both roles, 256 threads
         if (threadIdx.x < 128)
-            flash_bwd_dkv_mma<D, false, 1, false, DROP, 1>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale,
-                                                           causal, window, fused, dr);
+            flash_bwd_dkv_mma<D, WG, 1, false, DROP, 1>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale,
+                                                        causal, window, fused, dr);
         else
-            flash_bwd_dkv_mma<D, false, 1, false, DROP, 2>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale,
-                                                           causal, window, fused, dr);
+            flash_bwd_dkv_mma<D, WG, 1, false, DROP, 2>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale,
+                                                        causal, window, fused, dr);
         return;
     }
     constexpr bool DKA = ROLE != 1, DVA = ROLE != 2;  // which accumulators this thread holds
@@ -411,7 +429,7 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
                 int wg = warp >> 2;
                 // (Rows 64·wg.. of the KEYS-row K and V tiles: 128 bytes a row in each column block.)
                 u32 kb = smem_addr(ks) + wg * 64 * 128, vb = smem_addr(vs) + wg * 64 * 128;
-                wg_scores_t<D>(st, dpt, kb, vb, smem_addr(qs), smem_addr(dos), KEYS);
+                wg_scores_t<D, DKA>(st, dpt, kb, vb, smem_addr(qs), smem_addr(dos), KEYS);
             } else {
                 mma_cols_smem<D>(st, ks + warp * 16 * P, qs);
                 if constexpr (DKA) mma_cols_smem<D>(dpt, vs + warp * 16 * P, dos);
@@ -437,11 +455,19 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
                     fence_async_smem();
                     __syncthreads();
                 }
-                wg_pin<D / 2>(&dka[0][0]);
-                if constexpr (DQ) wg_pin<32>(&dqc[0][0]);
-                wg_start<D / 2>(&dva[0][0]);
-                wg_pv<D, FB_ROWS>(dva, pa, dos);
-                wg_pv<D, FB_ROWS>(dka, sa, qs);
+                if constexpr (DKA && DVA) {
+                    wg_pin<D / 2>(&dka[0][0]);
+                    if constexpr (DQ) wg_pin<32>(&dqc[0][0]);
+                    wg_start<D / 2>(&dva[0][0]);
+                    wg_pv<D, FB_ROWS>(dva, pa, dos);
+                    wg_pv<D, FB_ROWS>(dka, sa, qs);
+                } else if constexpr (DVA) {
+                    wg_start<D / 2>(&dva[0][0]);
+                    wg_pv<D, FB_ROWS>(dva, pa, dos);
+                } else {
+                    wg_start<D / 2>(&dka[0][0]);
+                    wg_pv<D, FB_ROWS>(dka, sa, qs);
+                }
                 if constexpr (DQ) {
                     // dQ[:, 64w .. 64w + 64) += dS (A: dSᵀ MN-major) · K (B: the K tile's column
                     // block w, MN-major), k-steps of 16 keys over the block's keys.
@@ -451,8 +477,8 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
                         wgmma_m64n64k16_ss<1, 1>(&dqc[0][0], wg_step(wg_desc(ab, 16 * FB_ROWS, 128), kk * 32 * FB_ROWS),
                                                  sw_mnmajor(kb, KEYS, kk));
                 }
-                wg_finish<D / 2>(&dva[0][0]);
-                wg_pin<D / 2>(&dka[0][0]);
+                if constexpr (DVA) wg_finish<D / 2>(&dva[0][0]); else wg_finish<D / 2>(&dka[0][0]);
+                if constexpr (DKA && DVA) wg_pin<D / 2>(&dka[0][0]);
                 wg_keep<FB_ROWS / 4>(&pa[0][0]);
                 wg_keep<FB_ROWS / 4>(&sa[0][0]);
                 if constexpr (DQ) {
@@ -507,27 +533,39 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
 // flash_bwd_{dq,dkv}_mma_bf16_D (mma.sync, 4 warps) and flash_bwd_{dq,dkv}_wgNW_bf16_D (wgmma,
 // sm_90a; NW warpgroups, each 64 query rows (dq) or keys (dkv), sharing the streamed tiles). The
 // one-warpgroup dK/dV kernel is held to 168 registers: three blocks per SM (175 would allow two).
-// R = 2: the dK/dV kernel's two roles (ROLE 3, 256 threads), else R = 1.
-#define FLASH_BWD_MMA(D, SFX, WG, NW, R) \
+#define FLASH_BWD_MMA(D, SFX, WG, NW) \
 extern "C" __global__ void __launch_bounds__(128 * NW) flash_bwd_dq_##SFX##_bf16_##D(const bf16_t* q, const bf16_t* k, \
         const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dq, long t, long sl, long hq, \
         long hkv, long d, float scale, long causal, long window, long fused) { \
     flash_bwd_dq_mma<D, WG, NW>(q, k, v, lse, delta, dout, dq, t, sl, hq, hkv, scale, causal, window, fused, \
                                 AttnDrop{}); } \
-extern "C" __global__ void __launch_bounds__(128 * NW * R, WG ? 3 / NW : 1) flash_bwd_dkv_##SFX##_bf16_##D(const bf16_t* q, \
-        const bf16_t* k, const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, \
-        bf16_t* dv, long t, long sl, long hq, long hkv, long d, float scale, long causal, long window, long fused) { \
-    flash_bwd_dkv_mma<D, WG, NW, false, false, R == 2 ? 3 : 0>(q, k, v, lse, delta, dout, dk, dv, nullptr, t, sl, hq, \
-                                                                hkv, scale, causal, window, fused, AttnDrop{}); }
-FLASH_BWD_MMA(64, mma, false, 1, 1)
-FLASH_BWD_MMA(128, mma, false, 1, 1)
-// Head dim 192 (multi-latent attention) on mma.sync only (the wgmma builds' register budget and
-// 64-column dQ pieces do not take it): dQ with Q and dO in shared memory (QS), dK/dV in two roles.
-FLASH_BWD_MMA(192, mma, false, 1, 2)
+extern "C" __global__ void __launch_bounds__(128 * NW, WG ? 3 / NW : 1) flash_bwd_dkv_##SFX##_bf16_##D(const bf16_t* q, const bf16_t* k, \
+        const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, long t, \
+        long sl, long hq, long hkv, long d, float scale, long causal, long window, long fused) { \
+    flash_bwd_dkv_mma<D, WG, NW>(q, k, v, lse, delta, dout, dk, dv, nullptr, t, sl, hq, hkv, scale, causal, window, \
+                                 fused, AttnDrop{}); }
+FLASH_BWD_MMA(64, mma, false, 1)
+FLASH_BWD_MMA(128, mma, false, 1)
 // Measured on the H200 (lab notes in README.md): D 64 NW 1 (NW 2: 4–13% slower), D 128 NW 2
 // (8–26% faster than 1).
-FLASH_BWD_MMA(64, wg1, true, 1, 1)
-FLASH_BWD_MMA(128, wg2, true, 2, 1)
+FLASH_BWD_MMA(64, wg1, true, 1)
+FLASH_BWD_MMA(128, wg2, true, 2)
+// Head dim 192 (multi-latent attention): dQ with Q and dO in shared memory (QS; NWQ blocks of 64
+// rows), dK/dV in two roles of 128 threads over 64 keys (ROLE 3), on mma.sync and on wgmma (no
+// fused dQ: its pieces are 64 columns a warpgroup).
+#define FLASH_BWD_WIDE(SFX, WG, NWQ) \
+extern "C" __global__ void __launch_bounds__(128 * NWQ) flash_bwd_dq_##SFX##_bf16_192(const bf16_t* q, const bf16_t* k, \
+        const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dq, long t, long sl, long hq, \
+        long hkv, long d, float scale, long causal, long window, long fused) { \
+    flash_bwd_dq_mma<192, WG, NWQ>(q, k, v, lse, delta, dout, dq, t, sl, hq, hkv, scale, causal, window, fused, \
+                                   AttnDrop{}); } \
+extern "C" __global__ void __launch_bounds__(256) flash_bwd_dkv_##SFX##_bf16_192(const bf16_t* q, const bf16_t* k, \
+        const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, long t, \
+        long sl, long hq, long hkv, long d, float scale, long causal, long window, long fused) { \
+    flash_bwd_dkv_mma<192, WG, 1, false, false, 3>(q, k, v, lse, delta, dout, dk, dv, nullptr, t, sl, hq, hkv, scale, \
+                                                   causal, window, fused, AttnDrop{}); }
+FLASH_BWD_WIDE(mma, false, 1)
+FLASH_BWD_WIDE(wg2, true, 2)
 // dK, dV and dQ in one pass (flash_bwd_dkvq_wgNW_bf16_D; fp32 dQ tiles by bulk reductions, see
 // DQ above). D 64: two blocks per SM (at three it spilled).
 #define FLASH_BWD_DKVQ(D, NW, MINB) \

@@ -253,11 +253,20 @@ __device__ __forceinline__ void wg_qk_ss(float (*s)[4], u32 qa, int rows, const 
 
 // acc (64 rows × D) += A B by wgmma, issued: A's fragments from registers (`a[ks]`, 16 of the K
 // dimension each: P, dS, Pᵀ, dSᵀ), B MN-major from a swizzled tile of KEYS rows (V, K, dO, Q).
+// D 192: an n128 product over the first two column blocks and an n64 one over the third (its
+// accumulator from block 16 of 8 columns on).
 template <int D, int KEYS>
 __device__ __forceinline__ void wg_pv(float (*acc)[4], const u32 (*a)[4], const bf16_t* tile) {
     u32 base = smem_addr(tile);
     #pragma unroll
-    for (int ks = 0; ks < KEYS / 16; ks++) wgmma_rs<D, 1>(&acc[0][0], a[ks], sw_mnmajor(base, KEYS, ks));
+    for (int ks = 0; ks < KEYS / 16; ks++) {
+        if constexpr (D == 192) {
+            wgmma_rs<128, 1>(&acc[0][0], a[ks], sw_mnmajor(base, KEYS, ks));
+            wgmma_rs<64, 1>(&acc[16][0], a[ks], sw_mnmajor(base + 2 * KEYS * 128, KEYS, ks));
+        } else {
+            wgmma_rs<D, 1>(&acc[0][0], a[ks], sw_mnmajor(base, KEYS, ks));
+        }
+    }
 }
 
 // Whether the tile of query rows [i0, i0 + rows) × keys [j0, j0 + keys) needs no mask: inside
@@ -893,13 +902,15 @@ FLASH_MMA_DROP(flash_fwd_mma_drop_bf16_128, 128, false, 1)
 FLASH_MMA_DROP(flash_fwd_mma_drop_bf16_192, 192, false, 1)
 FLASH_MMA_DROP(flash_fwd_wg2_drop_bf16_64, 64, true, 2)
 FLASH_MMA_DROP(flash_fwd_wg2_drop_bf16_128, 128, true, 2)
+FLASH_MMA_DROP(flash_fwd_wg2_drop_bf16_192, 192, true, 2)
 FLASH_MMA(flash_fwd_mma_bf16_64, 64, 1, false, 1)
 FLASH_MMA(flash_fwd_mma_bf16_64x2, 64, 2, false, 1)
 FLASH_MMA(flash_fwd_mma_bf16_128, 128, 1, false, 1)
 // Head dim 192 (multi-latent attention: DeepSeek-V2/V3's 128 + 64 rotary columns, V padded to
-// them) on mma.sync only, one m-tile per warp: Q's fragments (48 registers) and O (96) leave no
-// room for a second m-tile or for the wgmma kernels' register budget.
+// them), one m-tile per warp (Q's fragments, 48 registers, and O, 96, leave no room for two), and
+// on wgmma two warpgroups in lockstep (not the warp-specialised kernel: its consumers' registers).
 FLASH_MMA(flash_fwd_mma_bf16_192, 192, 1, false, 1)
+FLASH_MMA(flash_fwd_wg2_bf16_192, 192, 1, true, 2)
 // Measured on the H200 (16k tokens per call, causal; lab notes in README.md): NW = 1 was L2-bound;
 // D 64: NW 2 > 4 > 1; D 128: NW 3 from 2k rows on, NW 2 at 1k.
 FLASH_MMA(flash_fwd_wg2_bf16_64, 64, 1, true, 2)

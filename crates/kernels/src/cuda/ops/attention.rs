@@ -155,12 +155,17 @@ enum FwdGrid {
 /// 141–176 TFLOP/s from 2k to 16k, but slower at 1k than one m-tile); one otherwise (at 128 two
 /// do not fit the registers). With attention dropout (`drop`): the `_drop` builds, the
 /// warp-specialised one (two consumers, TMA, the dynamic walk) where those are on, else two
-/// warpgroups in lockstep on sm_90, else mma.sync with one m-tile. Head dim 192 (`WIDE`): mma.sync
-/// with one m-tile everywhere.
+/// warpgroups in lockstep on sm_90, else mma.sync with one m-tile. Head dim 192 (`WIDE`): two
+/// warpgroups in lockstep on sm_90, else mma.sync with one m-tile, dropout or not.
 fn fwd_kernel(be: &B, d: usize, t: usize, drop: bool) -> (TcLaunch, FwdGrid) {
     if d == WIDE {
-        let name = if drop { "flash_fwd_mma_drop_bf16_192" } else { "flash_fwd_mma_bf16_192" };
-        return (TcLaunch { name: name.into(), rows: 64, threads: 128, shared: kv_stages(d + 8) }, FwdGrid::Tiles);
+        let drop = if drop { "_drop" } else { "" };
+        let l = if be.use_wgmma() {
+            TcLaunch { name: format!("flash_fwd_wg2{drop}_bf16_{d}"), rows: 128, threads: 256, shared: kv_stages(d) }
+        } else {
+            TcLaunch { name: format!("flash_fwd_mma{drop}_bf16_{d}"), rows: 64, threads: 128, shared: kv_stages(d + 8) }
+        };
+        return (l, FwdGrid::Tiles);
     }
     if drop && ws_drop(be) {
         let grid = FwdGrid::WsDynamicTma;
@@ -290,10 +295,12 @@ struct WsBwd {
 }
 
 /// With attention dropout (`drop`): the `_drop` builds, the fused one on wgmma unless
-/// deterministic, else the two mma.sync ones. Head dim 192 (`WIDE`): the two mma.sync ones.
+/// deterministic, else the two mma.sync ones. Head dim 192 (`WIDE`): the two kernels, on wgmma
+/// where it runs (without dropout).
 fn bwd_plan(be: &B, d: usize, t: usize, drop: bool) -> BwdKernels {
     if d == WIDE {
-        let (dq, dkv) = bwd_kernels(d, false, if drop { "_drop" } else { "" });
+        // Both kernels write each element once (deterministic either way); with dropout mma.sync.
+        let (dq, dkv) = if drop { bwd_kernels(d, false, "_drop") } else { bwd_kernels(d, be.use_wgmma(), "") };
         return BwdKernels::Split(dq, dkv);
     }
     let wgmma = be.use_wgmma() && !crate::cuda::deterministic();
@@ -379,17 +386,18 @@ fn bwd_kernels(d: usize, wg: bool, sfx: &str) -> (TcLaunch, TcLaunch) {
     // K/V stages, and the dK/dV kernel runs as two roles of 128 threads (kernels/flash_bwd_mma.cu
     // `QS`, `ROLE`).
     let wide = d == WIDE;
-    let q_tiles = if wide { 2 * 64 * row * 2 } else { 0 } as u32;
+    let q_tiles = if wide { 2 * 64 * nw * row * 2 } else { 0 } as u32;
     let dq = TcLaunch {
         name: format!("flash_bwd_dq_{kind}{sfx}_bf16_{d}"),
         rows: 64 * nw,
         threads,
         shared: kv_stages(row) + q_tiles,
     };
-    // K and V tiles, two stages of 64-row (Q, dO) tiles and of the rows' (lse, delta).
-    let shared = ((2 * 64 * nw + 4 * 64) * row * 2 + 4 * 64 * 4) as u32;
-    let threads = if wide { 2 * threads } else { threads };
-    let dkv = TcLaunch { name: format!("flash_bwd_dkv_{kind}{sfx}_bf16_{d}"), rows: 64 * nw, threads, shared };
+    // K and V tiles, two stages of 64-row (Q, dO) tiles and of the rows' (lse, delta); the
+    // two roles share 64 keys.
+    let (keys, threads) = if wide { (64, 256) } else { (64 * nw, threads) };
+    let shared = ((2 * keys + 4 * 64) * row * 2 + 4 * 64 * 4) as u32;
+    let dkv = TcLaunch { name: format!("flash_bwd_dkv_{kind}{sfx}_bf16_{d}"), rows: keys, threads, shared };
     (dq, dkv)
 }
 
