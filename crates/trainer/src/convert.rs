@@ -425,7 +425,7 @@ fn export(load: &Path, save_dir: &Path, max_shard: u64) -> anyhow::Result<Conver
     let tensors = match written {
         Ok(w) => w,
         Err(e) => {
-            files.abort();
+            drop(files); // removes the files written so far
             if made_dir {
                 let _ = std::fs::remove_dir(save_dir); // only if empty
             }
@@ -546,8 +546,12 @@ impl WeightFiles {
         Ok(self.placed.len())
     }
 
-    /// Removes the files written so far (an export that failed part-way).
-    fn abort(&mut self) {
+}
+
+/// An export that failed part-way (or never finished) leaves none of its files: `finish` takes
+/// the closed ones as it renames them into place, so this removes only what it did not.
+impl Drop for WeightFiles {
+    fn drop(&mut self) {
         for tmp in self.closed.drain(..) {
             let _ = std::fs::remove_file(tmp);
         }
