@@ -15,6 +15,7 @@
 #                              (stops at a failure: nothing is measured on a build that computes
 #                              wrongly)
 #       attn[:VAR=V,...]       `xtask bench --attention`: our kernels beside SDPA, with VARs set
+#                              (one head dim in ATTN_BENCH_DIMS here: the VARs are comma-separated)
 #       ce                     the fused cross-entropy alone (examples/loss_bench.rs), keeping the
 #                              row in shared memory and (FERROTRON_CE_KEEP=0) not
 #       gemm                   our GEMM kernels beside cuBLASLt on the MLP's products

@@ -1,5 +1,5 @@
 """PyTorch SDPA (flash backend) on the shapes of examples/attention_bench.rs: causal, bf16, head
-dims 64 and 128, 16k tokens per call over 2048 hidden; forward and backward TFLOP/s with
+dims 64 and 128 (or --dims), 16k tokens per call over 2048 hidden; forward and backward TFLOP/s with
 FlashAttention's FLOP convention. Written for this project."""
 import sys, time
 import torch
