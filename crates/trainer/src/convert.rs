@@ -545,7 +545,6 @@ impl WeightFiles {
         }
         Ok(self.placed.len())
     }
-
 }
 
 /// An export that failed part-way (or never finished) leaves none of its files: `finish` takes
