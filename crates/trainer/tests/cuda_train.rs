@@ -166,6 +166,28 @@ fn mla_cuda_matches_cpu() {
     split_matches_cpu("llama-tiny", "mla yarn", yarn, yarn);
 }
 
+/// Multi-latent attention at DeepSeek-V2/V3's head widths (Q/K 128 + 64 rotary, V 128: head dim
+/// 192 once padded), bf16: the flash kernels at head dim 192 inside training, 20 steps on the GPU
+/// against bf16 on the CPU, on one rank and cp2.
+#[test]
+fn mla_deepseek_widths_bf16_cuda_matches_cpu() {
+    let args = || TrainArgs {
+        preset: Some("llama-tiny".into()),
+        bf16: true,
+        multi_latent_attention: true,
+        kv_lora_rank: Some(32),
+        qk_head_dim: Some(128),
+        qk_pos_emb_head_dim: Some(64),
+        v_head_dim: Some(128),
+        ..TrainArgs::default()
+    };
+    bf16_cuda_matches_cpu("mla head dim 192", args);
+    // Under context parallelism (two thread ranks sharing the GPU): the kernels on a rank's query
+    // chunks against the gathered keys.
+    let cp2 = || TrainArgs { context_parallel_size: Some(2), nproc: Some(2), ..args() };
+    bf16_cuda_matches_cpu("mla head dim 192 cp2", cp2);
+}
+
 /// The deepseek-v3-tiny preset (MLA with YaRN, grouped sigmoid experts with the expert bias, a
 /// dense first layer, one MTP depth) on the GPU against one CPU rank, fp32 within 1e-4.
 #[test]
