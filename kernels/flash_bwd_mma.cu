@@ -331,10 +331,10 @@ __device__ __forceinline__ void stage_dq(float* buf, const float (*dqc)[4], int 
 // 0–14% slower.)
 // DROP: attention dropout (`dr`; attention.cu `AttnDrop`): dSᵀ from dPᵀ ∘ M / (1 − p), dV from
 // P̃ᵀ; the step's 32 keep bits of this thread's scores carry the mask from one to the other.
-// ROLE (mma.sync): 0 computes dK and dV; 1 dV alone, 2 dK alone; 3 is both in one block of 256
-// threads, warps 0–3 role 1 and warps 4–7 role 2 for the same 64 keys (head dim 192: the two
-// accumulators (192 registers) beside Sᵀ and dPᵀ spilled; split, role 1 skips dPᵀ and the block
-// computes Sᵀ twice).
+// ROLE (64 keys a block, no fused dQ; mma.sync or wgmma): 0 computes dK and dV; 1 dV alone, 2 dK
+// alone; 3 is both in one block of 256 threads, warps 0–3 role 1 and warps 4–7 role 2 for the
+// same 64 keys (head dim 192: the two accumulators (192 registers) beside Sᵀ and dPᵀ spilled;
+// split, role 1 skips dPᵀ and the block computes Sᵀ twice).
 template <int D, bool WG = false, int NW = 1, bool DQ = false, bool DROP = false, int ROLE = 0>
 __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse,
                                   const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, float* dqa, long t,
