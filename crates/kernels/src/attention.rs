@@ -4,7 +4,7 @@
 pub use crate::cpu::attention::AttnDropout;
 use crate::cpu::attention::{AttnDims, AttnMask};
 use crate::{buf, check, cpu};
-use ferrotron_core::{DType, Result, Tensor, invalid, shape_mismatch};
+use ferrotron_core::{DType, Device, Result, Tensor, invalid, shape_mismatch};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttnCfg {
@@ -69,6 +69,19 @@ fn scale(cfg: &AttnCfg, d: usize) -> f64 {
 #[cfg(feature = "cuda")]
 fn gpu_shape<'a>(d: &'a AttnDims, cfg: &AttnCfg) -> crate::cuda::ops::AttnShape<'a> {
     crate::cuda::ops::AttnShape { dims: d, mask: mask(cfg), scale: scale(cfg, d.d) as f32 }
+}
+
+/// The head width at which attention over heads of `d` real columns in `dtype` on `device` runs
+/// fastest: on a GPU in bf16 the next head dim with tensor-core kernels (64, 128, 192) where d is
+/// at most 192, else d. A caller that pads its heads with zeros to it (multi-latent attention,
+/// with the softmax scale set from its real width) changes no score and no kept output.
+pub fn attention_padded_width(d: usize, dtype: DType, device: &Device) -> usize {
+    #[cfg(feature = "cuda")]
+    if dtype == DType::BF16 && matches!(device, Device::Cuda(_)) {
+        return crate::cuda::ops::TC_HEAD_DIMS.into_iter().find(|&w| w >= d).unwrap_or(d);
+    }
+    let _ = (dtype, device);
+    d
 }
 
 /// Returns (o, lse).

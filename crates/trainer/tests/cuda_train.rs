@@ -168,7 +168,7 @@ fn mla_cuda_matches_cpu() {
 
 /// Multi-latent attention at DeepSeek-V2/V3's head widths (Q/K 128 + 64 rotary, V 128: head dim
 /// 192 once padded), bf16: the flash kernels at head dim 192 inside training, 20 steps on the GPU
-/// against bf16 on the CPU, on one rank and cp2.
+/// against bf16 on the CPU, on one rank and cp2; and narrower heads padded up to 64 on the GPU.
 #[test]
 fn mla_deepseek_widths_bf16_cuda_matches_cpu() {
     let args = || TrainArgs {
@@ -186,6 +186,10 @@ fn mla_deepseek_widths_bf16_cuda_matches_cpu() {
     // chunks against the gathered keys.
     let cp2 = || TrainArgs { context_parallel_size: Some(2), nproc: Some(2), ..args() };
     bf16_cuda_matches_cpu("mla head dim 192 cp2", cp2);
+    // Narrower heads (16 + 8, v 12): padded to 64 on the GPU (`attention_padded_width`), to 24
+    // on the CPU.
+    let narrow = || TrainArgs { qk_head_dim: Some(16), qk_pos_emb_head_dim: Some(8), v_head_dim: Some(12), ..args() };
+    bf16_cuda_matches_cpu("mla head dim 24 padded to 64", narrow);
 }
 
 /// The deepseek-v3-tiny preset (MLA with YaRN, grouped sigmoid experts with the expert bias, a

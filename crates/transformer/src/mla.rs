@@ -12,7 +12,9 @@
 //! transformers de-interleave it before a half-split rotation): here a product with a fixed
 //! permutation matrix (exact: one 1 per row) de-interleaves it, so the rotation is the same
 //! kernel as every other RoPE's. The core attention runs on Q, K, V padded with zeros to one head
-//! width, max(dn + r, dv) (padding changes no score and no output column that is kept).
+//! width, max(dn + r, dv), on a GPU in bf16 further to the next head dim with tensor-core kernels
+//! (`k::attention_padded_width`: 192 at DeepSeek-V3's sizes); padding changes no score and no
+//! output column that is kept.
 //!
 //! Tensor parallel: the down projections and their norms are replicated (on the sequence shards
 //! under sequence parallelism, their gradients summed over the group), the up projections
@@ -75,7 +77,8 @@ impl MlaSpec {
             .map(|p| format!("{p} (--rotary-scaling-factor, --mscale, --mscale-all-dim)"))
     }
 
-    /// The core attention's head width: queries' and keys' dn + r, or values' dv if wider.
+    /// The core attention's head width: queries' and keys' dn + r, or values' dv if wider (on a GPU
+    /// in bf16 padded further to a tensor-core kernel's: `k::attention_padded_width`).
     pub fn core_width(&self) -> usize {
         (self.qk_head_dim + self.qk_pos_emb_head_dim).max(self.v_head_dim)
     }
@@ -303,8 +306,8 @@ impl Module for MlaAttention {
         let k_pe = self.rotate(&k_pe.reshape([b, t, 1, r])?)?;
         let ids = self.head_ids(b * t, &k_pe)?;
         let k_pe = k::embedding_fwd(&ids, &k_pe.reshape([b * t, r])?)?.reshape([b, t, hl, r])?;
-        let width = self.spec.core_width();
         let qk = cat_last(&[&q_nope, &q_pe])?;
+        let width = k::attention_padded_width(self.spec.core_width(), qk.dtype(), qk.device());
         let (qq, kk) = (pad_last(&qk, width - dn - r)?, pad_last(&cat_last(&[&k_nope, &k_pe])?, width - dn - r)?);
         let vv = pad_last(&v, width - dv)?;
         let (o, lse) = core_fwd(self.cp.as_ref(), &qq, &kk, &vv, &self.cfg())?;
@@ -322,7 +325,7 @@ impl Module for MlaAttention {
         let mut children = saved.children;
         let s_p = children.pop().ok_or_else(|| invalid("MlaAttention::backward", "nothing saved"))?;
         let dov = self.linear_proj.backward(cx, s_p, dy)?;
-        let (b, t, width) = (qq.dims()[0], qq.dims()[1], self.spec.core_width());
+        let (b, t, width) = (qq.dims()[0], qq.dims()[1], qq.dims()[3]);
         let d_o = pad_last(&dov.reshape([b, t, hl, dv])?, width - dv)?;
         let (dq, dk, dvv) = core_bwd(self.cp.as_ref(), &qq, &kk, &vv, &o, &lse, &d_o, &self.cfg())?;
         // The parts that matter, without the padding (no zero-width part: nothing to copy).

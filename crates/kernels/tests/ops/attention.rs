@@ -389,3 +389,18 @@ fn merge_refuses_a_running_sum_in_bf16() {
     let e = k::attention_merge_(&o, &l, &op, &lp).unwrap_err().to_string();
     assert!(e.contains("attention_merge_") && e.contains("f32"), "{e}");
 }
+
+// Multi-latent attention pads its heads to this width: a tensor-core kernel's head dim (64, 128,
+// 192) on a GPU in bf16, nothing on the CPU or in f32, and past 192 nothing either.
+device_test!(padded_width_is_a_tensor_core_head_dim_on_a_gpu_in_bf16, |dev: &Device| {
+    let gpu = !matches!(dev, Device::Cpu);
+    let w = |d: usize, dt: DType| k::attention_padded_width(d, dt, dev);
+    let want = |tc: usize, d: usize| if gpu { tc } else { d };
+    assert_eq!(w(24, DType::BF16), want(64, 24));
+    assert_eq!(w(64, DType::BF16), 64);
+    assert_eq!(w(96, DType::BF16), want(128, 96));
+    assert_eq!(w(160, DType::BF16), want(192, 160));
+    assert_eq!(w(192, DType::BF16), 192);
+    assert_eq!(w(200, DType::BF16), 200);
+    assert_eq!(w(24, DType::F32), 24);
+});

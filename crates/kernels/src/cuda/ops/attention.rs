@@ -93,8 +93,11 @@ fn flash(a: &AttnShape) -> bool {
 }
 
 /// The head dim of multi-latent attention (DeepSeek-V2/V3, Kimi-K2: 128 + 64 rotary columns for Q
-/// and K, V padded to them): bf16 only, on the mma.sync kernels alone (kernels/flash_mma.cu).
+/// and K, V padded to them): simpler builds than at 64 and 128 (kernels/flash_mma.cu).
 const WIDE: usize = 192;
+
+/// Head dims with tensor-core kernels (bf16), in order.
+pub(crate) const TC_HEAD_DIMS: [usize; 3] = [64, 128, WIDE];
 
 /// Dynamic shared memory of the tensor-core kernels that stream K/V: two stages of a 64-key K
 /// tile and V tile of `row` bf16 per key (head dim + 8 padded for ldmatrix; the head dim itself in
@@ -405,10 +408,7 @@ fn bwd_kernels(d: usize, wg: bool, sfx: &str) -> (TcLaunch, TcLaunch) {
 /// every tile source 16-byte aligned (their loads move 16 bytes at a time; a view at an odd offset
 /// is not).
 fn mma_ok(q: &Tensor, tiles: &[&Tensor], a: &AttnShape) -> Result<bool> {
-    if q.dtype() != DType::BF16
-        || !matches!(a.dims.d, 64 | 128 | WIDE)
-        || tiles.iter().any(|t| t.dtype() != DType::BF16)
-    {
+    if q.dtype() != DType::BF16 || !TC_HEAD_DIMS.contains(&a.dims.d) || tiles.iter().any(|t| t.dtype() != DType::BF16) {
         return Ok(false);
     }
     aligned16(tiles)
