@@ -444,9 +444,13 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
             if constexpr (DROP) drop_keep(st, keep, dr.scale);
             // dV += Pᵀ dO and dK += dSᵀ Q: k-steps of 16 rows.
             if constexpr (WG) {
-                u32 pa[FB_ROWS / 16][4], sa[FB_ROWS / 16][4];
+                // A role packs only the operand its accumulator takes (the other is dead work).
+                u32 pa[DVA ? FB_ROWS / 16 : 1][4], sa[DKA ? FB_ROWS / 16 : 1][4];
                 #pragma unroll
-                for (int kstep = 0; kstep < FB_ROWS / 16; kstep++) { c_to_a(pa[kstep], st, kstep); c_to_a(sa[kstep], dpt, kstep); }
+                for (int kstep = 0; kstep < FB_ROWS / 16; kstep++) {
+                    if constexpr (DVA) c_to_a(pa[kstep], st, kstep);
+                    if constexpr (DKA) c_to_a(sa[kstep], dpt, kstep);
+                }
                 float dqc[8][4];  // DQ: this warpgroup's 64 columns of the step's dQ rows
                 if constexpr (DQ) {
                     store_dst(dss, dpt, warp, g, tg);  // an MN-major A operand (store_dst)
@@ -479,8 +483,8 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
                 }
                 if constexpr (DVA) wg_finish<D / 2>(&dva[0][0]); else wg_finish<D / 2>(&dka[0][0]);
                 if constexpr (DKA && DVA) wg_pin<D / 2>(&dka[0][0]);
-                wg_keep<FB_ROWS / 4>(&pa[0][0]);
-                wg_keep<FB_ROWS / 4>(&sa[0][0]);
+                if constexpr (DVA) wg_keep<FB_ROWS / 4>(&pa[0][0]);
+                if constexpr (DKA) wg_keep<FB_ROWS / 4>(&sa[0][0]);
                 if constexpr (DQ) {
                     wg_pin<32>(&dqc[0][0]);
                     float* buf = dqs + (n & 1) * 4096;

@@ -254,6 +254,30 @@ pub fn sum_sq_dev(ts: &[&Tensor], device: &Device) -> Result<Tensor> {
     Tensor::from_vec(vec![sum_sq_all(ts)? as f32], [1], device)
 }
 
+/// How many elements of `ts` are zero (±0; NaN is not), as a one-element f32 tensor on `device`
+/// (their device), without reading anything back: counted exactly per block in f64 on a GPU
+/// (`sum_sq_dev`'s partials), rounded to f32 once at the end (exact below 2²⁴, within 2⁻²⁴
+/// relative above). Megatron's --log-num-zeros-in-grad counts in f32 too.
+pub fn count_zeros_dev(ts: &[&Tensor], device: &Device) -> Result<Tensor> {
+    const OP: &str = "count_zeros_dev";
+    for t in ts {
+        check::float(OP, t)?;
+        if t.device().name() != device.name() {
+            return Err(invalid(OP, "every tensor must be on the given device"));
+        }
+    }
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        let g = crate::cuda::backend(d)?;
+        return crate::cuda::ops::count_zeros_dev(&g, ts);
+    }
+    let mut n = 0;
+    for t in ts {
+        n += cpu::optim::count_zeros(&t.read_f32()?);
+    }
+    Tensor::from_vec(vec![n as f32], [1], device)
+}
+
 /// Settles one step in `state` (an [`adam_state`] tensor whose `LR` slot holds this step's
 /// learning rate) from `sq` = Σ g² (one f32, summed across ranks, on the same device): the norm
 /// √sq, the clip factor clip / (norm + 10⁻⁶) when the norm exceeds a positive `clip_grad` (else

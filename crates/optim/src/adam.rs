@@ -91,6 +91,17 @@ pub struct Optimizer {
     experts: Option<ExpertNorm>,
 }
 
+/// What [`Optimizer::total`] sums over the model.
+#[derive(Clone, Copy)]
+enum Measure {
+    /// Σ g² of the gradients.
+    GradSq,
+    /// Σ w² of the fp32 master weights.
+    MasterSq,
+    /// The gradients equal to zero.
+    GradZeros,
+}
+
 struct ExpertNorm {
     end: usize,
     ep: Option<Comm>,
@@ -220,7 +231,16 @@ impl Optimizer {
     /// each parameter counted once as `grad_norm` counts gradients; identical on every rank (a
     /// read back).
     pub fn params_norm(&self, table: &ParamTable) -> Result<f64, OptimError> {
-        Ok((self.sum_sq_of(table, true)?.to_vec_f32()?[0] as f64).sqrt())
+        Ok((self.total(table, Measure::MasterSq)?.to_vec_f32()?[0] as f64).sqrt())
+    }
+
+    /// How many of the (synchronised) gradients are zero over the whole model (Megatron's
+    /// --log-num-zeros-in-grad), each parameter counted once as `grad_norm` counts it; identical
+    /// on every rank (a read back). Summed across ranks in f32 as Megatron sums it: exact below
+    /// 2²⁴, within 2⁻²⁴ relative above.
+    pub fn num_zeros_in_grad(&self, table: &ParamTable) -> Result<f64, OptimError> {
+        table.settle_grads(0..table.flat_len())?;
+        Ok(self.total(table, Measure::GradZeros)?.to_vec_f32()?[0] as f64)
     }
 
     /// Σ g² over the whole model as one f32 on the parameters' device, summed across the ranks
@@ -228,11 +248,11 @@ impl Optimizer {
     fn sum_sq(&self, table: &ParamTable) -> Result<Tensor, OptimError> {
         // Gradients no backward op reached this step are zero (a no-op when the sync settled them).
         table.settle_grads(0..table.flat_len())?;
-        self.sum_sq_of(table, false)
+        self.total(table, Measure::GradSq)
     }
 
-    /// Σ x² of the gradients, or of the master weights (`master`), as `sum_sq` says.
-    fn sum_sq_of(&self, table: &ParamTable, master: bool) -> Result<Tensor, OptimError> {
+    /// `what` over the model, as `sum_sq` says.
+    fn total(&self, table: &ParamTable, what: Measure) -> Result<Tensor, OptimError> {
         let g = table.flat_grads();
         // Ranges of the flat buffer counted here with their offsets in the state buffers,
         // neighbours merged (one kernel each on a GPU).
@@ -255,9 +275,16 @@ impl Optimizer {
         let sum = |rs: &[(Range<usize>, usize)]| -> Result<Tensor, OptimError> {
             let views = rs
                 .iter()
-                .map(|(r, at)| if master { self.master.view(*at, [r.len()]) } else { g.view(r.start, [r.len()]) })
+                .map(|(r, at)| match what {
+                    Measure::MasterSq => self.master.view(*at, [r.len()]),
+                    Measure::GradSq | Measure::GradZeros => g.view(r.start, [r.len()]),
+                })
                 .collect::<Result<Vec<_>, _>>()?;
-            Ok(k::sum_sq_dev(&views.iter().collect::<Vec<_>>(), g.device())?)
+            let views: Vec<_> = views.iter().collect();
+            Ok(match what {
+                Measure::GradZeros => k::count_zeros_dev(&views, g.device())?,
+                Measure::GradSq | Measure::MasterSq => k::sum_sq_dev(&views, g.device())?,
+            })
         };
         // Summed in f32 across ranks: every rank gets the same bits.
         let reduce = |t: &Tensor, c: &Comm| -> Result<(), OptimError> {

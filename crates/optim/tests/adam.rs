@@ -16,6 +16,8 @@ fn decay_groups_clipping_and_master_copy() {
     opt.step(&table, 0.1).unwrap();
     let stats = opt.last_stats().unwrap();
     assert!((stats.grad_norm - 5.0).abs() < 1e-9 && stats.applied);
+    // --log-num-zeros-in-grad: three of the five gradients are zero (clipping leaves them so).
+    assert_eq!(opt.num_zeros_in_grad(&table).unwrap(), 3.0);
     // First Adam step moves each element by lr·sign(g) (bias-corrected m/√v = ±1) after decay.
     let ([m, _, _], step) = opt.full_state(table.flat_len()).unwrap();
     assert_eq!(step, 1);

@@ -119,9 +119,6 @@ pub(crate) fn apply(a: &mut TrainArgs) -> anyhow::Result<()> {
     if a.log_memory_to_tensorboard {
         bail!("--log-memory-to-tensorboard: GPU memory statistics are not logged yet; drop it");
     }
-    if a.log_num_zeros_in_grad {
-        bail!("--log-num-zeros-in-grad: the gradients' zero count is not logged yet; drop it");
-    }
     if a.apply_layernorm_1p {
         bail!("--apply-layernorm-1p: zero-centred LayerNorm weights are not built; drop it");
     }

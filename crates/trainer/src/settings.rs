@@ -275,10 +275,11 @@ pub struct TrainArgs {
     /// Also "world-size" (the number of ranks).
     #[arg(long)]
     pub log_world_size_to_tensorboard: bool,
-    /// Refused by name: the GPU memory statistics and the zero count of the gradients are not
-    /// logged yet.
+    /// Refused by name: the GPU memory statistics are not logged yet.
     #[arg(long)]
     pub log_memory_to_tensorboard: bool,
+    /// Also how many of the (synchronised) gradients are zero, on each log line and in
+    /// TensorBoard ("num-zeros"): counted at log intervals only, each parameter once.
     #[arg(long)]
     pub log_num_zeros_in_grad: bool,
     #[arg(long)]
@@ -1143,11 +1144,13 @@ pub struct Settings {
     /// `--skip-train`.
     #[serde(default)]
     pub skip_train: bool,
-    /// `--log-throughput`, `--log-params-norm`.
+    /// `--log-throughput`, `--log-params-norm`, `--log-num-zeros-in-grad`.
     #[serde(default)]
     pub log_throughput: bool,
     #[serde(default)]
     pub log_params_norm: bool,
+    #[serde(default)]
+    pub log_num_zeros_in_grad: bool,
     /// NullTokenizer's `--vocab-size`.
     #[serde(default)]
     pub vocab_size: Option<usize>,
@@ -2097,6 +2100,7 @@ impl Settings {
             log_world_size_to_tensorboard: a.log_world_size_to_tensorboard,
             log_throughput: a.log_throughput,
             log_params_norm: a.log_params_norm,
+            log_num_zeros_in_grad: a.log_num_zeros_in_grad,
             skip_train: a.skip_train,
             vocab_size: a.vocab_size,
             tokenizer_model: a.tokenizer_model.clone(),

@@ -156,6 +156,7 @@ impl RunEvents {
                 ref mtp_losses,
                 tflops_per_gpu,
                 params_norm,
+                num_zeros_in_grad,
                 ..
             } => {
                 if iteration % self.interval != 0 {
@@ -171,9 +172,11 @@ impl RunEvents {
                     self.w.scalar(tag, v as f32, it, t)?;
                     self.w.scalar(&format!("{tag} vs samples"), v as f32, samples, t)?;
                 }
-                if let Some(p) = params_norm {
-                    self.w.scalar("params-norm", p as f32, it, t)?;
-                    self.w.scalar("params-norm vs samples", p as f32, samples, t)?;
+                for (tag, v) in [("params-norm", params_norm), ("num-zeros", num_zeros_in_grad)] {
+                    if let Some(v) = v {
+                        self.w.scalar(tag, v as f32, it, t)?;
+                        self.w.scalar(&format!("{tag} vs samples"), v as f32, samples, t)?;
+                    }
                 }
                 for (tag, v) in
                     [("load_balancing_loss", load_balancing_loss), ("z_loss", z_loss), ("throughput", tflops_per_gpu)]

@@ -59,6 +59,9 @@ pub enum Metric {
         /// `--log-params-norm`: the L2 norm of the fp32 master weights after the update.
         #[serde(skip_serializing_if = "Option::is_none")]
         params_norm: Option<f64>,
+        /// `--log-num-zeros-in-grad`: how many of the log line's iteration's gradients are zero.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        num_zeros_in_grad: Option<f64>,
     },
     Eval {
         iteration: u64,
@@ -924,6 +927,8 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             }
             // A collective over the model- and data-parallel groups: every rank, after the update.
             let params_norm = if s.log_params_norm { Some(opt.params_norm(&table)?) } else { None };
+            // The gradients stay as the log line's step left them until the next step starts.
+            let num_zeros_in_grad = if s.log_num_zeros_in_grad { Some(opt.num_zeros_in_grad(&table)?) } else { None };
             let tflops_per_gpu = s.log_throughput.then(|| tps * flops_per_token / g.world.size() as f64 / 1e12);
             let m = Metric::Train {
                 iteration,
@@ -940,6 +945,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
                 mtp_losses: out.mtp_losses.clone(),
                 tflops_per_gpu,
                 params_norm,
+                num_zeros_in_grad,
             };
             metrics.write(&m)?;
             pb.set_message(format!("loss {loss:.4} | lr {lr:.2e} | {tps:.0} tok/s"));
@@ -947,10 +953,11 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
                 let moe = router.map_or(String::new(), |(lb, z)| format!(" load-balancing {lb:.4} z-loss {z:.4}"));
                 let tflops = tflops_per_gpu.map_or(String::new(), |t| format!(" {t:.3} TFLOP/s/GPU"));
                 let pn = params_norm.map_or(String::new(), |p| format!(" params-norm {p:.3}"));
+                let zeros = num_zeros_in_grad.map_or(String::new(), |z| format!(" num-zeros {z:.0}"));
                 let mtp: String =
                     out.mtp_losses.iter().enumerate().map(|(k, l)| format!(" mtp_{} loss {l:.4}", k + 1)).collect();
                 eprintln!(
-                    "iteration {iteration}/{}: loss {loss:.4}{mtp} lr {lr:.3e} grad-norm {:.3}{pn}{moe} {tps:.0} tokens/s{tflops}",
+                    "iteration {iteration}/{}: loss {loss:.4}{mtp} lr {lr:.3e} grad-norm {:.3}{pn}{zeros}{moe} {tps:.0} tokens/s{tflops}",
                     s.train_iters, out.grad_norm
                 );
             }

@@ -1,7 +1,8 @@
 //! `--log-params-norm`: the logged norm is that of the saved parameters (the oracle: the
 //! checkpoint's whole tensors, summed here in f64), and the same under layouts that split,
 //! replicate or shard them (tensor × pipeline parallel, data parallel with the distributed
-//! optimizer).
+//! optimizer). `--log-num-zeros-in-grad`: the logged count against the corpus's unused token
+//! ids, and under the same layouts.
 
 mod common;
 
@@ -50,6 +51,70 @@ fn params_norm_is_the_saved_parameters_norm_in_any_layout() {
         let file = dir.join(format!("{n}.jsonl"));
         train(s, &Paths { launch: Launch::Threads(n), metrics: Some(file.clone()), ..Paths::default() }).unwrap();
         close(tag, &norms(&file), &one);
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The num_zeros_in_grad of each training line of a metrics file, by iteration.
+fn zeros(file: &std::path::Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(file)
+        .unwrap()
+        .lines()
+        .filter_map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            Some((v["iteration"].as_u64()?, v.get("num_zeros_in_grad")?.as_f64()?))
+        })
+        .collect()
+}
+
+/// `--log-num-zeros-in-grad`: with untied embeddings the input-embedding row of every token id
+/// the corpus never holds has a zero gradient at every step (the oracle: at least hidden × those
+/// ids, counted from the built-in corpus here), and the count is the same, exactly, when tensor
+/// and pipeline parallelism split the rows, and within a few elements when the distributed
+/// optimizer sums the data-parallel halves (a sum may cancel to an exact zero).
+#[test]
+fn num_zeros_in_grad_counts_each_gradient_once_in_any_layout() {
+    let args = TrainArgs {
+        log_num_zeros_in_grad: true,
+        untie_embeddings_and_output_weights: true,
+        num_layers: Some(4),
+        ..tiny_args(false)
+    };
+    let s1 = settings(&args);
+    let dir = tmp("num-zeros");
+    let metrics = dir.join("one.jsonl");
+    train(&s1, &Paths { metrics: Some(metrics.clone()), ..Paths::default() }).unwrap();
+    let one = zeros(&metrics);
+    assert_eq!(one.len(), 8, "a count at each log line: {one:?}");
+    // Byte tokens, the end of a document as id 0.
+    let mut used = [false; 256];
+    used[0] = true;
+    for d in ferrotron_data::corpus::documents(s1.seed, s1.corpus_docs) {
+        d.bytes().for_each(|b| used[b as usize] = true);
+    }
+    let unused = used.iter().filter(|u| !**u).count() as f64;
+    assert!(unused > 100.0, "{unused} ids never used");
+    for &(i, n) in &one {
+        assert!(n >= 32.0 * unused && n < 51_648.0 / 2.0, "iteration {i}: {n} zeros, {unused} rows of 32 unused");
+    }
+    let with = |f: &dyn Fn(&mut Settings)| {
+        let mut s = s1.clone();
+        f(&mut s);
+        s
+    };
+    let tp_pp = with(&|s| {
+        s.tensor_model_parallel_size = 2;
+        s.pipeline_model_parallel_size = 2;
+    });
+    let dp = with(&|s| s.use_distributed_optimizer = true);
+    for (tag, s, n, slack) in [("tp2 × pp2", &tp_pp, 4, 0.0), ("dp2 distributed", &dp, 2, 4.0)] {
+        let file = dir.join(format!("{n}.jsonl"));
+        train(s, &Paths { launch: Launch::Threads(n), metrics: Some(file.clone()), ..Paths::default() }).unwrap();
+        let got = zeros(&file);
+        assert_eq!(got.len(), one.len(), "{tag}");
+        for ((i, a), (_, b)) in got.iter().zip(&one) {
+            assert!((a - b).abs() <= slack, "{tag} iteration {i}: {a} zeros, one rank {b}");
+        }
     }
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -46,6 +46,11 @@ pub fn sum_sq(x: &[f32]) -> f64 {
     parts.iter().sum()
 }
 
+/// How many elements are zero (±0; NaN is not).
+pub fn count_zeros(x: &[f32]) -> u64 {
+    x.par_chunks(CHUNK).map(|c| c.iter().filter(|&&v| v == 0.0).count() as u64).sum()
+}
+
 pub fn scale(x: &mut [f32], s: f32) {
     x.par_chunks_mut(CHUNK).for_each(|c| c.iter_mut().for_each(|v| *v *= s));
 }

@@ -177,3 +177,32 @@ device_test!(adamw_runs_from_the_device_state, |dev: &Device| {
     assert_close(&host(&vt), &v, 1e-4, 1e-7, "v");
     assert_eq!(host(&params), host(&pt), "the parameters are the master weights (f32)");
 });
+
+device_test!(count_zeros_matches_naive, |dev: &Device| {
+    use ferrotron_core::DType;
+    // Zeros of both signs, a NaN (not zero) and tiny values (nonzero in both types: bf16 has
+    // f32's exponent range); in f32 and bf16, one length a multiple of eight (the GPU's 8-wide path) and an odd one,
+    // and a view at an odd offset (its one-element path).
+    let mut v = randv(40_000, 7);
+    for (i, x) in v.iter_mut().enumerate() {
+        match i % 7 {
+            0 => *x = 0.0,
+            3 if i % 2 == 0 => *x = -0.0,
+            5 if i % 3 == 0 => *x = 1e-30,
+            _ => {}
+        }
+    }
+    v[11] = f64::NAN;
+    for dtype in [DType::F32, DType::BF16] {
+        let a = tensor(dev, &v, &[40_000], dtype);
+        let b = tensor(dev, &v[..1001], &[1001], dtype);
+        let c = a.view(3, [5000]).unwrap();
+        let vals = |t: &ferrotron_core::Tensor| host(t).into_iter().filter(|x| *x == 0.0).count();
+        let want = vals(&a) + vals(&b) + vals(&c);
+        assert!(want > 9000 && want < 10_000, "{dtype:?}: {want} zeros");
+        let got = k::count_zeros_dev(&[&a, &b, &c], dev).unwrap().to_vec_f32().unwrap();
+        assert_eq!(got, vec![want as f32], "{dtype:?}");
+        let none = k::count_zeros_dev(&[], dev).unwrap().to_vec_f32().unwrap();
+        assert_eq!(none, vec![0.0]);
+    }
+});

@@ -57,10 +57,22 @@ pub fn adamw_runs(be: &B, x: &AdamTensors, table: &Tensor, chunks: usize, h: &cr
 /// then one block adding them in a fixed order (kernels/optim.cu `sum_partials_f32`). Nothing is
 /// read back.
 pub fn sum_sq_dev(be: &B, xs: &[&Tensor]) -> Result<Tensor> {
+    partials_dev(be, xs, "sum_sq")
+}
+
+/// The count of zero elements of every tensor into a one-element f32 tensor on the device, as
+/// `sum_sq_dev` sums squares (kernels/optim.cu `count_zeros_*`: exact f64 partials).
+pub fn count_zeros_dev(be: &B, xs: &[&Tensor]) -> Result<Tensor> {
+    partials_dev(be, xs, "count_zeros")
+}
+
+/// `kernel`'s per-block f64 partials of every tensor, then one block adding them in a fixed order
+/// into a one-element f32 tensor (kernels/optim.cu `sum_partials_f32`).
+fn partials_dev(be: &B, xs: &[&Tensor], kernel: &'static str) -> Result<Tensor> {
     let out = new(be, [1], DType::F32)?;
-    let parts = sum_sq_partials(be, xs)?;
+    let parts = partials(be, xs, kernel)?;
     let base = parts.device_ptr(be.dev.stream()).0;
-    be.launch("sum_partials_f32", 1, 256, 0, &[Arg::Ptr(base), n(parts.len()), ptr("sum_sq_dev", &out)?])?;
+    be.launch("sum_partials_f32", 1, 256, 0, &[Arg::Ptr(base), n(parts.len()), ptr(kernel, &out)?])?;
     Ok(out)
 }
 
@@ -81,7 +93,7 @@ pub fn adam_prepare(be: &B, sq: &Tensor, state: &Tensor, p: &crate::AdamPrep) ->
 /// summed on the host tensor by tensor in block order (deterministic; the bits of adding
 /// one-tensor sums in order). Eight elements per thread where a tensor allows (`_v8`).
 pub fn sum_sq_all(be: &B, xs: &[&Tensor]) -> Result<f64> {
-    let partial = sum_sq_partials(be, xs)?;
+    let partial = partials(be, xs, "sum_sq")?;
     let host = be.dev.stream().clone_dtoh(&partial).map_err(|e| Error::Cuda(format!("{e:?}")))?;
     Ok(host.chunks(SUM_SQ_BLOCKS).fold(0.0, |total, c| total + c.iter().sum::<f64>()))
 }
@@ -89,17 +101,17 @@ pub fn sum_sq_all(be: &B, xs: &[&Tensor]) -> Result<f64> {
 /// Enough 256-thread blocks to keep the loads in flight across the GPU (256 ran at 2 TB/s).
 const SUM_SQ_BLOCKS: usize = 1024;
 
-/// SUM_SQ_BLOCKS f64 partials of Σ x² per tensor, tensor by tensor (at least one zero partial
-/// when there is no tensor).
-fn sum_sq_partials(be: &B, xs: &[&Tensor]) -> Result<CudaSlice<f64>> {
+/// SUM_SQ_BLOCKS f64 partials per tensor of `kernel` (`sum_sq`: Σ x²; `count_zeros`), tensor by
+/// tensor (at least one zero partial when there is no tensor).
+fn partials(be: &B, xs: &[&Tensor], kernel: &'static str) -> Result<CudaSlice<f64>> {
     let partial: CudaSlice<f64> =
         be.dev.stream().alloc_zeros(SUM_SQ_BLOCKS * xs.len().max(1)).map_err(|e| Error::Cuda(format!("{e:?}")))?;
     let base = partial.device_ptr(be.dev.stream()).0;
     for (i, x) in xs.iter().enumerate() {
         let pp = Arg::Ptr(base + (i * SUM_SQ_BLOCKS * std::mem::size_of::<f64>()) as u64);
-        let args = [ptr("sum_sq", x)?, pp, n(x.elem_count())];
+        let args = [ptr(kernel, x)?, pp, n(x.elem_count())];
         let v8 = if x.elem_count() % 8 == 0 && args_aligned16(&args) { "_v8" } else { "" };
-        be.launch(&format!("sum_sq_{}{v8}", sfx("sum_sq", x.dtype())?), SUM_SQ_BLOCKS as u32, 256, 0, &args)?;
+        be.launch(&format!("{kernel}_{}{v8}", sfx(kernel, x.dtype())?), SUM_SQ_BLOCKS as u32, 256, 0, &args)?;
     }
     Ok(partial)
 }
