@@ -106,7 +106,12 @@ fn num_zeros_in_grad_counts_each_gradient_once_in_any_layout() {
         s.tensor_model_parallel_size = 2;
         s.pipeline_model_parallel_size = 2;
     });
-    let dp = with(&|s| s.use_distributed_optimizer = true);
+    // Small buckets: every bucket is sharded over both ranks, so each holds some of the
+    // embedding's zero rows.
+    let dp = with(&|s| {
+        s.use_distributed_optimizer = true;
+        s.ddp_bucket_size = Some(1000);
+    });
     for (tag, s, n, slack) in [("tp2 × pp2", &tp_pp, 4, 0.0), ("dp2 distributed", &dp, 2, 4.0)] {
         let file = dir.join(format!("{n}.jsonl"));
         train(s, &Paths { launch: Launch::Threads(n), metrics: Some(file.clone()), ..Paths::default() }).unwrap();
