@@ -45,6 +45,7 @@
 use crate::bias::ExpertBias;
 use crate::dispatch::Dispatch;
 use crate::gate::SharedGate;
+use crate::global::GlobalCounts;
 use crate::metrics::MoeMetrics;
 use crate::spec::{ExpertGroup, LoadBalancing, MoeSpec};
 use ferrotron_comm::ReduceOp;
@@ -93,6 +94,9 @@ pub struct MoeLayer {
     aux_coeff: f32,
     /// The load-balancing loss per sequence (DeepSeek's seq_aux_loss), else per micro-batch.
     per_sequence: bool,
+    /// The global-batch loss (global_aux_loss): its running counts, and the data-parallel group
+    /// they are summed over (None: one rank).
+    global: Option<(GlobalCounts, Option<ExpertGroup>)>,
     z_coeff: f32,
     hidden: usize,
     /// The parameter prefix, the layer's name in the metrics.
@@ -217,6 +221,8 @@ impl MoeLayer {
                 .map(|_| spec.biases.register(format!("{prefix}.router.expert_bias"), spec.num_experts)),
             aux_coeff: if r.load_balancing == LoadBalancing::None { 0.0 } else { r.aux_loss_coeff },
             per_sequence: r.load_balancing == LoadBalancing::SeqAuxLoss,
+            global: (r.load_balancing == LoadBalancing::GlobalAuxLoss)
+                .then(|| (spec.global_counts.clone(), spec.dp_group.clone().filter(|g| g.0.size() > 1))),
             z_coeff: r.z_loss_coeff.unwrap_or(0.0),
             hidden: cx.hidden,
             name: prefix.to_string(),
@@ -449,6 +455,29 @@ impl Module for MoeLayer {
             } else {
                 1
             };
+            // The global-batch loss (Megatron's, over its tp × dp × cp group): the counts summed
+            // over the data-parallel ranks too, averaged over the step's micro-batches so far,
+            // the token total over dp ranks too, which the counts carry here as 1 / dp² (the
+            // z-loss keeps this rank's total). Each rank's loss is its share of the whole, its
+            // gradient then averaged over dp as every gradient is (Megatron's, to the bit of
+            // its formula).
+            let (per_expert, dp) = match &self.global {
+                Some((counts, group)) => {
+                    let dp = match group {
+                        Some(g) => {
+                            g.0.all_reduce(&per_expert, ReduceOp::Sum).map_err(|e| invalid(BWD, e.to_string()))?;
+                            g.0.size()
+                        }
+                        None => 1,
+                    };
+                    let mean = counts.add(&self.name, &per_expert)?;
+                    if dp > 1 {
+                        k::scale_(&mean, 1.0 / (dp * dp) as f32)?;
+                    }
+                    (mean, dp)
+                }
+                None => (per_expert, 1),
+            };
             let loss = k::RouterLoss {
                 topk: self.topk.k,
                 total_tokens: n * cp * tp,
@@ -465,6 +494,10 @@ impl Module for MoeLayer {
             k::add_(&dlogits, &dl)?;
             if cp * tp > 1 {
                 k::scale_(&values, (cp * tp) as f32)?;
+            }
+            if dp > 1 {
+                // The load-balancing value alone: the z-loss is this rank's own.
+                k::scale_(&values.view(0, [1])?, dp as f32)?;
             }
             self.metrics.record(&self.name, values);
         }

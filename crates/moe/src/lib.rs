@@ -31,19 +31,25 @@
 //!
 //! Shared experts' gate (`gate.rs`): their output scaled per token by a sigmoid, Qwen-MoE's.
 //!
+//! Load-balancing losses: the micro-batch's (`aux_loss`), each sequence's (`seq_aux_loss`), and
+//! the global batch's (`global_aux_loss`: counts summed over the data-parallel ranks and
+//! averaged over the step's micro-batches, `global.rs`).
+//!
 //! Not yet: expert tensor-parallel sizes other than 1 and the tensor-parallel size, padding
-//! experts' inputs to their capacity, the global balancing loss; the spec and the trainer refuse
-//! what is not built, naming it.
+//! experts' inputs to their capacity, sinkhorn routing; the spec and the trainer refuse what is
+//! not built, naming it.
 
 pub mod bias;
 pub mod dispatch;
 pub mod gate;
+pub mod global;
 pub mod layer;
 pub mod metrics;
 pub mod spec;
 
 pub use bias::{ExpertBias, ExpertBiases};
 pub use ferrotron_kernels::{Capacity, DropPolicy, Groups, Score};
+pub use global::GlobalCounts;
 pub use layer::MoeLayer;
 pub use metrics::{MoeMetrics, RouterLossValues};
 pub use spec::{ExpertGroup, LoadBalancing, MoeSpec, RouterSpec};

@@ -3,6 +3,7 @@
 //! its dense MLP.
 
 use crate::bias::ExpertBiases;
+use crate::global::GlobalCounts;
 use crate::layer::MoeLayer;
 use crate::metrics::MoeMetrics;
 use ferrotron_comm::Communicator;
@@ -20,6 +21,10 @@ pub enum LoadBalancing {
     /// DeepSeek's sequence-level loss (`seq_aux_loss`): the same loss taken over each sequence
     /// of the micro-batch and averaged over them, weighted by --moe-aux-loss-coeff.
     SeqAuxLoss,
+    /// Megatron's global-batch loss (`global_aux_loss`): the same loss with each expert's count
+    /// summed over the data-parallel ranks too and averaged over the step's micro-batches so far
+    /// (`global.rs`), weighted by --moe-aux-loss-coeff.
+    GlobalAuxLoss,
     /// None (`none`).
     None,
 }
@@ -105,8 +110,13 @@ pub struct MoeSpec {
     /// The context-parallel group (`with_context_parallel`), or None: under context parallelism a
     /// micro-batch's tokens lie on several ranks, and the load-balancing loss counts them all.
     pub cp_group: Option<ExpertGroup>,
+    /// The data-parallel group (`with_data_parallel`), or None: the global load-balancing loss
+    /// counts every data-parallel rank's tokens.
+    pub dp_group: Option<ExpertGroup>,
     /// Where the layers record their routers' loss values.
     pub metrics: MoeMetrics,
+    /// The global load-balancing loss's running counts, reset by the trainer after each step.
+    pub global_counts: GlobalCounts,
     /// The layers' expert biases (with `router.expert_bias_update_rate`), for the trainer's
     /// update and checkpoints.
     pub biases: ExpertBiases,
@@ -139,7 +149,9 @@ impl MoeSpec {
             expert_tensor_parallel_size: None,
             ep_group: None,
             cp_group: None,
+            dp_group: None,
             metrics: MoeMetrics::default(),
+            global_counts: GlobalCounts::default(),
             biases: ExpertBiases::default(),
         }
     }
@@ -223,6 +235,12 @@ impl MoeSpec {
     /// losses count every rank's tokens of the micro-batch.
     pub fn with_context_parallel(&self, cp: Arc<dyn Communicator>) -> MoeSpec {
         MoeSpec { cp_group: Some(ExpertGroup(cp)), ..self.clone() }
+    }
+
+    /// This spec for a rank of data-parallel group `dp`: the global load-balancing loss counts
+    /// every rank's tokens of the micro-batch (the other losses are each rank's own).
+    pub fn with_data_parallel(&self, dp: Arc<dyn Communicator>) -> MoeSpec {
+        MoeSpec { dp_group: Some(ExpertGroup(dp)), ..self.clone() }
     }
 
     /// fc1's output width per expert: F, or 2F gate|value for SwiGLU.

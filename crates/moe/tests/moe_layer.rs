@@ -35,7 +35,9 @@ fn spec(activation: Activation, bias: bool, pre_softmax: bool) -> MoeSpec {
         expert_tensor_parallel_size: None,
         ep_group: None,
         cp_group: None,
+        dp_group: None,
         metrics: MoeMetrics::default(),
+        global_counts: Default::default(),
         biases: Default::default(),
     }
 }

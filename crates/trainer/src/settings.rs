@@ -513,7 +513,9 @@ pub struct TrainArgs {
     #[arg(long)]
     pub moe_router_topk: Option<usize>,
     /// aux_loss (default: GShard's load-balancing loss over the micro-batch, weighted by
-    /// --moe-aux-loss-coeff), seq_aux_loss (DeepSeek's: the same per sequence, averaged) or none.
+    /// --moe-aux-loss-coeff), seq_aux_loss (DeepSeek's: the same per sequence, averaged),
+    /// global_aux_loss (the counts of the global batch: summed over data-parallel ranks and
+    /// averaged over the step's micro-batches) or none.
     #[arg(long)]
     pub moe_router_load_balancing_type: Option<String>,
     /// The load-balancing loss's weight (default 0; 1e-2 is usual).
@@ -1359,11 +1361,12 @@ impl MoeSettings {
         let load_balancing = match self.moe_router_load_balancing_type.as_str() {
             "aux_loss" => LoadBalancing::AuxLoss,
             "seq_aux_loss" => LoadBalancing::SeqAuxLoss,
+            "global_aux_loss" => LoadBalancing::GlobalAuxLoss,
             "none" => LoadBalancing::None,
-            o @ ("global_aux_loss" | "sinkhorn" | "quantile_balancing") => {
-                bail!("--moe-router-load-balancing-type {o} is not built yet: use aux_loss, seq_aux_loss or none")
-            }
-            o => bail!("--moe-router-load-balancing-type {o}: use aux_loss, seq_aux_loss or none"),
+            o @ ("sinkhorn" | "quantile_balancing") => bail!(
+                "--moe-router-load-balancing-type {o} is not built yet: use aux_loss, seq_aux_loss, global_aux_loss or none"
+            ),
+            o => bail!("--moe-router-load-balancing-type {o}: use aux_loss, seq_aux_loss, global_aux_loss or none"),
         };
         match self.moe_token_dispatcher_type.as_str() {
             "allgather" | "alltoall" => {}
@@ -1415,7 +1418,9 @@ impl MoeSettings {
             expert_tensor_parallel_size: self.expert_tensor_parallel_size,
             ep_group: None,
             cp_group: None,
+            dp_group: None,
             metrics: Default::default(),
+            global_counts: Default::default(),
             biases: Default::default(),
         };
         spec.validate().map_err(anyhow::Error::msg)?;
@@ -1802,6 +1807,7 @@ fn transformer_args(c: &TransformerConfig) -> TrainArgs {
             match m.router.load_balancing {
                 LoadBalancing::AuxLoss => "aux_loss",
                 LoadBalancing::SeqAuxLoss => "seq_aux_loss",
+                LoadBalancing::GlobalAuxLoss => "global_aux_loss",
                 LoadBalancing::None => "none",
             }
             .into()

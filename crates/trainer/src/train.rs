@@ -569,15 +569,21 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     let dev = paths.device.clone();
     let plan = s.stage_plan(g.pp.rank())?;
     let mut config = s.model_config()?;
-    if let Some(m) = ferrotron_models::moe_spec(&config).filter(|m| m.expert_parallel_size > 1 || layout.cp > 1) {
+    if let Some(m) =
+        ferrotron_models::moe_spec(&config).filter(|m| m.expert_parallel_size > 1 || layout.cp > 1 || layout.dp > 1)
+    {
         // This rank's layers dispatch their tokens over its expert-parallel group, and count a
-        // micro-batch's tokens for the routers' losses over its context-parallel group.
+        // micro-batch's tokens for the routers' losses over its context-parallel group (and,
+        // for the global-batch loss, its data-parallel group).
         let mut m = m.clone();
         if m.expert_parallel_size > 1 {
             m = m.with_group(g.ep.clone());
         }
         if layout.cp > 1 {
             m = m.with_context_parallel(g.cp.clone());
+        }
+        if layout.dp > 1 {
+            m = m.with_data_parallel(g.dp.clone());
         }
         config.layer.mlp = ferrotron_transformer::spec::MlpSpec::Custom(Arc::new(m));
     }
@@ -589,6 +595,8 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         }
     }
     let moe_metrics = ferrotron_models::moe_spec(&config).map(|m| m.metrics.clone());
+    // The global-batch load-balancing loss's running counts, cleared after every step.
+    let global_counts = ferrotron_models::moe_spec(&config).map(|m| m.global_counts.clone());
     // DeepSeek-V3's expert biases: registered by the layers as they are built, moved after every
     // step at this rate.
     let expert_bias = ferrotron_models::moe_spec(&config)
@@ -859,6 +867,9 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         } else {
             queue_train_step(&model, &table, &mut sync, &mut opt, &micros, lr as f32)?
         };
+        if let Some(c) = &global_counts {
+            c.reset();
+        }
         if let Some((biases, rate)) = &expert_bias {
             // Each expert's copies over the step's micro-batches, summed over the stage's ranks
             // (tensor-parallel ranks routing the same tokens count them alike: the signs stay).

@@ -93,6 +93,27 @@ fn mixtral_capacity_cuda_matches_cpu() {
     });
 }
 
+/// The global-batch load-balancing loss (global_aux_loss) on the GPU, its running counts kept on
+/// the device: one rank against one CPU rank, and dp2 × ep2 (two thread ranks sharing the GPU,
+/// micro-batches of 4) against one CPU rank with micro-batches of 8 and half the coefficient
+/// (the same run: `tests/moe.rs`'s oracle), fp32 within 1e-4.
+#[test]
+fn global_balancing_loss_cuda_matches_cpu() {
+    let global = |a: TrainArgs| TrainArgs {
+        moe_router_load_balancing_type: Some("global_aux_loss".into()),
+        micro_batch_size: Some(4),
+        global_batch_size: Some(16),
+        ..a
+    };
+    split_matches_cpu("mixtral-tiny", "global aux loss", global, global);
+    split_matches_cpu(
+        "mixtral-tiny",
+        "global aux loss dp2 ep2",
+        |a| TrainArgs { micro_batch_size: Some(8), moe_aux_loss_coeff: Some(5e-3), ..global(a) },
+        |a| TrainArgs { expert_model_parallel_size: Some(2), nproc: Some(2), ..global(a) },
+    );
+}
+
 /// Shared experts with their sigmoid gate (Qwen-MoE's) on the GPU, under tensor parallelism
 /// (two thread ranks sharing it: the gate's score gradient summed over them), against one CPU
 /// rank, fp32 within 1e-4.

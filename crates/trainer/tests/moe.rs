@@ -355,6 +355,48 @@ fn sequence_level_balancing_loss_follows_one_rank() {
     );
 }
 
+/// Megatron's global-batch load-balancing loss (--moe-router-load-balancing-type global_aux_loss).
+/// Oracles: with one micro-batch a step on one rank it is the micro-batch's loss, bit for bit;
+/// over several micro-batches it is not (the running mean of their counts). Context, pipeline and
+/// tensor parallelism (sequence parallel, and whole experts × ep2) follow one rank. Over dp2 the
+/// counts are the two ranks' micro-batches' together and each rank's loss is its share of theirs,
+/// its gradient averaged over dp: one rank with micro-batches twice as large (each the union of
+/// the ranks' micro-batches) and half the coefficient is the same run, the logged value the same.
+#[test]
+fn global_batch_balancing_loss_follows_one_rank() {
+    let global = |a: TrainArgs| TrainArgs { moe_router_load_balancing_type: Some("global_aux_loss".into()), ..a };
+    let single = TrainArgs { global_batch_size: Some(1), ..moe_args() };
+    let (g1, a1) = (
+        train(&settings(&global(single.clone())), &Paths::default()).unwrap(),
+        train(&settings(&single), &Paths::default()).unwrap(),
+    );
+    assert_eq!(bits(&g1.losses), bits(&a1.losses), "one micro-batch a step: the micro-batch's loss");
+    assert_eq!(g1.router_losses, a1.router_losses);
+    let s1 = settings(&global(moe_args()));
+    let one = train(&s1, &Paths::default()).unwrap();
+    let micro = train(&settings(&moe_args()), &Paths::default()).unwrap();
+    assert_ne!(bits(&one.losses[1..]), bits(&micro.losses[1..]), "four micro-batches a step: the running mean counts");
+    let mut cp = s1.clone();
+    cp.context_parallel_size = 2;
+    let mut pp = s1.clone();
+    pp.pipeline_model_parallel_size = 2;
+    let (tp, etp1) = tp2_sp_layouts(&s1);
+    follows_one_rank(
+        &one,
+        &[("cp2", &cp, 2), ("pp2", &pp, 2), ("tp2 sp", &tp, 2), ("tp2 sp, whole experts × ep2", &etp1, 2)],
+    );
+    // Two micro-batches of 2 a step on one rank at half the coefficient: dp2 (micro-batches of
+    // 1), with the distributed optimizer and with experts over both ranks.
+    let doubled =
+        settings(&global(TrainArgs { micro_batch_size: Some(2), moe_aux_loss_coeff: Some(5e-3), ..moe_args() }));
+    let want = train(&doubled, &Paths::default()).unwrap();
+    let mut dp = s1.clone();
+    dp.use_distributed_optimizer = true;
+    let mut ep = dp.clone();
+    ep.moe.as_mut().unwrap().expert_model_parallel_size = 2;
+    follows_one_rank(&want, &[("dp2", &dp, 2), ("dp2 × ep2", &ep, 2)]);
+}
+
 /// Token dropping (--moe-expert-capacity-factor): below an even share it drops copies and the
 /// run parts from the dropless one; far above it drops none and is the dropless run bit for bit.
 /// Each rank drops among its own micro-batch's copies, so the layouts that route whole
