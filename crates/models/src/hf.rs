@@ -123,6 +123,13 @@ impl HfArch {
 
     /// Which class can hold `c` exactly, or what stops it.
     pub fn of(c: &TransformerConfig) -> Result<HfArch> {
+        if let PositionEmbedding::Rope { percent, .. } = c.position_embedding
+            && percent != 1.0
+        {
+            return Err(HfError::NoEquivalent(format!(
+                "rotary embeddings over part of each head (--rotary-percent {percent}): the Hugging Face classes here rotate whole heads"
+            )));
+        }
         if c.layer.hybrid.is_some() {
             return mamba2::of(c);
         }
@@ -519,7 +526,7 @@ fn rope(v: &Value) -> Result<PositionEmbedding> {
         Some(t) => t.as_f64().ok_or_else(|| HfError::Config("`rope_parameters.rope_theta` is not a number".into()))?,
         None => opt(v, "rope_theta", f64_of)?.unwrap_or(10000.0),
     };
-    Ok(PositionEmbedding::Rope { base, scaling })
+    Ok(PositionEmbedding::Rope { base, scaling, percent: 1.0 })
 }
 
 /// Qwen2's layers: Llama's with biases on q, k and v, full attention in every layer.
@@ -708,7 +715,7 @@ pub fn to_hf_config(arch: HfArch, c: &TransformerConfig, dtype: &str) -> Value {
         | HfArch::Qwen3
         | HfArch::Qwen3Moe
         | HfArch::Llava => {
-            let PositionEmbedding::Rope { base, scaling } = c.position_embedding else {
+            let PositionEmbedding::Rope { base, scaling, .. } = c.position_embedding else {
                 unreachable!("HfArch::of checked")
             };
             let rope_scaling = scaling.map(|s| {
@@ -1513,11 +1520,12 @@ mod tests {
         o.remove("rope_theta");
         o.insert("rope_parameters".into(), json!({"rope_type": "default", "rope_theta": 500000.0}));
         let rope = |v: &Value| from_hf_config(v).unwrap().config.position_embedding;
-        assert_eq!(rope(&v), PositionEmbedding::Rope { base: 500000.0, scaling: None });
+        assert_eq!(rope(&v), PositionEmbedding::Rope { base: 500000.0, scaling: None, percent: 1.0 });
         // Llama 3.2's scaling, as transformers 5 writes it; then with a constant Megatron fixes changed.
         v["rope_parameters"] = json!({"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
             "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
-        let llama32 = PositionEmbedding::Rope { base: 500000.0, scaling: Some(RopeScaling::llama3(32.0)) };
+        let llama32 =
+            PositionEmbedding::Rope { base: 500000.0, scaling: Some(RopeScaling::llama3(32.0)), percent: 1.0 };
         assert_eq!(rope(&v), llama32);
         let c = from_hf_config(&v).unwrap().config;
         assert_eq!(
@@ -1622,7 +1630,7 @@ mod tests {
         let c = from_hf_config(&y).unwrap().config;
         let yarn = c.layer.attention.mla.and_then(|m| m.yarn).unwrap();
         assert_eq!((yarn.factor, yarn.mscale, yarn.mscale_all_dim), (40.0, 1.0, 1.0));
-        assert_eq!(c.position_embedding, PositionEmbedding::Rope { base: 10000.0, scaling: None });
+        assert_eq!(c.position_embedding, PositionEmbedding::Rope { base: 10000.0, scaling: None, percent: 1.0 });
         let back = to_hf_config(HfArch::DeepseekV3, &c, "float32");
         assert_eq!(from_hf_config(&back).unwrap().config.layer.attention.mla, c.layer.attention.mla);
         for (key, value, needle) in [

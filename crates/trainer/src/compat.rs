@@ -107,9 +107,6 @@ pub(crate) fn apply(a: &mut TrainArgs) -> anyhow::Result<()> {
             );
         }
     }
-    if let Some(p) = a.rotary_percent.filter(|&p| p != 1.0) {
-        bail!("--rotary-percent {p}: rotary embeddings over part of each head are not built; drop it (1.0)");
-    }
     if let Some(p) = &a.wandb_project {
         bail!("--wandb-project {p}: Weights & Biases logging is not built; --tensorboard-dir writes the same scalars");
     }

@@ -691,7 +691,8 @@ pub struct TrainArgs {
     /// are refused.
     #[arg(long)]
     pub dataloader_type: Option<String>,
-    /// Only 1.0 (rotary embeddings over the whole head) is built.
+    /// The share of each head that rotary embeddings rotate (default 1.0: whole heads; Megatron
+    /// rotates the first ⌊head_dim · percent⌋ features, the rest pass).
     #[arg(long)]
     pub rotary_percent: Option<f64>,
     /// Only disabled is built.
@@ -1000,6 +1001,9 @@ pub struct Settings {
     pub max_position_embeddings: usize,
     pub position_embedding_type: String,
     pub rotary_base: f64,
+    /// `--rotary-percent` (absent from older checkpoints: whole heads).
+    #[serde(default = "whole")]
+    pub rotary_percent: f64,
     /// `--use-rope-scaling` with `--rope-scaling-factor` (absent from older checkpoints: off).
     #[serde(default)]
     pub use_rope_scaling: bool,
@@ -1461,6 +1465,11 @@ fn adam_eps() -> f32 {
 }
 
 /// Megatron's --rope-scaling-factor default.
+/// Rotary embeddings over whole heads (`--rotary-percent`'s default).
+fn whole() -> f64 {
+    1.0
+}
+
 fn rope_scaling_factor() -> f64 {
     8.0
 }
@@ -1747,10 +1756,10 @@ pub fn model_args(c: &TransformerConfig) -> TrainArgs {
 
 /// `model_args` but a hybrid's pattern and Mamba sizes.
 fn transformer_args(c: &TransformerConfig) -> TrainArgs {
-    let (pe, base) = match c.position_embedding {
-        PositionEmbedding::LearnedAbsolute => ("learned_absolute", 10000.0),
-        PositionEmbedding::Rope { base, .. } => ("rope", base),
-        PositionEmbedding::None => ("none", 10000.0),
+    let (pe, base, percent) = match c.position_embedding {
+        PositionEmbedding::LearnedAbsolute => ("learned_absolute", 10000.0, 1.0),
+        PositionEmbedding::Rope { base, percent, .. } => ("rope", base, percent),
+        PositionEmbedding::None => ("none", 10000.0, 1.0),
     };
     let moe = ferrotron_models::moe_spec(c);
     let (activation, bias) = match (&c.layer.mlp, moe) {
@@ -1774,6 +1783,7 @@ fn transformer_args(c: &TransformerConfig) -> TrainArgs {
         max_position_embeddings: Some(c.max_position_embeddings),
         position_embedding_type: Some(pe.into()),
         rotary_base: Some(base),
+        rotary_percent: Some(percent).filter(|&p| p != 1.0),
         use_rope_scaling: scaling.is_some(),
         rope_scaling_factor: scaling.map(|s| s.factor),
         normalization: Some(if c.layer.norm == NormKind::LayerNorm { "LayerNorm" } else { "RMSNorm" }.into()),
@@ -1872,6 +1882,7 @@ impl TrainArgs {
             max_position_embeddings,
             position_embedding_type,
             rotary_base,
+            rotary_percent,
             use_rope_scaling,
             rope_scaling_factor,
             normalization,
@@ -2052,6 +2063,7 @@ impl Settings {
             max_position_embeddings: need(&a.max_position_embeddings, "--max-position-embeddings")?,
             position_embedding_type: need(&a.position_embedding_type, "--position-embedding-type")?,
             rotary_base: need(&a.rotary_base, "--rotary-base")?,
+            rotary_percent: a.rotary_percent.unwrap_or_else(whole),
             use_rope_scaling: a.use_rope_scaling,
             rope_scaling_factor: a.rope_scaling_factor.unwrap_or_else(rope_scaling_factor),
             normalization: need(&a.normalization, "--normalization")?,
@@ -2740,6 +2752,7 @@ impl Settings {
             "rope" => PositionEmbedding::Rope {
                 base: self.rotary_base,
                 scaling: self.use_rope_scaling.then(|| RopeScaling::llama3(self.rope_scaling_factor)),
+                percent: self.rotary_percent,
             },
             "none" => PositionEmbedding::None,
             o => bail!("--position-embedding-type {o}: use learned_absolute, rope or none"),
@@ -2912,10 +2925,10 @@ mod tests {
     #[test]
     fn llama3_rope_scaling_flags() {
         let s = parse("--preset llama-tiny --use-rope-scaling --rope-scaling-factor 32").unwrap();
-        let want = PositionEmbedding::Rope { base: 500000.0, scaling: Some(RopeScaling::llama3(32.0)) };
+        let want = PositionEmbedding::Rope { base: 500000.0, scaling: Some(RopeScaling::llama3(32.0)), percent: 1.0 };
         assert_eq!(s.model_config().unwrap().position_embedding, want);
         let s = parse("--preset llama-tiny --use-rope-scaling").unwrap();
-        let eight = PositionEmbedding::Rope { base: 500000.0, scaling: Some(RopeScaling::llama3(8.0)) };
+        let eight = PositionEmbedding::Rope { base: 500000.0, scaling: Some(RopeScaling::llama3(8.0)), percent: 1.0 };
         assert_eq!(s.model_config().unwrap().position_embedding, eight, "Megatron's default factor");
         // The flags a config gives back build the same config (--use-checkpoint-args, imports).
         let a = model_args(&s.model_config().unwrap());

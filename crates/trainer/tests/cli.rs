@@ -289,7 +289,9 @@ fn megatrons_script_switches_run_as_the_plain_flags() {
     assert_eq!((pe("learned_absolute").as_str(), pe("rope").as_str()), ("none", "rope"));
     fails_naming(&["--dataloader-type", "cyclic"], "--dataloader-type cyclic");
     fails_naming(&["--transformer-impl", "inference"], "--transformer-impl inference");
-    fails_naming(&["--rotary-percent", "0.5"], "--rotary-percent 0.5");
+    let rope = |p: &'static str| ["--position-embedding-type", "rope", "--rotary-percent", p];
+    fails_naming(&rope("0.4"), "--rotary-percent 0.4 rotates ⌊8 · 0.4⌋ = 3 features");
+    fails_naming(&rope("1.5"), "--rotary-percent 1.5 must be in (0, 1]");
     fails_naming(&["--main-grads-dtype", "bf16"], "--main-grads-dtype bf16");
     fails_naming(&["--wandb-project", "x"], "--tensorboard-dir writes the same scalars");
     fails_naming(&["--use-torch-fsdp2"], "FSDP is not built");

@@ -114,6 +114,14 @@ fn global_balancing_loss_cuda_matches_cpu() {
     );
 }
 
+/// --rotary-percent 0.5 on the GPU (llama-tiny's heads of 32: 16 features rotate in place in the
+/// fused QKV, the rest pass), against one CPU rank, fp32 within 1e-4.
+#[test]
+fn partial_rotary_cuda_matches_cpu() {
+    let half = |a: TrainArgs| TrainArgs { rotary_percent: Some(0.5), ..a };
+    split_matches_cpu("llama-tiny", "rotary percent 0.5", half, half);
+}
+
 /// Shared experts with their sigmoid gate (Qwen-MoE's) on the GPU, under tensor parallelism
 /// (two thread ranks sharing it: the gate's score gradient summed over them), against one CPU
 /// rank, fp32 within 1e-4.

@@ -64,8 +64,8 @@ pub struct AttentionDims {
     pub std: f32,
     /// Output projection init std (Megatron scales it by 1/√(2·layers)).
     pub out_std: f32,
-    /// RoPE's base and scaling, or None without RoPE.
-    pub rope: Option<(f64, Option<k::RopeScaling>)>,
+    /// RoPE's base, scaling and rotary dim (≤ head_dim: --rotary-percent), or None without RoPE.
+    pub rope: Option<(f64, Option<k::RopeScaling>, usize)>,
     /// --attention-dropout (0: none).
     pub attention_dropout: f32,
 }
@@ -114,14 +114,7 @@ impl SelfAttention {
             linear_proj,
             q_layernorm,
             k_layernorm,
-            rope: d.rope.map(|(base, scaling)| RopeCfg {
-                rot: head_dim,
-                base,
-                pos0: 0,
-                scaling,
-                split: None,
-                yarn: None,
-            }),
+            rope: d.rope.map(|(base, scaling, rot)| RopeCfg { rot, base, pos0: 0, scaling, split: None, yarn: None }),
             heads: d.heads / tp.size(),
             groups: d.groups / tp.size(),
             head_dim,

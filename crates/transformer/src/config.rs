@@ -76,6 +76,15 @@ impl TransformerConfig {
         self.kv_channels.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
     }
 
+    /// The features of each head that RoPE rotates: ⌊head_dim · --rotary-percent⌋ (Megatron's
+    /// `int(kv_channels * rotary_percent)`), the head dim without RoPE.
+    pub fn rotary_dim(&self) -> usize {
+        match self.position_embedding {
+            PositionEmbedding::Rope { percent, .. } => (self.head_dim() as f64 * percent) as usize,
+            _ => self.head_dim(),
+        }
+    }
+
     /// Checks every combination that cannot work, naming the Megatron flag and the fix.
     pub fn validate(&self) -> Result<()> {
         let c = self;
@@ -114,7 +123,17 @@ impl TransformerConfig {
                 c.seq_length, c.max_position_embeddings
             )));
         }
-        if let PositionEmbedding::Rope { base, scaling } = c.position_embedding {
+        if let PositionEmbedding::Rope { base, scaling, percent } = c.position_embedding {
+            if !(percent > 0.0 && percent <= 1.0) {
+                return Err(bad(format!("--rotary-percent {percent} must be in (0, 1] (1.0 rotates whole heads)")));
+            }
+            let rot = c.rotary_dim();
+            if percent != 1.0 && (rot < 2 || rot % 2 != 0) {
+                return Err(bad(format!(
+                    "--rotary-percent {percent} rotates ⌊{} · {percent}⌋ = {rot} features of each head, which must be even and at least 2: pick a percent that gives one",
+                    c.head_dim()
+                )));
+            }
             if c.head_dim() % 2 != 0 {
                 return Err(bad(format!(
                     "rotary embeddings need an even head dim, but it is {} (--kv-channels, else --hidden-size {} / --num-attention-heads {}): change them, or use --position-embedding-type learned_absolute",

@@ -108,3 +108,27 @@ fn dropout_gradients_match_finite_differences() {
         assert!(e.to_string().contains("Batch::with_draw"), "{e}");
     }
 }
+
+/// --rotary-percent 0.5 (heads 8 wide: the first 4 features rotate, the last 4 pass), on the
+/// QK-norm path and the fused in-place one: each attention's RoPE covers ⌊8 · 0.5⌋ features, the
+/// loss moves off whole-head RoPE's, and the gradients match finite differences.
+#[test]
+fn partial_rotary_gradients_match_finite_differences() {
+    use ferrotron_transformer::layer::Sublayer;
+    use ferrotron_transformer::spec::PositionEmbedding;
+    for qk_layernorm in [true, false] {
+        let mut cfg = ferrotron_transformer::TransformerConfig { kv_channels: Some(8), ..config(true) };
+        cfg.layer.attention.qk_layernorm = qk_layernorm;
+        let whole = cfg.clone();
+        cfg.position_embedding = PositionEmbedding::Rope { base: 10000.0, scaling: None, percent: 0.5 };
+        let (model, table) = GptModel::build(cfg.clone(), &Device::Cpu, DType::F32, 3).unwrap();
+        for layer in &model.chunks[0].layers {
+            let Sublayer::Attention(a) = &layer.branches[0].f else { panic!("not an attention") };
+            assert_eq!(a.rope.map(|r| r.rot), Some(4));
+        }
+        let (wm, wt) = GptModel::build(whole, &Device::Cpu, DType::F32, 3).unwrap();
+        let b = batch(2, 6, 11);
+        assert_ne!(loss(&model, &table, &b), loss(&wm, &wt, &b), "half the features rotate");
+        check(cfg);
+    }
+}
