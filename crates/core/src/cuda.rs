@@ -71,6 +71,11 @@ impl CudaDevice {
         Ok(CudaDevice { ctx, compute, staging, capturing: Arc::new(AtomicBool::new(false)) })
     }
 
+    /// The memory pool's bytes (`Device::memory_stats`).
+    pub fn memory_stats(&self) -> Result<crate::MemoryStats> {
+        pool_stats(&self.ctx)
+    }
+
     pub fn ordinal(&self) -> usize {
         self.ctx.ordinal()
     }
@@ -259,6 +264,35 @@ fn keep_freed_memory(ctx: &CudaContext) {
                 (&mut threshold as *mut u64).cast(),
             );
         }
+    }
+}
+
+/// The default pool's reserved and used bytes, now and at their highs.
+fn pool_stats(ctx: &CudaContext) -> Result<crate::MemoryStats> {
+    use cudarc::driver::sys;
+    use sys::CUmemPool_attribute as A;
+    let mut pool = std::mem::MaybeUninit::<sys::CUmemoryPool>::uninit();
+    // SAFETY: plain driver queries on a live context's device into u64 outputs (cuuint64_t, as
+    // these four attributes are documented).
+    unsafe {
+        let r = sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), ctx.cu_device());
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(Error::Cuda(format!("the device's memory pool: {r:?}")));
+        }
+        let pool = pool.assume_init();
+        let get = |a: A| -> Result<u64> {
+            let mut v = 0u64;
+            match sys::cuMemPoolGetAttribute(pool, a, (&mut v as *mut u64).cast()) {
+                sys::CUresult::CUDA_SUCCESS => Ok(v),
+                r => Err(Error::Cuda(format!("memory pool attribute {a:?}: {r:?}"))),
+            }
+        };
+        Ok(crate::MemoryStats {
+            reserved: get(A::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?,
+            max_reserved: get(A::CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)?,
+            allocated: get(A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?,
+            max_allocated: get(A::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?,
+        })
     }
 }
 

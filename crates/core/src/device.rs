@@ -11,6 +11,18 @@ pub enum Device {
     Cuda(crate::cuda::CudaDevice),
 }
 
+/// A GPU's memory as Megatron's --log-memory-to-tensorboard reports PyTorch's: the bytes its
+/// allocator holds from the driver (reserved) and has handed out (allocated), now and at their
+/// highest since the process started. Here the allocator is the device's default stream-ordered
+/// pool (`cuMemAllocAsync`), which every tensor comes from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryStats {
+    pub reserved: u64,
+    pub max_reserved: u64,
+    pub allocated: u64,
+    pub max_allocated: u64,
+}
+
 /// Work captured from a device (`Device::capture`), replayed by `launch`.
 pub enum Graph {
     #[cfg(feature = "cuda")]
@@ -72,6 +84,15 @@ impl Device {
 
     pub fn is_cpu(&self) -> bool {
         matches!(self, Device::Cpu)
+    }
+
+    /// The device memory pool's bytes (`MemoryStats`), or None on the CPU, which has no pool.
+    pub fn memory_stats(&self) -> Result<Option<MemoryStats>> {
+        match self {
+            Device::Cpu => Ok(None),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(d) => d.memory_stats().map(Some),
+        }
     }
 
     /// Opens (`true`) or closes a CUDA profiler range (`CudaDevice::profiler_range`); the CPU has

@@ -25,7 +25,7 @@ mod staging;
 mod storage;
 mod tensor;
 
-pub use device::{Device, Graph};
+pub use device::{Device, Graph, MemoryStats};
 pub use dtype::{DType, WithDType};
 pub use error::{Error, Result, invalid, shape_mismatch};
 pub use float8::{F8E4M3, F8E5M2};

@@ -113,9 +113,6 @@ pub(crate) fn apply(a: &mut TrainArgs) -> anyhow::Result<()> {
     if a.use_torch_fsdp2 {
         bail!("--use-torch-fsdp2: FSDP is not built; --use-distributed-optimizer shards the optimizer state");
     }
-    if a.log_memory_to_tensorboard {
-        bail!("--log-memory-to-tensorboard: GPU memory statistics are not logged yet; drop it");
-    }
     if a.apply_layernorm_1p {
         bail!("--apply-layernorm-1p: zero-centred LayerNorm weights are not built; drop it");
     }

@@ -275,7 +275,8 @@ pub struct TrainArgs {
     /// Also "world-size" (the number of ranks).
     #[arg(long)]
     pub log_world_size_to_tensorboard: bool,
-    /// Refused by name: the GPU memory statistics are not logged yet.
+    /// Also the GPU's memory pool (allocated and reserved bytes, the allocated high) on each log
+    /// line of metrics.jsonl and in TensorBoard (Megatron's mem-* tags); nothing on the CPU.
     #[arg(long)]
     pub log_memory_to_tensorboard: bool,
     /// Also how many of the (synchronised) gradients are zero, on each log line and in
@@ -1157,6 +1158,9 @@ pub struct Settings {
     pub log_params_norm: bool,
     #[serde(default)]
     pub log_num_zeros_in_grad: bool,
+    /// `--log-memory-to-tensorboard`.
+    #[serde(default)]
+    pub log_memory_to_tensorboard: bool,
     /// NullTokenizer's `--vocab-size`.
     #[serde(default)]
     pub vocab_size: Option<usize>,
@@ -2119,6 +2123,7 @@ impl Settings {
             log_throughput: a.log_throughput,
             log_params_norm: a.log_params_norm,
             log_num_zeros_in_grad: a.log_num_zeros_in_grad,
+            log_memory_to_tensorboard: a.log_memory_to_tensorboard,
             skip_train: a.skip_train,
             vocab_size: a.vocab_size,
             tokenizer_model: a.tokenizer_model.clone(),

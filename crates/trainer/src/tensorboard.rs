@@ -157,6 +157,7 @@ impl RunEvents {
                 tflops_per_gpu,
                 params_norm,
                 num_zeros_in_grad,
+                memory,
                 ..
             } => {
                 if iteration % self.interval != 0 {
@@ -176,6 +177,17 @@ impl RunEvents {
                     if let Some(v) = v {
                         self.w.scalar(tag, v as f32, it, t)?;
                         self.w.scalar(&format!("{tag} vs samples"), v as f32, samples, t)?;
+                    }
+                }
+                // Megatron's memory tags, at the iteration only (its mem-allocated-count has no
+                // counterpart: the pool does not count allocations).
+                if let Some(m) = memory {
+                    for (tag, v) in [
+                        ("mem-reserved-bytes", m.mem_reserved_bytes),
+                        ("mem-allocated-bytes", m.mem_allocated_bytes),
+                        ("mem-max-allocated-bytes", m.mem_max_allocated_bytes),
+                    ] {
+                        self.w.scalar(tag, v as f32, it, t)?;
                     }
                 }
                 for (tag, v) in

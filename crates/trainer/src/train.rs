@@ -62,6 +62,9 @@ pub enum Metric {
         /// `--log-num-zeros-in-grad`: how many of the log line's iteration's gradients are zero.
         #[serde(skip_serializing_if = "Option::is_none")]
         num_zeros_in_grad: Option<f64>,
+        /// `--log-memory-to-tensorboard` on a GPU: this rank's memory pool after the step.
+        #[serde(skip_serializing_if = "Option::is_none", flatten)]
+        memory: Option<MemoryLine>,
     },
     Eval {
         iteration: u64,
@@ -69,6 +72,25 @@ pub enum Metric {
         /// Training samples consumed when it ran.
         consumed_samples: u64,
     },
+}
+
+/// The GPU memory of a log line (`--log-memory-to-tensorboard`), in bytes, as Megatron's
+/// TensorBoard tags name it.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct MemoryLine {
+    pub mem_allocated_bytes: u64,
+    pub mem_max_allocated_bytes: u64,
+    pub mem_reserved_bytes: u64,
+}
+
+impl From<ferrotron_core::MemoryStats> for MemoryLine {
+    fn from(m: ferrotron_core::MemoryStats) -> Self {
+        MemoryLine {
+            mem_allocated_bytes: m.allocated,
+            mem_max_allocated_bytes: m.max_allocated,
+            mem_reserved_bytes: m.reserved,
+        }
+    }
 }
 
 /// What a run reports when it ends.
@@ -740,6 +762,9 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         if g.world.size() > 1 {
             eprint!("{}", table_text.unwrap_or_default());
         }
+        if s.log_memory_to_tensorboard && dev.is_cpu() {
+            eprintln!("--log-memory-to-tensorboard: the CPU has no device memory pool; no memory is logged");
+        }
     }
     let spec = BatchSpec {
         seq: s.seq_length,
@@ -940,6 +965,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             let params_norm = if s.log_params_norm { Some(opt.params_norm(&table)?) } else { None };
             // The gradients stay as the log line's step left them until the next step starts.
             let num_zeros_in_grad = if s.log_num_zeros_in_grad { Some(opt.num_zeros_in_grad(&table)?) } else { None };
+            let memory = if s.log_memory_to_tensorboard { dev.memory_stats()?.map(MemoryLine::from) } else { None };
             let tflops_per_gpu = s.log_throughput.then(|| tps * flops_per_token / g.world.size() as f64 / 1e12);
             let m = Metric::Train {
                 iteration,
@@ -957,6 +983,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
                 tflops_per_gpu,
                 params_norm,
                 num_zeros_in_grad,
+                memory,
             };
             metrics.write(&m)?;
             pb.set_message(format!("loss {loss:.4} | lr {lr:.2e} | {tps:.0} tok/s"));

@@ -297,7 +297,6 @@ fn megatrons_script_switches_run_as_the_plain_flags() {
     fails_naming(&["--use-torch-fsdp2"], "FSDP is not built");
     fails_naming(&["--apply-layernorm-1p"], "--apply-layernorm-1p");
     fails_naming(&["--optimizer", "sgd"], "--optimizer sgd");
-    fails_naming(&["--log-memory-to-tensorboard"], "--log-memory-to-tensorboard");
     fails_naming(&["--fp8-format", "hybrid"], "FP8 training is not built");
     fails_naming(&["--reset-position-ids"], "--reset-position-ids: document-wise");
     fails_naming(&["--reset-attention-mask"], "--reset-attention-mask: document-wise");

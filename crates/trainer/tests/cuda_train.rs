@@ -122,6 +122,47 @@ fn partial_rotary_cuda_matches_cpu() {
     split_matches_cpu("llama-tiny", "rotary percent 0.5", half, half);
 }
 
+/// --log-memory-to-tensorboard on the GPU: every log line of metrics.jsonl carries the pool's
+/// bytes, allocated at most its high and the reserved bytes, the model's parameters and optimizer state at least.
+#[test]
+fn memory_is_logged_on_the_gpu() {
+    let dir = std::env::temp_dir().join(format!("ferrotron-cuda-mem-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let metrics = dir.join("metrics.jsonl");
+    let args = TrainArgs {
+        preset: Some("llama-tiny".into()),
+        train_iters: Some(4),
+        log_interval: Some(2),
+        eval_interval: Some(4),
+        eval_iters: Some(1),
+        log_memory_to_tensorboard: true,
+        tensorboard_dir: Some(dir.join("tb")),
+        no_progress: true,
+        ..TrainArgs::default()
+    };
+    let (s, _) = Settings::resolve(&args).unwrap();
+    let gpu = Device::cuda(0).expect("a CUDA device");
+    train(&s, &Paths { device: gpu, metrics: Some(metrics.clone()), ..Paths::default() }).unwrap();
+    let params = s.model_config().unwrap().num_params() as u64;
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&metrics)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|v: &serde_json::Value| v["kind"] == "train")
+        .collect();
+    assert_eq!(lines.len(), 2);
+    for v in &lines {
+        let b = |k: &str| v[k].as_u64().unwrap_or_else(|| panic!("{k} missing: {v}"));
+        let (a, m, r) = (b("mem_allocated_bytes"), b("mem_max_allocated_bytes"), b("mem_reserved_bytes"));
+        eprintln!("allocated {a} max {m} reserved {r} ({params} parameters)");
+        assert!(a <= m && a <= r, "{v}");
+        // fp32 parameters, main_grad, master weights and two moments.
+        assert!(a >= 5 * 4 * params, "{a} bytes for {params} parameters");
+    }
+    assert!(std::fs::read_dir(dir.join("tb")).unwrap().count() == 1);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// Shared experts with their sigmoid gate (Qwen-MoE's) on the GPU, under tensor parallelism
 /// (two thread ranks sharing it: the gate's score gradient summed over them), against one CPU
 /// rank, fp32 within 1e-4.

@@ -108,6 +108,9 @@ fn a_runs_scalars_are_megatrons_tags() {
         log_interval: Some(2),
         log_validation_ppl_to_tensorboard: true,
         log_world_size_to_tensorboard: true,
+        log_num_zeros_in_grad: true,
+        // On the CPU: accepted, nothing logged (no device memory pool).
+        log_memory_to_tensorboard: true,
         ..tiny_args(false)
     };
     let s = settings(&args);
@@ -131,5 +134,7 @@ fn a_runs_scalars_are_megatrons_tags() {
     }
     assert!(ev["batch-size"].iter().all(|&(_, b)| b == 8.0));
     assert!(ev["world-size"].len() == logged.len() && ev["world-size"].iter().all(|&(_, w)| w == 1.0));
+    assert!(ev["num-zeros"].len() == logged.len() && ev["num-zeros vs samples"].len() == logged.len());
+    assert!(!ev.keys().any(|k| k.starts_with("mem-")), "no memory on the CPU: {:?}", ev.keys());
     let _ = std::fs::remove_dir_all(dir);
 }
