@@ -81,6 +81,42 @@ pub(crate) fn apply(a: &mut TrainArgs) -> anyhow::Result<()> {
         "samples are read in Megatron's pretraining-sampler order (single); cyclic and external are not built",
     )?;
     one_of("--rerun-mode", &a.rerun_mode, &["disabled"], "the rerun state machine is not built")?;
+    one_of(
+        "--moe-flex-dispatcher-backend",
+        &a.moe_flex_dispatcher_backend,
+        &["deepep", "hybridep"],
+        "the experts' tokens travel by all-to-all whichever transport is named",
+    )?;
+    one_of(
+        "--cross-entropy-fusion-impl",
+        &a.cross_entropy_fusion_impl,
+        &["native", "te"],
+        "the cross-entropy is Ferrotron's fused kernel either way",
+    )?;
+    const MODULES: [&str; 7] = ["core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts"];
+    if let Some(m) = a.recompute_modules.iter().find(|m| !MODULES.contains(&m.as_str())) {
+        bail!("--recompute-modules {m}: not one of Megatron's modules ({})", MODULES.join(", "));
+    }
+    if a.moe_router_force_load_balancing {
+        bail!(
+            "--moe-router-force-load-balancing: random router logits (a benchmark of balanced experts) are not built; drop it"
+        );
+    }
+    if let Some(l) = a.pipeline_model_parallel_layout.as_deref().filter(|l| *l != "None") {
+        bail!(
+            "--pipeline-model-parallel-layout {l}: explicit stage layouts are not built; use --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers"
+        );
+    }
+    for (flag, on) in [
+        ("--account-for-embedding-in-pipeline-split", a.account_for_embedding_in_pipeline_split),
+        ("--account-for-loss-in-pipeline-split", a.account_for_loss_in_pipeline_split),
+    ] {
+        if on {
+            bail!(
+                "{flag}: the stages' layer counts are not adjusted for it; use --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers"
+            );
+        }
+    }
     for (flag, v) in [
         ("--main-grads-dtype", &a.main_grads_dtype),
         ("--main-params-dtype", &a.main_params_dtype),

@@ -744,6 +744,42 @@ pub struct TrainArgs {
     pub cross_entropy_loss_fusion: bool,
     #[arg(long)]
     pub moe_permute_fusion: bool,
+    /// The MoE scripts' dispatch and fusion switches (DeepEP / HybridEP transports, the fused
+    /// router, TE's cross-entropy, delayed weight gradients, expert-parallel overlap, TE's RNG
+    /// tracker): accepted, the experts' all-to-all and the math are the same either way.
+    #[arg(long)]
+    pub moe_enable_deepep: bool,
+    #[arg(long)]
+    pub moe_flex_dispatcher_backend: Option<String>,
+    #[arg(long)]
+    pub moe_flex_dispatcher_num_sms: Option<usize>,
+    #[arg(long)]
+    pub moe_router_fusion: bool,
+    #[arg(long)]
+    pub cross_entropy_fusion_impl: Option<String>,
+    #[arg(long)]
+    pub delay_wgrad_compute: bool,
+    #[arg(long)]
+    pub overlap_moe_expert_parallel_comm: bool,
+    #[arg(long)]
+    pub te_rng_tracker: bool,
+    /// What selective recompute recomputes (Megatron's --recompute-modules): accepted; Ferrotron's
+    /// selective recompute is the core attention's (`core_attn`), other modules are kept, which
+    /// computes the same run with more memory.
+    #[arg(long, num_args = 1..)]
+    pub recompute_modules: Vec<String>,
+    /// Refused by name: random router logits for benchmarking change the run.
+    #[arg(long)]
+    pub moe_router_force_load_balancing: bool,
+    /// Refused by name (other than `None`): an explicit layer layout over pipeline stages; use
+    /// --decoder-first/last-pipeline-num-layers.
+    #[arg(long)]
+    pub pipeline_model_parallel_layout: Option<String>,
+    /// Refused by name: these move layers' weights between stages' counts.
+    #[arg(long)]
+    pub account_for_embedding_in_pipeline_split: bool,
+    #[arg(long)]
+    pub account_for_loss_in_pipeline_split: bool,
     #[arg(long)]
     pub no_async_tensor_model_parallel_allreduce: bool,
     #[arg(long)]
@@ -889,7 +925,8 @@ impl TrainArgs {
             main_grads_dtype, main_params_dtype, exp_avg_dtype, exp_avg_sq_dtype, num_workers, manual_gc_interval,
             timing_log_level, empty_unused_memory_level, wandb_project, optimizer, rotary_seq_len_interpolation_factor,
             num_virtual_stages_per_pipeline_rank, microbatch_group_size_per_virtual_pipeline_stage, loss_scale,
-            initial_loss_scale, min_loss_scale, loss_scale_window, hysteresis, dist_ckpt_strictness, fp8_format);
+            initial_loss_scale, min_loss_scale, loss_scale_window, hysteresis, dist_ckpt_strictness, fp8_format,
+            moe_flex_dispatcher_backend, moe_flex_dispatcher_num_sms, cross_entropy_fusion_impl, pipeline_model_parallel_layout);
         merge_flags!(self, o; check_for_nan_in_loss_and_grad, no_check_for_nan_in_loss_and_grad, use_rope_scaling, swiglu, squared_relu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, multi_latent_attention, bf16, fp16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
             use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, calculate_per_token_loss, log_validation_ppl_to_tensorboard, log_timers_to_tensorboard,
@@ -905,7 +942,8 @@ impl TrainArgs {
             apply_layernorm_1p, use_rotary_position_embeddings, use_checkpoint_opt_param_scheduler,
             override_opt_param_scheduler, no_load_rng, no_save_rng, ckpt_assume_constant_structure, auto_detect_ckpt_format,
             bias_swiglu_fusion, no_persist_layer_norm, defer_embedding_wgrad_compute, reset_position_ids, reset_attention_mask,
-            skip_train);
+            skip_train, moe_enable_deepep, moe_router_fusion, delay_wgrad_compute, overlap_moe_expert_parallel_comm, te_rng_tracker,
+            moe_router_force_load_balancing, account_for_embedding_in_pipeline_split, account_for_loss_in_pipeline_split);
         if !o.test_data_path.is_empty() {
             self.test_data_path = o.test_data_path.clone();
         }
@@ -917,6 +955,9 @@ impl TrainArgs {
         }
         if !o.cuda_graph_scope.is_empty() {
             self.cuda_graph_scope = o.cuda_graph_scope.clone();
+        }
+        if !o.recompute_modules.is_empty() {
+            self.recompute_modules = o.recompute_modules.clone();
         }
         for (dst, src) in [
             (&mut self.data_path, &o.data_path),
@@ -1377,8 +1418,9 @@ impl MoeSettings {
             o => bail!("--moe-router-load-balancing-type {o}: use aux_loss, seq_aux_loss, global_aux_loss or none"),
         };
         match self.moe_token_dispatcher_type.as_str() {
-            "allgather" | "alltoall" => {}
-            o => bail!("--moe-token-dispatcher-type {o}: use allgather or alltoall"),
+            // flex (DeepEP, HybridEP) is another transport for the same all-to-all.
+            "allgather" | "alltoall" | "flex" => {}
+            o => bail!("--moe-token-dispatcher-type {o}: use allgather, alltoall or flex"),
         }
         let score = match self.moe_router_score_function.as_str() {
             "softmax" => Score::Softmax,

@@ -268,6 +268,24 @@ fn megatrons_script_switches_run_as_the_plain_flags() {
         "1",
         "--test-data-path",
         "unread",
+        // The MoE scripts' transports and fusions (DeepEP, the fused router, TE's
+        // cross-entropy), accepted on a dense model too, and recompute modules.
+        "--moe-enable-deepep",
+        "--moe-flex-dispatcher-backend",
+        "deepep",
+        "--moe-flex-dispatcher-num-sms",
+        "32",
+        "--moe-router-fusion",
+        "--cross-entropy-fusion-impl",
+        "te",
+        "--delay-wgrad-compute",
+        "--overlap-moe-expert-parallel-comm",
+        "--te-rng-tracker",
+        "--recompute-modules",
+        "core_attn",
+        "moe_act",
+        "--pipeline-model-parallel-layout",
+        "None",
     ];
     let with = run(&switches);
     assert!(with.status.success(), "{}", stderr(&with));
@@ -297,6 +315,12 @@ fn megatrons_script_switches_run_as_the_plain_flags() {
     fails_naming(&["--use-torch-fsdp2"], "FSDP is not built");
     fails_naming(&["--apply-layernorm-1p"], "--apply-layernorm-1p");
     fails_naming(&["--optimizer", "sgd"], "--optimizer sgd");
+    fails_naming(&["--moe-flex-dispatcher-backend", "nccl"], "--moe-flex-dispatcher-backend nccl");
+    fails_naming(&["--cross-entropy-fusion-impl", "apex"], "--cross-entropy-fusion-impl apex");
+    fails_naming(&["--recompute-modules", "attn"], "--recompute-modules attn: not one of Megatron's modules");
+    fails_naming(&["--moe-router-force-load-balancing"], "--moe-router-force-load-balancing");
+    fails_naming(&["--pipeline-model-parallel-layout", "Et|tL"], "--pipeline-model-parallel-layout Et|tL");
+    fails_naming(&["--account-for-loss-in-pipeline-split"], "--account-for-loss-in-pipeline-split");
     fails_naming(&["--fp8-format", "hybrid"], "FP8 training is not built");
     fails_naming(&["--reset-position-ids"], "--reset-position-ids: document-wise");
     fails_naming(&["--reset-attention-mask"], "--reset-attention-mask: document-wise");

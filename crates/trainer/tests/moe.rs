@@ -531,8 +531,8 @@ fn bad_moe_flags_are_named() {
     assert!(e.contains("--moe-layer-freq [1,0,1] gives 3 layers but --num-layers is 2"), "{e}");
     let e = err(TrainArgs { moe_router_load_balancing_type: Some("sinkhorn".into()), ..moe_args() });
     assert!(e.contains("sinkhorn") && e.contains("not built yet") && e.contains("seq_aux_loss"), "{e}");
-    let e = err(TrainArgs { moe_token_dispatcher_type: Some("flex".into()), ..moe_args() });
-    assert!(e.contains("--moe-token-dispatcher-type flex"), "{e}");
+    let e = err(TrainArgs { moe_token_dispatcher_type: Some("alltoall_seq".into()), ..moe_args() });
+    assert!(e.contains("--moe-token-dispatcher-type alltoall_seq: use allgather, alltoall or flex"), "{e}");
     let e = err(TrainArgs { moe_shared_expert_gate: true, moe_shared_expert_intermediate_size: None, ..moe_args() });
     assert!(
         e.contains("--moe-shared-expert-gate gates the shared experts: add --moe-shared-expert-intermediate-size"),
@@ -553,6 +553,15 @@ fn bad_moe_flags_are_named() {
     let e = err(TrainArgs { moe_router_enable_expert_bias: true, ..moe_args() });
     assert!(e.contains("--moe-router-score-function sigmoid"), "{e}");
     let alltoall = || TrainArgs { moe_token_dispatcher_type: Some("alltoall".into()), ..moe_args() };
+    // The flex dispatcher (DeepEP, HybridEP) is the same all-to-all: the same run, bit for bit.
+    let flex = TrainArgs {
+        moe_token_dispatcher_type: Some("flex".into()),
+        moe_enable_deepep: true,
+        moe_flex_dispatcher_backend: Some("deepep".into()),
+        ..moe_args()
+    };
+    let run = |a: &TrainArgs| train(&settings(a), &Paths::default()).unwrap().losses;
+    assert_eq!(bits(&run(&flex)), bits(&run(&alltoall())));
     let e = err(TrainArgs { moe_expert_capacity_factor: Some(1.0), ..moe_args() });
     assert!(e.contains("--moe-expert-capacity-factor") && e.contains("--moe-token-dispatcher-type alltoall"), "{e}");
     let e = err(TrainArgs { moe_token_drop_policy: Some("probs".into()), ..alltoall() });
