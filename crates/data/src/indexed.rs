@@ -114,6 +114,8 @@ pub struct IndexedDataset {
     dtype: TokenDtype,
     sequences: usize,
     doc_entries: usize,
+    /// The index ends with one mode byte per sequence (Megatron's multimodal form).
+    multimodal: bool,
 }
 
 fn map(path: &Path) -> Result<Mmap, DataError> {
@@ -160,7 +162,8 @@ impl IndexedDataset {
                 idx.len()
             )));
         }
-        let ds = IndexedDataset { prefix, idx, bin, dtype, sequences: s as usize, doc_entries: d as usize };
+        let multimodal = idx.len() as u128 == need + s as u128;
+        let ds = IndexedDataset { prefix, idx, bin, dtype, sequences: s as usize, doc_entries: d as usize, multimodal };
         ds.check(&idx_path, &bin_path)?;
         Ok(ds)
     }
@@ -280,15 +283,18 @@ fn with_ext(prefix: &Path, ext: &str) -> PathBuf {
 }
 
 /// Writes an indexed dataset one document at a time (one sequence each, as Megatron's GPT
-/// preprocessing does): the tokens stream into PREFIX.bin.tmp, the lengths stay in memory (4
-/// bytes a document), and `finish` writes the index and only then renames both into place, so a
-/// failed or interrupted run leaves no pair that looks complete (a builder dropped unfinished
-/// removes its temporary file).
+/// preprocessing does, or several: `add_sequences`), or whole datasets after one another
+/// (`add_dataset`, Megatron's tools/merge_datasets.py): the tokens stream into PREFIX.bin.tmp,
+/// the lengths and document boundaries stay in memory (12 bytes a sequence), and `finish` writes
+/// the index and only then renames both into place, so a failed or interrupted run leaves no
+/// pair that looks complete (a builder dropped unfinished removes its temporary file).
 pub struct IndexedBuilder {
     prefix: PathBuf,
     dtype: TokenDtype,
     bin: std::io::BufWriter<File>,
     lengths: Vec<i32>,
+    /// Document boundaries in sequences: 0, then each document's end.
+    docs: Vec<i64>,
     buf: Vec<u8>,
     done: bool,
 }
@@ -311,25 +317,58 @@ impl IndexedBuilder {
             dtype,
             bin: std::io::BufWriter::new(f),
             lengths: Vec::new(),
+            docs: vec![0],
             buf: Vec::new(),
             done: false,
         })
     }
 
+    /// One document of one sequence.
     pub fn add_document(&mut self, tokens: &[u32]) -> Result<(), DataError> {
-        let len = i32::try_from(tokens.len()).map_err(|_| DataError::TooLong { tokens: tokens.len() })?;
+        self.add_sequences(&[tokens])
+    }
+
+    /// One document of these sequences (Megatron's sentence-split documents).
+    pub fn add_sequences(&mut self, sequences: &[&[u32]]) -> Result<(), DataError> {
+        let mut lens = Vec::with_capacity(sequences.len());
         self.buf.clear();
-        for &t in tokens {
-            self.dtype.write(t, &mut self.buf).ok_or(DataError::TokenDoesNotFit { id: t, dtype: self.dtype })?;
+        for tokens in sequences {
+            lens.push(i32::try_from(tokens.len()).map_err(|_| DataError::TooLong { tokens: tokens.len() })?);
+            for &t in *tokens {
+                self.dtype.write(t, &mut self.buf).ok_or(DataError::TokenDoesNotFit { id: t, dtype: self.dtype })?;
+            }
         }
         let tmp = with_ext(&self.prefix, ".bin.tmp");
         self.bin.write_all(&self.buf).map_err(|e| DataError::Io { path: tmp, source: e })?;
-        self.lengths.push(len);
+        self.lengths.extend(lens);
+        self.docs.push(self.lengths.len() as i64);
+        Ok(())
+    }
+
+    /// Every document of `ds` after those added so far, its tokens copied as they are (Megatron's
+    /// `add_index`): its token type must be this builder's, and a multimodal index (mode bytes)
+    /// is refused, as its modes would be lost.
+    pub fn add_dataset(&mut self, ds: &IndexedDataset) -> Result<(), DataError> {
+        let bad = |what: String| DataError::BadFile { path: with_ext(&ds.prefix, ".idx"), what };
+        if ds.dtype != self.dtype {
+            return Err(bad(format!(
+                "its tokens are {:?}, the merged dataset's {:?} (from the first input): preprocess them with one tokenizer",
+                ds.dtype, self.dtype
+            )));
+        }
+        if ds.multimodal {
+            return Err(bad("a multimodal index (a mode byte per sequence): merging those is not built".into()));
+        }
+        let tmp = with_ext(&self.prefix, ".bin.tmp");
+        self.bin.write_all(&ds.bin).map_err(|e| DataError::Io { path: tmp, source: e })?;
+        let offset = self.lengths.len() as i64;
+        self.lengths.extend((0..ds.sequences).map(|i| ds.len_raw(i)));
+        self.docs.extend((1..ds.doc_entries).map(|k| offset + ds.doc_at(k)));
         Ok(())
     }
 
     pub fn num_documents(&self) -> usize {
-        self.lengths.len()
+        self.docs.len() - 1
     }
 
     /// Writes PREFIX.idx and moves PREFIX.bin into place.
@@ -342,12 +381,12 @@ impl IndexedBuilder {
         );
         self.bin.flush().map_err(|e| DataError::Io { path: tmp.clone(), source: e })?;
         let n = self.lengths.len();
-        let mut idx = Vec::with_capacity(HEADER + n * 20 + 8);
+        let mut idx = Vec::with_capacity(HEADER + n * 12 + self.docs.len() * 8);
         idx.extend_from_slice(MAGIC);
         idx.extend(1u64.to_le_bytes());
         idx.push(self.dtype.code());
         idx.extend((n as u64).to_le_bytes());
-        idx.extend((n as u64 + 1).to_le_bytes());
+        idx.extend((self.docs.len() as u64).to_le_bytes());
         for l in &self.lengths {
             idx.extend(l.to_le_bytes());
         }
@@ -356,7 +395,7 @@ impl IndexedBuilder {
             idx.extend(at.to_le_bytes());
             at += *l as i64 * self.dtype.size() as i64;
         }
-        for k in 0..=n as i64 {
+        for k in &self.docs {
             idx.extend(k.to_le_bytes());
         }
         File::create(&idx_tmp)

@@ -3,7 +3,8 @@
 //! bad spellings. (Sample order and the split and blend arithmetic: gpt_order.rs.)
 
 use ferrotron_data::{
-    DataError, GptDataset, IndexedDataset, Sequences, TokenDtype, blend_split, parse_split, write_indexed,
+    DataError, GptDataset, IndexedBuilder, IndexedDataset, Sequences, TokenDtype, blend_split, parse_split,
+    write_indexed,
 };
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -82,6 +83,70 @@ fn our_writer_round_trips_every_integer_type() {
     }
     let err = write_indexed(scratch("big"), &[vec![300]], TokenDtype::U8).unwrap_err();
     assert!(matches!(err, DataError::TokenDoesNotFit { id: 300, .. }), "{err}");
+}
+
+/// Merging (Megatron's `add_index`): datasets added one after another are byte for byte the
+/// dataset written from their documents in that order, the Megatron-written fixture and
+/// documents of several sequences (sentence-split) alike; another token type or a multimodal
+/// index is refused with the file named, and nothing is left behind.
+#[test]
+fn merged_datasets_are_their_documents_written_in_order() {
+    let more: Vec<Vec<u32>> = vec![vec![9, 8], vec![], vec![7, 6, 5]];
+    let b = scratch("merge-b");
+    write_indexed(&b, &more, TokenDtype::U16).unwrap();
+    let merged = scratch("merge-out");
+    let mut m = IndexedBuilder::create(&merged, TokenDtype::U16).unwrap();
+    for p in [fixture(), b.clone()] {
+        m.add_dataset(&IndexedDataset::open(&p).unwrap()).unwrap();
+    }
+    assert_eq!(m.num_documents(), fixture_docs().len() + 3);
+    m.finish().unwrap();
+    let want = scratch("merge-want");
+    write_indexed(&want, &[fixture_docs(), more].concat(), TokenDtype::U16).unwrap();
+    let bytes = |p: &Path, ext: &str| std::fs::read(p.with_extension(ext)).unwrap();
+    for ext in ["bin", "idx"] {
+        assert_eq!(bytes(&merged, ext), bytes(&want, ext), "{ext}");
+    }
+    // Documents of several sequences: the document index is offset by the sequences before.
+    let (x, y) = (scratch("merge-x"), scratch("merge-y"));
+    let docs_x: Vec<Vec<Vec<u32>>> = vec![vec![vec![1, 2], vec![3]], vec![vec![4]]];
+    let docs_y: Vec<Vec<Vec<u32>>> = vec![vec![vec![5, 6], vec![], vec![7]], vec![vec![8, 9]]];
+    let write = |p: &Path, docs: &[Vec<Vec<u32>>]| {
+        let mut w = IndexedBuilder::create(p, TokenDtype::I32).unwrap();
+        for d in docs {
+            w.add_sequences(&d.iter().map(Vec::as_slice).collect::<Vec<_>>()).unwrap();
+        }
+        w.finish().unwrap();
+    };
+    write(&x, &docs_x);
+    write(&y, &docs_y);
+    let (xy, want) = (scratch("merge-xy"), scratch("merge-xy-want"));
+    let mut m = IndexedBuilder::create(&xy, TokenDtype::I32).unwrap();
+    m.add_dataset(&IndexedDataset::open(&x).unwrap()).unwrap();
+    m.add_dataset(&IndexedDataset::open(&y).unwrap()).unwrap();
+    m.finish().unwrap();
+    write(&want, &[docs_x, docs_y].concat());
+    for ext in ["bin", "idx"] {
+        assert_eq!(bytes(&xy, ext), bytes(&want, ext), "{ext}");
+    }
+    let ds = IndexedDataset::open(&xy).unwrap();
+    assert_eq!((ds.num_documents(), ds.num_sequences(), ds.num_tokens()), (4, 7, 9));
+    assert_eq!(ds.document_tokens(2..3), 4..7, "the third document: 5, 6, 7");
+    // Another token type, then a multimodal index: refused, the file named, no output left.
+    let bad = scratch("merge-bad");
+    let mut m = IndexedBuilder::create(&bad, TokenDtype::U16).unwrap();
+    let e = m.add_dataset(&IndexedDataset::open(&x).unwrap()).unwrap_err().to_string();
+    assert!(e.contains("merge-x") && e.contains("I32") && e.contains("U16"), "{e}");
+    drop(m);
+    assert!(!bad.with_extension("bin").exists() && !bad.with_extension("bin.tmp").exists());
+    let mm = scratch("merge-mm");
+    std::fs::copy(b.with_extension("bin"), mm.with_extension("bin")).unwrap();
+    let mut idx = bytes(&b, "idx");
+    idx.extend([0u8; 3]); // a mode byte for each of its three sequences
+    std::fs::write(mm.with_extension("idx"), idx).unwrap();
+    let mut m = IndexedBuilder::create(&bad, TokenDtype::U16).unwrap();
+    let e = m.add_dataset(&IndexedDataset::open(&mm).unwrap()).unwrap_err().to_string();
+    assert!(e.contains("merge-mm") && e.contains("multimodal"), "{e}");
 }
 
 /// Spoils the copied index and data files.

@@ -12,6 +12,7 @@ pub mod generate;
 pub mod hybrid;
 pub mod launch;
 pub mod layer_freq;
+pub mod merge;
 pub mod multimodal;
 pub mod preprocess;
 pub mod settings;

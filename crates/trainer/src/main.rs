@@ -63,6 +63,9 @@ enum Cmd {
     },
     /// JSON lines into a Megatron indexed dataset (tools/preprocess_data.py's flags) for --data-path.
     Preprocess(ferrotron_trainer::preprocess::PreprocessArgs),
+    /// A folder's indexed datasets into one (tools/merge_datasets.py's flags): `merge-datasets
+    /// --input DIR --output-prefix PREFIX`.
+    MergeDatasets(ferrotron_trainer::merge::MergeArgs),
     /// Hugging Face checkpoints (GPT-2, Llama, Mistral) to Ferrotron's and back (convert.py's flags):
     /// `convert --loader hf --saver ferrotron --load-dir HF --save-dir CKPT`.
     Convert(ferrotron_trainer::convert::ConvertArgs),
@@ -111,6 +114,17 @@ fn run() -> anyhow::Result<()> {
             for w in ferrotron_trainer::preprocess::preprocess(&a)? {
                 eprintln!("{}.bin/.idx: {} documents, {} tokens", w.prefix.display(), w.documents, w.tokens);
             }
+            Ok(())
+        }
+        Cmd::MergeDatasets(a) => {
+            let m = ferrotron_trainer::merge::merge(&a)?;
+            eprintln!(
+                "{}.bin/.idx: {} documents, {} tokens from {} datasets",
+                a.output_prefix.display(),
+                m.documents,
+                m.tokens,
+                m.inputs.len()
+            );
             Ok(())
         }
         Cmd::Convert(a) => {

@@ -671,6 +671,61 @@ fn preprocess_writes_what_train_data_path_reads() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// `merge-datasets` (tools/merge_datasets.py's flags): three shards of a corpus preprocessed
+/// apart and merged (in the order of their names, an unrelated file beside them ignored, an
+/// earlier merge's output in the folder not taken as an input) are byte for byte the corpus
+/// preprocessed whole; a folder with a .bin but no .idx is refused by name.
+#[test]
+fn merge_datasets_joins_shards_as_one_preprocessing() {
+    let dir = tmp("cli-merge");
+    let shards = dir.join("shards");
+    std::fs::create_dir_all(&shards).unwrap();
+    let docs = ferrotron_data::corpus::documents(11, 90);
+    let jsonl =
+        |d: &[String]| d.iter().map(|t| serde_json::json!({ "text": t }).to_string() + "\n").collect::<String>();
+    let preprocess = |input: &std::path::Path, prefix: &std::path::Path| {
+        let o = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+            .args(["preprocess", "--input", input.to_str().unwrap(), "--output-prefix", prefix.to_str().unwrap()])
+            .args(["--tokenizer-type", "byte", "--append-eod"])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+    };
+    for (k, part) in docs.chunks(30).enumerate() {
+        let input = dir.join(format!("part{k}.jsonl"));
+        std::fs::write(&input, jsonl(part)).unwrap();
+        preprocess(&input, &shards.join(format!("part{k}")));
+    }
+    std::fs::write(shards.join("README.txt"), "not a dataset").unwrap();
+    let whole = dir.join("whole.jsonl");
+    std::fs::write(&whole, jsonl(&docs)).unwrap();
+    preprocess(&whole, &dir.join("whole"));
+    let merge = |out: &std::path::Path| {
+        Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+            .args(["merge-datasets", "--input", shards.to_str().unwrap(), "--output-prefix", out.to_str().unwrap()])
+            .output()
+            .unwrap()
+    };
+    let out = shards.join("merged");
+    for _ in 0..2 {
+        // The second run finds the first's output among the shards and leaves it out.
+        let o = merge(&out);
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert!(stderr(&o).contains("90 documents") && stderr(&o).contains("from 3 datasets"), "{}", stderr(&o));
+        for ext in ["bin", "idx"] {
+            let read = |p: std::path::PathBuf| std::fs::read(p).unwrap();
+            assert_eq!(
+                read(shards.join(format!("merged.{ext}"))),
+                read(dir.join(format!("whole_text_document.{ext}")))
+            );
+        }
+    }
+    std::fs::remove_file(shards.join("part1_text_document.idx")).unwrap();
+    let o = merge(&dir.join("again"));
+    assert!(!o.status.success() && stderr(&o).contains("part1_text_document.idx is missing"), "{}", stderr(&o));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// Megatron's TikTokenizer through the command line: preprocess writes the fixture vocabulary's
 /// ids (each document ended by `</s>`, id 2), train reads them with the same flags, the
 /// checkpoint keeps the tokenizer's flags (--use-checkpoint-args and resume rebuild it), and a
