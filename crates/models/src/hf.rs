@@ -1633,16 +1633,22 @@ mod tests {
         assert_eq!(c.position_embedding, PositionEmbedding::Rope { base: 10000.0, scaling: None, percent: 1.0 });
         let back = to_hf_config(HfArch::DeepseekV3, &c, "float32");
         assert_eq!(from_hf_config(&back).unwrap().config.layer.attention.mla, c.layer.attention.mla);
+        // Kimi-K2's YaRN: betas 1 and 1 over a context of 4096, kept and written back.
+        y["rope_parameters"] = json!({"rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0,
+            "original_max_position_embeddings": 4096, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0});
+        let c = from_hf_config(&y).unwrap().config;
+        let yarn = c.layer.attention.mla.and_then(|m| m.yarn).unwrap();
+        assert_eq!(
+            (yarn.factor, yarn.beta_fast, yarn.beta_slow, yarn.original_max_position_embeddings),
+            (32.0, 1.0, 1.0, 4096.0)
+        );
+        let back = to_hf_config(HfArch::DeepseekV3, &c, "float32");
+        assert_eq!(from_hf_config(&back).unwrap().config.layer.attention.mla, c.layer.attention.mla);
         for (key, value, needle) in [
             ("topk_group", json!(2), "best 2"),
             ("scoring_func", json!("softmax"), "noaux_tc"),
             ("norm_topk_prob", json!(false), "norm_topk_prob"),
             ("rope_interleave", json!(false), "interleaved"),
-            (
-                "rope_scaling",
-                json!({"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0}),
-                "fixes them",
-            ),
             (
                 "rope_scaling",
                 json!({"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale_all_dim": 1.0}),

@@ -109,6 +109,21 @@ pub struct TrainArgs {
     /// YaRN's mscale_all_dim (default 0): the softmax scaled by (0.1·mscale_all_dim·ln(factor) + 1)².
     #[arg(long)]
     pub mscale_all_dim: Option<f64>,
+    /// YaRN's correction range: the pairs turning --yarn-beta-fast (default 32) and
+    /// --yarn-beta-slow (default 1) times over --yarn-original-max-position-embeddings (default
+    /// 4096) bound the ramp from extrapolated to interpolated frequencies.
+    #[arg(long)]
+    pub yarn_beta_fast: Option<f64>,
+    #[arg(long)]
+    pub yarn_beta_slow: Option<f64>,
+    #[arg(long)]
+    pub yarn_original_max_position_embeddings: Option<f64>,
+    /// The correction range's ends floored and ceiled (Megatron's and transformers' default):
+    /// accepted; --no-yarn-correction-range-round-to-int is refused by name.
+    #[arg(long)]
+    pub yarn_correction_range_round_to_int: bool,
+    #[arg(long)]
+    pub no_yarn_correction_range_round_to_int: bool,
     /// The norms' ε (default 1e-5).
     #[arg(long)]
     pub norm_epsilon: Option<f64>,
@@ -906,7 +921,7 @@ impl TrainArgs {
             (self.hybrid_attention_ratio, self.hybrid_mlp_ratio) = (None, None);
         }
         merge_opts!(self, o; preset, num_layers, hidden_size, num_attention_heads, num_query_groups, kv_channels, ffn_hidden_size, seq_length,
-            max_position_embeddings, position_embedding_type, rotary_base, rope_scaling_factor, q_lora_rank, kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim, v_head_dim, rope_type, rotary_scaling_factor, mscale, mscale_all_dim, normalization, tokenizer_type, vocab_size, tokenizer_model, tiktoken_pattern, tiktoken_num_special_tokens, tiktoken_special_tokens, vocab_file, merge_file, init_method_std,
+            max_position_embeddings, position_embedding_type, rotary_base, rope_scaling_factor, q_lora_rank, kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim, v_head_dim, rope_type, rotary_scaling_factor, mscale, mscale_all_dim, yarn_beta_fast, yarn_beta_slow, yarn_original_max_position_embeddings, normalization, tokenizer_type, vocab_size, tokenizer_model, tiktoken_pattern, tiktoken_num_special_tokens, tiktoken_special_tokens, vocab_file, merge_file, init_method_std,
             micro_batch_size, global_batch_size, train_iters, train_samples, lr_warmup_samples, lr_decay_samples, lr, min_lr, lr_warmup_init, lr_decay_style, lr_wsd_decay_style, lr_wsd_decay_iters, lr_wsd_decay_samples, lr_warmup_iters, lr_warmup_fraction,
             lr_decay_iters, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad, norm_epsilon, make_vocab_size_divisible_by,
             hidden_dropout, attention_dropout, window_size, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, ckpt_format, step_batch_size_schedule, corpus_docs, split,
@@ -942,7 +957,7 @@ impl TrainArgs {
             apply_layernorm_1p, use_rotary_position_embeddings, use_checkpoint_opt_param_scheduler,
             override_opt_param_scheduler, no_load_rng, no_save_rng, ckpt_assume_constant_structure, auto_detect_ckpt_format,
             bias_swiglu_fusion, no_persist_layer_norm, defer_embedding_wgrad_compute, reset_position_ids, reset_attention_mask,
-            skip_train, moe_enable_deepep, moe_router_fusion, delay_wgrad_compute, overlap_moe_expert_parallel_comm, te_rng_tracker,
+            skip_train, yarn_correction_range_round_to_int, no_yarn_correction_range_round_to_int, moe_enable_deepep, moe_router_fusion, delay_wgrad_compute, overlap_moe_expert_parallel_comm, te_rng_tracker,
             moe_router_force_load_balancing, account_for_embedding_in_pipeline_split, account_for_loss_in_pipeline_split);
         if !o.test_data_path.is_empty() {
             self.test_data_path = o.test_data_path.clone();
@@ -1537,13 +1552,32 @@ pub struct MlaSettings {
     pub yarn: Option<YarnSettings>,
 }
 
-/// `--rotary-scaling-factor`, `--mscale`, `--mscale-all-dim` (Megatron's original context and
-/// betas for the rest).
+/// `--rotary-scaling-factor`, `--mscale`, `--mscale-all-dim`, `--yarn-beta-fast`,
+/// `--yarn-beta-slow`, `--yarn-original-max-position-embeddings` (absent from older checkpoints:
+/// Megatron's defaults).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct YarnSettings {
     pub factor: f64,
     pub mscale: f64,
     pub mscale_all_dim: f64,
+    #[serde(default = "yarn_beta_fast")]
+    pub beta_fast: f64,
+    #[serde(default = "one_f64")]
+    pub beta_slow: f64,
+    #[serde(default = "yarn_original")]
+    pub original_max_position_embeddings: f64,
+}
+
+fn yarn_beta_fast() -> f64 {
+    ferrotron_kernels::Yarn::megatron(1.0).beta_fast
+}
+
+fn one_f64() -> f64 {
+    ferrotron_kernels::Yarn::megatron(1.0).beta_slow
+}
+
+fn yarn_original() -> f64 {
+    ferrotron_kernels::Yarn::megatron(1.0).original_max_position_embeddings
 }
 
 impl YarnSettings {
@@ -1551,6 +1585,9 @@ impl YarnSettings {
         ferrotron_kernels::Yarn {
             mscale: self.mscale,
             mscale_all_dim: self.mscale_all_dim,
+            beta_fast: self.beta_fast,
+            beta_slow: self.beta_slow,
+            original_max_position_embeddings: self.original_max_position_embeddings,
             ..ferrotron_kernels::Yarn::megatron(self.factor)
         }
     }
@@ -1576,9 +1613,17 @@ impl MlaSettings {
             Some(other) => bail!("--rope-type {other}: pick rope or yarn"),
         };
         let factor = a.rotary_scaling_factor.unwrap_or(1.0);
-        if !yarn && (factor != 1.0 || a.mscale.is_some() || a.mscale_all_dim.is_some()) {
+        let shape = [a.yarn_beta_fast, a.yarn_beta_slow, a.yarn_original_max_position_embeddings];
+        if !yarn
+            && (factor != 1.0 || a.mscale.is_some() || a.mscale_all_dim.is_some() || shape.iter().any(Option::is_some))
+        {
             bail!(
-                "--rotary-scaling-factor, --mscale and --mscale-all-dim are YaRN's (--rope-type yarn); for Llama 3's scaling use --use-rope-scaling"
+                "--rotary-scaling-factor, --mscale, --mscale-all-dim and --yarn-* are YaRN's (--rope-type yarn); for Llama 3's scaling use --use-rope-scaling"
+            );
+        }
+        if a.no_yarn_correction_range_round_to_int {
+            bail!(
+                "--no-yarn-correction-range-round-to-int: YaRN's correction range is floored and ceiled here (Megatron's default); drop it"
             );
         }
         if !a.multi_latent_attention {
@@ -1597,9 +1642,14 @@ impl MlaSettings {
             factor,
             mscale: a.mscale.unwrap_or(1.0),
             mscale_all_dim: a.mscale_all_dim.unwrap_or(0.0),
+            beta_fast: a.yarn_beta_fast.unwrap_or_else(yarn_beta_fast),
+            beta_slow: a.yarn_beta_slow.unwrap_or_else(one_f64),
+            original_max_position_embeddings: a.yarn_original_max_position_embeddings.unwrap_or_else(yarn_original),
         });
         if let Some(problem) = yarn.and_then(|y| y.yarn().problem()) {
-            bail!("{problem}: --rotary-scaling-factor must be positive, --mscale and --mscale-all-dim finite");
+            bail!(
+                "{problem}: --rotary-scaling-factor, --yarn-beta-fast, --yarn-beta-slow and --yarn-original-max-position-embeddings must be positive, --mscale and --mscale-all-dim finite"
+            );
         }
         Ok(Some(MlaSettings {
             q_lora_rank: a.q_lora_rank,
@@ -1849,6 +1899,14 @@ fn transformer_args(c: &TransformerConfig) -> TrainArgs {
         rotary_scaling_factor: c.layer.attention.mla.and_then(|m| m.yarn).map(|y| y.factor),
         mscale: c.layer.attention.mla.and_then(|m| m.yarn).map(|y| y.mscale),
         mscale_all_dim: c.layer.attention.mla.and_then(|m| m.yarn).map(|y| y.mscale_all_dim),
+        yarn_beta_fast: c.layer.attention.mla.and_then(|m| m.yarn).map(|y| y.beta_fast),
+        yarn_beta_slow: c.layer.attention.mla.and_then(|m| m.yarn).map(|y| y.beta_slow),
+        yarn_original_max_position_embeddings: c
+            .layer
+            .attention
+            .mla
+            .and_then(|m| m.yarn)
+            .map(|y| y.original_max_position_embeddings),
         norm_epsilon: Some(c.norm_epsilon),
         make_vocab_size_divisible_by: Some(c.make_vocab_size_divisible_by),
         // The config's window keeps the token and left before it: left = window − 1.
@@ -1948,6 +2006,9 @@ impl TrainArgs {
             rotary_scaling_factor,
             mscale,
             mscale_all_dim,
+            yarn_beta_fast,
+            yarn_beta_slow,
+            yarn_original_max_position_embeddings,
             norm_epsilon,
             make_vocab_size_divisible_by,
             window_size,

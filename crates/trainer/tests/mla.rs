@@ -103,6 +103,10 @@ fn mla_flags_not_built_are_refused() {
     );
     refused(TrainArgs { rope_type: Some("rope".into()), rotary_scaling_factor: Some(40.0), ..mla_args() }, 1, "YaRN's");
     refused(TrainArgs { rotary_scaling_factor: Some(-2.0), ..mla_args() }, 1, "must be positive");
+    refused(TrainArgs { rope_type: Some("rope".into()), yarn_beta_fast: Some(1.0), ..mla_args() }, 1, "--yarn-*");
+    let yarn = TrainArgs { rotary_scaling_factor: Some(40.0), ..mla_args() };
+    refused(TrainArgs { yarn_beta_slow: Some(0.0), ..yarn.clone() }, 1, "--yarn-beta-slow");
+    refused(TrainArgs { no_yarn_correction_range_round_to_int: true, ..yarn }, 1, "floored and ceiled");
     refused(TrainArgs { multi_latent_attention: false, ..mla_args() }, 1, "add --multi-latent-attention");
     refused(TrainArgs { qk_layernorm: true, ..mla_args() }, 1, "--qk-layernorm");
     // YaRN at factor 1 is plain RoPE (Megatron's MLA default).
@@ -110,18 +114,32 @@ fn mla_flags_not_built_are_refused() {
 }
 
 /// YaRN on the rotary part (Megatron's MLA default type, here at factor 40 with
-/// --mscale-all-dim 1 as DeepSeek-V3): tensor × sequence parallel follows one rank, it changes
-/// the run, and the checkpoint keeps it (--use-checkpoint-args).
+/// --mscale-all-dim 1 as DeepSeek-V3, and --yarn-beta-fast 0.5 / --yarn-beta-slow 0.25, which
+/// move the ramp of the tiny rotary part's two pairs: 1..2 against Megatron's 0..1 at base
+/// 500000): tensor × sequence parallel follows one rank, it changes the run (and so do the
+/// betas), and the checkpoint keeps it (--use-checkpoint-args).
 #[test]
 fn mla_with_yarn_follows_one_rank_and_is_kept() {
-    let args = TrainArgs { rotary_scaling_factor: Some(40.0), mscale_all_dim: Some(1.0), ..mla_args() };
+    let args = TrainArgs {
+        rotary_scaling_factor: Some(40.0),
+        mscale_all_dim: Some(1.0),
+        yarn_beta_fast: Some(0.5),
+        yarn_beta_slow: Some(0.25),
+        ..mla_args()
+    };
     let s1 = settings(&args);
     let y = s1.mla.unwrap().yarn.unwrap();
-    assert_eq!((y.factor, y.mscale, y.mscale_all_dim), (40.0, 1.0, 1.0));
+    assert_eq!((y.factor, y.mscale, y.mscale_all_dim, y.beta_fast, y.beta_slow), (40.0, 1.0, 1.0, 0.5, 0.25));
+    assert_eq!(y.yarn().range(4, s1.rotary_base), (1.0, 2.0));
+    assert_eq!(y.original_max_position_embeddings, 4096.0);
     let dir = tmp("mla-yarn");
     let one = train(&s1, &Paths { save: Some(dir.clone()), ..Paths::default() }).unwrap();
     let plain = train(&settings(&mla_args()), &Paths::default()).unwrap();
     assert_ne!(one.losses[0].1, plain.losses[0].1, "YaRN left the first loss unchanged");
+    let megatron_betas =
+        train(&settings(&TrainArgs { yarn_beta_fast: None, yarn_beta_slow: None, ..args.clone() }), &Paths::default())
+            .unwrap();
+    assert_ne!(bits(&one.losses), bits(&megatron_betas.losses), "the betas moved no frequency");
     let mut tp = s1.clone();
     tp.tensor_model_parallel_size = 2;
     tp.sequence_parallel = true;

@@ -134,7 +134,10 @@ fn yarn_matches_transformers_formula() {
     assert_eq!(deepseek.attention_factor(), 1.0);
     assert!((k::Yarn::megatron(40.0).attention_factor() - (0.1 * 40f64.ln() + 1.0)).abs() < 1e-15);
     assert!((deepseek.softmax_factor() - (0.1 * 40f64.ln() + 1.0).powi(2)).abs() < 1e-12);
-    for yarn in [deepseek, k::Yarn::megatron(40.0)] {
+    // Kimi-K2's: betas 1 and 1 (Megatron's --yarn-beta-fast / --yarn-beta-slow), factor 32.
+    let kimi = k::Yarn { beta_fast: 1.0, beta_slow: 1.0, mscale_all_dim: 1.0, ..k::Yarn::megatron(32.0) };
+    assert_ne!(kimi.range(64, 10000.0), deepseek.range(64, 10000.0));
+    for yarn in [deepseek, k::Yarn::megatron(40.0), kimi] {
         let cfg = RopeCfg { rot: 64, base: 10000.0, pos0: 0, scaling: None, split: None, yarn: Some(yarn) };
         for i in 0..32 {
             assert!((cfg.freq(i) - hf_freq(&cfg, i)).abs() <= 1e-14 * hf_freq(&cfg, i), "pair {i}");
@@ -142,7 +145,7 @@ fn yarn_matches_transformers_formula() {
         // Pairs below the ramp keep their frequency, those past it are divided by the factor.
         let plain = RopeCfg { yarn: None, ..cfg };
         assert_eq!(cfg.freq(0), plain.freq(0));
-        assert!((cfg.freq(31) - plain.freq(31) / 40.0).abs() < 1e-18);
+        assert!((cfg.freq(31) - plain.freq(31) / yarn.factor).abs() < 1e-18);
         let (b, t, h, d) = (1, 5, 2, 68);
         let (x, r) = (randv(b * t * h * d, 3), randv(b * t * h * d, 4));
         let y = k::rope_fwd(&t32(&Device::Cpu, &x, &[b, t, h, d]), &cfg).unwrap();

@@ -46,17 +46,10 @@ fn yarn_of(v: &Value) -> Result<Option<Yarn>> {
         Some(f) => f,
         None => usize_of(v, "max_position_embeddings")? as f64 / original,
     };
+    // Megatron's --yarn-original-max-position-embeddings, --yarn-beta-fast, --yarn-beta-slow.
     let (beta_fast, beta_slow) =
         (opt(p, "beta_fast", f64_of)?.unwrap_or(32.0), opt(p, "beta_slow", f64_of)?.unwrap_or(1.0));
-    let megatron = Yarn::megatron(factor);
-    if (original, beta_fast, beta_slow)
-        != (megatron.original_max_position_embeddings, megatron.beta_fast, megatron.beta_slow)
-    {
-        return Err(HfError::Config(format!(
-            "YaRN over original_max_position_embeddings {original} with beta_fast {beta_fast}, beta_slow {beta_slow}: Megatron's (and Ferrotron's) YaRN fixes them at {}, {}, {}",
-            megatron.original_max_position_embeddings, megatron.beta_fast, megatron.beta_slow
-        )));
-    }
+    let megatron = Yarn { original_max_position_embeddings: original, beta_fast, beta_slow, ..Yarn::megatron(factor) };
     if !bool_or(p, "truncate", true)? || opt(p, "attention_factor", f64_of)?.is_some() {
         return Err(HfError::Config(
             "YaRN with `truncate` false or an explicit `attention_factor`: Megatron's YaRN computes neither so".into(),
