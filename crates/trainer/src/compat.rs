@@ -93,6 +93,28 @@ pub(crate) fn apply(a: &mut TrainArgs) -> anyhow::Result<()> {
         &["native", "te"],
         "the cross-entropy is Ferrotron's fused kernel either way",
     )?;
+    one_of(
+        "--dist-ckpt-format",
+        &a.dist_ckpt_format,
+        &["torch_dist"],
+        "Ferrotron writes its one sharded format in torch_dist's place",
+    )?;
+    if a.apply_wd_to_qk_layernorm {
+        bail!("--apply-wd-to-qk-layernorm: the QK-norms' weights take no weight decay here (as other norms); drop it");
+    }
+    if let Some(lr) = a.decoupled_lr.or(a.decoupled_min_lr) {
+        bail!(
+            "--decoupled-lr / --decoupled-min-lr {lr}: a learning rate of its own for the embedding and output layer is not built; drop them"
+        );
+    }
+    if a.init_method_xavier_uniform {
+        bail!("--init-method-xavier-uniform: the weights start from N(0, --init-method-std); drop it");
+    }
+    if a.checkpoint_activations {
+        bail!(
+            "--checkpoint-activations is Megatron's old spelling: use --recompute-granularity full --recompute-method uniform"
+        );
+    }
     const MODULES: [&str; 7] = ["core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts"];
     if let Some(m) = a.recompute_modules.iter().find(|m| !MODULES.contains(&m.as_str())) {
         bail!("--recompute-modules {m}: not one of Megatron's modules ({})", MODULES.join(", "));

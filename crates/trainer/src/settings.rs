@@ -783,6 +783,46 @@ pub struct TrainArgs {
     /// computes the same run with more memory.
     #[arg(long, num_args = 1..)]
     pub recompute_modules: Vec<String>,
+    /// GeLU as the tanh approximation (what Ferrotron's GeLU is), pipelines' and data-parallel
+    /// buckets' scheduling and padding, checkpoint and dataset-loading switches: accepted, the
+    /// same run.
+    #[arg(long)]
+    pub openai_gelu: bool,
+    #[arg(long)]
+    pub no_overlap_p2p_communication: bool,
+    #[arg(long)]
+    pub overlap_param_gather_with_optimizer_step: bool,
+    #[arg(long)]
+    pub no_align_param_gather: bool,
+    #[arg(long)]
+    pub ddp_average_in_collective: bool,
+    #[arg(long)]
+    pub ddp_pad_buckets_for_high_nccl_busbw: bool,
+    #[arg(long)]
+    pub ddp_num_buckets: Option<usize>,
+    #[arg(long)]
+    pub use_dist_ckpt: bool,
+    /// torch_dist only (the layout Ferrotron's checkpoints play the part of).
+    #[arg(long)]
+    pub dist_ckpt_format: Option<String>,
+    #[arg(long)]
+    pub num_dataset_builder_threads: Option<usize>,
+    #[arg(long)]
+    pub dataloader_fast_cache_load: bool,
+    #[arg(long)]
+    pub dataloader_defer_npy_index_mmap: bool,
+    /// Refused by name: weight decay on the QK-norms, separate learning rates for the embedding
+    /// and output layer, Xavier initialisation, and Megatron's old spelling of full recompute.
+    #[arg(long)]
+    pub apply_wd_to_qk_layernorm: bool,
+    #[arg(long)]
+    pub decoupled_lr: Option<f64>,
+    #[arg(long)]
+    pub decoupled_min_lr: Option<f64>,
+    #[arg(long)]
+    pub init_method_xavier_uniform: bool,
+    #[arg(long)]
+    pub checkpoint_activations: bool,
     /// Refused by name: random router logits for benchmarking change the run.
     #[arg(long)]
     pub moe_router_force_load_balancing: bool,
@@ -941,7 +981,8 @@ impl TrainArgs {
             timing_log_level, empty_unused_memory_level, wandb_project, optimizer, rotary_seq_len_interpolation_factor,
             num_virtual_stages_per_pipeline_rank, microbatch_group_size_per_virtual_pipeline_stage, loss_scale,
             initial_loss_scale, min_loss_scale, loss_scale_window, hysteresis, dist_ckpt_strictness, fp8_format,
-            moe_flex_dispatcher_backend, moe_flex_dispatcher_num_sms, cross_entropy_fusion_impl, pipeline_model_parallel_layout);
+            moe_flex_dispatcher_backend, moe_flex_dispatcher_num_sms, cross_entropy_fusion_impl, pipeline_model_parallel_layout,
+            ddp_num_buckets, dist_ckpt_format, num_dataset_builder_threads, decoupled_lr, decoupled_min_lr);
         merge_flags!(self, o; check_for_nan_in_loss_and_grad, no_check_for_nan_in_loss_and_grad, use_rope_scaling, swiglu, squared_relu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, multi_latent_attention, bf16, fp16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
             use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, calculate_per_token_loss, log_validation_ppl_to_tensorboard, log_timers_to_tensorboard,
@@ -958,7 +999,10 @@ impl TrainArgs {
             override_opt_param_scheduler, no_load_rng, no_save_rng, ckpt_assume_constant_structure, auto_detect_ckpt_format,
             bias_swiglu_fusion, no_persist_layer_norm, defer_embedding_wgrad_compute, reset_position_ids, reset_attention_mask,
             skip_train, yarn_correction_range_round_to_int, no_yarn_correction_range_round_to_int, moe_enable_deepep, moe_router_fusion, delay_wgrad_compute, overlap_moe_expert_parallel_comm, te_rng_tracker,
-            moe_router_force_load_balancing, account_for_embedding_in_pipeline_split, account_for_loss_in_pipeline_split);
+            moe_router_force_load_balancing, account_for_embedding_in_pipeline_split, account_for_loss_in_pipeline_split,
+            openai_gelu, no_overlap_p2p_communication, overlap_param_gather_with_optimizer_step, no_align_param_gather,
+            ddp_average_in_collective, ddp_pad_buckets_for_high_nccl_busbw, use_dist_ckpt, dataloader_fast_cache_load,
+            dataloader_defer_npy_index_mmap, apply_wd_to_qk_layernorm, init_method_xavier_uniform, checkpoint_activations);
         if !o.test_data_path.is_empty() {
             self.test_data_path = o.test_data_path.clone();
         }

@@ -286,6 +286,21 @@ fn megatrons_script_switches_run_as_the_plain_flags() {
         "moe_act",
         "--pipeline-model-parallel-layout",
         "None",
+        "--openai-gelu",
+        "--no-overlap-p2p-communication",
+        "--overlap-param-gather-with-optimizer-step",
+        "--no-align-param-gather",
+        "--ddp-average-in-collective",
+        "--ddp-pad-buckets-for-high-nccl-busbw",
+        "--ddp-num-buckets",
+        "4",
+        "--use-dist-ckpt",
+        "--dist-ckpt-format",
+        "torch_dist",
+        "--num-dataset-builder-threads",
+        "2",
+        "--dataloader-fast-cache-load",
+        "--dataloader-defer-npy-index-mmap",
     ];
     let with = run(&switches);
     assert!(with.status.success(), "{}", stderr(&with));
@@ -321,6 +336,11 @@ fn megatrons_script_switches_run_as_the_plain_flags() {
     fails_naming(&["--moe-router-force-load-balancing"], "--moe-router-force-load-balancing");
     fails_naming(&["--pipeline-model-parallel-layout", "Et|tL"], "--pipeline-model-parallel-layout Et|tL");
     fails_naming(&["--account-for-loss-in-pipeline-split"], "--account-for-loss-in-pipeline-split");
+    fails_naming(&["--dist-ckpt-format", "zarr"], "--dist-ckpt-format zarr");
+    fails_naming(&["--apply-wd-to-qk-layernorm"], "--apply-wd-to-qk-layernorm");
+    fails_naming(&["--decoupled-lr", "1e-4"], "--decoupled-lr / --decoupled-min-lr 0.0001");
+    fails_naming(&["--init-method-xavier-uniform"], "--init-method-xavier-uniform");
+    fails_naming(&["--checkpoint-activations"], "--recompute-granularity full");
     fails_naming(&["--fp8-format", "hybrid"], "FP8 training is not built");
     fails_naming(&["--reset-position-ids"], "--reset-position-ids: document-wise");
     fails_naming(&["--reset-attention-mask"], "--reset-attention-mask: document-wise");
