@@ -783,11 +783,12 @@ pub struct TrainArgs {
     /// computes the same run with more memory.
     #[arg(long, num_args = 1..)]
     pub recompute_modules: Vec<String>,
-    /// GeLU as the tanh approximation (what Ferrotron's GeLU is), pipelines' and data-parallel
-    /// buckets' scheduling and padding, checkpoint and dataset-loading switches: accepted, the
-    /// same run.
+    /// GeLU as its tanh approximation even where Megatron's MLP would take erf (without the fused
+    /// bias-GeLU: `Settings::gelu_exact`).
     #[arg(long)]
     pub openai_gelu: bool,
+    /// Pipelines' and data-parallel buckets' scheduling and padding, checkpoint and
+    /// dataset-loading switches: accepted, the same run.
     #[arg(long)]
     pub no_overlap_p2p_communication: bool,
     #[arg(long)]
@@ -1116,6 +1117,11 @@ pub struct Settings {
     pub squared_relu: bool,
     pub untie_embeddings_and_output_weights: bool,
     pub disable_bias_linear: bool,
+    /// GeLU as erf rather than its tanh approximation: Megatron's MLP without its fused bias-GeLU
+    /// (--no-bias-gelu-fusion, or no biases: --disable-bias-linear) unless --openai-gelu (absent
+    /// from older checkpoints: tanh, as they ran).
+    #[serde(default)]
+    pub gelu_exact: bool,
     /// Absent from older checkpoints' settings.
     #[serde(default)]
     pub add_qkv_bias: bool,
@@ -1931,6 +1937,10 @@ fn transformer_args(c: &TransformerConfig) -> TrainArgs {
         squared_relu,
         untie_embeddings_and_output_weights: c.untie_embeddings_and_output_weights,
         disable_bias_linear: !bias,
+        // Megatron's GeLU is tanh through the fused bias-GeLU, erf without it: the flag that
+        // gives this model's where the default would not.
+        no_bias_gelu_fusion: activation == Activation::GeluExact && bias,
+        openai_gelu: activation == Activation::Gelu && !bias,
         add_qkv_bias: c.layer.attention.qkv_bias && !c.layer.attention.bias,
         qk_layernorm: c.layer.attention.qk_layernorm,
         multi_latent_attention: c.layer.attention.mla.is_some(),
@@ -2038,6 +2048,8 @@ impl TrainArgs {
             squared_relu,
             untie_embeddings_and_output_weights,
             disable_bias_linear,
+            no_bias_gelu_fusion,
+            openai_gelu,
             add_qkv_bias,
             qk_layernorm,
             multi_latent_attention,
@@ -2222,6 +2234,7 @@ impl Settings {
             squared_relu: a.squared_relu,
             untie_embeddings_and_output_weights: a.untie_embeddings_and_output_weights,
             disable_bias_linear: a.disable_bias_linear,
+            gelu_exact: !a.openai_gelu && (a.no_bias_gelu_fusion || a.disable_bias_linear),
             add_qkv_bias: a.add_qkv_bias,
             qk_layernorm: a.qk_layernorm,
             mla: MlaSettings::from_args(&a)?,
@@ -2922,6 +2935,7 @@ impl Settings {
             (true, true) => bail!("--swiglu and --squared-relu both pick the MLP's activation: keep one"),
             (true, false) => Activation::SwiGlu,
             (false, true) => Activation::SquaredRelu,
+            (false, false) if self.gelu_exact => Activation::GeluExact,
             (false, false) => Activation::Gelu,
         };
         let bias = !self.disable_bias_linear;

@@ -208,7 +208,6 @@ fn megatrons_script_switches_run_as_the_plain_flags() {
         "flash",
         "--attention-softmax-in-fp32",
         "--no-masked-softmax-fusion",
-        "--no-bias-gelu-fusion",
         "--no-bias-swiglu-fusion",
         "--no-bias-dropout-fusion",
         "--no-rope-fusion",
