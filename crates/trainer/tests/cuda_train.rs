@@ -114,6 +114,14 @@ fn global_balancing_loss_cuda_matches_cpu() {
     );
 }
 
+/// Megatron's unfused GeLU (erf: --no-bias-gelu-fusion) on the GPU, against one CPU rank, fp32
+/// within 1e-4.
+#[test]
+fn erf_gelu_cuda_matches_cpu() {
+    let erf = |a: TrainArgs| TrainArgs { no_bias_gelu_fusion: true, ..a };
+    split_matches_cpu("tiny", "erf GeLU", erf, erf);
+}
+
 /// --rotary-percent 0.5 on the GPU (llama-tiny's heads of 32: 16 features rotate in place in the
 /// fused QKV, the rest pass), against one CPU rank, fp32 within 1e-4.
 #[test]
