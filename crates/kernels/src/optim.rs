@@ -239,19 +239,7 @@ pub struct AdamPrep {
 /// anything back: on a GPU fixed per-block partials then one block adding them in a fixed order,
 /// on the CPU [`sum_sq_all`]. Either way the same bits every run.
 pub fn sum_sq_dev(ts: &[&Tensor], device: &Device) -> Result<Tensor> {
-    const OP: &str = "sum_sq_dev";
-    for t in ts {
-        check::float(OP, t)?;
-        if t.device().name() != device.name() {
-            return Err(invalid(OP, "every tensor must be on the given device"));
-        }
-    }
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(d) = device {
-        let g = crate::cuda::backend(d)?;
-        return crate::cuda::ops::sum_sq_dev(&g, ts);
-    }
-    Tensor::from_vec(vec![sum_sq_all(ts)? as f32], [1], device)
+    on_device("sum_sq_dev", ts, device, Reduce::SumSq)
 }
 
 /// How many elements of `ts` are zero (±0; NaN is not), as a one-element f32 tensor on `device`
@@ -259,23 +247,43 @@ pub fn sum_sq_dev(ts: &[&Tensor], device: &Device) -> Result<Tensor> {
 /// (`sum_sq_dev`'s partials), rounded to f32 once at the end (exact below 2²⁴, within 2⁻²⁴
 /// relative above). Megatron's --log-num-zeros-in-grad counts in f32 too.
 pub fn count_zeros_dev(ts: &[&Tensor], device: &Device) -> Result<Tensor> {
-    const OP: &str = "count_zeros_dev";
+    on_device("count_zeros_dev", ts, device, Reduce::Zeros)
+}
+
+/// What `on_device` reduces every element of the tensors to.
+#[derive(Clone, Copy)]
+enum Reduce {
+    SumSq,
+    Zeros,
+}
+
+/// `what` over every tensor (float, all on `device`) as a one-element f32 tensor on `device`.
+fn on_device(op: &'static str, ts: &[&Tensor], device: &Device, what: Reduce) -> Result<Tensor> {
     for t in ts {
-        check::float(OP, t)?;
+        check::float(op, t)?;
         if t.device().name() != device.name() {
-            return Err(invalid(OP, "every tensor must be on the given device"));
+            return Err(invalid(op, "every tensor must be on the given device"));
         }
     }
     #[cfg(feature = "cuda")]
     if let Device::Cuda(d) = device {
         let g = crate::cuda::backend(d)?;
-        return crate::cuda::ops::count_zeros_dev(&g, ts);
+        return match what {
+            Reduce::SumSq => crate::cuda::ops::sum_sq_dev(&g, ts),
+            Reduce::Zeros => crate::cuda::ops::count_zeros_dev(&g, ts),
+        };
     }
-    let mut n = 0;
-    for t in ts {
-        n += cpu::optim::count_zeros(&t.read_f32()?);
-    }
-    Tensor::from_vec(vec![n as f32], [1], device)
+    let v = match what {
+        Reduce::SumSq => sum_sq_all(ts)?,
+        Reduce::Zeros => {
+            let mut n = 0;
+            for t in ts {
+                n += cpu::optim::count_zeros(&t.read_f32()?);
+            }
+            n as f64
+        }
+    };
+    Tensor::from_vec(vec![v as f32], [1], device)
 }
 
 /// Settles one step in `state` (an [`adam_state`] tensor whose `LR` slot holds this step's

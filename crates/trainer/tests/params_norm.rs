@@ -11,16 +11,20 @@ use ferrotron_trainer::checkpoint;
 use ferrotron_trainer::settings::{Launch, Paths, Settings, TrainArgs};
 use ferrotron_trainer::train::train;
 
-/// The params_norm of each training line of a metrics file, by iteration.
-fn norms(file: &std::path::Path) -> Vec<(u64, f64)> {
+/// `key` of each training line of a metrics file, by iteration.
+fn logged(file: &std::path::Path, key: &str) -> Vec<(u64, f64)> {
     std::fs::read_to_string(file)
         .unwrap()
         .lines()
         .filter_map(|l| {
             let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            Some((v["iteration"].as_u64()?, v.get("params_norm")?.as_f64()?))
+            Some((v["iteration"].as_u64()?, v.get(key)?.as_f64()?))
         })
         .collect()
+}
+
+fn norms(file: &std::path::Path) -> Vec<(u64, f64)> {
+    logged(file, "params_norm")
 }
 
 #[test]
@@ -55,16 +59,8 @@ fn params_norm_is_the_saved_parameters_norm_in_any_layout() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
-/// The num_zeros_in_grad of each training line of a metrics file, by iteration.
 fn zeros(file: &std::path::Path) -> Vec<(u64, f64)> {
-    std::fs::read_to_string(file)
-        .unwrap()
-        .lines()
-        .filter_map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            Some((v["iteration"].as_u64()?, v.get("num_zeros_in_grad")?.as_f64()?))
-        })
-        .collect()
+    logged(file, "num_zeros_in_grad")
 }
 
 /// `--log-num-zeros-in-grad`: with untied embeddings the input-embedding row of every token id
