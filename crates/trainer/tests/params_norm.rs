@@ -27,6 +27,20 @@ fn norms(file: &std::path::Path) -> Vec<(u64, f64)> {
     logged(file, "params_norm")
 }
 
+/// `s` as tensor × pipeline parallel 2 × 2 and as data parallel 2 with the distributed
+/// optimizer (buckets of `bucket` elements, or the default).
+fn layouts(s: &Settings, bucket: Option<usize>) -> [Settings; 2] {
+    let mut tp_pp = s.clone();
+    tp_pp.tensor_model_parallel_size = 2;
+    tp_pp.pipeline_model_parallel_size = 2;
+    let mut dp = s.clone();
+    dp.use_distributed_optimizer = true;
+    if bucket.is_some() {
+        dp.ddp_bucket_size = bucket;
+    }
+    [tp_pp, dp]
+}
+
 #[test]
 fn params_norm_is_the_saved_parameters_norm_in_any_layout() {
     let s1 = settings(&TrainArgs { log_params_norm: true, num_layers: Some(4), ..tiny_args(false) });
@@ -41,16 +55,7 @@ fn params_norm_is_the_saved_parameters_norm_in_any_layout() {
     assert!((last - want).abs() <= 1e-5 * want, "logged {last}, the checkpoint's {want}");
     assert!(one.windows(2).any(|w| w[0].1 != w[1].1), "the norm moves as the model trains: {one:?}");
 
-    let with = |f: &dyn Fn(&mut Settings)| {
-        let mut s = s1.clone();
-        f(&mut s);
-        s
-    };
-    let tp_pp = with(&|s| {
-        s.tensor_model_parallel_size = 2;
-        s.pipeline_model_parallel_size = 2;
-    });
-    let dp = with(&|s| s.use_distributed_optimizer = true);
+    let [tp_pp, dp] = layouts(&s1, None);
     for (tag, s, n) in [("tp2 × pp2", &tp_pp, 4), ("dp2 distributed", &dp, 2)] {
         let file = dir.join(format!("{n}.jsonl"));
         train(s, &Paths { launch: Launch::Threads(n), metrics: Some(file.clone()), ..Paths::default() }).unwrap();
@@ -93,21 +98,9 @@ fn num_zeros_in_grad_counts_each_gradient_once_in_any_layout() {
     for &(i, n) in &one {
         assert!(n >= 32.0 * unused && n < 51_648.0 / 2.0, "iteration {i}: {n} zeros, {unused} rows of 32 unused");
     }
-    let with = |f: &dyn Fn(&mut Settings)| {
-        let mut s = s1.clone();
-        f(&mut s);
-        s
-    };
-    let tp_pp = with(&|s| {
-        s.tensor_model_parallel_size = 2;
-        s.pipeline_model_parallel_size = 2;
-    });
     // Small buckets: every bucket is sharded over both ranks, so each holds some of the
     // embedding's zero rows.
-    let dp = with(&|s| {
-        s.use_distributed_optimizer = true;
-        s.ddp_bucket_size = Some(1000);
-    });
+    let [tp_pp, dp] = layouts(&s1, Some(1000));
     for (tag, s, n, slack) in [("tp2 × pp2", &tp_pp, 4, 0.0), ("dp2 distributed", &dp, 2, 4.0)] {
         let file = dir.join(format!("{n}.jsonl"));
         train(s, &Paths { launch: Launch::Threads(n), metrics: Some(file.clone()), ..Paths::default() }).unwrap();
