@@ -23,8 +23,9 @@ pub struct GlobalCounts {
 
 impl GlobalCounts {
     /// Adds one micro-batch's per-expert counts (f32, already summed over the ranks) to `layer`'s
-    /// sum and returns the mean over the micro-batches added since the last reset (a new tensor).
-    pub fn add(&self, layer: &str, counts: &Tensor) -> Result<Tensor> {
+    /// sum and returns `scale` × the mean over the micro-batches added since the last reset (a
+    /// new tensor).
+    pub fn add(&self, layer: &str, counts: &Tensor, scale: f32) -> Result<Tensor> {
         let mut l = self.layers.lock().unwrap_or_else(|e| e.into_inner());
         let (sum, n) = match l.get_mut(layer) {
             Some((sum, n)) => {
@@ -39,7 +40,7 @@ impl GlobalCounts {
                 (sum, *n)
             }
         };
-        k::scale(sum, 1.0 / n as f32)
+        k::scale(sum, scale / n as f32)
     }
 
     /// Starts a new step: every layer's sum cleared.
@@ -63,13 +64,13 @@ mod tests {
         let g = GlobalCounts::default();
         let t = |v: &[f32]| Tensor::from_vec(v.to_vec(), [v.len()], &Device::Cpu).unwrap();
         let c1 = t(&[4.0, 0.0, 2.0]);
-        assert_eq!(g.add("a", &c1).unwrap().to_vec_f32().unwrap(), vec![4.0, 0.0, 2.0]);
+        assert_eq!(g.add("a", &c1, 1.0).unwrap().to_vec_f32().unwrap(), vec![4.0, 0.0, 2.0]);
         assert_eq!(c1.to_vec_f32().unwrap(), vec![4.0, 0.0, 2.0], "the caller's counts are not the sum");
-        assert_eq!(g.add("a", &t(&[0.0, 2.0, 2.0])).unwrap().to_vec_f32().unwrap(), vec![2.0, 1.0, 2.0]);
-        assert_eq!(g.add("b", &t(&[1.0, 1.0, 1.0])).unwrap().to_vec_f32().unwrap(), vec![1.0, 1.0, 1.0]);
+        assert_eq!(g.add("a", &t(&[0.0, 2.0, 2.0]), 1.0).unwrap().to_vec_f32().unwrap(), vec![2.0, 1.0, 2.0]);
+        assert_eq!(g.add("b", &t(&[1.0, 1.0, 1.0]), 0.5).unwrap().to_vec_f32().unwrap(), vec![0.5, 0.5, 0.5]);
         assert_eq!((g.steps("a"), g.steps("b")), (2, 1));
         g.reset();
         assert_eq!(g.steps("a"), 0);
-        assert_eq!(g.add("a", &t(&[6.0, 0.0, 0.0])).unwrap().to_vec_f32().unwrap(), vec![6.0, 0.0, 0.0]);
+        assert_eq!(g.add("a", &t(&[6.0, 0.0, 0.0]), 1.0).unwrap().to_vec_f32().unwrap(), vec![6.0, 0.0, 0.0]);
     }
 }

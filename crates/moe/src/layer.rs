@@ -470,11 +470,7 @@ impl Module for MoeLayer {
                         }
                         None => 1,
                     };
-                    let mean = counts.add(&self.name, &per_expert)?;
-                    if dp > 1 {
-                        k::scale_(&mean, 1.0 / (dp * dp) as f32)?;
-                    }
-                    (mean, dp)
+                    (counts.add(&self.name, &per_expert, 1.0 / (dp * dp) as f32)?, dp)
                 }
                 None => (per_expert, 1),
             };

@@ -1612,7 +1612,7 @@ pub struct YarnSettings {
     pub mscale_all_dim: f64,
     #[serde(default = "yarn_beta_fast")]
     pub beta_fast: f64,
-    #[serde(default = "one_f64")]
+    #[serde(default = "yarn_beta_slow")]
     pub beta_slow: f64,
     #[serde(default = "yarn_original")]
     pub original_max_position_embeddings: f64,
@@ -1622,7 +1622,7 @@ fn yarn_beta_fast() -> f64 {
     ferrotron_kernels::Yarn::megatron(1.0).beta_fast
 }
 
-fn one_f64() -> f64 {
+fn yarn_beta_slow() -> f64 {
     ferrotron_kernels::Yarn::megatron(1.0).beta_slow
 }
 
@@ -1693,7 +1693,7 @@ impl MlaSettings {
             mscale: a.mscale.unwrap_or(1.0),
             mscale_all_dim: a.mscale_all_dim.unwrap_or(0.0),
             beta_fast: a.yarn_beta_fast.unwrap_or_else(yarn_beta_fast),
-            beta_slow: a.yarn_beta_slow.unwrap_or_else(one_f64),
+            beta_slow: a.yarn_beta_slow.unwrap_or_else(yarn_beta_slow),
             original_max_position_embeddings: a.yarn_original_max_position_embeddings.unwrap_or_else(yarn_original),
         });
         if let Some(problem) = yarn.and_then(|y| y.yarn().problem()) {
@@ -1918,6 +1918,8 @@ fn transformer_args(c: &TransformerConfig) -> TrainArgs {
         PositionEmbedding::Rope { scaling, .. } => scaling,
         _ => None,
     };
+    // Multi-latent attention's YaRN.
+    let yarn = c.layer.attention.mla.and_then(|m| m.yarn);
     TrainArgs {
         num_layers: Some(c.num_layers),
         hidden_size: Some(c.hidden_size),
@@ -1950,17 +1952,12 @@ fn transformer_args(c: &TransformerConfig) -> TrainArgs {
         qk_pos_emb_head_dim: c.layer.attention.mla.map(|m| m.qk_pos_emb_head_dim),
         v_head_dim: c.layer.attention.mla.map(|m| m.v_head_dim),
         rope_type: c.layer.attention.mla.map(|m| if m.yarn.is_some() { "yarn" } else { "rope" }.into()),
-        rotary_scaling_factor: c.layer.attention.mla.and_then(|m| m.yarn).map(|y| y.factor),
-        mscale: c.layer.attention.mla.and_then(|m| m.yarn).map(|y| y.mscale),
-        mscale_all_dim: c.layer.attention.mla.and_then(|m| m.yarn).map(|y| y.mscale_all_dim),
-        yarn_beta_fast: c.layer.attention.mla.and_then(|m| m.yarn).map(|y| y.beta_fast),
-        yarn_beta_slow: c.layer.attention.mla.and_then(|m| m.yarn).map(|y| y.beta_slow),
-        yarn_original_max_position_embeddings: c
-            .layer
-            .attention
-            .mla
-            .and_then(|m| m.yarn)
-            .map(|y| y.original_max_position_embeddings),
+        rotary_scaling_factor: yarn.map(|y| y.factor),
+        mscale: yarn.map(|y| y.mscale),
+        mscale_all_dim: yarn.map(|y| y.mscale_all_dim),
+        yarn_beta_fast: yarn.map(|y| y.beta_fast),
+        yarn_beta_slow: yarn.map(|y| y.beta_slow),
+        yarn_original_max_position_embeddings: yarn.map(|y| y.original_max_position_embeddings),
         norm_epsilon: Some(c.norm_epsilon),
         make_vocab_size_divisible_by: Some(c.make_vocab_size_divisible_by),
         // The config's window keeps the token and left before it: left = window − 1.

@@ -109,6 +109,11 @@ fn mla_flags_not_built_are_refused() {
     refused(TrainArgs { no_yarn_correction_range_round_to_int: true, ..yarn }, 1, "floored and ceiled");
     refused(TrainArgs { multi_latent_attention: false, ..mla_args() }, 1, "add --multi-latent-attention");
     refused(TrainArgs { qk_layernorm: true, ..mla_args() }, 1, "--qk-layernorm");
+    refused(
+        TrainArgs { rotary_percent: Some(0.5), ..mla_args() },
+        1,
+        "--rotary-percent 0.5 with multi-latent attention",
+    );
     // YaRN at factor 1 is plain RoPE (Megatron's MLA default).
     assert_eq!(settings(&TrainArgs { rope_type: Some("yarn".into()), ..mla_args() }).mla.unwrap().yarn, None);
 }

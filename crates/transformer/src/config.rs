@@ -127,6 +127,11 @@ impl TransformerConfig {
             if !(percent > 0.0 && percent <= 1.0) {
                 return Err(bad(format!("--rotary-percent {percent} must be in (0, 1] (1.0 rotates whole heads)")));
             }
+            if percent != 1.0 && c.layer.attention.mla.is_some() {
+                return Err(bad(format!(
+                    "--rotary-percent {percent} with multi-latent attention: it rotates its own rotary features (--qk-pos-emb-head-dim) whole; drop --rotary-percent"
+                )));
+            }
             let rot = c.rotary_dim();
             if percent != 1.0 && (rot < 2 || rot % 2 != 0) {
                 return Err(bad(format!(

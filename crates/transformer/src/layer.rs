@@ -74,17 +74,10 @@ impl TransformerLayer {
             let site = format!("{prefix}.self_attention.dropout");
             let dropout = HiddenDropout::new(c.hidden_dropout, &site, h, tp);
             if let Some(spec) = c.layer.attention.mla {
-                let PositionEmbedding::Rope { base, scaling, percent } = c.position_embedding else {
+                // `TransformerConfig::validate` refused --rotary-percent with it.
+                let PositionEmbedding::Rope { base, scaling, .. } = c.position_embedding else {
                     return Err(invalid("TransformerLayer::new", "multi-latent attention needs rotary embeddings"));
                 };
-                if percent != 1.0 {
-                    return Err(invalid(
-                        "TransformerLayer::new",
-                        format!(
-                            "--rotary-percent {percent} with multi-latent attention: it rotates its own rotary features (--qk-pos-emb-head-dim) whole; drop --rotary-percent"
-                        ),
-                    ));
-                }
                 let dims = MlaDims {
                     hidden: h,
                     heads: c.num_attention_heads,
