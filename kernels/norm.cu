@@ -1,4 +1,6 @@
 // LayerNorm / RMSNorm / softmax over rows: one block per row (256 threads), block reductions.
+// The norms scale by w + ws: ws 1 for zero-centred weights (Megatron's --apply-layernorm-1p), the
+// 1 added in f32 (norm.rs `Gamma`), else 0.
 // The residual stream's adds ride along (pre-norm layer: x1 = x + attn; h = norm(x1); and in the
 // backward dx1 = dy + normᵀ(dh)): with `r`/`sum` non-null the forward normalises x + r and writes
 // that sum (as stored, so the backward sees what the forward normalised); with `res` non-null
@@ -7,38 +9,38 @@
 // col_sum_f32 over the partials in order): deterministic, and enough threads for 16k-row batches.
 
 #define NORMS(s, T) \
-extern "C" __global__ void layernorm_fwd_##s(const T* x, const T* x2, T* xs, const T* w, const T* b, T* y, float* mean, float* rstd, long c, float eps) { \
+extern "C" __global__ void layernorm_fwd_##s(const T* x, const T* x2, T* xs, const T* w, const T* b, T* y, float* mean, float* rstd, long c, float eps, float ws) { \
     long r = blockIdx.x; const T* xr = x + r * c; float sum = 0.f; \
     if (x2) { for (long i = threadIdx.x; i < c; i += blockDim.x) st(xs, r * c + i, ld(xr, i) + ld(x2, r * c + i)); xr = xs + r * c; } \
     for (long i = threadIdx.x; i < c; i += blockDim.x) sum += ld(xr, i); \
     float mu = block_sum(sum) / c; float var = 0.f; \
     for (long i = threadIdx.x; i < c; i += blockDim.x) { float d = ld(xr, i) - mu; var += d * d; } \
     float rs = rsqrtf(block_sum(var) / c + eps); \
-    for (long i = threadIdx.x; i < c; i += blockDim.x) st(y, r * c + i, (ld(xr, i) - mu) * rs * ld(w, i) + (b ? ld(b, i) : 0.f)); \
+    for (long i = threadIdx.x; i < c; i += blockDim.x) st(y, r * c + i, (ld(xr, i) - mu) * rs * (ld(w, i) + ws) + (b ? ld(b, i) : 0.f)); \
     if (threadIdx.x == 0) { mean[r] = mu; rstd[r] = rs; } } \
-extern "C" __global__ void layernorm_bwd_##s(const T* dy, const T* x, const T* w, const float* mean, const float* rstd, const T* res, T* dx, long c) { \
+extern "C" __global__ void layernorm_bwd_##s(const T* dy, const T* x, const T* w, const float* mean, const float* rstd, const T* res, T* dx, long c, float ws) { \
     long r = blockIdx.x; float mu = mean[r], rs = rstd[r], sg = 0.f, sgx = 0.f; \
-    for (long i = threadIdx.x; i < c; i += blockDim.x) { float g = ld(dy, r * c + i) * ld(w, i); sg += g; sgx += g * (ld(x, r * c + i) - mu) * rs; } \
+    for (long i = threadIdx.x; i < c; i += blockDim.x) { float g = ld(dy, r * c + i) * (ld(w, i) + ws); sg += g; sgx += g * (ld(x, r * c + i) - mu) * rs; } \
     sg = block_sum(sg) / c; sgx = block_sum(sgx) / c; \
     for (long i = threadIdx.x; i < c; i += blockDim.x) { float xh = (ld(x, r * c + i) - mu) * rs; \
-        st(dx, r * c + i, rs * (ld(dy, r * c + i) * ld(w, i) - sg - xh * sgx) + (res ? ld(res, r * c + i) : 0.f)); } } \
+        st(dx, r * c + i, rs * (ld(dy, r * c + i) * (ld(w, i) + ws) - sg - xh * sgx) + (res ? ld(res, r * c + i) : 0.f)); } } \
 extern "C" __global__ void norm_param_grad_##s(const T* dy, const T* x, const float* mean, const float* rstd, float* dw, float* db, long rows, long c) { \
     GRID_STRIDE(i, (rows + COL_CHUNK - 1) / COL_CHUNK * c) { long j = i % c, r0 = i / c * COL_CHUNK, r1 = r0 + COL_CHUNK < rows ? r0 + COL_CHUNK : rows; \
         float a = 0.f, b = 0.f; for (long r = r0; r < r1; r++) { float g = ld(dy, r * c + j); \
         a += g * (ld(x, r * c + j) - (mean ? mean[r] : 0.f)) * rstd[r]; b += g; } dw[i] = a; if (db) db[i] = b; } } \
-extern "C" __global__ void rmsnorm_fwd_##s(const T* x, const T* x2, T* xs, const T* w, T* y, float* rstd, long c, float eps) { \
+extern "C" __global__ void rmsnorm_fwd_##s(const T* x, const T* x2, T* xs, const T* w, T* y, float* rstd, long c, float eps, float ws) { \
     long r = blockIdx.x; const T* xr = x + r * c; float ss = 0.f; \
     if (x2) { for (long i = threadIdx.x; i < c; i += blockDim.x) st(xs, r * c + i, ld(xr, i) + ld(x2, r * c + i)); xr = xs + r * c; } \
     for (long i = threadIdx.x; i < c; i += blockDim.x) { float v = ld(xr, i); ss += v * v; } \
     float rs = rsqrtf(block_sum(ss) / c + eps); \
-    for (long i = threadIdx.x; i < c; i += blockDim.x) st(y, r * c + i, ld(xr, i) * rs * ld(w, i)); \
+    for (long i = threadIdx.x; i < c; i += blockDim.x) st(y, r * c + i, ld(xr, i) * rs * (ld(w, i) + ws)); \
     if (threadIdx.x == 0) rstd[r] = rs; } \
-extern "C" __global__ void rmsnorm_bwd_##s(const T* dy, const T* x, const T* w, const float* rstd, const T* res, T* dx, long c) { \
+extern "C" __global__ void rmsnorm_bwd_##s(const T* dy, const T* x, const T* w, const float* rstd, const T* res, T* dx, long c, float ws) { \
     long r = blockIdx.x; float rs = rstd[r], sgx = 0.f; \
-    for (long i = threadIdx.x; i < c; i += blockDim.x) sgx += ld(dy, r * c + i) * ld(w, i) * ld(x, r * c + i) * rs; \
+    for (long i = threadIdx.x; i < c; i += blockDim.x) sgx += ld(dy, r * c + i) * (ld(w, i) + ws) * ld(x, r * c + i) * rs; \
     sgx = block_sum(sgx) / c; \
     for (long i = threadIdx.x; i < c; i += blockDim.x) \
-        st(dx, r * c + i, rs * (ld(dy, r * c + i) * ld(w, i) - ld(x, r * c + i) * rs * sgx) + (res ? ld(res, r * c + i) : 0.f)); } \
+        st(dx, r * c + i, rs * (ld(dy, r * c + i) * (ld(w, i) + ws) - ld(x, r * c + i) * rs * sgx) + (res ? ld(res, r * c + i) : 0.f)); } \
 extern "C" __global__ void softmax_fwd_##s(const T* x, T* y, long c) { \
     long r = blockIdx.x; float m = -INFINITY; \
     for (long i = threadIdx.x; i < c; i += blockDim.x) m = fmaxf(m, ld(x, r * c + i)); \
@@ -73,6 +75,11 @@ template <typename T> __device__ __forceinline__ void load_sum8(const T* x, cons
     for (int e = 0; e < 8; e++) v[e] = as_stored(xs, v[e] + u[e]);
     st8(xs, i, v);
 }
+// A zero-centred norm's scale, 1 + w (ws 1; 0 for the weight itself), added in f32.
+__device__ __forceinline__ void add_shift8(float* g, float ws) {
+#pragma unroll
+    for (int e = 0; e < 8; e++) g[e] += ws;
+}
 // The residual gradient's eight values at i, or zeros.
 template <typename T> __device__ __forceinline__ void add_res8(const T* res, long i, float* a) {
 #pragma unroll
@@ -81,35 +88,35 @@ template <typename T> __device__ __forceinline__ void add_res8(const T* res, lon
 }
 
 #define NORMS_V8(s, T, SUF) \
-extern "C" __global__ void __launch_bounds__(NORM_THREADS) layernorm_fwd_##s##SUF(const T* x, const T* x2, T* xs, const T* w, const T* b, T* y, float* mean, float* rstd, long c, float eps) { \
+extern "C" __global__ void __launch_bounds__(NORM_THREADS) layernorm_fwd_##s##SUF(const T* x, const T* x2, T* xs, const T* w, const T* b, T* y, float* mean, float* rstd, long c, float eps, float ws) { \
     pdl_wait(); \
     long r = blockIdx.x; float v[NORM_V][8], sum = 0.f, var = 0.f; \
     ROW_GROUPS(k, j) { load_sum8(x, x2, xs, r * c + j, v[k]); for (int e = 0; e < 8; e++) sum += v[k][e]; } \
     float mu = block_sum(sum) / c; \
     ROW_GROUPS(k, j) for (int e = 0; e < 8; e++) { float d = v[k][e] - mu; var += d * d; } \
     float rs = rsqrtf(block_sum(var) / c + eps); \
-    ROW_GROUPS(k, j) { float g[8], h[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}; ld8(w, j, g); if (b) ld8(b, j, h); \
+    ROW_GROUPS(k, j) { float g[8], h[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}; ld8(w, j, g); add_shift8(g, ws); if (b) ld8(b, j, h); \
         for (int e = 0; e < 8; e++) v[k][e] = (v[k][e] - mu) * rs * g[e] + h[e]; st8(y, r * c + j, v[k]); } \
     if (threadIdx.x == 0) { mean[r] = mu; rstd[r] = rs; } } \
-extern "C" __global__ void __launch_bounds__(NORM_THREADS) layernorm_bwd_##s##SUF(const T* dy, const T* x, const T* w, const float* mean, const float* rstd, const T* res, T* dx, long c) { \
+extern "C" __global__ void __launch_bounds__(NORM_THREADS) layernorm_bwd_##s##SUF(const T* dy, const T* x, const T* w, const float* mean, const float* rstd, const T* res, T* dx, long c, float ws) { \
     pdl_wait(); \
     long r = blockIdx.x; float mu = mean[r], rs = rstd[r], sg = 0.f, sgx = 0.f, gw[NORM_V][8], xh[NORM_V][8]; \
-    ROW_GROUPS(k, j) { float g[8]; ld8(dy, r * c + j, gw[k]); ld8(x, r * c + j, xh[k]); ld8(w, j, g); \
+    ROW_GROUPS(k, j) { float g[8]; ld8(dy, r * c + j, gw[k]); ld8(x, r * c + j, xh[k]); ld8(w, j, g); add_shift8(g, ws); \
         for (int e = 0; e < 8; e++) { gw[k][e] *= g[e]; xh[k][e] = (xh[k][e] - mu) * rs; sg += gw[k][e]; sgx += gw[k][e] * xh[k][e]; } } \
     sg = block_sum(sg) / c; sgx = block_sum(sgx) / c; \
     ROW_GROUPS(k, j) { float a[8]; add_res8(res, r * c + j, a); \
         for (int e = 0; e < 8; e++) gw[k][e] = rs * (gw[k][e] - sg - xh[k][e] * sgx) + a[e]; st8(dx, r * c + j, gw[k]); } } \
-extern "C" __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_fwd_##s##SUF(const T* x, const T* x2, T* xs, const T* w, T* y, float* rstd, long c, float eps) { \
+extern "C" __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_fwd_##s##SUF(const T* x, const T* x2, T* xs, const T* w, T* y, float* rstd, long c, float eps, float ws) { \
     pdl_wait(); \
     long r = blockIdx.x; float v[NORM_V][8], ss = 0.f; \
     ROW_GROUPS(k, j) { load_sum8(x, x2, xs, r * c + j, v[k]); for (int e = 0; e < 8; e++) ss += v[k][e] * v[k][e]; } \
     float rs = rsqrtf(block_sum(ss) / c + eps); \
-    ROW_GROUPS(k, j) { float g[8]; ld8(w, j, g); for (int e = 0; e < 8; e++) v[k][e] = v[k][e] * rs * g[e]; st8(y, r * c + j, v[k]); } \
+    ROW_GROUPS(k, j) { float g[8]; ld8(w, j, g); add_shift8(g, ws); for (int e = 0; e < 8; e++) v[k][e] = v[k][e] * rs * g[e]; st8(y, r * c + j, v[k]); } \
     if (threadIdx.x == 0) rstd[r] = rs; } \
-extern "C" __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_bwd_##s##SUF(const T* dy, const T* x, const T* w, const float* rstd, const T* res, T* dx, long c) { \
+extern "C" __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_bwd_##s##SUF(const T* dy, const T* x, const T* w, const float* rstd, const T* res, T* dx, long c, float ws) { \
     pdl_wait(); \
     long r = blockIdx.x; float rs = rstd[r], sgx = 0.f, gw[NORM_V][8], xv[NORM_V][8]; \
-    ROW_GROUPS(k, j) { float g[8]; ld8(dy, r * c + j, gw[k]); ld8(x, r * c + j, xv[k]); ld8(w, j, g); \
+    ROW_GROUPS(k, j) { float g[8]; ld8(dy, r * c + j, gw[k]); ld8(x, r * c + j, xv[k]); ld8(w, j, g); add_shift8(g, ws); \
         for (int e = 0; e < 8; e++) { gw[k][e] *= g[e]; sgx += gw[k][e] * xv[k][e] * rs; } } \
     sgx = block_sum(sgx) / c; \
     ROW_GROUPS(k, j) { float a[8]; add_res8(res, r * c + j, a); \
@@ -173,7 +180,7 @@ __device__ __forceinline__ void team_sync(int id, int count) {
 template <bool LN, int V, typename T>
 __device__ __forceinline__ void norm_bwd_cols(const T* dy, const T* x, const T* w, const float* mean,
                                               const float* rstd, const T* res, T* dx, float* pw, float* pb,
-                                              float* pr, long rows, long c) {
+                                              float* pr, long rows, long c, float ws) {
     extern __shared__ float nb_smem[];
     const int tthreads = (int)(c / 8), teams = blockDim.x / tthreads, wpt = tthreads / 32;
     const int team = threadIdx.x / tthreads, tt = threadIdx.x % tthreads, lane = threadIdx.x & 31, wit = tt >> 5;
@@ -211,6 +218,7 @@ __device__ __forceinline__ void norm_bwd_cols(const T* dy, const T* x, const T* 
             if (res) prefetch_l2(res + nr * c + j);
         }
         ld8(w, j, g);  // from L1 each row: held across the loop it cost spills under 64 registers
+        add_shift8(g, ws);
         ld8(dy, r * c + j, gw);
         ld8(x, r * c + j, xh);
         const float mu = LN ? mean[r] : 0.f, rs = rstd[r];
@@ -291,9 +299,9 @@ __device__ __forceinline__ void norm_bwd_cols(const T* dy, const T* x, const T* 
     }
 }
 #define NORM_BWD_COLS(s, T, V, SUF) \
-extern "C" __global__ void __launch_bounds__(512, 2) layernorm_bwd_cols##SUF##_##s(const T* dy, const T* x, const T* w, const float* mean, const float* rstd, const T* res, T* dx, float* pw, float* pb, float* pr, long rows, long c) { \
-    pdl_wait(); norm_bwd_cols<true, V>(dy, x, w, mean, rstd, res, dx, pw, pb, pr, rows, c); } \
-extern "C" __global__ void __launch_bounds__(512, 2) rmsnorm_bwd_cols##SUF##_##s(const T* dy, const T* x, const T* w, const float* rstd, const T* res, T* dx, float* pw, float* pr, long rows, long c) { \
-    pdl_wait(); norm_bwd_cols<false, V>(dy, x, w, nullptr, rstd, res, dx, pw, nullptr, pr, rows, c); }
+extern "C" __global__ void __launch_bounds__(512, 2) layernorm_bwd_cols##SUF##_##s(const T* dy, const T* x, const T* w, const float* mean, const float* rstd, const T* res, T* dx, float* pw, float* pb, float* pr, long rows, long c, float ws) { \
+    pdl_wait(); norm_bwd_cols<true, V>(dy, x, w, mean, rstd, res, dx, pw, pb, pr, rows, c, ws); } \
+extern "C" __global__ void __launch_bounds__(512, 2) rmsnorm_bwd_cols##SUF##_##s(const T* dy, const T* x, const T* w, const float* rstd, const T* res, T* dx, float* pw, float* pr, long rows, long c, float ws) { \
+    pdl_wait(); norm_bwd_cols<false, V>(dy, x, w, nullptr, rstd, res, dx, pw, nullptr, pr, rows, c, ws); }
 #define NORM_BWD_COLS_ALL(s, T) NORM_BWD_COLS(s, T, 0, ) NORM_BWD_COLS(s, T, 1, _v6) NORM_BWD_COLS(s, T, 2, _v6np)
 FOR_TYPES(NORM_BWD_COLS_ALL)

@@ -57,8 +57,9 @@ pub use moe::{
     moe_router_loss, moe_sort, moe_sort_capped, moe_unpermute, moe_unpermute_bwd,
 };
 pub use norm::{
-    add_layernorm_fwd, add_rmsnorm_fwd, layernorm_bwd, layernorm_bwd_add, layernorm_bwd_into, layernorm_bwd_into_bias,
-    layernorm_fwd, rmsnorm_bwd, rmsnorm_bwd_add, rmsnorm_bwd_into, rmsnorm_bwd_into_bias, rmsnorm_fwd,
+    Gamma, add_layernorm_fwd, add_rmsnorm_fwd, layernorm_bwd, layernorm_bwd_add, layernorm_bwd_into,
+    layernorm_bwd_into_bias, layernorm_fwd, rmsnorm_bwd, rmsnorm_bwd_add, rmsnorm_bwd_into, rmsnorm_bwd_into_bias,
+    rmsnorm_fwd,
 };
 pub use optim::{
     AdamPrep, AdamRun, AdamRuns, AdamW, adam_prepare, adam_state, adamw_runs, adamw_step, count_zeros_dev,

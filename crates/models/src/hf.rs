@@ -458,6 +458,7 @@ fn gpt2_config(v: &Value) -> Result<TransformerConfig> {
         untie_embeddings_and_output_weights: !bool_or(v, "tie_word_embeddings", true)?,
         layer: LayerSpec {
             norm: NormKind::LayerNorm,
+            zero_centred_gamma: false,
             attention: AttentionSpec {
                 bias: true,
                 qkv_bias: false,
@@ -657,6 +658,7 @@ fn llama_config(v: &Value) -> Result<TransformerConfig> {
         untie_embeddings_and_output_weights: !bool_or(v, "tie_word_embeddings", false)?,
         layer: LayerSpec {
             norm: NormKind::RmsNorm,
+            zero_centred_gamma: false,
             attention: AttentionSpec {
                 bias: false,
                 qkv_bias: false,
@@ -1169,6 +1171,10 @@ pub fn export(
         if t.shape != want && !padded {
             return Err(HfError::Shape { name: name.into(), got: t.shape, want });
         }
+        if c.layer.zero_centred_gamma && zero_centred_norm(name) {
+            // HF's norms hold the scale itself.
+            return Ok(HostTensor::new(t.shape, t.data.iter().map(|w| w + 1.0).collect()));
+        }
         Ok(if padded { row_block(&t, 0, c.vocab_size) } else { t })
     };
     let prefix = if arch == HfArch::Gpt2 { "transformer." } else { "" };
@@ -1215,6 +1221,19 @@ pub fn export(
         }
     }
     Ok(())
+}
+
+/// Whether Megatron-named `name` is the weight of one of the model's norms (`Norm` modules:
+/// the layers', QK-norm's, MLA's latent norms, MTP's, the final one), which a zero-centred model
+/// (--apply-layernorm-1p) holds as the scale less 1. A Mamba mixer's gated norm and the vision
+/// encoder's norms are plain ones, in Megatron too.
+fn zero_centred_norm(name: &str) -> bool {
+    if name.starts_with("vision_model.") || name.contains(".mixer.") {
+        return false;
+    }
+    let Some(stem) = name.strip_suffix(".weight") else { return false };
+    let module = stem.rsplit('.').next().unwrap_or(stem);
+    module.ends_with("layernorm") || matches!(module, "enorm" | "hnorm" | "norm" | "final_norm")
 }
 
 /// `export` into one list: for models that fit in memory (tests, small checkpoints).
@@ -1322,6 +1341,52 @@ mod tests {
             files.retain(|n, _| !is_buffer(n));
             assert!(files.is_empty(), "{arch:?}: left over {:?}", files.keys());
             assert_eq!(back, own, "{arch:?}");
+        }
+    }
+
+    /// A zero-centred model (--apply-layernorm-1p) exports as the plain class with every norm
+    /// weight (the built model's zero-initialised weights: its `Norm`s) 1 more, the rest as is.
+    #[test]
+    fn zero_centred_norms_export_as_their_scale() {
+        for arch in [HfArch::Gpt2, HfArch::Qwen3, HfArch::Qwen3Moe, HfArch::Mamba2, HfArch::DeepseekV3] {
+            let plain = tiny(arch);
+            let c = TransformerConfig {
+                layer: LayerSpec { zero_centred_gamma: true, ..plain.layer.clone() },
+                ..plain.clone()
+            };
+            assert_eq!(HfArch::of(&c).unwrap(), arch);
+            let (_, table) = ferrotron_transformer::GptModel::build(
+                c.clone(),
+                &ferrotron_core::Device::Cpu,
+                ferrotron_core::DType::F32,
+                1,
+            )
+            .unwrap();
+            let norms: Vec<&str> = table
+                .metas()
+                .iter()
+                .filter(|m| m.name.ends_with(".weight") && m.init == ferrotron_core::Init::Zeros)
+                .map(|m| m.name.as_str())
+                .collect();
+            let own: Vec<(String, HostTensor)> = maps(arch, &c)
+                .iter()
+                .enumerate()
+                .map(|(i, (name, _))| (name.clone(), numbered(&own_shape(&c, name), i)))
+                .collect();
+            let by_name: HashMap<&str, &HostTensor> = own.iter().map(|(n, t)| (n.as_str(), t)).collect();
+            let hf = export_all(arch, &c, &|n| by_name.get(n).map(|&t| t.clone())).unwrap();
+            let mut files: HashMap<String, HostTensor> =
+                hf.into_iter().map(|(n, t)| (strip_prefix(arch, &n).to_string(), t)).collect();
+            let back = import_all(arch, &plain, &mut |n| files.remove(n)).unwrap();
+            let mut shifted = 0;
+            for ((name, t), (_, b)) in own.iter().zip(&back) {
+                let norm = norms.contains(&name.as_str());
+                let want: Vec<f32> = t.data.iter().map(|v| v + if norm { 1.0 } else { 0.0 }).collect();
+                assert_eq!(b.data, want, "{arch:?} {name}");
+                shifted += usize::from(norm);
+            }
+            assert_eq!(shifted, norms.len(), "{arch:?}: every norm exported");
+            assert!(shifted > c.num_layers, "{arch:?}: {norms:?}");
         }
     }
 

@@ -73,6 +73,7 @@ pub fn gpt2(size: GptSize) -> TransformerConfig {
         untie_embeddings_and_output_weights: false,
         layer: LayerSpec {
             norm: NormKind::LayerNorm,
+            zero_centred_gamma: false,
             attention: AttentionSpec {
                 bias: true,
                 qkv_bias: false,
@@ -114,6 +115,7 @@ pub fn llama(size: LlamaSize) -> TransformerConfig {
         untie_embeddings_and_output_weights: true,
         layer: LayerSpec {
             norm: NormKind::RmsNorm,
+            zero_centred_gamma: false,
             attention: AttentionSpec {
                 bias: false,
                 qkv_bias: false,

@@ -581,6 +581,7 @@ fn gpt(s: &MoeSpec) -> TransformerConfig {
         untie_embeddings_and_output_weights: true,
         layer: LayerSpec {
             norm: NormKind::RmsNorm,
+            zero_centred_gamma: false,
             attention: AttentionSpec {
                 bias: false,
                 qkv_bias: false,

@@ -219,6 +219,7 @@ pub fn hybrid_config() -> TransformerConfig {
         untie_embeddings_and_output_weights: true,
         layer: LayerSpec {
             norm: NormKind::RmsNorm,
+            zero_centred_gamma: false,
             attention: AttentionSpec {
                 bias: false,
                 qkv_bias: false,

@@ -628,6 +628,24 @@ pub fn open(dir: &Path, optimizer: bool) -> anyhow::Result<Box<dyn Parts>> {
     Ok(Box::new(Sharded { state, reader }))
 }
 
+/// Refuses a checkpoint whose norm weights mean another scale than this run's: saved with
+/// --apply-layernorm-1p they are the scale less 1, without it the scale (the parameter shapes are
+/// the same, so nothing else would tell).
+pub fn check_norms(saved: &State, s: &Settings, dir: &Path) -> anyhow::Result<()> {
+    let with = |on: bool| if on { "with" } else { "without" };
+    let (then, now) = (saved.settings.apply_layernorm_1p, s.apply_layernorm_1p);
+    if then != now {
+        bail!(
+            "{}: the checkpoint was saved {} --apply-layernorm-1p and this run is {} it, so its norm weights would scale by {} than trained; give the flag as it was saved (or --use-checkpoint-args)",
+            dir.display(),
+            with(then),
+            with(now),
+            if then { "1 less" } else { "1 more" }
+        );
+    }
+    Ok(())
+}
+
 /// The parameter an optimizer tensor's name is of (None for a parameter's own name).
 fn optimizer_of(name: &str) -> Option<&str> {
     OPT.iter().find_map(|p| name.strip_prefix(p).and_then(|r| r.strip_prefix('.')))

@@ -171,8 +171,5 @@ pub(crate) fn apply(a: &mut TrainArgs) -> anyhow::Result<()> {
     if a.use_torch_fsdp2 {
         bail!("--use-torch-fsdp2: FSDP is not built; --use-distributed-optimizer shards the optimizer state");
     }
-    if a.apply_layernorm_1p {
-        bail!("--apply-layernorm-1p: zero-centred LayerNorm weights are not built; drop it");
-    }
     Ok(())
 }

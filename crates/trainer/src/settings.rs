@@ -75,6 +75,10 @@ pub struct TrainArgs {
     pub add_qkv_bias: bool,
     #[arg(long)]
     pub qk_layernorm: bool,
+    /// Zero-centred norm weights: every norm (LayerNorm or RMSNorm, QK-norm and the final one
+    /// too) scales by 1 + w, w initialised to 0 and the 1 added in f32 inside the kernels.
+    #[arg(long)]
+    pub apply_layernorm_1p: bool,
     /// Multi-latent attention (DeepSeek-V2/V3's): queries and keys/values through low-rank
     /// latents, a rotary part whose key all heads share. Sized by the five flags below.
     #[arg(long)]
@@ -931,9 +935,6 @@ pub struct TrainArgs {
     /// Refused by name: FSDP is not built (--use-distributed-optimizer shards the optimizer).
     #[arg(long)]
     pub use_torch_fsdp2: bool,
-    /// Refused by name: zero-centred LayerNorm weights are not built.
-    #[arg(long)]
-    pub apply_layernorm_1p: bool,
 }
 
 macro_rules! merge_opts {
@@ -1126,6 +1127,9 @@ pub struct Settings {
     #[serde(default)]
     pub add_qkv_bias: bool,
     pub qk_layernorm: bool,
+    /// --apply-layernorm-1p (absent from older checkpoints' settings: plain weights, as they ran).
+    #[serde(default)]
+    pub apply_layernorm_1p: bool,
     /// Multi-latent attention's sizes (`--multi-latent-attention`); None: grouped-query attention.
     #[serde(default)]
     pub mla: Option<MlaSettings>,
@@ -1945,6 +1949,7 @@ fn transformer_args(c: &TransformerConfig) -> TrainArgs {
         openai_gelu: activation == Activation::Gelu && !bias,
         add_qkv_bias: c.layer.attention.qkv_bias && !c.layer.attention.bias,
         qk_layernorm: c.layer.attention.qk_layernorm,
+        apply_layernorm_1p: c.layer.zero_centred_gamma,
         multi_latent_attention: c.layer.attention.mla.is_some(),
         q_lora_rank: c.layer.attention.mla.and_then(|m| m.q_lora_rank),
         kv_lora_rank: c.layer.attention.mla.map(|m| m.kv_lora_rank),
@@ -2049,6 +2054,7 @@ impl TrainArgs {
             openai_gelu,
             add_qkv_bias,
             qk_layernorm,
+            apply_layernorm_1p,
             multi_latent_attention,
             q_lora_rank,
             kv_lora_rank,
@@ -2234,6 +2240,7 @@ impl Settings {
             gelu_exact: !a.openai_gelu && (a.no_bias_gelu_fusion || a.disable_bias_linear),
             add_qkv_bias: a.add_qkv_bias,
             qk_layernorm: a.qk_layernorm,
+            apply_layernorm_1p: a.apply_layernorm_1p,
             mla: MlaSettings::from_args(&a)?,
             tokenizer_type: need(&a.tokenizer_type, "--tokenizer-type")?,
             init_method_std: need(&a.init_method_std, "--init-method-std")?,
@@ -2965,6 +2972,7 @@ impl Settings {
             untie_embeddings_and_output_weights: self.untie_embeddings_and_output_weights,
             layer: LayerSpec {
                 norm,
+                zero_centred_gamma: self.apply_layernorm_1p,
                 attention: AttentionSpec {
                     bias: !self.disable_bias_linear,
                     qkv_bias: self.add_qkv_bias,

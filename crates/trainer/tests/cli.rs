@@ -327,7 +327,6 @@ fn megatrons_script_switches_run_as_the_plain_flags() {
     fails_naming(&["--main-grads-dtype", "bf16"], "--main-grads-dtype bf16");
     fails_naming(&["--wandb-project", "x"], "--tensorboard-dir writes the same scalars");
     fails_naming(&["--use-torch-fsdp2"], "FSDP is not built");
-    fails_naming(&["--apply-layernorm-1p"], "--apply-layernorm-1p");
     fails_naming(&["--optimizer", "sgd"], "--optimizer sgd");
     fails_naming(&["--moe-flex-dispatcher-backend", "nccl"], "--moe-flex-dispatcher-backend nccl");
     fails_naming(&["--cross-entropy-fusion-impl", "apex"], "--cross-entropy-fusion-impl apex");

@@ -130,6 +130,16 @@ fn partial_rotary_cuda_matches_cpu() {
     split_matches_cpu("llama-tiny", "rotary percent 0.5", half, half);
 }
 
+/// --apply-layernorm-1p on the GPU (the norm kernels' 1 + w, LayerNorm and RMSNorm with QK-norm),
+/// against one CPU rank, fp32 within 1e-4.
+#[test]
+fn zero_centred_norms_cuda_match_cpu() {
+    let gpt = |a: TrainArgs| TrainArgs { apply_layernorm_1p: true, ..a };
+    split_matches_cpu("tiny", "zero-centred LayerNorm", gpt, gpt);
+    let llama = |a: TrainArgs| TrainArgs { apply_layernorm_1p: true, qk_layernorm: true, ..a };
+    split_matches_cpu("llama-tiny", "zero-centred RMSNorm", llama, llama);
+}
+
 /// --log-memory-to-tensorboard on the GPU: every log line of metrics.jsonl carries the pool's
 /// bytes, allocated at most its high and the reserved bytes, the model's parameters and optimizer state at least.
 #[test]

@@ -15,7 +15,7 @@
 //! gathered over the cp group), on the split Q, K, V.
 
 use crate::norm::Norm;
-use crate::spec::{AttentionSpec, NormKind};
+use crate::spec::{AttentionSpec, NormSpec};
 use ferrotron_core::rng::fnv1a64;
 use ferrotron_core::{Cx, Module, ParamId, ParamTableBuilder, Result, Saved, Tensor, invalid};
 use ferrotron_kernels::{self as k, AttnCfg, AttnDropout, RopeCfg};
@@ -59,8 +59,8 @@ pub struct AttentionDims {
     pub head_dim: usize,
     pub heads: usize,
     pub groups: usize,
-    pub norm: NormKind,
-    pub eps: f64,
+    /// QK-norm's (`AttentionSpec::qk_norm`).
+    pub norm: NormSpec,
     pub std: f32,
     /// Output projection init std (Megatron scales it by 1/√(2·layers)).
     pub out_std: f32,
@@ -103,8 +103,8 @@ impl SelfAttention {
         let split = tp.size() > 1;
         let (q_layernorm, k_layernorm) = if spec.qk_layernorm {
             (
-                Some(Norm::new(p, &format!("{prefix}.q_layernorm"), d.norm, head_dim, d.eps, split)?),
-                Some(Norm::new(p, &format!("{prefix}.k_layernorm"), d.norm, head_dim, d.eps, split)?),
+                Some(Norm::new(p, &format!("{prefix}.q_layernorm"), d.norm, head_dim, split)?),
+                Some(Norm::new(p, &format!("{prefix}.k_layernorm"), d.norm, head_dim, split)?),
             )
         } else {
             (None, None)

@@ -1,7 +1,7 @@
 //! Model hyper-parameters (Megatron's names) and their validation.
 
 use crate::mtp::MtpSpec;
-use crate::spec::{LayerKind, LayerSpec, MlpSpec, PositionEmbedding};
+use crate::spec::{LayerKind, LayerSpec, MlpSpec, NormSpec, PositionEmbedding};
 use crate::{ModelError, Result};
 
 #[derive(Clone, Debug)]
@@ -70,6 +70,11 @@ impl TransformerConfig {
             f.validate_tp(tp).map_err(bad)?;
         }
         Ok(())
+    }
+
+    /// The model's norms (every one but a vision encoder's, which has its own config).
+    pub fn norm_spec(&self) -> NormSpec {
+        NormSpec { kind: self.layer.norm, eps: self.norm_epsilon, zero_centred: self.layer.zero_centred_gamma }
     }
 
     pub fn head_dim(&self) -> usize {

@@ -64,13 +64,13 @@ impl TransformerLayer {
         tp: &TensorParallel,
         index: usize,
     ) -> Result<Self> {
-        let (h, eps, norm, sp) = (c.hidden_size, c.norm_epsilon, c.layer.norm, tp.sp());
+        let (h, norm, sp) = (c.hidden_size, c.norm_spec(), tp.sp());
         let std = c.init_method_std;
         let out_std = std / (2.0 * c.num_layers as f32).sqrt();
         // Each branch registers its norm, then its f: a layer's first parameter is its first norm's
         // weight (`first_norm`, the offsets the data-parallel overlap reports).
         let attention = |p: &mut ParamTableBuilder| -> Result<Branch> {
-            let pre = Norm::new(p, &format!("{prefix}.input_layernorm"), norm, h, eps, sp)?;
+            let pre = Norm::new(p, &format!("{prefix}.input_layernorm"), norm, h, sp)?;
             let site = format!("{prefix}.self_attention.dropout");
             let dropout = HiddenDropout::new(c.hidden_dropout, &site, h, tp);
             if let Some(spec) = c.layer.attention.mla {
@@ -82,7 +82,6 @@ impl TransformerLayer {
                     hidden: h,
                     heads: c.num_attention_heads,
                     norm,
-                    eps,
                     std,
                     out_std,
                     bias: c.layer.attention.bias,
@@ -97,7 +96,6 @@ impl TransformerLayer {
                 heads: c.num_attention_heads,
                 groups: c.num_query_groups,
                 norm,
-                eps,
                 std,
                 out_std,
                 rope: match c.position_embedding {
@@ -110,7 +108,7 @@ impl TransformerLayer {
             Ok(Branch { norm: pre, f: Sublayer::Attention(Box::new(a)), dropout })
         };
         let mlp = |p: &mut ParamTableBuilder| -> Result<Branch> {
-            let pre = Norm::new(p, &format!("{prefix}.pre_mlp_layernorm"), norm, h, eps, sp)?;
+            let pre = Norm::new(p, &format!("{prefix}.pre_mlp_layernorm"), norm, h, sp)?;
             let m: Box<dyn Module> = match c.layer.mlp_of(index) {
                 MlpSpec::Dense { activation, bias } => Box::new(Mlp::new(
                     p,
@@ -146,7 +144,7 @@ impl TransformerLayer {
                         format!("layer {index} is a mixer layer but the spec has no mixer"),
                     )
                 })?;
-                let pre = Norm::new(p, &format!("{prefix}.norm"), norm, h, eps, sp)?;
+                let pre = Norm::new(p, &format!("{prefix}.norm"), norm, h, sp)?;
                 let prefix_m = format!("{prefix}.mixer");
                 let m = f.build(&FactoryCx { prefix: &prefix_m, hidden: h, std, out_std, tp }, p)?;
                 vec![Branch {
@@ -314,9 +312,8 @@ impl TransformerBlock {
                 p,
                 // Megatron's MambaStack names it final_norm, its TransformerBlock final_layernorm.
                 &format!("{prefix}.{}", if c.layer.hybrid.is_some() { "final_norm" } else { "final_layernorm" }),
-                c.layer.norm,
+                c.norm_spec(),
                 c.hidden_size,
-                c.norm_epsilon,
                 tp.sp(),
             )?)
         } else {

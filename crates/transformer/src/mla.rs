@@ -29,7 +29,7 @@ use crate::attention::{core_bwd, core_fwd, rope_at};
 use crate::concat::{cat_last, pad_last, split_last};
 use crate::linear::Linear;
 use crate::norm::Norm;
-use crate::spec::NormKind;
+use crate::spec::{NormKind, NormSpec};
 use ferrotron_core::{Cx, Module, ParamTableBuilder, Result, Saved, Tensor, invalid};
 use ferrotron_kernels::{self as k, AttnCfg, RopeCfg};
 use ferrotron_parallel::{ColumnParallelLinear, ContextParallel, RowParallelLinear, TensorParallel};
@@ -128,8 +128,8 @@ pub struct MlaAttention {
 pub struct MlaDims {
     pub hidden: usize,
     pub heads: usize,
-    pub norm: NormKind,
-    pub eps: f64,
+    /// The latent norms'.
+    pub norm: NormSpec,
     pub std: f32,
     pub out_std: f32,
     /// A bias on the output projection (Megatron's --add-bias-linear).
@@ -168,7 +168,7 @@ impl MlaAttention {
             Some(ql) => {
                 let down =
                     Linear::on_sequence_shards(p, &format!("{prefix}.linear_q_down_proj"), [h, ql], false, d.std, sp)?;
-                let norm = Norm::new(p, &format!("{prefix}.q_layernorm"), d.norm, ql, d.eps, sp)?;
+                let norm = Norm::new(p, &format!("{prefix}.q_layernorm"), d.norm, ql, sp)?;
                 let up = col(p, "linear_q_up_proj", ql, d.heads * (dn + r))?;
                 QueryPath::Latent { down, norm, up }
             }
@@ -177,7 +177,7 @@ impl MlaAttention {
         let kvl = spec.kv_lora_rank;
         let kv_down =
             Linear::on_sequence_shards(p, &format!("{prefix}.linear_kv_down_proj"), [h, kvl + r], false, d.std, sp)?;
-        let kv_norm = Norm::new(p, &format!("{prefix}.kv_layernorm"), d.norm, kvl, d.eps, sp)?;
+        let kv_norm = Norm::new(p, &format!("{prefix}.kv_layernorm"), d.norm, kvl, sp)?;
         let kv_up = col(p, "linear_kv_up_proj", kvl, d.heads * (dn + dv))?;
         let linear_proj =
             RowParallelLinear::new(p, &format!("{prefix}.linear_proj"), d.heads * dv, h, d.bias, d.out_std, tp)?;

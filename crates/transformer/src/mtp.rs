@@ -86,15 +86,15 @@ impl MtpLayer {
     /// Depth `k` (0-based), its transformer layer built as the decoder's last layer.
     pub fn new(p: &mut ParamTableBuilder, k: usize, c: &TransformerConfig, tp: &TensorParallel) -> Result<Self> {
         let prefix = format!("mtp.layers.{k}");
-        let (h, eps, norm, sp) = (c.hidden_size, c.norm_epsilon, c.layer.norm, tp.sp());
-        let enorm = Norm::new(p, &format!("{prefix}.enorm"), norm, h, eps, sp)?;
-        let hnorm = Norm::new(p, &format!("{prefix}.hnorm"), norm, h, eps, sp)?;
+        let (h, norm, sp) = (c.hidden_size, c.norm_spec(), tp.sp());
+        let enorm = Norm::new(p, &format!("{prefix}.enorm"), norm, h, sp)?;
+        let hnorm = Norm::new(p, &format!("{prefix}.hnorm"), norm, h, sp)?;
         let std = c.init_method_std;
         let eh_proj = ColumnParallelLinear::new(p, &format!("{prefix}.eh_proj"), 2 * h, h, false, std, tp, 1)?
             .with_gather_output(true);
         let last = c.num_layers.saturating_sub(1);
         let layer = TransformerLayer::new(p, &format!("{prefix}.transformer_layer"), c, tp, last)?;
-        let final_layernorm = Norm::new(p, &format!("{prefix}.final_layernorm"), norm, h, eps, sp)?;
+        let final_layernorm = Norm::new(p, &format!("{prefix}.final_layernorm"), norm, h, sp)?;
         let dropout = HiddenDropout::new(c.hidden_dropout, &format!("{prefix}.embedding.dropout"), h, tp);
         Ok(MtpLayer { enorm, hnorm, eh_proj, layer, final_layernorm, dropout, tp: tp.clone() })
     }

@@ -1,9 +1,10 @@
 //! LayerNorm / RMSNorm over the last dimension as a module (weight initialised to 1, bias to 0; no
-//! weight decay on either). `partial_grad`: the norm runs on part of the data of a
+//! weight decay on either). Zero-centred (`NormSpec::zero_centred`): the weight starts at 0 and
+//! the kernels scale by 1 + w (`k::Gamma`). `partial_grad`: the norm runs on part of the data of a
 //! tensor-parallel group (sequence shards, or this rank's heads for QK-norm), so its gradients are
 //! summed over the group before the step (`ParamMeta::sequence_parallel`).
 
-use crate::spec::NormKind;
+use crate::spec::{NormKind, NormSpec};
 use ferrotron_core::{Cx, Init, Module, ParamId, ParamMeta, ParamTableBuilder, Result, Saved, Tensor, invalid};
 use ferrotron_kernels as k;
 
@@ -13,39 +14,47 @@ pub struct Norm {
     pub weight: ParamId,
     pub bias: Option<ParamId>,
     pub eps: f64,
+    pub zero_centred: bool,
 }
 
 impl Norm {
     pub fn new(
         p: &mut ParamTableBuilder,
         prefix: &str,
-        kind: NormKind,
+        spec: NormSpec,
         width: usize,
-        eps: f64,
         partial_grad: bool,
     ) -> Result<Self> {
+        let NormSpec { kind, eps, zero_centred } = spec;
         let meta = |n: &str, init| ParamMeta::replicated(format!("{prefix}.{n}"), [width], init, false);
-        let weight = p.add(meta("weight", Init::Ones).on_sequence_shards(partial_grad))?;
+        let w_init = if zero_centred { Init::Zeros } else { Init::Ones };
+        let weight = p.add(meta("weight", w_init).on_sequence_shards(partial_grad))?;
         let bias = match kind {
             NormKind::LayerNorm => Some(p.add(meta("bias", Init::Zeros).on_sequence_shards(partial_grad))?),
             NormKind::RmsNorm => None,
         };
-        Ok(Norm { kind, weight, bias, eps })
+        Ok(Norm { kind, weight, bias, eps, zero_centred })
     }
 }
 
 impl Norm {
+    /// The weight as the kernels' scale.
+    fn gamma<'a>(&self, w: &'a Tensor) -> k::Gamma<'a> {
+        k::Gamma { w, one_plus: self.zero_centred }
+    }
+
     /// The residual add before this norm, fused with it: returns (x + r, norm(x + r), saved). The
     /// saved values are those of `forward` on the sum, so `backward` and `backward_add` take them.
     pub fn forward_add(&self, cx: &Cx, x: &Tensor, r: &Tensor) -> Result<(Tensor, Tensor, Saved)> {
         let w = cx.params.param(self.weight)?;
         match self.bias {
             Some(b) => {
-                let (sum, y, mean, rstd) = k::add_layernorm_fwd(x, r, &w, Some(&cx.params.param(b)?), self.eps)?;
+                let (sum, y, mean, rstd) =
+                    k::add_layernorm_fwd(x, r, self.gamma(&w), Some(&cx.params.param(b)?), self.eps)?;
                 Ok((sum.clone(), y, Saved::new(vec![sum, mean, rstd], vec![])))
             }
             None => {
-                let (sum, y, rstd) = k::add_rmsnorm_fwd(x, r, &w, self.eps)?;
+                let (sum, y, rstd) = k::add_rmsnorm_fwd(x, r, self.gamma(&w), self.eps)?;
                 Ok((sum.clone(), y, Saved::new(vec![sum, rstd], vec![])))
             }
         }
@@ -79,6 +88,7 @@ impl Norm {
         res_bias: Option<ParamId>,
     ) -> Result<Tensor> {
         let w = cx.params.param(self.weight)?;
+        let g_w = self.gamma(&w);
         let s = &saved.tensors;
         if s.len() != if self.bias.is_some() { 3 } else { 2 } {
             return Err(invalid("Norm::backward", "saved tensors do not match forward"));
@@ -89,11 +99,11 @@ impl Norm {
         let (g, acc) = cx.params.grads_acc(&ids)?;
         match (self.bias, res_bias, res) {
             (Some(_), Some(_), Some(r)) => {
-                k::layernorm_bwd_into_bias(dy, &s[0], &w, &s[1], &s[2], r, &g[0], &g[1], &g[2], acc)
+                k::layernorm_bwd_into_bias(dy, &s[0], g_w, &s[1], &s[2], r, &g[0], &g[1], &g[2], acc)
             }
-            (Some(_), None, _) => k::layernorm_bwd_into(dy, &s[0], &w, &s[1], &s[2], res, &g[0], &g[1], acc),
-            (None, Some(_), Some(r)) => k::rmsnorm_bwd_into_bias(dy, &s[0], &w, &s[1], r, &g[0], &g[1], acc),
-            (None, None, _) => k::rmsnorm_bwd_into(dy, &s[0], &w, &s[1], res, &g[0], acc),
+            (Some(_), None, _) => k::layernorm_bwd_into(dy, &s[0], g_w, &s[1], &s[2], res, &g[0], &g[1], acc),
+            (None, Some(_), Some(r)) => k::rmsnorm_bwd_into_bias(dy, &s[0], g_w, &s[1], r, &g[0], &g[1], acc),
+            (None, None, _) => k::rmsnorm_bwd_into(dy, &s[0], g_w, &s[1], res, &g[0], acc),
             (_, Some(_), None) => Err(invalid("Norm::backward", "a residual bias gradient without a residual")),
         }
     }
@@ -104,11 +114,11 @@ impl Module for Norm {
         let w = cx.params.param(self.weight)?;
         match self.bias {
             Some(b) => {
-                let (y, mean, rstd) = k::layernorm_fwd(x, &w, Some(&cx.params.param(b)?), self.eps)?;
+                let (y, mean, rstd) = k::layernorm_fwd(x, self.gamma(&w), Some(&cx.params.param(b)?), self.eps)?;
                 Ok((y, Saved::new(vec![x.clone(), mean, rstd], vec![])))
             }
             None => {
-                let (y, rstd) = k::rmsnorm_fwd(x, &w, self.eps)?;
+                let (y, rstd) = k::rmsnorm_fwd(x, self.gamma(&w), self.eps)?;
                 Ok((y, Saved::new(vec![x.clone(), rstd], vec![])))
             }
         }

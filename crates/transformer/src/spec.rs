@@ -16,6 +16,22 @@ pub enum NormKind {
     RmsNorm,
 }
 
+/// A norm as a layer builds it (`TransformerConfig::norm_spec`): its kind and epsilon, and whether
+/// its weight is zero-centred (scale 1 + w, w initialised to 0: Megatron's --apply-layernorm-1p).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct NormSpec {
+    pub kind: NormKind,
+    pub eps: f64,
+    pub zero_centred: bool,
+}
+
+impl NormSpec {
+    /// A norm whose scale is its weight.
+    pub fn plain(kind: NormKind, eps: f64) -> Self {
+        NormSpec { kind, eps, zero_centred: false }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum PositionEmbedding {
     /// Learned absolute positions added to the token embedding (GPT-2).
@@ -147,6 +163,9 @@ pub enum MlpSpec {
 #[derive(Clone, Debug)]
 pub struct LayerSpec {
     pub norm: NormKind,
+    /// Every norm of the model (the layers', QK-norm, the final one, MTP's) scales by 1 + w with w
+    /// initialised to 0 (Megatron's --apply-layernorm-1p; Gemma's and Nemotron's norms).
+    pub zero_centred_gamma: bool,
     pub attention: AttentionSpec,
     pub mlp: MlpSpec,
     /// Layers that take another MLP than `mlp` (None: every layer takes `mlp`). Megatron's

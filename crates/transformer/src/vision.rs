@@ -220,6 +220,7 @@ pub fn clip_encoder(layers: usize, hidden: usize, heads: usize, ffn: usize, std:
         untie_embeddings_and_output_weights: true,
         layer: LayerSpec {
             norm: NormKind::LayerNorm,
+            zero_centred_gamma: false,
             attention: AttentionSpec {
                 bias: true,
                 qkv_bias: false,
@@ -333,7 +334,7 @@ impl VisionModel {
             Init::Normal { std },
             true,
         ))?;
-        let ln_pre = Norm::new(p, "vision_model.ln_pre", c.layer.norm, cv, c.norm_epsilon, false)?;
+        let ln_pre = Norm::new(p, "vision_model.ln_pre", c.norm_spec(), cv, false)?;
         let encoder = TransformerBlock::stage(
             p,
             "vision_model.decoder",

@@ -132,3 +132,47 @@ fn partial_rotary_gradients_match_finite_differences() {
         check(cfg);
     }
 }
+
+/// Zero-centred norms (--apply-layernorm-1p): their weights start at 0, the model with weights w
+/// gives the loss and gradients of the plain model whose norm weights are 1 + w (every norm: the
+/// layers', QK-norm's, the final one), and its gradients match finite differences.
+#[test]
+fn zero_centred_norms_equal_plain_norms_at_one_plus_w() {
+    for llama in [false, true] {
+        let plain_cfg = config(llama);
+        let mut cfg = plain_cfg.clone();
+        cfg.layer.zero_centred_gamma = true;
+        let (model, table) = GptModel::build(cfg.clone(), &Device::Cpu, DType::F32, 3).unwrap();
+        let (pm, pt) = GptModel::build(plain_cfg, &Device::Cpu, DType::F32, 3).unwrap();
+        let is_norm = |t: &ParamTable, id| t.meta(id).name.ends_with("layernorm.weight");
+        let norms = table.ids().filter(|&id| is_norm(&table, id)).count();
+        assert_eq!(norms, if llama { 2 * 4 + 1 } else { 2 * 2 + 1 }, "llama {llama}: norm weights");
+        for (id, pid) in table.ids().zip(pt.ids()) {
+            let (p, q) = (table.param(id).unwrap(), pt.param(pid).unwrap());
+            assert_eq!(table.meta(id).name, pt.meta(pid).name);
+            if is_norm(&table, id) {
+                assert!(p.to_vec_f32().unwrap().iter().all(|&v| v == 0.0), "{} starts at 0", table.meta(id).name);
+                // Away from 0, so a scale of w (not 1 + w) would show.
+                p.update_f32("t", |v| v.iter_mut().enumerate().for_each(|(i, x)| *x = 0.1 * (i % 5) as f32 - 0.2))
+                    .unwrap();
+            }
+            let shift = if is_norm(&table, id) { 1.0 } else { 0.0 };
+            let w = p.to_vec_f32().unwrap();
+            q.update_f32("t", |v| v.iter_mut().zip(&w).for_each(|(x, w)| *x = w + shift)).unwrap();
+        }
+        let b = batch(2, 6, 11);
+        let (cx, pcx) = (Cx::new(&table, true), Cx::new(&pt, true));
+        let (l, saved) = model.forward(&cx, &b).unwrap();
+        let (pl, psaved) = pm.forward(&pcx, &b).unwrap();
+        assert!((l - pl).abs() <= 1e-6 * pl.abs(), "llama {llama}: loss {l} vs plain {pl}");
+        model.backward(&cx, saved, 1.0).unwrap();
+        pm.backward(&pcx, psaved, 1.0).unwrap();
+        for (id, pid) in table.ids().zip(pt.ids()) {
+            let (g, pg) = (table.grad(id).unwrap().to_vec_f32().unwrap(), pt.grad(pid).unwrap().to_vec_f32().unwrap());
+            for (a, b) in g.iter().zip(&pg) {
+                assert!((a - b).abs() <= 1e-5 * b.abs() + 1e-6, "llama {llama} {}: {a} vs {b}", table.meta(id).name);
+            }
+        }
+        check(cfg);
+    }
+}

@@ -7,6 +7,7 @@ mod common;
 use common::{batch, config, directional_derivatives};
 use ferrotron_core::{Cx, DType, Device, ParamTable};
 use ferrotron_transformer::mla::MlaSpec;
+use ferrotron_transformer::spec::{NormKind, NormSpec};
 use ferrotron_transformer::{Batch, GptModel, TransformerConfig};
 
 fn mla(q_lora_rank: Option<usize>, v_head_dim: usize) -> TransformerConfig {
@@ -104,8 +105,7 @@ fn mla_matches_transformers_deepseek_v3_attention() {
         let dims = MlaDims {
             hidden: 16,
             heads: 4,
-            norm: ferrotron_transformer::spec::NormKind::RmsNorm,
-            eps: 1e-5,
+            norm: NormSpec::plain(NormKind::RmsNorm, 1e-5),
             std: 0.02,
             out_std: 0.02,
             bias: false,

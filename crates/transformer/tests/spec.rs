@@ -20,6 +20,7 @@ fn base() -> TransformerConfig {
         untie_embeddings_and_output_weights: false,
         layer: LayerSpec {
             norm: NormKind::LayerNorm,
+            zero_centred_gamma: false,
             attention: AttentionSpec {
                 bias: true,
                 qkv_bias: false,
@@ -96,6 +97,7 @@ fn param_count_matches_table_for_llama_style() {
         untie_embeddings_and_output_weights: true,
         layer: LayerSpec {
             norm: NormKind::RmsNorm,
+            zero_centred_gamma: false,
             attention: AttentionSpec {
                 bias: false,
                 qkv_bias: false,

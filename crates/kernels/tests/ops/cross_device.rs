@@ -876,6 +876,44 @@ fn norm_cases(dt: DType, c: usize, what: &str) {
         let (dx2, dw2) = k::rmsnorm_bwd(&t[1], &t[0], &t[2], &r2).unwrap();
         vec![o, m, r, dx, dw, db, o2, r2, dx2, dw2, k::bias_grad(&t[1]).unwrap()]
     });
+    // Zero-centred weights (1 + w, the 1 added in the kernels), with the fused residual add and
+    // the backward into main_grad-like destinations (the fused column sums where the width takes them).
+    let (x, dy, w, b) = (rnd(&[rows, c], 21, dt), rnd(&[rows, c], 22, dt), rnd(&[c], 23, dt), rnd(&[c], 24, dt));
+    let ins: Vec<Tensor> =
+        [x, dy, w, b].into_iter().chain([25, 26, 27, 28].map(|s| rnd(&[c], s, DType::F32))).collect();
+    check(&format!("zero-centred norms {what}"), dt, &ins, |t| {
+        let d: Vec<Tensor> = t[4..8].iter().map(|x| x.deep_copy().unwrap()).collect();
+        let g = k::Gamma::one_plus(&t[2]);
+        let (o, m, r) = k::layernorm_fwd(&t[0], g, Some(&t[3]), 1e-5).unwrap();
+        let (dx, dw, db) = k::layernorm_bwd(&t[1], &t[0], g, &m, &r).unwrap();
+        let (s, o2, m2, r2) = k::add_layernorm_fwd(&t[0], &t[1], g, Some(&t[3]), 1e-5).unwrap();
+        let dx2 = k::layernorm_bwd_into(&t[1], &s, g, &m2, &r2, Some(&t[0]), &d[0], &d[1], true).unwrap();
+        let (o3, r3) = k::rmsnorm_fwd(&t[0], g, 1e-5).unwrap();
+        let (dx3, dw3) = k::rmsnorm_bwd(&t[1], &t[0], g, &r3).unwrap();
+        let (s4, o4, r4) = k::add_rmsnorm_fwd(&t[0], &t[1], g, 1e-5).unwrap();
+        let dx4 = k::rmsnorm_bwd_into_bias(&t[1], &s4, g, &r4, &t[0], &d[2], &d[3], true).unwrap();
+        vec![
+            o,
+            m,
+            r,
+            dx,
+            dw,
+            db,
+            s,
+            o2,
+            dx2,
+            o3,
+            dx3,
+            dw3,
+            s4,
+            o4,
+            dx4,
+            d[0].clone(),
+            d[1].clone(),
+            d[2].clone(),
+            d[3].clone(),
+        ]
+    });
     // The residual adds fused into the norms: x + dy normalised, and dx + x.
     let (x, dy, w, b) = (rnd(&[rows, c], 5, dt), rnd(&[rows, c], 6, dt), rnd(&[c], 7, dt), rnd(&[c], 8, dt));
     check(&format!("norms with residual adds {what}"), dt, &[x, dy, w, b], |t| {

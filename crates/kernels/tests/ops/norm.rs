@@ -92,6 +92,64 @@ device_test!(bf16_layernorm_close_to_f32, |dev: &Device| {
     assert_close(&host(&y), &ln_ref(&x, &w, &b, 32, 1e-5), 2e-2, 5e-2, "bf16 layernorm");
 });
 
+// Zero-centred weights (`Gamma::one_plus`, --apply-layernorm-1p): every norm op scales by 1 + w,
+// as the same op given the tensor w + 1 does, with the weight's gradient unchanged. Widths 12 (the
+// one-element row kernels on a GPU) and 256 (eight-wide, and the backward with the parameter
+// gradients fused); the forward also against the f64 reference.
+device_test!(zero_centred_weights_scale_by_one_plus_w, |dev: &Device| {
+    for c in [12, 256] {
+        let rows = 70;
+        let (x, x2, w, b) = (randv(rows * c, 1), randv(rows * c, 2), randv(c, 3), randv(c, 4));
+        let w1: Vec<f64> = w.iter().map(|v| v + 1.0).collect();
+        let (xt, x2t, wt, w1t, bt) = (
+            t32(dev, &x, &[rows, c]),
+            t32(dev, &x2, &[rows, c]),
+            t32(dev, &w, &[c]),
+            t32(dev, &w1, &[c]),
+            t32(dev, &b, &[c]),
+        );
+        let (dy, res) = (t32(dev, &randv(rows * c, 5), &[rows, c]), t32(dev, &randv(rows * c, 6), &[rows, c]));
+        let g = k::Gamma::one_plus(&wt);
+        let what = |s: &str| format!("{s} c{c}");
+
+        let (y, m, r) = k::layernorm_fwd(&xt, g, Some(&bt), 1e-5).unwrap();
+        let (y1, m1, r1) = k::layernorm_fwd(&xt, &w1t, Some(&bt), 1e-5).unwrap();
+        assert_close(&host(&y), &host(&y1), 1e-6, 1e-6, &what("layernorm 1p"));
+        assert_close(&host(&y), &ln_ref(&x, &w1, &b, c, 1e-5), 1e-4, 1e-4, &what("layernorm 1p vs f64"));
+        let (dx, dw, db) = k::layernorm_bwd(&dy, &xt, g, &m, &r).unwrap();
+        let (dx1, dw1, db1) = k::layernorm_bwd(&dy, &xt, &w1t, &m1, &r1).unwrap();
+        for (a, b, n) in [(&dx, &dx1, "dx"), (&dw, &dw1, "dw"), (&db, &db1, "db")] {
+            assert_close(&host(a), &host(b), 1e-6, 1e-6, &what(&format!("layernorm 1p {n}")));
+        }
+        // The fused residual add and the main_grad backward.
+        let (s, y, m, r) = k::add_layernorm_fwd(&xt, &x2t, g, Some(&bt), 1e-5).unwrap();
+        let (_, y1, _, _) = k::add_layernorm_fwd(&xt, &x2t, &w1t, Some(&bt), 1e-5).unwrap();
+        assert_close(&host(&y), &host(&y1), 1e-6, 1e-6, &what("add_layernorm 1p"));
+        let grads = || t32(dev, &vec![0.0; c], &[c]);
+        let (gw, gb, gr) = (grads(), grads(), grads());
+        let dx = k::layernorm_bwd_into_bias(&dy, &s, g, &m, &r, &res, &gw, &gb, &gr, false).unwrap();
+        let (dx1, dw1, db1) = k::layernorm_bwd_add(&dy, &s, &w1t, &m, &r, &res).unwrap();
+        for (a, b, n) in [(&dx, &dx1, "dx"), (&gw, &dw1, "dw"), (&gb, &db1, "db")] {
+            assert_close(&host(a), &host(b), 1e-6, 1e-6, &what(&format!("layernorm_bwd_into_bias 1p {n}")));
+        }
+
+        let (y, r) = k::rmsnorm_fwd(&xt, g, 1e-5).unwrap();
+        assert_close(&host(&y), &rms_ref(&x, &w1, c, 1e-5), 1e-4, 1e-4, &what("rmsnorm 1p vs f64"));
+        let (dx, dw) = k::rmsnorm_bwd(&dy, &xt, g, &r).unwrap();
+        let (dx1, dw1) = k::rmsnorm_bwd(&dy, &xt, &w1t, &r).unwrap();
+        assert_close(&host(&dx), &host(&dx1), 1e-6, 1e-6, &what("rmsnorm 1p dx"));
+        assert_close(&host(&dw), &host(&dw1), 1e-6, 1e-6, &what("rmsnorm 1p dw"));
+        let (s, y, r) = k::add_rmsnorm_fwd(&xt, &x2t, g, 1e-5).unwrap();
+        let (_, y1, _) = k::add_rmsnorm_fwd(&xt, &x2t, &w1t, 1e-5).unwrap();
+        assert_close(&host(&y), &host(&y1), 1e-6, 1e-6, &what("add_rmsnorm 1p"));
+        let (gw, gr) = (grads(), grads());
+        let dx = k::rmsnorm_bwd_into_bias(&dy, &s, g, &r, &res, &gw, &gr, false).unwrap();
+        let (dx1, dw1) = k::rmsnorm_bwd_add(&dy, &s, &w1t, &r, &res).unwrap();
+        assert_close(&host(&dx), &host(&dx1), 1e-6, 1e-6, &what("rmsnorm_bwd_into_bias 1p dx"));
+        assert_close(&host(&gw), &host(&dw1), 1e-6, 1e-6, &what("rmsnorm_bwd_into_bias 1p dw"));
+    }
+});
+
 #[test]
 fn weight_of_wrong_size_is_an_error() {
     let dev = Device::Cpu;

@@ -44,6 +44,7 @@ pub fn config_layers(llama: bool, layers: usize) -> TransformerConfig {
         untie_embeddings_and_output_weights: llama,
         layer: LayerSpec {
             norm,
+            zero_centred_gamma: false,
             attention: AttentionSpec {
                 bias,
                 qkv_bias: false,

@@ -26,6 +26,7 @@ pub fn config(llama: bool) -> TransformerConfig {
         untie_embeddings_and_output_weights: llama,
         layer: LayerSpec {
             norm: if llama { NormKind::RmsNorm } else { NormKind::LayerNorm },
+            zero_centred_gamma: false,
             attention: AttentionSpec {
                 bias: !llama,
                 qkv_bias: false,

@@ -1,6 +1,7 @@
 //! LayerNorm / RMSNorm (with the fused residual adds) and softmax over rows.
 
 use super::*;
+use crate::Gamma;
 
 /// Groups of eight a thread of the eight-wide row kernels holds, and their largest block
 /// (`NORM_V`, `NORM_THREADS` in kernels/norm.cu).
@@ -75,7 +76,7 @@ pub fn layernorm_fwd(
     be: &B,
     x: &Tensor,
     x2: Option<&Tensor>,
-    w: &Tensor,
+    w: Gamma,
     b: Option<&Tensor>,
     eps: f64,
 ) -> Result<(Tensor, Tensor, Tensor, Option<Tensor>)> {
@@ -94,13 +95,14 @@ pub fn layernorm_fwd(
             ptr("ln", x)?,
             x2p,
             sump,
-            ptr("ln", w)?,
+            ptr("ln", w.w)?,
             bp,
             ptr("ln", &y)?,
             ptr("ln", &mean)?,
             ptr("ln", &rstd)?,
             n(c),
             Arg::F32(eps as f32),
+            Arg::F32(w.shift()),
         ],
     )?;
     Ok((y, mean, rstd, sum))
@@ -112,7 +114,7 @@ pub fn layernorm_bwd(
     be: &B,
     dy: &Tensor,
     x: &Tensor,
-    w: &Tensor,
+    w: Gamma,
     mean: &Tensor,
     rstd: &Tensor,
     res: Option<&Tensor>,
@@ -122,7 +124,7 @@ pub fn layernorm_bwd(
     let (rows, c) = (x.shape().rows(), x.shape().last());
     let s = sfx("layernorm_bwd", x.dtype())?;
     let dx = new(be, x.shape().clone(), x.dtype())?;
-    let (dyp, xp, wp, mp, rp) = (ptr("ln", dy)?, ptr("ln", x)?, ptr("ln", w)?, ptr("ln", mean)?, ptr("ln", rstd)?);
+    let (dyp, xp, wp, mp, rp) = (ptr("ln", dy)?, ptr("ln", x)?, ptr("ln", w.w)?, ptr("ln", mean)?, ptr("ln", rstd)?);
     let (resp, dxp) = (opt_ptr("ln", res)?, ptr("ln", &dx)?);
     let plan = bwd_cols_block(c, true, res.is_some() && res_to.is_some(), &[dyp, xp, wp, resp, dxp]);
     let chunks = rows.div_ceil(COL_CHUNK);
@@ -130,11 +132,17 @@ pub fn layernorm_bwd(
     let (pwp, pbp) = (ptr("ln", &pw)?, ptr("ln", &pb)?);
     let (prp, pr, res_sum) = res_partials(be, plan.is_some(), res, &res_to, chunks, c)?;
     if let Some((threads, shared)) = plan {
-        let args = [dyp, xp, wp, mp, rp, resp, dxp, pwp, pbp, prp, n(rows), n(c)];
+        let args = [dyp, xp, wp, mp, rp, resp, dxp, pwp, pbp, prp, n(rows), n(c), Arg::F32(w.shift())];
         let build = crate::cuda::norm_bwd_build();
         be.launch(&format!("layernorm_bwd_cols{build}_{s}"), chunks as u32, threads, shared, &args)?;
     } else {
-        rows_launch8(be, &format!("layernorm_bwd_{s}"), rows, c, &[dyp, xp, wp, mp, rp, resp, dxp, n(c)])?;
+        rows_launch8(
+            be,
+            &format!("layernorm_bwd_{s}"),
+            rows,
+            c,
+            &[dyp, xp, wp, mp, rp, resp, dxp, n(c), Arg::F32(w.shift())],
+        )?;
         let args = [dyp, xp, mp, rp, pwp, pbp, n(rows), n(c)];
         col_partials(be, &format!("norm_param_grad_{s}"), chunks, c, &args)?;
     }
@@ -156,7 +164,7 @@ pub fn rmsnorm_fwd(
     be: &B,
     x: &Tensor,
     x2: Option<&Tensor>,
-    w: &Tensor,
+    w: Gamma,
     eps: f64,
 ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
     let (rows, c) = (x.shape().rows(), x.shape().last());
@@ -169,7 +177,17 @@ pub fn rmsnorm_fwd(
         &name,
         rows,
         c,
-        &[ptr("rms", x)?, x2p, sump, ptr("rms", w)?, ptr("rms", &y)?, ptr("rms", &rstd)?, n(c), Arg::F32(eps as f32)],
+        &[
+            ptr("rms", x)?,
+            x2p,
+            sump,
+            ptr("rms", w.w)?,
+            ptr("rms", &y)?,
+            ptr("rms", &rstd)?,
+            n(c),
+            Arg::F32(eps as f32),
+            Arg::F32(w.shift()),
+        ],
     )?;
     Ok((y, rstd, sum))
 }
@@ -179,7 +197,7 @@ pub fn rmsnorm_bwd(
     be: &B,
     dy: &Tensor,
     x: &Tensor,
-    w: &Tensor,
+    w: Gamma,
     rstd: &Tensor,
     res: Option<&Tensor>,
     to: SumTo,
@@ -188,7 +206,7 @@ pub fn rmsnorm_bwd(
     let (rows, c) = (x.shape().rows(), x.shape().last());
     let s = sfx("rmsnorm_bwd", x.dtype())?;
     let dx = new(be, x.shape().clone(), x.dtype())?;
-    let (dyp, xp, wp, rp) = (ptr("rms", dy)?, ptr("rms", x)?, ptr("rms", w)?, ptr("rms", rstd)?);
+    let (dyp, xp, wp, rp) = (ptr("rms", dy)?, ptr("rms", x)?, ptr("rms", w.w)?, ptr("rms", rstd)?);
     let (resp, dxp) = (opt_ptr("rms", res)?, ptr("rms", &dx)?);
     let plan = bwd_cols_block(c, false, res.is_some() && res_to.is_some(), &[dyp, xp, wp, resp, dxp]);
     let chunks = rows.div_ceil(COL_CHUNK);
@@ -196,11 +214,17 @@ pub fn rmsnorm_bwd(
     let pwp = ptr("rms", &pw)?;
     let (prp, pr, res_sum) = res_partials(be, plan.is_some(), res, &res_to, chunks, c)?;
     if let Some((threads, shared)) = plan {
-        let args = [dyp, xp, wp, rp, resp, dxp, pwp, prp, n(rows), n(c)];
+        let args = [dyp, xp, wp, rp, resp, dxp, pwp, prp, n(rows), n(c), Arg::F32(w.shift())];
         let build = crate::cuda::norm_bwd_build();
         be.launch(&format!("rmsnorm_bwd_cols{build}_{s}"), chunks as u32, threads, shared, &args)?;
     } else {
-        rows_launch8(be, &format!("rmsnorm_bwd_{s}"), rows, c, &[dyp, xp, wp, rp, resp, dxp, n(c)])?;
+        rows_launch8(
+            be,
+            &format!("rmsnorm_bwd_{s}"),
+            rows,
+            c,
+            &[dyp, xp, wp, rp, resp, dxp, n(c), Arg::F32(w.shift())],
+        )?;
         let args = [dyp, xp, NULL, rp, pwp, NULL, n(rows), n(c)];
         col_partials(be, &format!("norm_param_grad_{s}"), chunks, c, &args)?;
     }
