@@ -29,17 +29,19 @@ __device__ __forceinline__ double rope_freq(long k, long rot, double base, doubl
 }
 
 // The scalings' numbers as kernel parameters: Llama 3.1's four (factor 0: none), YaRN's factor
-// (0: none), ramp ends and the factor `ym` on cos and sin (1 without YaRN).
-#define ROPE_SCALE_PARAMS double factor, double low, double high, double orig, double yf, double ylow, double yhigh, double ym
-#define ROPE_SCALE factor, low, high, orig, yf, ylow, yhigh, ym
+// (0: none), ramp ends and the factor `ym` on cos and sin (1 without YaRN), and the linear
+// interpolation's divisor of positions `interp` (1 without).
+#define ROPE_SCALE_PARAMS double factor, double low, double high, double orig, double yf, double ylow, double yhigh, double ym, double interp
+#define ROPE_SCALE factor, low, high, orig, yf, ylow, yhigh, ym, interp
 
 // Position of row p (cpu/rope.rs `RopeCfg::position`): from row `at` on (context parallelism's
 // second chunk) the positions restart at `spos`; at ≥ t leaves every row at pos0 + p.
 __device__ __forceinline__ long rope_pos(long p, long pos0, long at, long spos) { return p < at ? pos0 + p : spos + (p - at); }
 
-// (cos, sin) of the angle of position `pos` and pair k, computed in f64, rounded to f32.
+// (cos, sin) of the angle of position `pos` (divided by `interp`) and pair k, computed in f64,
+// rounded to f32 (cpu/rope.rs `RopeCfg::angle`).
 __device__ __forceinline__ float2 rope_cs(long pos, long k, long rot, double base, ROPE_SCALE_PARAMS) {
-    double ang = (double)pos * rope_freq(k, rot, base, ROPE_SCALE);
+    double ang = ((double)pos / interp) * rope_freq(k, rot, base, factor, low, high, orig, yf, ylow, yhigh, ym);
     return make_float2((float)(ym * cos(ang)), (float)(ym * sin(ang)));
 }
 

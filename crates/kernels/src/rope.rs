@@ -27,6 +27,9 @@ fn validate_cfg(op: &'static str, cfg: &RopeCfg, head_dim: usize) -> Result<()> 
     if let Some(problem) = cfg.scaling.and_then(|s| s.problem()).or_else(|| cfg.yarn.and_then(|y| y.problem())) {
         return Err(invalid(op, problem));
     }
+    if let Some(s) = cfg.interpolation.filter(|s| !(s.is_finite() && *s > 0.0)) {
+        return Err(invalid(op, format!("position interpolation factor {s} must be positive")));
+    }
     if cfg.scaling.is_some() && cfg.yarn.is_some() {
         return Err(invalid(op, "Llama 3's scaling and YaRN both rescale the frequencies: keep one"));
     }

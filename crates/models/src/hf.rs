@@ -130,6 +130,11 @@ impl HfArch {
                 "rotary embeddings over part of each head (--rotary-percent {percent}): the Hugging Face classes here rotate whole heads"
             )));
         }
+        if let PositionEmbedding::Rope { scaling: Some(_), interpolation: Some(f), .. } = c.position_embedding {
+            return Err(HfError::NoEquivalent(format!(
+                "Llama 3's frequency scaling with linear position interpolation ({f}): a Hugging Face config holds one rope_scaling"
+            )));
+        }
         if c.layer.hybrid.is_some() {
             return mamba2::of(c);
         }
@@ -481,11 +486,13 @@ fn gpt2_config(v: &Value) -> Result<TransformerConfig> {
 }
 
 /// RoPE from transformers 4's `rope_theta` / `rope_scaling` or 5's `rope_parameters`: the base,
-/// and Llama 3.1's scaling (rope_type `llama3`) with the constants Megatron's `--use-rope-scaling`
-/// fixes; other scaled variants (yarn, linear, dynamic, longrope) are refused.
+/// Llama 3.1's scaling (rope_type `llama3`) with the constants Megatron's `--use-rope-scaling`
+/// fixes, and linear position interpolation (rope_type `linear`: Megatron's
+/// --rotary-seq-len-interpolation-factor); other scaled variants (yarn, dynamic, longrope) are
+/// refused.
 fn rope(v: &Value) -> Result<PositionEmbedding> {
     let params = v.get("rope_parameters").filter(|x| !x.is_null());
-    let mut scaling = None;
+    let (mut scaling, mut interpolation) = (None, None);
     for p in [params, v.get("rope_scaling").filter(|x| !x.is_null())].into_iter().flatten() {
         let kind = p.get("rope_type").or_else(|| p.get("type")).and_then(Value::as_str).unwrap_or("default");
         match kind {
@@ -513,9 +520,13 @@ fn rope(v: &Value) -> Result<PositionEmbedding> {
                 }
                 scaling = Some(s);
             }
+            "linear" => {
+                let f = f64_of(p, "factor").map_err(|_| HfError::Config("rope_type linear without `factor`".into()))?;
+                interpolation = Some(f);
+            }
             _ => {
                 return Err(HfError::Config(format!(
-                    "rope_type `{kind}`: this scaled RoPE is not implemented in Ferrotron (plain RoPE and llama3's are)"
+                    "rope_type `{kind}`: this scaled RoPE is not implemented in Ferrotron (plain RoPE, llama3's and linear are)"
                 )));
             }
         }
@@ -527,7 +538,7 @@ fn rope(v: &Value) -> Result<PositionEmbedding> {
         Some(t) => t.as_f64().ok_or_else(|| HfError::Config("`rope_parameters.rope_theta` is not a number".into()))?,
         None => opt(v, "rope_theta", f64_of)?.unwrap_or(10000.0),
     };
-    Ok(PositionEmbedding::Rope { base, scaling, percent: 1.0 })
+    Ok(PositionEmbedding::Rope { base, scaling, percent: 1.0, interpolation })
 }
 
 /// Qwen2's layers: Llama's with biases on q, k and v, full attention in every layer.
@@ -717,18 +728,21 @@ pub fn to_hf_config(arch: HfArch, c: &TransformerConfig, dtype: &str) -> Value {
         | HfArch::Qwen3
         | HfArch::Qwen3Moe
         | HfArch::Llava => {
-            let PositionEmbedding::Rope { base, scaling, .. } = c.position_embedding else {
+            let PositionEmbedding::Rope { base, scaling, interpolation, .. } = c.position_embedding else {
                 unreachable!("HfArch::of checked")
             };
-            let rope_scaling = scaling.map(|s| {
-                json!({
-                    "rope_type": "llama3",
-                    "factor": s.factor,
-                    "low_freq_factor": s.low_freq_factor,
-                    "high_freq_factor": s.high_freq_factor,
-                    "original_max_position_embeddings": s.original_max_position_embeddings,
+            // At most one of them (`HfArch::of` checked).
+            let rope_scaling = scaling
+                .map(|s| {
+                    json!({
+                        "rope_type": "llama3",
+                        "factor": s.factor,
+                        "low_freq_factor": s.low_freq_factor,
+                        "high_freq_factor": s.high_freq_factor,
+                        "original_max_position_embeddings": s.original_max_position_embeddings,
+                    })
                 })
-            });
+                .or_else(|| interpolation.map(|f| json!({"rope_type": "linear", "factor": f})));
             let mut v = json!({
                 "architectures": [arch.class()],
                 "model_type": match arch {
@@ -1585,12 +1599,19 @@ mod tests {
         o.remove("rope_theta");
         o.insert("rope_parameters".into(), json!({"rope_type": "default", "rope_theta": 500000.0}));
         let rope = |v: &Value| from_hf_config(v).unwrap().config.position_embedding;
-        assert_eq!(rope(&v), PositionEmbedding::Rope { base: 500000.0, scaling: None, percent: 1.0 });
+        assert_eq!(
+            rope(&v),
+            PositionEmbedding::Rope { base: 500000.0, scaling: None, percent: 1.0, interpolation: None }
+        );
         // Llama 3.2's scaling, as transformers 5 writes it; then with a constant Megatron fixes changed.
         v["rope_parameters"] = json!({"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
             "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
-        let llama32 =
-            PositionEmbedding::Rope { base: 500000.0, scaling: Some(RopeScaling::llama3(32.0)), percent: 1.0 };
+        let llama32 = PositionEmbedding::Rope {
+            base: 500000.0,
+            scaling: Some(RopeScaling::llama3(32.0)),
+            percent: 1.0,
+            interpolation: None,
+        };
         assert_eq!(rope(&v), llama32);
         let c = from_hf_config(&v).unwrap().config;
         assert_eq!(
@@ -1605,8 +1626,12 @@ mod tests {
         let e = from_hf_config(&v).unwrap_err().to_string();
         assert!(e.contains("yarn") && e.contains("not implemented"), "{e}");
         let mut v = to_hf_config(HfArch::Llama, &tiny(HfArch::Llama), "float32");
+        // transformers' linear interpolation is Megatron's --rotary-seq-len-interpolation-factor;
+        // dynamic NTK scaling is not built.
         v["rope_scaling"] = json!({"type": "linear", "factor": 2.0});
-        assert!(from_hf_config(&v).unwrap_err().to_string().contains("linear"));
+        assert!(matches!(rope(&v), PositionEmbedding::Rope { interpolation: Some(2.0), scaling: None, .. }));
+        v["rope_scaling"] = json!({"type": "dynamic", "factor": 2.0});
+        assert!(from_hf_config(&v).unwrap_err().to_string().contains("dynamic"));
     }
 
     #[test]
@@ -1695,7 +1720,10 @@ mod tests {
         let c = from_hf_config(&y).unwrap().config;
         let yarn = c.layer.attention.mla.and_then(|m| m.yarn).unwrap();
         assert_eq!((yarn.factor, yarn.mscale, yarn.mscale_all_dim), (40.0, 1.0, 1.0));
-        assert_eq!(c.position_embedding, PositionEmbedding::Rope { base: 10000.0, scaling: None, percent: 1.0 });
+        assert_eq!(
+            c.position_embedding,
+            PositionEmbedding::Rope { base: 10000.0, scaling: None, percent: 1.0, interpolation: None }
+        );
         let back = to_hf_config(HfArch::DeepseekV3, &c, "float32");
         assert_eq!(from_hf_config(&back).unwrap().config.layer.attention.mla, c.layer.attention.mla);
         // Kimi-K2's YaRN: betas 1 and 1 over a context of 4096, kept and written back.

@@ -148,11 +148,6 @@ pub(crate) fn apply(a: &mut TrainArgs) -> anyhow::Result<()> {
         one_of(flag, v, &["fp32"], "the optimizer keeps fp32 state (--grad-reduce-in-bf16 narrows main_grad)")?;
     }
     one_of("--optimizer", &a.optimizer, &["adam"], "the optimizer is AdamW (Megatron's adam); SGD is not built")?;
-    if let Some(f) = a.rotary_seq_len_interpolation_factor.filter(|&f| f != 1.0) {
-        bail!(
-            "--rotary-seq-len-interpolation-factor {f}: linear position interpolation is not built (--use-rope-scaling is Llama 3's); drop it"
-        );
-    }
     if let Some(f) = &a.fp8_format {
         bail!("--fp8-format {f}: FP8 training is not built; use --bf16");
     }

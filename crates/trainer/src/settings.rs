@@ -868,7 +868,8 @@ pub struct TrainArgs {
     /// Megatron's older spelling of --position-embedding-type rope.
     #[arg(long)]
     pub use_rotary_position_embeddings: bool,
-    /// Only 1 (no interpolation) is built.
+    /// Linear position interpolation for rotary embeddings: positions divided by this factor
+    /// (2 stretches the trained positions over twice the context; transformers' rope_type linear).
     #[arg(long)]
     pub rotary_seq_len_interpolation_factor: Option<f64>,
     /// num_layers / (pipeline size × N) layers a virtual stage: --num-layers-per-virtual-pipeline-stage's
@@ -1107,6 +1108,9 @@ pub struct Settings {
     /// `--rotary-percent` (absent from older checkpoints: whole heads).
     #[serde(default = "whole")]
     pub rotary_percent: f64,
+    /// `--rotary-seq-len-interpolation-factor` (absent from older checkpoints: none).
+    #[serde(default)]
+    pub rotary_seq_len_interpolation_factor: Option<f64>,
     /// `--use-rope-scaling` with `--rope-scaling-factor` (absent from older checkpoints: off).
     #[serde(default)]
     pub use_rope_scaling: bool,
@@ -1906,10 +1910,10 @@ pub fn model_args(c: &TransformerConfig) -> TrainArgs {
 
 /// `model_args` but a hybrid's pattern and Mamba sizes.
 fn transformer_args(c: &TransformerConfig) -> TrainArgs {
-    let (pe, base, percent) = match c.position_embedding {
-        PositionEmbedding::LearnedAbsolute => ("learned_absolute", 10000.0, 1.0),
-        PositionEmbedding::Rope { base, percent, .. } => ("rope", base, percent),
-        PositionEmbedding::None => ("none", 10000.0, 1.0),
+    let (pe, base, percent, interpolation) = match c.position_embedding {
+        PositionEmbedding::LearnedAbsolute => ("learned_absolute", 10000.0, 1.0, None),
+        PositionEmbedding::Rope { base, percent, interpolation, .. } => ("rope", base, percent, interpolation),
+        PositionEmbedding::None => ("none", 10000.0, 1.0, None),
     };
     let moe = ferrotron_models::moe_spec(c);
     let (activation, bias) = match (&c.layer.mlp, moe) {
@@ -1936,6 +1940,7 @@ fn transformer_args(c: &TransformerConfig) -> TrainArgs {
         position_embedding_type: Some(pe.into()),
         rotary_base: Some(base),
         rotary_percent: Some(percent).filter(|&p| p != 1.0),
+        rotary_seq_len_interpolation_factor: interpolation,
         use_rope_scaling: scaling.is_some(),
         rope_scaling_factor: scaling.map(|s| s.factor),
         normalization: Some(if c.layer.norm == NormKind::LayerNorm { "LayerNorm" } else { "RMSNorm" }.into()),
@@ -2043,6 +2048,7 @@ impl TrainArgs {
             position_embedding_type,
             rotary_base,
             rotary_percent,
+            rotary_seq_len_interpolation_factor,
             use_rope_scaling,
             rope_scaling_factor,
             normalization,
@@ -2230,6 +2236,8 @@ impl Settings {
             position_embedding_type: need(&a.position_embedding_type, "--position-embedding-type")?,
             rotary_base: need(&a.rotary_base, "--rotary-base")?,
             rotary_percent: a.rotary_percent.unwrap_or_else(whole),
+            // 1 (Megatron scripts pass it so) interpolates nothing.
+            rotary_seq_len_interpolation_factor: a.rotary_seq_len_interpolation_factor.filter(|&f| f != 1.0),
             use_rope_scaling: a.use_rope_scaling,
             rope_scaling_factor: a.rope_scaling_factor.unwrap_or_else(rope_scaling_factor),
             normalization: need(&a.normalization, "--normalization")?,
@@ -2916,12 +2924,19 @@ impl Settings {
     }
 
     pub fn model_config(&self) -> anyhow::Result<TransformerConfig> {
+        if let Some(f) = self.rotary_seq_len_interpolation_factor.filter(|_| self.position_embedding_type != "rope") {
+            bail!(
+                "--rotary-seq-len-interpolation-factor {f} interpolates rotary positions, but --position-embedding-type is {}: use rope, or drop the factor",
+                self.position_embedding_type
+            );
+        }
         let position_embedding = match self.position_embedding_type.as_str() {
             "learned_absolute" => PositionEmbedding::LearnedAbsolute,
             "rope" => PositionEmbedding::Rope {
                 base: self.rotary_base,
                 scaling: self.use_rope_scaling.then(|| RopeScaling::llama3(self.rope_scaling_factor)),
                 percent: self.rotary_percent,
+                interpolation: self.rotary_seq_len_interpolation_factor,
             },
             "none" => PositionEmbedding::None,
             o => bail!("--position-embedding-type {o}: use learned_absolute, rope or none"),
@@ -3096,10 +3111,20 @@ mod tests {
     #[test]
     fn llama3_rope_scaling_flags() {
         let s = parse("--preset llama-tiny --use-rope-scaling --rope-scaling-factor 32").unwrap();
-        let want = PositionEmbedding::Rope { base: 500000.0, scaling: Some(RopeScaling::llama3(32.0)), percent: 1.0 };
+        let want = PositionEmbedding::Rope {
+            base: 500000.0,
+            scaling: Some(RopeScaling::llama3(32.0)),
+            percent: 1.0,
+            interpolation: None,
+        };
         assert_eq!(s.model_config().unwrap().position_embedding, want);
         let s = parse("--preset llama-tiny --use-rope-scaling").unwrap();
-        let eight = PositionEmbedding::Rope { base: 500000.0, scaling: Some(RopeScaling::llama3(8.0)), percent: 1.0 };
+        let eight = PositionEmbedding::Rope {
+            base: 500000.0,
+            scaling: Some(RopeScaling::llama3(8.0)),
+            percent: 1.0,
+            interpolation: None,
+        };
         assert_eq!(s.model_config().unwrap().position_embedding, eight, "Megatron's default factor");
         // The flags a config gives back build the same config (--use-checkpoint-args, imports).
         let a = model_args(&s.model_config().unwrap());

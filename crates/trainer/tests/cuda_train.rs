@@ -130,6 +130,14 @@ fn partial_rotary_cuda_matches_cpu() {
     split_matches_cpu("llama-tiny", "rotary percent 0.5", half, half);
 }
 
+/// --rotary-seq-len-interpolation-factor 4 on the GPU (the fused in-place RoPE's angle table),
+/// against one CPU rank, fp32 within 1e-4.
+#[test]
+fn interpolated_rope_cuda_matches_cpu() {
+    let pi = |a: TrainArgs| TrainArgs { rotary_seq_len_interpolation_factor: Some(4.0), ..a };
+    split_matches_cpu("llama-tiny", "rope interpolation 4", pi, pi);
+}
+
 /// --apply-layernorm-1p on the GPU (the norm kernels' 1 + w, LayerNorm and RMSNorm with QK-norm),
 /// against one CPU rank, fp32 within 1e-4.
 #[test]

@@ -64,8 +64,8 @@ pub struct AttentionDims {
     pub std: f32,
     /// Output projection init std (Megatron scales it by 1/√(2·layers)).
     pub out_std: f32,
-    /// RoPE's base, scaling and rotary dim (≤ head_dim: --rotary-percent), or None without RoPE.
-    pub rope: Option<(f64, Option<k::RopeScaling>, usize)>,
+    /// RoPE at position 0 (`TransformerConfig::rope`), or None without it.
+    pub rope: Option<RopeCfg>,
     /// --attention-dropout (0: none).
     pub attention_dropout: f32,
 }
@@ -114,7 +114,7 @@ impl SelfAttention {
             linear_proj,
             q_layernorm,
             k_layernorm,
-            rope: d.rope.map(|(base, scaling, rot)| RopeCfg { rot, base, pos0: 0, scaling, split: None, yarn: None }),
+            rope: d.rope,
             heads: d.heads / tp.size(),
             groups: d.groups / tp.size(),
             head_dim,

@@ -72,6 +72,21 @@ impl TransformerConfig {
         Ok(())
     }
 
+    /// The attention's RoPE at position 0 (None without rotary embeddings): the rotary dim of
+    /// --rotary-percent, the base, Llama 3's scaling, the linear interpolation.
+    pub fn rope(&self) -> Option<ferrotron_kernels::RopeCfg> {
+        let PositionEmbedding::Rope { base, scaling, interpolation, .. } = self.position_embedding else { return None };
+        Some(ferrotron_kernels::RopeCfg {
+            rot: self.rotary_dim(),
+            base,
+            pos0: 0,
+            scaling,
+            split: None,
+            yarn: None,
+            interpolation,
+        })
+    }
+
     /// The model's norms (every one but a vision encoder's, which has its own config).
     pub fn norm_spec(&self) -> NormSpec {
         NormSpec { kind: self.layer.norm, eps: self.norm_epsilon, zero_centred: self.layer.zero_centred_gamma }
@@ -128,7 +143,19 @@ impl TransformerConfig {
                 c.seq_length, c.max_position_embeddings
             )));
         }
-        if let PositionEmbedding::Rope { base, scaling, percent } = c.position_embedding {
+        if let PositionEmbedding::Rope { base, scaling, percent, interpolation } = c.position_embedding {
+            if let Some(s) = interpolation {
+                if !(s.is_finite() && s > 0.0) {
+                    return Err(bad(format!(
+                        "--rotary-seq-len-interpolation-factor {s} must be positive (2 stretches the trained positions over twice the context)"
+                    )));
+                }
+                if c.layer.attention.mla.is_some() {
+                    return Err(bad(format!(
+                        "--rotary-seq-len-interpolation-factor {s} with multi-latent attention: its rotary features take YaRN (--rope-type yarn); drop the factor"
+                    )));
+                }
+            }
             if !(percent > 0.0 && percent <= 1.0) {
                 return Err(bad(format!("--rotary-percent {percent} must be in (0, 1] (1.0 rotates whole heads)")));
             }

@@ -98,10 +98,7 @@ impl TransformerLayer {
                 norm,
                 std,
                 out_std,
-                rope: match c.position_embedding {
-                    PositionEmbedding::Rope { base, scaling, .. } => Some((base, scaling, c.rotary_dim())),
-                    _ => None,
-                },
+                rope: c.rope(),
                 attention_dropout: c.attention_dropout,
             };
             let a = SelfAttention::new(p, &format!("{prefix}.self_attention"), &dims, &c.layer.attention, tp)?;

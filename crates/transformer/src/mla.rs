@@ -187,7 +187,15 @@ impl MlaAttention {
                 "YaRN and Llama 3's RoPE scaling (--use-rope-scaling) both rescale: keep one",
             ));
         }
-        let rope = RopeCfg { rot: r, base: d.rope.0, pos0: 0, scaling: d.rope.1, split: None, yarn: spec.yarn };
+        let rope = RopeCfg {
+            rot: r,
+            base: d.rope.0,
+            pos0: 0,
+            scaling: d.rope.1,
+            split: None,
+            yarn: spec.yarn,
+            interpolation: None,
+        };
         Ok(MlaAttention {
             q,
             kv_down,

@@ -37,9 +37,11 @@ pub enum PositionEmbedding {
     /// Learned absolute positions added to the token embedding (GPT-2).
     LearnedAbsolute,
     /// Rotary embedding on q and k, with this base (Llama: 10000 or 500000), for Llama 3.1 and
-    /// later its frequency scaling, and the share of each head it rotates (Megatron's
-    /// --rotary-percent: the first ⌊head_dim · percent⌋ features; 1.0 for whole heads).
-    Rope { base: f64, scaling: Option<RopeScaling>, percent: f64 },
+    /// later its frequency scaling, the share of each head it rotates (Megatron's
+    /// --rotary-percent: the first ⌊head_dim · percent⌋ features; 1.0 for whole heads), and
+    /// linear position interpolation (--rotary-seq-len-interpolation-factor: positions divided by
+    /// it; None for none).
+    Rope { base: f64, scaling: Option<RopeScaling>, percent: f64, interpolation: Option<f64> },
     /// No position information (NoPE).
     None,
 }

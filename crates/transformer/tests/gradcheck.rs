@@ -120,7 +120,8 @@ fn partial_rotary_gradients_match_finite_differences() {
         let mut cfg = ferrotron_transformer::TransformerConfig { kv_channels: Some(8), ..config(true) };
         cfg.layer.attention.qk_layernorm = qk_layernorm;
         let whole = cfg.clone();
-        cfg.position_embedding = PositionEmbedding::Rope { base: 10000.0, scaling: None, percent: 0.5 };
+        cfg.position_embedding =
+            PositionEmbedding::Rope { base: 10000.0, scaling: None, percent: 0.5, interpolation: None };
         let (model, table) = GptModel::build(cfg.clone(), &Device::Cpu, DType::F32, 3).unwrap();
         for layer in &model.chunks[0].layers {
             let Sublayer::Attention(a) = &layer.branches[0].f else { panic!("not an attention") };
@@ -173,6 +174,27 @@ fn zero_centred_norms_equal_plain_norms_at_one_plus_w() {
                 assert!((a - b).abs() <= 1e-5 * b.abs() + 1e-6, "llama {llama} {}: {a} vs {b}", table.meta(id).name);
             }
         }
+        check(cfg);
+    }
+}
+
+/// Linear position interpolation (--rotary-seq-len-interpolation-factor 2.5) on the QK-norm path
+/// and the fused in-place one: the loss moves off plain RoPE's, and the gradients match finite
+/// differences.
+#[test]
+fn interpolated_rope_gradients_match_finite_differences() {
+    use ferrotron_transformer::spec::PositionEmbedding;
+    for qk_layernorm in [true, false] {
+        let mut cfg = config(true);
+        cfg.layer.attention.qk_layernorm = qk_layernorm;
+        let plain = cfg.clone();
+        cfg.position_embedding =
+            PositionEmbedding::Rope { base: 10000.0, scaling: None, percent: 1.0, interpolation: Some(2.5) };
+        assert_eq!(cfg.rope().and_then(|r| r.interpolation), Some(2.5));
+        let (model, table) = GptModel::build(cfg.clone(), &Device::Cpu, DType::F32, 3).unwrap();
+        let (pm, pt) = GptModel::build(plain, &Device::Cpu, DType::F32, 3).unwrap();
+        let b = batch(2, 6, 11);
+        assert_ne!(loss(&model, &table, &b), loss(&pm, &pt, &b), "positions interpolated");
         check(cfg);
     }
 }

@@ -5,7 +5,8 @@
 //! pos(t) = pos0 + t, or with a `RopeSplit` (context parallelism: a rank's rows are two chunks of
 //! the sequence far apart) split.pos + t − split.at from row split.at on
 //! (with `RopeScaling`, Llama 3.1's frequency-dependent rescaling of f_i; with `Yarn`, YaRN's
-//! blend of f_i / factor and f_i along the pairs, and cos θ, sin θ times its attention factor m):
+//! blend of f_i / factor and f_i along the pairs, and cos θ, sin θ times its attention factor m;
+//! with `interpolation` s, linear position interpolation: θ = (pos(t) / s) · f_i):
 //!   y[i] = m·(x[i]·cos θ − x[i+rot/2]·sin θ),  y[i+rot/2] = m·(x[i+rot/2]·cos θ + x[i]·sin θ).
 //! Backward is the rotation by −θ. `rope_qkv_` applies the same to the query and key heads of a
 //! fused QKV row in place, leaving its value heads.
@@ -25,6 +26,9 @@ pub struct RopeCfg {
     pub split: Option<RopeSplit>,
     /// YaRN's scaled frequencies and attention factor (Megatron's --rope-type yarn), or None.
     pub yarn: Option<Yarn>,
+    /// Linear position interpolation (Megatron's --rotary-seq-len-interpolation-factor,
+    /// transformers' rope_type `linear`): every position divided by this factor, or None.
+    pub interpolation: Option<f64>,
 }
 
 /// YaRN (Megatron's YarnRotaryEmbedding, transformers' rope_type `yarn`): pair i's frequency
@@ -163,6 +167,13 @@ impl RopeCfg {
         }
     }
 
+    /// The angle of row `p` for a pair of frequency `f`: its position, divided by the
+    /// interpolation factor, times f (in f64; rope.cu's `rope_cs` the same).
+    pub fn angle(&self, p: usize, f: f64) -> f64 {
+        let pos = self.position(p) as f64;
+        self.interpolation.map_or(pos, |s| pos / s) * f
+    }
+
     /// Pair i's frequency (radians per position), in f64. rope.cu's `rope_freq` is the same.
     pub fn freq(&self, i: usize) -> f64 {
         let f = self.base.powf(-(2.0 * i as f64) / self.rot as f64);
@@ -181,7 +192,7 @@ fn tables<T: Real>(t: usize, cfg: &RopeCfg) -> (Vec<T>, Vec<T>) {
     let freqs: Vec<f64> = (0..half).map(|i| cfg.freq(i)).collect();
     for p in 0..t {
         for f in &freqs {
-            let a = cfg.position(p) as f64 * f;
+            let a = cfg.angle(p, *f);
             cos.push(T::c(m * a.cos()));
             sin.push(T::c(m * a.sin()));
         }

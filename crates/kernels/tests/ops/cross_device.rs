@@ -160,9 +160,42 @@ fn every_op_matches_cpu() {
         let heads = rnd(&[2, 6, 4, 16], 9, dt);
         let heads64 = rnd(&[2, 9, 3, 64], 31, dt);
         for (x, rope) in [
-            (&heads, RopeCfg { rot: 12, base: 10000.0, pos0: 3, scaling: None, split: None, yarn: None }),
-            (&heads64, RopeCfg { rot: 64, base: 500000.0, pos0: 4000, scaling: None, split: None, yarn: None }),
-            (&heads64, RopeCfg { rot: 48, base: 10000.0, pos0: 7, scaling: None, split: None, yarn: None }),
+            (
+                &heads,
+                RopeCfg {
+                    rot: 12,
+                    base: 10000.0,
+                    pos0: 3,
+                    scaling: None,
+                    split: None,
+                    yarn: None,
+                    interpolation: None,
+                },
+            ),
+            (
+                &heads64,
+                RopeCfg {
+                    rot: 64,
+                    base: 500000.0,
+                    pos0: 4000,
+                    scaling: None,
+                    split: None,
+                    yarn: None,
+                    interpolation: None,
+                },
+            ),
+            (
+                &heads64,
+                RopeCfg {
+                    rot: 48,
+                    base: 10000.0,
+                    pos0: 7,
+                    scaling: None,
+                    split: None,
+                    yarn: None,
+                    interpolation: None,
+                },
+            ),
             // Llama 3.x's scaled frequencies (every band) on both kernels.
             (
                 &heads,
@@ -173,6 +206,7 @@ fn every_op_matches_cpu() {
                     scaling: Some(RopeScaling::llama3(32.0)),
                     split: None,
                     yarn: None,
+                    interpolation: None,
                 },
             ),
             (
@@ -184,6 +218,7 @@ fn every_op_matches_cpu() {
                     scaling: Some(RopeScaling::llama3(8.0)),
                     split: None,
                     yarn: None,
+                    interpolation: None,
                 },
             ),
             // YaRN (DeepSeek-V3's numbers; Megatron's defaults, whose factor scales cos and sin)
@@ -197,6 +232,7 @@ fn every_op_matches_cpu() {
                     scaling: None,
                     split: None,
                     yarn: Some(k::Yarn { mscale_all_dim: 1.0, ..k::Yarn::megatron(40.0) }),
+                    interpolation: None,
                 },
             ),
             (
@@ -208,6 +244,33 @@ fn every_op_matches_cpu() {
                     scaling: None,
                     split: None,
                     yarn: Some(k::Yarn::megatron(40.0)),
+                    interpolation: None,
+                },
+            ),
+            // Linear position interpolation (with Llama 3's scaling on the table kernel, with
+            // context parallelism's split on the one-pair kernel).
+            (
+                &heads64,
+                RopeCfg {
+                    rot: 64,
+                    base: 500000.0,
+                    pos0: 4000,
+                    scaling: Some(RopeScaling::llama3(8.0)),
+                    split: None,
+                    yarn: None,
+                    interpolation: Some(4.0),
+                },
+            ),
+            (
+                &heads,
+                RopeCfg {
+                    rot: 12,
+                    base: 10000.0,
+                    pos0: 3,
+                    scaling: None,
+                    split: Some(k::RopeSplit { at: 3, pos: 40 }),
+                    yarn: None,
+                    interpolation: Some(2.5),
                 },
             ),
             // Context parallelism's two chunks: rows from 3 (or 4) on restart far along.
@@ -220,6 +283,7 @@ fn every_op_matches_cpu() {
                     scaling: None,
                     split: Some(k::RopeSplit { at: 3, pos: 40 }),
                     yarn: None,
+                    interpolation: None,
                 },
             ),
             (
@@ -231,6 +295,7 @@ fn every_op_matches_cpu() {
                     scaling: None,
                     split: Some(k::RopeSplit { at: 4, pos: 9000 }),
                     yarn: None,
+                    interpolation: None,
                 },
             ),
         ] {
@@ -239,7 +304,8 @@ fn every_op_matches_cpu() {
             });
         }
         // RoPE in place on fused QKV (3 groups of 2 query heads at head dim 64): query and key
-        // heads rotate, value heads stay; eight-wide and, with a rotary dim of 36, one pair a thread.
+        // heads rotate, value heads stay; eight-wide and, with a rotary dim of 36 (positions
+        // interpolated), one pair a thread.
         let qkv = rnd(&[2, 9, 3 * 4 * 64], 32, dt);
         for rope in [
             RopeCfg {
@@ -249,8 +315,17 @@ fn every_op_matches_cpu() {
                 scaling: Some(RopeScaling::llama3(8.0)),
                 split: None,
                 yarn: None,
+                interpolation: None,
             },
-            RopeCfg { rot: 36, base: 10000.0, pos0: 5, scaling: None, split: None, yarn: None },
+            RopeCfg {
+                rot: 36,
+                base: 10000.0,
+                pos0: 5,
+                scaling: None,
+                split: None,
+                yarn: None,
+                interpolation: Some(3.0),
+            },
             RopeCfg {
                 rot: 64,
                 base: 10000.0,
@@ -258,6 +333,7 @@ fn every_op_matches_cpu() {
                 scaling: None,
                 split: Some(k::RopeSplit { at: 5, pos: 700 }),
                 yarn: None,
+                interpolation: None,
             },
         ] {
             check(&format!("rope_qkv {rope:?}"), dt, std::slice::from_ref(&qkv), |t| {

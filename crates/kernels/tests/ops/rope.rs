@@ -66,7 +66,8 @@ fn reference(x: &[f64], b: usize, t: usize, h: usize, d: usize, cfg: &RopeCfg) -
                         Some(sp) if p >= sp.at => sp.pos + p - sp.at,
                         _ => cfg.pos0 + p,
                     };
-                    let theta = pos as f64 * hf_freq(cfg, i);
+                    // Linear interpolation as transformers' rope_type linear: the frequencies divided.
+                    let theta = pos as f64 * hf_freq(cfg, i) / cfg.interpolation.unwrap_or(1.0);
                     let m = cfg.yarn.map_or(1.0, |y| hf_attention_factor(&y));
                     let (x1, x2) = (x[base + i], x[base + i + half]);
                     y[base + i] = m * (x1 * theta.cos() - x2 * theta.sin());
@@ -82,12 +83,12 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(24))]
 
     #[test]
-    fn fwd_matches_formula_and_bwd_matches_fd(b in 1usize..3, t in 1usize..5, h in 1usize..3, pairs in 1usize..4, extra in 0usize..3, pos0 in 0usize..50, scaled: bool, split in proptest::option::of((0usize..5, 0usize..60)), seed: u64) {
+    fn fwd_matches_formula_and_bwd_matches_fd(b in 1usize..3, t in 1usize..5, h in 1usize..3, pairs in 1usize..4, extra in 0usize..3, pos0 in 0usize..50, scaled: bool, split in proptest::option::of((0usize..5, 0usize..60)), interpolation in proptest::option::of(0.5f64..8.0), seed: u64) {
         let d = 2 * pairs + extra;
         // Scaled at a base where three pairs fall in the kept, blended and divided bands.
         let (base, scaling) = if scaled { (1e8, Some(RopeScaling::llama3(8.0))) } else { (10000.0, None) };
         let split = split.map(|(at, pos)| k::RopeSplit { at, pos });
-        let cfg = RopeCfg { rot: 2 * pairs, base, pos0, scaling, split, yarn: None, };
+        let cfg = RopeCfg { rot: 2 * pairs, base, pos0, scaling, split, yarn: None, interpolation };
         let (x, r) = (randv(b * t * h * d, seed), randv(b * t * h * d, seed ^ 1));
         let dev = Device::Cpu;
         let y = k::rope_fwd(&t32(&dev, &x, &[b, t, h, d]), &cfg).unwrap();
@@ -99,7 +100,7 @@ proptest! {
 }
 
 device_test!(backward_inverts_forward, |dev: &Device| {
-    let cfg = RopeCfg { rot: 8, base: 500000.0, pos0: 3, scaling: None, split: None, yarn: None };
+    let cfg = RopeCfg { rot: 8, base: 500000.0, pos0: 3, scaling: None, split: None, yarn: None, interpolation: None };
     let x = randv(2 * 6 * 3 * 8, 5);
     let xt = t32(dev, &x, &[2, 6, 3, 8]);
     let back = k::rope_bwd(&k::rope_fwd(&xt, &cfg).unwrap(), &cfg).unwrap();
@@ -108,7 +109,15 @@ device_test!(backward_inverts_forward, |dev: &Device| {
 
 #[test]
 fn llama3_scaling_keeps_divides_and_blends_by_wavelength() {
-    let cfg = RopeCfg { rot: 6, base: 1e8, pos0: 0, scaling: Some(RopeScaling::llama3(8.0)), split: None, yarn: None };
+    let cfg = RopeCfg {
+        rot: 6,
+        base: 1e8,
+        pos0: 0,
+        scaling: Some(RopeScaling::llama3(8.0)),
+        split: None,
+        yarn: None,
+        interpolation: None,
+    };
     let plain = RopeCfg { scaling: None, ..cfg };
     // Wavelengths 2π, ≈ 2917 and ≈ 1.35e6 against the bands' edges 8192 / 4 and 8192 / 1.
     assert_eq!(cfg.freq(0), plain.freq(0));
@@ -138,7 +147,15 @@ fn yarn_matches_transformers_formula() {
     let kimi = k::Yarn { beta_fast: 1.0, beta_slow: 1.0, mscale_all_dim: 1.0, ..k::Yarn::megatron(32.0) };
     assert_ne!(kimi.range(64, 10000.0), deepseek.range(64, 10000.0));
     for yarn in [deepseek, k::Yarn::megatron(40.0), kimi] {
-        let cfg = RopeCfg { rot: 64, base: 10000.0, pos0: 0, scaling: None, split: None, yarn: Some(yarn) };
+        let cfg = RopeCfg {
+            rot: 64,
+            base: 10000.0,
+            pos0: 0,
+            scaling: None,
+            split: None,
+            yarn: Some(yarn),
+            interpolation: None,
+        };
         for i in 0..32 {
             assert!((cfg.freq(i) - hf_freq(&cfg, i)).abs() <= 1e-14 * hf_freq(&cfg, i), "pair {i}");
         }
@@ -170,6 +187,7 @@ fn yarn_matches_transformers_formula() {
         scaling: Some(RopeScaling::llama3(8.0)),
         split: None,
         yarn: Some(deepseek),
+        interpolation: None,
     };
     let x = t32(&Device::Cpu, &randv(64, 0), &[1, 1, 1, 64]);
     assert!(k::rope_fwd(&x, &both).unwrap_err().to_string().contains("keep one"));
@@ -178,8 +196,11 @@ fn yarn_matches_transformers_formula() {
 #[test]
 fn odd_rotary_dim_is_an_error() {
     let x = t32(&Device::Cpu, &randv(2 * 5, 0), &[1, 1, 2, 5]);
-    let e = k::rope_fwd(&x, &RopeCfg { rot: 5, base: 10000.0, pos0: 0, scaling: None, split: None, yarn: None })
-        .unwrap_err();
+    let e = k::rope_fwd(
+        &x,
+        &RopeCfg { rot: 5, base: 10000.0, pos0: 0, scaling: None, split: None, yarn: None, interpolation: None },
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("must be even"), "{e}");
 }
 
@@ -191,8 +212,14 @@ device_test!(rope_on_fused_qkv_equals_split_rope_merge, |dev: &Device| {
     let (b, t, hkv, g, d) = (2, 5, 3, 2, 16);
     let w = hkv * (g + 2) * d;
     for (dt, cfg) in [
-        (DType::F32, RopeCfg { rot: 12, base: 10000.0, pos0: 7, scaling: None, split: None, yarn: None }),
-        (DType::BF16, RopeCfg { rot: 16, base: 500000.0, pos0: 0, scaling: None, split: None, yarn: None }),
+        (
+            DType::F32,
+            RopeCfg { rot: 12, base: 10000.0, pos0: 7, scaling: None, split: None, yarn: None, interpolation: None },
+        ),
+        (
+            DType::BF16,
+            RopeCfg { rot: 16, base: 500000.0, pos0: 0, scaling: None, split: None, yarn: None, interpolation: None },
+        ),
     ] {
         let x = tensor(dev, &randv(b * t * w, 41), &[b, t, w], dt);
         for (sign, name) in [(1.0, "fwd"), (-1.0, "bwd")] {
@@ -214,7 +241,7 @@ device_test!(rope_on_fused_qkv_equals_split_rope_merge, |dev: &Device| {
 #[test]
 fn fused_qkv_rope_names_a_width_that_does_not_fit_its_groups() {
     let x = t32(&Device::Cpu, &randv(2 * 3 * 40, 0), &[2, 3, 40]);
-    let cfg = RopeCfg { rot: 8, base: 10000.0, pos0: 0, scaling: None, split: None, yarn: None };
+    let cfg = RopeCfg { rot: 8, base: 10000.0, pos0: 0, scaling: None, split: None, yarn: None, interpolation: None };
     let e = k::rope_qkv_fwd_(&x, 2, 2, 8, &cfg).unwrap_err().to_string();
     assert!(e.contains("rope_qkv_fwd_") && e.contains("2·(2+2)·8 = 64"), "{e}");
     let e =

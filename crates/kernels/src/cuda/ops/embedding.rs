@@ -35,7 +35,7 @@ fn rope_heads(
 ) -> Result<()> {
     let sfx = sfx("rope", x.dtype())?;
     let half = cfg.rot / 2;
-    // rope.cu's four scaling parameters; factor 0 is none.
+    // rope.cu's four Llama 3.1 scaling parameters; factor 0 is none.
     let s = cfg.scaling.unwrap_or(crate::RopeScaling {
         factor: 0.0,
         low_freq_factor: 0.0,
@@ -47,9 +47,20 @@ fn rope_heads(
         Some(y) => (y.factor, y.range(cfg.rot, cfg.base), y.attention_factor()),
         None => (0.0, (0.0, 1.0), 1.0),
     };
-    let scale =
-        [s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position_embeddings, yf, ylow, yhigh, ym]
-            .map(Arg::F64);
+    // The linear interpolation's divisor of positions (1: none).
+    let interp = cfg.interpolation.unwrap_or(1.0);
+    let scale = [
+        s.factor,
+        s.low_freq_factor,
+        s.high_freq_factor,
+        s.original_max_position_embeddings,
+        yf,
+        ylow,
+        yhigh,
+        ym,
+        interp,
+    ]
+    .map(Arg::F64);
     // rope.cu's `rope_pos`: a split at row t or later is none.
     let (at, spos) = cfg.split.map_or((t, 0), |s| (s.at, s.pos));
     if half % 8 == 0 && (hd - cfg.rot) % 8 == 0 && aligned16(&[x, y])? {
