@@ -43,7 +43,8 @@ extern "C" __global__ void adamw(float* p, const float* g, float* m, float* v, l
 #define ADAM_BC2_SQRT 4
 #define ADAM_STEPS 5
 #define ADAM_LR 6
-#define ADAM_DECAY 7
+#define ADAM_WD 7
+#define ADAM_DECAY 8
 // Four consecutive gradients from a 4-element-aligned index (16 bytes of f32, 8 of bf16).
 __device__ __forceinline__ void ld4(const float* g, long i, float* out) {
     float4 q = *(const float4*)(g + i);
@@ -168,14 +169,14 @@ extern "C" __global__ void __launch_bounds__(256) sum_partials_f32(const double*
     if (threadIdx.x == 0) out[0] = (float)sh[0];
 }
 
-// One thread settles the step from Σ g² (sq[0], summed across ranks) and the learning rate the
-// host wrote into the state: the norm, the clip factor, whether the update applies (a finite
+// One thread settles the step from Σ g² (sq[0], summed across ranks) and the learning rate and
+// weight decay the host wrote into the state: the norm, the clip factor, whether the update applies (a finite
 // norm), the step count moved on when it does, the bias-corrected step size and √(1 − β2ᵗ) for
 // that count (f64, as the host computed them), and the decay factor 1 − lr·wd (rounded as the
 // host's f32 arithmetic rounds it: no fused multiply-add).
-extern "C" __global__ void adam_prepare(const float* sq, float* state, float b1, float b2, float clip, float wd) {
+extern "C" __global__ void adam_prepare(const float* sq, float* state, float b1, float b2, float clip) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
-    float lr = state[ADAM_LR];
+    float lr = state[ADAM_LR], wd = state[ADAM_WD];
     double norm = sqrt((double)sq[0]);
     bool ok = isfinite(norm);
     double t = (double)state[ADAM_STEPS] + (ok ? 1.0 : 0.0);

@@ -88,8 +88,8 @@ impl AdamRuns {
 /// into the parameters. master, exp_avg and exp_avg_sq are f32; grads f32 or bf16 (a bf16
 /// main_grad, widened exactly); params any float type.
 /// With `state` (an [`adam_state`] tensor that [`adam_prepare`] settled, on the same device) the
-/// learning rate, clip factor, step count and whether to update at all come from it instead of
-/// `h`, so the host need not read anything back first.
+/// learning rate, weight decay, clip factor, step count and whether to update at all come from
+/// it instead of `h`, so the host need not read anything back first.
 #[allow(clippy::too_many_arguments)]
 pub fn adamw_runs(
     master: &Tensor,
@@ -150,7 +150,7 @@ pub fn adamw_runs(
                 return Ok(());
             }
             let (grad_scale, step, lr) = (s[adam_state::GRAD_SCALE], s[adam_state::STEPS] as u64, s[adam_state::LR]);
-            AdamW { grad_scale, step, lr, ..*h }
+            AdamW { grad_scale, step, lr, weight_decay: s[adam_state::WD], ..*h }
         }
         None => *h,
     };
@@ -220,19 +220,21 @@ pub mod adam_state {
     /// This step's learning rate: written by the host before the step is queued, so a replayed
     /// CUDA graph of the step reads each step's own.
     pub const LR: usize = 6;
+    /// This step's weight decay, written with the learning rate (Megatron's
+    /// --weight-decay-incr-style moves it over the run).
+    pub const WD: usize = 7;
     /// 1 − lr·weight_decay, the factor decayed weights are multiplied by.
-    pub const DECAY: usize = 7;
-    pub const LEN: usize = 8;
+    pub const DECAY: usize = 8;
+    pub const LEN: usize = 9;
 }
 
-/// What [`adam_prepare`] needs besides Σ g² and the learning rate in the state: the betas, the
-/// clip threshold (0: no clipping) and the weight decay.
+/// What [`adam_prepare`] needs besides Σ g² and the learning rate and weight decay in the state:
+/// the betas and the clip threshold (0: no clipping).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamPrep {
     pub beta1: f32,
     pub beta2: f32,
     pub clip_grad: f32,
-    pub weight_decay: f32,
 }
 
 /// Σ over tensors of Σ x² as a one-element f32 tensor on `device` (their device), without reading
@@ -286,8 +288,8 @@ fn on_device(op: &'static str, ts: &[&Tensor], device: &Device, what: Reduce) ->
     Tensor::from_vec(vec![v as f32], [1], device)
 }
 
-/// Settles one step in `state` (an [`adam_state`] tensor whose `LR` slot holds this step's
-/// learning rate) from `sq` = Σ g² (one f32, summed across ranks, on the same device): the norm
+/// Settles one step in `state` (an [`adam_state`] tensor whose `LR` and `WD` slots hold this
+/// step's learning rate and weight decay) from `sq` = Σ g² (one f32, summed across ranks, on the same device): the norm
 /// √sq, the clip factor clip / (norm + 10⁻⁶) when the norm exceeds a positive `clip_grad` (else
 /// 1), whether the update applies (a finite norm), the step count moved on when it does, the bias
 /// corrections for that count and the decay factor. Queued work only on a GPU (one thread).
@@ -319,5 +321,5 @@ fn settle(s: &mut [f32], norm: f64, p: &AdamPrep) {
     s[STEPS] = t as f32;
     s[STEP_SIZE] = (s[LR] as f64 / (1.0 - (p.beta1 as f64).powf(t))) as f32;
     s[BC2_SQRT] = (1.0 - (p.beta2 as f64).powf(t)).sqrt() as f32;
-    s[DECAY] = 1.0 - s[LR] * p.weight_decay;
+    s[DECAY] = 1.0 - s[LR] * s[WD];
 }

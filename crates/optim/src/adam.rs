@@ -335,12 +335,18 @@ impl Optimizer {
         self.apply(table)
     }
 
-    /// Writes the next update's learning rate into the step state on the device (a small copy
-    /// queued without waiting for the stream). Kept apart from [`Optimizer::apply`] so that a
-    /// step captured as a CUDA graph reads each replay's own learning rate.
+    /// Writes the next update's learning rate (and `config.weight_decay`) into the step state on
+    /// the device (a small copy queued without waiting for the stream). Kept apart from
+    /// [`Optimizer::apply`] so that a step captured as a CUDA graph reads each replay's own.
     pub fn set_lr(&self, lr: f32) -> Result<(), OptimError> {
-        self.state.view(adam_state::LR, [1])?.copy_from_f32(&[lr])?;
+        self.state.view(adam_state::LR, [2])?.copy_from_f32(&[lr, self.config.weight_decay])?;
         Ok(())
+    }
+
+    /// The weight decay of the next updates (Megatron's --weight-decay-incr-style moves it over
+    /// the run): written to the device with the learning rate by [`Optimizer::set_lr`].
+    pub fn set_weight_decay(&mut self, wd: f32) {
+        self.config.weight_decay = wd;
     }
 
     /// [`Optimizer::step`] at the learning rate [`Optimizer::set_lr`] last wrote: queued work
@@ -349,7 +355,7 @@ impl Optimizer {
         table.settle_params()?; // every parameter value in place before its shard is updated
         let c = self.config;
         let sq = self.sum_sq(table)?;
-        let prep = AdamPrep { beta1: c.beta1, beta2: c.beta2, clip_grad: c.clip_grad, weight_decay: c.weight_decay };
+        let prep = AdamPrep { beta1: c.beta1, beta2: c.beta2, clip_grad: c.clip_grad };
         k::adam_prepare(&sq, &self.state, &prep)?;
         // Learning rate, step count and clip factor come from the state.
         let h = AdamW {

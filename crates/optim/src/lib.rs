@@ -24,5 +24,5 @@ pub use adam::{AdamConfig, OptimError, Optimizer, StepStats};
 pub use ddp::{BucketPlan, GradSync, default_bucket_size};
 pub use graph::StepGraph;
 pub use pipeline::{eval_pipelined, queue_train_step_pipelined, schedule_kind, train_step_pipelined};
-pub use schedule::{DecayStyle, LrSchedule, WsdStyle};
+pub use schedule::{DecayStyle, LrSchedule, WdSchedule, WdStyle, WsdStyle};
 pub use step::{QueuedStep, StepError, StepOutput, loss_sums, queue_train_step, token_weighted, train_step};

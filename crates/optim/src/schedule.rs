@@ -3,7 +3,7 @@
 //! `min_lr`, then `min_lr`. Lengths are in samples, as Megatron counts them (`--lr-*-iters` are
 //! that many global batches), and the scheduler steps after each update: an iteration trains at
 //! the rate of the samples consumed before it, the first at `init_lr` under a warmup
-//! (`--lr-warmup-init`, default 0).
+//! (`--lr-warmup-init`, default 0). Weight decay has its own schedule (`WdSchedule`).
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DecayStyle {
@@ -98,6 +98,51 @@ impl LrSchedule {
     }
 }
 
+/// How weight decay moves from its start to its end (Megatron's --weight-decay-incr-style).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WdStyle {
+    Constant,
+    Linear,
+    Cosine,
+}
+
+impl WdStyle {
+    pub fn parse(style: &str) -> Option<Self> {
+        Some(match style {
+            "constant" => WdStyle::Constant,
+            "linear" => WdStyle::Linear,
+            "cosine" => WdStyle::Cosine,
+            _ => return None,
+        })
+    }
+}
+
+/// Weight decay over the run, Megatron's `get_wd`: from `start` to `end` over the first `incr`
+/// samples (the whole run), then `end`; constant is `end` throughout (and start = end).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct WdSchedule {
+    pub start: f64,
+    pub end: f64,
+    pub incr: f64,
+    pub style: WdStyle,
+}
+
+impl WdSchedule {
+    /// The weight decay of the update made after `consumed` samples (read with `lr_at`'s rate).
+    pub fn wd_at(&self, consumed: u64) -> f64 {
+        let n = consumed as f64;
+        if self.style == WdStyle::Constant || n > self.incr || self.incr <= 0.0 {
+            return self.end;
+        }
+        let r = n / self.incr;
+        let coeff = match self.style {
+            WdStyle::Linear => r,
+            _ => 0.5 * ((std::f64::consts::PI * (1.0 - r)).cos() + 1.0),
+        };
+        self.start + coeff * (self.end - self.start)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -152,5 +197,23 @@ mod tests {
         assert_eq!(DecayStyle::parse("WSD", "exponential"), Some(DecayStyle::Wsd(WsdStyle::Exponential)));
         assert_eq!(DecayStyle::parse("WSD", "bogus"), None);
         assert_eq!(DecayStyle::parse("inverse-square-root", ""), Some(DecayStyle::InverseSquareRoot));
+    }
+
+    #[test]
+    fn weight_decay_rises_from_start_to_end_over_the_run() {
+        let w = WdSchedule { start: 0.0, end: 0.1, incr: 100.0, style: WdStyle::Linear };
+        assert_eq!((w.wd_at(0), w.wd_at(100), w.wd_at(1000)), (0.0, 0.1, 0.1));
+        assert!((w.wd_at(25) - 0.025).abs() < 1e-15);
+        // Cosine: half-way at the midpoint, slow at both ends.
+        let c = WdSchedule { style: WdStyle::Cosine, ..w };
+        assert!((c.wd_at(50) - 0.05).abs() < 1e-15 && c.wd_at(0).abs() < 1e-15);
+        assert!(c.wd_at(10) < w.wd_at(10) && c.wd_at(90) > w.wd_at(90));
+        let k = WdSchedule { start: 0.1, end: 0.1, incr: 100.0, style: WdStyle::Constant };
+        assert_eq!((k.wd_at(0), k.wd_at(50)), (0.1, 0.1));
+        // Falling works the same way.
+        let down = WdSchedule { start: 0.1, end: 0.0, ..w };
+        assert!((down.wd_at(75) - 0.025).abs() < 1e-15);
+        assert_eq!(WdStyle::parse("cosine"), Some(WdStyle::Cosine));
+        assert_eq!(WdStyle::parse("exponential"), None);
     }
 }

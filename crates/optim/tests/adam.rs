@@ -57,7 +57,8 @@ fn adamw_ref(p: &mut f32, g: f32, m: &mut f32, v: &mut f32, c: &AdamConfig, lr: 
 #[test]
 fn merged_decay_runs_equal_per_element_adamw_bit_for_bit() {
     // Decay, decay, no decay, decay, decay: the optimizer updates runs of neighbours that share
-    // the decay choice in one call; every element must come out as the per-element formula.
+    // the decay choice in one call; every element must come out as the per-element formula, at
+    // each step's own weight decay (`set_weight_decay`, as --weight-decay-incr-style moves it).
     let spec = [
         ("a.weight", 5, true),
         ("b.weight", 7, true),
@@ -78,9 +79,11 @@ fn merged_decay_runs_equal_per_element_adamw_bit_for_bit() {
     for step in 1..=3 {
         let g: Vec<f32> = (0..p.len()).map(|i| ((i * 37 + step * 11) % 19) as f32 / 7.0 - 1.3).collect();
         table.flat_grads().update_f32("t", |x| x[..g.len()].copy_from_slice(&g)).unwrap();
+        let step_wd = 0.05 * step as f32;
+        opt.set_weight_decay(step_wd);
         opt.step(&table, 0.01).unwrap();
         for i in 0..p.len() {
-            let wd = if decays[i] { cfg.weight_decay } else { 0.0 };
+            let wd = if decays[i] { step_wd } else { 0.0 };
             adamw_ref(&mut p[i], g[i], &mut m[i], &mut v[i], &cfg, 0.01, wd, step as i32);
         }
     }

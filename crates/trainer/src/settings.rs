@@ -6,7 +6,7 @@ use anyhow::{Context, bail};
 use ferrotron_data::{TokenizerFlags, TokenizerKind};
 use ferrotron_models::{VOCAB_DIVISIBLE_BY, preset};
 use ferrotron_moe::{Capacity, DropPolicy, Groups, LoadBalancing, MoeSpec, RouterSpec, Score};
-use ferrotron_optim::DecayStyle;
+use ferrotron_optim::{DecayStyle, WdSchedule, WdStyle};
 use ferrotron_transformer::mla::MlaSpec;
 use ferrotron_transformer::spec::{
     Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, OtherMlp, PositionEmbedding, RopeScaling,
@@ -231,6 +231,15 @@ pub struct TrainArgs {
     pub lr_decay_iters: Option<u64>,
     #[arg(long)]
     pub weight_decay: Option<f32>,
+    /// Weight decay at the start and end of the run, with --weight-decay-incr-style linear or
+    /// cosine (constant, the default, keeps --weight-decay throughout).
+    #[arg(long)]
+    pub start_weight_decay: Option<f32>,
+    #[arg(long)]
+    pub end_weight_decay: Option<f32>,
+    /// constant, linear or cosine: how weight decay moves from its start to its end over the run.
+    #[arg(long)]
+    pub weight_decay_incr_style: Option<String>,
     #[arg(long)]
     pub adam_beta1: Option<f32>,
     #[arg(long)]
@@ -882,9 +891,9 @@ pub struct TrainArgs {
     /// The learning-rate schedule (and weight decay) of --load's checkpoint instead of the
     /// flags'. Without it the flags' schedule runs (Megatron's --override-opt_param-scheduler,
     /// accepted).
-    #[arg(long = "use-checkpoint-opt_param-scheduler")]
+    #[arg(long = "use-checkpoint-opt_param-scheduler", alias = "use-checkpoint-opt-param-scheduler")]
     pub use_checkpoint_opt_param_scheduler: bool,
-    #[arg(long = "override-opt_param-scheduler")]
+    #[arg(long = "override-opt_param-scheduler", alias = "override-opt-param-scheduler")]
     pub override_opt_param_scheduler: bool,
     /// Accepted, no effect: dropout masks are drawn from counters of the sample and position,
     /// so there is no random state to save or load.
@@ -966,7 +975,7 @@ impl TrainArgs {
         merge_opts!(self, o; preset, num_layers, hidden_size, num_attention_heads, num_query_groups, kv_channels, ffn_hidden_size, seq_length,
             max_position_embeddings, position_embedding_type, rotary_base, rope_scaling_factor, q_lora_rank, kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim, v_head_dim, rope_type, rotary_scaling_factor, mscale, mscale_all_dim, yarn_beta_fast, yarn_beta_slow, yarn_original_max_position_embeddings, normalization, tokenizer_type, vocab_size, tokenizer_model, tiktoken_pattern, tiktoken_num_special_tokens, tiktoken_special_tokens, vocab_file, merge_file, init_method_std,
             micro_batch_size, global_batch_size, train_iters, train_samples, lr_warmup_samples, lr_decay_samples, lr, min_lr, lr_warmup_init, lr_decay_style, lr_wsd_decay_style, lr_wsd_decay_iters, lr_wsd_decay_samples, lr_warmup_iters, lr_warmup_fraction,
-            lr_decay_iters, weight_decay, adam_beta1, adam_beta2, adam_eps, clip_grad, norm_epsilon, make_vocab_size_divisible_by,
+            lr_decay_iters, weight_decay, start_weight_decay, end_weight_decay, weight_decay_incr_style, adam_beta1, adam_beta2, adam_eps, clip_grad, norm_epsilon, make_vocab_size_divisible_by,
             hidden_dropout, attention_dropout, window_size, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, ckpt_format, step_batch_size_schedule, corpus_docs, split,
             tensorboard_dir, tensorboard_log_interval, tensorboard_queue_size, exit_interval, exit_duration_in_mins, device, cuda_graph_impl, cuda_graph_warmup_steps, profile_step_start, profile_step_end, profile_trace, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s,
             pipeline_model_parallel_size, context_parallel_size, cp_comm_type, num_layers_per_virtual_pipeline_stage, decoder_first_pipeline_num_layers,
@@ -1172,6 +1181,14 @@ pub struct Settings {
     pub lr_wsd_decay_samples: Option<u64>,
     pub lr_warmup_iters: u64,
     pub weight_decay: f32,
+    /// --start-weight-decay, --end-weight-decay, --weight-decay-incr-style (absent from older
+    /// checkpoints: constant).
+    #[serde(default)]
+    pub start_weight_decay: Option<f32>,
+    #[serde(default)]
+    pub end_weight_decay: Option<f32>,
+    #[serde(default)]
+    pub weight_decay_incr_style: Option<String>,
     pub adam_beta1: f32,
     pub adam_beta2: f32,
     pub clip_grad: f32,
@@ -2266,6 +2283,9 @@ impl Settings {
             lr_wsd_decay_samples: a.lr_wsd_decay_samples,
             lr_warmup_iters: need(&a.lr_warmup_iters, "--lr-warmup-iters")?,
             weight_decay: need(&a.weight_decay, "--weight-decay")?,
+            start_weight_decay: a.start_weight_decay,
+            end_weight_decay: a.end_weight_decay,
+            weight_decay_incr_style: a.weight_decay_incr_style.clone(),
             adam_beta1: need(&a.adam_beta1, "--adam-beta1")?,
             adam_beta2: need(&a.adam_beta2, "--adam-beta2")?,
             clip_grad: need(&a.clip_grad, "--clip-grad")?,
@@ -2541,6 +2561,9 @@ impl Settings {
         self.lr_decay_iters = ck.lr_decay_iters;
         self.lr_decay_samples = ck.lr_decay_samples;
         self.weight_decay = ck.weight_decay;
+        self.start_weight_decay = ck.start_weight_decay;
+        self.end_weight_decay = ck.end_weight_decay;
+        self.weight_decay_incr_style = ck.weight_decay_incr_style.clone();
     }
 
     pub fn validate(&self) -> anyhow::Result<()> {
@@ -2580,6 +2603,7 @@ impl Settings {
             return Err(ferrotron_data::DataError::BadSeed(self.seed).into());
         }
         self.decay_style()?;
+        self.wd_schedule()?;
         let model = self.model_config()?;
         model.validate()?;
         if let Some(v) = self.vision_spec()? {
@@ -2863,6 +2887,30 @@ impl Settings {
                 Ok((Some(w), PathBuf::from(&c[1])))
             })
             .collect()
+    }
+
+    /// The weight decay over the run (Megatron's: constant at --weight-decay, or from
+    /// --start-weight-decay to --end-weight-decay over the run's samples).
+    pub fn wd_schedule(&self) -> anyhow::Result<WdSchedule> {
+        let name = self.weight_decay_incr_style.as_deref().unwrap_or("constant");
+        let Some(style) = WdStyle::parse(name) else {
+            bail!("--weight-decay-incr-style {name}: use constant, linear or cosine");
+        };
+        let incr = match self.train_samples {
+            Some(n) => n as f64,
+            None => self.train_iters as f64 * self.global_batch_size as f64,
+        };
+        match (style, self.start_weight_decay, self.end_weight_decay) {
+            (WdStyle::Constant, None, None) => {
+                let wd = self.weight_decay as f64;
+                Ok(WdSchedule { start: wd, end: wd, incr, style })
+            }
+            (WdStyle::Constant, ..) => bail!(
+                "--start-weight-decay / --end-weight-decay move the weight decay over the run: add --weight-decay-incr-style linear or cosine (constant keeps --weight-decay)"
+            ),
+            (_, Some(start), Some(end)) => Ok(WdSchedule { start: start as f64, end: end as f64, incr, style }),
+            _ => bail!("--weight-decay-incr-style {name} needs both --start-weight-decay and --end-weight-decay"),
+        }
     }
 
     pub fn decay_style(&self) -> anyhow::Result<DecayStyle> {

@@ -673,6 +673,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     };
     let mut opt = Optimizer::new_parallel(&table, adam, &sync, g.mp.clone(), g.tp.rank())?;
     let (warmup, decay, wsd_decay) = s.schedule_samples();
+    let wd_sched = s.wd_schedule()?;
     let sched = LrSchedule {
         lr: s.lr,
         min_lr: s.min_lr,
@@ -872,6 +873,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         // Megatron's scheduler steps after each update: an iteration trains at the rate of the
         // samples consumed before it.
         let lr = sched.lr_at(consumed);
+        opt.set_weight_decay(wd_sched.wd_at(consumed) as f32);
         consumed += gbs;
         let step = if pipelined {
             queue_train_step_pipelined(&model, &table, &mut sync, &mut opt, &g.pipeline, &g.pp, &micros, lr as f32)?

@@ -248,6 +248,7 @@ fn megatrons_script_switches_run_as_the_plain_flags() {
         "--no-load-rng",
         "--no-save-rng",
         "--override-opt_param-scheduler",
+        "--override-opt-param-scheduler",
         "--initial-loss-scale",
         "65536",
         "--loss-scale-window",
@@ -358,7 +359,25 @@ fn megatrons_script_switches_run_as_the_plain_flags() {
     // --use-checkpoint-opt_param-scheduler: the saved run's schedule wins over the flags'.
     let dir = tmp("ck-scheduler");
     let save = dir.to_str().unwrap();
-    let o = run(&["--train-iters", "2", "--lr", "1e-3", "--min-lr", "1e-5", "--save", save]);
+    let o = run(&[
+        "--train-iters",
+        "2",
+        "--lr",
+        "1e-3",
+        "--min-lr",
+        "1e-5",
+        "--weight-decay-incr-style",
+        "cosine",
+        "--start-weight-decay",
+        "0.01",
+        "--end-weight-decay",
+        "0.2",
+        "--save",
+        save,
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // The newer spelling of the flag (Megatron's dataclass arguments), through the binary.
+    let o = run(&["--train-iters", "2", "--load", save, "--use-checkpoint-opt-param-scheduler"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let again = |take: bool| TrainArgs {
         load: Some(dir.clone()),
@@ -368,6 +387,9 @@ fn megatrons_script_switches_run_as_the_plain_flags() {
     };
     assert_eq!(resolved(again(true)).lr, 1e-3);
     assert_eq!((resolved(again(true)).min_lr, resolved(again(false)).lr), (1e-5, 5e-3));
+    let wd = |s: Settings| (s.weight_decay_incr_style, s.start_weight_decay, s.end_weight_decay);
+    assert_eq!(wd(resolved(again(true))), (Some("cosine".into()), Some(0.01), Some(0.2)));
+    assert_eq!(wd(resolved(again(false))), (None, None, None));
     let e = format!(
         "{:#}",
         Settings::resolve(&TrainArgs { use_checkpoint_opt_param_scheduler: true, ..Default::default() }).unwrap_err()

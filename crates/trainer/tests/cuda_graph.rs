@@ -29,7 +29,8 @@ fn train_deterministic(s: &Settings, gpu: &Device, warmup: Option<usize>) -> fer
 /// the same inputs, so under `--deterministic-mode` every loss equals the eager run's bit for bit
 /// (without it two eager runs already part within a few steps: atomics' order), on both tiny
 /// presets in bf16 with two micro-batches a step, the learning rate moving every step (warm-up
-/// then cosine decay: it reaches the graph through the optimizer's state), and losses read back
+/// then cosine decay: it reaches the graph through the optimizer's state, as the weight decay
+/// rising linearly from 0 to 0.5 over the run does), and losses read back
 /// every 3 steps (replays queued before their losses are read each keep their own).
 #[test]
 fn graphed_steps_equal_eager_steps_bit_for_bit() {
@@ -42,6 +43,9 @@ fn graphed_steps_equal_eager_steps_bit_for_bit() {
             train_iters: Some(20),
             lr_warmup_iters: Some(5),
             lr_decay_style: Some("cosine".into()),
+            weight_decay_incr_style: Some("linear".into()),
+            start_weight_decay: Some(0.0),
+            end_weight_decay: Some(0.5),
             log_interval: Some(3),
             eval_interval: Some(20),
             eval_iters: Some(1),

@@ -152,9 +152,10 @@ device_test!(adamw_runs_from_the_device_state, |dev: &Device| {
         }
         let gt = t32(dev, &g, &[n]);
         let sq = k::sum_sq_dev(&[&gt], dev).unwrap();
-        let lr = base.lr * (1.0 + 0.5 * i as f32);
-        state.view(st::LR, [1]).unwrap().copy_from_f32(&[lr]).unwrap();
-        let prep = AdamPrep { beta1: base.beta1, beta2: base.beta2, clip_grad: clip, weight_decay: base.weight_decay };
+        // The learning rate and weight decay of each step, as a schedule moves them.
+        let (lr, wd) = (base.lr * (1.0 + 0.5 * i as f32), base.weight_decay * (1.0 + i as f32));
+        state.view(st::LR, [2]).unwrap().copy_from_f32(&[lr, wd]).unwrap();
+        let prep = AdamPrep { beta1: base.beta1, beta2: base.beta2, clip_grad: clip };
         k::adam_prepare(&sq, &state, &prep).unwrap();
         k::adamw_runs(&pt, &mt, &vt, &gt, &params, &table, &base, Some(&state)).unwrap();
         let s = host(&state);
@@ -166,11 +167,11 @@ device_test!(adamw_runs_from_the_device_state, |dev: &Device| {
             let scale = if norm > clip as f64 { clip as f64 / (norm + 1e-6) } else { 1.0 };
             assert!(s[st::APPLIED] == 1.0 && (s[st::GRAD_NORM] - norm).abs() < 1e-5 * norm, "{s:?}");
             assert!((s[st::GRAD_SCALE] - scale).abs() < 1e-5 * scale, "{s:?} vs {scale}");
-            let h = AdamW { step: steps, grad_scale: scale as f32, lr, ..base };
+            let h = AdamW { step: steps, grad_scale: scale as f32, lr, weight_decay: wd, ..base };
             reference(&mut p, &g, &mut m, &mut v, &h);
         }
         assert_eq!(s[st::STEPS], steps as f64, "step count after step {i}");
-        assert_eq!(s[st::DECAY], (1.0 - lr * base.weight_decay) as f64, "decay factor after step {i}");
+        assert_eq!(s[st::DECAY], (1.0 - lr * wd) as f64, "decay factor after step {i}");
     }
     assert_close(&host(&pt), &p, 1e-5, 1e-6, "master");
     assert_close(&host(&mt), &m, 1e-5, 1e-6, "m");

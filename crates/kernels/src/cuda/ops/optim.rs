@@ -78,14 +78,7 @@ fn partials_dev(be: &B, xs: &[&Tensor], kernel: &'static str) -> Result<Tensor> 
 
 pub fn adam_prepare(be: &B, sq: &Tensor, state: &Tensor, p: &crate::AdamPrep) -> Result<()> {
     let op = "adam_prepare";
-    let args = [
-        ptr(op, sq)?,
-        ptr(op, state)?,
-        Arg::F32(p.beta1),
-        Arg::F32(p.beta2),
-        Arg::F32(p.clip_grad),
-        Arg::F32(p.weight_decay),
-    ];
+    let args = [ptr(op, sq)?, ptr(op, state)?, Arg::F32(p.beta1), Arg::F32(p.beta2), Arg::F32(p.clip_grad)];
     be.launch(op, 1, 32, 0, &args)
 }
 

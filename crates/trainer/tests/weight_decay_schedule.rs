@@ -1,0 +1,68 @@
+//! --weight-decay-incr-style linear|cosine with --start-weight-decay / --end-weight-decay:
+//! Megatron's weight decay schedule over the run's samples. The step's weight decay follows the
+//! samples consumed, so a run stopped and resumed takes the same updates as one straight (bit for
+//! bit), the schedule changes the run against a constant weight decay, and what Megatron asserts
+//! against is refused by name.
+
+mod common;
+
+use common::*;
+use ferrotron_trainer::settings::{Paths, Settings, TrainArgs};
+use ferrotron_trainer::train::train;
+
+fn rising(style: &str) -> TrainArgs {
+    TrainArgs {
+        weight_decay_incr_style: Some(style.into()),
+        start_weight_decay: Some(0.0),
+        end_weight_decay: Some(0.5),
+        lr: Some(1e-2),
+        ..tiny_args(true)
+    }
+}
+
+#[test]
+fn scheduled_weight_decay_resumes_bit_for_bit_and_changes_the_run() {
+    for style in ["linear", "cosine"] {
+        let s = settings(&rising(style));
+        // 8 iterations of 8 samples: linear 0 → 0.5 over 64 samples.
+        let w = s.wd_schedule().unwrap();
+        assert_eq!((w.incr, w.wd_at(0), w.wd_at(64)), (64.0, 0.0, 0.5));
+        let straight = run(&s, 1);
+        let dir = tmp(&format!("wd-{style}"));
+        let first = train(&s, &Paths { save: Some(dir.clone()), exit_interval: Some(4), ..Paths::default() }).unwrap();
+        let second = train(&s, &Paths { load: Some(dir.clone()), ..Paths::default() }).unwrap();
+        assert_eq!(bits(&straight.losses), [bits(&first.losses), bits(&second.losses)].concat(), "{style}");
+        let (zero, half) =
+            (run(&settings(&constant(rising(style), 0.0)), 1), run(&settings(&constant(rising(style), 0.5)), 1));
+        // The first update at weight decay 0 (the schedule's start): as the run without decay.
+        assert_eq!(bits(&straight.losses[..2]), bits(&zero.losses[..2]), "{style}: the first update at 0");
+        assert_ne!(bits(&straight.losses), bits(&zero.losses), "{style}: the decay rises");
+        assert_ne!(bits(&straight.losses), bits(&half.losses), "{style}: not 0.5 throughout");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
+/// `a` at a constant weight decay.
+fn constant(a: TrainArgs, wd: f32) -> TrainArgs {
+    TrainArgs {
+        weight_decay: Some(wd),
+        weight_decay_incr_style: None,
+        start_weight_decay: None,
+        end_weight_decay: None,
+        ..a
+    }
+}
+
+#[test]
+fn what_megatron_asserts_against_is_refused_by_name() {
+    let refused = |a: TrainArgs| format!("{:#}", Settings::resolve(&a).unwrap_err());
+    let e = refused(TrainArgs { start_weight_decay: Some(0.1), ..tiny_args(false) });
+    assert!(e.contains("add --weight-decay-incr-style linear or cosine"), "{e}");
+    let e = refused(TrainArgs { end_weight_decay: None, ..rising("linear") });
+    assert!(
+        e.contains("--weight-decay-incr-style linear needs both --start-weight-decay and --end-weight-decay"),
+        "{e}"
+    );
+    let e = refused(TrainArgs { weight_decay_incr_style: Some("exponential".into()), ..tiny_args(false) });
+    assert!(e.contains("--weight-decay-incr-style exponential: use constant, linear or cosine"), "{e}");
+}
