@@ -478,6 +478,7 @@ fn gpt2_config(v: &Value) -> Result<TransformerConfig> {
         },
         norm_epsilon: opt(v, "layer_norm_epsilon", f64_of)?.unwrap_or(1e-5),
         init_method_std: opt(v, "initializer_range", f64_of)?.unwrap_or(0.02) as f32,
+        embedding_init_method_std: None,
         // One rate for the embedding's and the branches' outputs in Ferrotron (and Megatron).
         hidden_dropout: dropout("resid_pdrop")?,
         attention_dropout: dropout("attn_pdrop")?,
@@ -684,6 +685,7 @@ fn llama_config(v: &Value) -> Result<TransformerConfig> {
         },
         norm_epsilon: opt(v, "rms_norm_eps", f64_of)?.unwrap_or(1e-6),
         init_method_std: opt(v, "initializer_range", f64_of)?.unwrap_or(0.02) as f32,
+        embedding_init_method_std: None,
         hidden_dropout: 0.0,
         attention_dropout: opt(v, "attention_dropout", f64_of)?.unwrap_or(0.0) as f32,
         mtp: None,

@@ -596,6 +596,7 @@ fn gpt(s: &MoeSpec) -> TransformerConfig {
         },
         norm_epsilon: 1e-5,
         init_method_std: 0.3,
+        embedding_init_method_std: None,
         hidden_dropout: 0.0,
         attention_dropout: 0.0,
         mtp: None,

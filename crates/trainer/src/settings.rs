@@ -186,6 +186,12 @@ pub struct TrainArgs {
     pub merge_file: Option<PathBuf>,
     #[arg(long)]
     pub init_method_std: Option<f32>,
+    /// The word and learned position embeddings' init std (default --init-method-std).
+    #[arg(long)]
+    pub embedding_init_method_std: Option<f32>,
+    /// Accepted, no effect: parameters are always initialised on the host, then copied.
+    #[arg(long)]
+    pub use_cpu_initialization: bool,
     #[arg(long)]
     pub micro_batch_size: Option<usize>,
     #[arg(long)]
@@ -973,7 +979,7 @@ impl TrainArgs {
             (self.hybrid_attention_ratio, self.hybrid_mlp_ratio) = (None, None);
         }
         merge_opts!(self, o; preset, num_layers, hidden_size, num_attention_heads, num_query_groups, kv_channels, ffn_hidden_size, seq_length,
-            max_position_embeddings, position_embedding_type, rotary_base, rope_scaling_factor, q_lora_rank, kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim, v_head_dim, rope_type, rotary_scaling_factor, mscale, mscale_all_dim, yarn_beta_fast, yarn_beta_slow, yarn_original_max_position_embeddings, normalization, tokenizer_type, vocab_size, tokenizer_model, tiktoken_pattern, tiktoken_num_special_tokens, tiktoken_special_tokens, vocab_file, merge_file, init_method_std,
+            max_position_embeddings, position_embedding_type, rotary_base, rope_scaling_factor, q_lora_rank, kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim, v_head_dim, rope_type, rotary_scaling_factor, mscale, mscale_all_dim, yarn_beta_fast, yarn_beta_slow, yarn_original_max_position_embeddings, normalization, tokenizer_type, vocab_size, tokenizer_model, tiktoken_pattern, tiktoken_num_special_tokens, tiktoken_special_tokens, vocab_file, merge_file, init_method_std, embedding_init_method_std,
             micro_batch_size, global_batch_size, train_iters, train_samples, lr_warmup_samples, lr_decay_samples, lr, min_lr, lr_warmup_init, lr_decay_style, lr_wsd_decay_style, lr_wsd_decay_iters, lr_wsd_decay_samples, lr_warmup_iters, lr_warmup_fraction,
             lr_decay_iters, weight_decay, start_weight_decay, end_weight_decay, weight_decay_incr_style, adam_beta1, adam_beta2, adam_eps, clip_grad, norm_epsilon, make_vocab_size_divisible_by,
             hidden_dropout, attention_dropout, window_size, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, ckpt_format, step_batch_size_schedule, corpus_docs, split,
@@ -998,7 +1004,7 @@ impl TrainArgs {
         merge_flags!(self, o; check_for_nan_in_loss_and_grad, no_check_for_nan_in_loss_and_grad, use_rope_scaling, swiglu, squared_relu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, multi_latent_attention, bf16, fp16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
             use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, calculate_per_token_loss, log_validation_ppl_to_tensorboard, log_timers_to_tensorboard,
-            log_world_size_to_tensorboard, log_memory_to_tensorboard, log_num_zeros_in_grad, async_save, no_save_optim, exit_signal_handler,
+            use_cpu_initialization, log_world_size_to_tensorboard, log_memory_to_tensorboard, log_num_zeros_in_grad, async_save, no_save_optim, exit_signal_handler,
             moe_router_pre_softmax, moe_router_enable_expert_bias, moe_grouped_gemm, moe_shared_expert_overlap, moe_shared_expert_gate, moe_pad_expert_input_to_capacity, is_hybrid_model,
             mamba_norm_ungrouped, disable_vision_class_token, freeze_lm, freeze_vit,
             log_throughput, log_params_norm, recompute_activations, no_position_embedding, use_mcore_models, attention_softmax_in_fp32,
@@ -1148,6 +1154,9 @@ pub struct Settings {
     pub mla: Option<MlaSettings>,
     pub tokenizer_type: String,
     pub init_method_std: f32,
+    /// --embedding-init-method-std (absent from older checkpoints: none).
+    #[serde(default)]
+    pub embedding_init_method_std: Option<f32>,
     pub micro_batch_size: usize,
     pub global_batch_size: usize,
     pub train_iters: u64,
@@ -1990,6 +1999,7 @@ fn transformer_args(c: &TransformerConfig) -> TrainArgs {
         // The config's window keeps the token and left before it: left = window − 1.
         window_size: c.layer.attention.window.map(|w| format!("({},0)", w - 1)),
         init_method_std: Some(c.init_method_std),
+        embedding_init_method_std: c.embedding_init_method_std,
         hidden_dropout: Some(c.hidden_dropout as f64),
         attention_dropout: Some(c.attention_dropout as f64),
         num_experts: moe.map(|m| m.num_experts),
@@ -2095,6 +2105,7 @@ impl TrainArgs {
             make_vocab_size_divisible_by,
             window_size,
             init_method_std,
+            embedding_init_method_std,
             hidden_dropout,
             attention_dropout,
             tokenizer_type,
@@ -2269,6 +2280,7 @@ impl Settings {
             mla: MlaSettings::from_args(&a)?,
             tokenizer_type: need(&a.tokenizer_type, "--tokenizer-type")?,
             init_method_std: need(&a.init_method_std, "--init-method-std")?,
+            embedding_init_method_std: a.embedding_init_method_std,
             micro_batch_size: need(&a.micro_batch_size, "--micro-batch-size")?,
             global_batch_size: need(&a.global_batch_size, "--global-batch-size")?,
             rampup_batch_size: a.rampup_batch_size.clone(),
@@ -3058,6 +3070,7 @@ impl Settings {
             },
             norm_epsilon: self.norm_epsilon,
             init_method_std: self.init_method_std,
+            embedding_init_method_std: self.embedding_init_method_std,
             hidden_dropout: self.hidden_dropout,
             attention_dropout: self.attention_dropout,
             mtp: self

@@ -249,6 +249,7 @@ fn megatrons_script_switches_run_as_the_plain_flags() {
         "--no-save-rng",
         "--override-opt_param-scheduler",
         "--override-opt-param-scheduler",
+        "--use-cpu-initialization",
         "--initial-loss-scale",
         "65536",
         "--loss-scale-window",

@@ -27,6 +27,9 @@ pub struct TransformerConfig {
     pub layer: LayerSpec,
     pub norm_epsilon: f64,
     pub init_method_std: f32,
+    /// The word and learned position embeddings' init std (Megatron's
+    /// --embedding-init-method-std); None: `init_method_std`.
+    pub embedding_init_method_std: Option<f32>,
     /// Dropout rate on each branch's output before its residual add and on the embedding's output
     /// (Megatron's --hidden-dropout), in training; 0: none.
     pub hidden_dropout: f32,

@@ -416,7 +416,8 @@ impl GptModel {
             (Some(spec), true) => Some(VisionModel::build(&mut p, spec, config.vocab_size, h, tp)?),
             _ => None,
         };
-        let std = config.init_method_std;
+        // The embeddings' own std (the output layer, untied, takes init_method_std as Megatron's).
+        let std = config.embedding_init_method_std.unwrap_or(config.init_method_std);
         let word = "embedding.word_embeddings.weight";
         let embedding = if plan.pre_process {
             Some(VocabParallelEmbedding::new(&mut p, word, config.vocab_size, v, h, std, tp)?)
@@ -451,11 +452,13 @@ impl GptModel {
         let output_layer = match (plan.post_process, config.untie_embeddings_and_output_weights, &embedding) {
             (false, ..) => None,
             (true, true, _) => {
-                Some(p.add(ParamMeta::split("output_layer.weight", [v, h], 0, shard, Init::Normal { std }, true)?)?)
+                let init = Init::Normal { std: config.init_method_std };
+                Some(p.add(ParamMeta::split("output_layer.weight", [v, h], 0, shard, init, true)?)?)
             }
             (true, false, Some(e)) => Some(e.weight),
             (true, false, None) => {
-                // The last stage's copy of the tied embedding: same name, so the same initial values.
+                // The last stage's copy of the tied embedding: same name and std, so the same
+                // initial values.
                 let mut m = ParamMeta::split(word, [v, h], 0, shard, Init::Normal { std }, true)?;
                 m.pipeline_copy = true;
                 Some(p.add(m)?)

@@ -235,6 +235,7 @@ pub fn clip_encoder(layers: usize, hidden: usize, heads: usize, ffn: usize, std:
         },
         norm_epsilon: 1e-5,
         init_method_std: std,
+        embedding_init_method_std: None,
         hidden_dropout: 0.0,
         attention_dropout: 0.0,
         mtp: None,

@@ -35,6 +35,7 @@ fn base() -> TransformerConfig {
         },
         norm_epsilon: 1e-5,
         init_method_std: 0.02,
+        embedding_init_method_std: None,
         hidden_dropout: 0.0,
         attention_dropout: 0.0,
         mtp: None,

@@ -80,6 +80,7 @@ pub(super) fn config(v: &Value) -> Result<TransformerConfig> {
         },
         norm_epsilon: eps,
         init_method_std: opt(v, "initializer_range", f64_of)?.unwrap_or(0.02) as f32,
+        embedding_init_method_std: None,
         hidden_dropout: 0.0,
         attention_dropout: 0.0,
         mtp: None,

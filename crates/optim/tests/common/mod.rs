@@ -59,6 +59,7 @@ pub fn config_layers(llama: bool, layers: usize) -> TransformerConfig {
         },
         norm_epsilon: 1e-5,
         init_method_std: 0.05,
+        embedding_init_method_std: None,
         hidden_dropout: 0.0,
         attention_dropout: 0.0,
         mtp: None,

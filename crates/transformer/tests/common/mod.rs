@@ -42,6 +42,7 @@ pub fn config(llama: bool) -> TransformerConfig {
         norm_epsilon: 1e-5,
         // Large enough that every layer's gradient stands far above f32 round-off.
         init_method_std: 0.3,
+        embedding_init_method_std: None,
         hidden_dropout: 0.0,
         attention_dropout: 0.0,
         mtp: None,
