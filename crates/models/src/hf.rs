@@ -1326,6 +1326,30 @@ mod tests {
         assert_eq!((q.data, k.data, v.data), (vec![0., 1., 2., 3.], vec![10., 11.], vec![20., 21.]));
     }
 
+    /// Tensors by name, in order.
+    type Named = Vec<(String, HostTensor)>;
+
+    /// Numbered tensors of every name `maps` gives for `c` (shapes as a checkpoint holds them:
+    /// Megatron's, vocabulary unpadded), exported as `c`, imported as `into`: (the tensors, what
+    /// came back, the exported files the import did not read).
+    fn export_then_import(
+        arch: HfArch,
+        c: &TransformerConfig,
+        into: &TransformerConfig,
+    ) -> (Named, Named, HashMap<String, HostTensor>) {
+        let own: Named = maps(arch, c)
+            .iter()
+            .enumerate()
+            .map(|(i, (name, _))| (name.clone(), numbered(&own_shape(c, name), i)))
+            .collect();
+        let by_name: HashMap<&str, &HostTensor> = own.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        let hf = export_all(arch, c, &|n| by_name.get(n).map(|&t| t.clone())).unwrap();
+        let mut files: HashMap<String, HostTensor> =
+            hf.into_iter().map(|(n, t)| (strip_prefix(arch, &n).to_string(), t)).collect();
+        let back = import_all(arch, into, &mut |n| files.remove(n)).unwrap();
+        (own, back, files)
+    }
+
     #[test]
     fn export_then_import_gives_every_tensor_back() {
         for arch in [
@@ -1342,17 +1366,7 @@ mod tests {
         ] {
             let c = tiny(arch);
             assert_eq!(HfArch::of(&c).unwrap(), arch);
-            let own: Vec<(String, HostTensor)> = maps(arch, &c)
-                .iter()
-                .enumerate()
-                // Shapes as a checkpoint holds them: Megatron's, vocabulary unpadded.
-                .map(|(i, (name, _))| (name.clone(), numbered(&own_shape(&c, name), i)))
-                .collect();
-            let by_name: HashMap<&str, &HostTensor> = own.iter().map(|(n, t)| (n.as_str(), t)).collect();
-            let hf = export_all(arch, &c, &|n| by_name.get(n).map(|&t| t.clone())).unwrap();
-            let mut files: HashMap<String, HostTensor> =
-                hf.into_iter().map(|(n, t)| (strip_prefix(arch, &n).to_string(), t)).collect();
-            let back = import_all(arch, &c, &mut |n| files.remove(n)).unwrap();
+            let (own, back, mut files) = export_then_import(arch, &c, &c);
             // What the import reads past: DeepSeek's per-depth copies of the shared layers.
             files.retain(|n, _| !is_buffer(n));
             assert!(files.is_empty(), "{arch:?}: left over {:?}", files.keys());
@@ -1384,16 +1398,7 @@ mod tests {
                 .filter(|m| m.name.ends_with(".weight") && m.init == ferrotron_core::Init::Zeros)
                 .map(|m| m.name.as_str())
                 .collect();
-            let own: Vec<(String, HostTensor)> = maps(arch, &c)
-                .iter()
-                .enumerate()
-                .map(|(i, (name, _))| (name.clone(), numbered(&own_shape(&c, name), i)))
-                .collect();
-            let by_name: HashMap<&str, &HostTensor> = own.iter().map(|(n, t)| (n.as_str(), t)).collect();
-            let hf = export_all(arch, &c, &|n| by_name.get(n).map(|&t| t.clone())).unwrap();
-            let mut files: HashMap<String, HostTensor> =
-                hf.into_iter().map(|(n, t)| (strip_prefix(arch, &n).to_string(), t)).collect();
-            let back = import_all(arch, &plain, &mut |n| files.remove(n)).unwrap();
+            let (own, back, _) = export_then_import(arch, &c, &plain);
             let mut shifted = 0;
             for ((name, t), (_, b)) in own.iter().zip(&back) {
                 let norm = norms.contains(&name.as_str());

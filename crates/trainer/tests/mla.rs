@@ -11,18 +11,6 @@ use ferrotron_trainer::checkpoint;
 use ferrotron_trainer::settings::{Launch, Paths, Settings, TrainArgs};
 use ferrotron_trainer::train::train;
 
-fn mla_args() -> TrainArgs {
-    TrainArgs {
-        multi_latent_attention: true,
-        q_lora_rank: Some(16),
-        kv_lora_rank: Some(12),
-        qk_head_dim: Some(8),
-        qk_pos_emb_head_dim: Some(4),
-        v_head_dim: Some(6),
-        ..tiny_args(true)
-    }
-}
-
 #[test]
 fn mla_layouts_follow_one_rank() {
     let s1 = settings(&mla_args());

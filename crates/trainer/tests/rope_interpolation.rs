@@ -24,13 +24,7 @@ fn interpolated_positions_train_as_one_rank_under_tp_and_cp() {
     let one = run(&s, 1);
     let plain = run(&settings(&tiny_args(true)), 1);
     assert_ne!(bits(&one.losses), bits(&plain.losses), "positions interpolated");
-    let mut tp = s.clone();
-    tp.tensor_model_parallel_size = 2;
-    tp.sequence_parallel = true;
-    follows("tp2 with SP", &run(&tp, 2), &one);
-    let mut cp = s.clone();
-    cp.context_parallel_size = 2;
-    follows("cp2", &run(&cp, 2), &one);
+    follows_tp_sp_and_cp(&s, &one);
 
     // Hugging Face: rope_scaling {rope_type linear, factor 4} and back.
     let arch = hf::HfArch::of(&c).unwrap();
@@ -48,16 +42,7 @@ fn interpolation_is_refused_where_it_cannot_apply() {
     let factor = |f: f64, a: TrainArgs| TrainArgs { rotary_seq_len_interpolation_factor: Some(f), ..a };
     let e = refused(factor(2.0, tiny_args(false)));
     assert!(e.contains("--position-embedding-type is learned_absolute"), "{e}");
-    let mla = TrainArgs {
-        multi_latent_attention: true,
-        q_lora_rank: Some(16),
-        kv_lora_rank: Some(12),
-        qk_head_dim: Some(8),
-        qk_pos_emb_head_dim: Some(4),
-        v_head_dim: Some(6),
-        ..tiny_args(true)
-    };
-    let e = refused(factor(2.0, mla));
+    let e = refused(factor(2.0, mla_args()));
     assert!(e.contains("--rotary-seq-len-interpolation-factor 2 with multi-latent attention"), "{e}");
     let e = refused(factor(-1.0, tiny_args(true)));
     assert!(e.contains("-1 must be positive"), "{e}");

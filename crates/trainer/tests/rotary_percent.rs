@@ -18,13 +18,7 @@ fn partial_rotary_trains_as_one_rank_under_tp_and_cp() {
     let one = run(&s, 1);
     let whole = run(&settings(&tiny_args(true)), 1);
     assert_ne!(bits(&one.losses), bits(&whole.losses), "half of each head rotates");
-    let mut tp = s.clone();
-    tp.tensor_model_parallel_size = 2;
-    tp.sequence_parallel = true;
-    follows("tp2 with SP", &run(&tp, 2), &one);
-    let mut cp = s.clone();
-    cp.context_parallel_size = 2;
-    follows("cp2", &run(&cp, 2), &one);
+    follows_tp_sp_and_cp(&s, &one);
     let e = ferrotron_models::hf::HfArch::of(&c).unwrap_err().to_string();
     assert!(e.contains("--rotary-percent 0.5"), "{e}");
 }

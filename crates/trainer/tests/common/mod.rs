@@ -77,3 +77,29 @@ pub fn refused(args: TrainArgs, ranks: usize, needle: &str) {
     };
     assert!(format!("{e:#}").contains(needle), "{needle}: {e:#}");
 }
+
+/// `s` under tensor parallelism 2 with sequence parallelism, and under context parallelism 2,
+/// each `follows` one rank's run `one`.
+pub fn follows_tp_sp_and_cp(s: &Settings, one: &Summary) {
+    let mut tp = s.clone();
+    tp.tensor_model_parallel_size = 2;
+    tp.sequence_parallel = true;
+    follows("tp2 with SP", &run(&tp, 2), one);
+    let mut cp = s.clone();
+    cp.context_parallel_size = 2;
+    follows("cp2", &run(&cp, 2), one);
+}
+
+/// Multi-latent attention on the Llama-style tiny model: latents of 16 (queries) and 12 (keys and
+/// values), heads of 8 + 4 rotary features, values 6 wide.
+pub fn mla_args() -> TrainArgs {
+    TrainArgs {
+        multi_latent_attention: true,
+        q_lora_rank: Some(16),
+        kv_lora_rank: Some(12),
+        qk_head_dim: Some(8),
+        qk_pos_emb_head_dim: Some(4),
+        v_head_dim: Some(6),
+        ..tiny_args(true)
+    }
+}
