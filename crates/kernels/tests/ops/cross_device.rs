@@ -155,149 +155,50 @@ fn every_op_matches_cpu() {
             let lin_odd = k::matmul_bias(&t[0], &t[2], &t[3].view(1, [9]).unwrap(), false, true).unwrap();
             vec![p, lin, da, db, dl, dw, tt, lin_b, lin_odd]
         });
+        let rope =
+            |rot, base, pos0| RopeCfg { rot, base, pos0, scaling: None, split: None, yarn: None, interpolation: None };
         // RoPE one pair per thread (a half of 6), then eight pairs per thread from the angle table
         // (halves of 32 and 24, the latter with 16 dims passed through), at long positions.
         let heads = rnd(&[2, 6, 4, 16], 9, dt);
         let heads64 = rnd(&[2, 9, 3, 64], 31, dt);
         for (x, rope) in [
-            (
-                &heads,
-                RopeCfg {
-                    rot: 12,
-                    base: 10000.0,
-                    pos0: 3,
-                    scaling: None,
-                    split: None,
-                    yarn: None,
-                    interpolation: None,
-                },
-            ),
-            (
-                &heads64,
-                RopeCfg {
-                    rot: 64,
-                    base: 500000.0,
-                    pos0: 4000,
-                    scaling: None,
-                    split: None,
-                    yarn: None,
-                    interpolation: None,
-                },
-            ),
-            (
-                &heads64,
-                RopeCfg {
-                    rot: 48,
-                    base: 10000.0,
-                    pos0: 7,
-                    scaling: None,
-                    split: None,
-                    yarn: None,
-                    interpolation: None,
-                },
-            ),
+            (&heads, rope(12, 10000.0, 3)),
+            (&heads64, rope(64, 500000.0, 4000)),
+            (&heads64, rope(48, 10000.0, 7)),
             // Llama 3.x's scaled frequencies (every band) on both kernels.
-            (
-                &heads,
-                RopeCfg {
-                    rot: 12,
-                    base: 10000.0,
-                    pos0: 3,
-                    scaling: Some(RopeScaling::llama3(32.0)),
-                    split: None,
-                    yarn: None,
-                    interpolation: None,
-                },
-            ),
-            (
-                &heads64,
-                RopeCfg {
-                    rot: 64,
-                    base: 500000.0,
-                    pos0: 4000,
-                    scaling: Some(RopeScaling::llama3(8.0)),
-                    split: None,
-                    yarn: None,
-                    interpolation: None,
-                },
-            ),
+            (&heads, RopeCfg { scaling: Some(RopeScaling::llama3(32.0)), ..rope(12, 10000.0, 3) }),
+            (&heads64, RopeCfg { scaling: Some(RopeScaling::llama3(8.0)), ..rope(64, 500000.0, 4000) }),
             // YaRN (DeepSeek-V3's numbers; Megatron's defaults, whose factor scales cos and sin)
             // on both kernels.
             (
                 &heads64,
                 RopeCfg {
-                    rot: 64,
-                    base: 10000.0,
-                    pos0: 4000,
-                    scaling: None,
-                    split: None,
                     yarn: Some(k::Yarn { mscale_all_dim: 1.0, ..k::Yarn::megatron(40.0) }),
-                    interpolation: None,
+                    ..rope(64, 10000.0, 4000)
                 },
             ),
-            (
-                &heads,
-                RopeCfg {
-                    rot: 12,
-                    base: 10000.0,
-                    pos0: 3,
-                    scaling: None,
-                    split: None,
-                    yarn: Some(k::Yarn::megatron(40.0)),
-                    interpolation: None,
-                },
-            ),
+            (&heads, RopeCfg { yarn: Some(k::Yarn::megatron(40.0)), ..rope(12, 10000.0, 3) }),
             // Linear position interpolation (with Llama 3's scaling on the table kernel, with
             // context parallelism's split on the one-pair kernel).
             (
                 &heads64,
                 RopeCfg {
-                    rot: 64,
-                    base: 500000.0,
-                    pos0: 4000,
                     scaling: Some(RopeScaling::llama3(8.0)),
-                    split: None,
-                    yarn: None,
                     interpolation: Some(4.0),
+                    ..rope(64, 500000.0, 4000)
                 },
             ),
             (
                 &heads,
                 RopeCfg {
-                    rot: 12,
-                    base: 10000.0,
-                    pos0: 3,
-                    scaling: None,
                     split: Some(k::RopeSplit { at: 3, pos: 40 }),
-                    yarn: None,
                     interpolation: Some(2.5),
+                    ..rope(12, 10000.0, 3)
                 },
             ),
             // Context parallelism's two chunks: rows from 3 (or 4) on restart far along.
-            (
-                &heads,
-                RopeCfg {
-                    rot: 12,
-                    base: 10000.0,
-                    pos0: 3,
-                    scaling: None,
-                    split: Some(k::RopeSplit { at: 3, pos: 40 }),
-                    yarn: None,
-                    interpolation: None,
-                },
-            ),
-            (
-                &heads64,
-                RopeCfg {
-                    rot: 64,
-                    base: 500000.0,
-                    pos0: 8,
-                    scaling: None,
-                    split: Some(k::RopeSplit { at: 4, pos: 9000 }),
-                    yarn: None,
-                    interpolation: None,
-                },
-            ),
+            (&heads, RopeCfg { split: Some(k::RopeSplit { at: 3, pos: 40 }), ..rope(12, 10000.0, 3) }),
+            (&heads64, RopeCfg { split: Some(k::RopeSplit { at: 4, pos: 9000 }), ..rope(64, 500000.0, 8) }),
         ] {
             check(&format!("rope {rope:?}"), dt, std::slice::from_ref(x), |t| {
                 vec![k::rope_fwd(&t[0], &rope).unwrap(), k::rope_bwd(&t[0], &rope).unwrap()]
@@ -308,33 +209,9 @@ fn every_op_matches_cpu() {
         // interpolated), one pair a thread.
         let qkv = rnd(&[2, 9, 3 * 4 * 64], 32, dt);
         for rope in [
-            RopeCfg {
-                rot: 64,
-                base: 500000.0,
-                pos0: 0,
-                scaling: Some(RopeScaling::llama3(8.0)),
-                split: None,
-                yarn: None,
-                interpolation: None,
-            },
-            RopeCfg {
-                rot: 36,
-                base: 10000.0,
-                pos0: 5,
-                scaling: None,
-                split: None,
-                yarn: None,
-                interpolation: Some(3.0),
-            },
-            RopeCfg {
-                rot: 64,
-                base: 10000.0,
-                pos0: 5,
-                scaling: None,
-                split: Some(k::RopeSplit { at: 5, pos: 700 }),
-                yarn: None,
-                interpolation: None,
-            },
+            RopeCfg { scaling: Some(RopeScaling::llama3(8.0)), ..rope(64, 500000.0, 0) },
+            RopeCfg { interpolation: Some(3.0), ..rope(36, 10000.0, 5) },
+            RopeCfg { split: Some(k::RopeSplit { at: 5, pos: 700 }), ..rope(64, 10000.0, 5) },
         ] {
             check(&format!("rope_qkv {rope:?}"), dt, std::slice::from_ref(&qkv), |t| {
                 let (f, b) = (t[0].deep_copy().unwrap(), t[0].deep_copy().unwrap());
