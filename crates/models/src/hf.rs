@@ -130,6 +130,11 @@ impl HfArch {
                 "rotary embeddings over part of each head (--rotary-percent {percent}): the Hugging Face classes here rotate whole heads"
             )));
         }
+        if c.layer.attention.qk_l2_norm {
+            return Err(HfError::NoEquivalent(
+                "Llama 4's L2 norm of the query and key heads (--qk-l2-norm): no Hugging Face class here has it".into(),
+            ));
+        }
         if let PositionEmbedding::Rope { scaling: Some(_), interpolation: Some(f), .. } = c.position_embedding {
             return Err(HfError::NoEquivalent(format!(
                 "Llama 3's frequency scaling with linear position interpolation ({f}): a Hugging Face config holds one rope_scaling"
@@ -468,6 +473,7 @@ fn gpt2_config(v: &Value) -> Result<TransformerConfig> {
                 bias: true,
                 qkv_bias: false,
                 qk_layernorm: false,
+                qk_l2_norm: false,
                 window: None,
                 causal: true,
                 mla: None,
@@ -675,6 +681,7 @@ fn llama_config(v: &Value) -> Result<TransformerConfig> {
                 bias: false,
                 qkv_bias: false,
                 qk_layernorm: false,
+                qk_l2_norm: false,
                 window: None,
                 causal: true,
                 mla: None,

@@ -586,6 +586,7 @@ fn gpt(s: &MoeSpec) -> TransformerConfig {
                 bias: false,
                 qkv_bias: false,
                 qk_layernorm: false,
+                qk_l2_norm: false,
                 window: None,
                 causal: true,
                 mla: None,

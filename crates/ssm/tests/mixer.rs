@@ -224,6 +224,7 @@ pub fn hybrid_config() -> TransformerConfig {
                 bias: false,
                 qkv_bias: false,
                 qk_layernorm: false,
+                qk_l2_norm: false,
                 window: None,
                 causal: true,
                 mla: None,

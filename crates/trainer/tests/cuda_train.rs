@@ -138,6 +138,14 @@ fn interpolated_rope_cuda_matches_cpu() {
     split_matches_cpu("llama-tiny", "rope interpolation 4", pi, pi);
 }
 
+/// --qk-l2-norm on the GPU (the RMSNorm kernels at a unit scale over each query and key head),
+/// against one CPU rank, fp32 within 1e-4.
+#[test]
+fn qk_l2_norm_cuda_matches_cpu() {
+    let l2 = |a: TrainArgs| TrainArgs { qk_l2_norm: true, ..a };
+    split_matches_cpu("llama-tiny", "qk l2 norm", l2, l2);
+}
+
 /// --apply-layernorm-1p on the GPU (the norm kernels' 1 + w, LayerNorm and RMSNorm with QK-norm),
 /// against one CPU rank, fp32 within 1e-4.
 #[test]

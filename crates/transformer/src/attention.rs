@@ -14,7 +14,7 @@
 //! rotates them at their global positions and the core attention is `ContextParallel`'s (K and V
 //! gathered over the cp group), on the split Q, K, V.
 
-use crate::norm::Norm;
+use crate::norm::{HeadNorm, Norm};
 use crate::spec::{AttentionSpec, NormSpec};
 use ferrotron_core::rng::fnv1a64;
 use ferrotron_core::{Cx, Module, ParamId, ParamTableBuilder, Result, Saved, Tensor, invalid};
@@ -25,8 +25,8 @@ use ferrotron_parallel::{ColumnParallelLinear, ContextParallel, RowParallelLinea
 pub struct SelfAttention {
     pub linear_qkv: ColumnParallelLinear,
     pub linear_proj: RowParallelLinear,
-    pub q_layernorm: Option<Norm>,
-    pub k_layernorm: Option<Norm>,
+    pub q_layernorm: Option<HeadNorm>,
+    pub k_layernorm: Option<HeadNorm>,
     pub rope: Option<RopeCfg>,
     /// Heads and query groups on this rank.
     pub heads: usize,
@@ -102,10 +102,12 @@ impl SelfAttention {
         // Each rank normalises only its heads: the norm's grads are partial over the group.
         let split = tp.size() > 1;
         let (q_layernorm, k_layernorm) = if spec.qk_layernorm {
-            (
-                Some(Norm::new(p, &format!("{prefix}.q_layernorm"), d.norm, head_dim, split)?),
-                Some(Norm::new(p, &format!("{prefix}.k_layernorm"), d.norm, head_dim, split)?),
-            )
+            let mut norm =
+                |n: &str| Norm::new(p, &format!("{prefix}.{n}"), d.norm, head_dim, split).map(HeadNorm::Learned);
+            (Some(norm("q_layernorm")?), Some(norm("k_layernorm")?))
+        } else if spec.qk_l2_norm {
+            let l2 = HeadNorm::L2 { eps: d.norm.eps };
+            (Some(l2.clone()), Some(l2))
         } else {
             (None, None)
         };

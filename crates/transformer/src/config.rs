@@ -111,6 +111,9 @@ impl TransformerConfig {
     /// Checks every combination that cannot work, naming the Megatron flag and the fix.
     pub fn validate(&self) -> Result<()> {
         let c = self;
+        if c.layer.attention.qk_layernorm && c.layer.attention.qk_l2_norm {
+            return Err(bad("--qk-layernorm and --qk-l2-norm both normalise each query and key head: keep one".into()));
+        }
         for (v, flag) in [
             (c.num_layers, "--num-layers"),
             (c.hidden_size, "--hidden-size"),
@@ -233,6 +236,7 @@ impl TransformerConfig {
                     "learned or no position embeddings (it needs --position-embedding-type rope)",
                 ),
                 (c.layer.attention.qk_layernorm, "--qk-layernorm (its latents have norms of their own)"),
+                (c.layer.attention.qk_l2_norm, "--qk-l2-norm"),
                 (c.layer.attention.qkv_bias, "--add-qkv-bias"),
                 (c.layer.attention.window.is_some(), "--window-size"),
                 (c.attention_dropout > 0.0, "--attention-dropout"),

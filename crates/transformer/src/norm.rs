@@ -128,3 +128,43 @@ impl Module for Norm {
         self.backward_res(cx, saved, dy, None, None)
     }
 }
+
+/// A norm over each attention head (`q_layernorm` / `k_layernorm`): QK-norm's own (`Norm`), or
+/// Llama 4's L2 norm (Megatron's --qk-l2-norm), x / √(mean(x²) + eps) with no parameters: the
+/// RMSNorm kernels at a scale of 1 (`k::Gamma::one_plus` of zeros), their weight gradient unused.
+#[derive(Debug, Clone)]
+pub enum HeadNorm {
+    Learned(Norm),
+    L2 { eps: f64 },
+}
+
+impl HeadNorm {
+    /// The unit scale of the L2 norm over the last dimension of `x`.
+    fn unit(x: &Tensor) -> Result<Tensor> {
+        Tensor::zeros([x.shape().last()], x.dtype(), x.device())
+    }
+}
+
+impl Module for HeadNorm {
+    fn forward(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Saved)> {
+        match self {
+            HeadNorm::Learned(n) => n.forward(cx, x),
+            HeadNorm::L2 { eps } => {
+                let (y, rstd) = k::rmsnorm_fwd(x, k::Gamma::one_plus(&Self::unit(x)?), *eps)?;
+                Ok((y, Saved::new(vec![x.clone(), rstd], vec![])))
+            }
+        }
+    }
+
+    fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
+        match self {
+            HeadNorm::Learned(n) => n.backward(cx, saved, dy),
+            HeadNorm::L2 { .. } => {
+                let [x, rstd] = &saved.tensors[..] else {
+                    return Err(invalid("HeadNorm::backward", "saved tensors do not match forward"));
+                };
+                Ok(k::rmsnorm_bwd(dy, x, k::Gamma::one_plus(&Self::unit(x)?), rstd)?.0)
+            }
+        }
+    }
+}

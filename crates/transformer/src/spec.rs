@@ -80,6 +80,9 @@ pub struct AttentionSpec {
     /// A bias on the QKV projection even without `bias` (Megatron's --add-qkv-bias; Qwen2).
     pub qkv_bias: bool,
     pub qk_layernorm: bool,
+    /// Llama 4's parameter-free L2 norm over each query and key head where QK-norm would be
+    /// (Megatron's --qk-l2-norm; not with `qk_layernorm`).
+    pub qk_l2_norm: bool,
     /// Sliding window in tokens (Mistral style); None = the whole (causal) context.
     pub window: Option<usize>,
     /// Causal (a language model's); false lets every position see every other (a vision

@@ -225,6 +225,7 @@ pub fn clip_encoder(layers: usize, hidden: usize, heads: usize, ffn: usize, std:
                 bias: true,
                 qkv_bias: false,
                 qk_layernorm: false,
+                qk_l2_norm: false,
                 window: None,
                 causal: false,
                 mla: None,

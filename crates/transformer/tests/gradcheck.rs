@@ -198,3 +198,30 @@ fn interpolated_rope_gradients_match_finite_differences() {
         check(cfg);
     }
 }
+
+/// Llama 4's L2 norm of each query and key head (--qk-l2-norm): no parameters (the model's count
+/// is the one without QK-norm), each normalised head's mean square is 1 (less eps), the loss moves
+/// off the model's without it, and the gradients match finite differences.
+#[test]
+fn qk_l2_norm_gradients_match_finite_differences() {
+    use ferrotron_core::Module;
+    let mut plain = config(true);
+    plain.layer.attention.qk_layernorm = false;
+    let mut cfg = plain.clone();
+    cfg.layer.attention.qk_l2_norm = true;
+    let (model, table) = GptModel::build(cfg.clone(), &Device::Cpu, DType::F32, 3).unwrap();
+    let (pm, pt) = GptModel::build(plain, &Device::Cpu, DType::F32, 3).unwrap();
+    assert_eq!(table.metas().len(), pt.metas().len(), "no parameters of its own");
+    let b = batch(2, 6, 11);
+    assert_ne!(loss(&model, &table, &b), loss(&pm, &pt, &b), "heads normalised");
+    let l2 = ferrotron_transformer::norm::HeadNorm::L2 { eps: 1e-6 };
+    let x =
+        ferrotron_core::Tensor::from_vec((0..24).map(|i| (i as f32 - 7.0) * 0.3).collect(), [2, 3, 4], &Device::Cpu)
+            .unwrap();
+    let (y, _) = l2.forward(&Cx::new(&table, false), &x).unwrap();
+    for row in y.to_vec_f32().unwrap().chunks(4) {
+        let ms = row.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / 4.0;
+        assert!((ms - 1.0).abs() < 1e-4, "mean square {ms}");
+    }
+    check(cfg);
+}

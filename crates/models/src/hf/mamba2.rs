@@ -70,6 +70,7 @@ pub(super) fn config(v: &Value) -> Result<TransformerConfig> {
                 bias: false,
                 qkv_bias: false,
                 qk_layernorm: false,
+                qk_l2_norm: false,
                 window: None,
                 causal: true,
                 mla: None,

@@ -49,6 +49,7 @@ pub fn config_layers(llama: bool, layers: usize) -> TransformerConfig {
                 bias,
                 qkv_bias: false,
                 qk_layernorm: llama,
+                qk_l2_norm: false,
                 window: None,
                 causal: true,
                 mla: None,

@@ -31,6 +31,7 @@ pub fn config(llama: bool) -> TransformerConfig {
                 bias: !llama,
                 qkv_bias: false,
                 qk_layernorm: llama,
+                qk_l2_norm: false,
                 window: None,
                 causal: true,
                 mla: None,
