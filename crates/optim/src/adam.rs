@@ -357,7 +357,7 @@ impl Optimizer {
         let sq = self.sum_sq(table)?;
         let prep = AdamPrep { beta1: c.beta1, beta2: c.beta2, clip_grad: c.clip_grad };
         k::adam_prepare(&sq, &self.state, &prep)?;
-        // Learning rate, step count and clip factor come from the state.
+        // Learning rate, weight decay, step count and clip factor come from the state.
         let h = AdamW {
             lr: 0.0,
             beta1: c.beta1,
