@@ -59,7 +59,7 @@ pub struct AttentionDims {
     pub head_dim: usize,
     pub heads: usize,
     pub groups: usize,
-    /// QK-norm's (`AttentionSpec::qk_norm`).
+    /// The head norms' (`AttentionSpec::qk_layernorm`, `qk_l2_norm`).
     pub norm: NormSpec,
     pub std: f32,
     /// Output projection init std (Megatron scales it by 1/√(2·layers)).
