@@ -1,4 +1,5 @@
-// Rotary embedding, rotate-half. Angles in f64 so that long positions match the CPU reference.
+// Rotary embedding, rotate-half (pair k is features k and k + rot/2) or, with `il`, interleaved
+// (features 2k and 2k + 1). Angles in f64 so that long positions match the CPU reference.
 // One thread per (token, head, pair), each computing its angle; or, eight-wide (`_v8`, when the
 // half and the pass-through part divide by 8 and the tensors are 16-byte aligned), one thread per
 // eight pairs reading the angles from a table that `rope_table` fills once per call (the
@@ -46,7 +47,7 @@ __device__ __forceinline__ float2 rope_cs(long pos, long k, long rot, double bas
 }
 
 #define ROPE(s, T) \
-extern "C" __global__ void rope_##s(const T* x, T* y, long rows, long t, long h, long d, long rot, long pos0, long at, long spos, double base, ROPE_SCALE_PARAMS, float sign, long period) { \
+extern "C" __global__ void rope_##s(const T* x, T* y, long rows, long t, long h, long d, long rot, long pos0, long at, long spos, double base, ROPE_SCALE_PARAMS, float sign, long period, long il) { \
     long half = rot / 2, pass = d - rot; \
     GRID_STRIDE(idx, rows * h * (half + pass)) { \
         long k = idx % (half + pass), hr = idx / (half + pass), row = hr / h; \
@@ -55,8 +56,9 @@ extern "C" __global__ void rope_##s(const T* x, T* y, long rows, long t, long h,
         if (k < half) { \
             float2 cs = rope_cs(rope_pos(row % t, pos0, at, spos), k, rot, base, ROPE_SCALE); \
             float c = cs.x, sn = sign * cs.y; \
-            float a = ld(x, base_i + k), b = ld(x, base_i + k + half); \
-            st(y, base_i + k, a * c - b * sn); st(y, base_i + k + half, b * c + a * sn); \
+            long ia = base_i + (il ? 2 * k : k), ib = base_i + (il ? 2 * k + 1 : k + half); \
+            float a = ld(x, ia), b = ld(x, ib); \
+            st(y, ia, a * c - b * sn); st(y, ib, b * c + a * sn); \
         } else if (x != y) { long j = rot + (k - half); st(y, base_i + j, ld(x, base_i + j)); } } }
 FOR_TYPES(ROPE)
 
@@ -66,25 +68,34 @@ extern "C" __global__ void rope_table(float2* cs, long t, long rot, long pos0, l
     GRID_STRIDE(i, t * half) cs[i] = rope_cs(rope_pos(i / half, pos0, at, spos), i % half, rot, base, ROPE_SCALE);
 }
 
+// Eight pairs of v [16] rotated into w by the angles e[0..8] (float2 (cos, sin), read four at a
+// time): rotate-half pairs (v[j], v[8 + j]) (v = x[k0..k0+8] then x[k0+half..k0+half+8]), or
+// interleaved (v[2j], v[2j + 1]) (v = x[2k0..2k0+16]). A template so the indices are constants
+// after unrolling and v, w stay in registers.
+template <bool IL> __device__ __forceinline__ void rope8_rotate(const float* v, float* w, const float2* e, float sign) {
+    const float4* e4 = reinterpret_cast<const float4*>(e);
+    _Pragma("unroll") for (int j = 0; j < 8; j++) {
+        const int a = IL ? 2 * j : j, b = IL ? 2 * j + 1 : 8 + j;
+        float4 q = e4[j / 2];
+        float c = (j & 1) ? q.z : q.x, sn = sign * ((j & 1) ? q.w : q.y);
+        w[a] = v[a] * c - v[b] * sn; w[b] = v[b] * c + v[a] * sn;
+    }
+}
+
 // Per (token, head): half / 8 groups of eight pairs, then (d − rot) / 8 groups copied through.
 #define ROPE8(s, T) \
-extern "C" __global__ void rope_##s##_v8(const T* x, T* y, const float2* cs, long rows, long t, long h, long d, long rot, float sign, long period) { \
+extern "C" __global__ void rope_##s##_v8(const T* x, T* y, const float2* cs, long rows, long t, long h, long d, long rot, float sign, long period, long il) { \
     long half = rot / 2, hc = half / 8, nc = hc + (d - rot) / 8; \
     GRID_STRIDE(idx, rows * h * nc) { \
         long c = idx % nc, hr = idx / nc, base_i = hr * d; \
         if (rope_skip(hr % h, period)) continue; \
         if (c < hc) { \
-            long k0 = c * 8; \
-            float a[8], b[8], ya[8], yb[8]; \
-            ld8(x, base_i + k0, a); ld8(x, base_i + k0 + half, b); \
-            const float4* e = reinterpret_cast<const float4*>(cs + ((hr / h) % t) * half + k0); \
-            _Pragma("unroll") for (int j = 0; j < 4; j++) { \
-                float4 w = e[j]; \
-                float c0 = w.x, s0 = sign * w.y, c1 = w.z, s1 = sign * w.w; \
-                ya[2 * j] = a[2 * j] * c0 - b[2 * j] * s0; yb[2 * j] = b[2 * j] * c0 + a[2 * j] * s0; \
-                ya[2 * j + 1] = a[2 * j + 1] * c1 - b[2 * j + 1] * s1; yb[2 * j + 1] = b[2 * j + 1] * c1 + a[2 * j + 1] * s1; \
-            } \
-            st8(y, base_i + k0, ya); st8(y, base_i + k0 + half, yb); \
+            long k0 = c * 8, lo = il ? 2 * k0 : k0, hi = il ? 2 * k0 + 8 : k0 + half; \
+            float v[16], w[16]; \
+            ld8(x, base_i + lo, v); ld8(x, base_i + hi, v + 8); \
+            const float2* e = cs + ((hr / h) % t) * half + k0; \
+            if (il) rope8_rotate<true>(v, w, e, sign); else rope8_rotate<false>(v, w, e, sign); \
+            st8(y, base_i + lo, w); st8(y, base_i + hi, w + 8); \
         } else if (x != y) { \
             float v[8]; long j = rot + (c - hc) * 8; \
             ld8(x, base_i + j, v); st8(y, base_i + j, v); \

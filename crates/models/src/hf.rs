@@ -24,7 +24,10 @@
 //! - Qwen3's `q_norm` / `k_norm` (RMSNorm over each head's width, before RoPE) are Megatron's
 //!   `q_layernorm` / `k_layernorm` (--qk-layernorm).
 //! - HF keeps the real vocabulary; Megatron pads it (the checkpoint drops the padding rows).
-//! - RoPE is rotate-half in both (HF's Llama weights are already permuted for it).
+//! - RoPE is rotate-half in both (HF's Llama weights are already permuted for it). A model with
+//!   interleaved pairs (--rotary-interleaved) exports each query and key head's rows (and QK-norm
+//!   weights) de-interleaved, evens first: HF's pair (j, j + d/2) is then its pair (2j, 2j + 1),
+//!   and every score is the same (one permutation of both q and k).
 
 use ferrotron_moe::{LoadBalancing, MoeSpec, RouterSpec};
 use ferrotron_transformer::TransformerConfig;
@@ -545,7 +548,7 @@ fn rope(v: &Value) -> Result<PositionEmbedding> {
         Some(t) => t.as_f64().ok_or_else(|| HfError::Config("`rope_parameters.rope_theta` is not a number".into()))?,
         None => opt(v, "rope_theta", f64_of)?.unwrap_or(10000.0),
     };
-    Ok(PositionEmbedding::Rope { base, scaling, percent: 1.0, interpolation })
+    Ok(PositionEmbedding::Rope { base, scaling, percent: 1.0, interpolation, interleaved: false })
 }
 
 /// Qwen2's layers: Llama's with biases on q, k and v, full attention in every layer.
@@ -1200,6 +1203,9 @@ pub fn export(
         }
         Ok(if padded { row_block(&t, 0, c.vocab_size) } else { t })
     };
+    // Query and key heads in HF's rotate-half order (the module doc).
+    let interleaved = matches!(c.position_embedding, PositionEmbedding::Rope { interleaved: true, .. });
+    let rotary_order = |t: HostTensor| if interleaved { deinterleave_heads(&t, d) } else { t };
     let prefix = if arch == HfArch::Gpt2 { "transformer." } else { "" };
     let named = |n: &str| if n == LM_HEAD { n.to_string() } else { format!("{prefix}{n}") };
     let mut put = |n: String, t: HostTensor| -> Result<()> {
@@ -1213,15 +1219,19 @@ pub fn export(
     for (name, map) in maps(arch, c) {
         let t = own(&name, &map)?;
         match map {
+            Map::Same(n) if name.ends_with("q_layernorm.weight") || name.ends_with("k_layernorm.weight") => {
+                put(named(&n), rotary_order(t))?
+            }
             Map::Same(n) => put(named(&n), t)?,
             Map::Transposed(n) => put(named(&n), transpose(&t))?,
             Map::Qkv(QkvSource::Gpt2 { name, weight }) => {
                 let [q, k, v] = ungroup_qkv(&t, heads, groups, d);
-                let joined = concat_rows(&[&q, &k, &v]);
+                let joined = concat_rows(&[&rotary_order(q), &rotary_order(k), &v]);
                 put(named(&name), if weight { transpose(&joined) } else { joined })?;
             }
             Map::Qkv(QkvSource::Llama { q, k, v, .. }) => {
-                for (n, part) in [q, k, v].iter().zip(ungroup_qkv(&t, heads, groups, d)) {
+                let [tq, tk, tv] = ungroup_qkv(&t, heads, groups, d);
+                for (n, part) in [q, k, v].iter().zip([rotary_order(tq), rotary_order(tk), tv]) {
                     put(named(n), part)?;
                 }
             }
@@ -1244,6 +1254,22 @@ pub fn export(
         }
     }
     Ok(())
+}
+
+/// Each `d`-row head of `t` [heads·d, ..] with its rows reordered from interleaved rotary pairs
+/// (2j, 2j + 1) to rotate-half ones (j, j + d/2): row j of a head takes row 2j for j < d/2,
+/// row 2(j − d/2) + 1 after.
+fn deinterleave_heads(t: &HostTensor, d: usize) -> HostTensor {
+    let width: usize = t.shape[1..].iter().product();
+    let half = d / 2;
+    let mut data = Vec::with_capacity(t.data.len());
+    for head in 0..t.shape[0] / d {
+        for j in 0..d {
+            let row = head * d + if j < half { 2 * j } else { 2 * (j - half) + 1 };
+            data.extend_from_slice(&t.data[row * width..(row + 1) * width]);
+        }
+    }
+    HostTensor::new(t.shape.clone(), data)
 }
 
 /// Whether Megatron-named `name` is the weight of one of the model's norms (`Norm` modules:
@@ -1615,7 +1641,13 @@ mod tests {
         let rope = |v: &Value| from_hf_config(v).unwrap().config.position_embedding;
         assert_eq!(
             rope(&v),
-            PositionEmbedding::Rope { base: 500000.0, scaling: None, percent: 1.0, interpolation: None }
+            PositionEmbedding::Rope {
+                base: 500000.0,
+                scaling: None,
+                percent: 1.0,
+                interpolation: None,
+                interleaved: false
+            }
         );
         // Llama 3.2's scaling, as transformers 5 writes it; then with a constant Megatron fixes changed.
         v["rope_parameters"] = json!({"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
@@ -1625,6 +1657,7 @@ mod tests {
             scaling: Some(RopeScaling::llama3(32.0)),
             percent: 1.0,
             interpolation: None,
+            interleaved: false,
         };
         assert_eq!(rope(&v), llama32);
         let c = from_hf_config(&v).unwrap().config;
@@ -1736,7 +1769,13 @@ mod tests {
         assert_eq!((yarn.factor, yarn.mscale, yarn.mscale_all_dim), (40.0, 1.0, 1.0));
         assert_eq!(
             c.position_embedding,
-            PositionEmbedding::Rope { base: 10000.0, scaling: None, percent: 1.0, interpolation: None }
+            PositionEmbedding::Rope {
+                base: 10000.0,
+                scaling: None,
+                percent: 1.0,
+                interpolation: None,
+                interleaved: false
+            }
         );
         let back = to_hf_config(HfArch::DeepseekV3, &c, "float32");
         assert_eq!(from_hf_config(&back).unwrap().config.layer.attention.mla, c.layer.attention.mla);

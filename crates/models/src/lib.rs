@@ -118,6 +118,7 @@ pub fn llama(size: LlamaSize) -> TransformerConfig {
             scaling: None,
             percent: 1.0,
             interpolation: None,
+            interleaved: false,
         },
         untie_embeddings_and_output_weights: true,
         layer: LayerSpec {
@@ -204,7 +205,13 @@ pub fn deepseek_v3_tiny() -> TransformerConfig {
     let layers = (0..base.num_layers).map(|i| i == 0).collect();
     TransformerConfig {
         num_query_groups: base.num_attention_heads,
-        position_embedding: PositionEmbedding::Rope { base: 10000.0, scaling: None, percent: 1.0, interpolation: None },
+        position_embedding: PositionEmbedding::Rope {
+            base: 10000.0,
+            scaling: None,
+            percent: 1.0,
+            interpolation: None,
+            interleaved: false,
+        },
         layer: LayerSpec {
             attention: AttentionSpec { mla: Some(mla), ..base.layer.attention },
             mlp: MlpSpec::Custom(Arc::new(moe)),

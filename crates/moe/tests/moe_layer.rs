@@ -577,7 +577,13 @@ fn gpt(s: &MoeSpec) -> TransformerConfig {
         max_position_embeddings: 6,
         vocab_size: 11,
         make_vocab_size_divisible_by: 1,
-        position_embedding: PositionEmbedding::Rope { base: 10000.0, scaling: None, percent: 1.0, interpolation: None },
+        position_embedding: PositionEmbedding::Rope {
+            base: 10000.0,
+            scaling: None,
+            percent: 1.0,
+            interpolation: None,
+            interleaved: false,
+        },
         untie_embeddings_and_output_weights: true,
         layer: LayerSpec {
             norm: NormKind::RmsNorm,

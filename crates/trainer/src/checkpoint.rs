@@ -628,19 +628,51 @@ pub fn open(dir: &Path, optimizer: bool) -> anyhow::Result<Box<dyn Parts>> {
     Ok(Box::new(Sharded { state, reader }))
 }
 
-/// Refuses a checkpoint whose norm weights mean another scale than this run's: saved with
-/// --apply-layernorm-1p they are the scale less 1, without it the scale (the parameter shapes are
-/// the same, so nothing else would tell).
-pub fn check_norms(saved: &State, s: &Settings, dir: &Path) -> anyhow::Result<()> {
+/// Refuses a checkpoint whose parameters mean something else under this run's flags, where the
+/// shapes are the same and so nothing else would tell: norm weights that are the scale less 1
+/// (--apply-layernorm-1p) or the scale, query and key rows in interleaved rotary pairs
+/// (--rotary-interleaved) or in halves, a GeLU MLP trained as erf or as tanh.
+pub fn check_meaning(saved: &State, s: &Settings, dir: &Path) -> anyhow::Result<()> {
     let with = |on: bool| if on { "with" } else { "without" };
-    let (then, now) = (saved.settings.apply_layernorm_1p, s.apply_layernorm_1p);
-    if then != now {
+    let (then, now) = (&saved.settings, s);
+    let flag = |name: &str, then: bool, now: bool, consequence: &str| -> anyhow::Result<()> {
+        if then != now {
+            bail!(
+                "{}: the checkpoint was saved {} {name} and this run is {} it, so {consequence}; give the flag as it was saved (or --use-checkpoint-args)",
+                dir.display(),
+                with(then),
+                with(now),
+            );
+        }
+        Ok(())
+    };
+    let scale = if then.apply_layernorm_1p { "1 less" } else { "1 more" };
+    flag(
+        "--apply-layernorm-1p",
+        then.apply_layernorm_1p,
+        now.apply_layernorm_1p,
+        &format!("its norm weights would scale by {scale} than trained"),
+    )?;
+    flag(
+        "--rotary-interleaved",
+        then.rotary_interleaved,
+        now.rotary_interleaved,
+        "its query and key features would rotate in other pairs than trained",
+    )?;
+    // GeLU's form matters only to a GeLU MLP.
+    let gelu = |x: &Settings| !x.swiglu && !x.squared_relu;
+    if gelu(then) && gelu(now) && then.gelu_exact != now.gelu_exact {
+        let form = |exact: bool| if exact { "erf" } else { "the tanh approximation" };
         bail!(
-            "{}: the checkpoint was saved {} --apply-layernorm-1p and this run is {} it, so its norm weights would scale by {} than trained; give the flag as it was saved (or --use-checkpoint-args)",
+            "{}: the checkpoint's MLPs were trained with GeLU as {} and this run's is {} (Megatron's GeLU is tanh through the fused bias-GeLU, erf without it): give {} to match it (or --use-checkpoint-args)",
             dir.display(),
-            with(then),
-            with(now),
-            if then { "1 less" } else { "1 more" }
+            form(then.gelu_exact),
+            form(now.gelu_exact),
+            if then.gelu_exact {
+                "--no-bias-gelu-fusion (or, without biases, no --openai-gelu)"
+            } else {
+                "--openai-gelu"
+            }
         );
     }
     Ok(())

@@ -890,6 +890,10 @@ pub struct TrainArgs {
     /// (2 stretches the trained positions over twice the context; transformers' rope_type linear).
     #[arg(long)]
     pub rotary_seq_len_interpolation_factor: Option<f64>,
+    /// Rotary pairs of adjacent features (x[2i], x[2i + 1]), GPT-J's layout, rather than a head's
+    /// two halves (x[i], x[i + d/2]).
+    #[arg(long)]
+    pub rotary_interleaved: bool,
     /// num_layers / (pipeline size × N) layers a virtual stage: --num-layers-per-virtual-pipeline-stage's
     /// other spelling.
     #[arg(long)]
@@ -1016,7 +1020,7 @@ impl TrainArgs {
             no_async_tensor_model_parallel_allreduce, accumulate_allreduce_grads_in_fp32, manual_gc, tp_comm_overlap,
             overlap_p2p_communication, no_create_attention_mask_in_dataloader, mmap_bin_files, no_mmap_bin_files,
             ckpt_fully_parallel_save, ckpt_fully_parallel_load, use_precision_aware_optimizer, use_torch_fsdp2,
-            apply_layernorm_1p, use_rotary_position_embeddings, use_checkpoint_opt_param_scheduler,
+            apply_layernorm_1p, use_rotary_position_embeddings, rotary_interleaved, use_checkpoint_opt_param_scheduler,
             override_opt_param_scheduler, no_load_rng, no_save_rng, ckpt_assume_constant_structure, auto_detect_ckpt_format,
             bias_swiglu_fusion, no_persist_layer_norm, defer_embedding_wgrad_compute, reset_position_ids, reset_attention_mask,
             skip_train, yarn_correction_range_round_to_int, no_yarn_correction_range_round_to_int, moe_enable_deepep, moe_router_fusion, delay_wgrad_compute, overlap_moe_expert_parallel_comm, te_rng_tracker,
@@ -1129,6 +1133,9 @@ pub struct Settings {
     /// `--rotary-seq-len-interpolation-factor` (absent from older checkpoints: none).
     #[serde(default)]
     pub rotary_seq_len_interpolation_factor: Option<f64>,
+    /// `--rotary-interleaved` (absent from older checkpoints: half-split pairs, as they ran).
+    #[serde(default)]
+    pub rotary_interleaved: bool,
     /// `--use-rope-scaling` with `--rope-scaling-factor` (absent from older checkpoints: off).
     #[serde(default)]
     pub use_rope_scaling: bool,
@@ -1942,10 +1949,12 @@ pub fn model_args(c: &TransformerConfig) -> TrainArgs {
 
 /// `model_args` but a hybrid's pattern and Mamba sizes.
 fn transformer_args(c: &TransformerConfig) -> TrainArgs {
-    let (pe, base, percent, interpolation) = match c.position_embedding {
-        PositionEmbedding::LearnedAbsolute => ("learned_absolute", 10000.0, 1.0, None),
-        PositionEmbedding::Rope { base, percent, interpolation, .. } => ("rope", base, percent, interpolation),
-        PositionEmbedding::None => ("none", 10000.0, 1.0, None),
+    let (pe, base, percent, interpolation, interleaved) = match c.position_embedding {
+        PositionEmbedding::LearnedAbsolute => ("learned_absolute", 10000.0, 1.0, None, false),
+        PositionEmbedding::Rope { base, percent, interpolation, interleaved, .. } => {
+            ("rope", base, percent, interpolation, interleaved)
+        }
+        PositionEmbedding::None => ("none", 10000.0, 1.0, None, false),
     };
     let moe = ferrotron_models::moe_spec(c);
     let (activation, bias) = match (&c.layer.mlp, moe) {
@@ -1973,6 +1982,7 @@ fn transformer_args(c: &TransformerConfig) -> TrainArgs {
         rotary_base: Some(base),
         rotary_percent: Some(percent).filter(|&p| p != 1.0),
         rotary_seq_len_interpolation_factor: interpolation,
+        rotary_interleaved: interleaved,
         use_rope_scaling: scaling.is_some(),
         rope_scaling_factor: scaling.map(|s| s.factor),
         normalization: Some(if c.layer.norm == NormKind::LayerNorm { "LayerNorm" } else { "RMSNorm" }.into()),
@@ -2083,6 +2093,7 @@ impl TrainArgs {
             rotary_base,
             rotary_percent,
             rotary_seq_len_interpolation_factor,
+            rotary_interleaved,
             use_rope_scaling,
             rope_scaling_factor,
             normalization,
@@ -2274,6 +2285,7 @@ impl Settings {
             rotary_percent: a.rotary_percent.unwrap_or_else(whole),
             // 1 (Megatron scripts pass it so) interpolates nothing.
             rotary_seq_len_interpolation_factor: a.rotary_seq_len_interpolation_factor.filter(|&f| f != 1.0),
+            rotary_interleaved: a.rotary_interleaved,
             use_rope_scaling: a.use_rope_scaling,
             rope_scaling_factor: a.rope_scaling_factor.unwrap_or_else(rope_scaling_factor),
             normalization: need(&a.normalization, "--normalization")?,
@@ -2993,6 +3005,12 @@ impl Settings {
     }
 
     pub fn model_config(&self) -> anyhow::Result<TransformerConfig> {
+        if self.rotary_interleaved && self.position_embedding_type != "rope" {
+            bail!(
+                "--rotary-interleaved lays out rotary pairs, but --position-embedding-type is {}: use rope, or drop the flag",
+                self.position_embedding_type
+            );
+        }
         if let Some(f) = self.rotary_seq_len_interpolation_factor.filter(|_| self.position_embedding_type != "rope") {
             bail!(
                 "--rotary-seq-len-interpolation-factor {f} interpolates rotary positions, but --position-embedding-type is {}: use rope, or drop the factor",
@@ -3006,6 +3024,7 @@ impl Settings {
                 scaling: self.use_rope_scaling.then(|| RopeScaling::llama3(self.rope_scaling_factor)),
                 percent: self.rotary_percent,
                 interpolation: self.rotary_seq_len_interpolation_factor,
+                interleaved: self.rotary_interleaved,
             },
             "none" => PositionEmbedding::None,
             o => bail!("--position-embedding-type {o}: use learned_absolute, rope or none"),
@@ -3187,6 +3206,7 @@ mod tests {
             scaling: Some(RopeScaling::llama3(32.0)),
             percent: 1.0,
             interpolation: None,
+            interleaved: false,
         };
         assert_eq!(s.model_config().unwrap().position_embedding, want);
         let s = parse("--preset llama-tiny --use-rope-scaling").unwrap();
@@ -3195,6 +3215,7 @@ mod tests {
             scaling: Some(RopeScaling::llama3(8.0)),
             percent: 1.0,
             interpolation: None,
+            interleaved: false,
         };
         assert_eq!(s.model_config().unwrap().position_embedding, eight, "Megatron's default factor");
         // The flags a config gives back build the same config (--use-checkpoint-args, imports).

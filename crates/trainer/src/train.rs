@@ -686,7 +686,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     let (mut iteration, mut consumed, mut consumed_valid) = (0u64, 0u64, 0u64);
     if let Some(dir) = &paths.load {
         let ck = checkpoint::open(dir, paths.load_mode == LoadMode::Resume)?;
-        checkpoint::check_norms(ck.state(), s, dir)?;
+        checkpoint::check_meaning(ck.state(), s, dir)?;
         if let Some((biases, _)) = &expert_bias {
             let finetune = paths.load_mode == LoadMode::Finetune;
             if checkpoint::restore_biases(ck.as_ref(), &biases.layers(), finetune)? && rank0 {

@@ -345,6 +345,10 @@ fn megatrons_script_switches_run_as_the_plain_flags() {
     fails_naming(&["--reset-position-ids"], "--reset-position-ids: document-wise");
     fails_naming(&["--reset-attention-mask"], "--reset-attention-mask: document-wise");
     fails_naming(&["--rotary-seq-len-interpolation-factor", "2"], "--position-embedding-type is learned_absolute");
+    fails_naming(
+        &["--rotary-interleaved"],
+        "--rotary-interleaved lays out rotary pairs, but --position-embedding-type is learned_absolute",
+    );
     fails_naming(&["--microbatch-group-size-per-virtual-pipeline-stage", "3"], "only the pipeline size");
     let resolved = |a: TrainArgs| Settings::resolve(&a).unwrap().0;
     let rope = resolved(TrainArgs { use_rotary_position_embeddings: true, ..Default::default() });

@@ -138,6 +138,14 @@ fn interpolated_rope_cuda_matches_cpu() {
     split_matches_cpu("llama-tiny", "rope interpolation 4", pi, pi);
 }
 
+/// --rotary-interleaved on the GPU (the fused in-place RoPE's eight-pair kernel on adjacent
+/// pairs), against one CPU rank, fp32 within 1e-4.
+#[test]
+fn interleaved_rope_cuda_matches_cpu() {
+    let il = |a: TrainArgs| TrainArgs { rotary_interleaved: true, ..a };
+    split_matches_cpu("llama-tiny", "interleaved rope", il, il);
+}
+
 /// --qk-l2-norm on the GPU (the RMSNorm kernels at a unit scale over each query and key head),
 /// against one CPU rank, fp32 within 1e-4.
 #[test]

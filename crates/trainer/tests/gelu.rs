@@ -1,12 +1,14 @@
 //! Megatron's GeLU: the tanh approximation through its fused bias-GeLU (biases on, the default),
 //! erf without the fusion (--no-bias-gelu-fusion, or no biases: --disable-bias-linear), tanh
 //! always under --openai-gelu. Each pick builds that activation, the erf one changes the run,
-//! model flags keep it across --use-checkpoint-args, and tensor parallelism follows one rank.
+//! model flags keep it across --use-checkpoint-args, a checkpoint resumes only under its form,
+//! and tensor parallelism follows one rank.
 
 mod common;
 
 use common::*;
-use ferrotron_trainer::settings::{TrainArgs, model_args};
+use ferrotron_trainer::settings::{Paths, TrainArgs, model_args};
+use ferrotron_trainer::train::train;
 use ferrotron_transformer::spec::{Activation, MlpSpec};
 
 fn activation(a: &TrainArgs) -> Activation {
@@ -35,8 +37,20 @@ fn megatrons_gelu_is_tanh_when_fused_and_erf_otherwise() {
             (back.no_bias_gelu_fusion, back.openai_gelu, back.disable_bias_linear);
         assert_eq!(activation(&again), activation(a), "{a:?}");
     }
-    let (tanh, erf) = (run(&settings(&base), 1), run(&settings(&unfused), 1));
+    let dir = tmp("gelu-erf");
+    let paths = |load: bool| Paths {
+        save: Some(dir.clone()).filter(|_| !load),
+        load: Some(dir.clone()).filter(|_| load),
+        ..Paths::default()
+    };
+    let (tanh, erf) = (run(&settings(&base), 1), train(&settings(&unfused), &paths(false)).unwrap());
     assert_ne!(bits(&tanh.losses), bits(&erf.losses), "erf and tanh GeLU ran the same");
+    // Resumed as tanh (the fused default) the MLPs would compute another function: refused.
+    let more = |a: &TrainArgs| settings(&TrainArgs { train_iters: Some(10), ..a.clone() });
+    let e = train(&more(&base), &paths(true)).unwrap_err();
+    assert!(format!("{e:#}").contains("GeLU as erf and this run's is the tanh approximation"), "{e:#}");
+    assert_eq!(train(&more(&unfused), &paths(true)).unwrap().losses.last().map(|l| l.0), Some(10));
+    let _ = std::fs::remove_dir_all(&dir);
     let mut tp = settings(&unfused);
     tp.tensor_model_parallel_size = 2;
     follows("erf GeLU tp2", &run(&tp, 2), &erf);

@@ -76,9 +76,11 @@ impl TransformerConfig {
     }
 
     /// The attention's RoPE at position 0 (None without rotary embeddings): the rotary dim of
-    /// --rotary-percent, the base, Llama 3's scaling, the linear interpolation.
+    /// --rotary-percent, the base, Llama 3's scaling, the linear interpolation, the pairs' layout.
     pub fn rope(&self) -> Option<ferrotron_kernels::RopeCfg> {
-        let PositionEmbedding::Rope { base, scaling, interpolation, .. } = self.position_embedding else { return None };
+        let PositionEmbedding::Rope { base, scaling, interpolation, interleaved, .. } = self.position_embedding else {
+            return None;
+        };
         Some(ferrotron_kernels::RopeCfg {
             rot: self.rotary_dim(),
             base,
@@ -87,6 +89,7 @@ impl TransformerConfig {
             split: None,
             yarn: None,
             interpolation,
+            interleaved,
         })
     }
 
@@ -149,7 +152,7 @@ impl TransformerConfig {
                 c.seq_length, c.max_position_embeddings
             )));
         }
-        if let PositionEmbedding::Rope { base, scaling, percent, interpolation } = c.position_embedding {
+        if let PositionEmbedding::Rope { base, scaling, percent, interpolation, interleaved } = c.position_embedding {
             if let Some(s) = interpolation {
                 if !(s.is_finite() && s > 0.0) {
                     return Err(bad(format!(
@@ -161,6 +164,11 @@ impl TransformerConfig {
                         "--rotary-seq-len-interpolation-factor {s} with multi-latent attention: its rotary features take YaRN (--rope-type yarn); drop the factor"
                     )));
                 }
+            }
+            if interleaved && c.layer.attention.mla.is_some() {
+                return Err(bad(
+                    "--rotary-interleaved with multi-latent attention: its rotary features are always interleaved (DeepSeek's layout); drop the flag".into(),
+                ));
             }
             if !(percent > 0.0 && percent <= 1.0) {
                 return Err(bad(format!("--rotary-percent {percent} must be in (0, 1] (1.0 rotates whole heads)")));

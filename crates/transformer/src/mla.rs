@@ -9,9 +9,10 @@
 //!   per head: Q = [q_nope | rope(q_pe)], K = [k_nope | rope(k_pe)] (k_pe the same for every
 //!   head), V = v; o = softmax(Q·Kᵀ / √(dn + r)) · V; y = linear_proj(o)  [n·dv → hidden].
 //! The rotary part is laid out in interleaved pairs (DeepSeek's checkpoints; Megatron and
-//! transformers de-interleave it before a half-split rotation): here a product with a fixed
-//! permutation matrix (exact: one 1 per row) de-interleaves it, so the rotation is the same
-//! kernel as every other RoPE's. The core attention runs on Q, K, V padded with zeros to one head
+//! transformers de-interleave it before a half-split rotation): here the interleaved rotation
+//! (`RopeCfg::interleaved`) turns each pair where it lies. Its output keeps the interleaved order
+//! where theirs is de-interleaved, the same permutation of every query's and key's rotary
+//! features, which no score changes (a dot product). The core attention runs on Q, K, V padded with zeros to one head
 //! width, max(dn + r, dv), on a GPU in bf16 further to the next head dim with tensor-core kernels
 //! (`k::attention_padded_width`: 192 at DeepSeek-V3's sizes); padding changes no score and no
 //! output column that is kept.
@@ -116,9 +117,6 @@ pub struct MlaAttention {
     /// Context parallelism over more than one rank (`set_context_parallel`): the rows are this
     /// rank's chunks (their global positions for RoPE), the core attention over the whole sequence.
     cp: Option<ContextParallel>,
-    /// The rotary part's de-interleaving permutation [r, r] in the activations' dtype and device,
-    /// made at the first forward.
-    perm: Mutex<Option<Tensor>>,
     /// The shared key's row ids per head (`head_ids`), the last few shapes: uploaded once, so a
     /// step replayed as a CUDA graph copies nothing from the host.
     ids: Mutex<Vec<Tensor>>,
@@ -195,6 +193,7 @@ impl MlaAttention {
             split: None,
             yarn: spec.yarn,
             interpolation: None,
+            interleaved: true,
         };
         Ok(MlaAttention {
             q,
@@ -207,7 +206,6 @@ impl MlaAttention {
             rope,
             tp: tp.clone(),
             cp: None,
-            perm: Mutex::new(None),
             ids: Mutex::new(Vec::new()),
         })
     }
@@ -216,23 +214,6 @@ impl MlaAttention {
         let width = self.spec.qk_head_dim + self.spec.qk_pos_emb_head_dim;
         let yarn = self.spec.yarn.map_or(1.0, |y| y.softmax_factor());
         AttnCfg { scale: Some(yarn / (width as f64).sqrt()), ..AttnCfg::default() }
-    }
-
-    /// The de-interleaving permutation P [r, r] (x · Pᵀ puts the even entries first, then the odd).
-    fn perm(&self, like: &Tensor) -> Result<Tensor> {
-        let mut g = self.perm.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(p) = g.as_ref().filter(|p| p.dtype() == like.dtype() && p.device().same(like.device())) {
-            return Ok(p.clone());
-        }
-        let r = self.spec.qk_pos_emb_head_dim;
-        let mut m = vec![0f32; r * r];
-        for i in 0..r / 2 {
-            m[i * r + 2 * i] = 1.0;
-            m[(r / 2 + i) * r + 2 * i + 1] = 1.0;
-        }
-        let p = Tensor::from_f32(&m, [r, r], like.dtype(), like.device())?;
-        *g = Some(p.clone());
-        Ok(p)
     }
 
     /// Under context parallelism (more than one rank): this rank's chunks, attending over the
@@ -246,16 +227,14 @@ impl MlaAttention {
         rope_at(self.cp.as_ref(), &self.rope, x.dims()[1])
     }
 
-    /// rope(x de-interleaved), x [B, T, H, r].
+    /// The interleaved rotation of x [B, T, H, r].
     fn rotate(&self, x: &Tensor) -> Result<Tensor> {
-        let y = k::matmul(x, &self.perm(x)?, false, true)?;
-        k::rope_fwd(&y, &self.rope_for(x))
+        k::rope_fwd(x, &self.rope_for(x))
     }
 
     /// The gradient of `rotate`'s input.
     fn rotate_bwd(&self, dy: &Tensor) -> Result<Tensor> {
-        let d = k::rope_bwd(dy, &self.rope_for(dy))?;
-        k::matmul(&d, &self.perm(dy)?, false, false)
+        k::rope_bwd(dy, &self.rope_for(dy))
     }
 
     /// Row ids that repeat each of `rows` rows `heads` times (k_pe's broadcast over the heads as a

@@ -40,8 +40,9 @@ pub enum PositionEmbedding {
     /// later its frequency scaling, the share of each head it rotates (Megatron's
     /// --rotary-percent: the first ⌊head_dim · percent⌋ features; 1.0 for whole heads), and
     /// linear position interpolation (--rotary-seq-len-interpolation-factor: positions divided by
-    /// it; None for none).
-    Rope { base: f64, scaling: Option<RopeScaling>, percent: f64, interpolation: Option<f64> },
+    /// it; None for none), and whether pairs are adjacent features (--rotary-interleaved) rather
+    /// than a head's two halves.
+    Rope { base: f64, scaling: Option<RopeScaling>, percent: f64, interpolation: Option<f64>, interleaved: bool },
     /// No position information (NoPE).
     None,
 }

@@ -120,8 +120,13 @@ fn partial_rotary_gradients_match_finite_differences() {
         let mut cfg = ferrotron_transformer::TransformerConfig { kv_channels: Some(8), ..config(true) };
         cfg.layer.attention.qk_layernorm = qk_layernorm;
         let whole = cfg.clone();
-        cfg.position_embedding =
-            PositionEmbedding::Rope { base: 10000.0, scaling: None, percent: 0.5, interpolation: None };
+        cfg.position_embedding = PositionEmbedding::Rope {
+            base: 10000.0,
+            scaling: None,
+            percent: 0.5,
+            interpolation: None,
+            interleaved: false,
+        };
         let (model, table) = GptModel::build(cfg.clone(), &Device::Cpu, DType::F32, 3).unwrap();
         for layer in &model.chunks[0].layers {
             let Sublayer::Attention(a) = &layer.branches[0].f else { panic!("not an attention") };
@@ -188,8 +193,13 @@ fn interpolated_rope_gradients_match_finite_differences() {
         let mut cfg = config(true);
         cfg.layer.attention.qk_layernorm = qk_layernorm;
         let plain = cfg.clone();
-        cfg.position_embedding =
-            PositionEmbedding::Rope { base: 10000.0, scaling: None, percent: 1.0, interpolation: Some(2.5) };
+        cfg.position_embedding = PositionEmbedding::Rope {
+            base: 10000.0,
+            scaling: None,
+            percent: 1.0,
+            interpolation: Some(2.5),
+            interleaved: false,
+        };
         assert_eq!(cfg.rope().and_then(|r| r.interpolation), Some(2.5));
         let (model, table) = GptModel::build(cfg.clone(), &Device::Cpu, DType::F32, 3).unwrap();
         let (pm, pt) = GptModel::build(plain, &Device::Cpu, DType::F32, 3).unwrap();

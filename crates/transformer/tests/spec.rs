@@ -73,7 +73,13 @@ fn valid_base_builds_with_megatron_names() {
 fn rope_with_odd_head_dim_is_rejected() {
     // 12 / 4 = 3: odd head dim.
     let e = err(TransformerConfig {
-        position_embedding: PositionEmbedding::Rope { base: 10000.0, scaling: None, percent: 1.0, interpolation: None },
+        position_embedding: PositionEmbedding::Rope {
+            base: 10000.0,
+            scaling: None,
+            percent: 1.0,
+            interpolation: None,
+            interleaved: false,
+        },
         ..base()
     });
     assert!(e.contains("even head dim") && e.contains("--num-attention-heads"), "{e}");
@@ -95,7 +101,13 @@ fn param_count_matches_table_for_llama_style() {
         hidden_size: 16,
         num_query_groups: 2,
         kv_channels: None,
-        position_embedding: PositionEmbedding::Rope { base: 10000.0, scaling: None, percent: 1.0, interpolation: None },
+        position_embedding: PositionEmbedding::Rope {
+            base: 10000.0,
+            scaling: None,
+            percent: 1.0,
+            interpolation: None,
+            interleaved: false,
+        },
         untie_embeddings_and_output_weights: true,
         layer: LayerSpec {
             norm: NormKind::RmsNorm,

@@ -1,13 +1,15 @@
-//! Rotary position embedding, rotate-half convention (GPT-NeoX, Llama, Megatron's default).
+//! Rotary position embedding, rotate-half convention (GPT-NeoX, Llama, Megatron's default) or
+//! interleaved (GPT-J, Megatron's --rotary-interleaved).
 //!
 //! Shapes: x, y [B, T, H, D]; the first `rot` (even, ≤ D) features of each head rotate, the rest pass.
-//! Pair i (< rot/2) is (x[i], x[i + rot/2]) at angle θ = pos(t) · f_i, f_i = base^(−2i/rot), where
+//! Pair i (< rot/2) is (x[i], x[i + rot/2]) (interleaved: (x[2i], x[2i + 1]); written (a, b)
+//! below) at angle θ = pos(t) · f_i, f_i = base^(−2i/rot), where
 //! pos(t) = pos0 + t, or with a `RopeSplit` (context parallelism: a rank's rows are two chunks of
 //! the sequence far apart) split.pos + t − split.at from row split.at on
 //! (with `RopeScaling`, Llama 3.1's frequency-dependent rescaling of f_i; with `Yarn`, YaRN's
 //! blend of f_i / factor and f_i along the pairs, and cos θ, sin θ times its attention factor m;
 //! with `interpolation` s, linear position interpolation: θ = (pos(t) / s) · f_i):
-//!   y[i] = m·(x[i]·cos θ − x[i+rot/2]·sin θ),  y[i+rot/2] = m·(x[i+rot/2]·cos θ + x[i]·sin θ).
+//!   y[a] = m·(x[a]·cos θ − x[b]·sin θ),  y[b] = m·(x[b]·cos θ + x[a]·sin θ).
 //! Backward is the rotation by −θ. `rope_qkv_` applies the same to the query and key heads of a
 //! fused QKV row in place, leaving its value heads.
 
@@ -29,6 +31,9 @@ pub struct RopeCfg {
     /// Linear position interpolation (Megatron's --rotary-seq-len-interpolation-factor,
     /// transformers' rope_type `linear`): every position divided by this factor, or None.
     pub interpolation: Option<f64>,
+    /// Pair i is (x[2i], x[2i + 1]) (GPT-J's layout, Megatron's --rotary-interleaved, DeepSeek's
+    /// MLA checkpoints) instead of (x[i], x[i + rot/2]).
+    pub interleaved: bool,
 }
 
 /// YaRN (Megatron's YarnRotaryEmbedding, transformers' rope_type `yarn`): pair i's frequency
@@ -159,6 +164,11 @@ impl RopeScaling {
 }
 
 impl RopeCfg {
+    /// The features (a, b) of pair i.
+    pub fn pair(&self, i: usize) -> (usize, usize) {
+        if self.interleaved { (2 * i, 2 * i + 1) } else { (i, i + self.rot / 2) }
+    }
+
     /// The position of row `p` of a sequence.
     pub fn position(&self, p: usize) -> usize {
         match self.split {
@@ -213,9 +223,10 @@ fn rotate_<T: Real>(x: &mut [T], t: usize, h: usize, d: usize, cfg: &RopeCfg, si
             }
             for i in 0..half {
                 let (c, s) = (cos[p * half + i], sign * sin[p * half + i]);
-                let (a, b) = (xs[i], xs[i + half]);
-                xs[i] = a * c - b * s;
-                xs[i + half] = b * c + a * s;
+                let (ia, ib) = cfg.pair(i);
+                let (a, b) = (xs[ia], xs[ib]);
+                xs[ia] = a * c - b * s;
+                xs[ib] = b * c + a * s;
             }
         }
     });

@@ -155,8 +155,16 @@ fn every_op_matches_cpu() {
             let lin_odd = k::matmul_bias(&t[0], &t[2], &t[3].view(1, [9]).unwrap(), false, true).unwrap();
             vec![p, lin, da, db, dl, dw, tt, lin_b, lin_odd]
         });
-        let rope =
-            |rot, base, pos0| RopeCfg { rot, base, pos0, scaling: None, split: None, yarn: None, interpolation: None };
+        let rope = |rot, base, pos0| RopeCfg {
+            rot,
+            base,
+            pos0,
+            scaling: None,
+            split: None,
+            yarn: None,
+            interpolation: None,
+            interleaved: false,
+        };
         // RoPE one pair per thread (a half of 6), then eight pairs per thread from the angle table
         // (halves of 32 and 24, the latter with 16 dims passed through), at long positions.
         let heads = rnd(&[2, 6, 4, 16], 9, dt);
@@ -196,6 +204,12 @@ fn every_op_matches_cpu() {
                     ..rope(12, 10000.0, 3)
                 },
             ),
+            // Interleaved pairs on both kernels (with Llama 3's scaling on the table kernel).
+            (&heads, RopeCfg { interleaved: true, ..rope(12, 10000.0, 3) }),
+            (
+                &heads64,
+                RopeCfg { interleaved: true, scaling: Some(RopeScaling::llama3(8.0)), ..rope(48, 500000.0, 4000) },
+            ),
             // Context parallelism's two chunks: rows from 3 (or 4) on restart far along.
             (&heads, RopeCfg { split: Some(k::RopeSplit { at: 3, pos: 40 }), ..rope(12, 10000.0, 3) }),
             (&heads64, RopeCfg { split: Some(k::RopeSplit { at: 4, pos: 9000 }), ..rope(64, 500000.0, 8) }),
@@ -206,12 +220,14 @@ fn every_op_matches_cpu() {
         }
         // RoPE in place on fused QKV (3 groups of 2 query heads at head dim 64): query and key
         // heads rotate, value heads stay; eight-wide and, with a rotary dim of 36 (positions
-        // interpolated), one pair a thread.
+        // interpolated), one pair a thread; rotate-half and interleaved.
         let qkv = rnd(&[2, 9, 3 * 4 * 64], 32, dt);
         for rope in [
             RopeCfg { scaling: Some(RopeScaling::llama3(8.0)), ..rope(64, 500000.0, 0) },
             RopeCfg { interpolation: Some(3.0), ..rope(36, 10000.0, 5) },
             RopeCfg { split: Some(k::RopeSplit { at: 5, pos: 700 }), ..rope(64, 10000.0, 5) },
+            RopeCfg { interleaved: true, ..rope(64, 10000.0, 5) },
+            RopeCfg { interleaved: true, ..rope(36, 10000.0, 5) },
         ] {
             check(&format!("rope_qkv {rope:?}"), dt, std::slice::from_ref(&qkv), |t| {
                 let (f, b) = (t[0].deep_copy().unwrap(), t[0].deep_copy().unwrap());

@@ -52,7 +52,8 @@ fn hf_attention_factor(y: &k::Yarn) -> f64 {
     get(y.factor, y.mscale) / get(y.factor, y.mscale_all_dim)
 }
 
-/// Naive rotate-half RoPE written from the formula, angle per (position, pair).
+/// Naive RoPE written from the formula, angle per (position, pair): pair i is (x[i], x[i + half]),
+/// or, interleaved, Megatron's `_rotate_half` on adjacent features (x[2i], x[2i + 1]).
 fn reference(x: &[f64], b: usize, t: usize, h: usize, d: usize, cfg: &RopeCfg) -> Vec<f64> {
     let mut y = x.to_vec();
     let half = cfg.rot / 2;
@@ -69,9 +70,11 @@ fn reference(x: &[f64], b: usize, t: usize, h: usize, d: usize, cfg: &RopeCfg) -
                     // Linear interpolation as transformers' rope_type linear: the frequencies divided.
                     let theta = pos as f64 * hf_freq(cfg, i) / cfg.interpolation.unwrap_or(1.0);
                     let m = cfg.yarn.map_or(1.0, |y| hf_attention_factor(&y));
-                    let (x1, x2) = (x[base + i], x[base + i + half]);
-                    y[base + i] = m * (x1 * theta.cos() - x2 * theta.sin());
-                    y[base + i + half] = m * (x2 * theta.cos() + x1 * theta.sin());
+                    let (a, b) =
+                        if cfg.interleaved { (base + 2 * i, base + 2 * i + 1) } else { (base + i, base + i + half) };
+                    let (x1, x2) = (x[a], x[b]);
+                    y[a] = m * (x1 * theta.cos() - x2 * theta.sin());
+                    y[b] = m * (x2 * theta.cos() + x1 * theta.sin());
                 }
             }
         }
@@ -83,12 +86,12 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(24))]
 
     #[test]
-    fn fwd_matches_formula_and_bwd_matches_fd(b in 1usize..3, t in 1usize..5, h in 1usize..3, pairs in 1usize..4, extra in 0usize..3, pos0 in 0usize..50, scaled: bool, split in proptest::option::of((0usize..5, 0usize..60)), interpolation in proptest::option::of(0.5f64..8.0), seed: u64) {
+    fn fwd_matches_formula_and_bwd_matches_fd(b in 1usize..3, t in 1usize..5, h in 1usize..3, pairs in 1usize..4, extra in 0usize..3, pos0 in 0usize..50, scaled: bool, split in proptest::option::of((0usize..5, 0usize..60)), interpolation in proptest::option::of(0.5f64..8.0), interleaved: bool, seed: u64) {
         let d = 2 * pairs + extra;
         // Scaled at a base where three pairs fall in the kept, blended and divided bands.
         let (base, scaling) = if scaled { (1e8, Some(RopeScaling::llama3(8.0))) } else { (10000.0, None) };
         let split = split.map(|(at, pos)| k::RopeSplit { at, pos });
-        let cfg = RopeCfg { rot: 2 * pairs, base, pos0, scaling, split, yarn: None, interpolation };
+        let cfg = RopeCfg { rot: 2 * pairs, base, pos0, scaling, split, yarn: None, interpolation, interleaved };
         let (x, r) = (randv(b * t * h * d, seed), randv(b * t * h * d, seed ^ 1));
         let dev = Device::Cpu;
         let y = k::rope_fwd(&t32(&dev, &x, &[b, t, h, d]), &cfg).unwrap();
@@ -100,7 +103,16 @@ proptest! {
 }
 
 device_test!(backward_inverts_forward, |dev: &Device| {
-    let cfg = RopeCfg { rot: 8, base: 500000.0, pos0: 3, scaling: None, split: None, yarn: None, interpolation: None };
+    let cfg = RopeCfg {
+        rot: 8,
+        base: 500000.0,
+        pos0: 3,
+        scaling: None,
+        split: None,
+        yarn: None,
+        interpolation: None,
+        interleaved: false,
+    };
     let x = randv(2 * 6 * 3 * 8, 5);
     let xt = t32(dev, &x, &[2, 6, 3, 8]);
     let back = k::rope_bwd(&k::rope_fwd(&xt, &cfg).unwrap(), &cfg).unwrap();
@@ -117,6 +129,7 @@ fn llama3_scaling_keeps_divides_and_blends_by_wavelength() {
         split: None,
         yarn: None,
         interpolation: None,
+        interleaved: false,
     };
     let plain = RopeCfg { scaling: None, ..cfg };
     // Wavelengths 2π, ≈ 2917 and ≈ 1.35e6 against the bands' edges 8192 / 4 and 8192 / 1.
@@ -155,6 +168,7 @@ fn yarn_matches_transformers_formula() {
             split: None,
             yarn: Some(yarn),
             interpolation: None,
+            interleaved: false,
         };
         for i in 0..32 {
             assert!((cfg.freq(i) - hf_freq(&cfg, i)).abs() <= 1e-14 * hf_freq(&cfg, i), "pair {i}");
@@ -188,6 +202,7 @@ fn yarn_matches_transformers_formula() {
         split: None,
         yarn: Some(deepseek),
         interpolation: None,
+        interleaved: false,
     };
     let x = t32(&Device::Cpu, &randv(64, 0), &[1, 1, 1, 64]);
     assert!(k::rope_fwd(&x, &both).unwrap_err().to_string().contains("keep one"));
@@ -198,7 +213,16 @@ fn odd_rotary_dim_is_an_error() {
     let x = t32(&Device::Cpu, &randv(2 * 5, 0), &[1, 1, 2, 5]);
     let e = k::rope_fwd(
         &x,
-        &RopeCfg { rot: 5, base: 10000.0, pos0: 0, scaling: None, split: None, yarn: None, interpolation: None },
+        &RopeCfg {
+            rot: 5,
+            base: 10000.0,
+            pos0: 0,
+            scaling: None,
+            split: None,
+            yarn: None,
+            interpolation: None,
+            interleaved: false,
+        },
     )
     .unwrap_err();
     assert!(e.to_string().contains("must be even"), "{e}");
@@ -214,11 +238,29 @@ device_test!(rope_on_fused_qkv_equals_split_rope_merge, |dev: &Device| {
     for (dt, cfg) in [
         (
             DType::F32,
-            RopeCfg { rot: 12, base: 10000.0, pos0: 7, scaling: None, split: None, yarn: None, interpolation: None },
+            RopeCfg {
+                rot: 12,
+                base: 10000.0,
+                pos0: 7,
+                scaling: None,
+                split: None,
+                yarn: None,
+                interpolation: None,
+                interleaved: false,
+            },
         ),
         (
             DType::BF16,
-            RopeCfg { rot: 16, base: 500000.0, pos0: 0, scaling: None, split: None, yarn: None, interpolation: None },
+            RopeCfg {
+                rot: 16,
+                base: 500000.0,
+                pos0: 0,
+                scaling: None,
+                split: None,
+                yarn: None,
+                interpolation: None,
+                interleaved: false,
+            },
         ),
     ] {
         let x = tensor(dev, &randv(b * t * w, 41), &[b, t, w], dt);
@@ -241,10 +283,73 @@ device_test!(rope_on_fused_qkv_equals_split_rope_merge, |dev: &Device| {
 #[test]
 fn fused_qkv_rope_names_a_width_that_does_not_fit_its_groups() {
     let x = t32(&Device::Cpu, &randv(2 * 3 * 40, 0), &[2, 3, 40]);
-    let cfg = RopeCfg { rot: 8, base: 10000.0, pos0: 0, scaling: None, split: None, yarn: None, interpolation: None };
+    let cfg = RopeCfg {
+        rot: 8,
+        base: 10000.0,
+        pos0: 0,
+        scaling: None,
+        split: None,
+        yarn: None,
+        interpolation: None,
+        interleaved: false,
+    };
     let e = k::rope_qkv_fwd_(&x, 2, 2, 8, &cfg).unwrap_err().to_string();
     assert!(e.contains("rope_qkv_fwd_") && e.contains("2·(2+2)·8 = 64"), "{e}");
     let e =
         k::rope_qkv_bwd_(&t32(&Device::Cpu, &randv(2 * 3 * 64, 0), &[2, 3, 64]), 2, 2, 8, &RopeCfg { rot: 10, ..cfg });
     assert!(e.unwrap_err().to_string().contains("at most the head dim 8"));
 }
+
+// Interleaved RoPE is rotate-half RoPE on the features permuted so that the even ones come first
+// (the permutation Megatron's MLA and transformers' DeepSeek apply before rotating), permuted
+// back: on both kernels (a half of 12, one pair a thread; 32, eight pairs a thread, with 16
+// features passed through), forward and backward, and in place on fused QKV.
+device_test!(interleaved_is_rotate_half_on_deinterleaved_features, |dev: &Device| {
+    use ferrotron_core::DType;
+    // Feature j of the de-interleaved head is feature perm[j] of the interleaved one.
+    let perm = |rot: usize, d: usize| -> Vec<usize> {
+        (0..rot / 2).map(|i| 2 * i).chain((0..rot / 2).map(|i| 2 * i + 1)).chain(rot..d).collect()
+    };
+    let gather = |x: &[f64], d: usize, idx: &[usize]| -> Vec<f64> {
+        x.chunks(d).flat_map(|h| idx.iter().map(|&j| h[j]).collect::<Vec<_>>()).collect()
+    };
+    let scatter = |x: &[f64], d: usize, idx: &[usize]| -> Vec<f64> {
+        let mut y = vec![0.0; x.len()];
+        for (yh, xh) in y.chunks_mut(d).zip(x.chunks(d)) {
+            for (j, &i) in idx.iter().enumerate() {
+                yh[i] = xh[j];
+            }
+        }
+        y
+    };
+    for (dims, rot, base, pos0) in [([2, 5, 3, 16], 12, 10000.0, 7), ([2, 4, 2, 80], 64, 500000.0, 3000)] {
+        let d = dims[3];
+        let half = RopeCfg {
+            rot,
+            base,
+            pos0,
+            scaling: None,
+            split: None,
+            yarn: None,
+            interpolation: None,
+            interleaved: false,
+        };
+        let il = RopeCfg { interleaved: true, ..half };
+        let p = perm(rot, d);
+        let x = randv(dims.iter().product(), 17);
+        let xt = t32(dev, &x, &dims);
+        let xp = t32(dev, &gather(&x, d, &p), &dims);
+        let fwd = scatter(&host(&k::rope_fwd(&xp, &half).unwrap()), d, &p);
+        assert_close(&host(&k::rope_fwd(&xt, &il).unwrap()), &fwd, 1e-6, 1e-6, "interleaved fwd");
+        let bwd = scatter(&host(&k::rope_bwd(&xp, &half).unwrap()), d, &p);
+        assert_close(&host(&k::rope_bwd(&xt, &il).unwrap()), &bwd, 1e-6, 1e-6, "interleaved bwd");
+        assert!(host(&k::rope_fwd(&xt, &il).unwrap()) != host(&k::rope_fwd(&xt, &half).unwrap()), "the layouts differ");
+        // In place on fused QKV: the query and key heads as rope_fwd turns them, value heads kept.
+        let (hkv, g) = (1, 2);
+        let qkv = tensor(dev, &randv(2 * 3 * hkv * (g + 2) * d, 19), &[2, 3, hkv * (g + 2) * d], DType::F32);
+        let (q, kk, v) = k::qkv_split(&qkv, hkv, g, d).unwrap();
+        let want = k::qkv_merge(&k::rope_fwd(&q, &il).unwrap(), &k::rope_fwd(&kk, &il).unwrap(), &v).unwrap();
+        k::rope_qkv_fwd_(&qkv, hkv, g, d, &il).unwrap();
+        assert_eq!(host(&qkv), host(&want), "interleaved rope_qkv");
+    }
+});

@@ -23,7 +23,13 @@ pub fn config_layers(llama: bool, layers: usize) -> TransformerConfig {
             NormKind::RmsNorm,
             Activation::SwiGlu,
             false,
-            PositionEmbedding::Rope { base: 10000.0, scaling: None, percent: 1.0, interpolation: None },
+            PositionEmbedding::Rope {
+                base: 10000.0,
+                scaling: None,
+                percent: 1.0,
+                interpolation: None,
+                interleaved: false,
+            },
         )
     } else {
         (NormKind::LayerNorm, Activation::Gelu, true, PositionEmbedding::LearnedAbsolute)

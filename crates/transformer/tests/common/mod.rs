@@ -19,7 +19,13 @@ pub fn config(llama: bool) -> TransformerConfig {
         vocab_size: 11,
         make_vocab_size_divisible_by: 1,
         position_embedding: if llama {
-            PositionEmbedding::Rope { base: 10000.0, scaling: None, percent: 1.0, interpolation: None }
+            PositionEmbedding::Rope {
+                base: 10000.0,
+                scaling: None,
+                percent: 1.0,
+                interpolation: None,
+                interleaved: false,
+            }
         } else {
             PositionEmbedding::LearnedAbsolute
         },

@@ -80,6 +80,7 @@ fn rope_heads(
             n(cfg.rot),
             Arg::F32(sign),
             n(period),
+            n(cfg.interleaved as usize),
         ];
         return ew(be, &format!("rope_{sfx}_v8"), rows * h * (half / 8 + (hd - cfg.rot) / 8), &args);
     }
@@ -98,7 +99,7 @@ fn rope_heads(
         Arg::F64(cfg.base),
     ];
     args.extend(scale);
-    args.extend([Arg::F32(sign), n(period)]);
+    args.extend([Arg::F32(sign), n(period), n(cfg.interleaved as usize)]);
     ew(be, &format!("rope_{sfx}"), work, &args)
 }
 
