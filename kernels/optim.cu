@@ -9,23 +9,28 @@
 struct AdamH {
     float b1, b2, eps, step_size, bc2_sqrt, decay, grad_scale;
 };
-__device__ __forceinline__ void adam_elem(float& p, float& m, float& v, float g, const AdamH& h, float decay) {
+// Where a run's step size and decay differ from the main ones: the decoupled learning rate's.
+struct AdamLr {
+    float step_size, decay;
+};
+__device__ __forceinline__ void adam_elem(float& p, float& m, float& v, float g, const AdamH& h, float decay,
+                                          float step_size) {
     float gi = __fmul_rn(g, h.grad_scale);
     m = __fmaf_rn(h.b1, m, __fmul_rn(1.f - h.b1, gi));
     v = __fmaf_rn(h.b2, v, __fmul_rn(__fmul_rn(1.f - h.b2, gi), gi));
     float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), h.bc2_sqrt), h.eps);
-    p = __fmaf_rn(p, decay, -__fdiv_rn(__fmul_rn(h.step_size, m), denom));
+    p = __fmaf_rn(p, decay, -__fdiv_rn(__fmul_rn(step_size, m), denom));
 }
 
 extern "C" __global__ void adamw(float* p, const float* g, float* m, float* v, long n, float b1, float b2, float eps,
                                  float step_size, float bc2_sqrt, float decay, float grad_scale) {
     const AdamH h{b1, b2, eps, step_size, bc2_sqrt, decay, grad_scale};
-    GRID_STRIDE(i, n) adam_elem(p[i], m[i], v[i], g[i], h, decay);
+    GRID_STRIDE(i, n) adam_elem(p[i], m[i], v[i], g[i], h, decay, step_size);
 }
 
 // AdamW over the runs of one flat buffer in one launch (multi-tensor apply). Run k is eight
-// u32s at runs + 8k: flat offset, state offset and length as (low, high) pairs, weight decay on
-// (1) or off (0), and the index of its first ADAM_CHUNK-element chunk (chunks counted over the
+// u32s at runs + 8k: flat offset, state offset and length as (low, high) pairs, flags (1: weight
+// decay, 2: the decoupled learning rate), and the index of its first ADAM_CHUNK-element chunk (chunks counted over the
 // runs in order). Its `len` elements sit at `flat` in the gradient and parameter buffers and at
 // `state` in the master weights and moments. Block b updates chunk b: it finds its run by binary
 // search over the first-chunk indices. The arithmetic is `adamw`'s, and the new master weight is
@@ -44,7 +49,10 @@ extern "C" __global__ void adamw(float* p, const float* g, float* m, float* v, l
 #define ADAM_STEPS 5
 #define ADAM_LR 6
 #define ADAM_WD 7
-#define ADAM_DECAY 8
+#define ADAM_LR_DECOUPLED 8
+#define ADAM_DECAY 9
+#define ADAM_STEP_SIZE_DECOUPLED 10
+#define ADAM_DECAY_DECOUPLED 11
 // Four consecutive gradients from a 4-element-aligned index (16 bytes of f32, 8 of bf16).
 __device__ __forceinline__ void ld4(const float* g, long i, float* out) {
     float4 q = *(const float4*)(g + i);
@@ -60,6 +68,8 @@ __device__ __forceinline__ void ld4(const bf16_t* g, long i, float* out) {
 template <typename T, typename G>
 __device__ __forceinline__ void adamw_runs_impl(float* p, const G* g, float* m, float* v, T* param, const u32* runs,
                                                 long nruns, AdamH h, const float* step_state) {
+    // Without a state every run steps at h's rate.
+    AdamLr dec{h.step_size, h.decay};
     if (step_state) {
         // The step as `adam_prepare` settled it on the device (no read back on the host).
         if (step_state[ADAM_APPLIED] == 0.f) return;
@@ -67,6 +77,7 @@ __device__ __forceinline__ void adamw_runs_impl(float* p, const G* g, float* m, 
         h.step_size = step_state[ADAM_STEP_SIZE];
         h.bc2_sqrt = step_state[ADAM_BC2_SQRT];
         h.decay = step_state[ADAM_DECAY];
+        dec = AdamLr{step_state[ADAM_STEP_SIZE_DECOUPLED], step_state[ADAM_DECAY_DECOUPLED]};
     }
     u32 b = blockIdx.x;
     long lo = 0, hi = nruns - 1;
@@ -77,11 +88,13 @@ __device__ __forceinline__ void adamw_runs_impl(float* p, const G* g, float* m, 
     const u32* d = runs + 8 * lo;
     long flat = (long)d[0] | ((long)d[1] << 32), state = (long)d[2] | ((long)d[3] << 32);
     long len = (long)d[4] | ((long)d[5] << 32);
-    float dk = d[6] ? h.decay : 1.f;
+    bool decoupled = d[6] & 2;
+    float dk = d[6] & 1 ? (decoupled ? dec.decay : h.decay) : 1.f;
+    float ss = decoupled ? dec.step_size : h.step_size;
     long e0 = (long)(b - d[7]) * ADAM_CHUNK, e1 = e0 + ADAM_CHUNK < len ? e0 + ADAM_CHUNK : len;
     auto one = [&](long i) {
         long s = state + i;
-        adam_elem(p[s], m[s], v[s], ld(g, flat + i), h, dk);
+        adam_elem(p[s], m[s], v[s], ld(g, flat + i), h, dk, ss);
         st(param, flat + i, p[s]);
     };
     unsigned long addr = (unsigned long)(m + state) | (unsigned long)(v + state) | (unsigned long)(p + state);
@@ -100,7 +113,7 @@ __device__ __forceinline__ void adamw_runs_impl(float* p, const G* g, float* m, 
         float* mm = &m4.x; float* vv = &v4.x; float* pp = &p4.x;
 #pragma unroll
         for (int e = 0; e < 4; e++) {
-            adam_elem(pp[e], mm[e], vv[e], gg[e], h, dk);
+            adam_elem(pp[e], mm[e], vv[e], gg[e], h, dk, ss);
             st(param, flat + i + e, pp[e]);
         }
         *(float4*)(m + state + i) = m4; *(float4*)(v + state + i) = v4; *(float4*)(p + state + i) = p4;
@@ -169,14 +182,14 @@ extern "C" __global__ void __launch_bounds__(256) sum_partials_f32(const double*
     if (threadIdx.x == 0) out[0] = (float)sh[0];
 }
 
-// One thread settles the step from Σ g² (sq[0], summed across ranks) and the learning rate and
+// One thread settles the step from Σ g² (sq[0], summed across ranks) and the learning rates and
 // weight decay the host wrote into the state: the norm, the clip factor, whether the update applies (a finite
-// norm), the step count moved on when it does, the bias-corrected step size and √(1 − β2ᵗ) for
-// that count (f64, as the host computed them), and the decay factor 1 − lr·wd (rounded as the
-// host's f32 arithmetic rounds it: no fused multiply-add).
+// norm), the step count moved on when it does, the bias-corrected step sizes and √(1 − β2ᵗ) for
+// that count (f64, as the host computed them), and the decay factors 1 − lr·wd (rounded as the
+// host's f32 arithmetic rounds them: no fused multiply-add), for the main and decoupled rates.
 extern "C" __global__ void adam_prepare(const float* sq, float* state, float b1, float b2, float clip) {
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
-    float lr = state[ADAM_LR], wd = state[ADAM_WD];
+    float lr = state[ADAM_LR], wd = state[ADAM_WD], lr2 = state[ADAM_LR_DECOUPLED];
     double norm = sqrt((double)sq[0]);
     bool ok = isfinite(norm);
     double t = (double)state[ADAM_STEPS] + (ok ? 1.0 : 0.0);
@@ -184,7 +197,10 @@ extern "C" __global__ void adam_prepare(const float* sq, float* state, float b1,
     state[ADAM_GRAD_SCALE] = clip > 0.f && norm > (double)clip ? (float)((double)clip / (norm + 1e-6)) : 1.f;
     state[ADAM_APPLIED] = ok ? 1.f : 0.f;
     state[ADAM_STEPS] = (float)t;
-    state[ADAM_STEP_SIZE] = (float)((double)lr / (1.0 - pow((double)b1, t)));
+    double bc1 = 1.0 - pow((double)b1, t);
+    state[ADAM_STEP_SIZE] = (float)((double)lr / bc1);
+    state[ADAM_STEP_SIZE_DECOUPLED] = (float)((double)lr2 / bc1);
     state[ADAM_BC2_SQRT] = (float)sqrt(1.0 - pow((double)b2, t));
     state[ADAM_DECAY] = __fsub_rn(1.f, __fmul_rn(lr, wd));
+    state[ADAM_DECAY_DECOUPLED] = __fsub_rn(1.f, __fmul_rn(lr2, wd));
 }

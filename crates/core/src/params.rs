@@ -188,6 +188,9 @@ pub struct ParamMeta {
     /// Not trained (Megatron's --freeze-LM / --freeze-ViT): the optimizer leaves it as it is and
     /// its gradient counts in no norm.
     pub frozen: bool,
+    /// The word embedding or the output layer (any stage's copy; Megatron's
+    /// `is_embedding_or_output_parameter`): trained at --decoupled-lr where one is given.
+    pub embedding_or_output: bool,
 }
 
 impl ParamMeta {
@@ -207,6 +210,7 @@ impl ParamMeta {
             weight_decay,
             expert: false,
             frozen: false,
+            embedding_or_output: false,
         }
     }
 
@@ -248,6 +252,7 @@ impl ParamMeta {
             weight_decay,
             expert: false,
             frozen: false,
+            embedding_or_output: false,
         })
     }
 
@@ -279,6 +284,13 @@ impl ParamTableBuilder {
     /// Marks every parameter added since the first `start` as an expert's (`ParamMeta::expert`).
     pub fn mark_expert_since(&mut self, start: usize) {
         self.metas.iter_mut().skip(start).for_each(|m| m.expert = true);
+    }
+
+    /// Marks `id` as the word embedding or the output layer (`ParamMeta::embedding_or_output`).
+    pub fn mark_embedding_or_output(&mut self, id: ParamId) {
+        if let Some(m) = self.metas.get_mut(id.0) {
+            m.embedding_or_output = true;
+        }
     }
 
     pub fn add(&mut self, meta: ParamMeta) -> Result<ParamId> {

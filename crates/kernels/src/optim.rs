@@ -31,17 +31,20 @@ pub fn adamw_step(param: &Tensor, grad: &Tensor, m: &Tensor, v: &Tensor, h: &Ada
 }
 
 /// One run of a flat buffer for [`adamw_runs`]: `len` elements at `flat` in the gradient and
-/// parameter buffers and at `state` in the master weights and moments, with weight decay or not.
+/// parameter buffers and at `state` in the master weights and moments, with weight decay or not,
+/// at the main learning rate or the decoupled one (the embedding and output layer's,
+/// `adam_state::LR_DECOUPLED`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AdamRun {
     pub flat: usize,
     pub state: usize,
     pub len: usize,
     pub decay: bool,
+    pub decoupled: bool,
 }
 
 /// An optimizer's runs, built once: on a GPU also as a table on the device (eight u32 per run,
-/// kernels/optim.cu), so a step uploads nothing (a copy from pageable memory would wait for the
+/// kernels/optim.cu; the flags word: 1 weight decay, 2 the decoupled rate), so a step uploads nothing (a copy from pageable memory would wait for the
 /// stream).
 pub struct AdamRuns {
     runs: Vec<AdamRun>,
@@ -72,7 +75,8 @@ impl AdamRuns {
             let mut words = Vec::with_capacity(8 * runs.len());
             for r in &runs {
                 let ([f0, f1], [s0, s1], [l0, l1]) = (lohi(r.flat), lohi(r.state), lohi(r.len));
-                words.extend([f0, f1, s0, s1, l0, l1, r.decay as u32, first]);
+                let flags = r.decay as u32 | (r.decoupled as u32) << 1;
+                words.extend([f0, f1, s0, s1, l0, l1, flags, first]);
                 first += r.len.div_ceil(ADAM_CHUNK) as u32;
             }
             let n = words.len();
@@ -88,8 +92,9 @@ impl AdamRuns {
 /// into the parameters. master, exp_avg and exp_avg_sq are f32; grads f32 or bf16 (a bf16
 /// main_grad, widened exactly); params any float type.
 /// With `state` (an [`adam_state`] tensor that [`adam_prepare`] settled, on the same device) the
-/// learning rate, weight decay, clip factor, step count and whether to update at all come from
-/// it instead of `h`, so the host need not read anything back first.
+/// learning rates (a `decoupled` run's its own), weight decay, clip factor, step count and
+/// whether to update at all come from it instead of `h`, so the host need not read anything back
+/// first; without one every run steps at `h.lr`.
 #[allow(clippy::too_many_arguments)]
 pub fn adamw_runs(
     master: &Tensor,
@@ -143,25 +148,27 @@ pub fn adamw_runs(
         return crate::cuda::ops::adamw_runs(&g, &x, table, runs.chunks, h);
     }
     check::on_cpu(OP, &every)?;
-    let h = match state {
+    // (the step, the decoupled runs' learning rate)
+    let (h, lr_decoupled) = match state {
         Some(st) => {
             let s = st.read_f32()?;
             if s[adam_state::APPLIED] == 0.0 {
                 return Ok(());
             }
             let (grad_scale, step, lr) = (s[adam_state::GRAD_SCALE], s[adam_state::STEPS] as u64, s[adam_state::LR]);
-            AdamW { grad_scale, step, lr, weight_decay: s[adam_state::WD], ..*h }
+            (AdamW { grad_scale, step, lr, weight_decay: s[adam_state::WD], ..*h }, s[adam_state::LR_DECOUPLED])
         }
-        None => *h,
+        None => (*h, h.lr),
     };
     for r in &runs.runs {
         let wd = if r.decay { h.weight_decay } else { 0.0 };
+        let lr = if r.decoupled { lr_decoupled } else { h.lr };
         let (p, m, v) =
             (master.view(r.state, [r.len])?, exp_avg.view(r.state, [r.len])?, exp_avg_sq.view(r.state, [r.len])?);
         // A bf16 main_grad widened first (exactly): adamw_step takes f32.
         let g = grads.view(r.flat, [r.len])?;
         let g = if g.dtype() == DType::F32 { g } else { crate::cast(&g, DType::F32)? };
-        adamw_step(&p, &g, &m, &v, &AdamW { weight_decay: wd, ..h })?;
+        adamw_step(&p, &g, &m, &v, &AdamW { weight_decay: wd, lr, ..h })?;
         crate::copy_(&params.view(r.flat, [r.len])?, &p)?;
     }
     Ok(())
@@ -223,9 +230,15 @@ pub mod adam_state {
     /// This step's weight decay, written with the learning rate (Megatron's
     /// --weight-decay-incr-style moves it over the run).
     pub const WD: usize = 7;
+    /// This step's learning rate of the decoupled runs (the embedding and output layer under
+    /// --decoupled-lr; the main rate without it), written with the other two.
+    pub const LR_DECOUPLED: usize = 8;
     /// 1 − lr·weight_decay, the factor decayed weights are multiplied by.
-    pub const DECAY: usize = 8;
-    pub const LEN: usize = 9;
+    pub const DECAY: usize = 9;
+    /// `STEP_SIZE` and `DECAY` at the decoupled learning rate.
+    pub const STEP_SIZE_DECOUPLED: usize = 10;
+    pub const DECAY_DECOUPLED: usize = 11;
+    pub const LEN: usize = 12;
 }
 
 /// What [`adam_prepare`] needs besides Σ g² and the learning rate and weight decay in the state:
@@ -288,11 +301,12 @@ fn on_device(op: &'static str, ts: &[&Tensor], device: &Device, what: Reduce) ->
     Tensor::from_vec(vec![v as f32], [1], device)
 }
 
-/// Settles one step in `state` (an [`adam_state`] tensor whose `LR` and `WD` slots hold this
-/// step's learning rate and weight decay) from `sq` = Σ g² (one f32, summed across ranks, on the same device): the norm
-/// √sq, the clip factor clip / (norm + 10⁻⁶) when the norm exceeds a positive `clip_grad` (else
-/// 1), whether the update applies (a finite norm), the step count moved on when it does, the bias
-/// corrections for that count and the decay factor. Queued work only on a GPU (one thread).
+/// Settles one step in `state` (an [`adam_state`] tensor whose `LR`, `WD` and `LR_DECOUPLED`
+/// slots hold this step's learning rates and weight decay) from `sq` = Σ g² (one f32, summed
+/// across ranks, on the same device): the norm √sq, the clip factor clip / (norm + 10⁻⁶) when the
+/// norm exceeds a positive `clip_grad` (else 1), whether the update applies (a finite norm), the
+/// step count moved on when it does, the bias corrections for that count and the decay factors
+/// (each learning rate's step size and decay). Queued work only on a GPU (one thread).
 pub fn adam_prepare(sq: &Tensor, state: &Tensor, p: &AdamPrep) -> Result<()> {
     const OP: &str = "adam_prepare";
     check::dtype(OP, sq, DType::F32)?;
@@ -319,7 +333,10 @@ fn settle(s: &mut [f32], norm: f64, p: &AdamPrep) {
         if p.clip_grad > 0.0 && norm > p.clip_grad as f64 { (p.clip_grad as f64 / (norm + 1e-6)) as f32 } else { 1.0 };
     s[APPLIED] = if ok { 1.0 } else { 0.0 };
     s[STEPS] = t as f32;
-    s[STEP_SIZE] = (s[LR] as f64 / (1.0 - (p.beta1 as f64).powf(t))) as f32;
+    let bc1 = 1.0 - (p.beta1 as f64).powf(t);
+    s[STEP_SIZE] = (s[LR] as f64 / bc1) as f32;
+    s[STEP_SIZE_DECOUPLED] = (s[LR_DECOUPLED] as f64 / bc1) as f32;
     s[BC2_SQRT] = (1.0 - (p.beta2 as f64).powf(t)).sqrt() as f32;
     s[DECAY] = 1.0 - s[LR] * s[WD];
+    s[DECAY_DECOUPLED] = 1.0 - s[LR_DECOUPLED] * s[WD];
 }

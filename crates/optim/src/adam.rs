@@ -1,9 +1,10 @@
 //! AdamW with fp32 master weights over flat buffers.
 //!
 //! Per step: global grad norm over main_grad → clip coefficient → one AdamW pass over every owned
-//! piece of the master buffer (weight decay only where `ParamMeta::weight_decay`) that also
-//! writes each new master weight (rounded) into the model's parameter buffer. Non-finite
-//! gradients skip the step.
+//! piece of the master buffer (weight decay only where `ParamMeta::weight_decay`; the word
+//! embedding and output layer at their own learning rate where one is set, Megatron's
+//! --decoupled-lr) that also writes each new master weight (rounded) into the model's parameter
+//! buffer. Non-finite gradients skip the step.
 //!
 //! The step is decided on the parameters' device: Σ g² stays there (summed across ranks by the
 //! collective), `adam_prepare` turns it into the clip factor, the skip flag and the bias
@@ -89,6 +90,9 @@ pub struct Optimizer {
     /// expert-parallel group (each rank holds other experts) and, sharded, over the
     /// expert-data-parallel group instead of the data-parallel one.
     experts: Option<ExpertNorm>,
+    /// The learning rate of the word embedding and output layer (`ParamMeta::embedding_or_output`)
+    /// for the next updates; None: the main one.
+    decoupled_lr: Option<f32>,
 }
 
 /// What [`Optimizer::total`] sums over the model.
@@ -165,7 +169,7 @@ impl Optimizer {
         }
         let runs = runs(table, &owned)
             .into_iter()
-            .map(|(decay, r, state)| AdamRun { flat: r.start, state, len: r.len(), decay })
+            .map(|((decay, decoupled), r, state)| AdamRun { flat: r.start, state, len: r.len(), decay, decoupled })
             .collect();
         Ok(Optimizer {
             config,
@@ -179,6 +183,7 @@ impl Optimizer {
             dp,
             tp_rank,
             experts: None,
+            decoupled_lr: None,
         })
     }
 
@@ -335,12 +340,21 @@ impl Optimizer {
         self.apply(table)
     }
 
-    /// Writes the next update's learning rate (and `config.weight_decay`) into the step state on
-    /// the device (a small copy queued without waiting for the stream). Kept apart from
-    /// [`Optimizer::apply`] so that a step captured as a CUDA graph reads each replay's own.
+    /// Writes the next update's learning rate (with `config.weight_decay` and the decoupled
+    /// rate, `lr` without one) into the step state on the device (a small copy queued without
+    /// waiting for the stream). Kept apart from [`Optimizer::apply`] so that a step captured as a
+    /// CUDA graph reads each replay's own.
     pub fn set_lr(&self, lr: f32) -> Result<(), OptimError> {
-        self.state.view(adam_state::LR, [2])?.copy_from_f32(&[lr, self.config.weight_decay])?;
+        let rates = [lr, self.config.weight_decay, self.decoupled_lr.unwrap_or(lr)];
+        self.state.view(adam_state::LR, [3])?.copy_from_f32(&rates)?;
         Ok(())
+    }
+
+    /// The learning rate of the word embedding and output layer in the next updates (Megatron's
+    /// --decoupled-lr, moved by its own schedule), or None for the main rate: written to the
+    /// device with it by [`Optimizer::set_lr`].
+    pub fn set_decoupled_lr(&mut self, lr: Option<f32>) {
+        self.decoupled_lr = lr;
     }
 
     /// The weight decay of the next updates (Megatron's --weight-decay-incr-style moves it over
@@ -439,21 +453,23 @@ fn pieces(table: &ParamTable, owned: &[Range<usize>]) -> Vec<(ParamId, Range<usi
 }
 
 /// `pieces` merged where neighbours touch in both the flat buffer and the state and share
-/// the weight-decay choice: (decay, flat range, state offset). AdamW is elementwise, so the runs
-/// give the same bits as one update per parameter; all of them go to one `adamw_runs` (one
-/// launch per step on a GPU, with the rounded copy into the parameters in the same pass).
-fn runs(table: &ParamTable, owned: &[Range<usize>]) -> Vec<(bool, Range<usize>, usize)> {
-    let mut out: Vec<(bool, Range<usize>, usize)> = Vec::new();
+/// the weight-decay and learning-rate choices: ((decay, decoupled), flat range, state offset).
+/// AdamW is elementwise, so the runs give the same bits as one update per parameter; all of them
+/// go to one `adamw_runs` (one launch per step on a GPU, with the rounded copy into the
+/// parameters in the same pass).
+fn runs(table: &ParamTable, owned: &[Range<usize>]) -> Vec<((bool, bool), Range<usize>, usize)> {
+    let mut out: Vec<((bool, bool), Range<usize>, usize)> = Vec::new();
     for (id, r, at) in pieces(table, owned) {
-        if table.meta(id).frozen {
+        let meta = table.meta(id);
+        if meta.frozen {
             continue;
         }
-        let decay = table.meta(id).weight_decay;
+        let kind = (meta.weight_decay, meta.embedding_or_output);
         match out.last_mut() {
-            Some(last) if last.0 == decay && last.1.end == r.start && last.2 + last.1.len() == at => {
+            Some(last) if last.0 == kind && last.1.end == r.start && last.2 + last.1.len() == at => {
                 last.1.end = r.end;
             }
-            _ => out.push((decay, r, at)),
+            _ => out.push((kind, r, at)),
         }
     }
     out

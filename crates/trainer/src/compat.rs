@@ -102,11 +102,6 @@ pub(crate) fn apply(a: &mut TrainArgs) -> anyhow::Result<()> {
     if a.apply_wd_to_qk_layernorm {
         bail!("--apply-wd-to-qk-layernorm: the QK-norms' weights take no weight decay here (as other norms); drop it");
     }
-    if let Some(lr) = a.decoupled_lr.or(a.decoupled_min_lr) {
-        bail!(
-            "--decoupled-lr / --decoupled-min-lr {lr}: a learning rate of its own for the embedding and output layer is not built; drop them"
-        );
-    }
     if a.init_method_xavier_uniform {
         bail!("--init-method-xavier-uniform: the weights start from N(0, --init-method-std); drop it");
     }

@@ -218,6 +218,13 @@ pub struct TrainArgs {
     /// The warmup's starting learning rate (default 0: the first update, as Megatron's, at 0).
     #[arg(long)]
     pub lr_warmup_init: Option<f64>,
+    /// A learning rate of its own for the word embedding and output layer, on the same warmup
+    /// and decay as --lr (Megatron's decoupled parameter group).
+    #[arg(long)]
+    pub decoupled_lr: Option<f64>,
+    /// What --decoupled-lr decays to (default --min-lr).
+    #[arg(long)]
+    pub decoupled_min_lr: Option<f64>,
     /// constant, linear, cosine, inverse-square-root or WSD.
     #[arg(long)]
     pub lr_decay_style: Option<String>,
@@ -834,14 +841,10 @@ pub struct TrainArgs {
     pub dataloader_fast_cache_load: bool,
     #[arg(long)]
     pub dataloader_defer_npy_index_mmap: bool,
-    /// Refused by name: weight decay on the QK-norms, separate learning rates for the embedding
-    /// and output layer, Xavier initialisation, and Megatron's old spelling of full recompute.
+    /// Refused by name: weight decay on the QK-norms, Xavier initialisation, and Megatron's old
+    /// spelling of full recompute.
     #[arg(long)]
     pub apply_wd_to_qk_layernorm: bool,
-    #[arg(long)]
-    pub decoupled_lr: Option<f64>,
-    #[arg(long)]
-    pub decoupled_min_lr: Option<f64>,
     #[arg(long)]
     pub init_method_xavier_uniform: bool,
     #[arg(long)]
@@ -1194,6 +1197,11 @@ pub struct Settings {
     /// `--lr-warmup-init` (absent from older checkpoints' settings: 0).
     #[serde(default)]
     pub lr_warmup_init: f64,
+    /// `--decoupled-lr` / `--decoupled-min-lr` (absent from older checkpoints' settings: none).
+    #[serde(default)]
+    pub decoupled_lr: Option<f64>,
+    #[serde(default)]
+    pub decoupled_min_lr: Option<f64>,
     pub lr_decay_style: String,
     #[serde(default)]
     pub lr_wsd_decay_style: Option<String>,
@@ -2310,6 +2318,8 @@ impl Settings {
             lr: need(&a.lr, "--lr")?,
             min_lr: need(&a.min_lr, "--min-lr")?,
             lr_warmup_init: a.lr_warmup_init.unwrap_or(0.0),
+            decoupled_lr: a.decoupled_lr,
+            decoupled_min_lr: a.decoupled_min_lr,
             lr_decay_style: need(&a.lr_decay_style, "--lr-decay-style")?,
             lr_wsd_decay_style: a.lr_wsd_decay_style.clone(),
             lr_wsd_decay_iters: a.lr_wsd_decay_iters,
@@ -2666,6 +2676,23 @@ impl Settings {
         }
         if !(self.lr_warmup_init >= 0.0 && self.lr_warmup_init <= self.lr) {
             bail!("--lr-warmup-init {} must satisfy 0 <= lr-warmup-init <= lr ({})", self.lr_warmup_init, self.lr);
+        }
+        match (self.decoupled_lr, self.decoupled_min_lr) {
+            (None, Some(m)) => bail!(
+                "--decoupled-min-lr {m} is what --decoupled-lr decays to: add --decoupled-lr, or drop it (the embedding and output layer then follow --lr)"
+            ),
+            (Some(lr), min) => {
+                let (min, from) = match min {
+                    Some(m) => (m, "--decoupled-min-lr"),
+                    None => (self.min_lr, "--min-lr"),
+                };
+                if !(lr.is_finite() && min >= 0.0 && min <= lr) {
+                    bail!(
+                        "--decoupled-lr {lr} decays to {from} {min}: they must satisfy 0 <= {min} <= {lr} (give --decoupled-min-lr at most --decoupled-lr)"
+                    );
+                }
+            }
+            (None, None) => {}
         }
         if !(0.0..1.0).contains(&self.adam_beta1) || !(0.0..1.0).contains(&self.adam_beta2) {
             bail!("--adam-beta1 and --adam-beta2 must lie in [0, 1)");

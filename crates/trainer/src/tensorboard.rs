@@ -147,6 +147,7 @@ impl RunEvents {
                 iteration,
                 loss,
                 lr,
+                decoupled_lr,
                 grad_norm,
                 tokens_per_s,
                 consumed_samples,
@@ -172,6 +173,10 @@ impl RunEvents {
                 ] {
                     self.w.scalar(tag, v as f32, it, t)?;
                     self.w.scalar(&format!("{tag} vs samples"), v as f32, samples, t)?;
+                }
+                if let Some(v) = decoupled_lr {
+                    // Megatron's tag (at the iteration).
+                    self.w.scalar("decoupled-learning-rate", v as f32, it, t)?;
                 }
                 for (tag, v) in [("params-norm", params_norm), ("num-zeros", num_zeros_in_grad)] {
                     if let Some(v) = v {

@@ -34,6 +34,9 @@ pub enum Metric {
         iteration: u64,
         loss: f64,
         lr: f64,
+        /// --decoupled-lr: the word embedding and output layer's rate.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        decoupled_lr: Option<f64>,
         grad_norm: f64,
         tokens_per_s: f64,
         /// The least wall time the host took over one step of the window to build its batch and
@@ -683,6 +686,9 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         wsd_decay,
         style: s.decay_style()?,
     };
+    // The word embedding and output layer's rate on the same warmup and decay (Megatron's
+    // decoupled parameter group: its own max and min, the warmup's start shared).
+    let decoupled = s.decoupled_lr.map(|lr| LrSchedule { lr, min_lr: s.decoupled_min_lr.unwrap_or(s.min_lr), ..sched });
     let (mut iteration, mut consumed, mut consumed_valid) = (0u64, 0u64, 0u64);
     if let Some(dir) = &paths.load {
         let ck = checkpoint::open(dir, paths.load_mode == LoadMode::Resume)?;
@@ -873,7 +879,9 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         // Megatron's scheduler steps after each update: an iteration trains at the rate of the
         // samples consumed before it.
         let lr = sched.lr_at(consumed);
+        let decoupled_lr = decoupled.map(|d| d.lr_at(consumed));
         opt.set_weight_decay(wd_sched.wd_at(consumed) as f32);
+        opt.set_decoupled_lr(decoupled_lr.map(|l| l as f32));
         consumed += gbs;
         let step = if pipelined {
             queue_train_step_pipelined(&model, &table, &mut sync, &mut opt, &g.pipeline, &g.pp, &micros, lr as f32)?
@@ -974,6 +982,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
                 iteration,
                 loss,
                 lr,
+                decoupled_lr,
                 grad_norm: out.grad_norm,
                 tokens_per_s: tps,
                 host_ms_min: std::mem::replace(&mut host_min, f64::INFINITY),
@@ -995,10 +1004,11 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
                 let tflops = tflops_per_gpu.map_or(String::new(), |t| format!(" {t:.3} TFLOP/s/GPU"));
                 let pn = params_norm.map_or(String::new(), |p| format!(" params-norm {p:.3}"));
                 let zeros = num_zeros_in_grad.map_or(String::new(), |z| format!(" num-zeros {z:.0}"));
+                let dlr = decoupled_lr.map_or(String::new(), |l| format!(" decoupled-lr {l:.3e}"));
                 let mtp: String =
                     out.mtp_losses.iter().enumerate().map(|(k, l)| format!(" mtp_{} loss {l:.4}", k + 1)).collect();
                 eprintln!(
-                    "iteration {iteration}/{}: loss {loss:.4}{mtp} lr {lr:.3e} grad-norm {:.3}{pn}{zeros}{moe} {tps:.0} tokens/s{tflops}",
+                    "iteration {iteration}/{}: loss {loss:.4}{mtp} lr {lr:.3e}{dlr} grad-norm {:.3}{pn}{zeros}{moe} {tps:.0} tokens/s{tflops}",
                     s.train_iters, out.grad_norm
                 );
             }

@@ -338,7 +338,7 @@ fn megatrons_script_switches_run_as_the_plain_flags() {
     fails_naming(&["--account-for-loss-in-pipeline-split"], "--account-for-loss-in-pipeline-split");
     fails_naming(&["--dist-ckpt-format", "zarr"], "--dist-ckpt-format zarr");
     fails_naming(&["--apply-wd-to-qk-layernorm"], "--apply-wd-to-qk-layernorm");
-    fails_naming(&["--decoupled-lr", "1e-4"], "--decoupled-lr / --decoupled-min-lr 0.0001");
+    fails_naming(&["--decoupled-min-lr", "1e-4"], "--decoupled-min-lr 0.0001 is what --decoupled-lr decays to");
     fails_naming(&["--init-method-xavier-uniform"], "--init-method-xavier-uniform");
     fails_naming(&["--checkpoint-activations"], "--recompute-granularity full");
     fails_naming(&["--fp8-format", "hybrid"], "FP8 training is not built");

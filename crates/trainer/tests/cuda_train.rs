@@ -146,6 +146,14 @@ fn interleaved_rope_cuda_matches_cpu() {
     split_matches_cpu("llama-tiny", "interleaved rope", il, il);
 }
 
+/// --decoupled-lr on the GPU (the update's runs at the decoupled rate from the device state),
+/// against one CPU rank, fp32 within 1e-4.
+#[test]
+fn decoupled_lr_cuda_matches_cpu() {
+    let d = |a: TrainArgs| TrainArgs { decoupled_lr: Some(1e-2), decoupled_min_lr: Some(1e-3), ..a };
+    split_matches_cpu("llama-tiny", "decoupled lr", d, d);
+}
+
 /// --qk-l2-norm on the GPU (the RMSNorm kernels at a unit scale over each query and key head),
 /// against one CPU rank, fp32 within 1e-4.
 #[test]

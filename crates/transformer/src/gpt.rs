@@ -500,6 +500,12 @@ impl GptModel {
             }
             _ => None,
         };
+        // Megatron's decoupled learning-rate group: the word embedding and the output layer,
+        // every stage's copy (the tied last-stage copy, the depths' own).
+        let heads = [embedding.as_ref().map(|e| e.weight), output_layer, mtp.as_ref().map(|m| m.embedding.weight)];
+        for id in heads.into_iter().flatten() {
+            p.mark_embedding_or_output(id);
+        }
         let table = p.build_padded(device, dtype, seed, pad_to)?;
         let embedding_dropout = if embedding.is_some() {
             HiddenDropout::new(config.hidden_dropout, "embedding.dropout", config.hidden_size, tp)

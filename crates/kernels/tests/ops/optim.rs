@@ -55,11 +55,11 @@ device_test!(adamw_runs_updates_each_run_and_writes_params, |dev: &Device| {
     // Three runs of a 10k flat buffer held in a 9k state: decay, no decay, decay; flat 3998..5001
     // belongs to no run (another rank's shard) and must come through untouched. The second run
     // ends two elements into a group of four, the third starts off a 16-byte boundary (the GPU's
-    // one-element path).
+    // one-element path) and is flagged for the decoupled rate (without a state: h's, decayed).
     let runs = vec![
-        AdamRun { flat: 0, state: 0, len: 3000, decay: true },
-        AdamRun { flat: 3000, state: 3000, len: 998, decay: false },
-        AdamRun { flat: 5001, state: 4000, len: 4999, decay: true },
+        AdamRun { flat: 0, state: 0, len: 3000, decay: true, decoupled: false },
+        AdamRun { flat: 3000, state: 3000, len: 998, decay: false, decoupled: false },
+        AdamRun { flat: 5001, state: 4000, len: 4999, decay: true, decoupled: true },
     ];
     let (flat, state) = (10_000, 9_000);
     let mut p = randv(state, 1);
@@ -90,7 +90,8 @@ device_test!(adamw_runs_updates_each_run_and_writes_params, |dev: &Device| {
     let untouched = host(&tensor(dev, &before[3998..5001], &[1003], DType::BF16));
     assert_eq!(&got[3998..5001], &untouched[..], "the gap between runs");
     // A run past the end of the flat buffer is refused before anything is written.
-    let bad = AdamRuns::new(vec![AdamRun { flat: 9_500, state: 0, len: 1000, decay: true }], dev).unwrap();
+    let bad =
+        AdamRuns::new(vec![AdamRun { flat: 9_500, state: 0, len: 1000, decay: true, decoupled: false }], dev).unwrap();
     let h = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step: 4, grad_scale: 1.0 };
     let e = k::adamw_runs(&pt, &mt, &vt, &t32(dev, &before, &[flat]), &params, &bad, &h, None).unwrap_err().to_string();
     assert!(e.contains("reaches past"), "{e}");
@@ -104,8 +105,8 @@ device_test!(adamw_runs_from_bf16_grads_as_from_the_same_f32_values, |dev: &Devi
     // must equal, bit for bit, the update from an f32 buffer holding the same values. The second
     // run starts off an 8-byte boundary of the bf16 buffer (the GPU's one-element path).
     let runs = vec![
-        AdamRun { flat: 0, state: 0, len: 4096, decay: true },
-        AdamRun { flat: 4097, state: 4096, len: 2001, decay: false },
+        AdamRun { flat: 0, state: 0, len: 4096, decay: true, decoupled: false },
+        AdamRun { flat: 4097, state: 4096, len: 2001, decay: false, decoupled: false },
     ];
     let (flat, state) = (6100, 6097);
     let g16 = tensor(dev, &randv(flat, 3), &[flat], DType::BF16);
@@ -131,12 +132,17 @@ device_test!(adamw_runs_from_bf16_grads_as_from_the_same_f32_values, |dev: &Devi
 device_test!(adamw_runs_from_the_device_state, |dev: &Device| {
     use ferrotron_core::DType;
     use k::{AdamPrep, AdamRun, AdamRuns, adam_state as st};
-    // The step settled on the device (Σ g², clip factor, skip flag, bias corrections, decay, each
-    // step's own learning rate written into the state) against the reference fed the same values
+    // The step settled on the device (Σ g², clip factor, skip flag, bias corrections, decays, each
+    // step's own learning rates written into the state) against the reference fed the same values
     // from the host: two clipped steps, a skipped one (a NaN gradient: nothing moves, the count
-    // stays), then an unclipped one.
+    // stays), then an unclipped one. The last 1000 elements are two runs at the decoupled rate
+    // (--decoupled-lr), one decayed, one not.
     let n = 5_000;
-    let runs = vec![AdamRun { flat: 0, state: 0, len: n, decay: true }];
+    let runs = vec![
+        AdamRun { flat: 0, state: 0, len: 4000, decay: true, decoupled: false },
+        AdamRun { flat: 4000, state: 4000, len: 600, decay: true, decoupled: true },
+        AdamRun { flat: 4600, state: 4600, len: 400, decay: false, decoupled: true },
+    ];
     let table = AdamRuns::new(runs, dev).unwrap();
     let mut p = randv(n, 1);
     let (mut m, mut v) = (vec![0.0; n], vec![0.0; n]);
@@ -152,9 +158,10 @@ device_test!(adamw_runs_from_the_device_state, |dev: &Device| {
         }
         let gt = t32(dev, &g, &[n]);
         let sq = k::sum_sq_dev(&[&gt], dev).unwrap();
-        // The learning rate and weight decay of each step, as a schedule moves them.
+        // The learning rates and weight decay of each step, as schedules move them.
         let (lr, wd) = (base.lr * (1.0 + 0.5 * i as f32), base.weight_decay * (1.0 + i as f32));
-        state.view(st::LR, [2]).unwrap().copy_from_f32(&[lr, wd]).unwrap();
+        let lr2 = 3e-3 * (4.0 - i as f32);
+        state.view(st::LR, [3]).unwrap().copy_from_f32(&[lr, wd, lr2]).unwrap();
         let prep = AdamPrep { beta1: base.beta1, beta2: base.beta2, clip_grad: clip };
         k::adam_prepare(&sq, &state, &prep).unwrap();
         k::adamw_runs(&pt, &mt, &vt, &gt, &params, &table, &base, Some(&state)).unwrap();
@@ -168,10 +175,14 @@ device_test!(adamw_runs_from_the_device_state, |dev: &Device| {
             assert!(s[st::APPLIED] == 1.0 && (s[st::GRAD_NORM] - norm).abs() < 1e-5 * norm, "{s:?}");
             assert!((s[st::GRAD_SCALE] - scale).abs() < 1e-5 * scale, "{s:?} vs {scale}");
             let h = AdamW { step: steps, grad_scale: scale as f32, lr, weight_decay: wd, ..base };
-            reference(&mut p, &g, &mut m, &mut v, &h);
+            for (r, (lr, wd)) in [(0..4000, (lr, wd)), (4000..4600, (lr2, wd)), (4600..n, (lr2, 0.0))] {
+                let hr = AdamW { lr, weight_decay: wd, ..h };
+                reference(&mut p[r.clone()], &g[r.clone()], &mut m[r.clone()], &mut v[r], &hr);
+            }
         }
         assert_eq!(s[st::STEPS], steps as f64, "step count after step {i}");
         assert_eq!(s[st::DECAY], (1.0 - lr * wd) as f64, "decay factor after step {i}");
+        assert_eq!(s[st::DECAY_DECOUPLED], (1.0 - lr2 * wd) as f64, "decoupled decay factor after step {i}");
     }
     assert_close(&host(&pt), &p, 1e-5, 1e-6, "master");
     assert_close(&host(&mt), &m, 1e-5, 1e-6, "m");
