@@ -59,6 +59,10 @@ pub struct State {
     /// Megatron's); absent in checkpoints from before it was kept.
     #[serde(default)]
     pub consumed_valid_samples: u64,
+    /// Model FLOPs trained so far (--log-progress's count across jobs, Megatron's
+    /// `num_floating_point_operations_so_far`); absent in checkpoints from before it was kept.
+    #[serde(default)]
+    pub floating_point_operations: f64,
     pub optimizer_step: u64,
     /// False for parameters alone (`ferrotron convert` from Hugging Face): such a checkpoint
     /// loads with --finetune or --no-load-optim.
@@ -104,6 +108,8 @@ pub struct SaveInfo<'a> {
     pub iteration: u64,
     pub consumed_samples: u64,
     pub consumed_valid_samples: u64,
+    /// Model FLOPs trained so far (`State::floating_point_operations`).
+    pub floating_point_operations: f64,
     pub settings: &'a Settings,
     /// Real vocabulary: rows past it are padding.
     pub vocab_size: usize,
@@ -193,6 +199,7 @@ pub struct PendingSave {
     iteration: u64,
     consumed_samples: u64,
     consumed_valid_samples: u64,
+    floating_point_operations: f64,
     settings: Settings,
     vocab_size: usize,
     /// The optimizer's step; None when its state is not saved (--no-save-optim).
@@ -256,6 +263,7 @@ pub fn start_save(
         iteration: info.iteration,
         consumed_samples: info.consumed_samples,
         consumed_valid_samples: info.consumed_valid_samples,
+        floating_point_operations: info.floating_point_operations,
         settings: info.settings.clone(),
         vocab_size: info.vocab_size,
         step,
@@ -308,6 +316,7 @@ pub fn finish_save(g: &ProcessGroups, p: PendingSave) -> anyhow::Result<PathBuf>
         iteration: p.iteration,
         consumed_samples: p.consumed_samples,
         consumed_valid_samples: p.consumed_valid_samples,
+        floating_point_operations: p.floating_point_operations,
         settings: &p.settings,
         vocab_size: p.vocab_size,
         buffers: vec![],
@@ -317,6 +326,13 @@ pub fn finish_save(g: &ProcessGroups, p: PendingSave) -> anyhow::Result<PathBuf>
     agree(g, done.is_ok(), p.iteration)?;
     done?;
     Ok(iter_dir(&p.save_dir, p.iteration))
+}
+
+impl PendingSave {
+    /// (iteration, consumed samples, model FLOPs so far) of the save.
+    pub fn position(&self) -> (u64, u64, f64) {
+        (self.iteration, self.consumed_samples, self.floating_point_operations)
+    }
 }
 
 /// `start_save` and `finish_save` in one (collective over the world).
@@ -404,6 +420,7 @@ impl ParamsWriter {
             iteration: 0,
             consumed_samples: 0,
             consumed_valid_samples: 0,
+            floating_point_operations: 0.0,
             settings,
             vocab_size,
             buffers: vec![],
@@ -478,6 +495,7 @@ fn finish(
         iteration,
         consumed_samples: info.consumed_samples,
         consumed_valid_samples: info.consumed_valid_samples,
+        floating_point_operations: info.floating_point_operations,
         optimizer_step: step.unwrap_or(0),
         optimizer_state: step.is_some(),
         params_dtype: params_dtype.to_string(),

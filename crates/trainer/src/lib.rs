@@ -15,6 +15,7 @@ pub mod layer_freq;
 pub mod merge;
 pub mod multimodal;
 pub mod preprocess;
+pub mod progress_log;
 pub mod settings;
 pub mod tensorboard;
 pub mod trace;

@@ -336,6 +336,12 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip)]
     pub async_save: bool,
+    /// Append the run's progress to progress.txt in the --save folder (Megatron's
+    /// --log-progress): each job's start and each checkpoint with its throughput, the model
+    /// FLOPs and tokens so far.
+    #[arg(long)]
+    #[serde(skip)]
+    pub log_progress: bool,
     /// Save the parameters without the optimizer state (Megatron's --no-save-optim): a quarter
     /// of the size; such a checkpoint loads with --finetune or --no-load-optim.
     #[arg(long)]
@@ -1014,7 +1020,7 @@ impl TrainArgs {
         merge_flags!(self, o; check_for_nan_in_loss_and_grad, no_check_for_nan_in_loss_and_grad, use_rope_scaling, swiglu, squared_relu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, qk_l2_norm, multi_latent_attention, bf16, fp16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
             use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, calculate_per_token_loss, log_validation_ppl_to_tensorboard, log_timers_to_tensorboard,
-            use_cpu_initialization, log_world_size_to_tensorboard, log_memory_to_tensorboard, log_num_zeros_in_grad, async_save, no_save_optim, exit_signal_handler,
+            use_cpu_initialization, log_world_size_to_tensorboard, log_memory_to_tensorboard, log_num_zeros_in_grad, async_save, log_progress, no_save_optim, exit_signal_handler,
             moe_router_pre_softmax, moe_router_enable_expert_bias, moe_grouped_gemm, moe_shared_expert_overlap, moe_shared_expert_gate, moe_pad_expert_input_to_capacity, is_hybrid_model,
             mamba_norm_ungrouped, disable_vision_class_token, freeze_lm, freeze_vit,
             log_throughput, log_params_norm, recompute_activations, no_position_embedding, use_mcore_models, attention_softmax_in_fp32,
@@ -1815,6 +1821,8 @@ pub struct Paths {
     pub exit_signal: bool,
     /// Megatron's --async-save: shards written by a background thread.
     pub async_save: bool,
+    /// Megatron's --log-progress: progress.txt in the --save folder (`progress_log`).
+    pub log_progress: bool,
     /// Megatron's --no-save-optim: checkpoints of the parameters alone.
     pub no_save_optim: bool,
     pub device: ferrotron_core::Device,
@@ -1865,6 +1873,7 @@ impl Default for Paths {
             exit_duration: None,
             exit_signal: false,
             async_save: false,
+            log_progress: false,
             no_save_optim: false,
             device: ferrotron_core::Device::Cpu,
             launch: Launch::Single,
@@ -2568,6 +2577,7 @@ impl Settings {
             exit_duration: a.exit_duration_in_mins.map(|m| std::time::Duration::from_secs(60 * m)),
             exit_signal: a.exit_signal_handler,
             async_save: a.async_save,
+            log_progress: a.log_progress,
             no_save_optim: a.no_save_optim,
             device,
             launch,

@@ -20,6 +20,7 @@ use ferrotron_transformer::gpt::MtpRolled;
 use ferrotron_transformer::{Batch, GptModel};
 
 type Comm = std::sync::Arc<dyn ferrotron_comm::Communicator>;
+use crate::progress_log::ProgressLog;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use std::io::Write;
@@ -690,6 +691,8 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     // decoupled parameter group: its own max and min, the warmup's start shared).
     let decoupled = s.decoupled_lr.map(|lr| LrSchedule { lr, min_lr: s.decoupled_min_lr.unwrap_or(s.min_lr), ..sched });
     let (mut iteration, mut consumed, mut consumed_valid) = (0u64, 0u64, 0u64);
+    // Model FLOPs trained before this job (--log-progress counts across jobs).
+    let mut flops_before = 0.0;
     if let Some(dir) = &paths.load {
         let ck = checkpoint::open(dir, paths.load_mode == LoadMode::Resume)?;
         checkpoint::check_meaning(ck.state(), s, dir)?;
@@ -709,6 +712,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         if paths.load_mode != LoadMode::Finetune {
             let st = ck.state();
             (iteration, consumed, consumed_valid) = (st.iteration, st.consumed_samples, st.consumed_valid_samples);
+            flops_before = st.floating_point_operations;
         }
         if rank0 {
             let what = match paths.load_mode {
@@ -823,6 +827,18 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         }
     }
     let pb = progress(s.train_iters, iteration, paths.progress && rank0);
+    // Model FLOPs after `consumed` samples: this job's at the per-token count from where it began.
+    let consumed_at_start = consumed;
+    let flops_at =
+        |consumed: u64| flops_before + (consumed - consumed_at_start) as f64 * s.seq_length as f64 * flops_per_token;
+    let progress = match (&paths.save, paths.log_progress && rank0) {
+        (Some(dir), true) => Some(Progress {
+            log: ProgressLog::start(dir, g.world.size(), flops_before)?,
+            background: paths.async_save,
+            seq_length: s.seq_length as u64,
+        }),
+        _ => None,
+    };
     let start = Instant::now();
     // The window's start and the samples trained in it.
     let mut window = (Instant::now(), 0u64);
@@ -945,7 +961,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
                 let at = |l: &[(u64, f64)]| l.iter().find(|x| x.0 == first).map_or(f64::NAN, |x| x.1);
                 let (loss, norm) = (at(&summary.losses), at(&summary.grad_norms));
                 if s.check_for_nan_in_loss_and_grad {
-                    finish_pending(&g, &mut pending, &mut summary, &pb, rank0)?;
+                    finish_pending(&g, &mut pending, &mut summary, &pb, rank0, progress.as_ref())?;
                     bail!(
                         "iteration {first}: the loss is {loss} and the gradient norm {norm}, not finite; its update was skipped, so the parameters and optimizer state are iteration {}'s. Stopped (--check-for-nan-in-loss-and-grad, Megatron's default): resume from the last checkpoint with a lower --lr or a --clip-grad, or pass --no-check-for-nan-in-loss-and-grad to skip such steps and go on",
                         first - 1
@@ -1047,15 +1063,16 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             _ => false,
         };
         if written {
-            finish_pending(&g, &mut pending, &mut summary, &pb, rank0)?;
+            finish_pending(&g, &mut pending, &mut summary, &pb, rank0, progress.as_ref())?;
         }
         if let Some(dir) = &paths.save {
             if iteration % s.save_interval == 0 || iteration == s.train_iters || exit.is_some() {
-                finish_pending(&g, &mut pending, &mut summary, &pb, rank0)?;
+                finish_pending(&g, &mut pending, &mut summary, &pb, rank0, progress.as_ref())?;
                 let info = SaveInfo {
                     iteration,
                     consumed_samples: consumed,
                     consumed_valid_samples: consumed_valid,
+                    floating_point_operations: flops_at(consumed),
                     settings: s,
                     vocab_size: model.config.vocab_size,
                     buffers: expert_bias
@@ -1066,13 +1083,16 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
                 };
                 let mode = checkpoint::SaveMode { background: paths.async_save, params_only: paths.no_save_optim };
                 pending = Some(checkpoint::start_save(dir, &g, &table, &opt, &info, mode)?);
+                if let Some(p) = progress.as_ref().filter(|p| p.background) {
+                    p.log.saved(iteration, info.floating_point_operations, consumed * p.seq_length, false)?;
+                }
                 if !paths.async_save {
-                    finish_pending(&g, &mut pending, &mut summary, &pb, rank0)?;
+                    finish_pending(&g, &mut pending, &mut summary, &pb, rank0, progress.as_ref())?;
                 }
             }
         }
         if let Some(why) = exit {
-            finish_pending(&g, &mut pending, &mut summary, &pb, rank0)?;
+            finish_pending(&g, &mut pending, &mut summary, &pb, rank0, progress.as_ref())?;
             read_queued(&mut queued, &mut summary)?;
             if rank0 {
                 pb.suspend(|| eprintln!("exiting at iteration {iteration} ({why})"));
@@ -1084,7 +1104,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             window.0 = Instant::now();
         }
     }
-    finish_pending(&g, &mut pending, &mut summary, &pb, rank0)?;
+    finish_pending(&g, &mut pending, &mut summary, &pb, rank0, progress.as_ref())?;
     read_queued(&mut queued, &mut summary)?;
     pb.finish_and_clear();
     summary.graphed_steps = graph.map_or(0, |g| g.launches());
@@ -1100,18 +1120,34 @@ impl Drop for SigTerm {
     }
 }
 
-/// Completes the save in `pending`, if any (collective: every rank has the same one pending).
+/// --log-progress on rank 0: the log, and what its lines take beyond a save's position.
+struct Progress {
+    log: ProgressLog,
+    /// --async-save: a save's line when it is handed over, another when it is committed.
+    background: bool,
+    seq_length: u64,
+}
+
+/// Completes the save in `pending`, if any (collective: every rank has the same one pending),
+/// and logs it to progress.txt (`progress`, rank 0 under --log-progress).
 fn finish_pending(
     g: &ProcessGroups,
     pending: &mut Option<checkpoint::PendingSave>,
     summary: &mut Summary,
     pb: &ProgressBar,
     rank0: bool,
+    progress: Option<&Progress>,
 ) -> anyhow::Result<()> {
     let Some(p) = pending.take() else { return Ok(()) };
+    let (iteration, consumed, flops) = p.position();
     let d = checkpoint::finish_save(g, p)?;
     if rank0 {
         pb.suspend(|| eprintln!("saved {}", d.display()));
+    }
+    match progress {
+        Some(p) if p.background => p.log.committed(iteration)?,
+        Some(p) => p.log.saved(iteration, flops, consumed * p.seq_length, true)?,
+        None => {}
     }
     summary.checkpoints.push(d);
     Ok(())
