@@ -67,6 +67,10 @@ extern "C" __global__ void gelu_exact_fwd_##s(const T* x, T* y, long n) { GRID_S
 extern "C" __global__ void gelu_exact_bwd_##s(const T* x, const T* dy, T* dx, long n) { GRID_STRIDE(i, n) st(dx, i, ld(dy, i) * gelux_g(ld(x, i))); } \
 extern "C" __global__ void quick_gelu_fwd_##s(const T* x, T* y, long n) { GRID_STRIDE(i, n) st(y, i, qgelu_f(ld(x, i))); } \
 extern "C" __global__ void quick_gelu_bwd_##s(const T* x, const T* dy, T* dx, long n) { GRID_STRIDE(i, n) st(dx, i, ld(dy, i) * qgelu_g(ld(x, i))); } \
+extern "C" __global__ void sigmoid_gate_fwd_##s(const T* x, const T* g, T* y, long n) { \
+    GRID_STRIDE(i, n) st(y, i, ld(x, i) * sigm(ld(g, i))); } \
+extern "C" __global__ void sigmoid_gate_bwd_##s(const T* x, const T* g, const T* dy, T* dx, T* dg, long n) { \
+    GRID_STRIDE(i, n) { float s = sigm(ld(g, i)), d = ld(dy, i); st(dx, i, d * s); st(dg, i, d * ld(x, i) * s * (1.f - s)); } } \
 extern "C" __global__ void swiglu_fwd_##s(const T* x, T* y, long n, long f) { \
     GRID_STRIDE(i, n) { long r = i / f, j = i % f; st(y, i, silu_f(ld(x, r * 2 * f + j)) * ld(x, r * 2 * f + f + j)); } } \
 extern "C" __global__ void swiglu_bwd_##s(const T* x, const T* dy, T* dx, long n, long f) { \
@@ -90,6 +94,12 @@ extern "C" __global__ void gelu_exact_fwd_##s##_v8(const T* x, T* y, long n) { m
 extern "C" __global__ void gelu_exact_bwd_##s##_v8(const T* x, const T* dy, T* dx, long n) { \
     zip8(x, dy, dx, n, [](float x, float d) { return d * gelux_g(x); }); } \
 extern "C" __global__ void quick_gelu_fwd_##s##_v8(const T* x, T* y, long n) { map8(x, y, n, qgelu_f); } \
+extern "C" __global__ void sigmoid_gate_fwd_##s##_v8(const T* x, const T* g, T* y, long n) { \
+    zip8(x, g, y, n, [](float x, float g) { return x * sigm(g); }); } \
+extern "C" __global__ void sigmoid_gate_bwd_##s##_v8(const T* x, const T* g, const T* dy, T* dx, T* dg, long n) { \
+    GRID_STRIDE8(i, n) { float u[8], v[8], d[8]; ld8(x, i, u); ld8(g, i, v); ld8(dy, i, d); \
+        _Pragma("unroll") for (int j = 0; j < 8; j++) { float s = sigm(v[j]); v[j] = d[j] * u[j] * s * (1.f - s); u[j] = d[j] * s; } \
+        st8(dx, i, u); st8(dg, i, v); } } \
 extern "C" __global__ void quick_gelu_bwd_##s##_v8(const T* x, const T* dy, T* dx, long n) { \
     zip8(x, dy, dx, n, [](float x, float d) { return d * qgelu_g(x); }); } \
 /* c % 8 == 0: a group never crosses a row, so its bias is the group at i % c. */ \

@@ -1,4 +1,5 @@
-//! GeLU (tanh, and exact by erf), quick GeLU (CLIP's), SiLU, squared ReLU, SwiGLU and softmax, forward and backward, in the input's dtype.
+//! GeLU (tanh, and exact by erf), quick GeLU (CLIP's), SiLU, squared ReLU, SwiGLU, the sigmoid
+//! output gate and softmax, forward and backward, in the input's dtype.
 
 use crate::{buf, check, cpu};
 use ferrotron_core::{Result, Tensor, shape_mismatch};
@@ -64,6 +65,47 @@ pub fn silu(x: &Tensor) -> Result<Tensor> {
 }
 pub fn silu_bwd(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
     unary_bwd("silu_bwd", x, dy, cpu::activation::silu_bwd)
+}
+
+/// x·σ(g), elementwise (attention's output gate, Megatron's --attention-output-gate), in x's dtype.
+pub fn sigmoid_gate(x: &Tensor, g: &Tensor) -> Result<Tensor> {
+    const OP: &str = "sigmoid_gate";
+    check::float(OP, x)?;
+    check::shape(OP, g, x.dims())?;
+    check::dtype(OP, g, x.dtype())?;
+    #[cfg(feature = "cuda")]
+    if let Some(gpu) = crate::cuda::gpu(OP, &[x, g])? {
+        return crate::cuda::ops::sigmoid_gate(&gpu, x, g);
+    }
+    check::on_cpu(OP, &[x, g])?;
+    let (xv, gv) = (x.read_f32()?, g.read_f32()?);
+    // SAFETY: the gate writes every element.
+    let mut y = unsafe { buf::uninit(xv.len()) };
+    cpu::activation::sigmoid_gate_fwd(&xv, &gv, &mut y);
+    check::out(y, x.shape().clone(), x.dtype(), x.device())
+}
+
+/// [`sigmoid_gate`]'s backward: (dx, dg) from dy, in dy's dtype.
+pub fn sigmoid_gate_bwd(x: &Tensor, g: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+    const OP: &str = "sigmoid_gate_bwd";
+    check::float(OP, x)?;
+    for t in [g, dy] {
+        check::shape(OP, t, x.dims())?;
+        check::dtype(OP, t, x.dtype())?;
+    }
+    #[cfg(feature = "cuda")]
+    if let Some(gpu) = crate::cuda::gpu(OP, &[x, g, dy])? {
+        return crate::cuda::ops::sigmoid_gate_bwd(&gpu, x, g, dy);
+    }
+    check::on_cpu(OP, &[x, g, dy])?;
+    let (xv, gv, dyv) = (x.read_f32()?, g.read_f32()?, dy.read_f32()?);
+    // SAFETY: the backward writes every element of both.
+    let (mut dx, mut dg) = unsafe { (buf::uninit(xv.len()), buf::uninit(xv.len())) };
+    cpu::activation::sigmoid_gate_bwd(&xv, &gv, &dyv, &mut dx, &mut dg);
+    Ok((
+        check::out(dx, x.shape().clone(), dy.dtype(), x.device())?,
+        check::out(dg, x.shape().clone(), dy.dtype(), x.device())?,
+    ))
 }
 
 fn swiglu_width(op: &'static str, x: &Tensor) -> Result<usize> {

@@ -133,6 +133,12 @@ impl HfArch {
                 "rotary embeddings over part of each head (--rotary-percent {percent}): the Hugging Face classes here rotate whole heads"
             )));
         }
+        if c.layer.attention.output_gate {
+            return Err(HfError::NoEquivalent(
+                "a sigmoid gate on the attention output (--attention-output-gate): no Hugging Face class here has it"
+                    .into(),
+            ));
+        }
         if c.layer.attention.qk_l2_norm {
             return Err(HfError::NoEquivalent(
                 "Llama 4's L2 norm of the query and key heads (--qk-l2-norm): no Hugging Face class here has it".into(),
@@ -477,6 +483,7 @@ fn gpt2_config(v: &Value) -> Result<TransformerConfig> {
                 qkv_bias: false,
                 qk_layernorm: false,
                 qk_l2_norm: false,
+                output_gate: false,
                 window: None,
                 causal: true,
                 mla: None,
@@ -685,6 +692,7 @@ fn llama_config(v: &Value) -> Result<TransformerConfig> {
                 qkv_bias: false,
                 qk_layernorm: false,
                 qk_l2_norm: false,
+                output_gate: false,
                 window: None,
                 causal: true,
                 mla: None,

@@ -593,6 +593,7 @@ fn gpt(s: &MoeSpec) -> TransformerConfig {
                 qkv_bias: false,
                 qk_layernorm: false,
                 qk_l2_norm: false,
+                output_gate: false,
                 window: None,
                 causal: true,
                 mla: None,

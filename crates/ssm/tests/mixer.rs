@@ -225,6 +225,7 @@ pub fn hybrid_config() -> TransformerConfig {
                 qkv_bias: false,
                 qk_layernorm: false,
                 qk_l2_norm: false,
+                output_gate: false,
                 window: None,
                 causal: true,
                 mla: None,

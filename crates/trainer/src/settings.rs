@@ -78,6 +78,10 @@ pub struct TrainArgs {
     /// Llama 4's parameter-free L2 norm over each query and key head (instead of --qk-layernorm).
     #[arg(long)]
     pub qk_l2_norm: bool,
+    /// A sigmoid gate on each attention head's output, projected beside the queries (Qwen3-Next's
+    /// gated attention): the QKV projection grows by one head's width per query head.
+    #[arg(long)]
+    pub attention_output_gate: bool,
     /// Zero-centred norm weights: every norm (LayerNorm or RMSNorm, QK-norm and the final one
     /// too) scales by 1 + w, w initialised to 0 and the 1 added in f32 inside the kernels.
     #[arg(long)]
@@ -1017,7 +1021,7 @@ impl TrainArgs {
             initial_loss_scale, min_loss_scale, loss_scale_window, hysteresis, dist_ckpt_strictness, fp8_format,
             moe_flex_dispatcher_backend, moe_flex_dispatcher_num_sms, cross_entropy_fusion_impl, pipeline_model_parallel_layout,
             ddp_num_buckets, dist_ckpt_format, num_dataset_builder_threads, decoupled_lr, decoupled_min_lr);
-        merge_flags!(self, o; check_for_nan_in_loss_and_grad, no_check_for_nan_in_loss_and_grad, use_rope_scaling, swiglu, squared_relu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, qk_l2_norm, multi_latent_attention, bf16, fp16, no_progress, deterministic_mode,
+        merge_flags!(self, o; check_for_nan_in_loss_and_grad, no_check_for_nan_in_loss_and_grad, use_rope_scaling, swiglu, squared_relu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, qk_l2_norm, attention_output_gate, multi_latent_attention, bf16, fp16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
             use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, calculate_per_token_loss, log_validation_ppl_to_tensorboard, log_timers_to_tensorboard,
             use_cpu_initialization, log_world_size_to_tensorboard, log_memory_to_tensorboard, log_num_zeros_in_grad, async_save, log_progress, no_save_optim, exit_signal_handler,
@@ -1168,6 +1172,9 @@ pub struct Settings {
     /// --qk-l2-norm (absent from older checkpoints' settings: off).
     #[serde(default)]
     pub qk_l2_norm: bool,
+    /// --attention-output-gate (absent from older checkpoints' settings: off).
+    #[serde(default)]
+    pub attention_output_gate: bool,
     /// --apply-layernorm-1p (absent from older checkpoints' settings: plain weights, as they ran).
     #[serde(default)]
     pub apply_layernorm_1p: bool,
@@ -2014,6 +2021,7 @@ fn transformer_args(c: &TransformerConfig) -> TrainArgs {
         add_qkv_bias: c.layer.attention.qkv_bias && !c.layer.attention.bias,
         qk_layernorm: c.layer.attention.qk_layernorm,
         qk_l2_norm: c.layer.attention.qk_l2_norm,
+        attention_output_gate: c.layer.attention.output_gate,
         apply_layernorm_1p: c.layer.zero_centred_gamma,
         multi_latent_attention: c.layer.attention.mla.is_some(),
         q_lora_rank: c.layer.attention.mla.and_then(|m| m.q_lora_rank),
@@ -2123,6 +2131,7 @@ impl TrainArgs {
             add_qkv_bias,
             qk_layernorm,
             qk_l2_norm,
+            attention_output_gate,
             apply_layernorm_1p,
             multi_latent_attention,
             q_lora_rank,
@@ -2314,6 +2323,7 @@ impl Settings {
             add_qkv_bias: a.add_qkv_bias,
             qk_layernorm: a.qk_layernorm,
             qk_l2_norm: a.qk_l2_norm,
+            attention_output_gate: a.attention_output_gate,
             apply_layernorm_1p: a.apply_layernorm_1p,
             mla: MlaSettings::from_args(&a)?,
             tokenizer_type: need(&a.tokenizer_type, "--tokenizer-type")?,
@@ -3118,6 +3128,7 @@ impl Settings {
                     qkv_bias: self.add_qkv_bias,
                     qk_layernorm: self.qk_layernorm,
                     qk_l2_norm: self.qk_l2_norm,
+                    output_gate: self.attention_output_gate,
                     // The mask keeps |i − j| < w: the token itself and the `left` before it.
                     window: self.window_size.map(|left| left + 1),
                     causal: true,

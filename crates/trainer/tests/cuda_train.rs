@@ -154,6 +154,16 @@ fn decoupled_lr_cuda_matches_cpu() {
     split_matches_cpu("llama-tiny", "decoupled lr", d, d);
 }
 
+/// --attention-output-gate on the GPU (the gates cut out of the projection, the sigmoid gate
+/// kernels), with QK-norm and without, against one CPU rank, fp32 within 1e-4.
+#[test]
+fn attention_output_gate_cuda_matches_cpu() {
+    let gate = |a: TrainArgs| TrainArgs { attention_output_gate: true, ..a };
+    split_matches_cpu("llama-tiny", "output gate", gate, gate);
+    let gate_qk = |a: TrainArgs| TrainArgs { attention_output_gate: true, qk_layernorm: true, ..a };
+    split_matches_cpu("llama-tiny", "output gate, QK-norm", gate_qk, gate_qk);
+}
+
 /// --qk-l2-norm on the GPU (the RMSNorm kernels at a unit scale over each query and key head),
 /// against one CPU rank, fp32 within 1e-4.
 #[test]

@@ -13,7 +13,13 @@
 //! Under context parallelism (`cp`) the rows are this rank's two chunks of each sequence: RoPE
 //! rotates them at their global positions and the core attention is `ContextParallel`'s (K and V
 //! gathered over the cp group), on the split Q, K, V.
+//!
+//! With an output gate (`AttentionSpec::output_gate`, Megatron's --attention-output-gate) each
+//! group of the projection is [its g query heads | their g gates | key | value]; the gates are
+//! cut out (`project`: the rest is the plain layout) and o·σ(gate) goes to the output
+//! projection; the gates' gradient is put back in its place (`project_grad`).
 
+use crate::concat::{cat_last, split_last};
 use crate::norm::{HeadNorm, Norm};
 use crate::spec::{AttentionSpec, NormSpec};
 use ferrotron_core::rng::fnv1a64;
@@ -39,6 +45,8 @@ pub struct SelfAttention {
     pub dropout: Option<ProbDropout>,
     /// Context parallelism over more than one rank (`GptModel::set_context_parallel`), or None.
     pub cp: Option<ContextParallel>,
+    /// A sigmoid gate on each head's output (`AttentionSpec::output_gate`).
+    pub gate: bool,
 }
 
 /// One layer's attention dropout: the rate, its Philox stream (a hash of the site's name, the
@@ -79,7 +87,9 @@ impl SelfAttention {
         tp: &TensorParallel,
     ) -> Result<Self> {
         let head_dim = d.head_dim;
-        let qkv_out = (d.heads + 2 * d.groups) * head_dim;
+        // The gates: one more head's width per query head.
+        let gate_heads = if spec.output_gate { d.heads } else { 0 };
+        let qkv_out = (d.heads + gate_heads + 2 * d.groups) * head_dim;
         let linear_qkv = ColumnParallelLinear::new(
             p,
             &format!("{prefix}.linear_qkv"),
@@ -129,6 +139,7 @@ impl SelfAttention {
                 head_offset: tp.rank() * (d.heads / tp.size()),
             }),
             cp: None,
+            gate: spec.output_gate,
         })
     }
 }
@@ -220,27 +231,73 @@ impl SelfAttention {
         Ok(AttnCfg { dropout: Some(dropout), ..self.attn })
     }
 
+    /// The QKV projection: (qkv in the plain [queries | key | value] group layout, the gates
+    /// [B, T, h·D] under an output gate, the projection's saved).
+    fn project(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Option<Tensor>, Saved)> {
+        let (out, s) = self.linear_qkv.forward(cx, x)?;
+        if !self.gate {
+            return Ok((out, None, s));
+        }
+        let (b, t, g, d) = (out.dims()[0], out.dims()[1], self.heads / self.groups, self.head_dim);
+        let rows = out.reshape([b * t * self.groups, (2 * g + 2) * d])?;
+        let parts = split_last(&rows, &[g * d, g * d, 2 * d])?;
+        let qkv = cat_last(&[&parts[0], &parts[2]])?.reshape([b, t, self.groups * (g + 2) * d])?;
+        Ok((qkv, Some(parts[1].reshape([b, t, self.heads * d])?), s))
+    }
+
+    /// `project`'s backward layout: dqkv (plain layout) and the gates' gradient back into the
+    /// projection's output layout.
+    fn project_grad(&self, dqkv: Tensor, dgate: Option<Tensor>) -> Result<Tensor> {
+        let Some(dgate) = dgate else { return Ok(dqkv) };
+        let (b, t, g, d) = (dqkv.dims()[0], dqkv.dims()[1], self.heads / self.groups, self.head_dim);
+        let rows = dqkv.reshape([b * t * self.groups, (g + 2) * d])?;
+        let parts = split_last(&rows, &[g * d, 2 * d])?;
+        let dgate = dgate.reshape([b * t * self.groups, g * d])?;
+        cat_last(&[&parts[0], &dgate, &parts[1]])?.reshape([b, t, self.groups * (2 * g + 2) * d])
+    }
+
+    /// The output projection's input from the core attention's o [B, T, h, D]: o, or o·σ(gate).
+    fn gated(&self, o: &Tensor, gate: Option<&Tensor>) -> Result<Tensor> {
+        let (b, t) = (o.dims()[0], o.dims()[1]);
+        let o = o.reshape([b, t, self.heads * self.head_dim])?;
+        match gate {
+            Some(g) => k::sigmoid_gate(&o, g),
+            None => Ok(o),
+        }
+    }
+
+    /// dO [B, T, h, D] (and the gates' gradient) from the output projection's input gradient.
+    fn gated_bwd(&self, o: &Tensor, gate: Option<&Tensor>, d_in: Tensor) -> Result<(Tensor, Option<Tensor>)> {
+        let Some(g) = gate else { return Ok((d_in.reshape(o.dims().to_vec())?, None)) };
+        let (b, t) = (o.dims()[0], o.dims()[1]);
+        let (d_o, dgate) = k::sigmoid_gate_bwd(&o.reshape([b, t, self.heads * self.head_dim])?, g, &d_in)?;
+        Ok((d_o.reshape(o.dims().to_vec())?, Some(dgate)))
+    }
+
     /// The core attention on the fused projection output: (o, lse).
     fn core_fused(&self, cx: &Cx, qkv: &Tensor) -> Result<(Tensor, Tensor)> {
         k::attention_fwd_qkv(qkv, self.qkv_heads(), &self.cfg(cx, qkv.dims()[1])?)
     }
 
     /// `forward` when `reads_fused`: saved [qkv, o, lse] (or [qkv] with the core recomputed), qkv
-    /// with RoPE applied.
+    /// with RoPE applied, then the gates under an output gate.
     fn forward_fused(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Saved)> {
-        let (qkv, s_qkv) = self.linear_qkv.forward(cx, x)?;
+        let (qkv, gate, s_qkv) = self.project(cx, x)?;
         if let Some(r) = &self.rope {
-            // qkv is this call's fresh projection output: nothing else holds it.
+            // qkv is this call's fresh projection output (or a fresh copy of part of it): nothing
+            // else holds it.
             k::rope_qkv_fwd_(&qkv, self.groups, self.heads / self.groups, self.head_dim, r)?;
         }
-        let (b, t) = (qkv.dims()[0], qkv.dims()[1]);
         let (o, lse) = self.core_fused(cx, &qkv)?;
-        let (y, mut s_proj) = self.linear_proj.forward(cx, &o.reshape([b, t, self.heads * self.head_dim])?)?;
-        if self.recompute_core {
-            s_proj.tensors.clear(); // the projection's input is `o`, recomputed in the backward
-            return Ok((y, Saved::new(vec![qkv], vec![s_qkv, s_proj])));
-        }
-        Ok((y, Saved::new(vec![qkv, o, lse], vec![s_qkv, s_proj])))
+        let (y, mut s_proj) = self.linear_proj.forward(cx, &self.gated(&o, gate.as_ref())?)?;
+        let mut tensors = if self.recompute_core {
+            s_proj.tensors.clear(); // the projection's input is from `o`, recomputed in the backward
+            vec![qkv]
+        } else {
+            vec![qkv, o, lse]
+        };
+        tensors.extend(gate);
+        Ok((y, Saved::new(tensors, vec![s_qkv, s_proj])))
     }
 
     /// The projection's backward, with its bias gradient or leaving it to the caller (`out_bias`).
@@ -252,16 +309,16 @@ impl SelfAttention {
         let Saved { mut tensors, children } = saved;
         let bad = || ferrotron_core::invalid("SelfAttention::backward", "saved tensors do not match forward");
         let [s_qkv, mut s_proj]: [Saved; 2] = children.try_into().map_err(|_| bad())?;
+        let gate = if self.gate { Some(tensors.pop().ok_or_else(bad)?) } else { None };
         if self.recompute_core && tensors.len() == 1 {
             let (o, lse) = self.core_fused(cx, &tensors[0])?;
-            let (b, t) = (o.dims()[0], o.dims()[1]);
-            s_proj.tensors = vec![o.reshape([b, t, self.heads * self.head_dim])?];
+            s_proj.tensors = vec![self.gated(&o, gate.as_ref())?];
             tensors.extend([o, lse]);
         }
         let [qkv, o, lse]: [Tensor; 3] = tensors.try_into().map_err(|_| bad())?;
-        let d_o = self.proj_backward(cx, s_proj, dy, proj_bias)?.reshape(o.dims().to_vec())?;
+        let (d_o, dgate) = self.gated_bwd(&o, gate.as_ref(), self.proj_backward(cx, s_proj, dy, proj_bias)?)?;
         let (g, hd) = (self.heads / self.groups, self.head_dim);
-        if let (Some(b), None) = (self.linear_qkv.bias, &self.rope) {
+        if let (Some(b), None, None) = (self.linear_qkv.bias, &self.rope, &dgate) {
             // The bias gradient is Σ rows of dQKV as the attention backward writes it (no RoPE
             // backward after), which its kernels can sum as they write.
             let (db, acc) = cx.params.grad_acc(b)?;
@@ -273,7 +330,7 @@ impl SelfAttention {
         if let Some(r) = &self.rope {
             k::rope_qkv_bwd_(&dqkv, self.groups, g, hd, r)?;
         }
-        self.linear_qkv.backward(cx, s_qkv, &dqkv)
+        self.linear_qkv.backward(cx, s_qkv, &self.project_grad(dqkv, dgate)?)
     }
 }
 
@@ -282,8 +339,8 @@ impl Module for SelfAttention {
         if self.reads_fused() {
             return self.forward_fused(cx, x);
         }
-        let (qkv, s_qkv) = self.linear_qkv.forward(cx, x)?;
-        let (b, t) = (qkv.dims()[0], qkv.dims()[1]);
+        let (qkv, gate, s_qkv) = self.project(cx, x)?;
+        let t = qkv.dims()[1];
         let (mut q, mut kk, v) = k::qkv_split(&qkv, self.groups, self.heads / self.groups, self.head_dim)?;
         let mut children = vec![s_qkv];
         if let (Some(qn), Some(kn)) = (&self.q_layernorm, &self.k_layernorm) {
@@ -297,14 +354,16 @@ impl Module for SelfAttention {
             kk = k::rope_fwd(&kk, r)?;
         }
         let (o, lse) = core_fwd(self.cp.as_ref(), &q, &kk, &v, &self.cfg(cx, t)?)?;
-        let (y, mut s_proj) = self.linear_proj.forward(cx, &o.reshape([b, t, self.heads * self.head_dim])?)?;
-        if self.recompute_core {
-            s_proj.tensors.clear(); // the projection's input is `o`, recomputed in the backward
-            children.push(s_proj);
-            return Ok((y, Saved::new(vec![q, kk, v], children)));
-        }
+        let (y, mut s_proj) = self.linear_proj.forward(cx, &self.gated(&o, gate.as_ref())?)?;
+        let mut tensors = if self.recompute_core {
+            s_proj.tensors.clear(); // the projection's input is from `o`, recomputed in the backward
+            vec![q, kk, v]
+        } else {
+            vec![q, kk, v, o, lse]
+        };
+        tensors.extend(gate);
         children.push(s_proj);
-        Ok((y, Saved::new(vec![q, kk, v, o, lse], children)))
+        Ok((y, Saved::new(tensors, children)))
     }
 
     fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
@@ -327,18 +386,17 @@ impl SelfAttention {
             return self.backward_fused(cx, saved, dy, proj_bias);
         }
         let Saved { mut tensors, mut children } = saved;
+        let bad = || ferrotron_core::invalid("SelfAttention::backward", "saved tensors do not match forward");
         let mut s_proj = children.pop().unwrap_or_default();
+        let gate = if self.gate { Some(tensors.pop().ok_or_else(bad)?) } else { None };
         if self.recompute_core && tensors.len() == 3 {
             let cfg = self.cfg(cx, tensors[0].dims()[1])?;
             let (o, lse) = core_fwd(self.cp.as_ref(), &tensors[0], &tensors[1], &tensors[2], &cfg)?;
-            let (b, t) = (o.dims()[0], o.dims()[1]);
-            s_proj.tensors = vec![o.reshape([b, t, self.heads * self.head_dim])?];
+            s_proj.tensors = vec![self.gated(&o, gate.as_ref())?];
             tensors.extend([o, lse]);
         }
-        let [q, kk, v, o, lse]: [Tensor; 5] = tensors
-            .try_into()
-            .map_err(|_| ferrotron_core::invalid("SelfAttention::backward", "saved tensors do not match forward"))?;
-        let d_o = self.proj_backward(cx, s_proj, dy, proj_bias)?.reshape(o.dims().to_vec())?;
+        let [q, kk, v, o, lse]: [Tensor; 5] = tensors.try_into().map_err(|_| bad())?;
+        let (d_o, dgate) = self.gated_bwd(&o, gate.as_ref(), self.proj_backward(cx, s_proj, dy, proj_bias)?)?;
         let (mut dq, mut dk, dv) =
             core_bwd(self.cp.as_ref(), &q, &kk, &v, &o, &lse, &d_o, &self.cfg(cx, q.dims()[1])?)?;
         if let Some(r) = &self.rope_for(q.dims()[1]) {
@@ -352,6 +410,6 @@ impl SelfAttention {
             dk = kn.backward(cx, children.next().unwrap_or_default(), &dk)?;
         }
         let dqkv = k::qkv_merge(&dq, &dk, &dv)?;
-        self.linear_qkv.backward(cx, s_qkv, &dqkv)
+        self.linear_qkv.backward(cx, s_qkv, &self.project_grad(dqkv, dgate)?)
     }
 }

@@ -114,6 +114,11 @@ impl TransformerConfig {
     /// Checks every combination that cannot work, naming the Megatron flag and the fix.
     pub fn validate(&self) -> Result<()> {
         let c = self;
+        if c.layer.attention.output_gate && c.layer.attention.mla.is_some() {
+            return Err(bad(
+                "--attention-output-gate with multi-latent attention: the gate is built for grouped-query attention's projection; drop one".into(),
+            ));
+        }
         if c.layer.attention.qk_layernorm && c.layer.attention.qk_l2_norm {
             return Err(bad("--qk-layernorm and --qk-l2-norm both normalise each query and key head: keep one".into()));
         }
@@ -331,7 +336,8 @@ impl TransformerConfig {
         let bias_attn = self.layer.attention.bias;
         let norm = |n: usize| self.norm_params(n);
         let q = self.num_attention_heads * d;
-        let qkv_out = q + 2 * kv;
+        // An output gate projects one more head's width per query head.
+        let qkv_out = q + 2 * kv + if self.layer.attention.output_gate { q } else { 0 };
         let qkv_bias = bias_attn || self.layer.attention.qkv_bias;
         let attn = match &self.layer.attention.mla {
             Some(m) => m.param_count(h, self.num_attention_heads, self.layer.norm, bias_attn),

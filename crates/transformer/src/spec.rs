@@ -84,6 +84,10 @@ pub struct AttentionSpec {
     /// Llama 4's parameter-free L2 norm over each query and key head where QK-norm would be
     /// (Megatron's --qk-l2-norm; not with `qk_layernorm`).
     pub qk_l2_norm: bool,
+    /// A sigmoid gate on each head's output, o·σ(gate), the gate projected beside the queries
+    /// (Megatron's --attention-output-gate, Qwen3-Next's gated attention): the QKV projection's
+    /// groups are [queries | gates | key | value].
+    pub output_gate: bool,
     /// Sliding window in tokens (Mistral style); None = the whole (causal) context.
     pub window: Option<usize>,
     /// Causal (a language model's); false lets every position see every other (a vision

@@ -226,6 +226,7 @@ pub fn clip_encoder(layers: usize, hidden: usize, heads: usize, ffn: usize, std:
                 qkv_bias: false,
                 qk_layernorm: false,
                 qk_l2_norm: false,
+                output_gate: false,
                 window: None,
                 causal: false,
                 mla: None,

@@ -116,6 +116,25 @@ pub fn silu_bwd<T: Real>(x: &[T], dy: &[T], dx: &mut [T]) {
     par_map2(x, dy, dx, |v, g| g * silu_grad(v));
 }
 
+/// Attention's output gate (Megatron's --attention-output-gate): y = x·σ(g).
+pub fn sigmoid_gate_fwd<T: Real>(x: &[T], g: &[T], y: &mut [T]) {
+    par_map2(x, g, y, |x, g| x * sigmoid(g));
+}
+
+/// dx = dy·σ(g), dg = dy·x·σ(g)·(1 − σ(g)).
+pub fn sigmoid_gate_bwd<T: Real>(x: &[T], g: &[T], dy: &[T], dx: &mut [T], dg: &mut [T]) {
+    dx.par_chunks_mut(CHUNK)
+        .zip(dg.par_chunks_mut(CHUNK))
+        .zip(x.par_chunks(CHUNK).zip(g.par_chunks(CHUNK)).zip(dy.par_chunks(CHUNK)))
+        .for_each(|((dxc, dgc), ((xc, gc), dyc))| {
+            for i in 0..dxc.len() {
+                let s = sigmoid(gc[i]);
+                dxc[i] = dyc[i] * s;
+                dgc[i] = dyc[i] * xc[i] * s * (T::one() - s);
+            }
+        });
+}
+
 /// x [N, 2F] → y [N, F].
 pub fn swiglu_fwd<T: Real>(x: &[T], f: usize, y: &mut [T]) {
     y.par_chunks_mut(f).zip(x.par_chunks(2 * f)).for_each(|(yr, xr)| {

@@ -90,6 +90,29 @@ device_test!(tensor_backwards_agree_with_f64, |dev: &Device| {
     assert_close(&host(&k::softmax_bwd(&y, &rt).unwrap()), &want, 1e-5, 1e-6, "softmax_bwd");
 });
 
+// The attention output gate x·σ(g) against the formula in f64, its backward against finite
+// differences in x and g; the dtypes and shapes it takes are checked by name.
+device_test!(sigmoid_gate_matches_formula_and_fd, |dev: &Device| {
+    let n = 3 * 16;
+    let (x, g, r) = (randv(n, 3), randv(n, 4).iter().map(|v| 2.0 * v).collect::<Vec<_>>(), randv(n, 5));
+    let (xt, gt, rt) = (t32(dev, &x, &[3, 16]), t32(dev, &g, &[3, 16]), t32(dev, &r, &[3, 16]));
+    let sig = |v: f64| 1.0 / (1.0 + (-v).exp());
+    let want: Vec<f64> = x.iter().zip(&g).map(|(x, g)| x * sig(*g)).collect();
+    assert_close(&host(&k::sigmoid_gate(&xt, &gt).unwrap()), &want, 1e-5, 1e-6, "sigmoid_gate");
+    let (dx, dg) = k::sigmoid_gate_bwd(&xt, &gt, &rt).unwrap();
+    let f = |x: &[f64], g: &[f64]| {
+        let mut y = vec![0.0; n];
+        act::sigmoid_gate_fwd(x, g, &mut y);
+        dot(&y, &r)
+    };
+    fd_check(&x, &host(&dx), |x| f(x, &g), "sigmoid_gate dx");
+    fd_check(&g, &host(&dg), |g| f(&x, g), "sigmoid_gate dg");
+    let e = k::sigmoid_gate(&xt, &t32(dev, &g[..16], &[1, 16])).unwrap_err().to_string();
+    assert!(e.contains("sigmoid_gate"), "{e}");
+    let bf = tensor(dev, &g, &[3, 16], ferrotron_core::DType::BF16);
+    assert!(k::sigmoid_gate(&xt, &bf).is_err(), "a gate of another dtype");
+});
+
 #[test]
 fn swiglu_needs_even_width() {
     let e = k::swiglu(&t32(&Device::Cpu, &randv(6, 0), &[2, 3])).unwrap_err();

@@ -643,6 +643,8 @@ fn elementwise_ops(x: &Tensor, y: &Tensor, b: &Tensor) -> Vec<Tensor> {
     k::add_(&acc, x).unwrap();
     let half = y.view(0, [y.elem_count() / 2]).unwrap();
     let gate = x.view(0, [x.elem_count() / 2, 2]).unwrap();
+    // The attention output gate x·σ(y), its backward from dy = −0.7·x.
+    let (gate_dx, gate_dg) = k::sigmoid_gate_bwd(x, y, &k::scale(x, -0.7).unwrap()).unwrap();
     vec![
         k::add(x, y).unwrap(),
         k::scale(x, -1.5).unwrap(),
@@ -659,6 +661,9 @@ fn elementwise_ops(x: &Tensor, y: &Tensor, b: &Tensor) -> Vec<Tensor> {
         k::gelu_exact_bwd(x, y).unwrap(),
         k::quick_gelu(x).unwrap(),
         k::quick_gelu_bwd(x, y).unwrap(),
+        k::sigmoid_gate(x, y).unwrap(),
+        gate_dx,
+        gate_dg,
         k::swiglu(&gate).unwrap(),
         k::swiglu_bwd(&gate, &half.reshape([x.elem_count() / 2, 1]).unwrap()).unwrap(),
     ]

@@ -71,6 +71,7 @@ pub(super) fn config(v: &Value) -> Result<TransformerConfig> {
                 qkv_bias: false,
                 qk_layernorm: false,
                 qk_l2_norm: false,
+                output_gate: false,
                 window: None,
                 causal: true,
                 mla: None,

@@ -56,6 +56,7 @@ pub fn config_layers(llama: bool, layers: usize) -> TransformerConfig {
                 qkv_bias: false,
                 qk_layernorm: llama,
                 qk_l2_norm: false,
+                output_gate: false,
                 window: None,
                 causal: true,
                 mla: None,

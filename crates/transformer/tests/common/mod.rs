@@ -38,6 +38,7 @@ pub fn config(llama: bool) -> TransformerConfig {
                 qkv_bias: false,
                 qk_layernorm: llama,
                 qk_l2_norm: false,
+                output_gate: false,
                 window: None,
                 causal: true,
                 mla: None,

@@ -96,6 +96,26 @@ pub fn pointwise(be: &B, fam: &'static str, x: &Tensor, dy: Option<&Tensor>) -> 
     Ok(y)
 }
 
+/// x·σ(g) (kernels/elementwise.cu `sigmoid_gate_fwd_*`).
+pub fn sigmoid_gate(be: &B, x: &Tensor, g: &Tensor) -> Result<Tensor> {
+    let op = "sigmoid_gate";
+    let y = new(be, x.shape().clone(), x.dtype())?;
+    let len = x.elem_count();
+    let args = [ptr(op, x)?, ptr(op, g)?, ptr(op, &y)?, n(len)];
+    ew8(be, &format!("sigmoid_gate_fwd_{}", sfx(op, x.dtype())?), len, 8, &args)?;
+    Ok(y)
+}
+
+/// (dx, dg) of `sigmoid_gate` (kernels/elementwise.cu `sigmoid_gate_bwd_*`).
+pub fn sigmoid_gate_bwd(be: &B, x: &Tensor, g: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+    let op = "sigmoid_gate_bwd";
+    let (dx, dg) = (new(be, x.shape().clone(), x.dtype())?, new(be, x.shape().clone(), x.dtype())?);
+    let len = x.elem_count();
+    let args = [ptr(op, x)?, ptr(op, g)?, ptr(op, dy)?, ptr(op, &dx)?, ptr(op, &dg)?, n(len)];
+    ew8(be, &format!("sigmoid_gate_bwd_{}", sfx(op, x.dtype())?), len, 8, &args)?;
+    Ok((dx, dg))
+}
+
 pub fn swiglu(be: &B, x: &Tensor, f: usize, out_shape: Vec<usize>) -> Result<Tensor> {
     let y = new(be, out_shape, x.dtype())?;
     ew8(
