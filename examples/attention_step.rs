@@ -15,16 +15,7 @@ fn randn(shape: &[usize], stream: u64) -> ferrotron_core::Result<Tensor> {
 fn main() -> ferrotron_core::Result<()> {
     // batch 2, 16 tokens, 8 query heads sharing 2 kv heads, head dim 32, with RoPE on q and k.
     let (b, t, hq, hkv, d) = (2, 16, 8, 2, 32);
-    let rope = k::RopeCfg {
-        rot: d,
-        base: 10000.0,
-        pos0: 0,
-        scaling: None,
-        split: None,
-        yarn: None,
-        interpolation: None,
-        interleaved: false,
-    };
+    let rope = k::RopeCfg::new(d, 10000.0);
     let q = k::rope_fwd(&randn(&[b, t, hq, d], 0)?, &rope)?;
     let kk = k::rope_fwd(&randn(&[b, t, hkv, d], 1)?, &rope)?;
     let v = randn(&[b, t, hkv, d], 2)?;

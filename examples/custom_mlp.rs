@@ -66,13 +66,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         max_position_embeddings: 16,
         vocab_size: 256,
         make_vocab_size_divisible_by: 128,
-        position_embedding: PositionEmbedding::Rope {
-            base: 10000.0,
-            scaling: None,
-            percent: 1.0,
-            interpolation: None,
-            interleaved: false,
-        },
+        position_embedding: PositionEmbedding::rope(10000.0),
         untie_embeddings_and_output_weights: false,
         layer: LayerSpec {
             norm: NormKind::RmsNorm,

@@ -1647,16 +1647,7 @@ mod tests {
         o.remove("rope_theta");
         o.insert("rope_parameters".into(), json!({"rope_type": "default", "rope_theta": 500000.0}));
         let rope = |v: &Value| from_hf_config(v).unwrap().config.position_embedding;
-        assert_eq!(
-            rope(&v),
-            PositionEmbedding::Rope {
-                base: 500000.0,
-                scaling: None,
-                percent: 1.0,
-                interpolation: None,
-                interleaved: false
-            }
-        );
+        assert_eq!(rope(&v), PositionEmbedding::rope(500000.0));
         // Llama 3.2's scaling, as transformers 5 writes it; then with a constant Megatron fixes changed.
         v["rope_parameters"] = json!({"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
             "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
@@ -1775,16 +1766,7 @@ mod tests {
         let c = from_hf_config(&y).unwrap().config;
         let yarn = c.layer.attention.mla.and_then(|m| m.yarn).unwrap();
         assert_eq!((yarn.factor, yarn.mscale, yarn.mscale_all_dim), (40.0, 1.0, 1.0));
-        assert_eq!(
-            c.position_embedding,
-            PositionEmbedding::Rope {
-                base: 10000.0,
-                scaling: None,
-                percent: 1.0,
-                interpolation: None,
-                interleaved: false
-            }
-        );
+        assert_eq!(c.position_embedding, PositionEmbedding::rope(10000.0));
         let back = to_hf_config(HfArch::DeepseekV3, &c, "float32");
         assert_eq!(from_hf_config(&back).unwrap().config.layer.attention.mla, c.layer.attention.mla);
         // Kimi-K2's YaRN: betas 1 and 1 over a context of 4096, kept and written back.

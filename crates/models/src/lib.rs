@@ -114,13 +114,7 @@ pub fn llama(size: LlamaSize) -> TransformerConfig {
         max_position_embeddings: seq,
         vocab_size: vocab,
         make_vocab_size_divisible_by: VOCAB_DIVISIBLE_BY,
-        position_embedding: PositionEmbedding::Rope {
-            base: 500000.0,
-            scaling: None,
-            percent: 1.0,
-            interpolation: None,
-            interleaved: false,
-        },
+        position_embedding: PositionEmbedding::rope(500000.0),
         untie_embeddings_and_output_weights: true,
         layer: LayerSpec {
             norm: NormKind::RmsNorm,
@@ -207,13 +201,7 @@ pub fn deepseek_v3_tiny() -> TransformerConfig {
     let layers = (0..base.num_layers).map(|i| i == 0).collect();
     TransformerConfig {
         num_query_groups: base.num_attention_heads,
-        position_embedding: PositionEmbedding::Rope {
-            base: 10000.0,
-            scaling: None,
-            percent: 1.0,
-            interpolation: None,
-            interleaved: false,
-        },
+        position_embedding: PositionEmbedding::rope(10000.0),
         layer: LayerSpec {
             attention: AttentionSpec { mla: Some(mla), ..base.layer.attention },
             mlp: MlpSpec::Custom(Arc::new(moe)),

@@ -577,13 +577,7 @@ fn gpt(s: &MoeSpec) -> TransformerConfig {
         max_position_embeddings: 6,
         vocab_size: 11,
         make_vocab_size_divisible_by: 1,
-        position_embedding: PositionEmbedding::Rope {
-            base: 10000.0,
-            scaling: None,
-            percent: 1.0,
-            interpolation: None,
-            interleaved: false,
-        },
+        position_embedding: PositionEmbedding::rope(10000.0),
         untie_embeddings_and_output_weights: true,
         layer: LayerSpec {
             norm: NormKind::RmsNorm,

@@ -78,16 +78,7 @@ fn rows_of_whole_sequence_attention(dev: &Device, dtype: DType, tol: f32) {
         let (nq, nk) = (b * t * hq * d, b * t * hkv * d);
         let (q, kk, v, dout) = (normal(nq, 1), normal(nk, 2), normal(nk, 3), normal(nq, 4));
         // One rank: the whole sequence, with RoPE at positions 0..t.
-        let rope = RopeCfg {
-            rot: d,
-            base: 10000.0,
-            pos0: 0,
-            scaling: None,
-            split: None,
-            yarn: None,
-            interpolation: None,
-            interleaved: false,
-        };
+        let rope = RopeCfg::new(d, 10000.0);
         let whole = |x: &[f32], h: usize| Tensor::from_vec(x.to_vec(), [b, t, h, d], &cpu).unwrap();
         let (qr, kr) = (k::rope_fwd(&whole(&q, hq), &rope).unwrap(), k::rope_fwd(&whole(&kk, hkv), &rope).unwrap());
         let (o, lse) = k::attention_fwd(&qr, &kr, &whole(&v, hkv), &cfg).unwrap();

@@ -185,16 +185,7 @@ impl MlaAttention {
                 "YaRN and Llama 3's RoPE scaling (--use-rope-scaling) both rescale: keep one",
             ));
         }
-        let rope = RopeCfg {
-            rot: r,
-            base: d.rope.0,
-            pos0: 0,
-            scaling: d.rope.1,
-            split: None,
-            yarn: spec.yarn,
-            interpolation: None,
-            interleaved: true,
-        };
+        let rope = RopeCfg { scaling: d.rope.1, yarn: spec.yarn, interleaved: true, ..RopeCfg::new(r, d.rope.0) };
         Ok(MlaAttention {
             q,
             kv_down,

@@ -47,6 +47,13 @@ pub enum PositionEmbedding {
     None,
 }
 
+impl PositionEmbedding {
+    /// Rotary embedding at `base` over whole heads: no scaling or interpolation, rotate-half.
+    pub fn rope(base: f64) -> Self {
+        PositionEmbedding::Rope { base, scaling: None, percent: 1.0, interpolation: None, interleaved: false }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Activation {
     /// GeLU (tanh approximation) on a [C → F] projection.

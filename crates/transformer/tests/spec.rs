@@ -73,16 +73,7 @@ fn valid_base_builds_with_megatron_names() {
 #[test]
 fn rope_with_odd_head_dim_is_rejected() {
     // 12 / 4 = 3: odd head dim.
-    let e = err(TransformerConfig {
-        position_embedding: PositionEmbedding::Rope {
-            base: 10000.0,
-            scaling: None,
-            percent: 1.0,
-            interpolation: None,
-            interleaved: false,
-        },
-        ..base()
-    });
+    let e = err(TransformerConfig { position_embedding: PositionEmbedding::rope(10000.0), ..base() });
     assert!(e.contains("even head dim") && e.contains("--num-attention-heads"), "{e}");
 }
 
@@ -102,13 +93,7 @@ fn param_count_matches_table_for_llama_style() {
         hidden_size: 16,
         num_query_groups: 2,
         kv_channels: None,
-        position_embedding: PositionEmbedding::Rope {
-            base: 10000.0,
-            scaling: None,
-            percent: 1.0,
-            interpolation: None,
-            interleaved: false,
-        },
+        position_embedding: PositionEmbedding::rope(10000.0),
         untie_embeddings_and_output_weights: true,
         layer: LayerSpec {
             norm: NormKind::RmsNorm,

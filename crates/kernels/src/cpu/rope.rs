@@ -164,6 +164,12 @@ impl RopeScaling {
 }
 
 impl RopeCfg {
+    /// Plain RoPE over the first `rot` features at `base`: from position 0, rotate-half, no
+    /// scaling, split or interpolation (the other fields by struct update where wanted).
+    pub fn new(rot: usize, base: f64) -> Self {
+        RopeCfg { rot, base, pos0: 0, scaling: None, split: None, yarn: None, interpolation: None, interleaved: false }
+    }
+
     /// The features (a, b) of pair i.
     pub fn pair(&self, i: usize) -> (usize, usize) {
         if self.interleaved { (2 * i, 2 * i + 1) } else { (i, i + self.rot / 2) }

@@ -155,16 +155,7 @@ fn every_op_matches_cpu() {
             let lin_odd = k::matmul_bias(&t[0], &t[2], &t[3].view(1, [9]).unwrap(), false, true).unwrap();
             vec![p, lin, da, db, dl, dw, tt, lin_b, lin_odd]
         });
-        let rope = |rot, base, pos0| RopeCfg {
-            rot,
-            base,
-            pos0,
-            scaling: None,
-            split: None,
-            yarn: None,
-            interpolation: None,
-            interleaved: false,
-        };
+        let rope = |rot, base, pos0| RopeCfg { pos0, ..RopeCfg::new(rot, base) };
         // RoPE one pair per thread (a half of 6), then eight pairs per thread from the angle table
         // (halves of 32 and 24, the latter with 16 dims passed through), at long positions.
         let heads = rnd(&[2, 6, 4, 16], 9, dt);

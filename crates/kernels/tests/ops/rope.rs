@@ -103,16 +103,7 @@ proptest! {
 }
 
 device_test!(backward_inverts_forward, |dev: &Device| {
-    let cfg = RopeCfg {
-        rot: 8,
-        base: 500000.0,
-        pos0: 3,
-        scaling: None,
-        split: None,
-        yarn: None,
-        interpolation: None,
-        interleaved: false,
-    };
+    let cfg = RopeCfg { pos0: 3, ..RopeCfg::new(8, 500000.0) };
     let x = randv(2 * 6 * 3 * 8, 5);
     let xt = t32(dev, &x, &[2, 6, 3, 8]);
     let back = k::rope_bwd(&k::rope_fwd(&xt, &cfg).unwrap(), &cfg).unwrap();
@@ -121,16 +112,7 @@ device_test!(backward_inverts_forward, |dev: &Device| {
 
 #[test]
 fn llama3_scaling_keeps_divides_and_blends_by_wavelength() {
-    let cfg = RopeCfg {
-        rot: 6,
-        base: 1e8,
-        pos0: 0,
-        scaling: Some(RopeScaling::llama3(8.0)),
-        split: None,
-        yarn: None,
-        interpolation: None,
-        interleaved: false,
-    };
+    let cfg = RopeCfg { scaling: Some(RopeScaling::llama3(8.0)), ..RopeCfg::new(6, 1e8) };
     let plain = RopeCfg { scaling: None, ..cfg };
     // Wavelengths 2π, ≈ 2917 and ≈ 1.35e6 against the bands' edges 8192 / 4 and 8192 / 1.
     assert_eq!(cfg.freq(0), plain.freq(0));
@@ -160,16 +142,7 @@ fn yarn_matches_transformers_formula() {
     let kimi = k::Yarn { beta_fast: 1.0, beta_slow: 1.0, mscale_all_dim: 1.0, ..k::Yarn::megatron(32.0) };
     assert_ne!(kimi.range(64, 10000.0), deepseek.range(64, 10000.0));
     for yarn in [deepseek, k::Yarn::megatron(40.0), kimi] {
-        let cfg = RopeCfg {
-            rot: 64,
-            base: 10000.0,
-            pos0: 0,
-            scaling: None,
-            split: None,
-            yarn: Some(yarn),
-            interpolation: None,
-            interleaved: false,
-        };
+        let cfg = RopeCfg { yarn: Some(yarn), ..RopeCfg::new(64, 10000.0) };
         for i in 0..32 {
             assert!((cfg.freq(i) - hf_freq(&cfg, i)).abs() <= 1e-14 * hf_freq(&cfg, i), "pair {i}");
         }
@@ -194,16 +167,7 @@ fn yarn_matches_transformers_formula() {
             "yarn rope dx",
         );
     }
-    let both = RopeCfg {
-        rot: 64,
-        base: 10000.0,
-        pos0: 0,
-        scaling: Some(RopeScaling::llama3(8.0)),
-        split: None,
-        yarn: Some(deepseek),
-        interpolation: None,
-        interleaved: false,
-    };
+    let both = RopeCfg { scaling: Some(RopeScaling::llama3(8.0)), yarn: Some(deepseek), ..RopeCfg::new(64, 10000.0) };
     let x = t32(&Device::Cpu, &randv(64, 0), &[1, 1, 1, 64]);
     assert!(k::rope_fwd(&x, &both).unwrap_err().to_string().contains("keep one"));
 }
@@ -211,20 +175,7 @@ fn yarn_matches_transformers_formula() {
 #[test]
 fn odd_rotary_dim_is_an_error() {
     let x = t32(&Device::Cpu, &randv(2 * 5, 0), &[1, 1, 2, 5]);
-    let e = k::rope_fwd(
-        &x,
-        &RopeCfg {
-            rot: 5,
-            base: 10000.0,
-            pos0: 0,
-            scaling: None,
-            split: None,
-            yarn: None,
-            interpolation: None,
-            interleaved: false,
-        },
-    )
-    .unwrap_err();
+    let e = k::rope_fwd(&x, &RopeCfg::new(5, 10000.0)).unwrap_err();
     assert!(e.to_string().contains("must be even"), "{e}");
 }
 
@@ -235,34 +186,9 @@ device_test!(rope_on_fused_qkv_equals_split_rope_merge, |dev: &Device| {
     use ferrotron_core::DType;
     let (b, t, hkv, g, d) = (2, 5, 3, 2, 16);
     let w = hkv * (g + 2) * d;
-    for (dt, cfg) in [
-        (
-            DType::F32,
-            RopeCfg {
-                rot: 12,
-                base: 10000.0,
-                pos0: 7,
-                scaling: None,
-                split: None,
-                yarn: None,
-                interpolation: None,
-                interleaved: false,
-            },
-        ),
-        (
-            DType::BF16,
-            RopeCfg {
-                rot: 16,
-                base: 500000.0,
-                pos0: 0,
-                scaling: None,
-                split: None,
-                yarn: None,
-                interpolation: None,
-                interleaved: false,
-            },
-        ),
-    ] {
+    for (dt, cfg) in
+        [(DType::F32, RopeCfg { pos0: 7, ..RopeCfg::new(12, 10000.0) }), (DType::BF16, RopeCfg::new(16, 500000.0))]
+    {
         let x = tensor(dev, &randv(b * t * w, 41), &[b, t, w], dt);
         for (sign, name) in [(1.0, "fwd"), (-1.0, "bwd")] {
             let (q, kk, v) = k::qkv_split(&x, hkv, g, d).unwrap();
@@ -283,16 +209,7 @@ device_test!(rope_on_fused_qkv_equals_split_rope_merge, |dev: &Device| {
 #[test]
 fn fused_qkv_rope_names_a_width_that_does_not_fit_its_groups() {
     let x = t32(&Device::Cpu, &randv(2 * 3 * 40, 0), &[2, 3, 40]);
-    let cfg = RopeCfg {
-        rot: 8,
-        base: 10000.0,
-        pos0: 0,
-        scaling: None,
-        split: None,
-        yarn: None,
-        interpolation: None,
-        interleaved: false,
-    };
+    let cfg = RopeCfg::new(8, 10000.0);
     let e = k::rope_qkv_fwd_(&x, 2, 2, 8, &cfg).unwrap_err().to_string();
     assert!(e.contains("rope_qkv_fwd_") && e.contains("2·(2+2)·8 = 64"), "{e}");
     let e =
@@ -324,16 +241,7 @@ device_test!(interleaved_is_rotate_half_on_deinterleaved_features, |dev: &Device
     };
     for (dims, rot, base, pos0) in [([2, 5, 3, 16], 12, 10000.0, 7), ([2, 4, 2, 80], 64, 500000.0, 3000)] {
         let d = dims[3];
-        let half = RopeCfg {
-            rot,
-            base,
-            pos0,
-            scaling: None,
-            split: None,
-            yarn: None,
-            interpolation: None,
-            interleaved: false,
-        };
+        let half = RopeCfg { pos0, ..RopeCfg::new(rot, base) };
         let il = RopeCfg { interleaved: true, ..half };
         let p = perm(rot, d);
         let x = randv(dims.iter().product(), 17);

@@ -19,18 +19,7 @@ pub fn config(llama: bool) -> TransformerConfig {
 
 pub fn config_layers(llama: bool, layers: usize) -> TransformerConfig {
     let (norm, act, bias, pos) = if llama {
-        (
-            NormKind::RmsNorm,
-            Activation::SwiGlu,
-            false,
-            PositionEmbedding::Rope {
-                base: 10000.0,
-                scaling: None,
-                percent: 1.0,
-                interpolation: None,
-                interleaved: false,
-            },
-        )
+        (NormKind::RmsNorm, Activation::SwiGlu, false, PositionEmbedding::rope(10000.0))
     } else {
         (NormKind::LayerNorm, Activation::Gelu, true, PositionEmbedding::LearnedAbsolute)
     };

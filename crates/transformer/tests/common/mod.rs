@@ -18,17 +18,7 @@ pub fn config(llama: bool) -> TransformerConfig {
         max_position_embeddings: 8,
         vocab_size: 11,
         make_vocab_size_divisible_by: 1,
-        position_embedding: if llama {
-            PositionEmbedding::Rope {
-                base: 10000.0,
-                scaling: None,
-                percent: 1.0,
-                interpolation: None,
-                interleaved: false,
-            }
-        } else {
-            PositionEmbedding::LearnedAbsolute
-        },
+        position_embedding: if llama { PositionEmbedding::rope(10000.0) } else { PositionEmbedding::LearnedAbsolute },
         untie_embeddings_and_output_weights: llama,
         layer: LayerSpec {
             norm: if llama { NormKind::RmsNorm } else { NormKind::LayerNorm },
