@@ -3,7 +3,7 @@
 //! is the plain run bit for bit; at 0 those weights stay where they are while every other weight
 //! moves; at another rate it changes the run and trains under tensor (with sequence) and pipeline
 //! parallelism as one rank does (two stages hold the tied embedding's copies, each at the
-//! decoupled rate). Its flags are checked by name.
+//! decoupled rate; so does the MTP depths' copy on the last stage). Its flags are checked by name.
 
 mod common;
 
@@ -76,4 +76,17 @@ fn decoupled_rates_that_cannot_schedule_are_refused_by_name() {
     assert!(e.contains("--decoupled-lr 0.00001 decays to --min-lr"), "{e}");
     let e = refused(decoupled(1e-3, Some(2e-3), tiny_args(true)));
     assert!(e.contains("decays to --decoupled-min-lr 0.002"), "{e}");
+}
+
+/// Multi-token prediction under two pipeline stages: the untied Llama's last stage holds its own
+/// copy of the word embedding for the depths, which Megatron puts in the decoupled group too; at
+/// a decoupled rate the layout follows one rank only if that copy steps at it.
+#[test]
+fn the_mtp_depths_embedding_copy_steps_at_the_decoupled_rate() {
+    let args = TrainArgs { mtp_num_layers: Some(1), ..decoupled(1e-2, Some(1e-3), tiny_args(true)) };
+    let s = settings(&args);
+    let one = run(&s, 1);
+    let mut pp = s.clone();
+    pp.pipeline_model_parallel_size = 2;
+    follows("MTP, pp2", &run(&pp, 2), &one);
 }
