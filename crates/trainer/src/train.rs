@@ -3,6 +3,7 @@
 //! AdamW step, logging (world rank 0), evaluation, checkpointing and resume.
 
 use crate::checkpoint::{self, SaveInfo};
+use crate::progress_log::ProgressLog;
 use crate::settings::{Launch, LoadMode, Paths, Settings};
 use anyhow::{Context, bail};
 use ferrotron_comm::{ReduceOp, run_ranks, thread_world};
@@ -20,7 +21,6 @@ use ferrotron_transformer::gpt::MtpRolled;
 use ferrotron_transformer::{Batch, GptModel};
 
 type Comm = std::sync::Arc<dyn ferrotron_comm::Communicator>;
-use crate::progress_log::ProgressLog;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use std::io::Write;
