@@ -44,8 +44,8 @@ pub struct AdamRun {
 }
 
 /// An optimizer's runs, built once: on a GPU also as a table on the device (eight u32 per run,
-/// kernels/optim.cu; the flags word: 1 weight decay, 2 the decoupled rate), so a step uploads nothing (a copy from pageable memory would wait for the
-/// stream).
+/// kernels/optim.cu; the flags word: 1 weight decay, 2 the decoupled rate), so a step uploads
+/// nothing (a copy from pageable memory would wait for the stream).
 pub struct AdamRuns {
     runs: Vec<AdamRun>,
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]

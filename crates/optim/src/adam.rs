@@ -167,10 +167,7 @@ impl Optimizer {
             )?;
             at += r.len();
         }
-        let runs = runs(table, &owned)
-            .into_iter()
-            .map(|((decay, decoupled), r, state)| AdamRun { flat: r.start, state, len: r.len(), decay, decoupled })
-            .collect();
+        let runs = runs(table, &owned);
         Ok(Optimizer {
             config,
             owned,
@@ -453,23 +450,26 @@ fn pieces(table: &ParamTable, owned: &[Range<usize>]) -> Vec<(ParamId, Range<usi
 }
 
 /// `pieces` merged where neighbours touch in both the flat buffer and the state and share
-/// the weight-decay and learning-rate choices: ((decay, decoupled), flat range, state offset).
-/// AdamW is elementwise, so the runs give the same bits as one update per parameter; all of them
-/// go to one `adamw_runs` (one launch per step on a GPU, with the rounded copy into the
-/// parameters in the same pass).
-fn runs(table: &ParamTable, owned: &[Range<usize>]) -> Vec<((bool, bool), Range<usize>, usize)> {
-    let mut out: Vec<((bool, bool), Range<usize>, usize)> = Vec::new();
+/// the weight-decay and learning-rate choices. AdamW is elementwise, so the runs give the same
+/// bits as one update per parameter; all of them go to one `adamw_runs` (one launch per step on a
+/// GPU, with the rounded copy into the parameters in the same pass).
+fn runs(table: &ParamTable, owned: &[Range<usize>]) -> Vec<AdamRun> {
+    let mut out: Vec<AdamRun> = Vec::new();
     for (id, r, at) in pieces(table, owned) {
         let meta = table.meta(id);
         if meta.frozen {
             continue;
         }
-        let kind = (meta.weight_decay, meta.embedding_or_output);
+        let (decay, decoupled) = (meta.weight_decay, meta.embedding_or_output);
         match out.last_mut() {
-            Some(last) if last.0 == kind && last.1.end == r.start && last.2 + last.1.len() == at => {
-                last.1.end = r.end;
+            Some(last)
+                if (last.decay, last.decoupled) == (decay, decoupled)
+                    && last.flat + last.len == r.start
+                    && last.state + last.len == at =>
+            {
+                last.len += r.len();
             }
-            _ => out.push((kind, r, at)),
+            _ => out.push(AdamRun { flat: r.start, state: at, len: r.len(), decay, decoupled }),
         }
     }
     out

@@ -82,14 +82,10 @@ impl TransformerConfig {
             return None;
         };
         Some(ferrotron_kernels::RopeCfg {
-            rot: self.rotary_dim(),
-            base,
-            pos0: 0,
             scaling,
-            split: None,
-            yarn: None,
             interpolation,
             interleaved,
+            ..ferrotron_kernels::RopeCfg::new(self.rotary_dim(), base)
         })
     }
 
