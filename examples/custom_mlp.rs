@@ -7,7 +7,7 @@ use ferrotron_core::{Cx, DType, Device, Module, ParamTableBuilder, Result, Saved
 use ferrotron_kernels as k;
 use ferrotron_transformer::linear::Linear;
 use ferrotron_transformer::spec::{
-    AttentionSpec, FactoryCx, LayerSpec, MlpSpec, ModuleFactory, NormKind, ParamCount, PositionEmbedding,
+    AttentionSpec, FactoryCx, LayerSpec, MlpSpec, ModuleFactory, NormKind, ParamCount, PositionEmbedding, SoftmaxType,
 };
 use ferrotron_transformer::{Batch, GptModel, TransformerConfig};
 use std::sync::Arc;
@@ -77,6 +77,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 qk_layernorm: false,
                 qk_l2_norm: false,
                 output_gate: false,
+                softmax: SoftmaxType::Vanilla,
                 window: None,
                 causal: true,
                 mla: None,

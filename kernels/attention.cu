@@ -192,3 +192,34 @@ extern "C" __global__ void attn_merge_##s(float* o, float* lse, const T* op, con
         o[j] = (wa * o[j] + wb * ld(op, j)) / s; } \
     if (threadIdx.x == 0) lse[li] = m + logf(s); }
 FOR_TYPES(ATTN_MERGE)
+
+// The sink softmax (cpu/attn_sink.rs): one more logit sink[h] a head, a key with no value, on a
+// finished (o, lse). One warp per (batch, row, head) row, its lanes along the head dim; o/do
+// [B,T,H,D], sink [H] f32, lse f32 [n,B,H,T/n] (n = 1: [B,H,T]). Every lane reads the row's old
+// lse before the warp's barrier; lane 0 writes the new one after it.
+__device__ __forceinline__ long sink_lse_at(long row, long b, long t, long h, long n) {
+    long hh = row % h, tt = (row / h) % t, bb = row / (h * t), c = t / n;
+    return ((tt / c * b + bb) * h + hh) * c + tt % c;
+}
+__device__ __forceinline__ float log_add(float a, float b) {
+    float m = fmaxf(a, b);
+    return m == -INFINITY ? m : m + logf(expf(a - m) + expf(b - m));
+}
+#define ATTN_SINK(s, T) \
+extern "C" __global__ void attn_sink_##s(T* o, float* lse, const float* sink, long b, long t, long h, long d, long n) { \
+    long row = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32; \
+    if (row >= b * t * h) return; \
+    long li = sink_lse_at(row, b, t, h, n); \
+    float l = lse[li], nl = log_add(l, sink[row % h]), f = expf(l - nl); \
+    __syncwarp(); \
+    for (long i = lane; i < d; i += 32) st(o, row * d + i, ld(o, row * d + i) * f); \
+    if (lane == 0) lse[li] = nl; } \
+extern "C" __global__ void attn_sink_bwd_##s(const T* o, const float* lse, const T* dout, const float* sink, \
+                                             float* term, long b, long t, long h, long d, long n) { \
+    long row = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32; \
+    if (row >= b * t * h) return; \
+    float dot = 0.f; \
+    for (long i = lane; i < d; i += 32) dot += ld(o, row * d + i) * ld(dout, row * d + i); \
+    for (int off = 16; off > 0; off /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, off); \
+    if (lane == 0) term[row] = -expf(sink[row % h] - lse[sink_lse_at(row, b, t, h, n)]) * dot; }
+FOR_TYPES(ATTN_SINK)

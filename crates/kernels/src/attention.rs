@@ -311,3 +311,71 @@ pub fn attention_merge_(o: &Tensor, lse: &Tensor, o_part: &Tensor, lse_part: &Te
     let (op, lp) = (o_part.read_f32()?, lse_part.read_f32()?);
     o.update_f32(OP, |ov| lse.update_f32(OP, |lv| cpu::attn_merge::attention_merge(ov, lv, &op, &lp, (b, t, h, d))))?
 }
+
+/// (b, t, h, d, n) of a sink softmax call, checked: `o` [B, T, H, D] of a float dtype; `lse` f32,
+/// [B, H, T] or context parallelism's chunk-major [n, B, H, T/n]; `sink` f32 [H].
+fn sink_dims(op: &'static str, o: &Tensor, lse: &Tensor, sink: &Tensor) -> Result<cpu::attn_sink::SinkDims> {
+    check::float(op, o)?;
+    check::rank(op, o, 4)?;
+    if lse.dtype() != DType::F32 || sink.dtype() != DType::F32 {
+        return Err(invalid(
+            op,
+            format!("lse and the sink logits must be f32, got {} and {}", lse.dtype(), sink.dtype()),
+        ));
+    }
+    let od = o.dims();
+    let (b, t, h, d) = (od[0], od[1], od[2], od[3]);
+    let n = match lse.dims() {
+        [lb, lh, lt] if (*lb, *lh, *lt) == (b, h, t) => 1,
+        [n, lb, lh, lc] if *n > 0 && (*lb, *lh, n * lc) == (b, h, t) => *n,
+        ld => return Err(shape_mismatch(op, format!("lse [{b}, {h}, {t}] or chunk-major [n, {b}, {h}, {t}/n]"), ld)),
+    };
+    check::shape(op, sink, &[h])?;
+    if o.shares_storage(lse) {
+        return Err(invalid(op, "o and lse must not share storage"));
+    }
+    Ok((b, t, h, d, n))
+}
+
+/// The sink softmax (Megatron's --softmax-type off-by-one / learnable) on a finished attention:
+/// `o` [B, T, H, D] and `lse` (f32, [B, H, T] or context parallelism's [n, B, H, T/n]) become in
+/// place those of a softmax with one more logit `sink` [H] (f32) a head, a key with no value
+/// (math in `cpu::attn_sink`). The attention backward on the new (o, lse) is then the sink
+/// softmax's; [`attention_sink_bwd`] gives the sink's own gradient.
+pub fn attention_sink_(o: &Tensor, lse: &Tensor, sink: &Tensor) -> Result<()> {
+    const OP: &str = "attention_sink_";
+    let dims = sink_dims(OP, o, lse, sink)?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[o, lse, sink])? {
+        return crate::cuda::ops::attention_sink_(&g, o, lse, sink, dims);
+    }
+    check::on_cpu(OP, &[o, lse, sink])?;
+    let s = sink.read_f32()?;
+    o.update_f32(OP, |ov| lse.update_f32(OP, |lv| cpu::attn_sink::sink_fwd(ov, lv, &s, dims)))?
+}
+
+/// The sink logits' gradient terms of [`attention_sink_`]'s (o, lse) for dO: [B, T, H] f32, row
+/// (b, t) of head h −e^(sink_h − lse)·⟨dO, O⟩. Their column sums over the B·T rows
+/// ([`bias_grad_into`](crate::bias_grad_into) of [B·T, H]) are the gradient.
+pub fn attention_sink_bwd(o: &Tensor, lse: &Tensor, d_o: &Tensor, sink: &Tensor) -> Result<Tensor> {
+    const OP: &str = "attention_sink_bwd";
+    let dims = sink_dims(OP, o, lse, sink)?;
+    check::shape(OP, d_o, o.dims())?;
+    check::same_dtype(OP, o, d_o)?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[o, lse, d_o, sink])? {
+        return crate::cuda::ops::attention_sink_bwd(&g, o, lse, d_o, sink, dims);
+    }
+    check::on_cpu(OP, &[o, lse, d_o, sink])?;
+    let (b, t, h, _, _) = dims;
+    let mut term = vec![0.0f32; b * t * h];
+    cpu::attn_sink::sink_bwd_terms(
+        &o.read_f32()?,
+        &lse.read_f32()?,
+        &d_o.read_f32()?,
+        &sink.read_f32()?,
+        dims,
+        &mut term,
+    );
+    check::out(term, [b, t, h], DType::F32, o.device())
+}

@@ -32,7 +32,7 @@
 use ferrotron_moe::{LoadBalancing, MoeSpec, RouterSpec};
 use ferrotron_transformer::TransformerConfig;
 use ferrotron_transformer::spec::{
-    Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, OtherMlp, PositionEmbedding, RopeScaling,
+    Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, OtherMlp, PositionEmbedding, RopeScaling, SoftmaxType,
 };
 use serde_json::{Value, json};
 use std::sync::Arc;
@@ -138,6 +138,12 @@ impl HfArch {
                 "a sigmoid gate on the attention output (--attention-output-gate): no Hugging Face class here has it"
                     .into(),
             ));
+        }
+        if c.layer.attention.softmax != SoftmaxType::Vanilla {
+            return Err(HfError::NoEquivalent(format!(
+                "an attention softmax with a sink logit (--softmax-type {}): no Hugging Face class here has it (gpt-oss's sinks come with its MoE and alternating windows)",
+                c.layer.attention.softmax.flag()
+            )));
         }
         if c.layer.attention.qk_l2_norm {
             return Err(HfError::NoEquivalent(
@@ -484,6 +490,7 @@ fn gpt2_config(v: &Value) -> Result<TransformerConfig> {
                 qk_layernorm: false,
                 qk_l2_norm: false,
                 output_gate: false,
+                softmax: SoftmaxType::Vanilla,
                 window: None,
                 causal: true,
                 mla: None,
@@ -693,6 +700,7 @@ fn llama_config(v: &Value) -> Result<TransformerConfig> {
                 qk_layernorm: false,
                 qk_l2_norm: false,
                 output_gate: false,
+                softmax: SoftmaxType::Vanilla,
                 window: None,
                 causal: true,
                 mla: None,

@@ -15,7 +15,9 @@ pub mod hybrid;
 
 use ferrotron_moe::{MoeSpec, RouterSpec};
 use ferrotron_transformer::TransformerConfig;
-use ferrotron_transformer::spec::{Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, PositionEmbedding};
+use ferrotron_transformer::spec::{
+    Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, PositionEmbedding, SoftmaxType,
+};
 use std::sync::Arc;
 
 /// Megatron pads the vocabulary to a multiple of this (times the tensor-parallel size).
@@ -80,6 +82,7 @@ pub fn gpt2(size: GptSize) -> TransformerConfig {
                 qk_layernorm: false,
                 qk_l2_norm: false,
                 output_gate: false,
+                softmax: SoftmaxType::Vanilla,
                 window: None,
                 causal: true,
                 mla: None,
@@ -125,6 +128,7 @@ pub fn llama(size: LlamaSize) -> TransformerConfig {
                 qk_layernorm: false,
                 qk_l2_norm: false,
                 output_gate: false,
+                softmax: SoftmaxType::Vanilla,
                 window: None,
                 causal: true,
                 mla: None,

@@ -6,7 +6,7 @@ use ferrotron_kernels as k;
 use ferrotron_moe::{Groups, LoadBalancing, MoeMetrics, MoeSpec, RouterSpec, Score};
 use ferrotron_parallel::{ProcessGroups, TensorParallel};
 use ferrotron_transformer::spec::{
-    Activation, AttentionSpec, FactoryCx, LayerSpec, MlpSpec, ModuleFactory, NormKind, PositionEmbedding,
+    Activation, AttentionSpec, FactoryCx, LayerSpec, MlpSpec, ModuleFactory, NormKind, PositionEmbedding, SoftmaxType,
 };
 use ferrotron_transformer::{Batch, GptModel, TransformerConfig};
 use std::sync::Arc;
@@ -588,6 +588,7 @@ fn gpt(s: &MoeSpec) -> TransformerConfig {
                 qk_layernorm: false,
                 qk_l2_norm: false,
                 output_gate: false,
+                softmax: SoftmaxType::Vanilla,
                 window: None,
                 causal: true,
                 mla: None,

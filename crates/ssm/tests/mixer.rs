@@ -6,7 +6,7 @@ use ferrotron_parallel::{ProcessGroups, TensorParallel};
 use ferrotron_ssm::MambaSpec;
 use ferrotron_transformer::spec::{
     Activation, AttentionSpec, FactoryCx, Hybrid, LayerKind, LayerSpec, MlpSpec, ModuleFactory, NormKind,
-    PositionEmbedding,
+    PositionEmbedding, SoftmaxType,
 };
 use ferrotron_transformer::{Batch, GptModel, TransformerConfig};
 use std::sync::Arc;
@@ -226,6 +226,7 @@ pub fn hybrid_config() -> TransformerConfig {
                 qk_layernorm: false,
                 qk_l2_norm: false,
                 output_gate: false,
+                softmax: SoftmaxType::Vanilla,
                 window: None,
                 causal: true,
                 mla: None,

@@ -649,7 +649,9 @@ pub fn open(dir: &Path, optimizer: bool) -> anyhow::Result<Box<dyn Parts>> {
 /// Refuses a checkpoint whose parameters mean something else under this run's flags, where the
 /// shapes are the same and so nothing else would tell: norm weights that are the scale less 1
 /// (--apply-layernorm-1p) or the scale, query and key rows in interleaved rotary pairs
-/// (--rotary-interleaved) or in halves, a GeLU MLP trained as erf or as tanh.
+/// (--rotary-interleaved) or in halves, a GeLU MLP trained as erf or as tanh, attention rows
+/// normalised with a sink logit or without (--softmax-type; a learnable sink's logits would
+/// also be missing or left over).
 pub fn check_meaning(saved: &State, s: &Settings, dir: &Path) -> anyhow::Result<()> {
     let with = |on: bool| if on { "with" } else { "without" };
     let (then, now) = (&saved.settings, s);
@@ -677,6 +679,15 @@ pub fn check_meaning(saved: &State, s: &Settings, dir: &Path) -> anyhow::Result<
         now.rotary_interleaved,
         "its query and key features would rotate in other pairs than trained",
     )?;
+    if then.softmax_type != now.softmax_type {
+        bail!(
+            "{}: the checkpoint was saved with --softmax-type {} and this run's is {}, so its attention rows would be normalised otherwise than trained; give --softmax-type {} (or --use-checkpoint-args)",
+            dir.display(),
+            then.softmax_type,
+            now.softmax_type,
+            then.softmax_type
+        );
+    }
     // GeLU's form matters only to a GeLU MLP.
     let gelu = |x: &Settings| !x.swiglu && !x.squared_relu;
     if gelu(then) && gelu(now) && then.gelu_exact != now.gelu_exact {

@@ -9,7 +9,7 @@ use ferrotron_moe::{Capacity, DropPolicy, Groups, LoadBalancing, MoeSpec, Router
 use ferrotron_optim::{DecayStyle, WdSchedule, WdStyle};
 use ferrotron_transformer::mla::MlaSpec;
 use ferrotron_transformer::spec::{
-    Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, OtherMlp, PositionEmbedding, RopeScaling,
+    Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, OtherMlp, PositionEmbedding, RopeScaling, SoftmaxType,
 };
 use ferrotron_transformer::{MtpSpec, TransformerConfig};
 use serde::{Deserialize, Serialize};
@@ -82,6 +82,11 @@ pub struct TrainArgs {
     /// gated attention): the QKV projection grows by one head's width per query head.
     #[arg(long)]
     pub attention_output_gate: bool,
+    /// The attention softmax: vanilla (default), off-by-one (one more logit 0 in every row, a
+    /// key with no value) or learnable (that logit learned per head: gpt-oss's attention sinks,
+    /// `core_attention.softmax_offset`).
+    #[arg(long)]
+    pub softmax_type: Option<String>,
     /// Zero-centred norm weights: every norm (LayerNorm or RMSNorm, QK-norm and the final one
     /// too) scales by 1 + w, w initialised to 0 and the 1 added in f32 inside the kernels.
     #[arg(long)]
@@ -1016,7 +1021,7 @@ impl TrainArgs {
             image_text_data, image_folder, data_cache_path, data_args_path, per_split_data_args_path,
             distributed_backend, transformer_impl, attention_backend, dataloader_type, rotary_percent, rerun_mode,
             main_grads_dtype, main_params_dtype, exp_avg_dtype, exp_avg_sq_dtype, num_workers, manual_gc_interval,
-            timing_log_level, empty_unused_memory_level, wandb_project, optimizer, rotary_seq_len_interpolation_factor,
+            timing_log_level, empty_unused_memory_level, wandb_project, optimizer, rotary_seq_len_interpolation_factor, softmax_type,
             num_virtual_stages_per_pipeline_rank, microbatch_group_size_per_virtual_pipeline_stage, loss_scale,
             initial_loss_scale, min_loss_scale, loss_scale_window, hysteresis, dist_ckpt_strictness, fp8_format,
             moe_flex_dispatcher_backend, moe_flex_dispatcher_num_sms, cross_entropy_fusion_impl, pipeline_model_parallel_layout,
@@ -1175,6 +1180,9 @@ pub struct Settings {
     /// --attention-output-gate (absent from older checkpoints' settings: off).
     #[serde(default)]
     pub attention_output_gate: bool,
+    /// --softmax-type (absent from older checkpoints' settings: vanilla).
+    #[serde(default = "vanilla")]
+    pub softmax_type: String,
     /// --apply-layernorm-1p (absent from older checkpoints' settings: plain weights, as they ran).
     #[serde(default)]
     pub apply_layernorm_1p: bool,
@@ -1433,6 +1441,10 @@ fn probs() -> String {
 
 fn softmax() -> String {
     "softmax".into()
+}
+
+fn vanilla() -> String {
+    "vanilla".into()
 }
 
 impl MoeSettings {
@@ -2022,6 +2034,7 @@ fn transformer_args(c: &TransformerConfig) -> TrainArgs {
         qk_layernorm: c.layer.attention.qk_layernorm,
         qk_l2_norm: c.layer.attention.qk_l2_norm,
         attention_output_gate: c.layer.attention.output_gate,
+        softmax_type: Some(c.layer.attention.softmax.flag().into()),
         apply_layernorm_1p: c.layer.zero_centred_gamma,
         multi_latent_attention: c.layer.attention.mla.is_some(),
         q_lora_rank: c.layer.attention.mla.and_then(|m| m.q_lora_rank),
@@ -2132,6 +2145,7 @@ impl TrainArgs {
             qk_layernorm,
             qk_l2_norm,
             attention_output_gate,
+            softmax_type,
             apply_layernorm_1p,
             multi_latent_attention,
             q_lora_rank,
@@ -2324,6 +2338,7 @@ impl Settings {
             qk_layernorm: a.qk_layernorm,
             qk_l2_norm: a.qk_l2_norm,
             attention_output_gate: a.attention_output_gate,
+            softmax_type: a.softmax_type.clone().unwrap_or_else(vanilla),
             apply_layernorm_1p: a.apply_layernorm_1p,
             mla: MlaSettings::from_args(&a)?,
             tokenizer_type: need(&a.tokenizer_type, "--tokenizer-type")?,
@@ -3076,6 +3091,12 @@ impl Settings {
             "none" => PositionEmbedding::None,
             o => bail!("--position-embedding-type {o}: use learned_absolute, rope or none"),
         };
+        let softmax = match self.softmax_type.as_str() {
+            "vanilla" => SoftmaxType::Vanilla,
+            "off-by-one" => SoftmaxType::OffByOne,
+            "learnable" => SoftmaxType::Learnable,
+            o => bail!("--softmax-type {o}: use vanilla, off-by-one or learnable"),
+        };
         let norm = match self.normalization.as_str() {
             "LayerNorm" => NormKind::LayerNorm,
             "RMSNorm" => NormKind::RmsNorm,
@@ -3129,6 +3150,7 @@ impl Settings {
                     qk_layernorm: self.qk_layernorm,
                     qk_l2_norm: self.qk_l2_norm,
                     output_gate: self.attention_output_gate,
+                    softmax,
                     // The mask keeps |i − j| < w: the token itself and the `left` before it.
                     window: self.window_size.map(|left| left + 1),
                     causal: true,

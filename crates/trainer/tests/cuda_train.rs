@@ -164,6 +164,30 @@ fn attention_output_gate_cuda_matches_cpu() {
     split_matches_cpu("llama-tiny", "output gate, QK-norm", gate_qk, gate_qk);
 }
 
+/// --softmax-type on the GPU (the sink kernels on the core attention's (o, lse)): off-by-one and
+/// learnable, with QK-norm and without, against one CPU rank in fp32 within 1e-4; learnable in
+/// bf16 at head dim 64 (on the flash kernels' lse), on one rank and cp2 (the chunk-major lse),
+/// within 2e-2.
+#[test]
+fn sink_softmax_cuda_matches_cpu() {
+    for kind in ["off-by-one", "learnable"] {
+        let f = |a: TrainArgs| TrainArgs { softmax_type: Some(kind.into()), ..a };
+        split_matches_cpu("llama-tiny", kind, f, f);
+        let qk = |a: TrainArgs| TrainArgs { qk_layernorm: true, ..f(a) };
+        split_matches_cpu("llama-tiny", &format!("{kind}, QK-norm"), qk, qk);
+    }
+    let bf16 = || TrainArgs {
+        preset: Some("llama-tiny".into()),
+        bf16: true,
+        kv_channels: Some(64),
+        softmax_type: Some("learnable".into()),
+        ..TrainArgs::default()
+    };
+    bf16_cuda_matches_cpu("learnable sink, head dim 64", bf16);
+    let cp2 = || TrainArgs { context_parallel_size: Some(2), nproc: Some(2), ..bf16() };
+    bf16_cuda_matches_cpu("learnable sink, head dim 64, cp2", cp2);
+}
+
 /// --qk-l2-norm on the GPU (the RMSNorm kernels at a unit scale over each query and key head),
 /// against one CPU rank, fp32 within 1e-4.
 #[test]

@@ -18,9 +18,14 @@
 //! group of the projection is [its g query heads | their g gates | key | value]; the gates are
 //! cut out (`project`: the rest is the plain layout) and o·σ(gate) goes to the output
 //! projection; the gates' gradient is put back in its place (`project_grad`).
+//!
+//! With a sink softmax (`AttentionSpec::softmax`, Megatron's --softmax-type) the core
+//! attention's (o, lse) become the sink softmax's before anything reads them (`core_fused`,
+//! `core`), and the sink's gradient is taken from them before the core backward (`Sink`).
 
 use crate::concat::{cat_last, split_last};
 use crate::norm::{HeadNorm, Norm};
+use crate::sink::Sink;
 use crate::spec::{AttentionSpec, NormSpec};
 use ferrotron_core::rng::fnv1a64;
 use ferrotron_core::{Cx, Module, ParamId, ParamTableBuilder, Result, Saved, Tensor, invalid};
@@ -47,6 +52,8 @@ pub struct SelfAttention {
     pub cp: Option<ContextParallel>,
     /// A sigmoid gate on each head's output (`AttentionSpec::output_gate`).
     pub gate: bool,
+    /// The sink softmax's logits (`AttentionSpec::softmax`), or None for the plain softmax.
+    pub sink: Option<Sink>,
 }
 
 /// One layer's attention dropout: the rate, its Philox stream (a hash of the site's name, the
@@ -109,6 +116,7 @@ impl SelfAttention {
             d.out_std,
             tp,
         )?;
+        let sink = Sink::new(p, prefix, spec.softmax, d.heads, d.std, tp)?;
         // Each rank normalises only its heads: the norm's grads are partial over the group.
         let split = tp.size() > 1;
         let (q_layernorm, k_layernorm) = if spec.qk_layernorm {
@@ -140,6 +148,7 @@ impl SelfAttention {
             }),
             cp: None,
             gate: spec.output_gate,
+            sink,
         })
     }
 }
@@ -274,9 +283,28 @@ impl SelfAttention {
         Ok((d_o.reshape(o.dims().to_vec())?, Some(dgate)))
     }
 
-    /// The core attention on the fused projection output: (o, lse).
+    /// The core attention on the fused projection output: (o, lse), the sink softmax's with one.
     fn core_fused(&self, cx: &Cx, qkv: &Tensor) -> Result<(Tensor, Tensor)> {
-        k::attention_fwd_qkv(qkv, self.qkv_heads(), &self.cfg(cx, qkv.dims()[1])?)
+        let (o, lse) = k::attention_fwd_qkv(qkv, self.qkv_heads(), &self.cfg(cx, qkv.dims()[1])?)?;
+        self.sink_(cx, &o, &lse)?;
+        Ok((o, lse))
+    }
+
+    /// The core attention on split Q, K, V: (o, lse), the sink softmax's with one.
+    fn core(&self, cx: &Cx, q: &Tensor, kk: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (o, lse) = core_fwd(self.cp.as_ref(), q, kk, v, &self.cfg(cx, q.dims()[1])?)?;
+        self.sink_(cx, &o, &lse)?;
+        Ok((o, lse))
+    }
+
+    /// The plain softmax's (o, lse) become the sink softmax's (a no-op without one).
+    fn sink_(&self, cx: &Cx, o: &Tensor, lse: &Tensor) -> Result<()> {
+        self.sink.as_ref().map_or(Ok(()), |s| s.forward_(cx, o, lse))
+    }
+
+    /// The sink logits' gradient for dO (a no-op without learned ones).
+    fn sink_bwd(&self, cx: &Cx, o: &Tensor, lse: &Tensor, d_o: &Tensor) -> Result<()> {
+        self.sink.as_ref().map_or(Ok(()), |s| s.backward(cx, o, lse, d_o))
     }
 
     /// `forward` when `reads_fused`: saved [qkv, o, lse] (or [qkv] with the core recomputed), qkv
@@ -317,6 +345,7 @@ impl SelfAttention {
         }
         let [qkv, o, lse]: [Tensor; 3] = tensors.try_into().map_err(|_| bad())?;
         let (d_o, dgate) = self.gated_bwd(&o, gate.as_ref(), self.proj_backward(cx, s_proj, dy, proj_bias)?)?;
+        self.sink_bwd(cx, &o, &lse, &d_o)?;
         let (g, hd) = (self.heads / self.groups, self.head_dim);
         if let (Some(b), None, None) = (self.linear_qkv.bias, &self.rope, &dgate) {
             // The bias gradient is Σ rows of dQKV as the attention backward writes it (no RoPE
@@ -353,7 +382,7 @@ impl Module for SelfAttention {
             q = k::rope_fwd(&q, r)?;
             kk = k::rope_fwd(&kk, r)?;
         }
-        let (o, lse) = core_fwd(self.cp.as_ref(), &q, &kk, &v, &self.cfg(cx, t)?)?;
+        let (o, lse) = self.core(cx, &q, &kk, &v)?;
         let (y, mut s_proj) = self.linear_proj.forward(cx, &self.gated(&o, gate.as_ref())?)?;
         let mut tensors = if self.recompute_core {
             s_proj.tensors.clear(); // the projection's input is from `o`, recomputed in the backward
@@ -390,13 +419,13 @@ impl SelfAttention {
         let mut s_proj = children.pop().unwrap_or_default();
         let gate = if self.gate { Some(tensors.pop().ok_or_else(bad)?) } else { None };
         if self.recompute_core && tensors.len() == 3 {
-            let cfg = self.cfg(cx, tensors[0].dims()[1])?;
-            let (o, lse) = core_fwd(self.cp.as_ref(), &tensors[0], &tensors[1], &tensors[2], &cfg)?;
+            let (o, lse) = self.core(cx, &tensors[0], &tensors[1], &tensors[2])?;
             s_proj.tensors = vec![self.gated(&o, gate.as_ref())?];
             tensors.extend([o, lse]);
         }
         let [q, kk, v, o, lse]: [Tensor; 5] = tensors.try_into().map_err(|_| bad())?;
         let (d_o, dgate) = self.gated_bwd(&o, gate.as_ref(), self.proj_backward(cx, s_proj, dy, proj_bias)?)?;
+        self.sink_bwd(cx, &o, &lse, &d_o)?;
         let (mut dq, mut dk, dv) =
             core_bwd(self.cp.as_ref(), &q, &kk, &v, &o, &lse, &d_o, &self.cfg(cx, q.dims()[1])?)?;
         if let Some(r) = &self.rope_for(q.dims()[1]) {

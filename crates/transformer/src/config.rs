@@ -1,7 +1,7 @@
 //! Model hyper-parameters (Megatron's names) and their validation.
 
 use crate::mtp::MtpSpec;
-use crate::spec::{LayerKind, LayerSpec, MlpSpec, NormSpec, PositionEmbedding};
+use crate::spec::{LayerKind, LayerSpec, MlpSpec, NormSpec, PositionEmbedding, SoftmaxType};
 use crate::{ModelError, Result};
 
 #[derive(Clone, Debug)]
@@ -340,6 +340,9 @@ impl TransformerConfig {
             None => h * qkv_out + q * h + if qkv_bias { qkv_out } else { 0 } + if bias_attn { h } else { 0 },
         };
         let qk_ln = if self.layer.attention.qk_layernorm { 2 * norm(d) } else { 0 };
+        // A learned sink logit a head (--softmax-type learnable), with either attention.
+        let sink = if self.layer.attention.softmax == SoftmaxType::Learnable { self.num_attention_heads } else { 0 };
+        let attn = attn + sink;
         let mlp = |spec: &MlpSpec| {
             let (fc1_out, bias_mlp) = match spec {
                 MlpSpec::Dense { activation, bias } => (activation.fc1_blocks() * f, *bias),

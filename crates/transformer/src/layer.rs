@@ -86,6 +86,7 @@ impl TransformerLayer {
                     out_std,
                     bias: c.layer.attention.bias,
                     rope: (base, scaling),
+                    softmax: c.layer.attention.softmax,
                 };
                 let a = MlaAttention::new(p, &format!("{prefix}.self_attention"), spec, &dims, tp)?;
                 return Ok(Branch { norm: pre, f: Sublayer::Mla(Box::new(a)), dropout });

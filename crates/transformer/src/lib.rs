@@ -19,6 +19,7 @@ pub mod mlp;
 pub mod mtp;
 pub mod norm;
 pub mod recompute;
+pub mod sink;
 pub mod spec;
 pub mod vision;
 

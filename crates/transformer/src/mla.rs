@@ -30,7 +30,8 @@ use crate::attention::{core_bwd, core_fwd, rope_at};
 use crate::concat::{cat_last, pad_last, split_last};
 use crate::linear::Linear;
 use crate::norm::Norm;
-use crate::spec::{NormKind, NormSpec};
+use crate::sink::Sink;
+use crate::spec::{NormKind, NormSpec, SoftmaxType};
 use ferrotron_core::{Cx, Module, ParamTableBuilder, Result, Saved, Tensor, invalid};
 use ferrotron_kernels::{self as k, AttnCfg, RopeCfg};
 use ferrotron_parallel::{ColumnParallelLinear, ContextParallel, RowParallelLinear, TensorParallel};
@@ -120,6 +121,8 @@ pub struct MlaAttention {
     /// The shared key's row ids per head (`head_ids`), the last few shapes: uploaded once, so a
     /// step replayed as a CUDA graph copies nothing from the host.
     ids: Mutex<Vec<Tensor>>,
+    /// The sink softmax's logits (`MlaDims::softmax`), or None for the plain softmax.
+    sink: Option<Sink>,
 }
 
 /// What `MlaAttention::new` takes beyond the spec.
@@ -134,6 +137,8 @@ pub struct MlaDims {
     pub bias: bool,
     /// RoPE's base and scaling.
     pub rope: (f64, Option<k::RopeScaling>),
+    /// The core attention's softmax (`AttentionSpec::softmax`).
+    pub softmax: SoftmaxType,
 }
 
 impl MlaAttention {
@@ -179,6 +184,7 @@ impl MlaAttention {
         let kv_up = col(p, "linear_kv_up_proj", kvl, d.heads * (dn + dv))?;
         let linear_proj =
             RowParallelLinear::new(p, &format!("{prefix}.linear_proj"), d.heads * dv, h, d.bias, d.out_std, tp)?;
+        let sink = Sink::new(p, prefix, d.softmax, d.heads, d.std, tp)?;
         if spec.yarn.is_some() && d.rope.1.is_some() {
             return Err(invalid(
                 "MlaAttention",
@@ -198,6 +204,7 @@ impl MlaAttention {
             tp: tp.clone(),
             cp: None,
             ids: Mutex::new(Vec::new()),
+            sink,
         })
     }
 
@@ -289,6 +296,9 @@ impl Module for MlaAttention {
         let (qq, kk) = (pad_last(&qk, width - dn - r)?, pad_last(&cat_last(&[&k_nope, &k_pe])?, width - dn - r)?);
         let vv = pad_last(&v, width - dv)?;
         let (o, lse) = core_fwd(self.cp.as_ref(), &qq, &kk, &vv, &self.cfg())?;
+        if let Some(s) = &self.sink {
+            s.forward_(cx, &o, &lse)?;
+        }
         let ov = if width == dv { o.clone() } else { split_last(&o, &[dv, width - dv])?.swap_remove(0) };
         let (y, s_p) = self.linear_proj.forward(cx, &ov.reshape([b, t, hl * dv])?)?;
         children.push(s_p);
@@ -305,6 +315,9 @@ impl Module for MlaAttention {
         let dov = self.linear_proj.backward(cx, s_p, dy)?;
         let (b, t, width) = (qq.dims()[0], qq.dims()[1], qq.dims()[3]);
         let d_o = pad_last(&dov.reshape([b, t, hl, dv])?, width - dv)?;
+        if let Some(s) = &self.sink {
+            s.backward(cx, &o, &lse, &d_o)?;
+        }
         let (dq, dk, dvv) = core_bwd(self.cp.as_ref(), &qq, &kk, &vv, &o, &lse, &d_o, &self.cfg())?;
         // The parts that matter, without the padding (no zero-width part: nothing to copy).
         let pad = width - dn - r;

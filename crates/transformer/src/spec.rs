@@ -95,6 +95,9 @@ pub struct AttentionSpec {
     /// (Megatron's --attention-output-gate, Qwen3-Next's gated attention): the QKV projection's
     /// groups are [queries | gates | key | value].
     pub output_gate: bool,
+    /// The softmax over each row's keys: plain, or with a sink logit a head (Megatron's
+    /// --softmax-type).
+    pub softmax: SoftmaxType,
     /// Sliding window in tokens (Mistral style); None = the whole (causal) context.
     pub window: Option<usize>,
     /// Causal (a language model's); false lets every position see every other (a vision
@@ -103,6 +106,30 @@ pub struct AttentionSpec {
     /// Multi-latent attention's sizes (Megatron's --multi-latent-attention), or None: the
     /// grouped-query attention of the fields above.
     pub mla: Option<crate::mla::MlaSpec>,
+}
+
+/// The attention's softmax (Megatron's --softmax-type): plain, or with one more logit a head in
+/// every row, a key with no value, so that a row's probabilities may sum to less than one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum SoftmaxType {
+    #[default]
+    Vanilla,
+    /// The extra logit is 0 (the denominator's "+1" of "attention is off by one").
+    OffByOne,
+    /// The extra logit is learned per head (`core_attention.softmax_offset`; gpt-oss's attention
+    /// sinks).
+    Learnable,
+}
+
+impl SoftmaxType {
+    /// Its --softmax-type value.
+    pub fn flag(self) -> &'static str {
+        match self {
+            SoftmaxType::Vanilla => "vanilla",
+            SoftmaxType::OffByOne => "off-by-one",
+            SoftmaxType::Learnable => "learnable",
+        }
+    }
 }
 
 /// What a `ModuleFactory` builds one module from.

@@ -204,7 +204,7 @@ impl VisionSpec {
 /// MLP of width `ffn`; LayerNorm (ε 1e-5), biases, quick GeLU, bidirectional attention, no
 /// dropout. Its embedding fields are unused (the patches come in through conv1).
 pub fn clip_encoder(layers: usize, hidden: usize, heads: usize, ffn: usize, std: f32) -> TransformerConfig {
-    use crate::spec::{AttentionSpec, LayerSpec, MlpSpec, NormKind, PositionEmbedding};
+    use crate::spec::{AttentionSpec, LayerSpec, MlpSpec, NormKind, PositionEmbedding, SoftmaxType};
     TransformerConfig {
         num_layers: layers,
         hidden_size: hidden,
@@ -227,6 +227,7 @@ pub fn clip_encoder(layers: usize, hidden: usize, heads: usize, ffn: usize, std:
                 qk_layernorm: false,
                 qk_l2_norm: false,
                 output_gate: false,
+                softmax: SoftmaxType::Vanilla,
                 window: None,
                 causal: false,
                 mla: None,

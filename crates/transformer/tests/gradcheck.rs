@@ -294,3 +294,52 @@ fn output_gate_gradients_match_finite_differences() {
         check(cfg);
     }
 }
+
+/// The sink softmax (--softmax-type), on the QK-norm path and the fused one: learned logits of
+/// −10⁴ vanish against every row's keys (σ(lse + 10⁴) = 1 in f32), so the model is the plain one
+/// bit for bit with no gradient on them; at 0 it is the off-by-one model bit for bit; and its
+/// gradients (the logits' too) match finite differences.
+#[test]
+fn sink_softmax_gradients_match_finite_differences() {
+    use ferrotron_transformer::spec::SoftmaxType;
+    for qk_layernorm in [true, false] {
+        let with = |softmax| {
+            let mut c = config(true);
+            c.layer.attention.qk_layernorm = qk_layernorm;
+            c.layer.attention.softmax = softmax;
+            c
+        };
+        let b = batch(2, 6, 11);
+        // (loss, every gradient but the logits', the logits' gradients) with the logits at `at`.
+        let run = |softmax, at: Option<f32>| {
+            let (model, table) = GptModel::build(with(softmax), &Device::Cpu, DType::F32, 3).unwrap();
+            assert_eq!(table.numel(), model.config.num_params(), "the logits counted");
+            let offsets: Vec<_> = table.ids().filter(|&id| table.meta(id).name.ends_with("softmax_offset")).collect();
+            assert_eq!(offsets.len(), if softmax == SoftmaxType::Learnable { 2 } else { 0 }, "one per layer");
+            for &id in &offsets {
+                let m = table.meta(id);
+                assert!(!m.weight_decay && m.local_shape.dims() == [4], "{m:?}");
+                table.param(id).unwrap().update_f32("t", |v| v.fill(at.unwrap())).unwrap();
+            }
+            let cx = Cx::new(&table, true);
+            let (l, saved) = model.forward(&cx, &b).unwrap();
+            model.backward(&cx, saved, 1.0).unwrap();
+            let grads = |sink: bool| -> Vec<f32> {
+                let ids = table.ids().filter(|&id| offsets.contains(&id) == sink);
+                ids.flat_map(|id| table.grad(id).unwrap().to_vec_f32().unwrap()).collect()
+            };
+            (l, grads(false), grads(true))
+        };
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let plain = run(SoftmaxType::Vanilla, None);
+        let far = run(SoftmaxType::Learnable, Some(-1e4));
+        assert_eq!((far.0.to_bits(), bits(&far.1)), (plain.0.to_bits(), bits(&plain.1)), "qk-norm {qk_layernorm}");
+        assert!(far.2.iter().all(|&g| g == 0.0), "{:?}", far.2);
+        let one = run(SoftmaxType::OffByOne, None);
+        let zero = run(SoftmaxType::Learnable, Some(0.0));
+        assert_ne!(one.0, plain.0, "qk-norm {qk_layernorm}: off-by-one changed nothing");
+        assert_eq!((zero.0.to_bits(), bits(&zero.1)), (one.0.to_bits(), bits(&one.1)), "qk-norm {qk_layernorm}");
+        assert!(zero.2.iter().all(|&g| g != 0.0), "every head's logit has a gradient: {:?}", zero.2);
+        check(with(SoftmaxType::Learnable));
+    }
+}

@@ -110,6 +110,7 @@ fn mla_matches_transformers_deepseek_v3_attention() {
             out_std: 0.02,
             bias: false,
             rope: (10000.0, None),
+            softmax: Default::default(),
         };
         let tp = TensorParallel::new(ProcessGroups::single().tp, false);
         let mut p = ParamTableBuilder::default();
@@ -159,4 +160,15 @@ fn mla_refuses_what_it_is_not_built_with() {
     let mut c = mla(Some(5), 3);
     c.layer.attention.mla.as_mut().unwrap().qk_pos_emb_head_dim = 3;
     assert!(bad(c).contains("--qk-pos-emb-head-dim"));
+}
+
+/// The sink softmax on multi-latent attention's padded heads (the values padded to the scores'
+/// width, then the queries and keys): its logits' gradients and the rest against differences.
+#[test]
+fn mla_with_a_learned_sink_gradients_match_finite_differences() {
+    for v_head_dim in [3, 10] {
+        let mut c = mla(Some(5), v_head_dim);
+        c.layer.attention.softmax = ferrotron_transformer::spec::SoftmaxType::Learnable;
+        check(c);
+    }
 }

@@ -1,7 +1,9 @@
 //! Spec choices that cannot work together are rejected when the model is built, with the flag named.
 
 use ferrotron_core::{DType, Device};
-use ferrotron_transformer::spec::{Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, PositionEmbedding};
+use ferrotron_transformer::spec::{
+    Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, PositionEmbedding, SoftmaxType,
+};
 use ferrotron_transformer::{GptModel, TransformerConfig};
 
 fn base() -> TransformerConfig {
@@ -27,6 +29,7 @@ fn base() -> TransformerConfig {
                 qk_layernorm: false,
                 qk_l2_norm: false,
                 output_gate: false,
+                softmax: SoftmaxType::Vanilla,
                 window: None,
                 causal: true,
                 mla: None,
@@ -104,6 +107,7 @@ fn param_count_matches_table_for_llama_style() {
                 qk_layernorm: true,
                 qk_l2_norm: false,
                 output_gate: false,
+                softmax: SoftmaxType::Vanilla,
                 window: Some(4),
                 causal: true,
                 mla: None,

@@ -4,6 +4,7 @@
 pub mod activation;
 pub mod attention;
 pub mod attn_merge;
+pub mod attn_sink;
 pub mod embedding;
 pub mod loss;
 pub mod matmul;

@@ -3,6 +3,7 @@ use crate::util::*;
 use ferrotron_core::rng::Philox;
 use ferrotron_core::{DType, Device, Tensor};
 use ferrotron_kernels::cpu::attention::{self as at, AttnDims, AttnMask};
+use ferrotron_kernels::cpu::attn_sink;
 use ferrotron_kernels::{self as k, AttnCfg, AttnDropout};
 use proptest::prelude::*;
 
@@ -22,6 +23,12 @@ fn drop_factor(dr: Option<AttnDropout>, d: AttnDims, b: usize, h: usize, i: usiz
 
 /// Naive attention: explicit loops over every (batch, head, query, key).
 fn reference(q: &[f64], kk: &[f64], v: &[f64], d: AttnDims, mask: AttnMask) -> Vec<f64> {
+    reference_sink(q, kk, v, d, mask, None)
+}
+
+/// `reference` with one more logit `sink[h]` in each row's softmax of head h, a key with no
+/// value (the sink softmax, written out on its own).
+fn reference_sink(q: &[f64], kk: &[f64], v: &[f64], d: AttnDims, mask: AttnMask, sink: Option<&[f64]>) -> Vec<f64> {
     let scale = 1.0 / (d.d as f64).sqrt();
     let mut o = vec![0.0; q.len()];
     for b in 0..d.b {
@@ -37,8 +44,9 @@ fn reference(q: &[f64], kk: &[f64], v: &[f64], d: AttnDims, mask: AttnMask) -> V
                         scale * qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>()
                     })
                     .collect();
-                let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                let z: f64 = scores.iter().map(|s| (s - max).exp()).sum();
+                let sink_h = sink.map(|s| s[h]);
+                let max = scores.iter().copied().chain(sink_h).fold(f64::NEG_INFINITY, f64::max);
+                let z: f64 = scores.iter().copied().chain(sink_h).map(|s| (s - max).exp()).sum();
                 for (&j, s) in allowed.iter().zip(&scores) {
                     let p = (s - max).exp() / z * drop_factor(mask.dropout, d, b, h, i, j);
                     for e in 0..d.d {
@@ -404,3 +412,124 @@ device_test!(padded_width_is_a_tensor_core_head_dim_on_a_gpu_in_bf16, |dev: &Dev
     assert_eq!(w(200, DType::BF16), 200);
     assert_eq!(w(24, DType::F32), 24);
 });
+
+/// The sink softmax in f64 on the CPU: the attention, then `attn_sink::sink_fwd` on its (o, lse).
+fn run_sink_f64(q: &[f64], kk: &[f64], v: &[f64], d: AttnDims, mask: AttnMask, sink: &[f64]) -> (Vec<f64>, Vec<f64>) {
+    let (mut o, mut lse) = run_f64(q, kk, v, d, mask);
+    attn_sink::sink_fwd(&mut o, &mut lse, sink, (d.b, d.t, d.hq, d.d, 1));
+    (o, lse)
+}
+
+/// The sink softmax's gradients in f64 (the attention backward on the new (o, lse), the sink's
+/// terms summed over rows) against finite differences of ⟨o, r⟩.
+fn sink_backward_against_finite_differences(d: AttnDims, mask: AttnMask, seed: u64) {
+    let n = d.b * d.s * d.hkv * d.d;
+    let (q, kk, v) = (randv(d.b * d.t * d.hq * d.d, seed), randv(n, seed ^ 1), randv(n, seed ^ 2));
+    let (r, sink) = (randv(q.len(), seed ^ 3), randv(d.hq, seed ^ 4));
+    let (o, lse) = run_sink_f64(&q, &kk, &v, d, mask, &sink);
+    let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; kk.len()], vec![0.0; v.len()]);
+    at::attention_bwd(&q, &kk, &v, &o, &lse, &r, d, mask, 1.0 / (d.d as f64).sqrt(), &mut dq, &mut dk, &mut dv);
+    let mut term = vec![0.0; d.b * d.t * d.hq];
+    attn_sink::sink_bwd_terms(&o, &lse, &r, &sink, (d.b, d.t, d.hq, d.d, 1), &mut term);
+    let ds: Vec<f64> = (0..d.hq).map(|h| term.iter().skip(h).step_by(d.hq).sum()).collect();
+    let f = |q: &[f64], kk: &[f64], v: &[f64], s: &[f64]| dot(&run_sink_f64(q, kk, v, d, mask, s).0, &r);
+    fd_check(&q, &dq, |x| f(x, &kk, &v, &sink), "sink softmax dq");
+    fd_check(&kk, &dk, |x| f(&q, x, &v, &sink), "sink softmax dk");
+    fd_check(&v, &dv, |x| f(&q, &kk, x, &sink), "sink softmax dv");
+    fd_check(&sink, &ds, |x| f(&q, &kk, &v, x), "sink softmax dsink");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    #[test]
+    fn sink_softmax_forward_matches_naive((d, mask) in dims_strategy(), seed: u64) {
+        let n = d.b * d.s * d.hkv * d.d;
+        let (q, kk, v) = (randv(d.b * d.t * d.hq * d.d, seed), randv(n, seed ^ 1), randv(n, seed ^ 2));
+        let sink = randv(d.hq, seed ^ 4);
+        let (o, lse) = run_sink_f64(&q, &kk, &v, d, mask, &sink);
+        assert_close(&o, &reference_sink(&q, &kk, &v, d, mask, Some(&sink)), 1e-9, 1e-9, "sink softmax o");
+        // The new lse: ln(e^lse + e^sink) of the plain one.
+        let (_, lse0) = run_f64(&q, &kk, &v, d, mask);
+        let want: Vec<f64> = lse0.iter().enumerate().map(|(i, l)| (l.exp() + sink[i / d.t % d.hq].exp()).ln()).collect();
+        assert_close(&lse, &want, 1e-12, 1e-12, "sink softmax lse");
+    }
+
+    #[test]
+    fn sink_softmax_backward_matches_finite_differences((d, mask) in dropout_strategy(), seed: u64, drop: bool) {
+        sink_backward_against_finite_differences(d, AttnMask { dropout: mask.dropout.filter(|_| drop), ..mask }, seed);
+    }
+}
+
+/// [B, H, T] → context parallelism's chunk-major [2, B, H, T/2] (T even).
+fn chunk_major_lse(lse: &[f64], b: usize, h: usize, t: usize) -> Vec<f64> {
+    let c = t / 2;
+    (0..2).flat_map(|half| (0..b * h).flat_map(move |r| (0..c).map(move |i| lse[r * t + half * c + i]))).collect()
+}
+
+device_test!(sink_softmax_on_the_device_matches_f64_in_both_lse_layouts, |dev: &Device| {
+    // The device's kernels (f32, and bf16 o / dO on a GPU) against the f64 CPU pipeline, with the
+    // lse as the attention gives it and chunk-major as context parallelism keeps it.
+    let gpu = !matches!(dev, Device::Cpu);
+    for (b, t, h, d, seed) in [(2usize, 6usize, 3usize, 16usize, 1u64), (1, 10, 2, 64, 2), (3, 4, 5, 7, 3)] {
+        let (o0, lse0, r, sink) = (
+            randv(b * t * h * d, seed),
+            randv(b * h * t, seed ^ 1),
+            randv(b * t * h * d, seed ^ 2),
+            randv(h, seed ^ 3),
+        );
+        let (mut o_want, mut lse_want) = (o0.clone(), lse0.clone());
+        attn_sink::sink_fwd(&mut o_want, &mut lse_want, &sink, (b, t, h, d, 1));
+        let mut term = vec![0.0; b * t * h];
+        attn_sink::sink_bwd_terms(&o_want, &lse_want, &r, &sink, (b, t, h, d, 1), &mut term);
+        let dtypes: &[DType] = if gpu { &[DType::F32, DType::BF16] } else { &[DType::F32] };
+        for &dt in dtypes {
+            let tol = if dt == DType::F32 { 1e-5 } else { 1e-2 };
+            for chunked in [false, true] {
+                let (lse_in, lse_shape) = if chunked {
+                    (chunk_major_lse(&lse0, b, h, t), vec![2, b, h, t / 2])
+                } else {
+                    (lse0.clone(), vec![b, h, t])
+                };
+                // A chunk-major lse needs whole chunks.
+                if chunked && t % 2 == 1 {
+                    continue;
+                }
+                let what = format!("{dt} chunked {chunked} [{b}, {t}, {h}, {d}]");
+                let o = tensor(dev, &o0, &[b, t, h, d], dt);
+                let lse = t32(dev, &lse_in, &lse_shape);
+                let s = t32(dev, &sink, &[h]);
+                k::attention_sink_(&o, &lse, &s).unwrap();
+                let lse_w = if chunked { chunk_major_lse(&lse_want, b, h, t) } else { lse_want.clone() };
+                assert_close(&host(&lse), &lse_w, 1e-5, 1e-6, &format!("lse {what}"));
+                // o as stored: the kernel's product rounded to dt, against f64 rounded the same way.
+                let o_w = host(&tensor(&Device::Cpu, &o_want, &[b, t, h, d], dt));
+                assert_close(&host(&o), &o_w, tol, 1e-6, &format!("o {what}"));
+                let got = k::attention_sink_bwd(&o, &lse, &tensor(dev, &r, &[b, t, h, d], dt), &s).unwrap();
+                assert_eq!(got.dims(), &[b, t, h]);
+                // The terms from the device's own o (bf16-rounded on a bf16 run).
+                let mut want = vec![0.0; b * t * h];
+                let r_dt = host(&tensor(&Device::Cpu, &r, &[b, t, h, d], dt));
+                attn_sink::sink_bwd_terms(&host(&o), &lse_want, &r_dt, &sink, (b, t, h, d, 1), &mut want);
+                assert_close(&host(&got), &want, 1e-4, 1e-5, &format!("terms {what}"));
+                if dt == DType::F32 {
+                    assert_close(&host(&got), &term, 1e-4, 1e-5, &format!("terms against f64 {what}"));
+                }
+            }
+        }
+    }
+});
+
+#[test]
+fn sink_softmax_refuses_a_bf16_lse_and_a_wrong_head_count() {
+    let dev = Device::Cpu;
+    let o = Tensor::zeros([1, 4, 2, 8], DType::F32, &dev).unwrap();
+    let sink = Tensor::zeros([2], DType::F32, &dev).unwrap();
+    let e = k::attention_sink_(&o, &Tensor::zeros([1, 2, 4], DType::BF16, &dev).unwrap(), &sink).unwrap_err();
+    assert!(e.to_string().contains("attention_sink_") && e.to_string().contains("f32"), "{e}");
+    let lse = Tensor::zeros([1, 2, 4], DType::F32, &dev).unwrap();
+    let e = k::attention_sink_(&o, &lse, &Tensor::zeros([3], DType::F32, &dev).unwrap()).unwrap_err();
+    assert!(e.to_string().contains("attention_sink_"), "{e}");
+    let e = k::attention_sink_(&o, &Tensor::zeros([3, 1, 2, 1], DType::F32, &dev).unwrap(), &sink).unwrap_err();
+    assert!(e.to_string().contains("chunk-major"), "{e}");
+}

@@ -8,7 +8,7 @@ use crate::hybrid::{make_hybrid, mamba_spec};
 use ferrotron_ssm::MambaSpec;
 use ferrotron_transformer::TransformerConfig;
 use ferrotron_transformer::spec::{
-    Activation, AttentionSpec, LayerKind, LayerSpec, MlpSpec, NormKind, PositionEmbedding,
+    Activation, AttentionSpec, LayerKind, LayerSpec, MlpSpec, NormKind, PositionEmbedding, SoftmaxType,
 };
 use serde_json::{Value, json};
 
@@ -72,6 +72,7 @@ pub(super) fn config(v: &Value) -> Result<TransformerConfig> {
                 qk_layernorm: false,
                 qk_l2_norm: false,
                 output_gate: false,
+                softmax: SoftmaxType::Vanilla,
                 window: None,
                 causal: true,
                 mla: None,

@@ -3,7 +3,9 @@
 
 use ferrotron_core::{Device, ParamTable, Tensor};
 use ferrotron_parallel::{ProcessGroups, gather_param};
-use ferrotron_transformer::spec::{Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, PositionEmbedding};
+use ferrotron_transformer::spec::{
+    Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, PositionEmbedding, SoftmaxType,
+};
 use ferrotron_transformer::{Batch, TransformerConfig};
 use std::collections::BTreeMap;
 
@@ -46,6 +48,7 @@ pub fn config_layers(llama: bool, layers: usize) -> TransformerConfig {
                 qk_layernorm: llama,
                 qk_l2_norm: false,
                 output_gate: false,
+                softmax: SoftmaxType::Vanilla,
                 window: None,
                 causal: true,
                 mla: None,

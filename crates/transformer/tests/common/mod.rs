@@ -1,7 +1,9 @@
 //! The tiny model of both preset styles that the transformer tests share.
 
 use ferrotron_core::{Device, ParamTable, Tensor, rng::Philox};
-use ferrotron_transformer::spec::{Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, PositionEmbedding};
+use ferrotron_transformer::spec::{
+    Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, PositionEmbedding, SoftmaxType,
+};
 use ferrotron_transformer::{Batch, TransformerConfig};
 
 /// GPT-2 style (LayerNorm, GeLU, learned positions, biases, tied) or Llama style (RMSNorm,
@@ -29,6 +31,7 @@ pub fn config(llama: bool) -> TransformerConfig {
                 qk_layernorm: llama,
                 qk_l2_norm: false,
                 output_gate: false,
+                softmax: SoftmaxType::Vanilla,
                 window: None,
                 causal: true,
                 mla: None,

@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::cpu::attention::{AttnDims, AttnMask};
+use crate::cpu::attn_sink::SinkDims;
 use crate::cuda::tma::TmaMap;
 
 /// The reference attention kernels' shape arguments: the CPU's dims and mask plus the scale.
@@ -817,4 +818,35 @@ pub fn attention_merge_(be: &B, o: &Tensor, lse: &Tensor, o_part: &Tensor, lse_p
         n(d[3]),
     ];
     be.launch(&name, (d[0] * d[1] * d[2]) as u32, 64, 0, &args)
+}
+
+/// Rows a block of the sink kernels covers: one warp each.
+const SINK_ROWS: usize = 8;
+
+/// kernels/attention.cu `attn_sink_*`: one warp per (batch, row, head).
+pub fn attention_sink_(be: &B, o: &Tensor, lse: &Tensor, sink: &Tensor, dims: SinkDims) -> Result<()> {
+    const OP: &str = "attention_sink_";
+    let (b, t, h, d, nc) = dims;
+    let name = format!("attn_sink_{}", sfx(OP, o.dtype())?);
+    let args = [ptr(OP, o)?, ptr(OP, lse)?, ptr(OP, sink)?, n(b), n(t), n(h), n(d), n(nc)];
+    be.launch(&name, (b * t * h).div_ceil(SINK_ROWS) as u32, 32 * SINK_ROWS as u32, 0, &args)
+}
+
+/// kernels/attention.cu `attn_sink_bwd_*`: [B, T, H] f32 terms, one warp per row.
+pub fn attention_sink_bwd(
+    be: &B,
+    o: &Tensor,
+    lse: &Tensor,
+    d_o: &Tensor,
+    sink: &Tensor,
+    dims: SinkDims,
+) -> Result<Tensor> {
+    const OP: &str = "attention_sink_bwd";
+    let (b, t, h, d, nc) = dims;
+    let term = new(be, [b, t, h], DType::F32)?;
+    let name = format!("attn_sink_bwd_{}", sfx(OP, o.dtype())?);
+    let args =
+        [ptr(OP, o)?, ptr(OP, lse)?, ptr(OP, d_o)?, ptr(OP, sink)?, ptr(OP, &term)?, n(b), n(t), n(h), n(d), n(nc)];
+    be.launch(&name, (b * t * h).div_ceil(SINK_ROWS) as u32, 32 * SINK_ROWS as u32, 0, &args)?;
+    Ok(term)
 }
