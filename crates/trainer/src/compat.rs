@@ -119,11 +119,6 @@ pub(crate) fn apply(a: &mut TrainArgs) -> anyhow::Result<()> {
             "--moe-router-force-load-balancing: random router logits (a benchmark of balanced experts) are not built; drop it"
         );
     }
-    if let Some(l) = a.pipeline_model_parallel_layout.as_deref().filter(|l| *l != "None") {
-        bail!(
-            "--pipeline-model-parallel-layout {l}: explicit stage layouts are not built; use --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers"
-        );
-    }
     for (flag, on) in [
         ("--account-for-embedding-in-pipeline-split", a.account_for_embedding_in_pipeline_split),
         ("--account-for-loss-in-pipeline-split", a.account_for_loss_in_pipeline_split),

@@ -867,8 +867,9 @@ pub struct TrainArgs {
     /// Refused by name: random router logits for benchmarking change the run.
     #[arg(long)]
     pub moe_router_force_load_balancing: bool,
-    /// Refused by name (other than `None`): an explicit layer layout over pipeline stages; use
-    /// --decoder-first/last-pipeline-num-layers.
+    /// The pieces of each pipeline stage, stages separated by '|': E the embedding, t a decoder
+    /// layer, m an MTP depth, L the loss; `x*n` and `(...)*n` repeat (e.g. `Et*3|(tt|)*2,tL`).
+    /// pp × (virtual stages) stages, so it sets the virtual stages too. `None` is no layout.
     #[arg(long)]
     pub pipeline_model_parallel_layout: Option<String>,
     /// Refused by name: these move layers' weights between stages' counts.
@@ -1274,6 +1275,9 @@ pub struct Settings {
     pub decoder_first_pipeline_num_layers: Option<usize>,
     #[serde(default)]
     pub decoder_last_pipeline_num_layers: Option<usize>,
+    /// --pipeline-model-parallel-layout (absent from older checkpoints' settings: none).
+    #[serde(default)]
+    pub pipeline_model_parallel_layout: Option<String>,
     #[serde(default)]
     pub recompute_granularity: Option<String>,
     #[serde(default)]
@@ -2411,6 +2415,7 @@ impl Settings {
             pipeline_model_parallel_size: a.pipeline_model_parallel_size.unwrap_or(1),
             context_parallel_size: a.context_parallel_size.unwrap_or(1),
             num_layers_per_virtual_pipeline_stage: a.num_layers_per_virtual_pipeline_stage,
+            pipeline_model_parallel_layout: a.pipeline_model_parallel_layout.clone().filter(|l| l != "None"),
             decoder_first_pipeline_num_layers: a.decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers: a.decoder_last_pipeline_num_layers,
             recompute_granularity: a.recompute_granularity.clone(),
@@ -2783,6 +2788,9 @@ impl Settings {
     /// Model chunks per pipeline rank (interleaving), from --num-layers-per-virtual-pipeline-stage.
     pub fn virtual_stages(&self) -> anyhow::Result<usize> {
         let pp = self.pipeline_model_parallel_size;
+        if let Some(l) = self.pipeline_layout()? {
+            return Ok(l.virtual_stages(pp)?);
+        }
         if let Some(stages) = self.pattern_stages()? {
             // Megatron's: the pattern's segments are the stages, pp × (virtual stages) of them.
             if self.num_layers_per_virtual_pipeline_stage.is_some() {
@@ -2824,9 +2832,32 @@ impl Settings {
         Ok(p.stages)
     }
 
+    /// --pipeline-model-parallel-layout parsed and checked against the model and the other
+    /// stage flags, or None without one.
+    pub fn pipeline_layout(&self) -> anyhow::Result<Option<ferrotron_parallel::pipeline::PipelineLayout>> {
+        let Some(layout) = &self.pipeline_model_parallel_layout else { return Ok(None) };
+        let other = [
+            ("--decoder-first-pipeline-num-layers", self.decoder_first_pipeline_num_layers.is_some()),
+            ("--decoder-last-pipeline-num-layers", self.decoder_last_pipeline_num_layers.is_some()),
+            (
+                "--num-layers-per-virtual-pipeline-stage (or --num-virtual-stages-per-pipeline-rank)",
+                self.num_layers_per_virtual_pipeline_stage.is_some(),
+            ),
+            ("a hybrid model (its pattern's '|' marks the stages)", self.mamba.is_some()),
+        ];
+        if let Some((flag, _)) = other.iter().find(|(_, on)| *on) {
+            bail!("--pipeline-model-parallel-layout {layout} places every layer, and so does {flag}: give one of them");
+        }
+        let mtp = self.mtp_num_layers.unwrap_or(0);
+        Ok(Some(ferrotron_parallel::pipeline::PipelineLayout::parse(layout, self.num_layers, mtp)?))
+    }
+
     /// The layers of every pipeline rank, checked (errors name the flags).
     pub fn stage_plan(&self, pp_rank: usize) -> anyhow::Result<ferrotron_parallel::pipeline::StagePlan> {
         let (pp, vpp) = (self.pipeline_model_parallel_size, self.virtual_stages()?);
+        if let Some(l) = self.pipeline_layout()? {
+            return Ok(l.plan(pp, pp_rank)?);
+        }
         if let Some(stages) = self.pattern_stages()? {
             if self.decoder_first_pipeline_num_layers.is_some() || self.decoder_last_pipeline_num_layers.is_some() {
                 bail!(

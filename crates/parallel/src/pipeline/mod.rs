@@ -4,9 +4,11 @@
 //! gradients between neighbouring stages (`exec`).
 
 pub mod exec;
+pub mod layout;
 pub mod schedule;
 pub mod stages;
 
 pub use exec::{Dir, Exchange, PipelineComms, StageRunner, Step, plan_steps, run_schedule};
+pub use layout::{LayoutStage, PipelineLayout};
 pub use schedule::{Action, ScheduleKind, render, schedule};
 pub use stages::{StagePlan, stage_layers, stage_layers_sized};
