@@ -32,9 +32,12 @@ pub(crate) fn apply(a: &mut TrainArgs) -> anyhow::Result<()> {
                 "--num-virtual-stages-per-pipeline-rank {n} divides --num-layers, which is not given: add it (or mark a hybrid pattern's stages with '|')"
             );
         };
+        // The embedding and the loss count as layers where the split counts them (Megatron's).
+        let layers =
+            layers + a.account_for_embedding_in_pipeline_split as usize + a.account_for_loss_in_pipeline_split as usize;
         if layers % (pp * n) != 0 {
             bail!(
-                "--num-virtual-stages-per-pipeline-rank {n}: --num-layers {layers} is not divisible by --pipeline-model-parallel-size {pp} × {n}"
+                "--num-virtual-stages-per-pipeline-rank {n}: --num-layers {layers} (with any layer --account-for-…-in-pipeline-split counts) is not divisible by --pipeline-model-parallel-size {pp} × {n}"
             );
         }
         a.num_layers_per_virtual_pipeline_stage = Some(layers / (pp * n));
@@ -118,16 +121,6 @@ pub(crate) fn apply(a: &mut TrainArgs) -> anyhow::Result<()> {
         bail!(
             "--moe-router-force-load-balancing: random router logits (a benchmark of balanced experts) are not built; drop it"
         );
-    }
-    for (flag, on) in [
-        ("--account-for-embedding-in-pipeline-split", a.account_for_embedding_in_pipeline_split),
-        ("--account-for-loss-in-pipeline-split", a.account_for_loss_in_pipeline_split),
-    ] {
-        if on {
-            bail!(
-                "{flag}: the stages' layer counts are not adjusted for it; use --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers"
-            );
-        }
     }
     for (flag, v) in [
         ("--main-grads-dtype", &a.main_grads_dtype),

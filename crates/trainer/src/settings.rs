@@ -872,9 +872,11 @@ pub struct TrainArgs {
     /// pp × (virtual stages) stages, so it sets the virtual stages too. `None` is no layout.
     #[arg(long)]
     pub pipeline_model_parallel_layout: Option<String>,
-    /// Refused by name: these move layers' weights between stages' counts.
+    /// Count the embedding as a layer when splitting the layers over the pipeline stages: the
+    /// first stage holds one decoder layer fewer (Megatron's).
     #[arg(long)]
     pub account_for_embedding_in_pipeline_split: bool,
+    /// Count the loss as a layer likewise: the last stage holds one decoder layer fewer.
     #[arg(long)]
     pub account_for_loss_in_pipeline_split: bool,
     #[arg(long)]
@@ -1278,6 +1280,12 @@ pub struct Settings {
     /// --pipeline-model-parallel-layout (absent from older checkpoints' settings: none).
     #[serde(default)]
     pub pipeline_model_parallel_layout: Option<String>,
+    /// --account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split (absent
+    /// from older checkpoints' settings: off).
+    #[serde(default)]
+    pub account_for_embedding_in_pipeline_split: bool,
+    #[serde(default)]
+    pub account_for_loss_in_pipeline_split: bool,
     #[serde(default)]
     pub recompute_granularity: Option<String>,
     #[serde(default)]
@@ -2416,6 +2424,8 @@ impl Settings {
             context_parallel_size: a.context_parallel_size.unwrap_or(1),
             num_layers_per_virtual_pipeline_stage: a.num_layers_per_virtual_pipeline_stage,
             pipeline_model_parallel_layout: a.pipeline_model_parallel_layout.clone().filter(|l| l != "None"),
+            account_for_embedding_in_pipeline_split: a.account_for_embedding_in_pipeline_split,
+            account_for_loss_in_pipeline_split: a.account_for_loss_in_pipeline_split,
             decoder_first_pipeline_num_layers: a.decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers: a.decoder_last_pipeline_num_layers,
             recompute_granularity: a.recompute_granularity.clone(),
@@ -2807,13 +2817,15 @@ impl Settings {
             return Ok(stages.len() / pp);
         }
         let Some(n) = self.num_layers_per_virtual_pipeline_stage else { return Ok(1) };
-        if n == 0 || self.num_layers % (pp * n) != 0 {
+        let layers = self.split_layers();
+        if n == 0 || layers % (pp * n) != 0 {
             bail!(
-                "--num-layers-per-virtual-pipeline-stage {n} does not divide --num-layers {} over --pipeline-model-parallel-size {pp}: pick a count that divides num-layers / pp",
-                self.num_layers
+                "--num-layers-per-virtual-pipeline-stage {n} does not divide --num-layers {}{} over --pipeline-model-parallel-size {pp}: pick a count that divides num-layers / pp",
+                self.num_layers,
+                self.accounted().map_or(String::new(), |(flags, _, _)| format!(" (counted as {layers} under {flags})"))
             );
         }
-        Ok(self.num_layers / (pp * n))
+        Ok(layers / (pp * n))
     }
 
     pub fn recompute(&self) -> anyhow::Result<ferrotron_transformer::Recompute> {
@@ -2832,6 +2844,48 @@ impl Settings {
         Ok(p.stages)
     }
 
+    /// The layers the split over the stages counts: --num-layers, one more for the embedding and
+    /// for the loss where --account-for-embedding/loss-in-pipeline-split counts them.
+    fn split_layers(&self) -> usize {
+        self.num_layers
+            + self.account_for_embedding_in_pipeline_split as usize
+            + self.account_for_loss_in_pipeline_split as usize
+    }
+
+    /// The --account-for-…-in-pipeline-split flags given (their names), and which, or None.
+    fn accounted(&self) -> Option<(String, bool, bool)> {
+        let (e, l) = (self.account_for_embedding_in_pipeline_split, self.account_for_loss_in_pipeline_split);
+        let names = [("--account-for-embedding-in-pipeline-split", e), ("--account-for-loss-in-pipeline-split", l)];
+        let given: Vec<&str> = names.iter().filter(|(_, on)| *on).map(|(n, _)| *n).collect();
+        (!given.is_empty()).then(|| (given.join(" and "), e, l))
+    }
+
+    /// Every stage's decoder layers under --account-for-embedding/loss-in-pipeline-split: the
+    /// counted layers split evenly over the pp × vpp stages, the first (last) holding one fewer
+    /// for the embedding (loss), as Megatron splits them.
+    fn accounted_stages(&self, flags: &str, e: bool, l: bool) -> anyhow::Result<Vec<usize>> {
+        if self.decoder_first_pipeline_num_layers.is_some() || self.decoder_last_pipeline_num_layers.is_some() {
+            bail!(
+                "{flags} counts the embedding or loss into an even split, which --decoder-first/last-pipeline-num-layers replace: give one of them"
+            );
+        }
+        let n = self.pipeline_model_parallel_size * self.virtual_stages()?;
+        let layers = self.split_layers();
+        if layers % n != 0 {
+            bail!(
+                "--num-layers {} counted as {layers} under {flags} does not divide over {n} pipeline stages: change --num-layers or the stages",
+                self.num_layers
+            );
+        }
+        let mut sizes = vec![layers / n; n];
+        sizes[0] -= e as usize;
+        if sizes[n - 1] < l as usize {
+            bail!("{flags} on one stage of one layer leaves it no decoder layer for the loss's: add layers or stages");
+        }
+        sizes[n - 1] -= l as usize;
+        Ok(sizes)
+    }
+
     /// --pipeline-model-parallel-layout parsed and checked against the model and the other
     /// stage flags, or None without one.
     pub fn pipeline_layout(&self) -> anyhow::Result<Option<ferrotron_parallel::pipeline::PipelineLayout>> {
@@ -2844,6 +2898,7 @@ impl Settings {
                 self.num_layers_per_virtual_pipeline_stage.is_some(),
             ),
             ("a hybrid model (its pattern's '|' marks the stages)", self.mamba.is_some()),
+            ("--account-for-embedding/loss-in-pipeline-split", self.accounted().is_some()),
         ];
         if let Some((flag, _)) = other.iter().find(|(_, on)| *on) {
             bail!("--pipeline-model-parallel-layout {layout} places every layer, and so does {flag}: give one of them");
@@ -2857,6 +2912,13 @@ impl Settings {
         let (pp, vpp) = (self.pipeline_model_parallel_size, self.virtual_stages()?);
         if let Some(l) = self.pipeline_layout()? {
             return Ok(l.plan(pp, pp_rank)?);
+        }
+        if let Some((flags, e, l)) = self.accounted() {
+            if self.mamba.is_some() {
+                bail!("{flags} with a hybrid model: its pattern's '|' marks the stages; drop {flags}");
+            }
+            let sizes = self.accounted_stages(&flags, e, l)?;
+            return Ok(ferrotron_parallel::pipeline::PipelineLayout::of_sizes(&sizes).plan(pp, pp_rank)?);
         }
         if let Some(stages) = self.pattern_stages()? {
             if self.decoder_first_pipeline_num_layers.is_some() || self.decoder_last_pipeline_num_layers.is_some() {

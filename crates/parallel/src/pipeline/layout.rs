@@ -122,6 +122,18 @@ impl PipelineLayout {
         Ok(PipelineLayout { stages })
     }
 
+    /// The layout whose stages hold `sizes` decoder layers, the embedding on the first and the
+    /// loss on the last (a split computed elsewhere: --account-for-…-in-pipeline-split).
+    pub fn of_sizes(sizes: &[usize]) -> PipelineLayout {
+        let n = sizes.len();
+        let stages = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &decoder)| LayoutStage { embedding: i == 0, decoder, mtp: 0, loss: i + 1 == n })
+            .collect();
+        PipelineLayout { stages }
+    }
+
     /// Virtual stages per pipeline rank: the stages over `pp` (which must divide them).
     pub fn virtual_stages(&self, pp: usize) -> Result<usize> {
         let n = self.stages.len();
