@@ -491,6 +491,16 @@ impl ParamTable {
         }
         n
     }
+    /// Puts weight decay on the parameters `which` picks (`ParamMeta::weight_decay`; Megatron's
+    /// --apply-wd-to-qk-layernorm); returns how many. Set before the optimizer is built.
+    pub fn decay(&mut self, which: impl Fn(&ParamMeta) -> bool) -> usize {
+        let mut n = 0;
+        for m in self.metas.iter_mut().filter(|m| which(m)) {
+            m.weight_decay = true;
+            n += 1;
+        }
+        n
+    }
     pub fn len(&self) -> usize {
         self.metas.len()
     }

@@ -102,9 +102,6 @@ pub(crate) fn apply(a: &mut TrainArgs) -> anyhow::Result<()> {
         &["torch_dist"],
         "Ferrotron writes its one sharded format in torch_dist's place",
     )?;
-    if a.apply_wd_to_qk_layernorm {
-        bail!("--apply-wd-to-qk-layernorm: the QK-norms' weights take no weight decay here (as other norms); drop it");
-    }
     if a.init_method_xavier_uniform {
         bail!("--init-method-xavier-uniform: the weights start from N(0, --init-method-std); drop it");
     }

@@ -856,10 +856,11 @@ pub struct TrainArgs {
     pub dataloader_fast_cache_load: bool,
     #[arg(long)]
     pub dataloader_defer_npy_index_mmap: bool,
-    /// Refused by name: weight decay on the QK-norms, Xavier initialisation, and Megatron's old
-    /// spelling of full recompute.
+    /// Weight decay on the QK-norms' parameters too (every parameter named `q_layernorm.` or
+    /// `k_layernorm.`; Qwen3-Next's recipe), where other norms and biases take none.
     #[arg(long)]
     pub apply_wd_to_qk_layernorm: bool,
+    /// Refused by name: Xavier initialisation, and Megatron's old spelling of full recompute.
     #[arg(long)]
     pub init_method_xavier_uniform: bool,
     #[arg(long)]
@@ -1243,6 +1244,9 @@ pub struct Settings {
     pub end_weight_decay: Option<f32>,
     #[serde(default)]
     pub weight_decay_incr_style: Option<String>,
+    /// --apply-wd-to-qk-layernorm (absent from older checkpoints' settings: off).
+    #[serde(default)]
+    pub apply_wd_to_qk_layernorm: bool,
     pub adam_beta1: f32,
     pub adam_beta2: f32,
     pub clip_grad: f32,
@@ -1453,6 +1457,12 @@ fn probs() -> String {
 
 fn softmax() -> String {
     "softmax".into()
+}
+
+/// A QK-norm's parameter by Megatron's name test (--apply-wd-to-qk-layernorm): `q_layernorm.`
+/// or `k_layernorm.` in its name (multi-latent attention's query-latent norm is named so too).
+pub fn qk_layernorm_param(m: &ferrotron_core::ParamMeta) -> bool {
+    m.name.contains("q_layernorm.") || m.name.contains("k_layernorm.")
 }
 
 fn vanilla() -> String {
@@ -2375,6 +2385,7 @@ impl Settings {
             start_weight_decay: a.start_weight_decay,
             end_weight_decay: a.end_weight_decay,
             weight_decay_incr_style: a.weight_decay_incr_style.clone(),
+            apply_wd_to_qk_layernorm: a.apply_wd_to_qk_layernorm,
             adam_beta1: need(&a.adam_beta1, "--adam-beta1")?,
             adam_beta2: need(&a.adam_beta2, "--adam-beta2")?,
             clip_grad: need(&a.clip_grad, "--clip-grad")?,

@@ -642,6 +642,9 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             (v.freeze_vit && vit) || (v.freeze_lm && !vit && !m.name.starts_with("vision_projection."))
         });
     }
+    if s.apply_wd_to_qk_layernorm {
+        table.decay(crate::settings::qk_layernorm_param);
+    }
     let cp = (layout.cp > 1).then(|| ContextParallel::new(g.cp.clone()));
     if let Some(cp) = &cp {
         model.set_context_parallel(cp.clone())?;

@@ -336,7 +336,6 @@ fn megatrons_script_switches_run_as_the_plain_flags() {
     fails_naming(&["--moe-router-force-load-balancing"], "--moe-router-force-load-balancing");
     fails_naming(&["--pipeline-model-parallel-layout", "Et|txL"], "'x' is not a piece");
     fails_naming(&["--dist-ckpt-format", "zarr"], "--dist-ckpt-format zarr");
-    fails_naming(&["--apply-wd-to-qk-layernorm"], "--apply-wd-to-qk-layernorm");
     fails_naming(&["--decoupled-min-lr", "1e-4"], "--decoupled-min-lr 0.0001 is what --decoupled-lr decays to");
     fails_naming(&["--init-method-xavier-uniform"], "--init-method-xavier-uniform");
     fails_naming(&["--checkpoint-activations"], "--recompute-granularity full");

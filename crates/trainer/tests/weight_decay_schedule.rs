@@ -2,7 +2,7 @@
 //! Megatron's weight decay schedule over the run's samples. The step's weight decay follows the
 //! samples consumed, so a run stopped and resumed takes the same updates as one straight (bit for
 //! bit), the schedule changes the run against a constant weight decay, and what Megatron asserts
-//! against is refused by name.
+//! against is refused by name. --apply-wd-to-qk-layernorm puts the decay on the QK-norms too.
 
 mod common;
 
@@ -65,4 +65,42 @@ fn what_megatron_asserts_against_is_refused_by_name() {
     );
     let e = refused(TrainArgs { weight_decay_incr_style: Some("exponential".into()), ..tiny_args(false) });
     assert!(e.contains("--weight-decay-incr-style exponential: use constant, linear or cosine"), "{e}");
+}
+
+/// --apply-wd-to-qk-layernorm: weight decay on the QK-norms' parameters (Megatron's name test)
+/// and on no other norm or bias: with QK-norm it changes the run; without QK-norm, or at weight
+/// decay 0, it changes nothing (bit for bit).
+#[test]
+fn qk_layernorm_weight_decay_reaches_the_qk_norms_only() {
+    let base = |qk_layernorm: bool, wd: f32| TrainArgs {
+        qk_layernorm,
+        weight_decay: Some(wd),
+        lr: Some(1e-2),
+        ..tiny_args(true)
+    };
+    let with = |a: TrainArgs| TrainArgs { apply_wd_to_qk_layernorm: true, ..a };
+    let losses = |a: TrainArgs| bits(&run(&settings(&a), 1).losses);
+    assert_ne!(losses(with(base(true, 0.5))), losses(base(true, 0.5)), "the QK-norms decayed");
+    assert_eq!(losses(with(base(false, 0.5))), losses(base(false, 0.5)), "no QK-norm: nothing else decayed");
+    assert_eq!(losses(with(base(true, 0.0))), losses(base(true, 0.0)), "weight decay 0");
+    // The name test picks the QK-norms' weights, not the layers' or the final norm.
+    let s = settings(&base(true, 0.5));
+    let (_, table) = ferrotron_transformer::GptModel::build(
+        s.model_config().unwrap(),
+        &ferrotron_core::Device::Cpu,
+        ferrotron_core::DType::F32,
+        1,
+    )
+    .unwrap();
+    let picked: Vec<&str> = table
+        .metas()
+        .iter()
+        .filter(|m| ferrotron_trainer::settings::qk_layernorm_param(m))
+        .map(|m| m.name.as_str())
+        .collect();
+    assert_eq!(picked.len(), 4, "{picked:?}");
+    assert!(
+        picked.iter().all(|n| n.ends_with("q_layernorm.weight") || n.ends_with("k_layernorm.weight")),
+        "{picked:?}"
+    );
 }
