@@ -102,6 +102,13 @@ pub(crate) fn apply(a: &mut TrainArgs) -> anyhow::Result<()> {
         &["torch_dist"],
         "Ferrotron writes its one sharded format in torch_dist's place",
     )?;
+    match a.no_weight_decay_cond_type.as_deref() {
+        None => {}
+        Some("apply_wd_to_qk_layernorm") => a.apply_wd_to_qk_layernorm = true,
+        Some(o) => bail!(
+            "--no-weight-decay-cond-type {o}: the one type is apply_wd_to_qk_layernorm (now --apply-wd-to-qk-layernorm)"
+        ),
+    }
     if a.init_method_xavier_uniform {
         bail!("--init-method-xavier-uniform: the weights start from N(0, --init-method-std); drop it");
     }

@@ -860,6 +860,9 @@ pub struct TrainArgs {
     /// `k_layernorm.`; Qwen3-Next's recipe), where other norms and biases take none.
     #[arg(long)]
     pub apply_wd_to_qk_layernorm: bool,
+    /// Megatron's older spelling: `apply_wd_to_qk_layernorm` is --apply-wd-to-qk-layernorm.
+    #[arg(long)]
+    pub no_weight_decay_cond_type: Option<String>,
     /// Refused by name: Xavier initialisation, and Megatron's old spelling of full recompute.
     #[arg(long)]
     pub init_method_xavier_uniform: bool,
@@ -1025,7 +1028,7 @@ impl TrainArgs {
             image_text_data, image_folder, data_cache_path, data_args_path, per_split_data_args_path,
             distributed_backend, transformer_impl, attention_backend, dataloader_type, rotary_percent, rerun_mode,
             main_grads_dtype, main_params_dtype, exp_avg_dtype, exp_avg_sq_dtype, num_workers, manual_gc_interval,
-            timing_log_level, empty_unused_memory_level, wandb_project, optimizer, rotary_seq_len_interpolation_factor, softmax_type,
+            timing_log_level, empty_unused_memory_level, wandb_project, optimizer, rotary_seq_len_interpolation_factor, softmax_type, no_weight_decay_cond_type,
             num_virtual_stages_per_pipeline_rank, microbatch_group_size_per_virtual_pipeline_stage, loss_scale,
             initial_loss_scale, min_loss_scale, loss_scale_window, hysteresis, dist_ckpt_strictness, fp8_format,
             moe_flex_dispatcher_backend, moe_flex_dispatcher_num_sms, cross_entropy_fusion_impl, pipeline_model_parallel_layout,

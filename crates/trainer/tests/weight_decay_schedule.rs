@@ -83,6 +83,11 @@ fn qk_layernorm_weight_decay_reaches_the_qk_norms_only() {
     assert_ne!(losses(with(base(true, 0.5))), losses(base(true, 0.5)), "the QK-norms decayed");
     assert_eq!(losses(with(base(false, 0.5))), losses(base(false, 0.5)), "no QK-norm: nothing else decayed");
     assert_eq!(losses(with(base(true, 0.0))), losses(base(true, 0.0)), "weight decay 0");
+    // Megatron's older spelling.
+    let cond = |t: &str| TrainArgs { no_weight_decay_cond_type: Some(t.into()), ..base(true, 0.5) };
+    assert!(settings(&cond("apply_wd_to_qk_layernorm")).apply_wd_to_qk_layernorm);
+    let e = format!("{:#}", Settings::resolve(&cond("all")).unwrap_err());
+    assert!(e.contains("--no-weight-decay-cond-type all"), "{e}");
     // The name test picks the QK-norms' weights, not the layers' or the final norm.
     let s = settings(&base(true, 0.5));
     let (_, table) = ferrotron_transformer::GptModel::build(
