@@ -18,6 +18,7 @@ pub mod image_text;
 mod index_cache;
 mod indexed;
 mod numpy_rng;
+mod positions;
 mod tiktoken;
 mod tokenizer;
 
@@ -28,6 +29,7 @@ pub use dataset::{
 pub use gpt::{GptDataset, Sequences};
 pub use indexed::{IndexedBuilder, IndexedDataset, TokenDtype, write_indexed};
 pub use numpy_rng::{NumpyGenerator, NumpyRandomState};
+pub use positions::reset_position_ids;
 pub use tiktoken::{TikPattern, TikTokenSpec};
 pub use tokenizer::{Tokenizer, TokenizerFlags, TokenizerKind};
 

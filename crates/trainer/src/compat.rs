@@ -138,12 +138,10 @@ pub(crate) fn apply(a: &mut TrainArgs) -> anyhow::Result<()> {
     if let Some(f) = &a.fp8_format {
         bail!("--fp8-format {f}: FP8 training is not built; use --bf16");
     }
-    for (flag, on) in
-        [("--reset-position-ids", a.reset_position_ids), ("--reset-attention-mask", a.reset_attention_mask)]
-    {
+    for (flag, on) in [("--reset-attention-mask", a.reset_attention_mask)] {
         if on {
             bail!(
-                "{flag}: document-wise position ids and attention masks are not built yet; drop it (documents then see the earlier ones in their sample, as without it in Megatron)"
+                "{flag}: document-wise attention masks are not built yet; drop it (documents then see the earlier ones in their sample, as without it in Megatron)"
             );
         }
     }

@@ -972,9 +972,12 @@ pub struct TrainArgs {
     /// Refused by name: FP8 training is not built.
     #[arg(long)]
     pub fp8_format: Option<String>,
-    /// Refused by name: document-wise position ids and attention masks are not built yet.
+    /// Learned absolute positions count from 0 again after each end of document in a sample
+    /// (Megatron's). As in Megatron Core, rotary embeddings take no position ids: it changes
+    /// nothing with --position-embedding-type rope.
     #[arg(long)]
     pub reset_position_ids: bool,
+    /// Refused by name: document-wise attention masks are not built yet.
     #[arg(long)]
     pub reset_attention_mask: bool,
     /// Refused by name: Weights & Biases logging is not built (--tensorboard-dir is).
@@ -1334,6 +1337,9 @@ pub struct Settings {
     /// `--eod-mask-loss`.
     #[serde(default)]
     pub eod_mask_loss: bool,
+    /// `--reset-position-ids` (absent from older checkpoints' settings: off).
+    #[serde(default)]
+    pub reset_position_ids: bool,
     /// `--calculate-per-token-loss`.
     #[serde(default)]
     pub calculate_per_token_loss: bool,
@@ -2406,6 +2412,7 @@ impl Settings {
             image_text_data: a.image_text_data.clone(),
             image_folder: a.image_folder.clone(),
             eod_mask_loss: a.eod_mask_loss,
+            reset_position_ids: a.reset_position_ids,
             calculate_per_token_loss: a.calculate_per_token_loss,
             tensorboard_dir: a.tensorboard_dir.clone(),
             tensorboard_log_interval: match a.tensorboard_log_interval {
@@ -2613,6 +2620,22 @@ impl Settings {
         if s.vision.is_some() && cuda_graph_warmup.is_some() {
             bail!(
                 "--cuda-graph-impl local with a vision encoder (--img-h): each micro-batch's image placements are uploaded from the host, which a captured graph cannot do: drop --cuda-graph-impl"
+            );
+        }
+        let learned_reset = s.reset_position_ids && s.position_embedding_type == "learned_absolute";
+        if learned_reset && (s.mtp_num_layers.is_some_and(|n| n > 0) || s.vision.is_some()) {
+            bail!(
+                "--reset-position-ids with learned positions and {}: its positions are not reset; use --position-embedding-type rope (which takes no position ids) or drop one",
+                if s.vision.is_some() {
+                    "a vision encoder"
+                } else {
+                    "--mtp-num-layers (the depths look up shifted positions)"
+                }
+            );
+        }
+        if learned_reset && cuda_graph_warmup.is_some() {
+            bail!(
+                "--cuda-graph-impl local with --reset-position-ids: each micro-batch's position ids are uploaded from the host, which a captured graph cannot do: drop one"
             );
         }
         if s.moe.is_some() && cuda_graph_warmup.is_some() {

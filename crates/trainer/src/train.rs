@@ -217,6 +217,9 @@ struct BatchSpec {
     /// Multi-token prediction depths: under context parallelism their inputs are rolled here,
     /// along the whole sequences, before the split.
     mtp_depths: usize,
+    /// --reset-position-ids with learned positions: each token's position id, from 0 again
+    /// after each end of document (`ferrotron_data::reset_position_ids`), goes with the batch.
+    reset_positions: bool,
     /// A multimodal run's images: the spec, where they come from, the seed, the model's dtype.
     vision: Option<(ferrotron_transformer::VisionSpec, ImageSource, u64, DType)>,
 }
@@ -225,7 +228,7 @@ fn batch(split: &TokenSplit, indices: &[usize], spec: &BatchSpec, dev: &Device) 
     if let Some(v) = &spec.vision {
         return multimodal_batch(split, indices, spec, v, dev);
     }
-    let BatchSpec { seq, vocab, eod_mask, ref cp, mtp_depths, .. } = *spec;
+    let BatchSpec { seq, vocab, eod_mask, eod, ref cp, mtp_depths, reset_positions, .. } = *spec;
     let (mut tokens, mut labels) = (Vec::with_capacity(indices.len() * seq), Vec::with_capacity(indices.len() * seq));
     for &i in indices {
         let s = split.sample(i)?;
@@ -240,6 +243,8 @@ fn batch(split: &TokenSplit, indices: &[usize], spec: &BatchSpec, dev: &Device) 
         labels.extend_from_slice(&s[1..]);
     }
     let b = indices.len();
+    // The whole sequences' position ids, before any split.
+    let positions = reset_positions.then(|| ferrotron_data::reset_position_ids(&tokens, seq, eod));
     // Megatron's --eod-mask-loss: a position whose input is the end of a document (so its label
     // starts the next one) does not count.
     let mask = eod_mask.map(|eod| tokens.iter().map(|&t| if t == eod { 0.0 } else { 1.0 }).collect::<Vec<f32>>());
@@ -256,7 +261,10 @@ fn batch(split: &TokenSplit, indices: &[usize], spec: &BatchSpec, dev: &Device) 
             None => vec![1.0; b * local],
         };
         let all = whole / cp.size() as f64;
-        let batch = Batch::masked(t, l, m)?.with_num_tokens(all)?;
+        let mut batch = Batch::masked(t, l, m)?.with_num_tokens(all)?;
+        if let Some(p) = &positions {
+            batch = batch.with_position_ids(cp.shard_host(p, b, seq)?)?;
+        }
         if mtp_depths == 0 {
             return Ok(batch);
         }
@@ -280,9 +288,13 @@ fn batch(split: &TokenSplit, indices: &[usize], spec: &BatchSpec, dev: &Device) 
         return Ok(batch.with_mtp_rolled(MtpRolled { depths, all }));
     }
     let (tokens, labels) = (Tensor::from_vec(tokens, [b, seq], dev)?, Tensor::from_vec(labels, [b, seq], dev)?);
-    Ok(match mask {
+    let batch = match mask {
         Some(m) => Batch::masked(tokens, labels, m)?,
         None => Batch::unmasked(tokens, labels)?,
+    };
+    Ok(match positions {
+        Some(p) => batch.with_position_ids(p)?,
+        None => batch,
     })
 }
 
@@ -788,6 +800,9 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         eod: data.tokenizer.eod(),
         cp,
         mtp_depths: model.config.mtp.map_or(0, |m| m.num_layers),
+        // Rotary embeddings take no position ids (as Megatron Core's): only learned ones use them.
+        reset_positions: s.reset_position_ids
+            && model.config.position_embedding == ferrotron_transformer::spec::PositionEmbedding::LearnedAbsolute,
         vision: s.vision_spec()?.map(|v| {
             let source = match (&data.images, s.mock_data) {
                 (Some(files), _) => ImageSource::Files(files.clone()),
@@ -1214,7 +1229,16 @@ mod tests {
         let seqs = Arc::new(Sequences::from_documents(&[vec![1, 2, 3, 4, 9, 5, 6, 7, 8]]));
         let split = blend_split("train", vec![(None, seqs, 0..1)], 2, 4, 1234, None).unwrap();
         // Both samples (tokens 0..=4 and 4..=8, in some order) hold 9.
-        let spec = |vocab| BatchSpec { seq: 4, vocab, eod_mask: None, eod: 0, cp: None, mtp_depths: 0, vision: None };
+        let spec = |vocab| BatchSpec {
+            seq: 4,
+            vocab,
+            eod_mask: None,
+            eod: 0,
+            cp: None,
+            mtp_depths: 0,
+            reset_positions: false,
+            vision: None,
+        };
         let ok = batch(&split, &[0, 1], &spec(10), &Device::Cpu).unwrap();
         let (mut t, mut l) = (ok.tokens.to_vec::<u32>().unwrap(), ok.labels.to_vec::<u32>().unwrap());
         if t[0] != 1 {
@@ -1234,7 +1258,16 @@ mod tests {
         let docs = [vec![1, 2, 0], vec![3, 0], vec![4, 5, 6, 0]];
         let seqs = Arc::new(Sequences::from_documents(&docs));
         let split = blend_split("train", vec![(None, seqs, 0..3)], 1, 8, 1234, None).unwrap();
-        let spec = BatchSpec { seq: 8, vocab: 10, eod_mask: Some(0), eod: 0, cp: None, mtp_depths: 0, vision: None };
+        let spec = BatchSpec {
+            seq: 8,
+            vocab: 10,
+            eod_mask: Some(0),
+            eod: 0,
+            cp: None,
+            mtp_depths: 0,
+            reset_positions: false,
+            vision: None,
+        };
         let b = batch(&split, &[0], &spec, &Device::Cpu).unwrap();
         let tokens = b.tokens.to_vec::<u32>().unwrap();
         let want: Vec<f32> = tokens.iter().map(|&t| if t == 0 { 0.0 } else { 1.0 }).collect();

@@ -64,6 +64,10 @@ pub struct Batch {
     /// Under context parallelism, the multi-token prediction depths' inputs, rolled along the
     /// whole sequences before they were split (`with_mtp_rolled`); None: rolled here.
     mtp_rolled: Option<MtpRolled>,
+    /// The learned position embedding's ids of the tokens [B, T] on the host (Megatron's
+    /// --reset-position-ids: counting from 0 again after each end of document), or None: each
+    /// row's own (global) position.
+    position_ids: Option<Vec<u32>>,
 }
 
 /// The MTP depths' tokens, labels and loss masks for one context-parallel rank: each depth k's
@@ -106,7 +110,20 @@ impl Batch {
             images: None,
             own_loss_scale: None,
             mtp_rolled: None,
+            position_ids: None,
         })
+    }
+
+    /// The batch with its tokens' learned-position ids (`position_ids`), as many as tokens.
+    pub fn with_position_ids(self, ids: Vec<u32>) -> Result<Batch> {
+        if ids.len() != self.tokens.elem_count() {
+            return Err(ModelError::Config(format!(
+                "{} position ids for a batch of {} tokens: give one per token",
+                ids.len(),
+                self.tokens.elem_count()
+            )));
+        }
+        Ok(Batch { position_ids: Some(ids), ..self })
     }
 
     /// The batch with its random draws' origin (see `Draw`).
@@ -300,7 +317,10 @@ struct MtpSaved {
 /// What a forward keeps for its backward.
 pub struct GptSaved {
     tokens: Option<Tensor>,
+    /// The learned positions' ids, and whether they are the batch's own (`Batch::position_ids`)
+    /// rather than the rows' positions.
     positions: Option<Tensor>,
+    explicit_positions: bool,
     decoder: Saved,
     post: Option<PostSaved>,
     /// The micro-batch's draws, for the backward's dropout masks.
@@ -664,7 +684,23 @@ impl GptModel {
         Ok((maybe(&m.layers[k - 1].dropout, cx, x)?, positions))
     }
 
-    fn embed(&self, cx: &Cx, tokens: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
+    /// The batch's own position ids (`Batch::position_ids`) of this rank's rows: the [B, T/tp]
+    /// slice under sequence parallelism, uploaded; None without learned positions.
+    fn batch_positions(&self, tokens: &Tensor, ids: &[u32]) -> Result<Option<Tensor>> {
+        if self.position_embeddings.is_none() {
+            return Ok(None);
+        }
+        let (b, t) = (tokens.dims()[0], tokens.dims()[1]);
+        let (start, len) = self.seq_part(t)?;
+        let max = self.config.max_position_embeddings;
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= max) {
+            return Err(ModelError::Config(format!("position id {bad} is not below --max-position-embeddings {max}")));
+        }
+        let rows: Vec<u32> = ids.chunks(t).take(b).flat_map(|r| r[start..start + len].to_vec()).collect();
+        Ok(Some(Tensor::from_vec(rows, [b, len], tokens.device())?))
+    }
+
+    fn embed(&self, cx: &Cx, tokens: &Tensor, ids: Option<&[u32]>) -> Result<(Tensor, Option<Tensor>)> {
         if tokens.shape().rank() != 2 {
             return Err(
                 ferrotron_core::shape_mismatch("GptModel::forward", "tokens [batch, seq]", tokens.dims()).into()
@@ -675,7 +711,10 @@ impl GptModel {
         }
         let e = self.embedding.as_ref().ok_or_else(|| ModelError::Config("this stage has no embedding".into()))?;
         let mut x = e.forward(cx, tokens)?;
-        let positions = self.positions(tokens)?;
+        let positions = match ids {
+            Some(ids) => self.batch_positions(tokens, ids)?,
+            None => self.positions(tokens)?,
+        };
         if let (Some(pos), Some(pe)) = (&positions, self.position_embeddings) {
             x = k::add(&x, &k::embedding_fwd(pos, &cx.params.param(pe)?)?)?;
         }
@@ -693,7 +732,7 @@ impl GptModel {
 
     /// `logits` of a multimodal model, the images' features at their placeholders.
     pub fn logits_with(&self, cx: &Cx, tokens: &Tensor, images: Option<&Images>) -> Result<Tensor> {
-        let (mut x, _) = self.embed(cx, tokens)?;
+        let (mut x, _) = self.embed(cx, tokens, None)?;
         match (&self.vision, images) {
             (Some(v), Some(images)) => x = v.forward(cx, &x, images)?.0,
             (None, Some(_)) => {
@@ -725,9 +764,10 @@ impl GptModel {
         let pre = self.plan.pre_process && c == 0;
         let post = self.plan.post_process && c + 1 == self.chunks.len();
         let mut vision = None;
+        let explicit_positions = pre && batch.position_ids.is_some();
         let (x, tokens, positions) = match (pre, input) {
             (true, _) => {
-                let (mut x, pos) = self.embed(cx, &batch.tokens)?;
+                let (mut x, pos) = self.embed(cx, &batch.tokens, batch.position_ids.as_deref())?;
                 match (&self.vision, &batch.images) {
                     (Some(v), Some(images)) => {
                         let (y, s) = v.forward(cx, &x, images)?;
@@ -749,7 +789,17 @@ impl GptModel {
         let (h, decoder) = block.forward(cx, &x)?;
         if !post {
             let own_loss_scale = batch.own_loss_scale;
-            let saved = GptSaved { tokens, positions, decoder, post: None, draw, own_loss_scale, vision, mtp: vec![] };
+            let saved = GptSaved {
+                tokens,
+                positions,
+                explicit_positions,
+                decoder,
+                post: None,
+                draw,
+                own_loss_scale,
+                vision,
+                mtp: vec![],
+            };
             return Ok((ChunkOut::Hidden(h), saved));
         }
         // The mean's 1 / num_tokens read from the batch's tensor when the kernel runs.
@@ -777,7 +827,17 @@ impl GptModel {
             }
         }
         let own_loss_scale = batch.own_loss_scale;
-        let saved = GptSaved { tokens, positions, decoder, post: Some(post), draw, own_loss_scale, vision, mtp };
+        let saved = GptSaved {
+            tokens,
+            positions,
+            explicit_positions,
+            decoder,
+            post: Some(post),
+            draw,
+            own_loss_scale,
+            vision,
+            mtp,
+        };
         Ok((ChunkOut::Loss(loss), saved))
     }
 
@@ -900,7 +960,11 @@ impl GptModel {
         if let Some(e) = &self.embedding {
             e.backward(cx, tokens, &dx)?;
         }
-        if let (Some(pos), Some(pe)) = (&saved.positions, self.position_embeddings) {
+        if let (Some(pos), Some(pe), true) = (&saved.positions, self.position_embeddings, saved.explicit_positions) {
+            // The batch's own ids (reset at documents' ends): scattered by id.
+            let c = dx.shape().last();
+            k::embedding_bwd(pos, &dx.reshape([pos.elem_count(), c])?, &cx.params.grad(pe)?)?;
+        } else if let (Some(pos), Some(pe)) = (&saved.positions, self.position_embeddings) {
             // `positions`' ids: start..start + len of the local rows in every batch row (their
             // global positions: under context parallelism two runs, split where chunk 2·cp − 1 − r
             // begins, each summed in position order by the same kernel).

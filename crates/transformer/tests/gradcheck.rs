@@ -343,3 +343,34 @@ fn sink_softmax_gradients_match_finite_differences() {
         check(with(SoftmaxType::Learnable));
     }
 }
+
+/// Learned position ids given with the batch (Megatron's --reset-position-ids): the rows' own
+/// positions given so train as without them (loss and every gradient), and reset ones (each
+/// row counting from 0 again mid-row) change the loss, their gradients (scattered by id) matching
+/// finite differences.
+#[test]
+fn batch_position_ids_gradients_match_finite_differences() {
+    let cfg = config(false);
+    let b = batch(2, 6, 11);
+    let run = |b: &Batch| {
+        let (model, table) = GptModel::build(cfg.clone(), &Device::Cpu, DType::F32, 3).unwrap();
+        let cx = Cx::new(&table, true);
+        let (l, saved) = model.forward(&cx, b).unwrap();
+        model.backward(&cx, saved, 1.0).unwrap();
+        let grads: Vec<Vec<f32>> = table.ids().map(|id| table.grad(id).unwrap().to_vec_f32().unwrap()).collect();
+        (l, grads)
+    };
+    let plain = run(&b);
+    let own: Vec<u32> = (0..2).flat_map(|_| 0..6).collect();
+    let given = run(&b.clone().with_position_ids(own).unwrap());
+    assert_eq!(given.0.to_bits(), plain.0.to_bits());
+    for (g, p) in given.1.iter().zip(&plain.1) {
+        for (a, b) in g.iter().zip(p) {
+            assert!((a - b).abs() <= 1e-6 * b.abs() + 1e-7, "{a} vs {b}");
+        }
+    }
+    let reset = b.clone().with_position_ids(vec![0, 1, 2, 0, 1, 0, 0, 1, 2, 3, 4, 5]).unwrap();
+    assert_ne!(run(&reset).0, plain.0, "the ids changed nothing");
+    check_batch(cfg.clone(), reset);
+    assert!(b.with_position_ids(vec![0; 5]).is_err(), "one id a token");
+}
