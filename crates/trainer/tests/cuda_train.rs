@@ -190,6 +190,22 @@ fn sink_softmax_cuda_matches_cpu() {
     bf16_cuda_matches_cpu("learnable sink, head dim 64", bf16);
 }
 
+/// --reset-position-ids on the GPU (the batch's learned-position ids looked up and their
+/// gradient scattered by id), one rank and tp2 with sequence parallelism on two thread ranks,
+/// against one CPU rank, fp32 within 1e-4.
+#[test]
+fn reset_position_ids_cuda_matches_cpu() {
+    let reset = |a: TrainArgs| TrainArgs { reset_position_ids: true, ..a };
+    split_matches_cpu("tiny", "reset positions", reset, reset);
+    let tp2 = |a: TrainArgs| TrainArgs {
+        tensor_model_parallel_size: Some(2),
+        sequence_parallel: true,
+        nproc: Some(2),
+        ..reset(a)
+    };
+    split_matches_cpu("tiny", "reset positions, tp2 sp", reset, tp2);
+}
+
 /// --qk-l2-norm on the GPU (the RMSNorm kernels at a unit scale over each query and key head),
 /// against one CPU rank, fp32 within 1e-4.
 #[test]
