@@ -9,7 +9,7 @@
 //! the loss). What Ferrotron's stages hold besides their layers is fixed: the embedding on the
 //! first stage, the loss (and the MTP depths) on the last, so the layout must put them there.
 
-use super::stages::StagePlan;
+use super::stages::{StagePlan, plan_of_sizes};
 use crate::{ParallelError, Result};
 
 /// What one stage of a layout holds.
@@ -147,18 +147,12 @@ impl PipelineLayout {
 
     /// The plan of pipeline rank `rank` out of `pp`.
     pub fn plan(&self, pp: usize, rank: usize) -> Result<StagePlan> {
-        let vpp = self.virtual_stages(pp)?;
-        let mut ranges = Vec::with_capacity(self.stages.len());
-        let mut at = 0;
-        for s in &self.stages {
-            ranges.push(at..at + s.decoder);
-            at += s.decoder;
+        self.virtual_stages(pp)?;
+        if rank >= pp {
+            return Err(ParallelError::Layout(format!("pipeline rank {rank} of {pp}")));
         }
-        Ok(StagePlan {
-            chunks: (0..vpp).map(|c| ranges[c * pp + rank].clone()).collect(),
-            pre_process: rank == 0,
-            post_process: rank == pp - 1,
-        })
+        let sizes: Vec<usize> = self.stages.iter().map(|s| s.decoder).collect();
+        Ok(plan_of_sizes(&sizes, pp, rank))
     }
 }
 

@@ -108,17 +108,23 @@ pub fn stage_layers_sized(sizes: &[usize], pp: usize, vpp: usize, rank: usize) -
             sizes.len()
         )));
     }
+    Ok(plan_of_sizes(sizes, pp, rank))
+}
+
+/// The plan of rank `rank` out of `pp` when stage k (chunk k / pp of rank k mod pp) holds
+/// `sizes[k]` layers, some maybe none; `sizes` has pp × vpp entries (checked by the callers).
+pub(crate) fn plan_of_sizes(sizes: &[usize], pp: usize, rank: usize) -> StagePlan {
     let mut all = Vec::with_capacity(sizes.len());
     let mut at = 0;
     for &n in sizes {
         all.push(at..at + n);
         at += n;
     }
-    Ok(StagePlan {
-        chunks: (0..vpp).map(|c| all[c * pp + rank].clone()).collect(),
+    StagePlan {
+        chunks: (0..sizes.len() / pp).map(|c| all[c * pp + rank].clone()).collect(),
         pre_process: rank == 0,
         post_process: rank == pp - 1,
-    })
+    }
 }
 
 #[cfg(test)]
