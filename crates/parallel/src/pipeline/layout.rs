@@ -31,6 +31,9 @@ fn err(layout: &str, msg: impl std::fmt::Display) -> ParallelError {
     ParallelError::Layout(format!("--pipeline-model-parallel-layout {layout}: {msg}"))
 }
 
+/// The most pieces (and separators) an expanded layout may hold.
+const MAX_PIECES: usize = 1 << 20;
+
 /// `s` with its repeats written out and its commas dropped.
 fn expand(layout: &str) -> Result<String> {
     let chars: Vec<char> = layout.chars().filter(|&c| c != ',' && !c.is_whitespace()).collect();
@@ -69,6 +72,10 @@ fn expand_seq(layout: &str, c: &[char], at: &mut usize) -> Result<String> {
         } else {
             1
         };
+        // A layout names each layer once: far fewer pieces than this.
+        if out.len().saturating_add(item.len().saturating_mul(times)) > MAX_PIECES {
+            return Err(err(layout, format!("it expands past {MAX_PIECES} pieces")));
+        }
         out.push_str(&item.repeat(times));
     }
     Ok(out)
@@ -207,6 +214,7 @@ mod tests {
         assert!(e("E(t|tL", 2, 0).contains("without its ')'"));
         assert!(e("Et)|tL", 2, 0).contains("unmatched ')'"));
         assert!(e("Et*|tL", 2, 0).contains("followed by a count"));
+        assert!(e("E(t*1000)*100000000000L", 2, 0).contains("expands past"));
         let l = PipelineLayout::parse("Et|t|tL", 3, 0).unwrap();
         assert!(l.virtual_stages(2).unwrap_err().to_string().contains("3 stages, not a multiple"));
     }
