@@ -2955,7 +2955,7 @@ impl Settings {
                 bail!("{flags} with a hybrid model: its pattern's '|' marks the stages; drop {flags}");
             }
             let sizes = self.accounted_stages(&flags, e, l)?;
-            return Ok(ferrotron_parallel::pipeline::PipelineLayout::of_sizes(&sizes).plan(pp, pp_rank)?);
+            return Ok(ferrotron_parallel::pipeline::stage_layers_of(&sizes, pp, pp_rank)?);
         }
         if let Some(stages) = self.pattern_stages()? {
             if self.decoder_first_pipeline_num_layers.is_some() || self.decoder_last_pipeline_num_layers.is_some() {

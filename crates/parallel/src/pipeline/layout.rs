@@ -9,7 +9,7 @@
 //! the loss). What Ferrotron's stages hold besides their layers is fixed: the embedding on the
 //! first stage, the loss (and the MTP depths) on the last, so the layout must put them there.
 
-use super::stages::{StagePlan, plan_of_sizes};
+use super::stages::{StagePlan, stage_layers_of};
 use crate::{ParallelError, Result};
 
 /// What one stage of a layout holds.
@@ -129,18 +129,6 @@ impl PipelineLayout {
         Ok(PipelineLayout { stages })
     }
 
-    /// The layout whose stages hold `sizes` decoder layers, the embedding on the first and the
-    /// loss on the last (a split computed elsewhere: --account-for-…-in-pipeline-split).
-    pub fn of_sizes(sizes: &[usize]) -> PipelineLayout {
-        let n = sizes.len();
-        let stages = sizes
-            .iter()
-            .enumerate()
-            .map(|(i, &decoder)| LayoutStage { embedding: i == 0, decoder, mtp: 0, loss: i + 1 == n })
-            .collect();
-        PipelineLayout { stages }
-    }
-
     /// Virtual stages per pipeline rank: the stages over `pp` (which must divide them).
     pub fn virtual_stages(&self, pp: usize) -> Result<usize> {
         let n = self.stages.len();
@@ -155,11 +143,8 @@ impl PipelineLayout {
     /// The plan of pipeline rank `rank` out of `pp`.
     pub fn plan(&self, pp: usize, rank: usize) -> Result<StagePlan> {
         self.virtual_stages(pp)?;
-        if rank >= pp {
-            return Err(ParallelError::Layout(format!("pipeline rank {rank} of {pp}")));
-        }
         let sizes: Vec<usize> = self.stages.iter().map(|s| s.decoder).collect();
-        Ok(plan_of_sizes(&sizes, pp, rank))
+        stage_layers_of(&sizes, pp, rank)
     }
 }
 

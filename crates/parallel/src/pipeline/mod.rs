@@ -11,4 +11,4 @@ pub mod stages;
 pub use exec::{Dir, Exchange, PipelineComms, StageRunner, Step, plan_steps, run_schedule};
 pub use layout::{LayoutStage, PipelineLayout};
 pub use schedule::{Action, ScheduleKind, render, schedule};
-pub use stages::{StagePlan, stage_layers, stage_layers_sized};
+pub use stages::{StagePlan, stage_layers, stage_layers_of, stage_layers_sized};

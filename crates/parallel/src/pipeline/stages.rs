@@ -108,23 +108,30 @@ pub fn stage_layers_sized(sizes: &[usize], pp: usize, vpp: usize, rank: usize) -
             sizes.len()
         )));
     }
-    Ok(plan_of_sizes(sizes, pp, rank))
+    stage_layers_of(sizes, pp, rank)
 }
 
 /// The plan of rank `rank` out of `pp` when stage k (chunk k / pp of rank k mod pp) holds
-/// `sizes[k]` layers, some maybe none; `sizes` has pp × vpp entries (checked by the callers).
-pub(crate) fn plan_of_sizes(sizes: &[usize], pp: usize, rank: usize) -> StagePlan {
+/// `sizes[k]` layers, some maybe none (an explicit layout's stage of only the embedding or the
+/// loss); `sizes` has pp × (virtual stages) entries.
+pub fn stage_layers_of(sizes: &[usize], pp: usize, rank: usize) -> Result<StagePlan> {
+    if pp == 0 || rank >= pp || sizes.is_empty() || sizes.len() % pp != 0 {
+        return Err(err(format!(
+            "{} pipeline stages ({sizes:?} layers) for pipeline rank {rank} of {pp}: give pp × (virtual stages) stages",
+            sizes.len()
+        )));
+    }
     let mut all = Vec::with_capacity(sizes.len());
     let mut at = 0;
     for &n in sizes {
         all.push(at..at + n);
         at += n;
     }
-    StagePlan {
+    Ok(StagePlan {
         chunks: (0..sizes.len() / pp).map(|c| all[c * pp + rank].clone()).collect(),
         pre_process: rank == 0,
         post_process: rank == pp - 1,
-    }
+    })
 }
 
 #[cfg(test)]
@@ -140,6 +147,10 @@ mod tests {
         let e = stage_layers_sized(&[2, 2], 4, 1, 0).unwrap_err().to_string();
         assert!(e.contains("2 pipeline stages") && e.contains("--pipeline-model-parallel-size 4"), "{e}");
         assert!(stage_layers_sized(&[0, 4], 2, 1, 0).is_err());
+        // Empty stages where the sizes are given as they are.
+        assert_eq!(stage_layers_of(&[0, 4], 2, 0).unwrap().chunks, vec![0..0]);
+        assert!(stage_layers_of(&[1, 2, 3], 2, 0).is_err());
+        assert!(stage_layers_of(&[1, 2], 2, 2).is_err());
     }
 
     #[test]
