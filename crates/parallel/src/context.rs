@@ -16,7 +16,8 @@
 //! and log-sum-exp (exact: a block's probabilities are the whole softmax's on its keys), and
 //! reduce-scatters the key and value gradients back to the ranks that own those rows. Attention
 //! dropout draws the whole sequence's mask: each block's key points at its tiles of it
-//! (`AttnDropout::tiles`; chunks of a multiple of 16 tokens).
+//! (`AttnDropout::tiles`; chunks of a multiple of 16 tokens). With `CpCommType::AllToAll` the
+//! core attention trades rows for heads instead (`context_heads`).
 //!
 //! Shapes: q, o, dq [B, 2c, Hq, D]; k, v, dk, dv [B, 2c, Hkv, D]; the lse this forward returns
 //! is [2, B, Hq, c] (chunk-major, for its backward; not `k::attention_fwd`'s layout). Inside,
@@ -29,20 +30,56 @@ use ferrotron_comm::ReduceOp;
 use ferrotron_core::{DType, Result, Tensor, invalid, shape_mismatch};
 use ferrotron_kernels::{self as k, AttnCfg, AttnDropout, RopeCfg, RopeSplit};
 
+/// How the core attention reaches the rest of the sequence (Megatron's `--cp-comm-type`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CpCommType {
+    /// Every rank's K and V gathered, this rank's queries against them (`allgather`; Megatron's
+    /// default `p2p` passes the same blocks round a ring and gives the same attention, so it
+    /// runs as this).
+    #[default]
+    AllGather,
+    /// An all-to-all trades this rank's rows of every head for every row of 1/cp of the heads,
+    /// whole-sequence attention runs on those, and a second all-to-all trades back (`a2a`,
+    /// DeepSpeed-Ulysses; `context_heads`). Needs the heads and query groups divisible by cp;
+    /// takes sliding windows and any mask.
+    AllToAll,
+}
+
+impl CpCommType {
+    /// Megatron's spelling, or an error naming the ones built.
+    pub fn parse(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "allgather" | "p2p" => Ok(CpCommType::AllGather),
+            "a2a" => Ok(CpCommType::AllToAll),
+            "a2a+p2p" => Err(
+                "--cp-comm-type a2a+p2p (hierarchical context parallelism, --hierarchical-context-parallel-sizes) is not built: use a2a, allgather or p2p".into(),
+            ),
+            t => Err(format!("--cp-comm-type {t}: use allgather, p2p or a2a")),
+        }
+    }
+}
+
 #[derive(Clone)]
 pub struct ContextParallel {
     pub comm: Comm,
+    pub kind: CpCommType,
 }
 
 impl std::fmt::Debug for ContextParallel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "ContextParallel({}, rank {} of {})", self.comm.name(), self.rank(), self.size())
+        write!(f, "ContextParallel({}, rank {} of {}, {:?})", self.comm.name(), self.rank(), self.size(), self.kind)
     }
 }
 
 impl ContextParallel {
+    /// The all-gather exchange (Megatron's allgather / p2p).
     pub fn new(comm: Comm) -> Self {
-        ContextParallel { comm }
+        ContextParallel { comm, kind: CpCommType::AllGather }
+    }
+
+    /// The same group with the core attention's exchange `kind`.
+    pub fn with_kind(&self, kind: CpCommType) -> Self {
+        ContextParallel { comm: self.comm.clone(), kind }
     }
     pub fn rank(&self) -> usize {
         self.comm.rank()
@@ -162,8 +199,11 @@ impl ContextParallel {
     }
 
     /// Core attention over the whole sequence for this rank's queries: (o [B, 2c, Hq, D], lse
-    /// [2, B, Hq, c]).
+    /// [2, B, Hq, c] under the all-gather, [B, Hq, 2c] under the all-to-all).
     pub fn attention_fwd(&self, q: &Tensor, kk: &Tensor, v: &Tensor, cfg: &AttnCfg) -> Result<(Tensor, Tensor)> {
+        if self.kind == CpCommType::AllToAll {
+            return self.heads_attention_fwd(q, kk, v, cfg);
+        }
         const OP: &str = "context-parallel attention_fwd";
         let [b, t, hq, d] = dims4(OP, q)?;
         self.check_cfg(OP, cfg, t / 2)?;
@@ -203,6 +243,9 @@ impl ContextParallel {
         dout: &Tensor,
         cfg: &AttnCfg,
     ) -> Result<(Tensor, Tensor, Tensor)> {
+        if self.kind == CpCommType::AllToAll {
+            return self.heads_attention_bwd(q, kk, v, o, lse, dout, cfg);
+        }
         const OP: &str = "context-parallel attention_bwd";
         let [b, t, hq, d] = dims4(OP, q)?;
         let [_, _, hkv, _] = dims4(OP, kk)?;
@@ -253,7 +296,7 @@ pub(crate) fn chunks_of(r: usize, n: usize) -> [usize; 2] {
     [r, 2 * n - 1 - r]
 }
 
-fn dims4(op: &'static str, x: &Tensor) -> Result<[usize; 4]> {
+pub(crate) fn dims4(op: &'static str, x: &Tensor) -> Result<[usize; 4]> {
     match *x.dims() {
         [b, t, h, d] if t % 2 == 0 => Ok([b, t, h, d]),
         _ => Err(shape_mismatch(op, "[batch, 2 × chunk, heads, head dim]", x.dims())),

@@ -12,7 +12,8 @@
 //! - `context`: context parallelism (the load-balanced sequence split, positions, the core
 //!   attention over the whole sequence from K/V gathered over the group); `context_channels`:
 //!   the all-to-all between a sequence split and a channel split, for layers that run along the
-//!   whole sequence (Mamba's scan).
+//!   whole sequence (Mamba's scan); `context_heads`: the core attention by that all-to-all over
+//!   the heads instead (`--cp-comm-type a2a`).
 //! - `rng`: the RNG tracker (streams shared across tensor-parallel ranks or distinct per rank).
 //!
 //! Architecture Invariant: parallel knows ranks and groups but not models; the transformer
@@ -21,6 +22,7 @@
 
 pub mod context;
 mod context_channels;
+mod context_heads;
 pub mod cross_entropy;
 pub mod embedding;
 pub mod gather;
@@ -31,7 +33,7 @@ pub mod pipeline;
 pub mod rng;
 pub mod tp;
 
-pub use context::ContextParallel;
+pub use context::{ContextParallel, CpCommType};
 pub use cross_entropy::{VocabParallelCe, vocab_parallel_ce_bwd, vocab_parallel_ce_fwd, vocab_parallel_ce_fwd_bwd_};
 pub use embedding::VocabParallelEmbedding;
 pub use gather::{gather_param, global_flat_index};

@@ -6,7 +6,7 @@
 use ferrotron_comm::{all_ok, run_ranks};
 use ferrotron_core::{DType, Device, Tensor, rng::Philox};
 use ferrotron_kernels::{self as k, AttnCfg, AttnDropout, RopeCfg};
-use ferrotron_parallel::ContextParallel;
+use ferrotron_parallel::{ContextParallel, CpCommType};
 use std::time::Duration;
 
 fn normal(n: usize, seed: u64) -> Vec<f32> {
@@ -39,30 +39,43 @@ fn close(got: &[f32], want: &[f32], tol: f32, elementwise: bool, what: &str) {
 
 #[test]
 fn every_rank_gets_its_rows_of_whole_sequence_attention() {
-    rows_of_whole_sequence_attention(&Device::Cpu, DType::F32, 2e-5);
+    for kind in [CpCommType::AllGather, CpCommType::AllToAll] {
+        rows_of_whole_sequence_attention(&Device::Cpu, DType::F32, 2e-5, kind);
+    }
 }
 
 #[cfg(feature = "cuda")]
 #[test]
 fn every_rank_gets_its_rows_of_whole_sequence_attention_on_a_gpu() {
     let dev = Device::cuda(0).expect("a CUDA device for the cuda tests");
-    rows_of_whole_sequence_attention(&dev, DType::F32, 1e-4);
-    rows_of_whole_sequence_attention(&dev, DType::BF16, 3e-2);
+    for kind in [CpCommType::AllGather, CpCommType::AllToAll] {
+        rows_of_whole_sequence_attention(&dev, DType::F32, 1e-4, kind);
+        rows_of_whole_sequence_attention(&dev, DType::BF16, 3e-2, kind);
+    }
 }
 
-fn rows_of_whole_sequence_attention(dev: &Device, dtype: DType, tol: f32) {
+/// Each case: (cp, batch, seq, query heads, key/value heads, head dim, dropout, window).
+fn rows_of_whole_sequence_attention(dev: &Device, dtype: DType, tol: f32, kind: CpCommType) {
     let cpu = Device::Cpu;
-    let shapes = [
-        (2usize, 2usize, 8usize, 4usize, 2usize, 8usize, false),
-        (4, 1, 16, 2, 1, 4, false),
-        (3, 2, 12, 2, 2, 4, false),
+    let both = [
+        (2usize, 2usize, 8usize, 4usize, 2usize, 8usize, false, None),
         // Attention dropout (chunks of 16: each block whole tiles of the sequence's mask).
-        (2, 2, 64, 4, 2, 8, true),
+        (2, 2, 64, 4, 2, 8, true, None),
         // Head dim 64: the GPU's flash kernels on 64-row chunks, without and with dropout.
-        (2, 1, 256, 4, 2, 64, false),
-        (2, 1, 256, 4, 2, 64, true),
+        (2, 1, 256, 4, 2, 64, false, None),
+        (2, 1, 256, 4, 2, 64, true, None),
     ];
-    for (cp, b, t, hq, hkv, d, drop) in shapes {
+    let by_kind: &[_] = match kind {
+        // Head counts the all-to-all cannot split.
+        CpCommType::AllGather => &[(4, 1, 16, 2, 1, 4, false, None), (3, 2, 12, 2, 2, 4, false, None)],
+        // Three ranks of GQA heads; a sliding window (the all-gather refuses one), with dropout.
+        CpCommType::AllToAll => &[
+            (3, 2, 12, 6, 3, 4, false, None),
+            (2, 1, 64, 4, 2, 8, false, Some(20)),
+            (2, 2, 64, 4, 4, 8, true, Some(9)),
+        ],
+    };
+    for &(cp, b, t, hq, hkv, d, drop, window) in both.iter().chain(by_kind) {
         // The whole sequence's mask: the same key on one rank and on every cp rank.
         let batch_stride = AttnDropout::blocks_per_sample(hq, t, t);
         let dropout = AttnDropout {
@@ -74,7 +87,7 @@ fn rows_of_whole_sequence_attention(dev: &Device, dtype: DType, tol: f32) {
             head_offset: 0,
             tiles: None,
         };
-        let cfg = AttnCfg { dropout: drop.then_some(dropout), ..AttnCfg::default() };
+        let cfg = AttnCfg { dropout: drop.then_some(dropout), window, ..AttnCfg::default() };
         let (nq, nk) = (b * t * hq * d, b * t * hkv * d);
         let (q, kk, v, dout) = (normal(nq, 1), normal(nk, 2), normal(nk, 3), normal(nq, 4));
         // One rank: the whole sequence, with RoPE at positions 0..t.
@@ -84,10 +97,12 @@ fn rows_of_whole_sequence_attention(dev: &Device, dtype: DType, tol: f32) {
         let (o, lse) = k::attention_fwd(&qr, &kr, &whole(&v, hkv), &cfg).unwrap();
         let (dq, dk, dv) = k::attention_bwd(&qr, &kr, &whole(&v, hkv), &o, &lse, &whole(&dout, hq), &cfg).unwrap();
         let (dq, dk) = (k::rope_bwd(&dq, &rope).unwrap(), k::rope_bwd(&dk, &rope).unwrap());
+        // lse [B, H, T] as rows [B, T, H], to take each rank's rows of it.
+        let lse = lse.transpose(1, 2).unwrap().contiguous().unwrap().to_vec_f32().unwrap();
         let (o, dq, dk, dv) =
             (o.to_vec_f32().unwrap(), dq.to_vec_f32().unwrap(), dk.to_vec_f32().unwrap(), dv.to_vec_f32().unwrap());
         let ranks = all_ok(run_ranks(cp, Duration::from_secs(30), |_, comm| {
-            let ctx = ContextParallel::new(comm);
+            let ctx = ContextParallel::new(comm).with_kind(kind);
             let c = ctx.chunk_len(t)?;
             let local = |x: &[f32], h: usize| {
                 let rows = rows_of(x, b, t, h * d, 2 * c, |i| ctx.position(c, i));
@@ -99,23 +114,30 @@ fn rows_of_whole_sequence_attention(dev: &Device, dtype: DType, tol: f32) {
             let (ol, lsel) = ctx.attention_fwd(&ql, &kl, &vl, &cfg)?;
             let (dql, dkl, dvl) = ctx.attention_bwd(&ql, &kl, &vl, &ol, &lsel, &local(&dout, hq)?, &cfg)?;
             let (dql, dkl) = (k::rope_bwd(&dql, &rope)?, k::rope_bwd(&dkl, &rope)?);
-            let want = |x: &[f32], h: usize| rows_of(x, b, t, h * d, 2 * c, |i| ctx.position(c, i));
-            Ok::<_, ferrotron_core::Error>([
-                (ol.to_vec_f32()?, want(&o, hq)),
-                (dql.to_vec_f32()?, want(&dq, hq)),
-                (dkl.to_vec_f32()?, want(&dk, hkv)),
-                (dvl.to_vec_f32()?, want(&dv, hkv)),
-            ])
+            let want = |x: &[f32], w: usize| rows_of(x, b, t, w, 2 * c, |i| ctx.position(c, i));
+            let mut parts = vec![
+                (ol.to_vec_f32()?, want(&o, hq * d)),
+                (dql.to_vec_f32()?, want(&dq, hq * d)),
+                (dkl.to_vec_f32()?, want(&dk, hkv * d)),
+                (dvl.to_vec_f32()?, want(&dv, hkv * d)),
+            ];
+            if kind == CpCommType::AllToAll {
+                // The rank's rows of the whole lse, in k::attention_fwd's layout (the sink
+                // softmax reads it).
+                assert_eq!(lsel.dims(), [b, hq, 2 * c]);
+                parts.push((lsel.transpose(1, 2)?.contiguous()?.to_vec_f32()?, want(&lse, hq)));
+            }
+            Ok::<_, ferrotron_core::Error>(parts)
         }))
         .unwrap();
         for (r, parts) in ranks.iter().enumerate() {
-            for ((got, want), what) in parts.iter().zip(["o", "dq", "dk", "dv"]) {
+            for ((got, want), what) in parts.iter().zip(["o", "dq", "dk", "dv", "lse"]) {
                 close(
                     got,
                     want,
                     tol,
                     dtype == DType::F32,
-                    &format!("{dev} {dtype} cp {cp} dropout {drop} rank {r} {what}"),
+                    &format!("{dev} {dtype} {kind:?} cp {cp} dropout {drop} window {window:?} rank {r} {what}"),
                 );
             }
         }
@@ -132,4 +154,18 @@ fn a_window_or_a_full_mask_is_refused_by_name() {
     }))
     .unwrap();
     assert!(r[0].contains("sliding window") && r[0].contains("--context-parallel-size"), "{}", r[0]);
+}
+
+#[test]
+fn the_all_to_all_refuses_heads_it_cannot_split() {
+    let r = all_ok(run_ranks(2, Duration::from_secs(5), |_, comm| {
+        let ctx = ContextParallel::new(comm).with_kind(CpCommType::AllToAll);
+        let (q, kv) = (
+            Tensor::zeros([1, 4, 2, 4], DType::F32, &Device::Cpu)?,
+            Tensor::zeros([1, 4, 1, 4], DType::F32, &Device::Cpu)?,
+        );
+        Ok::<_, ferrotron_core::Error>(ctx.attention_fwd(&q, &kv, &kv, &AttnCfg::default()).unwrap_err().to_string())
+    }))
+    .unwrap();
+    assert!(r[0].contains("1 query groups") && r[0].contains("--cp-comm-type allgather"), "{}", r[0]);
 }

@@ -9,7 +9,8 @@ use ferrotron_moe::{Capacity, DropPolicy, Groups, LoadBalancing, MoeSpec, Router
 use ferrotron_optim::{DecayStyle, WdSchedule, WdStyle};
 use ferrotron_transformer::mla::MlaSpec;
 use ferrotron_transformer::spec::{
-    Activation, AttentionSpec, LayerSpec, MlpSpec, NormKind, OtherMlp, PositionEmbedding, RopeScaling, SoftmaxType,
+    Activation, AttentionSpec, LayerKind, LayerSpec, MlpSpec, NormKind, OtherMlp, PositionEmbedding, RopeScaling,
+    SoftmaxType,
 };
 use ferrotron_transformer::{MtpSpec, TransformerConfig};
 use serde::{Deserialize, Serialize};
@@ -543,10 +544,11 @@ pub struct TrainArgs {
     /// chunks; the attention all-gathers keys and values over them).
     #[arg(long)]
     pub context_parallel_size: Option<usize>,
-    /// How context-parallel attention communicates: allgather, or p2p (Megatron's default; run
-    /// as allgather, the same attention); a2a and a2a+p2p are refused by name.
-    #[arg(long)]
-    pub cp_comm_type: Option<String>,
+    /// How context-parallel attention communicates: allgather, p2p (Megatron's default; run as
+    /// allgather, the same attention) or a2a (all-to-all over the heads); one for every layer or
+    /// one a layer. a2a+p2p is refused by name.
+    #[arg(long, num_args = 1..)]
+    pub cp_comm_type: Option<Vec<String>>,
     /// Layers per virtual stage: interleaved 1F1B with num-layers / (pp × this) chunks per rank.
     #[arg(long)]
     pub num_layers_per_virtual_pipeline_stage: Option<usize>,
@@ -1281,6 +1283,10 @@ pub struct Settings {
     pub pipeline_model_parallel_size: usize,
     #[serde(default = "one")]
     pub context_parallel_size: usize,
+    /// --cp-comm-type: one for every layer or one a layer (absent from older checkpoints'
+    /// settings: allgather).
+    #[serde(default)]
+    pub cp_comm_type: Vec<String>,
     #[serde(default)]
     pub num_layers_per_virtual_pipeline_stage: Option<usize>,
     #[serde(default)]
@@ -2443,6 +2449,7 @@ impl Settings {
             ddp_bucket_size: a.ddp_bucket_size,
             pipeline_model_parallel_size: a.pipeline_model_parallel_size.unwrap_or(1),
             context_parallel_size: a.context_parallel_size.unwrap_or(1),
+            cp_comm_type: a.cp_comm_type.clone().unwrap_or_default(),
             num_layers_per_virtual_pipeline_stage: a.num_layers_per_virtual_pipeline_stage,
             pipeline_model_parallel_layout: a.pipeline_model_parallel_layout.clone().filter(|l| l != "None"),
             account_for_embedding_in_pipeline_split: a.account_for_embedding_in_pipeline_split,
@@ -2495,15 +2502,7 @@ impl Settings {
             }
             s.num_layers = n;
         }
-        match a.cp_comm_type.as_deref() {
-            // Megatron's default p2p passes key/value blocks round a ring; the all-gather here
-            // gives the same attention (it overlaps nothing), so scripts that name p2p run.
-            None | Some("allgather" | "p2p") => {}
-            Some(t @ ("a2a" | "a2a+p2p")) => bail!(
-                "--cp-comm-type {t} (all-to-all over heads) is not built: use allgather or p2p (both run the all-gather exchange, with the same result)"
-            ),
-            Some(t) => bail!("--cp-comm-type {t}: use allgather or p2p"),
-        }
+        s.cp_comm_types()?;
         // Megatron's two ways to measure a run, not to be mixed: iterations, or samples (the
         // schedule then in samples as well).
         let warmup_iters_given = file.lr_warmup_iters.or(flags.lr_warmup_iters).is_some();
@@ -3032,6 +3031,26 @@ impl Settings {
     }
 
     /// What context parallelism over `cp` > 1 ranks needs of the run (errors name the flags).
+    /// Each layer's context-parallel exchange (--cp-comm-type: one for all, or one a layer in
+    /// order; Megatron's default p2p passes key/value blocks round a ring, and the all-gather
+    /// here gives the same attention, so scripts that name p2p run).
+    pub fn cp_comm_types(&self) -> anyhow::Result<Vec<ferrotron_parallel::CpCommType>> {
+        let kinds = self
+            .cp_comm_type
+            .iter()
+            .map(|t| ferrotron_parallel::CpCommType::parse(t).map_err(anyhow::Error::msg))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        match kinds.len() {
+            0 => Ok(vec![Default::default(); self.num_layers]),
+            1 => Ok(vec![kinds[0]; self.num_layers]),
+            n if n == self.num_layers => Ok(kinds),
+            n => bail!(
+                "--cp-comm-type lists {n} types for {} layers: give one for every layer, or one a layer",
+                self.num_layers
+            ),
+        }
+    }
+
     fn validate_cp(&self, cp: usize) -> anyhow::Result<()> {
         if self.seq_length % (2 * cp) != 0 {
             bail!(
@@ -3055,12 +3074,28 @@ impl Settings {
                 "--context-parallel-size {cp} with --mtp-num-layers and learned absolute position embeddings: the depths' positions are not split over context-parallel ranks; use --position-embedding-type rope, or drop one"
             );
         }
-        if self.window_size.is_some() {
+        let kinds = self.cp_comm_types()?;
+        let config = self.model_config()?;
+        let attends = |i: usize| !matches!(config.layer.kind_of(i), LayerKind::Mixer | LayerKind::Mlp);
+        let gathered =
+            kinds.iter().enumerate().any(|(i, &k)| k == ferrotron_parallel::CpCommType::AllGather && attends(i))
+                || (self.mtp_num_layers.is_some() && kinds[0] == ferrotron_parallel::CpCommType::AllGather);
+        if self.window_size.is_some() && gathered {
             bail!(
-                "--context-parallel-size {cp} with --window-size: sliding-window attention is not split over context-parallel ranks; drop one"
+                "--context-parallel-size {cp} with --window-size: the all-gather exchange does not split sliding-window attention; use --cp-comm-type a2a (in every layer) or drop one"
             );
         }
-        if self.attention_dropout > 0.0 && (self.seq_length / (2 * cp)) % 16 != 0 {
+        if kinds.contains(&ferrotron_parallel::CpCommType::AllToAll) {
+            let tp = self.tensor_model_parallel_size;
+            let heads = self.num_attention_heads / tp;
+            let groups = if config.layer.attention.mla.is_some() { heads } else { self.num_query_groups / tp };
+            if heads % cp != 0 || groups % cp != 0 {
+                bail!(
+                    "--cp-comm-type a2a gives each of the --context-parallel-size {cp} ranks 1/{cp} of a tensor-parallel rank's heads: its {heads} attention heads and {groups} query groups must both be multiples of {cp}; use --cp-comm-type allgather or another context-parallel size"
+                );
+            }
+        }
+        if gathered && self.attention_dropout > 0.0 && (self.seq_length / (2 * cp)) % 16 != 0 {
             bail!(
                 "--attention-dropout with --context-parallel-size {cp}: each rank's chunks must be a multiple of 16 tokens to draw the whole sequence's mask (they are {}): make --seq-length a multiple of {}",
                 self.seq_length / (2 * cp),
@@ -3370,6 +3405,19 @@ mod tests {
         }
         let cli = <Cli as clap::Parser>::try_parse_from(std::iter::once("train").chain(line.split_whitespace()))?;
         Ok(Settings::resolve(&cli.args)?.0)
+    }
+
+    /// Megatron's --cp-comm-type takes one type or one a layer (nargs '+'), p2p as the all-gather.
+    #[test]
+    fn cp_comm_type_takes_one_or_one_a_layer() {
+        use ferrotron_parallel::CpCommType::{AllGather, AllToAll};
+        let s = parse("--preset llama-tiny --cp-comm-type a2a p2p allgather a2a --seq-length 64").unwrap();
+        assert_eq!(s.cp_comm_types().unwrap(), [AllToAll, AllGather, AllGather, AllToAll]);
+        assert_eq!(s.seq_length, 64, "the list ends at the next flag");
+        assert_eq!(parse("--preset llama-tiny --cp-comm-type a2a").unwrap().cp_comm_types().unwrap(), [AllToAll; 4]);
+        assert_eq!(parse("--preset llama-tiny").unwrap().cp_comm_types().unwrap(), [AllGather; 4]);
+        let e = parse("--preset llama-tiny --cp-comm-type a2a p2p").unwrap_err().to_string();
+        assert!(e.contains("2 types for 4 layers"), "{e}");
     }
 
     #[test]

@@ -659,7 +659,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     }
     let cp = (layout.cp > 1).then(|| ContextParallel::new(g.cp.clone()));
     if let Some(cp) = &cp {
-        model.set_context_parallel(cp.clone())?;
+        model.set_context_parallel_by_layer(cp.clone(), &s.cp_comm_types()?)?;
     }
     let model = model;
     if s.grad_reduce_in_bf16 {

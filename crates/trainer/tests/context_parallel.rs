@@ -53,6 +53,54 @@ fn context_parallel_layouts_follow_one_rank() {
     }
 }
 
+/// --cp-comm-type a2a (the core attention on 1/cp of the heads over the whole sequence, by
+/// all-to-all): GQA, tensor × sequence parallel, a sliding window and attention dropout on chunks
+/// of 8 tokens (both refused by the all-gather), a per-layer list mixing both exchanges, the
+/// learned sink softmax (it reads the lse the all-to-all trades back) and multi-latent attention
+/// train as one rank does.
+#[test]
+fn all_to_all_context_parallelism_follows_one_rank() {
+    let a2a = |s: &Settings, cp: usize, f: &dyn Fn(&mut Settings)| {
+        let mut s = s.clone();
+        s.context_parallel_size = cp;
+        s.cp_comm_type = vec!["a2a".into()];
+        f(&mut s);
+        s
+    };
+    let wide = |a: TrainArgs| settings(&TrainArgs { init_method_std: Some(0.2), ..a });
+    let (llama, gpt) = (wide(tiny_args(true)), wide(tiny_args(false)));
+    let window = wide(TrainArgs { window_size: Some("(8,0)".into()), ..tiny_args(true) });
+    let dropout = wide(TrainArgs { hidden_dropout: Some(0.1), attention_dropout: Some(0.1), ..tiny_args(false) });
+    let sink = wide(TrainArgs { softmax_type: Some("learnable".into()), ..tiny_args(true) });
+    let mla = wide(mla_args());
+    let (llama_one, gpt_one) = (run(&llama, 1), run(&gpt, 1));
+    let cases: [(&str, Settings, usize, Summary); 7] = [
+        ("a2a cp2, GQA", a2a(&llama, 2, &|_| {}), 2, llama_one.clone()),
+        (
+            "a2a cp2 × tp2 sp",
+            a2a(&gpt, 2, &|s| (s.tensor_model_parallel_size, s.sequence_parallel) = (2, true)),
+            4,
+            gpt_one.clone(),
+        ),
+        (
+            "a2a cp2, layer 0 a2a, layer 1 allgather",
+            a2a(&llama, 2, &|s| s.cp_comm_type.push("allgather".into())),
+            2,
+            llama_one,
+        ),
+        ("a2a cp2, sliding window", a2a(&window, 2, &|_| {}), 2, run(&window, 1)),
+        ("a2a cp2, dropout on chunks of 8", a2a(&dropout, 2, &|_| {}), 2, run(&dropout, 1)),
+        ("a2a cp2, learned sink", a2a(&sink, 2, &|_| {}), 2, run(&sink, 1)),
+        ("a2a cp2, multi-latent attention", a2a(&mla, 2, &|_| {}), 2, run(&mla, 1)),
+    ];
+    for (tag, s, n, one) in &cases {
+        follows(tag, &run(s, *n), one);
+    }
+    // The window and the dropout do change the run (the cases test something).
+    assert_ne!(cases[3].3.losses, cases[0].3.losses);
+    assert_ne!(cases[4].3.losses, gpt_one.losses);
+}
+
 /// Hidden and attention dropout under context parallelism (GPT-2's 0.1 each): each rank draws the
 /// whole sequence's masks at its chunks' places (hidden: by position; attention: the mask's tiles
 /// of each chunk block), so cp 2 and cp 2 × sequence-parallel tp 2 train as one rank does.
@@ -142,7 +190,7 @@ fn a_context_parallel_checkpoint_resumes_on_one_rank() {
 
 #[test]
 fn what_context_parallelism_cannot_split_is_refused_by_name() {
-    let cases: [(TrainArgs, &[&str]); 4] = [
+    let cases: [(TrainArgs, &[&str]); 7] = [
         (TrainArgs { context_parallel_size: Some(3), ..tiny_args(true) }, &["--seq-length 32", "multiple of 6"]),
         (
             TrainArgs { context_parallel_size: Some(2), attention_dropout: Some(0.1), ..tiny_args(true) },
@@ -150,11 +198,28 @@ fn what_context_parallelism_cannot_split_is_refused_by_name() {
         ),
         (
             TrainArgs { context_parallel_size: Some(2), window_size: Some("(8,0)".into()), ..tiny_args(true) },
-            &["--window-size"],
+            &["--window-size", "--cp-comm-type a2a"],
         ),
         (
-            TrainArgs { context_parallel_size: Some(2), cp_comm_type: Some("a2a".into()), ..tiny_args(true) },
-            &["--cp-comm-type a2a", "allgather"],
+            TrainArgs { context_parallel_size: Some(2), cp_comm_type: Some(vec!["a2a+p2p".into()]), ..tiny_args(true) },
+            &["--cp-comm-type a2a+p2p", "--hierarchical-context-parallel-sizes"],
+        ),
+        // The llama model's 2 query groups over 4 ranks.
+        (
+            TrainArgs { context_parallel_size: Some(4), cp_comm_type: Some(vec!["a2a".into()]), ..tiny_args(true) },
+            &["2 query groups", "multiples of 4", "--cp-comm-type allgather"],
+        ),
+        (
+            TrainArgs {
+                context_parallel_size: Some(2),
+                cp_comm_type: Some(vec!["a2a".into(), "p2p".into(), "a2a".into()]),
+                ..tiny_args(true)
+            },
+            &["3 types for 2 layers"],
+        ),
+        (
+            TrainArgs { context_parallel_size: Some(2), cp_comm_type: Some(vec!["ring".into()]), ..tiny_args(true) },
+            &["--cp-comm-type ring", "a2a"],
         ),
     ];
     for (args, want) in cases {

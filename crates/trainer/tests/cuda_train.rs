@@ -412,6 +412,32 @@ fn mamba_tensor_parallel_cuda_matches_cpu() {
     tp2_matches_cpu("mamba-tiny", false);
 }
 
+/// --cp-comm-type a2a on the GPU (two thread ranks sharing it): q, k, v and the output traded
+/// between rows and heads by strided rectangle copies around an all-to-all, the flash kernels
+/// over the whole sequence on each rank's heads; plain, with a sliding window, with the learned
+/// sink softmax (on the lse traded back) and per layer beside the all-gather; against one CPU
+/// rank, fp32 within 1e-4.
+#[test]
+fn all_to_all_context_parallel_cuda_matches_cpu() {
+    let a2a = |kinds: &[&str], a: TrainArgs| TrainArgs {
+        context_parallel_size: Some(2),
+        cp_comm_type: Some(kinds.iter().map(|k| k.to_string()).collect()),
+        nproc: Some(2),
+        ..a
+    };
+    split_matches_cpu("llama-tiny", "a2a cp2", |a| a, |a| a2a(&["a2a"], a));
+    let window = |a: TrainArgs| TrainArgs { window_size: Some("(24,0)".into()), ..a };
+    split_matches_cpu("llama-tiny", "a2a cp2 window", window, |a| a2a(&["a2a"], window(a)));
+    let sink = |a: TrainArgs| TrainArgs { softmax_type: Some("learnable".into()), ..a };
+    split_matches_cpu("llama-tiny", "a2a cp2 learned sink", sink, |a| a2a(&["a2a"], sink(a)));
+    split_matches_cpu(
+        "llama-tiny",
+        "cp2 a2a | allgather per layer",
+        |a| a,
+        |a| a2a(&["a2a", "allgather", "a2a", "p2p"], a),
+    );
+}
+
 /// Mamba context parallelism on the GPU: two thread ranks sharing it, each two chunks of every
 /// sequence; the mixers trade rows for heads (strided rectangle copies around an all-to-all),
 /// each rank scanning the whole sequence for half the heads, the attention layer gathering K and

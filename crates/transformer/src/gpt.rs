@@ -32,8 +32,8 @@ use ferrotron_core::{
 use ferrotron_kernels as k;
 use ferrotron_parallel::pipeline::StagePlan;
 use ferrotron_parallel::{
-    ContextParallel, ProcessGroups, TensorParallel, VocabParallelCe, VocabParallelEmbedding, vocab_parallel_ce_bwd,
-    vocab_parallel_ce_fwd, vocab_parallel_ce_fwd_bwd_,
+    ContextParallel, CpCommType, ProcessGroups, TensorParallel, VocabParallelCe, VocabParallelEmbedding,
+    vocab_parallel_ce_bwd, vocab_parallel_ce_fwd, vocab_parallel_ce_fwd_bwd_,
 };
 
 /// One micro-batch. Built by `new` or `unmasked`, which count the loss-mask tokens once, so
@@ -549,16 +549,36 @@ impl GptModel {
         Ok((model, table))
     }
 
-    /// Splits every sequence over `cp`'s ranks (nothing changes at size 1). Dropout masks stay
-    /// the whole sequence's (hidden: by position; attention: the whole mask's tiles, which needs
-    /// chunks of a multiple of 16 tokens). Refused with a sliding window.
+    /// Splits every sequence over `cp`'s ranks (nothing changes at size 1), every layer's
+    /// attention by `cp.kind`'s exchange.
     pub fn set_context_parallel(&mut self, cp: ContextParallel) -> Result<()> {
+        let kinds = vec![cp.kind; self.config.num_layers];
+        self.set_context_parallel_by_layer(cp, &kinds)
+    }
+
+    /// Splits every sequence over `cp`'s ranks, decoder layer i's attention (global index) by
+    /// `kinds[i]`'s exchange (Megatron's per-layer --cp-comm-type list), the MTP depths' by
+    /// `kinds[0]`. Dropout masks stay the whole sequence's (hidden: by position; attention under
+    /// the all-gather: the whole mask's tiles, which needs chunks of a multiple of 16 tokens). A
+    /// sliding window needs the all-to-all in every layer with attention.
+    pub fn set_context_parallel_by_layer(&mut self, cp: ContextParallel, kinds: &[CpCommType]) -> Result<()> {
+        if kinds.len() != self.config.num_layers {
+            return Err(ModelError::Config(format!(
+                "--cp-comm-type lists {} types for {} layers: give one for all or one a layer",
+                kinds.len(),
+                self.config.num_layers
+            )));
+        }
         if cp.size() == 1 {
             return Ok(());
         }
-        if self.config.layer.attention.window.is_some() {
+        let gathered = |i: usize| kinds[i] == CpCommType::AllGather;
+        use crate::spec::LayerKind;
+        let attends = |i: usize| matches!(self.config.layer.kind_of(i), LayerKind::Transformer | LayerKind::Attention);
+        let any_gathered = (0..kinds.len()).any(|i| attends(i) && gathered(i)) || (self.mtp.is_some() && gathered(0));
+        if self.config.layer.attention.window.is_some() && any_gathered {
             return Err(ModelError::Config(format!(
-                "--context-parallel-size {} is not built with a sliding window (--window-size)",
+                "--context-parallel-size {} with a sliding window (--window-size) needs --cp-comm-type a2a in every layer with attention (the all-gather splits keys into chunks)",
                 cp.size()
             )));
         }
@@ -584,13 +604,16 @@ impl GptModel {
                 return Err(ModelError::Config(format!("--context-parallel-size {}: {e}", cp.size())));
             }
         }
-        for l in self.chunks.iter_mut().flat_map(|b| b.layers.iter_mut()) {
-            l.set_context_parallel(&cp);
+        for b in &mut self.chunks {
+            for (i, l) in b.layers.iter_mut().enumerate() {
+                l.set_context_parallel(&cp.with_kind(kinds[b.first_layer + i]))?;
+            }
         }
         // The MTP depths' layers attend over the whole sequence as the decoder's do; their inputs
         // come rolled along the whole sequences (`Batch::with_mtp_rolled`).
+        let depth_cp = cp.with_kind(kinds[0]);
         for d in self.mtp.iter_mut().flat_map(|m| m.layers.iter_mut()) {
-            d.layer.set_context_parallel(&cp);
+            d.layer.set_context_parallel(&depth_cp)?;
             if let Some(drop) = d.dropout.as_mut() {
                 drop.set_context_parallel(&cp);
             }

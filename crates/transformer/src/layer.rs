@@ -168,20 +168,25 @@ impl TransformerLayer {
         &self.branches[0].norm
     }
 
-    /// Under context parallelism (more than one rank): the attention over the whole sequence and
-    /// the hidden dropouts' masks of this rank's chunks.
-    pub fn set_context_parallel(&mut self, cp: &ferrotron_parallel::ContextParallel) {
+    /// Under context parallelism (more than one rank): the attention over the whole sequence (by
+    /// `cp.kind`'s exchange; the all-to-all needs the heads divisible by the group) and the hidden
+    /// dropouts' masks of this rank's chunks.
+    pub fn set_context_parallel(&mut self, cp: &ferrotron_parallel::ContextParallel) -> Result<()> {
         if let Some(a) = self.attention_mut() {
+            if cp.size() > 1 && cp.kind == ferrotron_parallel::CpCommType::AllToAll {
+                cp.check_heads(a.heads, a.groups)?;
+            }
             a.cp = (cp.size() > 1).then(|| cp.clone());
         }
         for b in &mut self.branches {
             if let Sublayer::Mla(a) = &mut b.f {
-                a.set_context_parallel(cp);
+                a.set_context_parallel(cp)?;
             }
         }
         for d in self.branches.iter_mut().filter_map(|b| b.dropout.as_mut()) {
             d.set_context_parallel(cp);
         }
+        Ok(())
     }
 }
 

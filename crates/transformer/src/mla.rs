@@ -34,7 +34,7 @@ use crate::sink::Sink;
 use crate::spec::{NormKind, NormSpec, SoftmaxType};
 use ferrotron_core::{Cx, Module, ParamTableBuilder, Result, Saved, Tensor, invalid};
 use ferrotron_kernels::{self as k, AttnCfg, RopeCfg};
-use ferrotron_parallel::{ColumnParallelLinear, ContextParallel, RowParallelLinear, TensorParallel};
+use ferrotron_parallel::{ColumnParallelLinear, ContextParallel, CpCommType, RowParallelLinear, TensorParallel};
 use std::sync::Mutex;
 
 /// MLA's sizes (Megatron's --q-lora-rank, --kv-lora-rank, --qk-head-dim, --qk-pos-emb-head-dim,
@@ -215,9 +215,13 @@ impl MlaAttention {
     }
 
     /// Under context parallelism (more than one rank): this rank's chunks, attending over the
-    /// whole sequence.
-    pub fn set_context_parallel(&mut self, cp: &ContextParallel) {
+    /// whole sequence (by all-to-all, only with the heads divisible by the group).
+    pub fn set_context_parallel(&mut self, cp: &ContextParallel) -> Result<()> {
+        if cp.size() > 1 && cp.kind == CpCommType::AllToAll {
+            cp.check_heads(self.heads, self.heads)?;
+        }
         self.cp = (cp.size() > 1).then(|| cp.clone());
+        Ok(())
     }
 
     /// RoPE for x [B, T, H, r] (global positions under context parallelism).
