@@ -140,3 +140,22 @@ extern "C" __global__ void dropout_##s(const T* x, T* y, long n, long row, unsig
         const u32 u = philox_word(seed, stream, base + (unsigned long long)b * bstride + within); \
         st(y, i, (long)(u >> 8) >= thr ? ld(x, i) * scale : 0.f); } }
 FOR_TYPES(DROPOUT)
+
+// Standard normal values keyed as dropout's words (the host's dropout.rs `normal`): element j of
+// batch row b is Box–Muller, in double as ferrotron_core::rng::Philox::normal_at, on the first two
+// words of Philox-4x32-10 block base + b · bstride + off + j (the same split and shift).
+__device__ __forceinline__ float box_muller(unsigned long long seed, unsigned long long stream, unsigned long long blk) {
+    const uint4 w = philox4(seed, stream, blk);
+    const double u1 = 1.0 - (double)((float)(w.x >> 8) * (1.f / 16777216.f));
+    const double u2 = (double)((float)(w.y >> 8) * (1.f / 16777216.f));
+    return (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
+}
+#define NORMAL(s, T) \
+extern "C" __global__ void normal_##s(T* y, long n, long row, unsigned long long seed, unsigned long long stream, \
+        unsigned long long base, unsigned long long bstride, unsigned long long off, \
+        const unsigned long long* shift, long at, unsigned long long off2) { \
+    if (shift) base += *shift * bstride; \
+    GRID_STRIDE(i, n) { const long b = i / row, j = i - b * row; \
+        const unsigned long long within = j < at ? off + (unsigned long long)j : off2 + (unsigned long long)(j - at); \
+        st(y, i, box_muller(seed, stream, base + (unsigned long long)b * bstride + within)); } }
+FOR_TYPES(NORMAL)

@@ -84,13 +84,18 @@ impl Philox {
     /// Standard normal (Box–Muller on two words per value), for elements `offset ..`.
     pub fn fill_normal(&self, offset: u64, mean: f32, std: f32, out: &mut [f32]) {
         for (i, o) in out.iter_mut().enumerate() {
-            let b = self.block(offset + i as u64);
-            // u1 in (0, 1] so the log is finite.
-            let u1 = 1.0 - to_unit(b[0]) as f64;
-            let u2 = to_unit(b[1]) as f64;
-            let z = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
-            *o = mean + std * z as f32;
+            *o = mean + std * self.normal_at(offset.wrapping_add(i as u64)) as f32;
         }
+    }
+
+    /// The standard normal value of element `offset`: Box–Muller (in f64) on the first two words
+    /// of block `offset` (the CUDA kernels' `box_muller` computes the same).
+    pub fn normal_at(&self, offset: u64) -> f64 {
+        let b = self.block(offset);
+        // u1 in (0, 1] so the log is finite.
+        let u1 = 1.0 - to_unit(b[0]) as f64;
+        let u2 = to_unit(b[1]) as f64;
+        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
     }
 }
 

@@ -8,7 +8,7 @@
 
 use crate::check;
 use ferrotron_core::rng::Philox;
-use ferrotron_core::{Result, Tensor, invalid};
+use ferrotron_core::{DType, Device, Result, Shape, Tensor, invalid};
 use rayon::prelude::*;
 
 /// Where a dropout mask's random words come from (see the module doc).
@@ -117,6 +117,33 @@ pub fn dropout(x: &Tensor, p: f32, key: &DropoutKey) -> Result<Tensor> {
         }
     });
     check::out(y, x.shape().clone(), x.dtype(), x.device())
+}
+
+/// Standard normal values of `shape` [B, …] keyed as a dropout mask's words: element j of batch
+/// row b is Box–Muller (`Philox::normal_at`) on block `key.word(b, j)` of the key's (seed,
+/// stream), so, as the masks, the values depend only on the element's global place (the routers'
+/// random logits of --moe-router-force-load-balancing are one rank's under any layout). f32 or
+/// bf16.
+pub fn normal(shape: impl Into<Shape>, dtype: DType, device: &Device, key: &DropoutKey) -> Result<Tensor> {
+    const OP: &str = "normal";
+    let shape = shape.into();
+    if !matches!(dtype, DType::F32 | DType::BF16) {
+        return Err(invalid(OP, format!("{dtype:?} values: ask for f32 or bf16")));
+    }
+    let rows = shape.dims().first().copied().unwrap_or(1).max(1);
+    let row = shape.elem_count() / rows;
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        return crate::cuda::ops::normal(&*crate::cuda::backend(d)?, shape, dtype, row, key);
+    }
+    let rng = Philox::new(key.seed).with_stream(key.stream);
+    let mut y = vec![0f32; shape.elem_count()];
+    y.par_chunks_mut(row.max(1)).enumerate().for_each(|(b, r)| {
+        for (j, v) in r.iter_mut().enumerate() {
+            *v = rng.normal_at(key.word(b as u64, j as u64)) as f32;
+        }
+    });
+    check::out(y, shape, dtype, device)
 }
 
 #[cfg(test)]

@@ -44,7 +44,7 @@ pub use attention::{
     attention_fwd_qkv, attention_merge_, attention_padded_width, attention_sink_, attention_sink_bwd,
 };
 pub use check::set_device_ids_prechecked;
-pub use dropout::{DropSplit, DropoutKey, dropout, set_draw_shift};
+pub use dropout::{DropSplit, DropoutKey, dropout, normal, set_draw_shift};
 pub use elementwise::{add, add_, bias_add, bias_grad, bias_grad_into, cast, copy_, scale, scale_};
 pub use embedding::{embedding_bwd, embedding_bwd_shard, embedding_fwd, embedding_fwd_shard, position_embedding_bwd};
 pub use lab_env::check_lab_switches;

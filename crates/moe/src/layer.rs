@@ -51,7 +51,8 @@ use crate::spec::{ExpertGroup, LoadBalancing, MoeSpec};
 use ferrotron_comm::ReduceOp;
 use ferrotron_core::{Cx, Device, Module, ParamTableBuilder, Result, Saved, Tensor, invalid};
 use ferrotron_kernels as k;
-use ferrotron_parallel::TensorParallel;
+use ferrotron_parallel::{ContextParallel, TensorParallel};
+use ferrotron_transformer::dropout::TokenKey;
 use ferrotron_transformer::linear::Linear;
 use ferrotron_transformer::mlp::Mlp;
 use ferrotron_transformer::spec::FactoryCx;
@@ -107,6 +108,8 @@ pub struct MoeLayer {
     /// Whole experts under tensor parallelism: each tensor-parallel rank routes its own slice of
     /// the sequence (the layer's input as it comes).
     own_slice: bool,
+    /// --moe-router-force-load-balancing: the random logits' words, or None.
+    force: Option<TokenKey>,
 }
 
 impl MoeLayer {
@@ -229,7 +232,41 @@ impl MoeLayer {
             metrics: spec.metrics.clone(),
             tp: cx.tp.clone(),
             own_slice,
+            force: r.force_load_balancing.then(|| {
+                // The router sees the whole sequence, or (whole experts) this rank's slice of it.
+                let shard = own_slice.then(|| (cx.tp.rank(), cx.tp.size()));
+                let mut key = TokenKey::new(&format!("{prefix}.router.force_load_balancing"), spec.num_experts, shard);
+                if let Some(g) = spec.cp_group.as_ref() {
+                    key.set_context_parallel(&ContextParallel::new(g.0.clone()));
+                }
+                key
+            }),
         })
+    }
+
+    /// Standard normal logits in place of `logits` [N, E] for the tokens of `x` [B, T, C]
+    /// (--moe-router-force-load-balancing; in evaluation without a draw, those of the run's first
+    /// samples at seed 0). The router's backward takes their gradient as its logits' (straight
+    /// through).
+    fn forced(&self, cx: &Cx, key: &TokenKey, x: &Tensor, logits: Tensor) -> Result<Tensor> {
+        const OP: &str = "--moe-router-force-load-balancing";
+        let draw = match cx.draw {
+            Some(d) => d,
+            None if !cx.training => ferrotron_core::Draw { seed: 0, first_sample: 0 },
+            None => {
+                return Err(invalid(
+                    OP,
+                    "a training micro-batch without its sample index: build it with Batch::with_draw",
+                ));
+            }
+        };
+        let d = x.dims();
+        if d.len() != 3 {
+            return Err(invalid(OP, format!("the layer's input {d:?}: expected [batch, seq, hidden]")));
+        }
+        let dims = [d[0], d[1], self.num_experts];
+        let random = k::normal(dims, logits.dtype(), logits.device(), &key.key(OP, draw, &dims)?)?;
+        random.reshape(logits.dims().to_vec())
     }
 
     /// Runs `f` (an expert's forward or backward) on each local expert's rows of `rows`, writing
@@ -284,6 +321,10 @@ impl Module for MoeLayer {
         let n = x.elem_count() / c;
         let x2 = x.reshape([n, c])?;
         let (logits, s_router) = self.router.forward(cx, &x2)?;
+        let logits = match &self.force {
+            Some(key) => self.forced(cx, key, x, logits)?,
+            None => logits,
+        };
         let bias = self.bias.as_ref().map(|b| b.tensor(logits.device())).transpose()?;
         let (probs, experts) = k::moe_route(&logits, &self.topk, bias.as_ref())?;
         // With a capacity the copies past it get no row (`experts` stays whole for the router's

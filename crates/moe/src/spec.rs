@@ -58,6 +58,11 @@ pub struct RouterSpec {
     /// capacity of a micro-batch's token copies on this rank (`Capacity::per_expert`), the others
     /// skip it (no weight, no gradient). None: dropless.
     pub capacity: Option<Capacity>,
+    /// --moe-router-force-load-balancing (a benchmark of balanced experts): the router's logits
+    /// replaced by standard normal ones, their gradient passed to the real logits unchanged
+    /// (Megatron's RandomSTE). Here keyed by sample, position and expert (`TokenKey`), so every
+    /// layout and a recomputed forward draw the same ones.
+    pub force_load_balancing: bool,
 }
 
 impl Default for RouterSpec {
@@ -74,6 +79,7 @@ impl Default for RouterSpec {
             expert_bias_update_rate: None,
             fp32: false,
             capacity: None,
+            force_load_balancing: false,
         }
     }
 }

@@ -1,10 +1,11 @@
 //! The MoE layer against a naive per-token reference, its gradients against finite differences
 //! (the router's losses included, at a loss scale), and a GPT with MoE layers end to end.
 
-use ferrotron_core::{Cx, DType, Device, Module, ParamTable, ParamTableBuilder, Saved, Tensor, rng::Philox};
+use ferrotron_core::{Cx, DType, Device, Draw, Module, ParamTable, ParamTableBuilder, Saved, Tensor, rng::Philox};
 use ferrotron_kernels as k;
 use ferrotron_moe::{Groups, LoadBalancing, MoeMetrics, MoeSpec, RouterSpec, Score};
 use ferrotron_parallel::{ProcessGroups, TensorParallel};
+use ferrotron_transformer::dropout::TokenKey;
 use ferrotron_transformer::spec::{
     Activation, AttentionSpec, FactoryCx, LayerSpec, MlpSpec, ModuleFactory, NormKind, PositionEmbedding, SoftmaxType,
 };
@@ -118,7 +119,12 @@ fn reference(t: &ParamTable, s: &MoeSpec, x: &[f64], bias: Option<&[f64]>) -> Ve
 /// One token's experts and weights, computed the plain way.
 fn route_reference(t: &ParamTable, s: &MoeSpec, x: &[f64], bias: Option<&[f64]>) -> (Vec<usize>, Vec<f64>) {
     let pre = "decoder.layers.0.mlp";
-    let logits = lin(&get(t, &format!("{pre}.router.weight")), None, x);
+    route_logits_reference(s, &lin(&get(t, &format!("{pre}.router.weight")), None, x), bias)
+}
+
+/// One token's experts and weights from its router logits.
+fn route_logits_reference(s: &MoeSpec, logits: &[f64], bias: Option<&[f64]>) -> (Vec<usize>, Vec<f64>) {
+    let logits = logits.to_vec();
     let soft = |v: &[f64]| {
         let m = v.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
         let z: f64 = v.iter().map(|a| (a - m).exp()).sum();
@@ -373,6 +379,96 @@ fn gradients_match_finite_differences_with_the_router_losses() {
         let xc = x.clone();
         check("input", &xc, &dx.to_vec_f32().unwrap(), &|x| objective(x));
     }
+}
+
+/// --moe-router-force-load-balancing: the layer routes by standard normal logits R, those of
+/// `k::normal` at the layer's `TokenKey` for the micro-batch's draw, whatever the router's
+/// weights: the forward is the per-token reference on R, and doubling the router's weights changes
+/// no output. The router's gradient is the straight-through one, xᵀ · dR: finite differences of
+/// the reference on R + h · x·Uᵀ along random directions U match it; the experts' gradients match
+/// finite differences of the layer itself.
+#[test]
+fn forced_balancing_routes_by_random_logits_straight_through() {
+    let mut s = spec(Activation::Gelu, true, false);
+    (s.router.aux_loss_coeff, s.router.z_loss_coeff, s.router.force_load_balancing) = (0.0, None, true);
+    let (m, table) = layer(&s, 3);
+    let (b, t, e) = (2, 6, s.num_experts);
+    let xv = randn(b * t * C, 5, 1.0);
+    let x = Tensor::from_vec(xv.clone(), [b, t, C], &Device::Cpu).unwrap();
+    let draw = Draw { seed: 17, first_sample: 40 };
+    let cx = Cx::new(&table, true).with_draw(Some(draw));
+    let key = TokenKey::new("decoder.layers.0.mlp.router.force_load_balancing", e, None);
+    let r = k::normal([b, t, e], DType::F32, &Device::Cpu, &key.key("test", draw, &[b, t, e]).unwrap()).unwrap();
+    let r: Vec<f64> = r.to_vec_f32().unwrap().into_iter().map(f64::from).collect();
+    let xr = |n: usize| xv[n * C..(n + 1) * C].iter().map(|&v| v as f64).collect::<Vec<_>>();
+    // ⟨y, dy⟩ of the reference with logits L per token.
+    let dy = randn(b * t * C, 6, 1.0);
+    let objective = |logits: &dyn Fn(usize) -> Vec<f64>| -> (f64, Vec<Vec<usize>>) {
+        let mut tops = vec![];
+        let mut dot = 0.0;
+        for n in 0..b * t {
+            let (top, w) = route_logits_reference(&s, &logits(n), None);
+            let y = combine_reference(&table, &s, &xr(n), &top, &w);
+            dot += y.iter().zip(&dy[n * C..]).map(|(a, b)| a * *b as f64).sum::<f64>();
+            tops.push(top);
+        }
+        (dot, tops)
+    };
+    let (y, saved) = m.forward(&cx, &x).unwrap();
+    let y = y.to_vec_f32().unwrap();
+    for n in 0..b * t {
+        let (top, w) = route_logits_reference(&s, &r[n * e..(n + 1) * e], None);
+        let want = combine_reference(&table, &s, &xr(n), &top, &w);
+        for (i, (&g, w)) in y[n * C..(n + 1) * C].iter().zip(&want).enumerate() {
+            assert!((g as f64 - w).abs() < 1e-5 + 1e-5 * w.abs(), "token {n}[{i}]: {g} vs {w}");
+        }
+    }
+    // The router's weights change nothing forward.
+    let router = table.id("decoder.layers.0.mlp.router.weight").unwrap();
+    k::scale_(&table.param(router).unwrap(), 2.0).unwrap();
+    assert_eq!(m.forward(&cx, &x).unwrap().0.to_vec_f32().unwrap(), y);
+    k::scale_(&table.param(router).unwrap(), 0.5).unwrap();
+    m.backward(&cx, saved, &Tensor::from_vec(dy.clone(), [b, t, C], &Device::Cpu).unwrap()).unwrap();
+    let dw = table.grad(router).unwrap().to_vec_f32().unwrap();
+    assert!(dw.iter().any(|&g| g != 0.0), "the router gets a gradient");
+    let (_, routed) = objective(&|n| r[n * e..(n + 1) * e].to_vec());
+    for seed in [1, 2] {
+        let u: Vec<f64> = randn(e * C, 90 + seed, 1.0).into_iter().map(f64::from).collect();
+        // The reference is f64: a small step keeps the routing.
+        let h = 1e-6;
+        let at = |sgn: f64| {
+            objective(&|n| {
+                let xu = lin(&u, None, &xr(n));
+                (0..e).map(|j| r[n * e + j] + sgn * h * xu[j]).collect()
+            })
+        };
+        let ((lp, tp), (lm, tm)) = (at(1.0), at(-1.0));
+        assert!(tp == routed && tm == routed, "the step moved the routing; pick another seed");
+        let numeric = (lp - lm) / (2.0 * h);
+        let analytic: f64 = dw.iter().zip(&u).map(|(a, b)| *a as f64 * b).sum();
+        assert!((numeric - analytic).abs() <= 1e-3 * analytic.abs() + 1e-4, "router: {numeric} vs {analytic}");
+    }
+    // An expert's weight by finite differences of the layer itself (the routing fixed by R).
+    let w1 = table.id("decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight").unwrap();
+    let g1 = table.grad(w1).unwrap().to_vec_f32().unwrap();
+    let u = randn(g1.len(), 77, 1.0);
+    let shift = |sgn: f32| {
+        table.param(w1).unwrap().update_f32("t", |v| v.iter_mut().zip(&u).for_each(|(x, d)| *x += sgn * d)).unwrap()
+    };
+    let dot = || {
+        m.forward(&cx, &x).unwrap().0.to_vec_f32().unwrap().iter().zip(&dy).map(|(a, b)| (a * b) as f64).sum::<f64>()
+    };
+    shift(1e-3);
+    let lp = dot();
+    shift(-2e-3);
+    let lm = dot();
+    shift(1e-3);
+    let numeric = (lp - lm) / 2e-3;
+    let analytic: f64 = g1.iter().zip(&u).map(|(a, b)| (a * b) as f64).sum();
+    assert!((numeric - analytic).abs() <= 1e-2 * analytic.abs() + 1e-3, "expert 1 fc1: {numeric} vs {analytic}");
+    // Without the micro-batch's draw a training forward is refused by name.
+    let e = m.forward(&Cx::new(&table, true), &x).unwrap_err().to_string();
+    assert!(e.contains("--moe-router-force-load-balancing") && e.contains("with_draw"), "{e}");
 }
 
 /// Sigmoid scores, group-limited choice and the expert bias against the naive router; the bias

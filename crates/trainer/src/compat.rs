@@ -121,11 +121,6 @@ pub(crate) fn apply(a: &mut TrainArgs) -> anyhow::Result<()> {
     if let Some(m) = a.recompute_modules.iter().find(|m| !MODULES.contains(&m.as_str())) {
         bail!("--recompute-modules {m}: not one of Megatron's modules ({})", MODULES.join(", "));
     }
-    if a.moe_router_force_load_balancing {
-        bail!(
-            "--moe-router-force-load-balancing: random router logits (a benchmark of balanced experts) are not built; drop it"
-        );
-    }
     for (flag, v) in [
         ("--main-grads-dtype", &a.main_grads_dtype),
         ("--main-params-dtype", &a.main_params_dtype),

@@ -870,7 +870,9 @@ pub struct TrainArgs {
     pub init_method_xavier_uniform: bool,
     #[arg(long)]
     pub checkpoint_activations: bool,
-    /// Refused by name: random router logits for benchmarking change the run.
+    /// A benchmark of balanced experts (Megatron's RandomSTE): every router's logits replaced by
+    /// standard normal ones (keyed by sample, position and expert), their gradient passed
+    /// straight through to the router.
     #[arg(long)]
     pub moe_router_force_load_balancing: bool,
     /// The pieces of each pipeline stage, stages separated by '|': E the embedding, t a decoder
@@ -1464,6 +1466,10 @@ pub struct MoeSettings {
     /// --moe-shared-expert-gate.
     #[serde(default)]
     pub moe_shared_expert_gate: bool,
+    /// --moe-router-force-load-balancing (a benchmark: random router logits). A run setting, not
+    /// the model's: left out of the model flags a checkpoint keeps.
+    #[serde(default)]
+    pub moe_router_force_load_balancing: bool,
 }
 
 fn probs() -> String {
@@ -1513,6 +1519,7 @@ impl MoeSettings {
                 ("--moe-expert-capacity-factor", a.moe_expert_capacity_factor.is_some()),
                 ("--moe-token-drop-policy", a.moe_token_drop_policy.is_some()),
                 ("--moe-pad-expert-input-to-capacity", a.moe_pad_expert_input_to_capacity),
+                ("--moe-router-force-load-balancing", a.moe_router_force_load_balancing),
             ];
             if let Some((flag, _)) = given.iter().find(|(_, g)| *g) {
                 bail!("{flag} configures mixture-of-experts layers: add --num-experts N (or drop it)");
@@ -1584,6 +1591,7 @@ impl MoeSettings {
             moe_expert_capacity_factor: capacity_factor,
             moe_token_drop_policy: a.moe_token_drop_policy.clone().unwrap_or_else(probs),
             moe_shared_expert_gate: a.moe_shared_expert_gate,
+            moe_router_force_load_balancing: a.moe_router_force_load_balancing,
         }))
     }
 
@@ -1645,6 +1653,7 @@ impl MoeSettings {
                 expert_bias_update_rate: self.moe_router_bias_update_rate,
                 fp32: self.moe_router_fp32,
                 capacity,
+                force_load_balancing: self.moe_router_force_load_balancing,
             },
             expert_parallel_size: self.expert_model_parallel_size,
             expert_tensor_parallel_size: self.expert_tensor_parallel_size,

@@ -333,7 +333,10 @@ fn megatrons_script_switches_run_as_the_plain_flags() {
     fails_naming(&["--moe-flex-dispatcher-backend", "nccl"], "--moe-flex-dispatcher-backend nccl");
     fails_naming(&["--cross-entropy-fusion-impl", "apex"], "--cross-entropy-fusion-impl apex");
     fails_naming(&["--recompute-modules", "attn"], "--recompute-modules attn: not one of Megatron's modules");
-    fails_naming(&["--moe-router-force-load-balancing"], "--moe-router-force-load-balancing");
+    fails_naming(
+        &["--moe-router-force-load-balancing"],
+        "--moe-router-force-load-balancing configures mixture-of-experts layers",
+    );
     fails_naming(&["--pipeline-model-parallel-layout", "Et|txL"], "'x' is not a piece");
     fails_naming(&["--dist-ckpt-format", "zarr"], "--dist-ckpt-format zarr");
     fails_naming(&["--decoupled-min-lr", "1e-4"], "--decoupled-min-lr 0.0001 is what --decoupled-lr decays to");

@@ -438,6 +438,20 @@ fn all_to_all_context_parallel_cuda_matches_cpu() {
     );
 }
 
+/// --moe-router-force-load-balancing on the GPU: the routers' random logits drawn by the normal
+/// kernel (Box–Muller on the same Philox words as the CPU), alone and under ep2 × edp2 on two
+/// thread ranks sharing it, against one CPU rank, fp32 within 1e-4.
+#[test]
+fn forced_load_balancing_cuda_matches_cpu() {
+    let forced = |a: TrainArgs| TrainArgs { moe_router_force_load_balancing: true, ..a };
+    split_matches_cpu("mixtral-tiny", "forced balancing", forced, forced);
+    split_matches_cpu("mixtral-tiny", "forced balancing ep2", forced, |a| TrainArgs {
+        expert_model_parallel_size: Some(2),
+        nproc: Some(2),
+        ..forced(a)
+    });
+}
+
 /// Mamba context parallelism on the GPU: two thread ranks sharing it, each two chunks of every
 /// sequence; the mixers trade rows for heads (strided rectangle copies around an all-to-all),
 /// each rank scanning the whole sequence for half the heads, the attention layer gathering K and

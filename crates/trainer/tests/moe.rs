@@ -138,6 +138,45 @@ fn moe_layouts_follow_one_rank() {
     );
 }
 
+/// --moe-router-force-load-balancing (Megatron's RandomSTE benchmark): the routers choose by
+/// random normal logits keyed by sample, position and expert, so the routers' loss values are the
+/// same whatever the model's weights (two initialisations: equal at every step, where without the
+/// flag they differ), a run under tp2 sp (split and whole experts), ep2 × edp2, pp2 with full
+/// recompute (the draw repeated) and cp2 follows one rank, and the run differs from the routed one.
+#[test]
+fn forced_load_balancing_ignores_the_weights_and_follows_one_rank() {
+    let forced = |a: TrainArgs| settings(&TrainArgs { moe_router_force_load_balancing: true, ..a });
+    let s1 = forced(moe_args());
+    let one = train(&s1, &Paths::default()).unwrap();
+    let routed = train(&settings(&moe_args()), &Paths::default()).unwrap();
+    assert_ne!(one.losses, routed.losses);
+    let wide = |a: TrainArgs| TrainArgs { init_method_std: Some(0.05), ..a };
+    let other = train(&forced(wide(moe_args())), &Paths::default()).unwrap();
+    assert_eq!(router_values(&other), router_values(&one), "the routers' losses follow the random logits alone");
+    assert_ne!(other.losses, one.losses);
+    let routed_other = train(&settings(&wide(moe_args())), &Paths::default()).unwrap();
+    assert_ne!(router_values(&routed_other), router_values(&routed));
+    let (tp_sp, etp1) = tp2_sp_layouts(&s1);
+    let mut ep2 = s1.clone();
+    ep2.use_distributed_optimizer = true;
+    ep2.moe.as_mut().unwrap().expert_model_parallel_size = 2;
+    let mut pp = s1.clone();
+    pp.pipeline_model_parallel_size = 2;
+    pp.recompute_granularity = Some("full".into());
+    let mut cp = s1.clone();
+    cp.context_parallel_size = 2;
+    follows_one_rank(
+        &one,
+        &[
+            ("forced, tp2 sp", &tp_sp, 2),
+            ("forced, tp2 sp, whole experts × ep2", &etp1, 2),
+            ("forced, ep2 × edp2", &ep2, 4),
+            ("forced, pp2 full recompute", &pp, 2),
+            ("forced, cp2", &cp, 2),
+        ],
+    );
+}
+
 /// Stopped halfway and resumed from its checkpoint, the MoE run's losses are the straight run's
 /// bit for bit; the checkpoint holds every expert under Megatron's SequentialMLP names and records
 /// the MoE flags (--use-checkpoint-args rebuilds the same model).

@@ -79,3 +79,38 @@ device_test!(a_reordered_tensor_copies_on_its_own_device, |dev: &Device| {
     let got = ids.transpose(0, 1).unwrap().contiguous().unwrap().to_vec::<u32>().unwrap();
     assert_eq!(&got[..8], [0, 1, 2, 3, 12, 13, 14, 15]);
 });
+
+// Random normal values keyed as dropout's words: each element Box–Muller on the first two words
+// of its own Philox block (naive here, from the block's words), a shard and a context-parallel
+// split at their words of the whole row, standard moments over many values.
+device_test!(normal_values_are_box_muller_of_their_words, |dev: &Device| {
+    use ferrotron_core::rng::Philox;
+    let key = k::DropoutKey { seed: 9, stream: 0xabc, base: (1 << 34) + 3, batch_stride: 500, offset: 40, split: None };
+    let naive = |key: &k::DropoutKey, rows: usize, row: usize| -> Vec<f64> {
+        let rng = Philox::new(key.seed).with_stream(key.stream);
+        let unit = |w: u32| (w >> 8) as f64 / (1u64 << 24) as f64;
+        (0..rows * row)
+            .map(|i| {
+                let w = rng.block(key.word((i / row) as u64, (i % row) as u64));
+                (-2.0 * (1.0 - unit(w[0])).ln()).sqrt() * (2.0 * std::f64::consts::PI * unit(w[1])).cos()
+            })
+            .collect()
+    };
+    for dt in [DType::F32, DType::BF16] {
+        let tol = if dt == DType::F32 { 1e-6 } else { 8e-3 };
+        let y = k::normal([3, 40], dt, dev, &key).unwrap();
+        assert_eq!((y.dims(), y.dtype()), (&[3usize, 40][..], dt));
+        assert_close(&host(&y), &naive(&key, 3, 40), tol, tol, &format!("normal {dt:?}"));
+        let split = k::DropoutKey { split: Some(k::DropSplit { at: 16, offset: 300 }), ..key };
+        assert_close(&host(&k::normal([3, 40], dt, dev, &split).unwrap()), &naive(&split, 3, 40), tol, tol, "split");
+    }
+    // Columns 10.. of the whole row are a shard from offset 50 on.
+    let whole = host(&k::normal([2, 30], DType::F32, dev, &k::DropoutKey { offset: 40, ..key }).unwrap());
+    let shard = host(&k::normal([2, 20], DType::F32, dev, &k::DropoutKey { offset: 50, ..key }).unwrap());
+    assert_eq!(shard[..20], whole[10..30]);
+    let many = host(&k::normal([4, 5000], DType::F32, dev, &key).unwrap());
+    let mean = many.iter().sum::<f64>() / many.len() as f64;
+    let var = many.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / many.len() as f64;
+    assert!(mean.abs() < 0.03 && (var - 1.0).abs() < 0.05, "mean {mean}, variance {var}");
+    assert!(k::normal([2, 3], DType::F16, dev, &key).is_err());
+});

@@ -49,6 +49,28 @@ pub fn dropout(be: &B, x: &Tensor, row: usize, key: &crate::DropoutKey, thr: u32
     Ok(y)
 }
 
+/// Standard normal values of `shape`, keyed as dropout's words (elementwise.cu `normal_*`).
+pub fn normal(be: &B, shape: Shape, dtype: DType, row: usize, key: &crate::DropoutKey) -> Result<Tensor> {
+    let y = new(be, shape, dtype)?;
+    let name = format!("normal_{}", sfx("normal", dtype)?);
+    let w = |v: u64| Arg::I64(v as i64);
+    let args = [
+        ptr("normal", &y)?,
+        n(y.elem_count()),
+        n(row.max(1)),
+        w(key.seed),
+        w(key.stream),
+        w(key.base),
+        w(key.batch_stride),
+        w(key.offset),
+        Arg::Ptr(be.draw_shift_ptr()),
+        n(key.split.map_or(row.max(1), |s| s.at as usize)),
+        w(key.split.map_or(0, |s| s.offset)),
+    ];
+    ew(be, &name, y.elem_count(), &args)?;
+    Ok(y)
+}
+
 pub fn add(be: &B, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let y = new(be, a.shape().clone(), a.dtype())?;
     ew8(
