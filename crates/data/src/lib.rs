@@ -7,7 +7,8 @@
 //! (`--mock-data`, drawn with numpy's generators: numpy_rng.rs). Every kind of data becomes
 //! samples of seq_length + 1 tokens in Megatron-Core's GPTDataset order (gpt.rs), split and
 //! blended as its dataset builder does (dataset.rs), so a run reads the samples a Megatron run
-//! with the same flags reads, and a resumed run the ones it would have read.
+//! with the same flags reads, and a resumed run the ones it would have read; `--dataloader-type
+//! cyclic` reads them in Megatron's per-epoch random order (sampler.rs).
 
 pub mod corpus;
 mod dataset;
@@ -19,6 +20,7 @@ mod index_cache;
 mod indexed;
 mod numpy_rng;
 mod positions;
+mod sampler;
 mod tiktoken;
 mod tokenizer;
 
@@ -30,6 +32,7 @@ pub use gpt::{GptDataset, Sequences};
 pub use indexed::{IndexedBuilder, IndexedDataset, TokenDtype, write_indexed};
 pub use numpy_rng::{NumpyGenerator, NumpyRandomState};
 pub use positions::reset_position_ids;
+pub use sampler::{CyclicSampler, torch_randperm};
 pub use tiktoken::{TikPattern, TikTokenSpec};
 pub use tokenizer::{Tokenizer, TokenizerFlags, TokenizerKind};
 
@@ -79,6 +82,8 @@ pub enum DataError {
     BadDataPath(String),
     #[error("sample {index} asked of a split of {samples} samples")]
     SampleOutOfRange { index: usize, samples: usize },
+    #[error("--dataloader-type cyclic: {0}")]
+    Sampler(String),
     #[error(
         "the {split} split would need 2^32 or more sequences or samples: use fewer --train-iters or a larger --seq-length"
     )]

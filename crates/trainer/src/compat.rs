@@ -80,8 +80,8 @@ pub(crate) fn apply(a: &mut TrainArgs) -> anyhow::Result<()> {
     one_of(
         "--dataloader-type",
         &a.dataloader_type,
-        &["single"],
-        "samples are read in Megatron's pretraining-sampler order (single); cyclic and external are not built",
+        &["single", "cyclic"],
+        "samples are read in Megatron's pretraining-sampler order (single) or its random sampler's (cyclic); external (a loader of your own) is not built",
     )?;
     one_of("--rerun-mode", &a.rerun_mode, &["disabled"], "the rerun state machine is not built")?;
     one_of(

@@ -749,10 +749,15 @@ pub struct TrainArgs {
     /// flash, fused, unfused, local or auto: accepted (the flash kernels where they apply).
     #[arg(long)]
     pub attention_backend: Option<String>,
-    /// single (Megatron's pretraining sampler, the order Ferrotron reads); cyclic and external
-    /// are refused.
+    /// single (Megatron's pretraining sampler: the split's samples in turn) or cyclic (Megatron's
+    /// random sampler: each epoch over the split in a fresh torch.randperm order); external is
+    /// refused.
     #[arg(long)]
     pub dataloader_type: Option<String>,
+    /// Under --dataloader-type cyclic: every data-parallel rank draws from the whole split rather
+    /// than from its own bucket of it (Megatron's --no-data-sharding).
+    #[arg(long)]
+    pub no_data_sharding: bool,
     /// The share of each head that rotary embeddings rotate (default 1.0: whole heads; Megatron
     /// rotates the first ⌊head_dim · percent⌋ features, the rest pass).
     #[arg(long)]
@@ -1042,7 +1047,7 @@ impl TrainArgs {
             ddp_num_buckets, dist_ckpt_format, num_dataset_builder_threads, decoupled_lr, decoupled_min_lr);
         merge_flags!(self, o; check_for_nan_in_loss_and_grad, no_check_for_nan_in_loss_and_grad, use_rope_scaling, swiglu, squared_relu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, qk_l2_norm, attention_output_gate, multi_latent_attention, bf16, fp16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
-            use_flash_attn, finetune, no_load_optim, use_checkpoint_args, mock_data, eod_mask_loss, calculate_per_token_loss, log_validation_ppl_to_tensorboard, log_timers_to_tensorboard,
+            use_flash_attn, finetune, no_load_optim, no_data_sharding, use_checkpoint_args, mock_data, eod_mask_loss, calculate_per_token_loss, log_validation_ppl_to_tensorboard, log_timers_to_tensorboard,
             use_cpu_initialization, log_world_size_to_tensorboard, log_memory_to_tensorboard, log_num_zeros_in_grad, async_save, log_progress, no_save_optim, exit_signal_handler,
             moe_router_pre_softmax, moe_router_enable_expert_bias, moe_grouped_gemm, moe_shared_expert_overlap, moe_shared_expert_gate, moe_pad_expert_input_to_capacity, is_hybrid_model,
             mamba_norm_ungrouped, disable_vision_class_token, freeze_lm, freeze_vit,
@@ -1345,6 +1350,12 @@ pub struct Settings {
     /// `--eod-mask-loss`.
     #[serde(default)]
     pub eod_mask_loss: bool,
+    /// `--dataloader-type` (absent from older checkpoints' settings: single).
+    #[serde(default = "single")]
+    pub dataloader_type: String,
+    /// `--no-data-sharding` (cyclic only).
+    #[serde(default)]
+    pub no_data_sharding: bool,
     /// `--reset-position-ids` (absent from older checkpoints' settings: off).
     #[serde(default)]
     pub reset_position_ids: bool,
@@ -1470,6 +1481,10 @@ pub struct MoeSettings {
     /// the model's: left out of the model flags a checkpoint keeps.
     #[serde(default)]
     pub moe_router_force_load_balancing: bool,
+}
+
+fn single() -> String {
+    "single".into()
 }
 
 fn probs() -> String {
@@ -2427,6 +2442,8 @@ impl Settings {
             image_text_data: a.image_text_data.clone(),
             image_folder: a.image_folder.clone(),
             eod_mask_loss: a.eod_mask_loss,
+            dataloader_type: a.dataloader_type.clone().unwrap_or_else(single),
+            no_data_sharding: a.no_data_sharding,
             reset_position_ids: a.reset_position_ids,
             calculate_per_token_loss: a.calculate_per_token_loss,
             tensorboard_dir: a.tensorboard_dir.clone(),

@@ -9,8 +9,8 @@ use anyhow::{Context, bail};
 use ferrotron_comm::{ReduceOp, run_ranks, thread_world};
 use ferrotron_core::{Cx, DType, Device, Draw, ParamTable, Tensor};
 use ferrotron_data::{
-    DataError, IndexedDataset, Part, Sequences, TokenSplit, Tokenizer, blend_split, corpus, documents_in_memory,
-    parse_split, split_of, whole_split,
+    CyclicSampler, DataError, IndexedDataset, Part, Sequences, TokenSplit, Tokenizer, blend_split, corpus,
+    documents_in_memory, parse_split, split_of, whole_split,
 };
 use ferrotron_optim::{
     AdamConfig, GradSync, LrSchedule, Optimizer, QueuedStep, StepGraph, default_bucket_size, eval_pipelined, loss_sums,
@@ -368,6 +368,7 @@ fn multimodal_batch(
 /// micro-batches as a training step's is.
 fn eval_micro_batches(
     valid: &TokenSplit,
+    cyclic: Option<&CyclicSampler>,
     s: &Settings,
     start: u64,
     (dp, dp_rank): (usize, usize),
@@ -378,8 +379,13 @@ fn eval_micro_batches(
     let mut out = Vec::new();
     for it in 0..s.eval_iters {
         for m in 0..s.num_micro_batches() / dp {
-            let first = micro_first_sample(start + it * gbs, m, (dp, dp_rank), mb);
-            let idx: Vec<usize> = (0..mb).map(|i| ((first + i) % n) as usize).collect();
+            let idx = match cyclic {
+                Some(c) => c.micro_batch(start + it * gbs + (m * dp) as u64 * mb, dp_rank)?,
+                None => {
+                    let first = micro_first_sample(start + it * gbs, m, (dp, dp_rank), mb);
+                    (0..mb).map(|i| ((first + i) % n) as usize).collect()
+                }
+            };
             out.push(batch(valid, &idx, spec, dev)?);
         }
     }
@@ -766,6 +772,15 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         skipped: vec![],
     };
     let (dp, dp_rank) = (layout.dp, g.dp.rank());
+    // --dataloader-type cyclic: each split read in Megatron's random sampler's order (a
+    // micro-batch placed by the samples consumed before it, so a resumed run reads on).
+    let cyclic = |name: &str, split: &TokenSplit| {
+        CyclicSampler::new(name, split.num_samples(), s.micro_batch_size, dp, !s.no_data_sharding)
+    };
+    let (cyclic_train, cyclic_valid) = match s.dataloader_type.as_str() {
+        "cyclic" => (Some(cyclic("train", &data.train)?), data.valid.as_ref().map(|v| cyclic("valid", v)).transpose()?),
+        _ => (None, None),
+    };
     let schedule = s.batch_schedule()?;
     let micros_at = |consumed: u64| (schedule.at(consumed) / s.micro_batch_size as u64) as usize / dp;
     let micro_per_rank = micros_at(consumed);
@@ -817,7 +832,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     // `--eval-iters 0`, as in Megatron.
     let eval = |model: &GptModel, table: &ParamTable, start: u64| -> anyhow::Result<Option<f64>> {
         let Some(valid) = data.valid.as_ref().filter(|_| s.eval_iters > 0) else { return Ok(None) };
-        let micros = eval_micro_batches(valid, s, start, (dp, dp_rank), &spec, &dev)?;
+        let micros = eval_micro_batches(valid, cyclic_valid.as_ref(), s, start, (dp, dp_rank), &spec, &dev)?;
         // Token-weighted over all of them, across data-parallel ranks too, as Megatron's.
         let (sum, count) = if pipelined {
             eval_pipelined(model, table, &g.pipeline, &g.pp, &micros)?
@@ -904,7 +919,10 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         let micros = (0..micros_at(consumed))
             .map(|m| {
                 let first = micro_first_sample(consumed, m, (dp, dp_rank), mb);
-                let idx: Vec<usize> = (first..first + mb).map(|i| i as usize).collect();
+                let idx: Vec<usize> = match &cyclic_train {
+                    Some(c) => c.micro_batch(consumed + (m * dp) as u64 * mb, dp_rank)?,
+                    None => (first..first + mb).map(|i| i as usize).collect(),
+                };
                 let draw = Draw { seed: s.seed, first_sample: first };
                 Ok(batch(&data.train, &idx, &spec, &dev)?.with_draw(draw))
             })

@@ -321,7 +321,7 @@ fn megatrons_script_switches_run_as_the_plain_flags() {
         Settings::resolve(&a).unwrap().0.position_embedding_type
     };
     assert_eq!((pe("learned_absolute").as_str(), pe("rope").as_str()), ("none", "rope"));
-    fails_naming(&["--dataloader-type", "cyclic"], "--dataloader-type cyclic");
+    fails_naming(&["--dataloader-type", "external"], "--dataloader-type external");
     fails_naming(&["--transformer-impl", "inference"], "--transformer-impl inference");
     let rope = |p: &'static str| ["--position-embedding-type", "rope", "--rotary-percent", p];
     fails_naming(&rope("0.4"), "--rotary-percent 0.4 rotates ⌊8 · 0.4⌋ = 3 features");
