@@ -130,6 +130,17 @@ pub(crate) fn apply(a: &mut TrainArgs) -> anyhow::Result<()> {
         one_of(flag, v, &["fp32"], "the optimizer keeps fp32 state (--grad-reduce-in-bf16 narrows main_grad)")?;
     }
     one_of("--optimizer", &a.optimizer, &["adam"], "the optimizer is AdamW (Megatron's adam); SGD is not built")?;
+    if a.apply_residual_connection_post_layernorm {
+        eprintln!(
+            "warning: --apply-residual-connection-post-layernorm is read by no Megatron Core layer: the residual is the layer's input, as there"
+        );
+    }
+    if !a.hierarchical_context_parallel_sizes.is_empty() {
+        bail!(
+            "--hierarchical-context-parallel-sizes {:?} sizes --cp-comm-type a2a+p2p's groups, which is not built: use --cp-comm-type a2a (all-to-all over the whole context-parallel group) or allgather / p2p",
+            a.hierarchical_context_parallel_sizes
+        );
+    }
     if let Some(f) = &a.fp8_format {
         bail!("--fp8-format {f}: FP8 training is not built; use --bf16");
     }

@@ -205,6 +205,10 @@ pub struct TrainArgs {
     /// Accepted, no effect: parameters are always initialised on the host, then copied.
     #[arg(long)]
     pub use_cpu_initialization: bool,
+    /// Accepted, no effect, as in Megatron Core, whose layers read it nowhere (legacy Megatron's
+    /// residual from after the layer norm); a warning says so.
+    #[arg(long)]
+    pub apply_residual_connection_post_layernorm: bool,
     #[arg(long)]
     pub micro_batch_size: Option<usize>,
     #[arg(long)]
@@ -549,6 +553,10 @@ pub struct TrainArgs {
     /// one a layer. a2a+p2p is refused by name.
     #[arg(long, num_args = 1..)]
     pub cp_comm_type: Option<Vec<String>>,
+    /// Refused by name: the inner (all-to-all) and outer (p2p) group sizes of --cp-comm-type
+    /// a2a+p2p, which is not built.
+    #[arg(long, num_args = 1..)]
+    pub hierarchical_context_parallel_sizes: Vec<usize>,
     /// Layers per virtual stage: interleaved 1F1B with num-layers / (pp × this) chunks per rank.
     #[arg(long)]
     pub num_layers_per_virtual_pipeline_stage: Option<usize>,
@@ -648,8 +656,9 @@ pub struct TrainArgs {
     /// position (the earliest tokens).
     #[arg(long)]
     pub moe_token_drop_policy: Option<String>,
-    /// Pads each expert's input to its capacity (not built: refused; padded rows carry no weight,
-    /// so it would change no value here).
+    /// Pads each expert's input to its capacity (Megatron's static shapes): accepted, the same run
+    /// (padded rows carry no weight, so none is padded here); needs the capacity factor, refused
+    /// with the expert bias (whose counts padding would flatten).
     #[arg(long)]
     pub moe_pad_expert_input_to_capacity: bool,
     /// Multi-token prediction (DeepSeek-V3's MTP): this many depths after the decoder, depth k
@@ -1048,7 +1057,7 @@ impl TrainArgs {
         merge_flags!(self, o; check_for_nan_in_loss_and_grad, no_check_for_nan_in_loss_and_grad, use_rope_scaling, swiglu, squared_relu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, qk_l2_norm, attention_output_gate, multi_latent_attention, bf16, fp16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
             use_flash_attn, finetune, no_load_optim, no_data_sharding, use_checkpoint_args, mock_data, eod_mask_loss, calculate_per_token_loss, log_validation_ppl_to_tensorboard, log_timers_to_tensorboard,
-            use_cpu_initialization, log_world_size_to_tensorboard, log_memory_to_tensorboard, log_num_zeros_in_grad, async_save, log_progress, no_save_optim, exit_signal_handler,
+            use_cpu_initialization, apply_residual_connection_post_layernorm, log_world_size_to_tensorboard, log_memory_to_tensorboard, log_num_zeros_in_grad, async_save, log_progress, no_save_optim, exit_signal_handler,
             moe_router_pre_softmax, moe_router_enable_expert_bias, moe_grouped_gemm, moe_shared_expert_overlap, moe_shared_expert_gate, moe_pad_expert_input_to_capacity, is_hybrid_model,
             mamba_norm_ungrouped, disable_vision_class_token, freeze_lm, freeze_vit,
             log_throughput, log_params_norm, recompute_activations, no_position_embedding, use_mcore_models, attention_softmax_in_fp32,
@@ -1076,6 +1085,9 @@ impl TrainArgs {
         }
         if !o.cuda_graph_scope.is_empty() {
             self.cuda_graph_scope = o.cuda_graph_scope.clone();
+        }
+        if !o.hierarchical_context_parallel_sizes.is_empty() {
+            self.hierarchical_context_parallel_sizes = o.hierarchical_context_parallel_sizes.clone();
         }
         if !o.recompute_modules.is_empty() {
             self.recompute_modules = o.recompute_modules.clone();
@@ -1543,10 +1555,21 @@ impl MoeSettings {
         };
         // Megatron: a negative factor means no dropping.
         let capacity_factor = a.moe_expert_capacity_factor.filter(|&f| f >= 0.0);
+        // Megatron pads each expert's rows to its capacity with tokens not routed to it, at weight
+        // 0: no output or gradient changes, so the flag is accepted and nothing is padded here.
+        // Its one visible effect is on the expert bias, whose counts then read the padded
+        // capacity of every expert (no bias would move): that pair is refused.
         if a.moe_pad_expert_input_to_capacity {
-            bail!(
-                "--moe-pad-expert-input-to-capacity is not built: the experts' inputs are sized from the routed counts on the host, and padded rows carry no weight, so padding would change no value here; drop it"
-            );
+            if capacity_factor.is_none() {
+                bail!(
+                    "--moe-pad-expert-input-to-capacity pads to each expert's capacity: add --moe-expert-capacity-factor"
+                );
+            }
+            if a.moe_router_enable_expert_bias {
+                bail!(
+                    "--moe-pad-expert-input-to-capacity with --moe-router-enable-expert-bias: Megatron counts the padded rows as every expert's load, so the bias would not move; drop one"
+                );
+            }
         }
         if capacity_factor.is_none() && a.moe_token_drop_policy.is_some() {
             bail!(

@@ -302,6 +302,7 @@ fn megatrons_script_switches_run_as_the_plain_flags() {
         "2",
         "--dataloader-fast-cache-load",
         "--dataloader-defer-npy-index-mmap",
+        "--apply-residual-connection-post-layernorm",
     ];
     let with = run(&switches);
     assert!(with.status.success(), "{}", stderr(&with));
@@ -322,6 +323,7 @@ fn megatrons_script_switches_run_as_the_plain_flags() {
     };
     assert_eq!((pe("learned_absolute").as_str(), pe("rope").as_str()), ("none", "rope"));
     fails_naming(&["--dataloader-type", "external"], "--dataloader-type external");
+    fails_naming(&["--hierarchical-context-parallel-sizes", "2", "2"], "a2a+p2p's groups, which is not built");
     fails_naming(&["--transformer-impl", "inference"], "--transformer-impl inference");
     let rope = |p: &'static str| ["--position-embedding-type", "rope", "--rotary-percent", p];
     fails_naming(&rope("0.4"), "--rotary-percent 0.4 rotates ⌊8 · 0.4⌋ = 3 features");

@@ -79,8 +79,8 @@ fn hybrid_layouts_follow_one_rank() {
 /// heads around their scans and the attention gathering K and V; alone, with sequence and
 /// tensor parallelism, and with data parallelism and the distributed optimizer. With 4 groups
 /// each rank takes its own; with 2, under cp4 or cp2 × tp2, ranks share a group (B and C
-/// repeated to them, their gradients summed back). The same losses, gradient norms and
-/// validation losses as one rank.
+/// repeated to them, their gradients summed back); the attention by all-to-all as well. The same
+/// losses, gradient norms and validation losses as one rank.
 #[test]
 fn hybrid_context_parallel_follows_one_rank() {
     for groups in [4, 2] {
@@ -101,6 +101,8 @@ fn hybrid_context_parallel_follows_one_rank() {
                 ("cp2", with(2, &|_| {}), 2),
                 ("cp2 × tp2 sp", with(2, &tp_sp), 4),
                 ("cp2 × dp2", with(2, &|s| s.use_distributed_optimizer = true), 4),
+                // The attention layer trading rows for heads too (--cp-comm-type a2a).
+                ("cp2, attention by all-to-all", with(2, &|s| s.cp_comm_type = vec!["a2a".into()]), 2),
             ],
             _ => vec![("cp4, groups shared", with(4, &|_| {}), 4), ("cp2 × tp2 sp, groups shared", with(2, &tp_sp), 4)],
         };

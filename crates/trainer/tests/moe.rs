@@ -459,6 +459,9 @@ fn capacity_factor_drops_tokens_and_follows_one_rank() {
         assert!(run.losses.last().unwrap().1 < run.losses[0].1, "{tag}: {:?}", run.losses);
     }
     assert_ne!(one.losses, by_position.losses, "the policies keep different copies");
+    // --moe-pad-expert-input-to-capacity: Megatron's padded rows carry weight 0, the same run.
+    let padded = TrainArgs { moe_pad_expert_input_to_capacity: true, ..capped(0.5, None) };
+    assert_eq!(bits(&train(&settings(&padded), &Paths::default()).unwrap().losses), bits(&one.losses));
     let mut dp = s1.clone();
     dp.use_distributed_optimizer = true;
     let mut ep2 = dp.clone();
@@ -613,9 +616,16 @@ fn bad_moe_flags_are_named() {
     assert!(e.contains("--moe-token-drop-policy random: use probs or position"), "{e}");
     let e = err(TrainArgs { moe_expert_capacity_factor: Some(0.0), ..alltoall() });
     assert!(e.contains("--moe-expert-capacity-factor 0 must be a finite value above 0"), "{e}");
-    let e =
-        err(TrainArgs { moe_expert_capacity_factor: Some(1.0), moe_pad_expert_input_to_capacity: true, ..alltoall() });
-    assert!(e.contains("--moe-pad-expert-input-to-capacity is not built"), "{e}");
+    let e = err(TrainArgs { moe_pad_expert_input_to_capacity: true, ..alltoall() });
+    assert!(e.contains("--moe-pad-expert-input-to-capacity") && e.contains("add --moe-expert-capacity-factor"), "{e}");
+    let e = err(TrainArgs {
+        moe_expert_capacity_factor: Some(1.0),
+        moe_pad_expert_input_to_capacity: true,
+        moe_router_enable_expert_bias: true,
+        moe_router_score_function: Some("sigmoid".into()),
+        ..alltoall()
+    });
+    assert!(e.contains("--moe-router-enable-expert-bias") && e.contains("drop one"), "{e}");
     // Megatron's negative factor: dropless.
     let s = settings(&TrainArgs { moe_expert_capacity_factor: Some(-1.0), ..alltoall() });
     assert_eq!(s.moe.unwrap().moe_expert_capacity_factor, None);
