@@ -130,6 +130,53 @@ extern "C" __global__ void adamw_runs_##s##_g##gs(float* p, const G* g, float* m
 FOR_TYPES(ADAMW_RUNS)
 ADAMW_RUNS(f16, f16_t)
 
+// SGD with momentum over the same runs (Megatron's --optimizer sgd, PyTorch's SGD with dampening
+// 0): g ← g·scale + wd·p (L2 weight decay where the run's flag says), buf ← μ·buf + g,
+// p ← p − lr·buf, the new master weight stored into `param` too. Every rounding spelled out as the
+// CPU's f32 arithmetic (crates/kernels/src/cpu/optim.rs `sgd_step`), so both give the same bits.
+// With a step state its clip factor, learning rates, weight decay and skip flag (adam_prepare's
+// slots) replace the arguments.
+template <typename T, typename G>
+__device__ __forceinline__ void sgd_runs_impl(float* p, const G* g, float* buf, T* param, const u32* runs, long nruns,
+                                              float momentum, float lr, float wd, float grad_scale,
+                                              const float* step_state) {
+    float lr_dec = lr;
+    if (step_state) {
+        if (step_state[ADAM_APPLIED] == 0.f) return;
+        grad_scale = step_state[ADAM_GRAD_SCALE];
+        lr = step_state[ADAM_LR];
+        wd = step_state[ADAM_WD];
+        lr_dec = step_state[ADAM_LR_DECOUPLED];
+    }
+    u32 b = blockIdx.x;
+    long lo = 0, hi = nruns - 1;
+    while (lo < hi) {
+        long mid = (lo + hi + 1) / 2;
+        if (runs[8 * mid + 7] <= b) lo = mid; else hi = mid - 1;
+    }
+    const u32* d = runs + 8 * lo;
+    long flat = (long)d[0] | ((long)d[1] << 32), state = (long)d[2] | ((long)d[3] << 32);
+    long len = (long)d[4] | ((long)d[5] << 32);
+    const float w = d[6] & 1 ? wd : 0.f, rate = d[6] & 2 ? lr_dec : lr;
+    long e0 = (long)(b - d[7]) * ADAM_CHUNK, e1 = e0 + ADAM_CHUNK < len ? e0 + ADAM_CHUNK : len;
+    for (long i = e0 + threadIdx.x; i < e1; i += blockDim.x) {
+        const long s = state + i;
+        const float gi = __fadd_rn(__fmul_rn(ld(g, flat + i), grad_scale), __fmul_rn(w, p[s]));
+        const float nb = __fadd_rn(__fmul_rn(momentum, buf[s]), gi);
+        buf[s] = nb;
+        p[s] = __fsub_rn(p[s], __fmul_rn(rate, nb));
+        st(param, flat + i, p[s]);
+    }
+}
+// sgd_runs_<params>_g<grads>.
+#define SGD_RUNS_G(s, T, gs, G) \
+extern "C" __global__ void sgd_runs_##s##_g##gs(float* p, const G* g, float* buf, T* param, const u32* runs, \
+        long nruns, const float* step_state, float momentum, float lr, float wd, float grad_scale) { \
+    sgd_runs_impl(p, g, buf, param, runs, nruns, momentum, lr, wd, grad_scale, step_state); }
+#define SGD_RUNS(s, T) SGD_RUNS_G(s, T, f32, float) SGD_RUNS_G(s, T, bf16, bf16_t)
+FOR_TYPES(SGD_RUNS)
+SGD_RUNS(f16, f16_t)
+
 // Σ x² per block (256 threads) into partial[blockIdx.x], f64 throughout; ZEROS: the count of
 // elements equal to zero instead (±0; NaN is not zero), exact in f64. V8: eight elements per
 // 16-byte-aligned group (n % 8 == 0): the one-element loop ran at ≈ 2 TB/s over the 1.3B model's

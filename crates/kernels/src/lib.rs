@@ -62,8 +62,8 @@ pub use norm::{
     rmsnorm_fwd,
 };
 pub use optim::{
-    AdamPrep, AdamRun, AdamRuns, AdamW, adam_prepare, adam_state, adamw_runs, adamw_step, count_zeros_dev,
-    global_l2_norm, sum_sq, sum_sq_all, sum_sq_dev,
+    AdamPrep, AdamRun, AdamRuns, AdamW, Sgd, adam_prepare, adam_state, adamw_runs, adamw_step, count_zeros_dev,
+    global_l2_norm, sgd_runs, sum_sq, sum_sq_all, sum_sq_dev,
 };
 pub use qkv::{qkv_merge, qkv_split};
 pub use rope::{RopeCfg, RopeScaling, RopeSplit, Yarn, rope_bwd, rope_fwd, rope_qkv_bwd_, rope_qkv_fwd_};

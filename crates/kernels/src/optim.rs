@@ -3,7 +3,7 @@
 use crate::{check, cpu};
 use ferrotron_core::{DType, Device, Result, Tensor, invalid};
 
-pub use crate::cpu::optim::AdamW;
+pub use crate::cpu::optim::{AdamW, Sgd};
 
 /// One AdamW step on param/m/v (f32, updated in place) from grad (f32), all the same shape.
 pub fn adamw_step(param: &Tensor, grad: &Tensor, m: &Tensor, v: &Tensor, h: &AdamW) -> Result<()> {
@@ -169,6 +169,88 @@ pub fn adamw_runs(
         let g = grads.view(r.flat, [r.len])?;
         let g = if g.dtype() == DType::F32 { g } else { crate::cast(&g, DType::F32)? };
         adamw_step(&p, &g, &m, &v, &AdamW { weight_decay: wd, lr, ..h })?;
+        crate::copy_(&params.view(r.flat, [r.len])?, &p)?;
+    }
+    Ok(())
+}
+
+/// SGD with momentum (`Sgd`, `cpu::optim::sgd_step`'s rule) over the runs of one flat buffer:
+/// `master` and `momentum` (f32, the state's layout) updated in place from `grads` (f32, or bf16
+/// widened), each new master weight written into `params` (rounded to their dtype). With a step
+/// `state` (`adam_prepare`'s), its clip factor, learning rates (a `decoupled` run's its own),
+/// weight decay and skip flag replace `h`'s.
+pub fn sgd_runs(
+    master: &Tensor,
+    momentum: &Tensor,
+    grads: &Tensor,
+    params: &Tensor,
+    runs: &AdamRuns,
+    h: &Sgd,
+    state: Option<&Tensor>,
+) -> Result<()> {
+    const OP: &str = "sgd_runs";
+    for t in [master, momentum] {
+        check::dtype(OP, t, DType::F32)?;
+    }
+    if grads.dtype() != DType::BF16 {
+        check::dtype(OP, grads, DType::F32)?;
+    }
+    if let Some(st) = state {
+        check::dtype(OP, st, DType::F32)?;
+        check::shape(OP, st, &[adam_state::LEN])?;
+    }
+    check::float(OP, params)?;
+    check::shape(OP, momentum, master.dims())?;
+    check::shape(OP, params, grads.dims())?;
+    let all = [master, momentum, grads, params];
+    if !distinct(&all) {
+        return Err(invalid(OP, "master, momentum, grads and params must be distinct buffers"));
+    }
+    let (flat_len, state_len) = (grads.elem_count(), master.elem_count());
+    if let Some(r) = runs.runs.iter().find(|r| r.flat + r.len > flat_len || r.state + r.len > state_len) {
+        return Err(invalid(
+            OP,
+            format!("run {r:?} reaches past the flat buffer ({flat_len}) or the state ({state_len})"),
+        ));
+    }
+    if runs.runs.is_empty() {
+        return Ok(());
+    }
+    let every: Vec<&Tensor> = all.iter().copied().chain(state).collect();
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &every)? {
+        let table = runs.table.as_ref().ok_or_else(|| invalid(OP, "the runs were built for the CPU"))?;
+        let x = crate::cuda::ops::SgdTensors { p: master, buf: momentum, g: grads, params, state };
+        return crate::cuda::ops::sgd_runs(&g, &x, table, runs.chunks, h);
+    }
+    check::on_cpu(OP, &every)?;
+    let (h, lr_decoupled) = match state {
+        Some(st) => {
+            let s = st.read_f32()?;
+            if s[adam_state::APPLIED] == 0.0 {
+                return Ok(());
+            }
+            let h = Sgd {
+                grad_scale: s[adam_state::GRAD_SCALE],
+                lr: s[adam_state::LR],
+                weight_decay: s[adam_state::WD],
+                ..*h
+            };
+            (h, s[adam_state::LR_DECOUPLED])
+        }
+        None => (*h, h.lr),
+    };
+    for r in &runs.runs {
+        let one = Sgd {
+            weight_decay: if r.decay { h.weight_decay } else { 0.0 },
+            lr: if r.decoupled { lr_decoupled } else { h.lr },
+            ..h
+        };
+        let (p, b) = (master.view(r.state, [r.len])?, momentum.view(r.state, [r.len])?);
+        let g = grads.view(r.flat, [r.len])?;
+        let g = if g.dtype() == DType::F32 { g } else { crate::cast(&g, DType::F32)? };
+        let gv = g.read_f32()?;
+        p.update_f32(OP, |pv| b.update_f32(OP, |bv| cpu::optim::sgd_step(pv, &gv, bv, &one)))??;
         crate::copy_(&params.view(r.flat, [r.len])?, &p)?;
     }
     Ok(())

@@ -1,4 +1,5 @@
-//! AdamW with fp32 master weights over flat buffers.
+//! AdamW (or SGD with momentum, Megatron's --optimizer sgd: `Algorithm`) with fp32 master
+//! weights over flat buffers.
 //!
 //! Per step: global grad norm over main_grad → clip coefficient → one AdamW pass over every owned
 //! piece of the master buffer (weight decay only where `ParamMeta::weight_decay`; the word
@@ -20,7 +21,7 @@
 use crate::ddp::{Comm, GradSync};
 use ferrotron_comm::{CommError, ReduceOp};
 use ferrotron_core::{DType, ParamId, ParamTable, Result as CoreResult, Tensor};
-use ferrotron_kernels::{self as k, AdamPrep, AdamRun, AdamRuns, AdamW, adam_state};
+use ferrotron_kernels::{self as k, AdamPrep, AdamRun, AdamRuns, AdamW, Sgd, adam_state};
 use std::ops::Range;
 
 #[derive(Debug, thiserror::Error)]
@@ -43,12 +44,41 @@ pub struct AdamConfig {
     pub weight_decay: f32,
     /// Clip main_grad to this global L2 norm; 0 disables clipping.
     pub clip_grad: f32,
+    /// The update rule (the betas and eps are AdamW's alone).
+    pub algorithm: Algorithm,
+}
+
+/// Megatron's --optimizer: adam (AdamW, decoupled weight decay) or sgd (momentum, L2 weight
+/// decay, PyTorch's SGD: `k::Sgd`); both behind the same clipping, skip and schedules.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum Algorithm {
+    #[default]
+    AdamW,
+    /// --sgd-momentum (Megatron's default 0.9).
+    Sgd { momentum: f32 },
+}
+
+impl Algorithm {
+    /// The state buffers beside the master weights, by their checkpoint names.
+    pub fn state_names(&self) -> &'static [&'static str] {
+        match self {
+            Algorithm::AdamW => &["master", "exp_avg", "exp_avg_sq"],
+            Algorithm::Sgd { .. } => &["master", "momentum_buffer"],
+        }
+    }
 }
 
 impl Default for AdamConfig {
     fn default() -> Self {
         // Megatron's defaults.
-        AdamConfig { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01, clip_grad: 1.0 }
+        AdamConfig {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+            clip_grad: 1.0,
+            algorithm: Algorithm::AdamW,
+        }
     }
 }
 
@@ -74,7 +104,9 @@ pub struct Optimizer {
     /// optimizer is distributed); the state buffers hold them back to back.
     owned: Vec<Range<usize>>,
     master: Tensor,
+    /// AdamW's first moment, or SGD's momentum buffer.
     exp_avg: Tensor,
+    /// AdamW's second moment (empty under SGD).
     exp_avg_sq: Tensor,
     /// The owned pieces merged into runs (one AdamW launch per step for all of them).
     runs: AdamRuns,
@@ -173,7 +205,7 @@ impl Optimizer {
             owned,
             master,
             exp_avg: Tensor::zeros([n], DType::F32, &dev)?,
-            exp_avg_sq: Tensor::zeros([n], DType::F32, &dev)?,
+            exp_avg_sq: Tensor::zeros([if config.algorithm == Algorithm::AdamW { n } else { 0 }], DType::F32, &dev)?,
             runs: AdamRuns::new(runs, &dev)?,
             state: Tensor::zeros([adam_state::LEN], DType::F32, &dev)?,
             mp,
@@ -202,9 +234,17 @@ impl Optimizer {
         Ok(t)
     }
 
-    /// Bytes of optimizer state held by this rank (master + two moments).
+    /// Bytes of optimizer state held by this rank (master + two moments, or + the momentum).
     pub fn state_bytes(&self) -> usize {
-        3 * 4 * self.master.elem_count()
+        self.buffers().len() * 4 * self.master.elem_count()
+    }
+
+    /// The state buffers, in `Algorithm::state_names` order.
+    fn buffers(&self) -> Vec<&Tensor> {
+        match self.config.algorithm {
+            Algorithm::AdamW => vec![&self.master, &self.exp_avg, &self.exp_avg_sq],
+            Algorithm::Sgd { .. } => vec![&self.master, &self.exp_avg],
+        }
     }
 
     /// The flat ranges this rank updates (state buffers hold them back to back).
@@ -379,16 +419,26 @@ impl Optimizer {
             grad_scale: 1.0,
         };
         let (p, g) = (table.flat_params(), table.flat_grads());
-        k::adamw_runs(&self.master, &self.exp_avg, &self.exp_avg_sq, g, p, &self.runs, &h, Some(&self.state))?;
+        match c.algorithm {
+            Algorithm::AdamW => {
+                k::adamw_runs(&self.master, &self.exp_avg, &self.exp_avg_sq, g, p, &self.runs, &h, Some(&self.state))?
+            }
+            Algorithm::Sgd { momentum } => {
+                let h = Sgd { lr: 0.0, momentum, weight_decay: c.weight_decay, grad_scale: 1.0 };
+                k::sgd_runs(&self.master, &self.exp_avg, g, p, &self.runs, &h, Some(&self.state))?
+            }
+        }
         Ok(())
     }
 
-    /// (master, exp_avg, exp_avg_sq) laid out like the whole flat buffer (length `flat_len`), and
-    /// the step. Collective over the data-parallel group under the distributed optimizer (each
-    /// rank contributes its shards); every rank gets the whole state.
-    pub fn full_state(&self, flat_len: usize) -> Result<([Vec<f32>; 3], u64), OptimError> {
-        let mut out = [vec![0f32; flat_len], vec![0f32; flat_len], vec![0f32; flat_len]];
-        for (buf, t) in out.iter_mut().zip([&self.master, &self.exp_avg, &self.exp_avg_sq]) {
+    /// The state buffers (`Algorithm::state_names`: master, exp_avg, exp_avg_sq, or master and
+    /// momentum_buffer) laid out like the whole flat buffer (length `flat_len`), and the step.
+    /// Collective over the data-parallel group under the distributed optimizer (each rank
+    /// contributes its shards); every rank gets the whole state.
+    pub fn full_state(&self, flat_len: usize) -> Result<(Vec<Vec<f32>>, u64), OptimError> {
+        let bufs = self.buffers();
+        let mut out = vec![vec![0f32; flat_len]; bufs.len()];
+        for (buf, t) in out.iter_mut().zip(bufs) {
             let v = t.to_vec_f32()?;
             let mut at = 0;
             for o in &self.owned {
@@ -407,22 +457,31 @@ impl Optimizer {
         Ok((out, self.steps()?))
     }
 
-    /// This rank's (master, exp_avg, exp_avg_sq) for its `owned` ranges back to back, and the
-    /// step; no collective (a sharded checkpoint stores each rank's own).
-    pub fn owned_state(&self) -> Result<([Vec<f32>; 3], u64), OptimError> {
-        let [m, a, b] = [&self.master, &self.exp_avg, &self.exp_avg_sq].map(|t| t.to_vec_f32());
-        Ok(([m?, a?, b?], self.steps()?))
+    /// This rank's state buffers (`Algorithm::state_names`) for its `owned` ranges back to back,
+    /// and the step; no collective (a sharded checkpoint stores each rank's own).
+    pub fn owned_state(&self) -> Result<(Vec<Vec<f32>>, u64), OptimError> {
+        let bufs = self.buffers().into_iter().map(|t| t.to_vec_f32()).collect::<Result<Vec<_>, _>>()?;
+        Ok((bufs, self.steps()?))
     }
 
     /// Restores what `owned_state` returns (the `owned` ranges back to back) and the step.
-    pub fn load_owned_state(&mut self, state: &[Vec<f32>; 3], step: u64) -> Result<(), OptimError> {
+    pub fn load_owned_state(&mut self, state: &[Vec<f32>], step: u64) -> Result<(), OptimError> {
         let n = self.master.elem_count();
-        for (name, v) in ["master weights", "exp_avg", "exp_avg_sq"].iter().zip(state) {
+        let names = self.config.algorithm.state_names();
+        if state.len() != names.len() {
+            return Err(OptimError::StateMismatch(format!(
+                "{} state buffers given, {:?} holds {} ({names:?})",
+                state.len(),
+                self.config.algorithm,
+                names.len()
+            )));
+        }
+        for (name, v) in names.iter().zip(state) {
             if v.len() != n {
                 return Err(OptimError::StateMismatch(format!("{name} has {} elements, this rank owns {n}", v.len())));
             }
         }
-        for (t, v) in [&self.master, &self.exp_avg, &self.exp_avg_sq].into_iter().zip(state) {
+        for (t, v) in self.buffers().into_iter().zip(state) {
             t.copy_from_f32(v)?;
         }
         let mut st = vec![0f32; adam_state::LEN];

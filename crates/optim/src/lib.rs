@@ -20,7 +20,7 @@ mod pipeline;
 mod schedule;
 mod step;
 
-pub use adam::{AdamConfig, OptimError, Optimizer, StepStats};
+pub use adam::{AdamConfig, Algorithm, OptimError, Optimizer, StepStats};
 pub use ddp::{BucketPlan, GradSync, default_bucket_size};
 pub use graph::StepGraph;
 pub use pipeline::{eval_pipelined, queue_train_step_pipelined, schedule_kind, train_step_pipelined};

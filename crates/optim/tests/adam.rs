@@ -9,7 +9,8 @@ fn decay_groups_clipping_and_master_copy() {
     let w = b.add(ParamMeta::replicated("l.weight", [3], Init::Ones, true)).unwrap();
     let bias = b.add(ParamMeta::replicated("l.bias", [2], Init::Ones, false)).unwrap();
     let table = b.build(&Device::Cpu, DType::BF16, 0).unwrap();
-    let cfg = AdamConfig { beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.5, clip_grad: 1.0 };
+    let cfg =
+        AdamConfig { beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.5, clip_grad: 1.0, ..Default::default() };
     let mut opt = Optimizer::new(&table, cfg).unwrap();
     // Grad norm 5 → clipped by 1/5.
     table.flat_grads().update_f32("t", |g| g.copy_from_slice(&[3.0, 0.0, 0.0, 4.0, 0.0])).unwrap();
@@ -19,7 +20,8 @@ fn decay_groups_clipping_and_master_copy() {
     // --log-num-zeros-in-grad: three of the five gradients are zero (clipping leaves them so).
     assert_eq!(opt.num_zeros_in_grad(&table).unwrap(), 3.0);
     // First Adam step moves each element by lr·sign(g) (bias-corrected m/√v = ±1) after decay.
-    let ([m, _, _], step) = opt.full_state(table.flat_len()).unwrap();
+    let (state, step) = opt.full_state(table.flat_len()).unwrap();
+    let m = &state[0];
     assert_eq!(step, 1);
     let decayed = 1.0 * (1.0 - 0.1 * 0.5);
     assert!((m[0] - (decayed - 0.1)).abs() < 1e-5, "{m:?}"); // weight with grad: decay + step
@@ -71,7 +73,8 @@ fn merged_decay_runs_equal_per_element_adamw_bit_for_bit() {
         b.add(ParamMeta::replicated(name, [n], Init::Normal { std: 0.5 }, decay)).unwrap();
     }
     let table = b.build(&Device::Cpu, DType::F32, 3).unwrap();
-    let cfg = AdamConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, clip_grad: 0.0 };
+    let cfg =
+        AdamConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, clip_grad: 0.0, ..Default::default() };
     let mut opt = Optimizer::new(&table, cfg).unwrap();
     let mut p = table.flat_params().to_vec_f32().unwrap();
     let decays: Vec<bool> = spec.iter().flat_map(|&(_, n, d)| std::iter::repeat_n(d, n)).collect();
@@ -87,9 +90,64 @@ fn merged_decay_runs_equal_per_element_adamw_bit_for_bit() {
             adamw_ref(&mut p[i], g[i], &mut m[i], &mut v[i], &cfg, 0.01, wd, step as i32);
         }
     }
-    let ([master, exp_avg, exp_avg_sq], _) = opt.full_state(table.flat_len()).unwrap();
+    let (state, _) = opt.full_state(table.flat_len()).unwrap();
+    let [master, exp_avg, exp_avg_sq] = &state[..] else { panic!("AdamW keeps three buffers") };
     let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&master[..p.len()]), bits(&p));
     assert_eq!(bits(&exp_avg[..p.len()]), bits(&m));
     assert_eq!(bits(&exp_avg_sq[..p.len()]), bits(&v));
+}
+
+/// --optimizer sgd: the optimizer's SGD step against PyTorch's rule written out (momentum 0.8,
+/// L2 weight decay where the parameter takes it, gradients clipped first), over three steps, one
+/// of them skipped for a NaN gradient; two state buffers (8 bytes an element), the momentum's
+/// checkpoint name.
+#[test]
+fn sgd_steps_follow_pytorchs_sgd() {
+    use ferrotron_optim::Algorithm;
+    let mut b = ParamTableBuilder::default();
+    b.add(ParamMeta::replicated("l.weight", [3], Init::Ones, true)).unwrap();
+    b.add(ParamMeta::replicated("l.bias", [2], Init::Ones, false)).unwrap();
+    let table = b.build(&Device::Cpu, DType::F32, 0).unwrap();
+    let algorithm = Algorithm::Sgd { momentum: 0.8 };
+    let cfg = AdamConfig { weight_decay: 0.5, clip_grad: 1.0, algorithm, ..Default::default() };
+    let mut opt = Optimizer::new(&table, cfg).unwrap();
+    assert_eq!(opt.state_bytes(), 2 * 4 * table.flat_len());
+    assert_eq!(algorithm.state_names(), ["master", "momentum_buffer"]);
+    let (mut p, mut buf) = (vec![1.0f64; 5], vec![0.0f64; 5]);
+    let decays = [true, true, true, false, false];
+    for (step, (g, lr)) in
+        [([3.0, 0.0, 0.0, 4.0, 0.0], 0.1), ([f32::NAN, 1.0, 0.0, 0.0, 0.0], 0.1), ([0.1, -0.2, 0.3, 0.0, 0.2], 0.05)]
+            .into_iter()
+            .enumerate()
+    {
+        table.flat_grads().update_f32("t", |x| x.copy_from_slice(&g)).unwrap();
+        opt.step(&table, lr).unwrap();
+        let stats = opt.last_stats().unwrap();
+        if step == 1 {
+            assert!(!stats.applied, "a NaN gradient skips the step");
+            continue;
+        }
+        let norm = g.iter().map(|&x| (x as f64).powi(2)).sum::<f64>().sqrt();
+        let clip = if norm > 1.0 { 1.0 / (norm + 1e-6) } else { 1.0 };
+        for i in 0..5 {
+            let d = g[i] as f64 * clip + if decays[i] { 0.5 * p[i] } else { 0.0 };
+            buf[i] = 0.8 * buf[i] + d;
+            p[i] -= lr as f64 * buf[i];
+        }
+    }
+    let got = table.flat_params().to_vec_f32().unwrap();
+    for (i, (a, b)) in got.iter().zip(&p).enumerate() {
+        assert!((*a as f64 - b).abs() < 1e-6, "parameter {i}: {a} vs {b}");
+    }
+    let (state, steps) = opt.full_state(table.flat_len()).unwrap();
+    assert_eq!((state.len(), steps), (2, 2));
+    for (i, (a, b)) in state[1].iter().zip(&buf).enumerate() {
+        assert!((*a as f64 - b).abs() < 1e-6, "momentum {i}: {a} vs {b}");
+    }
+    // The state round-trips, and AdamW's three buffers are refused by name.
+    let mut other = Optimizer::new(&table, cfg).unwrap();
+    other.load_owned_state(&state, steps).unwrap();
+    let e = other.load_owned_state(&[state[0].clone(), state[1].clone(), state[1].clone()], 2).unwrap_err();
+    assert!(e.to_string().contains("3 state buffers given"), "{e}");
 }

@@ -7,7 +7,8 @@
 //! every tensor-parallel rank from tensor-parallel rank 0; the tied output weight's copy on the
 //! last stage not at all) in the model dtype, by its Megatron name, and its share of the fp32
 //! optimizer state (`optimizer.master.{name}`, `optimizer.exp_avg.{name}`,
-//! `optimizer.exp_avg_sq.{name}`: every data-parallel rank's own under the distributed
+//! `optimizer.exp_avg_sq.{name}`; under --optimizer sgd `optimizer.master.{name}` and
+//! `optimizer.momentum_buffer.{name}`: every data-parallel rank's own under the distributed
 //! optimizer, else data-parallel rank 0's), and the model's buffers (state that is not a
 //! parameter, the MoE layers' expert biases) in fp32 from each stage's first tensor- and
 //! data-parallel rank. Nothing is gathered, so no rank holds more than its
@@ -48,7 +49,8 @@ fn shard_file(rank: usize) -> String {
     format!("model_optim_rank{rank:05}.safetensors")
 }
 const STATE: &str = "state.toml";
-const OPT: [&str; 3] = ["optimizer.master", "optimizer.exp_avg", "optimizer.exp_avg_sq"];
+/// Every optimizer state tensor's prefix (AdamW's three, SGD's momentum).
+const OPT: [&str; 4] = ["optimizer.master", "optimizer.exp_avg", "optimizer.exp_avg_sq", "optimizer.momentum_buffer"];
 
 #[derive(Clone, Debug, Deserialize, Serialize)]
 pub struct State {
@@ -135,7 +137,8 @@ struct Planned {
 
 enum Values {
     Own(Vec<f32>),
-    /// (which of master, exp_avg, exp_avg_sq; range in the owned state)
+    /// (which of the optimizer's state buffers, `Algorithm::state_names`; range in the owned
+    /// state)
     State(usize, Range<usize>),
 }
 
@@ -161,9 +164,9 @@ fn my_entries(g: &ProcessGroups, table: &ParamTable, opt: &Optimizer, optimizer:
                 continue;
             }
             let start = flat.start - table.range(id).start;
-            for (k, prefix) in OPT.iter().enumerate() {
+            for (k, name) in opt.config.algorithm.state_names().iter().enumerate() {
                 out.push(Planned {
-                    key: format!("{prefix}.{}", m.name),
+                    key: format!("optimizer.{name}.{}", m.name),
                     piece: Piece::of(m, start..start + flat.len()),
                     dtype: DType::F32,
                     values: Values::State(k, at..at + flat.len()),
@@ -175,7 +178,7 @@ fn my_entries(g: &ProcessGroups, table: &ParamTable, opt: &Optimizer, optimizer:
 }
 
 /// Writes the planned tensors to `path`; returns the file's SHA-256.
-fn write_planned(path: &Path, planned: &[Planned], state: &[Vec<f32>; 3]) -> anyhow::Result<String> {
+fn write_planned(path: &Path, planned: &[Planned], state: &[Vec<f32>]) -> anyhow::Result<String> {
     let entries: Vec<ShardEntry> = planned
         .iter()
         .map(|p| ShardEntry {
@@ -839,19 +842,36 @@ pub fn restore(ck: &dyn Parts, table: &ParamTable, opt: &mut Optimizer) -> anyho
             "the checkpoint holds parameters only (no optimizer state, e.g. one converted from Hugging Face): load it with --finetune (or --no-load-optim)"
         );
     }
+    if st.settings.optimizer != ck_optimizer_now(opt) {
+        bail!(
+            "the checkpoint's optimizer state is --optimizer {}'s and this run's is {}'s: load its parameters alone with --no-load-optim (or --finetune), or give --optimizer {}",
+            st.settings.optimizer,
+            ck_optimizer_now(opt),
+            st.settings.optimizer
+        );
+    }
     restore_params(ck, table)?;
     let n: usize = opt.owned().iter().map(|r| r.len()).sum();
-    let mut state = [vec![0f32; n], vec![0f32; n], vec![0f32; n]];
+    let names = opt.config.algorithm.state_names();
+    let mut state = vec![vec![0f32; n]; names.len()];
     for (id, flat, at) in opt.owned_pieces(table) {
         let m = table.meta(id);
         let start = flat.start - table.range(id).start;
-        for (buf, p) in state.iter_mut().zip(OPT) {
-            let v = ck.part(m, &format!("{p}.{}", m.name), start..start + flat.len())?;
+        for (buf, p) in state.iter_mut().zip(names) {
+            let v = ck.part(m, &format!("optimizer.{p}.{}", m.name), start..start + flat.len())?;
             buf[at..at + flat.len()].copy_from_slice(&v);
         }
     }
     opt.load_owned_state(&state, st.optimizer_step)?;
     Ok(())
+}
+
+/// Megatron's --optimizer name of `opt`'s rule.
+fn ck_optimizer_now(opt: &Optimizer) -> &'static str {
+    match opt.config.algorithm {
+        ferrotron_optim::Algorithm::AdamW => "adam",
+        ferrotron_optim::Algorithm::Sgd { .. } => "sgd",
+    }
 }
 
 /// The MoE layers' expert biases from the checkpoint (each rank its own layers'; every way of

@@ -129,7 +129,10 @@ pub(crate) fn apply(a: &mut TrainArgs) -> anyhow::Result<()> {
     ] {
         one_of(flag, v, &["fp32"], "the optimizer keeps fp32 state (--grad-reduce-in-bf16 narrows main_grad)")?;
     }
-    one_of("--optimizer", &a.optimizer, &["adam"], "the optimizer is AdamW (Megatron's adam); SGD is not built")?;
+    one_of("--optimizer", &a.optimizer, &["adam", "sgd"], "Megatron's two: adam (AdamW) and sgd")?;
+    if a.sgd_momentum.is_some() && a.optimizer.as_deref() != Some("sgd") {
+        bail!("--sgd-momentum is SGD's: add --optimizer sgd (or drop it)");
+    }
     if a.apply_residual_connection_post_layernorm {
         eprintln!(
             "warning: --apply-residual-connection-post-layernorm is read by no Megatron Core layer: the residual is the layer's input, as there"

@@ -923,9 +923,13 @@ pub struct TrainArgs {
     pub ckpt_fully_parallel_load: bool,
     #[arg(long)]
     pub use_precision_aware_optimizer: bool,
-    /// adam (AdamW, as Megatron's adam with decoupled weight decay); sgd is refused.
+    /// adam (AdamW, as Megatron's adam with decoupled weight decay) or sgd (momentum
+    /// --sgd-momentum, L2 weight decay: PyTorch's SGD, as Megatron's).
     #[arg(long)]
     pub optimizer: Option<String>,
+    /// SGD's momentum (Megatron's default 0.9).
+    #[arg(long)]
+    pub sgd_momentum: Option<f64>,
     /// Megatron's older spelling of --position-embedding-type rope.
     #[arg(long)]
     pub use_rotary_position_embeddings: bool,
@@ -1049,7 +1053,7 @@ impl TrainArgs {
             image_text_data, image_folder, data_cache_path, data_args_path, per_split_data_args_path,
             distributed_backend, transformer_impl, attention_backend, dataloader_type, rotary_percent, rerun_mode,
             main_grads_dtype, main_params_dtype, exp_avg_dtype, exp_avg_sq_dtype, num_workers, manual_gc_interval,
-            timing_log_level, empty_unused_memory_level, wandb_project, optimizer, rotary_seq_len_interpolation_factor, softmax_type, no_weight_decay_cond_type,
+            timing_log_level, empty_unused_memory_level, wandb_project, optimizer, rotary_seq_len_interpolation_factor, softmax_type, no_weight_decay_cond_type, sgd_momentum,
             num_virtual_stages_per_pipeline_rank, microbatch_group_size_per_virtual_pipeline_stage, loss_scale,
             initial_loss_scale, min_loss_scale, loss_scale_window, hysteresis, dist_ckpt_strictness, fp8_format,
             moe_flex_dispatcher_backend, moe_flex_dispatcher_num_sms, cross_entropy_fusion_impl, pipeline_model_parallel_layout,
@@ -1362,6 +1366,12 @@ pub struct Settings {
     /// `--eod-mask-loss`.
     #[serde(default)]
     pub eod_mask_loss: bool,
+    /// `--optimizer` (absent from older checkpoints' settings: adam).
+    #[serde(default = "adam")]
+    pub optimizer: String,
+    /// `--sgd-momentum`.
+    #[serde(default = "sgd_momentum")]
+    pub sgd_momentum: f32,
     /// `--dataloader-type` (absent from older checkpoints' settings: single).
     #[serde(default = "single")]
     pub dataloader_type: String,
@@ -1493,6 +1503,14 @@ pub struct MoeSettings {
     /// the model's: left out of the model flags a checkpoint keeps.
     #[serde(default)]
     pub moe_router_force_load_balancing: bool,
+}
+
+fn adam() -> String {
+    "adam".into()
+}
+
+fn sgd_momentum() -> f32 {
+    0.9
 }
 
 fn single() -> String {
@@ -2466,6 +2484,11 @@ impl Settings {
             image_folder: a.image_folder.clone(),
             eod_mask_loss: a.eod_mask_loss,
             dataloader_type: a.dataloader_type.clone().unwrap_or_else(single),
+            optimizer: a.optimizer.clone().unwrap_or_else(adam),
+            sgd_momentum: match a.sgd_momentum {
+                Some(m) if !(0.0..1.0).contains(&m) => bail!("--sgd-momentum {m} must be in [0, 1)"),
+                m => m.unwrap_or(0.9) as f32,
+            },
             no_data_sharding: a.no_data_sharding,
             reset_position_ids: a.reset_position_ids,
             calculate_per_token_loss: a.calculate_per_token_loss,
@@ -2861,6 +2884,14 @@ impl Settings {
     /// the decay --lr-decay-samples, else --train-samples, else decay_iters global batches; the
     /// warmup a fraction of that, or --lr-warmup-samples, or --lr-warmup-iters global batches;
     /// WSD's fall --lr-wsd-decay-samples or --lr-wsd-decay-iters global batches.
+    /// The optimizer's update rule (--optimizer, --sgd-momentum).
+    pub fn algorithm(&self) -> ferrotron_optim::Algorithm {
+        match self.optimizer.as_str() {
+            "sgd" => ferrotron_optim::Algorithm::Sgd { momentum: self.sgd_momentum },
+            _ => ferrotron_optim::Algorithm::AdamW,
+        }
+    }
+
     pub fn schedule_samples(&self) -> (f64, f64, f64) {
         let gbs = self.global_batch_size as f64;
         let decay = match (self.lr_decay_samples, self.train_samples) {

@@ -695,6 +695,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         eps: s.adam_eps,
         weight_decay: s.weight_decay,
         clip_grad: s.clip_grad,
+        algorithm: s.algorithm(),
     };
     let mut opt = Optimizer::new_parallel(&table, adam, &sync, g.mp.clone(), g.tp.rank())?;
     let (warmup, decay, wsd_decay) = s.schedule_samples();

@@ -331,7 +331,7 @@ fn megatrons_script_switches_run_as_the_plain_flags() {
     fails_naming(&["--main-grads-dtype", "bf16"], "--main-grads-dtype bf16");
     fails_naming(&["--wandb-project", "x"], "--tensorboard-dir writes the same scalars");
     fails_naming(&["--use-torch-fsdp2"], "FSDP is not built");
-    fails_naming(&["--optimizer", "sgd"], "--optimizer sgd");
+    fails_naming(&["--optimizer", "lamb"], "--optimizer lamb");
     fails_naming(&["--moe-flex-dispatcher-backend", "nccl"], "--moe-flex-dispatcher-backend nccl");
     fails_naming(&["--cross-entropy-fusion-impl", "apex"], "--cross-entropy-fusion-impl apex");
     fails_naming(&["--recompute-modules", "attn"], "--recompute-modules attn: not one of Megatron's modules");

@@ -452,6 +452,20 @@ fn forced_load_balancing_cuda_matches_cpu() {
     });
 }
 
+/// --optimizer sgd on the GPU (kernels/optim.cu `sgd_runs_*`, clip factor and rates from the
+/// device state), one rank and dp2 with the distributed optimizer on two thread ranks sharing it,
+/// against one CPU rank, fp32 within 1e-4.
+#[test]
+fn sgd_cuda_matches_cpu() {
+    let sgd = |a: TrainArgs| TrainArgs { optimizer: Some("sgd".into()), lr: Some(0.05), ..a };
+    split_matches_cpu("llama-tiny", "sgd", sgd, sgd);
+    split_matches_cpu("llama-tiny", "sgd dp2 distributed", sgd, |a| TrainArgs {
+        use_distributed_optimizer: true,
+        nproc: Some(2),
+        ..sgd(a)
+    });
+}
+
 /// Mamba context parallelism on the GPU: two thread ranks sharing it, each two chunks of every
 /// sequence; the mixers trade rows for heads (strided rectangle copies around an all-to-all),
 /// each rank scanning the whole sequence for half the heads, the attention layer gathering K and

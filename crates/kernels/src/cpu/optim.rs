@@ -40,6 +40,27 @@ pub fn adamw_step(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &Ad
         });
 }
 
+/// SGD with momentum and L2 weight decay (PyTorch's SGD with dampening 0 and no Nesterov;
+/// Megatron's --optimizer sgd): g ← scale·g + wd·p, buf ← μ·buf + g, p ← p − lr·buf. The buffer
+/// starts at zero, so the first step's buf is g, as PyTorch's clone of it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sgd {
+    pub lr: f32,
+    pub momentum: f32,
+    pub weight_decay: f32,
+    pub grad_scale: f32,
+}
+
+pub fn sgd_step(p: &mut [f32], g: &[f32], buf: &mut [f32], h: &Sgd) {
+    p.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)).zip(buf.par_chunks_mut(CHUNK)).for_each(|((p, g), b)| {
+        for i in 0..p.len() {
+            let gi = g[i] * h.grad_scale + h.weight_decay * p[i];
+            b[i] = h.momentum * b[i] + gi;
+            p[i] -= h.lr * b[i];
+        }
+    });
+}
+
 /// Σ x² in f64, summed per fixed-size chunk then in chunk order (same bits on any thread count).
 pub fn sum_sq(x: &[f32]) -> f64 {
     let parts: Vec<f64> = x.par_chunks(CHUNK).map(|c| c.iter().map(|&v| v as f64 * v as f64).sum()).collect();

@@ -218,3 +218,97 @@ device_test!(count_zeros_matches_naive, |dev: &Device| {
         assert_eq!(none, vec![0.0]);
     }
 });
+
+/// PyTorch's SGD (momentum, dampening 0, L2 weight decay) written out in f64; the buffer starts as
+/// the first step's gradient (PyTorch clones it; from zero the rule gives the same).
+fn sgd_reference(p: &mut [f64], g: &[f64], buf: &mut [f64], first: bool, h: &k::Sgd) {
+    for i in 0..p.len() {
+        let d = g[i] * h.grad_scale as f64 + h.weight_decay as f64 * p[i];
+        buf[i] = if first { d } else { h.momentum as f64 * buf[i] + d };
+        p[i] -= h.lr as f64 * buf[i];
+    }
+}
+
+device_test!(sgd_runs_follow_pytorchs_sgd, |dev: &Device| {
+    use ferrotron_core::DType;
+    use k::{AdamPrep, AdamRun, AdamRuns, Sgd, adam_state as st};
+    // Three runs (decay; none, the decoupled rate; decay, off a 16-byte boundary) with a gap another
+    // rank owns, bf16 parameters; three steps from the host's rates, then two settled on the
+    // device (clip factor, skip flag, each step's rates in the state): a clipped one and a skipped
+    // one (a NaN gradient: nothing moves).
+    let runs = vec![
+        AdamRun { flat: 0, state: 0, len: 3000, decay: true, decoupled: false },
+        AdamRun { flat: 3000, state: 3000, len: 998, decay: false, decoupled: true },
+        AdamRun { flat: 5001, state: 3998, len: 2001, decay: true, decoupled: false },
+    ];
+    let (flat, state) = (7002, 5999);
+    let table = AdamRuns::new(runs.clone(), dev).unwrap();
+    let mut p = randv(state, 1);
+    let mut b = vec![0.0; state];
+    let (pt, bt) = (t32(dev, &p, &[state]), t32(dev, &b, &[state]));
+    let before = randv(flat, 2);
+    let params = tensor(dev, &before, &[flat], DType::BF16);
+    let h = Sgd { lr: 0.05, momentum: 0.9, weight_decay: 0.1, grad_scale: 0.5 };
+    let reference_step = |p: &mut Vec<f64>, b: &mut Vec<f64>, g: &[f64], first: bool, h: &Sgd, lr2: f32| {
+        for r in &runs {
+            let (s, f) = (r.state..r.state + r.len, r.flat..r.flat + r.len);
+            let hr = Sgd {
+                weight_decay: if r.decay { h.weight_decay } else { 0.0 },
+                lr: if r.decoupled { lr2 } else { h.lr },
+                ..*h
+            };
+            sgd_reference(&mut p[s.clone()], &g[f], &mut b[s], first, &hr);
+        }
+    };
+    for step in 0..3u64 {
+        let g = randv(flat, 10 + step);
+        k::sgd_runs(&pt, &bt, &t32(dev, &g, &[flat]), &params, &table, &h, None).unwrap();
+        reference_step(&mut p, &mut b, &g, step == 0, &h, h.lr);
+    }
+    let st_t = ferrotron_core::Tensor::zeros([st::LEN], DType::F32, dev).unwrap();
+    for (i, (lr, wd, lr2)) in [(0.02f32, 0.2f32, 0.01f32), (0.03, 0.1, 0.02)].into_iter().enumerate() {
+        let mut g = randv(flat, 30 + i as u64);
+        if i == 1 {
+            g[11] = f64::NAN;
+        }
+        let gt = t32(dev, &g, &[flat]);
+        st_t.view(st::LR, [3]).unwrap().copy_from_f32(&[lr, wd, lr2]).unwrap();
+        k::adam_prepare(
+            &k::sum_sq_dev(&[&gt], dev).unwrap(),
+            &st_t,
+            &AdamPrep { beta1: 0.9, beta2: 0.95, clip_grad: 1.0 },
+        )
+        .unwrap();
+        k::sgd_runs(&pt, &bt, &gt, &params, &table, &h, Some(&st_t)).unwrap();
+        let s = host(&st_t);
+        if i == 0 {
+            let norm = g.iter().map(|x| x * x).sum::<f64>().sqrt();
+            let scale = if norm > 1.0 { 1.0 / (norm + 1e-6) } else { 1.0 };
+            let hs = Sgd { lr, weight_decay: wd, grad_scale: scale as f32, ..h };
+            reference_step(&mut p, &mut b, &g, false, &hs, lr2);
+        } else {
+            assert_eq!(s[st::APPLIED], 0.0, "a NaN gradient skips the step");
+        }
+    }
+    assert_close(&host(&pt), &p, 1e-5, 1e-6, "master");
+    assert_close(&host(&bt), &b, 1e-5, 1e-6, "momentum");
+    let got = host(&params);
+    for r in &runs {
+        let want = host(&k::cast(&pt.view(r.state, [r.len]).unwrap(), DType::BF16).unwrap());
+        assert_eq!(&got[r.flat..r.flat + r.len], &want[..], "params of {r:?}");
+    }
+    let untouched = host(&tensor(dev, &before[3998..5001], &[1003], DType::BF16));
+    assert_eq!(&got[3998..5001], &untouched[..], "the gap between runs");
+    // From a bf16 main_grad: bit for bit the update from the same values in f32.
+    let g16 = tensor(dev, &randv(flat, 5), &[flat], DType::BF16);
+    let g32 = k::cast(&g16, DType::F32).unwrap();
+    let run = |g: &ferrotron_core::Tensor| {
+        let (p, bb) = (t32(dev, &randv(state, 4), &[state]), t32(dev, &vec![0.0; state], &[state]));
+        let params = tensor(dev, &vec![0.0; flat], &[flat], DType::BF16);
+        for _ in 0..2 {
+            k::sgd_runs(&p, &bb, g, &params, &table, &h, None).unwrap();
+        }
+        [p, bb, params].map(|t| t.to_vec_f32().unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+    };
+    assert_eq!(run(&g16), run(&g32), "bf16 grads against the same values in f32");
+});

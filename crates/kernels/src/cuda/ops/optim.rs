@@ -53,6 +53,31 @@ pub fn adamw_runs(be: &B, x: &AdamTensors, table: &Tensor, chunks: usize, h: &cr
     be.launch(&format!("adamw_runs_{ps}_g{gs}"), chunks as u32, 256, 0, &args)
 }
 
+/// `sgd_runs`'s tensors: master weights, momentum buffer, gradients, parameters and the optional
+/// step state (`adam_state`).
+pub struct SgdTensors<'a> {
+    pub p: &'a Tensor,
+    pub buf: &'a Tensor,
+    pub g: &'a Tensor,
+    pub params: &'a Tensor,
+    pub state: Option<&'a Tensor>,
+}
+
+/// SGD over the runs in `table` (kernels/optim.cu `sgd_runs_*`, one block per chunk, the run
+/// table `adamw_runs`'), writing params too.
+pub fn sgd_runs(be: &B, x: &SgdTensors, table: &Tensor, chunks: usize, h: &crate::Sgd) -> Result<()> {
+    let op = "sgd_runs";
+    let mut args = vec![ptr(op, x.p)?, ptr(op, x.g)?, ptr(op, x.buf)?, ptr(op, x.params)?];
+    args.extend([ptr(op, table)?, n(table.elem_count() / 8)]);
+    args.push(match x.state {
+        Some(s) => ptr(op, s)?,
+        None => Arg::Ptr(0),
+    });
+    args.extend([Arg::F32(h.momentum), Arg::F32(h.lr), Arg::F32(h.weight_decay), Arg::F32(h.grad_scale)]);
+    let (ps, gs) = (sfx_storage(op, x.params.dtype())?, sfx(op, x.g.dtype())?);
+    be.launch(&format!("sgd_runs_{ps}_g{gs}"), chunks as u32, 256, 0, &args)
+}
+
 /// Σ x² of every tensor into a one-element f32 tensor on the device: `sum_sq_all`'s partials,
 /// then one block adding them in a fixed order (kernels/optim.cu `sum_partials_f32`). Nothing is
 /// read back.
