@@ -107,36 +107,11 @@ pub fn adamw_runs(
     state: Option<&Tensor>,
 ) -> Result<()> {
     const OP: &str = "adamw_runs";
-    for t in [master, exp_avg, exp_avg_sq] {
-        check::dtype(OP, t, DType::F32)?;
-    }
-    if grads.dtype() != DType::BF16 {
-        check::dtype(OP, grads, DType::F32)?;
-    }
-    if let Some(st) = state {
-        check::dtype(OP, st, DType::F32)?;
-        check::shape(OP, st, &[adam_state::LEN])?;
-    }
-    check::float(OP, params)?;
-    for t in [exp_avg, exp_avg_sq] {
-        check::shape(OP, t, master.dims())?;
-    }
-    check::shape(OP, params, grads.dims())?;
-    let all = [master, exp_avg, exp_avg_sq, grads, params];
-    if !distinct(&all) {
-        return Err(invalid(OP, "master, exp_avg, exp_avg_sq, grads and params must be distinct buffers"));
-    }
     if h.step == 0 && state.is_none() {
         return Err(invalid(OP, "step counts from 1"));
     }
-    let (flat_len, state_len) = (grads.elem_count(), master.elem_count());
-    if let Some(r) = runs.runs.iter().find(|r| r.flat + r.len > flat_len || r.state + r.len > state_len) {
-        return Err(invalid(
-            OP,
-            format!("run {r:?} reaches past the flat buffer ({flat_len}) or the state ({state_len})"),
-        ));
-    }
-    if runs.runs.is_empty() {
+    let all = [master, exp_avg, exp_avg_sq, grads, params];
+    if !check_runs(OP, &all, runs, state)? {
         return Ok(());
     }
     // The state on the parameters' device (every tensor's device checked at once).
@@ -149,14 +124,10 @@ pub fn adamw_runs(
     }
     check::on_cpu(OP, &every)?;
     // (the step, the decoupled runs' learning rate)
-    let (h, lr_decoupled) = match state {
-        Some(st) => {
-            let s = st.read_f32()?;
-            if s[adam_state::APPLIED] == 0.0 {
-                return Ok(());
-            }
-            let (grad_scale, step, lr) = (s[adam_state::GRAD_SCALE], s[adam_state::STEPS] as u64, s[adam_state::LR]);
-            (AdamW { grad_scale, step, lr, weight_decay: s[adam_state::WD], ..*h }, s[adam_state::LR_DECOUPLED])
+    let (h, lr_decoupled) = match state.map(host_step).transpose()? {
+        Some(None) => return Ok(()),
+        Some(Some(s)) => {
+            (AdamW { grad_scale: s.grad_scale, step: s.steps, lr: s.lr, weight_decay: s.wd, ..*h }, s.lr_decoupled)
         }
         None => (*h, h.lr),
     };
@@ -189,31 +160,8 @@ pub fn sgd_runs(
     state: Option<&Tensor>,
 ) -> Result<()> {
     const OP: &str = "sgd_runs";
-    for t in [master, momentum] {
-        check::dtype(OP, t, DType::F32)?;
-    }
-    if grads.dtype() != DType::BF16 {
-        check::dtype(OP, grads, DType::F32)?;
-    }
-    if let Some(st) = state {
-        check::dtype(OP, st, DType::F32)?;
-        check::shape(OP, st, &[adam_state::LEN])?;
-    }
-    check::float(OP, params)?;
-    check::shape(OP, momentum, master.dims())?;
-    check::shape(OP, params, grads.dims())?;
     let all = [master, momentum, grads, params];
-    if !distinct(&all) {
-        return Err(invalid(OP, "master, momentum, grads and params must be distinct buffers"));
-    }
-    let (flat_len, state_len) = (grads.elem_count(), master.elem_count());
-    if let Some(r) = runs.runs.iter().find(|r| r.flat + r.len > flat_len || r.state + r.len > state_len) {
-        return Err(invalid(
-            OP,
-            format!("run {r:?} reaches past the flat buffer ({flat_len}) or the state ({state_len})"),
-        ));
-    }
-    if runs.runs.is_empty() {
+    if !check_runs(OP, &all, runs, state)? {
         return Ok(());
     }
     let every: Vec<&Tensor> = all.iter().copied().chain(state).collect();
@@ -224,20 +172,9 @@ pub fn sgd_runs(
         return crate::cuda::ops::sgd_runs(&g, &x, table, runs.chunks, h);
     }
     check::on_cpu(OP, &every)?;
-    let (h, lr_decoupled) = match state {
-        Some(st) => {
-            let s = st.read_f32()?;
-            if s[adam_state::APPLIED] == 0.0 {
-                return Ok(());
-            }
-            let h = Sgd {
-                grad_scale: s[adam_state::GRAD_SCALE],
-                lr: s[adam_state::LR],
-                weight_decay: s[adam_state::WD],
-                ..*h
-            };
-            (h, s[adam_state::LR_DECOUPLED])
-        }
+    let (h, lr_decoupled) = match state.map(host_step).transpose()? {
+        Some(None) => return Ok(()),
+        Some(Some(s)) => (Sgd { grad_scale: s.grad_scale, lr: s.lr, weight_decay: s.wd, ..*h }, s.lr_decoupled),
         None => (*h, h.lr),
     };
     for r in &runs.runs {
@@ -254,6 +191,58 @@ pub fn sgd_runs(
         crate::copy_(&params.view(r.flat, [r.len])?, &p)?;
     }
     Ok(())
+}
+
+/// The checks both run updates make: `bufs` = the f32 state buffers (master first), then the
+/// gradients (f32 or bf16) and the parameters; the state, distinct storage, every run inside the
+/// flat buffer and the state. False: no run, nothing to do.
+fn check_runs(op: &'static str, bufs: &[&Tensor], runs: &AdamRuns, state: Option<&Tensor>) -> Result<bool> {
+    let [state_bufs @ .., grads, params] = bufs else { return Err(invalid(op, "no buffers")) };
+    for t in state_bufs {
+        check::dtype(op, t, DType::F32)?;
+        check::shape(op, t, state_bufs[0].dims())?;
+    }
+    if grads.dtype() != DType::BF16 {
+        check::dtype(op, grads, DType::F32)?;
+    }
+    if let Some(st) = state {
+        check::dtype(op, st, DType::F32)?;
+        check::shape(op, st, &[adam_state::LEN])?;
+    }
+    check::float(op, params)?;
+    check::shape(op, params, grads.dims())?;
+    if !distinct(bufs) {
+        return Err(invalid(op, "the state buffers, the gradients and the parameters must be distinct buffers"));
+    }
+    let (flat_len, state_len) = (grads.elem_count(), state_bufs.first().map_or(0, |t| t.elem_count()));
+    if let Some(r) = runs.runs.iter().find(|r| r.flat + r.len > flat_len || r.state + r.len > state_len) {
+        return Err(invalid(
+            op,
+            format!("run {r:?} reaches past the flat buffer ({flat_len}) or the state ({state_len})"),
+        ));
+    }
+    Ok(!runs.runs.is_empty())
+}
+
+/// The step state's values a CPU update reads (`adam_state`).
+struct HostStep {
+    grad_scale: f32,
+    steps: u64,
+    lr: f32,
+    wd: f32,
+    lr_decoupled: f32,
+}
+
+/// `state`'s step, or None where it is skipped (a non-finite gradient norm).
+fn host_step(state: &Tensor) -> Result<Option<HostStep>> {
+    let s = state.read_f32()?;
+    Ok((s[adam_state::APPLIED] != 0.0).then(|| HostStep {
+        grad_scale: s[adam_state::GRAD_SCALE],
+        steps: s[adam_state::STEPS] as u64,
+        lr: s[adam_state::LR],
+        wd: s[adam_state::WD],
+        lr_decoupled: s[adam_state::LR_DECOUPLED],
+    }))
 }
 
 /// Whether no two of `ts` share storage (the in-place updates read and write each once).
