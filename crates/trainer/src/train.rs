@@ -779,7 +779,11 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         CyclicSampler::new(name, split.num_samples(), s.micro_batch_size, dp, !s.no_data_sharding)
     };
     let (cyclic_train, cyclic_valid) = match s.dataloader_type.as_str() {
-        "cyclic" => (Some(cyclic("train", &data.train)?), data.valid.as_ref().map(|v| cyclic("valid", v)).transpose()?),
+        // The validation split's only where evaluations read it.
+        "cyclic" => (
+            Some(cyclic("train", &data.train)?),
+            data.valid.as_ref().filter(|_| s.eval_iters > 0).map(|v| cyclic("valid", v)).transpose()?,
+        ),
         _ => (None, None),
     };
     let schedule = s.batch_schedule()?;
