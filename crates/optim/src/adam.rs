@@ -59,6 +59,14 @@ pub enum Algorithm {
 }
 
 impl Algorithm {
+    /// Megatron's --optimizer name of the rule.
+    pub fn flag(&self) -> &'static str {
+        match self {
+            Algorithm::AdamW => "adam",
+            Algorithm::Sgd { .. } => "sgd",
+        }
+    }
+
     /// The state buffers beside the master weights, by their checkpoint names.
     pub fn state_names(&self) -> &'static [&'static str] {
         match self {

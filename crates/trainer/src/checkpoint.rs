@@ -842,11 +842,11 @@ pub fn restore(ck: &dyn Parts, table: &ParamTable, opt: &mut Optimizer) -> anyho
             "the checkpoint holds parameters only (no optimizer state, e.g. one converted from Hugging Face): load it with --finetune (or --no-load-optim)"
         );
     }
-    if st.settings.optimizer != ck_optimizer_now(opt) {
+    let now = opt.config.algorithm.flag();
+    if st.settings.optimizer != now {
         bail!(
-            "the checkpoint's optimizer state is --optimizer {}'s and this run's is {}'s: load its parameters alone with --no-load-optim (or --finetune), or give --optimizer {}",
+            "the checkpoint's optimizer state is --optimizer {}'s and this run's is {now}'s: load its parameters alone with --no-load-optim (or --finetune), or give --optimizer {}",
             st.settings.optimizer,
-            ck_optimizer_now(opt),
             st.settings.optimizer
         );
     }
@@ -864,14 +864,6 @@ pub fn restore(ck: &dyn Parts, table: &ParamTable, opt: &mut Optimizer) -> anyho
     }
     opt.load_owned_state(&state, st.optimizer_step)?;
     Ok(())
-}
-
-/// Megatron's --optimizer name of `opt`'s rule.
-fn ck_optimizer_now(opt: &Optimizer) -> &'static str {
-    match opt.config.algorithm {
-        ferrotron_optim::Algorithm::AdamW => "adam",
-        ferrotron_optim::Algorithm::Sgd { .. } => "sgd",
-    }
 }
 
 /// The MoE layers' expert biases from the checkpoint (each rank its own layers'; every way of

@@ -379,17 +379,30 @@ fn eval_micro_batches(
     let mut out = Vec::new();
     for it in 0..s.eval_iters {
         for m in 0..s.num_micro_batches() / dp {
-            let idx = match cyclic {
-                Some(c) => c.micro_batch(start + it * gbs + (m * dp) as u64 * mb, dp_rank)?,
-                None => {
-                    let first = micro_first_sample(start + it * gbs, m, (dp, dp_rank), mb);
-                    (0..mb).map(|i| ((first + i) % n) as usize).collect()
-                }
-            };
+            let idx = micro_indices(cyclic, start + it * gbs, m, (dp, dp_rank), mb, Some(n))?;
             out.push(batch(valid, &idx, spec, dev)?);
         }
     }
     Ok(out)
+}
+
+/// The sample indices of this rank's micro-batch `m` of the global batch starting at sample
+/// `batch_start`: the single sampler's run of `mb` from `micro_first_sample` (wrapped at `wrap`
+/// samples where given: the validation split, read on past its end), or the cyclic sampler's
+/// (placed by the samples consumed before the micro-batch: m · dp micro-batches into the batch).
+fn micro_indices(
+    cyclic: Option<&CyclicSampler>,
+    batch_start: u64,
+    m: usize,
+    (dp, dp_rank): (usize, usize),
+    mb: u64,
+    wrap: Option<u64>,
+) -> anyhow::Result<Vec<usize>> {
+    if let Some(c) = cyclic {
+        return Ok(c.micro_batch(micro_first_sample(batch_start, m, (dp, 0), mb), dp_rank)?);
+    }
+    let first = micro_first_sample(batch_start, m, (dp, dp_rank), mb);
+    Ok((first..first + mb).map(|i| wrap.map_or(i, |n| i % n) as usize).collect())
 }
 
 /// The first sample of this rank's micro-batch `m` of the global batch starting at sample
@@ -924,10 +937,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         let micros = (0..micros_at(consumed))
             .map(|m| {
                 let first = micro_first_sample(consumed, m, (dp, dp_rank), mb);
-                let idx: Vec<usize> = match &cyclic_train {
-                    Some(c) => c.micro_batch(consumed + (m * dp) as u64 * mb, dp_rank)?,
-                    None => (first..first + mb).map(|i| i as usize).collect(),
-                };
+                let idx = micro_indices(cyclic_train.as_ref(), consumed, m, (dp, dp_rank), mb, None)?;
                 let draw = Draw { seed: s.seed, first_sample: first };
                 Ok(batch(&data.train, &idx, &spec, &dev)?.with_draw(draw))
             })

@@ -27,46 +27,38 @@ pub fn scale(be: &B, x: &Tensor, y: &Tensor, s: f32) -> Result<()> {
 pub fn dropout(be: &B, x: &Tensor, row: usize, key: &crate::DropoutKey, thr: u32, scale: f32) -> Result<Tensor> {
     let y = new(be, x.shape().clone(), x.dtype())?;
     let name = format!("dropout_{}", sfx("dropout", x.dtype())?);
-    let w = |v: u64| Arg::I64(v as i64);
-    let args = [
-        ptr("dropout", x)?,
-        ptr("dropout", &y)?,
-        n(x.elem_count()),
-        n(row.max(1)),
-        w(key.seed),
-        w(key.stream),
-        w(key.base),
-        w(key.batch_stride),
-        w(key.offset),
-        Arg::I64(thr as i64),
-        Arg::F32(scale),
-        Arg::Ptr(be.draw_shift_ptr()),
-        // elementwise.cu's split: at the row's end when there is none.
-        n(key.split.map_or(row.max(1), |s| s.at as usize)),
-        w(key.split.map_or(0, |s| s.offset)),
-    ];
+    let mut args = vec![ptr("dropout", x)?, ptr("dropout", &y)?, n(x.elem_count())];
+    args.extend(key_words(row, key));
+    args.extend([Arg::I64(thr as i64), Arg::F32(scale)]);
+    args.extend(key_tail(be, row, key));
     ew(be, &name, x.elem_count(), &args)?;
     Ok(y)
+}
+
+/// The arguments elementwise.cu's keyed kernels (`dropout_*`, `normal_*`) take after their
+/// tensors: the row length and the key's words (seed, stream, base, batch stride, offset).
+fn key_words(row: usize, key: &crate::DropoutKey) -> [Arg; 6] {
+    let w = |v: u64| Arg::I64(v as i64);
+    [n(row.max(1)), w(key.seed), w(key.stream), w(key.base), w(key.batch_stride), w(key.offset)]
+}
+
+/// Their last arguments: the draw shift of a replayed graph, and the split (at the row's end when
+/// there is none).
+fn key_tail(be: &B, row: usize, key: &crate::DropoutKey) -> [Arg; 3] {
+    [
+        Arg::Ptr(be.draw_shift_ptr()),
+        n(key.split.map_or(row.max(1), |s| s.at as usize)),
+        Arg::I64(key.split.map_or(0, |s| s.offset) as i64),
+    ]
 }
 
 /// Standard normal values of `shape`, keyed as dropout's words (elementwise.cu `normal_*`).
 pub fn normal(be: &B, shape: Shape, dtype: DType, row: usize, key: &crate::DropoutKey) -> Result<Tensor> {
     let y = new(be, shape, dtype)?;
     let name = format!("normal_{}", sfx("normal", dtype)?);
-    let w = |v: u64| Arg::I64(v as i64);
-    let args = [
-        ptr("normal", &y)?,
-        n(y.elem_count()),
-        n(row.max(1)),
-        w(key.seed),
-        w(key.stream),
-        w(key.base),
-        w(key.batch_stride),
-        w(key.offset),
-        Arg::Ptr(be.draw_shift_ptr()),
-        n(key.split.map_or(row.max(1), |s| s.at as usize)),
-        w(key.split.map_or(0, |s| s.offset)),
-    ];
+    let mut args = vec![ptr("normal", &y)?, n(y.elem_count())];
+    args.extend(key_words(row, key));
+    args.extend(key_tail(be, row, key));
     ew(be, &name, y.elem_count(), &args)?;
     Ok(y)
 }
