@@ -7,7 +7,8 @@
 //! signatures.
 //!
 //! Families: `matmul`, `norm`, `activation` (incl. softmax), `attention`, `rope`, `embedding`, `loss`,
-//! `optim`, `elementwise`, `qkv`, `moe` (routing), `ssm` (Mamba-2's mixer). Accumulation rule: activation gradients are returned (`=`); parameter
+//! `optim`, `elementwise`, `qkv`, `moe` (routing), `ssm` (Mamba-2's mixer), `fp8` (tensorwise-scaled
+//! FP8 quantization and products). Accumulation rule: activation gradients are returned (`=`); parameter
 //! gradients are either returned as f32 for the caller to add, or added in place (`matmul_into` with
 //! `accumulate`, `embedding_bwd`, the `_into` bias and norm backwards) into main_grad buffers (fp32,
 //! or bf16 with the sums formed in fp32 and rounded once).
@@ -24,6 +25,7 @@ pub mod cuda;
 mod dropout;
 mod elementwise;
 mod embedding;
+mod fp8;
 mod lab_env;
 mod loss;
 mod matmul;
@@ -47,6 +49,9 @@ pub use check::set_device_ids_prechecked;
 pub use dropout::{DropSplit, DropoutKey, dropout, normal, set_draw_shift};
 pub use elementwise::{add, add_, bias_add, bias_grad, bias_grad_into, cast, copy_, scale, scale_};
 pub use embedding::{embedding_bwd, embedding_bwd_shard, embedding_fwd, embedding_fwd_shard, position_embedding_bwd};
+pub use fp8::{
+    Fp8, Fp8Copies, Fp8Format, fp8_linear_bwd, fp8_linear_fwd, fp8_matmul, fp8_matmul_into, fp8_max, quantize_fp8,
+};
 pub use lab_env::check_lab_switches;
 pub use loss::{
     CrossEntropyCfg, RowScale, ce_combine_shards, cross_entropy_bwd, cross_entropy_fwd, cross_entropy_fwd_bwd_,

@@ -8,12 +8,18 @@
 //!
 //! Backward follows the region mappings of `tp`: dx = dy·W, then the entry's backward; parameter
 //! grads are added (`+=`) into main_grad from the whole (gathered) activations.
+//!
+//! With an FP8 format (`with_fp8`, Megatron's --fp8-format) each rank's products run in FP8 with
+//! per-tensor scales (`k::fp8_linear_fwd` / `k::fp8_linear_bwd`): the forward keeps the FP8 xᵀ
+//! instead of x, and the GeLU stays out of the products' epilogues. Scales are per rank, of the
+//! tensors each rank multiplies (Transformer Engine's current scaling without an amax reduction),
+//! so a split layer quantizes its weight shards and row-parallel inputs apart.
 
 use crate::tp::TensorParallel;
 use ferrotron_core::{
     Blocks, Cx, Init, Module, ParamId, ParamMeta, ParamTableBuilder, Result, Saved, Shard, Tensor, invalid,
 };
-use ferrotron_kernels as k;
+use ferrotron_kernels::{self as k, Fp8, Fp8Format};
 
 fn saved_one<'a>(op: &'static str, s: &'a Saved) -> Result<&'a Tensor> {
     s.tensors.first().ok_or_else(|| invalid(op, "nothing saved by forward"))
@@ -32,6 +38,50 @@ fn param_grads(cx: &Cx, w: ParamId, b: Option<ParamId>, x: &Tensor, dy: &Tensor)
     Ok(())
 }
 
+/// y = x·wᵀ (+ bias where given) on this rank, in FP8 where `fp8`, and what the backward keeps
+/// (x, or the FP8 xᵀ).
+fn product(cx: &Cx, w: ParamId, bias: Option<ParamId>, x: &Tensor, fp8: Option<Fp8Format>) -> Result<(Tensor, Saved)> {
+    let w = cx.params.param(w)?;
+    let b = bias.map(|b| cx.params.param(b)).transpose()?;
+    if let Some(f) = fp8 {
+        // An evaluation's forward writes no transposed copy: nothing runs backward.
+        let (y, xt) = k::fp8_linear_fwd(x, &w, b.as_ref(), f, cx.training)?;
+        let kept = xt.map_or_else(Vec::new, |t| vec![t.data, t.scale_inv]);
+        return Ok((y, Saved::new(kept, vec![])));
+    }
+    let y = match b {
+        Some(b) => k::matmul_bias(x, &w, &b, false, true)?,
+        None => k::matmul(x, &w, false, true)?,
+    };
+    Ok((y, Saved::new(vec![x.clone()], vec![])))
+}
+
+/// `product`'s backward: dx = dy·w, with `param_grads`.
+fn product_bwd(
+    op: &'static str,
+    cx: &Cx,
+    (w, b): (ParamId, Option<ParamId>),
+    saved: &Saved,
+    dy: &Tensor,
+    fp8: Option<Fp8Format>,
+) -> Result<Tensor> {
+    let Some(f) = fp8 else {
+        param_grads(cx, w, b, saved_one(op, saved)?, dy)?;
+        return k::matmul(dy, &cx.params.param(w)?, false, false);
+    };
+    let xt = match saved.tensors.as_slice() {
+        [data, scale_inv] => Fp8 { data: data.clone(), scale_inv: scale_inv.clone() },
+        _ => return Err(invalid(op, "the forward saved no FP8 input")),
+    };
+    let (dw, acc) = cx.params.grad_acc(w)?;
+    let dx = k::fp8_linear_bwd(dy, &cx.params.param(w)?, &xt, (&dw, acc), f)?;
+    if let Some(b) = b {
+        let (db, acc) = cx.params.grad_acc(b)?;
+        k::bias_grad_into(&db, dy, acc)?;
+    }
+    Ok(dx)
+}
+
 #[derive(Debug, Clone)]
 pub struct ColumnParallelLinear {
     pub weight: ParamId,
@@ -41,6 +91,8 @@ pub struct ColumnParallelLinear {
     pub out_features: usize,
     pub gather_output: bool,
     pub tp: TensorParallel,
+    /// The products in FP8 (module header).
+    pub fp8: Option<Fp8Format>,
 }
 
 impl ColumnParallelLinear {
@@ -71,7 +123,15 @@ impl ColumnParallelLinear {
         } else {
             None
         };
-        Ok(ColumnParallelLinear { weight, bias, in_features, out_features, gather_output: false, tp: tp.clone() })
+        Ok(ColumnParallelLinear {
+            weight,
+            bias,
+            in_features,
+            out_features,
+            gather_output: false,
+            tp: tp.clone(),
+            fp8: None,
+        })
     }
 
     pub fn with_gather_output(mut self, yes: bool) -> Self {
@@ -79,10 +139,15 @@ impl ColumnParallelLinear {
         self
     }
 
+    pub fn with_fp8(mut self, fp8: Option<Fp8Format>) -> Self {
+        self.fp8 = fp8;
+        self
+    }
+
     /// `forward` then GeLU: (gelu(y), y, saved), with the GeLU in the GEMM's epilogue where the
     /// device has one (`k::linear_gelu`). `backward` takes the saved values as from `forward`.
     pub fn forward_gelu(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Tensor, Saved)> {
-        if self.gather_output {
+        if self.gather_output || self.fp8.is_some() {
             let (y, s) = self.forward(cx, x)?;
             return Ok((k::gelu(&y)?, y, s));
         }
@@ -96,13 +161,9 @@ impl ColumnParallelLinear {
 impl Module for ColumnParallelLinear {
     fn forward(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Saved)> {
         let x = self.tp.enter(x)?;
-        let w = cx.params.param(self.weight)?;
-        let y = match self.bias {
-            Some(b) => k::matmul_bias(&x, &w, &cx.params.param(b)?, false, true)?,
-            None => k::matmul(&x, &w, false, true)?,
-        };
+        let (y, saved) = product(cx, self.weight, self.bias, &x, self.fp8)?;
         let y = if self.gather_output { self.tp.gather_last(&y)? } else { y };
-        Ok((y, Saved::new(vec![x], vec![])))
+        Ok((y, saved))
     }
 
     fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
@@ -122,10 +183,9 @@ impl ColumnParallelLinear {
     }
 
     fn backward_with(&self, cx: &Cx, saved: Saved, dy: &Tensor, bias: Option<ParamId>) -> Result<Tensor> {
-        let x = saved_one("ColumnParallelLinear::backward", &saved)?;
         let dy = if self.gather_output { self.tp.split_last(dy)? } else { dy.clone() };
-        let dx = k::matmul(&dy, &cx.params.param(self.weight)?, false, false)?;
-        param_grads(cx, self.weight, bias, x, &dy)?;
+        let op = "ColumnParallelLinear::backward";
+        let dx = product_bwd(op, cx, (self.weight, bias), &saved, &dy, self.fp8)?;
         self.tp.enter_bwd(&dx)
     }
 }
@@ -139,6 +199,8 @@ pub struct RowParallelLinear {
     pub out_features: usize,
     pub input_is_parallel: bool,
     pub tp: TensorParallel,
+    /// The products in FP8 (module header).
+    pub fp8: Option<Fp8Format>,
 }
 
 impl RowParallelLinear {
@@ -167,11 +229,24 @@ impl RowParallelLinear {
         } else {
             None
         };
-        Ok(RowParallelLinear { weight, bias, in_features, out_features, input_is_parallel: true, tp: tp.clone() })
+        Ok(RowParallelLinear {
+            weight,
+            bias,
+            in_features,
+            out_features,
+            input_is_parallel: true,
+            tp: tp.clone(),
+            fp8: None,
+        })
     }
 
     pub fn with_input_is_parallel(mut self, yes: bool) -> Self {
         self.input_is_parallel = yes;
+        self
+    }
+
+    pub fn with_fp8(mut self, fp8: Option<Fp8Format>) -> Self {
+        self.fp8 = fp8;
         self
     }
 }
@@ -179,19 +254,19 @@ impl RowParallelLinear {
 impl Module for RowParallelLinear {
     fn forward(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Saved)> {
         let x = if self.input_is_parallel { x.clone() } else { self.tp.split_last(x)? };
-        let w = cx.params.param(self.weight)?;
-        let y = match (self.tp.size(), self.bias) {
+        match (self.tp.size(), self.bias) {
             // Alone: the bias rides in the GEMM epilogue.
-            (1, Some(b)) => k::matmul_bias(&x, &w, &cx.params.param(b)?, false, true)?,
+            (1, Some(b)) => product(cx, self.weight, Some(b), &x, self.fp8),
             (_, b) => {
-                let y = self.tp.exit(&k::matmul(&x, &w, false, true)?)?;
-                match b.filter(|_| self.tp.adds_bias()) {
+                let (y, saved) = product(cx, self.weight, None, &x, self.fp8)?;
+                let y = self.tp.exit(&y)?;
+                let y = match b.filter(|_| self.tp.adds_bias()) {
                     Some(b) => k::bias_add(&y, &cx.params.param(b)?)?,
                     None => y,
-                }
+                };
+                Ok((y, saved))
             }
-        };
-        Ok((y, Saved::new(vec![x], vec![])))
+        }
     }
 
     fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
@@ -226,7 +301,6 @@ impl RowParallelLinear {
         bias_grad: bool,
     ) -> Result<Tensor> {
         let h = dgelu_of;
-        let x = saved_one("RowParallelLinear::backward", &saved)?;
         if let Some(b) = self.bias.filter(|_| bias_grad) {
             // Under sequence parallelism dy is this rank's sequence slice: a partial bias grad,
             // summed over the group with the other sequence-parallel grads before the step.
@@ -234,13 +308,18 @@ impl RowParallelLinear {
             k::bias_grad_into(&db, dy, acc)?;
         }
         let dy = self.tp.exit_bwd(dy)?;
-        let w = cx.params.param(self.weight)?;
-        let dx = match h {
-            Some(h) if self.input_is_parallel => k::matmul_dgelu(&dy, &w, h)?,
-            _ => k::matmul(&dy, &w, false, false)?,
+        let op = "RowParallelLinear::backward";
+        // The GeLU backward rides in the input-gradient product's epilogue where it can (bf16).
+        let fused = h.filter(|_| self.input_is_parallel && self.fp8.is_none());
+        let dx = match fused {
+            Some(h) => {
+                param_grads(cx, self.weight, None, saved_one(op, &saved)?, &dy)?;
+                k::matmul_dgelu(&dy, &cx.params.param(self.weight)?, h)?
+            }
+            None => product_bwd(op, cx, (self.weight, None), &saved, &dy, self.fp8)?,
         };
-        param_grads(cx, self.weight, None, x, &dy)?;
         match (self.input_is_parallel, h) {
+            (true, Some(h)) if fused.is_none() => k::gelu_bwd(h, &dx),
             (true, _) => Ok(dx),
             (false, None) => self.tp.gather_last(&dx),
             (false, Some(h)) => k::gelu_bwd(h, &self.tp.gather_last(&dx)?),

@@ -144,9 +144,6 @@ pub(crate) fn apply(a: &mut TrainArgs) -> anyhow::Result<()> {
             a.hierarchical_context_parallel_sizes
         );
     }
-    if let Some(f) = &a.fp8_format {
-        bail!("--fp8-format {f}: FP8 training is not built; use --bf16");
-    }
     for (flag, on) in [("--reset-attention-mask", a.reset_attention_mask)] {
         if on {
             bail!(

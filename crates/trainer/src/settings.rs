@@ -991,9 +991,15 @@ pub struct TrainArgs {
     /// Megatron's --skip-train: no training step; one evaluation at the loaded iteration, then exit.
     #[arg(long)]
     pub skip_train: bool,
-    /// Refused by name: FP8 training is not built.
+    /// The transformer layers' linear products in FP8: e4m3 (every operand E4M3) or hybrid
+    /// (gradients in E5M2). Needs --bf16 and --fp8-recipe tensorwise.
     #[arg(long)]
     pub fp8_format: Option<String>,
+    /// How FP8 tensors are scaled: tensorwise (each tensor by its own amax, Transformer Engine's
+    /// current scaling). Megatron's default, delayed (scales from an amax history), and mxfp8 /
+    /// blockwise are refused by name.
+    #[arg(long)]
+    pub fp8_recipe: Option<String>,
     /// Learned absolute positions count from 0 again after each end of document in a sample
     /// (Megatron's). As in Megatron Core, rotary embeddings take no position ids: it changes
     /// nothing with --position-embedding-type rope.
@@ -1055,7 +1061,7 @@ impl TrainArgs {
             main_grads_dtype, main_params_dtype, exp_avg_dtype, exp_avg_sq_dtype, num_workers, manual_gc_interval,
             timing_log_level, empty_unused_memory_level, wandb_project, optimizer, rotary_seq_len_interpolation_factor, softmax_type, no_weight_decay_cond_type, sgd_momentum,
             num_virtual_stages_per_pipeline_rank, microbatch_group_size_per_virtual_pipeline_stage, loss_scale,
-            initial_loss_scale, min_loss_scale, loss_scale_window, hysteresis, dist_ckpt_strictness, fp8_format,
+            initial_loss_scale, min_loss_scale, loss_scale_window, hysteresis, dist_ckpt_strictness, fp8_format, fp8_recipe,
             moe_flex_dispatcher_backend, moe_flex_dispatcher_num_sms, cross_entropy_fusion_impl, pipeline_model_parallel_layout,
             ddp_num_buckets, dist_ckpt_format, num_dataset_builder_threads, decoupled_lr, decoupled_min_lr);
         merge_flags!(self, o; check_for_nan_in_loss_and_grad, no_check_for_nan_in_loss_and_grad, use_rope_scaling, swiglu, squared_relu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, qk_l2_norm, attention_output_gate, multi_latent_attention, bf16, fp16, no_progress, deterministic_mode,
@@ -1287,6 +1293,10 @@ pub struct Settings {
     pub eval_iters: u64,
     pub save_interval: u64,
     pub bf16: bool,
+    /// --fp8-format (with --fp8-recipe tensorwise): the transformer layers' linear products in FP8
+    /// (absent from older checkpoints' settings: none).
+    #[serde(default)]
+    pub fp8_format: Option<String>,
     pub corpus_docs: usize,
     #[serde(default = "one")]
     pub tensor_model_parallel_size: usize,
@@ -1507,6 +1517,33 @@ pub struct MoeSettings {
 
 fn adam() -> String {
     "adam".into()
+}
+
+/// --fp8-format checked with its recipe (only tensorwise scaling is built) and --bf16.
+fn fp8_format(a: &TrainArgs) -> anyhow::Result<Option<String>> {
+    let Some(f) = &a.fp8_format else {
+        if let Some(r) = &a.fp8_recipe {
+            eprintln!("warning: --fp8-recipe {r} without --fp8-format: the run is not in FP8");
+        }
+        return Ok(None);
+    };
+    if ferrotron_kernels::Fp8Format::parse(f).is_none() {
+        bail!("--fp8-format {f}: the formats are e4m3 (every operand E4M3) and hybrid (gradients in E5M2)");
+    }
+    match a.fp8_recipe.as_deref() {
+        Some("tensorwise") => {}
+        None | Some("delayed") => bail!(
+            "--fp8-format {f} with --fp8-recipe delayed (Megatron's default: scales from an amax history) is not built: pass --fp8-recipe tensorwise (each tensor scaled by its own amax, Transformer Engine's current scaling)"
+        ),
+        Some(r @ ("mxfp8" | "blockwise")) => {
+            bail!("--fp8-recipe {r} (block-scaled FP8) is not built: pass --fp8-recipe tensorwise (one scale a tensor)")
+        }
+        Some(r) => bail!("--fp8-recipe {r}: the recipes are tensorwise, delayed, mxfp8 and blockwise"),
+    }
+    if !a.bf16 {
+        bail!("--fp8-format {f} needs --bf16: what is not multiplied in FP8 trains in bf16");
+    }
+    Ok(Some(f.clone()))
 }
 
 fn sgd_momentum() -> f32 {
@@ -2475,6 +2512,7 @@ impl Settings {
             eval_iters: need(&a.eval_iters, "--eval-iters")?,
             save_interval: need(&a.save_interval, "--save-interval")?,
             bf16: a.bf16,
+            fp8_format: fp8_format(&a)?,
             corpus_docs: need(&a.corpus_docs, "--corpus-docs")?,
             data_path,
             train_data_path,
@@ -3071,6 +3109,7 @@ impl Settings {
         let config = self.model_config()?;
         config.validate_tp(tp)?;
         config.validate()?;
+        self.validate_fp8()?;
         if pp > 1 && self.mtp_num_layers.is_some() && config.position_embedding == PositionEmbedding::LearnedAbsolute {
             bail!(
                 "--mtp-num-layers with learned absolute position embeddings needs the whole model on one pipeline stage (the depths look up positions on the last): use --position-embedding-type rope, or --pipeline-model-parallel-size 1"
@@ -3114,6 +3153,60 @@ impl Settings {
     /// Each layer's context-parallel exchange (--cp-comm-type: one for all, or one a layer in
     /// order; Megatron's default p2p passes key/value blocks round a ring, and the all-gather
     /// here gives the same attention, so scripts that name p2p run).
+    /// --fp8-format as the kernels take it (None: no FP8).
+    pub fn fp8(&self) -> anyhow::Result<Option<ferrotron_kernels::Fp8Format>> {
+        match &self.fp8_format {
+            None => Ok(None),
+            Some(f) => ferrotron_kernels::Fp8Format::parse(f)
+                .map(Some)
+                .ok_or_else(|| anyhow::anyhow!("--fp8-format {f}: the formats are e4m3 and hybrid")),
+        }
+    }
+
+    /// FP8 products need each rank's linear layers' widths and its tokens per micro-batch to be
+    /// multiples of 16 (cuBLASLt's FP8 alignment) and a model whose layers have FP8 products.
+    fn validate_fp8(&self) -> anyhow::Result<()> {
+        let Some(f) = &self.fp8_format else { return Ok(()) };
+        for (what, on) in [
+            ("mixture-of-experts (--num-experts)", self.moe.is_some()),
+            ("Mamba hybrids (--hybrid-layer-pattern)", self.mamba.is_some()),
+            ("multi-latent attention (--multi-latent-attention)", self.mla.is_some()),
+            ("multimodal models (--img-h)", self.vision.is_some()),
+        ] {
+            if on {
+                bail!("--fp8-format {f}: {what} have no FP8 products yet; train in bf16 (drop --fp8-format)");
+            }
+        }
+        let (tp, cp) = (self.tensor_model_parallel_size, self.context_parallel_size);
+        let config = self.model_config()?;
+        let head = config.head_dim();
+        let gate = if config.layer.attention.output_gate { config.num_attention_heads } else { 0 };
+        let qkv = (config.num_attention_heads + gate + 2 * config.num_query_groups) * head;
+        let blocks = match &config.layer.mlp {
+            MlpSpec::Dense { activation, .. } => activation.fc1_blocks(),
+            MlpSpec::Custom(_) => 1,
+        };
+        let tokens = self.micro_batch_size * self.seq_length / cp.max(1);
+        for (what, n) in [
+            ("--hidden-size", config.hidden_size),
+            ("--ffn-hidden-size / --tensor-model-parallel-size", config.ffn_hidden_size / tp),
+            (
+                "fc1's width (--ffn-hidden-size, × 2 for SwiGLU) / --tensor-model-parallel-size",
+                blocks * config.ffn_hidden_size / tp,
+            ),
+            ("the QKV projection's width / --tensor-model-parallel-size", qkv / tp),
+            ("heads × head dim / --tensor-model-parallel-size", config.num_attention_heads * head / tp),
+            ("the tokens of a micro-batch (--micro-batch-size × --seq-length / --context-parallel-size)", tokens),
+        ] {
+            if n % 16 != 0 {
+                bail!(
+                    "--fp8-format {f}: {what} is {n}, and FP8 products need multiples of 16 (cuBLASLt's FP8 alignment): pick sizes that give one, or drop --fp8-format"
+                );
+            }
+        }
+        Ok(())
+    }
+
     pub fn cp_comm_types(&self) -> anyhow::Result<Vec<ferrotron_parallel::CpCommType>> {
         let kinds = self
             .cp_comm_type

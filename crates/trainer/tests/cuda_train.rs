@@ -392,6 +392,32 @@ fn mamba_tensor_core_scan_cuda_matches_cpu() {
     bf16_cuda_matches_cpu("mamba tensor cores", args);
 }
 
+/// --fp8-format with --fp8-recipe tensorwise on the GPU: the quantization kernels (amax, then
+/// the cast writing q and qᵀ) and cuBLASLt's FP8 products (E4M3 forward, E5M2 gradients, the
+/// weight gradient into fp32 main_grad) inside training: llama-tiny (SwiGLU, no biases), tiny
+/// (GeLU and biases: the bias epilogue, the GeLU outside the products) and E4M3 gradients under
+/// tp2 × sp on two thread ranks sharing it, against the CPU's emulation, within bf16's 2e-2.
+#[test]
+fn fp8_cuda_matches_cpu() {
+    let fp8 = |preset: &'static str, format: &'static str| {
+        move || TrainArgs {
+            preset: Some(preset.into()),
+            bf16: true,
+            fp8_format: Some(format.into()),
+            fp8_recipe: Some("tensorwise".into()),
+            ..TrainArgs::default()
+        }
+    };
+    bf16_cuda_matches_cpu("fp8 hybrid llama-tiny", fp8("llama-tiny", "hybrid"));
+    bf16_cuda_matches_cpu("fp8 hybrid tiny", fp8("tiny", "hybrid"));
+    bf16_cuda_matches_cpu("fp8 e4m3 tp2 sp", || TrainArgs {
+        tensor_model_parallel_size: Some(2),
+        sequence_parallel: true,
+        nproc: Some(2),
+        ..fp8("llama-tiny", "e4m3")()
+    });
+}
+
 /// `args` (a bf16 run) for 20 steps on the GPU and on the CPU: every loss within 2e-2.
 fn bf16_cuda_matches_cpu(tag: &str, args: impl Fn() -> TrainArgs) {
     let gpu = Device::cuda(0).expect("a CUDA device");

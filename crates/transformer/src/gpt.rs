@@ -549,6 +549,35 @@ impl GptModel {
         Ok((model, table))
     }
 
+    /// Every transformer layer's attention and MLP products in FP8 (`format`, Megatron's
+    /// --fp8-format with --fp8-recipe tensorwise: `ferrotron_kernels::fp8`), the MTP depths' layers
+    /// and projections too; the embeddings, the output layer and the attention itself stay in the
+    /// model's dtype, as Megatron keeps them. Refused for what has no FP8 products yet.
+    pub fn set_fp8(&mut self, format: Option<k::Fp8Format>) -> Result<()> {
+        let flag = |what: &str| {
+            ModelError::Config(format!(
+                "--fp8-format {}: {what}; train in bf16 (drop --fp8-format)",
+                format.map_or("", |f| f.as_str())
+            ))
+        };
+        if format.is_some() && self.vision.is_some() {
+            return Err(flag("multimodal (LLaVA-style) models have no FP8 products yet"));
+        }
+        for chunk in &mut self.chunks {
+            for (i, layer) in chunk.layers.iter_mut().enumerate() {
+                let index = chunk.first_layer + i;
+                layer.set_fp8(format).map_err(|e| flag(&format!("decoder layer {index}: {e}")))?;
+            }
+        }
+        if let Some(m) = &mut self.mtp {
+            for (depth, l) in m.layers.iter_mut().enumerate() {
+                l.eh_proj.fp8 = format;
+                l.layer.set_fp8(format).map_err(|e| flag(&format!("multi-token prediction depth {depth}: {e}")))?;
+            }
+        }
+        Ok(())
+    }
+
     /// Splits every sequence over `cp`'s ranks (nothing changes at size 1), every layer's
     /// attention by `cp.kind`'s exchange.
     pub fn set_context_parallel(&mut self, cp: ContextParallel) -> Result<()> {

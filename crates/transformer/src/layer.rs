@@ -26,7 +26,9 @@ pub enum Sublayer {
     Attention(Box<SelfAttention>),
     /// Multi-latent attention (its own module: latent projections, a rotary part of its own).
     Mla(Box<MlaAttention>),
-    /// An MLP (dense, or a factory's: MoE) or a sequence mixer (ferrotron-ssm's Mamba-2).
+    /// The dense MLP.
+    Mlp(Box<Mlp>),
+    /// A factory's MLP (MoE, a user's) or a sequence mixer (ferrotron-ssm's Mamba-2).
     Module(Box<dyn Module>),
 }
 
@@ -35,6 +37,7 @@ impl Sublayer {
         match self {
             Sublayer::Attention(a) => a.as_ref(),
             Sublayer::Mla(a) => a.as_ref(),
+            Sublayer::Mlp(m) => m.as_ref(),
             Sublayer::Module(m) => m.as_ref(),
         }
     }
@@ -107,8 +110,8 @@ impl TransformerLayer {
         };
         let mlp = |p: &mut ParamTableBuilder| -> Result<Branch> {
             let pre = Norm::new(p, &format!("{prefix}.pre_mlp_layernorm"), norm, h, sp)?;
-            let m: Box<dyn Module> = match c.layer.mlp_of(index) {
-                MlpSpec::Dense { activation, bias } => Box::new(Mlp::new(
+            let f = match c.layer.mlp_of(index) {
+                MlpSpec::Dense { activation, bias } => Sublayer::Mlp(Box::new(Mlp::new(
                     p,
                     &format!("{prefix}.mlp"),
                     h,
@@ -118,18 +121,14 @@ impl TransformerLayer {
                     std,
                     out_std,
                     tp,
-                )?),
+                )?)),
                 MlpSpec::Custom(f) => {
                     let prefix = format!("{prefix}.mlp");
-                    f.build(&FactoryCx { prefix: &prefix, hidden: h, std, out_std, tp }, p)?
+                    Sublayer::Module(f.build(&FactoryCx { prefix: &prefix, hidden: h, std, out_std, tp }, p)?)
                 }
             };
             let site = format!("{prefix}.mlp.dropout");
-            Ok(Branch {
-                norm: pre,
-                f: Sublayer::Module(m),
-                dropout: HiddenDropout::new(c.hidden_dropout, &site, h, tp),
-            })
+            Ok(Branch { norm: pre, f, dropout: HiddenDropout::new(c.hidden_dropout, &site, h, tp) })
         };
         let branches = match c.layer.kind_of(index) {
             LayerKind::Transformer => vec![attention(p)?, mlp(p)?],
@@ -161,6 +160,35 @@ impl TransformerLayer {
             Sublayer::Attention(a) => Some(a.as_mut()),
             _ => None,
         })
+    }
+
+    /// The products of the attention's and the dense MLP's linear layers in FP8 (`format`,
+    /// Megatron's --fp8-format) or not (None). Multi-latent attention and a factory's module (MoE
+    /// experts, a sequence mixer) have no FP8 products: refused, naming the layer's kind.
+    pub fn set_fp8(&mut self, format: Option<ferrotron_kernels::Fp8Format>) -> Result<()> {
+        for b in &mut self.branches {
+            match &mut b.f {
+                Sublayer::Attention(a) => {
+                    a.linear_qkv.fp8 = format;
+                    a.linear_proj.fp8 = format;
+                }
+                Sublayer::Mlp(m) => {
+                    m.linear_fc1.fp8 = format;
+                    m.linear_fc2.fp8 = format;
+                }
+                _ if format.is_none() => {}
+                Sublayer::Mla(_) => {
+                    return Err(invalid("set_fp8", "multi-latent attention has no FP8 products yet"));
+                }
+                Sublayer::Module(_) => {
+                    return Err(invalid(
+                        "set_fp8",
+                        "mixture-of-experts, sequence-mixer (Mamba) and custom modules have no FP8 products yet",
+                    ));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The first branch's norm: its weight is the layer's first parameter (lowest flat offset).

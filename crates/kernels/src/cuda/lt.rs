@@ -3,6 +3,10 @@
 //! and the epilogues that fuse the MLP's GeLU into its GEMMs: forward D = gelu(A·B + bias) with
 //! the pre-activation kept as the aux output, backward D = (A·B) ∘ gelu'(aux).
 //!
+//! FP8 operands (`matmul_fp8`: E4M3 or E5M2, each with a device-resident f32 scale_inv read by
+//! the GEMM itself, so no host synchronisation) take the same descriptors; cuBLASLt takes them
+//! only as TN (A transposed, B not) and never both E5M2.
+//!
 //! Column-major, as cuBLASLt sees it: D [m, n] (ld ldc) = op(A) [m, k] · op(B) [k, n]; the bias
 //! has one value per row of D (per output feature of a linear layer), aux has D's shape (ld m).
 
@@ -61,6 +65,8 @@ struct Key {
     epilogue: i32,
     align: u32,
     out: Out,
+    /// FP8 operand types (A, B; true for E5M2), None for bf16.
+    fp8: Option<(bool, bool)>,
 }
 
 /// The per-device cuBLASLt state: workspace and the algorithm cache.
@@ -189,7 +195,35 @@ pub(crate) unsafe fn matmul_into_f32(be: &Backend, cfg: &MatmulConfig, a: u64, b
     unsafe { run(be, cfg, a, b, d, Epilogue::None, Out::F32) }
 }
 
-/// The element type of C and D (A and B are bf16).
+/// FP8 operands: each one's type and the device address of its f32 scale_inv (D = A's scale_inv
+/// · B's scale_inv · A·B (+ bias) + beta·C).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Fp8In {
+    pub a_e5m2: bool,
+    pub b_e5m2: bool,
+    pub a_scale_inv: u64,
+    pub b_scale_inv: u64,
+}
+
+/// D = op(A)·op(B)·scales (+ bias) + beta·D for FP8 A and B (`cfg.transa` set, `cfg.transb`
+/// not) into a bf16 D (`out_f32` false) or an fp32 D (the weight gradient into main_grad).
+///
+/// # Safety
+/// As `matmul`, with A and B one byte an element and the scale addresses each holding one f32.
+pub(crate) unsafe fn matmul_fp8(
+    be: &Backend,
+    cfg: &MatmulConfig,
+    (a, b, d): (u64, u64, u64),
+    epi: Epilogue,
+    fp8: Fp8In,
+    out_f32: bool,
+) -> Result<()> {
+    let out = if out_f32 { Out::F32 } else { Out::Bf16 };
+    // SAFETY: the caller's guarantee.
+    unsafe { run_typed(be, cfg, a, b, d, epi, out, Some(fp8)) }
+}
+
+/// The element type of C and D.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 enum Out {
     Bf16,
@@ -212,6 +246,21 @@ impl Out {
 }
 
 unsafe fn run(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d: u64, epi: Epilogue, out: Out) -> Result<()> {
+    // SAFETY: the caller's guarantee.
+    unsafe { run_typed(be, cfg, a, b, d, epi, out, None) }
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe fn run_typed(
+    be: &Backend,
+    cfg: &MatmulConfig,
+    a: u64,
+    b: u64,
+    d: u64,
+    epi: Epilogue,
+    out: Out,
+    fp8: Option<Fp8In>,
+) -> Result<()> {
     let (batch, [sa, sb, sc]) = match cfg.batch_size {
         Some(n) if n > 1 => (n, [cfg.stride_a.unwrap_or(0), cfg.stride_b.unwrap_or(0), cfg.stride_c.unwrap_or(0)]),
         _ => (1, [0, 0, 0]),
@@ -224,10 +273,14 @@ unsafe fn run(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d: u64, epi: Epi
     };
     let align = alignment(&[a, b, d, aux]);
     let bf = sys::cudaDataType_t::CUDA_R_16BF;
+    let f8 = |e5m2: bool| {
+        if e5m2 { sys::cudaDataType_t::CUDA_R_8F_E5M2 } else { sys::cudaDataType_t::CUDA_R_8F_E4M3 }
+    };
+    let (ta, tb) = fp8.map_or((bf, bf), |f| (f8(f.a_e5m2), f8(f.b_e5m2)));
     let (a_rows, a_cols) = if cfg.transa { (cfg.k, cfg.m) } else { (cfg.m, cfg.k) };
     let (b_rows, b_cols) = if cfg.transb { (cfg.n, cfg.k) } else { (cfg.k, cfg.n) };
-    let la = layout(bf, a_rows, a_cols, cfg.lda, batch, sa)?;
-    let lb = layout(bf, b_rows, b_cols, cfg.ldb, batch, sb)?;
+    let la = layout(ta, a_rows, a_cols, cfg.lda, batch, sa)?;
+    let lb = layout(tb, b_rows, b_cols, cfg.ldb, batch, sb)?;
     let ld = layout(out.cuda(), cfg.m, cfg.n, cfg.ldc, batch, sc)?;
     let desc = Desc(
         result::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType_t::CUDA_R_32F)
@@ -238,6 +291,10 @@ unsafe fn run(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d: u64, epi: Epi
     set_desc(&desc, DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE, &epi.code())?;
     if bias != 0 {
         set_desc(&desc, DescAttr::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias)?;
+    }
+    if let Some(f) = fp8 {
+        set_desc(&desc, DescAttr::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &f.a_scale_inv)?;
+        set_desc(&desc, DescAttr::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &f.b_scale_inv)?;
     }
     if aux != 0 {
         set_desc(&desc, DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux)?;
@@ -255,6 +312,7 @@ unsafe fn run(be: &Backend, cfg: &MatmulConfig, a: u64, b: u64, d: u64, epi: Epi
         epilogue: epi.code() as i32,
         align,
         out,
+        fp8: fp8.map(|f| (f.a_e5m2, f.b_e5m2)),
     };
     let lt = &be.lt;
     let handle = *be.blas_lt.handle();

@@ -43,6 +43,7 @@ pub const SOURCES: &[(&str, &str)] = &[
     ("flash_mma.cu", include_str!("../../../../kernels/flash_mma.cu")),
     ("flash_bwd_mma.cu", include_str!("../../../../kernels/flash_bwd_mma.cu")),
     ("gemm.cu", include_str!("../../../../kernels/gemm.cu")),
+    ("fp8.cu", include_str!("../../../../kernels/fp8.cu")),
 ];
 
 pub fn source() -> String {
@@ -63,6 +64,8 @@ pub(crate) struct Backend {
     pub wgmma: bool,
     /// Streaming multiprocessors: the grid of the persistent kernels.
     pub sms: u32,
+    /// The device converts to FP8 and cuBLASLt multiplies FP8 (sm_89 and later).
+    pub fp8: bool,
     /// Shared memory one block may opt into (bytes): 227 KB on Hopper, 99 KB on sm_86/sm_89.
     pub smem_optin: usize,
     /// Two u32 counters, zero between launches: the dynamic tile walks of the persistent flash
@@ -653,6 +656,7 @@ pub(crate) fn backend(dev: &CudaDevice) -> Result<Arc<Backend>> {
         lt,
         wgmma,
         sms,
+        fp8: (major, minor) >= (8, 9),
         smem_optin,
         tile_counter,
         draw_shift,

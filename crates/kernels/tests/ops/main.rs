@@ -8,6 +8,7 @@ mod attention;
 mod cross_device;
 mod elementwise;
 mod embedding;
+mod fp8;
 mod loss;
 mod matmul;
 mod moe;

@@ -5,6 +5,7 @@
 mod attention;
 mod elementwise;
 mod embedding;
+mod fp8;
 mod gemm;
 pub(crate) mod gemm_ws;
 mod loss;
@@ -16,6 +17,7 @@ mod ssm;
 pub use attention::*;
 pub use elementwise::*;
 pub use embedding::*;
+pub use fp8::*;
 pub use gemm::*;
 pub use loss::*;
 pub use moe::*;

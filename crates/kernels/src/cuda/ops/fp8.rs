@@ -1,0 +1,128 @@
+//! FP8 quantization (kernels/fp8.cu) and FP8 GEMMs on cuBLASLt (cuda/lt.rs `matmul_fp8`).
+
+use super::*;
+use crate::cuda::lt;
+
+fn format_sfx(op: &'static str, dt: DType) -> Result<&'static str> {
+    match dt {
+        DType::F8E4M3 => Ok("e4m3"),
+        DType::F8E5M2 => Ok("e5m2"),
+        d => Err(Error::NotImplemented { op, device: format!("cuda FP8 quantization to {d}") }),
+    }
+}
+
+fn fp8_device(be: &B, op: &'static str) -> Result<()> {
+    if be.fp8 {
+        Ok(())
+    } else {
+        Err(Error::NotImplemented { op, device: "cuda below compute capability 8.9 (FP8 needs Ada or Hopper)".into() })
+    }
+}
+
+/// x viewed as [rows, cols] in `dt` with one scale: (q [rows, cols] where `plain`, qᵀ [cols,
+/// rows] where `transposed`, scale_inv [1] f32). Nothing is read back to the host.
+pub fn fp8_quantize(
+    be: &B,
+    x: &Tensor,
+    [rows, cols]: [usize; 2],
+    dt: DType,
+    [plain, transposed]: [bool; 2],
+) -> Result<(Option<Tensor>, Option<Tensor>, Tensor)> {
+    const OP: &str = "quantize_fp8";
+    fp8_device(be, OP)?;
+    let (src, f) = (sfx(OP, x.dtype())?, format_sfx(OP, dt)?);
+    let amax = new(be, [1], DType::F32)?;
+    ew(be, "fill_f32", 1, &[ptr(OP, &amax)?, Arg::F32(0.0), n(1)])?;
+    let len = rows * cols;
+    ew(be, &format!("fp8_amax_{src}"), len, &[ptr(OP, x)?, ptr(OP, &amax)?, n(len)])?;
+    let q = plain.then(|| new(be, [rows, cols], dt)).transpose()?;
+    let qt = transposed.then(|| new(be, [cols, rows], dt)).transpose()?;
+    let scale_inv = new(be, [1], DType::F32)?;
+    let tiles = rows.div_ceil(32) * cols.div_ceil(32);
+    let args = [
+        ptr(OP, x)?,
+        ptr(OP, &amax)?,
+        opt_ptr(OP, q.as_ref())?,
+        opt_ptr(OP, qt.as_ref())?,
+        ptr(OP, &scale_inv)?,
+        n(rows),
+        n(cols),
+    ];
+    be.launch(&format!("fp8_cast_{src}_{f}"), tiles as u32, 256, 0, &args)?;
+    Ok((q, qt, scale_inv))
+}
+
+/// c [m, nn] = a [m, k] · b [nn, k]ᵀ · a_scale_inv · b_scale_inv (+ bias [nn]) + beta · c, for FP8
+/// a and b (not both E5M2) into a bf16 or f32 c. Shapes and alignment checked by the caller.
+#[allow(clippy::too_many_arguments)]
+pub fn fp8_gemm(
+    be: &B,
+    (a, a_scale_inv): (&Tensor, &Tensor),
+    (b, b_scale_inv): (&Tensor, &Tensor),
+    c: &Tensor,
+    (m, nn, k): (usize, usize, usize),
+    beta: f32,
+    bias: Option<&Tensor>,
+) -> Result<()> {
+    const OP: &str = "fp8_matmul";
+    fp8_device(be, OP)?;
+    let out_f32 = match c.dtype() {
+        DType::BF16 => false,
+        DType::F32 => true,
+        d => return Err(Error::NotImplemented { op: OP, device: format!("cuda FP8 products into {d}") }),
+    };
+    // Row-major C = A·Bᵀ is column-major Cᵀ = B·Aᵀ: cuBLASLt's A is our b (transposed), its B our a.
+    let cfg = cudarc::cublaslt::MatmulConfig {
+        transa: true,
+        transb: false,
+        transc: false,
+        m: nn as u64,
+        n: m as u64,
+        k: k as u64,
+        alpha: 1.0,
+        lda: k as i64,
+        ldb: k as i64,
+        beta,
+        ldc: nn as i64,
+        stride_a: None,
+        stride_b: None,
+        stride_c: None,
+        stride_bias: None,
+        batch_size: None,
+    };
+    let epi = match bias {
+        Some(t) => lt::Epilogue::Bias(raw(OP, t)?),
+        None => lt::Epilogue::None,
+    };
+    let fp8 = lt::Fp8In {
+        a_e5m2: b.dtype() == DType::F8E5M2,
+        b_e5m2: a.dtype() == DType::F8E5M2,
+        a_scale_inv: raw(OP, b_scale_inv)?,
+        b_scale_inv: raw(OP, a_scale_inv)?,
+    };
+    // SAFETY: the caller validated a [m, k], b [nn, k], c [m, nn] (contiguous, on this device),
+    // the bias [nn] and the two one-element f32 scales.
+    unsafe { lt::matmul_fp8(be, &cfg, (raw(OP, b)?, raw(OP, a)?, raw(OP, c)?), epi, fp8, out_f32) }
+}
+
+/// `fp8_gemm` overwriting c, with the bias in cuBLASLt's epilogue for a bf16 c and a 16-byte
+/// aligned bias (it loads the vector 16 bytes at a time), else added after the product.
+pub fn fp8_gemm_bias(
+    be: &B,
+    a: (&Tensor, &Tensor),
+    b: (&Tensor, &Tensor),
+    c: &Tensor,
+    (m, nn, k): (usize, usize, usize),
+    bias: Option<&Tensor>,
+) -> Result<()> {
+    const OP: &str = "fp8_matmul";
+    match bias {
+        Some(t) if c.dtype() != DType::BF16 || raw(OP, t)? % 16 != 0 => {
+            fp8_gemm(be, a, b, c, (m, nn, k), 0.0, None)?;
+            let len = c.elem_count();
+            let args = [ptr(OP, c)?, ptr(OP, t)?, ptr(OP, c)?, n(len), n(nn)];
+            ew8(be, &format!("bias_add_{}", sfx(OP, c.dtype())?), len, nn, &args)
+        }
+        _ => fp8_gemm(be, a, b, c, (m, nn, k), 0.0, bias),
+    }
+}

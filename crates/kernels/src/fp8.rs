@@ -1,0 +1,282 @@
+//! FP8 with one scale per tensor: Megatron's `--fp8-recipe tensorwise` (Transformer Engine's
+//! current scaling). Quantization, the products of FP8 operands, and the linear layer built from
+//! them (`fp8_linear_fwd` / `fp8_linear_bwd`).
+//!
+//! Quantizing x: amax = max |x| (NaN when any element is NaN), scale = fp8_max / amax (448 for
+//! E4M3, 57344 for E5M2; 1 where amax is 0 or inf, f32::MAX where the quotient overflows), q =
+//! round_nearest_even(x·scale) saturated to ±fp8_max (NaN stays NaN), scale_inv = 1 / scale,
+//! each step one IEEE f32 operation on the CPU and on CUDA alike: the same bytes on both.
+//!
+//! Products: `fp8_matmul` is c [..., n] = a [..., k] · b [n, k]ᵀ · a.scale_inv · b.scale_inv with
+//! fp32 sums: the one form cuBLASLt multiplies FP8 in (both operands k-contiguous, "TN"), so the
+//! backward's products take transposed copies, which quantization writes in the same pass. k and
+//! n must be multiples of 16 (cuBLASLt's FP8 alignment), on the CPU too, so that a model that
+//! trains here trains on the GPU; E5M2 × E5M2 has no kernel and is refused.
+//!
+//! The linear layer (y = x·wᵀ + b, w [out, in]) under Megatron's formats: x, w and so dx's w in
+//! E4M3; dy in E4M3 (`--fp8-format e4m3`) or E5M2 (`hybrid`). Forward y = q(x)·q(w)ᵀ; backward
+//! dx = q(dy)·q(wᵀ)ᵀ and dW (+)= q(dyᵀ)·q(xᵀ)ᵀ into main_grad. The forward saves q(xᵀ) for the
+//! weight gradient (one byte an element instead of x's two) and the backward quantizes w again
+//! (the same bytes: w has not changed) rather than keeping an FP8 copy per micro-batch in flight.
+
+use crate::{check, cpu};
+use ferrotron_core::{DType, Device, Error, Result, Tensor, invalid, shape_mismatch};
+
+/// Megatron's `--fp8-format`: which FP8 type each operand of a linear layer's products takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Fp8Format {
+    /// E4M3 everywhere.
+    E4M3,
+    /// E4M3 forward (inputs, weights), E5M2 for gradients (their wider range).
+    Hybrid,
+}
+
+impl Fp8Format {
+    /// Parses Megatron's names (`e4m3`, `hybrid`).
+    pub fn parse(s: &str) -> Option<Fp8Format> {
+        match s {
+            "e4m3" => Some(Fp8Format::E4M3),
+            "hybrid" => Some(Fp8Format::Hybrid),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Fp8Format::E4M3 => "e4m3",
+            Fp8Format::Hybrid => "hybrid",
+        }
+    }
+
+    /// The type of inputs and weights.
+    pub fn forward(self) -> DType {
+        DType::F8E4M3
+    }
+
+    /// The type of output gradients.
+    pub fn gradient(self) -> DType {
+        match self {
+            Fp8Format::E4M3 => DType::F8E4M3,
+            Fp8Format::Hybrid => DType::F8E5M2,
+        }
+    }
+}
+
+/// A tensor in FP8 and its scale: value ≈ data · scale_inv (scale_inv an f32 [1] on data's
+/// device, never read back to the host by the CUDA ops).
+#[derive(Debug, Clone)]
+pub struct Fp8 {
+    pub data: Tensor,
+    pub scale_inv: Tensor,
+}
+
+impl Fp8 {
+    /// data · scale_inv in f32 (the values the products multiply).
+    pub fn dequantize(&self) -> Result<Tensor> {
+        let s = self.scale_inv.to_vec_f32()?[0];
+        let v: Vec<f32> = self.data.read_f32()?.iter().map(|q| q * s).collect();
+        Tensor::from_f32(&v, self.data.dims().to_vec(), DType::F32, self.data.device())
+    }
+}
+
+/// Which copies `quantize_fp8` writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fp8Copies {
+    /// q in x's shape.
+    Plain,
+    /// qᵀ [cols, rows] only.
+    Transposed,
+    /// Both, from one pass.
+    Both,
+}
+
+/// The largest finite value of an FP8 type.
+pub fn fp8_max(op: &'static str, dt: DType) -> Result<f32> {
+    match dt {
+        DType::F8E4M3 => Ok(448.0),
+        DType::F8E5M2 => Ok(57344.0),
+        d => Err(Error::DTypeMismatch { op, expected: "f8e4m3 or f8e5m2".into(), got: d }),
+    }
+}
+
+/// The scale for a tensor whose largest magnitude is `amax` (the rule in the file header).
+fn scale_for(amax: f32, fmax: f32) -> f32 {
+    if amax == 0.0 || amax == f32::INFINITY {
+        return 1.0;
+    }
+    let s = fmax / amax;
+    if s == f32::INFINITY { f32::MAX } else { s }
+}
+
+/// x (viewed as [rows, cols], cols its last dim) in FP8 type `dt` with one scale: (q in x's
+/// shape, qᵀ [cols, rows]), each present as `copies` asks.
+pub fn quantize_fp8(x: &Tensor, dt: DType, copies: Fp8Copies) -> Result<(Option<Fp8>, Option<Fp8>)> {
+    const OP: &str = "quantize_fp8";
+    check::float(OP, x)?;
+    let fmax = fp8_max(OP, dt)?;
+    if x.shape().rank() == 0 {
+        return Err(shape_mismatch(OP, "a tensor of rank >= 1", x.dims()));
+    }
+    let cols = x.shape().last();
+    let rows = x.elem_count() / cols.max(1);
+    let (plain, transposed) = (copies != Fp8Copies::Transposed, copies != Fp8Copies::Plain);
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[x])? {
+        let (q, qt, s) = crate::cuda::ops::fp8_quantize(&g, x, [rows, cols], dt, [plain, transposed])?;
+        let q = q.map(|q| q.reshape(x.dims().to_vec())).transpose()?;
+        return Ok((q.map(|data| Fp8 { data, scale_inv: s.clone() }), qt.map(|data| Fp8 { data, scale_inv: s })));
+    }
+    check::on_cpu(OP, &[x])?;
+    let xv = x.read_f32()?;
+    // |x|'s bits order as the magnitudes, NaN above inf: the largest keeps a NaN (as on CUDA).
+    let amax = f32::from_bits(xv.iter().map(|v| v.to_bits() & 0x7fff_ffff).max().unwrap_or(0));
+    let scale = scale_for(amax, fmax);
+    let scaled: Vec<f32> = xv.iter().map(|v| v * scale).collect();
+    let scale_inv = Tensor::from_vec(vec![1.0 / scale], [1], &Device::Cpu)?;
+    let q = plain.then(|| Tensor::from_f32(&scaled, x.dims().to_vec(), dt, &Device::Cpu)).transpose()?;
+    let qt = if transposed {
+        let mut t = vec![0.0f32; scaled.len()];
+        for (r, row) in scaled.chunks(cols.max(1)).enumerate() {
+            for (c, v) in row.iter().enumerate() {
+                t[c * rows + r] = *v;
+            }
+        }
+        Some(Tensor::from_f32(&t, [cols, rows], dt, &Device::Cpu)?)
+    } else {
+        None
+    };
+    Ok((q.map(|data| Fp8 { data, scale_inv: scale_inv.clone() }), qt.map(|data| Fp8 { data, scale_inv })))
+}
+
+/// (m, n, k) of a [..., k] · b [n, k]ᵀ, checked as the header says.
+fn fp8_dims(op: &'static str, a: &Fp8, b: &Fp8) -> Result<(usize, usize, usize)> {
+    for t in [&a.data, &b.data] {
+        fp8_max(op, t.dtype())?;
+    }
+    for s in [&a.scale_inv, &b.scale_inv] {
+        check::dtype(op, s, DType::F32)?;
+        check::shape(op, s, &[1])?;
+    }
+    if a.data.dtype() == DType::F8E5M2 && b.data.dtype() == DType::F8E5M2 {
+        return Err(invalid(op, "both operands are f8e5m2: FP8 products take at most one E5M2 operand"));
+    }
+    check::rank(op, &b.data, 2)?;
+    let (n, k) = (b.data.dims()[0], b.data.dims()[1]);
+    if a.data.shape().rank() < 1 || a.data.shape().last() != k {
+        return Err(shape_mismatch(op, format!("a [..., {k}] for b [{n}, {k}]"), a.data.dims()));
+    }
+    if k % 16 != 0 || n % 16 != 0 {
+        return Err(invalid(
+            op,
+            format!(
+                "FP8 products need both the inner dim and the output width divisible by 16, got {k} and {n} (a [{}, {k}] · b [{n}, {k}]ᵀ): pick sizes (hidden, FFN, heads × head dim, tokens per micro-batch) that are multiples of 16, or train without --fp8-format",
+                a.data.elem_count() / k.max(1)
+            ),
+        ));
+    }
+    Ok((a.data.elem_count() / k.max(1), n, k))
+}
+
+/// a · bᵀ · scales (+ bias [n]) in `out` (bf16 or f32 on CUDA): the header's product form.
+pub fn fp8_matmul(a: &Fp8, b: &Fp8, bias: Option<&Tensor>, out: DType) -> Result<Tensor> {
+    const OP: &str = "fp8_matmul";
+    let (m, n, k) = fp8_dims(OP, a, b)?;
+    if let Some(t) = bias {
+        check::dtype(OP, t, out)?;
+        check::shape(OP, t, &[n])?;
+    }
+    let mut dims = a.data.dims().to_vec();
+    *dims.last_mut().expect("rank checked") = n;
+    #[cfg(feature = "cuda")]
+    {
+        let mut all = vec![&a.data, &b.data, &a.scale_inv, &b.scale_inv];
+        all.extend(bias);
+        if let Some(g) = crate::cuda::gpu(OP, &all)? {
+            let c = crate::cuda::ops::new(&g, dims, out)?;
+            crate::cuda::ops::fp8_gemm_bias(&g, (&a.data, &a.scale_inv), (&b.data, &b.scale_inv), &c, (m, n, k), bias)?;
+            return Ok(c);
+        }
+    }
+    let mut all = vec![&a.data, &b.data, &a.scale_inv, &b.scale_inv];
+    all.extend(bias);
+    check::on_cpu(OP, &all)?;
+    let alpha = a.scale_inv.to_vec_f32()?[0] * b.scale_inv.to_vec_f32()?[0];
+    let (av, bv) = (a.data.read_f32()?, b.data.read_f32()?);
+    let mut c = cpu::matmul::gemm_batched_new(1, m, n, k, &av, false, &bv, true, alpha);
+    if let Some(t) = bias {
+        let bv = t.read_f32()?;
+        for row in c.chunks_mut(n.max(1)) {
+            row.iter_mut().zip(bv.iter()).for_each(|(y, b)| *y += b);
+        }
+    }
+    check::out(c, dims, out, a.data.device())
+}
+
+/// c = a · bᵀ · scales, or c += it where `accumulate` (c [m, n] f32 or bf16: a main_grad).
+pub fn fp8_matmul_into(c: &Tensor, a: &Fp8, b: &Fp8, accumulate: bool) -> Result<()> {
+    const OP: &str = "fp8_matmul_into";
+    let (m, n, k) = fp8_dims(OP, a, b)?;
+    check::float(OP, c)?;
+    if c.elem_count() != m * n {
+        return Err(shape_mismatch(OP, [m, n], c.dims()));
+    }
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[c, &a.data, &b.data, &a.scale_inv, &b.scale_inv])? {
+        let beta = if accumulate { 1.0 } else { 0.0 };
+        return crate::cuda::ops::fp8_gemm(
+            &g,
+            (&a.data, &a.scale_inv),
+            (&b.data, &b.scale_inv),
+            c,
+            (m, n, k),
+            beta,
+            None,
+        );
+    }
+    check::on_cpu(OP, &[c, &a.data, &b.data, &a.scale_inv, &b.scale_inv])?;
+    let alpha = a.scale_inv.to_vec_f32()?[0] * b.scale_inv.to_vec_f32()?[0];
+    let (av, bv) = (a.data.read_f32()?, b.data.read_f32()?);
+    c.update_f32(OP, |cv| cpu::matmul::gemm_batched(1, m, n, k, &av, false, &bv, true, cv, accumulate, alpha))
+}
+
+/// The FP8 linear layer's forward (header): y = q(x)·q(w)ᵀ (+ bias) in x's dtype, x [..., in], w
+/// [out, in]; returns y and, where a backward follows (`for_backward`), q(xᵀ) [in, rows] for
+/// `fp8_linear_bwd`.
+pub fn fp8_linear_fwd(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    format: Fp8Format,
+    for_backward: bool,
+) -> Result<(Tensor, Option<Fp8>)> {
+    const OP: &str = "fp8_linear_fwd";
+    check::rank(OP, w, 2)?;
+    let copies = if for_backward { Fp8Copies::Both } else { Fp8Copies::Plain };
+    let (xq, xt) = quantize_fp8(x, format.forward(), copies)?;
+    let (wq, _) = quantize_fp8(w, format.forward(), Fp8Copies::Plain)?;
+    let (xq, wq) = (xq.ok_or_else(|| gone(OP))?, wq.ok_or_else(|| gone(OP))?);
+    Ok((fp8_matmul(&xq, &wq, bias, x.dtype())?, xt))
+}
+
+/// The FP8 linear layer's backward: dx = q(dy)·q(wᵀ)ᵀ in dy's dtype, and dw (main_grad, [out,
+/// in]) = or += q(dyᵀ)·xtᵀ (xt from `fp8_linear_fwd`) as `accumulate` says.
+pub fn fp8_linear_bwd(
+    dy: &Tensor,
+    w: &Tensor,
+    xt: &Fp8,
+    (dw, accumulate): (&Tensor, bool),
+    format: Fp8Format,
+) -> Result<Tensor> {
+    const OP: &str = "fp8_linear_bwd";
+    check::rank(OP, w, 2)?;
+    let (dyq, dyt) = quantize_fp8(dy, format.gradient(), Fp8Copies::Both)?;
+    let (_, wt) = quantize_fp8(w, format.forward(), Fp8Copies::Transposed)?;
+    let (dyq, dyt, wt) = (dyq.ok_or_else(|| gone(OP))?, dyt.ok_or_else(|| gone(OP))?, wt.ok_or_else(|| gone(OP))?);
+    let dx = fp8_matmul(&dyq, &wt, None, dy.dtype())?;
+    fp8_matmul_into(dw, &dyt, xt, accumulate)?;
+    Ok(dx)
+}
+
+fn gone(op: &'static str) -> Error {
+    invalid(op, "quantize_fp8 left out a copy it was asked for")
+}

@@ -1,0 +1,237 @@
+//! FP8 quantization against a brute-force reference (the nearest of every finite code, ties to
+//! the even one), the products against f64 products of the dequantized operands, and the FP8
+//! linear layer against the same products written out.
+
+use crate::device_test;
+use crate::util::*;
+use ferrotron_core::{DType, Device};
+use ferrotron_kernels::{self as k, Fp8, Fp8Copies, Fp8Format};
+
+/// Every finite value of an FP8 type with its code's low bit (for ties).
+fn codes(dt: DType) -> Vec<(f64, bool)> {
+    (0u8..=255)
+        .map(|b| {
+            let v = match dt {
+                DType::F8E4M3 => float8::F8E4M3::from_bits(b).to_f64(),
+                _ => float8::F8E5M2::from_bits(b).to_f64(),
+            };
+            (v, b & 1 == 1)
+        })
+        .filter(|(v, _)| v.is_finite())
+        .collect()
+}
+
+/// The nearest finite code to v (so saturation at ±max), ties to the even code; NaN stays NaN.
+fn nearest(codes: &[(f64, bool)], v: f64) -> f64 {
+    if v.is_nan() {
+        return f64::NAN;
+    }
+    if v.is_infinite() {
+        let max = codes.iter().fold(0.0f64, |m, c| m.max(c.0));
+        return max.copysign(v);
+    }
+    let mut best = (f64::INFINITY, 0.0, true);
+    for &(c, odd) in codes {
+        let d = (c - v).abs();
+        if d < best.0 || (d == best.0 && best.2 && !odd) {
+            best = (d, c, odd);
+        }
+    }
+    best.1
+}
+
+/// The reference quantization of x (values as stored in x's dtype): (q values, scale_inv).
+fn reference(x: &[f64], dt: DType) -> (Vec<f64>, f32) {
+    let fmax: f32 = if dt == DType::F8E4M3 { 448.0 } else { 57344.0 };
+    let amax = x.iter().fold(0.0f64, |m, v| if v.is_nan() || m.is_nan() { f64::NAN } else { m.max(v.abs()) }) as f32;
+    let scale = if amax == 0.0 || amax.is_infinite() {
+        1.0
+    } else {
+        let s = fmax / amax;
+        if s.is_infinite() { f32::MAX } else { s }
+    };
+    let c = codes(dt);
+    (x.iter().map(|&v| nearest(&c, ((v as f32) * scale) as f64)).collect(), 1.0 / scale)
+}
+
+fn transpose(v: &[f64], rows: usize, cols: usize) -> Vec<f64> {
+    let mut t = vec![0.0; v.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            t[c * rows + r] = v[r * cols + c];
+        }
+    }
+    t
+}
+
+fn same_values(got: &[f64], want: &[f64], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(g == w || (g.is_nan() && w.is_nan()), "{what}[{i}]: got {g}, want {w}");
+    }
+}
+
+/// Values in x's dtype as the kernels read them.
+fn stored(v: &[f64], dtype: DType) -> Vec<f64> {
+    host(&tensor(&Device::Cpu, v, &[v.len()], dtype))
+}
+
+fn check_quantize(dev: &Device, x: &[f64], [rows, cols]: [usize; 2], src: DType, dt: DType) {
+    let xs = stored(x, src);
+    let t = tensor(dev, x, &[rows, cols], src);
+    let (q, qt) = k::quantize_fp8(&t, dt, Fp8Copies::Both).unwrap();
+    let (q, qt) = (q.unwrap(), qt.unwrap());
+    let (want, scale_inv) = reference(&xs, dt);
+    let what = format!("{src}→{dt} [{rows}, {cols}]");
+    assert_eq!(q.data.dtype(), dt);
+    assert_eq!(q.data.dims(), &[rows, cols]);
+    assert_eq!(qt.data.dims(), &[cols, rows]);
+    same_values(&host(&q.data), &want, &format!("{what} q"));
+    same_values(&host(&qt.data), &transpose(&want, rows, cols), &format!("{what} qᵀ"));
+    let si = q.scale_inv.to_vec_f32().unwrap()[0];
+    assert!(si == scale_inv || (si.is_nan() && scale_inv.is_nan()), "{what} scale_inv {si}, want {scale_inv}");
+    assert_eq!(qt.scale_inv.to_vec_f32().unwrap()[0].to_bits(), si.to_bits(), "{what}: one scale for both copies");
+    // Only the transposed copy asked for: the same bytes.
+    let (none, only_t) = k::quantize_fp8(&t, dt, Fp8Copies::Transposed).unwrap();
+    assert!(none.is_none());
+    same_values(&host(&only_t.unwrap().data), &transpose(&want, rows, cols), &format!("{what} qᵀ alone"));
+}
+
+device_test!(quantize_matches_nearest_code, |dev: &Device| {
+    // Odd sizes cross the 32×32 tiles' edges; magnitudes from 2^-20 to 2^12 reach FP8's subnormals.
+    for (i, &(rows, cols)) in [(1, 1), (37, 45), (64, 32), (3, 100)].iter().enumerate() {
+        let x: Vec<f64> = randv(rows * cols, 40 + i as u64)
+            .iter()
+            .enumerate()
+            .map(|(j, v)| v * 2f64.powi((j % 33) as i32 - 20))
+            .collect();
+        for src in [DType::F32, DType::BF16] {
+            for dt in [DType::F8E4M3, DType::F8E5M2] {
+                check_quantize(dev, &x, [rows, cols], src, dt);
+            }
+        }
+    }
+});
+
+device_test!(quantize_edge_values, |dev: &Device| {
+    for dt in [DType::F8E4M3, DType::F8E5M2] {
+        // All zeros: scale 1, zeros out.
+        check_quantize(dev, &[0.0; 12], [3, 4], DType::F32, dt);
+        // An infinity: scale 1, the infinity and everything past fp8_max saturate.
+        check_quantize(dev, &[1.0, f64::INFINITY, -1e6, 3.0, -0.001, 500.0], [2, 3], DType::F32, dt);
+        // A NaN: amax NaN, so scale NaN and every value NaN (a step the loss check then skips).
+        let (q, _) = k::quantize_fp8(&t32(dev, &[1.0, f64::NAN, 2.0, 0.5], &[2, 2]), dt, Fp8Copies::Plain).unwrap();
+        let q = q.unwrap();
+        assert!(q.scale_inv.to_vec_f32().unwrap()[0].is_nan(), "{dt}: NaN amax");
+        assert!(host(&q.data).iter().all(|v| v.is_nan()), "{dt}: every value NaN");
+    }
+    // Not an FP8 type: a typed error naming the op.
+    let e = k::quantize_fp8(&t32(dev, &[1.0], &[1]), DType::BF16, Fp8Copies::Plain).unwrap_err();
+    assert!(e.to_string().contains("quantize_fp8"), "{e}");
+});
+
+fn quantized(dev: &Device, v: &[f64], shape: &[usize], dt: DType) -> Fp8 {
+    k::quantize_fp8(&tensor(dev, v, shape, DType::BF16), dt, Fp8Copies::Plain).unwrap().0.unwrap()
+}
+
+/// f64 c [m, n] = a [m, k] · b [n, k]ᵀ.
+fn product_nt(a: &[f64], b: &[f64], m: usize, n: usize, kk: usize) -> Vec<f64> {
+    let mut c = vec![0.0; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            c[i * n + j] = (0..kk).map(|p| a[i * kk + p] * b[j * kk + p]).sum();
+        }
+    }
+    c
+}
+
+device_test!(matmul_matches_dequantized_product, |dev: &Device| {
+    let (m, n, kk) = (48, 32, 64);
+    for (da, db) in [(DType::F8E4M3, DType::F8E4M3), (DType::F8E5M2, DType::F8E4M3), (DType::F8E4M3, DType::F8E5M2)] {
+        let a = quantized(dev, &randv(m * kk, 1), &[2, m / 2, kk], da);
+        let b = quantized(dev, &randv(n * kk, 2), &[n, kk], db);
+        let (av, bv) = (host(&a.dequantize().unwrap()), host(&b.dequantize().unwrap()));
+        let want = product_nt(&av, &bv, m, n, kk);
+        let bias = randv(n, 3);
+        let with_bias: Vec<f64> = want.iter().enumerate().map(|(i, v)| v + stored(&bias, DType::BF16)[i % n]).collect();
+        let y = k::fp8_matmul(&a, &b, Some(&tensor(dev, &bias, &[n], DType::BF16)), DType::BF16).unwrap();
+        assert_eq!((y.dims(), y.dtype()), (&[2, m / 2, n][..], DType::BF16));
+        assert_close(&host(&y), &with_bias, 8e-3, 1e-3, &format!("{da}·{db}ᵀ + bias → bf16"));
+        let y = k::fp8_matmul(&a, &b, None, DType::F32).unwrap();
+        assert_close(&host(&y), &want, 1e-5, 1e-5, &format!("{da}·{db}ᵀ → f32"));
+        // Into a main_grad: written, then added to.
+        let a2 = Fp8 { data: a.data.reshape([m, kk]).unwrap(), scale_inv: a.scale_inv.clone() };
+        let c0 = randv(m * n, 4);
+        let c = t32(dev, &c0, &[m, n]);
+        k::fp8_matmul_into(&c, &a2, &b, true).unwrap();
+        let sum: Vec<f64> = want.iter().zip(&c0).map(|(p, c)| p + c).collect();
+        assert_close(&host(&c), &sum, 1e-5, 1e-5, "c += a·bᵀ");
+        k::fp8_matmul_into(&c, &a2, &b, false).unwrap();
+        assert_close(&host(&c), &want, 1e-5, 1e-5, "c = a·bᵀ");
+    }
+});
+
+device_test!(matmul_refuses_what_cublaslt_cannot_multiply, |dev: &Device| {
+    let a = quantized(dev, &randv(4 * 24, 1), &[4, 24], DType::F8E4M3);
+    let b = quantized(dev, &randv(16 * 24, 2), &[16, 24], DType::F8E4M3);
+    let e = k::fp8_matmul(&a, &b, None, DType::BF16).unwrap_err().to_string();
+    assert!(e.contains("divisible by 16") && e.contains("24"), "{e}");
+    let a = quantized(dev, &randv(4 * 32, 1), &[4, 32], DType::F8E5M2);
+    let b = quantized(dev, &randv(16 * 32, 2), &[16, 32], DType::F8E5M2);
+    let e = k::fp8_matmul(&a, &b, None, DType::BF16).unwrap_err().to_string();
+    assert!(e.contains("e5m2"), "{e}");
+});
+
+device_test!(linear_layer_is_the_products_of_quantized_operands, |dev: &Device| {
+    // x [2, 16, 64] → y [2, 16, 48] with w [48, 64]; hybrid: dy in E5M2.
+    let (rows, inp, out) = (32, 64, 48);
+    let (x, w, dy, b) = (randv(rows * inp, 5), randv(out * inp, 6), randv(rows * out, 7), randv(out, 8));
+    let (xs, ws, dys) = (stored(&x, DType::BF16), stored(&w, DType::BF16), stored(&dy, DType::BF16));
+    for format in [Fp8Format::Hybrid, Fp8Format::E4M3] {
+        let deq = |v: &[f64], dt| {
+            let (q, s) = reference(v, dt);
+            q.iter().map(|q| q * s as f64).collect::<Vec<_>>()
+        };
+        let (xq, wq, dyq) = (deq(&xs, DType::F8E4M3), deq(&ws, DType::F8E4M3), deq(&dys, format.gradient()));
+        let xt = tensor(dev, &x, &[2, rows / 2, inp], DType::BF16);
+        let wt = tensor(dev, &w, &[out, inp], DType::BF16);
+        let bt = tensor(dev, &b, &[out], DType::BF16);
+        let (y, saved) = k::fp8_linear_fwd(&xt, &wt, Some(&bt), format, true).unwrap();
+        let saved = saved.unwrap();
+        let want: Vec<f64> = product_nt(&xq, &wq, rows, out, inp)
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v + stored(&b, DType::BF16)[i % out])
+            .collect();
+        assert_eq!(y.dims(), &[2, rows / 2, out]);
+        assert_close(&host(&y), &want, 8e-3, 1e-3, &format!("{format:?} y"));
+        assert_eq!(saved.data.dims(), &[inp, rows], "the saved input is xᵀ");
+        // Without a backward to follow: the same output, nothing kept.
+        let (y_eval, none) = k::fp8_linear_fwd(&xt, &wt, Some(&bt), format, false).unwrap();
+        assert!(none.is_none());
+        same_values(&host(&y_eval), &host(&y), &format!("{format:?} evaluation y"));
+        // Backward: dx = q(dy)·q(w), dW += q(dy)ᵀ·q(x) into an f32 main_grad holding g0.
+        let g0 = randv(out * inp, 9);
+        let dw = t32(dev, &g0, &[out, inp]);
+        let dyt = tensor(dev, &dy, &[2, rows / 2, out], DType::BF16);
+        let dx = k::fp8_linear_bwd(&dyt, &wt, &saved, (&dw, true), format).unwrap();
+        let wq_t = transpose(&wq, out, inp);
+        assert_close(&host(&dx), &product_nt(&dyq, &wq_t, rows, inp, out), 8e-3, 1e-3, &format!("{format:?} dx"));
+        let dw_want: Vec<f64> = product_nt(&transpose(&dyq, rows, out), &transpose(&xq, rows, inp), out, inp, rows)
+            .iter()
+            .zip(&g0)
+            .map(|(p, g)| p + g)
+            .collect();
+        assert_close(&host(&dw), &dw_want, 1e-5, 1e-5, &format!("{format:?} dW"));
+    }
+});
+
+#[test]
+fn format_names_round_trip() {
+    for f in [Fp8Format::E4M3, Fp8Format::Hybrid] {
+        assert_eq!(Fp8Format::parse(f.as_str()), Some(f));
+    }
+    assert_eq!(Fp8Format::parse("e5m2"), None);
+    assert_eq!(Fp8Format::Hybrid.gradient(), DType::F8E5M2);
+    assert_eq!(Fp8Format::E4M3.gradient(), DType::F8E4M3);
+}

@@ -1,0 +1,83 @@
+// FP8 quantization with one scale per tensor (Transformer Engine's current scaling, Megatron's
+// `--fp8-recipe tensorwise`): amax = max |x| (NaN when any x is NaN), scale = fp8_max / amax (1
+// where amax is 0 or inf, FLT_MAX where the quotient overflows), q = satfinite_rn(x · scale),
+// scale_inv = 1 / scale. Every step is one IEEE-rounded f32 operation, as the CPU reference
+// (kernels/src/fp8.rs) does them, so both give the same bytes.
+//
+// Two launches: `fp8_amax_*` into a zeroed u32 (|x|'s bits: non-negative floats order as their
+// bit patterns and NaN above +inf, so an integer max keeps NaN), then `fp8_cast_*` over 32×32
+// tiles writing q [rows, cols] and qᵀ [cols, rows], each where its pointer is not null (the operand layout
+// FP8 GEMMs need for the backward's products: cuBLASLt takes FP8 only as TN).
+
+__device__ __forceinline__ u32 abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
+__device__ __forceinline__ u32 umax32(u32 a, u32 b) { return a > b ? a : b; }
+
+#define FP8_AMAX(s, T)                                                                          \
+extern "C" __global__ void fp8_amax_##s(const T* x, u32* amax, long n) {                        \
+    u32 m = 0;                                                                                  \
+    GRID_STRIDE(i, n) m = umax32(m, abs_bits(ld(x, i)));                                           \
+    for (int o = 16; o > 0; o >>= 1) m = umax32(m, __shfl_xor_sync(0xffffffffu, m, o));            \
+    if ((threadIdx.x & 31) == 0 && m) atomicMax(amax, m);                                        \
+}
+FP8_AMAX(f32, float)
+FP8_AMAX(bf16, bf16_t)
+
+__device__ __forceinline__ float fp8_scale(const u32* amax, float fmax) {
+    float a = __uint_as_float(*amax);
+    if (a == 0.f || a == INFINITY) return 1.f;
+    float s = __fdiv_rn(fmax, a);  // NaN for a NaN amax
+    return s == INFINITY ? 3.4028234663852886e38f : s;
+}
+
+// One value to FP8 by the hardware's round-to-nearest-even with saturation to the largest finite
+// value (NaN stays NaN): sm_89 and later; the host refuses FP8 on older devices.
+__device__ __forceinline__ unsigned char to_e4m3(float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.f), "f"(v));
+    return (unsigned char)(r & 0xff);
+#else
+    __trap();
+    return 0;
+#endif
+}
+__device__ __forceinline__ unsigned char to_e5m2(float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned short r;
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.f), "f"(v));
+    return (unsigned char)(r & 0xff);
+#else
+    __trap();
+    return 0;
+#endif
+}
+
+// Blocks of 256 threads (8 warps), one 32×32 tile each, the tiles in row-major order.
+#define FP8_CAST(s, T, f, FMAX)                                                                           \
+extern "C" __global__ void fp8_cast_##s##_##f(const T* x, const u32* amax, unsigned char* q,             \
+                                              unsigned char* qt, float* scale_inv, long rows, long cols) { \
+    __shared__ unsigned char tile[32][33];                                                                \
+    float sc = fp8_scale(amax, FMAX);                                                                     \
+    long tiles_c = (cols + 31) / 32;                                                                      \
+    long r0 = (long)blockIdx.x / tiles_c * 32, c0 = (long)blockIdx.x % tiles_c * 32;                      \
+    int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;                                                     \
+    for (int j = ty; j < 32; j += 8) {                                                                    \
+        long r = r0 + j, c = c0 + tx;                                                                     \
+        if (r < rows && c < cols) {                                                                       \
+            unsigned char v = to_##f(__fmul_rn(ld(x, r * cols + c), sc));                                 \
+            if (q) q[r * cols + c] = v;                                                                   \
+            tile[j][tx] = v;                                                                              \
+        }                                                                                                 \
+    }                                                                                                     \
+    if (blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = __frcp_rn(sc);             \
+    if (!qt) return;                                                                                      \
+    __syncthreads();                                                                                      \
+    for (int j = ty; j < 32; j += 8) {                                                                    \
+        long c = c0 + j, r = r0 + tx;                                                                     \
+        if (r < rows && c < cols) qt[c * rows + r] = tile[tx][j];                                         \
+    }                                                                                                     \
+}
+FP8_CAST(f32, float, e4m3, 448.f)
+FP8_CAST(bf16, bf16_t, e4m3, 448.f)
+FP8_CAST(f32, float, e5m2, 57344.f)
+FP8_CAST(bf16, bf16_t, e5m2, 57344.f)
