@@ -1000,6 +1000,14 @@ pub struct TrainArgs {
     /// blockwise are refused by name.
     #[arg(long)]
     pub fp8_recipe: Option<String>,
+    /// Under --fp8-format: the first --num-layers-at-start-in-bf16 and the last
+    /// --num-layers-at-end-in-bf16 decoder layers (1 and 1 by default) keep bf16 products.
+    #[arg(long)]
+    pub first_last_layers_bf16: bool,
+    #[arg(long)]
+    pub num_layers_at_start_in_bf16: Option<usize>,
+    #[arg(long)]
+    pub num_layers_at_end_in_bf16: Option<usize>,
     /// Learned absolute positions count from 0 again after each end of document in a sample
     /// (Megatron's). As in Megatron Core, rotary embeddings take no position ids: it changes
     /// nothing with --position-embedding-type rope.
@@ -1061,10 +1069,10 @@ impl TrainArgs {
             main_grads_dtype, main_params_dtype, exp_avg_dtype, exp_avg_sq_dtype, num_workers, manual_gc_interval,
             timing_log_level, empty_unused_memory_level, wandb_project, optimizer, rotary_seq_len_interpolation_factor, softmax_type, no_weight_decay_cond_type, sgd_momentum,
             num_virtual_stages_per_pipeline_rank, microbatch_group_size_per_virtual_pipeline_stage, loss_scale,
-            initial_loss_scale, min_loss_scale, loss_scale_window, hysteresis, dist_ckpt_strictness, fp8_format, fp8_recipe,
+            initial_loss_scale, min_loss_scale, loss_scale_window, hysteresis, dist_ckpt_strictness, fp8_format, fp8_recipe, num_layers_at_start_in_bf16, num_layers_at_end_in_bf16,
             moe_flex_dispatcher_backend, moe_flex_dispatcher_num_sms, cross_entropy_fusion_impl, pipeline_model_parallel_layout,
             ddp_num_buckets, dist_ckpt_format, num_dataset_builder_threads, decoupled_lr, decoupled_min_lr);
-        merge_flags!(self, o; check_for_nan_in_loss_and_grad, no_check_for_nan_in_loss_and_grad, use_rope_scaling, swiglu, squared_relu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, qk_l2_norm, attention_output_gate, multi_latent_attention, bf16, fp16, no_progress, deterministic_mode,
+        merge_flags!(self, o; check_for_nan_in_loss_and_grad, no_check_for_nan_in_loss_and_grad, use_rope_scaling, swiglu, squared_relu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, qk_l2_norm, attention_output_gate, multi_latent_attention, bf16, fp16, first_last_layers_bf16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
             use_flash_attn, finetune, no_load_optim, no_data_sharding, use_checkpoint_args, mock_data, eod_mask_loss, calculate_per_token_loss, log_validation_ppl_to_tensorboard, log_timers_to_tensorboard,
             use_cpu_initialization, apply_residual_connection_post_layernorm, log_world_size_to_tensorboard, log_memory_to_tensorboard, log_num_zeros_in_grad, async_save, log_progress, no_save_optim, exit_signal_handler,
@@ -1297,6 +1305,10 @@ pub struct Settings {
     /// (absent from older checkpoints' settings: none).
     #[serde(default)]
     pub fp8_format: Option<String>,
+    /// Decoder layers at the start and the end that keep bf16 products under --fp8-format
+    /// (--first-last-layers-bf16; [0, 0] without it).
+    #[serde(default)]
+    pub fp8_bf16_ends: [usize; 2],
     pub corpus_docs: usize,
     #[serde(default = "one")]
     pub tensor_model_parallel_size: usize,
@@ -1544,6 +1556,23 @@ fn fp8_format(a: &TrainArgs) -> anyhow::Result<Option<String>> {
         bail!("--fp8-format {f} needs --bf16: what is not multiplied in FP8 trains in bf16");
     }
     Ok(Some(f.clone()))
+}
+
+/// --first-last-layers-bf16's [start, end] layer counts ([0, 0] without it).
+fn fp8_bf16_ends(a: &TrainArgs) -> anyhow::Result<[usize; 2]> {
+    let (start, end) = (a.num_layers_at_start_in_bf16, a.num_layers_at_end_in_bf16);
+    if !a.first_last_layers_bf16 {
+        if start.is_some() || end.is_some() {
+            bail!(
+                "--num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16 count the layers --first-last-layers-bf16 keeps in bf16: add it"
+            );
+        }
+        return Ok([0, 0]);
+    }
+    if a.fp8_format.is_none() {
+        bail!("--first-last-layers-bf16 keeps layers out of FP8: it goes with --fp8-format");
+    }
+    Ok([start.unwrap_or(1), end.unwrap_or(1)])
 }
 
 fn sgd_momentum() -> f32 {
@@ -2513,6 +2542,7 @@ impl Settings {
             save_interval: need(&a.save_interval, "--save-interval")?,
             bf16: a.bf16,
             fp8_format: fp8_format(&a)?,
+            fp8_bf16_ends: fp8_bf16_ends(&a)?,
             corpus_docs: need(&a.corpus_docs, "--corpus-docs")?,
             data_path,
             train_data_path,

@@ -680,7 +680,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     if let Some(cp) = &cp {
         model.set_context_parallel_by_layer(cp.clone(), &s.cp_comm_types()?)?;
     }
-    model.set_fp8(s.fp8()?)?;
+    model.set_fp8(s.fp8()?, s.fp8_bf16_ends)?;
     let model = model;
     if s.grad_reduce_in_bf16 {
         table.set_grad_dtype(DType::BF16)?;

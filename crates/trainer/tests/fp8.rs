@@ -4,7 +4,8 @@
 //! optimizer and a pipeline split follow one rank within 1e-5 (the same tensors quantized),
 //! activation recompute bit for bit, tensor × sequence and context parallelism (whose ranks scale
 //! their own shards and chunks) within 2e-3 (8 steps differ by about 1.6e-4), a run resumes bit
-//! for bit (tensorwise scaling keeps no state), and bad flags are named.
+//! for bit (tensorwise scaling keeps no state), --first-last-layers-bf16 keeps its layers' bf16
+//! bits, and bad flags are named.
 
 mod common;
 
@@ -40,6 +41,15 @@ fn fp8_trains_beside_bf16_and_layouts_follow_one_rank() {
     let e4m3 = run(&settings(&fp8("e4m3")), 1);
     assert_ne!(bits(&e4m3.losses), bits(&one.losses), "gradients in E4M3, not E5M2");
     within("e4m3 beside hybrid", &e4m3, &one, 5e-3);
+    // --first-last-layers-bf16 on two layers: both in bf16, the bf16 run's bits; the first alone
+    // in bf16: neither run.
+    let ends = settings(&TrainArgs { first_last_layers_bf16: true, ..fp8("hybrid") });
+    assert_eq!(ends.fp8_bf16_ends, [1, 1]);
+    assert_eq!(bits(&run(&ends, 1).losses), bits(&bf16.losses), "every layer kept in bf16");
+    let first = TrainArgs { first_last_layers_bf16: true, num_layers_at_end_in_bf16: Some(0), ..fp8("hybrid") };
+    let first = run(&settings(&first), 1);
+    assert_ne!(bits(&first.losses), bits(&bf16.losses), "the last layer in FP8");
+    assert_ne!(bits(&first.losses), bits(&one.losses), "the first layer in bf16");
     let with = |f: &dyn Fn(&mut Settings)| {
         let mut t = s.clone();
         f(&mut t);
@@ -79,6 +89,9 @@ fn bad_fp8_flags_are_named() {
     refused(TrainArgs { fp8_recipe: Some("rowwise".into()), ..args.clone() }, 1, "the recipes are");
     refused(TrainArgs { fp8_format: Some("e5m2".into()), ..args.clone() }, 1, "the formats are e4m3");
     refused(TrainArgs { bf16: false, ..args.clone() }, 1, "needs --bf16");
+    refused(TrainArgs { num_layers_at_start_in_bf16: Some(2), ..args.clone() }, 1, "--first-last-layers-bf16 keeps");
+    let no_fp8 = TrainArgs { fp8_format: None, first_last_layers_bf16: true, ..args.clone() };
+    refused(no_fp8, 1, "it goes with --fp8-format");
     refused(TrainArgs { num_experts: Some(4), ..args.clone() }, 1, "mixture-of-experts (--num-experts)");
     refused(TrainArgs { multi_latent_attention: true, ..mla_fp8() }, 1, "multi-latent attention");
     // Widths and tokens that cuBLASLt's FP8 products cannot take, named with the fix.

@@ -552,8 +552,11 @@ impl GptModel {
     /// Every transformer layer's attention and MLP products in FP8 (`format`, Megatron's
     /// --fp8-format with --fp8-recipe tensorwise: `ferrotron_kernels::fp8`), the MTP depths' layers
     /// and projections too; the embeddings, the output layer and the attention itself stay in the
-    /// model's dtype, as Megatron keeps them. Refused for what has no FP8 products yet.
-    pub fn set_fp8(&mut self, format: Option<k::Fp8Format>) -> Result<()> {
+    /// model's dtype, as Megatron keeps them. `bf16_ends` [first, last]: that many decoder layers
+    /// at each end keep bf16 products (Megatron's --first-last-layers-bf16 with
+    /// --num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16; [0, 0] for none). Refused for
+    /// what has no FP8 products yet.
+    pub fn set_fp8(&mut self, format: Option<k::Fp8Format>, [first, last]: [usize; 2]) -> Result<()> {
         let flag = |what: &str| {
             ModelError::Config(format!(
                 "--fp8-format {}: {what}; train in bf16 (drop --fp8-format)",
@@ -566,6 +569,8 @@ impl GptModel {
         for chunk in &mut self.chunks {
             for (i, layer) in chunk.layers.iter_mut().enumerate() {
                 let index = chunk.first_layer + i;
+                let bf16 = index < first || index + last >= self.config.num_layers;
+                let format = format.filter(|_| !bf16);
                 layer.set_fp8(format).map_err(|e| flag(&format!("decoder layer {index}: {e}")))?;
             }
         }
