@@ -19,7 +19,7 @@ use crate::tp::TensorParallel;
 use ferrotron_core::{
     Blocks, Cx, Init, Module, ParamId, ParamMeta, ParamTableBuilder, Result, Saved, Shard, Tensor, invalid,
 };
-use ferrotron_kernels::{self as k, Fp8, Fp8Format};
+use ferrotron_kernels::{self as k, Fp8, Fp8Copies, Fp8Format};
 
 fn saved_one<'a>(op: &'static str, s: &'a Saved) -> Result<&'a Tensor> {
     s.tensors.first().ok_or_else(|| invalid(op, "nothing saved by forward"))
@@ -248,6 +248,16 @@ impl RowParallelLinear {
     pub fn with_fp8(mut self, fp8: Option<Fp8Format>) -> Self {
         self.fp8 = fp8;
         self
+    }
+
+    /// What `forward` keeps for the backward from this rank's input `x`, for a caller that
+    /// dropped it and recomputes x (selective recompute of the core attention): x, or its FP8
+    /// transpose (the forward's bytes: the same x quantizes alike).
+    pub fn saved_for_input(&self, x: &Tensor) -> Result<Saved> {
+        let Some(f) = self.fp8 else { return Ok(Saved::new(vec![x.clone()], vec![])) };
+        let (_, xt) = k::quantize_fp8(x, f.forward(), Fp8Copies::Transposed)?;
+        let xt = xt.ok_or_else(|| invalid("RowParallelLinear::saved_for_input", "no transposed copy"))?;
+        Ok(Saved::new(vec![xt.data, xt.scale_inv], vec![]))
     }
 }
 

@@ -2,7 +2,8 @@
 //! same bytes the GPU's quantization writes, ferrotron-kernels' ops tests): it learns beside the
 //! bf16 run without matching it, the two formats differ, a data-parallel run with the distributed
 //! optimizer and a pipeline split follow one rank within 1e-5 (the same tensors quantized),
-//! activation recompute bit for bit, tensor × sequence and context parallelism (whose ranks scale
+//! activation recompute (full, and selective: the output projection's FP8 input quantized again)
+//! bit for bit, tensor × sequence and context parallelism (whose ranks scale
 //! their own shards and chunks) within 2e-3 (8 steps differ by about 1.6e-4), a run resumes bit
 //! for bit (tensorwise scaling keeps no state), --first-last-layers-bf16 keeps its layers' bf16
 //! bits, and bad flags are named.
@@ -66,6 +67,8 @@ fn fp8_trains_beside_bf16_and_layouts_follow_one_rank() {
         t.recompute_num_layers = Some(1);
     });
     assert_eq!(bits(&run(&recompute, 1).losses), bits(&one.losses), "a recomputed forward quantizes alike");
+    let selective = with(&|t| t.recompute_granularity = Some("selective".into()));
+    assert_eq!(bits(&run(&selective, 1).losses), bits(&one.losses), "the projection's input recomputed");
     // Each rank scales its own weight shards and row-parallel inputs (or sequence chunks).
     let tp = with(&|t| (t.tensor_model_parallel_size, t.sequence_parallel) = (2, true));
     within("fp8 tp2 sp", &run(&tp, 2), &one, 2e-3);

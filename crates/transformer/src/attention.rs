@@ -340,7 +340,7 @@ impl SelfAttention {
         let gate = if self.gate { Some(tensors.pop().ok_or_else(bad)?) } else { None };
         if self.recompute_core && tensors.len() == 1 {
             let (o, lse) = self.core_fused(cx, &tensors[0])?;
-            s_proj.tensors = vec![self.gated(&o, gate.as_ref())?];
+            s_proj = self.linear_proj.saved_for_input(&self.gated(&o, gate.as_ref())?)?;
             tensors.extend([o, lse]);
         }
         let [qkv, o, lse]: [Tensor; 3] = tensors.try_into().map_err(|_| bad())?;
@@ -420,7 +420,7 @@ impl SelfAttention {
         let gate = if self.gate { Some(tensors.pop().ok_or_else(bad)?) } else { None };
         if self.recompute_core && tensors.len() == 3 {
             let (o, lse) = self.core(cx, &tensors[0], &tensors[1], &tensors[2])?;
-            s_proj.tensors = vec![self.gated(&o, gate.as_ref())?];
+            s_proj = self.linear_proj.saved_for_input(&self.gated(&o, gate.as_ref())?)?;
             tensors.extend([o, lse]);
         }
         let [q, kk, v, o, lse]: [Tensor; 5] = tensors.try_into().map_err(|_| bad())?;
