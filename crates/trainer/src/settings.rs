@@ -3200,7 +3200,6 @@ impl Settings {
         for (what, on) in [
             ("mixture-of-experts (--num-experts)", self.moe.is_some()),
             ("Mamba hybrids (--hybrid-layer-pattern)", self.mamba.is_some()),
-            ("multi-latent attention (--multi-latent-attention)", self.mla.is_some()),
             ("multimodal models (--img-h)", self.vision.is_some()),
         ] {
             if on {
@@ -3217,17 +3216,33 @@ impl Settings {
             MlpSpec::Custom(_) => 1,
         };
         let tokens = self.micro_batch_size * self.seq_length / cp.max(1);
-        for (what, n) in [
-            ("--hidden-size", config.hidden_size),
+        let mut widths = vec![("--hidden-size", config.hidden_size)];
+        if let Some(m) = &config.layer.attention.mla {
+            let heads = config.num_attention_heads / tp;
+            let (qk, pos, v) = (m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim);
+            widths.extend(m.q_lora_rank.map(|r| ("--q-lora-rank", r)));
+            widths.extend([
+                ("--kv-lora-rank", m.kv_lora_rank),
+                ("--kv-lora-rank + --qk-pos-emb-head-dim", m.kv_lora_rank + pos),
+                ("heads × (--qk-head-dim + --qk-pos-emb-head-dim) / --tensor-model-parallel-size", heads * (qk + pos)),
+                ("heads × (--qk-head-dim + --v-head-dim) / --tensor-model-parallel-size", heads * (qk + v)),
+                ("heads × --v-head-dim / --tensor-model-parallel-size", heads * v),
+            ]);
+        } else {
+            widths.extend([
+                ("the QKV projection's width / --tensor-model-parallel-size", qkv / tp),
+                ("heads × head dim / --tensor-model-parallel-size", config.num_attention_heads * head / tp),
+            ]);
+        }
+        widths.extend([
             ("--ffn-hidden-size / --tensor-model-parallel-size", config.ffn_hidden_size / tp),
             (
                 "fc1's width (--ffn-hidden-size, × 2 for SwiGLU) / --tensor-model-parallel-size",
                 blocks * config.ffn_hidden_size / tp,
             ),
-            ("the QKV projection's width / --tensor-model-parallel-size", qkv / tp),
-            ("heads × head dim / --tensor-model-parallel-size", config.num_attention_heads * head / tp),
             ("the tokens of a micro-batch (--micro-batch-size × --seq-length / --context-parallel-size)", tokens),
-        ] {
+        ]);
+        for (what, n) in widths {
             if n % 16 != 0 {
                 bail!(
                     "--fp8-format {f}: {what} is {n}, and FP8 products need multiples of 16 (cuBLASLt's FP8 alignment): pick sizes that give one, or drop --fp8-format"

@@ -6,7 +6,7 @@
 //! bit for bit, tensor × sequence and context parallelism (whose ranks scale
 //! their own shards and chunks) within 2e-3 (8 steps differ by about 1.6e-4), a run resumes bit
 //! for bit (tensorwise scaling keeps no state), --first-last-layers-bf16 keeps its layers' bf16
-//! bits, and bad flags are named.
+//! bits, multi-latent attention's products run in FP8 too, and bad flags are named.
 
 mod common;
 
@@ -96,7 +96,7 @@ fn bad_fp8_flags_are_named() {
     let no_fp8 = TrainArgs { fp8_format: None, first_last_layers_bf16: true, ..args.clone() };
     refused(no_fp8, 1, "it goes with --fp8-format");
     refused(TrainArgs { num_experts: Some(4), ..args.clone() }, 1, "mixture-of-experts (--num-experts)");
-    refused(TrainArgs { multi_latent_attention: true, ..mla_fp8() }, 1, "multi-latent attention");
+    refused(mla_fp8(), 1, "--kv-lora-rank is 12");
     // Widths and tokens that cuBLASLt's FP8 products cannot take, named with the fix.
     refused(TrainArgs { hidden_size: Some(40), ..args.clone() }, 1, "--hidden-size is 40");
     let tp2 = TrainArgs { ffn_hidden_size: Some(48), tensor_model_parallel_size: Some(2), ..args.clone() };
@@ -108,4 +108,22 @@ fn bad_fp8_flags_are_named() {
 
 fn mla_fp8() -> TrainArgs {
     TrainArgs { bf16: true, fp8_format: Some("hybrid".into()), fp8_recipe: Some("tensorwise".into()), ..mla_args() }
+}
+
+/// Multi-latent attention's five products (the query's and the keys' and values' down- and
+/// up-projections, the output projection) in FP8, at widths of multiples of 16: it learns beside
+/// its bf16 run without matching it, and tp2 × sp follows one rank.
+#[test]
+fn multi_latent_attention_runs_in_fp8() {
+    let wide =
+        |a: TrainArgs| TrainArgs { kv_lora_rank: Some(16), qk_pos_emb_head_dim: Some(16), v_head_dim: Some(8), ..a };
+    let s = settings(&wide(mla_fp8()));
+    let one = run(&s, 1);
+    let bf16 = run(&settings(&wide(TrainArgs { fp8_format: None, fp8_recipe: None, ..mla_fp8() })), 1);
+    assert!(one.losses.last().unwrap().1 < one.losses[0].1 * 0.95, "{:?}", one.losses);
+    assert_ne!(bits(&one.losses), bits(&bf16.losses), "the products were quantized");
+    within("mla fp8 beside bf16", &one, &bf16, 5e-3);
+    let mut tp = s.clone();
+    (tp.tensor_model_parallel_size, tp.sequence_parallel) = (2, true);
+    within("mla fp8 tp2 sp", &run(&tp, 2), &one, 2e-3);
 }

@@ -163,8 +163,8 @@ impl TransformerLayer {
     }
 
     /// The products of the attention's and the dense MLP's linear layers in FP8 (`format`,
-    /// Megatron's --fp8-format) or not (None). Multi-latent attention and a factory's module (MoE
-    /// experts, a sequence mixer) have no FP8 products: refused, naming the layer's kind.
+    /// Megatron's --fp8-format) or not (None); multi-latent attention's too. A factory's module
+    /// (MoE experts, a sequence mixer) has no FP8 products: refused, naming the layer's kind.
     pub fn set_fp8(&mut self, format: Option<ferrotron_kernels::Fp8Format>) -> Result<()> {
         for b in &mut self.branches {
             match &mut b.f {
@@ -176,10 +176,8 @@ impl TransformerLayer {
                     m.linear_fc1.fp8 = format;
                     m.linear_fc2.fp8 = format;
                 }
+                Sublayer::Mla(a) => a.set_fp8(format),
                 _ if format.is_none() => {}
-                Sublayer::Mla(_) => {
-                    return Err(invalid("set_fp8", "multi-latent attention has no FP8 products yet"));
-                }
                 Sublayer::Module(_) => {
                     return Err(invalid(
                         "set_fp8",

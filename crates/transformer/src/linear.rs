@@ -7,9 +7,12 @@
 //! product runs on x and W cast to it, y comes out in it, and the backward takes dy in it: dx is
 //! cast back to x's dtype, dW computed in it and added into main_grad (rounded to main_grad's
 //! dtype when that is narrower). Only x is saved (cast again in the backward).
+//!
+//! With an FP8 format (`fp8`, multi-latent attention's down-projections under --fp8-format) the
+//! products run as the parallel linears' do (`k::fp8_linear_fwd/bwd`), saving the FP8 xᵀ.
 
 use ferrotron_core::{Cx, DType, Init, Module, ParamId, ParamMeta, ParamTableBuilder, Result, Saved, Tensor, invalid};
-use ferrotron_kernels as k;
+use ferrotron_kernels::{self as k, Fp8, Fp8Format};
 
 #[derive(Debug, Clone)]
 pub struct Linear {
@@ -19,6 +22,8 @@ pub struct Linear {
     pub out_features: usize,
     /// The dtype the product runs in, when not the input's (None: the input's).
     pub compute: Option<DType>,
+    /// The products in FP8 (module header; not with `compute`).
+    pub fp8: Option<Fp8Format>,
 }
 
 impl Linear {
@@ -54,7 +59,7 @@ impl Linear {
         } else {
             None
         };
-        Ok(Linear { weight, bias, in_features, out_features, compute: None })
+        Ok(Linear { weight, bias, in_features, out_features, compute: None, fp8: None })
     }
 
     /// A bias-free layer whose weight has its own full name (Megatron's
@@ -68,7 +73,7 @@ impl Linear {
     ) -> Result<Self> {
         let meta = ParamMeta::replicated(weight, [out_features, in_features], Init::Normal { std }, true);
         let weight = p.add(meta.on_sequence_shards(sequence_shards))?;
-        Ok(Linear { weight, bias: None, in_features, out_features, compute: None })
+        Ok(Linear { weight, bias: None, in_features, out_features, compute: None, fp8: None })
     }
 
     /// This layer computing in fp32 whatever its input's and parameters' dtype.
@@ -87,6 +92,12 @@ impl Linear {
 
 impl Module for Linear {
     fn forward(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Saved)> {
+        if let Some(f) = self.fp8 {
+            let w = cx.params.param(self.weight)?;
+            let b = self.bias.map(|b| cx.params.param(b)).transpose()?;
+            let (y, xt) = k::fp8_linear_fwd(x, &w, b.as_ref(), f, cx.training)?;
+            return Ok((y, Saved::new(xt.map_or_else(Vec::new, |t| vec![t.data, t.scale_inv]), vec![])));
+        }
         let (xc, w) = (self.widen(x)?, self.widen(&cx.params.param(self.weight)?)?);
         let y = match self.bias {
             Some(b) => k::matmul_bias(&xc, &w, &self.widen(&cx.params.param(b)?)?, false, true)?,
@@ -96,6 +107,18 @@ impl Module for Linear {
     }
 
     fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
+        if let Some(f) = self.fp8 {
+            let [data, scale_inv]: [Tensor; 2] =
+                saved.tensors.try_into().map_err(|_| invalid("Linear::backward", "the forward saved no FP8 input"))?;
+            let (dw, acc) = cx.params.grad_acc(self.weight)?;
+            let w = cx.params.param(self.weight)?;
+            let dx = k::fp8_linear_bwd(dy, &w, &Fp8 { data, scale_inv }, (&dw, acc), f)?;
+            if let Some(b) = self.bias {
+                let (db, acc) = cx.params.grad_acc(b)?;
+                k::bias_grad_into(&db, dy, acc)?;
+            }
+            return Ok(dx);
+        }
         let x = saved.tensors.first().ok_or_else(|| invalid("Linear::backward", "nothing saved by forward"))?;
         let (xc, dy) = (self.widen(x)?, &self.widen(dy)?);
         let w = self.widen(&cx.params.param(self.weight)?)?;

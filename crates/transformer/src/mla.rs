@@ -142,6 +142,21 @@ pub struct MlaDims {
 }
 
 impl MlaAttention {
+    /// Every product of the attention in FP8 (`format`) or not: the query's and the keys' and
+    /// values' down- and up-projections and the output projection.
+    pub fn set_fp8(&mut self, format: Option<ferrotron_kernels::Fp8Format>) {
+        match &mut self.q {
+            QueryPath::Latent { down, up, .. } => {
+                down.fp8 = format;
+                up.fp8 = format;
+            }
+            QueryPath::Direct(c) => c.fp8 = format,
+        }
+        self.kv_down.fp8 = format;
+        self.kv_up.fp8 = format;
+        self.linear_proj.fp8 = format;
+    }
+
     pub fn new(
         p: &mut ParamTableBuilder,
         prefix: &str,
