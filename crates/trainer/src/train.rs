@@ -823,6 +823,15 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         if g.world.size() > 1 {
             eprint!("{}", table_text.unwrap_or_default());
         }
+        if let Some(f) = &s.fp8_format {
+            let [first, last] = s.fp8_bf16_ends;
+            let kept = if first + last > 0 {
+                format!("; the first {first} and last {last} layers in bf16")
+            } else {
+                String::new()
+            };
+            eprintln!("fp8: the transformer layers' linear products in FP8 ({f}, tensorwise scaling){kept}");
+        }
         if s.log_memory_to_tensorboard && dev.is_cpu() {
             eprintln!("--log-memory-to-tensorboard: the CPU has no device memory pool; no memory is logged");
         }
