@@ -222,16 +222,8 @@ pub fn fp8_matmul_into(c: &Tensor, a: &Fp8, b: &Fp8, accumulate: bool) -> Result
     }
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &[c, &a.data, &b.data, &a.scale_inv, &b.scale_inv])? {
-        let beta = if accumulate { 1.0 } else { 0.0 };
-        return crate::cuda::ops::fp8_gemm(
-            &g,
-            (&a.data, &a.scale_inv),
-            (&b.data, &b.scale_inv),
-            c,
-            (m, n, k),
-            beta,
-            None,
-        );
+        let (a, b) = ((&a.data, &a.scale_inv), (&b.data, &b.scale_inv));
+        return crate::cuda::ops::fp8_gemm_into(&g, a, b, c, (m, n, k), accumulate);
     }
     check::on_cpu(OP, &[c, &a.data, &b.data, &a.scale_inv, &b.scale_inv])?;
     let alpha = a.scale_inv.to_vec_f32()?[0] * b.scale_inv.to_vec_f32()?[0];

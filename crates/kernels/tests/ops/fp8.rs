@@ -168,6 +168,13 @@ device_test!(matmul_matches_dequantized_product, |dev: &Device| {
         assert_close(&host(&c), &sum, 1e-5, 1e-5, "c += a·bᵀ");
         k::fp8_matmul_into(&c, &a2, &b, false).unwrap();
         assert_close(&host(&c), &want, 1e-5, 1e-5, "c = a·bᵀ");
+        // A main_grad view one element into its buffer (4-byte aligned: cuBLASLt's FP8 kernels
+        // may refuse the address, and the product then goes through an aligned scratch).
+        let flat = t32(dev, &[vec![7.0], c0.clone()].concat(), &[1 + m * n]);
+        let view = flat.view(1, [m, n]).unwrap();
+        k::fp8_matmul_into(&view, &a2, &b, true).unwrap();
+        assert_close(&host(&view), &sum, 1e-5, 1e-5, "misaligned c += a·bᵀ");
+        assert_eq!(host(&flat)[0], 7.0, "nothing written before the view");
     }
 });
 

@@ -126,3 +126,24 @@ pub fn fp8_gemm_bias(
         _ => fp8_gemm(be, a, b, c, (m, nn, k), 0.0, bias),
     }
 }
+
+/// `fp8_gemm` into an existing c (a main_grad view), added to it where `accumulate`: straight
+/// into c where cuBLASLt takes its address, else (a view after an odd-sized parameter in the flat
+/// buffer, misaligned for its FP8 kernels) into an aligned f32 scratch added or copied over.
+pub fn fp8_gemm_into(
+    be: &B,
+    a: (&Tensor, &Tensor),
+    b: (&Tensor, &Tensor),
+    c: &Tensor,
+    (m, nn, k): (usize, usize, usize),
+    accumulate: bool,
+) -> Result<()> {
+    let beta = if accumulate { 1.0 } else { 0.0 };
+    match fp8_gemm(be, a, b, c, (m, nn, k), beta, None) {
+        Err(e) if lt::unsupported(&e) => {}
+        r => return r,
+    }
+    let t = new(be, [m, nn], DType::F32)?;
+    fp8_gemm(be, a, b, &t, (m, nn, k), 0.0, None)?;
+    if accumulate { acc(be, c, &t) } else { cast_into(be, &t, c) }
+}
