@@ -9,7 +9,7 @@
 //! Backward follows the region mappings of `tp`: dx = dy·W, then the entry's backward; parameter
 //! grads are added (`+=`) into main_grad from the whole (gathered) activations.
 //!
-//! With an FP8 format (`with_fp8`, Megatron's --fp8-format) each rank's products run in FP8 with
+//! With an FP8 format (`fp8`, Megatron's --fp8-format) each rank's products run in FP8 with
 //! per-tensor scales (`k::fp8_linear_fwd` / `k::fp8_linear_bwd`): the forward keeps the FP8 xᵀ
 //! instead of x, and the GeLU stays out of the products' epilogues. Scales are per rank, of the
 //! tensors each rank multiplies (Transformer Engine's current scaling without an amax reduction),
@@ -139,11 +139,6 @@ impl ColumnParallelLinear {
         self
     }
 
-    pub fn with_fp8(mut self, fp8: Option<Fp8Format>) -> Self {
-        self.fp8 = fp8;
-        self
-    }
-
     /// `forward` then GeLU: (gelu(y), y, saved), with the GeLU in the GEMM's epilogue where the
     /// device has one (`k::linear_gelu`). `backward` takes the saved values as from `forward`.
     pub fn forward_gelu(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Tensor, Saved)> {
@@ -242,11 +237,6 @@ impl RowParallelLinear {
 
     pub fn with_input_is_parallel(mut self, yes: bool) -> Self {
         self.input_is_parallel = yes;
-        self
-    }
-
-    pub fn with_fp8(mut self, fp8: Option<Fp8Format>) -> Self {
-        self.fp8 = fp8;
         self
     }
 
