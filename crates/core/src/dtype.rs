@@ -57,6 +57,46 @@ impl DType {
     }
 }
 
+/// Megatron's `--fp8-format`: which FP8 type each operand of a linear layer's products takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Fp8Format {
+    /// E4M3 everywhere.
+    E4M3,
+    /// E4M3 forward (inputs, weights), E5M2 for gradients (their wider range).
+    Hybrid,
+}
+
+impl Fp8Format {
+    /// Parses Megatron's names (`e4m3`, `hybrid`).
+    pub fn parse(s: &str) -> Option<Fp8Format> {
+        match s {
+            "e4m3" => Some(Fp8Format::E4M3),
+            "hybrid" => Some(Fp8Format::Hybrid),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Fp8Format::E4M3 => "e4m3",
+            Fp8Format::Hybrid => "hybrid",
+        }
+    }
+
+    /// The type of inputs and weights.
+    pub fn forward(self) -> DType {
+        DType::F8E4M3
+    }
+
+    /// The type of output gradients.
+    pub fn gradient(self) -> DType {
+        match self {
+            Fp8Format::E4M3 => DType::F8E4M3,
+            Fp8Format::Hybrid => DType::F8E5M2,
+        }
+    }
+}
+
 impl std::fmt::Display for DType {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())

@@ -26,7 +26,7 @@ mod storage;
 mod tensor;
 
 pub use device::{Device, Graph, MemoryStats};
-pub use dtype::{DType, WithDType};
+pub use dtype::{DType, Fp8Format, WithDType};
 pub use error::{Error, Result, invalid, shape_mismatch};
 pub use float8::{F8E4M3, F8E5M2};
 pub use half::{bf16, f16};

@@ -99,4 +99,15 @@ pub trait Module: Send + Sync {
         let _ = (cx, saved, dy);
         Err(crate::invalid("Module::backward_without_out_bias", "this module leaves no bias gradient to its caller"))
     }
+
+    /// The module's linear products in FP8 (`format`: --fp8-format) or not (None). The default,
+    /// for a module without FP8 products, takes None and refuses a format.
+    fn set_fp8(&mut self, format: Option<crate::Fp8Format>) -> Result<()> {
+        match format {
+            None => Ok(()),
+            Some(f) => {
+                Err(crate::invalid("Module::set_fp8", format!("this module has no FP8 products ({})", f.as_str())))
+            }
+        }
+    }
 }

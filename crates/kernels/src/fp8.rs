@@ -11,7 +11,8 @@
 //! fp32 sums: the one form cuBLASLt multiplies FP8 in (both operands k-contiguous, "TN"), so the
 //! backward's products take transposed copies, which quantization writes in the same pass. k and
 //! n must be multiples of 16 (cuBLASLt's FP8 alignment), on the CPU too, so that a model that
-//! trains here trains on the GPU; E5M2 × E5M2 has no kernel and is refused.
+//! trains here trains on the GPU; E5M2 × E5M2 has no kernel and is refused. The linear layer
+//! pads its rows (the weight gradient's k) with zeros to a multiple of 16 itself.
 //!
 //! The linear layer (y = x·wᵀ + b, w [out, in]) under Megatron's formats: x, w and so dx's w in
 //! E4M3; dy in E4M3 (`--fp8-format e4m3`) or E5M2 (`hybrid`). Forward y = q(x)·q(w)ᵀ; backward
@@ -20,47 +21,7 @@
 //! (the same bytes: w has not changed) rather than keeping an FP8 copy per micro-batch in flight.
 
 use crate::{check, cpu};
-use ferrotron_core::{DType, Device, Error, Result, Tensor, invalid, shape_mismatch};
-
-/// Megatron's `--fp8-format`: which FP8 type each operand of a linear layer's products takes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Fp8Format {
-    /// E4M3 everywhere.
-    E4M3,
-    /// E4M3 forward (inputs, weights), E5M2 for gradients (their wider range).
-    Hybrid,
-}
-
-impl Fp8Format {
-    /// Parses Megatron's names (`e4m3`, `hybrid`).
-    pub fn parse(s: &str) -> Option<Fp8Format> {
-        match s {
-            "e4m3" => Some(Fp8Format::E4M3),
-            "hybrid" => Some(Fp8Format::Hybrid),
-            _ => None,
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Fp8Format::E4M3 => "e4m3",
-            Fp8Format::Hybrid => "hybrid",
-        }
-    }
-
-    /// The type of inputs and weights.
-    pub fn forward(self) -> DType {
-        DType::F8E4M3
-    }
-
-    /// The type of output gradients.
-    pub fn gradient(self) -> DType {
-        match self {
-            Fp8Format::E4M3 => DType::F8E4M3,
-            Fp8Format::Hybrid => DType::F8E5M2,
-        }
-    }
-}
+use ferrotron_core::{DType, Device, Error, Fp8Format, Result, Tensor, invalid, shape_mismatch};
 
 /// A tensor in FP8 and its scale: value ≈ data · scale_inv (scale_inv an f32 [1] on data's
 /// device, never read back to the host by the CUDA ops).
@@ -232,8 +193,8 @@ pub fn fp8_matmul_into(c: &Tensor, a: &Fp8, b: &Fp8, accumulate: bool) -> Result
 }
 
 /// The FP8 linear layer's forward (header): y = q(x)·q(w)ᵀ (+ bias) in x's dtype, x [..., in], w
-/// [out, in]; returns y and, where a backward follows (`for_backward`), q(xᵀ) [in, rows] for
-/// `fp8_linear_bwd`.
+/// [out, in]; returns y and, where a backward follows (`for_backward`), q(xᵀ) [in, rows padded to
+/// a multiple of 16] for `fp8_linear_bwd`. Any row count: the rows are padded with zeros inside.
 pub fn fp8_linear_fwd(
     x: &Tensor,
     w: &Tensor,
@@ -244,10 +205,32 @@ pub fn fp8_linear_fwd(
     const OP: &str = "fp8_linear_fwd";
     check::rank(OP, w, 2)?;
     let copies = if for_backward { Fp8Copies::Both } else { Fp8Copies::Plain };
-    let (xq, xt) = quantize_fp8(x, format.forward(), copies)?;
+    let (xp, rows) = padded_rows(x)?;
+    let (xq, xt) = quantize_fp8(&xp, format.forward(), copies)?;
     let (wq, _) = quantize_fp8(w, format.forward(), Fp8Copies::Plain)?;
     let (xq, wq) = (xq.ok_or_else(|| gone(OP))?, wq.ok_or_else(|| gone(OP))?);
-    Ok((fp8_matmul(&xq, &wq, bias, x.dtype())?, xt))
+    let y = fp8_matmul(&xq, &wq, bias, x.dtype())?;
+    let mut dims = x.dims().to_vec();
+    *dims.last_mut().expect("rank checked by quantize_fp8") = w.dims()[0];
+    Ok((y.narrow0(0..rows)?.reshape(dims)?, xt))
+}
+
+/// x as [rows, cols] (cols its last dim) with zero rows after it up to a multiple of 16, and its
+/// row count: a weight gradient's inner dim is the rows (a mixture-of-experts expert's token
+/// list has any length), and zero rows change no amax, no output row and no weight gradient.
+fn padded_rows(x: &Tensor) -> Result<(Tensor, usize)> {
+    if x.shape().rank() == 0 {
+        return Err(shape_mismatch("fp8_linear", "a tensor of rank >= 1", x.dims()));
+    }
+    let cols = x.shape().last();
+    let rows = x.elem_count() / cols.max(1);
+    let x2 = x.reshape([rows, cols])?;
+    if rows % 16 == 0 {
+        return Ok((x2, rows));
+    }
+    let p = Tensor::zeros([rows.next_multiple_of(16), cols], x.dtype(), x.device())?;
+    crate::copy_(&p.narrow0(0..rows)?, &x2)?;
+    Ok((p, rows))
 }
 
 /// The FP8 linear layer's backward: dx = q(dy)·q(wᵀ)ᵀ in dy's dtype, and dw (main_grad, [out,
@@ -261,12 +244,15 @@ pub fn fp8_linear_bwd(
 ) -> Result<Tensor> {
     const OP: &str = "fp8_linear_bwd";
     check::rank(OP, w, 2)?;
-    let (dyq, dyt) = quantize_fp8(dy, format.gradient(), Fp8Copies::Both)?;
+    let (dyp, rows) = padded_rows(dy)?;
+    let (dyq, dyt) = quantize_fp8(&dyp, format.gradient(), Fp8Copies::Both)?;
     let (_, wt) = quantize_fp8(w, format.forward(), Fp8Copies::Transposed)?;
     let (dyq, dyt, wt) = (dyq.ok_or_else(|| gone(OP))?, dyt.ok_or_else(|| gone(OP))?, wt.ok_or_else(|| gone(OP))?);
     let dx = fp8_matmul(&dyq, &wt, None, dy.dtype())?;
     fp8_matmul_into(dw, &dyt, xt, accumulate)?;
-    Ok(dx)
+    let mut dims = dy.dims().to_vec();
+    *dims.last_mut().expect("rank checked by padded_rows") = w.dims()[1];
+    dx.narrow0(0..rows)?.reshape(dims)
 }
 
 fn gone(op: &'static str) -> Error {

@@ -551,4 +551,15 @@ impl Module for MoeLayer {
         let dx = dx.reshape(dy.dims().to_vec())?;
         if self.own_slice { Ok(dx) } else { self.tp.enter_bwd(&dx) }
     }
+
+    /// The experts' and the shared experts' products in FP8 (each expert's token list padded to
+    /// whole 16-row tiles inside `k::fp8_linear_fwd`); the router and the shared gate stay in
+    /// their dtypes, as Megatron keeps them.
+    fn set_fp8(&mut self, format: Option<ferrotron_core::Fp8Format>) -> Result<()> {
+        for m in self.experts.iter_mut().chain(self.shared.iter_mut()) {
+            m.linear_fc1.fp8 = format;
+            m.linear_fc2.fp8 = format;
+        }
+        Ok(())
+    }
 }

@@ -3193,12 +3193,11 @@ impl Settings {
         }
     }
 
-    /// FP8 products need each rank's linear layers' widths and its tokens per micro-batch to be
-    /// multiples of 16 (cuBLASLt's FP8 alignment) and a model whose layers have FP8 products.
+    /// FP8 products need each rank's linear layers' widths to be multiples of 16 (cuBLASLt's FP8
+    /// alignment; rows are padded inside) and a model whose layers have FP8 products.
     fn validate_fp8(&self) -> anyhow::Result<()> {
         let Some(f) = &self.fp8_format else { return Ok(()) };
         for (what, on) in [
-            ("mixture-of-experts (--num-experts)", self.moe.is_some()),
             ("Mamba hybrids (--hybrid-layer-pattern)", self.mamba.is_some()),
             ("multimodal models (--img-h)", self.vision.is_some()),
         ] {
@@ -3206,17 +3205,43 @@ impl Settings {
                 bail!("--fp8-format {f}: {what} have no FP8 products yet; train in bf16 (drop --fp8-format)");
             }
         }
-        let (tp, cp) = (self.tensor_model_parallel_size, self.context_parallel_size);
+        let tp = self.tensor_model_parallel_size;
         let config = self.model_config()?;
         let head = config.head_dim();
         let gate = if config.layer.attention.output_gate { config.num_attention_heads } else { 0 };
         let qkv = (config.num_attention_heads + gate + 2 * config.num_query_groups) * head;
-        let blocks = match &config.layer.mlp {
-            MlpSpec::Dense { activation, .. } => activation.fc1_blocks(),
-            MlpSpec::Custom(_) => 1,
-        };
-        let tokens = self.micro_batch_size * self.seq_length / cp.max(1);
         let mut widths = vec![("--hidden-size", config.hidden_size)];
+        let ffn = config.ffn_hidden_size;
+        let dense = |a: &Activation| {
+            [
+                ("--ffn-hidden-size / --tensor-model-parallel-size", ffn / tp),
+                (
+                    "fc1's width (--ffn-hidden-size, × 2 for SwiGLU) / --tensor-model-parallel-size",
+                    a.fc1_blocks() * ffn / tp,
+                ),
+            ]
+        };
+        if let MlpSpec::Dense { activation, .. } = &config.layer.mlp {
+            widths.extend(dense(activation));
+        }
+        if let Some(m) = ferrotron_models::moe_spec(&config) {
+            // Whole experts (--expert-tensor-parallel-size 1) or split as the dense MLPs.
+            let etp = self.moe.as_ref().and_then(|m| m.expert_tensor_parallel_size).unwrap_or(tp);
+            let (expert, blocks) = (m.ffn_hidden_size, m.activation.fc1_blocks());
+            widths.extend([
+                ("--moe-ffn-hidden-size / --expert-tensor-parallel-size", expert / etp),
+                ("an expert's fc1 width (× 2 for SwiGLU) / --expert-tensor-parallel-size", blocks * expert / etp),
+            ]);
+            if let Some(f) = m.shared_expert_ffn {
+                widths.extend([
+                    ("--moe-shared-expert-intermediate-size / --tensor-model-parallel-size", f / tp),
+                    ("the shared experts' fc1 width (× 2 for SwiGLU) / --tensor-model-parallel-size", blocks * f / tp),
+                ]);
+            }
+            if let Some(MlpSpec::Dense { activation, .. }) = config.layer.other_mlp.as_ref().map(|o| &o.mlp) {
+                widths.extend(dense(activation));
+            }
+        }
         if let Some(m) = &config.layer.attention.mla {
             let heads = config.num_attention_heads / tp;
             let (qk, pos, v) = (m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim);
@@ -3234,14 +3259,6 @@ impl Settings {
                 ("heads × head dim / --tensor-model-parallel-size", config.num_attention_heads * head / tp),
             ]);
         }
-        widths.extend([
-            ("--ffn-hidden-size / --tensor-model-parallel-size", config.ffn_hidden_size / tp),
-            (
-                "fc1's width (--ffn-hidden-size, × 2 for SwiGLU) / --tensor-model-parallel-size",
-                blocks * config.ffn_hidden_size / tp,
-            ),
-            ("the tokens of a micro-batch (--micro-batch-size × --seq-length / --context-parallel-size)", tokens),
-        ]);
         for (what, n) in widths {
             if n % 16 != 0 {
                 bail!(

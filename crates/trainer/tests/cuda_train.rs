@@ -395,7 +395,8 @@ fn mamba_tensor_core_scan_cuda_matches_cpu() {
 /// --fp8-format with --fp8-recipe tensorwise on the GPU: the quantization kernels (amax, then
 /// the cast writing q and qᵀ) and cuBLASLt's FP8 products (E4M3 forward, E5M2 gradients, the
 /// weight gradient into fp32 main_grad) inside training: llama-tiny (SwiGLU, no biases), tiny
-/// (GeLU and biases: the bias epilogue, the GeLU outside the products) and E4M3 gradients under
+/// (GeLU and biases: the bias epilogue, the GeLU outside the products), mixtral-tiny (each
+/// expert's token list padded to whole 16-row tiles) and E4M3 gradients under
 /// tp2 × sp on two thread ranks sharing it, against the CPU's emulation, within bf16's 2e-2.
 #[test]
 fn fp8_cuda_matches_cpu() {
@@ -410,6 +411,7 @@ fn fp8_cuda_matches_cpu() {
     };
     bf16_cuda_matches_cpu("fp8 hybrid llama-tiny", fp8("llama-tiny", "hybrid"));
     bf16_cuda_matches_cpu("fp8 hybrid tiny", fp8("tiny", "hybrid"));
+    bf16_cuda_matches_cpu("fp8 hybrid mixtral-tiny", fp8("mixtral-tiny", "hybrid"));
     bf16_cuda_matches_cpu("fp8 e4m3 tp2 sp", || TrainArgs {
         tensor_model_parallel_size: Some(2),
         sequence_parallel: true,

@@ -6,7 +6,8 @@
 //! bit for bit, tensor × sequence and context parallelism (whose ranks scale
 //! their own shards and chunks) within 2e-3 (8 steps differ by about 1.6e-4), a run resumes bit
 //! for bit (tensorwise scaling keeps no state), --first-last-layers-bf16 keeps its layers' bf16
-//! bits, multi-latent attention's products run in FP8 too, and bad flags are named.
+//! bits, multi-latent attention's and the experts' products run in FP8 too, and bad flags are
+//! named.
 
 mod common;
 
@@ -95,15 +96,47 @@ fn bad_fp8_flags_are_named() {
     refused(TrainArgs { num_layers_at_start_in_bf16: Some(2), ..args.clone() }, 1, "--first-last-layers-bf16 keeps");
     let no_fp8 = TrainArgs { fp8_format: None, first_last_layers_bf16: true, ..args.clone() };
     refused(no_fp8, 1, "it goes with --fp8-format");
-    refused(TrainArgs { num_experts: Some(4), ..args.clone() }, 1, "mixture-of-experts (--num-experts)");
+    let experts = TrainArgs { num_experts: Some(4), moe_ffn_hidden_size: Some(40), ..args.clone() };
+    refused(experts, 1, "--moe-ffn-hidden-size / --expert-tensor-parallel-size is 40");
+    let mamba = TrainArgs { preset: Some("mamba-tiny".into()), ..fp8("hybrid") };
+    refused(mamba, 1, "Mamba hybrids (--hybrid-layer-pattern) have no FP8 products yet");
     refused(mla_fp8(), 1, "--kv-lora-rank is 12");
-    // Widths and tokens that cuBLASLt's FP8 products cannot take, named with the fix.
+    // Widths that cuBLASLt's FP8 products cannot take, named with the fix.
     refused(TrainArgs { hidden_size: Some(40), ..args.clone() }, 1, "--hidden-size is 40");
     let tp2 = TrainArgs { ffn_hidden_size: Some(48), tensor_model_parallel_size: Some(2), ..args.clone() };
     refused(tp2, 2, "--ffn-hidden-size / --tensor-model-parallel-size is 24");
-    let short =
-        TrainArgs { micro_batch_size: Some(1), seq_length: Some(24), max_position_embeddings: Some(24), ..args };
-    refused(short, 1, "the tokens of a micro-batch");
+}
+
+/// The mixture-of-experts layer's experts and shared experts in FP8: every expert's token list
+/// (any length) padded to whole 16-row tiles inside the linear layers; it learns beside its bf16
+/// run without matching it, and expert parallelism (each expert's tokens from both ranks at once,
+/// so scaled together) stays within 2e-3 of one rank. A micro-batch of 24 tokens trains too.
+#[test]
+fn experts_run_in_fp8() {
+    let moe = |a: TrainArgs| TrainArgs {
+        num_experts: Some(4),
+        moe_router_topk: Some(2),
+        moe_shared_expert_intermediate_size: Some(32),
+        ..a
+    };
+    let s = settings(&moe(fp8("hybrid")));
+    let one = run(&s, 1);
+    let bf16 = run(&settings(&moe(TrainArgs { bf16: true, ..tiny_args(true) })), 1);
+    assert!(one.losses.last().unwrap().1 < one.losses[0].1 * 0.95, "{:?}", one.losses);
+    assert_ne!(bits(&one.losses), bits(&bf16.losses), "the experts' products were quantized");
+    within("moe fp8 beside bf16", &one, &bf16, 5e-3);
+    let mut ep = s.clone();
+    ep.moe.as_mut().unwrap().expert_model_parallel_size = 2;
+    within("moe fp8 ep2", &run(&ep, 2), &one, 2e-3);
+    let short = TrainArgs {
+        micro_batch_size: Some(1),
+        global_batch_size: Some(2),
+        seq_length: Some(24),
+        max_position_embeddings: Some(24),
+        ..fp8("hybrid")
+    };
+    let short = run(&settings(&short), 1);
+    assert!(short.losses.iter().all(|(_, l)| l.is_finite()), "{:?}", short.losses);
 }
 
 fn mla_fp8() -> TrainArgs {

@@ -549,7 +549,8 @@ impl GptModel {
         Ok((model, table))
     }
 
-    /// Every transformer layer's attention and MLP products in FP8 (`format`, Megatron's
+    /// Every transformer layer's attention and MLP (dense, or a factory's that takes it: the MoE
+    /// layer's experts) products in FP8 (`format`, Megatron's
     /// --fp8-format with --fp8-recipe tensorwise: `ferrotron_kernels::fp8`), the MTP depths' layers
     /// and projections too; the embeddings, the output layer and the attention itself stay in the
     /// model's dtype, as Megatron keeps them. `bf16_ends` [first, last]: that many decoder layers

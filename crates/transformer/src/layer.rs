@@ -163,8 +163,8 @@ impl TransformerLayer {
     }
 
     /// The products of the attention's and the dense MLP's linear layers in FP8 (`format`,
-    /// Megatron's --fp8-format) or not (None); multi-latent attention's too. A factory's module
-    /// (MoE experts, a sequence mixer) has no FP8 products: refused, naming the layer's kind.
+    /// Megatron's --fp8-format) or not (None); multi-latent attention's too, and a factory's
+    /// module's as it says (`Module::set_fp8`: the MoE layer's experts; a sequence mixer refuses).
     pub fn set_fp8(&mut self, format: Option<ferrotron_kernels::Fp8Format>) -> Result<()> {
         for b in &mut self.branches {
             match &mut b.f {
@@ -177,13 +177,7 @@ impl TransformerLayer {
                     m.linear_fc2.fp8 = format;
                 }
                 Sublayer::Mla(a) => a.set_fp8(format),
-                _ if format.is_none() => {}
-                Sublayer::Module(_) => {
-                    return Err(invalid(
-                        "set_fp8",
-                        "mixture-of-experts, sequence-mixer (Mamba) and custom modules have no FP8 products yet",
-                    ));
-                }
+                Sublayer::Module(m) => m.set_fp8(format)?,
             }
         }
         Ok(())

@@ -190,8 +190,16 @@ device_test!(matmul_refuses_what_cublaslt_cannot_multiply, |dev: &Device| {
 });
 
 device_test!(linear_layer_is_the_products_of_quantized_operands, |dev: &Device| {
-    // x [2, 16, 64] → y [2, 16, 48] with w [48, 64]; hybrid: dy in E5M2.
-    let (rows, inp, out) = (32, 64, 48);
+    // x [2, 16, 64] → y [2, 16, 48] with w [48, 64], and 37 rows (an expert's token list: padded
+    // to 48 with zero rows inside); hybrid: dy in E5M2.
+    for (rows, lead) in [(32, vec![2, 16]), (37, vec![37])] {
+        check_linear(dev, rows, &lead);
+    }
+});
+
+fn check_linear(dev: &Device, rows: usize, lead: &[usize]) {
+    let (inp, out) = (64, 48);
+    let shape = |last: usize| [lead, &[last]].concat();
     let (x, w, dy, b) = (randv(rows * inp, 5), randv(out * inp, 6), randv(rows * out, 7), randv(out, 8));
     let (xs, ws, dys) = (stored(&x, DType::BF16), stored(&w, DType::BF16), stored(&dy, DType::BF16));
     for format in [Fp8Format::Hybrid, Fp8Format::E4M3] {
@@ -200,7 +208,7 @@ device_test!(linear_layer_is_the_products_of_quantized_operands, |dev: &Device| 
             q.iter().map(|q| q * s as f64).collect::<Vec<_>>()
         };
         let (xq, wq, dyq) = (deq(&xs, DType::F8E4M3), deq(&ws, DType::F8E4M3), deq(&dys, format.gradient()));
-        let xt = tensor(dev, &x, &[2, rows / 2, inp], DType::BF16);
+        let xt = tensor(dev, &x, &shape(inp), DType::BF16);
         let wt = tensor(dev, &w, &[out, inp], DType::BF16);
         let bt = tensor(dev, &b, &[out], DType::BF16);
         let (y, saved) = k::fp8_linear_fwd(&xt, &wt, Some(&bt), format, true).unwrap();
@@ -210,28 +218,30 @@ device_test!(linear_layer_is_the_products_of_quantized_operands, |dev: &Device| 
             .enumerate()
             .map(|(i, v)| v + stored(&b, DType::BF16)[i % out])
             .collect();
-        assert_eq!(y.dims(), &[2, rows / 2, out]);
-        assert_close(&host(&y), &want, 8e-3, 1e-3, &format!("{format:?} y"));
-        assert_eq!(saved.data.dims(), &[inp, rows], "the saved input is xᵀ");
+        let what = format!("{format:?} {rows} rows");
+        assert_eq!(y.dims(), &shape(out)[..]);
+        assert_close(&host(&y), &want, 8e-3, 1e-3, &format!("{what} y"));
+        assert_eq!(saved.data.dims(), &[inp, rows.next_multiple_of(16)], "the saved input is xᵀ, rows padded");
         // Without a backward to follow: the same output, nothing kept.
         let (y_eval, none) = k::fp8_linear_fwd(&xt, &wt, Some(&bt), format, false).unwrap();
         assert!(none.is_none());
-        same_values(&host(&y_eval), &host(&y), &format!("{format:?} evaluation y"));
+        same_values(&host(&y_eval), &host(&y), &format!("{what} evaluation y"));
         // Backward: dx = q(dy)·q(w), dW += q(dy)ᵀ·q(x) into an f32 main_grad holding g0.
         let g0 = randv(out * inp, 9);
         let dw = t32(dev, &g0, &[out, inp]);
-        let dyt = tensor(dev, &dy, &[2, rows / 2, out], DType::BF16);
+        let dyt = tensor(dev, &dy, &shape(out), DType::BF16);
         let dx = k::fp8_linear_bwd(&dyt, &wt, &saved, (&dw, true), format).unwrap();
+        assert_eq!(dx.dims(), &shape(inp)[..]);
         let wq_t = transpose(&wq, out, inp);
-        assert_close(&host(&dx), &product_nt(&dyq, &wq_t, rows, inp, out), 8e-3, 1e-3, &format!("{format:?} dx"));
+        assert_close(&host(&dx), &product_nt(&dyq, &wq_t, rows, inp, out), 8e-3, 1e-3, &format!("{what} dx"));
         let dw_want: Vec<f64> = product_nt(&transpose(&dyq, rows, out), &transpose(&xq, rows, inp), out, inp, rows)
             .iter()
             .zip(&g0)
             .map(|(p, g)| p + g)
             .collect();
-        assert_close(&host(&dw), &dw_want, 1e-5, 1e-5, &format!("{format:?} dW"));
+        assert_close(&host(&dw), &dw_want, 1e-5, 1e-5, &format!("{what} dW"));
     }
-});
+}
 
 #[test]
 fn format_names_round_trip() {
