@@ -31,26 +31,19 @@ __device__ __forceinline__ float fp8_scale(const u32* amax, float fmax) {
 
 // One value to FP8 by the hardware's round-to-nearest-even with saturation to the largest finite
 // value (NaN stays NaN): sm_89 and later; the host refuses FP8 on older devices.
-__device__ __forceinline__ unsigned char to_e4m3(float v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    unsigned short r;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.f), "f"(v));
-    return (unsigned char)(r & 0xff);
-#else
-    __trap();
-    return 0;
-#endif
+#define TO_FP8(f)                                                                                  \
+__device__ __forceinline__ unsigned char to_##f(float v) {                                         \
+    unsigned short r;                                                                             \
+    asm("cvt.rn.satfinite." #f "x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.f), "f"(v));                 \
+    return (unsigned char)(r & 0xff);                                                             \
 }
-__device__ __forceinline__ unsigned char to_e5m2(float v) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    unsigned short r;
-    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.f), "f"(v));
-    return (unsigned char)(r & 0xff);
 #else
-    __trap();
-    return 0;
+#define TO_FP8(f)                                                                                  \
+__device__ __forceinline__ unsigned char to_##f(float) { __trap(); return 0; }
 #endif
-}
+TO_FP8(e4m3)
+TO_FP8(e5m2)
 
 // Blocks of 256 threads (8 warps), one 32×32 tile each, the tiles in row-major order.
 #define FP8_CAST(s, T, f, FMAX)                                                                           \
