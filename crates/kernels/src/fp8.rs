@@ -130,7 +130,7 @@ fn fp8_dims(op: &'static str, a: &Fp8, b: &Fp8) -> Result<(usize, usize, usize)>
         return Err(invalid(
             op,
             format!(
-                "FP8 products need both the inner dim and the output width divisible by 16, got {k} and {n} (a [{}, {k}] · b [{n}, {k}]ᵀ): pick sizes (hidden, FFN, heads × head dim, tokens per micro-batch) that are multiples of 16, or train without --fp8-format",
+                "FP8 products need both the inner dim and the output width divisible by 16, got {k} and {n} (a [{}, {k}] · b [{n}, {k}]ᵀ): pick layer widths (hidden, FFN, heads × head dim) that are multiples of 16, or train without --fp8-format",
                 a.data.elem_count() / k.max(1)
             ),
         ));
