@@ -52,7 +52,7 @@ pub enum Fp8Copies {
 }
 
 /// The largest finite value of an FP8 type.
-pub fn fp8_max(op: &'static str, dt: DType) -> Result<f32> {
+pub(crate) fn fp8_max(op: &'static str, dt: DType) -> Result<f32> {
     match dt {
         DType::F8E4M3 => Ok(448.0),
         DType::F8E5M2 => Ok(57344.0),

@@ -39,8 +39,15 @@ fn param_grads(cx: &Cx, w: ParamId, b: Option<ParamId>, x: &Tensor, dy: &Tensor)
 }
 
 /// y = x·wᵀ (+ bias where given) on this rank, in FP8 where `fp8`, and what the backward keeps
-/// (x, or the FP8 xᵀ).
-fn product(cx: &Cx, w: ParamId, bias: Option<ParamId>, x: &Tensor, fp8: Option<Fp8Format>) -> Result<(Tensor, Saved)> {
+/// (x, or the FP8 xᵀ; none in an evaluation's FP8 forward). Also ferrotron-transformer's
+/// replicated `Linear` in FP8.
+pub fn product(
+    cx: &Cx,
+    w: ParamId,
+    bias: Option<ParamId>,
+    x: &Tensor,
+    fp8: Option<Fp8Format>,
+) -> Result<(Tensor, Saved)> {
     let w = cx.params.param(w)?;
     let b = bias.map(|b| cx.params.param(b)).transpose()?;
     if let Some(f) = fp8 {
@@ -57,7 +64,7 @@ fn product(cx: &Cx, w: ParamId, bias: Option<ParamId>, x: &Tensor, fp8: Option<F
 }
 
 /// `product`'s backward: dx = dy·w, with `param_grads`.
-fn product_bwd(
+pub fn product_bwd(
     op: &'static str,
     cx: &Cx,
     (w, b): (ParamId, Option<ParamId>),

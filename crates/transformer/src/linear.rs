@@ -9,10 +9,12 @@
 //! dtype when that is narrower). Only x is saved (cast again in the backward).
 //!
 //! With an FP8 format (`fp8`, multi-latent attention's down-projections under --fp8-format) the
-//! products run as the parallel linears' do (`k::fp8_linear_fwd/bwd`), saving the FP8 xᵀ.
+//! products run as the parallel linears' do (ferrotron-parallel's `linear::product`), saving the
+//! FP8 xᵀ.
 
 use ferrotron_core::{Cx, DType, Init, Module, ParamId, ParamMeta, ParamTableBuilder, Result, Saved, Tensor, invalid};
-use ferrotron_kernels::{self as k, Fp8, Fp8Format};
+use ferrotron_kernels::{self as k, Fp8Format};
+use ferrotron_parallel::linear::{product, product_bwd};
 
 #[derive(Debug, Clone)]
 pub struct Linear {
@@ -92,11 +94,8 @@ impl Linear {
 
 impl Module for Linear {
     fn forward(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Saved)> {
-        if let Some(f) = self.fp8 {
-            let w = cx.params.param(self.weight)?;
-            let b = self.bias.map(|b| cx.params.param(b)).transpose()?;
-            let (y, xt) = k::fp8_linear_fwd(x, &w, b.as_ref(), f, cx.training)?;
-            return Ok((y, Saved::new(xt.map_or_else(Vec::new, |t| vec![t.data, t.scale_inv]), vec![])));
+        if self.fp8.is_some() {
+            return product(cx, self.weight, self.bias, x, self.fp8);
         }
         let (xc, w) = (self.widen(x)?, self.widen(&cx.params.param(self.weight)?)?);
         let y = match self.bias {
@@ -107,17 +106,8 @@ impl Module for Linear {
     }
 
     fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
-        if let Some(f) = self.fp8 {
-            let [data, scale_inv]: [Tensor; 2] =
-                saved.tensors.try_into().map_err(|_| invalid("Linear::backward", "the forward saved no FP8 input"))?;
-            let (dw, acc) = cx.params.grad_acc(self.weight)?;
-            let w = cx.params.param(self.weight)?;
-            let dx = k::fp8_linear_bwd(dy, &w, &Fp8 { data, scale_inv }, (&dw, acc), f)?;
-            if let Some(b) = self.bias {
-                let (db, acc) = cx.params.grad_acc(b)?;
-                k::bias_grad_into(&db, dy, acc)?;
-            }
-            return Ok(dx);
+        if self.fp8.is_some() {
+            return product_bwd("Linear::backward", cx, (self.weight, self.bias), &saved, dy, self.fp8);
         }
         let x = saved.tensors.first().ok_or_else(|| invalid("Linear::backward", "nothing saved by forward"))?;
         let (xc, dy) = (self.widen(x)?, &self.widen(dy)?);
