@@ -8,6 +8,13 @@
 // bit patterns and NaN above +inf, so an integer max keeps NaN), then `fp8_cast_*` over 32×32
 // tiles writing q [rows, cols] and qᵀ [cols, rows], each where its pointer is not null (the operand layout
 // FP8 GEMMs need for the backward's products: cuBLASLt takes FP8 only as TN).
+//
+// Delayed scaling (Megatron's `--fp8-recipe delayed`) passes the scale (`given`) instead: one
+// launch of `fp8_cast_*`, which also maxes |x|'s bits into `amax` (an amax history's row-0 slot,
+// where not null) and writes the scale beside scale_inv ([1 / scale, scale]) for the backward.
+// `fp8_delayed_update` then moves each slot's history on after a pass (Transformer Engine's
+// rule: the scale from the history's max or its newest amax, kept where that is 0 or not
+// finite; the history rolled one place, row 0 cleared for the next pass).
 
 __device__ __forceinline__ u32 abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
 __device__ __forceinline__ u32 umax32(u32 a, u32 b) { return a > b ? a : b; }
@@ -47,22 +54,32 @@ TO_FP8(e5m2)
 
 // Blocks of 256 threads (8 warps), one 32×32 tile each, the tiles in row-major order.
 #define FP8_CAST(s, T, f, FMAX)                                                                           \
-extern "C" __global__ void fp8_cast_##s##_##f(const T* x, const u32* amax, unsigned char* q,             \
+extern "C" __global__ void fp8_cast_##s##_##f(const T* x, u32* amax, const float* given, unsigned char* q,  \
                                               unsigned char* qt, float* scale_inv, long rows, long cols) { \
     __shared__ unsigned char tile[32][33];                                                                \
-    float sc = fp8_scale(amax, FMAX);                                                                     \
+    float sc = given ? *given : fp8_scale(amax, FMAX);                                                    \
     long tiles_c = (cols + 31) / 32;                                                                      \
     long r0 = (long)blockIdx.x / tiles_c * 32, c0 = (long)blockIdx.x % tiles_c * 32;                      \
     int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;                                                     \
+    u32 m = 0;                                                                                            \
     for (int j = ty; j < 32; j += 8) {                                                                    \
         long r = r0 + j, c = c0 + tx;                                                                     \
         if (r < rows && c < cols) {                                                                       \
-            unsigned char v = to_##f(__fmul_rn(ld(x, r * cols + c), sc));                                 \
+            float xv = ld(x, r * cols + c);                                                               \
+            m = umax32(m, abs_bits(xv));                                                                  \
+            unsigned char v = to_##f(__fmul_rn(xv, sc));                                                  \
             if (q) q[r * cols + c] = v;                                                                   \
             tile[j][tx] = v;                                                                              \
         }                                                                                                 \
     }                                                                                                     \
-    if (blockIdx.x == 0 && threadIdx.x == 0) *scale_inv = __frcp_rn(sc);             \
+    if (given && amax) {                                                                                  \
+        for (int o = 16; o > 0; o >>= 1) m = umax32(m, __shfl_xor_sync(0xffffffffu, m, o));               \
+        if (tx == 0 && m) atomicMax(amax, m);                                                             \
+    }                                                                                                     \
+    if (blockIdx.x == 0 && threadIdx.x == 0) {                                                            \
+        scale_inv[0] = __frcp_rn(sc);                                                                     \
+        if (given) scale_inv[1] = sc;                                                                     \
+    }                                                                                                     \
     if (!qt) return;                                                                                      \
     __syncthreads();                                                                                      \
     for (int j = ty; j < 32; j += 8) {                                                                    \
@@ -74,3 +91,23 @@ FP8_CAST(f32, float, e4m3, 448.f)
 FP8_CAST(bf16, bf16_t, e4m3, 448.f)
 FP8_CAST(f32, float, e5m2, 57344.f)
 FP8_CAST(bf16, bf16_t, e5m2, 57344.f)
+
+// One thread per history column c in [c0, c1) of hist [len, n] and scale [n]: the header's
+// update with scaled_max = fp8_max · 2^-margin, from the history's max (`algo_max`) or row 0.
+extern "C" __global__ void fp8_delayed_update(float* hist, float* scale, long len, long n, long c0, long c1,
+                                              float scaled_max, long algo_max) {
+    long c = c0 + (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= c1) return;
+    float cur = hist[c], a = cur;
+    if (algo_max)
+        for (long i = 1; i < len; i++) a = fmaxf(a, hist[i * n + c]);
+    if (isfinite(a) && a > 0.f) {
+        float sc = __fdiv_rn(scaled_max, a);
+        scale[c] = sc == INFINITY ? 3.4028234663852886e38f : sc;
+    }
+    if (len > 1) {
+        for (long i = 1; i + 1 < len; i++) hist[i * n + c] = hist[(i + 1) * n + c];
+        hist[(len - 1) * n + c] = cur;
+    }
+    hist[c] = 0.f;
+}

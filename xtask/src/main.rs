@@ -391,10 +391,12 @@ fn bench_train_args(preset: &str, micro: usize, iters: u64, log: u64) -> Vec<Str
     if bench_grad_bf16() {
         a.push("--grad-reduce-in-bf16".into());
     }
-    // BENCH_FP8=FORMAT: our linear products in FP8 (`--fp8-format FORMAT --fp8-recipe
-    // tensorwise`); the PyTorch reference stays bf16.
+    // BENCH_FP8=FORMAT: our linear products in FP8 (`--fp8-format FORMAT`, with
+    // `--fp8-recipe` BENCH_FP8_RECIPE: delayed, the default, or tensorwise); the PyTorch
+    // reference stays bf16.
     if let Ok(f) = std::env::var("BENCH_FP8") {
-        a.extend(multi::owned(&["--fp8-format", &f, "--fp8-recipe", "tensorwise"]));
+        let recipe = std::env::var("BENCH_FP8_RECIPE").unwrap_or_else(|_| "delayed".into());
+        a.extend(multi::owned(&["--fp8-format", &f, "--fp8-recipe", &recipe]));
     }
     // BENCH_CUDA_GRAPH=N: the step graphed after N eager steps (`--cuda-graph-impl local`).
     if let Some(n) = std::env::var("BENCH_CUDA_GRAPH").ok().and_then(|v| v.parse::<u64>().ok()) {

@@ -47,12 +47,15 @@ pub struct Cx<'a> {
     /// batch's loss tokens, so that, as in Megatron, those gradients are summed and divided by the
     /// global count like the language-model loss's. None: the default.
     pub own_loss_scale: Option<f32>,
+    /// A recomputed forward under FP8 delayed scaling: the forward scales (`MetaTensors::
+    /// fwd_scale`) its first run quantized with, so that it quantizes alike and records no amax.
+    pub fp8_replay: Option<&'a Tensor>,
 }
 
 impl<'a> Cx<'a> {
     /// A context with no random draws.
     pub fn new(params: &'a ParamTable, training: bool) -> Self {
-        Cx { params, training, draw: None, grad_scale: 1.0, own_loss_scale: None }
+        Cx { params, training, draw: None, grad_scale: 1.0, own_loss_scale: None, fp8_replay: None }
     }
     /// The same context for a micro-batch with `draw`.
     pub fn with_draw(&self, draw: Option<Draw>) -> Cx<'a> {
@@ -65,6 +68,13 @@ impl<'a> Cx<'a> {
     /// The same context for a backward whose modules' own losses take `own_loss_scale`.
     pub fn with_own_loss_scale(&self, own_loss_scale: Option<f32>) -> Cx<'a> {
         Cx { own_loss_scale, ..*self }
+    }
+    /// The same context for a recomputed forward replaying these FP8 forward scales.
+    pub fn with_fp8_replay<'b>(&self, scales: Option<&'b Tensor>) -> Cx<'b>
+    where
+        'a: 'b,
+    {
+        Cx { fp8_replay: scales, ..*self }
     }
 }
 
@@ -100,14 +110,15 @@ pub trait Module: Send + Sync {
         Err(crate::invalid("Module::backward_without_out_bias", "this module leaves no bias gradient to its caller"))
     }
 
-    /// The module's linear products in FP8 (`format`: --fp8-format) or not (None). The default,
-    /// for a module without FP8 products, takes None and refuses a format.
-    fn set_fp8(&mut self, format: Option<crate::Fp8Format>) -> Result<()> {
-        match format {
+    /// The module's linear products in FP8 (`fp8`: --fp8-format and the recipe) or not (None).
+    /// The default, for a module without FP8 products, takes None and refuses a recipe.
+    fn set_fp8(&mut self, fp8: Option<&crate::Fp8Recipe>) -> Result<()> {
+        match fp8 {
             None => Ok(()),
-            Some(f) => {
-                Err(crate::invalid("Module::set_fp8", format!("this module has no FP8 products ({})", f.as_str())))
-            }
+            Some(r) => Err(crate::invalid(
+                "Module::set_fp8",
+                format!("this module has no FP8 products ({})", r.format.as_str()),
+            )),
         }
     }
 }

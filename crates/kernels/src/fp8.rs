@@ -1,6 +1,11 @@
 //! FP8 with one scale per tensor: Megatron's `--fp8-recipe tensorwise` (Transformer Engine's
-//! current scaling). Quantization, the products of FP8 operands, and the linear layer built from
-//! them (`fp8_linear_fwd` / `fp8_linear_bwd`).
+//! current scaling) and `delayed` (its DelayedScaling). Quantization, the products of FP8
+//! operands, and the linear layer built from them (`fp8_linear_fwd` / `fp8_linear_bwd`).
+//!
+//! Delayed scaling (`quantize_fp8_scaled`, `fp8_scale_update`; the state is ferrotron-core's
+//! `Fp8Metas`): x is scaled by a scale chosen from earlier passes' amaxes, and its own amax is
+//! maxed into a history slot; after a pass each slot's scale follows its history (the update's
+//! doc) and the history rolls on.
 //!
 //! Quantizing x: amax = max |x| (NaN when any element is NaN), scale = fp8_max / amax (448 for
 //! E4M3, 57344 for E5M2; 1 where amax is 0 or inf, f32::MAX where the quotient overflows), q =
@@ -18,10 +23,13 @@
 //! E4M3; dy in E4M3 (`--fp8-format e4m3`) or E5M2 (`hybrid`). Forward y = q(x)·q(w)ᵀ; backward
 //! dx = q(dy)·q(wᵀ)ᵀ and dW (+)= q(dyᵀ)·q(xᵀ)ᵀ into main_grad. The forward saves q(xᵀ) for the
 //! weight gradient (one byte an element instead of x's two) and the backward quantizes w again
-//! (the same bytes: w has not changed) rather than keeping an FP8 copy per micro-batch in flight.
+//! (the same bytes: w has not changed, and under delayed scaling the forward's scale of w is
+//! kept for it) rather than keeping an FP8 copy per micro-batch in flight.
 
 use crate::{check, cpu};
-use ferrotron_core::{DType, Device, Error, Fp8Format, Result, Tensor, invalid, shape_mismatch};
+use ferrotron_core::{
+    AmaxAlgo, DType, DelayedScaling, Device, Error, Fp8Format, Result, Tensor, invalid, shape_mismatch,
+};
 
 /// A tensor in FP8 and its scale: value ≈ data · scale_inv (scale_inv an f32 [1] on data's
 /// device, never read back to the host by the CUDA ops).
@@ -72,6 +80,37 @@ fn scale_for(amax: f32, fmax: f32) -> f32 {
 /// x (viewed as [rows, cols], cols its last dim) in FP8 type `dt` with one scale: (q in x's
 /// shape, qᵀ [cols, rows]), each present as `copies` asks.
 pub fn quantize_fp8(x: &Tensor, dt: DType, copies: Fp8Copies) -> Result<(Option<Fp8>, Option<Fp8>)> {
+    let (q, qt, _) = quantize(x, dt, copies, None)?;
+    Ok((q, qt))
+}
+
+/// Delayed scaling's quantization: x scaled by `scale` (an f32 [1], chosen before x is seen)
+/// instead of its own amax, and max |x| maxed into `amax` (an f32 [1]: an amax history's
+/// current slot) where given. Returns `quantize_fp8`'s copies and the scale used (a [1] copy of
+/// it, which the slot's later updates leave alone).
+pub fn quantize_fp8_scaled(
+    x: &Tensor,
+    dt: DType,
+    copies: Fp8Copies,
+    scale: &Tensor,
+    amax: Option<&Tensor>,
+) -> Result<(Option<Fp8>, Option<Fp8>, Tensor)> {
+    const OP: &str = "quantize_fp8_scaled";
+    for t in std::iter::once(scale).chain(amax) {
+        check::dtype(OP, t, DType::F32)?;
+        check::shape(OP, t, &[1])?;
+    }
+    let (q, qt, used) = quantize(x, dt, copies, Some((scale, amax)))?;
+    Ok((q, qt, used.ok_or_else(|| invalid(OP, "no scale copy"))?))
+}
+
+/// Both quantizations (`given`: delayed scaling's scale and amax slot); the scale used where given.
+fn quantize(
+    x: &Tensor,
+    dt: DType,
+    copies: Fp8Copies,
+    given: Option<(&Tensor, Option<&Tensor>)>,
+) -> Result<(Option<Fp8>, Option<Fp8>, Option<Tensor>)> {
     const OP: &str = "quantize_fp8";
     check::float(OP, x)?;
     let fmax = fp8_max(OP, dt)?;
@@ -81,19 +120,44 @@ pub fn quantize_fp8(x: &Tensor, dt: DType, copies: Fp8Copies) -> Result<(Option<
     let cols = x.shape().last();
     let rows = x.elem_count() / cols.max(1);
     let (plain, transposed) = (copies != Fp8Copies::Transposed, copies != Fp8Copies::Plain);
+    // scale_inv, or (delayed) [scale_inv, scale]: the handles the caller gets.
+    let split = |s: Tensor| -> Result<(Tensor, Option<Tensor>)> {
+        if given.is_some() { Ok((s.narrow0(0..1)?, Some(s.narrow0(1..2)?))) } else { Ok((s, None)) }
+    };
     #[cfg(feature = "cuda")]
-    if let Some(g) = crate::cuda::gpu(OP, &[x])? {
-        let (q, qt, s) = crate::cuda::ops::fp8_quantize(&g, x, [rows, cols], dt, [plain, transposed])?;
-        let q = q.map(|q| q.reshape(x.dims().to_vec())).transpose()?;
-        return Ok((q.map(|data| Fp8 { data, scale_inv: s.clone() }), qt.map(|data| Fp8 { data, scale_inv: s })));
+    {
+        let mut all = vec![x];
+        all.extend(given.iter().flat_map(|(s, a)| std::iter::once(*s).chain(*a)));
+        if let Some(g) = crate::cuda::gpu(OP, &all)? {
+            let (q, qt, s) = crate::cuda::ops::fp8_quantize(&g, x, [rows, cols], dt, [plain, transposed], given)?;
+            let (s, used) = split(s)?;
+            let q = q.map(|q| q.reshape(x.dims().to_vec())).transpose()?;
+            let q = q.map(|data| Fp8 { data, scale_inv: s.clone() });
+            return Ok((q, qt.map(|data| Fp8 { data, scale_inv: s }), used));
+        }
     }
-    check::on_cpu(OP, &[x])?;
+    let mut all = vec![x];
+    all.extend(given.iter().flat_map(|(s, a)| std::iter::once(*s).chain(*a)));
+    check::on_cpu(OP, &all)?;
     let xv = x.read_f32()?;
     // |x|'s bits order as the magnitudes, NaN above inf: the largest keeps a NaN (as on CUDA).
-    let amax = f32::from_bits(xv.iter().map(|v| v.to_bits() & 0x7fff_ffff).max().unwrap_or(0));
-    let scale = scale_for(amax, fmax);
+    let amax_bits = xv.iter().map(|v| v.to_bits() & 0x7fff_ffff).max().unwrap_or(0);
+    let (scale, scale_inv) = match given {
+        Some((s, slot)) => {
+            if let Some(slot) = slot {
+                slot.update_f32(OP, |v| v[0] = f32::from_bits(v[0].to_bits().max(amax_bits)))?;
+            }
+            let scale = s.to_vec_f32()?[0];
+            (scale, vec![1.0 / scale, scale])
+        }
+        None => {
+            let scale = scale_for(f32::from_bits(amax_bits), fmax);
+            (scale, vec![1.0 / scale])
+        }
+    };
+    let n = scale_inv.len();
+    let (scale_inv, used) = split(Tensor::from_vec(scale_inv, [n], &Device::Cpu)?)?;
     let scaled: Vec<f32> = xv.iter().map(|v| v * scale).collect();
-    let scale_inv = Tensor::from_vec(vec![1.0 / scale], [1], &Device::Cpu)?;
     let q = plain.then(|| Tensor::from_f32(&scaled, x.dims().to_vec(), dt, &Device::Cpu)).transpose()?;
     let qt = if transposed {
         let mut t = vec![0.0f32; scaled.len()];
@@ -106,7 +170,62 @@ pub fn quantize_fp8(x: &Tensor, dt: DType, copies: Fp8Copies) -> Result<(Option<
     } else {
         None
     };
-    Ok((q.map(|data| Fp8 { data, scale_inv: scale_inv.clone() }), qt.map(|data| Fp8 { data, scale_inv })))
+    let q = q.map(|data| Fp8 { data, scale_inv: scale_inv.clone() });
+    Ok((q, qt.map(|data| Fp8 { data, scale_inv }), used))
+}
+
+/// Delayed scaling's update after a pass, of columns `cols` of `history` [len, n] and `scale`
+/// [n] (f32; `dt`: the columns' FP8 type): amax = the column's largest
+/// (`AmaxAlgo::Max`, NaNs skipped) or row 0 (`MostRecent`); scale = fp8_max · 2^-margin / amax
+/// (f32::MAX where that overflows), kept where amax is 0 or not finite; then the history rolls
+/// one place (row 0 to the end, the oldest dropped) and row 0 is cleared.
+pub fn fp8_scale_update(
+    history: &Tensor,
+    scale: &Tensor,
+    cols: std::ops::Range<usize>,
+    dt: DType,
+    config: &DelayedScaling,
+) -> Result<()> {
+    const OP: &str = "fp8_scale_update";
+    check::dtype(OP, history, DType::F32)?;
+    check::dtype(OP, scale, DType::F32)?;
+    check::rank(OP, history, 2)?;
+    let (len, n) = (history.dims()[0], history.dims()[1]);
+    check::shape(OP, scale, &[n])?;
+    if cols.end > n || cols.start > cols.end {
+        return Err(invalid(OP, format!("columns {cols:?} of a history of {n}")));
+    }
+    let scaled_max = fp8_max(OP, dt)? * 2f32.powi(-config.margin);
+    let algo_max = config.algo == AmaxAlgo::Max;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[history, scale])? {
+        let c = [cols.start, cols.end];
+        return crate::cuda::ops::fp8_delayed_update(&g, history, scale, [len, n], c, scaled_max, algo_max);
+    }
+    check::on_cpu(OP, &[history, scale])?;
+    let mut amaxes = vec![];
+    history.update_f32(OP, |h| {
+        for c in cols.clone() {
+            let cur = h[c];
+            let a = if algo_max { (1..len).fold(cur, |a, i| a.max(h[i * n + c])) } else { cur };
+            amaxes.push(a);
+            for i in 1..len.saturating_sub(1) {
+                h[i * n + c] = h[(i + 1) * n + c];
+            }
+            if len > 1 {
+                h[(len - 1) * n + c] = cur;
+            }
+            h[c] = 0.0;
+        }
+    })?;
+    scale.update_f32(OP, |s| {
+        for (c, a) in cols.zip(amaxes) {
+            if a.is_finite() && a > 0.0 {
+                let v = scaled_max / a;
+                s[c] = if v == f32::INFINITY { f32::MAX } else { v };
+            }
+        }
+    })
 }
 
 /// (m, n, k) of a [..., k] · b [n, k]ᵀ, checked as the header says.
@@ -192,27 +311,52 @@ pub fn fp8_matmul_into(c: &Tensor, a: &Fp8, b: &Fp8, accumulate: bool) -> Result
     c.update_f32(OP, |cv| cpu::matmul::gemm_batched(1, m, n, k, &av, false, &bv, true, cv, accumulate, alpha))
 }
 
+/// Delayed scaling's handles for one quantized operand: the scale to quantize by and, where
+/// the pass records amaxes, the history slot to max the operand's amax into.
+#[derive(Clone, Copy, Debug)]
+pub struct Fp8Scaling<'a> {
+    pub scale: &'a Tensor,
+    pub amax: Option<&'a Tensor>,
+}
+
+/// `x` quantized by its own amax, or (`delayed`) by the given scale; with the scale used.
+fn quantize_by(
+    x: &Tensor,
+    dt: DType,
+    copies: Fp8Copies,
+    delayed: Option<Fp8Scaling>,
+) -> Result<(Option<Fp8>, Option<Fp8>, Option<Tensor>)> {
+    match delayed {
+        Some(d) => quantize_fp8_scaled(x, dt, copies, d.scale, d.amax).map(|(q, qt, s)| (q, qt, Some(s))),
+        None => quantize(x, dt, copies, None),
+    }
+}
+
 /// The FP8 linear layer's forward (header): y = q(x)·q(w)ᵀ (+ bias) in x's dtype, x [..., in], w
 /// [out, in]; returns y and, where a backward follows (`for_backward`), q(xᵀ) [in, rows padded to
 /// a multiple of 16] for `fp8_linear_bwd`. Any row count: the rows are padded with zeros inside.
+/// Under delayed scaling (`delayed`: x's and w's handles) also the scales x and w were quantized
+/// by (the backward quantizes w by its again; a recomputed x is quantized by x's).
 pub fn fp8_linear_fwd(
     x: &Tensor,
     w: &Tensor,
     bias: Option<&Tensor>,
     format: Fp8Format,
     for_backward: bool,
-) -> Result<(Tensor, Option<Fp8>)> {
+    delayed: Option<[Fp8Scaling; 2]>,
+) -> Result<(Tensor, Option<Fp8>, Option<[Tensor; 2]>)> {
     const OP: &str = "fp8_linear_fwd";
     check::rank(OP, w, 2)?;
     let copies = if for_backward { Fp8Copies::Both } else { Fp8Copies::Plain };
     let (xp, rows) = padded_rows(x)?;
-    let (xq, xt) = quantize_fp8(&xp, format.forward(), copies)?;
-    let (wq, _) = quantize_fp8(w, format.forward(), Fp8Copies::Plain)?;
+    let (xq, xt, x_scale) = quantize_by(&xp, format.forward(), copies, delayed.map(|d| d[0]))?;
+    let (wq, _, w_scale) = quantize_by(w, format.forward(), Fp8Copies::Plain, delayed.map(|d| d[1]))?;
     let (xq, wq) = (xq.ok_or_else(|| gone(OP))?, wq.ok_or_else(|| gone(OP))?);
     let y = fp8_matmul(&xq, &wq, bias, x.dtype())?;
     let mut dims = x.dims().to_vec();
     *dims.last_mut().expect("rank checked by quantize_fp8") = w.dims()[0];
-    Ok((y.narrow0(0..rows)?.reshape(dims)?, xt))
+    let used = x_scale.zip(w_scale).map(|(x, w)| [x, w]);
+    Ok((y.narrow0(0..rows)?.reshape(dims)?, xt, used))
 }
 
 /// x as [rows, cols] (cols its last dim) with zero rows after it up to a multiple of 16, and its
@@ -234,19 +378,23 @@ fn padded_rows(x: &Tensor) -> Result<(Tensor, usize)> {
 }
 
 /// The FP8 linear layer's backward: dx = q(dy)·q(wᵀ)ᵀ in dy's dtype, and dw (main_grad, [out,
-/// in]) = or += q(dyᵀ)·xtᵀ (xt from `fp8_linear_fwd`) as `accumulate` says.
+/// in]) = or += q(dyᵀ)·xtᵀ (xt from `fp8_linear_fwd`) as `accumulate` says. Under delayed
+/// scaling (`delayed`: dy's handles and the scale the forward quantized w by) w's bytes are the
+/// forward's again, and no amax of w is recorded twice.
 pub fn fp8_linear_bwd(
     dy: &Tensor,
     w: &Tensor,
     xt: &Fp8,
     (dw, accumulate): (&Tensor, bool),
     format: Fp8Format,
+    delayed: Option<(Fp8Scaling, &Tensor)>,
 ) -> Result<Tensor> {
     const OP: &str = "fp8_linear_bwd";
     check::rank(OP, w, 2)?;
     let (dyp, rows) = padded_rows(dy)?;
-    let (dyq, dyt) = quantize_fp8(&dyp, format.gradient(), Fp8Copies::Both)?;
-    let (_, wt) = quantize_fp8(w, format.forward(), Fp8Copies::Transposed)?;
+    let (dyq, dyt, _) = quantize_by(&dyp, format.gradient(), Fp8Copies::Both, delayed.map(|d| d.0))?;
+    let w_by = delayed.map(|(_, scale)| Fp8Scaling { scale, amax: None });
+    let (_, wt, _) = quantize_by(w, format.forward(), Fp8Copies::Transposed, w_by)?;
     let (dyq, dyt, wt) = (dyq.ok_or_else(|| gone(OP))?, dyt.ok_or_else(|| gone(OP))?, wt.ok_or_else(|| gone(OP))?);
     let dx = fp8_matmul(&dyq, &wt, None, dy.dtype())?;
     fp8_matmul_into(dw, &dyt, xt, accumulate)?;

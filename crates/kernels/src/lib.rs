@@ -50,7 +50,10 @@ pub use dropout::{DropSplit, DropoutKey, dropout, normal, set_draw_shift};
 pub use elementwise::{add, add_, bias_add, bias_grad, bias_grad_into, cast, copy_, scale, scale_};
 pub use embedding::{embedding_bwd, embedding_bwd_shard, embedding_fwd, embedding_fwd_shard, position_embedding_bwd};
 pub use ferrotron_core::Fp8Format;
-pub use fp8::{Fp8, Fp8Copies, fp8_linear_bwd, fp8_linear_fwd, fp8_matmul, fp8_matmul_into, quantize_fp8};
+pub use fp8::{
+    Fp8, Fp8Copies, Fp8Scaling, fp8_linear_bwd, fp8_linear_fwd, fp8_matmul, fp8_matmul_into, fp8_scale_update,
+    quantize_fp8, quantize_fp8_scaled,
+};
 pub use lab_env::check_lab_switches;
 pub use loss::{
     CrossEntropyCfg, RowScale, ce_combine_shards, cross_entropy_bwd, cross_entropy_fwd, cross_entropy_fwd_bwd_,

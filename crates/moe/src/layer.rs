@@ -555,10 +555,10 @@ impl Module for MoeLayer {
     /// The experts' and the shared experts' products in FP8 (each expert's token list padded to
     /// whole 16-row tiles inside `k::fp8_linear_fwd`); the router and the shared gate stay in
     /// their dtypes, as Megatron keeps them.
-    fn set_fp8(&mut self, format: Option<ferrotron_core::Fp8Format>) -> Result<()> {
+    fn set_fp8(&mut self, fp8: Option<&ferrotron_core::Fp8Recipe>) -> Result<()> {
         for m in self.experts.iter_mut().chain(self.shared.iter_mut()) {
-            m.linear_fc1.fp8 = format;
-            m.linear_fc2.fp8 = format;
+            m.linear_fc1.fp8 = fp8.map(|r| r.linear(m.linear_fc1.weight));
+            m.linear_fc2.fp8 = fp8.map(|r| r.linear(m.linear_fc2.weight));
         }
         Ok(())
     }

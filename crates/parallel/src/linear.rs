@@ -11,15 +11,18 @@
 //!
 //! With an FP8 format (`fp8`, Megatron's --fp8-format) each rank's products run in FP8 with
 //! per-tensor scales (`k::fp8_linear_fwd` / `k::fp8_linear_bwd`): the forward keeps the FP8 xᵀ
-//! instead of x, and the GeLU stays out of the products' epilogues. Scales are per rank, of the
-//! tensors each rank multiplies (Transformer Engine's current scaling without an amax reduction),
-//! so a split layer quantizes its weight shards and row-parallel inputs apart.
+//! instead of x, and the GeLU stays out of the products' epilogues. Tensorwise scales are per
+//! rank, of the tensors each rank multiplies (Transformer Engine's current scaling without an
+//! amax reduction), so a split layer quantizes its weight shards and row-parallel inputs apart;
+//! delayed scales come from the layer's slot (`Fp8Linear::slot`), whose amaxes the trainer
+//! reduces over the ranks, so every rank quantizes by the whole tensor's.
 
 use crate::tp::TensorParallel;
 use ferrotron_core::{
-    Blocks, Cx, Init, Module, ParamId, ParamMeta, ParamTableBuilder, Result, Saved, Shard, Tensor, invalid,
+    Blocks, Cx, Fp8Linear, Init, MetaTensors, Module, ParamId, ParamMeta, ParamTableBuilder, Result, Saved, Shard,
+    Tensor, invalid,
 };
-use ferrotron_kernels::{self as k, Fp8, Fp8Copies, Fp8Format};
+use ferrotron_kernels::{self as k, Fp8, Fp8Copies, Fp8Scaling};
 
 fn saved_one<'a>(op: &'static str, s: &'a Saved) -> Result<&'a Tensor> {
     s.tensors.first().ok_or_else(|| invalid(op, "nothing saved by forward"))
@@ -38,22 +41,47 @@ fn param_grads(cx: &Cx, w: ParamId, b: Option<ParamId>, x: &Tensor, dy: &Tensor)
     Ok(())
 }
 
+/// Delayed scaling's handles of slot `i`'s forward operands (x, w): the scales from `scales`
+/// (the state's, or a recompute's replayed copy), the amax slots where the pass records.
+fn forward_slots(t: &MetaTensors, scales: &Tensor, i: usize, record: bool) -> Result<[(Tensor, Option<Tensor>); 2]> {
+    let at = |v: &Tensor, j: usize| v.view(j, [1]);
+    let amax = |j: usize| record.then(|| at(&t.fwd_history, j)).transpose();
+    Ok([(at(scales, 2 * i)?, amax(2 * i)?), (at(scales, 2 * i + 1)?, amax(2 * i + 1)?)])
+}
+
+fn by((scale, amax): &(Tensor, Option<Tensor>)) -> Fp8Scaling<'_> {
+    Fp8Scaling { scale, amax: amax.as_ref() }
+}
+
 /// y = x·wᵀ (+ bias where given) on this rank, in FP8 where `fp8`, and what the backward keeps
-/// (x, or the FP8 xᵀ; none in an evaluation's FP8 forward). Also ferrotron-transformer's
-/// replicated `Linear` in FP8.
+/// (x, or the FP8 xᵀ and, under delayed scaling, the scale w was quantized by; none of it in an
+/// evaluation's FP8 forward). Under delayed scaling a training forward records x's and w's
+/// amaxes in their slots, and a recomputed one (`Cx::fp8_replay`) quantizes by the scales its
+/// first run used and records nothing. Also ferrotron-transformer's replicated `Linear` in FP8.
 pub fn product(
     cx: &Cx,
     w: ParamId,
     bias: Option<ParamId>,
     x: &Tensor,
-    fp8: Option<Fp8Format>,
+    fp8: Option<&Fp8Linear>,
 ) -> Result<(Tensor, Saved)> {
     let w = cx.params.param(w)?;
     let b = bias.map(|b| cx.params.param(b)).transpose()?;
     if let Some(f) = fp8 {
         // An evaluation's forward writes no transposed copy: nothing runs backward.
-        let (y, xt) = k::fp8_linear_fwd(x, &w, b.as_ref(), f, cx.training)?;
-        let kept = xt.map_or_else(Vec::new, |t| vec![t.data, t.scale_inv]);
+        let (y, xt, used) = match &f.slot {
+            None => k::fp8_linear_fwd(x, &w, b.as_ref(), f.format, cx.training, None)?,
+            Some(slot) => {
+                let t = slot.metas.tensors()?;
+                let scales = cx.fp8_replay.unwrap_or(&t.fwd_scale);
+                let record = cx.training && cx.fp8_replay.is_none();
+                let [sx, sw] = forward_slots(&t, scales, slot.index, record)?;
+                k::fp8_linear_fwd(x, &w, b.as_ref(), f.format, cx.training, Some([by(&sx), by(&sw)]))?
+            }
+        };
+        // [xᵀ, its scale_inv] and under delayed scaling [the scale of w, the scale of x].
+        let used = used.map(|[x, w]| vec![w, x]).unwrap_or_default();
+        let kept = xt.map_or_else(Vec::new, |t| [vec![t.data, t.scale_inv], used].concat());
         return Ok((y, Saved::new(kept, vec![])));
     }
     let y = match b {
@@ -63,25 +91,38 @@ pub fn product(
     Ok((y, Saved::new(vec![x.clone()], vec![])))
 }
 
-/// `product`'s backward: dx = dy·w, with `param_grads`.
+/// `product`'s backward: dx = dy·w, with `param_grads`. Under delayed scaling dy is quantized by
+/// its slot's scale and its amax recorded.
 pub fn product_bwd(
     op: &'static str,
     cx: &Cx,
     (w, b): (ParamId, Option<ParamId>),
     saved: &Saved,
     dy: &Tensor,
-    fp8: Option<Fp8Format>,
+    fp8: Option<&Fp8Linear>,
 ) -> Result<Tensor> {
     let Some(f) = fp8 else {
         param_grads(cx, w, b, saved_one(op, saved)?, dy)?;
         return k::matmul(dy, &cx.params.param(w)?, false, false);
     };
-    let xt = match saved.tensors.as_slice() {
-        [data, scale_inv] => Fp8 { data: data.clone(), scale_inv: scale_inv.clone() },
+    let (xt, w_scale) = match (saved.tensors.as_slice(), &f.slot) {
+        ([data, scale_inv], None) => (Fp8 { data: data.clone(), scale_inv: scale_inv.clone() }, None),
+        ([data, scale_inv, w_scale, _], Some(_)) => {
+            (Fp8 { data: data.clone(), scale_inv: scale_inv.clone() }, Some(w_scale))
+        }
         _ => return Err(invalid(op, "the forward saved no FP8 input")),
     };
     let (dw, acc) = cx.params.grad_acc(w)?;
-    let dx = k::fp8_linear_bwd(dy, &cx.params.param(w)?, &xt, (&dw, acc), f)?;
+    let w = cx.params.param(w)?;
+    let dx = match (&f.slot, w_scale) {
+        (Some(slot), Some(w_scale)) => {
+            let t = slot.metas.tensors()?;
+            let (s, a) = (t.bwd_scale.view(slot.index, [1])?, t.bwd_history.view(slot.index, [1])?);
+            let dy_by = Fp8Scaling { scale: &s, amax: Some(&a) };
+            k::fp8_linear_bwd(dy, &w, &xt, (&dw, acc), f.format, Some((dy_by, w_scale)))?
+        }
+        _ => k::fp8_linear_bwd(dy, &w, &xt, (&dw, acc), f.format, None)?,
+    };
     if let Some(b) = b {
         let (db, acc) = cx.params.grad_acc(b)?;
         k::bias_grad_into(&db, dy, acc)?;
@@ -99,7 +140,7 @@ pub struct ColumnParallelLinear {
     pub gather_output: bool,
     pub tp: TensorParallel,
     /// The products in FP8 (module header).
-    pub fp8: Option<Fp8Format>,
+    pub fp8: Option<Fp8Linear>,
 }
 
 impl ColumnParallelLinear {
@@ -163,7 +204,7 @@ impl ColumnParallelLinear {
 impl Module for ColumnParallelLinear {
     fn forward(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Saved)> {
         let x = self.tp.enter(x)?;
-        let (y, saved) = product(cx, self.weight, self.bias, &x, self.fp8)?;
+        let (y, saved) = product(cx, self.weight, self.bias, &x, self.fp8.as_ref())?;
         let y = if self.gather_output { self.tp.gather_last(&y)? } else { y };
         Ok((y, saved))
     }
@@ -187,7 +228,7 @@ impl ColumnParallelLinear {
     fn backward_with(&self, cx: &Cx, saved: Saved, dy: &Tensor, bias: Option<ParamId>) -> Result<Tensor> {
         let dy = if self.gather_output { self.tp.split_last(dy)? } else { dy.clone() };
         let op = "ColumnParallelLinear::backward";
-        let dx = product_bwd(op, cx, (self.weight, bias), &saved, &dy, self.fp8)?;
+        let dx = product_bwd(op, cx, (self.weight, bias), &saved, &dy, self.fp8.as_ref())?;
         self.tp.enter_bwd(&dx)
     }
 }
@@ -202,7 +243,7 @@ pub struct RowParallelLinear {
     pub input_is_parallel: bool,
     pub tp: TensorParallel,
     /// The products in FP8 (module header).
-    pub fp8: Option<Fp8Format>,
+    pub fp8: Option<Fp8Linear>,
 }
 
 impl RowParallelLinear {
@@ -247,14 +288,31 @@ impl RowParallelLinear {
         self
     }
 
-    /// What `forward` keeps for the backward from this rank's input `x`, for a caller that
-    /// dropped it and recomputes x (selective recompute of the core attention): x, or its FP8
-    /// transpose (the forward's bytes: the same x quantizes alike).
-    pub fn saved_for_input(&self, x: &Tensor) -> Result<Saved> {
-        let Some(f) = self.fp8 else { return Ok(Saved::new(vec![x.clone()], vec![])) };
-        let (_, xt) = k::quantize_fp8(x, f.forward(), Fp8Copies::Transposed)?;
-        let xt = xt.ok_or_else(|| invalid("RowParallelLinear::saved_for_input", "no transposed copy"))?;
-        Ok(Saved::new(vec![xt.data, xt.scale_inv], vec![]))
+    /// For a caller that drops this layer's input and recomputes it for the backward (selective
+    /// recompute of the core attention): `forward`'s saved values without the input, keeping
+    /// delayed scaling's scales of x and w.
+    pub fn drop_input(&self, saved: &mut Saved) {
+        let keep = if self.fp8.as_ref().is_some_and(|f| f.slot.is_some()) { 2 } else { 0 };
+        let n = saved.tensors.len();
+        saved.tensors.drain(..n.saturating_sub(keep));
+    }
+
+    /// `forward`'s saved values again from the recomputed input `x` and what `drop_input` kept:
+    /// x, or its FP8 transpose (the forward's bytes: the same x quantizes alike, by the same
+    /// scale under delayed scaling).
+    pub fn saved_for_input(&self, x: &Tensor, kept: Saved) -> Result<Saved> {
+        const OP: &str = "RowParallelLinear::saved_for_input";
+        let Some(f) = &self.fp8 else { return Ok(Saved::new(vec![x.clone()], vec![])) };
+        let (xt, scales) = match (&f.slot, kept.tensors.as_slice()) {
+            (None, []) => (k::quantize_fp8(x, f.format.forward(), Fp8Copies::Transposed)?.1, vec![]),
+            (Some(_), [_, x_scale]) => {
+                let (_, xt, _) = k::quantize_fp8_scaled(x, f.format.forward(), Fp8Copies::Transposed, x_scale, None)?;
+                (xt, kept.tensors)
+            }
+            _ => return Err(invalid(OP, "the kept values are not drop_input's")),
+        };
+        let xt = xt.ok_or_else(|| invalid(OP, "no transposed copy"))?;
+        Ok(Saved::new([vec![xt.data, xt.scale_inv], scales].concat(), vec![]))
     }
 }
 
@@ -263,9 +321,9 @@ impl Module for RowParallelLinear {
         let x = if self.input_is_parallel { x.clone() } else { self.tp.split_last(x)? };
         match (self.tp.size(), self.bias) {
             // Alone: the bias rides in the GEMM epilogue.
-            (1, Some(b)) => product(cx, self.weight, Some(b), &x, self.fp8),
+            (1, Some(b)) => product(cx, self.weight, Some(b), &x, self.fp8.as_ref()),
             (_, b) => {
-                let (y, saved) = product(cx, self.weight, None, &x, self.fp8)?;
+                let (y, saved) = product(cx, self.weight, None, &x, self.fp8.as_ref())?;
                 let y = self.tp.exit(&y)?;
                 let y = match b.filter(|_| self.tp.adds_bias()) {
                     Some(b) => k::bias_add(&y, &cx.params.param(b)?)?,
@@ -323,7 +381,7 @@ impl RowParallelLinear {
                 param_grads(cx, self.weight, None, saved_one(op, &saved)?, &dy)?;
                 k::matmul_dgelu(&dy, &cx.params.param(self.weight)?, h)?
             }
-            None => product_bwd(op, cx, (self.weight, None), &saved, &dy, self.fp8)?,
+            None => product_bwd(op, cx, (self.weight, None), &saved, &dy, self.fp8.as_ref())?,
         };
         match (self.input_is_parallel, h) {
             (true, Some(h)) if fused.is_none() => k::gelu_bwd(h, &dx),

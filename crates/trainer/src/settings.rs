@@ -3,6 +3,7 @@
 
 use crate::batch_schedule::BatchSchedule;
 use anyhow::{Context, bail};
+use ferrotron_core::{AmaxAlgo, DelayedScaling};
 use ferrotron_data::{TokenizerFlags, TokenizerKind};
 use ferrotron_models::{VOCAB_DIVISIBLE_BY, preset};
 use ferrotron_moe::{Capacity, DropPolicy, Groups, LoadBalancing, MoeSpec, RouterSpec, Score};
@@ -992,14 +993,23 @@ pub struct TrainArgs {
     #[arg(long)]
     pub skip_train: bool,
     /// The transformer layers' linear products in FP8: e4m3 (every operand E4M3) or hybrid
-    /// (gradients in E5M2). Needs --bf16 and --fp8-recipe tensorwise.
+    /// (gradients in E5M2). Needs --bf16.
     #[arg(long)]
     pub fp8_format: Option<String>,
-    /// How FP8 tensors are scaled: tensorwise (each tensor by its own amax, Transformer Engine's
-    /// current scaling). Megatron's default, delayed (scales from an amax history), and mxfp8 /
-    /// blockwise are refused by name.
+    /// How FP8 tensors are scaled: delayed (the default, as Megatron's: by scales from each
+    /// tensor's amax history, Transformer Engine's DelayedScaling) or tensorwise (each tensor by
+    /// its own amax, its current scaling). mxfp8 / blockwise are refused by name.
     #[arg(long)]
     pub fp8_recipe: Option<String>,
+    /// Delayed scaling: how many passes' amaxes each tensor's history keeps (default 1).
+    #[arg(long)]
+    pub fp8_amax_history_len: Option<usize>,
+    /// Delayed scaling: the scale follows the history's max or its most_recent amax (default).
+    #[arg(long)]
+    pub fp8_amax_compute_algo: Option<String>,
+    /// Delayed scaling: scales are fp8_max / amax / 2^margin (default 0).
+    #[arg(long, allow_negative_numbers = true)]
+    pub fp8_margin: Option<i32>,
     /// Under --fp8-format: the first --num-layers-at-start-in-bf16 and the last
     /// --num-layers-at-end-in-bf16 decoder layers (1 and 1 by default) keep bf16 products.
     #[arg(long)]
@@ -1069,7 +1079,7 @@ impl TrainArgs {
             main_grads_dtype, main_params_dtype, exp_avg_dtype, exp_avg_sq_dtype, num_workers, manual_gc_interval,
             timing_log_level, empty_unused_memory_level, wandb_project, optimizer, rotary_seq_len_interpolation_factor, softmax_type, no_weight_decay_cond_type, sgd_momentum,
             num_virtual_stages_per_pipeline_rank, microbatch_group_size_per_virtual_pipeline_stage, loss_scale,
-            initial_loss_scale, min_loss_scale, loss_scale_window, hysteresis, dist_ckpt_strictness, fp8_format, fp8_recipe, num_layers_at_start_in_bf16, num_layers_at_end_in_bf16,
+            initial_loss_scale, min_loss_scale, loss_scale_window, hysteresis, dist_ckpt_strictness, fp8_format, fp8_recipe, fp8_amax_history_len, fp8_amax_compute_algo, fp8_margin, num_layers_at_start_in_bf16, num_layers_at_end_in_bf16,
             moe_flex_dispatcher_backend, moe_flex_dispatcher_num_sms, cross_entropy_fusion_impl, pipeline_model_parallel_layout,
             ddp_num_buckets, dist_ckpt_format, num_dataset_builder_threads, decoupled_lr, decoupled_min_lr);
         merge_flags!(self, o; check_for_nan_in_loss_and_grad, no_check_for_nan_in_loss_and_grad, use_rope_scaling, swiglu, squared_relu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, qk_l2_norm, attention_output_gate, multi_latent_attention, bf16, fp16, first_last_layers_bf16, no_progress, deterministic_mode,
@@ -1301,10 +1311,21 @@ pub struct Settings {
     pub eval_iters: u64,
     pub save_interval: u64,
     pub bf16: bool,
-    /// --fp8-format (with --fp8-recipe tensorwise): the transformer layers' linear products in FP8
-    /// (absent from older checkpoints' settings: none).
+    /// --fp8-format: the transformer layers' linear products in FP8 (absent from older
+    /// checkpoints' settings: none).
     #[serde(default)]
     pub fp8_format: Option<String>,
+    /// --fp8-recipe under --fp8-format: tensorwise or delayed (older checkpoints': tensorwise,
+    /// the only one built then).
+    #[serde(default = "tensorwise")]
+    pub fp8_recipe: String,
+    /// Delayed scaling's --fp8-amax-history-len, --fp8-amax-compute-algo and --fp8-margin.
+    #[serde(default = "one")]
+    pub fp8_amax_history_len: usize,
+    #[serde(default = "most_recent")]
+    pub fp8_amax_compute_algo: String,
+    #[serde(default)]
+    pub fp8_margin: i32,
     /// Decoder layers at the start and the end that keep bf16 products under --fp8-format
     /// (--first-last-layers-bf16; [0, 0] without it).
     #[serde(default)]
@@ -1531,7 +1552,15 @@ fn adam() -> String {
     "adam".into()
 }
 
-/// --fp8-format checked with its recipe (only tensorwise scaling is built) and --bf16.
+fn tensorwise() -> String {
+    "tensorwise".into()
+}
+
+fn most_recent() -> String {
+    "most_recent".into()
+}
+
+/// --fp8-format checked with its recipe and --bf16.
 fn fp8_format(a: &TrainArgs) -> anyhow::Result<Option<String>> {
     let Some(f) = &a.fp8_format else {
         if let Some(r) = &a.fp8_recipe {
@@ -1542,20 +1571,50 @@ fn fp8_format(a: &TrainArgs) -> anyhow::Result<Option<String>> {
     if ferrotron_kernels::Fp8Format::parse(f).is_none() {
         bail!("--fp8-format {f}: the formats are e4m3 (every operand E4M3) and hybrid (gradients in E5M2)");
     }
-    match a.fp8_recipe.as_deref() {
-        Some("tensorwise") => {}
-        None | Some("delayed") => bail!(
-            "--fp8-format {f} with --fp8-recipe delayed (Megatron's default: scales from an amax history) is not built: pass --fp8-recipe tensorwise (each tensor scaled by its own amax, Transformer Engine's current scaling)"
-        ),
-        Some(r @ ("mxfp8" | "blockwise")) => {
-            bail!("--fp8-recipe {r} (block-scaled FP8) is not built: pass --fp8-recipe tensorwise (one scale a tensor)")
-        }
-        Some(r) => bail!("--fp8-recipe {r}: the recipes are tensorwise, delayed, mxfp8 and blockwise"),
-    }
+    fp8_recipe(a)?;
     if !a.bf16 {
         bail!("--fp8-format {f} needs --bf16: what is not multiplied in FP8 trains in bf16");
     }
     Ok(Some(f.clone()))
+}
+
+/// --fp8-recipe (Megatron's default: delayed) and delayed scaling's settings, checked: (recipe,
+/// history length, compute algorithm, margin).
+fn fp8_recipe(a: &TrainArgs) -> anyhow::Result<(String, usize, String, i32)> {
+    let recipe = match a.fp8_recipe.as_deref() {
+        None | Some("delayed") => "delayed",
+        Some("tensorwise") => "tensorwise",
+        Some(r @ ("mxfp8" | "blockwise")) => bail!(
+            "--fp8-recipe {r} (block-scaled FP8) is not built: pass --fp8-recipe delayed or tensorwise (one scale a tensor)"
+        ),
+        Some(r) => bail!("--fp8-recipe {r}: the recipes are delayed, tensorwise, mxfp8 and blockwise"),
+    };
+    let len = a.fp8_amax_history_len.unwrap_or(1);
+    let algo = a.fp8_amax_compute_algo.clone().unwrap_or_else(most_recent);
+    let margin = a.fp8_margin.unwrap_or(0);
+    if recipe == "tensorwise" {
+        for (flag, set) in [
+            ("--fp8-amax-history-len", a.fp8_amax_history_len.is_some()),
+            ("--fp8-amax-compute-algo", a.fp8_amax_compute_algo.is_some()),
+            ("--fp8-margin", a.fp8_margin.is_some()),
+        ] {
+            if set {
+                bail!(
+                    "{flag} sets delayed scaling's history: --fp8-recipe tensorwise scales each tensor by its own amax (drop {flag}, or pass --fp8-recipe delayed)"
+                );
+            }
+        }
+    }
+    if len == 0 {
+        bail!("--fp8-amax-history-len 0: each tensor keeps at least its last amax (1, the default)");
+    }
+    if ferrotron_core::AmaxAlgo::parse(&algo).is_none() {
+        bail!("--fp8-amax-compute-algo {algo}: the choices are most_recent and max");
+    }
+    if !(-64..=64).contains(&margin) {
+        bail!("--fp8-margin {margin}: scales are fp8_max / amax / 2^margin; pick a margin within ±64");
+    }
+    Ok((recipe.into(), len, algo, margin))
 }
 
 /// --first-last-layers-bf16's [start, end] layer counts ([0, 0] without it).
@@ -2542,6 +2601,10 @@ impl Settings {
             save_interval: need(&a.save_interval, "--save-interval")?,
             bf16: a.bf16,
             fp8_format: fp8_format(&a)?,
+            fp8_recipe: fp8_recipe(&a)?.0,
+            fp8_amax_history_len: fp8_recipe(&a)?.1,
+            fp8_amax_compute_algo: fp8_recipe(&a)?.2,
+            fp8_margin: fp8_recipe(&a)?.3,
             fp8_bf16_ends: fp8_bf16_ends(&a)?,
             corpus_docs: need(&a.corpus_docs, "--corpus-docs")?,
             data_path,
@@ -3183,14 +3246,26 @@ impl Settings {
     /// Each layer's context-parallel exchange (--cp-comm-type: one for all, or one a layer in
     /// order; Megatron's default p2p passes key/value blocks round a ring, and the all-gather
     /// here gives the same attention, so scripts that name p2p run).
-    /// --fp8-format as the kernels take it (None: no FP8).
-    pub fn fp8(&self) -> anyhow::Result<Option<ferrotron_kernels::Fp8Format>> {
-        match &self.fp8_format {
-            None => Ok(None),
-            Some(f) => ferrotron_kernels::Fp8Format::parse(f)
-                .map(Some)
-                .ok_or_else(|| anyhow::anyhow!("--fp8-format {f}: the formats are e4m3 and hybrid")),
-        }
+    /// --fp8-format as the kernels take it and, under --fp8-recipe delayed, delayed scaling's
+    /// settings (None: no FP8).
+    pub fn fp8(&self) -> anyhow::Result<Option<(ferrotron_kernels::Fp8Format, Option<DelayedScaling>)>> {
+        let Some(f) = &self.fp8_format else { return Ok(None) };
+        let format = ferrotron_kernels::Fp8Format::parse(f)
+            .ok_or_else(|| anyhow::anyhow!("--fp8-format {f}: the formats are e4m3 and hybrid"))?;
+        let delayed = match self.fp8_recipe.as_str() {
+            "tensorwise" => None,
+            "delayed" => {
+                let algo = AmaxAlgo::parse(&self.fp8_amax_compute_algo).ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "--fp8-amax-compute-algo {}: the choices are most_recent and max",
+                        self.fp8_amax_compute_algo
+                    )
+                })?;
+                Some(DelayedScaling { history_len: self.fp8_amax_history_len, algo, margin: self.fp8_margin })
+            }
+            r => bail!("--fp8-recipe {r}: the recipes built are delayed and tensorwise"),
+        };
+        Ok(Some((format, delayed)))
     }
 
     /// FP8 products need each rank's linear layers' widths to be multiples of 16 (cuBLASLt's FP8

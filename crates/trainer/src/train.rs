@@ -16,7 +16,7 @@ use ferrotron_optim::{
     AdamConfig, GradSync, LrSchedule, Optimizer, QueuedStep, StepGraph, default_bucket_size, eval_pipelined, loss_sums,
     queue_train_step, queue_train_step_pipelined, token_weighted,
 };
-use ferrotron_parallel::{ContextParallel, ProcessGroups, TensorParallel};
+use ferrotron_parallel::{ContextParallel, Dim, ProcessGroups, TensorParallel};
 use ferrotron_transformer::gpt::MtpRolled;
 use ferrotron_transformer::{Batch, GptModel};
 
@@ -680,7 +680,30 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     if let Some(cp) = &cp {
         model.set_context_parallel_by_layer(cp.clone(), &s.cp_comm_types()?)?;
     }
-    model.set_fp8(s.fp8()?, s.fp8_bf16_ends)?;
+    // FP8 delayed scaling's state: the layers take their slots, then it is made on the device
+    // with its amaxes reduced (max) over the stage's ranks, which so all quantize alike
+    // (Megatron's amax reduction group: tensor × data × context parallel).
+    let fp8_metas = match s.fp8()? {
+        Some((format, delayed)) => {
+            let delayed = delayed.map(ferrotron_core::Fp8Metas::new);
+            model.set_fp8(Some(ferrotron_core::Fp8Recipe { format, delayed: delayed.clone() }), s.fp8_bf16_ends)?;
+            if let Some(m) = &delayed {
+                m.allocate(&dev)?;
+                // A group of its own: the gradient reduction's worker thread (CPU overlap) may
+                // be using the data-parallel one meanwhile.
+                let stage = g.layout.dense().groups(&[Dim::Tp, Dim::Dp, Dim::Cp]);
+                let c = g.world.split("fp8-amax", &stage)?.context("this rank is in no pipeline stage's group")?;
+                if c.size() > 1 {
+                    m.set_reduce(Box::new(move |row| {
+                        c.all_reduce(row, ReduceOp::Max)
+                            .map_err(|e| ferrotron_core::invalid("fp8 amax reduction", e.to_string()))
+                    }));
+                }
+            }
+            delayed
+        }
+        None => None,
+    };
     let model = model;
     if s.grad_reduce_in_bf16 {
         table.set_grad_dtype(DType::BF16)?;
@@ -732,6 +755,15 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     if let Some(dir) = &paths.load {
         let ck = checkpoint::open(dir, paths.load_mode == LoadMode::Resume)?;
         checkpoint::check_meaning(ck.state(), s, dir)?;
+        if let Some(m) = &fp8_metas {
+            let absent = crate::fp8_state::restore(ck.as_ref(), m, &table)?;
+            if absent > 0 && rank0 {
+                eprintln!(
+                    "fp8: the checkpoint lacks the delayed-scaling state of {absent} of {} FP8 layers (saved without --fp8-recipe delayed, or with another --fp8-amax-history-len): those start from scale 1",
+                    m.layers()
+                );
+            }
+        }
         if let Some((biases, _)) = &expert_bias {
             let finetune = paths.load_mode == LoadMode::Finetune;
             if checkpoint::restore_biases(ck.as_ref(), &biases.layers(), finetune)? && rank0 {
@@ -830,7 +862,14 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             } else {
                 String::new()
             };
-            eprintln!("fp8: the transformer layers' linear products in FP8 ({f}, tensorwise scaling){kept}");
+            let scaling = match s.fp8_recipe.as_str() {
+                "delayed" => format!(
+                    "delayed scaling: amax history {}, {}, margin {}",
+                    s.fp8_amax_history_len, s.fp8_amax_compute_algo, s.fp8_margin
+                ),
+                r => format!("{r} scaling"),
+            };
+            eprintln!("fp8: the transformer layers' linear products in FP8 ({f}, {scaling}){kept}");
         }
         if s.log_memory_to_tensorboard && dev.is_cpu() {
             eprintln!("--log-memory-to-tensorboard: the CPU has no device memory pool; no memory is logged");
@@ -1140,6 +1179,14 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
                         .iter()
                         .flat_map(|(b, _)| b.layers())
                         .map(|b| (b.name.clone(), b.values()))
+                        .chain(
+                            fp8_metas
+                                .iter()
+                                .map(|m| crate::fp8_state::buffers(m, &table))
+                                .collect::<anyhow::Result<Vec<_>>>()?
+                                .into_iter()
+                                .flatten(),
+                        )
                         .collect(),
                 };
                 let mode = checkpoint::SaveMode { background: paths.async_save, params_only: paths.no_save_optim };

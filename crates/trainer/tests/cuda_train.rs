@@ -420,6 +420,39 @@ fn fp8_cuda_matches_cpu() {
     });
 }
 
+/// --fp8-recipe delayed on the GPU: the cast by a given scale that also maxes the tensor's amax
+/// into its history slot, `fp8_delayed_update` after every pass, the recompute's copy of the
+/// forward scales: llama-tiny with an amax history of 4 under `max`, mixtral-tiny, and tp2 × sp
+/// (the amaxes reduced over the two thread ranks sharing the GPU) with full recompute, against
+/// the CPU's emulation within bf16's 2e-2.
+#[test]
+fn fp8_delayed_cuda_matches_cpu() {
+    let delayed = |preset: &'static str| {
+        move || TrainArgs {
+            preset: Some(preset.into()),
+            bf16: true,
+            fp8_format: Some("hybrid".into()),
+            fp8_recipe: Some("delayed".into()),
+            ..TrainArgs::default()
+        }
+    };
+    bf16_cuda_matches_cpu("fp8 delayed llama-tiny history 4 max", || TrainArgs {
+        fp8_amax_history_len: Some(4),
+        fp8_amax_compute_algo: Some("max".into()),
+        ..delayed("llama-tiny")()
+    });
+    bf16_cuda_matches_cpu("fp8 delayed mixtral-tiny", delayed("mixtral-tiny"));
+    bf16_cuda_matches_cpu("fp8 delayed tp2 sp full recompute", || TrainArgs {
+        tensor_model_parallel_size: Some(2),
+        sequence_parallel: true,
+        nproc: Some(2),
+        recompute_granularity: Some("full".into()),
+        recompute_method: Some("uniform".into()),
+        recompute_num_layers: Some(1),
+        ..delayed("llama-tiny")()
+    });
+}
+
 /// `args` (a bf16 run) for 20 steps on the GPU and on the CPU: every loss within 2e-2.
 fn bf16_cuda_matches_cpu(tag: &str, args: impl Fn() -> TrainArgs) {
     let gpu = Device::cuda(0).expect("a CUDA device");

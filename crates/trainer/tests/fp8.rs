@@ -1,4 +1,5 @@
-//! --fp8-format with --fp8-recipe tensorwise through the trainer (the CPU's FP8 emulation: the
+//! --fp8-format with --fp8-recipe tensorwise (and delayed: its own test below) through the
+//! trainer (the CPU's FP8 emulation: the
 //! same bytes the GPU's quantization writes, ferrotron-kernels' ops tests): it learns beside the
 //! bf16 run without matching it, the two formats differ, a data-parallel run with the distributed
 //! optimizer and a pipeline split follow one rank within 1e-5 (the same tensors quantized),
@@ -19,6 +20,35 @@ fn fp8(format: &str) -> TrainArgs {
     TrainArgs { bf16: true, fp8_format: Some(format.into()), fp8_recipe: Some("tensorwise".into()), ..tiny_args(true) }
 }
 
+/// Megatron's default recipe: delayed scaling.
+fn delayed(format: &str) -> TrainArgs {
+    TrainArgs { bf16: true, fp8_format: Some(format.into()), ..tiny_args(true) }
+}
+
+/// `s` changed by `f`.
+fn with(s: &Settings, f: impl Fn(&mut Settings)) -> Settings {
+    let mut t = s.clone();
+    f(&mut t);
+    t
+}
+
+/// Megatron's full recompute, one layer a group.
+fn full_recompute(t: &mut Settings) {
+    t.recompute_granularity = Some("full".into());
+    t.recompute_method = Some("uniform".into());
+    t.recompute_num_layers = Some(1);
+}
+
+/// `s` saved after 4 steps and resumed: both halves `one`'s bits.
+fn resumes_bit_for_bit(tag: &str, s: &Settings, one: &Summary) {
+    let dir = tmp(tag);
+    let first = train(s, &Paths { save: Some(dir.clone()), exit_interval: Some(4), ..Paths::default() }).unwrap();
+    assert_eq!(bits(&first.losses), bits(&one.losses[..4]), "{tag}");
+    let rest = train(s, &Paths { load: Some(dir.clone()), ..Paths::default() }).unwrap();
+    assert_eq!(bits(&rest.losses), bits(&one.losses[4..]), "{tag}: resumed");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Every loss (training and validation) within `rtol` of `want`'s.
 fn within(tag: &str, got: &Summary, want: &Summary, rtol: f64) {
     let worst = got.losses.iter().zip(&want.losses).map(|((_, a), (_, b))| ((a - b) / b).abs()).fold(0.0, f64::max);
@@ -34,7 +64,7 @@ fn within(tag: &str, got: &Summary, want: &Summary, rtol: f64) {
 #[test]
 fn fp8_trains_beside_bf16_and_layouts_follow_one_rank() {
     let s = settings(&fp8("hybrid"));
-    assert_eq!(s.fp8().unwrap(), Some(ferrotron_kernels::Fp8Format::Hybrid));
+    assert_eq!(s.fp8().unwrap(), Some((ferrotron_kernels::Fp8Format::Hybrid, None)));
     let one = run(&s, 1);
     let bf16 = run(&settings(&TrainArgs { bf16: true, ..tiny_args(true) }), 1);
     assert!(one.losses.last().unwrap().1 < one.losses[0].1 * 0.95, "{:?}", one.losses);
@@ -52,44 +82,32 @@ fn fp8_trains_beside_bf16_and_layouts_follow_one_rank() {
     let first = run(&settings(&first), 1);
     assert_ne!(bits(&first.losses), bits(&bf16.losses), "the last layer in FP8");
     assert_ne!(bits(&first.losses), bits(&one.losses), "the first layer in bf16");
-    let with = |f: &dyn Fn(&mut Settings)| {
-        let mut t = s.clone();
-        f(&mut t);
-        t
-    };
     // The same tensors quantized as on one rank: within fp32 sums' reordering.
-    let dp = with(&|t| (t.use_distributed_optimizer, t.overlap_grad_reduce) = (true, true));
+    let dp = with(&s, |t| (t.use_distributed_optimizer, t.overlap_grad_reduce) = (true, true));
     within("fp8 dp2 distributed", &run(&dp, 2), &one, 1e-5);
-    let pp = with(&|t| t.pipeline_model_parallel_size = 2);
-    within("fp8 pp2", &run(&pp, 2), &one, 1e-5);
-    let recompute = with(&|t| {
-        t.recompute_granularity = Some("full".into());
-        t.recompute_method = Some("uniform".into());
-        t.recompute_num_layers = Some(1);
-    });
+    within("fp8 pp2", &run(&with(&s, |t| t.pipeline_model_parallel_size = 2), 2), &one, 1e-5);
+    let recompute = with(&s, full_recompute);
     assert_eq!(bits(&run(&recompute, 1).losses), bits(&one.losses), "a recomputed forward quantizes alike");
-    let selective = with(&|t| t.recompute_granularity = Some("selective".into()));
+    let selective = with(&s, |t| t.recompute_granularity = Some("selective".into()));
     assert_eq!(bits(&run(&selective, 1).losses), bits(&one.losses), "the projection's input recomputed");
     // Each rank scales its own weight shards and row-parallel inputs (or sequence chunks).
-    let tp = with(&|t| (t.tensor_model_parallel_size, t.sequence_parallel) = (2, true));
+    let tp = with(&s, |t| (t.tensor_model_parallel_size, t.sequence_parallel) = (2, true));
     within("fp8 tp2 sp", &run(&tp, 2), &one, 2e-3);
-    let cp = with(&|t| t.context_parallel_size = 2);
-    within("fp8 cp2", &run(&cp, 2), &one, 2e-3);
+    within("fp8 cp2", &run(&with(&s, |t| t.context_parallel_size = 2), 2), &one, 2e-3);
     // No scaling state: a resumed run continues bit for bit.
-    let dir = tmp("fp8-resume");
-    let first = train(&s, &Paths { save: Some(dir.clone()), exit_interval: Some(4), ..Paths::default() }).unwrap();
-    assert_eq!(bits(&first.losses), bits(&one.losses[..4]));
-    let rest = train(&s, &Paths { load: Some(dir.clone()), ..Paths::default() }).unwrap();
-    assert_eq!(bits(&rest.losses), bits(&one.losses[4..]));
-    let _ = std::fs::remove_dir_all(&dir);
+    resumes_bit_for_bit("fp8-resume", &s, &one);
 }
 
 #[test]
 fn bad_fp8_flags_are_named() {
     let args = fp8("hybrid");
-    refused(TrainArgs { fp8_recipe: None, ..args.clone() }, 1, "pass --fp8-recipe tensorwise");
-    refused(TrainArgs { fp8_recipe: Some("delayed".into()), ..args.clone() }, 1, "amax history");
     refused(TrainArgs { fp8_recipe: Some("mxfp8".into()), ..args.clone() }, 1, "block-scaled FP8");
+    refused(TrainArgs { fp8_amax_history_len: Some(4), ..args.clone() }, 1, "--fp8-amax-history-len sets delayed");
+    refused(TrainArgs { fp8_margin: Some(1), ..args.clone() }, 1, "--fp8-margin sets delayed scaling's");
+    let delayed = delayed("hybrid");
+    refused(TrainArgs { fp8_amax_history_len: Some(0), ..delayed.clone() }, 1, "--fp8-amax-history-len 0");
+    refused(TrainArgs { fp8_amax_compute_algo: Some("mean".into()), ..delayed.clone() }, 1, "most_recent and max");
+    refused(TrainArgs { fp8_margin: Some(100), ..delayed.clone() }, 1, "within ±64");
     refused(TrainArgs { fp8_recipe: Some("rowwise".into()), ..args.clone() }, 1, "the recipes are");
     refused(TrainArgs { fp8_format: Some("e5m2".into()), ..args.clone() }, 1, "the formats are e4m3");
     refused(TrainArgs { bf16: false, ..args.clone() }, 1, "needs --bf16");
@@ -110,7 +128,8 @@ fn bad_fp8_flags_are_named() {
 /// The mixture-of-experts layer's experts and shared experts in FP8: every expert's token list
 /// (any length) padded to whole 16-row tiles inside the linear layers; it learns beside its bf16
 /// run without matching it, and expert parallelism (each expert's tokens from both ranks at once,
-/// so scaled together) stays within 2e-3 of one rank. A micro-batch of 24 tokens trains too.
+/// so scaled together) stays within 2e-3 of one rank, under tensorwise and delayed scaling. A
+/// micro-batch of 24 tokens trains too.
 #[test]
 fn experts_run_in_fp8() {
     let moe = |a: TrainArgs| TrainArgs {
@@ -128,6 +147,17 @@ fn experts_run_in_fp8() {
     let mut ep = s.clone();
     ep.moe.as_mut().unwrap().expert_model_parallel_size = 2;
     within("moe fp8 ep2", &run(&ep, 2), &one, 2e-3);
+    // Delayed scaling: each expert's slots (an expert with no tokens in a pass records 0,
+    // and its scale stays); ep2's ranks reduce the amaxes of the experts at the same local index
+    // together, as Megatron's amax reduction does.
+    let d = settings(&moe(delayed("hybrid")));
+    let d1 = run(&d, 1);
+    assert!(d1.losses.last().unwrap().1 < d1.losses[0].1 * 0.95, "{:?}", d1.losses);
+    assert_ne!(bits(&d1.losses), bits(&one.losses), "delayed, not tensorwise");
+    within("moe delayed beside bf16", &d1, &bf16, 5e-3);
+    let mut ep = d.clone();
+    ep.moe.as_mut().unwrap().expert_model_parallel_size = 2;
+    within("moe delayed ep2", &run(&ep, 2), &d1, 2e-3);
     let short = TrainArgs {
         micro_batch_size: Some(1),
         global_batch_size: Some(2),
@@ -159,4 +189,46 @@ fn multi_latent_attention_runs_in_fp8() {
     let mut tp = s.clone();
     (tp.tensor_model_parallel_size, tp.sequence_parallel) = (2, true);
     within("mla fp8 tp2 sp", &run(&tp, 2), &one, 2e-3);
+}
+
+/// --fp8-recipe delayed (Megatron's default): each tensor quantized by a scale from its amax
+/// history, amaxes reduced over the stage's ranks. It learns beside bf16 and differs from
+/// tensorwise scaling and from another history; a pipeline split follows one rank within 1e-5
+/// (each micro-batch's forward and backward find the same scales in either schedule); tensor ×
+/// sequence and context parallelism quantize by the whole tensors' amaxes (reduced), so they
+/// follow one rank closer than tensorwise scaling's ranks can; data parallelism reduces its
+/// ranks' micro-batches' amaxes together (one rank's come one after another), so it stays near;
+/// full and selective recompute replay the forward's scales bit for bit; and a resumed run
+/// continues bit for bit from the scales and histories in the checkpoint.
+#[test]
+fn delayed_scaling_trains_and_layouts_follow_one_rank() {
+    use ferrotron_core::{AmaxAlgo, DelayedScaling};
+    let s = settings(&delayed("hybrid"));
+    let want = DelayedScaling { history_len: 1, algo: AmaxAlgo::MostRecent, margin: 0 };
+    assert_eq!(s.fp8().unwrap(), Some((ferrotron_kernels::Fp8Format::Hybrid, Some(want))));
+    let one = run(&s, 1);
+    let bf16 = run(&settings(&TrainArgs { bf16: true, ..tiny_args(true) }), 1);
+    assert!(one.losses.last().unwrap().1 < one.losses[0].1 * 0.95, "{:?}", one.losses);
+    assert_ne!(bits(&one.losses), bits(&bf16.losses), "the products were quantized");
+    within("delayed beside bf16", &one, &bf16, 5e-3);
+    let tensorwise = run(&settings(&fp8("hybrid")), 1);
+    assert_ne!(bits(&tensorwise.losses), bits(&one.losses), "scales from the history, not the tensor");
+    let history =
+        TrainArgs { fp8_amax_history_len: Some(4), fp8_amax_compute_algo: Some("max".into()), ..delayed("hybrid") };
+    let history = run(&settings(&history), 1);
+    assert_ne!(bits(&history.losses), bits(&one.losses), "the history's max");
+    within("history 4 max beside 1", &history, &one, 5e-3);
+    within("delayed pp2", &run(&with(&s, |t| t.pipeline_model_parallel_size = 2), 2), &one, 1e-5);
+    let recompute = with(&s, full_recompute);
+    assert_eq!(bits(&run(&recompute, 1).losses), bits(&one.losses), "a recomputed forward replays the scales");
+    let selective = with(&s, |t| t.recompute_granularity = Some("selective".into()));
+    assert_eq!(bits(&run(&selective, 1).losses), bits(&one.losses), "the projection's input by its scale");
+    let tp = with(&s, |t| (t.tensor_model_parallel_size, t.sequence_parallel) = (2, true));
+    within("delayed tp2 sp", &run(&tp, 2), &one, 2e-4);
+    within("delayed cp2", &run(&with(&s, |t| t.context_parallel_size = 2), 2), &one, 2e-4);
+    let dp = with(&s, |t| (t.use_distributed_optimizer, t.overlap_grad_reduce) = (true, true));
+    within("delayed dp2", &run(&dp, 2), &one, 5e-3);
+    // The scales and histories come back from the checkpoint (from scale 1 the resumed
+    // run's first micro-batch would quantize otherwise).
+    resumes_bit_for_bit("fp8-delayed-resume", &s, &one);
 }

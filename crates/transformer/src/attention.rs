@@ -319,7 +319,7 @@ impl SelfAttention {
         let (o, lse) = self.core_fused(cx, &qkv)?;
         let (y, mut s_proj) = self.linear_proj.forward(cx, &self.gated(&o, gate.as_ref())?)?;
         let mut tensors = if self.recompute_core {
-            s_proj.tensors.clear(); // the projection's input is from `o`, recomputed in the backward
+            self.linear_proj.drop_input(&mut s_proj); // its input is from `o`, recomputed in the backward
             vec![qkv]
         } else {
             vec![qkv, o, lse]
@@ -340,7 +340,7 @@ impl SelfAttention {
         let gate = if self.gate { Some(tensors.pop().ok_or_else(bad)?) } else { None };
         if self.recompute_core && tensors.len() == 1 {
             let (o, lse) = self.core_fused(cx, &tensors[0])?;
-            s_proj = self.linear_proj.saved_for_input(&self.gated(&o, gate.as_ref())?)?;
+            s_proj = self.linear_proj.saved_for_input(&self.gated(&o, gate.as_ref())?, s_proj)?;
             tensors.extend([o, lse]);
         }
         let [qkv, o, lse]: [Tensor; 3] = tensors.try_into().map_err(|_| bad())?;
@@ -385,7 +385,7 @@ impl Module for SelfAttention {
         let (o, lse) = self.core(cx, &q, &kk, &v)?;
         let (y, mut s_proj) = self.linear_proj.forward(cx, &self.gated(&o, gate.as_ref())?)?;
         let mut tensors = if self.recompute_core {
-            s_proj.tensors.clear(); // the projection's input is from `o`, recomputed in the backward
+            self.linear_proj.drop_input(&mut s_proj); // its input is from `o`, recomputed in the backward
             vec![q, kk, v]
         } else {
             vec![q, kk, v, o, lse]
@@ -420,7 +420,7 @@ impl SelfAttention {
         let gate = if self.gate { Some(tensors.pop().ok_or_else(bad)?) } else { None };
         if self.recompute_core && tensors.len() == 3 {
             let (o, lse) = self.core(cx, &tensors[0], &tensors[1], &tensors[2])?;
-            s_proj = self.linear_proj.saved_for_input(&self.gated(&o, gate.as_ref())?)?;
+            s_proj = self.linear_proj.saved_for_input(&self.gated(&o, gate.as_ref())?, s_proj)?;
             tensors.extend([o, lse]);
         }
         let [q, kk, v, o, lse]: [Tensor; 5] = tensors.try_into().map_err(|_| bad())?;

@@ -289,6 +289,10 @@ pub struct GptModel {
     pub vision: Option<VisionModel>,
     /// Multi-token prediction depths (last stage, with the last chunk).
     pub mtp: Option<Mtp>,
+    /// The FP8 recipe set (`set_fp8`), and under delayed scaling each chunk's layer slots (the
+    /// MTP depths' with the last chunk's): after a chunk's training forward its forward slots
+    /// move on, after its backward its backward slots.
+    fp8: Option<(ferrotron_core::Fp8Recipe, Vec<std::ops::Range<usize>>)>,
 }
 
 /// What the loss end of a forward keeps.
@@ -545,43 +549,72 @@ impl GptModel {
             cp: None,
             vision,
             mtp,
+            fp8: None,
         };
         Ok((model, table))
     }
 
     /// Every transformer layer's attention and MLP (dense, or a factory's that takes it: the MoE
-    /// layer's experts) products in FP8 (`format`, Megatron's
-    /// --fp8-format with --fp8-recipe tensorwise: `ferrotron_kernels::fp8`), the MTP depths' layers
-    /// and projections too; the embeddings, the output layer and the attention itself stay in the
-    /// model's dtype, as Megatron keeps them. `bf16_ends` [first, last]: that many decoder layers
-    /// at each end keep bf16 products (Megatron's --first-last-layers-bf16 with
+    /// layer's experts) products in FP8 (`fp8`: Megatron's --fp8-format with --fp8-recipe
+    /// tensorwise or delayed, `ferrotron_kernels::fp8`), the MTP depths' layers and projections
+    /// too; the embeddings, the output layer and the attention itself stay in the model's dtype,
+    /// as Megatron keeps them. `bf16_ends` [first, last]: that many decoder layers at each end
+    /// keep bf16 products (Megatron's --first-last-layers-bf16 with
     /// --num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16; [0, 0] for none). Refused for
-    /// what has no FP8 products yet.
-    pub fn set_fp8(&mut self, format: Option<k::Fp8Format>, [first, last]: [usize; 2]) -> Result<()> {
-        let flag = |what: &str| {
-            ModelError::Config(format!(
-                "--fp8-format {}: {what}; train in bf16 (drop --fp8-format)",
-                format.map_or("", |f| f.as_str())
-            ))
-        };
-        if format.is_some() && self.vision.is_some() {
+    /// what has no FP8 products yet. Under delayed scaling the layers take their slots in
+    /// `fp8.delayed` here, in chunk order; the caller allocates its state after.
+    pub fn set_fp8(&mut self, fp8: Option<ferrotron_core::Fp8Recipe>, [first, last]: [usize; 2]) -> Result<()> {
+        let name = fp8.as_ref().map_or("", |r| r.format.as_str());
+        let flag =
+            |what: &str| ModelError::Config(format!("--fp8-format {name}: {what}; train in bf16 (drop --fp8-format)"));
+        if fp8.is_some() && self.vision.is_some() {
             return Err(flag("multimodal (LLaVA-style) models have no FP8 products yet"));
         }
-        for chunk in &mut self.chunks {
+        let slots = |r: &ferrotron_core::Fp8Recipe| r.delayed.as_ref().map_or(0, |m| m.layers());
+        let mut ranges = vec![];
+        let n_chunks = self.chunks.len();
+        for (c, chunk) in self.chunks.iter_mut().enumerate() {
+            let start = fp8.as_ref().map_or(0, slots);
+            chunk.fp8_metas = fp8.as_ref().and_then(|r| r.delayed.clone());
             for (i, layer) in chunk.layers.iter_mut().enumerate() {
                 let index = chunk.first_layer + i;
                 let bf16 = index < first || index + last >= self.config.num_layers;
-                let format = format.filter(|_| !bf16);
-                layer.set_fp8(format).map_err(|e| flag(&format!("decoder layer {index}: {e}")))?;
+                let r = fp8.as_ref().filter(|_| !bf16);
+                layer.set_fp8(r).map_err(|e| flag(&format!("decoder layer {index}: {e}")))?;
             }
-        }
-        if let Some(m) = &mut self.mtp {
-            for (depth, l) in m.layers.iter_mut().enumerate() {
-                l.eh_proj.fp8 = format;
-                l.layer.set_fp8(format).map_err(|e| flag(&format!("multi-token prediction depth {depth}: {e}")))?;
+            if c + 1 == n_chunks {
+                if let Some(m) = &mut self.mtp {
+                    for (depth, l) in m.layers.iter_mut().enumerate() {
+                        l.eh_proj.fp8 = fp8.as_ref().map(|r| r.linear(l.eh_proj.weight));
+                        l.layer
+                            .set_fp8(fp8.as_ref())
+                            .map_err(|e| flag(&format!("multi-token prediction depth {depth}: {e}")))?;
+                    }
+                }
             }
+            ranges.push(start..fp8.as_ref().map_or(0, slots));
         }
+        self.fp8 = fp8.map(|r| (r, ranges));
         Ok(())
+    }
+
+    /// Delayed scaling after chunk `c`'s training forward (`forward`) or backward: that chunk's
+    /// slots' amaxes reduced over the ranks (`Fp8Metas::reduce`), then their scales and
+    /// histories moved on (`k::fp8_scale_update`).
+    fn fp8_pass_done(&self, c: usize, forward: bool) -> Result<()> {
+        let Some((recipe, ranges)) = &self.fp8 else { return Ok(()) };
+        let (Some(m), Some(r)) = (&recipe.delayed, ranges.get(c)) else { return Ok(()) };
+        if r.is_empty() {
+            return Ok(());
+        }
+        let t = m.tensors()?;
+        let (hist, scale, cols, dt) = if forward {
+            (&t.fwd_history, &t.fwd_scale, 2 * r.start..2 * r.end, recipe.format.forward())
+        } else {
+            (&t.bwd_history, &t.bwd_scale, r.clone(), recipe.format.gradient())
+        };
+        m.reduce(&hist.view(cols.start, [cols.len()])?)?;
+        Ok(k::fp8_scale_update(hist, scale, cols, dt, &m.config)?)
     }
 
     /// Splits every sequence over `cp`'s ranks (nothing changes at size 1), every layer's
@@ -816,6 +849,21 @@ impl GptModel {
         batch: &Batch,
         input: Option<Tensor>,
     ) -> Result<(ChunkOut, GptSaved)> {
+        let out = self.forward_chunk_passes(cx, c, batch, input)?;
+        if cx.training && cx.fp8_replay.is_none() {
+            self.fp8_pass_done(c, true)?;
+        }
+        Ok(out)
+    }
+
+    /// `forward_chunk` up to delayed scaling's update.
+    fn forward_chunk_passes(
+        &self,
+        cx: &Cx,
+        c: usize,
+        batch: &Batch,
+        input: Option<Tensor>,
+    ) -> Result<(ChunkOut, GptSaved)> {
         let block = self.chunks.get(c).ok_or_else(|| ModelError::Config(format!("no model chunk {c}")))?;
         let draw = batch.draw.or(cx.draw);
         let cx = &cx.with_draw(draw);
@@ -965,6 +1013,21 @@ impl GptModel {
     /// in). `done(offset)` is called whenever every gradient at flat offsets ≥ `offset` that this
     /// pass touches is final.
     pub fn backward_chunk(
+        &self,
+        cx: &Cx,
+        c: usize,
+        saved: GptSaved,
+        dy: Option<&Tensor>,
+        grad_scale: f32,
+        done: &mut dyn FnMut(usize) -> ferrotron_core::Result<()>,
+    ) -> Result<Option<Tensor>> {
+        let dx = self.backward_chunk_passes(cx, c, saved, dy, grad_scale, done)?;
+        self.fp8_pass_done(c, false)?;
+        Ok(dx)
+    }
+
+    /// `backward_chunk` up to delayed scaling's update.
+    fn backward_chunk_passes(
         &self,
         cx: &Cx,
         c: usize,

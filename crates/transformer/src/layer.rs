@@ -162,22 +162,22 @@ impl TransformerLayer {
         })
     }
 
-    /// The products of the attention's and the dense MLP's linear layers in FP8 (`format`,
-    /// Megatron's --fp8-format) or not (None); multi-latent attention's too, and a factory's
+    /// The products of the attention's and the dense MLP's linear layers in FP8 (`fp8`,
+    /// Megatron's --fp8-format and recipe) or not (None); multi-latent attention's too, and a factory's
     /// module's as it says (`Module::set_fp8`: the MoE layer's experts; a sequence mixer refuses).
-    pub fn set_fp8(&mut self, format: Option<ferrotron_kernels::Fp8Format>) -> Result<()> {
+    pub fn set_fp8(&mut self, fp8: Option<&ferrotron_core::Fp8Recipe>) -> Result<()> {
         for b in &mut self.branches {
             match &mut b.f {
                 Sublayer::Attention(a) => {
-                    a.linear_qkv.fp8 = format;
-                    a.linear_proj.fp8 = format;
+                    a.linear_qkv.fp8 = fp8.map(|r| r.linear(a.linear_qkv.weight));
+                    a.linear_proj.fp8 = fp8.map(|r| r.linear(a.linear_proj.weight));
                 }
                 Sublayer::Mlp(m) => {
-                    m.linear_fc1.fp8 = format;
-                    m.linear_fc2.fp8 = format;
+                    m.linear_fc1.fp8 = fp8.map(|r| r.linear(m.linear_fc1.weight));
+                    m.linear_fc2.fp8 = fp8.map(|r| r.linear(m.linear_fc2.weight));
                 }
-                Sublayer::Mla(a) => a.set_fp8(format),
-                Sublayer::Module(m) => m.set_fp8(format)?,
+                Sublayer::Mla(a) => a.set_fp8(fp8),
+                Sublayer::Module(m) => m.set_fp8(fp8)?,
             }
         }
         Ok(())
@@ -299,6 +299,9 @@ pub struct TransformerBlock {
     pub final_layernorm: Option<Norm>,
     /// Groups of local layer indices, and whether each is recomputed in the backward.
     groups: Vec<(std::ops::Range<usize>, bool)>,
+    /// FP8 delayed scaling's state (`GptModel::set_fp8`): a recomputed group's forward replays
+    /// the scales of its first run, copied then.
+    pub fp8_metas: Option<std::sync::Arc<ferrotron_core::Fp8Metas>>,
 }
 
 /// Lowest flat offset of the parameters registered from `first` on (they are registered in
@@ -343,7 +346,7 @@ impl TransformerBlock {
             None
         };
         let groups = recompute.groups(built.len());
-        Ok(TransformerBlock { layers: built, first_layer, final_layernorm, groups })
+        Ok(TransformerBlock { layers: built, first_layer, final_layernorm, groups, fp8_metas: None })
     }
 
     /// Backward that reports, after the final norm and after each layer, the lowest flat offset
@@ -367,8 +370,12 @@ impl TransformerBlock {
         }
         for ((range, recompute), s) in self.groups.iter().zip(children).rev() {
             let per_layer = if *recompute {
-                // Run the group's forward again from its saved input, keeping everything this time.
-                let x = s.tensors.into_iter().next().ok_or_else(|| invalid("recompute", "no saved input"))?;
+                // Run the group's forward again from its saved input, keeping everything this time
+                // (by the FP8 scales of the first run, where it saved them).
+                let mut kept = s.tensors.into_iter();
+                let x = kept.next().ok_or_else(|| invalid("recompute", "no saved input"))?;
+                let scales = kept.next();
+                let cx = &cx.with_fp8_replay(scales.as_ref());
                 let mut h = Residual::Sum(x);
                 let mut v = Vec::with_capacity(range.len());
                 for l in &self.layers[range.clone()] {
@@ -398,7 +405,13 @@ impl Module for TransformerBlock {
             let input = if *recompute {
                 let x = h.into_sum()?;
                 h = Residual::Sum(x.clone());
-                vec![x]
+                // Delayed scaling's forward scales as this run quantizes by (they move on after
+                // the chunk's forward, before this group's recompute).
+                let scales = match (&self.fp8_metas, cx.training) {
+                    (Some(m), true) => Some(m.tensors()?.fwd_scale.deep_copy()?),
+                    _ => None,
+                };
+                [vec![x], scales.into_iter().collect()].concat()
             } else {
                 vec![]
             };

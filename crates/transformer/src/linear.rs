@@ -12,8 +12,9 @@
 //! products run as the parallel linears' do (ferrotron-parallel's `linear::product`), saving the
 //! FP8 xᵀ.
 
+use ferrotron_core::Fp8Linear;
 use ferrotron_core::{Cx, DType, Init, Module, ParamId, ParamMeta, ParamTableBuilder, Result, Saved, Tensor, invalid};
-use ferrotron_kernels::{self as k, Fp8Format};
+use ferrotron_kernels as k;
 use ferrotron_parallel::linear::{product, product_bwd};
 
 #[derive(Debug, Clone)]
@@ -25,7 +26,7 @@ pub struct Linear {
     /// The dtype the product runs in, when not the input's (None: the input's).
     pub compute: Option<DType>,
     /// The products in FP8 (module header; not with `compute`).
-    pub fp8: Option<Fp8Format>,
+    pub fp8: Option<Fp8Linear>,
 }
 
 impl Linear {
@@ -95,7 +96,7 @@ impl Linear {
 impl Module for Linear {
     fn forward(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Saved)> {
         if self.fp8.is_some() {
-            return product(cx, self.weight, self.bias, x, self.fp8);
+            return product(cx, self.weight, self.bias, x, self.fp8.as_ref());
         }
         let (xc, w) = (self.widen(x)?, self.widen(&cx.params.param(self.weight)?)?);
         let y = match self.bias {
@@ -107,7 +108,7 @@ impl Module for Linear {
 
     fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
         if self.fp8.is_some() {
-            return product_bwd("Linear::backward", cx, (self.weight, self.bias), &saved, dy, self.fp8);
+            return product_bwd("Linear::backward", cx, (self.weight, self.bias), &saved, dy, self.fp8.as_ref());
         }
         let x = saved.tensors.first().ok_or_else(|| invalid("Linear::backward", "nothing saved by forward"))?;
         let (xc, dy) = (self.widen(x)?, &self.widen(dy)?);

@@ -142,19 +142,19 @@ pub struct MlaDims {
 }
 
 impl MlaAttention {
-    /// Every product of the attention in FP8 (`format`) or not: the query's and the keys' and
+    /// Every product of the attention in FP8 (`fp8`) or not: the query's and the keys' and
     /// values' down- and up-projections and the output projection.
-    pub fn set_fp8(&mut self, format: Option<ferrotron_kernels::Fp8Format>) {
+    pub fn set_fp8(&mut self, fp8: Option<&ferrotron_core::Fp8Recipe>) {
         match &mut self.q {
             QueryPath::Latent { down, up, .. } => {
-                down.fp8 = format;
-                up.fp8 = format;
+                down.fp8 = fp8.map(|r| r.linear(down.weight));
+                up.fp8 = fp8.map(|r| r.linear(up.weight));
             }
-            QueryPath::Direct(c) => c.fp8 = format,
+            QueryPath::Direct(c) => c.fp8 = fp8.map(|r| r.linear(c.weight)),
         }
-        self.kv_down.fp8 = format;
-        self.kv_up.fp8 = format;
-        self.linear_proj.fp8 = format;
+        self.kv_down.fp8 = fp8.map(|r| r.linear(self.kv_down.weight));
+        self.kv_up.fp8 = fp8.map(|r| r.linear(self.kv_up.weight));
+        self.linear_proj.fp8 = fp8.map(|r| r.linear(self.linear_proj.weight));
     }
 
     pub fn new(

@@ -4,8 +4,8 @@
 
 use crate::device_test;
 use crate::util::*;
-use ferrotron_core::{DType, Device};
-use ferrotron_kernels::{self as k, Fp8, Fp8Copies, Fp8Format};
+use ferrotron_core::{AmaxAlgo, DType, DelayedScaling, Device, Tensor};
+use ferrotron_kernels::{self as k, Fp8, Fp8Copies, Fp8Format, Fp8Scaling};
 
 /// Every finite value of an FP8 type with its code's low bit (for ties).
 fn codes(dt: DType) -> Vec<(f64, bool)> {
@@ -211,7 +211,8 @@ fn check_linear(dev: &Device, rows: usize, lead: &[usize]) {
         let xt = tensor(dev, &x, &shape(inp), DType::BF16);
         let wt = tensor(dev, &w, &[out, inp], DType::BF16);
         let bt = tensor(dev, &b, &[out], DType::BF16);
-        let (y, saved) = k::fp8_linear_fwd(&xt, &wt, Some(&bt), format, true).unwrap();
+        let (y, saved, none) = k::fp8_linear_fwd(&xt, &wt, Some(&bt), format, true, None).unwrap();
+        assert!(none.is_none(), "no scale of w under tensorwise scaling");
         let saved = saved.unwrap();
         let want: Vec<f64> = product_nt(&xq, &wq, rows, out, inp)
             .iter()
@@ -223,14 +224,14 @@ fn check_linear(dev: &Device, rows: usize, lead: &[usize]) {
         assert_close(&host(&y), &want, 8e-3, 1e-3, &format!("{what} y"));
         assert_eq!(saved.data.dims(), &[inp, rows.next_multiple_of(16)], "the saved input is xᵀ, rows padded");
         // Without a backward to follow: the same output, nothing kept.
-        let (y_eval, none) = k::fp8_linear_fwd(&xt, &wt, Some(&bt), format, false).unwrap();
+        let (y_eval, none, _) = k::fp8_linear_fwd(&xt, &wt, Some(&bt), format, false, None).unwrap();
         assert!(none.is_none());
         same_values(&host(&y_eval), &host(&y), &format!("{what} evaluation y"));
         // Backward: dx = q(dy)·q(w), dW += q(dy)ᵀ·q(x) into an f32 main_grad holding g0.
         let g0 = randv(out * inp, 9);
         let dw = t32(dev, &g0, &[out, inp]);
         let dyt = tensor(dev, &dy, &shape(out), DType::BF16);
-        let dx = k::fp8_linear_bwd(&dyt, &wt, &saved, (&dw, true), format).unwrap();
+        let dx = k::fp8_linear_bwd(&dyt, &wt, &saved, (&dw, true), format, None).unwrap();
         assert_eq!(dx.dims(), &shape(inp)[..]);
         let wq_t = transpose(&wq, out, inp);
         assert_close(&host(&dx), &product_nt(&dyq, &wq_t, rows, inp, out), 8e-3, 1e-3, &format!("{what} dx"));
@@ -242,6 +243,166 @@ fn check_linear(dev: &Device, rows: usize, lead: &[usize]) {
         assert_close(&host(&dw), &dw_want, 1e-5, 1e-5, &format!("{what} dW"));
     }
 }
+
+/// x scaled by `scale` to the nearest code of `dt` (delayed scaling's quantization).
+fn reference_scaled(x: &[f64], dt: DType, scale: f32) -> Vec<f64> {
+    let c = codes(dt);
+    x.iter().map(|&v| nearest(&c, ((v as f32) * scale) as f64)).collect()
+}
+
+device_test!(scaled_quantization_takes_the_given_scale_and_records_amax, |dev: &Device| {
+    // The amax slot is column 3 of row 0 of a [2, 5] history holding `before` everywhere.
+    for (i, &(rows, cols)) in [(37, 45), (3, 100)].iter().enumerate() {
+        let x: Vec<f64> = randv(rows * cols, 60 + i as u64).iter().map(|v| v * 30.0).collect();
+        for src in [DType::F32, DType::BF16] {
+            let xs = stored(&x, src);
+            let amax = xs.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+            for (dt, scale) in [(DType::F8E4M3, 3.0f32), (DType::F8E5M2, 1000.0), (DType::F8E4M3, 0.4)] {
+                let what = format!("{src}→{dt} ×{scale} [{rows}, {cols}]");
+                for before in [amax / 2.0, amax * 2.0] {
+                    let hist = t32(dev, &[before; 10], &[2, 5]);
+                    let slot = hist.view(3, [1]).unwrap();
+                    let s = t32(dev, &[scale as f64], &[1]);
+                    let t = tensor(dev, &x, &[rows, cols], src);
+                    let (q, qt, used) = k::quantize_fp8_scaled(&t, dt, Fp8Copies::Both, &s, Some(&slot)).unwrap();
+                    let (q, qt) = (q.unwrap(), qt.unwrap());
+                    let want = reference_scaled(&xs, dt, scale);
+                    same_values(&host(&q.data), &want, &format!("{what} q"));
+                    same_values(&host(&qt.data), &transpose(&want, rows, cols), &format!("{what} qᵀ"));
+                    assert_eq!(q.scale_inv.to_vec_f32().unwrap(), vec![1.0 / scale], "{what} scale_inv");
+                    assert_eq!(qt.scale_inv.to_vec_f32().unwrap(), vec![1.0 / scale], "{what} qᵀ scale_inv");
+                    assert_eq!(used.to_vec_f32().unwrap(), vec![scale], "{what}: the scale used");
+                    let mut h = vec![before as f32; 10];
+                    h[3] = h[3].max(amax as f32);
+                    assert_eq!(hist.to_vec_f32().unwrap(), h, "{what}: the amax maxed into its slot only");
+                }
+                // No slot: nothing recorded, the same bytes.
+                let s = t32(dev, &[scale as f64], &[1]);
+                let t = tensor(dev, &x, &[rows, cols], src);
+                let (q, _, _) = k::quantize_fp8_scaled(&t, dt, Fp8Copies::Plain, &s, None).unwrap();
+                same_values(&host(&q.unwrap().data), &reference_scaled(&xs, dt, scale), &format!("{what} no slot"));
+            }
+        }
+    }
+    // A NaN reaches the slot (the update then keeps the scale); the values past fp8_max saturate.
+    let hist = t32(dev, &[0.5; 2], &[2]);
+    let slot = hist.view(1, [1]).unwrap();
+    let x = t32(dev, &[1.0, f64::NAN, 1e6, -3.0], &[2, 2]);
+    let (q, _, _) =
+        k::quantize_fp8_scaled(&x, DType::F8E4M3, Fp8Copies::Plain, &t32(dev, &[2.0], &[1]), Some(&slot)).unwrap();
+    let h = hist.to_vec_f32().unwrap();
+    assert!(h[0] == 0.5 && h[1].is_nan(), "{h:?}");
+    same_values(&host(&q.unwrap().data), &[2.0, f64::NAN, 448.0, -6.0], "NaN and saturation");
+    let e = k::quantize_fp8_scaled(&x, DType::F8E4M3, Fp8Copies::Plain, &t32(dev, &[1.0, 2.0], &[2]), None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("quantize_fp8_scaled"), "{e}");
+});
+
+/// Transformer Engine's update written out for one column (history oldest-first after row 0).
+fn update_reference(col: &[f32], scale: f32, fmax: f32, cfg: &DelayedScaling) -> (Vec<f32>, f32) {
+    let len = col.len();
+    let amax = match cfg.algo {
+        AmaxAlgo::MostRecent => col[0],
+        // NaN entries are passed over (as fmaxf does); all NaN gives NaN.
+        AmaxAlgo::Max => {
+            col.iter().copied().filter(|v| !v.is_nan()).fold(f32::NAN, |m, v| if m.is_nan() { v } else { m.max(v) })
+        }
+    };
+    let target = fmax / 2f32.powi(cfg.margin);
+    let new_scale = if amax.is_finite() && amax > 0.0 { (target / amax).min(f32::MAX) } else { scale };
+    let mut rolled = vec![0.0f32; len];
+    for i in 1..len {
+        rolled[i] = if i + 1 < len { col[i + 1] } else { col[0] };
+    }
+    (rolled, new_scale)
+}
+
+device_test!(scale_update_follows_the_amax_history, |dev: &Device| {
+    // Seven columns: ordinary amaxes, a zero column, a NaN now, an inf, a NaN in the history,
+    // a tiny amax (the quotient overflows), one outside the updated range.
+    let (n, cols) = (7usize, 0..6usize);
+    for len in [1usize, 2, 5] {
+        let mut h: Vec<f32> = randv(len * n, 70 + len as u64).iter().map(|v| (v.abs() * 10.0) as f32).collect();
+        for i in 0..len {
+            h[i * n + 1] = 0.0;
+        }
+        h[2] = f32::NAN;
+        h[3] = f32::INFINITY;
+        if len > 2 {
+            h[n + 4] = f32::NAN;
+        }
+        h[5] = 1e-38;
+        let scale0: Vec<f32> = (0..n).map(|c| 0.25 * (c + 1) as f32).collect();
+        for (algo, margin, dt) in [
+            (AmaxAlgo::MostRecent, 0, DType::F8E4M3),
+            (AmaxAlgo::Max, 0, DType::F8E4M3),
+            (AmaxAlgo::Max, 2, DType::F8E5M2),
+            (AmaxAlgo::MostRecent, -1, DType::F8E5M2),
+        ] {
+            let cfg = DelayedScaling { history_len: len, algo, margin };
+            let fmax = if dt == DType::F8E4M3 { 448.0 } else { 57344.0 };
+            let hist = Tensor::from_vec(h.clone(), [len, n], dev).unwrap();
+            let scale = Tensor::from_vec(scale0.clone(), [n], dev).unwrap();
+            k::fp8_scale_update(&hist, &scale, cols.clone(), dt, &cfg).unwrap();
+            let (got_h, got_s) = (hist.to_vec_f32().unwrap(), scale.to_vec_f32().unwrap());
+            let what = format!("len {len} {algo:?} margin {margin} {dt}");
+            for c in 0..n {
+                let col: Vec<f32> = (0..len).map(|i| h[i * n + c]).collect();
+                let (want_col, want_s) =
+                    if cols.contains(&c) { update_reference(&col, scale0[c], fmax, &cfg) } else { (col, scale0[c]) };
+                let got_col: Vec<f32> = (0..len).map(|i| got_h[i * n + c]).collect();
+                let same = |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+                assert!(
+                    got_col.iter().zip(&want_col).all(|(a, b)| same(*a, *b)),
+                    "{what} column {c}: {got_col:?}, want {want_col:?}"
+                );
+                assert!(same(got_s[c], want_s), "{what} column {c}: scale {}, want {want_s}", got_s[c]);
+            }
+        }
+    }
+    let hist = t32(dev, &[0.0; 6], &[2, 3]);
+    let cfg = DelayedScaling { history_len: 2, algo: AmaxAlgo::Max, margin: 0 };
+    let e = k::fp8_scale_update(&hist, &t32(dev, &[1.0; 3], &[3]), 2..4, DType::F8E4M3, &cfg).unwrap_err();
+    assert!(e.to_string().contains("columns 2..4"), "{e}");
+});
+
+device_test!(delayed_linear_layer_quantizes_by_its_slots, |dev: &Device| {
+    // The forward quantizes x and w by their slots' scales and records their amaxes; the
+    // backward quantizes dy by its slot and w by the scale the forward used (kept apart from
+    // the slot, which changes after the forward in the meantime).
+    let (rows, inp, out) = (37usize, 64usize, 48usize);
+    let (x, w, dy) = (randv(rows * inp, 81), randv(out * inp, 82), randv(rows * out, 83));
+    let (xs, ws, dys) = (stored(&x, DType::BF16), stored(&w, DType::BF16), stored(&dy, DType::BF16));
+    let amax = |v: &[f64]| v.iter().fold(0.0f64, |m, x| m.max(x.abs())) as f32;
+    let (sx, sw, sdy) = (50.0f32, 120.0f32, 3000.0f32);
+    let format = Fp8Format::Hybrid;
+    let hist = t32(dev, &[0.0; 3], &[1, 3]);
+    let scales = t32(dev, &[sx as f64, sw as f64, sdy as f64], &[3]);
+    let at = |t: &Tensor, i: usize| t.view(i, [1]).unwrap();
+    let (xt, wt) = (tensor(dev, &x, &[rows, inp], DType::BF16), tensor(dev, &w, &[out, inp], DType::BF16));
+    let (s0, s1, a0, a1) = (at(&scales, 0), at(&scales, 1), at(&hist, 0), at(&hist, 1));
+    let by = [Fp8Scaling { scale: &s0, amax: Some(&a0) }, Fp8Scaling { scale: &s1, amax: Some(&a1) }];
+    let (y, saved, used) = k::fp8_linear_fwd(&xt, &wt, None, format, true, Some(by)).unwrap();
+    let deq = |v: &[f64], dt, s: f32| reference_scaled(v, dt, s).iter().map(|q| q / s as f64).collect::<Vec<_>>();
+    let (xq, wq) = (deq(&xs, DType::F8E4M3, sx), deq(&ws, DType::F8E4M3, sw));
+    assert_close(&host(&y), &product_nt(&xq, &wq, rows, out, inp), 8e-3, 1e-3, "delayed y");
+    let [x_used, w_used] = used.unwrap();
+    assert_eq!([x_used.to_vec_f32().unwrap(), w_used.to_vec_f32().unwrap()], [vec![sx], vec![sw]], "the scales used");
+    assert_eq!(hist.to_vec_f32().unwrap(), vec![amax(&xs), amax(&ws), 0.0], "x's and w's amaxes");
+    // The slot of w moves on before the backward: the backward still quantizes w by 120.
+    scales.copy_from_f32(&[1.0, 1.0, sdy]).unwrap();
+    let (s2, a2) = (at(&scales, 2), at(&hist, 2));
+    let dw = t32(dev, &vec![0.0; out * inp], &[out, inp]);
+    let dyt = tensor(dev, &dy, &[rows, out], DType::BF16);
+    let by = (Fp8Scaling { scale: &s2, amax: Some(&a2) }, &w_used);
+    let dx = k::fp8_linear_bwd(&dyt, &wt, saved.as_ref().unwrap(), (&dw, false), format, Some(by)).unwrap();
+    let dyq = deq(&dys, DType::F8E5M2, sdy);
+    assert_close(&host(&dx), &product_nt(&dyq, &transpose(&wq, out, inp), rows, inp, out), 8e-3, 1e-3, "delayed dx");
+    let dw_want = product_nt(&transpose(&dyq, rows, out), &transpose(&xq, rows, inp), out, inp, rows);
+    assert_close(&host(&dw), &dw_want, 1e-5, 1e-5, "delayed dW");
+    assert_eq!(hist.to_vec_f32().unwrap(), vec![amax(&xs), amax(&ws), amax(&dys)], "dy's amax; w's not again");
+});
 
 #[test]
 fn format_names_round_trip() {

@@ -20,36 +20,68 @@ fn fp8_device(be: &B, op: &'static str) -> Result<()> {
 }
 
 /// x viewed as [rows, cols] in `dt` with one scale: (q [rows, cols] where `plain`, qᵀ [cols,
-/// rows] where `transposed`, scale_inv [1] f32). Nothing is read back to the host.
+/// rows] where `transposed`, scale_inv). With `given` (delayed scaling: the scale [1] and the
+/// amax slot to max |x| into, or none) x is scaled by it and scale_inv is [2]: [1 / scale,
+/// scale]; else by its own amax, scale_inv [1]. Nothing is read back to the host.
 pub fn fp8_quantize(
     be: &B,
     x: &Tensor,
     [rows, cols]: [usize; 2],
     dt: DType,
     [plain, transposed]: [bool; 2],
+    given: Option<(&Tensor, Option<&Tensor>)>,
 ) -> Result<(Option<Tensor>, Option<Tensor>, Tensor)> {
     const OP: &str = "quantize_fp8";
     fp8_device(be, OP)?;
     let (src, f) = (sfx(OP, x.dtype())?, format_sfx(OP, dt)?);
-    let amax = new(be, [1], DType::F32)?;
-    ew(be, "fill_f32", 1, &[ptr(OP, &amax)?, Arg::F32(0.0), n(1)])?;
     let len = rows * cols;
-    ew(be, &format!("fp8_amax_{src}"), len, &[ptr(OP, x)?, ptr(OP, &amax)?, n(len)])?;
+    let (amax, scale) = match given {
+        Some((scale, slot)) => (slot.cloned(), Some(scale)),
+        None => {
+            let amax = new(be, [1], DType::F32)?;
+            ew(be, "fill_f32", 1, &[ptr(OP, &amax)?, Arg::F32(0.0), n(1)])?;
+            ew(be, &format!("fp8_amax_{src}"), len, &[ptr(OP, x)?, ptr(OP, &amax)?, n(len)])?;
+            (Some(amax), None)
+        }
+    };
     let q = plain.then(|| new(be, [rows, cols], dt)).transpose()?;
     let qt = transposed.then(|| new(be, [cols, rows], dt)).transpose()?;
-    let scale_inv = new(be, [1], DType::F32)?;
+    let scale_inv = new(be, [if given.is_some() { 2 } else { 1 }], DType::F32)?;
     let tiles = rows.div_ceil(32) * cols.div_ceil(32);
     let args = [
         ptr(OP, x)?,
-        ptr(OP, &amax)?,
+        opt_ptr(OP, amax.as_ref())?,
+        opt_ptr(OP, scale)?,
         opt_ptr(OP, q.as_ref())?,
         opt_ptr(OP, qt.as_ref())?,
         ptr(OP, &scale_inv)?,
         n(rows),
         n(cols),
     ];
-    be.launch(&format!("fp8_cast_{src}_{f}"), tiles as u32, 256, 0, &args)?;
+    if tiles > 0 {
+        be.launch(&format!("fp8_cast_{src}_{f}"), tiles as u32, 256, 0, &args)?;
+    }
     Ok((q, qt, scale_inv))
+}
+
+/// Delayed scaling's update of history columns `c0..c1` of hist [len, n] and scale [n]
+/// (kernels/fp8.cu `fp8_delayed_update`).
+pub fn fp8_delayed_update(
+    be: &B,
+    hist: &Tensor,
+    scale: &Tensor,
+    [len, nn]: [usize; 2],
+    [c0, c1]: [usize; 2],
+    scaled_max: f32,
+    algo_max: bool,
+) -> Result<()> {
+    const OP: &str = "fp8_scale_update";
+    if c1 <= c0 {
+        return Ok(());
+    }
+    let args =
+        [ptr(OP, hist)?, ptr(OP, scale)?, n(len), n(nn), n(c0), n(c1), Arg::F32(scaled_max), Arg::I64(algo_max as i64)];
+    be.launch("fp8_delayed_update", (c1 - c0).div_ceil(256) as u32, 256, 0, &args)
 }
 
 /// c [m, nn] = a [m, k] · b [nn, k]ᵀ · a_scale_inv · b_scale_inv (+ bias [nn]) + beta · c, for FP8
