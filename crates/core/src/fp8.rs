@@ -66,8 +66,9 @@ pub type AmaxReduce = Box<dyn Fn(&Tensor) -> Result<()> + Send + Sync>;
 /// One pipeline stage's delayed-scaling state (module header).
 pub struct Fp8Metas {
     pub config: DelayedScaling,
-    /// Each slot's layer weight, in slot order (checkpoints name the state after it).
-    weights: Mutex<Vec<ParamId>>,
+    /// Each slot's layer weight and part ("" for the whole; Mamba's in_proj is three), in slot
+    /// order (checkpoints name the state after them).
+    weights: Mutex<Vec<(ParamId, &'static str)>>,
     tensors: Mutex<Option<MetaTensors>>,
     reduce: Mutex<Option<AmaxReduce>>,
 }
@@ -87,10 +88,11 @@ impl Fp8Metas {
         Arc::new(Fp8Metas { config, weights: Mutex::new(vec![]), tensors: Mutex::new(None), reduce: Mutex::new(None) })
     }
 
-    /// A new layer slot for the linear layer of weight `w` (before `allocate`).
-    pub fn add(&self, w: ParamId) -> usize {
+    /// A new layer slot for the linear layer of weight `w` (its `part` of it, "" for all of it),
+    /// before `allocate`.
+    pub fn add(&self, w: ParamId, part: &'static str) -> usize {
         let mut v = lock(&self.weights);
-        v.push(w);
+        v.push((w, part));
         v.len() - 1
     }
 
@@ -99,8 +101,8 @@ impl Fp8Metas {
         lock(&self.weights).len()
     }
 
-    /// Each slot's weight, in slot order.
-    pub fn weights(&self) -> Vec<ParamId> {
+    /// Each slot's weight and part, in slot order.
+    pub fn weights(&self) -> Vec<(ParamId, &'static str)> {
         lock(&self.weights).clone()
     }
 
@@ -155,7 +157,13 @@ pub struct Fp8Recipe {
 impl Fp8Recipe {
     /// The settings of one linear layer of weight `w`: under delayed scaling a new slot.
     pub fn linear(&self, w: ParamId) -> Fp8Linear {
-        let slot = self.delayed.as_ref().map(|m| Fp8Slot { index: m.add(w), metas: m.clone() });
+        self.linear_part(w, "")
+    }
+
+    /// The settings of a linear layer whose weight is `part` of `w`'s rows (a name unique
+    /// among the parts).
+    pub fn linear_part(&self, w: ParamId, part: &'static str) -> Fp8Linear {
+        let slot = self.delayed.as_ref().map(|m| Fp8Slot { index: m.add(w, part), metas: m.clone() });
         Fp8Linear { format: self.format, slot }
     }
 }
@@ -184,9 +192,9 @@ mod tests {
         let recipe = Fp8Recipe { format: Fp8Format::Hybrid, delayed: Some(Fp8Metas::new(cfg)) };
         let m = recipe.delayed.clone().unwrap();
         assert!(m.tensors().is_err(), "nothing before allocate");
-        let (a, b) = (recipe.linear(ParamId(7)), recipe.linear(ParamId(3)));
+        let (a, b) = (recipe.linear(ParamId(7)), recipe.linear_part(ParamId(3), "z"));
         assert_eq!((a.slot.unwrap().index, b.slot.unwrap().index), (0, 1));
-        assert_eq!(m.weights(), vec![ParamId(7), ParamId(3)]);
+        assert_eq!(m.weights(), vec![(ParamId(7), ""), (ParamId(3), "z")]);
         m.allocate(&Device::Cpu).unwrap();
         let t = m.tensors().unwrap();
         assert_eq!((t.fwd_history.dims(), t.bwd_history.dims()), (&[3, 4][..], &[3, 2][..]));

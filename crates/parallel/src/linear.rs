@@ -68,27 +68,61 @@ pub fn product(
     let w = cx.params.param(w)?;
     let b = bias.map(|b| cx.params.param(b)).transpose()?;
     if let Some(f) = fp8 {
-        // An evaluation's forward writes no transposed copy: nothing runs backward.
-        let (y, xt, used) = match &f.slot {
-            None => k::fp8_linear_fwd(x, &w, b.as_ref(), f.format, cx.training, None)?,
-            Some(slot) => {
-                let t = slot.metas.tensors()?;
-                let scales = cx.fp8_replay.unwrap_or(&t.fwd_scale);
-                let record = cx.training && cx.fp8_replay.is_none();
-                let [sx, sw] = forward_slots(&t, scales, slot.index, record)?;
-                k::fp8_linear_fwd(x, &w, b.as_ref(), f.format, cx.training, Some([by(&sx), by(&sw)]))?
-            }
-        };
-        // [xᵀ, its scale_inv] and under delayed scaling [the scale of w, the scale of x].
-        let used = used.map(|[x, w]| vec![w, x]).unwrap_or_default();
-        let kept = xt.map_or_else(Vec::new, |t| [vec![t.data, t.scale_inv], used].concat());
-        return Ok((y, Saved::new(kept, vec![])));
+        return fp8_product(cx, &w, b.as_ref(), x, f);
     }
     let y = match b {
         Some(b) => k::matmul_bias(x, &w, &b, false, true)?,
         None => k::matmul(x, &w, false, true)?,
     };
     Ok((y, Saved::new(vec![x.clone()], vec![])))
+}
+
+/// `product`'s FP8 half on a weight given as a tensor (a view of part of a parameter: Mamba's
+/// in_proj blocks, each its own FP8 layer).
+pub fn fp8_product(cx: &Cx, w: &Tensor, b: Option<&Tensor>, x: &Tensor, f: &Fp8Linear) -> Result<(Tensor, Saved)> {
+    // An evaluation's forward writes no transposed copy: nothing runs backward.
+    let (y, xt, used) = match &f.slot {
+        None => k::fp8_linear_fwd(x, w, b, f.format, cx.training, None)?,
+        Some(slot) => {
+            let t = slot.metas.tensors()?;
+            let scales = cx.fp8_replay.unwrap_or(&t.fwd_scale);
+            let record = cx.training && cx.fp8_replay.is_none();
+            let [sx, sw] = forward_slots(&t, scales, slot.index, record)?;
+            k::fp8_linear_fwd(x, w, b, f.format, cx.training, Some([by(&sx), by(&sw)]))?
+        }
+    };
+    // [xᵀ, its scale_inv] and under delayed scaling [the scale of w, the scale of x].
+    let used = used.map(|[x, w]| vec![w, x]).unwrap_or_default();
+    let kept = xt.map_or_else(Vec::new, |t| [vec![t.data, t.scale_inv], used].concat());
+    Ok((y, Saved::new(kept, vec![])))
+}
+
+/// `fp8_product`'s backward: dx, and the weight gradient into `dw` (a main_grad or a view of
+/// one) added or stored as `acc` says.
+pub fn fp8_product_bwd(
+    op: &'static str,
+    w: &Tensor,
+    (dw, acc): (&Tensor, bool),
+    saved: &Saved,
+    dy: &Tensor,
+    f: &Fp8Linear,
+) -> Result<Tensor> {
+    let (xt, w_scale) = match (saved.tensors.as_slice(), &f.slot) {
+        ([data, scale_inv], None) => (Fp8 { data: data.clone(), scale_inv: scale_inv.clone() }, None),
+        ([data, scale_inv, w_scale, _], Some(_)) => {
+            (Fp8 { data: data.clone(), scale_inv: scale_inv.clone() }, Some(w_scale))
+        }
+        _ => return Err(invalid(op, "the forward saved no FP8 input")),
+    };
+    match (&f.slot, w_scale) {
+        (Some(slot), Some(w_scale)) => {
+            let t = slot.metas.tensors()?;
+            let (s, a) = (t.bwd_scale.view(slot.index, [1])?, t.bwd_history.view(slot.index, [1])?);
+            let dy_by = Fp8Scaling { scale: &s, amax: Some(&a) };
+            k::fp8_linear_bwd(dy, w, &xt, (dw, acc), f.format, Some((dy_by, w_scale)))
+        }
+        _ => k::fp8_linear_bwd(dy, w, &xt, (dw, acc), f.format, None),
+    }
 }
 
 /// `product`'s backward: dx = dy·w, with `param_grads`. Under delayed scaling dy is quantized by
@@ -105,24 +139,8 @@ pub fn product_bwd(
         param_grads(cx, w, b, saved_one(op, saved)?, dy)?;
         return k::matmul(dy, &cx.params.param(w)?, false, false);
     };
-    let (xt, w_scale) = match (saved.tensors.as_slice(), &f.slot) {
-        ([data, scale_inv], None) => (Fp8 { data: data.clone(), scale_inv: scale_inv.clone() }, None),
-        ([data, scale_inv, w_scale, _], Some(_)) => {
-            (Fp8 { data: data.clone(), scale_inv: scale_inv.clone() }, Some(w_scale))
-        }
-        _ => return Err(invalid(op, "the forward saved no FP8 input")),
-    };
     let (dw, acc) = cx.params.grad_acc(w)?;
-    let w = cx.params.param(w)?;
-    let dx = match (&f.slot, w_scale) {
-        (Some(slot), Some(w_scale)) => {
-            let t = slot.metas.tensors()?;
-            let (s, a) = (t.bwd_scale.view(slot.index, [1])?, t.bwd_history.view(slot.index, [1])?);
-            let dy_by = Fp8Scaling { scale: &s, amax: Some(&a) };
-            k::fp8_linear_bwd(dy, &w, &xt, (&dw, acc), f.format, Some((dy_by, w_scale)))?
-        }
-        _ => k::fp8_linear_bwd(dy, &w, &xt, (&dw, acc), f.format, None)?,
-    };
+    let dx = fp8_product_bwd(op, &cx.params.param(w)?, (&dw, acc), saved, dy, f)?;
     if let Some(b) = b {
         let (db, acc) = cx.params.grad_acc(b)?;
         k::bias_grad_into(&db, dy, acc)?;

@@ -17,6 +17,11 @@
 //! `+=` after: `ParamTable::grad_acc`); the conv, scan and norm parameters' small f32 gradients
 //! are added there.
 //!
+//! FP8 (`Module::set_fp8`, Megatron's --fp8-format): in_proj's three products and out_proj run
+//! as FP8 linear layers (`ferrotron_parallel::linear::fp8_product`), each in_proj block with its
+//! own scales (under delayed scaling its own slot, `{in_proj}.{z|xbc|dt}`), their input
+//! gradients summed; the forward keeps their FP8 transposed inputs instead of h and g.
+//!
 //! Tensor parallelism (Megatron's layout): each of t ranks holds H/t heads and G/t groups, so
 //! in_proj is column-parallel with each of its blocks z | x | B | C | dt cut across the ranks
 //! (unequal blocks: `Blocks::Sizes`), the convolution's channels x | B | C likewise, dt_bias, A_log,
@@ -38,10 +43,12 @@
 use crate::context::{MixerCp, Rows};
 use crate::spec::{MambaDims, MambaSpec};
 use ferrotron_core::{
-    Blocks, Cx, Init, Module, ParamId, ParamMeta, ParamTableBuilder, Result, Saved, Shard, Tensor, invalid,
+    Blocks, Cx, Fp8Linear, Fp8Recipe, Init, Module, ParamId, ParamMeta, ParamTableBuilder, Result, Saved, Shard,
+    Tensor, invalid,
 };
 use ferrotron_kernels as k;
 use ferrotron_parallel::TensorParallel;
+use ferrotron_parallel::linear::{fp8_product, fp8_product_bwd, product, product_bwd};
 use ferrotron_transformer::spec::ModuleFactory;
 
 pub struct MambaMixer {
@@ -65,6 +72,8 @@ pub struct MambaMixer {
     /// The sizes the convolution and scan run at: `dims` with the heads, groups and width over
     /// the context-parallel size.
     seq_dims: MambaDims,
+    /// In FP8 (module header): in_proj's z, xbc and dt blocks, then out_proj.
+    fp8: Option<[Fp8Linear; 4]>,
 }
 
 impl MambaMixer {
@@ -119,6 +128,7 @@ impl MambaMixer {
             tp: tp.clone(),
             cp,
             seq_dims,
+            fp8: None,
         })
     }
 
@@ -177,6 +187,15 @@ impl MambaMixer {
 }
 
 impl Module for MambaMixer {
+    /// in_proj's three blocks and out_proj in FP8 (module header).
+    fn set_fp8(&mut self, fp8: Option<&Fp8Recipe>) -> Result<()> {
+        self.fp8 = fp8.map(|r| {
+            let w = self.in_proj;
+            [r.linear_part(w, "z"), r.linear_part(w, "xbc"), r.linear_part(w, "dt"), r.linear(self.out_proj)]
+        });
+        Ok(())
+    }
+
     fn forward(&self, cx: &Cx, h: &Tensor) -> Result<(Tensor, Saved)> {
         if h.dims().len() != 3 || h.dims()[2] != self.dims.hidden {
             return Err(invalid(
@@ -189,9 +208,20 @@ impl Module for MambaMixer {
         let (b, t) = (h.dims()[0], h.dims()[1]);
         let rows = b * t;
         let [wz, wx, wdt] = self.in_parts(&cx.params.param(self.in_proj)?)?;
-        let z = k::matmul(h, &wz, false, true)?;
-        let xbc = k::matmul(h, &wx, false, true)?;
-        let dt = k::matmul(h, &wdt, false, true)?;
+        let (z, xbc, dt, mut products) = match &self.fp8 {
+            Some([fz, fx, fdt, _]) => {
+                let (z, sz) = fp8_product(cx, &wz, None, h, fz)?;
+                let (xbc, sx) = fp8_product(cx, &wx, None, h, fx)?;
+                let (dt, sdt) = fp8_product(cx, &wdt, None, h, fdt)?;
+                (z, xbc, dt, vec![sz, sx, sdt])
+            }
+            None => (
+                k::matmul(h, &wz, false, true)?,
+                k::matmul(h, &wx, false, true)?,
+                k::matmul(h, &wdt, false, true)?,
+                vec![],
+            ),
+        };
         // Under context parallelism the convolution and scan take every row of this rank's share.
         let (di, nh) = (self.dims.d_inner, self.dims.heads);
         let (xbc, dt) = match &self.cp {
@@ -218,24 +248,48 @@ impl Module for MambaMixer {
         };
         let (y2, z2) = (y.reshape([rows, di])?, z.reshape([rows, di])?);
         let (g, rstd) = k::gated_rmsnorm(&y2, &z2, &cx.params.param(self.norm)?, self.norm_groups, self.eps)?;
-        let out = k::matmul(&g.reshape([b, t, di])?, &cx.params.param(self.out_proj)?, false, true)?;
+        let g = g.reshape([b, t, di])?;
+        let (out, s_out) = product(cx, self.out_proj, None, &g, self.fp8.as_ref().map(|f| &f[3]))?;
         let out = self.tp.exit(&out)?; // this rank's heads' share, summed over the group
+        if self.fp8.is_some() {
+            // The products keep their FP8 inputs: h and g are not needed again.
+            products.push(s_out);
+            return Ok((out, Saved::new(vec![z2, xbc, u, dt, states, y2, rstd], products)));
+        }
         Ok((out, Saved::new(vec![h.clone(), z2, xbc, u, dt, states, y2, rstd, g], vec![])))
     }
 
     fn backward(&self, cx: &Cx, saved: Saved, dout: &Tensor) -> Result<Tensor> {
-        let [h, z2, xbc, u, dt, states, y2, rstd, g]: [Tensor; 9] = saved
-            .tensors
-            .try_into()
-            .map_err(|_| invalid("MambaMixer::backward", "saved tensors do not match forward"))?;
-        let (b, t) = (h.dims()[0], h.dims()[1]);
-        let (rows, c, di) = (b * t, self.dims.hidden, self.dims.d_inner);
+        const OP: &str = "MambaMixer::backward";
+        let bad = || invalid(OP, "saved tensors do not match forward");
+        let Saved { mut tensors, children } = saved;
+        // Without FP8 h and g lie first and last; with it the products' saved inputs are children.
+        let (h, g) = if self.fp8.is_none() {
+            let g = tensors.pop().ok_or_else(bad)?;
+            (Some(tensors.remove(0)), Some(g))
+        } else {
+            (None, None)
+        };
+        let [z2, xbc, u, dt, states, y2, rstd]: [Tensor; 7] = tensors.try_into().map_err(|_| bad())?;
+        // Every row the products took (under sequence parallelism the gathered sequence).
         let dout = self.tp.exit_bwd(dout)?;
+        let (b, t) = (dout.dims()[0], dout.dims()[1]);
+        let (rows, c, di) = (b * t, self.dims.hidden, self.dims.d_inner);
         let dout2 = dout.reshape([rows, c])?;
-        let w_out = cx.params.param(self.out_proj)?;
-        let dg = k::matmul(&dout2, &w_out, false, false)?;
-        let (dw, acc) = cx.params.grad_acc(self.out_proj)?;
-        k::matmul_into(&dw, &dout2, &g, true, false, acc)?;
+        let mut products = children.into_iter();
+        let dg = match (&self.fp8, &g) {
+            (Some(f), _) => {
+                let s_out = products.next_back().ok_or_else(bad)?;
+                product_bwd(OP, cx, (self.out_proj, None), &s_out, &dout2, Some(&f[3]))?
+            }
+            (None, Some(g)) => {
+                let dg = k::matmul(&dout2, &cx.params.param(self.out_proj)?, false, false)?;
+                let (dw, acc) = cx.params.grad_acc(self.out_proj)?;
+                k::matmul_into(&dw, &dout2, &g.reshape([rows, di])?, true, false, acc)?;
+                dg
+            }
+            (None, None) => return Err(bad()),
+        };
 
         let nw = cx.params.param(self.norm)?;
         let (dy, dz, dnw) = k::gated_rmsnorm_bwd(&dg, &y2, &z2, &nw, &rstd, self.norm_groups)?;
@@ -271,18 +325,38 @@ impl Module for MambaMixer {
         };
 
         // dh = dz·W_z + dxbc·W_xbc + ddt·W_dt; each part's weight gradient into its rows.
-        let h2 = h.reshape([rows, c])?;
         let [wz, wx, wdt] = self.in_parts(&cx.params.param(self.in_proj)?)?;
         let (dw_in, acc) = cx.params.grad_acc(self.in_proj)?;
         let [gz, gx, gdt] = self.in_parts(&dw_in)?;
         let dxbc2 = dxbc.reshape([rows, self.dims.conv_dim()])?;
         let ddt2 = ddt.reshape([rows, self.dims.heads])?;
-        let dh = k::matmul(&dz, &wz, false, false)?;
-        k::matmul_into(&dh, &dxbc2, &wx, false, false, true)?;
-        k::matmul_into(&dh, &ddt2, &wdt, false, false, true)?;
-        for (gw, dpart) in [(&gz, &dz), (&gx, &dxbc2), (&gdt, &ddt2)] {
-            k::matmul_into(gw, dpart, &h2, true, false, acc)?;
-        }
+        let dh = match (&self.fp8, h) {
+            (Some([fz, fx, fdt, _]), _) => {
+                let mut dh = None;
+                for ((w, gw, dpart), f) in
+                    [(&wz, &gz, &dz), (&wx, &gx, &dxbc2), (&wdt, &gdt, &ddt2)].into_iter().zip([fz, fx, fdt])
+                {
+                    let s = products.next().ok_or_else(bad)?;
+                    let d = fp8_product_bwd(OP, w, (gw, acc), &s, dpart, f)?;
+                    match &dh {
+                        Some(sum) => k::add_(sum, &d)?,
+                        None => dh = Some(d),
+                    }
+                }
+                dh.ok_or_else(bad)?
+            }
+            (None, Some(h)) => {
+                let h2 = h.reshape([rows, c])?;
+                let dh = k::matmul(&dz, &wz, false, false)?;
+                k::matmul_into(&dh, &dxbc2, &wx, false, false, true)?;
+                k::matmul_into(&dh, &ddt2, &wdt, false, false, true)?;
+                for (gw, dpart) in [(&gz, &dz), (&gx, &dxbc2), (&gdt, &ddt2)] {
+                    k::matmul_into(gw, dpart, &h2, true, false, acc)?;
+                }
+                dh
+            }
+            (None, None) => return Err(bad()),
+        };
         self.tp.enter_bwd(&dh.reshape([b, t, c])?)
     }
 }

@@ -1,5 +1,6 @@
 //! FP8 delayed scaling's state in checkpoints. Each FP8 linear layer's slot is one fp32 buffer
-//! named after its weight, `{weight}.fp8_meta`: the scales of x, w and dy, then x's, w's and
+//! named after its weight, `{weight}.fp8_meta` (a part of one: `{weight}.{part}.fp8_meta`, as
+//! Mamba's in_proj blocks `z`, `xbc`, `dt`): the scales of x, w and dy, then x's, w's and
 //! dy's amax histories (history_len values each, row order). The trainer reduces the amaxes over
 //! every rank of a pipeline stage, so the state is alike on all of them and saved as the other
 //! buffers are (by the stage's first tensor- and data-parallel rank); named by weight, it loads
@@ -8,8 +9,8 @@
 use crate::checkpoint::Parts;
 use ferrotron_core::{Fp8Metas, ParamMeta, ParamTable};
 
-fn name(weight: &str) -> String {
-    format!("{weight}.fp8_meta")
+fn name(weight: &str, part: &str) -> String {
+    if part.is_empty() { format!("{weight}.fp8_meta") } else { format!("{weight}.{part}.fp8_meta") }
 }
 
 /// The buffers of every slot of `metas`, read from the device.
@@ -27,12 +28,12 @@ pub fn buffers(metas: &Fp8Metas, table: &ParamTable) -> anyhow::Result<Vec<(Stri
         .weights()
         .into_iter()
         .enumerate()
-        .map(|(i, w)| {
+        .map(|(i, (w, part))| {
             let mut v = vec![fs[2 * i], fs[2 * i + 1], bs[i]];
             v.extend(column(&fh, 2 * n, 2 * i));
             v.extend(column(&fh, 2 * n, 2 * i + 1));
             v.extend(column(&bh, n, i));
-            (name(&table.meta(w).name), v)
+            (name(&table.meta(w).name, part), v)
         })
         .collect())
 }
@@ -51,8 +52,8 @@ pub fn restore(ck: &dyn Parts, metas: &Fp8Metas, table: &ParamTable) -> anyhow::
     );
     let mut absent = 0;
     let k = 3 + 3 * len;
-    for (i, w) in metas.weights().into_iter().enumerate() {
-        let key = name(&table.meta(w).name);
+    for (i, (w, part)) in metas.weights().into_iter().enumerate() {
+        let key = name(&table.meta(w).name, part);
         let m = ParamMeta::replicated(&key, [k], ferrotron_core::Init::Zeros, false);
         let Ok(v) = ck.part(&m, &key, 0..k) else {
             absent += 1;

@@ -1571,16 +1571,19 @@ fn fp8_format(a: &TrainArgs) -> anyhow::Result<Option<String>> {
     if ferrotron_kernels::Fp8Format::parse(f).is_none() {
         bail!("--fp8-format {f}: the formats are e4m3 (every operand E4M3) and hybrid (gradients in E5M2)");
     }
-    fp8_recipe(a)?;
     if !a.bf16 {
         bail!("--fp8-format {f} needs --bf16: what is not multiplied in FP8 trains in bf16");
     }
     Ok(Some(f.clone()))
 }
 
-/// --fp8-recipe (Megatron's default: delayed) and delayed scaling's settings, checked: (recipe,
-/// history length, compute algorithm, margin).
+/// --fp8-recipe (Megatron's default: delayed) and delayed scaling's settings, checked under
+/// --fp8-format: (recipe, history length, compute algorithm, margin). Without it the defaults
+/// (the run is not in FP8; `fp8_format` warns of a recipe given).
 fn fp8_recipe(a: &TrainArgs) -> anyhow::Result<(String, usize, String, i32)> {
+    if a.fp8_format.is_none() {
+        return Ok(("delayed".into(), 1, most_recent(), 0));
+    }
     let recipe = match a.fp8_recipe.as_deref() {
         None | Some("delayed") => "delayed",
         Some("tensorwise") => "tensorwise",
@@ -2537,6 +2540,7 @@ impl Settings {
         a.load = load;
         crate::compat::apply(&mut a)?;
         let [data_path, train_data_path, valid_data_path] = data_paths(&a)?;
+        let (fp8_recipe, fp8_amax_history_len, fp8_amax_compute_algo, fp8_margin) = fp8_recipe(&a)?;
         let mut s = Settings {
             preset: name,
             num_layers: need(&a.num_layers, "--num-layers")?,
@@ -2601,10 +2605,10 @@ impl Settings {
             save_interval: need(&a.save_interval, "--save-interval")?,
             bf16: a.bf16,
             fp8_format: fp8_format(&a)?,
-            fp8_recipe: fp8_recipe(&a)?.0,
-            fp8_amax_history_len: fp8_recipe(&a)?.1,
-            fp8_amax_compute_algo: fp8_recipe(&a)?.2,
-            fp8_margin: fp8_recipe(&a)?.3,
+            fp8_recipe,
+            fp8_amax_history_len,
+            fp8_amax_compute_algo,
+            fp8_margin,
             fp8_bf16_ends: fp8_bf16_ends(&a)?,
             corpus_docs: need(&a.corpus_docs, "--corpus-docs")?,
             data_path,
@@ -3272,13 +3276,10 @@ impl Settings {
     /// alignment; rows are padded inside) and a model whose layers have FP8 products.
     fn validate_fp8(&self) -> anyhow::Result<()> {
         let Some(f) = &self.fp8_format else { return Ok(()) };
-        for (what, on) in [
-            ("Mamba hybrids (--hybrid-layer-pattern)", self.mamba.is_some()),
-            ("multimodal models (--img-h)", self.vision.is_some()),
-        ] {
-            if on {
-                bail!("--fp8-format {f}: {what} have no FP8 products yet; train in bf16 (drop --fp8-format)");
-            }
+        if self.vision.is_some() {
+            bail!(
+                "--fp8-format {f}: multimodal models (--img-h) have no FP8 products yet; train in bf16 (drop --fp8-format)"
+            );
         }
         let tp = self.tensor_model_parallel_size;
         let config = self.model_config()?;
@@ -3332,6 +3333,18 @@ impl Settings {
             widths.extend([
                 ("the QKV projection's width / --tensor-model-parallel-size", qkv / tp),
                 ("heads × head dim / --tensor-model-parallel-size", config.num_attention_heads * head / tp),
+            ]);
+        }
+        if let Some(m) = ferrotron_models::hybrid::mamba_spec(&config) {
+            // in_proj's z | xBC | dt blocks and out_proj, each an FP8 product on this rank's heads.
+            let d = m.dims(config.hidden_size).map_err(anyhow::Error::msg)?;
+            widths.extend([
+                ("the Mamba width (--mamba-num-heads × --mamba-head-dim) / --tensor-model-parallel-size", d.d_inner / tp),
+                (
+                    "the Mamba convolution's width (the Mamba width + 2 × --mamba-num-groups × --mamba-state-dim) / --tensor-model-parallel-size",
+                    d.conv_dim() / tp,
+                ),
+                ("--mamba-num-heads / --tensor-model-parallel-size", d.heads / tp),
             ]);
         }
         for (what, n) in widths {

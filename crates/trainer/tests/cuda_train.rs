@@ -422,7 +422,8 @@ fn fp8_cuda_matches_cpu() {
 
 /// --fp8-recipe delayed on the GPU: the cast by a given scale that also maxes the tensor's amax
 /// into its history slot, `fp8_delayed_update` after every pass, the recompute's copy of the
-/// forward scales: llama-tiny with an amax history of 4 under `max`, mixtral-tiny, and tp2 × sp
+/// forward scales: llama-tiny with an amax history of 4 under `max`, mixtral-tiny, mamba-tiny
+/// (the mixers' in_proj blocks and out_proj in FP8), and tp2 × sp
 /// (the amaxes reduced over the two thread ranks sharing the GPU) with full recompute, against
 /// the CPU's emulation within bf16's 2e-2.
 #[test]
@@ -442,6 +443,10 @@ fn fp8_delayed_cuda_matches_cpu() {
         ..delayed("llama-tiny")()
     });
     bf16_cuda_matches_cpu("fp8 delayed mixtral-tiny", delayed("mixtral-tiny"));
+    bf16_cuda_matches_cpu("fp8 delayed mamba-tiny (32 heads of 2)", || TrainArgs {
+        mamba_head_dim: Some(2),
+        ..delayed("mamba-tiny")()
+    });
     bf16_cuda_matches_cpu("fp8 delayed tp2 sp full recompute", || TrainArgs {
         tensor_model_parallel_size: Some(2),
         sequence_parallel: true,
