@@ -680,8 +680,8 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
     if let Some(cp) = &cp {
         model.set_context_parallel_by_layer(cp.clone(), &s.cp_comm_types()?)?;
     }
-    // FP8 delayed scaling's state: the layers take their slots, then it is made on the device
-    // with its amaxes reduced (max) over the stage's ranks, which so all quantize alike
+    // FP8 delayed scaling's state: the layers take their slots, then it is made on the device,
+    // its amaxes reduced (max) over the stage's ranks so that all of them quantize alike
     // (Megatron's amax reduction group: tensor × data × context parallel).
     let fp8_metas = match s.fp8()? {
         Some((format, delayed)) => {
