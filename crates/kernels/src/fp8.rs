@@ -120,24 +120,20 @@ fn quantize(
     let cols = x.shape().last();
     let rows = x.elem_count() / cols.max(1);
     let (plain, transposed) = (copies != Fp8Copies::Transposed, copies != Fp8Copies::Plain);
-    // scale_inv, or (delayed) [scale_inv, scale]: the handles the caller gets.
-    let split = |s: Tensor| -> Result<(Tensor, Option<Tensor>)> {
-        if given.is_some() { Ok((s.narrow0(0..1)?, Some(s.narrow0(1..2)?))) } else { Ok((s, None)) }
-    };
-    #[cfg(feature = "cuda")]
-    {
-        let mut all = vec![x];
-        all.extend(given.iter().flat_map(|(s, a)| std::iter::once(*s).chain(*a)));
-        if let Some(g) = crate::cuda::gpu(OP, &all)? {
-            let (q, qt, s) = crate::cuda::ops::fp8_quantize(&g, x, [rows, cols], dt, [plain, transposed], given)?;
-            let (s, used) = split(s)?;
+    let all: Vec<&Tensor> =
+        std::iter::once(x).chain(given.iter().flat_map(|(s, a)| std::iter::once(*s).chain(*a))).collect();
+    // The caller's handles: q in x's shape, and scale_inv, or (delayed) [scale_inv, scale] split.
+    let finish =
+        |q: Option<Tensor>, qt: Option<Tensor>, s: Tensor| -> Result<(Option<Fp8>, Option<Fp8>, Option<Tensor>)> {
+            let (s, used) = if given.is_some() { (s.narrow0(0..1)?, Some(s.narrow0(1..2)?)) } else { (s, None) };
             let q = q.map(|q| q.reshape(x.dims().to_vec())).transpose()?;
-            let q = q.map(|data| Fp8 { data, scale_inv: s.clone() });
-            return Ok((q, qt.map(|data| Fp8 { data, scale_inv: s }), used));
-        }
+            Ok((q.map(|data| Fp8 { data, scale_inv: s.clone() }), qt.map(|data| Fp8 { data, scale_inv: s }), used))
+        };
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &all)? {
+        let (q, qt, s) = crate::cuda::ops::fp8_quantize(&g, x, [rows, cols], dt, [plain, transposed], given)?;
+        return finish(q, qt, s);
     }
-    let mut all = vec![x];
-    all.extend(given.iter().flat_map(|(s, a)| std::iter::once(*s).chain(*a)));
     check::on_cpu(OP, &all)?;
     let xv = x.read_f32()?;
     // |x|'s bits order as the magnitudes, NaN above inf: the largest keeps a NaN (as on CUDA).
@@ -156,7 +152,7 @@ fn quantize(
         }
     };
     let n = scale_inv.len();
-    let (scale_inv, used) = split(Tensor::from_vec(scale_inv, [n], &Device::Cpu)?)?;
+    let scale_inv = Tensor::from_vec(scale_inv, [n], &Device::Cpu)?;
     let scaled: Vec<f32> = xv.iter().map(|v| v * scale).collect();
     let q = plain.then(|| Tensor::from_f32(&scaled, x.dims().to_vec(), dt, &Device::Cpu)).transpose()?;
     let qt = if transposed {
@@ -170,8 +166,7 @@ fn quantize(
     } else {
         None
     };
-    let q = q.map(|data| Fp8 { data, scale_inv: scale_inv.clone() });
-    Ok((q, qt.map(|data| Fp8 { data, scale_inv }), used))
+    finish(q, qt, scale_inv)
 }
 
 /// Delayed scaling's update after a pass, of columns `cols` of `history` [len, n] and `scale`

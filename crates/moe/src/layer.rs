@@ -557,8 +557,7 @@ impl Module for MoeLayer {
     /// their dtypes, as Megatron keeps them.
     fn set_fp8(&mut self, fp8: Option<&ferrotron_core::Fp8Recipe>) -> Result<()> {
         for m in self.experts.iter_mut().chain(self.shared.iter_mut()) {
-            m.linear_fc1.fp8 = fp8.map(|r| r.linear(m.linear_fc1.weight));
-            m.linear_fc2.fp8 = fp8.map(|r| r.linear(m.linear_fc2.weight));
+            m.set_fp8(fp8);
         }
         Ok(())
     }

@@ -172,10 +172,7 @@ impl TransformerLayer {
                     a.linear_qkv.fp8 = fp8.map(|r| r.linear(a.linear_qkv.weight));
                     a.linear_proj.fp8 = fp8.map(|r| r.linear(a.linear_proj.weight));
                 }
-                Sublayer::Mlp(m) => {
-                    m.linear_fc1.fp8 = fp8.map(|r| r.linear(m.linear_fc1.weight));
-                    m.linear_fc2.fp8 = fp8.map(|r| r.linear(m.linear_fc2.weight));
-                }
+                Sublayer::Mlp(m) => m.set_fp8(fp8),
                 Sublayer::Mla(a) => a.set_fp8(fp8),
                 Sublayer::Module(m) => m.set_fp8(fp8)?,
             }

@@ -99,6 +99,12 @@ impl Module for Mlp {
 }
 
 impl Mlp {
+    /// fc1's and fc2's products in FP8 (`fp8`) or not: each its own FP8 layer.
+    pub fn set_fp8(&mut self, fp8: Option<&ferrotron_core::Fp8Recipe>) {
+        self.linear_fc1.fp8 = fp8.map(|r| r.linear(self.linear_fc1.weight));
+        self.linear_fc2.fp8 = fp8.map(|r| r.linear(self.linear_fc2.weight));
+    }
+
     /// The backward, with fc2's bias gradient or without it (`out_bias`).
     fn backward_parts(&self, cx: &Cx, saved: Saved, dy: &Tensor, fc2_bias: bool) -> Result<Tensor> {
         let Saved { tensors, children } = saved;
