@@ -68,7 +68,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 head_offset: 0,
                 tiles: None,
             });
-            let cfg = AttnCfg { causal: true, window: None, scale: None, dropout };
+            let cfg = AttnCfg { causal: true, window: None, scale: None, dropout, docs: None };
             let mk = |salt: usize| {
                 let vals: Vec<f32> = (0..n).map(|i| value(i + salt * n)).collect();
                 Tensor::from_f32(&vals, [b, t, h, d], DType::BF16, &dev)

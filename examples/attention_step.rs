@@ -19,7 +19,7 @@ fn main() -> ferrotron_core::Result<()> {
     let q = k::rope_fwd(&randn(&[b, t, hq, d], 0)?, &rope)?;
     let kk = k::rope_fwd(&randn(&[b, t, hkv, d], 1)?, &rope)?;
     let v = randn(&[b, t, hkv, d], 2)?;
-    let cfg = k::AttnCfg { causal: true, window: Some(8), scale: None, dropout: None };
+    let cfg = k::AttnCfg { causal: true, window: Some(8), scale: None, dropout: None, docs: None };
     let (o, lse) = k::attention_fwd(&q, &kk, &v, &cfg)?;
     let (dq, dk, dv) = k::attention_bwd(&q, &kk, &v, &o, &lse, &o, &cfg)?;
     let norm = |t: &Tensor| k::global_l2_norm(&[t]);

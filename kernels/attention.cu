@@ -3,11 +3,17 @@
 // (S floats). Layouts: q/o/do [B,T,Hq,D], k/v [B,S,Hkv,D], lse [B,Hq,T]. Backward adds dk/dv with
 // fp32 atomics into [B,S,Hkv,D] buffers that the host casts afterwards; in deterministic mode
 // (`atomics` 0) it leaves them to attn_bwd_kv, which sums each key row's terms in a fixed order.
+// `docs` (or null): document-wise masks, [B,T] u32, query i of row b sees keys j ≥ docs[b·T + i]
+// (cpu/attention.rs `AttnMask::docs`); only these kernels take them.
 
 __device__ __forceinline__ bool allowed(long i, long j, long causal, long window) {
     if (causal && j > i) return false;
     if (window > 0) { long d = i > j ? i - j : j - i; if (d >= window) return false; }
     return true;
+}
+// `allowed` and the document mask of query i of batch row b (of t queries).
+__device__ __forceinline__ bool allowed_doc(long b, long t, long i, long j, long causal, long window, const u32* docs) {
+    return allowed(i, j, causal, window) && (!docs || j >= (long)docs[b * t + i]);
 }
 
 // Attention dropout (the rule is the host's cpu/attention.rs `AttnDropout`): probability (i, j)
@@ -105,14 +111,14 @@ __device__ __forceinline__ void drop_frag(const AttnDrop& d, unsigned long long 
 
 #define ATTN(s, T) \
 extern "C" __global__ void attn_fwd_##s(const T* q, const T* k, const T* v, T* o, float* lse, long t, long sl, long hq, long hkv, long d, \
-                                         float scale, long causal, long window, AttnDrop dr0) { \
+                                         float scale, long causal, long window, const u32* docs, AttnDrop dr0) { \
     const AttnDrop dr = drop_shifted(dr0); \
     extern __shared__ float sc[]; \
     long i = blockIdx.x % t, h = (blockIdx.x / t) % hq, b = blockIdx.x / (t * hq), kvh = h / (hq / hkv); \
     const T* qi = q + ((b * t + i) * hq + h) * d; \
     float m = -INFINITY; \
     for (long j = threadIdx.x; j < sl; j += blockDim.x) { float a = -INFINITY; \
-        if (allowed(i, j, causal, window)) { const T* kj = k + ((b * sl + j) * hkv + kvh) * d; a = 0.f; \
+        if (allowed_doc(b, t, i, j, causal, window, docs)) { const T* kj = k + ((b * sl + j) * hkv + kvh) * d; a = 0.f; \
             for (long e = 0; e < d; e++) a += ld(qi, e) * ld(kj, e); a *= scale; } \
         sc[j] = a; m = fmaxf(m, a); } \
     m = block_max(m); float z = 0.f; \
@@ -125,7 +131,8 @@ extern "C" __global__ void attn_fwd_##s(const T* q, const T* k, const T* v, T* o
     if (threadIdx.x == 0) lse[(b * hq + h) * t + i] = m + logf(z); } \
 extern "C" __global__ void attn_bwd_##s(const T* q, const T* k, const T* v, const T* o, const float* lse, const T* dout, \
                                          float* dq, float* dk, float* dv, long t, long sl, long hq, long hkv, long d, \
-                                         float scale, long causal, long window, long atomics, AttnDrop dr0) { \
+                                         float scale, long causal, long window, long atomics, const u32* docs, \
+                                         AttnDrop dr0) { \
     const AttnDrop dr = drop_shifted(dr0); \
     extern __shared__ float sc[]; \
     long i = blockIdx.x % t, h = (blockIdx.x / t) % hq, b = blockIdx.x / (t * hq), kvh = h / (hq / hkv); \
@@ -134,7 +141,7 @@ extern "C" __global__ void attn_bwd_##s(const T* q, const T* k, const T* v, cons
     for (long e = threadIdx.x; e < d; e += blockDim.x) di += ld(dout, qo + e) * ld(o, qo + e); \
     di = block_sum(di); \
     for (long j = threadIdx.x; j < sl; j += blockDim.x) { float ds = 0.f; \
-        if (allowed(i, j, causal, window)) { long ko = ((b * sl + j) * hkv + kvh) * d; float a = 0.f, dp = 0.f; \
+        if (allowed_doc(b, t, i, j, causal, window, docs)) { long ko = ((b * sl + j) * hkv + kvh) * d; float a = 0.f, dp = 0.f; \
             for (long e = 0; e < d; e++) { a += ld(q, qo + e) * ld(k, ko + e); dp += ld(dout, qo + e) * ld(v, ko + e); } \
             float p = expf(a * scale - l), mul = dr.thr ? drop_at(dr, b, h, i, j, t, sl) : 1.f; ds = p * (dp * mul - di); \
             if (atomics) for (long e = 0; e < d; e++) { atomicAdd(dv + ko + e, p * mul * ld(dout, qo + e)); atomicAdd(dk + ko + e, scale * ds * ld(q, qo + e)); } } \
@@ -149,7 +156,8 @@ extern "C" __global__ void attn_bwd_##s(const T* q, const T* k, const T* v, cons
    adds them in query order: the same sum in the same order on every run. */ \
 extern "C" __global__ void attn_bwd_kv_##s(const T* q, const T* k, const T* v, const T* o, const float* lse, \
                                             const T* dout, float* dk, float* dv, long t, long sl, long hq, long hkv, \
-                                            long d, float scale, long causal, long window, AttnDrop dr0) { \
+                                            long d, float scale, long causal, long window, const u32* docs, \
+                                            AttnDrop dr0) { \
     const AttnDrop dr = drop_shifted(dr0); \
     extern __shared__ float sc[]; \
     const long n = blockDim.x; float *ps = sc, *dss = sc + n, *ak = sc + 2 * n, *av = ak + d; \
@@ -159,7 +167,7 @@ extern "C" __global__ void attn_bwd_kv_##s(const T* q, const T* k, const T* v, c
     for (long h = kvh * g; h < (kvh + 1) * g; h++) \
         for (long i0 = 0; i0 < t; i0 += n) { \
             long i = i0 + threadIdx.x; float p = 0.f, ds = 0.f; \
-            if (i < t && allowed(i, j, causal, window)) { long qo = ((b * t + i) * hq + h) * d; \
+            if (i < t && allowed_doc(b, t, i, j, causal, window, docs)) { long qo = ((b * t + i) * hq + h) * d; \
                 float a = 0.f, dp = 0.f, di = 0.f; \
                 for (long e = 0; e < d; e++) { float g_ = ld(dout, qo + e); \
                     a += ld(q, qo + e) * ld(k, ko + e); dp += g_ * ld(v, ko + e); di += g_ * ld(o, qo + e); } \

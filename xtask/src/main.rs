@@ -679,8 +679,12 @@ impl BenchRun<'_> {
         let ours = multi::steady_rate(&metrics, "tokens_per_s");
         let loss = multi::last_finite_loss(&metrics)
             .map_or_else(|| "not finite: the figure is invalid".to_string(), |l| format!("{l:.3}"));
+        // The row says what ran: FP8 products (and their recipe) where BENCH_FP8 asked for them.
+        let fp8 = std::env::var("BENCH_FP8").map_or(String::new(), |f| {
+            format!(", FP8 {f} {}", std::env::var("BENCH_FP8_RECIPE").unwrap_or_else(|_| "delayed".into()))
+        });
         println!(
-            "| {p} | ferrotron bf16{}{} | {ours:.0} | {:.1}% | {:.1} (device total) | {} | {loss} |",
+            "| {p} | ferrotron bf16{fp8}{}{} | {ours:.0} | {:.1}% | {:.1} (device total) | {} | {loss} |",
             if bench_grad_bf16() { ", bf16 main_grad" } else { "" },
             if self.tuned { ", GEMMs tuned" } else { "" },
             100.0 * ours * flops / 989e12,

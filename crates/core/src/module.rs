@@ -50,12 +50,15 @@ pub struct Cx<'a> {
     /// A recomputed forward under FP8 delayed scaling: the forward scales (`MetaTensors::
     /// fwd_scale`) its first run quantized with, so that it quantizes alike and records no amax.
     pub fp8_replay: Option<&'a Tensor>,
+    /// The micro-batch's document-wise attention masks (Megatron's --reset-attention-mask): u32
+    /// [B, T], each position's first key (the start of its document); None: plain causal.
+    pub docs: Option<&'a Tensor>,
 }
 
 impl<'a> Cx<'a> {
     /// A context with no random draws.
     pub fn new(params: &'a ParamTable, training: bool) -> Self {
-        Cx { params, training, draw: None, grad_scale: 1.0, own_loss_scale: None, fp8_replay: None }
+        Cx { params, training, draw: None, grad_scale: 1.0, own_loss_scale: None, fp8_replay: None, docs: None }
     }
     /// The same context for a micro-batch with `draw`.
     pub fn with_draw(&self, draw: Option<Draw>) -> Cx<'a> {
@@ -75,6 +78,13 @@ impl<'a> Cx<'a> {
         'a: 'b,
     {
         Cx { fp8_replay: scales, ..*self }
+    }
+    /// The same context for a micro-batch with these document starts (`docs`).
+    pub fn with_docs<'b>(&self, docs: Option<&'b Tensor>) -> Cx<'b>
+    where
+        'a: 'b,
+    {
+        Cx { docs, ..*self }
     }
 }
 

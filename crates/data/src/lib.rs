@@ -31,7 +31,7 @@ pub use dataset::{
 pub use gpt::{GptDataset, Sequences};
 pub use indexed::{IndexedBuilder, IndexedDataset, TokenDtype, write_indexed};
 pub use numpy_rng::{NumpyGenerator, NumpyRandomState};
-pub use positions::reset_position_ids;
+pub use positions::{document_starts, reset_position_ids};
 pub use sampler::{CyclicSampler, torch_randperm};
 pub use tiktoken::{TikPattern, TikTokenSpec};
 pub use tokenizer::{Tokenizer, TokenizerFlags, TokenizerKind};

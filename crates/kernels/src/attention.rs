@@ -1,13 +1,14 @@
-//! Causal self-attention with GQA and an optional sliding window (math in `cpu::attention`).
-//! q [B, T, Hq, D], k/v [B, S, Hkv, D] → o [B, T, Hq, D] and lse [B, Hq, T] (f32).
+//! Causal self-attention with GQA, an optional sliding window and optional document-wise masks
+//! (math in `cpu::attention`). q [B, T, Hq, D], k/v [B, S, Hkv, D] → o [B, T, Hq, D] and lse
+//! [B, Hq, T] (f32).
 
 pub use crate::cpu::attention::AttnDropout;
 use crate::cpu::attention::{AttnDims, AttnMask};
 use crate::{buf, check, cpu};
 use ferrotron_core::{DType, Device, Result, Tensor, invalid, shape_mismatch};
 
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct AttnCfg {
+#[derive(Clone, Copy, Debug)]
+pub struct AttnCfg<'a> {
     pub causal: bool,
     /// Sliding window: query i sees keys j with |i − j| < window.
     pub window: Option<usize>,
@@ -15,12 +16,63 @@ pub struct AttnCfg {
     pub scale: Option<f64>,
     /// Dropout of the probabilities (training).
     pub dropout: Option<AttnDropout>,
+    /// Document-wise masks (Megatron's --reset-attention-mask), causal self-attention only: u32
+    /// [B, T] on q's device, each query's first key (the start of its document: every value at
+    /// most its own position, and along a row never smaller than the one before). On a GPU these
+    /// run on the reference kernels (no flash kernel takes them yet).
+    pub docs: Option<&'a Tensor>,
 }
 
-impl Default for AttnCfg {
+impl Default for AttnCfg<'_> {
     fn default() -> Self {
-        AttnCfg { causal: true, window: None, scale: None, dropout: None }
+        AttnCfg { causal: true, window: None, scale: None, dropout: None, docs: None }
     }
+}
+
+impl PartialEq for AttnCfg<'_> {
+    /// Equal settings: the same document masks where both have them (the same tensor).
+    fn eq(&self, o: &Self) -> bool {
+        let same_docs = match (self.docs, o.docs) {
+            (None, None) => true,
+            (Some(a), Some(b)) => a.shares_storage(b) && a.shape() == b.shape(),
+            _ => false,
+        };
+        (self.causal, self.window, self.scale, self.dropout) == (o.causal, o.window, o.scale, o.dropout) && same_docs
+    }
+}
+
+/// The document masks' checks that need no read: u32 [B, T] on the queries' device, for causal
+/// self-attention.
+fn check_docs(op: &'static str, cfg: &AttnCfg, d: &AttnDims, device: &Device) -> Result<()> {
+    let Some(docs) = cfg.docs else { return Ok(()) };
+    if !cfg.causal || d.s != d.t {
+        return Err(invalid(op, "document masks (--reset-attention-mask) are for causal self-attention"));
+    }
+    if docs.dtype() != DType::U32 {
+        return Err(invalid(op, format!("document starts must be u32, got {}", docs.dtype())));
+    }
+    check::shape(op, docs, &[d.b, d.t])?;
+    if !docs.device().same(device) {
+        return Err(invalid(op, format!("document starts on {}, the queries on {device}", docs.device())));
+    }
+    Ok(())
+}
+
+/// The CPU's copy of the document starts, each checked to lie at or before its own position.
+fn host_docs(op: &'static str, cfg: &AttnCfg, d: &AttnDims) -> Result<Option<Vec<u32>>> {
+    let Some(docs) = cfg.docs else { return Ok(None) };
+    let v = docs.to_vec::<u32>()?;
+    if let Some((at, &bad)) = v.iter().enumerate().find(|&(at, &x)| x as usize > at % d.t) {
+        return Err(invalid(
+            op,
+            format!(
+                "document start {bad} of query {} in batch row {} lies after the query: each query's document starts at or before it",
+                at % d.t,
+                at / d.t
+            ),
+        ));
+    }
+    Ok(Some(v))
 }
 
 /// The checks `dims` and `fused_dims` share: the window and the dropout rate.
@@ -54,11 +106,14 @@ fn dims(op: &'static str, q: &Tensor, k: &Tensor, v: &Tensor, cfg: &AttnCfg) -> 
         return Err(shape_mismatch(op, format!("causal self-attention with S == T = {t}"), kd));
     }
     check_cfg(op, cfg)?;
-    Ok(AttnDims { b, t, s, hq, hkv, d })
+    let dims = AttnDims { b, t, s, hq, hkv, d };
+    check_docs(op, cfg, &dims, q.device())?;
+    Ok(dims)
 }
 
-fn mask(cfg: &AttnCfg) -> AttnMask {
-    AttnMask { causal: cfg.causal, window: cfg.window, dropout: cfg.dropout.filter(|d| d.p > 0.0) }
+/// The kernels' mask: `docs` the host's copy of the document starts (the CPU's), or None.
+fn mask<'a>(cfg: &AttnCfg, docs: Option<&'a [u32]>) -> AttnMask<'a> {
+    AttnMask { causal: cfg.causal, window: cfg.window, dropout: cfg.dropout.filter(|d| d.p > 0.0), docs }
 }
 
 fn scale(cfg: &AttnCfg, d: usize) -> f64 {
@@ -67,8 +122,8 @@ fn scale(cfg: &AttnCfg, d: usize) -> f64 {
 
 /// The GPU kernels' view of the call.
 #[cfg(feature = "cuda")]
-fn gpu_shape<'a>(d: &'a AttnDims, cfg: &AttnCfg) -> crate::cuda::ops::AttnShape<'a> {
-    crate::cuda::ops::AttnShape { dims: d, mask: mask(cfg), scale: scale(cfg, d.d) as f32 }
+fn gpu_shape<'a>(d: &'a AttnDims, cfg: &AttnCfg<'a>) -> crate::cuda::ops::AttnShape<'a> {
+    crate::cuda::ops::AttnShape { dims: d, mask: mask(cfg, None), scale: scale(cfg, d.d) as f32, docs: cfg.docs }
 }
 
 /// The head width at which attention over heads of `d` real columns in `dtype` on `device` runs
@@ -93,10 +148,11 @@ pub fn attention_fwd(q: &Tensor, k: &Tensor, v: &Tensor, cfg: &AttnCfg) -> Resul
         return crate::cuda::ops::attention_fwd(&g, q, k, v, &gpu_shape(&d, cfg));
     }
     check::on_cpu(OP, &[q, k, v])?;
+    let docs = host_docs(OP, cfg, &d)?;
     let (qv, kv, vv) = (q.read_f32()?, k.read_f32()?, v.read_f32()?);
     // SAFETY: attention_fwd copies every (batch, head)'s rows of o and lse.
     let (mut o, mut lse) = unsafe { (buf::uninit(qv.len()), buf::uninit(d.b * d.hq * d.t)) };
-    cpu::attention::attention_fwd(&qv, &kv, &vv, d, mask(cfg), scale(cfg, d.d), &mut o, &mut lse);
+    cpu::attention::attention_fwd(&qv, &kv, &vv, d, mask(cfg, docs.as_deref()), scale(cfg, d.d), &mut o, &mut lse);
     Ok((
         check::out(o, q.shape().clone(), q.dtype(), q.device())?,
         check::out(lse, [d.b, d.hq, d.t], DType::F32, q.device())?,
@@ -123,6 +179,7 @@ pub fn attention_bwd(
         return crate::cuda::ops::attention_bwd(&g, q, k, v, o, lse, dout, &gpu_shape(&d, cfg));
     }
     check::on_cpu(OP, &[q, k, v, o, lse, dout])?;
+    let docs = host_docs(OP, cfg, &d)?;
     let (qv, kv, vv) = (q.read_f32()?, k.read_f32()?, v.read_f32()?);
     let (ov, lv, dov) = (o.read_f32()?, lse.read_f32()?, dout.read_f32()?);
     // SAFETY: attention_bwd copies (`=`) every head's rows of dq, dk and dv.
@@ -135,7 +192,7 @@ pub fn attention_bwd(
         &lv,
         &dov,
         d,
-        mask(cfg),
+        mask(cfg, docs.as_deref()),
         scale(cfg, d.d),
         &mut dq,
         &mut dk,
@@ -182,10 +239,11 @@ pub fn attention_fwd_qkv(qkv: &Tensor, heads: QkvHeads, cfg: &AttnCfg) -> Result
         return attention_fwd(&q, &k, &v, cfg);
     }
     check::on_cpu(OP, &[qkv])?;
+    let docs = host_docs(OP, cfg, &dm)?;
     let x = qkv.read_f32()?;
     // SAFETY: attention_fwd_fused copies every (batch, head)'s rows of o and lse.
     let (mut o, mut lse) = unsafe { (buf::uninit(dm.b * dm.t * dm.hq * d), buf::uninit(dm.b * dm.hq * dm.t)) };
-    cpu::attention::attention_fwd_fused(&x, dm, mask(cfg), scale(cfg, d), &mut o, &mut lse);
+    cpu::attention::attention_fwd_fused(&x, dm, mask(cfg, docs.as_deref()), scale(cfg, d), &mut o, &mut lse);
     Ok((
         check::out(o, [dm.b, dm.t, dm.hq, d], qkv.dtype(), qkv.device())?,
         check::out(lse, [dm.b, dm.hq, dm.t], DType::F32, qkv.device())?,
@@ -260,11 +318,13 @@ fn bwd_qkv(
         return Ok((crate::qkv_merge(&dq, &dk, &dv)?, false));
     }
     check::on_cpu(OP, &[qkv, o, lse, dout])?;
+    let docs = host_docs(OP, cfg, &dm)?;
     let (x, ov, lv, dov) = (qkv.read_f32()?, o.read_f32()?, lse.read_f32()?, dout.read_f32()?);
     // SAFETY: attention_bwd_fused copies (`=`) every head's rows of dq, dk and dv into their slots,
     // which tile dqkv.
     let mut dqkv = unsafe { buf::uninit(x.len()) };
-    cpu::attention::attention_bwd_fused(&x, &ov, &lv, &dov, dm, mask(cfg), scale(cfg, heads.d), &mut dqkv);
+    let m = mask(cfg, docs.as_deref());
+    cpu::attention::attention_bwd_fused(&x, &ov, &lv, &dov, dm, m, scale(cfg, heads.d), &mut dqkv);
     Ok((check::out(dqkv, qkv.shape().clone(), dout.dtype(), qkv.device())?, false))
 }
 
@@ -279,7 +339,9 @@ fn fused_dims(qkv: &Tensor, heads: QkvHeads, cfg: &AttnCfg) -> Result<AttnDims> 
         return Err(shape_mismatch(OP, format!("last dim {hkv}·({group}+2)·{d}"), qkv.dims()));
     }
     check_cfg(OP, cfg)?;
-    Ok(AttnDims { b, t, s: t, hq: hkv * group, hkv, d })
+    let dims = AttnDims { b, t, s: t, hq: hkv * group, hkv, d };
+    check_docs(OP, cfg, &dims, qkv.device())?;
+    Ok(dims)
 }
 
 /// Context parallelism's combine: `o` [B, T, H, D] and `lse` [B, H, T] (both f32), the attention

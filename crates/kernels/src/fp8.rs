@@ -43,7 +43,9 @@ impl Fp8 {
     /// data · scale_inv in f32 (the values the products multiply).
     pub fn dequantize(&self) -> Result<Tensor> {
         let s = self.scale_inv.to_vec_f32()?[0];
-        let v: Vec<f32> = self.data.read_f32()?.iter().map(|q| q * s).collect();
+        // Read on the host (the codes have no device read of their own).
+        let codes = self.data.to_device(&ferrotron_core::Device::Cpu)?;
+        let v: Vec<f32> = codes.read_f32()?.iter().map(|q| q * s).collect();
         Tensor::from_f32(&v, self.data.dims().to_vec(), DType::F32, self.data.device())
     }
 }

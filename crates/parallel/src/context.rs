@@ -71,6 +71,17 @@ impl std::fmt::Debug for ContextParallel {
     }
 }
 
+/// Document-wise masks (`AttnCfg::docs`) refused: neither split carries them yet.
+pub(crate) fn no_docs(op: &'static str, cfg: &AttnCfg) -> Result<()> {
+    if cfg.docs.is_some() {
+        return Err(invalid(
+            op,
+            "document-wise attention masks (--reset-attention-mask) are not built under context parallelism: drop one",
+        ));
+    }
+    Ok(())
+}
+
 impl ContextParallel {
     /// The all-gather exchange (Megatron's allgather / p2p).
     pub fn new(comm: Comm) -> Self {
@@ -142,6 +153,7 @@ impl ContextParallel {
     /// dropout, chunks of c a multiple of 16 tokens (a block then covers whole tiles of the
     /// sequence's mask).
     fn check_cfg(&self, op: &'static str, cfg: &AttnCfg, c: usize) -> Result<()> {
+        no_docs(op, cfg)?;
         if !cfg.causal || cfg.window.is_some() {
             return Err(invalid(
                 op,
@@ -164,7 +176,7 @@ impl ContextParallel {
     /// The settings of the block of query chunk `p` against key chunk `pk` (global indices, c
     /// tokens each): causal on the diagonal, whole below it; dropout drawn from the whole
     /// sequence's mask, at the block's tiles.
-    fn block_cfg(&self, cfg: &AttnCfg, p: usize, pk: usize, c: usize) -> AttnCfg {
+    fn block_cfg<'a>(&self, cfg: &AttnCfg<'a>, p: usize, pk: usize, c: usize) -> AttnCfg<'a> {
         let dropout = cfg.dropout.map(|d| {
             let tiles = (2 * self.size() * c).div_ceil(16) as u64;
             let first = ((p * c / 16) as u64).wrapping_mul(tiles).wrapping_add((pk * c / 16) as u64);

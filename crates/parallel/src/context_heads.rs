@@ -41,6 +41,7 @@ impl ContextParallel {
         cfg: &AttnCfg,
     ) -> Result<(Tensor, Tensor)> {
         const OP: &str = "context-parallel (all-to-all) attention_fwd";
+        super::context::no_docs(OP, cfg)?;
         let [_, _, hq, _] = dims4(OP, q)?;
         let [_, _, hkv, _] = dims4(OP, kk)?;
         self.check_heads(hq, hkv)?;
@@ -61,6 +62,7 @@ impl ContextParallel {
         cfg: &AttnCfg,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         const OP: &str = "context-parallel (all-to-all) attention_bwd";
+        super::context::no_docs(OP, cfg)?;
         let [_, _, hq, _] = dims4(OP, q)?;
         let [_, _, hkv, _] = dims4(OP, kk)?;
         self.check_heads(hq, hkv)?;
@@ -72,7 +74,7 @@ impl ContextParallel {
 
     /// The whole sequence's attention settings for this rank's heads: dropout at their global
     /// index (the key's `head_offset` is the tensor-parallel rank's first head).
-    fn heads_cfg(&self, cfg: &AttnCfg, hq: usize) -> AttnCfg {
+    fn heads_cfg<'a>(&self, cfg: &AttnCfg<'a>, hq: usize) -> AttnCfg<'a> {
         let first = (self.rank() * hq / self.size()) as u64;
         let dropout = cfg.dropout.map(|d| k::AttnDropout { head_offset: d.head_offset + first, ..d });
         AttnCfg { dropout, ..*cfg }

@@ -144,13 +144,6 @@ pub(crate) fn apply(a: &mut TrainArgs) -> anyhow::Result<()> {
             a.hierarchical_context_parallel_sizes
         );
     }
-    for (flag, on) in [("--reset-attention-mask", a.reset_attention_mask)] {
-        if on {
-            bail!(
-                "{flag}: document-wise attention masks are not built yet; drop it (documents then see the earlier ones in their sample, as without it in Megatron)"
-            );
-        }
-    }
     if let Some(p) = &a.wandb_project {
         bail!("--wandb-project {p}: Weights & Biases logging is not built; --tensorboard-dir writes the same scalars");
     }

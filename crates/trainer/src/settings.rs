@@ -1023,7 +1023,10 @@ pub struct TrainArgs {
     /// nothing with --position-embedding-type rope.
     #[arg(long)]
     pub reset_position_ids: bool,
-    /// Refused by name: document-wise attention masks are not built yet.
+    /// Document-wise attention masks (Megatron's): a token sees only the tokens of its own
+    /// document in a sample (an end of document closes the document before it). Not with
+    /// --context-parallel-size above 1 or --cuda-graph-impl local; on a GPU it runs on the
+    /// reference attention kernels (slower than flash).
     #[arg(long)]
     pub reset_attention_mask: bool,
     /// Refused by name: Weights & Biases logging is not built (--tensorboard-dir is).
@@ -1424,6 +1427,9 @@ pub struct Settings {
     /// `--reset-position-ids` (absent from older checkpoints' settings: off).
     #[serde(default)]
     pub reset_position_ids: bool,
+    /// `--reset-attention-mask` (absent from older checkpoints' settings: off).
+    #[serde(default)]
+    pub reset_attention_mask: bool,
     /// `--calculate-per-token-loss`.
     #[serde(default)]
     pub calculate_per_token_loss: bool,
@@ -2626,6 +2632,7 @@ impl Settings {
             },
             no_data_sharding: a.no_data_sharding,
             reset_position_ids: a.reset_position_ids,
+            reset_attention_mask: a.reset_attention_mask,
             calculate_per_token_loss: a.calculate_per_token_loss,
             tensorboard_dir: a.tensorboard_dir.clone(),
             tensorboard_log_interval: match a.tensorboard_log_interval {
@@ -2837,6 +2844,27 @@ impl Settings {
                 } else {
                     "--mtp-num-layers (the depths look up shifted positions)"
                 }
+            );
+        }
+        if s.reset_attention_mask && s.vision.is_some() {
+            bail!(
+                "--reset-attention-mask with a vision encoder (--img-h): a multimodal sample holds one image and its caption, with no documents to keep apart; drop --reset-attention-mask"
+            );
+        }
+        if s.reset_attention_mask && s.context_parallel_size > 1 {
+            bail!(
+                "--reset-attention-mask with --context-parallel-size {}: document-wise masks are not built under context parallelism; drop one",
+                s.context_parallel_size
+            );
+        }
+        if s.reset_attention_mask && !device.is_cpu() {
+            eprintln!(
+                "note: --reset-attention-mask on the GPU runs attention on the reference kernels (no flash kernel takes document masks yet): expect a slower step"
+            );
+        }
+        if s.reset_attention_mask && cuda_graph_warmup.is_some() {
+            bail!(
+                "--cuda-graph-impl local with --reset-attention-mask: each micro-batch's document starts are uploaded from the host, which a captured graph cannot do: drop one"
             );
         }
         if learned_reset && cuda_graph_warmup.is_some() {

@@ -220,6 +220,9 @@ struct BatchSpec {
     /// --reset-position-ids with learned positions: each token's position id, from 0 again
     /// after each end of document (`ferrotron_data::reset_position_ids`), goes with the batch.
     reset_positions: bool,
+    /// --reset-attention-mask: each token's document start (`ferrotron_data::document_starts`)
+    /// goes with the batch, for document-wise attention masks.
+    reset_attention: bool,
     /// A multimodal run's images: the spec, where they come from, the seed, the model's dtype.
     vision: Option<(ferrotron_transformer::VisionSpec, ImageSource, u64, DType)>,
 }
@@ -228,7 +231,7 @@ fn batch(split: &TokenSplit, indices: &[usize], spec: &BatchSpec, dev: &Device) 
     if let Some(v) = &spec.vision {
         return multimodal_batch(split, indices, spec, v, dev);
     }
-    let BatchSpec { seq, vocab, eod_mask, eod, ref cp, mtp_depths, reset_positions, .. } = *spec;
+    let BatchSpec { seq, vocab, eod_mask, eod, ref cp, mtp_depths, reset_positions, reset_attention, .. } = *spec;
     let (mut tokens, mut labels) = (Vec::with_capacity(indices.len() * seq), Vec::with_capacity(indices.len() * seq));
     for &i in indices {
         let s = split.sample(i)?;
@@ -249,6 +252,9 @@ fn batch(split: &TokenSplit, indices: &[usize], spec: &BatchSpec, dev: &Device) 
     // starts the next one) does not count.
     let mask = eod_mask.map(|eod| tokens.iter().map(|&t| if t == eod { 0.0 } else { 1.0 }).collect::<Vec<f32>>());
     if let Some(cp) = cp {
+        if reset_attention {
+            bail!("--reset-attention-mask is not built under context parallelism (a layout the settings refuse)");
+        }
         // This rank's chunks; the loss's denominator is the whole sequences' count over the cp
         // size, so that the mean over data × context-parallel ranks is the whole batch's.
         let whole = mask.as_ref().map_or((b * seq) as f64, |m| m.iter().map(|&x| x as f64).sum());
@@ -287,11 +293,15 @@ fn batch(split: &TokenSplit, indices: &[usize], spec: &BatchSpec, dev: &Device) 
         }
         return Ok(batch.with_mtp_rolled(MtpRolled { depths, all }));
     }
+    let starts = reset_attention.then(|| ferrotron_data::document_starts(&tokens, seq, eod));
     let (tokens, labels) = (Tensor::from_vec(tokens, [b, seq], dev)?, Tensor::from_vec(labels, [b, seq], dev)?);
-    let batch = match mask {
+    let mut batch = match mask {
         Some(m) => Batch::masked(tokens, labels, m)?,
         None => Batch::unmasked(tokens, labels)?,
     };
+    if let Some(starts) = starts {
+        batch = batch.with_document_starts(starts)?;
+    }
     Ok(match positions {
         Some(p) => batch.with_position_ids(p)?,
         None => batch,
@@ -885,6 +895,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         // Rotary embeddings take no position ids (as Megatron Core's): only learned ones use them.
         reset_positions: s.reset_position_ids
             && model.config.position_embedding == ferrotron_transformer::spec::PositionEmbedding::LearnedAbsolute,
+        reset_attention: s.reset_attention_mask,
         vision: s.vision_spec()?.map(|v| {
             let source = match (&data.images, s.mock_data) {
                 (Some(files), _) => ImageSource::Files(files.clone()),
@@ -1327,6 +1338,7 @@ mod tests {
             cp: None,
             mtp_depths: 0,
             reset_positions: false,
+            reset_attention: false,
             vision: None,
         };
         let ok = batch(&split, &[0, 1], &spec(10), &Device::Cpu).unwrap();
@@ -1356,6 +1368,7 @@ mod tests {
             cp: None,
             mtp_depths: 0,
             reset_positions: false,
+            reset_attention: false,
             vision: None,
         };
         let b = batch(&split, &[0], &spec, &Device::Cpu).unwrap();
@@ -1364,6 +1377,13 @@ mod tests {
         assert!(want.contains(&0.0), "the sample holds an end of document: {tokens:?}");
         assert_eq!(b.loss_mask.to_vec_f32().unwrap(), want);
         assert_eq!(b.num_tokens(), want.iter().sum::<f32>() as f64);
+        assert!(b.docs().is_none(), "no --reset-attention-mask: no document masks");
+        // --reset-attention-mask: each position's document start goes with the batch.
+        let with_docs =
+            batch(&split, &[0], &BatchSpec { reset_attention: true, ..spec.clone() }, &Device::Cpu).unwrap();
+        let starts = with_docs.docs().expect("document starts").to_vec::<u32>().unwrap();
+        assert_eq!(starts, ferrotron_data::document_starts(&tokens, 8, 0));
+        assert!(starts.iter().any(|&s| s > 0), "a document starts inside the sample: {tokens:?}");
         // Context parallel rank 1 of 2: chunks 1 and 2 of four (positions 2..6), its mask's part,
         // and half the whole sample's count as the mean's denominator.
         let world = thread_world(2, std::time::Duration::from_secs(5));

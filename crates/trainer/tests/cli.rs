@@ -345,7 +345,6 @@ fn megatrons_script_switches_run_as_the_plain_flags() {
     fails_naming(&["--init-method-xavier-uniform"], "--init-method-xavier-uniform");
     fails_naming(&["--checkpoint-activations"], "--recompute-granularity full");
     fails_naming(&["--fp8-format", "hybrid"], "--fp8-format hybrid needs --bf16");
-    fails_naming(&["--reset-attention-mask"], "--reset-attention-mask: document-wise");
     fails_naming(&["--rotary-seq-len-interpolation-factor", "2"], "--position-embedding-type is learned_absolute");
     fails_naming(
         &["--rotary-interleaved"],

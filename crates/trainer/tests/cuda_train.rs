@@ -206,6 +206,26 @@ fn reset_position_ids_cuda_matches_cpu() {
     split_matches_cpu("tiny", "reset positions, tp2 sp", reset, tp2);
 }
 
+/// --reset-attention-mask on the GPU (document starts uploaded with each micro-batch, attention
+/// on the reference kernels that take them), Llama-style and GPT-2 style with
+/// --reset-position-ids, one rank and tp2 with sequence parallelism on two thread ranks, against
+/// one CPU rank, fp32 within 1e-4; and bf16 within bf16's tolerance.
+#[test]
+fn reset_attention_mask_cuda_matches_cpu() {
+    let masks = |a: TrainArgs| TrainArgs { reset_attention_mask: true, ..a };
+    split_matches_cpu("llama-tiny", "document masks", masks, masks);
+    let both = |a: TrainArgs| TrainArgs { reset_position_ids: true, ..masks(a) };
+    let tp2 = |a: TrainArgs| TrainArgs {
+        tensor_model_parallel_size: Some(2),
+        sequence_parallel: true,
+        nproc: Some(2),
+        ..both(a)
+    };
+    split_matches_cpu("tiny", "document masks and reset positions, tp2 sp", both, tp2);
+    let bf16 = || TrainArgs { preset: Some("llama-tiny".into()), bf16: true, ..masks(TrainArgs::default()) };
+    bf16_cuda_matches_cpu("document masks", bf16);
+}
+
 /// --qk-l2-norm on the GPU (the RMSNorm kernels at a unit scale over each query and key head),
 /// against one CPU rank, fp32 within 1e-4.
 #[test]

@@ -36,7 +36,4 @@ fn what_the_ids_do_not_reach_is_refused_by_name() {
     let mtp = reset(TrainArgs { mtp_num_layers: Some(1), ..tiny_args(false) });
     let e = format!("{:#}", Settings::resolve(&mtp).unwrap_err());
     assert!(e.contains("--reset-position-ids with learned positions and --mtp-num-layers"), "{e}");
-    let e =
-        format!("{:#}", Settings::resolve(&TrainArgs { reset_attention_mask: true, ..tiny_args(false) }).unwrap_err());
-    assert!(e.contains("--reset-attention-mask: document-wise attention masks are not built"), "{e}");
 }

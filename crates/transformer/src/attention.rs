@@ -43,7 +43,8 @@ pub struct SelfAttention {
     pub heads: usize,
     pub groups: usize,
     pub head_dim: usize,
-    pub attn: AttnCfg,
+    /// Without document masks (a micro-batch's come with its `Cx::docs`).
+    pub attn: AttnCfg<'static>,
     /// Selective recompute: keep Q, K, V (or qkv) only; redo the core attention in the backward.
     pub recompute_core: bool,
     /// Dropout of the attention probabilities in training (--attention-dropout), None at rate 0.
@@ -138,7 +139,7 @@ impl SelfAttention {
             heads: d.heads / tp.size(),
             groups: d.groups / tp.size(),
             head_dim,
-            attn: AttnCfg { causal: spec.causal, window: spec.window, scale: None, dropout: None },
+            attn: AttnCfg { causal: spec.causal, window: spec.window, ..AttnCfg::default() },
             recompute_core: false,
             dropout: (d.attention_dropout > 0.0).then(|| ProbDropout {
                 p: d.attention_dropout,
@@ -213,11 +214,12 @@ impl SelfAttention {
         k::QkvHeads::new(self.groups, self.heads / self.groups, self.head_dim)
     }
 
-    /// The core attention's settings for a [B, T, ·] micro-batch: with dropout in training, its
-    /// key from the micro-batch's draw (the same in the forward, a recomputed forward and the
-    /// backward).
-    fn cfg(&self, cx: &Cx, t: usize) -> Result<AttnCfg> {
-        let Some(dr) = self.dropout.as_ref().filter(|_| cx.training) else { return Ok(self.attn) };
+    /// The core attention's settings for a [B, T, ·] micro-batch: its document masks (causal
+    /// attention: a vision encoder's sees every patch), and with dropout in training its key from
+    /// the micro-batch's draw (the same in the forward, a recomputed forward and the backward).
+    fn cfg<'c>(&self, cx: &Cx<'c>, t: usize) -> Result<AttnCfg<'c>> {
+        let attn = AttnCfg { docs: cx.docs.filter(|_| self.attn.causal), ..self.attn };
+        let Some(dr) = self.dropout.as_ref().filter(|_| cx.training) else { return Ok(attn) };
         let Some(draw) = cx.draw else {
             return Err(invalid(
                 "attention dropout",
@@ -237,7 +239,7 @@ impl SelfAttention {
             head_offset: dr.head_offset as u64,
             tiles: None,
         };
-        Ok(AttnCfg { dropout: Some(dropout), ..self.attn })
+        Ok(AttnCfg { dropout: Some(dropout), ..attn })
     }
 
     /// The QKV projection: (qkv in the plain [queries | key | value] group layout, the gates

@@ -68,6 +68,9 @@ pub struct Batch {
     /// --reset-position-ids: counting from 0 again after each end of document), or None: each
     /// row's own (global) position.
     position_ids: Option<Vec<u32>>,
+    /// Document-wise attention masks (Megatron's --reset-attention-mask): u32 [B, T] on the
+    /// tokens' device, each position's first key (`AttnCfg::docs`); None: plain causal.
+    docs: Option<Tensor>,
 }
 
 /// The MTP depths' tokens, labels and loss masks for one context-parallel rank: each depth k's
@@ -111,7 +114,33 @@ impl Batch {
             own_loss_scale: None,
             mtp_rolled: None,
             position_ids: None,
+            docs: None,
         })
+    }
+
+    /// The batch with document-wise attention masks: `starts` [B·T], each token's document's
+    /// first position in its row (`ferrotron_data::document_starts`), at most its own.
+    pub fn with_document_starts(self, starts: Vec<u32>) -> Result<Batch> {
+        let dims = self.tokens.dims().to_vec();
+        let [b, t] = dims[..] else {
+            return Err(ModelError::Config(format!("document starts need tokens [B, T], got {dims:?}")));
+        };
+        if starts.len() != b * t {
+            return Err(ModelError::Config(format!(
+                "{} document starts for a batch of {} tokens: give one per token",
+                starts.len(),
+                b * t
+            )));
+        }
+        if let Some((at, &bad)) = starts.iter().enumerate().find(|&(at, &x)| x as usize > at % t) {
+            return Err(ModelError::Config(format!(
+                "document start {bad} of position {} in row {} lies after it: each token's document starts at or before it",
+                at % t,
+                at / t
+            )));
+        }
+        let docs = Tensor::from_vec(starts, [b, t], self.tokens.device())?;
+        Ok(Batch { docs: Some(docs), ..self })
     }
 
     /// The batch with its tokens' learned-position ids (`position_ids`), as many as tokens.
@@ -124,6 +153,11 @@ impl Batch {
             )));
         }
         Ok(Batch { position_ids: Some(ids), ..self })
+    }
+
+    /// The document-wise attention masks (`with_document_starts`), if any.
+    pub fn docs(&self) -> Option<&Tensor> {
+        self.docs.as_ref()
     }
 
     /// The batch with its random draws' origin (see `Draw`).
@@ -331,6 +365,8 @@ pub struct GptSaved {
     draw: Option<Draw>,
     /// The micro-batch's `Batch::own_loss_scale`, for the routers' backward.
     own_loss_scale: Option<f32>,
+    /// The micro-batch's document masks (`Batch::docs`), for the attention backward.
+    docs: Option<Tensor>,
     vision: Option<VisionSaved>,
     /// The MTP depths', in order (last stage).
     mtp: Vec<MtpSaved>,
@@ -866,7 +902,7 @@ impl GptModel {
     ) -> Result<(ChunkOut, GptSaved)> {
         let block = self.chunks.get(c).ok_or_else(|| ModelError::Config(format!("no model chunk {c}")))?;
         let draw = batch.draw.or(cx.draw);
-        let cx = &cx.with_draw(draw);
+        let cx = &cx.with_draw(draw).with_docs(batch.docs.as_ref());
         let pre = self.plan.pre_process && c == 0;
         let post = self.plan.post_process && c + 1 == self.chunks.len();
         let mut vision = None;
@@ -903,6 +939,7 @@ impl GptModel {
                 post: None,
                 draw,
                 own_loss_scale,
+                docs: batch.docs.clone(),
                 vision,
                 mtp: vec![],
             };
@@ -941,6 +978,7 @@ impl GptModel {
             post: Some(post),
             draw,
             own_loss_scale,
+            docs: batch.docs.clone(),
             vision,
             mtp,
         };
@@ -1037,7 +1075,12 @@ impl GptModel {
         done: &mut dyn FnMut(usize) -> ferrotron_core::Result<()>,
     ) -> Result<Option<Tensor>> {
         let block = self.chunks.get(c).ok_or_else(|| ModelError::Config(format!("no model chunk {c}")))?;
-        let cx = &cx.with_draw(saved.draw).with_grad_scale(grad_scale).with_own_loss_scale(saved.own_loss_scale);
+        let docs = saved.docs.clone();
+        let cx = &cx
+            .with_draw(saved.draw)
+            .with_grad_scale(grad_scale)
+            .with_own_loss_scale(saved.own_loss_scale)
+            .with_docs(docs.as_ref());
         let dh = match (saved.post, dy) {
             (Some(p), _) => {
                 // The MTP depths first, last to first: each one's output gradient is its head's

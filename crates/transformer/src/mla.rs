@@ -223,10 +223,12 @@ impl MlaAttention {
         })
     }
 
-    fn cfg(&self) -> AttnCfg {
+    /// The core attention's settings: causal, the micro-batch's document masks, the scale of
+    /// the heads' real width.
+    fn cfg<'c>(&self, cx: &Cx<'c>) -> AttnCfg<'c> {
         let width = self.spec.qk_head_dim + self.spec.qk_pos_emb_head_dim;
         let yarn = self.spec.yarn.map_or(1.0, |y| y.softmax_factor());
-        AttnCfg { scale: Some(yarn / (width as f64).sqrt()), ..AttnCfg::default() }
+        AttnCfg { scale: Some(yarn / (width as f64).sqrt()), docs: cx.docs, ..AttnCfg::default() }
     }
 
     /// Under context parallelism (more than one rank): this rank's chunks, attending over the
@@ -314,7 +316,7 @@ impl Module for MlaAttention {
         let width = k::attention_padded_width(self.spec.core_width(), qk.dtype(), qk.device());
         let (qq, kk) = (pad_last(&qk, width - dn - r)?, pad_last(&cat_last(&[&k_nope, &k_pe])?, width - dn - r)?);
         let vv = pad_last(&v, width - dv)?;
-        let (o, lse) = core_fwd(self.cp.as_ref(), &qq, &kk, &vv, &self.cfg())?;
+        let (o, lse) = core_fwd(self.cp.as_ref(), &qq, &kk, &vv, &self.cfg(cx))?;
         if let Some(s) = &self.sink {
             s.forward_(cx, &o, &lse)?;
         }
@@ -337,7 +339,7 @@ impl Module for MlaAttention {
         if let Some(s) = &self.sink {
             s.backward(cx, &o, &lse, &d_o)?;
         }
-        let (dq, dk, dvv) = core_bwd(self.cp.as_ref(), &qq, &kk, &vv, &o, &lse, &d_o, &self.cfg())?;
+        let (dq, dk, dvv) = core_bwd(self.cp.as_ref(), &qq, &kk, &vv, &o, &lse, &d_o, &self.cfg(cx))?;
         // The parts that matter, without the padding (no zero-width part: nothing to copy).
         let pad = width - dn - r;
         let widths: &[usize] = if pad == 0 { &[dn, r] } else { &[dn, r, pad] };

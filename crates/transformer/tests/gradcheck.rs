@@ -374,3 +374,42 @@ fn batch_position_ids_gradients_match_finite_differences() {
     check_batch(cfg.clone(), reset);
     assert!(b.with_position_ids(vec![0; 5]).is_err(), "one id a token");
 }
+
+/// Document-wise attention masks (Megatron's --reset-attention-mask): a document packed behind
+/// another trains as it would leading a row of its own. With RoPE (relative positions) the loss
+/// of its tokens and every gradient equal those of the same tokens at the start of a row (the
+/// loss counting only them in both); without the masks they differ. The gradients under masks
+/// match finite differences.
+#[test]
+fn document_masks_train_a_packed_document_as_if_alone() {
+    let cfg = config(true);
+    let dev = Device::Cpu;
+    let (a, b, c) = ([3u32, 7], [1u32, 9, 4, 2], [5u32, 6]);
+    let (b_next, c_next) = ([9u32, 4, 2, 8], [0u32, 10]);
+    // Row 0: A then B, the loss on B's positions; row 1: B then C, the loss on B's.
+    let tokens = |x: &[u32], y: &[u32]| ferrotron_core::Tensor::from_vec([x, y].concat(), [1, 6], &dev).unwrap();
+    let packed = Batch::masked(tokens(&a, &b), tokens(&[4, 0], &b_next), vec![0., 0., 1., 1., 1., 1.]).unwrap();
+    let alone = Batch::masked(tokens(&b, &c), tokens(&b_next, &c_next), vec![1., 1., 1., 1., 0., 0.]).unwrap();
+    let masked = packed.clone().with_document_starts(vec![0, 0, 2, 2, 2, 2]).unwrap();
+    let run = |batch: &Batch| {
+        let (model, table) = GptModel::build(cfg.clone(), &dev, DType::F32, 3).unwrap();
+        let cx = Cx::new(&table, true);
+        let (l, saved) = model.forward(&cx, batch).unwrap();
+        model.backward(&cx, saved, 1.0).unwrap();
+        let grads: Vec<Vec<f32>> = table.ids().map(|id| table.grad(id).unwrap().to_vec_f32().unwrap()).collect();
+        (l, grads)
+    };
+    let (want, masked_run, unmasked) = (run(&alone), run(&masked), run(&packed));
+    assert!((masked_run.0 - want.0).abs() <= 1e-6 * want.0.abs(), "loss {} vs {}", masked_run.0, want.0);
+    for (g, w) in masked_run.1.iter().zip(&want.1) {
+        for (x, y) in g.iter().zip(w) {
+            assert!((x - y).abs() <= 1e-4 * y.abs() + 1e-6, "gradient {x} vs {y}");
+        }
+    }
+    assert!((unmasked.0 - want.0).abs() > 1e-4, "without the masks B saw A, yet the loss did not move");
+    check_batch(cfg.clone(), masked.clone());
+    // Bad starts are the batch's error, not a kernel's.
+    let e = packed.clone().with_document_starts(vec![0, 2, 2, 2, 2, 2]).unwrap_err().to_string();
+    assert!(e.contains("document start 2 of position 1"), "{e}");
+    assert!(packed.with_document_starts(vec![0; 5]).is_err(), "one start a token");
+}

@@ -26,13 +26,17 @@ pub struct AttnDims {
     pub d: usize,
 }
 
-/// Which keys a query may see: `causal` keeps j ≤ i; `window` w keeps |i − j| < w; and, in
-/// training, which of the probabilities dropout keeps.
+/// Which keys a query may see: `causal` keeps j ≤ i; `window` w keeps |i − j| < w; `docs`
+/// (document-wise masks, Megatron's --reset-attention-mask) keeps j ≥ docs[b·T + i], the first
+/// position of query i's document in batch row b; and, in training, which of the probabilities
+/// dropout keeps.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct AttnMask {
+pub struct AttnMask<'a> {
     pub causal: bool,
     pub window: Option<usize>,
     pub dropout: Option<AttnDropout>,
+    /// [B, T]: each query's document start (≤ the query's own position).
+    pub docs: Option<&'a [u32]>,
 }
 
 /// Dropout of the attention probabilities (Megatron's `--attention-dropout`): probability (i, j)
@@ -120,19 +124,22 @@ impl AttnDropout {
     }
 }
 
-impl AttnMask {
-    /// The keys query i sees among s, as one range [lo, hi).
+impl AttnMask<'_> {
+    /// The keys query i of batch row b (of t queries) sees among s, as one range [lo, hi).
     #[inline]
-    pub fn range(&self, i: usize, s: usize) -> (usize, usize) {
+    pub fn range(&self, b: usize, t: usize, i: usize, s: usize) -> (usize, usize) {
         let hi = if self.causal { (i + 1).min(s) } else { s };
         let lo = self.window.map_or(0, |w| (i + 1).saturating_sub(w));
+        let lo = self.docs.map_or(lo, |d| lo.max(d[b * t + i] as usize));
         let hi = self.window.map_or(hi, |w| hi.min(i + w));
         (lo.min(hi), hi)
     }
 
     #[inline]
-    pub fn allows(&self, i: usize, j: usize) -> bool {
-        (!self.causal || j <= i) && self.window.is_none_or(|w| i.abs_diff(j) < w)
+    pub fn allows(&self, b: usize, t: usize, i: usize, j: usize) -> bool {
+        (!self.causal || j <= i)
+            && self.window.is_none_or(|w| i.abs_diff(j) < w)
+            && self.docs.is_none_or(|d| j >= d[b * t + i] as usize)
     }
 }
 
@@ -200,8 +207,9 @@ fn probs<T: Real>(
     gemm_strided(t, s, d, q.mat(b, h, false), k.mat(b, kvh, true), p, s, false, scale, false);
     for i in 0..t {
         let row = &mut p[i * s..(i + 1) * s];
-        // The keys row i may see form one range (causal: j ≤ i; window: |i − j| < w).
-        let (lo, hi) = mask.range(i, s);
+        // The keys row i may see form one range (causal: j ≤ i; window: |i − j| < w; its
+        // document's: j ≥ its start).
+        let (lo, hi) = mask.range(b, t, i, s);
         row[..lo].fill(T::zero());
         row[hi..].fill(T::zero());
         let seen = &mut row[lo..hi];
@@ -461,15 +469,25 @@ mod tests {
 
     #[test]
     fn mask_range_is_the_set_of_allowed_keys() {
+        // Two rows of 20 queries: row 0 one document, row 1 documents from 0, 3, 4 and 11.
+        let row1 = |i: u32| match i {
+            0..3 => 0,
+            3 => 3,
+            4..11 => 4,
+            _ => 11,
+        };
+        let starts: Vec<u32> = (0..20).map(|_| 0).chain((0..20).map(row1)).collect();
         for causal in [false, true] {
             for window in [None, Some(1), Some(3), Some(40)] {
-                let m = AttnMask { causal, window, dropout: None };
-                for s in [1, 5, 17] {
-                    for i in 0..20 {
-                        let (lo, hi) = m.range(i, s);
-                        let want: Vec<usize> = (0..s).filter(|&j| m.allows(i, j)).collect();
-                        let got: Vec<usize> = (lo..hi).collect();
-                        assert_eq!(got, want, "{m:?} s {s} row {i}");
+                for docs in [None, Some(&starts[..])] {
+                    let m = AttnMask { causal, window, dropout: None, docs };
+                    for s in [1, 5, 17] {
+                        for (b, i) in (0..2).flat_map(|b| (0..20).map(move |i| (b, i))) {
+                            let (lo, hi) = m.range(b, 20, i, s);
+                            let want: Vec<usize> = (0..s).filter(|&j| m.allows(b, 20, i, j)).collect();
+                            let got: Vec<usize> = (lo..hi).collect();
+                            assert_eq!(got, want, "{m:?} s {s} row {b}, {i}");
+                        }
                     }
                 }
             }

@@ -36,7 +36,7 @@ fn reference_sink(q: &[f64], kk: &[f64], v: &[f64], d: AttnDims, mask: AttnMask,
             let kvh = h / (d.hq / d.hkv);
             for i in 0..d.t {
                 let qi = &q[((b * d.t + i) * d.hq + h) * d.d..][..d.d];
-                let allowed: Vec<usize> = (0..d.s).filter(|&j| mask.allows(i, j)).collect();
+                let allowed: Vec<usize> = (0..d.s).filter(|&j| mask.allows(b, d.t, i, j)).collect();
                 let scores: Vec<f64> = allowed
                     .iter()
                     .map(|&j| {
@@ -79,17 +79,17 @@ fn backward_against_finite_differences(d: AttnDims, mask: AttnMask, seed: u64) {
     fd_check(&v, &dv, |x| dot(&run_f64(&q, &kk, x, d, mask).0, &r), "dv");
 }
 
-fn dims_strategy() -> impl Strategy<Value = (AttnDims, AttnMask)> {
+fn dims_strategy() -> impl Strategy<Value = (AttnDims, AttnMask<'static>)> {
     dims_up_to(6)
 }
 
 /// Shapes of fewer than `t_end` rows.
-fn dims_up_to(t_end: usize) -> impl Strategy<Value = (AttnDims, AttnMask)> {
+fn dims_up_to(t_end: usize) -> impl Strategy<Value = (AttnDims, AttnMask<'static>)> {
     (1usize..3, 1usize..t_end, 1usize..3, 1usize..3, 1usize..5, any::<bool>(), prop::option::of(1usize..4)).prop_map(
         |(b, t, hkv, group, d, causal, window)| {
             (
                 AttnDims { b, t, s: t, hq: hkv * group, hkv, d },
-                AttnMask { causal: causal || window.is_some(), window, dropout: None },
+                AttnMask { causal: causal || window.is_some(), window, dropout: None, docs: None },
             )
         },
     )
@@ -98,7 +98,7 @@ fn dims_up_to(t_end: usize) -> impl Strategy<Value = (AttnDims, AttnMask)> {
 /// Shapes up to 40 rows (the mask's 16 × 16 tiles and their 8-row halves, ragged ends) with
 /// dropout of the probabilities at rate 0.3, from a random key (several micro-batch bases and head
 /// offsets: a tensor-parallel rank's heads).
-fn dropout_strategy() -> impl Strategy<Value = (AttnDims, AttnMask)> {
+fn dropout_strategy() -> impl Strategy<Value = (AttnDims, AttnMask<'static>)> {
     (dims_up_to(40), any::<u64>(), 0u64..3, 0u64..1000).prop_map(|((d, mask), seed, head_offset, sample)| {
         let batch_stride = AttnDropout::blocks_per_sample(d.hq + head_offset as usize, d.t, d.s);
         let dropout = Some(AttnDropout {
@@ -136,7 +136,7 @@ proptest! {
     fn forward_matches_naive((d, mask) in dims_strategy(), seed: u64) {
         let dev = Device::Cpu;
         let (q, kk, v) = (randv(d.b * d.t * d.hq * d.d, seed), randv(d.b * d.s * d.hkv * d.d, seed ^ 1), randv(d.b * d.s * d.hkv * d.d, seed ^ 2));
-        let cfg = AttnCfg { causal: mask.causal, window: mask.window, scale: None, dropout: None };
+        let cfg = AttnCfg { causal: mask.causal, window: mask.window, scale: None, dropout: None, docs: None };
         let (o, lse) = k::attention_fwd(&t32(&dev, &q, &[d.b, d.t, d.hq, d.d]), &t32(&dev, &kk, &[d.b, d.s, d.hkv, d.d]), &t32(&dev, &v, &[d.b, d.s, d.hkv, d.d]), &cfg).unwrap();
         prop_assert_eq!(lse.dims(), &[d.b, d.hq, d.t]);
         assert_close(&host(&o), &reference(&q, &kk, &v, d, mask), 1e-5, 1e-5, "attention");
@@ -192,7 +192,7 @@ device_test!(sliding_window_hides_old_keys, |dev: &Device| {
     // With window 1 every query sees only itself: the output is v at the same position.
     let (b, t, h, dd) = (1, 5, 2, 3);
     let (q, kk, v) = (randv(b * t * h * dd, 1), randv(b * t * h * dd, 2), randv(b * t * h * dd, 3));
-    let cfg = AttnCfg { causal: true, window: Some(1), scale: None, dropout: None };
+    let cfg = AttnCfg { causal: true, window: Some(1), scale: None, dropout: None, docs: None };
     let sh = [b, t, h, dd];
     let (o, _) = k::attention_fwd(&t32(dev, &q, &sh), &t32(dev, &kk, &sh), &t32(dev, &v, &sh), &cfg).unwrap();
     assert_close(&host(&o), &v, 1e-6, 1e-6, "window 1");
@@ -219,8 +219,8 @@ fn fused_qkv_attention_equals_split_then_merge() {
         let dout = tensor(&dev, &randv(b * t * hkv * g * d, 2), &[b, t, hkv * g, d], dt);
         for cfg in [
             AttnCfg::default(),
-            AttnCfg { causal: true, window: Some(3), scale: None, dropout: None },
-            AttnCfg { causal: false, window: None, scale: Some(0.3), dropout: None },
+            AttnCfg { causal: true, window: Some(3), scale: None, dropout: None, docs: None },
+            AttnCfg { causal: false, window: None, scale: Some(0.3), dropout: None, docs: None },
         ] {
             let (o, lse) = k::attention_fwd_qkv(&qkv, k::QkvHeads::new(hkv, g, d), &cfg).unwrap();
             let dqkv = k::attention_bwd_qkv(&qkv, &o, &lse, &dout, k::QkvHeads::new(hkv, g, d), &cfg).unwrap();
@@ -290,7 +290,7 @@ device_test!(attention_dropout_through_the_ops, |dev: &Device| {
         head_offset: 0,
         tiles: None,
     });
-    let cfg = AttnCfg { causal: false, window: None, scale: None, dropout };
+    let cfg = AttnCfg { causal: false, window: None, scale: None, dropout, docs: None };
     let q = t32(dev, &randv(b * t * h * dd, 1), &[b, t, h, dd]);
     let kk = t32(dev, &randv(b * t * h * dd, 2), &[b, t, h, dd]);
     // V's rows the unit vectors: O's row i is P̃'s row i.
@@ -532,4 +532,124 @@ fn sink_softmax_refuses_a_bf16_lse_and_a_wrong_head_count() {
     assert!(e.to_string().contains("attention_sink_"), "{e}");
     let e = k::attention_sink_(&o, &Tensor::zeros([3, 1, 2, 1], DType::F32, &dev).unwrap(), &sink).unwrap_err();
     assert!(e.to_string().contains("chunk-major"), "{e}");
+}
+
+/// Document starts of `b` rows of `t` positions (`AttnCfg::docs`): each row cut where a seeded
+/// normal draw passes 0.8 (about one position in five starts a document), always from 0.
+fn doc_starts(b: usize, t: usize, seed: u64) -> Vec<u32> {
+    let r = randv(b * t, seed);
+    let mut out = Vec::with_capacity(b * t);
+    for row in 0..b {
+        let mut start = 0;
+        for i in 0..t {
+            if i > 0 && r[row * t + i] > 0.8 {
+                start = i as u32;
+            }
+            out.push(start);
+        }
+    }
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// Document masks (--reset-attention-mask) in the CPU kernels: the forward against the
+    /// naive loops (whose `allows` reads each query's start), the backward against finite
+    /// differences; with sliding windows and dropout too.
+    #[test]
+    fn document_masks_match_naive_and_finite_differences((d, mask) in dims_up_to(14), drop: bool, seed: u64) {
+        let docs = doc_starts(d.b, d.t, seed ^ 9);
+        let dropout = drop.then(|| {
+            let batch_stride = AttnDropout::blocks_per_sample(d.hq, d.t, d.s);
+            AttnDropout { p: 0.3, seed, stream: 1, base: 0, batch_stride, head_offset: 0, tiles: None }
+        });
+        let mask = AttnMask { causal: true, docs: Some(&docs), dropout, ..mask };
+        let (q, kk, v) = (randv(d.b * d.t * d.hq * d.d, seed), randv(d.b * d.s * d.hkv * d.d, seed ^ 1), randv(d.b * d.s * d.hkv * d.d, seed ^ 2));
+        let (o, _) = run_f64(&q, &kk, &v, d, mask);
+        assert_close(&o, &reference(&q, &kk, &v, d, mask), 1e-9, 1e-9, "document-masked attention");
+        backward_against_finite_differences(d, mask, seed);
+    }
+}
+
+// Each document of a packed row attends as if it were a row of its own: o and the gradients of
+// the masked rows equal those of every document run alone (plain causal attention), GQA, in f32,
+// separate and fused QKV (on a GPU the reference kernels take the masks, the flash kernels the
+// documents alone).
+device_test!(document_masked_rows_equal_each_document_alone, |dev: &Device| {
+    let (b, t, hq, hkv, dd) = (2usize, 13usize, 4usize, 2usize, 8usize);
+    let starts = [vec![0usize, 5, 6, 10], vec![0, 8]];
+    let docs: Vec<u32> = (0..b)
+        .flat_map(|r| {
+            let s = starts[r].clone();
+            (0..t).map(move |i| *s.iter().rfind(|&&x| x <= i).unwrap() as u32)
+        })
+        .collect();
+    let docs_t = Tensor::from_vec(docs, [b, t], dev).unwrap();
+    let cfg = AttnCfg { docs: Some(&docs_t), ..AttnCfg::default() };
+    let (qv, kv, vv, rv) =
+        (randv(b * t * hq * dd, 1), randv(b * t * hkv * dd, 2), randv(b * t * hkv * dd, 3), randv(b * t * hq * dd, 4));
+    let (q, kk, v, r) = (
+        t32(dev, &qv, &[b, t, hq, dd]),
+        t32(dev, &kv, &[b, t, hkv, dd]),
+        t32(dev, &vv, &[b, t, hkv, dd]),
+        t32(dev, &rv, &[b, t, hq, dd]),
+    );
+    let (o, lse) = k::attention_fwd(&q, &kk, &v, &cfg).unwrap();
+    let (dq, dk, dv) = k::attention_bwd(&q, &kk, &v, &o, &lse, &r, &cfg).unwrap();
+    let (o, dq, dk, dv) = (host(&o), host(&dq), host(&dk), host(&dv));
+    // Rows [s, e) of batch row `row` of x [B, T, h·D] as a [1, e − s, h, D] tensor, and back.
+    let cut = |x: &[f64], h: usize, row: usize, s: usize, e: usize| {
+        let w = h * dd;
+        t32(dev, &x[(row * t + s) * w..(row * t + e) * w], &[1, e - s, h, dd])
+    };
+    for row in 0..b {
+        let mut ends = starts[row][1..].to_vec();
+        ends.push(t);
+        for (&s, &e) in starts[row].iter().zip(&ends) {
+            let (q1, k1, v1, r1) =
+                (cut(&qv, hq, row, s, e), cut(&kv, hkv, row, s, e), cut(&vv, hkv, row, s, e), cut(&rv, hq, row, s, e));
+            let (o1, l1) = k::attention_fwd(&q1, &k1, &v1, &AttnCfg::default()).unwrap();
+            let (dq1, dk1, dv1) = k::attention_bwd(&q1, &k1, &v1, &o1, &l1, &r1, &AttnCfg::default()).unwrap();
+            for (whole, alone, h, name) in
+                [(&o, &o1, hq, "o"), (&dq, &dq1, hq, "dq"), (&dk, &dk1, hkv, "dk"), (&dv, &dv1, hkv, "dv")]
+            {
+                let w = h * dd;
+                let part = &whole[(row * t + s) * w..(row * t + e) * w];
+                assert_close(part, &host(alone), 1e-5, 1e-6, &format!("{name} of row {row}'s document [{s}, {e})"));
+            }
+        }
+    }
+    // The fused projection output's entry points take the same masks.
+    let g = hq / hkv;
+    let qkv = k::qkv_merge(&q, &kk, &v).unwrap();
+    let heads = k::QkvHeads::new(hkv, g, dd);
+    let (of, lf) = k::attention_fwd_qkv(&qkv, heads, &cfg).unwrap();
+    let dqkv = k::attention_bwd_qkv(&qkv, &of, &lf, &r, heads, &cfg).unwrap();
+    assert_close(&host(&of), &o, 1e-6, 1e-6, "fused o");
+    let (dqf, dkf, dvf) = k::qkv_split(&dqkv, hkv, g, dd).unwrap();
+    for (x, y, name) in [(&dqf, &dq, "fused dq"), (&dkf, &dk, "fused dk"), (&dvf, &dv, "fused dv")] {
+        assert_close(&host(x), y, 1e-5, 1e-6, name);
+    }
+});
+
+#[test]
+fn bad_document_masks_are_errors_that_name_them() {
+    let dev = Device::Cpu;
+    let (b, t, h, dd) = (1, 4, 2, 4);
+    let x = t32(&dev, &randv(b * t * h * dd, 1), &[b, t, h, dd]);
+    let fails = |docs: &Tensor, cfg: AttnCfg| {
+        k::attention_fwd(&x, &x, &x, &AttnCfg { docs: Some(docs), ..cfg }).unwrap_err().to_string()
+    };
+    let ok = Tensor::from_vec(vec![0u32, 0, 2, 2], [b, t], &dev).unwrap();
+    assert!(k::attention_fwd(&x, &x, &x, &AttnCfg { docs: Some(&ok), ..AttnCfg::default() }).is_ok());
+    let late = Tensor::from_vec(vec![0u32, 0, 3, 3], [b, t], &dev).unwrap();
+    let e = fails(&late, AttnCfg::default());
+    assert!(e.contains("document start 3 of query 2") && e.contains("at or before"), "{e}");
+    let e = fails(&ok, AttnCfg { causal: false, ..AttnCfg::default() });
+    assert!(e.contains("causal self-attention"), "{e}");
+    let e = fails(&t32(&dev, &[0.0; 4], &[b, t]), AttnCfg::default());
+    assert!(e.contains("must be u32"), "{e}");
+    let e = fails(&Tensor::from_vec(vec![0u32; 3], [b, 3], &dev).unwrap(), AttnCfg::default());
+    assert!(e.contains("attention_fwd"), "{e}");
 }

@@ -237,7 +237,9 @@ fn every_op_matches_cpu() {
         // `attn_bwd_kv`'s ordered sums.
         for det in [false, true] {
             ferrotron_kernels::cuda::set_deterministic(det);
-            for cfg in [AttnCfg::default(), AttnCfg { causal: true, window: Some(3), scale: None, dropout: None }] {
+            for cfg in
+                [AttnCfg::default(), AttnCfg { causal: true, window: Some(3), scale: None, dropout: None, docs: None }]
+            {
                 check(
                     &format!("attention deterministic {det}"),
                     dt,
@@ -297,11 +299,11 @@ fn every_op_matches_cpu() {
             );
             for cfg in [
                 AttnCfg::default(),
-                AttnCfg { causal: true, window: None, scale: None, dropout: None },
-                AttnCfg { causal: true, window: Some(9), scale: None, dropout: None },
-                AttnCfg { causal: false, window: Some(40), scale: Some(0.3), dropout: None },
+                AttnCfg { causal: true, window: None, scale: None, dropout: None, docs: None },
+                AttnCfg { causal: true, window: Some(9), scale: None, dropout: None, docs: None },
+                AttnCfg { causal: false, window: Some(40), scale: Some(0.3), dropout: None, docs: None },
                 // A vision encoder's: every query sees every key.
-                AttnCfg { causal: false, window: None, scale: None, dropout: None },
+                AttnCfg { causal: false, window: None, scale: None, dropout: None, docs: None },
             ] {
                 check_norm(
                     &format!("flash attention t{t} d{d} wgmma {wg} deterministic {det} ws {ws} tma {tma} {cfg:?}"),
@@ -350,7 +352,7 @@ fn every_op_matches_cpu() {
                     ferrotron_kernels::cuda::set_flash_bwd_dyn(dynamic);
                     ferrotron_kernels::cuda::set_flash_group_heads(groups);
                     for causal in [true, false] {
-                        let cfg = AttnCfg { causal, window: None, scale: None, dropout: None };
+                        let cfg = AttnCfg { causal, window: None, scale: None, dropout: None, docs: None };
                         let name = format!(
                             "flash attention t{t} d{d} persistent {persist} dynamic {dynamic} groups {groups:?} {cfg:?}"
                         );
@@ -372,9 +374,9 @@ fn every_op_matches_cpu() {
                     [hq, hkv, hkv, hq].iter().zip(50..).map(|(&h, seed)| rnd(&[2, t, h, 64], seed, dt)).collect();
                 for cfg in [
                     AttnCfg::default(),
-                    AttnCfg { causal: true, window: None, scale: None, dropout: None },
-                    AttnCfg { causal: true, window: Some(9), scale: None, dropout: None },
-                    AttnCfg { causal: false, window: Some(40), scale: Some(0.3), dropout: None },
+                    AttnCfg { causal: true, window: None, scale: None, dropout: None, docs: None },
+                    AttnCfg { causal: true, window: Some(9), scale: None, dropout: None, docs: None },
+                    AttnCfg { causal: false, window: Some(40), scale: Some(0.3), dropout: None, docs: None },
                 ] {
                     check_norm(&format!("flash attention t{t} d64 three consumers {cfg:?}"), dt, &x, |t| {
                         attention_fwd_bwd(t, &cfg)
@@ -383,7 +385,7 @@ fn every_op_matches_cpu() {
             }
             let (hkv, g) = (2, 2);
             let qkv = rnd(&[2, 400, hkv * (g + 2) * 64], 60, dt);
-            let cfg = AttnCfg { causal: true, window: None, scale: None, dropout: None };
+            let cfg = AttnCfg { causal: true, window: None, scale: None, dropout: None, docs: None };
             check_norm(
                 "flash attention fused qkv d64 three consumers",
                 dt,
@@ -401,7 +403,7 @@ fn every_op_matches_cpu() {
                 let shape = |h: usize| [2, 300, h, d];
                 let x: Vec<Tensor> =
                     [hq, hkv, hkv, hq].iter().zip(30..).map(|(&h, seed)| on(&rnd(&shape(h), seed, dt), &g)).collect();
-                let cfg = AttnCfg { causal: true, window: None, scale: None, dropout: None };
+                let cfg = AttnCfg { causal: true, window: None, scale: None, dropout: None, docs: None };
                 let (o, lse) = k::attention_fwd(&x[0], &x[1], &x[2], &cfg).unwrap();
                 let run = || k::attention_bwd(&x[0], &x[1], &x[2], &o, &lse, &x[3], &cfg).unwrap();
                 let (a, b) = (run(), run());
@@ -442,7 +444,7 @@ fn every_op_matches_cpu() {
                     [(true, true, DType::F32), (false, false, DType::F32), (true, true, DType::BF16)]
                 {
                     let start = || rnd(&[w], 52, gdt);
-                    let cfg = AttnCfg { causal, window: None, scale: None, dropout: None };
+                    let cfg = AttnCfg { causal, window: None, scale: None, dropout: None, docs: None };
                     let what = format!(
                         "flash bias grad t{t} d{d} hq{hq} hkv{hkv} tma {tma} dynamic {dynamic} causal {causal} acc {acc} into {gdt}"
                     );
@@ -605,7 +607,7 @@ fn attention_dropout_matches_cpu() {
             let x: Vec<Tensor> =
                 [hq, hkv, hkv, hq].iter().zip(70..).map(|(&h, seed)| rnd(&[2, t, h, d], seed, dt)).collect();
             for (causal, window) in [(true, None), (true, Some(9)), (false, None)] {
-                let cfg = AttnCfg { causal, window, scale: None, dropout: key(hq, t) };
+                let cfg = AttnCfg { causal, window, scale: None, dropout: key(hq, t), docs: None };
                 let name = format!(
                     "attention dropout t{t} d{d} hq{hq} hkv{hkv} wgmma {wg} deterministic {det} ws {ws} {cfg:?}"
                 );
@@ -625,6 +627,51 @@ fn attention_dropout_matches_cpu() {
     ferrotron_kernels::cuda::set_wgmma(true);
     ferrotron_kernels::cuda::set_deterministic(false);
     ferrotron_kernels::cuda::set_flash_ws(true);
+}
+
+/// Document-wise masks (--reset-attention-mask) on the GPU (the reference kernels: atomics and
+/// deterministic; dropout; a window; the fused-QKV entry points, which split first) against the
+/// CPU's, f32 and bf16, at head dims 64 and 128.
+#[test]
+fn attention_document_masks_match_cpu() {
+    let docs_of = |b: usize, t: usize| -> Tensor {
+        // Row r cut every 7 + 4r positions.
+        let v: Vec<u32> = (0..b).flat_map(|r| (0..t).map(move |i| (i - i % (7 + 4 * r)) as u32)).collect();
+        Tensor::from_vec(v, [b, t], &Device::Cpu).unwrap()
+    };
+    for dt in [DType::F32, DType::BF16] {
+        for det in [false, true] {
+            ferrotron_kernels::cuda::set_deterministic(det);
+            for (t, hq, hkv, d) in [(40usize, 4usize, 2usize, 64usize), (33, 2, 1, 128)] {
+                let mut x: Vec<Tensor> =
+                    [hq, hkv, hkv, hq].iter().zip(90..).map(|(&h, seed)| rnd(&[2, t, h, d], seed, dt)).collect();
+                x.push(docs_of(2, t));
+                let batch_stride = k::AttnDropout::blocks_per_sample(hq, t, t);
+                let drop =
+                    k::AttnDropout { p: 0.2, seed: 5, stream: 1, base: 0, batch_stride, head_offset: 0, tiles: None };
+                for (window, dropout) in [(None, None), (Some(5), None), (None, Some(drop))] {
+                    let name =
+                        format!("document masks t{t} d{d} det {det} window {window:?} dropout {}", dropout.is_some());
+                    check_norm(&name, dt, &x, |t| {
+                        let cfg = AttnCfg { window, dropout, docs: Some(&t[4]), ..AttnCfg::default() };
+                        attention_fwd_bwd(t, &cfg)
+                    });
+                }
+                let g = hq / hkv;
+                let qkv = rnd(&[2, t, hkv * (g + 2) * d], 99, dt);
+                check_norm(
+                    &format!("document masks fused qkv t{t} d{d} det {det}"),
+                    dt,
+                    &[qkv, x[3].clone(), x[4].clone()],
+                    |t| {
+                        let cfg = AttnCfg { docs: Some(&t[2]), ..AttnCfg::default() };
+                        attention_qkv_fwd_bwd(t, k::QkvHeads::new(hkv, g, d), &cfg)
+                    },
+                );
+            }
+        }
+    }
+    ferrotron_kernels::cuda::set_deterministic(false);
 }
 
 /// The elementwise ops on `x`, `y` (same shape) and `b` (one row): everything with an eight-wide

@@ -8,8 +8,16 @@ use crate::cuda::tma::TmaMap;
 /// The reference attention kernels' shape arguments: the CPU's dims and mask plus the scale.
 pub struct AttnShape<'a> {
     pub dims: &'a AttnDims,
-    pub mask: AttnMask,
+    /// Without `docs` (the GPU's are `docs` below).
+    pub mask: AttnMask<'static>,
     pub scale: f32,
+    /// Document starts u32 [B, T] (`AttnCfg::docs`): only the reference kernels take them.
+    pub docs: Option<&'a Tensor>,
+}
+
+/// The reference kernels' document-starts argument: the tensor's address, or null.
+fn docs_arg(a: &AttnShape) -> Result<Arg> {
+    a.docs.map_or(Ok(Arg::Ptr(0)), |d| ptr("attn", d))
 }
 
 /// kernels/attention.cu `AttnDrop`, field for field: the dropout key of the probabilities and
@@ -90,7 +98,7 @@ const FLASH_DIMS: [usize; 3] = [32, 64, 128];
 const FLASH_THREADS: u32 = 128;
 
 fn flash(a: &AttnShape) -> bool {
-    FLASH_DIMS.contains(&a.dims.d)
+    FLASH_DIMS.contains(&a.dims.d) && a.docs.is_none()
 }
 
 /// The head dim of multi-latent attention (DeepSeek-V2/V3, Kimi-K2: 128 + 64 rotary columns for Q
@@ -409,7 +417,11 @@ fn bwd_kernels(d: usize, wg: bool, sfx: &str) -> (TcLaunch, TcLaunch) {
 /// every tile source 16-byte aligned (their loads move 16 bytes at a time; a view at an odd offset
 /// is not).
 fn mma_ok(q: &Tensor, tiles: &[&Tensor], a: &AttnShape) -> Result<bool> {
-    if q.dtype() != DType::BF16 || !TC_HEAD_DIMS.contains(&a.dims.d) || tiles.iter().any(|t| t.dtype() != DType::BF16) {
+    if a.docs.is_some()
+        || q.dtype() != DType::BF16
+        || !TC_HEAD_DIMS.contains(&a.dims.d)
+        || tiles.iter().any(|t| t.dtype() != DType::BF16)
+    {
         return Ok(false);
     }
     aligned16(tiles)
@@ -504,13 +516,14 @@ pub fn attention_fwd(be: &B, q: &Tensor, k: &Tensor, v: &Tensor, a: &AttnShape) 
     let lse = new(be, [a.dims.b, a.dims.hq, a.dims.t], DType::F32)?;
     let mut args = vec![ptr("attn", q)?, ptr("attn", k)?, ptr("attn", v)?, ptr("attn", &o)?, ptr("attn", &lse)?];
     args.extend(attn_tail(a));
-    args.push(drop_arg(be, a));
     let sfx = sfx("attention_fwd", q.dtype())?;
     if flash(a) {
+        args.push(drop_arg(be, a));
         let d = a.dims;
         let grid = d.b * d.hq * d.t.div_ceil(32);
         be.launch(&format!("flash_fwd_{sfx}_{}", d.d), grid as u32, FLASH_THREADS, 0, &args)?;
     } else {
+        args.extend([docs_arg(a)?, drop_arg(be, a)]);
         attn_launch(be, &format!("attn_fwd_{sfx}"), a, args)?;
     }
     Ok((o, lse))
@@ -783,7 +796,7 @@ pub fn attention_bwd(
     args.extend([ptr("attn", &dq)?, ptr("attn", &dk)?, ptr("attn", &dv)?]);
     args.extend(attn_tail(a));
     args.push(Arg::I64(!det as i64));
-    args.push(drop_arg(be, a));
+    args.extend([docs_arg(a)?, drop_arg(be, a)]);
     attn_launch(be, &format!("attn_bwd_{s}"), a, args)?;
     if det {
         // One block per (batch, kv head, key row): p and ds of 128 query rows at a time, then the
@@ -792,7 +805,7 @@ pub fn attention_bwd(
         let mut args = inputs;
         args.extend([ptr("attn", &dk)?, ptr("attn", &dv)?]);
         args.extend(attn_tail(a));
-        args.push(drop_arg(be, a));
+        args.extend([docs_arg(a)?, drop_arg(be, a)]);
         let dm = a.dims;
         let shared = (2 * ROWS + 2 * dm.d) * 4;
         be.launch(&format!("attn_bwd_kv_{s}"), (dm.b * dm.hkv * dm.s) as u32, ROWS as u32, shared as u32, &args)?;
