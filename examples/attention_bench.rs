@@ -26,6 +26,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // times the forward alone (and `benches/torch_sdpa.py --dropout P` is SDPA's side of it).
     // ATTN_BENCH_DIMS=64,128,192 picks the head dims (default 64,128; 192 is multi-latent
     // attention's, on the mma.sync kernels alone; `benches/torch_sdpa.py --dims` for SDPA).
+    // ATTN_BENCH_DOC_LEN=L: document masks (--reset-attention-mask), each row packed with
+    // documents of L tokens (the last one shorter); FLOPs then count each document's causal
+    // square alone (4·B·H·D·Σ L²/2 forward), the work a varlen kernel would do.
     let only = std::env::var("ATTN_BENCH_ONLY").ok();
     let reps: usize = std::env::var("ATTN_BENCH_REPS").ok().and_then(|r| r.parse().ok()).unwrap_or(5);
     let fused = std::env::var("ATTN_BENCH_FUSED").is_ok_and(|v| v == "1");
@@ -35,6 +38,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Ok(v) => v.split(',').map(|d| d.trim().parse()).collect::<Result<_, _>>()?,
         Err(_) => vec![64, 128],
     };
+    let doc_len: Option<usize> = std::env::var("ATTN_BENCH_DOC_LEN").ok().and_then(|l| l.parse().ok());
     // Uniform in [-1, 1) from a splitmix64 hash of the index (the same values on every run).
     let value = |i: usize| -> f32 {
         if pattern {
@@ -68,7 +72,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 head_offset: 0,
                 tiles: None,
             });
-            let cfg = AttnCfg { causal: true, window: None, scale: None, dropout, docs: None };
+            let docs = match doc_len {
+                Some(l) => {
+                    let row = (0..t).map(|i| (i - i % l) as u32);
+                    Some(Tensor::from_vec(row.cycle().take(b * t).collect(), [b, t], &dev)?)
+                }
+                None => None,
+            };
+            let cfg = AttnCfg { causal: true, window: None, scale: None, dropout, docs: docs.as_ref() };
+            // The causal squares the mask leaves: the whole row's, or each document's.
+            let square = match doc_len {
+                Some(l) => ((t / l) * l * l + (t % l) * (t % l)) as f64,
+                None => (t * t) as f64,
+            };
             let mk = |salt: usize| {
                 let vals: Vec<f32> = (0..n).map(|i| value(i + salt * n)).collect();
                 Tensor::from_f32(&vals, [b, t, h, d], DType::BF16, &dev)
@@ -110,7 +126,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 (fwd, bwd)
             };
             if fwd_only {
-                let flops = 4.0 * (b * h) as f64 * (t * t) as f64 * d as f64 / 2.0;
+                let flops = 4.0 * (b * h) as f64 * square * d as f64 / 2.0;
                 println!("| {d} | {t} | {b} × {h} | {:.1} | – | – | – | – |", flops / fwd / 1e12);
                 continue;
             }
@@ -131,7 +147,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 Ok(())
             })?;
             k::cuda::set_wgmma(true);
-            let flops = 4.0 * (b * h) as f64 * (t * t) as f64 * d as f64 / 2.0;
+            let flops = 4.0 * (b * h) as f64 * square * d as f64 / 2.0;
             let tf = |secs: f64| flops / secs / 1e12;
             println!(
                 "| {d} | {t} | {b} × {h} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |",

@@ -41,6 +41,35 @@ __device__ __forceinline__ void row_range(long j0, long j1, long t, long causal,
     *ib = (b / tile) * tile; *ie = e;
 }
 
+// Document masks (`AttnCfg::docs`, or null) in the tensor-core kernels: u32 [B, T], query i of
+// batch row b sees keys j ≥ docs[b·T + i]. The starts never decrease along a row (a packed row's
+// documents follow each other; the host checks this where it builds them), so a tile of rows
+// [i0, i1] sees nothing before its first row's start, and its last row's start says whether any
+// of its keys from j0 on is hidden (`doc_cuts`).
+// Raises *jb past whole key tiles of `tile` keys that no row from i0 on sees (on *jb's grid:
+// dropout's 16 × 16 tiles and the swizzled copies stay aligned).
+__device__ __forceinline__ void doc_key_range(const u32* docs, long b, long t, long i0, long tile, long* jb) {
+    if (!docs) return;
+    const long s = docs[b * t + i0];
+    if (s > *jb) *jb += (s - *jb) / tile * tile;
+}
+// Lowers the end *ie of the query rows that may see keys up to j1 to the last row whose document
+// starts at or before j1, plus one (a binary search: row j1's own start is at most j1).
+__device__ __forceinline__ void doc_row_range(const u32* docs, long b, long t, long j1, long* ie) {
+    if (!docs || j1 >= t) return;
+    const u32* row = docs + b * t;
+    long lo = j1, hi = t - 1;
+    while (lo < hi) {
+        const long mid = (lo + hi + 1) / 2;
+        if ((long)row[mid] <= j1) lo = mid; else hi = mid - 1;
+    }
+    *ie = lmin(*ie, lo + 1);
+}
+// Whether rows up to i1 (< t) hide some key from j0 on: the last row's document starts after j0.
+__device__ __forceinline__ bool doc_cuts(const u32* docs, long b, long t, long i1, long j0) {
+    return docs && (long)docs[b * t + i1] > j0;
+}
+
 template <typename T, int D>
 __device__ void load_tile(float (*dst)[D], const T* src, long row0, long rows, long b, long heads, long head) {
     for (int x = threadIdx.x; x < FA_KEYS * D; x += blockDim.x) {

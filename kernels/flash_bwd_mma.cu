@@ -55,13 +55,15 @@ extern "C" __global__ void flash_bwd_delta_bf16(const bf16_t* o, const bf16_t* d
 }
 
 // DROP: attention dropout (`dr`; attention.cu `AttnDrop`): dS = P ∘ (dP̃ ∘ M / (1 − p) − delta).
+// `docs`: document masks as in the forward (flash.cu `doc_key_range`), or null.
 // QS (head dim 192): Q and dO stay in two shared-memory tiles of the block's rows after the K/V
 // stages (2·ROWS·P·2 more bytes), read each step as A operands (ldmatrix fragments, or wgmma from
 // shared memory): held in registers (96) beside dQ (96) and S, dP (64) they spilled.
 template <int D, bool WG = false, int NW = 1, bool DROP = false>
 __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse,
                                  const float* delta, const bf16_t* dout, bf16_t* dq, long t, long sl, long hq, long hkv,
-                                 float scale, long causal, long window, long fused, const AttnDrop& dr) {
+                                 float scale, long causal, long window, long fused, const u32* docs,
+                                 const AttnDrop& dr) {
     using Stages = KvStages<D, FB_KEYS, WG>;
     constexpr int KS = D / 16, NO = D / 8, P = Stages::TP, ROWS = FB_ROWS * NW;  // query rows per block
     constexpr bool QS = D > 128;
@@ -113,6 +115,7 @@ __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t*
     const float scale2 = scale * LOG2E;
     long i0 = qt * ROWS, i1 = lmin(t, i0 + ROWS) - 1, jb, je;
     key_range(i0, i1, sl, causal, window, FB_KEYS, &jb, &je);
+    doc_key_range(docs, b, t, i0, FB_KEYS, &jb);
     const Stages kv(stage, k, v, jb, je, sl, b, kp.heads, kp.head);
     if (kv.steps > 0) kv.fetch(0);
     for (long it = 0; it < kv.steps; it++) {
@@ -161,6 +164,10 @@ __device__ void flash_bwd_dq_mma(const bf16_t* q, const bf16_t* k, const bf16_t*
                     long i = e < 2 ? r0 : r1, j = j0 + nb * 8 + tg * 2 + (e & 1);
                     if (!(i < t && j < sl && allowed(i, j, causal, window))) s[nb][e] = -INFINITY;  // p = 0
                 }
+        }
+        if (doc_cuts(docs, b, t, i1, j0)) {
+            const long r[1][2] = {{r0, r1}};
+            doc_mask<1, 8>(reinterpret_cast<float (*)[8][4]>(s), r, docs, b, t, j0);
         }
         if constexpr (DROP)
             drop_frag<false, 8>(dr, drop_tile(dr, b, h, r0 >> 4, j0 >> 4, t, sl), 32, g, tg,
@@ -260,6 +267,22 @@ __device__ __forceinline__ void mask_t(float (*st)[4], long i0, long jr0, long j
             }
     }
 }
+// Document masks (flash.cu `doc_cuts`) on Sᵀ: −∞ where row i0 + 8·nb + 2·tg + (e & 1)'s document
+// starts after key jr0 (e < 2) or jr1. Only on steps a document start crosses; the rows' starts are
+// read here (L1).
+__device__ __forceinline__ void doc_mask_t(float (*st)[4], const u32* docs, long b, long t, long i0, long jr0, long jr1,
+                                           int tg) {
+    #pragma unroll
+    for (int nb = 0; nb < 8; nb++)
+        #pragma unroll
+        for (int c = 0; c < 2; c++) {
+            const long i = i0 + nb * 8 + tg * 2 + c;
+            if (i >= t) continue;
+            const long s = docs[b * t + i];
+            if (s > jr0) st[nb][c] = -INFINITY;
+            if (s > jr1) st[nb][2 + c] = -INFINITY;
+        }
+}
 // Pᵀ = exp2(Sᵀ·scale2 − lse·log2 e) into st and dSᵀ = Pᵀ ∘ (dPᵀ − delta) into dpt, from the rows'
 // lse (`ls`: RAW as stored, else already times LOG2E) and delta (`dls`).
 template <bool RAW>
@@ -335,11 +358,12 @@ __device__ __forceinline__ void stage_dq(float* buf, const float (*dqc)[4], int 
 // alone; 3 is both in one block of 256 threads, warps 0–3 role 1 and warps 4–7 role 2 for the
 // same 64 keys (head dim 192: the two accumulators (192 registers) beside Sᵀ and dPᵀ spilled;
 // split, role 1 skips dPᵀ and the block computes Sᵀ twice).
+// `docs`: document masks (flash.cu `doc_row_range`, `doc_cuts`), or null; not with DQ.
 template <int D, bool WG = false, int NW = 1, bool DQ = false, bool DROP = false, int ROLE = 0>
 __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse,
                                   const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, float* dqa, long t,
                                   long sl, long hq, long hkv, float scale, long causal, long window, long fused,
-                                  const AttnDrop& dr) {
+                                  const u32* docs, const AttnDrop& dr) {
     constexpr int NO = D / 8, P = WG ? D : D + 8;  // tile row (padded for ldmatrix; swizzled for wgmma)
     constexpr int KEYS = FB_KEYS * NW;              // keys per block
     static_assert(!DQ || (WG && D / NW == 64), "fused dQ: wgmma, 64 dQ columns per warpgroup");
@@ -347,10 +371,10 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
     if constexpr (ROLE == 3) {  // both roles, 256 threads
         if (threadIdx.x < 128)
             flash_bwd_dkv_mma<D, WG, 1, false, DROP, 1>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale,
-                                                        causal, window, fused, dr);
+                                                        causal, window, fused, docs, dr);
         else
             flash_bwd_dkv_mma<D, WG, 1, false, DROP, 2>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale,
-                                                        causal, window, fused, dr);
+                                                        causal, window, fused, docs, dr);
         return;
     }
     constexpr bool DKA = ROLE != 1, DVA = ROLE != 2;  // which accumulators this thread holds
@@ -386,6 +410,7 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
     // Query rows that can see keys [j0, j1].
     long j1 = lmin(sl, j0 + KEYS) - 1, ib, ie;
     row_range(j0, j1, t, causal, window, FB_ROWS, &ib, &ie);
+    doc_row_range(docs, b, t, j1, &ie);
     long group = hq / hkv, qgs = fused ? group + 2 : group;  // heads per query group's run (Place)
     const float scale2 = scale * LOG2E;
     // Steps over (query head of the group, query tile), the next one's tiles loading meanwhile.
@@ -437,6 +462,7 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
             // Pᵀ into st, dSᵀ into dpt (no mask for a tile inside the sequence below the diagonal).
             if (!tile_full(i0, FB_ROWS, j0, KEYS, t, sl, causal, window))
                 mask_t<D == 64>(st, i0, jr0, jr1, tg, t, sl, causal, window);
+            if (doc_cuts(docs, b, t, lmin(t, i0 + FB_ROWS) - 1, j0)) doc_mask_t(st, docs, b, t, i0, jr0, jr1, tg);
             u32 keep = 0;
             if constexpr (DROP)
                 keep = drop_dpt(dr, dpt, drop_tile(dr, b, kvh * group + n / qtiles, i0 >> 4, jr0 >> 4, t, sl), sl, g, tg);
@@ -537,17 +563,19 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
 // flash_bwd_{dq,dkv}_mma_bf16_D (mma.sync, 4 warps) and flash_bwd_{dq,dkv}_wgNW_bf16_D (wgmma,
 // sm_90a; NW warpgroups, each 64 query rows (dq) or keys (dkv), sharing the streamed tiles). The
 // one-warpgroup dK/dV kernel is held to 168 registers: three blocks per SM (175 would allow two).
+// `docs` (document masks, or null) after `fused`: these split builds, the head dim 192 ones and the
+// mma.sync dropout ones below are the host's choice for masked calls.
 #define FLASH_BWD_MMA(D, SFX, WG, NW) \
 extern "C" __global__ void __launch_bounds__(128 * NW) flash_bwd_dq_##SFX##_bf16_##D(const bf16_t* q, const bf16_t* k, \
         const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dq, long t, long sl, long hq, \
-        long hkv, long d, float scale, long causal, long window, long fused) { \
-    flash_bwd_dq_mma<D, WG, NW>(q, k, v, lse, delta, dout, dq, t, sl, hq, hkv, scale, causal, window, fused, \
+        long hkv, long d, float scale, long causal, long window, long fused, const u32* docs) { \
+    flash_bwd_dq_mma<D, WG, NW>(q, k, v, lse, delta, dout, dq, t, sl, hq, hkv, scale, causal, window, fused, docs, \
                                 AttnDrop{}); } \
 extern "C" __global__ void __launch_bounds__(128 * NW, WG ? 3 / NW : 1) flash_bwd_dkv_##SFX##_bf16_##D(const bf16_t* q, const bf16_t* k, \
         const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, long t, \
-        long sl, long hq, long hkv, long d, float scale, long causal, long window, long fused) { \
+        long sl, long hq, long hkv, long d, float scale, long causal, long window, long fused, const u32* docs) { \
     flash_bwd_dkv_mma<D, WG, NW>(q, k, v, lse, delta, dout, dk, dv, nullptr, t, sl, hq, hkv, scale, causal, window, \
-                                 fused, AttnDrop{}); }
+                                 fused, docs, AttnDrop{}); }
 FLASH_BWD_MMA(64, mma, false, 1)
 FLASH_BWD_MMA(128, mma, false, 1)
 // Measured on the H200 (lab notes in README.md): D 64 NW 1 (NW 2: 4–13% slower), D 128 NW 2
@@ -560,14 +588,14 @@ FLASH_BWD_MMA(128, wg2, true, 2)
 #define FLASH_BWD_WIDE(SFX, WG, NWQ) \
 extern "C" __global__ void __launch_bounds__(128 * NWQ) flash_bwd_dq_##SFX##_bf16_192(const bf16_t* q, const bf16_t* k, \
         const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dq, long t, long sl, long hq, \
-        long hkv, long d, float scale, long causal, long window, long fused) { \
+        long hkv, long d, float scale, long causal, long window, long fused, const u32* docs) { \
     flash_bwd_dq_mma<192, WG, NWQ>(q, k, v, lse, delta, dout, dq, t, sl, hq, hkv, scale, causal, window, fused, \
-                                   AttnDrop{}); } \
+                                   docs, AttnDrop{}); } \
 extern "C" __global__ void __launch_bounds__(256) flash_bwd_dkv_##SFX##_bf16_192(const bf16_t* q, const bf16_t* k, \
         const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, long t, \
-        long sl, long hq, long hkv, long d, float scale, long causal, long window, long fused) { \
+        long sl, long hq, long hkv, long d, float scale, long causal, long window, long fused, const u32* docs) { \
     flash_bwd_dkv_mma<192, WG, 1, false, false, 3>(q, k, v, lse, delta, dout, dk, dv, nullptr, t, sl, hq, hkv, scale, \
-                                                   causal, window, fused, AttnDrop{}); }
+                                                   causal, window, fused, docs, AttnDrop{}); }
 FLASH_BWD_WIDE(mma, false, 1)
 FLASH_BWD_WIDE(wg2, true, 2)
 // dK, dV and dQ in one pass (flash_bwd_dkvq_wgNW_bf16_D; fp32 dQ tiles by bulk reductions, see
@@ -578,7 +606,7 @@ extern "C" __global__ void __launch_bounds__(128 * NW, MINB) flash_bwd_dkvq_wg##
         bf16_t* dv, float* dqa, long t, long sl, long hq, long hkv, long d, float scale, long causal, long window, \
         long fused) { \
     flash_bwd_dkv_mma<D, true, NW, true>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale, causal, window, \
-                                         fused, AttnDrop{}); }
+                                         fused, nullptr, AttnDrop{}); }
 FLASH_BWD_DKVQ(64, 1, 2)
 FLASH_BWD_DKVQ(128, 2, 1)
 // With attention dropout (`_drop`, the key last): the two mma.sync kernels (wgmma off, deterministic
@@ -586,15 +614,17 @@ FLASH_BWD_DKVQ(128, 2, 1)
 #define FLASH_BWD_DROP_MMA(D, R) \
 extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_mma_drop_bf16_##D(const bf16_t* q, const bf16_t* k, \
         const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dq, long t, long sl, long hq, \
-        long hkv, long d, float scale, long causal, long window, long fused, AttnDrop dr0) { \
+        long hkv, long d, float scale, long causal, long window, long fused, const u32* docs, AttnDrop dr0) { \
     const AttnDrop dr = drop_shifted(dr0); \
-    flash_bwd_dq_mma<D, false, 1, true>(q, k, v, lse, delta, dout, dq, t, sl, hq, hkv, scale, causal, window, fused, dr); } \
+    flash_bwd_dq_mma<D, false, 1, true>(q, k, v, lse, delta, dout, dq, t, sl, hq, hkv, scale, causal, window, fused, \
+                                        docs, dr); } \
 extern "C" __global__ void __launch_bounds__(128 * R) flash_bwd_dkv_mma_drop_bf16_##D(const bf16_t* q, const bf16_t* k, \
         const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, long t, \
-        long sl, long hq, long hkv, long d, float scale, long causal, long window, long fused, AttnDrop dr0) { \
+        long sl, long hq, long hkv, long d, float scale, long causal, long window, long fused, const u32* docs, \
+        AttnDrop dr0) { \
     const AttnDrop dr = drop_shifted(dr0); \
     flash_bwd_dkv_mma<D, false, 1, false, true, R == 2 ? 3 : 0>(q, k, v, lse, delta, dout, dk, dv, nullptr, t, sl, hq, \
-                                                                hkv, scale, causal, window, fused, dr); }
+                                                                hkv, scale, causal, window, fused, docs, dr); }
 #define FLASH_BWD_DROP(D, NW, MINB) \
 extern "C" __global__ void __launch_bounds__(128 * NW, MINB) flash_bwd_dkvq_wg##NW##_drop_bf16_##D(const bf16_t* q, \
         const bf16_t* k, const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, \
@@ -602,7 +632,7 @@ extern "C" __global__ void __launch_bounds__(128 * NW, MINB) flash_bwd_dkvq_wg##
         long fused, AttnDrop dr0) { \
     const AttnDrop dr = drop_shifted(dr0); \
     flash_bwd_dkv_mma<D, true, NW, true, true>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale, causal, \
-                                               window, fused, dr); } \
+                                               window, fused, nullptr, dr); } \
 FLASH_BWD_DROP_MMA(D, 1)
 FLASH_BWD_DROP(64, 1, 2)
 FLASH_BWD_DROP(128, 2, 1)

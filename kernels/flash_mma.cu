@@ -276,6 +276,30 @@ __device__ __forceinline__ bool tile_full(long i0, long rows, long j0, long keys
     return window == 0 && i0 + rows <= t && j0 + keys <= sl && (!causal || j0 + keys - 1 <= i0);
 }
 
+// Document masks (flash.cu `doc_cuts`) on S's fragments for MT m-tiles (rows r[mt][0], r[mt][1]
+// of this thread, keys from j0 as in softmax_tile): −∞ where a key lies before the row's document
+// start. Applied before softmax_tile, only on tiles a document start crosses; the starts are read
+// here (L1) rather than held in registers for the whole kernel.
+template <int MT, int NB>
+__device__ __forceinline__ void doc_mask(float (*s)[NB][4], const long (*r)[2], const u32* docs, long b, long t,
+                                         long j0) {
+    const int tg = threadIdx.x & 3;
+    #pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+        #pragma unroll
+        for (int rr = 0; rr < 2; rr++) {
+            const long i = r[mt][rr];
+            if (i < 0 || i >= t) continue;
+            // Key j0 + c is seen iff c ≥ start − j0 (clamped to the tile, less this thread's 2·tg).
+            const int lo = (int)lmax(-1, lmin((long)docs[b * t + i] - j0, NB * 8 + 1)) - tg * 2;
+            #pragma unroll
+            for (int nb = 0; nb < NB; nb++)
+                #pragma unroll
+                for (int e = rr * 2; e < rr * 2 + 2; e++)
+                    if (nb * 8 + (e & 1) < lo) s[mt][nb][e] = -INFINITY;
+        }
+}
+
 // One key tile's online softmax for MT m-tiles of S (NB blocks of 8 keys; this thread: rows
 // r[mt][0] for elements 0, 1 and r[mt][1] for 2, 3 of each 8-key block; keys from j0): masks S
 // unless the tile is `full` (inside the sequence, below the diagonal: a uniform branch), moves
@@ -442,10 +466,10 @@ __device__ __forceinline__ void fwd_store_staged(float (*acc)[D / 8][4], float (
 // (K/V tiles swizzled; MT = 1) instead of mma.sync, NW warpgroups of 64 rows per block
 // sharing each K/V tile (fewer L2 reads per flop: the single-warpgroup kernel was L2-bound).
 // DROP: attention dropout (`dr`; attention.cu `AttnDrop`): P's row sums are taken before, P·V
-// multiplies P̃ = P ∘ M / (1 − p).
+// multiplies P̃ = P ∘ M / (1 − p). `docs`: document masks (flash.cu `doc_key_range`), or null.
 template <int D, int MT, bool WG = false, int NW = 1, bool DROP = false>
 __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl,
-                              long hq, long hkv, float scale, long causal, long window, long fused,
+                              long hq, long hkv, float scale, long causal, long window, long fused, const u32* docs,
                               const AttnDrop& dr) {
     constexpr int KS = D / 16;        // k-steps over the head dim
     constexpr int NO = D / 8;         // 8-wide blocks of the output
@@ -492,6 +516,7 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
     const float scale2 = scale * LOG2E;
     long i0 = qt * ROWS, i1 = lmin(t, i0 + ROWS) - 1, jb, je;
     key_range(i0, i1, sl, causal, window, FM_KEYS, &jb, &je);
+    doc_key_range(docs, b, t, i0, FM_KEYS, &jb);
     using Stages = KvStages<D, FM_KEYS, WG>;
     constexpr int KP = Stages::TP;  // elements per K/V tile row
     const Stages kv(stage, k, v, jb, je, sl, b, kp.heads, kp.head);
@@ -513,6 +538,7 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
             mma_cols_mt<D, MT>(s, qa, ks);
         }
         bool full = tile_full(i0, ROWS, j0, FM_KEYS, t, sl, causal, window);
+        if (doc_cuts(docs, b, t, i1, j0)) doc_mask<MT, FM_KEYS / 8>(s, r, docs, b, t, j0);
         u32 pa[MT][FM_KEYS / 16][4];  // P as A fragments, per m-tile and k-step of 16 keys
         float corr[MT][2];
         softmax_tile<MT, FM_KEYS / 8, !DROP>(s, m, l, corr, pa, full, r, j0, t, sl, causal, window, scale2);
@@ -882,21 +908,23 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
 }
 
 // Query rows per block: FM_ROWS · MT · NW, threads 128 · NW (the host's `fwd_kernel` must agree).
+// `docs` (document masks, or null) after `fused`: these builds and the dropout ones below are the
+// host's choice for masked calls (the warp-specialised kernels do not take them).
 // At head dim 64 both: two m-tiles per warp win from 2k tokens on, one (more, smaller blocks, less
 // work on the causal diagonal) below. The wgmma kernels (sm_90a), flash_fwd_wgNW_bf16_D, take 64
 // rows per warpgroup; NW is bounded by the registers (NW · 128 threads share 64k).
 #define FLASH_MMA(NAME, D, MT, WG, NW) \
 extern "C" __global__ void __launch_bounds__(128 * NW) NAME(const bf16_t* q, const bf16_t* k, \
         const bf16_t* v, bf16_t* o, float* lse, long t, long sl, long hq, long hkv, long d, float scale, long causal, \
-        long window, long fused) { \
-    flash_fwd_mma<D, MT, WG, NW>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window, fused, AttnDrop{}); }
+        long window, long fused, const u32* docs) { \
+    flash_fwd_mma<D, MT, WG, NW>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window, fused, docs, AttnDrop{}); }
 // With attention dropout (`_drop`, the key last): one m-tile per warp, NW 2 with wgmma.
 #define FLASH_MMA_DROP(NAME, D, WG, NW) \
 extern "C" __global__ void __launch_bounds__(128 * NW) NAME(const bf16_t* q, const bf16_t* k, \
         const bf16_t* v, bf16_t* o, float* lse, long t, long sl, long hq, long hkv, long d, float scale, long causal, \
-        long window, long fused, AttnDrop dr0) { \
+        long window, long fused, const u32* docs, AttnDrop dr0) { \
     const AttnDrop dr = drop_shifted(dr0); \
-    flash_fwd_mma<D, 1, WG, NW, true>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window, fused, dr); }
+    flash_fwd_mma<D, 1, WG, NW, true>(q, k, v, o, lse, t, sl, hq, hkv, scale, causal, window, fused, docs, dr); }
 FLASH_MMA_DROP(flash_fwd_mma_drop_bf16_64, 64, false, 1)
 FLASH_MMA_DROP(flash_fwd_mma_drop_bf16_128, 128, false, 1)
 FLASH_MMA_DROP(flash_fwd_mma_drop_bf16_192, 192, false, 1)

@@ -18,10 +18,11 @@ pub struct AttnCfg<'a> {
     pub dropout: Option<AttnDropout>,
     /// Document-wise masks (Megatron's --reset-attention-mask), causal self-attention only: u32
     /// [B, T] on q's device, each query's first key (the start of its document: every value at
-    /// most its own position, and along a row never smaller than the one before). The CPU checks
-    /// the first rule; a GPU reads no values back to check (`Batch::with_document_starts` checks
-    /// them on the host). On a GPU these run on the reference kernels (no flash kernel takes them
-    /// yet).
+    /// most its own position, and along a row never smaller than the one before:
+    /// `document_starts_error`). The CPU checks both; a GPU reads no values back to check
+    /// (`Batch::with_document_starts` checks them on the host), and its flash kernels rely on
+    /// the second to skip key tiles. On a GPU these run on the tensor-core kernels that stream K/V
+    /// in lockstep (bf16), else on the reference kernels.
     pub docs: Option<&'a Tensor>,
 }
 
@@ -48,19 +49,33 @@ fn check_docs(op: &'static str, cfg: &AttnCfg, d: &AttnDims, device: &Device) ->
     Ok(())
 }
 
-/// The CPU's copy of the document starts, each checked to lie at or before its own position.
+/// What is wrong with document starts of rows of `t` positions (`AttnCfg::docs`), if anything:
+/// a start after its own position, or smaller than the one before it in the row (documents follow
+/// each other).
+pub fn document_starts_error(starts: &[u32], t: usize) -> Option<String> {
+    let (at, &bad) = starts.iter().enumerate().find(|&(at, &x)| {
+        let i = at % t;
+        x as usize > i || (i > 0 && x < starts[at - 1])
+    })?;
+    let (i, row) = (at % t, at / t);
+    Some(if bad as usize > i {
+        format!(
+            "document start {bad} of position {i} in batch row {row} lies after it: each token's document starts at or before it"
+        )
+    } else {
+        format!(
+            "document start {bad} of position {i} in batch row {row} lies before the previous position's ({}): a row's documents follow each other, so its starts never decrease",
+            starts[at - 1]
+        )
+    })
+}
+
+/// The CPU's copy of the document starts, checked (`document_starts_error`).
 fn host_docs(op: &'static str, cfg: &AttnCfg, d: &AttnDims) -> Result<Option<Vec<u32>>> {
     let Some(docs) = cfg.docs else { return Ok(None) };
     let v = docs.to_vec::<u32>()?;
-    if let Some((at, &bad)) = v.iter().enumerate().find(|&(at, &x)| x as usize > at % d.t) {
-        return Err(invalid(
-            op,
-            format!(
-                "document start {bad} of query {} in batch row {} lies after the query: each query's document starts at or before it",
-                at % d.t,
-                at / d.t
-            ),
-        ));
+    if let Some(e) = document_starts_error(&v, d.t) {
+        return Err(invalid(op, e));
     }
     Ok(Some(v))
 }

@@ -44,6 +44,7 @@ pub use activation::{
 pub use attention::{
     AttnCfg, AttnDropout, QkvHeads, attention_bwd, attention_bwd_qkv, attention_bwd_qkv_into, attention_fwd,
     attention_fwd_qkv, attention_merge_, attention_padded_width, attention_sink_, attention_sink_bwd,
+    document_starts_error,
 };
 pub use check::set_device_ids_prechecked;
 pub use dropout::{DropSplit, DropoutKey, dropout, normal, set_draw_shift};

@@ -2857,9 +2857,9 @@ impl Settings {
                 s.context_parallel_size
             );
         }
-        if s.reset_attention_mask && !device.is_cpu() {
+        if s.reset_attention_mask && !device.is_cpu() && !s.bf16 {
             eprintln!(
-                "note: --reset-attention-mask on the GPU runs attention on the reference kernels (no flash kernel takes document masks yet): expect a slower step"
+                "note: --reset-attention-mask in fp32 on the GPU runs attention on the reference kernels (the flash kernels that take document masks are bf16): expect a slower step; --bf16 runs them"
             );
         }
         if s.reset_attention_mask && cuda_graph_warmup.is_some() {

@@ -119,7 +119,8 @@ impl Batch {
     }
 
     /// The batch with document-wise attention masks: `starts` [B·T], each token's document's
-    /// first position in its row (`ferrotron_data::document_starts`), at most its own.
+    /// first position in its row (`ferrotron_data::document_starts`), at most its own and never
+    /// before the previous token's.
     pub fn with_document_starts(self, starts: Vec<u32>) -> Result<Batch> {
         let dims = self.tokens.dims().to_vec();
         let [b, t] = dims[..] else {
@@ -132,12 +133,8 @@ impl Batch {
                 b * t
             )));
         }
-        if let Some((at, &bad)) = starts.iter().enumerate().find(|&(at, &x)| x as usize > at % t) {
-            return Err(ModelError::Config(format!(
-                "document start {bad} of position {} in row {} lies after it: each token's document starts at or before it",
-                at % t,
-                at / t
-            )));
+        if let Some(e) = k::document_starts_error(&starts, t) {
+            return Err(ModelError::Config(e));
         }
         let docs = Tensor::from_vec(starts, [b, t], self.tokens.device())?;
         Ok(Batch { docs: Some(docs), ..self })

@@ -411,5 +411,7 @@ fn document_masks_train_a_packed_document_as_if_alone() {
     // Bad starts are the batch's error, not a kernel's.
     let e = packed.clone().with_document_starts(vec![0, 2, 2, 2, 2, 2]).unwrap_err().to_string();
     assert!(e.contains("document start 2 of position 1"), "{e}");
+    let e = packed.clone().with_document_starts(vec![0, 0, 2, 2, 0, 2]).unwrap_err().to_string();
+    assert!(e.contains("document start 0 of position 4") && e.contains("never decrease"), "{e}");
     assert!(packed.with_document_starts(vec![0; 5]).is_err(), "one start a token");
 }

@@ -645,7 +645,11 @@ fn bad_document_masks_are_errors_that_name_them() {
     assert!(k::attention_fwd(&x, &x, &x, &AttnCfg { docs: Some(&ok), ..AttnCfg::default() }).is_ok());
     let late = Tensor::from_vec(vec![0u32, 0, 3, 3], [b, t], &dev).unwrap();
     let e = fails(&late, AttnCfg::default());
-    assert!(e.contains("document start 3 of query 2") && e.contains("at or before"), "{e}");
+    assert!(e.contains("document start 3 of position 2") && e.contains("at or before"), "{e}");
+    // Starts that go back (the flash kernels skip key tiles by the first row's start).
+    let back = Tensor::from_vec(vec![0u32, 1, 0, 3], [b, t], &dev).unwrap();
+    let e = fails(&back, AttnCfg::default());
+    assert!(e.contains("document start 0 of position 2") && e.contains("never decrease"), "{e}");
     let e = fails(&ok, AttnCfg { causal: false, ..AttnCfg::default() });
     assert!(e.contains("causal self-attention"), "{e}");
     let e = fails(&t32(&dev, &[0.0; 4], &[b, t]), AttnCfg::default());

@@ -629,9 +629,9 @@ fn attention_dropout_matches_cpu() {
     ferrotron_kernels::cuda::set_flash_ws(true);
 }
 
-/// Document-wise masks (--reset-attention-mask) on the GPU (the reference kernels: atomics and
-/// deterministic; dropout; a window; the fused-QKV entry points, which split first) against the
-/// CPU's, f32 and bf16, at head dims 64 and 128.
+/// Document-wise masks (--reset-attention-mask) on the GPU against the CPU's: f32 on the
+/// reference kernels (atomics and deterministic), bf16 on the tensor-core kernels; dropout; a
+/// window; the fused-QKV entry points; head dims 64 and 128, short rows (one key tile).
 #[test]
 fn attention_document_masks_match_cpu() {
     let docs_of = |b: usize, t: usize| -> Tensor {
@@ -672,6 +672,109 @@ fn attention_document_masks_match_cpu() {
         }
     }
     ferrotron_kernels::cuda::set_deterministic(false);
+}
+
+/// Document masks on the tensor-core kernels (bf16; wgmma in lockstep and mma.sync; head dims 64,
+/// 128 and 192; GQA; with a window, with dropout; the fused-QKV entry points) against the CPU,
+/// compared document by document (‖got − want‖ ≤ 2e-2 ‖want‖ over each document's rows of o, dQ,
+/// dK, dV, and lse elementwise): documents of one token, documents crossing the kernels' 64-row
+/// and 64-key tiles, starting on a tile boundary, and a row that is one document. A packed row of
+/// 12,800 tokens passes too, which the reference kernels refuse (one score row in 48 KiB of
+/// shared memory): those calls ran on the tensor-core kernels.
+#[test]
+fn attention_document_masks_on_tensor_cores_match_cpu_per_document() {
+    // Row 0 cut at `cuts` (1, 2: one-token documents; 128, 192: on tile boundaries) and, past
+    // 1000 tokens, every 997 from 300 on (the CPU's work stays small); row 1 every `every`
+    // positions (or not at all).
+    let starts = |t: usize, cuts: &[usize], every: Option<usize>| -> Vec<Vec<usize>> {
+        let far = if t > 1000 { (300..t).step_by(997).collect() } else { vec![] };
+        let row0 = [0].into_iter().chain(cuts.iter().copied().filter(|&c| c < t)).chain(far).collect();
+        let row1 = match every {
+            Some(e) => (0..t).step_by(e).collect(),
+            None => vec![0],
+        };
+        vec![row0, row1]
+    };
+    let docs_of = |st: &[Vec<usize>], t: usize| -> Tensor {
+        let v: Vec<u32> =
+            st.iter().flat_map(|s| (0..t).map(move |i| *s.iter().rfind(|&&x| x <= i).unwrap() as u32)).collect();
+        Tensor::from_vec(v, [st.len(), t], &Device::Cpu).unwrap()
+    };
+    let cuts = [1usize, 2, 70, 128, 133, 134, 192, 255];
+    let dt = DType::BF16;
+    let g = gpu();
+    // Each document's rows [s, e) of batch row `row` in x [B, T, ...], compared in norm.
+    let per_doc = |name: &str, cpu: &Tensor, cuda: &Tensor, st: &[Vec<usize>]| {
+        assert_eq!(cpu.dims(), cuda.dims(), "{name}: shape");
+        let (want, got) = (host(cpu), host(cuda));
+        let t = cpu.dims()[1];
+        let w = cpu.elem_count() / (cpu.dims()[0] * t);
+        for (row, s) in st.iter().enumerate() {
+            let ends: Vec<usize> = s[1..].iter().copied().chain([t]).collect();
+            for (&a, &e) in s.iter().zip(&ends) {
+                let r = (row * t + a) * w..(row * t + e) * w;
+                let (wv, gv) = (&want[r.clone()], &got[r]);
+                assert!(gv.iter().all(|x| x.is_finite()), "{name}: not finite in row {row}'s document [{a}, {e})");
+                let err = wv.iter().zip(gv).map(|(x, y)| (x - y) * (x - y)).sum::<f64>().sqrt();
+                let norm = wv.iter().map(|x| x * x).sum::<f64>().sqrt();
+                // (A one-token document's dK is zero but for rounding: P = 1, dS = dP − delta.)
+                assert!(
+                    err <= 2e-2 * norm + 1e-5 * (wv.len() as f64).sqrt(),
+                    "{name}: row {row}'s document [{a}, {e}): ‖got − want‖ = {err:.3e}, ‖want‖ = {norm:.3e}"
+                );
+            }
+        }
+    };
+    let cases = [
+        (300usize, 4usize, 2usize, 64usize, Some(37usize)),
+        (260, 2, 1, 128, None),
+        (200, 4, 2, 192, Some(64)),
+        (12_800, 2, 1, 64, Some(701)),
+    ];
+    for (t, hq, hkv, d, every) in cases {
+        let st = starts(t, &cuts, every);
+        let docs = docs_of(&st, t);
+        let x: Vec<Tensor> =
+            [hq, hkv, hkv, hq].iter().zip(110..).map(|(&h, seed)| rnd(&[2, t, h, d], seed, dt)).collect();
+        let batch_stride = k::AttnDropout::blocks_per_sample(hq, t, t);
+        let drop = k::AttnDropout { p: 0.2, seed: 9, stream: 2, base: 0, batch_stride, head_offset: 0, tiles: None };
+        let long = t > 1000;
+        for wg in [true, false] {
+            ferrotron_kernels::cuda::set_wgmma(wg);
+            let variants: &[(Option<usize>, Option<k::AttnDropout>)] =
+                if long { &[(None, None)] } else { &[(None, None), (Some(100), None), (None, Some(drop))] };
+            for &(window, dropout) in variants {
+                let name = format!(
+                    "document masks t{t} d{d} hq{hq} hkv{hkv} wgmma {wg} window {window:?} dropout {}",
+                    dropout.is_some()
+                );
+                let run = |x: &[Tensor], docs: &Tensor| {
+                    attention_fwd_bwd(x, &AttnCfg { window, dropout, docs: Some(docs), ..AttnCfg::default() })
+                };
+                let want = run(&x, &docs);
+                let gx: Vec<Tensor> = x.iter().map(|t| on(t, &g)).collect();
+                let got = run(&gx, &on(&docs, &g));
+                for (i, what) in [(0, "o"), (2, "dq"), (3, "dk"), (4, "dv")] {
+                    per_doc(&format!("{name}: {what}"), &want[i], &got[i], &st);
+                }
+                same(&want[1], &got[1], dt, &format!("{name}: lse"));
+            }
+            if long {
+                continue;
+            }
+            let gr = hq / hkv;
+            let qkv = rnd(&[2, t, hkv * (gr + 2) * d], 119, dt);
+            let heads = k::QkvHeads::new(hkv, gr, d);
+            let cfg_of = |docs| AttnCfg { docs: Some(docs), ..AttnCfg::default() };
+            let want = attention_qkv_fwd_bwd(&[qkv.clone(), x[3].clone()], heads, &cfg_of(&docs));
+            let gd = on(&docs, &g);
+            let got = attention_qkv_fwd_bwd(&[on(&qkv, &g), on(&x[3], &g)], heads, &cfg_of(&gd));
+            let name = format!("document masks fused qkv t{t} d{d} wgmma {wg}");
+            per_doc(&format!("{name}: o"), &want[0], &got[0], &st);
+            per_doc(&format!("{name}: dqkv"), &want[2], &got[2], &st);
+        }
+    }
+    ferrotron_kernels::cuda::set_wgmma(true);
 }
 
 /// The elementwise ops on `x`, `y` (same shape) and `b` (one row): everything with an eight-wide

@@ -11,11 +11,12 @@ pub struct AttnShape<'a> {
     /// Without `docs` (the GPU's are `docs` below).
     pub mask: AttnMask<'static>,
     pub scale: f32,
-    /// Document starts u32 [B, T] (`AttnCfg::docs`): only the reference kernels take them.
+    /// Document starts u32 [B, T] (`AttnCfg::docs`): the reference kernels and the tensor-core
+    /// kernels that stream K/V in lockstep take them (`fwd_kernel`, `bwd_plan`).
     pub docs: Option<&'a Tensor>,
 }
 
-/// The reference kernels' document-starts argument: the tensor's address, or null.
+/// The document-starts argument: the tensor's address, or null.
 fn docs_arg(a: &AttnShape) -> Result<Arg> {
     a.docs.map_or(Ok(Arg::Ptr(0)), |d| ptr("attn", d))
 }
@@ -168,8 +169,9 @@ enum FwdGrid {
 /// do not fit the registers). With attention dropout (`drop`): the `_drop` builds, the
 /// warp-specialised one (two consumers, TMA, the dynamic walk) where those are on, else two
 /// warpgroups in lockstep on sm_90, else mma.sync with one m-tile. Head dim 192 (`WIDE`): two
-/// warpgroups in lockstep on sm_90, else mma.sync with one m-tile, dropout or not.
-fn fwd_kernel(be: &B, d: usize, t: usize, drop: bool) -> (TcLaunch, FwdGrid) {
+/// warpgroups in lockstep on sm_90, else mma.sync with one m-tile, dropout or not. With document
+/// masks (`docs`) never the warp-specialised kernels: their builds do not take the starts.
+fn fwd_kernel(be: &B, d: usize, t: usize, drop: bool, docs: bool) -> (TcLaunch, FwdGrid) {
     if d == WIDE {
         let drop = if drop { "_drop" } else { "" };
         let l = if be.use_wgmma() {
@@ -179,7 +181,7 @@ fn fwd_kernel(be: &B, d: usize, t: usize, drop: bool) -> (TcLaunch, FwdGrid) {
         };
         return (l, FwdGrid::Tiles);
     }
-    if drop && ws_drop(be) {
+    if drop && ws_drop(be) && !docs {
         let grid = FwdGrid::WsDynamicTma;
         let shared = ws_fwd_shared(d, 128, 2, q_by_tma(grid, d));
         let name = format!("flash_fwd_ws2tpdk128_drop_bf16_{d}");
@@ -193,7 +195,7 @@ fn fwd_kernel(be: &B, d: usize, t: usize, drop: bool) -> (TcLaunch, FwdGrid) {
         };
         return (l, FwdGrid::Tiles);
     }
-    if be.use_wgmma() && crate::cuda::flash_fwd_ws() {
+    if be.use_wgmma() && crate::cuda::flash_fwd_ws() && !docs {
         // H200, 16k tokens per call, causal, 1k / 2k / 4k / 8k / 16k (kernels/README.md v28):
         // head dim 128 337 / 460 / 563 / 633 / 706 TFLOP/s with 128-key tiles and TMA copies
         // (64-key tiles by cp.async: 299 / 387 / 455 / 507 / 569), head dim 64 221–466.
@@ -308,9 +310,10 @@ struct WsBwd {
 
 /// With attention dropout (`drop`): the `_drop` builds, the fused one on wgmma unless
 /// deterministic, else the two mma.sync ones. Head dim 192 (`WIDE`): the two kernels, on wgmma
-/// where it runs (without dropout).
-fn bwd_plan(be: &B, d: usize, t: usize, drop: bool) -> BwdKernels {
-    if d == WIDE {
+/// where it runs (without dropout). With document masks (`docs`) the two kernels as in
+/// deterministic mode: the fused builds do not take the starts.
+fn bwd_plan(be: &B, d: usize, t: usize, drop: bool, docs: bool) -> BwdKernels {
+    if d == WIDE || docs {
         // Both kernels write each element once (deterministic either way); with dropout mma.sync.
         let (dq, dkv) = if drop { bwd_kernels(d, false, "_drop") } else { bwd_kernels(d, be.use_wgmma(), "") };
         return BwdKernels::Split(dq, dkv);
@@ -417,11 +420,7 @@ fn bwd_kernels(d: usize, wg: bool, sfx: &str) -> (TcLaunch, TcLaunch) {
 /// every tile source 16-byte aligned (their loads move 16 bytes at a time; a view at an odd offset
 /// is not).
 fn mma_ok(q: &Tensor, tiles: &[&Tensor], a: &AttnShape) -> Result<bool> {
-    if a.docs.is_some()
-        || q.dtype() != DType::BF16
-        || !TC_HEAD_DIMS.contains(&a.dims.d)
-        || tiles.iter().any(|t| t.dtype() != DType::BF16)
-    {
+    if q.dtype() != DType::BF16 || !TC_HEAD_DIMS.contains(&a.dims.d) || tiles.iter().any(|t| t.dtype() != DType::BF16) {
         return Ok(false);
     }
     aligned16(tiles)
@@ -452,10 +451,11 @@ fn tc_fwd(be: &B, qkv: [Arg; 3], fused: bool, a: &AttnShape) -> Result<(Tensor, 
     args.extend([ptr("attn", &o)?, ptr("attn", &lse)?]);
     args.extend(attn_tail(a));
     args.push(Arg::I64(fused as i64));
-    let (l, grid) = fwd_kernel(be, d.d, d.t, drops(a));
+    let (l, grid) = fwd_kernel(be, d.d, d.t, drops(a), a.docs.is_some());
     let (bh, tiles) = (d.b * d.hq, d.t.div_ceil(l.rows));
     let blocks = match grid {
         FwdGrid::Tiles => {
+            args.push(docs_arg(a)?);
             if drops(a) {
                 args.push(drop_arg(be, a));
             }
@@ -592,7 +592,7 @@ fn tc_bwd(
         }
         v
     };
-    match bwd_plan(be, d.d, d.t, drops(a)) {
+    match bwd_plan(be, d.d, d.t, drops(a), a.docs.is_some()) {
         BwdKernels::Fused(l, ws) => {
             // dQ's fp32 tiles (64 rows × 64 columns per batch and head, rows padded to 64, sums
             // of dS·K without the softmax scale), cleared by the delta kernel (never poisoned).
@@ -639,10 +639,15 @@ fn tc_bwd(
                 return Err(ferrotron_core::invalid("attention_bwd_qkv", "bias partials need the fused backward"));
             }
             launch_delta(None)?;
+            // These builds take the document starts (or null) before the dropout key.
+            let with_docs = |mut v: Vec<Arg>| -> Result<Vec<Arg>> {
+                v.push(docs_arg(a)?);
+                Ok(key(v))
+            };
             let grid = d.b * d.hq * d.t.div_ceil(dql.rows);
-            be.launch(&dql.name, grid as u32, dql.threads, dql.shared, &key(head(&[dq])?))?;
+            be.launch(&dql.name, grid as u32, dql.threads, dql.shared, &with_docs(head(&[dq])?)?)?;
             let grid = d.b * d.hkv * d.s.div_ceil(dkvl.rows);
-            be.launch(&dkvl.name, grid as u32, dkvl.threads, dkvl.shared, &key(head(&[dk, dv])?))
+            be.launch(&dkvl.name, grid as u32, dkvl.threads, dkvl.shared, &with_docs(head(&[dk, dv])?)?)
         }
     }
 }
@@ -664,7 +669,7 @@ fn bias_partials_ok(be: &B, a: &AttnShape) -> bool {
     crate::cuda::flash_bias_grad()
         && d.t % 64 == 0
         && d.s == d.t
-        && matches!(bwd_plan(be, d.d, d.t, drops(a)), BwdKernels::Fused(_, Some(_)))
+        && matches!(bwd_plan(be, d.d, d.t, drops(a), a.docs.is_some()), BwdKernels::Fused(_, Some(_)))
 }
 
 /// The backward reading Q, K, V in place from the fused projection output and writing dQKV
