@@ -717,12 +717,15 @@ __device__ __forceinline__ void cp_async4(float* dst, const float* src, bool in)
 // overlap the consumers' dK/dV stores. The tile index goes to the other 383 threads through two
 // shared slots (tfull / tempty).
 // DROP: attention dropout (`dr`; attention.cu `AttnDrop`), as flash_bwd_dkv_mma's.
-template <int D, bool TMA, bool DYN, bool DROP = false>
+// DOCS: document masks (`docs`; flash.cu `doc_row_range`, `doc_cuts`): a key tile's query rows end
+// at the last row of its keys' documents, and the steps a document start crosses are masked.
+template <int D, bool TMA, bool DYN, bool DROP = false, bool DOCS = false>
 __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, const float* lse,
                                   const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, float* dqa, long t,
                                   long sl, long hq, long hkv, float scale, long causal, long window, long fused,
                                   const TmaMap* km, const TmaMap* vm, const TmaMap* qm, const TmaMap* dom,
-                                  float* bp, long bc, long bkv, long hg, u32* sched, const AttnDrop& dr) {
+                                  float* bp, long bc, long bkv, long hg, u32* sched, const AttnDrop& dr,
+                                  const u32* docs = nullptr) {
     static_assert(D == 64 || D == 128, "64-column dQ pieces");
     static_assert(!DYN || TMA, "the dynamic walk's K/V reloads are the copying thread's");
     // CK: keys per consumer; DSB: dSᵀ buffers (each both consumers' keys × 64 rows).
@@ -761,6 +764,7 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
         }
         j0 = kt * KEYS;
         row_range(j0, lmin(sl, j0 + KEYS) - 1, t, causal, window, FB_ROWS, &ib, &ie);
+        if constexpr (DOCS) doc_row_range(docs, b, t, lmin(sl, j0 + KEYS) - 1, &ie);
         qtiles = ie > ib ? (ie - ib + FB_ROWS - 1) / FB_ROWS : 0;
         steps = group * qtiles;
     };
@@ -906,7 +910,10 @@ __device__ void flash_bwd_dkvq_ws(const bf16_t* q, const bf16_t* k, const bf16_t
             float st[8][4], dpt[8][4];
             wg_scores_t<D>(st, dpt, kb, vb, smem_addr(qs), smem_addr(dos), KEYS);
             // Pᵀ into st, dSᵀ into dpt (no mask for a tile inside the sequence below the diagonal).
+            // DOCS: a step whose last row's document starts after this consumer's first key.
+            const bool cuts = DOCS && doc_cuts(docs, b, t, lmin(t, (long)i0 + FB_ROWS) - 1, (long)jc);
             const bool unmasked = qi >= qlo && qi < qhi;
+            if (cuts) doc_mask_t(st, docs, b, t, (long)i0, (long)jr0, (long)jr1, tg);
             if (D == 64 && !unmasked) {
                 mask_t<true>(st, i0, jr0, jr1, tg, t, sl, causal, window);
             } else if (D == 128 && !unmasked) {
@@ -1036,6 +1043,18 @@ extern "C" __global__ void __launch_bounds__(384, 1) NAME(const bf16_t* q, const
                                            window, fused, &km, &vm, &qm, &dom, bp, bc, bkv, hg, sched, dr); }
 FLASH_BWD_DKVQ_WS_DROP(flash_bwd_dkvq_ws2td_drop_bf16_64, 64)
 FLASH_BWD_DKVQ_WS_DROP(flash_bwd_dkvq_ws2td_drop_bf16_128, 128)
+// With document masks (`_docs`, the starts last): TMA copies, the dynamic walk.
+#define FLASH_BWD_DKVQ_WS_DOCS(NAME, D) \
+extern "C" __global__ void __launch_bounds__(384, 1) NAME(const bf16_t* q, const bf16_t* k, const bf16_t* v, \
+        const float* lse, const float* delta, const bf16_t* dout, bf16_t* dk, bf16_t* dv, float* dqa, long t, \
+        long sl, long hq, long hkv, long d, float scale, long causal, long window, long fused, \
+        const __grid_constant__ TmaMap km, const __grid_constant__ TmaMap vm, const __grid_constant__ TmaMap qm, \
+        const __grid_constant__ TmaMap dom, float* bp, long bc, long bkv, long hg, u32* sched, const u32* docs) { \
+    flash_bwd_dkvq_ws<D, true, true, false, true>(q, k, v, lse, delta, dout, dk, dv, dqa, t, sl, hq, hkv, scale, causal, \
+                                                  window, fused, &km, &vm, &qm, &dom, bp, bc, bkv, hg, sched, AttnDrop{}, \
+                                                  docs); }
+FLASH_BWD_DKVQ_WS_DOCS(flash_bwd_dkvq_ws2td_docs_bf16_64, 64)
+FLASH_BWD_DKVQ_WS_DOCS(flash_bwd_dkvq_ws2td_docs_bf16_128, 128)
 
 // dQ (bf16, [B, T, Hq, D], or with `fused` the query slots of dQKV: Place) from the bulk-reduced
 // fp32 tiles: per (batch, head, 64-row tile, 64-column block) 4096 floats in the dK/dV kernel's

@@ -625,11 +625,12 @@ __device__ void flash_fwd_mma(const bf16_t* q, const bf16_t* k, const bf16_t* v,
 // first, the lightest: its rows before 0 see no keys and are not stored.
 // DROP: attention dropout (`dr`; attention.cu `AttnDrop`) on P (fp32, LATE) right after the
 // softmax; query tiles from multiples of 16 rows (two consumers), as the mask's tiles need.
-template <int D, int KEYS, bool LATE, bool PERSIST, bool TMA, bool DYN, int S, int NC = 2, bool DROP = false>
+template <int D, int KEYS, bool LATE, bool PERSIST, bool TMA, bool DYN, int S, int NC = 2, bool DROP = false,
+          bool DOCS = false>
 __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl,
                              long hq, long hkv, float scale, long causal, long window, long fused, long bh,
                              const TmaMap* km, const TmaMap* vm, const TmaMap* qm, long hg, u32* sched,
-                             const AttnDrop& dr) {
+                             const AttnDrop& dr, const u32* docs = nullptr) {
     static_assert(!DYN || (PERSIST && TMA), "the dynamic walk is one producer thread's: persistent, TMA");
     static_assert(!DROP || (LATE && NC == 2), "dropout: P in fp32 after the softmax, 128-row tiles");
     static_assert(NC == 2 || (NC == 3 && D == 64 && KEYS == 128 && LATE && DYN), "three consumers: head dim 64, DYN");
@@ -682,6 +683,7 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
         }
         i0 = NC == 3 && causal ? t - (tiles - qt) * ROWS : qt * ROWS;
         key_range(i0, lmin(t, i0 + ROWS) - 1, sl, causal, window, KEYS, &jb, &je);
+        if constexpr (DOCS) doc_key_range(docs, b, t, lmax(i0, 0), KEYS, &jb);
         steps = je > jb ? (je - jb + KEYS - 1) / KEYS : 0;
     };
     // The static walks: this block's tile in round j (persistent: k, 2G − 1 − k, 2G + k, …; else
@@ -828,8 +830,9 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
         // needs no mask. The first turn has no P V, the last no Q Kᵀ; both are peeled off the loop
         // so that no wgmma sits on a branch (ptxas would serialise them all). Nor may a branch run
         // while P V is in flight (ptxas waits for it there), so the loop's turns get `unmasked` as
-        // a constant: the tiles that need no mask in one loop, the rest in another.
-        auto turn = [&](long bt, bool pv, bool qk, bool unmasked) {
+        // a constant: the tiles that need no mask in one loop, the rest in another. `dm` (DOCS): the
+        // document masks too (`doc_mask`), likewise a constant in the loops.
+        auto turn = [&](long bt, bool pv, bool qk, bool unmasked, bool dm) {
             const u32 ub = base + (u32)bt;  // stage arithmetic in 32 bits (a 64-bit % 3 is ~15 instructions)
             const bf16_t* kv_prev = stage + ((ub + S - 1) % S) * 2 * TILE;
             const bf16_t* kv_cur = stage + (ub % S) * 2 * TILE;
@@ -856,6 +859,7 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
                 if (pv) wg_wait<1>(); else wg_wait<0>();  // the groups finish in order: S first
                 wg_pin<KEYS / 2>(&s[0][0][0]);
                 long j0 = jb + bt * KEYS;
+                if (DOCS && dm) doc_mask<1, NB>(s, r, docs, b, t, j0);
                 // LATE: P stays in s (fp32) until the product that reads pa is done, then goes into
                 // pa; else it is packed into pn here and copied.
                 if constexpr (LATE) {
@@ -890,15 +894,20 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
             }
         };
         if (steps > 0) {
-            turn(0, false, true, i0 >= 0 && tile_full(i0, ROWS, jb, KEYS, t, sl, causal, window));
+            // DOCS: tiles [0, nc) hold keys before the block's last row's document start (flash.cu
+            // `doc_cuts`: the starts never decrease), so they take the document masks.
+            long nc = 0;
+            if constexpr (DOCS) nc = lmax(0, lmin(steps, ((long)docs[b * t + lmin(t, i0 + ROWS) - 1] - jb + KEYS - 1) / KEYS));
+            turn(0, false, true, nc == 0 && i0 >= 0 && tile_full(i0, ROWS, jb, KEYS, t, sl, causal, window), nc > 0);
             // Tiles [0, nf) need no mask: without a window, every key tile that ends inside the
             // sequence and (causal) at or before the block's first row.
             long nf = 0;
             if (window == 0 && i0 >= 0 && i0 + ROWS <= t) nf = lmin(steps, ((causal ? lmin(sl, i0 + 1) : sl) - jb) / KEYS);
             long bt = 1;
-            for (; bt < nf; bt++) turn(bt, true, true, true);
-            for (; bt < steps; bt++) turn(bt, true, true, false);
-            turn(steps, true, false, false);  // waits for every product: Q is read
+            if constexpr (DOCS) for (; bt < nc; bt++) turn(bt, true, true, false, true);
+            for (; bt < nf; bt++) turn(bt, true, true, true, false);
+            for (; bt < steps; bt++) turn(bt, true, true, false, false);
+            turn(steps, true, false, false, false);  // waits for every product: Q is read
         }
         if constexpr (QSS) mbar_arrive(&qempty[j & 1]);
         fwd_store_staged<D>(acc, m, l, r, o_tiles + wg * 64 * (D + 8), NC + 1 + wg, i0 + wg * 64, o, lse, t, hq, b, h);
@@ -985,6 +994,18 @@ FLASH_WS(flash_fwd_ws3tpdk128_bf16_64, 64, 128, true, true, true, true, FW_STAGE
 // The dynamic walk with attention dropout.
 FLASH_WS_DROP(flash_fwd_ws2tpdk128_drop_bf16_64, 64)
 FLASH_WS_DROP(flash_fwd_ws2tpdk128_drop_bf16_128, 128)
+// The dynamic walk with document masks (`_docs`, the starts last; flash.cu `doc_key_range`):
+// two consumers at both head dims.
+#define FLASH_WS_DOCS(NAME, D, LATE) \
+extern "C" __global__ void __launch_bounds__(384, 1) NAME(const bf16_t* q, \
+        const bf16_t* k, const bf16_t* v, bf16_t* o, float* lse, long t, long sl, long hq, long hkv, long d, \
+        float scale, long causal, long window, long fused, long bh, const __grid_constant__ TmaMap km, \
+        const __grid_constant__ TmaMap vm, const __grid_constant__ TmaMap qm, long hg, u32* sched, const u32* docs) { \
+    flash_fwd_ws<D, 128, LATE, true, true, true, FW_STAGES, 2, false, true>(q, k, v, o, lse, t, sl, hq, hkv, scale, \
+                                                                         causal, window, fused, bh, &km, &vm, &qm, hg, \
+                                                                         sched, AttnDrop{}, docs); }
+FLASH_WS_DOCS(flash_fwd_ws2tpdk128_docs_bf16_64, 64, false)
+FLASH_WS_DOCS(flash_fwd_ws2tpdk128_docs_bf16_128, 128, true)
 // 64-key tiles (`FERROTRON_FLASH_FWD=ws64`, kept to measure against).
 FLASH_WS(flash_fwd_ws2_bf16_128, 128, 64, true, false, false, false, FW_STAGES, 2)
 FLASH_WS(flash_fwd_ws2t_bf16_128, 128, 64, true, false, true, false, FW_STAGES, 2)

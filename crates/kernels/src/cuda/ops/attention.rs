@@ -170,7 +170,8 @@ enum FwdGrid {
 /// warp-specialised one (two consumers, TMA, the dynamic walk) where those are on, else two
 /// warpgroups in lockstep on sm_90, else mma.sync with one m-tile. Head dim 192 (`WIDE`): two
 /// warpgroups in lockstep on sm_90, else mma.sync with one m-tile, dropout or not. With document
-/// masks (`docs`) never the warp-specialised kernels: their builds do not take the starts.
+/// masks (`docs`): the warp-specialised `_docs` build (two consumers, TMA, the dynamic walk) where
+/// those are on and there is no dropout, else the lockstep or mma.sync builds, which take them too.
 fn fwd_kernel(be: &B, d: usize, t: usize, drop: bool, docs: bool) -> (TcLaunch, FwdGrid) {
     if d == WIDE {
         let drop = if drop { "_drop" } else { "" };
@@ -180,6 +181,12 @@ fn fwd_kernel(be: &B, d: usize, t: usize, drop: bool, docs: bool) -> (TcLaunch, 
             TcLaunch { name: format!("flash_fwd_mma{drop}_bf16_{d}"), rows: 64, threads: 128, shared: kv_stages(d + 8) }
         };
         return (l, FwdGrid::Tiles);
+    }
+    if docs && !drop && d != WIDE && ws_drop(be) {
+        let grid = FwdGrid::WsDynamicTma;
+        let shared = ws_fwd_shared(d, 128, 2, q_by_tma(grid, d));
+        let name = format!("flash_fwd_ws2tpdk128_docs_bf16_{d}");
+        return (TcLaunch { name, rows: 128, threads: 384, shared }, grid);
     }
     if drop && ws_drop(be) && !docs {
         let grid = FwdGrid::WsDynamicTma;
@@ -270,7 +277,7 @@ fn ws_fwd_shared(d: usize, keys: usize, nc: usize, q_tiles: bool) -> u32 {
 }
 
 /// Whether the forward with attention dropout runs the warp-specialised `_drop` build (TMA copies,
-/// the dynamic walk: kernels/flash_mma.cu `FLASH_WS_DROP`): on sm_90 where the warp-specialised
+/// the dynamic walk: kernels/flash_mma.cu `FLASH_WS_DROP`; the `_docs` build likewise): on sm_90 where the warp-specialised
 /// forward, its 128-key tiles, TMA and the dynamic walk are all on; else the lockstep `_drop`
 /// build. (`bwd_plan` decides the backward's by its own switches, and not in deterministic mode.)
 fn ws_drop(be: &B) -> bool {
@@ -310,22 +317,28 @@ struct WsBwd {
 
 /// With attention dropout (`drop`): the `_drop` builds, the fused one on wgmma unless
 /// deterministic, else the two mma.sync ones. Head dim 192 (`WIDE`): the two kernels, on wgmma
-/// where it runs (without dropout). With document masks (`docs`) the two kernels as in
-/// deterministic mode: the fused builds do not take the starts.
+/// where it runs (without dropout). With document masks (`docs`): the warp-specialised `_docs`
+/// build where the `_drop` one would run and there is no dropout, else the two kernels as in
+/// deterministic mode (the lockstep fused builds do not take the starts).
 fn bwd_plan(be: &B, d: usize, t: usize, drop: bool, docs: bool) -> BwdKernels {
+    let wgmma = be.use_wgmma() && !crate::cuda::deterministic();
+    // The warp-specialised build with TMA and the dynamic walk (the `_drop` and `_docs` ones).
+    let ws_dyn = wgmma
+        && crate::cuda::flash_bwd_ws()
+        && crate::cuda::flash_tma()
+        && crate::cuda::flash_bwd_dyn()
+        && crate::cuda::flash_persist() != Some(false);
+    if docs && !drop && d != WIDE && ws_dyn {
+        let name = format!("flash_bwd_dkvq_ws2td_docs_bf16_{d}");
+        let ws = WsBwd { tma: true, dynamic: true };
+        return BwdKernels::Fused(TcLaunch { name, rows: 128, threads: 384, shared: ws_shared(d) }, Some(ws));
+    }
     if d == WIDE || docs {
         // Both kernels write each element once (deterministic either way); with dropout mma.sync.
         let (dq, dkv) = if drop { bwd_kernels(d, false, "_drop") } else { bwd_kernels(d, be.use_wgmma(), "") };
         return BwdKernels::Split(dq, dkv);
     }
-    let wgmma = be.use_wgmma() && !crate::cuda::deterministic();
-    if drop
-        && wgmma
-        && crate::cuda::flash_bwd_ws()
-        && crate::cuda::flash_tma()
-        && crate::cuda::flash_bwd_dyn()
-        && crate::cuda::flash_persist() != Some(false)
-    {
+    if drop && ws_dyn {
         let name = format!("flash_bwd_dkvq_ws2td_drop_bf16_{d}");
         let ws = WsBwd { tma: true, dynamic: true };
         return BwdKernels::Fused(TcLaunch { name, rows: 128, threads: 384, shared: ws_shared(d) }, Some(ws));
@@ -482,6 +495,9 @@ fn tc_fwd(be: &B, qkv: [Arg; 3], fused: bool, a: &AttnShape) -> Result<(Tensor, 
             if drops(a) {
                 args.push(drop_arg(be, a));
             }
+            if a.docs.is_some() {
+                args.push(docs_arg(a)?);
+            }
             let persistent = matches!(grid, FwdGrid::WsPersistent | FwdGrid::WsPersistentTma | FwdGrid::WsDynamicTma);
             if persistent { (bh * tiles).min(be.sms as usize) } else { bh * tiles }
         }
@@ -622,6 +638,9 @@ fn tc_bwd(
                 let qdo_per_kv_head = d.hq / d.hkv * d.t * d.d * 2 * 2;
                 args.extend([n(d.b * d.hkv), n(crate::cuda::flash_group_heads(qdo_per_kv_head))]);
                 args.push(Arg::Ptr(be.tile_counter.raw_ptr(&be.dev)));
+                if a.docs.is_some() {
+                    args.push(docs_arg(a)?);
+                }
                 if dynamic {
                     grid = grid.min(be.sms as usize);
                 }
