@@ -71,12 +71,14 @@ impl std::fmt::Debug for ContextParallel {
     }
 }
 
-/// Document-wise masks (`AttnCfg::docs`) refused: neither split carries them yet.
-pub(crate) fn no_docs(op: &'static str, cfg: &AttnCfg) -> Result<()> {
+/// Document-wise masks (`AttnCfg::docs`) refused by the all-gather, whose blocks of one query
+/// chunk against another key chunk the masks would leave with rows that see no key; the
+/// all-to-all takes them (whole rows: `context_heads`).
+fn no_docs(op: &'static str, cfg: &AttnCfg) -> Result<()> {
     if cfg.docs.is_some() {
         return Err(invalid(
             op,
-            "document-wise attention masks (--reset-attention-mask) are not built under context parallelism: drop one",
+            "document-wise attention masks (--reset-attention-mask) under context parallelism need --cp-comm-type a2a (the all-gather splits the keys into blocks): use it or drop one",
         ));
     }
     Ok(())

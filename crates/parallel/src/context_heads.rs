@@ -3,7 +3,8 @@
 //! sequence of 1/cp of the heads (`to_channels`, the exchange Mamba's mixer uses), the plain
 //! attention kernels run on those over the whole sequence, and the output trades back
 //! (`to_sequence`). Nothing is split along the keys, so any mask works: a sliding window, no
-//! causal mask, dropout drawn whole (the rank's heads at their global index).
+//! causal mask, dropout drawn whole (the rank's heads at their global index), document-wise
+//! masks (`AttnCfg::docs` then holds the whole rows' starts, [B, T], not this rank's rows).
 //!
 //! Rank r gets query heads r·Hq/cp.. and key/value heads r·Hkv/cp..: with Hkv divisible by cp,
 //! query head h's group h·Hkv/Hq is among them, so GQA needs no repeated K/V.
@@ -41,7 +42,6 @@ impl ContextParallel {
         cfg: &AttnCfg,
     ) -> Result<(Tensor, Tensor)> {
         const OP: &str = "context-parallel (all-to-all) attention_fwd";
-        super::context::no_docs(OP, cfg)?;
         let [_, _, hq, _] = dims4(OP, q)?;
         let [_, _, hkv, _] = dims4(OP, kk)?;
         self.check_heads(hq, hkv)?;
@@ -62,7 +62,6 @@ impl ContextParallel {
         cfg: &AttnCfg,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         const OP: &str = "context-parallel (all-to-all) attention_bwd";
-        super::context::no_docs(OP, cfg)?;
         let [_, _, hq, _] = dims4(OP, q)?;
         let [_, _, hkv, _] = dims4(OP, kk)?;
         self.check_heads(hq, hkv)?;

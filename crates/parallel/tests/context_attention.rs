@@ -54,28 +54,33 @@ fn every_rank_gets_its_rows_of_whole_sequence_attention_on_a_gpu() {
     }
 }
 
-/// Each case: (cp, batch, seq, query heads, key/value heads, head dim, dropout, window).
+/// Each case: (cp, batch, seq, query heads, key/value heads, head dim, dropout, window, document
+/// masks: the whole rows' starts, row r cut every 5 + 3r positions).
 fn rows_of_whole_sequence_attention(dev: &Device, dtype: DType, tol: f32, kind: CpCommType) {
     let cpu = Device::Cpu;
     let both = [
-        (2usize, 2usize, 8usize, 4usize, 2usize, 8usize, false, None),
+        (2usize, 2usize, 8usize, 4usize, 2usize, 8usize, false, None, false),
         // Attention dropout (chunks of 16: each block whole tiles of the sequence's mask).
-        (2, 2, 64, 4, 2, 8, true, None),
+        (2, 2, 64, 4, 2, 8, true, None, false),
         // Head dim 64: the GPU's flash kernels on 64-row chunks, without and with dropout.
-        (2, 1, 256, 4, 2, 64, false, None),
-        (2, 1, 256, 4, 2, 64, true, None),
+        (2, 1, 256, 4, 2, 64, false, None, false),
+        (2, 1, 256, 4, 2, 64, true, None, false),
     ];
     let by_kind: &[_] = match kind {
         // Head counts the all-to-all cannot split.
-        CpCommType::AllGather => &[(4, 1, 16, 2, 1, 4, false, None), (3, 2, 12, 2, 2, 4, false, None)],
+        CpCommType::AllGather => &[(4, 1, 16, 2, 1, 4, false, None, false), (3, 2, 12, 2, 2, 4, false, None, false)],
         // Three ranks of GQA heads; a sliding window (the all-gather refuses one), with dropout.
         CpCommType::AllToAll => &[
-            (3, 2, 12, 6, 3, 4, false, None),
-            (2, 1, 64, 4, 2, 8, false, Some(20)),
-            (2, 2, 64, 4, 4, 8, true, Some(9)),
+            (3, 2, 12, 6, 3, 4, false, None, false),
+            (2, 1, 64, 4, 2, 8, false, Some(20), false),
+            (2, 2, 64, 4, 4, 8, true, Some(9), false),
+            // Document masks (the all-gather refuses them): whole rows of the rank's heads.
+            (2, 2, 32, 4, 2, 8, false, None, true),
+            (3, 2, 48, 6, 3, 8, true, None, true),
+            (2, 1, 256, 4, 2, 64, false, None, true),
         ],
     };
-    for &(cp, b, t, hq, hkv, d, drop, window) in both.iter().chain(by_kind) {
+    for &(cp, b, t, hq, hkv, d, drop, window, docs) in both.iter().chain(by_kind) {
         // The whole sequence's mask: the same key on one rank and on every cp rank.
         let batch_stride = AttnDropout::blocks_per_sample(hq, t, t);
         let dropout = AttnDropout {
@@ -87,7 +92,10 @@ fn rows_of_whole_sequence_attention(dev: &Device, dtype: DType, tol: f32, kind: 
             head_offset: 0,
             tiles: None,
         };
-        let cfg = AttnCfg { dropout: drop.then_some(dropout), window, ..AttnCfg::default() };
+        let starts: Vec<u32> = (0..b).flat_map(|r| (0..t).map(move |i| (i - i % (5 + 3 * r)) as u32)).collect();
+        let starts_on = |dev: &Device| docs.then(|| Tensor::from_vec(starts.clone(), [b, t], dev)).transpose();
+        let cpu_starts = starts_on(&cpu).unwrap();
+        let cfg = AttnCfg { dropout: drop.then_some(dropout), window, docs: cpu_starts.as_ref(), ..AttnCfg::default() };
         let (nq, nk) = (b * t * hq * d, b * t * hkv * d);
         let (q, kk, v, dout) = (normal(nq, 1), normal(nk, 2), normal(nk, 3), normal(nq, 4));
         // One rank: the whole sequence, with RoPE at positions 0..t.
@@ -104,6 +112,8 @@ fn rows_of_whole_sequence_attention(dev: &Device, dtype: DType, tol: f32, kind: 
         let ranks = all_ok(run_ranks(cp, Duration::from_secs(30), |_, comm| {
             let ctx = ContextParallel::new(comm).with_kind(kind);
             let c = ctx.chunk_len(t)?;
+            let dev_starts = starts_on(dev)?;
+            let cfg = AttnCfg { docs: dev_starts.as_ref(), ..cfg };
             let local = |x: &[f32], h: usize| {
                 let rows = rows_of(x, b, t, h * d, 2 * c, |i| ctx.position(c, i));
                 Tensor::from_f32(&rows, [b, 2 * c, h, d], dtype, dev)
@@ -137,7 +147,9 @@ fn rows_of_whole_sequence_attention(dev: &Device, dtype: DType, tol: f32, kind: 
                     want,
                     tol,
                     dtype == DType::F32,
-                    &format!("{dev} {dtype} {kind:?} cp {cp} dropout {drop} window {window:?} rank {r} {what}"),
+                    &format!(
+                        "{dev} {dtype} {kind:?} cp {cp} dropout {drop} window {window:?} docs {docs} rank {r} {what}"
+                    ),
                 );
             }
         }
@@ -154,6 +166,19 @@ fn a_window_or_a_full_mask_is_refused_by_name() {
     }))
     .unwrap();
     assert!(r[0].contains("sliding window") && r[0].contains("--context-parallel-size"), "{}", r[0]);
+}
+
+#[test]
+fn the_all_gather_refuses_document_masks_naming_the_all_to_all() {
+    let r = all_ok(run_ranks(2, Duration::from_secs(5), |_, comm| {
+        let ctx = ContextParallel::new(comm);
+        let x = Tensor::zeros([1, 4, 1, 4], DType::F32, &Device::Cpu)?;
+        let docs = Tensor::from_vec(vec![0u32, 0, 2, 2, 2, 2, 2, 2], [1, 8], &Device::Cpu)?;
+        let cfg = AttnCfg { docs: Some(&docs), ..AttnCfg::default() };
+        Ok::<_, ferrotron_core::Error>(ctx.attention_fwd(&x, &x, &x, &cfg).unwrap_err().to_string())
+    }))
+    .unwrap();
+    assert!(r[0].contains("document-wise") && r[0].contains("--cp-comm-type a2a"), "{}", r[0]);
 }
 
 #[test]

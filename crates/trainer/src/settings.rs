@@ -2851,9 +2851,12 @@ impl Settings {
                 "--reset-attention-mask with a vision encoder (--img-h): a multimodal sample holds one image and its caption, with no documents to keep apart; drop --reset-attention-mask"
             );
         }
-        if s.reset_attention_mask && s.context_parallel_size > 1 {
+        if s.reset_attention_mask
+            && s.context_parallel_size > 1
+            && s.cp_comm_types()?.iter().any(|&k| k != ferrotron_parallel::CpCommType::AllToAll)
+        {
             bail!(
-                "--reset-attention-mask with --context-parallel-size {}: document-wise masks are not built under context parallelism; drop one",
+                "--reset-attention-mask with --context-parallel-size {} needs --cp-comm-type a2a for every layer (the all-gather splits the keys into blocks the masks would cut): pass --cp-comm-type a2a or drop one",
                 s.context_parallel_size
             );
         }

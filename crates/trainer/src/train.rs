@@ -252,9 +252,6 @@ fn batch(split: &TokenSplit, indices: &[usize], spec: &BatchSpec, dev: &Device) 
     // starts the next one) does not count.
     let mask = eod_mask.map(|eod| tokens.iter().map(|&t| if t == eod { 0.0 } else { 1.0 }).collect::<Vec<f32>>());
     if let Some(cp) = cp {
-        if reset_attention {
-            bail!("--reset-attention-mask is not built under context parallelism (a layout the settings refuse)");
-        }
         // This rank's chunks; the loss's denominator is the whole sequences' count over the cp
         // size, so that the mean over data × context-parallel ranks is the whole batch's.
         let whole = mask.as_ref().map_or((b * seq) as f64, |m| m.iter().map(|&x| x as f64).sum());
@@ -270,6 +267,11 @@ fn batch(split: &TokenSplit, indices: &[usize], spec: &BatchSpec, dev: &Device) 
         let mut batch = Batch::masked(t, l, m)?.with_num_tokens(all)?;
         if let Some(p) = &positions {
             batch = batch.with_position_ids(cp.shard_host(p, b, seq)?)?;
+        }
+        if reset_attention {
+            // The whole rows' starts: the all-to-all attention runs on whole rows (the settings
+            // refuse the all-gather with the masks).
+            batch = batch.with_whole_row_document_starts(ferrotron_data::document_starts(&tokens, seq, eod), seq)?;
         }
         if mtp_depths == 0 {
             return Ok(batch);

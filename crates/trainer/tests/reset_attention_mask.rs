@@ -1,14 +1,15 @@
 //! --reset-attention-mask: document-wise attention masks, each token seeing only its own
 //! document in a sample. It changes a run whose samples hold several documents, trains under
-//! tensor (with sequence) and pipeline parallelism as one rank does, recomputes bit for bit,
-//! goes with --reset-position-ids, and is refused by name where it is not built. (The masks against
+//! tensor (with sequence), pipeline and all-to-all context parallelism as one rank does,
+//! recomputes bit for bit, goes with --reset-position-ids, and is refused by name where it is
+//! not built. (The masks against
 //! Megatron's rule: the data crate's unit test; a packed document trained as if alone, and the
 //! gradients: the transformer crate's gradcheck; the kernels: tests/ops/attention.rs.)
 
 mod common;
 
 use common::*;
-use ferrotron_trainer::settings::TrainArgs;
+use ferrotron_trainer::settings::{Settings, TrainArgs};
 
 fn masks(a: TrainArgs) -> TrainArgs {
     TrainArgs { reset_attention_mask: true, ..a }
@@ -54,12 +55,40 @@ fn document_masks_go_with_reset_position_ids() {
     follows("dp2", &run(&both, 2), &one);
 }
 
+/// Under --cp-comm-type a2a each rank carries the whole rows' document starts and the attention
+/// runs on whole rows of its heads: cp2 (with MLA too, and with dp2) follows one rank.
+#[test]
+fn document_masks_train_as_one_rank_under_all_to_all_context_parallelism() {
+    let cp = |s: &Settings, n: usize| {
+        let mut s = s.clone();
+        s.context_parallel_size = n;
+        s.cp_comm_type = vec!["a2a".into()];
+        s
+    };
+    let llama = settings(&masks(tiny_args(true)));
+    let one = run(&llama, 1);
+    follows("a2a cp2", &run(&cp(&llama, 2), 2), &one);
+    follows("a2a cp2 × dp2", &run(&cp(&llama, 2), 4), &one);
+    let mla = settings(&masks(mla_args()));
+    assert_ne!(bits(&run(&settings(&mla_args()), 1).losses), bits(&run(&mla, 1).losses), "MLA's masks changed nothing");
+    follows("a2a cp2, multi-latent attention", &run(&cp(&mla, 2), 2), &run(&mla, 1));
+}
+
 #[test]
 fn where_the_masks_are_not_built_they_are_refused_by_name() {
     refused(
         masks(TrainArgs { context_parallel_size: Some(2), ..tiny_args(true) }),
         2,
-        "--reset-attention-mask with --context-parallel-size 2",
+        "--reset-attention-mask with --context-parallel-size 2 needs --cp-comm-type a2a",
+    );
+    refused(
+        masks(TrainArgs {
+            context_parallel_size: Some(2),
+            cp_comm_type: Some(vec!["a2a".into(), "allgather".into()]),
+            ..tiny_args(true)
+        }),
+        2,
+        "needs --cp-comm-type a2a for every layer",
     );
     refused(
         masks(TrainArgs { img_h: Some(8), img_w: Some(8), patch_dim: Some(4), ..tiny_args(true) }),

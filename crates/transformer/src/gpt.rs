@@ -69,7 +69,8 @@ pub struct Batch {
     /// row's own (global) position.
     position_ids: Option<Vec<u32>>,
     /// Document-wise attention masks (Megatron's --reset-attention-mask): u32 [B, T] on the
-    /// tokens' device, each position's first key (`AttnCfg::docs`); None: plain causal.
+    /// tokens' device, each position's first key (`AttnCfg::docs`); under context parallelism
+    /// the whole rows' [B, S] (`with_whole_row_document_starts`); None: plain causal.
     docs: Option<Tensor>,
 }
 
@@ -122,10 +123,24 @@ impl Batch {
     /// first position in its row (`ferrotron_data::document_starts`), at most its own and never
     /// before the previous token's.
     pub fn with_document_starts(self, starts: Vec<u32>) -> Result<Batch> {
+        let t = self.tokens.dims().get(1).copied().unwrap_or(0);
+        self.with_whole_row_document_starts(starts, t)
+    }
+
+    /// `with_document_starts` for a context-parallel rank, whose tokens are its chunks of rows of
+    /// `seq` tokens: `starts` [B·seq] are the whole rows' (global positions), which the
+    /// all-to-all attention reads after trading rows for heads.
+    pub fn with_whole_row_document_starts(self, starts: Vec<u32>, seq: usize) -> Result<Batch> {
         let dims = self.tokens.dims().to_vec();
-        let [b, t] = dims[..] else {
+        let [b, local] = dims[..] else {
             return Err(ModelError::Config(format!("document starts need tokens [B, T], got {dims:?}")));
         };
+        if seq == 0 || seq % local.max(1) != 0 {
+            return Err(ModelError::Config(format!(
+                "document starts of rows of {seq} tokens for a batch of {local} tokens a row: a rank's rows are a part of the whole rows"
+            )));
+        }
+        let t = seq;
         if starts.len() != b * t {
             return Err(ModelError::Config(format!(
                 "{} document starts for a batch of {} tokens: give one per token",
