@@ -206,10 +206,11 @@ fn reset_position_ids_cuda_matches_cpu() {
     split_matches_cpu("tiny", "reset positions, tp2 sp", reset, tp2);
 }
 
-/// --reset-attention-mask on the GPU (document starts uploaded with each micro-batch, attention
-/// on the reference kernels that take them), Llama-style and GPT-2 style with
-/// --reset-position-ids, one rank and tp2 with sequence parallelism on two thread ranks, against
-/// one CPU rank, fp32 within 1e-4; and bf16 within bf16's tolerance.
+/// --reset-attention-mask on the GPU (document starts uploaded with each micro-batch; fp32
+/// attention on the reference kernels, bf16 at head dim 64 on the flash kernels' `_docs` builds),
+/// Llama-style and GPT-2 style with --reset-position-ids, one rank, tp2 with sequence parallelism
+/// and a2a cp2 on two thread ranks, against one CPU rank, fp32 within 1e-4; and bf16 within
+/// bf16's tolerance.
 #[test]
 fn reset_attention_mask_cuda_matches_cpu() {
     let masks = |a: TrainArgs| TrainArgs { reset_attention_mask: true, ..a };
@@ -224,6 +225,15 @@ fn reset_attention_mask_cuda_matches_cpu() {
     split_matches_cpu("tiny", "document masks and reset positions, tp2 sp", both, tp2);
     let bf16 = || TrainArgs { preset: Some("llama-tiny".into()), bf16: true, ..masks(TrainArgs::default()) };
     bf16_cuda_matches_cpu("document masks", bf16);
+    // Head dim 64: the flash kernels' `_docs` builds in training.
+    bf16_cuda_matches_cpu("document masks, head dim 64", || TrainArgs { kv_channels: Some(64), ..bf16() });
+    // All-to-all context parallelism (two thread ranks sharing the GPU): whole rows' starts.
+    split_matches_cpu("llama-tiny", "document masks, a2a cp2", masks, |a| TrainArgs {
+        context_parallel_size: Some(2),
+        cp_comm_type: Some(vec!["a2a".into()]),
+        nproc: Some(2),
+        ..masks(a)
+    });
 }
 
 /// --qk-l2-norm on the GPU (the RMSNorm kernels at a unit scale over each query and key head),
