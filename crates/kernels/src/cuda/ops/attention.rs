@@ -11,8 +11,8 @@ pub struct AttnShape<'a> {
     /// Without `docs` (the GPU's are `docs` below).
     pub mask: AttnMask<'static>,
     pub scale: f32,
-    /// Document starts u32 [B, T] (`AttnCfg::docs`): the reference kernels and the tensor-core
-    /// kernels that stream K/V in lockstep take them (`fwd_kernel`, `bwd_plan`).
+    /// Document starts u32 [B, T] (`AttnCfg::docs`): the reference and tensor-core kernels take
+    /// them (`fwd_kernel` and `bwd_plan` pick builds that do); the SIMT flash kernels do not.
     pub docs: Option<&'a Tensor>,
 }
 
@@ -277,9 +277,9 @@ fn ws_fwd_shared(d: usize, keys: usize, nc: usize, q_tiles: bool) -> u32 {
 }
 
 /// Whether the forward with attention dropout runs the warp-specialised `_drop` build (TMA copies,
-/// the dynamic walk: kernels/flash_mma.cu `FLASH_WS_DROP`; the `_docs` build likewise): on sm_90 where the warp-specialised
-/// forward, its 128-key tiles, TMA and the dynamic walk are all on; else the lockstep `_drop`
-/// build. (`bwd_plan` decides the backward's by its own switches, and not in deterministic mode.)
+/// the dynamic walk: kernels/flash_mma.cu `FLASH_WS_DROP`; the `_docs` build likewise): on sm_90
+/// where the warp-specialised forward, its 128-key tiles, TMA and the dynamic walk are all on;
+/// else the lockstep `_drop` build. (`bwd_plan` decides the backward's by its own switches, and not in deterministic mode.)
 fn ws_drop(be: &B) -> bool {
     be.use_wgmma()
         && crate::cuda::flash_fwd_ws()
