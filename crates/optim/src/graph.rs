@@ -5,7 +5,8 @@
 //!
 //! A replay repeats what was captured: the same kernels with the same arguments on the same
 //! buffers. So before each replay the step's batches are copied into the captured batches'
-//! buffers (their 1 / loss-token count too, which the fused cross-entropy reads when it runs) and
+//! buffers (their 1 / loss-token count too, which the fused cross-entropy reads when it runs, and
+//! their document starts under --reset-attention-mask, which the attention kernels read) and
 //! its learning rate into the optimizer's state (`Optimizer::set_lr`), and after it the losses the
 //! graph wrote are copied out. A step whose batches differ from the captured ones in shape (a
 //! shorter last batch, another micro-batch count) releases the graph, so that its memory does not
@@ -173,12 +174,21 @@ impl Captured {
     }
 
     /// Whether `micro_batches` can take the captured batches' place: as many, each of the same
-    /// shapes and dtypes (the loss-token count may differ: it travels in `inv_tokens`).
+    /// shapes and dtypes, with document masks where the captured ones had them (the loss-token
+    /// count may differ: it travels in `inv_tokens`).
     fn fits(&self, micro_batches: &[Batch]) -> bool {
         let same = |a: &Tensor, b: &Tensor| a.dims() == b.dims() && a.dtype() == b.dtype();
+        let same_docs = |a: Option<&Tensor>, b: Option<&Tensor>| match (a, b) {
+            (Some(a), Some(b)) => same(a, b),
+            (None, None) => true,
+            _ => false,
+        };
         self.inputs.len() == micro_batches.len()
             && self.inputs.iter().zip(micro_batches).all(|(c, b)| {
-                same(&c.tokens, &b.tokens) && same(&c.labels, &b.labels) && same(&c.loss_mask, &b.loss_mask)
+                same(&c.tokens, &b.tokens)
+                    && same(&c.labels, &b.labels)
+                    && same(&c.loss_mask, &b.loss_mask)
+                    && same_docs(c.docs(), b.docs())
             })
     }
 
@@ -217,6 +227,10 @@ impl Captured {
                 (c.inv_tokens(), b.inv_tokens()),
             ];
             for (to, from) in pairs {
+                to.copy_from(from)?;
+            }
+            // --reset-attention-mask: the batch's document starts, where the kernels read them.
+            if let (Some(to), Some(from)) = (c.docs(), b.docs()) {
                 to.copy_from(from)?;
             }
         }

@@ -2865,11 +2865,6 @@ impl Settings {
                 "note: --reset-attention-mask in fp32 on the GPU runs attention on the reference kernels (the flash kernels that take document masks are bf16): expect a slower step; --bf16 runs them"
             );
         }
-        if s.reset_attention_mask && cuda_graph_warmup.is_some() {
-            bail!(
-                "--cuda-graph-impl local with --reset-attention-mask: each micro-batch's document starts are uploaded from the host, which a captured graph cannot do: drop one"
-            );
-        }
         if learned_reset && cuda_graph_warmup.is_some() {
             bail!(
                 "--cuda-graph-impl local with --reset-position-ids: each micro-batch's position ids are uploaded from the host, which a captured graph cannot do: drop one"
