@@ -4,7 +4,7 @@
 // fp32 atomics into [B,S,Hkv,D] buffers that the host casts afterwards; in deterministic mode
 // (`atomics` 0) it leaves them to attn_bwd_kv, which sums each key row's terms in a fixed order.
 // `docs` (or null): document-wise masks, [B,T] u32, query i of row b sees keys j ≥ docs[b·T + i]
-// (cpu/attention.rs `AttnMask::docs`); only these kernels take them.
+// (cpu/attention.rs `AttnMask::docs`); the tensor-core flash kernels take them too (flash.cu `doc_key_range`).
 
 __device__ __forceinline__ bool allowed(long i, long j, long causal, long window) {
     if (causal && j > i) return false;
