@@ -564,7 +564,8 @@ __device__ void flash_bwd_dkv_mma(const bf16_t* q, const bf16_t* k, const bf16_t
 // sm_90a; NW warpgroups, each 64 query rows (dq) or keys (dkv), sharing the streamed tiles). The
 // one-warpgroup dK/dV kernel is held to 168 registers: three blocks per SM (175 would allow two).
 // `docs` (document masks, or null) after `fused`: these split builds, the head dim 192 ones and the
-// mma.sync dropout ones below are the host's choice for masked calls.
+// mma.sync dropout ones below take the masked calls the warp-specialised `_docs` build does not
+// (dropout, deterministic mode, head dim 192, the warp-specialised kernels off).
 #define FLASH_BWD_MMA(D, SFX, WG, NW) \
 extern "C" __global__ void __launch_bounds__(128 * NW) flash_bwd_dq_##SFX##_bf16_##D(const bf16_t* q, const bf16_t* k, \
         const bf16_t* v, const float* lse, const float* delta, const bf16_t* dout, bf16_t* dq, long t, long sl, long hq, \

@@ -917,8 +917,9 @@ __device__ void flash_fwd_ws(const bf16_t* q, const bf16_t* k, const bf16_t* v, 
 }
 
 // Query rows per block: FM_ROWS · MT · NW, threads 128 · NW (the host's `fwd_kernel` must agree).
-// `docs` (document masks, or null) after `fused`: these builds and the dropout ones below are the
-// host's choice for masked calls (the warp-specialised kernels do not take them).
+// `docs` (document masks, or null) after `fused`: these builds and the dropout ones below take
+// the masked calls the warp-specialised `_docs` build below does not (dropout, head dim 192, the
+// warp-specialised kernels off).
 // At head dim 64 both: two m-tiles per warp win from 2k tokens on, one (more, smaller blocks, less
 // work on the causal diagonal) below. The wgmma kernels (sm_90a), flash_fwd_wgNW_bf16_D, take 64
 // rows per warpgroup; NW is bounded by the registers (NW · 128 threads share 64k).

@@ -21,8 +21,8 @@ pub struct AttnCfg<'a> {
     /// most its own position, and along a row never smaller than the one before:
     /// `document_starts_error`). The CPU checks both; a GPU reads no values back to check
     /// (`Batch::with_document_starts` checks them on the host), and its flash kernels rely on
-    /// the second to skip key tiles. On a GPU these run on the tensor-core kernels that stream K/V
-    /// in lockstep (bf16), else on the reference kernels.
+    /// the second to skip key tiles. On a GPU these run on the tensor-core flash kernels in bf16
+    /// (the warp-specialised `_docs` builds where they apply), on the reference kernels in fp32.
     pub docs: Option<&'a Tensor>,
 }
 

@@ -1024,9 +1024,9 @@ pub struct TrainArgs {
     #[arg(long)]
     pub reset_position_ids: bool,
     /// Document-wise attention masks (Megatron's): a token sees only the tokens of its own
-    /// document in a sample (an end of document closes the document before it). Not with
-    /// --context-parallel-size above 1 or --cuda-graph-impl local; on a GPU it runs on the
-    /// reference attention kernels (slower than flash).
+    /// document in a sample (an end of document closes the document before it). With
+    /// --context-parallel-size above 1 it needs --cp-comm-type a2a; on a GPU in fp32 it runs on
+    /// the reference attention kernels (bf16: the flash kernels).
     #[arg(long)]
     pub reset_attention_mask: bool,
     /// Refused by name: Weights & Biases logging is not built (--tensorboard-dir is).

@@ -140,18 +140,17 @@ impl Batch {
                 "document starts of rows of {seq} tokens for a batch of {local} tokens a row: a rank's rows are a part of the whole rows"
             )));
         }
-        let t = seq;
-        if starts.len() != b * t {
+        if starts.len() != b * seq {
             return Err(ModelError::Config(format!(
                 "{} document starts for a batch of {} tokens: give one per token",
                 starts.len(),
-                b * t
+                b * seq
             )));
         }
-        if let Some(e) = k::document_starts_error(&starts, t) {
+        if let Some(e) = k::document_starts_error(&starts, seq) {
             return Err(ModelError::Config(e));
         }
-        let docs = Tensor::from_vec(starts, [b, t], self.tokens.device())?;
+        let docs = Tensor::from_vec(starts, [b, seq], self.tokens.device())?;
         Ok(Batch { docs: Some(docs), ..self })
     }
 
