@@ -92,6 +92,96 @@ FP8_CAST(bf16, bf16_t, e4m3, 448.f)
 FP8_CAST(f32, float, e5m2, 57344.f)
 FP8_CAST(bf16, bf16_t, e5m2, 57344.f)
 
+// Two values to FP8 in one instruction: lo in the low byte, as two `to_*` calls would give.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define TO_FP8X2(f)                                                                                \
+__device__ __forceinline__ u32 to2_##f(float lo, float hi) {                                       \
+    unsigned short r;                                                                             \
+    asm("cvt.rn.satfinite." #f "x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));                 \
+    return r;                                                                                     \
+}
+#else
+#define TO_FP8X2(f)                                                                                \
+__device__ __forceinline__ u32 to2_##f(float, float) { __trap(); return 0; }
+#endif
+TO_FP8X2(e4m3)
+TO_FP8X2(e5m2)
+
+// `fp8_cast_*` with wide accesses (the host's choice where cols % 8 == 0, rows % 16 == 0 and x,
+// q, qt sit on 16-byte boundaries): 64 × 64 tiles, each thread two groups of eight columns
+// (16-byte loads of bf16, 8-byte stores of q) and one 16-row run of a column of qᵀ (a 16-byte
+// store; four threads write a column's 64 contiguous bytes). Why: the 32 × 32 kernel moves one
+// or two bytes an access. The tile sits in shared memory column by column (68 bytes apart: the
+// byte stores of a warp's eight column groups fall in four banks, the 16-byte reads in whole
+// words). Same values, same scale rule, same amax as `fp8_cast_*`. The `_gelu` builds (G) take
+// a GeLU's input h and quantize gelu(h) as `gelu_fwd_*` would store it (rounded to T first), so
+// an FP8 product after a GeLU reads h once and the activation is never written.
+#define FP8_CAST64(s, T, f, FMAX, SUF, G)                                                                   \
+extern "C" __global__ void __launch_bounds__(256) fp8_cast64##SUF##_##s##_##f(const T* x, u32* amax, const float* given, \
+        unsigned char* q, unsigned char* qt, float* scale_inv, long rows, long cols) {                       \
+    __shared__ __align__(16) unsigned char tile[64 * 68];                                                    \
+    const float sc = given ? *given : fp8_scale(amax, FMAX);                                                 \
+    const long tiles_c = (cols + 63) / 64;                                                                   \
+    const long r0 = (long)blockIdx.x / tiles_c * 64, c0 = (long)blockIdx.x % tiles_c * 64;                   \
+    const int cg = threadIdx.x & 7, rr = threadIdx.x >> 3;                                                   \
+    u32 m = 0;                                                                                               \
+    _Pragma("unroll") for (int i = 0; i < 2; i++) {                                                          \
+        const int lr = rr + 32 * i;                                                                          \
+        const long r = r0 + lr, c = c0 + cg * 8;                                                             \
+        if (r < rows && c < cols) {                                                                          \
+            float v[8];                                                                                      \
+            ld8(x, r * cols + c, v);                                                                         \
+            if (G) _Pragma("unroll") for (int e = 0; e < 8; e++) v[e] = as_stored(x, gelu_f(v[e]));          \
+            u32 w[4];                                                                                        \
+            _Pragma("unroll") for (int e = 0; e < 8; e += 2) {                                               \
+                m = umax32(m, umax32(abs_bits(v[e]), abs_bits(v[e + 1])));                                   \
+                const u32 p = to2_##f(__fmul_rn(v[e], sc), __fmul_rn(v[e + 1], sc));                         \
+                w[e / 2] = p;                                                                                \
+                tile[(cg * 8 + e) * 68 + lr] = (unsigned char)(p & 0xff);                                    \
+                tile[(cg * 8 + e + 1) * 68 + lr] = (unsigned char)(p >> 8);                                  \
+            }                                                                                                \
+            if (q) *(uint2*)(q + r * cols + c) = make_uint2(w[0] | w[1] << 16, w[2] | w[3] << 16);           \
+        }                                                                                                    \
+    }                                                                                                        \
+    if (given && amax) {                                                                                     \
+        for (int o = 16; o > 0; o >>= 1) m = umax32(m, __shfl_xor_sync(0xffffffffu, m, o));                  \
+        if ((threadIdx.x & 31) == 0 && m) atomicMax(amax, m);                                                \
+    }                                                                                                        \
+    if (blockIdx.x == 0 && threadIdx.x == 0) {                                                               \
+        scale_inv[0] = __frcp_rn(sc);                                                                        \
+        if (given) scale_inv[1] = sc;                                                                        \
+    }                                                                                                        \
+    if (!qt) return;                                                                                         \
+    __syncthreads();                                                                                         \
+    const int col = threadIdx.x >> 2, rg = threadIdx.x & 3;                                                  \
+    const long c = c0 + col, r = r0 + rg * 16;                                                               \
+    if (c < cols && r < rows) {                                                                              \
+        const u32* sm = reinterpret_cast<const u32*>(tile + col * 68 + rg * 16);                             \
+        *(uint4*)(qt + c * rows + r) = make_uint4(sm[0], sm[1], sm[2], sm[3]);                               \
+    }                                                                                                        \
+}
+#define FP8_CAST64_BOTH(s, T, f, FMAX) FP8_CAST64(s, T, f, FMAX, , false) FP8_CAST64(s, T, f, FMAX, _gelu, true)
+FP8_CAST64_BOTH(f32, float, e4m3, 448.f)
+FP8_CAST64_BOTH(bf16, bf16_t, e4m3, 448.f)
+FP8_CAST64_BOTH(f32, float, e5m2, 57344.f)
+FP8_CAST64_BOTH(bf16, bf16_t, e5m2, 57344.f)
+
+// `fp8_amax_*` eight elements a thread (16-byte loads; the host's choice where n % 8 == 0 and x
+// is 16-byte aligned).
+#define FP8_AMAX8(s, T)                                                                         \
+extern "C" __global__ void fp8_amax_v8_##s(const T* x, u32* amax, long n) {                     \
+    u32 m = 0;                                                                                  \
+    GRID_STRIDE8(i, n) {                                                                        \
+        float v[8];                                                                             \
+        ld8(x, i, v);                                                                           \
+        _Pragma("unroll") for (int e = 0; e < 8; e++) m = umax32(m, abs_bits(v[e]));            \
+    }                                                                                           \
+    for (int o = 16; o > 0; o >>= 1) m = umax32(m, __shfl_xor_sync(0xffffffffu, m, o));            \
+    if ((threadIdx.x & 31) == 0 && m) atomicMax(amax, m);                                        \
+}
+FP8_AMAX8(f32, float)
+FP8_AMAX8(bf16, bf16_t)
+
 // One thread per history column c in [c0, c1) of hist [len, n] and scale [n]: the header's
 // update with scaled_max = fp8_max · 2^-margin, from the history's max (`algo_max`) or row 0.
 extern "C" __global__ void fp8_delayed_update(float* hist, float* scale, long len, long n, long c0, long c1,

@@ -82,7 +82,7 @@ fn scale_for(amax: f32, fmax: f32) -> f32 {
 /// x (viewed as [rows, cols], cols its last dim) in FP8 type `dt` with one scale: (q in x's
 /// shape, qᵀ [cols, rows]), each present as `copies` asks.
 pub fn quantize_fp8(x: &Tensor, dt: DType, copies: Fp8Copies) -> Result<(Option<Fp8>, Option<Fp8>)> {
-    let (q, qt, _) = quantize(x, dt, copies, None)?;
+    let (q, qt, _) = quantize(x, dt, copies, None, false)?;
     Ok((q, qt))
 }
 
@@ -97,24 +97,41 @@ pub fn quantize_fp8_scaled(
     scale: &Tensor,
     amax: Option<&Tensor>,
 ) -> Result<(Option<Fp8>, Option<Fp8>, Tensor)> {
+    quantize_scaled(x, dt, copies, (scale, amax), false)
+}
+
+/// `quantize_fp8_scaled`, of gelu(x) where `gelu` (see `quantize`).
+fn quantize_scaled(
+    x: &Tensor,
+    dt: DType,
+    copies: Fp8Copies,
+    (scale, amax): (&Tensor, Option<&Tensor>),
+    gelu: bool,
+) -> Result<(Option<Fp8>, Option<Fp8>, Tensor)> {
     const OP: &str = "quantize_fp8_scaled";
     for t in std::iter::once(scale).chain(amax) {
         check::dtype(OP, t, DType::F32)?;
         check::shape(OP, t, &[1])?;
     }
-    let (q, qt, used) = quantize(x, dt, copies, Some((scale, amax)))?;
+    let (q, qt, used) = quantize(x, dt, copies, Some((scale, amax)), gelu)?;
     Ok((q, qt, used.ok_or_else(|| invalid(OP, "no scale copy"))?))
 }
 
-/// Both quantizations (`given`: delayed scaling's scale and amax slot); the scale used where given.
+/// Both quantizations (`given`: delayed scaling's scale and amax slot); the scale used where
+/// given. With `gelu` x is a GeLU's input and gelu(x) (as `gelu` stores it) is quantized: in the
+/// cast itself where CUDA's wide cast takes x under delayed scaling, else by `gelu` first.
 fn quantize(
     x: &Tensor,
     dt: DType,
     copies: Fp8Copies,
     given: Option<(&Tensor, Option<&Tensor>)>,
+    gelu: bool,
 ) -> Result<(Option<Fp8>, Option<Fp8>, Option<Tensor>)> {
     const OP: &str = "quantize_fp8";
     check::float(OP, x)?;
+    if gelu && !gelu_in_cast(x, given.is_some())? {
+        return quantize(&crate::gelu(x)?, dt, copies, given, false);
+    }
     let fmax = fp8_max(OP, dt)?;
     if x.shape().rank() == 0 {
         return Err(shape_mismatch(OP, "a tensor of rank >= 1", x.dims()));
@@ -133,7 +150,7 @@ fn quantize(
         };
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &all)? {
-        let (q, qt, s) = crate::cuda::ops::fp8_quantize(&g, x, [rows, cols], dt, [plain, transposed], given)?;
+        let (q, qt, s) = crate::cuda::ops::fp8_quantize(&g, x, [rows, cols], dt, [plain, transposed], given, gelu)?;
         return finish(q, qt, s);
     }
     check::on_cpu(OP, &all)?;
@@ -169,6 +186,18 @@ fn quantize(
         None
     };
     finish(q, qt, scale_inv)
+}
+
+/// Whether `quantize` applies a GeLU inside the cast (CUDA, delayed scaling, the wide cast's
+/// shapes); elsewhere the activation runs first.
+fn gelu_in_cast(x: &Tensor, given: bool) -> Result<bool> {
+    #[cfg(feature = "cuda")]
+    if given && matches!(x.device(), Device::Cuda(_)) && x.shape().rank() > 0 {
+        let cols = x.shape().last();
+        return crate::cuda::ops::fp8_cast_wide(x, [x.elem_count() / cols.max(1), cols]);
+    }
+    let _ = (x, given);
+    Ok(false)
 }
 
 /// Delayed scaling's update after a pass, of columns `cols` of `history` [len, n] and `scale`
@@ -316,16 +345,18 @@ pub struct Fp8Scaling<'a> {
     pub amax: Option<&'a Tensor>,
 }
 
-/// `x` quantized by its own amax, or (`delayed`) by the given scale; with the scale used.
+/// `x` (or gelu(x), `gelu`) quantized by its own amax, or (`delayed`) by the given scale; with
+/// the scale used.
 fn quantize_by(
     x: &Tensor,
     dt: DType,
     copies: Fp8Copies,
     delayed: Option<Fp8Scaling>,
+    gelu: bool,
 ) -> Result<(Option<Fp8>, Option<Fp8>, Option<Tensor>)> {
     match delayed {
-        Some(d) => quantize_fp8_scaled(x, dt, copies, d.scale, d.amax).map(|(q, qt, s)| (q, qt, Some(s))),
-        None => quantize(x, dt, copies, None),
+        Some(d) => quantize_scaled(x, dt, copies, (d.scale, d.amax), gelu).map(|(q, qt, s)| (q, qt, Some(s))),
+        None => quantize(x, dt, copies, None, gelu),
     }
 }
 
@@ -342,12 +373,39 @@ pub fn fp8_linear_fwd(
     for_backward: bool,
     delayed: Option<[Fp8Scaling; 2]>,
 ) -> Result<(Tensor, Option<Fp8>, Option<[Tensor; 2]>)> {
+    linear_fwd(x, w, bias, format, for_backward, delayed, false)
+}
+
+/// `fp8_linear_fwd` on gelu(h), h a GeLU's input: on CUDA under delayed scaling the cast applies
+/// the GeLU (gelu(h) is never written), elsewhere `gelu` runs first. What it returns is
+/// `fp8_linear_fwd(&gelu(h), …)`'s.
+pub fn fp8_linear_fwd_gelu(
+    h: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    format: Fp8Format,
+    for_backward: bool,
+    delayed: Option<[Fp8Scaling; 2]>,
+) -> Result<(Tensor, Option<Fp8>, Option<[Tensor; 2]>)> {
+    linear_fwd(h, w, bias, format, for_backward, delayed, true)
+}
+
+fn linear_fwd(
+    x: &Tensor,
+    w: &Tensor,
+    bias: Option<&Tensor>,
+    format: Fp8Format,
+    for_backward: bool,
+    delayed: Option<[Fp8Scaling; 2]>,
+    gelu: bool,
+) -> Result<(Tensor, Option<Fp8>, Option<[Tensor; 2]>)> {
     const OP: &str = "fp8_linear_fwd";
     check::rank(OP, w, 2)?;
     let copies = if for_backward { Fp8Copies::Both } else { Fp8Copies::Plain };
+    // Padding rows are zeros, and gelu(0) = 0: they stay zeros through the GeLU too.
     let (xp, rows) = padded_rows(x)?;
-    let (xq, xt, x_scale) = quantize_by(&xp, format.forward(), copies, delayed.map(|d| d[0]))?;
-    let (wq, _, w_scale) = quantize_by(w, format.forward(), Fp8Copies::Plain, delayed.map(|d| d[1]))?;
+    let (xq, xt, x_scale) = quantize_by(&xp, format.forward(), copies, delayed.map(|d| d[0]), gelu)?;
+    let (wq, _, w_scale) = quantize_by(w, format.forward(), Fp8Copies::Plain, delayed.map(|d| d[1]), false)?;
     let (xq, wq) = (xq.ok_or_else(|| gone(OP))?, wq.ok_or_else(|| gone(OP))?);
     let y = fp8_matmul(&xq, &wq, bias, x.dtype())?;
     let mut dims = x.dims().to_vec();
@@ -389,9 +447,9 @@ pub fn fp8_linear_bwd(
     const OP: &str = "fp8_linear_bwd";
     check::rank(OP, w, 2)?;
     let (dyp, rows) = padded_rows(dy)?;
-    let (dyq, dyt, _) = quantize_by(&dyp, format.gradient(), Fp8Copies::Both, delayed.map(|d| d.0))?;
+    let (dyq, dyt, _) = quantize_by(&dyp, format.gradient(), Fp8Copies::Both, delayed.map(|d| d.0), false)?;
     let w_by = delayed.map(|(_, scale)| Fp8Scaling { scale, amax: None });
-    let (_, wt, _) = quantize_by(w, format.forward(), Fp8Copies::Transposed, w_by)?;
+    let (_, wt, _) = quantize_by(w, format.forward(), Fp8Copies::Transposed, w_by, false)?;
     let (dyq, dyt, wt) = (dyq.ok_or_else(|| gone(OP))?, dyt.ok_or_else(|| gone(OP))?, wt.ok_or_else(|| gone(OP))?);
     let dx = fp8_matmul(&dyq, &wt, None, dy.dtype())?;
     fp8_matmul_into(dw, &dyt, xt, accumulate)?;

@@ -38,6 +38,7 @@ const SWITCHES: &[(&str, Accepts)] = &[
     ("FERROTRON_NORM_FUSED", OFF_ON),
     ("FERROTRON_NORM_BWD", Accepts::Words(&["v5", "v6", "v6np"])),
     ("FERROTRON_CE_KEEP", OFF_ON),
+    ("FERROTRON_FP8_CAST", Accepts::Words(&["32", "64"])),
     ("FERROTRON_PDL", OFF_ON),
     ("FERROTRON_OWN_GEMM", OFF_ON),
     ("FERROTRON_OWN_GEMM_PLAIN", OFF_ON),

@@ -80,15 +80,28 @@ pub fn product(
 /// `product`'s FP8 half on a weight given as a tensor (a view of part of a parameter: Mamba's
 /// in_proj blocks, each its own FP8 layer).
 pub fn fp8_product(cx: &Cx, w: &Tensor, b: Option<&Tensor>, x: &Tensor, f: &Fp8Linear) -> Result<(Tensor, Saved)> {
+    fp8_product_of(cx, w, b, x, f, false)
+}
+
+/// `fp8_product` of x, or of gelu(x) (`gelu`: x is a GeLU's input; `k::fp8_linear_fwd_gelu`).
+fn fp8_product_of(
+    cx: &Cx,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    x: &Tensor,
+    f: &Fp8Linear,
+    gelu: bool,
+) -> Result<(Tensor, Saved)> {
+    let fwd = if gelu { k::fp8_linear_fwd_gelu } else { k::fp8_linear_fwd };
     // An evaluation's forward writes no transposed copy: nothing runs backward.
     let (y, xt, used) = match &f.slot {
-        None => k::fp8_linear_fwd(x, w, b, f.format, cx.training, None)?,
+        None => fwd(x, w, b, f.format, cx.training, None)?,
         Some(slot) => {
             let t = slot.metas.tensors()?;
             let scales = cx.fp8_replay.unwrap_or(&t.fwd_scale);
             let record = cx.training && cx.fp8_replay.is_none();
             let [sx, sw] = forward_slots(&t, scales, slot.index, record)?;
-            k::fp8_linear_fwd(x, w, b, f.format, cx.training, Some([by(&sx), by(&sw)]))?
+            fwd(x, w, b, f.format, cx.training, Some([by(&sx), by(&sw)]))?
         }
     };
     // [xᵀ, its scale_inv] and under delayed scaling [the scale of w, the scale of x].
@@ -337,19 +350,7 @@ impl RowParallelLinear {
 impl Module for RowParallelLinear {
     fn forward(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Saved)> {
         let x = if self.input_is_parallel { x.clone() } else { self.tp.split_last(x)? };
-        match (self.tp.size(), self.bias) {
-            // Alone: the bias rides in the GEMM epilogue.
-            (1, Some(b)) => product(cx, self.weight, Some(b), &x, self.fp8.as_ref()),
-            (_, b) => {
-                let (y, saved) = product(cx, self.weight, None, &x, self.fp8.as_ref())?;
-                let y = self.tp.exit(&y)?;
-                let y = match b.filter(|_| self.tp.adds_bias()) {
-                    Some(b) => k::bias_add(&y, &cx.params.param(b)?)?,
-                    None => y,
-                };
-                Ok((y, saved))
-            }
-        }
+        self.forward_split(cx, &x, product)
     }
 
     fn backward(&self, cx: &Cx, saved: Saved, dy: &Tensor) -> Result<Tensor> {
@@ -365,7 +366,44 @@ impl Module for RowParallelLinear {
     }
 }
 
+/// `product`'s signature: what `RowParallelLinear::forward_split` multiplies with.
+type ProductFn = fn(&Cx, ParamId, Option<ParamId>, &Tensor, Option<&Fp8Linear>) -> Result<(Tensor, Saved)>;
+
 impl RowParallelLinear {
+    /// `forward(gelu(h))` for h a GeLU's input, the same values and saved state. In FP8 the
+    /// input's cast applies the GeLU (`k::fp8_linear_fwd_gelu`), so gelu(h) is never written;
+    /// otherwise the GeLU runs first. (In bf16 the GeLU rides in fc1's GEMM epilogue instead:
+    /// `ColumnParallelLinear::forward_gelu`.)
+    pub fn forward_after_gelu(&self, cx: &Cx, h: &Tensor) -> Result<(Tensor, Saved)> {
+        if self.fp8.is_none() {
+            return self.forward(cx, &k::gelu(h)?);
+        }
+        // The GeLU is elementwise: splitting h first splits gelu(h) alike.
+        let h = if self.input_is_parallel { h.clone() } else { self.tp.split_last(h)? };
+        self.forward_split(cx, &h, |cx, w, b, h, fp8| {
+            let f = fp8.ok_or_else(|| invalid("RowParallelLinear::forward_after_gelu", "FP8 went away"))?;
+            let (w, b) = (cx.params.param(w)?, b.map(|b| cx.params.param(b)).transpose()?);
+            fp8_product_of(cx, &w, b.as_ref(), h, f, true)
+        })
+    }
+
+    /// The forward on this rank's input slice `x`, its product by `mul`.
+    fn forward_split(&self, cx: &Cx, x: &Tensor, mul: ProductFn) -> Result<(Tensor, Saved)> {
+        match (self.tp.size(), self.bias) {
+            // Alone: the bias rides in the GEMM epilogue.
+            (1, Some(b)) => mul(cx, self.weight, Some(b), x, self.fp8.as_ref()),
+            (_, b) => {
+                let (y, saved) = mul(cx, self.weight, None, x, self.fp8.as_ref())?;
+                let y = self.tp.exit(&y)?;
+                let y = match b.filter(|_| self.tp.adds_bias()) {
+                    Some(b) => k::bias_add(&y, &cx.params.param(b)?)?,
+                    None => y,
+                };
+                Ok((y, saved))
+            }
+        }
+    }
+
     /// `backward` followed by the GeLU backward of the layer before (whose pre-activation is
     /// `h`): gelu_bwd(h, dx), fused into the input-gradient GEMM where the device allows
     /// (`k::matmul_dgelu`).

@@ -452,7 +452,8 @@ fn fp8_cuda_matches_cpu() {
 
 /// --fp8-recipe delayed on the GPU: the cast by a given scale that also maxes the tensor's amax
 /// into its history slot, `fp8_delayed_update` after every pass, the recompute's copy of the
-/// forward scales: llama-tiny with an amax history of 4 under `max`, mixtral-tiny, mamba-tiny
+/// forward scales: llama-tiny with an amax history of 4 under `max`, mixtral-tiny, GPT's tiny
+/// (GeLU in the cast of fc2's input) alone and under tp2 × sp, mamba-tiny
 /// (the mixers' in_proj blocks and out_proj in FP8), and tp2 × sp
 /// (the amaxes reduced over the two thread ranks sharing the GPU) with full recompute, against
 /// the CPU's emulation within bf16's 2e-2.
@@ -473,6 +474,14 @@ fn fp8_delayed_cuda_matches_cpu() {
         ..delayed("llama-tiny")()
     });
     bf16_cuda_matches_cpu("fp8 delayed mixtral-tiny", delayed("mixtral-tiny"));
+    // GPT's GeLU inside the cast of fc2's input (`fp8_linear_fwd_gelu`), alone and split over tp2.
+    bf16_cuda_matches_cpu("fp8 delayed tiny", delayed("tiny"));
+    bf16_cuda_matches_cpu("fp8 delayed tiny tp2 sp", || TrainArgs {
+        tensor_model_parallel_size: Some(2),
+        sequence_parallel: true,
+        nproc: Some(2),
+        ..delayed("tiny")()
+    });
     bf16_cuda_matches_cpu("fp8 delayed mamba-tiny (32 heads of 2)", || TrainArgs {
         mamba_head_dim: Some(2),
         ..delayed("mamba-tiny")()

@@ -61,6 +61,12 @@ impl Mlp {
 
 impl Module for Mlp {
     fn forward(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Saved)> {
+        if self.activation == Activation::Gelu && self.linear_fc2.fp8.is_some() {
+            // fc2 in FP8: the GeLU rides in the cast of fc2's input instead (never written).
+            let (h, s1) = self.linear_fc1.forward(cx, x)?;
+            let (y, s2) = self.linear_fc2.forward_after_gelu(cx, &h)?;
+            return Ok((y, Saved::new(vec![h], vec![s1, s2])));
+        }
         let (a, h, s1) = match self.activation {
             // GeLU in fc1's GEMM epilogue (and its gradient in fc2's input-gradient GEMM) on a GPU.
             Activation::Gelu => self.linear_fc1.forward_gelu(cx, x)?,

@@ -98,8 +98,10 @@ fn check_quantize(dev: &Device, x: &[f64], [rows, cols]: [usize; 2], src: DType,
 }
 
 device_test!(quantize_matches_nearest_code, |dev: &Device| {
-    // Odd sizes cross the 32×32 tiles' edges; magnitudes from 2^-20 to 2^12 reach FP8's subnormals.
-    for (i, &(rows, cols)) in [(1, 1), (37, 45), (64, 32), (3, 100)].iter().enumerate() {
+    // Odd sizes cross the 32×32 tiles' edges; rows % 16 == 0 with cols % 8 == 0 take the 64×64
+    // kernel (80 × 72, 48 × 136: part tiles both ways); magnitudes from 2^-20 to 2^12 reach FP8's
+    // subnormals.
+    for (i, &(rows, cols)) in [(1, 1), (37, 45), (64, 32), (3, 100), (80, 72), (48, 136)].iter().enumerate() {
         let x: Vec<f64> = randv(rows * cols, 40 + i as u64)
             .iter()
             .enumerate()
@@ -266,7 +268,7 @@ fn reference_scaled(x: &[f64], dt: DType, scale: f32) -> Vec<f64> {
 
 device_test!(scaled_quantization_takes_the_given_scale_and_records_amax, |dev: &Device| {
     // The amax slot is column 3 of row 0 of a [2, 5] history holding `before` everywhere.
-    for (i, &(rows, cols)) in [(37, 45), (3, 100)].iter().enumerate() {
+    for (i, &(rows, cols)) in [(37, 45), (3, 100), (80, 72)].iter().enumerate() {
         let x: Vec<f64> = randv(rows * cols, 60 + i as u64).iter().map(|v| v * 30.0).collect();
         for src in [DType::F32, DType::BF16] {
             let xs = stored(&x, src);
@@ -434,3 +436,58 @@ fn format_names_round_trip() {
     assert_eq!(Fp8Format::Hybrid.gradient(), DType::F8E5M2);
     assert_eq!(Fp8Format::E4M3.gradient(), DType::F8E4M3);
 }
+
+device_test!(gelu_in_the_cast_quantizes_what_gelu_stores, |dev: &Device| {
+    // fp8_linear_fwd_gelu(h) against fp8_linear_fwd(gelu(h)) under delayed scaling: on CUDA the
+    // wide cast applies the GeLU itself (80 × 80: part tiles both ways; 37 rows: padded to 48,
+    // the wide cast too), elsewhere the GeLU runs first. The codes, the output, the saved xᵀ and
+    // the amax recorded are compared; in one kernel or two, gelu(h) is rounded to bf16 alike, so
+    // a code may differ only where the two GeLU evaluations' f32 roundings do.
+    for (rows, cols) in [(80, 80), (37, 64)] {
+        let out = 48;
+        let h: Vec<f64> = randv(rows * cols, 91).iter().map(|v| v * 3.0).collect();
+        let (w, b) = (randv(out * cols, 92), randv(out, 93));
+        let (ht, wt) = (tensor(dev, &h, &[rows, cols], DType::BF16), tensor(dev, &w, &[out, cols], DType::BF16));
+        let bt = tensor(dev, &b, &[out], DType::BF16);
+        let run = |fused: bool| {
+            let (sx, sw) = (t32(dev, &[20.0], &[1]), t32(dev, &[30.0], &[1]));
+            let (ax, aw) = (t32(dev, &[0.0], &[1]), t32(dev, &[0.0], &[1]));
+            let by = [Fp8Scaling { scale: &sx, amax: Some(&ax) }, Fp8Scaling { scale: &sw, amax: Some(&aw) }];
+            let (y, xt, used) = if fused {
+                k::fp8_linear_fwd_gelu(&ht, &wt, Some(&bt), Fp8Format::Hybrid, true, Some(by)).unwrap()
+            } else {
+                let a = k::gelu(&ht).unwrap();
+                k::fp8_linear_fwd(&a, &wt, Some(&bt), Fp8Format::Hybrid, true, Some(by)).unwrap()
+            };
+            let used = used.unwrap().map(|t| t.to_vec_f32().unwrap());
+            (host(&y), host(&xt.unwrap().data), ax.to_vec_f32().unwrap(), aw.to_vec_f32().unwrap(), used)
+        };
+        let (got, want) = (run(true), run(false));
+        let what = format!("[{rows}, {cols}]");
+        let near = |g: &[f64], w: &[f64], part: &str, rel: f64| {
+            assert_eq!(g.len(), w.len());
+            let diff: Vec<usize> = (0..g.len()).filter(|&i| g[i].to_bits() != w[i].to_bits()).collect();
+            assert!(diff.len() * 200 <= g.len(), "{what} {part}: {} of {} differ", diff.len(), g.len());
+            for &i in &diff {
+                assert!(
+                    (g[i] - w[i]).abs() <= rel * w[i].abs().max(1e-3),
+                    "{what} {part}[{i}]: {} against {}",
+                    g[i],
+                    w[i]
+                );
+            }
+        };
+        // One E4M3 step is 2^-3 of a value's power of two: at most that where a code moved.
+        near(&got.1, &want.1, "saved xᵀ codes", 0.13);
+        near(&got.0, &want.0, "y", 0.02);
+        assert!(
+            (got.2[0] - want.2[0]).abs() <= 1e-2 * want.2[0],
+            "{what} amax of gelu(h): {:?} against {:?}",
+            got.2,
+            want.2
+        );
+        assert!(want.2[0] > 0.0, "{what}: an amax was recorded");
+        assert_eq!(got.3, want.3, "{what} amax of w");
+        assert_eq!(got.4, want.4, "{what} scales used");
+    }
+});

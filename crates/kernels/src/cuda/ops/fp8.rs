@@ -19,10 +19,19 @@ fn fp8_device(be: &B, op: &'static str) -> Result<()> {
     }
 }
 
+/// Whether x viewed as [rows, cols] takes the wide 64 × 64 cast (kernels/fp8.cu `fp8_cast64_*`):
+/// the only one with a GeLU build.
+pub fn fp8_cast_wide(x: &Tensor, [rows, cols]: [usize; 2]) -> Result<bool> {
+    Ok(cols % 8 == 0 && rows % 16 == 0 && aligned16(&[x])? && !narrow_fp8_cast())
+}
+
 /// x viewed as [rows, cols] in `dt` with one scale: (q [rows, cols] where `plain`, qᵀ [cols,
 /// rows] where `transposed`, scale_inv). With `given` (delayed scaling: the scale [1] and the
 /// amax slot to max |x| into, or none) x is scaled by it and scale_inv is [2]: [1 / scale,
-/// scale]; else by its own amax, scale_inv [1]. Nothing is read back to the host.
+/// scale]; else by its own amax, scale_inv [1]. With `gelu` x is a GeLU's input and gelu(x) is
+/// what is quantized (delayed scaling and `fp8_cast_wide` shapes only: the caller checks).
+/// Nothing is read back to the host.
+#[allow(clippy::too_many_arguments)]
 pub fn fp8_quantize(
     be: &B,
     x: &Tensor,
@@ -30,9 +39,17 @@ pub fn fp8_quantize(
     dt: DType,
     [plain, transposed]: [bool; 2],
     given: Option<(&Tensor, Option<&Tensor>)>,
+    gelu: bool,
 ) -> Result<(Option<Tensor>, Option<Tensor>, Tensor)> {
     const OP: &str = "quantize_fp8";
     fp8_device(be, OP)?;
+    let wide = fp8_cast_wide(x, [rows, cols])?;
+    if gelu && (given.is_none() || !wide) {
+        return Err(Error::InvalidArgument {
+            op: OP,
+            msg: format!("GeLU in the cast needs a given scale and the wide kernel's shapes ([{rows}, {cols}])"),
+        });
+    }
     let (src, f) = (sfx(OP, x.dtype())?, format_sfx(OP, dt)?);
     let len = rows * cols;
     let (amax, scale) = match given {
@@ -40,14 +57,18 @@ pub fn fp8_quantize(
         None => {
             let amax = new(be, [1], DType::F32)?;
             ew(be, "fill_f32", 1, &[ptr(OP, &amax)?, Arg::F32(0.0), n(1)])?;
-            ew(be, &format!("fp8_amax_{src}"), len, &[ptr(OP, x)?, ptr(OP, &amax)?, n(len)])?;
+            let args = [ptr(OP, x)?, ptr(OP, &amax)?, n(len)];
+            if len % 8 == 0 && args_aligned16(&args) {
+                be.launch(&format!("fp8_amax_v8_{src}"), Backend::grid_for(len / 8), 256, 0, &args)?;
+            } else {
+                ew(be, &format!("fp8_amax_{src}"), len, &args)?;
+            }
             (Some(amax), None)
         }
     };
     let q = plain.then(|| new(be, [rows, cols], dt)).transpose()?;
     let qt = transposed.then(|| new(be, [cols, rows], dt)).transpose()?;
     let scale_inv = new(be, [if given.is_some() { 2 } else { 1 }], DType::F32)?;
-    let tiles = rows.div_ceil(32) * cols.div_ceil(32);
     let args = [
         ptr(OP, x)?,
         opt_ptr(OP, amax.as_ref())?,
@@ -58,10 +79,23 @@ pub fn fp8_quantize(
         n(rows),
         n(cols),
     ];
+    // The 64 × 64 kernel where its wide accesses fit (see kernels/fp8.cu), else the 32 × 32 one.
+    let (kernel, tile) = match (wide, gelu) {
+        (true, true) => ("fp8_cast64_gelu", 64),
+        (true, false) => ("fp8_cast64", 64),
+        (false, _) => ("fp8_cast", 32),
+    };
+    let tiles = rows.div_ceil(tile) * cols.div_ceil(tile);
     if tiles > 0 {
-        be.launch(&format!("fp8_cast_{src}_{f}"), tiles as u32, 256, 0, &args)?;
+        be.launch(&format!("{kernel}_{src}_{f}"), tiles as u32, 256, 0, &args)?;
     }
     Ok((q, qt, scale_inv))
+}
+
+/// `FERROTRON_FP8_CAST=32`: every cast on the 32 × 32 kernel (a lab switch, to compare).
+fn narrow_fp8_cast() -> bool {
+    static NARROW: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *NARROW.get_or_init(|| std::env::var("FERROTRON_FP8_CAST").is_ok_and(|v| v == "32"))
 }
 
 /// Delayed scaling's update of history columns `c0..c1` of hist [len, n] and scale [n]
