@@ -113,25 +113,41 @@ TO_FP8X2(e5m2)
 // store; four threads write a column's 64 contiguous bytes). Why: the 32 × 32 kernel moves one
 // or two bytes an access. The tile sits in shared memory column by column (68 bytes apart: the
 // byte stores of a warp's eight column groups fall in four banks, the 16-byte reads in whole
-// words). Same values, same scale rule, same amax as `fp8_cast_*`. The `_gelu` builds (G) take
-// a GeLU's input h and quantize gelu(h) as `gelu_fwd_*` would store it (rounded to T first), so
-// an FP8 product after a GeLU reads h once and the activation is never written.
-#define FP8_CAST64(s, T, f, FMAX, SUF, G)                                                                   \
-extern "C" __global__ void __launch_bounds__(256) fp8_cast64##SUF##_##s##_##f(const T* x, u32* amax, const float* given, \
-        unsigned char* q, unsigned char* qt, float* scale_inv, long rows, long cols) {                       \
+// words). Same values, same scale rule, same amax as `fp8_cast_*`.
+//
+// The activation's builds (M) spare the bf16 round trips beside an MLP's FP8 products. `_gelu`
+// (M 1) takes a GeLU's input h as x and quantizes gelu(h) as `gelu_fwd_*` stores it (rounded to
+// T first): fc2's input, never written. `_dgelu` (M 2) takes fc2's input gradient as x and h
+// and quantizes dh = x · gelu'(h) as `gelu_bwd_*` stores it: fc1's output gradient, never
+// written either; where `part` is not null it also stores dh's column sums over the tile's 64
+// rows as `part` [ceil(rows / 64), cols] (fc1's bias gradient's first pass, the chunks of
+// `col_sum_f32`): each warp's rows by shuffles, then the eight warps' in order.
+#define FP8_CAST64(s, T, f, FMAX, SUF, M)                                                                   \
+extern "C" __global__ void __launch_bounds__(256) fp8_cast64##SUF##_##s##_##f(const T* x, const T* h, u32* amax, \
+        const float* given, unsigned char* q, unsigned char* qt, float* scale_inv, float* part, long rows, long cols) { \
     __shared__ __align__(16) unsigned char tile[64 * 68];                                                    \
+    __shared__ float wsum[M == 2 ? 8 * 64 : 1];                                                              \
     const float sc = given ? *given : fp8_scale(amax, FMAX);                                                 \
     const long tiles_c = (cols + 63) / 64;                                                                   \
     const long r0 = (long)blockIdx.x / tiles_c * 64, c0 = (long)blockIdx.x % tiles_c * 64;                   \
     const int cg = threadIdx.x & 7, rr = threadIdx.x >> 3;                                                   \
     u32 m = 0;                                                                                               \
+    float cs[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};                                                  \
     _Pragma("unroll") for (int i = 0; i < 2; i++) {                                                          \
         const int lr = rr + 32 * i;                                                                          \
         const long r = r0 + lr, c = c0 + cg * 8;                                                             \
         if (r < rows && c < cols) {                                                                          \
             float v[8];                                                                                      \
             ld8(x, r * cols + c, v);                                                                         \
-            if (G) _Pragma("unroll") for (int e = 0; e < 8; e++) v[e] = as_stored(x, gelu_f(v[e]));          \
+            if (M == 1) _Pragma("unroll") for (int e = 0; e < 8; e++) v[e] = as_stored(x, gelu_f(v[e]));     \
+            if (M == 2) {                                                                                    \
+                float g[8];                                                                                  \
+                ld8(h, r * cols + c, g);                                                                     \
+                _Pragma("unroll") for (int e = 0; e < 8; e++) {                                              \
+                    v[e] = as_stored(x, v[e] * gelu_g(g[e]));                                                \
+                    cs[e] += v[e];                                                                           \
+                }                                                                                            \
+            }                                                                                                \
             u32 w[4];                                                                                        \
             _Pragma("unroll") for (int e = 0; e < 8; e += 2) {                                               \
                 m = umax32(m, umax32(abs_bits(v[e]), abs_bits(v[e + 1])));                                   \
@@ -151,6 +167,21 @@ extern "C" __global__ void __launch_bounds__(256) fp8_cast64##SUF##_##s##_##f(co
         scale_inv[0] = __frcp_rn(sc);                                                                        \
         if (given) scale_inv[1] = sc;                                                                        \
     }                                                                                                        \
+    if (M == 2 && part) {                                                                                    \
+        /* A warp's lanes with one column group (lane & 7) hold its four row pairs. */                       \
+        _Pragma("unroll") for (int e = 0; e < 8; e++) {                                                      \
+            cs[e] += __shfl_xor_sync(0xffffffffu, cs[e], 8);                                                 \
+            cs[e] += __shfl_xor_sync(0xffffffffu, cs[e], 16);                                                \
+        }                                                                                                    \
+        if ((threadIdx.x & 31) < 8)                                                                          \
+            _Pragma("unroll") for (int e = 0; e < 8; e++) wsum[(threadIdx.x >> 5) * 64 + cg * 8 + e] = cs[e]; \
+        __syncthreads();                                                                                     \
+        if (threadIdx.x < 64 && c0 + threadIdx.x < cols) {                                                   \
+            float t = 0.f;                                                                                   \
+            for (int u = 0; u < 8; u++) t += wsum[u * 64 + threadIdx.x];                                     \
+            part[r0 / 64 * cols + c0 + threadIdx.x] = t;                                                     \
+        }                                                                                                    \
+    }                                                                                                        \
     if (!qt) return;                                                                                         \
     __syncthreads();                                                                                         \
     const int col = threadIdx.x >> 2, rg = threadIdx.x & 3;                                                  \
@@ -160,11 +191,12 @@ extern "C" __global__ void __launch_bounds__(256) fp8_cast64##SUF##_##s##_##f(co
         *(uint4*)(qt + c * rows + r) = make_uint4(sm[0], sm[1], sm[2], sm[3]);                               \
     }                                                                                                        \
 }
-#define FP8_CAST64_BOTH(s, T, f, FMAX) FP8_CAST64(s, T, f, FMAX, , false) FP8_CAST64(s, T, f, FMAX, _gelu, true)
-FP8_CAST64_BOTH(f32, float, e4m3, 448.f)
-FP8_CAST64_BOTH(bf16, bf16_t, e4m3, 448.f)
-FP8_CAST64_BOTH(f32, float, e5m2, 57344.f)
-FP8_CAST64_BOTH(bf16, bf16_t, e5m2, 57344.f)
+#define FP8_CAST64_ALL(s, T, f, FMAX) \
+    FP8_CAST64(s, T, f, FMAX, , 0) FP8_CAST64(s, T, f, FMAX, _gelu, 1) FP8_CAST64(s, T, f, FMAX, _dgelu, 2)
+FP8_CAST64_ALL(f32, float, e4m3, 448.f)
+FP8_CAST64_ALL(bf16, bf16_t, e4m3, 448.f)
+FP8_CAST64_ALL(f32, float, e5m2, 57344.f)
+FP8_CAST64_ALL(bf16, bf16_t, e5m2, 57344.f)
 
 // `fp8_amax_*` eight elements a thread (16-byte loads; the host's choice where n % 8 == 0 and x
 // is 16-byte aligned).

@@ -82,7 +82,7 @@ fn scale_for(amax: f32, fmax: f32) -> f32 {
 /// x (viewed as [rows, cols], cols its last dim) in FP8 type `dt` with one scale: (q in x's
 /// shape, qᵀ [cols, rows]), each present as `copies` asks.
 pub fn quantize_fp8(x: &Tensor, dt: DType, copies: Fp8Copies) -> Result<(Option<Fp8>, Option<Fp8>)> {
-    let (q, qt, _) = quantize(x, dt, copies, None, false)?;
+    let (q, qt, _) = quantize(x, dt, copies, None, CastOf::X)?;
     Ok((q, qt))
 }
 
@@ -97,40 +97,72 @@ pub fn quantize_fp8_scaled(
     scale: &Tensor,
     amax: Option<&Tensor>,
 ) -> Result<(Option<Fp8>, Option<Fp8>, Tensor)> {
-    quantize_scaled(x, dt, copies, (scale, amax), false)
+    quantize_scaled(x, dt, copies, (scale, amax), CastOf::X)
 }
 
-/// `quantize_fp8_scaled`, of gelu(x) where `gelu` (see `quantize`).
+/// `quantize_fp8_scaled` of what `of` says (see `quantize`).
 fn quantize_scaled(
     x: &Tensor,
     dt: DType,
     copies: Fp8Copies,
     (scale, amax): (&Tensor, Option<&Tensor>),
-    gelu: bool,
+    of: CastOf,
 ) -> Result<(Option<Fp8>, Option<Fp8>, Tensor)> {
     const OP: &str = "quantize_fp8_scaled";
     for t in std::iter::once(scale).chain(amax) {
         check::dtype(OP, t, DType::F32)?;
         check::shape(OP, t, &[1])?;
     }
-    let (q, qt, used) = quantize(x, dt, copies, Some((scale, amax)), gelu)?;
+    let (q, qt, used) = quantize(x, dt, copies, Some((scale, amax)), of)?;
     Ok((q, qt, used.ok_or_else(|| invalid(OP, "no scale copy"))?))
 }
 
+/// What a cast quantizes of its input x (kernels/fp8.cu's activation builds spare the bf16
+/// tensor in between).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum CastOf<'a> {
+    /// x itself.
+    X,
+    /// gelu(x), x a GeLU's input, as `gelu` stores it.
+    Gelu,
+    /// x · gelu'(h) as `gelu_bwd(h, x)` stores it (x: the gradient of gelu(h)), and its column
+    /// sums into `bias` (a bias gradient: added where its flag says, else stored) where given.
+    Dgelu { h: &'a Tensor, bias: Option<(&'a Tensor, bool)> },
+}
+
 /// Both quantizations (`given`: delayed scaling's scale and amax slot); the scale used where
-/// given. With `gelu` x is a GeLU's input and gelu(x) (as `gelu` stores it) is quantized: in the
-/// cast itself where CUDA's wide cast takes x under delayed scaling, else by `gelu` first.
+/// given. Of what `of` says: in the cast itself where CUDA's wide cast takes x (and h) under
+/// delayed scaling, else by `gelu` / `gelu_bwd` (and `bias_grad_into`) first.
 fn quantize(
     x: &Tensor,
     dt: DType,
     copies: Fp8Copies,
     given: Option<(&Tensor, Option<&Tensor>)>,
-    gelu: bool,
+    of: CastOf,
 ) -> Result<(Option<Fp8>, Option<Fp8>, Option<Tensor>)> {
     const OP: &str = "quantize_fp8";
     check::float(OP, x)?;
-    if gelu && !gelu_in_cast(x, given.is_some())? {
-        return quantize(&crate::gelu(x)?, dt, copies, given, false);
+    match of {
+        CastOf::X => {}
+        CastOf::Gelu if !in_cast(x, None, given.is_some())? => {
+            return quantize(&crate::gelu(x)?, dt, copies, given, CastOf::X);
+        }
+        CastOf::Dgelu { h, bias } => {
+            check::shape(OP, h, x.dims())?;
+            check::same_dtype(OP, h, x)?;
+            if !in_cast(x, Some(h), given.is_some())? {
+                let dh = crate::gelu_bwd(h, x)?;
+                if let Some((db, acc)) = bias {
+                    crate::bias_grad_into(db, &dh, acc)?;
+                }
+                return quantize(&dh, dt, copies, given, CastOf::X);
+            }
+            if let Some((db, _)) = bias {
+                check::float(OP, db)?;
+                check::shape(OP, db, &[x.shape().last()])?;
+            }
+        }
+        CastOf::Gelu => {}
     }
     let fmax = fp8_max(OP, dt)?;
     if x.shape().rank() == 0 {
@@ -150,7 +182,7 @@ fn quantize(
         };
     #[cfg(feature = "cuda")]
     if let Some(g) = crate::cuda::gpu(OP, &all)? {
-        let (q, qt, s) = crate::cuda::ops::fp8_quantize(&g, x, [rows, cols], dt, [plain, transposed], given, gelu)?;
+        let (q, qt, s) = crate::cuda::ops::fp8_quantize(&g, x, [rows, cols], dt, [plain, transposed], given, of)?;
         return finish(q, qt, s);
     }
     check::on_cpu(OP, &all)?;
@@ -188,15 +220,20 @@ fn quantize(
     finish(q, qt, scale_inv)
 }
 
-/// Whether `quantize` applies a GeLU inside the cast (CUDA, delayed scaling, the wide cast's
-/// shapes); elsewhere the activation runs first.
-fn gelu_in_cast(x: &Tensor, given: bool) -> Result<bool> {
+/// Whether `quantize` applies an activation inside the cast: CUDA, delayed scaling, x (and h)
+/// on the wide cast's shapes; elsewhere the activation runs first.
+fn in_cast(x: &Tensor, h: Option<&Tensor>, given: bool) -> Result<bool> {
     #[cfg(feature = "cuda")]
-    if given && matches!(x.device(), Device::Cuda(_)) && x.shape().rank() > 0 {
+    if given && x.shape().rank() > 0 && std::iter::once(x).chain(h).all(|t| matches!(t.device(), Device::Cuda(_))) {
         let cols = x.shape().last();
-        return crate::cuda::ops::fp8_cast_wide(x, [x.elem_count() / cols.max(1), cols]);
+        let shape = [x.elem_count() / cols.max(1), cols];
+        let mut wide = crate::cuda::ops::fp8_cast_wide(x, shape)?;
+        if let Some(h) = h {
+            wide &= crate::cuda::ops::fp8_cast_wide(h, shape)?;
+        }
+        return Ok(wide);
     }
-    let _ = (x, given);
+    let _ = (x, h, given);
     Ok(false)
 }
 
@@ -345,18 +382,18 @@ pub struct Fp8Scaling<'a> {
     pub amax: Option<&'a Tensor>,
 }
 
-/// `x` (or gelu(x), `gelu`) quantized by its own amax, or (`delayed`) by the given scale; with
-/// the scale used.
+/// What `of` says of `x` quantized by its own amax, or (`delayed`) by the given scale; with the
+/// scale used.
 fn quantize_by(
     x: &Tensor,
     dt: DType,
     copies: Fp8Copies,
     delayed: Option<Fp8Scaling>,
-    gelu: bool,
+    of: CastOf,
 ) -> Result<(Option<Fp8>, Option<Fp8>, Option<Tensor>)> {
     match delayed {
-        Some(d) => quantize_scaled(x, dt, copies, (d.scale, d.amax), gelu).map(|(q, qt, s)| (q, qt, Some(s))),
-        None => quantize(x, dt, copies, None, gelu),
+        Some(d) => quantize_scaled(x, dt, copies, (d.scale, d.amax), of).map(|(q, qt, s)| (q, qt, Some(s))),
+        None => quantize(x, dt, copies, None, of),
     }
 }
 
@@ -404,8 +441,9 @@ fn linear_fwd(
     let copies = if for_backward { Fp8Copies::Both } else { Fp8Copies::Plain };
     // Padding rows are zeros, and gelu(0) = 0: they stay zeros through the GeLU too.
     let (xp, rows) = padded_rows(x)?;
-    let (xq, xt, x_scale) = quantize_by(&xp, format.forward(), copies, delayed.map(|d| d[0]), gelu)?;
-    let (wq, _, w_scale) = quantize_by(w, format.forward(), Fp8Copies::Plain, delayed.map(|d| d[1]), false)?;
+    let of = if gelu { CastOf::Gelu } else { CastOf::X };
+    let (xq, xt, x_scale) = quantize_by(&xp, format.forward(), copies, delayed.map(|d| d[0]), of)?;
+    let (wq, _, w_scale) = quantize_by(w, format.forward(), Fp8Copies::Plain, delayed.map(|d| d[1]), CastOf::X)?;
     let (xq, wq) = (xq.ok_or_else(|| gone(OP))?, wq.ok_or_else(|| gone(OP))?);
     let y = fp8_matmul(&xq, &wq, bias, x.dtype())?;
     let mut dims = x.dims().to_vec();
@@ -444,12 +482,50 @@ pub fn fp8_linear_bwd(
     format: Fp8Format,
     delayed: Option<(Fp8Scaling, &Tensor)>,
 ) -> Result<Tensor> {
+    linear_bwd(dy, None, w, xt, (dw, accumulate), format, delayed)
+}
+
+/// `fp8_linear_bwd` of the layer before a GeLU: `da` is the gradient of gelu(h), h this layer's
+/// output, and dy = gelu_bwd(h, da), with its column sums into `bias` (a bias gradient, added
+/// where its flag says, else stored) where given. On CUDA under delayed scaling dy is formed
+/// inside its cast and never written; elsewhere `gelu_bwd` and `bias_grad_into` run first.
+#[allow(clippy::too_many_arguments)]
+pub fn fp8_linear_bwd_dgelu(
+    da: &Tensor,
+    h: &Tensor,
+    bias: Option<(&Tensor, bool)>,
+    w: &Tensor,
+    xt: &Fp8,
+    dw: (&Tensor, bool),
+    format: Fp8Format,
+    delayed: Option<(Fp8Scaling, &Tensor)>,
+) -> Result<Tensor> {
+    linear_bwd(da, Some((h, bias)), w, xt, dw, format, delayed)
+}
+
+type DgeluOf<'a> = Option<(&'a Tensor, Option<(&'a Tensor, bool)>)>;
+
+fn linear_bwd(
+    dy: &Tensor,
+    dgelu: DgeluOf,
+    w: &Tensor,
+    xt: &Fp8,
+    (dw, accumulate): (&Tensor, bool),
+    format: Fp8Format,
+    delayed: Option<(Fp8Scaling, &Tensor)>,
+) -> Result<Tensor> {
     const OP: &str = "fp8_linear_bwd";
     check::rank(OP, w, 2)?;
     let (dyp, rows) = padded_rows(dy)?;
-    let (dyq, dyt, _) = quantize_by(&dyp, format.gradient(), Fp8Copies::Both, delayed.map(|d| d.0), false)?;
+    // h padded as dy: zero rows of dy give zero rows of dy · gelu'(h), whatever h holds there.
+    let hp = dgelu.map(|(h, _)| padded_rows(h)).transpose()?;
+    let of = match (dgelu, &hp) {
+        (Some((_, bias)), Some((h, _))) => CastOf::Dgelu { h, bias },
+        _ => CastOf::X,
+    };
+    let (dyq, dyt, _) = quantize_by(&dyp, format.gradient(), Fp8Copies::Both, delayed.map(|d| d.0), of)?;
     let w_by = delayed.map(|(_, scale)| Fp8Scaling { scale, amax: None });
-    let (_, wt, _) = quantize_by(w, format.forward(), Fp8Copies::Transposed, w_by, false)?;
+    let (_, wt, _) = quantize_by(w, format.forward(), Fp8Copies::Transposed, w_by, CastOf::X)?;
     let (dyq, dyt, wt) = (dyq.ok_or_else(|| gone(OP))?, dyt.ok_or_else(|| gone(OP))?, wt.ok_or_else(|| gone(OP))?);
     let dx = fp8_matmul(&dyq, &wt, None, dy.dtype())?;
     fp8_matmul_into(dw, &dyt, xt, accumulate)?;

@@ -115,26 +115,46 @@ fn fp8_product_of(
 pub fn fp8_product_bwd(
     op: &'static str,
     w: &Tensor,
-    (dw, acc): (&Tensor, bool),
+    dw: (&Tensor, bool),
     saved: &Saved,
     dy: &Tensor,
     f: &Fp8Linear,
 ) -> Result<Tensor> {
-    let (xt, w_scale) = match (saved.tensors.as_slice(), &f.slot) {
-        ([data, scale_inv], None) => (Fp8 { data: data.clone(), scale_inv: scale_inv.clone() }, None),
-        ([data, scale_inv, w_scale, _], Some(_)) => {
-            (Fp8 { data: data.clone(), scale_inv: scale_inv.clone() }, Some(w_scale))
-        }
-        _ => return Err(invalid(op, "the forward saved no FP8 input")),
+    fp8_product_bwd_of(op, w, dw, saved, dy, f, None)
+}
+
+/// `fp8_product_bwd` of dy, or (`dgelu`: h, this layer's output, and its bias gradient's
+/// destination) of dy = gelu_bwd(h, da) for da given as dy, with the bias gradient summed from
+/// it (`k::fp8_linear_bwd_dgelu`).
+fn fp8_product_bwd_of(
+    op: &'static str,
+    w: &Tensor,
+    (dw, acc): (&Tensor, bool),
+    saved: &Saved,
+    dy: &Tensor,
+    f: &Fp8Linear,
+    dgelu: Option<(&Tensor, Option<(&Tensor, bool)>)>,
+) -> Result<Tensor> {
+    let bwd = |delayed| match dgelu {
+        Some((h, bias)) => k::fp8_linear_bwd_dgelu(dy, h, bias, w, &xt_of(op, saved)?, (dw, acc), f.format, delayed),
+        None => k::fp8_linear_bwd(dy, w, &xt_of(op, saved)?, (dw, acc), f.format, delayed),
     };
-    match (&f.slot, w_scale) {
-        (Some(slot), Some(w_scale)) => {
+    match (&f.slot, saved.tensors.as_slice()) {
+        (Some(slot), [_, _, w_scale, _]) => {
             let t = slot.metas.tensors()?;
             let (s, a) = (t.bwd_scale.view(slot.index, [1])?, t.bwd_history.view(slot.index, [1])?);
-            let dy_by = Fp8Scaling { scale: &s, amax: Some(&a) };
-            k::fp8_linear_bwd(dy, w, &xt, (dw, acc), f.format, Some((dy_by, w_scale)))
+            bwd(Some((Fp8Scaling { scale: &s, amax: Some(&a) }, w_scale)))
         }
-        _ => k::fp8_linear_bwd(dy, w, &xt, (dw, acc), f.format, None),
+        (None, [_, _]) => bwd(None),
+        _ => Err(invalid(op, "the forward saved no FP8 input")),
+    }
+}
+
+/// The forward's FP8 xᵀ from what it saved (and, under delayed scaling, the scales after it).
+fn xt_of(op: &'static str, saved: &Saved) -> Result<Fp8> {
+    match saved.tensors.as_slice() {
+        [data, scale_inv] | [data, scale_inv, _, _] => Ok(Fp8 { data: data.clone(), scale_inv: scale_inv.clone() }),
+        _ => Err(invalid(op, "the forward saved no FP8 input")),
     }
 }
 
@@ -254,6 +274,21 @@ impl ColumnParallelLinear {
             return Err(invalid("ColumnParallelLinear::backward_bias_summed", "the output is gathered: use backward"));
         }
         self.backward_with(cx, saved, dy, None)
+    }
+
+    /// `backward(gelu_bwd(h, da))` for h this layer's output and da the gradient of gelu(h). In
+    /// FP8 the gradient's cast forms gelu_bwd(h, da) and sums the bias gradient from it
+    /// (`k::fp8_linear_bwd_dgelu`), so it is never written; otherwise `gelu_bwd` runs first.
+    pub fn backward_after_gelu(&self, cx: &Cx, saved: Saved, da: &Tensor, h: &Tensor) -> Result<Tensor> {
+        let Some(f) = self.fp8.as_ref().filter(|_| !self.gather_output) else {
+            return self.backward(cx, saved, &k::gelu_bwd(h, da)?);
+        };
+        let op = "ColumnParallelLinear::backward_after_gelu";
+        let (dw, acc) = cx.params.grad_acc(self.weight)?;
+        let db = self.bias.map(|b| cx.params.grad_acc(b)).transpose()?;
+        let bias = db.as_ref().map(|(db, acc)| (db, *acc));
+        let dx = fp8_product_bwd_of(op, &cx.params.param(self.weight)?, (&dw, acc), &saved, da, f, Some((h, bias)))?;
+        self.tp.enter_bwd(&dx)
     }
 
     fn backward_with(&self, cx: &Cx, saved: Saved, dy: &Tensor, bias: Option<ParamId>) -> Result<Tensor> {

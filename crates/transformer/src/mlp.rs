@@ -118,6 +118,12 @@ impl Mlp {
             .try_into()
             .map_err(|_| ferrotron_core::invalid("Mlp::backward", "saved values do not match forward"))?;
         let h = tensors.first().ok_or_else(|| ferrotron_core::invalid("Mlp::backward", "nothing saved by forward"))?;
+        if self.activation == Activation::Gelu && self.linear_fc1.fp8.is_some() && self.linear_fc2.input_is_parallel {
+            // fc1 in FP8: the GeLU backward (and fc1's bias gradient) ride in the cast of its
+            // output gradient instead.
+            let da = self.linear_fc2.backward_parts(cx, s2, dy, None, fc2_bias)?;
+            return self.linear_fc1.backward_after_gelu(cx, s1, &da, h);
+        }
         let dh = match self.activation {
             Activation::Gelu => self.linear_fc2.backward_parts(cx, s2, dy, Some(h), fc2_bias)?,
             Activation::SwiGlu => k::swiglu_bwd(h, &self.linear_fc2.backward_parts(cx, s2, dy, None, fc2_bias)?)?,

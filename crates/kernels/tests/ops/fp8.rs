@@ -491,3 +491,73 @@ device_test!(gelu_in_the_cast_quantizes_what_gelu_stores, |dev: &Device| {
         assert_eq!(got.4, want.4, "{what} scales used");
     }
 });
+
+device_test!(dgelu_in_the_cast_quantizes_what_gelu_bwd_stores, |dev: &Device| {
+    // fp8_linear_bwd_dgelu(da, h) against gelu_bwd(h, da), bias_grad_into and fp8_linear_bwd under
+    // delayed scaling: on CUDA the wide cast forms dh and its 64-row column sums itself (80 rows:
+    // a part chunk; 37 rows: padded to 48; 80 columns: a part tile), elsewhere the passes run as
+    // written. dx, dW, the bias gradient (added into one holding b0 and stored) and the amax
+    // recorded are compared; a code may differ only where two GeLU-gradient evaluations' f32
+    // roundings do, and the bias sums only in their order.
+    for (rows, cols) in [(80, 80), (37, 64)] {
+        let inp = 32;
+        let (da, h) = (randv(rows * cols, 94), randv(rows * cols, 95).iter().map(|v| v * 3.0).collect::<Vec<_>>());
+        let (w, x, b0) = (randv(cols * inp, 96), randv(rows * inp, 97), randv(cols, 98));
+        let (dat, ht) = (tensor(dev, &da, &[rows, cols], DType::BF16), tensor(dev, &h, &[rows, cols], DType::BF16));
+        let wt = tensor(dev, &w, &[cols, inp], DType::BF16);
+        let xt = k::quantize_fp8(&tensor(dev, &x, &[rows, inp], DType::BF16), DType::F8E4M3, Fp8Copies::Transposed)
+            .unwrap()
+            .1
+            .unwrap();
+        // quantize_fp8 keeps the rows as they are; the layer's xᵀ has them padded to 16.
+        let xt = if rows % 16 == 0 {
+            xt
+        } else {
+            let padded = [x.clone(), vec![0.0; (rows.next_multiple_of(16) - rows) * inp]].concat();
+            let t = tensor(dev, &padded, &[rows.next_multiple_of(16), inp], DType::BF16);
+            k::quantize_fp8(&t, DType::F8E4M3, Fp8Copies::Transposed).unwrap().1.unwrap()
+        };
+        let run = |fused: bool, acc: bool| {
+            let (sd, sw) = (t32(dev, &[2000.0], &[1]), t32(dev, &[30.0], &[1]));
+            let ad = t32(dev, &[0.0], &[1]);
+            let (dw, db) = (t32(dev, &vec![0.0; cols * inp], &[cols, inp]), t32(dev, &b0, &[cols]));
+            let by = Some((Fp8Scaling { scale: &sd, amax: Some(&ad) }, &sw));
+            let dx = if fused {
+                k::fp8_linear_bwd_dgelu(&dat, &ht, Some((&db, acc)), &wt, &xt, (&dw, false), Fp8Format::Hybrid, by)
+                    .unwrap()
+            } else {
+                let dh = k::gelu_bwd(&ht, &dat).unwrap();
+                k::bias_grad_into(&db, &dh, acc).unwrap();
+                k::fp8_linear_bwd(&dh, &wt, &xt, (&dw, false), Fp8Format::Hybrid, by).unwrap()
+            };
+            (host(&dx), host(&dw), db.to_vec_f32().unwrap(), ad.to_vec_f32().unwrap()[0])
+        };
+        for acc in [true, false] {
+            let (got, want) = (run(true, acc), run(false, acc));
+            let what = format!("[{rows}, {cols}] accumulate {acc}");
+            assert_eq!(got.0.len(), rows * inp, "{what}: dx has the unpadded rows");
+            let near = |g: &[f64], w: &[f64], part: &str| {
+                let diff = (0..g.len()).filter(|&i| g[i].to_bits() != w[i].to_bits()).count();
+                assert!(diff * 50 <= g.len(), "{what} {part}: {diff} of {} differ", g.len());
+                let scale = w.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+                for i in 0..g.len() {
+                    assert!((g[i] - w[i]).abs() <= 0.02 * scale, "{what} {part}[{i}]: {} against {}", g[i], w[i]);
+                }
+            };
+            near(&got.0, &want.0, "dx");
+            near(&got.1, &want.1, "dW");
+            for (i, (g, w)) in got.2.iter().zip(&want.2).enumerate() {
+                assert!((g - w).abs() <= 1e-3 * (1.0 + w.abs()), "{what} bias gradient[{i}]: {g} against {w}");
+            }
+            if !acc {
+                assert!(got.2.iter().zip(&b0).any(|(g, b)| (*g as f64 - b).abs() > 1e-3), "{what}: stored over b0");
+            }
+            assert!(
+                want.3 > 0.0 && (got.3 - want.3).abs() <= 1e-2 * want.3,
+                "{what} amax {} against {}",
+                got.3,
+                want.3
+            );
+        }
+    }
+});

@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::cuda::lt;
+use crate::fp8::CastOf;
 
 fn format_sfx(op: &'static str, dt: DType) -> Result<&'static str> {
     match dt {
@@ -20,7 +21,7 @@ fn fp8_device(be: &B, op: &'static str) -> Result<()> {
 }
 
 /// Whether x viewed as [rows, cols] takes the wide 64 × 64 cast (kernels/fp8.cu `fp8_cast64_*`):
-/// the only one with a GeLU build.
+/// the only one with the activations' builds.
 pub fn fp8_cast_wide(x: &Tensor, [rows, cols]: [usize; 2]) -> Result<bool> {
     Ok(cols % 8 == 0 && rows % 16 == 0 && aligned16(&[x])? && !narrow_fp8_cast())
 }
@@ -28,9 +29,9 @@ pub fn fp8_cast_wide(x: &Tensor, [rows, cols]: [usize; 2]) -> Result<bool> {
 /// x viewed as [rows, cols] in `dt` with one scale: (q [rows, cols] where `plain`, qᵀ [cols,
 /// rows] where `transposed`, scale_inv). With `given` (delayed scaling: the scale [1] and the
 /// amax slot to max |x| into, or none) x is scaled by it and scale_inv is [2]: [1 / scale,
-/// scale]; else by its own amax, scale_inv [1]. With `gelu` x is a GeLU's input and gelu(x) is
-/// what is quantized (delayed scaling and `fp8_cast_wide` shapes only: the caller checks).
-/// Nothing is read back to the host.
+/// scale]; else by its own amax, scale_inv [1]. `of` says what of x is quantized: x, gelu(x) or
+/// x · gelu'(h) (the last two under delayed scaling and on `fp8_cast_wide` shapes only, h too:
+/// the caller checks). Nothing is read back to the host.
 #[allow(clippy::too_many_arguments)]
 pub fn fp8_quantize(
     be: &B,
@@ -39,15 +40,21 @@ pub fn fp8_quantize(
     dt: DType,
     [plain, transposed]: [bool; 2],
     given: Option<(&Tensor, Option<&Tensor>)>,
-    gelu: bool,
+    of: CastOf,
 ) -> Result<(Option<Tensor>, Option<Tensor>, Tensor)> {
     const OP: &str = "quantize_fp8";
     fp8_device(be, OP)?;
     let wide = fp8_cast_wide(x, [rows, cols])?;
-    if gelu && (given.is_none() || !wide) {
+    let h_wide = match of {
+        CastOf::Dgelu { h, .. } => fp8_cast_wide(h, [rows, cols])? && h.elem_count() == rows * cols,
+        _ => true,
+    };
+    if !matches!(of, CastOf::X) && (given.is_none() || !wide || !h_wide) {
         return Err(Error::InvalidArgument {
             op: OP,
-            msg: format!("GeLU in the cast needs a given scale and the wide kernel's shapes ([{rows}, {cols}])"),
+            msg: format!(
+                "an activation in the cast needs a given scale and the wide kernel's shapes ([{rows}, {cols}])"
+            ),
         });
     }
     let (src, f) = (sfx(OP, x.dtype())?, format_sfx(OP, dt)?);
@@ -69,25 +76,38 @@ pub fn fp8_quantize(
     let q = plain.then(|| new(be, [rows, cols], dt)).transpose()?;
     let qt = transposed.then(|| new(be, [cols, rows], dt)).transpose()?;
     let scale_inv = new(be, [if given.is_some() { 2 } else { 1 }], DType::F32)?;
-    let args = [
-        ptr(OP, x)?,
-        opt_ptr(OP, amax.as_ref())?,
-        opt_ptr(OP, scale)?,
-        opt_ptr(OP, q.as_ref())?,
-        opt_ptr(OP, qt.as_ref())?,
-        ptr(OP, &scale_inv)?,
-        n(rows),
-        n(cols),
-    ];
-    // The 64 × 64 kernel where its wide accesses fit (see kernels/fp8.cu), else the 32 × 32 one.
-    let (kernel, tile) = match (wide, gelu) {
-        (true, true) => ("fp8_cast64_gelu", 64),
-        (true, false) => ("fp8_cast64", 64),
+    // dGeLU's bias gradient: the column sums of 64-row chunks here, `col_sum_f32`'s pass after.
+    let chunks = rows.div_ceil(COL_CHUNK);
+    let (h, part) = match of {
+        CastOf::Dgelu { h, bias } => (Some(h), bias.map(|_| new(be, [chunks, cols], DType::F32)).transpose()?),
+        _ => (None, None),
+    };
+    let common =
+        [opt_ptr(OP, amax.as_ref())?, opt_ptr(OP, scale)?, opt_ptr(OP, q.as_ref())?, opt_ptr(OP, qt.as_ref())?];
+    let (kernel, tile) = match (wide, of) {
+        (true, CastOf::X) => ("fp8_cast64", 64),
+        (true, CastOf::Gelu) => ("fp8_cast64_gelu", 64),
+        (true, CastOf::Dgelu { .. }) => ("fp8_cast64_dgelu", 64),
         (false, _) => ("fp8_cast", 32),
     };
+    // The 64 × 64 kernel where its wide accesses fit (see kernels/fp8.cu), else the 32 × 32 one.
+    let mut args = vec![ptr(OP, x)?];
+    if wide {
+        args.push(opt_ptr(OP, h)?);
+    }
+    args.extend(common);
+    args.push(ptr(OP, &scale_inv)?);
+    if wide {
+        args.push(opt_ptr(OP, part.as_ref())?);
+    }
+    args.extend([n(rows), n(cols)]);
     let tiles = rows.div_ceil(tile) * cols.div_ceil(tile);
     if tiles > 0 {
         be.launch(&format!("{kernel}_{src}_{f}"), tiles as u32, 256, 0, &args)?;
+    }
+    if let (CastOf::Dgelu { bias: Some((db, acc)), .. }, Some(part)) = (of, &part) {
+        let to = if acc { SumTo::Add(db) } else { SumTo::Write(db) };
+        to.col_sum(be, part, chunks, cols)?;
     }
     Ok((q, qt, scale_inv))
 }
