@@ -121,7 +121,9 @@ TO_FP8X2(e5m2)
 // and quantizes dh = x · gelu'(h) as `gelu_bwd_*` stores it: fc1's output gradient, never
 // written either; where `part` is not null it also stores dh's column sums over the tile's 64
 // rows as `part` [ceil(rows / 64), cols] (fc1's bias gradient's first pass, the chunks of
-// `col_sum_f32`): each warp's rows by shuffles, then the eight warps' in order.
+// `col_sum_f32`): each warp's rows by shuffles, then the eight warps' in order. `_swiglu` (M 3)
+// takes a SwiGLU's input as x, rows of 2 · cols (gate half, then value half), and quantizes
+// silu(gate) · value as `swiglu_fwd_*` stores it.
 #define FP8_CAST64(s, T, f, FMAX, SUF, M)                                                                   \
 extern "C" __global__ void __launch_bounds__(256) fp8_cast64##SUF##_##s##_##f(const T* x, const T* h, u32* amax, \
         const float* given, unsigned char* q, unsigned char* qt, float* scale_inv, float* part, long rows, long cols) { \
@@ -138,7 +140,14 @@ extern "C" __global__ void __launch_bounds__(256) fp8_cast64##SUF##_##s##_##f(co
         const long r = r0 + lr, c = c0 + cg * 8;                                                             \
         if (r < rows && c < cols) {                                                                          \
             float v[8];                                                                                      \
-            ld8(x, r * cols + c, v);                                                                         \
+            if (M == 3) {                                                                                    \
+                float g[8];                                                                                  \
+                ld8(x, r * 2 * cols + c, g);                                                                 \
+                ld8(x, r * 2 * cols + cols + c, v);                                                          \
+                _Pragma("unroll") for (int e = 0; e < 8; e++) v[e] = as_stored(x, silu_f(g[e]) * v[e]);      \
+            } else {                                                                                         \
+                ld8(x, r * cols + c, v);                                                                     \
+            }                                                                                                \
             if (M == 1) _Pragma("unroll") for (int e = 0; e < 8; e++) v[e] = as_stored(x, gelu_f(v[e]));     \
             if (M == 2) {                                                                                    \
                 float g[8];                                                                                  \
@@ -192,7 +201,8 @@ extern "C" __global__ void __launch_bounds__(256) fp8_cast64##SUF##_##s##_##f(co
     }                                                                                                        \
 }
 #define FP8_CAST64_ALL(s, T, f, FMAX) \
-    FP8_CAST64(s, T, f, FMAX, , 0) FP8_CAST64(s, T, f, FMAX, _gelu, 1) FP8_CAST64(s, T, f, FMAX, _dgelu, 2)
+    FP8_CAST64(s, T, f, FMAX, , 0) FP8_CAST64(s, T, f, FMAX, _gelu, 1) FP8_CAST64(s, T, f, FMAX, _dgelu, 2) \
+    FP8_CAST64(s, T, f, FMAX, _swiglu, 3)
 FP8_CAST64_ALL(f32, float, e4m3, 448.f)
 FP8_CAST64_ALL(bf16, bf16_t, e4m3, 448.f)
 FP8_CAST64_ALL(f32, float, e5m2, 57344.f)

@@ -128,6 +128,9 @@ pub(crate) enum CastOf<'a> {
     /// x · gelu'(h) as `gelu_bwd(h, x)` stores it (x: the gradient of gelu(h)), and its column
     /// sums into `bias` (a bias gradient: added where its flag says, else stored) where given.
     Dgelu { h: &'a Tensor, bias: Option<(&'a Tensor, bool)> },
+    /// swiglu(x), x a SwiGLU's input (rows of gate, then value), as `swiglu` stores it: what is
+    /// quantized has half x's last dim.
+    Swiglu,
 }
 
 /// Both quantizations (`given`: delayed scaling's scale and amax slot); the scale used where
@@ -147,6 +150,12 @@ fn quantize(
         CastOf::Gelu if !in_cast(x, None, given.is_some())? => {
             return quantize(&crate::gelu(x)?, dt, copies, given, CastOf::X);
         }
+        // (in_cast checks x's rows of 2 · f as the cast's: f % 8 == 0 makes them pass alike.)
+        CastOf::Swiglu
+            if x.shape().rank() == 0 || x.shape().last() % 16 != 0 || !in_cast(x, None, given.is_some())? =>
+        {
+            return quantize(&crate::swiglu(x)?, dt, copies, given, CastOf::X);
+        }
         CastOf::Dgelu { h, bias } => {
             check::shape(OP, h, x.dims())?;
             check::same_dtype(OP, h, x)?;
@@ -162,14 +171,20 @@ fn quantize(
                 check::shape(OP, db, &[x.shape().last()])?;
             }
         }
-        CastOf::Gelu => {}
+        CastOf::Gelu | CastOf::Swiglu => {}
     }
     let fmax = fp8_max(OP, dt)?;
     if x.shape().rank() == 0 {
         return Err(shape_mismatch(OP, "a tensor of rank >= 1", x.dims()));
     }
-    let cols = x.shape().last();
-    let rows = x.elem_count() / cols.max(1);
+    // What is quantized: x's shape, or a SwiGLU's output (half the last dim).
+    let halve = matches!(of, CastOf::Swiglu);
+    let mut dims = x.dims().to_vec();
+    if let Some(last) = dims.last_mut().filter(|_| halve) {
+        *last /= 2;
+    }
+    let cols = *dims.last().unwrap_or(&1);
+    let rows = dims.iter().product::<usize>() / cols.max(1);
     let (plain, transposed) = (copies != Fp8Copies::Transposed, copies != Fp8Copies::Plain);
     let all: Vec<&Tensor> =
         std::iter::once(x).chain(given.iter().flat_map(|(s, a)| std::iter::once(*s).chain(*a))).collect();
@@ -177,7 +192,7 @@ fn quantize(
     let finish =
         |q: Option<Tensor>, qt: Option<Tensor>, s: Tensor| -> Result<(Option<Fp8>, Option<Fp8>, Option<Tensor>)> {
             let (s, used) = if given.is_some() { (s.narrow0(0..1)?, Some(s.narrow0(1..2)?)) } else { (s, None) };
-            let q = q.map(|q| q.reshape(x.dims().to_vec())).transpose()?;
+            let q = q.map(|q| q.reshape(dims.clone())).transpose()?;
             Ok((q.map(|data| Fp8 { data, scale_inv: s.clone() }), qt.map(|data| Fp8 { data, scale_inv: s }), used))
         };
     #[cfg(feature = "cuda")]
@@ -410,13 +425,24 @@ pub fn fp8_linear_fwd(
     for_backward: bool,
     delayed: Option<[Fp8Scaling; 2]>,
 ) -> Result<(Tensor, Option<Fp8>, Option<[Tensor; 2]>)> {
-    linear_fwd(x, w, bias, format, for_backward, delayed, false)
+    linear_fwd(x, w, bias, format, for_backward, delayed, CastOf::X)
 }
 
-/// `fp8_linear_fwd` on gelu(h), h a GeLU's input: on CUDA under delayed scaling the cast applies
-/// the GeLU (gelu(h) is never written), elsewhere `gelu` runs first. What it returns is
-/// `fp8_linear_fwd(&gelu(h), …)`'s.
-pub fn fp8_linear_fwd_gelu(
+/// The activation an FP8 linear layer's input comes from, applied inside the input's cast
+/// (`fp8_linear_fwd_after`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fp8Act {
+    /// GPT's tanh GeLU (`gelu`).
+    Gelu,
+    /// SwiGLU over rows of gate then value (`swiglu`).
+    Swiglu,
+}
+
+/// `fp8_linear_fwd` on act(h), h the activation's input: on CUDA under delayed scaling the cast
+/// applies the activation (act(h) is never written), elsewhere the activation runs first. What
+/// it returns is `fp8_linear_fwd(&act(h), …)`'s.
+pub fn fp8_linear_fwd_after(
+    act: Fp8Act,
     h: &Tensor,
     w: &Tensor,
     bias: Option<&Tensor>,
@@ -424,7 +450,11 @@ pub fn fp8_linear_fwd_gelu(
     for_backward: bool,
     delayed: Option<[Fp8Scaling; 2]>,
 ) -> Result<(Tensor, Option<Fp8>, Option<[Tensor; 2]>)> {
-    linear_fwd(h, w, bias, format, for_backward, delayed, true)
+    let of = match act {
+        Fp8Act::Gelu => CastOf::Gelu,
+        Fp8Act::Swiglu => CastOf::Swiglu,
+    };
+    linear_fwd(h, w, bias, format, for_backward, delayed, of)
 }
 
 fn linear_fwd(
@@ -434,14 +464,13 @@ fn linear_fwd(
     format: Fp8Format,
     for_backward: bool,
     delayed: Option<[Fp8Scaling; 2]>,
-    gelu: bool,
+    of: CastOf,
 ) -> Result<(Tensor, Option<Fp8>, Option<[Tensor; 2]>)> {
     const OP: &str = "fp8_linear_fwd";
     check::rank(OP, w, 2)?;
     let copies = if for_backward { Fp8Copies::Both } else { Fp8Copies::Plain };
-    // Padding rows are zeros, and gelu(0) = 0: they stay zeros through the GeLU too.
+    // Padding rows are zeros, and gelu(0) = swiglu(0) = 0: they stay zeros through either.
     let (xp, rows) = padded_rows(x)?;
-    let of = if gelu { CastOf::Gelu } else { CastOf::X };
     let (xq, xt, x_scale) = quantize_by(&xp, format.forward(), copies, delayed.map(|d| d[0]), of)?;
     let (wq, _, w_scale) = quantize_by(w, format.forward(), Fp8Copies::Plain, delayed.map(|d| d[1]), CastOf::X)?;
     let (xq, wq) = (xq.ok_or_else(|| gone(OP))?, wq.ok_or_else(|| gone(OP))?);

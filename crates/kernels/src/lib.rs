@@ -52,8 +52,8 @@ pub use elementwise::{add, add_, bias_add, bias_grad, bias_grad_into, cast, copy
 pub use embedding::{embedding_bwd, embedding_bwd_shard, embedding_fwd, embedding_fwd_shard, position_embedding_bwd};
 pub use ferrotron_core::Fp8Format;
 pub use fp8::{
-    Fp8, Fp8Copies, Fp8Scaling, fp8_linear_bwd, fp8_linear_bwd_dgelu, fp8_linear_fwd, fp8_linear_fwd_gelu, fp8_matmul,
-    fp8_matmul_into, fp8_scale_update, quantize_fp8, quantize_fp8_scaled,
+    Fp8, Fp8Act, Fp8Copies, Fp8Scaling, fp8_linear_bwd, fp8_linear_bwd_dgelu, fp8_linear_fwd, fp8_linear_fwd_after,
+    fp8_matmul, fp8_matmul_into, fp8_scale_update, quantize_fp8, quantize_fp8_scaled,
 };
 pub use lab_env::check_lab_switches;
 pub use loss::{

@@ -22,7 +22,7 @@ use ferrotron_core::{
     Blocks, Cx, Fp8Linear, Init, MetaTensors, Module, ParamId, ParamMeta, ParamTableBuilder, Result, Saved, Shard,
     Tensor, invalid,
 };
-use ferrotron_kernels::{self as k, Fp8, Fp8Copies, Fp8Scaling};
+use ferrotron_kernels::{self as k, Fp8, Fp8Act, Fp8Copies, Fp8Scaling};
 
 fn saved_one<'a>(op: &'static str, s: &'a Saved) -> Result<&'a Tensor> {
     s.tensors.first().ok_or_else(|| invalid(op, "nothing saved by forward"))
@@ -80,19 +80,22 @@ pub fn product(
 /// `product`'s FP8 half on a weight given as a tensor (a view of part of a parameter: Mamba's
 /// in_proj blocks, each its own FP8 layer).
 pub fn fp8_product(cx: &Cx, w: &Tensor, b: Option<&Tensor>, x: &Tensor, f: &Fp8Linear) -> Result<(Tensor, Saved)> {
-    fp8_product_of(cx, w, b, x, f, false)
+    fp8_product_of(cx, w, b, x, f, None)
 }
 
-/// `fp8_product` of x, or of gelu(x) (`gelu`: x is a GeLU's input; `k::fp8_linear_fwd_gelu`).
+/// `fp8_product` of x, or of act(x) (`act`: x is the activation's input; `k::fp8_linear_fwd_after`).
 fn fp8_product_of(
     cx: &Cx,
     w: &Tensor,
     b: Option<&Tensor>,
     x: &Tensor,
     f: &Fp8Linear,
-    gelu: bool,
+    act: Option<Fp8Act>,
 ) -> Result<(Tensor, Saved)> {
-    let fwd = if gelu { k::fp8_linear_fwd_gelu } else { k::fp8_linear_fwd };
+    let fwd = |x: &Tensor, w: &Tensor, b, format, training, delayed| match act {
+        Some(a) => k::fp8_linear_fwd_after(a, x, w, b, format, training, delayed),
+        None => k::fp8_linear_fwd(x, w, b, format, training, delayed),
+    };
     // An evaluation's forward writes no transposed copy: nothing runs backward.
     let (y, xt, used) = match &f.slot {
         None => fwd(x, w, b, f.format, cx.training, None)?,
@@ -401,25 +404,44 @@ impl Module for RowParallelLinear {
     }
 }
 
+/// `product` in FP8 of act(h) (`fp8_product_of`).
+fn product_after(
+    cx: &Cx,
+    w: ParamId,
+    b: Option<ParamId>,
+    h: &Tensor,
+    fp8: Option<&Fp8Linear>,
+    act: Fp8Act,
+) -> Result<(Tensor, Saved)> {
+    let f = fp8.ok_or_else(|| invalid("RowParallelLinear::forward_after", "the layer is not in FP8"))?;
+    let (w, b) = (cx.params.param(w)?, b.map(|b| cx.params.param(b)).transpose()?);
+    fp8_product_of(cx, &w, b.as_ref(), h, f, Some(act))
+}
+
 /// `product`'s signature: what `RowParallelLinear::forward_split` multiplies with.
 type ProductFn = fn(&Cx, ParamId, Option<ParamId>, &Tensor, Option<&Fp8Linear>) -> Result<(Tensor, Saved)>;
 
 impl RowParallelLinear {
-    /// `forward(gelu(h))` for h a GeLU's input, the same values and saved state. In FP8 the
-    /// input's cast applies the GeLU (`k::fp8_linear_fwd_gelu`), so gelu(h) is never written;
-    /// otherwise the GeLU runs first. (In bf16 the GeLU rides in fc1's GEMM epilogue instead:
+    /// `forward(act(h))` for h the activation's input, the same values and saved state. In FP8
+    /// the input's cast applies the activation (`k::fp8_linear_fwd_after`), so act(h) is never
+    /// written; otherwise it runs first. (In bf16 a GeLU rides in fc1's GEMM epilogue instead:
     /// `ColumnParallelLinear::forward_gelu`.)
-    pub fn forward_after_gelu(&self, cx: &Cx, h: &Tensor) -> Result<(Tensor, Saved)> {
-        if self.fp8.is_none() {
-            return self.forward(cx, &k::gelu(h)?);
+    pub fn forward_after(&self, cx: &Cx, act: Fp8Act, h: &Tensor) -> Result<(Tensor, Saved)> {
+        // A GeLU is elementwise, so splitting h first splits gelu(h) alike; a SwiGLU's halves are
+        // not split so.
+        if self.fp8.is_none() || (act == Fp8Act::Swiglu && !self.input_is_parallel) {
+            let a = match act {
+                Fp8Act::Gelu => k::gelu(h)?,
+                Fp8Act::Swiglu => k::swiglu(h)?,
+            };
+            return self.forward(cx, &a);
         }
-        // The GeLU is elementwise: splitting h first splits gelu(h) alike.
         let h = if self.input_is_parallel { h.clone() } else { self.tp.split_last(h)? };
-        self.forward_split(cx, &h, |cx, w, b, h, fp8| {
-            let f = fp8.ok_or_else(|| invalid("RowParallelLinear::forward_after_gelu", "FP8 went away"))?;
-            let (w, b) = (cx.params.param(w)?, b.map(|b| cx.params.param(b)).transpose()?);
-            fp8_product_of(cx, &w, b.as_ref(), h, f, true)
-        })
+        let mul: ProductFn = match act {
+            Fp8Act::Gelu => |cx, w, b, h, fp8| product_after(cx, w, b, h, fp8, Fp8Act::Gelu),
+            Fp8Act::Swiglu => |cx, w, b, h, fp8| product_after(cx, w, b, h, fp8, Fp8Act::Swiglu),
+        };
+        self.forward_split(cx, &h, mul)
     }
 
     /// The forward on this rank's input slice `x`, its product by `mul`.

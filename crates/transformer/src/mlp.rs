@@ -61,10 +61,15 @@ impl Mlp {
 
 impl Module for Mlp {
     fn forward(&self, cx: &Cx, x: &Tensor) -> Result<(Tensor, Saved)> {
-        if self.activation == Activation::Gelu && self.linear_fc2.fp8.is_some() {
-            // fc2 in FP8: the GeLU rides in the cast of fc2's input instead (never written).
+        let in_cast = match self.activation {
+            Activation::Gelu => Some(k::Fp8Act::Gelu),
+            Activation::SwiGlu => Some(k::Fp8Act::Swiglu),
+            _ => None,
+        };
+        if let Some(act) = in_cast.filter(|_| self.linear_fc2.fp8.is_some()) {
+            // fc2 in FP8: the activation rides in the cast of fc2's input instead (never written).
             let (h, s1) = self.linear_fc1.forward(cx, x)?;
-            let (y, s2) = self.linear_fc2.forward_after_gelu(cx, &h)?;
+            let (y, s2) = self.linear_fc2.forward_after(cx, act, &h)?;
             return Ok((y, Saved::new(vec![h], vec![s1, s2])));
         }
         let (a, h, s1) = match self.activation {

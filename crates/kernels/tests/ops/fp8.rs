@@ -5,7 +5,7 @@
 use crate::device_test;
 use crate::util::*;
 use ferrotron_core::{AmaxAlgo, DType, DelayedScaling, Device, Tensor};
-use ferrotron_kernels::{self as k, Fp8, Fp8Copies, Fp8Format, Fp8Scaling};
+use ferrotron_kernels::{self as k, Fp8, Fp8Act, Fp8Copies, Fp8Format, Fp8Scaling};
 
 /// Every finite value of an FP8 type with its code's low bit (for ties).
 fn codes(dt: DType) -> Vec<(f64, bool)> {
@@ -437,58 +437,61 @@ fn format_names_round_trip() {
     assert_eq!(Fp8Format::E4M3.gradient(), DType::F8E4M3);
 }
 
-device_test!(gelu_in_the_cast_quantizes_what_gelu_stores, |dev: &Device| {
-    // fp8_linear_fwd_gelu(h) against fp8_linear_fwd(gelu(h)) under delayed scaling: on CUDA the
-    // wide cast applies the GeLU itself (80 × 80: part tiles both ways; 37 rows: padded to 48,
-    // the wide cast too), elsewhere the GeLU runs first. The codes, the output, the saved xᵀ and
-    // the amax recorded are compared; in one kernel or two, gelu(h) is rounded to bf16 alike, so
-    // a code may differ only where the two GeLU evaluations' f32 roundings do.
-    for (rows, cols) in [(80, 80), (37, 64)] {
-        let out = 48;
-        let h: Vec<f64> = randv(rows * cols, 91).iter().map(|v| v * 3.0).collect();
-        let (w, b) = (randv(out * cols, 92), randv(out, 93));
-        let (ht, wt) = (tensor(dev, &h, &[rows, cols], DType::BF16), tensor(dev, &w, &[out, cols], DType::BF16));
-        let bt = tensor(dev, &b, &[out], DType::BF16);
-        let run = |fused: bool| {
-            let (sx, sw) = (t32(dev, &[20.0], &[1]), t32(dev, &[30.0], &[1]));
-            let (ax, aw) = (t32(dev, &[0.0], &[1]), t32(dev, &[0.0], &[1]));
-            let by = [Fp8Scaling { scale: &sx, amax: Some(&ax) }, Fp8Scaling { scale: &sw, amax: Some(&aw) }];
-            let (y, xt, used) = if fused {
-                k::fp8_linear_fwd_gelu(&ht, &wt, Some(&bt), Fp8Format::Hybrid, true, Some(by)).unwrap()
-            } else {
-                let a = k::gelu(&ht).unwrap();
-                k::fp8_linear_fwd(&a, &wt, Some(&bt), Fp8Format::Hybrid, true, Some(by)).unwrap()
+device_test!(activation_in_the_cast_quantizes_what_the_activation_stores, |dev: &Device| {
+    // fp8_linear_fwd_after(act, h) against fp8_linear_fwd(act(h)) under delayed scaling, for
+    // GeLU and SwiGLU: on CUDA the wide cast applies the activation itself (80 × 80: part tiles
+    // both ways; 37 rows: padded to 48, the wide cast too), elsewhere the activation runs
+    // first. The codes, the output, the saved xᵀ and the amax recorded are compared; in one
+    // kernel or two, act(h) is rounded to bf16 alike, so a code may differ only where the two
+    // evaluations' f32 roundings do.
+    for act in [Fp8Act::Gelu, Fp8Act::Swiglu] {
+        for (rows, cols) in [(80, 80), (37, 64)] {
+            let (out, width) = (48, if act == Fp8Act::Swiglu { 2 * cols } else { cols });
+            let h: Vec<f64> = randv(rows * width, 91).iter().map(|v| v * 3.0).collect();
+            let (w, b) = (randv(out * cols, 92), randv(out, 93));
+            let ht = tensor(dev, &h, &[rows, width], DType::BF16);
+            let wt = tensor(dev, &w, &[out, cols], DType::BF16);
+            let bt = tensor(dev, &b, &[out], DType::BF16);
+            let run = |fused: bool| {
+                let (sx, sw) = (t32(dev, &[20.0], &[1]), t32(dev, &[30.0], &[1]));
+                let (ax, aw) = (t32(dev, &[0.0], &[1]), t32(dev, &[0.0], &[1]));
+                let by = [Fp8Scaling { scale: &sx, amax: Some(&ax) }, Fp8Scaling { scale: &sw, amax: Some(&aw) }];
+                let (y, xt, used) = if fused {
+                    k::fp8_linear_fwd_after(act, &ht, &wt, Some(&bt), Fp8Format::Hybrid, true, Some(by)).unwrap()
+                } else {
+                    let a = match act {
+                        Fp8Act::Gelu => k::gelu(&ht).unwrap(),
+                        Fp8Act::Swiglu => k::swiglu(&ht).unwrap(),
+                    };
+                    k::fp8_linear_fwd(&a, &wt, Some(&bt), Fp8Format::Hybrid, true, Some(by)).unwrap()
+                };
+                let used = used.unwrap().map(|t| t.to_vec_f32().unwrap());
+                (host(&y), host(&xt.unwrap().data), ax.to_vec_f32().unwrap(), aw.to_vec_f32().unwrap(), used)
             };
-            let used = used.unwrap().map(|t| t.to_vec_f32().unwrap());
-            (host(&y), host(&xt.unwrap().data), ax.to_vec_f32().unwrap(), aw.to_vec_f32().unwrap(), used)
-        };
-        let (got, want) = (run(true), run(false));
-        let what = format!("[{rows}, {cols}]");
-        let near = |g: &[f64], w: &[f64], part: &str, rel: f64| {
-            assert_eq!(g.len(), w.len());
-            let diff: Vec<usize> = (0..g.len()).filter(|&i| g[i].to_bits() != w[i].to_bits()).collect();
-            assert!(diff.len() * 200 <= g.len(), "{what} {part}: {} of {} differ", diff.len(), g.len());
-            for &i in &diff {
-                assert!(
-                    (g[i] - w[i]).abs() <= rel * w[i].abs().max(1e-3),
-                    "{what} {part}[{i}]: {} against {}",
-                    g[i],
-                    w[i]
-                );
-            }
-        };
-        // One E4M3 step is 2^-3 of a value's power of two: at most that where a code moved.
-        near(&got.1, &want.1, "saved xᵀ codes", 0.13);
-        near(&got.0, &want.0, "y", 0.02);
-        assert!(
-            (got.2[0] - want.2[0]).abs() <= 1e-2 * want.2[0],
-            "{what} amax of gelu(h): {:?} against {:?}",
-            got.2,
-            want.2
-        );
-        assert!(want.2[0] > 0.0, "{what}: an amax was recorded");
-        assert_eq!(got.3, want.3, "{what} amax of w");
-        assert_eq!(got.4, want.4, "{what} scales used");
+            let (got, want) = (run(true), run(false));
+            let what = format!("{act:?} [{rows}, {cols}]");
+            assert_eq!(got.0.len(), rows * out, "{what}: y has the unpadded rows");
+            let near = |g: &[f64], w: &[f64], part: &str, rel: f64| {
+                assert_eq!(g.len(), w.len());
+                let diff: Vec<usize> = (0..g.len()).filter(|&i| g[i].to_bits() != w[i].to_bits()).collect();
+                assert!(diff.len() * 200 <= g.len(), "{what} {part}: {} of {} differ", diff.len(), g.len());
+                for &i in &diff {
+                    assert!(
+                        (g[i] - w[i]).abs() <= rel * w[i].abs().max(1e-3),
+                        "{what} {part}[{i}]: {} against {}",
+                        g[i],
+                        w[i]
+                    );
+                }
+            };
+            // One E4M3 step is 2^-3 of a value's power of two: at most that where a code moved.
+            near(&got.1, &want.1, "saved xᵀ codes", 0.13);
+            near(&got.0, &want.0, "y", 0.02);
+            assert!((got.2[0] - want.2[0]).abs() <= 1e-2 * want.2[0], "{what} amax: {:?} against {:?}", got.2, want.2);
+            assert!(want.2[0] > 0.0, "{what}: an amax was recorded");
+            assert_eq!(got.3, want.3, "{what} amax of w");
+            assert_eq!(got.4, want.4, "{what} scales used");
+        }
     }
 });
 

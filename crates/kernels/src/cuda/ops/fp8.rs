@@ -29,9 +29,9 @@ pub fn fp8_cast_wide(x: &Tensor, [rows, cols]: [usize; 2]) -> Result<bool> {
 /// x viewed as [rows, cols] in `dt` with one scale: (q [rows, cols] where `plain`, qᵀ [cols,
 /// rows] where `transposed`, scale_inv). With `given` (delayed scaling: the scale [1] and the
 /// amax slot to max |x| into, or none) x is scaled by it and scale_inv is [2]: [1 / scale,
-/// scale]; else by its own amax, scale_inv [1]. `of` says what of x is quantized: x, gelu(x) or
-/// x · gelu'(h) (the last two under delayed scaling and on `fp8_cast_wide` shapes only, h too:
-/// the caller checks). Nothing is read back to the host.
+/// scale]; else by its own amax, scale_inv [1]. `of` says what of x is quantized: x, gelu(x),
+/// x · gelu'(h) or swiglu(x) (x then [rows, 2 · cols]) (the activations under delayed scaling
+/// and on `fp8_cast_wide` shapes only, h too: the caller checks). Nothing is read back to the host.
 #[allow(clippy::too_many_arguments)]
 pub fn fp8_quantize(
     be: &B,
@@ -88,6 +88,7 @@ pub fn fp8_quantize(
         (true, CastOf::X) => ("fp8_cast64", 64),
         (true, CastOf::Gelu) => ("fp8_cast64_gelu", 64),
         (true, CastOf::Dgelu { .. }) => ("fp8_cast64_dgelu", 64),
+        (true, CastOf::Swiglu) => ("fp8_cast64_swiglu", 64),
         (false, _) => ("fp8_cast", 32),
     };
     // The 64 × 64 kernel where its wide accesses fit (see kernels/fp8.cu), else the 32 × 32 one.
