@@ -208,10 +208,10 @@ FP8_CAST64_ALL(bf16, bf16_t, e4m3, 448.f)
 FP8_CAST64_ALL(f32, float, e5m2, 57344.f)
 FP8_CAST64_ALL(bf16, bf16_t, e5m2, 57344.f)
 
-// `fp8_amax_*` eight elements a thread (16-byte loads; the host's choice where n % 8 == 0 and x
-// is 16-byte aligned).
+// `fp8_amax_*` eight elements a thread (16-byte loads; the host's choice, as for every `_v8`
+// twin, where n % 8 == 0 and x is 16-byte aligned).
 #define FP8_AMAX8(s, T)                                                                         \
-extern "C" __global__ void fp8_amax_v8_##s(const T* x, u32* amax, long n) {                     \
+extern "C" __global__ void fp8_amax_##s##_v8(const T* x, u32* amax, long n) {                   \
     u32 m = 0;                                                                                  \
     GRID_STRIDE8(i, n) {                                                                        \
         float v[8];                                                                             \

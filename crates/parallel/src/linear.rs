@@ -418,9 +418,6 @@ fn product_after(
     fp8_product_of(cx, &w, b.as_ref(), h, f, Some(act))
 }
 
-/// `product`'s signature: what `RowParallelLinear::forward_split` multiplies with.
-type ProductFn = fn(&Cx, ParamId, Option<ParamId>, &Tensor, Option<&Fp8Linear>) -> Result<(Tensor, Saved)>;
-
 impl RowParallelLinear {
     /// `forward(act(h))` for h the activation's input, the same values and saved state. In FP8
     /// the input's cast applies the activation (`k::fp8_linear_fwd_after`), so act(h) is never
@@ -437,15 +434,16 @@ impl RowParallelLinear {
             return self.forward(cx, &a);
         }
         let h = if self.input_is_parallel { h.clone() } else { self.tp.split_last(h)? };
-        let mul: ProductFn = match act {
-            Fp8Act::Gelu => |cx, w, b, h, fp8| product_after(cx, w, b, h, fp8, Fp8Act::Gelu),
-            Fp8Act::Swiglu => |cx, w, b, h, fp8| product_after(cx, w, b, h, fp8, Fp8Act::Swiglu),
-        };
-        self.forward_split(cx, &h, mul)
+        self.forward_split(cx, &h, |cx, w, b, h, fp8| product_after(cx, w, b, h, fp8, act))
     }
 
-    /// The forward on this rank's input slice `x`, its product by `mul`.
-    fn forward_split(&self, cx: &Cx, x: &Tensor, mul: ProductFn) -> Result<(Tensor, Saved)> {
+    /// The forward on this rank's input slice `x`, its product by `mul` (`product`'s signature).
+    fn forward_split(
+        &self,
+        cx: &Cx,
+        x: &Tensor,
+        mul: impl Fn(&Cx, ParamId, Option<ParamId>, &Tensor, Option<&Fp8Linear>) -> Result<(Tensor, Saved)>,
+    ) -> Result<(Tensor, Saved)> {
         match (self.tp.size(), self.bias) {
             // Alone: the bias rides in the GEMM epilogue.
             (1, Some(b)) => mul(cx, self.weight, Some(b), x, self.fp8.as_ref()),

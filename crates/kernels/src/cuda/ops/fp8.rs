@@ -64,12 +64,7 @@ pub fn fp8_quantize(
         None => {
             let amax = new(be, [1], DType::F32)?;
             ew(be, "fill_f32", 1, &[ptr(OP, &amax)?, Arg::F32(0.0), n(1)])?;
-            let args = [ptr(OP, x)?, ptr(OP, &amax)?, n(len)];
-            if len % 8 == 0 && args_aligned16(&args) {
-                be.launch(&format!("fp8_amax_v8_{src}"), Backend::grid_for(len / 8), 256, 0, &args)?;
-            } else {
-                ew(be, &format!("fp8_amax_{src}"), len, &args)?;
-            }
+            ew8(be, &format!("fp8_amax_{src}"), len, 8, &[ptr(OP, x)?, ptr(OP, &amax)?, n(len)])?;
             (Some(amax), None)
         }
     };
@@ -84,6 +79,7 @@ pub fn fp8_quantize(
     };
     let common =
         [opt_ptr(OP, amax.as_ref())?, opt_ptr(OP, scale)?, opt_ptr(OP, q.as_ref())?, opt_ptr(OP, qt.as_ref())?];
+    // The 64 × 64 kernel where its wide accesses fit (see kernels/fp8.cu), else the 32 × 32 one.
     let (kernel, tile) = match (wide, of) {
         (true, CastOf::X) => ("fp8_cast64", 64),
         (true, CastOf::Gelu) => ("fp8_cast64_gelu", 64),
@@ -91,7 +87,6 @@ pub fn fp8_quantize(
         (true, CastOf::Swiglu) => ("fp8_cast64_swiglu", 64),
         (false, _) => ("fp8_cast", 32),
     };
-    // The 64 × 64 kernel where its wide accesses fit (see kernels/fp8.cu), else the 32 × 32 one.
     let mut args = vec![ptr(OP, x)?];
     if wide {
         args.push(opt_ptr(OP, h)?);
