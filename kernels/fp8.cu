@@ -19,12 +19,27 @@
 __device__ __forceinline__ u32 abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
 __device__ __forceinline__ u32 umax32(u32 a, u32 b) { return a > b ? a : b; }
 
+// A warp's largest |x| bits maxed into `amax` by its first lane (every kernel here ends its
+// amax this way: one atomic a warp, none where the warp saw only zeros).
+__device__ __forceinline__ void warp_amax_into(u32* amax, u32 m) {
+    for (int o = 16; o > 0; o >>= 1) m = umax32(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if ((threadIdx.x & 31) == 0 && m) atomicMax(amax, m);
+}
+
+// The cast's scale handles, written once a launch: [1 / scale], or [1 / scale, scale] where the
+// scale was given (delayed scaling keeps it for the backward).
+__device__ __forceinline__ void store_scale_inv(float* scale_inv, float sc, bool given) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        scale_inv[0] = __frcp_rn(sc);
+        if (given) scale_inv[1] = sc;
+    }
+}
+
 #define FP8_AMAX(s, T)                                                                          \
 extern "C" __global__ void fp8_amax_##s(const T* x, u32* amax, long n) {                        \
     u32 m = 0;                                                                                  \
     GRID_STRIDE(i, n) m = umax32(m, abs_bits(ld(x, i)));                                           \
-    for (int o = 16; o > 0; o >>= 1) m = umax32(m, __shfl_xor_sync(0xffffffffu, m, o));            \
-    if ((threadIdx.x & 31) == 0 && m) atomicMax(amax, m);                                        \
+    warp_amax_into(amax, m);                                                                    \
 }
 FP8_AMAX(f32, float)
 FP8_AMAX(bf16, bf16_t)
@@ -72,14 +87,8 @@ extern "C" __global__ void fp8_cast_##s##_##f(const T* x, u32* amax, const float
             tile[j][tx] = v;                                                                              \
         }                                                                                                 \
     }                                                                                                     \
-    if (given && amax) {                                                                                  \
-        for (int o = 16; o > 0; o >>= 1) m = umax32(m, __shfl_xor_sync(0xffffffffu, m, o));               \
-        if (tx == 0 && m) atomicMax(amax, m);                                                             \
-    }                                                                                                     \
-    if (blockIdx.x == 0 && threadIdx.x == 0) {                                                            \
-        scale_inv[0] = __frcp_rn(sc);                                                                     \
-        if (given) scale_inv[1] = sc;                                                                     \
-    }                                                                                                     \
+    if (given && amax) warp_amax_into(amax, m);                                                           \
+    store_scale_inv(scale_inv, sc, given);                                                                \
     if (!qt) return;                                                                                      \
     __syncthreads();                                                                                      \
     for (int j = ty; j < 32; j += 8) {                                                                    \
@@ -168,14 +177,8 @@ extern "C" __global__ void __launch_bounds__(256) fp8_cast64##SUF##_##s##_##f(co
             if (q) *(uint2*)(q + r * cols + c) = make_uint2(w[0] | w[1] << 16, w[2] | w[3] << 16);           \
         }                                                                                                    \
     }                                                                                                        \
-    if (given && amax) {                                                                                     \
-        for (int o = 16; o > 0; o >>= 1) m = umax32(m, __shfl_xor_sync(0xffffffffu, m, o));                  \
-        if ((threadIdx.x & 31) == 0 && m) atomicMax(amax, m);                                                \
-    }                                                                                                        \
-    if (blockIdx.x == 0 && threadIdx.x == 0) {                                                               \
-        scale_inv[0] = __frcp_rn(sc);                                                                        \
-        if (given) scale_inv[1] = sc;                                                                        \
-    }                                                                                                        \
+    if (given && amax) warp_amax_into(amax, m);                                                              \
+    store_scale_inv(scale_inv, sc, given);                                                                   \
     if (M == 2 && part) {                                                                                    \
         /* A warp's lanes with one column group (lane & 7) hold its four row pairs. */                       \
         _Pragma("unroll") for (int e = 0; e < 8; e++) {                                                      \
@@ -218,8 +221,7 @@ extern "C" __global__ void fp8_amax_##s##_v8(const T* x, u32* amax, long n) {   
         ld8(x, i, v);                                                                           \
         _Pragma("unroll") for (int e = 0; e < 8; e++) m = umax32(m, abs_bits(v[e]));            \
     }                                                                                           \
-    for (int o = 16; o > 0; o >>= 1) m = umax32(m, __shfl_xor_sync(0xffffffffu, m, o));            \
-    if ((threadIdx.x & 31) == 0 && m) atomicMax(amax, m);                                        \
+    warp_amax_into(amax, m);                                                                    \
 }
 FP8_AMAX8(f32, float)
 FP8_AMAX8(bf16, bf16_t)

@@ -63,10 +63,19 @@ __device__ __forceinline__ void ld4(const bf16_t* g, long i, float* out) {
     out[0] = __uint_as_float(q.x << 16); out[1] = __uint_as_float(q.x & 0xffff0000u);
     out[2] = __uint_as_float(q.y << 16); out[3] = __uint_as_float(q.y & 0xffff0000u);
 }
+__device__ __forceinline__ void st4(float* x, long i, const float* in) {
+    *(float4*)(x + i) = make_float4(in[0], in[1], in[2], in[3]);
+}
+__device__ __forceinline__ void st4(bf16_t* x, long i, const float* in) {
+    *(uint2*)(x + i) = make_uint2(pack_bf16(in[0], in[1]), pack_bf16(in[2], in[3]));
+}
 // G is the gradient buffer's type: f32 main_grad, or bf16 under `--grad-reduce-in-bf16` (widened
-// exactly, so the update is the one an f32 buffer holding the same values gives).
-template <typename T, typename G>
-__device__ __forceinline__ void adamw_runs_impl(float* p, const G* g, float* m, float* v, T* param, const u32* runs,
+// exactly, so the update is the one an f32 buffer holding the same values gives). M and V are the
+// moments' types: f32, or bf16 under the precision-aware optimizer (--exp-avg-dtype /
+// --exp-avg-sq-dtype bf16): widened, moved on and used for the step in f32, then stored rounded
+// to nearest even (the update takes the unrounded moments, as the CPU's reference does).
+template <typename T, typename G, typename M, typename V>
+__device__ __forceinline__ void adamw_runs_impl(float* p, const G* g, M* m, V* v, T* param, const u32* runs,
                                                 long nruns, AdamH h, const float* step_state) {
     // Without a state every run steps at h's rate.
     AdamLr dec{h.step_size, h.decay};
@@ -94,11 +103,15 @@ __device__ __forceinline__ void adamw_runs_impl(float* p, const G* g, float* m, 
     long e0 = (long)(b - d[7]) * ADAM_CHUNK, e1 = e0 + ADAM_CHUNK < len ? e0 + ADAM_CHUNK : len;
     auto one = [&](long i) {
         long s = state + i;
-        adam_elem(p[s], m[s], v[s], ld(g, flat + i), h, dk, ss);
+        float mi = ld(m, s), vi = ld(v, s);
+        adam_elem(p[s], mi, vi, ld(g, flat + i), h, dk, ss);
+        st(m, s, mi);
+        st(v, s, vi);
         st(param, flat + i, p[s]);
     };
-    unsigned long addr = (unsigned long)(m + state) | (unsigned long)(v + state) | (unsigned long)(p + state);
-    if (addr % 16 != 0 || (unsigned long)(g + flat) % (4 * sizeof(G)) != 0) {
+    auto off = [](const void* x, unsigned long align) { return (unsigned long)x % align != 0; };
+    if (off(p + state, 16) || off(m + state, 4 * sizeof(M)) || off(v + state, 4 * sizeof(V)) ||
+        off(g + flat, 4 * sizeof(G))) {
         for (long i = e0 + threadIdx.x; i < e1; i += blockDim.x) one(i);
         return;
     }
@@ -106,29 +119,37 @@ __device__ __forceinline__ void adamw_runs_impl(float* p, const G* g, float* m, 
     // 16-byte accesses to the f32 buffers; the same arithmetic per element.
     for (long i = e0 + 4 * threadIdx.x; i < e1; i += 4 * blockDim.x) {
         if (i + 4 > e1) { for (long x = i; x < e1; x++) one(x); break; }
-        float gg[4];
+        float gg[4], mm[4], vv[4];
         ld4(g, flat + i, gg);
-        float4 m4 = *(const float4*)(m + state + i);
-        float4 v4 = *(const float4*)(v + state + i), p4 = *(const float4*)(p + state + i);
-        float* mm = &m4.x; float* vv = &v4.x; float* pp = &p4.x;
+        ld4(m, state + i, mm);
+        ld4(v, state + i, vv);
+        float4 p4 = *(const float4*)(p + state + i);
+        float* pp = &p4.x;
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             adam_elem(pp[e], mm[e], vv[e], gg[e], h, dk, ss);
             st(param, flat + i + e, pp[e]);
         }
-        *(float4*)(m + state + i) = m4; *(float4*)(v + state + i) = v4; *(float4*)(p + state + i) = p4;
+        st4(m, state + i, mm); st4(v, state + i, vv); *(float4*)(p + state + i) = p4;
     }
 }
-// adamw_runs_<params>_g<grads>.
-#define ADAMW_RUNS_G(s, T, gs, G) \
-extern "C" __global__ void adamw_runs_##s##_g##gs(float* p, const G* g, float* m, float* v, T* param, \
+// adamw_runs_<params>_g<grads>, with f32 moments; adamw_runs_<params>_g<grads>_m<exp_avg>_v<exp_avg_sq>
+// with a bf16 moment (the f32 / f32 kernel keeps the short name).
+#define ADAMW_RUNS_MV(s, T, gs, G, SUF, M, V) \
+extern "C" __global__ void adamw_runs_##s##_g##gs##SUF(float* p, const G* g, M* m, V* v, T* param, \
         const u32* runs, long nruns, const float* step_state, float b1, float b2, float eps, float step_size, \
         float bc2_sqrt, float decay, float grad_scale) { \
     adamw_runs_impl(p, g, m, v, param, runs, nruns, AdamH{b1, b2, eps, step_size, bc2_sqrt, decay, grad_scale}, \
                     step_state); }
+#define ADAMW_RUNS_G(s, T, gs, G) ADAMW_RUNS_MV(s, T, gs, G, , float, float)
 #define ADAMW_RUNS(s, T) ADAMW_RUNS_G(s, T, f32, float) ADAMW_RUNS_G(s, T, bf16, bf16_t)
 FOR_TYPES(ADAMW_RUNS)
 ADAMW_RUNS(f16, f16_t)
+#define ADAMW_RUNS_LOW_G(s, T, gs, G) ADAMW_RUNS_MV(s, T, gs, G, _mbf16_vbf16, bf16_t, bf16_t) \
+    ADAMW_RUNS_MV(s, T, gs, G, _mbf16_vf32, bf16_t, float) ADAMW_RUNS_MV(s, T, gs, G, _mf32_vbf16, float, bf16_t)
+#define ADAMW_RUNS_LOW(s, T) ADAMW_RUNS_LOW_G(s, T, f32, float) ADAMW_RUNS_LOW_G(s, T, bf16, bf16_t)
+FOR_TYPES(ADAMW_RUNS_LOW)
+ADAMW_RUNS_LOW(f16, f16_t)
 
 // SGD with momentum over the same runs (Megatron's --optimizer sgd, PyTorch's SGD with dampening
 // 0): g ← g·scale + wd·p (L2 weight decay where the run's flag says), buf ← μ·buf + g,

@@ -372,6 +372,12 @@ fn bench_grad_bf16() -> bool {
     std::env::var("BENCH_GRAD_BF16").is_ok_and(|v| v == "1")
 }
 
+/// BENCH_MOMENTS_BF16=1: our AdamW moments in bf16 (the precision-aware optimizer's
+/// `--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16`); PyTorch's stay fp32.
+fn bench_moments_bf16() -> bool {
+    std::env::var("BENCH_MOMENTS_BF16").is_ok_and(|v| v == "1")
+}
+
 /// `ferrotron train`'s `--profile` range over steps `start` + 1 to `end`.
 fn profile_args(start: u64, end: u64) -> Vec<String> {
     multi::owned(&["--profile", "--profile-step-start", &start.to_string(), "--profile-step-end", &end.to_string()])
@@ -390,6 +396,10 @@ fn bench_train_args(preset: &str, micro: usize, iters: u64, log: u64) -> Vec<Str
     }
     if bench_grad_bf16() {
         a.push("--grad-reduce-in-bf16".into());
+    }
+    if bench_moments_bf16() {
+        a.extend(multi::owned(&["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16"]));
+        a.extend(multi::owned(&["--exp-avg-sq-dtype", "bf16"]));
     }
     // BENCH_FP8=FORMAT: our linear products in FP8 (`--fp8-format FORMAT`, with
     // `--fp8-recipe` BENCH_FP8_RECIPE: delayed, the default, or tensorwise); the PyTorch
@@ -547,7 +557,8 @@ fn attention_bench(args: &[String]) -> anyhow::Result<()> {
 /// BENCH_MICRO (micro-batch override),
 /// BENCH_CUDA_GRAPH=N (Ferrotron's step replayed as a CUDA graph after N eager steps),
 /// BENCH_TORCH=0 (Ferrotron only), BENCH_ATTN_DROPOUT=P (both sides with attention dropout at
-/// rate P), BENCH_GRAD_BF16=1 (our main_grad in bf16, `--grad-reduce-in-bf16`), BENCH_LOG_INTERVAL (steps per log line and loss read-back,
+/// rate P), BENCH_GRAD_BF16=1 (our main_grad in bf16, `--grad-reduce-in-bf16`), BENCH_MOMENTS_BF16=1
+/// (our AdamW moments in bf16, the precision-aware optimizer's), BENCH_LOG_INTERVAL (steps per log line and loss read-back,
 /// default 100 at 124M and 10 otherwise, as in Megatron runs; 1 reads the loss every step),
 /// BENCH_COOL_C (before each side, wait up to two minutes for the card to cool to this many °C:
 /// both sides then start alike), BENCH_ROUNDS
@@ -684,8 +695,9 @@ impl BenchRun<'_> {
             format!(", FP8 {f} {}", std::env::var("BENCH_FP8_RECIPE").unwrap_or_else(|_| "delayed".into()))
         });
         println!(
-            "| {p} | ferrotron bf16{fp8}{}{} | {ours:.0} | {:.1}% | {:.1} (device total) | {} | {loss} |",
+            "| {p} | ferrotron bf16{fp8}{}{}{} | {ours:.0} | {:.1}% | {:.1} (device total) | {} | {loss} |",
             if bench_grad_bf16() { ", bf16 main_grad" } else { "" },
+            if bench_moments_bf16() { ", bf16 moments" } else { "" },
             if self.tuned { ", GEMMs tuned" } else { "" },
             100.0 * ours * flops / 989e12,
             gpu.peak_mem_gib,

@@ -89,8 +89,10 @@ impl AdamRuns {
 /// AdamW over every run (one launch on a GPU), each updated master weight also rounded into
 /// `params` at the run's flat offset: the same bits as [`adamw_step`] per run (`h.weight_decay`
 /// where the run has `decay`, else none) followed by [`copy_`](crate::copy_) of the master weights
-/// into the parameters. master, exp_avg and exp_avg_sq are f32; grads f32 or bf16 (a bf16
-/// main_grad, widened exactly); params any float type.
+/// into the parameters. master is f32; exp_avg and exp_avg_sq f32 or bf16 each (Megatron's
+/// precision-aware optimizer: a bf16 moment is widened, moved on and used in f32, then stored
+/// rounded to nearest even); grads f32 or bf16 (a bf16 main_grad, widened exactly); params any
+/// float type.
 /// With `state` (an [`adam_state`] tensor that [`adam_prepare`] settled, on the same device) the
 /// learning rates (a `decoupled` run's its own), weight decay, clip factor, step count and
 /// whether to update at all come from it instead of `h`, so the host need not read anything back
@@ -111,7 +113,7 @@ pub fn adamw_runs(
         return Err(invalid(OP, "step counts from 1"));
     }
     let all = [master, exp_avg, exp_avg_sq, grads, params];
-    if !check_runs(OP, &all, runs, state)? {
+    if !check_runs(OP, &all, 2, runs, state)? {
         return Ok(());
     }
     // The state on the parameters' device (every tensor's device checked at once).
@@ -136,10 +138,17 @@ pub fn adamw_runs(
         let lr = if r.decoupled { lr_decoupled } else { h.lr };
         let (p, m, v) =
             (master.view(r.state, [r.len])?, exp_avg.view(r.state, [r.len])?, exp_avg_sq.view(r.state, [r.len])?);
-        // A bf16 main_grad widened first (exactly): adamw_step takes f32.
-        let g = grads.view(r.flat, [r.len])?;
-        let g = if g.dtype() == DType::F32 { g } else { crate::cast(&g, DType::F32)? };
-        adamw_step(&p, &g, &m, &v, &AdamW { weight_decay: wd, lr, ..h })?;
+        // A bf16 main_grad or moment widened first (exactly): adamw_step takes f32.
+        let wide = |t: Tensor| if t.dtype() == DType::F32 { Ok(t) } else { crate::cast(&t, DType::F32) };
+        let g = wide(grads.view(r.flat, [r.len])?)?;
+        let (mw, vw) = (wide(m.clone())?, wide(v.clone())?);
+        adamw_step(&p, &g, &mw, &vw, &AdamW { weight_decay: wd, lr, ..h })?;
+        // The moments rounded back where they are bf16 (no-op views where they are f32).
+        for (narrow, w) in [(&m, &mw), (&v, &vw)] {
+            if !narrow.shares_storage(w) {
+                crate::copy_(narrow, w)?;
+            }
+        }
         crate::copy_(&params.view(r.flat, [r.len])?, &p)?;
     }
     Ok(())
@@ -161,7 +170,7 @@ pub fn sgd_runs(
 ) -> Result<()> {
     const OP: &str = "sgd_runs";
     let all = [master, momentum, grads, params];
-    if !check_runs(OP, &all, runs, state)? {
+    if !check_runs(OP, &all, 0, runs, state)? {
         return Ok(());
     }
     let every: Vec<&Tensor> = all.iter().copied().chain(state).collect();
@@ -193,13 +202,23 @@ pub fn sgd_runs(
     Ok(())
 }
 
-/// The checks both run updates make: `bufs` = the f32 state buffers (master first), then the
-/// gradients (f32 or bf16) and the parameters; the state, distinct storage, every run inside the
-/// flat buffer and the state. False: no run, nothing to do.
-fn check_runs(op: &'static str, bufs: &[&Tensor], runs: &AdamRuns, state: Option<&Tensor>) -> Result<bool> {
+/// The checks both run updates make: `bufs` = the state buffers (the f32 master weights, then
+/// the moments: the first `moments` of them f32 or bf16, any others f32), then the gradients (f32
+/// or bf16) and the parameters; the state, distinct storage, every run inside the flat buffer and
+/// the state. False: no run, nothing to do.
+fn check_runs(
+    op: &'static str,
+    bufs: &[&Tensor],
+    moments: usize,
+    runs: &AdamRuns,
+    state: Option<&Tensor>,
+) -> Result<bool> {
     let [state_bufs @ .., grads, params] = bufs else { return Err(invalid(op, "no buffers")) };
-    for t in state_bufs {
-        check::dtype(op, t, DType::F32)?;
+    for (i, t) in state_bufs.iter().enumerate() {
+        // The master weights are f32; the moments (AdamW's, `moments` of them) f32 or bf16.
+        if i == 0 || i > moments || t.dtype() != DType::BF16 {
+            check::dtype(op, t, DType::F32)?;
+        }
         check::shape(op, t, state_bufs[0].dims())?;
     }
     if grads.dtype() != DType::BF16 {

@@ -13,6 +13,10 @@
 //! nothing back (no host synchronisation between the backward and the update). The state also
 //! holds the step count; `last_stats` and `steps` read it when the caller wants them.
 //!
+//! The moments are f32, or bf16 under Megatron's precision-aware optimizer (`AdamConfig::
+//! exp_avg_dtype`): widened for the update, stored rounded; the state leaves and enters through
+//! f32 (`owned_state` / `load_owned_state`), so a checkpoint does not depend on it.
+//!
 //! A rank keeps master weights and moments only for the flat ranges it owns: all of the buffer,
 //! or under the distributed optimizer its slice of every data-parallel bucket (≈ 1/DP of the
 //! state). The norm sums each rank's part over the model-parallel group (and the data-parallel
@@ -46,6 +50,11 @@ pub struct AdamConfig {
     pub clip_grad: f32,
     /// The update rule (the betas and eps are AdamW's alone).
     pub algorithm: Algorithm,
+    /// AdamW's moments' storage, f32 or bf16 each (Megatron's precision-aware optimizer,
+    /// --exp-avg-dtype / --exp-avg-sq-dtype): a bf16 moment is widened for the update and stored
+    /// rounded, halving its memory. Checkpoints hold f32 either way.
+    pub exp_avg_dtype: DType,
+    pub exp_avg_sq_dtype: DType,
 }
 
 /// Megatron's --optimizer: adam (AdamW, decoupled weight decay) or sgd (momentum, L2 weight
@@ -86,6 +95,8 @@ impl Default for AdamConfig {
             weight_decay: 0.01,
             clip_grad: 1.0,
             algorithm: Algorithm::AdamW,
+            exp_avg_dtype: DType::F32,
+            exp_avg_sq_dtype: DType::F32,
         }
     }
 }
@@ -198,6 +209,21 @@ impl Optimizer {
     ) -> CoreResult<Self> {
         let dev = table.flat_params().device().clone();
         let n: usize = owned.iter().map(|r| r.len()).sum();
+        let (m_dt, v_dt) = (config.exp_avg_dtype, config.exp_avg_sq_dtype);
+        for (what, dt) in [("exp_avg", m_dt), ("exp_avg_sq", v_dt)] {
+            if !matches!(dt, DType::F32 | DType::BF16) {
+                return Err(ferrotron_core::invalid(
+                    "optimizer",
+                    format!("{what} in {dt}: the moments are f32 or bf16"),
+                ));
+            }
+        }
+        if matches!(config.algorithm, Algorithm::Sgd { .. }) && (m_dt, v_dt) != (DType::F32, DType::F32) {
+            return Err(ferrotron_core::invalid(
+                "optimizer",
+                "SGD keeps an f32 momentum buffer: bf16 moments are AdamW's (--optimizer adam)",
+            ));
+        }
         let master = Tensor::zeros([n], DType::F32, &dev)?;
         let mut at = 0;
         for r in &owned {
@@ -212,8 +238,8 @@ impl Optimizer {
             config,
             owned,
             master,
-            exp_avg: Tensor::zeros([n], DType::F32, &dev)?,
-            exp_avg_sq: Tensor::zeros([if config.algorithm == Algorithm::AdamW { n } else { 0 }], DType::F32, &dev)?,
+            exp_avg: Tensor::zeros([n], m_dt, &dev)?,
+            exp_avg_sq: Tensor::zeros([if config.algorithm == Algorithm::AdamW { n } else { 0 }], v_dt, &dev)?,
             runs: AdamRuns::new(runs, &dev)?,
             state: Tensor::zeros([adam_state::LEN], DType::F32, &dev)?,
             mp,
@@ -244,7 +270,7 @@ impl Optimizer {
 
     /// Bytes of optimizer state held by this rank (master + two moments, or + the momentum).
     pub fn state_bytes(&self) -> usize {
-        self.buffers().len() * 4 * self.master.elem_count()
+        self.buffers().iter().map(|t| t.dtype().size_in_bytes() * t.elem_count()).sum()
     }
 
     /// The state buffers, in `Algorithm::state_names` order.

@@ -151,3 +151,71 @@ fn sgd_steps_follow_pytorchs_sgd() {
     let e = other.load_owned_state(&[state[0].clone(), state[1].clone(), state[1].clone()], 2).unwrap_err();
     assert!(e.to_string().contains("3 state buffers given"), "{e}");
 }
+
+/// The precision-aware optimizer's bf16 moments (--exp-avg-dtype / --exp-avg-sq-dtype bf16):
+/// 12 → 8 bytes of state an element; every step the per-element f32 formula from the stored
+/// (bf16) moments, the moments then rounded to bf16; the state leaves and returns through f32
+/// (a checkpoint), and SGD refuses them.
+#[test]
+fn bf16_moments_step_as_f32_from_the_rounded_state() {
+    use ferrotron_core::Tensor;
+    use ferrotron_optim::Algorithm;
+    let mut b = ParamTableBuilder::default();
+    b.add(ParamMeta::replicated("a.weight", [9], Init::Normal { std: 0.5 }, true)).unwrap();
+    b.add(ParamMeta::replicated("a.bias", [4], Init::Normal { std: 0.5 }, false)).unwrap();
+    let table = b.build(&Device::Cpu, DType::F32, 5).unwrap();
+    let cfg = AdamConfig {
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        clip_grad: 0.0,
+        exp_avg_dtype: DType::BF16,
+        exp_avg_sq_dtype: DType::BF16,
+        ..Default::default()
+    };
+    let mut opt = Optimizer::new(&table, cfg).unwrap();
+    assert_eq!(opt.state_bytes(), (4 + 2 + 2) * table.flat_len());
+    let mut p = table.flat_params().to_vec_f32().unwrap();
+    let (mut m, mut v) = (vec![0f32; p.len()], vec![0f32; p.len()]);
+    // To bf16 and back (round to nearest even).
+    let round = |x: &mut Vec<f32>| {
+        *x = Tensor::from_f32(x, [x.len()], DType::BF16, &Device::Cpu).unwrap().to_vec_f32().unwrap();
+    };
+    for step in 1..=4 {
+        let g: Vec<f32> = (0..p.len()).map(|i| ((i * 29 + step * 7) % 17) as f32 / 5.0 - 1.6).collect();
+        table.flat_grads().update_f32("t", |x| x.copy_from_slice(&g)).unwrap();
+        opt.step(&table, 0.01).unwrap();
+        for i in 0..p.len() {
+            let wd = if i < 9 { 0.1 } else { 0.0 };
+            adamw_ref(&mut p[i], g[i], &mut m[i], &mut v[i], &cfg, 0.01, wd, step as i32);
+        }
+        round(&mut m);
+        round(&mut v);
+    }
+    let (state, steps) = opt.full_state(table.flat_len()).unwrap();
+    let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&state[0]), bits(&p), "master weights");
+    assert_eq!(bits(&state[1]), bits(&m), "exp_avg");
+    assert_eq!(bits(&state[2]), bits(&v), "exp_avg_sq");
+    // f32 moments from the same start take other steps (the rounding is real).
+    let f32_cfg = AdamConfig { exp_avg_dtype: DType::F32, exp_avg_sq_dtype: DType::F32, ..cfg };
+    let mut wide = Optimizer::new(&table, f32_cfg).unwrap();
+    wide.load_owned_state(&state, steps).unwrap();
+    let mut narrow = Optimizer::new(&table, cfg).unwrap();
+    narrow.load_owned_state(&state, steps).unwrap();
+    assert_eq!(narrow.full_state(table.flat_len()).unwrap().0, state, "a checkpoint's state round-trips");
+    for o in [&mut wide, &mut narrow] {
+        table
+            .flat_grads()
+            .update_f32("t", |x| x.iter_mut().enumerate().for_each(|(i, y)| *y = i as f32 * 0.1))
+            .unwrap();
+        o.step(&table, 0.01).unwrap();
+    }
+    let (a, b) = (wide.full_state(table.flat_len()).unwrap().0, narrow.full_state(table.flat_len()).unwrap().0);
+    assert_eq!(bits(&a[0]), bits(&b[0]), "one step from the same state: the same master weights");
+    assert_ne!(bits(&a[1]), bits(&b[1]), "the bf16 exp_avg is rounded");
+    let sgd = AdamConfig { algorithm: Algorithm::Sgd { momentum: 0.9 }, ..cfg };
+    let e = Optimizer::new(&table, sgd).err().expect("SGD with bf16 moments").to_string();
+    assert!(e.contains("SGD") && e.contains("--optimizer adam"), "{e}");
+}

@@ -121,14 +121,7 @@ pub(crate) fn apply(a: &mut TrainArgs) -> anyhow::Result<()> {
     if let Some(m) = a.recompute_modules.iter().find(|m| !MODULES.contains(&m.as_str())) {
         bail!("--recompute-modules {m}: not one of Megatron's modules ({})", MODULES.join(", "));
     }
-    for (flag, v) in [
-        ("--main-grads-dtype", &a.main_grads_dtype),
-        ("--main-params-dtype", &a.main_params_dtype),
-        ("--exp-avg-dtype", &a.exp_avg_dtype),
-        ("--exp-avg-sq-dtype", &a.exp_avg_sq_dtype),
-    ] {
-        one_of(flag, v, &["fp32"], "the optimizer keeps fp32 state (--grad-reduce-in-bf16 narrows main_grad)")?;
-    }
+    precision_aware(a)?;
     one_of("--optimizer", &a.optimizer, &["adam", "sgd"], "Megatron's two: adam (AdamW) and sgd")?;
     if a.sgd_momentum.is_some() && a.optimizer.as_deref() != Some("sgd") {
         bail!("--sgd-momentum is SGD's: add --optimizer sgd (or drop it)");
@@ -149,6 +142,43 @@ pub(crate) fn apply(a: &mut TrainArgs) -> anyhow::Result<()> {
     }
     if a.use_torch_fsdp2 {
         bail!("--use-torch-fsdp2: FSDP is not built; --use-distributed-optimizer shards the optimizer state");
+    }
+    Ok(())
+}
+
+/// Megatron's precision-aware optimizer: --exp-avg-dtype / --exp-avg-sq-dtype bf16 keep AdamW's
+/// moments in bf16, --main-grads-dtype bf16 is a bf16 main_grad (--grad-reduce-in-bf16 here);
+/// each needs --use-precision-aware-optimizer, as in Megatron. fp16 and fp8 state (per-tensor
+/// scaled in Transformer Engine) and fp16 master weights are refused by name.
+fn precision_aware(a: &mut TrainArgs) -> anyhow::Result<()> {
+    let flags = [
+        ("--main-grads-dtype", &a.main_grads_dtype, &["fp32", "bf16"][..]),
+        ("--main-params-dtype", &a.main_params_dtype, &["fp32"][..]),
+        ("--exp-avg-dtype", &a.exp_avg_dtype, &["fp32", "bf16"][..]),
+        ("--exp-avg-sq-dtype", &a.exp_avg_sq_dtype, &["fp32", "bf16"][..]),
+    ];
+    for (flag, v, ok) in flags {
+        let Some(v) = v.as_deref().filter(|&v| v != "fp32") else { continue };
+        if !ok.contains(&v) {
+            let why = match (flag, v) {
+                ("--main-params-dtype", "fp16" | "bf16") => "master weights below fp32 are not built: they stay fp32",
+                (_, "fp16" | "fp8") => "fp16 and fp8 optimizer state (scaled per tensor) are not built: use bf16",
+                _ => "not one of Megatron's dtypes",
+            };
+            bail!("{flag} {v}: {why} (accepted: {})", ok.join(", "));
+        }
+        if !a.use_precision_aware_optimizer {
+            bail!("{flag} {v} sets the precision-aware optimizer's state: add --use-precision-aware-optimizer");
+        }
+        if a.optimizer.as_deref().is_some_and(|o| o != "adam") {
+            bail!("{flag} {v}: the precision-aware optimizer is Adam's: use --optimizer adam");
+        }
+    }
+    if a.main_grads_dtype.as_deref() == Some("bf16") {
+        if !a.bf16 {
+            bail!("--main-grads-dtype bf16 keeps bf16 training's gradients in bf16: add --bf16");
+        }
+        a.grad_reduce_in_bf16 = true;
     }
     Ok(())
 }

@@ -775,7 +775,10 @@ pub struct TrainArgs {
     /// Only disabled is built.
     #[arg(long)]
     pub rerun_mode: Option<String>,
-    /// Optimizer state dtypes (--use-precision-aware-optimizer): only fp32 is built.
+    /// Optimizer state dtypes (with --use-precision-aware-optimizer): AdamW's moments fp32 or
+    /// bf16 (--exp-avg-dtype, --exp-avg-sq-dtype: half their memory, each widened for the update
+    /// and stored rounded); main grads fp32 or bf16 (bf16 is --grad-reduce-in-bf16); master
+    /// weights fp32.
     #[arg(long)]
     pub main_grads_dtype: Option<String>,
     #[arg(long)]
@@ -1344,6 +1347,11 @@ pub struct Settings {
     pub overlap_grad_reduce: bool,
     #[serde(default)]
     pub grad_reduce_in_bf16: bool,
+    /// AdamW's moments in bf16 (--exp-avg-dtype / --exp-avg-sq-dtype bf16).
+    #[serde(default)]
+    pub exp_avg_bf16: bool,
+    #[serde(default)]
+    pub exp_avg_sq_bf16: bool,
     #[serde(default)]
     pub overlap_param_gather: bool,
     #[serde(default)]
@@ -2659,6 +2667,8 @@ impl Settings {
             use_distributed_optimizer: a.use_distributed_optimizer,
             overlap_grad_reduce: a.overlap_grad_reduce,
             grad_reduce_in_bf16: a.grad_reduce_in_bf16,
+            exp_avg_bf16: a.exp_avg_dtype.as_deref() == Some("bf16"),
+            exp_avg_sq_bf16: a.exp_avg_sq_dtype.as_deref() == Some("bf16"),
             overlap_param_gather: a.overlap_param_gather,
             ddp_bucket_size: a.ddp_bucket_size,
             pipeline_model_parallel_size: a.pipeline_model_parallel_size.unwrap_or(1),

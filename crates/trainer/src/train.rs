@@ -745,6 +745,8 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         weight_decay: s.weight_decay,
         clip_grad: s.clip_grad,
         algorithm: s.algorithm(),
+        exp_avg_dtype: if s.exp_avg_bf16 { DType::BF16 } else { DType::F32 },
+        exp_avg_sq_dtype: if s.exp_avg_sq_bf16 { DType::BF16 } else { DType::F32 },
     };
     let mut opt = Optimizer::new_parallel(&table, adam, &sync, g.mp.clone(), g.tp.rank())?;
     let (warmup, decay, wsd_decay) = s.schedule_samples();

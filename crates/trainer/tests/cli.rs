@@ -329,6 +329,13 @@ fn megatrons_script_switches_run_as_the_plain_flags() {
     fails_naming(&rope("0.4"), "--rotary-percent 0.4 rotates ⌊8 · 0.4⌋ = 3 features");
     fails_naming(&rope("1.5"), "--rotary-percent 1.5 must be in (0, 1]");
     fails_naming(&["--main-grads-dtype", "bf16"], "--main-grads-dtype bf16");
+    fails_naming(&["--exp-avg-sq-dtype", "bf16"], "add --use-precision-aware-optimizer");
+    let aware = |f: &'static str, v: &'static str| ["--use-precision-aware-optimizer", f, v];
+    fails_naming(&aware("--main-grads-dtype", "bf16"), "--main-grads-dtype bf16 keeps bf16 training's gradients");
+    fails_naming(&aware("--exp-avg-dtype", "fp16"), "fp16 and fp8 optimizer state");
+    fails_naming(&aware("--exp-avg-sq-dtype", "fp8"), "use bf16");
+    fails_naming(&aware("--main-params-dtype", "fp16"), "master weights below fp32 are not built");
+    fails_naming(&[&aware("--exp-avg-dtype", "bf16")[..], &["--optimizer", "sgd"]].concat(), "is Adam's");
     fails_naming(&["--wandb-project", "x"], "--tensorboard-dir writes the same scalars");
     fails_naming(&["--use-torch-fsdp2"], "FSDP is not built");
     fails_naming(&["--optimizer", "lamb"], "--optimizer lamb");

@@ -498,6 +498,22 @@ fn fp8_delayed_cuda_matches_cpu() {
     });
 }
 
+/// The precision-aware optimizer's bf16 moments and bf16 main grads (`adamw_runs_*_m*_v*`) in a
+/// bf16 llama-tiny run, against the CPU's.
+#[test]
+fn bf16_moments_cuda_match_cpu() {
+    let args = || TrainArgs {
+        preset: Some("llama-tiny".into()),
+        bf16: true,
+        use_precision_aware_optimizer: true,
+        exp_avg_dtype: Some("bf16".into()),
+        exp_avg_sq_dtype: Some("bf16".into()),
+        main_grads_dtype: Some("bf16".into()),
+        ..TrainArgs::default()
+    };
+    bf16_cuda_matches_cpu("bf16 moments", args);
+}
+
 /// `args` (a bf16 run) for 20 steps on the GPU and on the CPU: every loss within 2e-2.
 fn bf16_cuda_matches_cpu(tag: &str, args: impl Fn() -> TrainArgs) {
     let gpu = Device::cuda(0).expect("a CUDA device");

@@ -1,7 +1,8 @@
 //! `--grad-reduce-in-bf16`: main_grad held in bf16. The losses follow the fp32-main_grad run
 //! within bf16 tolerance, on one rank and on two data-parallel thread ranks whose reduce-scatter
 //! (distributed optimizer, overlapped with the backward) moves bf16 buckets; and the flag is
-//! refused without --bf16.
+//! refused without --bf16. The precision-aware optimizer's bf16 moments the same way, and
+//! `--main-grads-dtype bf16` as the bf16 main_grad it names.
 
 mod common;
 
@@ -49,4 +50,27 @@ fn grad_reduce_in_bf16_needs_bf16() {
     args.grad_reduce_in_bf16 = true;
     let e = Settings::resolve(&args).map(drop).expect_err("refused without --bf16").to_string();
     assert!(e.contains("--grad-reduce-in-bf16") && e.contains("--bf16"), "{e}");
+}
+
+#[test]
+fn bf16_moments_train_like_fp32_moments() {
+    let mut args = tiny_args(true);
+    args.bf16 = true;
+    let wide = settings(&args);
+    args.use_precision_aware_optimizer = true;
+    args.exp_avg_dtype = Some("bf16".into());
+    args.exp_avg_sq_dtype = Some("bf16".into());
+    let narrow = settings(&args);
+    assert!(narrow.exp_avg_bf16 && narrow.exp_avg_sq_bf16 && !narrow.grad_reduce_in_bf16);
+    let (a, b) = (losses(&wide, 1), losses(&narrow, 1));
+    close(&a, &b, "fp32 against bf16 moments");
+    // The first update takes the unrounded moments: the second step's loss is the fp32 run's.
+    assert_eq!(a[..2], b[..2], "the first update is the f32 one");
+    assert_ne!(a, b, "bf16 moments changed nothing");
+    let mut dp = narrow.clone();
+    dp.use_distributed_optimizer = true;
+    close(&b, &losses(&dp, 2), "bf16 moments, one rank against DP 2 sharding them");
+    // --main-grads-dtype bf16 is the bf16 main_grad.
+    args.main_grads_dtype = Some("bf16".into());
+    assert!(settings(&args).grad_reduce_in_bf16);
 }

@@ -1,5 +1,6 @@
 //! N steps straight equals N/2 steps, save, load, N/2 steps: the same losses, parameters and
-//! optimizer state, bit for bit (f32 with hidden dropout, and bf16 with fp32 master weights). And a checkpoint saved
+//! optimizer state, bit for bit (f32 with hidden dropout, bf16 with fp32 master weights, and bf16
+//! with the precision-aware optimizer's bf16 moments, which checkpoints hold widened). And a checkpoint saved
 //! under one parallel layout resumes under another. And a run measured in samples is the same run
 //! measured in iterations.
 
@@ -10,15 +11,20 @@ use ferrotron_trainer::checkpoint;
 use ferrotron_trainer::settings::{Paths, Settings};
 use ferrotron_trainer::train::train;
 
-fn check(llama: bool, bf16: bool) {
+fn check(llama: bool, bf16: bool, bf16_moments: bool) {
     let mut args = tiny_args(llama);
     args.bf16 = bf16;
+    if bf16_moments {
+        args.use_precision_aware_optimizer = true;
+        args.exp_avg_dtype = Some("bf16".into());
+        args.exp_avg_sq_dtype = Some("bf16".into());
+    }
     // Hidden dropout in the GPT-2 style run, attention dropout in the Llama-style one: the resumed
     // steps draw the masks the straight run did.
     args.hidden_dropout = (!llama).then_some(0.1);
     args.attention_dropout = llama.then_some(0.1);
     let s = settings(&args);
-    let tag = format!("resume-{llama}-{bf16}");
+    let tag = format!("resume-{llama}-{bf16}-{bf16_moments}");
     let straight_dir = tmp(&format!("{tag}-a"));
     let straight = train(&s, &Paths { save: Some(straight_dir.clone()), ..Paths::default() }).unwrap();
 
@@ -63,12 +69,17 @@ fn check(llama: bool, bf16: bool) {
 
 #[test]
 fn gpt2_style_resume_is_bit_exact() {
-    check(false, false);
+    check(false, false, false);
 }
 
 #[test]
 fn llama_style_bf16_resume_is_bit_exact() {
-    check(true, true);
+    check(true, true, false);
+}
+
+#[test]
+fn bf16_moments_resume_is_bit_exact() {
+    check(true, true, true);
 }
 
 /// Saved by 4 thread ranks (TP 2 × DP 2 with sequence parallelism, or PP 2 × DP 2 with full

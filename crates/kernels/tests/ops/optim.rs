@@ -129,6 +129,60 @@ device_test!(adamw_runs_from_bf16_grads_as_from_the_same_f32_values, |dev: &Devi
     assert_ne!(a[0], run(&k::scale(&g32, 2.0).unwrap())[0], "the gradients reach the update");
 });
 
+device_test!(adamw_runs_with_bf16_moments_rounds_the_f32_update, |dev: &Device| {
+    use ferrotron_core::{DType, Tensor};
+    use k::{AdamRun, AdamRuns};
+    // Megatron's precision-aware optimizer (--exp-avg-dtype / --exp-avg-sq-dtype bf16): each step
+    // must be the f32 update from the same (widened) moments, the master weights and parameters
+    // bit for bit, each bf16 moment that update's moment rounded to nearest even. Every pairing,
+    // three steps each (the oracle restarts from the narrow state every step); the second run
+    // starts off an 8-byte boundary of the bf16 moments (the GPU's one-element path).
+    let runs = vec![
+        AdamRun { flat: 0, state: 0, len: 4096, decay: true, decoupled: false },
+        AdamRun { flat: 4096, state: 4097, len: 2001, decay: false, decoupled: false },
+    ];
+    let (flat, state) = (6097, 6098);
+    let table = AdamRuns::new(runs, dev).unwrap();
+    let bits = |t: &Tensor| t.to_vec_f32().unwrap().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let widened = |t: &Tensor| k::cast(t, DType::F32).unwrap();
+    for (m_dt, v_dt) in [(DType::BF16, DType::BF16), (DType::BF16, DType::F32), (DType::F32, DType::BF16)] {
+        let p = t32(dev, &randv(state, 1), &[state]);
+        let m = tensor(dev, &randv(state, 2).iter().map(|x| x * 1e-2).collect::<Vec<_>>(), &[state], m_dt);
+        let v = tensor(dev, &randv(state, 3).iter().map(|x| x * x * 1e-4).collect::<Vec<_>>(), &[state], v_dt);
+        let params = tensor(dev, &vec![0.0; flat], &[flat], DType::BF16);
+        for step in 1..=3u64 {
+            let g = t32(dev, &randv(flat, 10 + step), &[flat]);
+            let h = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step, grad_scale: 0.5 };
+            let (rp, rm, rv) = (widened(&p), widened(&m), widened(&v));
+            let rparams = tensor(dev, &vec![0.0; flat], &[flat], DType::BF16);
+            k::adamw_runs(&rp, &rm, &rv, &g, &rparams, &table, &h, None).unwrap();
+            k::adamw_runs(&p, &m, &v, &g, &params, &table, &h, None).unwrap();
+            let what = format!("exp_avg {m_dt}, exp_avg_sq {v_dt}, step {step}");
+            assert_eq!(bits(&p), bits(&rp), "master weights, {what}");
+            assert_eq!(bits(&params), bits(&rparams), "parameters, {what}");
+            assert_eq!(bits(&m), bits(&k::cast(&rm, m_dt).unwrap()), "exp_avg, {what}");
+            assert_eq!(bits(&v), bits(&k::cast(&rv, v_dt).unwrap()), "exp_avg_sq, {what}");
+            // The narrow moment really is narrower than the update's.
+            let (narrow, wide) = if m_dt == DType::BF16 { (&m, &rm) } else { (&v, &rv) };
+            assert_ne!(bits(&widened(narrow)), bits(wide), "a bf16 moment kept f32 bits, {what}");
+        }
+    }
+    // An f16 moment is refused by name.
+    let z = |dt| tensor(dev, &vec![0.0; state], &[state], dt);
+    let h = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step: 1, grad_scale: 1.0 };
+    let e = k::adamw_runs(
+        &z(DType::F32),
+        &z(DType::F16),
+        &z(DType::F32),
+        &z(DType::F32),
+        &z(DType::BF16),
+        &table,
+        &h,
+        None,
+    );
+    assert!(e.is_err());
+});
+
 device_test!(adamw_runs_from_the_device_state, |dev: &Device| {
     use ferrotron_core::DType;
     use k::{AdamPrep, AdamRun, AdamRuns, adam_state as st};

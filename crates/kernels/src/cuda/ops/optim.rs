@@ -50,7 +50,12 @@ pub fn adamw_runs(be: &B, x: &AdamTensors, table: &Tensor, chunks: usize, h: &cr
     // Without a state `h.step` counts from 1 (checked by the caller); with one it is unused.
     args.extend(adam_hyper(&crate::AdamW { step: h.step.max(1), ..*h }));
     let (ps, gs) = (sfx_storage(op, x.params.dtype())?, sfx(op, x.g.dtype())?);
-    be.launch(&format!("adamw_runs_{ps}_g{gs}"), chunks as u32, 256, 0, &args)
+    // f32 moments keep the short name; a bf16 one names both (kernels/optim.cu).
+    let moments = match (x.m.dtype(), x.v.dtype()) {
+        (DType::F32, DType::F32) => String::new(),
+        (m, v) => format!("_m{}_v{}", sfx(op, m)?, sfx(op, v)?),
+    };
+    be.launch(&format!("adamw_runs_{ps}_g{gs}{moments}"), chunks as u32, 256, 0, &args)
 }
 
 /// `sgd_runs`'s tensors: master weights, momentum buffer, gradients, parameters and the optional
