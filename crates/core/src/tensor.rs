@@ -214,16 +214,21 @@ impl Tensor {
         self.update_f32(OP, |v| v.copy_from_slice(src))
     }
 
-    /// Overwrites the elements with `src`'s, bit for bit: same dtype and element count, on the
-    /// same device, in different storage. On a GPU a device-to-device copy queued on the compute
-    /// stream (token ids too, which the float kernels do not take). Strided views (`narrow`,
-    /// `transpose`) of the same shape copy as rectangles (`copy_plan`): on a GPU one
-    /// `cuMemcpy2DAsync` each, at most `MAX_RECTS` of them.
+    /// Overwrites the elements with `src`'s, bit for bit: same dtype and element count, in
+    /// different storage. On a GPU a device-to-device copy queued on the compute stream (token ids
+    /// too, which the float kernels do not take). Strided views (`narrow`, `transpose`) of the
+    /// same shape copy as rectangles (`copy_plan`): on a GPU one `cuMemcpy2DAsync` each, at most
+    /// `MAX_RECTS` of them. Between the host and a GPU both must be contiguous: the range alone
+    /// crosses (a copy to the host waits for the stream).
     pub fn copy_from(&self, src: &Tensor) -> Result<()> {
         const OP: &str = "copy_from";
         if src.dtype != self.dtype || src.elem_count() != self.elem_count() {
             let got = format!("{} {} elements", src.elem_count(), src.dtype);
             return Err(shape_mismatch(OP, self.shape(), got));
+        }
+        #[cfg(feature = "cuda")]
+        if !self.device.same(&src.device) {
+            return self.copy_across(src);
         }
         if !self.device.same(&src.device) || self.shares_storage(src) {
             return Err(Error::InvalidArgument {
@@ -249,6 +254,34 @@ impl Tensor {
             }
             #[cfg(feature = "cuda")]
             _ => unreachable!("storage on the same device is of the same kind"),
+        }
+    }
+
+    /// `copy_from` between the host and a GPU (or two GPUs, through the host): contiguous views,
+    /// only their ranges moved.
+    #[cfg(feature = "cuda")]
+    fn copy_across(&self, src: &Tensor) -> Result<()> {
+        const OP: &str = "copy_from";
+        let (Some(d), Some(r)) = (self.layout.contiguous_range(), src.layout.contiguous_range()) else {
+            return Err(Error::NotContiguous { op: OP });
+        };
+        let host = {
+            let from = src.storage();
+            match (&*from, &src.device) {
+                (Storage::Cpu(f), _) => CpuStorage::from_bytes(src.dtype, f.bytes(r))?,
+                (Storage::Cuda(f), Device::Cuda(dev)) => f.read_range(dev, r)?,
+                _ => unreachable!("CUDA storage on a CUDA device"),
+            }
+        };
+        let mut to = self.storage_mut();
+        match (&mut *to, &self.device) {
+            (Storage::Cpu(t), _) => {
+                let n = self.dtype.size_in_bytes();
+                crate::storage::bytes_mut(t)[d.start * n..d.end * n].copy_from_slice(host.bytes(0..host.len()));
+                Ok(())
+            }
+            (Storage::Cuda(t), Device::Cuda(dev)) => t.write_range(dev, d.start, &host),
+            _ => unreachable!("CUDA storage on a CUDA device"),
         }
     }
 
@@ -443,12 +476,22 @@ impl Tensor {
         Self::place(data, self.shape().clone(), device)
     }
 
-    /// Self for a CPU tensor; for a CUDA tensor, its whole storage copied to the host, same layout.
+    /// Self for a CPU tensor; for a CUDA tensor, its whole storage copied to the host, same layout
+    /// (a contiguous view: its range, laid out from 0).
     fn host_view(&self) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
         if let Device::Cuda(d) = &self.device {
             let g = self.storage();
             if let Storage::Cuda(c) = &*g {
+                // A contiguous view brings its range alone (a parameter of the flat buffer).
+                if let Some(r) = self.layout.contiguous_range().filter(|r| r.len() < c.len()) {
+                    return Ok(Tensor {
+                        storage: Arc::new(RwLock::new(Storage::Cpu(c.read_range(d, r)?))),
+                        layout: Layout::contiguous(self.shape().clone()),
+                        dtype: self.dtype,
+                        device: Device::Cpu,
+                    });
+                }
                 let cpu = c.to_cpu(d)?;
                 return Ok(Tensor {
                     storage: Arc::new(RwLock::new(Storage::Cpu(cpu))),

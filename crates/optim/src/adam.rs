@@ -17,6 +17,11 @@
 //! exp_avg_dtype`): widened for the update, stored rounded; the state leaves and enters through
 //! f32 (`owned_state` / `load_owned_state`), so a checkpoint does not depend on it.
 //!
+//! Under `AdamConfig::cpu_offload` (Megatron's --optimizer-cpu-offload) the master weights and
+//! moments live in host memory: the step is settled on the device as above, then it and the owned
+//! gradients are copied down, the host runs the same update into its own copy of the parameters,
+//! and each run's parameters go back up. This waits for the backward (no CUDA graph holds it).
+//!
 //! A rank keeps master weights and moments only for the flat ranges it owns: all of the buffer,
 //! or under the distributed optimizer its slice of every data-parallel bucket (≈ 1/DP of the
 //! state). The norm sums each rank's part over the model-parallel group (and the data-parallel
@@ -24,7 +29,7 @@
 
 use crate::ddp::{Comm, GradSync};
 use ferrotron_comm::{CommError, ReduceOp};
-use ferrotron_core::{DType, ParamId, ParamTable, Result as CoreResult, Tensor};
+use ferrotron_core::{DType, Device, ParamId, ParamTable, Result as CoreResult, Tensor};
 use ferrotron_kernels::{self as k, AdamPrep, AdamRun, AdamRuns, AdamW, Sgd, adam_state};
 use std::ops::Range;
 
@@ -55,6 +60,9 @@ pub struct AdamConfig {
     /// rounded, halving its memory. Checkpoints hold f32 either way.
     pub exp_avg_dtype: DType,
     pub exp_avg_sq_dtype: DType,
+    /// Megatron's --optimizer-cpu-offload: the master weights and moments live in host memory and
+    /// the update runs on the host (`Optimizer` header), freeing their device memory.
+    pub cpu_offload: bool,
 }
 
 /// Megatron's --optimizer: adam (AdamW, decoupled weight decay) or sgd (momentum, L2 weight
@@ -97,6 +105,7 @@ impl Default for AdamConfig {
             algorithm: Algorithm::AdamW,
             exp_avg_dtype: DType::F32,
             exp_avg_sq_dtype: DType::F32,
+            cpu_offload: false,
         }
     }
 }
@@ -144,6 +153,20 @@ pub struct Optimizer {
     /// The learning rate of the word embedding and output layer (`ParamMeta::embedding_or_output`)
     /// for the next updates; None: the main one.
     decoupled_lr: Option<f32>,
+    /// Under `AdamConfig::cpu_offload`: the host side of the update.
+    host: Option<HostStep>,
+}
+
+/// The host's buffers of an offloaded update, laid out as the state buffers (the owned ranges
+/// back to back): the step's gradients copied down, the parameters written there by the update
+/// and copied up, and the step state as the device settled it.
+struct HostStep {
+    grads: Tensor,
+    params: Tensor,
+    state: Tensor,
+    /// (flat offset, host offset, length) of each run: what the update writes, and so what goes
+    /// back up (frozen parameters stay as they are on the device).
+    uploads: Vec<(usize, usize, usize)>,
 }
 
 /// What [`Optimizer::total`] sums over the model.
@@ -208,6 +231,7 @@ impl Optimizer {
         tp_rank: usize,
     ) -> CoreResult<Self> {
         let dev = table.flat_params().device().clone();
+        let host_dev = if config.cpu_offload { Device::Cpu } else { dev.clone() };
         let n: usize = owned.iter().map(|r| r.len()).sum();
         let (m_dt, v_dt) = (config.exp_avg_dtype, config.exp_avg_sq_dtype);
         for (what, dt) in [("exp_avg", m_dt), ("exp_avg_sq", v_dt)] {
@@ -224,29 +248,43 @@ impl Optimizer {
                 "SGD keeps an f32 momentum buffer: bf16 moments are AdamW's (--optimizer adam)",
             ));
         }
-        let master = Tensor::zeros([n], DType::F32, &dev)?;
+        let master = Tensor::zeros([n], DType::F32, &host_dev)?;
         let mut at = 0;
         for r in &owned {
-            k::copy_(
-                &master.view(at, [r.len()])?,
-                &k::cast(&table.flat_params().view(r.start, [r.len()])?, DType::F32)?,
-            )?;
+            master
+                .view(at, [r.len()])?
+                .copy_from(&k::cast(&table.flat_params().view(r.start, [r.len()])?, DType::F32)?)?;
             at += r.len();
         }
-        let runs = runs(table, &owned);
+        let mut runs = runs(table, &owned);
+        let host = if config.cpu_offload {
+            // The host's gradients and parameters hold the owned ranges back to back, as the state.
+            let uploads = runs.iter().map(|r| (r.flat, r.state, r.len)).collect();
+            runs.iter_mut().for_each(|r| r.flat = r.state);
+            let (g, p) = (table.flat_grads(), table.flat_params());
+            Some(HostStep {
+                grads: Tensor::zeros([n], g.dtype(), &Device::Cpu)?,
+                params: Tensor::zeros([n], p.dtype(), &Device::Cpu)?,
+                state: Tensor::zeros([adam_state::LEN], DType::F32, &Device::Cpu)?,
+                uploads,
+            })
+        } else {
+            None
+        };
         Ok(Optimizer {
             config,
             owned,
             master,
-            exp_avg: Tensor::zeros([n], m_dt, &dev)?,
-            exp_avg_sq: Tensor::zeros([if config.algorithm == Algorithm::AdamW { n } else { 0 }], v_dt, &dev)?,
-            runs: AdamRuns::new(runs, &dev)?,
+            exp_avg: Tensor::zeros([n], m_dt, &host_dev)?,
+            exp_avg_sq: Tensor::zeros([if config.algorithm == Algorithm::AdamW { n } else { 0 }], v_dt, &host_dev)?,
+            runs: AdamRuns::new(runs, &host_dev)?,
             state: Tensor::zeros([adam_state::LEN], DType::F32, &dev)?,
             mp,
             dp,
             tp_rank,
             experts: None,
             decoupled_lr: None,
+            host,
         })
     }
 
@@ -268,7 +306,8 @@ impl Optimizer {
         Ok(t)
     }
 
-    /// Bytes of optimizer state held by this rank (master + two moments, or + the momentum).
+    /// Bytes of optimizer state held by this rank (master + two moments, or + the momentum), in
+    /// host memory when offloaded.
     pub fn state_bytes(&self) -> usize {
         self.buffers().iter().map(|t| t.dtype().size_in_bytes() * t.elem_count()).sum()
     }
@@ -359,7 +398,10 @@ impl Optimizer {
             let views: Vec<_> = views.iter().collect();
             Ok(match what {
                 Measure::GradZeros => k::count_zeros_dev(&views, g.device())?,
-                Measure::GradSq | Measure::MasterSq => k::sum_sq_dev(&views, g.device())?,
+                Measure::GradSq => k::sum_sq_dev(&views, g.device())?,
+                // Offloaded master weights are summed on the host, the sum then sent where the
+                // ranks reduce it.
+                Measure::MasterSq => k::sum_sq_dev(&views, self.master.device())?.to_device(g.device())?,
             })
         };
         // Summed in f32 across ranks: every rank gets the same bits.
@@ -453,16 +495,46 @@ impl Optimizer {
             grad_scale: 1.0,
         };
         let (p, g) = (table.flat_params(), table.flat_grads());
-        match c.algorithm {
+        let Some(host) = &self.host else {
+            return self.update(g, p, &self.state, &h);
+        };
+        // Offloaded: the settled step state and the owned gradients down to the host (this waits
+        // for the backward), the update there, the new parameters back up.
+        host.state.copy_from(&self.state)?;
+        let mut at = 0;
+        for r in &self.owned {
+            host.grads.view(at, [r.len()])?.copy_from(&g.view(r.start, [r.len()])?)?;
+            at += r.len();
+        }
+        self.update(&host.grads, &host.params, &host.state, &h)?;
+        // A skipped step (a non-finite gradient norm) wrote nothing to send.
+        if host.state.to_vec_f32()?[adam_state::APPLIED] == 0.0 {
+            return Ok(());
+        }
+        for &(flat, at, len) in &host.uploads {
+            p.view(flat, [len])?.copy_from(&host.params.view(at, [len])?)?;
+        }
+        Ok(())
+    }
+
+    /// The update of `grads` into the master weights, moments and `params` (laid out as `runs`
+    /// says) by the step `state`.
+    fn update(&self, grads: &Tensor, params: &Tensor, state: &Tensor, h: &AdamW) -> Result<(), OptimError> {
+        match self.config.algorithm {
             Algorithm::AdamW => {
-                k::adamw_runs(&self.master, &self.exp_avg, &self.exp_avg_sq, g, p, &self.runs, &h, Some(&self.state))?
+                k::adamw_runs(&self.master, &self.exp_avg, &self.exp_avg_sq, grads, params, &self.runs, h, Some(state))?
             }
             Algorithm::Sgd { momentum } => {
-                let h = Sgd { lr: 0.0, momentum, weight_decay: c.weight_decay, grad_scale: 1.0 };
-                k::sgd_runs(&self.master, &self.exp_avg, g, p, &self.runs, &h, Some(&self.state))?
+                let h = Sgd { lr: 0.0, momentum, weight_decay: self.config.weight_decay, grad_scale: 1.0 };
+                k::sgd_runs(&self.master, &self.exp_avg, grads, params, &self.runs, &h, Some(state))?
             }
         }
         Ok(())
+    }
+
+    /// Whether the master weights and moments live in host memory (`AdamConfig::cpu_offload`).
+    pub fn offloaded(&self) -> bool {
+        self.host.is_some()
     }
 
     /// The state buffers (`Algorithm::state_names`: master, exp_avg, exp_avg_sq, or master and

@@ -219,3 +219,50 @@ fn bf16_moments_step_as_f32_from_the_rounded_state() {
     let e = Optimizer::new(&table, sgd).err().expect("SGD with bf16 moments").to_string();
     assert!(e.contains("SGD") && e.contains("--optimizer adam"), "{e}");
 }
+
+/// --optimizer-cpu-offload: the update staged through the host's compact buffers (the owned
+/// ranges back to back, the runs re-based onto them) gives the direct update's bits, step by
+/// step, through a skipped step (a NaN gradient: the parameters left alone) and around a frozen
+/// parameter (never written back), for AdamW with bf16 moments and for SGD.
+#[test]
+fn cpu_offload_updates_as_the_direct_update() {
+    use ferrotron_optim::Algorithm;
+    let build = || {
+        let mut b = ParamTableBuilder::default();
+        b.add(ParamMeta::replicated("a.weight", [7], Init::Normal { std: 0.5 }, true)).unwrap();
+        b.add(ParamMeta::replicated("f.weight", [5], Init::Normal { std: 0.5 }, true)).unwrap();
+        b.add(ParamMeta::replicated("a.bias", [3], Init::Normal { std: 0.5 }, false)).unwrap();
+        let mut table = b.build(&Device::Cpu, DType::BF16, 9).unwrap();
+        assert_eq!(table.freeze(|m| m.name == "f.weight"), 1);
+        table
+    };
+    let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    let moments = AdamConfig { exp_avg_dtype: DType::BF16, exp_avg_sq_dtype: DType::BF16, ..Default::default() };
+    for base in [moments, AdamConfig { algorithm: Algorithm::Sgd { momentum: 0.9 }, ..Default::default() }] {
+        let (direct_t, host_t) = (build(), build());
+        let mut direct = Optimizer::new(&direct_t, base).unwrap();
+        let mut host = Optimizer::new(&host_t, AdamConfig { cpu_offload: true, ..base }).unwrap();
+        assert!(host.offloaded() && !direct.offloaded());
+        let frozen = host_t.flat_params().to_vec_f32().unwrap()[7..12].to_vec();
+        for step in 0..4 {
+            let g: Vec<f32> =
+                (0..15).map(|i| if step == 1 && i == 3 { f32::NAN } else { (i + step) as f32 * 0.1 - 0.6 }).collect();
+            for (t, o) in [(&direct_t, &mut direct), (&host_t, &mut host)] {
+                t.flat_grads().update_f32("t", |x| x[..15].copy_from_slice(&g)).unwrap();
+                o.step(t, 0.05).unwrap();
+                assert_eq!(o.last_stats().unwrap().applied, step != 1);
+            }
+            let (a, b) = (direct_t.flat_params().to_vec_f32().unwrap(), host_t.flat_params().to_vec_f32().unwrap());
+            assert_eq!(bits(&a), bits(&b), "{:?} step {step}: parameters", base.algorithm);
+            assert_eq!(bits(&b[7..12]), bits(&frozen), "the frozen parameter moved");
+            assert_ne!(bits(&b[..7]), bits(&build().flat_params().to_vec_f32().unwrap()[..7]), "nothing trained");
+            let n = direct_t.flat_len();
+            let (sa, sb) = (direct.full_state(n).unwrap(), host.full_state(n).unwrap());
+            assert_eq!(sa.1, sb.1, "step counts");
+            for (x, y) in sa.0.iter().zip(&sb.0) {
+                assert_eq!(bits(x), bits(y), "{:?} step {step}: state", base.algorithm);
+            }
+        }
+        assert_eq!(host.params_norm(&host_t).unwrap(), direct.params_norm(&direct_t).unwrap());
+    }
+}

@@ -30,6 +30,8 @@ struct Run {
     dropout: bool,
     /// Llama style with multi-latent attention and one multi-token prediction depth.
     latent: bool,
+    /// --optimizer-cpu-offload: the update staged through the host's compact buffers.
+    offload: bool,
 }
 
 struct Outcome {
@@ -68,8 +70,10 @@ fn train(run: Run, llama: bool, world: Arc<dyn Communicator>) -> Result<Outcome,
     // Small buckets so that several overlap with the backward.
     let mut sync = GradSync::new(&table, g.dp_cp.clone(), g.tp.clone(), 2000, run.distributed, run.overlap)
         .with_overlap_param_gather(run.gather);
-    let adam = AdamConfig { weight_decay: 0.1, clip_grad: 0.5, eps: 1e-5, ..AdamConfig::default() };
+    let adam =
+        AdamConfig { weight_decay: 0.1, clip_grad: 0.5, eps: 1e-5, cpu_offload: run.offload, ..AdamConfig::default() };
     let mut opt = Optimizer::new_parallel(&table, adam, &sync, g.mp.clone(), g.tp.rank()).map_err(|e| e.to_string())?;
+    assert_eq!(opt.offloaded(), run.offload);
     let (d, dp) = (g.dp.rank(), g.dp.size());
     let mut losses = vec![];
     for step in 0..STEPS {
@@ -92,7 +96,17 @@ fn reference(llama: bool, dropout: bool) -> Outcome {
 }
 
 fn reference_run(llama: bool, dropout: bool, latent: bool) -> Outcome {
-    let run = Run { tp: 1, sp: false, dp: 1, distributed: false, overlap: false, gather: false, dropout, latent };
+    let run = Run {
+        tp: 1,
+        sp: false,
+        dp: 1,
+        distributed: false,
+        overlap: false,
+        gather: false,
+        dropout,
+        latent,
+        offload: false,
+    };
     all_ok(run_ranks(1, Duration::from_secs(60), |_, w| train(run, llama, w))).unwrap().remove(0)
 }
 
@@ -129,20 +143,43 @@ fn all_layouts(llama: bool) {
                 for distributed in [false, true] {
                     let overlap = dp > 1 && (sp ^ distributed);
                     let gather = distributed && dp > 1 && sp;
-                    check(Run { tp, sp, dp, distributed, overlap, gather, dropout: false, latent: false }, llama, &one);
+                    check(
+                        Run { tp, sp, dp, distributed, overlap, gather, dropout: false, latent: false, offload: false },
+                        llama,
+                        &one,
+                    );
                 }
             }
         }
     }
-    // Pure data parallelism, with and without overlap.
+    // Pure data parallelism, with and without overlap; the sharded update offloaded with it.
     for overlap in [false, true] {
         check(
-            Run { tp: 1, sp: false, dp: 2, distributed: true, overlap, gather: overlap, dropout: false, latent: false },
+            Run {
+                tp: 1,
+                sp: false,
+                dp: 2,
+                distributed: true,
+                overlap,
+                gather: overlap,
+                dropout: false,
+                latent: false,
+                offload: overlap,
+            },
             llama,
             &one,
         );
-        let run =
-            Run { tp: 1, sp: false, dp: 2, distributed: false, overlap, gather: false, dropout: false, latent: false };
+        let run = Run {
+            tp: 1,
+            sp: false,
+            dp: 2,
+            distributed: false,
+            overlap,
+            gather: false,
+            dropout: false,
+            latent: false,
+            offload: false,
+        };
         check(run, llama, &one);
     }
 }
@@ -167,6 +204,7 @@ fn dropout_layouts_match_one_rank() {
             gather: false,
             dropout: true,
             latent: false,
+            offload: false,
         };
         check(run(2, false, 1, false), llama, &one);
         check(run(2, true, 2, true), llama, &one);
@@ -232,7 +270,11 @@ fn mla_and_mtp_layouts_match_one_rank() {
         [(2, false, 1, false), (2, true, 1, false), (2, true, 2, true), (4, true, 1, false), (1, false, 2, true)]
     {
         let overlap = dp > 1;
-        check(Run { tp, sp, dp, distributed, overlap, gather: false, dropout: false, latent: true }, true, &one);
+        check(
+            Run { tp, sp, dp, distributed, overlap, gather: false, dropout: false, latent: true, offload: false },
+            true,
+            &one,
+        );
     }
 }
 

@@ -122,6 +122,11 @@ pub(crate) fn apply(a: &mut TrainArgs) -> anyhow::Result<()> {
         bail!("--recompute-modules {m}: not one of Megatron's modules ({})", MODULES.join(", "));
     }
     precision_aware(a)?;
+    if let Some(f) = a.optimizer_offload_fraction.filter(|&f| f != 1.0) {
+        bail!(
+            "--optimizer-offload-fraction {f}: splitting the optimizer between the host and the GPU is not built; offload all of it (1.0) or none"
+        );
+    }
     one_of("--optimizer", &a.optimizer, &["adam", "sgd"], "Megatron's two: adam (AdamW) and sgd")?;
     if a.sgd_momentum.is_some() && a.optimizer.as_deref() != Some("sgd") {
         bail!("--sgd-momentum is SGD's: add --optimizer sgd (or drop it)");

@@ -927,6 +927,17 @@ pub struct TrainArgs {
     pub ckpt_fully_parallel_load: bool,
     #[arg(long)]
     pub use_precision_aware_optimizer: bool,
+    /// Megatron's --optimizer-cpu-offload: the master weights and moments in host memory and the
+    /// update on the host (each step's gradients copied down, the parameters back up); not with
+    /// --cuda-graph-impl local.
+    #[arg(long)]
+    pub optimizer_cpu_offload: bool,
+    /// The share of the optimizer state offloaded: 1.0 (all of it, the default) is the one built.
+    #[arg(long)]
+    pub optimizer_offload_fraction: Option<f64>,
+    /// Accepted, no effect on the results: the offloaded update's copies run in order.
+    #[arg(long)]
+    pub overlap_cpu_optimizer_d2h_h2d: bool,
     /// adam (AdamW, as Megatron's adam with decoupled weight decay) or sgd (momentum
     /// --sgd-momentum, L2 weight decay: PyTorch's SGD, as Megatron's).
     #[arg(long)]
@@ -1087,7 +1098,8 @@ impl TrainArgs {
             num_virtual_stages_per_pipeline_rank, microbatch_group_size_per_virtual_pipeline_stage, loss_scale,
             initial_loss_scale, min_loss_scale, loss_scale_window, hysteresis, dist_ckpt_strictness, fp8_format, fp8_recipe, fp8_amax_history_len, fp8_amax_compute_algo, fp8_margin, num_layers_at_start_in_bf16, num_layers_at_end_in_bf16,
             moe_flex_dispatcher_backend, moe_flex_dispatcher_num_sms, cross_entropy_fusion_impl, pipeline_model_parallel_layout,
-            ddp_num_buckets, dist_ckpt_format, num_dataset_builder_threads, decoupled_lr, decoupled_min_lr);
+            ddp_num_buckets, dist_ckpt_format, num_dataset_builder_threads, decoupled_lr, decoupled_min_lr,
+            optimizer_offload_fraction);
         merge_flags!(self, o; check_for_nan_in_loss_and_grad, no_check_for_nan_in_loss_and_grad, use_rope_scaling, swiglu, squared_relu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, qk_l2_norm, attention_output_gate, multi_latent_attention, bf16, fp16, first_last_layers_bf16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
             use_flash_attn, finetune, no_load_optim, no_data_sharding, use_checkpoint_args, mock_data, eod_mask_loss, calculate_per_token_loss, log_validation_ppl_to_tensorboard, log_timers_to_tensorboard,
@@ -1107,7 +1119,8 @@ impl TrainArgs {
             moe_router_force_load_balancing, account_for_embedding_in_pipeline_split, account_for_loss_in_pipeline_split,
             openai_gelu, no_overlap_p2p_communication, overlap_param_gather_with_optimizer_step, no_align_param_gather,
             ddp_average_in_collective, ddp_pad_buckets_for_high_nccl_busbw, use_dist_ckpt, dataloader_fast_cache_load,
-            dataloader_defer_npy_index_mmap, apply_wd_to_qk_layernorm, init_method_xavier_uniform, checkpoint_activations);
+            dataloader_defer_npy_index_mmap, apply_wd_to_qk_layernorm, init_method_xavier_uniform, checkpoint_activations,
+            optimizer_cpu_offload, overlap_cpu_optimizer_d2h_h2d);
         if !o.test_data_path.is_empty() {
             self.test_data_path = o.test_data_path.clone();
         }
@@ -1352,6 +1365,9 @@ pub struct Settings {
     pub exp_avg_bf16: bool,
     #[serde(default)]
     pub exp_avg_sq_bf16: bool,
+    /// The optimizer's state and update on the host (--optimizer-cpu-offload).
+    #[serde(default)]
+    pub optimizer_cpu_offload: bool,
     #[serde(default)]
     pub overlap_param_gather: bool,
     #[serde(default)]
@@ -2193,6 +2209,9 @@ fn cuda_graph(a: &TrainArgs, device: &ferrotron_core::Device, world: usize) -> a
         Some("local") if a.mtp_num_layers.is_some_and(|n| n > 0) => bail!(
             "--cuda-graph-impl local with --mtp-num-layers: the multi-token prediction depths' loss counts change the launches from batch to batch; drop one"
         ),
+        Some("local") if a.optimizer_cpu_offload => bail!(
+            "--cuda-graph-impl local with --optimizer-cpu-offload: the offloaded update copies to and from the host inside the step, which a graph cannot hold; drop one"
+        ),
         Some("local") => {}
         Some("transformer_engine") => bail!(
             "--cuda-graph-impl transformer_engine: Ferrotron has no Transformer Engine; use --cuda-graph-impl local"
@@ -2669,6 +2688,7 @@ impl Settings {
             grad_reduce_in_bf16: a.grad_reduce_in_bf16,
             exp_avg_bf16: a.exp_avg_dtype.as_deref() == Some("bf16"),
             exp_avg_sq_bf16: a.exp_avg_sq_dtype.as_deref() == Some("bf16"),
+            optimizer_cpu_offload: a.optimizer_cpu_offload,
             overlap_param_gather: a.overlap_param_gather,
             ddp_bucket_size: a.ddp_bucket_size,
             pipeline_model_parallel_size: a.pipeline_model_parallel_size.unwrap_or(1),

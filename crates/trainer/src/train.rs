@@ -535,12 +535,13 @@ fn layout_table(g: &ProcessGroups, table: &ParamTable, opt: &Optimizer, sp: bool
     }
     let v = all.to_vec_f32()?;
     let mut out = format!(
-        "layout: tp {}{} × dp {} × pp {}{}\n rank  tp  cp  dp  pp  params(local)  params MiB  grads MiB  optimizer MiB\n",
+        "layout: tp {}{} × dp {} × pp {}{}\n rank  tp  cp  dp  pp  params(local)  params MiB  grads MiB  optimizer MiB{}\n",
         g.layout.tp,
         if g.layout.cp > 1 { format!(" × cp {}", g.layout.cp) } else { String::new() },
         g.layout.dp,
         g.layout.pp,
-        if sp && g.tp.size() > 1 { ", sequence parallel" } else { "" }
+        if sp && g.tp.size() > 1 { ", sequence parallel" } else { "" },
+        if opt.offloaded() { " (host)" } else { "" }
     );
     for (r, x) in v.chunks(mine.len()).enumerate() {
         out += &format!(
@@ -747,6 +748,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         algorithm: s.algorithm(),
         exp_avg_dtype: if s.exp_avg_bf16 { DType::BF16 } else { DType::F32 },
         exp_avg_sq_dtype: if s.exp_avg_sq_bf16 { DType::BF16 } else { DType::F32 },
+        cpu_offload: s.optimizer_cpu_offload,
     };
     let mut opt = Optimizer::new_parallel(&table, adam, &sync, g.mp.clone(), g.tp.rank())?;
     let (warmup, decay, wsd_decay) = s.schedule_samples();

@@ -238,6 +238,9 @@ fn megatrons_script_switches_run_as_the_plain_flags() {
         "--rerun-mode",
         "disabled",
         "--use-precision-aware-optimizer",
+        "--overlap-cpu-optimizer-d2h-h2d",
+        "--optimizer-offload-fraction",
+        "1.0",
         "--main-grads-dtype",
         "fp32",
         "--exp-avg-dtype",
@@ -330,6 +333,8 @@ fn megatrons_script_switches_run_as_the_plain_flags() {
     fails_naming(&rope("1.5"), "--rotary-percent 1.5 must be in (0, 1]");
     fails_naming(&["--main-grads-dtype", "bf16"], "--main-grads-dtype bf16");
     fails_naming(&["--exp-avg-sq-dtype", "bf16"], "add --use-precision-aware-optimizer");
+    fails_naming(&["--optimizer-offload-fraction", "0.3"], "offload all of it (1.0) or none");
+    fails_naming(&["--optimizer-cpu-offload", "--cuda-graph-impl", "local"], "which a graph cannot hold");
     let aware = |f: &'static str, v: &'static str| ["--use-precision-aware-optimizer", f, v];
     fails_naming(&aware("--main-grads-dtype", "bf16"), "--main-grads-dtype bf16 keeps bf16 training's gradients");
     fails_naming(&aware("--exp-avg-dtype", "fp16"), "fp16 and fp8 optimizer state");

@@ -514,6 +514,19 @@ fn bf16_moments_cuda_match_cpu() {
     bf16_cuda_matches_cpu("bf16 moments", args);
 }
 
+/// --optimizer-cpu-offload on the GPU: the gradients down, the update on the host, the
+/// parameters back up (a run-by-run copy from the host's compact buffers), against the CPU.
+#[test]
+fn cpu_offload_cuda_matches_cpu() {
+    let args = || TrainArgs {
+        preset: Some("llama-tiny".into()),
+        bf16: true,
+        optimizer_cpu_offload: true,
+        ..TrainArgs::default()
+    };
+    bf16_cuda_matches_cpu("cpu offload", args);
+}
+
 /// `args` (a bf16 run) for 20 steps on the GPU and on the CPU: every loss within 2e-2.
 fn bf16_cuda_matches_cpu(tag: &str, args: impl Fn() -> TrainArgs) {
     let gpu = Device::cuda(0).expect("a CUDA device");

@@ -2,7 +2,8 @@
 //! within bf16 tolerance, on one rank and on two data-parallel thread ranks whose reduce-scatter
 //! (distributed optimizer, overlapped with the backward) moves bf16 buckets; and the flag is
 //! refused without --bf16. The precision-aware optimizer's bf16 moments the same way, and
-//! `--main-grads-dtype bf16` as the bf16 main_grad it names.
+//! `--main-grads-dtype bf16` as the bf16 main_grad it names. `--optimizer-cpu-offload` (the same
+//! update staged through the host) gives the same losses bit for bit.
 
 mod common;
 
@@ -73,4 +74,23 @@ fn bf16_moments_train_like_fp32_moments() {
     // --main-grads-dtype bf16 is the bf16 main_grad.
     args.main_grads_dtype = Some("bf16".into());
     assert!(settings(&args).grad_reduce_in_bf16);
+}
+
+#[test]
+fn cpu_offload_trains_as_the_direct_update() {
+    let mut args = tiny_args(true);
+    args.bf16 = true;
+    let direct = settings(&args);
+    args.optimizer_cpu_offload = true;
+    args.optimizer_offload_fraction = Some(1.0);
+    args.overlap_cpu_optimizer_d2h_h2d = true;
+    let host = settings(&args);
+    assert!(host.optimizer_cpu_offload && !direct.optimizer_cpu_offload);
+    let bits = |l: Vec<f64>| l.into_iter().map(f64::to_bits).collect::<Vec<_>>();
+    assert_eq!(bits(losses(&direct, 1)), bits(losses(&host, 1)), "one rank");
+    let dp = |s: &Settings| Settings { use_distributed_optimizer: true, ..s.clone() };
+    assert_eq!(bits(losses(&dp(&direct), 2)), bits(losses(&dp(&host), 2)), "DP 2, sharded");
+    args.optimizer_offload_fraction = Some(0.5);
+    let e = Settings::resolve(&args).map(drop).expect_err("a partial offload").to_string();
+    assert!(e.contains("--optimizer-offload-fraction 0.5") && e.contains("not built"), "{e}");
 }

@@ -1386,3 +1386,34 @@ fn strided_copies_match_cpu() {
         }
     }
 }
+
+/// `copy_from` between the host and the GPU moves a contiguous view's range alone, both ways,
+/// bit for bit, f32 and bf16; a view's `to_device` / `to_vec_f32` reads its range alone; a strided
+/// view is refused; elements around the range stay as they were.
+#[test]
+fn views_cross_between_host_and_gpu() {
+    let g = gpu();
+    for dt in [DType::F32, DType::BF16] {
+        let n = 1000;
+        let host_buf = tensor(&Device::Cpu, &randv(n, 5), &[n], dt);
+        let vals = host(&host_buf);
+        let dev_buf = tensor(&g, &vec![7.0; n], &[n], dt);
+        // Up: host 100..400 into device 500..800.
+        dev_buf.view(500, [300]).unwrap().copy_from(&host_buf.view(100, [300]).unwrap()).unwrap();
+        let got = host(&dev_buf);
+        assert!(got[..500].iter().chain(&got[800..]).all(|&x| x == 7.0), "{dt}: outside the range");
+        assert_eq!(&got[500..800], &vals[100..400], "{dt}: up");
+        // Down: device 550..650 into host 0..100.
+        let back = tensor(&Device::Cpu, &vec![3.0; n], &[n], dt);
+        back.view(0, [100]).unwrap().copy_from(&dev_buf.view(550, [100]).unwrap()).unwrap();
+        assert_eq!(&host(&back)[..100], &vals[150..250], "{dt}: down");
+        assert!(host(&back)[100..].iter().all(|&x| x == 3.0), "{dt}: down, outside");
+        // A view's own read: its range only, laid out from 0.
+        let v = dev_buf.view(510, [20]).unwrap().to_device(&Device::Cpu).unwrap();
+        assert_eq!((host(&v), v.dims().to_vec()), (vals[110..130].to_vec(), vec![20]), "{dt}: to_device");
+    }
+    let m = tensor(&g, &randv(64, 1), &[8, 8], DType::F32);
+    let strided = m.narrow(1, 0..4).unwrap();
+    let dst = tensor(&Device::Cpu, &[0.0; 32], &[8, 4], DType::F32);
+    assert!(dst.copy_from(&strided).is_err(), "a strided view across devices");
+}
