@@ -438,13 +438,59 @@ impl CudaStorage {
     /// Copies host values of the same dtype to elements `start..` (queued on the compute stream;
     /// small copies do not wait for it).
     pub fn write_range(&mut self, dev: &CudaDevice, start: usize, src: &CpuStorage) -> Result<()> {
+        self.write_range_of(dev, start, src, 0..src.len())
+    }
+
+    /// `write_range` of `src`'s elements `r` alone.
+    pub fn write_range_of(
+        &mut self,
+        dev: &CudaDevice,
+        start: usize,
+        src: &CpuStorage,
+        r: std::ops::Range<usize>,
+    ) -> Result<()> {
         match (self, src) {
-            (CudaStorage::F32(v), CpuStorage::F32(h)) => write_into(dev, v, start, h),
-            (CudaStorage::BF16(v), CpuStorage::BF16(h)) => write_into(dev, v, start, h),
-            (CudaStorage::F16(v), CpuStorage::F16(h)) => write_into(dev, v, start, h),
-            (CudaStorage::U32(v), CpuStorage::U32(h)) => write_into(dev, v, start, h),
+            (CudaStorage::F32(v), CpuStorage::F32(h)) => write_into(dev, v, start, &h[r]),
+            (CudaStorage::BF16(v), CpuStorage::BF16(h)) => write_into(dev, v, start, &h[r]),
+            (CudaStorage::F16(v), CpuStorage::F16(h)) => write_into(dev, v, start, &h[r]),
+            (CudaStorage::U32(v), CpuStorage::U32(h)) => write_into(dev, v, start, &h[r]),
             (d, h) => Err(Error::DTypeMismatch { op: "write_range", expected: d.dtype().to_string(), got: h.dtype() }),
         }
+    }
+
+    /// Elements `r` copied into `dst`'s elements `at..` (same dtype; waits for the compute stream).
+    pub fn read_range_into(
+        &self,
+        dev: &CudaDevice,
+        r: std::ops::Range<usize>,
+        dst: &mut CpuStorage,
+        at: usize,
+    ) -> Result<()> {
+        dev.refuse_in_capture("a copy to the host")?;
+        if r.end > self.len() || r.start > r.end || at + r.len() > dst.len() {
+            return Err(Error::InvalidArgument {
+                op: "read_range_into",
+                msg: format!("elements {r:?} of {} into {at}.. of {}", self.len(), dst.len()),
+            });
+        }
+        let s = dev.stream();
+        let end = at + r.len();
+        match (self, dst) {
+            (CudaStorage::F32(v), CpuStorage::F32(h)) => s.memcpy_dtoh(&v.slice(r), &mut h[at..end]),
+            (CudaStorage::BF16(v), CpuStorage::BF16(h)) => s.memcpy_dtoh(&v.slice(r), &mut h[at..end]),
+            (CudaStorage::F16(v), CpuStorage::F16(h)) => s.memcpy_dtoh(&v.slice(r), &mut h[at..end]),
+            (CudaStorage::U32(v), CpuStorage::U32(h)) => s.memcpy_dtoh(&v.slice(r), &mut h[at..end]),
+            (d, h) => {
+                return Err(Error::DTypeMismatch {
+                    op: "read_range_into",
+                    expected: d.dtype().to_string(),
+                    got: h.dtype(),
+                });
+            }
+        }
+        .map_err(driver_err)?;
+        // The copy above is ordered on the stream; the host reads `dst` next.
+        s.synchronize().map_err(driver_err)
     }
 
     /// Copies `src`'s elements `r` to elements `start..` (same dtype), on the compute stream.

@@ -3,6 +3,7 @@
 use crate::{DType, Error, Result, WithDType};
 use float8::{F8E4M3, F8E5M2};
 use half::{bf16, f16};
+use rayon::prelude::*;
 
 /// Host memory, one variant per dtype so that no byte reinterpretation is ever needed.
 #[derive(Clone, Debug, PartialEq)]
@@ -16,6 +17,9 @@ pub enum CpuStorage {
 }
 
 /// Applies `$body` to the typed vector inside a `CpuStorage`, whatever its dtype.
+/// Elements from which a conversion is split over threads (and the pieces' length).
+const PAR_MIN: usize = 1 << 16;
+
 macro_rules! match_cpu {
     ($s:expr, |$v:ident| $body:expr) => {
         match $s {
@@ -126,11 +130,28 @@ impl CpuStorage {
         match_cpu!(self, |v| idx.map(|i| v[i].to_f32()).collect())
     }
 
-    /// Writes f32 values into `range`, narrowing to this storage's dtype.
+    /// Elements `r` widened to f32 (threads share a long range: a bf16 parameter buffer's).
+    pub fn range_f32(&self, r: std::ops::Range<usize>) -> Vec<f32> {
+        match_cpu!(self, |v| {
+            let v = &v[r];
+            if v.len() < PAR_MIN {
+                v.iter().map(|x| x.to_f32()).collect()
+            } else {
+                v.par_iter().map(|x| x.to_f32()).collect()
+            }
+        })
+    }
+
+    /// Writes f32 values into `range`, narrowing to this storage's dtype (rounding each alone,
+    /// so threads sharing a long range give the same bits).
     pub fn write_f32(&mut self, start: usize, src: &[f32]) {
         match_cpu!(self, |v| {
-            for (d, &s) in v[start..start + src.len()].iter_mut().zip(src) {
-                *d = WithDType::from_f32(s);
+            let dst = &mut v[start..start + src.len()];
+            let narrow = |d: &mut [_], s: &[f32]| d.iter_mut().zip(s).for_each(|(d, &s)| *d = WithDType::from_f32(s));
+            if src.len() < PAR_MIN {
+                narrow(dst, src);
+            } else {
+                dst.par_chunks_mut(PAR_MIN).zip(src.par_chunks(PAR_MIN)).for_each(|(d, s)| narrow(d, s));
             }
         })
     }

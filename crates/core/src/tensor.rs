@@ -159,7 +159,7 @@ impl Tensor {
             return Err(Error::NotImplemented { op: "read_f32", device: self.device.name() });
         };
         Ok(F32Read::Owned(match self.layout.contiguous_range() {
-            Some(r) => s.gather_f32(r),
+            Some(r) => s.range_f32(r),
             None => s.gather_f32(self.layout.storage_indices()),
         }))
     }
@@ -176,7 +176,7 @@ impl Tensor {
         if let CpuStorage::F32(v) = s {
             return Ok(f(&mut v[r]));
         }
-        let mut tmp = s.gather_f32(r.clone());
+        let mut tmp = s.range_f32(r.clone());
         let out = f(&mut tmp);
         s.write_f32(r.start, &tmp);
         Ok(out)
@@ -265,23 +265,15 @@ impl Tensor {
         let (Some(d), Some(r)) = (self.layout.contiguous_range(), src.layout.contiguous_range()) else {
             return Err(Error::NotContiguous { op: OP });
         };
-        let host = {
-            let from = src.storage();
-            match (&*from, &src.device) {
-                (Storage::Cpu(f), _) => CpuStorage::from_bytes(src.dtype, f.bytes(r))?,
-                (Storage::Cuda(f), Device::Cuda(dev)) => f.read_range(dev, r)?,
-                _ => unreachable!("CUDA storage on a CUDA device"),
+        // Distinct devices: distinct storage, so both locks can be held.
+        let (from, mut to) = (src.storage(), self.storage_mut());
+        match (&*from, &src.device, &mut *to, &self.device) {
+            (Storage::Cpu(f), _, Storage::Cuda(t), Device::Cuda(dev)) => t.write_range_of(dev, d.start, f, r),
+            (Storage::Cuda(f), Device::Cuda(dev), Storage::Cpu(t), _) => f.read_range_into(dev, r, t, d.start),
+            (Storage::Cuda(f), Device::Cuda(a), Storage::Cuda(t), Device::Cuda(b)) => {
+                t.write_range(b, d.start, &f.read_range(a, r)?)
             }
-        };
-        let mut to = self.storage_mut();
-        match (&mut *to, &self.device) {
-            (Storage::Cpu(t), _) => {
-                let n = self.dtype.size_in_bytes();
-                crate::storage::bytes_mut(t)[d.start * n..d.end * n].copy_from_slice(host.bytes(0..host.len()));
-                Ok(())
-            }
-            (Storage::Cuda(t), Device::Cuda(dev)) => t.write_range(dev, d.start, &host),
-            _ => unreachable!("CUDA storage on a CUDA device"),
+            _ => unreachable!("storage of a device's kind on each side"),
         }
     }
 
