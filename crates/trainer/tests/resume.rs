@@ -1,6 +1,7 @@
 //! N steps straight equals N/2 steps, save, load, N/2 steps: the same losses, parameters and
 //! optimizer state, bit for bit (f32 with hidden dropout, bf16 with fp32 master weights, and bf16
-//! with the precision-aware optimizer's bf16 moments, which checkpoints hold widened). And a checkpoint saved
+//! with the precision-aware optimizer's bf16 moments, which checkpoints hold widened, offloaded to
+//! host memory). And a checkpoint saved
 //! under one parallel layout resumes under another. And a run measured in samples is the same run
 //! measured in iterations.
 
@@ -15,9 +16,11 @@ fn check(llama: bool, bf16: bool, bf16_moments: bool) {
     let mut args = tiny_args(llama);
     args.bf16 = bf16;
     if bf16_moments {
+        // With the state in host memory too (--optimizer-cpu-offload): what a checkpoint holds.
         args.use_precision_aware_optimizer = true;
         args.exp_avg_dtype = Some("bf16".into());
         args.exp_avg_sq_dtype = Some("bf16".into());
+        args.optimizer_cpu_offload = true;
     }
     // Hidden dropout in the GPT-2 style run, attention dropout in the Llama-style one: the resumed
     // steps draw the masks the straight run did.
@@ -78,7 +81,7 @@ fn llama_style_bf16_resume_is_bit_exact() {
 }
 
 #[test]
-fn bf16_moments_resume_is_bit_exact() {
+fn bf16_moments_offloaded_resume_is_bit_exact() {
     check(true, true, true);
 }
 
