@@ -16,10 +16,10 @@ pub enum CpuStorage {
     U32(Vec<u32>),
 }
 
-/// Applies `$body` to the typed vector inside a `CpuStorage`, whatever its dtype.
 /// Elements from which a conversion is split over threads (and the pieces' length).
 const PAR_MIN: usize = 1 << 16;
 
+/// Applies `$body` to the typed vector inside a `CpuStorage`, whatever its dtype.
 macro_rules! match_cpu {
     ($s:expr, |$v:ident| $body:expr) => {
         match $s {

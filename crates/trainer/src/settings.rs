@@ -925,6 +925,8 @@ pub struct TrainArgs {
     pub ckpt_fully_parallel_save: bool,
     #[arg(long)]
     pub ckpt_fully_parallel_load: bool,
+    /// Megatron's precision-aware optimizer: lets --exp-avg-dtype / --exp-avg-sq-dtype /
+    /// --main-grads-dtype take bf16.
     #[arg(long)]
     pub use_precision_aware_optimizer: bool,
     /// Megatron's --optimizer-cpu-offload: the master weights and moments in host memory and the
