@@ -19,6 +19,7 @@ mod fp8;
 pub mod gpu_trace;
 mod module;
 mod params;
+mod pin;
 pub mod rng;
 mod shape;
 #[cfg(feature = "cuda")]
@@ -34,6 +35,7 @@ pub use fp8::{AmaxAlgo, AmaxReduce, DelayedScaling, Fp8Linear, Fp8Metas, Fp8Reci
 pub use half::{bf16, f16};
 pub use module::{Cx, Draw, Module, Saved};
 pub use params::{Blocks, Init, ParamId, ParamMeta, ParamTable, ParamTableBuilder, PendingParams, Shard};
+pub use pin::HostPin;
 pub use shape::{Layout, Shape};
 pub use storage::{CpuStorage, Storage};
 pub use tensor::{F32Read, Tensor};

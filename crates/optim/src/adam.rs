@@ -29,7 +29,7 @@
 
 use crate::ddp::{Comm, GradSync};
 use ferrotron_comm::{CommError, ReduceOp};
-use ferrotron_core::{DType, Device, ParamId, ParamTable, Result as CoreResult, Tensor};
+use ferrotron_core::{DType, Device, HostPin, ParamId, ParamTable, Result as CoreResult, Tensor};
 use ferrotron_kernels::{self as k, AdamPrep, AdamRun, AdamRuns, AdamW, Sgd, adam_state};
 use std::ops::Range;
 
@@ -159,7 +159,7 @@ pub struct Optimizer {
 
 /// The host's buffers of an offloaded update, laid out as the state buffers (the owned ranges
 /// back to back): the step's gradients copied down, the parameters written there by the update
-/// and copied up, and the step state as the device settled it.
+/// and copied up (both page-locked), and the step state as the device settled it.
 struct HostStep {
     grads: Tensor,
     params: Tensor,
@@ -167,6 +167,8 @@ struct HostStep {
     /// (flat offset, host offset, length) of each run: what the update writes, and so what goes
     /// back up (frozen parameters stay as they are on the device).
     uploads: Vec<(usize, usize, usize)>,
+    /// `grads` and `params` page-locked for the device's copies (nothing where it is the CPU).
+    _pins: [HostPin; 2],
 }
 
 /// What [`Optimizer::total`] sums over the model.
@@ -262,11 +264,15 @@ impl Optimizer {
             let uploads = runs.iter().map(|r| (r.flat, r.state, r.len)).collect();
             runs.iter_mut().for_each(|r| r.flat = r.state);
             let (g, p) = (table.flat_grads(), table.flat_params());
+            let grads = Tensor::zeros([n], g.dtype(), &Device::Cpu)?;
+            let params = Tensor::zeros([n], p.dtype(), &Device::Cpu)?;
+            let _pins = [grads.pin_host(&dev)?, params.pin_host(&dev)?];
             Some(HostStep {
-                grads: Tensor::zeros([n], g.dtype(), &Device::Cpu)?,
-                params: Tensor::zeros([n], p.dtype(), &Device::Cpu)?,
+                grads,
+                params,
                 state: Tensor::zeros([adam_state::LEN], DType::F32, &Device::Cpu)?,
                 uploads,
+                _pins,
             })
         } else {
             None

@@ -1389,7 +1389,8 @@ fn strided_copies_match_cpu() {
 
 /// `copy_from` between the host and the GPU moves a contiguous view's range alone, both ways,
 /// bit for bit, f32 and bf16; a view's `to_device` / `to_vec_f32` reads its range alone; a strided
-/// view is refused; elements around the range stay as they were.
+/// view is refused; elements around the range stay as they were; page-locked host memory
+/// (`Tensor::pin_host`) copies the same.
 #[test]
 fn views_cross_between_host_and_gpu() {
     let g = gpu();
@@ -1412,6 +1413,19 @@ fn views_cross_between_host_and_gpu() {
         let v = dev_buf.view(510, [20]).unwrap().to_device(&Device::Cpu).unwrap();
         assert_eq!((host(&v), v.dims().to_vec()), (vals[110..130].to_vec(), vec![20]), "{dt}: to_device");
     }
+    // Through page-locked host memory (`pin_host`), both ways, before and after the lock.
+    let n = 1 << 20;
+    let pinned = tensor(&Device::Cpu, &randv(n, 9), &[n], DType::BF16);
+    let want = host(&pinned);
+    let pin = pinned.pin_host(&g).unwrap();
+    let d = tensor(&g, &vec![0.0; n], &[n], DType::BF16);
+    d.copy_from(&pinned).unwrap();
+    assert_eq!(host(&d), want, "up from pinned memory");
+    pinned.view(0, [n / 2]).unwrap().copy_from(&d.view(n / 2, [n / 2]).unwrap()).unwrap();
+    assert_eq!(host(&pinned)[..n / 2], want[n / 2..], "down into pinned memory");
+    drop(pin);
+    d.copy_from(&pinned).unwrap();
+    assert_eq!(host(&d)[..n / 2], want[n / 2..], "after the lock");
     let m = tensor(&g, &randv(64, 1), &[8, 8], DType::F32);
     let strided = m.narrow(1, 0..4).unwrap();
     let dst = tensor(&Device::Cpu, &[0.0; 32], &[8, 4], DType::F32);
