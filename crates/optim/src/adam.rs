@@ -266,7 +266,10 @@ impl Optimizer {
             let (g, p) = (table.flat_grads(), table.flat_params());
             let grads = Tensor::zeros([n], g.dtype(), &Device::Cpu)?;
             let params = Tensor::zeros([n], p.dtype(), &Device::Cpu)?;
-            let _pins = [grads.pin_host(&dev)?, params.pin_host(&dev)?];
+            // Page-locking only speeds the copies: where the system refuses it (a locked-memory
+            // limit), they go through pageable memory.
+            let pin = |t: &Tensor| t.pin_host(&dev).or_else(|_| t.pin_host(&Device::Cpu));
+            let _pins = [pin(&grads)?, pin(&params)?];
             Some(HostStep {
                 grads,
                 params,
