@@ -479,6 +479,8 @@ impl CudaStorage {
             (CudaStorage::F32(v), CpuStorage::F32(h)) => s.memcpy_dtoh(&v.slice(r), &mut h[at..end]),
             (CudaStorage::BF16(v), CpuStorage::BF16(h)) => s.memcpy_dtoh(&v.slice(r), &mut h[at..end]),
             (CudaStorage::F16(v), CpuStorage::F16(h)) => s.memcpy_dtoh(&v.slice(r), &mut h[at..end]),
+            (CudaStorage::F8E4M3(v), CpuStorage::F8E4M3(h)) => s.memcpy_dtoh(&v.slice(r), &mut h[at..end]),
+            (CudaStorage::F8E5M2(v), CpuStorage::F8E5M2(h)) => s.memcpy_dtoh(&v.slice(r), &mut h[at..end]),
             (CudaStorage::U32(v), CpuStorage::U32(h)) => s.memcpy_dtoh(&v.slice(r), &mut h[at..end]),
             (d, h) => {
                 return Err(Error::DTypeMismatch {
@@ -569,28 +571,9 @@ impl CudaStorage {
 
     /// Elements `r` copied to the host (waits for the compute stream).
     pub fn read_range(&self, dev: &CudaDevice, r: std::ops::Range<usize>) -> Result<CpuStorage> {
-        dev.refuse_in_capture("a copy to the host")?;
-        if r.end > self.len() || r.start > r.end {
-            return Err(Error::InvalidArgument {
-                op: "read_range",
-                msg: format!("elements {r:?} of a buffer of {}", self.len()),
-            });
-        }
-        fn get<T: WithDType + cudarc::driver::DeviceRepr>(
-            dev: &CudaDevice,
-            v: &CudaSlice<T>,
-            r: std::ops::Range<usize>,
-        ) -> Result<Vec<T>> {
-            dev.stream().clone_dtoh(&v.slice(r)).map_err(driver_err)
-        }
-        Ok(match self {
-            CudaStorage::F32(v) => CpuStorage::F32(get(dev, v, r)?),
-            CudaStorage::BF16(v) => CpuStorage::BF16(get(dev, v, r)?),
-            CudaStorage::F16(v) => CpuStorage::F16(get(dev, v, r)?),
-            CudaStorage::F8E4M3(v) => CpuStorage::F8E4M3(get(dev, v, r)?),
-            CudaStorage::F8E5M2(v) => CpuStorage::F8E5M2(get(dev, v, r)?),
-            CudaStorage::U32(v) => CpuStorage::U32(get(dev, v, r)?),
-        })
+        let mut h = CpuStorage::zeros(self.dtype(), r.len());
+        self.read_range_into(dev, r, &mut h, 0)?;
+        Ok(h)
     }
 
     pub fn to_cpu(&self, dev: &CudaDevice) -> Result<CpuStorage> {

@@ -138,9 +138,10 @@ fn fp8_product_bwd_of(
     f: &Fp8Linear,
     dgelu: Option<(&Tensor, Option<(&Tensor, bool)>)>,
 ) -> Result<Tensor> {
+    let xt = xt_of(op, saved)?;
     let bwd = |delayed| match dgelu {
-        Some((h, bias)) => k::fp8_linear_bwd_dgelu(dy, h, bias, w, &xt_of(op, saved)?, (dw, acc), f.format, delayed),
-        None => k::fp8_linear_bwd(dy, w, &xt_of(op, saved)?, (dw, acc), f.format, delayed),
+        Some((h, bias)) => k::fp8_linear_bwd_dgelu(dy, h, bias, w, &xt, (dw, acc), f.format, delayed),
+        None => k::fp8_linear_bwd(dy, w, &xt, (dw, acc), f.format, delayed),
     };
     match (&f.slot, saved.tensors.as_slice()) {
         (Some(slot), [_, _, w_scale, _]) => {
