@@ -549,6 +549,33 @@ pub fn at_step(dir: &Path, step: u64) -> anyhow::Result<PathBuf> {
     Ok(d)
 }
 
+/// Whether `dir` holds a checkpoint to load (its own state.toml, or a tracker). A missing or
+/// empty folder holds none (Megatron then starts from the initialisation); a folder of
+/// iteration folders without a tracker is an error, not a fresh start, so that no run silently
+/// trains over checkpoints whose tracker was lost.
+pub fn holds_checkpoint(dir: &Path) -> anyhow::Result<bool> {
+    if dir.join(STATE).is_file() || dir.join(TRACKER).is_file() {
+        return Ok(true);
+    }
+    let mut have: Vec<String> = match std::fs::read_dir(dir) {
+        Ok(r) => r
+            .filter_map(|e| Some(e.ok()?.file_name().to_str()?.to_owned()))
+            .filter(|n| n.strip_prefix("iter_").is_some_and(|i| i.parse::<u64>().is_ok()))
+            .collect(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(e).with_context(|| format!("--load {}: cannot list the folder", dir.display())),
+    };
+    if have.is_empty() {
+        return Ok(false);
+    }
+    have.sort();
+    bail!(
+        "--load {}: holds {} but no {TRACKER}: pass --ckpt-step N to load one of them (or write N into {TRACKER})",
+        dir.display(),
+        have.join(", ")
+    )
+}
+
 /// The checkpoint folder `dir` names: a --save folder (follow its tracker) or an iter_* folder.
 pub fn resolve(dir: &Path) -> anyhow::Result<PathBuf> {
     if dir.join(STATE).is_file() {

@@ -145,6 +145,11 @@ pub(crate) fn apply(a: &mut TrainArgs) -> anyhow::Result<()> {
     if let Some(p) = &a.wandb_project {
         bail!("--wandb-project {p}: Weights & Biases logging is not built; --tensorboard-dir writes the same scalars");
     }
+    if a.fp8_param_gather {
+        bail!(
+            "--fp8-param-gather: FP8 parameters are not built (the parameters stay bf16, gathered in bf16 and cast to FP8 in each forward); drop it"
+        );
+    }
     if a.use_torch_fsdp2 {
         bail!("--use-torch-fsdp2: FSDP is not built; --use-distributed-optimizer shards the optimizer state");
     }

@@ -228,6 +228,8 @@ pub struct TrainArgs {
     pub lr_decay_samples: Option<u64>,
     #[arg(long)]
     pub lr: Option<f64>,
+    /// What the decay ends at (Megatron's default 0 where --lr is given without it; a preset's
+    /// own otherwise).
     #[arg(long)]
     pub min_lr: Option<f64>,
     /// The warmup's starting learning rate (default 0: the first update, as Megatron's, at 0).
@@ -291,9 +293,15 @@ pub struct TrainArgs {
     /// Folder for checkpoints (and metrics.jsonl).
     #[arg(long)]
     pub save: Option<PathBuf>,
-    /// Folder to resume from (a --save folder).
+    /// Folder to resume from (a --save folder). As in Megatron, a folder that holds no
+    /// checkpoint yet (or does not exist) starts the run from its initialisation with a warning,
+    /// so one command with `--save D --load D` both starts and resumes a run.
     #[arg(long)]
     pub load: Option<PathBuf>,
+    /// With --load: stop with an error instead of starting afresh when --load holds no
+    /// checkpoint (a mistyped path, say).
+    #[arg(long)]
+    pub exit_on_missing_checkpoint: bool,
     /// With --load: the checkpoint of this iteration instead of the latest one (Megatron's
     /// --ckpt-step).
     #[arg(long)]
@@ -543,6 +551,10 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip)]
     pub distributed_timeout_s: Option<u64>,
+    /// Megatron's name for the same wait, in minutes (default 10).
+    #[arg(long)]
+    #[serde(skip)]
+    pub distributed_timeout_minutes: Option<u64>,
     #[arg(long)]
     pub pipeline_model_parallel_size: Option<usize>,
     /// Context parallelism: every sequence split over this many ranks (Megatron's load-balanced
@@ -1026,6 +1038,10 @@ pub struct TrainArgs {
     /// Delayed scaling: scales are fp8_max / amax / 2^margin (default 0).
     #[arg(long, allow_negative_numbers = true)]
     pub fp8_margin: Option<i32>,
+    /// Refused by name: FP8 parameters (and their all-gather in FP8) are not built; the
+    /// parameters stay bf16, cast to FP8 in each forward.
+    #[arg(long)]
+    pub fp8_param_gather: bool,
     /// Under --fp8-format: the first --num-layers-at-start-in-bf16 and the last
     /// --num-layers-at-end-in-bf16 decoder layers (1 and 1 by default) keep bf16 products.
     #[arg(long)]
@@ -1083,7 +1099,7 @@ impl TrainArgs {
             micro_batch_size, global_batch_size, train_iters, train_samples, lr_warmup_samples, lr_decay_samples, lr, min_lr, lr_warmup_init, lr_decay_style, lr_wsd_decay_style, lr_wsd_decay_iters, lr_wsd_decay_samples, lr_warmup_iters, lr_warmup_fraction,
             lr_decay_iters, weight_decay, start_weight_decay, end_weight_decay, weight_decay_incr_style, adam_beta1, adam_beta2, adam_eps, clip_grad, norm_epsilon, make_vocab_size_divisible_by,
             hidden_dropout, attention_dropout, window_size, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, ckpt_format, step_batch_size_schedule, corpus_docs, split,
-            tensorboard_dir, tensorboard_log_interval, tensorboard_queue_size, exit_interval, exit_duration_in_mins, device, cuda_graph_impl, cuda_graph_warmup_steps, profile_step_start, profile_step_end, profile_trace, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s,
+            tensorboard_dir, tensorboard_log_interval, tensorboard_queue_size, exit_interval, exit_duration_in_mins, device, cuda_graph_impl, cuda_graph_warmup_steps, profile_step_start, profile_step_end, profile_trace, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s, distributed_timeout_minutes,
             pipeline_model_parallel_size, context_parallel_size, cp_comm_type, num_layers_per_virtual_pipeline_stage, decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers,
             num_experts, moe_ffn_hidden_size, moe_router_topk, moe_router_load_balancing_type, moe_aux_loss_coeff,
@@ -1104,7 +1120,7 @@ impl TrainArgs {
             optimizer_offload_fraction);
         merge_flags!(self, o; check_for_nan_in_loss_and_grad, no_check_for_nan_in_loss_and_grad, use_rope_scaling, swiglu, squared_relu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, qk_l2_norm, attention_output_gate, multi_latent_attention, bf16, fp16, first_last_layers_bf16, no_progress, deterministic_mode,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
-            use_flash_attn, finetune, no_load_optim, no_data_sharding, use_checkpoint_args, mock_data, eod_mask_loss, calculate_per_token_loss, log_validation_ppl_to_tensorboard, log_timers_to_tensorboard,
+            use_flash_attn, finetune, no_load_optim, exit_on_missing_checkpoint, no_data_sharding, use_checkpoint_args, mock_data, eod_mask_loss, calculate_per_token_loss, log_validation_ppl_to_tensorboard, log_timers_to_tensorboard,
             use_cpu_initialization, apply_residual_connection_post_layernorm, log_world_size_to_tensorboard, log_memory_to_tensorboard, log_num_zeros_in_grad, async_save, log_progress, no_save_optim, exit_signal_handler,
             moe_router_pre_softmax, moe_router_enable_expert_bias, moe_grouped_gemm, moe_shared_expert_overlap, moe_shared_expert_gate, moe_pad_expert_input_to_capacity, is_hybrid_model,
             mamba_norm_ungrouped, disable_vision_class_token, freeze_lm, freeze_vit,
@@ -1122,7 +1138,7 @@ impl TrainArgs {
             openai_gelu, no_overlap_p2p_communication, overlap_param_gather_with_optimizer_step, no_align_param_gather,
             ddp_average_in_collective, ddp_pad_buckets_for_high_nccl_busbw, use_dist_ckpt, dataloader_fast_cache_load,
             dataloader_defer_npy_index_mmap, apply_wd_to_qk_layernorm, init_method_xavier_uniform, checkpoint_activations,
-            optimizer_cpu_offload, overlap_cpu_optimizer_d2h_h2d);
+            optimizer_cpu_offload, overlap_cpu_optimizer_d2h_h2d, fp8_param_gather);
         if !o.test_data_path.is_empty() {
             self.test_data_path = o.test_data_path.clone();
         }
@@ -2536,6 +2552,32 @@ fn preset_model_args(name: &str, c: &TransformerConfig) -> TrainArgs {
     a
 }
 
+/// Megatron reads the tiktoken flags in TikTokenizer alone and takes HuggingFaceTokenizer's
+/// vocabulary from its file, ignoring those flags elsewhere; its own scripts pass them so
+/// (`--tiktoken-pattern v2` with NullTokenizer, `--vocab-size` with HuggingFaceTokenizer).
+/// Here too, with a warning naming what is ignored.
+fn ignore_other_tokenizers_flags(a: &mut TrainArgs) {
+    let t = a.tokenizer_type.clone().unwrap_or_default();
+    let mut ignored = vec![];
+    if t != "TikTokenizer" {
+        for (flag, given) in [
+            ("--tiktoken-pattern", a.tiktoken_pattern.take().is_some()),
+            ("--tiktoken-num-special-tokens", a.tiktoken_num_special_tokens.take().is_some()),
+            ("--tiktoken-special-tokens", a.tiktoken_special_tokens.take().is_some()),
+        ] {
+            if given {
+                ignored.push(flag);
+            }
+        }
+    }
+    if t == "HuggingFaceTokenizer" && a.vocab_size.take().is_some() {
+        ignored.push("--vocab-size (the vocabulary is the file's)");
+    }
+    if !ignored.is_empty() {
+        eprintln!("warning: --tokenizer-type {t} does not read {}: ignored, as in Megatron", ignored.join(", "));
+    }
+}
+
 fn need<T: Clone>(v: &Option<T>, flag: &str) -> anyhow::Result<T> {
     v.clone().with_context(|| format!("{flag} is required (or pick a --preset that sets it)"))
 }
@@ -2573,6 +2615,12 @@ impl Settings {
         a.overlay(&file);
         a.overlay(flags);
         a.load = load;
+        // A preset's minimum goes with its own --lr: one given here decays to Megatron's
+        // default (0) unless --min-lr comes with it.
+        if file.lr.or(flags.lr).is_some() && file.min_lr.or(flags.min_lr).is_none() {
+            a.min_lr = Some(0.0);
+        }
+        ignore_other_tokenizers_flags(&mut a);
         crate::compat::apply(&mut a)?;
         let [data_path, train_data_path, valid_data_path] = data_paths(&a)?;
         let (fp8_recipe, fp8_amax_history_len, fp8_amax_compute_algo, fp8_margin) = fp8_recipe(&a)?;
@@ -2812,12 +2860,40 @@ impl Settings {
             );
         }
         s.validate()?;
-        if let Some(l) = &a.load {
-            check_dir(l, "--load")?;
+        if let Some(l) = a.load.clone()
+            && !crate::checkpoint::holds_checkpoint(&l)?
+        {
+            a.load = None;
+            let why = if a.exit_on_missing_checkpoint {
+                Some("--exit-on-missing-checkpoint")
+            } else if a.finetune {
+                Some("--finetune")
+            } else if a.use_checkpoint_opt_param_scheduler {
+                Some("--use-checkpoint-opt_param-scheduler")
+            } else {
+                None
+            };
+            match why {
+                Some(flag) => bail!(
+                    "--load {}: holds no checkpoint (no {} there), and {flag} needs one: check the path, or drop --load to start afresh",
+                    l.display(),
+                    crate::checkpoint::TRACKER
+                ),
+                None => eprintln!(
+                    "warning: --load {}: no checkpoint there yet; starting from the initialisation (--exit-on-missing-checkpoint stops instead)",
+                    l.display()
+                ),
+            }
         }
         let load_mode = match (a.finetune, a.no_load_optim) {
-            _ if a.load.is_none() && (a.finetune || a.no_load_optim) => {
-                bail!("--finetune and --no-load-optim say what --load takes: add --load FOLDER")
+            // Megatron's scripts pass them without --load too (its Mixtral example): nothing to do.
+            _ if a.load.is_none() => {
+                if a.finetune || a.no_load_optim {
+                    eprintln!(
+                        "warning: --finetune and --no-load-optim say what --load takes; without --load they do nothing"
+                    );
+                }
+                LoadMode::Resume
             }
             (true, _) => LoadMode::Finetune,
             (false, true) => LoadMode::NoOptim,
@@ -2859,7 +2935,13 @@ impl Settings {
             Some(d) => ferrotron_core::Device::parse(d).with_context(|| format!("--device {d}"))?,
             None => ferrotron_core::Device::Cpu,
         };
-        let timeout = std::time::Duration::from_secs(a.distributed_timeout_s.unwrap_or(600).max(1));
+        let timeout_s = match (a.distributed_timeout_s, a.distributed_timeout_minutes) {
+            (Some(_), Some(_)) => {
+                bail!("--distributed-timeout-s and --distributed-timeout-minutes set the same wait: keep one")
+            }
+            (s, m) => s.or(m.map(|m| m.saturating_mul(60))).unwrap_or(600),
+        };
+        let timeout = std::time::Duration::from_secs(timeout_s.max(1));
         let profile = profile_range(&a, &device)?;
         let cuda_graph_warmup = cuda_graph(&a, &device, launch.world_size())?;
         if s.vision.is_some() && cuda_graph_warmup.is_some() {
@@ -3777,15 +3859,61 @@ mod tests {
         assert_eq!(back.decay_iters(), s.train_iters);
     }
 
-    /// Parses a command line as `ferrotron train` does.
-    fn parse(line: &str) -> anyhow::Result<Settings> {
+    /// Resolves a command line as `ferrotron train` does.
+    fn resolve_line(line: &str) -> anyhow::Result<(Settings, Paths)> {
         #[derive(clap::Parser)]
         struct Cli {
             #[command(flatten)]
             args: TrainArgs,
         }
         let cli = <Cli as clap::Parser>::try_parse_from(std::iter::once("train").chain(line.split_whitespace()))?;
-        Ok(Settings::resolve(&cli.args)?.0)
+        Settings::resolve(&cli.args)
+    }
+
+    fn parse(line: &str) -> anyhow::Result<Settings> {
+        Ok(resolve_line(line)?.0)
+    }
+
+    fn parse_paths(line: &str) -> anyhow::Result<Paths> {
+        Ok(resolve_line(line)?.1)
+    }
+
+    /// Flags of a tokenizer not in use are dropped (Megatron ignores them), not refused.
+    #[test]
+    fn other_tokenizers_flags_are_dropped() {
+        let s = parse("--tokenizer-type NullTokenizer --vocab-size 1000 --tiktoken-pattern v2 --mock-data").unwrap();
+        assert_eq!((s.vocab_size, s.tiktoken_pattern.as_deref()), (Some(1000), None));
+        let hf = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hf/llama");
+        let s = parse(&format!(
+            "--tokenizer-type HuggingFaceTokenizer --tokenizer-model {hf} --vocab-size 128256 --mock-data"
+        ))
+        .unwrap();
+        assert_eq!(s.vocab_size, None, "the file's vocabulary");
+    }
+
+    /// Megatron's --distributed-timeout-minutes and our --distributed-timeout-s set one wait.
+    #[test]
+    fn collective_timeout_in_minutes_or_seconds() {
+        use std::time::Duration;
+        assert_eq!(parse_paths("").unwrap().timeout, Duration::from_secs(600), "Megatron's 10 minutes");
+        assert_eq!(parse_paths("--distributed-timeout-minutes 60").unwrap().timeout, Duration::from_secs(3600));
+        assert_eq!(parse_paths("--distributed-timeout-s 90").unwrap().timeout, Duration::from_secs(90));
+        let e = parse_paths("--distributed-timeout-s 90 --distributed-timeout-minutes 2").unwrap_err().to_string();
+        assert!(e.contains("keep one"), "{e}");
+    }
+
+    /// A preset's --min-lr goes with its --lr; an --lr given alone decays to Megatron's default 0
+    /// (a Megatron script's --lr below the tiny preset's minimum used to be refused).
+    #[test]
+    fn an_lr_given_alone_decays_to_zero() {
+        let preset = parse("--preset 124m").unwrap();
+        assert_eq!((preset.lr, preset.min_lr), (6e-4, 6e-5));
+        let alone = parse("--lr 6e-5").unwrap();
+        assert_eq!((alone.lr, alone.min_lr), (6e-5, 0.0));
+        let both = parse("--lr 6e-5 --min-lr 6e-6").unwrap();
+        assert_eq!((both.lr, both.min_lr), (6e-5, 6e-6));
+        let min_alone = parse("--min-lr 1e-4").unwrap();
+        assert_eq!((min_alone.lr, min_alone.min_lr), (3e-3, 1e-4));
     }
 
     /// Megatron's --cp-comm-type takes one type or one a layer (nargs '+'), p2p as the all-gather.
@@ -3892,15 +4020,7 @@ mod tests {
 
     #[test]
     fn cuda_graph_flags_are_checked() {
-        let paths = |line: &str| -> anyhow::Result<Paths> {
-            #[derive(clap::Parser)]
-            struct Cli {
-                #[command(flatten)]
-                args: TrainArgs,
-            }
-            let cli = <Cli as clap::Parser>::try_parse_from(std::iter::once("train").chain(line.split_whitespace()))?;
-            Ok(Settings::resolve(&cli.args)?.1)
-        };
+        let paths = parse_paths;
         assert_eq!(paths("").unwrap().cuda_graph_warmup, None);
         assert_eq!(paths("--cuda-graph-impl none").unwrap().cuda_graph_warmup, None);
         let err = |line: &str| paths(line).unwrap_err().to_string();
@@ -3926,9 +4046,8 @@ mod tests {
         let plain = parse("").unwrap();
         let s = parse("--use-flash-attn --group-query-attention --hidden-dropout 0 --attention-dropout 0.0").unwrap();
         assert_eq!(s, plain, "these change nothing");
-        let e = parse("--finetune").unwrap_err().to_string();
-        assert!(e.contains("--finetune") && e.contains("--load"), "{e}");
-        assert!(parse("--no-load-optim").unwrap_err().to_string().contains("--load"));
+        // Without --load they have nothing to say (a warning; Megatron's scripts pass them so).
+        assert_eq!(parse_paths("--finetune --no-load-optim").unwrap().load_mode, LoadMode::Resume);
         let e = parse("--overlap-param-gather").unwrap_err().to_string();
         assert!(e.contains("--overlap-param-gather") && e.contains("--use-distributed-optimizer"), "{e}");
         assert!(parse("--overlap-param-gather --use-distributed-optimizer").unwrap().overlap_param_gather);
