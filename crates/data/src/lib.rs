@@ -1,7 +1,8 @@
 //! ferrotron-data: what the trainer feeds the model.
 //!
 //! The built-in corpus (made by the project's own seeded generator, so no download is ever
-//! needed), byte-level, GPT-2 BPE and Megatron's Null, HuggingFace and TikToken tokenizers,
+//! needed), byte-level, GPT-2 BPE and Megatron's Null, HuggingFace, TikToken and SentencePiece (Llama2,
+//! GPTSentencePiece) tokenizers,
 //! Megatron's indexed datasets (`--data-path PREFIX`: PREFIX.bin + PREFIX.idx, memory-mapped)
 //! and Megatron's mock data
 //! (`--mock-data`, drawn with numpy's generators: numpy_rng.rs). Every kind of data becomes
@@ -21,6 +22,7 @@ mod indexed;
 mod numpy_rng;
 mod positions;
 mod sampler;
+pub mod sentencepiece;
 mod tiktoken;
 mod tokenizer;
 
@@ -39,7 +41,7 @@ pub use tokenizer::{Tokenizer, TokenizerFlags, TokenizerKind};
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
     #[error(
-        "unknown tokenizer `{0}`: use `byte`, `gpt2` (GPT2BPETokenizer), `NullTokenizer` with --vocab-size, `HuggingFaceTokenizer` with --tokenizer-model or `TikTokenizer` with --tokenizer-model and --tiktoken-pattern"
+        "unknown tokenizer `{0}`: use `byte`, `gpt2` (GPT2BPETokenizer), `NullTokenizer` with --vocab-size, `HuggingFaceTokenizer` with --tokenizer-model, `TikTokenizer` with --tokenizer-model and --tiktoken-pattern, or `Llama2Tokenizer` / `GPTSentencePieceTokenizer` with --tokenizer-model FILE.model"
     )]
     UnknownTokenizer(String),
     #[error("NullTokenizer needs --vocab-size N (ids 0..N, end-of-document N), 1 ≤ N < 2^32 - 1")]
@@ -48,7 +50,7 @@ pub enum DataError {
         "HuggingFaceTokenizer needs --tokenizer-model FOLDER (a transformers tokenizer folder with tokenizer.json)"
     )]
     HfModel,
-    #[error("--tokenizer-model {} belongs to HuggingFaceTokenizer and TikTokenizer, not the {tokenizer} tokenizer", model.display())]
+    #[error("--tokenizer-model {} belongs to HuggingFaceTokenizer, TikTokenizer, Llama2Tokenizer and GPTSentencePieceTokenizer, not the {tokenizer} tokenizer", model.display())]
     ModelFileOnly { tokenizer: String, model: std::path::PathBuf },
     #[error(
         "--vocab-size {given} applies to NullTokenizer and TikTokenizer only: the {tokenizer} tokenizer's vocabulary is fixed"

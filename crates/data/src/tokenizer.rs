@@ -3,10 +3,14 @@
 //! Megatron's NullTokenizer for data tokenized elsewhere (`--vocab-size N`: text is the ids written
 //! out, the vocabulary N + 1 with end-of-document N), Megatron's HuggingFaceTokenizer
 //! (`--tokenizer-model FOLDER`: a transformers tokenizer.json, `hf_tokenizer.rs`) and its
-//! TikTokenizer (`--tokenizer-model FILE.json` with `--tiktoken-pattern`, `tiktoken.rs`).
+//! TikTokenizer (`--tokenizer-model FILE.json` with `--tiktoken-pattern`, `tiktoken.rs`), and its
+//! two SentencePiece tokenizers (`--tokenizer-model FILE.model`, `sentencepiece/`):
+//! Llama2Tokenizer (BOS before each text, as Megatron's `tokenize` adds it) and
+//! GPTSentencePieceTokenizer (the pieces alone); both end documents with the model's EOS.
 
 use crate::DataError;
 use crate::hf_tokenizer::HfTokenizer;
+use crate::sentencepiece::SentencePiece;
 use crate::tiktoken::{TIKTOKEN_REQUIRED, TikPattern, TikTokenSpec, TikTokenizer};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -21,6 +25,12 @@ pub enum TokenizerKind {
     HuggingFace(PathBuf),
     /// NeMo's tokenizer file through tiktoken (Megatron's TikTokenizer).
     TikToken(TikTokenSpec),
+    /// A SentencePiece .model file: Megatron's Llama2Tokenizer (`bos`: a BOS before each text)
+    /// or GPTSentencePieceTokenizer.
+    SentencePiece {
+        path: PathBuf,
+        bos: bool,
+    },
 }
 
 /// The tokenizer flags besides `--tokenizer-type`, as Megatron names them.
@@ -50,7 +60,8 @@ impl TokenizerKind {
     /// it, and is refused with any other.
     pub fn from_flags(s: &str, f: &TokenizerFlags) -> Result<Self, DataError> {
         let tik = s == "TikTokenizer";
-        if let (Some(m), false) = (f.model, s == "HuggingFaceTokenizer" || tik) {
+        let spm = matches!(s, "Llama2Tokenizer" | "GPTSentencePieceTokenizer");
+        if let (Some(m), false) = (f.model, s == "HuggingFaceTokenizer" || tik || spm) {
             return Err(DataError::ModelFileOnly { tokenizer: s.into(), model: m.to_path_buf() });
         }
         let tik_flags = [
@@ -85,6 +96,14 @@ impl TokenizerKind {
             "byte" => TokenizerKind::Byte,
             "gpt2" | "GPT2BPETokenizer" => TokenizerKind::Gpt2,
             "HuggingFaceTokenizer" => TokenizerKind::HuggingFace(model.ok_or(DataError::HfModel)?.to_path_buf()),
+            "Llama2Tokenizer" | "GPTSentencePieceTokenizer" => TokenizerKind::SentencePiece {
+                path: model
+                    .ok_or_else(|| {
+                        DataError::Tokenizer(format!("{s} needs --tokenizer-model FILE.model (a SentencePiece model)"))
+                    })?
+                    .to_path_buf(),
+                bos: s == "Llama2Tokenizer",
+            },
             "NullTokenizer" => {
                 let n = vocab_size.ok_or(DataError::NullVocab)?;
                 return u32::try_from(n)
@@ -108,6 +127,8 @@ impl TokenizerKind {
             TokenizerKind::Null(_) => "NullTokenizer",
             TokenizerKind::HuggingFace(_) => "HuggingFaceTokenizer",
             TokenizerKind::TikToken(_) => "TikTokenizer",
+            TokenizerKind::SentencePiece { bos: true, .. } => "Llama2Tokenizer",
+            TokenizerKind::SentencePiece { bos: false, .. } => "GPTSentencePieceTokenizer",
         }
     }
 }
@@ -119,6 +140,7 @@ pub enum Tokenizer {
     Null(u32),
     HuggingFace(Arc<HfTokenizer>, PathBuf),
     TikToken(Arc<TikTokenizer>),
+    SentencePiece { model: Arc<SentencePiece>, path: PathBuf, bos: bool },
 }
 
 impl Tokenizer {
@@ -131,6 +153,21 @@ impl Tokenizer {
             TokenizerKind::Null(n) => Tokenizer::Null(n),
             TokenizerKind::HuggingFace(p) => Tokenizer::HuggingFace(Arc::new(HfTokenizer::open(&p)?), p),
             TokenizerKind::TikToken(spec) => Tokenizer::TikToken(Arc::new(TikTokenizer::open(&spec)?)),
+            TokenizerKind::SentencePiece { path, bos } => {
+                let model = SentencePiece::open(&path)?;
+                let name = if bos { "Llama2Tokenizer" } else { "GPTSentencePieceTokenizer" };
+                let missing = |what: &str| {
+                    DataError::Tokenizer(format!(
+                        "{name} --tokenizer-model {}: the model has no {what} piece, which the end of a document (and Llama2Tokenizer's start) needs",
+                        path.display()
+                    ))
+                };
+                model.eos().ok_or_else(|| missing("EOS"))?;
+                if bos {
+                    model.bos().ok_or_else(|| missing("BOS"))?;
+                }
+                Tokenizer::SentencePiece { model: Arc::new(model), path, bos }
+            }
         })
     }
 
@@ -141,6 +178,9 @@ impl Tokenizer {
             Tokenizer::Null(n) => TokenizerKind::Null(*n),
             Tokenizer::HuggingFace(_, p) => TokenizerKind::HuggingFace(p.clone()),
             Tokenizer::TikToken(t) => TokenizerKind::TikToken(t.spec().clone()),
+            Tokenizer::SentencePiece { path, bos, .. } => {
+                TokenizerKind::SentencePiece { path: path.clone(), bos: *bos }
+            }
         }
     }
 
@@ -152,6 +192,7 @@ impl Tokenizer {
             Tokenizer::Null(n) => *n as usize + 1,
             Tokenizer::HuggingFace(t, _) => t.vocab_size(),
             Tokenizer::TikToken(t) => t.vocab_size(),
+            Tokenizer::SentencePiece { model, .. } => model.vocab_size(),
         }
     }
 
@@ -162,6 +203,8 @@ impl Tokenizer {
             Tokenizer::Null(n) => *n,
             Tokenizer::HuggingFace(t, _) => t.eod(),
             Tokenizer::TikToken(t) => t.eod(),
+            // Checked present in `new`.
+            Tokenizer::SentencePiece { model, .. } => model.eos().unwrap_or_default(),
         }
     }
 
@@ -183,6 +226,13 @@ impl Tokenizer {
             }
             Tokenizer::HuggingFace(t, _) => t.encode(text)?,
             Tokenizer::TikToken(t) => t.encode(text),
+            Tokenizer::SentencePiece { model, bos, .. } => {
+                let ids = model.encode(text);
+                match model.bos().filter(|_| *bos) {
+                    Some(b) => std::iter::once(b).chain(ids).collect(),
+                    None => ids,
+                }
+            }
         })
     }
 
@@ -222,6 +272,7 @@ impl Tokenizer {
             Tokenizer::Null(_) => Ok(ids.iter().map(u32::to_string).collect::<Vec<_>>().join(" ")),
             Tokenizer::HuggingFace(t, _) => t.decode(ids),
             Tokenizer::TikToken(t) => t.decode(ids),
+            Tokenizer::SentencePiece { model, .. } => model.decode(ids),
         }
     }
 }

@@ -2552,9 +2552,10 @@ fn preset_model_args(name: &str, c: &TransformerConfig) -> TrainArgs {
     a
 }
 
-/// Megatron reads the tiktoken flags in TikTokenizer alone and takes HuggingFaceTokenizer's
-/// vocabulary from its file, ignoring those flags elsewhere; its own scripts pass them so
-/// (`--tiktoken-pattern v2` with NullTokenizer, `--vocab-size` with HuggingFaceTokenizer).
+/// Megatron reads the tiktoken flags in TikTokenizer alone and takes HuggingFaceTokenizer's and
+/// the SentencePiece tokenizers' vocabularies from their files, ignoring those flags elsewhere;
+/// its own scripts pass them so (`--tiktoken-pattern v2` with NullTokenizer, `--vocab-size`
+/// with HuggingFaceTokenizer).
 /// Here too, with a warning naming what is ignored.
 fn ignore_other_tokenizers_flags(a: &mut TrainArgs) {
     let t = a.tokenizer_type.clone().unwrap_or_default();
@@ -2570,7 +2571,8 @@ fn ignore_other_tokenizers_flags(a: &mut TrainArgs) {
             }
         }
     }
-    if t == "HuggingFaceTokenizer" && a.vocab_size.take().is_some() {
+    let from_file = ["HuggingFaceTokenizer", "Llama2Tokenizer", "GPTSentencePieceTokenizer"];
+    if from_file.contains(&t.as_str()) && a.vocab_size.take().is_some() {
         ignored.push("--vocab-size (the vocabulary is the file's)");
     }
     if !ignored.is_empty() {

@@ -888,6 +888,59 @@ fn tiktokenizer_preprocesses_trains_and_resumes() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// Megatron's Llama2Tokenizer on a SentencePiece model: preprocessing writes BOS, the pieces and
+/// EOS per document (what Megatron's preprocess_data.py writes with --append-eod), training reads
+/// them with the model's vocabulary (a --vocab-size beside it is ignored, as there), and a resume
+/// takes the tokenizer from the checkpoint.
+#[test]
+fn llama2_tokenizer_preprocesses_trains_and_resumes() {
+    use ferrotron_data::{IndexedDataset, Tokenizer, TokenizerKind, corpus};
+    let model =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/tests/fixtures/sentencepiece/llama_bpe.model");
+    let m = model.to_str().unwrap();
+    let spm = ["--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", m];
+    let dir = tmp("cli-llama2-tokenizer");
+    std::fs::create_dir_all(&dir).unwrap();
+    let input = dir.join("docs.jsonl");
+    let docs = corpus::documents(5, 200);
+    let lines: Vec<String> = docs.iter().map(|d| serde_json::json!({ "text": d }).to_string()).collect();
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    let prefix = dir.join("spm");
+    let o = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args(["preprocess", "--input", input.to_str().unwrap(), "--output-prefix", prefix.to_str().unwrap()])
+        .args(spm)
+        .arg("--append-eod")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let tok = Tokenizer::new(TokenizerKind::parse_with("Llama2Tokenizer", None, Some(&model)).unwrap()).unwrap();
+    let ds = IndexedDataset::open(dir.join("spm_text_document")).unwrap();
+    for (i, doc) in docs.iter().enumerate().take(3) {
+        let mut got = vec![0u32; ds.sequence_length(i) as usize];
+        ds.read(ds.sequence_start(i), &mut got).unwrap();
+        let mut want = tok.encode(doc).unwrap();
+        want.push(tok.eod());
+        assert_eq!((got[0], got.last()), (1, Some(&2)), "BOS first, EOS last");
+        assert_eq!(got, want);
+    }
+    let data = dir.join("spm_text_document");
+    let save = dir.join("ckpt");
+    let (d, s) = (data.to_str().unwrap(), save.to_str().unwrap());
+    let o = run(&[
+        &spm[..],
+        &["--vocab-size", "128256", "--train-iters", "2", "--data-path", d, "--split", "9,1", "--save", s],
+    ]
+    .concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("does not read --vocab-size (the vocabulary is the file's)"), "{}", stderr(&o));
+    let o = run(&["--train-iters", "3", "--data-path", d, "--split", "9,1", "--load", s, "--use-checkpoint-args"]);
+    assert!(o.status.success() && stderr(&o).contains("iteration 3/"), "{}", stderr(&o));
+    let state = std::fs::read_to_string(save.join("iter_0000002/state.toml")).unwrap();
+    assert!(state.contains("tokenizer-type = \"Llama2Tokenizer\""), "{state}");
+    fails_naming(&["--tokenizer-type", "Llama2Tokenizer"], "Llama2Tokenizer needs --tokenizer-model FILE.model");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// Megatron's --exit-duration-in-mins and --exit-signal-handler: the run saves and stops after
 /// the iteration in which its time ran out, or in which it got SIGTERM (as a scheduler sends
 /// before preempting a job); the checkpoint is that iteration's.
