@@ -121,6 +121,7 @@ pub(crate) fn apply(a: &mut TrainArgs) -> anyhow::Result<()> {
     if let Some(m) = a.recompute_modules.iter().find(|m| !MODULES.contains(&m.as_str())) {
         bail!("--recompute-modules {m}: not one of Megatron's modules ({})", MODULES.join(", "));
     }
+    layer_spec(a)?;
     precision_aware(a)?;
     if let Some(f) = a.optimizer_offload_fraction.filter(|&f| f != 1.0) {
         bail!(
@@ -154,6 +155,47 @@ pub(crate) fn apply(a: &mut TrainArgs) -> anyhow::Result<()> {
         bail!("--use-torch-fsdp2: FSDP is not built; --use-distributed-optimizer shards the optimizer state");
     }
     Ok(())
+}
+
+/// Megatron's --spec MODULE FUNCTION. Its Mamba stack spec is what a hybrid run builds; given
+/// without a pattern or ratios it is pretrain_mamba.py's default, every layer Mamba (ratios 0).
+/// Its GPT layer specs (Transformer Engine's, local) build the same layers here.
+fn layer_spec(a: &mut TrainArgs) -> anyhow::Result<()> {
+    const MAMBA: [&str; 2] = ["megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"];
+    const GPT: &str = "megatron.core.models.gpt.gpt_layer_specs";
+    const GPT_SPECS: [&str; 2] = ["get_gpt_layer_with_transformer_engine_spec", "get_gpt_layer_local_spec"];
+    // Given twice, the last one holds (as argparse's).
+    let [module, function] = match a.spec.as_slice() {
+        [] => return Ok(()),
+        [.., m, f] => [m.as_str(), f.as_str()],
+        [one] => bail!("--spec {one}: give a module and a function"),
+    };
+    let hybrid = a.hybrid_layer_pattern.is_some()
+        || a.hybrid_override_pattern.is_some()
+        || a.hybrid_attention_ratio.is_some()
+        || a.hybrid_mlp_ratio.is_some();
+    if [module, function] == MAMBA {
+        if !hybrid {
+            a.hybrid_attention_ratio = Some(0.0);
+        }
+        return Ok(());
+    }
+    if module == GPT && GPT_SPECS.contains(&function) {
+        if hybrid {
+            bail!(
+                "--spec {module} {function} is a GPT layer spec, but the hybrid flags place Mamba layers: use --spec {} {}",
+                MAMBA[0],
+                MAMBA[1]
+            );
+        }
+        return Ok(());
+    }
+    bail!(
+        "--spec {module} {function}: Ferrotron builds its layer specs from the flags; the specs it accepts are {} {} (Mamba hybrids) and {GPT} {}",
+        MAMBA[0],
+        MAMBA[1],
+        GPT_SPECS.join(" / ")
+    )
 }
 
 /// Megatron's precision-aware optimizer: --exp-avg-dtype / --exp-avg-sq-dtype bf16 keep AdamW's

@@ -704,6 +704,13 @@ pub struct TrainArgs {
     /// Accepted for Megatron's scripts: --hybrid-layer-pattern makes the hybrid.
     #[arg(long)]
     pub is_hybrid_model: bool,
+    /// Megatron's --spec MODULE FUNCTION (a layer spec by Python path): its Mamba stack (all
+    /// Mamba layers unless a pattern or ratios place others) and its two GPT layer specs
+    /// (Transformer Engine's or the local one: the same layers here) are accepted; any other is
+    /// refused by name.
+    #[arg(long, num_args = 2, value_names = ["MODULE", "FUNCTION"])]
+    #[serde(default)]
+    pub spec: Vec<String>,
     /// The Mamba mixer's gated RMSNorm over its whole width, as transformers' Mamba2 computes it,
     /// instead of per group of heads (Megatron's and mamba_ssm's); set by `convert` from
     /// transformers.
@@ -1147,6 +1154,9 @@ impl TrainArgs {
         }
         if !o.rampup_batch_size.is_empty() {
             self.rampup_batch_size = o.rampup_batch_size.clone();
+        }
+        if !o.spec.is_empty() {
+            self.spec = o.spec.clone();
         }
         if !o.cuda_graph_scope.is_empty() {
             self.cuda_graph_scope = o.cuda_graph_scope.clone();
@@ -3891,6 +3901,27 @@ mod tests {
         ))
         .unwrap();
         assert_eq!(s.vocab_size, None, "the file's vocabulary");
+    }
+
+    /// Megatron's --spec: its Mamba stack alone makes every layer Mamba (pretrain_mamba.py's
+    /// default ratios); beside a pattern it changes nothing, nor do its GPT layer specs; others
+    /// are refused by name.
+    #[test]
+    fn megatron_layer_specs() {
+        const MAMBA: &str = "--spec megatron.core.models.mamba.mamba_layer_specs mamba_stack_spec";
+        let s = parse(&format!("{MAMBA} --num-layers 3 --mamba-num-groups 1")).unwrap();
+        assert_eq!(s.mamba.as_ref().unwrap().hybrid_layer_pattern, "MMM");
+        assert_eq!(parse(&format!("--preset mamba-tiny {MAMBA}")).unwrap(), parse("--preset mamba-tiny").unwrap());
+        for f in ["get_gpt_layer_local_spec", "get_gpt_layer_with_transformer_engine_spec"] {
+            let line = format!("--spec megatron.core.models.gpt.gpt_layer_specs {f}");
+            assert_eq!(parse(&line).unwrap(), parse("").unwrap(), "{f}");
+            let e = parse(&format!("{line} --hybrid-layer-pattern M*")).unwrap_err().to_string();
+            assert!(e.contains("is a GPT layer spec"), "{e}");
+        }
+        let e = parse("--spec my.module my_spec").unwrap_err().to_string();
+        assert!(e.contains("--spec my.module my_spec: Ferrotron builds its layer specs from the flags"), "{e}");
+        let e = parse(&format!("--spec my.module my_spec {MAMBA} --num-layers 2 --mamba-num-groups 1")).unwrap();
+        assert_eq!(e.mamba.unwrap().hybrid_layer_pattern, "MM", "the last --spec holds");
     }
 
     /// Megatron's --distributed-timeout-minutes and our --distributed-timeout-s set one wait.
