@@ -216,26 +216,24 @@ impl SentencePiece {
         self.unk
     }
 
+    /// The text of the unit `s` starts with, and its length in `s`: a user-defined symbol kept
+    /// whole, else the longest normalisation rule's replacement, else one character.
+    fn unit<'a>(&'a self, s: &'a str) -> (std::borrow::Cow<'a, str>, usize) {
+        let (len, user) = self.vocab.symbol_at(s);
+        if !user && let Some((l, rep)) = self.norm.charsmap.as_ref().and_then(|c| c.longest_prefix(s.as_bytes())) {
+            return (String::from_utf8_lossy(rep), l);
+        }
+        (std::borrow::Cow::Borrowed(&s[..len]), len)
+    }
+
     /// SentencePiece's normalisation of `text`.
     fn normalize(&self, text: &str) -> String {
         let nm = &self.norm;
         let space = if nm.escape_whitespaces { SPACE } else { " " };
-        // The text of the unit `s` starts with (a user-defined symbol kept whole, else the longest
-        // rule, else one character) and its length in `s`.
-        let unit = |s: &str| -> (String, usize) {
-            let (len, user) = self.vocab.symbol_at(s);
-            if user {
-                return (s[..len].to_string(), len);
-            }
-            if let Some((l, rep)) = nm.charsmap.as_ref().and_then(|c| c.longest_prefix(s.as_bytes())) {
-                return (String::from_utf8_lossy(rep).into_owned(), l);
-            }
-            (s[..len].to_string(), len)
-        };
         let mut rest = text;
         if nm.remove_extra_whitespaces {
             loop {
-                let (u, l) = unit(rest);
+                let (u, l) = self.unit(rest);
                 if l == 0 || u != " " {
                     break;
                 }
@@ -251,16 +249,17 @@ impl SentencePiece {
         }
         let mut prev_space = nm.remove_extra_whitespaces;
         while !rest.is_empty() {
-            let (u, l) = unit(rest);
-            let mut piece = u.as_str();
+            let (u, l) = self.unit(rest);
+            let mut piece = &*u;
             if prev_space {
                 piece = piece.trim_start_matches(' ');
             }
             if !piece.is_empty() {
-                if nm.escape_whitespaces {
-                    out.push_str(&piece.replace(' ', SPACE));
-                } else {
-                    out.push_str(piece);
+                for c in piece.chars() {
+                    match c {
+                        ' ' => out.push_str(space),
+                        c => out.push(c),
+                    }
                 }
                 prev_space = piece.ends_with(' ');
             }
