@@ -388,6 +388,8 @@ fn profile_args(start: u64, end: u64) -> Vec<String> {
 /// batch.
 fn bench_train_args(preset: &str, micro: usize, iters: u64, log: u64) -> Vec<String> {
     let mut a = multi::owned(&["train", "--device", "cuda", "--bf16", "--preset", preset, "--no-progress"]);
+    // Each log line carries the memory pool's peak: the memory column's per-process figure.
+    a.push("--log-memory-to-tensorboard".into());
     a.extend(multi::owned(&["--log-interval", &log.to_string(), "--eval-iters", "1", "--eval-interval", "1000000"]));
     a.extend(multi::owned(&["--corpus-docs", "3000", "--micro-batch-size", &micro.to_string()]));
     a.extend(multi::owned(&["--global-batch-size", &micro.to_string(), "--train-iters", &iters.to_string()]));
@@ -690,17 +692,25 @@ impl BenchRun<'_> {
         let ours = multi::steady_rate(&metrics, "tokens_per_s");
         let loss = multi::last_finite_loss(&metrics)
             .map_or_else(|| "not finite: the figure is invalid".to_string(), |l| format!("{l:.3}"));
+        // This process's peak in the device's memory pool (the run's --log-memory-to-tensorboard
+        // lines), PyTorch's max_allocated's counterpart; nvidia-smi's whole-device figure (every
+        // process and context on the card) only where the pool reported nothing.
+        let pool = multi::series(&metrics, "mem_max_allocated_bytes").into_iter().fold(0.0, f64::max);
+        let memory = if pool > 0.0 {
+            format!("{:.1} (pool peak)", pool / (1u64 << 30) as f64)
+        } else {
+            format!("{:.1} (device total)", gpu.peak_mem_gib)
+        };
         // The row says what ran: FP8 products (and their recipe) where BENCH_FP8 asked for them.
         let fp8 = std::env::var("BENCH_FP8").map_or(String::new(), |f| {
             format!(", FP8 {f} {}", std::env::var("BENCH_FP8_RECIPE").unwrap_or_else(|_| "delayed".into()))
         });
         println!(
-            "| {p} | ferrotron bf16{fp8}{}{}{} | {ours:.0} | {:.1}% | {:.1} (device total) | {} | {loss} |",
+            "| {p} | ferrotron bf16{fp8}{}{}{} | {ours:.0} | {:.1}% | {memory} | {} | {loss} |",
             if bench_grad_bf16() { ", bf16 main_grad" } else { "" },
             if bench_moments_bf16() { ", bf16 moments" } else { "" },
             if self.tuned { ", GEMMs tuned" } else { "" },
             100.0 * ours * flops / 989e12,
-            gpu.peak_mem_gib,
             gpu.clock_power()
         );
         // The host's least queueing time per step against the step: the GPU waits on the host
@@ -807,6 +817,7 @@ ptxas info    : Used 168 registers, used 1 barriers, 18432 bytes smem\n";
         assert_eq!(arg("--log-interval"), Some("5"));
         assert_eq!(arg("--train-iters"), Some("20"));
         assert_eq!((arg("--micro-batch-size"), arg("--global-batch-size")), (Some("16"), Some("16")));
+        assert!(a.iter().any(|x| x == "--log-memory-to-tensorboard"), "the memory column's source");
     }
 
     #[test]
