@@ -44,6 +44,8 @@ pub const FORMAT_VERSION: u32 = 3;
 /// Format 2: whole tensors, one file per pipeline stage (read, no longer written).
 const WHOLE_FORMAT: u32 = 2;
 pub const TRACKER: &str = "latest_checkpointed_iteration.txt";
+/// Megatron's folder of non-persistent checkpoints inside --save (and --load).
+pub const NON_PERSISTENT: &str = "non_persistent";
 /// The shard file of world rank `rank`.
 fn shard_file(rank: usize) -> String {
     format!("model_optim_rank{rank:05}.safetensors")
@@ -547,6 +549,44 @@ pub fn at_step(dir: &Path, step: u64) -> anyhow::Result<PathBuf> {
         bail!("--ckpt-step {step}: {} holds no checkpoint of iteration {step} (it has {have:?})", dir.display());
     }
     Ok(d)
+}
+
+/// The iteration `dir`'s tracker names (None without a tracker; a corrupt one is an error).
+pub fn tracked_iteration(dir: &Path) -> anyhow::Result<Option<u64>> {
+    let tracker = dir.join(TRACKER);
+    let text = match std::fs::read_to_string(&tracker) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).with_context(|| format!("cannot read {}", tracker.display())),
+    };
+    let it = text.trim().parse().with_context(|| {
+        format!("{}: corrupt tracker (expected an iteration number, found {:?})", tracker.display(), text.trim())
+    })?;
+    Ok(Some(it))
+}
+
+/// Deletes the iteration folders of `dir` but the newest (world rank 0, before a non-persistent
+/// save into `dir`: with the one being written, at most two are ever there, the last complete
+/// one kept until the next is).
+pub fn keep_newest(dir: &Path) -> anyhow::Result<()> {
+    let mut its: Vec<(u64, PathBuf)> = match std::fs::read_dir(dir) {
+        Ok(r) => r
+            .filter_map(|e| {
+                let e = e.ok()?;
+                let it = e.file_name().to_str()?.strip_prefix("iter_")?.parse().ok()?;
+                Some((it, e.path()))
+            })
+            .collect(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e).with_context(|| format!("cannot list {}", dir.display())),
+    };
+    its.sort();
+    its.pop();
+    for (_, p) in its {
+        std::fs::remove_dir_all(&p)
+            .with_context(|| format!("removing the older non-persistent checkpoint {}", p.display()))?;
+    }
+    Ok(())
 }
 
 /// Whether `dir` holds a checkpoint to load (its own state.toml, or a tracker). A missing or

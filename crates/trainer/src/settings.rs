@@ -460,6 +460,17 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip)]
     pub exit_interval: Option<u64>,
+    /// Megatron's non-persistent checkpoints: every this many iterations (between the
+    /// --save-interval ones) a checkpoint goes to --non-persistent-global-ckpt-dir (default
+    /// SAVE/non_persistent), where only the newest is kept; --load takes it when it is at least as
+    /// new as the persistent one.
+    #[arg(long)]
+    pub non_persistent_save_interval: Option<u64>,
+    /// global (the one built); local and in_memory are refused by name.
+    #[arg(long)]
+    pub non_persistent_ckpt_type: Option<String>,
+    #[arg(long)]
+    pub non_persistent_global_ckpt_dir: Option<PathBuf>,
     /// Stop (saving first when --save is set) after the iteration that ends past this many
     /// minutes of training (Megatron's --exit-duration-in-mins).
     #[arg(long)]
@@ -1106,7 +1117,7 @@ impl TrainArgs {
             micro_batch_size, global_batch_size, train_iters, train_samples, lr_warmup_samples, lr_decay_samples, lr, min_lr, lr_warmup_init, lr_decay_style, lr_wsd_decay_style, lr_wsd_decay_iters, lr_wsd_decay_samples, lr_warmup_iters, lr_warmup_fraction,
             lr_decay_iters, weight_decay, start_weight_decay, end_weight_decay, weight_decay_incr_style, adam_beta1, adam_beta2, adam_eps, clip_grad, norm_epsilon, make_vocab_size_divisible_by,
             hidden_dropout, attention_dropout, window_size, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, ckpt_format, step_batch_size_schedule, corpus_docs, split,
-            tensorboard_dir, tensorboard_log_interval, tensorboard_queue_size, exit_interval, exit_duration_in_mins, device, cuda_graph_impl, cuda_graph_warmup_steps, profile_step_start, profile_step_end, profile_trace, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s, distributed_timeout_minutes,
+            tensorboard_dir, tensorboard_log_interval, tensorboard_queue_size, exit_interval, exit_duration_in_mins, non_persistent_save_interval, non_persistent_ckpt_type, non_persistent_global_ckpt_dir, device, cuda_graph_impl, cuda_graph_warmup_steps, profile_step_start, profile_step_end, profile_trace, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s, distributed_timeout_minutes,
             pipeline_model_parallel_size, context_parallel_size, cp_comm_type, num_layers_per_virtual_pipeline_stage, decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers,
             num_experts, moe_ffn_hidden_size, moe_router_topk, moe_router_load_balancing_type, moe_aux_loss_coeff,
@@ -2120,6 +2131,9 @@ pub struct Paths {
     pub load_mode: LoadMode,
     pub metrics: Option<PathBuf>,
     pub progress: bool,
+    /// Megatron's non-persistent checkpoints (`--non-persistent-save-interval`): where and how
+    /// often; the folder keeps only its newest.
+    pub non_persistent: Option<NonPersistent>,
     /// Megatron's --exit-interval: stop after an iteration that is a multiple of it.
     pub exit_interval: Option<u64>,
     /// Megatron's --exit-duration-in-mins: stop once training has run this long.
@@ -2143,6 +2157,12 @@ pub struct Paths {
     /// `--cuda-graph-impl local --cuda-graph-scope full_iteration`: the whole step replayed as a
     /// CUDA graph after this many eager warm-up steps.
     pub cuda_graph_warmup: Option<usize>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NonPersistent {
+    pub dir: PathBuf,
+    pub interval: u64,
 }
 
 /// What `--load` restores.
@@ -2176,6 +2196,7 @@ impl Default for Paths {
             load_mode: LoadMode::Resume,
             metrics: None,
             progress: false,
+            non_persistent: None,
             exit_interval: None,
             exit_duration: None,
             exit_signal: false,
@@ -2190,6 +2211,27 @@ impl Default for Paths {
             cuda_graph_warmup: None,
         }
     }
+}
+
+/// Megatron's non-persistent checkpoint flags, checked: an interval needs --save (the default
+/// folder is under it); only the global type is built.
+fn non_persistent(a: &TrainArgs) -> anyhow::Result<Option<NonPersistent>> {
+    match a.non_persistent_ckpt_type.as_deref() {
+        None | Some("global") => {}
+        Some(t @ ("local" | "in_memory")) => bail!(
+            "--non-persistent-ckpt-type {t} keeps checkpoints on each node through nvidia-resiliency-ext, which is not built: use global (a folder every rank reaches)"
+        ),
+        Some(t) => bail!("--non-persistent-ckpt-type {t}: use global"),
+    }
+    let Some(interval) = a.non_persistent_save_interval else { return Ok(None) };
+    if interval == 0 {
+        bail!("--non-persistent-save-interval must be at least 1");
+    }
+    let Some(save) = &a.save else {
+        bail!("--non-persistent-save-interval {interval} saves between --save's checkpoints: add --save FOLDER");
+    };
+    let dir = a.non_persistent_global_ckpt_dir.clone().unwrap_or_else(|| save.join(crate::checkpoint::NON_PERSISTENT));
+    Ok(Some(NonPersistent { dir, interval }))
 }
 
 /// `--profile`'s range, checked: it needs a CUDA device and a step range that is not empty.
@@ -2872,6 +2914,25 @@ impl Settings {
             );
         }
         s.validate()?;
+        // Megatron's non-persistent checkpoint of --load, taken when at least as new as the
+        // persistent one (not under --ckpt-step, which names a persistent iteration).
+        if let Some(l) = a.load.clone()
+            && flags.ckpt_step.is_none()
+        {
+            let np =
+                a.non_persistent_global_ckpt_dir.clone().unwrap_or_else(|| l.join(crate::checkpoint::NON_PERSISTENT));
+            if let Some(n) = crate::checkpoint::tracked_iteration(&np)? {
+                let persistent = crate::checkpoint::tracked_iteration(&l)?;
+                if persistent.is_none_or(|p| n >= p) {
+                    eprintln!(
+                        "--load {}: the non-persistent checkpoint of iteration {n} in {} is the newest; loading it",
+                        l.display(),
+                        np.display()
+                    );
+                    a.load = Some(np);
+                }
+            }
+        }
         if let Some(l) = a.load.clone()
             && !crate::checkpoint::holds_checkpoint(&l)?
         {
@@ -3001,6 +3062,7 @@ impl Settings {
                 "--cuda-graph-impl local with --num-experts: an MoE layer reads its tokens per expert back to the host to size each expert's products, which a captured graph cannot do: drop --cuda-graph-impl"
             );
         }
+        let non_persistent = non_persistent(&a)?;
         let metrics = a.metrics_file.or_else(|| a.save.as_ref().map(|d| d.join("metrics.jsonl")));
         let paths = Paths {
             save: a.save,
@@ -3008,6 +3070,7 @@ impl Settings {
             load_mode,
             metrics,
             progress: !a.no_progress,
+            non_persistent,
             exit_interval: a.exit_interval,
             exit_duration: a.exit_duration_in_mins.map(|m| std::time::Duration::from_secs(60 * m)),
             exit_signal: a.exit_signal_handler,

@@ -1182,38 +1182,50 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         if written {
             finish_pending(&g, &mut pending, &mut summary, &pb, rank0, progress.as_ref())?;
         }
-        if let Some(dir) = &paths.save {
-            if iteration % s.save_interval == 0 || iteration == s.train_iters || exit.is_some() {
+        // A persistent save at --save-interval, the end and an exit; between them Megatron's
+        // non-persistent ones, into a folder that keeps only the newest.
+        let persistent = iteration % s.save_interval == 0 || iteration == s.train_iters || exit.is_some();
+        let target = match (&paths.save, &paths.non_persistent) {
+            (Some(dir), _) if persistent => Some(dir),
+            (Some(_), Some(np)) if iteration % np.interval == 0 => {
                 finish_pending(&g, &mut pending, &mut summary, &pb, rank0, progress.as_ref())?;
-                let info = SaveInfo {
-                    iteration,
-                    consumed_samples: consumed,
-                    consumed_valid_samples: consumed_valid,
-                    floating_point_operations: flops_at(consumed),
-                    settings: s,
-                    vocab_size: model.config.vocab_size,
-                    buffers: expert_bias
-                        .iter()
-                        .flat_map(|(b, _)| b.layers())
-                        .map(|b| (b.name.clone(), b.values()))
-                        .chain(
-                            fp8_metas
-                                .iter()
-                                .map(|m| crate::fp8_state::buffers(m, &table))
-                                .collect::<anyhow::Result<Vec<_>>>()?
-                                .into_iter()
-                                .flatten(),
-                        )
-                        .collect(),
-                };
-                let mode = checkpoint::SaveMode { background: paths.async_save, params_only: paths.no_save_optim };
-                pending = Some(checkpoint::start_save(dir, &g, &table, &opt, &info, mode)?);
-                if let Some(p) = progress.as_ref().filter(|p| p.background) {
-                    p.log.saved(iteration, info.floating_point_operations, consumed * p.seq_length, false)?;
+                if rank0 {
+                    checkpoint::keep_newest(&np.dir)?;
                 }
-                if !paths.async_save {
-                    finish_pending(&g, &mut pending, &mut summary, &pb, rank0, progress.as_ref())?;
-                }
+                Some(&np.dir)
+            }
+            _ => None,
+        };
+        if let Some(dir) = target {
+            finish_pending(&g, &mut pending, &mut summary, &pb, rank0, progress.as_ref())?;
+            let info = SaveInfo {
+                iteration,
+                consumed_samples: consumed,
+                consumed_valid_samples: consumed_valid,
+                floating_point_operations: flops_at(consumed),
+                settings: s,
+                vocab_size: model.config.vocab_size,
+                buffers: expert_bias
+                    .iter()
+                    .flat_map(|(b, _)| b.layers())
+                    .map(|b| (b.name.clone(), b.values()))
+                    .chain(
+                        fp8_metas
+                            .iter()
+                            .map(|m| crate::fp8_state::buffers(m, &table))
+                            .collect::<anyhow::Result<Vec<_>>>()?
+                            .into_iter()
+                            .flatten(),
+                    )
+                    .collect(),
+            };
+            let mode = checkpoint::SaveMode { background: paths.async_save, params_only: paths.no_save_optim };
+            pending = Some(checkpoint::start_save(dir, &g, &table, &opt, &info, mode)?);
+            if let Some(p) = progress.as_ref().filter(|p| p.background) {
+                p.log.saved(iteration, info.floating_point_operations, consumed * p.seq_length, false)?;
+            }
+            if !paths.async_save {
+                finish_pending(&g, &mut pending, &mut summary, &pb, rank0, progress.as_ref())?;
             }
         }
         if let Some(why) = exit {

@@ -685,6 +685,61 @@ fn one_folder_for_save_and_load_starts_then_resumes() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// Megatron's non-persistent checkpoints: between --save-interval's, every
+/// --non-persistent-save-interval iterations into SAVE/non_persistent, which keeps the newest two
+/// at most; a run that died after one loads it (it is newer than the last persistent one) and
+/// goes on as the straight run does.
+#[test]
+fn non_persistent_checkpoints_resume_the_newest() {
+    let dir = tmp("cli-non-persistent");
+    let _ = std::fs::remove_dir_all(&dir);
+    let d = dir.to_str().unwrap();
+    let last = |o: &Output| -> String {
+        let e = stderr(o);
+        let line = e.lines().rfind(|l| l.starts_with("iteration 6/6: loss ")).unwrap_or_else(|| panic!("{e}"));
+        line.split_whitespace().nth(3).unwrap().to_string()
+    };
+    let common = ["--train-iters", "6", "--eval-interval", "6", "--log-interval", "1"];
+    let straight = run(&common);
+    assert!(straight.status.success(), "{}", stderr(&straight));
+    let np = ["--save", d, "--save-interval", "4", "--non-persistent-save-interval", "1"];
+    let o = run(&[&common[..], &np].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let np_dir = dir.join("non_persistent");
+    let mut kept: Vec<String> = std::fs::read_dir(&np_dir)
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str().filter(|n| n.starts_with("iter_")).map(String::from))
+        .collect();
+    kept.sort();
+    assert_eq!(kept, ["iter_0000003", "iter_0000005"], "the newest and the one before it");
+    assert_eq!(std::fs::read_to_string(np_dir.join("latest_checkpointed_iteration.txt")).unwrap().trim(), "5");
+    // The run as if it had died after iteration 5: the persistent tracker at 4.
+    std::fs::remove_dir_all(dir.join("iter_0000006")).unwrap();
+    std::fs::write(dir.join("latest_checkpointed_iteration.txt"), "4\n").unwrap();
+    let resumed = run(&[&common[..], &["--load", d]].concat());
+    assert!(resumed.status.success(), "{}", stderr(&resumed));
+    assert!(stderr(&resumed).contains("the non-persistent checkpoint of iteration 5"), "{}", stderr(&resumed));
+    assert!(stderr(&resumed).contains("at iteration 5"), "{}", stderr(&resumed));
+    assert_eq!(last(&resumed), last(&straight), "the resumed run is the straight run");
+    // A persistent checkpoint newer than the non-persistent one wins.
+    std::fs::write(dir.join("latest_checkpointed_iteration.txt"), "4\n").unwrap();
+    std::fs::write(np_dir.join("latest_checkpointed_iteration.txt"), "3\n").unwrap();
+    let o = run(&[&common[..], &["--load", d]].concat());
+    assert!(
+        o.status.success()
+            && stderr(&o).contains("at iteration 4")
+            && !stderr(&o).contains("the non-persistent checkpoint"),
+        "{}",
+        stderr(&o)
+    );
+    fails_naming(&["--non-persistent-save-interval", "2"], "add --save FOLDER");
+    fails_naming(
+        &["--save", d, "--non-persistent-save-interval", "2", "--non-persistent-ckpt-type", "local"],
+        "use global",
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 fn corrupt_first_byte(p: &Path) {
     let mut b = std::fs::read(p).unwrap();
     b[100] ^= 0xff;
