@@ -2,7 +2,7 @@
 //! `tools/preprocess_data.py` for GPT data: each line's `--json-keys` fields (default `text`)
 //! tokenized, `--append-eod` ending every document with the end-of-document token, written to
 //! OUTPUT_PREFIX_KEY_document.{bin,idx} (what `train --data-path` then takes). Lines are tokenized
-//! on all cores in batches, in order.
+//! on all cores in batches, in order (or in `--partitions`' dealt order, as Megatron writes it).
 
 use anyhow::{Context, bail};
 use ferrotron_data::{IndexedBuilder, TokenDtype, Tokenizer, TokenizerFlags, TokenizerKind};
@@ -19,8 +19,9 @@ pub struct PreprocessArgs {
     #[arg(long)]
     pub output_prefix: String,
     /// byte, gpt2 (Megatron's GPT2BPETokenizer), NullTokenizer (text already ids, with
-    /// --vocab-size), HuggingFaceTokenizer (--tokenizer-model) or TikTokenizer
-    /// (--tokenizer-model FILE.json, --tiktoken-pattern): the tokenizer the model will train with.
+    /// --vocab-size), HuggingFaceTokenizer (--tokenizer-model), TikTokenizer (--tokenizer-model
+    /// FILE.json, --tiktoken-pattern), Llama2Tokenizer or GPTSentencePieceTokenizer
+    /// (--tokenizer-model FILE.model): the tokenizer the model will train with.
     #[arg(long)]
     pub tokenizer_type: String,
     /// NullTokenizer's vocabulary: ids below N, end-of-document N; TikTokenizer's whole
@@ -28,7 +29,7 @@ pub struct PreprocessArgs {
     #[arg(long)]
     pub vocab_size: Option<usize>,
     /// HuggingFaceTokenizer's transformers tokenizer folder (tokenizer.json); TikTokenizer's
-    /// JSON file.
+    /// JSON file; the SentencePiece tokenizers' .model file.
     #[arg(long)]
     pub tokenizer_model: Option<PathBuf>,
     /// TikTokenizer's pattern (v1 or v2), special-token count (default 1000) and named special
@@ -53,6 +54,25 @@ pub struct PreprocessArgs {
     /// Accepted for Megatron's scripts; the work is spread over all cores either way.
     #[arg(long)]
     pub workers: Option<usize>,
+    /// Megatron's --partitions N: its input dealt out line by line to N partitions, whose
+    /// outputs are joined in partition order: the documents come out in that order (lines 0, N,
+    /// 2N, …, then 1, N + 1, …), unless --keep-sequential-samples (contiguous partitions: the
+    /// input's order).
+    #[arg(long, default_value_t = 1)]
+    pub partitions: usize,
+    #[arg(long)]
+    pub keep_sequential_samples: bool,
+    /// A progress line every this many documents (Megatron's default 100).
+    #[arg(long)]
+    pub log_interval: Option<u64>,
+    /// Refused by name: sentence splitting (NLTK's punkt in Megatron) is not built.
+    #[arg(long)]
+    pub split_sentences: bool,
+    /// Accepted: they take effect only with --split-sentences.
+    #[arg(long)]
+    pub keep_newlines: bool,
+    #[arg(long)]
+    pub lang: Option<String>,
 }
 
 /// What one key's output holds.
@@ -73,50 +93,67 @@ pub fn preprocess(a: &PreprocessArgs) -> anyhow::Result<Vec<Written>> {
     };
     let kind = TokenizerKind::from_flags(&a.tokenizer_type, &flags)
         .map_err(|e| anyhow::anyhow!("--tokenizer-type {}: {e}", a.tokenizer_type))?;
+    if a.split_sentences {
+        bail!(
+            "--split-sentences: sentence splitting (NLTK's punkt) is not built; preprocess whole documents (drop it)"
+        );
+    }
+    if a.partitions == 0 {
+        bail!("--partitions must be at least 1");
+    }
     let tok = Tokenizer::new(kind)?;
     let dtype = TokenDtype::for_vocab(tok.vocab_size());
-    let input = std::fs::File::open(&a.input).with_context(|| format!("--input {}", a.input.display()))?;
     let prefixes: Vec<PathBuf> =
         a.json_keys.iter().map(|k| PathBuf::from(format!("{}_{k}_document", a.output_prefix))).collect();
     let mut builders = prefixes.iter().map(|p| IndexedBuilder::create(p, dtype)).collect::<Result<Vec<_>, _>>()?;
     let mut tokens = vec![0u64; prefixes.len()];
-    let mut lines = std::io::BufReader::new(input).lines().enumerate();
-    loop {
-        let batch: Vec<(usize, String)> = lines
-            .by_ref()
-            .take(4096)
-            .map(|(i, l)| l.map(|l| (i + 1, l)).with_context(|| format!("{}: line {}", a.input.display(), i + 1)))
-            .collect::<anyhow::Result<_>>()?;
-        if batch.is_empty() {
-            break;
-        }
-        let docs: Vec<Vec<Vec<u32>>> = batch
-            .par_iter()
-            .filter(|(_, l)| !l.trim().is_empty())
-            .map(|(n, line)| {
-                let v: serde_json::Value = serde_json::from_str(line)
-                    .with_context(|| format!("{}: line {n} is not a JSON object", a.input.display()))?;
-                a.json_keys
-                    .iter()
-                    .map(|k| {
-                        let Some(text) = v.get(k).and_then(|t| t.as_str()) else {
-                            bail!("{}: line {n} has no string field `{k}` (--json-keys)", a.input.display());
-                        };
-                        let mut ids = tok
-                            .encode(text)
-                            .with_context(|| format!("{}: line {n}, field `{k}`", a.input.display()))?;
-                        if a.append_eod {
-                            ids.push(tok.eod());
-                        }
-                        Ok(ids)
-                    })
-                    .collect()
-            })
-            .collect::<anyhow::Result<_>>()?;
-        for per_key in docs {
-            for (k, ids) in per_key.into_iter().enumerate() {
-                tokens[k] += ids.len() as u64;
-                builders[k].add_document(&ids)?;
+    // Partitions dealt line by line: one pass over the input for each, in partition order.
+    let passes = if a.keep_sequential_samples { 1 } else { a.partitions };
+    let (start, mut done) = (std::time::Instant::now(), 0u64);
+    for pass in 0..passes {
+        let input = std::fs::File::open(&a.input).with_context(|| format!("--input {}", a.input.display()))?;
+        let mut lines = std::io::BufReader::new(input).lines().enumerate().filter(|(i, _)| i % passes == pass);
+        loop {
+            let batch: Vec<(usize, String)> = lines
+                .by_ref()
+                .take(4096)
+                .map(|(i, l)| l.map(|l| (i + 1, l)).with_context(|| format!("{}: line {}", a.input.display(), i + 1)))
+                .collect::<anyhow::Result<_>>()?;
+            if batch.is_empty() {
+                break;
+            }
+            let docs: Vec<Vec<Vec<u32>>> = batch
+                .par_iter()
+                .filter(|(_, l)| !l.trim().is_empty())
+                .map(|(n, line)| {
+                    let v: serde_json::Value = serde_json::from_str(line)
+                        .with_context(|| format!("{}: line {n} is not a JSON object", a.input.display()))?;
+                    a.json_keys
+                        .iter()
+                        .map(|k| {
+                            let Some(text) = v.get(k).and_then(|t| t.as_str()) else {
+                                bail!("{}: line {n} has no string field `{k}` (--json-keys)", a.input.display());
+                            };
+                            let mut ids = tok
+                                .encode(text)
+                                .with_context(|| format!("{}: line {n}, field `{k}`", a.input.display()))?;
+                            if a.append_eod {
+                                ids.push(tok.eod());
+                            }
+                            Ok(ids)
+                        })
+                        .collect()
+                })
+                .collect::<anyhow::Result<_>>()?;
+            for per_key in docs {
+                for (k, ids) in per_key.into_iter().enumerate() {
+                    tokens[k] += ids.len() as u64;
+                    builders[k].add_document(&ids)?;
+                }
+                done += 1;
+                if a.log_interval.is_some_and(|n| n > 0 && done % n == 0) {
+                    eprintln!("processed {done} documents ({:.0} docs/s)", done as f64 / start.elapsed().as_secs_f64());
+                }
             }
         }
     }

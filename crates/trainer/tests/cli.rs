@@ -815,6 +815,37 @@ fn preprocess_writes_what_train_data_path_reads() {
     let o = run(&["--train-iters", "2", "--data-path", written.to_str().unwrap(), "--split", "9,1"]);
     assert!(o.status.success(), "{}", stderr(&o));
 
+    // Megatron's --partitions 3 deals the lines out round-robin and joins the partitions in
+    // order; with --keep-sequential-samples they are contiguous and the order is the input's.
+    let encoded = |text: &str| -> Vec<u32> { [tok.encode(text).unwrap(), vec![tok.eod()]].concat() };
+    let dealt: Vec<u32> = (0..3)
+        .flat_map(|p| lines.iter().skip(p).step_by(3))
+        .filter(|l| !l.is_empty())
+        .flat_map(|l| encoded(serde_json::from_str::<serde_json::Value>(l).unwrap()["text"].as_str().unwrap()))
+        .collect();
+    for (extra, want) in [(&[][..], &dealt), (&["--keep-sequential-samples"][..], &got)] {
+        let prefix = dir.join("parts");
+        let o = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+            .args(["preprocess", "--input", input.to_str().unwrap(), "--output-prefix", prefix.to_str().unwrap()])
+            .args(["--tokenizer-type", "byte", "--append-eod", "--partitions", "3", "--log-interval", "100"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(o.status.success() && stderr(&o).contains("processed 300 documents"), "{}", stderr(&o));
+        let ds = IndexedDataset::open(dir.join("parts_text_document")).unwrap();
+        let mut parts = vec![0; want.len()];
+        ds.read(0, &mut parts).unwrap();
+        assert_eq!(ds.num_documents(), 300);
+        assert!(parts == *want, "{extra:?}: not in Megatron's partition order");
+    }
+    assert_ne!(dealt, got, "the dealt order differs from the input's");
+    let o = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args(["preprocess", "--input", input.to_str().unwrap(), "--output-prefix", prefix.to_str().unwrap()])
+        .args(["--tokenizer-type", "byte", "--split-sentences"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success() && stderr(&o).contains("--split-sentences: sentence splitting"), "{}", stderr(&o));
+
     // A line that is not JSON is named, and no dataset appears.
     std::fs::write(&input, "{\"text\": \"a\"}\n{text: b}\n").unwrap();
     let bad = dir.join("bad");
