@@ -644,6 +644,13 @@ fn layouts_that_do_not_fit_are_named() {
     assert!(stderr(&o).contains("--num-layers-per-virtual-pipeline-stage 3 does not divide"), "{}", stderr(&o));
 }
 
+/// The loss printed on the training line that starts with `at` ("iteration 4/4"), as printed.
+fn loss_line(o: &Output, at: &str) -> String {
+    let e = stderr(o);
+    let line = e.lines().rfind(|l| l.starts_with(&format!("{at}: loss "))).unwrap_or_else(|| panic!("{e}"));
+    line.split_whitespace().nth(3).unwrap().to_string()
+}
+
 /// Megatron's scripts pass one folder as --save and --load: the first run finds nothing there
 /// and starts from the initialisation (a warning says so), the next resumes from what it saved.
 /// A run that needs a checkpoint (--exit-on-missing-checkpoint, --finetune) is refused instead,
@@ -653,11 +660,7 @@ fn one_folder_for_save_and_load_starts_then_resumes() {
     let dir = tmp("cli-save-load");
     let _ = std::fs::remove_dir_all(&dir);
     let d = dir.to_str().unwrap();
-    let last_loss = |o: &Output| -> String {
-        let e = stderr(o);
-        let line = e.lines().rfind(|l| l.starts_with("iteration 4/4: loss ")).unwrap_or_else(|| panic!("{e}"));
-        line.split_whitespace().nth(3).unwrap().to_string()
-    };
+    let last_loss = |o: &Output| loss_line(o, "iteration 4/4");
     let straight = run(&["--train-iters", "4", "--eval-interval", "2"]);
     assert!(straight.status.success(), "{}", stderr(&straight));
 
@@ -694,11 +697,7 @@ fn non_persistent_checkpoints_resume_the_newest() {
     let dir = tmp("cli-non-persistent");
     let _ = std::fs::remove_dir_all(&dir);
     let d = dir.to_str().unwrap();
-    let last = |o: &Output| -> String {
-        let e = stderr(o);
-        let line = e.lines().rfind(|l| l.starts_with("iteration 6/6: loss ")).unwrap_or_else(|| panic!("{e}"));
-        line.split_whitespace().nth(3).unwrap().to_string()
-    };
+    let last = |o: &Output| loss_line(o, "iteration 6/6");
     let common = ["--train-iters", "6", "--eval-interval", "6", "--log-interval", "1"];
     let straight = run(&common);
     assert!(straight.status.success(), "{}", stderr(&straight));
