@@ -90,9 +90,13 @@ fn bad_models_are_named() {
         (garbage.clone(), "not a SentencePiece model"),
         (cut.clone(), "not a SentencePiece model"),
         (dir.join("missing.model"), "No such file"),
+        (dir.clone(), "Is a directory"),
     ] {
         let e = SentencePiece::open(&p).err().unwrap().to_string();
         assert!(e.contains(&p.display().to_string()) && e.contains(needle), "{e}");
     }
+    // A folder holding tokenizer.model (a Hugging Face Llama folder) is read through it.
+    std::fs::copy(fixture("llama_bpe.model"), dir.join("tokenizer.model")).unwrap();
+    assert_eq!(SentencePiece::open(&dir).unwrap().vocab_size(), 600);
     let _ = std::fs::remove_dir_all(dir);
 }

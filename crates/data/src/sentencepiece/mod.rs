@@ -90,7 +90,10 @@ fn corrupt(path: &Path, why: impl std::fmt::Display) -> DataError {
 }
 
 impl SentencePiece {
+    /// A `.model` file, or a folder holding `tokenizer.model` (a Hugging Face Llama folder).
     pub fn open(path: &Path) -> Result<SentencePiece, DataError> {
+        let in_folder = path.join("tokenizer.model");
+        let path = if path.is_dir() && in_folder.is_file() { in_folder.as_path() } else { path };
         let bytes = std::fs::read(path)
             .map_err(|e| DataError::Tokenizer(format!("--tokenizer-model {}: {e}", path.display())))?;
         Self::from_bytes(&bytes).map_err(|why| corrupt(path, why))
