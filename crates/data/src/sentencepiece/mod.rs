@@ -25,7 +25,8 @@ enum PieceKind {
     Control,
     UserDefined,
     Unused,
-    Byte,
+    /// `<0xHH>`: the byte it stands for.
+    Byte(u8),
 }
 
 /// The pieces and what the encoders look up in them.
@@ -130,7 +131,13 @@ impl SentencePiece {
                 3 => PieceKind::Control,
                 4 => PieceKind::UserDefined,
                 5 => PieceKind::Unused,
-                6 => PieceKind::Byte,
+                6 => PieceKind::Byte(
+                    text.strip_prefix("<0x")
+                        .and_then(|h| h.strip_suffix('>'))
+                        .filter(|h| h.len() == 2)
+                        .and_then(|h| u8::from_str_radix(h, 16).ok())
+                        .ok_or_else(|| format!("byte piece `{text}` is not <0xHH>"))?,
+                ),
                 k => return Err(format!("piece {i} `{text}` has type {k}")),
             };
             let score = p.score.unwrap_or(0.0);
@@ -149,14 +156,7 @@ impl SentencePiece {
                 }
                 PieceKind::UserDefined => v.user_defined.push(text.clone()),
                 PieceKind::Unknown => unk = Some(id),
-                PieceKind::Byte => {
-                    let b = text
-                        .strip_prefix("<0x")
-                        .and_then(|h| h.strip_suffix('>'))
-                        .and_then(|h| u8::from_str_radix(h, 16).ok())
-                        .ok_or_else(|| format!("byte piece `{text}` is not <0xHH>"))?;
-                    byte_ids[b as usize] = Some(id);
-                }
+                PieceKind::Byte(b) => byte_ids[b as usize] = Some(id),
                 _ => {}
             }
             if matches!(kind, PieceKind::Normal | PieceKind::UserDefined | PieceKind::Unused) {
@@ -339,9 +339,8 @@ impl SentencePiece {
             let Some((piece, _, kind)) = self.vocab.pieces.get(id as usize) else {
                 return Err(DataError::TokenOutOfRange { id, vocab: self.vocab_size() });
             };
-            if *kind == PieceKind::Byte {
-                let b = piece[3..5].to_string();
-                bytes.push(u8::from_str_radix(&b, 16).unwrap_or(b'?'));
+            if let PieceKind::Byte(b) = kind {
+                bytes.push(*b);
                 continue;
             }
             flush(&mut bytes, &mut out, &mut at_start);
