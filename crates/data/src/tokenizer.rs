@@ -45,6 +45,35 @@ pub struct TokenizerFlags<'a> {
     pub tiktoken_special_tokens: Option<&'a [String]>,
 }
 
+impl TokenizerFlags<'_> {
+    /// These flags without the ones `tokenizer` does not read but Megatron passes over in
+    /// silence (its scripts give them so: `--tiktoken-pattern` with NullTokenizer, `--vocab-size`
+    /// with HuggingFaceTokenizer), and those flags' names; `from_flags` refuses them, so a caller
+    /// that follows Megatron takes the kept flags and says what it dropped.
+    pub fn without_megatron_ignored(self, tokenizer: &str) -> (Self, Vec<&'static str>) {
+        let (mut kept, mut dropped) = (self, vec![]);
+        if tokenizer != "TikTokenizer" {
+            for (flag, given) in [
+                ("--tiktoken-pattern", self.tiktoken_pattern.is_some()),
+                ("--tiktoken-num-special-tokens", self.tiktoken_num_special_tokens.is_some()),
+                ("--tiktoken-special-tokens", self.tiktoken_special_tokens.is_some()),
+            ] {
+                if given {
+                    dropped.push(flag);
+                }
+            }
+            (kept.tiktoken_pattern, kept.tiktoken_num_special_tokens, kept.tiktoken_special_tokens) =
+                (None, None, None);
+        }
+        let from_file = ["HuggingFaceTokenizer", "Llama2Tokenizer", "GPTSentencePieceTokenizer"];
+        if from_file.contains(&tokenizer) && self.vocab_size.is_some() {
+            dropped.push("--vocab-size (the vocabulary is the file's)");
+            kept.vocab_size = None;
+        }
+        (kept, dropped)
+    }
+}
+
 impl TokenizerKind {
     pub fn parse(s: &str) -> Result<Self, DataError> {
         Self::parse_with(s, None, None)
@@ -280,6 +309,31 @@ impl Tokenizer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Megatron passes over the tiktoken flags outside TikTokenizer and --vocab-size where the
+    /// vocabulary comes from a file; the rest stays for `from_flags` to check.
+    #[test]
+    fn flags_megatron_ignores_are_dropped_and_named() {
+        let special = ["<s>".to_string()];
+        let f = TokenizerFlags {
+            vocab_size: Some(1000),
+            model: Some(Path::new("m")),
+            tiktoken_pattern: Some("v2"),
+            tiktoken_num_special_tokens: Some(10),
+            tiktoken_special_tokens: Some(&special),
+        };
+        let (kept, dropped) = f.without_megatron_ignored("NullTokenizer");
+        assert_eq!(dropped, ["--tiktoken-pattern", "--tiktoken-num-special-tokens", "--tiktoken-special-tokens"]);
+        assert_eq!((kept.vocab_size, kept.tiktoken_pattern, kept.model), (Some(1000), None, Some(Path::new("m"))));
+        let (kept, dropped) = f.without_megatron_ignored("TikTokenizer");
+        assert!(dropped.is_empty() && kept.tiktoken_pattern == Some("v2") && kept.vocab_size == Some(1000));
+        for t in ["HuggingFaceTokenizer", "Llama2Tokenizer", "GPTSentencePieceTokenizer"] {
+            let (kept, dropped) = f.without_megatron_ignored(t);
+            assert_eq!((dropped.len(), kept.vocab_size), (4, None), "{t}");
+        }
+        let (kept, _) = f.without_megatron_ignored("gpt2");
+        assert_eq!(kept.vocab_size, Some(1000), "a fixed vocabulary's --vocab-size is still refused");
+    }
 
     #[test]
     fn byte_and_gpt2_round_trip() {

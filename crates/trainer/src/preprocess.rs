@@ -84,13 +84,22 @@ pub struct Written {
 }
 
 pub fn preprocess(a: &PreprocessArgs) -> anyhow::Result<Vec<Written>> {
-    let flags = TokenizerFlags {
+    let given = TokenizerFlags {
         vocab_size: a.vocab_size,
         model: a.tokenizer_model.as_deref(),
         tiktoken_pattern: a.tiktoken_pattern.as_deref(),
         tiktoken_num_special_tokens: a.tiktoken_num_special_tokens,
         tiktoken_special_tokens: a.tiktoken_special_tokens.as_deref(),
     };
+    // What Megatron's preprocess_data.py passes over with this tokenizer: dropped, named.
+    let (flags, dropped) = given.without_megatron_ignored(&a.tokenizer_type);
+    if !dropped.is_empty() {
+        eprintln!(
+            "warning: --tokenizer-type {} does not read {}: ignored, as in Megatron",
+            a.tokenizer_type,
+            dropped.join(", ")
+        );
+    }
     let kind = TokenizerKind::from_flags(&a.tokenizer_type, &flags)
         .map_err(|e| anyhow::anyhow!("--tokenizer-type {}: {e}", a.tokenizer_type))?;
     if a.split_sentences {

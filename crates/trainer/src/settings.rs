@@ -2604,32 +2604,27 @@ fn preset_model_args(name: &str, c: &TransformerConfig) -> TrainArgs {
     a
 }
 
-/// Megatron reads the tiktoken flags in TikTokenizer alone and takes HuggingFaceTokenizer's and
-/// the SentencePiece tokenizers' vocabularies from their files, ignoring those flags elsewhere;
-/// its own scripts pass them so (`--tiktoken-pattern v2` with NullTokenizer, `--vocab-size`
-/// with HuggingFaceTokenizer).
-/// Here too, with a warning naming what is ignored.
+/// The tokenizer flags Megatron ignores with this tokenizer
+/// (`TokenizerFlags::without_megatron_ignored`) dropped, with a warning naming them.
 fn ignore_other_tokenizers_flags(a: &mut TrainArgs) {
     let t = a.tokenizer_type.clone().unwrap_or_default();
-    let mut ignored = vec![];
-    if t != "TikTokenizer" {
-        for (flag, given) in [
-            ("--tiktoken-pattern", a.tiktoken_pattern.take().is_some()),
-            ("--tiktoken-num-special-tokens", a.tiktoken_num_special_tokens.take().is_some()),
-            ("--tiktoken-special-tokens", a.tiktoken_special_tokens.take().is_some()),
-        ] {
-            if given {
-                ignored.push(flag);
-            }
-        }
+    let (pattern, special) = (a.tiktoken_pattern.clone(), a.tiktoken_special_tokens.clone());
+    let flags = TokenizerFlags {
+        vocab_size: a.vocab_size,
+        model: None,
+        tiktoken_pattern: pattern.as_deref(),
+        tiktoken_num_special_tokens: a.tiktoken_num_special_tokens,
+        tiktoken_special_tokens: special.as_deref(),
+    };
+    let (kept, dropped) = flags.without_megatron_ignored(&t);
+    if dropped.is_empty() {
+        return;
     }
-    let from_file = ["HuggingFaceTokenizer", "Llama2Tokenizer", "GPTSentencePieceTokenizer"];
-    if from_file.contains(&t.as_str()) && a.vocab_size.take().is_some() {
-        ignored.push("--vocab-size (the vocabulary is the file's)");
-    }
-    if !ignored.is_empty() {
-        eprintln!("warning: --tokenizer-type {t} does not read {}: ignored, as in Megatron", ignored.join(", "));
-    }
+    eprintln!("warning: --tokenizer-type {t} does not read {}: ignored, as in Megatron", dropped.join(", "));
+    a.vocab_size = kept.vocab_size;
+    a.tiktoken_pattern = kept.tiktoken_pattern.map(str::to_string);
+    a.tiktoken_num_special_tokens = kept.tiktoken_num_special_tokens;
+    a.tiktoken_special_tokens = kept.tiktoken_special_tokens.map(<[String]>::to_vec);
 }
 
 fn need<T: Clone>(v: &Option<T>, flag: &str) -> anyhow::Result<T> {

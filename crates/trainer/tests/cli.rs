@@ -994,10 +994,11 @@ fn llama2_tokenizer_preprocesses_trains_and_resumes() {
     let o = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
         .args(["preprocess", "--input", input.to_str().unwrap(), "--output-prefix", prefix.to_str().unwrap()])
         .args(spm)
-        .arg("--append-eod")
+        .args(["--append-eod", "--vocab-size", "128256"])
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("does not read --vocab-size"), "{}", stderr(&o));
     let tok = Tokenizer::new(TokenizerKind::parse_with("Llama2Tokenizer", None, Some(&model)).unwrap()).unwrap();
     let ds = IndexedDataset::open(dir.join("spm_text_document")).unwrap();
     for (i, doc) in docs.iter().enumerate().take(3) {
