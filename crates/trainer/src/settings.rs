@@ -2231,6 +2231,14 @@ fn non_persistent(a: &TrainArgs) -> anyhow::Result<Option<NonPersistent>> {
         bail!("--non-persistent-save-interval {interval} saves between --save's checkpoints: add --save FOLDER");
     };
     let dir = a.non_persistent_global_ckpt_dir.clone().unwrap_or_else(|| save.join(crate::checkpoint::NON_PERSISTENT));
+    // The folder keeps only its newest checkpoint: never the persistent ones'.
+    let same = |x: &Path, y: &Path| x == y || x.canonicalize().ok().is_some_and(|c| Some(c) == y.canonicalize().ok());
+    if same(&dir, save) {
+        bail!(
+            "--non-persistent-global-ckpt-dir {} is the --save folder, whose older checkpoints it would delete: give another folder (default SAVE/non_persistent)",
+            dir.display()
+        );
+    }
     Ok(Some(NonPersistent { dir, interval }))
 }
 

@@ -732,6 +732,8 @@ fn non_persistent_checkpoints_resume_the_newest() {
         stderr(&o)
     );
     fails_naming(&["--non-persistent-save-interval", "2"], "add --save FOLDER");
+    let same = ["--save", d, "--non-persistent-save-interval", "2", "--non-persistent-global-ckpt-dir", d];
+    fails_naming(&same, "is the --save folder, whose older checkpoints it would delete");
     fails_naming(
         &["--save", d, "--non-persistent-save-interval", "2", "--non-persistent-ckpt-type", "local"],
         "use global",
