@@ -779,6 +779,15 @@ fn corrupt_checkpoint_is_an_error_and_failed_save_loses_nothing() {
     let _ = std::fs::remove_dir_all(dir);
 }
 
+/// `ferrotron preprocess --input INPUT --output-prefix PREFIX` with `extra`.
+fn preprocess(input: &Path, prefix: &Path, extra: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args(["preprocess", "--input", input.to_str().unwrap(), "--output-prefix", prefix.to_str().unwrap()])
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
 #[test]
 fn preprocess_writes_what_train_data_path_reads() {
     use ferrotron_data::{IndexedDataset, Tokenizer, TokenizerKind, corpus};
@@ -790,11 +799,7 @@ fn preprocess_writes_what_train_data_path_reads() {
     lines.insert(1, String::new()); // blank lines are skipped
     std::fs::write(&input, lines.join("\n")).unwrap();
     let prefix = dir.join("corpus");
-    let o = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
-        .args(["preprocess", "--input", input.to_str().unwrap(), "--output-prefix", prefix.to_str().unwrap()])
-        .args(["--tokenizer-type", "byte", "--append-eod", "--workers", "4"])
-        .output()
-        .unwrap();
+    let o = preprocess(&input, &prefix, &["--tokenizer-type", "byte", "--append-eod", "--workers", "4"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let written = dir.join("corpus_text_document");
     assert!(stderr(&o).contains("300 documents"), "{}", stderr(&o));
@@ -826,12 +831,12 @@ fn preprocess_writes_what_train_data_path_reads() {
         .collect();
     for (extra, want) in [(&[][..], &dealt), (&["--keep-sequential-samples"][..], &got)] {
         let prefix = dir.join("parts");
-        let o = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
-            .args(["preprocess", "--input", input.to_str().unwrap(), "--output-prefix", prefix.to_str().unwrap()])
-            .args(["--tokenizer-type", "byte", "--append-eod", "--partitions", "3", "--log-interval", "100"])
-            .args(extra)
-            .output()
-            .unwrap();
+        let o = preprocess(
+            &input,
+            &prefix,
+            &[&["--tokenizer-type", "byte", "--append-eod", "--partitions", "3", "--log-interval", "100"], extra]
+                .concat(),
+        );
         assert!(o.status.success() && stderr(&o).contains("processed 300 documents"), "{}", stderr(&o));
         let ds = IndexedDataset::open(dir.join("parts_text_document")).unwrap();
         let mut parts = vec![0; want.len()];
@@ -840,21 +845,13 @@ fn preprocess_writes_what_train_data_path_reads() {
         assert!(parts == *want, "{extra:?}: not in Megatron's partition order");
     }
     assert_ne!(dealt, got, "the dealt order differs from the input's");
-    let o = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
-        .args(["preprocess", "--input", input.to_str().unwrap(), "--output-prefix", prefix.to_str().unwrap()])
-        .args(["--tokenizer-type", "byte", "--split-sentences"])
-        .output()
-        .unwrap();
+    let o = preprocess(&input, &prefix, &["--tokenizer-type", "byte", "--split-sentences"]);
     assert!(!o.status.success() && stderr(&o).contains("--split-sentences: sentence splitting"), "{}", stderr(&o));
 
     // A line that is not JSON is named, and no dataset appears.
     std::fs::write(&input, "{\"text\": \"a\"}\n{text: b}\n").unwrap();
     let bad = dir.join("bad");
-    let o = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
-        .args(["preprocess", "--input", input.to_str().unwrap(), "--output-prefix", bad.to_str().unwrap()])
-        .args(["--tokenizer-type", "byte"])
-        .output()
-        .unwrap();
+    let o = preprocess(&input, &bad, &["--tokenizer-type", "byte"]);
     assert!(!o.status.success() && stderr(&o).contains("line 2 is not a JSON object"), "{}", stderr(&o));
     let left: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert!(left.iter().all(|n| !n.to_string_lossy().starts_with("bad")), "left behind: {left:?}");
@@ -873,23 +870,19 @@ fn merge_datasets_joins_shards_as_one_preprocessing() {
     let docs = ferrotron_data::corpus::documents(11, 90);
     let jsonl =
         |d: &[String]| d.iter().map(|t| serde_json::json!({ "text": t }).to_string() + "\n").collect::<String>();
-    let preprocess = |input: &std::path::Path, prefix: &std::path::Path| {
-        let o = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
-            .args(["preprocess", "--input", input.to_str().unwrap(), "--output-prefix", prefix.to_str().unwrap()])
-            .args(["--tokenizer-type", "byte", "--append-eod"])
-            .output()
-            .unwrap();
+    let byte_level = |input: &Path, prefix: &Path| {
+        let o = preprocess(input, prefix, &["--tokenizer-type", "byte", "--append-eod"]);
         assert!(o.status.success(), "{}", stderr(&o));
     };
     for (k, part) in docs.chunks(30).enumerate() {
         let input = dir.join(format!("part{k}.jsonl"));
         std::fs::write(&input, jsonl(part)).unwrap();
-        preprocess(&input, &shards.join(format!("part{k}")));
+        byte_level(&input, &shards.join(format!("part{k}")));
     }
     std::fs::write(shards.join("README.txt"), "not a dataset").unwrap();
     let whole = dir.join("whole.jsonl");
     std::fs::write(&whole, jsonl(&docs)).unwrap();
-    preprocess(&whole, &dir.join("whole"));
+    byte_level(&whole, &dir.join("whole"));
     let merge = |out: &std::path::Path| {
         Command::new(env!("CARGO_BIN_EXE_ferrotron"))
             .args(["merge-datasets", "--input", shards.to_str().unwrap(), "--output-prefix", out.to_str().unwrap()])
@@ -936,12 +929,7 @@ fn tiktokenizer_preprocesses_trains_and_resumes() {
     let lines: Vec<String> = docs.iter().map(|d| serde_json::json!({ "text": d }).to_string()).collect();
     std::fs::write(&input, lines.join("\n")).unwrap();
     let prefix = dir.join("tik");
-    let o = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
-        .args(["preprocess", "--input", input.to_str().unwrap(), "--output-prefix", prefix.to_str().unwrap()])
-        .args(&tik)
-        .arg("--append-eod")
-        .output()
-        .unwrap();
+    let o = preprocess(&input, &prefix, &[&tik[..], &["--append-eod"]].concat());
     assert!(o.status.success(), "{}", stderr(&o));
     let flags = TokenizerFlags {
         vocab_size: Some(size.parse().unwrap()),
@@ -993,12 +981,7 @@ fn llama2_tokenizer_preprocesses_trains_and_resumes() {
     let lines: Vec<String> = docs.iter().map(|d| serde_json::json!({ "text": d }).to_string()).collect();
     std::fs::write(&input, lines.join("\n")).unwrap();
     let prefix = dir.join("spm");
-    let o = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
-        .args(["preprocess", "--input", input.to_str().unwrap(), "--output-prefix", prefix.to_str().unwrap()])
-        .args(spm)
-        .args(["--append-eod", "--vocab-size", "128256"])
-        .output()
-        .unwrap();
+    let o = preprocess(&input, &prefix, &[&spm[..], &["--append-eod", "--vocab-size", "128256"]].concat());
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stderr(&o).contains("does not read --vocab-size"), "{}", stderr(&o));
     let tok = Tokenizer::new(TokenizerKind::parse_with("Llama2Tokenizer", None, Some(&model)).unwrap()).unwrap();

@@ -223,7 +223,9 @@ impl SentencePiece {
     /// whole, else the longest normalisation rule's replacement, else one character.
     fn unit<'a>(&'a self, s: &'a str) -> (std::borrow::Cow<'a, str>, usize) {
         let (len, user) = self.vocab.symbol_at(s);
-        if !user && let Some((l, rep)) = self.norm.charsmap.as_ref().and_then(|c| c.longest_prefix(s.as_bytes())) {
+        // A rule must end on a character boundary (a corrupt table's may not: ignored).
+        let rule = self.norm.charsmap.as_ref().and_then(|c| c.longest_prefix(s.as_bytes()));
+        if !user && let Some((l, rep)) = rule.filter(|&(l, _)| s.is_char_boundary(l)) {
             return (String::from_utf8_lossy(rep), l);
         }
         (std::borrow::Cow::Borrowed(&s[..len]), len)
