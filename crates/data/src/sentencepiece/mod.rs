@@ -36,8 +36,10 @@ struct Vocab {
     matchable: HashMap<String, u32>,
     /// Control, unknown and byte pieces (`<0x41>`), looked up by their written form.
     reserved: HashMap<String, u32>,
-    /// User-defined symbols, longest first: matched whole before anything else.
-    user_defined: Vec<String>,
+    /// User-defined symbols by their first byte, longest first: matched whole before anything
+    /// else. The buckets keep a model with hundreds of them (`<extra_id_N>`) from testing each at
+    /// every character.
+    user_defined: Vec<Vec<String>>,
     max_piece_chars: usize,
     min_score: f32,
     max_score: f32,
@@ -58,7 +60,8 @@ impl Vocab {
     }
     /// Length in bytes of the symbol `text` starts with, and whether it is a user-defined one.
     fn symbol_at(&self, text: &str) -> (usize, bool) {
-        match self.user_defined.iter().find(|u| text.starts_with(u.as_str())) {
+        let bucket = text.as_bytes().first().map_or(&[][..], |&b| &self.user_defined[b as usize][..]);
+        match bucket.iter().find(|u| text.starts_with(u.as_str())) {
             Some(u) => (u.len(), true),
             None => (text.chars().next().map_or(0, char::len_utf8), false),
         }
@@ -116,7 +119,7 @@ impl SentencePiece {
             pieces: Vec::with_capacity(m.pieces.len()),
             matchable: HashMap::new(),
             reserved: HashMap::new(),
-            user_defined: vec![],
+            user_defined: vec![vec![]; 256],
             max_piece_chars: 1,
             min_score: f32::MAX,
             max_score: f32::MIN_POSITIVE,
@@ -154,7 +157,7 @@ impl SentencePiece {
                     v.min_score = v.min_score.min(score);
                     v.max_score = v.max_score.max(score);
                 }
-                PieceKind::UserDefined => v.user_defined.push(text.clone()),
+                PieceKind::UserDefined => v.user_defined[text.as_bytes()[0] as usize].push(text.clone()),
                 PieceKind::Unknown => unk = Some(id),
                 PieceKind::Byte(b) => byte_ids[b as usize] = Some(id),
                 _ => {}
@@ -164,7 +167,9 @@ impl SentencePiece {
             }
             v.pieces.push((text, score, kind));
         }
-        v.user_defined.sort_by_key(|u| std::cmp::Reverse(u.len()));
+        for bucket in &mut v.user_defined {
+            bucket.sort_by_key(|u| std::cmp::Reverse(u.len()));
+        }
         let unk = unk.ok_or("no unknown piece")?;
         let byte_fallback = t.byte_fallback.unwrap_or(false);
         if byte_fallback && byte_ids.iter().any(Option::is_none) {
