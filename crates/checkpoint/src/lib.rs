@@ -9,10 +9,12 @@
 //!
 //! The crate knows files and index arithmetic only: which tensors a rank writes, the folder
 //! layout, state.toml and the collectives that agree on a save are the trainer's. It also decodes
-//! the block-scaled FP8 weights some published models ship (`fp8`), for the trainer's import.
+//! the block-scaled FP8 weights some published models ship (`fp8`) and reads Megatron-LM's own
+//! checkpoints (`megatron`: torch_dist and the legacy torch format), for the trainer's imports.
 
 mod codec;
 pub mod fp8;
+pub mod megatron;
 mod piece;
 mod read;
 mod write;

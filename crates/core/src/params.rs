@@ -293,6 +293,11 @@ impl ParamTableBuilder {
         }
     }
 
+    /// The declarations, without building the table.
+    pub fn into_metas(self) -> Vec<ParamMeta> {
+        self.metas
+    }
+
     pub fn add(&mut self, meta: ParamMeta) -> Result<ParamId> {
         if self.metas.iter().any(|m| m.name == meta.name) {
             return Err(Error::InvalidArgument {

@@ -594,6 +594,7 @@ pub fn keep_newest(dir: &Path) -> anyhow::Result<()> {
 /// iteration folders without a tracker is an error, not a fresh start, so that no run silently
 /// trains over checkpoints whose tracker was lost.
 pub fn holds_checkpoint(dir: &Path) -> anyhow::Result<bool> {
+    not_megatron(dir)?;
     if dir.join(STATE).is_file() || dir.join(TRACKER).is_file() {
         return Ok(true);
     }
@@ -616,11 +617,23 @@ pub fn holds_checkpoint(dir: &Path) -> anyhow::Result<bool> {
     )
 }
 
+/// A Megatron-LM checkpoint is imported first, not loaded (or started over) as it is.
+fn not_megatron(dir: &Path) -> anyhow::Result<()> {
+    if !dir.join(STATE).is_file() && ferrotron_checkpoint::megatron::is_megatron(dir) {
+        bail!(
+            "--load {0}: a Megatron-LM checkpoint: import it first, `ferrotron convert --loader megatron --saver ferrotron --load-dir {0} --save-dir DIR`, then train with --load DIR --finetune --use-checkpoint-args",
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
 /// The checkpoint folder `dir` names: a --save folder (follow its tracker) or an iter_* folder.
 pub fn resolve(dir: &Path) -> anyhow::Result<PathBuf> {
     if dir.join(STATE).is_file() {
         return Ok(dir.to_path_buf());
     }
+    not_megatron(dir)?;
     let tracker = dir.join(TRACKER);
     let text = std::fs::read_to_string(&tracker)
         .with_context(|| format!("--load {}: no {TRACKER} and no {STATE}: not a checkpoint folder", dir.display()))?;

@@ -57,13 +57,16 @@ pub struct ConvertArgs {
 }
 
 /// --max-shard-size's default, as transformers': 5GB.
-const DEFAULT_SHARD: u64 = 5_000_000_000;
+pub(crate) const DEFAULT_SHARD: u64 = 5_000_000_000;
 
 /// What a conversion wrote.
 #[derive(Debug)]
 pub struct Converted {
     pub dir: PathBuf,
-    pub arch: HfArch,
+    /// The transformers class converted (none for a Megatron-LM checkpoint).
+    pub arch: Option<HfArch>,
+    /// What was converted, for the summary line: the class, or the Megatron format.
+    pub what: String,
     pub tensors: usize,
     /// Export: the tokenizer files copied beside the weights (from the run's
     /// `--tokenizer-model` folder), or why none were.
@@ -86,6 +89,8 @@ const TOKENIZER_FILES: [&str; 6] = [
 pub fn convert(a: &ConvertArgs) -> anyhow::Result<Converted> {
     match (a.loader.as_str(), a.saver.as_str()) {
         ("hf", "ferrotron") => import(a),
+        // Megatron's tools/checkpoint names its loaders core (mcore), legacy and megatron.
+        ("megatron" | "mcore" | "core" | "legacy", "ferrotron") => crate::convert_megatron::import(a),
         ("ferrotron", "hf") => {
             let shard = a.max_shard_size.as_deref().map(shard_bytes).transpose()?.unwrap_or(DEFAULT_SHARD);
             if a.tokenizer_type.is_some()
@@ -99,7 +104,7 @@ pub fn convert(a: &ConvertArgs) -> anyhow::Result<Converted> {
             }
             export(&a.load_dir, &a.save_dir, shard)
         }
-        (l, s) => bail!("--loader {l} --saver {s}: convert hf → ferrotron or ferrotron → hf"),
+        (l, s) => bail!("--loader {l} --saver {s}: convert hf → ferrotron, megatron → ferrotron or ferrotron → hf"),
     }
 }
 
@@ -338,7 +343,7 @@ fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
     imported.with_context(|| format!("--load-dir {}", a.load_dir.display()))?;
     leftover(&files, a, arch, &|k| taken.contains(k))?;
     let dir = writer.finish(dtype, &settings)?;
-    Ok(Converted { dir, arch, tensors: n, tokenizer: Ok(vec![]), left_out: 0 })
+    Ok(Converted { dir, arch: Some(arch), what: arch.class().into(), tensors: n, tokenizer: Ok(vec![]), left_out: 0 })
 }
 
 /// Refuses a folder with tensors the model does not have: any but those `known` takes, buffers
@@ -365,7 +370,7 @@ fn leftover(files: &HfFiles, a: &ConvertArgs, arch: HfArch, known: &dyn Fn(&str)
 }
 
 /// "5GB", "500MB", "200KB" (powers of 1000, as transformers reads them) or bytes.
-fn shard_bytes(s: &str) -> anyhow::Result<u64> {
+pub(crate) fn shard_bytes(s: &str) -> anyhow::Result<u64> {
     let t = s.trim().to_ascii_uppercase();
     let (digits, scale) = [("GB", 1_000_000_000u64), ("MB", 1_000_000), ("KB", 1_000), ("B", 1)]
         .iter()
@@ -446,7 +451,14 @@ fn export(load: &Path, save_dir: &Path, max_shard: u64) -> anyhow::Result<Conver
         Some(_) => 0,
         None => ck.names().iter().filter(|n| n.starts_with("mtp.")).count(),
     };
-    Ok(Converted { dir: save_dir.to_path_buf(), arch, tensors, tokenizer, left_out })
+    Ok(Converted {
+        dir: save_dir.to_path_buf(),
+        arch: Some(arch),
+        what: arch.class().into(),
+        tensors,
+        tokenizer,
+        left_out,
+    })
 }
 
 /// An export's weights files, filled in order as the tensors come: a file is closed when the

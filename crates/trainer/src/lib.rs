@@ -8,6 +8,7 @@ pub mod batch_schedule;
 pub mod checkpoint;
 mod compat;
 pub mod convert;
+mod convert_megatron;
 mod fp8_state;
 pub mod generate;
 pub mod hybrid;

@@ -129,12 +129,11 @@ fn run() -> anyhow::Result<()> {
         }
         Cmd::Convert(a) => {
             let done = ferrotron_trainer::convert::convert(&a)?;
-            eprintln!("{}: {} tensors of a {} written", done.dir.display(), done.tensors, done.arch.class());
+            eprintln!("{}: {} tensors of a {} written", done.dir.display(), done.tensors, done.what);
             if done.left_out > 0 {
                 eprintln!(
                     "left out {} multi-token prediction tensors (mtp.*): a {} has no place for them",
-                    done.left_out,
-                    done.arch.class()
+                    done.left_out, done.what
                 );
             }
             if a.saver == "ferrotron" {

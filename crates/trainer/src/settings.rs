@@ -3646,16 +3646,9 @@ impl Settings {
         Ok(())
     }
 
+    /// The tokenizer the run's data is read with.
     pub fn tokenizer(&self) -> anyhow::Result<TokenizerKind> {
-        let flags = TokenizerFlags {
-            vocab_size: self.vocab_size,
-            model: self.tokenizer_model.as_deref(),
-            tiktoken_pattern: self.tiktoken_pattern.as_deref(),
-            tiktoken_num_special_tokens: self.tiktoken_num_special_tokens,
-            tiktoken_special_tokens: self.tiktoken_special_tokens.as_deref(),
-        };
-        let kind = TokenizerKind::from_flags(&self.tokenizer_type, &flags)
-            .map_err(|e| anyhow::anyhow!("--tokenizer-type {}: {e}", self.tokenizer_type))?;
+        let kind = self.tokenizer_kind()?;
         // Megatron's mock sequences are ids already: they go with any tokenizer.
         let tokenized = !self.data_path.is_empty() || !self.train_data_path.is_empty() || self.mock_data;
         if matches!(kind, TokenizerKind::Null(_)) && !tokenized {
@@ -3664,6 +3657,19 @@ impl Settings {
             );
         }
         Ok(kind)
+    }
+
+    /// The tokenizer the flags name, whatever the data (the model's vocabulary needs no data).
+    fn tokenizer_kind(&self) -> anyhow::Result<TokenizerKind> {
+        let flags = TokenizerFlags {
+            vocab_size: self.vocab_size,
+            model: self.tokenizer_model.as_deref(),
+            tiktoken_pattern: self.tiktoken_pattern.as_deref(),
+            tiktoken_num_special_tokens: self.tiktoken_num_special_tokens,
+            tiktoken_special_tokens: self.tiktoken_special_tokens.as_deref(),
+        };
+        TokenizerKind::from_flags(&self.tokenizer_type, &flags)
+            .map_err(|e| anyhow::anyhow!("--tokenizer-type {}: {e}", self.tokenizer_type))
     }
 
     /// A data-path flag's values as (weight, prefix) pairs, Megatron's two spellings: prefixes
@@ -3755,7 +3761,7 @@ impl Settings {
     /// A multimodal run's vision encoder and projection (None: text only).
     pub fn vision_spec(&self) -> anyhow::Result<Option<ferrotron_transformer::VisionSpec>> {
         let Some(v) = &self.vision else { return Ok(None) };
-        let vocab = ferrotron_data::Tokenizer::new(self.tokenizer()?)?.vocab_size();
+        let vocab = ferrotron_data::Tokenizer::new(self.tokenizer_kind()?)?.vocab_size();
         Ok(Some(v.spec(self.hidden_size, vocab, self.init_method_std)))
     }
 
@@ -3808,7 +3814,7 @@ impl Settings {
             "RMSNorm" => NormKind::RmsNorm,
             o => bail!("--normalization {o}: use LayerNorm or RMSNorm"),
         };
-        let mut vocab = ferrotron_data::Tokenizer::new(self.tokenizer()?)?.vocab_size();
+        let mut vocab = ferrotron_data::Tokenizer::new(self.tokenizer_kind()?)?.vocab_size();
         if let Some(v) = &self.vision {
             vocab = v.model_vocab(vocab);
         }

@@ -132,7 +132,7 @@ fn imported_models_give_transformers_logits() {
             "deepseek_v3" => hf::HfArch::DeepseekV3,
             _ => hf::HfArch::Llama,
         };
-        assert_eq!(done.arch, arch);
+        assert_eq!(done.arch, Some(arch));
         let ck = checkpoint::load(&out).unwrap();
         assert!(!ck.state.optimizer_state, "an import holds parameters only");
         let s = &ck.state.settings;
@@ -415,7 +415,7 @@ fn llava_converts_both_ways_with_transformers_logits() {
     use ferrotron_transformer::{Images, Recompute};
     let out = tmp("hf-import-llava");
     let done = convert(&args("hf", "ferrotron", &fixture("llava"), &out)).unwrap();
-    assert_eq!(done.arch, hf::HfArch::Llava);
+    assert_eq!(done.arch, Some(hf::HfArch::Llava));
     let ck = checkpoint::load(&out).unwrap();
     let s = &ck.state.settings;
     let v = s.vision_spec().unwrap().expect("the vision flags are recorded");
@@ -456,7 +456,7 @@ fn llava_converts_both_ways_with_transformers_logits() {
 
     let back = tmp("hf-export-llava");
     let done = convert(&args("ferrotron", "hf", &out, &back)).unwrap();
-    assert_eq!(done.arch, hf::HfArch::Llava);
+    assert_eq!(done.arch, Some(hf::HfArch::Llava));
     let (want, got) = (hf_tensors(&fixture("llava")), hf_tensors(&back));
     for (n, t) in &got {
         if n.starts_with("vision_tower.post_layernorm.") {
@@ -564,7 +564,7 @@ fn block_scaled_fp8_weights_import_to_transformers_logits() {
     let name = "deepseek_v3_fp8";
     let out = tmp("hf-fp8");
     let done = convert(&args("hf", "ferrotron", &fixture(name), &out)).unwrap();
-    assert_eq!(done.arch, hf::HfArch::DeepseekV3);
+    assert_eq!(done.arch, Some(hf::HfArch::DeepseekV3));
     let ck = checkpoint::load(&out).unwrap();
     assert!(ck.state.settings.bf16, "DeepSeek's FP8 folders say bfloat16: trained in Megatron's bf16");
     let config = ck.state.settings.model_config().unwrap();

@@ -474,6 +474,26 @@ impl GptModel {
         seed: u64,
         pad_to: usize,
     ) -> Result<(GptModel, ParamTable)> {
+        let (model, p) = Self::declare(config, vision, tp, plan, recompute)?;
+        Ok((model, p.build_padded(device, dtype, seed, pad_to)?))
+    }
+
+    /// Every parameter of the whole model on one rank (names, shapes, initialisation), nothing
+    /// allocated: what an import checks a checkpoint's tensors against.
+    pub fn param_metas(config: TransformerConfig, vision: Option<&VisionSpec>) -> Result<Vec<ParamMeta>> {
+        let tp = TensorParallel::new(ProcessGroups::single().tp, false);
+        let plan = StagePlan::whole(config.num_layers);
+        Ok(Self::declare(config, vision, &tp, &plan, Recompute::default())?.1.into_metas())
+    }
+
+    /// The model and its parameters' declarations, before any buffer exists.
+    fn declare(
+        config: TransformerConfig,
+        vision: Option<&VisionSpec>,
+        tp: &TensorParallel,
+        plan: &StagePlan,
+        recompute: Recompute,
+    ) -> Result<(GptModel, ParamTableBuilder)> {
         config.validate()?;
         config.validate_tp(tp.size())?;
         if config.mtp.is_some() && vision.is_some() {
@@ -577,7 +597,6 @@ impl GptModel {
         for id in heads.into_iter().flatten() {
             p.mark_embedding_or_output(id);
         }
-        let table = p.build_padded(device, dtype, seed, pad_to)?;
         let embedding_dropout = if embedding.is_some() {
             HiddenDropout::new(config.hidden_dropout, "embedding.dropout", config.hidden_size, tp)
         } else {
@@ -598,7 +617,7 @@ impl GptModel {
             mtp,
             fp8: None,
         };
-        Ok((model, table))
+        Ok((model, p))
     }
 
     /// Every transformer layer's attention and MLP (dense, or a factory's that takes it: the MoE

@@ -1,0 +1,164 @@
+//! PyTorch distributed checkpoints (DCP), the files of Megatron's `torch_dist` format: `.metadata`
+//! (a pickled `Metadata`: every tensor's global shape and the chunks it was saved in, and where
+//! each chunk's bytes lie) and `__R_I.distcp` files, each chunk in them a `torch.save` archive of
+//! its own. A read asks for a box of a tensor (one layer of a stacked one) and gets it assembled
+//! from the chunks that overlap it, reading no other chunk.
+
+use super::MegatronError;
+use super::pickle::{self, Py};
+use super::torch_file::{TensorRef, TorchFile};
+use std::collections::BTreeMap;
+use std::io::{Cursor, Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+
+#[derive(Clone, Debug)]
+struct Chunk {
+    offsets: Vec<usize>,
+    sizes: Vec<usize>,
+    file: String,
+    at: u64,
+    len: u64,
+}
+
+/// One tensor of the checkpoint: its global shape and its saved chunks.
+#[derive(Clone, Debug)]
+pub struct DcpTensor {
+    pub shape: Vec<usize>,
+    chunks: Vec<Chunk>,
+}
+
+pub struct Dcp {
+    dir: PathBuf,
+    pub tensors: BTreeMap<String, DcpTensor>,
+}
+
+fn usizes(v: Option<&Py>) -> Option<Vec<usize>> {
+    v?.as_ints()?.into_iter().map(|x| usize::try_from(x).ok()).collect()
+}
+
+impl Dcp {
+    pub fn open(dir: &Path) -> Result<Dcp, MegatronError> {
+        let path = dir.join(".metadata");
+        let bytes = std::fs::read(&path).map_err(|source| MegatronError::Io { path: path.clone(), source })?;
+        let meta = pickle::load(&bytes).map_err(|source| MegatronError::Pickle { path: path.clone(), source })?;
+        let bad = |why: &str| MegatronError::Format { path: path.clone(), why: why.into() };
+        let tensors_meta =
+            meta.get("state_dict_metadata").and_then(Py::items).ok_or_else(|| bad("no state_dict_metadata"))?;
+        let storage = meta.get("storage_data").and_then(Py::items).ok_or_else(|| bad("no storage_data"))?;
+        // (fqn, chunk offsets) → where the chunk's bytes are.
+        let mut places: BTreeMap<(String, Vec<usize>), (String, u64, u64)> = BTreeMap::new();
+        for (index, info) in storage {
+            let Some(fqn) = index.get("fqn").and_then(Py::as_str) else { continue };
+            let Some(offsets) = usizes(index.get("offset")) else { continue };
+            // Compression and other transforms (newer PyTorch) are not read.
+            let plain = match info.get("transform_descriptors") {
+                None | Some(Py::None) => true,
+                Some(Py::List(l) | Py::Tuple(l)) => l.is_empty(),
+                Some(_) => false,
+            };
+            if !plain {
+                return Err(bad(&format!("`{fqn}` is stored transformed (compressed): not read here")));
+            }
+            let file = info.get("relative_path").and_then(Py::as_str).ok_or_else(|| bad("a chunk without its file"))?;
+            let at = info.get("offset").and_then(Py::as_int).ok_or_else(|| bad("a chunk without its offset"))?;
+            let len = info.get("length").and_then(Py::as_int).ok_or_else(|| bad("a chunk without its length"))?;
+            places.insert((fqn.to_string(), offsets), (file.to_string(), at as u64, len as u64));
+        }
+        let mut tensors = BTreeMap::new();
+        for (name, m) in tensors_meta {
+            let (Some(name), Some((_, "TensorStorageMetadata"))) = (name.as_str(), m.class()) else { continue };
+            let shape = usizes(m.get("size")).ok_or_else(|| bad(&format!("`{name}` has no size")))?;
+            let mut chunks = vec![];
+            for c in
+                m.get("chunks").and_then(|c| if let Py::List(l) = c { Some(l) } else { None }).into_iter().flatten()
+            {
+                let (Some(offsets), Some(sizes)) = (usizes(c.get("offsets")), usizes(c.get("sizes"))) else {
+                    return Err(bad(&format!("`{name}` has a chunk without offsets and sizes")));
+                };
+                if offsets.len() != shape.len()
+                    || sizes.len() != shape.len()
+                    || offsets.iter().zip(&sizes).zip(&shape).any(|((o, s), d)| o + s > *d)
+                {
+                    return Err(bad(&format!(
+                        "`{name}` has a chunk {offsets:?}+{sizes:?} outside its shape {shape:?}"
+                    )));
+                }
+                let (file, at, len) = places
+                    .get(&(name.to_string(), offsets.clone()))
+                    .cloned()
+                    .ok_or_else(|| bad(&format!("`{name}`'s chunk at {offsets:?} is in no file")))?;
+                chunks.push(Chunk { offsets, sizes, file, at, len });
+            }
+            tensors.insert(name.to_string(), DcpTensor { shape, chunks });
+        }
+        Ok(Dcp { dir: dir.to_path_buf(), tensors })
+    }
+
+    /// The box `start .. start + size` of tensor `name`, row-major, as f32.
+    pub fn read_box(&self, name: &str, start: &[usize], size: &[usize]) -> Result<Vec<f32>, MegatronError> {
+        let t = self.tensors.get(name).ok_or_else(|| MegatronError::Missing(name.to_string()))?;
+        let rank = t.shape.len();
+        assert!(start.len() == rank && size.len() == rank, "read_box: a box of the tensor's rank");
+        let n: usize = size.iter().product();
+        let mut out = vec![0f32; n];
+        let mut filled = 0usize;
+        for c in &t.chunks {
+            // The overlap of the chunk and the box, per dim.
+            let lo: Vec<usize> = (0..rank).map(|d| start[d].max(c.offsets[d])).collect();
+            let hi: Vec<usize> = (0..rank).map(|d| (start[d] + size[d]).min(c.offsets[d] + c.sizes[d])).collect();
+            if (0..rank).any(|d| lo[d] >= hi[d]) {
+                continue;
+            }
+            let values = self.chunk(name, c)?;
+            let ext: Vec<usize> = (0..rank).map(|d| hi[d] - lo[d]).collect();
+            let count: usize = ext.iter().product();
+            let mut idx = vec![0usize; rank];
+            for _ in 0..count {
+                let (mut src, mut dst) = (0usize, 0usize);
+                for d in 0..rank {
+                    src = src * c.sizes[d] + (lo[d] + idx[d] - c.offsets[d]);
+                    dst = dst * size[d] + (lo[d] + idx[d] - start[d]);
+                }
+                out[dst] = values[src];
+                for d in (0..rank).rev() {
+                    idx[d] += 1;
+                    if idx[d] < ext[d] {
+                        break;
+                    }
+                    idx[d] = 0;
+                }
+            }
+            filled += count;
+        }
+        if filled < n {
+            return Err(MegatronError::Format {
+                path: self.dir.join(".metadata"),
+                why: format!("the chunks of `{name}` do not cover {start:?}+{size:?}: the checkpoint is incomplete"),
+            });
+        }
+        Ok(out)
+    }
+
+    /// One chunk's values (its own torch.save archive inside a .distcp file).
+    fn chunk(&self, name: &str, c: &Chunk) -> Result<Vec<f32>, MegatronError> {
+        let path = self.dir.join(&c.file);
+        let io = |source| MegatronError::Io { path: path.clone(), source };
+        let mut f = std::fs::File::open(&path).map_err(io)?;
+        f.seek(SeekFrom::Start(c.at)).map_err(io)?;
+        let mut bytes = vec![0u8; usize::try_from(c.len).unwrap_or(usize::MAX)];
+        f.read_exact(&mut bytes).map_err(io)?;
+        let mut tf = TorchFile::new(Cursor::new(bytes), &path)?;
+        let obj = tf.object()?;
+        let t = TensorRef::of(&obj).ok_or_else(|| MegatronError::Format {
+            path: path.clone(),
+            why: format!("the chunk of `{name}` at {:?} is not a tensor", c.offsets),
+        })?;
+        if t.shape != c.sizes {
+            return Err(MegatronError::Format {
+                path: path.clone(),
+                why: format!("the chunk of `{name}` at {:?} is {:?}, not {:?}", c.offsets, t.shape, c.sizes),
+            });
+        }
+        tf.read(&t)
+    }
+}

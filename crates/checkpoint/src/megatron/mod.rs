@@ -1,0 +1,200 @@
+//! Megatron-LM's own checkpoints, read without PyTorch: `torch_dist` (its default, a PyTorch
+//! distributed checkpoint, `dcp.rs`, with the run's arguments in `common.pt`) and the legacy
+//! `torch` format (`mp_rank_00/model_optim_rng.pt`, one `torch.save` file per model-parallel
+//! rank, `torch_file.rs`). Both are pickles underneath (`pickle.rs`), read as data: no code runs.
+//!
+//! This module gives the run's arguments (Megatron's argparse Namespace) and the model's tensors
+//! by their Megatron names; which of the trainer's parameters each one is, is the trainer's
+//! import.
+
+mod dcp;
+pub mod pickle;
+mod torch_file;
+
+pub use pickle::{PickleError, Py};
+pub use torch_file::{TensorRef, TorchDtype, TorchFile};
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum MegatronError {
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {source}")]
+    Pickle { path: PathBuf, source: PickleError },
+    #[error("{path}: {why}")]
+    Format { path: PathBuf, why: String },
+    #[error("the Megatron checkpoint has no tensor `{0}`")]
+    Missing(String),
+}
+
+enum Files {
+    Dist(dcp::Dcp),
+    /// The legacy file and its model state dict's tensors.
+    Torch {
+        file: Box<TorchFile<std::io::BufReader<std::fs::File>>>,
+        tensors: BTreeMap<String, TensorRef>,
+    },
+}
+
+/// An open Megatron checkpoint (one iteration).
+pub struct MegatronCheckpoint {
+    /// The iteration folder read.
+    pub dir: PathBuf,
+    /// `torch_dist` or `torch`.
+    pub format: &'static str,
+    /// The run's arguments: Megatron's argparse Namespace (its flags, underscored).
+    pub args: Py,
+    /// The iteration it was saved at, where recorded.
+    pub iteration: Option<i64>,
+    files: Files,
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> MegatronError + '_ {
+    move |source| MegatronError::Io { path: path.to_path_buf(), source }
+}
+
+/// Whether `dir` holds a Megatron checkpoint (a tracker and iteration folders in Megatron's
+/// formats, or one such iteration folder).
+pub fn is_megatron(dir: &Path) -> bool {
+    let it =
+        |d: &Path| d.join("common.pt").is_file() || d.join("mp_rank_00").is_dir() || d.join("mp_rank_00_000").is_dir();
+    it(dir)
+        || std::fs::read_to_string(dir.join("latest_checkpointed_iteration.txt"))
+            .ok()
+            .and_then(|t| iteration_dir(dir, t.trim()))
+            .is_some_and(|d| it(&d))
+}
+
+/// The folder of tracker text `t`: `iter_0000123` for 123, `release` for "release".
+fn iteration_dir(dir: &Path, t: &str) -> Option<PathBuf> {
+    if t == "release" {
+        return Some(dir.join("release"));
+    }
+    t.parse::<u64>().ok().map(|i| dir.join(format!("iter_{i:07}")))
+}
+
+impl MegatronCheckpoint {
+    /// A Megatron `--save` folder (its latest_checkpointed_iteration.txt names the iteration) or
+    /// one iteration folder.
+    pub fn open(path: &Path) -> Result<MegatronCheckpoint, MegatronError> {
+        let tracker = path.join("latest_checkpointed_iteration.txt");
+        let dir = if tracker.is_file() {
+            let t = std::fs::read_to_string(&tracker).map_err(io(&tracker))?;
+            iteration_dir(path, t.trim()).ok_or_else(|| MegatronError::Format {
+                path: tracker.clone(),
+                why: format!("`{}` is neither an iteration nor `release`", t.trim()),
+            })?
+        } else {
+            path.to_path_buf()
+        };
+        if dir.join(".metadata").is_file() {
+            let common = dir.join("common.pt");
+            let f = std::fs::File::open(&common).map_err(io(&common))?;
+            let state = TorchFile::new(std::io::BufReader::new(f), &common)?.object()?;
+            let (args, iteration) = Self::header(&state, &common)?;
+            let files = Files::Dist(dcp::Dcp::open(&dir)?);
+            return Ok(MegatronCheckpoint { dir, format: "torch_dist", args, iteration, files });
+        }
+        let ranks: Vec<String> = std::fs::read_dir(&dir)
+            .map_err(io(&dir))?
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| n.starts_with("mp_rank_"))
+            .collect();
+        let file = match ranks.as_slice() {
+            [] => {
+                return Err(MegatronError::Format {
+                    path: dir,
+                    why: "neither a torch_dist checkpoint (.metadata, common.pt) nor a legacy one (mp_rank_00/model_optim_rng.pt)"
+                        .into(),
+                });
+            }
+            [one] => dir.join(one).join("model_optim_rng.pt"),
+            many => {
+                return Err(MegatronError::Format {
+                    path: dir,
+                    why: format!(
+                        "a legacy checkpoint of {} model-parallel ranks: only one rank's is read; have Megatron save it as torch_dist (--ckpt-format torch_dist, its default: any layout is read) or convert it to one rank with its tools/checkpoint",
+                        many.len()
+                    ),
+                });
+            }
+        };
+        let f = std::fs::File::open(&file).map_err(io(&file))?;
+        let mut tf = TorchFile::new(std::io::BufReader::new(f), &file)?;
+        let state = tf.object()?;
+        let (args, iteration) = Self::header(&state, &file)?;
+        let bad = |why: &str| MegatronError::Format { path: file.clone(), why: why.into() };
+        if state.get("model0").is_some() {
+            return Err(bad(
+                "a legacy checkpoint with virtual pipeline stages (model0, model1, ...): save it as torch_dist",
+            ));
+        }
+        let model = state.get("model").and_then(Py::items).ok_or_else(|| bad("no `model` state dict"))?;
+        let tensors = model
+            .iter()
+            .filter_map(|(k, v)| Some((k.as_str()?.to_string(), TensorRef::of(v)?)))
+            .collect::<BTreeMap<_, _>>();
+        Ok(MegatronCheckpoint {
+            dir,
+            format: "torch",
+            args,
+            iteration,
+            files: Files::Torch { file: Box::new(tf), tensors },
+        })
+    }
+
+    fn header(state: &Py, path: &Path) -> Result<(Py, Option<i64>), MegatronError> {
+        let args = state.get("args").cloned().ok_or_else(|| MegatronError::Format {
+            path: path.to_path_buf(),
+            why: "no `args`: not saved by Megatron-LM's training loop (a checkpoint of megatron.core alone carries no model flags)".into(),
+        })?;
+        Ok((args, state.get("iteration").and_then(Py::as_int)))
+    }
+
+    /// Every tensor's name and global shape (the optimizer's and the RNG states' among them in
+    /// torch_dist).
+    pub fn shapes(&self) -> BTreeMap<String, Vec<usize>> {
+        match &self.files {
+            Files::Dist(d) => d.tensors.iter().map(|(k, t)| (k.clone(), t.shape.clone())).collect(),
+            Files::Torch { tensors, .. } => tensors.iter().map(|(k, t)| (k.clone(), t.shape.clone())).collect(),
+        }
+    }
+
+    /// Tensor `name` whole, or with `first` its slice `first` along dim 0 (one layer of a
+    /// stacked tensor), that dim dropped: (shape, row-major values).
+    pub fn read(&mut self, name: &str, first: Option<usize>) -> Result<(Vec<usize>, Vec<f32>), MegatronError> {
+        let shape = match &self.files {
+            Files::Dist(d) => d.tensors.get(name).map(|t| t.shape.clone()),
+            Files::Torch { tensors, .. } => tensors.get(name).map(|t| t.shape.clone()),
+        }
+        .ok_or_else(|| MegatronError::Missing(name.to_string()))?;
+        let (start, size, out) = match first {
+            Some(i) if !shape.is_empty() && i < shape[0] => {
+                let mut start = vec![0; shape.len()];
+                start[0] = i;
+                let mut size = shape.clone();
+                size[0] = 1;
+                (start, size, shape[1..].to_vec())
+            }
+            Some(i) => {
+                return Err(MegatronError::Format {
+                    path: self.dir.clone(),
+                    why: format!("`{name}` {shape:?} has no slice {i} along its first dim"),
+                });
+            }
+            None => (vec![0; shape.len()], shape.clone(), shape.clone()),
+        };
+        let values = match &mut self.files {
+            Files::Dist(d) => d.read_box(name, &start, &size)?,
+            Files::Torch { file, tensors } => {
+                let all = file.read(&tensors[name])?;
+                let n: usize = size.iter().product();
+                let at = start.first().copied().unwrap_or(0) * n;
+                all[at..at + n].to_vec()
+            }
+        };
+        Ok((out, values))
+    }
+}

@@ -1,0 +1,278 @@
+//! `ferrotron convert --loader megatron`: a Megatron-LM checkpoint (torch_dist, its default, under
+//! any parallel layout; or the legacy torch format of one rank) into a Ferrotron checkpoint. The
+//! model's flags come from the run's own arguments in the checkpoint (Megatron's argparse
+//! Namespace, whose names are the flags Ferrotron reads); the tensors keep their Megatron names,
+//! less torch_dist's two changes: a stack of every layer's tensor along a first dim, and
+//! Transformer Engine's names for the norms fused into the next linear layer.
+
+use crate::checkpoint;
+use crate::convert::{ConvertArgs, Converted};
+use crate::settings::{Settings, TrainArgs};
+use anyhow::{Context, bail};
+use ferrotron_checkpoint::megatron::{MegatronCheckpoint, Py};
+use ferrotron_core::DType;
+use ferrotron_transformer::GptModel;
+use serde_json::{Map, Value};
+use std::collections::BTreeSet;
+
+/// Namespace fields copied to the flag of the same name where set.
+const COPIED: [&str; 30] = [
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "kv_channels",
+    "max_position_embeddings",
+    "seq_length",
+    "position_embedding_type",
+    "rotary_base",
+    "rotary_percent",
+    "rotary_interleaved",
+    "rotary_seq_len_interpolation_factor",
+    "use_rope_scaling",
+    "rope_scaling_factor",
+    "normalization",
+    "norm_epsilon",
+    "apply_layernorm_1p",
+    "swiglu",
+    "squared_relu",
+    "add_qkv_bias",
+    "untie_embeddings_and_output_weights",
+    "qk_layernorm",
+    "make_vocab_size_divisible_by",
+    "bf16",
+    "init_method_std",
+    "hidden_dropout",
+    "attention_dropout",
+    "openai_gelu",
+    "tokenizer_type",
+    "vocab_size",
+];
+
+/// Namespace fields of models whose tensors this import does not place yet: set, they refuse.
+const NOT_READ: [(&str, &str); 6] = [
+    ("num_experts", "mixture-of-experts layers"),
+    ("multi_latent_attention", "multi-latent attention"),
+    ("mtp_num_layers", "multi-token prediction layers"),
+    ("hybrid_override_pattern", "a Mamba hybrid"),
+    ("is_hybrid_model", "a Mamba hybrid"),
+    ("window_size", "sliding-window attention"),
+];
+
+fn json_of(v: &Py) -> Option<Value> {
+    Some(match v {
+        Py::Bool(b) => Value::Bool(*b),
+        Py::Int(i) => Value::from(*i),
+        Py::Float(f) => Value::from(*f),
+        Py::Str(s) => Value::String(s.clone()),
+        _ => return None,
+    })
+}
+
+/// Whether a Namespace value means "on" (a flag set, a count above 0, a name).
+fn set(v: Option<&Py>) -> bool {
+    match v {
+        None | Some(Py::None) | Some(Py::Bool(false)) => false,
+        Some(Py::Int(i)) => *i != 0,
+        Some(Py::Float(f)) => *f != 0.0,
+        Some(Py::Str(s)) => !s.is_empty(),
+        Some(_) => true,
+    }
+}
+
+/// The model's flags from the run's arguments, and the tokenizer flags of `a` over the run's.
+fn model_args(ck: &MegatronCheckpoint, a: &ConvertArgs) -> anyhow::Result<TrainArgs> {
+    let ns = &ck.args;
+    let dir = ck.dir.display();
+    if ns.class() != Some(("argparse", "Namespace")) {
+        bail!("{dir}: the checkpoint's `args` is not Megatron-LM's argparse Namespace");
+    }
+    for (field, what) in NOT_READ {
+        if set(ns.get(field)) {
+            bail!(
+                "{dir}: the run's --{} makes {what}, whose Megatron tensors this import does not read yet",
+                field.replace('_', "-")
+            );
+        }
+    }
+    let mut m = Map::new();
+    for field in COPIED {
+        let Some(v) = ns.get(field).and_then(json_of) else { continue };
+        if v == Value::Bool(false) {
+            continue;
+        }
+        m.insert(field.replace('_', "-"), v);
+    }
+    // Older Megatron-LM spelled the norm's epsilon after LayerNorm.
+    if !m.contains_key("norm-epsilon")
+        && let Some(v) = ns.get("layernorm_epsilon").and_then(json_of)
+    {
+        m.insert("norm-epsilon".into(), v);
+    }
+    if set(ns.get("group_query_attention"))
+        && let Some(v) = ns.get("num_query_groups").and_then(json_of)
+    {
+        m.insert("num-query-groups".into(), v);
+    }
+    // Flags Megatron stores as what they turn off.
+    if matches!(ns.get("add_bias_linear"), Some(Py::Bool(false))) {
+        m.insert("disable-bias-linear".into(), Value::Bool(true));
+    }
+    if matches!(ns.get("bias_gelu_fusion"), Some(Py::Bool(false))) {
+        m.insert("no-bias-gelu-fusion".into(), Value::Bool(true));
+    }
+    // The tokenizer's files where they are here; the command line's tokenizer over the run's.
+    for field in ["vocab_file", "merge_file", "tokenizer_model"] {
+        if let Some(p) = ns.get(field).and_then(Py::as_str).filter(|p| std::path::Path::new(p).exists()) {
+            m.insert(field.replace('_', "-"), Value::String(p.into()));
+        }
+    }
+    let mut args: TrainArgs = serde_json::from_value(Value::Object(m))
+        .with_context(|| format!("{dir}: the run's arguments do not make Ferrotron flags"))?;
+    if a.tokenizer_type.is_some() {
+        args.tokenizer_type = a.tokenizer_type.clone();
+        args.vocab_size = a.vocab_size;
+        args.tokenizer_model = a.tokenizer_model.clone();
+        args.vocab_file = None;
+        args.merge_file = None;
+    }
+    if let Some(s) = a.seq_length {
+        args.seq_length = Some(s);
+    }
+    Ok(args)
+}
+
+/// Where a Ferrotron parameter is in a Megatron checkpoint: each (name, layer) tried in order
+/// (layer: the slice of a torch_dist stack).
+fn sources(name: &str) -> Vec<(String, Option<usize>)> {
+    let Some(rest) = name.strip_prefix("decoder.layers.") else { return vec![(name.to_string(), None)] };
+    let Some((layer, tail)) = rest.split_once('.') else { return vec![(name.to_string(), None)] };
+    let Ok(layer) = layer.parse::<usize>() else { return vec![(name.to_string(), None)] };
+    // Transformer Engine's fused norm + linear: the norm's weights under the linear layer.
+    let te = match tail {
+        "input_layernorm.weight" => Some("self_attention.linear_qkv.layer_norm_weight"),
+        "input_layernorm.bias" => Some("self_attention.linear_qkv.layer_norm_bias"),
+        "pre_mlp_layernorm.weight" => Some("mlp.linear_fc1.layer_norm_weight"),
+        "pre_mlp_layernorm.bias" => Some("mlp.linear_fc1.layer_norm_bias"),
+        _ => None,
+    };
+    let mut out = vec![];
+    for t in te.into_iter().chain([tail]) {
+        out.push((format!("decoder.layers.{t}"), Some(layer)));
+        out.push((format!("decoder.layers.{layer}.{t}"), None));
+    }
+    out
+}
+
+/// Whether a torch_dist or legacy key is the model's (not the optimizer's, the RNG's, or
+/// Transformer Engine's extra state).
+fn is_model_tensor(k: &str) -> bool {
+    !k.contains("_extra_state")
+        && ["embedding.", "decoder.", "output_layer.", "mtp.", "vision_model.", "encoder."]
+            .iter()
+            .any(|p| k.starts_with(p))
+}
+
+pub(crate) fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
+    let mut ck = MegatronCheckpoint::open(&a.load_dir)?;
+    let mut args = model_args(&ck, a)?;
+    // No data is read here; a NullTokenizer run's would be ids already (Megatron's mock data
+    // stands in for them while resolving, and is not recorded).
+    args.mock_data = true;
+    let (mut settings, _) =
+        Settings::resolve(&args).context("the model the Megatron checkpoint's arguments describe")?;
+    settings.mock_data = false;
+    settings.preset = format!("megatron:{}", ck.format);
+    let config = settings.model_config()?;
+    let vocab = config.vocab_size;
+    if let Some(p) = ck.args.get("padded_vocab_size").and_then(Py::as_int)
+        && (p as usize) < vocab
+    {
+        bail!(
+            "--tokenizer-type {} has {vocab} ids but the checkpoint's embedding has {p} rows: name the tokenizer of the model's ids (--tokenizer-type with its files, or NullTokenizer with --vocab-size)",
+            settings.tokenizer_type
+        );
+    }
+    let metas = GptModel::param_metas(config.clone(), None)?;
+    let shapes = ck.shapes();
+    let dtype = if settings.bf16 { DType::BF16 } else { DType::F32 };
+    let max_bytes = a
+        .max_shard_size
+        .as_deref()
+        .map(crate::convert::shard_bytes)
+        .transpose()?
+        .unwrap_or(crate::convert::DEFAULT_SHARD);
+    let mut writer = checkpoint::ParamsWriter::new(&a.save_dir, usize::try_from(max_bytes).unwrap_or(usize::MAX))?;
+    let mut taken = BTreeSet::new();
+    for meta in &metas {
+        let mut want = meta.global_shape.dims().to_vec();
+        let vocab_rows = meta.name.ends_with("word_embeddings.weight") || meta.name == "output_layer.weight";
+        if vocab_rows {
+            want[0] = vocab;
+        }
+        let found = sources(&meta.name).into_iter().find(|(k, layer)| {
+            shapes.get(k).is_some_and(|s| match layer {
+                Some(_) => s.len() == want.len() + 1,
+                None => s.len() == want.len(),
+            })
+        });
+        let Some((key, layer)) = found else {
+            bail!(
+                "{}: no tensor for `{}` (looked for {}): the checkpoint's arguments describe another model",
+                ck.dir.display(),
+                meta.name,
+                sources(&meta.name).iter().map(|(k, _)| format!("`{k}`")).collect::<Vec<_>>().join(", ")
+            );
+        };
+        let (shape, mut values) = ck.read(&key, layer)?;
+        let fits =
+            if vocab_rows { shape.len() == 2 && shape[1] == want[1] && shape[0] >= vocab } else { shape == want };
+        if !fits {
+            bail!(
+                "{}: `{key}` is {shape:?} where `{}` is {want:?}: the checkpoint's arguments describe another model",
+                ck.dir.display(),
+                meta.name
+            );
+        }
+        // Vocabulary rows unpadded, as every Ferrotron checkpoint keeps them.
+        values.truncate(want.iter().product());
+        taken.insert(key);
+        writer.add(meta.name.clone(), dtype, want, values)?;
+    }
+    // A model tensor nothing took means a part of the model the flags did not build.
+    if let Some(k) = shapes.keys().find(|k| is_model_tensor(k) && !taken.contains(*k)) {
+        bail!(
+            "{}: the checkpoint has `{k}`, which the model its arguments describe has no place for; nothing was written",
+            ck.dir.display()
+        );
+    }
+    let tensors = metas.len();
+    let dir = writer.finish(dtype, &settings)?;
+    Ok(Converted {
+        dir,
+        arch: None,
+        what: format!("Megatron-LM {} checkpoint", ck.format),
+        tensors,
+        tokenizer: Ok(vec![]),
+        left_out: 0,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layer_tensors_are_looked_for_stacked_and_by_layer_under_both_norm_names() {
+        let s = sources("decoder.layers.3.input_layernorm.weight");
+        assert_eq!(s[0], ("decoder.layers.self_attention.linear_qkv.layer_norm_weight".into(), Some(3)));
+        assert_eq!(s[1], ("decoder.layers.3.self_attention.linear_qkv.layer_norm_weight".into(), None));
+        assert_eq!(s[2], ("decoder.layers.input_layernorm.weight".into(), Some(3)));
+        assert_eq!(s[3], ("decoder.layers.3.input_layernorm.weight".into(), None));
+        assert_eq!(sources("decoder.layers.0.mlp.linear_fc2.weight").len(), 2);
+        assert_eq!(sources("output_layer.weight"), vec![("output_layer.weight".into(), None)]);
+        assert!(is_model_tensor("decoder.layers.mlp.linear_fc1.weight"));
+        assert!(!is_model_tensor("decoder.layers.mlp.linear_fc1._extra_state/shard_0_2"));
+        assert!(!is_model_tensor("optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"));
+    }
+}

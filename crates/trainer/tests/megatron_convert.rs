@@ -1,0 +1,184 @@
+//! `ferrotron convert --loader megatron` against megatron-core itself: the checkpoints of
+//! tests/fixtures/megatron (written by megatron-core's GPTModel and dist_checkpointing, see
+//! make_megatron_fixtures.py) are imported, and Ferrotron's logits for the fixture's tokens must
+//! be megatron-core's. A torch_dist checkpoint (Llama-style: RMSNorm, SwiGLU, RoPE, GQA, untied)
+//! and a legacy torch one (GPT-2-style: LayerNorm, biases, fused bias-GeLU, learned positions,
+//! tied).
+
+mod common;
+
+use common::tmp;
+use ferrotron_core::{Cx, DType, Device, Tensor};
+use ferrotron_trainer::checkpoint;
+use ferrotron_trainer::convert::{ConvertArgs, convert};
+use ferrotron_transformer::GptModel;
+use std::path::{Path, PathBuf};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/megatron").join(name)
+}
+
+fn args(loader: &str, load: &Path, save: &Path) -> ConvertArgs {
+    ConvertArgs {
+        loader: loader.into(),
+        saver: "ferrotron".into(),
+        load_dir: load.into(),
+        save_dir: save.into(),
+        tokenizer_type: None,
+        vocab_size: None,
+        tokenizer_model: None,
+        seq_length: None,
+        max_shard_size: None,
+    }
+}
+
+/// Ferrotron's logits on the import against megatron-core's: the largest difference.
+fn max_logit_error(name: &str, ck: &checkpoint::Loaded) -> f64 {
+    let config = ck.state.settings.model_config().unwrap();
+    let (model, table) = GptModel::build(config, &Device::Cpu, DType::F32, 1).unwrap();
+    checkpoint::restore_params(ck, &table).unwrap();
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture(name).join("reference.json")).unwrap()).unwrap();
+    let rows: Vec<Vec<u32>> = r["input_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|row| row.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect())
+        .collect();
+    let want: Vec<f64> = r["logits"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+    let (b, t) = (rows.len(), rows[0].len());
+    let cx = Cx::new(&table, false);
+    let logits = model.logits(&cx, &Tensor::from_vec(rows.concat(), [b, t], &Device::Cpu).unwrap()).unwrap();
+    let got = logits.to_vec_f32().unwrap();
+    assert_eq!(got.len(), want.len(), "{name}: 128 logits a token, as megatron-core's");
+    let scale = want.iter().fold(0f64, |m, x| m.max(x.abs()));
+    assert!(scale > 2.0, "{name}: the fixture's logits are too flat to test anything ({scale})");
+    got.iter().zip(&want).map(|(g, w)| (*g as f64 - w).abs()).fold(0f64, f64::max)
+}
+
+#[test]
+fn megatron_checkpoints_import_to_megatron_cores_logits() {
+    for (name, loader, format) in [("llama_dist", "megatron", "torch_dist"), ("gpt_legacy", "legacy", "torch")] {
+        let out = tmp(&format!("megatron-import-{name}"));
+        let done = convert(&args(loader, &fixture(name), &out)).unwrap();
+        assert_eq!(done.arch, None);
+        assert!(done.what.contains(format), "{}", done.what);
+        let ck = checkpoint::load(&out).unwrap();
+        assert!(!ck.state.optimizer_state, "an import holds parameters only");
+        let s = &ck.state.settings;
+        let llama = name == "llama_dist";
+        // The run's own flags, read from its arguments.
+        assert_eq!((s.num_layers, s.hidden_size, s.ffn_hidden_size), (2, 64, if llama { 96 } else { 256 }));
+        assert_eq!(s.swiglu, llama);
+        assert_eq!(s.untie_embeddings_and_output_weights, llama);
+        let worst = max_logit_error(name, &ck);
+        // fp32 both sides: rounding only. A wrong head order, norm or gate/up order moves logits
+        // of this size by whole units.
+        assert!(worst < 1e-4, "{name}: max |logit − megatron-core's| = {worst:e}");
+        eprintln!("{name} ({format}): max |logit − megatron-core's| {worst:.2e}");
+        let _ = std::fs::remove_dir_all(&out);
+    }
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let dst = to.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &dst);
+        } else {
+            std::fs::copy(e.path(), dst).unwrap();
+        }
+    }
+}
+
+#[test]
+fn megatron_checkpoints_that_cannot_be_read_are_refused_by_name_and_nothing_is_written() {
+    let fails = |a: ConvertArgs, needles: &[&str]| {
+        let e = format!("{:#}", convert(&a).unwrap_err());
+        for n in needles {
+            assert!(e.contains(n), "`{n}` not in: {e}");
+        }
+        assert!(!a.save_dir.exists(), "a failed import leaves nothing: {}", a.save_dir.display());
+    };
+    // A tokenizer with more ids than the embedding has rows.
+    let mut a = args("megatron", &fixture("llama_dist"), &tmp("megatron-bad-vocab"));
+    a.tokenizer_type = Some("NullTokenizer".into());
+    a.vocab_size = Some(300);
+    fails(a, &["301 ids", "128 rows"]);
+
+    // A corrupt .metadata, a .distcp file cut short.
+    for (file, keep, needle) in [(".metadata", 100, ".metadata"), ("__0_1.distcp", 1000, "__0_1.distcp")] {
+        let src = tmp(&format!("megatron-cut-{keep}"));
+        copy_dir(&fixture("llama_dist"), &src);
+        let f = src.join("iter_0000020").join(file);
+        let bytes = std::fs::read(&f).unwrap();
+        std::fs::write(&f, &bytes[..keep]).unwrap();
+        fails(args("megatron", &src, &tmp(&format!("megatron-cut-out-{keep}"))), &[needle]);
+        let _ = std::fs::remove_dir_all(&src);
+    }
+
+    // A legacy checkpoint of two tensor-parallel ranks: torch_dist is the way.
+    let src = tmp("megatron-two-ranks");
+    copy_dir(&fixture("gpt_legacy"), &src);
+    let it = src.join("iter_0000010");
+    copy_dir(&it.join("mp_rank_00"), &it.join("mp_rank_01"));
+    fails(args("legacy", &src, &tmp("megatron-two-ranks-out")), &["2 model-parallel ranks", "torch_dist"]);
+    let _ = std::fs::remove_dir_all(&src);
+
+    // Not a Megatron checkpoint at all.
+    let hf = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/llama");
+    fails(args("megatron", &hf, &tmp("megatron-not")), &["neither a torch_dist checkpoint"]);
+}
+
+fn ferrotron(a: &[&str]) -> (bool, String) {
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_ferrotron")).args(a).output().expect("run ferrotron");
+    (o.status.success(), String::from_utf8_lossy(&o.stderr).into_owned())
+}
+
+#[test]
+fn a_megatron_import_fine_tunes_and_a_megatron_folder_is_not_loaded_as_it_is() {
+    let src = fixture("llama_dist");
+    let s = src.to_str().unwrap();
+    // --load on Megatron's folder (or one of its iterations) names the import instead of
+    // starting over or failing on a missing state.toml.
+    for load in [s.to_string(), src.join("iter_0000020").to_str().unwrap().to_string()] {
+        let (ok, e) = ferrotron(&["train", "--preset", "tiny", "--load", &load, "--train-iters", "1"]);
+        assert!(!ok && e.contains("a Megatron-LM checkpoint") && e.contains("--loader megatron"), "{e}");
+    }
+    let (ck, run) = (tmp("megatron-cli-ck"), tmp("megatron-cli-run"));
+    let (c, r) = (ck.to_str().unwrap(), run.to_str().unwrap());
+    let (ok, e) =
+        ferrotron(&["convert", "--loader", "megatron", "--saver", "ferrotron", "--load-dir", s, "--save-dir", c]);
+    assert!(ok && e.contains("Megatron-LM torch_dist checkpoint"), "{e}");
+    // The run's own tokenizer (NullTokenizer, 127 ids + end-of-document) comes with the import.
+    let st = checkpoint::read_state(&ck).unwrap().settings;
+    assert_eq!((st.tokenizer_type.as_str(), st.vocab_size), ("NullTokenizer", Some(127)));
+    let (ok, e) = ferrotron(&[
+        "train",
+        "--load",
+        c,
+        "--finetune",
+        "--use-checkpoint-args",
+        "--mock-data",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "2",
+        "--train-iters",
+        "3",
+        "--lr",
+        "1e-4",
+        "--log-interval",
+        "1",
+        "--save",
+        r,
+    ]);
+    assert!(ok, "{e}");
+    assert!(e.contains("iteration 3/3"), "{e}");
+    let done = checkpoint::read_state(&run).unwrap();
+    assert_eq!((done.iteration, done.settings.num_layers, done.settings.swiglu), (3, 2, true));
+    let _ = std::fs::remove_dir_all(&ck);
+    let _ = std::fs::remove_dir_all(&run);
+}
