@@ -112,15 +112,19 @@ impl Dcp {
             let values = self.chunk(name, c)?;
             let ext: Vec<usize> = (0..rank).map(|d| hi[d] - lo[d]).collect();
             let count: usize = ext.iter().product();
-            let mut idx = vec![0usize; rank];
-            for _ in 0..count {
+            // Runs along the last dim are contiguous on both sides: copied a run at a time.
+            let run = ext.last().copied().unwrap_or(1);
+            let outer = rank.saturating_sub(1);
+            let mut idx = vec![0usize; outer];
+            for _ in 0..count / run.max(1) {
                 let (mut src, mut dst) = (0usize, 0usize);
                 for d in 0..rank {
-                    src = src * c.sizes[d] + (lo[d] + idx[d] - c.offsets[d]);
-                    dst = dst * size[d] + (lo[d] + idx[d] - start[d]);
+                    let i = if d < outer { idx[d] } else { 0 };
+                    src = src * c.sizes[d] + (lo[d] + i - c.offsets[d]);
+                    dst = dst * size[d] + (lo[d] + i - start[d]);
                 }
-                out[dst] = values[src];
-                for d in (0..rank).rev() {
+                out[dst..dst + run].copy_from_slice(&values[src..src + run]);
+                for d in (0..outer).rev() {
                     idx[d] += 1;
                     if idx[d] < ext[d] {
                         break;

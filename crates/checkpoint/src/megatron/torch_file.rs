@@ -174,6 +174,17 @@ impl<R: Read + Seek> TorchFile<R> {
                 ),
             });
         }
+        // Row-major and dense (what torch.save writes for a whole tensor): one pass over the bytes.
+        let mut dense = 1usize;
+        let contiguous = t.shape.iter().zip(&t.stride).rev().all(|(&d, &s)| {
+            let ok = d <= 1 || s == dense;
+            dense *= d;
+            ok
+        });
+        if contiguous {
+            let bytes = &storage[t.offset * es..(t.offset + n) * es];
+            return Ok(bytes.chunks_exact(es).map(|b| t.dtype.to_f32(b)).collect());
+        }
         let mut out = Vec::with_capacity(n);
         let mut idx = vec![0usize; t.shape.len()];
         for _ in 0..n {
