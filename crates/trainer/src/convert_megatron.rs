@@ -49,9 +49,30 @@ const COPIED: [&str; 30] = [
     "vocab_size",
 ];
 
+/// Mixture-of-experts fields, copied where the run had experts (Megatron records their defaults
+/// for every run).
+const MOE: [&str; 16] = [
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "moe_router_topk",
+    "moe_router_load_balancing_type",
+    "moe_aux_loss_coeff",
+    "moe_z_loss_coeff",
+    "moe_router_pre_softmax",
+    "moe_router_topk_scaling_factor",
+    "moe_router_score_function",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+    "moe_router_dtype",
+    "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate",
+    "moe_expert_capacity_factor",
+    "moe_token_drop_policy",
+];
+
 /// Namespace fields of models whose tensors this import does not place yet: set, they refuse.
 const NOT_READ: [(&str, &str); 6] = [
-    ("num_experts", "mixture-of-experts layers"),
+    ("moe_router_enable_expert_bias", "routers with expert biases (buffers)"),
     ("multi_latent_attention", "multi-latent attention"),
     ("mtp_num_layers", "multi-token prediction layers"),
     ("hybrid_override_pattern", "a Mamba hybrid"),
@@ -96,12 +117,35 @@ fn model_args(ck: &MegatronCheckpoint, a: &ConvertArgs) -> anyhow::Result<TrainA
         }
     }
     let mut m = Map::new();
-    for field in COPIED {
+    let experts = set(ns.get("num_experts"));
+    // Megatron records a drop policy whether or not experts have a capacity to drop at.
+    let capacity = set(ns.get("moe_expert_capacity_factor"));
+    for field in COPIED.iter().chain(if experts { &MOE[..] } else { &[] }) {
+        if *field == "moe_token_drop_policy" && !capacity {
+            continue;
+        }
         let Some(v) = ns.get(field).and_then(json_of) else { continue };
         if v == Value::Bool(false) {
             continue;
         }
         m.insert(field.replace('_', "-"), v);
+    }
+    if experts {
+        if set(ns.get("moe_pad_expert_input_to_capacity")) {
+            m.insert("moe-pad-expert-input-to-capacity".into(), Value::Bool(true));
+        }
+        // An int (one MoE layer in N) or the list Megatron evaluated from its expression.
+        match ns.get("moe_layer_freq") {
+            Some(Py::Int(n)) => {
+                m.insert("moe-layer-freq".into(), Value::String(n.to_string()));
+            }
+            Some(Py::List(l)) => {
+                let v: Option<Vec<String>> = l.iter().map(|x| x.as_int().map(|i| i.to_string())).collect();
+                let v = v.with_context(|| format!("{dir}: moe_layer_freq {l:?} is not a list of 0s and 1s"))?;
+                m.insert("moe-layer-freq".into(), Value::String(format!("[{}]", v.join(","))));
+            }
+            _ => {}
+        }
     }
     // Older Megatron-LM spelled the norm's epsilon after LayerNorm.
     if !m.contains_key("norm-epsilon")
@@ -142,12 +186,29 @@ fn model_args(ck: &MegatronCheckpoint, a: &ConvertArgs) -> anyhow::Result<TrainA
     Ok(args)
 }
 
-/// Where a Ferrotron parameter is in a Megatron checkpoint: each (name, layer) tried in order
-/// (layer: the slice of a torch_dist stack).
-fn sources(name: &str) -> Vec<(String, Option<usize>)> {
-    let Some(rest) = name.strip_prefix("decoder.layers.") else { return vec![(name.to_string(), None)] };
-    let Some((layer, tail)) = rest.split_once('.') else { return vec![(name.to_string(), None)] };
-    let Ok(layer) = layer.parse::<usize>() else { return vec![(name.to_string(), None)] };
+/// Where a Ferrotron parameter is in a Megatron checkpoint: each (name, leading indices) tried
+/// in order (the indices pick a layer, and a layer's expert, out of a torch_dist stack).
+fn sources(name: &str) -> Vec<(String, Vec<usize>)> {
+    let whole = || vec![(name.to_string(), vec![])];
+    let Some(rest) = name.strip_prefix("decoder.layers.") else { return whole() };
+    let Some((layer, tail)) = rest.split_once('.') else { return whole() };
+    let Ok(layer) = layer.parse::<usize>() else { return whole() };
+    // An expert's tensor: stacked over layers and experts, over experts alone (layers that
+    // differ), one tensor each (legacy), or Transformer Engine's grouped GEMM's `weightE`.
+    if let Some(e_rest) = tail.strip_prefix("mlp.experts.local_experts.")
+        && let Some((e, t)) = e_rest.split_once('.')
+        && let Ok(e) = e.parse::<usize>()
+    {
+        let mut out = vec![
+            (format!("decoder.layers.mlp.experts.experts.{t}"), vec![layer, e]),
+            (format!("decoder.layers.{layer}.mlp.experts.experts.{t}"), vec![e]),
+            (name.to_string(), vec![]),
+        ];
+        if let Some(fc) = t.strip_suffix(".weight") {
+            out.push((format!("decoder.layers.{layer}.mlp.experts.{fc}.weight{e}"), vec![]));
+        }
+        return out;
+    }
     // Transformer Engine's fused norm + linear: the norm's weights under the linear layer.
     let te = match tail {
         "input_layernorm.weight" => Some("self_attention.linear_qkv.layer_norm_weight"),
@@ -158,8 +219,8 @@ fn sources(name: &str) -> Vec<(String, Option<usize>)> {
     };
     let mut out = vec![];
     for t in te.into_iter().chain([tail]) {
-        out.push((format!("decoder.layers.{t}"), Some(layer)));
-        out.push((format!("decoder.layers.{layer}.{t}"), None));
+        out.push((format!("decoder.layers.{t}"), vec![layer]));
+        out.push((format!("decoder.layers.{layer}.{t}"), vec![]));
     }
     out
 }
@@ -210,13 +271,10 @@ pub(crate) fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
         if vocab_rows {
             want[0] = vocab;
         }
-        let found = sources(&meta.name).into_iter().find(|(k, layer)| {
-            shapes.get(k).is_some_and(|s| match layer {
-                Some(_) => s.len() == want.len() + 1,
-                None => s.len() == want.len(),
-            })
-        });
-        let Some((key, layer)) = found else {
+        let found = sources(&meta.name)
+            .into_iter()
+            .find(|(k, lead)| shapes.get(k).is_some_and(|s| s.len() == want.len() + lead.len()));
+        let Some((key, lead)) = found else {
             bail!(
                 "{}: no tensor for `{}` (looked for {}): the checkpoint's arguments describe another model",
                 ck.dir.display(),
@@ -224,7 +282,7 @@ pub(crate) fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
                 sources(&meta.name).iter().map(|(k, _)| format!("`{k}`")).collect::<Vec<_>>().join(", ")
             );
         };
-        let (shape, mut values) = ck.read(&key, layer)?;
+        let (shape, mut values) = ck.read(&key, &lead)?;
         let fits =
             if vocab_rows { shape.len() == 2 && shape[1] == want[1] && shape[0] >= vocab } else { shape == want };
         if !fits {
@@ -265,12 +323,17 @@ mod tests {
     #[test]
     fn layer_tensors_are_looked_for_stacked_and_by_layer_under_both_norm_names() {
         let s = sources("decoder.layers.3.input_layernorm.weight");
-        assert_eq!(s[0], ("decoder.layers.self_attention.linear_qkv.layer_norm_weight".into(), Some(3)));
-        assert_eq!(s[1], ("decoder.layers.3.self_attention.linear_qkv.layer_norm_weight".into(), None));
-        assert_eq!(s[2], ("decoder.layers.input_layernorm.weight".into(), Some(3)));
-        assert_eq!(s[3], ("decoder.layers.3.input_layernorm.weight".into(), None));
+        assert_eq!(s[0], ("decoder.layers.self_attention.linear_qkv.layer_norm_weight".into(), vec![3]));
+        assert_eq!(s[1], ("decoder.layers.3.self_attention.linear_qkv.layer_norm_weight".into(), vec![]));
+        assert_eq!(s[2], ("decoder.layers.input_layernorm.weight".into(), vec![3]));
+        assert_eq!(s[3], ("decoder.layers.3.input_layernorm.weight".into(), vec![]));
         assert_eq!(sources("decoder.layers.0.mlp.linear_fc2.weight").len(), 2);
-        assert_eq!(sources("output_layer.weight"), vec![("output_layer.weight".into(), None)]);
+        assert_eq!(sources("output_layer.weight"), vec![("output_layer.weight".into(), vec![])]);
+        let e = sources("decoder.layers.2.mlp.experts.local_experts.5.linear_fc1.weight");
+        assert_eq!(e[0], ("decoder.layers.mlp.experts.experts.linear_fc1.weight".into(), vec![2, 5]));
+        assert_eq!(e[1], ("decoder.layers.2.mlp.experts.experts.linear_fc1.weight".into(), vec![5]));
+        assert_eq!(e[2].0, "decoder.layers.2.mlp.experts.local_experts.5.linear_fc1.weight");
+        assert_eq!(e[3], ("decoder.layers.2.mlp.experts.linear_fc1.weight5".into(), vec![]));
         assert!(is_model_tensor("decoder.layers.mlp.linear_fc1.weight"));
         assert!(!is_model_tensor("decoder.layers.mlp.linear_fc1._extra_state/shard_0_2"));
         assert!(!is_model_tensor("optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"));

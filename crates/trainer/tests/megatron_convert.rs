@@ -1,8 +1,8 @@
 //! `ferrotron convert --loader megatron` against megatron-core itself: the checkpoints of
 //! tests/fixtures/megatron (written by megatron-core's GPTModel and dist_checkpointing, see
 //! make_megatron_fixtures.py) are imported, and Ferrotron's logits for the fixture's tokens must
-//! be megatron-core's. A torch_dist checkpoint (Llama-style: RMSNorm, SwiGLU, RoPE, GQA, untied)
-//! and a legacy torch one (GPT-2-style: LayerNorm, biases, fused bias-GeLU, learned positions,
+//! be megatron-core's. Two torch_dist checkpoints (Llama-style: RMSNorm, SwiGLU, RoPE, GQA,
+//! untied; the same with four experts in every layer, top-2) and a legacy torch one (GPT-2-style: LayerNorm, biases, fused bias-GeLU, learned positions,
 //! tied).
 
 mod common;
@@ -58,7 +58,12 @@ fn max_logit_error(name: &str, ck: &checkpoint::Loaded) -> f64 {
 
 #[test]
 fn megatron_checkpoints_import_to_megatron_cores_logits() {
-    for (name, loader, format) in [("llama_dist", "megatron", "torch_dist"), ("gpt_legacy", "legacy", "torch")] {
+    let fixtures = [
+        ("llama_dist", "megatron", "torch_dist"),
+        ("mixtral_dist", "core", "torch_dist"),
+        ("gpt_legacy", "legacy", "torch"),
+    ];
+    for (name, loader, format) in fixtures {
         let out = tmp(&format!("megatron-import-{name}"));
         let done = convert(&args(loader, &fixture(name), &out)).unwrap();
         assert_eq!(done.arch, None);
@@ -66,11 +71,15 @@ fn megatron_checkpoints_import_to_megatron_cores_logits() {
         let ck = checkpoint::load(&out).unwrap();
         assert!(!ck.state.optimizer_state, "an import holds parameters only");
         let s = &ck.state.settings;
-        let llama = name == "llama_dist";
+        let llama = name != "gpt_legacy";
         // The run's own flags, read from its arguments.
         assert_eq!((s.num_layers, s.hidden_size, s.ffn_hidden_size), (2, 64, if llama { 96 } else { 256 }));
         assert_eq!(s.swiglu, llama);
         assert_eq!(s.untie_embeddings_and_output_weights, llama);
+        // mixtral_dist: four experts of width 48, top-2, in every layer.
+        let moe = name == "mixtral_dist";
+        let experts = s.moe.as_ref().map(|m| (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size));
+        assert_eq!(experts, moe.then_some((4, 2, 48)));
         let worst = max_logit_error(name, &ck);
         // fp32 both sides: rounding only. A wrong head order, norm or gate/up order moves logits
         // of this size by whole units.

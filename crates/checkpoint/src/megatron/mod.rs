@@ -162,36 +162,32 @@ impl MegatronCheckpoint {
         }
     }
 
-    /// Tensor `name` whole, or with `first` its slice `first` along dim 0 (one layer of a
-    /// stacked tensor), that dim dropped: (shape, row-major values).
-    pub fn read(&mut self, name: &str, first: Option<usize>) -> Result<(Vec<usize>, Vec<f32>), MegatronError> {
+    /// Tensor `name` with its leading dims fixed at `lead` (one layer, or one layer's expert, of
+    /// a stacked tensor; empty: the whole tensor): (the remaining shape, row-major values).
+    pub fn read(&mut self, name: &str, lead: &[usize]) -> Result<(Vec<usize>, Vec<f32>), MegatronError> {
         let shape = match &self.files {
             Files::Dist(d) => d.tensors.get(name).map(|t| t.shape.clone()),
             Files::Torch { tensors, .. } => tensors.get(name).map(|t| t.shape.clone()),
         }
         .ok_or_else(|| MegatronError::Missing(name.to_string()))?;
-        let (start, size, out) = match first {
-            Some(i) if !shape.is_empty() && i < shape[0] => {
-                let mut start = vec![0; shape.len()];
-                start[0] = i;
-                let mut size = shape.clone();
-                size[0] = 1;
-                (start, size, shape[1..].to_vec())
-            }
-            Some(i) => {
-                return Err(MegatronError::Format {
-                    path: self.dir.clone(),
-                    why: format!("`{name}` {shape:?} has no slice {i} along its first dim"),
-                });
-            }
-            None => (vec![0; shape.len()], shape.clone(), shape.clone()),
-        };
+        if lead.len() > shape.len() || lead.iter().zip(&shape).any(|(i, d)| i >= d) {
+            return Err(MegatronError::Format {
+                path: self.dir.clone(),
+                why: format!("`{name}` {shape:?} has no slice {lead:?}"),
+            });
+        }
+        let mut start = vec![0; shape.len()];
+        start[..lead.len()].copy_from_slice(lead);
+        let mut size = shape.clone();
+        size[..lead.len()].fill(1);
+        let out = shape[lead.len()..].to_vec();
         let values = match &mut self.files {
             Files::Dist(d) => d.read_box(name, &start, &size)?,
             Files::Torch { file, tensors } => {
                 let all = file.read(&tensors[name])?;
                 let n: usize = size.iter().product();
-                let at = start.first().copied().unwrap_or(0) * n;
+                // The flat index of the slice's first element.
+                let at = start.iter().zip(&shape).fold(0, |acc, (i, d)| acc * d + i);
                 all[at..at + n].to_vec()
             }
         };
