@@ -16,15 +16,19 @@ use serde_json::{Map, Value};
 use std::collections::BTreeSet;
 
 /// Namespace fields copied to the flag of the same name where set.
-const COPIED: [&str; 30] = [
+const COPIED: [&str; 33] = [
     "num_layers",
     "hidden_size",
     "ffn_hidden_size",
     "num_attention_heads",
     "kv_channels",
+    "group_query_attention",
     "max_position_embeddings",
     "seq_length",
     "position_embedding_type",
+    // Older Megatron-LM's spellings of rotary and no positions.
+    "use_rotary_position_embeddings",
+    "no_position_embedding",
     "rotary_base",
     "rotary_percent",
     "rotary_interleaved",
