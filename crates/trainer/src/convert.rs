@@ -56,6 +56,23 @@ pub struct ConvertArgs {
     pub max_shard_size: Option<String>,
 }
 
+impl ConvertArgs {
+    /// `--loader L --saver S --load-dir LOAD --save-dir SAVE`, every other flag left out.
+    pub fn new(loader: &str, saver: &str, load_dir: &Path, save_dir: &Path) -> ConvertArgs {
+        ConvertArgs {
+            loader: loader.into(),
+            saver: saver.into(),
+            load_dir: load_dir.into(),
+            save_dir: save_dir.into(),
+            tokenizer_type: None,
+            tokenizer_model: None,
+            vocab_size: None,
+            seq_length: None,
+            max_shard_size: None,
+        }
+    }
+}
+
 /// --max-shard-size's default, as transformers': 5GB.
 pub(crate) const DEFAULT_SHARD: u64 = 5_000_000_000;
 

@@ -35,17 +35,7 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn args(loader: &str, saver: &str, load: &Path, save: &Path) -> ConvertArgs {
-    ConvertArgs {
-        loader: loader.into(),
-        saver: saver.into(),
-        load_dir: load.into(),
-        save_dir: save.into(),
-        tokenizer_type: None,
-        vocab_size: None,
-        tokenizer_model: None,
-        seq_length: None,
-        max_shard_size: None,
-    }
+    ConvertArgs::new(loader, saver, load, save)
 }
 
 struct Reference {

@@ -19,17 +19,7 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn args(loader: &str, load: &Path, save: &Path) -> ConvertArgs {
-    ConvertArgs {
-        loader: loader.into(),
-        saver: "ferrotron".into(),
-        load_dir: load.into(),
-        save_dir: save.into(),
-        tokenizer_type: None,
-        vocab_size: None,
-        tokenizer_model: None,
-        seq_length: None,
-        max_shard_size: None,
-    }
+    ConvertArgs::new(loader, "ferrotron", load, save)
 }
 
 /// Ferrotron's logits on the import against megatron-core's: the largest difference.
