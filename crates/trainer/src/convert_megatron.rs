@@ -169,10 +169,11 @@ fn model_args(ck: &MegatronCheckpoint, a: &ConvertArgs) -> anyhow::Result<TrainA
     if matches!(ns.get("bias_gelu_fusion"), Some(Py::Bool(false))) {
         m.insert("no-bias-gelu-fusion".into(), Value::Bool(true));
     }
-    // The tokenizer's files where they are here; the command line's tokenizer over the run's.
+    // The tokenizer's files where they are here (absolute: the checkpoint's settings are read
+    // from anywhere later); the command line's tokenizer over the run's.
     for field in ["vocab_file", "merge_file", "tokenizer_model"] {
-        if let Some(p) = ns.get(field).and_then(Py::as_str).filter(|p| std::path::Path::new(p).exists()) {
-            m.insert(field.replace('_', "-"), Value::String(p.into()));
+        if let Some(p) = ns.get(field).and_then(Py::as_str).and_then(|p| std::fs::canonicalize(p).ok()) {
+            m.insert(field.replace('_', "-"), Value::String(p.to_string_lossy().into_owned()));
         }
     }
     let mut args: TrainArgs = serde_json::from_value(Value::Object(m))
