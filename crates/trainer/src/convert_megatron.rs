@@ -105,10 +105,10 @@ fn set(v: Option<&Py>) -> bool {
     }
 }
 
-/// The model's flags from the run's arguments, and the tokenizer flags of `a` over the run's.
-fn model_args(ck: &MegatronCheckpoint, a: &ConvertArgs) -> anyhow::Result<TrainArgs> {
-    let ns = &ck.args;
-    let dir = ck.dir.display();
+/// The model's flags from the run's arguments `ns` (of the checkpoint in `dir`), and the
+/// tokenizer flags of `a` over the run's.
+fn model_args(ns: &Py, dir: &std::path::Path, a: &ConvertArgs) -> anyhow::Result<TrainArgs> {
+    let dir = dir.display();
     if ns.class() != Some(("argparse", "Namespace")) {
         bail!("{dir}: the checkpoint's `args` is not Megatron-LM's argparse Namespace");
     }
@@ -241,7 +241,7 @@ fn is_model_tensor(k: &str) -> bool {
 
 pub(crate) fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
     let mut ck = MegatronCheckpoint::open(&a.load_dir)?;
-    let mut args = model_args(&ck, a)?;
+    let mut args = model_args(&ck.args, &ck.dir, a)?;
     // No data is read here; a NullTokenizer run's would be ids already (Megatron's mock data
     // stands in for them while resolving, and is not recorded).
     args.mock_data = true;
@@ -324,6 +324,81 @@ pub(crate) fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An argparse Namespace as a pickle reads one: `fields` its attributes.
+    fn namespace(fields: &[(&str, Py)]) -> Py {
+        let state = fields.iter().map(|(k, v)| (Py::Str(k.to_string()), v.clone())).collect();
+        Py::Object {
+            callable: Box::new(Py::Global("argparse".into(), "Namespace".into())),
+            args: vec![],
+            state: Some(Box::new(Py::Dict(state))),
+            items: vec![],
+            elems: vec![],
+        }
+    }
+
+    #[test]
+    fn the_runs_arguments_become_flags() {
+        let a = ConvertArgs::new("megatron", "ferrotron", "in".as_ref(), "out".as_ref());
+        let dir = std::path::Path::new("ck");
+        // Defaults Megatron records for every run: the MoE ones stay out without experts, a
+        // stored tokenizer path that is not here is not taken, the older epsilon's name is read.
+        let dense = namespace(&[
+            ("num_layers", Py::Int(3)),
+            ("moe_router_topk", Py::Int(2)),
+            ("moe_token_drop_policy", Py::Str("probs".into())),
+            ("add_bias_linear", Py::Bool(false)),
+            ("swiglu", Py::Bool(false)),
+            ("layernorm_epsilon", Py::Float(1e-6)),
+            ("group_query_attention", Py::Bool(false)),
+            ("num_query_groups", Py::Int(1)),
+            ("tokenizer_type", Py::Str("HuggingFaceTokenizer".into())),
+            ("tokenizer_model", Py::Str("/nowhere/tokenizer".into())),
+            // A relative path that is here (tests run in the crate's folder): made absolute.
+            ("vocab_file", Py::Str("Cargo.toml".into())),
+        ]);
+        let t = model_args(&dense, dir, &a).unwrap();
+        assert_eq!(
+            (t.num_layers, t.num_experts, t.moe_router_topk, t.moe_token_drop_policy),
+            (Some(3), None, None, None)
+        );
+        assert!(t.disable_bias_linear && !t.swiglu);
+        assert_eq!((t.norm_epsilon, t.num_query_groups), (Some(1e-6), None));
+        assert_eq!(t.tokenizer_model, None);
+        assert_eq!(t.vocab_file, Some(std::fs::canonicalize("Cargo.toml").unwrap()));
+
+        let moe = namespace(&[
+            ("num_experts", Py::Int(8)),
+            ("moe_router_topk", Py::Int(2)),
+            ("moe_token_drop_policy", Py::Str("probs".into())),
+            ("moe_layer_freq", Py::List(vec![Py::Int(0), Py::Int(1), Py::Int(1)])),
+            ("group_query_attention", Py::Bool(true)),
+            ("num_query_groups", Py::Int(4)),
+        ]);
+        let t = model_args(&moe, dir, &a).unwrap();
+        assert_eq!((t.num_experts, t.moe_router_topk, t.num_query_groups), (Some(8), Some(2), Some(4)));
+        // No capacity factor: Megatron's recorded drop policy is not passed on.
+        assert_eq!(t.moe_token_drop_policy, None);
+        assert_eq!(t.moe_layer_freq.as_deref(), Some("[0,1,1]"));
+
+        // Convert's own tokenizer flags win over the run's.
+        let mut over = a.clone();
+        over.tokenizer_type = Some("NullTokenizer".into());
+        over.vocab_size = Some(99);
+        let t = model_args(&dense, dir, &over).unwrap();
+        assert_eq!((t.tokenizer_type.as_deref(), t.vocab_size, t.vocab_file), (Some("NullTokenizer"), Some(99), None));
+
+        for (field, v, needle) in [
+            ("multi_latent_attention", Py::Bool(true), "--multi-latent-attention"),
+            ("moe_router_enable_expert_bias", Py::Bool(true), "expert biases"),
+            ("mtp_num_layers", Py::Int(1), "--mtp-num-layers"),
+        ] {
+            let e = model_args(&namespace(&[(field, v)]), dir, &a).unwrap_err().to_string();
+            assert!(e.contains(needle) && e.contains("does not read yet"), "{e}");
+        }
+        let e = model_args(&Py::Dict(vec![]), dir, &a).unwrap_err().to_string();
+        assert!(e.contains("not Megatron-LM's argparse Namespace"), "{e}");
+    }
 
     #[test]
     fn layer_tensors_are_looked_for_stacked_and_by_layer_under_both_norm_names() {
