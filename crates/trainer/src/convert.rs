@@ -2,6 +2,7 @@
 //! `LlamaForCausalLM`, `MistralForCausalLM`: config.json and safetensors, one file or shards with
 //! model.safetensors.index.json) into a Ferrotron checkpoint and back, with the flag names of
 //! Megatron's tools/checkpoint/convert.py (`--loader`, `--saver`, `--load-dir`, `--save-dir`).
+//! Megatron-LM's own checkpoints come in through `convert_megatron.rs`.
 //!
 //! The names and layouts are `ferrotron_models::hf`'s; this file reads and writes the files. An
 //! import holds parameters only (as Megatron's converted checkpoints do): train on it with
@@ -21,7 +22,9 @@ use std::path::{Path, PathBuf};
 
 #[derive(clap::Args, Clone, Debug)]
 pub struct ConvertArgs {
-    /// The format read: hf (a transformers folder) or ferrotron (a --save folder or iter_* folder).
+    /// The format read: hf (a transformers folder), megatron (a Megatron-LM --save or iter_*
+    /// folder, torch_dist or legacy torch; also spelled core, mcore, legacy) or ferrotron (a
+    /// --save folder or iter_* folder).
     #[arg(long)]
     pub loader: String,
     /// The format written: ferrotron or hf.

@@ -66,8 +66,8 @@ enum Cmd {
     /// A folder's indexed datasets into one (tools/merge_datasets.py's flags): `merge-datasets
     /// --input DIR --output-prefix PREFIX`.
     MergeDatasets(ferrotron_trainer::merge::MergeArgs),
-    /// Hugging Face checkpoints (GPT-2, Llama, Mistral) to Ferrotron's and back (convert.py's flags):
-    /// `convert --loader hf --saver ferrotron --load-dir HF --save-dir CKPT`.
+    /// Hugging Face checkpoints to Ferrotron's and back, Megatron-LM's to Ferrotron's (convert.py's
+    /// flags): `convert --loader hf|megatron --saver ferrotron --load-dir DIR --save-dir CKPT`.
     Convert(ferrotron_trainer::convert::ConvertArgs),
     /// Sample text from a checkpoint.
     Generate {
