@@ -20,11 +20,16 @@ struct Chunk {
     len: u64,
 }
 
+/// (tensor, chunk offsets) → the chunk's file, offset and length there, or why it is unreadable.
+type Places = BTreeMap<(String, Vec<usize>), Result<(String, u64, u64), String>>;
+
 /// One tensor of the checkpoint: its global shape and its saved chunks.
 #[derive(Clone, Debug)]
 pub struct DcpTensor {
     pub shape: Vec<usize>,
-    chunks: Vec<Chunk>,
+    /// The chunks, or why they cannot be read: an error only for a read of this tensor, so an
+    /// optimizer tensor in a layout not read here does not stop an import of the model's.
+    chunks: Result<Vec<Chunk>, String>,
 }
 
 pub struct Dcp {
@@ -41,12 +46,18 @@ impl Dcp {
         let path = dir.join(".metadata");
         let bytes = std::fs::read(&path).map_err(|source| MegatronError::Io { path: path.clone(), source })?;
         let meta = pickle::load(&bytes).map_err(|source| MegatronError::Pickle { path: path.clone(), source })?;
+        Self::from_metadata(dir, &meta)
+    }
+
+    /// The checkpoint in `dir` whose `.metadata` unpickled to `meta`.
+    fn from_metadata(dir: &Path, meta: &Py) -> Result<Dcp, MegatronError> {
+        let path = dir.join(".metadata");
         let bad = |why: &str| MegatronError::Format { path: path.clone(), why: why.into() };
         let tensors_meta =
             meta.get("state_dict_metadata").and_then(Py::items).ok_or_else(|| bad("no state_dict_metadata"))?;
         let storage = meta.get("storage_data").and_then(Py::items).ok_or_else(|| bad("no storage_data"))?;
-        // (fqn, chunk offsets) → where the chunk's bytes are.
-        let mut places: BTreeMap<(String, Vec<usize>), (String, u64, u64)> = BTreeMap::new();
+        // (fqn, chunk offsets) → where the chunk's bytes are, or why they cannot be read.
+        let mut places: Places = BTreeMap::new();
         for (index, info) in storage {
             let Some(fqn) = index.get("fqn").and_then(Py::as_str) else { continue };
             let Some(offsets) = usizes(index.get("offset")) else { continue };
@@ -56,53 +67,63 @@ impl Dcp {
                 Some(Py::List(l) | Py::Tuple(l)) => l.is_empty(),
                 Some(_) => false,
             };
-            if !plain {
-                return Err(bad(&format!("`{fqn}` is stored transformed (compressed): not read here")));
-            }
-            let file = info.get("relative_path").and_then(Py::as_str).ok_or_else(|| bad("a chunk without its file"))?;
-            let at = info.get("offset").and_then(Py::as_int).ok_or_else(|| bad("a chunk without its offset"))?;
-            let len = info.get("length").and_then(Py::as_int).ok_or_else(|| bad("a chunk without its length"))?;
-            places.insert((fqn.to_string(), offsets), (file.to_string(), at as u64, len as u64));
+            let place = match (
+                info.get("relative_path").and_then(Py::as_str),
+                info.get("offset").and_then(Py::as_int).and_then(|x| u64::try_from(x).ok()),
+                info.get("length").and_then(Py::as_int).and_then(|x| u64::try_from(x).ok()),
+            ) {
+                _ if !plain => Err(format!("`{fqn}` is stored transformed (compressed): not read here")),
+                (Some(file), Some(at), Some(len)) => Ok((file.to_string(), at, len)),
+                _ => Err(format!("`{fqn}` has a chunk without its file, offset or length")),
+            };
+            places.insert((fqn.to_string(), offsets), place);
         }
         let mut tensors = BTreeMap::new();
         for (name, m) in tensors_meta {
             let (Some(name), Some((_, "TensorStorageMetadata"))) = (name.as_str(), m.class()) else { continue };
             let shape = usizes(m.get("size")).ok_or_else(|| bad(&format!("`{name}` has no size")))?;
-            let mut chunks = vec![];
-            for c in
-                m.get("chunks").and_then(|c| if let Py::List(l) = c { Some(l) } else { None }).into_iter().flatten()
-            {
-                let (Some(offsets), Some(sizes)) = (usizes(c.get("offsets")), usizes(c.get("sizes"))) else {
-                    return Err(bad(&format!("`{name}` has a chunk without offsets and sizes")));
-                };
-                if offsets.len() != shape.len()
-                    || sizes.len() != shape.len()
-                    || offsets.iter().zip(&sizes).zip(&shape).any(|((o, s), d)| o + s > *d)
-                {
-                    return Err(bad(&format!(
-                        "`{name}` has a chunk {offsets:?}+{sizes:?} outside its shape {shape:?}"
-                    )));
-                }
-                let (file, at, len) = places
-                    .get(&(name.to_string(), offsets.clone()))
-                    .cloned()
-                    .ok_or_else(|| bad(&format!("`{name}`'s chunk at {offsets:?} is in no file")))?;
-                chunks.push(Chunk { offsets, sizes, file, at, len });
-            }
+            let chunks = Self::chunks(name, m, &shape, &places);
             tensors.insert(name.to_string(), DcpTensor { shape, chunks });
         }
         Ok(Dcp { dir: dir.to_path_buf(), tensors })
     }
 
+    /// Tensor `name`'s chunks (`m`: its TensorStorageMetadata) and where each one's bytes are.
+    fn chunks(name: &str, m: &Py, shape: &[usize], places: &Places) -> Result<Vec<Chunk>, String> {
+        let Some(Py::List(list)) = m.get("chunks") else { return Err(format!("`{name}` lists no chunks")) };
+        let mut chunks = vec![];
+        for c in list {
+            let (Some(offsets), Some(sizes)) = (usizes(c.get("offsets")), usizes(c.get("sizes"))) else {
+                return Err(format!("`{name}` has a chunk without offsets and sizes"));
+            };
+            if offsets.len() != shape.len()
+                || sizes.len() != shape.len()
+                || offsets.iter().zip(&sizes).zip(shape).any(|((o, s), d)| o + s > *d)
+            {
+                return Err(format!("`{name}` has a chunk {offsets:?}+{sizes:?} outside its shape {shape:?}"));
+            }
+            let (file, at, len) = places
+                .get(&(name.to_string(), offsets.clone()))
+                .cloned()
+                .unwrap_or_else(|| Err(format!("`{name}`'s chunk at {offsets:?} is in no file")))?;
+            chunks.push(Chunk { offsets, sizes, file, at, len });
+        }
+        Ok(chunks)
+    }
+
     /// The box `start .. start + size` of tensor `name`, row-major, as f32.
     pub fn read_box(&self, name: &str, start: &[usize], size: &[usize]) -> Result<Vec<f32>, MegatronError> {
         let t = self.tensors.get(name).ok_or_else(|| MegatronError::Missing(name.to_string()))?;
+        let chunks = t
+            .chunks
+            .as_ref()
+            .map_err(|why| MegatronError::Format { path: self.dir.join(".metadata"), why: why.clone() })?;
         let rank = t.shape.len();
         assert!(start.len() == rank && size.len() == rank, "read_box: a box of the tensor's rank");
         let n: usize = size.iter().product();
         let mut out = vec![0f32; n];
         let mut filled = 0usize;
-        for c in &t.chunks {
+        for c in chunks {
             // The overlap of the chunk and the box, per dim.
             let lo: Vec<usize> = (0..rank).map(|d| start[d].max(c.offsets[d])).collect();
             let hi: Vec<usize> = (0..rank).map(|d| (start[d] + size[d]).min(c.offsets[d] + c.sizes[d])).collect();
@@ -164,5 +185,84 @@ impl Dcp {
             });
         }
         tf.read(&t)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn object(class: &str, attrs: Vec<(&str, Py)>) -> Py {
+        let state = attrs.into_iter().map(|(k, v)| (Py::Str(k.into()), v)).collect();
+        Py::Object {
+            callable: Box::new(Py::Global("torch.distributed.checkpoint.metadata".into(), class.into())),
+            args: vec![],
+            state: Some(Box::new(Py::Dict(state))),
+            items: vec![],
+            elems: vec![],
+        }
+    }
+    fn size(v: &[i64]) -> Py {
+        Py::Object {
+            callable: Box::new(Py::Global("torch".into(), "Size".into())),
+            args: vec![Py::Tuple(v.iter().map(|&x| Py::Int(x)).collect())],
+            state: None,
+            items: vec![],
+            elems: vec![],
+        }
+    }
+    fn tensor(shape: &[i64], chunks: &[(&[i64], &[i64])]) -> Py {
+        let chunks = chunks
+            .iter()
+            .map(|(o, s)| object("ChunkStorageMetadata", vec![("offsets", size(o)), ("sizes", size(s))]))
+            .collect();
+        object("TensorStorageMetadata", vec![("size", size(shape)), ("chunks", Py::List(chunks))])
+    }
+
+    /// A tensor whose chunks cannot be read (an optimizer's in a layout not read here, a chunk in
+    /// no file) is an error when read, not when the checkpoint is opened; the others read.
+    #[test]
+    fn unreadable_tensors_fail_only_when_read() {
+        // The Llama fixture's final norm: its one chunk in __0_0.distcp.
+        let dir =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../trainer/tests/fixtures/megatron/llama_dist/iter_0000020");
+        let norm = "decoder.final_layernorm.weight";
+        let meta = object(
+            "Metadata",
+            vec![
+                (
+                    "state_dict_metadata",
+                    Py::Dict(vec![
+                        (Py::Str(norm.into()), tensor(&[64], &[(&[0], &[64])])),
+                        (Py::Str("optimizer.flat".into()), tensor(&[8], &[(&[0, 0], &[8])])),
+                        (Py::Str("optimizer.lost".into()), tensor(&[8], &[(&[0], &[8])])),
+                    ]),
+                ),
+                (
+                    "storage_data",
+                    Py::Dict(vec![(
+                        object("MetadataIndex", vec![("fqn", Py::Str(norm.into())), ("offset", size(&[0]))]),
+                        object(
+                            "_StorageInfo",
+                            vec![
+                                ("relative_path", Py::Str("__0_0.distcp".into())),
+                                ("offset", Py::Int(173820)),
+                                ("length", Py::Int(1833)),
+                                ("transform_descriptors", Py::None),
+                            ],
+                        ),
+                    )]),
+                ),
+            ],
+        );
+        let d = Dcp::from_metadata(&dir, &meta).unwrap();
+        let v = d.read_box(norm, &[8], &[4]).unwrap();
+        let all = d.read_box(norm, &[0], &[64]).unwrap();
+        assert_eq!(v, all[8..12]);
+        assert!(all.iter().all(|x| (0.5..1.5).contains(x)), "the fixture's norm weights: {all:?}");
+        let e = d.read_box("optimizer.flat", &[0], &[8]).unwrap_err().to_string();
+        assert!(e.contains("outside its shape"), "{e}");
+        let e = d.read_box("optimizer.lost", &[0], &[8]).unwrap_err().to_string();
+        assert!(e.contains("in no file"), "{e}");
     }
 }
