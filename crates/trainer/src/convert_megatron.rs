@@ -55,7 +55,7 @@ const COPIED: [&str; 33] = [
 
 /// Mixture-of-experts fields, copied where the run had experts (Megatron records their defaults
 /// for every run).
-const MOE: [&str; 16] = [
+const MOE: [&str; 18] = [
     "num_experts",
     "moe_ffn_hidden_size",
     "moe_router_topk",
@@ -68,6 +68,8 @@ const MOE: [&str; 16] = [
     "moe_router_num_groups",
     "moe_router_group_topk",
     "moe_router_dtype",
+    "moe_router_enable_expert_bias",
+    "moe_router_bias_update_rate",
     "moe_shared_expert_intermediate_size",
     "moe_shared_expert_gate",
     "moe_expert_capacity_factor",
@@ -75,8 +77,7 @@ const MOE: [&str; 16] = [
 ];
 
 /// Namespace fields of models whose tensors this import does not place yet: set, they refuse.
-const NOT_READ: [(&str, &str); 6] = [
-    ("moe_router_enable_expert_bias", "routers with expert biases (buffers)"),
+const NOT_READ: [(&str, &str); 5] = [
     ("multi_latent_attention", "multi-latent attention"),
     ("mtp_num_layers", "multi-token prediction layers"),
     ("hybrid_override_pattern", "a Mamba hybrid"),
@@ -302,6 +303,25 @@ pub(crate) fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
         taken.insert(key);
         writer.add(meta.name.clone(), dtype, want, values)?;
     }
+    // The routers' expert biases (DeepSeek-V3's): buffers beside the parameters, kept in fp32
+    // as every Ferrotron checkpoint keeps them.
+    if settings.moe.as_ref().is_some_and(|m| m.moe_router_bias_update_rate.is_some()) {
+        for meta in metas.iter().filter(|m| m.name.ends_with(".mlp.router.weight")) {
+            let name = meta.name.replace(".mlp.router.weight", ".mlp.router.expert_bias");
+            let experts = meta.global_shape.dims()[0];
+            let found =
+                sources(&name).into_iter().find(|(k, lead)| shapes.get(k).is_some_and(|s| s.len() == 1 + lead.len()));
+            let Some((key, lead)) = found else {
+                bail!("{}: no expert bias for `{name}`, though the run's routers had them", ck.dir.display());
+            };
+            let (shape, values) = ck.read(&key, &lead)?;
+            if shape != [experts] {
+                bail!("{}: `{key}` is {shape:?} where `{name}` is [{experts}]", ck.dir.display());
+            }
+            taken.insert(key);
+            writer.add(name, DType::F32, shape, values)?;
+        }
+    }
     // A model tensor nothing took means a part of the model the flags did not build.
     if let Some(k) = shapes.keys().find(|k| is_model_tensor(k) && !taken.contains(*k)) {
         bail!(
@@ -390,7 +410,7 @@ mod tests {
 
         for (field, v, needle) in [
             ("multi_latent_attention", Py::Bool(true), "--multi-latent-attention"),
-            ("moe_router_enable_expert_bias", Py::Bool(true), "expert biases"),
+            ("hybrid_override_pattern", Py::Str("M*M*".into()), "--hybrid-override-pattern"),
             ("mtp_num_layers", Py::Int(1), "--mtp-num-layers"),
         ] {
             let e = model_args(&namespace(&[(field, v)]), dir, &a).unwrap_err().to_string();

@@ -1,8 +1,9 @@
 //! `ferrotron convert --loader megatron` against megatron-core itself: the checkpoints of
 //! tests/fixtures/megatron (written by megatron-core's GPTModel and dist_checkpointing, see
 //! make_megatron_fixtures.py) are imported, and Ferrotron's logits for the fixture's tokens must
-//! be megatron-core's. Two torch_dist checkpoints (Llama-style: RMSNorm, SwiGLU, RoPE, GQA,
-//! untied; the same with four experts in every layer, top-2) and a legacy torch one (GPT-2-style: LayerNorm, biases, fused bias-GeLU, learned positions,
+//! be megatron-core's. Three torch_dist checkpoints (Llama-style: RMSNorm, SwiGLU, RoPE, GQA,
+//! untied; the same with four experts in every layer, top-2; and with DeepSeek-V3's routing:
+//! sigmoid scores with expert biases, group-limited, a gated shared expert) and a legacy torch one (GPT-2-style: LayerNorm, biases, fused bias-GeLU, learned positions,
 //! tied).
 
 mod common;
@@ -27,6 +28,10 @@ fn max_logit_error(name: &str, ck: &checkpoint::Loaded) -> f64 {
     let config = ck.state.settings.model_config().unwrap();
     let (model, table) = GptModel::build(config, &Device::Cpu, DType::F32, 1).unwrap();
     checkpoint::restore_params(ck, &table).unwrap();
+    // The routers' expert biases (buffers), where the run had them.
+    if let Some(m) = ferrotron_models::moe_spec(&model.config) {
+        checkpoint::restore_biases(ck, &m.biases.layers(), false).unwrap();
+    }
     let r: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(fixture(name).join("reference.json")).unwrap()).unwrap();
     let rows: Vec<Vec<u32>> = r["input_ids"]
@@ -51,6 +56,7 @@ fn megatron_checkpoints_import_to_megatron_cores_logits() {
     let fixtures = [
         ("llama_dist", "megatron", "torch_dist"),
         ("mixtral_dist", "core", "torch_dist"),
+        ("deepseek_dist", "mcore", "torch_dist"),
         ("gpt_legacy", "legacy", "torch"),
     ];
     for (name, loader, format) in fixtures {
@@ -66,10 +72,15 @@ fn megatron_checkpoints_import_to_megatron_cores_logits() {
         assert_eq!((s.num_layers, s.hidden_size, s.ffn_hidden_size), (2, 64, if llama { 96 } else { 256 }));
         assert_eq!(s.swiglu, llama);
         assert_eq!(s.untie_embeddings_and_output_weights, llama);
-        // mixtral_dist: four experts of width 48, top-2, in every layer.
-        let moe = name == "mixtral_dist";
+        // mixtral_dist, deepseek_dist: four experts of width 48, top-2, in every layer.
+        let moe = name.ends_with("mixtral_dist") || name == "deepseek_dist";
         let experts = s.moe.as_ref().map(|m| (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size));
         assert_eq!(experts, moe.then_some((4, 2, 48)));
+        if name == "deepseek_dist" {
+            let m = s.moe.as_ref().unwrap();
+            assert_eq!((m.moe_router_score_function.as_str(), m.moe_router_group_topk), ("sigmoid", Some(1)));
+            assert_eq!((m.moe_shared_expert_intermediate_size, m.moe_router_bias_update_rate), (Some(32), Some(1e-3)));
+        }
         let worst = max_logit_error(name, &ck);
         // fp32 both sides: rounding only. A wrong head order, norm or gate/up order moves logits
         // of this size by whole units.
