@@ -6,7 +6,7 @@
 
 use super::MegatronError;
 use super::pickle::{self, Py};
-use std::io::{Read, Seek};
+use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 /// The element types a storage can hold (by its class: FloatStorage, BFloat16Storage, ...).
@@ -155,25 +155,47 @@ impl<R: Read + Seek> TorchFile<R> {
         pickle::load(&bytes).map_err(|source| MegatronError::Pickle { path: self.path.clone(), source })
     }
 
+    /// Bytes `start .. start + len` of a stored entry, read without the rest of it (a model
+    /// saved beside a distributed optimizer has every parameter a view into one large buffer).
+    fn range(&mut self, name: &str, start: u64, len: usize) -> Result<Option<Vec<u8>>, MegatronError> {
+        let full = format!("{}{name}", self.prefix);
+        let fail = |e: &dyn std::fmt::Display| MegatronError::Format {
+            path: self.path.clone(),
+            why: format!("entry {full}: {e} (torch.save stores its entries uncompressed)"),
+        };
+        let mut f = self.zip.by_name_seek(&full).map_err(|e| fail(&e))?;
+        let total = f.seek(SeekFrom::End(0)).map_err(|e| fail(&e))?;
+        if start + len as u64 > total {
+            return Ok(None);
+        }
+        f.seek(SeekFrom::Start(start)).map_err(|e| fail(&e))?;
+        let mut out = vec![0u8; len];
+        f.read_exact(&mut out).map_err(|e| fail(&e))?;
+        Ok(Some(out))
+    }
+
     /// A tensor's values as f32, in row-major order.
     pub fn read(&mut self, t: &TensorRef) -> Result<Vec<f32>, MegatronError> {
-        let storage = self.entry(&format!("data/{}", t.key))?;
         let es = t.dtype.size();
         let n = t.numel();
-        // The last element's index in the storage: the view must lie inside it.
+        // The view's first and last elements in the storage: only the bytes between are read.
         let last = t.offset + t.shape.iter().zip(&t.stride).map(|(&d, &s)| d.saturating_sub(1) * s).sum::<usize>();
-        if t.shape.len() != t.stride.len() || (n > 0 && (last + 1) * es > storage.len()) {
+        let span = if n == 0 { 0 } else { (last + 1 - t.offset) * es };
+        let bytes = match t.shape.len() == t.stride.len() {
+            true => self.range(&format!("data/{}", t.key), (t.offset * es) as u64, span)?,
+            false => None,
+        };
+        let Some(storage) = bytes else {
             return Err(MegatronError::Format {
                 path: self.path.clone(),
                 why: format!(
-                    "storage {} holds {} bytes, too few for a {:?} view of shape {:?}",
-                    t.key,
-                    storage.len(),
-                    t.dtype,
-                    t.shape
+                    "storage {} is too short for a {:?} view of shape {:?} at element {}",
+                    t.key, t.dtype, t.shape, t.offset
                 ),
             });
-        }
+        };
+        // Indices below are relative to the view's first element.
+        let t = &TensorRef { offset: 0, ..t.clone() };
         // Row-major and dense (what torch.save writes for a whole tensor): one pass over the bytes.
         let mut dense = 1usize;
         let contiguous = t.shape.iter().zip(&t.stride).rev().all(|(&d, &s)| {
