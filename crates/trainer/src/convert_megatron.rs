@@ -13,7 +13,7 @@ use ferrotron_checkpoint::megatron::{MegatronCheckpoint, Py};
 use ferrotron_core::DType;
 use ferrotron_transformer::GptModel;
 use serde_json::{Map, Value};
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 
 /// Namespace fields copied to the flag of the same name where set.
 const COPIED: [&str; 33] = [
@@ -240,6 +240,30 @@ fn is_model_tensor(k: &str) -> bool {
             .any(|p| k.starts_with(p))
 }
 
+/// What of the checkpoint's model the import did not take, if anything: a tensor the model has
+/// no place for (a part the flags did not build), or a stack with more layers or experts than
+/// the model took. `taken`: each key read, with its leading dims indexed and the slices read.
+fn untaken(shapes: &BTreeMap<String, Vec<usize>>, taken: &BTreeMap<String, (usize, usize)>) -> Option<String> {
+    for (k, shape) in shapes.iter().filter(|(k, _)| is_model_tensor(k)) {
+        match taken.get(k) {
+            None => {
+                return Some(format!(
+                    "the checkpoint has `{k}`, which the model its arguments describe has no place for"
+                ));
+            }
+            Some(&(lead, n)) => {
+                let slices: usize = shape[..lead].iter().product();
+                if n != slices {
+                    return Some(format!(
+                        "`{k}` {shape:?} holds {slices} slices along its first {lead} dims but the model its arguments describe took {n}"
+                    ));
+                }
+            }
+        }
+    }
+    None
+}
+
 pub(crate) fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
     let mut ck = MegatronCheckpoint::open(&a.load_dir)?;
     let mut args = model_args(&ck.args, &ck.dir, a)?;
@@ -270,66 +294,54 @@ pub(crate) fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
         .transpose()?
         .unwrap_or(crate::convert::DEFAULT_SHARD);
     let mut writer = checkpoint::ParamsWriter::new(&a.save_dir, usize::try_from(max_bytes).unwrap_or(usize::MAX))?;
-    let mut taken = BTreeSet::new();
+    // Each checkpoint tensor taken, and how many slices of it (a stack's layers or experts).
+    let mut taken: BTreeMap<String, (usize, usize)> = BTreeMap::new();
+    let mut tensors = 0;
+    let mut copy = |name: &str, want: &[usize], vocab_rows: bool, dtype: DType| -> anyhow::Result<()> {
+        let Some((key, lead)) = sources(name)
+            .into_iter()
+            .find(|(k, lead)| shapes.get(k).is_some_and(|s| s.len() == want.len() + lead.len()))
+        else {
+            bail!(
+                "{}: no tensor for `{name}` (looked for {}): the checkpoint's arguments describe another model",
+                ck.dir.display(),
+                sources(name).iter().map(|(k, _)| format!("`{k}`")).collect::<Vec<_>>().join(", ")
+            );
+        };
+        let (shape, mut values) = ck.read(&key, &lead)?;
+        let fits = if vocab_rows { shape[1..] == want[1..] && shape[0] >= want[0] } else { shape == want };
+        if !fits {
+            bail!(
+                "{}: `{key}` is {shape:?} where `{name}` is {want:?}: the checkpoint's arguments describe another model",
+                ck.dir.display()
+            );
+        }
+        // Vocabulary rows unpadded, as every Ferrotron checkpoint keeps them.
+        values.truncate(want.iter().product());
+        let t = taken.entry(key).or_insert((lead.len(), 0));
+        t.1 += 1;
+        tensors += 1;
+        writer.add(name.to_string(), dtype, want.to_vec(), values)
+    };
     for meta in &metas {
         let mut want = meta.global_shape.dims().to_vec();
         let vocab_rows = meta.name.ends_with("word_embeddings.weight") || meta.name == "output_layer.weight";
         if vocab_rows {
             want[0] = vocab;
         }
-        let found = sources(&meta.name)
-            .into_iter()
-            .find(|(k, lead)| shapes.get(k).is_some_and(|s| s.len() == want.len() + lead.len()));
-        let Some((key, lead)) = found else {
-            bail!(
-                "{}: no tensor for `{}` (looked for {}): the checkpoint's arguments describe another model",
-                ck.dir.display(),
-                meta.name,
-                sources(&meta.name).iter().map(|(k, _)| format!("`{k}`")).collect::<Vec<_>>().join(", ")
-            );
-        };
-        let (shape, mut values) = ck.read(&key, &lead)?;
-        let fits =
-            if vocab_rows { shape.len() == 2 && shape[1] == want[1] && shape[0] >= vocab } else { shape == want };
-        if !fits {
-            bail!(
-                "{}: `{key}` is {shape:?} where `{}` is {want:?}: the checkpoint's arguments describe another model",
-                ck.dir.display(),
-                meta.name
-            );
-        }
-        // Vocabulary rows unpadded, as every Ferrotron checkpoint keeps them.
-        values.truncate(want.iter().product());
-        taken.insert(key);
-        writer.add(meta.name.clone(), dtype, want, values)?;
+        copy(&meta.name, &want, vocab_rows, dtype)?;
     }
     // The routers' expert biases (DeepSeek-V3's): buffers beside the parameters, kept in fp32
     // as every Ferrotron checkpoint keeps them.
     if settings.moe.as_ref().is_some_and(|m| m.moe_router_bias_update_rate.is_some()) {
         for meta in metas.iter().filter(|m| m.name.ends_with(".mlp.router.weight")) {
             let name = meta.name.replace(".mlp.router.weight", ".mlp.router.expert_bias");
-            let experts = meta.global_shape.dims()[0];
-            let found =
-                sources(&name).into_iter().find(|(k, lead)| shapes.get(k).is_some_and(|s| s.len() == 1 + lead.len()));
-            let Some((key, lead)) = found else {
-                bail!("{}: no expert bias for `{name}`, though the run's routers had them", ck.dir.display());
-            };
-            let (shape, values) = ck.read(&key, &lead)?;
-            if shape != [experts] {
-                bail!("{}: `{key}` is {shape:?} where `{name}` is [{experts}]", ck.dir.display());
-            }
-            taken.insert(key);
-            writer.add(name, DType::F32, shape, values)?;
+            copy(&name, &meta.global_shape.dims()[..1], false, DType::F32)?;
         }
     }
-    // A model tensor nothing took means a part of the model the flags did not build.
-    if let Some(k) = shapes.keys().find(|k| is_model_tensor(k) && !taken.contains(*k)) {
-        bail!(
-            "{}: the checkpoint has `{k}`, which the model its arguments describe has no place for; nothing was written",
-            ck.dir.display()
-        );
+    if let Some(why) = untaken(&shapes, &taken) {
+        bail!("{}: {why}; nothing was written", ck.dir.display());
     }
-    let tensors = metas.len();
     let dir = writer.finish(dtype, &settings)?;
     Ok(Converted {
         dir,
@@ -418,6 +430,29 @@ mod tests {
         }
         let e = model_args(&Py::Dict(vec![]), dir, &a).unwrap_err().to_string();
         assert!(e.contains("not Megatron-LM's argparse Namespace"), "{e}");
+    }
+
+    #[test]
+    fn model_tensors_not_taken_whole_are_named() {
+        let shapes: BTreeMap<String, Vec<usize>> = [
+            ("decoder.layers.mlp.linear_fc2.weight", vec![4, 8, 16]),
+            ("embedding.word_embeddings.weight", vec![32, 8]),
+            ("optimizer.state.exp_avg.embedding.word_embeddings.weight", vec![32, 8]),
+            ("decoder.layers.mlp.linear_fc2._extra_state/shard_0_4", vec![1]),
+        ]
+        .into_iter()
+        .map(|(k, s)| (k.to_string(), s))
+        .collect();
+        let mut taken: BTreeMap<String, (usize, usize)> =
+            [("decoder.layers.mlp.linear_fc2.weight".to_string(), (1, 4))].into_iter().collect();
+        let e = untaken(&shapes, &taken).unwrap();
+        assert!(e.contains("`embedding.word_embeddings.weight`") && e.contains("no place"), "{e}");
+        taken.insert("embedding.word_embeddings.weight".into(), (0, 1));
+        assert_eq!(untaken(&shapes, &taken), None, "the optimizer's state and TE's extra state are not the model's");
+        // A stack of four layers of which the model took two.
+        taken.insert("decoder.layers.mlp.linear_fc2.weight".into(), (1, 2));
+        let e = untaken(&shapes, &taken).unwrap();
+        assert!(e.contains("holds 4 slices") && e.contains("took 2"), "{e}");
     }
 
     #[test]

@@ -176,26 +176,23 @@ impl<R: Read + Seek> TorchFile<R> {
 
     /// A tensor's values as f32, in row-major order.
     pub fn read(&mut self, t: &TensorRef) -> Result<Vec<f32>, MegatronError> {
+        let path = self.path.clone();
+        let bad = |why: String| MegatronError::Format { path: path.clone(), why };
+        if t.shape.len() != t.stride.len() {
+            return Err(bad(format!("storage {}: a view of shape {:?} with strides {:?}", t.key, t.shape, t.stride)));
+        }
         let es = t.dtype.size();
         let n = t.numel();
-        // The view's first and last elements in the storage: only the bytes between are read.
-        let last = t.offset + t.shape.iter().zip(&t.stride).map(|(&d, &s)| d.saturating_sub(1) * s).sum::<usize>();
-        let span = if n == 0 { 0 } else { (last + 1 - t.offset) * es };
-        let bytes = match t.shape.len() == t.stride.len() {
-            true => self.range(&format!("data/{}", t.key), (t.offset * es) as u64, span)?,
-            false => None,
+        // Only the bytes from the view's first element to its last are read; indices below are
+        // relative to the first.
+        let last = t.shape.iter().zip(&t.stride).map(|(&d, &s)| d.saturating_sub(1) * s).sum::<usize>();
+        let span = if n == 0 { 0 } else { (last + 1) * es };
+        let Some(storage) = self.range(&format!("data/{}", t.key), (t.offset * es) as u64, span)? else {
+            return Err(bad(format!(
+                "storage {} is too short for a {:?} view of shape {:?} at element {}",
+                t.key, t.dtype, t.shape, t.offset
+            )));
         };
-        let Some(storage) = bytes else {
-            return Err(MegatronError::Format {
-                path: self.path.clone(),
-                why: format!(
-                    "storage {} is too short for a {:?} view of shape {:?} at element {}",
-                    t.key, t.dtype, t.shape, t.offset
-                ),
-            });
-        };
-        // Indices below are relative to the view's first element.
-        let t = &TensorRef { offset: 0, ..t.clone() };
         // Row-major and dense (what torch.save writes for a whole tensor): one pass over the bytes.
         let mut dense = 1usize;
         let contiguous = t.shape.iter().zip(&t.stride).rev().all(|(&d, &s)| {
@@ -204,13 +201,12 @@ impl<R: Read + Seek> TorchFile<R> {
             ok
         });
         if contiguous {
-            let bytes = &storage[t.offset * es..(t.offset + n) * es];
-            return Ok(bytes.chunks_exact(es).map(|b| t.dtype.to_f32(b)).collect());
+            return Ok(storage.chunks_exact(es).map(|b| t.dtype.to_f32(b)).collect());
         }
         let mut out = Vec::with_capacity(n);
         let mut idx = vec![0usize; t.shape.len()];
         for _ in 0..n {
-            let at = t.offset + idx.iter().zip(&t.stride).map(|(i, s)| i * s).sum::<usize>();
+            let at = idx.iter().zip(&t.stride).map(|(i, s)| i * s).sum::<usize>();
             out.push(t.dtype.to_f32(&storage[at * es..(at + 1) * es]));
             for d in (0..idx.len()).rev() {
                 idx[d] += 1;
