@@ -27,7 +27,8 @@ pub struct ConvertArgs {
     /// --save folder or iter_* folder).
     #[arg(long)]
     pub loader: String,
-    /// The format written: ferrotron or hf.
+    /// The format written: ferrotron, hf, or megatron (a Megatron-LM --save folder in torch_dist,
+    /// its default format; also spelled core, mcore).
     #[arg(long)]
     pub saver: String,
     #[arg(long)]
@@ -55,8 +56,13 @@ pub struct ConvertArgs {
     /// model-0000i-of-0000n.safetensors files with model.safetensors.index.json. hf → ferrotron:
     /// the checkpoint's shard files, written as the tensors are converted, so the import holds
     /// about one file's worth of weights (twice that for bf16: values are held as f32).
+    /// ferrotron → megatron: the .distcp files' size limit, by the same spelling.
     #[arg(long)]
     pub max_shard_size: Option<String>,
+    /// ferrotron → megatron: the tensor-parallel size the Megatron run will load with, which
+    /// sets its vocabulary padding (default: the checkpoint's own run's).
+    #[arg(long)]
+    pub target_tensor_parallel_size: Option<usize>,
 }
 
 impl ConvertArgs {
@@ -72,6 +78,7 @@ impl ConvertArgs {
             vocab_size: None,
             seq_length: None,
             max_shard_size: None,
+            target_tensor_parallel_size: None,
         }
     }
 }
@@ -111,20 +118,33 @@ pub fn convert(a: &ConvertArgs) -> anyhow::Result<Converted> {
         ("hf", "ferrotron") => import(a),
         // Megatron's tools/checkpoint names its loaders core (mcore), legacy and megatron.
         ("megatron" | "mcore" | "core" | "legacy", "ferrotron") => crate::convert_megatron::import(a),
-        ("ferrotron", "hf") => {
-            let shard = a.max_shard_size.as_deref().map(shard_bytes).transpose()?.unwrap_or(DEFAULT_SHARD);
+        ("ferrotron", saver @ ("hf" | "megatron" | "mcore" | "core")) => {
             if a.tokenizer_type.is_some()
                 || a.vocab_size.is_some()
                 || a.tokenizer_model.is_some()
                 || a.seq_length.is_some()
             {
                 bail!(
-                    "--tokenizer-type, --vocab-size, --tokenizer-model and --seq-length describe an import (--loader hf): drop them"
+                    "--tokenizer-type, --vocab-size, --tokenizer-model and --seq-length describe an import: drop them (an export keeps the checkpoint's)"
                 );
             }
+            if saver != "hf" {
+                return crate::convert_megatron_export::export(a);
+            }
+            if a.target_tensor_parallel_size.is_some() {
+                bail!(
+                    "--target-tensor-parallel-size sets a Megatron export's vocabulary padding: drop it for --saver hf"
+                );
+            }
+            let shard = a.max_shard_size.as_deref().map(shard_bytes).transpose()?.unwrap_or(DEFAULT_SHARD);
             export(&a.load_dir, &a.save_dir, shard)
         }
-        (l, s) => bail!("--loader {l} --saver {s}: convert hf → ferrotron, megatron → ferrotron or ferrotron → hf"),
+        ("ferrotron", "legacy") => bail!(
+            "--saver legacy: the legacy torch format is one file per model-parallel rank of one layout; write torch_dist (--saver megatron), Megatron's default, which loads under any layout"
+        ),
+        (l, s) => bail!(
+            "--loader {l} --saver {s}: convert hf → ferrotron, megatron → ferrotron, ferrotron → hf or ferrotron → megatron"
+        ),
     }
 }
 

@@ -11,12 +11,12 @@ use crate::settings::{Settings, TrainArgs};
 use anyhow::{Context, bail};
 use ferrotron_checkpoint::megatron::{MegatronCheckpoint, Py};
 use ferrotron_core::DType;
-use ferrotron_transformer::GptModel;
+use ferrotron_transformer::{GptModel, TransformerConfig};
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
 
 /// Namespace fields copied to the flag of the same name where set.
-const COPIED: [&str; 33] = [
+pub(crate) const COPIED: [&str; 33] = [
     "num_layers",
     "hidden_size",
     "ffn_hidden_size",
@@ -55,7 +55,7 @@ const COPIED: [&str; 33] = [
 
 /// Mixture-of-experts fields, copied where the run had experts (Megatron records their defaults
 /// for every run).
-const MOE: [&str; 18] = [
+pub(crate) const MOE: [&str; 18] = [
     "num_experts",
     "moe_ffn_hidden_size",
     "moe_router_topk",
@@ -77,7 +77,7 @@ const MOE: [&str; 18] = [
 ];
 
 /// Namespace fields of models whose tensors this import does not place yet: set, they refuse.
-const NOT_READ: [(&str, &str); 5] = [
+pub(crate) const NOT_READ: [(&str, &str); 5] = [
     ("multi_latent_attention", "multi-latent attention"),
     ("mtp_num_layers", "multi-token prediction layers"),
     ("hybrid_override_pattern", "a Mamba hybrid"),
@@ -194,7 +194,7 @@ fn model_args(ns: &Py, dir: &std::path::Path, a: &ConvertArgs) -> anyhow::Result
 
 /// Where a Ferrotron parameter is in a Megatron checkpoint: each (name, leading indices) tried
 /// in order (the indices pick a layer, and a layer's expert, out of a torch_dist stack).
-fn sources(name: &str) -> Vec<(String, Vec<usize>)> {
+pub(crate) fn sources(name: &str) -> Vec<(String, Vec<usize>)> {
     let whole = || vec![(name.to_string(), vec![])];
     let Some(rest) = name.strip_prefix("decoder.layers.") else { return whole() };
     let Some((layer, tail)) = rest.split_once('.') else { return whole() };
@@ -264,6 +264,44 @@ fn untaken(shapes: &BTreeMap<String, Vec<usize>>, taken: &BTreeMap<String, (usiz
     None
 }
 
+/// A tensor of the model in a checkpoint: its Ferrotron name and whole shape (vocabulary rows
+/// unpadded), whether its first dim is the vocabulary's, and whether it stays fp32 whatever the
+/// parameters' type (the routers' expert biases: buffers).
+pub(crate) struct ModelTensor {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub vocab_rows: bool,
+    pub fp32: bool,
+}
+
+/// The tensors of the model `settings` describe (`config` its model), in parameter order, the
+/// routers' expert biases after them: what an import fills and an export writes.
+pub(crate) fn model_tensors(settings: &Settings, config: &TransformerConfig) -> anyhow::Result<Vec<ModelTensor>> {
+    let metas = GptModel::param_metas(config.clone(), None)?;
+    let mut out = vec![];
+    for meta in &metas {
+        let mut shape = meta.global_shape.dims().to_vec();
+        let vocab_rows = meta.name.ends_with("word_embeddings.weight") || meta.name == "output_layer.weight";
+        if vocab_rows {
+            shape[0] = config.vocab_size;
+        }
+        out.push(ModelTensor { name: meta.name.clone(), shape, vocab_rows, fp32: false });
+    }
+    // DeepSeek-V3's routers keep a bias per expert beside their parameters.
+    if settings.moe.as_ref().is_some_and(|m| m.moe_router_bias_update_rate.is_some()) {
+        for meta in metas.iter().filter(|m| m.name.ends_with(".mlp.router.weight")) {
+            let name = meta.name.replace(".mlp.router.weight", ".mlp.router.expert_bias");
+            out.push(ModelTensor {
+                name,
+                shape: meta.global_shape.dims()[..1].to_vec(),
+                vocab_rows: false,
+                fp32: true,
+            });
+        }
+    }
+    Ok(out)
+}
+
 pub(crate) fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
     let mut ck = MegatronCheckpoint::open(&a.load_dir)?;
     let mut args = model_args(&ck.args, &ck.dir, a)?;
@@ -284,7 +322,6 @@ pub(crate) fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
             settings.tokenizer_type
         );
     }
-    let metas = GptModel::param_metas(config.clone(), None)?;
     let shapes = ck.shapes();
     let dtype = if settings.bf16 { DType::BF16 } else { DType::F32 };
     let max_bytes = a
@@ -323,21 +360,8 @@ pub(crate) fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
         tensors += 1;
         writer.add(name.to_string(), dtype, want.to_vec(), values)
     };
-    for meta in &metas {
-        let mut want = meta.global_shape.dims().to_vec();
-        let vocab_rows = meta.name.ends_with("word_embeddings.weight") || meta.name == "output_layer.weight";
-        if vocab_rows {
-            want[0] = vocab;
-        }
-        copy(&meta.name, &want, vocab_rows, dtype)?;
-    }
-    // The routers' expert biases (DeepSeek-V3's): buffers beside the parameters, kept in fp32
-    // as every Ferrotron checkpoint keeps them.
-    if settings.moe.as_ref().is_some_and(|m| m.moe_router_bias_update_rate.is_some()) {
-        for meta in metas.iter().filter(|m| m.name.ends_with(".mlp.router.weight")) {
-            let name = meta.name.replace(".mlp.router.weight", ".mlp.router.expert_bias");
-            copy(&name, &meta.global_shape.dims()[..1], false, DType::F32)?;
-        }
+    for t in model_tensors(&settings, &config)? {
+        copy(&t.name, &t.shape, t.vocab_rows, if t.fp32 { DType::F32 } else { dtype })?;
     }
     if let Some(why) = untaken(&shapes, &taken) {
         bail!("{}: {why}; nothing was written", ck.dir.display());

@@ -9,6 +9,7 @@ pub mod checkpoint;
 mod compat;
 pub mod convert;
 mod convert_megatron;
+mod convert_megatron_export;
 mod fp8_state;
 pub mod generate;
 pub mod hybrid;

@@ -141,6 +141,14 @@ fn run() -> anyhow::Result<()> {
                     "train on it: ferrotron train --load {} --finetune --use-checkpoint-args [data and training flags]",
                     a.save_dir.display()
                 );
+            } else if a.saver != "hf" {
+                eprintln!(
+                    "load it in Megatron-LM: --load {} --ckpt-format torch_dist with the model's flags (or --use-checkpoint-args); weights only, its optimizer starts afresh",
+                    a.save_dir.display()
+                );
+                if let Err(why) = &done.tokenizer {
+                    eprintln!("tokenizer: {why}");
+                }
             } else {
                 match &done.tokenizer {
                     Ok(files) => eprintln!("tokenizer files copied: {}", files.join(", ")),

@@ -2558,7 +2558,7 @@ impl TrainArgs {
 }
 
 /// The model and tokenizer flags of the run saved in `load` (--use-checkpoint-args).
-fn checkpoint_args(load: &Path) -> anyhow::Result<TrainArgs> {
+pub(crate) fn checkpoint_args(load: &Path) -> anyhow::Result<TrainArgs> {
     let s = crate::checkpoint::read_state(load)
         .with_context(|| format!("--use-checkpoint-args reads the model from --load {}", load.display()))?
         .settings;

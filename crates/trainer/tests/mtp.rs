@@ -146,20 +146,14 @@ fn mtp_resume_is_bit_exact_and_the_checkpoint_names_the_depths() {
     assert_eq!((from_ck.mtp_num_layers, from_ck.mtp_loss_scaling_factor), (Some(2), 0.3));
     // A Hugging Face export has no place for the depths: left out, and said so.
     let hf = tmp("mtp-hf");
-    let args = ConvertArgs {
-        loader: "ferrotron".into(),
-        saver: "hf".into(),
-        load_dir: a.clone(),
-        save_dir: hf.clone(),
-        tokenizer_type: None,
-        vocab_size: None,
-        tokenizer_model: None,
-        seq_length: None,
-        max_shard_size: None,
-    };
-    let done = convert(&args).unwrap();
+    let done = convert(&ConvertArgs::new("ferrotron", "hf", &a, &hf)).unwrap();
     let mtp = ck.tensors.keys().filter(|n| n.starts_with("mtp.")).count();
     assert_eq!(done.left_out, mtp);
+    // Megatron's MTP tensors are neither read nor written yet: refused, nothing written.
+    let meg = tmp("mtp-megatron");
+    let e = format!("{:#}", convert(&ConvertArgs::new("ferrotron", "megatron", &a, &meg)).unwrap_err());
+    assert!(e.contains("--mtp-num-layers") && e.contains("does not write yet"), "{e}");
+    assert!(!meg.exists());
     assert!(mtp >= 2 * 8, "{mtp}");
     let written = std::fs::read(hf.join("model.safetensors")).unwrap();
     let names = safetensors::SafeTensors::deserialize(&written)

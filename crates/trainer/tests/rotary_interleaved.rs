@@ -65,17 +65,7 @@ fn an_interleaved_model_exports_as_rotate_half_heads_with_the_same_logits() {
         let a = TrainArgs { train_iters: Some(3), qk_layernorm: qk_norm, ..interleaved(tiny_args(true)) };
         let s = settings(&a);
         ferrotron_trainer::train::train(&s, &Paths { save: Some(ck.clone()), ..Paths::default() }).unwrap();
-        let conv = |loader: &str, saver: &str, from: &Path, to: &Path| ConvertArgs {
-            loader: loader.into(),
-            saver: saver.into(),
-            load_dir: from.into(),
-            save_dir: to.into(),
-            tokenizer_type: None,
-            vocab_size: None,
-            tokenizer_model: None,
-            seq_length: None,
-            max_shard_size: None,
-        };
+        let conv = ConvertArgs::new;
         convert(&conv("ferrotron", "hf", &ck, &hf_dir)).unwrap();
         convert(&conv("hf", "ferrotron", &hf_dir, &back)).unwrap();
         let imported = checkpoint::load_params(&back).unwrap().state.settings.model_config().unwrap();

@@ -35,6 +35,8 @@ pub struct DcpTensor {
 pub struct Dcp {
     dir: PathBuf,
     pub tensors: BTreeMap<String, DcpTensor>,
+    /// The byte objects' keys (Megatron's sharded objects: `_extra_state/shard_…`).
+    pub objects: std::collections::BTreeSet<String>,
 }
 
 fn usizes(v: Option<&Py>) -> Option<Vec<usize>> {
@@ -79,13 +81,17 @@ impl Dcp {
             places.insert((fqn.to_string(), offsets), place);
         }
         let mut tensors = BTreeMap::new();
+        let mut objects = std::collections::BTreeSet::new();
         for (name, m) in tensors_meta {
+            if let (Some(name), Some((_, "BytesStorageMetadata"))) = (name.as_str(), m.class()) {
+                objects.insert(name.to_string());
+            }
             let (Some(name), Some((_, "TensorStorageMetadata"))) = (name.as_str(), m.class()) else { continue };
             let shape = usizes(m.get("size")).ok_or_else(|| bad(&format!("`{name}` has no size")))?;
             let chunks = Self::chunks(name, m, &shape, &places);
             tensors.insert(name.to_string(), DcpTensor { shape, chunks });
         }
-        Ok(Dcp { dir: dir.to_path_buf(), tensors })
+        Ok(Dcp { dir: dir.to_path_buf(), tensors, objects })
     }
 
     /// Tensor `name`'s chunks (`m`: its TensorStorageMetadata) and where each one's bytes are.
@@ -122,7 +128,9 @@ impl Dcp {
         assert!(start.len() == rank && size.len() == rank, "read_box: a box of the tensor's rank");
         let n: usize = size.iter().product();
         let mut out = vec![0f32; n];
-        let mut filled = 0usize;
+        // Which elements a chunk gave: two chunks giving one (a corrupt .metadata) must not
+        // leave another unfilled unnoticed.
+        let mut given = vec![false; n];
         for c in chunks {
             // The overlap of the chunk and the box, per dim.
             let lo: Vec<usize> = (0..rank).map(|d| start[d].max(c.offsets[d])).collect();
@@ -144,6 +152,16 @@ impl Dcp {
                     src = src * c.sizes[d] + (lo[d] + i - c.offsets[d]);
                     dst = dst * size[d] + (lo[d] + i - start[d]);
                 }
+                if given[dst..dst + run].iter().any(|&g| g) {
+                    return Err(MegatronError::Format {
+                        path: self.dir.join(".metadata"),
+                        why: format!(
+                            "two chunks of `{name}` overlap (one at {:?}): the checkpoint is corrupt",
+                            c.offsets
+                        ),
+                    });
+                }
+                given[dst..dst + run].fill(true);
                 out[dst..dst + run].copy_from_slice(&values[src..src + run]);
                 for d in (0..outer).rev() {
                     idx[d] += 1;
@@ -153,9 +171,8 @@ impl Dcp {
                     idx[d] = 0;
                 }
             }
-            filled += count;
         }
-        if filled < n {
+        if given.contains(&false) {
             return Err(MegatronError::Format {
                 path: self.dir.join(".metadata"),
                 why: format!("the chunks of `{name}` do not cover {start:?}+{size:?}: the checkpoint is incomplete"),
@@ -236,22 +253,33 @@ mod tests {
                         (Py::Str(norm.into()), tensor(&[64], &[(&[0], &[64])])),
                         (Py::Str("optimizer.flat".into()), tensor(&[8], &[(&[0, 0], &[8])])),
                         (Py::Str("optimizer.lost".into()), tensor(&[8], &[(&[0], &[8])])),
+                        (Py::Str("twice".into()), tensor(&[64], &[(&[0], &[64]), (&[0], &[64])])),
                     ]),
                 ),
                 (
                     "storage_data",
-                    Py::Dict(vec![(
-                        object("MetadataIndex", vec![("fqn", Py::Str(norm.into())), ("offset", size(&[0]))]),
-                        object(
-                            "_StorageInfo",
-                            vec![
-                                ("relative_path", Py::Str("__0_0.distcp".into())),
-                                ("offset", Py::Int(173820)),
-                                ("length", Py::Int(1833)),
-                                ("transform_descriptors", Py::None),
-                            ],
-                        ),
-                    )]),
+                    Py::Dict(
+                        [norm, "twice"]
+                            .iter()
+                            .map(|n| {
+                                (
+                                    object(
+                                        "MetadataIndex",
+                                        vec![("fqn", Py::Str(n.to_string())), ("offset", size(&[0]))],
+                                    ),
+                                    object(
+                                        "_StorageInfo",
+                                        vec![
+                                            ("relative_path", Py::Str("__0_0.distcp".into())),
+                                            ("offset", Py::Int(173820)),
+                                            ("length", Py::Int(1833)),
+                                            ("transform_descriptors", Py::None),
+                                        ],
+                                    ),
+                                )
+                            })
+                            .collect(),
+                    ),
                 ),
             ],
         );
@@ -264,5 +292,8 @@ mod tests {
         assert!(e.contains("outside its shape"), "{e}");
         let e = d.read_box("optimizer.lost", &[0], &[8]).unwrap_err().to_string();
         assert!(e.contains("in no file"), "{e}");
+        // Two chunks over the same elements (a corrupt .metadata) are named, not summed.
+        let e = d.read_box("twice", &[0], &[64]).unwrap_err().to_string();
+        assert!(e.contains("overlap"), "{e}");
     }
 }

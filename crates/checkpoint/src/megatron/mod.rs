@@ -5,14 +5,22 @@
 //!
 //! This module gives the run's arguments (Megatron's argparse Namespace) and the model's tensors
 //! by their Megatron names; which of the trainer's parameters each one is, is the trainer's
-//! import.
+//! import. The way back writes torch_dist (`save.rs` over `dcp_write.rs`, `torch_save.rs`,
+//! `pickle_write.rs`: each the inverse of its reader), for the trainer's export.
 
 mod dcp;
+mod dcp_write;
 pub mod pickle;
+mod pickle_write;
+mod save;
 mod torch_file;
+mod torch_save;
 
 pub use pickle::{PickleError, Py};
+pub use pickle_write::dump as pickle_dump;
+pub use save::MegatronSave;
 pub use torch_file::{TensorRef, TorchDtype, TorchFile};
+pub use torch_save::{save as torch_save, tensor as torch_tensor};
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -159,6 +167,15 @@ impl MegatronCheckpoint {
         match &self.files {
             Files::Dist(d) => d.tensors.iter().map(|(k, t)| (k.clone(), t.shape.clone())).collect(),
             Files::Torch { tensors, .. } => tensors.iter().map(|(k, t)| (k.clone(), t.shape.clone())).collect(),
+        }
+    }
+
+    /// The byte objects' keys (torch_dist's sharded objects, e.g. `_extra_state/shard_0_2`);
+    /// none in the legacy format.
+    pub fn objects(&self) -> Vec<String> {
+        match &self.files {
+            Files::Dist(d) => d.objects.iter().cloned().collect(),
+            Files::Torch { .. } => vec![],
         }
     }
 

@@ -1,0 +1,236 @@
+//! PyTorch distributed checkpoints written, as one rank of Megatron's `torch_dist` saves them:
+//! each chunk a `torch.save` archive of its own appended to a `__0_I.distcp` file (a new file
+//! past a size), each byte object (`_extra_state`) its torch.save'd bytes, and `.metadata` the
+//! pickled `Metadata` naming every tensor's global shape, its chunks and where their bytes lie.
+//! The inverse of `dcp.rs`; chunks are written as they come, so an export holds one at a time.
+
+use super::MegatronError;
+use super::pickle::Py;
+use super::pickle_write;
+use super::torch_file::TorchDtype;
+use super::torch_save::{self, call};
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+const META: &str = "torch.distributed.checkpoint.metadata";
+
+struct TensorMeta {
+    dtype: TorchDtype,
+    shape: Vec<usize>,
+    /// Each chunk's offsets and sizes, in the order written.
+    chunks: Vec<(Vec<usize>, Vec<usize>)>,
+}
+
+/// Where one item's bytes went: (fqn, chunk offsets or none for bytes) → (file, offset, length).
+type Stored = Vec<((String, Option<Vec<usize>>), (String, u64, u64))>;
+
+pub struct DcpWriter {
+    dir: PathBuf,
+    max_file: u64,
+    file: Option<(String, BufWriter<File>, u64)>,
+    files: usize,
+    tensors: BTreeMap<String, TensorMeta>,
+    objects: Vec<String>,
+    stored: Stored,
+}
+
+fn size(v: &[usize]) -> Py {
+    call("torch", "Size", vec![Py::Tuple(v.iter().map(|&x| Py::Int(x as i64)).collect())])
+}
+
+/// A dataclass of DCP's, as pickle writes one: `cls.__new__(cls)` given `fields` as its dict.
+fn dataclass(module: &str, class: &str, fields: Vec<(&str, Py)>) -> Py {
+    Py::Object {
+        callable: Box::new(Py::Global(module.into(), class.into())),
+        args: vec![],
+        state: Some(Box::new(Py::Dict(fields.into_iter().map(|(k, v)| (Py::Str(k.into()), v)).collect()))),
+        items: vec![],
+        elems: vec![],
+    }
+}
+
+impl DcpWriter {
+    /// A checkpoint written into `dir` (which exists), its .distcp files closed past `max_file`
+    /// bytes (one item alone may exceed it).
+    pub fn new(dir: &Path, max_file: u64) -> DcpWriter {
+        DcpWriter {
+            dir: dir.to_path_buf(),
+            max_file,
+            file: None,
+            files: 0,
+            tensors: BTreeMap::new(),
+            objects: vec![],
+            stored: vec![],
+        }
+    }
+
+    fn bad(&self, why: String) -> MegatronError {
+        MegatronError::Format { path: self.dir.join(".metadata"), why }
+    }
+
+    /// Appends `bytes` to the open file (a new one if it would pass the size), and returns
+    /// where they went.
+    fn append(&mut self, bytes: &[u8]) -> Result<(String, u64, u64), MegatronError> {
+        if self.file.as_ref().is_some_and(|(_, _, at)| *at > 0 && at + bytes.len() as u64 > self.max_file) {
+            self.close()?;
+        }
+        if self.file.is_none() {
+            let name = format!("__0_{}.distcp", self.files);
+            let path = self.dir.join(&name);
+            let f = File::create(&path).map_err(|source| MegatronError::Io { path, source })?;
+            self.files += 1;
+            self.file = Some((name, BufWriter::new(f), 0));
+        }
+        let (name, f, at) = self.file.as_mut().expect("opened above");
+        let path = self.dir.join(name.as_str());
+        f.write_all(bytes).map_err(|source| MegatronError::Io { path, source })?;
+        let place = (name.clone(), *at, bytes.len() as u64);
+        *at += bytes.len() as u64;
+        Ok(place)
+    }
+
+    fn close(&mut self) -> Result<(), MegatronError> {
+        if let Some((name, f, _)) = self.file.take() {
+            let path = self.dir.join(name);
+            let f = f.into_inner().map_err(|e| MegatronError::Io { path: path.clone(), source: e.into_error() })?;
+            f.sync_all().map_err(|source| MegatronError::Io { path, source })?;
+        }
+        Ok(())
+    }
+
+    /// The chunk at `offsets` (its values `bytes`, of `sizes`) of tensor `name` of global
+    /// `shape`; every chunk of a tensor gives the same type and shape.
+    pub fn chunk(
+        &mut self,
+        name: &str,
+        dtype: TorchDtype,
+        shape: &[usize],
+        offsets: &[usize],
+        sizes: &[usize],
+        bytes: &[u8],
+    ) -> Result<(), MegatronError> {
+        let inside = offsets.len() == shape.len()
+            && sizes.len() == shape.len()
+            && offsets.iter().zip(sizes).zip(shape).all(|((o, s), d)| o + s <= *d);
+        if !inside || bytes.len() != sizes.iter().product::<usize>() * dtype.size() {
+            return Err(self.bad(format!(
+                "a chunk {offsets:?}+{sizes:?} of {} bytes does not fit `{name}` {shape:?} of {dtype:?}",
+                bytes.len()
+            )));
+        }
+        if let Some(t) = self.tensors.get(name) {
+            if t.dtype != dtype || t.shape != shape {
+                return Err(self.bad(format!("`{name}` was {:?} {:?}, now {dtype:?} {shape:?}", t.dtype, t.shape)));
+            }
+            if t.chunks.iter().any(|(o, _)| o == offsets) {
+                return Err(self.bad(format!("`{name}` has a chunk at {offsets:?} already")));
+            }
+        }
+        let archive = torch_save::save("archive", &torch_save::tensor("0", dtype, sizes), &[("0", bytes)])
+            .map_err(|e| self.bad(format!("`{name}`: {e}")))?;
+        let place = self.append(&archive)?;
+        self.stored.push(((name.to_string(), Some(offsets.to_vec())), place));
+        self.tensors
+            .entry(name.to_string())
+            .or_insert_with(|| TensorMeta { dtype, shape: shape.to_vec(), chunks: vec![] })
+            .chunks
+            .push((offsets.to_vec(), sizes.to_vec()));
+        Ok(())
+    }
+
+    /// A byte object `key` (Megatron's sharded objects, `_extra_state/shard_…`): `obj` as
+    /// torch.save writes it.
+    pub fn object(&mut self, key: &str, obj: &Py) -> Result<(), MegatronError> {
+        if self.objects.iter().any(|k| k == key) || self.tensors.contains_key(key) {
+            return Err(self.bad(format!("`{key}` is written already")));
+        }
+        let bytes = torch_save::save("archive", obj, &[]).map_err(|e| self.bad(format!("`{key}`: {e}")))?;
+        let place = self.append(&bytes)?;
+        self.stored.push(((key.to_string(), None), place));
+        self.objects.push(key.to_string());
+        Ok(())
+    }
+
+    /// Closes the files and writes `.metadata`; a tensor whose chunks do not cover it is refused.
+    pub fn finish(mut self) -> Result<(), MegatronError> {
+        self.close()?;
+        for (name, t) in &self.tensors {
+            let covered: usize = t.chunks.iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+            if covered != t.shape.iter().product::<usize>() {
+                return Err(self.bad(format!("the chunks of `{name}` {:?} do not cover it", t.shape)));
+            }
+        }
+        let properties = |dtype: TorchDtype| Py::Object {
+            callable: Box::new(Py::Global(META.into(), "TensorProperties".into())),
+            args: vec![],
+            // (dtype, layout, requires_grad, memory_format, pin_memory), its __getstate__'s.
+            state: Some(Box::new(Py::Tuple(vec![
+                Py::Global("torch".into(), dtype.torch_name().into()),
+                call("torch.serialization", "_get_layout", vec![Py::Str("torch.strided".into())]),
+                Py::Bool(false),
+                call(META, "_MEM_FORMAT_ENCODING", vec![Py::Int(0)]),
+                Py::Bool(false),
+            ]))),
+            items: vec![],
+            elems: vec![],
+        };
+        let mut entries = vec![];
+        for (name, t) in &self.tensors {
+            let chunks = t
+                .chunks
+                .iter()
+                .map(|(o, s)| dataclass(META, "ChunkStorageMetadata", vec![("offsets", size(o)), ("sizes", size(s))]))
+                .collect();
+            let m = dataclass(
+                META,
+                "TensorStorageMetadata",
+                vec![("properties", properties(t.dtype)), ("size", size(&t.shape)), ("chunks", Py::List(chunks))],
+            );
+            entries.push((Py::Str(name.clone()), m));
+        }
+        let objects: BTreeSet<&String> = self.objects.iter().collect();
+        for key in objects {
+            entries.push((Py::Str(key.clone()), call(META, "BytesStorageMetadata", vec![])));
+        }
+        let storage = self
+            .stored
+            .iter()
+            .map(|((fqn, offsets), (file, at, len))| {
+                let index = dataclass(
+                    META,
+                    "MetadataIndex",
+                    vec![
+                        ("fqn", Py::Str(fqn.clone())),
+                        ("offset", offsets.as_deref().map_or(Py::None, size)),
+                        ("index", Py::None),
+                    ],
+                );
+                let info = dataclass(
+                    "torch.distributed.checkpoint.filesystem",
+                    "_StorageInfo",
+                    vec![
+                        ("relative_path", Py::Str(file.clone())),
+                        ("offset", Py::Int(*at as i64)),
+                        ("length", Py::Int(*len as i64)),
+                    ],
+                );
+                (index, info)
+            })
+            .collect();
+        let meta = dataclass(
+            META,
+            "Metadata",
+            vec![
+                ("state_dict_metadata", Py::Dict(entries)),
+                ("planner_data", Py::None),
+                ("storage_data", Py::Dict(storage)),
+                ("storage_meta", Py::None),
+                ("version", Py::Str("1.0.0".into())),
+            ],
+        );
+        let path = self.dir.join(".metadata");
+        std::fs::write(&path, pickle_write::dump(&meta)).map_err(|source| MegatronError::Io { path, source })
+    }
+}

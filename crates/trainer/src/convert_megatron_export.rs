@@ -1,0 +1,300 @@
+//! `ferrotron convert --loader ferrotron --saver megatron`: a Ferrotron checkpoint into a
+//! Megatron-LM `--save` folder in torch_dist, Megatron's default format, which it loads under
+//! any parallel layout. The way back of `convert_megatron.rs`, through the same name table:
+//! each parameter is one chunk of the tensor megatron-core saves it in (a stack over layers,
+//! and experts, unless the layers differ), with Transformer Engine's norm names, the vocabulary
+//! padded as Megatron pads it, and each linear layer's (empty) `_extra_state` object, so the
+//! folder holds what megatron-core's own save of the model holds.
+//!
+//! Model weights only, as Megatron's tools/checkpoint writes them: the recorded run says
+//! `no_save_optim` and `no_save_rng`, so Megatron's `--load` takes the weights and starts its
+//! optimizer afresh. The run's arguments are the model's flags under Megatron's names, for
+//! `--use-checkpoint-args`.
+
+use crate::checkpoint;
+use crate::convert::{ConvertArgs, Converted};
+use crate::convert_megatron::{COPIED, MOE, NOT_READ, model_tensors, sources};
+use crate::settings::{Settings, TrainArgs};
+use anyhow::{Context, bail};
+use ferrotron_checkpoint::megatron::{MegatronSave, Py, TorchDtype};
+use serde_json::Value;
+
+/// `Py` of a JSON value of the run's flags (objects have no Namespace form: none).
+fn py_of(v: &Value) -> Option<Py> {
+    Some(match v {
+        Value::Null => Py::None,
+        Value::Bool(b) => Py::Bool(*b),
+        Value::Number(n) => match n.as_i64() {
+            Some(i) => Py::Int(i),
+            None => Py::Float(n.as_f64()?),
+        },
+        Value::String(s) => Py::Str(s.clone()),
+        Value::Array(a) => Py::List(a.iter().filter_map(py_of).collect()),
+        Value::Object(_) => return None,
+    })
+}
+
+/// `--moe-layer-freq` as Megatron records it: the int, or the list its expression evaluates to.
+fn layer_freq(s: &str, layers: usize) -> anyhow::Result<Py> {
+    if let Ok(n) = s.trim().parse::<i64>() {
+        return Ok(Py::Int(n));
+    }
+    let pattern = crate::layer_freq::parse(s, layers)?;
+    Ok(Py::List(pattern.iter().map(|&moe| Py::Int(moe as i64)).collect()))
+}
+
+/// An argparse Namespace being filled: its attributes in the order set, a later set replacing.
+struct Namespace(Vec<(String, Py)>);
+
+impl Namespace {
+    fn set(&mut self, k: &str, v: Py) {
+        match self.0.iter_mut().find(|(n, _)| n == k) {
+            Some(slot) => slot.1 = v,
+            None => self.0.push((k.to_string(), v)),
+        }
+    }
+    fn into_py(self) -> Py {
+        let state = self.0.into_iter().map(|(k, v)| (Py::Str(k), v)).collect();
+        Py::Object {
+            callable: Box::new(Py::Global("argparse".into(), "Namespace".into())),
+            args: vec![],
+            state: Some(Box::new(Py::Dict(state))),
+            items: vec![],
+            elems: vec![],
+        }
+    }
+}
+
+/// What the export knows of the model and the folder it writes.
+struct Layout {
+    /// Padded vocabulary rows (Megatron's padding for the target tensor-parallel size).
+    padded_vocab: usize,
+    tp: usize,
+    dtype: TorchDtype,
+    /// Layers stacked along a first dim (megatron-core's default), else each under its number
+    /// (its "non-homogeneous" layers: MoE in some layers only).
+    stacked: bool,
+    layers: usize,
+    experts: usize,
+}
+
+/// The run's arguments as Megatron-LM records them: the model flags `m` by their names (its
+/// own where Ferrotron spells a flag as what it turns off), and what Megatron derives from them.
+fn namespace(m: &TrainArgs, s: &Settings, l: &Layout, vocab: usize, samples: [u64; 2]) -> anyhow::Result<Py> {
+    let mut ns = Namespace(vec![]);
+    let Value::Object(flags) = serde_json::to_value(m)? else { bail!("the model's flags are not a record") };
+    for (k, v) in &flags {
+        let k = k.replace('-', "_");
+        // The fields the import reads are recorded set or not (None, False), as Megatron records
+        // every flag; others only where set.
+        let read = COPIED.contains(&k.as_str()) || MOE.contains(&k.as_str()) || NOT_READ.iter().any(|(f, _)| *f == k);
+        if !read && matches!(v, Value::Null | Value::Bool(false)) {
+            continue;
+        }
+        match k.as_str() {
+            "disable_bias_linear" | "no_bias_gelu_fusion" => {}
+            "moe_layer_freq" => ns.set(&k, layer_freq(v.as_str().unwrap_or_default(), s.num_layers)?),
+            // Megatron's is an int.
+            "rotary_base" => match v.as_f64() {
+                Some(b) if b.fract() == 0.0 => ns.set(&k, Py::Int(b as i64)),
+                _ => ns.set(&k, py_of(v).unwrap_or(Py::None)),
+            },
+            _ => {
+                if let Some(p) = py_of(v) {
+                    ns.set(&k, p);
+                }
+            }
+        }
+    }
+    // Flags Ferrotron spells as what they turn off, as Megatron records them.
+    let on = |flag: &str| flags.get(flag) == Some(&Value::Bool(true));
+    ns.set("add_bias_linear", Py::Bool(!on("disable-bias-linear")));
+    ns.set("bias_gelu_fusion", Py::Bool(!on("no-bias-gelu-fusion")));
+    let heads = s.num_attention_heads;
+    ns.set("group_query_attention", Py::Bool(s.num_query_groups != heads));
+    ns.set("num_query_groups", Py::Int(s.num_query_groups as i64));
+    ns.set("kv_channels", Py::Int(s.kv_channels.unwrap_or(s.hidden_size / heads.max(1)) as i64));
+    // Megatron's tokenizers: its GPT-2 BPE reads --vocab-file and --merge-file; bytes are ids
+    // below 255 and the end of document 255 to its NullTokenizer.
+    match s.tokenizer_type.as_str() {
+        "gpt2" => ns.set("tokenizer_type", Py::Str("GPT2BPETokenizer".into())),
+        "byte" => {
+            ns.set("tokenizer_type", Py::Str("NullTokenizer".into()));
+            ns.set("vocab_size", Py::Int(vocab as i64 - 1));
+        }
+        _ => {}
+    }
+    ns.set("padded_vocab_size", Py::Int(l.padded_vocab as i64));
+    // On whatever the run's flags said of it: Megatron's RoPE runs keep the default, and a
+    // Megatron run compares its own (True unless --no-position-embedding) with this one.
+    ns.set("add_position_embedding", Py::Bool(true));
+    ns.set("bf16", Py::Bool(l.dtype == TorchDtype::BF16));
+    ns.set("fp16", Py::Bool(false));
+    ns.set("params_dtype", Py::Global("torch".into(), l.dtype.torch_name().into()));
+    ns.set("tensor_model_parallel_size", Py::Int(l.tp as i64));
+    ns.set("pipeline_model_parallel_size", Py::Int(1));
+    ns.set("ckpt_format", Py::Str("torch_dist".into()));
+    ns.set("no_save_optim", Py::Bool(true));
+    ns.set("no_save_rng", Py::Bool(true));
+    ns.set("consumed_train_samples", Py::Int(samples[0] as i64));
+    ns.set("consumed_valid_samples", Py::Int(samples[1] as i64));
+    Ok(ns.into_py())
+}
+
+/// Why the model cannot be written for Megatron yet, if it cannot: the parts whose Megatron
+/// tensors the import does not read either (no megatron-core oracle for them here).
+fn unwritten(m: &TrainArgs, s: &Settings) -> Option<String> {
+    let Ok(Value::Object(flags)) = serde_json::to_value(m) else { return Some("its flags do not serialise".into()) };
+    for (field, what) in NOT_READ {
+        let v = flags.get(&field.replace('_', "-"));
+        if v.is_some_and(|v| !v.is_null() && v != &Value::Bool(false)) {
+            return Some(format!("--{} makes {what}", field.replace('_', "-")));
+        }
+    }
+    s.vision.is_some().then(|| "it is a LLaVA-style model (a vision encoder)".into())
+}
+
+/// The shape of the leading dims of a stacked or per-layer tensor (layers, experts).
+fn lead_shape(l: &Layout, name: &str, lead: usize) -> Vec<usize> {
+    let expert = name.contains(".mlp.experts.local_experts.");
+    let shape = match (l.stacked, expert) {
+        (true, true) => vec![l.layers, l.experts],
+        (true, false) => vec![l.layers],
+        (false, true) => vec![l.experts],
+        (false, false) => vec![],
+    };
+    if lead == 0 { vec![] } else { shape }
+}
+
+/// The Megatron key of a linear layer's `_extra_state` object for weight `key` at `lead` of
+/// `lead_shape` (megatron-core keys a sharded object by its offset and shape: `shard_1.3_2.4`;
+/// a tensor of no stack by `shard_0_1`), or none for a tensor of no linear layer.
+fn extra_state_key(key: &str, lead: &[usize], lead_shape: &[usize]) -> Option<String> {
+    let module = key.strip_suffix(".weight")?;
+    let last = module.rsplit('.').next()?;
+    if !key.starts_with("decoder.") || !last.starts_with("linear_") {
+        return None;
+    }
+    let join = |v: &[usize]| v.iter().map(usize::to_string).collect::<Vec<_>>().join(".");
+    let (o, s) = if lead.is_empty() { ("0".into(), "1".into()) } else { (join(lead), join(lead_shape)) };
+    Some(format!("{module}._extra_state/shard_{o}_{s}"))
+}
+
+fn bytes_of(values: &[f32], dtype: TorchDtype) -> Vec<u8> {
+    match dtype {
+        TorchDtype::BF16 => values.iter().flat_map(|&x| half::bf16::from_f32(x).to_le_bytes()).collect(),
+        _ => values.iter().flat_map(|&x| x.to_le_bytes()).collect(),
+    }
+}
+
+pub(crate) fn export(a: &ConvertArgs) -> anyhow::Result<Converted> {
+    crate::settings::check_dir(&a.load_dir, "--load-dir")?;
+    let ck = checkpoint::ParamsSource::open(&a.load_dir)?;
+    let s = &ck.state.settings;
+    let config = s.model_config()?;
+    let m = crate::settings::checkpoint_args(&a.load_dir)?;
+    if let Some(why) = unwritten(&m, s) {
+        bail!("--saver megatron: {why}, whose Megatron tensors this export does not write yet (nothing was written)");
+    }
+    let tp = a.target_tensor_parallel_size.unwrap_or(s.tensor_model_parallel_size).max(1);
+    config.validate_tp(tp).context("--target-tensor-parallel-size")?;
+    let freq = m.moe_layer_freq.as_deref().map(|f| layer_freq(f, config.num_layers)).transpose()?;
+    let l = Layout {
+        padded_vocab: config.padded_vocab_size(tp),
+        tp,
+        dtype: if s.bf16 { TorchDtype::BF16 } else { TorchDtype::F32 },
+        // megatron-core keys each layer apart where --moe-layer-freq is a list or above 1.
+        stacked: !matches!(freq, Some(Py::List(_))) && !matches!(freq, Some(Py::Int(n)) if n > 1),
+        layers: config.num_layers,
+        experts: m.num_experts.unwrap_or(0),
+    };
+    let max_file = a
+        .max_shard_size
+        .as_deref()
+        .map(crate::convert::shard_bytes)
+        .transpose()?
+        .unwrap_or(crate::convert::DEFAULT_SHARD);
+    let common = Py::Dict(vec![
+        (
+            Py::Str("args".into()),
+            namespace(&m, s, &l, config.vocab_size, [ck.state.consumed_samples, ck.state.consumed_valid_samples])?,
+        ),
+        (Py::Str("checkpoint_version".into()), Py::Float(3.0)),
+        (Py::Str("iteration".into()), Py::Int(ck.state.iteration as i64)),
+        (Py::Str("num_floating_point_operations_so_far".into()), Py::Float(ck.state.floating_point_operations)),
+    ]);
+    let mut save = MegatronSave::create(&a.save_dir, ck.state.iteration, max_file)?;
+    let extra_state = Py::List(vec![Py::None]);
+    let mut tensors = 0;
+    for t in model_tensors(s, &config)? {
+        let (shape, mut values) = ck.read(&t.name)?.with_context(|| {
+            format!("--load-dir {}: no tensor `{}` in the checkpoint", a.load_dir.display(), t.name)
+        })?;
+        if shape != t.shape {
+            bail!("--load-dir {}: `{}` is {shape:?}, its model's is {:?}", a.load_dir.display(), t.name, t.shape);
+        }
+        let candidates = sources(&t.name);
+        let (key, lead) = if l.stacked || candidates.len() == 1 { &candidates[0] } else { &candidates[1] };
+        let outer = lead_shape(&l, &t.name, lead.len());
+        anyhow::ensure!(outer.len() == lead.len(), "`{}`: {lead:?} is no slice of {outer:?}", t.name);
+        let mut sizes = t.shape.clone();
+        if t.vocab_rows {
+            // Megatron's padding rows, zero.
+            sizes[0] = l.padded_vocab;
+            values.resize(sizes.iter().product(), 0.0);
+        }
+        let dtype = if t.fp32 { TorchDtype::F32 } else { l.dtype };
+        let global: Vec<usize> = outer.iter().chain(&sizes).copied().collect();
+        let offsets: Vec<usize> = lead.iter().copied().chain(sizes.iter().map(|_| 0)).collect();
+        let chunk: Vec<usize> = lead.iter().map(|_| 1).chain(sizes.iter().copied()).collect();
+        save.chunk(key, dtype, &global, &offsets, &chunk, &bytes_of(&values, dtype))?;
+        if let Some(k) = extra_state_key(key, lead, &outer) {
+            save.object(&k, &extra_state)?;
+        }
+        tensors += 1;
+    }
+    let dir = save.finish(&common)?;
+    let tokenizer = match s.tokenizer_type.as_str() {
+        "gpt2" => Err("Megatron's GPT2BPETokenizer reads the GPT-2 files: pass --vocab-file and --merge-file".into()),
+        "byte" => Err("bytes are recorded as NullTokenizer over 256 ids (end of document 255)".into()),
+        _ => Ok(vec![]),
+    };
+    Ok(Converted { dir, arch: None, what: "Megatron-LM torch_dist checkpoint".into(), tensors, tokenizer, left_out: 0 })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn extra_state_keys_are_megatron_cores() {
+        let k = |key: &str, lead: &[usize], shape: &[usize]| extra_state_key(key, lead, shape);
+        assert_eq!(
+            k("decoder.layers.self_attention.linear_qkv.weight", &[1], &[2]).as_deref(),
+            Some("decoder.layers.self_attention.linear_qkv._extra_state/shard_1_2")
+        );
+        assert_eq!(
+            k("decoder.layers.mlp.experts.experts.linear_fc2.weight", &[0, 3], &[2, 4]).as_deref(),
+            Some("decoder.layers.mlp.experts.experts.linear_fc2._extra_state/shard_0.3_2.4")
+        );
+        assert_eq!(
+            k("decoder.layers.5.mlp.linear_fc1.weight", &[], &[]).as_deref(),
+            Some("decoder.layers.5.mlp.linear_fc1._extra_state/shard_0_1")
+        );
+        for none in [
+            "decoder.layers.mlp.router.weight",
+            "decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+            "decoder.layers.self_attention.linear_qkv.bias",
+            "output_layer.weight",
+        ] {
+            assert_eq!(k(none, &[0], &[2]), None, "{none}");
+        }
+    }
+
+    #[test]
+    fn layer_freqs_are_recorded_evaluated() {
+        assert_eq!(layer_freq("2", 4).unwrap(), Py::Int(2));
+        assert_eq!(layer_freq("[0]+[1]*2", 3).unwrap(), Py::List(vec![Py::Int(0), Py::Int(1), Py::Int(1)]));
+        assert!(layer_freq("[0,1]", 3).is_err());
+    }
+}

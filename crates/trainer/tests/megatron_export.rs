@@ -1,0 +1,174 @@
+//! `ferrotron convert --saver megatron` (a Ferrotron checkpoint into Megatron-LM's torch_dist).
+//! Held to megatron-core's own saves: each fixture of tests/fixtures/megatron is imported and
+//! exported again, and the export must hold the same tensors (names, global shapes) and
+//! sharded objects as megatron-core's original, and import back to the very same parameters.
+//! That megatron-core loads the exports (strictly) and computes the fixtures' logits from them
+//! is check_megatron_export.py's job, run where PyTorch is (see benches/NOTES.md).
+
+mod common;
+
+use common::{settings, tiny_args, tmp};
+use ferrotron_checkpoint::megatron::{MegatronCheckpoint, Py};
+use ferrotron_trainer::checkpoint;
+use ferrotron_trainer::convert::{ConvertArgs, convert};
+use ferrotron_trainer::settings::{Paths, TrainArgs};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/megatron").join(name)
+}
+
+fn model_keys(ck: &MegatronCheckpoint) -> BTreeMap<String, Vec<usize>> {
+    let model = |k: &String| ["embedding.", "decoder.", "output_layer."].iter().any(|p| k.starts_with(p));
+    ck.shapes().into_iter().filter(|(k, _)| model(k)).collect()
+}
+
+/// Every tensor of two Ferrotron checkpoints, bit for bit.
+fn same_tensors(a: &Path, b: &Path) {
+    let (a, b) = (checkpoint::load(a).unwrap(), checkpoint::load(b).unwrap());
+    let names = |l: &checkpoint::Loaded| {
+        let mut n: Vec<String> = l.tensors.keys().cloned().collect();
+        n.sort();
+        n
+    };
+    assert_eq!(names(&a), names(&b));
+    for (k, (shape, v)) in &a.tensors {
+        let (shape_b, w) = &b.tensors[k];
+        assert_eq!(shape, shape_b, "{k}");
+        assert!(v.iter().zip(w).all(|(x, y)| x.to_bits() == y.to_bits()), "{k} differs");
+    }
+}
+
+#[test]
+fn exports_hold_megatron_cores_tensors_and_import_back_exactly() {
+    for name in ["llama_dist", "mixtral_dist", "deepseek_dist", "gpt_legacy"] {
+        let (imported, exported, again) =
+            (tmp(&format!("mx-{name}-in")), tmp(&format!("mx-{name}-out")), tmp(&format!("mx-{name}-again")));
+        convert(&ConvertArgs::new("megatron", "ferrotron", &fixture(name), &imported)).unwrap();
+        let done = convert(&ConvertArgs::new("ferrotron", "megatron", &imported, &exported)).unwrap();
+        assert!(done.what.contains("torch_dist"), "{}", done.what);
+        let ours = MegatronCheckpoint::open(&exported).unwrap();
+        assert_eq!(ours.format, "torch_dist");
+        if name != "gpt_legacy" {
+            // megatron-core's own save of the same model: the same tensors and objects.
+            let theirs = MegatronCheckpoint::open(&fixture(name)).unwrap();
+            assert_eq!(model_keys(&ours), model_keys(&theirs), "{name}");
+            assert_eq!(ours.objects(), theirs.objects(), "{name}: the _extra_state objects");
+        } else {
+            // Tied embeddings: no output layer; biases and learned positions.
+            let keys = model_keys(&ours);
+            assert!(!keys.contains_key("output_layer.weight"));
+            assert_eq!(keys["embedding.position_embeddings.weight"], vec![16, 64]);
+            assert_eq!(keys["decoder.layers.self_attention.linear_qkv.layer_norm_bias"], vec![2, 64]);
+            assert_eq!(keys["decoder.layers.mlp.linear_fc1.bias"], vec![2, 256]);
+        }
+        // The run's arguments under Megatron's names, with what it derives.
+        let a = &ours.args;
+        assert_eq!(a.class(), Some(("argparse", "Namespace")));
+        for (k, v) in [
+            ("num_layers", Py::Int(2)),
+            ("hidden_size", Py::Int(64)),
+            ("padded_vocab_size", Py::Int(128)),
+            ("no_save_optim", Py::Bool(true)),
+            ("no_save_rng", Py::Bool(true)),
+            ("add_bias_linear", Py::Bool(name == "gpt_legacy")),
+            ("swiglu", Py::Bool(name != "gpt_legacy")),
+            ("params_dtype", Py::Global("torch".into(), "float32".into())),
+            ("tokenizer_type", Py::Str("NullTokenizer".into())),
+        ] {
+            assert_eq!(a.get(k), Some(&v), "{name}: {k}");
+        }
+        // Back in: the same parameters (and expert biases), bit for bit.
+        convert(&ConvertArgs::new("megatron", "ferrotron", &exported, &again)).unwrap();
+        same_tensors(&imported, &again);
+        for d in [imported, exported, again] {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+}
+
+/// A run trained here in bf16 with experts in its second layer only: megatron-core keys such
+/// layers apart (`decoder.layers.1.…`, experts stacked alone); the vocabulary is padded for the
+/// target tensor-parallel size with zero rows; the values are the parameters in bf16.
+#[test]
+fn a_bf16_run_with_layers_that_differ_exports_per_layer() {
+    let (run_dir, exported, again) = (tmp("mx-run"), tmp("mx-run-out"), tmp("mx-run-again"));
+    let s = settings(&TrainArgs {
+        bf16: true,
+        num_experts: Some(4),
+        moe_ffn_hidden_size: Some(24),
+        moe_router_topk: Some(2),
+        moe_layer_freq: Some("[0,1]".into()),
+        train_iters: Some(2),
+        global_batch_size: Some(4),
+        micro_batch_size: Some(2),
+        save_interval: Some(2),
+        ..tiny_args(true)
+    });
+    ferrotron_trainer::train::train(&s, &Paths { save: Some(run_dir.clone()), ..Paths::default() }).unwrap();
+    let mut a = ConvertArgs::new("ferrotron", "megatron", &run_dir, &exported);
+    a.target_tensor_parallel_size = Some(2);
+    convert(&a).unwrap();
+    let mut ours = MegatronCheckpoint::open(&exported).unwrap();
+    let keys = model_keys(&ours);
+    let vocab = checkpoint::read_state(&run_dir).unwrap().vocab_size;
+    let padded = vocab.div_ceil(256) * 256;
+    assert_eq!(keys["embedding.word_embeddings.weight"], vec![padded, 32]);
+    assert_eq!(keys["decoder.layers.0.mlp.linear_fc1.weight"], vec![128, 32], "layer 0: dense, SwiGLU");
+    assert_eq!(keys["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"], vec![4, 48, 32]);
+    assert_eq!(keys["decoder.layers.1.mlp.router.weight"], vec![4, 32]);
+    assert!(!keys.keys().any(|k| k.starts_with("decoder.layers.mlp")), "no stacks: {keys:?}");
+    assert!(ours.objects().contains(&"decoder.layers.1.mlp.experts.experts.linear_fc2._extra_state/shard_3_4".into()));
+    assert!(ours.objects().contains(&"decoder.layers.0.self_attention.linear_qkv._extra_state/shard_0_1".into()));
+    assert_eq!(ours.args.get("params_dtype"), Some(&Py::Global("torch".into(), "bfloat16".into())));
+    assert_eq!(ours.args.get("moe_layer_freq"), Some(&Py::List(vec![Py::Int(0), Py::Int(1)])));
+    assert_eq!(ours.args.get("tensor_model_parallel_size"), Some(&Py::Int(2)));
+    // The padding rows are zero, the others the run's bf16 parameters.
+    let (shape, rows) = ours.read("embedding.word_embeddings.weight", &[]).unwrap();
+    assert!(rows[vocab * shape[1]..].iter().all(|&x| x == 0.0));
+    let trained = checkpoint::load(&run_dir).unwrap();
+    let (_, want) = &trained.tensors["embedding.word_embeddings.weight"];
+    let bf16 = |x: f32| half::bf16::from_f32(x).to_f32();
+    assert!(want.iter().zip(&rows).all(|(w, g)| bf16(*w).to_bits() == g.to_bits()));
+    // Back in: every tensor as the export wrote it.
+    convert(&ConvertArgs::new("megatron", "ferrotron", &exported, &again)).unwrap();
+    let back = checkpoint::load(&again).unwrap();
+    for (k, (_, v)) in &back.tensors {
+        let (_, w) = &trained.tensors[k];
+        assert!(v.iter().zip(w).all(|(x, y)| x.to_bits() == bf16(*y).to_bits()), "{k}");
+    }
+    for d in [run_dir, exported, again] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
+#[test]
+fn exports_that_cannot_be_written_are_refused_and_nothing_is_lost() {
+    let (imported, exported) = (tmp("mx-refuse-in"), tmp("mx-refuse-out"));
+    convert(&ConvertArgs::new("megatron", "ferrotron", &fixture("llama_dist"), &imported)).unwrap();
+    let fails = |a: &ConvertArgs, needle: &str| {
+        let e = format!("{:#}", convert(a).unwrap_err());
+        assert!(e.contains(needle), "{needle}: {e}");
+    };
+    // A tensor-parallel size the heads do not divide by: refused before anything is written.
+    let mut a = ConvertArgs::new("ferrotron", "megatron", &imported, &exported);
+    a.target_tensor_parallel_size = Some(3);
+    fails(&a, "--target-tensor-parallel-size");
+    assert!(!exported.exists(), "nothing written");
+    a.target_tensor_parallel_size = None;
+    // A folder that holds a Megatron checkpoint already keeps it.
+    convert(&a).unwrap();
+    let before = std::fs::read(exported.join("iter_0000000/.metadata")).unwrap();
+    fails(&a, "holds a Megatron checkpoint already");
+    assert_eq!(std::fs::read(exported.join("iter_0000000/.metadata")).unwrap(), before);
+    for (saver, needle) in [("legacy", "write torch_dist"), ("nemo", "ferrotron → megatron")] {
+        fails(&ConvertArgs::new("ferrotron", saver, &imported, &tmp("mx-refuse-other")), needle);
+    }
+    let mut t = ConvertArgs::new("ferrotron", "megatron", &imported, &tmp("mx-refuse-tok"));
+    t.tokenizer_type = Some("NullTokenizer".into());
+    fails(&t, "describe an import");
+    for d in [imported, exported] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
