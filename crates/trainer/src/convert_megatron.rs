@@ -1,5 +1,5 @@
 //! `ferrotron convert --loader megatron`: a Megatron-LM checkpoint (torch_dist, its default, under
-//! any parallel layout; or the legacy torch format of one rank) into a Ferrotron checkpoint. The
+//! any parallel layout; or the legacy torch format, one file a rank) into a Ferrotron checkpoint. The
 //! model's flags come from the run's own arguments in the checkpoint (Megatron's argparse
 //! Namespace, whose names are the flags Ferrotron reads); the tensors keep their Megatron names,
 //! less torch_dist's two changes: a stack of every layer's tensor along a first dim, and
@@ -9,7 +9,7 @@ use crate::checkpoint;
 use crate::convert::{ConvertArgs, Converted};
 use crate::settings::{Settings, TrainArgs};
 use anyhow::{Context, bail};
-use ferrotron_checkpoint::megatron::{MegatronCheckpoint, Py};
+use ferrotron_checkpoint::megatron::{MegatronCheckpoint, Py, TpCut};
 use ferrotron_core::DType;
 use ferrotron_transformer::{GptModel, TransformerConfig};
 use serde_json::{Map, Value};
@@ -272,6 +272,8 @@ pub(crate) struct ModelTensor {
     pub shape: Vec<usize>,
     pub vocab_rows: bool,
     pub fp32: bool,
+    /// Its tensor-parallel cut (dim and blocks), to join a legacy checkpoint's rank parts.
+    pub cut: Option<TpCut>,
 }
 
 /// The tensors of the model `settings` describe (`config` its model), in parameter order, the
@@ -285,7 +287,8 @@ pub(crate) fn model_tensors(settings: &Settings, config: &TransformerConfig) -> 
         if vocab_rows {
             shape[0] = config.vocab_size;
         }
-        out.push(ModelTensor { name: meta.name.clone(), shape, vocab_rows, fp32: false });
+        let cut = meta.split_dim.map(|d| (d, meta.shard.blocks));
+        out.push(ModelTensor { name: meta.name.clone(), shape, vocab_rows, fp32: false, cut });
     }
     // DeepSeek-V3's routers keep a bias per expert beside their parameters.
     if settings.moe.as_ref().is_some_and(|m| m.moe_router_bias_update_rate.is_some()) {
@@ -296,6 +299,7 @@ pub(crate) fn model_tensors(settings: &Settings, config: &TransformerConfig) -> 
                 shape: meta.global_shape.dims()[..1].to_vec(),
                 vocab_rows: false,
                 fp32: true,
+                cut: None,
             });
         }
     }
@@ -334,7 +338,8 @@ pub(crate) fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
     // Each checkpoint tensor taken, and how many slices of it (a stack's layers or experts).
     let mut taken: BTreeMap<String, (usize, usize)> = BTreeMap::new();
     let mut tensors = 0;
-    let mut copy = |name: &str, want: &[usize], vocab_rows: bool, dtype: DType| -> anyhow::Result<()> {
+    let mut copy = |t: &ModelTensor, dtype: DType| -> anyhow::Result<()> {
+        let (name, want, vocab_rows) = (t.name.as_str(), &t.shape[..], t.vocab_rows);
         let Some((key, lead)) = sources(name)
             .into_iter()
             .find(|(k, lead)| shapes.get(k).is_some_and(|s| s.len() == want.len() + lead.len()))
@@ -345,7 +350,7 @@ pub(crate) fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
                 sources(name).iter().map(|(k, _)| format!("`{k}`")).collect::<Vec<_>>().join(", ")
             );
         };
-        let (shape, mut values) = ck.read(&key, &lead)?;
+        let (shape, mut values) = ck.read(&key, &lead, t.cut)?;
         let fits = if vocab_rows { shape[1..] == want[1..] && shape[0] >= want[0] } else { shape == want };
         if !fits {
             bail!(
@@ -361,7 +366,7 @@ pub(crate) fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
         writer.add(name.to_string(), dtype, want.to_vec(), values)
     };
     for t in model_tensors(&settings, &config)? {
-        copy(&t.name, &t.shape, t.vocab_rows, if t.fp32 { DType::F32 } else { dtype })?;
+        copy(&t, if t.fp32 { DType::F32 } else { dtype })?;
     }
     if let Some(why) = untaken(&shapes, &taken) {
         bail!("{}: {why}; nothing was written", ck.dir.display());

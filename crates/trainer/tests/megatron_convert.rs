@@ -3,8 +3,10 @@
 //! make_megatron_fixtures.py) are imported, and Ferrotron's logits for the fixture's tokens must
 //! be megatron-core's. Three torch_dist checkpoints (Llama-style: RMSNorm, SwiGLU, RoPE, GQA,
 //! untied; the same with four experts in every layer, top-2; and with DeepSeek-V3's routing:
-//! sigmoid scores with expert biases, group-limited, a gated shared expert) and a legacy torch one (GPT-2-style: LayerNorm, biases, fused bias-GeLU, learned positions,
-//! tied).
+//! sigmoid scores with expert biases, group-limited, a gated shared expert), a legacy torch one
+//! (GPT-2-style: LayerNorm, biases, fused bias-GeLU, learned positions, tied), and the first two
+//! again in the legacy format over several ranks (tensor 2 × pipeline 2; tensor 2 × expert 2),
+//! each rank's file its part of the model as megatron-core split it.
 
 mod common;
 
@@ -58,6 +60,10 @@ fn megatron_checkpoints_import_to_megatron_cores_logits() {
         ("mixtral_dist", "core", "torch_dist"),
         ("deepseek_dist", "mcore", "torch_dist"),
         ("gpt_legacy", "legacy", "torch"),
+        // llama_dist and mixtral_dist split by megatron-core over tensor × pipeline and tensor ×
+        // expert parallel ranks, one legacy file a rank.
+        ("llama_tp2pp2", "legacy", "torch"),
+        ("mixtral_tp2ep2", "megatron", "torch"),
     ];
     for (name, loader, format) in fixtures {
         let out = tmp(&format!("megatron-import-{name}"));
@@ -72,8 +78,8 @@ fn megatron_checkpoints_import_to_megatron_cores_logits() {
         assert_eq!((s.num_layers, s.hidden_size, s.ffn_hidden_size), (2, 64, if llama { 96 } else { 256 }));
         assert_eq!(s.swiglu, llama);
         assert_eq!(s.untie_embeddings_and_output_weights, llama);
-        // mixtral_dist, deepseek_dist: four experts of width 48, top-2, in every layer.
-        let moe = name.ends_with("mixtral_dist") || name == "deepseek_dist";
+        // mixtral_*, deepseek_dist: four experts of width 48, top-2, in every layer.
+        let moe = name.starts_with("mixtral") || name == "deepseek_dist";
         let experts = s.moe.as_ref().map(|m| (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size));
         assert_eq!(experts, moe.then_some((4, 2, 48)));
         if name == "deepseek_dist" {
@@ -129,12 +135,19 @@ fn megatron_checkpoints_that_cannot_be_read_are_refused_by_name_and_nothing_is_w
         let _ = std::fs::remove_dir_all(&src);
     }
 
-    // A legacy checkpoint of two tensor-parallel ranks: torch_dist is the way.
+    // A legacy checkpoint with a rank folder more than its run's layout has.
     let src = tmp("megatron-two-ranks");
     copy_dir(&fixture("gpt_legacy"), &src);
     let it = src.join("iter_0000010");
     copy_dir(&it.join("mp_rank_00"), &it.join("mp_rank_01"));
-    fails(args("legacy", &src, &tmp("megatron-two-ranks-out")), &["2 model-parallel ranks", "torch_dist"]);
+    fails(args("legacy", &src, &tmp("megatron-two-ranks-out")), &["2 rank folders", "1 × 1 × 1", "missing or extra"]);
+    let _ = std::fs::remove_dir_all(&src);
+
+    // A rank's file missing from a legacy checkpoint of several ranks.
+    let src = tmp("megatron-rank-missing");
+    copy_dir(&fixture("llama_tp2pp2"), &src);
+    std::fs::remove_dir_all(src.join("iter_0000020/mp_rank_01_001")).unwrap();
+    fails(args("legacy", &src, &tmp("megatron-rank-missing-out")), &["3 rank folders", "2 × 2 × 1"]);
     let _ = std::fs::remove_dir_all(&src);
 
     // Not a Megatron checkpoint at all.

@@ -125,7 +125,7 @@ fn a_bf16_run_with_layers_that_differ_exports_per_layer() {
     assert_eq!(ours.args.get("moe_layer_freq"), Some(&Py::List(vec![Py::Int(0), Py::Int(1)])));
     assert_eq!(ours.args.get("tensor_model_parallel_size"), Some(&Py::Int(2)));
     // The padding rows are zero, the others the run's bf16 parameters.
-    let (shape, rows) = ours.read("embedding.word_embeddings.weight", &[]).unwrap();
+    let (shape, rows) = ours.read("embedding.word_embeddings.weight", &[], None).unwrap();
     assert!(rows[vocab * shape[1]..].iter().all(|&x| x == 0.0));
     let trained = checkpoint::load(&run_dir).unwrap();
     let (_, want) = &trained.tensors["embedding.word_embeddings.weight"];

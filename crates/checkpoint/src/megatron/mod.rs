@@ -1,7 +1,8 @@
 //! Megatron-LM's own checkpoints, read without PyTorch: `torch_dist` (its default, a PyTorch
 //! distributed checkpoint, `dcp.rs`, with the run's arguments in `common.pt`) and the legacy
-//! `torch` format (`mp_rank_00/model_optim_rng.pt`, one `torch.save` file per model-parallel
-//! rank, `torch_file.rs`). Both are pickles underneath (`pickle.rs`), read as data: no code runs.
+//! `torch` format (`mp_rank_*/model_optim_rng.pt`, one `torch.save` file per model-parallel
+//! rank, `torch_file.rs`, joined into one model by `legacy.rs`). Both are pickles underneath
+//! (`pickle.rs`), read as data: no code runs.
 //!
 //! This module gives the run's arguments (Megatron's argparse Namespace) and the model's tensors
 //! by their Megatron names; which of the trainer's parameters each one is, is the trainer's
@@ -10,12 +11,14 @@
 
 mod dcp;
 mod dcp_write;
+mod legacy;
 pub mod pickle;
 mod pickle_write;
 mod save;
 mod torch_file;
 mod torch_save;
 
+pub use legacy::TpCut;
 pub use pickle::{PickleError, Py};
 pub use pickle_write::dump as pickle_dump;
 pub use save::MegatronSave;
@@ -39,11 +42,8 @@ pub enum MegatronError {
 
 enum Files {
     Dist(dcp::Dcp),
-    /// The legacy file and its model state dict's tensors.
-    Torch {
-        file: Box<TorchFile<std::io::BufReader<std::fs::File>>>,
-        tensors: BTreeMap<String, TensorRef>,
-    },
+    /// The legacy format's rank files, joined.
+    Legacy(Box<legacy::Legacy>),
 }
 
 /// An open Megatron checkpoint (one iteration).
@@ -105,55 +105,25 @@ impl MegatronCheckpoint {
             let files = Files::Dist(dcp::Dcp::open(&dir)?);
             return Ok(MegatronCheckpoint { dir, format: "torch_dist", args, iteration, files });
         }
-        let ranks: Vec<String> = std::fs::read_dir(&dir)
+        let mut ranks: Vec<String> = std::fs::read_dir(&dir)
             .map_err(io(&dir))?
             .filter_map(|e| e.ok()?.file_name().into_string().ok())
             .filter(|n| n.starts_with("mp_rank_"))
             .collect();
-        let file = match ranks.as_slice() {
-            [] => {
-                return Err(MegatronError::Format {
-                    path: dir,
-                    why: "neither a torch_dist checkpoint (.metadata, common.pt) nor a legacy one (mp_rank_00/model_optim_rng.pt)"
-                        .into(),
-                });
-            }
-            [one] => dir.join(one).join("model_optim_rng.pt"),
-            many => {
-                return Err(MegatronError::Format {
-                    path: dir,
-                    why: format!(
-                        "a legacy checkpoint of {} model-parallel ranks: only one rank's is read; have Megatron save it as torch_dist (--ckpt-format torch_dist, its default: any layout is read) or convert it to one rank with its tools/checkpoint",
-                        many.len()
-                    ),
-                });
-            }
-        };
-        let f = std::fs::File::open(&file).map_err(io(&file))?;
-        let mut tf = TorchFile::new(std::io::BufReader::new(f), &file)?;
-        let state = tf.object()?;
-        let (args, iteration) = Self::header(&state, &file)?;
-        let bad = |why: &str| MegatronError::Format { path: file.clone(), why: why.into() };
-        if state.get("model0").is_some() {
-            return Err(bad(
-                "a legacy checkpoint with virtual pipeline stages (model0, model1, ...): save it as torch_dist",
-            ));
+        ranks.sort();
+        if ranks.is_empty() {
+            return Err(MegatronError::Format {
+                path: dir,
+                why: "neither a torch_dist checkpoint (.metadata, common.pt) nor a legacy one (mp_rank_00/model_optim_rng.pt)"
+                    .into(),
+            });
         }
-        let model = state.get("model").and_then(Py::items).ok_or_else(|| bad("no `model` state dict"))?;
-        let tensors = model
-            .iter()
-            .filter_map(|(k, v)| Some((k.as_str()?.to_string(), TensorRef::of(v)?)))
-            .collect::<BTreeMap<_, _>>();
-        Ok(MegatronCheckpoint {
-            dir,
-            format: "torch",
-            args,
-            iteration,
-            files: Files::Torch { file: Box::new(tf), tensors },
-        })
+        let l = legacy::Legacy::open(&dir, &ranks)?;
+        let (args, iteration) = (l.args.clone(), l.iteration);
+        Ok(MegatronCheckpoint { dir, format: "torch", args, iteration, files: Files::Legacy(Box::new(l)) })
     }
 
-    fn header(state: &Py, path: &Path) -> Result<(Py, Option<i64>), MegatronError> {
+    pub(super) fn header(state: &Py, path: &Path) -> Result<(Py, Option<i64>), MegatronError> {
         let args = state.get("args").cloned().ok_or_else(|| MegatronError::Format {
             path: path.to_path_buf(),
             why: "no `args`: not saved by Megatron-LM's training loop (a checkpoint of megatron.core alone carries no model flags)".into(),
@@ -166,7 +136,7 @@ impl MegatronCheckpoint {
     pub fn shapes(&self) -> BTreeMap<String, Vec<usize>> {
         match &self.files {
             Files::Dist(d) => d.tensors.iter().map(|(k, t)| (k.clone(), t.shape.clone())).collect(),
-            Files::Torch { tensors, .. } => tensors.iter().map(|(k, t)| (k.clone(), t.shape.clone())).collect(),
+            Files::Legacy(l) => l.shapes(),
         }
     }
 
@@ -175,18 +145,32 @@ impl MegatronCheckpoint {
     pub fn objects(&self) -> Vec<String> {
         match &self.files {
             Files::Dist(d) => d.objects.iter().cloned().collect(),
-            Files::Torch { .. } => vec![],
+            Files::Legacy(_) => vec![],
         }
     }
 
     /// Tensor `name` with its leading dims fixed at `lead` (one layer, or one layer's expert, of
-    /// a stacked tensor; empty: the whole tensor): (the remaining shape, row-major values).
-    pub fn read(&mut self, name: &str, lead: &[usize]) -> Result<(Vec<usize>, Vec<f32>), MegatronError> {
-        let shape = match &self.files {
-            Files::Dist(d) => d.tensors.get(name).map(|t| t.shape.clone()),
-            Files::Torch { tensors, .. } => tensors.get(name).map(|t| t.shape.clone()),
-        }
-        .ok_or_else(|| MegatronError::Missing(name.to_string()))?;
+    /// a stacked tensor; empty: the whole tensor): (the remaining shape, row-major values). A
+    /// legacy checkpoint of several tensor-parallel ranks joins the ranks' parts along `cut`
+    /// (the model's split of the tensor; none: replicated); torch_dist's tensors are whole.
+    pub fn read(
+        &mut self,
+        name: &str,
+        lead: &[usize],
+        cut: Option<TpCut>,
+    ) -> Result<(Vec<usize>, Vec<f32>), MegatronError> {
+        let d = match &mut self.files {
+            Files::Dist(d) => d,
+            Files::Legacy(l) if lead.is_empty() => return l.read(name, cut),
+            Files::Legacy(_) => {
+                return Err(MegatronError::Format {
+                    path: self.dir.clone(),
+                    why: format!("`{name}`: a legacy checkpoint's tensors are not stacked (asked for {lead:?})"),
+                });
+            }
+        };
+        let shape =
+            d.tensors.get(name).map(|t| t.shape.clone()).ok_or_else(|| MegatronError::Missing(name.to_string()))?;
         if lead.len() > shape.len() || lead.iter().zip(&shape).any(|(i, d)| i >= d) {
             return Err(MegatronError::Format {
                 path: self.dir.clone(),
@@ -197,17 +181,6 @@ impl MegatronCheckpoint {
         start[..lead.len()].copy_from_slice(lead);
         let mut size = shape.clone();
         size[..lead.len()].fill(1);
-        let out = shape[lead.len()..].to_vec();
-        let values = match &mut self.files {
-            Files::Dist(d) => d.read_box(name, &start, &size)?,
-            Files::Torch { file, tensors } => {
-                let all = file.read(&tensors[name])?;
-                let n: usize = size.iter().product();
-                // The flat index of the slice's first element.
-                let at = start.iter().zip(&shape).fold(0, |acc, (i, d)| acc * d + i);
-                all[at..at + n].to_vec()
-            }
-        };
-        Ok((out, values))
+        Ok((shape[lead.len()..].to_vec(), d.read_box(name, &start, &size)?))
     }
 }
