@@ -63,6 +63,11 @@ pub struct ConvertArgs {
     /// sets its vocabulary padding (default: the checkpoint's own run's).
     #[arg(long)]
     pub target_tensor_parallel_size: Option<usize>,
+    /// ferrotron → megatron: the --transformer-impl whose names the Megatron run loads,
+    /// transformer_engine (default, as Megatron-LM's) or local (they differ in MoE layers' pre-MLP
+    /// norm).
+    #[arg(long)]
+    pub saver_transformer_impl: Option<String>,
 }
 
 impl ConvertArgs {
@@ -79,6 +84,7 @@ impl ConvertArgs {
             seq_length: None,
             max_shard_size: None,
             target_tensor_parallel_size: None,
+            saver_transformer_impl: None,
         }
     }
 }

@@ -76,6 +76,10 @@ struct Layout {
     stacked: bool,
     layers: usize,
     experts: usize,
+    /// Transformer Engine's names (Megatron-LM's default --transformer-impl), else megatron-core's
+    /// local spec's: they differ in MoE layers only, where Transformer Engine keeps the pre-MLP
+    /// norm apart (`pre_mlp_layernorm.*`) and the local spec files it under `linear_fc1`.
+    te: bool,
 }
 
 /// The run's arguments as Megatron-LM records them: the model flags `m` by their names (its
@@ -134,6 +138,7 @@ fn namespace(m: &TrainArgs, s: &Settings, l: &Layout, vocab: usize, samples: [u6
     ns.set("tensor_model_parallel_size", Py::Int(l.tp as i64));
     ns.set("pipeline_model_parallel_size", Py::Int(1));
     ns.set("ckpt_format", Py::Str("torch_dist".into()));
+    ns.set("transformer_impl", Py::Str(if l.te { "transformer_engine" } else { "local" }.into()));
     ns.set("no_save_optim", Py::Bool(true));
     ns.set("no_save_rng", Py::Bool(true));
     ns.set("consumed_train_samples", Py::Int(samples[0] as i64));
@@ -152,6 +157,20 @@ fn unwritten(m: &TrainArgs, s: &Settings) -> Option<String> {
         }
     }
     s.vision.is_some().then(|| "it is a LLaVA-style model (a vision encoder)".into())
+}
+
+/// The Megatron key of Ferrotron parameter `name` and its slice of it (`sources`' first
+/// candidate where layers stack, the per-layer one where they do not; past the fused-norm names
+/// for an MoE layer's pre-MLP norm under Transformer Engine). `moe_layers`: the name prefixes
+/// (`decoder.layers.3.`) of the layers with experts.
+fn megatron_key(name: &str, l: &Layout, moe_layers: &[String]) -> (String, Vec<usize>) {
+    let mut candidates = sources(name);
+    let apart = l.te && name.contains(".pre_mlp_layernorm.") && moe_layers.iter().any(|p| name.starts_with(p.as_str()));
+    if apart {
+        candidates.retain(|(k, _)| !k.contains(".linear_fc1.layer_norm_"));
+    }
+    let pick = if l.stacked || candidates.len() == 1 { 0 } else { 1 };
+    candidates.swap_remove(pick)
 }
 
 /// The shape of the leading dims of a stacked or per-layer tensor (layers, experts).
@@ -199,7 +218,13 @@ pub(crate) fn export(a: &ConvertArgs) -> anyhow::Result<Converted> {
     let tp = a.target_tensor_parallel_size.unwrap_or(s.tensor_model_parallel_size).max(1);
     config.validate_tp(tp).context("--target-tensor-parallel-size")?;
     let freq = m.moe_layer_freq.as_deref().map(|f| layer_freq(f, config.num_layers)).transpose()?;
+    let te = match a.saver_transformer_impl.as_deref() {
+        None | Some("transformer_engine") => true,
+        Some("local") => false,
+        Some(x) => bail!("--saver-transformer-impl {x}: transformer_engine (Megatron-LM's default) or local"),
+    };
     let l = Layout {
+        te,
         padded_vocab: config.padded_vocab_size(tp),
         tp,
         dtype: if s.bf16 { TorchDtype::BF16 } else { TorchDtype::F32 },
@@ -223,18 +248,21 @@ pub(crate) fn export(a: &ConvertArgs) -> anyhow::Result<Converted> {
         (Py::Str("iteration".into()), Py::Int(ck.state.iteration as i64)),
         (Py::Str("num_floating_point_operations_so_far".into()), Py::Float(ck.state.floating_point_operations)),
     ]);
+    let tensors_of = model_tensors(s, &config)?;
+    // Layers with experts (a router): under Transformer Engine their pre-MLP norm stands alone.
+    let moe_layers: Vec<String> =
+        tensors_of.iter().filter_map(|t| t.name.strip_suffix("mlp.router.weight").map(str::to_string)).collect();
     let mut save = MegatronSave::create(&a.save_dir, ck.state.iteration, max_file)?;
     let extra_state = Py::List(vec![Py::None]);
     let mut tensors = 0;
-    for t in model_tensors(s, &config)? {
+    for t in tensors_of {
         let (shape, mut values) = ck.read(&t.name)?.with_context(|| {
             format!("--load-dir {}: no tensor `{}` in the checkpoint", a.load_dir.display(), t.name)
         })?;
         if shape != t.shape {
             bail!("--load-dir {}: `{}` is {shape:?}, its model's is {:?}", a.load_dir.display(), t.name, t.shape);
         }
-        let candidates = sources(&t.name);
-        let (key, lead) = if l.stacked || candidates.len() == 1 { &candidates[0] } else { &candidates[1] };
+        let (key, lead) = &megatron_key(&t.name, &l, &moe_layers);
         let outer = lead_shape(&l, &t.name, lead.len());
         anyhow::ensure!(outer.len() == lead.len(), "`{}`: {lead:?} is no slice of {outer:?}", t.name);
         let mut sizes = t.shape.clone();

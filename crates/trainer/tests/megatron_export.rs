@@ -46,16 +46,31 @@ fn exports_hold_megatron_cores_tensors_and_import_back_exactly() {
         let (imported, exported, again) =
             (tmp(&format!("mx-{name}-in")), tmp(&format!("mx-{name}-out")), tmp(&format!("mx-{name}-again")));
         convert(&ConvertArgs::new("megatron", "ferrotron", &fixture(name), &imported)).unwrap();
-        let done = convert(&ConvertArgs::new("ferrotron", "megatron", &imported, &exported)).unwrap();
+        // Transformer Engine's names (the default, as Megatron-LM's --transformer-impl).
+        let te = tmp(&format!("mx-{name}-te"));
+        let done = convert(&ConvertArgs::new("ferrotron", "megatron", &imported, &te)).unwrap();
         assert!(done.what.contains("torch_dist"), "{}", done.what);
+        // megatron-core's local spec's names, which the fixtures were saved under.
+        let mut a = ConvertArgs::new("ferrotron", "megatron", &imported, &exported);
+        a.saver_transformer_impl = Some("local".into());
+        convert(&a).unwrap();
         let ours = MegatronCheckpoint::open(&exported).unwrap();
         assert_eq!(ours.format, "torch_dist");
+        let te_keys = model_keys(&MegatronCheckpoint::open(&te).unwrap());
         if name != "gpt_legacy" {
             // megatron-core's own save of the same model: the same tensors and objects.
             let theirs = MegatronCheckpoint::open(&fixture(name)).unwrap();
             assert_eq!(model_keys(&ours), model_keys(&theirs), "{name}");
             assert_eq!(ours.objects(), theirs.objects(), "{name}: the _extra_state objects");
+            // Under Transformer Engine an MoE layer's pre-MLP norm stands apart; else alike.
+            let mut want = model_keys(&theirs);
+            if name != "llama_dist" {
+                let norm = want.remove("decoder.layers.mlp.linear_fc1.layer_norm_weight").unwrap();
+                want.insert("decoder.layers.pre_mlp_layernorm.weight".into(), norm);
+            }
+            assert_eq!(te_keys, want, "{name}: Transformer Engine's names");
         } else {
+            assert_eq!(te_keys, model_keys(&ours), "a dense model's names are alike");
             // Tied embeddings: no output layer; biases and learned positions.
             let keys = model_keys(&ours);
             assert!(!keys.contains_key("output_layer.weight"));
@@ -82,7 +97,10 @@ fn exports_hold_megatron_cores_tensors_and_import_back_exactly() {
         // Back in: the same parameters (and expert biases), bit for bit.
         convert(&ConvertArgs::new("megatron", "ferrotron", &exported, &again)).unwrap();
         same_tensors(&imported, &again);
-        for d in [imported, exported, again] {
+        let _ = std::fs::remove_dir_all(&again);
+        convert(&ConvertArgs::new("megatron", "ferrotron", &te, &again)).unwrap();
+        same_tensors(&imported, &again);
+        for d in [imported, exported, again, te] {
             let _ = std::fs::remove_dir_all(d);
         }
     }
@@ -118,6 +136,10 @@ fn a_bf16_run_with_layers_that_differ_exports_per_layer() {
     assert_eq!(keys["decoder.layers.0.mlp.linear_fc1.weight"], vec![128, 32], "layer 0: dense, SwiGLU");
     assert_eq!(keys["decoder.layers.1.mlp.experts.experts.linear_fc1.weight"], vec![4, 48, 32]);
     assert_eq!(keys["decoder.layers.1.mlp.router.weight"], vec![4, 32]);
+    // Transformer Engine's names (the default): the MoE layer's pre-MLP norm apart, the dense
+    // layer's fused into its fc1.
+    assert_eq!(keys["decoder.layers.1.pre_mlp_layernorm.weight"], vec![32]);
+    assert_eq!(keys["decoder.layers.0.mlp.linear_fc1.layer_norm_weight"], vec![32]);
     assert!(!keys.keys().any(|k| k.starts_with("decoder.layers.mlp")), "no stacks: {keys:?}");
     assert!(ours.objects().contains(&"decoder.layers.1.mlp.experts.experts.linear_fc2._extra_state/shard_3_4".into()));
     assert!(ours.objects().contains(&"decoder.layers.0.self_attention.linear_qkv._extra_state/shard_0_1".into()));
@@ -162,6 +184,9 @@ fn exports_that_cannot_be_written_are_refused_and_nothing_is_lost() {
     let before = std::fs::read(exported.join("iter_0000000/.metadata")).unwrap();
     fails(&a, "holds a Megatron checkpoint already");
     assert_eq!(std::fs::read(exported.join("iter_0000000/.metadata")).unwrap(), before);
+    let mut b = ConvertArgs::new("ferrotron", "megatron", &imported, &tmp("mx-refuse-impl"));
+    b.saver_transformer_impl = Some("te".into());
+    fails(&b, "transformer_engine (Megatron-LM's default) or local");
     for (saver, needle) in [("legacy", "write torch_dist"), ("nemo", "ferrotron → megatron")] {
         fails(&ConvertArgs::new("ferrotron", saver, &imported, &tmp("mx-refuse-other")), needle);
     }
