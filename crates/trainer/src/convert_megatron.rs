@@ -76,9 +76,21 @@ pub(crate) const MOE: [&str; 18] = [
     "moe_token_drop_policy",
 ];
 
+/// Multi-latent attention's fields, copied where the run had it; YaRN's only where its rotary
+/// features were YaRN's (Megatron records their defaults for every run).
+pub(crate) const MLA: [&str; 6] =
+    ["q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type"];
+pub(crate) const YARN: [&str; 6] = [
+    "rotary_scaling_factor",
+    "mscale",
+    "mscale_all_dim",
+    "yarn_beta_fast",
+    "yarn_beta_slow",
+    "yarn_original_max_position_embeddings",
+];
+
 /// Namespace fields of models whose tensors this import does not place yet: set, they refuse.
-pub(crate) const NOT_READ: [(&str, &str); 5] = [
-    ("multi_latent_attention", "multi-latent attention"),
+pub(crate) const NOT_READ: [(&str, &str); 4] = [
     ("mtp_num_layers", "multi-token prediction layers"),
     ("hybrid_override_pattern", "a Mamba hybrid"),
     ("is_hybrid_model", "a Mamba hybrid"),
@@ -134,6 +146,26 @@ fn model_args(ns: &Py, dir: &std::path::Path, a: &ConvertArgs) -> anyhow::Result
             continue;
         }
         m.insert(field.replace('_', "-"), v);
+    }
+    if set(ns.get("multi_latent_attention")) {
+        // Ferrotron's latents are normalised, as DeepSeek's and Megatron's with --qk-layernorm.
+        if !set(ns.get("qk_layernorm")) {
+            bail!(
+                "{dir}: the run's multi-latent attention has no latent norms (no --qk-layernorm); Ferrotron's normalises its query and key-value latents, as DeepSeek's"
+            );
+        }
+        m.remove("qk-layernorm");
+        // Megatron records hidden / heads there for every run; --qk-head-dim and --v-head-dim
+        // size these heads.
+        m.remove("kv-channels");
+        m.insert("multi-latent-attention".into(), Value::Bool(true));
+        let yarn = matches!(ns.get("rope_type"), None | Some(Py::None))
+            || ns.get("rope_type").and_then(Py::as_str) == Some("yarn");
+        for field in MLA.iter().chain(if yarn { &YARN[..] } else { &[] }) {
+            if let Some(v) = ns.get(field).and_then(json_of) {
+                m.insert(field.replace('_', "-"), v);
+            }
+        }
     }
     if experts {
         if set(ns.get("moe_pad_expert_input_to_capacity")) {
@@ -221,6 +253,9 @@ pub(crate) fn sources(name: &str) -> Vec<(String, Vec<usize>)> {
         "input_layernorm.bias" => Some("self_attention.linear_qkv.layer_norm_bias"),
         "pre_mlp_layernorm.weight" => Some("mlp.linear_fc1.layer_norm_weight"),
         "pre_mlp_layernorm.bias" => Some("mlp.linear_fc1.layer_norm_bias"),
+        // Multi-latent attention's latent norms, fused into the up-projections.
+        "self_attention.q_layernorm.weight" => Some("self_attention.linear_q_up_proj.layer_norm_weight"),
+        "self_attention.kv_layernorm.weight" => Some("self_attention.linear_kv_up_proj.layer_norm_weight"),
         _ => None,
     };
     let mut out = vec![];
@@ -450,13 +485,31 @@ mod tests {
         assert_eq!((t.tokenizer_type.as_deref(), t.vocab_size, t.vocab_file), (Some("NullTokenizer"), Some(99), None));
 
         for (field, v, needle) in [
-            ("multi_latent_attention", Py::Bool(true), "--multi-latent-attention"),
             ("hybrid_override_pattern", Py::Str("M*M*".into()), "--hybrid-override-pattern"),
             ("mtp_num_layers", Py::Int(1), "--mtp-num-layers"),
         ] {
             let e = model_args(&namespace(&[(field, v)]), dir, &a).unwrap_err().to_string();
             assert!(e.contains(needle) && e.contains("does not read yet"), "{e}");
         }
+        // Multi-latent attention: its fields only with it, YaRN's only for YaRN; latents unnormalised
+        // are refused.
+        let mla = |rope: &str, qk_norm: bool| {
+            namespace(&[
+                ("multi_latent_attention", Py::Bool(true)),
+                ("qk_layernorm", Py::Bool(qk_norm)),
+                ("kv_lora_rank", Py::Int(12)),
+                ("rope_type", Py::Str(rope.into())),
+                ("mscale", Py::Float(1.0)),
+            ])
+        };
+        let t = model_args(&mla("rope", true), dir, &a).unwrap();
+        assert!(t.multi_latent_attention && !t.qk_layernorm);
+        assert_eq!((t.kv_lora_rank, t.mscale), (Some(12), None));
+        assert_eq!(model_args(&mla("yarn", true), dir, &a).unwrap().mscale, Some(1.0));
+        let e = model_args(&mla("rope", false), dir, &a).unwrap_err().to_string();
+        assert!(e.contains("no latent norms"), "{e}");
+        let t = model_args(&namespace(&[("kv_lora_rank", Py::Int(32))]), dir, &a).unwrap();
+        assert_eq!(t.kv_lora_rank, None, "Megatron's default for every run");
         let e = model_args(&Py::Dict(vec![]), dir, &a).unwrap_err().to_string();
         assert!(e.contains("not Megatron-LM's argparse Namespace"), "{e}");
     }

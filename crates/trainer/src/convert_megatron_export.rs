@@ -13,7 +13,7 @@
 
 use crate::checkpoint;
 use crate::convert::{ConvertArgs, Converted};
-use crate::convert_megatron::{COPIED, MOE, NOT_READ, model_tensors, sources};
+use crate::convert_megatron::{COPIED, MOE, NOT_READ, model_tensors};
 use crate::settings::{Settings, TrainArgs};
 use anyhow::{Context, bail};
 use ferrotron_checkpoint::megatron::{MegatronSave, Py, TorchDtype};
@@ -80,6 +80,8 @@ struct Layout {
     /// local spec's: they differ in MoE layers only, where Transformer Engine keeps the pre-MLP
     /// norm apart (`pre_mlp_layernorm.*`) and the local spec files it under `linear_fc1`.
     te: bool,
+    /// Multi-latent attention, whose layers' norms megatron-core names its own way.
+    mla: bool,
 }
 
 /// The run's arguments as Megatron-LM records them: the model flags `m` by their names (its
@@ -132,6 +134,10 @@ fn namespace(m: &TrainArgs, s: &Settings, l: &Layout, vocab: usize, samples: [u6
     // On whatever the run's flags said of it: Megatron's RoPE runs keep the default, and a
     // Megatron run compares its own (True unless --no-position-embedding) with this one.
     ns.set("add_position_embedding", Py::Bool(true));
+    // Megatron's multi-latent attention normalises its latents under --qk-layernorm, as here.
+    if m.multi_latent_attention {
+        ns.set("qk_layernorm", Py::Bool(true));
+    }
     ns.set("bf16", Py::Bool(l.dtype == TorchDtype::BF16));
     ns.set("fp16", Py::Bool(false));
     ns.set("params_dtype", Py::Global("torch".into(), l.dtype.torch_name().into()));
@@ -159,18 +165,53 @@ fn unwritten(m: &TrainArgs, s: &Settings) -> Option<String> {
     s.vision.is_some().then(|| "it is a LLaVA-style model (a vision encoder)".into())
 }
 
-/// The Megatron key of Ferrotron parameter `name` and its slice of it (`sources`' first
-/// candidate where layers stack, the per-layer one where they do not; past the fused-norm names
-/// for an MoE layer's pre-MLP norm under Transformer Engine). `moe_layers`: the name prefixes
+/// The name a layer's norm is saved under: megatron-core fuses some into the linear layer after
+/// them (Transformer Engine's modules; its local spec renames to match), which differs by
+/// `--transformer-impl` in MoE layers and by attention kind. `tail`: the name within the layer.
+fn fused_norm(tail: &str, l: &Layout, moe: bool) -> Option<String> {
+    let (norm, w) = tail.rsplit_once('.')?;
+    let fused = match norm {
+        // Grouped-query attention's fused QKV; multi-latent attention has none (its own norm).
+        "input_layernorm" if !l.mla => "self_attention.linear_qkv",
+        // Transformer Engine keeps an MoE layer's apart; the local spec files every layer's
+        // under fc1, but not with multi-latent attention (its spec renames nothing).
+        "pre_mlp_layernorm" if (l.te && !moe) || (!l.te && !l.mla) => "mlp.linear_fc1",
+        // Multi-latent attention's latent norms, fused into the up-projections under TE.
+        "self_attention.q_layernorm" if l.mla && l.te => "self_attention.linear_q_up_proj",
+        "self_attention.kv_layernorm" if l.mla && l.te => "self_attention.linear_kv_up_proj",
+        _ => return None,
+    };
+    Some(format!("{fused}.layer_norm_{w}"))
+}
+
+/// The Megatron key of Ferrotron parameter `name` and its slice of it: layers stacked along a
+/// first dim (and experts along a second) where `l.stacked`, else each layer under its number;
+/// norms under their fused names (`fused_norm`). `moe_layers`: the name prefixes
 /// (`decoder.layers.3.`) of the layers with experts.
 fn megatron_key(name: &str, l: &Layout, moe_layers: &[String]) -> (String, Vec<usize>) {
-    let mut candidates = sources(name);
-    let apart = l.te && name.contains(".pre_mlp_layernorm.") && moe_layers.iter().any(|p| name.starts_with(p.as_str()));
-    if apart {
-        candidates.retain(|(k, _)| !k.contains(".linear_fc1.layer_norm_"));
+    let Some((layer, tail)) = name
+        .strip_prefix("decoder.layers.")
+        .and_then(|r| r.split_once('.'))
+        .and_then(|(i, t)| Some((i.parse::<usize>().ok()?, t)))
+    else {
+        return (name.to_string(), vec![]);
+    };
+    let moe = moe_layers.iter().any(|p| name.starts_with(p.as_str()));
+    if let Some((e, t)) = tail
+        .strip_prefix("mlp.experts.local_experts.")
+        .and_then(|r| r.split_once('.'))
+        .and_then(|(e, t)| Some((e.parse::<usize>().ok()?, t)))
+    {
+        return match l.stacked {
+            true => (format!("decoder.layers.mlp.experts.experts.{t}"), vec![layer, e]),
+            false => (format!("decoder.layers.{layer}.mlp.experts.experts.{t}"), vec![e]),
+        };
     }
-    let pick = if l.stacked || candidates.len() == 1 { 0 } else { 1 };
-    candidates.swap_remove(pick)
+    let tail = fused_norm(tail, l, moe).unwrap_or_else(|| tail.to_string());
+    match l.stacked {
+        true => (format!("decoder.layers.{tail}"), vec![layer]),
+        false => (format!("decoder.layers.{layer}.{tail}"), vec![]),
+    }
 }
 
 /// The shape of the leading dims of a stacked or per-layer tensor (layers, experts).
@@ -225,6 +266,7 @@ pub(crate) fn export(a: &ConvertArgs) -> anyhow::Result<Converted> {
     };
     let l = Layout {
         te,
+        mla: m.multi_latent_attention,
         padded_vocab: config.padded_vocab_size(tp),
         tp,
         dtype: if s.bf16 { TorchDtype::BF16 } else { TorchDtype::F32 },

@@ -64,6 +64,9 @@ fn megatron_checkpoints_import_to_megatron_cores_logits() {
         // expert parallel ranks, one legacy file a rank.
         ("llama_tp2pp2", "legacy", "torch"),
         ("mixtral_tp2ep2", "megatron", "torch"),
+        // Multi-latent attention (latents normalised; plain RoPE, and YaRN).
+        ("mla_dist", "core", "torch_dist"),
+        ("mla_yarn_dist", "mcore", "torch_dist"),
     ];
     for (name, loader, format) in fixtures {
         let out = tmp(&format!("megatron-import-{name}"));
@@ -86,6 +89,11 @@ fn megatron_checkpoints_import_to_megatron_cores_logits() {
             let m = s.moe.as_ref().unwrap();
             assert_eq!((m.moe_router_score_function.as_str(), m.moe_router_group_topk), ("sigmoid", Some(1)));
             assert_eq!((m.moe_shared_expert_intermediate_size, m.moe_router_bias_update_rate), (Some(32), Some(1e-3)));
+        }
+        if name.starts_with("mla") {
+            let m = s.mla.as_ref().expect("multi-latent attention");
+            assert_eq!((m.q_lora_rank, m.kv_lora_rank, m.qk_pos_emb_head_dim), (Some(16), 12, 4));
+            assert_eq!(m.yarn.is_some(), name == "mla_yarn_dist");
         }
         let worst = max_logit_error(name, &ck);
         // fp32 both sides: rounding only. A wrong head order, norm or gate/up order moves logits

@@ -42,7 +42,7 @@ fn same_tensors(a: &Path, b: &Path) {
 
 #[test]
 fn exports_hold_megatron_cores_tensors_and_import_back_exactly() {
-    for name in ["llama_dist", "mixtral_dist", "deepseek_dist", "gpt_legacy"] {
+    for name in ["llama_dist", "mixtral_dist", "deepseek_dist", "gpt_legacy", "mla_dist", "mla_yarn_dist"] {
         let (imported, exported, again) =
             (tmp(&format!("mx-{name}-in")), tmp(&format!("mx-{name}-out")), tmp(&format!("mx-{name}-again")));
         convert(&ConvertArgs::new("megatron", "ferrotron", &fixture(name), &imported)).unwrap();
@@ -62,11 +62,21 @@ fn exports_hold_megatron_cores_tensors_and_import_back_exactly() {
             let theirs = MegatronCheckpoint::open(&fixture(name)).unwrap();
             assert_eq!(model_keys(&ours), model_keys(&theirs), "{name}");
             assert_eq!(ours.objects(), theirs.objects(), "{name}: the _extra_state objects");
-            // Under Transformer Engine an MoE layer's pre-MLP norm stands apart; else alike.
+            // Under Transformer Engine an MoE layer's pre-MLP norm stands apart; multi-latent
+            // attention's latent norms and dense pre-MLP norm are fused; else alike.
             let mut want = model_keys(&theirs);
-            if name != "llama_dist" {
-                let norm = want.remove("decoder.layers.mlp.linear_fc1.layer_norm_weight").unwrap();
-                want.insert("decoder.layers.pre_mlp_layernorm.weight".into(), norm);
+            let renames: &[(&str, &str)] = match name {
+                "mixtral_dist" | "deepseek_dist" => &[("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")],
+                "mla_dist" | "mla_yarn_dist" => &[
+                    ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
+                    ("self_attention.q_layernorm.weight", "self_attention.linear_q_up_proj.layer_norm_weight"),
+                    ("self_attention.kv_layernorm.weight", "self_attention.linear_kv_up_proj.layer_norm_weight"),
+                ],
+                _ => &[],
+            };
+            for (from, to) in renames {
+                let norm = want.remove(&format!("decoder.layers.{from}")).unwrap();
+                want.insert(format!("decoder.layers.{to}"), norm);
             }
             assert_eq!(te_keys, want, "{name}: Transformer Engine's names");
         } else {
