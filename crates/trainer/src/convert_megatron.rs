@@ -90,8 +90,7 @@ pub(crate) const YARN: [&str; 6] = [
 ];
 
 /// Namespace fields of models whose tensors this import does not place yet: set, they refuse.
-pub(crate) const NOT_READ: [(&str, &str); 4] = [
-    ("mtp_num_layers", "multi-token prediction layers"),
+pub(crate) const NOT_READ: [(&str, &str); 3] = [
     ("hybrid_override_pattern", "a Mamba hybrid"),
     ("is_hybrid_model", "a Mamba hybrid"),
     ("window_size", "sliding-window attention"),
@@ -167,6 +166,14 @@ fn model_args(ns: &Py, dir: &std::path::Path, a: &ConvertArgs) -> anyhow::Result
             }
         }
     }
+    // Multi-token prediction (Megatron records a loss scale for every run).
+    if set(ns.get("mtp_num_layers")) {
+        for field in ["mtp_num_layers", "mtp_loss_scaling_factor"] {
+            if let Some(v) = ns.get(field).and_then(json_of) {
+                m.insert(field.replace('_', "-"), v);
+            }
+        }
+    }
     if experts {
         if set(ns.get("moe_pad_expert_input_to_capacity")) {
             m.insert("moe-pad-expert-input-to-capacity".into(), Value::Bool(true));
@@ -228,6 +235,19 @@ fn model_args(ns: &Py, dir: &std::path::Path, a: &ConvertArgs) -> anyhow::Result
 /// in order (the indices pick a layer, and a layer's expert, out of a torch_dist stack).
 pub(crate) fn sources(name: &str) -> Vec<(String, Vec<usize>)> {
     let whole = || vec![(name.to_string(), vec![])];
+    // A multi-token prediction depth's layer: never stacked, its experts stacked alone.
+    if let Some((depth, tail)) = name.split_once(".transformer_layer.").filter(|(d, _)| d.starts_with("mtp.layers.")) {
+        let prefix = format!("{depth}.transformer_layer.");
+        if let Some((e, t)) = tail
+            .strip_prefix("mlp.experts.local_experts.")
+            .and_then(|r| r.split_once('.'))
+            .and_then(|(e, t)| Some((e.parse::<usize>().ok()?, t)))
+        {
+            return vec![(format!("{prefix}mlp.experts.experts.{t}"), vec![e]), (name.to_string(), vec![])];
+        }
+        let te = te_norm_name(tail).map(|t| (format!("{prefix}{t}"), vec![]));
+        return te.into_iter().chain(whole()).collect();
+    }
     let Some(rest) = name.strip_prefix("decoder.layers.") else { return whole() };
     let Some((layer, tail)) = rest.split_once('.') else { return whole() };
     let Ok(layer) = layer.parse::<usize>() else { return whole() };
@@ -247,23 +267,28 @@ pub(crate) fn sources(name: &str) -> Vec<(String, Vec<usize>)> {
         }
         return out;
     }
-    // Transformer Engine's fused norm + linear: the norm's weights under the linear layer.
-    let te = match tail {
-        "input_layernorm.weight" => Some("self_attention.linear_qkv.layer_norm_weight"),
-        "input_layernorm.bias" => Some("self_attention.linear_qkv.layer_norm_bias"),
-        "pre_mlp_layernorm.weight" => Some("mlp.linear_fc1.layer_norm_weight"),
-        "pre_mlp_layernorm.bias" => Some("mlp.linear_fc1.layer_norm_bias"),
-        // Multi-latent attention's latent norms, fused into the up-projections.
-        "self_attention.q_layernorm.weight" => Some("self_attention.linear_q_up_proj.layer_norm_weight"),
-        "self_attention.kv_layernorm.weight" => Some("self_attention.linear_kv_up_proj.layer_norm_weight"),
-        _ => None,
-    };
+    let te = te_norm_name(tail);
     let mut out = vec![];
     for t in te.into_iter().chain([tail]) {
         out.push((format!("decoder.layers.{t}"), vec![layer]));
         out.push((format!("decoder.layers.{layer}.{t}"), vec![]));
     }
     out
+}
+
+/// Transformer Engine's name for a layer's norm fused with the linear layer after it (the norm's
+/// weights under the linear layer), where it has one.
+fn te_norm_name(tail: &str) -> Option<&'static str> {
+    Some(match tail {
+        "input_layernorm.weight" => "self_attention.linear_qkv.layer_norm_weight",
+        "input_layernorm.bias" => "self_attention.linear_qkv.layer_norm_bias",
+        "pre_mlp_layernorm.weight" => "mlp.linear_fc1.layer_norm_weight",
+        "pre_mlp_layernorm.bias" => "mlp.linear_fc1.layer_norm_bias",
+        // Multi-latent attention's latent norms, fused into the up-projections.
+        "self_attention.q_layernorm.weight" => "self_attention.linear_q_up_proj.layer_norm_weight",
+        "self_attention.kv_layernorm.weight" => "self_attention.linear_kv_up_proj.layer_norm_weight",
+        _ => return None,
+    })
 }
 
 /// Whether a torch_dist or legacy key is the model's (not the optimizer's, the RNG's, or
@@ -486,7 +511,7 @@ mod tests {
 
         for (field, v, needle) in [
             ("hybrid_override_pattern", Py::Str("M*M*".into()), "--hybrid-override-pattern"),
-            ("mtp_num_layers", Py::Int(1), "--mtp-num-layers"),
+            ("window_size", Py::Tuple(vec![Py::Int(3), Py::Int(0)]), "--window-size"),
         ] {
             let e = model_args(&namespace(&[(field, v)]), dir, &a).unwrap_err().to_string();
             assert!(e.contains(needle) && e.contains("does not read yet"), "{e}");

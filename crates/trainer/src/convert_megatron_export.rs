@@ -189,6 +189,15 @@ fn fused_norm(tail: &str, l: &Layout, moe: bool) -> Option<String> {
 /// norms under their fused names (`fused_norm`). `moe_layers`: the name prefixes
 /// (`decoder.layers.3.`) of the layers with experts.
 fn megatron_key(name: &str, l: &Layout, moe_layers: &[String]) -> (String, Vec<usize>) {
+    let moe = moe_layers.iter().any(|p| name.starts_with(p.as_str()));
+    // A multi-token prediction depth's layer: under its own number, experts stacked alone.
+    if let Some((depth, tail)) = name.split_once(".transformer_layer.").filter(|(d, _)| d.starts_with("mtp.layers.")) {
+        let prefix = format!("{depth}.transformer_layer.");
+        if let Some((e, t)) = expert_of(tail) {
+            return (format!("{prefix}mlp.experts.experts.{t}"), vec![e]);
+        }
+        return (format!("{prefix}{}", fused_norm(tail, l, moe).unwrap_or_else(|| tail.to_string())), vec![]);
+    }
     let Some((layer, tail)) = name
         .strip_prefix("decoder.layers.")
         .and_then(|r| r.split_once('.'))
@@ -196,12 +205,7 @@ fn megatron_key(name: &str, l: &Layout, moe_layers: &[String]) -> (String, Vec<u
     else {
         return (name.to_string(), vec![]);
     };
-    let moe = moe_layers.iter().any(|p| name.starts_with(p.as_str()));
-    if let Some((e, t)) = tail
-        .strip_prefix("mlp.experts.local_experts.")
-        .and_then(|r| r.split_once('.'))
-        .and_then(|(e, t)| Some((e.parse::<usize>().ok()?, t)))
-    {
+    if let Some((e, t)) = expert_of(tail) {
         return match l.stacked {
             true => (format!("decoder.layers.mlp.experts.experts.{t}"), vec![layer, e]),
             false => (format!("decoder.layers.{layer}.mlp.experts.experts.{t}"), vec![e]),
@@ -214,16 +218,21 @@ fn megatron_key(name: &str, l: &Layout, moe_layers: &[String]) -> (String, Vec<u
     }
 }
 
-/// The shape of the leading dims of a stacked or per-layer tensor (layers, experts).
+/// A layer's expert tensor's expert and name within the expert (`mlp.experts.local_experts.E.T`).
+fn expert_of(tail: &str) -> Option<(usize, &str)> {
+    let (e, t) = tail.strip_prefix("mlp.experts.local_experts.")?.split_once('.')?;
+    Some((e.parse().ok()?, t))
+}
+
+/// The shape of the leading dims `lead` of a stacked tensor indexes: layers, experts, or both.
 fn lead_shape(l: &Layout, name: &str, lead: usize) -> Vec<usize> {
     let expert = name.contains(".mlp.experts.local_experts.");
-    let shape = match (l.stacked, expert) {
-        (true, true) => vec![l.layers, l.experts],
-        (true, false) => vec![l.layers],
-        (false, true) => vec![l.experts],
-        (false, false) => vec![],
-    };
-    if lead == 0 { vec![] } else { shape }
+    match (lead, expert) {
+        (0, _) => vec![],
+        (1, true) => vec![l.experts],
+        (1, false) => vec![l.layers],
+        _ => vec![l.layers, l.experts],
+    }
 }
 
 /// The Megatron key of a linear layer's `_extra_state` object for weight `key` at `lead` of
@@ -232,7 +241,9 @@ fn lead_shape(l: &Layout, name: &str, lead: usize) -> Vec<usize> {
 fn extra_state_key(key: &str, lead: &[usize], lead_shape: &[usize]) -> Option<String> {
     let module = key.strip_suffix(".weight")?;
     let last = module.rsplit('.').next()?;
-    if !key.starts_with("decoder.") || !last.starts_with("linear_") {
+    // The linear layers (and multi-token prediction's projection of the two inputs).
+    if !(key.starts_with("decoder.") || key.starts_with("mtp.")) || !(last.starts_with("linear_") || last == "eh_proj")
+    {
         return None;
     }
     let join = |v: &[usize]| v.iter().map(usize::to_string).collect::<Vec<_>>().join(".");
@@ -350,6 +361,14 @@ mod tests {
         assert_eq!(
             k("decoder.layers.5.mlp.linear_fc1.weight", &[], &[]).as_deref(),
             Some("decoder.layers.5.mlp.linear_fc1._extra_state/shard_0_1")
+        );
+        assert_eq!(
+            k("mtp.layers.0.eh_proj.weight", &[], &[]).as_deref(),
+            Some("mtp.layers.0.eh_proj._extra_state/shard_0_1")
+        );
+        assert_eq!(
+            k("mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc1.weight", &[2], &[4]).as_deref(),
+            Some("mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc1._extra_state/shard_2_4")
         );
         for none in [
             "decoder.layers.mlp.router.weight",

@@ -14,7 +14,7 @@ use common::tmp;
 use ferrotron_core::{Cx, DType, Device, Tensor};
 use ferrotron_trainer::checkpoint;
 use ferrotron_trainer::convert::{ConvertArgs, convert};
-use ferrotron_transformer::GptModel;
+use ferrotron_transformer::{Batch, GptModel};
 use std::path::{Path, PathBuf};
 
 fn fixture(name: &str) -> PathBuf {
@@ -53,6 +53,38 @@ fn max_logit_error(name: &str, ck: &checkpoint::Loaded) -> f64 {
     got.iter().zip(&want).map(|(g, w)| (*g as f64 - w).abs()).fold(0f64, f64::max)
 }
 
+/// Ferrotron's loss and first multi-token prediction depth's loss on the import, each against
+/// megatron-core's (reference.json's `loss` and `mtp_losses`): their differences.
+fn losses(ck: &checkpoint::Loaded, name: &str) -> (f64, f64) {
+    let config = ck.state.settings.model_config().unwrap();
+    let (model, table) = GptModel::build(config, &Device::Cpu, DType::F32, 1).unwrap();
+    checkpoint::restore_params(ck, &table).unwrap();
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture(name).join("reference.json")).unwrap()).unwrap();
+    let ids = |k: &str| -> Vec<u32> {
+        r[k].as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|row| row.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32))
+            .collect()
+    };
+    let (tokens, labels) = (ids("input_ids"), ids("labels"));
+    let b = r["input_ids"].as_array().unwrap().len();
+    let t = tokens.len() / b;
+    let batch = Batch::unmasked(
+        Tensor::from_vec(tokens, [b, t], &Device::Cpu).unwrap(),
+        Tensor::from_vec(labels, [b, t], &Device::Cpu).unwrap(),
+    )
+    .unwrap();
+    let cx = Cx::new(&table, false);
+    let (loss, _) = model.forward_deferred(&cx, &batch).unwrap();
+    let depth = loss.mtp[0].mean().unwrap();
+    let (want, want_depth) = (r["loss"].as_f64().unwrap(), r["mtp_losses"][0].as_f64().unwrap());
+    let (d0, d1) = ((loss.mean().unwrap() - want).abs(), (depth - want_depth).abs());
+    assert!(d0 < 1e-5 && d1 < 1e-5, "{name}: loss {} vs {want}, depth {depth} vs {want_depth}", loss.mean().unwrap());
+    (d0, d1)
+}
+
 #[test]
 fn megatron_checkpoints_import_to_megatron_cores_logits() {
     let fixtures = [
@@ -67,6 +99,8 @@ fn megatron_checkpoints_import_to_megatron_cores_logits() {
         // Multi-latent attention (latents normalised; plain RoPE, and YaRN).
         ("mla_dist", "core", "torch_dist"),
         ("mla_yarn_dist", "mcore", "torch_dist"),
+        // mixtral_dist's model with a multi-token prediction depth.
+        ("mtp_dist", "megatron", "torch_dist"),
     ];
     for (name, loader, format) in fixtures {
         let out = tmp(&format!("megatron-import-{name}"));
@@ -82,7 +116,7 @@ fn megatron_checkpoints_import_to_megatron_cores_logits() {
         assert_eq!(s.swiglu, llama);
         assert_eq!(s.untie_embeddings_and_output_weights, llama);
         // mixtral_*, deepseek_dist: four experts of width 48, top-2, in every layer.
-        let moe = name.starts_with("mixtral") || name == "deepseek_dist";
+        let moe = name.starts_with("mixtral") || name == "deepseek_dist" || name == "mtp_dist";
         let experts = s.moe.as_ref().map(|m| (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size));
         assert_eq!(experts, moe.then_some((4, 2, 48)));
         if name == "deepseek_dist" {
@@ -94,6 +128,11 @@ fn megatron_checkpoints_import_to_megatron_cores_logits() {
             let m = s.mla.as_ref().expect("multi-latent attention");
             assert_eq!((m.q_lora_rank, m.kv_lora_rank, m.qk_pos_emb_head_dim), (Some(16), 12, 4));
             assert_eq!(m.yarn.is_some(), name == "mla_yarn_dist");
+        }
+        if name == "mtp_dist" {
+            assert_eq!((s.mtp_num_layers, s.mtp_loss_scaling_factor), (Some(1), 0.3));
+            let (loss, depth) = losses(&ck, name);
+            eprintln!("{name}: |loss − megatron-core's| {loss:.2e}, depth 1's {depth:.2e}");
         }
         let worst = max_logit_error(name, &ck);
         // fp32 both sides: rounding only. A wrong head order, norm or gate/up order moves logits

@@ -20,7 +20,7 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn model_keys(ck: &MegatronCheckpoint) -> BTreeMap<String, Vec<usize>> {
-    let model = |k: &String| ["embedding.", "decoder.", "output_layer."].iter().any(|p| k.starts_with(p));
+    let model = |k: &String| ["embedding.", "decoder.", "output_layer.", "mtp."].iter().any(|p| k.starts_with(p));
     ck.shapes().into_iter().filter(|(k, _)| model(k)).collect()
 }
 
@@ -42,7 +42,9 @@ fn same_tensors(a: &Path, b: &Path) {
 
 #[test]
 fn exports_hold_megatron_cores_tensors_and_import_back_exactly() {
-    for name in ["llama_dist", "mixtral_dist", "deepseek_dist", "gpt_legacy", "mla_dist", "mla_yarn_dist"] {
+    let fixtures =
+        ["llama_dist", "mixtral_dist", "deepseek_dist", "gpt_legacy", "mla_dist", "mla_yarn_dist", "mtp_dist"];
+    for name in fixtures {
         let (imported, exported, again) =
             (tmp(&format!("mx-{name}-in")), tmp(&format!("mx-{name}-out")), tmp(&format!("mx-{name}-again")));
         convert(&ConvertArgs::new("megatron", "ferrotron", &fixture(name), &imported)).unwrap();
@@ -66,7 +68,9 @@ fn exports_hold_megatron_cores_tensors_and_import_back_exactly() {
             // attention's latent norms and dense pre-MLP norm are fused; else alike.
             let mut want = model_keys(&theirs);
             let renames: &[(&str, &str)] = match name {
-                "mixtral_dist" | "deepseek_dist" => &[("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")],
+                "mixtral_dist" | "deepseek_dist" | "mtp_dist" => {
+                    &[("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")]
+                }
                 "mla_dist" | "mla_yarn_dist" => &[
                     ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
                     ("self_attention.q_layernorm.weight", "self_attention.linear_q_up_proj.layer_norm_weight"),
@@ -77,6 +81,12 @@ fn exports_hold_megatron_cores_tensors_and_import_back_exactly() {
             for (from, to) in renames {
                 let norm = want.remove(&format!("decoder.layers.{from}")).unwrap();
                 want.insert(format!("decoder.layers.{to}"), norm);
+            }
+            // The prediction depth's layer (with experts, as the decoder's) likewise.
+            if name == "mtp_dist" {
+                let layer = "mtp.layers.0.transformer_layer";
+                let norm = want.remove(&format!("{layer}.mlp.linear_fc1.layer_norm_weight")).unwrap();
+                want.insert(format!("{layer}.pre_mlp_layernorm.weight"), norm);
             }
             assert_eq!(te_keys, want, "{name}: Transformer Engine's names");
         } else {

@@ -149,11 +149,21 @@ fn mtp_resume_is_bit_exact_and_the_checkpoint_names_the_depths() {
     let done = convert(&ConvertArgs::new("ferrotron", "hf", &a, &hf)).unwrap();
     let mtp = ck.tensors.keys().filter(|n| n.starts_with("mtp.")).count();
     assert_eq!(done.left_out, mtp);
-    // Megatron's MTP tensors are neither read nor written yet: refused, nothing written.
-    let meg = tmp("mtp-megatron");
-    let e = format!("{:#}", convert(&ConvertArgs::new("ferrotron", "megatron", &a, &meg)).unwrap_err());
-    assert!(e.contains("--mtp-num-layers") && e.contains("does not write yet"), "{e}");
-    assert!(!meg.exists());
+    // Megatron-LM's torch_dist keeps the depths (each its own keys) and its run the flags: back
+    // in, the same tensors.
+    let (meg, back) = (tmp("mtp-megatron"), tmp("mtp-megatron-back"));
+    convert(&ConvertArgs::new("ferrotron", "megatron", &a, &meg)).unwrap();
+    let shapes = ferrotron_checkpoint::megatron::MegatronCheckpoint::open(&meg).unwrap().shapes();
+    assert!(
+        shapes.contains_key("mtp.layers.1.eh_proj.weight") && !shapes.keys().any(|k| k.starts_with("mtp.layers.2"))
+    );
+    convert(&ConvertArgs::new("megatron", "ferrotron", &meg, &back)).unwrap();
+    let again = checkpoint::load(&back).unwrap();
+    assert_eq!(again.state.settings.mtp_num_layers, Some(2));
+    for (k, (_, v)) in again.tensors.iter().filter(|(k, _)| k.starts_with("mtp.")) {
+        assert_eq!(&ck.tensors[k].1, v, "{k}");
+    }
+    let _ = (std::fs::remove_dir_all(&meg), std::fs::remove_dir_all(&back));
     assert!(mtp >= 2 * 8, "{mtp}");
     let written = std::fs::read(hf.join("model.safetensors")).unwrap();
     let names = safetensors::SafeTensors::deserialize(&written)
