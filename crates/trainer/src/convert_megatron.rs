@@ -93,7 +93,7 @@ pub(crate) const YARN: [&str; 6] = [
 pub(crate) const NOT_READ: [(&str, &str); 3] = [
     ("hybrid_override_pattern", "a Mamba hybrid"),
     ("is_hybrid_model", "a Mamba hybrid"),
-    ("window_size", "sliding-window attention"),
+    ("window_attn_skip_freq", "full-attention layers among sliding-window ones"),
 ];
 
 fn json_of(v: &Py) -> Option<Value> {
@@ -164,6 +164,16 @@ fn model_args(ns: &Py, dir: &std::path::Path, a: &ConvertArgs) -> anyhow::Result
             if let Some(v) = ns.get(field).and_then(json_of) {
                 m.insert(field.replace('_', "-"), v);
             }
+        }
+    }
+    // Sliding windows: Megatron's (left, right) tuple, Ferrotron's flag's spelling.
+    match ns.get("window_size") {
+        None | Some(Py::None) => {}
+        Some(w) => {
+            let Some([l, r]) = w.as_ints().and_then(|v| <[i64; 2]>::try_from(v).ok()) else {
+                bail!("{dir}: window_size {w:?} is not Megatron's (left, right)");
+            };
+            m.insert("window-size".into(), Value::String(format!("({l},{r})")));
         }
     }
     // Multi-token prediction (Megatron records a loss scale for every run).
@@ -511,7 +521,7 @@ mod tests {
 
         for (field, v, needle) in [
             ("hybrid_override_pattern", Py::Str("M*M*".into()), "--hybrid-override-pattern"),
-            ("window_size", Py::Tuple(vec![Py::Int(3), Py::Int(0)]), "--window-size"),
+            ("window_attn_skip_freq", Py::Int(4), "--window-attn-skip-freq"),
         ] {
             let e = model_args(&namespace(&[(field, v)]), dir, &a).unwrap_err().to_string();
             assert!(e.contains(needle) && e.contains("does not read yet"), "{e}");
@@ -533,6 +543,8 @@ mod tests {
         assert_eq!(model_args(&mla("yarn", true), dir, &a).unwrap().mscale, Some(1.0));
         let e = model_args(&mla("rope", false), dir, &a).unwrap_err().to_string();
         assert!(e.contains("no latent norms"), "{e}");
+        let t = model_args(&namespace(&[("window_size", Py::Tuple(vec![Py::Int(3), Py::Int(0)]))]), dir, &a).unwrap();
+        assert_eq!(t.window_size.as_deref(), Some("(3,0)"));
         let t = model_args(&namespace(&[("kv_lora_rank", Py::Int(32))]), dir, &a).unwrap();
         assert_eq!(t.kv_lora_rank, None, "Megatron's default for every run");
         let e = model_args(&Py::Dict(vec![]), dir, &a).unwrap_err().to_string();

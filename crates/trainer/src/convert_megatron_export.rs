@@ -99,6 +99,14 @@ fn namespace(m: &TrainArgs, s: &Settings, l: &Layout, vocab: usize, samples: [u6
         }
         match k.as_str() {
             "disable_bias_linear" | "no_bias_gelu_fusion" => {}
+            // Megatron's is a tuple (left, right); the flag's spelling "(left,right)".
+            "window_size" => {
+                let text = v.as_str().unwrap_or_default();
+                let ints: Option<Vec<i64>> =
+                    text.trim_matches(|c| c == '(' || c == ')').split(',').map(|x| x.trim().parse().ok()).collect();
+                let ints = ints.with_context(|| format!("--window-size {text}: not (left,right)"))?;
+                ns.set(&k, Py::Tuple(ints.into_iter().map(Py::Int).collect()));
+            }
             "moe_layer_freq" => ns.set(&k, layer_freq(v.as_str().unwrap_or_default(), s.num_layers)?),
             // Megatron's is an int.
             "rotary_base" => match v.as_f64() {

@@ -101,6 +101,8 @@ fn megatron_checkpoints_import_to_megatron_cores_logits() {
         ("mla_yarn_dist", "mcore", "torch_dist"),
         // mixtral_dist's model with a multi-token prediction depth.
         ("mtp_dist", "megatron", "torch_dist"),
+        // llama_dist's with sliding-window attention: each token and the 3 before it.
+        ("window_dist", "megatron", "torch_dist"),
     ];
     for (name, loader, format) in fixtures {
         let out = tmp(&format!("megatron-import-{name}"));
@@ -124,6 +126,7 @@ fn megatron_checkpoints_import_to_megatron_cores_logits() {
             assert_eq!((m.moe_router_score_function.as_str(), m.moe_router_group_topk), ("sigmoid", Some(1)));
             assert_eq!((m.moe_shared_expert_intermediate_size, m.moe_router_bias_update_rate), (Some(32), Some(1e-3)));
         }
+        assert_eq!(s.window_size, (name == "window_dist").then_some(3));
         if name.starts_with("mla") {
             let m = s.mla.as_ref().expect("multi-latent attention");
             assert_eq!((m.q_lora_rank, m.kv_lora_rank, m.qk_pos_emb_head_dim), (Some(16), 12, 4));

@@ -42,8 +42,16 @@ fn same_tensors(a: &Path, b: &Path) {
 
 #[test]
 fn exports_hold_megatron_cores_tensors_and_import_back_exactly() {
-    let fixtures =
-        ["llama_dist", "mixtral_dist", "deepseek_dist", "gpt_legacy", "mla_dist", "mla_yarn_dist", "mtp_dist"];
+    let fixtures = [
+        "llama_dist",
+        "mixtral_dist",
+        "deepseek_dist",
+        "gpt_legacy",
+        "mla_dist",
+        "mla_yarn_dist",
+        "mtp_dist",
+        "window_dist",
+    ];
     for name in fixtures {
         let (imported, exported, again) =
             (tmp(&format!("mx-{name}-in")), tmp(&format!("mx-{name}-out")), tmp(&format!("mx-{name}-again")));
@@ -114,6 +122,8 @@ fn exports_hold_megatron_cores_tensors_and_import_back_exactly() {
         ] {
             assert_eq!(a.get(k), Some(&v), "{name}: {k}");
         }
+        let window = (name == "window_dist").then(|| Py::Tuple(vec![Py::Int(3), Py::Int(0)]));
+        assert_eq!(a.get("window_size").cloned(), window, "{name}: Megatron's (left, right)");
         // Back in: the same parameters (and expert biases), bit for bit.
         convert(&ConvertArgs::new("megatron", "ferrotron", &exported, &again)).unwrap();
         same_tensors(&imported, &again);
