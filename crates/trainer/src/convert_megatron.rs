@@ -458,14 +458,7 @@ mod tests {
 
     /// An argparse Namespace as a pickle reads one: `fields` its attributes.
     fn namespace(fields: &[(&str, Py)]) -> Py {
-        let state = fields.iter().map(|(k, v)| (Py::Str(k.to_string()), v.clone())).collect();
-        Py::Object {
-            callable: Box::new(Py::Global("argparse".into(), "Namespace".into())),
-            args: vec![],
-            state: Some(Box::new(Py::Dict(state))),
-            items: vec![],
-            elems: vec![],
-        }
+        Py::with_attrs("argparse", "Namespace", fields.to_vec())
     }
 
     #[test]

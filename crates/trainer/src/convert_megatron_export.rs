@@ -54,14 +54,7 @@ impl Namespace {
         }
     }
     fn into_py(self) -> Py {
-        let state = self.0.into_iter().map(|(k, v)| (Py::Str(k), v)).collect();
-        Py::Object {
-            callable: Box::new(Py::Global("argparse".into(), "Namespace".into())),
-            args: vec![],
-            state: Some(Box::new(Py::Dict(state))),
-            items: vec![],
-            elems: vec![],
-        }
+        Py::instance("argparse", "Namespace", Py::Dict(self.0.into_iter().map(|(k, v)| (Py::Str(k), v)).collect()))
     }
 }
 
@@ -336,9 +329,9 @@ pub(crate) fn export(a: &ConvertArgs) -> anyhow::Result<Converted> {
         let global: Vec<usize> = outer.iter().chain(&sizes).copied().collect();
         let offsets: Vec<usize> = lead.iter().copied().chain(sizes.iter().map(|_| 0)).collect();
         let chunk: Vec<usize> = lead.iter().map(|_| 1).chain(sizes.iter().copied()).collect();
-        save.chunk(key, dtype, &global, &offsets, &chunk, &bytes_of(&values, dtype))?;
+        save.dcp().chunk(key, dtype, &global, &offsets, &chunk, &bytes_of(&values, dtype))?;
         if let Some(k) = extra_state_key(key, lead, &outer) {
-            save.object(&k, &extra_state)?;
+            save.dcp().object(&k, &extra_state)?;
         }
         tensors += 1;
     }

@@ -210,23 +210,10 @@ mod tests {
     use super::*;
 
     fn object(class: &str, attrs: Vec<(&str, Py)>) -> Py {
-        let state = attrs.into_iter().map(|(k, v)| (Py::Str(k.into()), v)).collect();
-        Py::Object {
-            callable: Box::new(Py::Global("torch.distributed.checkpoint.metadata".into(), class.into())),
-            args: vec![],
-            state: Some(Box::new(Py::Dict(state))),
-            items: vec![],
-            elems: vec![],
-        }
+        Py::with_attrs("torch.distributed.checkpoint.metadata", class, attrs)
     }
     fn size(v: &[i64]) -> Py {
-        Py::Object {
-            callable: Box::new(Py::Global("torch".into(), "Size".into())),
-            args: vec![Py::Tuple(v.iter().map(|&x| Py::Int(x)).collect())],
-            state: None,
-            items: vec![],
-            elems: vec![],
-        }
+        Py::call("torch", "Size", vec![Py::Tuple(v.iter().map(|&x| Py::Int(x)).collect())])
     }
     fn tensor(shape: &[i64], chunks: &[(&[i64], &[i64])]) -> Py {
         let chunks = chunks

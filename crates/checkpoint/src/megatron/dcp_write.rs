@@ -8,7 +8,7 @@ use super::MegatronError;
 use super::pickle::Py;
 use super::pickle_write;
 use super::torch_file::TorchDtype;
-use super::torch_save::{self, call};
+use super::torch_save;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -37,18 +37,7 @@ pub struct DcpWriter {
 }
 
 fn size(v: &[usize]) -> Py {
-    call("torch", "Size", vec![Py::Tuple(v.iter().map(|&x| Py::Int(x as i64)).collect())])
-}
-
-/// A dataclass of DCP's, as pickle writes one: `cls.__new__(cls)` given `fields` as its dict.
-fn dataclass(module: &str, class: &str, fields: Vec<(&str, Py)>) -> Py {
-    Py::Object {
-        callable: Box::new(Py::Global(module.into(), class.into())),
-        args: vec![],
-        state: Some(Box::new(Py::Dict(fields.into_iter().map(|(k, v)| (Py::Str(k.into()), v)).collect()))),
-        items: vec![],
-        elems: vec![],
-    }
+    Py::call("torch", "Size", vec![Py::Tuple(v.iter().map(|&x| Py::Int(x as i64)).collect())])
 }
 
 impl DcpWriter {
@@ -162,28 +151,28 @@ impl DcpWriter {
                 return Err(self.bad(format!("the chunks of `{name}` {:?} do not cover it", t.shape)));
             }
         }
-        let properties = |dtype: TorchDtype| Py::Object {
-            callable: Box::new(Py::Global(META.into(), "TensorProperties".into())),
-            args: vec![],
-            // (dtype, layout, requires_grad, memory_format, pin_memory), its __getstate__'s.
-            state: Some(Box::new(Py::Tuple(vec![
+        // (dtype, layout, requires_grad, memory_format, pin_memory): its __getstate__'s five
+        // fields, which every PyTorch reads (newer ones add strides).
+        let properties = |dtype: TorchDtype| {
+            let state = Py::Tuple(vec![
                 Py::Global("torch".into(), dtype.torch_name().into()),
-                call("torch.serialization", "_get_layout", vec![Py::Str("torch.strided".into())]),
+                Py::call("torch.serialization", "_get_layout", vec![Py::Str("torch.strided".into())]),
                 Py::Bool(false),
-                call(META, "_MEM_FORMAT_ENCODING", vec![Py::Int(0)]),
+                Py::call(META, "_MEM_FORMAT_ENCODING", vec![Py::Int(0)]),
                 Py::Bool(false),
-            ]))),
-            items: vec![],
-            elems: vec![],
+            ]);
+            Py::instance(META, "TensorProperties", state)
         };
         let mut entries = vec![];
         for (name, t) in &self.tensors {
             let chunks = t
                 .chunks
                 .iter()
-                .map(|(o, s)| dataclass(META, "ChunkStorageMetadata", vec![("offsets", size(o)), ("sizes", size(s))]))
+                .map(|(o, s)| {
+                    Py::with_attrs(META, "ChunkStorageMetadata", vec![("offsets", size(o)), ("sizes", size(s))])
+                })
                 .collect();
-            let m = dataclass(
+            let m = Py::with_attrs(
                 META,
                 "TensorStorageMetadata",
                 vec![("properties", properties(t.dtype)), ("size", size(&t.shape)), ("chunks", Py::List(chunks))],
@@ -192,13 +181,13 @@ impl DcpWriter {
         }
         let objects: BTreeSet<&String> = self.objects.iter().collect();
         for key in objects {
-            entries.push((Py::Str(key.clone()), call(META, "BytesStorageMetadata", vec![])));
+            entries.push((Py::Str(key.clone()), Py::call(META, "BytesStorageMetadata", vec![])));
         }
         let storage = self
             .stored
             .iter()
             .map(|((fqn, offsets), (file, at, len))| {
-                let index = dataclass(
+                let index = Py::with_attrs(
                     META,
                     "MetadataIndex",
                     vec![
@@ -207,7 +196,7 @@ impl DcpWriter {
                         ("index", Py::None),
                     ],
                 );
-                let info = dataclass(
+                let info = Py::with_attrs(
                     "torch.distributed.checkpoint.filesystem",
                     "_StorageInfo",
                     vec![
@@ -219,7 +208,7 @@ impl DcpWriter {
                 (index, info)
             })
             .collect();
-        let meta = dataclass(
+        let meta = Py::with_attrs(
             META,
             "Metadata",
             vec![

@@ -18,6 +18,7 @@ mod save;
 mod torch_file;
 mod torch_save;
 
+pub use dcp_write::DcpWriter;
 pub use legacy::TpCut;
 pub use pickle::{PickleError, Py};
 pub use pickle_write::dump as pickle_dump;

@@ -38,6 +38,34 @@ pub enum Py {
 }
 
 impl Py {
+    /// `module.class(*args)` (pickled as REDUCE).
+    pub fn call(module: &str, class: &str, args: Vec<Py>) -> Py {
+        Py::Object {
+            callable: Box::new(Py::Global(module.into(), class.into())),
+            args,
+            state: None,
+            items: vec![],
+            elems: vec![],
+        }
+    }
+
+    /// An instance of `module.class` made without calling it and given `state` (pickled as
+    /// NEWOBJ then BUILD, as Python pickles a plain class, a dataclass or a Namespace).
+    pub fn instance(module: &str, class: &str, state: Py) -> Py {
+        Py::Object {
+            callable: Box::new(Py::Global(module.into(), class.into())),
+            args: vec![],
+            state: Some(Box::new(state)),
+            items: vec![],
+            elems: vec![],
+        }
+    }
+
+    /// An instance whose state is the dict of attributes `attrs`.
+    pub fn with_attrs(module: &str, class: &str, attrs: Vec<(&str, Py)>) -> Py {
+        Py::instance(module, class, Py::Dict(attrs.into_iter().map(|(k, v)| (Py::Str(k.into()), v)).collect()))
+    }
+
     /// The entry `key` of a dict, an OrderedDict or an object's state dict (its attributes).
     pub fn get(&self, key: &str) -> Option<&Py> {
         fn find<'a>(items: &'a [(Py, Py)], key: &str) -> Option<&'a Py> {

@@ -8,7 +8,6 @@
 use super::MegatronError;
 use super::dcp_write::DcpWriter;
 use super::pickle::Py;
-use super::torch_file::TorchDtype;
 use super::torch_save;
 use std::path::{Path, PathBuf};
 
@@ -51,26 +50,10 @@ impl MegatronSave {
         Ok(MegatronSave { save_dir: save_dir.to_path_buf(), iteration, tmp, dcp, placed: false })
     }
 
-    fn dcp(&mut self) -> &mut DcpWriter {
+    /// The distributed checkpoint the tensors (`DcpWriter::chunk`) and sharded objects
+    /// (`DcpWriter::object`) go into.
+    pub fn dcp(&mut self) -> &mut DcpWriter {
         self.dcp.as_mut().expect("present until finish")
-    }
-
-    /// One chunk of tensor `name` (see `DcpWriter::chunk`).
-    pub fn chunk(
-        &mut self,
-        name: &str,
-        dtype: TorchDtype,
-        shape: &[usize],
-        offsets: &[usize],
-        sizes: &[usize],
-        bytes: &[u8],
-    ) -> Result<(), MegatronError> {
-        self.dcp().chunk(name, dtype, shape, offsets, sizes, bytes)
-    }
-
-    /// A sharded object (`DcpWriter::object`).
-    pub fn object(&mut self, key: &str, obj: &Py) -> Result<(), MegatronError> {
-        self.dcp().object(key, obj)
     }
 
     /// Writes `.metadata`, `common.pt` (`common`: the state dict Megatron keeps beside the

@@ -48,17 +48,6 @@ fn ints(v: &[usize]) -> Py {
     Py::Tuple(v.iter().map(|&x| Py::Int(x as i64)).collect())
 }
 
-/// A call with positional arguments (pickled as REDUCE).
-pub(crate) fn call(module: &str, name: &str, args: Vec<Py>) -> Py {
-    Py::Object {
-        callable: Box::new(Py::Global(module.into(), name.into())),
-        args,
-        state: None,
-        items: vec![],
-        elems: vec![],
-    }
-}
-
 /// A contiguous tensor of `shape` whose values are storage `key` (the pickle of
 /// `torch._utils._rebuild_tensor_v2`, as `torch.save` writes a tensor).
 pub fn tensor(key: &str, dtype: TorchDtype, shape: &[usize]) -> Py {
@@ -74,7 +63,7 @@ pub fn tensor(key: &str, dtype: TorchDtype, shape: &[usize]) -> Py {
         Py::Str("cpu".into()),
         Py::Int(numel as i64),
     ]);
-    call(
+    Py::call(
         "torch._utils",
         "_rebuild_tensor_v2",
         vec![
@@ -83,7 +72,7 @@ pub fn tensor(key: &str, dtype: TorchDtype, shape: &[usize]) -> Py {
             ints(shape),
             ints(&stride),
             Py::Bool(false),
-            call("collections", "OrderedDict", vec![]),
+            Py::call("collections", "OrderedDict", vec![]),
         ],
     )
 }
