@@ -9,7 +9,7 @@ use super::pickle::Py;
 use super::pickle_write;
 use super::torch_file::TorchDtype;
 use super::torch_save;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -21,6 +21,8 @@ struct TensorMeta {
     shape: Vec<usize>,
     /// Each chunk's offsets and sizes, in the order written.
     chunks: Vec<(Vec<usize>, Vec<usize>)>,
+    /// The chunks' offsets, to refuse a second chunk at one place.
+    at: HashSet<Vec<usize>>,
 }
 
 /// Where one item's bytes went: (fqn, chunk offsets or none for bytes) → (file, offset, length).
@@ -113,7 +115,7 @@ impl DcpWriter {
             if t.dtype != dtype || t.shape != shape {
                 return Err(self.bad(format!("`{name}` was {:?} {:?}, now {dtype:?} {shape:?}", t.dtype, t.shape)));
             }
-            if t.chunks.iter().any(|(o, _)| o == offsets) {
+            if t.at.contains(offsets) {
                 return Err(self.bad(format!("`{name}` has a chunk at {offsets:?} already")));
             }
         }
@@ -121,11 +123,14 @@ impl DcpWriter {
             .map_err(|e| self.bad(format!("`{name}`: {e}")))?;
         let place = self.append(&archive)?;
         self.stored.push(((name.to_string(), Some(offsets.to_vec())), place));
-        self.tensors
-            .entry(name.to_string())
-            .or_insert_with(|| TensorMeta { dtype, shape: shape.to_vec(), chunks: vec![] })
-            .chunks
-            .push((offsets.to_vec(), sizes.to_vec()));
+        let t = self.tensors.entry(name.to_string()).or_insert_with(|| TensorMeta {
+            dtype,
+            shape: shape.to_vec(),
+            chunks: vec![],
+            at: HashSet::new(),
+        });
+        t.chunks.push((offsets.to_vec(), sizes.to_vec()));
+        t.at.insert(offsets.to_vec());
         Ok(())
     }
 
@@ -221,5 +226,39 @@ impl DcpWriter {
         );
         let path = self.dir.join(".metadata");
         std::fs::write(&path, pickle_write::dump(&meta)).map_err(|source| MegatronError::Io { path, source })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Chunks read back through `Dcp` by box; a second chunk at one place, a chunk outside its
+    /// tensor, and a tensor its chunks do not cover are refused.
+    #[test]
+    fn chunks_read_back_and_bad_layouts_are_refused() {
+        let dir = std::env::temp_dir().join(format!("ferrotron-dcp-write-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let rows = |r: std::ops::Range<u32>| -> Vec<u8> { r.flat_map(|x| (x as f32).to_le_bytes()).collect() };
+        // Tiny files: every item past the first opens a new one.
+        let mut w = DcpWriter::new(&dir, 1);
+        w.chunk("t", TorchDtype::F32, &[2, 3], &[1, 0], &[1, 3], &rows(3..6)).unwrap();
+        w.chunk("t", TorchDtype::F32, &[2, 3], &[0, 0], &[1, 3], &rows(0..3)).unwrap();
+        let e = w.chunk("t", TorchDtype::F32, &[2, 3], &[0, 0], &[1, 3], &rows(0..3)).unwrap_err();
+        assert!(e.to_string().contains("has a chunk at [0, 0] already"), "{e}");
+        let e = w.chunk("t", TorchDtype::F32, &[2, 3], &[2, 0], &[1, 3], &rows(0..3)).unwrap_err();
+        assert!(e.to_string().contains("does not fit"), "{e}");
+        w.object("o/shard_0_1", &Py::List(vec![Py::None])).unwrap();
+        w.finish().unwrap();
+        let d = super::super::dcp::Dcp::open(&dir).unwrap();
+        assert_eq!(d.read_box("t", &[0, 0], &[2, 3]).unwrap(), vec![0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+        assert!(d.objects.contains("o/shard_0_1"));
+        assert!(dir.join("__0_2.distcp").exists(), "a file an item");
+        let mut w = DcpWriter::new(&dir, 1 << 20);
+        w.chunk("half", TorchDtype::F32, &[2, 3], &[0, 0], &[1, 3], &rows(0..3)).unwrap();
+        let e = w.finish().unwrap_err();
+        assert!(e.to_string().contains("do not cover"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

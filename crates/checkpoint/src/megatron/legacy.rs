@@ -63,6 +63,19 @@ fn renumber(key: &str, prefix: &str, by: usize) -> String {
     }
 }
 
+/// Where the expert number starts in a grouped GEMM's weight name (`….mlp.experts.linear_fc1.weight3`).
+fn grouped_index(name: &str) -> Option<usize> {
+    let (head, n) = name.rsplit_once(".weight")?;
+    let grouped = head.ends_with(".mlp.experts.linear_fc1") || head.ends_with(".mlp.experts.linear_fc2");
+    (grouped && !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())).then_some(head.len() + ".weight".len())
+}
+
+/// How many experts a file's grouped GEMM holds (the weights named like `key`, any number).
+fn grouped_count(keys: &[String], key: &str) -> usize {
+    let at = grouped_index(key).expect("a grouped weight");
+    keys.iter().filter(|k| grouped_index(k) == Some(at) && k[..at] == key[..at]).count()
+}
+
 const LAYERS: &str = "decoder.layers.";
 const EXPERTS: &str = ".mlp.experts.local_experts.";
 
@@ -146,8 +159,17 @@ impl Legacy {
                 let mut name = renumber(&k, LAYERS, layer_at[p]);
                 if expert {
                     name = renumber(&name, EXPERTS, e * local_experts);
+                } else if let Some(at) = grouped_index(&name).filter(|_| ep > 1) {
+                    // Transformer Engine's grouped GEMM numbers its experts in the name's end.
+                    let n: usize = name[at..].parse().expect("digits");
+                    name = format!("{}{}", &name[..at], n + e * grouped_count(&keys, &k));
                 }
-                let parts = tensors.entry(name).or_insert_with(|| (0..tp).map(|_| None).collect());
+                let parts = tensors.entry(name.clone()).or_insert_with(|| (0..tp).map(|_| None).collect());
+                if parts[t].is_some() {
+                    return Err(bad(format!(
+                        "`{name}` comes from two rank files of tensor rank {t}: their layout is not the one the run's arguments give"
+                    )));
+                }
                 parts[t] = Some(Part { file: i, tensor });
             }
         }
@@ -220,6 +242,11 @@ mod tests {
         assert_eq!(count(&keys, LAYERS), 3);
         assert_eq!(count(&keys, EXPERTS), 0);
         assert_eq!(rank_numbers("mp_rank_01_002"), Some(vec![1, 2]));
+        let g = "decoder.layers.1.mlp.experts.linear_fc1.weight12";
+        assert_eq!(grouped_index(g).map(|at| &g[at..]), Some("12"));
+        assert_eq!(grouped_index("decoder.layers.1.mlp.linear_fc1.weight"), None);
+        let keys: Vec<String> = (0..3).map(|e| format!("decoder.layers.1.mlp.experts.linear_fc1.weight{e}")).collect();
+        assert_eq!(grouped_count(&keys, g), 3);
         assert_eq!(rank_numbers("mp_rank_x"), None);
     }
 }
