@@ -153,8 +153,11 @@ impl Legacy {
             for (k, tensor) in std::mem::take(&mut models[i]) {
                 let expert = k.contains(EXPERTS);
                 // Every expert rank holds the model's other tensors: taken from the first.
-                if (e > 0 && !expert) || (tied && k == "output_layer.weight") {
-                    continue; // (a tied output layer is the last stage's copy of the embedding)
+                // A tied output layer is the last stage's copy of the embedding, as is an
+                // embedding on a later stage (multi-token prediction's).
+                if (e > 0 && !expert) || (tied && k == "output_layer.weight") || (p > 0 && k.starts_with("embedding."))
+                {
+                    continue;
                 }
                 let mut name = renumber(&k, LAYERS, layer_at[p]);
                 if expert {
