@@ -70,8 +70,8 @@ struct Layout {
     layers: usize,
     experts: usize,
     /// Transformer Engine's names (Megatron-LM's default --transformer-impl), else megatron-core's
-    /// local spec's: they differ in MoE layers only, where Transformer Engine keeps the pre-MLP
-    /// norm apart (`pre_mlp_layernorm.*`) and the local spec files it under `linear_fc1`.
+    /// local spec's: they differ in MoE layers' pre-MLP norm and in multi-latent attention's
+    /// norms (`fused_norm`).
     te: bool,
     /// Multi-latent attention, whose layers' norms megatron-core names its own way.
     mla: bool,
@@ -121,8 +121,9 @@ fn namespace(m: &TrainArgs, s: &Settings, l: &Layout, vocab: usize, samples: [u6
     ns.set("group_query_attention", Py::Bool(s.num_query_groups != heads));
     ns.set("num_query_groups", Py::Int(s.num_query_groups as i64));
     ns.set("kv_channels", Py::Int(s.kv_channels.unwrap_or(s.hidden_size / heads.max(1)) as i64));
-    // Megatron's tokenizers: its GPT-2 BPE reads --vocab-file and --merge-file; bytes are ids
-    // below 255 and the end of document 255 to its NullTokenizer.
+    // Megatron's tokenizers: its GPT-2 BPE reads --vocab-file and --merge-file; bytes have no
+    // tokenizer there: NullTokenizer over the same 256 ids (its end of document is 255, the byte
+    // tokenizer's 0).
     match s.tokenizer_type.as_str() {
         "gpt2" => ns.set("tokenizer_type", Py::Str("GPT2BPETokenizer".into())),
         "byte" => {
@@ -338,7 +339,10 @@ pub(crate) fn export(a: &ConvertArgs) -> anyhow::Result<Converted> {
     let dir = save.finish(&common)?;
     let tokenizer = match s.tokenizer_type.as_str() {
         "gpt2" => Err("Megatron's GPT2BPETokenizer reads the GPT-2 files: pass --vocab-file and --merge-file".into()),
-        "byte" => Err("bytes are recorded as NullTokenizer over 256 ids (end of document 255)".into()),
+        "byte" => Err(
+            "bytes are recorded as NullTokenizer over the same 256 ids; its end of document is 255, the byte tokenizer's 0"
+                .into(),
+        ),
         _ => Ok(vec![]),
     };
     Ok(Converted { dir, arch: None, what: "Megatron-LM torch_dist checkpoint".into(), tensors, tokenizer, left_out: 0 })
