@@ -65,7 +65,7 @@ pub struct ConvertArgs {
     pub target_tensor_parallel_size: Option<usize>,
     /// ferrotron → megatron: the --transformer-impl whose names the Megatron run loads,
     /// transformer_engine (default, as Megatron-LM's) or local (they differ in MoE layers' pre-MLP
-    /// norm).
+    /// norm and in multi-latent attention's norms).
     #[arg(long)]
     pub saver_transformer_impl: Option<String>,
 }
@@ -137,9 +137,9 @@ pub fn convert(a: &ConvertArgs) -> anyhow::Result<Converted> {
             if saver != "hf" {
                 return crate::convert_megatron_export::export(a);
             }
-            if a.target_tensor_parallel_size.is_some() {
+            if a.target_tensor_parallel_size.is_some() || a.saver_transformer_impl.is_some() {
                 bail!(
-                    "--target-tensor-parallel-size sets a Megatron export's vocabulary padding: drop it for --saver hf"
+                    "--target-tensor-parallel-size and --saver-transformer-impl describe a Megatron export: drop them for --saver hf"
                 );
             }
             let shard = a.max_shard_size.as_deref().map(shard_bytes).transpose()?.unwrap_or(DEFAULT_SHARD);

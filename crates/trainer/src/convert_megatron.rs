@@ -248,11 +248,7 @@ pub(crate) fn sources(name: &str) -> Vec<(String, Vec<usize>)> {
     // A multi-token prediction depth's layer: never stacked, its experts stacked alone.
     if let Some((depth, tail)) = name.split_once(".transformer_layer.").filter(|(d, _)| d.starts_with("mtp.layers.")) {
         let prefix = format!("{depth}.transformer_layer.");
-        if let Some((e, t)) = tail
-            .strip_prefix("mlp.experts.local_experts.")
-            .and_then(|r| r.split_once('.'))
-            .and_then(|(e, t)| Some((e.parse::<usize>().ok()?, t)))
-        {
+        if let Some((e, t)) = expert_of(tail) {
             return vec![(format!("{prefix}mlp.experts.experts.{t}"), vec![e]), (name.to_string(), vec![])];
         }
         let te = te_norm_name(tail).map(|t| (format!("{prefix}{t}"), vec![]));
@@ -263,10 +259,7 @@ pub(crate) fn sources(name: &str) -> Vec<(String, Vec<usize>)> {
     let Ok(layer) = layer.parse::<usize>() else { return whole() };
     // An expert's tensor: stacked over layers and experts, over experts alone (layers that
     // differ), one tensor each (legacy), or Transformer Engine's grouped GEMM's `weightE`.
-    if let Some(e_rest) = tail.strip_prefix("mlp.experts.local_experts.")
-        && let Some((e, t)) = e_rest.split_once('.')
-        && let Ok(e) = e.parse::<usize>()
-    {
+    if let Some((e, t)) = expert_of(tail) {
         let mut out = vec![
             (format!("decoder.layers.mlp.experts.experts.{t}"), vec![layer, e]),
             (format!("decoder.layers.{layer}.mlp.experts.experts.{t}"), vec![e]),
@@ -284,6 +277,12 @@ pub(crate) fn sources(name: &str) -> Vec<(String, Vec<usize>)> {
         out.push((format!("decoder.layers.{layer}.{t}"), vec![]));
     }
     out
+}
+
+/// A layer's expert tensor's expert and name within the expert (`mlp.experts.local_experts.E.T`).
+pub(crate) fn expert_of(tail: &str) -> Option<(usize, &str)> {
+    let (e, t) = tail.strip_prefix("mlp.experts.local_experts.")?.split_once('.')?;
+    Some((e.parse().ok()?, t))
 }
 
 /// Transformer Engine's name for a layer's norm fused with the linear layer after it (the norm's

@@ -13,7 +13,7 @@
 
 use crate::checkpoint;
 use crate::convert::{ConvertArgs, Converted};
-use crate::convert_megatron::{COPIED, MOE, NOT_READ, model_tensors};
+use crate::convert_megatron::{COPIED, MOE, NOT_READ, expert_of, model_tensors};
 use crate::settings::{Settings, TrainArgs};
 use anyhow::{Context, bail};
 use ferrotron_checkpoint::megatron::{MegatronSave, Py, TorchDtype};
@@ -218,12 +218,6 @@ fn megatron_key(name: &str, l: &Layout, moe_layers: &[String]) -> (String, Vec<u
         true => (format!("decoder.layers.{tail}"), vec![layer]),
         false => (format!("decoder.layers.{layer}.{tail}"), vec![]),
     }
-}
-
-/// A layer's expert tensor's expert and name within the expert (`mlp.experts.local_experts.E.T`).
-fn expert_of(tail: &str) -> Option<(usize, &str)> {
-    let (e, t) = tail.strip_prefix("mlp.experts.local_experts.")?.split_once('.')?;
-    Some((e.parse().ok()?, t))
 }
 
 /// The shape of the leading dims `lead` of a stacked tensor indexes: layers, experts, or both.

@@ -217,6 +217,10 @@ fn exports_that_cannot_be_written_are_refused_and_nothing_is_lost() {
     let mut b = ConvertArgs::new("ferrotron", "megatron", &imported, &tmp("mx-refuse-impl"));
     b.saver_transformer_impl = Some("te".into());
     fails(&b, "transformer_engine (Megatron-LM's default) or local");
+    // The Megatron export's own flags mean nothing to a Hugging Face one.
+    let mut h = ConvertArgs::new("ferrotron", "hf", &imported, &tmp("mx-refuse-hf"));
+    h.saver_transformer_impl = Some("local".into());
+    fails(&h, "describe a Megatron export");
     for (saver, needle) in [("legacy", "write torch_dist"), ("nemo", "ferrotron → megatron")] {
         fails(&ConvertArgs::new("ferrotron", saver, &imported, &tmp("mx-refuse-other")), needle);
     }

@@ -9,7 +9,7 @@ use super::pickle::Py;
 use super::pickle_write;
 use super::torch_file::TorchDtype;
 use super::torch_save;
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -19,10 +19,8 @@ const META: &str = "torch.distributed.checkpoint.metadata";
 struct TensorMeta {
     dtype: TorchDtype,
     shape: Vec<usize>,
-    /// Each chunk's offsets and sizes, in the order written.
-    chunks: Vec<(Vec<usize>, Vec<usize>)>,
-    /// The chunks' offsets, to refuse a second chunk at one place.
-    at: HashSet<Vec<usize>>,
+    /// Each chunk's sizes by its offsets (one chunk a place).
+    chunks: BTreeMap<Vec<usize>, Vec<usize>>,
 }
 
 /// Where one item's bytes went: (fqn, chunk offsets or none for bytes) → (file, offset, length).
@@ -34,7 +32,7 @@ pub struct DcpWriter {
     file: Option<(String, BufWriter<File>, u64)>,
     files: usize,
     tensors: BTreeMap<String, TensorMeta>,
-    objects: Vec<String>,
+    objects: BTreeSet<String>,
     stored: Stored,
 }
 
@@ -52,7 +50,7 @@ impl DcpWriter {
             file: None,
             files: 0,
             tensors: BTreeMap::new(),
-            objects: vec![],
+            objects: BTreeSet::new(),
             stored: vec![],
         }
     }
@@ -115,7 +113,7 @@ impl DcpWriter {
             if t.dtype != dtype || t.shape != shape {
                 return Err(self.bad(format!("`{name}` was {:?} {:?}, now {dtype:?} {shape:?}", t.dtype, t.shape)));
             }
-            if t.at.contains(offsets) {
+            if t.chunks.contains_key(offsets) {
                 return Err(self.bad(format!("`{name}` has a chunk at {offsets:?} already")));
             }
         }
@@ -126,24 +124,22 @@ impl DcpWriter {
         let t = self.tensors.entry(name.to_string()).or_insert_with(|| TensorMeta {
             dtype,
             shape: shape.to_vec(),
-            chunks: vec![],
-            at: HashSet::new(),
+            chunks: BTreeMap::new(),
         });
-        t.chunks.push((offsets.to_vec(), sizes.to_vec()));
-        t.at.insert(offsets.to_vec());
+        t.chunks.insert(offsets.to_vec(), sizes.to_vec());
         Ok(())
     }
 
     /// A byte object `key` (Megatron's sharded objects, `_extra_state/shard_…`): `obj` as
     /// torch.save writes it.
     pub fn object(&mut self, key: &str, obj: &Py) -> Result<(), MegatronError> {
-        if self.objects.iter().any(|k| k == key) || self.tensors.contains_key(key) {
+        if self.objects.contains(key) || self.tensors.contains_key(key) {
             return Err(self.bad(format!("`{key}` is written already")));
         }
         let bytes = torch_save::save("archive", obj, &[]).map_err(|e| self.bad(format!("`{key}`: {e}")))?;
         let place = self.append(&bytes)?;
         self.stored.push(((key.to_string(), None), place));
-        self.objects.push(key.to_string());
+        self.objects.insert(key.to_string());
         Ok(())
     }
 
@@ -151,7 +147,7 @@ impl DcpWriter {
     pub fn finish(mut self) -> Result<(), MegatronError> {
         self.close()?;
         for (name, t) in &self.tensors {
-            let covered: usize = t.chunks.iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+            let covered: usize = t.chunks.values().map(|s| s.iter().product::<usize>()).sum();
             if covered != t.shape.iter().product::<usize>() {
                 return Err(self.bad(format!("the chunks of `{name}` {:?} do not cover it", t.shape)));
             }
@@ -184,8 +180,7 @@ impl DcpWriter {
             );
             entries.push((Py::Str(name.clone()), m));
         }
-        let objects: BTreeSet<&String> = self.objects.iter().collect();
-        for key in objects {
+        for key in &self.objects {
             entries.push((Py::Str(key.clone()), Py::call(META, "BytesStorageMetadata", vec![])));
         }
         let storage = self

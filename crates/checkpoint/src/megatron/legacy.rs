@@ -70,10 +70,15 @@ fn grouped_index(name: &str) -> Option<usize> {
     (grouped && !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit())).then_some(head.len() + ".weight".len())
 }
 
-/// How many experts a file's grouped GEMM holds (the weights named like `key`, any number).
-fn grouped_count(keys: &[String], key: &str) -> usize {
-    let at = grouped_index(key).expect("a grouped weight");
-    keys.iter().filter(|k| grouped_index(k) == Some(at) && k[..at] == key[..at]).count()
+/// How many experts each grouped GEMM of a file holds: its weights' count by name less number.
+fn grouped_counts(keys: &[String]) -> BTreeMap<&str, usize> {
+    let mut counts = BTreeMap::new();
+    for k in keys {
+        if let Some(at) = grouped_index(k) {
+            *counts.entry(&k[..at]).or_insert(0) += 1;
+        }
+    }
+    counts
 }
 
 const LAYERS: &str = "decoder.layers.";
@@ -150,6 +155,7 @@ impl Legacy {
         for (&(t, p, e), &i) in &by_rank {
             let keys: Vec<String> = models[i].iter().map(|(k, _)| k.clone()).collect();
             let local_experts = count(&keys, EXPERTS);
+            let grouped = grouped_counts(&keys);
             for (k, tensor) in std::mem::take(&mut models[i]) {
                 let expert = k.contains(EXPERTS);
                 // Every expert rank holds the model's other tensors: taken from the first.
@@ -165,7 +171,9 @@ impl Legacy {
                 } else if let Some(at) = grouped_index(&name).filter(|_| ep > 1) {
                     // Transformer Engine's grouped GEMM numbers its experts in the name's end.
                     let n: usize = name[at..].parse().expect("digits");
-                    name = format!("{}{}", &name[..at], n + e * grouped_count(&keys, &k));
+                    // (counted under the file's own name: its layer not yet moved on)
+                    let here = grouped[&k[..k.len() - (name.len() - at)]];
+                    name = format!("{}{}", &name[..at], n + e * here);
                 }
                 let parts = tensors.entry(name.clone()).or_insert_with(|| (0..tp).map(|_| None).collect());
                 if parts[t].is_some() {
@@ -249,7 +257,7 @@ mod tests {
         assert_eq!(grouped_index(g).map(|at| &g[at..]), Some("12"));
         assert_eq!(grouped_index("decoder.layers.1.mlp.linear_fc1.weight"), None);
         let keys: Vec<String> = (0..3).map(|e| format!("decoder.layers.1.mlp.experts.linear_fc1.weight{e}")).collect();
-        assert_eq!(grouped_count(&keys, g), 3);
+        assert_eq!(grouped_counts(&keys).get(&g[..grouped_index(g).unwrap()]), Some(&3));
         assert_eq!(rank_numbers("mp_rank_x"), None);
     }
 }
