@@ -2,8 +2,9 @@
 //! any parallel layout; or the legacy torch format, one file a rank) into a Ferrotron checkpoint. The
 //! model's flags come from the run's own arguments in the checkpoint (Megatron's argparse
 //! Namespace, whose names are the flags Ferrotron reads); the tensors keep their Megatron names,
-//! less torch_dist's two changes: a stack of every layer's tensor along a first dim, and
-//! Transformer Engine's names for the norms fused into the next linear layer.
+//! less torch_dist's three changes: a stack of every layer's tensor along a first dim (none in a
+//! Mamba hybrid: each layer under its number), Transformer Engine's names for the norms fused
+//! into the next linear layer, and a Mamba mixer's in_proj and convolution saved in parts.
 
 use crate::checkpoint;
 use crate::convert::{ConvertArgs, Converted};
@@ -89,12 +90,47 @@ pub(crate) const YARN: [&str; 6] = [
     "yarn_original_max_position_embeddings",
 ];
 
+/// Mamba hybrids' Mamba-2 sizes, copied where the run was one (Megatron records their defaults
+/// for every run).
+pub(crate) const MAMBA: [&str; 4] = ["mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads"];
+
 /// Namespace fields of models whose tensors this import does not place yet: set, they refuse.
-pub(crate) const NOT_READ: [(&str, &str); 3] = [
-    ("hybrid_override_pattern", "a Mamba hybrid"),
-    ("is_hybrid_model", "a Mamba hybrid"),
-    ("window_attn_skip_freq", "full-attention layers among sliding-window ones"),
-];
+pub(crate) const NOT_READ: [(&str, &str); 1] =
+    [("window_attn_skip_freq", "full-attention layers among sliding-window ones")];
+
+/// The spec Megatron-LM's Mamba scripts pass (`--spec`), whose model is a hybrid.
+const MAMBA_SPEC: &str = "mamba_stack_spec";
+
+/// A Megatron-LM Mamba run's layer pattern, or None for a GPT run: its pattern (the deprecated
+/// and the current flag's name), else the layers its ratios place among Mamba ones (none: every
+/// layer Mamba), as Megatron's allocation does. `ns`: the run's arguments.
+fn hybrid_pattern(ns: &Py, dir: &std::path::Path) -> anyhow::Result<Option<String>> {
+    for field in ["hybrid_layer_pattern", "hybrid_override_pattern"] {
+        if let Some(p) = ns.get(field).and_then(Py::as_str).filter(|p| !p.is_empty()) {
+            return Ok(Some(p.to_string()));
+        }
+    }
+    let spec = match ns.get("spec") {
+        Some(Py::List(v) | Py::Tuple(v)) => v.iter().any(|x| x.as_str() == Some(MAMBA_SPEC)),
+        _ => false,
+    };
+    let ratio = |f: &str| match ns.get(f) {
+        Some(Py::Float(x)) => *x,
+        Some(Py::Int(i)) => *i as f64,
+        _ => 0.0,
+    };
+    let (att, mlp) = (ratio("hybrid_attention_ratio"), ratio("hybrid_mlp_ratio"));
+    if !(spec || set(ns.get("is_hybrid_model")) || att > 0.0 || mlp > 0.0) {
+        return Ok(None);
+    }
+    let n = ns
+        .get("num_layers")
+        .and_then(Py::as_int)
+        .with_context(|| format!("{}: a Mamba run without num_layers", dir.display()))?;
+    let pattern = ferrotron_models::hybrid::pattern_from_ratios(n as usize, att, mlp)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))?;
+    Ok(Some(pattern))
+}
 
 fn json_of(v: &Py) -> Option<Value> {
     Some(match v {
@@ -119,8 +155,8 @@ fn set(v: Option<&Py>) -> bool {
 
 /// The model's flags from the run's arguments `ns` (of the checkpoint in `dir`), and the
 /// tokenizer flags of `a` over the run's.
-fn model_args(ns: &Py, dir: &std::path::Path, a: &ConvertArgs) -> anyhow::Result<TrainArgs> {
-    let dir = dir.display();
+fn model_args(ns: &Py, ck_dir: &std::path::Path, a: &ConvertArgs) -> anyhow::Result<TrainArgs> {
+    let dir = ck_dir.display();
     if ns.class() != Some(("argparse", "Namespace")) {
         bail!("{dir}: the checkpoint's `args` is not Megatron-LM's argparse Namespace");
     }
@@ -166,6 +202,16 @@ fn model_args(ns: &Py, dir: &std::path::Path, a: &ConvertArgs) -> anyhow::Result
             }
         }
     }
+    // A Mamba hybrid: its pattern and Mamba-2 sizes (Megatron's mixer normalises per group, as
+    // Ferrotron's by default).
+    if let Some(pattern) = hybrid_pattern(ns, ck_dir)? {
+        m.insert("hybrid-layer-pattern".into(), Value::String(pattern));
+        for field in MAMBA {
+            if let Some(v) = ns.get(field).and_then(json_of) {
+                m.insert(field.replace('_', "-"), v);
+            }
+        }
+    }
     // Sliding windows: Megatron's (left, right) tuple, Ferrotron's flag's spelling.
     match ns.get("window_size") {
         None | Some(Py::None) => {}
@@ -184,7 +230,8 @@ fn model_args(ns: &Py, dir: &std::path::Path, a: &ConvertArgs) -> anyhow::Result
             }
         }
     }
-    if experts {
+    // A hybrid's expert layers are its pattern's `E`s (Megatron records a layer frequency anyway).
+    if experts && !m.contains_key("hybrid-layer-pattern") {
         if set(ns.get("moe_pad_expert_input_to_capacity")) {
             m.insert("moe-pad-expert-input-to-capacity".into(), Value::Bool(true));
         }
@@ -279,6 +326,19 @@ pub(crate) fn sources(name: &str) -> Vec<(String, Vec<usize>)> {
     out
 }
 
+/// The parts megatron-core's torch_dist saves a Mamba mixer's tensor in, each its own tensor
+/// (`….in_proj.weight.z`), joined along the first dim in this order; None for a tensor saved
+/// whole. (Its legacy format saves each whole.)
+pub(crate) fn parts_of(name: &str) -> Option<&'static [&'static str]> {
+    if name.ends_with(".mixer.in_proj.weight") {
+        Some(&["z", "x", "B", "C", "dt"])
+    } else if name.ends_with(".mixer.conv1d.weight") || name.ends_with(".mixer.conv1d.bias") {
+        Some(&["x", "B", "C"])
+    } else {
+        None
+    }
+}
+
 /// A layer's expert tensor's expert and name within the expert (`mlp.experts.local_experts.E.T`).
 pub(crate) fn expert_of(tail: &str) -> Option<(usize, &str)> {
     let (e, t) = tail.strip_prefix("mlp.experts.local_experts.")?.split_once('.')?;
@@ -293,6 +353,9 @@ fn te_norm_name(tail: &str) -> Option<&'static str> {
         "input_layernorm.bias" => "self_attention.linear_qkv.layer_norm_bias",
         "pre_mlp_layernorm.weight" => "mlp.linear_fc1.layer_norm_weight",
         "pre_mlp_layernorm.bias" => "mlp.linear_fc1.layer_norm_bias",
+        // A Mamba layer's, fused into the mixer's input projection.
+        "norm.weight" => "mixer.in_proj.layer_norm_weight",
+        "norm.bias" => "mixer.in_proj.layer_norm_bias",
         // Multi-latent attention's latent norms, fused into the up-projections.
         "self_attention.q_layernorm.weight" => "self_attention.linear_q_up_proj.layer_norm_weight",
         "self_attention.kv_layernorm.weight" => "self_attention.linear_kv_up_proj.layer_norm_weight",
@@ -409,17 +472,33 @@ pub(crate) fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
     let mut tensors = 0;
     let mut copy = |t: &ModelTensor, dtype: DType| -> anyhow::Result<()> {
         let (name, want, vocab_rows) = (t.name.as_str(), &t.shape[..], t.vocab_rows);
-        let Some((key, lead)) = sources(name)
-            .into_iter()
-            .find(|(k, lead)| shapes.get(k).is_some_and(|s| s.len() == want.len() + lead.len()))
-        else {
+        let rank = |k: &str, lead: &[usize]| shapes.get(k).is_some_and(|s| s.len() == want.len() + lead.len());
+        // Saved whole, else in parts (every part there).
+        let parts = parts_of(name).unwrap_or(&[]);
+        let found = sources(name).into_iter().find_map(|(k, lead)| {
+            if rank(&k, &lead) {
+                return Some((vec![k], lead));
+            }
+            let keys: Vec<String> = parts.iter().map(|p| format!("{k}.{p}")).collect();
+            (!keys.is_empty() && keys.iter().all(|k| rank(k, &lead))).then_some((keys, lead))
+        });
+        let Some((keys, lead)) = found else {
             bail!(
                 "{}: no tensor for `{name}` (looked for {}): the checkpoint's arguments describe another model",
                 ck.dir.display(),
                 sources(name).iter().map(|(k, _)| format!("`{k}`")).collect::<Vec<_>>().join(", ")
             );
         };
-        let (shape, mut values) = ck.read(&key, &lead, t.cut)?;
+        let (mut shape, mut values) = ck.read(&keys[0], &lead, t.cut)?;
+        for k in &keys[1..] {
+            let (s, v) = ck.read(k, &lead, t.cut)?;
+            if s[1..] != shape[1..] {
+                bail!("{}: `{k}` is {s:?}, unlike `{}`'s {shape:?} beside it", ck.dir.display(), keys[0]);
+            }
+            shape[0] += s[0];
+            values.extend(v);
+        }
+        let key = keys.join(" + ");
         let fits = if vocab_rows { shape[1..] == want[1..] && shape[0] >= want[0] } else { shape == want };
         if !fits {
             bail!(
@@ -429,8 +508,9 @@ pub(crate) fn import(a: &ConvertArgs) -> anyhow::Result<Converted> {
         }
         // Vocabulary rows unpadded, as every Ferrotron checkpoint keeps them.
         values.truncate(want.iter().product());
-        let t = taken.entry(key).or_insert((lead.len(), 0));
-        t.1 += 1;
+        for k in keys {
+            taken.entry(k).or_insert((lead.len(), 0)).1 += 1;
+        }
         tensors += 1;
         writer.add(name.to_string(), dtype, want.to_vec(), values)
     };
@@ -511,13 +591,39 @@ mod tests {
         let t = model_args(&dense, dir, &over).unwrap();
         assert_eq!((t.tokenizer_type.as_deref(), t.vocab_size, t.vocab_file), (Some("NullTokenizer"), Some(99), None));
 
-        for (field, v, needle) in [
-            ("hybrid_override_pattern", Py::Str("M*M*".into()), "--hybrid-override-pattern"),
-            ("window_attn_skip_freq", Py::Int(4), "--window-attn-skip-freq"),
-        ] {
-            let e = model_args(&namespace(&[(field, v)]), dir, &a).unwrap_err().to_string();
-            assert!(e.contains(needle) && e.contains("does not read yet"), "{e}");
-        }
+        let e = model_args(&namespace(&[("window_attn_skip_freq", Py::Int(4))]), dir, &a).unwrap_err().to_string();
+        assert!(e.contains("--window-attn-skip-freq") && e.contains("does not read yet"), "{e}");
+        // Mamba hybrids: the pattern (either name), else the ratios over the layers (Megatron's
+        // allocation), else every layer Mamba where the run's --spec was Megatron's Mamba spec;
+        // the Mamba sizes only then, the layer frequency never.
+        let hybrid = |extra: &[(&str, Py)]| {
+            let mut f = vec![
+                ("num_layers", Py::Int(4)),
+                ("mamba_state_dim", Py::Int(16)),
+                ("num_experts", Py::Int(4)),
+                ("moe_layer_freq", Py::Int(1)),
+                ("hybrid_attention_ratio", Py::Float(0.0)),
+                ("hybrid_mlp_ratio", Py::Float(0.0)),
+            ];
+            f.retain(|(k, _)| !extra.iter().any(|(e, _)| e == k));
+            f.extend(extra.iter().cloned());
+            model_args(&namespace(&f), dir, &a).unwrap()
+        };
+        let t = hybrid(&[("hybrid_override_pattern", Py::Str("M*ME".into()))]);
+        assert_eq!((t.hybrid_layer_pattern.as_deref(), t.mamba_state_dim), (Some("M*ME"), Some(16)));
+        assert_eq!(t.moe_layer_freq, None, "a hybrid's experts are its pattern's");
+        let t = hybrid(&[("hybrid_layer_pattern", Py::Str("M-M*".into()))]);
+        assert_eq!(t.hybrid_layer_pattern.as_deref(), Some("M-M*"));
+        let t = hybrid(&[("hybrid_attention_ratio", Py::Float(0.25))]);
+        assert_eq!(t.hybrid_layer_pattern.as_deref(), Some("MM*M"));
+        let spec = Py::List(vec![
+            Py::Str("megatron.core.models.mamba.mamba_layer_specs".into()),
+            Py::Str("mamba_stack_spec".into()),
+        ]);
+        assert_eq!(hybrid(&[("spec", spec)]).hybrid_layer_pattern.as_deref(), Some("MMMM"));
+        let t = hybrid(&[]);
+        assert_eq!((t.hybrid_layer_pattern, t.mamba_state_dim), (None, None), "a GPT run records Mamba defaults too");
+        assert_eq!(t.moe_layer_freq.as_deref(), Some("1"));
         // Multi-latent attention: its fields only with it, YaRN's only for YaRN; latents unnormalised
         // are refused.
         let mla = |rope: &str, qk_norm: bool| {

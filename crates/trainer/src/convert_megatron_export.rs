@@ -2,7 +2,8 @@
 //! Megatron-LM `--save` folder in torch_dist, Megatron's default format, which it loads under
 //! any parallel layout. The way back of `convert_megatron.rs`, through the same name table:
 //! each parameter is one chunk of the tensor megatron-core saves it in (a stack over layers,
-//! and experts, unless the layers differ), with Transformer Engine's norm names, the vocabulary
+//! and experts, unless the layers differ; a Mamba hybrid's layers each under its number, its
+//! mixers' in_proj and convolution in parts), with Transformer Engine's norm names, the vocabulary
 //! padded as Megatron pads it, and each linear layer's (empty) `_extra_state` object, so the
 //! folder holds what megatron-core's own save of the model holds.
 //!
@@ -13,7 +14,7 @@
 
 use crate::checkpoint;
 use crate::convert::{ConvertArgs, Converted};
-use crate::convert_megatron::{COPIED, MOE, NOT_READ, expert_of, model_tensors};
+use crate::convert_megatron::{COPIED, MAMBA, MOE, NOT_READ, expert_of, model_tensors, parts_of};
 use crate::settings::{Settings, TrainArgs};
 use anyhow::{Context, bail};
 use ferrotron_checkpoint::megatron::{MegatronSave, Py, TorchDtype};
@@ -75,6 +76,10 @@ struct Layout {
     te: bool,
     /// Multi-latent attention, whose layers' norms megatron-core names its own way.
     mla: bool,
+    /// A Mamba hybrid's mixer sizes: its layers each under its number (megatron-core's MambaStack
+    /// stacks none), Transformer Engine's names (its one spec), the mixers' in_proj and
+    /// convolution in parts.
+    mamba: Option<ferrotron_ssm::MambaDims>,
 }
 
 /// The run's arguments as Megatron-LM records them: the model flags `m` by their names (its
@@ -86,12 +91,18 @@ fn namespace(m: &TrainArgs, s: &Settings, l: &Layout, vocab: usize, samples: [u6
         let k = k.replace('-', "_");
         // The fields the import reads are recorded set or not (None, False), as Megatron records
         // every flag; others only where set.
-        let read = COPIED.contains(&k.as_str()) || MOE.contains(&k.as_str()) || NOT_READ.iter().any(|(f, _)| *f == k);
+        let read = [&COPIED[..], &MOE, &MAMBA].iter().any(|f| f.contains(&k.as_str()))
+            || NOT_READ.iter().any(|(f, _)| *f == k);
         if !read && matches!(v, Value::Null | Value::Bool(false)) {
             continue;
         }
         match k.as_str() {
-            "disable_bias_linear" | "no_bias_gelu_fusion" => {}
+            "disable_bias_linear" | "no_bias_gelu_fusion" | "mamba_norm_ungrouped" => {}
+            // megatron-core 0.16's name (later ones read it too); one stage: no '|' marks.
+            "hybrid_layer_pattern" => {
+                let p: String = v.as_str().unwrap_or_default().chars().filter(|c| *c != '|').collect();
+                ns.set("hybrid_override_pattern", Py::Str(p));
+            }
             // Megatron's is a tuple (left, right); the flag's spelling "(left,right)".
             "window_size" => {
                 let text = v.as_str().unwrap_or_default();
@@ -136,6 +147,15 @@ fn namespace(m: &TrainArgs, s: &Settings, l: &Layout, vocab: usize, samples: [u6
     // On whatever the run's flags said of it: Megatron's RoPE runs keep the default, and a
     // Megatron run compares its own (True unless --no-position-embedding) with this one.
     ns.set("add_position_embedding", Py::Bool(true));
+    // Megatron-LM builds a hybrid from the pattern with its one Mamba spec (pretrain_mamba.py's
+    // --spec); the ratios are what the pattern replaces.
+    if l.mamba.is_some() {
+        ns.set("is_hybrid_model", Py::Bool(true));
+        ns.set("hybrid_attention_ratio", Py::Float(0.0));
+        ns.set("hybrid_mlp_ratio", Py::Float(0.0));
+        let spec = ["megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"];
+        ns.set("spec", Py::List(spec.iter().map(|x| Py::Str(x.to_string())).collect()));
+    }
     // Megatron's multi-latent attention normalises its latents under --qk-layernorm, as here.
     if m.multi_latent_attention {
         ns.set("qk_layernorm", Py::Bool(true));
@@ -164,6 +184,9 @@ fn unwritten(m: &TrainArgs, s: &Settings) -> Option<String> {
             return Some(format!("--{} makes {what}", field.replace('_', "-")));
         }
     }
+    if m.mamba_norm_ungrouped {
+        return Some("--mamba-norm-ungrouped makes Mamba layers whose gated norm spans every group (transformers' Mamba2; Megatron's mixer normalises each group apart)".into());
+    }
     s.vision.is_some().then(|| "it is a LLaVA-style model (a vision encoder)".into())
 }
 
@@ -181,6 +204,8 @@ fn fused_norm(tail: &str, l: &Layout, moe: bool) -> Option<String> {
         // Multi-latent attention's latent norms, fused into the up-projections under TE.
         "self_attention.q_layernorm" if l.mla && l.te => "self_attention.linear_q_up_proj",
         "self_attention.kv_layernorm" if l.mla && l.te => "self_attention.linear_kv_up_proj",
+        // A Mamba layer's, fused into the mixer's input projection (TE's; its only spec).
+        "norm" if l.mamba.is_some() => "mixer.in_proj",
         _ => return None,
     };
     Some(format!("{fused}.layer_norm_{w}"))
@@ -237,14 +262,27 @@ fn lead_shape(l: &Layout, name: &str, lead: usize) -> Vec<usize> {
 fn extra_state_key(key: &str, lead: &[usize], lead_shape: &[usize]) -> Option<String> {
     let module = key.strip_suffix(".weight")?;
     let last = module.rsplit('.').next()?;
-    // The linear layers (and multi-token prediction's projection of the two inputs).
-    if !(key.starts_with("decoder.") || key.starts_with("mtp.")) || !(last.starts_with("linear_") || last == "eh_proj")
+    // The linear layers (and multi-token prediction's projection of the two inputs, a Mamba
+    // mixer's projections).
+    let mixer = module.ends_with(".mixer.in_proj") || module.ends_with(".mixer.out_proj");
+    if !(key.starts_with("decoder.") || key.starts_with("mtp."))
+        || !(last.starts_with("linear_") || last == "eh_proj" || mixer)
     {
         return None;
     }
     let join = |v: &[usize]| v.iter().map(usize::to_string).collect::<Vec<_>>().join(".");
     let (o, s) = if lead.is_empty() { ("0".into(), "1".into()) } else { (join(lead), join(lead_shape)) };
     Some(format!("{module}._extra_state/shard_{o}_{s}"))
+}
+
+/// Rows of each part `parts_of` names for a mixer's tensor `name` (z | x | B | C | dt of in_proj,
+/// x | B | C of the convolution).
+fn part_rows(name: &str, d: &ferrotron_ssm::MambaDims) -> Vec<usize> {
+    let gn = d.groups * d.state;
+    match name.ends_with(".in_proj.weight") {
+        true => vec![d.d_inner, d.d_inner, gn, gn, d.heads],
+        false => vec![d.d_inner, gn, gn],
+    }
 }
 
 fn bytes_of(values: &[f32], dtype: TorchDtype) -> Vec<u8> {
@@ -271,6 +309,15 @@ pub(crate) fn export(a: &ConvertArgs) -> anyhow::Result<Converted> {
         Some("local") => false,
         Some(x) => bail!("--saver-transformer-impl {x}: transformer_engine (Megatron-LM's default) or local"),
     };
+    let mamba = ferrotron_models::hybrid::mamba_spec(&config)
+        .map(|m| m.dims(config.hidden_size))
+        .transpose()
+        .map_err(anyhow::Error::msg)?;
+    if mamba.is_some() && !te {
+        bail!(
+            "--saver-transformer-impl local: Megatron-LM builds Mamba hybrids with one spec, mamba_stack_spec, under Transformer Engine's names; drop the flag (nothing was written)"
+        );
+    }
     let l = Layout {
         te,
         mla: m.multi_latent_attention,
@@ -278,7 +325,8 @@ pub(crate) fn export(a: &ConvertArgs) -> anyhow::Result<Converted> {
         tp,
         dtype: if s.bf16 { TorchDtype::BF16 } else { TorchDtype::F32 },
         // megatron-core keys each layer apart where --moe-layer-freq is a list or above 1.
-        stacked: !matches!(freq, Some(Py::List(_))) && !matches!(freq, Some(Py::Int(n)) if n > 1),
+        stacked: mamba.is_none() && !matches!(freq, Some(Py::List(_))) && !matches!(freq, Some(Py::Int(n)) if n > 1),
+        mamba,
         layers: config.num_layers,
         experts: m.num_experts.unwrap_or(0),
     };
@@ -321,14 +369,38 @@ pub(crate) fn export(a: &ConvertArgs) -> anyhow::Result<Converted> {
             values.resize(sizes.iter().product(), 0.0);
         }
         let dtype = if t.fp32 { TorchDtype::F32 } else { l.dtype };
-        let global: Vec<usize> = outer.iter().chain(&sizes).copied().collect();
-        let offsets: Vec<usize> = lead.iter().copied().chain(sizes.iter().map(|_| 0)).collect();
-        let chunk: Vec<usize> = lead.iter().map(|_| 1).chain(sizes.iter().copied()).collect();
-        save.dcp().chunk(key, dtype, &global, &offsets, &chunk, &bytes_of(&values, dtype))?;
+        // A mixer's in_proj and convolution: each part its own tensor, as megatron-core saves them.
+        let parts: Vec<(String, usize)> = match (parts_of(&t.name), &l.mamba) {
+            (Some(names), Some(d)) => {
+                names.iter().zip(part_rows(&t.name, d)).map(|(p, rows)| (format!("{key}.{p}"), rows)).collect()
+            }
+            _ => vec![(key.clone(), sizes[0])],
+        };
+        anyhow::ensure!(
+            parts.iter().map(|p| p.1).sum::<usize>() == sizes[0],
+            "`{}` {sizes:?}: its parts' rows {parts:?} do not add up",
+            t.name
+        );
+        let row: usize = sizes[1..].iter().product();
+        let mut from = 0;
+        for (k, rows) in parts {
+            let mut part = sizes.clone();
+            part[0] = rows;
+            let global: Vec<usize> = outer.iter().chain(&part).copied().collect();
+            let offsets: Vec<usize> = lead.iter().copied().chain(part.iter().map(|_| 0)).collect();
+            let chunk: Vec<usize> = lead.iter().map(|_| 1).chain(part.iter().copied()).collect();
+            let v = &values[from * row..(from + rows) * row];
+            save.dcp().chunk(&k, dtype, &global, &offsets, &chunk, &bytes_of(v, dtype))?;
+            from += rows;
+        }
         if let Some(k) = extra_state_key(key, lead, &outer) {
             save.dcp().object(&k, &extra_state)?;
         }
         tensors += 1;
+    }
+    // megatron-core's MambaModel keeps the output layer's (GPTModel drops it), tied or not.
+    if l.mamba.is_some() {
+        save.dcp().object("output_layer._extra_state/shard_0_1", &extra_state)?;
     }
     let dir = save.finish(&common)?;
     let tokenizer = match s.tokenizer_type.as_str() {

@@ -6,7 +6,8 @@
 //! sigmoid scores with expert biases, group-limited, a gated shared expert), a legacy torch one
 //! (GPT-2-style: LayerNorm, biases, fused bias-GeLU, learned positions, tied), and the first two
 //! again in the legacy format over several ranks (tensor 2 × pipeline 2; tensor 2 × expert 2),
-//! each rank's file its part of the model as megatron-core split it.
+//! each rank's file its part of the model as megatron-core split it; and a Mamba hybrid
+//! (megatron-core's MambaModel, with mamba_ssm's kernels in plain PyTorch) in both formats.
 
 mod common;
 
@@ -103,6 +104,10 @@ fn megatron_checkpoints_import_to_megatron_cores_logits() {
         ("mtp_dist", "megatron", "torch_dist"),
         // llama_dist's with sliding-window attention: each token and the 3 before it.
         ("window_dist", "megatron", "torch_dist"),
+        // A Mamba hybrid (Mamba, attention, Mamba, MLP and expert layers; the mixers' in_proj and
+        // convolution saved in parts), and the same split over two tensor-parallel ranks.
+        ("hybrid_dist", "megatron", "torch_dist"),
+        ("hybrid_tp2", "legacy", "torch"),
     ];
     for (name, loader, format) in fixtures {
         let out = tmp(&format!("megatron-import-{name}"));
@@ -113,12 +118,24 @@ fn megatron_checkpoints_import_to_megatron_cores_logits() {
         assert!(!ck.state.optimizer_state, "an import holds parameters only");
         let s = &ck.state.settings;
         let llama = name != "gpt_legacy";
+        let hybrid = name.starts_with("hybrid");
         // The run's own flags, read from its arguments.
-        assert_eq!((s.num_layers, s.hidden_size, s.ffn_hidden_size), (2, 64, if llama { 96 } else { 256 }));
+        let layers = if hybrid { 5 } else { 2 };
+        assert_eq!((s.num_layers, s.hidden_size, s.ffn_hidden_size), (layers, 64, if llama { 96 } else { 256 }));
+        let mamba = s.mamba.as_ref().map(|m| {
+            (
+                m.hybrid_layer_pattern.as_str(),
+                m.mamba_state_dim,
+                m.mamba_head_dim,
+                m.mamba_num_groups,
+                m.mamba_norm_ungrouped,
+            )
+        });
+        assert_eq!(mamba, hybrid.then_some(("M*M-E", 16, 32, 2, false)));
         assert_eq!(s.swiglu, llama);
         assert_eq!(s.untie_embeddings_and_output_weights, llama);
         // mixtral_*, deepseek_dist: four experts of width 48, top-2, in every layer.
-        let moe = name.starts_with("mixtral") || name == "deepseek_dist" || name == "mtp_dist";
+        let moe = name.starts_with("mixtral") || name == "deepseek_dist" || name == "mtp_dist" || hybrid;
         let experts = s.moe.as_ref().map(|m| (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size));
         assert_eq!(experts, moe.then_some((4, 2, 48)));
         if name == "deepseek_dist" {
@@ -139,8 +156,11 @@ fn megatron_checkpoints_import_to_megatron_cores_logits() {
         }
         let worst = max_logit_error(name, &ck);
         // fp32 both sides: rounding only. A wrong head order, norm or gate/up order moves logits
-        // of this size by whole units.
-        assert!(worst < 1e-4, "{name}: max |logit − megatron-core's| = {worst:e}");
+        // of this size by whole units. The hybrid's reference is exact (megatron-core in fp64);
+        // Ferrotron's chunked scan takes differences of running sums of the decays' logs (about
+        // 100 here), which lose ~1e-5 of each decay in fp32, as mamba_ssm's kernels do.
+        let bound = if hybrid { 2e-4 } else { 1e-4 };
+        assert!(worst < bound, "{name}: max |logit − megatron-core's| = {worst:e}");
         eprintln!("{name} ({format}): max |logit − megatron-core's| {worst:.2e}");
         let _ = std::fs::remove_dir_all(&out);
     }

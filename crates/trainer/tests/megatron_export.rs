@@ -231,3 +231,78 @@ fn exports_that_cannot_be_written_are_refused_and_nothing_is_lost() {
         let _ = std::fs::remove_dir_all(d);
     }
 }
+
+/// A Mamba hybrid (hybrid_dist: Mamba, attention, Mamba, MLP and expert layers): megatron-core's
+/// MambaModel saves each layer under its number, the mixers' in_proj and convolution in parts,
+/// every norm under Transformer Engine's names (its one spec; the local names are refused).
+#[test]
+fn a_mamba_hybrid_exports_as_megatron_cores_mamba_model_saves() {
+    let (imported, exported, again) = (tmp("mx-hybrid-in"), tmp("mx-hybrid-out"), tmp("mx-hybrid-again"));
+    convert(&ConvertArgs::new("megatron", "ferrotron", &fixture("hybrid_dist"), &imported)).unwrap();
+    convert(&ConvertArgs::new("ferrotron", "megatron", &imported, &exported)).unwrap();
+    let (ours, theirs) =
+        (MegatronCheckpoint::open(&exported).unwrap(), MegatronCheckpoint::open(&fixture("hybrid_dist")).unwrap());
+    let keys = model_keys(&ours);
+    assert_eq!(keys, model_keys(&theirs));
+    assert_eq!(ours.objects(), theirs.objects(), "the _extra_state objects (the output layer's too)");
+    assert_eq!(keys["decoder.layers.0.mixer.in_proj.weight.z"], vec![128, 64]);
+    assert_eq!(keys["decoder.layers.2.mixer.in_proj.weight.dt"], vec![4, 64]);
+    assert_eq!(keys["decoder.layers.0.mixer.conv1d.weight.B"], vec![32, 1, 4]);
+    assert_eq!(keys["decoder.layers.0.mixer.in_proj.layer_norm_weight"], vec![64]);
+    assert_eq!(keys["decoder.layers.4.pre_mlp_layernorm.weight"], vec![64], "the expert layer's norm apart");
+    let a = &ours.args;
+    for (k, v) in [
+        ("num_layers", Py::Int(5)),
+        ("hybrid_override_pattern", Py::Str("M*M-E".into())),
+        ("is_hybrid_model", Py::Bool(true)),
+        ("mamba_state_dim", Py::Int(16)),
+        ("mamba_head_dim", Py::Int(32)),
+        ("mamba_num_groups", Py::Int(2)),
+        ("position_embedding_type", Py::Str("none".into())),
+        ("transformer_impl", Py::Str("transformer_engine".into())),
+    ] {
+        assert_eq!(a.get(k), Some(&v), "{k}");
+    }
+    let spec = ["megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"];
+    assert_eq!(a.get("spec"), Some(&Py::List(spec.iter().map(|s| Py::Str(s.to_string())).collect())));
+    // Back in, bit for bit; and the same model from its two tensor-parallel ranks' legacy files.
+    convert(&ConvertArgs::new("megatron", "ferrotron", &exported, &again)).unwrap();
+    same_tensors(&imported, &again);
+    let _ = std::fs::remove_dir_all(&again);
+    convert(&ConvertArgs::new("megatron", "ferrotron", &fixture("hybrid_tp2"), &again)).unwrap();
+    same_tensors(&imported, &again);
+    // Megatron-LM has no local-spec hybrid: refused, nothing written.
+    let local = tmp("mx-hybrid-local");
+    let mut l = ConvertArgs::new("ferrotron", "megatron", &imported, &local);
+    l.saver_transformer_impl = Some("local".into());
+    let e = format!("{:#}", convert(&l).unwrap_err());
+    assert!(e.contains("mamba_stack_spec") && e.contains("drop the flag"), "{e}");
+    assert!(!local.exists());
+    for d in [imported, exported, again] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
+/// A hybrid whose gated norm spans every group (transformers' Mamba2, `--mamba-norm-ungrouped`)
+/// has no Megatron form: refused by name, nothing written.
+#[test]
+fn a_hybrid_with_ungrouped_norms_is_refused() {
+    let (run_dir, exported) = (tmp("mx-ungrouped"), tmp("mx-ungrouped-out"));
+    let s = settings(&TrainArgs {
+        preset: Some("mamba-tiny".into()),
+        mamba_norm_ungrouped: true,
+        train_iters: Some(1),
+        global_batch_size: Some(2),
+        micro_batch_size: Some(2),
+        seq_length: Some(16),
+        save_interval: Some(1),
+        eval_iters: Some(0),
+        mock_data: true,
+        ..TrainArgs::default()
+    });
+    ferrotron_trainer::train::train(&s, &Paths { save: Some(run_dir.clone()), ..Paths::default() }).unwrap();
+    let e = format!("{:#}", convert(&ConvertArgs::new("ferrotron", "megatron", &run_dir, &exported)).unwrap_err());
+    assert!(e.contains("--mamba-norm-ungrouped") && e.contains("nothing was written"), "{e}");
+    assert!(!exported.exists());
+    let _ = std::fs::remove_dir_all(run_dir);
+}
