@@ -85,6 +85,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             mlp: MlpSpec::Custom(Arc::new(SiluMlpFactory { width: 96 })),
             other_mlp: None,
             hybrid: None,
+            window_layers: None,
         },
         norm_epsilon: 1e-5,
         init_method_std: 0.02,

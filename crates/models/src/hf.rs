@@ -150,6 +150,11 @@ impl HfArch {
                 "Llama 4's L2 norm of the query and key heads (--qk-l2-norm): no Hugging Face class here has it".into(),
             ));
         }
+        if c.layer.window_layers.is_some() {
+            return Err(HfError::NoEquivalent(
+                "full-attention layers among sliding-window ones (--window-attn-skip-freq): the Hugging Face classes here window every layer or none".into(),
+            ));
+        }
         if let PositionEmbedding::Rope { scaling: Some(_), interpolation: Some(f), .. } = c.position_embedding {
             return Err(HfError::NoEquivalent(format!(
                 "Llama 3's frequency scaling with linear position interpolation ({f}): a Hugging Face config holds one rope_scaling"
@@ -498,6 +503,7 @@ fn gpt2_config(v: &Value) -> Result<TransformerConfig> {
             mlp: MlpSpec::Dense { activation: Activation::Gelu, bias: true },
             other_mlp: None,
             hybrid: None,
+            window_layers: None,
         },
         norm_epsilon: opt(v, "layer_norm_epsilon", f64_of)?.unwrap_or(1e-5),
         init_method_std: opt(v, "initializer_range", f64_of)?.unwrap_or(0.02) as f32,
@@ -708,6 +714,7 @@ fn llama_config(v: &Value) -> Result<TransformerConfig> {
             mlp: MlpSpec::Dense { activation: Activation::SwiGlu, bias: false },
             other_mlp: None,
             hybrid: None,
+            window_layers: None,
         },
         norm_epsilon: opt(v, "rms_norm_eps", f64_of)?.unwrap_or(1e-6),
         init_method_std: opt(v, "initializer_range", f64_of)?.unwrap_or(0.02) as f32,

@@ -692,6 +692,7 @@ fn gpt(s: &MoeSpec) -> TransformerConfig {
             mlp: MlpSpec::Custom(Arc::new(s.clone())),
             other_mlp: None,
             hybrid: None,
+            window_layers: None,
         },
         norm_epsilon: 1e-5,
         init_method_std: 0.3,

@@ -234,6 +234,7 @@ pub fn hybrid_config() -> TransformerConfig {
             mlp: MlpSpec::Dense { activation: Activation::SwiGlu, bias: false },
             other_mlp: None,
             hybrid: Some(Hybrid { kinds: vec![Mixer, Attention, Mlp, Mixer, Mlp], mixer: Some(Arc::new(spec())) }),
+            window_layers: None,
         },
         norm_epsilon: 1e-5,
         init_method_std: 0.3,

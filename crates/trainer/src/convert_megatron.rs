@@ -94,10 +94,6 @@ pub(crate) const YARN: [&str; 6] = [
 /// for every run).
 pub(crate) const MAMBA: [&str; 4] = ["mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads"];
 
-/// Namespace fields of models whose tensors this import does not place yet: set, they refuse.
-pub(crate) const NOT_READ: [(&str, &str); 1] =
-    [("window_attn_skip_freq", "full-attention layers among sliding-window ones")];
-
 /// The spec Megatron-LM's Mamba scripts pass (`--spec`), whose model is a hybrid.
 const MAMBA_SPEC: &str = "mamba_stack_spec";
 
@@ -153,20 +149,26 @@ fn set(v: Option<&Py>) -> bool {
     }
 }
 
+/// A per-layer frequency field of the run's (`moe_layer_freq`, `window_attn_skip_freq`) as its
+/// flag spells it: the int, or the list Megatron evaluated from its expression; None if unset.
+fn layer_freq_flag(ns: &Py, field: &str, dir: &std::path::Path) -> anyhow::Result<Option<String>> {
+    Ok(match ns.get(field) {
+        Some(Py::Int(n)) => Some(n.to_string()),
+        Some(Py::List(l)) => {
+            let v: Option<Vec<String>> = l.iter().map(|x| x.as_int().map(|i| i.to_string())).collect();
+            let v = v.with_context(|| format!("{}: {field} {l:?} is not a list of 0s and 1s", dir.display()))?;
+            Some(format!("[{}]", v.join(",")))
+        }
+        _ => None,
+    })
+}
+
 /// The model's flags from the run's arguments `ns` (of the checkpoint in `dir`), and the
 /// tokenizer flags of `a` over the run's.
 fn model_args(ns: &Py, ck_dir: &std::path::Path, a: &ConvertArgs) -> anyhow::Result<TrainArgs> {
     let dir = ck_dir.display();
     if ns.class() != Some(("argparse", "Namespace")) {
         bail!("{dir}: the checkpoint's `args` is not Megatron-LM's argparse Namespace");
-    }
-    for (field, what) in NOT_READ {
-        if set(ns.get(field)) {
-            bail!(
-                "{dir}: the run's --{} makes {what}, whose Megatron tensors this import does not read yet",
-                field.replace('_', "-")
-            );
-        }
     }
     let mut m = Map::new();
     let experts = set(ns.get("num_experts"));
@@ -212,7 +214,8 @@ fn model_args(ns: &Py, ck_dir: &std::path::Path, a: &ConvertArgs) -> anyhow::Res
             }
         }
     }
-    // Sliding windows: Megatron's (left, right) tuple, Ferrotron's flag's spelling.
+    // Sliding windows: Megatron's (left, right) tuple, Ferrotron's flag's spelling; the layers
+    // they apply in.
     match ns.get("window_size") {
         None | Some(Py::None) => {}
         Some(w) => {
@@ -220,6 +223,9 @@ fn model_args(ns: &Py, ck_dir: &std::path::Path, a: &ConvertArgs) -> anyhow::Res
                 bail!("{dir}: window_size {w:?} is not Megatron's (left, right)");
             };
             m.insert("window-size".into(), Value::String(format!("({l},{r})")));
+            if let Some(f) = layer_freq_flag(ns, "window_attn_skip_freq", ck_dir)? {
+                m.insert("window-attn-skip-freq".into(), Value::String(f));
+            }
         }
     }
     // Multi-token prediction (Megatron records a loss scale for every run).
@@ -235,17 +241,8 @@ fn model_args(ns: &Py, ck_dir: &std::path::Path, a: &ConvertArgs) -> anyhow::Res
         if set(ns.get("moe_pad_expert_input_to_capacity")) {
             m.insert("moe-pad-expert-input-to-capacity".into(), Value::Bool(true));
         }
-        // An int (one MoE layer in N) or the list Megatron evaluated from its expression.
-        match ns.get("moe_layer_freq") {
-            Some(Py::Int(n)) => {
-                m.insert("moe-layer-freq".into(), Value::String(n.to_string()));
-            }
-            Some(Py::List(l)) => {
-                let v: Option<Vec<String>> = l.iter().map(|x| x.as_int().map(|i| i.to_string())).collect();
-                let v = v.with_context(|| format!("{dir}: moe_layer_freq {l:?} is not a list of 0s and 1s"))?;
-                m.insert("moe-layer-freq".into(), Value::String(format!("[{}]", v.join(","))));
-            }
-            _ => {}
+        if let Some(f) = layer_freq_flag(ns, "moe_layer_freq", ck_dir)? {
+            m.insert("moe-layer-freq".into(), Value::String(f));
         }
     }
     // Older Megatron-LM spelled the norm's epsilon after LayerNorm.
@@ -591,8 +588,17 @@ mod tests {
         let t = model_args(&dense, dir, &over).unwrap();
         assert_eq!((t.tokenizer_type.as_deref(), t.vocab_size, t.vocab_file), (Some("NullTokenizer"), Some(99), None));
 
-        let e = model_args(&namespace(&[("window_attn_skip_freq", Py::Int(4))]), dir, &a).unwrap_err().to_string();
-        assert!(e.contains("--window-attn-skip-freq") && e.contains("does not read yet"), "{e}");
+        // The layers a window applies in: Megatron's int, or its evaluated list; nothing without
+        // a window (Megatron records the field for every run).
+        let window = |skip: Py| {
+            let w = Py::Tuple(vec![Py::Int(3), Py::Int(0)]);
+            model_args(&namespace(&[("window_size", w), ("window_attn_skip_freq", skip)]), dir, &a).unwrap()
+        };
+        assert_eq!(window(Py::Int(2)).window_attn_skip_freq.as_deref(), Some("2"));
+        let list = Py::List(vec![Py::Int(1), Py::Int(0)]);
+        assert_eq!(window(list).window_attn_skip_freq.as_deref(), Some("[1,0]"));
+        let t = model_args(&namespace(&[("window_attn_skip_freq", Py::Int(2))]), dir, &a).unwrap();
+        assert_eq!(t.window_attn_skip_freq, None);
         // Mamba hybrids: the pattern (either name), else the ratios over the layers (Megatron's
         // allocation), else every layer Mamba where the run's --spec was Megatron's Mamba spec;
         // the Mamba sizes only then, the layer frequency never.

@@ -14,7 +14,7 @@
 
 use crate::checkpoint;
 use crate::convert::{ConvertArgs, Converted};
-use crate::convert_megatron::{COPIED, MAMBA, MOE, NOT_READ, expert_of, model_tensors, parts_of};
+use crate::convert_megatron::{COPIED, MAMBA, MOE, expert_of, model_tensors, parts_of};
 use crate::settings::{Settings, TrainArgs};
 use anyhow::{Context, bail};
 use ferrotron_checkpoint::megatron::{MegatronSave, Py, TorchDtype};
@@ -91,8 +91,7 @@ fn namespace(m: &TrainArgs, s: &Settings, l: &Layout, vocab: usize, samples: [u6
         let k = k.replace('-', "_");
         // The fields the import reads are recorded set or not (None, False), as Megatron records
         // every flag; others only where set.
-        let read = [&COPIED[..], &MOE, &MAMBA].iter().any(|f| f.contains(&k.as_str()))
-            || NOT_READ.iter().any(|(f, _)| *f == k);
+        let read = [&COPIED[..], &MOE, &MAMBA].iter().any(|f| f.contains(&k.as_str()));
         if !read && matches!(v, Value::Null | Value::Bool(false)) {
             continue;
         }
@@ -111,7 +110,9 @@ fn namespace(m: &TrainArgs, s: &Settings, l: &Layout, vocab: usize, samples: [u6
                 let ints = ints.with_context(|| format!("--window-size {text}: not (left,right)"))?;
                 ns.set(&k, Py::Tuple(ints.into_iter().map(Py::Int).collect()));
             }
-            "moe_layer_freq" => ns.set(&k, layer_freq(v.as_str().unwrap_or_default(), s.num_layers)?),
+            "moe_layer_freq" | "window_attn_skip_freq" => {
+                ns.set(&k, layer_freq(v.as_str().unwrap_or_default(), s.num_layers)?)
+            }
             // Megatron's is an int.
             "rotary_base" => match v.as_f64() {
                 Some(b) if b.fract() == 0.0 => ns.set(&k, Py::Int(b as i64)),
@@ -174,16 +175,10 @@ fn namespace(m: &TrainArgs, s: &Settings, l: &Layout, vocab: usize, samples: [u6
     Ok(ns.into_py())
 }
 
-/// Why the model cannot be written for Megatron yet, if it cannot: the parts whose Megatron
-/// tensors the import does not read either (no megatron-core oracle for them here).
+/// Why the model has no Megatron form here, if it has none: a Mamba gated norm over every group
+/// (Megatron's normalises each apart), a vision encoder (LLaVA's Megatron tensors are not read
+/// either).
 fn unwritten(m: &TrainArgs, s: &Settings) -> Option<String> {
-    let Ok(Value::Object(flags)) = serde_json::to_value(m) else { return Some("its flags do not serialise".into()) };
-    for (field, what) in NOT_READ {
-        let v = flags.get(&field.replace('_', "-"));
-        if v.is_some_and(|v| !v.is_null() && v != &Value::Bool(false)) {
-            return Some(format!("--{} makes {what}", field.replace('_', "-")));
-        }
-    }
     if m.mamba_norm_ungrouped {
         return Some("--mamba-norm-ungrouped makes Mamba layers whose gated norm spans every group (transformers' Mamba2; Megatron's mixer normalises each group apart)".into());
     }

@@ -1,4 +1,5 @@
-//! Megatron's `--moe-layer-freq`: which layers are mixture-of-experts layers.
+//! Megatron's `--moe-layer-freq`: which layers are mixture-of-experts layers; and its
+//! `--window-attn-skip-freq`, which attend through the sliding window (`window_layers`).
 //!
 //! Two spellings, as Megatron takes them: an integer N (layer i is an MoE layer when i % N == 0:
 //! one in N), or a Python list expression of 0s and 1s built with `+` (concatenation), `*`
@@ -10,27 +11,39 @@ use anyhow::{Context, bail};
 /// Per layer: true where it is an MoE layer.
 pub fn parse(spec: &str, num_layers: usize) -> anyhow::Result<Vec<bool>> {
     let text = spec.trim();
-    let pattern = if let Ok(n) = text.parse::<usize>() {
-        if n == 0 {
-            bail!("--moe-layer-freq 0: give N ≥ 1 (one MoE layer in N) or a list such as \"[1,0]*4\"");
-        }
-        (0..num_layers).map(|i| i % n == 0).collect()
-    } else {
-        let mut p = Parser { s: text.as_bytes(), at: 0 };
-        let v = p.expr().with_context(|| format!("--moe-layer-freq {text}: not a list expression Megatron takes"))?;
-        p.space();
-        if p.at != p.s.len() {
-            bail!("--moe-layer-freq {text}: unexpected text at character {}", p.at + 1);
-        }
-        v
-    };
-    if pattern.len() != num_layers {
-        bail!(
-            "--moe-layer-freq {text} gives {} layers but --num-layers is {num_layers}: one entry per layer",
-            pattern.len()
-        );
+    match text.parse::<usize>() {
+        Ok(0) => bail!("--moe-layer-freq 0: give N ≥ 1 (one MoE layer in N) or a list such as \"[1,0]*4\""),
+        Ok(n) => Ok((0..num_layers).map(|i| i % n == 0).collect()),
+        Err(_) => list("--moe-layer-freq", text, num_layers),
     }
-    Ok(pattern)
+}
+
+/// Megatron's `--window-attn-skip-freq`, the same two spellings: per layer, true where the
+/// sliding window applies. An integer N makes every Nth layer counting from 1 a full-attention
+/// one (Megatron's `layer_number % N != 0` windowed); a list gives 1 (windowed) or 0 a layer.
+pub fn window_layers(spec: &str, num_layers: usize) -> anyhow::Result<Vec<bool>> {
+    let text = spec.trim();
+    match text.parse::<usize>() {
+        Ok(0) => bail!(
+            "--window-attn-skip-freq 0: give N ≥ 1 (one full-attention layer in N) or a list such as \"[1,1,1,0]*2\""
+        ),
+        Ok(n) => Ok((1..=num_layers).map(|l| l % n != 0).collect()),
+        Err(_) => list("--window-attn-skip-freq", text, num_layers),
+    }
+}
+
+/// A list expression of `flag`'s, one entry a layer.
+fn list(flag: &str, text: &str, num_layers: usize) -> anyhow::Result<Vec<bool>> {
+    let mut p = Parser { s: text.as_bytes(), at: 0 };
+    let v = p.expr().with_context(|| format!("{flag} {text}: not a list expression Megatron takes"))?;
+    p.space();
+    if p.at != p.s.len() {
+        bail!("{flag} {text}: unexpected text at character {}", p.at + 1);
+    }
+    if v.len() != num_layers {
+        bail!("{flag} {text} gives {} layers but --num-layers is {num_layers}: one entry per layer", v.len());
+    }
+    Ok(v)
 }
 
 /// The list form of `pattern`, which `parse` reads back.
@@ -111,7 +124,7 @@ impl Parser<'_> {
             match self.int()? {
                 0 => v.push(false),
                 1 => v.push(true),
-                n => bail!("{n} in the list: each layer is 0 (dense) or 1 (MoE)"),
+                n => bail!("{n} in the list: each layer's entry is 0 or 1"),
             }
             if self.eat(b']') {
                 return Ok(v);
@@ -143,10 +156,23 @@ mod tests {
     fn bad_patterns_are_named() {
         let e = |s: &str, n| format!("{:#}", parse(s, n).unwrap_err());
         assert!(e("[1,0]*2", 3).contains("gives 4 layers but --num-layers is 3"));
-        assert!(e("[1,2]", 2).contains("0 (dense) or 1 (MoE)"));
+        assert!(e("[1,2]", 2).contains("entry is 0 or 1"));
         assert!(e("[1,0", 2).contains("not a list expression"));
         assert!(e("0", 2).contains("N ≥ 1"));
         assert!(e("[1]*2 junk", 2).contains("unexpected text"));
         assert!(e("import os", 2).contains("not a list expression"));
+    }
+
+    #[test]
+    fn window_layers_count_full_attention_layers_from_one() {
+        let b = |s: &str| s.chars().map(|c| c == '1').collect::<Vec<_>>();
+        // Megatron's is_layer_window_attention: layer_number (from 1) % N != 0 is windowed.
+        assert_eq!(window_layers("2", 5).unwrap(), b("10101"));
+        assert_eq!(window_layers("4", 8).unwrap(), b("11101110"));
+        assert_eq!(window_layers("1", 3).unwrap(), b("000"));
+        assert_eq!(window_layers("[1,1,0]*2", 6).unwrap(), b("110110"));
+        let e = |s: &str, n| format!("{:#}", window_layers(s, n).unwrap_err());
+        assert!(e("0", 2).contains("--window-attn-skip-freq 0") && e("0", 2).contains("N ≥ 1"));
+        assert!(e("[1,0]", 3).contains("--window-attn-skip-freq [1,0] gives 2 layers"));
     }
 }

@@ -162,6 +162,11 @@ pub struct TrainArgs {
     /// itself and the `left` tokens before it (-1: all of them). The GPT is causal, so right is 0.
     #[arg(long, allow_hyphen_values = true)]
     pub window_size: Option<String>,
+    /// The layers --window-size's window applies in, as Megatron's: an integer N (every Nth layer,
+    /// counting from 1, attends to the whole context: N − 1 windowed layers to one full), or a
+    /// Python list expression of 1s (windowed) and 0s (full), one a layer, e.g. "[1,1,1,0]*3".
+    #[arg(long)]
+    pub window_attn_skip_freq: Option<String>,
     /// Accepted for Megatron's scripts: --num-query-groups takes effect with or without it.
     #[arg(long)]
     pub group_query_attention: bool,
@@ -1116,7 +1121,7 @@ impl TrainArgs {
             max_position_embeddings, position_embedding_type, rotary_base, rope_scaling_factor, q_lora_rank, kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim, v_head_dim, rope_type, rotary_scaling_factor, mscale, mscale_all_dim, yarn_beta_fast, yarn_beta_slow, yarn_original_max_position_embeddings, normalization, tokenizer_type, vocab_size, tokenizer_model, tiktoken_pattern, tiktoken_num_special_tokens, tiktoken_special_tokens, vocab_file, merge_file, init_method_std, embedding_init_method_std,
             micro_batch_size, global_batch_size, train_iters, train_samples, lr_warmup_samples, lr_decay_samples, lr, min_lr, lr_warmup_init, lr_decay_style, lr_wsd_decay_style, lr_wsd_decay_iters, lr_wsd_decay_samples, lr_warmup_iters, lr_warmup_fraction,
             lr_decay_iters, weight_decay, start_weight_decay, end_weight_decay, weight_decay_incr_style, adam_beta1, adam_beta2, adam_eps, clip_grad, norm_epsilon, make_vocab_size_divisible_by,
-            hidden_dropout, attention_dropout, window_size, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, ckpt_format, step_batch_size_schedule, corpus_docs, split,
+            hidden_dropout, attention_dropout, window_size, window_attn_skip_freq, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, ckpt_format, step_batch_size_schedule, corpus_docs, split,
             tensorboard_dir, tensorboard_log_interval, tensorboard_queue_size, exit_interval, exit_duration_in_mins, non_persistent_save_interval, non_persistent_ckpt_type, non_persistent_global_ckpt_dir, device, cuda_graph_impl, cuda_graph_warmup_steps, profile_step_start, profile_step_end, profile_trace, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s, distributed_timeout_minutes,
             pipeline_model_parallel_size, context_parallel_size, cp_comm_type, num_layers_per_virtual_pipeline_stage, decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers,
@@ -1457,6 +1462,9 @@ pub struct Settings {
     /// Tokens before itself that each token's attention sees (`--window-size`'s left); None: all.
     #[serde(default)]
     pub window_size: Option<usize>,
+    /// The layers the window applies in (`--window-attn-skip-freq` as given); None: all.
+    #[serde(default)]
+    pub window_attn_skip_freq: Option<String>,
     /// `--data-path` as given; empty (and no --train-data-path): the built-in corpus.
     #[serde(default)]
     pub data_path: Vec<String>,
@@ -2394,6 +2402,7 @@ fn transformer_args(c: &TransformerConfig) -> TrainArgs {
         make_vocab_size_divisible_by: Some(c.make_vocab_size_divisible_by),
         // The config's window keeps the token and left before it: left = window − 1.
         window_size: c.layer.attention.window.map(|w| format!("({},0)", w - 1)),
+        window_attn_skip_freq: c.layer.window_layers.as_deref().map(crate::layer_freq::render),
         init_method_std: Some(c.init_method_std),
         embedding_init_method_std: c.embedding_init_method_std,
         hidden_dropout: Some(c.hidden_dropout as f64),
@@ -2504,6 +2513,7 @@ impl TrainArgs {
             norm_epsilon,
             make_vocab_size_divisible_by,
             window_size,
+            window_attn_skip_freq,
             init_method_std,
             embedding_init_method_std,
             hidden_dropout,
@@ -2821,6 +2831,7 @@ impl Settings {
             hidden_dropout: a.hidden_dropout.unwrap_or(0.0) as f32,
             attention_dropout: a.attention_dropout.unwrap_or(0.0) as f32,
             window_size: a.window_size.as_deref().map(parse_window).transpose()?.flatten(),
+            window_attn_skip_freq: a.window_attn_skip_freq.clone(),
             // Megatron takes 0 as none.
             mtp_num_layers: a.mtp_num_layers.filter(|&n| n > 0),
             mtp_loss_scaling_factor: a.mtp_loss_scaling_factor.map_or_else(mtp_loss_scaling_factor, |f| f as f32),
@@ -3878,6 +3889,11 @@ impl Settings {
                 mlp,
                 other_mlp,
                 hybrid: None,
+                window_layers: self
+                    .window_attn_skip_freq
+                    .as_deref()
+                    .map(|f| crate::layer_freq::window_layers(f, self.num_layers))
+                    .transpose()?,
             },
             norm_epsilon: self.norm_epsilon,
             init_method_std: self.init_method_std,
@@ -4164,6 +4180,28 @@ mod tests {
         assert_eq!(parse("--hidden-dropout 0.1").unwrap().hidden_dropout, 0.1);
         let e = parse("--hidden-dropout 1").unwrap_err().to_string();
         assert!(e.contains("--hidden-dropout 1") && e.contains("[0, 1)"), "{e}");
+    }
+
+    #[test]
+    fn window_attn_skip_freq_picks_the_windowed_layers() {
+        let s = parse("--window-size (3,0) --num-layers 4 --window-attn-skip-freq 2").unwrap();
+        let c = s.model_config().unwrap();
+        assert_eq!(c.layer.window_layers, Some(vec![true, false, true, false]));
+        let windows: Vec<_> = (0..4).map(|i| c.layer.attention_of(i).window).collect();
+        assert_eq!(windows, [Some(4), None, Some(4), None]);
+        // --use-checkpoint-args gives it back as the list.
+        assert_eq!(model_args(&c).window_attn_skip_freq.as_deref(), Some("[1,0,1,0]"));
+        let s = parse("--window-size (3,0) --num-layers 3 --window-attn-skip-freq [0]+[1]*2").unwrap();
+        assert_eq!(s.model_config().unwrap().layer.window_layers, Some(vec![false, true, true]));
+        for (line, needle) in [
+            ("--num-layers 4 --window-attn-skip-freq 2", "there is none"),
+            ("--window-size (-1,0) --num-layers 4 --window-attn-skip-freq 2", "there is none"),
+            ("--window-size (3,0) --num-layers 4 --window-attn-skip-freq [1,0]", "gives 2 layers"),
+            ("--window-size (3,0) --num-layers 4 --window-attn-skip-freq 0", "N ≥ 1"),
+        ] {
+            let e = format!("{:#}", parse(line).unwrap_err());
+            assert!(e.contains("--window-attn-skip-freq") && e.contains(needle), "{line}: {e}");
+        }
     }
 
     #[test]

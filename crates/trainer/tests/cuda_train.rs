@@ -783,18 +783,27 @@ fn attention_dropout_cuda_matches_cpu() {
 }
 
 /// `--window-size (16,0)` (each token sees itself and 16 before it) on both tiny presets, fp32:
-/// the flash kernels' window mask against the CPU's, and the window changes the run.
+/// the flash kernels' window mask against the CPU's, and the window changes the run; on the
+/// Llama-style one also in every second layer only (`--window-attn-skip-freq 2`).
 #[test]
 fn sliding_window_cuda_matches_cpu() {
     let gpu = Device::cuda(0).expect("a CUDA device");
-    for preset in ["tiny", "llama-tiny"] {
-        let args =
-            || TrainArgs { preset: Some(preset.into()), window_size: Some("(16,0)".into()), ..TrainArgs::default() };
+    for (preset, skip) in [("tiny", None), ("llama-tiny", None), ("llama-tiny", Some("2"))] {
+        let args = || TrainArgs {
+            preset: Some(preset.into()),
+            window_size: Some("(16,0)".into()),
+            window_attn_skip_freq: skip.map(str::to_string),
+            ..TrainArgs::default()
+        };
         let cpu = losses_of(args(), Device::Cpu);
         let cuda = losses_of(args(), gpu.clone());
         assert_eq!(cpu.len(), 20);
         for (i, (c, g)) in cpu.iter().zip(&cuda).enumerate() {
-            assert!((c - g).abs() <= 1e-4 * c.abs(), "{preset} step {}: cpu {c} vs cuda {g} with a window", i + 1);
+            assert!(
+                (c - g).abs() <= 1e-4 * c.abs(),
+                "{preset} {skip:?} step {}: cpu {c} vs cuda {g} with a window",
+                i + 1
+            );
         }
         assert_ne!(cpu, losses(preset, false, Device::Cpu), "{preset}: the window changed nothing");
     }

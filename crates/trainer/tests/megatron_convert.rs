@@ -104,6 +104,8 @@ fn megatron_checkpoints_import_to_megatron_cores_logits() {
         ("mtp_dist", "megatron", "torch_dist"),
         // llama_dist's with sliding-window attention: each token and the 3 before it.
         ("window_dist", "megatron", "torch_dist"),
+        // The window in the first of the two layers only (--window-attn-skip-freq 2).
+        ("window_skip_dist", "megatron", "torch_dist"),
         // A Mamba hybrid (Mamba, attention, Mamba, MLP and expert layers; the mixers' in_proj and
         // convolution saved in parts), and the same split over two tensor-parallel ranks.
         ("hybrid_dist", "megatron", "torch_dist"),
@@ -143,7 +145,8 @@ fn megatron_checkpoints_import_to_megatron_cores_logits() {
             assert_eq!((m.moe_router_score_function.as_str(), m.moe_router_group_topk), ("sigmoid", Some(1)));
             assert_eq!((m.moe_shared_expert_intermediate_size, m.moe_router_bias_update_rate), (Some(32), Some(1e-3)));
         }
-        assert_eq!(s.window_size, (name == "window_dist").then_some(3));
+        assert_eq!(s.window_size, name.starts_with("window").then_some(3));
+        assert_eq!(s.window_attn_skip_freq.as_deref(), (name == "window_skip_dist").then_some("2"));
         if name.starts_with("mla") {
             let m = s.mla.as_ref().expect("multi-latent attention");
             assert_eq!((m.q_lora_rank, m.kv_lora_rank, m.qk_pos_emb_head_dim), (Some(16), 12, 4));

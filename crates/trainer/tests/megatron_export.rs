@@ -51,6 +51,7 @@ fn exports_hold_megatron_cores_tensors_and_import_back_exactly() {
         "mla_yarn_dist",
         "mtp_dist",
         "window_dist",
+        "window_skip_dist",
     ];
     for name in fixtures {
         let (imported, exported, again) =
@@ -122,8 +123,11 @@ fn exports_hold_megatron_cores_tensors_and_import_back_exactly() {
         ] {
             assert_eq!(a.get(k), Some(&v), "{name}: {k}");
         }
-        let window = (name == "window_dist").then(|| Py::Tuple(vec![Py::Int(3), Py::Int(0)]));
+        let window = name.starts_with("window").then(|| Py::Tuple(vec![Py::Int(3), Py::Int(0)]));
         assert_eq!(a.get("window_size").cloned(), window, "{name}: Megatron's (left, right)");
+        // The layers it applies in, as the list Megatron evaluates its flag to.
+        let skip = (name == "window_skip_dist").then(|| Py::List(vec![Py::Int(1), Py::Int(0)]));
+        assert_eq!(a.get("window_attn_skip_freq").cloned(), skip, "{name}");
         // Back in: the same parameters (and expert biases), bit for bit.
         convert(&ConvertArgs::new("megatron", "ferrotron", &exported, &again)).unwrap();
         same_tensors(&imported, &again);

@@ -223,6 +223,20 @@ impl TransformerConfig {
         if c.layer.attention.window == Some(0) {
             return Err(bad("--window-size must be at least 1".into()));
         }
+        if let Some(w) = &c.layer.window_layers {
+            if c.layer.attention.window.is_none() {
+                return Err(bad(
+                    "--window-attn-skip-freq picks the layers a sliding window applies in, but there is none (--window-size with a finite left): add one or drop it".into(),
+                ));
+            }
+            if w.len() != c.num_layers {
+                return Err(bad(format!(
+                    "--window-attn-skip-freq gives {} layers but --num-layers is {}: one entry per layer",
+                    w.len(),
+                    c.num_layers
+                )));
+            }
+        }
         if !(0.0..1.0).contains(&c.hidden_dropout) {
             return Err(bad(format!("--hidden-dropout {} must be in [0, 1): a rate such as 0.1", c.hidden_dropout)));
         }

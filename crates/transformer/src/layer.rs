@@ -105,7 +105,8 @@ impl TransformerLayer {
                 rope: c.rope(),
                 attention_dropout: c.attention_dropout,
             };
-            let a = SelfAttention::new(p, &format!("{prefix}.self_attention"), &dims, &c.layer.attention, tp)?;
+            let a =
+                SelfAttention::new(p, &format!("{prefix}.self_attention"), &dims, &c.layer.attention_of(index), tp)?;
             Ok(Branch { norm: pre, f: Sublayer::Attention(Box::new(a)), dropout })
         };
         let mlp = |p: &mut ParamTableBuilder| -> Result<Branch> {

@@ -217,6 +217,9 @@ pub struct LayerSpec {
     pub other_mlp: Option<OtherMlp>,
     /// A hybrid model's layers (None: every layer attention then MLP).
     pub hybrid: Option<Hybrid>,
+    /// Per layer whether `attention.window` applies (Megatron's --window-attn-skip-freq: full
+    /// attention in the layers where false); None: in every layer.
+    pub window_layers: Option<Vec<bool>>,
 }
 
 /// What one layer holds: a character of Megatron's hybrid layer pattern
@@ -252,6 +255,13 @@ impl LayerSpec {
     /// What layer `i` (0-based, over the whole model) holds.
     pub fn kind_of(&self, i: usize) -> LayerKind {
         self.hybrid.as_ref().and_then(|h| h.kinds.get(i).copied()).unwrap_or(LayerKind::Transformer)
+    }
+
+    /// The attention of layer `i` (0-based, over the whole model): `attention`, without its
+    /// window where `window_layers` says the layer attends to the whole context.
+    pub fn attention_of(&self, i: usize) -> AttentionSpec {
+        let windowed = self.window_layers.as_ref().is_none_or(|w| w.get(i).copied().unwrap_or(true));
+        AttentionSpec { window: self.attention.window.filter(|_| windowed), ..self.attention }
     }
 
     /// The MLP of layer `i` (0-based, over the whole model).

@@ -235,6 +235,7 @@ pub fn clip_encoder(layers: usize, hidden: usize, heads: usize, ffn: usize, std:
             mlp: MlpSpec::Dense { activation: Activation::QuickGelu, bias: true },
             other_mlp: None,
             hybrid: None,
+            window_layers: None,
         },
         norm_epsilon: 1e-5,
         init_method_std: std,

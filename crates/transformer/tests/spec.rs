@@ -37,6 +37,7 @@ fn base() -> TransformerConfig {
             mlp: MlpSpec::Dense { activation: Activation::Gelu, bias: true },
             other_mlp: None,
             hybrid: None,
+            window_layers: None,
         },
         norm_epsilon: 1e-5,
         init_method_std: 0.02,
@@ -115,6 +116,7 @@ fn param_count_matches_table_for_llama_style() {
             mlp: MlpSpec::Dense { activation: Activation::SwiGlu, bias: false },
             other_mlp: None,
             hybrid: None,
+            window_layers: None,
         },
         ..base()
     };

@@ -80,6 +80,7 @@ pub(super) fn config(v: &Value) -> Result<TransformerConfig> {
             mlp: MlpSpec::Dense { activation: Activation::SwiGlu, bias: false },
             other_mlp: None,
             hybrid: None,
+            window_layers: None,
         },
         norm_epsilon: eps,
         init_method_std: opt(v, "initializer_range", f64_of)?.unwrap_or(0.02) as f32,

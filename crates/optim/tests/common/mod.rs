@@ -56,6 +56,7 @@ pub fn config_layers(llama: bool, layers: usize) -> TransformerConfig {
             mlp: MlpSpec::Dense { activation: act, bias },
             other_mlp: None,
             hybrid: None,
+            window_layers: None,
         },
         norm_epsilon: 1e-5,
         init_method_std: 0.05,

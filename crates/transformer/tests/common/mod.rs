@@ -39,6 +39,7 @@ pub fn config(llama: bool) -> TransformerConfig {
             mlp: MlpSpec::Dense { activation: if llama { Activation::SwiGlu } else { Activation::Gelu }, bias: !llama },
             other_mlp: None,
             hybrid: None,
+            window_layers: None,
         },
         norm_epsilon: 1e-5,
         // Large enough that every layer's gradient stands far above f32 round-off.
