@@ -24,6 +24,15 @@ __device__ __forceinline__ float gelux_g(float x) {
 __device__ __forceinline__ float qgelu_f(float x) { return x * sigm(1.702f * x); }
 __device__ __forceinline__ float qgelu_g(float x) { float s = sigm(1.702f * x); return s + 1.702f * x * s * (1.f - s); }
 __device__ __forceinline__ float silu_g(float x) { float s = sigm(x); return s * (1.f + x * (1.f - s)); }
+// gpt-oss's gated quick GeLU (Megatron's --quick-geglu, --glu-linear-offset o,
+// --activation-func-clamp-value c; c = ∞ for none): qgelu(min(g, c))·(clamp(v, −c, c) + o), and
+// its gradients, none through a clamped input (as torch's clamp).
+__device__ __forceinline__ float qgeglu_f(float g, float v, float o, float c) {
+    return qgelu_f(fminf(g, c)) * (fminf(fmaxf(v, -c), c) + o); }
+__device__ __forceinline__ void qgeglu_b(float g, float v, float d, float o, float c, float& dg, float& dv) {
+    float gc = fminf(g, c), vc = fminf(fmaxf(v, -c), c);
+    dg = g <= c ? d * qgelu_g(gc) * (vc + o) : 0.f;
+    dv = (v <= c && v >= -c) ? d * qgelu_f(gc) : 0.f; }
 
 // y[i..i+8] = f(x[i..i+8]) and y = f(a, b) over groups of eight.
 template <typename TX, typename TY, typename F> __device__ __forceinline__ void map8(const TX* x, TY* y, long n, F f) {
@@ -75,7 +84,14 @@ extern "C" __global__ void swiglu_fwd_##s(const T* x, T* y, long n, long f) { \
     GRID_STRIDE(i, n) { long r = i / f, j = i % f; st(y, i, silu_f(ld(x, r * 2 * f + j)) * ld(x, r * 2 * f + f + j)); } } \
 extern "C" __global__ void swiglu_bwd_##s(const T* x, const T* dy, T* dx, long n, long f) { \
     GRID_STRIDE(i, n) { long r = i / f, j = i % f; float g = ld(x, r * 2 * f + j), v = ld(x, r * 2 * f + f + j), d = ld(dy, i); \
-        st(dx, r * 2 * f + j, d * v * silu_g(g)); st(dx, r * 2 * f + f + j, d * silu_f(g)); } }
+        st(dx, r * 2 * f + j, d * v * silu_g(g)); st(dx, r * 2 * f + f + j, d * silu_f(g)); } } \
+extern "C" __global__ void quick_geglu_fwd_##s(const T* x, T* y, long n, long f, float o, float c) { \
+    GRID_STRIDE(i, n) { long r = i / f, j = i % f; \
+        st(y, i, qgeglu_f(ld(x, r * 2 * f + j), ld(x, r * 2 * f + f + j), o, c)); } } \
+extern "C" __global__ void quick_geglu_bwd_##s(const T* x, const T* dy, T* dx, long n, long f, float o, float c) { \
+    GRID_STRIDE(i, n) { long r = i / f, j = i % f; float dg, dv; \
+        qgeglu_b(ld(x, r * 2 * f + j), ld(x, r * 2 * f + f + j), ld(dy, i), o, c, dg, dv); \
+        st(dx, r * 2 * f + j, dg); st(dx, r * 2 * f + f + j, dv); } }
 FOR_TYPES(ELEMENTWISE)
 
 #define ELEMENTWISE_V8(s, T) \
@@ -115,6 +131,14 @@ extern "C" __global__ void swiglu_bwd_##s##_v8(const T* x, const T* dy, T* dx, l
         ld8(x, r * 2 * f + j0, g); ld8(x, r * 2 * f + f + j0, v); ld8(dy, i, d); \
         _Pragma("unroll") for (int j = 0; j < 8; j++) { dg[j] = d[j] * v[j] * silu_g(g[j]); v[j] = d[j] * silu_f(g[j]); } \
         st8(dx, r * 2 * f + j0, dg); st8(dx, r * 2 * f + f + j0, v); } } \
+extern "C" __global__ void quick_geglu_fwd_##s##_v8(const T* x, T* y, long n, long f, float o, float c) { \
+    GRID_STRIDE8(i, n) { long r = i / f, j0 = i % f; float g[8], v[8]; ld8(x, r * 2 * f + j0, g); ld8(x, r * 2 * f + f + j0, v); \
+        _Pragma("unroll") for (int j = 0; j < 8; j++) g[j] = qgeglu_f(g[j], v[j], o, c); st8(y, i, g); } } \
+extern "C" __global__ void quick_geglu_bwd_##s##_v8(const T* x, const T* dy, T* dx, long n, long f, float o, float c) { \
+    GRID_STRIDE8(i, n) { long r = i / f, j0 = i % f; float g[8], v[8], d[8]; \
+        ld8(x, r * 2 * f + j0, g); ld8(x, r * 2 * f + f + j0, v); ld8(dy, i, d); \
+        _Pragma("unroll") for (int j = 0; j < 8; j++) { float dg, dv; qgeglu_b(g[j], v[j], d[j], o, c, dg, dv); g[j] = dg; v[j] = dv; } \
+        st8(dx, r * 2 * f + j0, g); st8(dx, r * 2 * f + f + j0, v); } } \
 /* Column-sum partials (col_partials8: c % 8 == 0, grid chunks · ceil(c / 256), 256 threads). */ \
 extern "C" __global__ void __launch_bounds__(256) bias_grad_##s##_v8(const T* dy, float* db, long rows, long c) { \
     pdl_wait(); \

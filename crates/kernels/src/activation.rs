@@ -154,6 +154,49 @@ pub fn swiglu_bwd(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
     check::out(dx, x.shape().clone(), dy.dtype(), x.device())
 }
 
+/// gpt-oss's gated quick GeLU (Megatron's --quick-geglu): x [..., 2F] (gate | linear) →
+/// qgelu(min(gate, c))·(clamp(linear, −c, c) + `offset`) [..., F], qgelu(z) = z·σ(1.702·z); `clamp`
+/// c (--activation-func-clamp-value) None for none.
+pub fn quick_geglu(x: &Tensor, offset: f32, clamp: Option<f32>) -> Result<Tensor> {
+    const OP: &str = "quick_geglu";
+    check::float(OP, x)?;
+    let f = swiglu_width(OP, x)?;
+    let c = clamp.unwrap_or(f32::INFINITY);
+    let mut shape = x.dims().to_vec();
+    *shape.last_mut().unwrap_or(&mut 0) = f;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[x])? {
+        return crate::cuda::ops::quick_geglu(&g, x, f, offset, c, shape);
+    }
+    check::on_cpu(OP, &[x])?;
+    let xv = x.read_f32()?;
+    // SAFETY: quick_geglu_fwd writes each of a row's f outputs.
+    let mut y = unsafe { buf::uninit(xv.len() / 2) };
+    cpu::activation::quick_geglu_fwd(&xv, f, offset, c, &mut y);
+    check::out(y, shape, x.dtype(), x.device())
+}
+
+/// `quick_geglu`'s input gradient: dy [..., F] → dx [..., 2F], zero where the clamp held an input.
+pub fn quick_geglu_bwd(x: &Tensor, dy: &Tensor, offset: f32, clamp: Option<f32>) -> Result<Tensor> {
+    const OP: &str = "quick_geglu_bwd";
+    check::float(OP, x)?;
+    let f = swiglu_width(OP, x)?;
+    let c = clamp.unwrap_or(f32::INFINITY);
+    let mut yshape = x.dims().to_vec();
+    *yshape.last_mut().unwrap_or(&mut 0) = f;
+    check::shape(OP, dy, &yshape)?;
+    #[cfg(feature = "cuda")]
+    if let Some(g) = crate::cuda::gpu(OP, &[x, dy])? {
+        return crate::cuda::ops::quick_geglu_bwd(&g, x, dy, f, offset, c);
+    }
+    check::on_cpu(OP, &[x, dy])?;
+    let (xv, dyv) = (x.read_f32()?, dy.read_f32()?);
+    // SAFETY: quick_geglu_bwd writes both halves of every row.
+    let mut dx = unsafe { buf::uninit(xv.len()) };
+    cpu::activation::quick_geglu_bwd(&xv, &dyv, f, offset, c, &mut dx);
+    check::out(dx, x.shape().clone(), dy.dtype(), x.device())
+}
+
 /// Softmax over the last dimension.
 pub fn softmax(x: &Tensor) -> Result<Tensor> {
     const OP: &str = "softmax";

@@ -38,8 +38,8 @@ mod rope;
 mod ssm;
 
 pub use activation::{
-    gelu, gelu_bwd, gelu_exact, gelu_exact_bwd, quick_gelu, quick_gelu_bwd, relu2, relu2_bwd, sigmoid_gate,
-    sigmoid_gate_bwd, silu, silu_bwd, softmax, softmax_bwd, swiglu, swiglu_bwd,
+    gelu, gelu_bwd, gelu_exact, gelu_exact_bwd, quick_geglu, quick_geglu_bwd, quick_gelu, quick_gelu_bwd, relu2,
+    relu2_bwd, sigmoid_gate, sigmoid_gate_bwd, silu, silu_bwd, softmax, softmax_bwd, swiglu, swiglu_bwd,
 };
 pub use attention::{
     AttnCfg, AttnDropout, QkvHeads, attention_bwd, attention_bwd_qkv, attention_bwd_qkv_into, attention_fwd,

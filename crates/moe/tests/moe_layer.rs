@@ -7,7 +7,8 @@ use ferrotron_moe::{Groups, LoadBalancing, MoeMetrics, MoeSpec, RouterSpec, Scor
 use ferrotron_parallel::{ProcessGroups, TensorParallel};
 use ferrotron_transformer::dropout::TokenKey;
 use ferrotron_transformer::spec::{
-    Activation, AttentionSpec, FactoryCx, LayerSpec, MlpSpec, ModuleFactory, NormKind, PositionEmbedding, SoftmaxType,
+    Activation, AttentionSpec, FactoryCx, GluParams, LayerSpec, MlpSpec, ModuleFactory, NormKind, PositionEmbedding,
+    SoftmaxType,
 };
 use ferrotron_transformer::{Batch, GptModel, TransformerConfig};
 use std::sync::Arc;
@@ -184,6 +185,11 @@ fn combine_reference(t: &ParamTable, s: &MoeSpec, x: &[f64], top: &[usize], w: &
             Activation::GeluExact => {
                 h.iter().map(|&v| 0.5 * v * (1.0 + libm::erf(v / std::f64::consts::SQRT_2))).collect()
             }
+            Activation::QuickGeGlu(g) => {
+                let c = g.clamp.unwrap_or(f64::INFINITY);
+                let qgelu = |z: f64| z / (1.0 + (-1.702 * z).exp());
+                (0..f).map(|i| qgelu(h[i].min(c)) * (h[f + i].clamp(-c, c) + g.offset)).collect()
+            }
         };
         let o = lin(&get(t, &format!("{ex}.linear_fc2.weight")), bias("linear_fc2").as_deref(), &a);
         y.iter_mut().zip(&o).for_each(|(y, o)| *y += p * o);
@@ -220,6 +226,8 @@ fn forward_matches_the_per_token_reference() {
         (Activation::Gelu, false, false, true),
         (Activation::SquaredRelu, true, false, false),
         (Activation::QuickGelu, false, true, false),
+        // gpt-oss's experts: the gated quick GeLU with its offset and a clamp that holds inputs.
+        (Activation::QuickGeGlu(GluParams { offset: 1.0, clamp: Some(0.3) }), true, false, false),
     ] {
         let s = MoeSpec { shared_expert_gate: gated, ..spec(act, bias, pre) };
         let (m, table) = layer(&s, 7);

@@ -112,6 +112,11 @@ pub(crate) fn apply(a: &mut TrainArgs) -> anyhow::Result<()> {
     if a.init_method_xavier_uniform {
         bail!("--init-method-xavier-uniform: the weights start from N(0, --init-method-std); drop it");
     }
+    if a.enable_gpt_oss {
+        bail!(
+            "--enable-gpt-oss (ModelOpt's gpt-oss mode) puts YaRN rotary features on grouped-query attention, which is not built here (YaRN is multi-latent attention's): drop it for plain RoPE; gpt-oss's layers are --quick-geglu --glu-linear-offset 1.0 --activation-func-clamp-value 7.0 --softmax-type learnable --window-attn-skip-freq 2"
+        );
+    }
     if a.checkpoint_activations {
         bail!(
             "--checkpoint-activations is Megatron's old spelling: use --recompute-granularity full --recompute-method uniform"

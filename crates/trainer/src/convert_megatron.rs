@@ -17,7 +17,7 @@ use serde_json::{Map, Value};
 use std::collections::BTreeMap;
 
 /// Namespace fields copied to the flag of the same name where set.
-pub(crate) const COPIED: [&str; 33] = [
+pub(crate) const COPIED: [&str; 37] = [
     "num_layers",
     "hidden_size",
     "ffn_hidden_size",
@@ -41,6 +41,11 @@ pub(crate) const COPIED: [&str; 33] = [
     "apply_layernorm_1p",
     "swiglu",
     "squared_relu",
+    // gpt-oss's gated quick GeLU and attention sinks.
+    "quick_geglu",
+    "glu_linear_offset",
+    "activation_func_clamp_value",
+    "softmax_type",
     "add_qkv_bias",
     "untie_embeddings_and_output_weights",
     "qk_layernorm",

@@ -128,7 +128,9 @@ fn namespace(m: &TrainArgs, s: &Settings, l: &Layout, vocab: usize, samples: [u6
     // Flags Ferrotron spells as what they turn off, as Megatron records them.
     let on = |flag: &str| flags.get(flag) == Some(&Value::Bool(true));
     ns.set("add_bias_linear", Py::Bool(!on("disable-bias-linear")));
-    ns.set("bias_gelu_fusion", Py::Bool(!on("no-bias-gelu-fusion")));
+    // Megatron fuses no bias with the gated quick GeLU outside its experts' weighted path (its
+    // gpt-oss script passes --no-bias-gelu-fusion).
+    ns.set("bias_gelu_fusion", Py::Bool(!on("no-bias-gelu-fusion") && !on("quick-geglu")));
     let heads = s.num_attention_heads;
     ns.set("group_query_attention", Py::Bool(s.num_query_groups != heads));
     ns.set("num_query_groups", Py::Int(s.num_query_groups as i64));

@@ -10,8 +10,8 @@ use ferrotron_moe::{Capacity, DropPolicy, Groups, LoadBalancing, MoeSpec, Router
 use ferrotron_optim::{DecayStyle, WdSchedule, WdStyle};
 use ferrotron_transformer::mla::MlaSpec;
 use ferrotron_transformer::spec::{
-    Activation, AttentionSpec, LayerKind, LayerSpec, MlpSpec, NormKind, OtherMlp, PositionEmbedding, RopeScaling,
-    SoftmaxType,
+    Activation, AttentionSpec, GluParams, LayerKind, LayerSpec, MlpSpec, NormKind, OtherMlp, PositionEmbedding,
+    RopeScaling, SoftmaxType,
 };
 use ferrotron_transformer::{MtpSpec, TransformerConfig};
 use serde::{Deserialize, Serialize};
@@ -68,6 +68,16 @@ pub struct TrainArgs {
     /// Squared ReLU, max(x, 0)², in the MLPs (Nemotron-H's); GeLU without it or --swiglu.
     #[arg(long)]
     pub squared_relu: bool,
+    /// gpt-oss's gated quick GeLU in the MLPs: qgelu(gate)·(linear + --glu-linear-offset), both
+    /// halves clamped by --activation-func-clamp-value where given; qgelu(z) = z·σ(1.702·z).
+    #[arg(long)]
+    pub quick_geglu: bool,
+    /// Added to the linear half of --quick-geglu's gated unit (gpt-oss: 1.0).
+    #[arg(long, allow_hyphen_values = true)]
+    pub glu_linear_offset: Option<f64>,
+    /// --quick-geglu's inputs clamped: the gate to at most C, the linear half to [−C, C] (gpt-oss: 7.0).
+    #[arg(long)]
+    pub activation_func_clamp_value: Option<f64>,
     #[arg(long)]
     pub untie_embeddings_and_output_weights: bool,
     #[arg(long)]
@@ -495,6 +505,12 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip)]
     pub deterministic_mode: bool,
+    /// bf16 products' split-K partial sums added in fp32 only (PyTorch's
+    /// allow_bf16_reduced_precision_reduction off): cuBLASLt is offered no algorithm that adds
+    /// them in bf16. Off, its heuristic's own first choice may.
+    #[arg(long)]
+    #[serde(skip)]
+    pub disable_bf16_reduced_precision_matmul: bool,
     /// cpu, cuda or cuda:N (CUDA needs a build with `--features cuda`).
     #[arg(long)]
     #[serde(skip)]
@@ -921,6 +937,13 @@ pub struct TrainArgs {
     /// Refused by name: Xavier initialisation, and Megatron's old spelling of full recompute.
     #[arg(long)]
     pub init_method_xavier_uniform: bool,
+    /// Accepted for Megatron's gpt-oss script: ModelOpt's export takes local core attention
+    /// instead of Transformer Engine's (one core attention here; training is the same).
+    #[arg(long)]
+    pub export_force_local_attention: bool,
+    /// Refused by name: ModelOpt's gpt-oss mode, YaRN rotary features on grouped-query attention.
+    #[arg(long)]
+    pub enable_gpt_oss: bool,
     #[arg(long)]
     pub checkpoint_activations: bool,
     /// A benchmark of balanced experts (Megatron's RandomSTE): every router's logits replaced by
@@ -1104,8 +1127,8 @@ impl TrainArgs {
     fn overlay(&mut self, o: &TrainArgs) {
         // A later layer's activation replaces an earlier one's (a preset's SwiGLU gives way to
         // --squared-relu on the command line); within one layer both is an error.
-        if o.swiglu != o.squared_relu {
-            (self.swiglu, self.squared_relu) = (false, false);
+        if [o.swiglu, o.squared_relu, o.quick_geglu].iter().filter(|&&on| on).count() == 1 {
+            (self.swiglu, self.squared_relu, self.quick_geglu) = (false, false, false);
         }
         // A later layer's way of placing hybrid layers replaces an earlier one's (a preset's
         // pattern gives way to a flag's, or to its ratios).
@@ -1121,7 +1144,7 @@ impl TrainArgs {
             max_position_embeddings, position_embedding_type, rotary_base, rope_scaling_factor, q_lora_rank, kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim, v_head_dim, rope_type, rotary_scaling_factor, mscale, mscale_all_dim, yarn_beta_fast, yarn_beta_slow, yarn_original_max_position_embeddings, normalization, tokenizer_type, vocab_size, tokenizer_model, tiktoken_pattern, tiktoken_num_special_tokens, tiktoken_special_tokens, vocab_file, merge_file, init_method_std, embedding_init_method_std,
             micro_batch_size, global_batch_size, train_iters, train_samples, lr_warmup_samples, lr_decay_samples, lr, min_lr, lr_warmup_init, lr_decay_style, lr_wsd_decay_style, lr_wsd_decay_iters, lr_wsd_decay_samples, lr_warmup_iters, lr_warmup_fraction,
             lr_decay_iters, weight_decay, start_weight_decay, end_weight_decay, weight_decay_incr_style, adam_beta1, adam_beta2, adam_eps, clip_grad, norm_epsilon, make_vocab_size_divisible_by,
-            hidden_dropout, attention_dropout, window_size, window_attn_skip_freq, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, ckpt_format, step_batch_size_schedule, corpus_docs, split,
+            hidden_dropout, attention_dropout, window_size, window_attn_skip_freq, glu_linear_offset, activation_func_clamp_value, seed, log_interval, eval_interval, eval_iters, save, load, metrics_file, save_interval, ckpt_format, step_batch_size_schedule, corpus_docs, split,
             tensorboard_dir, tensorboard_log_interval, tensorboard_queue_size, exit_interval, exit_duration_in_mins, non_persistent_save_interval, non_persistent_ckpt_type, non_persistent_global_ckpt_dir, device, cuda_graph_impl, cuda_graph_warmup_steps, profile_step_start, profile_step_end, profile_trace, nproc, tensor_model_parallel_size, ddp_bucket_size, distributed_timeout_s, distributed_timeout_minutes,
             pipeline_model_parallel_size, context_parallel_size, cp_comm_type, num_layers_per_virtual_pipeline_stage, decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers, recompute_granularity, recompute_method, recompute_num_layers,
@@ -1141,7 +1164,7 @@ impl TrainArgs {
             moe_flex_dispatcher_backend, moe_flex_dispatcher_num_sms, cross_entropy_fusion_impl, pipeline_model_parallel_layout,
             ddp_num_buckets, dist_ckpt_format, num_dataset_builder_threads, decoupled_lr, decoupled_min_lr,
             optimizer_offload_fraction);
-        merge_flags!(self, o; check_for_nan_in_loss_and_grad, no_check_for_nan_in_loss_and_grad, use_rope_scaling, swiglu, squared_relu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, qk_l2_norm, attention_output_gate, multi_latent_attention, bf16, fp16, first_last_layers_bf16, no_progress, deterministic_mode,
+        merge_flags!(self, o; check_for_nan_in_loss_and_grad, no_check_for_nan_in_loss_and_grad, use_rope_scaling, swiglu, squared_relu, quick_geglu, untie_embeddings_and_output_weights, disable_bias_linear, add_qkv_bias, qk_layernorm, qk_l2_norm, attention_output_gate, multi_latent_attention, bf16, fp16, first_last_layers_bf16, no_progress, deterministic_mode, disable_bf16_reduced_precision_matmul,
             sequence_parallel, use_distributed_optimizer, overlap_grad_reduce, grad_reduce_in_bf16, overlap_param_gather, profile, group_query_attention,
             use_flash_attn, finetune, no_load_optim, exit_on_missing_checkpoint, no_data_sharding, use_checkpoint_args, mock_data, eod_mask_loss, calculate_per_token_loss, log_validation_ppl_to_tensorboard, log_timers_to_tensorboard,
             use_cpu_initialization, apply_residual_connection_post_layernorm, log_world_size_to_tensorboard, log_memory_to_tensorboard, log_num_zeros_in_grad, async_save, log_progress, no_save_optim, exit_signal_handler,
@@ -1160,7 +1183,7 @@ impl TrainArgs {
             moe_router_force_load_balancing, account_for_embedding_in_pipeline_split, account_for_loss_in_pipeline_split,
             openai_gelu, no_overlap_p2p_communication, overlap_param_gather_with_optimizer_step, no_align_param_gather,
             ddp_average_in_collective, ddp_pad_buckets_for_high_nccl_busbw, use_dist_ckpt, dataloader_fast_cache_load,
-            dataloader_defer_npy_index_mmap, apply_wd_to_qk_layernorm, init_method_xavier_uniform, checkpoint_activations,
+            dataloader_defer_npy_index_mmap, apply_wd_to_qk_layernorm, init_method_xavier_uniform, export_force_local_attention, enable_gpt_oss, checkpoint_activations,
             optimizer_cpu_offload, overlap_cpu_optimizer_d2h_h2d, fp8_param_gather);
         if !o.test_data_path.is_empty() {
             self.test_data_path = o.test_data_path.clone();
@@ -1285,6 +1308,13 @@ pub struct Settings {
     pub swiglu: bool,
     #[serde(default)]
     pub squared_relu: bool,
+    /// --quick-geglu with its offset and clamp (absent from older checkpoints: off).
+    #[serde(default)]
+    pub quick_geglu: bool,
+    #[serde(default)]
+    pub glu_linear_offset: f64,
+    #[serde(default)]
+    pub activation_func_clamp_value: Option<f64>,
     pub untie_embeddings_and_output_weights: bool,
     pub disable_bias_linear: bool,
     /// GeLU as erf rather than its tanh approximation: Megatron's MLP without its fused bias-GeLU
@@ -2160,6 +2190,8 @@ pub struct Paths {
     pub timeout: std::time::Duration,
     /// Megatron's --deterministic-mode: GPU kernels without order-dependent sums.
     pub deterministic: bool,
+    /// --disable-bf16-reduced-precision-matmul: split-K sums in fp32 only.
+    pub fp32_split_k_sums: bool,
     /// Megatron's --profile: the steps a CUDA profiler range covers on the ranks that profile.
     pub profile: Option<ProfileRange>,
     /// `--cuda-graph-impl local --cuda-graph-scope full_iteration`: the whole step replayed as a
@@ -2215,6 +2247,7 @@ impl Default for Paths {
             launch: Launch::Single,
             timeout: std::time::Duration::from_secs(600),
             deterministic: false,
+            fp32_split_k_sums: false,
             profile: None,
             cuda_graph_warmup: None,
         }
@@ -2348,6 +2381,10 @@ fn transformer_args(c: &TransformerConfig) -> TrainArgs {
         (MlpSpec::Custom(_), None) => (Activation::Gelu, true),
     };
     let (swiglu, squared_relu) = (activation == Activation::SwiGlu, activation == Activation::SquaredRelu);
+    let glu = match activation {
+        Activation::QuickGeGlu(g) => Some(g),
+        _ => None,
+    };
     let scaling = match c.position_embedding {
         PositionEmbedding::Rope { scaling, .. } => scaling,
         _ => None,
@@ -2373,6 +2410,9 @@ fn transformer_args(c: &TransformerConfig) -> TrainArgs {
         normalization: Some(if c.layer.norm == NormKind::LayerNorm { "LayerNorm" } else { "RMSNorm" }.into()),
         swiglu,
         squared_relu,
+        quick_geglu: glu.is_some(),
+        glu_linear_offset: glu.map(|g| g.offset).filter(|&o| o != 0.0),
+        activation_func_clamp_value: glu.and_then(|g| g.clamp),
         untie_embeddings_and_output_weights: c.untie_embeddings_and_output_weights,
         disable_bias_linear: !bias,
         // Megatron's GeLU is tanh through the fused bias-GeLU, erf without it: the flag that
@@ -2487,6 +2527,9 @@ impl TrainArgs {
             normalization,
             swiglu,
             squared_relu,
+            quick_geglu,
+            glu_linear_offset,
+            activation_func_clamp_value,
             untie_embeddings_and_output_weights,
             disable_bias_linear,
             no_bias_gelu_fusion,
@@ -2712,6 +2755,9 @@ impl Settings {
             normalization: need(&a.normalization, "--normalization")?,
             swiglu: a.swiglu,
             squared_relu: a.squared_relu,
+            quick_geglu: a.quick_geglu,
+            glu_linear_offset: a.glu_linear_offset.unwrap_or(0.0),
+            activation_func_clamp_value: a.activation_func_clamp_value,
             untie_embeddings_and_output_weights: a.untie_embeddings_and_output_weights,
             disable_bias_linear: a.disable_bias_linear,
             gelu_exact: !a.openai_gelu && (a.no_bias_gelu_fusion || a.disable_bias_linear),
@@ -3095,6 +3141,7 @@ impl Settings {
             launch,
             timeout,
             deterministic: a.deterministic_mode,
+            fp32_split_k_sums: a.disable_bf16_reduced_precision_matmul,
             profile,
             cuda_graph_warmup,
         };
@@ -3829,13 +3876,25 @@ impl Settings {
         if let Some(v) = &self.vision {
             vocab = v.model_vocab(vocab);
         }
-        let activation = match (self.swiglu, self.squared_relu) {
-            (true, true) => bail!("--swiglu and --squared-relu both pick the MLP's activation: keep one"),
-            (true, false) => Activation::SwiGlu,
-            (false, true) => Activation::SquaredRelu,
-            (false, false) if self.gelu_exact => Activation::GeluExact,
-            (false, false) => Activation::Gelu,
+        let activation = match (self.swiglu, self.squared_relu, self.quick_geglu) {
+            (true, false, false) => Activation::SwiGlu,
+            (false, true, false) => Activation::SquaredRelu,
+            (false, false, true) => Activation::QuickGeGlu(GluParams {
+                offset: self.glu_linear_offset,
+                clamp: self.activation_func_clamp_value,
+            }),
+            (false, false, false) if self.gelu_exact => Activation::GeluExact,
+            (false, false, false) => Activation::Gelu,
+            _ => bail!("--swiglu, --squared-relu and --quick-geglu each pick the MLP's activation: keep one"),
         };
+        if !self.quick_geglu && (self.glu_linear_offset != 0.0 || self.activation_func_clamp_value.is_some()) {
+            bail!(
+                "--glu-linear-offset and --activation-func-clamp-value shape --quick-geglu's gated unit (gpt-oss's); add it or drop them"
+            );
+        }
+        if let Some(c) = self.activation_func_clamp_value.filter(|c| !(c.is_finite() && *c > 0.0)) {
+            bail!("--activation-func-clamp-value {c}: give a positive bound (gpt-oss: 7.0)");
+        }
         let bias = !self.disable_bias_linear;
         let dense = MlpSpec::Dense { activation, bias };
         let (mlp, other_mlp) = match &self.moe {

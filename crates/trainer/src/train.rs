@@ -573,11 +573,14 @@ fn saved_bytes_table(g: &ProcessGroups, peak: usize) -> anyhow::Result<String> {
 struct RankThreadFlags;
 
 impl RankThreadFlags {
-    fn set(deterministic: bool) -> RankThreadFlags {
+    fn set(deterministic: bool, fp32_split_k_sums: bool) -> RankThreadFlags {
         #[cfg(feature = "cuda")]
-        ferrotron_kernels::cuda::set_deterministic(deterministic);
+        {
+            ferrotron_kernels::cuda::set_deterministic(deterministic);
+            ferrotron_kernels::cuda::set_fp32_split_k_sums(fp32_split_k_sums);
+        }
         #[cfg(not(feature = "cuda"))]
-        let _ = deterministic;
+        let _ = (deterministic, fp32_split_k_sums);
         // Every batch's ids are checked on the host (`batch`) before they reach a device.
         ferrotron_kernels::set_device_ids_prechecked(true);
         RankThreadFlags
@@ -587,7 +590,10 @@ impl RankThreadFlags {
 impl Drop for RankThreadFlags {
     fn drop(&mut self) {
         #[cfg(feature = "cuda")]
-        ferrotron_kernels::cuda::set_deterministic(false);
+        {
+            ferrotron_kernels::cuda::set_deterministic(false);
+            ferrotron_kernels::cuda::set_fp32_split_k_sums(false);
+        }
         ferrotron_kernels::set_device_ids_prechecked(false);
     }
 }
@@ -629,7 +635,7 @@ fn lcm(a: usize, b: usize) -> usize {
 
 /// One rank's training run.
 fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summary> {
-    let _flags = RankThreadFlags::set(paths.deterministic);
+    let _flags = RankThreadFlags::set(paths.deterministic, paths.fp32_split_k_sums);
     let layout = s.validate_layout(world.size())?;
     let g = ProcessGroups::new(world, layout)?;
     let rank0 = g.world.rank() == 0;

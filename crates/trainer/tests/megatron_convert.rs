@@ -106,6 +106,9 @@ fn megatron_checkpoints_import_to_megatron_cores_logits() {
         ("window_dist", "megatron", "torch_dist"),
         // The window in the first of the two layers only (--window-attn-skip-freq 2).
         ("window_skip_dist", "megatron", "torch_dist"),
+        // gpt-oss's layers: experts with the gated quick GeLU (offset, clamp), learned sinks, the
+        // window in one layer of two.
+        ("gptoss_dist", "core", "torch_dist"),
         // A Mamba hybrid (Mamba, attention, Mamba, MLP and expert layers; the mixers' in_proj and
         // convolution saved in parts), and the same split over two tensor-parallel ranks.
         ("hybrid_dist", "megatron", "torch_dist"),
@@ -134,10 +137,16 @@ fn megatron_checkpoints_import_to_megatron_cores_logits() {
             )
         });
         assert_eq!(mamba, hybrid.then_some(("M*M-E", 16, 32, 2, false)));
-        assert_eq!(s.swiglu, llama);
+        assert_eq!(s.swiglu, llama && name != "gptoss_dist");
+        let glu = (s.quick_geglu, s.glu_linear_offset, s.activation_func_clamp_value, s.softmax_type.as_str());
+        let gptoss = (true, 1.0, Some(2.0), "learnable");
+        assert_eq!(glu.0, name == "gptoss_dist");
+        if name == "gptoss_dist" {
+            assert_eq!(glu, gptoss);
+        }
         assert_eq!(s.untie_embeddings_and_output_weights, llama);
         // mixtral_*, deepseek_dist: four experts of width 48, top-2, in every layer.
-        let moe = name.starts_with("mixtral") || name == "deepseek_dist" || name == "mtp_dist" || hybrid;
+        let moe = name.starts_with("mixtral") || ["deepseek_dist", "mtp_dist", "gptoss_dist"].contains(&name) || hybrid;
         let experts = s.moe.as_ref().map(|m| (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size));
         assert_eq!(experts, moe.then_some((4, 2, 48)));
         if name == "deepseek_dist" {
@@ -145,8 +154,10 @@ fn megatron_checkpoints_import_to_megatron_cores_logits() {
             assert_eq!((m.moe_router_score_function.as_str(), m.moe_router_group_topk), ("sigmoid", Some(1)));
             assert_eq!((m.moe_shared_expert_intermediate_size, m.moe_router_bias_update_rate), (Some(32), Some(1e-3)));
         }
-        assert_eq!(s.window_size, name.starts_with("window").then_some(3));
-        assert_eq!(s.window_attn_skip_freq.as_deref(), (name == "window_skip_dist").then_some("2"));
+        let windowed = name.starts_with("window") || name == "gptoss_dist";
+        assert_eq!(s.window_size, windowed.then_some(3));
+        let skip = ["window_skip_dist", "gptoss_dist"].contains(&name);
+        assert_eq!(s.window_attn_skip_freq.as_deref(), skip.then_some("2"));
         if name.starts_with("mla") {
             let m = s.mla.as_ref().expect("multi-latent attention");
             assert_eq!((m.q_lora_rank, m.kv_lora_rank, m.qk_pos_emb_head_dim), (Some(16), 12, 4));

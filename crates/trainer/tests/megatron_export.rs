@@ -52,6 +52,7 @@ fn exports_hold_megatron_cores_tensors_and_import_back_exactly() {
         "mtp_dist",
         "window_dist",
         "window_skip_dist",
+        "gptoss_dist",
     ];
     for name in fixtures {
         let (imported, exported, again) =
@@ -77,7 +78,7 @@ fn exports_hold_megatron_cores_tensors_and_import_back_exactly() {
             // attention's latent norms and dense pre-MLP norm are fused; else alike.
             let mut want = model_keys(&theirs);
             let renames: &[(&str, &str)] = match name {
-                "mixtral_dist" | "deepseek_dist" | "mtp_dist" => {
+                "mixtral_dist" | "deepseek_dist" | "mtp_dist" | "gptoss_dist" => {
                     &[("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight")]
                 }
                 "mla_dist" | "mla_yarn_dist" => &[
@@ -117,17 +118,29 @@ fn exports_hold_megatron_cores_tensors_and_import_back_exactly() {
             ("no_save_optim", Py::Bool(true)),
             ("no_save_rng", Py::Bool(true)),
             ("add_bias_linear", Py::Bool(name == "gpt_legacy")),
-            ("swiglu", Py::Bool(name != "gpt_legacy")),
+            ("swiglu", Py::Bool(!["gpt_legacy", "gptoss_dist"].contains(&name))),
             ("params_dtype", Py::Global("torch".into(), "float32".into())),
             ("tokenizer_type", Py::Str("NullTokenizer".into())),
         ] {
             assert_eq!(a.get(k), Some(&v), "{name}: {k}");
         }
-        let window = name.starts_with("window").then(|| Py::Tuple(vec![Py::Int(3), Py::Int(0)]));
+        let windowed = name.starts_with("window") || name == "gptoss_dist";
+        let window = windowed.then(|| Py::Tuple(vec![Py::Int(3), Py::Int(0)]));
         assert_eq!(a.get("window_size").cloned(), window, "{name}: Megatron's (left, right)");
         // The layers it applies in, as the list Megatron evaluates its flag to.
-        let skip = (name == "window_skip_dist").then(|| Py::List(vec![Py::Int(1), Py::Int(0)]));
+        let skip = ["window_skip_dist", "gptoss_dist"].contains(&name).then(|| Py::List(vec![Py::Int(1), Py::Int(0)]));
         assert_eq!(a.get("window_attn_skip_freq").cloned(), skip, "{name}");
+        // gpt-oss's activation and sinks under Megatron's names.
+        if name == "gptoss_dist" {
+            for (k, v) in [
+                ("quick_geglu", Py::Bool(true)),
+                ("glu_linear_offset", Py::Float(1.0)),
+                ("activation_func_clamp_value", Py::Float(2.0)),
+                ("softmax_type", Py::Str("learnable".into())),
+            ] {
+                assert_eq!(a.get(k), Some(&v), "{name}: {k}");
+            }
+        }
         // Back in: the same parameters (and expert biases), bit for bit.
         convert(&ConvertArgs::new("megatron", "ferrotron", &exported, &again)).unwrap();
         same_tensors(&imported, &again);

@@ -1,5 +1,5 @@
-//! Dense MLP: linear_fc1 [C → F, or 2F gate|value for SwiGLU] → activation → linear_fc2 [F → C].
-//! Tensor parallel: fc1 column-parallel (SwiGLU's gate and value blocks split separately, so each
+//! Dense MLP: linear_fc1 [C → F, or 2F gate|value for SwiGLU and quick GeGLU] → activation →
+//! linear_fc2 [F → C]. Tensor parallel: fc1 column-parallel (the gate and value blocks split separately, so each
 //! rank's activation is its slice of F), fc2 row-parallel.
 
 use crate::spec::Activation;
@@ -91,6 +91,10 @@ impl Module for Mlp {
                 let (h, s1) = self.linear_fc1.forward(cx, x)?;
                 (k::gelu_exact(&h)?, h, s1)
             }
+            Activation::QuickGeGlu(g) => {
+                let (h, s1) = self.linear_fc1.forward(cx, x)?;
+                (k::quick_geglu(&h, g.offset as f32, g.clamp.map(|c| c as f32))?, h, s1)
+            }
         };
         let (y, s2) = self.linear_fc2.forward(cx, &a)?;
         Ok((y, Saved::new(vec![h], vec![s1, s2])))
@@ -138,6 +142,10 @@ impl Mlp {
             }
             Activation::GeluExact => {
                 k::gelu_exact_bwd(h, &self.linear_fc2.backward_parts(cx, s2, dy, None, fc2_bias)?)?
+            }
+            Activation::QuickGeGlu(g) => {
+                let da = self.linear_fc2.backward_parts(cx, s2, dy, None, fc2_bias)?;
+                k::quick_geglu_bwd(h, &da, g.offset as f32, g.clamp.map(|c| c as f32))?
             }
         };
         self.linear_fc1.backward(cx, s1, &dh)

@@ -68,13 +68,34 @@ pub enum Activation {
     /// Exact GeLU, x·Φ(x) (erf), on a [C → F] projection: PyTorch's `F.gelu`, LLaVA's vision
     /// projection (`Gelu` is the tanh approximation).
     GeluExact,
+    /// gpt-oss's gated quick GeLU on a [C → 2F] projection (gate | linear):
+    /// qgelu(min(gate, c))·(clamp(linear, −c, c) + offset) (Megatron's --quick-geglu,
+    /// --glu-linear-offset, --activation-func-clamp-value).
+    QuickGeGlu(GluParams),
 }
+
+/// A gated linear unit's extras (Megatron's glu_linear_offset, activation_func_clamp_value).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GluParams {
+    /// Added to the linear half before gating (0: none).
+    pub offset: f64,
+    /// Both halves clamped: the gate from above, the linear half to [−c, c]; None: unclamped.
+    pub clamp: Option<f64>,
+}
+
+/// Equal by value, bit for bit (the floats are flags' values, never NaN).
+impl PartialEq for GluParams {
+    fn eq(&self, o: &Self) -> bool {
+        self.offset.to_bits() == o.offset.to_bits() && self.clamp.map(f64::to_bits) == o.clamp.map(f64::to_bits)
+    }
+}
+impl Eq for GluParams {}
 
 impl Activation {
     /// Blocks in fc1's output: 2 (gate | value) for SwiGLU, 1 for the others.
     pub fn fc1_blocks(self) -> usize {
         match self {
-            Activation::SwiGlu => 2,
+            Activation::SwiGlu | Activation::QuickGeGlu(_) => 2,
             Activation::Gelu | Activation::SquaredRelu | Activation::QuickGelu | Activation::GeluExact => 1,
         }
     }

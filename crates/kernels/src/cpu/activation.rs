@@ -144,6 +144,34 @@ pub fn swiglu_fwd<T: Real>(x: &[T], f: usize, y: &mut [T]) {
     });
 }
 
+/// gpt-oss's gated quick GeLU (Megatron's --quick-geglu with --glu-linear-offset and
+/// --activation-func-clamp-value): x [N, 2F] (gate | linear) → qgelu(min(g, c))·(clamp(v, −c, c)
+/// + offset) [N, F]; `clamp` c = ∞ for none.
+pub fn quick_geglu_fwd<T: Real>(x: &[T], f: usize, offset: f32, clamp: f32, y: &mut [T]) {
+    let (o, c) = (T::c(offset as f64), T::c(clamp as f64));
+    y.par_chunks_mut(f).zip(x.par_chunks(2 * f)).for_each(|(yr, xr)| {
+        for i in 0..f {
+            let (g, v) = (xr[i].min(c), xr[f + i].min(c).max(-c));
+            yr[i] = g * sigmoid(T::c(QUICK_GELU) * g) * (v + o);
+        }
+    });
+}
+
+/// dy [N, F] → dx [N, 2F]; no gradient where the clamp held an input (as torch's clamp).
+pub fn quick_geglu_bwd<T: Real>(x: &[T], dy: &[T], f: usize, offset: f32, clamp: f32, dx: &mut [T]) {
+    let (o, c) = (T::c(offset as f64), T::c(clamp as f64));
+    dx.par_chunks_mut(2 * f).zip(x.par_chunks(2 * f).zip(dy.par_chunks(f))).for_each(|(dxr, (xr, dyr))| {
+        for i in 0..f {
+            let (xg, xv) = (xr[i], xr[f + i]);
+            let (g, v) = (xg.min(c), xv.min(c).max(-c));
+            let s = sigmoid(T::c(QUICK_GELU) * g);
+            let slope = s + T::c(QUICK_GELU) * g * s * (T::one() - s);
+            dxr[i] = if xg <= c { dyr[i] * slope * (v + o) } else { T::zero() };
+            dxr[f + i] = if xv <= c && xv >= -c { dyr[i] * g * s } else { T::zero() };
+        }
+    });
+}
+
 /// dy [N, F] → dx [N, 2F].
 pub fn swiglu_bwd<T: Real>(x: &[T], dy: &[T], f: usize, dx: &mut [T]) {
     dx.par_chunks_mut(2 * f).zip(x.par_chunks(2 * f).zip(dy.par_chunks(f))).for_each(|(dxr, (xr, dyr))| {

@@ -67,6 +67,8 @@ struct Key {
     out: Out,
     /// FP8 operand types (A, B; true for E5M2), None for bf16.
     fp8: Option<(bool, bool)>,
+    /// Split-K sums in fp32 only (`set_fp32_split_k_sums`).
+    fp32_sums: bool,
 }
 
 /// The per-device cuBLASLt state: workspace and the algorithm cache.
@@ -313,6 +315,7 @@ unsafe fn run_typed(
         align,
         out,
         fp8: fp8.map(|f| (f.a_e5m2, f.b_e5m2)),
+        fp32_sums: super::fp32_split_k_sums(),
     };
     let lt = &be.lt;
     let handle = *be.blas_lt.handle();
@@ -349,7 +352,7 @@ unsafe fn run_typed(
         Some(Some(a)) => a,
         Some(None) => return Err(lt_err("heuristic (cached)", sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)),
         None => {
-            let found = candidates(handle, &desc, [&la, &lb, &ld], align);
+            let found = candidates(handle, &desc, [&la, &lb, &ld], align, key.fp32_sums);
             // Only candidates whose split-K partial sums add up in fp32 (or that have none) may
             // replace the heuristic's own choice: a bf16 output summed in bf16 differs by several
             // ulps (an op test caught one: −1.789 for −1.75).
@@ -442,12 +445,14 @@ fn sums_in_fp32(algo: &sys::cublasLtMatmulAlgo_t) -> bool {
 }
 
 /// Up to `tune::candidates()` algorithms from the heuristic, best first, for pointers of `align`
-/// bytes' alignment and our workspace.
+/// bytes' alignment and our workspace; with `fp32_sums`, only those that add split-K partial sums
+/// in the compute type (or split nothing).
 fn candidates(
     handle: sys::cublasLtHandle_t,
     desc: &Desc,
     [la, lb, ld]: [&Layout; 3],
     align: u32,
+    fp32_sums: bool,
 ) -> std::result::Result<Vec<sys::cublasLtMatmulAlgo_t>, cudarc::cublaslt::result::CublasError> {
     let pref = Pref(result::create_matmul_pref()?);
     let workspace = offered_workspace();
@@ -459,6 +464,16 @@ fn candidates(
             &workspace as *const usize as *const c_void,
             size_of::<usize>(),
         )?;
+        if fp32_sums {
+            let none = sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_NONE as u32;
+            let mask = none | sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE as u32;
+            result::set_matmul_pref_attribute(
+                pref.0,
+                PrefAttr::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                &mask as *const u32 as *const c_void,
+                size_of::<u32>(),
+            )?;
+        }
         for attr in [
             PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
             PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,

@@ -109,6 +109,7 @@ pub(crate) fn poisoning() -> bool {
 thread_local! {
     static WGMMA: std::cell::Cell<bool> = const { std::cell::Cell::new(true) };
     static DETERMINISTIC: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    static FP32_SPLIT_K_SUMS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     static FLASH_WS: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static FLASH_PERSIST: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
     static FLASH_TMA: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
@@ -420,6 +421,19 @@ pub fn set_deterministic(on: bool) {
 
 pub(crate) fn deterministic() -> bool {
     DETERMINISTIC.with(|d| d.get())
+}
+
+/// Whether this thread's cuBLASLt products must add split-K partial sums in fp32 (off by default;
+/// Megatron's --disable-bf16-reduced-precision-matmul, PyTorch's
+/// `allow_bf16_reduced_precision_reduction = False`): on, the heuristic is offered only
+/// algorithms that reduce in the compute type or not at all. Off, its own first choice may add a
+/// bf16 output's partial sums in bf16 (the tuned alternatives never do).
+pub fn set_fp32_split_k_sums(on: bool) {
+    FP32_SPLIT_K_SUMS.with(|d| d.set(on));
+}
+
+pub(crate) fn fp32_split_k_sums() -> bool {
+    FP32_SPLIT_K_SUMS.with(|d| d.get())
 }
 
 /// Whether this thread's ops may use the Hopper wgmma kernels where the device has them (on by

@@ -90,6 +90,41 @@ device_test!(tensor_backwards_agree_with_f64, |dev: &Device| {
     assert_close(&host(&k::softmax_bwd(&y, &rt).unwrap()), &want, 1e-5, 1e-6, "softmax_bwd");
 });
 
+// gpt-oss's gated quick GeLU against its formula in f64 (offset 1, clamp 1.5 holding about a
+// third of the inputs; and neither), its backward against finite differences of the formula
+// (zero through a clamped input); widths of 16 (eight a thread on a GPU) and 5.
+device_test!(quick_geglu_matches_formula_and_fd, |dev: &Device| {
+    for (f, offset, clamp) in [(16usize, 1.0f32, Some(1.5f32)), (5, 0.0, None), (16, -0.5, None)] {
+        let rows = 3;
+        let x: Vec<f64> = randv(rows * 2 * f, 7).iter().map(|v| 3.0 * v).collect();
+        let r = randv(rows * f, 8);
+        let c = clamp.map_or(f64::INFINITY, f64::from);
+        let qgelu = |z: f64| z / (1.0 + (-1.702 * z).exp());
+        let formula = |x: &[f64]| -> Vec<f64> {
+            x.chunks(2 * f)
+                .flat_map(|row| (0..f).map(move |i| qgelu(row[i].min(c)) * (row[f + i].clamp(-c, c) + offset as f64)))
+                .collect()
+        };
+        let tag = format!("quick_geglu f {f} offset {offset} clamp {clamp:?}");
+        let xt = t32(dev, &x, &[rows, 2 * f]);
+        let y = k::quick_geglu(&xt, offset, clamp).unwrap();
+        assert_eq!(y.dims(), &[rows, f]);
+        assert_close(&host(&y), &formula(&x), 1e-5, 1e-6, &tag);
+        let dx = host(&k::quick_geglu_bwd(&xt, &t32(dev, &r, &[rows, f]), offset, clamp).unwrap());
+        fd_check(&x, &dx, |x| dot(&formula(x), &r), &tag);
+        if clamp.is_some() {
+            let held = x
+                .chunks(2 * f)
+                .flat_map(|row| (0..2 * f).map(move |i| if i < f { row[i] > c } else { row[i].abs() > c }));
+            let held: Vec<bool> = held.collect();
+            assert!(held.iter().filter(|&&h| h).count() > x.len() / 8, "{tag}: the clamp holds too few inputs to test");
+            assert!(held.iter().zip(&dx).all(|(h, d)| !h || *d == 0.0), "{tag}: a gradient through a clamped input");
+        }
+    }
+    let odd = t32(dev, &randv(6, 1), &[2, 3]);
+    assert!(k::quick_geglu(&odd, 0.0, None).unwrap_err().to_string().contains("quick_geglu"));
+});
+
 // The attention output gate x·σ(g) against the formula in f64, its backward against finite
 // differences in x and g; the dtypes and shapes it takes are checked by name.
 device_test!(sigmoid_gate_matches_formula_and_fd, |dev: &Device| {

@@ -106,8 +106,20 @@ fn every_op_matches_cpu() {
             vec![k::quick_gelu(&t[0]).unwrap(), k::quick_gelu_bwd(&t[0], &t[1]).unwrap()]
         });
         let half = rnd(&[3, 5, 32], 5, dt);
-        check("swiglu", dt, &[x.clone(), half], |t| {
+        check("swiglu", dt, &[x.clone(), half.clone()], |t| {
             vec![k::swiglu(&t[0]).unwrap(), k::swiglu_bwd(&t[0], &t[1]).unwrap()]
+        });
+        // gpt-oss's gated quick GeLU, its clamp holding some inputs (x is 64 wide: halves of 32,
+        // eight a thread; and a width of 3, one a thread).
+        check("quick_geglu", dt, &[x.clone(), half], |t| {
+            vec![
+                k::quick_geglu(&t[0], 1.0, Some(0.4)).unwrap(),
+                k::quick_geglu_bwd(&t[0], &t[1], 1.0, Some(0.4)).unwrap(),
+            ]
+        });
+        let (odd, odd_half) = (rnd(&[4, 6], 6, dt), rnd(&[4, 3], 7, dt));
+        check("quick_geglu odd", dt, &[odd, odd_half], |t| {
+            vec![k::quick_geglu(&t[0], -0.5, None).unwrap(), k::quick_geglu_bwd(&t[0], &t[1], -0.5, None).unwrap()]
         });
         // The same Philox words on both devices: the same mask (a shard's offset and a batch
         // stride larger than the rows held, as under sequence parallelism).
@@ -1430,4 +1442,25 @@ fn views_cross_between_host_and_gpu() {
     let strided = m.narrow(1, 0..4).unwrap();
     let dst = tensor(&Device::Cpu, &[0.0; 32], &[8, 4], DType::F32);
     assert!(dst.copy_from(&strided).is_err(), "a strided view across devices");
+}
+
+/// --disable-bf16-reduced-precision-matmul: with fp32 split-K sums switched on, bf16 products of
+/// a long inner dim (where cuBLASLt's heuristic splits K) are the fp32 products of the same
+/// inputs rounded once, within a bf16 step (a bf16 sum of the split partials is not).
+#[test]
+fn bf16_products_sum_split_k_partials_in_fp32_when_asked() {
+    let dev = gpu();
+    ferrotron_kernels::cuda::set_fp32_split_k_sums(true);
+    for (m, n, kk) in [(16usize, 16usize, 65536usize), (64, 32, 16384), (128, 128, 8192)] {
+        let (a, b) = (rnd(&[m, kk], 21, DType::BF16), rnd(&[kk, n], 22, DType::BF16));
+        let want =
+            k::matmul(&k::cast(&a, DType::F32).unwrap(), &k::cast(&b, DType::F32).unwrap(), false, false).unwrap();
+        let got = k::matmul(&on(&a, &dev), &on(&b, &dev), false, false).unwrap();
+        let (want, got) = (host(&want), host(&got.to_device(&Device::Cpu).unwrap()));
+        for (i, (w, g)) in want.iter().zip(&got).enumerate() {
+            // One bf16 rounding of the fp32 sum: within 2⁻⁸ relative (and a little for order).
+            assert!((w - g).abs() <= w.abs() / 256.0 + 1e-3, "{m}×{n}×{kk} [{i}]: {g} vs {w}");
+        }
+    }
+    ferrotron_kernels::cuda::set_fp32_split_k_sums(false);
 }

@@ -142,6 +142,24 @@ pub fn swiglu(be: &B, x: &Tensor, f: usize, out_shape: Vec<usize>) -> Result<Ten
     Ok(y)
 }
 
+/// gpt-oss's gated quick GeLU (activation.rs `quick_geglu`); `c` the clamp, ∞ for none.
+pub fn quick_geglu(be: &B, x: &Tensor, f: usize, o: f32, c: f32, out_shape: Vec<usize>) -> Result<Tensor> {
+    let y = new(be, out_shape, x.dtype())?;
+    let name = format!("quick_geglu_fwd_{}", sfx("quick_geglu", x.dtype())?);
+    let args = [ptr("quick_geglu", x)?, ptr("quick_geglu", &y)?, n(y.elem_count()), n(f), Arg::F32(o), Arg::F32(c)];
+    ew8(be, &name, y.elem_count(), f, &args)?;
+    Ok(y)
+}
+
+pub fn quick_geglu_bwd(be: &B, x: &Tensor, dy: &Tensor, f: usize, o: f32, c: f32) -> Result<Tensor> {
+    let dx = new(be, x.shape().clone(), x.dtype())?;
+    let name = format!("quick_geglu_bwd_{}", sfx("quick_geglu", x.dtype())?);
+    let op = "quick_geglu_bwd";
+    let args = [ptr(op, x)?, ptr(op, dy)?, ptr(op, &dx)?, n(dy.elem_count()), n(f), Arg::F32(o), Arg::F32(c)];
+    ew8(be, &name, dy.elem_count(), f, &args)?;
+    Ok(dx)
+}
+
 pub fn swiglu_bwd(be: &B, x: &Tensor, dy: &Tensor, f: usize) -> Result<Tensor> {
     let dx = new(be, x.shape().clone(), x.dtype())?;
     ew8(
