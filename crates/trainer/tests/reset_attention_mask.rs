@@ -22,13 +22,7 @@ fn document_masks_train_as_one_rank_under_tp_and_pp() {
     let one = run(&s, 1);
     assert!(one.losses.iter().all(|(_, l)| l.is_finite()), "{:?}", one.losses);
     assert_ne!(bits(&one.losses), bits(&run(&settings(&tiny_args(true)), 1).losses), "the masks changed nothing");
-    let mut tp = s.clone();
-    tp.tensor_model_parallel_size = 2;
-    tp.sequence_parallel = true;
-    follows("tp2 with SP", &run(&tp, 2), &one);
-    let mut pp = s.clone();
-    pp.pipeline_model_parallel_size = 2;
-    follows("pp2", &run(&pp, 2), &one);
+    follows_tp_sp_and_pp(&s, &one);
     // Recomputed forwards (full, one layer a group; selective: the core attention) take the
     // micro-batch's masks again: the same bits.
     for granularity in ["full", "selective"] {

@@ -27,11 +27,5 @@ fn full_attention_layers_among_windowed_ones_train_as_one_rank() {
     let one = run(&s, 1);
     assert_ne!(bits(&one.losses), bits(&plain.losses));
     assert_ne!(bits(&one.losses), bits(&window.losses));
-    let mut tp = s.clone();
-    tp.tensor_model_parallel_size = 2;
-    tp.sequence_parallel = true;
-    follows("tp2 with SP", &run(&tp, 2), &one);
-    let mut pp = s.clone();
-    pp.pipeline_model_parallel_size = 2;
-    follows("pp2", &run(&pp, 2), &one);
+    follows_tp_sp_and_pp(&s, &one);
 }

@@ -90,6 +90,18 @@ pub fn follows_tp_sp_and_cp(s: &Settings, one: &Summary) {
     follows("cp2", &run(&cp, 2), one);
 }
 
+/// `s` under tensor parallelism with sequence parallelism, and under two pipeline stages, each
+/// `follows` one rank's run `one`.
+pub fn follows_tp_sp_and_pp(s: &Settings, one: &Summary) {
+    let mut tp = s.clone();
+    tp.tensor_model_parallel_size = 2;
+    tp.sequence_parallel = true;
+    follows("tp2 with SP", &run(&tp, 2), one);
+    let mut pp = s.clone();
+    pp.pipeline_model_parallel_size = 2;
+    follows("pp2", &run(&pp, 2), one);
+}
+
 /// Multi-latent attention on the Llama-style tiny model: latents of 16 (queries) and 12 (keys and
 /// values), heads of 8 + 4 rotary features, values 6 wide.
 pub fn mla_args() -> TrainArgs {
