@@ -14,7 +14,7 @@ pub struct MoeMetrics {
 
 /// Means since the last `take`: over this rank's MoE layers of each layer's mean over its
 /// recorded micro-batches, without the coefficients.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct RouterLossValues {
     /// Σ over layers of the layer's mean load-balancing loss.
     pub load_balancing_sum: f64,
@@ -22,6 +22,9 @@ pub struct RouterLossValues {
     pub z_sum: f64,
     /// Layers with at least one record.
     pub layers: usize,
+    /// Each such layer's name (its MoE module's prefix, `decoder.layers.3.mlp`) and mean
+    /// load-balancing loss and z-loss, in name order.
+    pub per_layer: Vec<(String, f64, f64)>,
 }
 
 impl MoeMetrics {
@@ -36,16 +39,18 @@ impl MoeMetrics {
     pub fn take(&self) -> Result<RouterLossValues> {
         let taken = std::mem::take(&mut *self.record.lock().unwrap_or_else(|e| e.into_inner()));
         let mut out = RouterLossValues::default();
-        for values in taken.values().filter(|v| !v.is_empty()) {
+        for (name, values) in taken.iter().filter(|(_, v)| !v.is_empty()) {
             let (mut lb, mut z) = (0.0, 0.0);
             for t in values {
                 let v = t.to_vec_f32()?;
                 lb += v.first().copied().unwrap_or(0.0) as f64;
                 z += v.get(1).copied().unwrap_or(0.0) as f64;
             }
-            out.load_balancing_sum += lb / values.len() as f64;
-            out.z_sum += z / values.len() as f64;
+            let (lb, z) = (lb / values.len() as f64, z / values.len() as f64);
+            out.load_balancing_sum += lb;
+            out.z_sum += z;
             out.layers += 1;
+            out.per_layer.push((name.clone(), lb, z));
         }
         Ok(out)
     }

@@ -791,6 +791,10 @@ pub struct TrainArgs {
     /// Also the throughput per GPU (model TFLOP/s) on each log line and in TensorBoard.
     #[arg(long)]
     pub log_throughput: bool,
+    /// MoE runs: each layer's router losses too (TensorBoard `moe/load_balancing_loss_layer_I`,
+    /// `moe/z_loss_layer_I`, I over every layer, dense ones 0; metrics.jsonl `moe_layer_losses`).
+    #[arg(long)]
+    pub moe_per_layer_logging: bool,
     /// Also the L2 norm of the (fp32 master) parameters on each log line and in TensorBoard.
     #[arg(long)]
     pub log_params_norm: bool,
@@ -1170,7 +1174,7 @@ impl TrainArgs {
             use_cpu_initialization, apply_residual_connection_post_layernorm, log_world_size_to_tensorboard, log_memory_to_tensorboard, log_num_zeros_in_grad, async_save, log_progress, no_save_optim, exit_signal_handler,
             moe_router_pre_softmax, moe_router_enable_expert_bias, moe_grouped_gemm, moe_shared_expert_overlap, moe_shared_expert_gate, moe_pad_expert_input_to_capacity, is_hybrid_model,
             mamba_norm_ungrouped, disable_vision_class_token, freeze_lm, freeze_vit,
-            log_throughput, log_params_norm, recompute_activations, no_position_embedding, use_mcore_models, attention_softmax_in_fp32,
+            log_throughput, moe_per_layer_logging, log_params_norm, recompute_activations, no_position_embedding, use_mcore_models, attention_softmax_in_fp32,
             no_masked_softmax_fusion, no_bias_gelu_fusion, no_bias_swiglu_fusion, no_bias_dropout_fusion, no_rope_fusion,
             no_gradient_accumulation_fusion, cross_entropy_loss_fusion, moe_permute_fusion,
             no_async_tensor_model_parallel_allreduce, accumulate_allreduce_grads_in_fp32, manual_gc, tp_comm_overlap,
@@ -1549,9 +1553,11 @@ pub struct Settings {
     /// `--skip-train`.
     #[serde(default)]
     pub skip_train: bool,
-    /// `--log-throughput`, `--log-params-norm`, `--log-num-zeros-in-grad`.
+    /// `--log-throughput`, `--moe-per-layer-logging`, `--log-params-norm`, `--log-num-zeros-in-grad`.
     #[serde(default)]
     pub log_throughput: bool,
+    #[serde(default)]
+    pub moe_per_layer_logging: bool,
     #[serde(default)]
     pub log_params_norm: bool,
     #[serde(default)]
@@ -2833,6 +2839,7 @@ impl Settings {
             log_timers_to_tensorboard: a.log_timers_to_tensorboard,
             log_world_size_to_tensorboard: a.log_world_size_to_tensorboard,
             log_throughput: a.log_throughput,
+            moe_per_layer_logging: a.moe_per_layer_logging,
             log_params_norm: a.log_params_norm,
             log_num_zeros_in_grad: a.log_num_zeros_in_grad,
             log_memory_to_tensorboard: a.log_memory_to_tensorboard,

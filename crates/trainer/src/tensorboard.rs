@@ -154,6 +154,7 @@ impl RunEvents {
                 global_batch_size,
                 load_balancing_loss,
                 z_loss,
+                ref moe_layer_losses,
                 ref mtp_losses,
                 tflops_per_gpu,
                 params_norm,
@@ -201,6 +202,11 @@ impl RunEvents {
                     if let Some(v) = v {
                         self.w.scalar(tag, v as f32, it, t)?;
                     }
+                }
+                // --moe-per-layer-logging, Megatron's tags (at the iteration).
+                for (i, &(lb, z)) in moe_layer_losses.iter().enumerate() {
+                    self.w.scalar(&format!("moe/load_balancing_loss_layer_{i}"), lb as f32, it, t)?;
+                    self.w.scalar(&format!("moe/z_loss_layer_{i}"), z as f32, it, t)?;
                 }
                 for (k, &l) in mtp_losses.iter().enumerate() {
                     // Megatron's tag.

@@ -28,6 +28,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 /// One line of metrics.jsonl.
+// One value a log line: the training line's size costs nothing worth a box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Serialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Metric {
@@ -54,6 +56,10 @@ pub enum Metric {
         load_balancing_loss: Option<f64>,
         #[serde(skip_serializing_if = "Option::is_none")]
         z_loss: Option<f64>,
+        /// `--moe-per-layer-logging`: each layer's (load-balancing loss, z-loss), by layer number
+        /// over the decoder's layers then the prediction depths' (dense layers 0, as Megatron's).
+        #[serde(skip_serializing_if = "Vec::is_empty")]
+        moe_layer_losses: Vec<(f64, f64)>,
         /// Multi-token prediction runs: each depth's loss (Megatron's `mtp_k loss`, k from 1).
         #[serde(skip_serializing_if = "Vec::is_empty")]
         mtp_losses: Vec<f64>,
@@ -116,6 +122,9 @@ pub struct Summary {
     /// logged values (without their coefficients), averaged over the MoE layers and the window's
     /// micro-batches.
     pub router_losses: Vec<(u64, f64, f64)>,
+    /// `--moe-per-layer-logging`: (iteration, each layer's (load-balancing loss, z-loss)) at each
+    /// log line, by layer number (the decoder's then the prediction depths'; dense layers 0).
+    pub router_losses_per_layer: Vec<(u64, Vec<(f64, f64)>)>,
     /// (iteration, each depth's loss) for every iteration of a multi-token prediction run.
     pub mtp_losses: Vec<(u64, Vec<f64>)>,
     /// Iterations whose update was skipped: their gradient norm was not finite
@@ -600,12 +609,50 @@ impl Drop for RankThreadFlags {
 
 /// The routers' loss values recorded since the last log line, averaged over every rank's MoE
 /// layers (a collective over the world); None where no layer recorded any (both losses off).
-fn router_losses(g: &ProcessGroups, m: &ferrotron_moe::MoeMetrics) -> anyhow::Result<Option<(f64, f64)>> {
+/// With `layers` (the decoder's layers and prediction depths: --moe-per-layer-logging) also each
+/// layer's, averaged over the ranks that hold it (dense layers 0).
+#[allow(clippy::type_complexity)]
+fn router_losses(
+    g: &ProcessGroups,
+    m: &ferrotron_moe::MoeMetrics,
+    layers: Option<(usize, usize)>,
+) -> anyhow::Result<(Option<(f64, f64)>, Vec<(f64, f64)>)> {
     let v = m.take()?;
-    let t = Tensor::from_vec(vec![v.load_balancing_sum as f32, v.z_sum as f32, v.layers as f32], [3], &Device::Cpu)?;
+    let mut sums = vec![v.load_balancing_sum as f32, v.z_sum as f32, v.layers as f32];
+    // Per layer: load-balancing sum, z sum, ranks that recorded it.
+    let total = layers.map_or(0, |(decoder, mtp)| decoder + mtp);
+    let mut per = vec![0f32; 3 * total];
+    if let Some((decoder, _)) = layers {
+        for (name, lb, z) in &v.per_layer {
+            let index = moe_layer_index(name, decoder)
+                .with_context(|| format!("an MoE layer named {name} has no layer number"))?;
+            if let Some(slot) = per.get_mut(3 * index..3 * index + 3) {
+                slot.copy_from_slice(&[*lb as f32, *z as f32, 1.0]);
+            }
+        }
+    }
+    sums.extend(per);
+    let n = sums.len();
+    let t = Tensor::from_vec(sums, [n], &Device::Cpu)?;
     g.world.all_reduce(&t, ReduceOp::Sum)?;
     let t = t.to_vec_f32()?;
-    Ok((t[2] > 0.0).then(|| (t[0] as f64 / t[2] as f64, t[1] as f64 / t[2] as f64)))
+    let mean = (t[2] > 0.0).then(|| (t[0] as f64 / t[2] as f64, t[1] as f64 / t[2] as f64));
+    let each = t[3..]
+        .chunks(3)
+        .map(|c| if c[2] > 0.0 { (c[0] as f64 / c[2] as f64, c[1] as f64 / c[2] as f64) } else { (0.0, 0.0) })
+        .collect();
+    Ok((mean, each))
+}
+
+/// An MoE module's layer number over the decoder's `decoder` layers then the prediction depths
+/// (`decoder.layers.3.mlp` → 3, `mtp.layers.0.transformer_layer.mlp` → decoder).
+fn moe_layer_index(name: &str, decoder: usize) -> Option<usize> {
+    let number = |rest: &str| rest.split('.').next()?.parse::<usize>().ok();
+    match (name.strip_prefix("decoder.layers."), name.strip_prefix("mtp.layers.")) {
+        (Some(rest), _) => number(rest),
+        (_, Some(rest)) => number(rest).map(|d| decoder + d),
+        _ => None,
+    }
 }
 
 /// `--calculate-per-token-loss`: every micro-batch's loss divided by the global batch's loss
@@ -837,6 +884,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
         logs: rank0,
         graphed_steps: 0,
         router_losses: vec![],
+        router_losses_per_layer: vec![],
         mtp_losses: vec![],
         skipped: vec![],
     };
@@ -1104,12 +1152,16 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
             let secs = window.0.elapsed().as_secs_f64();
             let tps = (window.1 * s.seq_length as u64) as f64 / secs.max(1e-9);
             window.1 = 0;
-            let router = match &moe_metrics {
-                Some(m) => router_losses(&g, m)?,
-                None => None,
+            let per_layer = s.moe_per_layer_logging.then(|| (s.num_layers, s.mtp_num_layers.unwrap_or(0)));
+            let (router, moe_layer_losses) = match &moe_metrics {
+                Some(m) => router_losses(&g, m, per_layer)?,
+                None => (None, vec![]),
             };
             if let Some((lb, z)) = router {
                 summary.router_losses.push((iteration, lb, z));
+            }
+            if !moe_layer_losses.is_empty() {
+                summary.router_losses_per_layer.push((iteration, moe_layer_losses.clone()));
             }
             // A collective over the model- and data-parallel groups: every rank, after the update.
             let params_norm = if s.log_params_norm { Some(opt.params_norm(&table)?) } else { None };
@@ -1130,6 +1182,7 @@ fn train_rank(s: &Settings, paths: &Paths, world: Comm) -> anyhow::Result<Summar
                 global_batch_size: gbs,
                 load_balancing_loss: router.map(|r| r.0),
                 z_loss: router.map(|r| r.1),
+                moe_layer_losses,
                 mtp_losses: out.mtp_losses.clone(),
                 tflops_per_gpu,
                 params_norm,

@@ -5,9 +5,9 @@
 mod common;
 
 use common::*;
-use ferrotron_trainer::settings::{Paths, TrainArgs};
+use ferrotron_trainer::settings::{Launch, Paths, TrainArgs};
 use ferrotron_trainer::tensorboard::EventWriter;
-use ferrotron_trainer::train::train;
+use ferrotron_trainer::train::{Summary, train};
 use std::collections::BTreeMap;
 
 /// The fixture's scalars (make_tb_fixture.py's SCALARS).
@@ -136,5 +136,64 @@ fn a_runs_scalars_are_megatrons_tags() {
     assert!(ev["world-size"].len() == logged.len() && ev["world-size"].iter().all(|&(_, w)| w == 1.0));
     assert!(ev["num-zeros"].len() == logged.len() && ev["num-zeros vs samples"].len() == logged.len());
     assert!(!ev.keys().any(|k| k.starts_with("mem-")), "no memory on the CPU: {:?}", ev.keys());
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// --moe-per-layer-logging: each layer's router losses under Megatron's tags (every layer,
+/// dense ones 0), their mean over the MoE layers the logged aggregate, and under expert and
+/// pipeline parallelism (each layer held by some ranks only) one rank's values.
+#[test]
+fn moe_per_layer_logging_gives_each_layers_router_losses() {
+    let dir = tmp("tb-moe-layers");
+    let args = TrainArgs {
+        tensorboard_dir: Some(dir.clone()),
+        log_interval: Some(2),
+        num_layers: Some(4),
+        num_experts: Some(4),
+        moe_ffn_hidden_size: Some(24),
+        moe_router_topk: Some(2),
+        moe_aux_loss_coeff: Some(0.01),
+        moe_z_loss_coeff: Some(0.001),
+        moe_layer_freq: Some("[1,0,1,1]".into()),
+        moe_per_layer_logging: true,
+        ..tiny_args(true)
+    };
+    let s = settings(&args);
+    let one = train(&s, &Paths::default()).unwrap();
+    assert_eq!(one.router_losses_per_layer.len(), one.router_losses.len());
+    for ((i, layers), &(j, lb, z)) in one.router_losses_per_layer.iter().zip(&one.router_losses) {
+        assert_eq!((i, layers.len()), (&j, 4));
+        assert_eq!(layers[1], (0.0, 0.0), "the dense layer");
+        assert!(layers.iter().enumerate().all(|(l, &(a, b))| l == 1 || (a > 0.0 && b > 0.0)), "{layers:?}");
+        let mean = |f: fn(&(f64, f64)) -> f64| [0, 2, 3].iter().map(|&l| f(&layers[l])).sum::<f64>() / 3.0;
+        assert!(
+            (mean(|p| p.0) - lb).abs() < 1e-6 * lb && (mean(|p| p.1) - z).abs() < 1e-6 * z,
+            "{layers:?} vs {lb} {z}"
+        );
+    }
+    let ev = read_events(&std::fs::read(std::fs::read_dir(&dir).unwrap().next().unwrap().unwrap().path()).unwrap());
+    for l in 0..4 {
+        let want: Vec<(i64, f32)> =
+            one.router_losses_per_layer.iter().map(|(i, v)| (*i as i64, v[l].0 as f32)).collect();
+        assert_eq!(ev[&format!("moe/load_balancing_loss_layer_{l}")], want, "layer {l}");
+        assert_eq!(ev[&format!("moe/z_loss_layer_{l}")].len(), want.len());
+    }
+    let close = |tag: &str, got: &Summary| {
+        for ((_, a), (_, b)) in got.router_losses_per_layer.iter().zip(&one.router_losses_per_layer) {
+            for (x, y) in a.iter().zip(b) {
+                assert!(
+                    (x.0 - y.0).abs() <= 1e-4 * y.0.abs() && (x.1 - y.1).abs() <= 1e-4 * y.1.abs(),
+                    "{tag}: {a:?} vs {b:?}"
+                );
+            }
+        }
+        assert_eq!(got.router_losses_per_layer.len(), one.router_losses_per_layer.len(), "{tag}");
+    };
+    let mut ep = settings(&TrainArgs { tensorboard_dir: None, ..args.clone() });
+    ep.moe.as_mut().unwrap().expert_model_parallel_size = 2;
+    close("ep2", &train(&ep, &Paths { launch: Launch::Threads(2), ..Paths::default() }).unwrap());
+    let mut pp = settings(&TrainArgs { tensorboard_dir: None, ..args });
+    pp.pipeline_model_parallel_size = 2;
+    close("pp2", &train(&pp, &Paths { launch: Launch::Threads(2), ..Paths::default() }).unwrap());
     let _ = std::fs::remove_dir_all(dir);
 }
