@@ -91,7 +91,8 @@ fn namespace(m: &TrainArgs, s: &Settings, l: &Layout, vocab: usize, samples: [u6
         let k = k.replace('-', "_");
         // The fields the import reads are recorded set or not (None, False), as Megatron records
         // every flag; others only where set.
-        let read = [&COPIED[..], &MOE, &MAMBA].iter().any(|f| f.contains(&k.as_str()));
+        let read = [&COPIED[..], &MOE].iter().any(|f| f.contains(&k.as_str()))
+            || (l.mamba.is_some() && MAMBA.contains(&k.as_str()));
         if !read && matches!(v, Value::Null | Value::Bool(false)) {
             continue;
         }
@@ -110,6 +111,8 @@ fn namespace(m: &TrainArgs, s: &Settings, l: &Layout, vocab: usize, samples: [u6
                 let ints = ints.with_context(|| format!("--window-size {text}: not (left,right)"))?;
                 ns.set(&k, Py::Tuple(ints.into_iter().map(Py::Int).collect()));
             }
+            // Megatron's default is 0.0, not None.
+            "glu_linear_offset" => ns.set(&k, Py::Float(v.as_f64().unwrap_or(0.0))),
             "moe_layer_freq" | "window_attn_skip_freq" => {
                 ns.set(&k, layer_freq(v.as_str().unwrap_or_default(), s.num_layers)?)
             }
