@@ -732,7 +732,8 @@ pub fn open(dir: &Path, optimizer: bool) -> anyhow::Result<Box<dyn Parts>> {
 /// Refuses a checkpoint whose parameters mean something else under this run's flags, where the
 /// shapes are the same and so nothing else would tell: norm weights that are the scale less 1
 /// (--apply-layernorm-1p) or the scale, query and key rows in interleaved rotary pairs
-/// (--rotary-interleaved) or in halves, a GeLU MLP trained as erf or as tanh, attention rows
+/// (--rotary-interleaved) or in halves, a GeLU MLP trained as erf or as tanh, a gated MLP
+/// trained as SwiGLU or as the quick GeGLU (its offset and clamp too), attention rows
 /// normalised with a sink logit or without (--softmax-type; a learnable sink's logits would
 /// also be missing or left over).
 pub fn check_meaning(saved: &State, s: &Settings, dir: &Path) -> anyhow::Result<()> {
@@ -771,8 +772,26 @@ pub fn check_meaning(saved: &State, s: &Settings, dir: &Path) -> anyhow::Result<
             then.softmax_type
         );
     }
+    // A gated MLP's fc1 has the same shape under SwiGLU and the quick GeGLU (and its offset and
+    // clamp leave no trace in the weights).
+    let gated = |x: &Settings| match (x.swiglu, x.quick_geglu) {
+        (true, _) => "--swiglu".to_string(),
+        (_, true) => format!(
+            "--quick-geglu with --glu-linear-offset {} and {}",
+            x.glu_linear_offset,
+            x.activation_func_clamp_value.map_or("no clamp".into(), |c| format!("--activation-func-clamp-value {c}"))
+        ),
+        _ => String::new(),
+    };
+    let (g_then, g_now) = (gated(then), gated(now));
+    if !g_then.is_empty() && !g_now.is_empty() && g_then != g_now {
+        bail!(
+            "{}: the checkpoint's MLPs were trained with {g_then} and this run's are {g_now}, so their gate and linear halves would be read otherwise than trained; give the flags as they were saved (or --use-checkpoint-args)",
+            dir.display()
+        );
+    }
     // GeLU's form matters only to a GeLU MLP.
-    let gelu = |x: &Settings| !x.swiglu && !x.squared_relu;
+    let gelu = |x: &Settings| !x.swiglu && !x.squared_relu && !x.quick_geglu;
     if gelu(then) && gelu(now) && then.gelu_exact != now.gelu_exact {
         let form = |exact: bool| if exact { "erf" } else { "the tanh approximation" };
         bail!(

@@ -8,7 +8,7 @@
 mod common;
 
 use common::*;
-use ferrotron_trainer::settings::{Settings, TrainArgs, model_args};
+use ferrotron_trainer::settings::{Paths, Settings, TrainArgs, model_args};
 use ferrotron_transformer::spec::{Activation, GluParams, MlpSpec};
 
 fn geglu(offset: Option<f64>, clamp: Option<f64>, a: TrainArgs) -> TrainArgs {
@@ -68,4 +68,22 @@ fn glu_extras_without_the_gated_quick_gelu_are_refused() {
         let e = format!("{:#}", Settings::resolve(&a).unwrap_err());
         assert!(e.contains(needle), "{needle}: {e}");
     }
+}
+
+/// A checkpoint resumes only under its gated unit: SwiGLU's fc1 has the same shape, and the
+/// offset and clamp leave no trace in the weights.
+#[test]
+fn a_checkpoint_resumes_only_under_its_gated_unit() {
+    let dir = tmp("quick-geglu-resume");
+    let a = geglu(Some(1.0), Some(7.0), tiny_args(true));
+    ferrotron_trainer::train::train(&settings(&a), &Paths { save: Some(dir.clone()), ..Paths::default() }).unwrap();
+    let more = |a: TrainArgs| settings(&TrainArgs { train_iters: Some(10), ..a });
+    let load = || Paths { load: Some(dir.clone()), ..Paths::default() };
+    for other in [tiny_args(true), geglu(None, Some(7.0), tiny_args(true)), geglu(Some(1.0), None, tiny_args(true))] {
+        let e = ferrotron_trainer::train::train(&more(other), &load()).unwrap_err();
+        assert!(format!("{e:#}").contains("trained with --quick-geglu with --glu-linear-offset 1"), "{e:#}");
+    }
+    let resumed = ferrotron_trainer::train::train(&more(a), &load()).unwrap();
+    assert_eq!(resumed.losses.iter().map(|l| l.0).collect::<Vec<_>>(), [9, 10]);
+    let _ = std::fs::remove_dir_all(dir);
 }
